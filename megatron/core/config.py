@@ -1,0 +1,140 @@
+"""Configuration dataclasses used by the library (`megatron.core`).
+
+The driver (`megatron/arguments.py`) turns command-line flags into these objects once;
+library components receive the one they need. Field names follow the flag names
+(`--num-layers` -> `num_layers`) except where STYLE.md asks for one short name per
+concept (`tp_size`, `pp_size`, `dp_size`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class ModelConfig:
+    """Shape and numerics of the GPT model."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    padded_vocab_size: int
+    seq_length: int
+    max_position_embeddings: int
+    ffn_hidden_size: Optional[int] = None  # None -> 4 * hidden (or the SwiGLU rule)
+    kv_channels: Optional[int] = None  # None -> hidden // heads
+    num_query_groups: Optional[int] = None  # grouped-query attention; None -> heads
+    # "learned_absolute" | "rope" | "none"
+    position_embedding_type: str = "learned_absolute"
+    rotary_percent: float = 1.0
+    rotary_base: float = 10000.0
+    normalization: str = "LayerNorm"  # "LayerNorm" | "RMSNorm"
+    layernorm_epsilon: float = 1e-5
+    apply_layernorm_1p: bool = False
+    apply_residual_connection_post_layernorm: bool = False
+    activation: str = "gelu"  # "gelu" | "openai_gelu" | "squared_relu" | "swiglu"
+    add_bias_linear: bool = True
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    untie_embeddings_and_output_weights: bool = False
+    init_method_std: float = 0.02
+    init_method_xavier_uniform: bool = False
+    init_seed: int = 1234
+    use_cpu_initialization: bool = False
+    params_dtype: torch.dtype = torch.float32
+    fp32_residual_connection: bool = False
+    apply_query_key_layer_scaling: bool = False
+    attention_softmax_in_fp32: bool = False
+    fp16_lm_cross_entropy: bool = False
+    embedding_weights_in_fp32: bool = False
+    sequence_parallel: bool = False
+    async_tensor_model_parallel_allreduce: bool = True
+    # Activation recompute: None | "full" | "selective"; method None | "uniform" | "block".
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: int = 1
+    # torch.compile of each transformer layer (regional compile); off on CPU by default.
+    compile_layers: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.kv_channels is None:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+
+    @property
+    def swiglu(self) -> bool:
+        return self.activation == "swiglu"
+
+
+@dataclass
+class ParallelConfig:
+    """Sizes of the parallel grid. `dp_size` is derived from the world size."""
+
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    world_size: int = 1
+    ep_size: int = 1  # expert-model-parallel size, carved out of dp
+    virtual_pp_size: Optional[int] = None
+    sequence_parallel: bool = False
+    standalone_embedding_stage: bool = False
+    overlap_p2p_comm: bool = False
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    ddp_impl: str = "local"
+    ddp_bucket_size: Optional[int] = None
+    accumulate_allreduce_grads_in_fp32: bool = False
+    distributed_timeout_minutes: int = 10
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer, mixed precision and learning-rate schedule.
+
+    Schedule lengths are in samples, as Megatron counts them (see the scheduler).
+    """
+
+    optimizer: str = "adam"  # "adam" | "sgd"
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    start_weight_decay: Optional[float] = None
+    end_weight_decay: Optional[float] = None
+    weight_decay_incr_style: str = "constant"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0
+    lr_decay_style: str = "linear"
+    lr_warmup_steps: int = 0  # samples
+    lr_decay_steps: int = 1  # samples
+    wd_incr_steps: int = 1  # samples
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
+    # Mixed precision
+    fp16: bool = False
+    bf16: bool = False
+    loss_scale: Optional[float] = None  # static scale when set
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    log_num_zeros_in_grad: bool = False
+    use_fused: Optional[bool] = None  # None: fused Adam when params are on CUDA
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        if self.fp16:
+            return torch.float16
+        if self.bf16:
+            return torch.bfloat16
+        return torch.float32
+
+
+__all__ = ["ModelConfig", "ParallelConfig", "OptimizerConfig", "field"]

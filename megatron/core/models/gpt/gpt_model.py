@@ -1,0 +1,186 @@
+"""The GPT model: embeddings -> transformer block -> output layer -> per-token loss.
+
+Shape legend: b = micro batch, s = sequence (s/tp inside the block with sequence
+parallelism), h = hidden, V = padded vocabulary (V/tp on each tensor-parallel rank).
+
+Module names follow Megatron's checkpoint keys (`language_model.embedding.word_embeddings`,
+`language_model.encoder.layers.<i>.self_attention.query_key_value`, ...), so a state_dict
+maps one to one onto a Megatron `model_optim_rng.pt` payload.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megatron.core.config import ModelConfig
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    init_method_normal,
+    scatter_to_sp,
+    vocab_parallel_cross_entropy,
+)
+
+from .rotary import rotary_frequencies
+from .transformer import TransformerBlock
+
+
+class Embedding(nn.Module):
+    """Word embeddings (vocab-parallel) plus learned absolute positions, then dropout.
+
+    Output [s, b, h], or [s/tp, b, h] with sequence parallelism (scattered along s).
+    """
+
+    def __init__(self, config: ModelConfig, tp_group=None, rng_tracker=None, device=None):
+        super().__init__()
+        self.config = config
+        self.tp_group = tp_group
+        self.rng_tracker = rng_tracker
+        dtype = torch.float32 if config.embedding_weights_in_fp32 else config.params_dtype
+        self.word_embeddings = VocabParallelEmbedding(
+            config.padded_vocab_size, config.hidden_size, tp_group=tp_group,
+            init_method=init_method_normal(config.init_method_std), params_dtype=dtype,
+            use_cpu_initialization=config.use_cpu_initialization, device=device,
+        )
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(
+                config.max_position_embeddings, config.hidden_size, dtype=dtype,
+                device="cpu" if config.use_cpu_initialization else device,
+            )
+            init_method_normal(config.init_method_std)(self.position_embeddings.weight)
+            self.position_embeddings.to(device)
+            self.position_embeddings.weight.tensor_model_parallel = False
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor]):
+        emb_bsh = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            emb_bsh = emb_bsh + self.position_embeddings(position_ids)
+        emb_sbh = emb_bsh.transpose(0, 1).contiguous()
+        if self.config.fp32_residual_connection:
+            emb_sbh = emb_sbh.float()
+        else:
+            emb_sbh = emb_sbh.to(self.config.params_dtype)
+        if self.config.sequence_parallel:
+            emb_sbh = scatter_to_sp(emb_sbh, self.tp_group)
+            if self.rng_tracker is not None and self.training:
+                with self.rng_tracker.fork():
+                    return self.dropout(emb_sbh)
+        return self.dropout(emb_sbh)
+
+
+class LanguageModel(nn.Module):
+    """Holds the three parts under Megatron's names: embedding, encoder, output_layer."""
+
+    def __init__(self, config: ModelConfig, num_layers: int, layer_offset: int,
+                 pre_process: bool, post_process: bool, tp_group, rng_tracker, device):
+        super().__init__()
+        if pre_process:
+            self.embedding = Embedding(config, tp_group, rng_tracker, device)
+        self.encoder = TransformerBlock(
+            config, num_layers, layer_offset, post_process, tp_group, rng_tracker, device
+        )
+        if post_process and config.untie_embeddings_and_output_weights:
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, config.padded_vocab_size, tp_group=tp_group, bias=False,
+                gather_output=False, init_method=init_method_normal(config.init_method_std),
+                sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
+                use_cpu_initialization=config.use_cpu_initialization, device=device,
+            )
+
+
+class GPTModel(nn.Module):
+    """GPT for one pipeline stage (the whole model when pp = 1).
+
+    forward(input_ids [b, s], position_ids [b, s] or None, labels [b, s] or None)
+      -> per-token losses [b, s] (fp32) when labels are given, else logits [b, s, V/tp].
+    Stages other than the first take `hidden_sbh` instead of input ids (see `set_input`).
+    """
+
+    def __init__(self, config: ModelConfig, tp_group=None, rng_tracker=None,
+                 pre_process: bool = True, post_process: bool = True,
+                 num_layers: Optional[int] = None, layer_offset: int = 0, device=None):
+        super().__init__()
+        self.config = config
+        self.tp_group = tp_group
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.input_tensor: Optional[torch.Tensor] = None
+        n = config.num_layers if num_layers is None else num_layers
+        self.language_model = LanguageModel(
+            config, n, layer_offset, pre_process, post_process, tp_group, rng_tracker, device
+        )
+        self.tied_output = post_process and not config.untie_embeddings_and_output_weights
+        if self.tied_output:
+            self.output_projection = ColumnParallelLinear(
+                config.hidden_size, config.padded_vocab_size, tp_group=tp_group, bias=False,
+                gather_output=False, init_method=init_method_normal(config.init_method_std),
+                sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
+                skip_weight_param_allocation=True, device=device,
+            )
+            if not pre_process:  # last stage of a pipeline keeps its own copy, kept in sync
+                self.word_embeddings_for_head = VocabParallelEmbedding(
+                    config.padded_vocab_size, config.hidden_size, tp_group=tp_group,
+                    init_method=nn.init.zeros_, params_dtype=config.params_dtype, device=device,
+                )
+                self.word_embeddings_for_head.weight.shared = True
+        self.rotary_dim = None
+        if config.position_embedding_type == "rope":
+            self.rotary_dim = int(config.kv_channels * config.rotary_percent)
+        self._rotary_cache = None
+
+    def set_input_tensor(self, hidden_sbh: Optional[torch.Tensor]) -> None:
+        """Activations received from the previous pipeline stage."""
+        self.input_tensor = hidden_sbh
+
+    def output_weight(self) -> torch.Tensor:
+        if self.config.untie_embeddings_and_output_weights:
+            return self.language_model.output_layer.weight
+        if self.pre_process:
+            return self.language_model.embedding.word_embeddings.weight
+        return self.word_embeddings_for_head.weight
+
+    def _rotary(self, seq_length: int, device) -> Optional[torch.Tensor]:
+        if self.rotary_dim is None:
+            return None
+        cache = self._rotary_cache
+        if cache is None or cache.shape[0] < seq_length or cache.device != device:
+            cache = rotary_frequencies(max(seq_length, self.config.seq_length), self.rotary_dim,
+                                       self.config.rotary_base, device)
+            self._rotary_cache = cache
+        return cache[:seq_length]
+
+    def forward(self, input_ids: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None):
+        lm = self.language_model
+        if self.pre_process:
+            if position_ids is None and lm.embedding.position_embeddings is not None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+            hidden_sbh = lm.embedding(input_ids, position_ids)
+            seq_length = input_ids.shape[1]
+        else:
+            hidden_sbh = self.input_tensor
+            seq_length = hidden_sbh.shape[0] * (self._tp_size() if self.config.sequence_parallel else 1)
+        hidden_sbh = lm.encoder(hidden_sbh, self._rotary(seq_length, hidden_sbh.device))
+        if not self.post_process:
+            return hidden_sbh
+        return self._head(hidden_sbh, labels)
+
+    def _tp_size(self) -> int:
+        return 1 if self.tp_group is None else torch.distributed.get_world_size(self.tp_group)
+
+    def _head(self, hidden_sbh: torch.Tensor, labels: Optional[torch.Tensor]):
+        if self.config.untie_embeddings_and_output_weights:
+            logits_sbv, _ = self.language_model.output_layer(hidden_sbh)
+        else:
+            logits_sbv, _ = self.output_projection(hidden_sbh, weight=self.output_weight())
+        if labels is None:
+            return logits_sbv.transpose(0, 1).contiguous()
+        if not self.config.fp16_lm_cross_entropy:
+            logits_sbv = logits_sbv.float()
+        loss_sb = vocab_parallel_cross_entropy(logits_sbv, labels.transpose(0, 1), self.tp_group)
+        return loss_sb.transpose(0, 1).contiguous()

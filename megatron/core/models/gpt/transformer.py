@@ -1,0 +1,267 @@
+"""Transformer layers of the GPT model: norms, attention, MLP, layer, block.
+
+Shape legend: s = sequence (s/tp when sequence parallel), b = micro batch, h = hidden,
+n = attention heads on this rank, g = query groups (key/value heads) on this rank,
+d = head dim (kv_channels), f = ffn hidden size on this rank.
+
+The parallel plan is visible in `ParallelAttention.__init__` and `ParallelMLP.__init__`:
+query/key/value and the first MLP projection are column-parallel, the attention output
+projection and the second MLP projection are row-parallel. Everything else reads like
+single-device code.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core.config import ModelConfig
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    init_method_normal,
+    scaled_init_method_normal,
+)
+from megatron.core.tensor_parallel.random import checkpoint as recompute_checkpoint
+from megatron.core.tensor_parallel.utils import divide
+
+from .rotary import apply_rotary
+
+
+class LayerNorm1P(nn.LayerNorm):
+    """LayerNorm whose weight is stored as (gamma - 1) (`--apply-layernorm-1p`)."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.weight is not None:
+            nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+def build_norm(config: ModelConfig, hidden_size: Optional[int] = None) -> nn.Module:
+    """LayerNorm or RMSNorm per config. With sequence parallelism the norm sees only s/tp
+    tokens, so its grads are partial sums: `param.sequence_parallel` tells the trainer to
+    all-reduce them over the tensor-parallel group."""
+    size = hidden_size or config.hidden_size
+    kwargs = {"eps": config.layernorm_epsilon, "dtype": config.params_dtype}
+    if config.normalization == "RMSNorm":
+        norm = nn.RMSNorm(size, **kwargs)
+    elif config.apply_layernorm_1p:
+        norm = LayerNorm1P(size, **kwargs)
+    else:
+        norm = nn.LayerNorm(size, **kwargs)
+    for p in norm.parameters():
+        p.sequence_parallel = config.sequence_parallel
+        p.tensor_model_parallel = False
+    return norm
+
+
+def _activation(name: str):
+    if name == "gelu":
+        return F.gelu
+    if name == "openai_gelu":
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "squared_relu":
+        return lambda x: torch.pow(F.relu(x), 2)
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def _linear_kwargs(config: ModelConfig, tp_group, device) -> dict:
+    return {
+        "tp_group": tp_group,
+        "params_dtype": config.params_dtype,
+        "use_cpu_initialization": config.use_cpu_initialization,
+        "sequence_parallel": config.sequence_parallel,
+        "device": device,
+    }
+
+
+class ParallelMLP(nn.Module):
+    """h -> f (column-parallel) -> activation -> h (row-parallel)."""
+
+    def __init__(self, config: ModelConfig, tp_group=None, device=None):
+        super().__init__()
+        kw = _linear_kwargs(config, tp_group, device)
+        std = config.init_method_std
+        self.swiglu = config.swiglu
+        fc1_out = config.ffn_hidden_size * (2 if self.swiglu else 1)
+        self.dense_h_to_4h = ColumnParallelLinear(
+            config.hidden_size, fc1_out, bias=config.add_bias_linear, gather_output=False,
+            init_method=init_method_normal(std), stride=2 if self.swiglu else 1,
+            async_tensor_model_parallel_allreduce=config.async_tensor_model_parallel_allreduce,
+            **kw,
+        )
+        self.dense_4h_to_h = RowParallelLinear(
+            config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear,
+            input_is_parallel=True, skip_bias_add=True,
+            init_method=scaled_init_method_normal(std, config.num_layers), **kw,
+        )
+        self.act = None if self.swiglu else _activation(config.activation)
+
+    def forward(self, x_sbh: torch.Tensor):
+        h_sbf, bias = self.dense_h_to_4h(x_sbh)
+        if bias is not None:
+            h_sbf = h_sbf + bias
+        if self.swiglu:
+            gate, up = torch.chunk(h_sbf, 2, dim=-1)
+            h_sbf = F.silu(gate) * up
+        else:
+            h_sbf = self.act(h_sbf)
+        return self.dense_4h_to_h(h_sbf)  # (out [s,b,h], bias or None)
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention with heads split across tensor-parallel ranks.
+
+    The fused QKV weight is laid out per query group: [q x (n/g), k, v] blocks of d rows,
+    so a contiguous split over ranks gives each rank whole groups (Megatron's ordering).
+    """
+
+    def __init__(self, config: ModelConfig, tp_group=None, rng_tracker=None, device=None):
+        super().__init__()
+        tp = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+        self.config = config
+        self.rng_tracker = rng_tracker
+        self.d = config.kv_channels
+        self.n = divide(config.num_attention_heads, tp)
+        self.g = divide(config.num_query_groups, tp)
+        kw = _linear_kwargs(config, tp_group, device)
+        std = config.init_method_std
+        qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * self.d
+        self.query_key_value = ColumnParallelLinear(
+            config.hidden_size, qkv_out, bias=config.add_bias_linear, gather_output=False,
+            init_method=init_method_normal(std),
+            async_tensor_model_parallel_allreduce=config.async_tensor_model_parallel_allreduce,
+            **kw,
+        )
+        self.dense = RowParallelLinear(
+            config.num_attention_heads * self.d, config.hidden_size, bias=config.add_bias_linear,
+            input_is_parallel=True, skip_bias_add=True,
+            init_method=scaled_init_method_normal(std, config.num_layers), **kw,
+        )
+        self.selective_recompute = config.recompute_granularity == "selective"
+
+    def _split_qkv(self, qkv_sbx: torch.Tensor):
+        s, b, _ = qkv_sbx.shape
+        per_group = self.n // self.g
+        x = qkv_sbx.view(s, b, self.g, (per_group + 2) * self.d)
+        q, k, v = torch.split(x, [per_group * self.d, self.d, self.d], dim=-1)
+        return q.reshape(s, b, self.n, self.d), k, v  # k, v: [s, b, g, d]
+
+    def _core_attention(self, q_bnsd, k_bgsd, v_bgsd):
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        fork = self.rng_tracker.fork() if (self.rng_tracker and dropout_p > 0) else contextlib.nullcontext()
+        with fork:
+            if self.g != self.n:
+                rep = self.n // self.g
+                k_bgsd = k_bgsd.repeat_interleave(rep, dim=1)
+                v_bgsd = v_bgsd.repeat_interleave(rep, dim=1)
+            return F.scaled_dot_product_attention(
+                q_bnsd, k_bgsd, v_bgsd, is_causal=True, dropout_p=dropout_p,
+                scale=1.0 / math.sqrt(self.d),
+            )
+
+    def forward(self, x_sbh: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None):
+        qkv, bias = self.query_key_value(x_sbh)
+        if bias is not None:
+            qkv = qkv + bias
+        q, k, v = self._split_qkv(qkv)  # [s, b, n|g, d]
+        if rotary_freqs is not None:
+            q = apply_rotary(q, rotary_freqs)
+            k = apply_rotary(k, rotary_freqs)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n|g, s, d]
+        if self.selective_recompute and self.training:
+            ctx = recompute_checkpoint(self._core_attention, q, k, v, tracker=self.rng_tracker)
+        else:
+            ctx = self._core_attention(q, k, v)
+        s, b = qkv.shape[0], qkv.shape[1]  # full sequence: SP inputs were gathered by the QKV linear
+        ctx_sbx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.n * self.d)
+        return self.dense(ctx_sbx)  # (out [s,b,h], bias or None)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LN block: x + Attn(LN(x)), then x + MLP(LN(x)) (post-LN residual optional)."""
+
+    def __init__(self, config: ModelConfig, layer_number: int, tp_group=None, rng_tracker=None,
+                 device=None):
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        self.rng_tracker = rng_tracker
+        self.input_layernorm = build_norm(config)
+        self.self_attention = ParallelAttention(config, tp_group, rng_tracker, device)
+        self.post_attention_layernorm = build_norm(config)
+        self.mlp = ParallelMLP(config, tp_group, device)
+
+    def _residual_dropout(self, out, bias, residual):
+        if bias is not None:
+            out = out + bias
+        p = self.config.hidden_dropout if self.training else 0.0
+        if p > 0:
+            # Under sequence parallelism each rank holds different tokens: use the
+            # model-parallel RNG so masks differ across TP ranks.
+            sp = self.config.sequence_parallel and self.rng_tracker is not None
+            with self.rng_tracker.fork() if sp else contextlib.nullcontext():
+                out = F.dropout(out, p=p, training=True)
+        return residual + out
+
+    def forward(self, x_sbh: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None):
+        post_ln = self.config.apply_residual_connection_post_layernorm
+        ln = self.input_layernorm(x_sbh)
+        out, bias = self.self_attention(ln, rotary_freqs)
+        x_sbh = self._residual_dropout(out, bias, ln if post_ln else x_sbh)
+        ln = self.post_attention_layernorm(x_sbh)
+        out, bias = self.mlp(ln)
+        return self._residual_dropout(out, bias, ln if post_ln else x_sbh)
+
+
+class TransformerBlock(nn.Module):
+    """A stack of layers (this pipeline stage's share) plus the final norm on the last stage.
+
+    `layer_offset` is the global index of the first layer, so layers are numbered as in
+    the whole model (1-based, as Megatron's `layer_number`).
+    """
+
+    def __init__(self, config: ModelConfig, num_layers: int, layer_offset: int = 0,
+                 post_process: bool = True, tp_group=None, rng_tracker=None, device=None):
+        super().__init__()
+        self.config = config
+        self.rng_tracker = rng_tracker
+        self.layers = nn.ModuleList(
+            TransformerLayer(config, layer_offset + i + 1, tp_group, rng_tracker, device)
+            for i in range(num_layers)
+        )
+        self.final_layernorm = build_norm(config) if post_process else None
+        self._compiled = None
+
+    def _layer_fns(self):
+        if not self.config.compile_layers:
+            return list(self.layers)
+        if self._compiled is None:
+            # Regional compilation: one compiled graph per layer, shared code, short start-up.
+            self._compiled = [torch.compile(layer, dynamic=False) for layer in self.layers]
+        return self._compiled
+
+    def _recompute(self, i: int) -> bool:
+        c = self.config
+        if c.recompute_granularity != "full" or not self.training:
+            return False
+        if c.recompute_method == "block":
+            return i < c.recompute_num_layers
+        return True  # uniform: every layer (chunks of recompute_num_layers share nothing)
+
+    def forward(self, x_sbh: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None):
+        for i, layer in enumerate(self._layer_fns()):
+            if self._recompute(i):
+                x_sbh = recompute_checkpoint(layer, x_sbh, rotary_freqs, tracker=self.rng_tracker)
+            else:
+                x_sbh = layer(x_sbh, rotary_freqs)
+        if self.final_layernorm is not None:
+            x_sbh = self.final_layernorm(x_sbh)
+        return x_sbh

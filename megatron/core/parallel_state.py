@@ -1,0 +1,362 @@
+"""The parallel grid as an object.
+
+Rank layout (Megatron's order): tensor-parallel ranks are adjacent, then data-parallel,
+then pipeline-parallel:
+
+    rank = pp_rank * (tp_size * dp_size) + dp_rank * tp_size + tp_rank
+
+`RankGrid` is pure arithmetic (no processes needed, unit-tested for many layouts).
+`ParallelState` adds the torch.distributed process groups for one rank. With a world of
+one and no initialised process group every group is `None`, and the communication
+functions in `tensor_parallel.mappings` treat `None` as "nothing to communicate", so the
+same model code runs as a plain single-process model.
+
+Thin Megatron-style accessors (`initialize_model_parallel`, `get_tensor_model_parallel_rank`,
+...) are at the bottom for people porting code; new code passes the object around.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch.distributed as dist
+
+GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding", "position_embedding", "ep", "dp_modulo_ep")
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """Pure rank arithmetic for a (world, tp, pp, ep) layout."""
+
+    world_size: int
+    tp_size: int = 1
+    pp_size: int = 1
+    ep_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tp_size", "pp_size", "ep_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.world_size % (self.tp_size * self.pp_size) != 0:
+            raise ValueError(
+                f"world size ({self.world_size}) is not divisible by tensor-model-parallel size "
+                f"({self.tp_size}) x pipeline-model-parallel size ({self.pp_size}); choose sizes "
+                f"whose product divides the number of processes"
+            )
+        if self.dp_size % self.ep_size != 0:
+            raise ValueError(
+                f"data-parallel size ({self.dp_size}) is not divisible by expert-model-parallel "
+                f"size ({self.ep_size})"
+            )
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // (self.tp_size * self.pp_size)
+
+    # --- coordinates -------------------------------------------------------------------
+    def coords(self, rank: int) -> Dict[str, int]:
+        """(tp_rank, dp_rank, pp_rank) of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of size {self.world_size}")
+        return {
+            "tp": rank % self.tp_size,
+            "dp": (rank // self.tp_size) % self.dp_size,
+            "pp": rank // (self.tp_size * self.dp_size),
+        }
+
+    def rank_of(self, tp: int, dp: int, pp: int) -> int:
+        return pp * self.tp_size * self.dp_size + dp * self.tp_size + tp
+
+    # --- groups (each a list of lists of global ranks, covering the world) --------------
+    def tp_groups(self) -> List[List[int]]:
+        return [list(range(s, s + self.tp_size)) for s in range(0, self.world_size, self.tp_size)]
+
+    def dp_groups(self) -> List[List[int]]:
+        return [
+            [self.rank_of(t, d, p) for d in range(self.dp_size)]
+            for p in range(self.pp_size)
+            for t in range(self.tp_size)
+        ]
+
+    def pp_groups(self) -> List[List[int]]:
+        stride = self.world_size // self.pp_size
+        return [list(range(s, self.world_size, stride)) for s in range(stride)]
+
+    def mp_groups(self) -> List[List[int]]:
+        """Model-parallel groups: all tp x pp ranks that hold one replica of the model."""
+        return [
+            sorted(self.rank_of(t, d, p) for p in range(self.pp_size) for t in range(self.tp_size))
+            for d in range(self.dp_size)
+        ]
+
+    def embedding_groups(self) -> List[List[int]]:
+        """First and last pipeline stage of each pipeline group (tied embeddings)."""
+        return [sorted({g[0], g[-1]}) for g in self.pp_groups()]
+
+    def position_embedding_groups(self) -> List[List[int]]:
+        return [[g[0]] for g in self.pp_groups()]
+
+    def ep_groups(self) -> List[List[int]]:
+        """Expert-parallel groups: consecutive blocks of ep_size inside each DP group."""
+        return [
+            g[i : i + self.ep_size] for g in self.dp_groups() for i in range(0, len(g), self.ep_size)
+        ]
+
+    def dp_modulo_ep_groups(self) -> List[List[int]]:
+        """Ranks holding the same expert shard: stride ep_size inside each DP group."""
+        return [g[i :: self.ep_size] for g in self.dp_groups() for i in range(self.ep_size)]
+
+    def groups(self, kind: str) -> List[List[int]]:
+        if kind not in GROUP_KINDS:
+            raise ValueError(f"unknown group kind {kind!r}; expected one of {GROUP_KINDS}")
+        return getattr(self, f"{kind}_groups")()
+
+    def group_of(self, kind: str, rank: int) -> List[int]:
+        for g in self.groups(kind):
+            if rank in g:
+                return g
+        return []
+
+
+@dataclass
+class ParallelState:
+    """One rank's view of the grid: its coordinates and its process groups.
+
+    A group attribute is `None` when the world has one process or torch.distributed is
+    not initialised; library code treats `None` as a group of size one.
+    """
+
+    grid: RankGrid
+    rank: int = 0
+    virtual_pp_size: Optional[int] = None
+    sequence_parallel: bool = False
+    _groups: Dict[str, object] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(
+        cls,
+        world_size: int = 1,
+        rank: int = 0,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        ep_size: int = 1,
+        virtual_pp_size: Optional[int] = None,
+        sequence_parallel: bool = False,
+        create_groups: Optional[bool] = None,
+        timeout=None,
+    ) -> "ParallelState":
+        """Build the state; create torch process groups when distributed is initialised.
+
+        Every rank must call this with the same sizes (group creation is collective).
+        """
+        if sequence_parallel and tp_size == 1:
+            raise ValueError("Sequence parallelism requires tensor parallelism")
+        grid = RankGrid(world_size, tp_size, pp_size, ep_size)
+        state = cls(grid, rank, virtual_pp_size, sequence_parallel)
+        if create_groups is None:
+            create_groups = dist.is_available() and dist.is_initialized() and world_size > 1
+        if create_groups:
+            state._create_groups(timeout)
+        return state
+
+    def _create_groups(self, timeout) -> None:
+        kwargs = {"timeout": timeout} if timeout is not None else {}
+        for kind in GROUP_KINDS:
+            for ranks in self.grid.groups(kind):
+                group = dist.new_group(ranks, **kwargs)  # collective: every rank calls it
+                if self.rank in ranks:
+                    self._groups[kind] = group
+
+    # --- sizes and coordinates ----------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.grid.world_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.grid.tp_size
+
+    @property
+    def pp_size(self) -> int:
+        return self.grid.pp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.grid.dp_size
+
+    @property
+    def ep_size(self) -> int:
+        return self.grid.ep_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.grid.coords(self.rank)["tp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.grid.coords(self.rank)["dp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.grid.coords(self.rank)["pp"]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def ranks(self, kind: str) -> List[int]:
+        """Global ranks of this rank's group of `kind`."""
+        return self.grid.group_of(kind, self.rank)
+
+    # --- process groups -----------------------------------------------------------------
+    def group(self, kind: str):
+        return self._groups.get(kind)
+
+    @property
+    def tp_group(self):
+        return self._groups.get("tp")
+
+    @property
+    def dp_group(self):
+        return self._groups.get("dp")
+
+    @property
+    def pp_group(self):
+        return self._groups.get("pp")
+
+    @property
+    def mp_group(self):
+        return self._groups.get("mp")
+
+    @property
+    def embedding_group(self):
+        return self._groups.get("embedding")
+
+    @property
+    def ep_group(self):
+        return self._groups.get("ep")
+
+    @property
+    def pp_next_rank(self) -> int:
+        g = self.ranks("pp")
+        return g[(g.index(self.rank) + 1) % len(g)]
+
+    @property
+    def pp_prev_rank(self) -> int:
+        g = self.ranks("pp")
+        return g[(g.index(self.rank) - 1) % len(g)]
+
+    def describe(self) -> Dict[str, object]:
+        """This rank's coordinates and group members as plain data."""
+        info: Dict[str, object] = {"rank": self.rank, **self.grid.coords(self.rank)}
+        for kind in GROUP_KINDS:
+            info[f"{kind}_ranks"] = self.ranks(kind)
+        return info
+
+
+def get_parallel_group_info(
+    world_size: int, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1
+) -> List[Dict[str, object]]:
+    """Every rank's coordinates and groups as plain data (no processes needed)."""
+    grid = RankGrid(world_size, tp_size, pp_size, ep_size)
+    return [ParallelState(grid, r).describe() for r in range(world_size)]
+
+
+# ---------------------------------------------------------------------------------------
+# Megatron-style accessors for people porting code. They read one module-level state set
+# by `initialize_model_parallel`; library code never uses them.
+_STATE: Optional[ParallelState] = None
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    expert_model_parallel_size: int = 1,
+    sequence_parallel_enabled: bool = False,
+) -> ParallelState:
+    """Build the ParallelState for this process (torch.distributed must be initialised
+    when the world has more than one process) and remember it for the accessors."""
+    global _STATE
+    if sequence_parallel_enabled and tensor_model_parallel_size == 1:
+        raise ValueError("Sequence parallelism requires tensor parallelism")
+    initialized = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if initialized else 1
+    rank = dist.get_rank() if initialized else 0
+    _STATE = ParallelState.build(
+        world, rank, tensor_model_parallel_size, pipeline_model_parallel_size,
+        expert_model_parallel_size, virtual_pipeline_model_parallel_size,
+        sequence_parallel_enabled,
+    )
+    return _STATE
+
+
+def get_parallel_state() -> ParallelState:
+    if _STATE is None:
+        raise RuntimeError("model parallel is not initialized; call initialize_model_parallel()")
+    return _STATE
+
+
+def destroy_model_parallel() -> None:
+    global _STATE
+    _STATE = None
+
+
+def model_parallel_is_initialized() -> bool:
+    return _STATE is not None
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return get_parallel_state().tp_rank
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return get_parallel_state().tp_size
+
+
+def get_tensor_model_parallel_group():
+    return get_parallel_state().tp_group
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return get_parallel_state().pp_rank
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return get_parallel_state().pp_size
+
+
+def get_pipeline_model_parallel_group():
+    return get_parallel_state().pp_group
+
+
+def get_data_parallel_rank() -> int:
+    return get_parallel_state().dp_rank
+
+
+def get_data_parallel_world_size() -> int:
+    return get_parallel_state().dp_size
+
+
+def get_data_parallel_group():
+    return get_parallel_state().dp_group
+
+
+def get_model_parallel_group():
+    return get_parallel_state().mp_group
+
+
+def get_embedding_group():
+    return get_parallel_state().embedding_group
+
+
+def is_pipeline_first_stage() -> bool:
+    return get_parallel_state().is_first_stage
+
+
+def is_pipeline_last_stage() -> bool:
+    return get_parallel_state().is_last_stage

@@ -1,0 +1,359 @@
+"""pretrain(): build everything, then the loop -- train_step, logging, eval, checkpoints, exit.
+
+`train_step` reads top to bottom: micro-batches -> forward/backward -> finish the
+data-parallel gradient reduction -> optimizer step (may skip) -> lr step.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron import checkpointing
+from megatron.config import Config
+from megatron.core.datasets.mock import MockGPTDataset
+from megatron.core.datasets.samplers import PretrainingSampler, micro_batches
+from megatron.core.distributed import DistributedDataParallel, allreduce_sequence_parallel_grads
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.optimizer import OptimizerParamScheduler, build_optimizer
+from megatron.initialize import Runtime
+from megatron.logging_utils import (
+    TensorboardLogger,
+    flops_per_token,
+    format_iteration_line,
+    format_validation_block,
+    print_rank_0,
+    print_rank_last,
+)
+
+
+@dataclass
+class TrainState:
+    """Counters that a checkpoint restores."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    skipped_iters: int = 0
+    nan_iters: int = 0
+
+    def state_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def load_state_dict(self, sd: dict) -> None:
+        for k in self.__dict__:
+            if k in sd:
+                setattr(self, k, int(sd[k]))
+
+
+@dataclass
+class Trainer:
+    """The live objects of one run."""
+
+    config: Config
+    rt: Runtime
+    model: DistributedDataParallel
+    optimizer: object
+    scheduler: OptimizerParamScheduler
+    state: TrainState = field(default_factory=TrainState)
+    tb: Optional[TensorboardLogger] = None
+
+
+# --------------------------------------------------------------------------- building
+def build_model(config: Config, rt: Runtime) -> DistributedDataParallel:
+    """The GPT model for this rank, wrapped for data-parallel gradient reduction."""
+    model = GPTModel(config.model, tp_group=rt.ps.tp_group, rng_tracker=rt.rng_tracker,
+                     device=rt.device)
+    model.to(rt.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f" > number of parameters on (tensor, pipeline) model parallel rank "
+          f"({rt.ps.tp_rank}, {rt.ps.pp_rank}): {n_params}", flush=True) if rt.ps.dp_rank == 0 else None
+    return DistributedDataParallel(model, rt.ps, config.parallel)
+
+
+def build_trainer(config: Config, rt: Runtime) -> Trainer:
+    model = build_model(config, rt)
+    optimizer = build_optimizer(config.optimizer, [model.module], rt.ps)
+    scheduler = OptimizerParamScheduler(optimizer, config.optimizer)
+    tb = TensorboardLogger(config.logging, is_writer_rank=rt.ps.rank == rt.ps.world_size - 1)
+    return Trainer(config, rt, model, optimizer, scheduler, TrainState(), tb)
+
+
+def build_dataset(config: Config, split: str):
+    """The dataset of a split; only mock data exists until real datasets are wired in."""
+    d = config.data
+    if not d.mock_data:
+        raise SystemExit("error: only --mock-data is available in this build; pass --mock-data")
+    seed = d.seed + {"train": 0, "valid": 1, "test": 2}[split]
+    return MockGPTDataset(config.model.padded_vocab_size if d.vocab_size is None else d.vocab_size,
+                          d.seq_length, seed)
+
+
+def data_iterator(config: Config, rt: Runtime, split: str, consumed: int) -> Iterator[dict]:
+    dataset = build_dataset(config, split)
+    sampler = PretrainingSampler(len(dataset), consumed, config.data.micro_batch_size,
+                                 rt.ps.dp_rank, rt.ps.dp_size)
+    return micro_batches(dataset, sampler)
+
+
+def get_batch(micro: dict, device: torch.device):
+    """tokens, labels [b, s] and loss mask from a {'text': [b, s+1]} micro-batch."""
+    text = micro["text"].to(device, non_blocking=True)
+    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    loss_mask = torch.ones_like(labels, dtype=torch.float32)
+    return tokens, labels, loss_mask
+
+
+# --------------------------------------------------------------------------- one step
+def forward_backward(tr: Trainer, data: Iterator[dict], num_micro: int,
+                     forward_only: bool = False) -> torch.Tensor:
+    """Run the micro-batches; returns the mean loss over them (a 0-dim tensor, this DP
+    rank). Each micro-batch loss is divided by num_micro before backward."""
+    model, device = tr.model, tr.rt.device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for m in range(num_micro):
+        tokens, labels, loss_mask = get_batch(next(data), device)
+        with model.no_sync(is_last=(m == num_micro - 1) or forward_only):
+            losses_bs = model(tokens, labels=labels)
+            loss = (losses_bs.float() * loss_mask).sum() / loss_mask.sum()
+            if not forward_only:
+                tr.optimizer.scale_loss(loss / num_micro).backward()
+        total += loss.detach()
+    return total / num_micro
+
+
+def train_step(tr: Trainer, data: Iterator[dict]):
+    """One optimizer step over a global batch. Returns (dp-averaged loss tensor,
+    update_successful, grad_norm tensor or None, num_zeros)."""
+    cfg = tr.config
+    tr.optimizer.zero_grad()
+    tr.model.zero_grad_buffer()
+    loss = forward_backward(tr, data, cfg.data.num_micro_batches)
+    tr.model.finish_grad_sync()
+    if cfg.model.sequence_parallel:
+        allreduce_sequence_parallel_grads(tr.model.module, tr.rt.ps.tp_group)
+    ok, grad_norm, num_zeros = tr.optimizer.step()
+    if ok:
+        tr.scheduler.step(increment=cfg.data.global_batch_size)
+    if tr.rt.ps.dp_group is not None:
+        dist.all_reduce(loss, group=tr.rt.ps.dp_group)
+        loss /= tr.rt.ps.dp_size
+    return loss, ok, grad_norm, num_zeros
+
+
+@torch.no_grad()
+def evaluate(tr: Trainer, data: Iterator[dict]) -> float:
+    """Mean validation loss over --eval-iters global batches (all ranks agree)."""
+    cfg = tr.config
+    tr.model.eval()
+    total = torch.zeros((), device=tr.rt.device)
+    for _ in range(cfg.training.eval_iters):
+        total += forward_backward(tr, data, cfg.data.num_micro_batches, forward_only=True)
+        tr.state.consumed_valid_samples += cfg.data.global_batch_size
+    tr.model.train()
+    if tr.rt.ps.dp_group is not None:
+        dist.all_reduce(total, group=tr.rt.ps.dp_group)
+        total /= tr.rt.ps.dp_size
+    return total.item() / max(cfg.training.eval_iters, 1)
+
+
+def run_evaluation(tr: Trainer, data, prefix: str) -> None:
+    loss = evaluate(tr, data)
+    block = format_validation_block(prefix, {"lm loss": loss})
+    print_rank_last(block)
+    if tr.tb is not None:
+        tr.tb.log_validation(tr.state.iteration, tr.state.consumed_train_samples, {"lm loss": loss})
+
+
+# --------------------------------------------------------------------------- logging
+class IntervalStats:
+    """Losses and times since the last console line. Per-iteration values stay on the
+    device until the log interval, so the step itself never waits for the host."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.records: List[tuple] = []  # (iteration, consumed, lr, loss, scale, norm, ok)
+        self.start = time.time()
+
+    def add(self, tr: Trainer, loss, ok, grad_norm) -> None:
+        self.records.append((tr.state.iteration, tr.state.consumed_train_samples,
+                             tr.scheduler.get_lr(), loss, tr.optimizer.get_loss_scale(),
+                             grad_norm, ok))
+
+
+def _to_float(x) -> Optional[float]:
+    if x is None:
+        return None
+    return float(x.item()) if torch.is_tensor(x) else float(x)
+
+
+def log_interval(tr: Trainer, stats: IntervalStats) -> None:
+    """Print Megatron's iteration line, write tensorboard scalars, count NaN iterations."""
+    cfg, st = tr.config, tr.state
+    if tr.rt.device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.time() - stats.start
+    n = max(len(stats.records), 1)
+    good_losses = []
+    for it, consumed, lr, loss, scale, norm, ok in stats.records:
+        loss_f, norm_f = _to_float(loss), _to_float(norm)
+        if not math.isfinite(loss_f):
+            st.nan_iters += 1
+        elif ok:
+            good_losses.append(loss_f)
+        if tr.tb is not None and it % cfg.logging.tensorboard_log_interval == 0:
+            tr.tb.log_training(it, consumed, lr, cfg.data.global_batch_size, {"lm loss": loss_f},
+                               _to_float(scale), norm_f, None, None, tr.rt.ps.world_size)
+    it, consumed, lr, _, scale, norm, _ = stats.records[-1]
+    tokens_per_gpu = cfg.data.global_batch_size * cfg.data.seq_length * n / elapsed / tr.rt.ps.world_size
+    m = cfg.model
+    tflops = tokens_per_gpu * flops_per_token(m.num_layers, m.hidden_size, cfg.data.seq_length,
+                                              m.padded_vocab_size) / 1e12
+    line = format_iteration_line(
+        it, cfg.training.train_iters, consumed, elapsed * 1000.0 / n, lr,
+        cfg.data.global_batch_size,
+        {"lm loss": sum(good_losses) / len(good_losses)} if good_losses else {},
+        _to_float(scale), _to_float(norm), None, None, st.skipped_iters, st.nan_iters,
+        tokens_per_gpu, tflops,
+    )
+    print_rank_last(line)
+    if tr.tb is not None:
+        tr.tb.flush()
+    stats.reset()
+
+
+# --------------------------------------------------------------------------- checkpoints
+def checkpoint_state(tr: Trainer) -> dict:
+    cfg = tr.config
+    args = dict(cfg.args)
+    args.update(consumed_train_samples=tr.state.consumed_train_samples,
+                consumed_valid_samples=tr.state.consumed_valid_samples)
+    state = {
+        "args": checkpointing.args_to_plain(args),
+        "checkpoint_version": 3.0,
+        "iteration": tr.state.iteration,
+        "model": tr.model.module.state_dict(),
+        "train_state": tr.state.state_dict(),
+    }
+    if not cfg.checkpoint.no_save_optim:
+        state["optimizer"] = tr.optimizer.state_dict()
+        state["opt_param_scheduler"] = tr.scheduler.state_dict()
+    if not cfg.checkpoint.no_save_rng:
+        state["rng_state"] = [checkpointing.get_rng_state(tr.rt.rng_tracker)]
+    return state
+
+
+def save(tr: Trainer) -> None:
+    if tr.rt.device.type == "cuda":
+        torch.cuda.synchronize()
+    checkpointing.save_checkpoint(tr.config.checkpoint.save, tr.state.iteration,
+                                  checkpoint_state(tr), tr.rt.ps)
+
+
+def load(tr: Trainer) -> None:
+    """Restore model, optimizer, scheduler, RNG and counters from --load, if present."""
+    ck = tr.config.checkpoint
+    loaded = checkpointing.load_checkpoint(ck.load, tr.rt.ps, exit_on_missing=ck.exit_on_missing_checkpoint)
+    if loaded is None:
+        return
+    iteration, state = loaded
+    tr.model.module.load_state_dict(state["model"], strict=True)
+    if ck.finetune:
+        tr.optimizer.reload_model_params()
+        print_rank_0(f" > loaded weights from {ck.load} at iteration {iteration} (--finetune: "
+                     f"counters, optimizer and RNG start fresh)")
+        return
+    tr.state.load_state_dict(state.get("train_state", {"iteration": iteration}))
+    if not ck.no_load_optim and "optimizer" in state:
+        tr.optimizer.load_state_dict(state["optimizer"])
+        tr.scheduler.load_state_dict(state["opt_param_scheduler"])
+    else:
+        tr.optimizer.reload_model_params()
+    if not ck.no_load_rng and "rng_state" in state:
+        checkpointing.set_rng_state(state["rng_state"][0], tr.rt.rng_tracker)
+    print_rank_0(f"  successfully loaded checkpoint from {ck.load} at iteration {iteration}")
+
+
+# --------------------------------------------------------------------------- the loop
+def _should_exit(tr: Trainer, start_time: float) -> Optional[str]:
+    t = tr.config.training
+    it = tr.state.iteration
+    if t.exit_interval and it % t.exit_interval == 0:
+        return f"[exiting program at iteration {it}]"
+    if t.exit_duration_in_mins:
+        over = torch.tensor([(time.time() - start_time) / 60.0 > t.exit_duration_in_mins],
+                            dtype=torch.int32, device=tr.rt.device)
+        if dist.is_initialized():
+            dist.all_reduce(over, op=dist.ReduceOp.MAX)
+        if over.item():
+            return f"[exiting program after {(time.time() - start_time) / 60.0} minutes]"
+    return None
+
+
+def train(tr: Trainer, train_data, valid_data) -> None:
+    cfg, st = tr.config, tr.state
+    stats = IntervalStats()
+    start_time = time.time()
+    tr.model.train()
+    saved_at = None
+    while st.iteration < cfg.training.train_iters:
+        loss, ok, grad_norm, _ = train_step(tr, train_data)
+        st.iteration += 1
+        st.consumed_train_samples += cfg.data.global_batch_size
+        st.skipped_iters += 0 if ok else 1
+        stats.add(tr, loss, ok, grad_norm)
+        if st.iteration % cfg.logging.log_interval == 0:
+            log_interval(tr, stats)
+        t = cfg.training
+        if t.eval_interval and st.iteration % t.eval_interval == 0 and valid_data is not None:
+            run_evaluation(tr, valid_data, f"iteration {st.iteration}")
+        ck = cfg.checkpoint
+        if ck.save and ck.save_interval and st.iteration % ck.save_interval == 0:
+            save(tr)
+            saved_at = st.iteration
+        reason = _should_exit(tr, start_time)
+        if reason:
+            if stats.records:
+                log_interval(tr, stats)
+            if ck.save and saved_at != st.iteration:
+                save(tr)
+            print_rank_0(f"{reason} datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
+            return
+    if stats.records:
+        log_interval(tr, stats)
+    if cfg.checkpoint.save and st.iteration > 0 and saved_at != st.iteration:
+        save(tr)
+
+
+def pretrain(config: Config, rt: Runtime) -> Trainer:
+    """Build model, optimizer and data; load; train; evaluate at the end."""
+    tr = build_trainer(config, rt)
+    if config.checkpoint.load:
+        load(tr)
+    print_rank_0(f"[after model, optimizer, and learning rate scheduler are built] datetime: "
+                 f"{time.strftime('%Y-%m-%d %H:%M:%S')} ")
+    if tr.tb is not None:
+        tr.tb.log_args(config.args, tr.state.iteration)
+    train_data = data_iterator(config, rt, "train", tr.state.consumed_train_samples)
+    valid_data = None
+    if config.training.eval_iters > 0:
+        valid_data = data_iterator(config, rt, "valid", tr.state.consumed_valid_samples)
+    if not config.training.skip_train:
+        print_rank_0(f"[before the start of training step] datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
+        train(tr, train_data, valid_data)
+        print_rank_0(f"[after training is done] datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
+    if valid_data is not None and (config.training.skip_train or config.training.eval_interval):
+        draw = config.training.eval_iters * config.data.global_batch_size
+        run_evaluation(tr, valid_data, f"iteration {tr.state.iteration} on {draw}-sample draw "
+                                       f"from validation set")
+    if tr.tb is not None:
+        tr.tb.close()
+    sys.stdout.flush()
+    return tr

@@ -1,0 +1,60 @@
+#!/usr/bin/env python
+"""Pretrain a GPT model: parse -> validate -> initialise -> build -> train.
+
+Takes Megatron-LM 23.05's command line, e.g.
+
+    torchrun --nproc-per-node 4 pretrain_gpt.py --tensor-model-parallel-size 2 \
+        --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 128 \
+        --max-position-embeddings 128 --micro-batch-size 4 --global-batch-size 16 \
+        --lr 3e-4 --train-iters 100 --mock-data --tokenizer-type NullTokenizer --vocab-size 1024
+
+`--dry-run` validates the configuration for $WORLD_SIZE processes and exits.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def _launcher_env() -> tuple:
+    """(rank, world_size, local_rank) as torchrun / srun set them."""
+    env = os.environ
+    world = int(env.get("WORLD_SIZE", "1"))
+    rank = int(env.get("RANK", "0"))
+    local_rank = int(env.get("LOCAL_RANK", "0"))
+    return rank, world, local_rank
+
+
+def main(argv=None) -> int:
+    start = time.time()
+    from megatron.arguments import dry_run_report, format_args_dump, parse_and_validate
+
+    rank, world, local_rank = _launcher_env()
+    config = parse_and_validate(sys.argv[1:] if argv is None else argv, world_size=world)
+    if config.args.get("dry_run"):
+        report, ok = dry_run_report(config, world)
+        print(report)
+        return 0 if ok else 1
+
+    import torch.distributed as dist
+
+    from megatron.initialize import initialize_distributed, set_random_seed
+    from megatron.logging_utils import print_rank_0
+    from megatron.training import pretrain
+
+    rt = initialize_distributed(config.parallel, rank, world, local_rank)
+    if rank == 0:
+        print(format_args_dump(config.args), flush=True)
+    set_random_seed(config.training.seed, rt, config.training.data_parallel_random_init)
+    print_rank_0(f"time to initialize megatron (seconds): {time.time() - start:.3f}")
+    try:
+        pretrain(config, rt)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Run a function on N gloo processes and collect what each rank returns.
+
+Usage (the function must be importable at module level, i.e. defined at the top of a
+test module):
+
+    def _worker(rank, world_size, x):
+        ...               # torch.distributed is initialised (gloo) when this runs
+        return {"out": tensor}
+
+    results = run_distributed(_worker, 4, x)   # list indexed by rank
+
+Each rank's return value is saved with torch.save and read back, so tensors and plain
+containers come back. An exception on any rank fails the call with that rank's traceback.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, outdir, fn, args):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    path = os.path.join(outdir, f"rank{rank}.pt")
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, path)
+    except BaseException:  # report every failure, including SystemExit
+        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args):
+    """Spawn `world_size` gloo processes running `fn(rank, world_size, *args)`."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as outdir:
+        try:
+            mp.start_processes(
+                _entry, args=(world_size, port, outdir, fn, args), nprocs=world_size,
+                join=True, start_method="fork",
+            )
+        except Exception as exc:
+            errors = []
+            for r in range(world_size):
+                p = os.path.join(outdir, f"rank{r}.pt")
+                if os.path.exists(p):
+                    rec = torch.load(p, weights_only=False)
+                    if not rec["ok"]:
+                        errors.append(f"--- rank {r} ---\n{rec['error']}")
+            raise RuntimeError("distributed run failed\n" + "\n".join(errors)) from exc
+        out = []
+        for r in range(world_size):
+            rec = torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
+            out.append(rec["result"])
+        return out

@@ -1,0 +1,67 @@
+"""Shared helpers for GPT parity tests: a tiny config and full-tensor reconstruction."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    TrainingConfig,
+)
+
+
+def tiny_config(world_size=1, tp=1, pp=1, sp=False, mbs=2, gbs=8, iters=3, **model_kw) -> Config:
+    dp = world_size // (tp * pp)
+    seq = model_kw.pop("seq_length", 16)
+    model = dict(num_layers=2, hidden_size=32, num_attention_heads=4, padded_vocab_size=128,
+                 seq_length=seq, max_position_embeddings=seq, hidden_dropout=0.0,
+                 attention_dropout=0.0, use_cpu_initialization=True, sequence_parallel=sp)
+    model.update(model_kw)
+    decay = iters * gbs
+    return Config(
+        model=ModelConfig(**model),
+        parallel=ParallelConfig(tp_size=tp, pp_size=pp, dp_size=dp, world_size=world_size,
+                                sequence_parallel=sp),
+        optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_steps=gbs,
+                                  lr_decay_steps=decay, wd_incr_steps=decay,
+                                  lr_decay_style="cosine", weight_decay=0.1),
+        data=DataConfig(mock_data=True, seq_length=seq, micro_batch_size=mbs,
+                        global_batch_size=gbs, num_micro_batches=gbs // (mbs * dp),
+                        vocab_size=model["padded_vocab_size"], seed=1234),
+        training=TrainingConfig(train_iters=iters, eval_interval=0, eval_iters=0, seed=1234),
+        checkpoint=CheckpointConfig(),
+        logging=LoggingConfig(log_interval=1000),
+        args={},
+    )
+
+
+def full_tensor(param: torch.Tensor, tensor: torch.Tensor, tp_group) -> torch.Tensor:
+    """Reassemble the full (TP=1) tensor of a possibly TP-sharded parameter (or its grad),
+    honouring `partition_dim` and `partition_stride`."""
+    if tp_group is None or not getattr(param, "tensor_model_parallel", False):
+        return tensor.detach().clone()
+    tp = dist.get_world_size(tp_group)
+    shards = [torch.empty_like(tensor) for _ in range(tp)]
+    dist.all_gather(shards, tensor.detach().contiguous(), group=tp_group)
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    pieces = [s.chunk(stride, dim=dim) for s in shards]  # pieces[rank][block]
+    return torch.cat([pieces[r][b] for b in range(stride) for r in range(tp)], dim=dim)
+
+
+def full_named_grads(model: torch.nn.Module, tp_group) -> dict:
+    """name -> full grad (from `main_grad` when present), as the TP=1 model would have."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = getattr(p, "main_grad", None)
+        if g is None:
+            g = p.grad
+        if g is None:
+            continue
+        out[name] = full_tensor(p, g.float(), tp_group)
+    return out
