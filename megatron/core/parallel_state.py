@@ -214,6 +214,9 @@ class ParallelState:
 
     # --- process groups -----------------------------------------------------------------
     def group(self, kind: str):
+        """This rank's process group of `kind` (None: no groups built, or not a member)."""
+        if kind not in GROUP_KINDS:  # a typo would otherwise read as "nothing to reduce"
+            raise ValueError(f"unknown group kind {kind!r}; expected one of {GROUP_KINDS}")
         return self._groups.get(kind)
 
     @property
