@@ -1,0 +1,398 @@
+"""Checkpoint save/load in Megatron-LM's on-disk layout.
+
+    <root>/latest_checkpointed_iteration.txt     "100" (no newline) or "release"
+    <root>/iter_0000100/mp_rank_00/model_optim_rng.pt          pp_size == 1
+    <root>/iter_0000100/mp_rank_00_000/model_optim_rng.pt      pp_size > 1 (tp 2 digits, pp 3)
+
+One file per (tp, pp) pair, written by its data-parallel rank 0. Every file loads with
+`torch.load(..., weights_only=True)`: the contents are tensors and plain Python data only
+(`args` is a dict of plain values, RNG states are tuples/lists of ints and tensors).
+
+Saving is crash safe: files go to `iter_XXXXXXX.tmp/`, then global rank 0 renames the
+directory into place and writes the tracker file last. A crash at any point leaves the
+previous tracker pointing at a complete checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import PurePath
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core.parallel_state import ParallelState
+from megatron.logging_utils import print_rank_0
+
+CHECKPOINT_VERSION = 3.0
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+MODEL_FILENAME = "model_optim_rng.pt"
+
+
+# ---------------------------------------------------------------------------------------
+# Paths and the tracker file
+def iteration_dir_name(iteration: int, release: bool = False) -> str:
+    """`iter_0000100`, or `release` for a release checkpoint."""
+    return "release" if release else f"iter_{iteration:07d}"
+
+
+def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """`mp_rank_00` when pp_size == 1, else `mp_rank_00_000`."""
+    if pp_size == 1:
+        return f"mp_rank_{tp_rank:02d}"
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def checkpoint_name(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int,
+                    release: bool = False) -> str:
+    """Path of one (tp, pp) rank's `model_optim_rng.pt`."""
+    return os.path.join(root, iteration_dir_name(iteration, release),
+                        rank_dir_name(tp_rank, pp_rank, pp_size), MODEL_FILENAME)
+
+
+def tracker_path(root: str) -> str:
+    return os.path.join(root, TRACKER_FILENAME)
+
+
+def read_tracker(root: str) -> Tuple[Optional[int], bool]:
+    """Parse `latest_checkpointed_iteration.txt`.
+
+    Returns (None, False) when the file does not exist, (0, True) for "release" and
+    (iteration, False) otherwise. Raises ValueError naming the file and its content when
+    it holds anything else (Megatron requires an integer > 0 or "release").
+    """
+    path = tracker_path(root)
+    if not os.path.isfile(path):
+        return None, False
+    with open(path, "r") as f:
+        content = f.read()
+    text = content.strip()
+    if text == "release":
+        return 0, True
+    try:
+        iteration = int(text)
+    except ValueError:
+        iteration = None
+    if iteration is None or iteration <= 0:
+        raise ValueError(
+            f"malformed checkpoint tracker file {path}: content {content!r}; expected an "
+            f"iteration number > 0 or 'release'. Fix or delete the file (it should name one "
+            f"of the iter_XXXXXXX directories in {root})"
+        )
+    return iteration, False
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems do not support syncing directories
+    finally:
+        os.close(fd)
+
+
+def _write_tracker(root: str, iteration: int, release: bool) -> None:
+    """Write the tracker atomically: temporary file, fsync, os.replace."""
+    path = tracker_path(root)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("release" if release else str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(root)
+
+
+# ---------------------------------------------------------------------------------------
+# Collectives (no-ops in a single process)
+def _dist_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    """World barrier when torch.distributed is initialised."""
+    if _dist_ready():
+        dist.barrier()
+
+
+def _all_reduce_max(values: List[int]) -> List[int]:
+    """Element-wise MAX over the world (all-reduce); identity in a single process."""
+    if not _dist_ready():
+        return list(values)
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [int(v) for v in t.cpu().tolist()]
+
+
+# ---------------------------------------------------------------------------------------
+# Save
+def _torch_save_synced(obj, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _publish(root: str, tmp_dir: str, final_dir: str, iteration: int, release: bool) -> None:
+    """Rank 0: move `tmp_dir` into place (replacing an older copy), then write the tracker."""
+    old_dir = final_dir + ".old"
+    if os.path.exists(old_dir):
+        shutil.rmtree(old_dir)
+    if os.path.exists(final_dir):
+        os.rename(final_dir, old_dir)
+    os.rename(tmp_dir, final_dir)
+    _fsync_dir(root)
+    if os.path.exists(old_dir):
+        shutil.rmtree(old_dir)
+    _write_tracker(root, iteration, release)
+
+
+def save_checkpoint(root: str, iteration: int, state: Optional[Dict], ps: ParallelState,
+                    release: bool = False,
+                    extra_files: Optional[Dict[str, object]] = None) -> float:
+    """Save this rank's `state` as `<root>/iter_XXXXXXX/mp_rank_.../model_optim_rng.pt`.
+
+    Every rank must call this (it is collective: world barriers). Only data-parallel
+    rank 0 of each (tp, pp) pair writes: `state` (and `extra_files`, name -> object, e.g.
+    `distrib_optim.pt`) are ignored elsewhere and may be None there. Files are written into
+    `iter_XXXXXXX.tmp/`; after a barrier global rank 0 renames it into place and writes the
+    tracker file last; a final barrier makes the checkpoint visible to all. Returns seconds.
+    """
+    if iteration < 1 and not release:
+        raise ValueError(f"cannot save a checkpoint at iteration {iteration}: Megatron's "
+                         f"tracker only accepts iterations > 0 (or a release checkpoint)")
+    start = time.perf_counter()
+    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root}")
+    final_dir = os.path.join(root, iteration_dir_name(iteration, release))
+    tmp_dir = final_dir + ".tmp"
+    if ps.rank == 0:
+        os.makedirs(root, exist_ok=True)
+        if os.path.exists(tmp_dir):  # leftovers of a crashed save of this iteration
+            shutil.rmtree(tmp_dir)
+        os.makedirs(tmp_dir)
+    _barrier()  # the fresh temporary directory exists before anyone writes into it
+    if ps.dp_rank == 0:
+        if state is None:
+            raise ValueError(f"data-parallel rank 0 (global rank {ps.rank}) must pass its state")
+        rank_dir = os.path.join(tmp_dir, rank_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size))
+        os.makedirs(rank_dir, exist_ok=True)
+        _torch_save_synced(state, os.path.join(rank_dir, MODEL_FILENAME))
+        for name, obj in (extra_files or {}).items():
+            _torch_save_synced(obj, os.path.join(rank_dir, name))
+        _fsync_dir(rank_dir)
+    _barrier()  # every shard is on disk
+    if ps.rank == 0:
+        _publish(root, tmp_dir, final_dir, iteration, release)
+    _barrier()  # the tracker names a complete checkpoint
+    print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------
+# Load
+_RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+
+def describe_layout(iter_dir: str) -> str:
+    """What the `mp_rank_*` directories in a checkpoint say about its tp/pp layout."""
+    found = sorted(d for d in os.listdir(iter_dir) if _RANK_DIR_RE.match(d)) \
+        if os.path.isdir(iter_dir) else []
+    if not found:
+        return f"{iter_dir} holds no mp_rank_* directories"
+    tps, pps = set(), set()
+    for name in found:
+        m = _RANK_DIR_RE.match(name)
+        tps.add(int(m.group(1)))
+        pps.add(int(m.group(2)) if m.group(2) is not None else 0)
+    return (f"the checkpoint appears to have tensor-model-parallel size {max(tps) + 1} and "
+            f"pipeline-model-parallel size {max(pps) + 1} (found {', '.join(found)})")
+
+
+def _recover_interrupted_replace(root: str, iteration: int, release: bool) -> None:
+    """Rank 0: undo a re-save of the same iteration that died between moving the old
+    directory aside and renaming the new one into place (the tracker names it)."""
+    final_dir = os.path.join(root, iteration_dir_name(iteration, release))
+    if not os.path.exists(final_dir) and os.path.isdir(final_dir + ".old"):
+        print(f"WARNING: restoring {final_dir} from {final_dir}.old (an interrupted save)",
+              flush=True)
+        os.rename(final_dir + ".old", final_dir)
+
+
+def _check_rank_files(root: str, iteration: int, release: bool, ps: ParallelState) -> str:
+    """This rank's file path; SystemExit on every rank if any rank's file is missing.
+
+    Collective: all-reduce MAX of a per-rank "missing" flag vector over the world.
+    """
+    path = checkpoint_name(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size, release)
+    flags = [0] * ps.world_size
+    flags[ps.rank] = 0 if os.path.isfile(path) else 1
+    flags = _all_reduce_max(flags)
+    missing = [r for r, f in enumerate(flags) if f]
+    if not missing:
+        return path
+    paths = []
+    for r in missing:
+        c = ps.grid.coords(r)
+        paths.append(checkpoint_name(root, iteration, c["tp"], c["pp"], ps.pp_size, release))
+    iter_dir = os.path.join(root, iteration_dir_name(iteration, release))
+    raise SystemExit(
+        f"checkpoint file(s) missing: {', '.join(sorted(set(paths)))}. This run uses "
+        f"tensor-model-parallel size {ps.tp_size} and pipeline-model-parallel size "
+        f"{ps.pp_size}; {describe_layout(iter_dir)}. Run with the checkpoint's sizes or "
+        f"reshard the checkpoint."
+    )
+
+
+def _agreed_iteration(root: str) -> Tuple[int, bool]:
+    """(iteration, release) from the tracker, the MAX over ranks (all-reduce); -1 if none."""
+    iteration, release = read_tracker(root)
+    local = -1 if iteration is None else iteration
+    agreed, any_release = _all_reduce_max([local, int(release)])
+    if local != agreed and _dist_ready():
+        print(f"WARNING: on rank {dist.get_rank()} found iteration {local} in {tracker_path(root)}"
+              f" while max iteration across the ranks is {agreed}, replacing it with max "
+              f"iteration.", flush=True)
+    return agreed, bool(any_release) and agreed == 0
+
+
+def load_checkpoint(root: str, ps: ParallelState,
+                    exit_on_missing: bool = False) -> Optional[Tuple[int, Dict]]:
+    """Load this rank's shard of the latest checkpoint under `root`.
+
+    Collective (all-reduces over the world). Returns (iteration, state) -- iteration is 0
+    for a release checkpoint -- or None when there is no tracker file (a warning; or
+    SystemExit when `exit_on_missing`). SystemExit when a rank's file is missing, naming
+    the layout the checkpoint appears to have.
+    """
+    agreed, release = (-1, False) if root is None else _agreed_iteration(root)
+    if agreed < 0:
+        tracker = tracker_path(root) if root is not None else "(no --load directory given)"
+        if exit_on_missing:
+            raise SystemExit(f"no checkpoint found: {tracker} does not exist and "
+                             f"--exit-on-missing-checkpoint is set; check --load or drop the flag")
+        print_rank_0(f"WARNING: could not find the metadata file {tracker}")
+        print_rank_0("    will not load any checkpoints and will start from random")
+        return None
+    if ps.rank == 0:
+        _recover_interrupted_replace(root, agreed, release)
+    _barrier()
+    path = _check_rank_files(root, agreed, release, ps)
+    print_rank_0(f" loading checkpoint from {root} at iteration {agreed}")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {agreed}")
+    return (0 if release else agreed), state
+
+
+def load_extra_file(root: str, iteration: int, ps: ParallelState, name: str,
+                    release: bool = False):
+    """Load a file saved with `extra_files` next to this rank's model_optim_rng.pt."""
+    path = os.path.join(os.path.dirname(
+        checkpoint_name(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size, release)), name)
+    if not os.path.isfile(path):
+        raise SystemExit(f"checkpoint file {path} not found")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ---------------------------------------------------------------------------------------
+# RNG state (plain data only, so that it loads with weights_only=True)
+def _numpy_state_to_plain(state) -> tuple:
+    """np.random.get_state() with the key array as an int64 tensor (numpy arrays are not
+    allowed by weights_only loading)."""
+    name, keys, pos, has_gauss, cached = state
+    return (str(name), torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()), int(pos),
+            int(has_gauss), float(cached))
+
+
+def _numpy_state_from_plain(state) -> tuple:
+    name, keys, pos, has_gauss, cached = state
+    if isinstance(keys, torch.Tensor):
+        keys = keys.numpy()
+    return (name, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached))
+
+
+def get_rng_state(tracker=None) -> Dict[str, object]:
+    """This process's RNG states, Megatron's keys, as weights_only-loadable data.
+
+    `tracker` is anything with `get_states()` (e.g. the CUDA RNG tracker of
+    megatron.core.tensor_parallel.random); `cuda_rng_state` is None without CUDA.
+    """
+    return {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": _numpy_state_to_plain(np.random.get_state()),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "rng_tracker_states": tracker.get_states() if tracker is not None else {},
+    }
+
+
+def set_rng_state(state: Dict[str, object], tracker=None) -> None:
+    """Restore states saved by `get_rng_state` (numpy arrays are accepted as well).
+
+    The tracker (anything with `set_states()`) is restored when the saved states are not
+    empty; a CUDA state is restored only when CUDA is available.
+    """
+    rs = state["random_rng_state"]
+    random.setstate((rs[0], tuple(rs[1]), rs[2]))
+    np.random.set_state(_numpy_state_from_plain(state["np_rng_state"]))
+    torch.set_rng_state(state["torch_rng_state"])
+    cuda_state = state.get("cuda_rng_state")
+    if cuda_state is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda_state)
+    tracker_states = state.get("rng_tracker_states")
+    if tracker is not None and tracker_states:
+        tracker.set_states(tracker_states)
+
+
+# ---------------------------------------------------------------------------------------
+# Arguments as plain data
+def args_to_plain(obj):
+    """Recursively convert arguments to JSON-like data that loads with weights_only=True.
+
+    dicts keep their keys (as str), tuples/lists/sets become lists, torch.dtype becomes
+    its name (`"torch.bfloat16"`), paths become str, enums their value, dataclasses and
+    argparse Namespaces dicts; other unknown objects become `str(obj)`.
+    """
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (np.integer, np.floating, np.bool_)):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {str(k): args_to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [args_to_plain(v) for v in obj]
+    if isinstance(obj, (set, frozenset)):
+        return sorted((args_to_plain(v) for v in obj), key=repr)
+    if isinstance(obj, torch.dtype):
+        return str(obj)
+    if isinstance(obj, PurePath):
+        return str(obj)
+    if isinstance(obj, enum.Enum):
+        return args_to_plain(obj.value)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: args_to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, argparse.Namespace):
+        return args_to_plain(vars(obj))
+    return str(obj)
+
+
+__all__ = [
+    "CHECKPOINT_VERSION", "TRACKER_FILENAME", "MODEL_FILENAME", "checkpoint_name",
+    "iteration_dir_name", "rank_dir_name", "tracker_path", "read_tracker", "describe_layout",
+    "save_checkpoint", "load_checkpoint", "load_extra_file", "get_rng_state", "set_rng_state",
+    "args_to_plain",
+]

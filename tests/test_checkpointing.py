@@ -1,0 +1,301 @@
+import enum
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.checkpointing import (
+    CHECKPOINT_VERSION,
+    args_to_plain,
+    checkpoint_name,
+    get_rng_state,
+    load_checkpoint,
+    read_tracker,
+    save_checkpoint,
+    set_rng_state,
+    tracker_path,
+)
+from megatron.core.parallel_state import ParallelState
+from tests.dist_utils import run_distributed
+
+
+class _FakeTracker:
+    """Duck-typed RNG tracker (get_states/set_states), like the tensor-parallel one."""
+
+    def __init__(self):
+        self.states = {"model-parallel-rng": torch.arange(8, dtype=torch.uint8)}
+
+    def get_states(self):
+        return {k: v.clone() for k, v in self.states.items()}
+
+    def set_states(self, states):
+        self.states = {k: v.clone() for k, v in states.items()}
+
+
+def _model_state(tp, pp, seed=0):
+    g = torch.Generator().manual_seed(1000 * seed + 10 * pp + tp)
+    return {
+        "language_model": {
+            "encoder": {
+                "layers.0.mlp.dense_h_to_4h.weight": torch.randn(8, 4, generator=g),
+                "layers.0.mlp.dense_h_to_4h.bias": torch.randn(8, generator=g).bfloat16(),
+                "final_layernorm.weight": torch.randn(4, generator=g).half(),
+            }
+        }
+    }
+
+
+def _full_state(iteration, tp, pp, seed=0, tracker=None):
+    return {
+        "args": args_to_plain({"num_layers": 2, "params_dtype": torch.bfloat16,
+                               "data_path": ("a", Path("/x/b")), "tp": tp, "pp": pp}),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "model": _model_state(tp, pp, seed),
+        "optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}},
+                      "param_groups": [{"lr": 1e-3, "params": [0]}]},
+        "opt_param_scheduler": {"max_lr": 1e-3, "num_steps": iteration * 8,
+                                "lr_decay_style": "cosine"},
+        "rng_state": [get_rng_state(tracker)],
+    }
+
+
+def _assert_tree_equal(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        as_bytes = lambda t: t.reshape(-1).view(torch.uint8)  # byte-exact, NaNs included
+        assert torch.equal(as_bytes(a), as_bytes(b))
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_tree_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_tree_equal(x, y)
+    else:
+        assert a == b
+
+
+def _ps1():
+    return ParallelState.build(world_size=1, rank=0)
+
+
+# --- paths and tracker -----------------------------------------------------------------
+def test_checkpoint_names():
+    assert checkpoint_name("/ck", 100, 0, 0, 1) == "/ck/iter_0000100/mp_rank_00/model_optim_rng.pt"
+    assert checkpoint_name("/ck", 1234567, 3, 0, 1) == \
+        "/ck/iter_1234567/mp_rank_03/model_optim_rng.pt"
+    assert checkpoint_name("/ck", 5, 1, 2, 4) == "/ck/iter_0000005/mp_rank_01_002/model_optim_rng.pt"
+    assert checkpoint_name("/ck", 5, 0, 0, 2, release=True) == \
+        "/ck/release/mp_rank_00_000/model_optim_rng.pt"
+    assert tracker_path("/ck") == "/ck/latest_checkpointed_iteration.txt"
+
+
+def test_read_tracker(tmp_path):
+    assert read_tracker(str(tmp_path)) == (None, False)
+    Path(tracker_path(str(tmp_path))).write_text("42")
+    assert read_tracker(str(tmp_path)) == (42, False)
+    Path(tracker_path(str(tmp_path))).write_text("release")
+    assert read_tracker(str(tmp_path)) == (0, True)
+
+
+@pytest.mark.parametrize("content", ["abc", "", "0", "-3", "12.5"])
+def test_malformed_tracker_names_file_and_content(tmp_path, content):
+    Path(tracker_path(str(tmp_path))).write_text(content)
+    with pytest.raises(ValueError) as err:
+        read_tracker(str(tmp_path))
+    msg = str(err.value)
+    assert tracker_path(str(tmp_path)) in msg and repr(content) in msg
+    with pytest.raises(ValueError):
+        load_checkpoint(str(tmp_path), _ps1())
+
+
+# --- single-process save/load ----------------------------------------------------------
+def test_round_trip_single_process(tmp_path, capsys):
+    root = str(tmp_path / "ck")
+    state = _full_state(100, 0, 0, tracker=_FakeTracker())
+    seconds = save_checkpoint(root, 100, state, _ps1())
+    assert seconds >= 0.0
+    out = capsys.readouterr().out
+    assert f"saving checkpoint at iteration     100 to {root}" in out
+    assert f"  successfully saved checkpoint at iteration     100 to {root}" in out
+    assert Path(tracker_path(root)).read_text() == "100"  # no newline, like Megatron
+    assert sorted(os.listdir(root)) == ["iter_0000100", "latest_checkpointed_iteration.txt"]
+    path = checkpoint_name(root, 100, 0, 0, 1)
+    _assert_tree_equal(torch.load(path, weights_only=True), state)  # plain data only
+    iteration, loaded = load_checkpoint(root, _ps1())
+    assert iteration == 100
+    _assert_tree_equal(loaded, state)
+    assert loaded["args"]["params_dtype"] == "torch.bfloat16"
+
+
+def test_resave_same_iteration_replaces(tmp_path):
+    root = str(tmp_path)
+    save_checkpoint(root, 5, _full_state(5, 0, 0, seed=1), _ps1())
+    save_checkpoint(root, 5, _full_state(5, 0, 0, seed=2), _ps1())
+    _, loaded = load_checkpoint(root, _ps1())
+    _assert_tree_equal(loaded["model"], _model_state(0, 0, seed=2))
+    assert sorted(os.listdir(root)) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
+
+
+def test_crash_before_rename_keeps_previous_checkpoint(tmp_path):
+    root = str(tmp_path)
+    save_checkpoint(root, 10, _full_state(10, 0, 0, seed=1), _ps1())
+    # a save of iteration 20 that died after writing its shard, before the rename
+    partial = tmp_path / "iter_0000020.tmp" / "mp_rank_00"
+    partial.mkdir(parents=True)
+    (partial / "model_optim_rng.pt").write_bytes(b"truncated")
+    iteration, loaded = load_checkpoint(root, _ps1())
+    assert iteration == 10
+    _assert_tree_equal(loaded["model"], _model_state(0, 0, seed=1))
+    # the next save of iteration 20 clears the leftovers and becomes the latest
+    save_checkpoint(root, 20, _full_state(20, 0, 0, seed=3), _ps1())
+    assert not (tmp_path / "iter_0000020.tmp").exists()
+    iteration, loaded = load_checkpoint(root, _ps1())
+    assert iteration == 20
+    _assert_tree_equal(loaded["model"], _model_state(0, 0, seed=3))
+
+
+def test_crash_before_tracker_write_keeps_previous(tmp_path):
+    root = str(tmp_path)
+    save_checkpoint(root, 10, _full_state(10, 0, 0, seed=1), _ps1())
+    save_checkpoint(root, 20, _full_state(20, 0, 0, seed=2), _ps1())
+    Path(tracker_path(root)).write_text("10")  # as if the tracker write never happened
+    assert load_checkpoint(root, _ps1())[0] == 10
+
+
+def test_crash_while_replacing_same_iteration_recovers_old_copy(tmp_path):
+    root = str(tmp_path)
+    save_checkpoint(root, 10, _full_state(10, 0, 0, seed=1), _ps1())
+    # a re-save of iteration 10 died after moving the old directory aside
+    os.rename(tmp_path / "iter_0000010", tmp_path / "iter_0000010.old")
+    (tmp_path / "iter_0000010.tmp").mkdir()
+    iteration, loaded = load_checkpoint(root, _ps1())
+    assert iteration == 10
+    _assert_tree_equal(loaded["model"], _model_state(0, 0, seed=1))
+
+
+def test_release_checkpoint_loads_as_iteration_zero(tmp_path):
+    save_checkpoint(str(tmp_path), 0, _full_state(0, 0, 0), _ps1(), release=True)
+    assert Path(tracker_path(str(tmp_path))).read_text() == "release"
+    iteration, state = load_checkpoint(str(tmp_path), _ps1())
+    assert iteration == 0 and (tmp_path / "release" / "mp_rank_00").is_dir()
+
+
+def test_save_rejects_iteration_zero(tmp_path):
+    with pytest.raises(ValueError, match="iteration 0"):
+        save_checkpoint(str(tmp_path), 0, {}, _ps1())
+
+
+def test_missing_checkpoint_behaviours(tmp_path, capsys):
+    assert load_checkpoint(str(tmp_path / "nothing"), _ps1()) is None
+    assert "WARNING: could not find the metadata file" in capsys.readouterr().out
+    assert load_checkpoint(None, _ps1()) is None
+    with pytest.raises(SystemExit, match="exit-on-missing-checkpoint"):
+        load_checkpoint(str(tmp_path), _ps1(), exit_on_missing=True)
+
+
+def test_missing_rank_file_names_path_and_layout(tmp_path):
+    root = str(tmp_path)
+    save_checkpoint(root, 3, _full_state(3, 0, 0), _ps1())
+    # a tp=2 run (rank 1 of 2, no process group) looking for mp_rank_01
+    ps = ParallelState.build(world_size=2, rank=1, tp_size=2, create_groups=False)
+    with pytest.raises(SystemExit) as err:
+        load_checkpoint(root, ps)
+    msg = str(err.value)
+    assert checkpoint_name(root, 3, 1, 0, 1) in msg
+    assert "tensor-model-parallel size 1" in msg and "pipeline-model-parallel size 1" in msg
+    assert "mp_rank_00" in msg
+
+
+# --- RNG and args ----------------------------------------------------------------------
+def test_rng_state_round_trip_through_weights_only_file(tmp_path):
+    tracker = _FakeTracker()
+    random.random(), np.random.rand(), torch.rand(1)
+    np.random.randn()  # leaves a cached gaussian in numpy's state
+    state = get_rng_state(tracker)
+    expected = (random.random(), np.random.rand(3).tolist(), np.random.randn(),
+                torch.rand(4))
+    path = tmp_path / "rng.pt"
+    torch.save({"rng_state": [state]}, path)
+    loaded = torch.load(path, weights_only=True)["rng_state"][0]
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    tracker.states = {}
+    set_rng_state(loaded, tracker)
+    again = (random.random(), np.random.rand(3).tolist(), np.random.randn(), torch.rand(4))
+    assert again[:3] == expected[:3] and torch.equal(again[3], expected[3])
+    assert torch.equal(tracker.states["model-parallel-rng"], torch.arange(8, dtype=torch.uint8))
+    assert loaded["cuda_rng_state"] is None or torch.cuda.is_available()
+
+
+def test_set_rng_state_accepts_megatron_numpy_form():
+    state = get_rng_state()
+    state["np_rng_state"] = np.random.get_state()  # what Megatron itself pickles
+    expected = np.random.rand(2)
+    set_rng_state(state)
+    assert np.array_equal(np.random.rand(2), expected)
+
+
+class _Color(enum.Enum):
+    RED = "red"
+
+
+def test_args_to_plain():
+    import argparse
+
+    plain = args_to_plain({
+        "dtype": torch.float16, "sizes": (1, 2), "path": Path("/a/b"), "nested": {"s": {3}},
+        "color": _Color.RED, "ns": argparse.Namespace(x=1), "np": np.int64(4), "none": None,
+        "obj": object,
+    })
+    assert plain == {"dtype": "torch.float16", "sizes": [1, 2], "path": "/a/b",
+                     "nested": {"s": [3]}, "color": "red", "ns": {"x": 1}, "np": 4,
+                     "none": None, "obj": str(object)}
+    assert type(plain["np"]) is int
+
+
+# --- distributed (4 gloo processes) ----------------------------------------------------
+def _dist_save_load(rank, world_size, root, tp, pp):
+    ps = ParallelState.build(world_size, rank, tp_size=tp, pp_size=pp)
+    state = _full_state(7, ps.tp_rank, ps.pp_rank) if ps.dp_rank == 0 else None
+    save_checkpoint(root, 7, state, ps)
+    iteration, loaded = load_checkpoint(root, ps)
+    return {"iteration": iteration, "tp": ps.tp_rank, "pp": ps.pp_rank, "model": loaded["model"],
+            "args": loaded["args"]}
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)])
+def test_distributed_save_load(tmp_path, tp, pp):
+    root = str(tmp_path)
+    results = run_distributed(_dist_save_load, 4, root, tp, pp)
+    expected_dirs = sorted({os.path.basename(os.path.dirname(checkpoint_name(root, 7, t, p, pp)))
+                            for t in range(tp) for p in range(pp)})
+    assert sorted(os.listdir(tmp_path / "iter_0000007")) == expected_dirs
+    assert len(expected_dirs) == tp * pp  # one file per (tp, pp): only DP-rank-0 wrote
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000007", "latest_checkpointed_iteration.txt"]
+    for res in results:
+        assert res["iteration"] == 7 and (res["args"]["tp"], res["args"]["pp"]) == \
+            (res["tp"], res["pp"])
+        _assert_tree_equal(res["model"], _model_state(res["tp"], res["pp"]))
+
+
+def _dist_wrong_layout(rank, world_size, root):
+    ps = ParallelState.build(world_size, rank, tp_size=2)
+    save_checkpoint(root, 4, _full_state(4, ps.tp_rank, 0) if ps.dp_rank == 0 else None, ps)
+    wrong = ParallelState.build(world_size, rank, tp_size=4)
+    try:
+        load_checkpoint(root, wrong)
+    except SystemExit as exc:
+        return str(exc)
+    return None
+
+
+def test_distributed_missing_shard_exits_on_every_rank(tmp_path):
+    messages = run_distributed(_dist_wrong_layout, 4, str(tmp_path))
+    assert all(m is not None and m == messages[0] for m in messages)
+    assert "mp_rank_02" in messages[0] and "mp_rank_03" in messages[0]
+    assert "tensor-model-parallel size 2" in messages[0]
