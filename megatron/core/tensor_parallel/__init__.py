@@ -1,0 +1,71 @@
+"""Tensor parallelism: communication pairs, parallel layers, vocab-parallel loss, RNG.
+
+Every function and layer takes its process group explicitly; `None` means one process.
+See README.md in this folder for the layout conventions.
+"""
+from .cross_entropy import vocab_parallel_cross_entropy
+from .layers import (
+    ColumnParallelLinear,
+    LinearWithGradAccumulationAndAsyncCommunication,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_tensor_model_parallel_attributes,
+    init_method_normal,
+    linear_with_grad_accumulation_and_async_allreduce,
+    param_is_not_tensor_parallel_duplicate,
+    scaled_init_method_normal,
+    set_defaults_if_not_set_tensor_model_parallel_attributes,
+    set_tensor_model_parallel_attributes,
+    shard_of_full_weight,
+)
+from .mappings import (
+    copy_to_tp,
+    gather_from_sp,
+    gather_from_tp,
+    group_rank,
+    group_size,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+    scatter_to_sp,
+    scatter_to_tp,
+)
+from .random import (
+    MODEL_PARALLEL_RNG,
+    RNGStatesTracker,
+    checkpoint,
+    get_cuda_rng_tracker,
+    get_rng_tracker,
+    model_parallel_seed,
+    set_rng_tracker,
+)
+from .utils import (
+    VocabUtility,
+    assert_tensor_equal_across_parallel_ranks,
+    divide,
+    split_tensor_along_last_dim,
+    vocab_range_from_global_vocab_size,
+    vocab_range_from_per_partition_vocab_size,
+)
+
+__all__ = [
+    # mappings
+    "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "scatter_to_sp",
+    "gather_from_sp", "reduce_scatter_to_sp", "group_size", "group_rank",
+    # layers
+    "VocabParallelEmbedding", "ColumnParallelLinear", "RowParallelLinear",
+    "LinearWithGradAccumulationAndAsyncCommunication",
+    "linear_with_grad_accumulation_and_async_allreduce",
+    "set_tensor_model_parallel_attributes",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes",
+    "copy_tensor_model_parallel_attributes", "param_is_not_tensor_parallel_duplicate",
+    "init_method_normal", "scaled_init_method_normal", "shard_of_full_weight",
+    # loss
+    "vocab_parallel_cross_entropy",
+    # random
+    "RNGStatesTracker", "MODEL_PARALLEL_RNG", "model_parallel_seed", "get_rng_tracker",
+    "get_cuda_rng_tracker", "set_rng_tracker", "checkpoint",
+    # utils
+    "divide", "split_tensor_along_last_dim", "assert_tensor_equal_across_parallel_ranks",
+    "VocabUtility", "vocab_range_from_global_vocab_size",
+    "vocab_range_from_per_partition_vocab_size",
+]

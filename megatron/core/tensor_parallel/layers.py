@@ -1,0 +1,427 @@
+"""Tensor-parallel layers: VocabParallelEmbedding, ColumnParallelLinear, RowParallelLinear.
+
+Shapes: activations are [s, b, h] (sequence first). With sequence parallelism (SP) the
+tensors between TP regions are split along s: [s/tp, b, h].
+
+Parameter attributes (Megatron's convention; optimizer, grad clipping and checkpoint code
+read them):
+  tensor_model_parallel  True when the parameter is split over TP (set even at TP=1, so
+                         resharding code can find every splittable tensor)
+  partition_dim          dimension that is split (0 for column / vocab, 1 for row)
+  partition_stride       number of independently split blocks along partition_dim
+  sequence_parallel      (row-parallel bias under SP) its grad is partial per rank and
+                         must be all-reduced over TP before the optimizer step
+
+Initialisation: with `use_cpu_initialization=True` the FULL fp32 weight is drawn on CPU
+from the global torch generator and this rank keeps its slice, so any TP size starts from
+the TP=1 model's weights (same seed, same construction order). Otherwise the local shard
+is drawn directly on its device under the tracker's model-parallel fork.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .mappings import (
+    all_gather_dim0,
+    copy_to_tp,
+    gather_from_tp,
+    group_rank,
+    group_size,
+    reduce_from_tp,
+    reduce_scatter_dim0,
+    reduce_scatter_to_sp,
+    scatter_to_tp,
+)
+from .random import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker
+from .utils import divide
+
+InitMethod = Callable[[torch.Tensor], object]
+
+_TP_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1,
+                          "partition_stride": 1}
+
+
+# --- parameter attributes ---------------------------------------------------------------
+def set_tensor_model_parallel_attributes(
+    param: torch.Tensor, is_parallel: bool, dim: int, stride: int
+) -> None:
+    """Mark `param` as a TP shard (or not) split along `dim` in `stride` blocks."""
+    param.tensor_model_parallel = is_parallel
+    param.partition_dim = dim
+    param.partition_stride = stride
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(param: torch.Tensor) -> None:
+    """Give `param` the non-sharded defaults for any TP attribute it lacks."""
+    for name, value in _TP_ATTRIBUTE_DEFAULTS.items():
+        if not hasattr(param, name):
+            setattr(param, name, value)
+
+
+def copy_tensor_model_parallel_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy the TP attributes of `source` (or the defaults) onto `destination`."""
+    for name, value in _TP_ATTRIBUTE_DEFAULTS.items():
+        setattr(destination, name, getattr(source, name, value))
+
+
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
+    """True when `param` should be counted on this rank: a shard, or TP rank 0's copy.
+
+    Used to count each parameter once in grad-norm and parameter-count reductions.
+    """
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+# --- initialisation ---------------------------------------------------------------------
+def init_method_normal(std: float) -> InitMethod:
+    """Init function drawing N(0, std^2) in place."""
+
+    def init_(tensor: torch.Tensor):
+        return nn.init.normal_(tensor, mean=0.0, std=std)
+
+    return init_
+
+
+def scaled_init_method_normal(std: float, num_layers: int) -> InitMethod:
+    """N(0, (std / sqrt(2 * num_layers))^2): for the output projections of each layer."""
+    return init_method_normal(std / math.sqrt(2.0 * num_layers))
+
+
+def _resolve_device(device, use_cpu_initialization: bool) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available() and not use_cpu_initialization:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def shard_of_full_weight(
+    full: torch.Tensor, partition_dim: int, stride: int, rank: int, world_size: int
+) -> torch.Tensor:
+    """This rank's slice of a full weight: each of `stride` blocks split in `world_size`.
+
+    E.g. a fused [gate; up] weight with stride 2: rank r gets gate chunk r and up chunk r.
+    """
+    blocks = torch.chunk(full, stride, dim=partition_dim)
+    if any(b.size(partition_dim) % world_size for b in blocks) or len(blocks) != stride:
+        raise ValueError(
+            f"dimension {partition_dim} of size {full.size(partition_dim)} cannot be split in "
+            f"{stride} blocks of {world_size} equal chunks"
+        )
+    own = [torch.chunk(b, world_size, dim=partition_dim)[rank] for b in blocks]
+    return torch.cat(own, dim=partition_dim)
+
+
+def _init_weight(
+    weight: torch.Tensor, full_shape: Tuple[int, int], partition_dim: int, stride: int,
+    init_method: InitMethod, use_cpu_initialization: bool, group,
+    rng_tracker: Optional[RNGStatesTracker],
+) -> None:
+    """Fill `weight` (this rank's shard) and set its TP attributes."""
+    world, rank = group_size(group), group_rank(group)
+    set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+    with torch.no_grad():
+        if use_cpu_initialization:
+            full = torch.empty(full_shape, dtype=torch.float32)
+            init_method(full)
+            weight.copy_(shard_of_full_weight(full, partition_dim, stride, rank, world))
+            return
+        if world == 1:
+            init_method(weight)
+            return
+        tracker = get_rng_tracker() if rng_tracker is None else rng_tracker
+        if not tracker.has(MODEL_PARALLEL_RNG):
+            raise ValueError(
+                "tensor-parallel weight init needs the model-parallel RNG stream; call "
+                "model_parallel_seed(seed, tp_rank, tracker) before building layers, or pass "
+                "use_cpu_initialization=True"
+            )
+        if torch.device(tracker.device).type != weight.device.type:
+            raise ValueError(
+                f"RNG tracker drives the {tracker.device} generator but the weight lives on "
+                f"{weight.device}; build the tracker with device={weight.device.type!r}"
+            )
+        with tracker.fork():
+            init_method(weight)
+
+
+# --- the linear with overlapped backward communication -----------------------------------
+class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
+    """y = x W^T + b with TP communication folded into forward and backward.
+
+    Forward: with sequence_parallel, all-gather x along dim 0 ([s/tp,b,h] -> [s,b,h])
+    before the matmul; otherwise no communication.
+    Backward: grad_x = grad_y W is reduced over the group with async_op=True -- all-reduce
+    when `async_grad_allreduce`, reduce-scatter along dim 0 when `sequence_parallel` --
+    and the weight grad is computed while that collective is in flight. Under SP the
+    gathered input is not kept: it is all-gathered again (async) while grad_x is computed.
+    With `gradient_accumulation_fusion` and a `weight.main_grad` buffer the weight grad is
+    added into main_grad and None is returned for it.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gradient_accumulation_fusion, async_grad_allreduce,
+                sequence_parallel, group):
+        ctx.save_for_backward(x, weight)
+        ctx.use_bias = bias is not None
+        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
+        ctx.async_grad_allreduce = async_grad_allreduce and group_size(group) > 1
+        ctx.sequence_parallel = sequence_parallel and group_size(group) > 1
+        ctx.group = group
+        total_x = all_gather_dim0(x, group) if ctx.sequence_parallel else x
+        output = torch.matmul(total_x, weight.t())
+        if bias is not None:
+            output = output + bias
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        group = ctx.group
+        gather_handle = None
+        if ctx.sequence_parallel:
+            total_x, gather_handle = all_gather_dim0(x, group, async_op=True)
+        else:
+            total_x = x
+        grad_output = grad_output.contiguous()
+        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        if gather_handle is not None:
+            gather_handle.wait()
+
+        reduce_handle = None
+        if grad_input is not None and ctx.sequence_parallel:
+            grad_input, reduce_handle = reduce_scatter_dim0(grad_input, group, async_op=True)
+        elif grad_input is not None and ctx.async_grad_allreduce:
+            grad_input = grad_input.contiguous()
+            reduce_handle = torch.distributed.all_reduce(grad_input, group=group, async_op=True)
+
+        # Weight and bias grads run while the input-grad collective is in flight.
+        grad_output_2d = grad_output.reshape(-1, grad_output.size(-1))
+        total_x_2d = total_x.reshape(-1, total_x.size(-1))
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad_output_2d.t().matmul(total_x_2d)
+            if ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
+                weight.main_grad.add_(grad_weight)
+                grad_weight = None
+        grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
+
+        if reduce_handle is not None:
+            reduce_handle.wait()
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def linear_with_grad_accumulation_and_async_allreduce(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+    gradient_accumulation_fusion: bool, async_grad_allreduce: bool, sequence_parallel: bool,
+    group=None,
+) -> torch.Tensor:
+    """Functional form of `LinearWithGradAccumulationAndAsyncCommunication` (see there)."""
+    return LinearWithGradAccumulationAndAsyncCommunication.apply(
+        x, weight, bias, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel,
+        group,
+    )
+
+
+def _new_param(shape, dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+
+
+def _zero_bias(size: int, dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
+
+
+# --- layers -----------------------------------------------------------------------------
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split along the vocabulary over the TP group.
+
+    Input: token ids [b, s] (global ids). Each rank looks up the ids that fall in its
+    vocabulary range, zeroes the others, and the partial results are summed:
+      * default: all-reduce over TP -> output [b, s, h] (like nn.Embedding; the model
+        transposes to [s, b, h]). Backward: identity.
+      * reduce_scatter_embeddings=True (sequence parallel): the partial [b, s, h] is
+        transposed to [s, b, h] and reduce-scattered along s -> output [s/tp, b, h].
+        Backward: all-gather along s. Only valid when nothing else (position embeddings)
+        must be added to the full sequence before the split.
+    """
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, *, tp_group=None,
+        init_method: InitMethod, params_dtype: torch.dtype = torch.float32,
+        use_cpu_initialization: bool = False, reduce_scatter_embeddings: bool = False,
+        device=None, rng_tracker: Optional[RNGStatesTracker] = None,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.tp_group = tp_group
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        world, rank = group_size(tp_group), group_rank(tp_group)
+        self.num_embeddings_per_partition = divide(num_embeddings, world)
+        self.vocab_start_index = rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        device = _resolve_device(device, use_cpu_initialization)
+        self.weight = _new_param(
+            (self.num_embeddings_per_partition, embedding_dim), params_dtype, device
+        )
+        _init_weight(self.weight, (num_embeddings, embedding_dim), 0, 1, init_method,
+                     use_cpu_initialization, tp_group, rng_tracker)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if group_size(self.tp_group) > 1:
+            outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+            local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+            partial = F.embedding(local_ids, self.weight)
+            partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            partial = F.embedding(input_ids, self.weight)
+        if self.reduce_scatter_embeddings:
+            return reduce_scatter_to_sp(partial.transpose(0, 1).contiguous(), self.tp_group)
+        return reduce_from_tp(partial, self.tp_group)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split along its output columns: rank r computes Y_r = X A_r + b_r.
+
+    Input [s, b, h_in] (or [s/tp, b, h_in] with sequence_parallel); output
+    [s, b, h_out/tp], or [s, b, h_out] when gather_output. Communication:
+      * plain: input forward identity / backward all-reduce of grad_input (async,
+        overlapped with the weight-grad matmul when async_tensor_model_parallel_allreduce;
+        otherwise a synchronous copy_to_tp);
+      * sequence_parallel: input all-gathered along s in forward, grad reduce-scattered in
+        backward (async, overlapped);
+      * gather_output: output all-gathered along the last dim (backward: split).
+    forward(input, weight=None) returns (output, output_bias); output_bias is the bias
+    when skip_bias_add (the caller adds it, e.g. fused into an activation), else None.
+    `weight` overrides the layer's own weight (required with skip_weight_param_allocation,
+    e.g. an output layer tied to the word embeddings).
+    """
+
+    def __init__(
+        self, input_size: int, output_size: int, *, tp_group=None, bias: bool = True,
+        gather_output: bool = False, init_method: InitMethod, stride: int = 1,
+        skip_bias_add: bool = False, sequence_parallel: bool = False,
+        async_tensor_model_parallel_allreduce: bool = True,
+        params_dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = False,
+        skip_weight_param_allocation: bool = False, device=None,
+        gradient_accumulation_fusion: bool = False,
+        rng_tracker: Optional[RNGStatesTracker] = None,
+    ) -> None:
+        super().__init__()
+        if sequence_parallel and gather_output:
+            raise ValueError("ColumnParallelLinear: gather_output=True cannot be used with "
+                             "sequence_parallel=True; gather in the caller instead")
+        world = group_size(tp_group)
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = divide(output_size, world)
+        self.tp_group = tp_group
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = sequence_parallel and world > 1
+        self.async_tensor_model_parallel_allreduce = (
+            async_tensor_model_parallel_allreduce and world > 1 and not self.sequence_parallel
+        )
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        device = _resolve_device(device, use_cpu_initialization)
+        shape = (self.output_size_per_partition, input_size)
+        if skip_weight_param_allocation:
+            self.weight = None
+        else:
+            self.weight = _new_param(shape, params_dtype, device)
+            _init_weight(self.weight, (output_size, input_size), 0, stride, init_method,
+                         use_cpu_initialization, tp_group, rng_tracker)
+        if bias:
+            self.bias = _zero_bias(self.output_size_per_partition, params_dtype, device)
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(
+        self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if weight is None:
+            if self.weight is None:
+                raise ValueError("ColumnParallelLinear built with skip_weight_param_allocation="
+                                 "True needs the weight passed to forward(input, weight)")
+            weight = self.weight
+        elif tuple(weight.shape) != (self.output_size_per_partition, self.input_size):
+            raise ValueError(f"weight passed to ColumnParallelLinear has shape "
+                             f"{tuple(weight.shape)}, expected "
+                             f"{(self.output_size_per_partition, self.input_size)}")
+        if self.async_tensor_model_parallel_allreduce or self.sequence_parallel:
+            input_parallel = input_
+        else:
+            input_parallel = copy_to_tp(input_, self.tp_group)
+        bias = None if self.skip_bias_add else self.bias
+        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+            input_parallel, weight, bias, self.gradient_accumulation_fusion,
+            self.async_tensor_model_parallel_allreduce, self.sequence_parallel, self.tp_group,
+        )
+        output = gather_from_tp(output_parallel, self.tp_group) if self.gather_output \
+            else output_parallel
+        return output, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split along its input rows: Y = sum_r X_r A_r + b.
+
+    Input [s, b, h_in/tp] when input_is_parallel (else [s, b, h_in], split here with
+    scatter_to_tp: forward keep own chunk / backward all-gather). The partial products are
+    summed with reduce_from_tp (forward all-reduce / backward identity), or under
+    sequence_parallel with reduce_scatter_to_sp (forward reduce-scatter along s ->
+    [s/tp, b, h_out] / backward all-gather). The bias is added after the reduction; under
+    SP it is marked `sequence_parallel=True` because each rank sees only its part of the
+    sequence, so its grad must be all-reduced over TP by the trainer.
+    forward(input) returns (output, output_bias) as ColumnParallelLinear does.
+    """
+
+    def __init__(
+        self, input_size: int, output_size: int, *, tp_group=None, bias: bool = True,
+        input_is_parallel: bool = False, init_method: InitMethod, stride: int = 1,
+        skip_bias_add: bool = False, sequence_parallel: bool = False,
+        params_dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = False,
+        device=None, gradient_accumulation_fusion: bool = False,
+        rng_tracker: Optional[RNGStatesTracker] = None,
+    ) -> None:
+        super().__init__()
+        world = group_size(tp_group)
+        if sequence_parallel and world > 1 and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True requires "
+                             "input_is_parallel=True")
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = divide(input_size, world)
+        self.tp_group = tp_group
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = sequence_parallel and world > 1
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        device = _resolve_device(device, use_cpu_initialization)
+        self.weight = _new_param((output_size, self.input_size_per_partition), params_dtype,
+                                 device)
+        _init_weight(self.weight, (output_size, input_size), 1, stride, init_method,
+                     use_cpu_initialization, tp_group, rng_tracker)
+        if bias:
+            self.bias = _zero_bias(output_size, params_dtype, device)
+            set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        input_parallel = input_ if self.input_is_parallel else scatter_to_tp(input_, self.tp_group)
+        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+            input_parallel, self.weight, None, self.gradient_accumulation_fusion,
+            False, False, self.tp_group,
+        )
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sp(output_parallel, self.tp_group)
+        else:
+            output = reduce_from_tp(output_parallel, self.tp_group)
+        if self.skip_bias_add or self.bias is None:
+            return output, (self.bias if self.skip_bias_add else None)
+        return output + self.bias, None

@@ -1,0 +1,237 @@
+"""Communication as named autograd pairs.
+
+Each public function takes the process group it talks over. A group of `None`, or a
+group of one process, means "single process": every function is then the identity in
+both directions, so model code runs unchanged without torch.distributed.
+
+Tensor-parallel (TP) functions split or gather the LAST dimension (hidden / vocab);
+sequence-parallel (SP) functions split or gather dimension 0 (the sequence, since
+activations are laid out [s, b, h]).
+
+| function              | forward                         | backward                         |
+|-----------------------|---------------------------------|----------------------------------|
+| copy_to_tp            | identity                        | all-reduce                       |
+| reduce_from_tp        | all-reduce                      | identity                         |
+| scatter_to_tp         | keep own chunk of last dim      | all-gather last dim              |
+| gather_from_tp        | all-gather last dim             | keep own chunk of last dim       |
+| scatter_to_sp         | keep own chunk of dim 0         | all-gather dim 0                 |
+| gather_from_sp        | all-gather dim 0                | reduce-scatter dim 0 (or split)  |
+| reduce_scatter_to_sp  | reduce-scatter dim 0            | all-gather dim 0                 |
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_size(group) -> int:
+    """Number of processes in `group`; 1 when `group` is None."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    """This process's rank inside `group`; 0 when `group` is None."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+# --- raw collectives (no autograd) ------------------------------------------------------
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum `x` over the group into a new contiguous tensor (`x` is left untouched).
+
+    Out of place on purpose: autograd may hand the same grad tensor to several
+    consumers (e.g. both branches of a residual add), so reducing it in place would
+    corrupt the others.
+    """
+    if group_size(group) == 1:
+        return x
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def split_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's equal chunk of `x` along `dim` (contiguous)."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    if x.size(dim) % world != 0:
+        raise ValueError(
+            f"dimension {dim} of size {x.size(dim)} is not divisible by the group size {world}"
+        )
+    return x.chunk(world, dim=dim)[group_rank(group)].contiguous()
+
+
+def all_gather_dim0(x: torch.Tensor, group, async_op: bool = False):
+    """Concatenate every rank's `x` along dim 0. With async_op returns (tensor, handle)."""
+    world = group_size(group)
+    if world == 1:
+        return (x, None) if async_op else x
+    x = x.contiguous()
+    out = torch.empty((world * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    handle = _all_gather_single(out, x, group=group, async_op=async_op)
+    return (out, handle) if async_op else out
+
+
+def reduce_scatter_dim0(x: torch.Tensor, group, async_op: bool = False):
+    """Sum over ranks, keep this rank's chunk of dim 0. With async_op returns (tensor, handle)."""
+    world = group_size(group)
+    if world == 1:
+        return (x, None) if async_op else x
+    if x.size(0) % world != 0:
+        raise ValueError(
+            f"dimension 0 of size {x.size(0)} is not divisible by the group size {world}"
+        )
+    x = x.contiguous()
+    out = torch.empty((x.size(0) // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    handle = _reduce_scatter_single(out, x, group=group, async_op=async_op)
+    return (out, handle) if async_op else out
+
+
+def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate every rank's `x` along the last dimension."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    stacked = all_gather_dim0(x.unsqueeze(0), group)  # [world, *x.shape]
+    return torch.cat(stacked.unbind(0), dim=-1).contiguous()
+
+
+# --- autograd pairs ---------------------------------------------------------------------
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split_along_dim(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_last_dim(grad, ctx.group), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split_along_dim(grad, -1, ctx.group), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split_along_dim(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_dim0(grad, ctx.group), None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tensor_parallel_output_grad):
+        ctx.group = group
+        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        return all_gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.tensor_parallel_output_grad:
+            return reduce_scatter_dim0(grad, ctx.group), None, None
+        return split_along_dim(grad, 0, ctx.group), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_dim0(grad, ctx.group), None
+
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Enter a TP region. Forward: identity. Backward: all-reduce (sum) of the grad."""
+    if group_size(group) == 1:
+        return x
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Leave a TP region by summing partial results. Forward: all-reduce. Backward: identity."""
+    if group_size(group) == 1:
+        return x
+    return _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: keep this rank's chunk of the last dim. Backward: all-gather the last dim."""
+    if group_size(group) == 1:
+        return x
+    return _ScatterToTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: all-gather the last dim. Backward: keep this rank's chunk of the last dim."""
+    if group_size(group) == 1:
+        return x
+    return _GatherFromTP.apply(x, group)
+
+
+def scatter_to_sp(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: keep this rank's chunk of dim 0 (sequence). Backward: all-gather dim 0."""
+    if group_size(group) == 1:
+        return x
+    return _ScatterToSP.apply(x, group)
+
+
+def gather_from_sp(
+    x: torch.Tensor, group, tensor_parallel_output_grad: bool = True
+) -> torch.Tensor:
+    """Forward: all-gather dim 0 (sequence).
+
+    Backward: reduce-scatter dim 0 when the consumer of the output is tensor-parallel
+    (each rank holds a partial grad that must be summed); with
+    `tensor_parallel_output_grad=False` the grad is already complete on every rank and
+    backward just keeps this rank's chunk of dim 0.
+    """
+    if group_size(group) == 1:
+        return x
+    return _GatherFromSP.apply(x, group, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: reduce-scatter (sum, keep own chunk of dim 0). Backward: all-gather dim 0."""
+    if group_size(group) == 1:
+        return x
+    return _ReduceScatterToSP.apply(x, group)

@@ -1,0 +1,204 @@
+"""Random-number streams for tensor parallelism, and activation recompute.
+
+Two streams, as in Megatron:
+
+* the default torch generator, seeded with `seed` on every TP rank: dropout OUTSIDE the
+  tensor-parallel region (hidden dropout on the full [s, b, h] residual stream) must
+  give the same mask on every TP rank, because those ranks hold copies of one tensor;
+* the "model-parallel-rng" stream of an `RNGStatesTracker`, seeded with
+  `seed + 2718 + tp_rank`: dropout INSIDE the TP region (attention probabilities, each
+  rank holding different heads) and the init of sharded weights run under
+  `tracker.fork()` so that ranks draw different numbers.
+
+A tracker drives one device's generator: CPU (`torch.get_rng_state`) or the current
+CUDA device (`torch.cuda.get_rng_state`), chosen when it is built; use the device the
+activations live on, or dropout would draw from the other generator. Its states are
+ByteTensors keyed by name, the format Megatron checkpoints store as
+`rng_tracker_states`.
+
+`checkpoint(function, *args)` recomputes `function` in backward and replays the CPU,
+CUDA and tracker streams, so recomputed dropout masks equal the original ones.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Optional
+
+import torch
+import torch.utils.checkpoint
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+# Offset between the default seed and the tensor-parallel seed (Megatron's constant).
+TP_SEED_OFFSET = 2718
+
+
+def _resolve_device(device) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind = torch.device(device).type
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"RNGStatesTracker supports device 'cpu' or 'cuda', got {device!r}")
+    return kind
+
+
+def _get_rng_state(device: str) -> torch.Tensor:
+    return torch.cuda.get_rng_state() if device == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(device: str, state: torch.Tensor) -> None:
+    if device == "cuda":
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+def _manual_seed(device: str, seed: int) -> None:
+    if device == "cuda":
+        torch.cuda.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+
+
+class RNGStatesTracker:
+    """Named generator states for one device; `fork(name)` runs code on one of them.
+
+    `device` is "cpu", "cuda" or None (CUDA when available, else CPU).
+    """
+
+    def __init__(self, device=None) -> None:
+        self.device = _resolve_device(device)
+        self.states: Dict[str, torch.Tensor] = {}
+        self.seeds: set = set()
+
+    def reset(self) -> None:
+        """Forget every state and seed."""
+        self.states = {}
+        self.seeds = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.states
+
+    def add(self, name: str, seed: int) -> None:
+        """Create stream `name` seeded with `seed`; the current generator state is kept."""
+        if seed in self.seeds:
+            raise ValueError(f"seed {seed} already used by another RNG stream; pick another")
+        if name in self.states:
+            raise ValueError(f"RNG stream {name!r} already exists; call reset() first")
+        self.seeds.add(seed)
+        original = _get_rng_state(self.device)
+        _manual_seed(self.device, seed)
+        self.states[name] = _get_rng_state(self.device)
+        _set_rng_state(self.device, original)
+
+    def get_states(self) -> Dict[str, torch.Tensor]:
+        """A copy of the name -> generator-state mapping."""
+        return dict(self.states)
+
+    def set_states(self, states: Dict[str, torch.Tensor]) -> None:
+        """Replace every stream's state (seeds are not checked)."""
+        self.states = dict(states)
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """Same as get_states(): {name: ByteTensor}, loadable with weights_only=True."""
+        return self.get_states()
+
+    def load_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        self.set_states(state_dict)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG):
+        """Run the block on stream `name`, then put the default generator back.
+
+        The stream advances: the next fork continues where this one stopped.
+        """
+        if name not in self.states:
+            raise ValueError(
+                f"RNG stream {name!r} is not set up; call model_parallel_seed(seed, tp_rank, "
+                f"tracker) (or tracker.add) first"
+            )
+        original = _get_rng_state(self.device)
+        _set_rng_state(self.device, self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = _get_rng_state(self.device)
+            _set_rng_state(self.device, original)
+
+
+_DEFAULT_TRACKER: Optional[RNGStatesTracker] = None
+
+
+def get_rng_tracker() -> RNGStatesTracker:
+    """The process-wide default tracker (built on first use with the default device).
+
+    Library code takes a tracker argument and falls back to this one when given None;
+    `get_cuda_rng_tracker` is the same function under Megatron's name.
+    """
+    global _DEFAULT_TRACKER
+    if _DEFAULT_TRACKER is None:
+        _DEFAULT_TRACKER = RNGStatesTracker()
+    return _DEFAULT_TRACKER
+
+
+def set_rng_tracker(tracker: RNGStatesTracker) -> None:
+    """Replace the process-wide default tracker (e.g. with a CPU one on a GPU host)."""
+    global _DEFAULT_TRACKER
+    _DEFAULT_TRACKER = tracker
+
+
+get_cuda_rng_tracker = get_rng_tracker
+
+
+def model_parallel_seed(
+    seed: int, tp_rank: int, tracker: Optional[RNGStatesTracker] = None
+) -> RNGStatesTracker:
+    """Seed both streams the Megatron way and return the tracker.
+
+    Default generator(s) (CPU and every CUDA device): `seed`, identical on TP ranks.
+    Tracker stream "model-parallel-rng": `seed + 2718 + tp_rank`, different per TP rank.
+    The tracker is reset first. `seed` already carries any per-pipeline-stage offset.
+    """
+    tracker = get_rng_tracker() if tracker is None else tracker
+    tracker.reset()
+    torch.manual_seed(seed)
+    tracker.add(MODEL_PARALLEL_RNG, seed + TP_SEED_OFFSET + tp_rank)
+    return tracker
+
+
+class _ReplayTrackerStates:
+    """Recompute context: run on the tracker states saved at forward time, then restore."""
+
+    def __init__(self, tracker: RNGStatesTracker, states: Dict[str, torch.Tensor]) -> None:
+        self.tracker = tracker
+        self.forward_states = states
+        self.saved: Optional[Dict[str, torch.Tensor]] = None
+
+    def __enter__(self):
+        self.saved = self.tracker.get_states()
+        self.tracker.set_states(self.forward_states)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.tracker.set_states(self.saved)
+        return False
+
+
+def checkpoint(function, *args, tracker: Optional[RNGStatesTracker] = None):
+    """Activation recompute: run `function(*args)` without keeping its activations.
+
+    In backward the function is run again under the generator states it saw in forward:
+    torch restores the CPU and CUDA default generators (preserve_rng_state=True) and this
+    wrapper restores the tracker's streams, so dropout inside and outside `fork()` draws
+    the same masks. Any collectives inside `function` run again during backward, in the
+    same order on every rank. Uses torch's non-reentrant checkpoint, so parameters get
+    grads even when no input requires grad.
+    """
+    tracker = get_rng_tracker() if tracker is None else tracker
+
+    def context_fn():
+        # Called once, at forward time: remember the tracker streams as they are now.
+        return contextlib.nullcontext(), _ReplayTrackerStates(tracker, tracker.get_states())
+
+    return torch.utils.checkpoint.checkpoint(
+        function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn
+    )
