@@ -50,7 +50,7 @@ def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
         ep_size=parallel.ep_size, virtual_pp_size=parallel.virtual_pp_size,
         sequence_parallel=parallel.sequence_parallel, timeout=timeout,
     )
-    return Runtime(ps=ps, device=device, rng_tracker=RNGStatesTracker(), backend=backend)
+    return Runtime(ps=ps, device=device, rng_tracker=RNGStatesTracker(device), backend=backend)
 
 
 def set_random_seed(seed: int, rt: Runtime, data_parallel_random_init: bool = False) -> None:

@@ -43,6 +43,7 @@ class Embedding(nn.Module):
             config.padded_vocab_size, config.hidden_size, tp_group=tp_group,
             init_method=init_method_normal(config.init_method_std), params_dtype=dtype,
             use_cpu_initialization=config.use_cpu_initialization, device=device,
+            rng_tracker=rng_tracker,
         )
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
@@ -89,6 +90,7 @@ class LanguageModel(nn.Module):
                 gather_output=False, init_method=init_method_normal(config.init_method_std),
                 sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
                 use_cpu_initialization=config.use_cpu_initialization, device=device,
+                rng_tracker=rng_tracker,
             )
 
 

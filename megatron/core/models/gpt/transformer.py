@@ -72,9 +72,10 @@ def _activation(name: str):
     raise ValueError(f"unknown activation {name!r}")
 
 
-def _linear_kwargs(config: ModelConfig, tp_group, device) -> dict:
+def _linear_kwargs(config: ModelConfig, tp_group, device, rng_tracker=None) -> dict:
     return {
         "tp_group": tp_group,
+        "rng_tracker": rng_tracker,
         "params_dtype": config.params_dtype,
         "use_cpu_initialization": config.use_cpu_initialization,
         "sequence_parallel": config.sequence_parallel,
@@ -85,9 +86,9 @@ def _linear_kwargs(config: ModelConfig, tp_group, device) -> dict:
 class ParallelMLP(nn.Module):
     """h -> f (column-parallel) -> activation -> h (row-parallel)."""
 
-    def __init__(self, config: ModelConfig, tp_group=None, device=None):
+    def __init__(self, config: ModelConfig, tp_group=None, device=None, rng_tracker=None):
         super().__init__()
-        kw = _linear_kwargs(config, tp_group, device)
+        kw = _linear_kwargs(config, tp_group, device, rng_tracker)
         std = config.init_method_std
         self.swiglu = config.swiglu
         fc1_out = config.ffn_hidden_size * (2 if self.swiglu else 1)
@@ -131,7 +132,7 @@ class ParallelAttention(nn.Module):
         self.d = config.kv_channels
         self.n = divide(config.num_attention_heads, tp)
         self.g = divide(config.num_query_groups, tp)
-        kw = _linear_kwargs(config, tp_group, device)
+        kw = _linear_kwargs(config, tp_group, device, rng_tracker)
         std = config.init_method_std
         qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * self.d
         self.query_key_value = ColumnParallelLinear(
@@ -197,7 +198,7 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = build_norm(config)
         self.self_attention = ParallelAttention(config, tp_group, rng_tracker, device)
         self.post_attention_layernorm = build_norm(config)
-        self.mlp = ParallelMLP(config, tp_group, device)
+        self.mlp = ParallelMLP(config, tp_group, device, rng_tracker)
 
     def _residual_dropout(self, out, bias, residual):
         if bias is not None:
