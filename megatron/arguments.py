@@ -1,0 +1,375 @@
+"""The command-line surface: Megatron-LM 23.05 flags -> validated config dataclasses.
+
+    config = parse_and_validate(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", 1)))
+
+Steps, each its own function:
+  1. `parse_args`: argparse over the flag table (`arguments_table.py`), values from
+     `--config FILE.yaml` underneath the command line, removed old flags rejected by name,
+     unknown flags answered with the closest known one.
+  2. `apply_deprecated`: `--model-parallel-size`, `--batch-size`, `--warmup`,
+     `--checkpoint-activations` mapped to their replacements with a warning.
+  3. `check_not_supported`: every flag of another model family or of a feature not built,
+     set to a non-default value, is listed in ONE error with the reason.
+  4. `validate_args` (arguments_validate.py): cross-flag rules with the world size, derived
+     values (data-parallel size, global batch, ffn size, padded vocab ...).
+  5. `build_config`: the dataclasses of megatron/config.py plus `Config.args` (plain data).
+
+User errors raise `ArgumentsError` (a SystemExit with status 2) after printing
+`<prog>: error: <message>` to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+from megatron.arguments_common import (
+    FLAG_SPECS,
+    ArgumentsError,
+    FlagSpec,
+    messages_for_rank,
+    note,
+    warn,
+)
+from megatron.arguments_report import (
+    count_parameters,
+    dry_run_report,
+    find_missing_inputs,
+    format_args_dump,
+    run_dry_run,
+)
+from megatron.arguments_table import (
+    ALLOWED_IN_REJECTED_GROUPS,
+    DEPRECATED_HELP,
+    EXTRA_GROUP,
+    EXTRA_HELP,
+    MEGATRON_DESCRIPTION,
+    MEGATRON_GROUPS,
+    NO_EFFECT,
+    NOT_SUPPORTED,
+    NOT_SUPPORTED_GROUPS,
+    REMOVED,
+)
+from megatron.arguments_validate import (
+    build_config,
+    default_vocab_size,
+    pad_vocab_size,
+    validate_args,
+)
+from megatron.config import Config
+
+__all__ = [
+    "ArgumentsError",
+    "apply_deprecated",
+    "build_config",
+    "build_parser",
+    "check_not_supported",
+    "count_parameters",
+    "default_vocab_size",
+    "dry_run_report",
+    "find_missing_inputs",
+    "format_args_dump",
+    "load_yaml_config",
+    "note",
+    "pad_vocab_size",
+    "parse_and_validate",
+    "parse_args",
+    "run_dry_run",
+    "validate_args",
+    "warn",
+]
+
+_KIND_TYPES: Dict[str, Callable] = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _int_or_float(text: str):
+    """Type of the deprecated `--warmup`: int when it looks like one, else float."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with short errors: no 240-flag usage block, a pointer to --help instead."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        raise ArgumentsError(f"{message} (see --help)")
+
+
+def _add_flag(group, spec: FlagSpec, suppress_defaults: bool) -> None:
+    kw: Dict[str, Any] = {"dest": spec.dest}
+    kw["default"] = argparse.SUPPRESS if suppress_defaults else spec.default
+    kind = spec.kind
+    if kind in ("true", "false"):
+        kw["action"] = "store_" + kind
+    elif kind == "list":
+        kw["nargs"] = "*"
+    elif kind == "+int":
+        kw.update(nargs="+", type=int)
+    elif kind == "num":
+        kw["type"] = _int_or_float
+    elif kind != "raw":
+        kw["type"] = _KIND_TYPES[kind]
+    if spec.choices is not None:
+        kw["choices"] = list(spec.choices)
+    text = EXTRA_HELP.get(spec.flag) or DEPRECATED_HELP.get(spec.flag)
+    if text is None and spec.flag in NOT_SUPPORTED:
+        text = "not supported: " + NOT_SUPPORTED[spec.flag]
+    if text is not None:
+        kw["help"] = text
+    group.add_argument(spec.flag, **kw)
+
+
+def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
+    """The argparse parser: Megatron's groups in Megatron's order, then our extension group.
+
+    With `suppress_defaults` no default is set, so a parse returns only the flags given.
+    """
+    parser = _Parser(description=MEGATRON_DESCRIPTION, allow_abbrev=False)
+    for title, _ in MEGATRON_GROUPS + (EXTRA_GROUP,):
+        group = parser.add_argument_group(title=title)
+        for spec in FLAG_SPECS.values():
+            if spec.group == title:
+                _add_flag(group, spec, suppress_defaults)
+    return parser
+
+
+# ------------------------------------------------------------------------------ YAML
+
+
+def _norm_key(key: str) -> str:
+    return str(key).lstrip("-").replace("_", "-").lower()
+
+
+def _option_index(parser: argparse.ArgumentParser) -> Dict[str, argparse.Action]:
+    return {
+        _norm_key(opt): action
+        for action in parser._actions
+        for opt in action.option_strings
+        if opt.startswith("--") and opt != "--help"
+    }
+
+
+def _yaml_value(key: str, action: argparse.Action, value: Any, path: str) -> Any:
+    """Convert one YAML value the way argparse would convert the same text."""
+    where = f"--config {path}: key '{key}'"
+    if action.nargs == 0:  # store_true / store_false
+        if not isinstance(value, bool):
+            raise ArgumentsError(f"{where} is a switch; give true or false, not {value!r}")
+        if value:
+            return action.const
+        return None if action.default is None else (not action.const)
+    items = value if isinstance(value, list) else [value]
+    if action.nargs is None and isinstance(value, list):
+        raise ArgumentsError(f"{where} takes one value, got the list {value!r}")
+    out = []
+    for item in items:
+        if action.type is bool and isinstance(item, bool):
+            conv = item
+        else:
+            try:
+                conv = action.type(str(item)) if action.type else str(item)
+            except ValueError:
+                kind = getattr(action.type, "__name__", "value")
+                raise ArgumentsError(f"{where} expects {kind}, got {item!r}") from None
+        if action.choices is not None and conv not in action.choices:
+            choices = ", ".join(map(str, action.choices))
+            raise ArgumentsError(f"{where}: {conv!r} is not one of {choices}")
+        out.append(conv)
+    return out if action.nargs in ("*", "+") else out[0]
+
+
+def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, Any]:
+    """Read `--config FILE.yaml` into {dest: value}.
+
+    Keys are flag names with or without dashes, '-' or '_' alike (`tensor-model-parallel-size`,
+    `tensor_model_parallel_size`); switches take true/false; list flags take YAML lists.
+    Unknown keys are an error naming the closest flag.
+    """
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ArgumentsError(f"--config {path}: file not found")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as exc:
+            raise ArgumentsError(f"--config {path}: not valid YAML ({exc})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ArgumentsError(f"--config {path}: expected a mapping of flag: value pairs")
+    index = _option_index(parser)
+    removed = {_norm_key(k): v for k, v in REMOVED.items()}
+    values: Dict[str, Any] = {}
+    for key, value in data.items():
+        norm = _norm_key(key)
+        if norm == "config":
+            raise ArgumentsError(f"--config {path}: a config file cannot name another --config")
+        if norm in removed:
+            raise ArgumentsError(f"--config {path}: key '{key}' was removed from Megatron-LM; "
+                                 f"use {removed[norm]}")
+        if norm not in index:
+            close = difflib.get_close_matches(norm, list(index), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ArgumentsError(f"--config {path}: unknown key '{key}'{hint}")
+        action = index[norm]
+        values[action.dest] = _yaml_value(str(key), action, value, path)
+    return values
+
+
+# ------------------------------------------------------------------------- parsing
+
+
+def _check_removed(argv: Sequence[str]) -> None:
+    for token in argv:
+        name = token.split("=", 1)[0]
+        if name in REMOVED:
+            raise ArgumentsError(f"{name} was removed from Megatron-LM before 23.05; "
+                                 f"use {REMOVED[name]}")
+
+
+def _unknown_error(unknown: List[str], parser: argparse.ArgumentParser) -> ArgumentsError:
+    options = [o for a in parser._actions for o in a.option_strings]
+    parts = []
+    for token in unknown:
+        name = token.split("=", 1)[0]
+        close = difflib.get_close_matches(name, options, n=1) if name.startswith("-") else []
+        parts.append(f"{token} (did you mean {close[0]}?)" if close else token)
+    return ArgumentsError("unrecognized arguments: " + " ".join(parts))
+
+
+def parse_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, Set[str]]:
+    """argv (+ the `--config` YAML underneath it) -> (namespace, dests set explicitly).
+
+    Command-line flags override the YAML file; a dest counts as explicit when the command
+    line or the YAML file set it.
+    """
+    argv = list(argv)
+    _check_removed(argv)
+    probe = build_parser(suppress_defaults=True)
+    given, unknown = probe.parse_known_args(argv)
+    if unknown:
+        raise _unknown_error(unknown, probe)
+    parser = build_parser()
+    yaml_values: Dict[str, Any] = {}
+    if getattr(given, "config", None):
+        yaml_values = load_yaml_config(given.config, parser)
+        parser.set_defaults(**yaml_values)
+    ns = parser.parse_args(argv)
+    return ns, set(vars(given)) | set(yaml_values)
+
+
+# --------------------------------------------------------------------- deprecated
+
+
+def _move(ns, explicit: Set[str], old: str, new: str, value=None) -> None:
+    """Copy deprecated `old` into `new`; an explicit different `new` value is a conflict."""
+    value = getattr(ns, old) if value is None else value
+    old_flag, new_flag = "--" + old.replace("_", "-"), "--" + new.replace("_", "-")
+    if new in explicit and getattr(ns, new) != value:
+        raise ArgumentsError(f"{old_flag} {getattr(ns, old)} conflicts with {new_flag} "
+                             f"{getattr(ns, new)}; drop the deprecated {old_flag}")
+    warn(f"{old_flag} is deprecated; using {new_flag} {value}")
+    setattr(ns, new, value)
+
+
+def apply_deprecated(ns: argparse.Namespace, explicit: Set[str]) -> Dict[str, str]:
+    """Map deprecated flags onto their replacements (one warning each) and return
+    {dest: deprecated flag that set it}, for later messages.
+
+    `--warmup W` (an old fraction-of-iterations flag): W < 1 -> `--lr-warmup-fraction W`,
+    W >= 1 -> `--lr-warmup-iters W`.
+    `--checkpoint-activations` -> `--recompute-granularity full --recompute-method uniform`.
+    """
+    origins: Dict[str, str] = {}
+    if ns.model_parallel_size is not None:
+        _move(ns, explicit, "model_parallel_size", "tensor_model_parallel_size")
+        origins["tensor_model_parallel_size"] = "--model-parallel-size"
+    if ns.batch_size is not None:
+        _move(ns, explicit, "batch_size", "micro_batch_size")
+        origins["micro_batch_size"] = "--batch-size"
+    if ns.warmup is not None:
+        if ns.warmup < 1:
+            _move(ns, explicit, "warmup", "lr_warmup_fraction", float(ns.warmup))
+            origins["lr_warmup_fraction"] = "--warmup"
+        else:
+            _move(ns, explicit, "warmup", "lr_warmup_iters", int(ns.warmup))
+            origins["lr_warmup_iters"] = "--warmup"
+    if ns.checkpoint_activations:
+        warn("--checkpoint-activations is deprecated; using --recompute-granularity full "
+             "--recompute-method uniform")
+        for dest, value in (("recompute_granularity", "full"), ("recompute_method", "uniform")):
+            if dest not in explicit:
+                setattr(ns, dest, value)
+                origins[dest] = "--checkpoint-activations"
+    return origins
+
+
+def check_not_supported(ns: argparse.Namespace, origins: Optional[Dict[str, str]] = None) -> None:
+    """Raise ONE error listing every not-supported flag whose value differs from its default
+    (see NOT_SUPPORTED / NOT_SUPPORTED_GROUPS in arguments_table.py), with the reason.
+    Also warns once for each NO_EFFECT flag that is set."""
+    origins = origins or {}
+    problems = []
+    for spec in FLAG_SPECS.values():
+        reason = NOT_SUPPORTED.get(spec.flag)
+        if reason is None and spec.flag not in ALLOWED_IN_REJECTED_GROUPS:
+            reason = NOT_SUPPORTED_GROUPS.get(spec.group)
+        value = getattr(ns, spec.dest)
+        if reason is not None and value != spec.default:
+            via = f" (set by {origins[spec.dest]})" if spec.dest in origins else ""
+            problems.append(f"{spec.flag}: {reason}{via}")
+        elif spec.flag in NO_EFFECT and value != spec.default:
+            warn(f"{spec.flag} has no effect here: {NO_EFFECT[spec.flag]}")
+    if problems:
+        raise ArgumentsError("flags not supported by this framework:\n  " + "\n  ".join(problems))
+
+
+# ---------------------------------------------------------------------------- entry
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def parse_and_validate(
+    argv: Sequence[str],
+    world_size: int = 1,
+    env: Optional[Mapping[str, str]] = None,
+    *,
+    cuda_available: Optional[bool] = None,
+    vocab_size_fn: Optional[Callable[[argparse.Namespace], int]] = None,
+) -> Config:
+    """argv -> validated `Config`, before any process group exists.
+
+    `env` (default os.environ) supplies RANK (warnings print on rank 0 only) and LOCAL_RANK.
+    `cuda_available` (default torch.cuda.is_available()) picks the backend and the compile
+    default. `vocab_size_fn(args) -> int` returns the tokenizer's vocab size before padding
+    (default: `default_vocab_size`, which knows GPT2BPETokenizer and NullTokenizer).
+    Raises `ArgumentsError` (exit status 2) after printing `<prog>: error: ...` to stderr.
+    """
+    env = os.environ if env is None else env
+    rank = int(env.get("RANK", 0) or 0)
+    if cuda_available is None:
+        cuda_available = _cuda_available()
+    try:
+        with messages_for_rank(rank):
+            ns, explicit = parse_args(argv)
+            origins = apply_deprecated(ns, explicit)
+            check_not_supported(ns, origins)
+            ns.rank, ns.world_size = rank, world_size
+            if ns.local_rank is None and env.get("LOCAL_RANK"):
+                ns.local_rank = int(env["LOCAL_RANK"])
+            validate_args(ns, world_size, explicit=explicit, cuda_available=cuda_available,
+                          vocab_size_fn=vocab_size_fn)
+            return build_config(ns)
+    except ArgumentsError as err:
+        prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "megatron"
+        print(f"{prog}: {err}", file=sys.stderr)
+        raise

@@ -1,0 +1,107 @@
+"""Shared pieces of the CLI layer: the user-error type, the warning helper and the flag index.
+
+Used by `arguments.py`, `arguments_validate.py` and `arguments_report.py`; it imports only the
+flag tables.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from typing import Dict, Iterator, NamedTuple, Optional, Tuple
+
+from megatron.arguments_table import EXTRA_GROUP, MEGATRON_GROUPS
+
+_log = logging.getLogger("megatron.arguments")
+
+
+class ArgumentsError(SystemExit):
+    """A mistake in the flags: exits with status 2 and prints `error: <message>`, no traceback.
+
+    `parse_and_validate` prints the message to stderr before raising; `str(err)` and
+    `err.message` give the text.
+    """
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"error: {self.message}"
+
+
+def warn(msg: str) -> None:
+    """One-line warning about the flags (stderr on rank 0 unless logging is configured)."""
+    _log.warning(msg)
+
+
+def note(msg: str) -> None:
+    """Informational line (Megatron prints these on rank 0), e.g. derived batch sizes."""
+    _log.info(msg)
+
+
+class _Formatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        return f"WARNING: {text}" if record.levelno >= logging.WARNING else text
+
+
+@contextlib.contextmanager
+def messages_for_rank(rank: int) -> Iterator[None]:
+    """Show warnings/notes on rank 0 only. When nothing configured logging, print them to
+    stderr ourselves (bare lines, warnings prefixed `WARNING:`)."""
+    handler: Optional[logging.Handler] = None
+    old_level = _log.level
+    if not _log.hasHandlers():
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_Formatter())
+        _log.addHandler(handler)
+        _log.setLevel(logging.INFO)
+    if rank != 0:
+        _log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        if handler is not None:
+            _log.removeHandler(handler)
+        _log.setLevel(old_level)
+
+
+class FlagSpec(NamedTuple):
+    """One row of the flag tables, unpacked."""
+
+    flag: str
+    kind: str
+    default: object
+    choices: Optional[Tuple]
+    dest: str
+    group: str
+
+
+def _unpack(row: tuple, group: str) -> FlagSpec:
+    flag, kind, default = row[:3]
+    choices = row[3] if len(row) > 3 else None
+    dest = row[4] if len(row) > 4 else flag.lstrip("-").replace("-", "_")
+    return FlagSpec(flag, kind, default, choices, dest, group)
+
+
+def _build_index() -> Dict[str, FlagSpec]:
+    index: Dict[str, FlagSpec] = {}
+    for title, rows in MEGATRON_GROUPS + (EXTRA_GROUP,):
+        for row in rows:
+            spec = _unpack(row, title)
+            assert spec.flag not in index, f"duplicate flag {spec.flag} in the tables"
+            index[spec.flag] = spec
+    return index
+
+
+# flag -> FlagSpec, in table order (Megatron's groups first, then ours).
+FLAG_SPECS: Dict[str, FlagSpec] = _build_index()
+
+
+def flag_for_dest(dest: str) -> str:
+    """The first flag writing `dest` (for messages): 'micro_batch_size' -> '--micro-batch-size'."""
+    for spec in FLAG_SPECS.values():
+        if spec.dest == dest:
+            return spec.flag
+    return "--" + dest.replace("_", "-")

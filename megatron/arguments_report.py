@@ -1,0 +1,157 @@
+"""What the CLI prints about a resolved configuration: the `--dry-run` report (grid, batch
+split, analytic parameter counts, missing input files) and Megatron's arguments dump."""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
+
+from megatron.config import Config, ModelConfig
+
+
+class ParamCount(NamedTuple):
+    """`total`: unique parameters of the whole model (tied weights once).
+    `per_stage[s]`: parameters on one tensor-parallel rank of pipeline stage s (a tied
+    output layer on the last stage of a pipeline counts its own copy, as Megatron does)."""
+
+    total: int
+    per_stage: List[int]
+
+
+def _layer_params(cfg: ModelConfig) -> tuple:
+    """(sharded, replicated) parameter counts of one transformer layer. Sharded ones are
+    split over tensor-parallel ranks: QKV and fc1 (column-parallel, weight and bias), proj
+    and fc2 weights (row-parallel); the norms and the row-parallel biases are replicated."""
+    h, d = cfg.hidden_size, cfg.kv_channels
+    heads, groups = cfg.num_attention_heads, cfg.num_query_groups
+    bias = 1 if cfg.add_bias_linear else 0
+    norm = h if cfg.normalization == "RMSNorm" else 2 * h
+    qkv_out = (heads + 2 * groups) * d
+    fc1_out = cfg.ffn_hidden_size * (2 if cfg.swiglu else 1)
+    sharded = (qkv_out * h + bias * qkv_out  # query_key_value
+               + heads * d * h  # dense (attention output projection)
+               + fc1_out * h + bias * fc1_out  # dense_h_to_4h
+               + cfg.ffn_hidden_size * h)  # dense_4h_to_h
+    replicated = 2 * norm + bias * 2 * h
+    return sharded, replicated
+
+
+def count_parameters(cfg: ModelConfig, tp_size: int = 1, pp_size: int = 1) -> ParamCount:
+    """Analytic GPT parameter count: word embeddings (+ learned positions), per layer QKV
+    (with grouped-query attention), projection, two norms and the MLP (3 matrices with
+    SwiGLU), biases when add_bias_linear, final norm and an untied output layer."""
+    h, vocab = cfg.hidden_size, cfg.padded_vocab_size
+    sharded, replicated = _layer_params(cfg)
+    final_norm = h if cfg.normalization == "RMSNorm" else 2 * h
+    word = vocab * h
+    pos = cfg.max_position_embeddings * h if cfg.position_embedding_type == "learned_absolute" else 0
+    untied = cfg.untie_embeddings_and_output_weights
+    total = word + pos + cfg.num_layers * (sharded + replicated) + final_norm + (word if untied else 0)
+    layers = cfg.num_layers // pp_size
+    per_stage = []
+    for stage in range(pp_size):
+        n = layers * (sharded // tp_size + replicated)
+        if stage == 0:
+            n += word // tp_size + pos
+        if stage == pp_size - 1:
+            n += final_norm
+            if untied or pp_size > 1:
+                n += word // tp_size
+        per_stage.append(n)
+    return ParamCount(total, per_stage)
+
+
+def _data_prefixes(paths: Optional[Sequence[str]]) -> List[str]:
+    """Prefixes of a Megatron data list: `p`, or `w1 p1 w2 p2 ...` (weights dropped)."""
+    if not paths:
+        return []
+    if len(paths) > 1 and len(paths) % 2 == 0:
+        try:
+            [float(w) for w in paths[0::2]]
+            return list(paths[1::2])
+        except ValueError:
+            pass
+    return list(paths)
+
+
+def find_missing_inputs(args: Mapping[str, Any]) -> List[str]:
+    """Input files a run would need but that do not exist (`Config.args` as input):
+    `<prefix>.bin/.idx` of every data path, tokenizer files, a missing --load directory
+    when --exit-on-missing-checkpoint is set, and a run with no data source at all."""
+    missing = []
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        for prefix in _data_prefixes(args.get(flag)):
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(prefix + ext):
+                    missing.append(f"{prefix}{ext} (--{flag.replace('_', '-')})")
+    tokenizer = args.get("tokenizer_type")
+    files = {"GPT2BPETokenizer": ("vocab_file", "merge_file"),
+             "SentencePieceTokenizer": ("tokenizer_model",),
+             "GPTSentencePieceTokenizer": ("tokenizer_model",)}.get(tokenizer, ())
+    for flag in files:
+        path = args.get(flag)
+        if not path:
+            missing.append(f"--{flag.replace('_', '-')} is not set ({tokenizer} needs it)")
+        elif not os.path.isfile(path):
+            missing.append(f"{path} (--{flag.replace('_', '-')})")
+    load = args.get("load")
+    if load and not os.path.isdir(load) and args.get("exit_on_missing_checkpoint"):
+        missing.append(f"{load} (--load, with --exit-on-missing-checkpoint)")
+    has_data = args.get("data_path") or args.get("train_data_path") or args.get("mock_data")
+    if not has_data and not args.get("skip_train"):
+        missing.append("no training data: pass --data-path PREFIX (or --mock-data)")
+    return missing
+
+
+def _fmt(n: int) -> str:
+    return f"{n:,}"
+
+
+def dry_run_report(config: Config, world_size: int) -> str:
+    """Human-readable summary of a resolved configuration for `--dry-run`."""
+    m, p, d, t, o = config.model, config.parallel, config.data, config.training, config.optimizer
+    counts = count_parameters(m, p.tp_size, p.pp_size)
+    dtype = "bf16" if o.bf16 else "fp16" if o.fp16 else "fp32"
+    steps = (f"{t.train_iters} iterations" if t.train_iters is not None else "no training")
+    if t.train_samples:
+        steps += f" ({t.train_samples} samples)"
+    groups = f", {m.num_query_groups} query groups" if m.num_query_groups != m.num_attention_heads else ""
+    per_rank = ", ".join(f"stage {s}: {_fmt(n)}" for s, n in enumerate(counts.per_stage))
+    lines = [
+        "dry run: configuration resolved, nothing launched",
+        f"  world size {world_size} = tensor {p.tp_size} x pipeline {p.pp_size} x data {p.dp_size}"
+        f" (backend {config.args.get('distributed_backend')})",
+        f"  batch: micro {d.micro_batch_size} x {d.num_micro_batches} micro-batches per step x "
+        f"data {p.dp_size} = global {d.global_batch_size}; sequence length {d.seq_length}",
+        f"  training: {steps}, lr {o.lr} ({o.lr_decay_style}, warmup {o.lr_warmup_steps} / decay "
+        f"{o.lr_decay_steps} samples)",
+        f"  model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads"
+        f"{groups}, ffn {m.ffn_hidden_size} ({m.activation}), {m.normalization}, positions "
+        f"{m.position_embedding_type}, vocab {m.padded_vocab_size} (padded), {dtype}",
+        f"  parameters: {_fmt(counts.total)} total; per rank ({per_rank})",
+    ]
+    missing = find_missing_inputs(config.args)
+    if missing:
+        lines.append("missing inputs:")
+        lines += [f"  {item}" for item in missing]
+    else:
+        lines.append("all input files found")
+    load = config.checkpoint.load
+    if load and not os.path.isdir(load):
+        lines.append(f"note: --load {load} does not exist; training would start from scratch")
+    return "\n".join(lines)
+
+
+def run_dry_run(config: Config, world_size: int) -> int:
+    """Print the dry-run report; return the exit status (1 when inputs are missing)."""
+    print(dry_run_report(config, world_size))
+    return 1 if find_missing_inputs(config.args) else 0
+
+
+def format_args_dump(args: Dict[str, Any]) -> str:
+    """Megatron's rank-0 arguments dump: header, `  name ..... value` lines (name padded with
+    dots to 48 characters) sorted case-insensitively, footer."""
+    lines = ["------------------------ arguments ------------------------"]
+    for name in sorted(args, key=lambda k: k.lower()):
+        lines.append(f"  {name} {'.' * (48 - len(name))} {args[name]}")
+    lines.append("-------------------- end of arguments ---------------------")
+    return "\n".join(lines)

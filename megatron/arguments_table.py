@@ -1,0 +1,421 @@
+"""The command-line flag tables: data only, read by `megatron/arguments.py`.
+
+Row format of a flag: `(flag, kind, default[, choices[, dest]])`; dest defaults to the flag
+name without dashes, '-' -> '_'. Kinds:
+
+  int | float | str    argparse `type=` of that name
+  raw                  no `type=` (strings)
+  num                  int or float (only the deprecated `--warmup`, see DEPRECATED_HELP)
+  bool                 `type=bool` (any non-empty string is True, as in Megatron-LM)
+  true | false         store_true / store_false
+  list                 nargs='*' strings
+  +int                 nargs='+' ints
+
+`MEGATRON_GROUPS` holds the 223 flags of Megatron-LM 23.05/23.06 in Megatron's group order
+(`--help` lists them in this order); `EXTRA_GROUP` holds the flags this framework adds.
+The NOT_SUPPORTED tables list what is parsed but rejected when set to a non-default value:
+delete a row when the feature lands.
+"""
+from __future__ import annotations
+
+MEGATRON_DESCRIPTION = "Megatron-LM Arguments"
+
+MEGATRON_GROUPS = (
+    ("network size", (
+        ("--num-layers", "int", None),
+        ("--encoder-num-layers", "int", None),
+        ("--decoder-num-layers", "int", None),
+        ("--hidden-size", "int", None),
+        ("--ffn-hidden-size", "int", None),
+        ("--num-attention-heads", "int", None),
+        ("--kv-channels", "int", None),
+        ("--max-position-embeddings", "int", None),
+        ("--use-rotary-position-embeddings", "true", False),
+        ("--rotary-percent", "float", 1.0),
+        ("--no-position-embedding", "false", True, None, "add_position_embedding"),
+        ("--make-vocab-size-divisible-by", "int", 128),
+        ("--layernorm-epsilon", "float", 1e-05),
+        ("--apply-layernorm-1p", "true", False),
+        ("--apply-residual-connection-post-layernorm", "true", False),
+        ("--openai-gelu", "true", False),
+        ("--squared-relu", "true", False),
+        ("--swiglu", "true", False),
+        ("--onnx-safe", "bool", None),
+        ("--bert-no-binary-head", "false", True, None, "bert_binary_head"),
+        ("--num-experts", "int", None),
+        ("--untie-embeddings-and-output-weights", "true", False),
+        ("--embedding-weights-in-fp32", "true", False),
+    )),
+    ("regularization", (
+        ("--attention-dropout", "float", 0.1),
+        ("--hidden-dropout", "float", 0.1),
+        ("--weight-decay", "float", 0.01),
+        ("--start-weight-decay", "float", None),
+        ("--end-weight-decay", "float", None),
+        ("--weight-decay-incr-style", "str", "constant", ("constant", "linear", "cosine")),
+        ("--clip-grad", "float", 1.0),
+        ("--adam-beta1", "float", 0.9),
+        ("--adam-beta2", "float", 0.999),
+        ("--adam-eps", "float", 1e-08),
+        ("--sgd-momentum", "float", 0.9),
+    )),
+    ("training", (
+        ("--micro-batch-size", "int", None),
+        ("--batch-size", "int", None),
+        ("--global-batch-size", "int", None),
+        ("--rampup-batch-size", "list", None),
+        ("--recompute-activations", "true", False),
+        ("--recompute-granularity", "str", None, ("full", "selective")),
+        ("--distribute-saved-activations", "true", False),
+        ("--recompute-method", "str", None, ("uniform", "block")),
+        ("--recompute-num-layers", "int", 1),
+        ("--checkpoint-activations", "true", False),
+        ("--train-iters", "int", None),
+        ("--train-samples", "int", None),
+        ("--log-interval", "int", 100),
+        ("--exit-interval", "int", None),
+        ("--exit-duration-in-mins", "int", None),
+        ("--exit-signal-handler", "true", False),
+        ("--tensorboard-dir", "str", None),
+        ("--no-masked-softmax-fusion", "false", True, None, "masked_softmax_fusion"),
+        ("--no-bias-gelu-fusion", "false", True, None, "bias_gelu_fusion"),
+        ("--no-bias-dropout-fusion", "false", True, None, "bias_dropout_fusion"),
+        ("--use-flash-attn", "true", False),
+        ("--disable-bias-linear", "false", True, None, "add_bias_linear"),
+        ("--optimizer", "str", "adam", ("adam", "sgd")),
+        ("--dataloader-type", "str", None, ("single", "cyclic")),
+        ("--no-async-tensor-model-parallel-allreduce",
+         "false", True, None, "async_tensor_model_parallel_allreduce"),
+        ("--no-persist-layer-norm", "true", False),
+        ("--sequence-parallel", "true", False),
+        ("--no-gradient-accumulation-fusion", "false", True, None, "gradient_accumulation_fusion"),
+    )),
+    ("initialization", (
+        ("--seed", "int", 1234),
+        ("--data-parallel-random-init", "true", False),
+        ("--init-method-std", "float", 0.02),
+        ("--init-method-xavier-uniform", "true", False),
+    )),
+    ("learning rate", (
+        ("--lr", "float", None),
+        ("--lr-decay-style",
+         "str", "linear", ("constant", "linear", "cosine", "inverse-square-root")),
+        ("--lr-decay-iters", "int", None),
+        ("--lr-decay-samples", "int", None),
+        ("--lr-warmup-fraction", "float", None),
+        ("--lr-warmup-iters", "int", 0),
+        ("--lr-warmup-samples", "int", 0),
+        ("--warmup", "num", None),
+        ("--min-lr", "float", 0.0),
+        ("--override-opt_param-scheduler", "true", False),
+        ("--use-checkpoint-opt_param-scheduler", "true", False),
+    )),
+    ("checkpointing", (
+        ("--save", "str", None),
+        ("--save-interval", "int", None),
+        ("--no-save-optim", "true", None),
+        ("--no-save-rng", "true", None),
+        ("--load", "str", None),
+        ("--no-load-optim", "true", None),
+        ("--no-load-rng", "true", None),
+        ("--finetune", "true", False),
+        ("--no-initialization", "false", True, None, "perform_initialization"),
+        ("--use-checkpoint-args", "true", False),
+        ("--exit-on-missing-checkpoint", "true", False),
+    )),
+    ("mixed precision", (
+        ("--fp16", "true", False),
+        ("--bf16", "true", False),
+        ("--loss-scale", "float", None),
+        ("--initial-loss-scale", "float", 4294967296),
+        ("--min-loss-scale", "float", 1.0),
+        ("--loss-scale-window", "float", 1000),
+        ("--hysteresis", "int", 2),
+        ("--fp32-residual-connection", "true", False),
+        ("--no-query-key-layer-scaling", "false", True, None, "apply_query_key_layer_scaling"),
+        ("--attention-softmax-in-fp32", "true", False),
+        ("--accumulate-allreduce-grads-in-fp32", "true", False),
+        ("--fp16-lm-cross-entropy", "true", False),
+    )),
+    ("distributed", (
+        ("--tensor-model-parallel-size", "int", 1),
+        ("--pipeline-model-parallel-size", "int", 1),
+        ("--pipeline-model-parallel-split-rank", "int", None),
+        ("--model-parallel-size", "int", None),
+        ("--num-layers-per-virtual-pipeline-stage", "int", None),
+        ("--overlap-p2p-communication", "true", False, None, "overlap_p2p_comm"),
+        ("--distributed-backend", "raw", "nccl", ("nccl", "gloo")),
+        ("--distributed-timeout-minutes", "int", 10),
+        ("--DDP-impl", "raw", "local", ("local", "torch")),
+        ("--no-contiguous-buffers-in-local-ddp",
+         "false", True, None, "use_contiguous_buffers_in_local_ddp"),
+        ("--no-scatter-gather-tensors-in-pipeline",
+         "false", True, None, "scatter_gather_tensors_in_pipeline"),
+        ("--use-ring-exchange-p2p", "true", False),
+        ("--local_rank", "int", None),
+        ("--lazy-mpu-init", "bool", None),
+        ("--use-cpu-initialization", "true", None),
+        ("--empty-unused-memory-level", "int", 0, (0, 1, 2)),
+        ("--standalone-embedding-stage", "true", False),
+        ("--use-distributed-optimizer", "true", False),
+    )),
+    ("validation", (
+        ("--eval-iters", "int", 100),
+        ("--eval-interval", "int", 1000),
+        ("--skip-train", "true", False),
+    )),
+    ("data and dataloader", (
+        ("--data-path", "list", None),
+        ("--split", "str", "969, 30, 1"),
+        ("--train-data-path", "list", None),
+        ("--valid-data-path", "list", None),
+        ("--test-data-path", "list", None),
+        ("--data-cache-path", "raw", None),
+        ("--vocab-size", "int", None),
+        ("--vocab-file", "str", None),
+        ("--merge-file", "str", None),
+        ("--vocab-extra-ids", "int", 0),
+        ("--seq-length", "int", None),
+        ("--encoder-seq-length", "int", None),
+        ("--decoder-seq-length", "int", None),
+        ("--retriever-seq-length", "int", 256),
+        ("--sample-rate", "float", 1.0),
+        ("--mask-prob", "float", 0.15),
+        ("--short-seq-prob", "float", 0.1),
+        ("--mmap-warmup", "true", False),
+        ("--num-workers", "int", 2),
+        ("--tokenizer-type", "str", None, (
+            "BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer",
+            "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer")),
+        ("--tokenizer-model", "str", None),
+        ("--data-impl", "str", "infer", ("mmap", "infer")),
+        ("--reset-position-ids", "true", False),
+        ("--reset-attention-mask", "true", False),
+        ("--eod-mask-loss", "true", False),
+    )),
+    ("autoresume", (
+        ("--adlr-autoresume", "true", False),
+        ("--adlr-autoresume-interval", "int", 1000),
+    )),
+    ("biencoder", (
+        ("--ict-head-size", "int", None),
+        ("--biencoder-projection-dim", "int", 0),
+        ("--biencoder-shared-query-context-model", "true", False),
+        ("--ict-load", "str", None),
+        ("--bert-load", "str", None),
+        ("--titles-data-path", "str", None),
+        ("--query-in-block-prob", "float", 0.1),
+        ("--use-one-sent-docs", "true", False),
+        ("--evidence-data-path", "str", None),
+        ("--retriever-report-topk-accuracies", "+int", []),
+        ("--retriever-score-scaling", "true", False),
+        ("--block-data-path", "str", None),
+        ("--embedding-path", "str", None),
+        ("--indexer-batch-size", "int", 128),
+        ("--indexer-log-interval", "int", 1000),
+    )),
+    ("vision", (
+        ("--num-classes", "int", 1000),
+        ("--img-h", "int", 224),
+        ("--img-w", "int", 224),
+        ("--num-channels", "int", 3),
+        ("--patch-dim", "int", 16),
+        ("--classes-fraction", "float", 1.0),
+        ("--data-per-class-fraction", "float", 1.0),
+        ("--no-data-sharding", "false", True, None, "data_sharding"),
+        ("--head-lr-mult", "float", 1.0),
+        ("--vision-pretraining", "true", False),
+        ("--vision-pretraining-type", "str", "classify", ("classify", "inpaint", "dino")),
+        ("--vision-backbone-type", "str", "vit", ("vit", "mit", "swin")),
+        ("--swin-backbone-type", "str", "tiny", ("tiny", "base", "h3")),
+        ("--mask-type", "str", "random", ("random", "row")),
+        ("--mask-factor", "float", 1.0),
+        ("--iter-per-epoch", "int", 1250),
+        ("--dino-local-img-size", "int", 96),
+        ("--dino-local-crops-number", "int", 10),
+        ("--dino-head-hidden-size", "int", 2048),
+        ("--dino-bottleneck-size", "int", 256),
+        ("--dino-freeze-last-layer", "float", 1),
+        ("--dino-norm-last-layer", "true", False),
+        ("--dino-warmup-teacher-temp", "float", 0.04),
+        ("--dino-teacher-temp", "float", 0.07),
+        ("--dino-warmup-teacher-temp-epochs", "int", 30),
+    )),
+    ("logging", (
+        ("--log-params-norm", "true", False),
+        ("--log-num-zeros-in-grad", "true", False),
+        ("--timing-log-level", "int", 0, (0, 1, 2)),
+        ("--no-barrier-with-level-1-timing", "false", True, None, "barrier_with_L1_time"),
+        ("--timing-log-option", "str", "minmax", ("max", "minmax", "all")),
+        ("--tensorboard-log-interval", "int", 1),
+        ("--tensorboard-queue-size", "int", 1000),
+        ("--log-timers-to-tensorboard", "true", False),
+        ("--log-batch-size-to-tensorboard", "true", False),
+        ("--no-log-learnig-rate-to-tensorboard",
+         "false", True, None, "log_learning_rate_to_tensorboard"),
+        ("--no-log-loss-scale-to-tensorboard",
+         "false", True, None, "log_loss_scale_to_tensorboard"),
+        ("--log-validation-ppl-to-tensorboard", "true", False),
+        ("--log-memory-to-tensorboard", "true", False),
+        ("--log-world-size-to-tensorboard", "true", False),
+    )),
+    ("inference", (
+        ("--inference-batch-times-seqlen-threshold", "int", 512),
+        ("--max-tokens-to-oom", "int", 12000),
+        ("--output-bert-embeddings", "true", False),
+        ("--bert-embedder-type", "raw", "megatron", ("megatron", "huggingface")),
+    )),
+    ("Transformer-Engine", (
+        ("--fp8-e4m3", "true", False),
+        ("--fp8-hybrid", "true", False),
+        ("--no-fp8-wgrad", "false", True, None, "fp8_wgrad"),
+        ("--fp8-margin", "int", 0),
+        ("--fp8-interval", "int", 1),
+        ("--transformer-impl", "raw", "local", ("local", "transformer_engine")),
+        ("--fp8-amax-history-len", "int", 1),
+        ("--fp8-amax-compute-algo", "raw", "most_recent", ("most_recent", "max")),
+    )),
+    ("retro", (
+        ("--retro-workdir", "raw", None),
+        ("--retro-add-retriever", "true", False),
+        ("--retro-cyclic-train-iters", "int", None),
+        ("--retro-encoder-layers", "int", 2),
+        ("--retro-encoder-hidden-dropout", "float", 0.1),
+        ("--retro-encoder-attention-dropout", "float", 0.1),
+        ("--retro-num-neighbors", "int", 2),
+        ("--retro-num-retrieved-chunks", "int", 2),
+        ("--retro-return-doc-ids", "true", False),
+    )),
+)
+
+EXTRA_GROUP = ("extensions (not in Megatron-LM 23.05)", (
+    ("--config", "str", None),
+    ("--dry-run", "true", False),
+    ("--mock-data", "true", False),
+    ("--compile", "true", None, None, "compile_layers"),
+    ("--no-compile", "false", None, None, "compile_layers"),
+    ("--normalization", "str", "LayerNorm", ("LayerNorm", "RMSNorm")),
+    ("--group-query-attention", "true", False),
+    ("--num-query-groups", "int", None),
+    ("--position-embedding-type", "str", None, ("learned_absolute", "rope")),
+    ("--rotary-base", "float", 10000.0),
+    ("--overlap-grad-reduce", "true", False),
+    ("--no-overlap-grad-reduce", "false", False, None, "overlap_grad_reduce"),
+    ("--ddp-bucket-size", "int", None),
+    ("--async-tensor-model-parallel-allreduce", "true", True),
+    ("--gradient-accumulation-fusion", "true", True),
+    ("--expert-model-parallel-size", "int", 1),
+))
+
+EXTRA_HELP = {
+    "--config": "YAML file of flag: value pairs; command-line flags override it",
+    "--dry-run": "resolve and print the configuration, parameter counts and missing input "
+                 "files, then exit (status 1 when something is missing)",
+    "--mock-data": "train on random tokens instead of --data-path",
+    "--compile": "torch.compile each transformer layer (default: on when CUDA is available)",
+    "--no-compile": "never torch.compile the transformer layers",
+    "--normalization": "normalization layer type",
+    "--group-query-attention": "grouped-query attention (see --num-query-groups)",
+    "--num-query-groups": "number of key/value groups with --group-query-attention (default 1)",
+    "--position-embedding-type": "learned_absolute or rope (same as "
+                                 "--use-rotary-position-embeddings)",
+    "--rotary-base": "base of the rotary embedding frequencies",
+    "--overlap-grad-reduce": "overlap the data-parallel gradient all-reduce with backward",
+    "--no-overlap-grad-reduce": "do not overlap the gradient all-reduce (default)",
+    "--ddp-bucket-size": "elements per gradient all-reduce bucket",
+    "--async-tensor-model-parallel-allreduce": "overlap the tensor-parallel input-grad "
+                                               "all-reduce with the weight-grad GEMM (default)",
+    "--gradient-accumulation-fusion": "fused weight-grad accumulation into main_grad (default)",
+    "--expert-model-parallel-size": "expert-model-parallel size (mixture-of-experts)",
+}
+
+# ---------------------------------------------------------------------------------------
+# Parsed but rejected when set to a non-default value. Delete a row when the feature lands.
+
+_BERT = "BERT/T5 models are not part of this GPT framework"
+_T5 = "encoder-decoder (T5) models are not part of this GPT framework"
+_VISION = "vision models are not part of this GPT framework"
+_BIENCODER = "biencoder/ICT retrieval models are not part of this GPT framework"
+_RETRO = "RETRO models are not part of this GPT framework"
+_FP8 = "Transformer Engine and fp8 are not supported by this framework yet"
+_MOE = "mixture-of-experts is not supported by this framework yet"
+_PIPELINE = "pipeline parallelism is not built yet"
+_RECOMPUTE = "activation recompute is not built yet"
+
+# Every flag of these Megatron groups except those listed in ALLOWED_IN_REJECTED_GROUPS.
+NOT_SUPPORTED_GROUPS = {
+    "biencoder": _BIENCODER,
+    "vision": _VISION,
+    "retro": _RETRO,
+    "Transformer-Engine": _FP8,
+}
+ALLOWED_IN_REJECTED_GROUPS = ()
+
+NOT_SUPPORTED = {
+    # other model families
+    "--decoder-num-layers": _T5,
+    "--decoder-seq-length": _T5,
+    "--pipeline-model-parallel-split-rank": _T5,
+    "--bert-no-binary-head": _BERT,
+    "--mask-prob": _BERT,
+    "--short-seq-prob": _BERT,
+    "--sample-rate": "only the BERT/T5/ICT datasets read it; GPT datasets do not",
+    "--retriever-seq-length": _BIENCODER,
+    "--output-bert-embeddings": _BERT,
+    "--bert-embedder-type": _BERT,
+    # features not built (yet)
+    "--num-experts": _MOE,
+    "--expert-model-parallel-size": _MOE,
+    "--onnx-safe": "ONNX export is not supported",
+    "--lazy-mpu-init": "lazy model-parallel initialization (for external tools) is not supported",
+    "--inference-batch-times-seqlen-threshold": "text generation is not part of pretraining yet",
+    "--max-tokens-to-oom": "text generation is not part of pretraining yet",
+    "--adlr-autoresume": "ADLR autoresume is an NVIDIA cluster service and is not supported; "
+                         "use --exit-signal-handler or --exit-duration-in-mins",
+    "--adlr-autoresume-interval": "ADLR autoresume is not supported",
+    "--pipeline-model-parallel-size": _PIPELINE,
+    "--num-layers-per-virtual-pipeline-stage": "the interleaved pipeline schedule is not built yet",
+    "--overlap-p2p-communication": _PIPELINE,
+    "--standalone-embedding-stage": _PIPELINE,
+    "--use-distributed-optimizer": "the distributed optimizer is not built yet",
+    "--rampup-batch-size": "batch-size ramp-up is not built yet",
+    "--recompute-activations": _RECOMPUTE,
+    "--recompute-granularity": _RECOMPUTE,
+    "--recompute-method": _RECOMPUTE,
+    "--recompute-num-layers": _RECOMPUTE,
+    "--distribute-saved-activations": _RECOMPUTE,
+}
+
+# Accepted, but they change nothing here: one warning each when set.
+NO_EFFECT = {
+    "--no-scatter-gather-tensors-in-pipeline": "never read by Megatron-LM 23.05 either",
+    "--use-ring-exchange-p2p": "never read by Megatron-LM 23.05 either",
+    "--no-masked-softmax-fusion": "attention uses torch scaled_dot_product_attention",
+    "--no-bias-gelu-fusion": "the MLP has no fused bias-gelu kernel",
+    "--no-bias-dropout-fusion": "there is no fused bias-dropout kernel",
+    "--no-persist-layer-norm": "layer norms are torch.nn layers",
+    "--use-flash-attn": "torch scaled_dot_product_attention picks a flash kernel by itself",
+    "--data-impl": "only the mmap format exists",
+}
+
+# Flags from older Megatron-LM releases that 23.05 no longer knows: error with the modern
+# spelling.
+REMOVED = {
+    "--activations-checkpoint-method": "--recompute-granularity full --recompute-method <value>",
+    "--activations-checkpoint-num-layers": "--recompute-num-layers",
+    "--checkpoint-granularity": "--recompute-granularity",
+    "--checkpoint-method": "--recompute-method",
+    "--checkpoint-num-layers": "--recompute-num-layers",
+    "--distribute-checkpointed-activations": "--distribute-saved-activations",
+    "--model-parallel-memory-opt": "--sequence-parallel",
+    "--checkpoint-attention": "--recompute-granularity selective",
+}
+
+DEPRECATED_HELP = {
+    "--model-parallel-size": "deprecated: use --tensor-model-parallel-size",
+    "--batch-size": "deprecated: use --micro-batch-size",
+    "--warmup": "deprecated: a value < 1 is --lr-warmup-fraction, otherwise --lr-warmup-iters",
+    "--checkpoint-activations": "deprecated: use --recompute-granularity full "
+                                "--recompute-method uniform",
+    "--distributed-backend": "accepted; the backend is nccl when CUDA is available, else gloo",
+}

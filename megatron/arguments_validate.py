@@ -1,0 +1,438 @@
+"""Cross-flag validation and derived values (Megatron-LM 23.05 `validate_args` and friends),
+then the config dataclasses.
+
+`validate_args(ns, world_size)` runs once, before any process group exists. Each rule's
+message names the values involved and the fix. Where Megatron silently rewrote a value we
+either keep Megatron's rewrite and warn, or keep the user's value and warn (--ffn-hidden-size
+with --swiglu): never silently.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import fields
+from typing import Any, Callable, Dict, Optional, Set
+
+import torch
+
+from megatron.arguments_common import ArgumentsError, note, warn
+from megatron.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    TrainingConfig,
+)
+
+# Attributes Megatron deletes after mapping them; they never reach Config.args.
+_DELETED = ("batch_size", "warmup", "model_parallel_size", "checkpoint_activations",
+            "recompute_activations")
+
+
+def pad_vocab_size(orig_vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Smallest multiple of `divisible_by * tp_size` that is >= `orig_vocab_size`
+    (50257 -> 50304 at tp 1, 50432 at tp 2, 50688 at tp 4, 51200 at tp 8 with 128)."""
+    if divisible_by < 1 or tp_size < 1:
+        raise ArgumentsError(f"--make-vocab-size-divisible-by {divisible_by} and tensor-parallel "
+                             f"size {tp_size} must both be >= 1")
+    multiple = divisible_by * tp_size
+    return -(-orig_vocab_size // multiple) * multiple
+
+
+def default_vocab_size(args: argparse.Namespace) -> int:
+    """Tokenizer vocab size before padding, for the tokenizers that need no library:
+    NullTokenizer: --vocab-size N -> N + 1 (id N is end-of-document);
+    GPT2BPETokenizer: number of entries of the --vocab-file JSON.
+    Other tokenizer types need a `vocab_size_fn` from the tokenizer package."""
+    kind = args.tokenizer_type
+    if kind == "NullTokenizer":
+        if args.vocab_size is None:
+            raise ArgumentsError("--tokenizer-type NullTokenizer needs --vocab-size N")
+        return args.vocab_size + 1
+    if kind == "GPT2BPETokenizer":
+        if not args.vocab_file:
+            raise ArgumentsError(
+                "GPT2BPETokenizer (the default --tokenizer-type) needs --vocab-file and "
+                "--merge-file (GPT-2's gpt2-vocab.json / gpt2-merges.txt); without files use "
+                "--tokenizer-type NullTokenizer --vocab-size N (e.g. with --mock-data)")
+        if not os.path.isfile(args.vocab_file):
+            raise ArgumentsError(f"--vocab-file {args.vocab_file}: file not found")
+        with open(args.vocab_file, encoding="utf-8") as f:
+            return len(json.load(f))
+    if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        raise ArgumentsError(f"--tokenizer-type {kind} has no end-of-document token, which GPT "
+                             "pretraining needs; use GPT2BPETokenizer or a SentencePiece tokenizer")
+    raise ArgumentsError(f"--tokenizer-type {kind} is not supported by this framework yet")
+
+
+def _check_required(ns) -> None:
+    """Megatron's required flags, all missing ones in one message; mirrors num_layers /
+    encoder_num_layers and seq_length / encoder_seq_length."""
+    for main, mirror in (("num_layers", "encoder_num_layers"), ("seq_length", "encoder_seq_length")):
+        a, b = getattr(ns, main), getattr(ns, mirror)
+        if a is not None and b is not None:
+            raise ArgumentsError(f"--{main.replace('_', '-')} {a} and --{mirror.replace('_', '-')} "
+                                 f"{b} name the same thing; pass only --{main.replace('_', '-')}")
+        setattr(ns, main, a if a is not None else b)
+        setattr(ns, mirror, getattr(ns, main))
+    names = ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
+             "max_position_embeddings", "micro_batch_size", "lr"]
+    missing = [f"--{n.replace('_', '-')}" for n in names if getattr(ns, n) is None]
+    if ns.train_iters is None and ns.train_samples is None and not ns.skip_train:
+        missing.append("--train-iters or --train-samples (or --skip-train)")
+    if missing:
+        raise ArgumentsError("missing required flags: " + ", ".join(missing))
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "max_position_embeddings", "micro_batch_size"):
+        if getattr(ns, name) <= 0:
+            raise ArgumentsError(f"--{name.replace('_', '-')} {getattr(ns, name)} must be > 0")
+    if ns.seed <= 0:
+        raise ArgumentsError(f"--seed {ns.seed} must be > 0 (Megatron-LM seeds rank r with "
+                             "seed + 100 * pp_rank)")
+
+
+def _resolve_parallel(ns, world_size: int) -> None:
+    """tp/pp clamped to the world size as Megatron does (with a warning), dp derived,
+    then every divisibility rule of the grid."""
+    tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
+    if world_size < 1 or tp < 1 or pp < 1:
+        raise ArgumentsError(f"world size {world_size}, --tensor-model-parallel-size {tp} and "
+                             f"--pipeline-model-parallel-size {pp} must all be >= 1")
+    if tp > world_size:
+        warn(f"--tensor-model-parallel-size {tp} is larger than the world size {world_size}; "
+             f"using {world_size} (as Megatron-LM does)")
+        tp = ns.tensor_model_parallel_size = world_size
+    if pp > world_size // tp:
+        warn(f"--pipeline-model-parallel-size {pp} does not fit in world size {world_size} with "
+             f"tensor-parallel size {tp}; using {world_size // tp} (as Megatron-LM does)")
+        pp = ns.pipeline_model_parallel_size = world_size // tp
+    if world_size % (tp * pp):
+        raise ArgumentsError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} "
+            "processes or change the parallel sizes")
+    ns.world_size = world_size
+    ns.data_parallel_size = world_size // (tp * pp)
+    ns.transformer_pipeline_model_parallel_size = pp - 1 if ns.standalone_embedding_stage else pp
+    ns.virtual_pipeline_model_parallel_size = None
+    note(f"using world size: {world_size}, data-parallel-size: {ns.data_parallel_size}, "
+         f"tensor-model-parallel size: {tp}, pipeline-model-parallel size: {pp} ")
+    heads = ns.num_attention_heads
+    if heads % tp:
+        raise ArgumentsError(f"--num-attention-heads {heads} is not divisible by "
+                             f"--tensor-model-parallel-size {tp}; use a tp size that divides {heads}")
+    if ns.num_layers % ns.transformer_pipeline_model_parallel_size:
+        raise ArgumentsError(
+            f"--num-layers {ns.num_layers} is not divisible by --pipeline-model-parallel-size "
+            f"{ns.transformer_pipeline_model_parallel_size}; every stage needs the same number "
+            "of layers")
+    if ns.sequence_parallel and tp == 1:
+        warn("--sequence-parallel needs --tensor-model-parallel-size > 1; disabled")
+        ns.sequence_parallel = False
+
+
+def _resolve_batch(ns) -> None:
+    """Global batch default and divisibility; Megatron's iteration- vs sample-based rules."""
+    mbs, dp = ns.micro_batch_size, ns.data_parallel_size
+    if ns.global_batch_size is None:
+        ns.global_batch_size = mbs * dp
+        note(f"setting global batch size to {ns.global_batch_size} (--micro-batch-size {mbs} "
+             f"x data-parallel size {dp})")
+    gbs = ns.global_batch_size
+    if gbs <= 0 or gbs % (mbs * dp):
+        raise ArgumentsError(
+            f"--global-batch-size {gbs} is not a positive multiple of --micro-batch-size {mbs} "
+            f"x data-parallel size {dp} = {mbs * dp}; use a multiple of {mbs * dp}")
+    ns.num_micro_batches = gbs // (mbs * dp)
+    note(f"setting number of micro-batches to constant {ns.num_micro_batches}")
+    if ns.train_iters is not None and ns.train_samples is not None:
+        raise ArgumentsError(f"--train-iters {ns.train_iters} and --train-samples "
+                             f"{ns.train_samples} are exclusive; pass one")
+    rules = []
+    if ns.train_iters:
+        rules = [("lr_decay_samples", None), ("lr_warmup_samples", 0)]
+        if ns.lr_warmup_fraction is not None:
+            rules.append(("lr_warmup_iters", 0))
+        mode, other = "iteration-based (--train-iters)", "-iters"
+    elif ns.train_samples:
+        rules = [("lr_decay_iters", None), ("lr_warmup_iters", 0)]
+        if ns.lr_warmup_fraction is not None:
+            rules.append(("lr_warmup_samples", 0))
+        mode, other = "sample-based (--train-samples)", "-samples"
+    for dest, allowed in rules:
+        value = getattr(ns, dest)
+        if value != allowed:
+            flag = "--" + dest.replace("_", "-")
+            fix = ("drop it or use --lr-warmup-fraction alone" if dest.startswith("lr_warmup")
+                   and ns.lr_warmup_fraction is not None else f"use the {other} flag instead")
+            raise ArgumentsError(f"{flag} {value} cannot be used in a {mode} run; {fix}")
+
+
+def _resolve_model_shape(ns) -> None:
+    """ffn size (SwiGLU rule), kv channels, GQA groups, lengths, activation, positions."""
+    h, heads = ns.hidden_size, ns.num_attention_heads
+    if ns.swiglu:
+        rule = int((4 * h * 2 / 3) / 64) * 64
+        if ns.ffn_hidden_size is None:
+            ns.ffn_hidden_size = rule
+        elif ns.ffn_hidden_size != rule:
+            warn(f"--ffn-hidden-size {ns.ffn_hidden_size} kept; Megatron-LM 23.05 replaces it "
+                 f"with {rule} under --swiglu (int(4*hidden*2/3/64)*64)")
+    elif ns.ffn_hidden_size is None:
+        ns.ffn_hidden_size = 4 * h
+    if ns.kv_channels is None:
+        if h % heads:
+            raise ArgumentsError(f"--hidden-size {h} is not divisible by --num-attention-heads "
+                                 f"{heads}; change one or pass --kv-channels")
+        ns.kv_channels = h // heads
+    _resolve_query_groups(ns)
+    if ns.seq_length > ns.max_position_embeddings:
+        raise ArgumentsError(f"--seq-length {ns.seq_length} is larger than "
+                             f"--max-position-embeddings {ns.max_position_embeddings}; raise "
+                             f"--max-position-embeddings to at least {ns.seq_length}")
+    chosen = [f for f, on in (("--swiglu", ns.swiglu), ("--squared-relu", ns.squared_relu),
+                              ("--openai-gelu", ns.openai_gelu)) if on]
+    if len(chosen) > 1:
+        warn(f"{' and '.join(chosen)} given; {chosen[0]} wins (Megatron-LM's precedence)")
+    ns.activation = {"--swiglu": "swiglu", "--squared-relu": "squared_relu",
+                     "--openai-gelu": "openai_gelu"}.get(chosen[0] if chosen else "", "gelu")
+    _resolve_position_embedding(ns)
+
+
+def _resolve_query_groups(ns) -> None:
+    tp, heads = ns.tensor_model_parallel_size, ns.num_attention_heads
+    if not ns.group_query_attention:
+        if ns.num_query_groups is not None:
+            raise ArgumentsError(f"--num-query-groups {ns.num_query_groups} needs "
+                                 "--group-query-attention")
+        return
+    groups = ns.num_query_groups = 1 if ns.num_query_groups is None else ns.num_query_groups
+    if groups < 1 or heads % groups:
+        raise ArgumentsError(f"--num-attention-heads {heads} is not divisible by "
+                             f"--num-query-groups {groups}; use a group count that divides {heads}")
+    if groups % tp:
+        raise ArgumentsError(f"--num-query-groups {groups} is not divisible by "
+                             f"--tensor-model-parallel-size {tp}; every tensor-parallel rank needs "
+                             "whole key/value groups")
+
+
+def _resolve_position_embedding(ns) -> None:
+    legacy = ("rope" if ns.use_rotary_position_embeddings
+              else "learned_absolute" if ns.add_position_embedding else "none")
+    if ns.position_embedding_type is None:
+        if ns.use_rotary_position_embeddings and ns.add_position_embedding:
+            warn("--use-rotary-position-embeddings without --no-position-embedding: Megatron-LM "
+                 "23.05 adds learned absolute positions as well; this framework uses rotary "
+                 "only (pass --no-position-embedding to silence this)")
+        ns.position_embedding_type = legacy
+    elif ns.position_embedding_type != legacy and (
+            ns.use_rotary_position_embeddings or not ns.add_position_embedding):
+        raise ArgumentsError(f"--position-embedding-type {ns.position_embedding_type} "
+                             f"contradicts the legacy flags (which give {legacy}); pass one")
+    ns.use_rotary_position_embeddings = ns.position_embedding_type == "rope"
+    ns.add_position_embedding = ns.position_embedding_type == "learned_absolute"
+
+
+def _resolve_precision(ns, explicit: Set[str]) -> None:
+    if ns.fp16 and ns.bf16:
+        raise ArgumentsError("--fp16 and --bf16 are exclusive; pass one")
+    ns.params_dtype = torch.float16 if ns.fp16 else torch.bfloat16 if ns.bf16 else torch.float32
+    if ns.bf16 and not ns.accumulate_allreduce_grads_in_fp32:
+        note("accumulate and all-reduce gradients in fp32 for bfloat16 data type")
+        ns.accumulate_allreduce_grads_in_fp32 = True
+    if ns.accumulate_allreduce_grads_in_fp32 and (
+            ns.DDP_impl != "local" or not ns.use_contiguous_buffers_in_local_ddp):
+        raise ArgumentsError(
+            "fp32 gradient accumulation (--bf16 or --accumulate-allreduce-grads-in-fp32) needs "
+            f"--DDP-impl local (got {ns.DDP_impl}) and contiguous buffers (drop "
+            "--no-contiguous-buffers-in-local-ddp)")
+    if ns.fp16_lm_cross_entropy and not ns.fp16:
+        raise ArgumentsError("--fp16-lm-cross-entropy needs --fp16")
+    if ns.fp32_residual_connection and not (ns.fp16 or ns.bf16):
+        raise ArgumentsError("--fp32-residual-connection needs --fp16 or --bf16")
+    if ns.sequence_parallel and ns.async_tensor_model_parallel_allreduce:
+        if "async_tensor_model_parallel_allreduce" in explicit:
+            warn("--async-tensor-model-parallel-allreduce is turned off by --sequence-parallel")
+        ns.async_tensor_model_parallel_allreduce = False
+
+
+def _resolve_optimizer(ns) -> None:
+    if ns.lr < 0 or ns.min_lr < 0 or ns.min_lr > ns.lr:
+        raise ArgumentsError(f"--min-lr {ns.min_lr} must be >= 0 and <= --lr {ns.lr}")
+    style, start, end = ns.weight_decay_incr_style, ns.start_weight_decay, ns.end_weight_decay
+    if style == "constant":
+        if start is not None or end is not None:
+            raise ArgumentsError("--start-weight-decay/--end-weight-decay need "
+                                 "--weight-decay-incr-style linear or cosine; with the constant "
+                                 "style use --weight-decay")
+        ns.start_weight_decay = ns.end_weight_decay = ns.weight_decay
+    elif start is None or end is None:
+        raise ArgumentsError(f"--weight-decay-incr-style {style} needs both --start-weight-decay "
+                             f"and --end-weight-decay (got {start} and {end})")
+    elif not 0 <= ns.start_weight_decay <= ns.end_weight_decay:
+        raise ArgumentsError(f"--start-weight-decay {start} must be >= 0 and <= "
+                             f"--end-weight-decay {end}")
+
+
+def _resolve_recompute(ns) -> None:
+    """Megatron's recompute rules (the flags are rejected while recompute is not built)."""
+    if ns.recompute_activations:
+        if ns.recompute_granularity not in (None, "selective"):
+            warn(f"--recompute-activations overrides --recompute-granularity "
+                 f"{ns.recompute_granularity} with selective (as Megatron-LM does)")
+        ns.recompute_granularity = "selective"
+    if ns.recompute_granularity == "selective" and ns.recompute_method is not None:
+        raise ArgumentsError(f"--recompute-method {ns.recompute_method} only applies to "
+                             "--recompute-granularity full")
+    if ns.distribute_saved_activations and (
+            ns.tensor_model_parallel_size == 1 or ns.recompute_granularity != "full"
+            or ns.recompute_method is None):
+        raise ArgumentsError("--distribute-saved-activations needs --tensor-model-parallel-size "
+                             "> 1, --recompute-granularity full and --recompute-method")
+
+
+def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
+    """Checkpoint/loader defaults, backend and compile choices, tokenizer default."""
+    if ns.save is not None and ns.save_interval is None:
+        raise ArgumentsError(f"--save {ns.save} needs --save-interval N (iterations between saves)")
+    if ns.mock_data and (ns.data_path or ns.train_data_path):
+        raise ArgumentsError("--mock-data and --data-path/--train-data-path are exclusive")
+    if ns.dataloader_type is None:
+        ns.dataloader_type = "single"
+    backend = "nccl" if cuda_available else "gloo"
+    if "distributed_backend" in explicit and ns.distributed_backend != backend:
+        warn(f"--distributed-backend {ns.distributed_backend} ignored: using {backend} "
+             f"(CUDA {'available' if cuda_available else 'not available'})")
+    ns.distributed_backend = backend
+    if ns.compile_layers is None:
+        ns.compile_layers = cuda_available
+    if ns.tokenizer_type is None:
+        ns.tokenizer_type = "GPT2BPETokenizer"
+    if ns.vocab_size is not None and ns.tokenizer_type != "NullTokenizer":
+        warn(f"--vocab-size {ns.vocab_size} is only read by NullTokenizer; the vocab size comes "
+             f"from {ns.tokenizer_type}")
+    if ns.vocab_extra_ids and ns.tokenizer_type in ("GPT2BPETokenizer", "NullTokenizer"):
+        warn(f"--vocab-extra-ids {ns.vocab_extra_ids} has no effect with {ns.tokenizer_type} "
+             "(as in Megatron-LM)")
+
+
+def validate_args(
+    ns: argparse.Namespace,
+    world_size: int,
+    *,
+    explicit: Optional[Set[str]] = None,
+    cuda_available: bool = False,
+    vocab_size_fn: Optional[Callable[[argparse.Namespace], int]] = None,
+) -> argparse.Namespace:
+    """Check every cross-flag rule and fill the derived values in `ns` (in place, returned):
+    data_parallel_size, global_batch_size, num_micro_batches, ffn_hidden_size, kv_channels,
+    params_dtype, activation, position_embedding_type, padded_vocab_size, ...
+
+    `explicit` is the set of dests the user set (command line or YAML). Raises
+    `ArgumentsError` naming the values and the fix."""
+    explicit = explicit or set()
+    _check_required(ns)
+    _resolve_parallel(ns, world_size)
+    _resolve_batch(ns)
+    _resolve_model_shape(ns)
+    _resolve_precision(ns, explicit)
+    _resolve_optimizer(ns)
+    _resolve_recompute(ns)
+    _resolve_runtime(ns, explicit, cuda_available)
+    orig = (vocab_size_fn or default_vocab_size)(ns)
+    ns.padded_vocab_size = pad_vocab_size(orig, ns.make_vocab_size_divisible_by,
+                                          ns.tensor_model_parallel_size)
+    note(f" > padded vocab (size: {orig}) with {ns.padded_vocab_size - orig} dummy tokens "
+         f"(new size: {ns.padded_vocab_size})")
+    _schedule_steps(ns)  # checks warmup < decay before anything is built
+    return ns
+
+
+# ------------------------------------------------------------------------ building
+
+
+def _schedule_steps(ns) -> Dict[str, Any]:
+    """LR/WD schedule lengths in SAMPLES, as Megatron's scheduler counts them; also sets
+    train_iters for sample-based runs (train_samples // global batch)."""
+    gbs = ns.global_batch_size
+    if ns.train_samples:
+        decay = ns.lr_decay_samples if ns.lr_decay_samples is not None else ns.train_samples
+        warmup = (ns.lr_warmup_fraction * decay if ns.lr_warmup_fraction is not None
+                  else ns.lr_warmup_samples)
+        wd_incr = ns.train_samples
+        ns.train_iters = ns.train_samples // gbs
+    else:
+        iters = ns.lr_decay_iters if ns.lr_decay_iters is not None else ns.train_iters
+        ns.lr_decay_iters = iters
+        decay = (iters or 0) * gbs
+        warmup = (ns.lr_warmup_fraction * decay if ns.lr_warmup_fraction is not None
+                  else ns.lr_warmup_iters * gbs)
+        wd_incr = (ns.train_iters or 0) * gbs
+    if ns.skip_train and not decay:
+        decay, warmup, wd_incr = 1, 0, 1
+    if decay <= 0 or not 0 <= warmup < decay:
+        raise ArgumentsError(
+            f"learning-rate warmup ({warmup:g} samples) must be >= 0 and shorter than the decay "
+            f"({decay:g} samples); lower --lr-warmup-iters/--lr-warmup-samples/"
+            "--lr-warmup-fraction or raise --lr-decay-iters/--lr-decay-samples")
+    if isinstance(warmup, float) and warmup.is_integer():
+        warmup = int(warmup)
+    return {"lr_warmup_steps": warmup, "lr_decay_steps": decay, "wd_incr_steps": max(wd_incr, 1)}
+
+
+_RENAMES = {
+    ParallelConfig: {"tp_size": "tensor_model_parallel_size",
+                     "pp_size": "pipeline_model_parallel_size",
+                     "dp_size": "data_parallel_size", "ep_size": "expert_model_parallel_size",
+                     "virtual_pp_size": "virtual_pipeline_model_parallel_size",
+                     "ddp_impl": "DDP_impl"},
+    ModelConfig: {"init_seed": "seed"},
+}
+
+
+def _fill(cls, values: Dict[str, Any]):
+    """Build dataclass `cls` from resolved values by field name (see _RENAMES)."""
+    renames = _RENAMES.get(cls, {})
+    kwargs = {}
+    for f in fields(cls):
+        key = renames.get(f.name, f.name)
+        if key in values:
+            value = values[key]
+            if value is None and isinstance(f.default, bool):
+                value = False  # Megatron's None-default switches (--no-save-optim ...)
+            kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def build_config(ns: argparse.Namespace) -> Config:
+    """The config dataclasses from a validated namespace; `Config.args` holds every resolved
+    flag value as plain JSON-able data (params_dtype as 'torch.float32' etc.)."""
+    values = dict(vars(ns))
+    values.update(_schedule_steps(ns))
+    values["train_iters"] = ns.train_iters
+    values["num_query_groups"] = ns.num_query_groups if ns.group_query_attention else None
+    for name in _DELETED:
+        values.pop(name, None)
+    args = {k: _plain(v) for k, v in vars(ns).items() if k not in _DELETED}
+    return Config(
+        model=_fill(ModelConfig, values),
+        parallel=_fill(ParallelConfig, values),
+        optimizer=_fill(OptimizerConfig, values),
+        data=_fill(DataConfig, values),
+        training=_fill(TrainingConfig, values),
+        checkpoint=_fill(CheckpointConfig, values),
+        logging=_fill(LoggingConfig, values),
+        args=args,
+    )
