@@ -28,14 +28,12 @@ def _launcher_env() -> tuple:
 
 def main(argv=None) -> int:
     start = time.time()
-    from megatron.arguments import dry_run_report, format_args_dump, parse_and_validate
+    from megatron.arguments import format_args_dump, parse_and_validate, run_dry_run
 
     rank, world, local_rank = _launcher_env()
     config = parse_and_validate(sys.argv[1:] if argv is None else argv, world_size=world)
     if config.args.get("dry_run"):
-        report, ok = dry_run_report(config, world)
-        print(report)
-        return 0 if ok else 1
+        return run_dry_run(config, world)
 
     import torch.distributed as dist
 
