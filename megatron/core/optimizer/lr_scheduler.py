@@ -1,0 +1,214 @@
+"""Learning-rate and weight-decay schedule, counted in samples (Megatron's semantics).
+
+`OptimizerParamScheduler.step(increment)` advances the schedule by `increment` samples
+(the driver passes `micro_batch_size * num_micro_batches * dp_size` after every
+successful iteration) and writes the new values into every optimizer parameter group:
+
+    group["lr"]           = lr * group.get("lr_mult", 1.0)
+    group["weight_decay"] = wd * group.get("wd_mult", 1.0)
+
+Learning rate at step n (W = warmup, D = decay steps, both in samples):
+    n <= W and W > 0            -> max_lr * n / W
+    style "constant"            -> max_lr
+    n > D                       -> min_lr
+    "inverse-square-root"       -> max(min_lr, max_lr * sqrt(max(W, 1)) / sqrt(max(n, 1)))
+    "linear"  r = (n-W)/(D-W)   -> min_lr + (max_lr - min_lr) * (1 - r)
+    "cosine"                    -> min_lr + (max_lr - min_lr) * 0.5 * (cos(pi r) + 1)
+
+Weight decay at step n (I = wd_incr_steps): n > I -> end_wd; "constant" -> end_wd;
+r = n / I; "linear" -> start + r (end - start); "cosine" ->
+start + 0.5 (cos(pi (1 - r)) + 1) (end - start).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict
+
+from megatron.core.config import OptimizerConfig
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+
+# Keys an older Megatron checkpoint may use instead of the current ones.
+_LEGACY_KEYS = {
+    "max_lr": ("start_lr",),
+    "lr_warmup_steps": ("warmup_iter", "warmup_steps"),
+    "lr_decay_steps": ("end_iter", "decay_steps"),
+    "lr_decay_style": ("decay_style",),
+    "num_steps": ("num_iters",),
+}
+
+
+def _weight_decay_range(config: OptimizerConfig):
+    """(start_wd, end_wd) from the config; constant style uses `weight_decay` for both."""
+    style = config.weight_decay_incr_style
+    if style not in WD_INCR_STYLES:
+        raise ValueError(
+            f"weight_decay_incr_style={style!r} is not supported; use one of {WD_INCR_STYLES}"
+        )
+    start, end = config.start_weight_decay, config.end_weight_decay
+    if style == "constant":
+        start = config.weight_decay if start is None else start
+        end = config.weight_decay if end is None else end
+        if start != end:
+            raise ValueError(
+                f"constant weight decay needs start_weight_decay == end_weight_decay, got "
+                f"{start} and {end}; set only --weight-decay or choose a linear/cosine style"
+            )
+        return float(start), float(end)
+    if start is None or end is None:
+        raise ValueError(
+            f"weight_decay_incr_style={style!r} needs --start-weight-decay and "
+            f"--end-weight-decay (got {start} and {end})"
+        )
+    return float(start), float(end)
+
+
+class OptimizerParamScheduler:
+    """Sets lr and weight decay of every parameter group from the number of samples seen.
+
+    Args:
+        optimizer: anything with a `param_groups` list of dicts (a torch optimizer or a
+            `MegatronOptimizer`).
+        config: lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style,
+            weight-decay range and style, wd_incr_steps and the two checkpoint flags
+            (`override_opt_param_scheduler`, `use_checkpoint_opt_param_scheduler`).
+    """
+
+    def __init__(self, optimizer, config: OptimizerConfig) -> None:
+        self.optimizer = optimizer
+        self.max_lr = float(config.lr)
+        self.min_lr = float(config.min_lr)
+        self.lr_warmup_steps = int(config.lr_warmup_steps)
+        self.lr_decay_steps = int(config.lr_decay_steps)
+        self.lr_decay_style = config.lr_decay_style
+        self.start_wd, self.end_wd = _weight_decay_range(config)
+        self.wd_incr_steps = int(config.wd_incr_steps)
+        self.wd_incr_style = config.weight_decay_incr_style
+        self.override_opt_param_scheduler = config.override_opt_param_scheduler
+        self.use_checkpoint_opt_param_scheduler = config.use_checkpoint_opt_param_scheduler
+        self._validate()
+        self.num_steps = 0
+        self.step(0)
+
+    def _validate(self) -> None:
+        if self.min_lr < 0.0:
+            raise ValueError(f"min_lr must be >= 0, got {self.min_lr}")
+        if self.max_lr < self.min_lr:
+            raise ValueError(f"lr ({self.max_lr}) must be >= min_lr ({self.min_lr})")
+        if self.lr_decay_steps <= 0:
+            raise ValueError(
+                f"lr decay length must be > 0 samples, got {self.lr_decay_steps}; set "
+                f"--lr-decay-iters/--lr-decay-samples or --train-iters/--train-samples"
+            )
+        if self.lr_warmup_steps >= self.lr_decay_steps:
+            raise ValueError(
+                f"lr warmup ({self.lr_warmup_steps} samples) must be shorter than lr decay "
+                f"({self.lr_decay_steps} samples); reduce the warmup or lengthen the decay"
+            )
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(
+                f"lr_decay_style={self.lr_decay_style!r} is not supported; use one of "
+                f"{LR_DECAY_STYLES}"
+            )
+        if self.start_wd < 0.0:
+            raise ValueError(f"start weight decay must be >= 0, got {self.start_wd}")
+        if self.end_wd < self.start_wd:
+            raise ValueError(
+                f"end weight decay ({self.end_wd}) must be >= start weight decay "
+                f"({self.start_wd})"
+            )
+        if self.wd_incr_style != "constant" and self.wd_incr_steps <= 0:
+            raise ValueError(f"wd_incr_steps must be > 0 samples, got {self.wd_incr_steps}")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ValueError(
+                "override_opt_param_scheduler and use_checkpoint_opt_param_scheduler are "
+                "mutually exclusive; pass at most one of --override-opt_param-scheduler and "
+                "--use-checkpoint-opt_param-scheduler"
+            )
+
+    # --- values --------------------------------------------------------------------------
+    def get_wd(self) -> float:
+        """Weight decay at the current step."""
+        if self.num_steps > self.wd_incr_steps or self.wd_incr_style == "constant":
+            return self.end_wd
+        ratio = self.num_steps / self.wd_incr_steps
+        if self.wd_incr_style == "linear":
+            coeff = ratio
+        else:  # cosine
+            coeff = 0.5 * (math.cos(math.pi * (1.0 - ratio)) + 1.0)
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+
+    def get_lr(self) -> float:
+        """Learning rate at the current step (before any group's lr_mult)."""
+        n, warmup = self.num_steps, self.lr_warmup_steps
+        if warmup > 0 and n <= warmup:
+            return self.max_lr * float(n) / float(warmup)
+        if self.lr_decay_style == "constant":
+            return self.max_lr
+        if n > self.lr_decay_steps:
+            return self.min_lr
+        if self.lr_decay_style == "inverse-square-root":
+            lr = self.max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(n, 1))
+            return max(self.min_lr, lr)
+        ratio = float(n - warmup) / float(self.lr_decay_steps - warmup)
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - ratio
+        else:  # cosine
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def step(self, increment: int) -> None:
+        """Advance by `increment` samples and write lr / weight decay into the groups."""
+        self.num_steps += increment
+        lr, wd = self.get_lr(), self.get_wd()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = wd * group.get("wd_mult", 1.0)
+
+    # --- checkpoint ----------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Megatron's `opt_param_scheduler` checkpoint entry."""
+        return {
+            "max_lr": self.max_lr,
+            "lr_warmup_steps": self.lr_warmup_steps,
+            "num_steps": self.num_steps,
+            "lr_decay_style": self.lr_decay_style,
+            "lr_decay_steps": self.lr_decay_steps,
+            "min_lr": self.min_lr,
+            "start_wd": self.start_wd,
+            "end_wd": self.end_wd,
+            "wd_incr_style": self.wd_incr_style,
+            "wd_incr_steps": self.wd_incr_steps,
+        }
+
+    def _check_and_set(self, current, saved, name: str):
+        """Megatron's rule: override -> keep config; use_checkpoint -> take the checkpoint;
+        otherwise the two must agree."""
+        if self.override_opt_param_scheduler:
+            return current
+        if not self.use_checkpoint_opt_param_scheduler and current != saved:
+            raise ValueError(
+                f"optimizer-parameter-scheduler value {name!r} from the checkpoint ({saved}) "
+                f"differs from the command line ({current}); pass "
+                f"--override-opt_param-scheduler to use the command line or "
+                f"--use-checkpoint-opt_param-scheduler to use the checkpoint"
+            )
+        return saved
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore from a checkpoint entry (also accepts the older Megatron key names)."""
+
+        def saved(key):
+            for k in (key,) + _LEGACY_KEYS.get(key, ()):
+                if k in state_dict:
+                    return state_dict[k]
+            raise KeyError(f"optimizer-parameter-scheduler checkpoint has no {key!r}")
+
+        for key in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style"):
+            setattr(self, key, self._check_and_set(getattr(self, key), saved(key), key))
+        if "start_wd" in state_dict:
+            for key in ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style"):
+                setattr(self, key, self._check_and_set(getattr(self, key), saved(key), key))
+        self.num_steps = 0
+        self.step(int(saved("num_steps")))

@@ -1,0 +1,454 @@
+"""Megatron's optimizer wrappers: fp32, and mixed precision with fp32 main parameters.
+
+Contract shared by both (what `train_step` relies on):
+
+    optimizer.zero_grad()                    # grads of model and main params -> None
+    loss = optimizer.scale_loss(loss)        # loss * loss scale, before backward
+    ok, grad_norm, num_zeros = optimizer.step()
+
+`step()` reads each model parameter's gradient from `param.main_grad` (the data-parallel
+grad buffer) when it exists, else from `param.grad`. `grad_norm` and `num_zeros` are
+0-dim tensors (or None): the only host synchronisation inside `step()` is the overflow
+decision when a loss scaler is present. A skipped step returns `(False, None, None)`.
+
+Collectives inside `step()`: all-reduce MAX of the found-inf flag over the model-parallel
+group (only with a loss scaler), then the all-reduce of the squared grad norm over the
+model-parallel group (only when `clip_grad > 0`), and of the zero count when asked.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.optimizer.clip_grads import clip_grad_norm, count_zeros
+from megatron.core.optimizer.grad_scaler import (
+    ConstantGradScaler,
+    DynamicGradScaler,
+    MegatronGradScaler,
+)
+from megatron.core.optimizer.param_groups import get_param_groups
+
+StepResult = Tuple[bool, Optional[torch.Tensor], Optional[torch.Tensor]]
+
+# Attributes set by the tensor-parallel layers that the fp32 main copy must carry, so that
+# the grad-norm rule (no TP duplicates, no shared copies) still applies to it.
+_COPIED_ATTRIBUTES = (
+    "tensor_model_parallel", "partition_dim", "partition_stride", "shared", "sequence_parallel",
+)
+# Implementation switches that belong to this process, not to the checkpoint.
+_LOCAL_GROUP_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def _model_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
+
+
+def _zero_grad_group(params: List[torch.Tensor], set_to_none: bool) -> None:
+    for p in params:
+        if p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None
+        else:
+            p.grad = p.grad.detach()
+            p.grad.zero_()
+
+
+def _by_device(pairs):
+    out: Dict[torch.device, Tuple[list, list]] = {}
+    for a, b in pairs:
+        dst, src = out.setdefault(a.device, ([], []))
+        dst.append(a)
+        src.append(b)
+    return out.values()
+
+
+def _load_inner_state(optimizer: torch.optim.Optimizer, state_dict: Dict) -> None:
+    """`optimizer.load_state_dict`, tolerating apex-style state (step kept in the group)
+    and keeping this process's implementation switches (fused/foreach)."""
+    groups = []
+    for saved, current in zip(state_dict["param_groups"], optimizer.param_groups):
+        saved = dict(saved)
+        for key in _LOCAL_GROUP_KEYS:
+            if key in current:
+                saved[key] = current[key]
+        groups.append(saved)
+    state = {}
+    for idx, param_state in state_dict["state"].items():
+        param_state = dict(param_state)
+        if "step" not in param_state and "exp_avg" in param_state:
+            group = next((g for g in groups if idx in g["params"]), {})
+            param_state["step"] = torch.tensor(float(group.get("step", 0)))
+        state[idx] = param_state
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+class MegatronOptimizer:
+    """Common part: wraps a torch optimizer, clips and counts zeros over the mp group."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_grad: float,
+        log_num_zeros_in_grad: bool,
+        mp_group=None,
+        tp_rank: int = 0,
+    ) -> None:
+        if clip_grad < 0.0:
+            raise ValueError(f"clip_grad must be >= 0 (0 disables clipping), got {clip_grad}")
+        self.optimizer = optimizer
+        self.clip_grad = float(clip_grad)
+        self.log_num_zeros_in_grad = log_num_zeros_in_grad
+        self.mp_group = mp_group
+        self.tp_rank = tp_rank
+        self._unit_scale: Optional[torch.Tensor] = None
+
+    # --- access --------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> List[Dict]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: List[Dict]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def get_parameters(self) -> List[torch.Tensor]:
+        """The parameters the inner optimizer updates (fp32 main params when mixed)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def get_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def _device(self) -> torch.device:
+        params = self.get_parameters()
+        return params[0].device if params else torch.device("cpu")
+
+    def _unit(self) -> torch.Tensor:
+        if self._unit_scale is None:
+            self._unit_scale = torch.ones((), dtype=torch.float32, device=self._device())
+        return self._unit_scale
+
+    # --- loss scale ----------------------------------------------------------------------
+    def get_loss_scale(self) -> torch.Tensor:
+        """Current loss scale as a 0-dim float32 tensor (1.0 without a scaler)."""
+        return self._unit()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss * loss_scale`, to call backward on."""
+        return loss * self.get_loss_scale()
+
+    # --- step pieces ---------------------------------------------------------------------
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm(self.get_parameters(), max_norm, self.mp_group, self.tp_rank)
+
+    def count_zeros(self) -> torch.Tensor:
+        return count_zeros(self.get_parameters(), self.mp_group, self.tp_rank)
+
+    def _clip_and_step(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        grad_norm = self.clip_grad_norm(self.clip_grad) if self.clip_grad > 0.0 else None
+        num_zeros = self.count_zeros() if self.log_num_zeros_in_grad else None
+        self.optimizer.step()
+        return grad_norm, num_zeros
+
+    @staticmethod
+    def _alias_main_grads(params: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Point `param.grad` at `param.main_grad` where a grad buffer exists."""
+        aliased = []
+        for p in params:
+            main_grad = getattr(p, "main_grad", None)
+            if main_grad is not None:
+                p.grad = main_grad
+                aliased.append(p)
+        return aliased
+
+    # --- interface -----------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        raise NotImplementedError
+
+    def step(self) -> StepResult:
+        raise NotImplementedError
+
+    def reload_model_params(self) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> Dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state_dict: Dict) -> None:
+        raise NotImplementedError
+
+
+class FP32Optimizer(MegatronOptimizer):
+    """fp32 model parameters: loss scale 1.0, never skips a step."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        _zero_grad_group(self.get_parameters(), set_to_none)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss  # the scale is exactly 1.0
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """Clip (global norm over the mp group), count zeros if asked, inner step."""
+        aliased = self._alias_main_grads(self.get_parameters())
+        grad_norm, num_zeros = self._clip_and_step()
+        # A grad aliasing the grad buffer must not meet the next backward.
+        for p in aliased:
+            p.grad = None
+        return True, grad_norm, num_zeros
+
+    def reload_model_params(self) -> None:
+        pass  # the model parameters are the optimizer's parameters
+
+    def state_dict(self) -> Dict:
+        """The torch optimizer state dict itself (Megatron's fp32 checkpoint shape)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Dict) -> None:
+        _load_inner_state(self.optimizer, state_dict)
+
+
+class MixedPrecisionOptimizer(MegatronOptimizer):
+    """fp16/bf16 model parameters with fp32 main copies that the inner optimizer steps.
+
+    fp32 model parameters (if any) are stepped directly. With a loss scaler (fp16, or
+    `--loss-scale`), grads are unscaled and checked for inf/NaN; an overflow anywhere in
+    the model-parallel group skips the step. bf16 without a scaler never skips; a
+    non-finite gradient then shows in the returned grad norm.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_grad: float,
+        log_num_zeros_in_grad: bool,
+        mp_group=None,
+        tp_rank: int = 0,
+        grad_scaler: Optional[MegatronGradScaler] = None,
+    ) -> None:
+        super().__init__(optimizer, clip_grad, log_num_zeros_in_grad, mp_group, tp_rank)
+        self.grad_scaler = grad_scaler
+        self.float16_groups: List[List[torch.Tensor]] = []
+        self.fp32_from_float16_groups: List[List[torch.Tensor]] = []
+        self.fp32_from_fp32_groups: List[List[torch.Tensor]] = []
+        for group in self.optimizer.param_groups:
+            self._make_main_params(group)
+        if self.grad_scaler is not None:
+            self.grad_scaler.to(self._device())
+        self._found_inf = torch.zeros((), dtype=torch.float32, device=self._device())
+
+    def _make_main_params(self, group: Dict) -> None:
+        """Swap every fp16/bf16 param of `group` for an fp32 copy (moving any state)."""
+        float16, main, fp32 = [], [], []
+        for i, param in enumerate(group["params"]):
+            if param.dtype in (torch.float16, torch.bfloat16):
+                main_param = torch.nn.Parameter(param.detach().clone().float())
+                for attr in _COPIED_ATTRIBUTES:
+                    if hasattr(param, attr):
+                        setattr(main_param, attr, getattr(param, attr))
+                group["params"][i] = main_param
+                if param in self.optimizer.state:
+                    self.optimizer.state[main_param] = self.optimizer.state.pop(param)
+                float16.append(param)
+                main.append(main_param)
+            elif param.dtype == torch.float32:
+                fp32.append(param)
+            else:
+                raise TypeError(f"cannot optimize a parameter of dtype {param.dtype}")
+        self.float16_groups.append(float16)
+        self.fp32_from_float16_groups.append(main)
+        self.fp32_from_fp32_groups.append(fp32)
+
+    def _model_main_pairs(self):
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            yield from zip(model_group, main_group)
+
+    # --- loss scale ----------------------------------------------------------------------
+    def get_loss_scale(self) -> torch.Tensor:
+        if self.grad_scaler is None:
+            return self._unit()
+        return self.grad_scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.grad_scaler is None else loss * self.grad_scaler.scale
+
+    # --- step ----------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for groups in (self.float16_groups, self.fp32_from_float16_groups,
+                       self.fp32_from_fp32_groups):
+            for group in groups:
+                _zero_grad_group(group, set_to_none)
+
+    def _copy_model_grads_to_main_grads(self) -> List[torch.Tensor]:
+        for model_param, main_param in self._model_main_pairs():
+            grad = _model_grad(model_param)
+            main_param.grad = None if grad is None else grad.float()
+            model_param.grad = None  # its data now lives in the main grad
+        return self._alias_main_grads([p for g in self.fp32_from_fp32_groups for p in g])
+
+    def _unscale_and_check_for_inf(self) -> bool:
+        """Unscale main grads by 1/scale; True when any rank of the mp group saw inf/NaN.
+
+        Collective: all-reduce MAX of one flag over the model-parallel group, then the
+        step's only host synchronisation (`.item()`)."""
+        self._found_inf.fill_(0.0)
+        inv_scale = self.grad_scaler.inv_scale
+        by_device: Dict[torch.device, List[torch.Tensor]] = {}
+        for p in self.get_parameters():
+            if p.grad is not None:
+                by_device.setdefault(p.grad.device, []).append(p.grad)
+        for device, grads in by_device.items():
+            on_flag_device = device == self._found_inf.device
+            found = self._found_inf if on_flag_device else torch.zeros((), device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
+            if not on_flag_device:
+                self._found_inf.add_(found.to(self._found_inf.device))
+        if self.mp_group is not None:
+            dist.all_reduce(self._found_inf, op=dist.ReduceOp.MAX, group=self.mp_group)
+        return self._found_inf.item() > 0
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """Copy model grads to fp32 main grads, unscale and check for overflow (skip on
+        overflow), clip, count zeros if asked, inner step, copy main params to the model."""
+        aliased = self._copy_model_grads_to_main_grads()
+        try:
+            if self.grad_scaler is not None:
+                found_inf = self._unscale_and_check_for_inf()
+                self.grad_scaler.update(found_inf)
+                if found_inf:
+                    return False, None, None
+            grad_norm, num_zeros = self._clip_and_step()
+            self._copy_main_params_to_model_params()
+            return True, grad_norm, num_zeros
+        finally:
+            for p in aliased:
+                p.grad = None
+
+    def _copy_main_params_to_model_params(self) -> None:
+        for model_params, main_params in _by_device(self._model_main_pairs()):
+            torch._foreach_copy_(model_params, main_params)
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 main params from the model (when no optimizer state is loaded)."""
+        for main_params, model_params in _by_device(
+            (main, model) for model, main in self._model_main_pairs()
+        ):
+            torch._foreach_copy_(main_params, model_params)
+
+    # --- checkpoint ----------------------------------------------------------------------
+    def state_dict(self) -> Dict:
+        """Megatron's shape: {optimizer, grad_scaler (if any), fp32_from_fp16_params}."""
+        state_dict = {"optimizer": self.optimizer.state_dict()}
+        if self.grad_scaler is not None:
+            state_dict["grad_scaler"] = self.grad_scaler.state_dict()
+        state_dict["fp32_from_fp16_params"] = [
+            [p.detach() for p in group] for group in self.fp32_from_float16_groups
+        ]
+        return state_dict
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Dict) -> None:
+        key = "optimizer" if "optimizer" in state_dict else "optimizer_state_dict"
+        _load_inner_state(self.optimizer, state_dict[key])
+        if "grad_scaler" not in state_dict:
+            if isinstance(self.grad_scaler, DynamicGradScaler):
+                warnings.warn("no grad scaler in the checkpoint; keeping the initial loss scale")
+        elif self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        elif state_dict["grad_scaler"]:
+            warnings.warn("the checkpoint has a grad scaler but this run uses none; ignoring it")
+        key = "fp32_from_fp16_params" if "fp32_from_fp16_params" in state_dict else "fp32_from_fp16"
+        saved_groups = state_dict[key]
+        if [len(g) for g in saved_groups] != [len(g) for g in self.fp32_from_float16_groups]:
+            raise ValueError(
+                f"checkpoint fp32 main params have group sizes {[len(g) for g in saved_groups]}"
+                f" but this model has {[len(g) for g in self.fp32_from_float16_groups]}; the "
+                f"model or its precision differs from the one that was saved"
+            )
+        for current, saved in zip(self.fp32_from_float16_groups, saved_groups):
+            for param, value in zip(current, saved):
+                param.copy_(value)
+
+
+def build_grad_scaler(config) -> Optional[MegatronGradScaler]:
+    """`--loss-scale X` -> constant; else fp16 -> dynamic; else (bf16/fp32) none."""
+    if config.loss_scale:
+        return ConstantGradScaler(config.loss_scale)
+    if config.fp16:
+        return DynamicGradScaler(
+            initial_scale=config.initial_loss_scale,
+            min_scale=config.min_loss_scale,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=config.loss_scale_window,
+            hysteresis=config.hysteresis,
+        )
+    return None
+
+
+def build_base_optimizer(config, param_groups: List[Dict]) -> torch.optim.Optimizer:
+    """torch AdamW (decoupled weight decay, as apex FusedAdam with adam_w_mode) or SGD.
+
+    Adam is fused when `config.use_fused` is True, or when it is None and every
+    parameter is on CUDA.
+    """
+    if config.optimizer == "adam":
+        params = [p for g in param_groups for p in g["params"]]
+        fused = config.use_fused
+        if fused is None:
+            fused = all(p.is_cuda for p in params)
+        return torch.optim.AdamW(
+            param_groups, lr=config.lr, weight_decay=config.weight_decay,
+            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+            fused=True if fused else None,
+        )
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(
+            param_groups, lr=config.lr, weight_decay=config.weight_decay,
+            momentum=config.sgd_momentum,
+        )
+    raise ValueError(f"optimizer {config.optimizer!r} is not supported; use 'adam' or 'sgd'")
+
+
+def build_optimizer(
+    config,
+    model_chunks,
+    parallel_state,
+    no_weight_decay_cond=None,
+    scale_lr_cond=None,
+    lr_mult: float = 1.0,
+) -> MegatronOptimizer:
+    """Build the optimizer for `model_chunks` (a module or a list of virtual-pipeline chunks).
+
+    Groups: weight decay off for biases and 1-D params (`get_param_groups`); each group's
+    lr and weight decay start at `config.lr * lr_mult` and `config.weight_decay * wd_mult`
+    (the scheduler rewrites them every step). fp16/bf16 -> `MixedPrecisionOptimizer` with
+    the scaler from `build_grad_scaler`; else `FP32Optimizer`. The model-parallel group
+    and TP rank for the grad norm come from `parallel_state`.
+    """
+    groups = get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult)
+    if not groups:
+        raise ValueError("the model has no trainable parameters to optimize")
+    for group in groups:
+        group["lr"] = config.lr * group["lr_mult"]
+        group["weight_decay"] = config.weight_decay * group["wd_mult"]
+    inner = build_base_optimizer(config, groups)
+    common = dict(
+        clip_grad=config.clip_grad,
+        log_num_zeros_in_grad=config.log_num_zeros_in_grad,
+        mp_group=parallel_state.mp_group,
+        tp_rank=parallel_state.tp_rank,
+    )
+    if config.fp16 or config.bf16:
+        return MixedPrecisionOptimizer(inner, grad_scaler=build_grad_scaler(config), **common)
+    return FP32Optimizer(inner, **common)
