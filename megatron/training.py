@@ -5,6 +5,7 @@ data-parallel gradient reduction -> optimizer step (may skip) -> lr step.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -89,9 +90,9 @@ def build_dataset(config: Config, split: str):
     d = config.data
     if not d.mock_data:
         raise SystemExit("error: only --mock-data is available in this build; pass --mock-data")
-    seed = d.seed + {"train": 0, "valid": 1, "test": 2}[split]
-    return MockGPTDataset(config.model.padded_vocab_size if d.vocab_size is None else d.vocab_size,
-                          d.seq_length, seed)
+    split_index = {"train": 0, "valid": 1, "test": 2}[split]
+    vocab = config.model.padded_vocab_size if d.vocab_size is None else d.vocab_size
+    return MockGPTDataset(vocab, d.seq_length, d.seed, split_index=split_index)
 
 
 def data_iterator(config: Config, rt: Runtime, split: str, consumed: int) -> Iterator[dict]:
@@ -118,7 +119,8 @@ def forward_backward(tr: Trainer, data: Iterator[dict], num_micro: int,
     total = torch.zeros((), dtype=torch.float32, device=device)
     for m in range(num_micro):
         tokens, labels, loss_mask = get_batch(next(data), device)
-        with model.no_sync(is_last=(m == num_micro - 1) or forward_only):
+        last = forward_only or m == num_micro - 1
+        with contextlib.nullcontext() if last else model.no_sync():
             losses_bs = model(tokens, labels=labels)
             loss = (losses_bs.float() * loss_mask).sum() / loss_mask.sum()
             if not forward_only:

@@ -68,4 +68,4 @@ def test_llama_style_gpt_tp2_sp_matches_single_process():
 
 def test_loss_decreases_single_process():
     out = _train(0, 1, 1, False, {}, iters=30)
-    assert out["losses"][-1] < out["losses"][0] - 0.5, out["losses"]
+    assert out["losses"][-1] < out["losses"][0] - 0.3, out["losses"]

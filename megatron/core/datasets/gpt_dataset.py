@@ -1,0 +1,350 @@
+"""GPT samples over Megatron `.bin/.idx` data, with Megatron 23.05's sample order.
+
+For a document set (sequence ids of the split), `T` tokens per epoch, sequence length `S`
+and `n` requested samples:
+
+* epochs `E` = smallest E >= 1 with (E*T - 1) // S >= n;
+* one `np.random.RandomState(seed)` shuffles, in this order, the document order
+  (`doc_idx`: documents repeated E times; when the last epoch would contribute fewer than
+  80% of an epoch's samples it is shuffled separately from the first E-1 epochs) and then
+  the sample order (`shuffle_idx`; split the same way);
+* `sample_idx[i] = (position in doc_idx, token offset)` where sample i starts; sample i
+  covers S+1 tokens, sharing its last token with sample i+1.
+
+The three arrays are cached as `.npy` files named by the md5 of the dataset description
+(`<H>.dsc`, `<H>_doc_idx.npy`, `<H>_sample_idx.npy`, `<H>_shuffle_idx.npy`), looked up in
+`<dirname(prefix)>/index-cache/` then `cache_dir`, and built into the last of those when
+missing. Building is vectorised numpy (a 10-billion-token index takes seconds).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from megatron.core.datasets.indexed_dataset import MMapIndexedDataset
+
+logger = logging.getLogger(__name__)
+LAST_EPOCH_FRACTION = 0.80
+
+
+def get_train_valid_test_split(split_string: str, size: int) -> List[int]:
+    """Boundaries [0, b1, b2, size] of the train/valid/test document ranges (Megatron's rule:
+    weights normalised, each range rounded with Python's round, the excess taken back)."""
+    try:
+        if "," in split_string:
+            splits = [float(s) for s in split_string.split(",")]
+        elif "/" in split_string:
+            splits = [float(s) for s in split_string.split("/")]
+        else:
+            splits = [float(split_string)]
+    except ValueError as e:
+        raise ValueError(f"--split {split_string!r}: expected numbers like '969,30,1'") from e
+    splits = (splits + [0.0, 0.0, 0.0])[:3]
+    total = sum(splits)
+    if total <= 0.0 or min(splits) < 0:
+        raise ValueError(f"--split {split_string!r}: weights must be >= 0 with a positive sum")
+    splits = [s / total for s in splits]
+    index = [0]
+    for i, s in enumerate(splits):
+        index.append(index[i] + int(round(s * float(size))))
+    diff = index[-1] - size
+    for i in range(1, len(index)):
+        index[i] -= diff
+    assert index[-1] == size
+    return index
+
+
+def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
+    """Smallest E >= 1 with (E * T - 1) // S >= n."""
+    if tokens_per_epoch <= 0:
+        raise ValueError("the dataset's documents hold no tokens; cannot cut samples from it")
+    return max(1, (num_samples * seq_length + tokens_per_epoch) // tokens_per_epoch)
+
+
+def separate_last_epoch(tokens_per_epoch: int, seq_length: int, num_samples: int,
+                        num_epochs: int) -> bool:
+    """Whether the last epoch is shuffled on its own (it contributes < 80% of an epoch)."""
+    if num_epochs == 1:
+        return False
+    from_prev = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+    last = num_samples - from_prev
+    per_epoch = (tokens_per_epoch - 1) // seq_length
+    assert 0 <= last <= per_epoch + 1, (last, per_epoch)
+    return last < int(LAST_EPOCH_FRACTION * per_epoch)
+
+
+def build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
+                  separate_last: bool) -> np.ndarray:
+    """Documents repeated per epoch and shuffled (int32); last epoch apart if asked."""
+    if not separate_last or num_epochs == 1:
+        doc_idx = np.tile(np.asarray(documents, dtype=np.int32), num_epochs)
+        rng.shuffle(doc_idx)
+        return doc_idx
+    first = build_doc_idx(documents, num_epochs - 1, rng, False)
+    last = build_doc_idx(documents, 1, rng, False)
+    return np.concatenate((first, last))
+
+
+def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int,
+                     num_epochs: int, tokens_per_epoch: int) -> np.ndarray:
+    """[(E*T-1)//S + 1, 2] int32 (doc_idx position, offset) where each sample starts.
+
+    Sample i starts at token i*S of the concatenated document stream; that token lies in
+    the first document whose cumulative end exceeds it (so a boundary on a document's
+    last token stays in that document, and empty documents are skipped).
+    """
+    num_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
+    lengths = np.asarray(sizes)[doc_idx].astype(np.int64)
+    ends = np.cumsum(lengths)
+    positions = np.arange(num_samples + 1, dtype=np.int64) * seq_length
+    which = np.searchsorted(ends, positions, side="right")
+    offsets = positions - (ends[which] - lengths[which])
+    sample_idx = np.empty((num_samples + 1, 2), dtype=np.int32)
+    sample_idx[:, 0] = which
+    sample_idx[:, 1] = offsets
+    sample_idx[0] = (0, 0)  # Megatron's helper starts at (0, 0) even before empty documents
+    return sample_idx
+
+
+def build_shuffle_idx(num_samples: int, total_size: int,
+                      rng: np.random.RandomState) -> np.ndarray:
+    """Permutation of [0, num_samples) then, shuffled apart, of [num_samples, total_size)."""
+    dtype = np.int64 if total_size >= np.iinfo(np.uint32).max - 1 else np.uint32
+    first = np.arange(num_samples, dtype=dtype)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=dtype)
+    rng.shuffle(last)
+    return np.concatenate((first, last))
+
+
+def build_index_arrays(documents: np.ndarray, sizes: np.ndarray, num_samples: int,
+                       seq_length: int, seed: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(doc_idx, sample_idx, shuffle_idx) exactly as Megatron 23.05 builds them."""
+    tokens_per_epoch = int(np.asarray(sizes)[documents].sum(dtype=np.int64))
+    num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
+    separate = separate_last_epoch(tokens_per_epoch, seq_length, num_samples, num_epochs)
+    rng = np.random.RandomState(seed=seed)
+    doc_idx = build_doc_idx(documents, num_epochs, rng, separate)
+    sample_idx = build_sample_idx(sizes, doc_idx, seq_length, num_epochs, tokens_per_epoch)
+    total = sample_idx.shape[0] - 1
+    first = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length if separate else total
+    return doc_idx, sample_idx, build_shuffle_idx(first, total, rng)
+
+
+def describe(data_prefix: str, name: str, num_samples: int, seq_length: int, seed: int,
+             split_string: str) -> str:
+    """The exact description text whose md5 names the cache files."""
+    return ("GPT Dataset\n\n"
+            f"Data prefix {data_prefix}\n"
+            f"Dataset name {name}\n"
+            f"Number of samples {num_samples}\n"
+            f"Sequence length {seq_length}\n"
+            f"Random seed {seed}\n"
+            f"Split {split_string}\n")
+
+
+def _cache_paths(directory: str, desc_hash: str) -> Dict[str, str]:
+    return {key: os.path.join(directory, desc_hash + suffix) for key, suffix in
+            (("desc", ".dsc"), ("doc", "_doc_idx.npy"), ("sample", "_sample_idx.npy"),
+             ("shuffle", "_shuffle_idx.npy"))}
+
+
+def find_or_build_cache(desc: str, data_prefix: str, cache_dir: Optional[str],
+                        build: Callable[[], Tuple[np.ndarray, np.ndarray, np.ndarray]],
+                        may_build: bool) -> Dict[str, str]:
+    """Paths of the four cache files: the first directory holding all of them, else build
+    them into the last directory looked at (`cache_dir` when given)."""
+    desc_hash = hashlib.md5(desc.encode("utf-8")).hexdigest()
+    directories = [os.path.join(os.path.dirname(data_prefix), "index-cache")]
+    if cache_dir is not None:
+        directories.append(cache_dir)
+    for directory in directories:
+        paths = _cache_paths(directory, desc_hash)
+        if all(os.path.isfile(p) for p in paths.values()):
+            return paths
+    if not may_build:
+        raise ValueError(f"index files {paths['doc']} (and siblings) are missing: the builder "
+                         "rank did not create them; data index creation unsuccessful")
+    start = time.time()
+    doc_idx, sample_idx, shuffle_idx = build()
+    try:
+        os.makedirs(directories[-1], exist_ok=True)
+        with open(paths["desc"], "wt") as f:
+            f.write(desc)
+        np.save(paths["doc"], doc_idx, allow_pickle=True)
+        np.save(paths["sample"], sample_idx, allow_pickle=True)
+        np.save(paths["shuffle"], shuffle_idx, allow_pickle=True)
+    except OSError as e:
+        raise ValueError(f"cannot write the dataset index cache to {directories[-1]} ({e}); "
+                         "pass a writable --data-cache-path") from e
+    logger.info("built index %s in %.2f s", desc_hash, time.time() - start)
+    return paths
+
+
+class GPTDataset:
+    """Samples of `seq_length + 1` tokens from the `documents` of `indexed_dataset`."""
+
+    def __init__(self, name: str, data_prefix: str, documents: np.ndarray,
+                 indexed_dataset: MMapIndexedDataset, num_samples: int, seq_length: int,
+                 seed: int, split_string: str, cache_dir: Optional[str] = None,
+                 may_build: bool = True):
+        documents = np.asarray(documents, dtype=np.int32)
+        n_seq = len(indexed_dataset.sizes)
+        if len(documents) == 0 or documents.min() < 0 or documents.max() >= n_seq:
+            raise ValueError(f"{data_prefix}: documents must be a non-empty subset of "
+                             f"[0, {n_seq})")
+        self.name = name
+        self.data_prefix = data_prefix
+        self.indexed_dataset = indexed_dataset
+        self.seq_length = seq_length
+        self.desc = describe(data_prefix, name, num_samples, seq_length, seed, split_string)
+        self.desc_hash = hashlib.md5(self.desc.encode("utf-8")).hexdigest()
+
+        def build():
+            return build_index_arrays(documents, indexed_dataset.sizes, num_samples,
+                                      seq_length, seed)
+
+        paths = find_or_build_cache(self.desc, data_prefix, cache_dir, build, may_build)
+        self.cache_paths = paths
+        self.doc_idx = np.load(paths["doc"], allow_pickle=True, mmap_mode="r")
+        self.sample_idx = np.load(paths["sample"], allow_pickle=True, mmap_mode="r")
+        self.shuffle_idx = np.load(paths["shuffle"], allow_pickle=True, mmap_mode="r")
+
+    def __len__(self) -> int:
+        return self.sample_idx.shape[0] - 1
+
+    def __getitem__(self, idx: int) -> dict:
+        if not 0 <= idx < len(self):
+            raise IndexError(f"sample {idx} outside [0, {len(self)}) of {self.name} dataset")
+        j = int(self.shuffle_idx[idx])
+        doc_f, off_f = (int(v) for v in self.sample_idx[j])
+        doc_l, off_l = (int(v) for v in self.sample_idx[j + 1])
+        get = self.indexed_dataset.get
+        if doc_f == doc_l:
+            parts = [get(int(self.doc_idx[doc_f]), offset=off_f, length=off_l - off_f + 1)]
+        else:
+            parts = [get(int(self.doc_idx[doc_f]), offset=off_f)]
+            parts += [get(int(self.doc_idx[i])) for i in range(doc_f + 1, doc_l)]
+            parts.append(get(int(self.doc_idx[doc_l]), length=off_l + 1))
+        return {"text": np.concatenate(parts).astype(np.int64)}
+
+
+class _Builder:
+    """Opens each prefix once and builds single or blended datasets."""
+
+    def __init__(self, split: str, seq_length: int, seed: int, cache_dir: Optional[str],
+                 may_build: bool):
+        self.split, self.seq_length, self.seed = split, seq_length, seed
+        self.cache_dir, self.may_build = cache_dir, may_build
+        self._opened: Dict[str, MMapIndexedDataset] = {}
+
+    def indexed(self, prefix: str) -> MMapIndexedDataset:
+        if prefix not in self._opened:
+            self._opened[prefix] = MMapIndexedDataset(prefix)
+        return self._opened[prefix]
+
+    def dataset(self, name: str, prefix: str, documents: np.ndarray, num_samples: int):
+        return GPTDataset(name, prefix, documents, self.indexed(prefix), num_samples,
+                          self.seq_length, self.seed, self.split, self.cache_dir, self.may_build)
+
+    def split_datasets(self, prefix: str, num_samples: Sequence[int]) -> list:
+        """train/valid/test GPTDatasets over the split ranges of one prefix (None if empty)."""
+        bounds = get_train_valid_test_split(self.split, len(self.indexed(prefix).sizes))
+        out = []
+        for i, name in enumerate(("train", "valid", "test")):
+            if bounds[i + 1] > bounds[i]:
+                documents = np.arange(bounds[i], bounds[i + 1], dtype=np.int32)
+                out.append(self.dataset(name, prefix, documents, num_samples[i]))
+            else:
+                out.append(None)
+        return out
+
+    def blend(self, datasets: list, weights: Sequence[float], size: int, what: str):
+        from megatron.core.datasets.blended import BlendedDataset
+
+        if any(d is None for d in datasets):
+            raise ValueError(f"{what}: a blended member has an empty split; adjust --split so "
+                             "every weighted dataset gets documents")
+        return BlendedDataset(datasets, weights, size, self.cache_dir, self.may_build)
+
+    def whole(self, name: str, data_path: Sequence[str], num_samples: int):
+        """One dataset using all documents of `data_path` (one prefix or a weighted list)."""
+        from megatron.core.datasets.blended import (parse_weighted_prefixes,
+                                                    per_dataset_num_samples)
+
+        prefixes, weights = parse_weighted_prefixes(data_path)
+        if len(data_path) == 1:
+            n_seq = len(self.indexed(prefixes[0]).sizes)
+            return self.dataset(name, prefixes[0], np.arange(n_seq, dtype=np.int32), num_samples)
+        counts = per_dataset_num_samples(num_samples, weights)
+        members = [self.dataset(name, p, np.arange(len(self.indexed(p).sizes), dtype=np.int32), c)
+                   for p, c in zip(prefixes, counts)]
+        return self.blend(members, weights, sum(counts), f"--{name}-data-path")
+
+
+def _build_all(builder: _Builder, data_prefix, num_samples, paths) -> tuple:
+    from megatron.core.datasets.blended import parse_weighted_prefixes, per_dataset_num_samples
+
+    if data_prefix:
+        prefixes, weights = parse_weighted_prefixes(data_prefix)
+        if len(data_prefix) == 1:
+            return tuple(builder.split_datasets(prefixes[0], num_samples))
+        per = [per_dataset_num_samples(n, weights) for n in num_samples]  # [split][dataset]
+        members = [builder.split_datasets(p, [per[k][i] for k in range(3)])
+                   for i, p in enumerate(prefixes)]
+        out = []
+        for k, name in enumerate(("train", "valid", "test")):
+            parts = [m[k] for m in members]
+            out.append(None if all(p is None for p in parts) else
+                       builder.blend(parts, weights, sum(per[k]), f"--data-path ({name})"))
+        return tuple(out)
+    return tuple(None if path is None else builder.whole(name, path, num_samples[k])
+                 for k, (name, path) in enumerate(zip(("train", "valid", "test"), paths)))
+
+
+def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split: str,
+                                    train_valid_test_num_samples: Sequence[int],
+                                    seq_length: int, seed: int, cache_dir: Optional[str] = None,
+                                    train_data_path: Optional[Sequence[str]] = None,
+                                    valid_data_path: Optional[Sequence[str]] = None,
+                                    test_data_path: Optional[Sequence[str]] = None, *,
+                                    is_builder_rank: bool = True,
+                                    barrier: Optional[Callable[[], None]] = None) -> tuple:
+    """(train, valid, test) datasets, each GPTDataset, BlendedDataset or None.
+
+    `data_prefix` is `--data-path`: one prefix (split by `split`) or `w1 p1 w2 p2 ...`
+    (each prefix split alike; member i of split k asks ceil(n_k * w_i * 1.005) samples).
+    Without it, `--train/valid/test-data-path` each use all documents of their files.
+
+    Multi-process use: every rank calls this with the same arguments; the builder rank
+    (global rank 0) builds missing cache files first, then all ranks meet in `barrier()`
+    (e.g. `torch.distributed.barrier`; one call per rank), then the others load the files.
+    A non-builder rank that finds a file missing raises ValueError.
+    """
+    if not data_prefix and not any((train_data_path, valid_data_path, test_data_path)):
+        raise ValueError("no data: pass --data-path, or --train-data-path/--valid-data-path/"
+                         "--test-data-path (or --mock-data)")
+    num_samples = [int(n) for n in train_valid_test_num_samples]
+    paths = (train_data_path, valid_data_path, test_data_path)
+    result, error = None, None
+    if is_builder_rank:
+        try:
+            result = _build_all(_Builder(split, seq_length, seed, cache_dir, True),
+                                data_prefix, num_samples, paths)
+        except Exception as e:  # reach the barrier anyway so the other ranks do not hang
+            error = e
+    if barrier is not None:
+        barrier()
+    if error is not None:
+        raise error
+    if result is None:
+        result = _build_all(_Builder(split, seq_length, seed, cache_dir, False),
+                            data_prefix, num_samples, paths)
+    return result

@@ -1,0 +1,277 @@
+"""Megatron's mmap indexed dataset: a `.bin` of token ids and an `.idx` describing it.
+
+`.idx` layout (little-endian; see README.md beside this file):
+
+    magic b"MMIDIDX\\x00\\x00" | u64 version=1 | u8 dtype code | u64 N | u64 K
+    | int32 sizes[N] | int64 pointers[N] (byte offsets into .bin) | int64 doc_idx[K]
+
+`.bin` is the raw concatenation of all sequences in that dtype. `doc_idx[d]` is the first
+sequence of document d; it starts with 0 and ends with N.
+
+The reader maps both files and hands out numpy views into them (no copies). It checks
+magic, version, dtype code, the `.idx` size implied by its header and the `.bin` size
+implied by `sizes`; a bad file raises ValueError naming the file and the problem.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import warnings
+from array import array
+from typing import Iterable, Optional, Union
+
+import numpy as np
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER_SIZE = 34  # 9 magic + 8 version + 1 dtype code + 8 N + 8 K
+DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
+               6: np.float64, 7: np.float32, 8: np.uint16}
+
+
+def dtype_code(dtype) -> int:
+    """Megatron's one-byte code of a numpy dtype."""
+    dtype = np.dtype(dtype)
+    for code, candidate in DTYPE_CODES.items():
+        if np.dtype(candidate) == dtype:
+            return code
+    raise ValueError(f"dtype {dtype} cannot be stored in a Megatron .bin; use one of "
+                     f"{sorted(np.dtype(d).name for d in DTYPE_CODES.values())}")
+
+
+def best_dtype(vocab_size: Optional[int]):
+    """uint16 when every id fits (vocab_size < 65500, Megatron's rule), else int32."""
+    if vocab_size is not None and vocab_size < 65500:
+        return np.uint16
+    return np.int32
+
+
+def data_file_path(prefix: str) -> str:
+    return prefix + ".bin"
+
+
+def index_file_path(prefix: str) -> str:
+    return prefix + ".idx"
+
+
+def write_index(idx_path: str, dtype, sizes: np.ndarray, doc_idx: np.ndarray) -> None:
+    """Write an `.idx` for sequences of `sizes` tokens; pointers are derived from sizes."""
+    sizes = np.asarray(sizes, dtype=np.int32)
+    doc_idx = np.asarray(doc_idx, dtype=np.int64)
+    itemsize = np.dtype(dtype).itemsize
+    pointers = np.zeros(len(sizes), dtype=np.int64)
+    if len(sizes) > 1:
+        np.cumsum(sizes[:-1], dtype=np.int64, out=pointers[1:])
+        pointers *= itemsize
+    with open(idx_path, "wb") as f:
+        f.write(MAGIC)
+        f.write(struct.pack("<Q", VERSION))
+        f.write(struct.pack("<B", dtype_code(dtype)))
+        f.write(struct.pack("<Q", len(sizes)))
+        f.write(struct.pack("<Q", len(doc_idx)))
+        f.write(sizes.astype("<i4", copy=False).tobytes(order="C"))
+        f.write(pointers.astype("<i8", copy=False).tobytes(order="C"))
+        f.write(doc_idx.astype("<i8", copy=False).tobytes(order="C"))
+
+
+class IndexedDatasetBuilder:
+    """Streams sequences into `bin_path`; `finalize(idx_path)` writes the index.
+
+    Sizes and document starts are kept as compact int arrays (4 + 8 bytes per entry), never
+    the token data, so memory stays small whatever the corpus size.
+    """
+
+    def __init__(self, bin_path: str, dtype=np.int32):
+        self._dtype = np.dtype(dtype)
+        dtype_code(self._dtype)
+        self._bin_path = bin_path
+        self._data = open(bin_path, "wb")
+        self._sizes = array("i")
+        self._doc_idx = array("q", [0])
+
+    @property
+    def dtype(self):
+        return self._dtype
+
+    def _write(self, tokens) -> int:
+        arr = np.asarray(tokens)
+        if arr.dtype != self._dtype:
+            arr = arr.astype(self._dtype)
+        self._data.write(np.ascontiguousarray(arr).tobytes(order="C"))
+        return int(arr.size)
+
+    def add_item(self, tokens) -> None:
+        """Append one sequence (list, numpy array or torch tensor of ids)."""
+        if hasattr(tokens, "numpy"):
+            tokens = tokens.numpy()
+        self._sizes.append(self._write(tokens))
+
+    def end_document(self) -> None:
+        """Close the current document: the next sequence starts a new one."""
+        self._doc_idx.append(len(self._sizes))
+
+    def add_doc(self, tokens, lengths: Iterable[int]) -> None:
+        """Append one document made of sequences of `lengths` tokens (sum == len(tokens))."""
+        lengths = list(lengths)
+        written = self._write(tokens)
+        if written != sum(lengths):
+            raise ValueError(f"add_doc: {written} tokens but lengths sum to {sum(lengths)}")
+        self._sizes.extend(lengths)
+        self._doc_idx.append(len(self._sizes))
+
+    def add_batch(self, tokens: np.ndarray, sizes: np.ndarray, seqs_per_doc: np.ndarray) -> None:
+        """Append many documents at once: all their tokens, every sequence size, and the
+        number of sequences of each document (0 for an empty document)."""
+        self._write(tokens)
+        start = len(self._sizes)
+        self._sizes.frombytes(np.asarray(sizes, dtype=np.int32).tobytes())
+        ends = start + np.cumsum(np.asarray(seqs_per_doc, dtype=np.int64))
+        self._doc_idx.frombytes(ends.astype(np.int64).tobytes())
+
+    def merge_file_(self, prefix: str) -> None:
+        """Append the dataset at `prefix` (its .bin is copied, its doc_idx shifted)."""
+        other = MMapIndexedDataset(prefix)
+        if other.dtype != self._dtype:
+            raise ValueError(f"cannot merge {prefix} (dtype {other.dtype.name}) into a "
+                             f"{self._dtype.name} dataset")
+        offset = len(self._sizes)
+        self._sizes.frombytes(np.asarray(other.sizes, dtype=np.int32).tobytes())
+        shifted = np.asarray(other.doc_idx[1:], dtype=np.int64) + offset
+        self._doc_idx.frombytes(shifted.tobytes())
+        del other
+        with open(data_file_path(prefix), "rb") as f:
+            shutil.copyfileobj(f, self._data, length=16 << 20)
+
+    def finalize(self, idx_path: str) -> None:
+        """Close the .bin and write the .idx."""
+        self._data.close()
+        write_index(idx_path, self._dtype, np.frombuffer(self._sizes, dtype=np.int32),
+                    np.frombuffer(self._doc_idx, dtype=np.int64))
+
+
+def _read_header(idx_path: str, idx_size: int, buf) -> tuple:
+    if idx_size < HEADER_SIZE:
+        raise ValueError(f"{idx_path}: truncated index: {idx_size} bytes, the header alone is "
+                         f"{HEADER_SIZE}")
+    if bytes(buf[:9]) != MAGIC:
+        raise ValueError(f"{idx_path}: bad magic {bytes(buf[:9])!r}, expected {MAGIC!r}; not a "
+                         "Megatron mmap index (legacy TNTIDX files are not supported)")
+    version, code, n, k = struct.unpack("<QBQQ", bytes(buf[9:HEADER_SIZE]))
+    if version != VERSION:
+        raise ValueError(f"{idx_path}: index version {version}, only {VERSION} is supported")
+    if code not in DTYPE_CODES:
+        raise ValueError(f"{idx_path}: unknown dtype code {code}; valid codes are "
+                         f"{sorted(DTYPE_CODES)}")
+    expected = HEADER_SIZE + 12 * n + 8 * k
+    if idx_size != expected:
+        kind = "truncated" if idx_size < expected else "oversized"
+        raise ValueError(f"{idx_path}: {kind} index: {idx_size} bytes, its header (N={n} "
+                         f"sequences, {k} doc_idx entries) implies {expected}")
+    return np.dtype(DTYPE_CODES[code]), n, k
+
+
+class MMapIndexedDataset:
+    """Read-only view of `<prefix>.bin/.idx`; `ds[i]` is sequence i as a numpy view."""
+
+    def __init__(self, prefix: str):
+        self._prefix = prefix
+        idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
+        for path in (idx_path, bin_path):
+            if not os.path.isfile(path):
+                raise ValueError(f"{path}: no such file (dataset prefix {prefix!r})")
+        idx_size = os.path.getsize(idx_path)
+        self._idx_map = (np.memmap(idx_path, mode="r", dtype=np.uint8) if idx_size
+                         else np.zeros(0, dtype=np.uint8))
+        buf = memoryview(self._idx_map)
+        self._dtype, n, k = _read_header(idx_path, idx_size, buf)
+        self._sizes = np.frombuffer(buf, dtype="<i4", count=n, offset=HEADER_SIZE)
+        self._pointers = np.frombuffer(buf, dtype="<i8", count=n, offset=HEADER_SIZE + 4 * n)
+        self._doc_idx = np.frombuffer(buf, dtype="<i8", count=k, offset=HEADER_SIZE + 12 * n)
+        self._check_index(idx_path, n, k)
+        bin_size = os.path.getsize(bin_path)
+        self._check_bin(bin_path, bin_size)
+        self._bin_map = (np.memmap(bin_path, mode="r", dtype=np.uint8) if bin_size
+                         else np.zeros(0, dtype=np.uint8))
+        self._bin = memoryview(self._bin_map)
+
+    def _check_index(self, idx_path: str, n: int, k: int) -> None:
+        if k < 1 or self._doc_idx[0] != 0 or self._doc_idx[-1] != n:
+            first = int(self._doc_idx[0]) if k else None
+            last = int(self._doc_idx[-1]) if k else None
+            raise ValueError(f"{idx_path}: corrupt doc_idx: must start at 0 and end at N={n}, "
+                             f"got first={first}, last={last} ({k} entries)")
+        if n and (self._sizes.min() < 0 or self._pointers[0] != 0):
+            raise ValueError(f"{idx_path}: corrupt index: negative sizes or pointers[0] != 0")
+        if n and self._pointers[-1] != (self._sizes[:-1].sum(dtype=np.int64)
+                                         * self._dtype.itemsize):
+            raise ValueError(f"{idx_path}: corrupt index: pointers do not match sizes")
+
+    def _check_bin(self, bin_path: str, bin_size: int) -> None:
+        n_tokens = int(self._sizes.sum(dtype=np.int64))
+        expected = n_tokens * self._dtype.itemsize
+        if bin_size == expected:
+            return
+        if bin_size > expected:
+            # Megatron 23.06 `--append-eod` wrote one uncounted EOD per non-empty document.
+            docs = int(np.count_nonzero(np.diff(self._doc_idx)))
+            if bin_size == expected + docs * self._dtype.itemsize:
+                warnings.warn(f"{bin_path} holds one token per document more than its index "
+                              "counts: written by Megatron's preprocess_data.py --append-eod "
+                              "(off-by-one bug); it is read exactly as Megatron reads it")
+                return
+        kind = "truncated" if bin_size < expected else "oversized"
+        raise ValueError(f"{bin_path}: {kind} data file: {bin_size} bytes, the index "
+                         f"({len(self._sizes)} sequences, {n_tokens} tokens of "
+                         f"{self._dtype.name}) implies {expected}")
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """int32 [N]: tokens per sequence."""
+        return self._sizes
+
+    @property
+    def pointers(self) -> np.ndarray:
+        """int64 [N]: byte offset of each sequence in the .bin."""
+        return self._pointers
+
+    @property
+    def doc_idx(self) -> np.ndarray:
+        """int64 [docs + 1]: first sequence of each document, then N."""
+        return self._doc_idx
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __getitem__(self, idx: Union[int, slice]):
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(len(self))
+            if step != 1:
+                raise ValueError(f"slices with step {step} are not supported; use step 1")
+            return [self.get(i) for i in range(start, stop)]
+        return self.get(idx)
+
+    def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+        """Tokens [offset, offset + length) of sequence `idx` as a read-only view."""
+        n = len(self)
+        if idx < 0:
+            idx += n
+        if not 0 <= idx < n:
+            raise IndexError(f"sequence {idx} outside [0, {n})")
+        size = int(self._sizes[idx])
+        if length is None:
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(f"tokens [{offset}, {offset + length}) outside sequence {idx} "
+                             f"of {size} tokens")
+        start = int(self._pointers[idx]) + offset * self._dtype.itemsize
+        return np.frombuffer(self._bin, dtype=self._dtype, count=length, offset=start)
+
+    @staticmethod
+    def exists(prefix: str) -> bool:
+        """True when both `<prefix>.idx` and `<prefix>.bin` exist."""
+        return os.path.isfile(index_file_path(prefix)) and os.path.isfile(data_file_path(prefix))

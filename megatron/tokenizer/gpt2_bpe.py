@@ -1,0 +1,148 @@
+"""GPT-2 byte-level BPE from a local `vocab.json` + `merges.txt`, run by tiktoken.
+
+The ids are those of GPT-2's own encoder for any input: the text is cut with GPT-2's
+pre-tokenisation regex, each piece is mapped to bytes and merged greedily by merge rank.
+tiktoken performs the same greedy merge when every token's rank is its merge position,
+so the encoding is built with ranks taken from the merges file; when the vocabulary ids
+do not follow the merge order, ranks are translated to ids with a lookup table.
+
+`<|endoftext|>` is the end-of-document id. Inside text it is ordinary text (GPT-2's
+encoder and Megatron's tokenizer split it into `<|`, `endoftext`, `|>`).
+"""
+from __future__ import annotations
+
+import json
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+EOD_TEXT = "<|endoftext|>"
+
+
+def bytes_to_unicode() -> Dict[int, str]:
+    """GPT-2's reversible map from the 256 byte values to printable unicode characters.
+
+    Printable latin-1 bytes map to themselves; the other 68 bytes map, in byte order, to
+    the characters 256, 257, ... so that no vocabulary string contains whitespace or
+    control characters.
+    """
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def read_merges(merge_file: str) -> List[Tuple[str, str]]:
+    """Merge pairs in rank order; the `#version` header line and blank lines are skipped."""
+    merges = []
+    with open(merge_file, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if not line or (lineno == 1 and line.startswith("#version")):
+                continue
+            parts = line.split()
+            if len(parts) != 2:
+                raise ValueError(f"{merge_file}:{lineno}: expected two symbols per merge line, "
+                                 f"got {line!r}")
+            merges.append((parts[0], parts[1]))
+    return merges
+
+
+def _load_vocab(vocab_file: str) -> Dict[str, int]:
+    with open(vocab_file, encoding="utf-8") as f:
+        vocab = json.load(f)
+    if not isinstance(vocab, dict):
+        raise ValueError(f"{vocab_file}: expected a JSON object mapping token -> id")
+    return vocab
+
+
+def _mergeable_ranks(vocab: Dict[str, int], merges: List[Tuple[str, str]], vocab_file: str
+                     ) -> Tuple[Dict[bytes, int], Dict[bytes, int]]:
+    """(ranks for tiktoken, token bytes -> vocabulary id) for bytes and merge results."""
+    byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
+    ranks: Dict[bytes, int] = {}
+    ids: Dict[bytes, int] = {}
+    for b, c in sorted(bytes_to_unicode().items()):
+        if c not in vocab:
+            raise ValueError(f"{vocab_file}: byte-level symbol {c!r} (byte {b}) is missing; "
+                             "not a GPT-2 style byte-level BPE vocabulary")
+        ranks[bytes([b])] = b
+        ids[bytes([b])] = vocab[c]
+    for rank, (a, b) in enumerate(merges):
+        merged = a + b
+        if merged not in vocab:
+            raise ValueError(f"{vocab_file}: merge result {merged!r} of merge {rank} is not in the "
+                             "vocabulary; vocab and merges files do not belong together")
+        try:
+            token = bytes(byte_decoder[ch] for ch in merged)
+        except KeyError as e:
+            raise ValueError(f"merge {merged!r} holds a character outside the byte map") from e
+        if token not in ranks:  # a repeated merge never fires again in GPT-2's loop either
+            ranks[token] = 256 + rank
+            ids[token] = vocab[merged]
+    return ranks, ids
+
+
+class GPT2BPETokenizer:
+    """GPT-2 BPE tokenizer (Megatron's `GPT2BPETokenizer`); `vocab_size` is len(vocab.json)."""
+
+    name = "GPT2BPETokenizer"
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        import tiktoken
+
+        vocab = _load_vocab(vocab_file)
+        if EOD_TEXT not in vocab:
+            raise ValueError(f"{vocab_file}: {EOD_TEXT} is missing; GPT2BPETokenizer needs it as "
+                             "the end-of-document token")
+        ranks, ids = _mergeable_ranks(vocab, read_merges(merge_file), vocab_file)
+        self._vocab_size = len(vocab)
+        self._eod = vocab[EOD_TEXT]
+        rank_of = np.fromiter(ranks.values(), dtype=np.int64, count=len(ranks))
+        id_of = np.fromiter((ids[t] for t in ranks), dtype=np.int64, count=len(ranks))
+        if np.array_equal(rank_of, id_of):  # GPT-2's own files: ids are merge ranks
+            self._rank_to_id: Optional[np.ndarray] = None
+            special_rank = self._eod
+            if special_rank in ranks.values():
+                raise ValueError(f"{vocab_file}: id {self._eod} of {EOD_TEXT} is also used by "
+                                 "another token")
+        else:  # tiktoken emits ranks: translate them to vocabulary ids with a table
+            table = np.zeros(int(rank_of.max()) + 1, dtype=np.int64)
+            table[rank_of] = id_of
+            self._rank_to_id = table
+            special_rank = int(rank_of.max()) + 1
+        self._encoding = tiktoken.Encoding(
+            name=f"gpt2-local-{self._vocab_size}", pat_str=GPT2_PATTERN,
+            mergeable_ranks=ranks, special_tokens={EOD_TEXT: special_rank})
+        self._id_to_bytes = {i: t for t, i in ids.items()}
+        self._id_to_bytes[self._eod] = EOD_TEXT.encode()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def tokenize_array(self, text: str) -> np.ndarray:
+        """Token ids of `text` as a numpy array (uint32 or int64); fastest path."""
+        arr = self._encoding.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+        if self._rank_to_id is not None:
+            arr = self._rank_to_id[arr]
+        return arr
+
+    def tokenize(self, text: str) -> List[int]:
+        if self._rank_to_id is None:
+            return self._encoding.encode_ordinary(text)
+        return self.tokenize_array(text).tolist()
+
+    def detokenize(self, ids) -> str:
+        data = b"".join(self._id_to_bytes[int(i)] for i in ids)
+        return data.decode("utf-8", errors="replace")

@@ -1,0 +1,63 @@
+"""A local Hugging Face `tokenizer.json` (or a directory holding one) via `tokenizers`.
+
+EOD is the tokenizer config's `eos_token` when a `tokenizer_config.json` sits beside the
+file, else the first of `<|endoftext|>`, `</s>`, `<|end_of_text|>`, `<eos>`, `<|eos|>` found
+in the vocabulary. Text is encoded without adding special tokens.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import List, Optional
+
+EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")
+
+
+def _config_eos(directory: str) -> Optional[str]:
+    path = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        eos = json.load(f).get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) else None
+
+
+class HuggingFaceTokenizer:
+    """`tokenizers.Tokenizer` from a local file; `vocab_size` includes added tokens."""
+
+    name = "HuggingFaceTokenizer"
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise ValueError(f"HuggingFaceTokenizer: {file} not found; pass a tokenizer.json "
+                             "file or a directory holding one")
+        self._tok = Tokenizer.from_file(file)
+        candidates = [_config_eos(os.path.dirname(os.path.abspath(file)))] + list(EOD_CANDIDATES)
+        self._eod = None
+        for token in candidates:
+            if token is not None and self._tok.token_to_id(token) is not None:
+                self._eod = self._tok.token_to_id(token)
+                break
+        self._file = file
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        if self._eod is None:
+            raise ValueError(f"{self._file}: no end-of-document token found (looked for "
+                             f"{', '.join(EOD_CANDIDATES)} and tokenizer_config.json eos_token)")
+        return self._eod
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

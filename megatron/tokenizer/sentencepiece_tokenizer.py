@@ -1,0 +1,105 @@
+"""SentencePiece tokenizers with Megatron 23.05's behaviour.
+
+`SentencePieceTokenizer` appends special tokens that the model lacks, in this order:
+`<CLS>`, `<SEP>`, `<EOD>`, `<MASK>`, the pad piece (or `<PAD>` when the model has no pad
+id), the bos piece (or `<BOS>`), the eos piece (or `<EOS>`), then `<extra_id_0..n-1>`.
+New ones get ids from `len(vocab)` on. Any special string inside text becomes its single
+id (leftmost occurrence first; at equal positions the earlier special in that order wins).
+EOD is `<EOD>`. `GPTSentencePieceTokenizer` is the plain model: nothing added, EOD is the
+model's eos id.
+"""
+from __future__ import annotations
+
+import re
+from typing import Dict, List
+
+
+def _load_model(model_file: str):
+    import sentencepiece
+
+    return sentencepiece.SentencePieceProcessor(model_file=model_file)
+
+
+def _piece_or(sp, piece_id: int, fallback: str) -> str:
+    if 0 <= piece_id < sp.get_piece_size():
+        return sp.id_to_piece(piece_id)
+    return fallback
+
+
+class SentencePieceTokenizer:
+    """Megatron's `SentencePieceTokenizer` (special tokens added, EOD = `<EOD>`)."""
+
+    name = "SentencePieceTokenizer"
+
+    def __init__(self, model_file: str, vocab_extra_ids: int = 0):
+        self._sp = _load_model(model_file)
+        self._vocab: Dict[str, int] = {}
+        for i in range(self._sp.get_piece_size()):
+            self._vocab.setdefault(self._sp.id_to_piece(i), i)
+        self._specials: Dict[str, int] = {}
+        names = ["<CLS>", "<SEP>", "<EOD>", "<MASK>",
+                 _piece_or(self._sp, self._sp.pad_id(), "<PAD>"),
+                 _piece_or(self._sp, self._sp.bos_id(), "<BOS>"),
+                 _piece_or(self._sp, self._sp.eos_id(), "<EOS>")]
+        names += [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]
+        for token in names:
+            if token not in self._vocab:
+                self._vocab[token] = len(self._vocab)
+            self._specials[token] = self._vocab[token]
+        self._inv_specials = {i: t for t, i in self._specials.items()}
+        # Alternation in insertion order reproduces "leftmost, then first in order".
+        self._special_re = re.compile("|".join(re.escape(t) for t in self._specials if t))
+        self._eod = self._specials["<EOD>"]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def tokenize(self, text: str) -> List[int]:
+        ids: List[int] = []
+        pos = 0
+        for m in self._special_re.finditer(text):
+            ids.extend(self._sp.encode_as_ids(text[pos:m.start()]))
+            ids.append(self._specials[m.group()])
+            pos = m.end()
+        ids.extend(self._sp.encode_as_ids(text[pos:]))
+        return ids
+
+    def detokenize(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        text = ""
+        last = 0
+        for i, token_id in enumerate(ids):
+            if token_id in self._inv_specials:
+                text += self._sp.decode_ids(ids[last:i]) + " "
+                text += self._inv_specials[token_id] + " "
+                last = i + 1
+        return text + self._sp.decode_ids(ids[last:])
+
+
+class GPTSentencePieceTokenizer:
+    """Megatron's `GPTSentencePieceTokenizer`: plain model ids, EOD = the model's eos id."""
+
+    name = "GPTSentencePieceTokenizer"
+
+    def __init__(self, model_file: str):
+        self._sp = _load_model(model_file)
+        self._eod = self._sp.eos_id()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._sp.encode_as_ids(text)
+
+    def detokenize(self, ids) -> str:
+        return self._sp.decode_ids([int(i) for i in ids])

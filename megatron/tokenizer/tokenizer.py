@@ -1,0 +1,87 @@
+"""`build_tokenizer` and the small tokenizers; see `megatron/tokenizer/__init__.py`."""
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                   "HuggingFaceTokenizer", "NullTokenizer")
+
+
+class NullTokenizer:
+    """Text is space-separated integer ids; `vocab_size` is N + 1 and the EOD id is N."""
+
+    name = "NullTokenizer"
+
+    def __init__(self, vocab_size: int):
+        vocab_size = int(vocab_size)
+        if vocab_size < 1:
+            raise ValueError(f"NullTokenizer needs --vocab-size >= 1, got {vocab_size}")
+        self._eod = vocab_size
+        self._vocab_size = vocab_size + 1
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def tokenize(self, text: str) -> List[int]:
+        try:
+            return [int(x) for x in text.split()]
+        except ValueError as e:
+            raise ValueError(f"NullTokenizer expects space-separated integers, got {text[:60]!r}"
+                             ) from e
+
+    def detokenize(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+def _need(value: Optional[str], flag: str, tokenizer_type: str) -> str:
+    if value is None:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag}")
+    if not os.path.exists(value):
+        raise ValueError(f"{flag} {value}: no such file or directory")
+    return value
+
+
+def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None,
+                    merge_file: Optional[str] = None, tokenizer_model: Optional[str] = None,
+                    vocab_size: Optional[int] = None, vocab_extra_ids: int = 0):
+    """Build the tokenizer named by `--tokenizer-type`.
+
+    The object has `.name`, `.vocab_size` (unpadded), `.eod`, `.tokenize(text) -> list[int]`
+    and `.detokenize(ids) -> str`. Nothing is downloaded: all files are local.
+    """
+    if tokenizer_type == "GPT2BPETokenizer":
+        from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
+        return GPT2BPETokenizer(_need(vocab_file, "--vocab-file", tokenizer_type),
+                                _need(merge_file, "--merge-file", tokenizer_type))
+    if tokenizer_type == "SentencePieceTokenizer":
+        from megatron.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
+        return SentencePieceTokenizer(_need(tokenizer_model, "--tokenizer-model", tokenizer_type),
+                                      vocab_extra_ids=vocab_extra_ids)
+    if tokenizer_type == "GPTSentencePieceTokenizer":
+        from megatron.tokenizer.sentencepiece_tokenizer import GPTSentencePieceTokenizer
+        return GPTSentencePieceTokenizer(
+            _need(tokenizer_model, "--tokenizer-model", tokenizer_type))
+    if tokenizer_type == "HuggingFaceTokenizer":
+        from megatron.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
+        path = tokenizer_model if tokenizer_model is not None else vocab_file
+        return HuggingFaceTokenizer(_need(path, "--tokenizer-model", tokenizer_type))
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None:
+            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+        return NullTokenizer(int(vocab_size))
+    raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of "
+                     f"{', '.join(TOKENIZER_TYPES)}")
+
+
+def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp_size: int) -> int:
+    """Smallest multiple of `make_vocab_size_divisible_by * tp_size` >= `vocab_size`."""
+    multiple = make_vocab_size_divisible_by * tp_size
+    if multiple < 1:
+        raise ValueError(f"--make-vocab-size-divisible-by x tp must be >= 1, got {multiple}")
+    return ((vocab_size + multiple - 1) // multiple) * multiple
