@@ -16,7 +16,8 @@ from megatron.config import (
 )
 
 
-def tiny_config(world_size=1, tp=1, pp=1, sp=False, mbs=2, gbs=8, iters=3, **model_kw) -> Config:
+def tiny_config(world_size=1, tp=1, pp=1, sp=False, mbs=2, gbs=8, iters=3, lr=1e-3,
+                **model_kw) -> Config:
     dp = world_size // (tp * pp)
     seq = model_kw.pop("seq_length", 16)
     model = dict(num_layers=2, hidden_size=32, num_attention_heads=4, padded_vocab_size=128,
@@ -28,7 +29,7 @@ def tiny_config(world_size=1, tp=1, pp=1, sp=False, mbs=2, gbs=8, iters=3, **mod
         model=ModelConfig(**model),
         parallel=ParallelConfig(tp_size=tp, pp_size=pp, dp_size=dp, world_size=world_size,
                                 sequence_parallel=sp),
-        optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_steps=gbs,
+        optimizer=OptimizerConfig(lr=lr, min_lr=lr / 10, lr_warmup_steps=gbs,
                                   lr_decay_steps=decay, wd_incr_steps=decay,
                                   lr_decay_style="cosine", weight_decay=0.1),
         data=DataConfig(mock_data=True, seq_length=seq, micro_batch_size=mbs,

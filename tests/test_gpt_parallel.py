@@ -23,9 +23,9 @@ LLAMA = dict(normalization="RMSNorm", activation="swiglu", ffn_hidden_size=48,
              untie_embeddings_and_output_weights=True)
 
 
-def _train(rank, world_size, tp, sp, model_kw, iters=3):
+def _train(rank, world_size, tp, sp, model_kw, iters=3, lr=1e-3):
     torch.manual_seed(0)
-    cfg = tiny_config(world_size=world_size, tp=tp, sp=sp, iters=iters, **model_kw)
+    cfg = tiny_config(world_size=world_size, tp=tp, sp=sp, iters=iters, lr=lr, **model_kw)
     ps = ParallelState.build(world_size, rank, tp_size=tp, sequence_parallel=sp)
     rt = Runtime(ps=ps, device=torch.device("cpu"), rng_tracker=RNGStatesTracker(), backend="gloo")
     set_random_seed(cfg.training.seed, rt)
@@ -67,5 +67,5 @@ def test_llama_style_gpt_tp2_sp_matches_single_process():
 
 
 def test_loss_decreases_single_process():
-    out = _train(0, 1, 1, False, {}, iters=30)
+    out = _train(0, 1, 1, False, {}, iters=30, lr=1e-2)
     assert out["losses"][-1] < out["losses"][0] - 0.3, out["losses"]
