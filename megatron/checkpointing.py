@@ -396,3 +396,57 @@ __all__ = [
     "save_checkpoint", "load_checkpoint", "load_extra_file", "get_rng_state", "set_rng_state",
     "args_to_plain",
 ]
+
+
+# --------------------------------------------------------------------------- trainer glue
+def trainer_state_dict(tr) -> dict:
+    """This rank's checkpoint payload from a `megatron.training.Trainer`."""
+    cfg = tr.config
+    args = dict(cfg.args)
+    args.update(consumed_train_samples=tr.state.consumed_train_samples,
+                consumed_valid_samples=tr.state.consumed_valid_samples)
+    state = {
+        "args": args_to_plain(args),
+        "checkpoint_version": 3.0,
+        "iteration": tr.state.iteration,
+        "model": tr.model.module.state_dict(),
+        "train_state": tr.state.state_dict(),
+    }
+    if not cfg.checkpoint.no_save_optim:
+        state["optimizer"] = tr.optimizer.state_dict()
+        state["opt_param_scheduler"] = tr.scheduler.state_dict()
+    if not cfg.checkpoint.no_save_rng:
+        state["rng_state"] = [get_rng_state(tr.rt.rng_tracker)]
+    return state
+
+
+def save_trainer_checkpoint(tr) -> float:
+    """Save the trainer at its current iteration to --save; returns the seconds it took."""
+    if tr.rt.device.type == "cuda":
+        torch.cuda.synchronize()
+    return save_checkpoint(tr.config.checkpoint.save, tr.state.iteration,
+                           trainer_state_dict(tr), tr.rt.ps)
+
+
+def load_trainer_checkpoint(tr) -> None:
+    """Restore model, optimizer, scheduler, RNG and counters from --load, if present."""
+    ck = tr.config.checkpoint
+    loaded = load_checkpoint(ck.load, tr.rt.ps, exit_on_missing=ck.exit_on_missing_checkpoint)
+    if loaded is None:
+        return
+    iteration, state = loaded
+    tr.model.module.load_state_dict(state["model"], strict=True)
+    if ck.finetune:
+        tr.optimizer.reload_model_params()
+        print_rank_0(f" > loaded weights from {ck.load} at iteration {iteration} (--finetune: "
+                     f"counters, optimizer and RNG start fresh)")
+        return
+    tr.state.load_state_dict(state.get("train_state", {"iteration": iteration}))
+    if not ck.no_load_optim and "optimizer" in state:
+        tr.optimizer.load_state_dict(state["optimizer"])
+        tr.scheduler.load_state_dict(state["opt_param_scheduler"])
+    else:
+        tr.optimizer.reload_model_params()
+    if not ck.no_load_rng and "rng_state" in state:
+        set_rng_state(state["rng_state"][0], tr.rt.rng_tracker)
+    print_rank_0(f"  successfully loaded checkpoint from {ck.load} at iteration {iteration}")

@@ -5,7 +5,6 @@ data-parallel gradient reduction -> optimizer step (may skip) -> lr step.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 import time
@@ -19,7 +18,7 @@ from megatron import checkpointing
 from megatron.config import Config
 from megatron.core.datasets.mock import MockGPTDataset
 from megatron.core.datasets.samplers import PretrainingSampler, micro_batches
-from megatron.core.distributed import DistributedDataParallel, allreduce_sequence_parallel_grads
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.optimizer import OptimizerParamScheduler, build_optimizer
 from megatron.initialize import Runtime
@@ -31,6 +30,7 @@ from megatron.logging_utils import (
     print_rank_0,
     print_rank_last,
 )
+from megatron.train_step import forward_backward, get_batch, train_step  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -100,52 +100,6 @@ def data_iterator(config: Config, rt: Runtime, split: str, consumed: int) -> Ite
     sampler = PretrainingSampler(len(dataset), consumed, config.data.micro_batch_size,
                                  rt.ps.dp_rank, rt.ps.dp_size)
     return micro_batches(dataset, sampler)
-
-
-def get_batch(micro: dict, device: torch.device):
-    """tokens, labels [b, s] and loss mask from a {'text': [b, s+1]} micro-batch."""
-    text = micro["text"].to(device, non_blocking=True)
-    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
-    loss_mask = torch.ones_like(labels, dtype=torch.float32)
-    return tokens, labels, loss_mask
-
-
-# --------------------------------------------------------------------------- one step
-def forward_backward(tr: Trainer, data: Iterator[dict], num_micro: int,
-                     forward_only: bool = False) -> torch.Tensor:
-    """Run the micro-batches; returns the mean loss over them (a 0-dim tensor, this DP
-    rank). Each micro-batch loss is divided by num_micro before backward."""
-    model, device = tr.model, tr.rt.device
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for m in range(num_micro):
-        tokens, labels, loss_mask = get_batch(next(data), device)
-        last = forward_only or m == num_micro - 1
-        with contextlib.nullcontext() if last else model.no_sync():
-            losses_bs = model(tokens, labels=labels)
-            loss = (losses_bs.float() * loss_mask).sum() / loss_mask.sum()
-            if not forward_only:
-                tr.optimizer.scale_loss(loss / num_micro).backward()
-        total += loss.detach()
-    return total / num_micro
-
-
-def train_step(tr: Trainer, data: Iterator[dict]):
-    """One optimizer step over a global batch. Returns (dp-averaged loss tensor,
-    update_successful, grad_norm tensor or None, num_zeros)."""
-    cfg = tr.config
-    tr.optimizer.zero_grad()
-    tr.model.zero_grad_buffer()
-    loss = forward_backward(tr, data, cfg.data.num_micro_batches)
-    tr.model.finish_grad_sync()
-    if cfg.model.sequence_parallel:
-        allreduce_sequence_parallel_grads(tr.model.module, tr.rt.ps.tp_group)
-    ok, grad_norm, num_zeros = tr.optimizer.step()
-    if ok:
-        tr.scheduler.step(increment=cfg.data.global_batch_size)
-    if tr.rt.ps.dp_group is not None:
-        dist.all_reduce(loss, group=tr.rt.ps.dp_group)
-        loss /= tr.rt.ps.dp_size
-    return loss, ok, grad_norm, num_zeros
 
 
 @torch.no_grad()
@@ -231,58 +185,6 @@ def log_interval(tr: Trainer, stats: IntervalStats) -> None:
     stats.reset()
 
 
-# --------------------------------------------------------------------------- checkpoints
-def checkpoint_state(tr: Trainer) -> dict:
-    cfg = tr.config
-    args = dict(cfg.args)
-    args.update(consumed_train_samples=tr.state.consumed_train_samples,
-                consumed_valid_samples=tr.state.consumed_valid_samples)
-    state = {
-        "args": checkpointing.args_to_plain(args),
-        "checkpoint_version": 3.0,
-        "iteration": tr.state.iteration,
-        "model": tr.model.module.state_dict(),
-        "train_state": tr.state.state_dict(),
-    }
-    if not cfg.checkpoint.no_save_optim:
-        state["optimizer"] = tr.optimizer.state_dict()
-        state["opt_param_scheduler"] = tr.scheduler.state_dict()
-    if not cfg.checkpoint.no_save_rng:
-        state["rng_state"] = [checkpointing.get_rng_state(tr.rt.rng_tracker)]
-    return state
-
-
-def save(tr: Trainer) -> None:
-    if tr.rt.device.type == "cuda":
-        torch.cuda.synchronize()
-    checkpointing.save_checkpoint(tr.config.checkpoint.save, tr.state.iteration,
-                                  checkpoint_state(tr), tr.rt.ps)
-
-
-def load(tr: Trainer) -> None:
-    """Restore model, optimizer, scheduler, RNG and counters from --load, if present."""
-    ck = tr.config.checkpoint
-    loaded = checkpointing.load_checkpoint(ck.load, tr.rt.ps, exit_on_missing=ck.exit_on_missing_checkpoint)
-    if loaded is None:
-        return
-    iteration, state = loaded
-    tr.model.module.load_state_dict(state["model"], strict=True)
-    if ck.finetune:
-        tr.optimizer.reload_model_params()
-        print_rank_0(f" > loaded weights from {ck.load} at iteration {iteration} (--finetune: "
-                     f"counters, optimizer and RNG start fresh)")
-        return
-    tr.state.load_state_dict(state.get("train_state", {"iteration": iteration}))
-    if not ck.no_load_optim and "optimizer" in state:
-        tr.optimizer.load_state_dict(state["optimizer"])
-        tr.scheduler.load_state_dict(state["opt_param_scheduler"])
-    else:
-        tr.optimizer.reload_model_params()
-    if not ck.no_load_rng and "rng_state" in state:
-        checkpointing.set_rng_state(state["rng_state"][0], tr.rt.rng_tracker)
-    print_rank_0(f"  successfully loaded checkpoint from {ck.load} at iteration {iteration}")
-
-
 # --------------------------------------------------------------------------- the loop
 def _should_exit(tr: Trainer, start_time: float) -> Optional[str]:
     t = tr.config.training
@@ -318,27 +220,27 @@ def train(tr: Trainer, train_data, valid_data) -> None:
             run_evaluation(tr, valid_data, f"iteration {st.iteration}")
         ck = cfg.checkpoint
         if ck.save and ck.save_interval and st.iteration % ck.save_interval == 0:
-            save(tr)
+            checkpointing.save_trainer_checkpoint(tr)
             saved_at = st.iteration
         reason = _should_exit(tr, start_time)
         if reason:
             if stats.records:
                 log_interval(tr, stats)
             if ck.save and saved_at != st.iteration:
-                save(tr)
+                checkpointing.save_trainer_checkpoint(tr)
             print_rank_0(f"{reason} datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
             return
     if stats.records:
         log_interval(tr, stats)
     if cfg.checkpoint.save and st.iteration > 0 and saved_at != st.iteration:
-        save(tr)
+        checkpointing.save_trainer_checkpoint(tr)
 
 
 def pretrain(config: Config, rt: Runtime) -> Trainer:
     """Build model, optimizer and data; load; train; evaluate at the end."""
     tr = build_trainer(config, rt)
     if config.checkpoint.load:
-        load(tr)
+        checkpointing.load_trainer_checkpoint(tr)
     print_rank_0(f"[after model, optimizer, and learning rate scheduler are built] datetime: "
                  f"{time.strftime('%Y-%m-%d %H:%M:%S')} ")
     if tr.tb is not None:
