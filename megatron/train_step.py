@@ -42,9 +42,19 @@ def forward_backward(tr, data: Iterator[dict], num_micro: int,
     return total / num_micro
 
 
-def train_step(tr, data: Iterator[dict]):
+def loss_is_finite_everywhere(loss: torch.Tensor) -> bool:
+    """True when no rank saw a NaN/Inf loss. Collective (MAX over the world) and a host
+    synchronisation: used only when the NaN policy must act before the optimizer step."""
+    bad = (~torch.isfinite(loss)).to(torch.float32).reshape(1)
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0
+
+
+def train_step(tr, data: Iterator[dict], skip_nonfinite: bool = False):
     """One optimizer step over a global batch. Returns (dp-averaged loss tensor,
-    update_successful, grad_norm tensor or None, num_zeros)."""
+    update_successful, grad_norm tensor or None, num_zeros). With `skip_nonfinite`, a
+    NaN/Inf loss on any rank skips the optimizer step (all ranks agree)."""
     cfg = tr.config
     tr.optimizer.zero_grad()
     tr.model.zero_grad_buffer()
@@ -52,12 +62,14 @@ def train_step(tr, data: Iterator[dict]):
     tr.model.finish_grad_sync()
     if cfg.model.sequence_parallel:
         allreduce_sequence_parallel_grads(tr.model.module, tr.rt.ps.tp_group)
-    ok, grad_norm, num_zeros = tr.optimizer.step()
-    if ok:
-        tr.scheduler.step(increment=cfg.data.global_batch_size)
     if tr.rt.ps.dp_group is not None:
         dist.all_reduce(loss, group=tr.rt.ps.dp_group)
         loss /= tr.rt.ps.dp_size
+    if skip_nonfinite and not loss_is_finite_everywhere(loss):
+        return loss, False, None, None
+    ok, grad_norm, num_zeros = tr.optimizer.step()
+    if ok:
+        tr.scheduler.step(increment=cfg.data.global_batch_size)
     return loss, ok, grad_norm, num_zeros
 
 
