@@ -62,6 +62,7 @@ def train_step(tr, data: Iterator[dict], skip_nonfinite: bool = False):
     tr.model.finish_grad_sync()
     if cfg.model.sequence_parallel:
         allreduce_sequence_parallel_grads(tr.model.module, tr.rt.ps.tp_group)
+    tr.last_local_loss = loss.detach().clone()  # this rank's own loss, to name a NaN's origin
     if tr.rt.ps.dp_group is not None:
         dist.all_reduce(loss, group=tr.rt.ps.dp_group)
         loss /= tr.rt.ps.dp_size
