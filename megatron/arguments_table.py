@@ -305,6 +305,7 @@ EXTRA_GROUP = ("extensions (not in Megatron-LM 23.05)", (
     ("--async-tensor-model-parallel-allreduce", "true", True),
     ("--gradient-accumulation-fusion", "true", True),
     ("--expert-model-parallel-size", "int", 1),
+    ("--nan-loss-policy", "str", "stop", ("stop", "skip", "rollback")),
 ))
 
 EXTRA_HELP = {
@@ -327,6 +328,9 @@ EXTRA_HELP = {
                                                "all-reduce with the weight-grad GEMM (default)",
     "--gradient-accumulation-fusion": "fused weight-grad accumulation into main_grad (default)",
     "--expert-model-parallel-size": "expert-model-parallel size (mixture-of-experts)",
+    "--nan-loss-policy": "on a NaN/Inf loss: stop with a message (default); skip the "
+                         "iteration; or roll back to the last checkpoint and skip the batches "
+                         "since it (skip and rollback check every iteration: one host sync)",
 }
 
 # ---------------------------------------------------------------------------------------

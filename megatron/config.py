@@ -54,6 +54,7 @@ class TrainingConfig:
     exit_interval: Optional[int] = None
     exit_duration_in_mins: Optional[float] = None
     exit_signal_handler: bool = False
+    nan_loss_policy: str = "stop"  # "stop" | "skip" | "rollback"
     seed: int = 1234
     data_parallel_random_init: bool = False
     empty_unused_memory_level: int = 0

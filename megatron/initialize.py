@@ -26,6 +26,7 @@ class Runtime:
     device: torch.device
     rng_tracker: RNGStatesTracker
     backend: str
+    control_group: object = None  # CPU (gloo) group over the world for host-side flags
 
 
 def choose_backend() -> str:
@@ -50,7 +51,11 @@ def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
         ep_size=parallel.ep_size, virtual_pp_size=parallel.virtual_pp_size,
         sequence_parallel=parallel.sequence_parallel, timeout=timeout,
     )
-    return Runtime(ps=ps, device=device, rng_tracker=RNGStatesTracker(device), backend=backend)
+    control_group = None
+    if world_size > 1 and backend != "gloo":
+        control_group = dist.new_group(backend="gloo", timeout=timeout)
+    return Runtime(ps=ps, device=device, rng_tracker=RNGStatesTracker(device), backend=backend,
+                   control_group=control_group)
 
 
 def set_random_seed(seed: int, rt: Runtime, data_parallel_random_init: bool = False) -> None:

@@ -5,6 +5,7 @@ data-parallel gradient reduction -> optimizer step (may skip) -> lr step.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -30,6 +31,7 @@ from megatron.logging_utils import (
     print_rank_0,
     print_rank_last,
 )
+from megatron.signals import SignalHandler
 from megatron.train_step import forward_backward, get_batch, train_step  # noqa: F401 (re-exported)
 
 
@@ -63,6 +65,8 @@ class Trainer:
     scheduler: OptimizerParamScheduler
     state: TrainState = field(default_factory=TrainState)
     tb: Optional[TensorboardLogger] = None
+    signals: Optional[SignalHandler] = None
+    last_local_loss: Optional[torch.Tensor] = None
 
 
 # --------------------------------------------------------------------------- building
@@ -135,13 +139,14 @@ class IntervalStats:
         self.reset()
 
     def reset(self) -> None:
-        self.records: List[tuple] = []  # (iteration, consumed, lr, loss, scale, norm, ok)
+        self.records: List[tuple] = []  # (iteration, consumed, lr, loss, scale, norm, ok, counted)
         self.start = time.time()
 
-    def add(self, tr: Trainer, loss, ok, grad_norm) -> None:
+    def add(self, tr: Trainer, loss, ok, grad_norm, counted: bool = False) -> None:
+        """Record one iteration; `counted`: a NaN already counted by the NaN policy."""
         self.records.append((tr.state.iteration, tr.state.consumed_train_samples,
                              tr.scheduler.get_lr(), loss, tr.optimizer.get_loss_scale(),
-                             grad_norm, ok))
+                             grad_norm, ok, counted))
 
 
 def _to_float(x) -> Optional[float]:
@@ -158,16 +163,16 @@ def log_interval(tr: Trainer, stats: IntervalStats) -> None:
     elapsed = time.time() - stats.start
     n = max(len(stats.records), 1)
     good_losses = []
-    for it, consumed, lr, loss, scale, norm, ok in stats.records:
+    for it, consumed, lr, loss, scale, norm, ok, counted in stats.records:
         loss_f, norm_f = _to_float(loss), _to_float(norm)
         if not math.isfinite(loss_f):
-            st.nan_iters += 1
+            st.nan_iters += 0 if counted else 1
         elif ok:
             good_losses.append(loss_f)
         if tr.tb is not None and it % cfg.logging.tensorboard_log_interval == 0:
             tr.tb.log_training(it, consumed, lr, cfg.data.global_batch_size, {"lm loss": loss_f},
                                _to_float(scale), norm_f, None, None, tr.rt.ps.world_size)
-    it, consumed, lr, _, scale, norm, _ = stats.records[-1]
+    it, consumed, lr, _, scale, norm, _, _ = stats.records[-1]
     tokens_per_gpu = cfg.data.global_batch_size * cfg.data.seq_length * n / elapsed / tr.rt.ps.world_size
     m = cfg.model
     tflops = tokens_per_gpu * flops_per_token(m.num_layers, m.hidden_size, cfg.data.seq_length,
@@ -187,18 +192,110 @@ def log_interval(tr: Trainer, stats: IntervalStats) -> None:
 
 # --------------------------------------------------------------------------- the loop
 def _should_exit(tr: Trainer, start_time: float) -> Optional[str]:
+    """Exit reason shared by all ranks (signals, duration, interval), or None."""
     t = tr.config.training
     it = tr.state.iteration
-    if t.exit_interval and it % t.exit_interval == 0:
-        return f"[exiting program at iteration {it}]"
+    if tr.signals is not None:
+        name = tr.signals.any_rank_received(tr.rt.control_group)
+        if name:
+            return f"[exiting program after receiving {name}.]"
     if t.exit_duration_in_mins:
         over = torch.tensor([(time.time() - start_time) / 60.0 > t.exit_duration_in_mins],
-                            dtype=torch.int32, device=tr.rt.device)
+                            dtype=torch.int32)
         if dist.is_initialized():
-            dist.all_reduce(over, op=dist.ReduceOp.MAX)
+            dist.all_reduce(over, op=dist.ReduceOp.MAX, group=tr.rt.control_group)
         if over.item():
             return f"[exiting program after {(time.time() - start_time) / 60.0} minutes]"
+    if t.exit_interval and it % t.exit_interval == 0:
+        return f"[exiting program at iteration {it}]"
     return None
+
+
+def _report_nan(tr: Trainer, iteration: int) -> str:
+    """Print which rank produced the non-finite loss; return the message for all ranks."""
+    local = tr.last_local_loss
+    if local is not None and not torch.isfinite(local).all():
+        print(f"[rank {tr.rt.ps.rank}] non-finite loss ({float(local)}) at iteration {iteration}",
+              flush=True)
+    return f"NaN/Inf loss at iteration {iteration}"
+
+
+def _check_pending_nan(tr: Trainer, stats: IntervalStats) -> None:
+    """Policy 'stop': losses are checked at log intervals and before saves (no per-step
+    host sync); a non-finite one stops the run naming its iteration."""
+    for it, _, _, loss, _, _, _, _ in stats.records:
+        if not math.isfinite(_to_float(loss)):
+            msg = _report_nan(tr, it)
+            log_interval(tr, stats)
+            raise SystemExit(f"error: {msg}; stopping (--nan-loss-policy stop). Resume from "
+                             f"the last checkpoint, or use --nan-loss-policy skip|rollback")
+
+
+def _rollback(tr: Trainer, iteration: int) -> None:
+    """Reload the last checkpoint of --save; keep the data position, so the batches since
+    that checkpoint (the offending one included) are skipped."""
+    ck = tr.config.checkpoint
+    tracker = checkpointing.read_tracker(ck.save)[0] if ck.save else None
+    if not tracker:
+        raise SystemExit(f"error: NaN/Inf loss at iteration {iteration} and no checkpoint in "
+                         f"--save to roll back to; stopping")
+    keep = (tr.state.consumed_train_samples, tr.state.consumed_valid_samples,
+            tr.state.skipped_iters, tr.state.nan_iters)
+    saved = tr.config.checkpoint
+    tr.config.checkpoint = dataclasses.replace(saved, load=saved.save, finetune=False,
+                                               no_load_optim=False, no_load_rng=False)
+    try:
+        checkpointing.load_trainer_checkpoint(tr)
+    finally:
+        tr.config.checkpoint = saved
+    (tr.state.consumed_train_samples, tr.state.consumed_valid_samples,
+     tr.state.skipped_iters, tr.state.nan_iters) = keep
+    print_rank_0(f" > rolled back from iteration {iteration} to {tr.state.iteration}; "
+                 f"continuing at sample {tr.state.consumed_train_samples}")
+
+
+def _after_step(tr: Trainer, stats: IntervalStats, loss, ok: bool, grad_norm) -> bool:
+    """Count the step; apply the NaN policy. Returns False when the step was rolled back."""
+    cfg, st = tr.config, tr.state
+    st.iteration += 1
+    st.consumed_train_samples += cfg.data.global_batch_size
+    st.skipped_iters += 0 if ok else 1
+    policy = cfg.training.nan_loss_policy
+    if policy != "stop" and not ok and not math.isfinite(_to_float(loss)):
+        st.nan_iters += 1
+        msg = _report_nan(tr, st.iteration)
+        print_rank_0(f" > {msg}: optimizer step skipped (--nan-loss-policy {policy})")
+        if policy == "rollback":
+            _rollback(tr, st.iteration)
+            return False
+        loss = torch.zeros(()) * float("nan")  # recorded, not averaged, not counted twice
+        stats.add(tr, loss, ok, grad_norm, counted=True)
+        return True
+    stats.add(tr, loss, ok, grad_norm)
+    return True
+
+
+def _periodic(tr: Trainer, stats: IntervalStats, valid_data) -> bool:
+    """Log, evaluate and save when due. Returns True when a checkpoint was just saved."""
+    cfg, st = tr.config, tr.state
+    if st.iteration % cfg.logging.log_interval == 0:
+        if cfg.training.nan_loss_policy == "stop":
+            _check_pending_nan(tr, stats)
+        log_interval(tr, stats)
+    t = cfg.training
+    if t.eval_interval and st.iteration % t.eval_interval == 0 and valid_data is not None:
+        run_evaluation(tr, valid_data, f"iteration {st.iteration}")
+    ck = cfg.checkpoint
+    if ck.save and ck.save_interval and st.iteration % ck.save_interval == 0:
+        _save(tr, stats)
+        return True
+    return False
+
+
+def _save(tr: Trainer, stats: IntervalStats) -> None:
+    if tr.config.training.nan_loss_policy == "stop":
+        _check_pending_nan(tr, stats)  # never checkpoint weights a NaN step produced
+    checkpointing.save_trainer_checkpoint(tr)
 
 
 def train(tr: Trainer, train_data, valid_data) -> None:
@@ -207,38 +304,34 @@ def train(tr: Trainer, train_data, valid_data) -> None:
     start_time = time.time()
     tr.model.train()
     saved_at = None
+    check_each_step = cfg.training.nan_loss_policy != "stop"
     while st.iteration < cfg.training.train_iters:
-        loss, ok, grad_norm, _ = train_step(tr, train_data)
-        st.iteration += 1
-        st.consumed_train_samples += cfg.data.global_batch_size
-        st.skipped_iters += 0 if ok else 1
-        stats.add(tr, loss, ok, grad_norm)
-        if st.iteration % cfg.logging.log_interval == 0:
-            log_interval(tr, stats)
-        t = cfg.training
-        if t.eval_interval and st.iteration % t.eval_interval == 0 and valid_data is not None:
-            run_evaluation(tr, valid_data, f"iteration {st.iteration}")
-        ck = cfg.checkpoint
-        if ck.save and ck.save_interval and st.iteration % ck.save_interval == 0:
-            checkpointing.save_trainer_checkpoint(tr)
+        loss, ok, grad_norm, _ = train_step(tr, train_data, skip_nonfinite=check_each_step)
+        if not _after_step(tr, stats, loss, ok, grad_norm):
+            continue
+        if _periodic(tr, stats, valid_data):
             saved_at = st.iteration
         reason = _should_exit(tr, start_time)
         if reason:
             if stats.records:
                 log_interval(tr, stats)
-            if ck.save and saved_at != st.iteration:
-                checkpointing.save_trainer_checkpoint(tr)
+            if cfg.checkpoint.save and saved_at != st.iteration:
+                _save(tr, stats)
+            elif not cfg.checkpoint.save and tr.signals is not None:
+                print_rank_0("WARNING: exiting without a checkpoint: --save is not set")
             print_rank_0(f"{reason} datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
             return
     if stats.records:
         log_interval(tr, stats)
     if cfg.checkpoint.save and st.iteration > 0 and saved_at != st.iteration:
-        checkpointing.save_trainer_checkpoint(tr)
+        _save(tr, stats)
 
 
 def pretrain(config: Config, rt: Runtime) -> Trainer:
     """Build model, optimizer and data; load; train; evaluate at the end."""
     tr = build_trainer(config, rt)
+    if config.training.exit_signal_handler:
+        tr.signals = SignalHandler()
     if config.checkpoint.load:
         checkpointing.load_trainer_checkpoint(tr)
     print_rank_0(f"[after model, optimizer, and learning rate scheduler are built] datetime: "
