@@ -7,7 +7,11 @@ GPTSentencePieceTokenizer, HuggingFaceTokenizer, NullTokenizer.
 `pad_vocab_size(vocab_size, make_vocab_size_divisible_by, tp_size)` gives the padded size
 of the embedding table (Megatron pads to a multiple of divisible_by x TP).
 """
-from megatron.tokenizer.tokenizer import (TOKENIZER_TYPES, NullTokenizer, build_tokenizer,
-                                          pad_vocab_size)
+from megatron.tokenizer.tokenizer import (
+                                          TOKENIZER_TYPES,
+                                          NullTokenizer,
+                                          build_tokenizer,
+                                          pad_vocab_size,
+)
 
 __all__ = ["TOKENIZER_TYPES", "NullTokenizer", "build_tokenizer", "pad_vocab_size"]

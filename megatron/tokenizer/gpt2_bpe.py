@@ -6,6 +6,10 @@ tiktoken performs the same greedy merge when every token's rank is its merge pos
 so the encoding is built with ranks taken from the merges file; when the vocabulary ids
 do not follow the merge order, ranks are translated to ids with a lookup table.
 
+tiktoken also emits a piece that is itself a vocabulary token directly; GPT-2's loop
+gives the same id whenever every token's string merges back to itself, which holds for
+GPT-2's files and for vocabularies made by BPE training (the tests check both).
+
 `<|endoftext|>` is the end-of-document id. Inside text it is ordinary text (GPT-2's
 encoder and Megatron's tokenizer split it into `<|`, `endoftext`, `|>`).
 """

@@ -12,7 +12,7 @@ import hashlib
 import logging
 import math
 import os
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -94,7 +94,7 @@ def _blending_vectorised(weights: np.ndarray, size: int, dataset_index: np.ndarr
         sample_index[s:s + good] = before[np.arange(good), picks]
         counts += np.bincount(picks, minlength=num)
         s += good
-        block = block * 2 if len(wrong) == 0 else max(1024, block // 2)
+        block = min(block * 2, 1 << 20) if len(wrong) == 0 else max(1024, block // 2)
 
 
 def build_blending_indices(weights: Sequence[float], size: int) -> Tuple[np.ndarray, np.ndarray]:

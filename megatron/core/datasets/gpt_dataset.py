@@ -211,11 +211,23 @@ class GPTDataset:
             return build_index_arrays(documents, indexed_dataset.sizes, num_samples,
                                       seq_length, seed)
 
-        paths = find_or_build_cache(self.desc, data_prefix, cache_dir, build, may_build)
-        self.cache_paths = paths
+        self.cache_paths = find_or_build_cache(self.desc, data_prefix, cache_dir, build,
+                                               may_build)
+        self._load()
+
+    def _load(self) -> None:
+        paths = self.cache_paths
         self.doc_idx = np.load(paths["doc"], allow_pickle=True, mmap_mode="r")
         self.sample_idx = np.load(paths["sample"], allow_pickle=True, mmap_mode="r")
         self.shuffle_idx = np.load(paths["shuffle"], allow_pickle=True, mmap_mode="r")
+
+    def __getstate__(self) -> dict:  # pickled for spawned loader workers: reload the maps
+        return {k: v for k, v in self.__dict__.items()
+                if k not in ("doc_idx", "sample_idx", "shuffle_idx")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._load()
 
     def __len__(self) -> int:
         return self.sample_idx.shape[0] - 1
@@ -276,8 +288,7 @@ class _Builder:
 
     def whole(self, name: str, data_path: Sequence[str], num_samples: int):
         """One dataset using all documents of `data_path` (one prefix or a weighted list)."""
-        from megatron.core.datasets.blended import (parse_weighted_prefixes,
-                                                    per_dataset_num_samples)
+        from megatron.core.datasets.blended import parse_weighted_prefixes, per_dataset_num_samples
 
         prefixes, weights = parse_weighted_prefixes(data_path)
         if len(data_path) == 1:

@@ -195,6 +195,12 @@ class MMapIndexedDataset:
                          else np.zeros(0, dtype=np.uint8))
         self._bin = memoryview(self._bin_map)
 
+    def __getstate__(self) -> dict:  # memory maps are not picklable: reopen by prefix
+        return {"prefix": self._prefix}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["prefix"])
+
     def _check_index(self, idx_path: str, n: int, k: int) -> None:
         if k < 1 or self._doc_idx[0] != 0 or self._doc_idx[-1] != n:
             first = int(self._doc_idx[0]) if k else None

@@ -1,0 +1,196 @@
+"""Encode chunks of JSON lines into token arrays (the worker side of preprocess_data.py).
+
+A chunk is (path, first line number, bytes of whole lines). For each line and each json
+key the value (text, or a list of already split sentences) is tokenized sentence by
+sentence; empty sentences are dropped; with `append_eod` the EOD id ends every non-empty
+document and is counted in its last sentence's size. The result per key is the flat token
+bytes (in the dataset dtype), the sentence sizes, the sentences per document and the
+tokens per document -- ready for `IndexedDatasetBuilder.add_batch`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+try:  # noticeably faster; json is the fallback and the reference for what is accepted
+    import orjson
+except ImportError:  # pragma: no cover - depends on the environment
+    orjson = None
+
+
+class BadLine(ValueError):
+    """A line that is not a JSON object with the wanted keys."""
+
+
+@dataclass
+class EncoderOptions:
+    tokenizer_type: str
+    vocab_file: Optional[str]
+    merge_file: Optional[str]
+    tokenizer_model: Optional[str]
+    vocab_size: Optional[str]
+    json_keys: Tuple[str, ...]
+    append_eod: bool
+    dtype: str
+    skip_bad_lines: bool
+    split_sentences: bool = False
+    keep_newlines: bool = False
+    lang: str = "english"
+
+
+def options_from_args(args, dtype) -> EncoderOptions:
+    """EncoderOptions from preprocess_data.py's parsed arguments."""
+    return EncoderOptions(args.tokenizer_type, args.vocab_file, args.merge_file,
+                          args.tokenizer_model, args.vocab_size, tuple(args.json_keys),
+                          args.append_eod, np.dtype(dtype).str, args.skip_bad_lines,
+                          args.split_sentences, args.keep_newlines, args.lang)
+
+
+def build_tokenizer_from_options(opts: EncoderOptions):
+    from megatron.tokenizer.tokenizer import build_tokenizer
+
+    return build_tokenizer(opts.tokenizer_type, vocab_file=opts.vocab_file,
+                           merge_file=opts.merge_file, tokenizer_model=opts.tokenizer_model,
+                           vocab_size=opts.vocab_size)
+
+
+def check_split_sentences(lang: str) -> None:
+    """Raise SystemExit unless NLTK (with punkt for `lang`) can split sentences."""
+    try:
+        import nltk  # noqa: F401
+    except ImportError:
+        raise SystemExit("--split-sentences needs NLTK, which is not installed: "
+                         "pip install nltk (and download its punkt data), or drop the flag")
+
+
+def _sentence_splitter(lang: str, keep_newlines: bool):
+    import nltk
+    from nltk.tokenize.punkt import PunktLanguageVars, PunktSentenceTokenizer
+
+    splitter = nltk.load(f"tokenizers/punkt/{lang}.pickle")
+    if not keep_newlines:
+        return splitter
+
+    class KeepNewlines(PunktLanguageVars):
+        # Same as punkt's period context, but whitespace after a sentence end stays with it.
+        _period_context_fmt = r"""
+            \S*
+            %(SentEndChars)s
+            \s*
+            (?=(?P<after_tok>
+                %(NonWord)s
+                |
+                (?P<next_tok>\S+)
+            ))"""
+
+    return PunktSentenceTokenizer(train_text=splitter._params, lang_vars=KeepNewlines())
+
+
+class ChunkEncoder:
+    """Holds one tokenizer; `encode(chunk)` returns a picklable result dict."""
+
+    def __init__(self, opts: EncoderOptions):
+        self.opts = opts
+        self.tokenizer = build_tokenizer_from_options(opts)
+        self.dtype = np.dtype(opts.dtype)
+        self.eod = np.array([self.tokenizer.eod], dtype=self.dtype) if opts.append_eod else None
+        self._tokenize = getattr(self.tokenizer, "tokenize_array", None)
+        self.splitter = (_sentence_splitter(opts.lang, opts.keep_newlines)
+                         if opts.split_sentences else None)
+
+    def _ids(self, text: str) -> np.ndarray:
+        if self._tokenize is not None:
+            return self._tokenize(text)
+        return np.asarray(self.tokenizer.tokenize(text), dtype=np.int64)
+
+    def _sentences(self, value, key: str) -> List[str]:
+        if isinstance(value, str):
+            if self.splitter is None:
+                return [value]
+            step = 1_000_000  # punkt is run on 1M-character pieces, as Megatron does
+            return [s for i in range(0, len(value), step)
+                    for s in self.splitter.tokenize(value[i:i + step])]
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return value
+        raise BadLine(f"key {key!r} holds {type(value).__name__}, expected text or a list of text")
+
+    def _parse(self, line: bytes) -> dict:
+        doc = None
+        if orjson is not None:
+            try:
+                doc = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                doc = None
+        if doc is None:
+            try:
+                doc = json.loads(line)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise BadLine(f"invalid JSON ({e})") from None
+        if not isinstance(doc, dict):
+            raise BadLine(f"expected a JSON object, got {type(doc).__name__}")
+        missing = [k for k in self.opts.json_keys if k not in doc]
+        if missing:
+            raise BadLine(f"missing key(s) {missing}; present: {sorted(doc)[:10]}")
+        return doc
+
+    def _encode_doc(self, doc: dict) -> list:
+        out = []
+        for key in self.opts.json_keys:
+            pieces = [ids for ids in (self._ids(s) for s in self._sentences(doc[key], key))
+                      if len(ids)]
+            sizes = [len(ids) for ids in pieces]
+            if pieces and self.eod is not None:
+                pieces.append(self.eod)
+                sizes[-1] += 1
+            out.append((pieces, sizes))
+        return out
+
+    def encode(self, chunk) -> dict:
+        path, first_line, data = chunk
+        per_key = [([], [], [], []) for _ in self.opts.json_keys]  # tokens, sizes, seqs, ntok
+        docs, bad = 0, []
+        for line_no, line in enumerate(data.split(b"\n"), first_line):
+            if not line.strip():
+                continue
+            try:
+                encoded = self._encode_doc(self._parse(line))
+            except BadLine as e:
+                message = f"{path}:{line_no}: {e}"
+                if not self.opts.skip_bad_lines:
+                    return {"error": message}
+                bad.append(message)
+                continue
+            docs += 1
+            for (tokens, sizes, seqs, ntok), (pieces, doc_sizes) in zip(per_key, encoded):
+                tokens.extend(pieces)
+                sizes.extend(doc_sizes)
+                seqs.append(len(doc_sizes))
+                ntok.append(sum(doc_sizes))
+        keys = {}
+        for key, (tokens, sizes, seqs, ntok) in zip(self.opts.json_keys, per_key):
+            flat = (np.concatenate(tokens).astype(self.dtype, copy=False) if tokens
+                    else np.zeros(0, dtype=self.dtype))
+            keys[key] = (flat.tobytes(), np.asarray(sizes, dtype=np.int32),
+                         np.asarray(seqs, dtype=np.int64), np.asarray(ntok, dtype=np.int64))
+        return {"keys": keys, "docs": docs, "bytes": len(data), "bad": bad}
+
+
+_WORKER: Optional[ChunkEncoder] = None
+
+
+def init_worker(opts: EncoderOptions) -> None:
+    """Pool initializer: build this process's encoder once (a forked worker reuses the
+    one its parent built with the same options)."""
+    global _WORKER
+    if _WORKER is None or _WORKER.opts != opts:
+        _WORKER = ChunkEncoder(opts)
+
+
+def encode_chunk(chunk) -> dict:
+    """Pool task: encode one chunk with this process's encoder."""
+    assert _WORKER is not None, "init_worker was not called"
+    return _WORKER.encode(chunk)
+

@@ -1,0 +1,369 @@
+"""GPT sample indexing vs a loop-based reference written from the Megatron 23.05 facts:
+epochs, separate last epoch, split boundaries, caching, blending, masks, builder rank."""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.core.datasets import gpt_dataset as gd
+from megatron.core.datasets.blended import BlendedDataset, build_blending_indices
+from megatron.core.datasets.gpt_dataset import (
+    GPTDataset,
+    build_train_valid_test_datasets,
+    get_train_valid_test_split,
+)
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, MMapIndexedDataset
+from megatron.core.datasets.utils import get_ltor_masks_and_position_ids
+from tests.dist_utils import run_distributed
+
+# ---------------------------------------------------------------- reference (loops)
+
+
+def ref_num_epochs(tokens_per_epoch, seq_length, num_samples):
+    epochs, total = 0, 0
+    while True:
+        epochs += 1
+        total += tokens_per_epoch
+        if (total - 1) // seq_length >= num_samples:
+            return epochs
+
+
+def ref_doc_idx(documents, epochs, rng, separate):
+    if not separate or epochs == 1:
+        out = np.array([d for _ in range(epochs) for d in documents], dtype=np.int32)
+        rng.shuffle(out)
+        return out
+    first = ref_doc_idx(documents, epochs - 1, rng, False)
+    return np.concatenate((first, ref_doc_idx(documents, 1, rng, False)))
+
+
+def ref_sample_idx(sizes, doc_idx, seq_length, epochs, tokens_per_epoch):
+    """Megatron's helpers.build_sample_idx, transliterated."""
+    num_samples = (epochs * tokens_per_epoch - 1) // seq_length
+    out = [(0, 0)]
+    index, offset = 0, 0
+    while len(out) <= num_samples:
+        remaining = seq_length + 1
+        while remaining != 0:
+            length = int(sizes[doc_idx[index]]) - offset
+            remaining -= length
+            if remaining <= 0:
+                offset += remaining + length - 1
+                remaining = 0
+            else:
+                index += 1
+                offset = 0
+        out.append((index, offset))
+    return np.array(out, dtype=np.int32)
+
+
+def ref_indices(documents, sizes, num_samples, seq_length, seed):
+    tokens = int(sum(sizes[d] for d in documents))
+    epochs = ref_num_epochs(tokens, seq_length, num_samples)
+    separate = False
+    if epochs > 1:
+        from_prev = ((epochs - 1) * tokens - 1) // seq_length
+        per_epoch = (tokens - 1) // seq_length
+        separate = num_samples - from_prev < int(0.80 * per_epoch)
+    rng = np.random.RandomState(seed)
+    doc_idx = ref_doc_idx(list(documents), epochs, rng, separate)
+    sample_idx = ref_sample_idx(sizes, doc_idx, seq_length, epochs, tokens)
+    total = len(sample_idx) - 1
+    first = ((epochs - 1) * tokens - 1) // seq_length if separate else total
+    shuffle = np.arange(first, dtype=np.uint32)
+    rng.shuffle(shuffle)
+    if first < total:
+        last = np.arange(first, total, dtype=np.uint32)
+        rng.shuffle(last)
+        shuffle = np.concatenate((shuffle, last))
+    return doc_idx, sample_idx, shuffle, epochs, separate
+
+
+def ref_blending(weights, size):
+    counts = [0] * len(weights)
+    index, sample = [], []
+    for s in range(size):
+        x = float(max(s, 1))
+        errors = [w * x - c for w, c in zip(weights, counts)]
+        d = errors.index(max(errors))
+        index.append(d)
+        sample.append(counts[d])
+        counts[d] += 1
+    return np.array(index), np.array(sample)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def make_corpus(path, sizes, seed=0, vocab=1000, eod=None):
+    """One sequence per document with the given sizes; returns the prefix and the docs."""
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, vocab, n) for n in sizes]
+    if eod is not None:
+        docs = [np.append(d[:-1], eod) if len(d) else d for d in docs]
+    builder = IndexedDatasetBuilder(str(path) + ".bin", np.uint16)
+    for d in docs:
+        builder.add_item(d)
+        builder.end_document()
+    builder.finalize(str(path) + ".idx")
+    return str(path), docs
+
+
+CASES = [  # (sizes, num_samples, seq_length, seed): single epoch, several, separate last
+    ([5, 7, 3, 9, 1, 12, 4], 3, 8, 1),
+    ([5, 7, 3, 9, 1, 12, 4], 40, 8, 2),
+    ([10] * 10, 10, 10, 3),   # E=2, last epoch 1 sample < 0.8*9: shuffled apart
+    ([10] * 10, 17, 10, 4),   # E=2, last epoch 8 samples: shuffled together
+    ([3, 0, 4, 0, 0, 6, 2], 9, 4, 5),  # empty documents
+    ([50, 1, 1, 1, 80], 30, 16, 6),
+]
+
+
+@pytest.mark.parametrize("sizes,num_samples,seq_length,seed", CASES)
+def test_index_matches_reference(tmp_path, sizes, num_samples, seq_length, seed):
+    prefix, docs = make_corpus(tmp_path / "c", sizes, seed)
+    ds_sizes = np.array(sizes, dtype=np.int32)
+    documents = np.arange(len(sizes), dtype=np.int32)
+    doc_idx, sample_idx, shuffle = gd.build_index_arrays(documents, ds_sizes, num_samples,
+                                                         seq_length, seed)
+    r_doc, r_sample, r_shuffle, epochs, separate = ref_indices(documents, ds_sizes, num_samples,
+                                                               seq_length, seed)
+    np.testing.assert_array_equal(doc_idx, r_doc)
+    np.testing.assert_array_equal(sample_idx, r_sample)
+    np.testing.assert_array_equal(shuffle, r_shuffle)
+    assert doc_idx.dtype == np.int32 and sample_idx.dtype == np.int32
+    assert shuffle.dtype == np.uint32
+    # Every sample is the window [j*S, j*S + S] of the epoch-concatenated token stream.
+    ds = GPTDataset("train", prefix, documents, MMapIndexedDataset(prefix), num_samples,
+                    seq_length, seed, "1,0,0", cache_dir=str(tmp_path / "cache"))
+    stream = np.concatenate([docs[d] for d in r_doc])
+    assert len(ds) == (epochs * sum(sizes) - 1) // seq_length >= num_samples
+    for i in range(len(ds)):
+        j = int(r_shuffle[i])
+        text = ds[i]["text"]
+        assert text.dtype == np.int64 and len(text) == seq_length + 1
+        np.testing.assert_array_equal(text, stream[j * seq_length: j * seq_length + seq_length + 1])
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+
+
+def test_epochs_and_last_epoch_rule():
+    assert gd.num_epochs_needed(100, 10, 9) == 1 and gd.num_epochs_needed(100, 10, 10) == 2
+    for t, s, n in [(100, 10, 10), (100, 10, 17), (997, 7, 5000), (64, 64, 3)]:
+        e = gd.num_epochs_needed(t, s, n)
+        assert e == ref_num_epochs(t, s, n)
+    assert gd.separate_last_epoch(100, 10, 10, 2) is True
+    assert gd.separate_last_epoch(100, 10, 17, 2) is False
+    assert gd.separate_last_epoch(100, 10, 5, 1) is False
+
+
+@pytest.mark.parametrize("split,size,expected", [
+    ("969,30,1", 1000, [0, 969, 999, 1000]),
+    ("949,50,1", 10, [0, 10, 10, 10]),
+    ("969,30,1", 17, [0, 16, 17, 17]),
+    ("969, 30, 1", 17, [0, 16, 17, 17]),
+    ("98/2", 100, [0, 98, 100, 100]),
+    ("1", 7, [0, 7, 7, 7]),
+    ("1,1,1", 10, [0, 4, 7, 10]),  # 3+3+3 = 9: the missing one shifts all
+])
+def test_split_boundaries(split, size, expected):
+    assert get_train_valid_test_split(split, size) == expected
+
+
+def test_split_bad_values():
+    with pytest.raises(ValueError, match="--split"):
+        get_train_valid_test_split("a,b", 10)
+    with pytest.raises(ValueError, match="positive sum"):
+        get_train_valid_test_split("0,0,0", 10)
+
+
+def test_cache_names_reuse_and_lookup(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    prefix, _ = make_corpus(tmp_path / "data" / "c", [20] * 30)
+    cache = tmp_path / "cache"
+    train, valid, test = build_train_valid_test_datasets([prefix], "969, 30, 1", [10, 2, 1], 8,
+                                                         1234, str(cache))
+    desc = ("GPT Dataset\n\n" f"Data prefix {prefix}\n" "Dataset name train\n"
+            "Number of samples 10\n" "Sequence length 8\n" "Random seed 1234\n"
+            "Split 969, 30, 1\n")
+    h = hashlib.md5(desc.encode("utf-8")).hexdigest()
+    assert train.desc == desc and train.desc_hash == h
+    for suffix in (".dsc", "_doc_idx.npy", "_sample_idx.npy", "_shuffle_idx.npy"):
+        assert (cache / (h + suffix)).is_file()
+    assert (cache / (h + ".dsc")).read_text() == desc
+    assert valid is not None and test is None  # 30 docs: test split is empty
+    first = [train[i]["text"].tolist() for i in range(len(train))]
+
+    def fail(*args, **kwargs):
+        raise AssertionError("index rebuilt although cached")
+
+    monkeypatch.setattr(gd, "build_index_arrays", fail)
+    again, _, _ = build_train_valid_test_datasets([prefix], "969, 30, 1", [10, 2, 1], 8, 1234,
+                                                  str(cache))
+    assert [again[i]["text"].tolist() for i in range(len(again))] == first
+    # Files in <dirname(prefix)>/index-cache are found first.
+    (tmp_path / "data" / "index-cache").mkdir()
+    for f in cache.iterdir():
+        os.replace(f, tmp_path / "data" / "index-cache" / f.name)
+    third, _, _ = build_train_valid_test_datasets([prefix], "969, 30, 1", [10, 2, 1], 8, 1234,
+                                                  str(cache))
+    assert "index-cache" in third.cache_paths["doc"]
+    with pytest.raises(AssertionError, match="rebuilt"):  # a different split string: new hash
+        build_train_valid_test_datasets([prefix], "969,30,1", [10, 2, 1], 8, 1234, str(cache))
+
+
+@pytest.mark.parametrize("weights", [[0.5, 0.5], [0.3, 0.7], [0.123, 0.877], [1.0, 3.0],
+                                     [0.2, 0.3, 0.5], [5, 1, 1, 2, 3]])
+def test_blending_indices_match_reference(weights):
+    w = np.array(weights, dtype=np.float64)
+    w /= w.sum()
+    size = 3000
+    index, sample = build_blending_indices(w, size)
+    r_index, r_sample = ref_blending(list(w), size)
+    np.testing.assert_array_equal(index, r_index)
+    np.testing.assert_array_equal(sample, r_sample)
+    assert index.dtype == np.uint8 and sample.dtype == np.int64
+    np.testing.assert_allclose(np.bincount(index, minlength=len(w)) / size, w, atol=2 / size)
+
+
+def test_blending_two_datasets_large_random():
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        w = rng.random(2)
+        w /= w.sum()
+        index, sample = build_blending_indices(w, 20000)
+        r_index, r_sample = ref_blending(list(w), 20000)
+        np.testing.assert_array_equal(index, r_index)
+        np.testing.assert_array_equal(sample, r_sample)
+
+
+def test_blended_datasets(tmp_path):
+    a, _ = make_corpus(tmp_path / "a", [30] * 40, seed=1)
+    b, _ = make_corpus(tmp_path / "b", [17] * 60, seed=2)
+    cache = str(tmp_path / "cache")
+    train, valid, test = build_train_valid_test_datasets(["0.3", a, "0.7", b], "90,10,0",
+                                                         [200, 20, 0], 16, 7, cache)
+    assert test is None
+    n_a, n_b = math.ceil(200 * 0.3 * 1.005), math.ceil(200 * 0.7 * 1.005)
+    assert len(train) == n_a + n_b
+    assert train.datasets[0].desc.startswith(f"GPT Dataset\n\nData prefix {a}\n")
+    assert "Number of samples %d\n" % n_a in train.datasets[0].desc
+    np.testing.assert_allclose(train.achieved_weights(), [0.3, 0.7], atol=0.01)
+    for i in (0, 1, 2, 57, len(train) - 1):
+        item = train[i]
+        d = item["dataset_idx"]
+        member = train.datasets[d][int(train.dataset_sample_index[i])]
+        np.testing.assert_array_equal(item["text"], member["text"])
+    assert any(name.endswith("_sample_index.npy") for name in os.listdir(cache))
+    with pytest.raises(IndexError):
+        train[len(train)]
+    # separate paths: split ignored, all documents used; a weighted list blends.
+    tr, va, te = build_train_valid_test_datasets(None, "969,30,1", [50, 10, 5], 16, 7, cache,
+                                                 train_data_path=["1", a, "1", b],
+                                                 valid_data_path=[b], test_data_path=None)
+    assert isinstance(tr, BlendedDataset) and te is None
+    assert len(va.doc_idx) % 60 == 0 and va.name == "valid"
+
+
+def test_no_data_error():
+    with pytest.raises(ValueError, match="--data-path"):
+        build_train_valid_test_datasets(None, "1", [1, 1, 1], 8, 1)
+
+
+# ---------------------------------------------------------------- masks
+
+
+def ref_masks(data, eod, reset_pos, reset_att, eod_mask):
+    """Megatron's loop implementation."""
+    b, s = data.shape
+    att = torch.tril(torch.ones((b if reset_att else 1, s, s))).view(-1, 1, s, s)
+    loss = torch.ones(data.shape)
+    if eod_mask:
+        loss[data == eod] = 0.0
+    pos = torch.arange(s).unsqueeze(0).expand_as(data).clone()
+    for i in range(b):
+        eods = pos[i, data[i] == eod].clone()
+        prev = 0
+        for j in eods.tolist():
+            if reset_att:
+                att[i, 0, j + 1:, :j + 1] = 0
+            if reset_pos:
+                pos[i, j + 1:] -= j + 1 - prev
+                prev = j + 1
+    return att < 0.5, loss, pos
+
+
+@pytest.mark.parametrize("flags", [(False, False, False), (True, False, True),
+                                   (False, True, False), (True, True, True)])
+def test_ltor_masks(flags):
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 5, (3, 16), generator=g)
+    data[1] = 7
+    data[2, -1] = 0
+    mask, loss, pos = get_ltor_masks_and_position_ids(data, 0, *flags)
+    r_mask, r_loss, r_pos = ref_masks(data, 0, *flags)
+    torch.testing.assert_close(loss, r_loss)
+    assert torch.equal(pos, r_pos)
+    if flags[1]:
+        assert mask.dtype == torch.bool and torch.equal(mask, r_mask)
+    else:
+        assert mask is None
+
+
+# ---------------------------------------------------------------- builder rank + barrier
+
+
+def _two_ranks(rank, world_size, prefix, cache):
+    import torch.distributed as dist
+
+    train, _, _ = build_train_valid_test_datasets([prefix], "1", [25, 0, 0], 8, 3, cache,
+                                                  is_builder_rank=rank == 0,
+                                                  barrier=dist.barrier)
+    return torch.tensor(np.stack([train[i]["text"] for i in range(len(train))]))
+
+
+def test_builder_rank_and_barrier(tmp_path):
+    prefix, _ = make_corpus(tmp_path / "c", [11] * 20)
+    cache = str(tmp_path / "cache")
+    out = run_distributed(_two_ranks, 2, prefix, cache)
+    assert torch.equal(out[0], out[1]) and out[0].shape[1] == 9
+    assert len(os.listdir(cache)) == 4
+    with pytest.raises(ValueError, match="unsuccessful"):
+        build_train_valid_test_datasets([prefix], "1", [26, 0, 0], 8, 3, cache,
+                                        is_builder_rank=False)
+
+
+@pytest.mark.slow
+def test_ten_billion_token_index_is_fast(tmp_path):
+    """5M documents of 2000 tokens, seq 2048: the whole index in well under 10 s."""
+    import time
+
+    sizes = np.full(5_000_000, 2000, dtype=np.int32)
+    documents = np.arange(len(sizes), dtype=np.int32)
+    num_samples = (10_000_000_000 - 1) // 2048
+    start = time.time()
+    doc_idx, sample_idx, shuffle_idx = gd.build_index_arrays(documents, sizes, num_samples,
+                                                             2048, 1234)
+    elapsed = time.time() - start
+    assert len(shuffle_idx) == num_samples and elapsed < 10, elapsed
+    # Spot-check the vectorised sample index against the running token count.
+    ends = np.cumsum(sizes[doc_idx].astype(np.int64))
+    for i in (1, 12345, num_samples):
+        k, off = sample_idx[i]
+        assert ends[k] - sizes[doc_idx[k]] + off == i * 2048
+
+
+def test_datasets_pickle(tmp_path):
+    import pickle
+
+    prefix, _ = make_corpus(tmp_path / "c", [13] * 12)
+    train, _, _ = build_train_valid_test_datasets([prefix], "1", [20, 0, 0], 8, 5,
+                                                  str(tmp_path / "cache"))
+    clone = pickle.loads(pickle.dumps(train))
+    for i in range(len(train)):
+        np.testing.assert_array_equal(clone[i]["text"], train[i]["text"])

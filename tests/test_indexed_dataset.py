@@ -1,0 +1,162 @@
+"""Megatron mmap .bin/.idx: writer bytes, reader views, hand-built index, bad files."""
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron.core.datasets.indexed_dataset import (
+    IndexedDatasetBuilder,
+    MMapIndexedDataset,
+    best_dtype,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The worked example of the format description: docs [10,11,12] and [20,21] as uint16.
+EXAMPLE_BIN = bytes.fromhex("0a000b000c0014001500")
+EXAMPLE_IDX = (b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + bytes([8]) + struct.pack("<QQ", 2, 3)
+               + struct.pack("<ii", 3, 2) + struct.pack("<qq", 0, 6) + struct.pack("<qqq", 0, 1, 2))
+
+
+def write(prefix: Path, docs, dtype=np.uint16):
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype)
+    for doc in docs:
+        for seq in doc:
+            builder.add_item(np.array(seq))
+        builder.end_document()
+    builder.finalize(str(prefix) + ".idx")
+
+
+def test_worked_example_bytes(tmp_path):
+    assert len(EXAMPLE_IDX) == 82
+    write(tmp_path / "a", [[[10, 11, 12]], [[20, 21]]])
+    assert (tmp_path / "a.bin").read_bytes() == EXAMPLE_BIN
+    assert (tmp_path / "a.idx").read_bytes() == EXAMPLE_IDX
+    builder = IndexedDatasetBuilder(str(tmp_path / "b.bin"), np.uint16)
+    builder.add_doc([10, 11, 12], [3])
+    builder.add_doc(np.array([20, 21]), [2])
+    builder.finalize(str(tmp_path / "b.idx"))
+    assert (tmp_path / "b.idx").read_bytes() == EXAMPLE_IDX
+
+
+def test_hand_built_index_loads(tmp_path):
+    (tmp_path / "h.bin").write_bytes(EXAMPLE_BIN)
+    (tmp_path / "h.idx").write_bytes(EXAMPLE_IDX)
+    ds = MMapIndexedDataset(str(tmp_path / "h"))
+    assert len(ds) == 2 and ds.dtype == np.uint16
+    assert ds[0].tolist() == [10, 11, 12] and ds[1].tolist() == [20, 21]
+    assert ds.sizes.tolist() == [3, 2] and ds.pointers.tolist() == [0, 6]
+    assert ds.doc_idx.tolist() == [0, 1, 2]
+    assert ds.get(0, offset=1, length=2).tolist() == [11, 12]
+    assert ds.get(1, offset=1).tolist() == [21]
+    assert [a.tolist() for a in ds[0:2]] == [[10, 11, 12], [20, 21]]
+    with pytest.raises(IndexError):
+        ds.get(2)
+    with pytest.raises(IndexError):
+        ds.get(0, offset=2, length=2)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int16, np.int32, np.int64,
+                                   np.float64, np.float32, np.uint16])
+def test_round_trip_all_dtypes(tmp_path, dtype):
+    rng = np.random.default_rng(0)
+    docs = [[rng.integers(0, 100, rng.integers(0, 7)).astype(dtype)
+             for _ in range(rng.integers(0, 4))] for _ in range(30)]
+    write(tmp_path / "r", docs, dtype)
+    ds = MMapIndexedDataset(str(tmp_path / "r"))
+    flat = [seq for doc in docs for seq in doc]
+    assert ds.dtype == np.dtype(dtype) and len(ds) == len(flat)
+    for got, want in zip(ds, flat):
+        np.testing.assert_array_equal(got, want)
+    assert (tmp_path / "r.bin").read_bytes() == b"".join(np.asarray(s, dtype).tobytes()
+                                                        for s in flat)
+    assert ds.doc_idx.tolist() == [0] + list(np.cumsum([len(d) for d in docs]))
+
+
+def test_views_do_not_copy(tmp_path):
+    write(tmp_path / "v", [[list(range(1000))]])
+    ds = MMapIndexedDataset(str(tmp_path / "v"))
+    item = ds[0]
+    assert not item.flags.owndata and not item.flags.writeable
+    assert not ds.sizes.flags.owndata and not ds.doc_idx.flags.owndata
+
+
+def test_add_batch_and_merge(tmp_path):
+    b = IndexedDatasetBuilder(str(tmp_path / "x.bin"), np.uint16)
+    b.add_batch(np.array([1, 2, 3, 4, 5, 6]), np.array([2, 1, 3]), np.array([2, 0, 1]))
+    b.finalize(str(tmp_path / "x.idx"))
+    x = MMapIndexedDataset(str(tmp_path / "x"))
+    assert x.doc_idx.tolist() == [0, 2, 2, 3] and x[2].tolist() == [4, 5, 6]
+    write(tmp_path / "y", [[[7, 8]], [[9]]])
+    m = IndexedDatasetBuilder(str(tmp_path / "m.bin"), np.uint16)
+    m.merge_file_(str(tmp_path / "x"))
+    m.merge_file_(str(tmp_path / "y"))
+    m.finalize(str(tmp_path / "m.idx"))
+    merged = MMapIndexedDataset(str(tmp_path / "m"))
+    assert [s.tolist() for s in merged] == [[1, 2], [3], [4, 5, 6], [7, 8], [9]]
+    assert merged.doc_idx.tolist() == [0, 2, 2, 3, 4, 5]
+    write(tmp_path / "z", [[[1]]], np.int32)
+    with pytest.raises(ValueError, match="dtype"):
+        IndexedDatasetBuilder(str(tmp_path / "w.bin"), np.uint16).merge_file_(str(tmp_path / "z"))
+
+
+def test_merge_tool(tmp_path):
+    (tmp_path / "d").mkdir()
+    write(tmp_path / "d" / "a", [[[1, 2]]])
+    write(tmp_path / "d" / "b", [[[3]], [[4, 5]]])
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, str(REPO / "tools" / "merge_datasets.py"), "--input",
+                    str(tmp_path / "d"), "--output-prefix", str(out)], check=True)
+    ds = MMapIndexedDataset(str(out))
+    assert [s.tolist() for s in ds] == [[1, 2], [3], [4, 5]] and ds.doc_idx.tolist() == [0, 1, 2, 3]
+    write(tmp_path / "c", [[[1]]], np.int32)
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "merge_datasets.py"), "--input",
+                        str(tmp_path / "d" / "a"), str(tmp_path / "c"), "--output-prefix",
+                        str(tmp_path / "bad")], capture_output=True, text=True)
+    assert r.returncode != 0 and "different dtypes" in r.stderr
+
+
+def _corrupt(tmp_path, name, idx=None, bin_=None):
+    (tmp_path / f"{name}.idx").write_bytes(EXAMPLE_IDX if idx is None else idx)
+    (tmp_path / f"{name}.bin").write_bytes(EXAMPLE_BIN if bin_ is None else bin_)
+    return str(tmp_path / name)
+
+
+@pytest.mark.parametrize("name,idx,bin_,message", [
+    ("magic", b"TNTIDX\x00\x00" + EXAMPLE_IDX[8:], None, "bad magic"),
+    ("version", EXAMPLE_IDX[:9] + struct.pack("<Q", 2) + EXAMPLE_IDX[17:], None, "version 2"),
+    ("code", EXAMPLE_IDX[:17] + bytes([9]) + EXAMPLE_IDX[18:], None, "dtype code 9"),
+    ("short_header", EXAMPLE_IDX[:20], None, "truncated index"),
+    ("short_index", EXAMPLE_IDX[:-8], None, "truncated index"),
+    ("long_index", EXAMPLE_IDX + b"\x00" * 8, None, "oversized index"),
+    ("short_bin", None, EXAMPLE_BIN[:-2], "truncated data file"),
+    ("long_bin", None, EXAMPLE_BIN + b"\x00" * 3, "oversized data file"),
+    ("doc_idx", EXAMPLE_IDX[:-8] + struct.pack("<q", 5), None, "doc_idx"),
+    ("pointers", EXAMPLE_IDX[:42] + struct.pack("<q", 4) + EXAMPLE_IDX[50:], None, "pointers"),
+])
+def test_corrupt_files_raise(tmp_path, name, idx, bin_, message):
+    prefix = _corrupt(tmp_path, name, idx, bin_)
+    with pytest.raises(ValueError, match=message) as info:
+        MMapIndexedDataset(prefix)
+    assert name in str(info.value)  # the message names the file
+
+
+def test_missing_file_and_megatron_eod_bug(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        MMapIndexedDataset(str(tmp_path / "nothing"))
+    # Megatron 23.06 --append-eod: .bin holds one uncounted EOD per document.
+    buggy_bin = np.array([10, 11, 12, 99, 20, 21, 99], dtype=np.uint16).tobytes()
+    prefix = _corrupt(tmp_path, "bug", None, buggy_bin)
+    with pytest.warns(UserWarning, match="off-by-one"):
+        ds = MMapIndexedDataset(prefix)
+    assert ds[1].tolist() == [99, 20]  # read exactly as Megatron reads it
+
+
+def test_best_dtype():
+    assert best_dtype(50257) == np.uint16 and best_dtype(65499) == np.uint16
+    assert best_dtype(65500) == np.int32 and best_dtype(128000) == np.int32

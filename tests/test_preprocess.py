@@ -1,0 +1,171 @@
+"""tools/preprocess_data.py end to end on small JSONL inputs (plain, .gz, .zst, directory)."""
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron.core.datasets.indexed_dataset import MMapIndexedDataset
+from megatron.tokenizer import build_tokenizer
+from tests.test_tokenizer import TRAIN_TEXT, train_tiny_bpe, write_bpe_files
+from tools import preprocess_data
+
+REPO = Path(__file__).resolve().parents[1]
+
+DOCS = [
+    {"text": "Hello world, this is document one.", "title": "One"},
+    {"text": "def f(x):\n    return x  # ünïcödé 😀\n", "title": "Two <|endoftext|>"},
+    {"text": "", "title": "Empty text"},
+    {"text": ["First sentence.", " Second one.", ""], "title": ""},
+    {"text": "the quick brown fox " * 50, "title": "Fox"},
+]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("bpe")
+    vocab, merges = train_tiny_bpe(TRAIN_TEXT, 200)
+    vocab_file, merge_file = write_bpe_files(directory, vocab, merges)
+    return vocab_file, merge_file
+
+
+def write_jsonl(path: Path, docs, opener=open):
+    with opener(path, "wt", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps(d) + "\n")
+    return path
+
+
+def run_tool(bpe, input_path, prefix, *extra, workers=1):
+    vocab_file, merge_file = bpe
+    argv = ["--input", str(input_path), "--output-prefix", str(prefix), "--json-keys", "text",
+            "title", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab_file,
+            "--merge-file", merge_file, "--workers", str(workers), "--log-interval", "2", *extra]
+    return preprocess_data.run(preprocess_data.get_args(argv))
+
+
+def megatron_reference(tok, docs, key, append_eod):
+    """What Megatron's encoder writes: .bin tokens, and sizes with the EOD counted (fixed)."""
+    tokens, sizes, doc_idx = [], [], [0]
+    for d in docs:
+        value = d[key] if isinstance(d[key], list) else [d[key]]
+        ids = [tok.tokenize(s) for s in value]
+        ids = [i for i in ids if i]
+        if ids and append_eod:
+            ids[-1] = ids[-1] + [tok.eod]
+        tokens += [t for i in ids for t in i]
+        sizes += [len(i) for i in ids]
+        doc_idx.append(len(sizes))
+    return np.array(tokens, dtype=np.uint16).tobytes(), sizes, doc_idx
+
+
+def check_outputs(bpe, prefix, docs, append_eod=True):
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=bpe[0], merge_file=bpe[1])
+    for key in ("text", "title"):
+        out = f"{prefix}_{key}_document"
+        ds = MMapIndexedDataset(out)
+        data, sizes, doc_idx = megatron_reference(tok, docs, key, append_eod)
+        assert Path(out + ".bin").read_bytes() == data
+        assert ds.sizes.tolist() == sizes and ds.doc_idx.tolist() == doc_idx
+        if append_eod:  # every non-empty document's last sequence ends with EOD
+            for d in range(len(doc_idx) - 1):
+                if doc_idx[d + 1] > doc_idx[d]:
+                    assert ds[doc_idx[d + 1] - 1][-1] == tok.eod
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_plain_jsonl_two_keys_append_eod(tmp_path, bpe, workers):
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS * 7)
+    counts = run_tool(bpe, src, tmp_path / "out", "--append-eod", workers=workers)
+    assert counts["documents"] == 35 and counts["skipped"] == 0
+    check_outputs(bpe, tmp_path / "out", DOCS * 7)
+    assert MMapIndexedDataset(str(tmp_path / "out_text_document")).doc_idx.tolist()[:5] == [0, 1, 2, 2, 4]
+
+
+def test_compressed_and_directory_inputs(tmp_path, bpe):
+    zstandard = pytest.importorskip("zstandard")
+    (tmp_path / "dir").mkdir()
+    write_jsonl(tmp_path / "dir" / "a.jsonl.gz", DOCS[:2], gzip.open)
+    with open(tmp_path / "dir" / "b.jsonl.zst", "wb") as f:
+        f.write(zstandard.ZstdCompressor().compress(
+            "".join(json.dumps(d) + "\n" for d in DOCS[2:]).encode()))
+    (tmp_path / "dir" / "notes.txt").write_text("ignored")
+    run_tool(bpe, tmp_path / "dir", tmp_path / "out", "--append-eod")
+    check_outputs(bpe, tmp_path / "out", DOCS)
+    run_tool(bpe, tmp_path / "dir" / "a.jsonl.gz", tmp_path / "gz")
+    check_outputs(bpe, tmp_path / "gz", DOCS[:2], append_eod=False)
+
+
+def test_partitions_follow_megatron_order(tmp_path, bpe):
+    docs = [{"text": f"document number {i}", "title": str(i)} for i in range(7)]
+    src = write_jsonl(tmp_path / "in.jsonl", docs)
+    run_tool(bpe, src, tmp_path / "out", "--append-eod", "--partitions", "2", workers=2)
+    # Lines are dealt round-robin into 2 partitions, written one after the other.
+    check_outputs(bpe, tmp_path / "out", docs[0::2] + docs[1::2])
+    assert not (tmp_path / "out_0_text_document.bin").exists()
+
+
+def test_bad_lines(tmp_path, bpe):
+    lines = [json.dumps(DOCS[0]), "", "{not json", json.dumps({"title": "no text"}),
+             json.dumps({"text": 5, "title": "x"}), "[1, 2]", json.dumps(DOCS[1])]
+    src = tmp_path / "bad.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    with pytest.raises(SystemExit, match=r"bad\.jsonl:3: invalid JSON"):
+        run_tool(bpe, src, tmp_path / "out")
+    counts = run_tool(bpe, src, tmp_path / "out", "--skip-bad-lines", "--append-eod")
+    assert counts["skipped"] == 4 and counts["documents"] == 2
+    check_outputs(bpe, tmp_path / "out", [DOCS[0], DOCS[1]])
+    src.write_text(json.dumps({"title": "x"}) + "\n")
+    with pytest.raises(SystemExit, match=r"bad\.jsonl:1: missing key\(s\) \['text'\]"):
+        run_tool(bpe, src, tmp_path / "out")
+
+
+def test_cli_errors_and_progress(tmp_path, bpe):
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS * 3)
+    base = [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(src),
+            "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", bpe[0], "--merge-file", bpe[1]]
+    r = subprocess.run(base + ["--workers", "1", "--log-interval", "5"], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    assert "docs/s" in r.stderr and "MB/s" in r.stderr and "ETA" in r.stderr
+    r = subprocess.run(base + ["--workers", "3", "--partitions", "2"], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "multiple of --partitions" in r.stderr
+    try:
+        import nltk  # noqa: F401
+    except ImportError:
+        r = subprocess.run(base + ["--workers", "1", "--split-sentences"], capture_output=True,
+                           text=True)
+        assert r.returncode != 0 and "needs NLTK" in r.stderr
+    r = subprocess.run(base + ["--workers", "1"] + ["--input", str(tmp_path / "none.jsonl")],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "no input files" in r.stderr
+
+
+def test_null_tokenizer(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2 3"}, {"text": "70000 4"}])
+    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "n"), "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "80000", "--append-eod", "--workers", "1"]
+    preprocess_data.run(preprocess_data.get_args(argv))
+    ds = MMapIndexedDataset(str(tmp_path / "n_text_document"))
+    assert ds.dtype == np.int32  # vocab 80001 >= 65500
+    assert [s.tolist() for s in ds] == [[1, 2, 3, 80000], [70000, 4, 80000]]
+
+
+def test_small_chunks_keep_line_numbers(tmp_path, bpe, monkeypatch):
+    monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 37)  # lines straddle many chunks
+    docs = DOCS * 4
+    lines = [json.dumps(d) for d in docs] + ["{oops"] + [json.dumps(DOCS[0])]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines))  # no final newline
+    with pytest.raises(SystemExit, match=rf"in\.jsonl:{len(docs) + 1}: invalid JSON"):
+        run_tool(bpe, src, tmp_path / "out", workers=2)
+    counts = run_tool(bpe, src, tmp_path / "out", "--skip-bad-lines", "--append-eod", workers=2)
+    assert counts["skipped"] == 1
+    check_outputs(bpe, tmp_path / "out", docs + [DOCS[0]])

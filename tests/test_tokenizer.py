@@ -1,0 +1,272 @@
+"""Tokenizers: the fast GPT-2 BPE equals a plain reference implementation of GPT-2's
+algorithm (bytes_to_unicode, pre-tokenisation regex, greedy lowest-rank merges) on tricky
+text; SentencePiece special-token handling matches Megatron's loop; Null and HF basics."""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import regex
+
+from megatron.tokenizer import build_tokenizer, pad_vocab_size
+from megatron.tokenizer.gpt2_bpe import GPT2_PATTERN, bytes_to_unicode
+
+GPT2_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2"
+HAVE_GPT2 = (GPT2_DIR / "gpt2-vocab.json").is_file() and (GPT2_DIR / "gpt2-merges.txt").is_file()
+
+TRICKY = [
+    "Hello world! It's a test, isn't it? We'll see; they'd've done 'S 'LL.",
+    "a  b   c\t\td\n\n\n  e \r\n f   ",
+    "    leading and trailing    ",
+    "<|endoftext|>",
+    "text<|endoftext|>more <|endoftext|> <|endoftext|>",
+    "e\u0301 n\u0303 a\u0308\u0304 \u0915\u094d\u0937",  # combining marks, Devanagari
+    "日本語のテキストと中文文本，还有한국어",
+    "emoji 😀👍🏽 👨‍👩‍👧‍👦 🏳️‍🌈 ❤️",
+    "numbers 1234567890 ١٢٣ ⅷ ½ 3.14e-10",
+    "\x00\x01\x1c\x1d\x1e\x1f\x7f \x85 \xa0 \u2028 \u2029 \u200b \u3000 \ufeff end",
+    "mixed\u00a0nbsp and\u2003em space",
+    "def f(x):\n    return x**2  # comment\n\n\nclass A:\n\tpass\n",
+    "ÀÉÎÕÜ ñ ß ø å æ œ Ω ω Ж ж",
+    "",
+    " ",
+    "\n",
+    "'''\"\"\"```",
+]
+
+
+class ReferenceBPE:
+    """GPT-2's encoder algorithm written plainly (no caching tricks besides a dict)."""
+
+    def __init__(self, vocab: dict, merges: list):
+        self.encoder = vocab
+        self.ranks = {tuple(m): i for i, m in enumerate(merges)}
+        self.byte_encoder = bytes_to_unicode()
+        self.pattern = regex.compile(GPT2_PATTERN)
+
+    def bpe(self, word: str) -> list:
+        parts = list(word)
+        while len(parts) > 1:
+            pairs = {(parts[i], parts[i + 1]) for i in range(len(parts) - 1)}
+            best = min(pairs, key=lambda p: self.ranks.get(p, float("inf")))
+            if best not in self.ranks:
+                break
+            merged, i = [], 0
+            while i < len(parts):
+                if i < len(parts) - 1 and (parts[i], parts[i + 1]) == best:
+                    merged.append(parts[i] + parts[i + 1])
+                    i += 2
+                else:
+                    merged.append(parts[i])
+                    i += 1
+            parts = merged
+        return parts
+
+    def encode(self, text: str) -> list:
+        ids = []
+        for piece in self.pattern.findall(text):
+            mapped = "".join(self.byte_encoder[b] for b in piece.encode("utf-8"))
+            ids.extend(self.encoder[t] for t in self.bpe(mapped))
+        return ids
+
+
+def train_tiny_bpe(text: str, num_merges: int, shuffle_ids: bool = False):
+    """Byte-level BPE training: repeatedly merge the most frequent adjacent pair."""
+    byte_encoder = bytes_to_unicode()
+    pattern = regex.compile(GPT2_PATTERN)
+    words = collections.Counter(
+        tuple(byte_encoder[b] for b in piece.encode("utf-8")) for piece in pattern.findall(text))
+    merges = []
+    for _ in range(num_merges):
+        pairs = collections.Counter()
+        for word, count in words.items():
+            for pair in zip(word, word[1:]):
+                pairs[pair] += count
+        if not pairs:
+            break
+        best = max(sorted(pairs), key=lambda p: pairs[p])
+        merges.append(best)
+        new_words = collections.Counter()
+        for word, count in words.items():
+            out, i = [], 0
+            while i < len(word):
+                if i < len(word) - 1 and (word[i], word[i + 1]) == best:
+                    out.append(word[i] + word[i + 1])
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            new_words[tuple(out)] += count
+        words = new_words
+    tokens = [byte_encoder[b] for b in range(256)] + [a + b for a, b in merges]
+    tokens = list(dict.fromkeys(tokens)) + ["<|endoftext|>"]
+    ids = list(range(len(tokens)))
+    if shuffle_ids:
+        random.Random(0).shuffle(ids)
+    return dict(zip(tokens, ids)), merges
+
+
+def write_bpe_files(directory: Path, vocab: dict, merges: list):
+    vocab_file, merge_file = directory / "vocab.json", directory / "merges.txt"
+    vocab_file.write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    merge_file.write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges),
+                          encoding="utf-8")
+    return str(vocab_file), str(merge_file)
+
+
+def random_texts(seed: int, count: int) -> list:
+    rng = random.Random(seed)
+    pools = [(0x20, 0x7E), (0x0, 0x2FF), (0x300, 0x36F), (0x4E00, 0x4FFF), (0x1F300, 0x1FAFF),
+             (0x2000, 0x206F), (0x0, 0xFFFF)]
+    out = []
+    for _ in range(count):
+        chars = []
+        for _ in range(rng.randint(1, 30)):
+            lo, hi = rng.choice(pools)
+            c = rng.randint(lo, hi)
+            if 0xD800 <= c <= 0xDFFF:
+                c = 0x20
+            chars.append(chr(c))
+        out.append("".join(chars))
+    return out
+
+
+TRAIN_TEXT = (" ".join(TRICKY) + " the quick brown fox jumps over the lazy dog. " * 20
+              + "def tokenize(text): return [int(x) for x in text.split()]\n" * 10
+              + "日本語のテキスト 😀😀 naïve café résumé coöperate " * 10)
+
+
+@pytest.mark.parametrize("shuffle_ids", [False, True])
+def test_tiny_bpe_matches_reference(tmp_path, shuffle_ids):
+    vocab, merges = train_tiny_bpe(TRAIN_TEXT, 300, shuffle_ids)
+    vocab_file, merge_file = write_bpe_files(tmp_path, vocab, merges)
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+    ref = ReferenceBPE(vocab, merges)
+    assert tok.vocab_size == len(vocab) and tok.eod == vocab["<|endoftext|>"]
+    for text in TRICKY + random_texts(1, 300) + [TRAIN_TEXT]:
+        ids = tok.tokenize(text)
+        assert ids == ref.encode(text), repr(text)
+        assert tok.tokenize_array(text).tolist() == ids
+        assert tok.detokenize(ids) == text
+    assert all(ref.bpe(t) == [t] for t in vocab if t != "<|endoftext|>")
+
+
+@pytest.mark.skipif(not HAVE_GPT2, reason="../shared/data/gpt2 not present")
+def test_gpt2_matches_reference():
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=str(GPT2_DIR / "gpt2-vocab.json"),
+                          merge_file=str(GPT2_DIR / "gpt2-merges.txt"))
+    with open(GPT2_DIR / "gpt2-vocab.json", encoding="utf-8") as f:
+        vocab = json.load(f)
+    from megatron.tokenizer.gpt2_bpe import read_merges
+
+    ref = ReferenceBPE(vocab, read_merges(str(GPT2_DIR / "gpt2-merges.txt")))
+    assert tok.vocab_size == 50257 and tok.eod == 50256 and tok.name == "GPT2BPETokenizer"
+    # tiktoken emits a whole piece that is itself a token without merging; GPT-2's loop
+    # agrees because every GPT-2 token string merges back to itself:
+    assert all(ref.bpe(t) == [t] for t in vocab if t != "<|endoftext|>")
+    assert tok.tokenize("Hello world") == [15496, 995]
+    # <|endoftext|> inside text is ordinary text for GPT-2's encoder (and Megatron's).
+    assert tok.tokenize("<|endoftext|>") == ref.encode("<|endoftext|>") != [50256]
+    for text in TRICKY + random_texts(2, 500):
+        ids = tok.tokenize(text)
+        assert ids == ref.encode(text), repr(text)
+        assert tok.detokenize(ids) == text
+
+
+def test_gpt2_bad_files(tmp_path):
+    vocab, merges = train_tiny_bpe("abc abc abd", 3)
+    del vocab["<|endoftext|>"]
+    vocab_file, merge_file = write_bpe_files(tmp_path, vocab, merges)
+    with pytest.raises(ValueError, match="endoftext"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+    with pytest.raises(ValueError, match="--merge-file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file)
+    with pytest.raises(ValueError, match="no such file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file="/nonexistent")
+    with pytest.raises(ValueError, match="not supported"):
+        build_tokenizer("BertWordPieceCase", vocab_file=vocab_file)
+
+
+def test_null_tokenizer_and_padding():
+    tok = build_tokenizer("NullTokenizer", vocab_size=100)
+    assert tok.vocab_size == 101 and tok.eod == 100
+    assert tok.tokenize("1 2  30") == [1, 2, 30] and tok.detokenize([4, 5]) == "4 5"
+    assert pad_vocab_size(50257, 128, 1) == 50304
+    assert pad_vocab_size(50257, 128, 2) == 50432
+    assert pad_vocab_size(256, 128, 2) == 256
+
+
+def _train_sentencepiece(tmp_path: Path, **extra) -> str:
+    spm = pytest.importorskip("sentencepiece")
+    lines = [line for line in TRAIN_TEXT.split("\n") if line.strip()] * 5
+    prefix = str(tmp_path / "sp")
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=prefix,
+                                   vocab_size=120, model_type="bpe", minloglevel=2,
+                                   character_coverage=1.0, **extra)
+    return prefix + ".model"
+
+
+def megatron_sp_tokenize(sp, specials: dict, text: str) -> list:
+    """Megatron's loop: find each special's next index, take the earliest (first in order)."""
+    ids, idx = [], 0
+    while True:
+        indices = {}
+        for token in specials:
+            pos = text[idx:].find(token)
+            if pos >= 0:
+                indices[token] = pos
+        if not indices:
+            break
+        token = min(indices, key=indices.get)
+        nxt = idx + indices[token]
+        ids.extend(sp.encode_as_ids(text[idx:nxt]))
+        ids.append(specials[token])
+        idx = nxt + len(token)
+    ids.extend(sp.encode_as_ids(text[idx:]))
+    return ids
+
+
+def test_sentencepiece_specials(tmp_path):
+    model = _train_sentencepiece(tmp_path)
+    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=model, vocab_extra_ids=2)
+    sp = tok._sp
+    n = sp.get_piece_size()
+    # <CLS> <SEP> <EOD> <MASK> <PAD> appended (no pad id in the model); <s>, </s> exist.
+    assert tok._specials["<CLS>"] == n and tok.eod == n + 2
+    assert tok._specials["<PAD>"] == n + 4 and tok._specials["<s>"] == sp.bos_id()
+    assert tok._specials["<extra_id_1>"] == n + 6 and tok.vocab_size == n + 7
+    texts = ["the fox<EOD>the dog", "<s>a</s><EOD><EOD>", "x<MASK>y<CLS><extra_id_0>z",
+             "no specials here", "<EO<EOD>D>"]
+    for text in texts:
+        assert tok.tokenize(text) == megatron_sp_tokenize(sp, tok._specials, text)
+    assert tok.tokenize("a<EOD>")[-1] == tok.eod
+    assert "<EOD>" in tok.detokenize(tok.tokenize("fox<EOD>dog"))
+    gpt = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=model)
+    assert gpt.vocab_size == n and gpt.eod == sp.eos_id()
+    assert gpt.tokenize("the fox") == sp.encode_as_ids("the fox")
+    assert gpt.detokenize(gpt.tokenize("the quick fox")) == "the quick fox"
+
+
+def test_huggingface_tokenizer(tmp_path):
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    hf = Tokenizer(models.BPE(unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"])
+    hf.train_from_iterator([TRAIN_TEXT] * 3, trainer=trainer)
+    hf.save(str(tmp_path / "tokenizer.json"))
+    for path in (tmp_path, tmp_path / "tokenizer.json"):
+        tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(path))
+        assert tok.eod == hf.token_to_id("</s>")
+        assert tok.vocab_size == hf.get_vocab_size()
+        ids = tok.tokenize("the quick brown fox")
+        assert ids == hf.encode("the quick brown fox", add_special_tokens=False).ids
+        assert "quick" in tok.detokenize(ids)
+    with pytest.raises(ValueError, match="no such file"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "missing.json"))
+    assert os.path.isfile(tmp_path / "tokenizer.json")

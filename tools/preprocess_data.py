@@ -1,0 +1,316 @@
+"""Turn JSON lines into Megatron `.bin/.idx` datasets (one per `--json-keys` key).
+
+    python tools/preprocess_data.py --input corpus.jsonl.zst --output-prefix my-gpt2 \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json \\
+        --merge-file gpt2-merges.txt --append-eod --workers 2
+
+writes `my-gpt2_text_document.bin/.idx`. `--input` is a JSONL file (plain, `.gz` or
+`.zst`), a directory of such files (read in sorted order) or a glob pattern. The input
+is streamed: chunks of lines go to `--workers` processes (each builds its tokenizer once)
+and at most a few chunks per worker are in flight, so memory stays bounded. The `.bin` is
+byte-identical to Megatron-LM 23.05's tool for the same input and tokenizer; unlike it,
+with `--append-eod` each document's size counts its EOD token, and every key's `.idx` is
+written. A malformed line (bad JSON, missing key, value neither text nor a list of text)
+stops the run with its file and line number, or is skipped and counted with
+`--skip-bad-lines`. Blank lines are ignored.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from megatron.core.datasets.indexed_dataset import (  # noqa: E402
+    IndexedDatasetBuilder,
+    best_dtype,
+    data_file_path,
+    index_file_path,
+)
+from megatron.tokenizer.document_encoder import (  # noqa: E402
+    build_tokenizer_from_options,
+    check_split_sentences,
+    encode_chunk,
+    init_worker,
+    options_from_args,
+)
+
+CHUNK_BYTES = 1 << 18
+INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".gz", ".jsonl.zst",
+                  ".json.zst", ".zst")
+
+
+def get_args(argv=None) -> argparse.Namespace:
+    """Megatron 23.05's preprocess_data.py flags, plus --skip-bad-lines."""
+    p = argparse.ArgumentParser(description="Preprocess JSON lines into Megatron datasets",
+                                allow_abbrev=False)
+    g = p.add_argument_group("input data")
+    g.add_argument("--input", type=str, required=True,
+                   help="JSONL file (.gz/.zst ok), directory of them, or glob pattern")
+    g.add_argument("--json-keys", nargs="+", default=["text"],
+                   help="space separated keys to extract from each JSON line")
+    g.add_argument("--split-sentences", action="store_true", help="split documents into "
+                   "sentences with NLTK punkt (needs nltk)")
+    g.add_argument("--keep-newlines", action="store_true",
+                   help="keep newlines between sentences when splitting")
+    g.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed "
+                   "lines instead of stopping at the first one")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", type=str, required=True,
+                   choices=["GPT2BPETokenizer", "SentencePieceTokenizer",
+                            "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
+                            "NullTokenizer"])
+    g.add_argument("--tokenizer-model", type=str, default=None)
+    g.add_argument("--vocab-file", type=str, default=None)
+    g.add_argument("--merge-file", type=str, default=None)
+    g.add_argument("--vocab-size", default=786, help="NullTokenizer only")
+    g.add_argument("--append-eod", action="store_true",
+                   help="append the end-of-document token to each non-empty document")
+    g.add_argument("--lang", type=str, default="english", help="NLTK punkt language")
+    g = p.add_argument_group("output data")
+    g.add_argument("--output-prefix", type=str, required=True)
+    g.add_argument("--dataset-impl", type=str, default="mmap", choices=["lazy", "cached", "mmap"])
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, required=True, help="worker processes")
+    g.add_argument("--partitions", type=int, default=1, help="documents are dealt round-robin "
+                   "into this many parts, written one after another (Megatron's order)")
+    g.add_argument("--log-interval", type=int, default=1000, help="documents between progress "
+                   "lines")
+    args = p.parse_args(argv)
+    _validate(p, args)
+    return args
+
+
+def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.dataset_impl != "mmap":
+        parser.error(f"--dataset-impl {args.dataset_impl} is not supported: only the mmap "
+                     "format is written (Megatron 23.06 crashes on the legacy ones too)")
+    if args.workers < 1 or args.partitions < 1 or args.workers % args.partitions:
+        parser.error(f"--workers ({args.workers}) must be a positive multiple of --partitions "
+                     f"({args.partitions})")
+    if args.log_interval < 1:
+        parser.error(f"--log-interval must be >= 1, got {args.log_interval}")
+    if args.split_sentences:
+        check_split_sentences(args.lang)
+
+
+def input_files(pattern: str) -> list:
+    """The input files: one file, a directory's JSONL files sorted, or a glob's matches."""
+    if os.path.isdir(pattern):
+        names = sorted(n for n in os.listdir(pattern) if n.endswith(INPUT_SUFFIXES))
+        files = [os.path.join(pattern, n) for n in names]
+    elif os.path.isfile(pattern):
+        files = [pattern]
+    else:
+        files = sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
+    if not files:
+        raise SystemExit(f"--input {pattern}: no input files found (expected a .jsonl/.gz/.zst "
+                         "file, a directory of them or a glob pattern)")
+    return files
+
+
+def _open(path: str):
+    """(decompressed binary stream, raw file) for plain, gzip or zstd files."""
+    raw = open(path, "rb")
+    if path.endswith(".gz"):
+        import gzip
+
+        return gzip.GzipFile(fileobj=raw, mode="rb"), raw
+    if path.endswith(".zst"):
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True), raw
+    return raw, raw
+
+
+class Reader:
+    """Yields (path, first line number, bytes of whole lines) chunks of ~CHUNK_BYTES and
+    tracks how much of the on-disk input has been read (for the ETA)."""
+
+    def __init__(self, files: list, max_in_flight: int):
+        self.files = files
+        self.total_bytes = sum(os.path.getsize(f) for f in files)
+        self.done_bytes = 0
+        self._current = None
+        self._max_in_flight = max_in_flight
+        self._stopped = False
+        self.slots = threading.Semaphore(max_in_flight)
+
+    def stop(self) -> None:
+        """Let a feeder blocked on `slots` finish (the pool joins it when terminated)."""
+        self._stopped = True
+        for _ in range(self._max_in_flight + 1):
+            self.slots.release()
+
+    def _take_slot(self) -> bool:
+        self.slots.acquire()
+        return not self._stopped
+
+    def raw_bytes_read(self) -> int:
+        raw = self._current
+        try:
+            return self.done_bytes + (raw.tell() if raw is not None and not raw.closed else 0)
+        except (OSError, ValueError):
+            return self.done_bytes
+
+    def __iter__(self):
+        for path in self.files:
+            stream, raw = _open(path)
+            self._current = raw
+            try:
+                yield from self._chunks(path, stream)
+            finally:
+                self._current = None
+                self.done_bytes += os.path.getsize(path)
+                stream.close()
+                raw.close()
+
+    def _chunks(self, path: str, stream):
+        line_no, pending = 1, []  # pending: bytes read after the last newline
+        while True:
+            block = stream.read(CHUNK_BYTES)
+            if not block:
+                data = b"".join(pending)
+                if data and self._take_slot():
+                    yield path, line_no, data
+                return
+            cut = block.rfind(b"\n") + 1
+            if cut == 0:  # a line longer than a block: gather without re-copying
+                pending.append(block)
+                continue
+            data = b"".join(pending) + block[:cut]
+            pending = [block[cut:]] if cut < len(block) else []
+            if not self._take_slot():
+                return
+            yield path, line_no, data
+            line_no += data.count(b"\n")
+
+
+class Writers:
+    """One builder per key (and per partition); documents dealt round-robin to partitions."""
+
+    def __init__(self, args: argparse.Namespace, dtype):
+        self.keys, self.partitions = args.json_keys, args.partitions
+        level = "sentence" if args.split_sentences else "document"
+        self.prefixes = {k: f"{args.output_prefix}_{k}_{level}" for k in self.keys}
+        self.part_prefixes = {k: [f"{args.output_prefix}_{i}_{k}_{level}"
+                                  for i in range(self.partitions)] for k in self.keys}
+        if self.partitions == 1:
+            self.part_prefixes = {k: [self.prefixes[k]] for k in self.keys}
+        self.builders = {k: [IndexedDatasetBuilder(data_file_path(p), dtype)
+                             for p in self.part_prefixes[k]] for k in self.keys}
+        self.dtype = dtype
+        self.num_docs = 0
+
+    def add(self, per_key: dict, num_docs: int) -> None:
+        for key, (tokens, sizes, seqs, toks_per_doc) in per_key.items():
+            tokens = np.frombuffer(tokens, dtype=self.dtype)
+            if self.partitions == 1:
+                self.builders[key][0].add_batch(tokens, sizes, seqs)
+                continue
+            part = (self.num_docs + np.arange(num_docs)) % self.partitions
+            token_part = np.repeat(part, toks_per_doc)
+            seq_part = np.repeat(part, seqs)
+            for i, builder in enumerate(self.builders[key]):
+                builder.add_batch(tokens[token_part == i], sizes[seq_part == i],
+                                  seqs[part == i])
+        self.num_docs += num_docs
+
+    def finalize(self) -> None:
+        for key in self.keys:
+            for prefix, builder in zip(self.part_prefixes[key], self.builders[key]):
+                builder.finalize(index_file_path(prefix))
+            if self.partitions == 1:
+                continue
+            merged = IndexedDatasetBuilder(data_file_path(self.prefixes[key]), self.dtype)
+            for prefix in self.part_prefixes[key]:
+                merged.merge_file_(prefix)
+                os.remove(data_file_path(prefix))
+                os.remove(index_file_path(prefix))
+            merged.finalize(index_file_path(self.prefixes[key]))
+
+
+class Progress:
+    """Progress lines on stderr: documents, docs/s, MB/s (of JSON text), input read, ETA."""
+
+    def __init__(self, reader: Reader, interval: int):
+        self.reader, self.interval = reader, interval
+        self.start = time.time()
+        self.docs = self.bytes = self.skipped = 0
+        self._next = interval
+
+    def update(self, docs: int, nbytes: int, skipped: int) -> None:
+        self.docs += docs
+        self.bytes += nbytes
+        self.skipped += skipped
+        if self.docs >= self._next:
+            self._next = (self.docs // self.interval + 1) * self.interval
+            print(self.line(), file=sys.stderr, flush=True)
+
+    def line(self) -> str:
+        elapsed = max(time.time() - self.start, 1e-9)
+        fraction = self.reader.raw_bytes_read() / max(self.reader.total_bytes, 1)
+        eta = elapsed * (1 - fraction) / fraction if fraction > 0 else float("nan")
+        eta_text = time.strftime("%H:%M:%S", time.gmtime(eta)) if eta == eta else "?"
+        skipped = f", {self.skipped} bad lines skipped" if self.skipped else ""
+        return (f"Processed {self.docs} documents ({self.docs / elapsed:.1f} docs/s, "
+                f"{self.bytes / elapsed / 1e6:.2f} MB/s), input {100 * fraction:.1f}% read, "
+                f"ETA {eta_text}{skipped}.")
+
+
+def _pool(args: argparse.Namespace, dtype):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    return ctx.Pool(args.workers, initializer=init_worker,
+                    initargs=(options_from_args(args, dtype),))
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Preprocess per `args`; returns counts {'documents', 'bytes', 'skipped', 'seconds'}."""
+    files = input_files(args.input)
+    tokenizer = build_tokenizer_from_options(options_from_args(args, np.int32))
+    dtype = best_dtype(tokenizer.vocab_size)
+    init_worker(options_from_args(args, dtype))  # forked workers inherit this encoder
+    print(f"Input: {len(files)} file(s), {sum(os.path.getsize(f) for f in files) / 1e6:.1f} MB; "
+          f"tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size}), dtype "
+          f"{np.dtype(dtype).name}", file=sys.stderr)
+    reader = Reader(files, max_in_flight=4 * args.workers)
+    writers = Writers(args, dtype)
+    progress = Progress(reader, args.log_interval)
+    examples = []
+    with _pool(args, dtype) as pool:
+        try:
+            for result in pool.imap(encode_chunk, reader, chunksize=1):
+                reader.slots.release()
+                if "error" in result:
+                    raise SystemExit(f"error: {result['error']}\n(pass --skip-bad-lines to skip "
+                                     "and count malformed lines)")
+                writers.add(result["keys"], result["docs"])
+                examples += result["bad"][:max(0, 5 - len(examples))]
+                progress.update(result["docs"], result["bytes"], len(result["bad"]))
+        finally:
+            reader.stop()
+    writers.finalize()
+    print(progress.line(), file=sys.stderr)
+    if progress.skipped:
+        print(f"Skipped {progress.skipped} bad lines; first ones:\n  " + "\n  ".join(examples),
+              file=sys.stderr)
+    for key in args.json_keys:
+        print(f"Wrote {writers.prefixes[key]}.bin/.idx", file=sys.stderr)
+    return {"documents": progress.docs, "bytes": progress.bytes, "skipped": progress.skipped,
+            "seconds": time.time() - progress.start}
+
+
+def main(argv=None) -> None:
+    run(get_args(argv))
+
+
+if __name__ == "__main__":
+    main()
