@@ -139,14 +139,14 @@ class IntervalStats:
         self.reset()
 
     def reset(self) -> None:
-        self.records: List[tuple] = []  # (iteration, consumed, lr, loss, scale, norm, ok, counted)
+        self.records: List[tuple] = []  # (iteration, consumed, lr, loss, scale, norm, ok, counted, local)
         self.start = time.time()
 
     def add(self, tr: Trainer, loss, ok, grad_norm, counted: bool = False) -> None:
         """Record one iteration; `counted`: a NaN already counted by the NaN policy."""
         self.records.append((tr.state.iteration, tr.state.consumed_train_samples,
                              tr.scheduler.get_lr(), loss, tr.optimizer.get_loss_scale(),
-                             grad_norm, ok, counted))
+                             grad_norm, ok, counted, tr.last_local_loss))
 
 
 def _to_float(x) -> Optional[float]:
@@ -163,7 +163,7 @@ def log_interval(tr: Trainer, stats: IntervalStats) -> None:
     elapsed = time.time() - stats.start
     n = max(len(stats.records), 1)
     good_losses = []
-    for it, consumed, lr, loss, scale, norm, ok, counted in stats.records:
+    for it, consumed, lr, loss, scale, norm, ok, counted, _ in stats.records:
         loss_f, norm_f = _to_float(loss), _to_float(norm)
         if not math.isfinite(loss_f):
             st.nan_iters += 0 if counted else 1
@@ -172,7 +172,7 @@ def log_interval(tr: Trainer, stats: IntervalStats) -> None:
         if tr.tb is not None and it % cfg.logging.tensorboard_log_interval == 0:
             tr.tb.log_training(it, consumed, lr, cfg.data.global_batch_size, {"lm loss": loss_f},
                                _to_float(scale), norm_f, None, None, tr.rt.ps.world_size)
-    it, consumed, lr, _, scale, norm, _, _ = stats.records[-1]
+    it, consumed, lr, _, scale, norm, _, _, _ = stats.records[-1]
     tokens_per_gpu = cfg.data.global_batch_size * cfg.data.seq_length * n / elapsed / tr.rt.ps.world_size
     m = cfg.model
     tflops = tokens_per_gpu * flops_per_token(m.num_layers, m.hidden_size, cfg.data.seq_length,
@@ -211,9 +211,8 @@ def _should_exit(tr: Trainer, start_time: float) -> Optional[str]:
     return None
 
 
-def _report_nan(tr: Trainer, iteration: int) -> str:
+def _report_nan(tr: Trainer, iteration: int, local: Optional[torch.Tensor]) -> str:
     """Print which rank produced the non-finite loss; return the message for all ranks."""
-    local = tr.last_local_loss
     if local is not None and not torch.isfinite(local).all():
         print(f"[rank {tr.rt.ps.rank}] non-finite loss ({float(local)}) at iteration {iteration}",
               flush=True)
@@ -223,9 +222,9 @@ def _report_nan(tr: Trainer, iteration: int) -> str:
 def _check_pending_nan(tr: Trainer, stats: IntervalStats) -> None:
     """Policy 'stop': losses are checked at log intervals and before saves (no per-step
     host sync); a non-finite one stops the run naming its iteration."""
-    for it, _, _, loss, _, _, _, _ in stats.records:
+    for it, _, _, loss, _, _, _, _, local in stats.records:
         if not math.isfinite(_to_float(loss)):
-            msg = _report_nan(tr, it)
+            msg = _report_nan(tr, it, local)
             log_interval(tr, stats)
             raise SystemExit(f"error: {msg}; stopping (--nan-loss-policy stop). Resume from "
                              f"the last checkpoint, or use --nan-loss-policy skip|rollback")
@@ -263,7 +262,7 @@ def _after_step(tr: Trainer, stats: IntervalStats, loss, ok: bool, grad_norm) ->
     policy = cfg.training.nan_loss_policy
     if policy != "stop" and not ok and not math.isfinite(_to_float(loss)):
         st.nan_iters += 1
-        msg = _report_nan(tr, st.iteration)
+        msg = _report_nan(tr, st.iteration, tr.last_local_loss)
         print_rank_0(f" > {msg}: optimizer step skipped (--nan-loss-policy {policy})")
         if policy == "rollback":
             _rollback(tr, st.iteration)

@@ -1,0 +1,123 @@
+"""The NaN-loss policies and the preemption signal handler, in one process."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+
+import pytest
+import torch
+
+from megatron import checkpointing
+from megatron.core.parallel_state import ParallelState
+from megatron.core.tensor_parallel.random import RNGStatesTracker
+from megatron.initialize import Runtime, set_random_seed
+from megatron.signals import SignalHandler
+from megatron.training import build_trainer, data_iterator, train
+from tests.gpt_helpers import tiny_config
+
+
+def _trainer(tmp_path, policy="stop", iters=8, save_interval=None):
+    cfg = tiny_config(iters=iters)
+    cfg.training = dataclasses.replace(cfg.training, nan_loss_policy=policy)
+    cfg.logging = dataclasses.replace(cfg.logging, log_interval=2)
+    if save_interval:
+        cfg.checkpoint = dataclasses.replace(cfg.checkpoint, save=str(tmp_path / "ckpt"),
+                                             save_interval=save_interval)
+    ps = ParallelState.build(1, 0)
+    rt = Runtime(ps=ps, device=torch.device("cpu"), rng_tracker=RNGStatesTracker(), backend="gloo")
+    set_random_seed(cfg.training.seed, rt)
+    return build_trainer(cfg, rt)
+
+
+def _poison_at(tr, bad_iterations):
+    """Make the model's per-token losses NaN during the given (1-based) iterations."""
+    module = tr.model.module
+    original = module.forward
+    calls = {"n": 0}
+    per_step = tr.config.data.num_micro_batches
+
+    def forward(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls["n"] += 1
+        iteration = (calls["n"] - 1) // per_step + 1
+        return out * float("nan") if iteration in bad_iterations else out
+
+    module.forward = forward
+    return calls
+
+
+def _params(tr):
+    return {n: p.detach().clone() for n, p in tr.model.module.named_parameters()}
+
+
+def test_stop_policy_names_the_iteration(tmp_path, capsys):
+    tr = _trainer(tmp_path, "stop")
+    _poison_at(tr, {3})
+    with pytest.raises(SystemExit, match="NaN/Inf loss at iteration 3"):
+        train(tr, data_iterator(tr.config, tr.rt, "train", 0), None)
+    out = capsys.readouterr().out
+    assert "[rank 0] non-finite loss (nan) at iteration 3" in out
+    # detected at the log interval (iteration 4): iterations 3 and 4 both had NaN losses
+    assert "number of nan iterations:   2" in out
+
+
+def test_skip_policy_skips_the_step_and_keeps_weights_finite(tmp_path, capsys):
+    tr = _trainer(tmp_path, "skip", iters=6)
+    _poison_at(tr, {3})
+    train(tr, data_iterator(tr.config, tr.rt, "train", 0), None)
+    assert tr.state.iteration == 6 and tr.state.skipped_iters == 1 and tr.state.nan_iters == 1
+    assert all(torch.isfinite(p).all() for p in _params(tr).values())
+    assert "optimizer step skipped (--nan-loss-policy skip)" in capsys.readouterr().out
+
+
+def test_rollback_policy_restores_the_checkpoint_and_skips_batches(tmp_path):
+    tr = _trainer(tmp_path, "rollback", iters=8, save_interval=4)
+    _poison_at(tr, {6})
+    seen = []
+    original_add = type(tr.state).load_state_dict
+
+    def spy(self, sd):
+        seen.append(int(sd["iteration"]))
+        return original_add(self, sd)
+
+    type(tr.state).load_state_dict = spy
+    try:
+        train(tr, data_iterator(tr.config, tr.rt, "train", 0), None)
+    finally:
+        type(tr.state).load_state_dict = original_add
+    assert seen == [4], "rolled back to the checkpoint of iteration 4"
+    gbs = tr.config.data.global_batch_size
+    # iterations 5 and 6 ran once (6 was the NaN), then 5..8 again on new data:
+    assert tr.state.iteration == 8
+    assert tr.state.consumed_train_samples == (6 + 4) * gbs
+    assert tr.state.nan_iters == 1
+    assert all(torch.isfinite(p).all() for p in _params(tr).values())
+
+
+def test_rollback_without_checkpoint_stops_clearly(tmp_path):
+    tr = _trainer(tmp_path, "rollback", iters=4)
+    _poison_at(tr, {2})
+    with pytest.raises(SystemExit, match="no checkpoint in --save to roll back to"):
+        train(tr, data_iterator(tr.config, tr.rt, "train", 0), None)
+
+
+def test_sigusr1_saves_and_exits(tmp_path, capsys):
+    tr = _trainer(tmp_path, iters=20, save_interval=100)
+    tr.signals = SignalHandler()
+    try:
+        calls = _poison_at(tr, set())
+        original = tr.model.module.forward
+
+        def forward(*args, **kwargs):
+            if calls["n"] == 3 * tr.config.data.num_micro_batches:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return original(*args, **kwargs)
+
+        tr.model.module.forward = forward
+        train(tr, data_iterator(tr.config, tr.rt, "train", 0), None)
+    finally:
+        tr.signals.restore()
+    assert tr.state.iteration == 4, "the signal arrived during iteration 4"
+    assert checkpointing.read_tracker(str(tmp_path / "ckpt")) == (4, False)
+    assert "[exiting program after receiving SIGUSR1.]" in capsys.readouterr().out
