@@ -86,3 +86,20 @@ def test_invalid_arguments():
     with pytest.raises(ValueError, match="label_smoothing"):
         vocab_parallel_cross_entropy(logits, torch.zeros(2, 3, dtype=torch.long),
                                      label_smoothing=1.0)
+
+
+def test_plain_cross_entropy_matches_vocab_parallel_single_process():
+    """The compiled head's loss function (uncompiled here) equals the vocab-parallel one."""
+    from megatron.core.models.gpt.gpt_model import plain_cross_entropy
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 3, 37, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 37, (5, 3))
+    a = plain_cross_entropy(logits, labels)
+    a.sum().backward()
+    ga = logits.grad.clone()
+    logits.grad = None
+    b = vocab_parallel_cross_entropy(logits.float(), labels)
+    b.sum().backward()
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ga.float(), logits.grad.float(), rtol=1e-2, atol=1e-3)

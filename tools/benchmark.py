@@ -56,7 +56,26 @@ def build_argv(preset: str, steps: int, warmup: int, micro_batch: int, extra: li
                              str(micro_batch), "--train-iters", str(total)] + extra
 
 
-def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, device: str) -> dict:
+def print_profile(tr, data, steps: int, use_cuda: bool) -> None:
+    """Profile a few more steps and print the most expensive operators."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron.training import train_step
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            train_step(tr, data)
+        if use_cuda:
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if use_cuda else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60),
+          file=sys.stderr)
+
+
+def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, device: str,
+        profile_steps: int = 0) -> dict:
     import torch
 
     from megatron.arguments import parse_and_validate
@@ -86,6 +105,8 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
         loss, *_ = train_step(tr, data)
     sync()
     elapsed = time.perf_counter() - t0
+    if profile_steps:
+        print_profile(tr, data, profile_steps, use_cuda)
     m, d = config.model, config.data
     tokens_per_s = d.global_batch_size * d.seq_length * steps / elapsed
     fpt = flops_per_token(m.num_layers, m.hidden_size, d.seq_length, m.padded_vocab_size)
@@ -107,6 +128,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps before timing")
     ap.add_argument("--micro-batch-size", type=int, default=None)
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after timing, profile this many steps and print the top operators")
     ap.add_argument("extra", nargs="*", help="extra pretrain_gpt.py flags (after --)")
     a = ap.parse_args(argv)
     import torch
@@ -115,7 +138,8 @@ def main(argv=None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but no CUDA device is available")
     mbs = a.micro_batch_size or PRESETS[a.preset][1]
-    print(json.dumps(run(a.preset, a.steps, a.warmup, mbs, a.extra, device)), flush=True)
+    print(json.dumps(run(a.preset, a.steps, a.warmup, mbs, a.extra, device, a.profile_steps)),
+          flush=True)
     return 0
 
 

@@ -26,6 +26,26 @@ from megatron.core.tensor_parallel import (
 from .rotary import rotary_frequencies
 from .transformer import TransformerBlock
 
+_COMPILED_CE = None
+
+
+def plain_cross_entropy(logits_sbv: torch.Tensor, labels_sb: torch.Tensor) -> torch.Tensor:
+    """Per-token loss [s, b] in fp32 from full-vocabulary logits (tensor-parallel size 1).
+
+    Under torch.compile the upcast fuses into the softmax reductions, so fp32 logits are
+    never materialised for the whole batch; forward and backward each read the logits once
+    or twice instead of the many fp32 passes of the unfused path."""
+    flat = logits_sbv.float().flatten(0, 1)
+    loss = torch.nn.functional.cross_entropy(flat, labels_sb.flatten(), reduction="none")
+    return loss.view(labels_sb.shape)
+
+
+def compiled_cross_entropy():
+    global _COMPILED_CE
+    if _COMPILED_CE is None:
+        _COMPILED_CE = torch.compile(plain_cross_entropy, dynamic=False)
+    return _COMPILED_CE
+
 
 class Embedding(nn.Module):
     """Word embeddings (vocab-parallel) plus learned absolute positions, then dropout.
@@ -91,6 +111,7 @@ class LanguageModel(nn.Module):
                 sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
                 use_cpu_initialization=config.use_cpu_initialization, device=device,
                 rng_tracker=rng_tracker,
+                gradient_accumulation_fusion=config.gradient_accumulation_fusion,
             )
 
 
@@ -122,6 +143,7 @@ class GPTModel(nn.Module):
                 gather_output=False, init_method=init_method_normal(config.init_method_std),
                 sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
                 skip_weight_param_allocation=True, device=device,
+                gradient_accumulation_fusion=config.gradient_accumulation_fusion,
             )
             if not pre_process:  # last stage of a pipeline keeps its own copy, kept in sync
                 self.word_embeddings_for_head = VocabParallelEmbedding(
@@ -182,7 +204,10 @@ class GPTModel(nn.Module):
             logits_sbv, _ = self.output_projection(hidden_sbh, weight=self.output_weight())
         if labels is None:
             return logits_sbv.transpose(0, 1).contiguous()
+        labels_sb = labels.transpose(0, 1)
+        if self.config.compile_layers and self._tp_size() == 1 and not self.config.fp16_lm_cross_entropy:
+            return compiled_cross_entropy()(logits_sbv, labels_sb).transpose(0, 1).contiguous()
         if not self.config.fp16_lm_cross_entropy:
             logits_sbv = logits_sbv.float()
-        loss_sb = vocab_parallel_cross_entropy(logits_sbv, labels.transpose(0, 1), self.tp_group)
+        loss_sb = vocab_parallel_cross_entropy(logits_sbv, labels_sb, self.tp_group)
         return loss_sb.transpose(0, 1).contiguous()
