@@ -51,6 +51,9 @@ class ModelConfig:
     embedding_weights_in_fp32: bool = False
     sequence_parallel: bool = False
     async_tensor_model_parallel_allreduce: bool = True
+    # Weight grads of the parallel linear layers are added straight into `param.main_grad`
+    # (the data-parallel grad buffer) instead of producing `.grad`.
+    gradient_accumulation_fusion: bool = False
     # Activation recompute: None | "full" | "selective"; method None | "uniform" | "block".
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
@@ -86,6 +89,9 @@ class ParallelConfig:
     overlap_p2p_comm: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    # Distributed optimizer only: the parameter all-gather after the step runs while the
+    # next forward pass starts (each module waits for its own parameters).
+    overlap_param_gather: bool = False
     ddp_impl: str = "local"
     ddp_bucket_size: Optional[int] = None
     accumulate_allreduce_grads_in_fp32: bool = False

@@ -79,6 +79,7 @@ def _linear_kwargs(config: ModelConfig, tp_group, device, rng_tracker=None) -> d
         "params_dtype": config.params_dtype,
         "use_cpu_initialization": config.use_cpu_initialization,
         "sequence_parallel": config.sequence_parallel,
+        "gradient_accumulation_fusion": config.gradient_accumulation_fusion,
         "device": device,
     }
 
