@@ -69,8 +69,8 @@ def print_profile(tr, data, steps: int, use_cuda: bool) -> None:
             train_step(tr, data)
         if use_cuda:
             torch.cuda.synchronize()
-    key = "cuda_time_total" if use_cuda else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60),
+    key = "self_cuda_time_total" if use_cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70),
           file=sys.stderr)
 
 
