@@ -26,12 +26,26 @@ def _launcher_env() -> tuple:
     return rank, world, local_rank
 
 
+def tokenizer_vocab_size(args) -> int:
+    """Unpadded vocabulary size of the run's tokenizer (built from its local files)."""
+    from megatron.tokenizer import build_tokenizer
+
+    try:
+        tok = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
+                              merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                              vocab_size=args.vocab_size, vocab_extra_ids=args.vocab_extra_ids)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"pretrain_gpt.py: error: cannot build the {args.tokenizer_type}: {e}")
+    return tok.vocab_size
+
+
 def main(argv=None) -> int:
     start = time.time()
     from megatron.arguments import format_args_dump, parse_and_validate, run_dry_run
 
     rank, world, local_rank = _launcher_env()
-    config = parse_and_validate(sys.argv[1:] if argv is None else argv, world_size=world)
+    config = parse_and_validate(sys.argv[1:] if argv is None else argv, world_size=world,
+                                vocab_size_fn=tokenizer_vocab_size)
     if config.args.get("dry_run"):
         return run_dry_run(config, world)
 

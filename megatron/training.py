@@ -17,11 +17,10 @@ import torch.distributed as dist
 
 from megatron import checkpointing
 from megatron.config import Config
-from megatron.core.datasets.mock import MockGPTDataset
-from megatron.core.datasets.samplers import PretrainingSampler, micro_batches
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.optimizer import OptimizerParamScheduler, build_optimizer
+from megatron.data_loading import build_datasets, make_iterator
 from megatron.initialize import Runtime
 from megatron.logging_utils import (
     TensorboardLogger,
@@ -89,21 +88,15 @@ def build_trainer(config: Config, rt: Runtime) -> Trainer:
     return Trainer(config, rt, model, optimizer, scheduler, TrainState(), tb)
 
 
-def build_dataset(config: Config, split: str):
-    """The dataset of a split; only mock data exists until real datasets are wired in."""
-    d = config.data
-    if not d.mock_data:
-        raise SystemExit("error: only --mock-data is available in this build; pass --mock-data")
-    split_index = {"train": 0, "valid": 1, "test": 2}[split]
-    vocab = config.model.padded_vocab_size if d.vocab_size is None else d.vocab_size
-    return MockGPTDataset(vocab, d.seq_length, d.seed, split_index=split_index)
-
-
-def data_iterator(config: Config, rt: Runtime, split: str, consumed: int) -> Iterator[dict]:
-    dataset = build_dataset(config, split)
-    sampler = PretrainingSampler(len(dataset), consumed, config.data.micro_batch_size,
-                                 rt.ps.dp_rank, rt.ps.dp_size)
-    return micro_batches(dataset, sampler)
+def data_iterator(config: Config, rt: Runtime, split: str, consumed: int,
+                  datasets: Optional[dict] = None) -> Optional[Iterator[dict]]:
+    """Micro-batches of `split` for this DP rank from `consumed` samples on. Builds the
+    datasets when not given (collective when distributed)."""
+    if datasets is None:
+        vocab = config.data.vocab_size or config.model.padded_vocab_size
+        datasets = build_datasets(config, rt.ps.rank, vocab)
+    return make_iterator(config, datasets[split], consumed, rt.ps.dp_rank, rt.ps.dp_size,
+                         pin=rt.device.type == "cuda")
 
 
 @torch.no_grad()
@@ -337,10 +330,13 @@ def pretrain(config: Config, rt: Runtime) -> Trainer:
                  f"{time.strftime('%Y-%m-%d %H:%M:%S')} ")
     if tr.tb is not None:
         tr.tb.log_args(config.args, tr.state.iteration)
-    train_data = data_iterator(config, rt, "train", tr.state.consumed_train_samples)
+    vocab = config.data.vocab_size or config.model.padded_vocab_size
+    datasets = build_datasets(config, rt.ps.rank, vocab)
+    print_rank_0(f"[after dataloaders are built] datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
+    train_data = data_iterator(config, rt, "train", tr.state.consumed_train_samples, datasets)
     valid_data = None
     if config.training.eval_iters > 0:
-        valid_data = data_iterator(config, rt, "valid", tr.state.consumed_valid_samples)
+        valid_data = data_iterator(config, rt, "valid", tr.state.consumed_valid_samples, datasets)
     if not config.training.skip_train:
         print_rank_0(f"[before the start of training step] datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
         train(tr, train_data, valid_data)

@@ -1,0 +1,176 @@
+"""Datasets and batch iterators for a run: mock or Megatron .bin/.idx data, samplers,
+a prefetching loader into pinned memory, and the tensors one micro-batch needs.
+
+Sample counts follow Megatron: train = train_iters * global batch; valid = test =
+(train_iters // eval_interval + 1) * eval_iters * global batch.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Dict, Iterator, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.config import Config
+from megatron.core.datasets.mock import MockGPTDataset
+from megatron.core.datasets.samplers import PretrainingSampler
+from megatron.core.datasets.utils import get_ltor_masks_and_position_ids
+from megatron.logging_utils import print_rank_0
+
+SPLITS = ("train", "valid", "test")
+
+
+def build_tokenizer_for(config: Config):
+    """The run's tokenizer (None for mock data without a tokenizer type)."""
+    d = config.data
+    if d.tokenizer_type is None:
+        return None
+    from megatron.tokenizer import build_tokenizer
+
+    return build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
+                           tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size,
+                           vocab_extra_ids=d.vocab_extra_ids)
+
+
+def split_sample_counts(config: Config) -> List[int]:
+    t, gbs = config.training, config.data.global_batch_size
+    train = (t.train_samples or t.train_iters * gbs) if not t.skip_train else 0
+    evals = ((t.train_iters or 0) // t.eval_interval + 1) * t.eval_iters * gbs if t.eval_interval else t.eval_iters * gbs
+    return [train, evals, t.eval_iters * gbs]
+
+
+def build_datasets(config: Config, rank: int, vocab_size: int) -> Dict[str, object]:
+    """split -> dataset (or None). Collective when distributed: global rank 0 builds the
+    index caches while the others wait, then everyone loads them."""
+    d = config.data
+    if d.mock_data:
+        return {s: MockGPTDataset(vocab_size, d.seq_length, d.seed, split_index=i)
+                for i, s in enumerate(SPLITS)}
+    from megatron.core.datasets.gpt_dataset import build_train_valid_test_datasets
+
+    counts = split_sample_counts(config)
+    print_rank_0(" > datasets target sizes (minimum size):")
+    for name, n in zip(("train", "validation", "test"), counts):
+        print_rank_0(f"    {name}: {n}")
+    barrier = dist.barrier if dist.is_initialized() else None
+    try:
+        train, valid, test = build_train_valid_test_datasets(
+            d.data_path, d.split, counts, d.seq_length, d.seed, d.data_cache_path,
+            d.train_data_path, d.valid_data_path, d.test_data_path,
+            is_builder_rank=rank == 0, barrier=barrier)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: could not build the datasets: {e}") from None
+    return {"train": train, "valid": valid, "test": test}
+
+
+class CyclicSampler:
+    """Megatron's `cyclic` loader: each epoch a permutation seeded by the epoch number,
+    each data-parallel rank reading its own bucket; resumes at `consumed_samples`."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int):
+        self.total, self.consumed = total_samples, consumed_samples
+        self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+        self.bucket = (total_samples // (micro_batch_size * dp_size)) * micro_batch_size
+        if self.bucket == 0:
+            raise ValueError(f"dataset of {total_samples} samples is smaller than one global "
+                             f"micro-batch ({micro_batch_size} x {dp_size})")
+
+    def __iter__(self) -> Iterator[List[int]]:
+        active = self.bucket * self.dp_size
+        epoch, offset = divmod(self.consumed, active)
+        offset //= self.dp_size
+        while True:
+            g = torch.Generator().manual_seed(epoch)
+            perm = torch.randperm(self.bucket, generator=g).tolist()
+            start = self.dp_rank * self.bucket
+            for i in range(offset, self.bucket - self.mbs + 1, self.mbs):
+                yield [start + j for j in perm[i:i + self.mbs]]
+            epoch, offset = epoch + 1, 0
+
+
+def _collate(samples: List[dict]) -> Dict[str, torch.Tensor]:
+    out = {}
+    for key in samples[0]:
+        values = [s[key] for s in samples]
+        if isinstance(values[0], np.ndarray):
+            out[key] = torch.from_numpy(np.stack(values))
+        elif torch.is_tensor(values[0]):
+            out[key] = torch.stack(values)
+        else:
+            out[key] = torch.tensor(values)
+    return out
+
+
+def _produce(dataset, sampler, pin: bool, q: "queue.Queue", stop: threading.Event) -> None:
+    try:
+        for indices in sampler:
+            batch = _collate([dataset[i] for i in indices])
+            if pin:
+                batch = {k: v.pin_memory() for k, v in batch.items()}
+            while not stop.is_set():
+                try:
+                    q.put(batch, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if stop.is_set():
+                return
+    except BaseException as e:  # hand the error to the consumer
+        q.put(e)
+    q.put(StopIteration())
+
+
+class PrefetchIterator:
+    """Reads micro-batches in a background thread (up to `depth` ahead), pinned when the
+    run is on CUDA, so the step never waits for sample assembly or a pageable copy."""
+
+    def __init__(self, dataset, sampler, pin: bool, depth: int = 4):
+        self.q: "queue.Queue" = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=_produce, args=(dataset, sampler, pin, self.q, self.stop),
+                                       daemon=True)
+        self.thread.start()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Dict[str, torch.Tensor]:
+        item = self.q.get()
+        if isinstance(item, StopIteration):
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.stop.set()
+
+
+def make_iterator(config: Config, dataset, consumed: int, dp_rank: int, dp_size: int,
+                  pin: bool) -> Optional[Iterator[dict]]:
+    """Micro-batches of this DP rank starting at `consumed` samples (None without data)."""
+    if dataset is None:
+        return None
+    d = config.data
+    kind = CyclicSampler if d.dataloader_type == "cyclic" else PretrainingSampler
+    sampler = kind(len(dataset), consumed, d.micro_batch_size, dp_rank, dp_size)
+    return PrefetchIterator(dataset, sampler, pin)
+
+
+def get_batch(micro: dict, device: torch.device, eod: Optional[int], flags) -> dict:
+    """Model inputs from a {'text': [b, s+1]} micro-batch: tokens, labels, loss_mask,
+    position_ids and (only with --reset-attention-mask) attention_mask (True = masked)."""
+    text = micro["text"].to(device, non_blocking=True).long()
+    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    needs_eod = flags.reset_position_ids or flags.reset_attention_mask or flags.eod_mask_loss
+    if eod is None or not needs_eod:
+        return {"tokens": tokens, "labels": labels, "position_ids": None, "attention_mask": None,
+                "loss_mask": torch.ones_like(labels, dtype=torch.float32)}
+    mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+        tokens, eod, flags.reset_position_ids, flags.reset_attention_mask, flags.eod_mask_loss)
+    return {"tokens": tokens, "labels": labels, "position_ids": position_ids,
+            "attention_mask": mask, "loss_mask": loss_mask.float()}

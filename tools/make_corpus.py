@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""Build a JSONL text corpus from what ships with Python itself (no download), and
+optionally train a SentencePiece tokenizer on it.
+
+    python tools/make_corpus.py --output data/corpus.jsonl --max-mb 6 \
+        --tokenizer-prefix data/spm --vocab-size 4096
+
+Documents are the standard library's source files (code, comments and docstrings), one
+JSON object {"text": ...} per file, in a fixed order, so the corpus is the same on every
+machine with the same Python version.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+
+def stdlib_files(max_bytes: int):
+    root = Path(sysconfig.get_paths()["stdlib"])
+    total = 0
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).parts
+        if any(p in ("site-packages", "test", "tests", "idlelib") for p in rel):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if not text.strip():
+            continue
+        yield str(Path(*rel)), text
+        total += len(text.encode("utf-8"))
+        if total >= max_bytes:
+            return
+
+
+def write_corpus(output: Path, max_mb: float) -> tuple:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    docs = nbytes = 0
+    with output.open("w", encoding="utf-8") as f, \
+            output.with_suffix(".txt").open("w", encoding="utf-8") as plain:
+        for name, text in stdlib_files(int(max_mb * 1e6)):
+            f.write(json.dumps({"text": text, "source": name}) + "\n")
+            plain.write(text + "\n")
+            docs += 1
+            nbytes += len(text.encode("utf-8"))
+    return docs, nbytes
+
+
+def train_sentencepiece(text_file: Path, prefix: str, vocab_size: int) -> None:
+    try:
+        import sentencepiece as spm
+    except ImportError:
+        raise SystemExit("error: sentencepiece is not installed (pip install sentencepiece)")
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    spm.SentencePieceTrainer.train(
+        input=str(text_file), model_prefix=prefix, vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, input_sentence_size=200_000,
+        shuffle_input_sentence=True, max_sentence_length=8192, num_threads=os.cpu_count() or 1,
+        remove_extra_whitespaces=False, split_digits=True, minloglevel=2,
+    )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--output", required=True, help="JSONL file to write (a .txt twin is written too)")
+    ap.add_argument("--max-mb", type=float, default=6.0, help="stop after this much text")
+    ap.add_argument("--tokenizer-prefix", default=None,
+                    help="also train a SentencePiece BPE model: writes PREFIX.model/.vocab")
+    ap.add_argument("--vocab-size", type=int, default=4096)
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    docs, nbytes = write_corpus(Path(a.output), a.max_mb)
+    if docs == 0:
+        raise SystemExit("error: found no standard-library source files to build a corpus from")
+    print(f"corpus: {docs} documents, {nbytes / 1e6:.1f} MB -> {a.output} ({time.time() - t0:.1f} s)")
+    if a.tokenizer_prefix:
+        t1 = time.time()
+        train_sentencepiece(Path(a.output).with_suffix(".txt"), a.tokenizer_prefix, a.vocab_size)
+        print(f"tokenizer: SentencePiece BPE, vocab {a.vocab_size} -> {a.tokenizer_prefix}.model "
+              f"({time.time() - t1:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
