@@ -344,7 +344,6 @@ _RETRO = "RETRO models are not part of this GPT framework"
 _FP8 = "Transformer Engine and fp8 are not supported by this framework yet"
 _MOE = "mixture-of-experts is not supported by this framework yet"
 _PIPELINE = "pipeline parallelism is not built yet"
-_RECOMPUTE = "activation recompute is not built yet"
 
 # Every flag of these Megatron groups except those listed in ALLOWED_IN_REJECTED_GROUPS.
 NOT_SUPPORTED_GROUPS = {

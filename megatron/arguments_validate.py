@@ -279,7 +279,7 @@ def _resolve_optimizer(ns) -> None:
 
 
 def _resolve_recompute(ns) -> None:
-    """Megatron's recompute rules (the flags are rejected while recompute is not built)."""
+    """Megatron's recompute rules."""
     if ns.recompute_activations:
         if ns.recompute_granularity not in (None, "selective"):
             warn(f"--recompute-activations overrides --recompute-granularity "
@@ -288,6 +288,9 @@ def _resolve_recompute(ns) -> None:
     if ns.recompute_granularity == "selective" and ns.recompute_method is not None:
         raise ArgumentsError(f"--recompute-method {ns.recompute_method} only applies to "
                              "--recompute-granularity full")
+    if ns.recompute_granularity == "full" and ns.recompute_method is None:
+        raise ArgumentsError("--recompute-granularity full needs --recompute-method uniform "
+                             "(every layer) or block (the first --recompute-num-layers layers)")
     if ns.distribute_saved_activations and (
             ns.tensor_model_parallel_size == 1 or ns.recompute_granularity != "full"
             or ns.recompute_method is None):

@@ -184,11 +184,17 @@ def test_deprecated_conflicting_with_new_flag_is_an_error():
     assert "--model-parallel-size 2" in msg and "--tensor-model-parallel-size 4" in msg
 
 
-def test_checkpoint_activations_maps_to_recompute_then_rejected(caplog):
-    msg = error_of("--checkpoint-activations")
+def test_checkpoint_activations_maps_to_full_uniform_recompute(caplog):
+    cfg = run("--checkpoint-activations")
     assert "--recompute-granularity full --recompute-method uniform" in caplog.text
-    assert "--recompute-granularity: activation recompute is not built yet" in msg
-    assert "(set by --checkpoint-activations)" in msg
+    assert (cfg.model.recompute_granularity, cfg.model.recompute_method) == ("full", "uniform")
+
+
+def test_recompute_flags_reach_the_model_config():
+    cfg = run("--recompute-activations")
+    assert cfg.model.recompute_granularity == "selective"
+    msg = error_of("--recompute-granularity full")
+    assert "--recompute-granularity full needs --recompute-method" in msg
 
 
 def test_mapping_of_checkpoint_activations_is_ready_for_recompute():

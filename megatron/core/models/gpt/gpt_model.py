@@ -118,7 +118,8 @@ class LanguageModel(nn.Module):
 class GPTModel(nn.Module):
     """GPT for one pipeline stage (the whole model when pp = 1).
 
-    forward(input_ids [b, s], position_ids [b, s] or None, labels [b, s] or None)
+    forward(input_ids [b, s], position_ids [b, s] or None, labels [b, s] or None,
+            attention_mask [b, 1, s, s] bool (True = masked) or None for plain causal)
       -> per-token losses [b, s] (fp32) when labels are given, else logits [b, s, V/tp].
     Stages other than the first take `hidden_sbh` instead of input ids (see `set_input`).
     """
@@ -149,6 +150,7 @@ class GPTModel(nn.Module):
                 self.word_embeddings_for_head = VocabParallelEmbedding(
                     config.padded_vocab_size, config.hidden_size, tp_group=tp_group,
                     init_method=nn.init.zeros_, params_dtype=config.params_dtype, device=device,
+                    use_cpu_initialization=config.use_cpu_initialization, rng_tracker=rng_tracker,
                 )
                 self.word_embeddings_for_head.weight.shared = True
         self.rotary_dim = None
@@ -179,7 +181,8 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None):
+                labels: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None):
         lm = self.language_model
         if self.pre_process:
             if position_ids is None and lm.embedding.position_embeddings is not None:
@@ -189,7 +192,8 @@ class GPTModel(nn.Module):
         else:
             hidden_sbh = self.input_tensor
             seq_length = hidden_sbh.shape[0] * (self._tp_size() if self.config.sequence_parallel else 1)
-        hidden_sbh = lm.encoder(hidden_sbh, self._rotary(seq_length, hidden_sbh.device))
+        hidden_sbh = lm.encoder(hidden_sbh, self._rotary(seq_length, hidden_sbh.device),
+                                attention_mask)
         if not self.post_process:
             return hidden_sbh
         return self._head(hidden_sbh, labels)

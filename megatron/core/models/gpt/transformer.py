@@ -156,7 +156,7 @@ class ParallelAttention(nn.Module):
         q, k, v = torch.split(x, [per_group * self.d, self.d, self.d], dim=-1)
         return q.reshape(s, b, self.n, self.d), k, v  # k, v: [s, b, g, d]
 
-    def _core_attention(self, q_bnsd, k_bgsd, v_bgsd):
+    def _core_attention(self, q_bnsd, k_bgsd, v_bgsd, attention_mask=None):
         dropout_p = self.config.attention_dropout if self.training else 0.0
         fork = self.rng_tracker.fork() if (self.rng_tracker and dropout_p > 0) else contextlib.nullcontext()
         with fork:
@@ -164,12 +164,16 @@ class ParallelAttention(nn.Module):
                 rep = self.n // self.g
                 k_bgsd = k_bgsd.repeat_interleave(rep, dim=1)
                 v_bgsd = v_bgsd.repeat_interleave(rep, dim=1)
+            # attention_mask: [b, 1, s, s] bool, True = masked (Megatron's convention);
+            # SDPA's boolean mask means the opposite. None = plain causal (fast kernels).
             return F.scaled_dot_product_attention(
-                q_bnsd, k_bgsd, v_bgsd, is_causal=True, dropout_p=dropout_p,
+                q_bnsd, k_bgsd, v_bgsd, attn_mask=None if attention_mask is None else ~attention_mask,
+                is_causal=attention_mask is None, dropout_p=dropout_p,
                 scale=1.0 / math.sqrt(self.d),
             )
 
-    def forward(self, x_sbh: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None):
+    def forward(self, x_sbh: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None):
         qkv, bias = self.query_key_value(x_sbh)
         if bias is not None:
             qkv = qkv + bias
@@ -179,9 +183,10 @@ class ParallelAttention(nn.Module):
             k = apply_rotary(k, rotary_freqs)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n|g, s, d]
         if self.selective_recompute and self.training:
-            ctx = recompute_checkpoint(self._core_attention, q, k, v, tracker=self.rng_tracker)
+            ctx = recompute_checkpoint(self._core_attention, q, k, v, attention_mask,
+                                       tracker=self.rng_tracker)
         else:
-            ctx = self._core_attention(q, k, v)
+            ctx = self._core_attention(q, k, v, attention_mask)
         s, b = qkv.shape[0], qkv.shape[1]  # full sequence: SP inputs were gathered by the QKV linear
         ctx_sbx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.n * self.d)
         return self.dense(ctx_sbx)  # (out [s,b,h], bias or None)
@@ -213,10 +218,11 @@ class TransformerLayer(nn.Module):
                 out = F.dropout(out, p=p, training=True)
         return residual + out
 
-    def forward(self, x_sbh: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None):
+    def forward(self, x_sbh: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None):
         post_ln = self.config.apply_residual_connection_post_layernorm
         ln = self.input_layernorm(x_sbh)
-        out, bias = self.self_attention(ln, rotary_freqs)
+        out, bias = self.self_attention(ln, rotary_freqs, attention_mask)
         x_sbh = self._residual_dropout(out, bias, ln if post_ln else x_sbh)
         ln = self.post_attention_layernorm(x_sbh)
         out, bias = self.mlp(ln)
@@ -258,12 +264,14 @@ class TransformerBlock(nn.Module):
             return i < c.recompute_num_layers
         return True  # uniform: every layer (chunks of recompute_num_layers share nothing)
 
-    def forward(self, x_sbh: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None):
+    def forward(self, x_sbh: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None):
         for i, layer in enumerate(self._layer_fns()):
             if self._recompute(i):
-                x_sbh = recompute_checkpoint(layer, x_sbh, rotary_freqs, tracker=self.rng_tracker)
+                x_sbh = recompute_checkpoint(layer, x_sbh, rotary_freqs, attention_mask,
+                                             tracker=self.rng_tracker)
             else:
-                x_sbh = layer(x_sbh, rotary_freqs)
+                x_sbh = layer(x_sbh, rotary_freqs, attention_mask)
         if self.final_layernorm is not None:
             x_sbh = self.final_layernorm(x_sbh)
         return x_sbh
