@@ -382,11 +382,8 @@ NOT_SUPPORTED = {
     "--standalone-embedding-stage": _PIPELINE,
     "--use-distributed-optimizer": "the distributed optimizer is not built yet",
     "--rampup-batch-size": "batch-size ramp-up is not built yet",
-    "--recompute-activations": _RECOMPUTE,
-    "--recompute-granularity": _RECOMPUTE,
-    "--recompute-method": _RECOMPUTE,
-    "--recompute-num-layers": _RECOMPUTE,
-    "--distribute-saved-activations": _RECOMPUTE,
+    "--distribute-saved-activations": "distributing saved activations over tensor-parallel "
+                                      "ranks is not built yet",
 }
 
 # Accepted, but they change nothing here: one warning each when set.
