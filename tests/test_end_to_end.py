@@ -68,3 +68,30 @@ def test_torchrun_tp2_dp2_train_tensorboard_save_resume(tmp_path):
     resumed = torchrun(4, layout + MODEL + ["--train-iters", "8", "--load", str(ckpt),
                                             "--save", str(ckpt), "--save-interval", "4"])
     assert losses_by_iteration(resumed) == {i: ref[i] for i in range(5, 9)}, resumed[-3000:]
+
+
+@pytest.mark.slow
+def test_preprocess_then_train_on_real_text(tmp_path):
+    """Corpus -> SentencePiece -> preprocess_data -> torchrun training with --data-path,
+    validation perplexity printed, loss falling."""
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_corpus.py"), "--output",
+                    str(data / "corpus.jsonl"), "--max-mb", "0.6", "--tokenizer-prefix",
+                    str(data / "spm"), "--vocab-size", "512"], check=True, cwd=ROOT)
+    subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input",
+                    str(data / "corpus.jsonl"), "--output-prefix", str(data / "py"),
+                    "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                    str(data / "spm.model"), "--append-eod", "--workers", "1"],
+                   check=True, cwd=ROOT, capture_output=True)
+    flags = [a for a in MODEL if a not in ("--mock-data",)]
+    i = flags.index("--tokenizer-type")
+    del flags[i:i + 4]  # NullTokenizer and its --vocab-size
+    out = torchrun(2, ["--tensor-model-parallel-size", "2"] + flags + [
+        "--train-iters", "12", "--data-path", str(data / "py_text_document"), "--split", "90,10,0",
+        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(data / "spm.model"),
+        "--data-cache-path", str(data / "cache"), "--num-workers", "1", "--lr", "5e-3"])
+    losses = losses_by_iteration(out)
+    assert sorted(losses) == list(range(1, 13))
+    assert float(losses[12]) < float(losses[1]) - 0.5, losses
+    assert re.search(r"validation loss at iteration 12 on \d+-sample draw from validation set "
+                     r"\| lm loss value: [0-9.E+-]+ \| lm loss PPL: [0-9.E+-]+", out), out[-2000:]
