@@ -152,13 +152,21 @@ class PrefetchIterator:
 
 def make_iterator(config: Config, dataset, consumed: int, dp_rank: int, dp_size: int,
                   pin: bool) -> Optional[Iterator[dict]]:
-    """Micro-batches of this DP rank starting at `consumed` samples (None without data)."""
+    """Micro-batches of this DP rank starting at `consumed` samples (None without data).
+
+    `--num-workers N` > 0: a torch DataLoader with N worker processes, pinned memory and
+    prefetching; 0: one background thread in this process (also pinned and prefetching)."""
     if dataset is None:
         return None
     d = config.data
     kind = CyclicSampler if d.dataloader_type == "cyclic" else PretrainingSampler
     sampler = kind(len(dataset), consumed, d.micro_batch_size, dp_rank, dp_size)
-    return PrefetchIterator(dataset, sampler, pin)
+    if d.num_workers == 0:
+        return PrefetchIterator(dataset, sampler, pin)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=d.num_workers, pin_memory=pin,
+        collate_fn=_collate, persistent_workers=True, prefetch_factor=4)
+    return iter(loader)
 
 
 def get_batch(micro: dict, device: torch.device, eod: Optional[int], flags) -> dict:

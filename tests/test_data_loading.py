@@ -1,0 +1,69 @@
+"""Samplers, loaders and batch tensors: resume at the exact next sample for any DP size."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.core.datasets.samplers import PretrainingSampler
+from megatron.data_loading import CyclicSampler, get_batch, make_iterator
+from tests.gpt_helpers import tiny_config
+
+
+def _global_order(sampler_cls, total, consumed, mbs, dp, steps):
+    """Sample indices of each global micro-batch step, concatenated over DP ranks."""
+    iters = [iter(sampler_cls(total, consumed, mbs, r, dp)) for r in range(dp)]
+    return [sum((next(it) for it in iters), []) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_single_sampler_resumes_at_the_next_sample_for_any_dp(dp):
+    full = [i for step in _global_order(PretrainingSampler, 1000, 0, 2, dp, 24 // dp) for i in step]
+    assert full == list(range(48)), "global order is independent of the DP size"
+    resumed = _global_order(PretrainingSampler, 1000, 16, 2, dp, 1)[0]
+    assert resumed == list(range(16, 16 + 2 * dp))
+
+
+def test_cyclic_sampler_partitions_each_epoch_and_resumes():
+    total, mbs, dp = 40, 2, 2
+    steps = total // (mbs * dp)
+    epoch0 = _global_order(CyclicSampler, total, 0, mbs, dp, steps)
+    flat = sorted(i for step in epoch0 for i in step)
+    assert flat == list(range(total)), "each epoch visits every sample once"
+    resumed = _global_order(CyclicSampler, total, 3 * mbs * dp, mbs, dp, steps - 3)
+    assert resumed == epoch0[3:]
+    epoch1 = _global_order(CyclicSampler, total, total, mbs, dp, steps)
+    assert epoch1 != epoch0 and sorted(i for s in epoch1 for i in s) == list(range(total))
+
+
+class _Seq:
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return {"text": np.arange(i, i + 9, dtype=np.int64)}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_yields_collated_batches_in_order(workers):
+    cfg = tiny_config(mbs=2, gbs=4)
+    cfg.data = dataclasses.replace(cfg.data, num_workers=workers, seq_length=8)
+    it = make_iterator(cfg, _Seq(), consumed=4, dp_rank=1, dp_size=2, pin=False)
+    first, second = next(it), next(it)
+    assert first["text"].dtype == torch.int64 and first["text"].shape == (2, 9)
+    assert first["text"][:, 0].tolist() == [6, 7] and second["text"][:, 0].tolist() == [10, 11]
+
+
+def test_get_batch_masks_follow_eod_flags():
+    flags = dataclasses.make_dataclass("F", ["reset_position_ids", "reset_attention_mask",
+                                             "eod_mask_loss"])
+    text = torch.tensor([[5, 6, 0, 7, 8, 9]])
+    plain = get_batch({"text": text}, torch.device("cpu"), 0, flags(False, False, False))
+    assert plain["attention_mask"] is None and plain["loss_mask"].tolist() == [[1, 1, 1, 1, 1]]
+    b = get_batch({"text": text}, torch.device("cpu"), 0, flags(True, True, True))
+    assert b["tokens"].tolist() == [[5, 6, 0, 7, 8]] and b["labels"].tolist() == [[6, 0, 7, 8, 9]]
+    assert b["loss_mask"].tolist() == [[1, 1, 0, 1, 1]], "no loss on EOD tokens"
+    assert b["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+    assert bool(b["attention_mask"][0, 0, 3, 1]), "the second document cannot see the first"
