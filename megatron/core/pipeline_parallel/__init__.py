@@ -1,0 +1,36 @@
+"""Pipeline parallelism: schedules as data (`schedules.py`), point-to-point transfers
+(`p2p.py`), the executor that runs one rank's plan (`executor.py`) and the container of a
+rank's model chunks (`model_chunks.py`). See README.md."""
+from megatron.core.pipeline_parallel.executor import ScheduleExecutor, ScheduleResult
+from megatron.core.pipeline_parallel.model_chunks import ModelChunks, unwrap
+from megatron.core.pipeline_parallel.p2p import P2PCommunicator, PendingBatch, tensor_shape
+from megatron.core.pipeline_parallel.schedules import (
+    P2P,
+    Action,
+    ScheduleError,
+    build_schedule,
+    compute_order,
+    compute_slots,
+    max_in_flight,
+    schedule_name,
+    simulate,
+)
+
+__all__ = [
+    "Action",
+    "ModelChunks",
+    "P2P",
+    "P2PCommunicator",
+    "PendingBatch",
+    "ScheduleError",
+    "ScheduleExecutor",
+    "ScheduleResult",
+    "build_schedule",
+    "compute_order",
+    "compute_slots",
+    "max_in_flight",
+    "schedule_name",
+    "simulate",
+    "tensor_shape",
+    "unwrap",
+]

@@ -1,0 +1,137 @@
+"""Run one rank's schedule plan (see `schedules.py`): forwards, backwards and transfers.
+
+The executor knows nothing about GPT. It is given the model chunks of this rank and a
+`forward_step(chunk, microbatch, input_sbh)` callable that returns the chunk's output
+activation, or, on the last virtual stage, the micro-batch's scalar loss. It keeps the
+input and output of every forward until its backward (that is the activation memory a
+schedule holds; `ScheduleResult.max_in_flight` counts it).
+
+Gradients: on the last virtual stage the backward starts from
+`scale_loss(loss / num_microbatches)`; elsewhere from the gradient received from the next
+stage. The received input is a leaf with requires_grad, so its `.grad` after the backward
+is what goes back to the previous stage. Every backward but the last of each chunk runs
+inside the chunk's `no_sync()` (when it has one), so data-parallel gradient reduction
+starts only once that chunk's gradients are complete.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Sequence
+
+import torch
+
+from .p2p import P2PCommunicator, PendingBatch
+from .schedules import (
+    BACKWARD,
+    COMM,
+    FORWARD,
+    RECV_BACKWARD,
+    RECV_FORWARD,
+    SEND_BACKWARD,
+    SEND_FORWARD,
+    WAIT,
+    Action,
+)
+
+ForwardStep = Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]
+
+
+@dataclass
+class ScheduleResult:
+    """loss_sum: sum of the micro-batch losses (0-dim fp32) when this rank holds the last
+    virtual stage, else None. max_in_flight: most micro-batches whose activations were
+    held at once (forward done, backward not yet)."""
+
+    loss_sum: Optional[torch.Tensor]
+    max_in_flight: int
+
+
+class ScheduleExecutor:
+    """Executes a plan for the `chunks` of pipeline rank `pp_rank` of `pp_size`.
+
+    Args:
+        chunks: this rank's model chunks (chunk c is virtual stage c * pp_size + pp_rank);
+            only their optional `no_sync()` context manager is used here.
+        forward_step: see module doc.
+        comm: the P2PCommunicator (None when pp_size == 1).
+        num_microbatches: the divisor of every micro-batch loss.
+        scale_loss: applied to the divided loss before backward (the loss scaler).
+        forward_only: evaluation: no backward, nothing kept for one.
+    """
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], forward_step: ForwardStep,
+                 comm: Optional[P2PCommunicator], pp_rank: int, pp_size: int,
+                 num_microbatches: int, scale_loss: Callable = lambda x: x,
+                 forward_only: bool = False, device=None) -> None:
+        self.chunks = list(chunks)
+        self.forward_step = forward_step
+        self.comm = comm
+        self.pp_rank, self.pp_size = pp_rank, pp_size
+        self.num_stages = pp_size * len(self.chunks)
+        self.num_microbatches = num_microbatches
+        self.scale_loss = scale_loss
+        self.forward_only = forward_only
+        self.device = device
+
+    def _stage(self, chunk: int) -> int:
+        return chunk * self.pp_size + self.pp_rank
+
+    def run(self, plan: Sequence[Action]) -> ScheduleResult:
+        """Execute `plan` (one rank's actions, in order)."""
+        self._last_backward = {a.chunk: a.microbatch for a in plan if a.kind == BACKWARD}
+        self._saved: Dict[tuple, tuple] = {}  # (chunk, mb) -> (input, output)
+        self._to_send: Dict[tuple, torch.Tensor] = {}
+        self._received: Dict[tuple, torch.Tensor] = {}
+        self._pending: Dict[int, PendingBatch] = {}
+        self._loss_sum = None
+        if self.num_stages - 1 in [self._stage(c) for c in range(len(self.chunks))]:
+            self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        in_flight = 0
+        for a in plan:
+            if a.kind == FORWARD:
+                self._forward(a.microbatch, a.chunk)
+                in_flight = max(in_flight, len(self._saved))
+            elif a.kind == BACKWARD:
+                self._backward(a.microbatch, a.chunk)
+            elif a.kind == COMM:
+                sends = {k: self._to_send.pop(k) for k in
+                         [(op.kind, op.microbatch, op.chunk) for op in a.ops]
+                         if k in self._to_send}
+                self._pending[a.batch] = self.comm.post(a.ops, sends)
+            elif a.kind == WAIT:
+                self._received.update(self._pending.pop(a.batch).wait())
+            else:
+                raise ValueError(f"unknown action {a}")
+        leftovers = [k for k in (*self._saved, *self._to_send, *self._received, *self._pending)]
+        assert not leftovers, f"plan left work undone: {leftovers}"
+        return ScheduleResult(self._loss_sum, in_flight)
+
+    def _forward(self, mb: int, chunk: int) -> None:
+        stage = self._stage(chunk)
+        x = None
+        if stage > 0:
+            x = self._received.pop((RECV_FORWARD, mb, chunk))
+            if not self.forward_only:
+                x.requires_grad_(True)
+        out = self.forward_step(chunk, mb, x)
+        if stage == self.num_stages - 1:
+            self._loss_sum += out.detach()
+        else:
+            self._to_send[(SEND_FORWARD, mb, chunk)] = out
+        if not self.forward_only:
+            self._saved[(chunk, mb)] = (x, out)
+
+    def _backward(self, mb: int, chunk: int) -> None:
+        stage = self._stage(chunk)
+        x, out = self._saved.pop((chunk, mb))
+        no_sync = getattr(self.chunks[chunk], "no_sync", None)
+        last = self._last_backward[chunk] == mb
+        with contextlib.nullcontext() if last or no_sync is None else no_sync():
+            if stage == self.num_stages - 1:
+                torch.autograd.backward(self.scale_loss(out / self.num_microbatches))
+            else:
+                grad = self._received.pop((RECV_BACKWARD, mb, chunk))
+                torch.autograd.backward(out, grad_tensors=grad)
+        if stage > 0:
+            self._to_send[(SEND_BACKWARD, mb, chunk)] = x.grad
