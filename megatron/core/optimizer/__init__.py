@@ -1,6 +1,7 @@
 """Optimizer stack: parameter groups, mixed-precision wrappers, loss scaling, gradient
 clipping and the learning-rate / weight-decay schedule (see each module's docstring)."""
 from megatron.core.optimizer.clip_grads import clip_grad_norm, count_zeros, get_grad_norm
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import (
     ConstantGradScaler,
     DynamicGradScaler,
@@ -19,6 +20,7 @@ from megatron.core.optimizer.param_groups import get_param_groups
 
 __all__ = [
     "ConstantGradScaler",
+    "DistributedOptimizer",
     "DynamicGradScaler",
     "FP32Optimizer",
     "MegatronGradScaler",

@@ -14,6 +14,8 @@ decision when a loss scaler is present. A skipped step returns `(False, None, No
 Collectives inside `step()`: all-reduce MAX of the found-inf flag over the model-parallel
 group (only with a loss scaler), then the all-reduce of the squared grad norm over the
 model-parallel group (only when `clip_grad > 0`), and of the zero count when asked.
+The distributed optimizer (`distrib_optimizer.py`, same contract) reduces those over the
+whole world and all-gathers the updated parameters over the data-parallel group.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.ddp import DistributedDataParallel
 from megatron.core.optimizer.clip_grads import clip_grad_norm, count_zeros
 from megatron.core.optimizer.grad_scaler import (
     ConstantGradScaler,
@@ -70,6 +73,11 @@ def _by_device(pairs):
 def _load_inner_state(optimizer: torch.optim.Optimizer, state_dict: Dict) -> None:
     """`optimizer.load_state_dict`, tolerating apex-style state (step kept in the group)
     and keeping this process's implementation switches (fused/foreach)."""
+    if "state" not in state_dict:
+        raise ValueError(
+            "the checkpoint's optimizer state holds no per-parameter state: it was saved with "
+            "--use-distributed-optimizer (the state is in distrib_optim.pt); resume with that "
+            "flag, or pass --no-load-optim to start the optimizer fresh from the loaded weights")
     groups = []
     for saved, current in zip(state_dict["param_groups"], optimizer.param_groups):
         saved = dict(saved)
@@ -428,20 +436,35 @@ def build_optimizer(
     scale_lr_cond=None,
     lr_mult: float = 1.0,
 ) -> MegatronOptimizer:
-    """Build the optimizer for `model_chunks` (a module or a list of virtual-pipeline chunks).
+    """Build the optimizer for `model_chunks` (a module or a list of virtual-pipeline chunks,
+    bare or wrapped in `DistributedDataParallel`).
 
     Groups: weight decay off for biases and 1-D params (`get_param_groups`); each group's
     lr and weight decay start at `config.lr * lr_mult` and `config.weight_decay * wd_mult`
-    (the scheduler rewrites them every step). fp16/bf16 -> `MixedPrecisionOptimizer` with
-    the scaler from `build_grad_scaler`; else `FP32Optimizer`. The model-parallel group
-    and TP rank for the grad norm come from `parallel_state`.
+    (the scheduler rewrites them every step). Parameters in the grad buffers of a DDP built
+    with `use_distributed_optimizer` -> `DistributedOptimizer` (grad norm, zeros and
+    found-inf over the whole world); else fp16/bf16 -> `MixedPrecisionOptimizer` with the
+    scaler from `build_grad_scaler`; else `FP32Optimizer`. The model-parallel group and TP
+    rank for the grad norm come from `parallel_state`.
     """
-    groups = get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult)
+    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+    chunks = [c.module if isinstance(c, DistributedDataParallel) else c for c in chunks]
+    groups = get_param_groups(chunks, no_weight_decay_cond, scale_lr_cond, lr_mult)
     if not groups:
         raise ValueError("the model has no trainable parameters to optimize")
     for group in groups:
         group["lr"] = config.lr * group["lr_mult"]
         group["weight_decay"] = config.weight_decay * group["wd_mult"]
+    chunk_buckets = _distributed_buckets(chunks)
+    if chunk_buckets is not None:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        world = parallel_state.world_size > 1 and dist.is_available() and dist.is_initialized()
+        return DistributedOptimizer(
+            groups, chunk_buckets, lambda shard_groups: build_base_optimizer(config, shard_groups),
+            clip_grad=config.clip_grad, log_num_zeros_in_grad=config.log_num_zeros_in_grad,
+            grad_group=dist.group.WORLD if world else None, tp_rank=parallel_state.tp_rank,
+            grad_scaler=build_grad_scaler(config))
     inner = build_base_optimizer(config, groups)
     common = dict(
         clip_grad=config.clip_grad,
@@ -452,3 +475,22 @@ def build_optimizer(
     if config.fp16 or config.bf16:
         return MixedPrecisionOptimizer(inner, grad_scaler=build_grad_scaler(config), **common)
     return FP32Optimizer(inner, **common)
+
+
+def _distributed_buckets(chunks) -> Optional[List[Dict[torch.dtype, list]]]:
+    """Per chunk `{grad_dtype: [buckets in buffer order]}` when the chunks' parameters sit in
+    distributed-optimizer grad buffers (`param.grad_bucket`, set by the DDP wrapper); None
+    when none of them does."""
+    out, any_distributed = [], False
+    for chunk in chunks:
+        by_dtype: Dict[torch.dtype, list] = {}
+        for p in chunk.parameters():
+            bucket = getattr(p, "grad_bucket", None)
+            if bucket is None or not bucket.distributed:
+                continue
+            any_distributed = True
+            buckets = by_dtype.setdefault(bucket.grad_data.dtype, [])
+            if all(b is not bucket for b in buckets):
+                buckets.append(bucket)
+        out.append({d: sorted(b, key=lambda x: x.offset) for d, b in by_dtype.items()})
+    return out if any_distributed else None

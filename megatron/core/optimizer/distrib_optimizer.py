@@ -1,0 +1,391 @@
+"""The distributed optimizer: fp32 main parameters and optimizer state sharded over the
+data-parallel (DP) ranks (ZeRO stage 1/2, Megatron's `--use-distributed-optimizer`).
+
+It works on the grad buffers of `megatron.core.distributed.DistributedDataParallel` built
+with `use_distributed_optimizer=True`. Each bucket of a buffer is padded to a multiple of
+dp_size; DP rank r owns shard r of every bucket (`Bucket.shard_range`). For every model
+parameter that intersects this rank's shard the optimizer holds one fp32 main parameter
+for the intersection only (a view of the bucket's fp32 `main_data`; for fp32 model
+parameters `main_data` is the shard of the bucket's `param_data` itself, so no copy).
+Optimizer state (Adam's exp_avg / exp_avg_sq) exists only for those shards: about
+12 / dp bytes per parameter instead of 12.
+
+One step, and its collectives:
+  1. (DDP.finish_grad_sync, before the step) reduce-scatter of every bucket over DP:
+     this rank's shard holds the DP-averaged gradient.
+  2. main grads = views of the shard of the fp32 grad buffer (a copy when it is fp16/bf16).
+  3. with a loss scaler: unscale, found-inf flag all-reduced (MAX) over the whole world;
+     an overflow skips the step.
+  4. clip: the squared norms of this rank's shards (TP duplicates and shared copies left
+     out, see clip_grads) are all-reduced (SUM) over the whole world, so every element of
+     every replica-distinct parameter counts exactly once. Zero counting likewise.
+  5. inner step on the shards; fp16/bf16 shards are copied into the bucket's
+     `param_data`; 6. all-gather of every bucket's `param_data` over DP (asynchronous
+     with `overlap_param_gather`: the next forward waits per module).
+
+Checkpoint: `state_dict()` holds what is not sharded (param groups without their
+parameters, with the step count; the grad scaler) and goes into `model_optim_rng.pt`
+under 'optimizer'. `get_parameter_state()` gathers the shards onto DP rank 0 as
+`{chunk_idx: {grad_dtype: {"param", "exp_avg", "exp_avg_sq"}}}` (Megatron's
+`distrib_optim.pt`): flat fp32 CPU tensors, the parameters of that grad buffer back to back
+in buffer order (the model's parameters reversed), zero padded at the end to a multiple of
+the saving run's dp_size. The layout does not depend on dp_size or the bucket size, so a
+checkpoint saved with one dp_size loads with another (`load_parameter_state`).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.optimizer.grad_scaler import DynamicGradScaler, MegatronGradScaler
+from megatron.core.optimizer.optimizer import (
+    _COPIED_ATTRIBUTES,
+    _LOCAL_GROUP_KEYS,
+    MixedPrecisionOptimizer,
+    StepResult,
+    _load_inner_state,
+)
+
+# Per-parameter state tensors (shaped like the parameter) that distrib_optim.pt holds.
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+# Elements per rank in one gather message when the state is collected for a checkpoint.
+GATHER_CHUNK = 1 << 24
+
+
+class _ShardEntry:
+    """One model parameter's part of this rank's shard of a bucket."""
+
+    __slots__ = ("param", "main", "start", "end", "canonical_start")
+
+    def __init__(self, param, main, start: int, end: int, canonical_start: int) -> None:
+        self.param = param                      # the model parameter
+        self.main = main                        # fp32 main parameter (1-D view of main_data)
+        self.start, self.end = start, end       # in main_data (shard-relative)
+        self.canonical_start = canonical_start  # of main[0] in the checkpoint layout
+
+
+class _BucketShard:
+    """This rank's shard of one bucket: fp32 main data and its parameter entries."""
+
+    def __init__(self, bucket, canonical_offset: int) -> None:
+        self.bucket = bucket
+        lo, hi = bucket.shard_range
+        self.numel = hi - lo
+        shard = bucket.shard(bucket.param_data)
+        self.aliased = shard.dtype == torch.float32
+        self.main_data = shard if self.aliased else shard.detach().float()
+        self.entries: List[_ShardEntry] = []
+        self.canonical_start = canonical_offset
+        canonical = canonical_offset
+        for p in bucket.params:
+            start, end = bucket.param_ranges[p]
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                main = torch.nn.Parameter(self.main_data[a - lo:b - lo])
+                for attr in _COPIED_ATTRIBUTES:
+                    if hasattr(p, attr):
+                        setattr(main, attr, getattr(p, attr))
+                self.entries.append(_ShardEntry(p, main, a - lo, b - lo, canonical + a - start))
+            canonical += end - start
+        self.canonical_end = canonical
+
+    def set_main_grads(self) -> None:
+        grad = self.bucket.shard(self.bucket.grad_data)
+        if grad.dtype != torch.float32:
+            grad = grad.float()
+        for e in self.entries:
+            e.main.grad = grad[e.start:e.end]
+
+    def flat_state(self, optimizer: torch.optim.Optimizer, key: str) -> torch.Tensor:
+        """This shard's `key` ("param" or a state key) as one flat fp32 tensor."""
+        if key == "param":
+            return self.main_data.detach().float()
+        flat = torch.zeros(self.numel, dtype=torch.float32, device=self.main_data.device)
+        for e in self.entries:
+            value = optimizer.state.get(e.main, {}).get(key)
+            if value is not None:
+                flat[e.start:e.end] = value.reshape(-1)
+        return flat
+
+
+class DistributedOptimizer(MixedPrecisionOptimizer):
+    """Mixed-precision optimizer whose main parameters and state are DP-sharded.
+
+    Args:
+        param_groups: the model's groups (`get_param_groups`, lr / weight_decay set).
+        chunk_buckets: per model chunk, `{grad_dtype: [buckets in buffer order]}` of the
+            DDP wrappers built with `use_distributed_optimizer=True`.
+        build_inner: builds the torch optimizer from groups of main (shard) parameters.
+        clip_grad, log_num_zeros_in_grad: as for the other wrappers.
+        grad_group: group the grad norm, zero count and found-inf flag are reduced over;
+            the whole world (None for a single process).
+        tp_rank: for the "count TP-replicated parameters once" rule.
+        grad_scaler: loss scaler or None.
+    """
+
+    def __init__(self, param_groups: List[Dict], chunk_buckets: List[Dict[torch.dtype, list]],
+                 build_inner: Callable[[List[Dict]], torch.optim.Optimizer], clip_grad: float,
+                 log_num_zeros_in_grad: bool, grad_group=None, tp_rank: int = 0,
+                 grad_scaler: Optional[MegatronGradScaler] = None) -> None:
+        self.chunk_shards: List[Dict[torch.dtype, List[_BucketShard]]] = []
+        self.buffer_numel: List[Dict[torch.dtype, int]] = []
+        for buckets_by_dtype in chunk_buckets:
+            shards, sizes = {}, {}
+            for dtype, buckets in buckets_by_dtype.items():
+                shards[dtype], offset = [], 0
+                for bucket in buckets:
+                    shards[dtype].append(_BucketShard(bucket, offset))
+                    offset = shards[dtype][-1].canonical_end
+                sizes[dtype] = offset
+            self.chunk_shards.append(shards)
+            self.buffer_numel.append(sizes)
+        self.shards = [s for c in self.chunk_shards for ss in c.values() for s in ss]
+        first = next(iter(self.shards), None)
+        self.dp_group = first.bucket.dp_group if first is not None else None
+        self.dp_size = first.bucket.dp_size if first is not None else 1
+        self._comm_device = first.bucket.grad_data.device if first else torch.device("cpu")
+        inner = build_inner(self._shard_groups(param_groups))
+        super().__init__(inner, clip_grad, log_num_zeros_in_grad, grad_group, tp_rank,
+                         grad_scaler)
+        self._loaded_step: Optional[int] = None
+        self._views_checked = False
+
+    def _shard_groups(self, param_groups: List[Dict]) -> List[Dict]:
+        """The model's groups with each parameter replaced by its shard(s) on this rank
+        (groups may be empty; all ranks keep the same groups)."""
+        main_of = {}
+        for shard in self.shards:
+            for e in shard.entries:
+                main_of[e.param] = e.main
+        in_buckets = {p for s in self.shards for p in s.bucket.params}
+        groups = []
+        for group in param_groups:
+            missing = [tuple(p.shape) for p in group["params"] if p not in in_buckets]
+            if missing:
+                raise ValueError(
+                    f"parameters of shapes {missing} are not in a grad buffer of a "
+                    "DistributedDataParallel built with use_distributed_optimizer=True; wrap "
+                    "every model chunk in it before building the optimizer")
+            mains = [main_of[p] for p in group["params"] if p in main_of]
+            groups.append({**group, "params": mains})
+        return groups
+
+    # --- step ----------------------------------------------------------------------------
+    def _finish_param_sync(self) -> None:
+        for shard in self.shards:
+            shard.bucket.finish_param_sync()
+
+    def _copy_model_grads_to_main_grads(self) -> List[torch.Tensor]:
+        for shard in self.shards:
+            shard.set_main_grads()
+        return self.get_parameters()
+
+    @torch.no_grad()
+    def _copy_main_params_to_model_params(self) -> None:
+        """Write the updated shards into `param_data`, then all-gather every bucket over
+        DP (buckets in forward order: the last one of each buffer first)."""
+        for shard in self.shards:
+            if not shard.aliased:
+                shard.bucket.shard(shard.bucket.param_data).copy_(shard.main_data)
+        for shards in (s for c in self.chunk_shards for s in c.values()):
+            for shard in reversed(shards):
+                shard.bucket.start_param_sync()
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """Main grads from the reduce-scattered shards; unscale and check for overflow
+        over the world (skip on overflow); clip over the world; inner step on the shards;
+        copy to `param_data` and all-gather the parameters over DP."""
+        self._finish_param_sync()
+        if not self._views_checked:
+            _check_param_views(self.shards)
+            self._views_checked = True
+        try:
+            return super().step()
+        finally:
+            for p in self.get_parameters():
+                p.grad = None
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 main shards from the model parameters."""
+        self._finish_param_sync()
+        for shard in self.shards:
+            if not shard.aliased:
+                shard.main_data.copy_(shard.bucket.shard(shard.bucket.param_data))
+
+    def _device(self) -> torch.device:
+        return self._comm_device
+
+    # --- checkpoint: the unsharded part (model_optim_rng.pt 'optimizer') -----------------
+    def _current_step(self) -> int:
+        steps = [int(s["step"]) for s in self.optimizer.state.values() if "step" in s]
+        if steps:
+            return max(steps)
+        return self._loaded_step or 0
+
+    def state_dict(self) -> Dict:
+        """Megatron's shape: {optimizer: {param_groups (no "params", with "step")},
+        grad_scaler (if any)}; the sharded tensors come from `get_parameter_state()`."""
+        step = self._current_step()
+        groups = []
+        for group in self.optimizer.state_dict()["param_groups"]:
+            group = {k: v for k, v in group.items() if k != "params"}
+            group["step"] = step
+            groups.append(group)
+        state_dict = {"optimizer": {"param_groups": groups}}
+        if self.grad_scaler is not None:
+            state_dict["grad_scaler"] = self.grad_scaler.state_dict()
+        return state_dict
+
+    def load_state_dict(self, state_dict: Dict) -> None:
+        """Restore group hyper-parameters, the step count and the grad scaler; the shards
+        follow with `load_parameter_state()`."""
+        inner = state_dict.get("optimizer")
+        if not isinstance(inner, dict) or "state" in inner or "param_groups" not in inner:
+            raise ValueError(
+                "the checkpoint's optimizer state was saved without --use-distributed-optimizer"
+                "; resume with the same setting, or pass --no-load-optim to start the "
+                "optimizer fresh from the loaded weights")
+        saved = inner["param_groups"]
+        if len(saved) != len(self.optimizer.param_groups):
+            raise ValueError(f"checkpoint has {len(saved)} optimizer parameter groups, this "
+                             f"model has {len(self.optimizer.param_groups)}; the model or the "
+                             f"weight-decay / lr-scaling rules differ from the saved run")
+        for current, group in zip(self.optimizer.param_groups, saved):
+            for key, value in group.items():
+                if key not in ("params", "step") and key not in _LOCAL_GROUP_KEYS:
+                    current[key] = value
+        self._loaded_step = int(saved[0].get("step", 0)) if saved else 0
+        if "grad_scaler" not in state_dict:
+            if isinstance(self.grad_scaler, DynamicGradScaler):
+                warnings.warn("no grad scaler in the checkpoint; keeping the initial loss scale")
+        elif self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+    # --- checkpoint: the sharded part (distrib_optim.pt) ---------------------------------
+    def _agreed_state_keys(self) -> List[str]:
+        """State keys present on any DP rank. Collective: all-reduce MAX over DP."""
+        present = torch.tensor(
+            [float(any(k in s for s in self.optimizer.state.values())) for k in STATE_KEYS],
+            device=self._comm_device)
+        if self.dp_group is not None:
+            dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return [k for k, flag in zip(STATE_KEYS, present.tolist()) if flag > 0]
+
+    def _gather_shard(self, shard: _BucketShard, local: torch.Tensor, dst: int,
+                      is_dst: bool) -> Optional[torch.Tensor]:
+        """The whole (padded) bucket on DP rank 0 from every rank's shard, on CPU.
+        Collective: gathers over DP in pieces of at most GATHER_CHUNK elements."""
+        if self.dp_group is None:
+            return local.cpu()
+        out = torch.empty(shard.numel * self.dp_size, dtype=torch.float32) if is_dst else None
+        for k in range(0, shard.numel, GATHER_CHUNK):
+            piece = local[k:k + GATHER_CHUNK].contiguous()
+            recv = [torch.empty_like(piece) for _ in range(self.dp_size)] if is_dst else None
+            dist.gather(piece, recv, dst=dst, group=self.dp_group)
+            if is_dst:
+                for q, r in enumerate(recv):
+                    out[q * shard.numel + k:q * shard.numel + k + r.numel()] = r.cpu()
+        return out
+
+    @torch.no_grad()
+    def get_parameter_state(self) -> Optional[Dict]:
+        """Gather the fp32 main parameters and optimizer state onto DP rank 0 in the
+        `distrib_optim.pt` layout (see the module doc). Collective over the DP group:
+        every DP rank must call it; returns the dict on DP rank 0, None elsewhere."""
+        self._finish_param_sync()
+        keys = ["param"] + self._agreed_state_keys()
+        dst = dist.get_global_rank(self.dp_group, 0) if self.dp_group is not None else 0
+        is_dst = self.dp_group is None or dist.get_rank(self.dp_group) == 0
+        result: Dict = {}
+        for chunk_idx, shards_by_dtype in enumerate(self.chunk_shards):
+            result[chunk_idx] = {}
+            for dtype, shards in shards_by_dtype.items():
+                numel = self.buffer_numel[chunk_idx][dtype]
+                padded = -(-numel // self.dp_size) * self.dp_size
+                flats = {k: torch.zeros(padded, dtype=torch.float32) if is_dst else None
+                         for k in keys}
+                for shard in shards:
+                    for key in keys:
+                        whole = self._gather_shard(shard, shard.flat_state(self.optimizer, key),
+                                                   dst, is_dst)
+                        if is_dst:
+                            _bucket_to_canonical(shard, whole, flats[key])
+                result[chunk_idx][dtype] = flats
+        return result if is_dst else None
+
+    @torch.no_grad()
+    def load_parameter_state(self, state: Dict) -> None:
+        """Take this rank's shard of main parameters and optimizer state from a
+        `get_parameter_state()` dict (saved with any dp_size). No communication."""
+        self._finish_param_sync()
+        step = self._current_step() if self._loaded_step is None else self._loaded_step
+        index = {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                index.setdefault(p, len(index))
+        inner_state: Dict[int, Dict] = {}
+        for chunk_idx, shards_by_dtype in enumerate(self.chunk_shards):
+            for dtype, shards in shards_by_dtype.items():
+                flats = _saved_entry(state, chunk_idx, dtype, self.buffer_numel[chunk_idx][dtype])
+                keys = [k for k in STATE_KEYS if k in flats]
+                for shard in shards:
+                    for e in shard.entries:
+                        n = e.end - e.start
+                        src = slice(e.canonical_start, e.canonical_start + n)
+                        e.main.copy_(flats["param"][src])
+                        if keys:
+                            entry = {k: flats[k][src].clone() for k in keys}
+                            if "exp_avg" in entry:
+                                entry["step"] = torch.tensor(float(step))
+                            inner_state[index[e.main]] = entry
+        groups = self.optimizer.state_dict()["param_groups"]
+        _load_inner_state(self.optimizer, {"state": inner_state, "param_groups": groups})
+
+
+def _check_param_views(shards: List[_BucketShard]) -> None:
+    """Every model parameter must still be a view of its bucket's `param_data` (the
+    all-gather writes there)."""
+    for shard in shards:
+        bucket = shard.bucket
+        for p in bucket.params:
+            start, _ = bucket.param_ranges[p]
+            if p.numel() and p.data_ptr() != bucket.param_data[start:].data_ptr():
+                raise RuntimeError(
+                    "a model parameter no longer lives in its grad bucket's param_data: its "
+                    "`.data` was replaced after the model was wrapped in DistributedDataParallel"
+                    " (e.g. by .to() or load_state_dict(assign=True)); move and load the model "
+                    "before wrapping it")
+
+
+def _bucket_to_canonical(shard: _BucketShard, whole: torch.Tensor, out: torch.Tensor) -> None:
+    """Copy each parameter's elements of a gathered (padded) bucket into the checkpoint
+    layout (parameters back to back in buffer order)."""
+    canonical = shard.canonical_start
+    for p in shard.bucket.params:
+        start, end = shard.bucket.param_ranges[p]
+        out[canonical:canonical + end - start] = whole[start:end]
+        canonical += end - start
+
+
+def _saved_entry(state: Dict, chunk_idx: int, dtype: torch.dtype, numel: int) -> Dict:
+    """`state[chunk_idx][dtype]`, checked against this model's grad buffer."""
+    chunk = state.get(chunk_idx)
+    if chunk is None or dtype not in chunk:
+        have = {c: sorted(str(d) for d in v) for c, v in state.items()}
+        raise ValueError(
+            f"distrib_optim.pt has no entry for model chunk {chunk_idx} with grad dtype "
+            f"{dtype} (it has {have}); the checkpoint was saved with a different model, "
+            "precision or virtual-pipeline layout; pass --no-load-optim to start the optimizer "
+            "fresh from the loaded weights")
+    flats = chunk[dtype]
+    if "param" not in flats or flats["param"].numel() < numel:
+        size = flats["param"].numel() if "param" in flats else 0
+        raise ValueError(
+            f"distrib_optim.pt chunk {chunk_idx} {dtype}: {size} elements saved, this model's "
+            f"grad buffer holds {numel}; the model differs from the saved one")
+    return flats
