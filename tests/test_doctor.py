@@ -1,0 +1,142 @@
+"""tools/doctor.py: the machine report, the port check, the store check-in that names a
+missing rank, and the communication checks on 2 gloo processes (forked, and under torchrun)."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import free_port
+from tools import doctor
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_machine_report_lists_versions_and_environment():
+    text, problems = doctor.machine_report({"CUDA_DEVICE_MAX_CONNECTIONS": "1",
+                                            "NCCL_DEBUG": "WARN", "MASTER_PORT": str(free_port())})
+    for name in ("python", "torch", "CUDA", "cuDNN", "NCCL", "apex", "transformer_engine",
+                 "GPUs", "CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_DEBUG", "MASTER_ADDR", "rendezvous"):
+        assert name in text
+    assert problems == []
+
+
+def test_environment_warnings():
+    warn = doctor.env_warnings({"NCCL_P2P_DISABLE": "1", "LOCAL_WORLD_SIZE": "8",
+                                "WORLD_SIZE": "8"}, num_gpus=4)
+    text = "\n".join(warn)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS is not 1" in text and "NCCL_P2P_DISABLE=1" in text
+    assert "only 4 GPUs" in text and "OMP_NUM_THREADS" in text
+    assert doctor.env_warnings({"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_DEBUG": "WARN"}, 8) == []
+
+
+def test_port_check_free_and_in_use():
+    port = free_port()
+    assert doctor.check_port("127.0.0.1", port)[0] == "free"
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        busy = server.getsockname()[1]
+        assert doctor.check_port("127.0.0.1", busy)[0] == "listening"
+        _, problems = doctor.rendezvous_lines({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(busy)})
+        assert "in use" in problems[0]
+        under_torchrun = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(busy), "WORLD_SIZE": "2",
+                          "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        assert doctor.rendezvous_lines(under_torchrun)[1] == []  # the store must listen
+    _, problems = doctor.rendezvous_lines({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                           "WORLD_SIZE": "2", "RANK": "1"}, wait_s=0.3)
+    assert "is not reachable from this node" in problems[0]
+    assert doctor.check_port("no-such-host.invalid", 1)[0] == "unresolvable"
+
+
+def test_check_in_names_the_missing_rank_either_way():
+    store = dist.HashStore()
+    err, _ = doctor.CheckIn(store, 0, 3, 0.3)("barrier")  # nobody else checks in
+    assert err == "rank(s) [1, 2] did not answer within 0.3 s at step 'barrier'; those " \
+                  "processes are stuck or dead"
+    err, _ = doctor.CheckIn(dist.HashStore(), 1, 2, 0.1, grace_s=0)("barrier")  # no rank 0
+    assert err.startswith("rank 0 did not answer")
+    store, out = dist.HashStore(), {}
+    threads = [threading.Thread(target=lambda r: out.__setitem__(
+        r, doctor.CheckIn(store, r, 2, 5)("barrier", f"info {r}")), args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out[0] == (None, {0: "info 0", 1: "info 1"}) and out[1] == (None, {})
+
+
+def _doctor_child(rank: int, port: int, log: str, argv) -> None:
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = open(1, "w", closefd=False)  # pytest's capture objects are not fds 1 and 2
+    sys.stderr = open(2, "w", closefd=False)
+    torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      OMP_NUM_THREADS="1")
+    os._exit(doctor.main(argv))
+
+
+def _fork_doctor(tmp_path, argv, wait_for=(0, 1)):
+    """Run doctor.main on 2 forked processes (the store lives in rank 0, so it counts as
+    reachable once rank 0 is up). Returns exit codes (None: killed) and logs."""
+    ctx = multiprocessing.get_context("fork")
+    port = free_port()
+    logs = [str(tmp_path / f"rank{r}.log") for r in range(2)]
+    procs = [ctx.Process(target=_doctor_child, args=(r, port, logs[r], argv)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        for r in wait_for:
+            procs[r].join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    codes = [p.exitcode if r in wait_for else None for r, p in enumerate(procs)]
+    return codes, [Path(log).read_text() for log in logs]
+
+
+def test_collectives_on_two_gloo_processes(tmp_path):
+    codes, logs = _fork_doctor(tmp_path, ["--timeout", "20", "--size-mb", "1", "--iters", "2"])
+    assert codes == [0, 0], logs
+    out = logs[0]
+    for line in ("communication (backend gloo, world size 2)", "rank 1: host",
+                 "barrier     ok", "all-reduce  ok: sum 3, expected 3", "all-gather  ok",
+                 "send/recv   ok: received 1 from rank 1", "result: all checks passed"):
+        assert line in out
+    assert "GB/s" in out.split("bandwidth")[1]
+
+
+def test_hanging_rank_is_named(tmp_path):
+    codes, logs = _fork_doctor(tmp_path, ["--timeout", "2", "--simulate-hang-rank", "1"],
+                               wait_for=(0,))
+    assert codes[0] == 1
+    assert "FAIL rank 0: rank(s) [1] did not answer within 2 s at step 'check-in'" in logs[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hang", [False, True])
+def test_under_torchrun(hang):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "tools" / "doctor.py"), "--timeout", "3", "--size-mb", "1"]
+    if hang:
+        cmd += ["--simulate-hang-rank", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if hang:
+        assert proc.returncode != 0
+        assert "rank(s) [1] did not answer within 3 s" in proc.stdout
+    else:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "all-reduce  ok" in proc.stdout and "result: all checks passed" in proc.stdout

@@ -1,0 +1,210 @@
+"""tools/generate.py: checkpoints written by the trainer (tp 1, tp 2, pp 2) load as one
+model that computes the same loss, greedy generation equals a plain argmax loop, sampling
+options behave, and shards of any tp x pp x virtual-stage layout merge back exactly."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.arguments import parse_and_validate
+from megatron.checkpointing import MODEL_FILENAME, rank_dir_name
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.models.gpt.stages import stage_layout
+from megatron.core.tensor_parallel import shard_of_full_weight
+from tests.dist_utils import run_distributed
+from tools import generate
+
+TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 --lr 1e-2 "
+        "--train-iters 3 --mock-data --tokenizer-type NullTokenizer --vocab-size 100 "
+        "--hidden-dropout 0 --attention-dropout 0 --use-cpu-initialization --save-interval 3")
+
+
+def _train(save_dir, extra="", world_size=1, rank=0, steps=3):
+    """Train a tiny model for `steps` steps, save it, then the loss of the NEXT global batch
+    (forward only, all micro-batches) and those micro-batches."""
+    from megatron.checkpointing import save_trainer_checkpoint
+    from megatron.initialize import initialize_distributed, set_random_seed
+    from megatron.train_step import forward_backward
+    from megatron.training import build_trainer, data_iterator, train_step
+
+    argv = f"{TINY} --save {save_dir} {extra}".split()
+    cfg = parse_and_validate(argv, world_size=world_size, env={"RANK": str(rank)},
+                             cuda_available=False)
+    rt = initialize_distributed(cfg.parallel, rank, world_size, 0)
+    set_random_seed(cfg.training.seed, rt)
+    tr = build_trainer(cfg, rt)
+    data = data_iterator(cfg, rt, "train", 0)
+    for _ in range(steps):
+        train_step(tr, data)
+        tr.state.iteration += 1
+    save_trainer_checkpoint(tr)
+    batches = [next(data) for _ in range(cfg.data.num_micro_batches)]
+    loss = forward_backward(tr, iter(batches), len(batches), forward_only=True)
+    return tr, float(loss), [b["text"] for b in batches]
+
+
+def _loss_of(model, batches) -> float:
+    with torch.no_grad():
+        losses = [model(t[:, :-1], labels=t[:, 1:]).float().mean() for t in batches]
+    return float(sum(losses) / len(losses))
+
+
+def _run_cli(*argv) -> dict:
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert generate.main([*argv, "--json"]) == 0
+    return json.loads(buf.getvalue())
+
+
+def test_greedy_equals_argmax_loop_and_sampling(tmp_path):
+    tr, loss, batches = _train(tmp_path)
+    model, config, iteration = generate.load_model(str(tmp_path))
+    assert iteration == 3 and config.model.activation == "gelu"
+    assert _loss_of(model, batches) == pytest.approx(loss, rel=1e-6)
+    out = _run_cli("--load", str(tmp_path), "--prompt-ids", "5,6,7", "--max-new-tokens", "12",
+                   "--greedy", "--no-stop-at-eod")
+    ref, ids = tr.model.module.eval(), [5, 6, 7]
+    with torch.no_grad():
+        for _ in range(12):  # direct argmax over the trained model, vocab limited to 101
+            logits = ref(torch.tensor([ids[-16:]]))[0, -1, :101]
+            ids.append(int(logits.argmax()))
+    assert out["generated_ids"] == ids[3:] and out["prompt_ids"] == [5, 6, 7]
+    assert out["generated_text"] == " ".join(map(str, ids[3:]))
+    assert _run_cli("--load", str(tmp_path), "--prompt", "5 6 7", "--max-new-tokens", "12",
+                    "--greedy", "--no-stop-at-eod")["generated_ids"] == ids[3:]
+    sampled = [_run_cli("--load", str(tmp_path), "--prompt-ids", "5,6,7", "--seed", str(s),
+                        "--temperature", "1.5", "--max-new-tokens", "8",
+                        "--no-stop-at-eod")["generated_ids"] for s in (1, 1, 2)]
+    assert sampled[0] == sampled[1] != sampled[2]
+    top1 = _run_cli("--load", str(tmp_path), "--prompt-ids", "5,6,7", "--top-k", "1",
+                    "--max-new-tokens", "12", "--no-stop-at-eod")["generated_ids"]
+    assert top1 == ids[3:]
+
+
+def test_sample_next_filters():
+    logits = torch.tensor([1.0, 3.0, 2.0, 0.5])
+    g = torch.Generator().manual_seed(0)
+    assert generate.sample_next(logits, greedy=True) == 1
+    assert generate.sample_next(logits, temperature=0) == 1
+    assert {generate.sample_next(logits, top_p=0.01, generator=g) for _ in range(20)} == {1}
+    assert {generate.sample_next(logits, top_k=2, generator=g) for _ in range(200)} == {1, 2}
+    p = torch.softmax(logits, 0)  # top-p 0.9: ids 1 and 2 hold 0.90 of the mass -> + id 0
+    assert p[1] + p[2] < 0.9 < p[1] + p[2] + p[0]
+    assert {generate.sample_next(logits, top_p=0.9, generator=g) for _ in range(300)} == {0, 1, 2}
+
+
+def _tp_pp_worker(rank, world_size, save_dir, extra):
+    _, loss, batches = _train(save_dir, extra, world_size=world_size, rank=rank, steps=2)
+    return loss, batches
+
+
+@pytest.mark.parametrize("extra", [
+    "--tensor-model-parallel-size 2 --swiglu --group-query-attention --num-query-groups 2 "
+    "--untie-embeddings-and-output-weights --normalization RMSNorm --position-embedding-type rope",
+    "--tensor-model-parallel-size 2 --sequence-parallel",
+    "--pipeline-model-parallel-size 2",
+], ids=["tp2-swiglu-gqa", "tp2-sp", "pp2-tied"])
+def test_parallel_checkpoint_loads_as_one_model(tmp_path, extra):
+    results = run_distributed(_tp_pp_worker, 2, str(tmp_path), extra)
+    loss, batches = results[0]
+    model, config, _ = generate.load_model(str(tmp_path))
+    assert config.parallel.tp_size == 1 and config.model.sequence_parallel is False
+    assert _loss_of(model, batches) == pytest.approx(loss, rel=1e-5)
+    out = _run_cli("--load", str(tmp_path), "--prompt-ids", "1,2", "--greedy",
+                   "--max-new-tokens", "4", "--no-stop-at-eod")
+    assert len(out["generated_ids"]) == 4 and all(0 <= i < 101 for i in out["generated_ids"])
+
+
+def _write_synthetic(root, full_model, args, tp, pp, vpp):
+    """Split `full_model`'s weights the way tp x pp x vpp training holds them; write them."""
+    params = dict(full_model.named_parameters())
+    full = full_model.state_dict()
+    iter_dir = root / "iter_0000007"
+    for p in range(pp):
+        specs = stage_layout(args["num_layers"], pp, p, vpp)
+        for t in range(tp):
+            chunks = []
+            for spec in specs:
+                sd = {}
+                for key, value in full.items():
+                    local = _local_key(key, spec)
+                    if local is None:
+                        continue
+                    prm = params[key]
+                    if getattr(prm, "tensor_model_parallel", False):
+                        value = shard_of_full_weight(value, prm.partition_dim,
+                                                     prm.partition_stride, t, tp)
+                    sd[local] = value.clone()
+                if spec.post_process and not spec.pre_process:  # the tied output copy
+                    sd["word_embeddings_for_head.weight"] = torch.zeros(3)
+                chunks.append(sd)
+            state = {"args": args, "iteration": 7}
+            state.update({"model": chunks[0]} if len(chunks) == 1 else
+                         {f"model{i}": c for i, c in enumerate(chunks)})
+            path = iter_dir / rank_dir_name(t, p, pp)
+            path.mkdir(parents=True)
+            torch.save(state, path / MODEL_FILENAME)
+    (root / "latest_checkpointed_iteration.txt").write_text("7")
+
+
+def _local_key(key, spec):
+    if key.startswith("language_model.encoder.layers."):
+        i = int(key.split(".")[3])
+        if not spec.layer_offset <= i < spec.layer_offset + spec.num_layers:
+            return None
+        parts = key.split(".")
+        parts[3] = str(i - spec.layer_offset)
+        return ".".join(parts)
+    if key.startswith("language_model.embedding."):
+        return key if spec.pre_process else None
+    return key if spec.post_process else None  # final norm, output layer
+
+
+@pytest.mark.parametrize("tp,pp,vpp", [(2, 1, None), (4, 2, None), (2, 2, 2), (1, 4, None)])
+def test_synthetic_layouts_merge_back_exactly(tmp_path, tp, pp, vpp):
+    argv = (f"{TINY} --num-layers 8 --hidden-size 64 --num-attention-heads 8 --swiglu "
+            "--group-query-attention --num-query-groups 4 --untie-embeddings-and-output-weights"
+            ).split()
+    cfg = parse_and_validate(argv, world_size=1, env={}, cuda_available=False)
+    args = dict(cfg.args, virtual_pipeline_model_parallel_size=vpp)
+    torch.manual_seed(0)
+    full = GPTModel(cfg.model)
+    _write_synthetic(tmp_path, full, args, tp, pp, vpp)
+    model, _, iteration = generate.load_model(str(tmp_path))
+    assert iteration == 7
+    for key, value in full.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_user_errors(tmp_path):
+    with pytest.raises(SystemExit, match="no checkpoint under --load"):
+        generate.load_model(str(tmp_path))
+    _train(tmp_path, steps=1)
+    with pytest.raises(SystemExit, match="outside the vocabulary"):
+        generate.main(["--load", str(tmp_path), "--prompt-ids", "1,9999"])
+    with pytest.raises(SystemExit, match="expected comma-separated integers"):
+        generate.main(["--load", str(tmp_path), "--prompt-ids", "a,b"])
+    with pytest.raises(SystemExit, match="--prompt needs the checkpoint's tokenizer"):
+        generate.main(["--load", str(tmp_path), "--prompt", "hello",
+                       "--tokenizer-type", "GPT2BPETokenizer"])
+
+
+GPT2_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2"
+
+
+@pytest.mark.skipif(not (GPT2_DIR / "gpt2-vocab.json").is_file(),
+                    reason="needs ../shared/data/gpt2 (GPT-2 vocab and merges)")
+def test_text_prompt_with_gpt2_bpe(tmp_path):
+    vocab, merges = GPT2_DIR / "gpt2-vocab.json", GPT2_DIR / "gpt2-merges.txt"
+    _train(tmp_path, f"--vocab-file {vocab} --merge-file {merges} --tokenizer-type "
+                     "GPT2BPETokenizer", steps=1)
+    out = _run_cli("--load", str(tmp_path), "--prompt", "Hello world", "--greedy",
+                   "--max-new-tokens", "5", "--no-stop-at-eod")
+    assert out["prompt_ids"] == [15496, 995]  # GPT-2's ids for "Hello", " world"
+    assert len(out["generated_ids"]) == 5 and isinstance(out["generated_text"], str)

@@ -1,0 +1,341 @@
+#!/usr/bin/env python
+"""Generate text from a checkpoint written by pretrain_gpt.py (any tensor/pipeline layout).
+
+    python tools/generate.py --load CKPT_DIR --prompt "The meaning of life" --max-new-tokens 40
+    python tools/generate.py --load CKPT_DIR --prompt-ids 464,3616,286 --greedy
+    python tools/generate.py --load CKPT_DIR --prompt "..." --temperature 0.8 --top-p 0.9 --seed 7
+
+The model is rebuilt from the `args` stored in the checkpoint (through megatron.arguments'
+config builder) as ONE process: tensor-parallel shards are concatenated along each
+parameter's partition dimension (blocks of a strided parameter, the SwiGLU [gate; up] fc1,
+interleaved back; the fused QKV weight is laid out per query group, so a plain
+concatenation restores it) and pipeline stages (and virtual stages) are put back in layer
+order. Text prompts need the checkpoint's tokenizer (its files can be given again with
+--vocab-file/--merge-file/--tokenizer-model); NullTokenizer text is space-separated ids.
+
+Decoding recomputes the whole sequence for every new token (no key/value cache); the
+context is cut to the last --max-position-embeddings tokens. It stops after
+--max-new-tokens or at the end-of-document token (unless --no-stop-at-eod). Prints the
+prompt and generated ids and text (--json: one JSON line instead).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+_DTYPES = {"torch.float32": torch.float32, "torch.float16": torch.float16,
+           "torch.bfloat16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16,
+           "bf16": torch.bfloat16}
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_LAYER_KEY = re.compile(r"^(language_model\.encoder\.layers\.)(\d+)(\..*)$")
+
+
+# ------------------------------------------------------------------------------- files
+def find_checkpoint(load: str, iteration: Optional[int] = None) -> Tuple[str, int, int, int]:
+    """(iteration directory, iteration, tp, pp) of the checkpoint under `load`: the tracker's
+    iteration unless `iteration` is given. SystemExit naming the path when absent."""
+    from megatron.checkpointing import iteration_dir_name, read_tracker, tracker_path
+
+    release = False
+    if iteration is None:
+        try:
+            iteration, release = read_tracker(load)
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        if iteration is None:
+            raise SystemExit(f"error: no checkpoint under --load {load}: {tracker_path(load)} "
+                             "does not exist (pass --iteration N to pick one by hand)")
+    iter_dir = os.path.join(load, iteration_dir_name(iteration, release))
+    found = [_RANK_DIR.match(d) for d in sorted(os.listdir(iter_dir))] \
+        if os.path.isdir(iter_dir) else []
+    found = [m for m in found if m]
+    if not found:
+        raise SystemExit(f"error: {iter_dir} holds no mp_rank_* directories")
+    tp = 1 + max(int(m.group(1)) for m in found)
+    pp = 1 + max(int(m.group(2) or 0) for m in found)
+    return iter_dir, iteration, tp, pp
+
+
+def _flatten(tree: dict, prefix: str = "") -> Dict[str, torch.Tensor]:
+    """Megatron's nested {'language_model': {'embedding': ...}} or flat keys -> flat keys."""
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "."))
+        elif isinstance(value, torch.Tensor):
+            out[name] = value
+    return out
+
+
+def load_shards(iter_dir: str, tp: int, pp: int) -> Tuple[dict, List[List[List[dict]]]]:
+    """(args, shards[pp_rank][tp_rank] = list of chunk state dicts, virtual-stage order)."""
+    from megatron.checkpointing import MODEL_FILENAME, rank_dir_name
+
+    shards, args = [], None
+    for p in range(pp):
+        row = []
+        for t in range(tp):
+            path = os.path.join(iter_dir, rank_dir_name(t, p, pp), MODEL_FILENAME)
+            if not os.path.isfile(path):
+                raise SystemExit(f"error: checkpoint shard {path} is missing (tp {tp} x pp {pp})")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            args = args if args is not None else state.get("args")
+            keys = ["model"] if "model" in state else sorted(
+                (k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+            row.append([_flatten(state[k]) for k in keys])
+        shards.append(row)
+    if not isinstance(args, dict):
+        raise SystemExit(f"error: {iter_dir} has no 'args' dict: it was not written by "
+                         "pretrain_gpt.py, so the model shape is unknown")
+    return args, shards
+
+
+# ------------------------------------------------------------------------------ model
+def config_from_args(args: dict):
+    """The run's `Config` rebuilt from a checkpoint's plain `args`, as one process (tp = pp
+    = dp = 1, no sequence parallelism, no compile). The padded vocabulary stays the
+    checkpoint's (it depends on the tp size the checkpoint was written with)."""
+    from megatron.arguments import build_config
+
+    values = dict(args)
+    values.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                  data_parallel_size=1, world_size=1, sequence_parallel=False,
+                  virtual_pipeline_model_parallel_size=None, compile_layers=False,
+                  recompute_granularity=None, use_cpu_initialization=False, rank=0)
+    values["params_dtype"] = _DTYPES.get(str(values.get("params_dtype")), torch.float32)
+    try:
+        return build_config(argparse.Namespace(**values))
+    except AttributeError as exc:
+        raise SystemExit(f"error: the checkpoint's args lack a value ({exc}); it was written "
+                         "by an older or different program") from None
+
+
+def _global_layer_keys(chunk: dict, offset: int) -> Dict[str, torch.Tensor]:
+    out = {}
+    for key, value in chunk.items():
+        m = _LAYER_KEY.match(key)
+        if m:
+            key = f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}"
+        if not key.startswith("word_embeddings_for_head"):  # last stage's tied copy
+            out[key] = value
+    return out
+
+
+def _collect(args: dict, shards) -> Dict[str, List[torch.Tensor]]:
+    """{full-model key: [tp shards]} with pipeline (and virtual) stages renumbered."""
+    from megatron.core.models.gpt.stages import stage_layout
+
+    pp = len(shards)
+    vpp = args.get("virtual_pipeline_model_parallel_size") or len(shards[0][0])
+    collected: Dict[str, List[torch.Tensor]] = {}
+    for p, row in enumerate(shards):
+        specs = stage_layout(args["num_layers"], pp, p, vpp if vpp > 1 else None,
+                             bool(args.get("standalone_embedding_stage")))
+        for t, chunks in enumerate(row):
+            if len(chunks) != len(specs):
+                raise SystemExit(f"error: pipeline rank {p} holds {len(chunks)} model chunks, the "
+                                 f"checkpoint's args describe {len(specs)}")
+            for spec, chunk in zip(specs, chunks):
+                for key, value in _global_layer_keys(chunk, spec.layer_offset).items():
+                    collected.setdefault(key, [None] * len(row))[t] = value
+    return collected
+
+
+def merge_tp(shards: Sequence[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """Inverse of the tensor-parallel split: each shard holds `stride` blocks along `dim`;
+    the full tensor is block 0 of every rank, then block 1 of every rank, ..."""
+    if len(shards) == 1:
+        return shards[0]
+    pieces = [s.chunk(stride, dim=dim) for s in shards]
+    return torch.cat([pieces[r][b] for b in range(stride) for r in range(len(shards))], dim=dim)
+
+
+def merge_state_dict(model: torch.nn.Module, args: dict, shards) -> Dict[str, torch.Tensor]:
+    """The one-process state dict of `model` (built with tp = 1, any device) from the
+    checkpoint's shards, using each parameter's `partition_dim` / `partition_stride`."""
+    collected = _collect(args, shards)
+    params = dict(model.named_parameters())
+    merged, missing = {}, []
+    for name in model.state_dict():
+        parts = collected.pop(name, None)
+        if parts is None or any(p is None for p in parts):
+            missing.append(name)
+            continue
+        p = params.get(name)
+        if p is not None and getattr(p, "tensor_model_parallel", False):
+            merged[name] = merge_tp(parts, p.partition_dim, getattr(p, "partition_stride", 1))
+        else:
+            merged[name] = parts[0]
+    if missing or collected:
+        raise SystemExit(f"error: checkpoint does not match the model its args describe; "
+                         f"missing: {missing[:5]}, unexpected: {sorted(collected)[:5]}")
+    return merged
+
+
+def load_model(load: str, iteration: Optional[int] = None, device="cpu",
+               dtype: Optional[torch.dtype] = None):
+    """(model in eval mode, Config, iteration) from the checkpoint under `load`.
+    `dtype` None keeps the checkpoint's parameter dtype."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    iter_dir, iteration, tp, pp = find_checkpoint(load, iteration)
+    args, shards = load_shards(iter_dir, tp, pp)
+    config = config_from_args(args)
+    model = GPTModel(config.model, device="meta")
+    state = merge_state_dict(model, args, shards)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.to(device=device, dtype=dtype)
+    model.eval()
+    return model, config, iteration
+
+
+# ------------------------------------------------------------------------- generation
+def sample_next(logits: torch.Tensor, greedy: bool = False, temperature: float = 1.0,
+                top_k: int = 0, top_p: float = 1.0,
+                generator: Optional[torch.Generator] = None) -> int:
+    """One token id from a [V] logits vector: argmax when greedy (or temperature 0), else a
+    draw from softmax(logits / temperature) restricted to the top_k ids and to the smallest
+    set whose probability reaches top_p."""
+    if greedy or temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # mass before this id
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, greedy: bool = False,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             generator: Optional[torch.Generator] = None, eod: Optional[int] = None,
+             vocab_limit: Optional[int] = None) -> List[int]:
+    """New token ids after `prompt_ids` (full-sequence recompute per token). Ids at or above
+    `vocab_limit` (the padding rows of the embedding) are never produced."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty; give --prompt or --prompt-ids")
+    device = next(model.parameters()).device
+    max_len = model.config.max_position_embeddings
+    ids = list(prompt_ids)
+    out: List[int] = []
+    for _ in range(max_new_tokens):
+        context = torch.tensor([ids[-max_len:]], dtype=torch.long, device=device)
+        logits = model(context)[0, -1].float()
+        if vocab_limit is not None:
+            logits[vocab_limit:] = float("-inf")
+        token = sample_next(logits, greedy, temperature, top_k, top_p, generator)
+        out.append(token)
+        ids.append(token)
+        if eod is not None and token == eod:
+            break
+    return out
+
+
+# -------------------------------------------------------------------------------- CLI
+def build_tokenizer_from(args: dict, a) -> Tuple[Optional[object], Optional[str]]:
+    """(tokenizer, None) or (None, why not), from the checkpoint's args and CLI overrides."""
+    kind = a.tokenizer_type or args.get("tokenizer_type")
+    try:
+        from megatron.tokenizer import build_tokenizer
+    except ImportError as exc:
+        return None, f"megatron.tokenizer is not available ({exc})"
+    try:
+        return build_tokenizer(kind, vocab_file=a.vocab_file or args.get("vocab_file"),
+                               merge_file=a.merge_file or args.get("merge_file"),
+                               tokenizer_model=a.tokenizer_model or args.get("tokenizer_model"),
+                               vocab_size=args.get("vocab_size"),
+                               vocab_extra_ids=args.get("vocab_extra_ids") or 0), None
+    except (ValueError, OSError) as exc:
+        return None, f"tokenizer {kind}: {exc}"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--load", required=True, help="checkpoint directory (as --save wrote it)")
+    ap.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (NullTokenizer: space-separated ids)")
+    src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--greedy", action="store_true", help="argmax decoding")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
+    ap.add_argument("--top-p", type=float, default=1.0, help="1.0: no nucleus filter")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--no-stop-at-eod", action="store_true", help="keep going after EOD")
+    ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                    help="default: the checkpoint's on CUDA, fp32 on CPU")
+    ap.add_argument("--tokenizer-type", default=None, help="default: the checkpoint's")
+    ap.add_argument("--vocab-file", default=None)
+    ap.add_argument("--merge-file", default=None)
+    ap.add_argument("--tokenizer-model", default=None)
+    ap.add_argument("--json", action="store_true", help="print one JSON line")
+    a = ap.parse_args(argv)
+    if a.max_new_tokens < 0 or a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
+        ap.error("need --max-new-tokens >= 0, --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
+    return a
+
+
+def _prompt_ids(a, tokenizer, why_not: Optional[str]) -> List[int]:
+    if a.prompt_ids is not None:
+        try:
+            return [int(x) for x in a.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise SystemExit(f"error: --prompt-ids {a.prompt_ids!r}: expected comma-separated "
+                             "integers like 1,2,3") from None
+    if tokenizer is None:
+        raise SystemExit(f"error: --prompt needs the checkpoint's tokenizer, which cannot be "
+                         f"built: {why_not}; give its files (--vocab-file/--merge-file/"
+                         "--tokenizer-model) or use --prompt-ids")
+    return tokenizer.tokenize(a.prompt)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = _DTYPES[a.dtype] if a.dtype else (None if device.type == "cuda" else torch.float32)
+    model, config, iteration = load_model(a.load, a.iteration, device, dtype)
+    tokenizer, why_not = build_tokenizer_from(config.args, a)
+    ids = _prompt_ids(a, tokenizer, why_not)
+    vocab = config.model.padded_vocab_size
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise SystemExit(f"error: prompt ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    gen = torch.Generator().manual_seed(a.seed)
+    eod = None if (a.no_stop_at_eod or tokenizer is None) else getattr(tokenizer, "eod", None)
+    new = generate(model, ids, a.max_new_tokens, greedy=a.greedy, temperature=a.temperature,
+                   top_k=a.top_k, top_p=a.top_p, generator=gen, eod=eod,
+                   vocab_limit=tokenizer.vocab_size if tokenizer is not None else None)
+    text = tokenizer.detokenize(new) if tokenizer is not None else None
+    if a.json:
+        print(json.dumps({"iteration": iteration, "prompt_ids": ids, "generated_ids": new,
+                          "generated_text": text}))
+        return 0
+    print(f"checkpoint: {a.load} iteration {iteration}")
+    if tokenizer is not None:
+        print(f"prompt: {tokenizer.detokenize(ids)}")
+    print(f"prompt ids: {ids}")
+    print(f"generated ids: {new}")
+    print(f"generated text: {text if text is not None else '(no tokenizer: ' + str(why_not) + ')'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
