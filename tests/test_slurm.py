@@ -1,0 +1,203 @@
+"""The Slurm batch script, run for real: a one-node Slurm (munged + slurmctld + slurmd on
+localhost, see tests/slurm_cluster.py) runs scripts/slurm/pretrain_gpt.sbatch with
+DEVICE=cpu (directly, and through its CPU variant pretrain_gpt_cpu.sbatch): srun starts
+torchrun, torchrun starts 2 gloo ranks (TP=2) training a tiny GPT on mock data.
+
+1. An uninterrupted job (the main script, `--gpus-per-node=0`): ran through srun and
+   torchrun, tensorboard events and the final checkpoint exist.
+2. Time-limit warning: `scancel --batch --signal=USR1` mid-run (what `--signal=B:USR1@120`
+   does); the script sends SIGTERM to the step, the ranks save (--exit-signal-handler) at
+   the iteration they reached, the script requeues the job, the requeued job loads that
+   checkpoint and finishes. Every iteration 1..T is logged once and its loss equals the
+   uninterrupted run's (fp32 on CPU: bit-identical printed values).
+3. `scontrol requeue` from outside (SIGTERM to every process, SIGKILL after KillWait): the
+   requeued job resumes from the newest checkpoint (the one the ranks save on SIGTERM, or
+   the last --save-interval one) and finishes with the same losses.
+
+Skipped (with the reason) where Slurm is not installed or cannot start; CI installs it.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import free_port
+from tests.slurm_cluster import SlurmStartError, missing_reason, start_cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+SLURM_DIR = ROOT / "scripts" / "slurm"
+TRAIN_ITERS = 100
+TINY_PRESET = """\
+num-layers: 2
+hidden-size: 64
+num-attention-heads: 4
+seq-length: 32
+max-position-embeddings: 32
+micro-batch-size: 2
+global-batch-size: 8
+lr: 1.0e-3
+min-lr: 1.0e-4
+lr-decay-style: cosine
+lr-warmup-iters: 2
+log-interval: 1
+eval-iters: 0
+use-cpu-initialization: true
+tensor-model-parallel-size: 2
+"""
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    # not under pytest's tmp dir: munged wants a socket path that everyone can traverse
+    workdir = Path(tempfile.mkdtemp(prefix="slurm-test-"))
+    try:
+        try:
+            c = start_cluster(workdir)
+        except SlurmStartError as exc:
+            pytest.skip(f"could not start a local Slurm cluster: {exc}")
+        try:
+            yield c
+        finally:
+            c.stop()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def submit(cluster, run_dir: Path, name: str, *extra: str, gpu_script: bool = False) -> tuple:
+    """Submit the CPU variant (or the main script switched to CPU) with the tiny preset;
+    returns (job id, its log path)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    preset = run_dir / "tiny.yaml"
+    preset.write_text(TINY_PRESET)
+    log = run_dir / "slurm.out"
+    env = {"REPO": str(ROOT), "CONFIG": str(preset), "RUN_DIR": str(run_dir / "run"),
+           "TOKENIZER_TYPE": "NullTokenizer", "VOCAB_SIZE": "200",
+           "MASTER_PORT": str(free_port()), "PYTHON": sys.executable}
+    sbatch_args = (f"--job-name={name}", f"--output={log}")
+    script = SLURM_DIR / "pretrain_gpt_cpu.sbatch"
+    if gpu_script:  # the switch: DEVICE=cpu, and no GPUs asked of a CPU-only cluster
+        script = SLURM_DIR / "pretrain_gpt.sbatch"
+        env["DEVICE"] = "cpu"
+        sbatch_args += ("--nodes=1", "--gpus-per-node=0")
+    job_id = cluster.sbatch(str(script), "--train-iters", str(TRAIN_ITERS), *extra, env=env,
+                            sbatch_args=sbatch_args, cwd=str(ROOT))
+    return job_id, log
+
+
+def finished(cluster, job_id: int, log: Path, timeout: float = 150) -> str:
+    info = cluster.wait_job(job_id, lambda j: j["JobState"] in ("COMPLETED", "FAILED",
+                                                                "CANCELLED", "TIMEOUT"),
+                            timeout, "the end of the job")
+    text = log.read_text(errors="replace")
+    assert info["JobState"] == "COMPLETED", (
+        f"job {job_id}: {info['JobState']} (Reason={info.get('Reason')} "
+        f"ExitCode={info.get('ExitCode')})\n{text[-6000:]}\n{cluster.log_tail(40)}")
+    return text
+
+
+def wait_for_iteration(cluster, job_id: int, log: Path, iteration: int, timeout: float = 90):
+    pattern = re.compile(rf"iteration\s+{iteration}/")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.exists() and pattern.search(log.read_text(errors="replace")):
+            return
+        time.sleep(0.1)
+    text = log.read_text(errors="replace") if log.exists() else "(no log)"
+    raise AssertionError(f"job {job_id} did not reach iteration {iteration}:\n{text[-4000:]}"
+                         f"\n{cluster.log_tail()}")
+
+
+def release_requeued(cluster, job_id: int) -> None:
+    """A requeued job waits ~2 min (its BeginTime); let it start sooner. Not at once:
+    slurmd refuses a launch credential issued in the second its old one was revoked."""
+    cluster.wait_job(job_id, lambda j: j["JobState"] == "PENDING" and j["Restarts"] != "0",
+                     60, "PENDING after the requeue")
+    time.sleep(2)
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+
+
+def losses(log: str) -> list:
+    """[(iteration, printed lm loss)] in log order."""
+    return [(int(i), v) for i, v in
+            re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", log)]
+
+
+def tracker(run_dir: Path) -> str:
+    return (run_dir / "run" / "checkpoints" / "latest_checkpointed_iteration.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory):
+    """An uninterrupted job of the main script in CPU mode: (run dir, its log)."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    job_id, log = submit(cluster, run_dir, "gpt-ref", gpu_script=True)
+    return run_dir, finished(cluster, job_id, log)
+
+
+def test_batch_job_trains_through_srun_and_torchrun(reference):
+    run_dir, log = reference
+    assert re.search(r"step \d+\.0: torchrun --node-rank 0 --nnodes 1 --nproc-per-node 2 "
+                     r"--master-addr \S+ --master-port \d+", log), log[:3000]
+    assert "1 node(s) [" in log and "x 2 process(es), DEVICE=cpu" in log
+    assert "using world size: 2" in log and "tensor-model-parallel size: 2" in log
+    assert [i for i, _ in losses(log)] == list(range(1, TRAIN_ITERS + 1))
+    assert "will start from random" in log  # --load on an empty directory: a fresh start
+    assert tracker(run_dir) == str(TRAIN_ITERS)
+    ckpt = run_dir / "run" / "checkpoints" / f"iter_{TRAIN_ITERS:07d}"
+    assert (ckpt / "mp_rank_00" / "model_optim_rng.pt").exists()
+    assert (ckpt / "mp_rank_01" / "model_optim_rng.pt").exists()
+    from megatron.logging_utils import read_scalars
+    scalars = read_scalars(str(run_dir / "run" / "tensorboard"))
+    assert [s for s, _ in scalars["lm loss"]] == list(range(1, TRAIN_ITERS + 1))
+
+
+def test_usr1_saves_requeues_and_resumes(cluster, reference, tmp_path):
+    job_id, log = submit(cluster, tmp_path, "gpt-usr1")
+    wait_for_iteration(cluster, job_id, log, 8)
+    cluster.run("scancel", "--batch", "--signal=USR1", str(job_id))
+    release_requeued(cluster, job_id)
+    text = finished(cluster, job_id, log)
+
+    saved = re.search(r"successfully saved checkpoint at iteration\s+(\d+)", text)
+    assert saved and "[exiting program after receiving SIGTERM.]" in text, text[-6000:]
+    stopped_at = int(saved.group(1))
+    assert 8 <= stopped_at < TRAIN_ITERS
+    assert f"requeueing job {job_id}" in text and f"job {job_id} restart 1:" in text
+    assert f"loading checkpoint from {tmp_path}/run/checkpoints at iteration {stopped_at}" in text
+    assert cluster.job(job_id)["Restarts"] == "1"
+    # every iteration exactly once, with the uninterrupted run's loss
+    assert losses(text) == losses(reference[1])
+    assert tracker(tmp_path) == str(TRAIN_ITERS)
+    from megatron.logging_utils import read_scalars
+    scalars = read_scalars(str(tmp_path / "run" / "tensorboard"))
+    assert [s for s, _ in scalars["lm loss"]] == list(range(1, TRAIN_ITERS + 1))
+
+
+def test_scontrol_requeue_resumes_from_latest_checkpoint(cluster, reference, tmp_path):
+    job_id, log = submit(cluster, tmp_path, "gpt-requeue", "--save-interval", "10")
+    wait_for_iteration(cluster, job_id, log, 25)
+    cluster.run("scontrol", "requeue", str(job_id))
+    release_requeued(cluster, job_id)
+    text = finished(cluster, job_id, log)
+
+    first, second = text.split(f"job {job_id} restart 1:")
+    loaded = re.search(r"loading checkpoint from \S+ at iteration (\d+)", second)
+    assert loaded, second[-6000:]
+    resumed_from = int(loaded.group(1))
+    saved = re.findall(r"successfully saved checkpoint at iteration\s+(\d+)", first)
+    assert saved and resumed_from == int(saved[-1]), first[-6000:]  # the newest one
+    assert 20 <= resumed_from < TRAIN_ITERS
+    ref = dict(losses(reference[1]))
+    assert losses(second) == [(i, ref[i]) for i in range(resumed_from + 1, TRAIN_ITERS + 1)]
+    assert tracker(tmp_path) == str(TRAIN_ITERS)
