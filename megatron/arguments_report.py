@@ -129,6 +129,7 @@ def dry_run_report(config: Config, world_size: int) -> str:
         f"{m.position_embedding_type}, vocab {m.padded_vocab_size} (padded), {dtype}",
         f"  parameters: {_fmt(counts.total)} total; per rank ({per_rank})",
     ]
+    lines += _memory_lines(config)
     missing = find_missing_inputs(config.args)
     if missing:
         lines.append("missing inputs:")
@@ -139,6 +140,26 @@ def dry_run_report(config: Config, world_size: int) -> str:
     if load and not os.path.isdir(load):
         lines.append(f"note: --load {load} does not exist; training would start from scratch")
     return "\n".join(lines)
+
+
+def _local_gpu_memory() -> Optional[int]:
+    """Total memory of the local GPU in bytes, or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+
+def _memory_lines(config: Config) -> List[str]:
+    """The memory estimate of `megatron.memory_estimate`, checked against --gpu-memory-gb
+    (default: the local GPU's memory; no check on a machine without CUDA)."""
+    from megatron.memory_estimate import format_memory_report
+
+    gb = config.args.get("gpu_memory_gb")
+    if gb is not None:
+        return format_memory_report(config, int(gb * 2**30), "--gpu-memory-gb")
+    return format_memory_report(config, _local_gpu_memory(), "the local GPU's memory")
 
 
 def run_dry_run(config: Config, world_size: int) -> int:

@@ -302,9 +302,11 @@ EXTRA_GROUP = ("extensions (not in Megatron-LM 23.05)", (
     ("--overlap-grad-reduce", "true", False),
     ("--no-overlap-grad-reduce", "false", False, None, "overlap_grad_reduce"),
     ("--ddp-bucket-size", "int", None),
+    ("--overlap-param-gather", "true", False),
     ("--async-tensor-model-parallel-allreduce", "true", True),
     ("--gradient-accumulation-fusion", "true", True),
     ("--expert-model-parallel-size", "int", 1),
+    ("--gpu-memory-gb", "float", None),
     ("--nan-loss-policy", "str", "stop", ("stop", "skip", "rollback")),
 ))
 
@@ -324,10 +326,20 @@ EXTRA_HELP = {
     "--overlap-grad-reduce": "overlap the data-parallel gradient all-reduce with backward",
     "--no-overlap-grad-reduce": "do not overlap the gradient all-reduce (default)",
     "--ddp-bucket-size": "elements per gradient all-reduce bucket",
+    "--overlap-param-gather": "with --use-distributed-optimizer: all-gather the updated "
+                              "parameters while the next forward pass runs",
     "--async-tensor-model-parallel-allreduce": "overlap the tensor-parallel input-grad "
                                                "all-reduce with the weight-grad GEMM (default)",
     "--gradient-accumulation-fusion": "fused weight-grad accumulation into main_grad (default)",
     "--expert-model-parallel-size": "expert-model-parallel size (mixture-of-experts)",
+    "--gpu-memory-gb": "memory of one GPU for the --dry-run memory check (default: what the "
+                       "local GPU has; no check without a GPU)",
+    "--pipeline-model-parallel-size": "number of pipeline stages (layers split evenly)",
+    "--num-layers-per-virtual-pipeline-stage": "layers per virtual stage: the interleaved 1F1B "
+                                               "schedule (micro-batches must be a multiple of "
+                                               "the pipeline size)",
+    "--overlap-p2p-communication": "do not wait for pipeline sends before the next compute",
+    "--standalone-embedding-stage": "the first pipeline stage holds only the embedding",
     "--nan-loss-policy": "on a NaN/Inf loss: stop with a message (default); skip the "
                          "iteration; or roll back to the last checkpoint and skip the batches "
                          "since it (skip and rollback check every iteration: one host sync)",
@@ -343,7 +355,6 @@ _BIENCODER = "biencoder/ICT retrieval models are not part of this GPT framework"
 _RETRO = "RETRO models are not part of this GPT framework"
 _FP8 = "Transformer Engine and fp8 are not supported by this framework yet"
 _MOE = "mixture-of-experts is not supported by this framework yet"
-_PIPELINE = "pipeline parallelism is not built yet"
 
 # Every flag of these Megatron groups except those listed in ALLOWED_IN_REJECTED_GROUPS.
 NOT_SUPPORTED_GROUPS = {
@@ -376,11 +387,6 @@ NOT_SUPPORTED = {
     "--adlr-autoresume": "ADLR autoresume is an NVIDIA cluster service and is not supported; "
                          "use --exit-signal-handler or --exit-duration-in-mins",
     "--adlr-autoresume-interval": "ADLR autoresume is not supported",
-    "--pipeline-model-parallel-size": _PIPELINE,
-    "--num-layers-per-virtual-pipeline-stage": "the interleaved pipeline schedule is not built yet",
-    "--overlap-p2p-communication": _PIPELINE,
-    "--standalone-embedding-stage": _PIPELINE,
-    "--use-distributed-optimizer": "the distributed optimizer is not built yet",
     "--rampup-batch-size": "batch-size ramp-up is not built yet",
     "--distribute-saved-activations": "distributing saved activations over tensor-parallel "
                                       "ranks is not built yet",

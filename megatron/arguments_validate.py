@@ -117,6 +117,9 @@ def _resolve_parallel(ns, world_size: int) -> None:
             "processes or change the parallel sizes")
     ns.world_size = world_size
     ns.data_parallel_size = world_size // (tp * pp)
+    if ns.standalone_embedding_stage and pp < 2:
+        raise ArgumentsError(f"--standalone-embedding-stage needs --pipeline-model-parallel-size "
+                             f">= 2 (got {pp}): the first stage would hold no layers at all")
     ns.transformer_pipeline_model_parallel_size = pp - 1 if ns.standalone_embedding_stage else pp
     ns.virtual_pipeline_model_parallel_size = None
     note(f"using world size: {world_size}, data-parallel-size: {ns.data_parallel_size}, "
@@ -133,6 +136,45 @@ def _resolve_parallel(ns, world_size: int) -> None:
     if ns.sequence_parallel and tp == 1:
         warn("--sequence-parallel needs --tensor-model-parallel-size > 1; disabled")
         ns.sequence_parallel = False
+
+
+def _resolve_virtual_pipeline(ns) -> None:
+    """Virtual stages for the interleaved schedule (Megatron: v = layers per stage // L),
+    after the micro-batch count is known. Megatron asks for pp > 2; our schedule also runs
+    pp == 2. --overlap-p2p-communication only matters with pp > 1."""
+    pp, per_vstage = ns.pipeline_model_parallel_size, ns.num_layers_per_virtual_pipeline_stage
+    if ns.overlap_p2p_comm and pp == 1:
+        warn("--overlap-p2p-communication has no effect without --pipeline-model-parallel-size > 1")
+    if per_vstage is None:
+        return
+    if pp < 2:
+        raise ArgumentsError(f"--num-layers-per-virtual-pipeline-stage {per_vstage} needs "
+                             f"--pipeline-model-parallel-size >= 2 (got {pp})")
+    if ns.standalone_embedding_stage:
+        raise ArgumentsError("--num-layers-per-virtual-pipeline-stage and "
+                             "--standalone-embedding-stage cannot be combined; drop one")
+    per_stage = ns.num_layers // pp
+    if per_vstage < 1 or per_stage % per_vstage:
+        raise ArgumentsError(
+            f"--num-layers-per-virtual-pipeline-stage {per_vstage} must divide the "
+            f"{per_stage} layers of each pipeline stage (--num-layers {ns.num_layers} / "
+            f"--pipeline-model-parallel-size {pp})")
+    if ns.num_micro_batches % pp:
+        raise ArgumentsError(
+            f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage) needs the "
+            f"number of micro-batches ({ns.num_micro_batches} = --global-batch-size "
+            f"{ns.global_batch_size} / (--micro-batch-size {ns.micro_batch_size} x "
+            f"data-parallel size {ns.data_parallel_size})) to be a multiple of "
+            f"--pipeline-model-parallel-size {pp}; use a global batch size that is a "
+            f"multiple of {ns.micro_batch_size * ns.data_parallel_size * pp}")
+    vpp = per_stage // per_vstage
+    if vpp == 1:
+        warn(f"--num-layers-per-virtual-pipeline-stage {per_vstage} equals the layers per "
+             "pipeline stage: one virtual stage per rank, using the non-interleaved 1F1B "
+             "schedule")
+        return
+    ns.virtual_pipeline_model_parallel_size = vpp
+    note(f"interleaved pipeline schedule: {vpp} virtual stages per pipeline rank")
 
 
 def _resolve_batch(ns) -> None:
@@ -260,6 +302,29 @@ def _resolve_precision(ns, explicit: Set[str]) -> None:
         ns.async_tensor_model_parallel_allreduce = False
 
 
+def _resolve_data_parallel(ns) -> None:
+    """Megatron's --DDP-impl rules: the distributed optimizer (like fp32 accumulation, see
+    _resolve_precision) and pipeline parallelism need the local DDP with contiguous grad
+    buffers; --overlap-param-gather needs the distributed optimizer."""
+    if ns.use_distributed_optimizer and (
+            ns.DDP_impl != "local" or not ns.use_contiguous_buffers_in_local_ddp):
+        raise ArgumentsError(
+            f"--use-distributed-optimizer needs --DDP-impl local (got {ns.DDP_impl}) and "
+            "contiguous buffers (drop --no-contiguous-buffers-in-local-ddp)")
+    if ns.DDP_impl == "torch" and ns.pipeline_model_parallel_size > 1:
+        raise ArgumentsError(
+            f"--pipeline-model-parallel-size {ns.pipeline_model_parallel_size} needs "
+            "--DDP-impl local (got torch)")
+    if ns.overlap_param_gather and not ns.use_distributed_optimizer:
+        raise ArgumentsError("--overlap-param-gather needs --use-distributed-optimizer")
+    if ns.overlap_param_gather and ns.compile_layers:
+        raise ArgumentsError("--overlap-param-gather waits for parameters in module forward "
+                             "hooks, which torch.compile cannot trace; drop --compile")
+    if ns.overlap_param_gather and ns.compile_layers is None:
+        note("--overlap-param-gather: transformer layers are not compiled (as with --no-compile)")
+        ns.compile_layers = False
+
+
 def _resolve_optimizer(ns) -> None:
     if ns.lr < 0 or ns.min_lr < 0 or ns.min_lr > ns.lr:
         raise ArgumentsError(f"--min-lr {ns.min_lr} must be >= 0 and <= --lr {ns.lr}")
@@ -341,8 +406,10 @@ def validate_args(
     _check_required(ns)
     _resolve_parallel(ns, world_size)
     _resolve_batch(ns)
+    _resolve_virtual_pipeline(ns)
     _resolve_model_shape(ns)
     _resolve_precision(ns, explicit)
+    _resolve_data_parallel(ns)
     _resolve_optimizer(ns)
     _resolve_recompute(ns)
     _resolve_runtime(ns, explicit, cuda_available)

@@ -399,6 +399,36 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- trainer glue
+def _chunk_models(model) -> list:
+    chunks = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
+    return [getattr(c, "module", c) for c in chunks]
+
+
+def model_state_dicts(model) -> dict:
+    """`{"model": sd}` for one model chunk, `{"model0": sd0, "model1": sd1, ...}` for
+    virtual pipeline chunks (Megatron's keys). `model` is a ModelChunks or one module."""
+    chunks = _chunk_models(model)
+    if len(chunks) == 1:
+        return {"model": chunks[0].state_dict()}
+    return {f"model{i}": c.state_dict() for i, c in enumerate(chunks)}
+
+
+def load_model_state_dicts(model, state: dict) -> None:
+    """Load the keys written by `model_state_dicts` (strict); SystemExit when the
+    checkpoint's number of virtual pipeline chunks differs from this run's."""
+    chunks = _chunk_models(model)
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    missing = [k for k in keys if k not in state]
+    if missing:
+        found = sorted(k for k in state if k == "model" or re.fullmatch(r"model\d+", k))
+        raise SystemExit(
+            f"checkpoint has model entries {found} but this run has {len(chunks)} model "
+            f"chunk(s) per pipeline rank (needs {keys}); run with the checkpoint's "
+            "--num-layers-per-virtual-pipeline-stage")
+    for key, chunk in zip(keys, chunks):
+        chunk.load_state_dict(state[key], strict=True)
+
+
 def trainer_state_dict(tr) -> dict:
     """This rank's checkpoint payload from a `megatron.training.Trainer`."""
     cfg = tr.config
@@ -409,7 +439,7 @@ def trainer_state_dict(tr) -> dict:
         "args": args_to_plain(args),
         "checkpoint_version": 3.0,
         "iteration": tr.state.iteration,
-        "model": tr.model.module.state_dict(),
+        **model_state_dicts(tr.model),
         "train_state": tr.state.state_dict(),
     }
     if not cfg.checkpoint.no_save_optim:
@@ -424,8 +454,12 @@ def save_trainer_checkpoint(tr) -> float:
     """Save the trainer at its current iteration to --save; returns the seconds it took."""
     if tr.rt.device.type == "cuda":
         torch.cuda.synchronize()
+    extra = None
+    if not tr.config.checkpoint.no_save_optim and hasattr(tr.optimizer, "get_parameter_state"):
+        param_state = tr.optimizer.get_parameter_state()  # distributed optimizer: gather over DP
+        extra = None if param_state is None else {"distrib_optim.pt": param_state}
     return save_checkpoint(tr.config.checkpoint.save, tr.state.iteration,
-                           trainer_state_dict(tr), tr.rt.ps)
+                           trainer_state_dict(tr), tr.rt.ps, extra_files=extra)
 
 
 def load_trainer_checkpoint(tr) -> None:
@@ -435,7 +469,7 @@ def load_trainer_checkpoint(tr) -> None:
     if loaded is None:
         return
     iteration, state = loaded
-    tr.model.module.load_state_dict(state["model"], strict=True)
+    load_model_state_dicts(tr.model, state)
     if ck.finetune:
         tr.optimizer.reload_model_params()
         print_rank_0(f" > loaded weights from {ck.load} at iteration {iteration} (--finetune: "
@@ -444,6 +478,9 @@ def load_trainer_checkpoint(tr) -> None:
     tr.state.load_state_dict(state.get("train_state", {"iteration": iteration}))
     if not ck.no_load_optim and "optimizer" in state:
         tr.optimizer.load_state_dict(state["optimizer"])
+        if hasattr(tr.optimizer, "load_parameter_state"):  # the distributed optimizer's shards
+            tr.optimizer.load_parameter_state(load_extra_file(
+                ck.load, iteration, tr.rt.ps, "distrib_optim.pt", release=iteration == 0))
         tr.scheduler.load_state_dict(state["opt_param_scheduler"])
     else:
         tr.optimizer.reload_model_params()

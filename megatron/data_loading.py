@@ -7,6 +7,7 @@ Sample counts follow Megatron: train = train_iters * global batch; valid = test 
 from __future__ import annotations
 
 import queue
+import signal
 import threading
 from typing import Dict, Iterator, List, Optional
 
@@ -150,6 +151,13 @@ class PrefetchIterator:
         self.stop.set()
 
 
+def _ignore_preemption_signals(_worker_id: int) -> None:
+    """Loader workers ignore SIGTERM/SIGUSR1 (slurm and torchrun signal the whole process
+    group): the training process decides, saves and exits; its workers end with it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 def make_iterator(config: Config, dataset, consumed: int, dp_rank: int, dp_size: int,
                   pin: bool) -> Optional[Iterator[dict]]:
     """Micro-batches of this DP rank starting at `consumed` samples (None without data).
@@ -163,9 +171,13 @@ def make_iterator(config: Config, dataset, consumed: int, dp_rank: int, dp_size:
     sampler = kind(len(dataset), consumed, d.micro_batch_size, dp_rank, dp_size)
     if d.num_workers == 0:
         return PrefetchIterator(dataset, sampler, pin)
+    # Own generator: creating the loader must not draw from the (checkpointed) default RNG,
+    # or a resumed run would see different dropout masks than an uninterrupted one.
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=d.num_workers, pin_memory=pin,
-        collate_fn=_collate, persistent_workers=True, prefetch_factor=4)
+        collate_fn=_collate, persistent_workers=True, prefetch_factor=4,
+        worker_init_fn=_ignore_preemption_signals,
+        generator=torch.Generator().manual_seed(d.seed))
     return iter(loader)
 
 

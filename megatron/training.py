@@ -18,9 +18,10 @@ import torch.distributed as dist
 from megatron import checkpointing
 from megatron.config import Config
 from megatron.core.distributed import DistributedDataParallel
-from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.models.gpt.stages import build_stage_models, sync_tied_embeddings
 from megatron.core.optimizer import OptimizerParamScheduler, build_optimizer
-from megatron.data_loading import build_datasets, make_iterator
+from megatron.core.pipeline_parallel import ModelChunks
+from megatron.data_loading import build_datasets, build_tokenizer_for, make_iterator
 from megatron.initialize import Runtime
 from megatron.logging_utils import (
     TensorboardLogger,
@@ -31,7 +32,7 @@ from megatron.logging_utils import (
     print_rank_last,
 )
 from megatron.signals import SignalHandler
-from megatron.train_step import forward_backward, get_batch, train_step  # noqa: F401 (re-exported)
+from megatron.train_step import forward_backward, train_step  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -59,30 +60,36 @@ class Trainer:
 
     config: Config
     rt: Runtime
-    model: DistributedDataParallel
+    model: ModelChunks  # this rank's chunk(s); `.module` when there is one
     optimizer: object
     scheduler: OptimizerParamScheduler
     state: TrainState = field(default_factory=TrainState)
     tb: Optional[TensorboardLogger] = None
     signals: Optional[SignalHandler] = None
+    eod: Optional[int] = None  # end-of-document token, for the reset/eod-mask flags
     last_local_loss: Optional[torch.Tensor] = None
 
 
 # --------------------------------------------------------------------------- building
-def build_model(config: Config, rt: Runtime) -> DistributedDataParallel:
-    """The GPT model for this rank, wrapped for data-parallel gradient reduction."""
-    model = GPTModel(config.model, tp_group=rt.ps.tp_group, rng_tracker=rt.rng_tracker,
-                     device=rt.device)
-    model.to(rt.device)
-    n_params = sum(p.numel() for p in model.parameters())
+def build_model(config: Config, rt: Runtime) -> ModelChunks:
+    """This rank's model chunks (one, or one per virtual pipeline stage), each wrapped for
+    data-parallel gradient reduction. With pp > 1 and tied embeddings the last stage's
+    output-embedding copy starts as the first stage's embedding (broadcast)."""
+    models = build_stage_models(config.model, rt.ps, rt.rng_tracker, rt.device,
+                                config.parallel.virtual_pp_size,
+                                config.parallel.standalone_embedding_stage)
+    for model in models:
+        model.to(rt.device)
+    n_params = sum(p.numel() for model in models for p in model.parameters())
     print(f" > number of parameters on (tensor, pipeline) model parallel rank "
           f"({rt.ps.tp_rank}, {rt.ps.pp_rank}): {n_params}", flush=True) if rt.ps.dp_rank == 0 else None
-    return DistributedDataParallel(model, rt.ps, config.parallel)
+    sync_tied_embeddings(models, rt.ps)
+    return ModelChunks(DistributedDataParallel(m, rt.ps, config.parallel) for m in models)
 
 
 def build_trainer(config: Config, rt: Runtime) -> Trainer:
     model = build_model(config, rt)
-    optimizer = build_optimizer(config.optimizer, [model.module], rt.ps)
+    optimizer = build_optimizer(config.optimizer, model.unwrapped(), rt.ps)
     scheduler = OptimizerParamScheduler(optimizer, config.optimizer)
     tb = TensorboardLogger(config.logging, is_writer_rank=rt.ps.rank == rt.ps.world_size - 1)
     return Trainer(config, rt, model, optimizer, scheduler, TrainState(), tb)
@@ -331,6 +338,8 @@ def pretrain(config: Config, rt: Runtime) -> Trainer:
     if tr.tb is not None:
         tr.tb.log_args(config.args, tr.state.iteration)
     vocab = config.data.vocab_size or config.model.padded_vocab_size
+    tokenizer = build_tokenizer_for(config)
+    tr.eod = None if tokenizer is None else tokenizer.eod
     datasets = build_datasets(config, rt.ps.rank, vocab)
     print_rank_0(f"[after dataloaders are built] datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
     train_data = data_iterator(config, rt, "train", tr.state.consumed_train_samples, datasets)
