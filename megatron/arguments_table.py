@@ -308,6 +308,10 @@ EXTRA_GROUP = ("extensions (not in Megatron-LM 23.05)", (
     ("--expert-model-parallel-size", "int", 1),
     ("--gpu-memory-gb", "float", None),
     ("--nan-loss-policy", "str", "stop", ("stop", "skip", "rollback")),
+    ("--profile", "true", False),
+    ("--profile-step-start", "int", 10),
+    ("--profile-step-end", "int", 12),
+    ("--profile-ranks", "+int", [0]),
 ))
 
 EXTRA_HELP = {
@@ -340,6 +344,12 @@ EXTRA_HELP = {
                                                "the pipeline size)",
     "--overlap-p2p-communication": "do not wait for pipeline sends before the next compute",
     "--standalone-embedding-stage": "the first pipeline stage holds only the embedding",
+    "--profile": "record a torch profiler trace (tensorboard-readable, under --tensorboard-dir "
+                 "or ./profile) for iterations [--profile-step-start, --profile-step-end); on "
+                 "GPU the steps also carry NVTX ranges for nsys",
+    "--profile-step-start": "first profiled iteration",
+    "--profile-step-end": "profiling stops before this iteration",
+    "--profile-ranks": "global ranks that write a trace",
     "--nan-loss-policy": "on a NaN/Inf loss: stop with a message (default); skip the "
                          "iteration; or roll back to the last checkpoint and skip the batches "
                          "since it (skip and rollback check every iteration: one host sync)",

@@ -42,7 +42,9 @@ def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-    timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
+    # One minute more than --distributed-timeout-minutes: the training watchdog names the
+    # missing ranks before the backend's own timeout error.
+    timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes, seconds=60)
     if world_size > 1 and not dist.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)

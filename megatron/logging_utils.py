@@ -341,6 +341,17 @@ class TensorboardLogger:
         self.writer.add_scalar(name, value, iteration)
         self.writer.add_scalar(f"{name} vs samples", value, consumed_samples)
 
+    def log_scalars(self, iteration: int, consumed_samples: int, values: Dict[str, float]) -> None:
+        """Extra scalars (throughput, MFU, memory), each with its "vs samples" twin."""
+        if self.writer is None:
+            return
+        for name, value in values.items():
+            self._both(name, value, iteration, consumed_samples)
+
+    def log_text(self, tag: str, text: str, iteration: int = 0) -> None:
+        if self.writer is not None:
+            self.writer.add_text(tag, text, global_step=iteration)
+
     def log_args(self, args_dict: Dict[str, object], iteration: int) -> None:
         """One text entry per argument: tag = argument name, text = str(value)."""
         if self.writer is None:

@@ -6,6 +6,7 @@ grad all-reduces -> optimizer step (may skip) -> lr step.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Iterator, Optional
 
 import torch
@@ -100,6 +101,14 @@ def forward_backward(tr, data: Iterator[dict], num_micro: int,
     return loss
 
 
+def _watch(tr, name: str, group_kind: str):
+    """Name the ranks that never arrive if this collective hangs (see megatron/watchdog)."""
+    wd = getattr(tr, "watchdog", None)
+    if wd is None:
+        return contextlib.nullcontext()
+    return wd.watch(name, ranks=tr.rt.ps.ranks(group_kind))
+
+
 def loss_is_finite_everywhere(loss: torch.Tensor) -> bool:
     """True when no rank saw a NaN/Inf loss. Collective (MAX over the world) and a host
     synchronisation: used only when the NaN policy must act before the optimizer step."""
@@ -117,7 +126,8 @@ def train_step(tr, data: Iterator[dict], skip_nonfinite: bool = False):
     tr.optimizer.zero_grad()
     tr.model.zero_grad_buffer()
     loss = forward_backward(tr, data, cfg.data.num_micro_batches)
-    tr.model.finish_grad_sync()
+    with _watch(tr, "gradient reduction (data-parallel group)", "dp"):
+        tr.model.finish_grad_sync()
     allreduce_tied_embedding_grads(model_chunks(tr), tr.rt.ps)  # pp > 1: first + last stage
     if cfg.model.sequence_parallel:
         allreduce_sequence_parallel_grads(tr.model, tr.rt.ps.tp_group)

@@ -5,6 +5,7 @@ data-parallel gradient reduction -> optimizer step (may skip) -> lr step.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -31,8 +32,10 @@ from megatron.logging_utils import (
     print_rank_0,
     print_rank_last,
 )
+from megatron.profiling import StepProfiler
 from megatron.signals import SignalHandler
 from megatron.train_step import forward_backward, train_step  # noqa: F401 (re-exported)
+from megatron.watchdog import build_watchdog
 
 
 @dataclass
@@ -67,6 +70,9 @@ class Trainer:
     tb: Optional[TensorboardLogger] = None
     signals: Optional[SignalHandler] = None
     eod: Optional[int] = None  # end-of-document token, for the reset/eod-mask flags
+    start_time: float = field(default_factory=time.time)
+    start_iteration: int = 0
+    watchdog: object = None
     last_local_loss: Optional[torch.Tensor] = None
 
 
@@ -159,7 +165,9 @@ def log_interval(tr: Trainer, stats: IntervalStats) -> None:
     """Print Megatron's iteration line, write tensorboard scalars, count NaN iterations."""
     cfg, st = tr.config, tr.state
     if tr.rt.device.type == "cuda":
-        torch.cuda.synchronize()
+        # Collectives are asynchronous on NCCL: a hang shows up here.
+        with tr.watchdog.watch("step synchronisation at the log interval") if tr.watchdog else contextlib.nullcontext():
+            torch.cuda.synchronize()
     elapsed = time.time() - stats.start
     n = max(len(stats.records), 1)
     good_losses = []
@@ -185,9 +193,29 @@ def log_interval(tr: Trainer, stats: IntervalStats) -> None:
         tokens_per_gpu, tflops,
     )
     print_rank_last(line)
+    print_rank_last(progress_line(it, cfg.training.train_iters, time.time() - tr.start_time,
+                                  tr.start_iteration))
     if tr.tb is not None:
+        extra = {"tokens-per-sec-per-gpu": tokens_per_gpu, "tflops-per-gpu": tflops,
+                 "mfu": tflops * 1e12 / PEAK_FLOPS}
+        if tr.rt.device.type == "cuda":
+            extra["mem-max-allocated-gb"] = torch.cuda.max_memory_allocated() / 2**30
+        tr.tb.log_scalars(it, consumed, extra)
         tr.tb.flush()
     stats.reset()
+
+
+PEAK_FLOPS = 989e12  # H100/H200 dense bf16, the MFU denominator
+
+
+def progress_line(iteration: int, train_iters: int, elapsed_s: float, start_iteration: int) -> str:
+    """' progress: 40.0% (120/300) | elapsed 0:01:02 | ETA 0:01:30 |' from this run's pace."""
+    done = iteration - start_iteration
+    left = max(train_iters - iteration, 0)
+    eta = elapsed_s / done * left if done > 0 else float("nan")
+    fmt = lambda sec: "?" if not math.isfinite(sec) else time.strftime("%H:%M:%S", time.gmtime(sec))
+    return (f" progress: {100.0 * iteration / max(train_iters, 1):.1f}% ({iteration}/{train_iters}) "
+            f"| elapsed {fmt(elapsed_s)} | ETA {fmt(eta)} |")
 
 
 # --------------------------------------------------------------------------- the loop
@@ -304,8 +332,13 @@ def train(tr: Trainer, train_data, valid_data) -> None:
     tr.model.train()
     saved_at = None
     check_each_step = cfg.training.nan_loss_policy != "stop"
+    tr.start_time, tr.start_iteration = time.time(), st.iteration
+    profiler = StepProfiler.from_args(cfg.args, tr.rt.ps.rank, cfg.logging.tensorboard_dir)
     while st.iteration < cfg.training.train_iters:
-        loss, ok, grad_norm, _ = train_step(tr, train_data, skip_nonfinite=check_each_step)
+        profiler.before_step(st.iteration + 1)
+        with profiler.step_range(st.iteration + 1):
+            loss, ok, grad_norm, _ = train_step(tr, train_data, skip_nonfinite=check_each_step)
+        profiler.after_step(st.iteration + 1)
         if not _after_step(tr, stats, loss, ok, grad_norm):
             continue
         if _periodic(tr, stats, valid_data):
@@ -329,6 +362,7 @@ def train(tr: Trainer, train_data, valid_data) -> None:
 def pretrain(config: Config, rt: Runtime) -> Trainer:
     """Build model, optimizer and data; load; train; evaluate at the end."""
     tr = build_trainer(config, rt)
+    tr.watchdog = build_watchdog(config.parallel.distributed_timeout_minutes * 60)
     if config.training.exit_signal_handler:
         tr.signals = SignalHandler()
     if config.checkpoint.load:
@@ -337,6 +371,10 @@ def pretrain(config: Config, rt: Runtime) -> Trainer:
                  f"{time.strftime('%Y-%m-%d %H:%M:%S')} ")
     if tr.tb is not None:
         tr.tb.log_args(config.args, tr.state.iteration)
+        ps = rt.ps
+        tr.tb.log_text("parallel layout", f"world {ps.world_size} = tensor {ps.tp_size} x "
+                       f"pipeline {ps.pp_size} x data {ps.dp_size}; sequence parallel "
+                       f"{config.model.sequence_parallel}; backend {rt.backend}", tr.state.iteration)
     vocab = config.data.vocab_size or config.model.padded_vocab_size
     tokenizer = build_tokenizer_for(config)
     tr.eod = None if tokenizer is None else tokenizer.eod
@@ -356,5 +394,6 @@ def pretrain(config: Config, rt: Runtime) -> Trainer:
                                        f"from validation set")
     if tr.tb is not None:
         tr.tb.close()
+    tr.watchdog.close()
     sys.stdout.flush()
     return tr
