@@ -6,6 +6,7 @@ Sample counts follow Megatron: train = train_iters * global batch; valid = test 
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import signal
 import threading
@@ -151,6 +152,29 @@ class PrefetchIterator:
         self.stop.set()
 
 
+class _WorkerIterator:
+    """A DataLoader iterator whose workers are shut down in order at close() or at exit.
+
+    The workers ignore SIGTERM (see `_ignore_preemption_signals`), so they must not be
+    left to multiprocessing's exit handler, which would terminate and join them forever."""
+
+    def __init__(self, loader):
+        self.it = iter(loader)
+        atexit.register(self.close)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.it)
+
+    def close(self) -> None:
+        it, self.it = self.it, None
+        if it is not None:
+            it._shutdown_workers()
+            atexit.unregister(self.close)
+
+
 def _ignore_preemption_signals(_worker_id: int) -> None:
     """Loader workers ignore SIGTERM/SIGUSR1 (slurm and torchrun signal the whole process
     group): the training process decides, saves and exits; its workers end with it."""
@@ -178,7 +202,7 @@ def make_iterator(config: Config, dataset, consumed: int, dp_rank: int, dp_size:
         collate_fn=_collate, persistent_workers=True, prefetch_factor=4,
         worker_init_fn=_ignore_preemption_signals,
         generator=torch.Generator().manual_seed(d.seed))
-    return iter(loader)
+    return _WorkerIterator(loader)
 
 
 def get_batch(micro: dict, device: torch.device, eod: Optional[int], flags) -> dict:

@@ -67,3 +67,27 @@ def test_get_batch_masks_follow_eod_flags():
     assert b["loss_mask"].tolist() == [[1, 1, 0, 1, 1]], "no loss on EOD tokens"
     assert b["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
     assert bool(b["attention_mask"][0, 0, 3, 1]), "the second document cannot see the first"
+
+
+def test_process_with_loader_workers_exits_without_closing(tmp_path):
+    """Workers ignore SIGTERM (preemption); the process must still exit promptly, even
+    on an error path that never closes the iterator."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import dataclasses\n"
+        "from tests.gpt_helpers import tiny_config\n"
+        "from megatron.core.datasets.mock import MockGPTDataset\n"
+        "import megatron.data_loading as dl\n"
+        "cfg = tiny_config()\n"
+        "cfg.data = dataclasses.replace(cfg.data, num_workers=2)\n"
+        "it = dl.make_iterator(cfg, MockGPTDataset(255, 16, 1), 0, 0, 1, False)\n"
+        "next(it)\n"
+        "raise SystemExit('error: stop')\n")
+    proc = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True,
+                          text=True, timeout=60, env={"PYTHONPATH": str(root), "PATH": ""})
+    assert proc.returncode == 1 and "error: stop" in proc.stderr
