@@ -81,6 +81,7 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     from megatron.arguments import parse_and_validate
     from megatron.initialize import initialize_distributed, set_random_seed
     from megatron.logging_utils import flops_per_token
+    from megatron.memory_estimate import estimate_memory
     from megatron.training import build_trainer, data_iterator, train_step
 
     use_cuda = device == "cuda"
@@ -117,6 +118,7 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
         "tflops": round(tokens_per_s * fpt / 1e12, 1), "mfu": round(tokens_per_s * fpt / 989e12, 4),
         "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if use_cuda else None,
         "time_to_first_step_s": round(t_first, 1), "loss": round(float(loss), 4),
+        "est_mem_gb": round(estimate_memory(config)["allocated"] / 2**30, 2),
         "compile": m.compile_layers, "extra": " ".join(extra),
     }
 

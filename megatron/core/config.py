@@ -42,6 +42,9 @@ class ModelConfig:
     init_method_std: float = 0.02
     init_method_xavier_uniform: bool = False
     init_seed: int = 1234
+    # False (--no-initialization): weights are allocated but not initialised (a checkpoint
+    # overwrites them).
+    perform_initialization: bool = True
     use_cpu_initialization: bool = False
     params_dtype: torch.dtype = torch.float32
     fp32_residual_connection: bool = False
@@ -60,6 +63,9 @@ class ModelConfig:
     recompute_num_layers: int = 1
     # torch.compile of each transformer layer (regional compile); off on CPU by default.
     compile_layers: bool = False
+    # torch.compile mode for the layers: "default", "reduce-overhead" (CUDA graphs per
+    # layer), "max-autotune-no-cudagraphs".
+    compile_mode: str = "default"
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:

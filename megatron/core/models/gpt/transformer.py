@@ -32,16 +32,56 @@ from megatron.core.tensor_parallel.utils import divide
 from .rotary import apply_rotary
 
 
-class LayerNorm1P(nn.LayerNorm):
-    """LayerNorm whose weight is stored as (gamma - 1) (`--apply-layernorm-1p`)."""
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm with Megatron's two options.
+
+    `one_p` (--apply-layernorm-1p): the weight is stored as (gamma - 1), zero-initialised.
+    `fp32_input` (--fp32-residual-connection): the input is the fp32 residual stream; it is
+    normalised in fp32 (the fp16/bf16 weights upcast) and the output comes back in the
+    weights' dtype, the dtype the following layer computes in.
+    """
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, one_p: bool = False,
+                 fp32_input: bool = False) -> None:
+        self.one_p = one_p
+        self.fp32_input = fp32_input
+        super().__init__(size, eps=eps, dtype=dtype)
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
-        if self.weight is not None:
+        if self.one_p and self.weight is not None:
             nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+        weight = self.weight + 1 if self.one_p else self.weight
+        if not self.fp32_input:
+            return F.layer_norm(x, self.normalized_shape, weight, self.bias, self.eps)
+        out = F.layer_norm(x.float(), self.normalized_shape, weight.float(), self.bias.float(),
+                           self.eps)
+        return out.to(self.weight.dtype)
+
+
+class LayerNorm1P(LayerNorm):
+    """LayerNorm whose weight is stored as (gamma - 1) (`--apply-layernorm-1p`)."""
+
+    def __init__(self, size: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32,
+                 fp32_input: bool = False) -> None:
+        super().__init__(size, eps, dtype, one_p=True, fp32_input=fp32_input)
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm; with `fp32_input` computed in fp32 on the fp32 residual stream and
+    returned in the weights' dtype (see LayerNorm)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, fp32_input: bool = False):
+        super().__init__(size, eps=eps, dtype=dtype)
+        self.fp32_input = fp32_input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp32_input:
+            return super().forward(x)
+        out = F.rms_norm(x.float(), self.normalized_shape, self.weight.float(), self.eps)
+        return out.to(self.weight.dtype)
 
 
 def build_norm(config: ModelConfig, hidden_size: Optional[int] = None) -> nn.Module:
@@ -49,17 +89,35 @@ def build_norm(config: ModelConfig, hidden_size: Optional[int] = None) -> nn.Mod
     tokens, so its grads are partial sums: `param.sequence_parallel` tells the trainer to
     all-reduce them over the tensor-parallel group."""
     size = hidden_size or config.hidden_size
-    kwargs = {"eps": config.layernorm_epsilon, "dtype": config.params_dtype}
+    fp32_input = config.fp32_residual_connection and config.params_dtype != torch.float32
     if config.normalization == "RMSNorm":
-        norm = nn.RMSNorm(size, **kwargs)
-    elif config.apply_layernorm_1p:
-        norm = LayerNorm1P(size, **kwargs)
+        norm = RMSNorm(size, config.layernorm_epsilon, config.params_dtype, fp32_input)
     else:
-        norm = nn.LayerNorm(size, **kwargs)
+        norm = LayerNorm(size, config.layernorm_epsilon, config.params_dtype,
+                         one_p=config.apply_layernorm_1p, fp32_input=fp32_input)
     for p in norm.parameters():
         p.sequence_parallel = config.sequence_parallel
         p.tensor_model_parallel = False
     return norm
+
+
+def _no_init(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor  # --no-initialization: the weights come from a checkpoint
+
+
+def init_methods(config: ModelConfig):
+    """(init, output_init): the weight initialisers of the model, Megatron's choice.
+
+    Default: N(0, std^2) for every weight, N(0, (std / sqrt(2 * num_layers))^2) for the
+    output projections of attention and MLP. `--init-method-xavier-uniform`: Xavier
+    uniform for both. `--no-initialization`: weights are left as allocated (to be
+    overwritten by a checkpoint). Norm weights and biases always start at 1 / 0."""
+    if not config.perform_initialization:
+        return _no_init, _no_init
+    if config.init_method_xavier_uniform:
+        return nn.init.xavier_uniform_, nn.init.xavier_uniform_
+    return (init_method_normal(config.init_method_std),
+            scaled_init_method_normal(config.init_method_std, config.num_layers))
 
 
 def _activation(name: str):
@@ -90,19 +148,18 @@ class ParallelMLP(nn.Module):
     def __init__(self, config: ModelConfig, tp_group=None, device=None, rng_tracker=None):
         super().__init__()
         kw = _linear_kwargs(config, tp_group, device, rng_tracker)
-        std = config.init_method_std
+        init, output_init = init_methods(config)
         self.swiglu = config.swiglu
         fc1_out = config.ffn_hidden_size * (2 if self.swiglu else 1)
         self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size, fc1_out, bias=config.add_bias_linear, gather_output=False,
-            init_method=init_method_normal(std), stride=2 if self.swiglu else 1,
+            init_method=init, stride=2 if self.swiglu else 1,
             async_tensor_model_parallel_allreduce=config.async_tensor_model_parallel_allreduce,
             **kw,
         )
         self.dense_4h_to_h = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear,
-            input_is_parallel=True, skip_bias_add=True,
-            init_method=scaled_init_method_normal(std, config.num_layers), **kw,
+            input_is_parallel=True, skip_bias_add=True, init_method=output_init, **kw,
         )
         self.act = None if self.swiglu else _activation(config.activation)
 
@@ -134,18 +191,17 @@ class ParallelAttention(nn.Module):
         self.n = divide(config.num_attention_heads, tp)
         self.g = divide(config.num_query_groups, tp)
         kw = _linear_kwargs(config, tp_group, device, rng_tracker)
-        std = config.init_method_std
+        init, output_init = init_methods(config)
         qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * self.d
         self.query_key_value = ColumnParallelLinear(
             config.hidden_size, qkv_out, bias=config.add_bias_linear, gather_output=False,
-            init_method=init_method_normal(std),
+            init_method=init,
             async_tensor_model_parallel_allreduce=config.async_tensor_model_parallel_allreduce,
             **kw,
         )
         self.dense = RowParallelLinear(
             config.num_attention_heads * self.d, config.hidden_size, bias=config.add_bias_linear,
-            input_is_parallel=True, skip_bias_add=True,
-            init_method=scaled_init_method_normal(std, config.num_layers), **kw,
+            input_is_parallel=True, skip_bias_add=True, init_method=output_init, **kw,
         )
         self.selective_recompute = config.recompute_granularity == "selective"
 
@@ -209,6 +265,8 @@ class TransformerLayer(nn.Module):
     def _residual_dropout(self, out, bias, residual):
         if bias is not None:
             out = out + bias
+        if self.config.fp32_residual_connection:
+            residual = residual.float()  # the sum (the residual stream) stays fp32
         p = self.config.hidden_dropout if self.training else 0.0
         if p > 0:
             # Under sequence parallelism each rank holds different tokens: use the
@@ -253,7 +311,8 @@ class TransformerBlock(nn.Module):
             return list(self.layers)
         if self._compiled is None:
             # Regional compilation: one compiled graph per layer, shared code, short start-up.
-            self._compiled = [torch.compile(layer, dynamic=False) for layer in self.layers]
+            mode = None if self.config.compile_mode == "default" else self.config.compile_mode
+            self._compiled = [torch.compile(layer, dynamic=False, mode=mode) for layer in self.layers]
         return self._compiled
 
     def _recompute(self, i: int) -> bool:
