@@ -194,6 +194,11 @@ def checkpoint(function, *args, tracker: Optional[RNGStatesTracker] = None):
     grads even when no input requires grad.
     """
     tracker = get_rng_tracker() if tracker is None else tracker
+    if torch.compiler.is_compiling():
+        # Inside a compiled region (selective recompute in a compiled layer) torch.compile
+        # traces the checkpoint itself and replays random ops from its own seeds; a
+        # context_fn is not supported there.
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
     def context_fn():
         # Called once, at forward time: remember the tracker streams as they are now.
