@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.ddp import DistributedDataParallel
-from megatron.core.optimizer.clip_grads import clip_grad_norm, count_zeros
+from megatron.core.optimizer.clip_grads import clip_grad_norm, count_zeros, get_grad_norm
 from megatron.core.optimizer.grad_scaler import (
     ConstantGradScaler,
     DynamicGradScaler,
@@ -161,10 +161,31 @@ class MegatronOptimizer:
         return count_zeros(self.get_parameters(), self.mp_group, self.tp_rank)
 
     def _clip_and_step(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        grad_norm = self.clip_grad_norm(self.clip_grad) if self.clip_grad > 0.0 else None
         num_zeros = self.count_zeros() if self.log_num_zeros_in_grad else None
+        if self.clip_grad > 0.0 and self._inner_is_fused():
+            return self._fused_clip_and_step(), num_zeros
+        grad_norm = self.clip_grad_norm(self.clip_grad) if self.clip_grad > 0.0 else None
         self.optimizer.step()
         return grad_norm, num_zeros
+
+    def _inner_is_fused(self) -> bool:
+        return all(g.get("fused") for g in self.optimizer.param_groups)
+
+    def _fused_clip_and_step(self) -> torch.Tensor:
+        """Clipping folded into the fused Adam kernel: instead of a pass that multiplies
+        every gradient by the clip coefficient, the kernel divides them by `grad_scale` =
+        1 / coefficient as it reads them (the stored gradients stay unclipped)."""
+        total_norm = get_grad_norm(self.get_parameters(), self.mp_group, self.tp_rank)
+        coeff = float(self.clip_grad) / (total_norm + 1.0e-6)
+        # A non-finite norm leaves the gradients unscaled, as the unfused path does.
+        coeff = torch.where(coeff < 1.0, coeff, torch.ones_like(coeff))
+        device = next(p.device for g in self.optimizer.param_groups for p in g["params"])
+        self.optimizer.grad_scale = (1.0 / coeff).to(device)
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.grad_scale
+        return total_norm
 
     @staticmethod
     def _alias_main_grads(params: List[torch.Tensor]) -> List[torch.Tensor]:
