@@ -20,7 +20,9 @@ T_LAUNCH = time.time()
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
+from typing import Optional  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,11 +51,30 @@ PRESETS = {
 }
 
 
-def build_argv(preset: str, steps: int, warmup: int, micro_batch: int, extra: list) -> list:
+def parse_layout(text: str) -> dict:
+    """'tp2pp2dp2' -> {'tp': 2, 'pp': 2, 'dp': 2}; missing sizes are 1."""
+    sizes = {"tp": 1, "pp": 1, "dp": 1}
+    for key, value in re.findall(r"(tp|pp|dp)(\d+)", text):
+        sizes[key] = int(value)
+    if not re.fullmatch(r"((tp|pp|dp)\d+)+", text):
+        raise SystemExit(f"error: bad layout {text!r}; write e.g. tp2, dp4, tp2pp2dp2")
+    return sizes
+
+
+def build_argv(preset: str, steps: int, warmup: int, micro_batch: int, extra: list,
+               layout: Optional[dict] = None) -> list:
+    """Flags for one run. Each GPU keeps the preset's micro batch (weak scaling); with
+    pipeline stages the global batch holds 2*pp micro-batches per data-parallel rank."""
     flags, _ = PRESETS[preset]
+    lay = layout or {"tp": 1, "pp": 1, "dp": 1}
+    num_micro = 2 * lay["pp"] if lay["pp"] > 1 else 1
     total = steps + warmup
-    return flags + COMMON + ["--micro-batch-size", str(micro_batch), "--global-batch-size",
-                             str(micro_batch), "--train-iters", str(total)] + extra
+    return flags + COMMON + [
+        "--micro-batch-size", str(micro_batch),
+        "--global-batch-size", str(micro_batch * lay["dp"] * num_micro),
+        "--tensor-model-parallel-size", str(lay["tp"]),
+        "--pipeline-model-parallel-size", str(lay["pp"]),
+        "--train-iters", str(total)] + (["--sequence-parallel"] if lay["tp"] > 1 else []) + extra
 
 
 def print_profile(tr, data, steps: int, use_cuda: bool) -> None:
@@ -75,7 +96,7 @@ def print_profile(tr, data, steps: int, use_cuda: bool) -> None:
 
 
 def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, device: str,
-        profile_steps: int = 0) -> dict:
+        profile_steps: int = 0, layout: Optional[dict] = None) -> dict:
     import torch
 
     from megatron.arguments import parse_and_validate
@@ -85,9 +106,11 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     from megatron.training import build_trainer, data_iterator, train_step
 
     use_cuda = device == "cuda"
-    config = parse_and_validate(build_argv(preset, steps, warmup, micro_batch, extra),
-                                world_size=1, env={}, cuda_available=use_cuda)
-    rt = initialize_distributed(config.parallel, 0, 1, 0)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    config = parse_and_validate(build_argv(preset, steps, warmup, micro_batch, extra, layout),
+                                world_size=world, env={"RANK": str(rank)}, cuda_available=use_cuda)
+    rt = initialize_distributed(config.parallel, rank, world, local_rank)
     set_random_seed(config.training.seed, rt)
     tr = build_trainer(config, rt)
     data = data_iterator(config, rt, "train", 0)
@@ -109,10 +132,11 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     if profile_steps:
         print_profile(tr, data, profile_steps, use_cuda)
     m, d = config.model, config.data
-    tokens_per_s = d.global_batch_size * d.seq_length * steps / elapsed
+    tokens_per_s = d.global_batch_size * d.seq_length * steps / elapsed / world  # per GPU
     fpt = flops_per_token(m.num_layers, m.hidden_size, d.seq_length, m.padded_vocab_size)
     return {
         "preset": preset, "device": torch.cuda.get_device_name() if use_cuda else "cpu",
+        "layout": layout_name(config), "world_size": world,
         "micro_batch": micro_batch, "seq_length": d.seq_length, "steps": steps,
         "step_ms": round(elapsed / steps * 1000, 2), "tokens_per_s": round(tokens_per_s),
         "tflops": round(tokens_per_s * fpt / 1e12, 1), "mfu": round(tokens_per_s * fpt / 989e12, 4),
@@ -121,6 +145,41 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
         "est_mem_gb": round(estimate_memory(config)["allocated"] / 2**30, 2),
         "compile": m.compile_layers, "extra": " ".join(extra),
     }
+
+
+def layout_name(config) -> str:
+    p = config.parallel
+    return f"tp{p.tp_size}pp{p.pp_size}dp{p.dp_size}"
+
+
+def scaling(a, device: str) -> int:
+    """Run the preset over each layout through torchrun on this host; print per-GPU
+    tokens/s, MFU and the efficiency against the first layout (normally one GPU)."""
+    import subprocess
+
+    rows = []
+    for text in a.scaling.split(","):
+        lay = parse_layout(text)
+        world = lay["tp"] * lay["pp"] * lay["dp"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(world), os.path.abspath(__file__), "--preset", a.preset,
+               "--steps", str(a.steps), "--warmup", str(a.warmup), "--layout", text,
+               "--device", device] + (["--micro-batch-size", str(a.micro_batch_size)]
+                                      if a.micro_batch_size else []) + ["--"] + a.extra
+        env = dict(os.environ, NCCL_NVLS_ENABLE="0", CUDA_DEVICE_MAX_CONNECTIONS="1")
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            print(f"{text}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", file=sys.stderr)
+            return 1
+        rows.append(json.loads(lines[-1]))
+        print(lines[-1], flush=True)
+    base = rows[0]["tokens_per_s"]
+    print(f"{'layout':<12}{'GPUs':>5}{'tokens/s/GPU':>14}{'MFU':>8}{'efficiency':>12}")
+    for r in rows:
+        print(f"{r['layout']:<12}{r['world_size']:>5}{r['tokens_per_s']:>14,}{r['mfu']:>8.1%}"
+              f"{r['tokens_per_s'] / base:>12.1%}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -132,6 +191,11 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after timing, profile this many steps and print the top operators")
+    ap.add_argument("--layout", default=None,
+                    help="parallel layout of this run, e.g. tp2pp2dp2 (under torchrun)")
+    ap.add_argument("--scaling", default=None,
+                    help="comma-separated layouts to run one after another through torchrun "
+                         "on this host, e.g. tp1,dp2,dp4,tp2dp2; prints the efficiency table")
     ap.add_argument("extra", nargs="*", help="extra pretrain_gpt.py flags (after --)")
     a = ap.parse_args(argv)
     import torch
@@ -139,9 +203,13 @@ def main(argv=None) -> int:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but no CUDA device is available")
+    if a.scaling:
+        return scaling(a, device)
     mbs = a.micro_batch_size or PRESETS[a.preset][1]
-    print(json.dumps(run(a.preset, a.steps, a.warmup, mbs, a.extra, device, a.profile_steps)),
-          flush=True)
+    layout = parse_layout(a.layout) if a.layout else None
+    result = run(a.preset, a.steps, a.warmup, mbs, a.extra, device, a.profile_steps, layout)
+    if int(os.environ.get("RANK", 0)) == int(os.environ.get("WORLD_SIZE", 1)) - 1:
+        print(json.dumps(result), flush=True)
     return 0
 
 
