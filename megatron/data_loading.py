@@ -7,6 +7,7 @@ Sample counts follow Megatron: train = train_iters * global batch; valid = test 
 from __future__ import annotations
 
 import atexit
+import multiprocessing.util
 import queue
 import signal
 import threading
@@ -155,12 +156,16 @@ class PrefetchIterator:
 class _WorkerIterator:
     """A DataLoader iterator whose workers are shut down in order at close() or at exit.
 
-    The workers ignore SIGTERM (see `_ignore_preemption_signals`), so they must not be
-    left to multiprocessing's exit handler, which would terminate and join them forever."""
+    The workers ignore SIGTERM (see `_ignore_preemption_signals`), so they must not be left
+    to multiprocessing's exit handler, which terminates daemonic children and joins them: it
+    would wait forever. close() is registered twice: with atexit (a normal interpreter exit)
+    and as a multiprocessing finalizer with a priority, which that exit handler runs before it
+    terminates children (a forked process leaves through os._exit and never runs atexit)."""
 
     def __init__(self, loader):
         self.it = iter(loader)
         atexit.register(self.close)
+        self._finalizer = multiprocessing.util.Finalize(self, self.close, exitpriority=100)
 
     def __iter__(self):
         return self
@@ -173,6 +178,7 @@ class _WorkerIterator:
         if it is not None:
             it._shutdown_workers()
             atexit.unregister(self.close)
+            self._finalizer.cancel()
 
 
 def _ignore_preemption_signals(_worker_id: int) -> None:

@@ -14,9 +14,11 @@ containers come back. An exception on any rank fails the call with that rank's t
 """
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import tempfile
+import time
 import traceback
 
 import torch
@@ -36,7 +38,8 @@ def _entry(rank, world_size, port, outdir, fn, args):
     torch.set_num_threads(1)
     path = os.path.join(outdir, f"rank{rank}.pt")
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, path)
     except BaseException:  # report every failure, including SystemExit
@@ -47,15 +50,35 @@ def _entry(rank, world_size, port, outdir, fn, args):
             dist.destroy_process_group()
 
 
+# A rank stuck in a collective fails after this long instead of hanging the suite, and a
+# whole run is killed (with a message naming it) after RUN_TIMEOUT_S.
+COLLECTIVE_TIMEOUT_S = 300
+RUN_TIMEOUT_S = 600
+
+
+def _join_all(ctx, deadline: float, name: str) -> None:
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in ctx.processes:
+                p.join(5)
+            raise TimeoutError(f"{name} did not finish within {RUN_TIMEOUT_S} s; "
+                               "its processes were killed")
+
+
 def run_distributed(fn, world_size: int, *args):
     """Spawn `world_size` gloo processes running `fn(rank, world_size, *args)`."""
     port = free_port()
     with tempfile.TemporaryDirectory() as outdir:
         try:
-            mp.start_processes(
+            ctx = mp.start_processes(
                 _entry, args=(world_size, port, outdir, fn, args), nprocs=world_size,
-                join=True, start_method="fork",
+                join=False, start_method="fork",
             )
+            _join_all(ctx, time.monotonic() + RUN_TIMEOUT_S,
+                      f"run_distributed({getattr(fn, '__name__', fn)}, {world_size})")
         except Exception as exc:
             errors = []
             for r in range(world_size):
