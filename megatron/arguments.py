@@ -363,6 +363,10 @@ def parse_and_validate(
             ns, explicit = parse_args(argv)
             origins = apply_deprecated(ns, explicit)
             check_not_supported(ns, origins)
+            if ns.use_checkpoint_args:  # model flags from the checkpoint, before validation
+                from megatron.checkpoint_reshard import apply_checkpoint_args
+
+                apply_checkpoint_args(ns, explicit, warn)
             ns.rank, ns.world_size = rank, world_size
             if ns.local_rank is None and env.get("LOCAL_RANK"):
                 ns.local_rank = int(env["LOCAL_RANK"])

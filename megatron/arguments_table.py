@@ -309,6 +309,7 @@ EXTRA_GROUP = ("extensions (not in Megatron-LM 23.05)", (
     ("--expert-model-parallel-size", "int", 1),
     ("--gpu-memory-gb", "float", None),
     ("--nan-loss-policy", "str", "stop", ("stop", "skip", "rollback")),
+    ("--async-save", "true", False),
     ("--profile", "true", False),
     ("--profile-step-start", "int", 10),
     ("--profile-step-end", "int", 12),
@@ -352,6 +353,9 @@ EXTRA_HELP = {
     "--profile-step-start": "first profiled iteration",
     "--profile-step-end": "profiling stops before this iteration",
     "--profile-ranks": "global ranks that write a trace",
+    "--async-save": "checkpoint saves block training only while the state is copied to CPU; "
+                    "a background thread writes the files, and the tracker file is written "
+                    "once every rank has finished (the run waits for it at exit)",
     "--nan-loss-policy": "on a NaN/Inf loss: stop with a message (default); skip the "
                          "iteration; or roll back to the last checkpoint and skip the batches "
                          "since it (skip and rollback check every iteration: one host sync)",
@@ -399,7 +403,6 @@ NOT_SUPPORTED = {
     "--adlr-autoresume": "ADLR autoresume is an NVIDIA cluster service and is not supported; "
                          "use --exit-signal-handler or --exit-duration-in-mins",
     "--adlr-autoresume-interval": "ADLR autoresume is not supported",
-    "--rampup-batch-size": "batch-size ramp-up is not built yet",
     "--distribute-saved-activations": "distributing saved activations over tensor-parallel "
                                       "ranks is not built yet",
 }
@@ -414,6 +417,15 @@ NO_EFFECT = {
     "--no-persist-layer-norm": "layer norms are torch.nn layers",
     "--use-flash-attn": "torch scaled_dot_product_attention picks a flash kernel by itself",
     "--data-impl": "only the mmap format exists",
+    "--attention-softmax-in-fp32": "always on: scaled_dot_product_attention computes the "
+                                   "softmax in fp32 for fp16/bf16 inputs (every backend)",
+    "--no-query-key-layer-scaling": "the scaling only kept fp16 attention scores from "
+                                    "overflowing; scaled_dot_product_attention computes them "
+                                    "in fp32, so it never changes the result",
+    "--mmap-warmup": "page-cache warm-up only; the .bin/.idx files are memory-mapped and "
+                     "paged in on first use",
+    "--no-contiguous-buffers-in-local-ddp": "the local DDP always keeps gradients in "
+                                            "contiguous buffers",
 }
 
 # Flags from older Megatron-LM releases that 23.05 no longer knows: error with the modern

@@ -27,6 +27,7 @@ from megatron.config import (
     ParallelConfig,
     TrainingConfig,
 )
+from megatron.microbatches import parse_rampup, rampup_train_iters
 
 # Attributes Megatron deletes after mapping them; they never reach Config.args.
 _DELETED = ("batch_size", "warmup", "model_parallel_size", "checkpoint_activations",
@@ -190,11 +191,15 @@ def _resolve_batch(ns) -> None:
             f"--global-batch-size {gbs} is not a positive multiple of --micro-batch-size {mbs} "
             f"x data-parallel size {dp} = {mbs * dp}; use a multiple of {mbs * dp}")
     ns.num_micro_batches = gbs // (mbs * dp)
-    note(f"setting number of micro-batches to constant {ns.num_micro_batches}")
+    if ns.rampup_batch_size is None:  # else the ramp-up is announced (_resolve_rampup)
+        note(f"setting number of micro-batches to constant {ns.num_micro_batches}")
     if ns.train_iters is not None and ns.train_samples is not None:
         raise ArgumentsError(f"--train-iters {ns.train_iters} and --train-samples "
                              f"{ns.train_samples} are exclusive; pass one")
     rules = []
+    if ns.train_iters and ns.rampup_batch_size is not None:
+        raise ArgumentsError("--rampup-batch-size needs a sample-based run: use --train-samples "
+                             f"instead of --train-iters {ns.train_iters}")
     if ns.train_iters:
         rules = [("lr_decay_samples", None), ("lr_warmup_samples", 0)]
         if ns.lr_warmup_fraction is not None:
@@ -212,6 +217,26 @@ def _resolve_batch(ns) -> None:
             fix = ("drop it or use --lr-warmup-fraction alone" if dest.startswith("lr_warmup")
                    and ns.lr_warmup_fraction is not None else f"use the {other} flag instead")
             raise ArgumentsError(f"{flag} {value} cannot be used in a {mode} run; {fix}")
+
+
+def _resolve_rampup(ns) -> None:
+    """--rampup-batch-size: Megatron's checks, ints in the namespace (see microbatches.py)."""
+    interleaved = ns.virtual_pipeline_model_parallel_size is not None
+    try:
+        rampup = parse_rampup(ns.rampup_batch_size, ns.global_batch_size, ns.micro_batch_size,
+                              ns.data_parallel_size,
+                              ns.pipeline_model_parallel_size if interleaved else 1)
+    except ValueError as e:
+        raise ArgumentsError(str(e)) from None
+    if rampup is None:
+        return
+    ns.rampup_batch_size = list(rampup)
+    if ns.train_samples and ns.train_samples <= rampup[2]:
+        raise ArgumentsError(f"--rampup-batch-size ramps up over {rampup[2]} samples but "
+                             f"--train-samples is {ns.train_samples}; ramp up over fewer samples")
+    note(f"will use batch size rampup starting from global batch size {rampup[0]} to global "
+         f"batch size {ns.global_batch_size} with batch size increments {rampup[1]} over "
+         f"{rampup[2]} samples.")
 
 
 def _resolve_model_shape(ns) -> None:
@@ -240,6 +265,9 @@ def _resolve_model_shape(ns) -> None:
                               ("--openai-gelu", ns.openai_gelu)) if on]
     if len(chosen) > 1:
         warn(f"{' and '.join(chosen)} given; {chosen[0]} wins (Megatron-LM's precedence)")
+    if ns.apply_layernorm_1p and ns.normalization == "RMSNorm":
+        raise ArgumentsError("--apply-layernorm-1p applies to LayerNorm; drop it or use "
+                             "--normalization LayerNorm")
     ns.activation = {"--swiglu": "swiglu", "--squared-relu": "squared_relu",
                      "--openai-gelu": "openai_gelu"}.get(chosen[0] if chosen else "", "gelu")
     _resolve_position_embedding(ns)
@@ -371,6 +399,10 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
         raise ArgumentsError("--mock-data and --data-path/--train-data-path are exclusive")
     if ns.dataloader_type is None:
         ns.dataloader_type = "single"
+    if not ns.perform_initialization and ns.load is None:
+        warn("--no-initialization without --load: the weights start as uninitialised memory")
+    if ns.log_memory_to_tensorboard and not cuda_available:
+        warn("--log-memory-to-tensorboard has no effect without CUDA (no allocator statistics)")
     backend = "nccl" if cuda_available else "gloo"
     if "distributed_backend" in explicit and ns.distributed_backend != backend:
         warn(f"--distributed-backend {ns.distributed_backend} ignored: using {backend} "
@@ -407,6 +439,7 @@ def validate_args(
     _resolve_parallel(ns, world_size)
     _resolve_batch(ns)
     _resolve_virtual_pipeline(ns)
+    _resolve_rampup(ns)
     _resolve_model_shape(ns)
     _resolve_precision(ns, explicit)
     _resolve_data_parallel(ns)
@@ -435,6 +468,8 @@ def _schedule_steps(ns) -> Dict[str, Any]:
                   else ns.lr_warmup_samples)
         wd_incr = ns.train_samples
         ns.train_iters = ns.train_samples // gbs
+        if ns.rampup_batch_size:
+            ns.train_iters = rampup_train_iters(ns.train_samples, ns.rampup_batch_size, gbs)
     else:
         iters = ns.lr_decay_iters if ns.lr_decay_iters is not None else ns.train_iters
         ns.lr_decay_iters = iters
@@ -493,6 +528,8 @@ def build_config(ns: argparse.Namespace) -> Config:
     values.update(_schedule_steps(ns))
     values["train_iters"] = ns.train_iters
     values["num_query_groups"] = ns.num_query_groups if ns.group_query_attention else None
+    if ns.rampup_batch_size:
+        values["target_global_batch_size"] = ns.global_batch_size
     for name in _DELETED:
         values.pop(name, None)
     args = {k: _plain(v) for k, v in vars(ns).items() if k not in _DELETED}

@@ -10,7 +10,8 @@ One file per (tp, pp) pair, written by its data-parallel rank 0. Every file load
 
 Saving is crash safe: files go to `iter_XXXXXXX.tmp/`, then global rank 0 renames the
 directory into place and writes the tracker file last. A crash at any point leaves the
-previous tracker pointing at a complete checkpoint.
+previous tracker pointing at a complete checkpoint. With `--async-save` only the copy to CPU
+blocks training; the files are written by a background thread (megatron/async_save.py).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.async_save import AsyncSaver, mark_done, remove_markers, wait_for_markers
 from megatron.core.parallel_state import ParallelState
 from megatron.logging_utils import print_rank_0
 
@@ -162,6 +164,44 @@ def _publish(root: str, tmp_dir: str, final_dir: str, iteration: int, release: b
     _write_tracker(root, iteration, release)
 
 
+def _check_save_iteration(iteration: int, release: bool) -> None:
+    if iteration < 1 and not release:
+        raise ValueError(f"cannot save a checkpoint at iteration {iteration}: Megatron's "
+                         f"tracker only accepts iterations > 0 (or a release checkpoint)")
+
+
+def _prepare_tmp_dir(root: str, tmp_dir: str, ps: ParallelState) -> None:
+    """Rank 0 makes a fresh `tmp_dir` (removing leftovers of a crashed save of the same
+    iteration); a world barrier makes sure it exists before anyone writes into it."""
+    if ps.rank == 0:
+        os.makedirs(root, exist_ok=True)
+        if os.path.exists(tmp_dir):
+            shutil.rmtree(tmp_dir)
+        os.makedirs(tmp_dir)
+    _barrier()
+
+
+def _rank_files(ps: ParallelState, state: Optional[Dict],
+                extra_files: Optional[Dict[str, object]]) -> Optional[Dict[str, object]]:
+    """file name -> object this rank writes (data-parallel rank 0 only), else None."""
+    if ps.dp_rank != 0:
+        return None
+    if state is None:
+        raise ValueError(f"data-parallel rank 0 (global rank {ps.rank}) must pass its state")
+    return {MODEL_FILENAME: state, **(extra_files or {})}
+
+
+def _write_rank_files(tmp_dir: str, ps: ParallelState, files: Dict[str, object]) -> str:
+    """Write and fsync this rank's files into its `mp_rank_*` directory; returns its name."""
+    name = rank_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size)
+    rank_dir = os.path.join(tmp_dir, name)
+    os.makedirs(rank_dir, exist_ok=True)
+    for file_name, obj in files.items():
+        _torch_save_synced(obj, os.path.join(rank_dir, file_name))
+    _fsync_dir(rank_dir)
+    return name
+
+
 def save_checkpoint(root: str, iteration: int, state: Optional[Dict], ps: ParallelState,
                     release: bool = False,
                     extra_files: Optional[Dict[str, object]] = None) -> float:
@@ -173,34 +213,65 @@ def save_checkpoint(root: str, iteration: int, state: Optional[Dict], ps: Parall
     `iter_XXXXXXX.tmp/`; after a barrier global rank 0 renames it into place and writes the
     tracker file last; a final barrier makes the checkpoint visible to all. Returns seconds.
     """
-    if iteration < 1 and not release:
-        raise ValueError(f"cannot save a checkpoint at iteration {iteration}: Megatron's "
-                         f"tracker only accepts iterations > 0 (or a release checkpoint)")
+    _check_save_iteration(iteration, release)
     start = time.perf_counter()
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root}")
     final_dir = os.path.join(root, iteration_dir_name(iteration, release))
     tmp_dir = final_dir + ".tmp"
-    if ps.rank == 0:
-        os.makedirs(root, exist_ok=True)
-        if os.path.exists(tmp_dir):  # leftovers of a crashed save of this iteration
-            shutil.rmtree(tmp_dir)
-        os.makedirs(tmp_dir)
-    _barrier()  # the fresh temporary directory exists before anyone writes into it
-    if ps.dp_rank == 0:
-        if state is None:
-            raise ValueError(f"data-parallel rank 0 (global rank {ps.rank}) must pass its state")
-        rank_dir = os.path.join(tmp_dir, rank_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size))
-        os.makedirs(rank_dir, exist_ok=True)
-        _torch_save_synced(state, os.path.join(rank_dir, MODEL_FILENAME))
-        for name, obj in (extra_files or {}).items():
-            _torch_save_synced(obj, os.path.join(rank_dir, name))
-        _fsync_dir(rank_dir)
+    _prepare_tmp_dir(root, tmp_dir, ps)
+    files = _rank_files(ps, state, extra_files)
+    if files is not None:
+        _write_rank_files(tmp_dir, ps, files)
     _barrier()  # every shard is on disk
     if ps.rank == 0:
         _publish(root, tmp_dir, final_dir, iteration, release)
     _barrier()  # the tracker names a complete checkpoint
-    print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root} "
+                 f"(blocking {seconds:.2f} s)")
+    return seconds
+
+
+def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: ParallelState,
+                          saver: AsyncSaver, release: bool = False,
+                          extra_files: Optional[Dict[str, object]] = None,
+                          timeout_s: float = 660.0, started: Optional[float] = None) -> float:
+    """`save_checkpoint` where only the CPU copy blocks; `saver` writes in the background.
+
+    Blocking part (collective: world barriers): wait for this rank's previous save, make
+    the temporary directory, copy the state to CPU. Background thread: write and fsync the
+    files, drop a marker; on global rank 0 wait (up to `timeout_s`) for every (tp, pp)
+    pair's marker, then rename and write the tracker last -- no collective, see
+    megatron/async_save.py. Returns the seconds the caller was blocked, counted from
+    `started` (a time.perf_counter() value; default: now). `saver.wait()` finishes it.
+    """
+    started = time.perf_counter() if started is None else started
+    _check_save_iteration(iteration, release)
+    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root} (async)")
+    saver.wait()  # this rank's previous save; on rank 0 that includes publishing it
+    final_dir = os.path.join(root, iteration_dir_name(iteration, release))
+    tmp_dir = final_dir + ".tmp"
+    _prepare_tmp_dir(root, tmp_dir, ps)
+    files = _rank_files(ps, state, extra_files)
+    snapshot = None if files is None else saver.snapshot(files)
+    writers = [rank_dir_name(t, p, ps.pp_size) for p in range(ps.pp_size)
+               for t in range(ps.tp_size)] if ps.rank == 0 else []
+    blocking = time.perf_counter() - started
+
+    def write_and_publish() -> None:
+        t0 = time.perf_counter()
+        if snapshot is not None:
+            mark_done(tmp_dir, _write_rank_files(tmp_dir, ps, snapshot))
+        if writers:
+            wait_for_markers(tmp_dir, writers, timeout_s)
+            remove_markers(tmp_dir, writers)
+            _publish(root, tmp_dir, final_dir, iteration, release)
+            print(f"  successfully saved checkpoint at iteration {iteration:7d} to {root} "
+                  f"(blocking {blocking:.2f} s, writing {time.perf_counter() - t0:.2f} s in "
+                  f"the background)", flush=True)
+
+    saver.submit(write_and_publish, f"the checkpoint at iteration {iteration} to {root}")
+    return blocking
 
 
 # ---------------------------------------------------------------------------------------
@@ -270,15 +341,13 @@ def _agreed_iteration(root: str) -> Tuple[int, bool]:
     return agreed, bool(any_release) and agreed == 0
 
 
-def load_checkpoint(root: str, ps: ParallelState,
-                    exit_on_missing: bool = False) -> Optional[Tuple[int, Dict]]:
-    """Load this rank's shard of the latest checkpoint under `root`.
+def resolve_checkpoint(root: Optional[str], ps: ParallelState,
+                       exit_on_missing: bool = False) -> Optional[Tuple[int, bool]]:
+    """(iteration, release) of the latest checkpoint under `root`, agreed by all ranks, or
+    None when there is no tracker file (a warning; SystemExit when `exit_on_missing`).
 
-    Collective (all-reduces over the world). Returns (iteration, state) -- iteration is 0
-    for a release checkpoint -- or None when there is no tracker file (a warning; or
-    SystemExit when `exit_on_missing`). SystemExit when a rank's file is missing, naming
-    the layout the checkpoint appears to have.
-    """
+    Collective: all-reduce MAX of the tracker's iteration, a barrier after rank 0 has
+    restored an interrupted re-save of that iteration."""
     agreed, release = (-1, False) if root is None else _agreed_iteration(root)
     if agreed < 0:
         tracker = tracker_path(root) if root is not None else "(no --load directory given)"
@@ -291,9 +360,30 @@ def load_checkpoint(root: str, ps: ParallelState,
     if ps.rank == 0:
         _recover_interrupted_replace(root, agreed, release)
     _barrier()
-    path = _check_rank_files(root, agreed, release, ps)
-    print_rank_0(f" loading checkpoint from {root} at iteration {agreed}")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    return agreed, release
+
+
+def _load_rank_file(root: str, iteration: int, release: bool, ps: ParallelState) -> Dict:
+    """This rank's model_optim_rng.pt (collective: the missing-file check)."""
+    path = _check_rank_files(root, iteration, release, ps)
+    print_rank_0(f" loading checkpoint from {root} at iteration {iteration}")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_checkpoint(root: str, ps: ParallelState,
+                    exit_on_missing: bool = False) -> Optional[Tuple[int, Dict]]:
+    """Load this rank's shard of the latest checkpoint under `root`.
+
+    Collective (all-reduces over the world). Returns (iteration, state) -- iteration is 0
+    for a release checkpoint -- or None when there is no tracker file (a warning; or
+    SystemExit when `exit_on_missing`). SystemExit when a rank's file is missing, naming
+    the layout the checkpoint appears to have.
+    """
+    found = resolve_checkpoint(root, ps, exit_on_missing)
+    if found is None:
+        return None
+    agreed, release = found
+    state = _load_rank_file(root, agreed, release, ps)
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {agreed}")
     return (0 if release else agreed), state
 
@@ -393,7 +483,7 @@ def args_to_plain(obj):
 __all__ = [
     "CHECKPOINT_VERSION", "TRACKER_FILENAME", "MODEL_FILENAME", "checkpoint_name",
     "iteration_dir_name", "rank_dir_name", "tracker_path", "read_tracker", "describe_layout",
-    "save_checkpoint", "load_checkpoint", "load_extra_file", "get_rng_state", "set_rng_state",
+    "save_checkpoint", "save_checkpoint_async", "load_checkpoint", "load_extra_file", "get_rng_state", "set_rng_state",
     "args_to_plain",
 ]
 
@@ -451,39 +541,111 @@ def trainer_state_dict(tr) -> dict:
 
 
 def save_trainer_checkpoint(tr) -> float:
-    """Save the trainer at its current iteration to --save; returns the seconds it took."""
+    """Save the trainer at its current iteration to --save; returns the seconds training
+    was blocked: the whole save, or with --async-save the CPU copy only (the files are
+    written in the background by `tr.async_saver`; `wait_for_async_save(tr)` finishes it).
+
+    Collective over the world (barriers; with the distributed optimizer a gather over DP).
+    An async save that ends the run is waited for at once."""
+    started = time.perf_counter()
     if tr.rt.device.type == "cuda":
         torch.cuda.synchronize()
+    ck = tr.config.checkpoint
     extra = None
-    if not tr.config.checkpoint.no_save_optim and hasattr(tr.optimizer, "get_parameter_state"):
+    if not ck.no_save_optim and hasattr(tr.optimizer, "get_parameter_state"):
         param_state = tr.optimizer.get_parameter_state()  # distributed optimizer: gather over DP
         extra = None if param_state is None else {"distrib_optim.pt": param_state}
-    return save_checkpoint(tr.config.checkpoint.save, tr.state.iteration,
-                           trainer_state_dict(tr), tr.rt.ps, extra_files=extra)
+    state = trainer_state_dict(tr)  # references to live tensors: cheap; copied if async
+    if not ck.async_save:
+        return save_checkpoint(ck.save, tr.state.iteration, state, tr.rt.ps, extra_files=extra)
+    if getattr(tr, "async_saver", None) is None:
+        tr.async_saver = AsyncSaver()
+    blocking = save_checkpoint_async(
+        ck.save, tr.state.iteration, state, tr.rt.ps, tr.async_saver, extra_files=extra,
+        timeout_s=60.0 * (tr.config.parallel.distributed_timeout_minutes + 1), started=started)
+    if _run_ends_after_save(tr):
+        tr.async_saver.wait()
+    return blocking
 
 
-def load_trainer_checkpoint(tr) -> None:
-    """Restore model, optimizer, scheduler, RNG and counters from --load, if present."""
+def _run_ends_after_save(tr) -> bool:
+    """Whether the loop stops after this save (--train-iters reached, --exit-interval, a
+    preemption signal, --exit-duration-in-mins). Judged locally: waiting is local too. A
+    save the loop ends after without this knowing is waited for at interpreter exit (the
+    writer thread is not a daemon) or by `wait_for_async_save`."""
+    t, it = tr.config.training, tr.state.iteration
+    if (t.train_iters and it >= t.train_iters) or (t.exit_interval and it % t.exit_interval == 0):
+        return True
+    if getattr(tr, "signals", None) is not None and tr.signals.received:
+        return True
+    elapsed_min = (time.time() - getattr(tr, "start_time", time.time())) / 60.0
+    return bool(t.exit_duration_in_mins) and elapsed_min > t.exit_duration_in_mins
+
+
+def wait_for_async_save(tr) -> None:
+    """Wait until this rank's background save (if any) is written -- and on global rank 0
+    published. Local: no collective. RuntimeError when the background save failed."""
+    saver = getattr(tr, "async_saver", None)
+    if saver is not None:
+        saver.wait()
+
+
+def _load_trainer_payload(tr) -> Optional[Tuple[int, Dict, Optional[Dict], Optional[str]]]:
+    """(iteration, this rank's payload, its distrib_optim.pt payload if already built, a
+    description of the conversion or None) from --load; None when there is no checkpoint.
+
+    When the checkpoint's tp, pp or chunks per rank differ from the run's -- or, with the
+    optimizer state to load, its optimizer kind (distributed or not, fp32 or mixed) --
+    every rank reads all shards and takes its slice (megatron.checkpoint_reshard).
+    Collective: the tracker all-reduce and barrier; the missing-file all-reduce otherwise."""
+    from megatron import checkpoint_reshard as reshard
+
+    ck, ps = tr.config.checkpoint, tr.rt.ps
+    found = resolve_checkpoint(ck.load, ps, exit_on_missing=ck.exit_on_missing_checkpoint)
+    if found is None:
+        return None
+    iteration, release = found
+    loaded_iteration = 0 if release else iteration
+    iter_dir = os.path.join(ck.load, iteration_dir_name(iteration, release))
+    with_optimizer = not (ck.finetune or ck.no_load_optim)
+    saved = reshard.read_layout(iter_dir)
+    if not reshard.needs_resharding(saved, reshard.trainer_layout(tr), with_optimizer):
+        return loaded_iteration, _load_rank_file(ck.load, iteration, release, ps), None, None
+    print_rank_0(f" loading checkpoint from {ck.load} at iteration {iteration} "
+                 f"(resharding: every rank reads all shards)")
+    payload, distrib, text = reshard.reshard_for_trainer(tr, iter_dir, with_optimizer)
+    print_rank_0(f" > {text}")
+    return loaded_iteration, payload, distrib, text
+
+
+def load_trainer_checkpoint(tr) -> Optional[str]:
+    """Restore model, optimizer, scheduler, RNG and counters from --load, if present.
+
+    A checkpoint saved with another layout is resharded on load (see
+    `_load_trainer_payload`); returns the description of that conversion, else None."""
     ck = tr.config.checkpoint
-    loaded = load_checkpoint(ck.load, tr.rt.ps, exit_on_missing=ck.exit_on_missing_checkpoint)
+    loaded = _load_trainer_payload(tr)
     if loaded is None:
-        return
-    iteration, state = loaded
+        return None
+    iteration, state, param_state, converted = loaded
     load_model_state_dicts(tr.model, state)
     if ck.finetune:
         tr.optimizer.reload_model_params()
         print_rank_0(f" > loaded weights from {ck.load} at iteration {iteration} (--finetune: "
                      f"counters, optimizer and RNG start fresh)")
-        return
+        return converted
     tr.state.load_state_dict(state.get("train_state", {"iteration": iteration}))
     if not ck.no_load_optim and "optimizer" in state:
         tr.optimizer.load_state_dict(state["optimizer"])
         if hasattr(tr.optimizer, "load_parameter_state"):  # the distributed optimizer's shards
-            tr.optimizer.load_parameter_state(load_extra_file(
-                ck.load, iteration, tr.rt.ps, "distrib_optim.pt", release=iteration == 0))
+            if param_state is None:
+                param_state = load_extra_file(ck.load, iteration, tr.rt.ps, "distrib_optim.pt",
+                                              release=iteration == 0)
+            tr.optimizer.load_parameter_state(param_state)
         tr.scheduler.load_state_dict(state["opt_param_scheduler"])
     else:
         tr.optimizer.reload_model_params()
     if not ck.no_load_rng and "rng_state" in state:
         set_rng_state(state["rng_state"][0], tr.rt.rng_tracker)
     print_rank_0(f"  successfully loaded checkpoint from {ck.load} at iteration {iteration}")
+    return converted

@@ -26,6 +26,11 @@ class DataConfig:
     micro_batch_size: int = 1
     global_batch_size: int = 1
     num_micro_batches: int = 1
+    # --rampup-batch-size START INCR SAMPLES; while set, global_batch_size and
+    # num_micro_batches are the current values and target_global_batch_size the final one
+    # (see megatron/microbatches.py).
+    rampup_batch_size: Optional[List[int]] = None
+    target_global_batch_size: Optional[int] = None
     seed: int = 1234
     num_workers: int = 2
     dataloader_type: str = "single"
@@ -72,6 +77,7 @@ class CheckpointConfig:
     finetune: bool = False
     use_checkpoint_args: bool = False
     exit_on_missing_checkpoint: bool = False
+    async_save: bool = False  # --async-save: write the files in a background thread
 
 
 @dataclass

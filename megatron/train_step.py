@@ -3,11 +3,13 @@
 grad all-reduces -> optimizer step (may skip) -> lr step.
 
 `tr` is the `Trainer` of `megatron.training` (config, runtime, model, optimizer, scheduler).
+What the step leaves for the log line -- Megatron's timers (`--timing-log-level`) and the
+zero counts of the gradients (`--log-num-zeros-in-grad`) -- lives in `step_log(tr)`.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Dict, Iterator, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,68 @@ from megatron.core.pipeline_parallel import (
     unwrap,
 )
 from megatron.data_loading import get_batch
+from megatron.logging_utils import Timers
+from megatron.microbatches import update_micro_batches
+
+# Megatron's timers that this step runs, in the order of its timer block. Level 1:
+# forward-backward, the gradient reductions, optimizer; level 2: batch-generator.
+TIMER_NAMES = ("forward-backward", "batch-generator", "layernorm-grads-all-reduce",
+               "embedding-grads-all-reduce", "grads-all-reduce", "grads-reduce-scatter",
+               "optimizer")
+
+
+class StepLog:
+    """What the steps leave for the next log line: the timers (no-ops above
+    `--timing-log-level`, so level 0 adds no synchronisation) and, per iteration, the
+    number of zero gradient entries (`--log-num-zeros-in-grad`, 0-dim tensors)."""
+
+    def __init__(self, config, device: torch.device) -> None:
+        lg = config.logging
+        self.timers = Timers(lg.timing_log_level, lg.timing_log_option, device)
+        # --no-barrier-with-level-1-timing: level-1 timers start without a world barrier.
+        self.barrier = bool(config.args.get("barrier_with_L1_time", True))
+        self.num_zeros: Dict[int, torch.Tensor] = {}
+        self.replicas_synced = False
+
+
+def step_log(tr) -> StepLog:
+    """The trainer's StepLog, created on first use."""
+    log = getattr(tr, "step_log", None)
+    if log is None:
+        log = tr.step_log = StepLog(tr.config, tr.rt.device)
+    return log
+
+
+class IntervalExtras(NamedTuple):
+    """The log line's values beyond the per-step records (None when not asked for)."""
+
+    num_zeros: Dict[int, torch.Tensor]  # iteration -> zero count (--log-num-zeros-in-grad)
+    params_norm: Optional[float]  # --log-params-norm, after the last step
+    timers: Optional[Dict[str, float]]  # --log-timers-to-tensorboard: max s per iteration
+    memory: Optional[dict]  # --log-memory-to-tensorboard: torch.cuda.memory_stats()
+
+
+def interval_extras(tr, iterations: int) -> IntervalExtras:
+    """Collect (and clear) what the next log line needs. Collective when asked for, so
+    every rank calls it at the same iterations: the parameter norm is an all-reduce over
+    the optimizer's group, the timer maxima an all-gather over the world."""
+    lg, log = tr.config.logging, step_log(tr)
+    num_zeros, log.num_zeros = log.num_zeros, {}
+    params_norm = float(tr.optimizer.get_params_norm()) if lg.log_params_norm else None
+    timers = None
+    if lg.log_timers_to_tensorboard and lg.timing_log_level > 0:
+        timers = log.timers.max_times(TIMER_NAMES, normalizer=iterations)
+    memory = None
+    if lg.log_memory_to_tensorboard and tr.rt.device.type == "cuda":
+        memory = torch.cuda.memory_stats(tr.rt.device)
+    return IntervalExtras(num_zeros, params_norm, timers, memory)
+
+
+def log_timers(tr, iterations: int) -> None:
+    """Megatron's timer block, ms per iteration, printed by the last rank and reset.
+    Collective (all-gather over the world); nothing at --timing-log-level 0."""
+    if tr.config.logging.timing_log_level > 0:
+        step_log(tr).timers.log(TIMER_NAMES, normalizer=iterations)
 
 
 # --------------------------------------------------------------------------- one step
@@ -29,14 +93,19 @@ class _MicroBatchFeed:
     """Micro-batches for the chunk that needs data on this rank (the first and/or last
     pipeline stage), read from the iterator in order, one per micro-batch."""
 
-    def __init__(self, data: Iterator[dict], device: torch.device, eod, flags) -> None:
+    def __init__(self, data: Iterator[dict], device: torch.device, eod, flags,
+                 timers: Timers) -> None:
         self.data, self.device, self.next = data, device, 0
         self.eod, self.flags = eod, flags
+        self.timer = timers("batch-generator", 2)
 
     def get(self, microbatch: int) -> dict:
         assert microbatch == self.next, f"micro-batch {microbatch} asked, {self.next} due"
         self.next += 1
-        return get_batch(next(self.data), self.device, self.eod, self.flags)
+        self.timer.start()
+        batch = get_batch(next(self.data), self.device, self.eod, self.flags)
+        self.timer.stop()
+        return batch
 
 
 def _forward_step(chunks, feed: _MicroBatchFeed):
@@ -87,8 +156,9 @@ def forward_backward(tr, data: Iterator[dict], num_micro: int,
     chunks = model_chunks(tr)
     plan = build_schedule(ps.pp_size, num_micro, len(chunks), forward_only,
                           tr.config.parallel.overlap_p2p_comm)[ps.pp_rank]
+    feed = _MicroBatchFeed(data, tr.rt.device, tr.eod, tr.config.data, step_log(tr).timers)
     executor = ScheduleExecutor(
-        chunks, _forward_step(chunks, _MicroBatchFeed(data, tr.rt.device, tr.eod, tr.config.data)),
+        chunks, _forward_step(chunks, feed),
         _p2p_communicator(tr), ps.pp_rank, ps.pp_size, num_micro,
         scale_loss=tr.optimizer.scale_loss, forward_only=forward_only, device=tr.rt.device)
     result = executor.run(plan)
@@ -118,28 +188,83 @@ def loss_is_finite_everywhere(loss: torch.Tensor) -> bool:
     return bad.item() == 0
 
 
-def train_step(tr, data: Iterator[dict], skip_nonfinite: bool = False):
-    """One optimizer step over a global batch. Returns (dp-averaged loss tensor,
-    update_successful, grad_norm tensor or None, num_zeros). With `skip_nonfinite`, a
-    NaN/Inf loss on any rank skips the optimizer step (all ranks agree)."""
-    cfg = tr.config
-    tr.optimizer.zero_grad()
-    tr.model.zero_grad_buffer()
-    loss = forward_backward(tr, data, cfg.data.num_micro_batches)
+def _empty_cache(device: torch.device, wanted: bool) -> None:
+    """`--empty-unused-memory-level`: hand cached, unused CUDA blocks back (1: after the
+    forward-backward pass, 2: also after the optimizer step). Nothing on CPU."""
+    if wanted and device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _sync_replicas(tr) -> None:
+    """`--data-parallel-random-init`: every DP rank drew its own initial weights (its
+    seed includes 10 * dp_rank); copy DP rank 0's into the others before the first step
+    and refresh the optimizer's main copies. Collective: one broadcast per parameter
+    over the data-parallel group. Only for a fresh start (iteration 0): loaded weights
+    are the same on every replica already."""
+    log = step_log(tr)
+    log.replicas_synced = True
+    if tr.state.iteration != 0 or tr.rt.ps.dp_group is None:
+        return
+    for chunk in model_chunks(tr):
+        if hasattr(chunk, "broadcast_params"):  # the DistributedDataParallel wrapper
+            chunk.broadcast_params()
+    tr.optimizer.reload_model_params()
+
+
+def _finish_grads(tr, timers: Timers) -> None:
+    """Data-parallel reduction, then the tied-embedding and sequence-parallel all-reduces."""
+    ps = tr.rt.ps
+    name = ("grads-reduce-scatter" if tr.config.parallel.use_distributed_optimizer
+            else "grads-all-reduce")
+    timer = timers(name, 1)
+    timer.start()
     with _watch(tr, "gradient reduction (data-parallel group)", "dp"):
         tr.model.finish_grad_sync()
-    allreduce_tied_embedding_grads(model_chunks(tr), tr.rt.ps)  # pp > 1: first + last stage
-    if cfg.model.sequence_parallel:
-        allreduce_sequence_parallel_grads(tr.model, tr.rt.ps.tp_group)
+    timer.stop()
+    timer = timers("embedding-grads-all-reduce", 1)
+    timer.start()
+    allreduce_tied_embedding_grads(model_chunks(tr), ps)  # pp > 1: first + last stage
+    timer.stop()
+    if tr.config.model.sequence_parallel:
+        timer = timers("layernorm-grads-all-reduce", 1)
+        timer.start()
+        allreduce_sequence_parallel_grads(tr.model, ps.tp_group)
+        timer.stop()
+
+
+def train_step(tr, data: Iterator[dict], skip_nonfinite: bool = False):
+    """One optimizer step over a global batch. Returns (dp-averaged loss tensor,
+    update_successful, grad_norm tensor or None, num_zeros tensor or None). With
+    `skip_nonfinite`, a NaN/Inf loss on any rank skips the optimizer step (all ranks
+    agree). With --rampup-batch-size the step first sets the current global batch size
+    and micro-batch count from the consumed samples (megatron/microbatches.py)."""
+    cfg, log = tr.config, step_log(tr)
+    update_micro_batches(cfg.data, tr.state.consumed_train_samples, tr.rt.ps.dp_size)
+    if cfg.training.data_parallel_random_init and not log.replicas_synced:
+        _sync_replicas(tr)
+    tr.optimizer.zero_grad()
+    tr.model.zero_grad_buffer()
+    timer = log.timers("forward-backward", 1)
+    timer.start(barrier=log.barrier)
+    loss = forward_backward(tr, data, cfg.data.num_micro_batches)
+    timer.stop()
+    _empty_cache(tr.rt.device, cfg.training.empty_unused_memory_level >= 1)
+    _finish_grads(tr, log.timers)
     tr.last_local_loss = loss.detach().clone()  # this rank's own loss, to name a NaN's origin
     if tr.rt.ps.dp_group is not None:
         dist.all_reduce(loss, group=tr.rt.ps.dp_group)
         loss /= tr.rt.ps.dp_size
     if skip_nonfinite and not loss_is_finite_everywhere(loss):
         return loss, False, None, None
+    timer = log.timers("optimizer", 1)
+    timer.start(barrier=log.barrier)
     ok, grad_norm, num_zeros = tr.optimizer.step()
+    timer.stop()
+    _empty_cache(tr.rt.device, cfg.training.empty_unused_memory_level >= 2)
     if ok:
         tr.scheduler.step(increment=cfg.data.global_batch_size)
+    if num_zeros is not None:
+        log.num_zeros[tr.state.iteration + 1] = num_zeros
     return loss, ok, grad_norm, num_zeros
 
 

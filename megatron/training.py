@@ -74,6 +74,8 @@ class Trainer:
     start_iteration: int = 0
     watchdog: object = None
     last_local_loss: Optional[torch.Tensor] = None
+    async_saver: object = None  # megatron.async_save.AsyncSaver once --async-save has saved
+    step_log: object = None  # megatron.train_step.StepLog, built at the first step
 
 
 # --------------------------------------------------------------------------- building
@@ -162,7 +164,10 @@ def _to_float(x) -> Optional[float]:
 
 
 def log_interval(tr: Trainer, stats: IntervalStats) -> None:
-    """Print Megatron's iteration line, write tensorboard scalars, count NaN iterations."""
+    """Print Megatron's iteration line (and timer block), write tensorboard scalars, count
+    NaN iterations. Collective with --log-params-norm or timers: every rank calls it."""
+    from megatron.train_step import interval_extras, log_timers
+
     cfg, st = tr.config, tr.state
     if tr.rt.device.type == "cuda":
         # Collectives are asynchronous on NCCL: a hang shows up here.
@@ -170,6 +175,8 @@ def log_interval(tr: Trainer, stats: IntervalStats) -> None:
             torch.cuda.synchronize()
     elapsed = time.time() - stats.start
     n = max(len(stats.records), 1)
+    extras = interval_extras(tr, n)
+    last_it = stats.records[-1][0]
     good_losses = []
     for it, consumed, lr, loss, scale, norm, ok, counted, _ in stats.records:
         loss_f, norm_f = _to_float(loss), _to_float(norm)
@@ -178,8 +185,11 @@ def log_interval(tr: Trainer, stats: IntervalStats) -> None:
         elif ok:
             good_losses.append(loss_f)
         if tr.tb is not None and it % cfg.logging.tensorboard_log_interval == 0:
+            last = it == last_it  # the norm, memory and timers are of the interval's end
             tr.tb.log_training(it, consumed, lr, cfg.data.global_batch_size, {"lm loss": loss_f},
-                               _to_float(scale), norm_f, None, None, tr.rt.ps.world_size)
+                               _to_float(scale), norm_f, _to_float(extras.num_zeros.get(it)),
+                               extras.params_norm if last else None, tr.rt.ps.world_size,
+                               extras.memory if last else None, extras.timers if last else None)
     it, consumed, lr, _, scale, norm, _, _, _ = stats.records[-1]
     tokens_per_gpu = cfg.data.global_batch_size * cfg.data.seq_length * n / elapsed / tr.rt.ps.world_size
     m = cfg.model
@@ -189,18 +199,20 @@ def log_interval(tr: Trainer, stats: IntervalStats) -> None:
         it, cfg.training.train_iters, consumed, elapsed * 1000.0 / n, lr,
         cfg.data.global_batch_size,
         {"lm loss": sum(good_losses) / len(good_losses)} if good_losses else {},
-        _to_float(scale), _to_float(norm), None, None, st.skipped_iters, st.nan_iters,
-        tokens_per_gpu, tflops,
+        _to_float(scale), _to_float(norm), _to_float(extras.num_zeros.get(it)),
+        extras.params_norm, st.skipped_iters, st.nan_iters, tokens_per_gpu, tflops,
     )
     print_rank_last(line)
     print_rank_last(progress_line(it, cfg.training.train_iters, time.time() - tr.start_time,
                                   tr.start_iteration))
+    log_timers(tr, n)
     if tr.tb is not None:
         extra = {"tokens-per-sec-per-gpu": tokens_per_gpu, "tflops-per-gpu": tflops,
                  "mfu": tflops * 1e12 / PEAK_FLOPS}
         if tr.rt.device.type == "cuda":
             extra["mem-max-allocated-gb"] = torch.cuda.max_memory_allocated() / 2**30
         tr.tb.log_scalars(it, consumed, extra)
+        tr.tb.log_iteration_time(it, elapsed / n)
         tr.tb.flush()
     stats.reset()
 
@@ -262,6 +274,7 @@ def _rollback(tr: Trainer, iteration: int) -> None:
     """Reload the last checkpoint of --save; keep the data position, so the batches since
     that checkpoint (the offending one included) are skipped."""
     ck = tr.config.checkpoint
+    checkpointing.wait_for_async_save(tr)  # the checkpoint being written may be the last one
     tracker = checkpointing.read_tracker(ck.save)[0] if ck.save else None
     if not tracker:
         raise SystemExit(f"error: NaN/Inf loss at iteration {iteration} and no checkpoint in "
@@ -351,12 +364,14 @@ def train(tr: Trainer, train_data, valid_data) -> None:
                 _save(tr, stats)
             elif not cfg.checkpoint.save and tr.signals is not None:
                 print_rank_0("WARNING: exiting without a checkpoint: --save is not set")
+            checkpointing.wait_for_async_save(tr)
             print_rank_0(f"{reason} datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
             return
     if stats.records:
         log_interval(tr, stats)
     if cfg.checkpoint.save and st.iteration > 0 and saved_at != st.iteration:
         _save(tr, stats)
+    checkpointing.wait_for_async_save(tr)
 
 
 def pretrain(config: Config, rt: Runtime) -> Trainer:

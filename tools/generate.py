@@ -23,176 +23,40 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-_DTYPES = {"torch.float32": torch.float32, "torch.float16": torch.float16,
-           "torch.bfloat16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16,
-           "bf16": torch.bfloat16}
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
-_LAYER_KEY = re.compile(r"^(language_model\.encoder\.layers\.)(\d+)(\..*)$")
+from megatron.checkpoint_reshard import (  # noqa: E402
+    SourceCheckpoint,
+    config_from_args,
+    full_model_state,
+    locate_iteration,
+)
 
-
-# ------------------------------------------------------------------------------- files
-def find_checkpoint(load: str, iteration: Optional[int] = None) -> Tuple[str, int, int, int]:
-    """(iteration directory, iteration, tp, pp) of the checkpoint under `load`: the tracker's
-    iteration unless `iteration` is given. SystemExit naming the path when absent."""
-    from megatron.checkpointing import iteration_dir_name, read_tracker, tracker_path
-
-    release = False
-    if iteration is None:
-        try:
-            iteration, release = read_tracker(load)
-        except ValueError as exc:
-            raise SystemExit(f"error: {exc}") from None
-        if iteration is None:
-            raise SystemExit(f"error: no checkpoint under --load {load}: {tracker_path(load)} "
-                             "does not exist (pass --iteration N to pick one by hand)")
-    iter_dir = os.path.join(load, iteration_dir_name(iteration, release))
-    found = [_RANK_DIR.match(d) for d in sorted(os.listdir(iter_dir))] \
-        if os.path.isdir(iter_dir) else []
-    found = [m for m in found if m]
-    if not found:
-        raise SystemExit(f"error: {iter_dir} holds no mp_rank_* directories")
-    tp = 1 + max(int(m.group(1)) for m in found)
-    pp = 1 + max(int(m.group(2) or 0) for m in found)
-    return iter_dir, iteration, tp, pp
-
-
-def _flatten(tree: dict, prefix: str = "") -> Dict[str, torch.Tensor]:
-    """Megatron's nested {'language_model': {'embedding': ...}} or flat keys -> flat keys."""
-    out = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, name + "."))
-        elif isinstance(value, torch.Tensor):
-            out[name] = value
-    return out
-
-
-def load_shards(iter_dir: str, tp: int, pp: int) -> Tuple[dict, List[List[List[dict]]]]:
-    """(args, shards[pp_rank][tp_rank] = list of chunk state dicts, virtual-stage order)."""
-    from megatron.checkpointing import MODEL_FILENAME, rank_dir_name
-
-    shards, args = [], None
-    for p in range(pp):
-        row = []
-        for t in range(tp):
-            path = os.path.join(iter_dir, rank_dir_name(t, p, pp), MODEL_FILENAME)
-            if not os.path.isfile(path):
-                raise SystemExit(f"error: checkpoint shard {path} is missing (tp {tp} x pp {pp})")
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            args = args if args is not None else state.get("args")
-            keys = ["model"] if "model" in state else sorted(
-                (k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
-            row.append([_flatten(state[k]) for k in keys])
-        shards.append(row)
-    if not isinstance(args, dict):
-        raise SystemExit(f"error: {iter_dir} has no 'args' dict: it was not written by "
-                         "pretrain_gpt.py, so the model shape is unknown")
-    return args, shards
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+__all__ = ["config_from_args", "load_model", "sample_next", "generate", "main"]
 
 
 # ------------------------------------------------------------------------------ model
-def config_from_args(args: dict):
-    """The run's `Config` rebuilt from a checkpoint's plain `args`, as one process (tp = pp
-    = dp = 1, no sequence parallelism, no compile). The padded vocabulary stays the
-    checkpoint's (it depends on the tp size the checkpoint was written with)."""
-    from megatron.arguments import build_config
-
-    values = dict(args)
-    values.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                  data_parallel_size=1, world_size=1, sequence_parallel=False,
-                  virtual_pipeline_model_parallel_size=None, compile_layers=False,
-                  recompute_granularity=None, use_cpu_initialization=False, rank=0)
-    values["params_dtype"] = _DTYPES.get(str(values.get("params_dtype")), torch.float32)
-    try:
-        return build_config(argparse.Namespace(**values))
-    except AttributeError as exc:
-        raise SystemExit(f"error: the checkpoint's args lack a value ({exc}); it was written "
-                         "by an older or different program") from None
-
-
-def _global_layer_keys(chunk: dict, offset: int) -> Dict[str, torch.Tensor]:
-    out = {}
-    for key, value in chunk.items():
-        m = _LAYER_KEY.match(key)
-        if m:
-            key = f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}"
-        if not key.startswith("word_embeddings_for_head"):  # last stage's tied copy
-            out[key] = value
-    return out
-
-
-def _collect(args: dict, shards) -> Dict[str, List[torch.Tensor]]:
-    """{full-model key: [tp shards]} with pipeline (and virtual) stages renumbered."""
-    from megatron.core.models.gpt.stages import stage_layout
-
-    pp = len(shards)
-    vpp = args.get("virtual_pipeline_model_parallel_size") or len(shards[0][0])
-    collected: Dict[str, List[torch.Tensor]] = {}
-    for p, row in enumerate(shards):
-        specs = stage_layout(args["num_layers"], pp, p, vpp if vpp > 1 else None,
-                             bool(args.get("standalone_embedding_stage")))
-        for t, chunks in enumerate(row):
-            if len(chunks) != len(specs):
-                raise SystemExit(f"error: pipeline rank {p} holds {len(chunks)} model chunks, the "
-                                 f"checkpoint's args describe {len(specs)}")
-            for spec, chunk in zip(specs, chunks):
-                for key, value in _global_layer_keys(chunk, spec.layer_offset).items():
-                    collected.setdefault(key, [None] * len(row))[t] = value
-    return collected
-
-
-def merge_tp(shards: Sequence[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
-    """Inverse of the tensor-parallel split: each shard holds `stride` blocks along `dim`;
-    the full tensor is block 0 of every rank, then block 1 of every rank, ..."""
-    if len(shards) == 1:
-        return shards[0]
-    pieces = [s.chunk(stride, dim=dim) for s in shards]
-    return torch.cat([pieces[r][b] for b in range(stride) for r in range(len(shards))], dim=dim)
-
-
-def merge_state_dict(model: torch.nn.Module, args: dict, shards) -> Dict[str, torch.Tensor]:
-    """The one-process state dict of `model` (built with tp = 1, any device) from the
-    checkpoint's shards, using each parameter's `partition_dim` / `partition_stride`."""
-    collected = _collect(args, shards)
-    params = dict(model.named_parameters())
-    merged, missing = {}, []
-    for name in model.state_dict():
-        parts = collected.pop(name, None)
-        if parts is None or any(p is None for p in parts):
-            missing.append(name)
-            continue
-        p = params.get(name)
-        if p is not None and getattr(p, "tensor_model_parallel", False):
-            merged[name] = merge_tp(parts, p.partition_dim, getattr(p, "partition_stride", 1))
-        else:
-            merged[name] = parts[0]
-    if missing or collected:
-        raise SystemExit(f"error: checkpoint does not match the model its args describe; "
-                         f"missing: {missing[:5]}, unexpected: {sorted(collected)[:5]}")
-    return merged
-
-
 def load_model(load: str, iteration: Optional[int] = None, device="cpu",
                dtype: Optional[torch.dtype] = None):
-    """(model in eval mode, Config, iteration) from the checkpoint under `load`.
-    `dtype` None keeps the checkpoint's parameter dtype."""
+    """(model in eval mode, Config, iteration) from the checkpoint under `load`, merged
+    into one process by megatron.checkpoint_reshard. `dtype` None keeps the checkpoint's
+    parameter dtype."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    iter_dir, iteration, tp, pp = find_checkpoint(load, iteration)
-    args, shards = load_shards(iter_dir, tp, pp)
-    config = config_from_args(args)
+    iter_dir, iteration, _ = locate_iteration(load, iteration)
+    src = SourceCheckpoint(iter_dir)
+    if not src.args:
+        raise SystemExit(f"error: {iter_dir} has no 'args' dict: it was not written by "
+                         "pretrain_gpt.py, so the model shape is unknown")
+    config = config_from_args(src.args)
     model = GPTModel(config.model, device="meta")
-    state = merge_state_dict(model, args, shards)
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(full_model_state(src, model), strict=True, assign=True)
     model.to(device=device, dtype=dtype)
     model.eval()
     return model, config, iteration

@@ -1,6 +1,11 @@
 """Optimizer stack: parameter groups, mixed-precision wrappers, loss scaling, gradient
 clipping and the learning-rate / weight-decay schedule (see each module's docstring)."""
-from megatron.core.optimizer.clip_grads import clip_grad_norm, count_zeros, get_grad_norm
+from megatron.core.optimizer.clip_grads import (
+    clip_grad_norm,
+    count_zeros,
+    get_grad_norm,
+    get_params_norm,
+)
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import (
     ConstantGradScaler,
@@ -33,5 +38,6 @@ __all__ = [
     "clip_grad_norm",
     "count_zeros",
     "get_grad_norm",
+    "get_params_norm",
     "get_param_groups",
 ]

@@ -1,4 +1,5 @@
-"""Global gradient norm, clipping and zero counting over the model-parallel group.
+"""Global gradient norm, clipping and zero counting over the model-parallel group; the
+global parameter norm (`--log-params-norm`) by the same counting rule.
 
 A gradient counts toward the norm once per model replica: a parameter is included when
 it is tensor-parallel sharded (`param.tensor_model_parallel`) or this rank is tensor-
@@ -56,18 +57,13 @@ def grads_for_norm(params: Iterable[torch.Tensor], tp_rank: int) -> List[torch.T
     return out
 
 
-def get_grad_norm(params, mp_group, tp_rank: int, norm_type: float = 2) -> torch.Tensor:
-    """Norm of all gradients of one model replica (all TP and PP ranks together).
-
-    Collective: all-reduce of one scalar over `mp_group` (SUM of |g|^p, or MAX for inf).
-    Returns a 0-dim float32 tensor on the gradients' device.
-    """
-    params = _as_list(params)
+def _global_norm(tensors: List[torch.Tensor], params: List[torch.Tensor], mp_group,
+                 norm_type: float) -> torch.Tensor:
+    """p-norm of `tensors` over this rank and `mp_group` (see get_grad_norm)."""
     norm_type = float(norm_type)
-    grads = grads_for_norm(params, tp_rank)
-    device = grads[0].device if grads else _default_device(params)
-    if grads:
-        norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32)
+    device = tensors[0].device if tensors else _default_device(params)
+    if tensors:
+        norms = torch._foreach_norm(tensors, norm_type, dtype=torch.float32)
         norms = torch.stack([n.to(device) for n in norms])
     else:
         norms = torch.zeros(1, dtype=torch.float32, device=device)
@@ -80,6 +76,30 @@ def get_grad_norm(params, mp_group, tp_rank: int, norm_type: float = 2) -> torch
     if mp_group is not None:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mp_group)
     return total.pow(1.0 / norm_type)
+
+
+def get_grad_norm(params, mp_group, tp_rank: int, norm_type: float = 2) -> torch.Tensor:
+    """Norm of all gradients of one model replica (all TP and PP ranks together).
+
+    Collective: all-reduce of one scalar over `mp_group` (SUM of |g|^p, or MAX for inf).
+    Returns a 0-dim float32 tensor on the gradients' device.
+    """
+    params = _as_list(params)
+    return _global_norm(grads_for_norm(params, tp_rank), params, mp_group, norm_type)
+
+
+def get_params_norm(params, mp_group, tp_rank: int, norm_type: float = 2) -> torch.Tensor:
+    """Norm of the parameters of one model replica (`--log-params-norm`), counted like the
+    grad norm: TP-replicated parameters once (TP rank 0), `shared` copies (the tied output
+    embedding of the last pipeline stage) not at all. Given the distributed optimizer's
+    DP shards and the world as `mp_group`, every element still counts once.
+
+    Collective: all-reduce SUM of one scalar over `mp_group`. 0-dim float32 tensor.
+    """
+    params = _as_list(params)
+    data = [p.detach() for p in params
+            if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, tp_rank)]
+    return _global_norm(data, params, mp_group, norm_type)
 
 
 def clip_grad_norm(

@@ -26,7 +26,12 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.ddp import DistributedDataParallel
-from megatron.core.optimizer.clip_grads import clip_grad_norm, count_zeros, get_grad_norm
+from megatron.core.optimizer.clip_grads import (
+    clip_grad_norm,
+    count_zeros,
+    get_grad_norm,
+    get_params_norm,
+)
 from megatron.core.optimizer.grad_scaler import (
     ConstantGradScaler,
     DynamicGradScaler,
@@ -159,6 +164,14 @@ class MegatronOptimizer:
 
     def count_zeros(self) -> torch.Tensor:
         return count_zeros(self.get_parameters(), self.mp_group, self.tp_rank)
+
+    @torch.no_grad()
+    def get_params_norm(self) -> torch.Tensor:
+        """L2 norm of the model's parameters (one replica, each element once), from the
+        parameters this optimizer steps: the fp32 main copies when mixed precision, this
+        rank's shards with the distributed optimizer (then reduced over the world).
+        Collective over the optimizer's model-parallel (or world) group; no host sync."""
+        return get_params_norm(self.get_parameters(), self.mp_group, self.tp_rank)
 
     def _clip_and_step(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         num_zeros = self.count_zeros() if self.log_num_zeros_in_grad else None

@@ -18,13 +18,14 @@ from megatron.core.config import ModelConfig
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
-    init_method_normal,
+    group_rank,
+    reduce_from_tp,
     scatter_to_sp,
     vocab_parallel_cross_entropy,
 )
 
 from .rotary import rotary_frequencies
-from .transformer import TransformerBlock
+from .transformer import TransformerBlock, init_methods
 
 _COMPILED_CE = None
 
@@ -40,6 +41,28 @@ def plain_cross_entropy(logits_sbv: torch.Tensor, labels_sb: torch.Tensor) -> to
     return loss.view(labels_sb.shape)
 
 
+def half_precision_cross_entropy(logits_sbv: torch.Tensor, labels_sb: torch.Tensor,
+                                 tp_group=None) -> torch.Tensor:
+    """Per-token loss [s, b] computed in the logits' own dtype (`--fp16-lm-cross-entropy`):
+    no fp32 copy of the [s, b, V/tp] logits is made, and the loss comes back in fp16, as
+    Megatron computes it with that flag. Vocabulary-parallel like
+    `vocab_parallel_cross_entropy`; collectives over `tp_group`: forward all-reduce MAX of
+    the max logit (no grad), then all-reduce SUM of the target logit and of sum(exp);
+    backward identity for both (`reduce_from_tp`)."""
+    with torch.no_grad():
+        logits_max = logits_sbv.max(dim=-1)[0]
+        if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
+            torch.distributed.all_reduce(logits_max, op=torch.distributed.ReduceOp.MAX,
+                                         group=tp_group)
+    shifted = logits_sbv - logits_max.unsqueeze(-1)
+    vocab_start = group_rank(tp_group) * shifted.size(-1)
+    outside = (labels_sb < vocab_start) | (labels_sb >= vocab_start + shifted.size(-1))
+    local = (labels_sb - vocab_start).masked_fill(outside, 0)
+    target = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+    sum_exp = reduce_from_tp(shifted.exp().sum(dim=-1), tp_group)
+    return torch.log(sum_exp) - reduce_from_tp(target, tp_group)
+
+
 def compiled_cross_entropy():
     global _COMPILED_CE
     if _COMPILED_CE is None:
@@ -50,7 +73,10 @@ def compiled_cross_entropy():
 class Embedding(nn.Module):
     """Word embeddings (vocab-parallel) plus learned absolute positions, then dropout.
 
-    Output [s, b, h], or [s/tp, b, h] with sequence parallelism (scattered along s).
+    Output [s, b, h], or [s/tp, b, h] with sequence parallelism (scattered along s), in
+    the compute dtype (fp32 with --fp32-residual-connection). With
+    --embedding-weights-in-fp32 the word-embedding table is an fp32 parameter whatever
+    the compute dtype (the lookup is exact; the tied output layer casts it).
     """
 
     def __init__(self, config: ModelConfig, tp_group=None, rng_tracker=None, device=None):
@@ -58,20 +84,23 @@ class Embedding(nn.Module):
         self.config = config
         self.tp_group = tp_group
         self.rng_tracker = rng_tracker
-        dtype = torch.float32 if config.embedding_weights_in_fp32 else config.params_dtype
+        init, _ = init_methods(config)
         self.word_embeddings = VocabParallelEmbedding(
             config.padded_vocab_size, config.hidden_size, tp_group=tp_group,
-            init_method=init_method_normal(config.init_method_std), params_dtype=dtype,
+            init_method=init, params_dtype=word_embedding_dtype(config),
             use_cpu_initialization=config.use_cpu_initialization, device=device,
             rng_tracker=rng_tracker,
         )
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Embedding(
-                config.max_position_embeddings, config.hidden_size, dtype=dtype,
-                device="cpu" if config.use_cpu_initialization else device,
-            )
-            init_method_normal(config.init_method_std)(self.position_embeddings.weight)
+            shape = (config.max_position_embeddings, config.hidden_size)
+            where = "cpu" if config.use_cpu_initialization else device
+            # Without initialisation nn.Embedding must not draw its default N(0, 1) either.
+            empty = (None if config.perform_initialization else
+                     torch.empty(shape, dtype=config.params_dtype, device=where))
+            self.position_embeddings = nn.Embedding(*shape, dtype=config.params_dtype,
+                                                    device=where, _weight=empty)
+            init(self.position_embeddings.weight)
             self.position_embeddings.to(device)
             self.position_embeddings.weight.tensor_model_parallel = False
         self.dropout = nn.Dropout(config.hidden_dropout)
@@ -93,6 +122,20 @@ class Embedding(nn.Module):
         return self.dropout(emb_sbh)
 
 
+class CastTo(nn.Module):
+    """`forward(tensor, dtype)` -> `tensor.to(dtype)`. A module call, so that wrappers which
+    wait for a parameter before the module that receives it (the distributed optimizer's
+    overlapped all-gather) see the parameter itself, not the cast copy."""
+
+    def forward(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return tensor.to(dtype)
+
+
+def word_embedding_dtype(config: ModelConfig) -> torch.dtype:
+    """dtype of the word-embedding table (and of its copy on the last pipeline stage)."""
+    return torch.float32 if config.embedding_weights_in_fp32 else config.params_dtype
+
+
 class LanguageModel(nn.Module):
     """Holds the three parts under Megatron's names: embedding, encoder, output_layer."""
 
@@ -107,7 +150,7 @@ class LanguageModel(nn.Module):
         if post_process and config.untie_embeddings_and_output_weights:
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, config.padded_vocab_size, tp_group=tp_group, bias=False,
-                gather_output=False, init_method=init_method_normal(config.init_method_std),
+                gather_output=False, init_method=init_methods(config)[0],
                 sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
                 use_cpu_initialization=config.use_cpu_initialization, device=device,
                 rng_tracker=rng_tracker,
@@ -120,7 +163,8 @@ class GPTModel(nn.Module):
 
     forward(input_ids [b, s], position_ids [b, s] or None, labels [b, s] or None,
             attention_mask [b, 1, s, s] bool (True = masked) or None for plain causal)
-      -> per-token losses [b, s] (fp32) when labels are given, else logits [b, s, V/tp].
+      -> per-token losses [b, s] when labels are given (fp32; in the logits' dtype with
+         --fp16-lm-cross-entropy), else logits [b, s, V/tp].
     Stages other than the first take `hidden_sbh` instead of input ids (see `set_input`).
     """
 
@@ -141,7 +185,7 @@ class GPTModel(nn.Module):
         if self.tied_output:
             self.output_projection = ColumnParallelLinear(
                 config.hidden_size, config.padded_vocab_size, tp_group=tp_group, bias=False,
-                gather_output=False, init_method=init_method_normal(config.init_method_std),
+                gather_output=False, init_method=init_methods(config)[0],
                 sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
                 skip_weight_param_allocation=True, device=device,
                 gradient_accumulation_fusion=config.gradient_accumulation_fusion,
@@ -149,10 +193,12 @@ class GPTModel(nn.Module):
             if not pre_process:  # last stage of a pipeline keeps its own copy, kept in sync
                 self.word_embeddings_for_head = VocabParallelEmbedding(
                     config.padded_vocab_size, config.hidden_size, tp_group=tp_group,
-                    init_method=nn.init.zeros_, params_dtype=config.params_dtype, device=device,
+                    init_method=nn.init.zeros_, params_dtype=word_embedding_dtype(config),
+                    device=device,
                     use_cpu_initialization=config.use_cpu_initialization, rng_tracker=rng_tracker,
                 )
                 self.word_embeddings_for_head.weight.shared = True
+            self.output_weight_cast = CastTo()
         self.rotary_dim = None
         if config.position_embedding_type == "rope":
             self.rotary_dim = int(config.kv_channels * config.rotary_percent)
@@ -205,13 +251,17 @@ class GPTModel(nn.Module):
         if self.config.untie_embeddings_and_output_weights:
             logits_sbv, _ = self.language_model.output_layer(hidden_sbh)
         else:
-            logits_sbv, _ = self.output_projection(hidden_sbh, weight=self.output_weight())
+            # An fp32 word-embedding table (--embedding-weights-in-fp32) is cast to the
+            # compute dtype; its grad flows back through the cast in fp32.
+            weight = self.output_weight_cast(self.output_weight(), hidden_sbh.dtype)
+            logits_sbv, _ = self.output_projection(hidden_sbh, weight=weight)
         if labels is None:
             return logits_sbv.transpose(0, 1).contiguous()
         labels_sb = labels.transpose(0, 1)
-        if self.config.compile_layers and self._tp_size() == 1 and not self.config.fp16_lm_cross_entropy:
-            return compiled_cross_entropy()(logits_sbv, labels_sb).transpose(0, 1).contiguous()
-        if not self.config.fp16_lm_cross_entropy:
-            logits_sbv = logits_sbv.float()
-        loss_sb = vocab_parallel_cross_entropy(logits_sbv, labels_sb, self.tp_group)
+        if self.config.fp16_lm_cross_entropy:
+            loss_sb = half_precision_cross_entropy(logits_sbv, labels_sb, self.tp_group)
+        elif self.config.compile_layers and self._tp_size() == 1:
+            loss_sb = compiled_cross_entropy()(logits_sbv, labels_sb)
+        else:
+            loss_sb = vocab_parallel_cross_entropy(logits_sbv.float(), labels_sb, self.tp_group)
         return loss_sb.transpose(0, 1).contiguous()

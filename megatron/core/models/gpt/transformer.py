@@ -180,6 +180,12 @@ class ParallelAttention(nn.Module):
 
     The fused QKV weight is laid out per query group: [q x (n/g), k, v] blocks of d rows,
     so a contiguous split over ranks gives each rank whole groups (Megatron's ordering).
+
+    Precision: for fp16/bf16 inputs scaled_dot_product_attention computes the scores and
+    the softmax in fp32 (the math backend upcasts, the fused kernels accumulate in fp32).
+    That is what --attention-softmax-in-fp32 asks for, and what query-key layer scaling
+    (on unless --no-query-key-layer-scaling) only approximated to keep fp16 scores from
+    overflowing; both flags are therefore no-ops here (tests/test_mixed_precision.py).
     """
 
     def __init__(self, config: ModelConfig, tp_group=None, rng_tracker=None, device=None):

@@ -1,0 +1,199 @@
+"""Asynchronous checkpoint writing (`--async-save`): training blocks only for a CPU copy.
+
+One save, seen from every rank (`checkpointing.save_checkpoint_async` drives it):
+
+    blocking, on the training thread   wait for this rank's previous save; global rank 0
+                                       makes `iter_XXXXXXX.tmp/` (world barrier); each
+                                       writer (data-parallel rank 0 of a (tp, pp) pair)
+                                       copies its state to CPU (pinned memory from CUDA)
+    background thread, every writer    write the files, fsync them, then create the marker
+                                       `.done.<mp_rank dir>` in the temporary directory
+    background thread, global rank 0   wait until the marker of every (tp, pp) pair exists,
+                                       remove the markers, rename the directory into place,
+                                       write `latest_checkpointed_iteration.txt` last
+
+Finishing needs no collective: the markers live in the checkpoint directory that all ranks
+share (rank 0 renaming a directory that every rank wrote into already assumes a shared file
+system), so nothing has to be agreed at a later iteration or at exit, and a rank that runs
+ahead or exits first cannot deadlock anyone. A process waits for its own thread at its next
+save and at exit (`AsyncSaver.wait`; the thread is not a daemon, so the interpreter waits
+for it as well). A process killed while writing leaves the `.tmp` directory behind and the
+tracker untouched: the previous checkpoint stays the one that is loaded.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Callable, Iterable, List, Optional
+
+import torch
+
+MARKER_PREFIX = ".done."
+
+
+# --------------------------------------------------------------------------- CPU snapshot
+class _PinnedBuffers:
+    """Pinned host buffers of the previous snapshot, reused in traversal order when shape
+    and dtype match (page-locking gigabytes anew at every save would be slow)."""
+
+    def __init__(self) -> None:
+        self.buffers: List[torch.Tensor] = []
+        self._next: List[torch.Tensor] = []
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        i = len(self._next)
+        old = self.buffers[i] if i < len(self.buffers) else None
+        if old is None or old.shape != like.shape or old.dtype != like.dtype:
+            old = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=True)
+        self._next.append(old)
+        return old
+
+    def finish(self) -> None:
+        self.buffers, self._next = self._next, []
+
+
+def snapshot_to_cpu(obj, pinned: Optional[_PinnedBuffers] = None):
+    """A copy of `obj` (nested dicts, lists, tuples, tensors, plain values) whose tensors
+    are CPU copies that later training steps cannot change.
+
+    CUDA tensors are copied asynchronously into pinned buffers, then the device is
+    synchronised once; CPU tensors are cloned. A tensor reached twice is copied once (the
+    copies stay shared, as torch.save would keep them)."""
+    memo = {}
+    saw_cuda = [False]
+
+    def copy(x):
+        if isinstance(x, torch.Tensor):
+            if id(x) not in memo:
+                t = x.detach()
+                if t.is_cuda:
+                    saw_cuda[0] = True
+                    buf = pinned.take(t) if pinned is not None else torch.empty(
+                        t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+                    memo[id(x)] = buf.copy_(t, non_blocking=True)
+                else:
+                    memo[id(x)] = t.clone()
+            return memo[id(x)]
+        if isinstance(x, dict):
+            items = [(k, copy(v)) for k, v in x.items()]
+            try:
+                out = type(x)(items)
+            except TypeError:  # e.g. a defaultdict: keep the data, drop the factory
+                out = dict(items)
+            if hasattr(x, "_metadata"):  # module state_dict versions, kept by torch.save
+                out._metadata = x._metadata
+            return out
+        if isinstance(x, list):
+            return [copy(v) for v in x]
+        if isinstance(x, tuple):
+            items = [copy(v) for v in x]
+            return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+        return x  # ints, floats, strings, None, dtypes: immutable
+
+    out = copy(obj)
+    if saw_cuda[0]:
+        torch.cuda.synchronize()  # the background writer reads the pinned buffers
+    if pinned is not None:
+        pinned.finish()
+    return out
+
+
+# --------------------------------------------------------------------------- marker files
+def marker_path(tmp_dir: str, rank_dir: str) -> str:
+    """`<tmp_dir>/.done.<rank_dir>`: the writer of `rank_dir` finished and synced."""
+    return os.path.join(tmp_dir, MARKER_PREFIX + rank_dir)
+
+
+def mark_done(tmp_dir: str, rank_dir: str) -> None:
+    """Create the marker of `rank_dir` (after its files were fsynced), durably."""
+    path = marker_path(tmp_dir, rank_dir)
+    with open(path, "w") as f:
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def wait_for_markers(tmp_dir: str, rank_dirs: Iterable[str], timeout_s: float,
+                     poll_s: float = 0.02) -> None:
+    """Block until every marker of `rank_dirs` exists in `tmp_dir`.
+
+    Raises TimeoutError naming the missing ones after `timeout_s` seconds (a writer died
+    or its file system is not the one this rank sees)."""
+    pending = set(rank_dirs)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pending = {d for d in pending if not os.path.exists(marker_path(tmp_dir, d))}
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"after {timeout_s:.0f} s, no finished files from {', '.join(sorted(pending))} "
+                f"in {tmp_dir}: a rank died while writing, or the ranks do not share this "
+                f"directory; the checkpoint was not published (the tracker still names the "
+                f"previous one)")
+        time.sleep(poll_s)
+
+
+def remove_markers(tmp_dir: str, rank_dirs: Iterable[str]) -> None:
+    for d in rank_dirs:
+        try:
+            os.remove(marker_path(tmp_dir, d))
+        except FileNotFoundError:
+            pass
+
+
+# --------------------------------------------------------------------------- the writer
+class AsyncSaver:
+    """At most one save in flight per process, written by a background thread.
+
+    `submit(work)` starts `work()` on a non-daemon thread; `wait()` joins it and re-raises
+    its failure as RuntimeError. `snapshot(obj)` is `snapshot_to_cpu` with pinned buffers
+    reused from the previous save (call it only after `wait()`)."""
+
+    def __init__(self) -> None:
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._what = ""
+        self._pinned = _PinnedBuffers()
+
+    @property
+    def pending(self) -> bool:
+        """True while a submitted save has not been waited for."""
+        return self._thread is not None
+
+    def done(self) -> bool:
+        """True when no save is in flight (a finished one may still need `wait()`)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def snapshot(self, obj):
+        assert self.done(), "snapshot while the previous save still reads the buffers"
+        return snapshot_to_cpu(obj, self._pinned)
+
+    def submit(self, work: Callable[[], None], what: str) -> None:
+        """Run `work()` in the background; `what` names the save in error messages."""
+        assert self._thread is None, "wait() for the previous save first"
+        self._error, self._what = None, what
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as exc:  # reported here and re-raised by wait()
+                self._error = exc
+                print(f"ERROR: background save of {what} failed: {exc!r}", flush=True)
+
+        self._thread = threading.Thread(target=run, name="checkpoint-writer", daemon=False)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any; RuntimeError when it failed."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"the background save of {self._what} failed: {error}") from error
+
+
+__all__ = ["AsyncSaver", "snapshot_to_cpu", "marker_path", "mark_done", "wait_for_markers",
+           "remove_markers", "MARKER_PREFIX"]

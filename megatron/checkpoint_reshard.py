@@ -1,0 +1,692 @@
+"""Resharding checkpoints between parallel layouts (the driver side of checkpointing).
+
+A checkpoint saved with one layout -- tensor-parallel size tp, pipeline size pp, vpp
+model chunks per pipeline rank, and one of three optimizer payloads -- is opened shard by
+shard (memory-mapped, nothing is read until asked for), and any parameter comes back as
+its full (tp = pp = 1) tensor: the model weight, the fp32 main weight and the optimizer
+state (Adam's exp_avg / exp_avg_sq, the step). Full tensors are then cut for any other
+layout:
+
+    src = SourceCheckpoint(iter_dir)               every shard of one saved iteration
+    plan = plan_rank(chunks, offsets, tp, rank)    what one target rank holds (its modules)
+    payload = build_rank_payload(src, plan, kind)  that rank's model_optim_rng.pt contents
+                                                   (+ distrib_optim.pt for the distributed
+                                                   optimizer)
+
+Names: a parameter's *global name* is its key in the one-process model
+(`language_model.encoder.layers.<global index>...`); the last pipeline stage's tied copy
+`word_embeddings_for_head.weight` is the same parameter as the input word embedding
+(both copies take identical optimizer steps, so the copy gets the embedding's state).
+
+Optimizer payloads (megatron/core/optimizer):
+  fp32         the torch state_dict {"state": {idx: {step, exp_avg, ...}}, "param_groups"}
+  mixed        {"optimizer": <torch state_dict>, "grad_scaler", "fp32_from_fp16_params"}
+  distributed  {"optimizer": {"param_groups": [... with "step"]}, "grad_scaler"}, and
+               distrib_optim.pt {chunk: {grad_dtype: {"param", "exp_avg", ...}}}: flat
+               fp32 tensors, a chunk's parameters back to back in reverse module order.
+`idx` counts parameters in get_param_groups order over the rank's chunks (decayed
+parameters first, then biases and 1-D parameters), which is recomputed here from the
+saved state dicts. A vocabulary padded for another tp size is cut or zero-padded (the
+extra rows are padding tokens). RNG states are per rank: they are kept only when tp and pp
+are unchanged.
+
+Used by `load_trainer_checkpoint` (resharding on load), `tools/checkpoint_convert.py
+reshard` (offline) and `tools/generate.py` (one-process model), and `--use-checkpoint-args`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from megatron.checkpointing import (
+    MODEL_FILENAME,
+    iteration_dir_name,
+    rank_dir_name,
+    read_tracker,
+    tracker_path,
+)
+from megatron.core.optimizer.param_groups import default_no_weight_decay, get_param_groups
+from megatron.core.tensor_parallel.layers import shard_of_full_weight
+
+DISTRIB_FILENAME = "distrib_optim.pt"
+EMBEDDING = "language_model.embedding.word_embeddings.weight"
+TIED_COPY = "word_embeddings_for_head.weight"
+VOCAB_PARAMS = (EMBEDDING, "language_model.output_layer.weight")
+_HALF = (torch.float16, torch.bfloat16)
+_RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_LAYER_RE = re.compile(r"^(language_model\.encoder\.layers\.)(\d+)(\..*)$")
+
+Partition = Optional[Tuple[int, int]]  # (partition_dim, partition_stride); None: replicated
+ParamKey = Tuple[int, str]  # (chunk index, local name)
+
+
+# ------------------------------------------------------------------------------ layouts
+@dataclass(frozen=True)
+class Layout:
+    """Parallel layout of a checkpoint or a run."""
+
+    tp: int
+    pp: int
+    vpp: int = 1  # model chunks per pipeline rank
+    optimizer: Optional[str] = None  # "fp32" | "mixed" | "distributed" | None (none saved)
+
+    def describe(self) -> str:
+        text = f"tp {self.tp}, pp {self.pp}"
+        if self.vpp > 1:
+            text += f", {self.vpp} virtual stages"
+        return text + (f", {self.optimizer} optimizer" if self.optimizer else ", no optimizer")
+
+
+def scan_layout(iter_dir: str) -> Tuple[int, int]:
+    """(tp, pp) from the `mp_rank_*` directories of a saved iteration; SystemExit if none."""
+    found = [_RANK_DIR_RE.match(d) for d in sorted(os.listdir(iter_dir))] \
+        if os.path.isdir(iter_dir) else []
+    found = [m for m in found if m]
+    if not found:
+        raise SystemExit(f"error: {iter_dir} holds no mp_rank_* directories (not a checkpoint)")
+    return (1 + max(int(m.group(1)) for m in found),
+            1 + max(int(m.group(2) or 0) for m in found))
+
+
+def optimizer_kind(opt_state, has_distrib_file: bool = False) -> Optional[str]:
+    """Which wrapper wrote an `optimizer` payload (see the module doc); None when absent."""
+    if opt_state is None:
+        return None
+    if "state" in opt_state:
+        return "fp32"
+    inner = opt_state.get("optimizer", opt_state.get("optimizer_state_dict"))
+    if isinstance(inner, dict) and "state" in inner:
+        return "mixed"
+    return "distributed" if has_distrib_file or isinstance(inner, dict) else None
+
+
+def live_optimizer_kind(optimizer) -> str:
+    """The payload kind a live Megatron optimizer wrapper reads and writes."""
+    if hasattr(optimizer, "load_parameter_state"):
+        return "distributed"
+    return "mixed" if hasattr(optimizer, "fp32_from_float16_groups") else "fp32"
+
+
+def _load(path: str):
+    """weights_only load, memory-mapped (tensors are read when used) when the file allows."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as exc:
+        if "mmap" not in str(exc):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)  # legacy format
+
+
+def _model_keys(state: dict) -> List[str]:
+    if "model" in state:
+        return ["model"]
+    return sorted((k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+
+
+def read_layout(iter_dir: str) -> Layout:
+    """The layout a saved iteration was written with, from its directories and the first
+    rank's file (memory-mapped: only its structure is read)."""
+    tp, pp = scan_layout(iter_dir)
+    first = os.path.join(iter_dir, rank_dir_name(0, 0, pp))
+    if not os.path.isfile(os.path.join(first, MODEL_FILENAME)):
+        raise SystemExit(f"error: checkpoint shard {os.path.join(first, MODEL_FILENAME)} is "
+                         "missing")
+    state = _load(os.path.join(first, MODEL_FILENAME))
+    has_distrib = os.path.isfile(os.path.join(first, DISTRIB_FILENAME))
+    return Layout(tp, pp, max(len(_model_keys(state)), 1),
+                  optimizer_kind(state.get("optimizer"), has_distrib))
+
+
+# -------------------------------------------------------------------------- tensor math
+def merge_tp(shards: Sequence[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """Inverse of the tensor-parallel split: each shard holds `stride` blocks along `dim`;
+    the full tensor is block 0 of every rank, then block 1 of every rank, ..."""
+    if len(shards) == 1:
+        return shards[0]
+    pieces = [s.chunk(stride, dim=dim) for s in shards]
+    return torch.cat([pieces[r][b] for b in range(stride) for r in range(len(shards))], dim=dim)
+
+
+def global_name(local: str, layer_offset: int) -> str:
+    """A chunk's parameter name in the one-process model (layers renumbered, the tied
+    output copy named as the embedding)."""
+    m = _LAYER_RE.match(local)
+    if m:
+        return f"{m.group(1)}{int(m.group(2)) + layer_offset}{m.group(3)}"
+    return EMBEDDING if local == TIED_COPY else local
+
+
+def flatten_state(tree: dict, prefix: str = "") -> Dict[str, torch.Tensor]:
+    """Megatron's nested {'language_model': {'embedding': ...}} or flat keys -> flat keys."""
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten_state(value, name + "."))
+        elif isinstance(value, torch.Tensor):
+            out[name] = value
+    return out
+
+
+def param_group_order(chunks: Sequence[Dict[str, torch.Tensor]]) -> List[List[ParamKey]]:
+    """The parameters of saved chunk state dicts grouped as `get_param_groups` groups the
+    live modules (default rules: decayed first, then biases and 1-D; empty groups left out)."""
+    decayed, plain = [], []
+    for c, sd in enumerate(chunks):
+        for name, tensor in sd.items():
+            (plain if default_no_weight_decay(name, tensor) else decayed).append((c, name))
+    return [g for g in (decayed, plain) if g]
+
+
+# -------------------------------------------------------------------------- the source
+class SourceCheckpoint:
+    """Every shard of one saved iteration, memory-mapped; full tensors on demand.
+
+    `model(name, partition)` and `optimizer_state(name, partition)` merge the tensor-
+    parallel shards of one global parameter. Attributes: `layout`, `args` (the saved
+    arguments, {} when absent), `names` (global names in one-process module order),
+    `files[(tp_rank, pp_rank)]` (the raw payloads), `step`, `grad_scaler`.
+    """
+
+    def __init__(self, iter_dir: str) -> None:
+        self.iter_dir = iter_dir
+        tp, pp = scan_layout(iter_dir)
+        self.files, self.param_files = {}, {}
+        for p in range(pp):
+            for t in range(tp):
+                rank_dir = os.path.join(iter_dir, rank_dir_name(t, p, pp))
+                path = os.path.join(rank_dir, MODEL_FILENAME)
+                if not os.path.isfile(path):
+                    raise SystemExit(f"error: checkpoint shard {path} is missing (the "
+                                     f"directories say tp {tp} x pp {pp})")
+                self.files[t, p] = _load(path)
+                extra = os.path.join(rank_dir, DISTRIB_FILENAME)
+                if os.path.isfile(extra):
+                    self.param_files[t, p] = _load(extra)
+        first = self.files[0, 0]
+        self.args = first.get("args") if isinstance(first.get("args"), dict) else {}
+        self.chunks = {k: [flatten_state(s[m]) for m in _model_keys(s)]
+                       for k, s in self.files.items()}
+        kind = optimizer_kind(first.get("optimizer"), bool(self.param_files))
+        self.layout = Layout(tp, pp, max(len(self.chunks[0, 0]), 1), kind)
+        self._index()
+        self._rank_optim: Dict[Tuple[int, int], Dict[ParamKey, Dict[str, torch.Tensor]]] = {}
+        self.step: Optional[int] = None
+        self.grad_scaler = None
+        self.group_hypers: Dict[Tuple[float, float], dict] = {}
+        if kind is not None:
+            self._read_optimizer_common()
+
+    def _index(self) -> None:
+        """Global names, in module order, and where each one lives: (pp rank, chunk, local)."""
+        pp, vpp = self.layout.pp, self.layout.vpp
+        self.where: Dict[str, Tuple[int, int, str]] = {}
+        self.names: List[str] = []
+        self.num_layers = 0
+        for s in range(pp * vpp):  # virtual stage s = chunk * pp + pp rank
+            c, p = divmod(s, pp)
+            chunks = self.chunks[0, p]
+            if c >= len(chunks):
+                raise SystemExit(f"error: {self.iter_dir}: pipeline rank {p} holds "
+                                 f"{len(chunks)} model chunks, rank 0 holds {vpp}")
+            layers = {int(m.group(2)) for m in map(_LAYER_RE.match, chunks[c]) if m}
+            for local in chunks[c]:
+                if local != TIED_COPY:
+                    name = global_name(local, self.num_layers)
+                    self.where[name] = (p, c, local)
+                    self.names.append(name)
+            self.num_layers += len(layers)
+
+    def model(self, name: str, partition: Partition) -> torch.Tensor:
+        """The full model tensor of global parameter `name` (the checkpoint's dtype)."""
+        p, c, local = self._locate(name)
+        parts = [self.chunks[t, p][c][local] for t in range(self.layout.tp)]
+        return merge_tp(parts, *partition) if partition else parts[0]
+
+    def optimizer_state(self, name: str, partition: Partition) -> Dict[str, torch.Tensor]:
+        """{"param": full fp32 main weight, <state key>: full fp32 tensor} of `name`; the
+        state keys are those the optimizer had created (none before the first step)."""
+        p, c, local = self._locate(name)
+        per_rank = [self._optimizer_of(t, p)[c, local] for t in range(self.layout.tp)]
+        out = {}
+        for key in per_rank[0]:
+            if key == "step":
+                continue
+            parts = [entry[key].float() for entry in per_rank]
+            out[key] = merge_tp(parts, *partition) if partition else parts[0]
+        return out
+
+    def _locate(self, name: str) -> Tuple[int, int, str]:
+        if name not in self.where:
+            raise ValueError(f"the checkpoint in {self.iter_dir} has no parameter {name}; the "
+                             "model flags differ from the saved run's (--use-checkpoint-args "
+                             "copies them)")
+        return self.where[name]
+
+    # --- optimizer payloads --------------------------------------------------------------
+    def _groups_of(self, t: int, p: int) -> List[dict]:
+        opt = self.files[t, p]["optimizer"]
+        if self.layout.optimizer == "fp32":
+            return opt["param_groups"]
+        return opt.get("optimizer", opt.get("optimizer_state_dict"))["param_groups"]
+
+    def _read_optimizer_common(self) -> None:
+        """Step count, grad scaler and group hyper-parameters (by wd_mult, lr_mult)."""
+        steps = []
+        for (t, p) in self.files:
+            for group in self._groups_of(t, p):
+                hyper = {k: v for k, v in group.items() if k not in ("params", "step")}
+                self.group_hypers.setdefault(_group_key(group), hyper)
+                if "step" in group:
+                    steps.append(int(group["step"]))
+            for entry in self._optimizer_of(t, p).values():
+                if "step" in entry:
+                    steps.append(int(entry["step"]))
+        self.step = max(steps) if steps else None
+        opt = self.files[0, 0]["optimizer"]
+        if self.layout.optimizer != "fp32":
+            self.grad_scaler = opt.get("grad_scaler")
+
+    def _optimizer_of(self, t: int, p: int) -> Dict[ParamKey, Dict[str, torch.Tensor]]:
+        """(chunk, local name) -> {"param", state keys, maybe "step"} of source rank (t, p)."""
+        if (t, p) not in self._rank_optim:
+            kind = self.layout.optimizer
+            if kind == "distributed":
+                self._rank_optim[t, p] = self._distributed_entries(t, p)
+            else:
+                self._rank_optim[t, p] = self._indexed_entries(t, p, kind == "mixed")
+        return self._rank_optim[t, p]
+
+    def _indexed_entries(self, t: int, p: int, mixed: bool) -> Dict[ParamKey, dict]:
+        chunks, opt = self.chunks[t, p], self.files[t, p]["optimizer"]
+        inner = opt.get("optimizer", opt.get("optimizer_state_dict")) if mixed else opt
+        order, saved = param_group_order(chunks), inner["param_groups"]
+        if [len(g) for g in order] != [len(g["params"]) for g in saved]:
+            raise ValueError(
+                f"{self.iter_dir} rank (tp {t}, pp {p}): optimizer groups of sizes "
+                f"{[len(g['params']) for g in saved]} do not match the model's parameters "
+                f"{[len(g) for g in order]} (custom weight-decay or lr-scaling rules?); "
+                "load it with its own layout, or with --no-load-optim")
+        mains = (opt.get("fp32_from_fp16_params", opt.get("fp32_from_fp16")) if mixed else None)
+        out = {}
+        for g, (keys, group) in enumerate(zip(order, saved)):
+            halves = iter(mains[g]) if mixed else iter(())
+            for key, idx in zip(keys, group["params"]):
+                weight = chunks[key[0]][key[1]]
+                entry = dict(inner["state"].get(idx, {}))
+                main = next(halves) if weight.dtype in _HALF else weight
+                entry["param"] = main
+                out[key] = entry
+        return out
+
+    def _distributed_entries(self, t: int, p: int) -> Dict[ParamKey, dict]:
+        if (t, p) not in self.param_files:
+            raise SystemExit(f"error: {self.iter_dir}: {DISTRIB_FILENAME} of rank (tp {t}, "
+                             f"pp {p}) is missing; load with --no-load-optim")
+        saved, out = self.param_files[t, p], {}
+        for c, sd in enumerate(self.chunks[t, p]):
+            flats_by_dtype = saved[c]
+            offsets = dict.fromkeys(flats_by_dtype, 0)
+            for local, weight in reversed(list(sd.items())):
+                dtype = next(iter(offsets)) if len(offsets) == 1 else weight.dtype
+                if dtype not in offsets:
+                    raise ValueError(f"{DISTRIB_FILENAME} of rank (tp {t}, pp {p}) chunk {c} has "
+                                     f"no {dtype} buffer for {local}")
+                start, n = offsets[dtype], weight.numel()
+                out[c, local] = {k: v[start:start + n].view(weight.shape)
+                                 for k, v in flats_by_dtype[dtype].items()}
+                offsets[dtype] = start + n
+        return out
+
+
+def _group_key(group: dict) -> Tuple[float, float]:
+    return float(group.get("wd_mult", 1.0)), float(group.get("lr_mult", 1.0))
+
+
+# -------------------------------------------------------------------------- the target
+@dataclass
+class RankPlan:
+    """What one rank of the target layout holds, read off its model chunks."""
+
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    chunks: List[List[Tuple[str, str]]]  # per chunk: (local name, global name), module order
+    partition: Dict[str, Partition]  # global name -> how tp splits it
+    full_shapes: Dict[str, Tuple[int, ...]]  # global name -> shape at tp 1
+    dtypes: Dict[ParamKey, torch.dtype]  # model parameter dtypes
+    groups: List[Tuple[Tuple[float, float], List[ParamKey]]]  # get_param_groups order
+    buffers: List[Dict[torch.dtype, List[str]]]  # per chunk: grad dtype -> buffer order
+
+    @property
+    def num_params(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
+
+def plan_rank(modules: Sequence[torch.nn.Module], layer_offsets: Sequence[int], tp_size: int,
+              tp_rank: int, pp: Tuple[int, int] = (1, 0), module_tp_size: Optional[int] = None,
+              grad_dtype_of: Optional[Callable[[torch.Tensor], torch.dtype]] = None) -> RankPlan:
+    """The plan of one target rank from its model chunks: live modules (built with
+    `module_tp_size`, default `tp_size`) or modules built on the meta device with tp 1.
+    `pp` is (pp_size, pp_rank); `grad_dtype_of(param)` gives the dtype of the grad buffer a
+    parameter sits in (distributed optimizer; default: the parameter's dtype)."""
+    module_tp = tp_size if module_tp_size is None else module_tp_size
+    grad_dtype_of = grad_dtype_of or (lambda prm: prm.dtype)
+    chunks, partition, shapes, dtypes, buffers, where = [], {}, {}, {}, [], {}
+    for c, (module, offset) in enumerate(zip(modules, layer_offsets)):
+        params = [(n, q) for n, q in module.named_parameters() if q.requires_grad]
+        chunks.append([(local, global_name(local, offset)) for local, _ in params])
+        for (local, prm), (_, name) in zip(params, chunks[-1]):
+            split = None
+            if getattr(prm, "tensor_model_parallel", False):
+                split = (int(prm.partition_dim), int(getattr(prm, "partition_stride", 1)))
+            shape = list(prm.shape)
+            if split is not None:
+                shape[split[0]] *= module_tp
+            partition[name], shapes[name] = split, tuple(shape)
+            dtypes[c, local] = prm.dtype
+            where[id(prm)] = (c, local)
+        by_dtype: Dict[torch.dtype, List[str]] = {}
+        for local, prm in reversed(params):
+            by_dtype.setdefault(grad_dtype_of(prm), []).append(local)
+        buffers.append(by_dtype)
+    groups = [((float(g["wd_mult"]), float(g["lr_mult"])), [where[id(q)] for q in g["params"]])
+              for g in get_param_groups(list(modules))]
+    return RankPlan(tp_size, tp_rank, pp[0], pp[1], chunks, partition, shapes, dtypes, groups,
+                    buffers)
+
+
+def _fit_vocab(name: str, full: torch.Tensor, shape: Tuple[int, ...], notes: Set[str]):
+    """`full` cut or zero-padded along the vocabulary rows to `shape` (embedding and output
+    layer only: the rows past the tokenizer's vocabulary are padding). ValueError for any
+    other shape difference."""
+    if tuple(full.shape) == tuple(shape):
+        return full
+    if name in VOCAB_PARAMS and full.dim() == len(shape) and full.shape[1:] == shape[1:]:
+        rows = shape[0]
+        notes.add(f"padded vocabulary {full.shape[0]} -> {rows} rows")
+        if full.shape[0] > rows:
+            return full[:rows]
+        return torch.cat([full, full.new_zeros((rows - full.shape[0], *full.shape[1:]))])
+    raise ValueError(f"parameter {name}: the checkpoint holds shape {tuple(full.shape)} but this "
+                     f"model needs {tuple(shape)} (at tensor-parallel size 1); the model flags "
+                     "differ from the saved run's (--use-checkpoint-args copies them)")
+
+
+def _cut(plan: RankPlan, name: str, full: torch.Tensor, notes: Set[str]) -> torch.Tensor:
+    """This rank's own copy of its tensor-parallel slice of a full tensor."""
+    full = _fit_vocab(name, full, plan.full_shapes[name], notes)
+    split = plan.partition[name]
+    if split is None or plan.tp_size == 1:
+        return full.clone()
+    return shard_of_full_weight(full, split[0], split[1], plan.tp_rank, plan.tp_size)
+
+
+def _hyper(src: SourceCheckpoint, key: Tuple[float, float]) -> dict:
+    """Saved hyper-parameters of the optimizer group with (wd_mult, lr_mult) `key`."""
+    if key in src.group_hypers:
+        return dict(src.group_hypers[key])
+    if not src.group_hypers:
+        raise ValueError(f"{src.iter_dir}: the optimizer state has no parameter groups")
+    hyper = dict(next(iter(src.group_hypers.values())))
+    hyper["wd_mult"], hyper["lr_mult"] = key
+    return hyper
+
+
+def build_rank_payload(src: SourceCheckpoint, plan: RankPlan, optimizer: Optional[str],
+                       notes: Optional[Set[str]] = None) -> Tuple[dict, Optional[dict]]:
+    """(model_optim_rng.pt payload, distrib_optim.pt payload or None) of one target rank.
+
+    The payload holds the model chunks (cast to the plan's dtypes), the optimizer in the
+    `optimizer` kind ("fp32" | "mixed" | "distributed"; None or a source without optimizer
+    state: left out), RNG states when tp and pp are unchanged, and everything else of the
+    source's first file (args, iteration, counters, scheduler). Conversions that changed
+    values (vocabulary padding) are added to `notes`."""
+    notes = set() if notes is None else notes
+    models = []
+    for c, names in enumerate(plan.chunks):
+        models.append({local: _cut(plan, name, src.model(name, plan.partition[name]), notes)
+                       .to(plan.dtypes[c, local]) for local, name in names})
+    first = src.files[0, 0]
+    skip = set(_model_keys(first)) | {"optimizer", "rng_state"}
+    payload = {k: v for k, v in first.items() if k not in skip}
+    payload.update({"model": models[0]} if len(models) == 1 else
+                   {f"model{i}": m for i, m in enumerate(models)})
+    if (src.layout.tp, src.layout.pp) == (plan.tp_size, plan.pp_size):
+        rng = src.files[plan.tp_rank, plan.pp_rank].get("rng_state")
+        if rng is not None:
+            payload["rng_state"] = rng
+    distrib = None
+    if optimizer is not None and src.layout.optimizer is not None:
+        payload["optimizer"], distrib = _optimizer_payload(src, plan, optimizer, notes)
+    return payload, distrib
+
+
+def _optimizer_payload(src: SourceCheckpoint, plan: RankPlan, kind: str,
+                       notes: Set[str]) -> Tuple[dict, Optional[dict]]:
+    per_param: Dict[ParamKey, Dict[str, torch.Tensor]] = {}
+    for c, names in enumerate(plan.chunks):
+        for local, name in names:
+            full = src.optimizer_state(name, plan.partition[name])
+            per_param[c, local] = {k: _cut(plan, name, v, notes) for k, v in full.items()}
+    keys = sorted({k for entry in per_param.values() for k in entry if k != "param"})
+    for entry in per_param.values():  # a parameter without state (never stepped): zeros
+        for k in keys:
+            entry.setdefault(k, torch.zeros_like(entry["param"]))
+    hypers = [_hyper(src, key) for key, _ in plan.groups]
+    step = src.step or 0
+    scaler = {} if src.grad_scaler is None or kind == "fp32" else {"grad_scaler": src.grad_scaler}
+    if kind == "distributed":
+        groups = [dict(h, step=step) for h in hypers]
+        return {"optimizer": {"param_groups": groups}, **scaler}, \
+            _flat_buffers(plan, per_param, ["param"] + keys)
+    state, groups, idx = {}, [], 0
+    for hyper, (_, members) in zip(hypers, plan.groups):
+        ids = list(range(idx, idx + len(members)))
+        for i, key in zip(ids, members):
+            entry = {k: per_param[key][k] for k in keys}
+            if "exp_avg" in entry:
+                entry["step"] = torch.tensor(float(step))
+            if entry:
+                state[i] = entry
+        groups.append(dict(hyper, params=ids))
+        idx += len(members)
+    torch_state = {"state": state, "param_groups": groups}
+    if kind == "fp32":
+        return torch_state, None
+    mains = [[per_param[k]["param"] for k in members if plan.dtypes[k] in _HALF]
+             for _, members in plan.groups]
+    return {"optimizer": torch_state, **scaler, "fp32_from_fp16_params": mains}, None
+
+
+def _flat_buffers(plan: RankPlan, per_param: Dict[ParamKey, Dict[str, torch.Tensor]],
+                  keys: List[str]) -> dict:
+    """distrib_optim.pt: per chunk and grad dtype, the parameters back to back in buffer
+    order (no padding: it loads with any data-parallel size)."""
+    out = {}
+    for c, by_dtype in enumerate(plan.buffers):
+        out[c] = {dtype: {k: torch.cat([per_param[c, local][k].reshape(-1) for local in names])
+                          for k in keys}
+                  for dtype, names in by_dtype.items()}
+    return out
+
+
+# ----------------------------------------------------------------------- finding and args
+def locate_iteration(load: str, iteration: Optional[int] = None) -> Tuple[str, int, bool]:
+    """(iteration directory, iteration, release) under `load`: the tracker's iteration
+    unless `iteration` is given. SystemExit naming the path when there is none."""
+    release = False
+    if iteration is None:
+        try:
+            iteration, release = read_tracker(load)
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        if iteration is None:
+            raise SystemExit(f"error: no checkpoint under --load {load}: {tracker_path(load)} "
+                             "does not exist (pass --iteration N to pick one by hand)")
+    iter_dir = os.path.join(load, iteration_dir_name(iteration, release))
+    if not os.path.isdir(iter_dir):
+        raise SystemExit(f"error: checkpoint directory {iter_dir} does not exist")
+    return iter_dir, iteration, release
+
+
+_DTYPES = {"torch.float32": torch.float32, "torch.float16": torch.float16,
+           "torch.bfloat16": torch.bfloat16}
+
+
+def config_from_args(args: dict, **overrides):
+    """The run's `Config` rebuilt from a checkpoint's plain `args`, as one process (tp = pp
+    = dp = 1, no sequence parallelism, no compile, meta-friendly init) with `overrides`
+    (e.g. padded_vocab_size) applied last. The padded vocabulary stays the checkpoint's."""
+    from megatron.arguments import build_config
+
+    values = dict(args)
+    values.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                  data_parallel_size=1, world_size=1, sequence_parallel=False,
+                  virtual_pipeline_model_parallel_size=None, compile_layers=False,
+                  recompute_granularity=None, use_cpu_initialization=False, rank=0)
+    values.update(overrides)
+    values["params_dtype"] = _DTYPES.get(str(values.get("params_dtype")), torch.float32)
+    try:
+        return build_config(argparse.Namespace(**values))
+    except AttributeError as exc:
+        raise SystemExit(f"error: the checkpoint's args lack a value ({exc}); it was written "
+                         "by an older or different program") from None
+
+
+def full_model_state(src: SourceCheckpoint, model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The state dict of a one-process `model` (tp 1, any device, meta included) merged from
+    every shard of `src`, using each parameter's partition_dim / partition_stride.
+    SystemExit when the checkpoint does not hold exactly the model's parameters."""
+    plan = plan_rank([model], [0], 1, 0)
+    names = {name for _, name in plan.chunks[0]}
+    missing = [n for n in names if n not in src.where]
+    unexpected = [n for n in src.names if n not in names]
+    if missing or unexpected:
+        raise SystemExit(f"error: checkpoint does not match the model its args describe; "
+                         f"missing: {sorted(missing)[:5]}, unexpected: {unexpected[:5]}")
+    return {local: src.model(name, plan.partition[name]).clone()
+            for local, name in plan.chunks[0]}
+
+
+# ---------------------------------------------------------------------- resharding on load
+def trainer_layout(tr) -> Layout:
+    """The layout of a live `megatron.training.Trainer`."""
+    ps = tr.rt.ps
+    return Layout(ps.tp_size, ps.pp_size, len(tr.model), live_optimizer_kind(tr.optimizer))
+
+
+def needs_resharding(saved: Layout, run: Layout, with_optimizer: bool) -> bool:
+    """True when tp, pp or the chunks per rank differ, or (when the optimizer state is to be
+    loaded) the optimizer payload kind differs. A dp change alone needs nothing."""
+    if (saved.tp, saved.pp, saved.vpp) != (run.tp, run.pp, run.vpp):
+        return True
+    return with_optimizer and saved.optimizer is not None and saved.optimizer != run.optimizer
+
+
+def plan_trainer_rank(tr) -> RankPlan:
+    """The RankPlan of this process's chunks in a live Trainer."""
+    from megatron.core.models.gpt.stages import stage_layout
+
+    cfg, ps = tr.config, tr.rt.ps
+    specs = stage_layout(cfg.model.num_layers, ps.pp_size, ps.pp_rank,
+                         cfg.parallel.virtual_pp_size, cfg.parallel.standalone_embedding_stage)
+
+    def grad_dtype(prm):
+        bucket = getattr(prm, "grad_bucket", None)
+        return prm.dtype if bucket is None else bucket.grad_data.dtype
+
+    return plan_rank(tr.model.unwrapped(), [s.layer_offset for s in specs], ps.tp_size,
+                     ps.tp_rank, (ps.pp_size, ps.pp_rank), grad_dtype_of=grad_dtype)
+
+
+def reshard_for_trainer(tr, iter_dir: str, with_optimizer: bool
+                        ) -> Tuple[dict, Optional[dict], str]:
+    """This rank's payloads for a live Trainer from a checkpoint saved with another layout.
+
+    No communication: every rank memory-maps all shards and builds only the full tensors
+    of the parameters it holds. Returns (model_optim_rng payload, distrib_optim payload or
+    None, a one-line description of the conversion)."""
+    src = SourceCheckpoint(iter_dir)
+    plan = plan_trainer_rank(tr)
+    notes: Set[str] = set()
+    kind = live_optimizer_kind(tr.optimizer) if with_optimizer else None
+    payload, distrib = build_rank_payload(src, plan, kind, notes)
+    what = "model and optimizer" if "optimizer" in payload else "model"
+    text = (f"resharded {iter_dir} on load: saved with {src.layout.describe()}, this run has "
+            f"{trainer_layout(tr).describe()}; {what} state of {len(src.files)} shard file(s) "
+            f"converted ({plan.num_params} parameters on this rank)")
+    if "rng_state" not in payload:
+        text += "; RNG states start fresh (they are per rank)"
+    if notes:
+        text += "; " + "; ".join(sorted(notes))
+    return payload, distrib, text
+
+
+# ----------------------------------------------------------------- --use-checkpoint-args
+# Megatron-LM 23.05 copies these when the command line left them unset ...
+_FILL_IF_UNSET = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length",
+                  "num_attention_heads", "kv_channels", "max_position_embeddings",
+                  "tokenizer_type", "num_layers_per_virtual_pipeline_stage")
+# ... and these always; here (and for this framework's own model flags) an explicit
+# command-line value wins with a warning: a checkpoint reshards on load.
+_ARCHITECTURE = ("add_position_embedding", "use_rotary_position_embeddings", "rotary_percent",
+                 "add_bias_linear", "swiglu", "untie_embeddings_and_output_weights",
+                 "apply_layernorm_1p", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "position_embedding_type", "rotary_base",
+                 "normalization", "group_query_attention", "num_query_groups",
+                 "squared_relu", "openai_gelu", "layernorm_epsilon",
+                 "apply_residual_connection_post_layernorm", "vocab_size",
+                 "make_vocab_size_divisible_by")
+
+
+def read_checkpoint_args(load: str) -> dict:
+    """The `args` of the rank-0 file of the latest checkpoint under `load` (either naming
+    scheme), memory-mapped. SystemExit when there is no checkpoint or it has no args."""
+    iter_dir, _, _ = locate_iteration(load)
+    _, pp = scan_layout(iter_dir)
+    path = os.path.join(iter_dir, rank_dir_name(0, 0, pp), MODEL_FILENAME)
+    args = _load(path).get("args") if os.path.isfile(path) else None
+    if not isinstance(args, dict):
+        raise SystemExit(f"error: --use-checkpoint-args: {path} holds no arguments")
+    return args
+
+
+def apply_checkpoint_args(ns: argparse.Namespace, explicit: Set[str],
+                          warn: Callable[[str], None] = print) -> List[str]:
+    """`--use-checkpoint-args`: copy the model flags stored in the checkpoint under
+    `ns.load` into `ns` wherever the command line (or YAML) left them unset (`explicit`
+    lists the dests that were set). Call before validation. Returns the dests copied.
+    ArgumentsError when there is no --load, no checkpoint or no stored arguments."""
+    from megatron.arguments_common import ArgumentsError
+
+    if not ns.load:
+        raise ArgumentsError("--use-checkpoint-args needs --load DIR (the checkpoint whose "
+                             "arguments to use)")
+    try:
+        saved = read_checkpoint_args(ns.load)
+    except SystemExit as exc:
+        raise ArgumentsError(str(exc.code).removeprefix("error: ")) from None
+    copied = []
+    for dest in _FILL_IF_UNSET + _ARCHITECTURE:
+        if dest not in saved or not hasattr(ns, dest):
+            continue
+        if dest == "num_layers_per_virtual_pipeline_stage" and \
+                "pipeline_model_parallel_size" in explicit:
+            continue  # virtual stages belong to the checkpoint's pipeline size
+        value = saved[dest]
+        if dest in explicit or (dest in _FILL_IF_UNSET and getattr(ns, dest) is not None):
+            if getattr(ns, dest) != value:
+                warn(f"--use-checkpoint-args: --{dest.replace('_', '-')} "
+                     f"{getattr(ns, dest)} from the command line is kept (the checkpoint has "
+                     f"{value})")
+            continue
+        setattr(ns, dest, value)
+        copied.append(dest)
+    return copied

@@ -1,0 +1,718 @@
+"""Hugging Face interop: our GPT state dict <-> `GPT2LMHeadModel` / `LlamaForCausalLM`.
+
+Both directions work on FULL state dicts (tensor-parallel size 1, one pipeline stage, keys
+as `GPTModel(config).state_dict()` names them); merging and splitting shards is the job of
+the checkpoint resharding code. Shapes: n = attention heads, g = query groups (key/value
+heads), d = kv_channels, h = hidden, f = ffn hidden, V = vocabulary.
+
+    ours                                                  GPT-2 (Conv1D: weight is [in, out])
+    embedding.word_embeddings.weight [V_pad, h]           transformer.wte.weight [V, h]
+    embedding.position_embeddings.weight                  transformer.wpe.weight
+    layers.i.input_layernorm.{weight,bias}                transformer.h.i.ln_1
+    layers.i.self_attention.query_key_value [(n+2g)d, h]  transformer.h.i.attn.c_attn [h, 3h]
+    layers.i.self_attention.dense [h, nd]                 transformer.h.i.attn.c_proj [nd, h]
+    layers.i.post_attention_layernorm                     transformer.h.i.ln_2
+    layers.i.mlp.dense_h_to_4h [f, h]                     transformer.h.i.mlp.c_fc [h, f]
+    layers.i.mlp.dense_4h_to_h [h, f]                     transformer.h.i.mlp.c_proj [f, h]
+    encoder.final_layernorm                               transformer.ln_f
+    output_layer.weight (untied only)                     lm_head.weight (untied only)
+
+    Llama (nn.Linear: weight is [out, in]): model.embed_tokens, model.layers.i.
+    input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
+    mlp.{gate,up,down}_proj, model.norm, lm_head.
+
+Our fused QKV rows are grouped per query group: [q x (n/g), k, v] blocks of d rows. GPT-2's
+c_attn columns are [all q heads; all k heads; all v heads]; Llama keeps q, k, v apart. Our
+SwiGLU fc1 rows are [gate; up]. Rotary: ours rotates the two halves of each head
+("rotate half", angles cat(freqs, freqs)), which is Hugging Face Llama's convention, so
+q/k rows need no permutation. Our padded vocabulary rows are cut on export (to the
+tokenizer's size) and filled with zeros on import.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megatron.core.config import ModelConfig
+
+FAMILIES = ("gpt2", "llama")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+_WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+_L = "language_model.encoder.layers.{i}."
+_EMB = "language_model.embedding."
+_ACT_TO_HF = {"gelu": "gelu", "openai_gelu": "gelu_new", "squared_relu": "relu2"}
+_ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "openai_gelu", "gelu_pytorch_tanh": "openai_gelu",
+                "gelu_fast": "openai_gelu", "relu2": "squared_relu"}
+_ACT_FLAG = {"gelu": [], "openai_gelu": ["--openai-gelu"], "squared_relu": ["--squared-relu"]}
+
+
+# ------------------------------------------------------------------------ families
+def family_problems(model: ModelConfig, family: str) -> List[str]:
+    """Why `model` cannot be written as `family` ("gpt2" | "llama"); empty when it can."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown Hugging Face family {family!r}; choose one of {FAMILIES}")
+    problems = []
+    if model.apply_residual_connection_post_layernorm:
+        problems.append("--apply-residual-connection-post-layernorm (no HF equivalent)")
+    if family == "gpt2":
+        if model.normalization != "LayerNorm":
+            problems.append(f"normalization {model.normalization} (GPT-2 uses LayerNorm)")
+        if model.position_embedding_type != "learned_absolute":
+            problems.append(f"position embedding {model.position_embedding_type} "
+                            "(GPT-2 learns absolute positions)")
+        if model.activation not in _ACT_TO_HF:
+            problems.append(f"activation {model.activation} (GPT-2 has no gated MLP)")
+        if model.num_query_groups != model.num_attention_heads:
+            problems.append(f"{model.num_query_groups} query groups (GPT-2 has no GQA)")
+        if model.kv_channels * model.num_attention_heads != model.hidden_size:
+            problems.append(f"kv_channels {model.kv_channels} x heads != hidden size")
+    else:
+        if model.normalization != "RMSNorm":
+            problems.append(f"normalization {model.normalization} (Llama uses RMSNorm)")
+        if model.position_embedding_type != "rope" or model.rotary_percent != 1.0:
+            problems.append(f"position embedding {model.position_embedding_type} with rotary "
+                            f"percent {model.rotary_percent} (Llama rotates whole heads)")
+        if not model.swiglu:
+            problems.append(f"activation {model.activation} (Llama uses SwiGLU)")
+        if model.hidden_size % model.num_attention_heads:
+            problems.append("hidden size not divisible by the number of heads")
+    return problems
+
+
+def detect_family(model: ModelConfig) -> str:
+    """"llama" for RMSNorm + SwiGLU + rotary models, "gpt2" for LayerNorm + learned
+    positions; ValueError listing what fits neither."""
+    for family in ("llama", "gpt2"):
+        if not family_problems(model, family):
+            return family
+    why = "; ".join(f"{f}: {', '.join(family_problems(model, f))}" for f in FAMILIES)
+    raise ValueError(f"this model fits no Hugging Face family we export ({why})")
+
+
+# ------------------------------------------------------------------- tensor helpers
+def split_qkv(w: torch.Tensor, model: ModelConfig) -> Tuple[torch.Tensor, ...]:
+    """Our fused QKV weight [(n+2g)d, ...] (or bias) -> q [nd, ...], k [gd, ...], v [gd, ...]."""
+    n, g, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
+    rest = w.shape[1:]
+    x = w.reshape(g, n // g + 2, d, *rest)
+    q = x[:, : n // g].reshape(n * d, *rest)
+    return q, x[:, n // g].reshape(g * d, *rest), x[:, n // g + 1].reshape(g * d, *rest)
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelConfig) -> torch.Tensor:
+    """Inverse of `split_qkv`: per query group [q x (n/g), k, v] blocks of d rows."""
+    n, g, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
+    rest = q.shape[1:]
+    blocks = [q.reshape(g, n // g, d, *rest), k.reshape(g, 1, d, *rest), v.reshape(g, 1, d, *rest)]
+    return torch.cat(blocks, dim=1).reshape((n + 2 * g) * d, *rest)
+
+
+def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    if w.shape[0] > rows:
+        raise ValueError(f"vocabulary of {w.shape[0]} rows does not fit the padded size {rows}")
+    return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])]) if w.shape[0] < rows else w
+
+
+def _norm_weight(w: torch.Tensor, model: ModelConfig) -> torch.Tensor:
+    one_p = model.apply_layernorm_1p and model.normalization == "LayerNorm"
+    return w + 1 if one_p else w  # LayerNorm1P stores gamma - 1
+
+
+# ------------------------------------------------------------------------ ours -> HF
+def _gpt2_layer_to_hf(sd: dict, i: int, model: ModelConfig, out: dict) -> None:
+    p, h = _L.format(i=i), f"transformer.h.{i}."
+    like = sd[p + "self_attention.dense.weight"]
+    bias = lambda key, rows: sd.get(p + key + ".bias", like.new_zeros(rows))  # GPT-2 has biases
+    for ours, hf in (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2")):
+        out[h + hf + ".weight"] = _norm_weight(sd[p + ours + ".weight"], model)
+        out[h + hf + ".bias"] = sd[p + ours + ".bias"]
+    qkv = "self_attention.query_key_value"
+    out[h + "attn.c_attn.weight"] = torch.cat(split_qkv(sd[p + qkv + ".weight"], model)).t()
+    out[h + "attn.c_attn.bias"] = torch.cat(split_qkv(bias(qkv, 3 * model.hidden_size), model))
+    for ours, hf, rows in (("self_attention.dense", "attn.c_proj", model.hidden_size),
+                           ("mlp.dense_h_to_4h", "mlp.c_fc", model.ffn_hidden_size),
+                           ("mlp.dense_4h_to_h", "mlp.c_proj", model.hidden_size)):
+        out[h + hf + ".weight"] = sd[p + ours + ".weight"].t()  # Conv1D: [in, out]
+        out[h + hf + ".bias"] = bias(ours, rows)
+
+
+def _llama_layer_to_hf(sd: dict, i: int, model: ModelConfig, out: dict) -> None:
+    p, h = _L.format(i=i), f"model.layers.{i}."
+    out[h + "input_layernorm.weight"] = sd[p + "input_layernorm.weight"]
+    out[h + "post_attention_layernorm.weight"] = sd[p + "post_attention_layernorm.weight"]
+    names = ("weight", "bias") if model.add_bias_linear else ("weight",)
+    for kind in names:
+        q, k, v = split_qkv(sd[f"{p}self_attention.query_key_value.{kind}"], model)
+        out[f"{h}self_attn.q_proj.{kind}"] = q
+        out[f"{h}self_attn.k_proj.{kind}"] = k
+        out[f"{h}self_attn.v_proj.{kind}"] = v
+        out[f"{h}self_attn.o_proj.{kind}"] = sd[f"{p}self_attention.dense.{kind}"]
+        gate, up = torch.chunk(sd[f"{p}mlp.dense_h_to_4h.{kind}"], 2, dim=0)
+        out[f"{h}mlp.gate_proj.{kind}"] = gate
+        out[f"{h}mlp.up_proj.{kind}"] = up
+        out[f"{h}mlp.down_proj.{kind}"] = sd[f"{p}mlp.dense_4h_to_h.{kind}"]
+
+
+def _drop_zero_biases(out: dict) -> None:
+    """Llama switches attention and MLP biases separately (attention_bias, mlp_bias); we
+    have one switch. A set that is zero everywhere (as an import fills it) is left out."""
+    for names in (("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")):
+        keys = [k for k in out if k.endswith(".bias") and k.split(".")[-2] in names]
+        if keys and not any(out[k].any() for k in keys):
+            for k in keys:
+                del out[k]
+
+
+def to_hf_state_dict(sd: Dict[str, torch.Tensor], model: ModelConfig, family: str,
+                     vocab_size: int, dtype: Optional[torch.dtype] = None
+                     ) -> Dict[str, torch.Tensor]:
+    """Our full state dict -> the Hugging Face `family` state dict (contiguous tensors, the
+    first `vocab_size` vocabulary rows; `dtype` None keeps each tensor's dtype). Tied
+    models carry no `lm_head.weight` (transformers ties it on load)."""
+    problems = family_problems(model, family)
+    if problems:
+        raise ValueError(f"cannot export as {family}: {'; '.join(problems)} (--family auto "
+                         "picks the family that fits)")
+    if not 0 < vocab_size <= model.padded_vocab_size:
+        raise ValueError(f"vocab size {vocab_size} outside [1, {model.padded_vocab_size}] "
+                         "(the padded vocabulary); pass the tokenizer's vocabulary size")
+    out: Dict[str, torch.Tensor] = {}
+    words = sd[_EMB + "word_embeddings.weight"][:vocab_size]
+    if family == "gpt2":
+        out["transformer.wte.weight"] = words
+        out["transformer.wpe.weight"] = sd[_EMB + "position_embeddings.weight"]
+        final = "transformer.ln_f."
+    else:
+        out["model.embed_tokens.weight"] = words
+        final = "model.norm."
+    layer_fn = _gpt2_layer_to_hf if family == "gpt2" else _llama_layer_to_hf
+    for i in range(model.num_layers):
+        layer_fn(sd, i, model, out)
+    out[final + "weight"] = _norm_weight(sd["language_model.encoder.final_layernorm.weight"], model)
+    if family == "gpt2":
+        out[final + "bias"] = sd["language_model.encoder.final_layernorm.bias"]
+    if model.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = sd["language_model.output_layer.weight"][:vocab_size]
+    if family == "llama":
+        _drop_zero_biases(out)
+    return {k: (v if dtype is None else v.to(dtype)).contiguous().clone() for k, v in out.items()}
+
+
+def hf_config(model: ModelConfig, family: str, vocab_size: int, dtype: torch.dtype,
+              eos_token_id: Optional[int] = None,
+              state: Optional[Dict[str, torch.Tensor]] = None) -> dict:
+    """The `config.json` contents of the exported model (plain data, no transformers).
+    `state` (the exported tensors) tells which Llama bias sets were written."""
+    def has(proj: str) -> bool:
+        if state is None:
+            return model.add_bias_linear
+        return any(k.endswith(f"{proj}.bias") for k in state)
+
+    dtype_name = str(dtype).replace("torch.", "")
+    common = {"vocab_size": vocab_size, "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
+              "initializer_range": model.init_method_std, "dtype": dtype_name,
+              "torch_dtype": dtype_name, "bos_token_id": eos_token_id, "eos_token_id": eos_token_id}
+    if family == "gpt2":
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
+                "n_embd": model.hidden_size, "n_layer": model.num_layers,
+                "n_head": model.num_attention_heads, "n_inner": model.ffn_hidden_size,
+                "n_positions": model.max_position_embeddings, "n_ctx": model.max_position_embeddings,
+                "layer_norm_epsilon": model.layernorm_epsilon,
+                "activation_function": _ACT_TO_HF[model.activation],
+                "resid_pdrop": model.hidden_dropout, "embd_pdrop": model.hidden_dropout,
+                "attn_pdrop": model.attention_dropout, "scale_attn_weights": True,
+                "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+            "hidden_size": model.hidden_size, "intermediate_size": model.ffn_hidden_size,
+            "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_attention_heads,
+            "num_key_value_heads": model.num_query_groups, "head_dim": model.kv_channels,
+            "max_position_embeddings": model.max_position_embeddings,
+            "rms_norm_eps": model.layernorm_epsilon, "hidden_act": "silu",
+            "rope_theta": model.rotary_base,
+            "rope_parameters": {"rope_type": "default", "rope_theta": model.rotary_base},
+            "attention_bias": has("q_proj"), "mlp_bias": has("gate_proj"),
+            "attention_dropout": model.attention_dropout, "pretraining_tp": 1}
+
+
+# ------------------------------------------------------------------------ HF -> ours
+def _hf_family(cfg: dict) -> str:
+    kind = cfg.get("model_type")
+    if kind not in FAMILIES:
+        raise ValueError(f"config.json model_type {kind!r} is not supported; from-hf reads "
+                         f"{' and '.join(FAMILIES)} models (GPT2LMHeadModel, LlamaForCausalLM)")
+    return kind
+
+
+def _gpt2_flags(cfg: dict) -> List[str]:
+    act = cfg.get("activation_function", "gelu_new")
+    if act not in _ACT_FROM_HF:
+        raise ValueError(f"GPT-2 activation_function {act!r} has no equivalent here; supported: "
+                         f"{sorted(_ACT_FROM_HF)}")
+    for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                    ("add_cross_attention", False)):
+        if cfg.get(key, ok) != ok:
+            raise ValueError(f"GPT-2 config {key}={cfg[key]} is not supported (needs {ok})")
+    h = cfg.get("n_embd", 768)
+    flags = ["--num-layers", cfg.get("n_layer", 12), "--hidden-size", h,
+             "--num-attention-heads", cfg.get("n_head", 12),
+             "--ffn-hidden-size", cfg.get("n_inner") or 4 * h,
+             "--max-position-embeddings", cfg.get("n_positions", 1024),
+             "--layernorm-epsilon", cfg.get("layer_norm_epsilon", 1e-5),
+             "--hidden-dropout", cfg.get("resid_pdrop", 0.1),
+             "--attention-dropout", cfg.get("attn_pdrop", 0.1),
+             *_ACT_FLAG[_ACT_FROM_HF[act]]]
+    return flags + ([] if cfg.get("tie_word_embeddings", True)
+                    else ["--untie-embeddings-and-output-weights"])
+
+
+def _llama_theta(cfg: dict) -> float:
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"Llama rope_type {kind!r} (rope scaling) is not supported; only "
+                         "plain rotary embeddings ('default') are")
+    if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("Llama partial_rotary_factor != 1 is not supported")
+    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def _llama_flags(cfg: dict) -> List[str]:
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"Llama hidden_act {cfg['hidden_act']!r} is not supported (needs silu)")
+    heads = cfg.get("num_attention_heads", 32)
+    groups = cfg.get("num_key_value_heads") or heads
+    h = cfg.get("hidden_size", 4096)
+    flags = ["--num-layers", cfg.get("num_hidden_layers", 32), "--hidden-size", h,
+             "--num-attention-heads", heads, "--ffn-hidden-size", cfg.get("intermediate_size", 11008),
+             "--max-position-embeddings", cfg.get("max_position_embeddings", 2048),
+             "--normalization", "RMSNorm", "--layernorm-epsilon", cfg.get("rms_norm_eps", 1e-6),
+             "--position-embedding-type", "rope", "--rotary-base", _llama_theta(cfg),
+             "--swiglu", "--hidden-dropout", 0.0,
+             "--attention-dropout", cfg.get("attention_dropout", 0.0)]
+    if cfg.get("head_dim") and cfg["head_dim"] != h // heads:
+        flags += ["--kv-channels", cfg["head_dim"]]
+    if groups != heads:
+        flags += ["--group-query-attention", "--num-query-groups", groups]
+    if not (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        flags.append("--disable-bias-linear")
+    return flags + ([] if cfg.get("tie_word_embeddings", False)
+                    else ["--untie-embeddings-and-output-weights"])
+
+
+def megatron_flags_from_hf(cfg: dict) -> Tuple[str, List[str]]:
+    """(family, our model flags) describing the Hugging Face `config.json` contents `cfg`.
+    ValueError naming the setting when the model uses something we do not implement."""
+    family = _hf_family(cfg)
+    flags = _gpt2_flags(cfg) if family == "gpt2" else _llama_flags(cfg)
+    return family, [str(f) for f in flags]
+
+
+def _gpt2_layer_from_hf(hf: dict, i: int, model: ModelConfig, out: dict) -> None:
+    p, h = _L.format(i=i), f"transformer.h.{i}."
+    for ours, name in (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2")):
+        out[p + ours + ".weight"] = hf[h + name + ".weight"]
+        out[p + ours + ".bias"] = hf[h + name + ".bias"]
+    q, k, v = torch.chunk(hf[h + "attn.c_attn.weight"].t(), 3, dim=0)
+    out[p + "self_attention.query_key_value.weight"] = fuse_qkv(q, k, v, model)
+    out[p + "self_attention.query_key_value.bias"] = fuse_qkv(
+        *torch.chunk(hf[h + "attn.c_attn.bias"], 3), model)
+    for ours, name in (("self_attention.dense", "attn.c_proj"), ("mlp.dense_h_to_4h", "mlp.c_fc"),
+                       ("mlp.dense_4h_to_h", "mlp.c_proj")):
+        out[p + ours + ".weight"] = hf[h + name + ".weight"].t()
+        out[p + ours + ".bias"] = hf[h + name + ".bias"]
+
+
+def _llama_layer_from_hf(hf: dict, i: int, model: ModelConfig, out: dict) -> None:
+    p, h = _L.format(i=i), f"model.layers.{i}."
+    out[p + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
+    out[p + "post_attention_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+    n, g, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
+    f, hsz = model.ffn_hidden_size, model.hidden_size
+    rows = {"self_attn.q_proj": n * d, "self_attn.k_proj": g * d, "self_attn.v_proj": g * d,
+            "self_attn.o_proj": hsz, "mlp.gate_proj": f, "mlp.up_proj": f, "mlp.down_proj": hsz}
+    for kind in ("weight", "bias") if model.add_bias_linear else ("weight",):
+        t = {}
+        for name, n_rows in rows.items():
+            key = f"{h}{name}.{kind}"
+            # a bias set that only one of attention_bias / mlp_bias switches on: zeros
+            missing_bias = kind == "bias" and key not in hf
+            t[name] = hf[f"{h}{name}.weight"].new_zeros(n_rows) if missing_bias else hf[key]
+        out[f"{p}self_attention.query_key_value.{kind}"] = fuse_qkv(
+            t["self_attn.q_proj"], t["self_attn.k_proj"], t["self_attn.v_proj"], model)
+        out[f"{p}self_attention.dense.{kind}"] = t["self_attn.o_proj"]
+        out[f"{p}mlp.dense_h_to_4h.{kind}"] = torch.cat([t["mlp.gate_proj"], t["mlp.up_proj"]])
+        out[f"{p}mlp.dense_4h_to_h.{kind}"] = t["mlp.down_proj"]
+
+
+class _Tracked(dict):
+    """A state dict that remembers which keys were read (to report unused weights)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.read = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+
+_BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
+
+def from_hf_state_dict(hf: Dict[str, torch.Tensor], model: ModelConfig, family: str
+                       ) -> Dict[str, torch.Tensor]:
+    """A Hugging Face `family` state dict -> our full state dict for `model` (whose
+    `padded_vocab_size` decides the zero rows appended to the vocabulary)."""
+    pre, final = ("transformer.", "transformer.ln_f.") if family == "gpt2" else ("model.", "model.norm.")
+    if not any(k.startswith(pre) for k in hf):  # saved from the base model (GPT2Model, ...)
+        hf = {(k if k == "lm_head.weight" else pre + k): v for k, v in hf.items()}
+    hf = _Tracked(hf)
+    words = hf[pre + ("wte.weight" if family == "gpt2" else "embed_tokens.weight")]
+    out = {_EMB + "word_embeddings.weight": _pad_rows(words, model.padded_vocab_size)}
+    if family == "gpt2":
+        out[_EMB + "position_embeddings.weight"] = hf["transformer.wpe.weight"]
+    layer_fn = _gpt2_layer_from_hf if family == "gpt2" else _llama_layer_from_hf
+    try:
+        for i in range(model.num_layers):
+            layer_fn(hf, i, model, out)
+        out["language_model.encoder.final_layernorm.weight"] = hf[final + "weight"]
+        if family == "gpt2":
+            out["language_model.encoder.final_layernorm.bias"] = hf[final + "bias"]
+        if model.untie_embeddings_and_output_weights:
+            out["language_model.output_layer.weight"] = _pad_rows(hf["lm_head.weight"],
+                                                                  model.padded_vocab_size)
+    except KeyError as exc:
+        raise ValueError(f"the Hugging Face weights lack {exc.args[0]!r}, which their "
+                         f"config.json ({family}) implies") from None
+    unused = sorted(k for k in hf if k not in hf.read and not k.endswith(_BUFFERS)
+                    and not (k == "lm_head.weight" and not model.untie_embeddings_and_output_weights))
+    if unused:
+        raise ValueError(f"the Hugging Face weights hold tensors this {family} mapping does not "
+                         f"use ({', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}): the "
+                         "model has parts we do not implement")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+# ----------------------------------------------------------------------------- files
+def save_hf_checkpoint(out_dir: str, state: Dict[str, torch.Tensor], config: dict,
+                       generation_config: Optional[dict] = None,
+                       max_shard_bytes: int = 5 * 2**30) -> List[str]:
+    """Write `state` as safetensors (`model.safetensors`, or `model-0000k-of-0000N` shards
+    plus `model.safetensors.index.json` above `max_shard_bytes`) and `config.json`
+    (+ `generation_config.json`) into `out_dir`. Returns the weight file names."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    for old in os.listdir(out_dir):  # weights of an earlier export (as save_pretrained does)
+        if old == SAFETENSORS_INDEX or _WEIGHT_FILE.fullmatch(old):
+            os.remove(os.path.join(out_dir, old))
+    shards: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(state):
+        nbytes = state[name].numel() * state[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = state[name]
+        size += nbytes
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    for name, shard in zip(names, shards):
+        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+        _write_json(os.path.join(out_dir, SAFETENSORS_INDEX), index)
+    _write_json(os.path.join(out_dir, "config.json"), config)
+    if generation_config is not None:
+        _write_json(os.path.join(out_dir, "generation_config.json"), generation_config)
+    return names
+
+
+def _write_json(path: str, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def load_hf_checkpoint(in_dir: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    """(config.json contents, state dict) of a Hugging Face model directory: the files of
+    `model.safetensors.index.json`, else `model.safetensors`, else every `*.safetensors`,
+    else `pytorch_model*.bin` (loaded with weights_only=True)."""
+    cfg_path = os.path.join(in_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"--input {in_dir}: no config.json there; give the directory that "
+                         "save_pretrained wrote")
+    with open(cfg_path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    index = os.path.join(in_dir, SAFETENSORS_INDEX)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(in_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        files = sorted(n for n in os.listdir(in_dir) if n.endswith(".safetensors"))
+    state: Dict[str, torch.Tensor] = {}
+    if files:
+        from safetensors.torch import load_file
+
+        for name in files:
+            state.update(load_file(os.path.join(in_dir, name)))
+        return cfg, state
+    files = sorted(n for n in os.listdir(in_dir) if n.startswith("pytorch_model") and n.endswith(".bin"))
+    if not files:
+        raise ValueError(f"--input {in_dir}: no *.safetensors or pytorch_model*.bin weights")
+    for name in files:
+        state.update(torch.load(os.path.join(in_dir, name), map_location="cpu", weights_only=True))
+    return cfg, state
+
+
+# ---------------------------------------------------------------------------- verify
+@torch.no_grad()
+def compare_logits(model: torch.nn.Module, hf_dir: str, vocab_size: int, batch: int = 2,
+                   seq_length: int = 32, seed: int = 0) -> float:
+    """Max |logits_ours - logits_hf| over random tokens [batch, seq_length] (< vocab_size),
+    both models in fp32 on CPU; `model` is our one-process GPTModel (eval mode). Needs
+    transformers (ImportError otherwise)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    seq_length = min(seq_length, model.config.max_position_embeddings)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (batch, seq_length), generator=g)
+    ours = model.float().cpu()(tokens)[..., :vocab_size]
+    theirs = hf(input_ids=tokens).logits
+    return float((ours.float() - theirs.float()).abs().max())
+
+
+# ------------------------------------------------------------------------- to-hf CLI
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_to_hf_arguments(parser) -> None:
+    """Export a checkpoint as a Hugging Face GPT2LMHeadModel or LlamaForCausalLM."""
+    parser.add_argument("--load", required=True, help="our checkpoint directory (any tp/pp)")
+    parser.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
+    parser.add_argument("--output", required=True, help="directory for the Hugging Face model")
+    parser.add_argument("--family", choices=("auto",) + FAMILIES, default="auto",
+                        help="auto: llama for RMSNorm+SwiGLU+rotary models, else gpt2")
+    parser.add_argument("--true-vocab-size", type=int, default=None,
+                        help="vocabulary rows to keep (default: the checkpoint's tokenizer's "
+                             "size when it can be built, else the padded size)")
+    parser.add_argument("--dtype", choices=("auto",) + tuple(_DTYPES), default="auto",
+                        help="weights dtype (auto: the checkpoint's --fp16/--bf16)")
+    parser.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    parser.add_argument("--verify", action="store_true",
+                        help="load the export with transformers and compare logits with ours")
+    parser.add_argument("--verify-tolerance", type=float, default=1e-3,
+                        help="largest accepted max |logit difference| (fp32, CPU)")
+
+
+def _tokenizer_of(args: dict):
+    """The checkpoint's tokenizer, or None when it cannot be built here."""
+    try:
+        from megatron.tokenizer import build_tokenizer
+
+        return build_tokenizer(args.get("tokenizer_type"), vocab_file=args.get("vocab_file"),
+                               merge_file=args.get("merge_file"),
+                               tokenizer_model=args.get("tokenizer_model"),
+                               vocab_size=args.get("vocab_size"),
+                               vocab_extra_ids=args.get("vocab_extra_ids") or 0)
+    except (ImportError, OSError, ValueError, TypeError):
+        return None
+
+
+def _eod_of(tok) -> Optional[int]:
+    try:
+        return None if tok is None else int(tok.eod)
+    except (AttributeError, ValueError):  # a tokenizer without an end-of-document token
+        return None
+
+
+def run_to_hf(a) -> int:
+    """`to-hf`: merge the checkpoint's shards, map to the HF family, write, optionally verify.
+    Returns 0, or 1 when --verify finds logits further apart than --verify-tolerance;
+    SystemExit with the reason for a model or flags it cannot convert."""
+    try:
+        return _to_hf(a)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+def _to_hf(a) -> int:
+    args, model_cfg, state, iteration = load_full_checkpoint(a.load, a.iteration)
+    family = detect_family(model_cfg) if a.family == "auto" else a.family
+    tok = _tokenizer_of(args)
+    vocab = a.true_vocab_size or (tok.vocab_size if tok is not None else model_cfg.padded_vocab_size)
+    if tok is None and a.true_vocab_size is None:
+        print(f"note: the checkpoint's tokenizer ({args.get('tokenizer_type')}) cannot be built "
+              f"here; keeping all {vocab} padded vocabulary rows (set --true-vocab-size)")
+    dtype = _DTYPES.get(a.dtype) or _DTYPES.get(
+        {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(args.get("params_dtype")), "fp32"))
+    eod = _eod_of(tok)
+    hf_state = to_hf_state_dict(state, model_cfg, family, vocab, dtype)
+    config = hf_config(model_cfg, family, vocab, dtype, eod, hf_state)
+    if family == "llama":
+        config["bos_token_id"] = None  # only the end-of-document id is known
+    gen = None if eod is None else {"eos_token_id": eod, "_from_model_config": True,
+                                    **({"bos_token_id": eod} if family == "gpt2" else {})}
+    names = save_hf_checkpoint(a.output, hf_state, config, gen, int(a.max_shard_size_gb * 2**30))
+    print(f"wrote {family} model ({len(hf_state)} tensors, vocab {vocab}, {dtype}) from "
+          f"{a.load} iteration {iteration} to {a.output}: {', '.join(names)}, config.json")
+    if not a.verify:
+        return 0
+    return _verify(a, model_cfg, state, vocab, dtype)
+
+
+def _verify(a, model_cfg: ModelConfig, state: dict, vocab: int, dtype: torch.dtype) -> int:
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise SystemExit("error: --verify needs the transformers package (pip install "
+                         "transformers); the export itself was written") from None
+    model_cfg = dataclasses.replace(model_cfg, params_dtype=torch.float32, sequence_parallel=False,
+                                    compile_layers=False, embedding_weights_in_fp32=False)
+    model = GPTModel(model_cfg, device="meta")
+    rounded = {k: v.to(dtype).float() if v.is_floating_point() else v for k, v in state.items()}
+    model.load_state_dict(rounded, strict=True, assign=True)
+    diff = compare_logits(model.float().eval(), a.output, vocab)
+    ok = diff <= a.verify_tolerance
+    print(f"verify: max |logits ours - transformers| = {diff:.3e} (tolerance "
+          f"{a.verify_tolerance:.1e}): {'OK' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+# ----------------------------------------------------------------------- from-hf CLI
+def add_from_hf_arguments(parser) -> None:
+    """Import a Hugging Face GPT-2 or Llama model as a checkpoint for any tp/pp."""
+    parser.add_argument("--input", required=True, help="Hugging Face model directory "
+                        "(config.json + *.safetensors or pytorch_model*.bin)")
+    parser.add_argument("--save", required=True, help="directory for our checkpoint")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="recorded in the checkpoint's args (default: min(max positions, 2048))")
+    parser.add_argument("--tokenizer-type", default=None, help="recorded in the checkpoint's "
+                        "args (default: HuggingFaceTokenizer when --input holds tokenizer.json, "
+                        "else NullTokenizer with --vocab-size = HF vocab_size - 1)")
+    for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
+        parser.add_argument(flag, default=None)
+
+
+def _tokenizer_flags(a, in_dir: str, hf_vocab: int) -> List[str]:
+    kind = a.tokenizer_type
+    if kind is None:
+        has_file = os.path.isfile(os.path.join(in_dir, "tokenizer.json"))
+        kind = "HuggingFaceTokenizer" if has_file else "NullTokenizer"
+    flags = ["--tokenizer-type", kind]
+    if kind == "NullTokenizer":
+        flags += ["--vocab-size", str(hf_vocab - 1)]
+    model = a.tokenizer_model or (os.path.abspath(in_dir) if kind == "HuggingFaceTokenizer" else None)
+    for flag, value in (("--vocab-file", a.vocab_file), ("--merge-file", a.merge_file),
+                        ("--tokenizer-model", model)):
+        if value is not None:
+            flags += [flag, value]
+    return flags
+
+
+def config_from_hf(hf_cfg: dict, a, in_dir: str):
+    """(family, our validated `Config`) for the HF model at the requested tp/pp: the padded
+    vocabulary is HF's vocab_size rounded up as a run with that layout pads it."""
+    from megatron.arguments import parse_and_validate
+
+    family, flags = megatron_flags_from_hf(hf_cfg)
+    max_pos = int(flags[flags.index("--max-position-embeddings") + 1])
+    hf_vocab = int(hf_cfg["vocab_size"])
+    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    argv = flags + _tokenizer_flags(a, in_dir, hf_vocab) + [
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+        "--make-vocab-size-divisible-by", str(a.make_vocab_size_divisible_by),
+        "--seq-length", str(a.seq_length or min(max_pos, 2048)), "--micro-batch-size", "1",
+        "--lr", "0", "--train-iters", "1", "--use-cpu-initialization"]
+    if hf_cfg.get("dtype", hf_cfg.get("torch_dtype")) in ("bfloat16", "float16"):
+        argv.append("--bf16" if hf_cfg.get("dtype", hf_cfg.get("torch_dtype")) == "bfloat16"
+                    else "--fp16")
+    cfg = parse_and_validate(argv, world_size=tp * pp, env={}, cuda_available=False,
+                             vocab_size_fn=lambda ns: hf_vocab)
+    return family, cfg
+
+
+def run_from_hf(a) -> int:
+    """`from-hf`: read the HF model, map it to our full state dict, write a 'release'
+    checkpoint split for --tensor/--pipeline-model-parallel-size. Returns 0; SystemExit
+    with the reason for a model it cannot convert."""
+    try:
+        return _from_hf(a)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+def _from_hf(a) -> int:
+    hf_cfg, hf_state = load_hf_checkpoint(a.input)
+    family, cfg = config_from_hf(hf_cfg, a, a.input)
+    state = from_hf_state_dict(hf_state, cfg.model, family)
+    save_release_checkpoint(a.save, state, cfg)
+    tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
+    print(f"wrote {family} model from {a.input} to {a.save}/release (tp {tp}, pp {pp}, padded "
+          f"vocab {cfg.model.padded_vocab_size}); train from it with pretrain_gpt.py --load "
+          f"{a.save} and the same model flags")
+    return 0
+
+
+# ------------------------------------------- checkpoint access (merge / split of shards)
+def load_full_checkpoint(load: str, iteration: Optional[int] = None):
+    """(args, one-process ModelConfig, full state dict, iteration) of our checkpoint under
+    `load` (any tp/pp/virtual layout; shards merged by megatron.checkpoint_reshard)."""
+    from megatron.checkpoint_reshard import (
+        SourceCheckpoint,
+        config_from_args,
+        full_model_state,
+        locate_iteration,
+    )
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    iter_dir, iteration, release = locate_iteration(load, iteration)
+    src = SourceCheckpoint(iter_dir)
+    if not src.args:
+        raise SystemExit(f"error: {iter_dir} holds no 'args': the model shape is unknown")
+    config = config_from_args(src.args)
+    state = full_model_state(src, GPTModel(config.model, device="meta"))
+    return config.args, config.model, state, 0 if release else iteration
+
+
+def save_release_checkpoint(save: str, state: Dict[str, torch.Tensor], cfg) -> None:
+    """Write the full `state` as `<save>/release/mp_rank_*` for cfg's tp/pp, the tracker
+    saying "release" (a run loads it at iteration 0 with a fresh optimizer). tp = pp = 1 is
+    written directly; other layouts are written at tp = pp = 1 into a temporary directory
+    beside `save` and split by `tools/checkpoint_convert.py reshard`."""
+    from megatron.checkpointing import CHECKPOINT_VERSION, args_to_plain, checkpoint_name
+
+    tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
+    parent = os.path.dirname(os.path.abspath(save))
+    os.makedirs(parent, exist_ok=True)
+    root = save if tp == pp == 1 else tempfile.mkdtemp(prefix=".from-hf-", dir=parent)
+    try:
+        path = checkpoint_name(root, 0, 0, 0, 1, release=True)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save({"args": args_to_plain(cfg.args), "checkpoint_version": CHECKPOINT_VERSION,
+                    "iteration": 0, "model": state}, path)
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("release")
+        if root != save:
+            from tools.checkpoint_convert import reshard
+
+            reshard(root, save, tp, pp)
+    finally:
+        if root != save:
+            shutil.rmtree(root, ignore_errors=True)

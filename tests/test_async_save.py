@@ -1,0 +1,212 @@
+"""--async-save: only the CPU copy blocks; the files, the rename and the tracker come later
+from a background thread, the tracker last and only once every rank's files are complete;
+the checkpoints written this way resume bit-exactly."""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron import checkpointing
+from megatron.async_save import AsyncSaver, marker_path, snapshot_to_cpu, wait_for_markers
+from megatron.checkpointing import (
+    checkpoint_name,
+    load_checkpoint,
+    read_tracker,
+    save_checkpoint,
+    save_checkpoint_async,
+)
+from megatron.core.parallel_state import ParallelState
+from tests.dist_utils import run_distributed
+from tests.test_exact_resume import N, run_pretrain
+
+
+def _state(iteration, value=0.0):
+    weight = torch.full((4, 3), value)
+    return {"iteration": iteration, "model": collections.OrderedDict(w=weight, tied=weight),
+            "optimizer": {"state": {0: {"exp_avg": torch.arange(3.0)}}, "lr": [1e-3, (2, 3)]},
+            "rng_state": [{"torch_rng_state": torch.get_rng_state()}]}
+
+
+def _ps1():
+    return ParallelState.build(1, 0)
+
+
+# --------------------------------------------------------------------------- pieces
+def test_snapshot_is_a_frozen_copy_that_keeps_structure_and_sharing():
+    state = _state(3, 1.0)
+    state["model"]._metadata = {"": {"version": 1}}
+    snap = snapshot_to_cpu(state)
+    state["model"]["w"].add_(5.0)  # the next training steps change the live tensors
+    state["optimizer"]["state"][0]["exp_avg"].zero_()
+    assert torch.equal(snap["model"]["w"], torch.full((4, 3), 1.0))
+    assert torch.equal(snap["optimizer"]["state"][0]["exp_avg"], torch.arange(3.0))
+    assert snap["model"]["w"] is snap["model"]["tied"], "a tensor reached twice stays shared"
+    assert type(snap["model"]) is collections.OrderedDict
+    assert snap["model"]._metadata == {"": {"version": 1}}
+    assert snap["optimizer"]["lr"] == [1e-3, (2, 3)] and snap["iteration"] == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host memory)")
+def test_snapshot_of_cuda_tensors_lands_in_pinned_memory():
+    t = torch.randn(8, device="cuda")
+    saver = AsyncSaver()
+    snap = saver.snapshot({"t": t})
+    assert snap["t"].device.type == "cpu" and snap["t"].is_pinned()
+    assert torch.equal(snap["t"], t.cpu())
+    again = saver.snapshot({"t": t * 2})
+    assert again["t"].data_ptr() == snap["t"].data_ptr(), "the pinned buffer is reused"
+
+
+def test_background_failure_is_raised_by_wait():
+    saver = AsyncSaver()
+
+    def fail():
+        raise OSError("disk full")
+
+    saver.submit(fail, "the checkpoint at iteration 9")
+    with pytest.raises(RuntimeError, match="iteration 9 failed: disk full"):
+        saver.wait()
+    assert not saver.pending
+    saver.wait()  # nothing in flight: returns at once
+
+
+def test_marker_wait_names_the_missing_writers(tmp_path):
+    open(marker_path(str(tmp_path), "mp_rank_00"), "w").close()
+    wait_for_markers(str(tmp_path), ["mp_rank_00"], timeout_s=1.0)
+    with pytest.raises(TimeoutError, match="mp_rank_01") as err:
+        wait_for_markers(str(tmp_path), ["mp_rank_00", "mp_rank_01"], timeout_s=0.1)
+    assert "mp_rank_00" not in str(err.value)
+
+
+# --------------------------------------------------------------------------- one process
+def test_async_save_writes_what_a_sync_save_writes(tmp_path, capsys):
+    sync_root, async_root = str(tmp_path / "sync"), str(tmp_path / "async")
+    save_checkpoint(sync_root, 5, _state(5, 2.0), _ps1())
+    saver = AsyncSaver()
+    blocking = save_checkpoint_async(async_root, 5, _state(5, 2.0), _ps1(), saver)
+    saver.wait()
+    assert 0.0 <= blocking < 5.0
+    out = capsys.readouterr().out
+    assert re.search(r"  successfully saved checkpoint at iteration       5 to \S+ "
+                     r"\(blocking \d+\.\d\d s, writing \d+\.\d\d s in the background\)", out)
+    assert sorted(os.listdir(async_root)) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
+    assert os.listdir(os.path.join(async_root, "iter_0000005")) == ["mp_rank_00"], "no markers"
+    a = torch.load(checkpoint_name(async_root, 5, 0, 0, 1), weights_only=True)
+    b = torch.load(checkpoint_name(sync_root, 5, 0, 0, 1), weights_only=True)
+    assert a.keys() == b.keys() and torch.equal(a["model"]["w"], b["model"]["w"])
+    assert a["model"]["w"] is a["model"]["tied"]
+    assert load_checkpoint(async_root, _ps1())[0] == 5
+
+
+def test_tracker_moves_only_after_the_background_write(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    save_checkpoint(root, 1, _state(1, 1.0), _ps1())
+    release = threading.Event()
+    original = checkpointing._torch_save_synced
+
+    def slow_write(obj, path):
+        assert release.wait(30)
+        original(obj, path)
+
+    monkeypatch.setattr(checkpointing, "_torch_save_synced", slow_write)
+    saver = AsyncSaver()
+    live = _state(2, 7.0)
+    save_checkpoint_async(root, 2, live, _ps1(), saver)
+    live["model"]["w"].fill_(-1.0)  # training goes on and changes the weights
+    time.sleep(0.1)
+    assert saver.pending and not saver.done()
+    assert read_tracker(root) == (1, False), "the tracker waits for the files"
+    assert os.path.isdir(os.path.join(root, "iter_0000002.tmp"))
+    assert load_checkpoint(root, _ps1())[0] == 1
+    release.set()
+    saver.wait()
+    assert read_tracker(root) == (2, False)
+    _, state = load_checkpoint(root, _ps1())
+    assert torch.equal(state["model"]["w"], torch.full((4, 3), 7.0)), "the values at save time"
+
+
+# --------------------------------------------------------------------------- two ranks
+def _dist_async_worker(rank, world_size, root):
+    ps = ParallelState.build(world_size, rank, tp_size=2)  # both ranks write a shard
+    go = os.path.join(root, "go")
+    if rank == 1:  # rank 1's disk is slow: its write waits for rank 0's go-ahead
+        original = checkpointing._torch_save_synced
+
+        def slow_write(obj, path):
+            while not os.path.exists(go):
+                time.sleep(0.01)
+            original(obj, path)
+
+        checkpointing._torch_save_synced = slow_write
+    saver = AsyncSaver()
+    save_checkpoint_async(root, 3, _state(3, float(rank)), ps, saver)
+    seen = None
+    if rank == 0:
+        tmp = os.path.join(root, "iter_0000003.tmp")
+        deadline = time.monotonic() + 20
+        while not os.path.exists(marker_path(tmp, "mp_rank_00")):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.2)
+        seen = (read_tracker(root), os.path.exists(marker_path(tmp, "mp_rank_01")))
+        open(go, "w").close()
+    saver.wait()
+    torch.distributed.barrier()
+    _, state = load_checkpoint(root, ps)
+    return seen, read_tracker(root), float(state["model"]["w"][0, 0])
+
+
+def test_two_ranks_tracker_waits_for_the_slowest_writer(tmp_path):
+    results = run_distributed(_dist_async_worker, 2, str(tmp_path))
+    seen_by_rank0 = results[0][0]
+    assert seen_by_rank0 == ((None, False), False), "own shard done, rank 1's not: no tracker"
+    for rank, (_, tracker, value) in enumerate(results):
+        assert tracker == (3, False) and value == float(rank)
+    assert sorted(os.listdir(tmp_path / "iter_0000003")) == ["mp_rank_00", "mp_rank_01"]
+
+
+# --------------------------------------------------------------------------- trainer
+def _trainer_async_scenario(root, world_size=1, rank=0, extra=()):
+    """Uninterrupted losses; a run with async saves at 2 and 4 that stops at 4; the resume."""
+    extra = list(extra)
+    ref, _ = run_pretrain(extra, world_size, rank)
+    first, tr = run_pretrain(extra + ["--save", root, "--save-interval", "2", "--exit-interval",
+                                      "4", "--async-save"], world_size, rank)
+    assert not tr.async_saver.pending, "the save that ends the run was waited for"
+    resumed, _ = run_pretrain(extra + ["--load", root], world_size, rank)
+    return ref, first, resumed
+
+
+def _dist_trainer_async(rank, world_size, root):
+    return _trainer_async_scenario(root, world_size, rank, ["--use-distributed-optimizer"])
+
+
+def _check_scenario(ref, first, resumed, what):
+    assert first == {i: ref[i] for i in range(1, 5)}, what
+    assert resumed == {i: ref[i] for i in range(5, N + 1)}, what
+
+
+def test_async_checkpoints_resume_bit_exactly(tmp_path, capsys):
+    root = str(tmp_path / "ck")
+    _check_scenario(*_trainer_async_scenario(root), "one process")
+    out = capsys.readouterr().out
+    for it in (2, 4):
+        assert re.search(rf"successfully saved checkpoint at iteration\s+{it} to \S+ \(blocking "
+                         r"[0-9.]+ s, writing [0-9.]+ s in the background\)", out), out[-2000:]
+    assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000004",
+                                        "latest_checkpointed_iteration.txt"]
+
+
+def test_async_checkpoints_resume_bit_exactly_with_distributed_optimizer(tmp_path):
+    root = str(tmp_path / "ck")
+    for rank, result in enumerate(run_distributed(_dist_trainer_async, 2, root)):
+        _check_scenario(*result, f"distributed optimizer dp=2 rank {rank}")
+    assert read_tracker(root) == (4, False)
+    assert sorted(os.listdir(os.path.join(root, "iter_0000004", "mp_rank_00"))) == [
+        "distrib_optim.pt", "model_optim_rng.pt"]

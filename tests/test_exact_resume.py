@@ -1,0 +1,158 @@
+"""Bit-exact resume on CPU with dropout on: train N iterations uninterrupted, or stop with a
+checkpoint at k and resume in a fresh trainer -- the losses after k are the same floats
+(exact equality). Also what the load/save flags do: --no-load-optim, --no-load-rng,
+--finetune, --no-save-optim, --no-save-rng.
+
+Each run goes through the real driver (`parse_and_validate` -> `pretrain`), so the resume
+path is the one a user gets; the per-iteration losses are read off `train_step`.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import megatron.training as training
+from megatron.arguments import parse_and_validate
+from megatron.checkpointing import checkpoint_name, read_tracker
+from megatron.initialize import initialize_distributed, set_random_seed
+from tests.dist_utils import run_distributed
+
+N, K = 6, 3  # iterations, checkpoint at K
+
+BASE = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 8 --lr 1e-2 "
+    "--min-lr 1e-3 --lr-decay-style cosine --lr-warmup-iters 2 --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 100 --hidden-dropout 0.1 "
+    "--attention-dropout 0.1 --use-cpu-initialization --num-workers 0 --log-interval 1000 "
+    f"--eval-iters 0 --eval-interval 1000 --train-iters {N}"
+).split()
+
+
+def run_pretrain(extra: list, world_size: int = 1, rank: int = 0):
+    """One run as a fresh process would do it (seeded, then pretrain()); returns
+    ({iteration: loss}, trainer). Losses are this rank's `train_step` results."""
+    cfg = parse_and_validate(BASE + list(extra), world_size=world_size,
+                             env={"RANK": str(rank)}, cuda_available=False)
+    rt = initialize_distributed(cfg.parallel, rank, world_size, 0)
+    set_random_seed(cfg.training.seed, rt)
+    losses = {}
+    original = training.train_step
+
+    def recording(tr, data, **kwargs):
+        out = original(tr, data, **kwargs)
+        losses[tr.state.iteration + 1] = float(out[0])
+        return out
+
+    training.train_step = recording
+    try:
+        tr = training.pretrain(cfg, rt)
+    finally:
+        training.train_step = original
+    return losses, tr
+
+
+def resume_scenario(root: str, extra: list, world_size: int = 1, rank: int = 0):
+    """(uninterrupted, first part stopped at K with a checkpoint, resumed) losses."""
+    ref, _ = run_pretrain(extra, world_size, rank)
+    first, _ = run_pretrain(extra + ["--save", root, "--save-interval", str(K),
+                                     "--exit-interval", str(K)], world_size, rank)
+    resumed, tr = run_pretrain(extra + ["--load", root], world_size, rank)
+    assert tr.state.iteration == N
+    return ref, first, resumed
+
+
+def _dist_scenario(rank, world_size, root, extra):
+    return resume_scenario(root, extra, world_size, rank)
+
+
+def _assert_exact(ref, first, resumed, what):
+    assert sorted(ref) == list(range(1, N + 1)), what
+    assert first == {i: ref[i] for i in range(1, K + 1)}, what
+    assert resumed == {i: ref[i] for i in range(K + 1, N + 1)}, f"{what}: {resumed} vs {ref}"
+
+
+# --------------------------------------------------------------------------- bit-exact
+@pytest.mark.parametrize("name,extra", [("fp32", []), ("bf16", ["--bf16"])])
+def test_single_process_resume_is_bit_exact(tmp_path, name, extra):
+    """bf16 parameters resume exactly too: the fp32 main copies are in the checkpoint."""
+    ref, first, resumed = resume_scenario(str(tmp_path / "ck"), extra)
+    _assert_exact(ref, first, resumed, name)
+    assert len(set(ref.values())) == N  # the losses move: the comparison means something
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("tp2_sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("distopt_dp2", ["--use-distributed-optimizer"]),
+])
+def test_two_rank_resume_is_bit_exact(tmp_path, name, extra):
+    results = run_distributed(_dist_scenario, 2, str(tmp_path / "ck"), extra)
+    for rank, (ref, first, resumed) in enumerate(results):
+        _assert_exact(ref, first, resumed, f"{name} rank {rank}")
+    if name == "distopt_dp2":
+        rank_dir = os.path.dirname(checkpoint_name(str(tmp_path / "ck"), K, 0, 0, 1))
+        assert sorted(os.listdir(rank_dir)) == ["distrib_optim.pt", "model_optim_rng.pt"]
+
+
+# --------------------------------------------------------------------------- load flags
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """The uninterrupted fp32 losses and a checkpoint at K of the same run."""
+    root = str(tmp_path_factory.mktemp("plain") / "ck")
+    ref, first, resumed = resume_scenario(root, [])
+    _assert_exact(ref, first, resumed, "fp32")
+    return ref, root
+
+
+def test_no_load_optim_keeps_weights_and_position_but_fresh_optimizer(plain_run):
+    ref, root = plain_run
+    losses, tr = run_pretrain(["--load", root, "--no-load-optim"])
+    assert sorted(losses) == list(range(K + 1, N + 1)), "iteration and data position restored"
+    assert losses[K + 1] == ref[K + 1], "same weights, batch and dropout masks"
+    assert losses[K + 2] != ref[K + 2], "a fresh Adam state and lr schedule step differently"
+
+
+def test_no_load_rng_gives_other_dropout_masks(plain_run):
+    ref, root = plain_run
+    losses, _ = run_pretrain(["--load", root, "--no-load-rng"])
+    assert sorted(losses) == list(range(K + 1, N + 1))
+    assert losses[K + 1] != ref[K + 1], "same weights and batch, other dropout masks"
+    # without dropout the masks cannot matter: the first resumed loss is the reference's
+    no_drop = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    ref0, first0, _ = resume_scenario(root + "_nodrop", no_drop)
+    again, _ = run_pretrain(no_drop + ["--load", root + "_nodrop", "--no-load-rng"])
+    assert again == {i: ref0[i] for i in range(K + 1, N + 1)}
+
+
+def test_finetune_loads_weights_and_restarts_counters(plain_run):
+    ref, root = plain_run
+    losses, tr = run_pretrain(["--load", root, "--finetune"])
+    assert sorted(losses) == list(range(1, N + 1)), "--finetune starts at iteration 0"
+    assert tr.state.consumed_train_samples == N * 8
+    assert losses[1] != ref[1], "the weights are the checkpoint's, not a fresh init"
+    assert losses[1] < ref[1]
+
+
+# --------------------------------------------------------------------------- save flags
+def test_no_save_optim_and_no_save_rng_omit_their_keys(tmp_path, plain_run):
+    ref, _ = plain_run
+    root = str(tmp_path / "ck")
+    run_pretrain(["--save", root, "--save-interval", str(K), "--exit-interval", str(K),
+                  "--no-save-optim", "--no-save-rng", "--use-distributed-optimizer"])
+    assert read_tracker(root) == (K, False)
+    path = checkpoint_name(root, K, 0, 0, 1)
+    state = torch.load(path, weights_only=True)
+    assert {"model", "iteration", "args", "train_state"} <= set(state)
+    assert not {"optimizer", "opt_param_scheduler", "rng_state"} & set(state)
+    assert os.listdir(os.path.dirname(path)) == ["model_optim_rng.pt"], "no distrib_optim.pt"
+    # it resumes: position restored, optimizer and dropout RNG fresh
+    losses, _ = run_pretrain(["--load", root, "--use-distributed-optimizer"])
+    assert sorted(losses) == list(range(K + 1, N + 1))
+
+    root_rng = str(tmp_path / "ck_rng")
+    run_pretrain(["--save", root_rng, "--save-interval", str(K), "--exit-interval", str(K),
+                  "--no-save-optim"])
+    state = torch.load(checkpoint_name(root_rng, K, 0, 0, 1), weights_only=True)
+    assert "rng_state" in state and "optimizer" not in state

@@ -1,0 +1,292 @@
+"""Hugging Face interop (`checkpoint_convert.py to-hf` / `from-hf`): models trained here
+export to GPT2LMHeadModel / LlamaForCausalLM with the same logits, HF models import into
+any tp/pp layout (exact tensors back on re-export) and keep training.
+
+Tolerance: fp32 on CPU, max |logit difference| < 1e-4 (measured: 0.0 on these tiny models).
+Tests that load models with transformers skip when it is absent.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron import hf_interop
+from megatron.arguments import parse_and_validate
+from tests.dist_utils import run_distributed
+from tools import checkpoint_convert
+
+safetensors = pytest.importorskip("safetensors", reason="the HF export writes safetensors")
+
+TOL = 1e-4
+VOCAB = 100  # NullTokenizer --vocab-size 100: 101 real ids, padded to 128 (256 at tp 2)
+TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 --lr 1e-2 "
+        "--train-iters 3 --mock-data --tokenizer-type NullTokenizer --vocab-size 100 "
+        "--hidden-dropout 0 --attention-dropout 0 --use-cpu-initialization --save-interval 100 --num-workers 0")
+LLAMA = ("--normalization RMSNorm --swiglu --position-embedding-type rope "
+         "--group-query-attention --num-query-groups 2 --untie-embeddings-and-output-weights "
+         "--disable-bias-linear --rotary-base 500")
+TOKENS = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26], [100, 0, 1, 2, 7, 9, 99,
+                                                                     50, 51, 52, 53, 54]])
+
+
+def _transformers():
+    return pytest.importorskip("transformers", reason="transformers is an optional dependency")
+
+
+def _cli(*argv) -> int:
+    """`tools/checkpoint_convert.py ARGV` in this process; its exit status."""
+    return checkpoint_convert.main([str(a) for a in argv])
+
+
+def _hf_logits(hf_dir, tokens=TOKENS) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=tokens).logits
+
+
+def _ours_logits(model, tokens=TOKENS) -> torch.Tensor:
+    """Logits of this rank's model (vocab-parallel shard [b, s, V/tp]), eval mode."""
+    model.eval()
+    with torch.no_grad():
+        return model(tokens).float()
+
+
+def _train(save_dir, extra, world_size=1, rank=0, steps=2, load=None):
+    """Train a tiny model `steps` steps (optionally from --load, loaded as pretrain() does),
+    save it; returns (trainer, losses, logits of TOKENS before training)."""
+    from megatron.checkpointing import load_trainer_checkpoint, save_trainer_checkpoint
+    from megatron.initialize import initialize_distributed, set_random_seed
+    from megatron.training import build_trainer, data_iterator, train_step
+
+    argv = f"{TINY} --save {save_dir} {extra}".split() + (["--load", str(load)] if load else [])
+    cfg = parse_and_validate(argv, world_size=world_size, env={"RANK": str(rank)},
+                             cuda_available=False)
+    rt = initialize_distributed(cfg.parallel, rank, world_size, 0)
+    set_random_seed(cfg.training.seed, rt)
+    tr = build_trainer(cfg, rt)
+    if load:
+        load_trainer_checkpoint(tr)
+    before = _ours_logits(tr.model.module)
+    tr.model.module.train()
+    data = data_iterator(cfg, rt, "train", 0)
+    losses = []
+    for _ in range(steps):
+        losses.append(float(train_step(tr, data)[0]))
+        tr.state.iteration += 1
+    save_trainer_checkpoint(tr)
+    return tr, losses, before
+
+
+# ---------------------------------------------------------------------- mapping
+def test_qkv_layout_family_detection_and_errors(tmp_path):
+    argv = f"{TINY} --num-attention-heads 8 --hidden-size 64 {LLAMA} --num-query-groups 2"
+    cfg = parse_and_validate(argv.split(), world_size=1, env={}, cuda_available=False)
+    m = cfg.model
+    n, g, d = m.num_attention_heads, m.num_query_groups, m.kv_channels
+    rows = torch.arange((n + 2 * g) * d)  # row r of the fused weight, per group [q q q q k v]
+    q, k, v = hf_interop.split_qkv(rows, m)
+    assert q[:d].tolist() == list(range(d)) and k[:d].tolist() == list(range(4 * d, 5 * d))
+    assert v[d:2 * d].tolist() == list(range(11 * d, 12 * d))  # group 1's v block
+    assert torch.equal(hf_interop.fuse_qkv(q, k, v, m), rows)
+    assert hf_interop.detect_family(m) == "llama"
+    with pytest.raises(ValueError, match="cannot export as gpt2: normalization RMSNorm"):
+        hf_interop.to_hf_state_dict({}, m, "gpt2", 101)
+    gpt = parse_and_validate(TINY.split(), world_size=1, env={}, cuda_available=False).model
+    assert hf_interop.detect_family(gpt) == "gpt2"
+    with pytest.raises(ValueError, match="vocab size 500 outside"):
+        hf_interop.to_hf_state_dict({}, gpt, "gpt2", 500)
+    with pytest.raises(ValueError, match="model_type 'bert' is not supported"):
+        hf_interop.megatron_flags_from_hf({"model_type": "bert"})
+    with pytest.raises(ValueError, match="rope_type 'llama3'"):
+        hf_interop.megatron_flags_from_hf({"model_type": "llama",
+                                           "rope_parameters": {"rope_type": "llama3"}})
+    with pytest.raises(SystemExit, match="no config.json there"):
+        _cli("from-hf", "--input", tmp_path, "--save", tmp_path / "ck")
+
+
+def test_ours_to_hf_to_ours_without_transformers(tmp_path, monkeypatch):
+    """Export then import (tp 2 x pp 2): every tensor comes back, padding rows zero."""
+    _train(tmp_path / "ck", "--apply-layernorm-1p --untie-embeddings-and-output-weights", steps=1)
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "hf") == 0
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["model_type"] == "gpt2" and cfg["vocab_size"] == VOCAB + 1
+    assert cfg["tie_word_embeddings"] is False and cfg["activation_function"] == "gelu"
+    # sharded output (tiny shard limit) replaces the single file; --verify needs transformers
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(SystemExit, match="--verify needs the transformers package"):
+        _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "hf", "--verify",
+             "--max-shard-size-gb", 1e-5)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
+    assert _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "back",
+                "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2) == 0
+    assert (tmp_path / "back" / "latest_checkpointed_iteration.txt").read_text() == "release"
+    _, _, orig, _ = hf_interop.load_full_checkpoint(str(tmp_path / "ck"))
+    args, model, back, it = hf_interop.load_full_checkpoint(str(tmp_path / "back"))
+    assert it == 0 and model.padded_vocab_size == 256 and args["tensor_model_parallel_size"] == 1
+    for key, value in orig.items():
+        if "layernorm" in key:  # 1p weights (gamma - 1) come back as plain gamma
+            value = value + 1 if key.endswith("weight") else value
+        got = back[key]
+        if got.shape[0] == 256:  # vocabulary rows: 101 real, zeros after
+            assert not got[VOCAB + 1:].any()
+            got, value = got[:VOCAB + 1], value[:VOCAB + 1]
+        assert torch.equal(got, value), key
+    # weights saved from the base model (no "transformer." prefix, with mask buffers) map
+    # the same; a tensor the mapping does not use is an error, not silently dropped
+    _, hf = hf_interop.load_hf_checkpoint(str(tmp_path / "hf"))
+    base = {k.removeprefix("transformer."): v for k, v in hf.items()}
+    base["h.0.attn.bias"] = torch.ones(1, 1, 16, 16)
+    assert hf_interop.from_hf_state_dict(base, model, "gpt2").keys() == back.keys()
+    with pytest.raises(ValueError, match=r"does not use \(transformer.h.1.attn.q_norm.weight\)"):
+        hf_interop.from_hf_state_dict({**base, "h.1.attn.q_norm.weight": torch.ones(8)},
+                                      model, "gpt2")
+
+
+# ------------------------------------------------------------------------ export
+@pytest.mark.parametrize("extra", ["", "--openai-gelu --untie-embeddings-and-output-weights "
+                                   "--disable-bias-linear"],
+                         ids=["gelu-tied", "openai-gelu-untied"])
+def test_gpt2_export_has_our_logits(tmp_path, extra, capsys):
+    _transformers()
+    tr, _, _ = _train(tmp_path / "ck", extra)
+    ours = _ours_logits(tr.model.module)[..., :VOCAB + 1]
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "hf", "--verify") == 0
+    assert "verify: max |logits ours - transformers|" in capsys.readouterr().out
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(tmp_path / "hf" / "model.safetensors")))
+    assert ("lm_head.weight" in names) == bool(extra) and "transformer.wpe.weight" in names
+    diff = (_hf_logits(tmp_path / "hf") - ours).abs().max().item()
+    print(f"gpt2 {extra or 'gelu tied'}: max |logit diff| = {diff:.2e}")
+    assert diff < TOL
+
+
+def _llama_tp2_worker(rank, world_size, save_dir):
+    tr, _, _ = _train(save_dir, f"{LLAMA} --tensor-model-parallel-size 2", world_size, rank)
+    return _ours_logits(tr.model.module)  # this rank's half of the vocabulary
+
+
+def test_llama_export_from_tp2_run_has_its_logits(tmp_path, capsys):
+    _transformers()
+    shards = run_distributed(_llama_tp2_worker, 2, str(tmp_path / "ck"))
+    ours = torch.cat(shards, dim=-1)[..., :VOCAB + 1]  # padded vocab 256 over 2 ranks
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "hf",
+                "--verify", "--verify-tolerance", TOL) == 0
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_key_value_heads"] == 2
+    assert cfg["rope_parameters"]["rope_theta"] == 500.0 and cfg["tie_word_embeddings"] is False
+    diff = (_hf_logits(tmp_path / "hf") - ours).abs().max().item()
+    print(f"llama tp2: max |logit diff| = {diff:.2e}")
+    assert diff < TOL
+
+
+def test_verify_catches_a_wrong_mapping(tmp_path, monkeypatch, capsys):
+    _transformers()
+    _train(tmp_path / "ck", LLAMA, steps=1)
+    m = parse_and_validate(f"{TINY} {LLAMA}".split(), world_size=1, env={},
+                           cuda_available=False).model
+    sizes = [m.num_attention_heads * m.kv_channels] + [m.num_query_groups * m.kv_channels] * 2
+    # a typical mapping bug: reading the fused QKV rows as [all q; all k; all v]
+    monkeypatch.setattr(hf_interop, "split_qkv", lambda w, model: torch.split(w, sizes))
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "hf", "--verify",
+                "--verify-tolerance", TOL) == 1
+    assert "FAILED" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="cannot export as gpt2: normalization RMSNorm"):
+        _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "x", "--family", "gpt2")
+
+
+# ------------------------------------------------------------------------ import
+def _save_hf_model(path, family):
+    """A tiny random Hugging Face model saved with save_pretrained (safetensors)."""
+    tf = _transformers()
+    torch.manual_seed(0)
+    if family == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=VOCAB + 1, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                            activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
+                            bos_token_id=VOCAB, eos_token_id=VOCAB,
+                            attn_pdrop=0.0)
+        model = tf.GPT2LMHeadModel(cfg)
+    else:
+        cfg = tf.LlamaConfig(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=16, rope_theta=500.0, attention_bias=True,
+                             rms_norm_eps=1e-5, tie_word_embeddings=False)
+        model = tf.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # norms and biases away from their 1 / 0 init, so mix-ups show
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(str(path))
+    return model
+
+
+@pytest.mark.parametrize("family,pp", [("gpt2", 2), ("llama", 1)])
+def test_hf_to_ours_tp2_to_hf_is_exact(tmp_path, family, pp):
+    _save_hf_model(tmp_path / "hf", family)
+    assert _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "ck",
+                "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", pp) == 0
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "out",
+                "--verify", "--verify-tolerance", TOL) == 0
+    cfg_in, sd_in = hf_interop.load_hf_checkpoint(str(tmp_path / "hf"))
+    cfg_out, sd_out = hf_interop.load_hf_checkpoint(str(tmp_path / "out"))
+    assert sd_in.keys() == sd_out.keys()
+    for key, value in sd_in.items():
+        assert torch.equal(sd_out[key], value), key
+    assert _hf_logits(tmp_path / "out").equal(_hf_logits(tmp_path / "hf"))
+
+
+def _from_hf_tp2_worker(rank, world_size, ck, flags, save):
+    tr, losses, loaded = _train(save, f"{flags} --tensor-model-parallel-size 2", world_size,
+                                rank, steps=2, load=ck)
+    return loaded, losses, tr.state.iteration
+
+
+def test_from_hf_checkpoint_trains_in_tp2_run(tmp_path):
+    hf_model = _save_hf_model(tmp_path / "hf", "llama").eval()
+    assert _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "ck",
+                "--tensor-model-parallel-size", 2) == 0
+    _, flags = hf_interop.megatron_flags_from_hf(json.loads((tmp_path / "hf" / "config.json")
+                                                            .read_text()))
+    results = run_distributed(_from_hf_tp2_worker, 2, str(tmp_path / "ck"), " ".join(flags),
+                              str(tmp_path / "cont"))
+    ours = torch.cat([r[0] for r in results], dim=-1)[..., :VOCAB + 1]
+    with torch.no_grad():
+        theirs = hf_model(input_ids=TOKENS).logits
+    diff = (ours - theirs).abs().max().item()
+    print(f"from-hf llama -> tp2 run: max |logit diff| = {diff:.2e}")
+    assert diff < TOL
+    losses = results[0][1]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert results[0][2] == 2 and losses[1] < losses[0]
+    assert (tmp_path / "cont" / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
+def test_pretrain_gpt_cli_trains_from_an_imported_model(tmp_path):
+    """`pretrain_gpt.py --load` of a from-hf 'release' checkpoint: loads at iteration 0 with
+    a fresh optimizer, trains, saves iteration 2."""
+    _save_hf_model(tmp_path / "hf", "gpt2")
+    assert _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "ck") == 0
+    _, flags = hf_interop.megatron_flags_from_hf(json.loads((tmp_path / "hf" / "config.json")
+                                                            .read_text()))
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "pretrain_gpt.py"), *flags, *TINY.split(),
+           "--load", str(tmp_path / "ck"), "--save", str(tmp_path / "out"), "--save-interval", "2",
+           "--train-iters", "2", "--log-interval", "1", "--eval-iters", "0"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "successfully loaded checkpoint" in out and "at iteration 0" in out
+    assert len(re.findall(r"iteration\s+\d+/\s*2 \|.*lm loss", out)) == 2, out[-3000:]
+    assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text() == "2"

@@ -1,0 +1,259 @@
+"""A run can be stopped anywhere and picks up where its last complete checkpoint left off.
+
+Fast: a process killed in the middle of a save (sync and async) leaves the previous
+checkpoint as the one chosen; it loads, and the restarted run continues with the losses of
+an uninterrupted run.
+
+Slow (torchrun, 2 gloo processes): SIGTERM to torchrun with --exit-signal-handler saves at
+the iteration reached and exits; SIGKILL of one rank under `torchrun --max-restarts 1`
+with --load = --save resumes by itself with nothing lost beyond the last checkpoint;
+--exit-duration-in-mins saves and exits.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron import checkpointing
+from megatron.checkpointing import checkpoint_name, load_checkpoint, read_tracker
+from megatron.core.parallel_state import ParallelState
+from tests.dist_utils import free_port
+from tests.test_exact_resume import run_pretrain
+
+ROOT = Path(__file__).resolve().parents[1]
+CRASH_EXIT_CODE = 17
+
+
+# --------------------------------------------------------------------------- killed mid-save
+def _train_and_die_in_save(root: str, extra: list, crash_point: str) -> None:
+    """Child process: save at 2 and 4; die inside the save of iteration 4."""
+    torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork
+    saves = {"n": 0}
+    if crash_point == "mid_file":
+        original = torch.save
+
+        def dying_save(obj, f, *args, **kwargs):
+            saves["n"] += 1
+            if saves["n"] == 2:  # the second file written: iteration 4's
+                f.write(b"PK\x03\x04 a torn write")
+                f.flush()
+                os._exit(CRASH_EXIT_CODE)
+            return original(obj, f, *args, **kwargs)
+
+        torch.save = dying_save
+    else:  # every file renamed into place, the tracker not yet rewritten
+        original = checkpointing._write_tracker
+
+        def dying_tracker(root_, iteration, release):
+            if iteration == 4:
+                os._exit(CRASH_EXIT_CODE)
+            return original(root_, iteration, release)
+
+        checkpointing._write_tracker = dying_tracker
+    run_pretrain(extra + ["--save", root, "--save-interval", "2"])
+    os._exit(0)  # not reached: the save of iteration 4 kills the process
+
+
+@pytest.mark.parametrize("crash_point", ["mid_file", "before_tracker"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_killed_mid_save_keeps_previous_checkpoint_and_restart_resumes(tmp_path, mode,
+                                                                      crash_point):
+    extra = ["--async-save"] if mode == "async" else []
+    ref, _ = run_pretrain([])
+    root = str(tmp_path / "ck")
+    child = multiprocessing.get_context("fork").Process(
+        target=_train_and_die_in_save, args=(root, extra, crash_point))
+    child.start()
+    child.join(60)
+    assert child.exitcode == CRASH_EXIT_CODE, "the save of iteration 4 should have died"
+
+    # the tracker still names iteration 2, whose files are complete and load safely
+    assert read_tracker(root) == (2, False)
+    leftover = "iter_0000004.tmp" if crash_point == "mid_file" else "iter_0000004"
+    assert leftover in os.listdir(root)
+    iteration, state = load_checkpoint(root, ParallelState.build(1, 0))
+    assert iteration == 2 and state["iteration"] == 2
+    assert torch.load(checkpoint_name(root, 2, 0, 0, 1), weights_only=True)["iteration"] == 2
+
+    # restarted with --load = --save: resumes at 2, same losses, the next saves succeed
+    losses, tr = run_pretrain(extra + ["--load", root, "--save", root, "--save-interval", "2"])
+    assert losses == {i: ref[i] for i in range(3, 7)}
+    assert read_tracker(root) == (6, False)
+    assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000004", "iter_0000006",
+                                        "latest_checkpointed_iteration.txt"]
+
+
+# --------------------------------------------------------------------------- torchrun
+MODEL = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "16", "--max-position-embeddings", "16",
+    "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+    "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--num-workers", "0",
+    "--use-cpu-initialization", "--attention-dropout", "0.1", "--hidden-dropout", "0.1",
+]
+
+# Runs pretrain_gpt.py; on its first attempt (torchrun restart count 0) rank KILL_RANK
+# SIGKILLs itself when about to run iteration KILL_AT + 1.
+KILLING_WRAPPER = """
+import os, runpy, signal, sys
+sys.path.insert(0, {root!r})
+import megatron.training as training
+_train_step = training.train_step
+
+def train_step(tr, data, **kwargs):
+    if (tr.state.iteration == {kill_at} and os.environ["RANK"] == "{kill_rank}"
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        print("test: SIGKILL to rank {kill_rank} during iteration", tr.state.iteration + 1,
+              flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _train_step(tr, data, **kwargs)
+
+training.train_step = train_step
+sys.argv[0] = {script!r}
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def _torchrun_cmd(nproc: int, script: str, args: list, launcher_args=()) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+            *launcher_args, script, *args]
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+
+
+def _run(cmd: list, timeout: int = 90, env_extra=None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, env=dict(_env(), **(env_extra or {})),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _losses(log: str) -> list:
+    """(iteration, printed lm loss) in the order printed."""
+    return [(int(i), v) for i, v in
+            re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", log)]
+
+
+def _check_checkpoint(root: Path, iteration: int) -> None:
+    """The tracker names `iteration`; its files are complete and load weights_only."""
+    assert read_tracker(str(root)) == (iteration, False)
+    assert not [p for p in os.listdir(root) if p.endswith((".tmp", ".old"))]
+    state = torch.load(checkpoint_name(str(root), iteration, 0, 0, 1), weights_only=True)
+    assert state["iteration"] == iteration
+    assert state["train_state"]["consumed_train_samples"] == iteration * 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigterm_to_torchrun_saves_at_the_iteration_reached(tmp_path, mode):
+    ckpt = tmp_path / "ck"
+    args = MODEL + ["--train-iters", "100000", "--save", str(ckpt), "--save-interval", "5",
+                    "--exit-signal-handler"] + (["--async-save"] if mode == "async" else [])
+    proc = subprocess.Popen(_torchrun_cmd(2, str(ROOT / "pretrain_gpt.py"), args), cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, bufsize=1)
+    lines = []
+    try:
+        deadline = time.monotonic() + 90
+        for line in proc.stdout:
+            lines.append(line)
+            if re.search(r"iteration\s+7/", line):
+                proc.send_signal(signal.SIGTERM)  # what slurm / a scheduler does to the job
+                break
+            assert time.monotonic() < deadline, "".join(lines[-50:])
+        lines.extend(proc.stdout)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = "".join(lines)
+    assert "[exiting program after receiving SIGTERM.]" in log, log[-4000:]
+    reached = max(i for i, _ in _losses(log))
+    assert 7 <= reached < 100000
+    _check_checkpoint(ckpt, reached)
+    saved = re.findall(r"successfully saved checkpoint at iteration\s+(\d+)", log)
+    assert saved and int(saved[-1]) == reached, log[-3000:]
+    if mode == "async":
+        assert re.search(r"\(blocking [0-9.]+ s, writing [0-9.]+ s in the background\)", log)
+
+
+@pytest.mark.slow
+def test_sigkill_one_rank_then_torchrun_restart_resumes_without_loss(tmp_path):
+    args = MODEL + ["--train-iters", "10"]
+    ref = _run(_torchrun_cmd(2, str(ROOT / "pretrain_gpt.py"), args))
+    assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
+    expected = dict(_losses(ref.stdout))
+    assert sorted(expected) == list(range(1, 11))
+
+    ckpt = tmp_path / "ck"
+    wrapper = tmp_path / "train_then_die.py"
+    wrapper.write_text(KILLING_WRAPPER.format(root=str(ROOT), kill_at=6, kill_rank=1,
+                                              script=str(ROOT / "pretrain_gpt.py")))
+    # torch 2.13's torchrun hands restarted workers the store of the first attempt, whose
+    # stale process-group keys make the new gloo mesh dial dead ports (pytorch#135712);
+    # a rendezvous store per attempt (c10d rendezvous, store not shared) avoids that.
+    cmd = _torchrun_cmd(2, str(wrapper), args + [
+        "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "4"],
+        launcher_args=["--max-restarts", "1", "--monitor-interval", "0.2"])
+    cmd[cmd.index("--master-addr"):cmd.index("--master-addr") + 4] = [
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    run = _run(cmd, env_extra={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-4000:]
+    assert "test: SIGKILL to rank 1 during iteration 7" in log
+    assert re.search(r"loading checkpoint from \S+ at iteration 4", log), log[-4000:]
+    printed = _losses(run.stdout)
+    first_attempt = [i for i, _ in printed[:6]]
+    assert first_attempt == [1, 2, 3, 4, 5, 6], printed
+    assert [i for i, _ in printed[6:]] == list(range(5, 11)), "resumed at the checkpoint of 4"
+    for i, loss in printed:  # every printed loss, before and after the restart
+        assert loss == expected[i], (i, loss, expected[i])
+    _check_checkpoint(ckpt, 10)
+
+
+# --exit-duration-in-mins is an int flag (as in Megatron); a run of minutes is too long for
+# a test, so this wrapper turns `--exit-duration-in-mins 1` into 0.02 minutes (1.2 s).
+SHORT_DURATION_WRAPPER = """
+import dataclasses, runpy, sys
+sys.path.insert(0, {root!r})
+import megatron.arguments as arguments
+_parse = arguments.parse_and_validate
+
+def parse_and_validate(*args, **kwargs):
+    config = _parse(*args, **kwargs)
+    config.training = dataclasses.replace(config.training, exit_duration_in_mins=0.02)
+    return config
+
+arguments.parse_and_validate = parse_and_validate
+sys.argv[0] = {script!r}
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_exit_duration_saves_and_exits(tmp_path):
+    ckpt = tmp_path / "ck"
+    wrapper = tmp_path / "short_duration.py"
+    wrapper.write_text(SHORT_DURATION_WRAPPER.format(root=str(ROOT),
+                                                     script=str(ROOT / "pretrain_gpt.py")))
+    run = _run(_torchrun_cmd(2, str(wrapper), MODEL + [
+        "--train-iters", "100000", "--save", str(ckpt), "--save-interval", "100000",
+        "--exit-duration-in-mins", "1"]))
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-4000:]
+    assert re.search(r"\[exiting program after 0\.0[12]\d* minutes\]", log), log[-3000:]
+    reached = max(i for i, _ in _losses(run.stdout))
+    assert 0 < reached < 100000
+    _check_checkpoint(ckpt, reached)

@@ -1,0 +1,120 @@
+"""`--rampup-batch-size START INCR SAMPLES` (Megatron-LM's rule, facts a.3) and
+sample-based runs (`--train-samples`).
+
+The global batch grows from START by INCR every SAMPLES / ((GBS - START) / INCR) consumed
+samples, then stays at --global-batch-size; the micro-batch count, consumed samples and
+the lr schedule follow the current size. A DP=2 run ramps like the single process.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron.arguments import ArgumentsError, parse_and_validate
+from megatron.core.parallel_state import ParallelState
+from megatron.core.tensor_parallel.random import RNGStatesTracker
+from megatron.initialize import Runtime, set_random_seed
+from megatron.microbatches import current_global_batch_size, parse_rampup, rampup_train_iters
+from megatron.training import build_trainer, data_iterator, train_step
+from tests.dist_utils import run_distributed
+from tests.gpt_helpers import tiny_config
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+        "100", "--num-workers", "0", "--eval-iters", "0"]
+
+
+def test_megatron_rule():
+    ramp, gbs = (2, 2, 24), 8  # 3 increments, one every 8 samples
+    sizes, consumed = [], 0
+    while consumed < 60:
+        sizes.append(current_global_batch_size(consumed, ramp, gbs))
+        consumed += sizes[-1]
+    assert sizes == [2, 2, 2, 2, 4, 4, 6, 6, 8, 8, 8, 8]
+    # 8 steps take 28 samples (> 24: ramp-up over), then (80 - 28) // 8 = 6 full batches.
+    assert rampup_train_iters(80, ramp, gbs) == 14
+    assert current_global_batch_size(24, ramp, gbs) == 8  # exactly SAMPLES: the last size
+    assert current_global_batch_size(0, (8, 8, 100), 8) == 8  # START == GBS: no ramp
+
+
+@pytest.mark.parametrize("values,gbs,mbs,dp,match", [
+    (["2", "2"], 8, 2, 1, "expected 3 values"),
+    (["2", "4", "24"], 8, 2, 1, "whole number of INCREMENTs"),
+    (["12", "2", "24"], 8, 2, 1, "whole number"),
+    (["2", "2", "24"], 8, 2, 2, "multiples of --micro-batch-size 2 x data-parallel size 2"),
+    (["0", "2", "24"], 8, 2, 1, "must all be > 0"),
+    (["2", "2", "x"], 8, 2, 1, "integers"),
+])
+def test_bad_rampup_values(values, gbs, mbs, dp, match):
+    with pytest.raises(ValueError, match=match):
+        parse_rampup(values, gbs, mbs, dp)
+
+
+def test_cli_rules_and_derived_values():
+    cfg = parse_and_validate(BASE + ["--global-batch-size", "8", "--train-samples", "80",
+                                     "--rampup-batch-size", "2", "2", "24"])
+    assert cfg.data.rampup_batch_size == [2, 2, 24] and cfg.data.target_global_batch_size == 8
+    assert cfg.training.train_iters == 14 and cfg.optimizer.lr_decay_steps == 80
+    with pytest.raises(ArgumentsError, match="sample-based run"):
+        parse_and_validate(BASE + ["--train-iters", "10", "--rampup-batch-size", "2", "2", "8"])
+    with pytest.raises(ArgumentsError, match="fewer samples"):
+        parse_and_validate(BASE + ["--global-batch-size", "8", "--train-samples", "20",
+                                   "--rampup-batch-size", "2", "2", "24"])
+    # --train-samples without ramp-up: train_samples // gbs iterations, schedule in samples.
+    cfg = parse_and_validate(BASE + ["--global-batch-size", "8", "--train-samples", "44",
+                                     "--lr-warmup-samples", "8"])
+    assert cfg.training.train_iters == 5 and cfg.data.rampup_batch_size is None
+    assert (cfg.optimizer.lr_warmup_steps, cfg.optimizer.lr_decay_steps) == (8, 44)
+
+
+def test_rampup_run_from_the_cli(capsys):
+    import pretrain_gpt
+
+    argv = BASE + ["--global-batch-size", "8", "--train-samples", "80", "--rampup-batch-size",
+                   "2", "2", "24", "--log-interval", "1", "--min-lr", "1e-4"]
+    assert pretrain_gpt.main(argv) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith(" iteration ")]
+    assert len(lines) == 14 and lines[-1].startswith(" iteration       14/      14 |")
+
+    def field(line, name):
+        return float(line.split(f" {name}: ")[1].split(" |")[0])
+
+    sizes = [int(field(x, "global batch size")) for x in lines]
+    consumed = [int(field(x, "consumed samples")) for x in lines]
+    assert sizes == [2, 2, 2, 2, 4, 4, 6, 6] + [8] * 6
+    assert consumed == [sum(sizes[:i + 1]) for i in range(14)] and consumed[-1] == 76
+    # linear decay over 80 samples, stepped by the current batch: lr after n samples
+    for line, n in zip(lines, consumed):
+        assert field(line, "learning rate") == pytest.approx(1e-4 + 9e-4 * (1 - n / 80),
+                                                             rel=1e-3)
+
+
+def _ramp_losses(rank, world):
+    cfg = tiny_config(world_size=world, mbs=1, gbs=8, iters=5)
+    cfg.data = dataclasses.replace(cfg.data, num_workers=0, rampup_batch_size=[2, 2, 12],
+                                   target_global_batch_size=8)
+    ps = ParallelState.build(world, rank)
+    rt = Runtime(ps=ps, device=torch.device("cpu"), rng_tracker=RNGStatesTracker(), backend="gloo")
+    set_random_seed(cfg.training.seed, rt)
+    tr = build_trainer(cfg, rt)
+    data = data_iterator(cfg, rt, "train", 0)
+    out = []
+    for _ in range(5):
+        loss, ok, _, _ = train_step(tr, data)
+        assert ok
+        tr.state.consumed_train_samples += cfg.data.global_batch_size  # as the loop does
+        out.append((cfg.data.global_batch_size, cfg.data.num_micro_batches, float(loss)))
+    return out
+
+
+def test_rampup_dp2_matches_single_process():
+    ref = _ramp_losses(0, 1)
+    assert [(g, m) for g, m, _ in ref] == [(2, 2), (2, 2), (4, 4), (6, 6), (8, 8)]
+    for rank, got in enumerate(run_distributed(_ramp_losses, 2)):
+        assert [(g, m) for g, m, _ in got] == [(2, 1), (2, 1), (4, 2), (6, 3), (8, 4)]
+        torch.testing.assert_close(torch.tensor([x for _, _, x in got]),
+                                   torch.tensor([x for _, _, x in ref]), rtol=1e-5, atol=0,
+                                   msg=f"rank {rank}")

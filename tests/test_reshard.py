@@ -1,0 +1,299 @@
+"""Resharding checkpoints between parallel layouts (megatron/checkpoint_reshard.py).
+
+1. On load: a checkpoint saved with one (tp, pp, dp, optimizer) layout loads into
+   another -- TP2 -> TP1, PP2 x DP2 with the distributed optimizer -> one process with the
+   plain one, DP2 distributed -> TP2 x PP2 plain -- model AND optimizer state, and the next
+   training losses equal those of the saving run continuing in its own layout. Tolerance:
+   fp32 on CPU, a different reduction order -> rtol 1e-5.
+2. Offline: `tools/checkpoint_convert.py reshard` (TP2 -> PP2 x 2 virtual stages with the
+   distributed optimizer) writes a checkpoint that loads WITHOUT resharding and gives the
+   same losses; every file of every checkpoint loads with torch.load(weights_only=True).
+3. Units: the payload of every rank of a TP2 x PP2 x 2-virtual-stage layout carries the
+   exact slices of the full tensors (model, fp32 main weights, Adam moments, step), the
+   vocabulary is re-padded, mismatched models are refused, and `--use-checkpoint-args`
+   fills the model flags left unset.
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import pytest
+import torch
+
+from megatron import checkpoint_reshard as reshard
+from megatron.arguments import ArgumentsError, parse_and_validate
+from megatron.checkpointing import (
+    MODEL_FILENAME,
+    load_trainer_checkpoint,
+    rank_dir_name,
+    save_trainer_checkpoint,
+)
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.initialize import initialize_distributed, set_random_seed
+from megatron.training import build_trainer, data_iterator, train_step
+from tests.dist_utils import run_distributed
+from tools import checkpoint_convert
+
+# vocab 127 + EOD = 128 rows: padded to 128 at tp 1 and tp 2 alike (multiples of 64 x tp)
+BASE = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 8 --lr 1e-2 "
+        "--train-iters 8 --mock-data --tokenizer-type NullTokenizer --vocab-size 127 "
+        "--make-vocab-size-divisible-by 64 --hidden-dropout 0 --attention-dropout 0 "
+        "--use-cpu-initialization --weight-decay 0.1 --lr-warmup-iters 1 --num-workers 0")
+SAVE_AT, STEPS_AFTER = 2, 2
+RTOL = 1e-5
+
+
+def _trainer(rank, world, extra, save=None, load=None):
+    cfg = parse_and_validate(f"{BASE} {extra}".split(), world_size=world,
+                             env={"RANK": str(rank)}, cuda_available=False)
+    cfg.checkpoint.save, cfg.checkpoint.load = save, load
+    rt = initialize_distributed(cfg.parallel, rank, world, 0)
+    set_random_seed(cfg.training.seed, rt)
+    return cfg, rt, build_trainer(cfg, rt)
+
+
+def _steps(tr, data, n):
+    losses = []
+    for _ in range(n):
+        loss, ok, _, _ = train_step(tr, data)
+        assert ok
+        tr.state.iteration += 1
+        tr.state.consumed_train_samples += tr.config.data.global_batch_size
+        losses.append(float(loss))
+    return losses
+
+
+def _save_and_continue(rank, world, extra, root):
+    """Train SAVE_AT steps, save, train STEPS_AFTER more: the losses after the save."""
+    cfg, rt, tr = _trainer(rank, world, extra, save=root)
+    data = data_iterator(cfg, rt, "train", 0)
+    _steps(tr, data, SAVE_AT)
+    save_trainer_checkpoint(tr)
+    return _steps(tr, data, STEPS_AFTER)
+
+
+def _load_and_continue(rank, world, extra, root):
+    """(losses of STEPS_AFTER steps after loading `root`, the conversion note or None)."""
+    cfg, rt, tr = _trainer(rank, world, extra, load=root)
+    converted = load_trainer_checkpoint(tr)
+    assert tr.state.iteration == SAVE_AT
+    assert tr.state.consumed_train_samples == SAVE_AT * cfg.data.global_batch_size
+    data = data_iterator(cfg, rt, "train", tr.state.consumed_train_samples)
+    return _steps(tr, data, STEPS_AFTER), converted
+
+
+def _run(fn, world, *args):
+    """`fn` on `world` gloo processes (in this process when world == 1); the last rank's
+    result (it holds the last pipeline stage, whose losses are the model's)."""
+    if world == 1:
+        return fn(0, 1, *args)
+    return run_distributed(fn, world, *args)[-1]
+
+
+@lru_cache(maxsize=None)
+def _saved(extra: str, world: int, root: str):
+    return _run(_save_and_continue, world, extra, root)
+
+
+def _check_weights_only(root):
+    count = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".pt"):
+                torch.load(os.path.join(dirpath, name), weights_only=True)
+                count += 1
+    assert count > 0
+
+
+# ------------------------------------------------------------------- 1. resharding on load
+LLAMA = ("--swiglu --group-query-attention --num-query-groups 2 --normalization RMSNorm "
+         "--untie-embeddings-and-output-weights --position-embedding-type rope")
+
+
+@pytest.mark.parametrize("src,src_world,dst,dst_world,rtol", [
+    ("--tensor-model-parallel-size 2", 2, "", 1, RTOL),
+    ("--pipeline-model-parallel-size 2 --use-distributed-optimizer", 4, "", 1, RTOL),
+    ("--use-distributed-optimizer", 2,
+     "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", 4, RTOL),
+    (f"--tensor-model-parallel-size 2 --sequence-parallel {LLAMA}", 2,
+     f"--pipeline-model-parallel-size 2 --use-distributed-optimizer {LLAMA}", 2, RTOL),
+    # bf16 weights, fp32 main weights: the mixed-precision payload to the distributed one;
+    # bf16 forward/backward in another reduction order -> bf16 tolerance
+    ("--tensor-model-parallel-size 2 --bf16", 2, "--use-distributed-optimizer --bf16", 1,
+     1e-4),
+], ids=["tp2-to-tp1", "pp2xdp2-distributed-to-1", "dp2-distributed-to-tp2xpp2",
+        "tp2-sp-llama-to-pp2-distributed", "tp2-bf16-mixed-to-1-distributed"])
+def test_reshard_on_load_continues_with_same_losses(tmp_path_factory, src, src_world, dst,
+                                                    dst_world, rtol):
+    root = str(tmp_path_factory.getbasetemp() / f"src-{src_world}-{src.replace(' ', '')}")
+    expected = _saved(src, src_world, root)
+    _check_weights_only(root)
+    losses, converted = _run(_load_and_continue, dst_world, dst, root)
+    assert converted is not None and "resharded" in converted
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=rtol, atol=0)
+    if dst_world == 1 and rtol == RTOL:  # the comparison sees the optimizer state: without
+        # it the first loss (the loaded weights) is the same, the second one differs
+        fresh, _ = _run(_load_and_continue, 1, f"{dst} --no-load-optim", root)
+        assert fresh[0] == pytest.approx(expected[0], rel=RTOL)
+        assert abs(fresh[1] - expected[1]) > 100 * RTOL * abs(expected[1])
+
+
+def test_same_layout_loads_without_resharding(tmp_path_factory):
+    root = str(tmp_path_factory.getbasetemp() / "src-2---tensor-model-parallel-size2")
+    expected = _saved("--tensor-model-parallel-size 2", 2, root)
+    losses, converted = _run(_load_and_continue, 2, "--tensor-model-parallel-size 2", root)
+    assert converted is None
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=RTOL, atol=0)
+
+
+# ----------------------------------------------------------------------- 2. offline tool
+def test_offline_reshard_loads_without_conversion(tmp_path_factory, tmp_path, capsys):
+    root = str(tmp_path_factory.getbasetemp() / "src-2---tensor-model-parallel-size2")
+    expected = _saved("--tensor-model-parallel-size 2", 2, root)
+    out = str(tmp_path / "pp2-vpp2")
+    assert checkpoint_convert.main([
+        "reshard", "--load", root, "--save", out, "--target-tensor-model-parallel-size", "1",
+        "--target-pipeline-model-parallel-size", "2",
+        "--target-num-layers-per-virtual-pipeline-stage", "1",
+        "--target-use-distributed-optimizer"]) == 0
+    assert "-> " in capsys.readouterr().out
+    assert sorted(os.listdir(out)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(os.path.join(out, "iter_0000002"))) == \
+        ["mp_rank_00_000", "mp_rank_00_001"]
+    _check_weights_only(out)
+    layout = reshard.read_layout(os.path.join(out, "iter_0000002"))
+    assert layout == reshard.Layout(1, 2, 2, "distributed")
+    dst = ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+           "--use-distributed-optimizer")
+    losses, converted = _run(_load_and_continue, 2, dst, out)
+    assert converted is None  # the layouts match: the plain load path
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=RTOL, atol=0)
+    with pytest.raises(SystemExit, match="--save must differ"):
+        checkpoint_convert.main(["reshard", "--load", out, "--save", out,
+                                 "--target-tensor-model-parallel-size", "1",
+                                 "--target-pipeline-model-parallel-size", "1"])
+    with pytest.raises(SystemExit, match="does not divide"):
+        checkpoint_convert.main(["reshard", "--load", out, "--save", str(tmp_path / "x"),
+                                 "--target-tensor-model-parallel-size", "1",
+                                 "--target-pipeline-model-parallel-size", "2",
+                                 "--target-num-layers-per-virtual-pipeline-stage", "3"])
+
+
+# ------------------------------------------------------------------------------- 3. units
+def _full_partitions(src):
+    config = reshard.config_from_args(src.args)
+    return reshard.plan_rank([GPTModel(config.model, device="meta")], [0], 1, 0).partition
+
+
+def _write_layout(src, out, tp, pp, vpp, kind, dtype):
+    """Every rank's payload of a tp x pp x vpp layout, written as a checkpoint and opened."""
+    config = reshard.config_from_args(src.args, params_dtype=str(dtype))
+    iter_dir = out / "iter_0000002"
+    for p in range(pp):
+        modules, offsets = checkpoint_convert._stage_modules(config, pp, p, vpp, False)
+        for t in range(tp):
+            plan = reshard.plan_rank(modules, offsets, tp, t, (pp, p), module_tp_size=1)
+            payload, distrib = reshard.build_rank_payload(src, plan, kind)
+            rank_dir = iter_dir / rank_dir_name(t, p, pp)
+            rank_dir.mkdir(parents=True)
+            torch.save(payload, rank_dir / MODEL_FILENAME)
+            if distrib is not None:
+                torch.save(distrib, rank_dir / reshard.DISTRIB_FILENAME)
+    return reshard.SourceCheckpoint(str(iter_dir))
+
+
+@pytest.mark.parametrize("tp,pp,vpp,kind,dtype", [
+    (2, 2, 2, "fp32", torch.float32), (4, 1, 1, "distributed", torch.float32),
+    (1, 4, 1, "mixed", torch.bfloat16), (2, 2, 1, "distributed", torch.bfloat16),
+])
+def test_payloads_round_trip_exactly(tmp_path_factory, tmp_path, tp, pp, vpp, kind, dtype):
+    root = str(tmp_path_factory.getbasetemp() / "src-2---tensor-model-parallel-size2")
+    _saved("--tensor-model-parallel-size 2", 2, root)
+    src = reshard.SourceCheckpoint(os.path.join(root, "iter_0000002"))
+    assert src.layout == reshard.Layout(2, 1, 1, "fp32") and src.step == SAVE_AT
+    back = _write_layout(src, tmp_path, tp, pp, vpp, kind, dtype)
+    _check_weights_only(str(tmp_path))
+    assert back.layout == reshard.Layout(tp, pp, vpp, kind)
+    assert back.names == src.names and back.step == src.step and back.num_layers == 4
+    for name, split in _full_partitions(src).items():
+        assert torch.equal(back.model(name, split), src.model(name, split).to(dtype)), name
+        want, got = src.optimizer_state(name, split), back.optimizer_state(name, split)
+        assert sorted(got) == ["exp_avg", "exp_avg_sq", "param"], name
+        for key in want:  # fp32 main weights and Adam moments are carried exactly
+            assert torch.equal(got[key], want[key]), (name, key)
+
+
+def test_vocabulary_repadding_and_shape_errors(tmp_path_factory):
+    root = str(tmp_path_factory.getbasetemp() / "src-2---tensor-model-parallel-size2")
+    _saved("--tensor-model-parallel-size 2", 2, root)
+    src = reshard.SourceCheckpoint(os.path.join(root, "iter_0000002"))
+    config = reshard.config_from_args(src.args, padded_vocab_size=192)
+    model = GPTModel(config.model, device="meta")
+    plan = reshard.plan_rank([model], [0], 2, 1, module_tp_size=1)
+    notes = set()
+    payload, _ = reshard.build_rank_payload(src, plan, "fp32", notes)
+    emb = payload["model"][reshard.EMBEDDING]
+    full = src.model(reshard.EMBEDDING, (0, 1))
+    assert emb.shape == (96, 32)  # rank 1 of 2: rows 96..191 of the re-padded table
+    assert torch.equal(emb[:32], full[96:]) and not emb[32:].any()
+    assert notes == {"padded vocabulary 128 -> 192 rows"}
+    state = payload["optimizer"]["state"]
+    assert any(v["exp_avg"].shape == (96, 32) for v in state.values())
+    wrong = reshard.config_from_args(src.args, hidden_size=64, ffn_hidden_size=256,
+                                     kv_channels=16)
+    plan = reshard.plan_rank([GPTModel(wrong.model, device="meta")], [0], 1, 0)
+    with pytest.raises(ValueError, match="the checkpoint holds shape"):
+        reshard.build_rank_payload(src, plan, "fp32")
+
+
+NO_MODEL_FLAGS = ("--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --train-iters 4 "
+                  "--mock-data --use-checkpoint-args")
+
+
+def test_use_checkpoint_args_fills_model_flags(tmp_path_factory, tmp_path):
+    root = str(tmp_path_factory.getbasetemp() / "src-2---tensor-model-parallel-size2")
+    _saved("--tensor-model-parallel-size 2", 2, root)
+    cfg = parse_and_validate(f"{NO_MODEL_FLAGS} --load {root}".split(), world_size=2, env={},
+                             cuda_available=False)
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length,
+            m.max_position_embeddings, m.padded_vocab_size) == (4, 32, 4, 16, 16, 128)
+    assert cfg.parallel.tp_size == 2 and cfg.data.tokenizer_type == "NullTokenizer"
+    # an explicit value wins (the checkpoint reshards on load)
+    cfg = parse_and_validate(f"{NO_MODEL_FLAGS} --load {root} --tensor-model-parallel-size 1 "
+                             "--num-layers 4".split(), world_size=1, env={},
+                             cuda_available=False)
+    assert cfg.parallel.tp_size == 1 and cfg.model.hidden_size == 32
+    with pytest.raises(ArgumentsError, match="needs --load"):
+        parse_and_validate(NO_MODEL_FLAGS.split(), world_size=1, env={}, cuda_available=False)
+    with pytest.raises(ArgumentsError, match="no checkpoint under"):
+        parse_and_validate(f"{NO_MODEL_FLAGS} --load {tmp_path}".split(), world_size=1, env={},
+                           cuda_available=False)
+
+
+# ------------------------------------------------------------------ 4. the CLI (torchrun)
+@pytest.mark.slow
+def test_torchrun_tp2_checkpoint_resumes_on_one_process_with_checkpoint_args(tmp_path):
+    from tests.test_end_to_end import losses_by_iteration, torchrun
+
+    ckpt = tmp_path / "ckpt"
+    run = (f"{NO_MODEL_FLAGS.replace(' --use-checkpoint-args', '')} --train-iters 6 "
+           "--log-interval 1 --eval-iters 0 --lr-warmup-iters 1 --hidden-dropout 0 "
+           "--attention-dropout 0").split()  # dropout is not a model-shape flag: not copied
+    model = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+             "--max-position-embeddings 16 --tokenizer-type NullTokenizer --vocab-size 200 "
+             "--use-cpu-initialization").split()
+    full = torchrun(2, ["--tensor-model-parallel-size", "2", *model, *run, "--save", str(ckpt),
+                        "--save-interval", "3"])
+    ref = losses_by_iteration(full)
+    assert sorted(ref) == list(range(1, 7)), full[-3000:]
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("3")  # resume from iteration 3
+    resumed = torchrun(1, [*run, "--use-checkpoint-args", "--tensor-model-parallel-size", "1",
+                           "--load", str(ckpt)])
+    assert "resharded" in resumed and "saved with tp 2, pp 1" in resumed, resumed[-3000:]
+    got = losses_by_iteration(resumed)
+    assert sorted(got) == [4, 5, 6], resumed[-3000:]
+    for i in (4, 5, 6):
+        assert float(got[i]) == pytest.approx(float(ref[i]), rel=RTOL), (i, got, ref)

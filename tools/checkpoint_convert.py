@@ -1,0 +1,217 @@
+#!/usr/bin/env python
+"""Checkpoint conversion tool: one subcommand per conversion.
+
+    python tools/checkpoint_convert.py reshard --load CKPT --save OUT \\
+        --target-tensor-model-parallel-size 2 --target-pipeline-model-parallel-size 2 \\
+        [--target-num-layers-per-virtual-pipeline-stage K] [--iteration I] \\
+        [--target-use-distributed-optimizer | --target-no-distributed-optimizer]
+
+`reshard` rewrites a checkpoint saved by pretrain_gpt.py with any (tp, pp, virtual
+stages, distributed optimizer or not) for another layout, model AND optimizer state (fp32
+main weights, Adam moments, step, loss scaler, scheduler and counters), so that a run with
+the target layout loads it directly (no resharding on load). The data-parallel size is
+free: the distributed optimizer's `distrib_optim.pt` loads with any dp. The model shape
+comes from the `args` stored in the checkpoint; the precision stays the saved one. The
+vocabulary is re-padded for the target tp (`--make-vocab-size-divisible-by` x tp), the
+padding rows cut or zero-filled. RNG states are per rank: they are kept when tp and pp do
+not change, else the resumed run starts fresh ones. The output is written to
+`OUT/iter_XXXXXXX.tmp/`, renamed into place, then the tracker file is written.
+
+Subcommands are registered in SUBCOMMANDS: name -> (add_arguments(parser), run(args) -> exit
+status).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from typing import Callable, Dict, Optional, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from megatron import checkpoint_reshard as reshard_lib  # noqa: E402
+from megatron import hf_interop  # noqa: E402
+from megatron.checkpointing import (  # noqa: E402
+    MODEL_FILENAME,
+    iteration_dir_name,
+    rank_dir_name,
+    tracker_path,
+)
+
+
+# ---------------------------------------------------------------------------- reshard
+def add_reshard_arguments(p: argparse.ArgumentParser) -> None:
+    """Reshard a checkpoint to another tensor / pipeline / virtual-pipeline layout."""
+    p.add_argument("--load", required=True, help="checkpoint directory to read")
+    p.add_argument("--save", required=True, help="directory to write (not --load)")
+    p.add_argument("--target-tensor-model-parallel-size", type=int, required=True)
+    p.add_argument("--target-pipeline-model-parallel-size", type=int, required=True)
+    p.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="layers per virtual stage (interleaved schedule); default: none")
+    p.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
+    opt = p.add_mutually_exclusive_group()
+    opt.add_argument("--target-use-distributed-optimizer", dest="target_distributed",
+                     action="store_true", default=None,
+                     help="write the optimizer for --use-distributed-optimizer")
+    opt.add_argument("--target-no-distributed-optimizer", dest="target_distributed",
+                     action="store_false", help="write it for the plain optimizer")
+
+
+def _virtual_stages(num_layers: int, pp: int, layers_per_stage: Optional[int]) -> int:
+    """Model chunks per pipeline rank; SystemExit naming the sizes when they do not fit."""
+    if layers_per_stage is None:
+        return 1
+    if layers_per_stage < 1 or num_layers % pp or (num_layers // pp) % layers_per_stage:
+        raise SystemExit(f"error: --target-num-layers-per-virtual-pipeline-stage "
+                         f"{layers_per_stage} does not divide the {num_layers} layers over "
+                         f"{pp} pipeline stages")
+    return num_layers // pp // layers_per_stage
+
+
+def _target_padded_vocab(args: dict, tp: int) -> int:
+    """Megatron's padding rule for the target tp, from the tokenizer's size when it is
+    known without files beyond the vocab file, else from the saved padded size."""
+    from megatron.arguments_validate import default_vocab_size, pad_vocab_size
+
+    try:
+        orig = default_vocab_size(argparse.Namespace(**args))
+    except (SystemExit, OSError, ValueError, KeyError, AttributeError, TypeError):
+        orig = int(args["padded_vocab_size"])
+    return pad_vocab_size(orig, int(args.get("make_vocab_size_divisible_by") or 1), tp)
+
+
+def target_args(saved: dict, tp: int, pp: int, vpp: int, layers_per_stage: Optional[int],
+                distributed: bool) -> dict:
+    """The saved arguments with the target layout written in."""
+    args = dict(saved)
+    args.update(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        num_layers_per_virtual_pipeline_stage=layers_per_stage if vpp > 1 else None,
+        use_distributed_optimizer=distributed,
+        standalone_embedding_stage=bool(saved.get("standalone_embedding_stage")) and pp > 1
+        and vpp == 1,
+        padded_vocab_size=_target_padded_vocab(saved, tp))
+    if tp == 1:
+        args["sequence_parallel"] = False
+    return args
+
+
+def _stage_modules(config, pp: int, pp_rank: int, vpp: int, standalone: bool):
+    """(chunks on the meta device at tp 1, their layer offsets) of one target pp rank."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.models.gpt.stages import stage_layout
+
+    specs = stage_layout(config.model.num_layers, pp, pp_rank, vpp if vpp > 1 else None,
+                         standalone)
+    modules = [GPTModel(config.model, pre_process=s.pre_process, post_process=s.post_process,
+                        num_layers=s.num_layers, layer_offset=s.layer_offset, device="meta")
+               for s in specs]
+    return modules, [s.layer_offset for s in specs]
+
+
+def _publish(save: str, tmp_dir: str, final_dir: str, iteration: int, release: bool) -> None:
+    """Move the written directory into place (replacing an older one), tracker last."""
+    if os.path.exists(final_dir):
+        shutil.rmtree(final_dir)
+    os.rename(tmp_dir, final_dir)
+    tracker = tracker_path(save)
+    with open(tracker + ".tmp", "w") as f:
+        f.write("release" if release else str(iteration))
+    os.replace(tracker + ".tmp", tracker)
+
+
+def reshard(load: str, save: str, tp: int, pp: int, layers_per_stage: Optional[int] = None,
+            iteration: Optional[int] = None, distributed: Optional[bool] = None) -> dict:
+    """Write the checkpoint under `load` (tracker's iteration unless given) to `save` with
+    the target layout; `distributed` None keeps the saved optimizer kind. Returns a summary
+    {iteration, source, target, files, notes}."""
+    if os.path.realpath(save) == os.path.realpath(load):
+        raise SystemExit("error: --save must differ from --load (the source stays untouched)")
+    iter_dir, iteration, release = reshard_lib.locate_iteration(load, iteration)
+    src = reshard_lib.SourceCheckpoint(iter_dir)
+    if not src.args:
+        raise SystemExit(f"error: {iter_dir} has no 'args': the model shape is unknown (was it "
+                         "written by pretrain_gpt.py?)")
+    vpp = _virtual_stages(src.num_layers, pp, layers_per_stage)
+    if distributed is None:
+        distributed = src.layout.optimizer == "distributed"
+    args = target_args(src.args, tp, pp, vpp, layers_per_stage, distributed)
+    config = reshard_lib.config_from_args(args, padded_vocab_size=args["padded_vocab_size"])
+    kind = None
+    if src.layout.optimizer is not None:
+        mixed = args.get("fp16") or args.get("bf16")
+        kind = "distributed" if distributed else "mixed" if mixed else "fp32"
+    fp32_grads = bool(args.get("accumulate_allreduce_grads_in_fp32"))
+    grad_dtype = (lambda prm: torch.float32) if fp32_grads else (lambda prm: prm.dtype)
+    final_dir = os.path.join(save, iteration_dir_name(iteration, release))
+    tmp_dir = final_dir + ".tmp"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    notes, files = set(), 0
+    for p in range(pp):
+        modules, offsets = _stage_modules(config, pp, p, vpp, args["standalone_embedding_stage"])
+        for t in range(tp):
+            plan = reshard_lib.plan_rank(modules, offsets, tp, t, (pp, p), module_tp_size=1,
+                                         grad_dtype_of=grad_dtype)
+            payload, distrib = reshard_lib.build_rank_payload(src, plan, kind, notes)
+            payload["args"] = args
+            rank_dir = os.path.join(tmp_dir, rank_dir_name(t, p, pp))
+            os.makedirs(rank_dir)
+            torch.save(payload, os.path.join(rank_dir, MODEL_FILENAME))
+            files += 1
+            if distrib is not None:
+                torch.save(distrib, os.path.join(rank_dir, reshard_lib.DISTRIB_FILENAME))
+                files += 1
+    os.makedirs(save, exist_ok=True)
+    _publish(save, tmp_dir, final_dir, iteration, release)
+    target = reshard_lib.Layout(tp, pp, vpp, kind)
+    return {"iteration": iteration, "source": src.layout, "target": target, "files": files,
+            "notes": sorted(notes), "directory": final_dir}
+
+
+def run_reshard(a: argparse.Namespace) -> int:
+    for flag, value in (("--target-tensor-model-parallel-size", a.target_tensor_model_parallel_size),
+                        ("--target-pipeline-model-parallel-size",
+                         a.target_pipeline_model_parallel_size)):
+        if value < 1:
+            raise SystemExit(f"error: {flag} must be >= 1, got {value}")
+    out = reshard(a.load, a.save, a.target_tensor_model_parallel_size,
+                  a.target_pipeline_model_parallel_size,
+                  a.target_num_layers_per_virtual_pipeline_stage, a.iteration,
+                  a.target_distributed)
+    print(f"resharded iteration {out['iteration']} of {a.load} ({out['source'].describe()}) "
+          f"-> {out['directory']} ({out['target'].describe()}): {out['files']} files")
+    for note in out["notes"]:
+        print(f"  note: {note}")
+    return 0
+
+
+# ------------------------------------------------------------------------ dispatcher
+Subcommand = Tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+SUBCOMMANDS: Dict[str, Subcommand] = {
+    "reshard": (add_reshard_arguments, run_reshard),
+    "to-hf": (hf_interop.add_to_hf_arguments, hf_interop.run_to_hf),
+    "from-hf": (hf_interop.add_from_hf_arguments, hf_interop.run_from_hf),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (add_arguments, _) in SUBCOMMANDS.items():
+        summary = (add_arguments.__doc__ or name).strip().splitlines()[0]
+        add_arguments(sub.add_parser(name, help=summary, description=summary))
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    return SUBCOMMANDS[a.command][1](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
