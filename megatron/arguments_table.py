@@ -403,8 +403,6 @@ NOT_SUPPORTED = {
     "--adlr-autoresume": "ADLR autoresume is an NVIDIA cluster service and is not supported; "
                          "use --exit-signal-handler or --exit-duration-in-mins",
     "--adlr-autoresume-interval": "ADLR autoresume is not supported",
-    "--distribute-saved-activations": "distributing saved activations over tensor-parallel "
-                                      "ranks is not built yet",
 }
 
 # Accepted, but they change nothing here: one warning each when set.

@@ -165,7 +165,10 @@ def activation_bytes(config: Config, num_layers: int, flash_attention: bool = Tr
         n_recomputed = num_layers
         if m.recompute_method == "block":
             n_recomputed = min(m.recompute_num_layers, num_layers)
-        layer_input = e * s * b * m.hidden_size / (tp if sp else 1)
+        # the layer input is kept per recomputed layer: split over TP with sequence
+        # parallelism or --distribute-saved-activations, whole otherwise
+        split = sp or m.distribute_saved_activations
+        layer_input = e * s * b * m.hidden_size / (tp if split else 1)
         rebuilt = full if n_recomputed else 0
         return n_recomputed * layer_input + (num_layers - n_recomputed) * full + rebuilt
     return num_layers * full

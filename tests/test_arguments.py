@@ -268,10 +268,10 @@ def test_every_not_supported_flag_is_rejected_with_its_reason():
 
 
 def test_rejection_is_one_error_listing_all_flags():
-    msg = error_of("--num-experts 8 --img-h 32 --distribute-saved-activations", world_size=2)
+    msg = error_of("--num-experts 8 --img-h 32 --onnx-safe true", world_size=2)
     assert "--num-experts: mixture-of-experts is not supported by this framework yet" in msg
     assert "--img-h: vision models are not part of this GPT framework" in msg
-    assert "--distribute-saved-activations: distributing saved activations" in msg
+    assert "--onnx-safe: ONNX export is not supported" in msg
 
 
 def test_not_supported_flags_at_their_default_are_fine():

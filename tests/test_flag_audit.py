@@ -85,6 +85,7 @@ IMPLEMENTED_BY = {
     "--recompute-granularity": (LAYERS, "recompute_granularity"),
     "--recompute-method": (LAYERS, "recompute_method"),
     "--recompute-num-layers": (LAYERS, "recompute_num_layers"),
+    "--distribute-saved-activations": (LAYERS, "distribute_saved_activations"),
     "--checkpoint-activations": ("megatron/arguments.py", "checkpoint_activations"),
     "--train-iters": (TRAIN, "train_iters"),
     "--train-samples": (VALIDATE, "train_samples"),  # -> train_iters, schedule in samples

@@ -61,6 +61,9 @@ class ModelConfig:
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: int = 1
+    # With full recompute and tp > 1 (no sequence parallel): each TP rank keeps only 1/tp
+    # of every recomputed layer's input until backward.
+    distribute_saved_activations: bool = False
     # torch.compile of each transformer layer (regional compile); off on CPU by default.
     compile_layers: bool = False
     # torch.compile mode for the layers: "default", "reduce-overhead" (CUDA graphs per

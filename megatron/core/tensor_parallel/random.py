@@ -18,6 +18,8 @@ ByteTensors keyed by name, the format Megatron checkpoints store as
 
 `checkpoint(function, *args)` recomputes `function` in backward and replays the CPU,
 CUDA and tracker streams, so recomputed dropout masks equal the original ones.
+`checkpoint_distributed_input` does the same keeping only 1/tp of the input on each
+tensor-parallel rank until backward.
 """
 from __future__ import annotations
 
@@ -207,3 +209,88 @@ def checkpoint(function, *args, tracker: Optional[RNGStatesTracker] = None):
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn
     )
+
+
+def _my_slice(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's 1/tp of `x` flattened (zero-padded to a multiple of tp), as a copy."""
+    tp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    flat = x.detach().reshape(-1)
+    n = -(-flat.numel() // tp)
+    piece = flat[rank * n:(rank + 1) * n]
+    if piece.numel() < n:
+        piece = torch.cat([piece, piece.new_zeros(n - piece.numel())])
+    return piece.clone()
+
+
+def _gather_slices(piece: torch.Tensor, group, shape: torch.Size) -> torch.Tensor:
+    """Inverse of `_my_slice`: all-gather the slices over the group into a tensor of `shape`."""
+    tp = torch.distributed.get_world_size(group)
+    full = piece.new_empty(piece.numel() * tp)
+    torch.distributed.all_gather_into_tensor(full, piece, group=group)
+    return full[:shape.numel()].view(shape)
+
+
+class _RngSnapshot:
+    """The CPU, CUDA (when `device` is CUDA) and tracker generator states at one moment."""
+
+    def __init__(self, device: torch.device, tracker: Optional[RNGStatesTracker]) -> None:
+        self.device, self.tracker = device, tracker
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.streams = tracker.get_states() if tracker is not None else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+        if self.streams is not None:
+            self.tracker.set_states(self.streams)
+
+
+class _DistributedInputCheckpoint(torch.autograd.Function):
+    """Full recompute keeping 1/tp of the input per tensor-parallel rank.
+
+    forward: runs `run(x, *rest)` without building a graph and saves only this rank's slice
+    of `x` (the input is replicated over the TP group). backward: all-gather of the slices
+    over the TP group to rebuild `x`, the forward run again under the saved generator
+    states, then backward through it (collectives inside `run` run again, in order)."""
+
+    @staticmethod
+    def forward(ctx, run, tracker, group, x, *rest):
+        ctx.run, ctx.group, ctx.rest, ctx.shape = run, group, rest, x.shape
+        ctx.rng = _RngSnapshot(x.device, tracker)
+        with torch.no_grad():
+            out = run(x, *rest)
+        ctx.save_for_backward(_my_slice(x, group))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (piece,) = ctx.saved_tensors
+        x = _gather_slices(piece, ctx.group, ctx.shape).requires_grad_()
+        now = _RngSnapshot(x.device, ctx.rng.tracker)
+        ctx.rng.restore()
+        try:
+            with torch.enable_grad():
+                out = ctx.run(x, *ctx.rest)
+        finally:
+            now.restore()
+        torch.autograd.backward(out, grad_out)
+        return (None, None, None, x.grad) + (None,) * len(ctx.rest)
+
+
+def checkpoint_distributed_input(function, x: torch.Tensor, *rest, group,
+                                 tracker: Optional[RNGStatesTracker] = None):
+    """`checkpoint(function, x, *rest)` that keeps only 1/tp of `x` on each rank of the
+    tensor-parallel `group` until backward (Megatron's --distribute-saved-activations).
+
+    `x` must be the same on every rank of `group` (no sequence parallelism) and the only
+    input that needs a gradient; the other arguments are kept as they are. Collectives:
+    none in forward besides those of `function`; backward all-gathers the input over
+    `group`, then reruns `function` (its collectives again). Falls back to `checkpoint`
+    when `x` needs no gradient or the group has one rank."""
+    tracker = get_rng_tracker() if tracker is None else tracker
+    if (group is None or torch.distributed.get_world_size(group) == 1 or not x.requires_grad
+            or not torch.is_grad_enabled()):
+        return checkpoint(function, x, *rest, tracker=tracker)
+    return _DistributedInputCheckpoint.apply(function, tracker, group, x, *rest)

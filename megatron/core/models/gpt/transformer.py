@@ -27,6 +27,7 @@ from megatron.core.tensor_parallel import (
     scaled_init_method_normal,
 )
 from megatron.core.tensor_parallel.random import checkpoint as recompute_checkpoint
+from megatron.core.tensor_parallel.random import checkpoint_distributed_input
 from megatron.core.tensor_parallel.utils import divide
 
 from .rotary import apply_rotary
@@ -305,6 +306,9 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.config = config
         self.rng_tracker = rng_tracker
+        # With sequence parallelism the layer input is already split over the TP ranks.
+        self.distribute_group = (tp_group if config.distribute_saved_activations
+                                 and not config.sequence_parallel else None)
         self.layers = nn.ModuleList(
             TransformerLayer(config, layer_offset + i + 1, tp_group, rng_tracker, device)
             for i in range(num_layers)
@@ -332,7 +336,11 @@ class TransformerBlock(nn.Module):
     def forward(self, x_sbh: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None):
         for i, layer in enumerate(self._layer_fns()):
-            if self._recompute(i):
+            if self._recompute(i) and self.distribute_group is not None:
+                x_sbh = checkpoint_distributed_input(
+                    layer, x_sbh, rotary_freqs, attention_mask, group=self.distribute_group,
+                    tracker=self.rng_tracker)
+            elif self._recompute(i):
                 x_sbh = recompute_checkpoint(layer, x_sbh, rotary_freqs, attention_mask,
                                              tracker=self.rng_tracker)
             else:
