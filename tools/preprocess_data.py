@@ -13,6 +13,12 @@ with `--append-eod` each document's size counts its EOD token, and every key's `
 written. A malformed line (bad JSON, missing key, value neither text nor a list of text)
 stops the run with its file and line number, or is skipped and counted with
 `--skip-bad-lines`. Blank lines are ignored.
+
+`--split-sentences` splits each text with NLTK punkt (`pip install nltk` and
+`python -m nltk.downloader punkt_tab`, or NLTK_DATA pointing at a copy of that data):
+every sentence is one sequence of the `_sentence` dataset, the documents are its
+doc_idx, and `--append-eod` ends each document's last sentence. Unlike Megatron's tool
+there is no intermediate `_ss` file and one run does it all.
 """
 from __future__ import annotations
 
@@ -56,9 +62,9 @@ def get_args(argv=None) -> argparse.Namespace:
     g.add_argument("--json-keys", nargs="+", default=["text"],
                    help="space separated keys to extract from each JSON line")
     g.add_argument("--split-sentences", action="store_true", help="split documents into "
-                   "sentences with NLTK punkt (needs nltk)")
-    g.add_argument("--keep-newlines", action="store_true",
-                   help="keep newlines between sentences when splitting")
+                   "sentences with NLTK punkt (needs nltk and its punkt_tab data)")
+    g.add_argument("--keep-newlines", action="store_true", help="with --split-sentences, "
+                   "keep the whitespace (newlines) after a sentence instead of dropping it")
     g.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed "
                    "lines instead of stopping at the first one")
     g = p.add_argument_group("tokenizer")
@@ -98,6 +104,9 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error(f"--log-interval must be >= 1, got {args.log_interval}")
     if args.split_sentences:
         check_split_sentences(args.lang)
+    elif args.keep_newlines:
+        print("warning: --keep-newlines has no effect without --split-sentences",
+              file=sys.stderr)
 
 
 def input_files(pattern: str) -> list:

@@ -6,10 +6,17 @@ sentence; empty sentences are dropped; with `append_eod` the EOD id ends every n
 document and is counted in its last sentence's size. The result per key is the flat token
 bytes (in the dataset dtype), the sentence sizes, the sentences per document and the
 tokens per document -- ready for `IndexedDatasetBuilder.add_batch`.
+
+With `split_sentences` a text value is split by NLTK's pretrained punkt model for `lang`
+(the `punkt_tab` data package; pickled `punkt` on nltk < 3.8.2), each sentence becoming
+its own sequence; the whitespace between sentences is dropped, or with `keep_newlines`
+kept at the end of the sentence before it (Megatron's rule). A list value is taken as
+already split.
 """
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -57,36 +64,97 @@ def build_tokenizer_from_options(opts: EncoderOptions):
                            vocab_size=opts.vocab_size)
 
 
+def _punkt_package() -> str:
+    """The NLTK data package holding punkt: `punkt_tab` (plain-text tables) since nltk
+    3.8.2, the pickled `punkt` before (nltk >= 3.9 refuses to load those pickles)."""
+    from nltk.tokenize import punkt
+
+    return "punkt_tab" if hasattr(punkt, "PunktTokenizer") else "punkt"
+
+
+def _load_punkt(lang: str):
+    """NLTK's pretrained punkt sentence splitter for `lang`, found on nltk.data.path
+    (which NLTK fills from NLTK_DATA and its default locations). Raises LookupError
+    when the data is not installed, ValueError for a malformed language name."""
+    if _punkt_package() == "punkt_tab":
+        from nltk.tokenize.punkt import PunktTokenizer
+
+        return PunktTokenizer(lang)
+    import nltk
+
+    return nltk.data.load(f"tokenizers/punkt/{lang}.pickle")
+
+
+def _installed_punkt_languages(package: str) -> List[str]:
+    """Languages of `package` found on nltk.data.path (for the error message)."""
+    import nltk
+
+    langs = set()
+    for root in nltk.data.path:
+        directory = os.path.join(str(root), "tokenizers", package)
+        if os.path.isdir(directory):
+            langs.update(os.path.splitext(n)[0] for n in os.listdir(directory)
+                         if not n.startswith("."))
+    return sorted(langs)
+
+
 def check_split_sentences(lang: str) -> None:
-    """Raise SystemExit unless NLTK (with punkt for `lang`) can split sentences."""
+    """Raise SystemExit, naming the fix, unless NLTK and its punkt data for `lang`
+    are installed (so --split-sentences fails before any input is read)."""
     try:
-        import nltk  # noqa: F401
+        import nltk
     except ImportError:
-        raise SystemExit("--split-sentences needs NLTK, which is not installed: "
-                         "pip install nltk (and download its punkt data), or drop the flag")
+        raise SystemExit("--split-sentences needs NLTK, which is not installed: pip install "
+                         "nltk, then python -m nltk.downloader punkt_tab (or drop the flag)"
+                         ) from None
+    try:
+        _load_punkt(lang)
+    except (LookupError, ValueError, OSError) as e:
+        package = _punkt_package()
+        installed = _installed_punkt_languages(package)
+        raise SystemExit(
+            f"--split-sentences: NLTK {nltk.__version__} has no {package} sentence splitter "
+            f"for --lang {lang!r} ({type(e).__name__}; installed languages: "
+            f"{', '.join(installed) or 'none'}; searched {list(map(str, nltk.data.path))}). "
+            f"Fix: python -m nltk.downloader {package} -- or, without internet, copy an "
+            f"nltk_data directory holding tokenizers/{package}/{lang}"
+            f"{'/' if package == 'punkt_tab' else '.pickle'} and point NLTK_DATA at it -- "
+            "or pick an installed --lang, or drop --split-sentences") from None
+
+
+def _keep_newlines_lang_vars():
+    """Punkt language vars for --keep-newlines, with Megatron's sentence-boundary rule:
+    the whitespace after a sentence end (newlines included) is matched as part of the
+    boundary, so it stays at the end of the sentence instead of being dropped. The match
+    starts at the beginning of the token holding the sentence end, as Megatron's does, but
+    is anchored there, so a long run of non-space text costs linear time (unanchored, it
+    is quadratic, and nltk >= 3.10 aborts such a match after 5 s)."""
+    from nltk.tokenize.punkt import PunktLanguageVars
+
+    class KeepNewlinesLanguageVars(PunktLanguageVars):
+        _period_context_fmt = r"""
+            (?<!\S)\S*             # the token holding the sentence end, from its start
+            %(SentEndChars)s
+            \s*                    # whitespace after the end: part of this sentence
+            (?=(?P<after_tok>
+                %(NonWord)s         # either punctuation
+                |
+                (?P<next_tok>\S+)   # or the next token, which starts the next sentence
+            ))"""
+
+    return KeepNewlinesLanguageVars()
 
 
 def _sentence_splitter(lang: str, keep_newlines: bool):
-    import nltk
-    from nltk.tokenize.punkt import PunktLanguageVars, PunktSentenceTokenizer
-
-    splitter = nltk.load(f"tokenizers/punkt/{lang}.pickle")
+    """NLTK punkt for `lang`: as trained (whitespace between sentences dropped), or with
+    --keep-newlines the same parameters with the whitespace kept in the sentence before."""
+    splitter = _load_punkt(lang)
     if not keep_newlines:
         return splitter
+    from nltk.tokenize.punkt import PunktSentenceTokenizer
 
-    class KeepNewlines(PunktLanguageVars):
-        # Same as punkt's period context, but whitespace after a sentence end stays with it.
-        _period_context_fmt = r"""
-            \S*
-            %(SentEndChars)s
-            \s*
-            (?=(?P<after_tok>
-                %(NonWord)s
-                |
-                (?P<next_tok>\S+)
-            ))"""
-
-    return PunktSentenceTokenizer(train_text=splitter._params, lang_vars=KeepNewlines())
+    return PunktSentenceTokenizer(train_text=splitter._params,
+                                  lang_vars=_keep_newlines_lang_vars())
 
 
 class ChunkEncoder:
