@@ -66,3 +66,28 @@ def full_named_grads(model: torch.nn.Module, tp_group) -> dict:
             continue
         out[name] = full_tensor(p, g.float(), tp_group)
     return out
+
+
+def cli_trainer(argv, world_size: int = 1, rank: int = 0):
+    """(config, runtime, trainer) built from pretrain_gpt.py flags on CPU, seeded as
+    pretrain_gpt.py seeds; inside run_distributed the process group already exists."""
+    from megatron.arguments import parse_and_validate
+    from megatron.initialize import initialize_distributed, set_random_seed
+    from megatron.training import build_trainer
+
+    cfg = parse_and_validate(list(argv), world_size=world_size, env={"RANK": str(rank)},
+                             cuda_available=False)
+    rt = initialize_distributed(cfg.parallel, rank, world_size, 0)
+    set_random_seed(cfg.training.seed, rt)
+    return cfg, rt, build_trainer(cfg, rt)
+
+
+def train_steps(tr, data, steps: int) -> list:
+    """Run `steps` training steps counting iterations; the losses as floats."""
+    from megatron.training import train_step
+
+    losses = []
+    for _ in range(steps):
+        losses.append(float(train_step(tr, data)[0]))
+        tr.state.iteration += 1
+    return losses

@@ -17,6 +17,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.gpt.stages import stage_layout
 from megatron.core.tensor_parallel import shard_of_full_weight
 from tests.dist_utils import run_distributed
+from tests.gpt_helpers import cli_trainer, train_steps
 from tools import generate
 
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -29,20 +30,12 @@ def _train(save_dir, extra="", world_size=1, rank=0, steps=3):
     """Train a tiny model for `steps` steps, save it, then the loss of the NEXT global batch
     (forward only, all micro-batches) and those micro-batches."""
     from megatron.checkpointing import save_trainer_checkpoint
-    from megatron.initialize import initialize_distributed, set_random_seed
     from megatron.train_step import forward_backward
-    from megatron.training import build_trainer, data_iterator, train_step
+    from megatron.training import data_iterator
 
-    argv = f"{TINY} --save {save_dir} {extra}".split()
-    cfg = parse_and_validate(argv, world_size=world_size, env={"RANK": str(rank)},
-                             cuda_available=False)
-    rt = initialize_distributed(cfg.parallel, rank, world_size, 0)
-    set_random_seed(cfg.training.seed, rt)
-    tr = build_trainer(cfg, rt)
+    cfg, rt, tr = cli_trainer(f"{TINY} --save {save_dir} {extra}".split(), world_size, rank)
     data = data_iterator(cfg, rt, "train", 0)
-    for _ in range(steps):
-        train_step(tr, data)
-        tr.state.iteration += 1
+    train_steps(tr, data, steps)
     save_trainer_checkpoint(tr)
     batches = [next(data) for _ in range(cfg.data.num_micro_batches)]
     loss = forward_backward(tr, iter(batches), len(batches), forward_only=True)

@@ -19,8 +19,8 @@ import json
 import pytest
 import torch
 
-from megatron.arguments import parse_and_validate
 from tests.dist_utils import run_distributed
+from tests.gpt_helpers import cli_trainer, train_steps
 from tools import checkpoint_convert, generate
 
 transformers = pytest.importorskip("transformers", reason="transformers is an optional "
@@ -45,20 +45,10 @@ NEW_TOKENS = 16  # prompt + new tokens stay within the 32 positions GPT-2 has
 def _train(save_dir, extra, world_size=1, rank=0) -> list:
     """Train a tiny model STEPS steps on mock data and save it; the losses."""
     from megatron.checkpointing import save_trainer_checkpoint
-    from megatron.initialize import initialize_distributed, set_random_seed
-    from megatron.training import build_trainer, data_iterator, train_step
+    from megatron.training import data_iterator
 
-    argv = f"{TINY} --save {save_dir} {extra}".split()
-    cfg = parse_and_validate(argv, world_size=world_size, env={"RANK": str(rank)},
-                             cuda_available=False)
-    rt = initialize_distributed(cfg.parallel, rank, world_size, 0)
-    set_random_seed(cfg.training.seed, rt)
-    tr = build_trainer(cfg, rt)
-    data = data_iterator(cfg, rt, "train", 0)
-    losses = []
-    for _ in range(STEPS):
-        losses.append(float(train_step(tr, data)[0]))
-        tr.state.iteration += 1
+    cfg, rt, tr = cli_trainer(f"{TINY} --save {save_dir} {extra}".split(), world_size, rank)
+    losses = train_steps(tr, data_iterator(cfg, rt, "train", 0), STEPS)
     save_trainer_checkpoint(tr)
     return losses
 

@@ -20,6 +20,7 @@ import torch
 from megatron import hf_interop
 from megatron.arguments import parse_and_validate
 from tests.dist_utils import run_distributed
+from tests.gpt_helpers import cli_trainer, train_steps
 from tools import checkpoint_convert
 
 safetensors = pytest.importorskip("safetensors", reason="the HF export writes safetensors")
@@ -65,24 +66,15 @@ def _train(save_dir, extra, world_size=1, rank=0, steps=2, load=None):
     """Train a tiny model `steps` steps (optionally from --load, loaded as pretrain() does),
     save it; returns (trainer, losses, logits of TOKENS before training)."""
     from megatron.checkpointing import load_trainer_checkpoint, save_trainer_checkpoint
-    from megatron.initialize import initialize_distributed, set_random_seed
-    from megatron.training import build_trainer, data_iterator, train_step
+    from megatron.training import data_iterator
 
     argv = f"{TINY} --save {save_dir} {extra}".split() + (["--load", str(load)] if load else [])
-    cfg = parse_and_validate(argv, world_size=world_size, env={"RANK": str(rank)},
-                             cuda_available=False)
-    rt = initialize_distributed(cfg.parallel, rank, world_size, 0)
-    set_random_seed(cfg.training.seed, rt)
-    tr = build_trainer(cfg, rt)
+    cfg, rt, tr = cli_trainer(argv, world_size, rank)
     if load:
         load_trainer_checkpoint(tr)
     before = _ours_logits(tr.model.module)
     tr.model.module.train()
-    data = data_iterator(cfg, rt, "train", 0)
-    losses = []
-    for _ in range(steps):
-        losses.append(float(train_step(tr, data)[0]))
-        tr.state.iteration += 1
+    losses = train_steps(tr, data_iterator(cfg, rt, "train", 0), steps)
     save_trainer_checkpoint(tr)
     return tr, losses, before
 
