@@ -51,11 +51,13 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from megatron.initialize import initialize_distributed, set_random_seed
+    from megatron.initialize import agent_store_from_env, initialize_distributed, set_random_seed
     from megatron.logging_utils import print_rank_0
     from megatron.training import pretrain
 
-    rt = initialize_distributed(config.parallel, rank, world, local_rank)
+    # under torchrun --max-restarts, each attempt keeps out of the keys of the previous one
+    rt = initialize_distributed(config.parallel, rank, world, local_rank,
+                                agent_store=agent_store_from_env(os.environ))
     if rank == 0:
         print(format_args_dump(config.args), flush=True)
     set_random_seed(config.training.seed, rt, config.training.data_parallel_random_init)

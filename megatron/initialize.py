@@ -1,13 +1,24 @@
 """Process-group set-up, device choice and seeds for one training process.
 
-The entry point reads the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK) and passes
-the values in; nothing below reads os.environ.
+The entry point reads the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, and under
+torchrun the agent's store and restart count) and passes the values in; nothing below reads
+os.environ.
+
+Why the agent store needs a prefix per attempt: torchrun's default (static) rendezvous keeps
+one TCPStore server, on --master-addr:--master-port, for the whole job, and tells its workers
+(TORCHELASTIC_USE_AGENT_STORE=True) to connect to it as clients. torch's env:// init then uses
+that store as it is, so after `--max-restarts` relaunches the workers, the keys written by the
+first attempt's process groups (gloo peer addresses, new_group barrier counters) are still
+there: the new ranks read them at once and dial the dead ports of the killed processes.
+Prefixing every key with the attempt number (TORCHELASTIC_RESTART_COUNT) gives each attempt a
+clean namespace in the same server; groups made later by new_group inherit the prefix.
 """
 from __future__ import annotations
 
 import datetime
 import random
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 import torch
@@ -29,14 +40,51 @@ class Runtime:
     control_group: object = None  # CPU (gloo) group over the world for host-side flags
 
 
+@dataclass(frozen=True)
+class AgentStore:
+    """torchrun's TCPStore server, shared by every restart attempt of one job."""
+
+    host: str
+    port: int
+    attempt: int  # TORCHELASTIC_RESTART_COUNT: 0 for the first launch, +1 per restart
+
+
+def agent_store_from_env(env: Mapping[str, str]) -> AgentStore | None:
+    """The agent store torchrun tells its workers to share (TORCHELASTIC_USE_AGENT_STORE=True,
+    the default static rendezvous and c10d's shared store), else None: a plain launch, srun,
+    or a rendezvous that gives each attempt a store of its own."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        return AgentStore(host=env["MASTER_ADDR"], port=int(env["MASTER_PORT"]),
+                          attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    except (KeyError, ValueError) as e:
+        raise ValueError(
+            "TORCHELASTIC_USE_AGENT_STORE=True needs MASTER_ADDR, an integer MASTER_PORT and "
+            f"TORCHELASTIC_RESTART_COUNT in the environment ({e!r}); launch with torchrun, "
+            "or unset TORCHELASTIC_USE_AGENT_STORE") from None
+
+
+def attempt_store(agent: AgentStore, world_size: int, timeout: datetime.timedelta):
+    """A client of the agent's TCPStore whose keys all live under this restart attempt's
+    prefix, so nothing a previous attempt wrote is ever read."""
+    client = dist.TCPStore(agent.host, agent.port, world_size, is_master=False,
+                           timeout=timeout)
+    return dist.PrefixStore(f"megatron/attempt_{agent.attempt}/", client)
+
+
 def choose_backend() -> str:
     """nccl when CUDA is available, else gloo."""
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
-                           local_rank: int) -> Runtime:
-    """Init torch.distributed (when world_size > 1), pick the device, build ParallelState."""
+                           local_rank: int, agent_store: AgentStore | None = None) -> Runtime:
+    """Init torch.distributed (when world_size > 1), pick the device, build ParallelState.
+
+    With `agent_store` (see agent_store_from_env) the default group rendezvouses through
+    torchrun's store under a per-attempt prefix; without it, torch's env:// init as usual.
+    """
     backend = choose_backend()
     device = torch.device("cpu")
     if backend == "nccl":
@@ -47,6 +95,8 @@ def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
     timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes, seconds=60)
     if world_size > 1 and not dist.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}
+        if agent_store is not None:
+            kwargs["store"] = attempt_store(agent_store, world_size, timeout)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     ps = ParallelState.build(
         world_size=world_size, rank=rank, tp_size=parallel.tp_size, pp_size=parallel.pp_size,

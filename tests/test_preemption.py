@@ -6,11 +6,15 @@ an uninterrupted run.
 
 Slow (torchrun, 2 gloo processes): SIGTERM to torchrun with --exit-signal-handler saves at
 the iteration reached and exits; SIGKILL of one rank under `torchrun --max-restarts 1`
-with --load = --save resumes by itself with nothing lost beyond the last checkpoint;
+with --load = --save resumes by itself with nothing lost beyond the last checkpoint (plain
+--master-addr/--master-port launch and c10d rendezvous);
 --exit-duration-in-mins saves and exits.
 """
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import functools
 import multiprocessing
 import os
 import re
@@ -26,6 +30,7 @@ import torch
 from megatron import checkpointing
 from megatron.checkpointing import checkpoint_name, load_checkpoint, read_tracker
 from megatron.core.parallel_state import ParallelState
+from megatron.initialize import AgentStore, agent_store_from_env, attempt_store
 from tests.dist_utils import free_port
 from tests.test_exact_resume import run_pretrain
 
@@ -90,6 +95,27 @@ def test_killed_mid_save_keeps_previous_checkpoint_and_restart_resumes(tmp_path,
     assert read_tracker(root) == (6, False)
     assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000004", "iter_0000006",
                                         "latest_checkpointed_iteration.txt"]
+
+
+# --------------------------------------------------------------------------- agent store
+def test_agent_store_keeps_each_restart_attempt_apart():
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "0", "TORCHELASTIC_RESTART_COUNT": "1"}
+    assert agent_store_from_env({"MASTER_ADDR": "h", "MASTER_PORT": "1"}) is None  # srun etc.
+    assert agent_store_from_env(dict(env, TORCHELASTIC_USE_AGENT_STORE="False")) is None
+    with pytest.raises(ValueError, match="MASTER_PORT"):
+        agent_store_from_env(dict(env, MASTER_PORT="x"))
+
+    timeout = datetime.timedelta(seconds=5)
+    server = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+    agent = agent_store_from_env(dict(env, MASTER_PORT=str(server.port)))
+    assert agent == AgentStore("127.0.0.1", server.port, attempt=1)
+    first = attempt_store(dataclasses.replace(agent, attempt=0), 2, timeout)
+    first.set("default_pg/0//cpu/rank_1", "a dead process's address")
+    second = attempt_store(agent, 2, timeout)
+    assert not second.check(["default_pg/0//cpu/rank_1"])  # the restart never reads it
+    second.set("k", "v")
+    assert first.check(["k"]) is False and second.get("k") == b"v"
 
 
 # --------------------------------------------------------------------------- torchrun
@@ -189,27 +215,45 @@ def test_sigterm_to_torchrun_saves_at_the_iteration_reached(tmp_path, mode):
         assert re.search(r"\(blocking [0-9.]+ s, writing [0-9.]+ s in the background\)", log)
 
 
-@pytest.mark.slow
-def test_sigkill_one_rank_then_torchrun_restart_resumes_without_loss(tmp_path):
-    args = MODEL + ["--train-iters", "10"]
-    ref = _run(_torchrun_cmd(2, str(ROOT / "pretrain_gpt.py"), args))
+@functools.lru_cache(maxsize=None)
+def _uninterrupted_losses(train_iters: int) -> dict:
+    """{iteration: printed lm loss} of a torchrun run that nothing interrupts."""
+    ref = _run(_torchrun_cmd(2, str(ROOT / "pretrain_gpt.py"),
+                             MODEL + ["--train-iters", str(train_iters)]))
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
-    expected = dict(_losses(ref.stdout))
+    return dict(_losses(ref.stdout))
+
+
+# How torchrun finds its peers. "static" is plain `torchrun --master-addr A --master-port P`,
+# what Megatron users type: one agent TCPStore serves every restart attempt, so the workers
+# must keep each attempt's keys apart (megatron.initialize.attempt_store). "c10d" shares its
+# rendezvous store with the workers the same way; "c10d-own-store" opts out of the sharing,
+# and torch's own env:// init (rank 0 hosts a fresh store per attempt) is what runs.
+RENDEZVOUS = {
+    "static": ([], {}),
+    "c10d": (["--rdzv-backend", "c10d"], {}),
+    "c10d-own-store": (["--rdzv-backend", "c10d"], {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rendezvous", list(RENDEZVOUS))
+def test_sigkill_one_rank_then_torchrun_restart_resumes_without_loss(tmp_path, rendezvous):
+    expected = _uninterrupted_losses(10)
     assert sorted(expected) == list(range(1, 11))
 
     ckpt = tmp_path / "ck"
     wrapper = tmp_path / "train_then_die.py"
     wrapper.write_text(KILLING_WRAPPER.format(root=str(ROOT), kill_at=6, kill_rank=1,
                                               script=str(ROOT / "pretrain_gpt.py")))
-    # torch 2.13's torchrun hands restarted workers the store of the first attempt, whose
-    # stale process-group keys make the new gloo mesh dial dead ports (pytorch#135712);
-    # a rendezvous store per attempt (c10d rendezvous, store not shared) avoids that.
-    cmd = _torchrun_cmd(2, str(wrapper), args + [
-        "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "4"],
-        launcher_args=["--max-restarts", "1", "--monitor-interval", "0.2"])
-    cmd[cmd.index("--master-addr"):cmd.index("--master-addr") + 4] = [
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
-    run = _run(cmd, env_extra={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    rdzv_args, env_extra = RENDEZVOUS[rendezvous]
+    cmd = _torchrun_cmd(2, str(wrapper), MODEL + [
+        "--train-iters", "10", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "4"],
+        launcher_args=["--max-restarts", "1", "--monitor-interval", "0.2", *rdzv_args])
+    if rdzv_args:  # c10d: its endpoint in place of --master-addr/--master-port
+        at = cmd.index("--master-addr")
+        cmd[at:at + 4] = ["--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    run = _run(cmd, env_extra=env_extra)
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]
     assert "test: SIGKILL to rank 1 during iteration 7" in log

@@ -100,7 +100,7 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     import torch
 
     from megatron.arguments import parse_and_validate
-    from megatron.initialize import initialize_distributed, set_random_seed
+    from megatron.initialize import agent_store_from_env, initialize_distributed, set_random_seed
     from megatron.logging_utils import flops_per_token
     from megatron.memory_estimate import estimate_memory
     from megatron.training import build_trainer, data_iterator, train_step
@@ -110,7 +110,8 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     config = parse_and_validate(build_argv(preset, steps, warmup, micro_batch, extra, layout),
                                 world_size=world, env={"RANK": str(rank)}, cuda_available=use_cuda)
-    rt = initialize_distributed(config.parallel, rank, world, local_rank)
+    rt = initialize_distributed(config.parallel, rank, world, local_rank,
+                                agent_store=agent_store_from_env(os.environ))
     set_random_seed(config.training.seed, rt)
     tr = build_trainer(config, rt)
     data = data_iterator(config, rt, "train", 0)
