@@ -84,8 +84,11 @@ def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
 
     With `agent_store` (see agent_store_from_env) the default group rendezvouses through
     torchrun's store under a per-attempt prefix; without it, torch's env:// init as usual.
+    A process group the caller already made with gloo is kept, and the run stays on CPU.
     """
     backend = choose_backend()
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        backend = "gloo"  # a gloo group made by the caller: stay on the CPU with it
     device = torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
