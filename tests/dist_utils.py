@@ -35,6 +35,9 @@ def free_port() -> int:
 def _entry(rank, world_size, port, outdir, fn, args):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
+    # These are CPU (gloo) runs, also on a machine with a GPU: a forked child cannot use a
+    # CUDA context its parent may have made, and the code under test picks CUDA when visible.
+    torch.cuda.is_available = lambda: False
     torch.set_num_threads(1)
     path = os.path.join(outdir, f"rank{rank}.pt")
     try:
