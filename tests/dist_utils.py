@@ -71,6 +71,12 @@ def _join_all(ctx, deadline: float, name: str) -> None:
                                "its processes were killed")
 
 
+def _start_method() -> str:
+    """fork (fast); spawn where this process has made a CUDA context, which a forked child
+    could not use (the suite on a GPU machine)."""
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
+
 def run_distributed(fn, world_size: int, *args):
     """Spawn `world_size` gloo processes running `fn(rank, world_size, *args)`."""
     port = free_port()
@@ -78,7 +84,7 @@ def run_distributed(fn, world_size: int, *args):
         try:
             ctx = mp.start_processes(
                 _entry, args=(world_size, port, outdir, fn, args), nprocs=world_size,
-                join=False, start_method="fork",
+                join=False, start_method=_start_method(),
             )
             _join_all(ctx, time.monotonic() + RUN_TIMEOUT_S,
                       f"run_distributed({getattr(fn, '__name__', fn)}, {world_size})")
