@@ -295,6 +295,7 @@ EXTRA_GROUP = ("extensions (not in Megatron-LM 23.05)", (
     ("--compile", "true", None, None, "compile_layers"),
     ("--no-compile", "false", None, None, "compile_layers"),
     ("--compile-mode", "str", "default", ("default", "reduce-overhead", "max-autotune-no-cudagraphs")),
+    ("--attention-backend", "str", "auto", ("auto", "flash", "cudnn", "efficient", "math")),
     ("--normalization", "str", "LayerNorm", ("LayerNorm", "RMSNorm")),
     ("--group-query-attention", "true", False),
     ("--num-query-groups", "int", None),
@@ -324,6 +325,8 @@ EXTRA_HELP = {
     "--compile": "torch.compile each transformer layer (default: on when CUDA is available)",
     "--no-compile": "never torch.compile the transformer layers",
     "--compile-mode": "torch.compile mode of the layers (reduce-overhead adds CUDA graphs)",
+    "--attention-backend": "scaled_dot_product_attention kernel: auto (torch's choice), flash, "
+                           "cudnn or efficient (CUDA), math (reference)",
     "--normalization": "normalization layer type",
     "--group-query-attention": "grouped-query attention (see --num-query-groups)",
     "--num-query-groups": "number of key/value groups with --group-query-attention (default 1)",

@@ -410,6 +410,12 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
     ns.distributed_backend = backend
     if ns.compile_layers is None:
         ns.compile_layers = cuda_available
+    if ns.attention_backend in ("cudnn", "efficient") and not cuda_available:
+        raise ArgumentsError(f"--attention-backend {ns.attention_backend} needs CUDA; use auto, "
+                             "flash or math on the CPU")
+    if ns.attention_backend in ("flash", "cudnn") and ns.reset_attention_mask:
+        raise ArgumentsError(f"--attention-backend {ns.attention_backend} has no kernel for the "
+                             "per-document mask of --reset-attention-mask; use auto or efficient")
     if ns.tokenizer_type is None:
         ns.tokenizer_type = "GPT2BPETokenizer"
     if ns.vocab_size is not None and ns.tokenizer_type != "NullTokenizer":

@@ -205,6 +205,7 @@ IMPLEMENTED_BY = {
     "--compile": (LAYERS, "compile_layers"),
     "--no-compile": (LAYERS, "compile_layers"),
     "--compile-mode": (LAYERS, "compile_mode"),
+    "--attention-backend": (LAYERS, "attention_backend"),
     "--normalization": (LAYERS, "normalization"),
     "--group-query-attention": (VALIDATE, "group_query_attention"),  # -> num_query_groups
     "--num-query-groups": (LAYERS, "num_query_groups"),

@@ -77,8 +77,33 @@ def build_argv(preset: str, steps: int, warmup: int, micro_batch: int, extra: li
         "--train-iters", str(total)] + (["--sequence-parallel"] if lay["tp"] > 1 else []) + extra
 
 
+KERNEL_CLASSES = (  # (category, regex over the kernel name), first match wins
+    ("attention", r"flash|fmha|cudnn|attention|sdpa"),
+    ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|splitk"),
+    ("optimizer", r"adam|multi_tensor"),
+    ("compiled (triton)", r"^triton_"),
+    ("copy/memset", r"memcpy|memset|copy"),
+    ("reduction", r"reduce"),
+)
+
+
+def kernel_summary(events, steps: int) -> list:
+    """[(category, ms per step, share)] of the CUDA kernels in a profiler's events."""
+    totals = {}
+    for e in events:
+        if getattr(e, "device_type", None) is None or str(e.device_type) != "DeviceType.CUDA":
+            continue
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        name = e.name.lower()
+        cat = next((c for c, rx in KERNEL_CLASSES if re.search(rx, name)), "other")
+        totals[cat] = totals.get(cat, 0.0) + us / 1000 / steps
+    busy = sum(totals.values()) or 1.0
+    return sorted(((c, ms, ms / busy) for c, ms in totals.items()), key=lambda r: -r[1])
+
+
 def print_profile(tr, data, steps: int, use_cuda: bool) -> None:
-    """Profile a few more steps and print the most expensive operators."""
+    """Profile a few more steps; print the most expensive operators and, on CUDA, the
+    kernel time per step by category against the wall time of the step."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -86,17 +111,50 @@ def print_profile(tr, data, steps: int, use_cuda: bool) -> None:
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
     with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
         for _ in range(steps):
             train_step(tr, data)
         if use_cuda:
             torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1000 / steps
     key = "self_cuda_time_total" if use_cuda else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70),
+    print(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=90),
           file=sys.stderr)
+    if use_cuda:
+        rows = kernel_summary(prof.events(), steps)
+        busy = sum(ms for _, ms, _ in rows)
+        print(f"GPU kernel time per step {busy:.2f} ms of {wall_ms:.2f} ms wall (profiled)",
+              file=sys.stderr)
+        for cat, ms, share in rows:
+            print(f"  {cat:<20}{ms:>9.2f} ms {share:>7.1%}", file=sys.stderr)
+
+
+def count_syncs(tr, data, steps: int) -> int:
+    """Run steps under CUDA's sync debug mode; return how many host synchronisations
+    the steps made (each is also printed with its stack by torch's warning)."""
+    import warnings
+
+    import torch
+
+    from megatron.training import train_step
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                train_step(tr, data)
+            torch.cuda.set_sync_debug_mode("default")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    for w in syncs[:5]:
+        print(f"sync: {w.filename}:{w.lineno}: {w.message}", file=sys.stderr)
+    return len(syncs)
 
 
 def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, device: str,
-        profile_steps: int = 0, layout: Optional[dict] = None) -> dict:
+        profile_steps: int = 0, layout: Optional[dict] = None, sync_steps: int = 0) -> dict:
     import torch
 
     from megatron.arguments import parse_and_validate
@@ -132,6 +190,7 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     elapsed = time.perf_counter() - t0
     if profile_steps:
         print_profile(tr, data, profile_steps, use_cuda)
+    syncs = count_syncs(tr, data, sync_steps) if (sync_steps and use_cuda) else None
     m, d = config.model, config.data
     tokens_per_s = d.global_batch_size * d.seq_length * steps / elapsed / world  # per GPU
     fpt = flops_per_token(m.num_layers, m.hidden_size, d.seq_length, m.padded_vocab_size)
@@ -145,6 +204,7 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
         "time_to_first_step_s": round(t_first, 1), "loss": round(float(loss), 4),
         "est_mem_gb": round(estimate_memory(config)["allocated"] / 2**30, 2),
         "compile": m.compile_layers, "extra": " ".join(extra),
+        **({"host_syncs": syncs, "sync_steps": sync_steps} if syncs is not None else {}),
     }
 
 
@@ -192,6 +252,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after timing, profile this many steps and print the top operators")
+    ap.add_argument("--sync-debug", type=int, default=0, metavar="N",
+                    help="after timing, run N steps in CUDA sync-debug mode and report how "
+                         "many host synchronisations they made (CUDA only)")
     ap.add_argument("--layout", default=None,
                     help="parallel layout of this run, e.g. tp2pp2dp2 (under torchrun)")
     ap.add_argument("--scaling", default=None,
@@ -208,7 +271,8 @@ def main(argv=None) -> int:
         return scaling(a, device)
     mbs = a.micro_batch_size or PRESETS[a.preset][1]
     layout = parse_layout(a.layout) if a.layout else None
-    result = run(a.preset, a.steps, a.warmup, mbs, a.extra, device, a.profile_steps, layout)
+    result = run(a.preset, a.steps, a.warmup, mbs, a.extra, device, a.profile_steps, layout,
+                 a.sync_debug)
     if int(os.environ.get("RANK", 0)) == int(os.environ.get("WORLD_SIZE", 1)) - 1:
         print(json.dumps(result), flush=True)
     return 0

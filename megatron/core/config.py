@@ -69,6 +69,9 @@ class ModelConfig:
     # torch.compile mode for the layers: "default", "reduce-overhead" (CUDA graphs per
     # layer), "max-autotune-no-cudagraphs".
     compile_mode: str = "default"
+    # scaled_dot_product_attention kernel: "auto" (torch picks), "flash", "cudnn",
+    # "efficient" or "math".
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:

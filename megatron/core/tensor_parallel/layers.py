@@ -151,6 +151,21 @@ def _init_weight(
 
 
 # --- the linear with overlapped backward communication -----------------------------------
+def accumulate_weight_grad(main_grad: torch.Tensor, grad_output_2d: torch.Tensor,
+                           x_2d: torch.Tensor) -> None:
+    """main_grad += grad_output^T x (weight-grad accumulation fusion).
+
+    On CUDA with 16-bit operands and an fp32 main_grad the GEMM accumulates into main_grad
+    itself in fp32 (cuBLAS beta = 1): no 16-bit weight-grad tensor is written and read back,
+    and the product is not rounded to 16 bits before the sum. Elsewhere: a matmul and add_.
+    """
+    if (main_grad.is_cuda and main_grad.dtype == torch.float32
+            and x_2d.dtype in (torch.bfloat16, torch.float16)):
+        torch.addmm(main_grad, grad_output_2d.t(), x_2d, out_dtype=torch.float32, out=main_grad)
+    else:
+        main_grad.add_(grad_output_2d.t().matmul(x_2d))
+
+
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """y = x W^T + b with TP communication folded into forward and backward.
 
@@ -205,10 +220,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         total_x_2d = total_x.reshape(-1, total_x.size(-1))
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = grad_output_2d.t().matmul(total_x_2d)
             if ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
-                weight.main_grad.add_(grad_weight)
-                grad_weight = None
+                accumulate_weight_grad(weight.main_grad, grad_output_2d, total_x_2d)
+            else:
+                grad_weight = grad_output_2d.t().matmul(total_x_2d)
         grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
 
         if reduce_handle is not None:

@@ -131,6 +131,20 @@ def _activation(name: str):
     raise ValueError(f"unknown activation {name!r}")
 
 
+_SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                  "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+
+
+def sdpa_backend(name: str):
+    """Context that restricts scaled_dot_product_attention to one kernel
+    (`--attention-backend`); "auto" leaves torch's own choice."""
+    if name == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, _SDPA_BACKENDS[name])])
+
+
 def _linear_kwargs(config: ModelConfig, tp_group, device, rng_tracker=None) -> dict:
     return {
         "tp_group": tp_group,
@@ -222,7 +236,7 @@ class ParallelAttention(nn.Module):
     def _core_attention(self, q_bnsd, k_bgsd, v_bgsd, attention_mask=None):
         dropout_p = self.config.attention_dropout if self.training else 0.0
         fork = self.rng_tracker.fork() if (self.rng_tracker and dropout_p > 0) else contextlib.nullcontext()
-        with fork:
+        with fork, sdpa_backend(self.config.attention_backend):
             if self.g != self.n:
                 rep = self.n // self.g
                 k_bgsd = k_bgsd.repeat_interleave(rep, dim=1)

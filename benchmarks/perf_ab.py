@@ -1,0 +1,82 @@
+#!/usr/bin/env python
+"""Run tools/benchmark.py over several variants in one go and print a table (one device call).
+
+    python benchmarks/perf_ab.py VARIANTS_FILE [--out DIR]
+
+Each non-empty line of VARIANTS_FILE that does not start with '#':
+    label | preset | ENV=1 ENV2=x (or -) | benchmark flags (or -) | flags after -- (or -) [| tree]
+`tree` (optional) is another checkout to run the benchmark from (an A/B against older code).
+Every run's command, JSON line and stderr are appended to DIR/runs.log.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse(path: str) -> list:
+    rows = []
+    for line in open(path):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = [p.strip() for p in line.split("|")]
+        parts += ["-"] * (6 - len(parts))
+        rows.append([None if p == "-" else p for p in parts[:6]])
+    return rows
+
+
+def run_one(label, preset, env, flags, extra, tree, out_dir) -> dict:
+    tool = os.path.join(os.path.abspath(tree or ROOT), "tools", "benchmark.py")
+    cmd = [sys.executable, tool, "--preset", preset] + shlex.split(flags or "")
+    if extra:
+        cmd += ["--"] + shlex.split(extra)
+    run_env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for item in shlex.split(env or ""):
+        key, _, value = item.partition("=")
+        run_env[key] = value
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=run_env)
+    with open(os.path.join(out_dir, "runs.log"), "a") as f:
+        f.write(f"\n===== {label}\n" + " ".join(cmd) + f"\nenv: {env}\nexit {proc.returncode} in {time.time() - t0:.0f} s\n")
+        f.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode or not lines:
+        tail = proc.stderr.strip().splitlines()[-3:]
+        print(f"{label}: failed (exit {proc.returncode}): {' / '.join(tail)}", flush=True)
+        return {"label": label, "failed": True}
+    result = json.loads(lines[-1])
+    result["label"] = label
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main() -> int:
+    args = sys.argv[1:]
+    out_dir = "/tmp/perf_ab"
+    if "--out" in args:
+        i = args.index("--out")
+        out_dir = args[i + 1]
+        del args[i:i + 2]
+    os.makedirs(out_dir, exist_ok=True)
+    results = [run_one(*row, out_dir) for row in parse(args[0])]
+    print(f"\n{'variant':<28}{'tokens/s':>10}{'MFU':>7}{'step ms':>9}{'peak GB':>9}"
+          f"{'1st step s':>11}{'syncs':>6}")
+    for r in results:
+        if r.get("failed"):
+            print(f"{r['label']:<28}{'failed':>10}")
+            continue
+        print(f"{r['label']:<28}{r['tokens_per_s']:>10,}{r['mfu']:>7.1%}{r['step_ms']:>9.2f}"
+              f"{r['peak_mem_gb']!s:>9}{r['time_to_first_step_s']:>11}"
+              f"{r.get('host_syncs', '-')!s:>6}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
