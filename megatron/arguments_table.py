@@ -295,6 +295,7 @@ EXTRA_GROUP = ("extensions (not in Megatron-LM 23.05)", (
     ("--compile", "true", None, None, "compile_layers"),
     ("--no-compile", "false", None, None, "compile_layers"),
     ("--compile-mode", "str", "default", ("default", "reduce-overhead", "max-autotune-no-cudagraphs")),
+    ("--compile-scope", "str", "layer", ("layer", "block")),
     ("--attention-backend", "str", "auto", ("auto", "flash", "cudnn", "efficient", "math")),
     ("--normalization", "str", "LayerNorm", ("LayerNorm", "RMSNorm")),
     ("--group-query-attention", "true", False),
@@ -325,6 +326,9 @@ EXTRA_HELP = {
     "--compile": "torch.compile each transformer layer (default: on when CUDA is available)",
     "--no-compile": "never torch.compile the transformer layers",
     "--compile-mode": "torch.compile mode of the layers (reduce-overhead adds CUDA graphs)",
+    "--compile-scope": "layer: one compiled graph per transformer layer (short start-up); "
+                       "block: this stage's whole layer stack as one graph (fewer launches "
+                       "from Python, longer compile)",
     "--attention-backend": "scaled_dot_product_attention kernel: auto (torch's choice), flash, "
                            "cudnn or efficient (CUDA), math (reference)",
     "--normalization": "normalization layer type",

@@ -410,6 +410,10 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
     ns.distributed_backend = backend
     if ns.compile_layers is None:
         ns.compile_layers = cuda_available
+    if ns.compile_scope == "block" and ns.recompute_granularity == "full":
+        raise ArgumentsError("--compile-scope block compiles the layer stack as one graph, which "
+                             "full activation recompute splits per layer; use --compile-scope "
+                             "layer with --recompute-granularity full")
     if ns.attention_backend in ("cudnn", "efficient") and not cuda_available:
         raise ArgumentsError(f"--attention-backend {ns.attention_backend} needs CUDA; use auto, "
                              "flash or math on the CPU")

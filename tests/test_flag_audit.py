@@ -206,6 +206,7 @@ IMPLEMENTED_BY = {
     "--no-compile": (LAYERS, "compile_layers"),
     "--compile-mode": (LAYERS, "compile_mode"),
     "--attention-backend": (LAYERS, "attention_backend"),
+    "--compile-scope": (LAYERS, "compile_scope"),
     "--normalization": (LAYERS, "normalization"),
     "--group-query-attention": (VALIDATE, "group_query_attention"),  # -> num_query_groups
     "--num-query-groups": (LAYERS, "num_query_groups"),

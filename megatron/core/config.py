@@ -69,6 +69,8 @@ class ModelConfig:
     # torch.compile mode for the layers: "default", "reduce-overhead" (CUDA graphs per
     # layer), "max-autotune-no-cudagraphs".
     compile_mode: str = "default"
+    # "layer": one compiled graph per layer; "block": the stage's layer stack as one graph.
+    compile_scope: str = "layer"
     # scaled_dot_product_attention kernel: "auto" (torch picks), "flash", "cudnn",
     # "efficient" or "math".
     attention_backend: str = "auto"

@@ -151,6 +151,7 @@ def _init_weight(
 
 
 # --- the linear with overlapped backward communication -----------------------------------
+@torch.library.custom_op("megatron::accumulate_weight_grad", mutates_args=("main_grad",))
 def accumulate_weight_grad(main_grad: torch.Tensor, grad_output_2d: torch.Tensor,
                            x_2d: torch.Tensor) -> None:
     """main_grad += grad_output^T x (weight-grad accumulation fusion).
@@ -158,12 +159,18 @@ def accumulate_weight_grad(main_grad: torch.Tensor, grad_output_2d: torch.Tensor
     On CUDA with 16-bit operands and an fp32 main_grad the GEMM accumulates into main_grad
     itself in fp32 (cuBLAS beta = 1): no 16-bit weight-grad tensor is written and read back,
     and the product is not rounded to 16 bits before the sum. Elsewhere: a matmul and add_.
+    A custom op, so torch.compile keeps it as one opaque in-place kernel call.
     """
     if (main_grad.is_cuda and main_grad.dtype == torch.float32
             and x_2d.dtype in (torch.bfloat16, torch.float16)):
         torch.addmm(main_grad, grad_output_2d.t(), x_2d, out_dtype=torch.float32, out=main_grad)
     else:
-        main_grad.add_(grad_output_2d.t().matmul(x_2d))
+        main_grad.add_(grad_output_2d.t().matmul(x_2d).to(main_grad.dtype))
+
+
+@accumulate_weight_grad.register_fake
+def _accumulate_weight_grad_fake(main_grad, grad_output_2d, x_2d) -> None:
+    return None
 
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):

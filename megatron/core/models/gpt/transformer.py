@@ -329,14 +329,23 @@ class TransformerBlock(nn.Module):
         )
         self.final_layernorm = build_norm(config) if post_process else None
         self._compiled = None
+        self._compiled_block = None
+
+    def _compile(self, fn):
+        mode = None if self.config.compile_mode == "default" else self.config.compile_mode
+        return torch.compile(fn, dynamic=False, mode=mode)
+
+    def _run_layers(self, x_sbh, rotary_freqs, attention_mask):
+        for layer in self.layers:
+            x_sbh = layer(x_sbh, rotary_freqs, attention_mask)
+        return x_sbh
 
     def _layer_fns(self):
         if not self.config.compile_layers:
             return list(self.layers)
         if self._compiled is None:
             # Regional compilation: one compiled graph per layer, shared code, short start-up.
-            mode = None if self.config.compile_mode == "default" else self.config.compile_mode
-            self._compiled = [torch.compile(layer, dynamic=False, mode=mode) for layer in self.layers]
+            self._compiled = [self._compile(layer) for layer in self.layers]
         return self._compiled
 
     def _recompute(self, i: int) -> bool:
@@ -349,6 +358,12 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x_sbh: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None):
+        c = self.config
+        if c.compile_layers and c.compile_scope == "block" and c.recompute_granularity != "full":
+            if self._compiled_block is None:
+                self._compiled_block = self._compile(self._run_layers)
+            x_sbh = self._compiled_block(x_sbh, rotary_freqs, attention_mask)
+            return x_sbh if self.final_layernorm is None else self.final_layernorm(x_sbh)
         for i, layer in enumerate(self._layer_fns()):
             if self._recompute(i) and self.distribute_group is not None:
                 x_sbh = checkpoint_distributed_input(

@@ -1,0 +1,55 @@
+"""--compile-scope: the whole layer stack compiled as one graph ("block") computes what the
+eager layers and the per-layer graphs compute (CPU inductor, fp32: loss and every grad
+within 1e-5), and the combination it cannot honour is refused with the fix named."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.arguments import ArgumentsError, parse_and_validate
+from megatron.core.config import ModelConfig
+from megatron.core.models.gpt.gpt_model import GPTModel
+from tests.test_attention_backend import BASE
+
+
+def _loss_and_grads(compile_layers: bool, scope: str):
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, padded_vocab_size=128,
+                      seq_length=16, max_position_embeddings=16, hidden_dropout=0.0,
+                      attention_dropout=0.0, use_cpu_initialization=True,
+                      compile_layers=compile_layers, compile_scope=scope)
+    model = GPTModel(cfg, device="cpu")
+    tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):  # the second call runs the compiled code without recompiling
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:]).mean()
+        loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_block_scope_equals_layer_scope_and_eager():
+    torch._dynamo.reset()
+    loss_e, grads_e = _loss_and_grads(False, "layer")
+    for scope in ("layer", "block"):
+        loss, grads = _loss_and_grads(True, scope)
+        assert torch.allclose(loss, loss_e, atol=1e-5, rtol=0), scope
+        for name, g in grads_e.items():
+            assert torch.allclose(grads[name], g, atol=1e-5, rtol=1e-4), (scope, name)
+
+
+def test_block_scope_compiles_one_graph_for_the_stack():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, padded_vocab_size=128,
+                      seq_length=16, max_position_embeddings=16, use_cpu_initialization=True,
+                      compile_layers=True, compile_scope="block")
+    block = GPTModel(cfg, device="cpu").language_model.encoder
+    x = torch.randn(16, 2, 32, requires_grad=True)
+    block(x).sum().backward()
+    assert block._compiled is None and block._compiled_block is not None
+
+
+def test_block_scope_refused_with_full_recompute():
+    with pytest.raises(ArgumentsError, match="use --compile-scope layer"):
+        parse_and_validate(BASE + ["--compile-scope", "block", "--recompute-granularity", "full",
+                                   "--recompute-method", "uniform"], cuda_available=False)
