@@ -296,6 +296,7 @@ EXTRA_GROUP = ("extensions (not in Megatron-LM 23.05)", (
     ("--no-compile", "false", None, None, "compile_layers"),
     ("--compile-mode", "str", "default", ("default", "reduce-overhead", "max-autotune-no-cudagraphs")),
     ("--compile-scope", "str", "layer", ("layer", "block")),
+    ("--adam-kernel", "str", "auto", ("auto", "torch", "triton")),
     ("--attention-backend", "str", "auto", ("auto", "flash", "cudnn", "efficient", "math")),
     ("--normalization", "str", "LayerNorm", ("LayerNorm", "RMSNorm")),
     ("--group-query-attention", "true", False),
@@ -326,6 +327,9 @@ EXTRA_HELP = {
     "--compile": "torch.compile each transformer layer (default: on when CUDA is available)",
     "--no-compile": "never torch.compile the transformer layers",
     "--compile-mode": "torch.compile mode of the layers (reduce-overhead adds CUDA graphs)",
+    "--adam-kernel": "AdamW implementation: auto (one Triton launch per param group that also "
+                     "writes the fp16/bf16 model params, when Triton and CUDA are there and "
+                     "every grad is in a grad buffer; else torch's fused AdamW), torch, triton",
     "--compile-scope": "layer: one compiled graph per transformer layer (short start-up); "
                        "block: this stage's whole layer stack as one graph (fewer launches "
                        "from Python, longer compile)",

@@ -207,6 +207,7 @@ IMPLEMENTED_BY = {
     "--compile-mode": (LAYERS, "compile_mode"),
     "--attention-backend": (LAYERS, "attention_backend"),
     "--compile-scope": (LAYERS, "compile_scope"),
+    "--adam-kernel": ("megatron/core/optimizer/optimizer.py", "adam_kernel"),
     "--normalization": (LAYERS, "normalization"),
     "--group-query-attention": (VALIDATE, "group_query_attention"),  # -> num_query_groups
     "--num-query-groups": (LAYERS, "num_query_groups"),

@@ -94,6 +94,8 @@ def kernel_summary(events, steps: int) -> list:
         if getattr(e, "device_type", None) is None or str(e.device_type) != "DeviceType.CUDA":
             continue
         us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if getattr(e, "is_user_annotation", False) or e.name.startswith(("Optimizer.", "Command ")):
+            continue  # annotations and host stalls, not kernels
         name = e.name.lower()
         cat = next((c for c, rx in KERNEL_CLASSES if re.search(rx, name)), "other")
         totals[cat] = totals.get(cat, 0.0) + us / 1000 / steps
@@ -101,7 +103,7 @@ def kernel_summary(events, steps: int) -> list:
     return sorted(((c, ms, ms / busy) for c, ms in totals.items()), key=lambda r: -r[1])
 
 
-def print_profile(tr, data, steps: int, use_cuda: bool) -> None:
+def print_profile(tr, data, steps: int, use_cuda: bool, sort: str = "device") -> None:
     """Profile a few more steps; print the most expensive operators and, on CUDA, the
     kernel time per step by category against the wall time of the step."""
     import torch
@@ -117,7 +119,7 @@ def print_profile(tr, data, steps: int, use_cuda: bool) -> None:
         if use_cuda:
             torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1000 / steps
-    key = "self_cuda_time_total" if use_cuda else "self_cpu_time_total"
+    key = "self_cuda_time_total" if (use_cuda and sort == "device") else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=90),
           file=sys.stderr)
     if use_cuda:
@@ -154,7 +156,8 @@ def count_syncs(tr, data, steps: int) -> int:
 
 
 def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, device: str,
-        profile_steps: int = 0, layout: Optional[dict] = None, sync_steps: int = 0) -> dict:
+        profile_steps: int = 0, layout: Optional[dict] = None, sync_steps: int = 0,
+        profile_sort: str = "device") -> dict:
     import torch
 
     from megatron.arguments import parse_and_validate
@@ -189,7 +192,7 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     sync()
     elapsed = time.perf_counter() - t0
     if profile_steps:
-        print_profile(tr, data, profile_steps, use_cuda)
+        print_profile(tr, data, profile_steps, use_cuda, profile_sort)
     syncs = count_syncs(tr, data, sync_steps) if (sync_steps and use_cuda) else None
     m, d = config.model, config.data
     tokens_per_s = d.global_batch_size * d.seq_length * steps / elapsed / world  # per GPU
@@ -252,6 +255,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after timing, profile this many steps and print the top operators")
+    ap.add_argument("--profile-sort", choices=["device", "cpu"], default="device",
+                    help="order the profile table by GPU (device) or host (cpu) self time")
     ap.add_argument("--sync-debug", type=int, default=0, metavar="N",
                     help="after timing, run N steps in CUDA sync-debug mode and report how "
                          "many host synchronisations they made (CUDA only)")
@@ -272,7 +277,7 @@ def main(argv=None) -> int:
     mbs = a.micro_batch_size or PRESETS[a.preset][1]
     layout = parse_layout(a.layout) if a.layout else None
     result = run(a.preset, a.steps, a.warmup, mbs, a.extra, device, a.profile_steps, layout,
-                 a.sync_debug)
+                 a.sync_debug, a.profile_sort)
     if int(os.environ.get("RANK", 0)) == int(os.environ.get("WORLD_SIZE", 1)) - 1:
         print(json.dumps(result), flush=True)
     return 0

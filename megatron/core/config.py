@@ -147,6 +147,9 @@ class OptimizerConfig:
     hysteresis: int = 2
     log_num_zeros_in_grad: bool = False
     use_fused: Optional[bool] = None  # None: fused Adam when params are on CUDA
+    # AdamW kernel: "auto" (Triton multi-tensor kernel that also writes the 16-bit model
+    # params, when it can run), "torch" (torch's fused/foreach AdamW), "triton" (insist).
+    adam_kernel: str = "auto"
 
     @property
     def params_dtype(self) -> torch.dtype:

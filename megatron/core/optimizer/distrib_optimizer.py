@@ -183,6 +183,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             shard.set_main_grads()
         return self.get_parameters()
 
+    def _model_copies(self):
+        return None  # shards are copied into param_data and all-gathered (torch's kernel)
+
     @torch.no_grad()
     def _copy_main_params_to_model_params(self) -> None:
         """Write the updated shards into `param_data`, then all-gather every bucket over

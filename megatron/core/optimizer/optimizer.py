@@ -37,6 +37,7 @@ from megatron.core.optimizer.grad_scaler import (
     DynamicGradScaler,
     MegatronGradScaler,
 )
+from megatron.core.optimizer.multi_tensor_adam import MultiTensorAdamW, supports
 from megatron.core.optimizer.param_groups import get_param_groups
 
 StepResult = Tuple[bool, Optional[torch.Tensor], Optional[torch.Tensor]]
@@ -53,6 +54,13 @@ _LOCAL_GROUP_KEYS = ("fused", "foreach", "capturable", "differentiable")
 def _model_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     main_grad = getattr(param, "main_grad", None)
     return main_grad if main_grad is not None else param.grad
+
+
+def _in_fp32_grad_buffer(param: torch.Tensor) -> bool:
+    """True when the parameter's gradient lives in an fp32 grad buffer (`main_grad`), so
+    the tensor the optimizer reads it from is the same storage every step."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad is not None and main_grad.dtype == torch.float32
 
 
 def _zero_grad_group(params: List[torch.Tensor], set_to_none: bool) -> None:
@@ -119,6 +127,10 @@ class MegatronOptimizer:
         self.mp_group = mp_group
         self.tp_rank = tp_rank
         self._unit_scale: Optional[torch.Tensor] = None
+        # "auto" | "torch" | "triton" (--adam-kernel); see _multi_tensor().
+        self.adam_kernel = "auto"
+        self._multi = None  # MultiTensorAdamW, False when not used, None before deciding
+        self._model_params_written = False
 
     # --- access --------------------------------------------------------------------------
     @property
@@ -173,32 +185,68 @@ class MegatronOptimizer:
         Collective over the optimizer's model-parallel (or world) group; no host sync."""
         return get_params_norm(self.get_parameters(), self.mp_group, self.tp_rank)
 
-    def _clip_and_step(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        num_zeros = self.count_zeros() if self.log_num_zeros_in_grad else None
-        if self.clip_grad > 0.0 and self._inner_is_fused():
-            return self._fused_clip_and_step(), num_zeros
-        grad_norm = self.clip_grad_norm(self.clip_grad) if self.clip_grad > 0.0 else None
-        self.optimizer.step()
-        return grad_norm, num_zeros
+    def _model_copies(self) -> Optional[List[List[Optional[torch.Tensor]]]]:
+        """Per inner param group, the model parameter each stepped parameter is copied to
+        (None: none), for the Triton AdamW kernel; None when that kernel must not be used."""
+        return None
 
-    def _inner_is_fused(self) -> bool:
-        return all(g.get("fused") for g in self.optimizer.param_groups)
+    def _multi_tensor(self) -> Optional[MultiTensorAdamW]:
+        """The Triton AdamW stepper (`--adam-kernel`): "auto" uses it when it can run (CUDA,
+        Triton importable, AdamW, every gradient in a grad buffer); "triton" insists."""
+        if self._multi is None:
+            self._multi = False
+            if self.adam_kernel != "torch":
+                copies = self._model_copies()
+                reason = ("the parameters' gradients are not all in grad buffers "
+                          "(--DDP-impl local with contiguous buffers) or the optimizer shards "
+                          "them" if copies is None else supports(self.optimizer))
+                if reason is None:
+                    self._multi = MultiTensorAdamW(self.optimizer, copies)
+                elif self.adam_kernel == "triton":
+                    raise ValueError(f"--adam-kernel triton cannot be used: {reason}; use "
+                                     "--adam-kernel auto or torch")
+        return self._multi or None
 
-    def _fused_clip_and_step(self) -> torch.Tensor:
-        """Clipping folded into the fused Adam kernel: instead of a pass that multiplies
-        every gradient by the clip coefficient, the kernel divides them by `grad_scale` =
-        1 / coefficient as it reads them (the stored gradients stay unclipped)."""
+    def _clip_scale(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(grad norm, divisor that clips): dividing the gradients by the divisor is
+        multiplying them by the clip coefficient min(1, clip_grad / (norm + 1e-6))."""
         total_norm = get_grad_norm(self.get_parameters(), self.mp_group, self.tp_rank)
         coeff = float(self.clip_grad) / (total_norm + 1.0e-6)
         # A non-finite norm leaves the gradients unscaled, as the unfused path does.
         coeff = torch.where(coeff < 1.0, coeff, torch.ones_like(coeff))
         device = next(p.device for g in self.optimizer.param_groups for p in g["params"])
-        self.optimizer.grad_scale = (1.0 / coeff).to(device)
-        try:
+        return total_norm, (1.0 / coeff).to(device)
+
+    def _clip_and_step(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Clip and step. With a fused kernel (Triton or torch's fused AdamW) the clip is
+        folded into it: instead of a pass that multiplies every gradient by the clip
+        coefficient, the kernel divides them by `grad_scale` = 1 / coefficient as it reads
+        them (the stored gradients stay unclipped)."""
+        num_zeros = self.count_zeros() if self.log_num_zeros_in_grad else None
+        self._model_params_written = False
+        multi = self._multi_tensor()
+        if self.clip_grad > 0.0 and (multi is not None or self._inner_is_fused()):
+            grad_norm, grad_scale = self._clip_scale()
+        else:
+            grad_norm = self.clip_grad_norm(self.clip_grad) if self.clip_grad > 0.0 else None
+            grad_scale = None
+        if multi is not None and multi.step(grad_scale):
+            self._model_params_written = True
+        elif grad_scale is not None and self._inner_is_fused():
+            self.optimizer.grad_scale = grad_scale
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.grad_scale
+        else:
+            if grad_scale is not None:  # the Triton kernel declined this step
+                grads = [p.grad for p in self.get_parameters() if p.grad is not None]
+                torch._foreach_div_(grads, grad_scale)
             self.optimizer.step()
-        finally:
-            del self.optimizer.grad_scale
-        return total_norm
+        return grad_norm, num_zeros
+
+    def _inner_is_fused(self) -> bool:
+        return all(g.get("fused") for g in self.optimizer.param_groups)
 
     @staticmethod
     def _alias_main_grads(params: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -236,6 +284,12 @@ class FP32Optimizer(MegatronOptimizer):
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss  # the scale is exactly 1.0
+
+    def _model_copies(self):
+        params = self.get_parameters()
+        if not all(_in_fp32_grad_buffer(p) for p in params):
+            return None
+        return [[None] * len(g["params"]) for g in self.optimizer.param_groups]
 
     @torch.no_grad()
     def step(self) -> StepResult:
@@ -313,6 +367,16 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
             yield from zip(model_group, main_group)
 
+    def _model_copies(self):
+        model_of = {}
+        for model, main in self._model_main_pairs():
+            if not _in_fp32_grad_buffer(model):
+                return None
+            model_of[main] = model
+        if not all(_in_fp32_grad_buffer(p) for g in self.fp32_from_fp32_groups for p in g):
+            return None
+        return [[model_of.get(p) for p in g["params"]] for g in self.optimizer.param_groups]
+
     # --- loss scale ----------------------------------------------------------------------
     def get_loss_scale(self) -> torch.Tensor:
         if self.grad_scaler is None:
@@ -369,7 +433,8 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
                 if found_inf:
                     return False, None, None
             grad_norm, num_zeros = self._clip_and_step()
-            self._copy_main_params_to_model_params()
+            if not self._model_params_written:  # the Triton kernel wrote them already
+                self._copy_main_params_to_model_params()
             return True, grad_norm, num_zeros
         finally:
             for p in aliased:
@@ -507,8 +572,11 @@ def build_optimizer(
         tp_rank=parallel_state.tp_rank,
     )
     if config.fp16 or config.bf16:
-        return MixedPrecisionOptimizer(inner, grad_scaler=build_grad_scaler(config), **common)
-    return FP32Optimizer(inner, **common)
+        opt = MixedPrecisionOptimizer(inner, grad_scaler=build_grad_scaler(config), **common)
+    else:
+        opt = FP32Optimizer(inner, **common)
+    opt.adam_kernel = config.adam_kernel
+    return opt
 
 
 def _distributed_buckets(chunks) -> Optional[List[Dict[torch.dtype, list]]]:

@@ -1,0 +1,151 @@
+"""The Triton AdamW kernel (`--adam-kernel`), run on the CPU through Triton's interpreter
+(TRITON_INTERPRET=1; skipped where Triton is not installed).
+
+- Kernel against torch's AdamW: parameters of odd sizes (block tails), two groups with
+  different weight decay, gradients as views of one flat buffer, clipping as a divisor:
+  after 3 steps main params and both moments within 1e-6 * (1 + max|value|) of torch's
+  (fp32 rounding of a different operation order), the bf16
+  model copies equal to the main params rounded to bf16, `step` counted in the state.
+- Training through the optimizer wrappers (fp32, and bf16 with an fp32 grad buffer): 4
+  iterations with --adam-kernel triton give the losses of --adam-kernel torch (fp32:
+  within 1e-5; bf16: within 1e-3, an ulp of an fp32 weight can flip a bf16 one); the state
+  saved after them loads into a fresh run whose next 2 losses match the torch run's.
+- The choices it cannot honour are refused with the fix named.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="Triton is not installed")
+
+from megatron.core.optimizer.multi_tensor_adam import BLOCK, MultiTensorAdamW  # noqa: E402
+from tests.gpt_helpers import cli_trainer, train_steps  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _interpret(request, monkeypatch):
+    """CPU tests run the kernel in Triton's interpreter; the CUDA test compiles it."""
+    if "cuda" in request.keywords:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+SIZES = [(5,), (BLOCK + 3,), (2 * BLOCK,), (37, 61)]
+
+
+def _problem(seed: int, device: str = "cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    flat = torch.zeros(sum(torch.Size(s).numel() for s in SIZES), device=device)
+    params, grads, offset = [], [], 0
+    for shape in SIZES:
+        n = torch.Size(shape).numel()
+        params.append(torch.nn.Parameter(torch.randn(shape, generator=gen).to(device)))
+        grads.append(flat[offset:offset + n].view(shape))
+        offset += n
+    return params, grads, flat, gen
+
+
+def _optimizer(params):
+    groups = [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_kernel_matches_torch_adamw(clip, device="cpu"):
+    params, grads, flat, gen = _problem(0, device)
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours, theirs = _optimizer(params), _optimizer(ref)
+    models = [[p.detach().to(torch.bfloat16) for p in g["params"]] for g in ours.param_groups]
+    stepper = MultiTensorAdamW(ours, models)
+    for _ in range(3):
+        flat.copy_(torch.randn(flat.shape, generator=gen))
+        scale = torch.tensor(2.5, device=device) if clip else None
+        for p, g in zip(params, grads):
+            p.grad = g
+        for r, g in zip(ref, grads):
+            r.grad = g.clone() / (scale if clip else 1.0)
+        assert stepper.step(scale)
+        theirs.step()
+    for p, r in zip(params, ref):
+        for a, b in ((p, r), (ours.state[p]["exp_avg"], theirs.state[r]["exp_avg"]),
+                     (ours.state[p]["exp_avg_sq"], theirs.state[r]["exp_avg_sq"])):
+            diff = (a - b).abs().max().item()
+            assert diff <= 1e-6 * (1 + b.abs().max().item()), diff  # fp32 rounding only
+        assert float(ours.state[p]["step"]) == 3.0
+    flat_models = [m for g in models for m in g]
+    for p, m in zip(params, flat_models):
+        assert torch.equal(m, p.detach().to(torch.bfloat16))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("clip", [False, True])
+def test_kernel_matches_torch_adamw_on_cuda(clip):
+    """The compiled kernel on the GPU: same checks (bf16 copies exactly rounded)."""
+    test_kernel_matches_torch_adamw(clip, device="cuda")
+
+
+def test_stale_tables_are_rebuilt_after_the_state_is_replaced():
+    params, grads, flat, gen = _problem(1)
+    opt = _optimizer(params)
+    stepper = MultiTensorAdamW(opt, [[None] * len(g["params"]) for g in opt.param_groups])
+    for p, g in zip(params, grads):
+        p.grad = g
+    flat.copy_(torch.randn(flat.shape, generator=gen))
+    assert stepper.step()
+    saved = {k: v for k, v in opt.state_dict().items()}
+    before = [p.detach().clone() for p in params]
+    opt.load_state_dict(saved)  # replaces every state tensor
+    assert stepper.step()
+    assert all(float(opt.state[p]["step"]) == 2.0 for p in params)
+    assert not any(torch.equal(a, p) for a, p in zip(before, params))
+
+
+ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--train-iters", "8", "--lr", "3e-3", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--bf16",
+        "--clip-grad", "0.05", "--weight-decay", "0.1", "--lr-warmup-iters", "1", "--seed", "5",
+        "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def _trainer(kernel: str, extra=(), argv=ARGV):
+    from megatron.training import data_iterator
+
+    cfg, rt, tr = cli_trainer(list(argv) + ["--adam-kernel", kernel, *extra])
+    return tr, data_iterator(cfg, rt, "train", 0)
+
+
+@pytest.mark.parametrize("precision,atol", [("--fp32", 1e-5), ("--bf16", 1e-3)])
+def test_training_with_the_kernel_matches_torch_and_resumes(precision, atol):
+    """fp32: the kernel's rounding differs from torch's by ulps (atol 1e-5 on the loss);
+    bf16: such differences can flip the last bit of a bf16 weight (atol 1e-3), and the
+    bf16 model weights are exactly the fp32 main weights rounded to nearest even."""
+    argv = [a for a in ARGV if a != "--bf16"] + ([precision] if precision == "--bf16" else [])
+    torch_tr, torch_data = _trainer("torch", argv=argv)
+    expected = train_steps(torch_tr, torch_data, 6)
+    tri_tr, tri_data = _trainer("triton", argv=argv)
+    got = train_steps(tri_tr, tri_data, 4)
+    assert tri_tr.optimizer._multi, "the Triton kernel did not step"
+    assert torch.allclose(torch.tensor(got), torch.tensor(expected[:4]), rtol=0, atol=atol)
+    if precision == "--bf16":
+        for model, main in tri_tr.optimizer._model_main_pairs():
+            assert torch.equal(model, main.to(model.dtype))
+    # Save the Triton run's state, load it into a fresh Triton run, continue two steps.
+    resumed, resumed_data = _trainer("triton", argv=argv)
+    resumed.model.unwrapped()[0].load_state_dict(tri_tr.model.unwrapped()[0].state_dict())
+    resumed.optimizer.load_state_dict(tri_tr.optimizer.state_dict())
+    resumed.scheduler.load_state_dict(tri_tr.scheduler.state_dict())
+    resumed.state.iteration = tri_tr.state.iteration
+    for _ in range(4 * 2):  # 4 iterations of 2 micro-batches
+        next(resumed_data)
+    assert torch.allclose(torch.tensor(train_steps(resumed, resumed_data, 2)),
+                          torch.tensor(expected[4:]), rtol=0, atol=atol)
+
+
+def test_insisting_on_triton_where_it_cannot_run_is_refused():
+    tr, data = _trainer("triton", ["--optimizer", "sgd"])
+    with pytest.raises(ValueError, match="--adam-kernel triton cannot be used: SGD is not AdamW"):
+        train_steps(tr, data, 1)
