@@ -410,6 +410,11 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
     ns.distributed_backend = backend
     if ns.compile_layers is None:
         ns.compile_layers = cuda_available
+    if ns.compile_scope == "auto":
+        # One graph for the whole stack unless grads must be ready layer by layer (overlapped
+        # DP reduction) or full recompute checkpoints each layer.
+        layer = ns.overlap_grad_reduce or ns.recompute_granularity == "full"
+        ns.compile_scope = "layer" if layer else "block"
     if ns.compile_scope == "block" and ns.recompute_granularity == "full":
         raise ArgumentsError("--compile-scope block compiles the layer stack as one graph, which "
                              "full activation recompute splits per layer; use --compile-scope "

@@ -72,9 +72,10 @@ def _join_all(ctx, deadline: float, name: str) -> None:
 
 
 def _start_method() -> str:
-    """fork (fast); spawn where this process has made a CUDA context, which a forked child
-    could not use (the suite on a GPU machine)."""
-    return "spawn" if torch.cuda.is_initialized() else "fork"
+    """fork (fast) on machines without CUDA; spawn where CUDA is visible: a forked child
+    can use neither the parent's CUDA context nor, once the parent has run a backward
+    pass, autograd (whose engine then holds per-device threads)."""
+    return "spawn" if torch.cuda.is_available() else "fork"
 
 
 def run_distributed(fn, world_size: int, *args):

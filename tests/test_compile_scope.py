@@ -53,3 +53,14 @@ def test_block_scope_refused_with_full_recompute():
     with pytest.raises(ArgumentsError, match="use --compile-scope layer"):
         parse_and_validate(BASE + ["--compile-scope", "block", "--recompute-granularity", "full",
                                    "--recompute-method", "uniform"], cuda_available=False)
+
+
+@pytest.mark.parametrize("extra,scope", [
+    ([], "block"),
+    (["--overlap-grad-reduce"], "layer"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform"], "layer"),
+    (["--compile-scope", "layer"], "layer"),
+])
+def test_auto_scope_resolution(extra, scope):
+    cfg = parse_and_validate(BASE + extra, cuda_available=False)
+    assert cfg.model.compile_scope == scope

@@ -26,10 +26,14 @@ from tests.gpt_helpers import cli_trainer, train_steps  # noqa: E402
 @pytest.fixture(autouse=True)
 def _interpret(request, monkeypatch):
     """CPU tests run the kernel in Triton's interpreter; the CUDA test compiles it."""
+    from megatron.core.optimizer import multi_tensor_adam
+
     if "cuda" in request.keywords:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        monkeypatch.setattr(multi_tensor_adam, "INTERPRET_ON_CPU", False)
     else:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(multi_tensor_adam, "INTERPRET_ON_CPU", True)
 
 
 SIZES = [(5,), (BLOCK + 3,), (2 * BLOCK,), (37, 61)]

@@ -15,13 +15,13 @@ exp_avg_sq and the model parameter (0: none), its size and its group. The tables
 built on the first step and rebuilt whenever the optimizer state or a gradient's storage
 changes (e.g. after a checkpoint load); the optimizer state keeps torch's layout
 (`step`, `exp_avg`, `exp_avg_sq` per parameter), so checkpoints are unchanged. Where
-Triton is missing the caller keeps torch's kernels. `TRITON_INTERPRET=1` runs the kernel
-on the CPU (the tests do).
+Triton is missing the caller keeps torch's kernels. The tests run the kernel on the CPU
+through Triton's interpreter: TRITON_INTERPRET=1 in the environment (read by Triton) and
+`INTERPRET_ON_CPU = True` here.
 """
 from __future__ import annotations
 
 import math
-import os
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -33,6 +33,8 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 BLOCK = 2048  # elements per Triton program
+# Allow CPU tensors, for Triton's interpreter (tests); the kernel is built per setting.
+INTERPRET_ON_CPU = False
 _NUM_WARPS = 8
 
 
@@ -89,9 +91,9 @@ _KERNELS = {}
 
 
 def _kernel():
-    """The jitted kernel; built on first use, so that TRITON_INTERPRET set by then (tests
-    on the CPU) takes effect."""
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    """The jitted kernel, built on first use for the current INTERPRET_ON_CPU setting
+    (Triton decides at that moment whether it interprets)."""
+    interpret = INTERPRET_ON_CPU
     if interpret not in _KERNELS:
         _KERNELS[interpret] = triton.jit(_adamw_kernel_source)
     return _KERNELS[interpret]
@@ -101,7 +103,7 @@ def triton_available(device: torch.device) -> bool:
     """Whether the kernel can run for parameters on `device`."""
     if triton is None:
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cuda" or INTERPRET_ON_CPU
 
 
 def supports(optimizer: torch.optim.Optimizer) -> Optional[str]:

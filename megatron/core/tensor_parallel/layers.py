@@ -151,16 +151,8 @@ def _init_weight(
 
 
 # --- the linear with overlapped backward communication -----------------------------------
-@torch.library.custom_op("megatron::accumulate_weight_grad", mutates_args=("main_grad",))
-def accumulate_weight_grad(main_grad: torch.Tensor, grad_output_2d: torch.Tensor,
-                           x_2d: torch.Tensor) -> None:
-    """main_grad += grad_output^T x (weight-grad accumulation fusion).
-
-    On CUDA with 16-bit operands and an fp32 main_grad the GEMM accumulates into main_grad
-    itself in fp32 (cuBLAS beta = 1): no 16-bit weight-grad tensor is written and read back,
-    and the product is not rounded to 16 bits before the sum. Elsewhere: a matmul and add_.
-    A custom op, so torch.compile keeps it as one opaque in-place kernel call.
-    """
+def _accumulate_weight_grad_impl(main_grad: torch.Tensor, grad_output_2d: torch.Tensor,
+                                 x_2d: torch.Tensor) -> None:
     if (main_grad.is_cuda and main_grad.dtype == torch.float32
             and x_2d.dtype in (torch.bfloat16, torch.float16)):
         torch.addmm(main_grad, grad_output_2d.t(), x_2d, out_dtype=torch.float32, out=main_grad)
@@ -168,9 +160,31 @@ def accumulate_weight_grad(main_grad: torch.Tensor, grad_output_2d: torch.Tensor
         main_grad.add_(grad_output_2d.t().matmul(x_2d).to(main_grad.dtype))
 
 
-@accumulate_weight_grad.register_fake
+# An operator of our own (declared to mutate main_grad), so torch.compile keeps it as one
+# in-place call in the compiled backward. Registered through torch.library.Library rather
+# than the custom_op decorator: fewer Python layers per call (it runs once per linear
+# layer and micro-batch, on the host's critical path for small models).
+_LIB = torch.library.Library("megatron", "DEF")
+_LIB.define("accumulate_weight_grad(Tensor(a!) main_grad, Tensor grad_output_2d, "
+            "Tensor x_2d) -> ()")
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("accumulate_weight_grad", _accumulate_weight_grad_impl, _key)
+
+
+@torch.library.register_fake("megatron::accumulate_weight_grad", lib=_LIB)
 def _accumulate_weight_grad_fake(main_grad, grad_output_2d, x_2d) -> None:
     return None
+
+
+def accumulate_weight_grad(main_grad: torch.Tensor, grad_output_2d: torch.Tensor,
+                           x_2d: torch.Tensor) -> None:
+    """main_grad += grad_output^T x (weight-grad accumulation fusion).
+
+    On CUDA with 16-bit operands and an fp32 main_grad the GEMM accumulates into main_grad
+    itself in fp32 (cuBLAS beta = 1): no 16-bit weight-grad tensor is written and read back,
+    and the product is not rounded to 16 bits before the sum. Elsewhere: a matmul and add_.
+    """
+    torch.ops.megatron.accumulate_weight_grad(main_grad, grad_output_2d, x_2d)
 
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
