@@ -25,10 +25,12 @@ from tests.gpt_helpers import cli_trainer, train_steps  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _interpret(request, monkeypatch):
-    """CPU tests run the kernel in Triton's interpreter; the CUDA test compiles it."""
+    """Tests on CPU tensors run the kernel in Triton's interpreter; the CUDA test compiles
+    it, and so do the training tests where CUDA is visible (the model is built there)."""
     from megatron.core.optimizer import multi_tensor_adam
 
-    if "cuda" in request.keywords:
+    on_gpu = "any_device" in request.keywords and torch.cuda.is_available()
+    if "cuda" in request.keywords or on_gpu:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
         monkeypatch.setattr(multi_tensor_adam, "INTERPRET_ON_CPU", False)
     else:
@@ -122,6 +124,7 @@ def _trainer(kernel: str, extra=(), argv=ARGV):
     return tr, data_iterator(cfg, rt, "train", 0)
 
 
+@pytest.mark.any_device
 @pytest.mark.parametrize("precision,atol", [("--fp32", 1e-5), ("--bf16", 1e-3)])
 def test_training_with_the_kernel_matches_torch_and_resumes(precision, atol):
     """fp32: the kernel's rounding differs from torch's by ulps (atol 1e-5 on the loss);
@@ -149,6 +152,7 @@ def test_training_with_the_kernel_matches_torch_and_resumes(precision, atol):
                           torch.tensor(expected[4:]), rtol=0, atol=atol)
 
 
+@pytest.mark.any_device
 def test_insisting_on_triton_where_it_cannot_run_is_refused():
     tr, data = _trainer("triton", ["--optimizer", "sgd"])
     with pytest.raises(ValueError, match="--adam-kernel triton cannot be used: SGD is not AdamW"):
