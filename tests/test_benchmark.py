@@ -33,3 +33,25 @@ def test_scaling_mode_prints_efficiency_table():
     assert table[0].split() == ["layout", "GPUs", "tokens/s/GPU", "MFU", "efficiency"]
     assert [r.split()[0] for r in table[1:]] == ["tp1pp1dp1", "tp1pp1dp2", "tp2pp2dp1"]
     assert table[1].split()[-1] == "100.0%"
+
+
+def test_kernel_summary_sorts_kernels_into_categories():
+    """--profile-steps' per-step table: CUDA kernels by category, annotations and host
+    events left out, milliseconds per step."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from benchmark import kernel_summary
+
+    def ev(name, us, device="DeviceType.CUDA", annotation=False):
+        return SimpleNamespace(name=name, self_device_time_total=us, device_type=device,
+                               is_user_annotation=annotation)
+
+    events = [ev("nvjet_sm90_tst_256x128", 4000), ev("cudnn_generated_sdpa_flash_bprop", 1000),
+              ev("_adamw_kernel_source", 600), ev("triton_poi_fused_gelu_2", 400),
+              ev("Optimizer.step#AdamW.step", 9000, annotation=True),
+              ev("Command Buffer Full", 9000), ev("aten::mm", 9000, device="DeviceType.CPU"),
+              ev("some_other_kernel", 200)]
+    rows = {cat: ms for cat, ms, _ in kernel_summary(events, steps=2)}
+    assert rows == {"gemm": 2.0, "attention": 0.5, "optimizer": 0.3,
+                    "compiled (triton)": 0.2, "other": 0.1}
