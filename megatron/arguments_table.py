@@ -298,6 +298,7 @@ EXTRA_GROUP = ("extensions (not in Megatron-LM 23.05)", (
     ("--compile-scope", "str", "auto", ("auto", "layer", "block")),
     ("--adam-kernel", "str", "auto", ("auto", "torch", "triton")),
     ("--attention-backend", "str", "auto", ("auto", "flash", "cudnn", "efficient", "math")),
+    ("--cuda-graph-step", "str", "auto", ("auto", "on", "off")),
     ("--normalization", "str", "LayerNorm", ("LayerNorm", "RMSNorm")),
     ("--group-query-attention", "true", False),
     ("--num-query-groups", "int", None),
@@ -337,6 +338,11 @@ EXTRA_HELP = {
                        "--overlap-grad-reduce or full recompute asks for layer",
     "--attention-backend": "scaled_dot_product_attention kernel: auto (torch's choice), flash, "
                            "cudnn or efficient (CUDA), math (reference)",
+    "--cuda-graph-step": "record the whole training step (forward, backward, optimizer) as one "
+                         "CUDA graph and replay it from the third step: auto (default: when "
+                         "the run allows it -- one GPU, bf16/fp32, no dropout, the Triton "
+                         "AdamW kernel; falls back to eager steps if the capture fails), on "
+                         "(insist), off",
     "--normalization": "normalization layer type",
     "--group-query-attention": "grouped-query attention (see --num-query-groups)",
     "--num-query-groups": "number of key/value groups with --group-query-attention (default 1)",

@@ -419,6 +419,21 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
         raise ArgumentsError("--compile-scope block compiles the layer stack as one graph, which "
                              "full activation recompute splits per layer; use --compile-scope "
                              "layer with --recompute-granularity full")
+    if ns.cuda_graph_step == "on":
+        from megatron.step_graph import settings_reason
+
+        reason = settings_reason(
+            device_type="cuda" if cuda_available else "cpu", world_size=ns.world_size,
+            hidden_dropout=ns.hidden_dropout, attention_dropout=ns.attention_dropout,
+            nan_loss_policy=ns.nan_loss_policy, timing_log_level=ns.timing_log_level,
+            rampup_batch_size=ns.rampup_batch_size,
+            empty_unused_memory_level=ns.empty_unused_memory_level,
+            compile_mode=ns.compile_mode, fp16=ns.fp16,
+            distributed_optimizer=ns.use_distributed_optimizer, adam_kernel=ns.adam_kernel,
+            optimizer=ns.optimizer)
+        if reason is not None:
+            raise ArgumentsError(f"--cuda-graph-step on, but {reason}; use --cuda-graph-step "
+                                 "auto (captures when it can) or off")
     if ns.attention_backend in ("cudnn", "efficient") and not cuda_available:
         raise ArgumentsError(f"--attention-backend {ns.attention_backend} needs CUDA; use auto, "
                              "flash or math on the CPU")

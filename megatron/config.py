@@ -63,6 +63,7 @@ class TrainingConfig:
     seed: int = 1234
     data_parallel_random_init: bool = False
     empty_unused_memory_level: int = 0
+    cuda_graph_step: str = "off"  # --cuda-graph-step: "auto" | "on" | "off"
 
 
 @dataclass

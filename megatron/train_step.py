@@ -26,6 +26,7 @@ from megatron.core.pipeline_parallel import (
 from megatron.data_loading import get_batch
 from megatron.logging_utils import Timers
 from megatron.microbatches import update_micro_batches
+from megatron.step_graph import runner_for
 
 # Megatron's timers that this step runs, in the order of its timer block. Level 1:
 # forward-backward, the gradient reductions, optimizer; level 2: batch-generator.
@@ -232,16 +233,11 @@ def _finish_grads(tr, timers: Timers) -> None:
         timer.stop()
 
 
-def train_step(tr, data: Iterator[dict], skip_nonfinite: bool = False):
-    """One optimizer step over a global batch. Returns (dp-averaged loss tensor,
-    update_successful, grad_norm tensor or None, num_zeros tensor or None). With
-    `skip_nonfinite`, a NaN/Inf loss on any rank skips the optimizer step (all ranks
-    agree). With --rampup-batch-size the step first sets the current global batch size
-    and micro-batch count from the consumed samples (megatron/microbatches.py)."""
+def _step_body(tr, data: Iterator[dict], skip_nonfinite: bool = False):
+    """Zero the grads, forward/backward over the micro-batches, finish the gradient
+    reductions, step the optimizer: what a whole-step CUDA graph records (megatron/
+    step_graph.py). Returns (loss, ok, grad_norm, num_zeros)."""
     cfg, log = tr.config, step_log(tr)
-    update_micro_batches(cfg.data, tr.state.consumed_train_samples, tr.rt.ps.dp_size)
-    if cfg.training.data_parallel_random_init and not log.replicas_synced:
-        _sync_replicas(tr)
     tr.optimizer.zero_grad()
     tr.model.zero_grad_buffer()
     timer = log.timers("forward-backward", 1)
@@ -261,10 +257,27 @@ def train_step(tr, data: Iterator[dict], skip_nonfinite: bool = False):
     ok, grad_norm, num_zeros = tr.optimizer.step()
     timer.stop()
     _empty_cache(tr.rt.device, cfg.training.empty_unused_memory_level >= 2)
+    return loss, ok, grad_norm, num_zeros
+
+
+def train_step(tr, data: Iterator[dict], skip_nonfinite: bool = False):
+    """One optimizer step over a global batch. Returns (dp-averaged loss tensor,
+    update_successful, grad_norm tensor or None, num_zeros tensor or None). With
+    `skip_nonfinite`, a NaN/Inf loss on any rank skips the optimizer step (all ranks
+    agree). With --rampup-batch-size the step first sets the current global batch size
+    and micro-batch count from the consumed samples (megatron/microbatches.py). From the
+    third step on, the step may be a replay of a captured CUDA graph (--cuda-graph-step)."""
+    cfg, log = tr.config, step_log(tr)
+    update_micro_batches(cfg.data, tr.state.consumed_train_samples, tr.rt.ps.dp_size)
+    if cfg.training.data_parallel_random_init and not log.replicas_synced:
+        _sync_replicas(tr)
+    runner = None if skip_nonfinite else runner_for(tr)
+    if runner is not None:
+        loss, ok, grad_norm, num_zeros = runner.step(tr, data, _step_body)
+    else:
+        loss, ok, grad_norm, num_zeros = _step_body(tr, data, skip_nonfinite)
     if ok:
         tr.scheduler.step(increment=cfg.data.global_batch_size)
     if num_zeros is not None:
         log.num_zeros[tr.state.iteration + 1] = num_zeros
     return loss, ok, grad_norm, num_zeros
-
-

@@ -76,6 +76,8 @@ class Trainer:
     last_local_loss: Optional[torch.Tensor] = None
     async_saver: object = None  # megatron.async_save.AsyncSaver once --async-save has saved
     step_log: object = None  # megatron.train_step.StepLog, built at the first step
+    # megatron.step_graph.StepGraph (False: graphs off), decided at the first step
+    step_graph: object = None
 
 
 # --------------------------------------------------------------------------- building

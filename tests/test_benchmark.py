@@ -55,3 +55,26 @@ def test_kernel_summary_sorts_kernels_into_categories():
     rows = {cat: ms for cat, ms, _ in kernel_summary(events, steps=2)}
     assert rows == {"gemm": 2.0, "attention": 0.5, "optimizer": 0.3,
                     "compiled (triton)": 0.2, "other": 0.1}
+
+
+def test_gemm_rows_rate_each_matrix_product_shape():
+    """--profile-steps' matrix-product table: FLOPs from the recorded shapes (mm, addmm
+    with its accumulator first, bmm), per step, slowest first; other ops left out."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from benchmark import gemm_rows
+
+    def avg(key, shapes, count, us):
+        return SimpleNamespace(key=key, input_shapes=shapes, count=count, device_time_total=us)
+
+    rows = gemm_rows([avg("aten::mm", [[1024, 512], [512, 2048]], 4, 100.0),
+                      avg("aten::addmm", [[512, 2048], [512, 1024], [1024, 2048]], 2, 400.0),
+                      avg("aten::bmm", [[2, 64, 32], [2, 32, 16]], 2, 2.0),
+                      avg("aten::add_", [[1024], [1024]], 2, 50.0)], steps=2)
+    assert [r[0] for r in rows] == ["aten::addmm", "aten::mm", "aten::bmm"]
+    op, shapes, calls, ms, rate = rows[1]
+    assert (calls, ms) == (2.0, 0.05)
+    assert rate == pytest.approx(2 * 1024 * 512 * 2048 * 4 / 100e-6 / 1e12)
+    assert rows[0][4] == pytest.approx(2 * 512 * 1024 * 2048 * 2 / 400e-6 / 1e12)
+    assert rows[2][4] == pytest.approx(2 * 2 * 64 * 32 * 16 * 2 / 2e-6 / 1e12)

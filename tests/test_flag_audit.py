@@ -208,6 +208,7 @@ IMPLEMENTED_BY = {
     "--attention-backend": (LAYERS, "attention_backend"),
     "--compile-scope": (LAYERS, "compile_scope"),
     "--adam-kernel": ("megatron/core/optimizer/optimizer.py", "adam_kernel"),
+    "--cuda-graph-step": ("megatron/step_graph.py", "cuda_graph_step"),
     "--normalization": (LAYERS, "normalization"),
     "--group-query-attention": (VALIDATE, "group_query_attention"),  # -> num_query_groups
     "--num-query-groups": (LAYERS, "num_query_groups"),

@@ -103,6 +103,31 @@ def kernel_summary(events, steps: int) -> list:
     return sorted(((c, ms, ms / busy) for c, ms in totals.items()), key=lambda r: -r[1])
 
 
+def _gemm_flops(name: str, shapes) -> int:
+    """FLOPs of one matrix-product call from its recorded input shapes (0: unknown)."""
+    dims = [list(s) for s in shapes if s]
+    if name in ("aten::mm",) and len(dims) >= 2 and len(dims[0]) == 2:
+        return 2 * dims[0][0] * dims[0][1] * dims[1][-1]
+    if name == "aten::addmm" and len(dims) >= 3 and len(dims[1]) == 2:
+        return 2 * dims[1][0] * dims[1][1] * dims[2][-1]
+    if name == "aten::bmm" and len(dims) >= 2 and len(dims[0]) == 3:
+        return 2 * dims[0][0] * dims[0][1] * dims[0][2] * dims[1][-1]
+    return 0
+
+
+def gemm_rows(averages, steps: int) -> list:
+    """[(op, shapes, calls per step, ms per step, TFLOP/s)] of the matrix products in a
+    profile grouped by input shape, slowest first."""
+    rows = []
+    for e in averages:
+        flops = _gemm_flops(e.key, getattr(e, "input_shapes", None) or [])
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if flops and us:
+            rows.append((e.key, e.input_shapes, e.count / steps, us / 1000 / steps,
+                         flops * e.count / (us * 1e-6) / 1e12))
+    return sorted(rows, key=lambda r: -r[3])
+
+
 def print_profile(tr, data, steps: int, use_cuda: bool, sort: str = "device") -> None:
     """Profile a few more steps; print the most expensive operators and, on CUDA, the
     kernel time per step by category against the wall time of the step."""
@@ -112,7 +137,7 @@ def print_profile(tr, data, steps: int, use_cuda: bool, sort: str = "device") ->
     from megatron.training import train_step
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=use_cuda) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             train_step(tr, data)
@@ -129,6 +154,11 @@ def print_profile(tr, data, steps: int, use_cuda: bool, sort: str = "device") ->
               file=sys.stderr)
         for cat, ms, share in rows:
             print(f"  {cat:<20}{ms:>9.2f} ms {share:>7.1%}", file=sys.stderr)
+        print("matrix products (per step): calls, ms, TFLOP/s, op and input shapes",
+              file=sys.stderr)
+        for op, shapes, calls, ms, rate in gemm_rows(prof.key_averages(group_by_input_shape=True),
+                                                    steps)[:25]:
+            print(f"  {calls:>5.0f} {ms:>8.2f} {rate:>7.1f}  {op} {shapes}", file=sys.stderr)
 
 
 def count_syncs(tr, data, steps: int) -> int:
@@ -183,8 +213,8 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
         if i == 0:
             sync()
             t_first = time.time() - T_LAUNCH
-    if use_cuda:
-        torch.cuda.reset_peak_memory_stats()
+    # Peak memory since the start: a captured step's buffers live in the graph's pool,
+    # allocated during the capture (a warm-up step), not during the timed replays.
     sync()
     t0 = time.perf_counter()
     for _ in range(steps):

@@ -26,6 +26,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron.core.graph_capture import capturing
+
 try:  # Triton ships with CUDA builds of torch; CPU builds may lack it.
     import triton
     import triton.language as tl
@@ -38,12 +40,17 @@ INTERPRET_ON_CPU = False
 _NUM_WARPS = 8
 
 
-def _adamw_kernel_source(block_tensor, block_chunk, addrs, numels, ntensors, scale_ptr, lr,
-                         weight_decay, beta1, beta2, eps, bias_correction1,
-                         bias_correction2_sqrt, OUT_DTYPE: tl.constexpr,
+def _adamw_kernel_source(block_tensor, block_chunk, addrs, numels, ntensors, scale_ptr, hyper,
+                         beta1, beta2, eps, OUT_DTYPE: tl.constexpr,
                          HAS_SCALE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: BLOCK elements of one parameter (AdamW, decoupled weight decay)."""
+    """One program: BLOCK elements of one parameter (AdamW, decoupled weight decay). The
+    values that change from step to step come from device memory (`hyper`: lr, weight
+    decay, 1 - beta1^t, sqrt(1 - beta2^t)), so a captured step replays with new ones."""
     pid = tl.program_id(0)
+    lr = tl.load(hyper)
+    weight_decay = tl.load(hyper + 1)
+    bias_correction1 = tl.load(hyper + 2)
+    bias_correction2_sqrt = tl.load(hyper + 3)
     t = tl.load(block_tensor + pid)
     offs = tl.load(block_chunk + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < tl.load(numels + t)
@@ -173,6 +180,7 @@ class MultiTensorAdamW:
         self.tables: List[Optional[_GroupTables]] = [None] * len(optimizer.param_groups)
         self.step_count: Optional[int] = None
         self._step_tensors: List[torch.Tensor] = []
+        self.hyper: Optional[torch.Tensor] = None  # [groups, 4] on the params' device
 
     def _init_state(self, params) -> None:
         state = self.optimizer.state
@@ -196,6 +204,10 @@ class MultiTensorAdamW:
                 self.tables[i] = _GroupTables(params, self.model_params[i], self.optimizer.state,
                                               params[0].device if params else None)
                 rebuilt = True
+        if (rebuilt or self.step_count is None) and capturing():
+            raise RuntimeError("the Triton AdamW tables went stale inside a captured step "
+                               "(optimizer state or grad buffers replaced after warm-up); "
+                               "use --cuda-graph-step off")
         if rebuilt or self.step_count is None:
             steps = [self.optimizer.state[p]["step"] for t in self.tables for p in t.params]
             stacked = torch.stack([s.float().reshape(()) for s in steps]) if steps else None
@@ -206,6 +218,24 @@ class MultiTensorAdamW:
             self._step_tensors = steps
         return True, rebuilt
 
+    def advance(self) -> None:
+        """Count one step on the host and write its per-group values (lr, weight decay,
+        bias corrections, computed in float64 as torch does, then rounded to fp32) into the
+        device tensor the kernel reads: from pinned memory, without waiting for the GPU.
+        `step()` does this itself, except while a whole-step graph is being captured: then
+        the graph's driver calls it before each replay."""
+        step = self.step_count + 1
+        values = []
+        for group in self.optimizer.param_groups:
+            beta1, beta2 = group["betas"]
+            values.append([float(group["lr"]), float(group["weight_decay"]),
+                           1.0 - beta1 ** step, math.sqrt(1.0 - beta2 ** step)])
+        host = torch.tensor(values, dtype=torch.float32)
+        if self.hyper.is_cuda:
+            host = host.pin_memory()
+        self.hyper.copy_(host, non_blocking=True)
+        self.step_count = step
+
     @torch.no_grad()
     def step(self, grad_scale: Optional[torch.Tensor] = None) -> bool:
         """One AdamW step of every parameter (grads divided by `grad_scale` when given);
@@ -213,9 +243,17 @@ class MultiTensorAdamW:
         are at different step counts (the caller then uses torch's optimizer)."""
         ok, _ = self._refresh()
         if not ok:
+            if capturing():
+                raise RuntimeError("the Triton AdamW kernel cannot step inside a captured "
+                                   "step (a parameter has no gradient, or parameters are at "
+                                   "different step counts); use --cuda-graph-step off")
             return False
-        step = self.step_count + 1
-        for group, table in zip(self.optimizer.param_groups, self.tables):
+        if self.hyper is None:
+            device = next(p.device for g in self.optimizer.param_groups for p in g["params"])
+            self.hyper = torch.zeros(len(self.tables), 4, dtype=torch.float32, device=device)
+        if not capturing():
+            self.advance()
+        for i, (group, table) in enumerate(zip(self.optimizer.param_groups, self.tables)):
             if table.num_blocks == 0:
                 continue
             beta1, beta2 = group["betas"]
@@ -223,13 +261,11 @@ class MultiTensorAdamW:
             scale = grad_scale if grad_scale is not None else table.numels
             _kernel()[(table.num_blocks,)](
                 table.block_tensor, table.block_chunk, table.addrs, table.numels,
-                len(table.params), scale, float(group["lr"]), float(group["weight_decay"]),
-                float(beta1), float(beta2), float(group["eps"]), 1.0 - beta1 ** step,
-                math.sqrt(1.0 - beta2 ** step), OUT_DTYPE=_TL_DTYPES[out_dtype],
+                len(table.params), scale, self.hyper[i], float(beta1), float(beta2),
+                float(group["eps"]), OUT_DTYPE=_TL_DTYPES[out_dtype],
                 HAS_SCALE=grad_scale is not None, ALIGNED=table.aligned, BLOCK=BLOCK,
                 num_warps=_NUM_WARPS)
         torch._foreach_add_(self._step_tensors, 1.0)
-        self.step_count = step
         return True
 
 

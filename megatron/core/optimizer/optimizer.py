@@ -207,6 +207,22 @@ class MegatronOptimizer:
                                      "--adam-kernel auto or torch")
         return self._multi or None
 
+    def graph_capture_reason(self) -> Optional[str]:
+        """None when `step()` can be recorded in a whole-step CUDA graph (no host decision
+        inside it, step-dependent values read from device memory), else why not."""
+        if getattr(self, "grad_scaler", None) is not None:
+            return "fp16 loss scaling decides on the host whether a step is skipped"
+        if self._multi_tensor() is None:
+            return ("the optimizer step is not the Triton AdamW kernel (it needs AdamW, "
+                    "Triton, grads in fp32 grad buffers, no --use-distributed-optimizer and "
+                    "no --adam-kernel torch)")
+        return None
+
+    def prepare_replay(self) -> None:
+        """The host side of `step()` for one replay of a captured step: count the step
+        and write its learning rate, weight decay and bias corrections to the device."""
+        self._multi_tensor().advance()
+
     def _clip_scale(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(grad norm, divisor that clips): dividing the gradients by the divisor is
         multiplying them by the clip coefficient min(1, clip_grad / (norm + 1e-6))."""

@@ -1,0 +1,195 @@
+"""Whole-step CUDA graphs (`--cuda-graph-step`, megatron/step_graph.py).
+
+On the CPU the step is driven through `StepGraph(simulated=True)`: the recorded step
+function is re-run at each "replay" with `capturing()` true, so everything the host must
+do around a replay is exercised -- the micro-batches copied into the static buffers, the
+step's lr / weight decay / bias corrections written to the device tensor the Triton AdamW
+kernel reads (`prepare_replay`), the step counted once. With a cosine schedule the lr
+changes every step, so a missed or doubled upload changes the weights: losses, grad
+norms and final weights must equal an eager run's exactly (same kernels, same order).
+The CUDA test captures a real graph and compares it with eager steps on the GPU.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="Triton is not installed (the graph needs "
+                                              "the Triton AdamW kernel)")
+
+from megatron.arguments_common import ArgumentsError  # noqa: E402
+from megatron.step_graph import (  # noqa: E402
+    WARMUP_STEPS,
+    StepGraph,
+    _copy_into,
+    runner_for,
+    settings_reason,
+)
+from tests.gpt_helpers import cli_trainer  # noqa: E402
+
+ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--train-iters", "8", "--lr", "3e-3", "--min-lr", "1e-4",
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--clip-grad", "0.05",
+        "--weight-decay", "0.1", "--seed", "5", "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--adam-kernel", "triton"]
+
+
+@pytest.fixture(autouse=True)
+def _interpret(request, monkeypatch):
+    """CPU tests run the AdamW kernel in Triton's interpreter; the CUDA test compiles it."""
+    from megatron.core.optimizer import multi_tensor_adam
+
+    on_cuda = "cuda" in request.keywords
+    if on_cuda:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(multi_tensor_adam, "INTERPRET_ON_CPU", not on_cuda)
+
+
+def _run(argv, steps: int, runner=None):
+    """(losses, grad norms, trainer) after `steps` steps; `runner` preset as the graph."""
+    from megatron.training import data_iterator, train_step
+
+    cfg, rt, tr = cli_trainer(list(argv))
+    if runner is not None:
+        tr.step_graph = runner
+    data = data_iterator(cfg, rt, "train", 0)
+    losses, norms = [], []
+    for _ in range(steps):
+        loss, ok, grad_norm, _ = train_step(tr, data)
+        assert ok
+        losses.append(loss)
+        norms.append(grad_norm)
+        tr.state.iteration += 1
+    return losses, norms, tr
+
+
+def _weights(tr):
+    return [p.detach().clone() for p in tr.model.unwrapped()[0].parameters()]
+
+
+@pytest.mark.parametrize("precision", ["--fp32", "--bf16"])
+def test_simulated_replays_equal_eager_steps(precision):
+    argv = ARGV + ([precision] if precision == "--bf16" else [])
+    steps = WARMUP_STEPS + 4
+    eager_losses, eager_norms, eager = _run(argv + ["--cuda-graph-step", "off"], steps)
+    runner = StepGraph(simulated=True)
+    losses, norms, graphed = _run(argv, steps, runner)
+    assert runner.body is not None and runner.failed is None, "no step was replayed"
+    assert [float(x) for x in losses] == [float(x) for x in eager_losses]
+    assert [float(x) for x in norms] == [float(x) for x in eager_norms]
+    for a, b in zip(_weights(graphed), _weights(eager)):
+        assert torch.equal(a, b)
+    multi = graphed.optimizer._multi
+    assert multi.step_count == steps, "each replay must count exactly one optimizer step"
+    assert torch.equal(multi.hyper, eager.optimizer._multi.hyper)  # the last step's lr, wd, ...
+    assert graphed.scheduler.num_steps == eager.scheduler.num_steps
+
+
+def test_returned_loss_is_not_overwritten_by_the_next_replay():
+    runner = StepGraph(simulated=True)
+    losses, _, _ = _run(ARGV, WARMUP_STEPS + 3, runner)
+    kept = [float(x) for x in losses]
+    assert len(set(kept)) == len(kept), f"losses repeat: {kept}"
+
+
+def test_a_failed_capture_falls_back_to_eager_steps_unless_insisted(capsys):
+    class Failing(StepGraph):
+        def _capture(self, tr, body):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    steps = WARMUP_STEPS + 3
+    eager_losses, _, _ = _run(ARGV + ["--cuda-graph-step", "off"], steps)
+    runner = Failing(simulated=True)
+    losses, _, _ = _run(ARGV, steps, runner)
+    assert [float(x) for x in losses] == [float(x) for x in eager_losses]
+    assert "operation not permitted" in runner.failed
+    assert "whole-step CUDA graph capture failed" in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match="operation not permitted"):
+        _run(ARGV, steps, Failing(strict=True, simulated=True))
+
+
+def test_auto_stays_eager_on_the_cpu_quietly(capsys):
+    _, _, tr = _run(ARGV, 1)
+    assert runner_for(tr) is None and tr.step_graph is False
+    assert "whole-step CUDA graph" not in capsys.readouterr().out
+
+
+def _settings(**changes):
+    base = dict(device_type="cuda", world_size=1, hidden_dropout=0.0, attention_dropout=0.0,
+                nan_loss_policy="stop", timing_log_level=0, rampup_batch_size=None,
+                empty_unused_memory_level=0, compile_mode="default", fp16=False,
+                distributed_optimizer=False, adam_kernel="auto", optimizer="adam")
+    base.update(changes)
+    return settings_reason(**base)
+
+
+@pytest.mark.parametrize("change,phrase", [
+    ({"device_type": "cpu"}, "needs CUDA"),
+    ({"world_size": 2}, "2 ranks"),
+    ({"hidden_dropout": 0.1}, "dropout is on"),
+    ({"nan_loss_policy": "skip"}, "--nan-loss-policy skip"),
+    ({"timing_log_level": 1}, "--timing-log-level 1"),
+    ({"rampup_batch_size": [4, 4, 100]}, "--rampup-batch-size"),
+    ({"empty_unused_memory_level": 1}, "--empty-unused-memory-level"),
+    ({"compile_mode": "reduce-overhead"}, "reduce-overhead"),
+    ({"fp16": True}, "fp16 loss scaling"),
+    ({"distributed_optimizer": True}, "--use-distributed-optimizer"),
+    ({"adam_kernel": "torch"}, "--adam-kernel torch"),
+    ({"optimizer": "sgd"}, "--optimizer sgd"),
+])
+def test_settings_that_rule_out_a_captured_step_are_named(change, phrase):
+    assert _settings() is None
+    assert phrase in _settings(**change)
+
+
+def test_insisting_where_it_cannot_capture_is_refused_at_parse_time():
+    from megatron.arguments import parse_and_validate
+
+    argv = ARGV + ["--bf16", "--cuda-graph-step", "on"]
+    parse_and_validate(argv, cuda_available=True)  # allowed
+    with pytest.raises(ArgumentsError, match="--cuda-graph-step on, but fp16 loss scaling"):
+        parse_and_validate([a for a in argv if a != "--bf16"] + ["--fp16"], cuda_available=True)
+    with pytest.raises(ArgumentsError, match="needs CUDA; use --cuda-graph-step auto"):
+        parse_and_validate(argv, cuda_available=False)
+
+
+def test_a_batch_of_another_shape_is_refused_with_the_fix():
+    static = [{"text": torch.zeros(2, 17, dtype=torch.int64)}]
+    _copy_into(static, [{"text": torch.ones(2, 17, dtype=torch.int64)}])
+    assert static[0]["text"].sum() == 34
+    with pytest.raises(RuntimeError, match="use --cuda-graph-step off for varying batch"):
+        _copy_into(static, [{"text": torch.ones(3, 17, dtype=torch.int64)}])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compile_flag", ["--no-compile", "--compile"])
+def test_captured_steps_equal_eager_steps_on_cuda(compile_flag):
+    """A real capture: 4 replays after the warm-up give the eager run's losses (bitwise:
+    the same kernels on the same data), and the returned losses stay distinct."""
+    from megatron.arguments import parse_and_validate
+    from megatron.initialize import initialize_distributed, set_random_seed
+    from megatron.training import build_trainer, data_iterator, train_step
+
+    def run(mode):
+        cfg = parse_and_validate(ARGV + ["--bf16", compile_flag, "--cuda-graph-step", mode],
+                                 env={"RANK": "0"}, cuda_available=True)
+        rt = initialize_distributed(cfg.parallel, 0, 1, 0)
+        set_random_seed(cfg.training.seed, rt)
+        tr = build_trainer(cfg, rt)
+        data = data_iterator(cfg, rt, "train", 0)
+        out = []
+        for _ in range(WARMUP_STEPS + 4):
+            out.append(train_step(tr, data)[0])
+            tr.state.iteration += 1
+        return [float(x) for x in out], tr
+
+    eager, _ = run("off")
+    graphed, tr = run("on")
+    assert tr.step_graph and tr.step_graph.graph is not None
+    assert graphed == eager
+    assert len(set(graphed)) == len(graphed)
