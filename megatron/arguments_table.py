@@ -299,6 +299,7 @@ EXTRA_GROUP = ("extensions (not in Megatron-LM 23.05)", (
     ("--adam-kernel", "str", "auto", ("auto", "torch", "triton")),
     ("--attention-backend", "str", "auto", ("auto", "flash", "cudnn", "efficient", "math")),
     ("--cuda-graph-step", "str", "auto", ("auto", "on", "off")),
+    ("--cross-entropy-kernel", "str", "auto", ("auto", "torch", "triton")),
     ("--normalization", "str", "LayerNorm", ("LayerNorm", "RMSNorm")),
     ("--group-query-attention", "true", False),
     ("--num-query-groups", "int", None),
@@ -338,6 +339,10 @@ EXTRA_HELP = {
                        "--overlap-grad-reduce or full recompute asks for layer",
     "--attention-backend": "scaled_dot_product_attention kernel: auto (torch's choice), flash, "
                            "cudnn or efficient (CUDA), math (reference)",
+    "--cross-entropy-kernel": "output layer + cross entropy: auto (default: one Triton pass "
+                              "per token computes the loss and overwrites the logits with "
+                              "their gradient, when tp is 1 and Triton runs on the device), "
+                              "torch (separate layer and loss), triton (insist)",
     "--cuda-graph-step": "record the whole training step (forward, backward, optimizer) as one "
                          "CUDA graph and replay it from the third step: auto (default: when "
                          "the run allows it -- one GPU, bf16/fp32, no dropout, the Triton "

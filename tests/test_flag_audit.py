@@ -209,6 +209,7 @@ IMPLEMENTED_BY = {
     "--compile-scope": (LAYERS, "compile_scope"),
     "--adam-kernel": ("megatron/core/optimizer/optimizer.py", "adam_kernel"),
     "--cuda-graph-step": ("megatron/step_graph.py", "cuda_graph_step"),
+    "--cross-entropy-kernel": ("megatron/core/models/gpt/gpt_model.py", "cross_entropy_kernel"),
     "--normalization": (LAYERS, "normalization"),
     "--group-query-attention": (VALIDATE, "group_query_attention"),  # -> num_query_groups
     "--num-query-groups": (LAYERS, "num_query_groups"),

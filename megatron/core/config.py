@@ -75,6 +75,9 @@ class ModelConfig:
     # scaled_dot_product_attention kernel: "auto" (torch picks), "flash", "cudnn",
     # "efficient" or "math".
     attention_backend: str = "auto"
+    # Output layer + cross entropy: "auto" (one Triton pass over the logits that writes
+    # their gradient in place, when tp is 1 and Triton can run), "torch", "triton".
+    cross_entropy_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from megatron.core.config import ModelConfig
+from megatron.core.fused_cross_entropy import linear_cross_entropy, use_fused
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -247,7 +248,28 @@ class GPTModel(nn.Module):
     def _tp_size(self) -> int:
         return 1 if self.tp_group is None else torch.distributed.get_world_size(self.tp_group)
 
+    def _fused_head_weight(self, hidden_sbh: torch.Tensor):
+        """(weight, fusion flag) for the fused output layer + cross entropy
+        (`--cross-entropy-kernel`), or None when the separate layers must run."""
+        cfg = self.config
+        reason = use_fused(cfg.cross_entropy_kernel, hidden_sbh.device, self._tp_size(),
+                           cfg.fp16_lm_cross_entropy)
+        if reason is not None:
+            if cfg.cross_entropy_kernel == "triton":
+                raise ValueError(f"--cross-entropy-kernel triton cannot be used: {reason}; "
+                                 "use --cross-entropy-kernel auto or torch")
+            return None
+        if cfg.untie_embeddings_and_output_weights:
+            layer = self.language_model.output_layer
+            return layer.weight, layer.gradient_accumulation_fusion
+        weight = self.output_weight_cast(self.output_weight(), hidden_sbh.dtype)
+        return weight, self.output_projection.gradient_accumulation_fusion
+
     def _head(self, hidden_sbh: torch.Tensor, labels: Optional[torch.Tensor]):
+        fused = self._fused_head_weight(hidden_sbh) if labels is not None else None
+        if fused is not None:
+            loss_sb = linear_cross_entropy(hidden_sbh, fused[0], labels.transpose(0, 1), fused[1])
+            return loss_sb.transpose(0, 1).contiguous()
         if self.config.untie_embeddings_and_output_weights:
             logits_sbv, _ = self.language_model.output_layer(hidden_sbh)
         else:

@@ -1,0 +1,134 @@
+"""Output layer + cross entropy in one node (`--cross-entropy-kernel`,
+megatron/core/fused_cross_entropy.py), the Triton kernel run on the CPU through Triton's
+interpreter (skipped where Triton is not installed).
+
+- Kernel: per-row loss equals torch's cross entropy (fp32: 1e-5; bf16 logits: 1e-2, the
+  reference upcasting the same bf16 values) and the row is overwritten with
+  softmax - onehot (rounded to the logits' dtype).
+- Autograd node against x @ W^T -> F.cross_entropy with a per-token weighting like the
+  training loss's mask: loss, grad_x and grad_W within 1e-5 (fp32); with gradient-
+  accumulation fusion the weight grad lands in `main_grad` (added to what was there).
+- Training: 4 steps with the kernel give the losses of `--cross-entropy-kernel torch`
+  (fp32, tied and untied output weights, within 1e-5).
+- Insisting where it cannot run is refused with the fix named.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton", reason="Triton is not installed")
+
+from megatron.core import fused_cross_entropy as fce  # noqa: E402
+from tests.gpt_helpers import cli_trainer, train_steps  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _interpret(request, monkeypatch):
+    """CPU tests: the interpreter (tests/conftest.py sets TRITON_INTERPRET where CUDA is
+    absent; where it is visible Triton's library is built for the GPU, so they skip)."""
+    if "cuda" in request.keywords:
+        return
+    monkeypatch.setattr(fce, "BLOCK", 64)  # several loop iterations and a ragged tail
+    if torch.cuda.is_available():
+        pytest.skip("CPU-interpreter test; the CUDA test covers this machine")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(fce, "INTERPRET_ON_CPU", True)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_kernel_loss_and_in_place_gradient(dtype, atol):
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(37, 201, generator=gen) * 4).to(dtype)
+    labels = torch.randint(0, 201, (37,), generator=gen)
+    reference = logits.float()
+    expected_loss = F.cross_entropy(reference, labels, reduction="none")
+    expected_grad = torch.softmax(reference, -1) - F.one_hot(labels, 201).float()
+    work = logits.clone()
+    loss = fce.loss_and_grad_rows_(work, labels)
+    assert loss.dtype == torch.float32
+    assert torch.allclose(loss, expected_loss, rtol=0, atol=atol)
+    assert work.dtype == dtype
+    assert torch.allclose(work.float(), expected_grad, rtol=0, atol=1e-6 if dtype == torch.float32
+                          else 4e-3)
+
+
+@pytest.mark.parametrize("fusion", [False, True])
+def test_linear_cross_entropy_matches_separate_layers(fusion):
+    gen = torch.Generator().manual_seed(1)
+    s, b, h, vocab = 6, 3, 16, 130
+    x = torch.randn(s, b, h, generator=gen, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(vocab, h, generator=gen) * 0.3)
+    labels = torch.randint(0, vocab, (s, b), generator=gen)
+    mask = (torch.rand(s, b, generator=gen) > 0.3).float()
+
+    x_ref = x.detach().clone().requires_grad_(True)
+    w_ref = weight.detach().clone().requires_grad_(True)
+    ref = F.cross_entropy((x_ref @ w_ref.t()).flatten(0, 1), labels.flatten(),
+                          reduction="none").view(s, b)
+    ((ref * mask).sum() / mask.sum()).backward()
+
+    if fusion:
+        weight.main_grad = torch.full_like(weight, 0.5)
+    loss = fce.linear_cross_entropy(x, weight, labels, gradient_accumulation_fusion=fusion)
+    ((loss * mask).sum() / mask.sum()).backward()
+    assert torch.allclose(loss, ref, rtol=0, atol=1e-5)
+    assert torch.allclose(x.grad, x_ref.grad, rtol=0, atol=1e-6)
+    if fusion:
+        assert weight.grad is None
+        assert torch.allclose(weight.main_grad - 0.5, w_ref.grad, rtol=0, atol=1e-6)
+    else:
+        assert torch.allclose(weight.grad, w_ref.grad, rtol=0, atol=1e-6)
+
+
+ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--train-iters", "8", "--lr", "3e-3", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--seed", "5",
+        "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--untie-embeddings-and-output-weights"]])
+def test_training_with_the_fused_head_matches_torch(extra):
+    from megatron.training import data_iterator
+
+    def losses(kernel):
+        cfg, rt, tr = cli_trainer(ARGV + extra + ["--cross-entropy-kernel", kernel])
+        return train_steps(tr, data_iterator(cfg, rt, "train", 0), 4)
+
+    expected = losses("torch")
+    got = losses("triton")
+    assert torch.allclose(torch.tensor(got), torch.tensor(expected), rtol=0, atol=1e-5)
+
+
+def test_reasons_and_refusal(monkeypatch):
+    cpu = torch.device("cpu")
+    assert fce.use_fused("auto", cpu, 1, False) is None  # the interpreter counts as able
+    assert "torch" in fce.use_fused("torch", cpu, 1, False)
+    assert "vocab-parallel" in fce.use_fused("auto", cpu, 2, False)
+    assert "--fp16-lm-cross-entropy" in fce.use_fused("auto", cpu, 1, True)
+    monkeypatch.setattr(fce, "INTERPRET_ON_CPU", False)
+    assert "cannot run on this device" in fce.use_fused("auto", cpu, 1, False)
+    from megatron.training import data_iterator
+
+    cfg, rt, tr = cli_trainer(ARGV + ["--cross-entropy-kernel", "triton"])
+    with pytest.raises(ValueError, match="--cross-entropy-kernel triton cannot be used: Triton "
+                                         "cannot run on this device; use --cross-entropy-kernel "
+                                         "auto or torch"):
+        train_steps(tr, data_iterator(cfg, rt, "train", 0), 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_on_cuda_with_a_gpt2_sized_vocabulary():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(512, 50304, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    labels = torch.randint(0, 50304, (512,), device="cuda", generator=gen)
+    reference = logits.float()
+    work = logits.clone()
+    loss = fce.loss_and_grad_rows_(work, labels)
+    expected = F.cross_entropy(reference, labels, reduction="none")
+    assert torch.allclose(loss, expected, rtol=0, atol=1e-3)
+    grad = torch.softmax(reference, -1) - F.one_hot(labels, 50304).float()
+    assert torch.allclose(work.float(), grad, rtol=0, atol=4e-3)
