@@ -10,10 +10,13 @@ read, p, m, v written, bf16 model copy written) for each (BLOCK, num_warps).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 
-from megatron.core.optimizer import multi_tensor_adam as mta
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron.core.optimizer import multi_tensor_adam as mta  # noqa: E402
 
 PRESETS = {  # (layers, hidden, ffn, vocab, seq)
     "gpt-1.3b": (24, 2048, 8192, 50304, 2048),
