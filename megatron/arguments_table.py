@@ -341,7 +341,7 @@ EXTRA_HELP = {
                            "cudnn or efficient (CUDA), math (reference)",
     "--cross-entropy-kernel": "output layer + cross entropy: auto (default: one Triton pass "
                               "per token computes the loss and overwrites the logits with "
-                              "their gradient, when tp is 1 and Triton runs on the device), "
+                              "their gradient, with bf16/fp32 weights, tp 1 and Triton on the device), "
                               "torch (separate layer and loss), triton (insist)",
     "--cuda-graph-step": "record the whole training step (forward, backward, optimizer) as one "
                          "CUDA graph and replay it from the third step: auto (default: when "

@@ -108,6 +108,8 @@ def test_reasons_and_refusal(monkeypatch):
     assert "torch" in fce.use_fused("torch", cpu, 1, False)
     assert "vocab-parallel" in fce.use_fused("auto", cpu, 2, False)
     assert "--fp16-lm-cross-entropy" in fce.use_fused("auto", cpu, 1, True)
+    assert "fp16 activations" in fce.use_fused("auto", cpu, 1, False, torch.float16)
+    assert fce.use_fused("auto", cpu, 1, False, torch.float32) is None
     monkeypatch.setattr(fce, "INTERPRET_ON_CPU", False)
     assert "cannot run on this device" in fce.use_fused("auto", cpu, 1, False)
     from megatron.training import data_iterator

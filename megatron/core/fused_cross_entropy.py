@@ -1,5 +1,6 @@
 """Output layer and cross entropy in one autograd node (`--cross-entropy-kernel triton`,
-the default on CUDA with one tensor-parallel rank when Triton is importable).
+the default on CUDA with one tensor-parallel rank, bf16 or fp32 weights, when Triton is
+importable).
 
 The [tokens, vocab] logits are the step's largest tensor (16384 x 50304 bf16 = 1.6 GB for
 a GPT-2 batch). Computed as a linear layer followed by a separate cross entropy they are
@@ -129,11 +130,15 @@ def linear_cross_entropy(x_sbh: torch.Tensor, weight: torch.Tensor, labels_sb: t
     return LinearCrossEntropy.apply(x_sbh, weight, labels_sb, gradient_accumulation_fusion)
 
 
-def use_fused(kernel: str, device: torch.device, tp_size: int,
-              fp16_lm_cross_entropy: bool) -> Optional[str]:
+def use_fused(kernel: str, device: torch.device, tp_size: int, fp16_lm_cross_entropy: bool,
+              dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
     """None when `--cross-entropy-kernel KERNEL` runs this kernel here, else why not."""
     if kernel == "torch":
         return "--cross-entropy-kernel torch"
+    if dtype == torch.float16:
+        # The backward scales the activations by the per-token gradient, which carries the
+        # loss scale: in fp16 that product overflows long before the logits' gradient would.
+        return "fp16 activations would overflow when scaled by the loss-scaled gradient"
     if tp_size > 1:
         return "tensor parallelism splits the vocabulary (vocab-parallel cross entropy)"
     if fp16_lm_cross_entropy:

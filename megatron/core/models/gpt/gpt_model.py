@@ -253,7 +253,7 @@ class GPTModel(nn.Module):
         (`--cross-entropy-kernel`), or None when the separate layers must run."""
         cfg = self.config
         reason = use_fused(cfg.cross_entropy_kernel, hidden_sbh.device, self._tp_size(),
-                           cfg.fp16_lm_cross_entropy)
+                           cfg.fp16_lm_cross_entropy, hidden_sbh.dtype)
         if reason is not None:
             if cfg.cross_entropy_kernel == "triton":
                 raise ValueError(f"--cross-entropy-kernel triton cannot be used: {reason}; "
