@@ -193,3 +193,23 @@ def test_captured_steps_equal_eager_steps_on_cuda(compile_flag):
     assert tr.step_graph and tr.step_graph.graph is not None
     assert graphed == eager
     assert len(set(graphed)) == len(graphed)
+
+
+def test_state_saved_after_replays_resumes_like_an_eager_run():
+    """The step count lives on the device (optimizer state) and on the host (the kernel's
+    bias corrections); after replays both must agree, so a checkpoint taken then resumes
+    eagerly with the losses of an uninterrupted eager run."""
+    from megatron.training import data_iterator, train_step
+
+    steps = WARMUP_STEPS + 3
+    expected, _, _ = _run(ARGV + ["--cuda-graph-step", "off"], steps + 2)
+    _, _, graphed = _run(ARGV, steps, StepGraph(simulated=True))
+    cfg, rt, resumed = cli_trainer(ARGV + ["--cuda-graph-step", "off"])
+    resumed.model.unwrapped()[0].load_state_dict(graphed.model.unwrapped()[0].state_dict())
+    resumed.optimizer.load_state_dict(graphed.optimizer.state_dict())
+    resumed.scheduler.load_state_dict(graphed.scheduler.state_dict())
+    data = data_iterator(cfg, rt, "train", 0)
+    for _ in range(steps * cfg.data.num_micro_batches):
+        next(data)
+    got = [float(train_step(resumed, data)[0]) for _ in range(2)]
+    assert got == [float(x) for x in expected[steps:]]
