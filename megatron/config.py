@@ -63,7 +63,9 @@ class TrainingConfig:
     seed: int = 1234
     data_parallel_random_init: bool = False
     empty_unused_memory_level: int = 0
-    cuda_graph_step: str = "off"  # --cuda-graph-step: "auto" | "on" | "off"
+    # --cuda-graph-step "auto" | "on" | "off"; the flag defaults to auto, a Config built in
+    # code (tests, tools) to off.
+    cuda_graph_step: str = "off"
 
 
 @dataclass

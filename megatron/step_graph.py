@@ -63,13 +63,13 @@ def settings_reason(*, device_type: str, world_size: int, hidden_dropout: float,
     return next((reason for failed, reason in checks if failed), None)
 
 
-def graph_capture_reason(tr, simulated: bool = False) -> Optional[str]:
+def graph_capture_reason(tr) -> Optional[str]:
     """None when the step can be captured as one CUDA graph, else why not (a phrase that
     completes 'the whole-step CUDA graph is off: ...')."""
     cfg = tr.config
     m, o = cfg.model, cfg.optimizer
     reason = settings_reason(
-        device_type="cuda" if simulated else tr.rt.device.type,
+        device_type=tr.rt.device.type,
         world_size=tr.rt.ps.world_size, hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout, nan_loss_policy=cfg.training.nan_loss_policy,
         timing_log_level=cfg.logging.timing_log_level,

@@ -8,7 +8,10 @@ parameters. Here one kernel reads p, g, m, v and writes p, m, v and the model pa
 30 bytes per parameter instead of 34, in `num_groups` launches. The arithmetic is torch's
 AdamW (decoupled weight decay) in fp32, in the same order, so results agree with
 `torch.optim.AdamW(fused=True)` to fp32 rounding; gradient clipping is folded in as a
-divisor (`grad_scale`), as torch's fused kernel does.
+divisor (`grad_scale`), as torch's fused kernel does. The values that change every step
+(lr, weight decay, bias corrections) are read from a small device tensor written from
+pinned memory before the launch (`advance()`), so a CUDA graph of the whole step
+(megatron/step_graph.py) replays with each step's values.
 
 The kernel walks address tables: for each parameter the addresses of p, grad, exp_avg,
 exp_avg_sq and the model parameter (0: none), its size and its group. The tables are
