@@ -300,6 +300,7 @@ EXTRA_GROUP = ("extensions (not in Megatron-LM 23.05)", (
     ("--attention-backend", "str", "auto", ("auto", "flash", "cudnn", "efficient", "math")),
     ("--cuda-graph-step", "str", "auto", ("auto", "on", "off")),
     ("--cross-entropy-kernel", "str", "auto", ("auto", "torch", "triton")),
+    ("--gelu-kernel", "str", "auto", ("auto", "torch", "polynomial")),
     ("--normalization", "str", "LayerNorm", ("LayerNorm", "RMSNorm")),
     ("--group-query-attention", "true", False),
     ("--num-query-groups", "int", None),
@@ -343,6 +344,10 @@ EXTRA_HELP = {
                               "per token computes the loss and overwrites the logits with "
                               "their gradient, with bf16/fp32 weights, tp 1 and Triton on the device), "
                               "torch (separate layer and loss), triton (insist)",
+    "--gelu-kernel": "how the (erf) GeLU is computed: torch (torch's erf), polynomial (erf by "
+                     "a five-term polynomial and one exponential, |error| < 1.5e-7, which the "
+                     "backward reuses; cheaper to compute when compiled), auto (default: "
+                     "polynomial when the layers are compiled, else torch)",
     "--cuda-graph-step": "record the whole training step (forward, backward, optimizer) as one "
                          "CUDA graph and replay it from the third step: auto (default: when "
                          "the run allows it -- one GPU, bf16/fp32, no dropout, the Triton "

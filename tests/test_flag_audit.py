@@ -210,6 +210,7 @@ IMPLEMENTED_BY = {
     "--adam-kernel": ("megatron/core/optimizer/optimizer.py", "adam_kernel"),
     "--cuda-graph-step": ("megatron/step_graph.py", "cuda_graph_step"),
     "--cross-entropy-kernel": ("megatron/core/models/gpt/gpt_model.py", "cross_entropy_kernel"),
+    "--gelu-kernel": ("megatron/core/models/gpt/transformer.py", "gelu_kernel"),
     "--normalization": (LAYERS, "normalization"),
     "--group-query-attention": (VALIDATE, "group_query_attention"),  # -> num_query_groups
     "--num-query-groups": (LAYERS, "num_query_groups"),

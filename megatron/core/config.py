@@ -78,6 +78,9 @@ class ModelConfig:
     # Output layer + cross entropy: "auto" (one Triton pass over the logits that writes
     # their gradient in place, when tp is 1 and Triton can run), "torch", "triton".
     cross_entropy_kernel: str = "auto"
+    # GeLU (erf form): "torch", "polynomial" (megatron/core/fused_activation.py), or "auto"
+    # (polynomial when the layers are compiled).
+    gelu_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:

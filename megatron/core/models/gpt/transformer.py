@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.core import fused_activation
 from megatron.core.config import ModelConfig
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
@@ -121,8 +122,11 @@ def init_methods(config: ModelConfig):
             scaled_init_method_normal(config.init_method_std, config.num_layers))
 
 
-def _activation(name: str):
+def _activation(name: str, config: Optional[ModelConfig] = None):
     if name == "gelu":
+        kernel = config.gelu_kernel if config is not None else "torch"
+        if kernel == "polynomial" or (kernel == "auto" and config.compile_layers):
+            return fused_activation.gelu
         return F.gelu
     if name == "openai_gelu":
         return lambda x: F.gelu(x, approximate="tanh")
@@ -176,7 +180,7 @@ class ParallelMLP(nn.Module):
             config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear,
             input_is_parallel=True, skip_bias_add=True, init_method=output_init, **kw,
         )
-        self.act = None if self.swiglu else _activation(config.activation)
+        self.act = None if self.swiglu else _activation(config.activation, config)
 
     def forward(self, x_sbh: torch.Tensor):
         h_sbf, bias = self.dense_h_to_4h(x_sbh)

@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""Time the MLP activation's forward and backward on one GPU, against a plain copy of
+the same bytes, alone and right after the matrix product that feeds it (CUDA).
+
+    python benchmarks/act_probe.py [--tokens 16384] [--hidden 2048] [--ffn 8192]
+
+Rows: ms per call and the bandwidth reached (bytes the pass must move: forward reads the
+pre-activation and writes the activation, backward reads the upstream gradient and the
+pre-activation and writes the input gradient). "after GEMM" rows time GEMM + pass and
+subtract the GEMM alone, i.e. the pass's cost on a chip that is drawing full power.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def timed(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def variants():
+    """name -> (forward fn(h) differentiable, or None; triton pair (fwd(h), bwd(g, h)))."""
+    out = {"eager gelu(erf)": F.gelu,
+           "compiled gelu(erf)": torch.compile(F.gelu),
+           "compiled gelu(tanh)": torch.compile(lambda x: F.gelu(x, approximate="tanh"))}
+    try:
+        from megatron.core import fused_activation as fa
+    except ImportError:
+        return out
+    out["compiled Function(A&S)"] = torch.compile(fa.gelu)
+    out["eager Function(A&S)"] = fa.gelu
+    out["triton gelu(A&S erf)"] = (fa.gelu_forward, fa.gelu_backward)
+    out["triton gelu(libdevice erf)"] = (lambda h: fa.gelu_forward(h, exact=True),
+                                         lambda g, h: fa.gelu_backward(g, h, exact=True))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--ffn", type=int, default=8192)
+    ap.add_argument("--iters", type=int, default=50)
+    a = ap.parse_args()
+    dev, dt = "cuda", torch.bfloat16
+    x = torch.randn(a.tokens, a.hidden, device=dev, dtype=dt)
+    w = torch.randn(a.ffn, a.hidden, device=dev, dtype=dt) * 0.02
+    h = x @ w.t()
+    g = torch.randn_like(h)
+    nbytes = h.numel() * h.element_size()
+    gemm_ms = timed(lambda: torch.mm(x, w.t()), a.iters)
+    print(f"activation [{a.tokens}, {a.ffn}] bf16 ({nbytes / 1e6:.0f} MB); "
+          f"fc1 GEMM alone {gemm_ms:.3f} ms")
+    print(f"{'pass':<26} {'alone ms':>9} {'TB/s':>6} {'after GEMM ms':>14} {'TB/s':>6}")
+
+    def row(name, fn, moved):
+        alone = timed(fn, a.iters)
+        ctx = timed(lambda: (torch.mm(x, w.t()), fn()), a.iters) - gemm_ms
+        print(f"{name:<26} {alone:>9.3f} {moved / alone / 1e9:>6.2f} {ctx:>14.3f} "
+              f"{moved / max(ctx, 1e-6) / 1e9:>6.2f}", flush=True)
+
+    row("copy (read + write)", lambda: h.clone(), 2 * nbytes)
+    hr = h.detach().requires_grad_(True)
+    for name, fn in variants().items():
+        if isinstance(fn, tuple):
+            fwd, bwd = fn
+            row(f"{name} fwd", lambda: fwd(h), 2 * nbytes)
+            row(f"{name} bwd", lambda: bwd(g, h), 3 * nbytes)
+            continue
+        y = fn(hr)
+        row(f"{name} fwd", lambda: fn(hr), 2 * nbytes)
+        row(f"{name} bwd", lambda: torch.autograd.grad(y, hr, g, retain_graph=True), 3 * nbytes)
+
+
+if __name__ == "__main__":
+    main()
