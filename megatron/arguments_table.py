@@ -345,9 +345,9 @@ EXTRA_HELP = {
                               "their gradient, with bf16/fp32 weights, tp 1 and Triton on the device), "
                               "torch (separate layer and loss), triton (insist)",
     "--gelu-kernel": "how the (erf) GeLU is computed: torch (torch's erf), polynomial (erf by "
-                     "a five-term polynomial and one exponential, |error| < 1.5e-7, which the "
-                     "backward reuses; cheaper to compute when compiled), auto (default: "
-                     "polynomial when the layers are compiled, else torch)",
+                     "a five-term polynomial and one exponential, |error| < 1.5e-7, the "
+                     "backward reusing the exponential; Triton kernels on CUDA, torch ops "
+                     "elsewhere), auto (default: polynomial on CUDA with Triton, else torch)",
     "--cuda-graph-step": "record the whole training step (forward, backward, optimizer) as one "
                          "CUDA graph and replay it from the third step: auto (default: when "
                          "the run allows it -- one GPU, bf16/fp32, no dropout, the Triton "

@@ -1,10 +1,12 @@
 """The polynomial GeLU (`--gelu-kernel`, megatron/core/fused_activation.py).
 
-- Against the fp64 erf GeLU over [-12, 12]: forward and gradient within 2e-6 in fp32
-  (the erf polynomial's 1.5e-7, scaled by |x| and fp32 rounding); in bf16 within one
-  bf16 rounding step of torch's bf16 result.
-- Compiled (inductor) equals eager bit for bit up to fp32 rounding (1e-6).
-- `auto` picks the polynomial exactly when the layers are compiled.
+- The operators (torch ops on the CPU) against the fp64 erf GeLU over [-12, 12]: forward
+  and gradient within 2e-6 in fp32 (the erf polynomial's 1.5e-7, scaled by |x|, plus fp32
+  rounding); in bf16 within one bf16 rounding step of torch's bf16 result.
+- The Triton kernels (CPU interpreter) give the operators' values (fp32: 1e-6; bf16: one
+  rounding step), also on a ragged tail; torch.library.opcheck passes.
+- Under torch.compile the operators give eager's values and gradients.
+- `auto` runs the kernels where Triton can, torch's GeLU elsewhere.
 - Training 4 steps with `--gelu-kernel polynomial` gives the losses of `torch` (1e-5).
 """
 from __future__ import annotations
@@ -55,7 +57,40 @@ def test_matches_torch_in_bf16():
     assert ((g.float() - g_torch.float()).abs() <= step * g_torch.float().abs() + 1e-6).all()
 
 
-@pytest.mark.slow
+@pytest.fixture
+def interpret(monkeypatch):
+    """Run the Triton kernels on CPU tensors (tests/conftest.py sets TRITON_INTERPRET)."""
+    pytest.importorskip("triton", reason="Triton is not installed")
+    if torch.cuda.is_available():
+        pytest.skip("CPU-interpreter test; the CUDA test covers this machine")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(fa, "INTERPRET_ON_CPU", True)
+    monkeypatch.setattr(fa, "BLOCK", 256)  # several programs and a ragged tail
+
+
+@pytest.mark.parametrize("dtype,step", [(torch.float32, 0.0), (torch.bfloat16, 2.0 ** -7)])
+def test_kernels_match_the_operators(interpret, dtype, step):
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(1000, generator=gen) * 4).to(dtype)
+    grad = torch.randn(1000, generator=gen).to(dtype)
+    y_kernel, g_kernel = fa.gelu_forward(x), fa.gelu_backward(grad, x)
+    pdf, cdf = fa._pdf_cdf(x.float())  # the operators' torch-ops arithmetic
+    y_ops = (x.float() * cdf).to(dtype)
+    g_ops = (grad.float() * (cdf + x.float() * pdf)).to(dtype)
+    for got, want in ((y_kernel, y_ops), (g_kernel, g_ops)):
+        assert got.dtype == dtype
+        tol = step * want.float().abs() + 1e-6
+        assert ((got.float() - want.float()).abs() <= tol).all()
+
+
+def test_operator_registration():
+    x = torch.randn(8, 12, dtype=torch.float32, requires_grad=True)
+    torch.library.opcheck(torch.ops.megatron.gelu.default, (x,))
+    # (no double backward: the backward operator has no gradient of its own)
+    torch.library.opcheck(torch.ops.megatron.gelu_backward.default,
+                          (torch.randn(8, 12), x.detach()))
+
+
 def test_compiled_equals_eager():
     x = torch.randn(64, 96, generator=torch.Generator().manual_seed(2)) * 4
     grad = torch.randn(64, 96, generator=torch.Generator().manual_seed(3))
@@ -65,15 +100,24 @@ def test_compiled_equals_eager():
     assert torch.allclose(gc, g, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("kernel,compiled,expected", [
-    ("auto", True, "polynomial"), ("auto", False, "torch"),
-    ("polynomial", False, "polynomial"), ("torch", True, "torch")])
-def test_choice(kernel, compiled, expected):
+def _mlp_act(kernel: str):
     cfg = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, padded_vocab_size=16,
-                      seq_length=4, max_position_embeddings=4, gelu_kernel=kernel,
-                      compile_layers=compiled)
-    act = ParallelMLP(cfg).act
-    assert act is (fa.gelu if expected == "polynomial" else F.gelu)
+                      seq_length=4, max_position_embeddings=4, gelu_kernel=kernel)
+    return ParallelMLP(cfg).act
+
+
+def test_choice(monkeypatch):
+    assert _mlp_act("torch") is F.gelu
+    assert _mlp_act("polynomial") is fa.gelu
+    auto = _mlp_act("auto")
+    x = torch.randn(64, generator=torch.Generator().manual_seed(6)) * 3
+    monkeypatch.setattr(fa, "INTERPRET_ON_CPU", False)
+    assert torch.equal(auto(x), F.gelu(x))  # no Triton on this device: torch's GeLU
+    calls = []
+    monkeypatch.setattr(fa, "available", lambda device: True)
+    monkeypatch.setattr(fa, "gelu", lambda h: calls.append(h) or h)
+    auto(x)
+    assert calls and calls[0] is x  # where the kernels can run, auto uses them
 
 
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

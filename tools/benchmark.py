@@ -230,7 +230,8 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     return {
         "preset": preset, "device": torch.cuda.get_device_name() if use_cuda else "cpu",
         "layout": layout_name(config), "world_size": world,
-        "micro_batch": micro_batch, "seq_length": d.seq_length, "steps": steps,
+        "micro_batch": micro_batch, "global_batch": d.global_batch_size,
+        "seq_length": d.seq_length, "steps": steps,
         "step_ms": round(elapsed / steps * 1000, 2), "tokens_per_s": round(tokens_per_s),
         "tflops": round(tokens_per_s * fpt / 1e12, 1), "mfu": round(tokens_per_s * fpt / 989e12, 4),
         "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if use_cuda else None,

@@ -78,8 +78,8 @@ class ModelConfig:
     # Output layer + cross entropy: "auto" (one Triton pass over the logits that writes
     # their gradient in place, when tp is 1 and Triton can run), "torch", "triton".
     cross_entropy_kernel: str = "auto"
-    # GeLU (erf form): "torch", "polynomial" (megatron/core/fused_activation.py), or "auto"
-    # (polynomial when the layers are compiled).
+    # GeLU (erf form): "torch", "polynomial" (megatron/core/fused_activation.py: Triton
+    # kernels on CUDA, torch ops elsewhere), or "auto" (polynomial where Triton runs).
     gelu_kernel: str = "auto"
 
     def __post_init__(self) -> None:

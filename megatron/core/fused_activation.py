@@ -1,103 +1,146 @@
-"""GeLU (erf form) forward and backward as Triton kernels, for measuring against the
-compiled ones (benchmarks/act_probe.py).
+"""GeLU (erf form) as two operators of our own, Triton kernels on CUDA
+(`--gelu-kernel triton`, the default there).
 
-erf(x / sqrt(2)) is computed with Abramowitz & Stegun 7.1.26 (absolute error below
-1.5e-7, far under bf16's resolution): one exponential and one reciprocal, and the
-backward's Gaussian density reuses the same exponential. `EXACT=True` uses the
-libdevice erf instead.
+Why not torch's: erf costs ~20 instructions per element, and on a power-capped H200 that
+makes the activation instruction-bound (benchmarks/act_probe.py: compiled forward 2.8
+TB/s, a plain copy 4.2). Here erf(x / sqrt(2)) comes from Abramowitz & Stegun 7.1.26
+(absolute error below 1.5e-7, far under bf16's resolution): one exponential and one
+reciprocal, and the backward's Gaussian density reuses that exponential.
+
+Why operators: torch.compile cannot look inside them, so the compiled backward keeps the
+activation saved in the forward instead of recomputing it next to the gradient (one
+write less per layer, for the activation's memory). On the CPU the operators compute
+the same polynomial in torch ops; the tests run the Triton kernels on the CPU through
+Triton's interpreter (`INTERPRET_ON_CPU`).
 """
 from __future__ import annotations
 
 import torch
 
-try:
+try:  # Triton ships with CUDA builds of torch; CPU builds may lack it.
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-BLOCK = 2048
+BLOCK = 2048  # elements per program (benchmarks/act_probe.py)
+INTERPRET_ON_CPU = False  # tests: run the kernels on CPU tensors through the interpreter
+_NUM_WARPS = 8
 INV_SQRT2 = 0.7071067811865476
 INV_SQRT_2PI = 0.3989422804014327
-
-
-if triton is not None:
-    @triton.jit
-    def _phi_and_cdf(x, EXACT: tl.constexpr):
-        """(standard normal density, cumulative distribution) at x, in fp32."""
-        e = tl.exp(-0.5 * x * x)
-        if EXACT:
-            cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
-        else:
-            z = tl.abs(x) * 0.7071067811865476
-            t = 1.0 / (1.0 + 0.3275911 * z)
-            poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741
-                        + t * (-1.453152027 + t * 1.061405429))))
-            half_erfc = 0.5 * poly * e  # 0.5 * erfc(|x| / sqrt(2))
-            cdf = tl.where(x >= 0, 1.0 - half_erfc, half_erfc)
-        return e * 0.3989422804014327, cdf
-
-    @triton.jit
-    def _gelu_fwd_kernel(h_ptr, out_ptr, n, EXACT: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        x = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        _, cdf = _phi_and_cdf(x, EXACT)
-        tl.store(out_ptr + offs, (x * cdf).to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _gelu_bwd_kernel(g_ptr, h_ptr, out_ptr, n, EXACT: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        x = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        pdf, cdf = _phi_and_cdf(x, EXACT)
-        tl.store(out_ptr + offs, (g * (cdf + x * pdf)).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def gelu_forward(h: torch.Tensor, exact: bool = False) -> torch.Tensor:
-    h = h.contiguous()
-    out = torch.empty_like(h)
-    n = h.numel()
-    _gelu_fwd_kernel[(triton.cdiv(n, BLOCK),)](h, out, n, EXACT=exact, BLOCK=BLOCK,
-                                               num_warps=8)
-    return out
-
-
-def gelu_backward(grad: torch.Tensor, h: torch.Tensor, exact: bool = False) -> torch.Tensor:
-    grad, h = grad.contiguous(), h.contiguous()
-    out = torch.empty_like(h)
-    n = h.numel()
-    _gelu_bwd_kernel[(triton.cdiv(n, BLOCK),)](grad, h, out, n, EXACT=exact, BLOCK=BLOCK,
-                                               num_warps=8)
-    return out
+_P, _A = 0.3275911, (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
 
 
 def _pdf_cdf(x: torch.Tensor):
-    """(standard normal density, cdf) of fp32 x by A&S 7.1.26, in torch ops."""
+    """(standard normal density, cdf) at fp32 x: the kernels' arithmetic in torch ops."""
     e = torch.exp(-0.5 * x * x)
-    z = x.abs() * INV_SQRT2
-    t = 1.0 / (1.0 + 0.3275911 * z)
-    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741
-                + t * (-1.453152027 + t * 1.061405429))))
+    t = 1.0 / (1.0 + _P * (x.abs() * INV_SQRT2))
+    poly = t * (_A[0] + t * (_A[1] + t * (_A[2] + t * (_A[3] + t * _A[4]))))
     half_erfc = 0.5 * poly * e
     return e * INV_SQRT_2PI, torch.where(x >= 0, 1.0 - half_erfc, half_erfc)
 
 
-class GeLUFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h):
-        ctx.save_for_backward(h)
-        x = h.float()
-        return (x * _pdf_cdf(x)[1]).to(h.dtype)
+def _gelu_fwd_source(h_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    e = tl.exp(-0.5 * x * x)
+    t = 1.0 / (1.0 + 0.3275911 * (tl.abs(x) * 0.7071067811865476))
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741
+                + t * (-1.453152027 + t * 1.061405429))))
+    half_erfc = 0.5 * poly * e
+    cdf = tl.where(x >= 0, 1.0 - half_erfc, half_erfc)
+    tl.store(out_ptr + offs, (x * cdf).to(out_ptr.dtype.element_ty), mask=mask)
 
-    @staticmethod
-    def backward(ctx, grad):
-        (h,) = ctx.saved_tensors
-        x = h.float()
-        pdf, cdf = _pdf_cdf(x)
-        return (grad.float() * (cdf + x * pdf)).to(h.dtype)
+
+def _gelu_bwd_source(g_ptr, h_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    e = tl.exp(-0.5 * x * x)
+    t = 1.0 / (1.0 + 0.3275911 * (tl.abs(x) * 0.7071067811865476))
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741
+                + t * (-1.453152027 + t * 1.061405429))))
+    half_erfc = 0.5 * poly * e
+    cdf = tl.where(x >= 0, 1.0 - half_erfc, half_erfc)
+    grad = g * (cdf + x * (e * 0.3989422804014327))
+    tl.store(out_ptr + offs, grad.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_KERNELS = {}
+
+
+def _kernels():
+    """The jitted (forward, backward) kernels for the current INTERPRET_ON_CPU setting."""
+    if INTERPRET_ON_CPU not in _KERNELS:
+        _KERNELS[INTERPRET_ON_CPU] = (triton.jit(_gelu_fwd_source), triton.jit(_gelu_bwd_source))
+    return _KERNELS[INTERPRET_ON_CPU]
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels can run on `device` (CUDA, or the CPU interpreter in tests)."""
+    return triton is not None and (device.type == "cuda" or INTERPRET_ON_CPU)
+
+
+def gelu_forward(h: torch.Tensor) -> torch.Tensor:
+    """GeLU of a contiguous tensor by the Triton kernel (fp32 arithmetic, h's dtype out)."""
+    out = torch.empty_like(h)
+    n = h.numel()
+    _kernels()[0][(triton.cdiv(n, BLOCK),)](h, out, n, BLOCK=BLOCK, num_warps=_NUM_WARPS)
+    return out
+
+
+def gelu_backward(grad: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """grad * GeLU'(h) by the Triton kernel."""
+    out = torch.empty_like(h)
+    n = h.numel()
+    _kernels()[1][(triton.cdiv(n, BLOCK),)](grad, h, out, n, BLOCK=BLOCK,
+                                            num_warps=_NUM_WARPS)
+    return out
+
+
+@torch.library.custom_op("megatron::gelu", mutates_args=())
+def _gelu_op(h: torch.Tensor) -> torch.Tensor:
+    h = h.contiguous()
+    if available(h.device):
+        return gelu_forward(h)
+    x = h.float()
+    return (x * _pdf_cdf(x)[1]).to(h.dtype)
+
+
+@torch.library.custom_op("megatron::gelu_backward", mutates_args=())
+def _gelu_backward_op(grad: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    grad, h = grad.contiguous(), h.contiguous()
+    if available(h.device):
+        return gelu_backward(grad, h)
+    x = h.float()
+    pdf, cdf = _pdf_cdf(x)
+    return (grad.float() * (cdf + x * pdf)).to(h.dtype)
+
+
+@_gelu_op.register_fake
+def _(h):
+    return torch.empty_like(h, memory_format=torch.contiguous_format)
+
+
+@_gelu_backward_op.register_fake
+def _(grad, h):
+    return torch.empty_like(h, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[0])
+
+
+def _backward(ctx, grad):
+    (h,) = ctx.saved_tensors
+    return _gelu_backward_op(grad, h)
+
+
+_gelu_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def gelu(h: torch.Tensor) -> torch.Tensor:
-    return GeLUFunction.apply(h)
+    """GeLU (erf form) through the operators: Triton on CUDA, torch ops on the CPU."""
+    return _gelu_op(h)

@@ -122,12 +122,15 @@ def init_methods(config: ModelConfig):
             scaled_init_method_normal(config.init_method_std, config.num_layers))
 
 
+def _gelu_auto(x: torch.Tensor) -> torch.Tensor:
+    """`--gelu-kernel auto`: the polynomial's Triton kernels where they can run, else torch."""
+    return fused_activation.gelu(x) if fused_activation.available(x.device) else F.gelu(x)
+
+
 def _activation(name: str, config: Optional[ModelConfig] = None):
     if name == "gelu":
         kernel = config.gelu_kernel if config is not None else "torch"
-        if kernel == "polynomial" or (kernel == "auto" and config.compile_layers):
-            return fused_activation.gelu
-        return F.gelu
+        return {"polynomial": fused_activation.gelu, "auto": _gelu_auto}.get(kernel, F.gelu)
     if name == "openai_gelu":
         return lambda x: F.gelu(x, approximate="tanh")
     if name == "squared_relu":
