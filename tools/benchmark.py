@@ -206,6 +206,7 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     set_random_seed(config.training.seed, rt)
     tr = build_trainer(config, rt)
     data = data_iterator(config, rt, "train", 0)
+    t_built = time.time() - T_LAUNCH  # imports, model, optimizer, data: all but the step
     sync = torch.cuda.synchronize if use_cuda else (lambda: None)
     t_first = None
     for i in range(warmup):
@@ -235,7 +236,8 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
         "step_ms": round(elapsed / steps * 1000, 2), "tokens_per_s": round(tokens_per_s),
         "tflops": round(tokens_per_s * fpt / 1e12, 1), "mfu": round(tokens_per_s * fpt / 989e12, 4),
         "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if use_cuda else None,
-        "time_to_first_step_s": round(t_first, 1), "loss": round(float(loss), 4),
+        "time_to_first_step_s": round(t_first, 1), "time_to_build_s": round(t_built, 1),
+        "loss": round(float(loss), 4),
         "est_mem_gb": round(estimate_memory(config)["allocated"] / 2**30, 2),
         "compile": m.compile_layers, "extra": " ".join(extra),
         **({"host_syncs": syncs, "sync_steps": sync_steps} if syncs is not None else {}),
