@@ -342,7 +342,8 @@ EXTRA_HELP = {
                            "cudnn or efficient (CUDA), math (reference)",
     "--cross-entropy-kernel": "output layer + cross entropy: auto (default: one Triton pass "
                               "per token computes the loss and overwrites the logits with "
-                              "their gradient, with bf16/fp32 weights, tp 1 and Triton on the device), "
+                              "their gradient, with bf16/fp32 weights and Triton on the "
+                              "device; under tensor parallelism on the vocabulary slices), "
                               "torch (separate layer and loss), triton (insist)",
     "--gelu-kernel": "how the (erf) GeLU is computed: torch (torch's erf), polynomial (erf by "
                      "a five-term polynomial and one exponential, |error| < 1.5e-7, the "

@@ -75,8 +75,9 @@ class ModelConfig:
     # scaled_dot_product_attention kernel: "auto" (torch picks), "flash", "cudnn",
     # "efficient" or "math".
     attention_backend: str = "auto"
-    # Output layer + cross entropy: "auto" (one Triton pass over the logits that writes
-    # their gradient in place, when tp is 1 and Triton can run), "torch", "triton".
+    # Output layer + cross entropy: "auto" (Triton passes over the logits that write their
+    # gradient in place, per vocabulary slice under TP, when Triton can run), "torch",
+    # "triton".
     cross_entropy_kernel: str = "auto"
     # GeLU (erf form): "torch", "polynomial" (megatron/core/fused_activation.py: Triton
     # kernels on CUDA, torch ops elsewhere), or "auto" (polynomial where Triton runs).

@@ -1,6 +1,5 @@
 """Output layer and cross entropy in one autograd node (`--cross-entropy-kernel triton`,
-the default on CUDA with one tensor-parallel rank, bf16 or fp32 weights, when Triton is
-importable).
+the default on CUDA with bf16 or fp32 weights when Triton is importable).
 
 The [tokens, vocab] logits are the step's largest tensor (16384 x 50304 bf16 = 1.6 GB for
 a GPT-2 batch). Computed as a linear layer followed by a separate cross entropy they are
@@ -16,14 +15,30 @@ read the scaled gradient, and no pass over [tokens, vocab] is left in the backwa
 
 Memory is unchanged (the linear layer would keep the logits for the loss's backward too).
 The weight gradient is added into `weight.main_grad` by the same fp32-accumulating GEMM
-as the linear layers' when gradient-accumulation fusion is on. The tests run the kernel
-through Triton's CPU interpreter (`INTERPRET_ON_CPU`, as in multi_tensor_adam).
+as the linear layers' when gradient-accumulation fusion is on.
+
+With tensor parallelism each rank holds a slice of the vocabulary. Two kernels then run
+per row: the first writes the slice's max, sum of exponentials and target logit (when the
+slice holds the target); three all-reduces of one number per token make them the whole
+vocabulary's (Megatron's vocab-parallel cross entropy reduces the same three); the second
+overwrites the row with softmax - onehot. The backward sums the input grad over the group
+as the column-parallel layer does, overlapped with the weight-grad GEMM. The tests run
+the kernels through Triton's CPU interpreter (`INTERPRET_ON_CPU`, as in multi_tensor_adam),
+under tensor parallelism with gloo processes.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+
+from megatron.core.tensor_parallel.layers import accumulate_weight_grad
+from megatron.core.tensor_parallel.mappings import (
+    all_gather_dim0,
+    group_rank,
+    group_size,
+    reduce_scatter_dim0,
+)
 
 try:
     import triton
@@ -73,6 +88,54 @@ def _kernel():
     return _KERNELS[INTERPRET_ON_CPU]
 
 
+def _row_stats_source(logits, labels, row_max_out, row_sum_out, target_out, vocab, stride,
+                      vocab_start, BLOCK: tl.constexpr):
+    """Vocab-parallel pass 1, one program per row of this rank's slice: max, sum of
+    exp(logit - max), and the target's logit (0 when another rank holds the target)."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits + row * stride
+    lanes = tl.arange(0, BLOCK)
+    run_max = tl.full([BLOCK], -1.0e30, tl.float32)
+    run_sum = tl.full([BLOCK], 0.0, tl.float32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + lanes
+        valid = offs < vocab
+        x = tl.load(base + offs, mask=valid, other=-1.0e30).to(tl.float32)
+        new_max = tl.maximum(run_max, x)
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.where(valid, tl.exp(x - new_max), 0.0)
+        run_max = new_max
+    row_max = tl.max(run_max, axis=0)
+    tl.store(row_max_out + row, row_max)
+    tl.store(row_sum_out + row, tl.sum(run_sum * tl.exp(run_max - row_max), axis=0))
+    local = tl.load(labels + row) - vocab_start
+    inside = (local >= 0) & (local < vocab)
+    target = tl.load(base + tl.where(inside, local, 0)).to(tl.float32)
+    tl.store(target_out + row, tl.where(inside, target, 0.0))
+
+
+def _grad_rows_source(logits, labels, lse, vocab, stride, vocab_start, BLOCK: tl.constexpr):
+    """Vocab-parallel pass 2: the row <- softmax - onehot with the whole vocabulary's
+    log-sum-exp (the onehot only where this rank holds the target)."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits + row * stride
+    local = tl.load(labels + row) - vocab_start
+    row_lse = tl.load(lse + row)
+    lanes = tl.arange(0, BLOCK)
+    for start in range(0, vocab, BLOCK):
+        offs = start + lanes
+        valid = offs < vocab
+        x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32)
+        grad = tl.exp(x - row_lse) - tl.where(offs == local, 1.0, 0.0)
+        tl.store(base + offs, grad.to(logits.dtype.element_ty), mask=valid)
+
+
+def _parallel_kernels():
+    key = ("parallel", INTERPRET_ON_CPU)
+    if key not in _KERNELS:
+        _KERNELS[key] = (triton.jit(_row_stats_source), triton.jit(_grad_rows_source))
+    return _KERNELS[key]
+
+
 def available(device: torch.device) -> bool:
     """Whether the kernel can run on `device` (CUDA, or the CPU interpreter in tests)."""
     return triton is not None and (device.type == "cuda" or INTERPRET_ON_CPU)
@@ -91,46 +154,102 @@ def loss_and_grad_rows_(logits_2d: torch.Tensor, labels_1d: torch.Tensor) -> tor
     return losses
 
 
+def vocab_parallel_loss_and_grad_rows_(logits_2d: torch.Tensor, labels_1d: torch.Tensor,
+                                       vocab_start: int, group) -> torch.Tensor:
+    """`loss_and_grad_rows_` for this rank's vocabulary slice [rows, vocab/tp] starting at
+    `vocab_start`: three all-reduces of one number per row (max, rescaled sum, target
+    logit) over `group` between the two passes."""
+    rows, vocab = logits_2d.shape
+    if logits_2d.stride(1) != 1:
+        raise ValueError("logits must be contiguous along the vocabulary")
+    stats = torch.empty(3, rows, dtype=torch.float32, device=logits_2d.device)
+    labels_1d = labels_1d.contiguous()
+    stats_kernel, grad_kernel = _parallel_kernels()
+    if rows:
+        stats_kernel[(rows,)](logits_2d, labels_1d, stats[0], stats[1], stats[2], vocab,
+                              logits_2d.stride(0), vocab_start, BLOCK=BLOCK,
+                              num_warps=_NUM_WARPS)
+    local_max = stats[0].clone()
+    torch.distributed.all_reduce(stats[0], op=torch.distributed.ReduceOp.MAX, group=group)
+    stats[1].mul_(torch.exp(local_max - stats[0]))  # every rank's sum at the global max
+    torch.distributed.all_reduce(stats[1:], group=group)  # sums and target logits
+    lse = stats[0] + torch.log(stats[1])
+    if rows:
+        grad_kernel[(rows,)](logits_2d, labels_1d, lse, vocab, logits_2d.stride(0),
+                             vocab_start, BLOCK=BLOCK, num_warps=_NUM_WARPS)
+    return lse - stats[2]
+
+
 class LinearCrossEntropy(torch.autograd.Function):
-    """Per-token loss [s, b] (fp32) of x [s, b, h] through weight [vocab, h]."""
+    """Per-token loss [s, b] (fp32) of x [s, b, h] through weight [vocab/tp, h].
+
+    With tensor parallelism each rank holds a slice of the vocabulary, like the column-
+    parallel output layer: the input grad is summed over the group (all-reduce, or
+    reduce-scatter along the sequence with sequence parallelism, whose [s/tp, b, h] input
+    is all-gathered in the forward and again in the backward), and that collective is in
+    flight while the weight-grad GEMM runs."""
 
     @staticmethod
-    def forward(ctx, x_sbh, weight, labels_sb, gradient_accumulation_fusion: bool):
-        s, b, h = x_sbh.shape
-        x_2d = x_sbh.reshape(s * b, h)
+    def forward(ctx, x_sbh, weight, labels_sb, gradient_accumulation_fusion: bool,
+                sequence_parallel: bool = False, group=None):
+        tp = group_size(group)
+        ctx.sequence_parallel = sequence_parallel and tp > 1
+        ctx.group, ctx.tp = group, tp
+        total_x = all_gather_dim0(x_sbh, group) if ctx.sequence_parallel else x_sbh
+        s, b, h = total_x.shape
+        x_2d = total_x.reshape(s * b, h)
         logits = torch.matmul(x_2d, weight.t())
-        losses = loss_and_grad_rows_(logits, labels_sb.reshape(s * b))
-        ctx.save_for_backward(x_2d, weight, logits)
+        labels = labels_sb.reshape(s * b)
+        if tp > 1:
+            vocab_start = group_rank(group) * weight.shape[0]
+            losses = vocab_parallel_loss_and_grad_rows_(logits, labels, vocab_start, group)
+        else:
+            losses = loss_and_grad_rows_(logits, labels)
+        ctx.save_for_backward(x_sbh if ctx.sequence_parallel else x_2d, weight, logits)
         ctx.fusion = gradient_accumulation_fusion
         ctx.shape = (s, b, h)
         return losses.view(s, b)
 
     @staticmethod
     def backward(ctx, grad_losses):
-        x_2d, weight, grad_logits = ctx.saved_tensors  # grad_logits: softmax - onehot
+        x_saved, weight, grad_logits = ctx.saved_tensors  # grad_logits: softmax - onehot
+        gather = None
+        if ctx.sequence_parallel:
+            total_x, gather = all_gather_dim0(x_saved, ctx.group, async_op=True)
         scale = grad_losses.reshape(-1, 1).float()
-        grad_x = None
+        grad_x, reduce = None, None
         if ctx.needs_input_grad[0]:
-            grad_x = (grad_logits.matmul(weight).float() * scale).to(x_2d.dtype).view(ctx.shape)
+            grad_x = (grad_logits.matmul(weight).float() * scale).to(x_saved.dtype)
+            grad_x = grad_x.view(ctx.shape)
+            if ctx.sequence_parallel:
+                grad_x, reduce = reduce_scatter_dim0(grad_x, ctx.group, async_op=True)
+            elif ctx.tp > 1:
+                reduce = torch.distributed.all_reduce(grad_x, group=ctx.group, async_op=True)
+        if gather is not None:
+            gather.wait()
+            x_saved = total_x.reshape(-1, ctx.shape[2])
         grad_weight = None
-        if ctx.needs_input_grad[1]:
-            x_scaled = (x_2d.float() * scale).to(x_2d.dtype)
+        if ctx.needs_input_grad[1]:  # runs while the input-grad collective is in flight
+            x_scaled = (x_saved.float() * scale).to(x_saved.dtype)
             if ctx.fusion and hasattr(weight, "main_grad"):
-                from megatron.core.tensor_parallel.layers import accumulate_weight_grad
-
                 accumulate_weight_grad(weight.main_grad, grad_logits, x_scaled)
             else:
                 grad_weight = grad_logits.t().matmul(x_scaled)
-        return grad_x, grad_weight, None, None
+        if reduce is not None:
+            reduce.wait()
+        return grad_x, grad_weight, None, None, None, None
 
 
 def linear_cross_entropy(x_sbh: torch.Tensor, weight: torch.Tensor, labels_sb: torch.Tensor,
-                         gradient_accumulation_fusion: bool = False) -> torch.Tensor:
-    """Per-token loss [s, b] in fp32 of logits x W^T against labels (tensor-parallel 1)."""
-    return LinearCrossEntropy.apply(x_sbh, weight, labels_sb, gradient_accumulation_fusion)
+                         gradient_accumulation_fusion: bool = False,
+                         sequence_parallel: bool = False, group=None) -> torch.Tensor:
+    """Per-token loss [s, b] in fp32 of logits x W^T against labels; with a tensor-
+    parallel `group`, W is this rank's vocabulary slice (see LinearCrossEntropy)."""
+    return LinearCrossEntropy.apply(x_sbh, weight, labels_sb, gradient_accumulation_fusion,
+                                    sequence_parallel, group)
 
 
-def use_fused(kernel: str, device: torch.device, tp_size: int, fp16_lm_cross_entropy: bool,
+def use_fused(kernel: str, device: torch.device, fp16_lm_cross_entropy: bool,
               dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
     """None when `--cross-entropy-kernel KERNEL` runs this kernel here, else why not."""
     if kernel == "torch":
@@ -139,8 +258,6 @@ def use_fused(kernel: str, device: torch.device, tp_size: int, fp16_lm_cross_ent
         # The backward scales the activations by the per-token gradient, which carries the
         # loss scale: in fp16 that product overflows long before the logits' gradient would.
         return "fp16 activations would overflow when scaled by the loss-scaled gradient"
-    if tp_size > 1:
-        return "tensor parallelism splits the vocabulary (vocab-parallel cross entropy)"
     if fp16_lm_cross_entropy:
         return "--fp16-lm-cross-entropy computes the loss in 16 bits"
     if not available(device):

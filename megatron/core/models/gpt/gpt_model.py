@@ -252,7 +252,7 @@ class GPTModel(nn.Module):
         """(weight, fusion flag) for the fused output layer + cross entropy
         (`--cross-entropy-kernel`), or None when the separate layers must run."""
         cfg = self.config
-        reason = use_fused(cfg.cross_entropy_kernel, hidden_sbh.device, self._tp_size(),
+        reason = use_fused(cfg.cross_entropy_kernel, hidden_sbh.device,
                            cfg.fp16_lm_cross_entropy, hidden_sbh.dtype)
         if reason is not None:
             if cfg.cross_entropy_kernel == "triton":
@@ -268,7 +268,8 @@ class GPTModel(nn.Module):
     def _head(self, hidden_sbh: torch.Tensor, labels: Optional[torch.Tensor]):
         fused = self._fused_head_weight(hidden_sbh) if labels is not None else None
         if fused is not None:
-            loss_sb = linear_cross_entropy(hidden_sbh, fused[0], labels.transpose(0, 1), fused[1])
+            loss_sb = linear_cross_entropy(hidden_sbh, fused[0], labels.transpose(0, 1), fused[1],
+                                           self.config.sequence_parallel, self.tp_group)
             return loss_sb.transpose(0, 1).contiguous()
         if self.config.untie_embeddings_and_output_weights:
             logits_sbv, _ = self.language_model.output_layer(hidden_sbh)
