@@ -40,7 +40,8 @@ def _pdf_cdf(x: torch.Tensor):
     return e * INV_SQRT_2PI, torch.where(x >= 0, 1.0 - half_erfc, half_erfc)
 
 
-def _gelu_fwd_source(h_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _gelu_source(g_ptr, h_ptr, out_ptr, n, BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
+    """out = GeLU(h), or with BACKWARD out = g * GeLU'(h), over BLOCK elements."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -48,33 +49,23 @@ def _gelu_fwd_source(h_ptr, out_ptr, n, BLOCK: tl.constexpr):
     t = 1.0 / (1.0 + 0.3275911 * (tl.abs(x) * 0.7071067811865476))
     poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741
                 + t * (-1.453152027 + t * 1.061405429))))
-    half_erfc = 0.5 * poly * e
+    half_erfc = 0.5 * poly * e  # 0.5 * erfc(|x| / sqrt(2))
     cdf = tl.where(x >= 0, 1.0 - half_erfc, half_erfc)
-    tl.store(out_ptr + offs, (x * cdf).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _gelu_bwd_source(g_ptr, h_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    e = tl.exp(-0.5 * x * x)
-    t = 1.0 / (1.0 + 0.3275911 * (tl.abs(x) * 0.7071067811865476))
-    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741
-                + t * (-1.453152027 + t * 1.061405429))))
-    half_erfc = 0.5 * poly * e
-    cdf = tl.where(x >= 0, 1.0 - half_erfc, half_erfc)
-    grad = g * (cdf + x * (e * 0.3989422804014327))
-    tl.store(out_ptr + offs, grad.to(out_ptr.dtype.element_ty), mask=mask)
+    if BACKWARD:
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        out = g * (cdf + x * (e * 0.3989422804014327))
+    else:
+        out = x * cdf
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 _KERNELS = {}
 
 
-def _kernels():
-    """The jitted (forward, backward) kernels for the current INTERPRET_ON_CPU setting."""
+def _kernel():
+    """The jitted kernel for the current INTERPRET_ON_CPU setting."""
     if INTERPRET_ON_CPU not in _KERNELS:
-        _KERNELS[INTERPRET_ON_CPU] = (triton.jit(_gelu_fwd_source), triton.jit(_gelu_bwd_source))
+        _KERNELS[INTERPRET_ON_CPU] = triton.jit(_gelu_source)
     return _KERNELS[INTERPRET_ON_CPU]
 
 
@@ -87,7 +78,8 @@ def gelu_forward(h: torch.Tensor) -> torch.Tensor:
     """GeLU of a contiguous tensor by the Triton kernel (fp32 arithmetic, h's dtype out)."""
     out = torch.empty_like(h)
     n = h.numel()
-    _kernels()[0][(triton.cdiv(n, BLOCK),)](h, out, n, BLOCK=BLOCK, num_warps=_NUM_WARPS)
+    _kernel()[(triton.cdiv(n, BLOCK),)](h, h, out, n, BACKWARD=False, BLOCK=BLOCK,
+                                        num_warps=_NUM_WARPS)
     return out
 
 
@@ -95,8 +87,8 @@ def gelu_backward(grad: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """grad * GeLU'(h) by the Triton kernel."""
     out = torch.empty_like(h)
     n = h.numel()
-    _kernels()[1][(triton.cdiv(n, BLOCK),)](grad, h, out, n, BLOCK=BLOCK,
-                                            num_warps=_NUM_WARPS)
+    _kernel()[(triton.cdiv(n, BLOCK),)](grad, h, out, n, BACKWARD=True, BLOCK=BLOCK,
+                                        num_warps=_NUM_WARPS)
     return out
 
 

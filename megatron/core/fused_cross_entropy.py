@@ -51,31 +51,48 @@ _NUM_WARPS = 8
 INTERPRET_ON_CPU = False  # tests: run the kernel on CPU tensors in Triton's interpreter
 
 
-def _loss_and_grad_rows_source(logits, labels, losses, vocab, stride, BLOCK: tl.constexpr):
-    """One program per row: loss = logsumexp(row) - row[label]; row <- softmax - onehot."""
+def _rows_source(logits, labels, lse_in, out0, out1, out2, vocab, stride, vocab_start,
+                 MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row of [rows, vocab] logits (a slice starting at `vocab_start`).
+    MODE 0 (the whole vocabulary): loss = logsumexp(row) - row[label] into out0, and the
+    row <- softmax - onehot. MODE 1 (vocab-parallel pass 1): the slice's max, sum of
+    exp(logit - max) and target logit (0 when another slice holds it) into out0..out2.
+    MODE 2 (pass 2): the row <- softmax - onehot with the whole vocabulary's log-sum-exp
+    from lse_in (the onehot only where this slice holds the label)."""
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * stride
-    label = tl.load(labels + row)
+    local = tl.load(labels + row) - vocab_start
     lanes = tl.arange(0, BLOCK)
-    run_max = tl.full([BLOCK], -1.0e30, tl.float32)
-    run_sum = tl.full([BLOCK], 0.0, tl.float32)
-    for start in range(0, vocab, BLOCK):
-        offs = start + lanes
-        valid = offs < vocab
-        x = tl.load(base + offs, mask=valid, other=-1.0e30).to(tl.float32)
-        new_max = tl.maximum(run_max, x)
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.where(valid, tl.exp(x - new_max), 0.0)
-        run_max = new_max
-    row_max = tl.max(run_max, axis=0)
-    lse = row_max + tl.log(tl.sum(run_sum * tl.exp(run_max - row_max), axis=0))
-    target = tl.load(base + label).to(tl.float32)
-    tl.store(losses + row, lse - target)
-    for start in range(0, vocab, BLOCK):
-        offs = start + lanes
-        valid = offs < vocab
-        x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32)
-        grad = tl.exp(x - lse) - tl.where(offs == label, 1.0, 0.0)
-        tl.store(base + offs, grad.to(logits.dtype.element_ty), mask=valid)
+    if MODE == 2:
+        lse = tl.load(lse_in + row)
+    else:
+        run_max = tl.full([BLOCK], -1.0e30, tl.float32)
+        run_sum = tl.full([BLOCK], 0.0, tl.float32)
+        for start in range(0, vocab, BLOCK):
+            offs = start + lanes
+            valid = offs < vocab
+            x = tl.load(base + offs, mask=valid, other=-1.0e30).to(tl.float32)
+            new_max = tl.maximum(run_max, x)
+            run_sum = run_sum * tl.exp(run_max - new_max) + tl.where(valid, tl.exp(x - new_max), 0.0)
+            run_max = new_max
+        row_max = tl.max(run_max, axis=0)
+        row_sum = tl.sum(run_sum * tl.exp(run_max - row_max), axis=0)
+        inside = (local >= 0) & (local < vocab)
+        target = tl.where(inside, tl.load(base + tl.where(inside, local, 0)).to(tl.float32), 0.0)
+        lse = row_max + tl.log(row_sum)
+        if MODE == 1:
+            tl.store(out0 + row, row_max)
+            tl.store(out1 + row, row_sum)
+            tl.store(out2 + row, target)
+        else:
+            tl.store(out0 + row, lse - target)
+    if MODE != 1:
+        for start in range(0, vocab, BLOCK):
+            offs = start + lanes
+            valid = offs < vocab
+            x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32)
+            grad = tl.exp(x - lse) - tl.where(offs == local, 1.0, 0.0)
+            tl.store(base + offs, grad.to(logits.dtype.element_ty), mask=valid)
 
 
 _KERNELS = {}
@@ -84,56 +101,8 @@ _KERNELS = {}
 def _kernel():
     """The jitted kernel for the current INTERPRET_ON_CPU setting."""
     if INTERPRET_ON_CPU not in _KERNELS:
-        _KERNELS[INTERPRET_ON_CPU] = triton.jit(_loss_and_grad_rows_source)
+        _KERNELS[INTERPRET_ON_CPU] = triton.jit(_rows_source)
     return _KERNELS[INTERPRET_ON_CPU]
-
-
-def _row_stats_source(logits, labels, row_max_out, row_sum_out, target_out, vocab, stride,
-                      vocab_start, BLOCK: tl.constexpr):
-    """Vocab-parallel pass 1, one program per row of this rank's slice: max, sum of
-    exp(logit - max), and the target's logit (0 when another rank holds the target)."""
-    row = tl.program_id(0).to(tl.int64)
-    base = logits + row * stride
-    lanes = tl.arange(0, BLOCK)
-    run_max = tl.full([BLOCK], -1.0e30, tl.float32)
-    run_sum = tl.full([BLOCK], 0.0, tl.float32)
-    for start in range(0, vocab, BLOCK):
-        offs = start + lanes
-        valid = offs < vocab
-        x = tl.load(base + offs, mask=valid, other=-1.0e30).to(tl.float32)
-        new_max = tl.maximum(run_max, x)
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.where(valid, tl.exp(x - new_max), 0.0)
-        run_max = new_max
-    row_max = tl.max(run_max, axis=0)
-    tl.store(row_max_out + row, row_max)
-    tl.store(row_sum_out + row, tl.sum(run_sum * tl.exp(run_max - row_max), axis=0))
-    local = tl.load(labels + row) - vocab_start
-    inside = (local >= 0) & (local < vocab)
-    target = tl.load(base + tl.where(inside, local, 0)).to(tl.float32)
-    tl.store(target_out + row, tl.where(inside, target, 0.0))
-
-
-def _grad_rows_source(logits, labels, lse, vocab, stride, vocab_start, BLOCK: tl.constexpr):
-    """Vocab-parallel pass 2: the row <- softmax - onehot with the whole vocabulary's
-    log-sum-exp (the onehot only where this rank holds the target)."""
-    row = tl.program_id(0).to(tl.int64)
-    base = logits + row * stride
-    local = tl.load(labels + row) - vocab_start
-    row_lse = tl.load(lse + row)
-    lanes = tl.arange(0, BLOCK)
-    for start in range(0, vocab, BLOCK):
-        offs = start + lanes
-        valid = offs < vocab
-        x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32)
-        grad = tl.exp(x - row_lse) - tl.where(offs == local, 1.0, 0.0)
-        tl.store(base + offs, grad.to(logits.dtype.element_ty), mask=valid)
-
-
-def _parallel_kernels():
-    key = ("parallel", INTERPRET_ON_CPU)
-    if key not in _KERNELS:
-        _KERNELS[key] = (triton.jit(_row_stats_source), triton.jit(_grad_rows_source))
-    return _KERNELS[key]
 
 
 def available(device: torch.device) -> bool:
@@ -149,8 +118,9 @@ def loss_and_grad_rows_(logits_2d: torch.Tensor, labels_1d: torch.Tensor) -> tor
         raise ValueError("logits must be contiguous along the vocabulary")
     losses = torch.empty(rows, dtype=torch.float32, device=logits_2d.device)
     if rows:
-        _kernel()[(rows,)](logits_2d, labels_1d.contiguous(), losses, vocab,
-                           logits_2d.stride(0), BLOCK=BLOCK, num_warps=_NUM_WARPS)
+        _kernel()[(rows,)](logits_2d, labels_1d.contiguous(), losses, losses, losses, losses,
+                           vocab, logits_2d.stride(0), 0, MODE=0, BLOCK=BLOCK,
+                           num_warps=_NUM_WARPS)
     return losses
 
 
@@ -164,19 +134,19 @@ def vocab_parallel_loss_and_grad_rows_(logits_2d: torch.Tensor, labels_1d: torch
         raise ValueError("logits must be contiguous along the vocabulary")
     stats = torch.empty(3, rows, dtype=torch.float32, device=logits_2d.device)
     labels_1d = labels_1d.contiguous()
-    stats_kernel, grad_kernel = _parallel_kernels()
+    kernel = _kernel()
     if rows:
-        stats_kernel[(rows,)](logits_2d, labels_1d, stats[0], stats[1], stats[2], vocab,
-                              logits_2d.stride(0), vocab_start, BLOCK=BLOCK,
-                              num_warps=_NUM_WARPS)
+        kernel[(rows,)](logits_2d, labels_1d, stats[0], stats[0], stats[1], stats[2], vocab,
+                        logits_2d.stride(0), vocab_start, MODE=1, BLOCK=BLOCK,
+                        num_warps=_NUM_WARPS)
     local_max = stats[0].clone()
     torch.distributed.all_reduce(stats[0], op=torch.distributed.ReduceOp.MAX, group=group)
     stats[1].mul_(torch.exp(local_max - stats[0]))  # every rank's sum at the global max
     torch.distributed.all_reduce(stats[1:], group=group)  # sums and target logits
     lse = stats[0] + torch.log(stats[1])
     if rows:
-        grad_kernel[(rows,)](logits_2d, labels_1d, lse, vocab, logits_2d.stride(0),
-                             vocab_start, BLOCK=BLOCK, num_warps=_NUM_WARPS)
+        kernel[(rows,)](logits_2d, labels_1d, lse, lse, lse, lse, vocab, logits_2d.stride(0),
+                        vocab_start, MODE=2, BLOCK=BLOCK, num_warps=_NUM_WARPS)
     return lse - stats[2]
 
 
