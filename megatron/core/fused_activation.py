@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core.triton_jit import jitted, runs_on
+
 try:  # Triton ships with CUDA builds of torch; CPU builds may lack it.
     import triton
     import triton.language as tl
@@ -59,19 +61,13 @@ def _gelu_source(g_ptr, h_ptr, out_ptr, n, BACKWARD: tl.constexpr, BLOCK: tl.con
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_KERNELS = {}
-
-
 def _kernel():
-    """The jitted kernel for the current INTERPRET_ON_CPU setting."""
-    if INTERPRET_ON_CPU not in _KERNELS:
-        _KERNELS[INTERPRET_ON_CPU] = triton.jit(_gelu_source)
-    return _KERNELS[INTERPRET_ON_CPU]
+    return jitted(_gelu_source, INTERPRET_ON_CPU)
 
 
 def available(device: torch.device) -> bool:
     """Whether the kernels can run on `device` (CUDA, or the CPU interpreter in tests)."""
-    return triton is not None and (device.type == "cuda" or INTERPRET_ON_CPU)
+    return runs_on(device, INTERPRET_ON_CPU)
 
 
 def gelu_forward(h: torch.Tensor) -> torch.Tensor:

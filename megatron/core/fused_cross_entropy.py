@@ -39,6 +39,7 @@ from megatron.core.tensor_parallel.mappings import (
     group_size,
     reduce_scatter_dim0,
 )
+from megatron.core.triton_jit import jitted, runs_on
 
 try:
     import triton
@@ -95,19 +96,13 @@ def _rows_source(logits, labels, lse_in, out0, out1, out2, vocab, stride, vocab_
             tl.store(base + offs, grad.to(logits.dtype.element_ty), mask=valid)
 
 
-_KERNELS = {}
-
-
 def _kernel():
-    """The jitted kernel for the current INTERPRET_ON_CPU setting."""
-    if INTERPRET_ON_CPU not in _KERNELS:
-        _KERNELS[INTERPRET_ON_CPU] = triton.jit(_rows_source)
-    return _KERNELS[INTERPRET_ON_CPU]
+    return jitted(_rows_source, INTERPRET_ON_CPU)
 
 
 def available(device: torch.device) -> bool:
     """Whether the kernel can run on `device` (CUDA, or the CPU interpreter in tests)."""
-    return triton is not None and (device.type == "cuda" or INTERPRET_ON_CPU)
+    return runs_on(device, INTERPRET_ON_CPU)
 
 
 def loss_and_grad_rows_(logits_2d: torch.Tensor, labels_1d: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from megatron.core.graph_capture import capturing
+from megatron.core.triton_jit import jitted
 
 try:  # Triton ships with CUDA builds of torch; CPU builds may lack it.
     import triton
@@ -97,16 +98,8 @@ def _adamw_kernel_source(block_tensor, block_chunk, addrs, numels, ntensors, sca
             tl.store(o_addr.to(tl.pointer_type(OUT_DTYPE)) + offs, p.to(OUT_DTYPE), mask=mask)
 
 
-_KERNELS = {}
-
-
 def _kernel():
-    """The jitted kernel, built on first use for the current INTERPRET_ON_CPU setting
-    (Triton decides at that moment whether it interprets)."""
-    interpret = INTERPRET_ON_CPU
-    if interpret not in _KERNELS:
-        _KERNELS[interpret] = triton.jit(_adamw_kernel_source)
-    return _KERNELS[interpret]
+    return jitted(_adamw_kernel_source, INTERPRET_ON_CPU)
 
 
 def triton_available(device: torch.device) -> bool:
