@@ -1,14 +1,19 @@
 """--compile-scope: the whole layer stack compiled as one graph ("block") computes what the
 eager layers and the per-layer graphs compute (CPU inductor, fp32: loss and every grad
-within 1e-5), and the combination it cannot honour is refused with the fix named."""
+within 1e-5), and the combination it cannot honour is refused with the fix named. The
+layer scope compiles one graph that every layer shares, from a layer's input norm to the
+next norm, and gives the eager results with and without a final norm and with post-LN
+residuals (which keep the plain per-layer graphs)."""
 from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from megatron.arguments import ArgumentsError, parse_and_validate
 from megatron.core.config import ModelConfig
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.models.gpt.transformer import TransformerBlock
 from tests.test_attention_backend import BASE
 
 
@@ -35,6 +40,38 @@ def test_block_scope_equals_layer_scope_and_eager():
         assert torch.allclose(loss, loss_e, atol=1e-5, rtol=0), scope
         for name, g in grads_e.items():
             assert torch.allclose(grads[name], g, atol=1e-5, rtol=1e-4), (scope, name)
+
+
+def _block_out_and_grads(compile_layers: bool, post_process: bool, post_ln: bool = False):
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, padded_vocab_size=128,
+                      seq_length=16, max_position_embeddings=16, use_cpu_initialization=True,
+                      hidden_dropout=0.0, attention_dropout=0.0, compile_layers=compile_layers,
+                      compile_scope="layer", apply_residual_connection_post_layernorm=post_ln)
+    block = TransformerBlock(cfg, num_layers=3, post_process=post_process, device="cpu")
+    x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    out = block(x)
+    out.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in block.named_parameters()}
+    grads["input"] = x.grad.clone()
+    return block, out.detach(), grads
+
+
+@pytest.mark.parametrize("post_process,post_ln", [(True, False), (False, False), (True, True)])
+def test_layer_scope_shares_one_graph_and_equals_eager(post_process, post_ln):
+    torch._dynamo.reset()
+    counters.clear()
+    _, out_e, grads_e = _block_out_and_grads(False, post_process, post_ln)
+    block, out, grads = _block_out_and_grads(True, post_process, post_ln)
+    assert torch.allclose(out, out_e, atol=1e-5, rtol=0)
+    for name, g in grads_e.items():
+        assert torch.allclose(grads[name], g, atol=1e-5, rtol=1e-4), name
+    fused = not post_ln
+    assert (block._compiled_unit is not None) == fused
+    # One graph for the three layers; a stage without a final norm compiles its last layer
+    # (no norm after it) as a second one.
+    expected = 1 if (post_process or not fused) else 2
+    assert counters["stats"]["unique_graphs"] == expected
 
 
 def test_block_scope_compiles_one_graph_for_the_stack():

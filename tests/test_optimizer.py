@@ -164,6 +164,37 @@ def test_clip_single_process_no_clip_and_nan():
     assert float(get_grad_norm([dup], None, tp_rank=1)) == 0.0  # replicated, not tp rank 0
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 3.0, math.inf])
+def test_grad_norm_over_buffer_views_merges_runs_and_skips_gaps(norm_type, monkeypatch):
+    """Gradients that are views of one flat buffer (a grad buffer) are reduced as merged runs
+    -- only where they sit end to end, never across an excluded parameter's gap -- and the
+    norm equals the per-tensor reference (fp64) whatever the order they come in."""
+    from megatron.core.optimizer import clip_grads
+
+    monkeypatch.setattr(clip_grads, "_LONG", 40)  # the merged runs take the one-kernel path
+    gen = torch.Generator().manual_seed(0)
+    buffer = torch.randn(100, generator=gen)
+    sizes = [(3, 4), (10,), (5, 5), (8,), (2, 3), (30,)]  # 12+10+25+8+6+30 = 91 (9 spare)
+    params, start = [], 0
+    for size in sizes:
+        p = torch.nn.Parameter(torch.zeros(size))
+        p.main_grad = buffer[start:start + p.numel()].view(size)
+        p.tensor_model_parallel = len(params) != 3  # the 4th: a replicated duplicate on tp 1
+        params.append(p)
+        start += p.numel()
+    loose = torch.nn.Parameter(torch.zeros(4, 6))
+    loose.grad = torch.randn(6, 4, generator=gen).t()  # not contiguous: kept on its own
+    loose.tensor_model_parallel = True
+    ordered = params[::-1] + [loose]
+    counted = [p.main_grad for i, p in enumerate(params) if i != 3] + [loose.grad]
+    want = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in counted]).double(),
+                                    norm_type)
+    merged = clip_grads._coalesced(counted[::-1])
+    assert sorted(t.numel() for t in merged) == [24, 36, 47]  # the gap at the 4th splits
+    got = get_grad_norm(ordered, None, tp_rank=1, norm_type=norm_type)
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+
+
 # --- param groups ------------------------------------------------------------------------
 class _Net(torch.nn.Module):
     def __init__(self, dtype=torch.float32):

@@ -306,13 +306,37 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x_sbh: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None):
-        post_ln = self.config.apply_residual_connection_post_layernorm
-        ln = self.input_layernorm(x_sbh)
+        if not self.config.apply_residual_connection_post_layernorm:
+            ln = self.input_layernorm(x_sbh)
+            return self.forward_from_norm(x_sbh, ln, None, rotary_freqs, attention_mask)[0]
+        ln = self.input_layernorm(x_sbh)  # post-LN residuals: the sums start from the norms
         out, bias = self.self_attention(ln, rotary_freqs, attention_mask)
-        x_sbh = self._residual_dropout(out, bias, ln if post_ln else x_sbh)
+        x_sbh = self._residual_dropout(out, bias, ln)
         ln = self.post_attention_layernorm(x_sbh)
         out, bias = self.mlp(ln)
-        return self._residual_dropout(out, bias, ln if post_ln else x_sbh)
+        return self._residual_dropout(out, bias, ln)
+
+    def forward_from_norm(self, x_sbh: torch.Tensor, ln_sbh: torch.Tensor,
+                          next_norm: Optional[nn.Module],
+                          rotary_freqs: Optional[torch.Tensor] = None,
+                          attention_mask: Optional[torch.Tensor] = None):
+        """The pre-LN layer with its input norm done by the caller (`ln_sbh` =
+        input_layernorm(x_sbh)) and the following norm (the next layer's input norm, or the
+        final norm) applied here: returns (output, next_norm(output)), (output, None) when
+        `next_norm` is None. Compiled per layer, this puts each residual add in one kernel
+        with the norm that reads it, forward and backward, as compiling the whole stack
+        does, while every layer still shares one compiled graph."""
+        out, bias = self.self_attention(ln_sbh, rotary_freqs, attention_mask)
+        x_sbh = self._residual_dropout(out, bias, x_sbh)
+        out, bias = self.mlp(self.post_attention_layernorm(x_sbh))
+        x_sbh = self._residual_dropout(out, bias, x_sbh)
+        return x_sbh, None if next_norm is None else next_norm(x_sbh)
+
+
+def _layer_unit(layer, x_sbh, ln_sbh, next_norm, rotary_freqs, attention_mask):
+    """What the layer scope compiles: one layer from its input norm to the next norm (the
+    modules are arguments, so every layer runs the same compiled graph)."""
+    return layer.forward_from_norm(x_sbh, ln_sbh, next_norm, rotary_freqs, attention_mask)
 
 
 class TransformerBlock(nn.Module):
@@ -337,6 +361,7 @@ class TransformerBlock(nn.Module):
         self.final_layernorm = build_norm(config) if post_process else None
         self._compiled = None
         self._compiled_block = None
+        self._compiled_unit = None
 
     def _compile(self, fn):
         mode = None if self.config.compile_mode == "default" else self.config.compile_mode
@@ -363,6 +388,24 @@ class TransformerBlock(nn.Module):
             return i < c.recompute_num_layers
         return True  # uniform: every layer (chunks of recompute_num_layers share nothing)
 
+    def _norms_across_layers(self) -> bool:
+        """Layer scope, compiled, no full recompute, pre-LN: each layer's compiled graph
+        ends with the next norm (TransformerLayer.forward_from_norm)."""
+        c = self.config
+        return (c.compile_layers and c.compile_scope == "layer" and len(self.layers) > 0
+                and c.recompute_granularity != "full"
+                and not c.apply_residual_connection_post_layernorm)
+
+    def _run_norms_across_layers(self, x_sbh, rotary_freqs, attention_mask):
+        if self._compiled_unit is None:
+            self._compiled_unit = self._compile(_layer_unit)
+        layers = self.layers
+        ln = layers[0].input_layernorm(x_sbh)
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.final_layernorm
+            x_sbh, ln = self._compiled_unit(layer, x_sbh, ln, nxt, rotary_freqs, attention_mask)
+        return x_sbh if self.final_layernorm is None else ln
+
     def forward(self, x_sbh: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None):
         c = self.config
@@ -371,6 +414,8 @@ class TransformerBlock(nn.Module):
                 self._compiled_block = self._compile(self._run_layers)
             x_sbh = self._compiled_block(x_sbh, rotary_freqs, attention_mask)
             return x_sbh if self.final_layernorm is None else self.final_layernorm(x_sbh)
+        if self._norms_across_layers():
+            return self._run_norms_across_layers(x_sbh, rotary_freqs, attention_mask)
         for i, layer in enumerate(self._layer_fns()):
             if self._recompute(i) and self.distribute_group is not None:
                 x_sbh = checkpoint_distributed_input(
