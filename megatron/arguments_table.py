@@ -333,11 +333,11 @@ EXTRA_HELP = {
     "--adam-kernel": "AdamW implementation: auto (one Triton launch per param group that also "
                      "writes the fp16/bf16 model params, when Triton and CUDA are there and "
                      "every grad is in a grad buffer; else torch's fused AdamW), torch, triton",
-    "--compile-scope": "layer: one compiled graph per transformer layer (shortest start-up, "
-                       "grads ready layer by layer for --overlap-grad-reduce); block: the "
-                       "stage's whole layer stack as one graph (fewer launches, 1-2%% faster "
-                       "steps, longer compile); auto (default): block unless "
-                       "--overlap-grad-reduce or full recompute asks for layer",
+    "--compile-scope": "layer: one compiled graph shared by every transformer layer, from "
+                       "its input norm to the next norm, so residual adds fuse with the "
+                       "norms (short start-up, grads ready layer by layer for "
+                       "--overlap-grad-reduce); block: the stage's whole layer stack as one "
+                       "graph (same speed, about 3x the compile time); auto (default): layer",
     "--attention-backend": "scaled_dot_product_attention kernel: auto (torch's choice), flash, "
                            "cudnn or efficient (CUDA), math (reference)",
     "--cross-entropy-kernel": "output layer + cross entropy: auto (default: one Triton pass "

@@ -411,10 +411,10 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
     if ns.compile_layers is None:
         ns.compile_layers = cuda_available
     if ns.compile_scope == "auto":
-        # One graph for the whole stack unless grads must be ready layer by layer (overlapped
-        # DP reduction) or full recompute checkpoints each layer.
-        layer = ns.overlap_grad_reduce or ns.recompute_granularity == "full"
-        ns.compile_scope = "layer" if layer else "block"
+        # Per-layer graphs that end with the next norm: as fast as one graph for the stack
+        # (benchmarks/RESULTS.md), a third of its cold compile time, and fit for overlapped
+        # DP reduction and full recompute alike.
+        ns.compile_scope = "layer"
     if ns.compile_scope == "block" and ns.recompute_granularity == "full":
         raise ArgumentsError("--compile-scope block compiles the layer stack as one graph, which "
                              "full activation recompute splits per layer; use --compile-scope "

@@ -93,7 +93,8 @@ def test_block_scope_refused_with_full_recompute():
 
 
 @pytest.mark.parametrize("extra,scope", [
-    ([], "block"),
+    ([], "layer"),
+    (["--compile-scope", "block"], "block"),
     (["--overlap-grad-reduce"], "layer"),
     (["--recompute-granularity", "full", "--recompute-method", "uniform"], "layer"),
     (["--compile-scope", "layer"], "layer"),

@@ -69,7 +69,8 @@ class ModelConfig:
     # torch.compile mode for the layers: "default", "reduce-overhead" (CUDA graphs per
     # layer), "max-autotune-no-cudagraphs".
     compile_mode: str = "default"
-    # "layer": one compiled graph per layer; "block": the stage's layer stack as one graph
+    # "layer": one compiled graph shared by the layers (each from its input norm to the next
+    # norm); "block": the stage's layer stack as one graph
     # (the argument layer resolves --compile-scope auto to one of them).
     compile_scope: str = "layer"
     # scaled_dot_product_attention kernel: "auto" (torch picks), "flash", "cudnn",
