@@ -2,7 +2,7 @@
 """Time the MLP activation's forward and backward on one GPU, against a plain copy of
 the same bytes, alone and right after the matrix product that feeds it (CUDA).
 
-    python benchmarks/act_probe.py [--tokens 16384] [--hidden 2048] [--ffn 8192]
+    python benchmarks/act_probe.py [--tokens 16384] [--hidden 2048] [--ffn 8192] [--sweep]
 
 Rows: ms per call and the bandwidth reached (bytes the pass must move: forward reads the
 pre-activation and writes the activation, backward reads the upstream gradient and the
@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--sweep", action="store_true",
+                    help="instead: time the Triton kernels for each (BLOCK, num_warps)")
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     x = torch.randn(a.tokens, a.hidden, device=dev, dtype=dt)
@@ -74,6 +76,16 @@ def main() -> None:
               f"{moved / max(ctx, 1e-6) / 1e9:>6.2f}", flush=True)
 
     row("copy (read + write)", lambda: h.clone(), 2 * nbytes)
+    if a.sweep:
+        from megatron.core import fused_activation as fa
+
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                fa.BLOCK, fa._NUM_WARPS = block, warps
+                row(f"BLOCK {block} warps {warps} fwd", lambda: fa.gelu_forward(h), 2 * nbytes)
+                row(f"BLOCK {block} warps {warps} bwd", lambda: fa.gelu_backward(g, h),
+                    3 * nbytes)
+        return
     hr = h.detach().requires_grad_(True)
     for name, fn in variants().items():
         if isinstance(fn, tuple):
