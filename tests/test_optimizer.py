@@ -172,6 +172,7 @@ def test_grad_norm_over_buffer_views_merges_runs_and_skips_gaps(norm_type, monke
     from megatron.core.optimizer import clip_grads
 
     monkeypatch.setattr(clip_grads, "_LONG", 40)  # the merged runs take the one-kernel path
+    monkeypatch.setattr(clip_grads, "MERGE_ON_CPU", True)  # as on CUDA
     gen = torch.Generator().manual_seed(0)
     buffer = torch.randn(100, generator=gen)
     sizes = [(3, 4), (10,), (5, 5), (8,), (2, 3), (30,)]  # 12+10+25+8+6+30 = 91 (9 spare)

@@ -57,12 +57,19 @@ def grads_for_norm(params: Iterable[torch.Tensor], tp_rank: int) -> List[torch.T
     return out
 
 
+# CPU reductions sum in an order that depends on where the data starts in memory, which
+# varies from process to process: merged views there would make a resumed run's grad norm
+# differ in the last bit from the uninterrupted run's. CUDA buffers start 512-byte aligned.
+MERGE_ON_CPU = False  # tests
+
+
 def _coalesced(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    """The same elements as `tensors`, with contiguous tensors that sit end to end in one
-    storage (gradients in a grad buffer) merged into single flat views: one long
+    """The same elements as `tensors`, with contiguous CUDA tensors that sit end to end in
+    one storage (gradients in a grad buffer) merged into single flat views: one long
     reduction reads the buffer faster than hundreds of short ones."""
     keyed = sorted(((t.untyped_storage().data_ptr(), t.dtype, t.device, t.data_ptr(), i)
-                    for i, t in enumerate(tensors) if t.is_contiguous()), key=lambda k: k[:4])
+                    for i, t in enumerate(tensors)
+                    if t.is_contiguous() and (t.is_cuda or MERGE_ON_CPU)), key=lambda k: k[:4])
     runs, merged = [], set()
     for storage, dtype, device, ptr, i in keyed:
         t = tensors[i]
@@ -72,13 +79,14 @@ def _coalesced(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         else:
             runs.append([(storage, dtype, device), t.numel(), None, [i]])
         runs[-1][2] = ptr + t.numel() * t.element_size()
-    out = []
+    out = list(tensors)
     for _, numel, _, members in runs:
         if len(members) > 1:
-            first = tensors[members[0]]
-            out.append(first.as_strided((numel,), (1,)))
-            merged.update(members)
-    return out + [t for i, t in enumerate(tensors) if i not in merged]
+            out[min(members)] = tensors[members[0]].as_strided((numel,), (1,))
+            merged.update(m for m in members if m != min(members))
+    # In the caller's order, not the addresses' (which differ from run to run): the norms
+    # are summed in this order, and a resumed run must sum them as the first run did.
+    return [t for i, t in enumerate(out) if i not in merged]
 
 
 def _norms(tensors: List[torch.Tensor], norm_type: float, device) -> torch.Tensor:
