@@ -19,19 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+from benchmarks.cuda_timing import mean_ms  # noqa: E402
 
 
 def variants():
@@ -64,14 +52,14 @@ def main() -> None:
     h = x @ w.t()
     g = torch.randn_like(h)
     nbytes = h.numel() * h.element_size()
-    gemm_ms = timed(lambda: torch.mm(x, w.t()), a.iters)
+    gemm_ms = mean_ms(lambda: torch.mm(x, w.t()), a.iters)
     print(f"activation [{a.tokens}, {a.ffn}] bf16 ({nbytes / 1e6:.0f} MB); "
           f"fc1 GEMM alone {gemm_ms:.3f} ms")
     print(f"{'pass':<26} {'alone ms':>9} {'TB/s':>6} {'after GEMM ms':>14} {'TB/s':>6}")
 
     def row(name, fn, moved):
-        alone = timed(fn, a.iters)
-        ctx = timed(lambda: (torch.mm(x, w.t()), fn()), a.iters) - gemm_ms
+        alone = mean_ms(fn, a.iters)
+        ctx = mean_ms(lambda: (torch.mm(x, w.t()), fn()), a.iters) - gemm_ms
         print(f"{name:<26} {alone:>9.3f} {moved / alone / 1e9:>6.2f} {ctx:>14.3f} "
               f"{moved / max(ctx, 1e-6) / 1e9:>6.2f}", flush=True)
 

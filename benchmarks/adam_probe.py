@@ -16,6 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.cuda_timing import mean_ms  # noqa: E402
 from megatron.core.optimizer import multi_tensor_adam as mta  # noqa: E402
 
 PRESETS = {  # (layers, hidden, ffn, vocab, seq)
@@ -38,16 +39,7 @@ def one_config(params, block: int, warps: int, iters: int) -> float:
     models = [[p.detach().to(torch.bfloat16) for p in g["params"]] for g in opt.param_groups]
     stepper = mta.MultiTensorAdamW(opt, models)
     scale = torch.tensor(1.5, device="cuda")
-    for _ in range(3):
-        stepper.step(scale)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        stepper.step(scale)
-    end.record()
-    torch.cuda.synchronize()
-    del opt, stepper, models
-    return start.elapsed_time(end) / iters
+    return mean_ms(lambda: stepper.step(scale), iters)  # the state is freed on return
 
 
 def main() -> None:

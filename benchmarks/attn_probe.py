@@ -13,26 +13,20 @@ the packed QKV tensor (the concatenation of dq, dk, dv) and the output's transpo
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.cuda_timing import mean_ms  # noqa: E402
+
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
-def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def packed_inputs(b, n, s, d):
@@ -76,14 +70,14 @@ def main() -> None:
                             out = out.permute(2, 0, 1, 3).reshape(s, b, n * d)
                         return out
                     with torch.no_grad():
-                        f_ms = timed(fwd, a.iters)
+                        f_ms = mean_ms(fwd, a.iters)
                     grad = torch.randn_like(fwd())
 
                     def fwd_bwd():
                         out = fwd()
                         inputs = [leaf] if leaf is not None else qkv
                         torch.autograd.grad(out, inputs, grad)
-                    fb_ms = timed(fwd_bwd, a.iters)
+                    fb_ms = mean_ms(fwd_bwd, a.iters)
             except RuntimeError as exc:
                 print(f"{name:<10} {layout:<11} unavailable: {str(exc).splitlines()[0][:80]}")
                 continue

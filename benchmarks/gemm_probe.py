@@ -12,8 +12,13 @@ cuBLAS, then with cuBLASLt preferred. Prints TFLOP/s per cell.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.cuda_timing import mean_ms  # noqa: E402
 
 SHAPES = {  # preset: [(tokens, in, out)]
     "gpt-1.3b": [(16384, 2048, 6144), (16384, 2048, 2048), (16384, 2048, 8192),
@@ -23,17 +28,10 @@ SHAPES = {  # preset: [(tokens, in, out)]
 }
 
 
+
 def timed(fn, iters: int) -> float:
-    """Mean seconds per call, CUDA events around `iters` calls after 5 warm-up calls."""
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1000 / iters
+    """Mean seconds per call (CUDA events, after 5 warm-up calls)."""
+    return mean_ms(fn, iters, warmup=5) / 1000
 
 
 def cases(t: int, k: int, n: int):

@@ -17,20 +17,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.adam_probe import PRESETS, shapes  # noqa: E402
+from benchmarks.cuda_timing import mean_ms  # noqa: E402
 from megatron.core.optimizer import clip_grads  # noqa: E402
-
-
-def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main() -> None:
@@ -60,13 +48,13 @@ def main() -> None:
     }
     print(f"{'pass':<28} {'ms':>7} {'TB/s':>6} {'rel err':>9}")
     for name, fn in rows.items():
-        ms = timed(fn, a.iters)
+        ms = mean_ms(fn, a.iters)
         out = fn()
         if isinstance(out, (list, tuple)):
             out = torch.stack(list(out)).double().square().sum().sqrt()
         err = abs(out.double().item() - ref) / ref
         print(f"{name:<28} {ms:>7.3f} {nbytes / ms / 1e9:>6.2f} {err:>9.1e}", flush=True)
-    ms = timed(lambda: buffer.fill_(0.0), a.iters)
+    ms = mean_ms(lambda: buffer.fill_(0.0), a.iters)
     print(f"{'fill_(0) buffer':<28} {ms:>7.3f} {nbytes / ms / 1e9:>6.2f}")
 
 
