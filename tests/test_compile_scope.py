@@ -3,7 +3,8 @@ eager layers and the per-layer graphs compute (CPU inductor, fp32: loss and ever
 within 1e-5), and the combination it cannot honour is refused with the fix named. The
 layer scope compiles one graph that every layer shares, from a layer's input norm to the
 next norm, and gives the eager results with and without a final norm and with post-LN
-residuals (which keep the plain per-layer graphs)."""
+residuals (which keep the plain per-layer graphs); under tensor parallelism (gloo, tp 2,
+with and without sequence parallelism) compiled training steps give the eager losses."""
 from __future__ import annotations
 
 import pytest
@@ -14,6 +15,8 @@ from megatron.arguments import ArgumentsError, parse_and_validate
 from megatron.core.config import ModelConfig
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.gpt.transformer import TransformerBlock
+from tests.dist_utils import run_distributed
+from tests.gpt_helpers import cli_trainer, train_steps
 from tests.test_attention_backend import BASE
 
 
@@ -102,3 +105,34 @@ def test_block_scope_refused_with_full_recompute():
 def test_auto_scope_resolution(extra, scope):
     cfg = parse_and_validate(BASE + extra, cuda_available=False)
     assert cfg.model.compile_scope == scope
+
+
+TP_ARGV = ["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4",
+           "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+           "--global-batch-size", "4", "--train-iters", "8", "--lr", "3e-3", "--mock-data",
+           "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--seed", "5",
+           "--hidden-dropout", "0", "--attention-dropout", "0",
+           "--tensor-model-parallel-size", "2"]
+
+
+def _tp_compiled_worker(rank, world, extra):
+    from megatron.training import data_iterator
+
+    losses = {}
+    for name, flags in (("eager", ["--no-compile"]),
+                        ("layer", ["--compile", "--compile-scope", "layer"])):
+        torch._dynamo.reset()
+        cfg, rt, tr = cli_trainer(TP_ARGV + extra + flags, world_size=world, rank=rank)
+        assert tr.config.model.compile_layers == (name == "layer")
+        losses[name] = train_steps(tr, data_iterator(cfg, rt, "train", 0), 3)
+    return losses
+
+
+@pytest.mark.parametrize("extra", [[], ["--sequence-parallel"]])
+def test_layer_scope_under_tensor_parallelism_equals_eager(extra):
+    """The TP linears' autograd functions (async collectives in their backward) stay
+    outside the compiled graphs; the graphs around them and the collectives still give
+    the eager losses on both ranks."""
+    for losses in run_distributed(_tp_compiled_worker, 2, extra):
+        assert torch.allclose(torch.tensor(losses["layer"]), torch.tensor(losses["eager"]),
+                              rtol=0, atol=1e-5)
