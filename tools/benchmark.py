@@ -128,7 +128,8 @@ def gemm_rows(averages, steps: int) -> list:
     return sorted(rows, key=lambda r: -r[3])
 
 
-def print_profile(tr, data, steps: int, use_cuda: bool, sort: str = "device") -> None:
+def print_profile(tr, data, steps: int, use_cuda: bool, sort: str = "device",
+                  rows: int = 40) -> None:
     """Profile a few more steps; print the most expensive operators and, on CUDA, the
     kernel time per step by category against the wall time of the step."""
     import torch
@@ -145,7 +146,7 @@ def print_profile(tr, data, steps: int, use_cuda: bool, sort: str = "device") ->
             torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1000 / steps
     key = "self_cuda_time_total" if (use_cuda and sort == "device") else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=90),
+    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=90),
           file=sys.stderr)
     if use_cuda:
         rows = kernel_summary(prof.events(), steps)
@@ -187,7 +188,7 @@ def count_syncs(tr, data, steps: int) -> int:
 
 def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, device: str,
         profile_steps: int = 0, layout: Optional[dict] = None, sync_steps: int = 0,
-        profile_sort: str = "device") -> dict:
+        profile_sort: str = "device", profile_rows: int = 40) -> dict:
     import torch
 
     from megatron.arguments import parse_and_validate
@@ -223,7 +224,7 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     sync()
     elapsed = time.perf_counter() - t0
     if profile_steps:
-        print_profile(tr, data, profile_steps, use_cuda, profile_sort)
+        print_profile(tr, data, profile_steps, use_cuda, profile_sort, profile_rows)
     syncs = count_syncs(tr, data, sync_steps) if (sync_steps and use_cuda) else None
     m, d = config.model, config.data
     tokens_per_s = d.global_batch_size * d.seq_length * steps / elapsed / world  # per GPU
@@ -290,6 +291,8 @@ def main(argv=None) -> int:
                     help="after timing, profile this many steps and print the top operators")
     ap.add_argument("--profile-sort", choices=["device", "cpu"], default="device",
                     help="order the profile table by GPU (device) or host (cpu) self time")
+    ap.add_argument("--profile-rows", type=int, default=40,
+                    help="operators listed in the profile table")
     ap.add_argument("--sync-debug", type=int, default=0, metavar="N",
                     help="after timing, run N steps in CUDA sync-debug mode and report how "
                          "many host synchronisations they made (CUDA only)")
@@ -310,7 +313,7 @@ def main(argv=None) -> int:
     mbs = a.micro_batch_size or PRESETS[a.preset][1]
     layout = parse_layout(a.layout) if a.layout else None
     result = run(a.preset, a.steps, a.warmup, mbs, a.extra, device, a.profile_steps, layout,
-                 a.sync_debug, a.profile_sort)
+                 a.sync_debug, a.profile_sort, a.profile_rows)
     if int(os.environ.get("RANK", 0)) == int(os.environ.get("WORLD_SIZE", 1)) - 1:
         print(json.dumps(result), flush=True)
     return 0
