@@ -87,7 +87,10 @@ def test_fused_layers_write_main_grad_only():
         assert fc1.gradient_accumulation_fusion is fusion
         assert (fc1.weight.grad is None) is fusion
         assert bool(fc1.weight.main_grad.abs().sum() > 0) is fusion
-        assert fc1.bias.grad is not None  # biases always take the autograd path
+        norm = model.language_model.encoder.layers[0].input_layernorm
+        for p in (fc1.bias, norm.weight, norm.bias):  # biases and norms: into main_grad too
+            assert (p.grad is None) is fusion
+            assert bool(p.main_grad.abs().sum() > 0) is fusion
 
 
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 0.0), (torch.bfloat16, 1e-2)])

@@ -8,9 +8,11 @@ buffer is cut into buckets of about `ddp_bucket_size` elements (a parameter is n
 
 Gradient flow: after autograd accumulates a parameter's `.grad`, a post-accumulate-grad
 hook adds it into `main_grad` and frees `.grad`, so micro-batches accumulate in the buffer.
-With gradient accumulation fusion the linear layers add their weight grads into
-`main_grad` themselves (no `.grad`; a layer that hands autograd a placeholder grad sets
-`param.grad_added_to_main_grad = True`, and the hook then skips the add). With
+With gradient accumulation fusion the layers add their grads into `main_grad` themselves
+(linear weights through the GEMM, biases and norm parameters through
+`grad_into_main_grad`): autograd gets None, the hook still fires (with `.grad` None) and
+only marks the parameter ready. A layer that hands autograd a placeholder grad instead sets
+`param.grad_added_to_main_grad = True`, and the hook then skips the add. With
 `overlap_grad_reduce`, on the last micro-batch (outside `no_sync()`) a bucket's
 asynchronous reduction starts as soon as all its parameters have their gradients.
 `finish_grad_sync()` starts whatever has not started and waits for all of them.

@@ -187,6 +187,34 @@ def accumulate_weight_grad(main_grad: torch.Tensor, grad_output_2d: torch.Tensor
     torch.ops.megatron.accumulate_weight_grad(main_grad, grad_output_2d, x_2d)
 
 
+class _GradIntoMainGrad(torch.autograd.Function):
+    """Identity on a parameter; backward adds the gradient into `param.main_grad` and
+    hands autograd None (its grad hook still fires, with `.grad` None, as for the fused
+    linears). Inside a compiled graph the add fuses with the kernel that reduces the
+    gradient, in fp32, instead of a bf16 gradient output plus a separate add per
+    parameter."""
+
+    @staticmethod
+    def forward(ctx, param):
+        ctx.save_for_backward(param)
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (param,) = ctx.saved_tensors
+        param.main_grad.add_(grad)
+        return None
+
+
+def grad_into_main_grad(param: Optional[torch.Tensor], enabled: bool) -> Optional[torch.Tensor]:
+    """`param` for use in the forward, its gradient routed straight into `param.main_grad`
+    when `enabled` (gradient-accumulation fusion) and a grad buffer exists; else `param`."""
+    if (enabled and param is not None and param.requires_grad and torch.is_grad_enabled()
+            and getattr(param, "main_grad", None) is not None):
+        return _GradIntoMainGrad.apply(param)
+    return param
+
+
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """y = x W^T + b with TP communication folded into forward and backward.
 
@@ -197,7 +225,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     and the weight grad is computed while that collective is in flight. Under SP the
     gathered input is not kept: it is all-gathered again (async) while grad_x is computed.
     With `gradient_accumulation_fusion` and a `weight.main_grad` buffer the weight grad is
-    added into main_grad and None is returned for it.
+    added into main_grad and None is returned for it (the layers route the bias through
+    `grad_into_main_grad`, which does the same for its grad).
     """
 
     @staticmethod
@@ -393,14 +422,15 @@ class ColumnParallelLinear(nn.Module):
             input_parallel = input_
         else:
             input_parallel = copy_to_tp(input_, self.tp_group)
-        bias = None if self.skip_bias_add else self.bias
+        bias = grad_into_main_grad(self.bias, self.gradient_accumulation_fusion)
         output_parallel = linear_with_grad_accumulation_and_async_allreduce(
-            input_parallel, weight, bias, self.gradient_accumulation_fusion,
-            self.async_tensor_model_parallel_allreduce, self.sequence_parallel, self.tp_group,
+            input_parallel, weight, None if self.skip_bias_add else bias,
+            self.gradient_accumulation_fusion, self.async_tensor_model_parallel_allreduce,
+            self.sequence_parallel, self.tp_group,
         )
         output = gather_from_tp(output_parallel, self.tp_group) if self.gather_output \
             else output_parallel
-        return output, (self.bias if self.skip_bias_add else None)
+        return output, (bias if self.skip_bias_add else None)
 
 
 class RowParallelLinear(nn.Module):
@@ -458,6 +488,7 @@ class RowParallelLinear(nn.Module):
             output = reduce_scatter_to_sp(output_parallel, self.tp_group)
         else:
             output = reduce_from_tp(output_parallel, self.tp_group)
-        if self.skip_bias_add or self.bias is None:
-            return output, (self.bias if self.skip_bias_add else None)
-        return output + self.bias, None
+        bias = grad_into_main_grad(self.bias, self.gradient_accumulation_fusion)
+        if self.skip_bias_add or bias is None:
+            return output, (bias if self.skip_bias_add else None)
+        return output + bias, None

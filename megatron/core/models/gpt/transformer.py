@@ -27,6 +27,7 @@ from megatron.core.tensor_parallel import (
     init_method_normal,
     scaled_init_method_normal,
 )
+from megatron.core.tensor_parallel.layers import grad_into_main_grad
 from megatron.core.tensor_parallel.random import checkpoint as recompute_checkpoint
 from megatron.core.tensor_parallel.random import checkpoint_distributed_input
 from megatron.core.tensor_parallel.utils import divide
@@ -47,6 +48,7 @@ class LayerNorm(nn.LayerNorm):
                  fp32_input: bool = False) -> None:
         self.one_p = one_p
         self.fp32_input = fp32_input
+        self.grad_into_main_grad = False  # build_norm: gradient-accumulation fusion
         super().__init__(size, eps=eps, dtype=dtype)
 
     def reset_parameters(self) -> None:
@@ -55,10 +57,12 @@ class LayerNorm(nn.LayerNorm):
             nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + 1 if self.one_p else self.weight
+        weight = grad_into_main_grad(self.weight, self.grad_into_main_grad)
+        bias = grad_into_main_grad(self.bias, self.grad_into_main_grad)
+        weight = weight + 1 if self.one_p else weight
         if not self.fp32_input:
-            return F.layer_norm(x, self.normalized_shape, weight, self.bias, self.eps)
-        out = F.layer_norm(x.float(), self.normalized_shape, weight.float(), self.bias.float(),
+            return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+        out = F.layer_norm(x.float(), self.normalized_shape, weight.float(), bias.float(),
                            self.eps)
         return out.to(self.weight.dtype)
 
@@ -78,11 +82,13 @@ class RMSNorm(nn.RMSNorm):
     def __init__(self, size: int, eps: float, dtype: torch.dtype, fp32_input: bool = False):
         super().__init__(size, eps=eps, dtype=dtype)
         self.fp32_input = fp32_input
+        self.grad_into_main_grad = False  # build_norm: gradient-accumulation fusion
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = grad_into_main_grad(self.weight, self.grad_into_main_grad)
         if not self.fp32_input:
-            return super().forward(x)
-        out = F.rms_norm(x.float(), self.normalized_shape, self.weight.float(), self.eps)
+            return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+        out = F.rms_norm(x.float(), self.normalized_shape, weight.float(), self.eps)
         return out.to(self.weight.dtype)
 
 
@@ -97,6 +103,8 @@ def build_norm(config: ModelConfig, hidden_size: Optional[int] = None) -> nn.Mod
     else:
         norm = LayerNorm(size, config.layernorm_epsilon, config.params_dtype,
                          one_p=config.apply_layernorm_1p, fp32_input=fp32_input)
+    # Like the linears' weights, the norm parameters' grads go straight into main_grad.
+    norm.grad_into_main_grad = config.gradient_accumulation_fusion
     for p in norm.parameters():
         p.sequence_parallel = config.sequence_parallel
         p.tensor_model_parallel = False
