@@ -78,3 +78,23 @@ def test_gemm_rows_rate_each_matrix_product_shape():
     assert rate == pytest.approx(2 * 1024 * 512 * 2048 * 4 / 100e-6 / 1e12)
     assert rows[0][4] == pytest.approx(2 * 512 * 1024 * 2048 * 2 / 400e-6 / 1e12)
     assert rows[2][4] == pytest.approx(2 * 2 * 64 * 32 * 16 * 2 / 2e-6 / 1e12)
+
+
+def test_launch_rows_attribute_kernels_to_the_launching_operator():
+    """--profile-launches: kernels matching the pattern, per step, counted under the
+    operator that launched them (through the CUDA runtime call when that is the event)."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from benchmark import launch_rows
+
+    def ev(name, kernels=(), parent=None):
+        return SimpleNamespace(name=name, cpu_parent=parent,
+                               kernels=[SimpleNamespace(name=k) for k in kernels])
+
+    graph = ev("## Call CompiledFxGraph abc ##")
+    events = [graph, ev("cudaMemsetAsync", ["Memset (Device)"] * 4, parent=graph),
+              ev("aten::zero_", ["Memset (Device)"] * 2), ev("aten::mm", ["nvjet_sm90_tst"] * 6)]
+    rows = launch_rows(events, steps=2, pattern="memset")
+    assert rows == [(2.0, "## Call CompiledFxGraph abc ##", "Memset (Device)"),
+                    (1.0, "aten::zero_", "Memset (Device)")]

@@ -128,8 +128,24 @@ def gemm_rows(averages, steps: int) -> list:
     return sorted(rows, key=lambda r: -r[3])
 
 
+def launch_rows(events, steps: int, pattern: str) -> list:
+    """[(launches per step, operator, kernel)] for the kernels whose name matches
+    `pattern`, attributed to the operator (or compiled graph) that launched them."""
+    counts = {}
+    for e in events:
+        for k in getattr(e, "kernels", None) or []:
+            if not re.search(pattern, k.name, re.I):
+                continue
+            op, parent = e.name, e.cpu_parent
+            while op.startswith(("cuda", "cu")) and parent is not None:  # runtime call
+                op, parent = parent.name, parent.cpu_parent
+            key = (op[:70], k.name[:70])
+            counts[key] = counts.get(key, 0) + 1
+    return sorted(((n / steps, op, k) for (op, k), n in counts.items()), reverse=True)
+
+
 def print_profile(tr, data, steps: int, use_cuda: bool, sort: str = "device",
-                  rows: int = 40) -> None:
+                  rows: int = 40, launches: str = "") -> None:
     """Profile a few more steps; print the most expensive operators and, on CUDA, the
     kernel time per step by category against the wall time of the step."""
     import torch
@@ -160,6 +176,11 @@ def print_profile(tr, data, steps: int, use_cuda: bool, sort: str = "device",
         for op, shapes, calls, ms, rate in gemm_rows(prof.key_averages(group_by_input_shape=True),
                                                     steps)[:25]:
             print(f"  {calls:>5.0f} {ms:>8.2f} {rate:>7.1f}  {op} {shapes}", file=sys.stderr)
+        if launches:
+            print(f"kernels matching {launches!r} per step, by launching operator",
+                  file=sys.stderr)
+            for n, op, k in launch_rows(prof.events(), steps, launches)[:rows]:
+                print(f"  {n:>6.1f}  {op}  ->  {k}", file=sys.stderr)
 
 
 def count_syncs(tr, data, steps: int) -> int:
@@ -188,7 +209,8 @@ def count_syncs(tr, data, steps: int) -> int:
 
 def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, device: str,
         profile_steps: int = 0, layout: Optional[dict] = None, sync_steps: int = 0,
-        profile_sort: str = "device", profile_rows: int = 40) -> dict:
+        profile_sort: str = "device", profile_rows: int = 40,
+        profile_launches: str = "") -> dict:
     import torch
 
     from megatron.arguments import parse_and_validate
@@ -224,7 +246,8 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     sync()
     elapsed = time.perf_counter() - t0
     if profile_steps:
-        print_profile(tr, data, profile_steps, use_cuda, profile_sort, profile_rows)
+        print_profile(tr, data, profile_steps, use_cuda, profile_sort, profile_rows,
+                      profile_launches)
     syncs = count_syncs(tr, data, sync_steps) if (sync_steps and use_cuda) else None
     m, d = config.model, config.data
     tokens_per_s = d.global_batch_size * d.seq_length * steps / elapsed / world  # per GPU
@@ -293,6 +316,9 @@ def main(argv=None) -> int:
                     help="order the profile table by GPU (device) or host (cpu) self time")
     ap.add_argument("--profile-rows", type=int, default=40,
                     help="operators listed in the profile table")
+    ap.add_argument("--profile-launches", default="", metavar="REGEX",
+                    help="with --profile-steps on CUDA: count the kernels matching REGEX "
+                         "per step by the operator that launched them (e.g. memset)")
     ap.add_argument("--sync-debug", type=int, default=0, metavar="N",
                     help="after timing, run N steps in CUDA sync-debug mode and report how "
                          "many host synchronisations they made (CUDA only)")
@@ -313,7 +339,7 @@ def main(argv=None) -> int:
     mbs = a.micro_batch_size or PRESETS[a.preset][1]
     layout = parse_layout(a.layout) if a.layout else None
     result = run(a.preset, a.steps, a.warmup, mbs, a.extra, device, a.profile_steps, layout,
-                 a.sync_debug, a.profile_sort, a.profile_rows)
+                 a.sync_debug, a.profile_sort, a.profile_rows, a.profile_launches)
     if int(os.environ.get("RANK", 0)) == int(os.environ.get("WORLD_SIZE", 1)) - 1:
         print(json.dumps(result), flush=True)
     return 0
