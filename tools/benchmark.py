@@ -145,7 +145,7 @@ def launch_rows(events, steps: int, pattern: str) -> list:
 
 
 def print_profile(tr, data, steps: int, use_cuda: bool, sort: str = "device",
-                  rows: int = 40, launches: str = "") -> None:
+                  limit: int = 40, launches: str = "") -> None:
     """Profile a few more steps; print the most expensive operators and, on CUDA, the
     kernel time per step by category against the wall time of the step."""
     import torch
@@ -162,7 +162,7 @@ def print_profile(tr, data, steps: int, use_cuda: bool, sort: str = "device",
             torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1000 / steps
     key = "self_cuda_time_total" if (use_cuda and sort == "device") else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=90),
+    print(prof.key_averages().table(sort_by=key, row_limit=limit, max_name_column_width=90),
           file=sys.stderr)
     if use_cuda:
         rows = kernel_summary(prof.events(), steps)
@@ -179,7 +179,7 @@ def print_profile(tr, data, steps: int, use_cuda: bool, sort: str = "device",
         if launches:
             print(f"kernels matching {launches!r} per step, by launching operator",
                   file=sys.stderr)
-            for n, op, k in launch_rows(prof.events(), steps, launches)[:rows]:
+            for n, op, k in launch_rows(prof.events(), steps, launches)[:limit]:
                 print(f"  {n:>6.1f}  {op}  ->  {k}", file=sys.stderr)
 
 
