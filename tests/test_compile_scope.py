@@ -4,7 +4,8 @@ within 1e-5), and the combination it cannot honour is refused with the fix named
 layer scope compiles one graph that every layer shares, from a layer's input norm to the
 next norm, and gives the eager results with and without a final norm and with post-LN
 residuals (which keep the plain per-layer graphs); under tensor parallelism (gloo, tp 2,
-with and without sequence parallelism) compiled training steps give the eager losses."""
+with and without sequence parallelism) compiled training steps give the eager losses, and
+without sequence parallelism the layer compiles as one graph."""
 from __future__ import annotations
 
 import pytest
@@ -155,17 +156,59 @@ def _tp_compiled_worker(rank, world, extra):
     for name, flags in (("eager", ["--no-compile"]),
                         ("layer", ["--compile", "--compile-scope", "layer"])):
         torch._dynamo.reset()
+        counters.clear()
         cfg, rt, tr = cli_trainer(TP_ARGV + extra + flags, world_size=world, rank=rank)
         assert tr.config.model.compile_layers == (name == "layer")
         losses[name] = train_steps(tr, data_iterator(cfg, rt, "train", 0), 3)
-    return losses
+    return losses, counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
 @pytest.mark.parametrize("extra", [[], ["--sequence-parallel"]])
 def test_layer_scope_under_tensor_parallelism_equals_eager(extra):
-    """The TP linears' autograd functions (async collectives in their backward) stay
-    outside the compiled graphs; the graphs around them and the collectives still give
-    the eager losses on both ranks."""
-    for losses in run_distributed(_tp_compiled_worker, 2, extra):
+    """Compiled TP layers give the eager losses on both ranks. Without sequence
+    parallelism the linears' input-grad all-reduce is a functional collective waited for
+    after the weight-grad GEMM, so the layer compiles as one graph (no break); with it the
+    linears' autograd functions (async all-gather / reduce-scatter) stay eager between the
+    compiled pieces."""
+    for losses, graphs, breaks in run_distributed(_tp_compiled_worker, 2, extra):
         assert torch.allclose(torch.tensor(losses["layer"]), torch.tensor(losses["eager"]),
                               rtol=0, atol=1e-5)
+        if not extra:
+            assert (graphs, breaks) == (1, 0)
+        else:
+            assert graphs > 1 and breaks > 0
+
+
+def _tp_linear_backward_code_worker(rank, world):
+    import torch.distributed as dist
+    from torch._inductor.utils import run_and_get_code
+
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    torch._dynamo.reset()
+    layer = ColumnParallelLinear(32, 64, tp_group=dist.group.WORLD, bias=False,
+                                 init_method=torch.nn.init.ones_, use_cpu_initialization=True,
+                                 gradient_accumulation_fusion=True)
+    layer.weight.main_grad = torch.zeros_like(layer.weight)
+    step = torch.compile(lambda x: layer(x)[0].square().sum())
+
+    x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    (grad,), codes = run_and_get_code(lambda: torch.autograd.grad(step(x), [x]))
+    full = torch.ones(64, 32)  # both ranks' shards together, single-process reference
+    ref = 2 * (x.detach() @ full.t()) @ full
+    return torch.allclose(grad, ref, rtol=1e-5), codes
+
+
+def test_compiled_tp_linear_waits_for_its_all_reduce_after_the_weight_grad():
+    """The overlap survives compilation: in the compiled backward of a column-parallel
+    linear the input-grad all-reduce is issued before the weight-grad GEMM and waited for
+    after it; the input grads equal the single-process ones."""
+    results = run_distributed(_tp_linear_backward_code_worker, 2)
+    backward = [c for c in results[0][1] if "accumulate_weight_grad" in c]
+    assert backward, "no compiled backward with the weight-grad operator"
+    code = backward[0]
+    issue = code.index("_c10d_functional.all_reduce")
+    wgrad = code.index("megatron.accumulate_weight_grad")
+    wait = code.index("_c10d_functional.wait_tensor", issue)
+    assert issue < wgrad < wait
+    assert all(ok for ok, _ in results)  # input grads = the single-process ones

@@ -29,13 +29,16 @@ from torch import nn
 from .mappings import (
     all_gather_dim0,
     copy_to_tp,
+    finish,
     gather_from_tp,
     group_rank,
     group_size,
     reduce_from_tp,
-    reduce_scatter_dim0,
     reduce_scatter_to_sp,
     scatter_to_tp,
+    start_all_gather_dim0,
+    start_all_reduce,
+    start_reduce_scatter_dim0,
 )
 from .random import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker
 from .utils import divide
@@ -248,22 +251,18 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         group = ctx.group
-        gather_handle = None
+        total_x, gather_handle = x, None
         if ctx.sequence_parallel:
-            total_x, gather_handle = all_gather_dim0(x, group, async_op=True)
-        else:
-            total_x = x
+            total_x, gather_handle = start_all_gather_dim0(x, group)
         grad_output = grad_output.contiguous()
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
-        if gather_handle is not None:
-            gather_handle.wait()
+        total_x = finish(total_x, gather_handle)
 
         reduce_handle = None
         if grad_input is not None and ctx.sequence_parallel:
-            grad_input, reduce_handle = reduce_scatter_dim0(grad_input, group, async_op=True)
+            grad_input, reduce_handle = start_reduce_scatter_dim0(grad_input, group)
         elif grad_input is not None and ctx.async_grad_allreduce:
-            grad_input = grad_input.contiguous()
-            reduce_handle = torch.distributed.all_reduce(grad_input, group=group, async_op=True)
+            grad_input, reduce_handle = start_all_reduce(grad_input, group)
 
         # Weight and bias grads run while the input-grad collective is in flight.
         grad_output_2d = grad_output.reshape(-1, grad_output.size(-1))
@@ -276,8 +275,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
                 grad_weight = grad_output_2d.t().matmul(total_x_2d)
         grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
 
-        if reduce_handle is not None:
-            reduce_handle.wait()
+        if grad_input is not None:
+            grad_input = finish(grad_input, reduce_handle)
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
