@@ -367,7 +367,9 @@ EXTRA_HELP = {
                               "parameters while the next forward pass runs",
     "--async-tensor-model-parallel-allreduce": "overlap the tensor-parallel input-grad "
                                                "all-reduce with the weight-grad GEMM (default)",
-    "--gradient-accumulation-fusion": "fused weight-grad accumulation into main_grad (default)",
+    "--gradient-accumulation-fusion": "grads accumulate into main_grad inside the layers: "
+                                      "weight grads in the GEMM, norm and bias grads in "
+                                      "the backward (default)",
     "--expert-model-parallel-size": "expert-model-parallel size (mixture-of-experts)",
     "--gpu-memory-gb": "memory of one GPU for the --dry-run memory check (default: what the "
                        "local GPU has; no check without a GPU)",
