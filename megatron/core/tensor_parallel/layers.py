@@ -34,11 +34,10 @@ from .mappings import (
     group_rank,
     group_size,
     reduce_from_tp,
+    reduce_scatter_dim0,
     reduce_scatter_to_sp,
     scatter_to_tp,
-    start_all_gather_dim0,
     start_all_reduce,
-    start_reduce_scatter_dim0,
 )
 from .random import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker
 from .utils import divide
@@ -253,14 +252,14 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         group = ctx.group
         total_x, gather_handle = x, None
         if ctx.sequence_parallel:
-            total_x, gather_handle = start_all_gather_dim0(x, group)
+            total_x, gather_handle = all_gather_dim0(x, group, async_op=True)
         grad_output = grad_output.contiguous()
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
         total_x = finish(total_x, gather_handle)
 
         reduce_handle = None
         if grad_input is not None and ctx.sequence_parallel:
-            grad_input, reduce_handle = start_reduce_scatter_dim0(grad_input, group)
+            grad_input, reduce_handle = reduce_scatter_dim0(grad_input, group, async_op=True)
         elif grad_input is not None and ctx.async_grad_allreduce:
             grad_input, reduce_handle = start_all_reduce(grad_input, group)
 

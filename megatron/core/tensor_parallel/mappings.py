@@ -91,25 +91,16 @@ def reduce_scatter_dim0(x: torch.Tensor, group, async_op: bool = False):
     return (out, handle) if async_op else out
 
 
-# Started collectives for overlap: `start_*` returns (result, handle) and `finish(result,
-# handle)` gives the result to read once the overlapped work is issued. Eagerly the handle
-# is c10d's async work. Under torch.compile the all-reduce is a functional op and its wait
-# a separate `wait_tensor` node placed where `finish` is called, so the compiled graph
-# keeps the overlap and a TP layer without sequence parallelism compiles whole. The
+# Collectives started for overlap return (result, handle) -- `start_all_reduce`, and
+# `all_gather_dim0` / `reduce_scatter_dim0` with async_op -- and `finish(result, handle)`
+# gives the result to read once the overlapped work is issued. Eagerly the handle is
+# c10d's async work. Under torch.compile the all-reduce is a functional op and its wait a
+# separate `wait_tensor` node placed where `finish` is called, so the compiled graph keeps
+# the overlap and a TP layer without sequence parallelism compiles whole. The
 # sequence-parallel pair stays eager (a graph break): traced, the backward's re-gather of
 # the linear's input would be merged with the forward's gather and the whole-sequence
 # input saved for backward, the activation memory sequence parallelism exists to avoid.
 _FUNCTIONAL = "functional"
-
-
-def start_all_gather_dim0(x: torch.Tensor, group):
-    """`all_gather_dim0` started asynchronously: (tensor, handle); see `finish`."""
-    return all_gather_dim0(x, group, async_op=True)
-
-
-def start_reduce_scatter_dim0(x: torch.Tensor, group):
-    """`reduce_scatter_dim0` started asynchronously: (tensor, handle); see `finish`."""
-    return reduce_scatter_dim0(x, group, async_op=True)
 
 
 def start_all_reduce(x: torch.Tensor, group):
@@ -125,7 +116,7 @@ def start_all_reduce(x: torch.Tensor, group):
 
 
 def finish(result: torch.Tensor, handle) -> torch.Tensor:
-    """Wait for a collective begun by a `start_*` function; returns the tensor to use."""
+    """Wait for a collective started for overlap; returns the tensor to use."""
     if handle is _FUNCTIONAL:
         return torch.ops._c10d_functional.wait_tensor(result)
     if handle is not None:
