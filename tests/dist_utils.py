@@ -39,6 +39,10 @@ def _entry(rank, world_size, port, outdir, fn, args):
     # CUDA context its parent may have made, and the code under test picks CUDA when visible.
     torch.cuda.is_available = lambda: False
     torch.set_num_threads(1)
+    # Compile kernels in this process: a forked child inherits the parent's inductor
+    # compile thread pool without its threads, and would wait on it forever.
+    import torch._inductor.config as inductor_config
+    inductor_config.compile_threads = 1
     path = os.path.join(outdir, f"rank{rank}.pt")
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,

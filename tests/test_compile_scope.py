@@ -165,18 +165,13 @@ def _tp_compiled_worker(rank, world, extra):
 
 @pytest.mark.parametrize("extra", [[], ["--sequence-parallel"]])
 def test_layer_scope_under_tensor_parallelism_equals_eager(extra):
-    """Compiled TP layers give the eager losses on both ranks. Without sequence
-    parallelism the linears' input-grad all-reduce is a functional collective waited for
-    after the weight-grad GEMM, so the layer compiles as one graph (no break); with it the
-    linears' autograd functions (async all-gather / reduce-scatter) stay eager between the
-    compiled pieces."""
+    """Compiled TP layers give the eager losses on both ranks, and the layer compiles as
+    one graph (no break) with and without sequence parallelism: under compilation the
+    linears' collectives are functional ones, waited for where the eager code waits."""
     for losses, graphs, breaks in run_distributed(_tp_compiled_worker, 2, extra):
         assert torch.allclose(torch.tensor(losses["layer"]), torch.tensor(losses["eager"]),
                               rtol=0, atol=1e-5)
-        if not extra:
-            assert (graphs, breaks) == (1, 0)
-        else:
-            assert graphs > 1 and breaks > 0
+        assert (graphs, breaks) == (1, 0)
 
 
 def _tp_linear_backward_code_worker(rank, world):
@@ -212,3 +207,56 @@ def test_compiled_tp_linear_waits_for_its_all_reduce_after_the_weight_grad():
     wait = code.index("_c10d_functional.wait_tensor", issue)
     assert issue < wgrad < wait
     assert all(ok for ok, _ in results)  # input grads = the single-process ones
+
+
+def _sp_linear_backward_code_worker(rank, world):
+    import torch.distributed as dist
+    from torch._inductor.utils import run_and_get_code
+
+    from megatron.core.models.gpt.transformer import compile_layers
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    torch._dynamo.reset()
+    layer = ColumnParallelLinear(32, 48, tp_group=dist.group.WORLD, bias=False,
+                                 init_method=torch.nn.init.ones_, use_cpu_initialization=True,
+                                 gradient_accumulation_fusion=True, sequence_parallel=True)
+    layer.weight.main_grad = torch.zeros_like(layer.weight)
+    c_full = torch.randn(16, 2, 48, generator=torch.Generator().manual_seed(7))
+    c = c_full[..., rank * 24:(rank + 1) * 24]  # this rank's output columns
+    step = compile_layers(lambda x: (layer(x)[0] * c).sum(), "default", tp_collectives=True)
+    x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t,
+                                                  lambda t: t):
+        loss = step(x)
+    (grad,), codes = run_and_get_code(lambda: torch.autograd.grad(loss, [x]))
+    return dict(x=x.detach(), grad=grad, main_grad=layer.weight.main_grad, c=c, saved=saved,
+                codes=codes)
+
+
+def test_compiled_sp_linear_regathers_its_input_in_the_backward_overlapped():
+    """Sequence parallelism under compilation keeps its memory saving and its overlap:
+    the column-parallel linear saves only its sequence shard of the input (not the
+    gathered whole sequence), re-gathers it in the backward started before the input-grad
+    GEMM and waited for after it, and reduce-scatters the input grad while the weight-grad
+    GEMM runs; input and weight grads equal the single-process ones."""
+    results = run_distributed(_sp_linear_backward_code_worker, 2)
+    for r in results:
+        assert torch.Size([8, 2, 32]) in r["saved"]  # the shard, not the gathered input
+        assert all(s.numel() != 16 * 2 * 32 for s in r["saved"]), r["saved"]
+    code = next(c for c in results[0]["codes"] if "accumulate_weight_grad" in c)
+    gather = code.index("megatron.all_gather_dim0_after")
+    dgrad = code.index("extern_kernels.mm(", gather)
+    gather_wait = code.index("_c10d_functional.wait_tensor", gather)
+    scatter = code.index("_c10d_functional.reduce_scatter_tensor")
+    wgrad = code.index("megatron.accumulate_weight_grad.default(")
+    scatter_wait = code.index("_c10d_functional.wait_tensor", scatter)
+    assert gather < dgrad < gather_wait < scatter < wgrad < scatter_wait
+
+    x_full = torch.cat([r["x"] for r in results])  # single-process reference
+    c_full = torch.cat([r["c"] for r in results], dim=-1)
+    grad_full = c_full @ torch.ones(48, 32)
+    for rank, r in enumerate(results):
+        assert torch.allclose(r["grad"], grad_full[rank * 8:(rank + 1) * 8], rtol=1e-5, atol=1e-5)
+        ref = r["c"].reshape(-1, 24).t() @ x_full.reshape(-1, 32)
+        assert torch.allclose(r["main_grad"], ref, rtol=1e-5, atol=1e-4)

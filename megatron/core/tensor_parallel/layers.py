@@ -28,6 +28,7 @@ from torch import nn
 
 from .mappings import (
     all_gather_dim0,
+    all_gather_dim0_after,
     copy_to_tp,
     finish,
     gather_from_tp,
@@ -251,9 +252,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         group = ctx.group
         total_x, gather_handle = x, None
-        if ctx.sequence_parallel:
-            total_x, gather_handle = all_gather_dim0(x, group, async_op=True)
         grad_output = grad_output.contiguous()
+        if ctx.sequence_parallel:
+            total_x, gather_handle = all_gather_dim0_after(x, grad_output.view(-1)[:1], group)
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
         total_x = finish(total_x, gather_handle)
 

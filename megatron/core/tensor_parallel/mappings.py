@@ -71,6 +71,9 @@ def all_gather_dim0(x: torch.Tensor, group, async_op: bool = False):
     if world == 1:
         return (x, None) if async_op else x
     x = x.contiguous()
+    if torch.compiler.is_compiling():
+        out = torch.ops._c10d_functional.all_gather_into_tensor(x, world, group.group_name)
+        return (out, _FUNCTIONAL) if async_op else finish(out, _FUNCTIONAL)
     out = torch.empty((world * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     handle = _all_gather_single(out, x, group=group, async_op=async_op)
     return (out, handle) if async_op else out
@@ -86,20 +89,22 @@ def reduce_scatter_dim0(x: torch.Tensor, group, async_op: bool = False):
             f"dimension 0 of size {x.size(0)} is not divisible by the group size {world}"
         )
     x = x.contiguous()
+    if torch.compiler.is_compiling():
+        out = torch.ops._c10d_functional.reduce_scatter_tensor(x, "sum", world, group.group_name)
+        return (out, _FUNCTIONAL) if async_op else finish(out, _FUNCTIONAL)
     out = torch.empty((x.size(0) // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     handle = _reduce_scatter_single(out, x, group=group, async_op=async_op)
     return (out, handle) if async_op else out
 
 
-# Collectives started for overlap return (result, handle) -- `start_all_reduce`, and
-# `all_gather_dim0` / `reduce_scatter_dim0` with async_op -- and `finish(result, handle)`
-# gives the result to read once the overlapped work is issued. Eagerly the handle is
-# c10d's async work. Under torch.compile the all-reduce is a functional op and its wait a
-# separate `wait_tensor` node placed where `finish` is called, so the compiled graph keeps
-# the overlap and a TP layer without sequence parallelism compiles whole. The
-# sequence-parallel pair stays eager (a graph break): traced, the backward's re-gather of
-# the linear's input would be merged with the forward's gather and the whole-sequence
-# input saved for backward, the activation memory sequence parallelism exists to avoid.
+# Collectives started for overlap return (result, handle) -- `start_all_reduce`,
+# `all_gather_dim0_after`, and `all_gather_dim0` / `reduce_scatter_dim0` with async_op --
+# and `finish(result, handle)` gives the result to read once the overlapped work is
+# issued. Eagerly the handle is c10d's async work. Under torch.compile every collective
+# here is a functional op and its wait a separate `wait_tensor` node placed where `finish`
+# is called, so a TP layer (with or without sequence parallelism) compiles as one graph
+# that keeps the overlap (the layers compile with inductor's peak-memory reordering off,
+# see `compile_layers`).
 _FUNCTIONAL = "functional"
 
 
@@ -122,6 +127,41 @@ def finish(result: torch.Tensor, handle) -> torch.Tensor:
     if handle is not None:
         handle.wait()
     return result
+
+
+# The backward's re-gather of a sequence-parallel linear's input, as an operator of our
+# own when compiled. Traced as the plain functional gather it would depend only on a
+# forward value, so the partitioner would run it in the forward (merged with the forward's
+# own gather) and save the whole-sequence result for backward. `after` (the output grad)
+# ties it to the backward; its implementation only starts the gather, which `finish` waits
+# for, so the compiled backward keeps the overlap with the input-grad GEMM.
+_LIB = torch.library.Library("megatron", "FRAGMENT")
+_LIB.define("all_gather_dim0_after(Tensor x, Tensor after, int world, str group_name) -> Tensor")
+
+
+def _all_gather_dim0_after_impl(x, after, world, group_name):
+    return torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), world, group_name)
+
+
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("all_gather_dim0_after", _all_gather_dim0_after_impl, _key)
+
+
+@torch.library.register_fake("megatron::all_gather_dim0_after", lib=_LIB)
+def _all_gather_dim0_after_fake(x, after, world, group_name):
+    return x.new_empty((world * x.size(0),) + tuple(x.shape[1:]))
+
+
+def all_gather_dim0_after(x: torch.Tensor, after: torch.Tensor, group):
+    """`all_gather_dim0(x, group, async_op=True)` issued in the backward, once `after`
+    exists (see above): (tensor, handle); see `finish`."""
+    world = group_size(group)
+    if world == 1:
+        return x, None
+    if torch.compiler.is_compiling():
+        out = torch.ops.megatron.all_gather_dim0_after(x, after, world, group.group_name)
+        return out, _FUNCTIONAL
+    return all_gather_dim0(x, group, async_op=True)
 
 
 def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:

@@ -347,6 +347,20 @@ def _layer_unit(layer, x_sbh, ln_sbh, next_norm, rotary_freqs, attention_mask):
     return layer.forward_from_norm(x_sbh, ln_sbh, next_norm, rotary_freqs, attention_mask)
 
 
+def compile_layers(fn, mode: str = "default", tp_collectives: bool = False):
+    """torch.compile of layer code with `mode` (a torch.compile mode; "default" = none).
+
+    With tensor-parallel collectives in the graph, inductor's reordering for peak memory
+    is off: it does not know what a collective overlaps, and moves the weight-grad GEMM
+    ahead of the input-grad GEMM and a collective's wait next to its start, which
+    serialises the backward's communication. In the order the layers issue them, each
+    collective is started before the GEMM it overlaps and waited for after it."""
+    options = dict(torch._inductor.list_mode_options(mode))
+    if tp_collectives:
+        options["reorder_for_peak_memory"] = False
+    return torch.compile(fn, dynamic=False, options=options)
+
+
 class TransformerBlock(nn.Module):
     """A stack of layers (this pipeline stage's share) plus the final norm on the last stage.
 
@@ -359,6 +373,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.config = config
         self.rng_tracker = rng_tracker
+        self.tp_collectives = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
         # With sequence parallelism the layer input is already split over the TP ranks.
         self.distribute_group = (tp_group if config.distribute_saved_activations
                                  and not config.sequence_parallel else None)
@@ -372,8 +387,7 @@ class TransformerBlock(nn.Module):
         self._compiled_unit = None
 
     def _compile(self, fn):
-        mode = None if self.config.compile_mode == "default" else self.config.compile_mode
-        return torch.compile(fn, dynamic=False, mode=mode)
+        return compile_layers(fn, self.config.compile_mode, self.tp_collectives)
 
     def _run_layers(self, x_sbh, rotary_freqs, attention_mask):
         for layer in self.layers:
