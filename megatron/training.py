@@ -242,12 +242,12 @@ def _should_exit(tr: Trainer, start_time: float) -> Optional[str]:
         if name:
             return f"[exiting program after receiving {name}.]"
     if t.exit_duration_in_mins:
-        over = torch.tensor([(time.time() - start_time) / 60.0 > t.exit_duration_in_mins],
-                            dtype=torch.int32)
+        # The longest-running rank decides, and the message gives its time.
+        minutes = torch.tensor([(time.time() - start_time) / 60.0], dtype=torch.float64)
         if dist.is_initialized():
-            dist.all_reduce(over, op=dist.ReduceOp.MAX, group=tr.rt.control_group)
-        if over.item():
-            return f"[exiting program after {(time.time() - start_time) / 60.0} minutes]"
+            dist.all_reduce(minutes, op=dist.ReduceOp.MAX, group=tr.rt.control_group)
+        if minutes.item() > t.exit_duration_in_mins:
+            return f"[exiting program after {minutes.item()} minutes]"
     if t.exit_interval and it % t.exit_interval == 0:
         return f"[exiting program at iteration {it}]"
     return None
