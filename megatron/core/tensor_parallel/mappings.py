@@ -71,7 +71,7 @@ def all_gather_dim0(x: torch.Tensor, group, async_op: bool = False):
     if world == 1:
         return (x, None) if async_op else x
     x = x.contiguous()
-    if torch.compiler.is_compiling():
+    if _traced():
         out = torch.ops._c10d_functional.all_gather_into_tensor(x, world, group.group_name)
         return (out, _FUNCTIONAL) if async_op else finish(out, _FUNCTIONAL)
     out = torch.empty((world * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -89,7 +89,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group, async_op: bool = False):
             f"dimension 0 of size {x.size(0)} is not divisible by the group size {world}"
         )
     x = x.contiguous()
-    if torch.compiler.is_compiling():
+    if _traced():
         out = torch.ops._c10d_functional.reduce_scatter_tensor(x, "sum", world, group.group_name)
         return (out, _FUNCTIONAL) if async_op else finish(out, _FUNCTIONAL)
     out = torch.empty((x.size(0) // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -100,12 +100,20 @@ def reduce_scatter_dim0(x: torch.Tensor, group, async_op: bool = False):
 # Collectives started for overlap return (result, handle) -- `start_all_reduce`,
 # `all_gather_dim0_after`, and `all_gather_dim0` / `reduce_scatter_dim0` with async_op --
 # and `finish(result, handle)` gives the result to read once the overlapped work is
-# issued. Eagerly the handle is c10d's async work. Under torch.compile every collective
-# here is a functional op and its wait a separate `wait_tensor` node placed where `finish`
+# issued. Eagerly the handle is c10d's async work. Under torch.compile (torch >= 2.13,
+# see TRACED_COLLECTIVES) every collective here is a functional op and its wait a separate `wait_tensor` node placed where `finish`
 # is called, so a TP layer (with or without sequence parallelism) compiles as one graph
 # that keeps the overlap (the layers compile with inductor's peak-memory reordering off,
 # see `compile_layers`).
 _FUNCTIONAL = "functional"
+# Traced (functional) collectives are used from torch 2.13 on. On torch 2.11 a compiled
+# tensor-parallel layer (gloo) trained to NaN from its second step with them; there the
+# collectives stay eager and the compiled layer breaks around the linears instead.
+TRACED_COLLECTIVES = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+
+
+def _traced() -> bool:
+    return TRACED_COLLECTIVES and torch.compiler.is_compiling()
 
 
 def start_all_reduce(x: torch.Tensor, group):
@@ -113,7 +121,7 @@ def start_all_reduce(x: torch.Tensor, group):
     `x`, compiled out of place): (tensor, handle); see `finish`."""
     if group_size(group) == 1:
         return x, None
-    if torch.compiler.is_compiling():
+    if _traced():
         out = torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group.group_name)
         return out, _FUNCTIONAL
     x = x.contiguous()
@@ -158,7 +166,7 @@ def all_gather_dim0_after(x: torch.Tensor, after: torch.Tensor, group):
     world = group_size(group)
     if world == 1:
         return x, None
-    if torch.compiler.is_compiling():
+    if _traced():
         out = torch.ops.megatron.all_gather_dim0_after(x, after, world, group.group_name)
         return out, _FUNCTIONAL
     return all_gather_dim0(x, group, async_op=True)

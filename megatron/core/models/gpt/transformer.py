@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -28,6 +29,7 @@ from megatron.core.tensor_parallel import (
     scaled_init_method_normal,
 )
 from megatron.core.tensor_parallel.layers import grad_into_main_grad
+from megatron.core.tensor_parallel.mappings import TRACED_COLLECTIVES
 from megatron.core.tensor_parallel.random import checkpoint as recompute_checkpoint
 from megatron.core.tensor_parallel.random import checkpoint_distributed_input
 from megatron.core.tensor_parallel.utils import divide
@@ -354,7 +356,14 @@ def compile_layers(fn, mode: str = "default", tp_collectives: bool = False):
     is off: it does not know what a collective overlaps, and moves the weight-grad GEMM
     ahead of the input-grad GEMM and a collective's wait next to its start, which
     serialises the backward's communication. In the order the layers issue them, each
-    collective is started before the GEMM it overlaps and waited for after it."""
+    collective is started before the GEMM it overlaps and waited for after it.
+
+    Before torch 2.13 layers with TP collectives are not compiled (returned as they are,
+    with a warning): on torch 2.11 a compiled tensor-parallel layer trained to NaN."""
+    if tp_collectives and not TRACED_COLLECTIVES:
+        warnings.warn(f"torch {torch.__version__}: layers with tensor-parallel collectives "
+                      "run eagerly (compiled they need torch >= 2.13)", stacklevel=2)
+        return fn
     options = dict(torch._inductor.list_mode_options(mode))
     if tp_collectives:
         options["reorder_for_peak_memory"] = False
