@@ -169,7 +169,7 @@ def test_layer_scope_under_tensor_parallelism_equals_eager(extra):
     """Compiled TP layers give the eager losses on both ranks, and the layer compiles as
     one graph (no break) with and without sequence parallelism: under compilation the
     linears' collectives are functional ones, waited for where the eager code waits
-    (torch >= 2.13; before, they stay eager between compiled pieces)."""
+    (torch >= 2.13; before, such layers are not compiled)."""
     for losses, graphs, breaks in run_distributed(_tp_compiled_worker, 2, extra):
         assert torch.allclose(torch.tensor(losses["layer"]), torch.tensor(losses["eager"]),
                               rtol=0, atol=1e-5)

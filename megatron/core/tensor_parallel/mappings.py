@@ -101,14 +101,14 @@ def reduce_scatter_dim0(x: torch.Tensor, group, async_op: bool = False):
 # `all_gather_dim0_after`, and `all_gather_dim0` / `reduce_scatter_dim0` with async_op --
 # and `finish(result, handle)` gives the result to read once the overlapped work is
 # issued. Eagerly the handle is c10d's async work. Under torch.compile (torch >= 2.13,
-# see TRACED_COLLECTIVES) every collective here is a functional op and its wait a separate `wait_tensor` node placed where `finish`
-# is called, so a TP layer (with or without sequence parallelism) compiles as one graph
-# that keeps the overlap (the layers compile with inductor's peak-memory reordering off,
-# see `compile_layers`).
+# see TRACED_COLLECTIVES) every collective here is a functional op and its wait a
+# separate `wait_tensor` node placed where `finish` is called, so a TP layer (with or
+# without sequence parallelism) compiles as one graph that keeps the overlap (the layers
+# compile with inductor's peak-memory reordering off, see `compile_layers`).
 _FUNCTIONAL = "functional"
 # Traced (functional) collectives are used from torch 2.13 on. On torch 2.11 a compiled
-# tensor-parallel layer (gloo) trained to NaN from its second step with them; there the
-# collectives stay eager and the compiled layer breaks around the linears instead.
+# tensor-parallel layer (gloo) trained to NaN from its second step with them; there
+# `compile_layers` leaves layers with TP collectives uncompiled.
 TRACED_COLLECTIVES = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 
 
