@@ -51,10 +51,13 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from megatron.initialize import agent_store_from_env, initialize_distributed, set_random_seed
+    from megatron.initialize import (agent_store_from_env, cublas_workspace_env,
+                                     initialize_distributed, set_random_seed)
     from megatron.logging_utils import print_rank_0
     from megatron.training import pretrain
 
+    # read by torch when it makes its first cuBLAS handle: before anything runs on the GPU
+    os.environ.update(cublas_workspace_env(config.args["cublas_workspace"], os.environ))
     # under torchrun --max-restarts, each attempt keeps out of the keys of the previous one
     rt = initialize_distributed(config.parallel, rank, world, local_rank,
                                 agent_store=agent_store_from_env(os.environ))

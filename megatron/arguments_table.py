@@ -299,6 +299,7 @@ EXTRA_GROUP = ("extensions (not in Megatron-LM 23.05)", (
     ("--adam-kernel", "str", "auto", ("auto", "torch", "triton")),
     ("--attention-backend", "str", "auto", ("auto", "flash", "cudnn", "efficient", "math")),
     ("--cuda-graph-step", "str", "auto", ("auto", "on", "off")),
+    ("--cublas-workspace", "str", "none", ("none", "torch")),
     ("--cross-entropy-kernel", "str", "auto", ("auto", "torch", "triton")),
     ("--gelu-kernel", "str", "auto", ("auto", "torch", "polynomial")),
     ("--normalization", "str", "LayerNorm", ("LayerNorm", "RMSNorm")),
@@ -354,6 +355,12 @@ EXTRA_HELP = {
                          "the run allows it -- one GPU, bf16/fp32, no dropout, the Triton "
                          "AdamW kernel; falls back to eager steps if the capture fails), on "
                          "(insist), off",
+    "--cublas-workspace": "cuBLAS's GEMM workspace: none (default: the entry point sets "
+                          "CUBLAS_WORKSPACE_CONFIG=:0:0 and CUBLASLT_WORKSPACE_SIZE=0 before "
+                          "CUDA starts, unless the environment already sets either; cuBLAS "
+                          "then picks kernels that need no workspace and no memset: +1.0%% "
+                          "gpt2-124m, +0.3%% gpt-1.3b on an H200), torch (leave torch's "
+                          "workspace)",
     "--normalization": "normalization layer type",
     "--group-query-attention": "grouped-query attention (see --num-query-groups)",
     "--num-query-groups": "number of key/value groups with --group-query-attention (default 1)",

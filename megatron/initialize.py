@@ -65,6 +65,23 @@ def agent_store_from_env(env: Mapping[str, str]) -> AgentStore | None:
             "or unset TORCHELASTIC_USE_AGENT_STORE") from None
 
 
+CUBLAS_NO_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"}
+
+
+def cublas_workspace_env(choice: str, env: Mapping[str, str]) -> dict:
+    """What the entry point adds to its environment, before CUDA starts, for
+    `--cublas-workspace`. "none": cuBLAS and cuBLASLt get no workspace, so cuBLAS picks GEMM
+    kernels that need none (no split-K partial sums, no memset before each product; on an
+    H200 +1.0% tokens/s for gpt2-124m, +0.3% gpt-1.3b, +0.25% llama-1b) -- unless `env`
+    already sets either variable: a user's value (e.g. the `:4096:8` that deterministic
+    cuBLAS asks for) is kept as it is. "torch": nothing."""
+    if choice not in ("none", "torch"):
+        raise ValueError(f"--cublas-workspace {choice!r}: use none or torch")
+    if choice == "torch" or any(name in env for name in CUBLAS_NO_WORKSPACE):
+        return {}
+    return dict(CUBLAS_NO_WORKSPACE)
+
+
 def attempt_store(agent: AgentStore, world_size: int, timeout: datetime.timedelta):
     """A client of the agent's TCPStore whose keys all live under this restart attempt's
     prefix, so nothing a previous attempt wrote is ever read."""

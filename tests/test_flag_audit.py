@@ -209,6 +209,7 @@ IMPLEMENTED_BY = {
     "--compile-scope": (LAYERS, "compile_scope"),
     "--adam-kernel": ("megatron/core/optimizer/optimizer.py", "adam_kernel"),
     "--cuda-graph-step": ("megatron/step_graph.py", "cuda_graph_step"),
+    "--cublas-workspace": ("pretrain_gpt.py", "cublas_workspace"),
     "--cross-entropy-kernel": ("megatron/core/models/gpt/gpt_model.py", "cross_entropy_kernel"),
     "--gelu-kernel": ("megatron/core/models/gpt/transformer.py", "gelu_kernel"),
     "--normalization": (LAYERS, "normalization"),

@@ -214,7 +214,8 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     import torch
 
     from megatron.arguments import parse_and_validate
-    from megatron.initialize import agent_store_from_env, initialize_distributed, set_random_seed
+    from megatron.initialize import (agent_store_from_env, cublas_workspace_env,
+                                     initialize_distributed, set_random_seed)
     from megatron.logging_utils import flops_per_token
     from megatron.memory_estimate import estimate_memory
     from megatron.training import build_trainer, data_iterator, train_step
@@ -224,6 +225,9 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     config = parse_and_validate(build_argv(preset, steps, warmup, micro_batch, extra, layout),
                                 world_size=world, env={"RANK": str(rank)}, cuda_available=use_cuda)
+    # as pretrain_gpt.py does, before the first GEMM creates torch's cuBLAS handle
+    if use_cuda:
+        os.environ.update(cublas_workspace_env(config.args["cublas_workspace"], os.environ))
     rt = initialize_distributed(config.parallel, rank, world, local_rank,
                                 agent_store=agent_store_from_env(os.environ))
     set_random_seed(config.training.seed, rt)
