@@ -51,8 +51,12 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from megatron.initialize import (agent_store_from_env, cublas_workspace_env,
-                                     initialize_distributed, set_random_seed)
+    from megatron.initialize import (
+        agent_store_from_env,
+        cublas_workspace_env,
+        initialize_distributed,
+        set_random_seed,
+    )
     from megatron.logging_utils import print_rank_0
     from megatron.training import pretrain
 

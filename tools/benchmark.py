@@ -214,8 +214,12 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     import torch
 
     from megatron.arguments import parse_and_validate
-    from megatron.initialize import (agent_store_from_env, cublas_workspace_env,
-                                     initialize_distributed, set_random_seed)
+    from megatron.initialize import (
+        agent_store_from_env,
+        cublas_workspace_env,
+        initialize_distributed,
+        set_random_seed,
+    )
     from megatron.logging_utils import flops_per_token
     from megatron.memory_estimate import estimate_memory
     from megatron.training import build_trainer, data_iterator, train_step
