@@ -356,11 +356,12 @@ EXTRA_HELP = {
                          "AdamW kernel; falls back to eager steps if the capture fails), on "
                          "(insist), off",
     "--cublas-workspace": "cuBLAS's GEMM workspace: none (default: the entry point sets "
-                          "CUBLAS_WORKSPACE_CONFIG=:0:0 and CUBLASLT_WORKSPACE_SIZE=0 before "
-                          "CUDA starts, unless the environment already sets either; cuBLAS "
-                          "then picks kernels that need no workspace and no memset: +1.0%% "
-                          "gpt2-124m, +0.3%% gpt-1.3b on an H200), torch (leave torch's "
-                          "workspace)",
+                          "CUBLAS_WORKSPACE_CONFIG=:0:0 before CUDA starts, unless the "
+                          "environment sets it, CUBLASLT_WORKSPACE_SIZE or "
+                          "TORCH_BLAS_PREFER_CUBLASLT; cuBLAS then picks kernels that need "
+                          "no workspace and no memset: +1.0-1.5%% gpt2-124m, +0.3%% gpt-1.3b "
+                          "on an H200), torch (leave torch's workspace; needed when code "
+                          "prefers cuBLASLt)",
     "--normalization": "normalization layer type",
     "--group-query-attention": "grouped-query attention (see --num-query-groups)",
     "--num-query-groups": "number of key/value groups with --group-query-attention (default 1)",

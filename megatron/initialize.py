@@ -65,21 +65,41 @@ def agent_store_from_env(env: Mapping[str, str]) -> AgentStore | None:
             "or unset TORCHELASTIC_USE_AGENT_STORE") from None
 
 
-CUBLAS_NO_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"}
+CUBLAS_NO_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}
+# a user who names any of these chose cuBLAS's workspace (or cuBLASLt, which needs one)
+CUBLAS_USER_CHOICES = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE",
+                       "TORCH_BLAS_PREFER_CUBLASLT")
 
 
 def cublas_workspace_env(choice: str, env: Mapping[str, str]) -> dict:
     """What the entry point adds to its environment, before CUDA starts, for
-    `--cublas-workspace`. "none": cuBLAS and cuBLASLt get no workspace, so cuBLAS picks GEMM
-    kernels that need none (no split-K partial sums, no memset before each product; on an
-    H200 +1.0% tokens/s for gpt2-124m, +0.3% gpt-1.3b, +0.25% llama-1b) -- unless `env`
-    already sets either variable: a user's value (e.g. the `:4096:8` that deterministic
-    cuBLAS asks for) is kept as it is. "torch": nothing."""
+    `--cublas-workspace`. "none": cuBLAS gets no workspace (torch gives cuBLASLt the same
+    one), so it picks GEMM kernels that need none: no split-K partial sums, no memset
+    before each product (on an H200 +1.0-1.5% tokens/s for gpt2-124m, +0.3% gpt-1.3b and
+    llama-1b) -- unless `env` names any of CUBLAS_USER_CHOICES: a user's value (e.g. the
+    `:4096:8` that deterministic cuBLAS asks for) is kept, and cuBLASLt, preferred, fails
+    without a workspace. "torch": nothing."""
     if choice not in ("none", "torch"):
         raise ValueError(f"--cublas-workspace {choice!r}: use none or torch")
-    if choice == "torch" or any(name in env for name in CUBLAS_NO_WORKSPACE):
+    if choice == "torch" or any(env.get(name, "") not in ("", "0")
+                                for name in CUBLAS_USER_CHOICES):
         return {}
     return dict(CUBLAS_NO_WORKSPACE)
+
+
+def check_gemm_without_workspace(device: torch.device, mm=torch.mm) -> None:
+    """One small product on `device` after cuBLAS was left without a workspace. If torch
+    sends plain products to cuBLASLt (preferred in code, or torch's own default), they
+    fail for want of one: stop at start-up with the fix rather than in the first step."""
+    a = torch.ones(8, 8, device=device, dtype=torch.bfloat16)
+    try:
+        mm(a, a)
+    except RuntimeError as e:
+        if "workspace" not in str(e):
+            raise
+        raise SystemExit(f"error: a GEMM failed without a cuBLAS workspace ({e}); torch is "
+                         "using cuBLASLt, which needs one: run with --cublas-workspace "
+                         "torch") from e
 
 
 def attempt_store(agent: AgentStore, world_size: int, timeout: datetime.timedelta):

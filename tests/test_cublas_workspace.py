@@ -9,11 +9,18 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from megatron.arguments import ArgumentsError, parse_and_validate
-from megatron.initialize import CUBLAS_NO_WORKSPACE, cublas_workspace_env
+from megatron.initialize import (
+    CUBLAS_NO_WORKSPACE,
+    CUBLAS_USER_CHOICES,
+    check_gemm_without_workspace,
+    cublas_workspace_env,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -22,14 +29,33 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
 
 
-def test_none_sets_both_variables_to_zero_workspace():
-    assert cublas_workspace_env("none", {}) == {"CUBLAS_WORKSPACE_CONFIG": ":0:0",
-                                                "CUBLASLT_WORKSPACE_SIZE": "0"}
+def test_none_gives_cublas_a_zero_workspace():
+    assert cublas_workspace_env("none", {}) == {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}
+    # a variable set to "0" or "" chooses nothing
+    assert cublas_workspace_env("none", {"TORCH_BLAS_PREFER_CUBLASLT": "0"}) == \
+        {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}
 
 
-@pytest.mark.parametrize("name", sorted(CUBLAS_NO_WORKSPACE))
-def test_a_users_variable_keeps_both_untouched(name):
-    assert cublas_workspace_env("none", {name: ":4096:8"}) == {}
+@pytest.mark.parametrize("name", CUBLAS_USER_CHOICES)
+def test_a_users_choice_leaves_the_workspace_alone(name):
+    # cuBLASLt preferred fails without a workspace ("OOM trying to allocate workspace for
+    # cublaslt", seen on an H200), so TORCH_BLAS_PREFER_CUBLASLT=1 keeps torch's too
+    assert cublas_workspace_env("none", {name: "1"}) == {}
+
+
+def test_a_gemm_that_needs_a_workspace_stops_the_start_with_the_fix():
+    def lt_mm(a, b):
+        raise RuntimeError("OOM trying to allocate workspace for cublaslt")
+
+    with pytest.raises(SystemExit, match="--cublas-workspace torch"):
+        check_gemm_without_workspace(torch.device("cpu"), mm=lt_mm)
+
+    def other_failure(a, b):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        check_gemm_without_workspace(torch.device("cpu"), mm=other_failure)
+    check_gemm_without_workspace(torch.device("cpu"))  # a product that works passes
 
 
 def test_torch_choice_sets_nothing_and_bad_choice_is_refused():
@@ -52,11 +78,12 @@ def _run_main(monkeypatch, argv):
     import megatron.training as training
 
     seen = {}
-    monkeypatch.setattr(init, "initialize_distributed", lambda *a, **k: object())
+    monkeypatch.setattr(init, "initialize_distributed",
+                        lambda *a, **k: SimpleNamespace(device=torch.device("cpu")))
     monkeypatch.setattr(init, "set_random_seed", lambda *a, **k: None)
     monkeypatch.setattr(training, "pretrain",
                         lambda config, rt: seen.update({n: os.environ.get(n)
-                                                        for n in CUBLAS_NO_WORKSPACE}))
+                                                        for n in CUBLAS_USER_CHOICES}))
     monkeypatch.syspath_prepend(str(ROOT))
     sys.modules.pop("pretrain_gpt", None)
     import pretrain_gpt
@@ -65,19 +92,22 @@ def _run_main(monkeypatch, argv):
     return seen
 
 
-def test_pretrain_gpt_sets_the_variables_before_initialising(monkeypatch):
-    for name in CUBLAS_NO_WORKSPACE:  # setenv first: teardown then restores the original
+def _clear(monkeypatch):
+    for name in CUBLAS_USER_CHOICES:  # setenv first: teardown then restores the original
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
-    assert _run_main(monkeypatch, TINY) == CUBLAS_NO_WORKSPACE
+
+
+def test_pretrain_gpt_sets_the_variable_before_initialising(monkeypatch):
+    _clear(monkeypatch)
+    unset = dict.fromkeys(CUBLAS_USER_CHOICES)
+    assert _run_main(monkeypatch, TINY) == {**unset, **CUBLAS_NO_WORKSPACE}
 
 
 def test_pretrain_gpt_keeps_a_users_value_and_honours_torch(monkeypatch):
+    _clear(monkeypatch)
+    unset = dict.fromkeys(CUBLAS_USER_CHOICES)
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "")
-    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE")
-    assert _run_main(monkeypatch, TINY) == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8",
-                                            "CUBLASLT_WORKSPACE_SIZE": None}
+    assert _run_main(monkeypatch, TINY) == {**unset, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
-    assert _run_main(monkeypatch, TINY + ["--cublas-workspace", "torch"]) == {
-        "CUBLAS_WORKSPACE_CONFIG": None, "CUBLASLT_WORKSPACE_SIZE": None}
+    assert _run_main(monkeypatch, TINY + ["--cublas-workspace", "torch"]) == unset

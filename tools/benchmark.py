@@ -216,6 +216,7 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     from megatron.arguments import parse_and_validate
     from megatron.initialize import (
         agent_store_from_env,
+        check_gemm_without_workspace,
         cublas_workspace_env,
         initialize_distributed,
         set_random_seed,
@@ -230,10 +231,13 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     config = parse_and_validate(build_argv(preset, steps, warmup, micro_batch, extra, layout),
                                 world_size=world, env={"RANK": str(rank)}, cuda_available=use_cuda)
     # as pretrain_gpt.py does, before the first GEMM creates torch's cuBLAS handle
-    if use_cuda:
-        os.environ.update(cublas_workspace_env(config.args["cublas_workspace"], os.environ))
+    no_workspace = use_cuda and cublas_workspace_env(config.args["cublas_workspace"], os.environ)
+    if no_workspace:
+        os.environ.update(no_workspace)
     rt = initialize_distributed(config.parallel, rank, world, local_rank,
                                 agent_store=agent_store_from_env(os.environ))
+    if no_workspace:
+        check_gemm_without_workspace(rt.device)
     set_random_seed(config.training.seed, rt)
     tr = build_trainer(config, rt)
     data = data_iterator(config, rt, "train", 0)
