@@ -36,6 +36,11 @@ def test_environment_warnings():
     assert "CUDA_DEVICE_MAX_CONNECTIONS is not 1" in text and "NCCL_P2P_DISABLE=1" in text
     assert "only 4 GPUs" in text and "OMP_NUM_THREADS" in text
     assert doctor.env_warnings({"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_DEBUG": "WARN"}, 8) == []
+    ok = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_DEBUG": "WARN"}
+    lt = dict(ok, TORCH_BLAS_PREFER_CUBLASLT="1", CUBLAS_WORKSPACE_CONFIG=":0:0")
+    assert "cuBLASLt fails without one" in "\n".join(doctor.env_warnings(lt, 8))
+    assert doctor.env_warnings(dict(lt, CUBLAS_WORKSPACE_CONFIG=":4096:8"), 8) == []
+    assert ("CUBLAS_WORKSPACE_CONFIG", ":0:0") in doctor.environment(lt)
 
 
 def test_port_check_free_and_in_use():

@@ -7,7 +7,7 @@
 
 Alone it reports Python, torch, CUDA, cuDNN and NCCL versions, whether apex and Transformer
 Engine are installed, the GPUs and their memory, the environment variables that matter
-(CUDA_DEVICE_MAX_CONNECTIONS, NCCL_*, MASTER_ADDR/PORT, WORLD_SIZE, ...) with warnings, and
+(CUDA_DEVICE_MAX_CONNECTIONS, NCCL_*, CUBLAS*, MASTER_ADDR/PORT, WORLD_SIZE, ...) with warnings, and
 whether the rendezvous port MASTER_ADDR:MASTER_PORT is free (alone) or reachable (under
 torchrun).
 
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV_VARS = ("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT",
             "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
             "OMP_NUM_THREADS", "TORCH_DISTRIBUTED_DEBUG", "GLOO_SOCKET_IFNAME")
-ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_")
+ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "CUBLAS", "TORCH_BLAS_")
 DEFAULT_PORT = 29500
 
 
@@ -114,6 +114,11 @@ def env_warnings(env: Dict[str, str], num_gpus: int) -> List[str]:
     if num_gpus and local > num_gpus:
         out.append(f"LOCAL_WORLD_SIZE {local} processes on this node but only {num_gpus} GPUs "
                    "are visible: ranks would share a GPU")
+    lt = env.get("TORCH_BLAS_PREFER_CUBLASLT", "0") not in ("0", "")
+    if lt and (env.get("CUBLAS_WORKSPACE_CONFIG", "").startswith(":0:")
+               or env.get("CUBLASLT_WORKSPACE_SIZE") == "0"):
+        out.append("TORCH_BLAS_PREFER_CUBLASLT with a zero cuBLAS workspace: cuBLASLt fails "
+                   "without one ('OOM trying to allocate workspace for cublaslt'); unset one")
     if int(env.get("WORLD_SIZE", "1") or 1) > 1 and "OMP_NUM_THREADS" not in env:
         out.append("OMP_NUM_THREADS is not set: several processes per node may oversubscribe "
                    "the CPU cores")
