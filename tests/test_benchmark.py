@@ -98,3 +98,15 @@ def test_launch_rows_attribute_kernels_to_the_launching_operator():
     rows = launch_rows(events, steps=2, pattern="memset")
     assert rows == [(2.0, "## Call CompiledFxGraph abc ##", "Memset (Device)"),
                     (1.0, "aten::zero_", "Memset (Device)")]
+
+
+def test_warmup_covers_the_cuda_graph_capture(capsys):
+    sys.path.insert(0, str(ROOT / "tools"))
+    from benchmark import timed_warmup
+
+    assert timed_warmup(2, "cuda", []) == 3
+    assert "--warmup 2 raised to 3" in capsys.readouterr().err
+    assert timed_warmup(5, "cuda", []) == 5
+    assert timed_warmup(1, "cpu", []) == 1
+    assert timed_warmup(1, "cuda", ["--cuda-graph-step", "off"]) == 1
+    assert timed_warmup(1, "cuda", ["--cuda-graph-step", "on"]) == 3

@@ -207,6 +207,22 @@ def count_syncs(tr, data, steps: int) -> int:
     return len(syncs)
 
 
+def timed_warmup(warmup: int, device: str, extra: list) -> int:
+    """Warm-up steps enough that no timed step is the whole-step CUDA graph's capture (it
+    happens at step WARMUP_STEPS + 1 on CUDA unless `--cuda-graph-step off` is passed on);
+    a lower --warmup is raised, saying so."""
+    from megatron.step_graph import WARMUP_STEPS
+
+    off = any(a == "--cuda-graph-step" and b == "off" for a, b in zip(extra, extra[1:]))
+    needed = WARMUP_STEPS + 1
+    if device != "cuda" or off or warmup >= needed:
+        return warmup
+    print(f"benchmark: --warmup {warmup} raised to {needed}: step {needed} captures the "
+          "whole-step CUDA graph, and a timed capture is not a step time "
+          "(pass -- --cuda-graph-step off to time eager steps)", file=sys.stderr)
+    return needed
+
+
 def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, device: str,
         profile_steps: int = 0, layout: Optional[dict] = None, sync_steps: int = 0,
         profile_sort: str = "device", profile_rows: int = 40,
@@ -350,7 +366,8 @@ def main(argv=None) -> int:
         return scaling(a, device)
     mbs = a.micro_batch_size or PRESETS[a.preset][1]
     layout = parse_layout(a.layout) if a.layout else None
-    result = run(a.preset, a.steps, a.warmup, mbs, a.extra, device, a.profile_steps, layout,
+    warmup = timed_warmup(a.warmup, device, a.extra)
+    result = run(a.preset, a.steps, warmup, mbs, a.extra, device, a.profile_steps, layout,
                  a.sync_debug, a.profile_sort, a.profile_rows, a.profile_launches)
     if int(os.environ.get("RANK", 0)) == int(os.environ.get("WORLD_SIZE", 1)) - 1:
         print(json.dumps(result), flush=True)
