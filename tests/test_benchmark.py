@@ -109,4 +109,5 @@ def test_warmup_covers_the_cuda_graph_capture(capsys):
     assert timed_warmup(5, "cuda", []) == 5
     assert timed_warmup(1, "cpu", []) == 1
     assert timed_warmup(1, "cuda", ["--cuda-graph-step", "off"]) == 1
+    assert timed_warmup(1, "cuda", ["--cuda-graph-step=off"]) == 1
     assert timed_warmup(1, "cuda", ["--cuda-graph-step", "on"]) == 3

@@ -213,7 +213,8 @@ def timed_warmup(warmup: int, device: str, extra: list) -> int:
     a lower --warmup is raised, saying so."""
     from megatron.step_graph import WARMUP_STEPS
 
-    off = any(a == "--cuda-graph-step" and b == "off" for a, b in zip(extra, extra[1:]))
+    off = ("--cuda-graph-step=off" in extra
+           or any(a == "--cuda-graph-step" and b == "off" for a, b in zip(extra, extra[1:])))
     needed = WARMUP_STEPS + 1
     if device != "cuda" or off or warmup >= needed:
         return warmup
