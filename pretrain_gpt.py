@@ -51,24 +51,12 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from megatron.initialize import (
-        agent_store_from_env,
-        check_gemm_without_workspace,
-        cublas_workspace_env,
-        initialize_distributed,
-        set_random_seed,
-    )
+    from megatron.initialize import initialize_entry_point, set_random_seed
     from megatron.logging_utils import print_rank_0
     from megatron.training import pretrain
 
-    # read by torch when it makes its first cuBLAS handle: before anything runs on the GPU
-    no_workspace = cublas_workspace_env(config.args["cublas_workspace"], os.environ)
-    os.environ.update(no_workspace)
-    # under torchrun --max-restarts, each attempt keeps out of the keys of the previous one
-    rt = initialize_distributed(config.parallel, rank, world, local_rank,
-                                agent_store=agent_store_from_env(os.environ))
-    if no_workspace and rt.device.type == "cuda":
-        check_gemm_without_workspace(rt.device)
+    rt = initialize_entry_point(config.parallel, config.args["cublas_workspace"], rank, world,
+                                local_rank, os.environ)
     if rank == 0:
         print(format_args_dump(config.args), flush=True)
     set_random_seed(config.training.seed, rt, config.training.data_parallel_random_init)

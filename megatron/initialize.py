@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime
 import random
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, MutableMapping
 
 import numpy as np
 import torch
@@ -148,6 +148,23 @@ def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
         control_group = dist.new_group(backend="gloo", timeout=timeout)
     return Runtime(ps=ps, device=device, rng_tracker=RNGStatesTracker(device), backend=backend,
                    control_group=control_group)
+
+
+def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank: int,
+                           world_size: int, local_rank: int,
+                           environ: MutableMapping[str, str]) -> Runtime:
+    """The entry points' start (pretrain_gpt.py, tools/benchmark.py): export what
+    `--cublas-workspace` asks for into `environ` (the process environment, read by torch
+    when it makes its first cuBLAS handle, so before anything runs on the GPU), initialise
+    (under torchrun --max-restarts, each attempt keeps out of the keys of the previous
+    one), then check one GEMM on the GPU when cuBLAS was left without a workspace."""
+    no_workspace = cublas_workspace_env(cublas_workspace, environ)
+    environ.update(no_workspace)
+    rt = initialize_distributed(parallel, rank, world_size, local_rank,
+                                agent_store=agent_store_from_env(environ))
+    if no_workspace and rt.device.type == "cuda":
+        check_gemm_without_workspace(rt.device)
+    return rt
 
 
 def set_random_seed(seed: int, rt: Runtime, data_parallel_random_init: bool = False) -> None:

@@ -231,13 +231,7 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     import torch
 
     from megatron.arguments import parse_and_validate
-    from megatron.initialize import (
-        agent_store_from_env,
-        check_gemm_without_workspace,
-        cublas_workspace_env,
-        initialize_distributed,
-        set_random_seed,
-    )
+    from megatron.initialize import initialize_entry_point, set_random_seed
     from megatron.logging_utils import flops_per_token
     from megatron.memory_estimate import estimate_memory
     from megatron.training import build_trainer, data_iterator, train_step
@@ -247,14 +241,8 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     config = parse_and_validate(build_argv(preset, steps, warmup, micro_batch, extra, layout),
                                 world_size=world, env={"RANK": str(rank)}, cuda_available=use_cuda)
-    # as pretrain_gpt.py does, before the first GEMM creates torch's cuBLAS handle
-    no_workspace = use_cuda and cublas_workspace_env(config.args["cublas_workspace"], os.environ)
-    if no_workspace:
-        os.environ.update(no_workspace)
-    rt = initialize_distributed(config.parallel, rank, world, local_rank,
-                                agent_store=agent_store_from_env(os.environ))
-    if no_workspace:
-        check_gemm_without_workspace(rt.device)
+    rt = initialize_entry_point(config.parallel, config.args["cublas_workspace"], rank, world,
+                                local_rank, os.environ)
     set_random_seed(config.training.seed, rt)
     tr = build_trainer(config, rt)
     data = data_iterator(config, rt, "train", 0)
