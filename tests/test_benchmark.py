@@ -25,14 +25,24 @@ def test_single_run_reports_throughput_and_mfu():
 @pytest.mark.slow
 def test_scaling_mode_prints_efficiency_table():
     out = subprocess.run([sys.executable, TOOL, "--preset", "tiny", "--device", "cpu",
-                          "--steps", "2", "--warmup", "1", "--scaling", "tp1,dp2,tp2pp2",
+                          "--steps", "2", "--warmup", "1", "--scaling", "tp1,tp2pp2",
                           "--", "--num-workers", "0"],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    table = out.stdout.splitlines()[-4:]
+    table = out.stdout.splitlines()[-3:]
     assert table[0].split() == ["layout", "GPUs", "tokens/s/GPU", "MFU", "efficiency"]
-    assert [r.split()[0] for r in table[1:]] == ["tp1pp1dp1", "tp1pp1dp2", "tp2pp2dp1"]
+    assert [r.split()[:2] for r in table[1:]] == [["tp1pp1dp1", "1"], ["tp2pp2dp1", "4"]]
     assert table[1].split()[-1] == "100.0%"
+
+
+def test_layouts_parse_and_bad_ones_name_the_fix():
+    sys.path.insert(0, str(ROOT / "tools"))
+    from benchmark import parse_layout
+
+    assert parse_layout("tp2pp2dp2") == {"tp": 2, "pp": 2, "dp": 2}
+    assert parse_layout("dp4") == {"tp": 1, "pp": 1, "dp": 4}
+    with pytest.raises(SystemExit, match="bad layout 'tp2x'.*tp2pp2dp2"):
+        parse_layout("tp2x")
 
 
 def test_kernel_summary_sorts_kernels_into_categories():

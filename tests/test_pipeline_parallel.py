@@ -276,30 +276,36 @@ def _e2e_args(layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,layout,ranks", [
-    (2, ["--pipeline-model-parallel-size", "2"], ["mp_rank_00_000", "mp_rank_00_001"]),
+@pytest.mark.parametrize("nproc,layout,ranks,stop", [
+    (2, ["--pipeline-model-parallel-size", "2"], ["mp_rank_00_000", "mp_rank_00_001"], "exit"),
     (4, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
          "--tensor-model-parallel-size", "2", "--sequence-parallel"],
-     ["mp_rank_00_000", "mp_rank_01_000", "mp_rank_00_001", "mp_rank_01_001"]),
+     ["mp_rank_00_000", "mp_rank_01_000", "mp_rank_00_001", "mp_rank_01_001"], "rewind"),
 ], ids=["pp2", "tp2-pp2-vpp2"])
-def test_torchrun_pipeline_save_resume(tmp_path, nproc, layout, ranks):
+def test_torchrun_pipeline_save_resume(tmp_path, nproc, layout, ranks, stop):
     """Through torchrun: the last stage prints the iteration lines and writes tensorboard;
-    a run stopped at a checkpoint and resumed gives the same losses (printed values,
-    bit-identical on CPU fp32) as an uninterrupted run."""
+    a run stopped at a checkpoint (by --exit-interval, or rewound to it) and resumed gives
+    the same losses (printed values, bit-identical on CPU fp32) as an uninterrupted run."""
     from megatron.logging_utils import read_scalars
-    from tests.test_end_to_end import losses_by_iteration, torchrun
+    from tests.test_end_to_end import losses_by_iteration, rewind_to, torchrun
 
+    ckpt = tmp_path / "ckpt"
+    save = ["--save", str(ckpt), "--save-interval", "4"]
     full = torchrun(nproc, _e2e_args(layout) + ["--train-iters", "8",
-                                            "--tensorboard-dir", str(tmp_path / "tb")])
+                                            "--tensorboard-dir", str(tmp_path / "tb")]
+                    + (save if stop == "rewind" else []))
     ref = losses_by_iteration(full)
     assert sorted(ref) == list(range(1, 9)), full[-3000:]
     assert "validation loss at iteration 4" in full
     assert [step for step, _ in read_scalars(str(tmp_path / "tb"))["lm loss"]] == list(range(1, 9))
 
-    ckpt = tmp_path / "ckpt"
-    first = torchrun(nproc, _e2e_args(layout) + ["--train-iters", "8", "--save", str(ckpt),
-                                             "--save-interval", "4", "--exit-interval", "4"])
-    assert losses_by_iteration(first) == {i: ref[i] for i in range(1, 5)}
+    if stop == "exit":
+        first = torchrun(nproc, _e2e_args(layout) + ["--train-iters", "8", "--exit-interval", "4"]
+                         + save)
+        assert losses_by_iteration(first) == {i: ref[i] for i in range(1, 5)}
+        assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    else:
+        rewind_to(ckpt, 4)  # one launch less than stopping a second run there
     for name in ranks:
         state = torch.load(ckpt / "iter_0000004" / name / "model_optim_rng.pt",
                            weights_only=True)
