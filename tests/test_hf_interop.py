@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron import hf_interop
+from megatron import hf_convert, hf_interop
 from megatron.arguments import parse_and_validate
 from tests.dist_utils import run_distributed
 from tests.gpt_helpers import cli_trainer, train_steps
@@ -124,8 +124,8 @@ def test_ours_to_hf_to_ours_without_transformers(tmp_path, monkeypatch):
     assert _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "back",
                 "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2) == 0
     assert (tmp_path / "back" / "latest_checkpointed_iteration.txt").read_text() == "release"
-    _, _, orig, _ = hf_interop.load_full_checkpoint(str(tmp_path / "ck"))
-    args, model, back, it = hf_interop.load_full_checkpoint(str(tmp_path / "back"))
+    _, _, orig, _ = hf_convert.load_full_checkpoint(str(tmp_path / "ck"))
+    args, model, back, it = hf_convert.load_full_checkpoint(str(tmp_path / "back"))
     assert it == 0 and model.padded_vocab_size == 256 and args["tensor_model_parallel_size"] == 1
     for key, value in orig.items():
         if "layernorm" in key:  # 1p weights (gamma - 1) come back as plain gamma

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron import checkpoint_reshard as reshard_lib  # noqa: E402
-from megatron import hf_interop  # noqa: E402
+from megatron import hf_convert  # noqa: E402
 from megatron.checkpointing import (  # noqa: E402
     MODEL_FILENAME,
     iteration_dir_name,
@@ -193,8 +193,8 @@ def run_reshard(a: argparse.Namespace) -> int:
 Subcommand = Tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 SUBCOMMANDS: Dict[str, Subcommand] = {
     "reshard": (add_reshard_arguments, run_reshard),
-    "to-hf": (hf_interop.add_to_hf_arguments, hf_interop.run_to_hf),
-    "from-hf": (hf_interop.add_from_hf_arguments, hf_interop.run_from_hf),
+    "to-hf": (hf_convert.add_to_hf_arguments, hf_convert.run_to_hf),
+    "from-hf": (hf_convert.add_from_hf_arguments, hf_convert.run_from_hf),
 }
 
 

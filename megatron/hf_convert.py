@@ -1,0 +1,268 @@
+"""The `tools/checkpoint_convert.py to-hf | from-hf` commands: our checkpoints (any tp/pp
+layout, shards merged or split by megatron.checkpoint_reshard) to and from Hugging Face
+model directories, with the state-dict mapping of megatron.hf_interop in between, and the
+logit comparison `to-hf --verify` runs."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron.core.config import ModelConfig
+from megatron.hf_interop import (
+    FAMILIES,
+    detect_family,
+    from_hf_state_dict,
+    hf_config,
+    load_hf_checkpoint,
+    megatron_flags_from_hf,
+    save_hf_checkpoint,
+    to_hf_state_dict,
+)
+
+
+# ---------------------------------------------------------------------------- verify
+@torch.no_grad()
+def compare_logits(model: torch.nn.Module, hf_dir: str, vocab_size: int, batch: int = 2,
+                   seq_length: int = 32, seed: int = 0) -> float:
+    """Max |logits_ours - logits_hf| over random tokens [batch, seq_length] (< vocab_size),
+    both models in fp32 on CPU; `model` is our one-process GPTModel (eval mode). Needs
+    transformers (ImportError otherwise)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    seq_length = min(seq_length, model.config.max_position_embeddings)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (batch, seq_length), generator=g)
+    ours = model.float().cpu()(tokens)[..., :vocab_size]
+    theirs = hf(input_ids=tokens).logits
+    return float((ours.float() - theirs.float()).abs().max())
+
+
+# ------------------------------------------------------------------------- to-hf CLI
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_to_hf_arguments(parser) -> None:
+    """Export a checkpoint as a Hugging Face GPT2LMHeadModel or LlamaForCausalLM."""
+    parser.add_argument("--load", required=True, help="our checkpoint directory (any tp/pp)")
+    parser.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
+    parser.add_argument("--output", required=True, help="directory for the Hugging Face model")
+    parser.add_argument("--family", choices=("auto",) + FAMILIES, default="auto",
+                        help="auto: llama for RMSNorm+SwiGLU+rotary models, else gpt2")
+    parser.add_argument("--true-vocab-size", type=int, default=None,
+                        help="vocabulary rows to keep (default: the checkpoint's tokenizer's "
+                             "size when it can be built, else the padded size)")
+    parser.add_argument("--dtype", choices=("auto",) + tuple(_DTYPES), default="auto",
+                        help="weights dtype (auto: the checkpoint's --fp16/--bf16)")
+    parser.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    parser.add_argument("--verify", action="store_true",
+                        help="load the export with transformers and compare logits with ours")
+    parser.add_argument("--verify-tolerance", type=float, default=1e-3,
+                        help="largest accepted max |logit difference| (fp32, CPU)")
+
+
+def _tokenizer_of(args: dict):
+    """The checkpoint's tokenizer, or None when it cannot be built here."""
+    try:
+        from megatron.tokenizer import build_tokenizer
+
+        return build_tokenizer(args.get("tokenizer_type"), vocab_file=args.get("vocab_file"),
+                               merge_file=args.get("merge_file"),
+                               tokenizer_model=args.get("tokenizer_model"),
+                               vocab_size=args.get("vocab_size"),
+                               vocab_extra_ids=args.get("vocab_extra_ids") or 0)
+    except (ImportError, OSError, ValueError, TypeError):
+        return None
+
+
+def _eod_of(tok) -> Optional[int]:
+    try:
+        return None if tok is None else int(tok.eod)
+    except (AttributeError, ValueError):  # a tokenizer without an end-of-document token
+        return None
+
+
+def run_to_hf(a) -> int:
+    """`to-hf`: merge the checkpoint's shards, map to the HF family, write, optionally verify.
+    Returns 0, or 1 when --verify finds logits further apart than --verify-tolerance;
+    SystemExit with the reason for a model or flags it cannot convert."""
+    try:
+        return _to_hf(a)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+def _to_hf(a) -> int:
+    args, model_cfg, state, iteration = load_full_checkpoint(a.load, a.iteration)
+    family = detect_family(model_cfg) if a.family == "auto" else a.family
+    tok = _tokenizer_of(args)
+    vocab = a.true_vocab_size or (tok.vocab_size if tok is not None else model_cfg.padded_vocab_size)
+    if tok is None and a.true_vocab_size is None:
+        print(f"note: the checkpoint's tokenizer ({args.get('tokenizer_type')}) cannot be built "
+              f"here; keeping all {vocab} padded vocabulary rows (set --true-vocab-size)")
+    dtype = _DTYPES.get(a.dtype) or _DTYPES.get(
+        {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(args.get("params_dtype")), "fp32"))
+    eod = _eod_of(tok)
+    hf_state = to_hf_state_dict(state, model_cfg, family, vocab, dtype)
+    config = hf_config(model_cfg, family, vocab, dtype, eod, hf_state)
+    if family == "llama":
+        config["bos_token_id"] = None  # only the end-of-document id is known
+    gen = None if eod is None else {"eos_token_id": eod, "_from_model_config": True,
+                                    **({"bos_token_id": eod} if family == "gpt2" else {})}
+    names = save_hf_checkpoint(a.output, hf_state, config, gen, int(a.max_shard_size_gb * 2**30))
+    print(f"wrote {family} model ({len(hf_state)} tensors, vocab {vocab}, {dtype}) from "
+          f"{a.load} iteration {iteration} to {a.output}: {', '.join(names)}, config.json")
+    if not a.verify:
+        return 0
+    return _verify(a, model_cfg, state, vocab, dtype)
+
+
+def _verify(a, model_cfg: ModelConfig, state: dict, vocab: int, dtype: torch.dtype) -> int:
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise SystemExit("error: --verify needs the transformers package (pip install "
+                         "transformers); the export itself was written") from None
+    model_cfg = dataclasses.replace(model_cfg, params_dtype=torch.float32, sequence_parallel=False,
+                                    compile_layers=False, embedding_weights_in_fp32=False)
+    model = GPTModel(model_cfg, device="meta")
+    rounded = {k: v.to(dtype).float() if v.is_floating_point() else v for k, v in state.items()}
+    model.load_state_dict(rounded, strict=True, assign=True)
+    diff = compare_logits(model.float().eval(), a.output, vocab)
+    ok = diff <= a.verify_tolerance
+    print(f"verify: max |logits ours - transformers| = {diff:.3e} (tolerance "
+          f"{a.verify_tolerance:.1e}): {'OK' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+# ----------------------------------------------------------------------- from-hf CLI
+def add_from_hf_arguments(parser) -> None:
+    """Import a Hugging Face GPT-2 or Llama model as a checkpoint for any tp/pp."""
+    parser.add_argument("--input", required=True, help="Hugging Face model directory "
+                        "(config.json + *.safetensors or pytorch_model*.bin)")
+    parser.add_argument("--save", required=True, help="directory for our checkpoint")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="recorded in the checkpoint's args (default: min(max positions, 2048))")
+    parser.add_argument("--tokenizer-type", default=None, help="recorded in the checkpoint's "
+                        "args (default: HuggingFaceTokenizer when --input holds tokenizer.json, "
+                        "else NullTokenizer with --vocab-size = HF vocab_size - 1)")
+    for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
+        parser.add_argument(flag, default=None)
+
+
+def _tokenizer_flags(a, in_dir: str, hf_vocab: int) -> List[str]:
+    kind = a.tokenizer_type
+    if kind is None:
+        has_file = os.path.isfile(os.path.join(in_dir, "tokenizer.json"))
+        kind = "HuggingFaceTokenizer" if has_file else "NullTokenizer"
+    flags = ["--tokenizer-type", kind]
+    if kind == "NullTokenizer":
+        flags += ["--vocab-size", str(hf_vocab - 1)]
+    model = a.tokenizer_model or (os.path.abspath(in_dir) if kind == "HuggingFaceTokenizer" else None)
+    for flag, value in (("--vocab-file", a.vocab_file), ("--merge-file", a.merge_file),
+                        ("--tokenizer-model", model)):
+        if value is not None:
+            flags += [flag, value]
+    return flags
+
+
+def config_from_hf(hf_cfg: dict, a, in_dir: str):
+    """(family, our validated `Config`) for the HF model at the requested tp/pp: the padded
+    vocabulary is HF's vocab_size rounded up as a run with that layout pads it."""
+    from megatron.arguments import parse_and_validate
+
+    family, flags = megatron_flags_from_hf(hf_cfg)
+    max_pos = int(flags[flags.index("--max-position-embeddings") + 1])
+    hf_vocab = int(hf_cfg["vocab_size"])
+    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    argv = flags + _tokenizer_flags(a, in_dir, hf_vocab) + [
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+        "--make-vocab-size-divisible-by", str(a.make_vocab_size_divisible_by),
+        "--seq-length", str(a.seq_length or min(max_pos, 2048)), "--micro-batch-size", "1",
+        "--lr", "0", "--train-iters", "1", "--use-cpu-initialization"]
+    if hf_cfg.get("dtype", hf_cfg.get("torch_dtype")) in ("bfloat16", "float16"):
+        argv.append("--bf16" if hf_cfg.get("dtype", hf_cfg.get("torch_dtype")) == "bfloat16"
+                    else "--fp16")
+    cfg = parse_and_validate(argv, world_size=tp * pp, env={}, cuda_available=False,
+                             vocab_size_fn=lambda ns: hf_vocab)
+    return family, cfg
+
+
+def run_from_hf(a) -> int:
+    """`from-hf`: read the HF model, map it to our full state dict, write a 'release'
+    checkpoint split for --tensor/--pipeline-model-parallel-size. Returns 0; SystemExit
+    with the reason for a model it cannot convert."""
+    try:
+        return _from_hf(a)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+def _from_hf(a) -> int:
+    hf_cfg, hf_state = load_hf_checkpoint(a.input)
+    family, cfg = config_from_hf(hf_cfg, a, a.input)
+    state = from_hf_state_dict(hf_state, cfg.model, family)
+    save_release_checkpoint(a.save, state, cfg)
+    tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
+    print(f"wrote {family} model from {a.input} to {a.save}/release (tp {tp}, pp {pp}, padded "
+          f"vocab {cfg.model.padded_vocab_size}); train from it with pretrain_gpt.py --load "
+          f"{a.save} and the same model flags")
+    return 0
+
+
+# ------------------------------------------- checkpoint access (merge / split of shards)
+def load_full_checkpoint(load: str, iteration: Optional[int] = None):
+    """(args, one-process ModelConfig, full state dict, iteration) of our checkpoint under
+    `load` (any tp/pp/virtual layout; shards merged by megatron.checkpoint_reshard)."""
+    from megatron.checkpoint_reshard import (
+        SourceCheckpoint,
+        config_from_args,
+        full_model_state,
+        locate_iteration,
+    )
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    iter_dir, iteration, release = locate_iteration(load, iteration)
+    src = SourceCheckpoint(iter_dir)
+    if not src.args:
+        raise SystemExit(f"error: {iter_dir} holds no 'args': the model shape is unknown")
+    config = config_from_args(src.args)
+    state = full_model_state(src, GPTModel(config.model, device="meta"))
+    return config.args, config.model, state, 0 if release else iteration
+
+
+def save_release_checkpoint(save: str, state: Dict[str, torch.Tensor], cfg) -> None:
+    """Write the full `state` as `<save>/release/mp_rank_*` for cfg's tp/pp, the tracker
+    saying "release" (a run loads it at iteration 0 with a fresh optimizer). tp = pp = 1 is
+    written directly; other layouts are written at tp = pp = 1 into a temporary directory
+    beside `save` and split by `tools/checkpoint_convert.py reshard`."""
+    from megatron.checkpointing import CHECKPOINT_VERSION, args_to_plain, checkpoint_name
+
+    tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
+    parent = os.path.dirname(os.path.abspath(save))
+    os.makedirs(parent, exist_ok=True)
+    root = save if tp == pp == 1 else tempfile.mkdtemp(prefix=".from-hf-", dir=parent)
+    try:
+        path = checkpoint_name(root, 0, 0, 0, 1, release=True)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save({"args": args_to_plain(cfg.args), "checkpoint_version": CHECKPOINT_VERSION,
+                    "iteration": 0, "model": state}, path)
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("release")
+        if root != save:
+            from tools.checkpoint_convert import reshard
+
+            reshard(root, save, tp, pp)
+    finally:
+        if root != save:
+            shutil.rmtree(root, ignore_errors=True)
