@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ def test_single_run_reports_throughput_and_mfu():
     row = json.loads([x for x in out.stdout.splitlines() if x.startswith("{")][-1])
     assert row["preset"] == "tiny" and row["layout"] == "tp1pp1dp1" and row["tokens_per_s"] > 0
     assert {"mfu", "tflops", "step_ms", "time_to_first_step_s", "est_mem_gb"} <= set(row)
+    assert "sm_clock_mhz" not in row  # sampled on CUDA only
 
 
 @pytest.mark.slow
@@ -121,3 +123,47 @@ def test_warmup_covers_the_cuda_graph_capture(capsys):
     assert timed_warmup(1, "cuda", ["--cuda-graph-step", "off"]) == 1
     assert timed_warmup(1, "cuda", ["--cuda-graph-step=off"]) == 1
     assert timed_warmup(1, "cuda", ["--cuda-graph-step", "on"]) == 3
+
+
+def _benchmark_module():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import benchmark
+
+    return benchmark
+
+
+def test_chip_summary_takes_medians_and_the_power_capped_share():
+    """nvidia-smi's lines (clock MHz, power W, limit W, clocks_event_reasons): medians, and
+    the share of samples with the software power cap bit (0x4) set; lines that are not
+    samples are skipped, an [N/A] reason leaves the share out."""
+    chip_summary = _benchmark_module().chip_summary
+    text = ("1500, 690.1, 700.00, 0x0000000000000004\n"
+            "1650, 695.0, 700.00, 0x0000000000000004\n"
+            "1980, 120.4, 700.00, 0x0000000000000000\n"
+            "Failed to query something\n")
+    assert chip_summary(text) == {"sm_clock_mhz": 1650, "power_w": 690, "power_limit_w": 700,
+                                  "power_capped": 0.67}
+    assert chip_summary("1500, 690.1, 700.00, [N/A]\n") == {
+        "sm_clock_mhz": 1500, "power_w": 690, "power_limit_w": 700}
+    assert chip_summary("") == {} and chip_summary("[N/A], [N/A], [N/A], [N/A]") == {}
+
+
+def test_chip_monitor_collects_the_samples_of_its_window_and_stops_its_sampler(tmp_path):
+    b = _benchmark_module()
+    printed = tmp_path / "printed"
+    fake = [sys.executable, "-c", "import pathlib, sys, time\n"
+            "for c in (1400, 1500, 1600):\n"
+            "    print(f'{c}, 690.0, 700.00, 0x4', flush=True)\n"
+            "pathlib.Path(sys.argv[1]).touch()\n"
+            "time.sleep(120)", str(printed)]
+    with b.ChipMonitor("GPU-x", command=fake) as mon:
+        deadline = time.monotonic() + 60
+        while not printed.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert mon.proc.poll() is not None  # terminated on leaving the window
+    assert mon.summary() == {"sm_clock_mhz": 1500, "power_w": 690, "power_limit_w": 700,
+                             "power_capped": 1.0}
+    with b.ChipMonitor("0", command=[str(ROOT / "no-such-nvidia-smi")]) as missing:
+        pass
+    assert missing.summary() == {}
+    assert b.ChipMonitor("GPU-abc").command[:2] == ["nvidia-smi", f"--query-gpu={b.CHIP_QUERY}"]

@@ -9,7 +9,9 @@ The command line goes through the same parser, model, optimizer, mixed precision
 (mock) data path as pretrain_gpt.py. After warm-up steps (compilation happens there), the
 timed steps run between synchronised timers. One JSON line per run: tokens/s, TFLOP/s and
 MFU (FLOPs per token 72*l*h^2*(1 + s/6h + V/12lh), peak 989 TFLOP/s bf16 dense), peak
-memory and time from launch to the end of the first optimizer step.
+memory and time from launch to the end of the first optimizer step; on CUDA with
+nvidia-smi, the GPU's median SM clock and power during the timed steps (an H200 trains at
+its power limit, well under its top clock: these tell one machine's rows from another's).
 """
 from __future__ import annotations
 
@@ -18,9 +20,12 @@ import time
 T_LAUNCH = time.time()
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 from typing import Optional  # noqa: E402
 
@@ -207,6 +212,75 @@ def count_syncs(tr, data, steps: int) -> int:
     return len(syncs)
 
 
+CHIP_QUERY = "clocks.sm,power.draw,power.limit,clocks_event_reasons.active"
+POWER_CAP = 0x4  # the software power cap bit of nvidia-smi's clocks_event_reasons
+
+
+def chip_summary(text: str) -> dict:
+    """Medians of nvidia-smi's samples (lines 'clock MHz, power W, limit W, reasons') and
+    the share of samples whose clock the power cap held back; {} without a valid sample."""
+    rows = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            clock, power, limit = (float(x) for x in parts[:3])
+        except ValueError:
+            continue  # a header, an error line, or [N/A] fields
+        try:
+            capped = bool(int(parts[3], 16) & POWER_CAP)
+        except (IndexError, ValueError):
+            capped = None
+        rows.append((clock, power, limit, capped))
+    if not rows:
+        return {}
+    out = {"sm_clock_mhz": round(statistics.median(r[0] for r in rows)),
+           "power_w": round(statistics.median(r[1] for r in rows)),
+           "power_limit_w": round(statistics.median(r[2] for r in rows))}
+    flags = [r[3] for r in rows if r[3] is not None]
+    if flags:
+        out["power_capped"] = round(sum(flags) / len(flags), 2)
+    return out
+
+
+class ChipMonitor:
+    """nvidia-smi sampling the GPU's clock and power every `period_ms` in the background
+    while the timed steps run (its own process: the training process is not touched).
+    Without nvidia-smi it records nothing and summary() is {}."""
+
+    def __init__(self, gpu: str, period_ms: int = 250, command: Optional[list] = None):
+        self.command = command or ["nvidia-smi", f"--query-gpu={CHIP_QUERY}",
+                                   "--format=csv,noheader,nounits", "-i", gpu,
+                                   "-lms", str(period_ms)]
+        self.proc, self.text = None, ""
+
+    def __enter__(self) -> "ChipMonitor":
+        try:
+            self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.text, _ = self.proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.text, _ = self.proc.communicate()
+
+    def summary(self) -> dict:
+        return chip_summary(self.text)
+
+
+def chip_id(torch, device) -> str:
+    """nvidia-smi's name for `device`: its UUID (right under CUDA_VISIBLE_DEVICES too)."""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return f"GPU-{uuid}" if uuid else str(device.index or 0)
+
+
 def timed_warmup(warmup: int, device: str, extra: list) -> int:
     """Warm-up steps enough that no timed step is the whole-step CUDA graph's capture (it
     happens at step WARMUP_STEPS + 1 on CUDA unless `--cuda-graph-step off` is passed on);
@@ -257,11 +331,13 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     # Peak memory since the start: a captured step's buffers live in the graph's pool,
     # allocated during the capture (a warm-up step), not during the timed replays.
     sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        loss, *_ = train_step(tr, data)
-    sync()
-    elapsed = time.perf_counter() - t0
+    monitor = ChipMonitor(chip_id(torch, rt.device)) if use_cuda else contextlib.nullcontext()
+    with monitor:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loss, *_ = train_step(tr, data)
+        sync()
+        elapsed = time.perf_counter() - t0
     if profile_steps:
         print_profile(tr, data, profile_steps, use_cuda, profile_sort, profile_rows,
                       profile_launches)
@@ -282,6 +358,7 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
         "est_mem_gb": round(estimate_memory(config)["allocated"] / 2**30, 2),
         "compile": m.compile_layers, "extra": " ".join(extra),
         **({"host_syncs": syncs, "sync_steps": sync_steps} if syncs is not None else {}),
+        **(monitor.summary() if use_cuda else {}),
     }
 
 
@@ -293,8 +370,6 @@ def layout_name(config) -> str:
 def scaling(a, device: str) -> int:
     """Run the preset over each layout through torchrun on this host; print per-GPU
     tokens/s, MFU and the efficiency against the first layout (normally one GPU)."""
-    import subprocess
-
     rows = []
     for text in a.scaling.split(","):
         lay = parse_layout(text)
