@@ -13,6 +13,14 @@ ROOT = Path(__file__).resolve().parents[1]
 TOOL = str(ROOT / "tools" / "benchmark.py")
 
 
+def _benchmark_module():
+    """tools/benchmark.py as a module (tools/ is not a package)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import benchmark
+
+    return benchmark
+
+
 def test_single_run_reports_throughput_and_mfu():
     out = subprocess.run([sys.executable, TOOL, "--preset", "tiny", "--device", "cpu",
                           "--steps", "2", "--warmup", "1", "--", "--num-workers", "0"],
@@ -38,8 +46,7 @@ def test_scaling_mode_prints_efficiency_table():
 
 
 def test_layouts_parse_and_bad_ones_name_the_fix():
-    sys.path.insert(0, str(ROOT / "tools"))
-    from benchmark import parse_layout
+    parse_layout = _benchmark_module().parse_layout
 
     assert parse_layout("tp2pp2dp2") == {"tp": 2, "pp": 2, "dp": 2}
     assert parse_layout("dp4") == {"tp": 1, "pp": 1, "dp": 4}
@@ -52,8 +59,7 @@ def test_kernel_summary_sorts_kernels_into_categories():
     events left out, milliseconds per step."""
     from types import SimpleNamespace
 
-    sys.path.insert(0, str(ROOT / "tools"))
-    from benchmark import kernel_summary
+    kernel_summary = _benchmark_module().kernel_summary
 
     def ev(name, us, device="DeviceType.CUDA", annotation=False):
         return SimpleNamespace(name=name, self_device_time_total=us, device_type=device,
@@ -74,8 +80,7 @@ def test_gemm_rows_rate_each_matrix_product_shape():
     with its accumulator first, bmm), per step, slowest first; other ops left out."""
     from types import SimpleNamespace
 
-    sys.path.insert(0, str(ROOT / "tools"))
-    from benchmark import gemm_rows
+    gemm_rows = _benchmark_module().gemm_rows
 
     def avg(key, shapes, count, us):
         return SimpleNamespace(key=key, input_shapes=shapes, count=count, device_time_total=us)
@@ -97,8 +102,7 @@ def test_launch_rows_attribute_kernels_to_the_launching_operator():
     operator that launched them (through the CUDA runtime call when that is the event)."""
     from types import SimpleNamespace
 
-    sys.path.insert(0, str(ROOT / "tools"))
-    from benchmark import launch_rows
+    launch_rows = _benchmark_module().launch_rows
 
     def ev(name, kernels=(), parent=None):
         return SimpleNamespace(name=name, cpu_parent=parent,
@@ -113,8 +117,7 @@ def test_launch_rows_attribute_kernels_to_the_launching_operator():
 
 
 def test_warmup_covers_the_cuda_graph_capture(capsys):
-    sys.path.insert(0, str(ROOT / "tools"))
-    from benchmark import timed_warmup
+    timed_warmup = _benchmark_module().timed_warmup
 
     assert timed_warmup(2, "cuda", []) == 3
     assert "--warmup 2 raised to 3" in capsys.readouterr().err
@@ -123,13 +126,6 @@ def test_warmup_covers_the_cuda_graph_capture(capsys):
     assert timed_warmup(1, "cuda", ["--cuda-graph-step", "off"]) == 1
     assert timed_warmup(1, "cuda", ["--cuda-graph-step=off"]) == 1
     assert timed_warmup(1, "cuda", ["--cuda-graph-step", "on"]) == 3
-
-
-def _benchmark_module():
-    sys.path.insert(0, str(ROOT / "tools"))
-    import benchmark
-
-    return benchmark
 
 
 def test_chip_summary_takes_medians_and_the_power_capped_share():
