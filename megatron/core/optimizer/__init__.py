@@ -1,5 +1,10 @@
 """Optimizer stack: parameter groups, mixed-precision wrappers, loss scaling, gradient
 clipping and the learning-rate / weight-decay schedule (see each module's docstring)."""
+from megatron.core.optimizer.build import (
+    build_base_optimizer,
+    build_grad_scaler,
+    build_optimizer,
+)
 from megatron.core.optimizer.clip_grads import (
     clip_grad_norm,
     count_zeros,
@@ -17,9 +22,6 @@ from megatron.core.optimizer.optimizer import (
     FP32Optimizer,
     MegatronOptimizer,
     MixedPrecisionOptimizer,
-    build_base_optimizer,
-    build_grad_scaler,
-    build_optimizer,
 )
 from megatron.core.optimizer.param_groups import get_param_groups
 
