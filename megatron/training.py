@@ -16,7 +16,7 @@ from typing import Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron import checkpointing
+from megatron import checkpointing, trainer_checkpoint
 from megatron.config import Config
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.models.gpt.stages import build_stage_models, sync_tied_embeddings
@@ -276,7 +276,7 @@ def _rollback(tr: Trainer, iteration: int) -> None:
     """Reload the last checkpoint of --save; keep the data position, so the batches since
     that checkpoint (the offending one included) are skipped."""
     ck = tr.config.checkpoint
-    checkpointing.wait_for_async_save(tr)  # the checkpoint being written may be the last one
+    trainer_checkpoint.wait_for_async_save(tr)  # the checkpoint being written may be the last one
     tracker = checkpointing.read_tracker(ck.save)[0] if ck.save else None
     if not tracker:
         raise SystemExit(f"error: NaN/Inf loss at iteration {iteration} and no checkpoint in "
@@ -287,7 +287,7 @@ def _rollback(tr: Trainer, iteration: int) -> None:
     tr.config.checkpoint = dataclasses.replace(saved, load=saved.save, finetune=False,
                                                no_load_optim=False, no_load_rng=False)
     try:
-        checkpointing.load_trainer_checkpoint(tr)
+        trainer_checkpoint.load_trainer_checkpoint(tr)
     finally:
         tr.config.checkpoint = saved
     (tr.state.consumed_train_samples, tr.state.consumed_valid_samples,
@@ -337,7 +337,7 @@ def _periodic(tr: Trainer, stats: IntervalStats, valid_data) -> bool:
 def _save(tr: Trainer, stats: IntervalStats) -> None:
     if tr.config.training.nan_loss_policy == "stop":
         _check_pending_nan(tr, stats)  # never checkpoint weights a NaN step produced
-    checkpointing.save_trainer_checkpoint(tr)
+    trainer_checkpoint.save_trainer_checkpoint(tr)
 
 
 def train(tr: Trainer, train_data, valid_data) -> None:
@@ -366,14 +366,14 @@ def train(tr: Trainer, train_data, valid_data) -> None:
                 _save(tr, stats)
             elif not cfg.checkpoint.save and tr.signals is not None:
                 print_rank_0("WARNING: exiting without a checkpoint: --save is not set")
-            checkpointing.wait_for_async_save(tr)
+            trainer_checkpoint.wait_for_async_save(tr)
             print_rank_0(f"{reason} datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
             return
     if stats.records:
         log_interval(tr, stats)
     if cfg.checkpoint.save and st.iteration > 0 and saved_at != st.iteration:
         _save(tr, stats)
-    checkpointing.wait_for_async_save(tr)
+    trainer_checkpoint.wait_for_async_save(tr)
 
 
 def pretrain(config: Config, rt: Runtime) -> Trainer:
@@ -383,7 +383,7 @@ def pretrain(config: Config, rt: Runtime) -> Trainer:
     if config.training.exit_signal_handler:
         tr.signals = SignalHandler()
     if config.checkpoint.load:
-        checkpointing.load_trainer_checkpoint(tr)
+        trainer_checkpoint.load_trainer_checkpoint(tr)
     print_rank_0(f"[after model, optimizer, and learning rate scheduler are built] datetime: "
                  f"{time.strftime('%Y-%m-%d %H:%M:%S')} ")
     if tr.tb is not None:

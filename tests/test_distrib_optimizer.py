@@ -23,7 +23,7 @@ from functools import lru_cache
 import pytest
 import torch
 
-from megatron import checkpointing
+from megatron import trainer_checkpoint
 from megatron.arguments import ArgumentsError, parse_and_validate
 from megatron.core.config import OptimizerConfig, ParallelConfig
 from megatron.core.distributed import DistributedDataParallel
@@ -158,14 +158,14 @@ def _save_worker(rank, world, root):
         tr.state.iteration += 1
         tr.state.consumed_train_samples += cfg.data.global_batch_size
         if tr.state.iteration == 2:
-            checkpointing.save_trainer_checkpoint(tr)
+            trainer_checkpoint.save_trainer_checkpoint(tr)
     return losses[2:]
 
 
 def _load_worker(rank, world, root, distributed=True):
     cfg, rt, tr = _trainer(rank, world, parallel=DIST if distributed else {}, iters=4)
     cfg.checkpoint.load = root
-    checkpointing.load_trainer_checkpoint(tr)
+    trainer_checkpoint.load_trainer_checkpoint(tr)
     assert tr.state.iteration == 2
     data = data_iterator(cfg, rt, "train", tr.state.consumed_train_samples)
     return [float(train_step(tr, data)[0]) for _ in range(2)]

@@ -37,7 +37,7 @@ DATA = "megatron/data_loading.py"
 LOGS = "megatron/logging_utils.py"
 STEP = "megatron/train_step.py"
 TRAIN = "megatron/training.py"
-CKPT = "megatron/checkpointing.py"
+CKPT = "megatron/trainer_checkpoint.py"
 TOK = "megatron/tokenizer/tokenizer.py"
 PROF = "megatron/profiling.py"
 

@@ -29,8 +29,8 @@ TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
 def _train(save_dir, extra="", world_size=1, rank=0, steps=3):
     """Train a tiny model for `steps` steps, save it, then the loss of the NEXT global batch
     (forward only, all micro-batches) and those micro-batches."""
-    from megatron.checkpointing import save_trainer_checkpoint
     from megatron.train_step import forward_backward
+    from megatron.trainer_checkpoint import save_trainer_checkpoint
     from megatron.training import data_iterator
 
     cfg, rt, tr = cli_trainer(f"{TINY} --save {save_dir} {extra}".split(), world_size, rank)

@@ -44,7 +44,7 @@ NEW_TOKENS = 16  # prompt + new tokens stay within the 32 positions GPT-2 has
 
 def _train(save_dir, extra, world_size=1, rank=0) -> list:
     """Train a tiny model STEPS steps on mock data and save it; the losses."""
-    from megatron.checkpointing import save_trainer_checkpoint
+    from megatron.trainer_checkpoint import save_trainer_checkpoint
     from megatron.training import data_iterator
 
     cfg, rt, tr = cli_trainer(f"{TINY} --save {save_dir} {extra}".split(), world_size, rank)

@@ -65,7 +65,7 @@ def _ours_logits(model, tokens=TOKENS) -> torch.Tensor:
 def _train(save_dir, extra, world_size=1, rank=0, steps=2, load=None):
     """Train a tiny model `steps` steps (optionally from --load, loaded as pretrain() does),
     save it; returns (trainer, losses, logits of TOKENS before training)."""
-    from megatron.checkpointing import load_trainer_checkpoint, save_trainer_checkpoint
+    from megatron.trainer_checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
     from megatron.training import data_iterator
 
     argv = f"{TINY} --save {save_dir} {extra}".split() + (["--load", str(load)] if load else [])

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron import checkpointing
+from megatron import trainer_checkpoint
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.gpt.stages import build_stage_models, stage_layout
 from megatron.core.parallel_state import ParallelState
@@ -249,20 +249,20 @@ def test_virtual_chunks_save_as_model0_model1():
     ps = ParallelState.build(2, 1, pp_size=2, virtual_pp_size=2, create_groups=False)
     torch.manual_seed(0)
     chunks = ModelChunks(build_stage_models(cfg.model, ps, vpp_size=2))
-    state = checkpointing.model_state_dicts(chunks)
+    state = trainer_checkpoint.model_state_dicts(chunks)
     assert sorted(state) == ["model0", "model1"]
     assert "language_model.encoder.layers.0.self_attention.query_key_value.weight" in state["model0"]
     assert "word_embeddings_for_head.weight" in state["model1"]  # last stage, tied
     assert "language_model.encoder.final_layernorm.weight" in state["model1"]
     torch.manual_seed(1)
     other = ModelChunks(build_stage_models(cfg.model, ps, vpp_size=2))
-    checkpointing.load_model_state_dicts(other, state)
+    trainer_checkpoint.load_model_state_dicts(other, state)
     for a, b in zip(chunks.parameters(), other.parameters()):
         assert torch.equal(a, b)
     with pytest.raises(SystemExit, match=r"has model entries \['model'\].*2 model chunk"):
-        checkpointing.load_model_state_dicts(other, {"model": state["model0"]})
+        trainer_checkpoint.load_model_state_dicts(other, {"model": state["model0"]})
     single = ModelChunks(build_stage_models(cfg.model, ParallelState.build(1, 0)))
-    assert list(checkpointing.model_state_dicts(single)) == ["model"]
+    assert list(trainer_checkpoint.model_state_dicts(single)) == ["model"]
     with pytest.raises(RuntimeError, match="2 virtual-pipeline chunks"):
         chunks.module
 

@@ -23,14 +23,10 @@ import torch
 
 from megatron import checkpoint_reshard as reshard
 from megatron.arguments import ArgumentsError, parse_and_validate
-from megatron.checkpointing import (
-    MODEL_FILENAME,
-    load_trainer_checkpoint,
-    rank_dir_name,
-    save_trainer_checkpoint,
-)
+from megatron.checkpointing import MODEL_FILENAME, rank_dir_name
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.initialize import initialize_distributed, set_random_seed
+from megatron.trainer_checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
 from megatron.training import build_trainer, data_iterator, train_step
 from tests.dist_utils import run_distributed
 from tools import checkpoint_convert

@@ -1,0 +1,192 @@
+"""Checkpoints of a live `megatron.training.Trainer`: its payload, saving, loading.
+
+checkpointing.py holds the on-disk format and the collective save / load of one rank's
+payload and knows nothing of the Trainer; this module decides what a Trainer's payload
+is (model chunks, optimizer, scheduler, RNG, counters, arguments), honours the
+--no-save-* / --no-load-* / --finetune / --async-save flags, and on load reshards a
+checkpoint saved with another parallel layout (megatron/checkpoint_reshard.py).
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from megatron.async_save import AsyncSaver
+from megatron.checkpointing import (
+    args_to_plain,
+    get_rng_state,
+    iteration_dir_name,
+    load_extra_file,
+    load_rank_file,
+    resolve_checkpoint,
+    save_checkpoint,
+    save_checkpoint_async,
+    set_rng_state,
+)
+from megatron.logging_utils import print_rank_0
+
+
+def _chunk_models(model) -> list:
+    chunks = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
+    return [getattr(c, "module", c) for c in chunks]
+
+
+def model_state_dicts(model) -> dict:
+    """`{"model": sd}` for one model chunk, `{"model0": sd0, "model1": sd1, ...}` for
+    virtual pipeline chunks (Megatron's keys). `model` is a ModelChunks or one module."""
+    chunks = _chunk_models(model)
+    if len(chunks) == 1:
+        return {"model": chunks[0].state_dict()}
+    return {f"model{i}": c.state_dict() for i, c in enumerate(chunks)}
+
+
+def load_model_state_dicts(model, state: dict) -> None:
+    """Load the keys written by `model_state_dicts` (strict); SystemExit when the
+    checkpoint's number of virtual pipeline chunks differs from this run's."""
+    chunks = _chunk_models(model)
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    missing = [k for k in keys if k not in state]
+    if missing:
+        found = sorted(k for k in state if k == "model" or re.fullmatch(r"model\d+", k))
+        raise SystemExit(
+            f"checkpoint has model entries {found} but this run has {len(chunks)} model "
+            f"chunk(s) per pipeline rank (needs {keys}); run with the checkpoint's "
+            "--num-layers-per-virtual-pipeline-stage")
+    for key, chunk in zip(keys, chunks):
+        chunk.load_state_dict(state[key], strict=True)
+
+
+def trainer_state_dict(tr) -> dict:
+    """This rank's checkpoint payload from a `megatron.training.Trainer`."""
+    cfg = tr.config
+    args = dict(cfg.args)
+    args.update(consumed_train_samples=tr.state.consumed_train_samples,
+                consumed_valid_samples=tr.state.consumed_valid_samples)
+    state = {
+        "args": args_to_plain(args),
+        "checkpoint_version": 3.0,
+        "iteration": tr.state.iteration,
+        **model_state_dicts(tr.model),
+        "train_state": tr.state.state_dict(),
+    }
+    if not cfg.checkpoint.no_save_optim:
+        state["optimizer"] = tr.optimizer.state_dict()
+        state["opt_param_scheduler"] = tr.scheduler.state_dict()
+    if not cfg.checkpoint.no_save_rng:
+        state["rng_state"] = [get_rng_state(tr.rt.rng_tracker)]
+    return state
+
+
+def save_trainer_checkpoint(tr) -> float:
+    """Save the trainer at its current iteration to --save; returns the seconds training
+    was blocked: the whole save, or with --async-save the CPU copy only (the files are
+    written in the background by `tr.async_saver`; `wait_for_async_save(tr)` finishes it).
+
+    Collective over the world (barriers; with the distributed optimizer a gather over DP).
+    An async save that ends the run is waited for at once."""
+    started = time.perf_counter()
+    if tr.rt.device.type == "cuda":
+        torch.cuda.synchronize()
+    ck = tr.config.checkpoint
+    extra = None
+    if not ck.no_save_optim and hasattr(tr.optimizer, "get_parameter_state"):
+        param_state = tr.optimizer.get_parameter_state()  # distributed optimizer: gather over DP
+        extra = None if param_state is None else {"distrib_optim.pt": param_state}
+    state = trainer_state_dict(tr)  # references to live tensors: cheap; copied if async
+    if not ck.async_save:
+        return save_checkpoint(ck.save, tr.state.iteration, state, tr.rt.ps, extra_files=extra)
+    if getattr(tr, "async_saver", None) is None:
+        tr.async_saver = AsyncSaver()
+    blocking = save_checkpoint_async(
+        ck.save, tr.state.iteration, state, tr.rt.ps, tr.async_saver, extra_files=extra,
+        timeout_s=60.0 * (tr.config.parallel.distributed_timeout_minutes + 1), started=started)
+    if _run_ends_after_save(tr):
+        tr.async_saver.wait()
+    return blocking
+
+
+def _run_ends_after_save(tr) -> bool:
+    """Whether the loop stops after this save (--train-iters reached, --exit-interval, a
+    preemption signal, --exit-duration-in-mins). Judged locally: waiting is local too. A
+    save the loop ends after without this knowing is waited for at interpreter exit (the
+    writer thread is not a daemon) or by `wait_for_async_save`."""
+    t, it = tr.config.training, tr.state.iteration
+    if (t.train_iters and it >= t.train_iters) or (t.exit_interval and it % t.exit_interval == 0):
+        return True
+    if getattr(tr, "signals", None) is not None and tr.signals.received:
+        return True
+    elapsed_min = (time.time() - getattr(tr, "start_time", time.time())) / 60.0
+    return bool(t.exit_duration_in_mins) and elapsed_min > t.exit_duration_in_mins
+
+
+def wait_for_async_save(tr) -> None:
+    """Wait until this rank's background save (if any) is written -- and on global rank 0
+    published. Local: no collective. RuntimeError when the background save failed."""
+    saver = getattr(tr, "async_saver", None)
+    if saver is not None:
+        saver.wait()
+
+
+def _load_trainer_payload(tr) -> Optional[Tuple[int, Dict, Optional[Dict], Optional[str]]]:
+    """(iteration, this rank's payload, its distrib_optim.pt payload if already built, a
+    description of the conversion or None) from --load; None when there is no checkpoint.
+
+    When the checkpoint's tp, pp or chunks per rank differ from the run's -- or, with the
+    optimizer state to load, its optimizer kind (distributed or not, fp32 or mixed) --
+    every rank reads all shards and takes its slice (megatron.checkpoint_reshard).
+    Collective: the tracker all-reduce and barrier; the missing-file all-reduce otherwise."""
+    from megatron import checkpoint_reshard as reshard
+
+    ck, ps = tr.config.checkpoint, tr.rt.ps
+    found = resolve_checkpoint(ck.load, ps, exit_on_missing=ck.exit_on_missing_checkpoint)
+    if found is None:
+        return None
+    iteration, release = found
+    loaded_iteration = 0 if release else iteration
+    iter_dir = os.path.join(ck.load, iteration_dir_name(iteration, release))
+    with_optimizer = not (ck.finetune or ck.no_load_optim)
+    saved = reshard.read_layout(iter_dir)
+    if not reshard.needs_resharding(saved, reshard.trainer_layout(tr), with_optimizer):
+        return loaded_iteration, load_rank_file(ck.load, iteration, release, ps), None, None
+    print_rank_0(f" loading checkpoint from {ck.load} at iteration {iteration} "
+                 f"(resharding: every rank reads all shards)")
+    payload, distrib, text = reshard.reshard_for_trainer(tr, iter_dir, with_optimizer)
+    print_rank_0(f" > {text}")
+    return loaded_iteration, payload, distrib, text
+
+
+def load_trainer_checkpoint(tr) -> Optional[str]:
+    """Restore model, optimizer, scheduler, RNG and counters from --load, if present.
+
+    A checkpoint saved with another layout is resharded on load (see
+    `_load_trainer_payload`); returns the description of that conversion, else None."""
+    ck = tr.config.checkpoint
+    loaded = _load_trainer_payload(tr)
+    if loaded is None:
+        return None
+    iteration, state, param_state, converted = loaded
+    load_model_state_dicts(tr.model, state)
+    if ck.finetune:
+        tr.optimizer.reload_model_params()
+        print_rank_0(f" > loaded weights from {ck.load} at iteration {iteration} (--finetune: "
+                     f"counters, optimizer and RNG start fresh)")
+        return converted
+    tr.state.load_state_dict(state.get("train_state", {"iteration": iteration}))
+    if not ck.no_load_optim and "optimizer" in state:
+        tr.optimizer.load_state_dict(state["optimizer"])
+        if hasattr(tr.optimizer, "load_parameter_state"):  # the distributed optimizer's shards
+            if param_state is None:
+                param_state = load_extra_file(ck.load, iteration, tr.rt.ps, "distrib_optim.pt",
+                                              release=iteration == 0)
+            tr.optimizer.load_parameter_state(param_state)
+        tr.scheduler.load_state_dict(state["opt_param_scheduler"])
+    else:
+        tr.optimizer.reload_model_params()
+    if not ck.no_load_rng and "rng_state" in state:
+        set_rng_state(state["rng_state"][0], tr.rt.rng_tracker)
+    print_rank_0(f"  successfully loaded checkpoint from {ck.load} at iteration {iteration}")
+    return converted
