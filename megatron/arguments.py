@@ -364,7 +364,7 @@ def parse_and_validate(
             origins = apply_deprecated(ns, explicit)
             check_not_supported(ns, origins)
             if ns.use_checkpoint_args:  # model flags from the checkpoint, before validation
-                from megatron.checkpoint_reshard import apply_checkpoint_args
+                from megatron.arguments_checkpoint import apply_checkpoint_args
 
                 apply_checkpoint_args(ns, explicit, warn)
             ns.rank, ns.world_size = rank, world_size

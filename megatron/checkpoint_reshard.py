@@ -30,8 +30,9 @@ saved state dicts. A vocabulary padded for another tp size is cut or zero-padded
 extra rows are padding tokens). RNG states are per rank: they are kept only when tp and pp
 are unchanged.
 
-Used by `load_trainer_checkpoint` (resharding on load), `tools/checkpoint_convert.py
-reshard` (offline) and `tools/generate.py` (one-process model), and `--use-checkpoint-args`.
+Used by megatron/trainer_checkpoint.py (resharding on load), `tools/checkpoint_convert.py
+reshard` (offline), `tools/generate.py` and megatron/hf_convert.py (one-process model), and
+megatron/arguments_checkpoint.py (`--use-checkpoint-args`).
 """
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ def live_optimizer_kind(optimizer) -> str:
     return "mixed" if hasattr(optimizer, "fp32_from_float16_groups") else "fp32"
 
 
-def _load(path: str):
+def load_shard(path: str):
     """weights_only load, memory-mapped (tensors are read when used) when the file allows."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -136,10 +137,18 @@ def read_layout(iter_dir: str) -> Layout:
     if not os.path.isfile(os.path.join(first, MODEL_FILENAME)):
         raise SystemExit(f"error: checkpoint shard {os.path.join(first, MODEL_FILENAME)} is "
                          "missing")
-    state = _load(os.path.join(first, MODEL_FILENAME))
+    state = load_shard(os.path.join(first, MODEL_FILENAME))
     has_distrib = os.path.isfile(os.path.join(first, DISTRIB_FILENAME))
     return Layout(tp, pp, max(len(_model_keys(state)), 1),
                   optimizer_kind(state.get("optimizer"), has_distrib))
+
+
+def needs_resharding(saved: Layout, run: Layout, with_optimizer: bool) -> bool:
+    """True when tp, pp or the chunks per rank differ, or (when the optimizer state is to be
+    loaded) the optimizer payload kind differs. A dp change alone needs nothing."""
+    if (saved.tp, saved.pp, saved.vpp) != (run.tp, run.pp, run.vpp):
+        return True
+    return with_optimizer and saved.optimizer is not None and saved.optimizer != run.optimizer
 
 
 # -------------------------------------------------------------------------- tensor math
@@ -204,10 +213,10 @@ class SourceCheckpoint:
                 if not os.path.isfile(path):
                     raise SystemExit(f"error: checkpoint shard {path} is missing (the "
                                      f"directories say tp {tp} x pp {pp})")
-                self.files[t, p] = _load(path)
+                self.files[t, p] = load_shard(path)
                 extra = os.path.join(rank_dir, DISTRIB_FILENAME)
                 if os.path.isfile(extra):
-                    self.param_files[t, p] = _load(extra)
+                    self.param_files[t, p] = load_shard(extra)
         first = self.files[0, 0]
         self.args = first.get("args") if isinstance(first.get("args"), dict) else {}
         self.chunks = {k: [flatten_state(s[m]) for m in _model_keys(s)]
@@ -573,120 +582,3 @@ def full_model_state(src: SourceCheckpoint, model: torch.nn.Module) -> Dict[str,
                          f"missing: {sorted(missing)[:5]}, unexpected: {unexpected[:5]}")
     return {local: src.model(name, plan.partition[name]).clone()
             for local, name in plan.chunks[0]}
-
-
-# ---------------------------------------------------------------------- resharding on load
-def trainer_layout(tr) -> Layout:
-    """The layout of a live `megatron.training.Trainer`."""
-    ps = tr.rt.ps
-    return Layout(ps.tp_size, ps.pp_size, len(tr.model), live_optimizer_kind(tr.optimizer))
-
-
-def needs_resharding(saved: Layout, run: Layout, with_optimizer: bool) -> bool:
-    """True when tp, pp or the chunks per rank differ, or (when the optimizer state is to be
-    loaded) the optimizer payload kind differs. A dp change alone needs nothing."""
-    if (saved.tp, saved.pp, saved.vpp) != (run.tp, run.pp, run.vpp):
-        return True
-    return with_optimizer and saved.optimizer is not None and saved.optimizer != run.optimizer
-
-
-def plan_trainer_rank(tr) -> RankPlan:
-    """The RankPlan of this process's chunks in a live Trainer."""
-    from megatron.core.models.gpt.stages import stage_layout
-
-    cfg, ps = tr.config, tr.rt.ps
-    specs = stage_layout(cfg.model.num_layers, ps.pp_size, ps.pp_rank,
-                         cfg.parallel.virtual_pp_size, cfg.parallel.standalone_embedding_stage)
-
-    def grad_dtype(prm):
-        bucket = getattr(prm, "grad_bucket", None)
-        return prm.dtype if bucket is None else bucket.grad_data.dtype
-
-    return plan_rank(tr.model.unwrapped(), [s.layer_offset for s in specs], ps.tp_size,
-                     ps.tp_rank, (ps.pp_size, ps.pp_rank), grad_dtype_of=grad_dtype)
-
-
-def reshard_for_trainer(tr, iter_dir: str, with_optimizer: bool
-                        ) -> Tuple[dict, Optional[dict], str]:
-    """This rank's payloads for a live Trainer from a checkpoint saved with another layout.
-
-    No communication: every rank memory-maps all shards and builds only the full tensors
-    of the parameters it holds. Returns (model_optim_rng payload, distrib_optim payload or
-    None, a one-line description of the conversion)."""
-    src = SourceCheckpoint(iter_dir)
-    plan = plan_trainer_rank(tr)
-    notes: Set[str] = set()
-    kind = live_optimizer_kind(tr.optimizer) if with_optimizer else None
-    payload, distrib = build_rank_payload(src, plan, kind, notes)
-    what = "model and optimizer" if "optimizer" in payload else "model"
-    text = (f"resharded {iter_dir} on load: saved with {src.layout.describe()}, this run has "
-            f"{trainer_layout(tr).describe()}; {what} state of {len(src.files)} shard file(s) "
-            f"converted ({plan.num_params} parameters on this rank)")
-    if "rng_state" not in payload:
-        text += "; RNG states start fresh (they are per rank)"
-    if notes:
-        text += "; " + "; ".join(sorted(notes))
-    return payload, distrib, text
-
-
-# ----------------------------------------------------------------- --use-checkpoint-args
-# Megatron-LM 23.05 copies these when the command line left them unset ...
-_FILL_IF_UNSET = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length",
-                  "num_attention_heads", "kv_channels", "max_position_embeddings",
-                  "tokenizer_type", "num_layers_per_virtual_pipeline_stage")
-# ... and these always; here (and for this framework's own model flags) an explicit
-# command-line value wins with a warning: a checkpoint reshards on load.
-_ARCHITECTURE = ("add_position_embedding", "use_rotary_position_embeddings", "rotary_percent",
-                 "add_bias_linear", "swiglu", "untie_embeddings_and_output_weights",
-                 "apply_layernorm_1p", "tensor_model_parallel_size",
-                 "pipeline_model_parallel_size", "position_embedding_type", "rotary_base",
-                 "normalization", "group_query_attention", "num_query_groups",
-                 "squared_relu", "openai_gelu", "layernorm_epsilon",
-                 "apply_residual_connection_post_layernorm", "vocab_size",
-                 "make_vocab_size_divisible_by")
-
-
-def read_checkpoint_args(load: str) -> dict:
-    """The `args` of the rank-0 file of the latest checkpoint under `load` (either naming
-    scheme), memory-mapped. SystemExit when there is no checkpoint or it has no args."""
-    iter_dir, _, _ = locate_iteration(load)
-    _, pp = scan_layout(iter_dir)
-    path = os.path.join(iter_dir, rank_dir_name(0, 0, pp), MODEL_FILENAME)
-    args = _load(path).get("args") if os.path.isfile(path) else None
-    if not isinstance(args, dict):
-        raise SystemExit(f"error: --use-checkpoint-args: {path} holds no arguments")
-    return args
-
-
-def apply_checkpoint_args(ns: argparse.Namespace, explicit: Set[str],
-                          warn: Callable[[str], None] = print) -> List[str]:
-    """`--use-checkpoint-args`: copy the model flags stored in the checkpoint under
-    `ns.load` into `ns` wherever the command line (or YAML) left them unset (`explicit`
-    lists the dests that were set). Call before validation. Returns the dests copied.
-    ArgumentsError when there is no --load, no checkpoint or no stored arguments."""
-    from megatron.arguments_common import ArgumentsError
-
-    if not ns.load:
-        raise ArgumentsError("--use-checkpoint-args needs --load DIR (the checkpoint whose "
-                             "arguments to use)")
-    try:
-        saved = read_checkpoint_args(ns.load)
-    except SystemExit as exc:
-        raise ArgumentsError(str(exc.code).removeprefix("error: ")) from None
-    copied = []
-    for dest in _FILL_IF_UNSET + _ARCHITECTURE:
-        if dest not in saved or not hasattr(ns, dest):
-            continue
-        if dest == "num_layers_per_virtual_pipeline_stage" and \
-                "pipeline_model_parallel_size" in explicit:
-            continue  # virtual stages belong to the checkpoint's pipeline size
-        value = saved[dest]
-        if dest in explicit or (dest in _FILL_IF_UNSET and getattr(ns, dest) is not None):
-            if getattr(ns, dest) != value:
-                warn(f"--use-checkpoint-args: --{dest.replace('_', '-')} "
-                     f"{getattr(ns, dest)} from the command line is kept (the checkpoint has "
-                     f"{value})")
-            continue
-        setattr(ns, dest, value)
-        copied.append(dest)
-    return copied

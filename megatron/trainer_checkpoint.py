@@ -11,11 +11,21 @@ from __future__ import annotations
 import os
 import re
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Set, Tuple
 
 import torch
 
 from megatron.async_save import AsyncSaver
+from megatron.checkpoint_reshard import (
+    Layout,
+    RankPlan,
+    SourceCheckpoint,
+    build_rank_payload,
+    live_optimizer_kind,
+    needs_resharding,
+    plan_rank,
+    read_layout,
+)
 from megatron.checkpointing import (
     args_to_plain,
     get_rng_state,
@@ -27,6 +37,7 @@ from megatron.checkpointing import (
     save_checkpoint_async,
     set_rng_state,
 )
+from megatron.core.models.gpt.stages import stage_layout
 from megatron.logging_utils import print_rank_0
 
 
@@ -131,6 +142,50 @@ def wait_for_async_save(tr) -> None:
         saver.wait()
 
 
+# ---------------------------------------------------------------------- resharding on load
+def trainer_layout(tr) -> Layout:
+    """The layout of a live `megatron.training.Trainer`."""
+    ps = tr.rt.ps
+    return Layout(ps.tp_size, ps.pp_size, len(tr.model), live_optimizer_kind(tr.optimizer))
+
+
+def plan_trainer_rank(tr) -> RankPlan:
+    """The RankPlan of this process's chunks in a live Trainer."""
+    cfg, ps = tr.config, tr.rt.ps
+    specs = stage_layout(cfg.model.num_layers, ps.pp_size, ps.pp_rank,
+                         cfg.parallel.virtual_pp_size, cfg.parallel.standalone_embedding_stage)
+
+    def grad_dtype(prm):
+        bucket = getattr(prm, "grad_bucket", None)
+        return prm.dtype if bucket is None else bucket.grad_data.dtype
+
+    return plan_rank(tr.model.unwrapped(), [s.layer_offset for s in specs], ps.tp_size,
+                     ps.tp_rank, (ps.pp_size, ps.pp_rank), grad_dtype_of=grad_dtype)
+
+
+def reshard_for_trainer(tr, iter_dir: str, with_optimizer: bool
+                        ) -> Tuple[dict, Optional[dict], str]:
+    """This rank's payloads for a live Trainer from a checkpoint saved with another layout.
+
+    No communication: every rank memory-maps all shards and builds only the full tensors
+    of the parameters it holds. Returns (model_optim_rng payload, distrib_optim payload or
+    None, a one-line description of the conversion)."""
+    src = SourceCheckpoint(iter_dir)
+    plan = plan_trainer_rank(tr)
+    notes: Set[str] = set()
+    kind = live_optimizer_kind(tr.optimizer) if with_optimizer else None
+    payload, distrib = build_rank_payload(src, plan, kind, notes)
+    what = "model and optimizer" if "optimizer" in payload else "model"
+    text = (f"resharded {iter_dir} on load: saved with {src.layout.describe()}, this run has "
+            f"{trainer_layout(tr).describe()}; {what} state of {len(src.files)} shard file(s) "
+            f"converted ({plan.num_params} parameters on this rank)")
+    if "rng_state" not in payload:
+        text += "; RNG states start fresh (they are per rank)"
+    if notes:
+        text += "; " + "; ".join(sorted(notes))
+    return payload, distrib, text
+
+
 def _load_trainer_payload(tr) -> Optional[Tuple[int, Dict, Optional[Dict], Optional[str]]]:
     """(iteration, this rank's payload, its distrib_optim.pt payload if already built, a
     description of the conversion or None) from --load; None when there is no checkpoint.
@@ -139,8 +194,6 @@ def _load_trainer_payload(tr) -> Optional[Tuple[int, Dict, Optional[Dict], Optio
     optimizer state to load, its optimizer kind (distributed or not, fp32 or mixed) --
     every rank reads all shards and takes its slice (megatron.checkpoint_reshard).
     Collective: the tracker all-reduce and barrier; the missing-file all-reduce otherwise."""
-    from megatron import checkpoint_reshard as reshard
-
     ck, ps = tr.config.checkpoint, tr.rt.ps
     found = resolve_checkpoint(ck.load, ps, exit_on_missing=ck.exit_on_missing_checkpoint)
     if found is None:
@@ -149,12 +202,12 @@ def _load_trainer_payload(tr) -> Optional[Tuple[int, Dict, Optional[Dict], Optio
     loaded_iteration = 0 if release else iteration
     iter_dir = os.path.join(ck.load, iteration_dir_name(iteration, release))
     with_optimizer = not (ck.finetune or ck.no_load_optim)
-    saved = reshard.read_layout(iter_dir)
-    if not reshard.needs_resharding(saved, reshard.trainer_layout(tr), with_optimizer):
+    saved = read_layout(iter_dir)
+    if not needs_resharding(saved, trainer_layout(tr), with_optimizer):
         return loaded_iteration, load_rank_file(ck.load, iteration, release, ps), None, None
     print_rank_0(f" loading checkpoint from {ck.load} at iteration {iteration} "
                  f"(resharding: every rank reads all shards)")
-    payload, distrib, text = reshard.reshard_for_trainer(tr, iter_dir, with_optimizer)
+    payload, distrib, text = reshard_for_trainer(tr, iter_dir, with_optimizer)
     print_rank_0(f" > {text}")
     return loaded_iteration, payload, distrib, text
 

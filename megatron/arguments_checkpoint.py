@@ -1,0 +1,77 @@
+"""`--use-checkpoint-args`: model flags taken from the checkpoint under --load.
+
+Runs once, before validation, on the parsed namespace: the flags the command line (or
+YAML) left unset are copied from the `args` stored in the latest checkpoint's rank-0 file,
+as Megatron-LM 23.05 does. Unlike Megatron, a flag given explicitly keeps its value (with a
+warning) even for the architecture flags, since a checkpoint of another layout reshards on
+load. arguments.py imports this module only when the flag is set, so parsing a command
+line loads none of the checkpoint code.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Callable, List, Set
+
+from megatron.arguments_common import ArgumentsError
+from megatron.checkpoint_reshard import load_shard, locate_iteration, scan_layout
+from megatron.checkpointing import MODEL_FILENAME, rank_dir_name
+
+# Megatron-LM 23.05 copies these when the command line left them unset ...
+_FILL_IF_UNSET = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length",
+                  "num_attention_heads", "kv_channels", "max_position_embeddings",
+                  "tokenizer_type", "num_layers_per_virtual_pipeline_stage")
+# ... and these always; here (and for this framework's own model flags) an explicit
+# command-line value wins with a warning: a checkpoint reshards on load.
+_ARCHITECTURE = ("add_position_embedding", "use_rotary_position_embeddings", "rotary_percent",
+                 "add_bias_linear", "swiglu", "untie_embeddings_and_output_weights",
+                 "apply_layernorm_1p", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "position_embedding_type", "rotary_base",
+                 "normalization", "group_query_attention", "num_query_groups",
+                 "squared_relu", "openai_gelu", "layernorm_epsilon",
+                 "apply_residual_connection_post_layernorm", "vocab_size",
+                 "make_vocab_size_divisible_by")
+
+
+def read_checkpoint_args(load: str) -> dict:
+    """The `args` of the rank-0 file of the latest checkpoint under `load` (either naming
+    scheme), memory-mapped. SystemExit when there is no checkpoint or it has no args."""
+    iter_dir, _, _ = locate_iteration(load)
+    _, pp = scan_layout(iter_dir)
+    path = os.path.join(iter_dir, rank_dir_name(0, 0, pp), MODEL_FILENAME)
+    args = load_shard(path).get("args") if os.path.isfile(path) else None
+    if not isinstance(args, dict):
+        raise SystemExit(f"error: --use-checkpoint-args: {path} holds no arguments")
+    return args
+
+
+def apply_checkpoint_args(ns: argparse.Namespace, explicit: Set[str],
+                          warn: Callable[[str], None] = print) -> List[str]:
+    """`--use-checkpoint-args`: copy the model flags stored in the checkpoint under
+    `ns.load` into `ns` wherever the command line (or YAML) left them unset (`explicit`
+    lists the dests that were set). Call before validation. Returns the dests copied.
+    ArgumentsError when there is no --load, no checkpoint or no stored arguments."""
+    if not ns.load:
+        raise ArgumentsError("--use-checkpoint-args needs --load DIR (the checkpoint whose "
+                             "arguments to use)")
+    try:
+        saved = read_checkpoint_args(ns.load)
+    except SystemExit as exc:
+        raise ArgumentsError(str(exc.code).removeprefix("error: ")) from None
+    copied = []
+    for dest in _FILL_IF_UNSET + _ARCHITECTURE:
+        if dest not in saved or not hasattr(ns, dest):
+            continue
+        if dest == "num_layers_per_virtual_pipeline_stage" and \
+                "pipeline_model_parallel_size" in explicit:
+            continue  # virtual stages belong to the checkpoint's pipeline size
+        value = saved[dest]
+        if dest in explicit or (dest in _FILL_IF_UNSET and getattr(ns, dest) is not None):
+            if getattr(ns, dest) != value:
+                warn(f"--use-checkpoint-args: --{dest.replace('_', '-')} "
+                     f"{getattr(ns, dest)} from the command line is kept (the checkpoint has "
+                     f"{value})")
+            continue
+        setattr(ns, dest, value)
+        copied.append(dest)
+    return copied
