@@ -67,7 +67,7 @@ def main() -> int:
     os.makedirs(out_dir, exist_ok=True)
     results = [run_one(*row, out_dir) for row in parse(args[0])]
     print(f"\n{'variant':<28}{'tokens/s':>10}{'MFU':>7}{'step ms':>9}{'peak GB':>9}"
-          f"{'1st step s':>11}{'syncs':>6}{'MHz':>6}{'W':>5}")
+          f"{'1st step s':>11}{'syncs':>6}{'MHz':>6}{'W':>5}{'gap ms':>8}")
     for r in results:
         if r.get("failed"):
             print(f"{r['label']:<28}{'failed':>10}")
@@ -75,7 +75,7 @@ def main() -> int:
         print(f"{r['label']:<28}{r['tokens_per_s']:>10,}{r['mfu']:>7.1%}{r['step_ms']:>9.2f}"
               f"{r['peak_mem_gb']!s:>9}{r['time_to_first_step_s']:>11}"
               f"{r.get('host_syncs', '-')!s:>6}{r.get('sm_clock_mhz', '-')!s:>6}"
-              f"{r.get('power_w', '-')!s:>5}")
+              f"{r.get('power_w', '-')!s:>5}{r.get('step_gap_ms', '-')!s:>8}")
     return 0
 
 

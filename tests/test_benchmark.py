@@ -163,3 +163,23 @@ def test_chip_monitor_collects_the_samples_of_its_window_and_stops_its_sampler(t
         pass
     assert missing.summary() == {}
     assert b.ChipMonitor("GPU-abc").command[:2] == ["nvidia-smi", f"--query-gpu={b.CHIP_QUERY}"]
+
+
+def test_step_gaps_measure_gpu_idle_between_steps():
+    """(start, end) events around each step: mean span of a step's GPU work, mean and
+    largest idle gap from one step's end to the next one's start, slowest span over the
+    median; too few steps give {}."""
+    step_gaps = _benchmark_module().step_gaps
+
+    class Event:  # a CUDA event's elapsed_time: milliseconds between two recorded times
+        def __init__(self, t):
+            self.t = t
+
+        def elapsed_time(self, later):
+            return later.t - self.t
+
+    times = [(0.0, 10.0), (10.5, 20.5), (22.5, 33.5), (33.6, 43.6)]
+    pairs = [(Event(a), Event(b)) for a, b in times]
+    assert step_gaps(pairs) == {"step_gpu_ms": 10.25, "step_gap_ms": 0.867,
+                                "step_gap_max_ms": 2.0, "step_spread": 1.1}
+    assert step_gaps(pairs[:1]) == {}

@@ -275,6 +275,28 @@ class ChipMonitor:
         return chip_summary(self.text)
 
 
+def recorded_event(torch):
+    """A timing CUDA event recorded on the current stream now."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def step_gaps(pairs) -> dict:
+    """From (start, end) CUDA events around each timed step: the mean time from a step's
+    first to its last GPU work, the mean and largest gap before the next step's work
+    began (the GPU idles there when the host falls behind), and the slowest step's
+    span over the median one. {} with fewer than two steps."""
+    if len(pairs) < 2:
+        return {}
+    spans = [a.elapsed_time(b) for a, b in pairs]
+    gaps = [b.elapsed_time(a) for (_, b), (a, _) in zip(pairs, pairs[1:])]
+    return {"step_gpu_ms": round(statistics.fmean(spans), 2),
+            "step_gap_ms": round(statistics.fmean(gaps), 3),
+            "step_gap_max_ms": round(max(gaps), 3),
+            "step_spread": round(max(spans) / statistics.median(spans), 3)}
+
+
 def chip_id(torch, device) -> str:
     """nvidia-smi's name for `device`: its UUID (right under CUDA_VISIBLE_DEVICES too)."""
     uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
@@ -301,7 +323,7 @@ def timed_warmup(warmup: int, device: str, extra: list) -> int:
 def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, device: str,
         profile_steps: int = 0, layout: Optional[dict] = None, sync_steps: int = 0,
         profile_sort: str = "device", profile_rows: int = 40,
-        profile_launches: str = "") -> dict:
+        profile_launches: str = "", chip_sample_ms: int = 250) -> dict:
     import torch
 
     from megatron.arguments import parse_and_validate
@@ -331,13 +353,25 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     # Peak memory since the start: a captured step's buffers live in the graph's pool,
     # allocated during the capture (a warm-up step), not during the timed replays.
     sync()
-    monitor = ChipMonitor(chip_id(torch, rt.device)) if use_cuda else contextlib.nullcontext()
+    monitor = (ChipMonitor(chip_id(torch, rt.device), chip_sample_ms)
+               if use_cuda and chip_sample_ms > 0 else contextlib.nullcontext())
+    marks, host = [], []  # CUDA events around each timed step's GPU work; host seconds
     with monitor:
         t0 = time.perf_counter()
         for _ in range(steps):
+            start = recorded_event(torch) if use_cuda else None
+            h0 = time.perf_counter()
             loss, *_ = train_step(tr, data)
+            host.append(time.perf_counter() - h0)
+            if use_cuda:
+                marks.append((start, recorded_event(torch)))
         sync()
         elapsed = time.perf_counter() - t0
+    if marks:
+        print("benchmark: GPU ms per timed step: "
+              + " ".join(f"{a.elapsed_time(b):.1f}" for a, b in marks), file=sys.stderr)
+        print("benchmark: host ms per timed step: "
+              + " ".join(f"{1000 * t:.1f}" for t in host), file=sys.stderr)
     if profile_steps:
         print_profile(tr, data, profile_steps, use_cuda, profile_sort, profile_rows,
                       profile_launches)
@@ -358,7 +392,8 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
         "est_mem_gb": round(estimate_memory(config)["allocated"] / 2**30, 2),
         "compile": m.compile_layers, "extra": " ".join(extra),
         **({"host_syncs": syncs, "sync_steps": sync_steps} if syncs is not None else {}),
-        **(monitor.summary() if use_cuda else {}),
+        **(monitor.summary() if isinstance(monitor, ChipMonitor) else {}),
+        **step_gaps(marks),
     }
 
 
@@ -414,6 +449,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-debug", type=int, default=0, metavar="N",
                     help="after timing, run N steps in CUDA sync-debug mode and report how "
                          "many host synchronisations they made (CUDA only)")
+    ap.add_argument("--chip-sample-ms", type=int, default=250, metavar="MS",
+                    help="period of the nvidia-smi clock and power samples during the timed "
+                         "steps (CUDA); 0 turns the sampler off")
     ap.add_argument("--layout", default=None,
                     help="parallel layout of this run, e.g. tp2pp2dp2 (under torchrun)")
     ap.add_argument("--scaling", default=None,
@@ -432,7 +470,8 @@ def main(argv=None) -> int:
     layout = parse_layout(a.layout) if a.layout else None
     warmup = timed_warmup(a.warmup, device, a.extra)
     result = run(a.preset, a.steps, warmup, mbs, a.extra, device, a.profile_steps, layout,
-                 a.sync_debug, a.profile_sort, a.profile_rows, a.profile_launches)
+                 a.sync_debug, a.profile_sort, a.profile_rows, a.profile_launches,
+                 a.chip_sample_ms)
     if int(os.environ.get("RANK", 0)) == int(os.environ.get("WORLD_SIZE", 1)) - 1:
         print(json.dumps(result), flush=True)
     return 0
