@@ -126,6 +126,8 @@ def test_warmup_covers_the_cuda_graph_capture(capsys):
     assert timed_warmup(1, "cuda", ["--cuda-graph-step", "off"]) == 1
     assert timed_warmup(1, "cuda", ["--cuda-graph-step=off"]) == 1
     assert timed_warmup(1, "cuda", ["--cuda-graph-step", "on"]) == 3
+    assert timed_warmup(1, "cuda", [], world_size=2) == 1  # several ranks: no step graph
+    assert capsys.readouterr().err.count("raised") == 1
 
 
 def test_chip_summary_takes_medians_and_the_power_capped_share():

@@ -303,16 +303,16 @@ def chip_id(torch, device) -> str:
     return f"GPU-{uuid}" if uuid else str(device.index or 0)
 
 
-def timed_warmup(warmup: int, device: str, extra: list) -> int:
+def timed_warmup(warmup: int, device: str, extra: list, world_size: int = 1) -> int:
     """Warm-up steps enough that no timed step is the whole-step CUDA graph's capture (it
-    happens at step WARMUP_STEPS + 1 on CUDA unless `--cuda-graph-step off` is passed on);
-    a lower --warmup is raised, saying so."""
+    happens at step WARMUP_STEPS + 1 on one GPU unless `--cuda-graph-step off` is passed
+    on); a lower --warmup is raised, saying so."""
     from megatron.step_graph import WARMUP_STEPS
 
     off = ("--cuda-graph-step=off" in extra
            or any(a == "--cuda-graph-step" and b == "off" for a, b in zip(extra, extra[1:])))
     needed = WARMUP_STEPS + 1
-    if device != "cuda" or off or warmup >= needed:
+    if device != "cuda" or off or world_size > 1 or warmup >= needed:
         return warmup
     print(f"benchmark: --warmup {warmup} raised to {needed}: step {needed} captures the "
           "whole-step CUDA graph, and a timed capture is not a step time "
@@ -468,7 +468,7 @@ def main(argv=None) -> int:
         return scaling(a, device)
     mbs = a.micro_batch_size or PRESETS[a.preset][1]
     layout = parse_layout(a.layout) if a.layout else None
-    warmup = timed_warmup(a.warmup, device, a.extra)
+    warmup = timed_warmup(a.warmup, device, a.extra, int(os.environ.get("WORLD_SIZE", 1)))
     result = run(a.preset, a.steps, warmup, mbs, a.extra, device, a.profile_steps, layout,
                  a.sync_debug, a.profile_sort, a.profile_rows, a.profile_launches,
                  a.chip_sample_ms)
