@@ -124,6 +124,95 @@ def test_fused_grads_reduce_over_dp_with_overlap_and_reduce_scatter():
             _compare(grads, single, f"dp=2 {name} rank={rank}", rtol=1e-5)
 
 
+def _two_iterations(fusion: bool, compile_layers: bool = False):
+    """Main grads of the second of two DDP iterations (2 micro-batches each, different
+    tokens), and the number of main grads still listed as stale afterwards."""
+    from megatron.core.distributed import stale_grads
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                      padded_vocab_size=VOCAB, seq_length=SEQ, max_position_embeddings=SEQ,
+                      hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+                      gradient_accumulation_fusion=fusion, compile_layers=compile_layers)
+    model = GPTModel(cfg, device="cpu")
+    ddp = DistributedDataParallel(model, ParallelState.build(), ParallelConfig())
+    for seed in (3, 4):
+        tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1),
+                               generator=torch.Generator().manual_seed(seed))
+        ddp.zero_grad_buffer()
+        for m, micro in enumerate(tokens.chunk(2)):
+            with ddp.no_sync() if m == 0 else nullcontext():
+                (_loss(ddp, micro) / 2).backward()
+        ddp.finish_grad_sync()
+    return ({n: p.main_grad.clone() for n, p in model.named_parameters()},
+            len(stale_grads._STALE))
+
+
+@pytest.mark.parametrize("compile_layers", [False, True])
+def test_stale_weight_grads_are_overwritten_by_the_first_product(compile_layers):
+    """The grad buffer does not zero the fused linear weights' main grads at the start of
+    an iteration; their first weight-grad product overwrites the previous iteration's
+    values. Second-iteration grads equal the unfused ones (which are zeroed and added):
+    fp32, eager exactly (the tied embedding within 1e-6), compiled layers within 1e-5;
+    nothing is left listed as stale."""
+    ref, _ = _two_iterations(False)
+    got, left = _two_iterations(True, compile_layers)
+    assert left == 0
+    for name, g in ref.items():
+        if compile_layers or name == EMBEDDING:
+            assert torch.allclose(got[name], g, rtol=1e-5, atol=1e-6), name
+        else:
+            assert torch.equal(got[name], g), name
+
+
+def _fused_pair(fill: float):
+    """Two fused column-parallel linears under DDP, the grad buffer filled with `fill`
+    (stale values from an earlier step)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    torch.manual_seed(0)
+    init = torch.nn.init.normal_
+    pair = torch.nn.ModuleList([ColumnParallelLinear(8, 6, bias=False, init_method=init,
+                                                     gradient_accumulation_fusion=True)
+                                for _ in range(2)])
+    ddp = DistributedDataParallel(pair, ParallelState.build(), ParallelConfig())
+    for buffer in ddp.grad_buffers.values():
+        buffer.data.fill_(fill)
+    return pair, ddp
+
+
+def test_stale_grads_nobody_writes_are_zeroed_and_other_writers_copy():
+    """A fused weight that gets no gradient this iteration ends with a zero main grad, not
+    the stale one; a fused weight whose gradient arrives through autograd instead (the
+    layer's fusion switched off) is copied, not added, by the grad hook."""
+    pair, ddp = _fused_pair(7.0)
+    x = torch.randn(5, 8)
+    ddp.zero_grad_buffer()
+    pair[0].gradient_accumulation_fusion = False  # its grad comes through .grad now
+    pair[0](x)[0].sum().backward()
+    ddp.finish_grad_sync()
+    expected = torch.ones(5, 6).t() @ x
+    assert torch.allclose(pair[0].weight.main_grad, expected, rtol=1e-6)
+    assert torch.equal(pair[1].weight.main_grad, torch.zeros(6, 8))
+
+
+def test_a_fused_weight_routed_another_way_is_refused():
+    """Adding into a stale main grad would keep the previous step's values: routing a
+    fused weight through grad_into_main_grad is refused, and a grad hook that finds its
+    main grad never claimed (the product wrote a copy of the buffer) raises."""
+    from megatron.core.distributed import stale_grads
+    from megatron.core.tensor_parallel.layers import grad_into_main_grad
+
+    pair, ddp = _fused_pair(7.0)
+    ddp.zero_grad_buffer()
+    with pytest.raises(ValueError, match="grad_overwrites_stale"):
+        grad_into_main_grad(pair[0].weight, True)
+    with pytest.raises(RuntimeError, match="without claiming its stale main_grad"):
+        ddp._grad_hook(pair[1].weight)  # .grad None, main grad still listed
+    ddp.finish_grad_sync()
+    assert not stale_grads._STALE
+
+
 def test_cli_flag_maps_to_model_config():
     base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
             "--max-position-embeddings 32 --micro-batch-size 2 --lr 1e-3 --train-iters 10 "
@@ -132,6 +221,26 @@ def test_cli_flag_maps_to_model_config():
                                            cuda_available=False)
     assert run([]).model.gradient_accumulation_fusion is True  # Megatron's default
     assert run(["--no-gradient-accumulation-fusion"]).model.gradient_accumulation_fusion is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp32-output GEMM is CUDA-only")
+def test_cuda_gemm_overwrites_a_stale_fp32_main_grad():
+    """A main grad listed as stale gets the product written over it (beta 0) by the first
+    call, the second call adds: two products of bf16 operands within 1e-5 of float64."""
+    from megatron.core.distributed import stale_grads
+    from megatron.core.tensor_parallel.layers import accumulate_weight_grad
+
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    main_grad = torch.full((96, 64), 1e3, device="cuda")
+    pairs = [(torch.randn(512, 96, device="cuda", generator=gen).bfloat16(),
+              torch.randn(512, 64, device="cuda", generator=gen).bfloat16()) for _ in range(2)]
+    stale_grads.mark([main_grad])
+    for dy, x in pairs:
+        accumulate_weight_grad(main_grad, dy, x)
+    assert not stale_grads.pending(main_grad)
+    ref = sum(dy.double().t() @ x.double() for dy, x in pairs)
+    err = (main_grad.double() - ref).norm() / ref.norm()
+    assert err < 1e-5, err
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp32-accumulating GEMM is CUDA-only")

@@ -11,8 +11,12 @@ hook adds it into `main_grad` and frees `.grad`, so micro-batches accumulate in 
 With gradient accumulation fusion the layers add their grads into `main_grad` themselves
 (linear weights through the GEMM, biases and norm parameters through
 `grad_into_main_grad`): autograd gets None, the hook still fires (with `.grad` None) and
-only marks the parameter ready. A layer that hands autograd a placeholder grad instead sets
-`param.grad_added_to_main_grad = True`, and the hook then skips the add. With
+only marks the parameter ready. The fused linear weights (`grad_overwrites_stale`) are not
+zeroed at the start of an iteration: the first weight-grad product writes over the stale
+values (stale_grads.py; the hook copies instead of adding when it is the first writer,
+and `finish_grad_sync()` zeroes those that got no gradient). A layer that hands autograd
+a placeholder grad instead sets `param.grad_added_to_main_grad = True`, and the hook then
+skips the add. With
 `overlap_grad_reduce`, on the last micro-batch (outside `no_sync()`) a bucket's
 asynchronous reduction starts as soon as all its parameters have their gradients.
 `finish_grad_sync()` starts whatever has not started and waits for all of them.
@@ -50,6 +54,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron.core.config import ParallelConfig
+from megatron.core.distributed import stale_grads
 
 DEFAULT_BUCKET_SIZE = 40_000_000
 
@@ -242,11 +247,37 @@ class GradBuffer:
             for p in bucket_params:
                 self.param_to_bucket[p] = bucket
             offset += size
+        self._plan_lazy_zero()
+
+    def _plan_lazy_zero(self) -> None:
+        """Split the buffer into the main grads that their first write overwrites (weights
+        marked `grad_overwrites_stale`, see stale_grads.py) and views of everything else
+        (other parameters and padding), which zero() fills."""
+        self.stale_grads = [p.main_grad for p in self.params
+                            if getattr(p, "grad_overwrites_stale", False)]
+        base, size = self.data.data_ptr(), self.data.element_size()
+        spans = sorted(((g.data_ptr() - base) // size, g.numel()) for g in self.stale_grads)
+        self._zero_views, start = [], 0
+        for lo, n in spans + [(self.data.numel(), 0)]:
+            if lo > start:
+                self._zero_views.append(self.data[start:lo])
+            start = lo + n
 
     def zero(self) -> None:
-        self.data.zero_()
+        """Start a step's accumulation: zero the buffer, except the main grads listed as
+        stale, which their first write overwrites."""
+        if self.stale_grads:
+            if self._zero_views:
+                torch._foreach_zero_(self._zero_views)
+            stale_grads.mark(self.stale_grads)
+        else:
+            self.data.zero_()
         for bucket in self.buckets:
             bucket.reset()
+
+    def settle(self) -> None:
+        """Zero the stale-listed main grads that no write claimed (no gradient this step)."""
+        stale_grads.settle(self.stale_grads)
 
 
 def _check_impl(config: ParallelConfig) -> None:
@@ -360,8 +391,17 @@ class DistributedDataParallel(torch.nn.Module):
             param.grad_added_to_main_grad = False  # the layer already added it (fusion)
             param.grad = None
         elif param.grad is not None:
-            param.main_grad.add_(param.grad)
+            if stale_grads.take(param.main_grad):
+                param.main_grad.copy_(param.grad)
+            else:
+                param.main_grad.add_(param.grad)
             param.grad = None
+        elif stale_grads.pending(param.main_grad):
+            raise RuntimeError(
+                f"a parameter of shape {tuple(param.shape)} marked grad_overwrites_stale got "
+                "its gradient without claiming its stale main_grad (was the weight-grad "
+                "operator handed a copy of the buffer?); its gradient would be added to the "
+                "previous step's")
         if self.overlap_grad_reduce and self._is_last_microbatch:
             self._param_to_bucket[param].mark_grad_ready(param)
 
@@ -387,6 +427,8 @@ class DistributedDataParallel(torch.nn.Module):
         Without overlap all buckets are launched here (asynchronously, then waited);
         with overlap the ones already in flight are waited for. Nothing to do with
         `ddp_impl == "torch"` (torch DDP reduced during the last backward)."""
+        for buffer in self.grad_buffers.values():
+            buffer.settle()
         buckets = self.buckets
         if not self.overlap_grad_reduce:
             for bucket in buckets:

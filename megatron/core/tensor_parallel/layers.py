@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.core.distributed import stale_grads
+
 from .mappings import (
     all_gather_dim0,
     all_gather_dim0_after,
@@ -156,9 +158,16 @@ def _init_weight(
 # --- the linear with overlapped backward communication -----------------------------------
 def _accumulate_weight_grad_impl(main_grad: torch.Tensor, grad_output_2d: torch.Tensor,
                                  x_2d: torch.Tensor) -> None:
+    overwrite = stale_grads.take(main_grad)  # the step's first write: no zeroed buffer
     if (main_grad.is_cuda and main_grad.dtype == torch.float32
             and x_2d.dtype in (torch.bfloat16, torch.float16)):
-        torch.addmm(main_grad, grad_output_2d.t(), x_2d, out_dtype=torch.float32, out=main_grad)
+        if overwrite:
+            torch.mm(grad_output_2d.t(), x_2d, out_dtype=torch.float32, out=main_grad)
+        else:
+            torch.addmm(main_grad, grad_output_2d.t(), x_2d, out_dtype=torch.float32,
+                        out=main_grad)
+    elif overwrite:
+        main_grad.copy_(grad_output_2d.t().matmul(x_2d))
     else:
         main_grad.add_(grad_output_2d.t().matmul(x_2d).to(main_grad.dtype))
 
@@ -186,6 +195,9 @@ def accumulate_weight_grad(main_grad: torch.Tensor, grad_output_2d: torch.Tensor
     On CUDA with 16-bit operands and an fp32 main_grad the GEMM accumulates into main_grad
     itself in fp32 (cuBLAS beta = 1): no 16-bit weight-grad tensor is written and read back,
     and the product is not rounded to 16 bits before the sum. Elsewhere: a matmul and add_.
+    When the grad buffer left main_grad stale at the start of the step (stale_grads.py),
+    the first call writes the product instead (beta = 0): the same values as adding it to
+    zeros.
     """
     torch.ops.megatron.accumulate_weight_grad(main_grad, grad_output_2d, x_2d)
 
@@ -214,6 +226,10 @@ def grad_into_main_grad(param: Optional[torch.Tensor], enabled: bool) -> Optiona
     when `enabled` (gradient-accumulation fusion) and a grad buffer exists; else `param`."""
     if (enabled and param is not None and param.requires_grad and torch.is_grad_enabled()
             and getattr(param, "main_grad", None) is not None):
+        if getattr(param, "grad_overwrites_stale", False):
+            raise ValueError("grad_into_main_grad adds into main_grad, but this parameter's "
+                             "main_grad is left stale for its weight-grad product to "
+                             "overwrite (grad_overwrites_stale); route it one way only")
         return _GradIntoMainGrad.apply(param)
     return param
 
@@ -397,6 +413,8 @@ class ColumnParallelLinear(nn.Module):
             self.weight = None
         else:
             self.weight = _new_param(shape, params_dtype, device)
+            # with fusion every grad of the weight comes from accumulate_weight_grad
+            self.weight.grad_overwrites_stale = gradient_accumulation_fusion
             _init_weight(self.weight, (output_size, input_size), 0, stride, init_method,
                          use_cpu_initialization, tp_group, rng_tracker)
         if bias:
@@ -468,6 +486,8 @@ class RowParallelLinear(nn.Module):
         device = _resolve_device(device, use_cpu_initialization)
         self.weight = _new_param((output_size, self.input_size_per_partition), params_dtype,
                                  device)
+        # as in ColumnParallelLinear: with fusion the weight-grad product writes every grad
+        self.weight.grad_overwrites_stale = gradient_accumulation_fusion
         _init_weight(self.weight, (output_size, input_size), 1, stride, init_method,
                      use_cpu_initialization, tp_group, rng_tracker)
         if bias:
