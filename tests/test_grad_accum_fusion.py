@@ -224,6 +224,7 @@ def test_cli_flag_maps_to_model_config():
     assert run(["--no-gradient-accumulation-fusion"]).model.gradient_accumulation_fusion is False
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp32-output GEMM is CUDA-only")
 def test_cuda_gemm_overwrites_a_stale_fp32_main_grad():
     """A main grad listed as stale gets the product written over it (beta 0) by the first
@@ -244,6 +245,7 @@ def test_cuda_gemm_overwrites_a_stale_fp32_main_grad():
     assert err < 1e-5, err
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp32-accumulating GEMM is CUDA-only")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_gemm_accumulates_into_fp32_main_grad(dtype):
