@@ -126,7 +126,7 @@ def test_fused_grads_reduce_over_dp_with_overlap_and_reduce_scatter():
 
 def _two_iterations(fusion: bool, compile_layers: bool = False):
     """Main grads of the second of two DDP iterations (2 micro-batches each, different
-    tokens), and the number of main grads still listed as stale afterwards."""
+    tokens), and how many of its main grads are still listed as stale afterwards."""
     from megatron.core.distributed import stale_grads
 
     torch.manual_seed(0)
@@ -145,7 +145,7 @@ def _two_iterations(fusion: bool, compile_layers: bool = False):
                 (_loss(ddp, micro) / 2).backward()
         ddp.finish_grad_sync()
     return ({n: p.main_grad.clone() for n, p in model.named_parameters()},
-            len(stale_grads._STALE))
+            sum(stale_grads.pending(p.main_grad) for p in model.parameters()))
 
 
 @pytest.mark.parametrize("compile_layers", [False, True])
@@ -211,7 +211,21 @@ def test_a_fused_weight_routed_another_way_is_refused():
     with pytest.raises(RuntimeError, match="without claiming its stale main_grad"):
         ddp._grad_hook(pair[1].weight)  # .grad None, main grad still listed
     ddp.finish_grad_sync()
-    assert not stale_grads._STALE
+    assert not any(stale_grads.pending(p.main_grad) for p in pair.parameters())
+
+
+def test_the_stale_list_holds_its_tensors_weakly():
+    """A main grad listed and then dropped before any write claimed it (a buffer freed
+    mid-step) leaves no entry behind: its memory, reused, cannot pass for it."""
+    from megatron.core.distributed import stale_grads
+
+    kept, dropped = torch.zeros(4, 8), torch.zeros(3, 8)
+    stale_grads.mark([kept, dropped])
+    key = (dropped.data_ptr(), dropped.numel())
+    del dropped
+    assert key not in stale_grads._STALE and stale_grads.pending(kept)
+    stale_grads.settle([kept])
+    assert not stale_grads.pending(kept)
 
 
 def test_cli_flag_maps_to_model_config():

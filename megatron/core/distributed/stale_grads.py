@@ -11,15 +11,19 @@ still listed when the gradients are reduced got no gradient this step; `settle()
 them then.
 
 Tensors are listed by address and size: the compiled backward hands the weight-grad
-operator its own view of the buffer, a different Python object over the same memory.
+operator its own view of the buffer, a different Python object over the same memory. The
+list holds them weakly: a grad buffer dropped mid-step (an exception, a test) leaves no
+entry behind, and its memory, reused by another tensor, cannot be mistaken for it.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Tuple
+import weakref
+from typing import Iterable, Tuple
 
 import torch
 
-_STALE: Dict[Tuple[int, int], torch.Tensor] = {}
+_STALE: "weakref.WeakValueDictionary[Tuple[int, int], torch.Tensor]" = (
+    weakref.WeakValueDictionary())
 
 
 def _key(t: torch.Tensor) -> Tuple[int, int]:
