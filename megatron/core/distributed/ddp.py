@@ -16,9 +16,8 @@ zeroed at the start of an iteration: the first weight-grad product writes over t
 values (stale_grads.py; the hook copies instead of adding when it is the first writer,
 and `finish_grad_sync()` zeroes those that got no gradient). A layer that hands autograd
 a placeholder grad instead sets `param.grad_added_to_main_grad = True`, and the hook then
-skips the add. With
-`overlap_grad_reduce`, on the last micro-batch (outside `no_sync()`) a bucket's
-asynchronous reduction starts as soon as all its parameters have their gradients.
+skips the add. With `overlap_grad_reduce`, on the last micro-batch (outside `no_sync()`) a
+bucket's asynchronous reduction starts as soon as all its parameters have their gradients.
 `finish_grad_sync()` starts whatever has not started and waits for all of them.
 
 Collectives, per bucket over the data-parallel group, of the bucket pre-divided by the
