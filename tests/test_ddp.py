@@ -1,5 +1,7 @@
 """Data-parallel grad buffers: 2 gloo processes against the single-process full batch."""
 import copy
+import gc
+import weakref
 from contextlib import nullcontext
 
 import pytest
@@ -153,6 +155,27 @@ def test_overlap_starts_buckets_during_last_backward_only():
     with pytest.raises(RuntimeError, match="no_sync"):  # a second "last" backward
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         torch.nn.functional.mse_loss(ddp(x), y).backward()
+
+
+def test_a_dropped_wrapper_is_freed_and_leaves_a_plain_module():
+    """The grad hooks hold the wrapper weakly: once nothing else refers to it, it and its
+    grad buffers are freed while the module lives on, and the module's backward fills
+    `.grad` again (before the fix the parameters' hooks kept the wrapper alive forever)."""
+    model = _mlp()
+    ddp = DistributedDataParallel(model, ParallelState.build(), ParallelConfig())
+    buffer = weakref.ref(ddp.grad_buffers[torch.float32])
+    x, y = _data(0)
+    expected = _reference_grads(copy.deepcopy(model), x, y)
+    grads = _run_iteration(ddp, x, y, num_micro=1)
+    assert all(p.grad is None for p in model.parameters())  # moved into main_grad
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
+    wrapper = weakref.ref(ddp)
+    del ddp
+    gc.collect()
+    assert wrapper() is None and buffer() is None
+    for g, e in zip(_reference_grads(model, x, y), expected):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
 
 
 def _sp_worker(rank, world_size):

@@ -45,6 +45,7 @@ averaged during the last backward; no grad buffers, `finish_grad_sync()` has not
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager, nullcontext
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -60,6 +61,26 @@ DEFAULT_BUCKET_SIZE = 40_000_000
 # torch >= 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _weak_grad_hook(ddp: "DistributedDataParallel"):
+    """The post-accumulate-grad hook, holding its wrapper weakly: torch keeps a tensor's
+    hooks where Python's garbage collector cannot see them, so a bound method there would
+    keep the wrapper and its grad buffers alive for as long as the parameters live, even
+    after every reference to the wrapper is gone."""
+    ref = weakref.ref(ddp)
+
+    def hook(param: torch.nn.Parameter) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._grad_hook(param)
+
+    return hook
+
+
+def _remove_hooks(handles) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _needs_own_bucket(param: torch.Tensor) -> bool:
@@ -338,10 +359,11 @@ class DistributedDataParallel(torch.nn.Module):
             self._wrap_torch_ddp()
             return
         self._build_grad_buffers(config, grad_dtype)
-        self._hook_handles = [
-            p.register_post_accumulate_grad_hook(self._grad_hook)
-            for p in self._param_to_bucket
-        ]
+        hook = _weak_grad_hook(self)
+        self._hook_handles = [p.register_post_accumulate_grad_hook(hook)
+                              for p in self._param_to_bucket]
+        # When the wrapper goes, its grad hooks go with it (the module may live on).
+        weakref.finalize(self, _remove_hooks, list(self._hook_handles))
         if self.use_distributed_optimizer:
             for bucket in self.buckets:
                 bucket.build_param_data()
