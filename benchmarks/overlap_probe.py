@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Does the optimizer step hide under the next forward pass on an H200 (CUDA)?
 
-    python benchmarks/overlap_probe.py [--seconds 4] [--layers 24]
+    python benchmarks/overlap_probe.py [--seconds 4] [--layers 24] [--kernel triton]
 
 With one micro-batch per step the AdamW pass over gpt-1.3b's parameters (about 10 ms,
 memory bound) runs between the backward and the next forward, which are compute bound and
@@ -19,16 +19,20 @@ three ways, alternating under sustained load:
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 T, H, FF, HEADS, SEQ = 16384, 2048, 8192, 16, 2048
 
 
 class Layer:
-    def __init__(self, device):
+    def __init__(self, device, kernel="torch"):
         shapes = [(3 * H, H), (H, H), (FF, H), (H, FF), (H,), (H,), (H,), (H,)]
         self.main = [torch.randn(s, device=device) * 0.02 for s in shapes]
         self.grads = [torch.randn_like(p) * 1e-3 for p in self.main]
@@ -36,8 +40,20 @@ class Layer:
         self.v = [torch.zeros_like(p) for p in self.main]
         self.steps = [torch.zeros((), device=device) for _ in self.main]
         self.model = [p.to(torch.bfloat16) for p in self.main]
+        self.multi = None
+        if kernel == "triton":  # the project's one-pass kernel (writes the bf16 copy too)
+            from megatron.core.optimizer.multi_tensor_adam import MultiTensorAdamW
+
+            params = [torch.nn.Parameter(p) for p in self.main]
+            for p, g in zip(params, self.grads):
+                p.grad = g
+            opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+            self.multi = MultiTensorAdamW(opt, [self.model])
 
     def adam(self):
+        if self.multi is not None:
+            self.multi.step()
+            return
         torch._fused_adamw_(self.main, self.grads, self.m, self.v, [], self.steps, lr=1e-4,
                             beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8,
                             amsgrad=False, maximize=False)
@@ -79,9 +95,11 @@ def main():
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kernel", choices=["torch", "triton"], default="torch",
+                    help="AdamW: torch's fused kernel + a copy, or the project's Triton one")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    layers = [Layer(dev) for _ in range(args.layers)]
+    layers = [Layer(dev, args.kernel) for _ in range(args.layers)]
     x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
     side = torch.cuda.Stream()
     events = [torch.cuda.Event() for _ in layers]
