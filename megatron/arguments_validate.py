@@ -450,6 +450,20 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
              "(as in Megatron-LM)")
 
 
+def _check_gemm_algorithms(ns, cuda_available: bool) -> None:
+    """`--gemm-algorithms FILE`: CUDA only, and the file must exist (its contents are
+    checked against the GPU when the model is built)."""
+    path = ns.gemm_algorithms
+    if path is None:
+        return
+    if not cuda_available:
+        raise ArgumentsError(f"--gemm-algorithms {path} chooses cuBLASLt algorithms, which "
+                             "need CUDA; run without it on the CPU")
+    if not os.path.isfile(path):
+        raise ArgumentsError(f"--gemm-algorithms {path}: no such file; write one with "
+                             "python tools/tune_gemms.py --out FILE -- <your training flags>")
+
+
 def validate_args(
     ns: argparse.Namespace,
     world_size: int,
@@ -476,6 +490,7 @@ def validate_args(
     _resolve_optimizer(ns)
     _resolve_recompute(ns)
     _resolve_runtime(ns, explicit, cuda_available)
+    _check_gemm_algorithms(ns, cuda_available)
     orig = (vocab_size_fn or default_vocab_size)(ns)
     ns.padded_vocab_size = pad_vocab_size(orig, ns.make_vocab_size_divisible_by,
                                           ns.tensor_model_parallel_size)

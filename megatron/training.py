@@ -97,7 +97,23 @@ def build_model(config: Config, rt: Runtime) -> ModelChunks:
     return ModelChunks(DistributedDataParallel(m, rt.ps, config.parallel) for m in models)
 
 
+def activate_gemm_algorithms(config: Config, rt: Runtime) -> None:
+    """`--gemm-algorithms FILE`: the table's cuBLASLt algorithms from now on (a table
+    measured on another GPU model or cuBLASLt version is refused, naming both)."""
+    path = config.args.get("gemm_algorithms")
+    if not path:
+        return
+    from megatron.core.tensor_parallel import gemm_algos
+
+    lt = gemm_algos.cublaslt()
+    table = gemm_algos.load_table(path, torch.cuda.get_device_name(rt.device), lt.version)
+    gemm_algos.activate(table, rt.device)
+    print_rank_0(f"> --gemm-algorithms {path}: {len(table)} product shapes use the measured "
+                 "cuBLASLt algorithm")
+
+
 def build_trainer(config: Config, rt: Runtime) -> Trainer:
+    activate_gemm_algorithms(config, rt)
     model = build_model(config, rt)
     optimizer = build_optimizer(config.optimizer, model.unwrapped(), rt.ps)
     scheduler = OptimizerParamScheduler(optimizer, config.optimizer)

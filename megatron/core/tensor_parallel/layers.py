@@ -28,6 +28,7 @@ from torch import nn
 
 from megatron.core.distributed import stale_grads
 
+from . import gemm_algos
 from .mappings import (
     all_gather_dim0,
     all_gather_dim0_after,
@@ -159,6 +160,8 @@ def _init_weight(
 def _accumulate_weight_grad_impl(main_grad: torch.Tensor, grad_output_2d: torch.Tensor,
                                  x_2d: torch.Tensor) -> None:
     overwrite = stale_grads.take(main_grad)  # the step's first write: no zeroed buffer
+    if gemm_algos.wgrad_into(main_grad, grad_output_2d, x_2d, accumulate=not overwrite):
+        return  # --gemm-algorithms chose a cuBLASLt algorithm for this shape
     if (main_grad.is_cuda and main_grad.dtype == torch.float32
             and x_2d.dtype in (torch.bfloat16, torch.float16)):
         if overwrite:
@@ -258,7 +261,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.sequence_parallel = sequence_parallel and group_size(group) > 1
         ctx.group = group
         total_x = all_gather_dim0(x, group) if ctx.sequence_parallel else x
-        output = torch.matmul(total_x, weight.t())
+        output = gemm_algos.linear_forward(total_x, weight)
         if bias is not None:
             output = output + bias
         return output
@@ -271,7 +274,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_output = grad_output.contiguous()
         if ctx.sequence_parallel:
             total_x, gather_handle = all_gather_dim0_after(x, grad_output.view(-1)[:1], group)
-        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_input = (gemm_algos.linear_dgrad(grad_output, weight)
+                      if ctx.needs_input_grad[0] else None)
         total_x = finish(total_x, gather_handle)
 
         reduce_handle = None

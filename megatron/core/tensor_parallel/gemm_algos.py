@@ -1,0 +1,344 @@
+"""The linear layers' products with cuBLASLt algorithms chosen by measurement
+(`--gemm-algorithms FILE`, CUDA only; off by default).
+
+torch asks cuBLAS for one algorithm per product shape, and its heuristic ranks by speed
+on an idle chip. Inside a training step an H200 sits at its power limit, where other
+candidates of the same heuristic can do more work per joule: for gpt-1.3b's fc1 forward
+product one runs at 691 TFLOP/s against 646 for the first choice, held back to back at
+the limit (benchmarks/cublaslt_algo_probe.py, benchmarks/RESULTS.md). tools/tune_gemms.py
+records the shapes one training step multiplies (`recording()`), times every candidate
+for each against torch's own product at the power limit, and writes a table of the
+shapes where a candidate wins by more than 1%. With a table active (`activate`), the
+linear layers' forward, input-grad (dgrad) and weight-grad (wgrad, into the fp32 main
+grad) products of those shapes call cuBLASLt -- the library torch loaded, through ctypes,
+on the current stream, so CUDA graphs capture them -- with the recorded algorithm; every
+other product stays torch's. The forward and dgrad calls are an operator of our own
+(`megatron::lt_matmul`), opaque to torch.compile like torch's own products.
+
+A table is tied to the GPU model and the cuBLASLt version it was measured with;
+`load_table` refuses it elsewhere. The tuner keeps only candidates whose product matches
+torch's (without split-K the candidates accumulate in the same order: the probe found
+them bitwise equal).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+from collections import Counter
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+FORMAT = 1
+KINDS = ("forward", "dgrad", "wgrad")
+_CUDA_TYPES = {"bf16": 14, "fp16": 2, "fp32": 0}
+_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_COMPUTE_32F, _DESC_TRANSA, _DESC_TRANSB, _PREF_MAX_WORKSPACE = 68, 3, 4, 1
+_ALGO_ATTRS = (("id", 0), ("tile", 1), ("splitk", 2), ("stages", 6))
+WORKSPACE_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One product: row-major out[m, n]. forward: x[m, k] @ w[n, k].T; dgrad: dy[m, k] @
+    w[k, n]; wgrad: dy[k, m].T @ x[k, n] into an fp32 out (k: the tokens)."""
+
+    kind: str
+    m: int
+    n: int
+    k: int
+    dtype: str  # of the 16-bit operands: bf16 / fp16
+
+    @property
+    def out_dtype(self) -> str:
+        return "fp32" if self.kind == "wgrad" else self.dtype
+
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k
+
+    def layouts(self):
+        """(transa, transb, A, B, C) for cuBLASLt's column-major view (out^T = Q^T P^T of
+        out = P Q): A is the weight (wgrad: x), B the activation grad or input."""
+        m, n, k, t = self.m, self.n, self.k, _CUDA_TYPES[self.dtype]
+        c = (_CUDA_TYPES[self.out_dtype], n, m, n)
+        if self.kind == "forward":
+            return 1, 0, (t, k, n, k), (t, k, m, k), c
+        if self.kind == "dgrad":
+            return 0, 0, (t, n, k, n), (t, k, m, k), c
+        return 0, 1, (t, n, k, n), (t, m, k, m), c
+
+
+class CublasLt:
+    """ctypes calls into the libcublasLt that torch loaded (Linux)."""
+
+    def __init__(self) -> None:
+        a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+        torch.mm(a, a)  # torch loads cuBLAS(Lt) with its first product
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libcublasLt" in line})
+        if not paths:
+            raise RuntimeError("cuBLASLt is not loaded in this process (torch did not load "
+                               "libcublasLt); run without --gemm-algorithms")
+        self.lib = lib = ctypes.CDLL(paths[0])
+        vp, i32, sz, u64, i64 = (ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t,
+                                 ctypes.c_uint64, ctypes.c_int64)
+        for name, types in {
+            "cublasLtCreate": [vp], "cublasLtMatrixLayoutCreate": [vp, i32, u64, u64, i64],
+            "cublasLtMatmulDescCreate": [vp, i32, i32],
+            "cublasLtMatmulDescSetAttribute": [vp, i32, vp, sz],
+            "cublasLtMatmulPreferenceCreate": [vp],
+            "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, sz],
+            "cublasLtMatmulAlgoGetHeuristic": [vp] * 7 + [i32, vp, vp],
+            "cublasLtMatmulAlgoConfigGetAttribute": [vp, i32, vp, sz, vp],
+            "cublasLtMatmul": [vp] * 14 + [sz, vp],
+        }.items():
+            getattr(lib, name).argtypes = types
+            getattr(lib, name).restype = ctypes.c_int
+        lib.cublasLtGetVersion.argtypes, lib.cublasLtGetVersion.restype = [], ctypes.c_size_t
+        self.version = int(lib.cublasLtGetVersion())
+        self.handle = ctypes.c_void_p()
+        self._ok(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self._problems: Dict[Shape, tuple] = {}
+        self._workspaces: Dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def _ok(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{what} returned cuBLAS status {status}")
+
+    def workspace(self, device: torch.device) -> torch.Tensor:
+        """This device's workspace (allocate it before any graph capture: `activate`)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._workspaces:
+            self._workspaces[index] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8,
+                                                  device=torch.device("cuda", index))
+        return self._workspaces[index]
+
+    def problem(self, shape: Shape) -> tuple:
+        """(descriptor, A, B, C layouts) of `shape`, made once."""
+        if shape not in self._problems:
+            lib = self.lib
+            transa, transb, *lays = shape.layouts()
+            desc = ctypes.c_void_p()
+            self._ok(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F,
+                                                  _CUDA_TYPES["fp32"]), "cublasLtMatmulDescCreate")
+            for attr, value in ((_DESC_TRANSA, transa), (_DESC_TRANSB, transb)):
+                v = ctypes.c_int32(value)
+                self._ok(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(v), 4),
+                         "cublasLtMatmulDescSetAttribute")
+            handles = []
+            for dtype, rows, cols, ld in lays:
+                lay = ctypes.c_void_p()
+                self._ok(lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), dtype, rows, cols, ld),
+                         "cublasLtMatrixLayoutCreate")
+                handles.append(lay)
+            self._problems[shape] = (desc, *handles)
+        return self._problems[shape]
+
+    def candidates(self, shape: Shape, count: int) -> List[bytes]:
+        """The algorithms cuBLASLt's heuristic offers for `shape`, best first, as bytes."""
+        desc, a, b, c = self.problem(shape)
+        pref = ctypes.c_void_p()
+        self._ok(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
+        ws = ctypes.c_uint64(WORKSPACE_BYTES)
+        self._ok(self.lib.cublasLtMatmulPreferenceSetAttribute(
+            pref, _PREF_MAX_WORKSPACE, ctypes.byref(ws), 8), "preference attribute")
+        results = (_HeuristicResult * count)()
+        got = ctypes.c_int(0)
+        self._ok(self.lib.cublasLtMatmulAlgoGetHeuristic(
+            self.handle, desc, a, b, c, c, pref, count, results, ctypes.byref(got)),
+            "cublasLtMatmulAlgoGetHeuristic")
+        return [bytes(r.algo) for r in results[:got.value] if r.state == 0]
+
+    def describe(self, algo: bytes) -> str:
+        """'tile 201, stages 35, ...' of an algorithm (cuBLASLt's enum values)."""
+        buf = (ctypes.c_uint64 * 8).from_buffer_copy(algo)
+        parts = []
+        for name, attr in _ALGO_ATTRS:
+            v, written = ctypes.c_int32(0), ctypes.c_size_t(0)
+            status = self.lib.cublasLtMatmulAlgoConfigGetAttribute(
+                ctypes.byref(buf), attr, ctypes.byref(v), 4, ctypes.byref(written))
+            parts.append(f"{name} {v.value if status == 0 else '?'}")
+        return ", ".join(parts)
+
+    def matmul(self, shape: Shape, algo, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+               beta: float) -> None:
+        """C = A B (+ beta C) in cuBLASLt's terms (see Shape.layouts), on the current stream."""
+        desc, la, lb, lc = self.problem(shape)
+        alpha, beta_ = ctypes.c_float(1.0), ctypes.c_float(beta)
+        ws = self.workspace(c.device)
+        self._ok(self.lib.cublasLtMatmul(
+            self.handle, desc, ctypes.byref(alpha), a.data_ptr(), la, b.data_ptr(), lb,
+            ctypes.byref(beta_), c.data_ptr(), lc, c.data_ptr(), lc, ctypes.byref(algo),
+            ws.data_ptr(), WORKSPACE_BYTES, torch.cuda.current_stream(c.device).cuda_stream),
+            "cublasLtMatmul")
+
+
+class _HeuristicResult(ctypes.Structure):
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace", ctypes.c_size_t),
+                ("state", ctypes.c_int), ("waves", ctypes.c_float),
+                ("reserved", ctypes.c_int * 4)]
+
+
+_LT: Optional[CublasLt] = None
+
+
+def cublaslt() -> CublasLt:
+    global _LT
+    if _LT is None:
+        _LT = CublasLt()
+    return _LT
+
+
+# --------------------------------------------------------------------------- the table
+def load_table(path: str, device_name: str, cublaslt_version: int) -> Dict[Shape, bytes]:
+    """{shape: algorithm} from a file tools/tune_gemms.py wrote, refused (ValueError) when
+    it was measured on another GPU model or cuBLASLt version."""
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--gemm-algorithms {path}: cannot read it ({e})") from None
+    if table.get("format") != FORMAT:
+        raise ValueError(f"--gemm-algorithms {path}: format {table.get('format')!r}, this "
+                         f"version reads {FORMAT}; tune again with tools/tune_gemms.py")
+    for key, here in (("device", device_name), ("cublaslt_version", cublaslt_version)):
+        if table.get(key) != here:
+            raise ValueError(f"--gemm-algorithms {path} was measured with {key} "
+                             f"{table.get(key)!r}, this process has {here!r}; tune again "
+                             "here with tools/tune_gemms.py, or run without the flag")
+    out = {}
+    for e in table.get("entries", []):
+        shape = Shape(e["kind"], int(e["m"]), int(e["n"]), int(e["k"]), e["dtype"])
+        if shape.kind not in KINDS or shape.dtype not in ("bf16", "fp16"):
+            raise ValueError(f"--gemm-algorithms {path}: bad entry {e}")
+        algo = bytes.fromhex(e["algo"])
+        if len(algo) != 64:
+            raise ValueError(f"--gemm-algorithms {path}: algorithm of {len(algo)} bytes in {e}")
+        out[shape] = algo
+    return out
+
+
+def save_table(path: str, device_name: str, cublaslt_version: int, rows: List[dict]) -> None:
+    """Write a table: `rows` are dicts with a Shape under "shape", the algorithm bytes
+    under "algo" and anything else worth reading (timings, the tile)."""
+    entries = []
+    for row in rows:
+        s = row["shape"]
+        extra = {k: v for k, v in row.items() if k not in ("shape", "algo")}
+        entries.append({"kind": s.kind, "m": s.m, "n": s.n, "k": s.k, "dtype": s.dtype,
+                        "algo": row["algo"].hex(), **extra})
+    with open(path, "w") as f:
+        json.dump({"format": FORMAT, "device": device_name,
+                   "cublaslt_version": cublaslt_version, "entries": entries}, f, indent=1)
+        f.write("\n")
+
+
+# --------------------------------------------------------------- what the layers call
+# (kind, m, n, k, dtype name) -> index into _ALGOS: plain tuples, which torch.compile
+# looks up while tracing the layers (the choice is made then, per traced shape).
+_ACTIVE: Dict[tuple, int] = {}
+_ALGOS: List[tuple] = []  # (shape, ctypes algorithm)
+_RECORDING: Optional[Counter] = None
+
+
+def activate(table: Dict[Shape, bytes], device: torch.device) -> None:
+    """Use `table`'s algorithms from now on in this process (CUDA); an empty table turns
+    the choice off again. Allocates the workspace and the descriptors now, before any
+    CUDA graph capture."""
+    _ACTIVE.clear()
+    _ALGOS.clear()
+    if not table:
+        return
+    if device.type != "cuda":
+        raise ValueError(f"--gemm-algorithms chooses cuBLASLt algorithms, which need CUDA; "
+                         f"this run is on {device.type}: run without the flag")
+    lt = cublaslt()
+    lt.workspace(device)
+    for shape, algo in table.items():
+        lt.problem(shape)
+        _ACTIVE[(shape.kind, shape.m, shape.n, shape.k, shape.dtype)] = len(_ALGOS)
+        _ALGOS.append((shape, (ctypes.c_uint64 * 8).from_buffer_copy(algo)))
+
+
+@contextlib.contextmanager
+def recording():
+    """Inside: every product the layers route through here is counted by Shape (run the
+    step eagerly); yields the Counter."""
+    global _RECORDING
+    counts, _RECORDING = Counter(), Counter()
+    try:
+        yield counts
+    finally:
+        counts.update({Shape(*key): c for key, c in _RECORDING.items()})
+        _RECORDING = None
+
+
+def _choice(kind: str, m: int, n: int, k: int, dtype: torch.dtype) -> int:
+    key = (kind, m, n, k, _NAMES.get(dtype, str(dtype)))
+    if _RECORDING is not None:
+        _RECORDING[key] += 1
+    return _ACTIVE.get(key, -1)
+
+
+def _fits(*tensors: torch.Tensor) -> bool:
+    return all(t.is_cuda and t.is_contiguous() for t in tensors)
+
+
+def linear_forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T (x: [..., k], weight: [n, k])."""
+    if not _ACTIVE and _RECORDING is None:
+        return torch.matmul(x, weight.t())
+    n, k = weight.shape
+    i = _choice("forward", x.numel() // k, n, k, x.dtype)
+    if i < 0 or x.dtype != weight.dtype or not _fits(x, weight):
+        return torch.matmul(x, weight.t())
+    return torch.ops.megatron.lt_matmul(x.reshape(-1, k), weight, i).view(*x.shape[:-1], n)
+
+
+def linear_dgrad(grad_output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """grad_output @ weight (grad_output: [..., k], weight: [k, n])."""
+    if not _ACTIVE and _RECORDING is None:
+        return grad_output.matmul(weight)
+    k, n = weight.shape
+    i = _choice("dgrad", grad_output.numel() // k, n, k, grad_output.dtype)
+    if i < 0 or grad_output.dtype != weight.dtype or not _fits(grad_output, weight):
+        return grad_output.matmul(weight)
+    out = torch.ops.megatron.lt_matmul(grad_output.reshape(-1, k), weight, i)
+    return out.view(*grad_output.shape[:-1], n)
+
+
+def wgrad_into(main_grad: torch.Tensor, grad_output_2d: torch.Tensor, x_2d: torch.Tensor,
+               accumulate: bool) -> bool:
+    """main_grad (+)= grad_output_2d.T @ x_2d in fp32 with the table's algorithm; False
+    (nothing done) when the table has none for this shape."""
+    if not _ACTIVE and _RECORDING is None:
+        return False
+    m, n = main_grad.shape
+    i = _choice("wgrad", m, n, x_2d.shape[0], x_2d.dtype)
+    if (i < 0 or main_grad.dtype != torch.float32 or grad_output_2d.dtype != x_2d.dtype
+            or not _fits(main_grad, grad_output_2d, x_2d)):
+        return False
+    shape, algo = _ALGOS[i]
+    cublaslt().matmul(shape, algo, x_2d, grad_output_2d, main_grad, 1.0 if accumulate else 0.0)
+    return True
+
+
+def _lt_matmul(a: torch.Tensor, weight: torch.Tensor, entry: int) -> torch.Tensor:
+    shape, algo = _ALGOS[entry]
+    out = torch.empty(shape.m, shape.n, dtype=a.dtype, device=a.device)
+    cublaslt().matmul(shape, algo, weight, a, out, 0.0)
+    return out
+
+
+def _lt_matmul_fake(a, weight, entry):
+    n = weight.shape[0] if _ALGOS[entry][0].kind == "forward" else weight.shape[1]
+    return a.new_empty(a.shape[0], n)
+
+
+_LIB = torch.library.Library("megatron", "FRAGMENT")
+_LIB.define("lt_matmul(Tensor a, Tensor weight, int entry) -> Tensor")
+_LIB.impl("lt_matmul", _lt_matmul, "CUDA")
+torch.library.register_fake("megatron::lt_matmul", _lt_matmul_fake, lib=_LIB)

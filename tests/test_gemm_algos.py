@@ -1,0 +1,199 @@
+"""--gemm-algorithms: the products the layers route through gemm_algos, the table file,
+the refusals; on CUDA, cuBLASLt with each heuristic candidate against torch's product."""
+import ctypes
+import os
+import sys
+
+import pytest
+import torch
+
+from megatron.arguments import parse_and_validate
+from megatron.arguments_common import ArgumentsError
+from megatron.core.tensor_parallel import gemm_algos
+from megatron.core.tensor_parallel.gemm_algos import Shape
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools import tune_gemms  # noqa: E402
+from tools.benchmark import PRESETS, build_argv  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt needs CUDA")
+
+
+@pytest.fixture
+def entry_env(monkeypatch):
+    """The entry point exports --cublas-workspace's choice into os.environ; undo it."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
+
+
+def test_one_step_records_every_linear_product_with_its_count(entry_env):
+    """The tiny preset (2 layers, hidden 64, ffn 256, 4 x 64 tokens, vocabulary 512, tied
+    output layer): forward, input grad and weight grad of the four linears per layer
+    and of the output layer, with the shapes the model's dimensions give."""
+    counts = tune_gemms.record_shapes(build_argv("tiny", 4, 0, PRESETS["tiny"][1], []), "cpu")
+    layers, h, f, t, v = 2, 64, 256, 4 * 64, 512
+    expected = {}
+    for out_f, in_f, per_step in [(3 * h, h, layers), (h, h, layers), (f, h, layers),
+                                  (h, f, layers), (v, h, 1)]:
+        expected[Shape("forward", t, out_f, in_f, "fp32")] = per_step
+        expected[Shape("dgrad", t, in_f, out_f, "fp32")] = per_step
+        expected[Shape("wgrad", out_f, in_f, t, "fp32")] = per_step
+    assert dict(counts) == expected
+
+
+def test_record_only_prints_the_shapes(capsys, entry_env):
+    assert tune_gemms.main(["--record-only", "--device", "cpu", "--preset", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "| forward | 256 | 256 | 64 | fp32 | 2 |" in out  # fc1
+    with pytest.raises(SystemExit, match="needs --out FILE and CUDA"):
+        tune_gemms.main(["--device", "cpu", "--preset", "tiny"])
+
+
+def _algo(seed: int) -> bytes:
+    return bytes((seed + i) % 256 for i in range(64))
+
+
+def test_table_round_trips_and_is_refused_elsewhere(tmp_path):
+    path = str(tmp_path / "gemms.json")
+    a = Shape("forward", 16384, 8192, 2048, "bf16")
+    b = Shape("wgrad", 8192, 2048, 16384, "bf16")
+    gemm_algos.save_table(path, "GPU X", 130400, [
+        {"shape": a, "algo": _algo(1), "torch_ms": 0.85, "ms": 0.79},
+        {"shape": b, "algo": _algo(2)}])
+    assert gemm_algos.load_table(path, "GPU X", 130400) == {a: _algo(1), b: _algo(2)}
+    with pytest.raises(ValueError, match="device 'GPU X', this process has 'GPU Y'; tune again"):
+        gemm_algos.load_table(path, "GPU Y", 130400)
+    with pytest.raises(ValueError, match="cublaslt_version 130400, this process has 130500"):
+        gemm_algos.load_table(path, "GPU X", 130500)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read it"):
+        gemm_algos.load_table(str(tmp_path / "bad.json"), "GPU X", 130400)
+    text = open(path).read().replace(_algo(2).hex(), _algo(2).hex()[:-2])
+    (tmp_path / "short.json").write_text(text)
+    with pytest.raises(ValueError, match="algorithm of 63 bytes"):
+        gemm_algos.load_table(str(tmp_path / "short.json"), "GPU X", 130400)
+
+
+def test_flag_needs_cuda_and_an_existing_file(tmp_path):
+    argv = build_argv("tiny", 4, 0, PRESETS["tiny"][1], [])
+    with pytest.raises(ArgumentsError, match="need CUDA; run without it on the CPU"):
+        parse_and_validate(argv + ["--gemm-algorithms", "t.json"], cuda_available=False)
+    missing = str(tmp_path / "none.json")
+    with pytest.raises(ArgumentsError, match="no such file; write one with python tools/tune"):
+        parse_and_validate(argv + ["--gemm-algorithms", missing], cuda_available=True)
+    assert parse_and_validate(argv, cuda_available=False).args["gemm_algorithms"] is None
+
+
+def test_activate_refuses_the_cpu_and_an_empty_table_turns_it_off():
+    with pytest.raises(ValueError, match="need CUDA; this run is on cpu"):
+        gemm_algos.activate({Shape("forward", 4, 4, 4, "bf16"): _algo(0)}, torch.device("cpu"))
+    gemm_algos.activate({}, torch.device("cpu"))
+    assert not gemm_algos._ACTIVE
+
+
+def test_a_listed_shape_on_cpu_tensors_stays_torch_product(monkeypatch):
+    """The table is consulted only for CUDA tensors: a CPU product of a listed shape (and a
+    non-contiguous one) is torch's, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 4, generator=gen), torch.randn(5, 4, generator=gen)
+    monkeypatch.setitem(gemm_algos._ACTIVE, ("forward", 6, 5, 4, "fp32"), 0)
+    monkeypatch.setitem(gemm_algos._ACTIVE, ("dgrad", 6, 4, 5, "fp32"), 0)
+    assert torch.equal(gemm_algos.linear_forward(x, w), x @ w.t())
+    dy = torch.randn(6, 5, generator=gen)
+    assert torch.equal(gemm_algos.linear_dgrad(dy, w), dy @ w)
+    main_grad = torch.zeros(5, 4)
+    assert not gemm_algos.wgrad_into(main_grad, dy, x, accumulate=True)
+
+
+# ------------------------------------------------------------------------------ CUDA
+@pytest.fixture
+def restore_table():
+    yield
+    gemm_algos.activate({}, torch.device("cpu"))
+
+
+def _cuda_operands(kind, m, n, k):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+
+    def rand(*size):
+        return torch.randn(*size, device="cuda", generator=gen).bfloat16()
+
+    if kind == "forward":
+        return rand(m, k), rand(n, k)
+    if kind == "dgrad":
+        return rand(m, k), rand(k, n)
+    return rand(k, m), rand(k, n)  # wgrad: grad_output [tokens, m], x [tokens, n]
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("kind", ["forward", "dgrad", "wgrad"])
+def test_every_candidate_matches_torch_product(kind, restore_table):
+    """cuBLASLt with each of the heuristic's candidates, routed as the layers route it,
+    against torch's product (bf16: within one bf16 step of the largest value; the fp32
+    weight grad, overwriting and then accumulating, within 1e-4 of it)."""
+    m, n, k = 512, 384, 256
+    shape = Shape(kind, m, n, k, "bf16")
+    a, b = _cuda_operands(kind, m, n, k)
+    algos = gemm_algos.cublaslt().candidates(shape, 4)
+    assert algos, "the heuristic offered no algorithm"
+    for algo in algos:
+        gemm_algos.activate({shape: algo}, torch.device("cuda"))
+        if kind == "wgrad":
+            want = torch.mm(a.t(), b, out_dtype=torch.float32)
+            main_grad = torch.full((m, n), 7.0, device="cuda")
+            assert gemm_algos.wgrad_into(main_grad, a, b, accumulate=False)
+            torch.testing.assert_close(main_grad, want, rtol=0, atol=1e-4 * want.abs().max())
+            assert gemm_algos.wgrad_into(main_grad, a, b, accumulate=True)
+            torch.testing.assert_close(main_grad, 2 * want, rtol=0, atol=2e-4 * want.abs().max())
+            continue
+        fn = gemm_algos.linear_forward if kind == "forward" else gemm_algos.linear_dgrad
+        want = (a @ b.t() if kind == "forward" else a @ b).float()
+        got = fn(a.view(2, m // 2, k), b)  # a leading batch dimension, as in the layers
+        assert got.shape == (2, m // 2, n)
+        torch.testing.assert_close(got.view(m, n).float(), want, rtol=0,
+                                   atol=2 ** -8 * want.abs().max())
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_compiled_and_captured_products_use_the_table(restore_table):
+    """Inside torch.compile the operator stays one opaque call; a CUDA graph captures the
+    ctypes launch and its replay recomputes from new inputs."""
+    m, n, k = 512, 384, 256
+    shape = Shape("forward", m, n, k, "bf16")
+    x, w = _cuda_operands("forward", m, n, k)
+    gemm_algos.activate({shape: gemm_algos.cublaslt().candidates(shape, 1)[0]},
+                        torch.device("cuda"))
+    want = gemm_algos.linear_forward(x, w)
+    compiled = torch.compile(lambda a, b: gemm_algos.linear_forward(a, b) * 2, fullgraph=True)
+    torch.testing.assert_close(compiled(x, w), want * 2)
+    static_x = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        gemm_algos.linear_forward(static_x, w)  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = gemm_algos.linear_forward(static_x, w)
+    static_x.copy_(x * 3)
+    graph.replay()
+    torch.testing.assert_close(static_out.float(), (x * 3 @ w.t()).float(), rtol=0,
+                               atol=2 ** -8 * 3 * want.float().abs().max())
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_tuner_writes_a_table_training_accepts(tmp_path, restore_table, entry_env):
+    """tools/tune_gemms.py on the tiny model in bf16 (short timings) writes a table that
+    loads here; every entry's shape is one the step records."""
+    out = str(tmp_path / "gemms.json")
+    assert tune_gemms.main(["--out", out, "--preset", "tiny", "--seconds", "0.03",
+                            "--min-gain", "-1", "--", "--bf16"]) == 0
+    lt = gemm_algos.cublaslt()
+    table = gemm_algos.load_table(out, torch.cuda.get_device_name(), lt.version)
+    assert table, "with --min-gain -1 every tuned shape is kept"
+    argv = build_argv("tiny", 4, 0, PRESETS["tiny"][1], ["--bf16"])
+    recorded = tune_gemms.record_shapes(argv, "cuda")
+    assert set(table) <= set(recorded)
+    assert all(len(a) == ctypes.sizeof(ctypes.c_uint64 * 8) for a in table.values())

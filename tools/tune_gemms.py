@@ -1,0 +1,206 @@
+#!/usr/bin/env python
+"""Measure which cuBLASLt algorithm runs each of a model's products fastest at the GPU's
+power limit, and write the table that `--gemm-algorithms FILE` reads (CUDA).
+
+    python tools/tune_gemms.py --out gemms.json --preset gpt-1.3b
+    python tools/tune_gemms.py --out gemms.json -- <pretrain_gpt.py flags of your run>
+    python tools/tune_gemms.py --record-only --device cpu --preset tiny
+
+One eager training step with the run's flags records the shapes the linear layers
+multiply (forward, input grad, weight grad into the fp32 main grad) and how often. Then,
+per shape, torch's own product and every candidate cuBLASLt's heuristic offers are each
+run back to back for --seconds (the first third heats the chip to its power limit, the
+rest is timed with CUDA events), --rounds times in alternation. A candidate enters the
+table when its result matches torch's and it beats torch's product by more than
+--min-gain. Train with `--gemm-algorithms gemms.json` on the same GPU model and software
+(the table records both and is refused elsewhere). Tune with the flags of the real run:
+the shapes depend on the micro batch, sequence length and parallel layout.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CHECK_TOLERANCE = 1e-3  # |candidate - torch| / max|torch|: a wrong layout is O(1)
+
+
+def record_shapes(argv: list, device: str):
+    """Counter{Shape: calls} of one eager training step with `argv`."""
+    from megatron.arguments import parse_and_validate
+    from megatron.core.tensor_parallel import gemm_algos
+    from megatron.initialize import initialize_entry_point, set_random_seed
+    from megatron.training import build_trainer, data_iterator, train_step
+
+    argv = argv + ["--no-compile", "--cuda-graph-step", "off"]
+    config = parse_and_validate(argv, world_size=1, env={"RANK": "0"},
+                                cuda_available=device == "cuda")
+    config.args["gemm_algorithms"] = None  # record torch's products, whatever argv says
+    rt = initialize_entry_point(config.parallel, config.args["cublas_workspace"], 0, 1, 0,
+                                os.environ)
+    set_random_seed(config.training.seed, rt)
+    tr = build_trainer(config, rt)
+    data = data_iterator(config, rt, "train", 0)
+    with gemm_algos.recording() as counts:
+        train_step(tr, data)
+    return counts
+
+
+def operands(shape, torch):
+    """(cuBLASLt A, B, C, beta, torch's product as the layers run it, reference fn)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape.dtype]
+
+    def rand(*size, scale=1.0):
+        return (torch.randn(*size, device="cuda", generator=gen) * scale).to(dtype)
+
+    m, n, k = shape.m, shape.n, shape.k
+    if shape.kind == "forward":
+        x, w = rand(m, k), rand(n, k, scale=0.02)
+        out = torch.empty(m, n, device="cuda", dtype=dtype)
+        ref = (lambda: torch.matmul(x, w.t()))
+        return w, x, out, 0.0, ref, ref
+    if shape.kind == "dgrad":
+        dy, w = rand(m, k), rand(k, n, scale=0.02)
+        out = torch.empty(m, n, device="cuda", dtype=dtype)
+        ref = (lambda: dy.matmul(w))
+        return w, dy, out, 0.0, ref, ref
+    dy, x = rand(k, m), rand(k, n)
+    out = torch.zeros(m, n, device="cuda", dtype=torch.float32)
+    return (x, dy, out, 1.0,
+            lambda: torch.addmm(out, dy.t(), x, out_dtype=torch.float32, out=out),
+            lambda: torch.mm(dy.t(), x, out_dtype=torch.float32))
+
+
+def sustained_ms(fn, seconds: float, torch) -> float:
+    """ms per call over the last two thirds of `seconds` of back-to-back calls."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds / 3:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    calls = 0
+    start.record()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds * 2 / 3:
+        for _ in range(10):
+            fn()
+        calls += 10
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / calls
+
+
+def tune_shape(shape, args, lt, torch) -> dict:
+    """Times of torch's product and of every matching candidate; the best one."""
+    a, b, out, beta, torch_fn, reference = operands(shape, torch)
+    want = reference().float()
+    scale = want.abs().max().item() or 1.0
+    good = []
+    for algo in lt.candidates(shape, args.candidates):
+        as_struct = _as_algo(algo)
+        out.zero_()
+        lt.matmul(shape, as_struct, a, b, out, 0.0)
+        if (out.float() - want).abs().max().item() <= CHECK_TOLERANCE * scale:
+            good.append((algo, as_struct))
+    runs = [torch_fn] + [(lambda x=x: lt.matmul(shape, x, a, b, out, beta)) for _, x in good]
+    times = [[] for _ in runs]
+    for _ in range(args.rounds):
+        for t, fn in zip(times, runs):
+            t.append(sustained_ms(fn, args.seconds, torch))
+    ms = [sum(t) / len(t) for t in times]
+    best = min(range(1, len(ms)), key=lambda i: ms[i], default=None)
+    row = {"shape": shape, "torch_ms": round(ms[0], 4), "candidates": len(good)}
+    if best is not None:
+        row.update(algo=good[best - 1][0], ms=round(ms[best], 4),
+                   algorithm=lt.describe(good[best - 1][0]))
+    return row
+
+
+def _as_algo(algo: bytes):
+    import ctypes
+
+    return (ctypes.c_uint64 * 8).from_buffer_copy(algo)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 epilog="flags after -- are pretrain_gpt.py's")
+    ap.add_argument("--out", help="table to write (JSON)")
+    ap.add_argument("--preset", help="a tools/benchmark.py preset instead of flags after --")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--seconds", type=float, default=1.2, help="per timing (default 1.2)")
+    ap.add_argument("--rounds", type=int, default=1, help="alternating passes (default 1)")
+    ap.add_argument("--candidates", type=int, default=8, help="asked of the heuristic")
+    ap.add_argument("--min-gain", type=float, default=0.01,
+                    help="keep a candidate that beats torch by more than this (default 0.01)")
+    ap.add_argument("--record-only", action="store_true",
+                    help="print the recorded shapes and stop (works on the CPU)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if args.preset:
+        from tools.benchmark import PRESETS, build_argv
+
+        if args.preset not in PRESETS:
+            raise SystemExit(f"error: --preset {args.preset!r}; choose from {sorted(PRESETS)}")
+        flags = build_argv(args.preset, 4, 0, PRESETS[args.preset][1], extra)  # > lr warm-up
+    elif extra:
+        flags = [f for i, f in enumerate(extra)
+                 if f != "--gemm-algorithms" and (i == 0 or extra[i - 1] != "--gemm-algorithms")]
+    else:
+        raise SystemExit("error: give --preset NAME or your pretrain_gpt.py flags after --")
+    if not args.record_only and (args.out is None or args.device != "cuda"):
+        raise SystemExit("error: tuning needs --out FILE and CUDA (--record-only lists the "
+                         "shapes on any device)")
+    counts = record_shapes(flags, args.device)
+    print("| product | m | n | k | dtype | per step |")
+    print("|---|---|---|---|---|---|")
+    for s, c in sorted(counts.items(), key=lambda sc: -sc[0].flops() * sc[1]):
+        print(f"| {s.kind} | {s.m} | {s.n} | {s.k} | {s.dtype} | {c} |", flush=True)
+    if args.record_only:
+        return 0
+    return tune(counts, args)
+
+
+def tune(counts, args) -> int:
+    import torch
+
+    from megatron.core.tensor_parallel import gemm_algos
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    lt = gemm_algos.cublaslt()
+    print("\n| product | m | n | k | torch ms | best candidate | ms | gain | ms saved per step |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    kept, saved = [], 0.0
+    for s, count in sorted(counts.items(), key=lambda sc: -sc[0].flops() * sc[1]):
+        if s.dtype not in ("bf16", "fp16"):
+            print(f"| {s.kind} | {s.m} | {s.n} | {s.k} | {s.dtype}: only 16-bit products "
+                  "are tuned | | | | |")
+            continue
+        row = tune_shape(s, args, lt, torch)
+        gain = 1 - row["ms"] / row["torch_ms"] if "ms" in row else 0.0
+        win = gain > args.min_gain
+        if win:
+            kept.append(row)
+            saved += (row["torch_ms"] - row["ms"]) * count
+        print(f"| {s.kind} | {s.m} | {s.n} | {s.k} | {row['torch_ms']:.3f} | "
+              f"{row.get('algorithm', 'none of %d' % row['candidates'])} | "
+              f"{row.get('ms', float('nan')):.3f} | {100 * gain:+.1f}%{'' if win else ' (kept torch)'} "
+              f"| {(row['torch_ms'] - row['ms']) * count if win else 0.0:.2f} |", flush=True)
+    gemm_algos.save_table(args.out, torch.cuda.get_device_name(), lt.version, kept)
+    print(f"\n{len(kept)} of {len(counts)} shapes in {args.out}; predicted saving "
+          f"{saved:.2f} ms per step (measured one product at a time at the power limit)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
