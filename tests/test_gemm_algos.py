@@ -156,6 +156,25 @@ def test_every_candidate_matches_torch_product(kind, restore_table):
 
 @pytest.mark.cuda
 @needs_cuda
+def test_operands_off_the_256_byte_alignment_take_torch_product(restore_table):
+    m, n, k = 512, 384, 256
+    fwd, wg = Shape("forward", m, n, k, "bf16"), Shape("wgrad", m, n, k, "bf16")
+    lt = gemm_algos.cublaslt()
+    gemm_algos.activate({fwd: lt.candidates(fwd, 1)[0], wg: lt.candidates(wg, 1)[0]},
+                        torch.device("cuda"))
+    x, w = _cuda_operands("forward", m, n, k)
+    shifted = torch.empty(m * k + 8, device="cuda", dtype=torch.bfloat16)[8:].view(m, k)
+    shifted.copy_(x)
+    assert shifted.data_ptr() % gemm_algos.ALIGNMENT != 0
+    assert torch.equal(gemm_algos.linear_forward(shifted, w), torch.matmul(x, w.t()))
+    dy, xw = _cuda_operands("wgrad", m, n, k)
+    buffer = torch.zeros(m * n + 4, device="cuda")
+    assert not gemm_algos.wgrad_into(buffer[4:].view(m, n), dy, xw, accumulate=True)
+    assert gemm_algos.wgrad_into(buffer[:m * n].view(m, n), dy, xw, accumulate=True)
+
+
+@pytest.mark.cuda
+@needs_cuda
 def test_compiled_and_captured_products_use_the_table(restore_table):
     """Inside torch.compile the operator stays one opaque call; a CUDA graph captures the
     ctypes launch and its replay recomputes from new inputs."""

@@ -38,6 +38,7 @@ _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _COMPUTE_32F, _DESC_TRANSA, _DESC_TRANSB, _PREF_MAX_WORKSPACE = 68, 3, 4, 1
 _ALGO_ATTRS = (("id", 0), ("tile", 1), ("splitk", 2), ("stages", 6))
 WORKSPACE_BYTES = 32 << 20
+ALIGNMENT = 256  # bytes: cuBLASLt's default minimum alignment when it picks algorithms
 
 
 @dataclass(frozen=True)
@@ -319,15 +320,24 @@ def wgrad_into(main_grad: torch.Tensor, grad_output_2d: torch.Tensor, x_2d: torc
     m, n = main_grad.shape
     i = _choice("wgrad", m, n, x_2d.shape[0], x_2d.dtype)
     if (i < 0 or main_grad.dtype != torch.float32 or grad_output_2d.dtype != x_2d.dtype
-            or not _fits(main_grad, grad_output_2d, x_2d)):
+            or not _fits(main_grad, grad_output_2d, x_2d)
+            or not _aligned(main_grad, grad_output_2d, x_2d)):
         return False
     shape, algo = _ALGOS[i]
     cublaslt().matmul(shape, algo, x_2d, grad_output_2d, main_grad, 1.0 if accumulate else 0.0)
     return True
 
 
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """The heuristic's algorithms may assume 256-byte aligned matrices (its default);
+    views into a grad buffer or of sliced activations need not be."""
+    return all(t.data_ptr() % ALIGNMENT == 0 for t in tensors)
+
+
 def _lt_matmul(a: torch.Tensor, weight: torch.Tensor, entry: int) -> torch.Tensor:
     shape, algo = _ALGOS[entry]
+    if not _aligned(a, weight):  # checked here, at run time (not while torch.compile traces)
+        return a @ weight.t() if shape.kind == "forward" else a @ weight
     out = torch.empty(shape.m, shape.n, dtype=a.dtype, device=a.device)
     cublaslt().matmul(shape, algo, weight, a, out, 0.0)
     return out
