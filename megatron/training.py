@@ -99,12 +99,15 @@ def build_model(config: Config, rt: Runtime) -> ModelChunks:
 
 def activate_gemm_algorithms(config: Config, rt: Runtime) -> None:
     """`--gemm-algorithms FILE`: the table's cuBLASLt algorithms from now on (a table
-    measured on another GPU model or cuBLASLt version is refused, naming both)."""
-    path = config.args.get("gemm_algorithms")
-    if not path:
-        return
+    measured on another GPU model or cuBLASLt version is refused, naming both). Without
+    the flag, torch's products (a table a previous trainer of this process used is
+    dropped)."""
     from megatron.core.tensor_parallel import gemm_algos
 
+    path = config.args.get("gemm_algorithms")
+    if not path:
+        gemm_algos.activate({}, rt.device)
+        return
     lt = gemm_algos.cublaslt()
     table = gemm_algos.load_table(path, torch.cuda.get_device_name(rt.device), lt.version)
     gemm_algos.activate(table, rt.device)
