@@ -104,6 +104,56 @@ def test_a_listed_shape_on_cpu_tensors_stays_torch_product(monkeypatch):
     assert not gemm_algos.wgrad_into(main_grad, dy, x, accumulate=True)
 
 
+class _EmulatedLt:
+    """cuBLASLt's contract in torch ops: column-major matrices (rows, cols, leading
+    dimension) over the operands' memory, D = op(A) op(B) + beta C."""
+
+    calls = 0
+
+    def matmul(self, shape, algo, a, b, c, beta):
+        transa, transb, la, lb, lc = shape.layouts()
+
+        def view(t, layout):
+            _, rows, cols, ld = layout
+            return torch.as_strided(t, (rows, cols), (1, ld))
+
+        op_a = view(a, la).t() if transa else view(a, la)
+        op_b = view(b, lb).t() if transb else view(b, lb)
+        out = view(c, lc)
+        out.copy_(op_a.double() @ op_b.double() + beta * out.double())
+        _EmulatedLt.calls += 1
+
+
+@pytest.mark.parametrize("kind", ["forward", "dgrad", "wgrad"])
+def test_layouts_and_operand_order_give_the_row_major_product(kind, monkeypatch):
+    """What the layers hand cuBLASLt (which tensor is A, which B, the transposes and
+    leading dimensions of Shape.layouts, beta) makes the product torch computes, checked
+    on the CPU against an emulation of cuBLASLt's column-major contract."""
+    m, n, k = 6, 5, 3
+    shape = Shape(kind, m, n, k, "fp32")
+    monkeypatch.setattr(gemm_algos, "_fits", lambda *t: True)
+    monkeypatch.setattr(gemm_algos, "_aligned", lambda *t: True)
+    monkeypatch.setattr(gemm_algos, "cublaslt", lambda: _EmulatedLt())
+    monkeypatch.setitem(gemm_algos._ACTIVE, (kind, m, n, k, "fp32"), len(gemm_algos._ALGOS))
+    monkeypatch.setattr(gemm_algos, "_ALGOS", gemm_algos._ALGOS + [(shape, None)])
+    gen = torch.Generator().manual_seed(1)
+    before = _EmulatedLt.calls
+    if kind == "wgrad":
+        dy, x = torch.randn(k, m, generator=gen), torch.randn(k, n, generator=gen)
+        main_grad = torch.full((m, n), 0.5)
+        assert gemm_algos.wgrad_into(main_grad, dy, x, accumulate=True)
+        torch.testing.assert_close(main_grad, 0.5 + dy.t() @ x)
+        assert gemm_algos.wgrad_into(main_grad, dy, x, accumulate=False)
+        torch.testing.assert_close(main_grad, dy.t() @ x)
+    elif kind == "forward":
+        x, w = torch.randn(2, m // 2, k, generator=gen), torch.randn(n, k, generator=gen)
+        torch.testing.assert_close(gemm_algos.linear_forward(x, w), x @ w.t())
+    else:
+        dy, w = torch.randn(2, m // 2, k, generator=gen), torch.randn(k, n, generator=gen)
+        torch.testing.assert_close(gemm_algos.linear_dgrad(dy, w), dy @ w)
+    assert _EmulatedLt.calls > before, "the product did not go through cuBLASLt's path"
+
+
 # ------------------------------------------------------------------------------ CUDA
 @pytest.fixture
 def restore_table():

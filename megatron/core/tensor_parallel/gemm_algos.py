@@ -350,5 +350,6 @@ def _lt_matmul_fake(a, weight, entry):
 
 _LIB = torch.library.Library("megatron", "FRAGMENT")
 _LIB.define("lt_matmul(Tensor a, Tensor weight, int entry) -> Tensor")
-_LIB.impl("lt_matmul", _lt_matmul, "CUDA")
+for _key in ("CUDA", "CPU"):  # CPU: only tests reach it (activate refuses the CPU)
+    _LIB.impl("lt_matmul", _lt_matmul, _key)
 torch.library.register_fake("megatron::lt_matmul", _lt_matmul_fake, lib=_LIB)
