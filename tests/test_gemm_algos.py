@@ -106,7 +106,8 @@ def test_a_listed_shape_on_cpu_tensors_stays_torch_product(monkeypatch):
 
 class _EmulatedLt:
     """cuBLASLt's contract in torch ops: column-major matrices (rows, cols, leading
-    dimension) over the operands' memory, D = op(A) op(B) + beta C."""
+    dimension) over the operands' memory, D = op(A) op(B) + beta C (C not read when beta
+    is 0, so it may hold anything, e.g. the NaNs of fresh memory)."""
 
     calls = 0
 
@@ -120,7 +121,8 @@ class _EmulatedLt:
         op_a = view(a, la).t() if transa else view(a, la)
         op_b = view(b, lb).t() if transb else view(b, lb)
         out = view(c, lc)
-        out.copy_(op_a.double() @ op_b.double() + beta * out.double())
+        product = op_a.double() @ op_b.double()
+        out.copy_(product + beta * out.double() if beta else product)  # beta 0: C unread
         _EmulatedLt.calls += 1
 
 
@@ -152,6 +154,47 @@ def test_layouts_and_operand_order_give_the_row_major_product(kind, monkeypatch)
         dy, w = torch.randn(2, m // 2, k, generator=gen), torch.randn(k, n, generator=gen)
         torch.testing.assert_close(gemm_algos.linear_dgrad(dy, w), dy @ w)
     assert _EmulatedLt.calls > before, "the product did not go through cuBLASLt's path"
+
+
+def _route(monkeypatch, shapes):
+    """Every shape in `shapes` through the operator and wgrad_into, onto _EmulatedLt."""
+    monkeypatch.setattr(gemm_algos, "_fits", lambda *t: True)
+    monkeypatch.setattr(gemm_algos, "_aligned", lambda *t: True)
+    monkeypatch.setattr(gemm_algos, "cublaslt", lambda: _EmulatedLt())
+    algos = []
+    for s in shapes:
+        monkeypatch.setitem(gemm_algos._ACTIVE, (s.kind, s.m, s.n, s.k, s.dtype), len(algos))
+        algos.append((s, None))
+    monkeypatch.setattr(gemm_algos, "_ALGOS", algos)
+
+
+def test_training_through_the_routed_products_equals_torch_products(monkeypatch, entry_env):
+    """Three steps of the tiny model with every linear product routed as a table routes
+    it (onto the emulation), eager and with compiled layers, give torch's losses; the
+    compiled layer stays one graph with the operator inside."""
+    from torch._dynamo.utils import counters
+
+    from megatron.training import data_iterator
+    from tests.gpt_helpers import cli_trainer, train_steps
+
+    argv = build_argv("tiny", 4, 0, PRESETS["tiny"][1], [])
+    shapes = tune_gemms.record_shapes(argv, "cpu")
+    losses = {}
+    for name, flags in (("torch", ["--no-compile"]), ("routed", ["--no-compile"]),
+                        ("routed, compiled", ["--compile", "--compile-scope", "layer"])):
+        torch._dynamo.reset()
+        counters.clear()
+        cfg, rt, tr = cli_trainer(argv + flags)
+        if name != "torch":
+            _route(monkeypatch, shapes)  # after build_trainer, which drops any table
+        before = _EmulatedLt.calls
+        losses[name] = train_steps(tr, data_iterator(cfg, rt, "train", 0), 3)
+        assert (_EmulatedLt.calls > before) == (name != "torch")
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] >= 1
+    for name in ("routed", "routed, compiled"):
+        torch.testing.assert_close(torch.tensor(losses[name]), torch.tensor(losses["torch"]),
+                                   rtol=0, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------ CUDA
