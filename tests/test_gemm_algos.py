@@ -13,6 +13,7 @@ from megatron.core.tensor_parallel import gemm_algos
 from megatron.core.tensor_parallel.gemm_algos import Shape
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.dist_utils import run_distributed  # noqa: E402
 from tools import tune_gemms  # noqa: E402
 from tools.benchmark import PRESETS, build_argv  # noqa: E402
 
@@ -25,19 +26,36 @@ def entry_env(monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
 
 
-def test_one_step_records_every_linear_product_with_its_count(entry_env):
+def _expected_shapes(tp: int) -> dict:
     """The tiny preset (2 layers, hidden 64, ffn 256, 4 x 64 tokens, vocabulary 512, tied
-    output layer): forward, input grad and weight grad of the four linears per layer
-    and of the output layer, with the shapes the model's dimensions give."""
-    counts = tune_gemms.record_shapes(build_argv("tiny", 4, 0, PRESETS["tiny"][1], []), "cpu")
+    output layer) on one of `tp` tensor-parallel ranks: forward, input grad and weight
+    grad of the four linears per layer (qkv and fc1 split by output, proj and fc2 by
+    input) and of the output layer (split by vocabulary)."""
     layers, h, f, t, v = 2, 64, 256, 4 * 64, 512
     expected = {}
-    for out_f, in_f, per_step in [(3 * h, h, layers), (h, h, layers), (f, h, layers),
-                                  (h, f, layers), (v, h, 1)]:
+    for out_f, in_f, per_step in [(3 * h // tp, h, layers), (h, h // tp, layers),
+                                  (f // tp, h, layers), (h, f // tp, layers), (v // tp, h, 1)]:
         expected[Shape("forward", t, out_f, in_f, "fp32")] = per_step
         expected[Shape("dgrad", t, in_f, out_f, "fp32")] = per_step
         expected[Shape("wgrad", out_f, in_f, t, "fp32")] = per_step
-    assert dict(counts) == expected
+    return expected
+
+
+def test_one_step_records_every_linear_product_with_its_count(entry_env):
+    counts = tune_gemms.record_shapes(build_argv("tiny", 4, 0, PRESETS["tiny"][1], []), "cpu")
+    assert dict(counts) == _expected_shapes(1)
+
+
+def _tp_record_worker(rank, world):
+    argv = build_argv("tiny", 4, 0, PRESETS["tiny"][1], [], layout={"tp": world, "pp": 1, "dp": 1})
+    return dict(tune_gemms.record_shapes(argv, "cpu", rank, world))
+
+
+def test_each_tensor_parallel_rank_records_its_slices():
+    """Under TP 2 with sequence parallelism (inputs all-gathered before the products),
+    each rank records the products of its slices."""
+    for counts in run_distributed(_tp_record_worker, 2):
+        assert counts == _expected_shapes(2)
 
 
 def test_record_only_prints_the_shapes(capsys, entry_env):

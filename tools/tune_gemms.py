@@ -5,6 +5,7 @@ power limit, and write the table that `--gemm-algorithms FILE` reads (CUDA).
     python tools/tune_gemms.py --out gemms.json --preset gpt-1.3b
     python tools/tune_gemms.py --out gemms.json -- <pretrain_gpt.py flags of your run>
     python tools/tune_gemms.py --record-only --device cpu --preset tiny
+    torchrun --nproc-per-node 8 tools/tune_gemms.py --out gemms.json -- <flags with TP/PP>
 
 One eager training step with the run's flags records the shapes the linear layers
 multiply (forward, input grad, weight grad into the fp32 main grad) and how often. Then,
@@ -29,19 +30,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHECK_TOLERANCE = 1e-3  # |candidate - torch| / max|torch|: a wrong layout is O(1)
 
 
-def record_shapes(argv: list, device: str):
-    """Counter{Shape: calls} of one eager training step with `argv`."""
+def record_shapes(argv: list, device: str, rank: int = 0, world: int = 1, local_rank: int = 0):
+    """Counter{Shape: calls} of one eager training step with `argv`, on this rank (under
+    torchrun every rank records its own: tensor-parallel slices, pipeline stages)."""
     from megatron.arguments import parse_and_validate
     from megatron.core.tensor_parallel import gemm_algos
     from megatron.initialize import initialize_entry_point, set_random_seed
     from megatron.training import build_trainer, data_iterator, train_step
 
     argv = argv + ["--no-compile", "--cuda-graph-step", "off"]
-    config = parse_and_validate(argv, world_size=1, env={"RANK": "0"},
+    config = parse_and_validate(argv, world_size=world, env={"RANK": str(rank)},
                                 cuda_available=device == "cuda")
     config.args["gemm_algorithms"] = None  # record torch's products, whatever argv says
-    rt = initialize_entry_point(config.parallel, config.args["cublas_workspace"], 0, 1, 0,
-                                os.environ)
+    rt = initialize_entry_point(config.parallel, config.args["cublas_workspace"], rank, world,
+                                local_rank, os.environ)
     set_random_seed(config.training.seed, rt)
     tr = build_trainer(config, rt)
     data = data_iterator(config, rt, "train", 0)
@@ -160,31 +162,37 @@ def main(argv=None) -> int:
     if not args.record_only and (args.out is None or args.device != "cuda"):
         raise SystemExit("error: tuning needs --out FILE and CUDA (--record-only lists the "
                          "shapes on any device)")
-    counts = record_shapes(flags, args.device)
-    print("| product | m | n | k | dtype | per step |")
-    print("|---|---|---|---|---|---|")
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    counts = record_shapes(flags, args.device, rank, world, int(os.environ.get("LOCAL_RANK", 0)))
+    args.quiet = rank != 0  # under torchrun rank 0 prints and writes the table
+    say = (lambda *a, **k: None) if args.quiet else print
+    say("| product | m | n | k | dtype | per step |")
+    say("|---|---|---|---|---|---|")
     for s, c in sorted(counts.items(), key=lambda sc: -sc[0].flops() * sc[1]):
-        print(f"| {s.kind} | {s.m} | {s.n} | {s.k} | {s.dtype} | {c} |", flush=True)
+        say(f"| {s.kind} | {s.m} | {s.n} | {s.k} | {s.dtype} | {c} |", flush=True)
     if args.record_only:
         return 0
-    return tune(counts, args)
+    return tune(counts, args, say)
 
 
-def tune(counts, args) -> int:
+def tune(counts, args, say=print) -> int:
+    """Time every recorded shape on this rank's GPU; rank 0 writes the union of what the
+    ranks kept (their chips tune at the same time, each its own shapes)."""
     import torch
+    import torch.distributed as dist
 
     from megatron.core.tensor_parallel import gemm_algos
 
     gc.collect()
     torch.cuda.empty_cache()
     lt = gemm_algos.cublaslt()
-    print("\n| product | m | n | k | torch ms | best candidate | ms | gain | ms saved per step |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    say("\n| product | m | n | k | torch ms | best candidate | ms | gain | ms saved per step |")
+    say("|---|---|---|---|---|---|---|---|---|")
     kept, saved = [], 0.0
     for s, count in sorted(counts.items(), key=lambda sc: -sc[0].flops() * sc[1]):
         if s.dtype not in ("bf16", "fp16"):
-            print(f"| {s.kind} | {s.m} | {s.n} | {s.k} | {s.dtype}: only 16-bit products "
-                  "are tuned | | | | |")
+            say(f"| {s.kind} | {s.m} | {s.n} | {s.k} | {s.dtype}: only 16-bit products "
+                "are tuned | | | | |")
             continue
         row = tune_shape(s, args, lt, torch)
         gain = 1 - row["ms"] / row["torch_ms"] if "ms" in row else 0.0
@@ -192,13 +200,18 @@ def tune(counts, args) -> int:
         if win:
             kept.append(row)
             saved += (row["torch_ms"] - row["ms"]) * count
-        print(f"| {s.kind} | {s.m} | {s.n} | {s.k} | {row['torch_ms']:.3f} | "
+        say(f"| {s.kind} | {s.m} | {s.n} | {s.k} | {row['torch_ms']:.3f} | "
               f"{row.get('algorithm', 'none of %d' % row['candidates'])} | "
               f"{row.get('ms', float('nan')):.3f} | {100 * gain:+.1f}%{'' if win else ' (kept torch)'} "
               f"| {(row['torch_ms'] - row['ms']) * count if win else 0.0:.2f} |", flush=True)
-    gemm_algos.save_table(args.out, torch.cuda.get_device_name(), lt.version, kept)
-    print(f"\n{len(kept)} of {len(counts)} shapes in {args.out}; predicted saving "
-          f"{saved:.2f} ms per step (measured one product at a time at the power limit)")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, kept)
+        kept = list({row["shape"]: row for rows in gathered for row in rows}.values())
+    if not args.quiet:
+        gemm_algos.save_table(args.out, torch.cuda.get_device_name(), lt.version, kept)
+    say(f"\n{len(kept)} shapes in {args.out} (rank 0's of {len(counts)}: predicted saving "
+        f"{saved:.2f} ms per step, measured one product at a time at the power limit)")
     return 0
 
 
