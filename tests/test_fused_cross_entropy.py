@@ -182,3 +182,21 @@ def test_tensor_parallel_training_with_the_fused_head_matches_torch(extra):
     separate column-parallel layer and vocab-parallel cross entropy (1e-5)."""
     for expected, got in run_distributed(_tp_training_worker, 2, extra):
         assert torch.allclose(torch.tensor(got), torch.tensor(expected), rtol=0, atol=1e-5)
+
+
+def test_output_layer_products_are_recorded_for_the_gemm_tuner():
+    """The fused head's three products go through gemm_algos, so tools/tune_gemms.py
+    records (and --gemm-algorithms can route) the output layer's shapes."""
+    from megatron.core.tensor_parallel import gemm_algos
+    from megatron.core.tensor_parallel.gemm_algos import Shape
+
+    s, b, h, vocab = 4, 2, 16, 96
+    x = torch.randn(s, b, h, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(vocab, h) * 0.3)
+    weight.main_grad = torch.zeros(vocab, h)
+    labels = torch.randint(0, vocab, (s, b))
+    with gemm_algos.recording() as counts:
+        fce.linear_cross_entropy(x, weight, labels, gradient_accumulation_fusion=True).sum().backward()
+    assert counts == {Shape("forward", s * b, vocab, h, "fp32"): 1,
+                      Shape("dgrad", s * b, h, vocab, "fp32"): 1,
+                      Shape("wgrad", vocab, h, s * b, "fp32"): 1}

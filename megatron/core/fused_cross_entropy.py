@@ -32,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from megatron.core.tensor_parallel import gemm_algos
 from megatron.core.tensor_parallel.layers import accumulate_weight_grad
 from megatron.core.tensor_parallel.mappings import (
     all_gather_dim0,
@@ -163,7 +164,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         total_x = all_gather_dim0(x_sbh, group) if ctx.sequence_parallel else x_sbh
         s, b, h = total_x.shape
         x_2d = total_x.reshape(s * b, h)
-        logits = torch.matmul(x_2d, weight.t())
+        logits = gemm_algos.linear_forward(x_2d, weight)
         labels = labels_sb.reshape(s * b)
         if tp > 1:
             vocab_start = group_rank(group) * weight.shape[0]
@@ -184,7 +185,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         scale = grad_losses.reshape(-1, 1).float()
         grad_x, reduce = None, None
         if ctx.needs_input_grad[0]:
-            grad_x = (grad_logits.matmul(weight).float() * scale).to(x_saved.dtype)
+            grad_x = (gemm_algos.linear_dgrad(grad_logits, weight).float() * scale).to(x_saved.dtype)
             grad_x = grad_x.view(ctx.shape)
             if ctx.sequence_parallel:
                 grad_x, reduce = reduce_scatter_dim0(grad_x, ctx.group, async_op=True)
