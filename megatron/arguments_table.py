@@ -301,7 +301,7 @@ EXTRA_GROUP = ("extensions (not in Megatron-LM 23.05)", (
     ("--cuda-graph-step", "str", "auto", ("auto", "on", "off")),
     ("--cublas-workspace", "str", "none", ("none", "torch")),
     ("--cross-entropy-kernel", "str", "auto", ("auto", "torch", "triton")),
-    ("--gelu-kernel", "str", "auto", ("auto", "torch", "polynomial")),
+    ("--gelu-kernel", "str", "auto", ("auto", "torch", "polynomial", "epilogue")),
     ("--gemm-algorithms", "str", None),
     ("--normalization", "str", "LayerNorm", ("LayerNorm", "RMSNorm")),
     ("--group-query-attention", "true", False),
@@ -350,7 +350,11 @@ EXTRA_HELP = {
     "--gelu-kernel": "how the (erf) GeLU is computed: torch (torch's erf), polynomial (erf by "
                      "a five-term polynomial and one exponential, |error| < 1.5e-7, the "
                      "backward reusing the exponential; Triton kernels on CUDA, torch ops "
-                     "elsewhere), auto (default: polynomial on CUDA with Triton, else torch)",
+                     "elsewhere), auto (default: polynomial on CUDA with Triton, else torch; "
+                     "with --openai-gelu and --disable-bias-linear: epilogue), epilogue (the "
+                     "tanh form, inside the MLP's products: fc1's forward writes GeLU(h) and "
+                     "h, fc2's input grad multiplies by GeLU'(h) -- cuBLASLt epilogues on "
+                     "CUDA, torch ops elsewhere; needs --disable-bias-linear)",
     "--cuda-graph-step": "record the whole training step (forward, backward, optimizer) as one "
                          "CUDA graph and replay it from the third step: auto (default: when "
                          "the run allows it -- one GPU, bf16/fp32, no dropout, the Triton "

@@ -270,6 +270,13 @@ def _resolve_model_shape(ns) -> None:
                              "--normalization LayerNorm")
     ns.activation = {"--swiglu": "swiglu", "--squared-relu": "squared_relu",
                      "--openai-gelu": "openai_gelu"}.get(chosen[0] if chosen else "", "gelu")
+    if ns.gelu_kernel == "epilogue" and (ns.activation not in ("gelu", "openai_gelu")
+                                         or ns.add_bias_linear):
+        raise ArgumentsError(
+            f"--gelu-kernel epilogue puts the MLP's GeLU into fc1's product, which takes no "
+            f"bias: this run has activation {ns.activation} and bias "
+            f"{'on' if ns.add_bias_linear else 'off'}; use --disable-bias-linear with a GeLU "
+            "activation, or --gelu-kernel auto")
     _resolve_position_embedding(ns)
 
 

@@ -1,5 +1,5 @@
 """GeLU (erf form) as two operators of our own, Triton kernels on CUDA
-(`--gelu-kernel triton`, the default there).
+(`--gelu-kernel polynomial`, auto's choice there).
 
 Why not torch's: erf costs ~20 instructions per element, and on a power-capped H200 that
 makes the activation instruction-bound (benchmarks/act_probe.py: compiled forward 2.8

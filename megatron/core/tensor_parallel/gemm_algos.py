@@ -36,6 +36,11 @@ KINDS = ("forward", "dgrad", "wgrad")
 _CUDA_TYPES = {"bf16": 14, "fp16": 2, "fp32": 0}
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _COMPUTE_32F, _DESC_TRANSA, _DESC_TRANSB, _PREF_MAX_WORKSPACE = 68, 3, 4, 1
+_DESC_EPILOGUE, _DESC_AUX_POINTER, _DESC_AUX_LD = 7, 11, 12
+# cuBLASLt epilogues: GELU_AUX writes gelu(AB) and AB itself (the "aux" matrix, for the
+# backward); DGELU multiplies AB by gelu'(aux). cuBLASLt's GELU is the tanh form.
+EPILOGUES = {"": 1, "gelu_aux": 160, "dgelu": 192}
+_EPILOGUE_OF = {"forward": ("", "gelu_aux"), "dgrad": ("", "dgelu"), "wgrad": ("",)}
 _ALGO_ATTRS = (("id", 0), ("tile", 1), ("splitk", 2), ("stages", 6))
 WORKSPACE_BYTES = 32 << 20
 ALIGNMENT = 256  # bytes: cuBLASLt's default minimum alignment when it picks algorithms
@@ -51,6 +56,13 @@ class Shape:
     n: int
     k: int
     dtype: str  # of the 16-bit operands: bf16 / fp16
+    epilogue: str = ""  # forward: "" or "gelu_aux"; dgrad: "" or "dgelu" (EPILOGUES)
+
+    @property
+    def key(self) -> tuple:
+        """The plain tuple the layers look up (Shape(*key) == self)."""
+        base = (self.kind, self.m, self.n, self.k, self.dtype)
+        return base + (self.epilogue,) if self.epilogue else base
 
     @property
     def out_dtype(self) -> str:
@@ -117,17 +129,23 @@ class CublasLt:
                                                   device=torch.device("cuda", index))
         return self._workspaces[index]
 
-    def problem(self, shape: Shape) -> tuple:
-        """(descriptor, A, B, C layouts) of `shape`, made once."""
-        if shape not in self._problems:
+    def problem(self, shape: Shape, epilogue: str = "") -> tuple:
+        """(descriptor, A, B, C layouts) of `shape` with `epilogue`, made once."""
+        key = (shape, epilogue)
+        if key not in self._problems:
             lib = self.lib
             transa, transb, *lays = shape.layouts()
             desc = ctypes.c_void_p()
             self._ok(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F,
                                                   _CUDA_TYPES["fp32"]), "cublasLtMatmulDescCreate")
-            for attr, value in ((_DESC_TRANSA, transa), (_DESC_TRANSB, transb)):
-                v = ctypes.c_int32(value)
-                self._ok(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(v), 4),
+            attrs = [(_DESC_TRANSA, ctypes.c_int32(transa)),
+                     (_DESC_TRANSB, ctypes.c_int32(transb))]
+            if epilogue:  # the aux matrix has the output's layout: leading dimension n
+                attrs += [(_DESC_EPILOGUE, ctypes.c_int32(EPILOGUES[epilogue])),
+                          (_DESC_AUX_LD, ctypes.c_int64(shape.n))]
+            for attr, v in attrs:
+                self._ok(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(v),
+                                                            ctypes.sizeof(v)),
                          "cublasLtMatmulDescSetAttribute")
             handles = []
             for dtype, rows, cols, ld in lays:
@@ -135,12 +153,12 @@ class CublasLt:
                 self._ok(lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), dtype, rows, cols, ld),
                          "cublasLtMatrixLayoutCreate")
                 handles.append(lay)
-            self._problems[shape] = (desc, *handles)
-        return self._problems[shape]
+            self._problems[key] = (desc, *handles)
+        return self._problems[key]
 
-    def candidates(self, shape: Shape, count: int) -> List[bytes]:
+    def candidates(self, shape: Shape, count: int, epilogue: str = "") -> List[bytes]:
         """The algorithms cuBLASLt's heuristic offers for `shape`, best first, as bytes."""
-        desc, a, b, c = self.problem(shape)
+        desc, a, b, c = self.problem(shape, epilogue)
         pref = ctypes.c_void_p()
         self._ok(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
         ws = ctypes.c_uint64(WORKSPACE_BYTES)
@@ -165,9 +183,15 @@ class CublasLt:
         return ", ".join(parts)
 
     def matmul(self, shape: Shape, algo, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-               beta: float) -> None:
-        """C = A B (+ beta C) in cuBLASLt's terms (see Shape.layouts), on the current stream."""
-        desc, la, lb, lc = self.problem(shape)
+               beta: float, epilogue: str = "", aux: Optional[torch.Tensor] = None) -> None:
+        """C = A B (+ beta C) in cuBLASLt's terms (see Shape.layouts), on the current stream;
+        with `epilogue`, `aux` is the matrix it writes (gelu_aux) or reads (dgelu)."""
+        desc, la, lb, lc = self.problem(shape, epilogue)
+        if epilogue:
+            ptr = ctypes.c_void_p(aux.data_ptr())
+            self._ok(self.lib.cublasLtMatmulDescSetAttribute(
+                desc, _DESC_AUX_POINTER, ctypes.byref(ptr), ctypes.sizeof(ptr)),
+                "cublasLtMatmulDescSetAttribute")
         alpha, beta_ = ctypes.c_float(1.0), ctypes.c_float(beta)
         ws = self.workspace(c.device)
         self._ok(self.lib.cublasLtMatmul(
@@ -212,8 +236,10 @@ def load_table(path: str, device_name: str, cublaslt_version: int) -> Dict[Shape
                              "here with tools/tune_gemms.py, or run without the flag")
     out = {}
     for e in table.get("entries", []):
-        shape = Shape(e["kind"], int(e["m"]), int(e["n"]), int(e["k"]), e["dtype"])
-        if shape.kind not in KINDS or shape.dtype not in ("bf16", "fp16"):
+        shape = Shape(e["kind"], int(e["m"]), int(e["n"]), int(e["k"]), e["dtype"],
+                      e.get("epilogue", ""))
+        if (shape.kind not in KINDS or shape.dtype not in ("bf16", "fp16")
+                or shape.epilogue not in _EPILOGUE_OF[shape.kind]):
             raise ValueError(f"--gemm-algorithms {path}: bad entry {e}")
         algo = bytes.fromhex(e["algo"])
         if len(algo) != 64:
@@ -229,8 +255,10 @@ def save_table(path: str, device_name: str, cublaslt_version: int, rows: List[di
     for row in rows:
         s = row["shape"]
         extra = {k: v for k, v in row.items() if k not in ("shape", "algo")}
-        entries.append({"kind": s.kind, "m": s.m, "n": s.n, "k": s.k, "dtype": s.dtype,
-                        "algo": row["algo"].hex(), **extra})
+        entry = {"kind": s.kind, "m": s.m, "n": s.n, "k": s.k, "dtype": s.dtype}
+        if s.epilogue:
+            entry["epilogue"] = s.epilogue
+        entries.append({**entry, "algo": row["algo"].hex(), **extra})
     with open(path, "w") as f:
         json.dump({"format": FORMAT, "device": device_name,
                    "cublaslt_version": cublaslt_version, "entries": entries}, f, indent=1)
@@ -243,6 +271,7 @@ def save_table(path: str, device_name: str, cublaslt_version: int, rows: List[di
 _ACTIVE: Dict[tuple, int] = {}
 _ALGOS: List[tuple] = []  # (shape, ctypes algorithm)
 _RECORDING: Optional[Counter] = None
+_HEURISTIC: Dict[tuple, int] = {}  # epilogue products without a table entry -> _ALGOS
 
 
 def activate(table: Dict[Shape, bytes], device: torch.device) -> None:
@@ -251,6 +280,7 @@ def activate(table: Dict[Shape, bytes], device: torch.device) -> None:
     CUDA graph capture."""
     _ACTIVE.clear()
     _ALGOS.clear()
+    _HEURISTIC.clear()
     if not table:
         return
     if device.type != "cuda":
@@ -260,7 +290,7 @@ def activate(table: Dict[Shape, bytes], device: torch.device) -> None:
     lt.workspace(device)
     for shape, algo in table.items():
         lt.problem(shape)
-        _ACTIVE[(shape.kind, shape.m, shape.n, shape.k, shape.dtype)] = len(_ALGOS)
+        _ACTIVE[shape.key] = len(_ALGOS)
         _ALGOS.append((shape, (ctypes.c_uint64 * 8).from_buffer_copy(algo)))
 
 
@@ -353,3 +383,114 @@ _LIB.define("lt_matmul(Tensor a, Tensor weight, int entry) -> Tensor")
 for _key in ("CUDA", "CPU"):  # CPU: only tests reach it (activate refuses the CPU)
     _LIB.impl("lt_matmul", _lt_matmul, _key)
 torch.library.register_fake("megatron::lt_matmul", _lt_matmul_fake, lib=_LIB)
+
+
+# ------------------------------------------- the MLP's GeLU in the products' epilogues
+# `--gelu-kernel epilogue`: fc1's forward product writes gelu(h) and h in one pass
+# (GELU_AUX) and fc2's input-grad product multiplies by gelu'(h) as it writes (DGELU), so
+# no separate activation kernel reads and writes the [tokens, ffn] tensors. cuBLASLt's
+# GELU is the tanh form; where cuBLASLt cannot run (CPU, fp32, unaligned operands) the
+# same tanh form is computed with torch ops.
+def _epilogue_entry(kind: str, epilogue: str, m: int, n: int, k: int, a: torch.Tensor,
+                    weight: torch.Tensor) -> int:
+    """_ALGOS index of the table's algorithm for an epilogue product; -2: the heuristic's
+    first choice (looked up when the product runs: torch.compile traces this function);
+    -1: compute it with torch ops."""
+    key = (kind, m, n, k, _NAMES.get(a.dtype, str(a.dtype)), epilogue)
+    if _RECORDING is not None:
+        _RECORDING[key] += 1
+    if key in _ACTIVE:
+        return _ACTIVE[key]
+    if (a.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != a.dtype
+            or not _fits(a, weight)):
+        return -1
+    return -2
+
+
+def _resolve(entry: int, kind: str, epilogue: str, a: torch.Tensor, weight: torch.Tensor,
+             n: int) -> int:
+    """`entry`, with -2 replaced by the heuristic's first algorithm (asked once per shape;
+    -1 when it offers none)."""
+    if entry != -2:
+        return entry
+    k = a.shape[1]
+    key = (kind, a.shape[0], n, k, _NAMES[a.dtype], epilogue)
+    if key not in _HEURISTIC:
+        shape = Shape(*key)
+        found = cublaslt().candidates(shape, 1, epilogue)
+        _HEURISTIC[key] = len(_ALGOS) if found else -1
+        if found:
+            _ALGOS.append((shape, (ctypes.c_uint64 * 8).from_buffer_copy(found[0])))
+    return _HEURISTIC[key]
+
+
+def gelu_tanh_grad(grad: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """grad * d/dh gelu_tanh(h) at h = pre, in fp32, returned in grad's dtype."""
+    x, g = pre.float(), grad.float()
+    c = 0.7978845608028654  # sqrt(2 / pi)
+    t = torch.tanh(c * (x + 0.044715 * x * x * x))
+    d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
+    return (g * d).to(grad.dtype)
+
+
+def linear_gelu_forward(x: torch.Tensor, weight: torch.Tensor):
+    """(gelu_tanh(h), h) for h = x @ weight.T (x: [..., k], weight: [n, k])."""
+    n, k = weight.shape
+    entry = _epilogue_entry("forward", "gelu_aux", x.numel() // k, n, k, x, weight)
+    act, pre = torch.ops.megatron.lt_gelu_forward(x.reshape(-1, k), weight, entry)
+    return act.view(*x.shape[:-1], n), pre.view(*x.shape[:-1], n)
+
+
+def linear_dgrad_dgelu(grad_output: torch.Tensor, weight: torch.Tensor,
+                       pre: torch.Tensor) -> torch.Tensor:
+    """(grad_output @ weight) * gelu_tanh'(pre): the gradient of the pre-activation
+    (grad_output: [..., k], weight: [k, n], pre: [..., n])."""
+    k, n = weight.shape
+    entry = _epilogue_entry("dgrad", "dgelu", grad_output.numel() // k, n, k, grad_output,
+                            weight)
+    out = torch.ops.megatron.lt_dgelu(grad_output.reshape(-1, k), weight, pre.reshape(-1, n),
+                                      entry)
+    return out.view(*grad_output.shape[:-1], n)
+
+
+def _lt_gelu_forward(x: torch.Tensor, weight: torch.Tensor, entry: int):
+    if x.is_cuda:
+        entry = _resolve(entry, "forward", "gelu_aux", x, weight, weight.shape[0])
+    if entry < 0 or not _aligned(x, weight):
+        pre = x @ weight.t()
+        return torch.nn.functional.gelu(pre, approximate="tanh"), pre
+    shape, algo = _ALGOS[entry]
+    act = torch.empty(shape.m, shape.n, dtype=x.dtype, device=x.device)
+    pre = torch.empty_like(act)
+    cublaslt().matmul(shape, algo, weight, x, act, 0.0, "gelu_aux", pre)
+    return act, pre
+
+
+def _lt_dgelu(grad_output: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor,
+              entry: int) -> torch.Tensor:
+    if grad_output.is_cuda:
+        entry = _resolve(entry, "dgrad", "dgelu", grad_output, weight, weight.shape[1])
+    if entry < 0 or not _aligned(grad_output, weight, pre) or not pre.is_contiguous():
+        return gelu_tanh_grad(grad_output @ weight, pre)
+    shape, algo = _ALGOS[entry]
+    out = torch.empty(shape.m, shape.n, dtype=grad_output.dtype, device=grad_output.device)
+    cublaslt().matmul(shape, algo, weight, grad_output, out, 0.0, "dgelu", pre)
+    return out
+
+
+def _lt_gelu_forward_fake(x, weight, entry):
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    return out, torch.empty_like(out)
+
+
+def _lt_dgelu_fake(grad_output, weight, pre, entry):
+    return grad_output.new_empty(grad_output.shape[0], weight.shape[1])
+
+
+_LIB.define("lt_gelu_forward(Tensor x, Tensor weight, int entry) -> (Tensor, Tensor)")
+_LIB.define("lt_dgelu(Tensor grad_output, Tensor weight, Tensor pre, int entry) -> Tensor")
+for _key in ("CUDA", "CPU"):
+    _LIB.impl("lt_gelu_forward", _lt_gelu_forward, _key)
+    _LIB.impl("lt_dgelu", _lt_dgelu, _key)
+torch.library.register_fake("megatron::lt_gelu_forward", _lt_gelu_forward_fake, lib=_LIB)
+torch.library.register_fake("megatron::lt_dgelu", _lt_dgelu_fake, lib=_LIB)

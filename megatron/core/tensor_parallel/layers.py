@@ -254,13 +254,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, gradient_accumulation_fusion, async_grad_allreduce,
                 sequence_parallel, group):
-        ctx.save_for_backward(x, weight)
+        total_x = _setup_linear(ctx, x, weight, gradient_accumulation_fusion,
+                                async_grad_allreduce, sequence_parallel, group)
         ctx.use_bias = bias is not None
-        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
-        ctx.async_grad_allreduce = async_grad_allreduce and group_size(group) > 1
-        ctx.sequence_parallel = sequence_parallel and group_size(group) > 1
-        ctx.group = group
-        total_x = all_gather_dim0(x, group) if ctx.sequence_parallel else x
         output = gemm_algos.linear_forward(total_x, weight)
         if bias is not None:
             output = output + bias
@@ -269,35 +265,107 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
-        group = ctx.group
-        total_x, gather_handle = x, None
-        grad_output = grad_output.contiguous()
-        if ctx.sequence_parallel:
-            total_x, gather_handle = all_gather_dim0_after(x, grad_output.view(-1)[:1], group)
-        grad_input = (gemm_algos.linear_dgrad(grad_output, weight)
-                      if ctx.needs_input_grad[0] else None)
-        total_x = finish(total_x, gather_handle)
-
-        reduce_handle = None
-        if grad_input is not None and ctx.sequence_parallel:
-            grad_input, reduce_handle = reduce_scatter_dim0(grad_input, group, async_op=True)
-        elif grad_input is not None and ctx.async_grad_allreduce:
-            grad_input, reduce_handle = start_all_reduce(grad_input, group)
-
-        # Weight and bias grads run while the input-grad collective is in flight.
-        grad_output_2d = grad_output.reshape(-1, grad_output.size(-1))
-        total_x_2d = total_x.reshape(-1, total_x.size(-1))
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            if ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
-                accumulate_weight_grad(weight.main_grad, grad_output_2d, total_x_2d)
-            else:
-                grad_weight = grad_output_2d.t().matmul(total_x_2d)
-        grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
-
-        if grad_input is not None:
-            grad_input = finish(grad_input, reduce_handle)
+        grad_input, grad_weight, grad_bias = _linear_backward(
+            ctx, grad_output, x, weight, gemm_algos.linear_dgrad, ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1], ctx.use_bias)
         return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def _setup_linear(ctx, x, weight, gradient_accumulation_fusion, async_grad_allreduce,
+                  sequence_parallel, group, *more_saved):
+    """Save what the backward needs; the input the product reads (gathered under SP)."""
+    ctx.save_for_backward(x, weight, *more_saved)
+    ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
+    ctx.async_grad_allreduce = async_grad_allreduce and group_size(group) > 1
+    ctx.sequence_parallel = sequence_parallel and group_size(group) > 1
+    ctx.group = group
+    return all_gather_dim0(x, group) if ctx.sequence_parallel else x
+
+
+def _linear_backward(ctx, grad_output, x, weight, dgrad, want_input_grad: bool,
+                     want_weight_grad: bool, use_bias: bool):
+    """(grad_input, grad_weight, grad_bias) of a linear layer, `dgrad(grad_output, weight)`
+    giving the input grad, with the collectives of `_setup_linear`'s ctx."""
+    group = ctx.group
+    total_x, gather_handle = x, None
+    grad_output = grad_output.contiguous()
+    if ctx.sequence_parallel:
+        total_x, gather_handle = all_gather_dim0_after(x, grad_output.view(-1)[:1], group)
+    grad_input = dgrad(grad_output, weight) if want_input_grad else None
+    total_x = finish(total_x, gather_handle)
+
+    reduce_handle = None
+    if grad_input is not None and ctx.sequence_parallel:
+        grad_input, reduce_handle = reduce_scatter_dim0(grad_input, group, async_op=True)
+    elif grad_input is not None and ctx.async_grad_allreduce:
+        grad_input, reduce_handle = start_all_reduce(grad_input, group)
+
+    # Weight and bias grads run while the input-grad collective is in flight.
+    grad_output_2d = grad_output.reshape(-1, grad_output.size(-1))
+    total_x_2d = total_x.reshape(-1, total_x.size(-1))
+    grad_weight = None
+    if want_weight_grad:
+        if ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
+            accumulate_weight_grad(weight.main_grad, grad_output_2d, total_x_2d)
+        else:
+            grad_weight = grad_output_2d.t().matmul(total_x_2d)
+    grad_bias = grad_output_2d.sum(dim=0) if use_bias else None
+
+    if grad_input is not None:
+        grad_input = finish(grad_input, reduce_handle)
+    return grad_input, grad_weight, grad_bias
+
+
+class LinearGeluEpilogue(torch.autograd.Function):
+    """(act, pre) = (gelu_tanh(x W^T), x W^T), no bias, from one product whose epilogue
+    applies the GeLU (gemm_algos.linear_gelu_forward); communication as in
+    LinearWithGradAccumulationAndAsyncCommunication.
+
+    `act` carries no gradient (non-differentiable output): its consumer must be
+    `LinearAfterGelu`, which hands the gradient of the pre-activation to `pre`, so the
+    backward here is a plain linear layer's backward fed with that gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, gradient_accumulation_fusion, async_grad_allreduce,
+                sequence_parallel, group):
+        total_x = _setup_linear(ctx, x, weight, gradient_accumulation_fusion,
+                                async_grad_allreduce, sequence_parallel, group)
+        act, pre = gemm_algos.linear_gelu_forward(total_x, weight)
+        ctx.mark_non_differentiable(act)
+        ctx.set_materialize_grads(False)  # act's gradient stays None, not a zero tensor
+        return act, pre
+
+    @staticmethod
+    def backward(ctx, grad_act, grad_pre):
+        if grad_pre is None:
+            return None, None, None, None, None, None
+        x, weight = ctx.saved_tensors
+        grad_input, grad_weight, _ = _linear_backward(
+            ctx, grad_pre, x, weight, gemm_algos.linear_dgrad, ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1], False)
+        return grad_input, grad_weight, None, None, None, None
+
+
+class LinearAfterGelu(torch.autograd.Function):
+    """y = act W^T for act = gelu_tanh(pre) from LinearGeluEpilogue (row-parallel input,
+    no communication here). The backward returns the gradient of `pre` (the input-grad
+    product's epilogue multiplies by gelu'(pre): gemm_algos.linear_dgrad_dgelu) and none
+    for `act`."""
+
+    @staticmethod
+    def forward(ctx, act, pre, weight, gradient_accumulation_fusion, group):
+        _setup_linear(ctx, act, weight, gradient_accumulation_fusion, False, False, group, pre)
+        return gemm_algos.linear_forward(act, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        act, weight, pre = ctx.saved_tensors
+        grad_pre, grad_weight, _ = _linear_backward(
+            ctx, grad_output, act, weight,
+            lambda g, w: gemm_algos.linear_dgrad_dgelu(g, w, pre), ctx.needs_input_grad[1],
+            ctx.needs_input_grad[2], False)
+        return None, grad_pre, grad_weight, None, None
 
 
 def linear_with_grad_accumulation_and_async_allreduce(
@@ -453,6 +521,21 @@ class ColumnParallelLinear(nn.Module):
             else output_parallel
         return output, (bias if self.skip_bias_add else None)
 
+    def forward_gelu(self, input_: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(act, pre): this layer's output through the tanh-form GeLU computed in the
+        product's epilogue, for `RowParallelLinear.forward_after_gelu` (the only consumer
+        of `act`, which carries no gradient itself). Needs no bias and no gather_output."""
+        if self.bias is not None or self.gather_output or self.weight is None:
+            raise ValueError("ColumnParallelLinear.forward_gelu needs a layer without bias, "
+                             "gather_output or a passed weight (the GeLU epilogue adds none)")
+        if self.async_tensor_model_parallel_allreduce or self.sequence_parallel:
+            input_parallel = input_
+        else:
+            input_parallel = copy_to_tp(input_, self.tp_group)
+        return LinearGeluEpilogue.apply(
+            input_parallel, self.weight, self.gradient_accumulation_fusion,
+            self.async_tensor_model_parallel_allreduce, self.sequence_parallel, self.tp_group)
+
 
 class RowParallelLinear(nn.Module):
     """Y = X A + b with A split along its input rows: Y = sum_r X_r A_r + b.
@@ -507,6 +590,20 @@ class RowParallelLinear(nn.Module):
             input_parallel, self.weight, None, self.gradient_accumulation_fusion,
             False, False, self.tp_group,
         )
+        return self._reduce(output_parallel)
+
+    def forward_after_gelu(self, act: torch.Tensor, pre: torch.Tensor
+                           ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """forward(act) for (act, pre) from ColumnParallelLinear.forward_gelu: the gradient
+        goes to `pre` through the input-grad product's GeLU-derivative epilogue."""
+        if not self.input_is_parallel:
+            raise ValueError("RowParallelLinear.forward_after_gelu needs input_is_parallel=True")
+        output_parallel = LinearAfterGelu.apply(act, pre, self.weight,
+                                                self.gradient_accumulation_fusion, self.tp_group)
+        return self._reduce(output_parallel)
+
+    def _reduce(self, output_parallel: torch.Tensor):
+        """Sum the partial products over TP, then the bias: (output, output_bias)."""
         if self.sequence_parallel:
             output = reduce_scatter_to_sp(output_parallel, self.tp_group)
         else:

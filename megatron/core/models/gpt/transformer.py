@@ -194,8 +194,17 @@ class ParallelMLP(nn.Module):
             input_is_parallel=True, skip_bias_add=True, init_method=output_init, **kw,
         )
         self.act = None if self.swiglu else _activation(config.activation, config)
+        # GeLU (tanh form) inside fc1's forward and fc2's input-grad products
+        # (ColumnParallelLinear.forward_gelu, RowParallelLinear.forward_after_gelu): asked
+        # for with --gelu-kernel epilogue, and auto's choice for the tanh form itself
+        # (--openai-gelu), where it changes nothing but the speed
+        self.gelu_epilogue = not config.add_bias_linear and (
+            (config.gelu_kernel == "epilogue" and config.activation in ("gelu", "openai_gelu"))
+            or (config.gelu_kernel == "auto" and config.activation == "openai_gelu"))
 
     def forward(self, x_sbh: torch.Tensor):
+        if self.gelu_epilogue:
+            return self.dense_4h_to_h.forward_after_gelu(*self.dense_h_to_4h.forward_gelu(x_sbh))
         h_sbf, bias = self.dense_h_to_4h(x_sbh)
         if bias is not None:
             h_sbf = h_sbf + bias
