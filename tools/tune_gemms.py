@@ -13,8 +13,11 @@ per shape, torch's own product and every candidate cuBLASLt's heuristic offers a
 run back to back for --seconds (the first third heats the chip to its power limit, the
 rest is timed with CUDA events), --rounds times in alternation. A candidate enters the
 table when its result matches torch's and it beats torch's product by more than
---min-gain. Train with `--gemm-algorithms gemms.json` on the same GPU model and software
-(the table records both and is refused elsewhere). Tune with the flags of the real run:
+--min-gain. With `--gelu-kernel epilogue` among the flags the MLP's GeLU products
+(GELU_AUX forward, DGELU input grad) are recorded too; their baseline is the algorithm
+the run takes without a table (the heuristic's first). Train with `--gemm-algorithms
+gemms.json` on the same GPU model and software (the table records both and is refused
+elsewhere). Tune with the flags of the real run:
 the shapes depend on the micro batch, sequence length and parallel layout.
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CHECK_TOLERANCE = 1e-3  # |candidate - torch| / max|torch|: a wrong layout is O(1)
+EPILOGUE_TOLERANCE = 1e-2  # against an fp32 reference: one bf16 rounding is 2**-9 relative
 
 
 def record_shapes(argv: list, device: str, rank: int = 0, world: int = 1, local_rank: int = 0):
@@ -53,27 +57,39 @@ def record_shapes(argv: list, device: str, rank: int = 0, world: int = 1, local_
 
 
 def operands(shape, torch):
-    """(cuBLASLt A, B, C, beta, torch's product as the layers run it, reference fn)."""
+    """(A, B, C, beta, aux, baseline fn, reference fn): cuBLASLt's operands, the epilogue's
+    aux matrix (or None), what runs without a table (torch's product as the layers run it;
+    for an epilogue product the heuristic's first algorithm) and the expected result."""
+    from megatron.core.tensor_parallel import gemm_algos
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape.dtype]
 
     def rand(*size, scale=1.0):
         return (torch.randn(*size, device="cuda", generator=gen) * scale).to(dtype)
 
-    m, n, k = shape.m, shape.n, shape.k
-    if shape.kind == "forward":
-        x, w = rand(m, k), rand(n, k, scale=0.02)
+    m, n, k, ep = shape.m, shape.n, shape.k, shape.epilogue
+    if shape.kind in ("forward", "dgrad"):
+        b, w = rand(m, k), (rand(n, k, scale=0.02) if shape.kind == "forward"
+                            else rand(k, n, scale=0.02))
         out = torch.empty(m, n, device="cuda", dtype=dtype)
-        ref = (lambda: torch.matmul(x, w.t()))
-        return w, x, out, 0.0, ref, ref
-    if shape.kind == "dgrad":
-        dy, w = rand(m, k), rand(k, n, scale=0.02)
-        out = torch.empty(m, n, device="cuda", dtype=dtype)
-        ref = (lambda: dy.matmul(w))
-        return w, dy, out, 0.0, ref, ref
+        product = (lambda: b @ w.t()) if shape.kind == "forward" else (lambda: b @ w)
+        aux, ref = None, product
+        if ep == "gelu_aux":
+            aux = torch.empty_like(out)
+            ref = (lambda: torch.nn.functional.gelu(product().float(), approximate="tanh"))
+        elif ep == "dgelu":
+            aux = rand(m, n)
+            ref = (lambda: gemm_algos.gelu_tanh_grad(product().float(), aux))
+        if ep:
+            lt = gemm_algos.cublaslt()
+            first = _as_algo(lt.candidates(shape, 1, ep)[0])
+            return (w, b, out, 0.0, aux,
+                    lambda: lt.matmul(shape, first, w, b, out, 0.0, ep, aux), ref)
+        return w, b, out, 0.0, None, ref, ref
     dy, x = rand(k, m), rand(k, n)
     out = torch.zeros(m, n, device="cuda", dtype=torch.float32)
-    return (x, dy, out, 1.0,
+    return (x, dy, out, 1.0, None,
             lambda: torch.addmm(out, dy.t(), x, out_dtype=torch.float32, out=out),
             lambda: torch.mm(dy.t(), x, out_dtype=torch.float32))
 
@@ -101,18 +117,22 @@ def sustained_ms(fn, seconds: float, torch) -> float:
 
 
 def tune_shape(shape, args, lt, torch) -> dict:
-    """Times of torch's product and of every matching candidate; the best one."""
-    a, b, out, beta, torch_fn, reference = operands(shape, torch)
+    """Times of the baseline (torch's product; for an epilogue product the heuristic's
+    first algorithm) and of every candidate that matches it; the best one."""
+    a, b, out, beta, aux, baseline, reference = operands(shape, torch)
     want = reference().float()
     scale = want.abs().max().item() or 1.0
+    ep = shape.epilogue
     good = []
-    for algo in lt.candidates(shape, args.candidates):
+    for algo in lt.candidates(shape, args.candidates, ep):
         as_struct = _as_algo(algo)
         out.zero_()
-        lt.matmul(shape, as_struct, a, b, out, 0.0)
-        if (out.float() - want).abs().max().item() <= CHECK_TOLERANCE * scale:
+        lt.matmul(shape, as_struct, a, b, out, 0.0, ep, aux)
+        tolerance = EPILOGUE_TOLERANCE if ep else CHECK_TOLERANCE
+        if (out.float() - want).abs().max().item() <= tolerance * scale:
             good.append((algo, as_struct))
-    runs = [torch_fn] + [(lambda x=x: lt.matmul(shape, x, a, b, out, beta)) for _, x in good]
+    runs = [baseline] + [(lambda x=x: lt.matmul(shape, x, a, b, out, beta, ep, aux))
+                         for _, x in good]
     times = [[] for _ in runs]
     for _ in range(args.rounds):
         for t, fn in zip(times, runs):
@@ -120,6 +140,8 @@ def tune_shape(shape, args, lt, torch) -> dict:
     ms = [sum(t) / len(t) for t in times]
     best = min(range(1, len(ms)), key=lambda i: ms[i], default=None)
     row = {"shape": shape, "torch_ms": round(ms[0], 4), "candidates": len(good)}
+    if ep:  # the baseline was cuBLASLt's first choice, not torch
+        row["baseline_ms"] = row.pop("torch_ms")
     if best is not None:
         row.update(algo=good[best - 1][0], ms=round(ms[best], 4),
                    algorithm=lt.describe(good[best - 1][0]))
@@ -169,7 +191,8 @@ def main(argv=None) -> int:
     say("| product | m | n | k | dtype | per step |")
     say("|---|---|---|---|---|---|")
     for s, c in sorted(counts.items(), key=lambda sc: -sc[0].flops() * sc[1]):
-        say(f"| {s.kind} | {s.m} | {s.n} | {s.k} | {s.dtype} | {c} |", flush=True)
+        say(f"| {s.kind}{' ' + s.epilogue if s.epilogue else ''} | {s.m} | {s.n} | {s.k} | "
+            f"{s.dtype} | {c} |", flush=True)
     if args.record_only:
         return 0
     return tune(counts, args, say)
@@ -186,7 +209,8 @@ def tune(counts, args, say=print) -> int:
     gc.collect()
     torch.cuda.empty_cache()
     lt = gemm_algos.cublaslt()
-    say("\n| product | m | n | k | torch ms | best candidate | ms | gain | ms saved per step |")
+    say("\n| product | m | n | k | torch ms (epilogue: cuBLASLt's first) | best candidate | ms "
+        "| gain | ms saved per step |")
     say("|---|---|---|---|---|---|---|---|---|")
     kept, saved = [], 0.0
     for s, count in sorted(counts.items(), key=lambda sc: -sc[0].flops() * sc[1]):
@@ -195,15 +219,17 @@ def tune(counts, args, say=print) -> int:
                 "are tuned | | | | |")
             continue
         row = tune_shape(s, args, lt, torch)
-        gain = 1 - row["ms"] / row["torch_ms"] if "ms" in row else 0.0
+        base = row.get("torch_ms", row.get("baseline_ms"))
+        gain = 1 - row["ms"] / base if "ms" in row else 0.0
         win = gain > args.min_gain
         if win:
             kept.append(row)
-            saved += (row["torch_ms"] - row["ms"]) * count
-        say(f"| {s.kind} | {s.m} | {s.n} | {s.k} | {row['torch_ms']:.3f} | "
+            saved += (base - row["ms"]) * count
+        say(f"| {s.kind}{' ' + s.epilogue if s.epilogue else ''} | {s.m} | {s.n} | {s.k} | "
+            f"{base:.3f} | "
               f"{row.get('algorithm', 'none of %d' % row['candidates'])} | "
               f"{row.get('ms', float('nan')):.3f} | {100 * gain:+.1f}%{'' if win else ' (kept torch)'} "
-              f"| {(row['torch_ms'] - row['ms']) * count if win else 0.0:.2f} |", flush=True)
+              f"| {(base - row['ms']) * count if win else 0.0:.2f} |", flush=True)
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, kept)
