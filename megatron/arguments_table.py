@@ -354,7 +354,9 @@ EXTRA_HELP = {
                      "with --openai-gelu and --disable-bias-linear: epilogue), epilogue (the "
                      "tanh form, inside the MLP's products: fc1's forward writes GeLU(h) and "
                      "h, fc2's input grad multiplies by GeLU'(h) -- cuBLASLt epilogues on "
-                     "CUDA, torch ops elsewhere; needs --disable-bias-linear)",
+                     "CUDA, torch ops elsewhere; needs --disable-bias-linear; for a model "
+                     "meant to have the tanh form prefer --openai-gelu, which checkpoints and "
+                     "exports record)",
     "--cuda-graph-step": "record the whole training step (forward, backward, optimizer) as one "
                          "CUDA graph and replay it from the third step: auto (default: when "
                          "the run allows it -- one GPU, bf16/fp32, no dropout, the Triton "
