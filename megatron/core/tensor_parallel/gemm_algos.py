@@ -399,12 +399,10 @@ def _epilogue_entry(kind: str, epilogue: str, m: int, n: int, k: int, a: torch.T
     key = (kind, m, n, k, _NAMES.get(a.dtype, str(a.dtype)), epilogue)
     if _RECORDING is not None:
         _RECORDING[key] += 1
-    if key in _ACTIVE:
-        return _ACTIVE[key]
     if (a.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != a.dtype
             or not _fits(a, weight)):
         return -1
-    return -2
+    return _ACTIVE.get(key, -2)
 
 
 def _resolve(entry: int, kind: str, epilogue: str, a: torch.Tensor, weight: torch.Tensor,
