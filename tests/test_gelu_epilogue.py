@@ -36,12 +36,18 @@ def _reference(X, W1, W2, G):
     return y.detach(), X.grad, W1.grad, W2.grad
 
 
+def _data():
+    """Input [s=4, b=3, h=8], upstream grad, fc1 weight [16, 8], fc2 weight [8, 16]."""
+    gen = torch.Generator().manual_seed(3)
+    X, G = torch.randn(4, 3, 8, generator=gen), torch.randn(4, 3, 8, generator=gen)
+    W1, W2 = torch.randn(16, 8, generator=gen) * 0.5, torch.randn(8, 16, generator=gen) * 0.5
+    return X, G, W1, W2
+
+
 def _mlp_worker(rank, world, sp=False, fusion=False):
     group = dist.group.WORLD if world > 1 else None
-    s, b, h, f = 4, 3, 8, 16
-    gen = torch.Generator().manual_seed(3)
-    X, G = torch.randn(s, b, h, generator=gen), torch.randn(s, b, h, generator=gen)
-    W1, W2 = torch.randn(f, h, generator=gen) * 0.5, torch.randn(h, f, generator=gen) * 0.5
+    X, G, W1, W2 = _data()
+    h, f = W1.shape[1], W1.shape[0]
     kw = dict(tp_group=group, init_method=lambda w: None, bias=False, device="cpu",
               use_cpu_initialization=True, sequence_parallel=sp,
               gradient_accumulation_fusion=fusion)
@@ -63,9 +69,7 @@ def _mlp_worker(rank, world, sp=False, fusion=False):
 @pytest.mark.parametrize("fusion", [False, True])
 def test_single_process_matches_torch(fusion):
     y, gx, g1, g2 = _mlp_worker(0, 1, fusion=fusion)
-    gen = torch.Generator().manual_seed(3)
-    X, G = torch.randn(4, 3, 8, generator=gen), torch.randn(4, 3, 8, generator=gen)
-    W1, W2 = torch.randn(16, 8, generator=gen) * 0.5, torch.randn(8, 16, generator=gen) * 0.5
+    X, G, W1, W2 = _data()
     for got, want in zip((y, gx, g1, g2), _reference(X, W1, W2, G)):
         torch.testing.assert_close(got, want, **TOL)
 
@@ -77,9 +81,7 @@ def _tp_worker(rank, world):
 def test_tensor_parallel_matches_torch():
     world = 2
     results = run_distributed(_tp_worker, world)
-    gen = torch.Generator().manual_seed(3)
-    X, G = torch.randn(4, 3, 8, generator=gen), torch.randn(4, 3, 8, generator=gen)
-    W1, W2 = torch.randn(16, 8, generator=gen) * 0.5, torch.randn(8, 16, generator=gen) * 0.5
+    X, G, W1, W2 = _data()
     y, gx, g1, g2 = _reference(X, W1, W2, G)
     for rank in range(world):
         for sp, (ry, rgx, rg1, rg2) in zip((False, True), results[rank]):
