@@ -143,10 +143,11 @@ def test_refused_with_a_bias_or_another_activation(extra, what):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m, f, h", [(4096, 8192, 2048), (1000, 3072, 768)])
-def test_cublaslt_epilogues_match_torch_in_bf16(m, f, h):
+def test_cublaslt_epilogues_match_torch(m, f, h, dtype):
     gen = torch.Generator(device="cuda").manual_seed(0)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
+    bf = dict(device="cuda", dtype=dtype)
     x, dy = torch.randn(m, h, generator=gen, **bf), torch.randn(m, h, generator=gen, **bf)
     w1 = torch.randn(f, h, generator=gen, **bf) * 0.02
     w2 = torch.randn(h, f, generator=gen, **bf) * 0.02
@@ -155,12 +156,15 @@ def test_cublaslt_epilogues_match_torch_in_bf16(m, f, h):
     ref_pre = x @ w1.t()
     assert torch.equal(pre, ref_pre)  # same accumulation order as torch's product
     ref_act = F.gelu(ref_pre.float(), approximate="tanh")
-    step = 2.0 ** -7  # one bf16 rounding step, relative
+    step = 2.0 ** -7  # one bf16 rounding step, relative (fp16's is 8x finer)
     assert ((act.float() - ref_act).abs() <= step * ref_act.abs() + 1e-3).all()
     ref_dh = gemm_algos.gelu_tanh_grad((dy.float() @ w2.float()), pre.float())
     err = (dh.float() - ref_dh).norm() / ref_dh.norm()
     assert err < 4e-3, err
-    assert gemm_algos._HEURISTIC  # the cuBLASLt path ran, not the torch fallback
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    used = [v for key, v in gemm_algos._HEURISTIC.items() if key[0] == "forward"
+            and key[1:5] == (m, f, h, name)]
+    assert used and used[0] >= 0  # the cuBLASLt path ran, not the torch fallback
 
 
 def _mlp(kernel: str, activation: str, bias: bool):
