@@ -347,16 +347,21 @@ EXTRA_HELP = {
                               "their gradient, with bf16/fp32 weights and Triton on the "
                               "device; under tensor parallelism on the vocabulary slices), "
                               "torch (separate layer and loss), triton (insist)",
-    "--gelu-kernel": "how the (erf) GeLU is computed: torch (torch's erf), polynomial (erf by "
-                     "a five-term polynomial and one exponential, |error| < 1.5e-7, the "
-                     "backward reusing the exponential; Triton kernels on CUDA, torch ops "
-                     "elsewhere), auto (default: polynomial on CUDA with Triton, else torch; "
-                     "with --openai-gelu and --disable-bias-linear: epilogue), epilogue (the "
-                     "tanh form, inside the MLP's products: fc1's forward writes GeLU(h) and "
-                     "h, fc2's input grad multiplies by GeLU'(h) -- cuBLASLt epilogues on "
-                     "CUDA, torch ops elsewhere; needs --disable-bias-linear; for a model "
-                     "meant to have the tanh form prefer --openai-gelu, which checkpoints and "
-                     "exports record)",
+    "--gelu-kernel": "how the MLP's GeLU is computed. The erf GeLU: torch (torch's erf), "
+                     "polynomial (erf by a five-term polynomial and one exponential, |error| "
+                     "< 1.5e-7, the backward reusing the exponential; Triton kernels on CUDA, "
+                     "torch ops elsewhere), auto (default: polynomial on CUDA with Triton, "
+                     "else torch). The tanh form (--openai-gelu, or the default GeLU with "
+                     "biases and bias-GeLU fusion, as Megatron-LM): auto = epilogue, inside "
+                     "the MLP's products (fc1's forward adds the bias and writes GeLU(h) and "
+                     "h, fc2's input grad multiplies by GeLU'(h); cuBLASLt epilogues on CUDA, "
+                     "torch ops elsewhere); torch = torch's tanh GeLU. epilogue with the erf "
+                     "GeLU computes the tanh form instead (for a model meant to have it, "
+                     "prefer --openai-gelu, which checkpoints and exports record)",
+    "--no-bias-gelu-fusion": "with biases and the default GeLU, Megatron-LM's MLP adds fc1's "
+                             "bias and applies the GeLU in one fused kernel that computes the "
+                             "tanh form, and so does this one (see --gelu-kernel); this flag "
+                             "asks for torch's erf GeLU instead",
     "--cuda-graph-step": "record the whole training step (forward, backward, optimizer) as one "
                          "CUDA graph and replay it from the third step: auto (default: when "
                          "the run allows it -- one GPU, bf16/fp32, no dropout, the Triton "
@@ -462,7 +467,6 @@ NO_EFFECT = {
     "--no-scatter-gather-tensors-in-pipeline": "never read by Megatron-LM 23.05 either",
     "--use-ring-exchange-p2p": "never read by Megatron-LM 23.05 either",
     "--no-masked-softmax-fusion": "attention uses torch scaled_dot_product_attention",
-    "--no-bias-gelu-fusion": "the MLP has no fused bias-gelu kernel",
     "--no-bias-dropout-fusion": "there is no fused bias-dropout kernel",
     "--no-persist-layer-norm": "layer norms are torch.nn layers",
     "--use-flash-attn": "torch scaled_dot_product_attention picks a flash kernel by itself",

@@ -270,13 +270,17 @@ def _resolve_model_shape(ns) -> None:
                              "--normalization LayerNorm")
     ns.activation = {"--swiglu": "swiglu", "--squared-relu": "squared_relu",
                      "--openai-gelu": "openai_gelu"}.get(chosen[0] if chosen else "", "gelu")
-    if ns.gelu_kernel == "epilogue" and (ns.activation not in ("gelu", "openai_gelu")
-                                         or ns.add_bias_linear):
+    if not ns.add_bias_linear:
+        ns.bias_gelu_fusion = False  # as Megatron-LM: nothing to fuse
+    if ns.activation == "gelu" and ns.bias_gelu_fusion:
+        # Megatron-LM's MLP with biases (its default) adds fc1's bias and applies the GeLU in
+        # one fused kernel, and that kernel computes the tanh form; without biases or with
+        # --no-bias-gelu-fusion it is torch's erf GeLU. Same here.
+        ns.activation = "openai_gelu"
+    if ns.gelu_kernel == "epilogue" and ns.activation not in ("gelu", "openai_gelu"):
         raise ArgumentsError(
-            f"--gelu-kernel epilogue puts the MLP's GeLU into fc1's product, which takes no "
-            f"bias: this run has activation {ns.activation} and bias "
-            f"{'on' if ns.add_bias_linear else 'off'}; use --disable-bias-linear with a GeLU "
-            "activation, or --gelu-kernel auto")
+            f"--gelu-kernel epilogue puts the MLP's GeLU into fc1's product: this run's "
+            f"activation is {ns.activation}; drop the flag or use a GeLU activation")
     _resolve_position_embedding(ns)
 
 

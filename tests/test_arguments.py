@@ -458,9 +458,11 @@ def test_gpt2_vocab_file_pads_to_50304():
 
 
 def test_model_config_mapping():
-    m = run().model
+    m = run().model  # biases + the default GeLU: Megatron-LM's fused bias-GeLU (tanh form)
     assert (m.position_embedding_type, m.activation, m.add_bias_linear) == (
-        "learned_absolute", "gelu", True)
+        "learned_absolute", "openai_gelu", True)
+    assert run("--no-bias-gelu-fusion").model.activation == "gelu"  # torch's erf GeLU
+    assert run("--disable-bias-linear").model.activation == "gelu"
     assert m.params_dtype == torch.float32 and m.apply_query_key_layer_scaling
     m = run("--use-rotary-position-embeddings --no-position-embedding --disable-bias-linear "
             "--squared-relu --fp16 --no-query-key-layer-scaling --normalization RMSNorm "

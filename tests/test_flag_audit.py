@@ -60,6 +60,7 @@ IMPLEMENTED_BY = {
     "--apply-residual-connection-post-layernorm":
         (LAYERS, "apply_residual_connection_post_layernorm"),
     "--openai-gelu": (VALIDATE, "openai_gelu"),  # -> activation, read by the MLP
+    "--no-bias-gelu-fusion": (VALIDATE, "bias_gelu_fusion"),  # -> activation (tanh form)
     "--squared-relu": (VALIDATE, "squared_relu"),
     "--swiglu": (VALIDATE, "swiglu"),
     "--untie-embeddings-and-output-weights": (GPT, "untie_embeddings_and_output_weights"),

@@ -30,13 +30,17 @@ def _expected_shapes(tp: int) -> dict:
     """The tiny preset (2 layers, hidden 64, ffn 256, 4 x 64 tokens, vocabulary 512, tied
     output layer) on one of `tp` tensor-parallel ranks: forward, input grad and weight
     grad of the four linears per layer (qkv and fc1 split by output, proj and fc2 by
-    input) and of the output layer (split by vocabulary)."""
+    input) and of the output layer (split by vocabulary). The preset has biases, so its
+    GeLU is the tanh form, inside fc1's forward (with the bias) and fc2's input grad."""
     layers, h, f, t, v = 2, 64, 256, 4 * 64, 512
     expected = {}
-    for out_f, in_f, per_step in [(3 * h // tp, h, layers), (h, h // tp, layers),
-                                  (f // tp, h, layers), (h, f // tp, layers), (v // tp, h, 1)]:
-        expected[Shape("forward", t, out_f, in_f, "fp32")] = per_step
-        expected[Shape("dgrad", t, in_f, out_f, "fp32")] = per_step
+    for name, out_f, in_f, per_step in [
+            ("qkv", 3 * h // tp, h, layers), ("proj", h, h // tp, layers),
+            ("fc1", f // tp, h, layers), ("fc2", h, f // tp, layers), ("out", v // tp, h, 1)]:
+        forward_ep, dgrad_ep = {"fc1": ("gelu_aux_bias", ""), "fc2": ("", "dgelu")}.get(
+            name, ("", ""))
+        expected[Shape("forward", t, out_f, in_f, "fp32", forward_ep)] = per_step
+        expected[Shape("dgrad", t, in_f, out_f, "fp32", dgrad_ep)] = per_step
         expected[Shape("wgrad", out_f, in_f, t, "fp32")] = per_step
     return expected
 
@@ -61,7 +65,7 @@ def test_each_tensor_parallel_rank_records_its_slices():
 def test_record_only_prints_the_shapes(capsys, entry_env):
     assert tune_gemms.main(["--record-only", "--device", "cpu", "--preset", "tiny"]) == 0
     out = capsys.readouterr().out
-    assert "| forward | 256 | 256 | 64 | fp32 | 2 |" in out  # fc1
+    assert "| forward gelu_aux_bias | 256 | 256 | 64 | fp32 | 2 |" in out  # fc1, tanh GeLU
     with pytest.raises(SystemExit, match="needs --out FILE and CUDA"):
         tune_gemms.main(["--device", "cpu", "--preset", "tiny"])
 

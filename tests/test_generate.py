@@ -58,7 +58,7 @@ def _run_cli(*argv) -> dict:
 def test_greedy_equals_argmax_loop_and_sampling(tmp_path):
     tr, loss, batches = _train(tmp_path)
     model, config, iteration = generate.load_model(str(tmp_path))
-    assert iteration == 3 and config.model.activation == "gelu"
+    assert iteration == 3 and config.model.activation == "openai_gelu"  # biases: tanh form
     assert _loss_of(model, batches) == pytest.approx(loss, rel=1e-6)
     out = _run_cli("--load", str(tmp_path), "--prompt-ids", "5,6,7", "--max-new-tokens", "12",
                    "--greedy", "--no-stop-at-eod")

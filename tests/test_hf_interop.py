@@ -112,7 +112,8 @@ def test_ours_to_hf_to_ours_without_transformers(tmp_path, monkeypatch):
     assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "hf") == 0
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["model_type"] == "gpt2" and cfg["vocab_size"] == VOCAB + 1
-    assert cfg["tie_word_embeddings"] is False and cfg["activation_function"] == "gelu"
+    # biases and the default GeLU: Megatron-LM's fused bias-GeLU, the tanh form
+    assert cfg["tie_word_embeddings"] is False and cfg["activation_function"] == "gelu_new"
     # sharded output (tiny shard limit) replaces the single file; --verify needs transformers
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(SystemExit, match="--verify needs the transformers package"):
@@ -147,9 +148,10 @@ def test_ours_to_hf_to_ours_without_transformers(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------ export
-@pytest.mark.parametrize("extra", ["", "--openai-gelu --untie-embeddings-and-output-weights "
+@pytest.mark.parametrize("extra", ["", "--no-bias-gelu-fusion",
+                                   "--openai-gelu --untie-embeddings-and-output-weights "
                                    "--disable-bias-linear"],
-                         ids=["gelu-tied", "openai-gelu-untied"])
+                         ids=["bias-gelu-tied", "erf-gelu-tied", "openai-gelu-untied"])
 def test_gpt2_export_has_our_logits(tmp_path, extra, capsys):
     _transformers()
     tr, _, _ = _train(tmp_path / "ck", extra)
@@ -159,7 +161,8 @@ def test_gpt2_export_has_our_logits(tmp_path, extra, capsys):
     from safetensors.torch import load_file
 
     names = set(load_file(str(tmp_path / "hf" / "model.safetensors")))
-    assert ("lm_head.weight" in names) == bool(extra) and "transformer.wpe.weight" in names
+    untied = "--untie-embeddings-and-output-weights" in extra
+    assert ("lm_head.weight" in names) == untied and "transformer.wpe.weight" in names
     diff = (_hf_logits(tmp_path / "hf") - ours).abs().max().item()
     print(f"gpt2 {extra or 'gelu tied'}: max |logit diff| = {diff:.2e}")
     assert diff < TOL

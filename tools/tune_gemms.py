@@ -13,9 +13,10 @@ per shape, torch's own product and every candidate cuBLASLt's heuristic offers a
 run back to back for --seconds (the first third heats the chip to its power limit, the
 rest is timed with CUDA events), --rounds times in alternation. A candidate enters the
 table when its result matches torch's and it beats torch's product by more than
---min-gain. With `--gelu-kernel epilogue` among the flags the MLP's GeLU products
-(GELU_AUX forward, DGELU input grad) are recorded too; their baseline is the algorithm
-the run takes without a table (the heuristic's first). Train with `--gemm-algorithms
+--min-gain. Where the run computes the MLP's GeLU in the products (the tanh form:
+`--openai-gelu`, the default GeLU with biases, or `--gelu-kernel epilogue`) those products
+(GELU_AUX or GELU_AUX_BIAS forward, DGELU input grad) are recorded too; their baseline is
+the algorithm the run takes without a table (the heuristic's first). Train with `--gemm-algorithms
 gemms.json` on the same GPU model and software (the table records both and is refused
 elsewhere). Tune with the flags of the real run:
 the shapes depend on the micro batch, sequence length and parallel layout.
@@ -57,8 +58,9 @@ def record_shapes(argv: list, device: str, rank: int = 0, world: int = 1, local_
 
 
 def operands(shape, torch):
-    """(A, B, C, beta, aux, baseline fn, reference fn): cuBLASLt's operands, the epilogue's
-    aux matrix (or None), what runs without a table (torch's product as the layers run it;
+    """(A, B, C, beta, epilogue operands, baseline fn, reference fn): cuBLASLt's operands,
+    the epilogue's aux matrix and bias vector (a dict for CublasLt.matmul), what runs
+    without a table (torch's product as the layers run it;
     for an epilogue product the heuristic's first algorithm) and the expected result."""
     from megatron.core.tensor_parallel import gemm_algos
 
@@ -74,22 +76,26 @@ def operands(shape, torch):
                             else rand(k, n, scale=0.02))
         out = torch.empty(m, n, device="cuda", dtype=dtype)
         product = (lambda: b @ w.t()) if shape.kind == "forward" else (lambda: b @ w)
-        aux, ref = None, product
+        extra, ref = {}, product
         if ep == "gelu_aux":
-            aux = torch.empty_like(out)
+            extra = {"aux": torch.empty_like(out)}
             ref = (lambda: torch.nn.functional.gelu(product().float(), approximate="tanh"))
+        elif ep == "gelu_aux_bias":
+            extra = {"aux": torch.empty_like(out), "bias": rand(n, scale=0.5)}
+            ref = (lambda: torch.nn.functional.gelu(product().float() + extra["bias"].float(),
+                                                    approximate="tanh"))
         elif ep == "dgelu":
-            aux = rand(m, n)
-            ref = (lambda: gemm_algos.gelu_tanh_grad(product().float(), aux))
+            extra = {"aux": rand(m, n)}
+            ref = (lambda: gemm_algos.gelu_tanh_grad(product().float(), extra["aux"]))
         if ep:
             lt = gemm_algos.cublaslt()
             first = _as_algo(lt.candidates(shape, 1, ep)[0])
-            return (w, b, out, 0.0, aux,
-                    lambda: lt.matmul(shape, first, w, b, out, 0.0, ep, aux), ref)
-        return w, b, out, 0.0, None, ref, ref
+            return (w, b, out, 0.0, extra,
+                    lambda: lt.matmul(shape, first, w, b, out, 0.0, ep, **extra), ref)
+        return w, b, out, 0.0, {}, ref, ref
     dy, x = rand(k, m), rand(k, n)
     out = torch.zeros(m, n, device="cuda", dtype=torch.float32)
-    return (x, dy, out, 1.0, None,
+    return (x, dy, out, 1.0, {},
             lambda: torch.addmm(out, dy.t(), x, out_dtype=torch.float32, out=out),
             lambda: torch.mm(dy.t(), x, out_dtype=torch.float32))
 
@@ -119,7 +125,7 @@ def sustained_ms(fn, seconds: float, torch) -> float:
 def tune_shape(shape, args, lt, torch) -> dict:
     """Times of the baseline (torch's product; for an epilogue product the heuristic's
     first algorithm) and of every candidate that matches it; the best one."""
-    a, b, out, beta, aux, baseline, reference = operands(shape, torch)
+    a, b, out, beta, extra, baseline, reference = operands(shape, torch)
     want = reference().float()
     scale = want.abs().max().item() or 1.0
     ep = shape.epilogue
@@ -127,11 +133,11 @@ def tune_shape(shape, args, lt, torch) -> dict:
     for algo in lt.candidates(shape, args.candidates, ep):
         as_struct = _as_algo(algo)
         out.zero_()
-        lt.matmul(shape, as_struct, a, b, out, 0.0, ep, aux)
+        lt.matmul(shape, as_struct, a, b, out, 0.0, ep, **extra)
         tolerance = EPILOGUE_TOLERANCE if ep else CHECK_TOLERANCE
         if (out.float() - want).abs().max().item() <= tolerance * scale:
             good.append((algo, as_struct))
-    runs = [baseline] + [(lambda x=x: lt.matmul(shape, x, a, b, out, beta, ep, aux))
+    runs = [baseline] + [(lambda x=x: lt.matmul(shape, x, a, b, out, beta, ep, **extra))
                          for _, x in good]
     times = [[] for _ in runs]
     for _ in range(args.rounds):

@@ -82,8 +82,8 @@ class ModelConfig:
     cross_entropy_kernel: str = "auto"
     # GeLU (erf form): "torch", "polynomial" (megatron/core/fused_activation.py: Triton
     # kernels on CUDA, torch ops elsewhere), or "auto" (polynomial where Triton runs);
-    # "epilogue": the tanh form inside the MLP's products (gemm_algos, cuBLASLt on CUDA),
-    # also auto's choice for the tanh-form activation ("openai_gelu") without biases.
+    # "epilogue": the tanh form, after fc1's bias, inside the MLP's products (gemm_algos,
+    # cuBLASLt on CUDA), also auto's choice for the tanh-form activation ("openai_gelu").
     gelu_kernel: str = "auto"
 
     def __post_init__(self) -> None:

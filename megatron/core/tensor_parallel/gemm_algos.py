@@ -36,11 +36,13 @@ KINDS = ("forward", "dgrad", "wgrad")
 _CUDA_TYPES = {"bf16": 14, "fp16": 2, "fp32": 0}
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _COMPUTE_32F, _DESC_TRANSA, _DESC_TRANSB, _PREF_MAX_WORKSPACE = 68, 3, 4, 1
-_DESC_EPILOGUE, _DESC_AUX_POINTER, _DESC_AUX_LD = 7, 11, 12
+_DESC_EPILOGUE, _DESC_BIAS_POINTER, _DESC_AUX_POINTER, _DESC_AUX_LD = 7, 8, 11, 12
 # cuBLASLt epilogues: GELU_AUX writes gelu(AB) and AB itself (the "aux" matrix, for the
-# backward); DGELU multiplies AB by gelu'(aux). cuBLASLt's GELU is the tanh form.
-EPILOGUES = {"": 1, "gelu_aux": 160, "dgelu": 192}
-_EPILOGUE_OF = {"forward": ("", "gelu_aux"), "dgrad": ("", "dgelu"), "wgrad": ("",)}
+# backward); GELU_AUX_BIAS the same for AB + bias (a vector over the output features);
+# DGELU multiplies AB by gelu'(aux). cuBLASLt's GELU is the tanh form.
+EPILOGUES = {"": 1, "gelu_aux": 160, "gelu_aux_bias": 164, "dgelu": 192}
+_EPILOGUE_OF = {"forward": ("", "gelu_aux", "gelu_aux_bias"), "dgrad": ("", "dgelu"),
+                "wgrad": ("",)}
 _ALGO_ATTRS = (("id", 0), ("tile", 1), ("splitk", 2), ("stages", 6))
 WORKSPACE_BYTES = 32 << 20
 ALIGNMENT = 256  # bytes: cuBLASLt's default minimum alignment when it picks algorithms
@@ -56,7 +58,7 @@ class Shape:
     n: int
     k: int
     dtype: str  # of the 16-bit operands: bf16 / fp16
-    epilogue: str = ""  # forward: "" or "gelu_aux"; dgrad: "" or "dgelu" (EPILOGUES)
+    epilogue: str = ""  # forward: "", "gelu_aux", "gelu_aux_bias"; dgrad: "", "dgelu"
 
     @property
     def key(self) -> tuple:
@@ -183,14 +185,19 @@ class CublasLt:
         return ", ".join(parts)
 
     def matmul(self, shape: Shape, algo, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-               beta: float, epilogue: str = "", aux: Optional[torch.Tensor] = None) -> None:
+               beta: float, epilogue: str = "", aux: Optional[torch.Tensor] = None,
+               bias: Optional[torch.Tensor] = None) -> None:
         """C = A B (+ beta C) in cuBLASLt's terms (see Shape.layouts), on the current stream;
-        with `epilogue`, `aux` is the matrix it writes (gelu_aux) or reads (dgelu)."""
+        with `epilogue`, `aux` is the matrix it writes (gelu_aux*) or reads (dgelu) and
+        `bias` the vector gelu_aux_bias adds."""
         desc, la, lb, lc = self.problem(shape, epilogue)
-        if epilogue:
-            ptr = ctypes.c_void_p(aux.data_ptr())
+        pointers = [(_DESC_AUX_POINTER, aux)] if epilogue else []
+        if epilogue == "gelu_aux_bias":
+            pointers.append((_DESC_BIAS_POINTER, bias))
+        for attr, tensor in pointers:
+            ptr = ctypes.c_void_p(tensor.data_ptr())
             self._ok(self.lib.cublasLtMatmulDescSetAttribute(
-                desc, _DESC_AUX_POINTER, ctypes.byref(ptr), ctypes.sizeof(ptr)),
+                desc, attr, ctypes.byref(ptr), ctypes.sizeof(ptr)),
                 "cublasLtMatmulDescSetAttribute")
         alpha, beta_ = ctypes.c_float(1.0), ctypes.c_float(beta)
         ws = self.workspace(c.device)
@@ -386,8 +393,9 @@ torch.library.register_fake("megatron::lt_matmul", _lt_matmul_fake, lib=_LIB)
 
 
 # ------------------------------------------- the MLP's GeLU in the products' epilogues
+# The tanh-form GeLU (`--openai-gelu`, or Megatron's fused bias-GeLU) and
 # `--gelu-kernel epilogue`: fc1's forward product writes gelu(h) and h in one pass
-# (GELU_AUX) and fc2's input-grad product multiplies by gelu'(h) as it writes (DGELU), so
+# (GELU_AUX; with fc1's bias added first, GELU_AUX_BIAS) and fc2's input-grad product multiplies by gelu'(h) as it writes (DGELU), so
 # no separate activation kernel reads and writes the [tokens, ffn] tensors. cuBLASLt's
 # GELU is the tanh form; where cuBLASLt cannot run (CPU, fp32, unaligned operands) the
 # same tanh form is computed with torch ops.
@@ -431,11 +439,16 @@ def gelu_tanh_grad(grad: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (g * d).to(grad.dtype)
 
 
-def linear_gelu_forward(x: torch.Tensor, weight: torch.Tensor):
-    """(gelu_tanh(h), h) for h = x @ weight.T (x: [..., k], weight: [n, k])."""
+def linear_gelu_forward(x: torch.Tensor, weight: torch.Tensor,
+                        bias: Optional[torch.Tensor] = None):
+    """(gelu_tanh(h), h) for h = x @ weight.T (+ bias) (x: [..., k], weight: [n, k],
+    bias: [n])."""
     n, k = weight.shape
-    entry = _epilogue_entry("forward", "gelu_aux", x.numel() // k, n, k, x, weight)
-    act, pre = torch.ops.megatron.lt_gelu_forward(x.reshape(-1, k), weight, entry)
+    epilogue = "gelu_aux" if bias is None else "gelu_aux_bias"
+    entry = _epilogue_entry("forward", epilogue, x.numel() // k, n, k, x, weight)
+    if bias is not None and (bias.dtype != x.dtype or not _fits(bias)):
+        entry = -1
+    act, pre = torch.ops.megatron.lt_gelu_forward(x.reshape(-1, k), weight, bias, entry)
     return act.view(*x.shape[:-1], n), pre.view(*x.shape[:-1], n)
 
 
@@ -451,16 +464,18 @@ def linear_dgrad_dgelu(grad_output: torch.Tensor, weight: torch.Tensor,
     return out.view(*grad_output.shape[:-1], n)
 
 
-def _lt_gelu_forward(x: torch.Tensor, weight: torch.Tensor, entry: int):
+def _lt_gelu_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     entry: int):
+    epilogue = "gelu_aux" if bias is None else "gelu_aux_bias"
     if x.is_cuda:
-        entry = _resolve(entry, "forward", "gelu_aux", x, weight, weight.shape[0])
-    if entry < 0 or not _aligned(x, weight):
-        pre = x @ weight.t()
+        entry = _resolve(entry, "forward", epilogue, x, weight, weight.shape[0])
+    if entry < 0 or not _aligned(*(t for t in (x, weight, bias) if t is not None)):
+        pre = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
         return torch.nn.functional.gelu(pre, approximate="tanh"), pre
     shape, algo = _ALGOS[entry]
     act = torch.empty(shape.m, shape.n, dtype=x.dtype, device=x.device)
     pre = torch.empty_like(act)
-    cublaslt().matmul(shape, algo, weight, x, act, 0.0, "gelu_aux", pre)
+    cublaslt().matmul(shape, algo, weight, x, act, 0.0, epilogue, pre, bias)
     return act, pre
 
 
@@ -476,7 +491,7 @@ def _lt_dgelu(grad_output: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor
     return out
 
 
-def _lt_gelu_forward_fake(x, weight, entry):
+def _lt_gelu_forward_fake(x, weight, bias, entry):
     out = x.new_empty(x.shape[0], weight.shape[0])
     return out, torch.empty_like(out)
 
@@ -485,7 +500,8 @@ def _lt_dgelu_fake(grad_output, weight, pre, entry):
     return grad_output.new_empty(grad_output.shape[0], weight.shape[1])
 
 
-_LIB.define("lt_gelu_forward(Tensor x, Tensor weight, int entry) -> (Tensor, Tensor)")
+_LIB.define("lt_gelu_forward(Tensor x, Tensor weight, Tensor? bias, int entry) "
+            "-> (Tensor, Tensor)")
 _LIB.define("lt_dgelu(Tensor grad_output, Tensor weight, Tensor pre, int entry) -> Tensor")
 for _key in ("CUDA", "CPU"):
     _LIB.impl("lt_gelu_forward", _lt_gelu_forward, _key)

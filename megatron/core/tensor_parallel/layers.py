@@ -317,9 +317,9 @@ def _linear_backward(ctx, grad_output, x, weight, dgrad, want_input_grad: bool,
 
 
 class LinearGeluEpilogue(torch.autograd.Function):
-    """(act, pre) = (gelu_tanh(x W^T), x W^T), no bias, from one product whose epilogue
-    applies the GeLU (gemm_algos.linear_gelu_forward); communication as in
-    LinearWithGradAccumulationAndAsyncCommunication.
+    """(act, pre) = (gelu_tanh(h), h) for h = x W^T (+ b), from one product whose epilogue
+    adds the bias and applies the GeLU (gemm_algos.linear_gelu_forward); communication as
+    in LinearWithGradAccumulationAndAsyncCommunication.
 
     `act` carries no gradient (non-differentiable output): its consumer must be
     `LinearAfterGelu`, which hands the gradient of the pre-activation to `pre`, so the
@@ -327,11 +327,12 @@ class LinearGeluEpilogue(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, gradient_accumulation_fusion, async_grad_allreduce,
+    def forward(ctx, x, weight, bias, gradient_accumulation_fusion, async_grad_allreduce,
                 sequence_parallel, group):
         total_x = _setup_linear(ctx, x, weight, gradient_accumulation_fusion,
                                 async_grad_allreduce, sequence_parallel, group)
-        act, pre = gemm_algos.linear_gelu_forward(total_x, weight)
+        ctx.use_bias = bias is not None
+        act, pre = gemm_algos.linear_gelu_forward(total_x, weight, bias)
         ctx.mark_non_differentiable(act)
         ctx.set_materialize_grads(False)  # act's gradient stays None, not a zero tensor
         return act, pre
@@ -339,12 +340,12 @@ class LinearGeluEpilogue(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_act, grad_pre):
         if grad_pre is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         x, weight = ctx.saved_tensors
-        grad_input, grad_weight, _ = _linear_backward(
+        grad_input, grad_weight, grad_bias = _linear_backward(
             ctx, grad_pre, x, weight, gemm_algos.linear_dgrad, ctx.needs_input_grad[0],
-            ctx.needs_input_grad[1], False)
-        return grad_input, grad_weight, None, None, None, None
+            ctx.needs_input_grad[1], ctx.use_bias)
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 class LinearAfterGelu(torch.autograd.Function):
@@ -522,18 +523,21 @@ class ColumnParallelLinear(nn.Module):
         return output, (bias if self.skip_bias_add else None)
 
     def forward_gelu(self, input_: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(act, pre): this layer's output through the tanh-form GeLU computed in the
-        product's epilogue, for `RowParallelLinear.forward_after_gelu` (the only consumer
-        of `act`, which carries no gradient itself). Needs no bias and no gather_output."""
-        if self.bias is not None or self.gather_output or self.weight is None:
-            raise ValueError("ColumnParallelLinear.forward_gelu needs a layer without bias, "
-                             "gather_output or a passed weight (the GeLU epilogue adds none)")
+        """(act, pre): this layer's output (bias included) through the tanh-form GeLU
+        computed in the product's epilogue, for `RowParallelLinear.forward_after_gelu` (the
+        only consumer of `act`, which carries no gradient itself). Needs no skip_bias_add,
+        gather_output or passed weight."""
+        if self.skip_bias_add or self.gather_output or self.weight is None:
+            raise ValueError("ColumnParallelLinear.forward_gelu needs a layer without "
+                             "skip_bias_add, gather_output or a passed weight (the GeLU "
+                             "epilogue adds the bias itself and keeps the output split)")
         if self.async_tensor_model_parallel_allreduce or self.sequence_parallel:
             input_parallel = input_
         else:
             input_parallel = copy_to_tp(input_, self.tp_group)
+        bias = grad_into_main_grad(self.bias, self.gradient_accumulation_fusion)
         return LinearGeluEpilogue.apply(
-            input_parallel, self.weight, self.gradient_accumulation_fusion,
+            input_parallel, self.weight, bias, self.gradient_accumulation_fusion,
             self.async_tensor_model_parallel_allreduce, self.sequence_parallel, self.tp_group)
 
 

@@ -194,11 +194,11 @@ class ParallelMLP(nn.Module):
             input_is_parallel=True, skip_bias_add=True, init_method=output_init, **kw,
         )
         self.act = None if self.swiglu else _activation(config.activation, config)
-        # GeLU (tanh form) inside fc1's forward and fc2's input-grad products
-        # (ColumnParallelLinear.forward_gelu, RowParallelLinear.forward_after_gelu): asked
-        # for with --gelu-kernel epilogue, and auto's choice for the tanh form itself
-        # (--openai-gelu), where it changes nothing but the speed
-        self.gelu_epilogue = not config.add_bias_linear and (
+        # GeLU (tanh form), after fc1's bias, inside fc1's forward and fc2's input-grad
+        # products (ColumnParallelLinear.forward_gelu, RowParallelLinear.forward_after_gelu):
+        # asked for with --gelu-kernel epilogue, and auto's choice for the tanh form itself
+        # (--openai-gelu, or Megatron's fused bias-GeLU), where it changes only the speed
+        self.gelu_epilogue = (
             (config.gelu_kernel == "epilogue" and config.activation in ("gelu", "openai_gelu"))
             or (config.gelu_kernel == "auto" and config.activation == "openai_gelu"))
 
