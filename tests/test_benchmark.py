@@ -54,6 +54,19 @@ def test_layouts_parse_and_bad_ones_name_the_fix():
         parse_layout("tp2x")
 
 
+def test_bias_presets_are_the_gpt_shapes_with_megatron_default_biases():
+    from megatron.arguments import parse_and_validate
+
+    bm = _benchmark_module()
+    for name in ("gpt2-124m", "gpt-1.3b"):
+        plain = parse_and_validate(bm.build_argv(name, 2, 1, 8, []), cuda_available=False)
+        biased = parse_and_validate(bm.build_argv(name + "-bias", 2, 1, 8, []),
+                                    cuda_available=False)
+        assert not plain.model.add_bias_linear and biased.model.add_bias_linear
+        assert (plain.model.activation, biased.model.activation) == ("gelu", "openai_gelu")
+        assert plain.model.num_layers == biased.model.num_layers
+
+
 def test_kernel_summary_sorts_kernels_into_categories():
     """--profile-steps' per-step table: CUDA kernels by category, annotations and host
     events left out, milliseconds per step."""

@@ -54,6 +54,11 @@ PRESETS = {
     "tiny": (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
               "--seq-length", "64", "--max-position-embeddings", "64", "--vocab-size", "511"], 4),
 }
+# The GPT shapes with Megatron-LM's default linear layers: biases, and with them the fused
+# bias-GeLU (tanh form).
+for _name in ("gpt2-124m", "gpt-1.3b"):
+    _flags, _mbs = PRESETS[_name]
+    PRESETS[_name + "-bias"] = ([f for f in _flags if f != "--disable-bias-linear"], _mbs)
 
 
 def parse_layout(text: str) -> dict:
