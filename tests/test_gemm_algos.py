@@ -30,15 +30,17 @@ def _expected_shapes(tp: int) -> dict:
     """The tiny preset (2 layers, hidden 64, ffn 256, 4 x 64 tokens, vocabulary 512, tied
     output layer) on one of `tp` tensor-parallel ranks: forward, input grad and weight
     grad of the four linears per layer (qkv and fc1 split by output, proj and fc2 by
-    input) and of the output layer (split by vocabulary). The preset has biases, so its
-    GeLU is the tanh form, inside fc1's forward (with the bias) and fc2's input grad."""
+    input) and of the output layer (split by vocabulary). The preset has biases: qkv's
+    forward adds its bias in the product (the row-parallel layers add theirs after the
+    reduction), and the GeLU is the tanh form, inside fc1's forward (with the bias) and
+    fc2's input grad."""
     layers, h, f, t, v = 2, 64, 256, 4 * 64, 512
     expected = {}
     for name, out_f, in_f, per_step in [
             ("qkv", 3 * h // tp, h, layers), ("proj", h, h // tp, layers),
             ("fc1", f // tp, h, layers), ("fc2", h, f // tp, layers), ("out", v // tp, h, 1)]:
-        forward_ep, dgrad_ep = {"fc1": ("gelu_aux_bias", ""), "fc2": ("", "dgelu")}.get(
-            name, ("", ""))
+        forward_ep, dgrad_ep = {"qkv": ("bias", ""), "fc1": ("gelu_aux_bias", ""),
+                                "fc2": ("", "dgelu")}.get(name, ("", ""))
         expected[Shape("forward", t, out_f, in_f, "fp32", forward_ep)] = per_step
         expected[Shape("dgrad", t, in_f, out_f, "fp32", dgrad_ep)] = per_step
         expected[Shape("wgrad", out_f, in_f, t, "fp32")] = per_step
@@ -133,8 +135,9 @@ class _EmulatedLt:
 
     calls = 0
 
-    def matmul(self, shape, algo, a, b, c, beta):
+    def matmul(self, shape, algo, a, b, c, beta, epilogue="", aux=None, bias=None):
         transa, transb, la, lb, lc = shape.layouts()
+        assert epilogue == shape.epilogue
 
         def view(t, layout):
             _, rows, cols, ld = layout
@@ -144,21 +147,29 @@ class _EmulatedLt:
         op_b = view(b, lb).t() if transb else view(b, lb)
         out = view(c, lc)
         product = op_a.double() @ op_b.double()
+        if epilogue in ("bias", "gelu_aux_bias"):  # a vector over D's rows (out's columns)
+            product = product + bias.double()[:, None]
+        if epilogue in ("gelu_aux", "gelu_aux_bias"):  # aux: D's layout
+            view(aux, lc).copy_(product)
+            product = torch.nn.functional.gelu(product, approximate="tanh")
+        if epilogue == "dgelu":
+            product = gemm_algos.gelu_tanh_grad(product, view(aux, lc).double())
         out.copy_(product + beta * out.double() if beta else product)  # beta 0: C unread
         _EmulatedLt.calls += 1
 
 
-@pytest.mark.parametrize("kind", ["forward", "dgrad", "wgrad"])
+@pytest.mark.parametrize("kind", ["forward", "forward bias", "dgrad", "wgrad"])
 def test_layouts_and_operand_order_give_the_row_major_product(kind, monkeypatch):
     """What the layers hand cuBLASLt (which tensor is A, which B, the transposes and
-    leading dimensions of Shape.layouts, beta) makes the product torch computes, checked
-    on the CPU against an emulation of cuBLASLt's column-major contract."""
+    leading dimensions of Shape.layouts, beta, the bias vector) makes the product torch
+    computes, checked on the CPU against an emulation of cuBLASLt's column-major contract."""
     m, n, k = 6, 5, 3
-    shape = Shape(kind, m, n, k, "fp32")
+    kind, _, epilogue = kind.partition(" ")
+    shape = Shape(kind, m, n, k, "fp32", epilogue)
     monkeypatch.setattr(gemm_algos, "_fits", lambda *t: True)
     monkeypatch.setattr(gemm_algos, "_aligned", lambda *t: True)
     monkeypatch.setattr(gemm_algos, "cublaslt", lambda: _EmulatedLt())
-    monkeypatch.setitem(gemm_algos._ACTIVE, (kind, m, n, k, "fp32"), len(gemm_algos._ALGOS))
+    monkeypatch.setitem(gemm_algos._ACTIVE, shape.key, len(gemm_algos._ALGOS))
     monkeypatch.setattr(gemm_algos, "_ALGOS", gemm_algos._ALGOS + [(shape, None)])
     gen = torch.Generator().manual_seed(1)
     before = _EmulatedLt.calls
@@ -171,7 +182,9 @@ def test_layouts_and_operand_order_give_the_row_major_product(kind, monkeypatch)
         torch.testing.assert_close(main_grad, dy.t() @ x)
     elif kind == "forward":
         x, w = torch.randn(2, m // 2, k, generator=gen), torch.randn(n, k, generator=gen)
-        torch.testing.assert_close(gemm_algos.linear_forward(x, w), x @ w.t())
+        bias = torch.randn(n, generator=gen) if epilogue else None
+        torch.testing.assert_close(gemm_algos.linear_forward(x, w, bias),
+                                   x @ w.t() + (bias if epilogue else 0))
     else:
         dy, w = torch.randn(2, m // 2, k, generator=gen), torch.randn(k, n, generator=gen)
         torch.testing.assert_close(gemm_algos.linear_dgrad(dy, w), dy @ w)
@@ -185,7 +198,7 @@ def _route(monkeypatch, shapes):
     monkeypatch.setattr(gemm_algos, "cublaslt", lambda: _EmulatedLt())
     algos = []
     for s in shapes:
-        monkeypatch.setitem(gemm_algos._ACTIVE, (s.kind, s.m, s.n, s.k, s.dtype), len(algos))
+        monkeypatch.setitem(gemm_algos._ACTIVE, s.key, len(algos))
         algos.append((s, None))
     monkeypatch.setattr(gemm_algos, "_ALGOS", algos)
 
@@ -241,15 +254,18 @@ def _cuda_operands(kind, m, n, k):
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("kind", ["forward", "dgrad", "wgrad"])
+@pytest.mark.parametrize("kind", ["forward", "forward bias", "dgrad", "wgrad"])
 def test_every_candidate_matches_torch_product(kind, restore_table):
     """cuBLASLt with each of the heuristic's candidates, routed as the layers route it,
     against torch's product (bf16: within one bf16 step of the largest value; the fp32
-    weight grad, overwriting and then accumulating, within 1e-4 of it)."""
+    weight grad, overwriting and then accumulating, within 1e-4 of it; the forward with a
+    bias against torch's addmm)."""
     m, n, k = 512, 384, 256
-    shape = Shape(kind, m, n, k, "bf16")
+    kind, _, epilogue = kind.partition(" ")
+    shape = Shape(kind, m, n, k, "bf16", epilogue)
     a, b = _cuda_operands(kind, m, n, k)
-    algos = gemm_algos.cublaslt().candidates(shape, 4)
+    bias = torch.randn(n, device="cuda").bfloat16() if epilogue else None
+    algos = gemm_algos.cublaslt().candidates(shape, 4, epilogue)
     assert algos, "the heuristic offered no algorithm"
     for algo in algos:
         gemm_algos.activate({shape: algo}, torch.device("cuda"))
@@ -261,9 +277,12 @@ def test_every_candidate_matches_torch_product(kind, restore_table):
             assert gemm_algos.wgrad_into(main_grad, a, b, accumulate=True)
             torch.testing.assert_close(main_grad, 2 * want, rtol=0, atol=2e-4 * want.abs().max())
             continue
-        fn = gemm_algos.linear_forward if kind == "forward" else gemm_algos.linear_dgrad
         want = (a @ b.t() if kind == "forward" else a @ b).float()
-        got = fn(a.view(2, m // 2, k), b)  # a leading batch dimension, as in the layers
+        if kind == "forward":
+            got = gemm_algos.linear_forward(a.view(2, m // 2, k), b, bias)  # as the layers
+            want = torch.addmm(bias, a, b.t()).float() if epilogue else want
+        else:
+            got = gemm_algos.linear_dgrad(a.view(2, m // 2, k), b)
         assert got.shape == (2, m // 2, n)
         torch.testing.assert_close(got.view(m, n).float(), want, rtol=0,
                                    atol=2 ** -8 * want.abs().max())

@@ -15,8 +15,9 @@ rest is timed with CUDA events), --rounds times in alternation. A candidate ente
 table when its result matches torch's and it beats torch's product by more than
 --min-gain. Where the run computes the MLP's GeLU in the products (the tanh form:
 `--openai-gelu`, the default GeLU with biases, or `--gelu-kernel epilogue`) those products
-(GELU_AUX or GELU_AUX_BIAS forward, DGELU input grad) are recorded too; their baseline is
-the algorithm the run takes without a table (the heuristic's first). Train with `--gemm-algorithms
+(GELU_AUX or GELU_AUX_BIAS forward, DGELU input grad) are recorded too, and so are the
+forward products that add a bias (BIAS epilogue); their baseline is cuBLASLt's heuristic's
+first algorithm (what the run takes without a table, or as torch's addmm does). Train with `--gemm-algorithms
 gemms.json` on the same GPU model and software (the table records both and is refused
 elsewhere). Tune with the flags of the real run:
 the shapes depend on the micro batch, sequence length and parallel layout.
@@ -77,7 +78,10 @@ def operands(shape, torch):
         out = torch.empty(m, n, device="cuda", dtype=dtype)
         product = (lambda: b @ w.t()) if shape.kind == "forward" else (lambda: b @ w)
         extra, ref = {}, product
-        if ep == "gelu_aux":
+        if ep == "bias":
+            extra = {"bias": rand(n, scale=0.5)}
+            ref = (lambda: product().float() + extra["bias"].float())
+        elif ep == "gelu_aux":
             extra = {"aux": torch.empty_like(out)}
             ref = (lambda: torch.nn.functional.gelu(product().float(), approximate="tanh"))
         elif ep == "gelu_aux_bias":

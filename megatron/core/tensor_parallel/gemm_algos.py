@@ -37,12 +37,14 @@ _CUDA_TYPES = {"bf16": 14, "fp16": 2, "fp32": 0}
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _COMPUTE_32F, _DESC_TRANSA, _DESC_TRANSB, _PREF_MAX_WORKSPACE = 68, 3, 4, 1
 _DESC_EPILOGUE, _DESC_BIAS_POINTER, _DESC_AUX_POINTER, _DESC_AUX_LD = 7, 8, 11, 12
-# cuBLASLt epilogues: GELU_AUX writes gelu(AB) and AB itself (the "aux" matrix, for the
-# backward); GELU_AUX_BIAS the same for AB + bias (a vector over the output features);
-# DGELU multiplies AB by gelu'(aux). cuBLASLt's GELU is the tanh form.
-EPILOGUES = {"": 1, "gelu_aux": 160, "gelu_aux_bias": 164, "dgelu": 192}
-_EPILOGUE_OF = {"forward": ("", "gelu_aux", "gelu_aux_bias"), "dgrad": ("", "dgelu"),
+# cuBLASLt epilogues: BIAS adds a vector over the output features; GELU_AUX writes
+# gelu(AB) and AB itself (the "aux" matrix, for the backward); GELU_AUX_BIAS the same for
+# AB + bias; DGELU multiplies AB by gelu'(aux). cuBLASLt's GELU is the tanh form.
+EPILOGUES = {"": 1, "bias": 4, "gelu_aux": 160, "gelu_aux_bias": 164, "dgelu": 192}
+_EPILOGUE_OF = {"forward": ("", "bias", "gelu_aux", "gelu_aux_bias"), "dgrad": ("", "dgelu"),
                 "wgrad": ("",)}
+_WITH_AUX = ("gelu_aux", "gelu_aux_bias", "dgelu")
+_WITH_BIAS = ("bias", "gelu_aux_bias")
 _ALGO_ATTRS = (("id", 0), ("tile", 1), ("splitk", 2), ("stages", 6))
 WORKSPACE_BYTES = 32 << 20
 ALIGNMENT = 256  # bytes: cuBLASLt's default minimum alignment when it picks algorithms
@@ -58,7 +60,7 @@ class Shape:
     n: int
     k: int
     dtype: str  # of the 16-bit operands: bf16 / fp16
-    epilogue: str = ""  # forward: "", "gelu_aux", "gelu_aux_bias"; dgrad: "", "dgelu"
+    epilogue: str = ""  # forward: "", "bias", "gelu_aux", "gelu_aux_bias"; dgrad: "", "dgelu"
 
     @property
     def key(self) -> tuple:
@@ -142,9 +144,10 @@ class CublasLt:
                                                   _CUDA_TYPES["fp32"]), "cublasLtMatmulDescCreate")
             attrs = [(_DESC_TRANSA, ctypes.c_int32(transa)),
                      (_DESC_TRANSB, ctypes.c_int32(transb))]
-            if epilogue:  # the aux matrix has the output's layout: leading dimension n
-                attrs += [(_DESC_EPILOGUE, ctypes.c_int32(EPILOGUES[epilogue])),
-                          (_DESC_AUX_LD, ctypes.c_int64(shape.n))]
+            if epilogue:
+                attrs.append((_DESC_EPILOGUE, ctypes.c_int32(EPILOGUES[epilogue])))
+            if epilogue in _WITH_AUX:  # the aux matrix has the output's layout: ld n
+                attrs.append((_DESC_AUX_LD, ctypes.c_int64(shape.n)))
             for attr, v in attrs:
                 self._ok(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(v),
                                                             ctypes.sizeof(v)),
@@ -189,10 +192,10 @@ class CublasLt:
                bias: Optional[torch.Tensor] = None) -> None:
         """C = A B (+ beta C) in cuBLASLt's terms (see Shape.layouts), on the current stream;
         with `epilogue`, `aux` is the matrix it writes (gelu_aux*) or reads (dgelu) and
-        `bias` the vector gelu_aux_bias adds."""
+        `bias` the vector it adds (bias, gelu_aux_bias)."""
         desc, la, lb, lc = self.problem(shape, epilogue)
-        pointers = [(_DESC_AUX_POINTER, aux)] if epilogue else []
-        if epilogue == "gelu_aux_bias":
+        pointers = [(_DESC_AUX_POINTER, aux)] if epilogue in _WITH_AUX else []
+        if epilogue in _WITH_BIAS:
             pointers.append((_DESC_BIAS_POINTER, bias))
         for attr, tensor in pointers:
             ptr = ctypes.c_void_p(tensor.data_ptr())
@@ -296,7 +299,7 @@ def activate(table: Dict[Shape, bytes], device: torch.device) -> None:
     lt = cublaslt()
     lt.workspace(device)
     for shape, algo in table.items():
-        lt.problem(shape)
+        lt.problem(shape, shape.epilogue)
         _ACTIVE[shape.key] = len(_ALGOS)
         _ALGOS.append((shape, (ctypes.c_uint64 * 8).from_buffer_copy(algo)))
 
@@ -314,8 +317,8 @@ def recording():
         _RECORDING = None
 
 
-def _choice(kind: str, m: int, n: int, k: int, dtype: torch.dtype) -> int:
-    key = (kind, m, n, k, _NAMES.get(dtype, str(dtype)))
+def _choice(kind: str, m: int, n: int, k: int, dtype: torch.dtype, epilogue: str = "") -> int:
+    key = (kind, m, n, k, _NAMES.get(dtype, str(dtype))) + ((epilogue,) if epilogue else ())
     if _RECORDING is not None:
         _RECORDING[key] += 1
     return _ACTIVE.get(key, -1)
@@ -325,15 +328,27 @@ def _fits(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda and t.is_contiguous() for t in tensors)
 
 
-def linear_forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T (x: [..., k], weight: [n, k])."""
-    if not _ACTIVE and _RECORDING is None:
+def _torch_forward(x: torch.Tensor, weight: torch.Tensor,
+                   bias: Optional[torch.Tensor]) -> torch.Tensor:
+    if bias is None:
         return torch.matmul(x, weight.t())
+    # addmm: on CUDA the bias is added in the product's epilogue (no separate add kernel)
     n, k = weight.shape
-    i = _choice("forward", x.numel() // k, n, k, x.dtype)
-    if i < 0 or x.dtype != weight.dtype or not _fits(x, weight):
-        return torch.matmul(x, weight.t())
-    return torch.ops.megatron.lt_matmul(x.reshape(-1, k), weight, i).view(*x.shape[:-1], n)
+    return torch.addmm(bias, x.reshape(-1, k), weight.t()).view(*x.shape[:-1], n)
+
+
+def linear_forward(x: torch.Tensor, weight: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) (x: [..., k], weight: [n, k], bias: [n])."""
+    if not _ACTIVE and _RECORDING is None:
+        return _torch_forward(x, weight, bias)
+    n, k = weight.shape
+    i = _choice("forward", x.numel() // k, n, k, x.dtype, "" if bias is None else "bias")
+    if (i < 0 or x.dtype != weight.dtype or not _fits(x, weight)
+            or (bias is not None and (bias.dtype != x.dtype or not _fits(bias)))):
+        return _torch_forward(x, weight, bias)
+    out = torch.ops.megatron.lt_matmul(x.reshape(-1, k), weight, bias, i)
+    return out.view(*x.shape[:-1], n)
 
 
 def linear_dgrad(grad_output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -344,7 +359,7 @@ def linear_dgrad(grad_output: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     i = _choice("dgrad", grad_output.numel() // k, n, k, grad_output.dtype)
     if i < 0 or grad_output.dtype != weight.dtype or not _fits(grad_output, weight):
         return grad_output.matmul(weight)
-    out = torch.ops.megatron.lt_matmul(grad_output.reshape(-1, k), weight, i)
+    out = torch.ops.megatron.lt_matmul(grad_output.reshape(-1, k), weight, None, i)
     return out.view(*grad_output.shape[:-1], n)
 
 
@@ -371,22 +386,24 @@ def _aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % ALIGNMENT == 0 for t in tensors)
 
 
-def _lt_matmul(a: torch.Tensor, weight: torch.Tensor, entry: int) -> torch.Tensor:
+def _lt_matmul(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+               entry: int) -> torch.Tensor:
     shape, algo = _ALGOS[entry]
-    if not _aligned(a, weight):  # checked here, at run time (not while torch.compile traces)
-        return a @ weight.t() if shape.kind == "forward" else a @ weight
+    # alignment is checked here, at run time (not while torch.compile traces)
+    if not _aligned(*(t for t in (a, weight, bias) if t is not None)):
+        return _torch_forward(a, weight, bias) if shape.kind == "forward" else a @ weight
     out = torch.empty(shape.m, shape.n, dtype=a.dtype, device=a.device)
-    cublaslt().matmul(shape, algo, weight, a, out, 0.0)
+    cublaslt().matmul(shape, algo, weight, a, out, 0.0, shape.epilogue, bias=bias)
     return out
 
 
-def _lt_matmul_fake(a, weight, entry):
+def _lt_matmul_fake(a, weight, bias, entry):
     n = weight.shape[0] if _ALGOS[entry][0].kind == "forward" else weight.shape[1]
     return a.new_empty(a.shape[0], n)
 
 
 _LIB = torch.library.Library("megatron", "FRAGMENT")
-_LIB.define("lt_matmul(Tensor a, Tensor weight, int entry) -> Tensor")
+_LIB.define("lt_matmul(Tensor a, Tensor weight, Tensor? bias, int entry) -> Tensor")
 for _key in ("CUDA", "CPU"):  # CPU: only tests reach it (activate refuses the CPU)
     _LIB.impl("lt_matmul", _lt_matmul, _key)
 torch.library.register_fake("megatron::lt_matmul", _lt_matmul_fake, lib=_LIB)

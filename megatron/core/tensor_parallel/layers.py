@@ -257,10 +257,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         total_x = _setup_linear(ctx, x, weight, gradient_accumulation_fusion,
                                 async_grad_allreduce, sequence_parallel, group)
         ctx.use_bias = bias is not None
-        output = gemm_algos.linear_forward(total_x, weight)
-        if bias is not None:
-            output = output + bias
-        return output
+        return gemm_algos.linear_forward(total_x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
