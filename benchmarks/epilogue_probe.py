@@ -29,15 +29,20 @@ from megatron.core.tensor_parallel import gemm_algos as ga  # noqa: E402
 SHAPES = {"gpt-1.3b": (16384, 2048, 8192), "gpt2-124m": (16384, 768, 3072)}
 
 
-def probe(tokens: int, hidden: int, ffn: int, iters: int, count: int) -> None:
-    lt = ga.cublaslt()
+def mlp_operands(tokens: int, hidden: int, ffn: int):
+    """(x, fc1 weight, fc2 weight, output grad, h = x @ fc1.T) in bf16 on CUDA, seeded."""
     g = torch.Generator(device="cuda").manual_seed(0)
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(tokens, hidden, generator=g, **bf)
     w1 = torch.randn(ffn, hidden, generator=g, **bf) * 0.02
     w2 = torch.randn(hidden, ffn, generator=g, **bf) * 0.02
     dy = torch.randn(tokens, hidden, generator=g, **bf)
-    h = x @ w1.t()
+    return x, w1, w2, dy, x @ w1.t()
+
+
+def probe(tokens: int, hidden: int, ffn: int, iters: int, count: int) -> None:
+    lt = ga.cublaslt()
+    x, w1, w2, dy, h = mlp_operands(tokens, hidden, ffn)
     act, pre = torch.empty_like(h), torch.empty_like(h)
     dh = torch.empty_like(h)
     fwd = ga.Shape("forward", tokens, ffn, hidden, "bf16")

@@ -25,9 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.cuda_timing import mean_ms  # noqa: E402
+from benchmarks.epilogue_probe import SHAPES, mlp_operands  # noqa: E402
 from megatron.core import fused_activation as fa  # noqa: E402
-
-SHAPES = {"gpt-1.3b": (16384, 2048, 8192), "gpt2-124m": (16384, 768, 3072)}
 
 
 def fwd(x, w1):
@@ -52,13 +51,7 @@ def kernels(fn) -> str:
 
 
 def probe(tokens: int, hidden: int, ffn: int, iters: int) -> None:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(tokens, hidden, generator=g, **bf)
-    w1 = torch.randn(ffn, hidden, generator=g, **bf) * 0.02
-    w2 = torch.randn(hidden, ffn, generator=g, **bf) * 0.02
-    dy = torch.randn(tokens, hidden, generator=g, **bf)
-    h = x @ w1.t()
+    x, w1, w2, dy, h = mlp_operands(tokens, hidden, ffn)
     flops = 2 * tokens * hidden * ffn
     ref_act = torch.nn.functional.gelu(h.float())
     ref_dh = bwd(dy.float(), w2.float(), h.float())
