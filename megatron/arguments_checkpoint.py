@@ -28,7 +28,7 @@ _ARCHITECTURE = ("add_position_embedding", "use_rotary_position_embeddings", "ro
                  "apply_layernorm_1p", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size", "position_embedding_type", "rotary_base",
                  "normalization", "group_query_attention", "num_query_groups",
-                 "squared_relu", "openai_gelu", "layernorm_epsilon",
+                 "squared_relu", "openai_gelu", "bias_gelu_fusion", "layernorm_epsilon",
                  "apply_residual_connection_post_layernorm", "vocab_size",
                  "make_vocab_size_divisible_by")
 

@@ -268,3 +268,15 @@ def test_tuned_epilogue_algorithms_are_used_and_match(tmp_path, monkeypatch):
         assert ((act.float() - ref).abs() <= 2.0 ** -7 * ref.abs() + 1e-3).all()
     finally:
         gemm_algos.activate({}, torch.device("cuda"))
+
+
+def test_use_checkpoint_args_keeps_the_checkpoints_gelu(monkeypatch, tmp_path):
+    """A checkpoint trained with --no-bias-gelu-fusion (erf GeLU) resumes with it."""
+    from megatron import arguments_checkpoint
+
+    monkeypatch.setattr(arguments_checkpoint, "read_checkpoint_args",
+                        lambda load: {"add_bias_linear": True, "bias_gelu_fusion": False})
+    argv = [a for a in ARGV if a != "--disable-bias-linear"]
+    resumed = parse_and_validate(argv + ["--load", str(tmp_path), "--use-checkpoint-args"])
+    assert resumed.model.activation == "gelu"
+    assert parse_and_validate(argv).model.activation == "openai_gelu"
