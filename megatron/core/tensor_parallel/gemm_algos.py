@@ -412,8 +412,9 @@ torch.library.register_fake("megatron::lt_matmul", _lt_matmul_fake, lib=_LIB)
 # ------------------------------------------- the MLP's GeLU in the products' epilogues
 # The tanh-form GeLU (`--openai-gelu`, or Megatron's fused bias-GeLU) and
 # `--gelu-kernel epilogue`: fc1's forward product writes gelu(h) and h in one pass
-# (GELU_AUX; with fc1's bias added first, GELU_AUX_BIAS) and fc2's input-grad product multiplies by gelu'(h) as it writes (DGELU), so
-# no separate activation kernel reads and writes the [tokens, ffn] tensors. cuBLASLt's
+# (GELU_AUX; with fc1's bias added first, GELU_AUX_BIAS) and fc2's input-grad product
+# multiplies by gelu'(h) as it writes (DGELU), so no separate activation kernel reads and
+# writes the [tokens, ffn] tensors. cuBLASLt's
 # GELU is the tanh form; where cuBLASLt cannot run (CPU, fp32, unaligned operands) the
 # same tanh form is computed with torch ops.
 def _epilogue_entry(kind: str, epilogue: str, m: int, n: int, k: int, a: torch.Tensor,
