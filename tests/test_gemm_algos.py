@@ -33,14 +33,14 @@ def _expected_shapes(tp: int) -> dict:
     input) and of the output layer (split by vocabulary). The preset has biases: qkv's
     forward adds its bias in the product (the row-parallel layers add theirs after the
     reduction), and the GeLU is the tanh form, inside fc1's forward (with the bias) and
-    fc2's input grad (which also sums fc1's bias grad)."""
+    fc2's input grad."""
     layers, h, f, t, v = 2, 64, 256, 4 * 64, 512
     expected = {}
     for name, out_f, in_f, per_step in [
             ("qkv", 3 * h // tp, h, layers), ("proj", h, h // tp, layers),
             ("fc1", f // tp, h, layers), ("fc2", h, f // tp, layers), ("out", v // tp, h, 1)]:
         forward_ep, dgrad_ep = {"qkv": ("bias", ""), "fc1": ("gelu_aux_bias", ""),
-                                "fc2": ("", "dgelu_bgrad")}.get(name, ("", ""))
+                                "fc2": ("", "dgelu")}.get(name, ("", ""))
         expected[Shape("forward", t, out_f, in_f, "fp32", forward_ep)] = per_step
         expected[Shape("dgrad", t, in_f, out_f, "fp32", dgrad_ep)] = per_step
         expected[Shape("wgrad", out_f, in_f, t, "fp32")] = per_step
@@ -152,10 +152,8 @@ class _EmulatedLt:
         if epilogue in ("gelu_aux", "gelu_aux_bias"):  # aux: D's layout
             view(aux, lc).copy_(product)
             product = torch.nn.functional.gelu(product, approximate="tanh")
-        if epilogue in ("dgelu", "dgelu_bgrad"):
+        if epilogue == "dgelu":
             product = gemm_algos.gelu_tanh_grad(product, view(aux, lc).double())
-        if epilogue == "dgelu_bgrad":  # the bias gradient: D summed over its columns
-            bias.copy_(product.sum(dim=1))
         out.copy_(product + beta * out.double() if beta else product)  # beta 0: C unread
         _EmulatedLt.calls += 1
 

@@ -15,12 +15,12 @@ rest is timed with CUDA events), --rounds times in alternation. A candidate ente
 table when its result matches torch's and it beats torch's product by more than
 --min-gain. Where the run computes the MLP's GeLU in the products (the tanh form:
 `--openai-gelu`, the default GeLU with biases, or `--gelu-kernel epilogue`) those products
-(GELU_AUX or GELU_AUX_BIAS forward, DGELU or DGELU_BGRAD input grad) are recorded too, and
-so are the forward products that add a bias (BIAS epilogue); their baseline is cuBLASLt's
-heuristic's first algorithm (what the run takes without a table, or as torch's addmm
-does). Train with `--gemm-algorithms gemms.json` on the same GPU model and software (the
-table records both and is refused elsewhere). Tune with the flags of the real run: the
-shapes depend on the micro batch, sequence length and parallel layout.
+(GELU_AUX or GELU_AUX_BIAS forward, DGELU input grad) are recorded too, and so are the
+forward products that add a bias (BIAS epilogue); their baseline is cuBLASLt's heuristic's
+first algorithm (what the run takes without a table, or as torch's addmm does). Train with `--gemm-algorithms
+gemms.json` on the same GPU model and software (the table records both and is refused
+elsewhere). Tune with the flags of the real run:
+the shapes depend on the micro batch, sequence length and parallel layout.
 """
 from __future__ import annotations
 
@@ -88,10 +88,8 @@ def operands(shape, torch):
             extra = {"aux": torch.empty_like(out), "bias": rand(n, scale=0.5)}
             ref = (lambda: torch.nn.functional.gelu(product().float() + extra["bias"].float(),
                                                     approximate="tanh"))
-        elif ep in ("dgelu", "dgelu_bgrad"):
+        elif ep == "dgelu":
             extra = {"aux": rand(m, n)}
-            if ep == "dgelu_bgrad":  # the bias gradient it writes (checked: the product)
-                extra["bias"] = torch.empty(n, device="cuda", dtype=dtype)
             ref = (lambda: gemm_algos.gelu_tanh_grad(product().float(), extra["aux"]))
         if ep:
             lt = gemm_algos.cublaslt()

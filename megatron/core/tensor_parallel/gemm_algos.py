@@ -39,15 +39,12 @@ _COMPUTE_32F, _DESC_TRANSA, _DESC_TRANSB, _PREF_MAX_WORKSPACE = 68, 3, 4, 1
 _DESC_EPILOGUE, _DESC_BIAS_POINTER, _DESC_AUX_POINTER, _DESC_AUX_LD = 7, 8, 11, 12
 # cuBLASLt epilogues: BIAS adds a vector over the output features; GELU_AUX writes
 # gelu(AB) and AB itself (the "aux" matrix, for the backward); GELU_AUX_BIAS the same for
-# AB + bias; DGELU multiplies AB by gelu'(aux); DGELU_BGRAD also writes the sum of that
-# over the tokens (the gradient of the bias GELU_AUX_BIAS added) into the bias vector.
-# cuBLASLt's GELU is the tanh form.
-EPILOGUES = {"": 1, "bias": 4, "gelu_aux": 160, "gelu_aux_bias": 164, "dgelu": 192,
-             "dgelu_bgrad": 208}
-_EPILOGUE_OF = {"forward": ("", "bias", "gelu_aux", "gelu_aux_bias"),
-                "dgrad": ("", "dgelu", "dgelu_bgrad"), "wgrad": ("",)}
-_WITH_AUX = ("gelu_aux", "gelu_aux_bias", "dgelu", "dgelu_bgrad")
-_WITH_BIAS = ("bias", "gelu_aux_bias", "dgelu_bgrad")
+# AB + bias; DGELU multiplies AB by gelu'(aux). cuBLASLt's GELU is the tanh form.
+EPILOGUES = {"": 1, "bias": 4, "gelu_aux": 160, "gelu_aux_bias": 164, "dgelu": 192}
+_EPILOGUE_OF = {"forward": ("", "bias", "gelu_aux", "gelu_aux_bias"), "dgrad": ("", "dgelu"),
+                "wgrad": ("",)}
+_WITH_AUX = ("gelu_aux", "gelu_aux_bias", "dgelu")
+_WITH_BIAS = ("bias", "gelu_aux_bias")
 _ALGO_ATTRS = (("id", 0), ("tile", 1), ("splitk", 2), ("stages", 6))
 WORKSPACE_BYTES = 32 << 20
 ALIGNMENT = 256  # bytes: cuBLASLt's default minimum alignment when it picks algorithms
@@ -63,8 +60,7 @@ class Shape:
     n: int
     k: int
     dtype: str  # of the 16-bit operands: bf16 / fp16
-    epilogue: str = ""  # forward: "", "bias", "gelu_aux", "gelu_aux_bias"; dgrad: "",
-    # "dgelu", "dgelu_bgrad" (EPILOGUES)
+    epilogue: str = ""  # forward: "", "bias", "gelu_aux", "gelu_aux_bias"; dgrad: "", "dgelu"
 
     @property
     def key(self) -> tuple:
@@ -195,8 +191,8 @@ class CublasLt:
                beta: float, epilogue: str = "", aux: Optional[torch.Tensor] = None,
                bias: Optional[torch.Tensor] = None) -> None:
         """C = A B (+ beta C) in cuBLASLt's terms (see Shape.layouts), on the current stream;
-        with `epilogue`, `aux` is the matrix it writes (gelu_aux*) or reads (dgelu*) and
-        `bias` the vector it adds (bias, gelu_aux_bias) or writes (dgelu_bgrad)."""
+        with `epilogue`, `aux` is the matrix it writes (gelu_aux*) or reads (dgelu) and
+        `bias` the vector it adds (bias, gelu_aux_bias)."""
         desc, la, lb, lc = self.problem(shape, epilogue)
         pointers = [(_DESC_AUX_POINTER, aux)] if epilogue in _WITH_AUX else []
         if epilogue in _WITH_BIAS:
@@ -474,19 +470,16 @@ def linear_gelu_forward(x: torch.Tensor, weight: torch.Tensor,
     return act.view(*x.shape[:-1], n), pre.view(*x.shape[:-1], n)
 
 
-def linear_dgrad_dgelu(grad_output: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor,
-                       bias_grad: bool = False):
-    """dh = (grad_output @ weight) * gelu_tanh'(pre): the gradient of the pre-activation
-    (grad_output: [..., k], weight: [k, n], pre: [..., n]); with `bias_grad`, (dh, the sum
-    of dh over the tokens: the gradient of a bias added before the GeLU)."""
+def linear_dgrad_dgelu(grad_output: torch.Tensor, weight: torch.Tensor,
+                       pre: torch.Tensor) -> torch.Tensor:
+    """(grad_output @ weight) * gelu_tanh'(pre): the gradient of the pre-activation
+    (grad_output: [..., k], weight: [k, n], pre: [..., n])."""
     k, n = weight.shape
-    epilogue = "dgelu_bgrad" if bias_grad else "dgelu"
-    entry = _epilogue_entry("dgrad", epilogue, grad_output.numel() // k, n, k, grad_output,
+    entry = _epilogue_entry("dgrad", "dgelu", grad_output.numel() // k, n, k, grad_output,
                             weight)
-    out, dbias = torch.ops.megatron.lt_dgelu(grad_output.reshape(-1, k), weight,
-                                             pre.reshape(-1, n), entry, bias_grad)
-    out = out.view(*grad_output.shape[:-1], n)
-    return (out, dbias) if bias_grad else out
+    out = torch.ops.megatron.lt_dgelu(grad_output.reshape(-1, k), weight, pre.reshape(-1, n),
+                                      entry)
+    return out.view(*grad_output.shape[:-1], n)
 
 
 def _lt_gelu_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -505,20 +498,15 @@ def _lt_gelu_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
 
 def _lt_dgelu(grad_output: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor,
-              entry: int, bgrad: bool):
-    epilogue = "dgelu_bgrad" if bgrad else "dgelu"
-    n = weight.shape[1]
+              entry: int) -> torch.Tensor:
     if grad_output.is_cuda:
-        entry = _resolve(entry, "dgrad", epilogue, grad_output, weight, n)
-    # bgrad: the bias vector (written) is allocated here, aligned like any fresh tensor
-    dbias = grad_output.new_empty(n if bgrad else 0)
+        entry = _resolve(entry, "dgrad", "dgelu", grad_output, weight, weight.shape[1])
     if entry < 0 or not _aligned(grad_output, weight, pre) or not pre.is_contiguous():
-        out = gelu_tanh_grad(grad_output @ weight, pre)
-        return out, (out.sum(dim=0) if bgrad else dbias)
+        return gelu_tanh_grad(grad_output @ weight, pre)
     shape, algo = _ALGOS[entry]
     out = torch.empty(shape.m, shape.n, dtype=grad_output.dtype, device=grad_output.device)
-    cublaslt().matmul(shape, algo, weight, grad_output, out, 0.0, epilogue, pre, dbias)
-    return out, dbias
+    cublaslt().matmul(shape, algo, weight, grad_output, out, 0.0, "dgelu", pre)
+    return out
 
 
 def _lt_gelu_forward_fake(x, weight, bias, entry):
@@ -526,15 +514,13 @@ def _lt_gelu_forward_fake(x, weight, bias, entry):
     return out, torch.empty_like(out)
 
 
-def _lt_dgelu_fake(grad_output, weight, pre, entry, bgrad):
-    n = weight.shape[1]
-    return grad_output.new_empty(grad_output.shape[0], n), grad_output.new_empty(n if bgrad else 0)
+def _lt_dgelu_fake(grad_output, weight, pre, entry):
+    return grad_output.new_empty(grad_output.shape[0], weight.shape[1])
 
 
 _LIB.define("lt_gelu_forward(Tensor x, Tensor weight, Tensor? bias, int entry) "
             "-> (Tensor, Tensor)")
-_LIB.define("lt_dgelu(Tensor grad_output, Tensor weight, Tensor pre, int entry, bool bgrad) "
-            "-> (Tensor, Tensor)")
+_LIB.define("lt_dgelu(Tensor grad_output, Tensor weight, Tensor pre, int entry) -> Tensor")
 for _key in ("CUDA", "CPU"):
     _LIB.impl("lt_gelu_forward", _lt_gelu_forward, _key)
     _LIB.impl("lt_dgelu", _lt_dgelu, _key)

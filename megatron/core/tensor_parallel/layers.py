@@ -320,10 +320,7 @@ class LinearGeluEpilogue(torch.autograd.Function):
 
     `act` carries no gradient (non-differentiable output): its consumer must be
     `LinearAfterGelu`, which hands the gradient of the pre-activation to `pre`, so the
-    backward here is a plain linear layer's backward fed with that gradient. The third
-    output, `bias_grad_slot` (the bias's shape; empty without a bias; its values unused),
-    is how LinearAfterGelu hands back the bias grad its input-grad product's epilogue
-    summed (DGELU_BGRAD), which saves reading that gradient once more here.
+    backward here is a plain linear layer's backward fed with that gradient.
     """
 
     @staticmethod
@@ -333,52 +330,40 @@ class LinearGeluEpilogue(torch.autograd.Function):
                                 async_grad_allreduce, sequence_parallel, group)
         ctx.use_bias = bias is not None
         act, pre = gemm_algos.linear_gelu_forward(total_x, weight, bias)
-        slot = pre.new_empty(bias.shape if ctx.use_bias else (0,))
-        ctx.mark_non_differentiable(act, *(() if ctx.use_bias else (slot,)))
+        ctx.mark_non_differentiable(act)
         ctx.set_materialize_grads(False)  # act's gradient stays None, not a zero tensor
-        return act, pre, slot
+        return act, pre
 
     @staticmethod
-    def backward(ctx, grad_act, grad_pre, grad_slot):
+    def backward(ctx, grad_act, grad_pre):
         if grad_pre is None:
             return None, None, None, None, None, None, None
         x, weight = ctx.saved_tensors
         grad_input, grad_weight, grad_bias = _linear_backward(
             ctx, grad_pre, x, weight, gemm_algos.linear_dgrad, ctx.needs_input_grad[0],
-            ctx.needs_input_grad[1], ctx.use_bias and grad_slot is None)
-        if ctx.use_bias and grad_slot is not None:
-            grad_bias = grad_slot
+            ctx.needs_input_grad[1], ctx.use_bias)
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 class LinearAfterGelu(torch.autograd.Function):
     """y = act W^T for act = gelu_tanh(pre) from LinearGeluEpilogue (row-parallel input,
     no communication here). The backward returns the gradient of `pre` (the input-grad
-    product's epilogue multiplies by gelu'(pre): gemm_algos.linear_dgrad_dgelu), none for
-    `act`, and for a non-empty `bias_grad_slot` the sum of the gradient of `pre` over the
-    tokens (the same epilogue's bias gradient)."""
+    product's epilogue multiplies by gelu'(pre): gemm_algos.linear_dgrad_dgelu) and none
+    for `act`."""
 
     @staticmethod
-    def forward(ctx, act, pre, bias_grad_slot, weight, gradient_accumulation_fusion, group):
+    def forward(ctx, act, pre, weight, gradient_accumulation_fusion, group):
         _setup_linear(ctx, act, weight, gradient_accumulation_fusion, False, False, group, pre)
-        ctx.bias_grad = bias_grad_slot.numel() > 0
         return gemm_algos.linear_forward(act, weight)
 
     @staticmethod
     def backward(ctx, grad_output):
         act, weight, pre = ctx.saved_tensors
-        summed = {}
-
-        def dgrad(g, w):
-            if not ctx.bias_grad:
-                return gemm_algos.linear_dgrad_dgelu(g, w, pre)
-            dh, summed["bias"] = gemm_algos.linear_dgrad_dgelu(g, w, pre, bias_grad=True)
-            return dh
-
         grad_pre, grad_weight, _ = _linear_backward(
-            ctx, grad_output, act, weight, dgrad, ctx.needs_input_grad[1],
-            ctx.needs_input_grad[3], False)
-        return None, grad_pre, summed.get("bias"), grad_weight, None, None
+            ctx, grad_output, act, weight,
+            lambda g, w: gemm_algos.linear_dgrad_dgelu(g, w, pre), ctx.needs_input_grad[1],
+            ctx.needs_input_grad[2], False)
+        return None, grad_pre, grad_weight, None, None
 
 
 def linear_with_grad_accumulation_and_async_allreduce(
@@ -534,13 +519,11 @@ class ColumnParallelLinear(nn.Module):
             else output_parallel
         return output, (bias if self.skip_bias_add else None)
 
-    def forward_gelu(self, input_: torch.Tensor
-                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(act, pre, bias_grad_slot): this layer's output (bias included) through the
-        tanh-form GeLU computed in the product's epilogue, for
-        `RowParallelLinear.forward_after_gelu` (the only consumer of `act`, which carries
-        no gradient itself; see LinearGeluEpilogue). Needs no skip_bias_add, gather_output
-        or passed weight."""
+    def forward_gelu(self, input_: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(act, pre): this layer's output (bias included) through the tanh-form GeLU
+        computed in the product's epilogue, for `RowParallelLinear.forward_after_gelu` (the
+        only consumer of `act`, which carries no gradient itself). Needs no skip_bias_add,
+        gather_output or passed weight."""
         if self.skip_bias_add or self.gather_output or self.weight is None:
             raise ValueError("ColumnParallelLinear.forward_gelu needs a layer without "
                              "skip_bias_add, gather_output or a passed weight (the GeLU "
@@ -610,15 +593,13 @@ class RowParallelLinear(nn.Module):
         )
         return self._reduce(output_parallel)
 
-    def forward_after_gelu(self, act: torch.Tensor, pre: torch.Tensor,
-                           bias_grad_slot: torch.Tensor
+    def forward_after_gelu(self, act: torch.Tensor, pre: torch.Tensor
                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """forward(act) for (act, pre, bias_grad_slot) from ColumnParallelLinear.forward_gelu:
-        the gradient goes to `pre` through the input-grad product's GeLU-derivative
-        epilogue, and that epilogue's bias gradient to the slot."""
+        """forward(act) for (act, pre) from ColumnParallelLinear.forward_gelu: the gradient
+        goes to `pre` through the input-grad product's GeLU-derivative epilogue."""
         if not self.input_is_parallel:
             raise ValueError("RowParallelLinear.forward_after_gelu needs input_is_parallel=True")
-        output_parallel = LinearAfterGelu.apply(act, pre, bias_grad_slot, self.weight,
+        output_parallel = LinearAfterGelu.apply(act, pre, self.weight,
                                                 self.gradient_accumulation_fusion, self.tp_group)
         return self._reduce(output_parallel)
 
