@@ -254,9 +254,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, gradient_accumulation_fusion, async_grad_allreduce,
                 sequence_parallel, group):
-        total_x = _setup_linear(ctx, x, weight, gradient_accumulation_fusion,
+        total_x = _setup_linear(ctx, x, weight, bias, gradient_accumulation_fusion,
                                 async_grad_allreduce, sequence_parallel, group)
-        ctx.use_bias = bias is not None
         return gemm_algos.linear_forward(total_x, weight, bias)
 
     @staticmethod
@@ -268,10 +267,11 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
-def _setup_linear(ctx, x, weight, gradient_accumulation_fusion, async_grad_allreduce,
+def _setup_linear(ctx, x, weight, bias, gradient_accumulation_fusion, async_grad_allreduce,
                   sequence_parallel, group, *more_saved):
     """Save what the backward needs; the input the product reads (gathered under SP)."""
     ctx.save_for_backward(x, weight, *more_saved)
+    ctx.use_bias = bias is not None
     ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
     ctx.async_grad_allreduce = async_grad_allreduce and group_size(group) > 1
     ctx.sequence_parallel = sequence_parallel and group_size(group) > 1
@@ -326,9 +326,8 @@ class LinearGeluEpilogue(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, gradient_accumulation_fusion, async_grad_allreduce,
                 sequence_parallel, group):
-        total_x = _setup_linear(ctx, x, weight, gradient_accumulation_fusion,
+        total_x = _setup_linear(ctx, x, weight, bias, gradient_accumulation_fusion,
                                 async_grad_allreduce, sequence_parallel, group)
-        ctx.use_bias = bias is not None
         act, pre = gemm_algos.linear_gelu_forward(total_x, weight, bias)
         ctx.mark_non_differentiable(act)
         ctx.set_materialize_grads(False)  # act's gradient stays None, not a zero tensor
@@ -353,7 +352,8 @@ class LinearAfterGelu(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, act, pre, weight, gradient_accumulation_fusion, group):
-        _setup_linear(ctx, act, weight, gradient_accumulation_fusion, False, False, group, pre)
+        _setup_linear(ctx, act, weight, None, gradient_accumulation_fusion, False, False, group,
+                      pre)
         return gemm_algos.linear_forward(act, weight)
 
     @staticmethod
