@@ -30,6 +30,18 @@ def test_single_run_reports_throughput_and_mfu():
     assert row["preset"] == "tiny" and row["layout"] == "tp1pp1dp1" and row["tokens_per_s"] > 0
     assert {"mfu", "tflops", "step_ms", "time_to_first_step_s", "est_mem_gb"} <= set(row)
     assert "sm_clock_mhz" not in row  # sampled on CUDA only
+    assert (row["precision"], row["skipped_steps"]) == ("fp32", 0)
+
+
+def test_fp16_replaces_the_presets_bf16():
+    """`-- --fp16` on a bf16 preset runs it in fp16 (the two flags are exclusive)."""
+    from megatron.arguments import parse_and_validate
+
+    bm = _benchmark_module()
+    argv = bm.build_argv("gpt-1.3b", 2, 1, 8, ["--fp16"])
+    assert "--bf16" not in argv and "--bf16" in bm.build_argv("gpt-1.3b", 2, 1, 8, [])
+    config = parse_and_validate(argv, cuda_available=False)
+    assert config.args["fp16"] and not config.args["bf16"]
 
 
 @pytest.mark.slow

@@ -76,6 +76,8 @@ def build_argv(preset: str, steps: int, warmup: int, micro_batch: int, extra: li
     """Flags for one run. Each GPU keeps the preset's micro batch (weak scaling); with
     pipeline stages the global batch holds 2*pp micro-batches per data-parallel rank."""
     flags, _ = PRESETS[preset]
+    if "--fp16" in extra:  # the preset's precision gives way to the one asked for
+        flags = [f for f in flags if f != "--bf16"]
     lay = layout or {"tp": 1, "pp": 1, "dp": 1}
     num_micro = 2 * lay["pp"] if lay["pp"] > 1 else 1
     total = steps + warmup
@@ -360,13 +362,14 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     sync()
     monitor = (ChipMonitor(chip_id(torch, rt.device), chip_sample_ms)
                if use_cuda and chip_sample_ms > 0 else contextlib.nullcontext())
-    marks, host = [], []  # CUDA events around each timed step's GPU work; host seconds
+    marks, host, skipped = [], [], 0  # CUDA events around each timed step's GPU work; host seconds
     with monitor:
         t0 = time.perf_counter()
         for _ in range(steps):
             start = recorded_event(torch) if use_cuda else None
             h0 = time.perf_counter()
-            loss, *_ = train_step(tr, data)
+            loss, ok, *_ = train_step(tr, data)
+            skipped += not ok  # fp16: an overflow skipped the update (a bool: no sync)
             host.append(time.perf_counter() - h0)
             if use_cuda:
                 marks.append((start, recorded_event(torch)))
@@ -394,6 +397,8 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
         "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if use_cuda else None,
         "time_to_first_step_s": round(t_first, 1), "time_to_build_s": round(t_built, 1),
         "loss": round(float(loss), 4),
+        "precision": "fp16" if config.args["fp16"] else "bf16" if config.args["bf16"] else "fp32",
+        "skipped_steps": skipped,
         "est_mem_gb": round(estimate_memory(config)["allocated"] / 2**30, 2),
         "compile": m.compile_layers, "extra": " ".join(extra),
         **({"host_syncs": syncs, "sync_steps": sync_steps} if syncs is not None else {}),
