@@ -439,7 +439,7 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
             nan_loss_policy=ns.nan_loss_policy, timing_log_level=ns.timing_log_level,
             rampup_batch_size=ns.rampup_batch_size,
             empty_unused_memory_level=ns.empty_unused_memory_level,
-            compile_mode=ns.compile_mode, fp16=ns.fp16,
+            compile_mode=ns.compile_mode,
             distributed_optimizer=ns.use_distributed_optimizer, adam_kernel=ns.adam_kernel,
             optimizer=ns.optimizer)
         if reason is not None:

@@ -35,7 +35,7 @@ WARMUP_STEPS = 2  # eager steps before the capture
 def settings_reason(*, device_type: str, world_size: int, hidden_dropout: float,
                     attention_dropout: float, nan_loss_policy: str, timing_log_level: int,
                     rampup_batch_size, empty_unused_memory_level: int, compile_mode: str,
-                    fp16: bool, distributed_optimizer: bool, adam_kernel: str,
+                    distributed_optimizer: bool, adam_kernel: str,
                     optimizer: str) -> Optional[str]:
     """Why these settings rule out a captured step (None: they don't). Checked from the
     flags when `--cuda-graph-step on` is given, and again at the first step."""
@@ -54,7 +54,6 @@ def settings_reason(*, device_type: str, world_size: int, hidden_dropout: float,
         (empty_unused_memory_level > 0, "--empty-unused-memory-level frees memory mid-step"),
         (compile_mode == "reduce-overhead", "--compile-mode reduce-overhead graphs the layers "
                                             "already"),
-        (fp16, "fp16 loss scaling decides on the host whether a step is skipped"),
         (distributed_optimizer, "--use-distributed-optimizer steps with torch's kernel"),
         (adam_kernel == "torch", "--adam-kernel torch reads the learning rate on the host"),
         (optimizer != "adam", f"--optimizer {optimizer}: only the Triton AdamW step reads its "
@@ -75,7 +74,7 @@ def graph_capture_reason(tr) -> Optional[str]:
         timing_log_level=cfg.logging.timing_log_level,
         rampup_batch_size=cfg.data.rampup_batch_size,
         empty_unused_memory_level=cfg.training.empty_unused_memory_level,
-        compile_mode=m.compile_mode, fp16=o.fp16,
+        compile_mode=m.compile_mode,
         distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         adam_kernel=o.adam_kernel, optimizer=o.optimizer)
     return reason or tr.optimizer.graph_capture_reason()
@@ -153,8 +152,9 @@ class StepGraph:
             _copy_into(self.static, micros)
         tr.optimizer.prepare_replay()
         loss, ok, grad_norm, num_zeros, last_local = self._replay(tr)
+        ok = tr.optimizer.finish_replay()  # fp16: did the update happen (one host sync)
         tr.last_local_loss = last_local.clone()
-        copy = (lambda t: None if t is None else t.clone())
+        copy = (lambda t: None if t is None or not ok else t.clone())
         return loss.clone(), ok, copy(grad_norm), copy(num_zeros)
 
     @contextlib.contextmanager

@@ -173,9 +173,12 @@ class IntervalStats:
 
     def add(self, tr: Trainer, loss, ok, grad_norm, counted: bool = False) -> None:
         """Record one iteration; `counted`: a NaN already counted by the NaN policy."""
+        scale = tr.optimizer.get_loss_scale()
+        if getattr(tr.optimizer, "grad_scaler", None) is not None:
+            scale = scale.clone()  # the scaler updates its tensor in place
         self.records.append((tr.state.iteration, tr.state.consumed_train_samples,
-                             tr.scheduler.get_lr(), loss, tr.optimizer.get_loss_scale(),
-                             grad_norm, ok, counted, tr.last_local_loss))
+                             tr.scheduler.get_lr(), loss, scale, grad_norm, ok, counted,
+                             tr.last_local_loss))
 
 
 def _to_float(x) -> Optional[float]:

@@ -20,6 +20,7 @@ import torch
 triton = pytest.importorskip("triton", reason="Triton is not installed")
 
 from megatron.core.optimizer.multi_tensor_adam import BLOCK, MultiTensorAdamW  # noqa: E402
+from megatron.training import train_step  # noqa: E402
 from tests.gpt_helpers import cli_trainer, train_steps  # noqa: E402
 
 
@@ -150,6 +151,41 @@ def test_training_with_the_kernel_matches_torch_and_resumes(precision, atol):
         next(resumed_data)
     assert torch.allclose(torch.tensor(train_steps(resumed, resumed_data, 2)),
                           torch.tensor(expected[4:]), rtol=0, atol=atol)
+
+
+@pytest.mark.any_device
+def test_fp16_training_reads_the_16_bit_grad_buffer_and_matches_torch():
+    """fp16 (grad buffer in fp16, dynamic loss scale starting where it overflows now and
+    then): the kernel reads the scaled fp16 gradients as they are, with the unscaling and
+    the clip folded into its divisor and the overflow check taken from the norm; the
+    torch path copies them to fp32, unscales, checks and clips in separate passes. Same
+    skipped steps, losses within 1e-3 (an ulp of an fp32 weight can flip an fp16 one),
+    grad norms within 1e-4 relative, same loss scale; the fp16 weights are the fp32 main
+    weights rounded, and Adam's step count is the number of kept steps."""
+    argv = [a for a in ARGV if a != "--bf16"] + ["--fp16", "--initial-loss-scale", "1048576"]
+    runs = {}
+    for kernel in ("torch", "triton"):
+        tr, data = _trainer(kernel, argv=argv)
+        rows = []
+        for _ in range(8):
+            loss, ok, norm, _ = train_step(tr, data)
+            tr.state.iteration += 1
+            rows.append((float(loss), ok, None if norm is None else float(norm)))
+        runs[kernel] = (tr, rows)
+    (torch_tr, expected), (tri_tr, got) = runs["torch"], runs["triton"]
+    assert tri_tr.optimizer._multi and not torch_tr.optimizer._multi
+    assert {t.grad_dtype for t in tri_tr.optimizer._multi.tables} == {torch.float16}
+    assert [r[1] for r in got] == [r[1] for r in expected]
+    assert not all(r[1] for r in got) and any(r[1] for r in got)
+    for (loss, ok, norm), (ref_loss, _, ref_norm) in zip(got, expected):
+        assert abs(loss - ref_loss) <= 1e-3
+        assert (norm is None) == (ref_norm is None) == (not ok)
+        assert norm is None or abs(norm - ref_norm) <= 1e-4 * ref_norm
+    assert float(tri_tr.optimizer.get_loss_scale()) == float(torch_tr.optimizer.get_loss_scale())
+    for model, main in tri_tr.optimizer._model_main_pairs():
+        assert model.dtype == torch.float16 and torch.equal(model, main.to(model.dtype))
+    kept = sum(r[1] for r in got)
+    assert {float(s["step"]) for s in tri_tr.optimizer.optimizer.state.values()} == {float(kept)}
 
 
 @pytest.mark.any_device

@@ -49,9 +49,10 @@ def _interpret(request, monkeypatch):
     monkeypatch.setattr(multi_tensor_adam, "INTERPRET_ON_CPU", not on_cuda)
 
 
-def _run(argv, steps: int, runner=None):
+def _run(argv, steps: int, runner=None, oks=None):
     """(losses, grad norms, trainer) after `steps` steps on the CPU; `runner` preset as
-    the graph. Skips where CUDA is visible: Triton was imported there without
+    the graph; each step's update flag appended to `oks` when given (else every step must
+    update). Skips where CUDA is visible: Triton was imported there without
     TRITON_INTERPRET (tests/conftest.py), and its interpreter cannot run the kernel."""
     from megatron.training import data_iterator, train_step
 
@@ -65,7 +66,10 @@ def _run(argv, steps: int, runner=None):
     losses, norms = [], []
     for _ in range(steps):
         loss, ok, grad_norm, _ = train_step(tr, data)
-        assert ok
+        if oks is None:
+            assert ok
+        else:
+            oks.append(ok)
         losses.append(loss)
         norms.append(grad_norm)
         tr.state.iteration += 1
@@ -92,6 +96,37 @@ def test_simulated_replays_equal_eager_steps(precision):
     assert multi.step_count == steps, "each replay must count exactly one optimizer step"
     assert torch.equal(multi.hyper, eager.optimizer._multi.hyper)  # the last step's lr, wd, ...
     assert graphed.scheduler.num_steps == eager.scheduler.num_steps
+
+
+def test_simulated_fp16_replays_skip_overflows_like_eager_steps():
+    """fp16 with a loss scale that overflows now and then: a replayed step decides on the
+    device (the kernel masks itself off) and the host learns it after the replay; the
+    skip pattern, losses, grad norms, loss scales, weights and step counts must equal an
+    eager run's, which decides before launching the kernel."""
+    argv = [a for a in ARGV if a != "--bf16"] + ["--fp16", "--initial-loss-scale", "1048576"]
+    steps = WARMUP_STEPS + 6
+    eager_oks, oks = [], []
+    eager_losses, eager_norms, eager = _run(argv + ["--cuda-graph-step", "off"], steps,
+                                            oks=eager_oks)
+    runner = StepGraph(simulated=True)
+    losses, norms, graphed = _run(argv, steps, runner, oks=oks)
+    assert runner.body is not None and runner.failed is None, "no step was replayed"
+    assert oks == eager_oks
+    replayed = oks[WARMUP_STEPS:]
+    assert not all(replayed) and any(replayed), f"no skipped and kept replays: {oks}"
+    assert [float(x) for x in losses] == [float(x) for x in eager_losses]
+    assert [None if x is None else float(x) for x in norms] == \
+        [None if x is None else float(x) for x in eager_norms]
+    assert all((n is None) == (not ok) for n, ok in zip(norms, oks))
+    for a, b in zip(_weights(graphed), _weights(eager)):
+        assert torch.equal(a, b)
+    assert graphed.optimizer._multi.step_count == sum(oks) == eager.optimizer._multi.step_count
+    assert float(graphed.optimizer.get_loss_scale()) == float(eager.optimizer.get_loss_scale())
+    assert graphed.optimizer.grad_scaler.state_dict()["growth_tracker"] == \
+        eager.optimizer.grad_scaler.state_dict()["growth_tracker"]
+    assert graphed.scheduler.num_steps == eager.scheduler.num_steps
+    state = graphed.optimizer.optimizer.state
+    assert {float(s["step"]) for s in state.values()} == {float(sum(oks))}
 
 
 def test_returned_loss_is_not_overwritten_by_the_next_replay():
@@ -126,7 +161,7 @@ def test_auto_stays_eager_on_the_cpu_quietly(capsys):
 def _settings(**changes):
     base = dict(device_type="cuda", world_size=1, hidden_dropout=0.0, attention_dropout=0.0,
                 nan_loss_policy="stop", timing_log_level=0, rampup_batch_size=None,
-                empty_unused_memory_level=0, compile_mode="default", fp16=False,
+                empty_unused_memory_level=0, compile_mode="default",
                 distributed_optimizer=False, adam_kernel="auto", optimizer="adam")
     base.update(changes)
     return settings_reason(**base)
@@ -141,7 +176,6 @@ def _settings(**changes):
     ({"rampup_batch_size": [4, 4, 100]}, "--rampup-batch-size"),
     ({"empty_unused_memory_level": 1}, "--empty-unused-memory-level"),
     ({"compile_mode": "reduce-overhead"}, "reduce-overhead"),
-    ({"fp16": True}, "fp16 loss scaling"),
     ({"distributed_optimizer": True}, "--use-distributed-optimizer"),
     ({"adam_kernel": "torch"}, "--adam-kernel torch"),
     ({"optimizer": "sgd"}, "--optimizer sgd"),
@@ -156,8 +190,7 @@ def test_insisting_where_it_cannot_capture_is_refused_at_parse_time():
 
     argv = ARGV + ["--bf16", "--cuda-graph-step", "on"]
     parse_and_validate(argv, cuda_available=True)  # allowed
-    with pytest.raises(ArgumentsError, match="--cuda-graph-step on, but fp16 loss scaling"):
-        parse_and_validate([a for a in argv if a != "--bf16"] + ["--fp16"], cuda_available=True)
+    parse_and_validate([a for a in argv if a != "--bf16"] + ["--fp16"], cuda_available=True)
     with pytest.raises(ArgumentsError, match="needs CUDA; use --cuda-graph-step auto"):
         parse_and_validate(argv, cuda_available=False)
 
@@ -172,32 +205,39 @@ def test_a_batch_of_another_shape_is_refused_with_the_fix():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("compile_flag", ["--no-compile", "--compile"])
-def test_captured_steps_equal_eager_steps_on_cuda(compile_flag):
-    """A real capture: 4 replays after the warm-up give the eager run's losses (bitwise:
-    the same kernels on the same data), and the returned losses stay distinct."""
+@pytest.mark.parametrize("compile_flag,precision", [
+    ("--no-compile", ["--bf16"]), ("--compile", ["--bf16"]),
+    ("--compile", ["--fp16", "--initial-loss-scale", "1048576"])])
+def test_captured_steps_equal_eager_steps_on_cuda(compile_flag, precision):
+    """A real capture: 6 replays after the warm-up give the eager run's losses and update
+    flags (bitwise: the same kernels on the same data), and the returned losses stay
+    distinct. fp16 starts at a loss scale that overflows now and then: replays that skip
+    on the device must skip as the eager steps do."""
     from megatron.arguments import parse_and_validate
     from megatron.initialize import initialize_distributed, set_random_seed
     from megatron.training import build_trainer, data_iterator, train_step
 
     def run(mode):
-        cfg = parse_and_validate(ARGV + ["--bf16", compile_flag, "--cuda-graph-step", mode],
+        cfg = parse_and_validate(ARGV + precision + [compile_flag, "--cuda-graph-step", mode],
                                  env={"RANK": "0"}, cuda_available=True)
         rt = initialize_distributed(cfg.parallel, 0, 1, 0)
         set_random_seed(cfg.training.seed, rt)
         tr = build_trainer(cfg, rt)
         data = data_iterator(cfg, rt, "train", 0)
         out = []
-        for _ in range(WARMUP_STEPS + 4):
-            out.append(train_step(tr, data)[0])
+        for _ in range(WARMUP_STEPS + 6):
+            loss, ok, *_ = train_step(tr, data)
+            out.append((float(loss), ok))
             tr.state.iteration += 1
-        return [float(x) for x in out], tr
+        return out, tr
 
     eager, _ = run("off")
     graphed, tr = run("on")
     assert tr.step_graph and tr.step_graph.graph is not None
     assert graphed == eager
-    assert len(set(graphed)) == len(graphed)
+    assert len({loss for loss, _ in graphed}) == len(graphed)
+    if "--fp16" in precision:
+        print("fp16 update flags:", [ok for _, ok in graphed])
 
 
 def test_state_saved_after_replays_resumes_like_an_eager_run():

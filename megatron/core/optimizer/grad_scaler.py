@@ -107,14 +107,15 @@ class DynamicGradScaler(MegatronGradScaler):
         if found_inf:
             self._growth_tracker = 0
             self._hysteresis_tracker -= 1
-            if self._hysteresis_tracker <= 0:
-                self._scale = torch.clamp(self._scale * self.backoff_factor, min=self.min_scale)
+            if self._hysteresis_tracker <= 0:  # in place: a captured step reads this tensor
+                self._scale.copy_(torch.clamp(self._scale * self.backoff_factor,
+                                              min=self.min_scale))
             return
         self._growth_tracker += 1
         if self._growth_tracker == self.growth_interval:
             self._growth_tracker = 0
             self._hysteresis_tracker = self.hysteresis
-            self._scale = self._scale * self.growth_factor
+            self._scale.mul_(self.growth_factor)
 
     def state_dict(self) -> Dict[str, Any]:
         return {
@@ -125,6 +126,6 @@ class DynamicGradScaler(MegatronGradScaler):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         scale = torch.as_tensor(state_dict["scale"], dtype=torch.float32)
-        self._scale = scale.reshape(()).to(self._scale.device).clone()
+        self._scale.copy_(scale.reshape(()))
         self._growth_tracker = int(state_dict["growth_tracker"])
         self._hysteresis_tracker = int(state_dict["hysteresis_tracker"])

@@ -25,7 +25,7 @@ through Triton's interpreter: TRITON_INTERPRET=1 in the environment (read by Tri
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,12 +44,16 @@ INTERPRET_ON_CPU = False
 _NUM_WARPS = 8
 
 
-def _adamw_kernel_source(block_tensor, block_chunk, addrs, numels, ntensors, scale_ptr, hyper,
-                         beta1, beta2, eps, OUT_DTYPE: tl.constexpr,
-                         HAS_SCALE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel_source(block_tensor, block_chunk, addrs, numels, ntensors, scale_ptr, skip_ptr,
+                         hyper, beta1, beta2, eps, OUT_DTYPE: tl.constexpr,
+                         GRAD_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr,
+                         HAS_SKIP: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """One program: BLOCK elements of one parameter (AdamW, decoupled weight decay). The
     values that change from step to step come from device memory (`hyper`: lr, weight
-    decay, 1 - beta1^t, sqrt(1 - beta2^t)), so a captured step replays with new ones."""
+    decay, 1 - beta1^t, sqrt(1 - beta2^t)), so a captured step replays with new ones.
+    Gradients are read in their own dtype (fp32, or the 16-bit grad buffer of an fp16
+    run) and widened to fp32; with HAS_SKIP a nonzero `skip_ptr` (an overflow found on
+    the device) masks every load and store: the step leaves everything as it was."""
     pid = tl.program_id(0)
     lr = tl.load(hyper)
     weight_decay = tl.load(hyper + 1)
@@ -57,7 +61,10 @@ def _adamw_kernel_source(block_tensor, block_chunk, addrs, numels, ntensors, sca
     bias_correction2_sqrt = tl.load(hyper + 3)
     t = tl.load(block_tensor + pid)
     offs = tl.load(block_chunk + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < tl.load(numels + t)
+    numel = tl.load(numels + t)
+    if HAS_SKIP:
+        numel = tl.where(tl.load(skip_ptr) == 0, numel, 0)
+    mask = offs < numel
     p_addr = tl.load(addrs + t)
     g_addr = tl.load(addrs + ntensors + t)
     m_addr = tl.load(addrs + 2 * ntensors + t)
@@ -69,11 +76,15 @@ def _adamw_kernel_source(block_tensor, block_chunk, addrs, numels, ntensors, sca
         m_addr = tl.multiple_of(m_addr, 16)
         v_addr = tl.multiple_of(v_addr, 16)
     p_ptr = p_addr.to(tl.pointer_type(tl.float32))
-    g_ptr = g_addr.to(tl.pointer_type(tl.float32))
     m_ptr = m_addr.to(tl.pointer_type(tl.float32))
     v_ptr = v_addr.to(tl.pointer_type(tl.float32))
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+    if GRAD_DTYPE == tl.bfloat16:  # widen the bits by hand (exact; the interpreter lacks bf16)
+        bits = tl.load(g_addr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
+        g = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        g = tl.load(g_addr.to(tl.pointer_type(GRAD_DTYPE)) + offs, mask=mask, other=0.0)
+        g = g.to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
     if HAS_SCALE:
@@ -130,9 +141,11 @@ def supports(optimizer: torch.optim.Optimizer) -> Optional[str]:
 class _GroupTables:
     """The address tables of one param group, and what they were built from."""
 
-    def __init__(self, params, model_params, state, device) -> None:
+    def __init__(self, params, grads, model_params, state, device) -> None:
         self.params = params
-        self.grad_ptrs = tuple(p.grad.data_ptr() for p in params)
+        self.grad_ptrs = tuple(g.data_ptr() for g in grads)
+        dtypes = {g.dtype for g in grads}
+        self.grad_dtype = dtypes.pop() if len(dtypes) == 1 else None  # None: mixed, unusable
         self.states = [state[p] for p in params]
         self.exp_avgs = [s["exp_avg"] for s in self.states]
         outs = [0 if q is None else q.data_ptr() for q in model_params]
@@ -150,12 +163,10 @@ class _GroupTables:
         self.num_blocks = sum(chunks)
         self.out_dtypes = {q.dtype for q in model_params if q is not None}
 
-    def still_valid(self, params, state) -> bool:
+    def still_valid(self, params, grads, state) -> bool:
         if len(params) != len(self.params) or any(a is not b for a, b in zip(params, self.params)):
             return False
-        if any(p.grad is None for p in params):
-            return False
-        if tuple(p.grad.data_ptr() for p in params) != self.grad_ptrs:
+        if tuple(g.data_ptr() for g in grads) != self.grad_ptrs:
             return False
         return all(state.get(p) is s and s.get("exp_avg") is m
                    for p, s, m in zip(params, self.states, self.exp_avgs))
@@ -164,15 +175,20 @@ class _GroupTables:
 class MultiTensorAdamW:
     """Steps a `torch.optim.AdamW` with the Triton kernel. `model_params[i][j]` is the
     16-bit model parameter whose values main parameter `param_groups[i]['params'][j]`
-    holds (None: no copy, e.g. fp32 model parameters stepped directly)."""
+    holds (None: no copy, e.g. fp32 model parameters stepped directly). `grads()`, when
+    given, returns per group the tensor to read as each parameter's gradient (e.g. the
+    16-bit grad buffer of an fp16 run); else the kernel reads `param.grad`."""
 
     def __init__(self, optimizer: torch.optim.AdamW,
-                 model_params: Sequence[Sequence[Optional[torch.Tensor]]]) -> None:
+                 model_params: Sequence[Sequence[Optional[torch.Tensor]]],
+                 grads: Optional[Callable[[], List[List[Optional[torch.Tensor]]]]] = None
+                 ) -> None:
         reason = supports(optimizer)
         if reason is not None:
             raise ValueError(f"the Triton AdamW kernel cannot step this optimizer: {reason}")
         self.optimizer = optimizer
         self.model_params = [list(group) for group in model_params]
+        self._grads = grads
         self.tables: List[Optional[_GroupTables]] = [None] * len(optimizer.param_groups)
         self.step_count: Optional[int] = None
         self._step_tensors: List[torch.Tensor] = []
@@ -190,16 +206,21 @@ class MultiTensorAdamW:
         """(tables usable, rebuilt). Rebuilds the tables that went stale; reads the step
         count from the state after a rebuild (one host synchronisation)."""
         rebuilt = False
+        given = self._grads() if self._grads is not None else None
         for i, group in enumerate(self.optimizer.param_groups):
             params = group["params"]
-            if any(p.grad is None for p in params):
+            grads = given[i] if given is not None else [p.grad for p in params]
+            if any(g is None for g in grads):
                 return False, rebuilt
             table = self.tables[i]
-            if table is None or not table.still_valid(params, self.optimizer.state):
+            if table is None or not table.still_valid(params, grads, self.optimizer.state):
                 self._init_state(params)
-                self.tables[i] = _GroupTables(params, self.model_params[i], self.optimizer.state,
+                self.tables[i] = _GroupTables(params, grads, self.model_params[i],
+                                              self.optimizer.state,
                                               params[0].device if params else None)
                 rebuilt = True
+            if self.tables[i].grad_dtype is None and params:
+                return False, rebuilt
         if (rebuilt or self.step_count is None) and capturing():
             raise RuntimeError("the Triton AdamW tables went stale inside a captured step "
                                "(optimizer state or grad buffers replaced after warm-up); "
@@ -212,6 +233,9 @@ class MultiTensorAdamW:
                 return False, rebuilt  # parameters at different steps: torch's kernel copes
             self.step_count = int(counts.pop()) if counts else 0
             self._step_tensors = steps
+        if self.hyper is None:  # before any capture: a replay's host side writes it
+            device = next(p.device for g in self.optimizer.param_groups for p in g["params"])
+            self.hyper = torch.zeros(len(self.tables), 4, dtype=torch.float32, device=device)
         return True, rebuilt
 
     def advance(self) -> None:
@@ -232,11 +256,24 @@ class MultiTensorAdamW:
         self.hyper.copy_(host, non_blocking=True)
         self.step_count = step
 
+    def ready(self) -> bool:
+        """Whether `step()` can run now (every gradient there, in one dtype per group, and
+        every parameter at the same step count); builds stale tables."""
+        return self._refresh()[0]
+
+    def undo_advance(self) -> None:
+        """A replayed step skipped its update on the device (loss-scale overflow): the
+        host's step count goes back to where the device's is."""
+        self.step_count -= 1
+
     @torch.no_grad()
-    def step(self, grad_scale: Optional[torch.Tensor] = None) -> bool:
+    def step(self, grad_scale: Optional[torch.Tensor] = None,
+             skip: Optional[torch.Tensor] = None) -> bool:
         """One AdamW step of every parameter (grads divided by `grad_scale` when given);
         False, with nothing done, when some parameter has no gradient or the parameters
-        are at different step counts (the caller then uses torch's optimizer)."""
+        are at different step counts (the caller then uses torch's optimizer). `skip`: a
+        0-dim float tensor; where it is nonzero on the device, the launched step changes
+        nothing (parameters, moments, step counts): a captured fp16 step's overflow."""
         ok, _ = self._refresh()
         if not ok:
             if capturing():
@@ -244,9 +281,6 @@ class MultiTensorAdamW:
                                    "step (a parameter has no gradient, or parameters are at "
                                    "different step counts); use --cuda-graph-step off")
             return False
-        if self.hyper is None:
-            device = next(p.device for g in self.optimizer.param_groups for p in g["params"])
-            self.hyper = torch.zeros(len(self.tables), 4, dtype=torch.float32, device=device)
         if not capturing():
             self.advance()
         for i, (group, table) in enumerate(zip(self.optimizer.param_groups, self.tables)):
@@ -257,11 +291,16 @@ class MultiTensorAdamW:
             scale = grad_scale if grad_scale is not None else table.numels
             _kernel()[(table.num_blocks,)](
                 table.block_tensor, table.block_chunk, table.addrs, table.numels,
-                len(table.params), scale, self.hyper[i], float(beta1), float(beta2),
-                float(group["eps"]), OUT_DTYPE=_TL_DTYPES[out_dtype],
-                HAS_SCALE=grad_scale is not None, ALIGNED=table.aligned, BLOCK=BLOCK,
-                num_warps=_NUM_WARPS)
-        torch._foreach_add_(self._step_tensors, 1.0)
+                len(table.params), scale, skip if skip is not None else table.numels,
+                self.hyper[i], float(beta1), float(beta2), float(group["eps"]),
+                OUT_DTYPE=_TL_DTYPES[out_dtype], GRAD_DTYPE=_TL_DTYPES[table.grad_dtype],
+                HAS_SCALE=grad_scale is not None, HAS_SKIP=skip is not None,
+                ALIGNED=table.aligned, BLOCK=BLOCK, num_warps=_NUM_WARPS)
+        if skip is None:
+            torch._foreach_add_(self._step_tensors, 1.0)
+        else:
+            keep = (skip == 0).float()  # a list of tensors: the 0-dim-tensor overload syncs
+            torch._foreach_add_(self._step_tensors, [keep] * len(self._step_tensors))
         return True
 
 

@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.graph_capture import capturing
 from megatron.core.optimizer.clip_grads import (
     clip_grad_norm,
     count_zeros,
@@ -126,6 +127,7 @@ class MegatronOptimizer:
         self.adam_kernel = "auto"
         self._multi = None  # MultiTensorAdamW, False when not used, None before deciding
         self._model_params_written = False
+        self._deferred_found: Optional[torch.Tensor] = None  # a captured step's overflow flag
 
     # --- access --------------------------------------------------------------------------
     @property
@@ -185,6 +187,11 @@ class MegatronOptimizer:
         (None: none), for the Triton AdamW kernel; None when that kernel must not be used."""
         return None
 
+    def _kernel_grads(self):
+        """None (the kernel reads `param.grad`) or a function returning, per inner param
+        group, the tensor the kernel reads as each parameter's gradient."""
+        return None
+
     def _multi_tensor(self) -> Optional[MultiTensorAdamW]:
         """The Triton AdamW stepper (`--adam-kernel`): "auto" uses it when it can run (CUDA,
         Triton importable, AdamW, every gradient in a grad buffer); "triton" insists."""
@@ -196,7 +203,7 @@ class MegatronOptimizer:
                           "(--DDP-impl local with contiguous buffers) or the optimizer shards "
                           "them" if copies is None else supports(self.optimizer))
                 if reason is None:
-                    self._multi = MultiTensorAdamW(self.optimizer, copies)
+                    self._multi = MultiTensorAdamW(self.optimizer, copies, self._kernel_grads())
                 elif self.adam_kernel == "triton":
                     raise ValueError(f"--adam-kernel triton cannot be used: {reason}; use "
                                      "--adam-kernel auto or torch")
@@ -205,11 +212,9 @@ class MegatronOptimizer:
     def graph_capture_reason(self) -> Optional[str]:
         """None when `step()` can be recorded in a whole-step CUDA graph (no host decision
         inside it, step-dependent values read from device memory), else why not."""
-        if getattr(self, "grad_scaler", None) is not None:
-            return "fp16 loss scaling decides on the host whether a step is skipped"
         if self._multi_tensor() is None:
             return ("the optimizer step is not the Triton AdamW kernel (it needs AdamW, "
-                    "Triton, grads in fp32 grad buffers, no --use-distributed-optimizer and "
+                    "Triton, grads in grad buffers, no --use-distributed-optimizer and "
                     "no --adam-kernel torch)")
         return None
 
@@ -217,6 +222,20 @@ class MegatronOptimizer:
         """The host side of `step()` for one replay of a captured step: count the step
         and write its learning rate, weight decay and bias corrections to the device."""
         self._multi_tensor().advance()
+
+    def finish_replay(self) -> bool:
+        """After one replay of a captured step: whether it updated the parameters. With a
+        loss scaler this reads the step's overflow flag from the device (the step's one
+        host synchronisation, as in an eager fp16 step), advances the scaler and, after an
+        overflow, takes back the step counted by `prepare_replay()`."""
+        found = self._deferred_found
+        if found is None:
+            return True
+        overflow = bool(found.item())
+        self.grad_scaler.update(overflow)
+        if overflow:
+            self._multi.undo_advance()
+        return not overflow
 
     def _clip_scale(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(grad norm, divisor that clips): dividing the gradients by the divisor is
@@ -381,12 +400,55 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     def _model_copies(self):
         model_of = {}
         for model, main in self._model_main_pairs():
-            if not _in_fp32_grad_buffer(model):
+            if getattr(model, "main_grad", None) is None:
                 return None
             model_of[main] = model
         if not all(_in_fp32_grad_buffer(p) for g in self.fp32_from_fp32_groups for p in g):
             return None
         return [[model_of.get(p) for p in g["params"]] for g in self.optimizer.param_groups]
+
+    def _grad_holders(self) -> List[List[torch.Tensor]]:
+        """Per inner param group, the parameter whose `main_grad` holds each stepped
+        parameter's gradient: its 16-bit model parameter, or itself when fp32."""
+        model_of = {main: model for model, main in self._model_main_pairs()}
+        return [[model_of.get(p, p) for p in g["params"]] for g in self.optimizer.param_groups]
+
+    def _kernel_grads(self):
+        return lambda: [[p.main_grad for p in group] for group in self._grad_holders()]
+
+    def _buffer_step(self, multi: MultiTensorAdamW) -> StepResult:
+        """The step on the grad buffers as they are (fp32, or 16-bit in an fp16 run), every
+        update in one Triton kernel: no fp32 copy of the gradients, no unscaling pass. With
+        a loss scaler the overflow check is the norm of the scaled gradients (non-finite
+        exactly when some gradient is), reported divided by the scale (exact for a power
+        of two), and the kernel divides the gradients by scale / clip coefficient as it
+        reads them. Eagerly, the overflow decision is the step's one host sync; inside a
+        captured step the kernel masks itself off on the device and `finish_replay()`
+        decides after the replay."""
+        holders = [p for group in self._grad_holders() for p in group]
+        num_zeros = (count_zeros(holders, self.mp_group, self.tp_rank)
+                     if self.log_num_zeros_in_grad else None)
+        scaler, divisor, found, norm = self.grad_scaler, None, None, None
+        if self.clip_grad > 0.0 or scaler is not None:
+            norm = get_grad_norm(holders, self.mp_group, self.tp_rank)
+        if scaler is not None:
+            found = (~torch.isfinite(norm)).float()
+            norm, divisor = norm / scaler.scale, scaler.scale
+        if self.clip_grad > 0.0:
+            coeff = float(self.clip_grad) / (norm + 1.0e-6)
+            coeff = torch.where(coeff < 1.0, coeff, torch.ones_like(coeff))
+            divisor = 1.0 / coeff if divisor is None else divisor / coeff
+        self._deferred_found = None
+        if found is not None and not capturing():
+            overflow = bool(found.item())  # the step's one host synchronisation
+            scaler.update(overflow)
+            if overflow:
+                return False, None, None
+            found = None
+        multi.step(divisor, skip=found)
+        self._deferred_found = found
+        self._model_params_written = True
+        return True, norm if self.clip_grad > 0.0 else None, num_zeros
 
     # --- loss scale ----------------------------------------------------------------------
     def get_loss_scale(self) -> torch.Tensor:
@@ -434,8 +496,12 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def step(self) -> StepResult:
-        """Copy model grads to fp32 main grads, unscale and check for overflow (skip on
-        overflow), clip, count zeros if asked, inner step, copy main params to the model."""
+        """With the Triton kernel, `_buffer_step`. Otherwise: copy model grads to fp32
+        main grads, unscale and check for overflow (skip on overflow), clip, count zeros if
+        asked, inner step, copy main params to the model."""
+        multi = self._multi_tensor()
+        if multi is not None and multi.ready():
+            return self._buffer_step(multi)
         aliased = self._copy_model_grads_to_main_grads()
         try:
             if self.grad_scaler is not None:
