@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import random
+import warnings
 from dataclasses import dataclass
 from typing import Mapping, MutableMapping
 
@@ -160,6 +161,10 @@ def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank
     one), then check one GEMM on the GPU when cuBLAS was left without a workspace."""
     no_workspace = cublas_workspace_env(cublas_workspace, environ)
     environ.update(no_workspace)
+    if no_workspace:
+        # torch's cuBLASLt calls (addmm with a bias) then run without a workspace too, and
+        # say so once per process in a warning that asks for a workspace: that is the choice.
+        warnings.filterwarnings("ignore", message="Requested unified CUBLASLT workspace size")
     rt = initialize_distributed(parallel, rank, world_size, local_rank,
                                 agent_store=agent_store_from_env(environ))
     if no_workspace and rt.device.type == "cuda":

@@ -111,3 +111,23 @@ def test_pretrain_gpt_keeps_a_users_value_and_honours_torch(monkeypatch):
     assert _run_main(monkeypatch, TINY) == {**unset, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     assert _run_main(monkeypatch, TINY + ["--cublas-workspace", "torch"]) == unset
+
+
+def test_without_a_workspace_torchs_request_for_one_is_not_shown(monkeypatch):
+    """torch warns once that cuBLASLt (addmm with a bias) asked for a workspace larger than
+    cuBLAS's, which `--cublas-workspace none` set to 0 on purpose: that warning is hidden
+    then, and only then."""
+    import warnings
+
+    from megatron import initialize as init
+
+    monkeypatch.setattr(init, "initialize_distributed",
+                        lambda *a, **k: SimpleNamespace(device=torch.device("cpu")))
+    message = ("Requested unified CUBLASLT workspace size of 1048576 bytes exceeds CUBLAS "
+               "workspace size of 0 bytes.")
+    for choice, shown in (("torch", 1), ("none", 0)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            init.initialize_entry_point(None, choice, 0, 1, 0, {})
+            warnings.warn(message, UserWarning)
+        assert len([w for w in caught if "CUBLASLT workspace" in str(w.message)]) == shown
