@@ -279,3 +279,26 @@ def test_cuda_gemm_accumulates_into_fp32_main_grad(dtype):
     assert main_grad.dtype == torch.float32
     err = (main_grad.double() - ref).norm() / ref.norm()
     assert err < 1e-5, err  # operands are exact in fp64; only fp32 accumulation rounds
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the in-place GEMM path is CUDA-only")
+def test_cuda_gemm_writes_and_accumulates_into_an_fp16_main_grad():
+    """fp16's 16-bit grad buffer is the GEMM's own output: stale, the first product is
+    written over it; the second is added before rounding (beta 1). Within one fp16
+    rounding (relative 1e-3) of float64, and the buffer tensor is the same object."""
+    from megatron.core.distributed import stale_grads
+    from megatron.core.tensor_parallel.layers import accumulate_weight_grad
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    main_grad = torch.full((96, 64), 7.0, device="cuda", dtype=torch.float16)
+    ptr = main_grad.data_ptr()
+    pairs = [(torch.randn(512, 96, device="cuda", generator=gen).half(),
+              torch.randn(512, 64, device="cuda", generator=gen).half()) for _ in range(2)]
+    stale_grads.mark([main_grad])
+    for dy, x in pairs:
+        accumulate_weight_grad(main_grad, dy, x)
+    assert not stale_grads.pending(main_grad) and main_grad.data_ptr() == ptr
+    ref = sum(dy.double().t() @ x.double() for dy, x in pairs)
+    err = (main_grad.double() - ref).norm() / ref.norm()
+    assert err < 1e-3, err

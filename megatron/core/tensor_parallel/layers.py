@@ -169,6 +169,13 @@ def _accumulate_weight_grad_impl(main_grad: torch.Tensor, grad_output_2d: torch.
         else:
             torch.addmm(main_grad, grad_output_2d.t(), x_2d, out_dtype=torch.float32,
                         out=main_grad)
+    elif main_grad.is_cuda and main_grad.dtype == x_2d.dtype:  # fp16's 16-bit grad buffer
+        # into the buffer itself (no product tensor, no copy or add pass); accumulating, the
+        # product is added to the old value before it is rounded to 16 bits (beta = 1)
+        if overwrite:
+            torch.mm(grad_output_2d.t(), x_2d, out=main_grad)
+        else:
+            torch.addmm(main_grad, grad_output_2d.t(), x_2d, out=main_grad)
     elif overwrite:
         main_grad.copy_(grad_output_2d.t().matmul(x_2d))
     else:
@@ -197,7 +204,8 @@ def accumulate_weight_grad(main_grad: torch.Tensor, grad_output_2d: torch.Tensor
 
     On CUDA with 16-bit operands and an fp32 main_grad the GEMM accumulates into main_grad
     itself in fp32 (cuBLAS beta = 1): no 16-bit weight-grad tensor is written and read back,
-    and the product is not rounded to 16 bits before the sum. Elsewhere: a matmul and add_.
+    and the product is not rounded to 16 bits before the sum. A main_grad of the operands'
+    dtype (fp16 runs) is likewise the GEMM's output. Elsewhere: a matmul and add_.
     When the grad buffer left main_grad stale at the start of the step (stale_grads.py),
     the first call writes the product instead (beta = 0): the same values as adding it to
     zeros.
