@@ -1,5 +1,5 @@
 """Output layer and cross entropy in one autograd node (`--cross-entropy-kernel triton`,
-the default on CUDA with bf16 or fp32 weights when Triton is importable).
+the default on CUDA when Triton is importable).
 
 The [tokens, vocab] logits are the step's largest tensor (16384 x 50304 bf16 = 1.6 GB for
 a GPT-2 batch). Computed as a linear layer followed by a separate cross entropy they are
@@ -12,6 +12,10 @@ backward never touches the logits again except as GEMM operands: the per-token u
 gradient c (the loss mask over the token count) scales the small side instead --
 grad_x = c * (G W) and grad_W = G^T (c * x) -- so the two GEMMs read G as they would have
 read the scaled gradient, and no pass over [tokens, vocab] is left in the backward.
+
+With fp16 activations c (which carries the loss scale) is applied to x as c / p, p the
+power of two at or above max |c|, and the fp32 weight-grad product is multiplied by p:
+c x alone could overflow fp16 where the gradient does not.
 
 Memory is unchanged (the linear layer would keep the logits for the loss's backward too).
 The weight gradient is added into `weight.main_grad` by the same fp32-accumulating GEMM
@@ -32,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from megatron.core.distributed import stale_grads
 from megatron.core.tensor_parallel import gemm_algos
 from megatron.core.tensor_parallel.layers import accumulate_weight_grad
 from megatron.core.tensor_parallel.mappings import (
@@ -195,7 +200,9 @@ class LinearCrossEntropy(torch.autograd.Function):
             gather.wait()
             x_saved = total_x.reshape(-1, ctx.shape[2])
         grad_weight = None
-        if ctx.needs_input_grad[1]:  # runs while the input-grad collective is in flight
+        if ctx.needs_input_grad[1] and x_saved.dtype == torch.float16:
+            grad_weight = _fp16_weight_grad(grad_logits, x_saved, scale, weight, ctx.fusion)
+        elif ctx.needs_input_grad[1]:  # runs while the input-grad collective is in flight
             x_scaled = (x_saved.float() * scale).to(x_saved.dtype)
             if ctx.fusion and hasattr(weight, "main_grad"):
                 accumulate_weight_grad(weight.main_grad, grad_logits, x_scaled)
@@ -204,6 +211,30 @@ class LinearCrossEntropy(torch.autograd.Function):
         if reduce is not None:
             reduce.wait()
         return grad_x, grad_weight, None, None, None, None
+
+
+def _fp16_weight_grad(grad_logits: torch.Tensor, x_2d: torch.Tensor, scale: torch.Tensor,
+                      weight: torch.Tensor, fusion: bool) -> Optional[torch.Tensor]:
+    """G^T (c x) for fp16 activations: c (per token) carries the loss scale, which can
+    push c x past fp16's range where the gradient itself is fine. So x is scaled by c / p,
+    p the power of two at or above max |c| (exact, and |c / p| <= 1), the product is taken
+    with fp32 output and multiplied by p, then added into `weight.main_grad` (written over
+    it when the grad buffer left it stale) or returned. All on the device: no sync."""
+    top = scale.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
+    p = torch.exp2(torch.ceil(torch.log2(top)))
+    x_scaled = (x_2d.float() * (scale / p)).to(torch.float16)
+    if grad_logits.is_cuda:
+        product = torch.mm(grad_logits.t(), x_scaled, out_dtype=torch.float32)
+    else:
+        product = grad_logits.t().float() @ x_scaled.float()
+    product.mul_(p)
+    if not (fusion and hasattr(weight, "main_grad")):
+        return product.to(weight.dtype)
+    if stale_grads.take(weight.main_grad):
+        weight.main_grad.copy_(product)
+    else:
+        weight.main_grad.add_(product)
+    return None
 
 
 def linear_cross_entropy(x_sbh: torch.Tensor, weight: torch.Tensor, labels_sb: torch.Tensor,
@@ -220,10 +251,6 @@ def use_fused(kernel: str, device: torch.device, fp16_lm_cross_entropy: bool,
     """None when `--cross-entropy-kernel KERNEL` runs this kernel here, else why not."""
     if kernel == "torch":
         return "--cross-entropy-kernel torch"
-    if dtype == torch.float16:
-        # The backward scales the activations by the per-token gradient, which carries the
-        # loss scale: in fp16 that product overflows long before the logits' gradient would.
-        return "fp16 activations would overflow when scaled by the loss-scaled gradient"
     if fp16_lm_cross_entropy:
         return "--fp16-lm-cross-entropy computes the loss in 16 bits"
     if not available(device):
