@@ -9,8 +9,11 @@ replayed each step with one launch.
 Per step the host still: reads the micro-batches from the data iterator and copies them
 (asynchronously, from pinned memory) into the graph's static input buffers; writes the
 step's learning rate, weight decay and bias corrections into the device tensor the AdamW
-kernel reads (`optimizer.prepare_replay()`); steps the lr scheduler; returns copies of the
-graph's loss and grad norm, so a caller may keep them past the next replay.
+kernel reads (`optimizer.prepare_replay()`); with fp16, reads the step's overflow flag
+after the replay (`optimizer.finish_replay()`: the step's one sync, as an eager fp16 step
+has; on overflow the captured AdamW kernel had masked itself off on the device) and
+advances the loss scaler; steps the lr scheduler; returns copies of the graph's loss and
+grad norm, so a caller may keep them past the next replay.
 
 The first steps run eagerly (the compiled graphs are built, cuBLAS/cuDNN plans chosen,
 optimizer state allocated); the second one on the stream the capture will use. The third

@@ -11,7 +11,10 @@ AdamW (decoupled weight decay) in fp32, in the same order, so results agree with
 divisor (`grad_scale`), as torch's fused kernel does. The values that change every step
 (lr, weight decay, bias corrections) are read from a small device tensor written from
 pinned memory before the launch (`advance()`), so a CUDA graph of the whole step
-(megatron/step_graph.py) replays with each step's values.
+(megatron/step_graph.py) replays with each step's values. Gradients are read where they
+live: an fp32 grad buffer, or, in fp16 runs, the 16-bit buffer itself (widened in
+registers; the loss scale folded into the divisor with the clip), and a device flag can
+mask a launched step off entirely (a captured fp16 step that overflowed).
 
 The kernel walks address tables: for each parameter the addresses of p, grad, exp_avg,
 exp_avg_sq and the model parameter (0: none), its size and its group. The tables are
