@@ -86,6 +86,44 @@ def test_kernel_matches_torch_adamw(clip, device="cpu"):
         assert torch.equal(m, p.detach().to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.float16, torch.bfloat16])
+def test_kernel_reads_16_bit_grads_and_a_skip_flag(grad_dtype, device="cpu"):
+    """Gradients given as 16-bit tensors (a `grads()` function, as the fp16 grad buffer)
+    are widened exactly: the same update as torch's AdamW on their fp32 values (within
+    fp32 rounding). A launched step with the skip flag set changes nothing: parameters,
+    moments, model copies and step counts stay bitwise as they were."""
+    params, _, _, gen = _problem(1, device)
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours, theirs = _optimizer(params), _optimizer(ref)
+    models = [[p.detach().to(grad_dtype) for p in g["params"]] for g in ours.param_groups]
+    grads16 = [torch.zeros_like(p, dtype=grad_dtype) for p in params]
+    by_group = [grads16[:2], grads16[2:]]
+    stepper = MultiTensorAdamW(ours, models, lambda: by_group)
+    scale = torch.tensor(1024.0, device=device)  # a loss scale: grads arrive scaled
+    for _ in range(2):
+        for g in grads16:
+            g.copy_(torch.randn(g.shape, generator=gen) * 1024)
+        for r, g in zip(ref, grads16):
+            r.grad = g.float() / 1024.0
+        assert stepper.step(scale)
+        theirs.step()
+    for p, r in zip(params, ref):
+        diff = (p - r).abs().max().item()
+        assert diff <= 1e-6 * (1 + r.abs().max().item()), diff
+    before = ([p.detach().clone() for p in params],
+              [ours.state[p]["exp_avg"].clone() for p in params],
+              [m.clone() for g in models for m in g],
+              [float(ours.state[p]["step"]) for p in params])
+    assert stepper.step(scale, skip=torch.tensor(1.0, device=device))
+    after = ([p.detach() for p in params], [ours.state[p]["exp_avg"] for p in params],
+             [m for g in models for m in g], [float(ours.state[p]["step"]) for p in params])
+    for was, now in zip(before[:3], after[:3]):
+        assert all(torch.equal(a, b) for a, b in zip(was, now))
+    assert before[3] == after[3] == [2.0] * len(params)
+    assert stepper.step(scale, skip=torch.tensor(0.0, device=device))  # a kept step counts
+    assert {float(ours.state[p]["step"]) for p in params} == {3.0}
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("clip", [False, True])
@@ -193,3 +231,11 @@ def test_insisting_on_triton_where_it_cannot_run_is_refused():
     tr, data = _trainer("triton", ["--optimizer", "sgd"])
     with pytest.raises(ValueError, match="--adam-kernel triton cannot be used: SGD is not AdamW"):
         train_steps(tr, data, 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("grad_dtype", [torch.float16, torch.bfloat16])
+def test_kernel_reads_16_bit_grads_and_a_skip_flag_on_cuda(grad_dtype):
+    """The compiled kernel on the GPU: same checks."""
+    test_kernel_reads_16_bit_grads_and_a_skip_flag(grad_dtype, device="cuda")

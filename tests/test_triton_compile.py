@@ -36,19 +36,26 @@ def cases():
             yield (f"gelu {dt} backward={backward}", fa._gelu_source,
                    {"g_ptr": f"*{dt}", "h_ptr": f"*{dt}", "out_ptr": f"*{dt}", "n": "i64"},
                    {"BACKWARD": backward, "BLOCK": fa.BLOCK})
-    for dt in ("bf16", "fp32"):
+    for dt in ("bf16", "fp16", "fp32"):
         for mode in (0, 1, 2):
             yield (f"cross entropy {dt} mode={mode}", fce._rows_source,
                    {"logits": f"*{dt}", "labels": "*i64", "lse_in": "*fp32", "out0": "*fp32",
                     "out1": "*fp32", "out2": "*fp32", "vocab": "i32", "stride": "i64",
                     "vocab_start": "i32"}, {"MODE": mode, "BLOCK": fce.BLOCK})
-    for out in ("bfloat16", "float16", "float32"):
+    adamw = {"block_tensor": "*i32", "block_chunk": "*i32", "addrs": "*i64", "numels": "*i64",
+             "ntensors": "i32", "scale_ptr": "*fp32", "skip_ptr": "*fp32", "hyper": "*fp32",
+             "beta1": "fp32", "beta2": "fp32", "eps": "fp32"}
+    for out in ("bfloat16", "float16", "float32"):  # fp32 grad buffers (bf16 and fp32 runs)
         for has_scale in (False, True):
-            yield (f"adamw {out} scale={has_scale}", mta._adamw_kernel_source,
-                   {"block_tensor": "*i32", "block_chunk": "*i32", "addrs": "*i64",
-                    "numels": "*i64", "ntensors": "i32", "scale_ptr": "*fp32", "hyper": "*fp32",
-                    "beta1": "fp32", "beta2": "fp32", "eps": "fp32"},
-                   {"OUT_DTYPE": getattr(tl, out), "HAS_SCALE": has_scale, "ALIGNED": True,
+            yield (f"adamw {out} scale={has_scale}", mta._adamw_kernel_source, adamw,
+                   {"OUT_DTYPE": getattr(tl, out), "GRAD_DTYPE": tl.float32,
+                    "HAS_SCALE": has_scale, "HAS_SKIP": False, "ALIGNED": True,
+                    "BLOCK": mta.BLOCK})
+    for grad in ("bfloat16", "float16"):  # 16-bit grad buffers (fp16 runs), eager or captured
+        for has_skip in (False, True):
+            yield (f"adamw {grad} grads skip={has_skip}", mta._adamw_kernel_source, adamw,
+                   {"OUT_DTYPE": getattr(tl, grad), "GRAD_DTYPE": getattr(tl, grad),
+                    "HAS_SCALE": True, "HAS_SKIP": has_skip, "ALIGNED": True,
                     "BLOCK": mta.BLOCK})
 
 results = {}
@@ -75,7 +82,7 @@ def test_every_kernel_compiles_for_sm90():
         pytest.skip("this Triton has no ahead-of-time compile API")
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 18
+    assert len(results) == 25
     failed = {name: r for name, r in results.items() if not isinstance(r, int)}
     assert not failed, "\n".join(f"{n}: {r[:400]}" for n, r in failed.items())
     assert all(size > 0 for size in results.values())

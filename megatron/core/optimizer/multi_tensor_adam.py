@@ -83,8 +83,8 @@ def _adamw_kernel_source(block_tensor, block_chunk, addrs, numels, ntensors, sca
     v_ptr = v_addr.to(tl.pointer_type(tl.float32))
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
     if GRAD_DTYPE == tl.bfloat16:  # widen the bits by hand (exact; the interpreter lacks bf16)
-        bits = tl.load(g_addr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
-        g = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        g_bits = tl.load(g_addr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
+        g = (g_bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     else:
         g = tl.load(g_addr.to(tl.pointer_type(GRAD_DTYPE)) + offs, mask=mask, other=0.0)
         g = g.to(tl.float32)
