@@ -36,6 +36,10 @@ ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--attention-dropout", "0", "--adam-kernel", "triton"]
 
 
+# fp16 from a loss scale that overflows now and then (skips among the replays)
+FP16_OVERFLOWING = ["--fp16", "--initial-loss-scale", "1048576"]
+
+
 @pytest.fixture(autouse=True)
 def _interpret(request, monkeypatch):
     """CPU tests run the AdamW kernel in Triton's interpreter; the CUDA test compiles it."""
@@ -103,7 +107,7 @@ def test_simulated_fp16_replays_skip_overflows_like_eager_steps():
     device (the kernel masks itself off) and the host learns it after the replay; the
     skip pattern, losses, grad norms, loss scales, weights and step counts must equal an
     eager run's, which decides before launching the kernel."""
-    argv = [a for a in ARGV if a != "--bf16"] + ["--fp16", "--initial-loss-scale", "1048576"]
+    argv = ARGV + FP16_OVERFLOWING
     steps = WARMUP_STEPS + 6
     eager_oks, oks = [], []
     eager_losses, eager_norms, eager = _run(argv + ["--cuda-graph-step", "off"], steps,
@@ -240,16 +244,22 @@ def test_captured_steps_equal_eager_steps_on_cuda(compile_flag, precision):
         print("fp16 update flags:", [ok for _, ok in graphed])
 
 
-def test_state_saved_after_replays_resumes_like_an_eager_run():
+@pytest.mark.parametrize("precision", [[], FP16_OVERFLOWING])
+def test_state_saved_after_replays_resumes_like_an_eager_run(precision):
     """The step count lives on the device (optimizer state) and on the host (the kernel's
     bias corrections); after replays both must agree, so a checkpoint taken then resumes
-    eagerly with the losses of an uninterrupted eager run."""
+    eagerly with the losses of an uninterrupted eager run. fp16 with overflowing replays:
+    the loss scaler's state (scale, trackers) too."""
     from megatron.training import data_iterator, train_step
 
-    steps = WARMUP_STEPS + 3
-    expected, _, _ = _run(ARGV + ["--cuda-graph-step", "off"], steps + 2)
-    _, _, graphed = _run(ARGV, steps, StepGraph(simulated=True))
-    cfg, rt, resumed = cli_trainer(ARGV + ["--cuda-graph-step", "off"])
+    argv = ARGV + precision
+    steps = WARMUP_STEPS + 4
+    oks = [] if precision else None
+    expected, _, _ = _run(argv + ["--cuda-graph-step", "off"], steps + 2, oks=oks)
+    _, _, graphed = _run(argv, steps, StepGraph(simulated=True), oks=[] if precision else None)
+    if precision:
+        assert not all(oks[WARMUP_STEPS:steps]), f"no replay overflowed: {oks}"
+    cfg, rt, resumed = cli_trainer(argv + ["--cuda-graph-step", "off"])
     resumed.model.unwrapped()[0].load_state_dict(graphed.model.unwrapped()[0].state_dict())
     resumed.optimizer.load_state_dict(graphed.optimizer.state_dict())
     resumed.scheduler.load_state_dict(graphed.scheduler.state_dict())
