@@ -211,7 +211,7 @@ def test_a_batch_of_another_shape_is_refused_with_the_fix():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("compile_flag,precision", [
     ("--no-compile", ["--bf16"]), ("--compile", ["--bf16"]),
-    ("--compile", ["--fp16", "--initial-loss-scale", "1048576"])])
+    ("--compile", FP16_OVERFLOWING)])
 def test_captured_steps_equal_eager_steps_on_cuda(compile_flag, precision):
     """A real capture: 6 replays after the warm-up give the eager run's losses and update
     flags (bitwise: the same kernels on the same data), and the returned losses stay
