@@ -80,7 +80,7 @@ def main() -> None:
 
     timed(step_graph, "_copy_into", "copy into graph inputs")
     timed(tr.optimizer, "prepare_replay", "prepare_replay (lr, bias corrections)")
-    timed(tr.optimizer, "finish_replay", "finish_replay (waits for the flag)")
+    timed(step_graph._Unread, "skipped", "read the previous fp16 flag (waits for it)")
     timed(tr.optimizer, "step", "optimizer.step (eager steps)")
     timed(tr.scheduler, "step", "scheduler.step")
     if tr.step_graph:

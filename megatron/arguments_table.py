@@ -365,7 +365,7 @@ EXTRA_HELP = {
     "--cuda-graph-step": "record the whole training step (forward, backward, optimizer) as one "
                          "CUDA graph and replay it from the third step: auto (default: when "
                          "the run allows it -- one GPU, no dropout, the Triton AdamW kernel; "
-                         "fp16 reads the overflow flag after each replay; falls back to eager "
+                         "fp16 decides skips on the GPU, read one step late; falls back to eager "
                          "steps if the capture fails), on (insist), off",
     "--cublas-workspace": "cuBLAS's GEMM workspace: none (default: the entry point sets "
                           "CUBLAS_WORKSPACE_CONFIG=:0:0 before CUDA starts, unless the "

@@ -9,11 +9,19 @@ replayed each step with one launch.
 Per step the host still: reads the micro-batches from the data iterator and copies them
 (asynchronously, from pinned memory) into the graph's static input buffers; writes the
 step's learning rate, weight decay and bias corrections into the device tensor the AdamW
-kernel reads (`optimizer.prepare_replay()`); with fp16, reads the step's overflow flag
-after the replay (`optimizer.finish_replay()`: the step's one sync, as an eager fp16 step
-has; on overflow the captured AdamW kernel had masked itself off on the device) and
-advances the loss scaler; steps the lr scheduler; returns copies of the graph's loss and
-grad norm, so a caller may keep them past the next replay.
+kernel reads (`optimizer.prepare_replay()`); steps the lr scheduler; returns copies of the
+graph's loss and grad norm, so a caller may keep them past the next replay.
+
+fp16 without a host sync. Whether an fp16 step updated (no overflow) is decided on the
+device: the captured AdamW kernel masks itself off and the loss scaler updates its
+tensors in the graph. The host learns the outcome one step late, so it never waits for
+the GPU: the step returns its update flag as a 0-dim device tensor, and the host counts
+the step as if it updated (Adam's step count, the lr scheduler). Before the next replay
+it uploads two sets of values -- for "the previous step updated" and for "it skipped" --
+and the device picks by the previous flag; after launching that replay the host reads
+the previous flag (copied to pinned memory; by then the GPU is busy with the new step)
+and takes the count back if the step skipped. `settle(tr)` reads the last flag at once:
+before a checkpoint, at a log line, at the end of training.
 
 The first steps run eagerly (the compiled graphs are built, cuBLAS/cuDNN plans chosen,
 optimizer state allocated); the second one on the stream the capture will use. The third
@@ -100,6 +108,35 @@ def runner_for(tr) -> Optional["StepGraph"]:
     return runner or None
 
 
+def settle(tr) -> None:
+    """Make the host's counts exact now (a checkpoint, a log line, the end of training):
+    read the last replay's overflow flag, if it is still unread (a wait for the GPU)."""
+    runner = getattr(tr, "step_graph", None)
+    if runner:
+        runner.settle(tr)
+
+
+class _Unread:
+    """A replay's overflow flag that the host has not read: copied to pinned host memory
+    after the replay, with an event to wait for (CPU tests: a copy, read at once)."""
+
+    def __init__(self, flag: torch.Tensor, increment: int) -> None:
+        self.increment = increment  # the scheduler's advance that the step was counted with
+        self.event = None
+        if flag.is_cuda:
+            self.host = torch.empty((), dtype=flag.dtype, pin_memory=True)
+            self.host.copy_(flag, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = flag.detach().clone()
+
+    def skipped(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        return bool(self.host != 0)
+
+
 def _copy_into(static: List[dict], micros: List[dict]) -> None:
     """This step's micro-batches into the graph's input buffers (same shapes each step)."""
     for buffers, micro in zip(static, micros):
@@ -128,11 +165,14 @@ class StepGraph:
         self.outputs = None
         self.body: Optional[Callable] = None
         self.stream = None
+        self.unread: Optional[_Unread] = None  # fp16: the last replay's flag, not yet read
 
     def step(self, tr, data: Iterator[dict], body: Callable):
         """One training step: `body(tr, micro_batch_iterator)` eagerly while warming up
         (or after a failed capture), else a replay. Returns body's (loss, ok, grad_norm,
-        num_zeros)."""
+        num_zeros); for an fp16 replay `ok` is a 0-dim bool tensor on the device (read
+        it at a log line) and the grad norm is returned even when the step skipped (then
+        it is not finite)."""
         micros = [next(data) for _ in range(tr.config.data.num_micro_batches)]
         self.steps += 1
         if self.failed is not None or self.steps <= WARMUP_STEPS:
@@ -153,12 +193,34 @@ class StepGraph:
                 return body(tr, iter(self.static))
         else:
             _copy_into(self.static, micros)
-        tr.optimizer.prepare_replay()
+        previous, self.unread = self.unread, None
+        if previous is None:
+            tr.optimizer.prepare_replay()
+        else:  # the previous replay counted as updated; its values if it skipped:
+            back = tr.scheduler.num_steps - previous.increment
+            tr.optimizer.prepare_replay(if_skipped=tr.scheduler.group_values(back))
         loss, ok, grad_norm, num_zeros, last_local = self._replay(tr)
-        ok = tr.optimizer.finish_replay()  # fp16: did the update happen (one host sync)
         tr.last_local_loss = last_local.clone()
-        copy = (lambda t: None if t is None or not ok else t.clone())
+        flag = tr.optimizer.replay_flag()
+        if flag is not None:  # fp16: decided on the device, read on the host next step
+            self.unread = _Unread(flag, tr.config.data.global_batch_size)
+            ok = flag == 0
+        if previous is not None:
+            self._take_back_if_skipped(tr, previous)
+        copy = (lambda t: None if t is None else t.clone())
         return loss.clone(), ok, copy(grad_norm), copy(num_zeros)
+
+    def settle(self, tr) -> None:
+        """Read the last replay's flag now (see `settle(tr)`)."""
+        previous, self.unread = self.unread, None
+        if previous is not None:
+            self._take_back_if_skipped(tr, previous)
+
+    @staticmethod
+    def _take_back_if_skipped(tr, unread: _Unread) -> None:
+        if unread.skipped():
+            tr.optimizer.take_back_step()
+            tr.scheduler.step(-unread.increment)
 
     @contextlib.contextmanager
     def _warmup_stream(self, side: bool):

@@ -266,7 +266,9 @@ def train_step(tr, data: Iterator[dict], skip_nonfinite: bool = False):
     `skip_nonfinite`, a NaN/Inf loss on any rank skips the optimizer step (all ranks
     agree). With --rampup-batch-size the step first sets the current global batch size
     and micro-batch count from the consumed samples (megatron/microbatches.py). From the
-    third step on, the step may be a replay of a captured CUDA graph (--cuda-graph-step)."""
+    third step on, the step may be a replay of a captured CUDA graph (--cuda-graph-step);
+    an fp16 replay returns update_successful as a 0-dim bool tensor on the device, read
+    without stalling the GPU at the next log line (megatron/step_graph.py)."""
     cfg, log = tr.config, step_log(tr)
     update_micro_batches(cfg.data, tr.state.consumed_train_samples, tr.rt.ps.dp_size)
     if cfg.training.data_parallel_random_init and not log.replicas_synced:
@@ -276,7 +278,7 @@ def train_step(tr, data: Iterator[dict], skip_nonfinite: bool = False):
         loss, ok, grad_norm, num_zeros = runner.step(tr, data, _step_body)
     else:
         loss, ok, grad_norm, num_zeros = _step_body(tr, data, skip_nonfinite)
-    if ok:
+    if torch.is_tensor(ok) or ok:  # a tensor: decided on the device, counted as updated
         tr.scheduler.step(increment=cfg.data.global_batch_size)
     if num_zeros is not None:
         log.num_zeros[tr.state.iteration + 1] = num_zeros

@@ -39,6 +39,7 @@ from megatron.checkpointing import (
 )
 from megatron.core.models.gpt.stages import stage_layout
 from megatron.logging_utils import print_rank_0
+from megatron.step_graph import settle
 
 
 def _chunk_models(model) -> list:
@@ -102,6 +103,7 @@ def save_trainer_checkpoint(tr) -> float:
     started = time.perf_counter()
     if tr.rt.device.type == "cuda":
         torch.cuda.synchronize()
+    settle(tr)  # an fp16 replay's unread flag: the step counts saved must be exact
     ck = tr.config.checkpoint
     extra = None
     if not ck.no_save_optim and hasattr(tr.optimizer, "get_parameter_state"):

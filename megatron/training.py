@@ -16,7 +16,7 @@ from typing import Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron import checkpointing, trainer_checkpoint
+from megatron import checkpointing, step_graph, trainer_checkpoint
 from megatron.config import Config
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.models.gpt.stages import build_stage_models, sync_tied_embeddings
@@ -176,9 +176,25 @@ class IntervalStats:
         scale = tr.optimizer.get_loss_scale()
         if getattr(tr.optimizer, "grad_scaler", None) is not None:
             scale = scale.clone()  # the scaler updates its tensor in place
+        lr = tr.scheduler.get_lr()
+        if torch.is_tensor(ok):  # decided on the device: the lr after it if it skipped too
+            lr = (lr, tr.scheduler.get_lr(tr.scheduler.num_steps
+                                          - tr.config.data.global_batch_size))
         self.records.append((tr.state.iteration, tr.state.consumed_train_samples,
-                             tr.scheduler.get_lr(), loss, scale, grad_norm, ok, counted,
-                             tr.last_local_loss))
+                             lr, loss, scale, grad_norm, ok, counted, tr.last_local_loss))
+
+    def read_flags(self, st: TrainState) -> None:
+        """Read the update flags that fp16 replays left on the device (after a sync: no
+        wait), count their skips, and pick each one's lr; a skipped step shows no norm."""
+        resolved = []
+        for it, consumed, lr, loss, scale, norm, ok, counted, local in self.records:
+            if torch.is_tensor(ok):
+                ok = bool(ok)
+                st.skipped_iters += 0 if ok else 1
+                lr = lr[0] if ok else lr[1]
+            resolved.append((it, consumed, lr, loss, scale, norm if ok else None, ok,
+                             counted, local))
+        self.records = resolved
 
 
 def _to_float(x) -> Optional[float]:
@@ -198,6 +214,8 @@ def log_interval(tr: Trainer, stats: IntervalStats) -> None:
         with tr.watchdog.watch("step synchronisation at the log interval") if tr.watchdog else contextlib.nullcontext():
             torch.cuda.synchronize()
     elapsed = time.time() - stats.start
+    stats.read_flags(st)
+    step_graph.settle(tr)
     n = max(len(stats.records), 1)
     extras = interval_extras(tr, n)
     last_it = stats.records[-1][0]
@@ -323,7 +341,8 @@ def _after_step(tr: Trainer, stats: IntervalStats, loss, ok: bool, grad_norm) ->
     cfg, st = tr.config, tr.state
     st.iteration += 1
     st.consumed_train_samples += cfg.data.global_batch_size
-    st.skipped_iters += 0 if ok else 1
+    if not torch.is_tensor(ok):  # a tensor (fp16 replay): counted at the log line
+        st.skipped_iters += 0 if ok else 1
     policy = cfg.training.nan_loss_policy
     if policy != "stop" and not ok and not math.isfinite(_to_float(loss)):
         st.nan_iters += 1
@@ -393,6 +412,7 @@ def train(tr: Trainer, train_data, valid_data) -> None:
             return
     if stats.records:
         log_interval(tr, stats)
+    step_graph.settle(tr)
     if cfg.checkpoint.save and st.iteration > 0 and saved_at != st.iteration:
         _save(tr, stats)
     trainer_checkpoint.wait_for_async_save(tr)

@@ -25,12 +25,17 @@ SINGLE = ParallelState.build()  # world of one: every group is None
 
 
 # --- grad scaler -------------------------------------------------------------------------
-def test_dynamic_scaler_exact_hysteresis_trace():
+@pytest.mark.parametrize("flag", ["bool", "tensor"])
+def test_dynamic_scaler_exact_hysteresis_trace(flag):
+    """The same rule whether the step's overflow is known on the host (a bool) or only on
+    the device (a 0-dim tensor, as inside a captured step)."""
     s = DynamicGradScaler(16.0, min_scale=1.0, growth_interval=3, hysteresis=2)
+    scale = s.scale
     trace = []
     for found_inf in [1, 0, 0, 1, 1, 0, 0, 0, 1, 1, 1, 1, 1]:
-        s.update(bool(found_inf))
-        trace.append((float(s.scale), s._growth_tracker, s._hysteresis_tracker))
+        s.update(bool(found_inf) if flag == "bool" else torch.tensor(float(found_inf)))
+        trace.append((float(s.scale), s.growth_tracker, s.hysteresis_tracker))
+    assert s.scale is scale  # updated in place: a captured step reads this tensor
     assert trace == [
         (16.0, 0, 1), (16.0, 1, 1), (16.0, 2, 1),
         (8.0, 0, 0),     # clean steps did not restore hysteresis: this overflow halves
@@ -53,7 +58,8 @@ def test_scaler_state_dict_round_trip(tmp_path):
     assert set(sd) == {"scale", "growth_tracker", "hysteresis_tracker"}
     t = DynamicGradScaler(1.0, min_scale=1.0)
     t.load_state_dict(sd)
-    assert (float(t.scale), t._growth_tracker, t._hysteresis_tracker) == (1024.0, 2, 2)
+    assert (float(t.scale), t.growth_tracker, t.hysteresis_tracker) == (1024.0, 2, 2)
+    assert isinstance(sd["growth_tracker"], int) and isinstance(sd["hysteresis_tracker"], int)
     t.load_state_dict({"scale": torch.tensor([64.0]), "growth_tracker": 0,
                        "hysteresis_tracker": 1})  # Megatron's shape-[1] scale
     assert t.scale.shape == () and float(t.scale) == 64.0

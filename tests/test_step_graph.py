@@ -24,6 +24,7 @@ from megatron.step_graph import (  # noqa: E402
     _copy_into,
     runner_for,
     settings_reason,
+    settle,
 )
 from tests.gpt_helpers import cli_trainer  # noqa: E402
 
@@ -36,8 +37,9 @@ ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--attention-dropout", "0", "--adam-kernel", "triton"]
 
 
-# fp16 from a loss scale that overflows now and then (skips among the replays)
-FP16_OVERFLOWING = ["--fp16", "--initial-loss-scale", "1048576"]
+# fp16 from a loss scale that overflows now and then, and grows back after two clean
+# steps: among the replays every transition occurs (skip after skip, after an update, ...)
+FP16_OVERFLOWING = ["--fp16", "--initial-loss-scale", "1048576", "--loss-scale-window", "2"]
 
 
 @pytest.fixture(autouse=True)
@@ -70,6 +72,7 @@ def _run(argv, steps: int, runner=None, oks=None):
     losses, norms = [], []
     for _ in range(steps):
         loss, ok, grad_norm, _ = train_step(tr, data)
+        ok = bool(ok)  # an fp16 replay's is a 0-dim tensor
         if oks is None:
             assert ok
         else:
@@ -77,6 +80,7 @@ def _run(argv, steps: int, runner=None, oks=None):
         losses.append(loss)
         norms.append(grad_norm)
         tr.state.iteration += 1
+    settle(tr)
     return losses, norms, tr
 
 
@@ -108,7 +112,7 @@ def test_simulated_fp16_replays_skip_overflows_like_eager_steps():
     skip pattern, losses, grad norms, loss scales, weights and step counts must equal an
     eager run's, which decides before launching the kernel."""
     argv = ARGV + FP16_OVERFLOWING
-    steps = WARMUP_STEPS + 6
+    steps = WARMUP_STEPS + 10
     eager_oks, oks = [], []
     eager_losses, eager_norms, eager = _run(argv + ["--cuda-graph-step", "off"], steps,
                                             oks=eager_oks)
@@ -117,11 +121,14 @@ def test_simulated_fp16_replays_skip_overflows_like_eager_steps():
     assert runner.body is not None and runner.failed is None, "no step was replayed"
     assert oks == eager_oks
     replayed = oks[WARMUP_STEPS:]
-    assert not all(replayed) and any(replayed), f"no skipped and kept replays: {oks}"
+    pairs = set(zip(replayed, replayed[1:]))
+    assert len(pairs) == 4, f"not every transition among the replays: {oks}"
     assert [float(x) for x in losses] == [float(x) for x in eager_losses]
-    assert [None if x is None else float(x) for x in norms] == \
-        [None if x is None else float(x) for x in eager_norms]
-    assert all((n is None) == (not ok) for n, ok in zip(norms, oks))
+    # An eager step that skipped returns no norm; a replay returns its non-finite one.
+    assert all((n is None) == (not ok) for n, ok in zip(eager_norms, oks))
+    assert [float(x) for x, ok in zip(norms, oks) if ok] == \
+        [float(x) for x, ok in zip(eager_norms, oks) if ok]
+    assert all(not torch.isfinite(x) for x, ok in zip(norms[WARMUP_STEPS:], replayed) if not ok)
     for a, b in zip(_weights(graphed), _weights(eager)):
         assert torch.equal(a, b)
     assert graphed.optimizer._multi.step_count == sum(oks) == eager.optimizer._multi.step_count
@@ -131,6 +138,52 @@ def test_simulated_fp16_replays_skip_overflows_like_eager_steps():
     assert graphed.scheduler.num_steps == eager.scheduler.num_steps
     state = graphed.optimizer.optimizer.state
     assert {float(s["step"]) for s in state.values()} == {float(sum(oks))}
+
+
+def _log_run(argv, runner, tb_dir, capsys):
+    """Run the training loop (megatron.training.train) for ARGV's 8 iterations, logging
+    every 3; the iteration lines without their timings, tensorboard's per-iteration
+    scalars, and the trainer."""
+    import re
+
+    from megatron.logging_utils import read_scalars
+    from megatron.training import data_iterator, train
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU-interpreter test; the CUDA test covers this machine")
+    cfg, rt, tr = cli_trainer(list(argv) + ["--log-interval", "3", "--tensorboard-dir",
+                                            str(tb_dir), "--eval-iters", "0"])
+    if runner is not None:
+        tr.step_graph = runner
+    capsys.readouterr()
+    train(tr, data_iterator(cfg, rt, "train", 0), None)
+    tr.tb.close()
+    timing = re.compile(r" (elapsed time per iteration \(ms\)|tokens/s/GPU|TFLOP/s/GPU): [^|]*\|")
+    lines = [timing.sub("", line) for line in capsys.readouterr().out.splitlines()
+             if line.startswith(" iteration ")]
+    scalars = read_scalars(str(tb_dir))
+    keep = ("learning-rate", "loss-scale", "grad-norm", "lm loss")
+    return lines, {k: sorted(v) for k, v in scalars.items() if k in keep}, tr
+
+
+def test_fp16_replays_log_what_eager_steps_log(tmp_path, capsys):
+    """The training loop over fp16 replays, whose update flags stay on the device until
+    the log line: the same iteration lines (skipped count, learning rate, loss scale,
+    grad norm of the last step, averaged loss) and tensorboard scalars as eager steps,
+    and exact step counts when training ends."""
+    argv = ARGV + FP16_OVERFLOWING
+    eager_lines, eager_tb, eager = _log_run(argv + ["--cuda-graph-step", "off"], None,
+                                            tmp_path / "eager", capsys)
+    runner = StepGraph(simulated=True)
+    lines, tb, graphed = _log_run(argv, runner, tmp_path / "graphed", capsys)
+    assert runner.body is not None and runner.failed is None and runner.unread is None
+    assert len(lines) == 3 and lines == eager_lines
+    skipped = [int(line.split("number of skipped iterations:")[1].split("|")[0])
+               for line in lines]
+    assert 0 < skipped[-1] < 8, f"no mix of skipped and updated steps: {skipped}"
+    assert tb == eager_tb and len(tb["learning-rate"]) == 8
+    assert graphed.scheduler.num_steps == eager.scheduler.num_steps
+    assert graphed.optimizer._multi.step_count == eager.optimizer._multi.step_count
 
 
 def test_returned_loss_is_not_overwritten_by_the_next_replay():
@@ -231,7 +284,7 @@ def test_captured_steps_equal_eager_steps_on_cuda(compile_flag, precision):
         out = []
         for _ in range(WARMUP_STEPS + 6):
             loss, ok, *_ = train_step(tr, data)
-            out.append((float(loss), ok))
+            out.append((float(loss), bool(ok)))
             tr.state.iteration += 1
         return out, tr
 

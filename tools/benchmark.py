@@ -362,19 +362,20 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     sync()
     monitor = (ChipMonitor(chip_id(torch, rt.device), chip_sample_ms)
                if use_cuda and chip_sample_ms > 0 else contextlib.nullcontext())
-    marks, host, skipped = [], [], 0  # CUDA events around each timed step's GPU work; host seconds
+    marks, host, oks = [], [], []  # CUDA events around each timed step's GPU work; host seconds
     with monitor:
         t0 = time.perf_counter()
         for _ in range(steps):
             start = recorded_event(torch) if use_cuda else None
             h0 = time.perf_counter()
             loss, ok, *_ = train_step(tr, data)
-            skipped += not ok  # fp16: an overflow skipped the update (a bool: no sync)
+            oks.append(ok)  # fp16: False (or a device tensor) when an overflow skipped it
             host.append(time.perf_counter() - h0)
             if use_cuda:
                 marks.append((start, recorded_event(torch)))
         sync()
         elapsed = time.perf_counter() - t0
+    skipped = sum(not bool(ok) for ok in oks)  # after the sync: reading them waits for nothing
     if marks:
         print("benchmark: GPU ms per timed step: "
               + " ".join(f"{a.elapsed_time(b):.1f}" for a, b in marks), file=sys.stderr)

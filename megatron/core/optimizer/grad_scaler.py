@@ -1,12 +1,15 @@
 """Loss scalers for fp16 (and optionally bf16) training, with Megatron's update rule.
 
 The scale lives in a 0-dim float32 tensor on the parameters' device so that scaling the
-loss and unscaling the gradients need no host synchronisation; the trackers are Python
-ints because `update(found_inf)` is called after the (single) host sync of a step.
+loss and unscaling the gradients need no host synchronisation. The dynamic scaler keeps
+its two trackers on that device too and updates all three with tensor operations, so
+`update()` takes the overflow flag as a bool (an eager step that has read it) or as a
+device tensor (a step captured in a CUDA graph, which never reads it on the host); only
+`state_dict()` reads the trackers back.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 import torch
 
@@ -34,7 +37,7 @@ class MegatronGradScaler:
         self._scale = self._scale.to(device)
         return self
 
-    def update(self, found_inf: bool) -> None:
+    def update(self, found_inf: Union[bool, torch.Tensor]) -> None:
         raise NotImplementedError
 
     def state_dict(self) -> Dict[str, Any]:
@@ -50,7 +53,7 @@ class ConstantGradScaler(MegatronGradScaler):
     def __init__(self, scale: float, device: Optional[torch.device] = None) -> None:
         super().__init__(scale, device)
 
-    def update(self, found_inf: bool) -> None:
+    def update(self, found_inf: Union[bool, torch.Tensor]) -> None:
         pass
 
     def state_dict(self) -> Dict[str, Any]:
@@ -99,33 +102,66 @@ class DynamicGradScaler(MegatronGradScaler):
         self.backoff_factor = float(backoff_factor)
         self.growth_interval = int(growth_interval)
         self.hysteresis = int(hysteresis)
-        self._growth_tracker = 0
-        self._hysteresis_tracker = self.hysteresis
+        self._growth = torch.zeros((), dtype=torch.int64, device=device)
+        self._hyst = torch.full((), self.hysteresis, dtype=torch.int64, device=device)
 
-    def update(self, found_inf: bool) -> None:
-        """Advance the trackers after one step (found_inf: any non-finite grad)."""
-        if found_inf:
-            self._growth_tracker = 0
-            self._hysteresis_tracker -= 1
-            if self._hysteresis_tracker <= 0:  # in place: a captured step reads this tensor
-                self._scale.copy_(torch.clamp(self._scale * self.backoff_factor,
-                                              min=self.min_scale))
+    def to(self, device) -> "DynamicGradScaler":
+        super().to(device)
+        self._growth, self._hyst = self._growth.to(device), self._hyst.to(device)
+        return self
+
+    @property
+    def growth_tracker(self) -> int:
+        """Clean steps since the last growth or overflow (reads the device: a sync)."""
+        return int(self._growth)
+
+    @property
+    def hysteresis_tracker(self) -> int:
+        """Overflows still tolerated before the scale backs off (reads the device)."""
+        return int(self._hyst)
+
+    def update(self, found_inf: Union[bool, torch.Tensor]) -> None:
+        """Advance the trackers and the scale after one step. `found_inf`: any non-finite
+        grad, as a bool or a 0-dim device tensor (nonzero: found). Everything is updated
+        in place on the device (a captured step reads and updates these tensors)."""
+        if not torch.is_tensor(found_inf):
+            self._update_known(bool(found_inf))
             return
-        self._growth_tracker += 1
-        if self._growth_tracker == self.growth_interval:
-            self._growth_tracker = 0
-            self._hysteresis_tracker = self.hysteresis
-            self._scale.mul_(self.growth_factor)
+        found = found_inf.reshape(()).to(self._scale.device) != 0
+        hyst = torch.where(found, self._hyst - 1, self._hyst)
+        growth = torch.where(found, torch.zeros_like(self._growth), self._growth + 1)
+        grow = growth == self.growth_interval
+        backoff = found & (hyst <= 0)
+        scale = torch.where(backoff, torch.clamp(self._scale * self.backoff_factor,
+                                                 min=self.min_scale), self._scale)
+        self._scale.copy_(torch.where(grow, scale * self.growth_factor, scale))
+        self._hyst.copy_(torch.where(grow, torch.full_like(hyst, self.hysteresis), hyst))
+        self._growth.copy_(torch.where(grow, torch.zeros_like(growth), growth))
+
+    def _update_known(self, found: bool) -> None:
+        """`update()` for a flag the host has read: fewer kernels, the same rule."""
+        if found:
+            self._growth.zero_()
+            self._hyst.sub_(1)
+            backed = torch.clamp(self._scale * self.backoff_factor, min=self.min_scale)
+            self._scale.copy_(torch.where(self._hyst <= 0, backed, self._scale))
+            return
+        self._growth.add_(1)
+        grow = self._growth == self.growth_interval
+        self._scale.copy_(torch.where(grow, self._scale * self.growth_factor, self._scale))
+        self._hyst.copy_(torch.where(grow, torch.full_like(self._hyst, self.hysteresis),
+                                     self._hyst))
+        self._growth.masked_fill_(grow, 0)
 
     def state_dict(self) -> Dict[str, Any]:
         return {
             "scale": self._scale.detach().clone(),
-            "growth_tracker": self._growth_tracker,
-            "hysteresis_tracker": self._hysteresis_tracker,
+            "growth_tracker": self.growth_tracker,
+            "hysteresis_tracker": self.hysteresis_tracker,
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         scale = torch.as_tensor(state_dict["scale"], dtype=torch.float32)
         self._scale.copy_(scale.reshape(()))
-        self._growth_tracker = int(state_dict["growth_tracker"])
-        self._hysteresis_tracker = int(state_dict["hysteresis_tracker"])
+        self._growth.fill_(int(state_dict["growth_tracker"]))
+        self._hyst.fill_(int(state_dict["hysteresis_tracker"]))

@@ -22,7 +22,7 @@ start + 0.5 (cos(pi (1 - r)) + 1) (end - start).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional, Tuple
 
 from megatron.core.config import OptimizerConfig
 
@@ -128,20 +128,23 @@ class OptimizerParamScheduler:
             )
 
     # --- values --------------------------------------------------------------------------
-    def get_wd(self) -> float:
-        """Weight decay at the current step."""
-        if self.num_steps > self.wd_incr_steps or self.wd_incr_style == "constant":
+    def get_wd(self, num_steps: Optional[int] = None) -> float:
+        """Weight decay at the current step (or after `num_steps` samples)."""
+        n = self.num_steps if num_steps is None else num_steps
+        if n > self.wd_incr_steps or self.wd_incr_style == "constant":
             return self.end_wd
-        ratio = self.num_steps / self.wd_incr_steps
+        ratio = n / self.wd_incr_steps
         if self.wd_incr_style == "linear":
             coeff = ratio
         else:  # cosine
             coeff = 0.5 * (math.cos(math.pi * (1.0 - ratio)) + 1.0)
         return self.start_wd + coeff * (self.end_wd - self.start_wd)
 
-    def get_lr(self) -> float:
-        """Learning rate at the current step (before any group's lr_mult)."""
-        n, warmup = self.num_steps, self.lr_warmup_steps
+    def get_lr(self, num_steps: Optional[int] = None) -> float:
+        """Learning rate at the current step, or after `num_steps` samples (before any
+        group's lr_mult)."""
+        n = self.num_steps if num_steps is None else num_steps
+        warmup = self.lr_warmup_steps
         if warmup > 0 and n <= warmup:
             return self.max_lr * float(n) / float(warmup)
         if self.lr_decay_style == "constant":
@@ -158,13 +161,19 @@ class OptimizerParamScheduler:
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
 
+    def group_values(self, num_steps: Optional[int] = None) -> List[Tuple[float, float]]:
+        """(lr, weight decay) of each param group at the current step or after `num_steps`
+        samples, without stepping."""
+        lr, wd = self.get_lr(num_steps), self.get_wd(num_steps)
+        return [(lr * group.get("lr_mult", 1.0), wd * group.get("wd_mult", 1.0))
+                for group in self.optimizer.param_groups]
+
     def step(self, increment: int) -> None:
-        """Advance by `increment` samples and write lr / weight decay into the groups."""
+        """Advance by `increment` samples (negative: take back an advance) and write lr /
+        weight decay into the groups."""
         self.num_steps += increment
-        lr, wd = self.get_lr(), self.get_wd()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_mult", 1.0)
-            group["weight_decay"] = wd * group.get("wd_mult", 1.0)
+        for group, (lr, wd) in zip(self.optimizer.param_groups, self.group_values()):
+            group["lr"], group["weight_decay"] = lr, wd
 
     # --- checkpoint ----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

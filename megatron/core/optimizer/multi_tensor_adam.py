@@ -241,22 +241,40 @@ class MultiTensorAdamW:
             self.hyper = torch.zeros(len(self.tables), 4, dtype=torch.float32, device=device)
         return True, rebuilt
 
-    def advance(self) -> None:
-        """Count one step on the host and write its per-group values (lr, weight decay,
-        bias corrections, computed in float64 as torch does, then rounded to fp32) into the
-        device tensor the kernel reads: from pinned memory, without waiting for the GPU.
-        `step()` does this itself, except while a whole-step graph is being captured: then
-        the graph's driver calls it before each replay."""
-        step = self.step_count + 1
-        values = []
-        for group in self.optimizer.param_groups:
+    def _rows(self, step: int, lr_wd: Sequence[Tuple[float, float]]) -> List[List[float]]:
+        """Per group: lr, weight decay, 1 - beta1^step, sqrt(1 - beta2^step), computed in
+        float64 as torch does (rounded to fp32 on upload)."""
+        rows = []
+        for group, (lr, wd) in zip(self.optimizer.param_groups, lr_wd):
             beta1, beta2 = group["betas"]
-            values.append([float(group["lr"]), float(group["weight_decay"]),
-                           1.0 - beta1 ** step, math.sqrt(1.0 - beta2 ** step)])
-        host = torch.tensor(values, dtype=torch.float32)
+            rows.append([float(lr), float(wd), 1.0 - beta1 ** step,
+                         math.sqrt(1.0 - beta2 ** step)])
+        return rows
+
+    def advance(self, if_skipped: Optional[Sequence[Tuple[float, float]]] = None,
+                skipped: Optional[torch.Tensor] = None) -> None:
+        """Count one step on the host and write its per-group values (lr, weight decay,
+        bias corrections) into the device tensor the kernel reads: from pinned memory,
+        without waiting for the GPU. `step()` does this itself, except while a whole-step
+        graph is being captured: then the graph's driver calls it before each replay.
+
+        With `if_skipped` (per group: lr and weight decay) and `skipped` (a 0-dim device
+        flag), the previous step is still undecided on the host: it was counted, but the
+        device may have skipped it. Both rows are uploaded -- this step's values if the
+        previous one updated, and `if_skipped` at one step fewer if it did not -- and the
+        device picks by `skipped`, so the host never waits for the flag."""
+        step = self.step_count + 1
+        rows = self._rows(step, [(g["lr"], g["weight_decay"]) for g in self.optimizer.param_groups])
+        if if_skipped is not None:
+            rows = [rows, self._rows(step - 1, if_skipped)]
+        host = torch.tensor(rows, dtype=torch.float32)
         if self.hyper.is_cuda:
             host = host.pin_memory()
-        self.hyper.copy_(host, non_blocking=True)
+        if if_skipped is None:
+            self.hyper.copy_(host, non_blocking=True)
+        else:
+            both = host.to(self.hyper.device, non_blocking=True)
+            self.hyper.copy_(torch.where(skipped.reshape(()) != 0, both[1], both[0]))
         self.step_count = step
 
     def ready(self) -> bool:
@@ -266,7 +284,8 @@ class MultiTensorAdamW:
 
     def undo_advance(self) -> None:
         """A replayed step skipped its update on the device (loss-scale overflow): the
-        host's step count goes back to where the device's is."""
+        host's step count goes back to where the device's is (the device tensor of the
+        next step's values, if already written, was chosen for this outcome)."""
         self.step_count -= 1
 
     @torch.no_grad()

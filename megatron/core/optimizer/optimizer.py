@@ -21,7 +21,7 @@ whole world and all-gathers the updated parameters over the data-parallel group.
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -218,24 +218,26 @@ class MegatronOptimizer:
                     "no --adam-kernel torch)")
         return None
 
-    def prepare_replay(self) -> None:
+    def prepare_replay(self, if_skipped: Optional[Sequence[Tuple[float, float]]] = None
+                       ) -> None:
         """The host side of `step()` for one replay of a captured step: count the step
-        and write its learning rate, weight decay and bias corrections to the device."""
-        self._multi_tensor().advance()
+        and write its learning rate, weight decay and bias corrections to the device.
+        `if_skipped` (per group: lr and weight decay): the previous replay's overflow flag
+        is not read yet; the device picks this step's values by it (see
+        `MultiTensorAdamW.advance`)."""
+        flag = None if if_skipped is None else self.replay_flag()
+        self._multi_tensor().advance(if_skipped, flag)
 
-    def finish_replay(self) -> bool:
-        """After one replay of a captured step: whether it updated the parameters. With a
-        loss scaler this reads the step's overflow flag from the device (the step's one
-        host synchronisation, as in an eager fp16 step), advances the scaler and, after an
-        overflow, takes back the step counted by `prepare_replay()`."""
-        found = self._deferred_found
-        if found is None:
-            return True
-        overflow = bool(found.item())
-        self.grad_scaler.update(overflow)
-        if overflow:
-            self._multi.undo_advance()
-        return not overflow
+    def replay_flag(self) -> Optional[torch.Tensor]:
+        """The captured step's overflow flag (0-dim, on the device; nonzero: the replay
+        skipped its update), or None when the step has no loss scaler (it always updates).
+        Each replay overwrites it."""
+        return self._deferred_found
+
+    def take_back_step(self) -> None:
+        """A replay turned out to have skipped its update (its flag, read later): the
+        host's count of steps goes back by the one `prepare_replay()` counted."""
+        self._multi_tensor().undo_advance()
 
     def _clip_scale(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(grad norm, divisor that clips): dividing the gradients by the divisor is
@@ -423,8 +425,9 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         exactly when some gradient is), reported divided by the scale (exact for a power
         of two), and the kernel divides the gradients by scale / clip coefficient as it
         reads them. Eagerly, the overflow decision is the step's one host sync; inside a
-        captured step the kernel masks itself off on the device and `finish_replay()`
-        decides after the replay."""
+        captured step nothing waits for it: the kernel masks itself off on the device, the
+        scaler updates on the device, and the host learns the outcome later from
+        `replay_flag()` (megatron/step_graph.py)."""
         holders = [p for group in self._grad_holders() for p in group]
         num_zeros = (count_zeros(holders, self.mp_group, self.tp_rank)
                      if self.log_num_zeros_in_grad else None)
@@ -440,13 +443,16 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
             divisor = 1.0 / coeff if divisor is None else divisor / coeff
         self._deferred_found = None
         if found is not None and not capturing():
-            overflow = bool(found.item())  # the step's one host synchronisation
-            scaler.update(overflow)
-            if overflow:
+            if bool(found.item()):  # the step's one host synchronisation
+                scaler.update(True)
                 return False, None, None
-            found = None
-        multi.step(divisor, skip=found)
-        self._deferred_found = found
+            multi.step(divisor)
+            scaler.update(False)  # after the launch: the kernel read this step's scale
+        else:
+            multi.step(divisor, skip=found)
+            if found is not None:  # captured: decided and counted on the device
+                scaler.update(found)
+                self._deferred_found = found
         self._model_params_written = True
         return True, norm if self.clip_grad > 0.0 else None, num_zeros
 
