@@ -210,3 +210,25 @@ def test_step_gaps_measure_gpu_idle_between_steps():
     assert step_gaps(pairs) == {"step_gpu_ms": 10.25, "step_gap_ms": 0.867,
                                 "step_gap_max_ms": 2.0, "step_spread": 1.1}
     assert step_gaps(pairs[:1]) == {}
+
+
+def test_sync_count_ignores_torchs_note_on_the_debug_mode(monkeypatch, capsys):
+    """--sync-debug counts the synchronising operations torch warns about in the steps,
+    not the warning torch gives once about the debug mode itself."""
+    import warnings
+
+    import torch
+
+    import megatron.training
+
+    bm = _benchmark_module()
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+
+    def step(tr, data):
+        warnings.warn("Synchronization debug mode is a prototype feature and does not yet "
+                      "detect all synchronizing operations")
+        warnings.warn("called a synchronizing CUDA operation")
+
+    monkeypatch.setattr(megatron.training, "train_step", step)
+    assert bm.count_syncs(None, None, 3) == 3
+    assert "prototype" not in capsys.readouterr().err
