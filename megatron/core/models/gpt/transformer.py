@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.torch_version import TorchVersion
 
 from megatron.core import fused_activation
 from megatron.core.config import ModelConfig
@@ -148,6 +149,8 @@ def _activation(name: str, config: Optional[ModelConfig] = None):
     raise ValueError(f"unknown activation {name!r}")
 
 
+# scaled_dot_product_attention(enable_gqa=...) exists from torch 2.5 on.
+_SDPA_GQA = TorchVersion(torch.__version__) >= (2, 5)
 _SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                   "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 
@@ -251,6 +254,8 @@ class ParallelAttention(nn.Module):
             input_is_parallel=True, skip_bias_add=True, init_method=output_init, **kw,
         )
         self.selective_recompute = config.recompute_granularity == "selective"
+        on_gpu = device is not None and torch.device(device).type == "cuda"
+        self._sm80 = on_gpu and torch.cuda.get_device_capability(device)[0] >= 8
 
     def _split_qkv(self, qkv_sbx: torch.Tensor):
         s, b, _ = qkv_sbx.shape
@@ -262,8 +267,11 @@ class ParallelAttention(nn.Module):
     def _core_attention(self, q_bnsd, k_bgsd, v_bgsd, attention_mask=None):
         dropout_p = self.config.attention_dropout if self.training else 0.0
         fork = self.rng_tracker.fork() if (self.rng_tracker and dropout_p > 0) else contextlib.nullcontext()
+        gqa = {}
         with fork, sdpa_backend(self.config.attention_backend):
-            if self.g != self.n:
+            if self.g != self.n and self._native_gqa(q_bnsd, attention_mask):
+                gqa = {"enable_gqa": True}
+            elif self.g != self.n:
                 rep = self.n // self.g
                 k_bgsd = k_bgsd.repeat_interleave(rep, dim=1)
                 v_bgsd = v_bgsd.repeat_interleave(rep, dim=1)
@@ -272,8 +280,23 @@ class ParallelAttention(nn.Module):
             return F.scaled_dot_product_attention(
                 q_bnsd, k_bgsd, v_bgsd, attn_mask=None if attention_mask is None else ~attention_mask,
                 is_causal=attention_mask is None, dropout_p=dropout_p,
-                scale=1.0 / math.sqrt(self.d),
+                scale=1.0 / math.sqrt(self.d), **gqa,
             )
+
+    def _native_gqa(self, q: torch.Tensor, attention_mask) -> bool:
+        """Whether SDPA gets the query groups' k and v as they are (`enable_gqa`: the
+        kernel maps query head i to group i // (n/g), and sums the k/v grads of a group
+        itself) rather than repeated to every query head. Only where a kernel that does
+        this will be chosen: cuDNN and flash attention (half precision, sm80 and newer)
+        and the CPU's; the memory-efficient kernel has no such mode (the masked case and
+        fp32 on the GPU use it), and torch < 2.5 has no `enable_gqa`."""
+        if not _SDPA_GQA or attention_mask is not None:
+            return False
+        if self.config.attention_backend == "efficient":
+            return False
+        if q.device.type == "cpu":
+            return True
+        return q.dtype in (torch.float16, torch.bfloat16) and self._sm80
 
     def forward(self, x_sbh: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None):
