@@ -60,7 +60,7 @@ def _gqa_attention(native: bool, device="cpu", dtype=torch.float32, backend="aut
     its output and the grads of its input and weights, k and v handed to SDPA as groups
     (`native`) or repeated to every query head."""
     from megatron.core.models.gpt import transformer
-    from megatron.core.models.gpt.rotary import rotary_frequencies
+    from megatron.core.models.gpt.rotary import rotary_table
 
     torch.manual_seed(0)
     cfg = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=2,
@@ -71,8 +71,8 @@ def _gqa_attention(native: bool, device="cpu", dtype=torch.float32, backend="aut
     attn = transformer.ParallelAttention(cfg, device=device)
     attn._native_gqa = lambda q, mask: native  # the choice under test, forced
     x = torch.randn(16, 3, 64, device=device, dtype=dtype, requires_grad=True)
-    freqs = rotary_frequencies(16, cfg.kv_channels, device=device)
-    out, _ = attn(x, freqs)
+    table = rotary_table(16, cfg.kv_channels, device=device)
+    out, _ = attn(x, table)
     out.float().square().sum().backward()
     return [out.detach(), x.grad] + [p.grad for p in attn.parameters()]
 

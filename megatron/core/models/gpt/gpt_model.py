@@ -25,7 +25,7 @@ from megatron.core.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 
-from .rotary import rotary_frequencies
+from .rotary import rotary_table
 from .transformer import TransformerBlock, init_methods
 
 _COMPILED_CE = None
@@ -219,12 +219,12 @@ class GPTModel(nn.Module):
     def _rotary(self, seq_length: int, device) -> Optional[torch.Tensor]:
         if self.rotary_dim is None:
             return None
-        cache = self._rotary_cache
-        if cache is None or cache.shape[0] < seq_length or cache.device != device:
-            cache = rotary_frequencies(max(seq_length, self.config.seq_length), self.rotary_dim,
-                                       self.config.rotary_base, device)
+        cache = self._rotary_cache  # [2, s, 1, 1, rotary_dim]: cos and sin
+        if cache is None or cache.shape[1] < seq_length or cache.device != device:
+            cache = rotary_table(max(seq_length, self.config.seq_length), self.rotary_dim,
+                                 self.config.rotary_base, device)
             self._rotary_cache = cache
-        return cache[:seq_length]
+        return cache[:, :seq_length]
 
     def forward(self, input_ids: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,

@@ -298,15 +298,15 @@ class ParallelAttention(nn.Module):
             return True
         return q.dtype in (torch.float16, torch.bfloat16) and self._sm80
 
-    def forward(self, x_sbh: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None,
+    def forward(self, x_sbh: torch.Tensor, rotary_table: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None):
         qkv, bias = self.query_key_value(x_sbh)
         if bias is not None:
             qkv = qkv + bias
         q, k, v = self._split_qkv(qkv)  # [s, b, n|g, d]
-        if rotary_freqs is not None:
-            q = apply_rotary(q, rotary_freqs)
-            k = apply_rotary(k, rotary_freqs)
+        if rotary_table is not None:
+            q = apply_rotary(q, rotary_table)
+            k = apply_rotary(k, rotary_table)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n|g, s, d]
         if self.selective_recompute and self.training:
             ctx = recompute_checkpoint(self._core_attention, q, k, v, attention_mask,
@@ -346,13 +346,13 @@ class TransformerLayer(nn.Module):
                 out = F.dropout(out, p=p, training=True)
         return residual + out
 
-    def forward(self, x_sbh: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None,
+    def forward(self, x_sbh: torch.Tensor, rotary_table: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None):
         if not self.config.apply_residual_connection_post_layernorm:
             ln = self.input_layernorm(x_sbh)
-            return self.forward_from_norm(x_sbh, ln, None, rotary_freqs, attention_mask)[0]
+            return self.forward_from_norm(x_sbh, ln, None, rotary_table, attention_mask)[0]
         ln = self.input_layernorm(x_sbh)  # post-LN residuals: the sums start from the norms
-        out, bias = self.self_attention(ln, rotary_freqs, attention_mask)
+        out, bias = self.self_attention(ln, rotary_table, attention_mask)
         x_sbh = self._residual_dropout(out, bias, ln)
         ln = self.post_attention_layernorm(x_sbh)
         out, bias = self.mlp(ln)
@@ -360,7 +360,7 @@ class TransformerLayer(nn.Module):
 
     def forward_from_norm(self, x_sbh: torch.Tensor, ln_sbh: torch.Tensor,
                           next_norm: Optional[nn.Module],
-                          rotary_freqs: Optional[torch.Tensor] = None,
+                          rotary_table: Optional[torch.Tensor] = None,
                           attention_mask: Optional[torch.Tensor] = None):
         """The pre-LN layer with its input norm done by the caller (`ln_sbh` =
         input_layernorm(x_sbh)) and the following norm (the next layer's input norm, or the
@@ -368,17 +368,17 @@ class TransformerLayer(nn.Module):
         `next_norm` is None. Compiled per layer, this puts each residual add in one kernel
         with the norm that reads it, forward and backward, as compiling the whole stack
         does, while every layer still shares one compiled graph."""
-        out, bias = self.self_attention(ln_sbh, rotary_freqs, attention_mask)
+        out, bias = self.self_attention(ln_sbh, rotary_table, attention_mask)
         x_sbh = self._residual_dropout(out, bias, x_sbh)
         out, bias = self.mlp(self.post_attention_layernorm(x_sbh))
         x_sbh = self._residual_dropout(out, bias, x_sbh)
         return x_sbh, None if next_norm is None else next_norm(x_sbh)
 
 
-def _layer_unit(layer, x_sbh, ln_sbh, next_norm, rotary_freqs, attention_mask):
+def _layer_unit(layer, x_sbh, ln_sbh, next_norm, rotary_table, attention_mask):
     """What the layer scope compiles: one layer from its input norm to the next norm (the
     modules are arguments, so every layer runs the same compiled graph)."""
-    return layer.forward_from_norm(x_sbh, ln_sbh, next_norm, rotary_freqs, attention_mask)
+    return layer.forward_from_norm(x_sbh, ln_sbh, next_norm, rotary_table, attention_mask)
 
 
 def compile_layers(fn, mode: str = "default", tp_collectives: bool = False):
@@ -430,9 +430,9 @@ class TransformerBlock(nn.Module):
     def _compile(self, fn):
         return compile_layers(fn, self.config.compile_mode, self.tp_collectives)
 
-    def _run_layers(self, x_sbh, rotary_freqs, attention_mask):
+    def _run_layers(self, x_sbh, rotary_table, attention_mask):
         for layer in self.layers:
-            x_sbh = layer(x_sbh, rotary_freqs, attention_mask)
+            x_sbh = layer(x_sbh, rotary_table, attention_mask)
         return x_sbh
 
     def _layer_fns(self):
@@ -459,36 +459,36 @@ class TransformerBlock(nn.Module):
                 and c.recompute_granularity != "full"
                 and not c.apply_residual_connection_post_layernorm)
 
-    def _run_norms_across_layers(self, x_sbh, rotary_freqs, attention_mask):
+    def _run_norms_across_layers(self, x_sbh, rotary_table, attention_mask):
         if self._compiled_unit is None:
             self._compiled_unit = self._compile(_layer_unit)
         layers = self.layers
         ln = layers[0].input_layernorm(x_sbh)
         for i, layer in enumerate(layers):
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.final_layernorm
-            x_sbh, ln = self._compiled_unit(layer, x_sbh, ln, nxt, rotary_freqs, attention_mask)
+            x_sbh, ln = self._compiled_unit(layer, x_sbh, ln, nxt, rotary_table, attention_mask)
         return x_sbh if self.final_layernorm is None else ln
 
-    def forward(self, x_sbh: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None,
+    def forward(self, x_sbh: torch.Tensor, rotary_table: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None):
         c = self.config
         if c.compile_layers and c.compile_scope == "block" and c.recompute_granularity != "full":
             if self._compiled_block is None:
                 self._compiled_block = self._compile(self._run_layers)
-            x_sbh = self._compiled_block(x_sbh, rotary_freqs, attention_mask)
+            x_sbh = self._compiled_block(x_sbh, rotary_table, attention_mask)
             return x_sbh if self.final_layernorm is None else self.final_layernorm(x_sbh)
         if self._norms_across_layers():
-            return self._run_norms_across_layers(x_sbh, rotary_freqs, attention_mask)
+            return self._run_norms_across_layers(x_sbh, rotary_table, attention_mask)
         for i, layer in enumerate(self._layer_fns()):
             if self._recompute(i) and self.distribute_group is not None:
                 x_sbh = checkpoint_distributed_input(
-                    layer, x_sbh, rotary_freqs, attention_mask, group=self.distribute_group,
+                    layer, x_sbh, rotary_table, attention_mask, group=self.distribute_group,
                     tracker=self.rng_tracker)
             elif self._recompute(i):
-                x_sbh = recompute_checkpoint(layer, x_sbh, rotary_freqs, attention_mask,
+                x_sbh = recompute_checkpoint(layer, x_sbh, rotary_table, attention_mask,
                                              tracker=self.rng_tracker)
             else:
-                x_sbh = layer(x_sbh, rotary_freqs, attention_mask)
+                x_sbh = layer(x_sbh, rotary_table, attention_mask)
         if self.final_layernorm is not None:
             x_sbh = self.final_layernorm(x_sbh)
         return x_sbh

@@ -1,0 +1,76 @@
+"""Where the rotary embedding's time goes: the compiled forward + backward of the part of
+a llama-1b attention between the QKV product and SDPA (split into query groups, rotate q
+and k, lay out for SDPA), with the angles' cos and sin computed in the kernel from the
+angles (as torch.compile fuses `freqs.cos()`) or read from a precomputed table.
+
+    python benchmarks/rope_probe.py [--iters 30]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def rotate(t, cos, sin):
+    rot = cos.shape[-1]
+    x = t[..., :rot].float()
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(t.dtype)
+
+
+def part(qkv, tables, n, g, d, from_angles: bool):
+    s, b, _ = qkv.shape
+    pg = n // g
+    x = qkv.view(s, b, g, (pg + 2) * d)
+    q, k, v = torch.split(x, [pg * d, d, d], dim=-1)
+    q = q.reshape(s, b, n, d)
+    cos, sin = (tables.cos(), tables.sin()) if from_angles else tables
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    return [t.permute(1, 2, 0, 3) for t in (q, k, v)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=30)
+    a = ap.parse_args()
+    s, b, n, g, d = 2048, 8, 32, 8, 64
+    qkv = torch.randn(s, b, (n + 2 * g) * d, device="cuda", dtype=torch.bfloat16,
+                      requires_grad=True)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    angles = torch.outer(torch.arange(s, device="cuda").float(), inv)
+    angles = torch.cat((angles, angles), -1)[:, None, None, :]
+    variants = [(f"{how}, grads {layout}", tables, fa, layout)
+                for how, tables, fa in (("cos/sin computed", angles, True),
+                                        ("cos/sin from a table", (angles.cos(), angles.sin()),
+                                         False))
+                for layout in ("[s,b,n,d] (as cuDNN's)", "[b,n,s,d]")]
+    for label, tables, from_angles, layout in variants:
+        if layout.startswith("[s"):  # laid out as the inputs, seen as [b, n, s, d]
+            grads = [torch.randn(s, b, m, d, device="cuda", dtype=torch.bfloat16)
+                     .permute(1, 2, 0, 3) for m in (n, g, g)]
+        else:
+            grads = [torch.randn(b, m, s, d, device="cuda", dtype=torch.bfloat16)
+                     for m in (n, g, g)]
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x, t, fa=from_angles: part(x, t, n, g, d, fa))
+
+        def step():
+            outs = fn(qkv, tables)
+            torch.autograd.backward(outs, grads)
+            qkv.grad = None
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(a.iters):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        print(f"{label:45s} forward + backward {start.elapsed_time(end) / a.iters:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
