@@ -1,7 +1,8 @@
 """Where the rotary embedding's time goes: the compiled forward + backward of the part of
 a llama-1b attention between the QKV product and SDPA (split into query groups, rotate q
-and k, lay out for SDPA), with the angles' cos and sin computed in the kernel from the
-angles (as torch.compile fuses `freqs.cos()`) or read from a precomputed table.
+and k, lay out for SDPA): torch.compile's kernels with the angles' cos and sin computed
+in the kernel (as it fuses `freqs.cos()`) or read from a precomputed table, and the
+project's operator pair (megatron/core/fused_rotary.py, two Triton kernels).
 
     python benchmarks/rope_probe.py [--iters 30]
 """
@@ -11,6 +12,8 @@ import argparse
 
 import torch
 
+from megatron.core import fused_rotary
+
 
 def rotate(t, cos, sin):
     rot = cos.shape[-1]
@@ -19,7 +22,10 @@ def rotate(t, cos, sin):
     return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(t.dtype)
 
 
-def part(qkv, tables, n, g, d, from_angles: bool):
+def part(qkv, tables, n, g, d, from_angles):
+    if from_angles is None:  # the operator pair
+        q, k, v = fused_rotary.split_and_rotate(qkv, tables, g, n // g, d)
+        return [t.permute(1, 2, 0, 3) for t in (q, k, v)]
     s, b, _ = qkv.shape
     pg = n // g
     x = qkv.view(s, b, g, (pg + 2) * d)
@@ -43,7 +49,9 @@ def main() -> None:
     variants = [(f"{how}, grads {layout}", tables, fa, layout)
                 for how, tables, fa in (("cos/sin computed", angles, True),
                                         ("cos/sin from a table", (angles.cos(), angles.sin()),
-                                         False))
+                                         False),
+                                        ("operator pair", torch.stack((angles.cos(),
+                                                                       angles.sin())), None))
                 for layout in ("[s,b,n,d] (as cuDNN's)", "[b,n,s,d]")]
     for label, tables, from_angles, layout in variants:
         if layout.startswith("[s"):  # laid out as the inputs, seen as [b, n, s, d]

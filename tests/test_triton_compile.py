@@ -28,6 +28,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from megatron.core import fused_activation as fa, fused_cross_entropy as fce
+from megatron.core import fused_rotary as fr
 from megatron.core.optimizer import multi_tensor_adam as mta
 
 def cases():
@@ -36,6 +37,17 @@ def cases():
             yield (f"gelu {dt} backward={backward}", fa._gelu_source,
                    {"g_ptr": f"*{dt}", "h_ptr": f"*{dt}", "out_ptr": f"*{dt}", "n": "i64"},
                    {"BACKWARD": backward, "BLOCK": fa.BLOCK})
+    rope = {"src_ptr": None, "q_ptr": None, "k_ptr": None, "v_ptr": None, "table_ptr": "*fp32",
+            "tokens": "i64", "batch": "i32", "groups": "i32", "q_tok": "i64", "q_head": "i64",
+            "k_tok": "i64", "k_head": "i64", "v_tok": "i64", "v_head": "i64",
+            "table_stride": "i64", "table_half": "i64"}
+    for dt in ("bf16", "fp16"):  # llama-1b's heads (4 per group, 64 channels) and MHA's 128
+        for p, d in ((4, 64), (1, 128)):
+            for backward in (False, True):
+                sig = {k: v or f"*{dt}" for k, v in rope.items()}
+                yield (f"rope {dt} p={p} d={d} backward={backward}", fr._rope_source, sig,
+                       {"P": p, "D": d, "ROT": d, "HP": triton.next_power_of_2(p + 2),
+                        "DP": d, "BACKWARD": backward, "BLOCK_T": fr.BLOCK_T})
     for dt in ("bf16", "fp16", "fp32"):
         for mode in (0, 1, 2):
             yield (f"cross entropy {dt} mode={mode}", fce._rows_source,
@@ -82,7 +94,7 @@ def test_every_kernel_compiles_for_sm90():
         pytest.skip("this Triton has no ahead-of-time compile API")
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 25
+    assert len(results) == 33
     failed = {name: r for name, r in results.items() if not isinstance(r, int)}
     assert not failed, "\n".join(f"{n}: {r[:400]}" for n, r in failed.items())
     assert all(size > 0 for size in results.values())

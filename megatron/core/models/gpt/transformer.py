@@ -23,6 +23,7 @@ from torch.torch_version import TorchVersion
 
 from megatron.core import fused_activation
 from megatron.core.config import ModelConfig
+from megatron.core.fused_rotary import split_and_rotate
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -34,8 +35,6 @@ from megatron.core.tensor_parallel.mappings import TRACED_COLLECTIVES
 from megatron.core.tensor_parallel.random import checkpoint as recompute_checkpoint
 from megatron.core.tensor_parallel.random import checkpoint_distributed_input
 from megatron.core.tensor_parallel.utils import divide
-
-from .rotary import apply_rotary
 
 
 class LayerNorm(nn.LayerNorm):
@@ -303,10 +302,10 @@ class ParallelAttention(nn.Module):
         qkv, bias = self.query_key_value(x_sbh)
         if bias is not None:
             qkv = qkv + bias
-        q, k, v = self._split_qkv(qkv)  # [s, b, n|g, d]
-        if rotary_table is not None:
-            q = apply_rotary(q, rotary_table)
-            k = apply_rotary(k, rotary_table)
+        if rotary_table is None:
+            q, k, v = self._split_qkv(qkv)  # [s, b, n|g, d]
+        else:  # split and rotate in one operator (megatron/core/fused_rotary.py)
+            q, k, v = split_and_rotate(qkv, rotary_table, self.g, self.n // self.g, self.d)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n|g, s, d]
         if self.selective_recompute and self.training:
             ctx = recompute_checkpoint(self._core_attention, q, k, v, attention_mask,
