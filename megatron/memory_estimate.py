@@ -29,13 +29,14 @@ used here, each checked against the tensors this model's layers actually save
                    RMSNorm also keeps x*rstd (+2*e*sbh)
     norm_outputs   the 2 norm outputs that the QKV and fc1 GEMMs save, 2*e*sbh
     norm_stats     mean/rstd in fp32 (small)
-    rotary_tables  with rotary embeddings, the fp32 cos/sin tables saved for Q and K (small)
     dropout_masks  2 bool masks, 2*sbh, only when --hidden-dropout > 0
   tensor-parallel (divided by t):
-    qkv            Q, K, V as the attention kernel sees them, 3*e*sbh (K and V are repeated
-                   to all heads with grouped-query attention before the kernel); one that is
-                   a view of the fused QKV output keeps all of it alive, so e.g. rotary
-                   without GQA keeps 5*e*sbh (see `qkv_saved_width`)
+    qkv            Q, K, V as the attention kernel sees them: with grouped-query attention
+                   K and V have the groups' width (the kernel takes them as groups), or are
+                   repeated to all heads first where it cannot (--attention-backend
+                   efficient); with rotary embeddings all three are separate tensors (the
+                   split-and-rotate operator's outputs); otherwise a view of the fused QKV
+                   output keeps all of it alive (see `qkv_saved_width`)
     attention_output  the kernel's output, which is also the projection's input, e*sbh
     attention_logsumexp  flash kernel (default: torch SDPA picks flash/memory-efficient
                    kernels, which never store the s x s scores): 4*a*s*b
@@ -43,16 +44,16 @@ used here, each checked against the tensors this model's layers actually save
                    and output (a*s*s*b + e*a*s*s*b) when --attention-dropout > 0 -- the
                    5*a*s/h term of the paper
     mlp            gelu / squared-relu: activation input and fc2 input, 2*e*s*b*f;
-                   SwiGLU eager: fc1 output (2f), silu output, fc2 input = 4*e*s*b*f;
-                   SwiGLU compiled (--compile, the default on CUDA): 3*e*s*b*f, inductor
-                   recomputes the silu
+                   SwiGLU: fc1 output (2f, saved by the SwiGLU operator) and fc2 input,
+                   3*e*s*b*f
   So with e = 2, f = 4h, dropout on and no flash the sum is exactly the paper's
   s*b*h*(34 + 5*a*s/h) (plus the small norm_stats); with flash the 5*a*s/h term is gone.
   selective recompute: the attention core keeps only Q and the unrepeated K, V.
   full recompute: each layer keeps only its input (e*sbh, / t with sequence parallelism),
   plus one layer's full set while it is rebuilt in backward; method block N: N layers.
 Outside the layers: the embedding dropout mask (sbh), the final norm's input and output
-(2*e*sbh), and `logits`: the fp32 logits and their shifted copy inside the vocab-parallel
+(2*e*sbh), with rotary embeddings the cos/sin table all layers share (fp32 [2, s, rotary
+dim], small), and `logits`: the fp32 logits and their shifted copy inside the vocab-parallel
 cross entropy at the forward peak, 2 * 4*s*b*V/t (the saved softmax later becomes the
 logits' grad in place).
 Pipeline parallelism (1F1B): stage i keeps min(pp - i, num_micro_batches) micro-batches in
@@ -87,18 +88,19 @@ def qkv_saved_width(n: int, g: int, d: int, rope: bool, repeated: bool = True) -
     """Elements per token that the attention kernel's saved Q, K, V hold on one rank.
 
     This model splits the fused QKV output [s, b, g, (n/g + 2) * d] into views. A view
-    keeps the whole fused output alive ((n + 2g) * d); rotary embeddings, grouped-query
-    repetition (`repeated`: K and V repeated to n heads before the kernel) and a query
-    reshape that cannot be a view (1 < g < n) make separate tensors instead.
+    keeps the whole fused output alive ((n + 2g) * d); rotary embeddings (the
+    split-and-rotate operator returns three tensors), grouped-query repetition
+    (`repeated`: K and V repeated to n heads before the kernel) and a query reshape that
+    cannot be a view (1 < g < n) make separate tensors instead.
     """
     q_view = not rope and (g == n or g == 1)
     k_view = not rope and (g == n or not repeated)
-    v_view = g == n or not repeated
+    v_view = not rope and (g == n or not repeated)
     width = 0 if q_view else n * d
     if not k_view:
         width += (n if repeated else g) * d
     if not v_view:
-        width += n * d
+        width += (n if repeated else g) * d
     if q_view or k_view or v_view:
         width += (n + 2 * g) * d
     return width
@@ -124,11 +126,9 @@ def layer_activation_terms(m: ModelConfig, s: int, b: int, tp: int, sp: bool, e:
         "norm_outputs": 2 * e * sbh / bdiv,
         "dropout_masks": (2 * sbh if m.hidden_dropout > 0 else 0) / bdiv,
         "qkv": e * s * b * qkv_saved_width(a // tp, m.num_query_groups // tp, m.kv_channels,
-                                           rope),
+                                           rope, repeated=m.attention_backend == "efficient"),
         "attention_output": e * s * b * qd / tp,
     }
-    if rope:  # cos and sin tables, fp32 [s, rotary_dim], computed for Q and for K
-        terms["rotary_tables"] = 4 * 4 * s * int(m.kv_channels * m.rotary_percent)
     if rms and not compiled:
         terms["norm_inputs"] += 2 * e * sbh / bdiv  # eager composite keeps x * rstd too
     if flash_attention:
@@ -137,7 +137,7 @@ def layer_activation_terms(m: ModelConfig, s: int, b: int, tp: int, sp: bool, e:
         scores = a * s * s * b
         dropout = (scores + e * scores) if m.attention_dropout > 0 else 0
         terms["attention_scores"] = (e * scores + dropout) / tp
-    mlp_factor = (3 if compiled else 4) if m.swiglu else 2
+    mlp_factor = 3 if m.swiglu else 2
     terms["mlp"] = mlp_factor * e * s * b * f / tp
     return terms
 
@@ -179,7 +179,9 @@ def _head_bytes(config: Config, first: bool, last: bool) -> Dict[str, float]:
     m, p, d = config.model, config.parallel, config.data
     s, b, tp, e = d.seq_length, d.micro_batch_size, p.tp_size, _act_bytes(config)
     sbh_div = s * b * m.hidden_size / (tp if p.sequence_parallel else 1)
-    out = {"embedding": 0.0, "final_norm": 0.0, "logits": 0.0}
+    out = {"embedding": 0.0, "final_norm": 0.0, "logits": 0.0, "rotary_table": 0.0}
+    if m.position_embedding_type == "rope":  # cos and sin, fp32 [2, s, rotary dim]
+        out["rotary_table"] = 2 * 4 * s * int(m.kv_channels * m.rotary_percent)
     if first and m.hidden_dropout > 0:
         out["embedding"] = sbh_div  # dropout mask
     if last:
@@ -222,7 +224,7 @@ def estimate_stage_memory(config: Config, stage: int = 0, *,
     layers = m.num_layers // p.pp_size
     head = _head_bytes(config, stage == 0, stage == p.pp_size - 1)
     acts = in_flight * (activation_bytes(config, layers, flash_attention)
-                        + head["embedding"] + head["final_norm"])
+                        + head["embedding"] + head["final_norm"]) + head["rotary_table"]
     est = {
         "weights": n_params * per["weights"],
         "gradients": n_params * per["gradients"],

@@ -149,3 +149,68 @@ def test_compiled_on_cuda_matches_torch_in_bf16():
     step = 2.0 ** -7
     assert ((y.float() - y_torch.float()).abs() <= step * y_torch.float().abs() + 1e-6).all()
     assert ((g.float() - g_torch.float()).abs() <= step * g_torch.float().abs() + 1e-6).all()
+
+
+# ---------------------------------------------------------------------------------- SwiGLU
+def _swiglu_reference(h: torch.Tensor, grad: torch.Tensor):
+    h64 = h.detach().double().requires_grad_(True)
+    a, b = torch.chunk(h64, 2, dim=-1)
+    y = F.silu(a) * b
+    (g,) = torch.autograd.grad(y, h64, grad.double())
+    return y.detach(), g
+
+
+def test_swiglu_matches_silu_times_up():
+    """The operator (torch ops on the CPU) against silu(a) * b in float64: fp32 values and
+    gradients within fp32 rounding; fp64 inputs pass torch's gradcheck."""
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(6, 5, 2 * 40, generator=gen) * 4
+    grad = torch.randn(6, 5, 40, generator=gen)
+    y_ref, g_ref = _swiglu_reference(h, grad)
+    y, g = _ours(fa.swiglu, h, grad)
+    assert y.shape == (6, 5, 40) and g.shape == h.shape
+    assert (y.double() - y_ref).abs().max() < 1e-5 * y_ref.abs().max()
+    assert (g.double() - g_ref).abs().max() < 1e-5 * g_ref.abs().max()
+    h64 = torch.randn(3, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert torch.autograd.gradcheck(fa.swiglu, (h64,))
+    with pytest.raises(ValueError, match="even last dimension, got 7"):
+        fa.swiglu(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize("dtype,step", [(torch.float32, 0.0), (torch.float16, 2.0 ** -10)])
+def test_swiglu_kernels_match_the_operators(interpret, monkeypatch, dtype, step):
+    """The Triton kernels (interpreter): the operators' values, also with a ragged tail of
+    columns (BLOCK 256, 600 columns per half)."""
+    monkeypatch.setattr(fa, "SWIGLU_BLOCK", 256)
+    gen = torch.Generator().manual_seed(4)
+    h = (torch.randn(3, 1200, generator=gen) * 4).to(dtype)
+    grad = torch.randn(3, 600, generator=gen).to(dtype)
+    got = (fa._swiglu_launch(h, None, h.new_empty(3, 600), backward=False),
+           fa._swiglu_launch(h, grad, torch.empty_like(h), backward=True))
+    want = (fa._swiglu_torch(h), fa._swiglu_torch(h, grad))
+    for g, w in zip(got, want):
+        assert g.dtype == dtype
+        assert ((g.float() - w.float()).abs() <= step * w.float().abs() + 1e-6).all()
+
+
+def test_swiglu_operator_registration_and_compile():
+    h = torch.randn(4, 16, requires_grad=True)
+    torch.library.opcheck(torch.ops.megatron.swiglu.default, (h,))
+    torch.library.opcheck(torch.ops.megatron.swiglu_backward.default,
+                          (torch.randn(4, 8), h.detach()))
+    grad = torch.randn(4, 8)
+    y, g = _ours(fa.swiglu, h, grad)
+    yc, gc = _ours(torch.compile(fa.swiglu, dynamic=False), h, grad)
+    assert torch.allclose(yc, y, rtol=0, atol=1e-6) and torch.allclose(gc, g, rtol=0, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_swiglu_cuda_kernels_match_the_operators():
+    gen = torch.Generator().manual_seed(6)
+    h = (torch.randn(64, 2 * 3000, generator=gen) * 4).bfloat16().cuda()
+    grad = torch.randn(64, 3000, generator=gen).bfloat16().cuda()
+    y, g = _ours(fa.swiglu, h, grad)
+    want = (fa._swiglu_torch(h), fa._swiglu_torch(h, grad))
+    for got, w in zip((y, g), want):
+        assert ((got.float() - w.float()).abs() <= 2.0 ** -7 * w.float().abs() + 1e-6).all()

@@ -37,6 +37,11 @@ def cases():
             yield (f"gelu {dt} backward={backward}", fa._gelu_source,
                    {"g_ptr": f"*{dt}", "h_ptr": f"*{dt}", "out_ptr": f"*{dt}", "n": "i64"},
                    {"BACKWARD": backward, "BLOCK": fa.BLOCK})
+    for dt in ("bf16", "fp16"):
+        for backward in (False, True):
+            yield (f"swiglu {dt} backward={backward}", fa._swiglu_source,
+                   {"h_ptr": f"*{dt}", "g_ptr": f"*{dt}", "out_ptr": f"*{dt}", "cols": "i32"},
+                   {"BACKWARD": backward, "BLOCK": fa.SWIGLU_BLOCK})
     rope = {"src_ptr": None, "q_ptr": None, "k_ptr": None, "v_ptr": None, "table_ptr": "*fp32",
             "tokens": "i64", "batch": "i32", "groups": "i32", "q_tok": "i64", "q_head": "i64",
             "k_tok": "i64", "k_head": "i64", "v_tok": "i64", "v_head": "i64",
@@ -94,7 +99,7 @@ def test_every_kernel_compiles_for_sm90():
         pytest.skip("this Triton has no ahead-of-time compile API")
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 33
+    assert len(results) == 37
     failed = {name: r for name, r in results.items() if not isinstance(r, int)}
     assert not failed, "\n".join(f"{n}: {r[:400]}" for n, r in failed.items())
     assert all(size > 0 for size in results.values())

@@ -210,9 +210,8 @@ class ParallelMLP(nn.Module):
         h_sbf, bias = self.dense_h_to_4h(x_sbh)
         if bias is not None:
             h_sbf = h_sbf + bias
-        if self.swiglu:
-            gate, up = torch.chunk(h_sbf, 2, dim=-1)
-            h_sbf = F.silu(gate) * up
+        if self.swiglu:  # silu(gate) * up, gate and up the halves of h (one kernel each way)
+            h_sbf = fused_activation.swiglu(h_sbf)
         else:
             h_sbf = self.act(h_sbf)
         return self.dense_4h_to_h(h_sbf)  # (out [s,b,h], bias or None)
