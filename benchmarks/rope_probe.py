@@ -9,10 +9,13 @@ project's operator pair (megatron/core/fused_rotary.py, two Triton kernels).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 
-from megatron.core import fused_rotary
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron.core import fused_rotary  # noqa: E402
 
 
 def rotate(t, cos, sin):
