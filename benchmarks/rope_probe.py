@@ -2,7 +2,9 @@
 a llama-1b attention between the QKV product and SDPA (split into query groups, rotate q
 and k, lay out for SDPA): torch.compile's kernels with the angles' cos and sin computed
 in the kernel (as it fuses `freqs.cos()`) or read from a precomputed table, and the
-project's operator pair (megatron/core/fused_rotary.py, two Triton kernels).
+project's operator pair (megatron/core/fused_rotary.py, two Triton kernels). The GPU
+kernel time is what a layer pays inside the whole-step CUDA graph; the wall time of these
+small eager iterations also counts the host's launches.
 
     python benchmarks/rope_probe.py [--iters 30]
 """
@@ -80,7 +82,14 @@ def main() -> None:
             step()
         end.record()
         torch.cuda.synchronize()
-        print(f"{label:45s} forward + backward {start.elapsed_time(end) / a.iters:.3f} ms")
+        wall = start.elapsed_time(end) / a.iters
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(a.iters):
+                step()
+            torch.cuda.synchronize()
+        kernels = sum(e.self_device_time_total for e in prof.key_averages()) / 1000 / a.iters
+        print(f"{label:45s} forward + backward: GPU kernels {kernels:.3f} ms, "
+              f"wall {wall:.3f} ms (host-bound when larger)")
 
 
 if __name__ == "__main__":
