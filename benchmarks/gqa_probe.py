@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.cuda_timing import mean_ms  # noqa: E402
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -20,19 +25,6 @@ BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTEN
 
 def backend(name: str):
     return contextlib.nullcontext() if name == "auto" else sdpa_kernel([BACKENDS[name]])
-
-
-def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main() -> None:
@@ -64,7 +56,7 @@ def main() -> None:
                 out.backward(dout)
                 return out
             try:
-                ms = timed(run, a.iters)
+                ms = mean_ms(run, a.iters)
                 q.grad = k.grad = v.grad = None
                 out = run().float()
                 grads = [t.grad.float() for t in (q, k, v)]

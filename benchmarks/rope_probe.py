@@ -17,6 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.cuda_timing import mean_ms  # noqa: E402
 from megatron.core import fused_rotary  # noqa: E402
 
 
@@ -73,16 +74,7 @@ def main() -> None:
             torch.autograd.backward(outs, grads)
             qkv.grad = None
 
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(a.iters):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        wall = start.elapsed_time(end) / a.iters
+        wall = mean_ms(step, a.iters)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(a.iters):
                 step()

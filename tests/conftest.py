@@ -13,3 +13,17 @@ import torch
 
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """For tests that run Triton kernels on CPU tensors: skips without Triton, and where
+    CUDA is visible (Triton was imported there without TRITON_INTERPRET; the CUDA tests
+    cover that machine); sets TRITON_INTERPRET for the test."""
+    pytest.importorskip("triton", reason="Triton is not installed")
+    if torch.cuda.is_available():
+        pytest.skip("CPU-interpreter test; the CUDA test covers this machine")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -58,12 +58,8 @@ def test_matches_torch_in_bf16():
 
 
 @pytest.fixture
-def interpret(monkeypatch):
-    """Run the Triton kernels on CPU tensors (tests/conftest.py sets TRITON_INTERPRET)."""
-    pytest.importorskip("triton", reason="Triton is not installed")
-    if torch.cuda.is_available():
-        pytest.skip("CPU-interpreter test; the CUDA test covers this machine")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def interpret(triton_interpreter, monkeypatch):
+    """Run the Triton kernels on CPU tensors (tests/conftest.py's triton_interpreter)."""
     monkeypatch.setattr(fa, "INTERPRET_ON_CPU", True)
     monkeypatch.setattr(fa, "BLOCK", 256)  # several programs and a ragged tail
 

@@ -64,12 +64,9 @@ def test_operator_matches_the_complex_rotation(shape):
 
 
 @pytest.fixture
-def interpret(monkeypatch):
-    """Run the Triton kernels on CPU tensors (tests/conftest.py sets TRITON_INTERPRET)."""
-    pytest.importorskip("triton", reason="Triton is not installed")
-    if torch.cuda.is_available():
-        pytest.skip("CPU-interpreter test; the CUDA test covers this machine")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def interpret(triton_interpreter, monkeypatch):
+    """Run the Triton kernels on CPU tensors (tests/conftest.py's triton_interpreter)."""
+    monkeypatch.setattr(fr, "INTERPRET_ON_CPU", True)
     monkeypatch.setattr(fr, "BLOCK_T", 4)  # several programs and a ragged tail
 
 
@@ -96,7 +93,6 @@ def _both_ways(monkeypatch, shape, dtype, device="cpu"):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype,step", [(torch.float32, 0.0), (torch.float16, 2.0 ** -10)])
 def test_kernels_match_the_operators(interpret, monkeypatch, shape, dtype, step):
-    monkeypatch.setattr(fr, "INTERPRET_ON_CPU", True)
     kernel, ops = _both_ways(monkeypatch, shape, dtype)
     for got, want in zip(kernel, ops):
         assert got.shape == want.shape and got.dtype == dtype
