@@ -140,7 +140,7 @@ def test_simulated_fp16_replays_skip_overflows_like_eager_steps():
     assert {float(s["step"]) for s in state.values()} == {float(sum(oks))}
 
 
-def _log_run(argv, runner, tb_dir, capsys):
+def _log_run(argv, runner, tb_dir, capsys, extra=()):
     """Run the training loop (megatron.training.train) for ARGV's 8 iterations, logging
     every 3; the iteration lines without their timings, tensorboard's per-iteration
     scalars, and the trainer."""
@@ -152,7 +152,7 @@ def _log_run(argv, runner, tb_dir, capsys):
     if torch.cuda.is_available():
         pytest.skip("CPU-interpreter test; the CUDA test covers this machine")
     cfg, rt, tr = cli_trainer(list(argv) + ["--log-interval", "3", "--tensorboard-dir",
-                                            str(tb_dir), "--eval-iters", "0"])
+                                            str(tb_dir), "--eval-iters", "0", *extra])
     if runner is not None:
         tr.step_graph = runner
     capsys.readouterr()
@@ -184,6 +184,37 @@ def test_fp16_replays_log_what_eager_steps_log(tmp_path, capsys):
     assert tb == eager_tb and len(tb["learning-rate"]) == 8
     assert graphed.scheduler.num_steps == eager.scheduler.num_steps
     assert graphed.optimizer._multi.step_count == eager.optimizer._multi.step_count
+
+
+def test_fp16_checkpoints_saved_between_replays_equal_eager_ones(tmp_path, capsys):
+    """A checkpoint saved right after an fp16 replay, whose update flag the host had not
+    read yet, holds exact counts: the scheduler's, Adam's per-parameter steps and the loss
+    scaler's, as an eager run's checkpoint at the same iteration (saves at 3 and 6 after
+    replays that skipped, no log line there to read the flag first, and at 8)."""
+    from megatron.checkpointing import MODEL_FILENAME
+
+    argv = ARGV + FP16_OVERFLOWING
+    runs = {}
+    for name, runner, mode in (("eager", None, ["--cuda-graph-step", "off"]),
+                               ("graphed", StepGraph(simulated=True), [])):
+        save = tmp_path / name
+        _log_run(argv + mode, runner, tmp_path / f"tb-{name}", capsys,
+                 extra=["--save", str(save), "--save-interval", "3", "--log-interval", "4"])
+        runs[name] = [torch.load(save / f"iter_{it:07d}" / "mp_rank_00" / MODEL_FILENAME,
+                                 weights_only=False) for it in (3, 6, 8)]
+    for eager, graphed in zip(runs["eager"], runs["graphed"]):
+        assert graphed["opt_param_scheduler"] == eager["opt_param_scheduler"]
+        opt_e, opt_g = eager["optimizer"], graphed["optimizer"]
+        assert opt_g["grad_scaler"]["growth_tracker"] == opt_e["grad_scaler"]["growth_tracker"]
+        assert opt_g["grad_scaler"]["hysteresis_tracker"] == \
+            opt_e["grad_scaler"]["hysteresis_tracker"]
+        assert float(opt_g["grad_scaler"]["scale"]) == float(opt_e["grad_scaler"]["scale"])
+        steps = [{float(s["step"]) for s in o["optimizer"]["state"].values()}
+                 for o in (opt_e, opt_g)]
+        assert steps[0] == steps[1] and len(steps[0]) == 1
+    kept = [{float(s["step"]) for s in ck["optimizer"]["optimizer"]["state"].values()}
+            for ck in runs["graphed"]]
+    assert kept[0] != {3.0} and kept[1] != {6.0}, f"saves not after skips: steps {kept}"
 
 
 def test_returned_loss_is_not_overwritten_by_the_next_replay():
