@@ -302,7 +302,7 @@ EXTRA_GROUP = ("extensions (not in Megatron-LM 23.05)", (
     ("--cublas-workspace", "str", "none", ("none", "torch")),
     ("--cross-entropy-kernel", "str", "auto", ("auto", "torch", "triton")),
     ("--gelu-kernel", "str", "auto", ("auto", "torch", "polynomial", "epilogue")),
-    ("--gemm-algorithms", "str", None),
+    ("--gemm-algorithms", "str", "auto"),
     ("--normalization", "str", "LayerNorm", ("LayerNorm", "RMSNorm")),
     ("--group-query-attention", "true", False),
     ("--num-query-groups", "int", None),
@@ -374,11 +374,13 @@ EXTRA_HELP = {
                           "no workspace and no memset: +1.0-1.5%% gpt2-124m, +0.3%% gpt-1.3b "
                           "on an H200), torch (leave torch's workspace; needed when code "
                           "prefers cuBLASLt)",
-    "--gemm-algorithms": "JSON table from tools/tune_gemms.py: the linear layers' products "
-                         "of the shapes it lists use the cuBLASLt algorithm measured "
-                         "fastest at the GPU's power limit (CUDA; refused on another GPU "
-                         "model or cuBLASLt version); default: torch's choice for every "
-                         "product",
+    "--gemm-algorithms": "cuBLASLt algorithms for the linear layers' products, measured "
+                         "fastest at the GPU's power limit: auto (default: the tables in "
+                         "megatron/gemm_tables measured on this GPU model and cuBLASLt "
+                         "version, for the product shapes they list; torch's choice "
+                         "elsewhere and on the CPU), a JSON FILE from tools/tune_gemms.py "
+                         "(CUDA; refused on another GPU model or cuBLASLt version), or "
+                         "none (torch's choice for every product)",
     "--normalization": "normalization layer type",
     "--group-query-attention": "grouped-query attention (see --num-query-groups)",
     "--num-query-groups": "number of key/value groups with --group-query-attention (default 1)",

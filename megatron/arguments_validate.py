@@ -462,17 +462,18 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
 
 
 def _check_gemm_algorithms(ns, cuda_available: bool) -> None:
-    """`--gemm-algorithms FILE`: CUDA only, and the file must exist (its contents are
-    checked against the GPU when the model is built)."""
+    """`--gemm-algorithms auto|none|FILE`: a FILE needs CUDA and must exist (its contents
+    are checked against the GPU when the model is built)."""
     path = ns.gemm_algorithms
-    if path is None:
+    if path in (None, "auto", "none"):
         return
     if not cuda_available:
         raise ArgumentsError(f"--gemm-algorithms {path} chooses cuBLASLt algorithms, which "
                              "need CUDA; run without it on the CPU")
     if not os.path.isfile(path):
         raise ArgumentsError(f"--gemm-algorithms {path}: no such file; write one with "
-                             "python tools/tune_gemms.py --out FILE -- <your training flags>")
+                             "python tools/tune_gemms.py --out FILE -- <your training flags>, "
+                             "or give auto (the shipped tables) or none")
 
 
 def validate_args(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -97,22 +98,45 @@ def build_model(config: Config, rt: Runtime) -> ModelChunks:
     return ModelChunks(DistributedDataParallel(m, rt.ps, config.parallel) for m in models)
 
 
+GEMM_TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemm_tables")
+
+
 def activate_gemm_algorithms(config: Config, rt: Runtime) -> None:
-    """`--gemm-algorithms FILE`: the table's cuBLASLt algorithms from now on (a table
-    measured on another GPU model or cuBLASLt version is refused, naming both). Without
-    the flag, torch's products (a table a previous trainer of this process used is
-    dropped)."""
+    """`--gemm-algorithms`: auto (the default) -> the tables shipped in megatron/gemm_tables
+    that were measured on this GPU model with this cuBLASLt version (none on the CPU or
+    elsewhere: torch's products); FILE -> that table (one measured on another GPU model or
+    cuBLASLt version is refused, naming both); none -> torch's products. A table a
+    previous trainer of this process used is dropped first."""
     from megatron.core.tensor_parallel import gemm_algos
 
-    path = config.args.get("gemm_algorithms")
-    if not path:
-        gemm_algos.activate({}, rt.device)
+    choice = config.args.get("gemm_algorithms") or "none"
+    gemm_algos.activate({}, rt.device)
+    if choice == "none" or (choice == "auto" and rt.device.type != "cuda"):
         return
-    lt = gemm_algos.cublaslt()
-    table = gemm_algos.load_table(path, torch.cuda.get_device_name(rt.device), lt.version)
+    device_name = torch.cuda.get_device_name(rt.device)
+    if choice != "auto":
+        table = gemm_algos.load_table(choice, device_name, gemm_algos.cublaslt().version)
+        gemm_algos.activate(table, rt.device)
+        print_rank_0(f"> --gemm-algorithms {choice}: {len(table)} product shapes use the "
+                     "measured cuBLASLt algorithm")
+        return
+    try:
+        version = gemm_algos.cublaslt().version
+    except (OSError, RuntimeError) as e:
+        print_rank_0(f"> --gemm-algorithms auto: cuBLASLt cannot be called here ({e}); "
+                     "torch's products")
+        return
+    table, used = gemm_algos.shipped_tables(GEMM_TABLES, device_name, version)
     gemm_algos.activate(table, rt.device)
-    print_rank_0(f"> --gemm-algorithms {path}: {len(table)} product shapes use the measured "
-                 "cuBLASLt algorithm")
+    if used:
+        print_rank_0(f"> --gemm-algorithms auto: {len(table)} product shapes measured on "
+                     f"{device_name} ({', '.join(os.path.basename(u) for u in used)}) use "
+                     "their measured cuBLASLt algorithm; the others torch's "
+                     "(--gemm-algorithms none: all torch's)")
+    else:
+        print_rank_0(f"> --gemm-algorithms auto: no table shipped for {device_name} with "
+                     f"cuBLASLt {version}; torch's products (measure your own: "
+                     "python tools/tune_gemms.py --out FILE -- <your flags>)")
 
 
 def build_trainer(config: Config, rt: Runtime) -> Trainer:

@@ -1,6 +1,7 @@
 """--gemm-algorithms: the products the layers route through gemm_algos, the table file,
 the refusals; on CUDA, cuBLASLt with each heuristic candidate against torch's product."""
 import ctypes
+import json
 import os
 import sys
 
@@ -97,6 +98,80 @@ def test_table_round_trips_and_is_refused_elsewhere(tmp_path):
         gemm_algos.load_table(str(tmp_path / "short.json"), "GPU X", 130400)
 
 
+def test_shipped_tables_merge_the_matching_ones_and_pass_over_the_rest(tmp_path):
+    """auto's tables: only those of this GPU model and cuBLASLt version count; a shape two
+    of them list takes the faster measured algorithm; a broken file is named."""
+    a = Shape("forward", 16384, 8192, 2048, "bf16")
+    b = Shape("wgrad", 8192, 2048, 16384, "bf16")
+    c = Shape("dgrad", 16384, 2048, 8192, "bf16", "dgelu")
+    gemm_algos.save_table(str(tmp_path / "one.json"), "GPU X", 130400, [
+        {"shape": a, "algo": _algo(1), "ms": 0.80}, {"shape": b, "algo": _algo(2), "ms": 0.7}])
+    gemm_algos.save_table(str(tmp_path / "two.json"), "GPU X", 130400, [
+        {"shape": a, "algo": _algo(3), "ms": 0.79}, {"shape": c, "algo": _algo(4)}])
+    gemm_algos.save_table(str(tmp_path / "other.json"), "GPU Y", 130400, [
+        {"shape": b, "algo": _algo(5), "ms": 0.1}])
+    (tmp_path / "notes.txt").write_text("not a table")
+    table, used = gemm_algos.shipped_tables(str(tmp_path), "GPU X", 130400)
+    assert table == {a: _algo(3), b: _algo(2), c: _algo(4)}
+    assert [os.path.basename(u) for u in used] == ["one.json", "two.json"]
+    assert gemm_algos.shipped_tables(str(tmp_path), "GPU X", 130500) == ({}, [])
+    assert gemm_algos.shipped_tables(str(tmp_path / "missing"), "GPU X", 130400) == ({}, [])
+    (tmp_path / "three.json").write_text('{"format": 1, "device": "GPU X", '
+                                         '"cublaslt_version": 130400, "entries": [{"m": 1}]}')
+    with pytest.raises(ValueError, match="three.json: bad entry"):
+        gemm_algos.shipped_tables(str(tmp_path), "GPU X", 130400)
+
+
+def test_the_shipped_tables_load():
+    """Every table in megatron/gemm_tables is readable and well formed, under the GPU
+    model and cuBLASLt version it names."""
+    from megatron.training import GEMM_TABLES
+
+    names = sorted(n for n in os.listdir(GEMM_TABLES) if n.endswith(".json"))
+    assert names, GEMM_TABLES
+    for name in names:
+        path = os.path.join(GEMM_TABLES, name)
+        with open(path) as f:
+            head = json.load(f)
+        table = gemm_algos.load_table(path, head["device"], head["cublaslt_version"])
+        assert len(table) == len(head["entries"]) > 0, name
+        merged, used = gemm_algos.shipped_tables(GEMM_TABLES, head["device"],
+                                                 head["cublaslt_version"])
+        assert path in used and set(table) <= set(merged)
+
+
+def test_auto_on_the_cpu_and_none_leave_torch_products():
+    """--gemm-algorithms auto on the CPU (and none anywhere) activates nothing and drops a
+    table an earlier trainer of the process left active."""
+    from types import SimpleNamespace
+
+    from megatron.training import activate_gemm_algorithms
+
+    rt = SimpleNamespace(device=torch.device("cpu"))
+    for choice in ("auto", "none", None):
+        gemm_algos._ACTIVE[("forward", 6, 5, 4, "fp32")] = 0
+        activate_gemm_algorithms(SimpleNamespace(args={"gemm_algorithms": choice}), rt)
+        assert not gemm_algos._ACTIVE
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_auto_on_cuda_activates_the_shipped_entries_of_this_gpu():
+    from types import SimpleNamespace
+
+    from megatron.training import GEMM_TABLES, activate_gemm_algorithms
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    want, _ = gemm_algos.shipped_tables(GEMM_TABLES, torch.cuda.get_device_name(device),
+                                        gemm_algos.cublaslt().version)
+    try:
+        activate_gemm_algorithms(SimpleNamespace(args={"gemm_algorithms": "auto"}),
+                                 SimpleNamespace(device=device))
+        assert set(gemm_algos._ACTIVE) == {s.key for s in want}
+    finally:
+        gemm_algos.activate({}, device)
+
+
 def test_flag_needs_cuda_and_an_existing_file(tmp_path):
     argv = build_argv("tiny", 4, 0, PRESETS["tiny"][1], [])
     with pytest.raises(ArgumentsError, match="need CUDA; run without it on the CPU"):
@@ -104,7 +179,10 @@ def test_flag_needs_cuda_and_an_existing_file(tmp_path):
     missing = str(tmp_path / "none.json")
     with pytest.raises(ArgumentsError, match="no such file; write one with python tools/tune"):
         parse_and_validate(argv + ["--gemm-algorithms", missing], cuda_available=True)
-    assert parse_and_validate(argv, cuda_available=False).args["gemm_algorithms"] is None
+    assert parse_and_validate(argv, cuda_available=False).args["gemm_algorithms"] == "auto"
+    for choice in ("auto", "none"):  # neither names a file; both are fine on the CPU
+        ns = parse_and_validate(argv + ["--gemm-algorithms", choice], cuda_available=False)
+        assert ns.args["gemm_algorithms"] == choice
 
 
 def test_activate_refuses_the_cpu_and_an_empty_table_turns_it_off():

@@ -1,5 +1,6 @@
 """The linear layers' products with cuBLASLt algorithms chosen by measurement
-(`--gemm-algorithms FILE`, CUDA only; off by default).
+(`--gemm-algorithms`, CUDA only: by default the tables shipped for this GPU model and
+cuBLASLt version, `shipped_tables`; or a FILE of your own; or none).
 
 torch asks cuBLAS for one algorithm per product shape, and its heuristic ranks by speed
 on an idle chip. Inside a training step an H200 sits at its power limit, where other
@@ -16,8 +17,10 @@ other product stays torch's. The forward and dgrad calls are an operator of our 
 (`megatron::lt_matmul`), opaque to torch.compile like torch's own products.
 
 A table is tied to the GPU model and the cuBLASLt version it was measured with;
-`load_table` refuses it elsewhere. The tuner keeps only candidates whose product matches
-torch's (without split-K the candidates accumulate in the same order: the probe found
+`load_table` refuses it elsewhere, `shipped_tables` passes it over. A table only names
+algorithms for exact product shapes, so it serves any model that multiplies them. The
+tuner keeps only candidates whose product matches torch's to 1e-3 of its largest
+value (without split-K the candidates accumulate in the same order: the probe found
 them bitwise equal).
 """
 from __future__ import annotations
@@ -25,9 +28,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import math
+import os
 from collections import Counter
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -231,30 +236,67 @@ def cublaslt() -> CublasLt:
 def load_table(path: str, device_name: str, cublaslt_version: int) -> Dict[Shape, bytes]:
     """{shape: algorithm} from a file tools/tune_gemms.py wrote, refused (ValueError) when
     it was measured on another GPU model or cuBLASLt version."""
-    try:
-        with open(path) as f:
-            table = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"--gemm-algorithms {path}: cannot read it ({e})") from None
-    if table.get("format") != FORMAT:
-        raise ValueError(f"--gemm-algorithms {path}: format {table.get('format')!r}, this "
-                         f"version reads {FORMAT}; tune again with tools/tune_gemms.py")
+    table = _read_table(path)
     for key, here in (("device", device_name), ("cublaslt_version", cublaslt_version)):
         if table.get(key) != here:
             raise ValueError(f"--gemm-algorithms {path} was measured with {key} "
                              f"{table.get(key)!r}, this process has {here!r}; tune again "
                              "here with tools/tune_gemms.py, or run without the flag")
+    return {shape: algo for shape, (algo, _) in _entries(path, table).items()}
+
+
+def shipped_tables(directory: str, device_name: str, cublaslt_version: int
+                   ) -> Tuple[Dict[Shape, bytes], List[str]]:
+    """The entries of every table (*.json) in `directory` that was measured on this GPU
+    model with this cuBLASLt version, merged (a shape several tables list: the algorithm
+    measured fastest), and the files they came from. Tables of other GPUs or versions
+    are passed over; a broken file raises ValueError, naming it."""
+    merged: Dict[Shape, Tuple[bytes, float]] = {}
+    used = []
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+        path = os.path.join(directory, name)
+        if not name.endswith(".json"):
+            continue
+        table = _read_table(path)
+        if (table.get("device"), table.get("cublaslt_version")) != (device_name,
+                                                                     cublaslt_version):
+            continue
+        used.append(path)
+        for shape, (algo, ms) in _entries(path, table).items():
+            if shape not in merged or ms < merged[shape][1]:
+                merged[shape] = (algo, ms)
+    return {shape: algo for shape, (algo, _) in merged.items()}, used
+
+
+def _read_table(path: str) -> dict:
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--gemm-algorithms {path}: cannot read it ({e})") from None
+    if not isinstance(table, dict) or table.get("format") != FORMAT:
+        got = table.get("format") if isinstance(table, dict) else type(table).__name__
+        raise ValueError(f"--gemm-algorithms {path}: format {got!r}, this "
+                         f"version reads {FORMAT}; tune again with tools/tune_gemms.py")
+    return table
+
+
+def _entries(path: str, table: dict) -> Dict[Shape, Tuple[bytes, float]]:
+    """{shape: (algorithm, measured ms or inf)} of one table, each entry checked."""
     out = {}
     for e in table.get("entries", []):
-        shape = Shape(e["kind"], int(e["m"]), int(e["n"]), int(e["k"]), e["dtype"],
-                      e.get("epilogue", ""))
+        try:
+            shape = Shape(e["kind"], int(e["m"]), int(e["n"]), int(e["k"]), e["dtype"],
+                          e.get("epilogue", ""))
+            algo = bytes.fromhex(e["algo"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"--gemm-algorithms {path}: bad entry {e}") from None
         if (shape.kind not in KINDS or shape.dtype not in ("bf16", "fp16")
                 or shape.epilogue not in _EPILOGUE_OF[shape.kind]):
             raise ValueError(f"--gemm-algorithms {path}: bad entry {e}")
-        algo = bytes.fromhex(e["algo"])
         if len(algo) != 64:
             raise ValueError(f"--gemm-algorithms {path}: algorithm of {len(algo)} bytes in {e}")
-        out[shape] = algo
+        out[shape] = (algo, float(e.get("ms", math.inf)))
     return out
 
 
