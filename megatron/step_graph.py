@@ -65,7 +65,9 @@ def settings_reason(*, device_type: str, world_size: int, hidden_dropout: float,
         (empty_unused_memory_level > 0, "--empty-unused-memory-level frees memory mid-step"),
         (compile_mode == "reduce-overhead", "--compile-mode reduce-overhead graphs the layers "
                                             "already"),
-        (distributed_optimizer, "--use-distributed-optimizer steps with torch's kernel"),
+        (distributed_optimizer, "--use-distributed-optimizer all-gathers the parameters "
+                                "over data-parallel ranks after its step (not captured, "
+                                "so far)"),
         (adam_kernel == "torch", "--adam-kernel torch reads the learning rate on the host"),
         (optimizer != "adam", f"--optimizer {optimizer}: only the Triton AdamW step reads its "
                               "learning rate from the device"),

@@ -100,11 +100,13 @@ def build_optimizer(
     chunk_buckets = _distributed_buckets(chunks)
     if chunk_buckets is not None:
         world = parallel_state.world_size > 1 and dist.is_available() and dist.is_initialized()
-        return DistributedOptimizer(
+        opt = DistributedOptimizer(
             groups, chunk_buckets, lambda shard_groups: build_base_optimizer(config, shard_groups),
             clip_grad=config.clip_grad, log_num_zeros_in_grad=config.log_num_zeros_in_grad,
             grad_group=dist.group.WORLD if world else None, tp_rank=parallel_state.tp_rank,
             grad_scaler=build_grad_scaler(config))
+        opt.adam_kernel = config.adam_kernel
+        return opt
     inner = build_base_optimizer(config, groups)
     common = dict(
         clip_grad=config.clip_grad,

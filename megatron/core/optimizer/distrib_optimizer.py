@@ -23,6 +23,20 @@ One step, and its collectives:
      `param_data`; 6. all-gather of every bucket's `param_data` over DP (asynchronous
      with `overlap_param_gather`: the next forward waits per module).
 
+With the Triton AdamW kernel (`--adam-kernel auto|triton`, multi_tensor_adam.py; CUDA, or
+the CPU interpreter in tests) steps 2-5 are `MixedPrecisionOptimizer._buffer_step`: the
+kernel reads each shard's gradient where the reduce-scatter left it (the fp32 buffer, or
+the 16-bit one: no fp32 copy), and writes each updated main shard both to `main_data`
+and, in the same pass, to its slice of the bucket's 16-bit `param_data` shard (no copy
+pass; an fp32 model's `main_data` is that shard already). The grad norm is reduced over
+the whole world as in step 4; with a loss scaler the found-inf flag is that world-reduced
+norm being non-finite (one all-reduce instead of two; any rank's inf or NaN makes the
+sum non-finite everywhere), the loss scale and the clip coefficient fold into the
+kernel's divisor, and an overflow skips the step on every rank before anything is
+written. Then step 6 as above. Every rank must take the same path (the two reduce
+different things), so the kernel is used only when the decision cannot differ between
+ranks: one grad-buffer dtype. `--adam-kernel torch` keeps the steps above.
+
 Checkpoint: `state_dict()` holds what is not sharded (param groups without their
 parameters, with the step count; the grad scaler) and goes into `model_optim_rng.pt`
 under 'optimizer'. `get_parameter_state()` gathers the shards onto DP rank 0 as
@@ -75,6 +89,8 @@ class _BucketShard:
         lo, hi = bucket.shard_range
         self.numel = hi - lo
         shard = bucket.shard(bucket.param_data)
+        self.model_shard = shard                       # this rank's part of param_data
+        self.grad_shard = bucket.shard(bucket.grad_data)
         self.aliased = shard.dtype == torch.float32
         self.main_data = shard if self.aliased else shard.detach().float()
         self.entries: List[_ShardEntry] = []
@@ -93,7 +109,7 @@ class _BucketShard:
         self.canonical_end = canonical
 
     def set_main_grads(self) -> None:
-        grad = self.bucket.shard(self.bucket.grad_data)
+        grad = self.grad_shard
         if grad.dtype != torch.float32:
             grad = grad.float()
         for e in self.entries:
@@ -152,6 +168,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                          grad_scaler)
         self._loaded_step: Optional[int] = None
         self._views_checked = False
+        self._grad_views: List[torch.Tensor] = []  # per main shard, for the Triton kernel
 
     def _shard_groups(self, param_groups: List[Dict]) -> List[Dict]:
         """The model's groups with each parameter replaced by its shard(s) on this rank
@@ -183,16 +200,62 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             shard.set_main_grads()
         return self.get_parameters()
 
+    # --- the Triton AdamW kernel (see the module doc) -------------------------------------
+    def _single_grad_dtype(self) -> bool:
+        return len({dtype for chunk in self.chunk_shards for dtype in chunk}) <= 1
+
+    def _no_copies_reason(self) -> str:
+        return ("the distributed optimizer's grad buffers have several dtypes (a param group "
+                "could mix them on some ranks only)")
+
     def _model_copies(self):
-        return None  # shards are copied into param_data and all-gathered (torch's kernel)
+        """Per inner param group, the slice of its bucket's 16-bit `param_data` shard that
+        the kernel writes each main shard to (None where `main_data` is that shard)."""
+        if not self._single_grad_dtype():
+            return None
+        out_of = {e.main: None if s.aliased else s.model_shard[e.start:e.end]
+                  for s in self.shards for e in s.entries}
+        return [[out_of[p] for p in g["params"]] for g in self.optimizer.param_groups]
+
+    def _shard_grads(self) -> List[List[torch.Tensor]]:
+        """Per inner param group, each main shard's gradient: its slice of the bucket's
+        reduce-scattered grad shard, in the buffer's dtype."""
+        grad_of = {e.main: s.grad_shard[e.start:e.end] for s in self.shards for e in s.entries}
+        return [[grad_of[p] for p in g["params"]] for g in self.optimizer.param_groups]
+
+    def _kernel_grads(self):
+        grads = self._shard_grads()  # views of the grad buffers: the same tensors every step
+        self._grad_views = [g for group in grads for g in group]
+        return lambda: grads
+
+    def _buffer_step(self, multi) -> StepResult:
+        """`MixedPrecisionOptimizer._buffer_step` on the shards: the norm, zero count and
+        overflow check read each shard's gradient where it lives (`main_grad`, set for the
+        step only: torch's path reads the fp32 copies in `.grad`), reduced over the world."""
+        mains = self.get_parameters()
+        for p, g in zip(mains, self._grad_views):
+            p.main_grad = g
+        try:
+            return super()._buffer_step(multi)
+        finally:
+            for p in mains:
+                del p.main_grad
+
+    def graph_capture_reason(self) -> Optional[str]:
+        return ("--use-distributed-optimizer all-gathers the parameters over data-parallel "
+                "ranks after its step (not captured, so far)")
 
     @torch.no_grad()
     def _copy_main_params_to_model_params(self) -> None:
-        """Write the updated shards into `param_data`, then all-gather every bucket over
-        DP (buckets in forward order: the last one of each buffer first)."""
+        """Write the updated shards into `param_data` (torch's kernels), then all-gather."""
         for shard in self.shards:
             if not shard.aliased:
-                shard.bucket.shard(shard.bucket.param_data).copy_(shard.main_data)
+                shard.model_shard.copy_(shard.main_data)
+        self._start_param_gather()
+
+    def _start_param_gather(self) -> None:
+        """All-gather every bucket's `param_data` over DP (buckets in forward order: the
+        last one of each buffer first)."""
         for shards in (s for c in self.chunk_shards for s in c.values()):
             for shard in reversed(shards):
                 shard.bucket.start_param_sync()
@@ -201,16 +264,22 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def step(self) -> StepResult:
         """Main grads from the reduce-scattered shards; unscale and check for overflow
         over the world (skip on overflow); clip over the world; inner step on the shards;
-        copy to `param_data` and all-gather the parameters over DP."""
+        copy to `param_data` and all-gather the parameters over DP. With the Triton kernel
+        the gradients are read in place and `param_data` is written by the kernel (see
+        the module doc); the all-gather follows an update either way."""
         self._finish_param_sync()
         if not self._views_checked:
             _check_param_views(self.shards)
             self._views_checked = True
+        self._model_params_written = False
         try:
-            return super().step()
+            result = super().step()
         finally:
             for p in self.get_parameters():
                 p.grad = None
+        if result[0] and self._model_params_written:  # the kernel wrote param_data's shards
+            self._start_param_gather()
+        return result
 
     @torch.no_grad()
     def reload_model_params(self) -> None:

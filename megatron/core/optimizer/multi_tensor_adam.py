@@ -159,10 +159,13 @@ class _GroupTables:
         self.addrs = torch.tensor(rows, dtype=torch.int64).reshape(-1).to(device)
         numels = [p.numel() for p in params]
         self.numels = torch.tensor(numels, dtype=torch.int64, device=device)
+        # A group may be empty on a rank (the distributed optimizer's shards): no blocks.
         chunks = [-(-n // BLOCK) for n in numels]
         self.block_tensor = torch.repeat_interleave(
-            torch.arange(len(params), dtype=torch.int32), torch.tensor(chunks)).to(device)
-        self.block_chunk = torch.cat([torch.arange(c, dtype=torch.int32) for c in chunks]).to(device)
+            torch.arange(len(params), dtype=torch.int32),
+            torch.tensor(chunks, dtype=torch.int64)).to(device)
+        self.block_chunk = torch.cat([torch.zeros(0, dtype=torch.int32)] + [
+            torch.arange(c, dtype=torch.int32) for c in chunks]).to(device)
         self.num_blocks = sum(chunks)
         self.out_dtypes = {q.dtype for q in model_params if q is not None}
 
@@ -197,6 +200,11 @@ class MultiTensorAdamW:
         self._step_tensors: List[torch.Tensor] = []
         self.hyper: Optional[torch.Tensor] = None  # [groups, 4] on the params' device
 
+    def _device(self) -> torch.device:
+        """The parameters' device (the CPU when this rank steps none: nothing launches)."""
+        params = (p for g in self.optimizer.param_groups for p in g["params"])
+        return next((p.device for p in params), torch.device("cpu"))
+
     def _init_state(self, params) -> None:
         state = self.optimizer.state
         for p in params:
@@ -219,8 +227,7 @@ class MultiTensorAdamW:
             if table is None or not table.still_valid(params, grads, self.optimizer.state):
                 self._init_state(params)
                 self.tables[i] = _GroupTables(params, grads, self.model_params[i],
-                                              self.optimizer.state,
-                                              params[0].device if params else None)
+                                              self.optimizer.state, self._device())
                 rebuilt = True
             if self.tables[i].grad_dtype is None and params:
                 return False, rebuilt
@@ -237,8 +244,8 @@ class MultiTensorAdamW:
             self.step_count = int(counts.pop()) if counts else 0
             self._step_tensors = steps
         if self.hyper is None:  # before any capture: a replay's host side writes it
-            device = next(p.device for g in self.optimizer.param_groups for p in g["params"])
-            self.hyper = torch.zeros(len(self.tables), 4, dtype=torch.float32, device=device)
+            self.hyper = torch.zeros(len(self.tables), 4, dtype=torch.float32,
+                                     device=self._device())
         return True, rebuilt
 
     def _rows(self, step: int, lr_wd: Sequence[Tuple[float, float]]) -> List[List[float]]:
@@ -318,7 +325,9 @@ class MultiTensorAdamW:
                 OUT_DTYPE=_TL_DTYPES[out_dtype], GRAD_DTYPE=_TL_DTYPES[table.grad_dtype],
                 HAS_SCALE=grad_scale is not None, HAS_SKIP=skip is not None,
                 ALIGNED=table.aligned, BLOCK=BLOCK, num_warps=_NUM_WARPS)
-        if skip is None:
+        if not self._step_tensors:
+            pass  # this rank steps no parameter (a distributed optimizer's empty shard)
+        elif skip is None:
             torch._foreach_add_(self._step_tensors, 1.0)
         else:
             keep = (skip == 0).float()  # a list of tensors: the 0-dim-tensor overload syncs

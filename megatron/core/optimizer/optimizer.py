@@ -187,6 +187,11 @@ class MegatronOptimizer:
         (None: none), for the Triton AdamW kernel; None when that kernel must not be used."""
         return None
 
+    def _no_copies_reason(self) -> str:
+        """Why `_model_copies()` is None (for the --adam-kernel triton error)."""
+        return ("the parameters' gradients are not all in grad buffers (--DDP-impl local "
+                "with contiguous buffers)")
+
     def _kernel_grads(self):
         """None (the kernel reads `param.grad`) or a function returning, per inner param
         group, the tensor the kernel reads as each parameter's gradient."""
@@ -199,9 +204,8 @@ class MegatronOptimizer:
             self._multi = False
             if self.adam_kernel != "torch":
                 copies = self._model_copies()
-                reason = ("the parameters' gradients are not all in grad buffers "
-                          "(--DDP-impl local with contiguous buffers) or the optimizer shards "
-                          "them" if copies is None else supports(self.optimizer))
+                reason = (self._no_copies_reason() if copies is None
+                          else supports(self.optimizer))
                 if reason is None:
                     self._multi = MultiTensorAdamW(self.optimizer, copies, self._kernel_grads())
                 elif self.adam_kernel == "triton":
@@ -214,8 +218,7 @@ class MegatronOptimizer:
         inside it, step-dependent values read from device memory), else why not."""
         if self._multi_tensor() is None:
             return ("the optimizer step is not the Triton AdamW kernel (it needs AdamW, "
-                    "Triton, grads in grad buffers, no --use-distributed-optimizer and "
-                    "no --adam-kernel torch)")
+                    "Triton, grads in grad buffers and no --adam-kernel torch)")
         return None
 
     def prepare_replay(self, if_skipped: Optional[Sequence[Tuple[float, float]]] = None
