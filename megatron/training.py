@@ -122,17 +122,17 @@ def activate_gemm_algorithms(config: Config, rt: Runtime) -> None:
         return
     try:
         version = gemm_algos.cublaslt().version
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, AttributeError) as e:  # no libcublasLt, or an old one
         print_rank_0(f"> --gemm-algorithms auto: cuBLASLt cannot be called here ({e}); "
                      "torch's products")
         return
     table, used = gemm_algos.shipped_tables(GEMM_TABLES, device_name, version)
     gemm_algos.activate(table, rt.device)
     if used:
-        print_rank_0(f"> --gemm-algorithms auto: {len(table)} product shapes measured on "
-                     f"{device_name} ({', '.join(os.path.basename(u) for u in used)}) use "
-                     "their measured cuBLASLt algorithm; the others torch's "
-                     "(--gemm-algorithms none: all torch's)")
+        print_rank_0(f"> --gemm-algorithms auto: products of the {len(table)} shapes in "
+                     f"{', '.join(os.path.basename(u) for u in used)} (measured on "
+                     f"{device_name}) use the measured cuBLASLt algorithm, all others "
+                     "torch's (--gemm-algorithms none: torch's for all)")
     else:
         print_rank_0(f"> --gemm-algorithms auto: no table shipped for {device_name} with "
                      f"cuBLASLt {version}; torch's products (measure your own: "
