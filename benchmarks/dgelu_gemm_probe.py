@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import triton
@@ -24,6 +23,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.core import fused_activation as fa  # noqa: E402
+from tools.tune_gemms import sustained_ms  # noqa: E402
 
 SHAPES = {"gpt-1.3b": (16384, 2048, 8192), "gpt2-124m": (16384, 768, 3072)}
 
@@ -101,27 +101,6 @@ def triton_case(dy, w2, h, out, bm, bn, bk, stages, warps, persistent, ws, fuse=
                                     num_stages=stages, num_warps=warps)
 
 
-def sustained_ms(fn, seconds: float) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds / 3:
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    calls = 0
-    start.record()
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds * 2 / 3:
-        for _ in range(10):
-            fn()
-        calls += 10
-    stop.record()
-    stop.synchronize()
-    return start.elapsed_time(stop) / calls
-
-
 CONFIGS = [  # (BM, BN, BK, stages, warps, persistent, warp-specialized)
     (128, 256, 64, 3, 8, True, False),
     (128, 256, 64, 4, 8, True, False),
@@ -167,7 +146,7 @@ def main() -> None:
     times = {k: [] for k in cases}
     for _ in range(args.rounds):
         for k, fn in cases.items():
-            times[k].append(sustained_ms(fn, args.seconds))
+            times[k].append(sustained_ms(fn, args.seconds, torch))
     flops = 2 * tokens * hidden * ffn
     print(f"\n{args.preset} fc2 input grad + GeLU' ({tokens}x{ffn}, k={hidden}), "
           f"{args.rounds} rounds of {args.seconds}s each, at the power limit")
