@@ -303,6 +303,27 @@ def test_several_grad_dtypes_keep_torch_kernel(interpret):
     assert opt.step()[0] and opt._multi is False
 
 
+def test_a_rank_that_cannot_take_the_kernel_stops_with_an_error(interpret):
+    """A rank whose shards the kernel cannot step (parameters at two Adam step counts):
+    alone (no group) it falls back to torch's kernel; with a group over several ranks it
+    raises, naming the fix, before any collective -- falling back alone would leave the
+    other ranks waiting in a collective of the other path."""
+    for group in (None, "a world of several ranks"):
+        ddp, opt = _dp1_optimizer("triton")
+        ddp.finish_grad_sync()
+        assert opt.step()[0] and opt._multi
+        next(iter(opt.optimizer.state.values()))["step"] += 1
+        opt._multi.step_count = None  # as after a load: the counts are read again
+        opt.mp_group = group  # never used: the check comes first
+        ddp.finish_grad_sync()
+        if group is None:
+            assert opt.step()[0] and not opt._multi.ready()
+            continue
+        with pytest.raises(RuntimeError, match="every rank must take the same path: run "
+                                               "with --adam-kernel torch"):
+            opt.step()
+
+
 def test_not_captured_in_a_step_graph(interpret):
     ddp, opt = _dp1_optimizer("triton")
     ddp.finish_grad_sync()

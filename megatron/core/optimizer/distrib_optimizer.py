@@ -272,6 +272,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             _check_param_views(self.shards)
             self._views_checked = True
         self._model_params_written = False
+        multi = self._multi_tensor()
+        if multi is not None and self.mp_group is not None and not multi.ready():
+            # the kernel's step and torch's reduce different things over the world: a rank
+            # that fell back alone would leave the others waiting in a collective
+            raise RuntimeError(
+                "the Triton AdamW kernel cannot step this rank's shards (their parameters "
+                "are at different Adam step counts); every rank must take the same path: "
+                "run with --adam-kernel torch")
         try:
             result = super().step()
         finally:
