@@ -31,6 +31,7 @@ def test_single_run_reports_throughput_and_mfu():
     assert {"mfu", "tflops", "step_ms", "time_to_first_step_s", "est_mem_gb"} <= set(row)
     assert "sm_clock_mhz" not in row  # sampled on CUDA only
     assert (row["precision"], row["skipped_steps"]) == ("fp32", 0)
+    assert row["gemm_table_entries"] == 0  # --gemm-algorithms auto finds nothing on the CPU
 
 
 def test_fp16_replaces_the_presets_bf16():

@@ -335,6 +335,7 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     import torch
 
     from megatron.arguments import parse_and_validate
+    from megatron.core.tensor_parallel import gemm_algos
     from megatron.initialize import initialize_entry_point, set_random_seed
     from megatron.logging_utils import flops_per_token
     from megatron.memory_estimate import estimate_memory
@@ -403,6 +404,7 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
         "skipped_steps": skipped,
         "est_mem_gb": round(estimate_memory(config)["allocated"] / 2**30, 2),
         "compile": m.compile_layers, "extra": " ".join(extra),
+        "gemm_table_entries": len(gemm_algos._ACTIVE),  # active --gemm-algorithms entries
         **({"host_syncs": syncs, "sync_steps": sync_steps} if syncs is not None else {}),
         **(monitor.summary() if isinstance(monitor, ChipMonitor) else {}),
         **step_gaps(marks),
