@@ -21,7 +21,7 @@ A table is tied to the GPU model and the cuBLASLt version it was measured with;
 algorithms for exact product shapes, so it serves any model that multiplies them. The
 tuner keeps only candidates whose product matches torch's to 1e-3 of its largest
 value (without split-K the candidates accumulate in the same order: the probe found
-them bitwise equal; a split-K winner, e.g. gpt2-124m's fp16 768x768 weight grad, sums
+them bitwise equal; a split-K winner, such as gpt2-124m's 768x768 weight grads, sums
 in another order).
 """
 from __future__ import annotations
