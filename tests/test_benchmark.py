@@ -101,6 +101,24 @@ def test_kernel_summary_sorts_kernels_into_categories():
                     "compiled (triton)": 0.2, "other": 0.1}
 
 
+def test_kernel_timeline_counts_kernels_and_the_idle_time_between_them():
+    """--profile-steps' launch-gap line: overlapping kernels (two streams) leave no gap,
+    host events do not count, and gaps are summed per step."""
+    from types import SimpleNamespace
+
+    kernel_timeline = _benchmark_module().kernel_timeline
+
+    def ev(name, start, end, device="DeviceType.CUDA"):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=False,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    events = [ev("gemm", 0, 100), ev("side_stream", 50, 120), ev("gelu", 122, 130),
+              ev("aten::mm", 130, 500, device="DeviceType.CPU"), ev("adam", 140, 150),
+              ev("Memset (Device)", 151, 152)]
+    got = kernel_timeline(events, steps=2)
+    assert got == {"kernels": 2.5, "idle_ms": (2 + 10 + 1) / 1000 / 2, "gaps_over_5us": 0.5}
+
+
 def test_gemm_rows_rate_each_matrix_product_shape():
     """--profile-steps' matrix-product table: FLOPs from the recorded shapes (mm, addmm
     with its accumulator first, bmm), per step, slowest first; other ops left out."""

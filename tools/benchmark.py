@@ -99,20 +99,39 @@ KERNEL_CLASSES = (  # (category, regex over the kernel name), first match wins
 )
 
 
+def _is_kernel(e) -> bool:
+    return (str(getattr(e, "device_type", None)) == "DeviceType.CUDA"
+            and not getattr(e, "is_user_annotation", False)
+            and not e.name.startswith(("Optimizer.", "Command ")))
+
+
 def kernel_summary(events, steps: int) -> list:
     """[(category, ms per step, share)] of the CUDA kernels in a profiler's events."""
     totals = {}
     for e in events:
-        if getattr(e, "device_type", None) is None or str(e.device_type) != "DeviceType.CUDA":
-            continue
+        if not _is_kernel(e):
+            continue  # host events, annotations and host stalls
         us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        if getattr(e, "is_user_annotation", False) or e.name.startswith(("Optimizer.", "Command ")):
-            continue  # annotations and host stalls, not kernels
         name = e.name.lower()
         cat = next((c for c, rx in KERNEL_CLASSES if re.search(rx, name)), "other")
         totals[cat] = totals.get(cat, 0.0) + us / 1000 / steps
     busy = sum(totals.values()) or 1.0
     return sorted(((c, ms, ms / busy) for c, ms in totals.items()), key=lambda r: -r[1])
+
+
+def kernel_timeline(events, steps: int) -> dict:
+    """Kernels per step, and how long per step the GPU ran no kernel between the first
+    kernel's start and the last one's end (the launch gaps a replayed graph still has);
+    `gaps_over_5us`: how many of those gaps per step were longer than 5 us."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if _is_kernel(e))
+    idle, long_gaps, reach = 0.0, 0, None
+    for start, end in spans:
+        if reach is not None and start > reach:
+            idle += start - reach
+            long_gaps += start - reach > 5
+        reach = end if reach is None else max(reach, end)
+    return {"kernels": len(spans) / steps, "idle_ms": idle / 1000 / steps,
+            "gaps_over_5us": long_gaps / steps}
 
 
 def _gemm_flops(name: str, shapes) -> int:
@@ -180,6 +199,10 @@ def print_profile(tr, data, steps: int, use_cuda: bool, sort: str = "device",
         rows = kernel_summary(prof.events(), steps)
         busy = sum(ms for _, ms, _ in rows)
         print(f"GPU kernel time per step {busy:.2f} ms of {wall_ms:.2f} ms wall (profiled)",
+              file=sys.stderr)
+        tl = kernel_timeline(prof.events(), steps)
+        print(f"  {tl['kernels']:.0f} kernels per step; no kernel running for {tl['idle_ms']:.2f}"
+              f" ms per step between them ({tl['gaps_over_5us']:.0f} gaps over 5 us)",
               file=sys.stderr)
         for cat, ms, share in rows:
             print(f"  {cat:<20}{ms:>9.2f} ms {share:>7.1%}", file=sys.stderr)
