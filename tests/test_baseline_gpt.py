@@ -1,0 +1,33 @@
+"""benchmarks/baseline_gpt.py: the plain trainer that issue 7's targets are compared
+against runs on the CPU, prints the benchmark's fields and learns its fixed batch."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tiny_baseline_runs_on_cpu_and_memorises_its_batch():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "baseline_gpt.py"),
+                          "--device", "cpu", "--preset", "tiny", "--steps", "20",
+                          "--warmup", "1", "--no-compile"],
+                         capture_output=True, text=True, check=True, timeout=300).stdout
+    row = json.loads(out.strip().splitlines()[-1])
+    assert row["trainer"] == "baseline" and row["steps"] == 20
+    assert row["tokens_per_s"] > 0 and row["step_ms"] > 0
+    # 21 AdamW steps on one batch of random tokens: far below the uniform guess ln(128)
+    assert row["loss"] < math.log(128) - 1.0, row
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_names_the_cpu_fix():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "baseline_gpt.py")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--device cpu --preset tiny" in proc.stderr
