@@ -7,11 +7,12 @@ small on the CPU).
 
 What it is: fp32 weights under bf16 autocast, the whole model under torch.compile,
 torch's scaled_dot_product_attention (causal), the erf GeLU, no biases, tied input and
-output embeddings, torch's fused AdamW, gradient clipping at 1.0, one micro-batch per
-step, the same fixed batch of random tokens every step. It prints one JSON line with
-the fields tools/benchmark.py uses for the same quantities (tokens/s, TFLOP/s, MFU with
-the same FLOP count and peak, step ms, peak GB, time to the first step), so the two can
-be put side by side; the step time is taken with CUDA events after the warm-up steps.
+output embeddings, torch's fused AdamW (learning rate 6e-4 after a linear warm-up over
+--lr-warmup steps), gradient clipping at 1.0, one micro-batch per step, the same fixed
+batch of random tokens every step. It prints one JSON line with the fields
+tools/benchmark.py uses for the same quantities (tokens/s, TFLOP/s, MFU with the same
+FLOP count and peak, step ms, peak GB, time to the first step), so the two can be put
+side by side; the step time is taken with CUDA events after the warm-up steps.
 """
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ def flops_per_token(layers: int, hidden: int, seq: int, vocab: int) -> float:
     return 72 * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
 
 
-def run(preset: str, steps: int, warmup: int, device: str, compile_model: bool) -> dict:
+def run(preset: str, steps: int, warmup: int, device: str, compile_model: bool,
+        lr_warmup: int = 100) -> dict:
     t_launch = time.perf_counter()
     layers, hidden, heads, seq, mb, vocab = PRESETS[preset]
     torch.manual_seed(0)
@@ -91,7 +93,12 @@ def run(preset: str, steps: int, warmup: int, device: str, compile_model: bool) 
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     cuda = device == "cuda"
 
+    done = [0]
+
     def step() -> torch.Tensor:
+        done[0] += 1
+        for group in opt.param_groups:
+            group["lr"] = 6e-4 * min(1.0, done[0] / lr_warmup)
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = step_fn(x, y)
         loss.backward()
@@ -138,12 +145,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--lr-warmup", type=int, default=100)
     a = ap.parse_args()
     if a.warmup < 1:
         ap.error(f"--warmup {a.warmup}: at least 1 (the first step compiles)")
+    if a.lr_warmup < 1:
+        ap.error(f"--lr-warmup {a.lr_warmup}: at least 1 step")
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device here: use --device cpu --preset tiny")
-    print(json.dumps(run(a.preset, a.steps, a.warmup, a.device, not a.no_compile)), flush=True)
+    print(json.dumps(run(a.preset, a.steps, a.warmup, a.device, not a.no_compile,
+                                a.lr_warmup)), flush=True)
 
 
 if __name__ == "__main__":

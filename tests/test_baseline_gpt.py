@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_tiny_baseline_runs_on_cpu_and_memorises_its_batch():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "baseline_gpt.py"),
                           "--device", "cpu", "--preset", "tiny", "--steps", "20",
-                          "--warmup", "1", "--no-compile"],
+                          "--warmup", "1", "--no-compile", "--lr-warmup", "1"],
                          capture_output=True, text=True, check=True, timeout=300).stdout
     row = json.loads(out.strip().splitlines()[-1])
     assert row["trainer"] == "baseline" and row["steps"] == 20
