@@ -8,11 +8,11 @@ small on the CPU).
 What it is: fp32 weights under bf16 autocast, the whole model under torch.compile,
 torch's scaled_dot_product_attention (causal), the erf GeLU, no biases, tied input and
 output embeddings, torch's fused AdamW (learning rate 6e-4 after a linear warm-up over
---lr-warmup steps), gradient clipping at 1.0, one micro-batch per step, the same fixed
-batch of random tokens every step. It prints one JSON line with the fields
-tools/benchmark.py uses for the same quantities (tokens/s, TFLOP/s, MFU with the same
-FLOP count and peak, step ms, peak GB, time to the first step), so the two can be put
-side by side; the step time is taken with CUDA events after the warm-up steps.
+--lr-warmup steps), gradient clipping at 1.0, one micro-batch per step (or
+--micro-batches N, gradient accumulation), the same fixed batch of random tokens. It
+prints one JSON line with the fields tools/benchmark.py uses for the same quantities
+(tokens/s, TFLOP/s, MFU with the same FLOP count and peak, step ms, peak GB, time to the
+first step), so the two can be put side by side; the step time is taken with CUDA events after the warm-up steps.
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def flops_per_token(layers: int, hidden: int, seq: int, vocab: int) -> float:
 
 
 def run(preset: str, steps: int, warmup: int, device: str, compile_model: bool,
-        lr_warmup: int = 100) -> dict:
+        lr_warmup: int = 100, micro_batches: int = 1) -> dict:
     t_launch = time.perf_counter()
     layers, hidden, heads, seq, mb, vocab = PRESETS[preset]
     torch.manual_seed(0)
@@ -99,9 +99,10 @@ def run(preset: str, steps: int, warmup: int, device: str, compile_model: bool,
         done[0] += 1
         for group in opt.param_groups:
             group["lr"] = 6e-4 * min(1.0, done[0] / lr_warmup)
-        with torch.autocast(device, dtype=torch.bfloat16):
-            loss = step_fn(x, y)
-        loss.backward()
+        for _ in range(micro_batches):  # gradient accumulation, the loss averaged
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = step_fn(x, y) / micro_batches
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -127,15 +128,15 @@ def run(preset: str, steps: int, warmup: int, device: str, compile_model: bool,
         step_ms = start.elapsed_time(stop) / steps
     else:
         step_ms = (time.perf_counter() - t0) * 1000 / steps
-    tokens_per_s = mb * seq / (step_ms / 1000)
+    tokens_per_s = micro_batches * mb * seq / (step_ms / 1000)
     tflops = tokens_per_s * flops_per_token(layers, hidden, seq, vocab) / 1e12
     return {"preset": preset, "trainer": "baseline", "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "micro_batch": mb, "seq_length": seq, "steps": steps, "step_ms": round(step_ms, 2),
+            "micro_batch": mb, "micro_batches": micro_batches, "seq_length": seq, "steps": steps, "step_ms": round(step_ms, 2),
             "tokens_per_s": round(tokens_per_s), "tflops": round(tflops, 1),
             "mfu": round(tflops / PEAK_TFLOPS, 4),
             "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2) if cuda else None,
             "time_to_first_step_s": round(first, 1) if first is not None else None,
-            "loss": round(loss.item(), 4), "compile": compile_model}
+            "loss": round(loss.item() * micro_batches, 4), "compile": compile_model}
 
 
 def main() -> None:
@@ -146,15 +147,21 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--lr-warmup", type=int, default=100)
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="micro-batches per optimizer step (gradient accumulation)")
     a = ap.parse_args()
     if a.warmup < 1:
         ap.error(f"--warmup {a.warmup}: at least 1 (the first step compiles)")
+    if a.steps < 1:
+        ap.error(f"--steps {a.steps}: at least 1 timed step")
+    if a.micro_batches < 1:
+        ap.error(f"--micro-batches {a.micro_batches}: at least 1")
     if a.lr_warmup < 1:
         ap.error(f"--lr-warmup {a.lr_warmup}: at least 1 step")
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device here: use --device cpu --preset tiny")
     print(json.dumps(run(a.preset, a.steps, a.warmup, a.device, not a.no_compile,
-                                a.lr_warmup)), flush=True)
+                                a.lr_warmup, a.micro_batches)), flush=True)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_tiny_baseline_runs_on_cpu_and_memorises_its_batch():
+def _tiny(*flags: str) -> dict:
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "baseline_gpt.py"),
-                          "--device", "cpu", "--preset", "tiny", "--steps", "20",
-                          "--warmup", "1", "--no-compile", "--lr-warmup", "1"],
+                          "--device", "cpu", "--preset", "tiny", "--warmup", "1",
+                          "--no-compile", "--lr-warmup", "1", *flags],
                          capture_output=True, text=True, check=True, timeout=300).stdout
-    row = json.loads(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_tiny_baseline_runs_on_cpu_and_memorises_its_batch():
+    row = _tiny("--steps", "20")
     assert row["trainer"] == "baseline" and row["steps"] == 20
     assert row["tokens_per_s"] > 0 and row["step_ms"] > 0
     # 21 AdamW steps on one batch of random tokens: far below the uniform guess ln(128)
@@ -31,3 +35,13 @@ def test_cuda_without_a_gpu_names_the_cpu_fix():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "baseline_gpt.py")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--device cpu --preset tiny" in proc.stderr
+
+
+def test_accumulating_the_same_batch_three_times_trains_like_one_micro_batch():
+    """--micro-batches N averages N losses of the (fixed) batch: the same gradients up to
+    rounding, so the same losses; and N times the tokens per step."""
+    one, three = _tiny("--steps", "8"), _tiny("--steps", "8", "--micro-batches", "3")
+    assert three["micro_batches"] == 3
+    assert math.isclose(one["loss"], three["loss"], rel_tol=2e-3), (one, three)
+    per_step = three["tokens_per_s"] * three["step_ms"] / 1000
+    assert math.isclose(per_step, 3 * 2 * 32, rel_tol=1e-2)
