@@ -179,14 +179,15 @@ BWD_CONFIGS = [  # the first probe's kernels: (BM, BN, BK, stages, warps, persis
 ]
 
 
-def tuned(gemm):
-    """`gemm` through the shipped cuBLASLt table when it has this shape (else None)."""
+def activate_shipped_tables() -> bool:
+    """Route gemm_algos' products through the shipped cuBLASLt tables of this GPU (the
+    run's default, `--gemm-algorithms auto`); False when there are none here."""
     table, _ = gemm_algos.shipped_tables(
         os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                      "megatron", "gemm_tables"),
         torch.cuda.get_device_name(), gemm_algos.cublaslt().version)
     gemm_algos.activate(table, torch.device("cuda"))
-    return gemm if table else None
+    return bool(table)
 
 
 def add_ptr_cases(cases, want, out, a, b, h, mode, b_nk):
@@ -218,8 +219,7 @@ def bwd_cases(tokens, hidden, ffn, g):
     ref = fa.gelu_backward(torch.mm(dy, w2), h).float()
     cases = {"torch mm + polynomial kernel": lambda: fa.gelu_backward(torch.mm(dy, w2), h),
              "torch mm alone": lambda: torch.mm(dy, w2)}
-    lt = tuned(True)
-    if lt:
+    if activate_shipped_tables():
         cases["tuned cuBLASLt + polynomial kernel (today)"] = (
             lambda: fa.gelu_backward(gemm_algos.linear_dgrad(dy, w2), h))
         cases["tuned cuBLASLt alone"] = lambda: gemm_algos.linear_dgrad(dy, w2)
@@ -248,7 +248,7 @@ def fwd_cases(tokens, hidden, ffn, g):
     refs = [pre.float(), fa.gelu_forward(pre).float()]
     cases = {"torch mm + polynomial kernel": lambda: fa.gelu_forward(torch.mm(x, w1.t())),
              "torch mm alone": lambda: torch.mm(x, w1.t())}
-    if tuned(True):
+    if activate_shipped_tables():
         cases["tuned cuBLASLt + polynomial kernel (today)"] = (
             lambda: fa.gelu_forward(gemm_algos.linear_forward(x, w1)))
         cases["tuned cuBLASLt alone"] = lambda: gemm_algos.linear_forward(x, w1)
