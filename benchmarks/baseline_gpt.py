@@ -13,12 +13,17 @@ output embeddings, torch's fused AdamW (learning rate 6e-4 after a linear warm-u
 prints one JSON line with the fields tools/benchmark.py uses for the same quantities
 (tokens/s, TFLOP/s, MFU with the same FLOP count and peak, step ms, peak GB, time to the
 first step), so the two can be put side by side; the step time is taken with CUDA events after the warm-up steps.
+`--profile-steps N` then profiles N more steps and prints, to stderr, the kernel time per
+step by category, the kernels per step and the GPU's idle time between them, in the form
+`tools/benchmark.py --profile-steps` uses, so the two steps can be compared piece by piece.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
+import sys
 import time
 
 import torch
@@ -77,8 +82,39 @@ def flops_per_token(layers: int, hidden: int, seq: int, vocab: int) -> float:
     return 72 * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
 
 
+def print_profile(step, steps: int, cuda: bool) -> None:
+    """Profile `steps` calls of `step`; print the top kernels and the per-category table
+    of tools/benchmark.py to stderr."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tools.benchmark import kernel_summary, kernel_timeline
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1000 / steps
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=90),
+          file=sys.stderr)
+    if not cuda:
+        return
+    rows = kernel_summary(prof.events(), steps)
+    tl = kernel_timeline(prof.events(), steps)
+    print(f"GPU kernel time per step {sum(ms for _, ms, _ in rows):.2f} ms of {wall_ms:.2f} ms "
+          f"wall (profiled)\n  {tl['kernels']:.0f} kernels per step; no kernel running for "
+          f"{tl['idle_ms']:.2f} ms per step between them ({tl['gaps_over_5us']:.0f} gaps over "
+          "5 us)", file=sys.stderr)
+    for cat, ms, share in rows:
+        print(f"  {cat:<20}{ms:>9.2f} ms {share:>7.1%}", file=sys.stderr)
+
+
 def run(preset: str, steps: int, warmup: int, device: str, compile_model: bool,
-        lr_warmup: int = 100, micro_batches: int = 1) -> dict:
+        lr_warmup: int = 100, micro_batches: int = 1, profile_steps: int = 0) -> dict:
     t_launch = time.perf_counter()
     layers, hidden, heads, seq, mb, vocab = PRESETS[preset]
     torch.manual_seed(0)
@@ -128,13 +164,16 @@ def run(preset: str, steps: int, warmup: int, device: str, compile_model: bool,
         step_ms = start.elapsed_time(stop) / steps
     else:
         step_ms = (time.perf_counter() - t0) * 1000 / steps
+    peak_gb = round(torch.cuda.max_memory_allocated() / 1e9, 2) if cuda else None
+    if profile_steps:
+        print_profile(step, profile_steps, cuda)
     tokens_per_s = micro_batches * mb * seq / (step_ms / 1000)
     tflops = tokens_per_s * flops_per_token(layers, hidden, seq, vocab) / 1e12
     return {"preset": preset, "trainer": "baseline", "device": torch.cuda.get_device_name() if cuda else "cpu",
             "micro_batch": mb, "micro_batches": micro_batches, "seq_length": seq, "steps": steps, "step_ms": round(step_ms, 2),
             "tokens_per_s": round(tokens_per_s), "tflops": round(tflops, 1),
             "mfu": round(tflops / PEAK_TFLOPS, 4),
-            "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2) if cuda else None,
+            "peak_mem_gb": peak_gb,
             "time_to_first_step_s": round(first, 1) if first is not None else None,
             "loss": round(loss.item() * micro_batches, 4), "compile": compile_model}
 
@@ -149,6 +188,9 @@ def main() -> None:
     ap.add_argument("--lr-warmup", type=int, default=100)
     ap.add_argument("--micro-batches", type=int, default=1,
                     help="micro-batches per optimizer step (gradient accumulation)")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after timing, profile this many steps and print the kernel time "
+                         "per step by category (stderr)")
     a = ap.parse_args()
     if a.warmup < 1:
         ap.error(f"--warmup {a.warmup}: at least 1 (the first step compiles)")
@@ -156,12 +198,14 @@ def main() -> None:
         ap.error(f"--steps {a.steps}: at least 1 timed step")
     if a.micro_batches < 1:
         ap.error(f"--micro-batches {a.micro_batches}: at least 1")
+    if a.profile_steps < 0:
+        ap.error(f"--profile-steps {a.profile_steps}: 0 (no profile) or more")
     if a.lr_warmup < 1:
         ap.error(f"--lr-warmup {a.lr_warmup}: at least 1 step")
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device here: use --device cpu --preset tiny")
     print(json.dumps(run(a.preset, a.steps, a.warmup, a.device, not a.no_compile,
-                                a.lr_warmup, a.micro_batches)), flush=True)
+                         a.lr_warmup, a.micro_batches, a.profile_steps)), flush=True)
 
 
 if __name__ == "__main__":

@@ -45,3 +45,15 @@ def test_accumulating_the_same_batch_three_times_trains_like_one_micro_batch():
     assert math.isclose(one["loss"], three["loss"], rel_tol=2e-3), (one, three)
     per_step = three["tokens_per_s"] * three["step_ms"] / 1000
     assert math.isclose(per_step, 3 * 2 * 32, rel_tol=1e-2)
+
+
+def test_profile_steps_prints_the_operator_table_and_rejects_negative_counts():
+    base = [sys.executable, str(ROOT / "benchmarks" / "baseline_gpt.py"), "--device", "cpu",
+            "--preset", "tiny", "--warmup", "1", "--steps", "1", "--no-compile"]
+    proc = subprocess.run(base + ["--profile-steps", "2"], capture_output=True, text=True,
+                          check=True, timeout=300)
+    assert "aten::linear" in proc.stderr and "Self CPU time total" in proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 1
+    bad = subprocess.run(base + ["--profile-steps", "-1"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and "--profile-steps -1" in bad.stderr
