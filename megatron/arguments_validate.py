@@ -439,9 +439,7 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
             nan_loss_policy=ns.nan_loss_policy, timing_log_level=ns.timing_log_level,
             rampup_batch_size=ns.rampup_batch_size,
             empty_unused_memory_level=ns.empty_unused_memory_level,
-            compile_mode=ns.compile_mode,
-            distributed_optimizer=ns.use_distributed_optimizer, adam_kernel=ns.adam_kernel,
-            optimizer=ns.optimizer)
+            compile_mode=ns.compile_mode, adam_kernel=ns.adam_kernel, optimizer=ns.optimizer)
         if reason is not None:
             raise ArgumentsError(f"--cuda-graph-step on, but {reason}; use --cuda-graph-step "
                                  "auto (captures when it can) or off")

@@ -46,8 +46,7 @@ WARMUP_STEPS = 2  # eager steps before the capture
 def settings_reason(*, device_type: str, world_size: int, hidden_dropout: float,
                     attention_dropout: float, nan_loss_policy: str, timing_log_level: int,
                     rampup_batch_size, empty_unused_memory_level: int, compile_mode: str,
-                    distributed_optimizer: bool, adam_kernel: str,
-                    optimizer: str) -> Optional[str]:
+                    adam_kernel: str, optimizer: str) -> Optional[str]:
     """Why these settings rule out a captured step (None: they don't). Checked from the
     flags when `--cuda-graph-step on` is given, and again at the first step."""
     checks = (
@@ -65,9 +64,6 @@ def settings_reason(*, device_type: str, world_size: int, hidden_dropout: float,
         (empty_unused_memory_level > 0, "--empty-unused-memory-level frees memory mid-step"),
         (compile_mode == "reduce-overhead", "--compile-mode reduce-overhead graphs the layers "
                                             "already"),
-        (distributed_optimizer, "--use-distributed-optimizer all-gathers the parameters "
-                                "over data-parallel ranks after its step (not captured, "
-                                "so far)"),
         (adam_kernel == "torch", "--adam-kernel torch reads the learning rate on the host"),
         (optimizer != "adam", f"--optimizer {optimizer}: only the Triton AdamW step reads its "
                               "learning rate from the device"),
@@ -87,9 +83,7 @@ def graph_capture_reason(tr) -> Optional[str]:
         timing_log_level=cfg.logging.timing_log_level,
         rampup_batch_size=cfg.data.rampup_batch_size,
         empty_unused_memory_level=cfg.training.empty_unused_memory_level,
-        compile_mode=m.compile_mode,
-        distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        adam_kernel=o.adam_kernel, optimizer=o.optimizer)
+        compile_mode=m.compile_mode, adam_kernel=o.adam_kernel, optimizer=o.optimizer)
     return reason or tr.optimizer.graph_capture_reason()
 
 

@@ -106,6 +106,32 @@ def test_simulated_replays_equal_eager_steps(precision):
     assert graphed.scheduler.num_steps == eager.scheduler.num_steps
 
 
+@pytest.mark.parametrize("precision", [["--bf16"], FP16_OVERFLOWING])
+def test_distributed_optimizer_on_one_rank_replays_like_eager_steps(precision):
+    """--use-distributed-optimizer with one data-parallel rank: nothing to reduce-scatter
+    or all-gather, so the step may be captured; replays must equal eager steps (losses,
+    update flags, grad norms, weights), and the optimizer names the DP all-gather as the
+    reason not to capture once its buckets have a DP group."""
+    argv = ARGV + precision + ["--use-distributed-optimizer"]
+    steps = WARMUP_STEPS + 6
+    eager_oks, oks = [], []
+    eager_losses, eager_norms, eager = _run(argv + ["--cuda-graph-step", "off"], steps,
+                                            oks=eager_oks)
+    runner = StepGraph(simulated=True)
+    losses, norms, graphed = _run(argv, steps, runner, oks=oks)
+    assert runner.body is not None and runner.failed is None, "no step was replayed"
+    assert type(graphed.optimizer).__name__ == "DistributedOptimizer"
+    assert graphed.optimizer.graph_capture_reason() is None
+    assert oks == eager_oks
+    assert [float(x) for x in losses] == [float(x) for x in eager_losses]
+    assert [float(x) for x, ok in zip(norms, oks) if ok] == \
+        [float(x) for x, ok in zip(eager_norms, oks) if ok]
+    for a, b in zip(_weights(graphed), _weights(eager)):
+        assert torch.equal(a, b)
+    graphed.optimizer.shards[0].bucket.dp_group = object()  # as with several DP ranks
+    assert "all-gathers the parameters" in graphed.optimizer.graph_capture_reason()
+
+
 def test_simulated_fp16_replays_skip_overflows_like_eager_steps():
     """fp16 with a loss scale that overflows now and then: a replayed step decides on the
     device (the kernel masks itself off) and the host learns it after the replay; the
@@ -249,8 +275,8 @@ def test_auto_stays_eager_on_the_cpu_quietly(capsys):
 def _settings(**changes):
     base = dict(device_type="cuda", world_size=1, hidden_dropout=0.0, attention_dropout=0.0,
                 nan_loss_policy="stop", timing_log_level=0, rampup_batch_size=None,
-                empty_unused_memory_level=0, compile_mode="default",
-                distributed_optimizer=False, adam_kernel="auto", optimizer="adam")
+                empty_unused_memory_level=0, compile_mode="default", adam_kernel="auto",
+                optimizer="adam")
     base.update(changes)
     return settings_reason(**base)
 
@@ -264,7 +290,6 @@ def _settings(**changes):
     ({"rampup_batch_size": [4, 4, 100]}, "--rampup-batch-size"),
     ({"empty_unused_memory_level": 1}, "--empty-unused-memory-level"),
     ({"compile_mode": "reduce-overhead"}, "reduce-overhead"),
-    ({"distributed_optimizer": True}, "--use-distributed-optimizer"),
     ({"adam_kernel": "torch"}, "--adam-kernel torch"),
     ({"optimizer": "sgd"}, "--optimizer sgd"),
 ])
@@ -295,7 +320,7 @@ def test_a_batch_of_another_shape_is_refused_with_the_fix():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("compile_flag,precision", [
     ("--no-compile", ["--bf16"]), ("--compile", ["--bf16"]),
-    ("--compile", FP16_OVERFLOWING)])
+    ("--compile", FP16_OVERFLOWING), ("--compile", ["--bf16", "--use-distributed-optimizer"])])
 def test_captured_steps_equal_eager_steps_on_cuda(compile_flag, precision):
     """A real capture: 6 replays after the warm-up give the eager run's losses and update
     flags (bitwise: the same kernels on the same data), and the returned losses stay

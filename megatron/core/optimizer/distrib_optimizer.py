@@ -242,8 +242,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 del p.main_grad
 
     def graph_capture_reason(self) -> Optional[str]:
-        return ("--use-distributed-optimizer all-gathers the parameters over data-parallel "
-                "ranks after its step (not captured, so far)")
+        """With one data-parallel rank there is nothing to reduce-scatter or all-gather
+        (the buckets have no DP group): the step is the one-GPU step on views of the
+        buffers, and a whole-step graph records it like any other."""
+        if any(shard.bucket.dp_group is not None for shard in self.shards):
+            return ("--use-distributed-optimizer all-gathers the parameters over "
+                    "data-parallel ranks after its step (not captured, so far)")
+        return super().graph_capture_reason()
 
     @torch.no_grad()
     def _copy_main_params_to_model_params(self) -> None:
