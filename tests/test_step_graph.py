@@ -353,6 +353,42 @@ def test_captured_steps_equal_eager_steps_on_cuda(compile_flag, precision):
         print("fp16 update flags:", [ok for _, ok in graphed])
 
 
+def test_distributed_optimizer_checkpoints_between_replays_equal_eager_ones(tmp_path, capsys):
+    """--use-distributed-optimizer on one rank, fp16 with overflowing replays: the
+    checkpoints saved by the training loop at 3, 6 and 8 (after replays whose flags the
+    host had not read yet) hold what an eager run's hold: the scheduler, the loss scaler,
+    and in distrib_optim.pt the fp32 parameters and both Adam moments, bitwise."""
+    from megatron.checkpoint_reshard import DISTRIB_FILENAME
+    from megatron.checkpointing import MODEL_FILENAME
+
+    argv = ARGV + FP16_OVERFLOWING + ["--use-distributed-optimizer"]
+    runs = {}
+    for name, runner, mode in (("eager", None, ["--cuda-graph-step", "off"]),
+                               ("graphed", StepGraph(simulated=True), [])):
+        save = tmp_path / name
+        _log_run(argv + mode, runner, tmp_path / f"tb-{name}", capsys,
+                 extra=["--save", str(save), "--save-interval", "3", "--log-interval", "4"])
+        runs[name] = [{f: torch.load(save / f"iter_{it:07d}" / "mp_rank_00" / f,
+                                     weights_only=False)
+                       for f in (MODEL_FILENAME, DISTRIB_FILENAME)} for it in (3, 6, 8)]
+    for eager, graphed in zip(runs["eager"], runs["graphed"]):
+        model_e, model_g = eager[MODEL_FILENAME], graphed[MODEL_FILENAME]
+        assert model_g["opt_param_scheduler"] == model_e["opt_param_scheduler"]
+        scaler_e, scaler_g = (m["optimizer"]["grad_scaler"] for m in (model_e, model_g))
+        assert float(scaler_g["scale"]) == float(scaler_e["scale"])
+        assert scaler_g["growth_tracker"] == scaler_e["growth_tracker"]
+        flat_e, flat_g = eager[DISTRIB_FILENAME], graphed[DISTRIB_FILENAME]
+        assert flat_g.keys() == flat_e.keys()
+        for chunk in flat_e:
+            for dtype, entry in flat_e[chunk].items():
+                for key in ("param", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(flat_g[chunk][dtype][key], entry[key]), (chunk, key)
+    first, last = (runs["eager"][i][DISTRIB_FILENAME] for i in (0, -1))
+    chunk, dtype = next((c, d) for c in first for d in first[c])
+    assert not torch.equal(first[chunk][dtype]["exp_avg"], last[chunk][dtype]["exp_avg"]), \
+        "the moments did not move between the checkpoints: nothing was compared"
+
+
 @pytest.mark.parametrize("precision", [[], FP16_OVERFLOWING])
 def test_state_saved_after_replays_resumes_like_an_eager_run(precision):
     """The step count lives on the device (optimizer state) and on the host (the kernel's
