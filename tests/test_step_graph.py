@@ -106,6 +106,17 @@ def test_simulated_replays_equal_eager_steps(precision):
     assert graphed.scheduler.num_steps == eager.scheduler.num_steps
 
 
+def _eager_and_replayed(argv, steps: int):
+    """The same run eagerly and through a simulated graph: two tuples (losses, grad norms,
+    trainer, update flags); fails unless steps were replayed."""
+    eager_oks, oks = [], []
+    eager = _run(argv + ["--cuda-graph-step", "off"], steps, oks=eager_oks)
+    runner = StepGraph(simulated=True)
+    graphed = _run(argv, steps, runner, oks=oks)
+    assert runner.body is not None and runner.failed is None, "no step was replayed"
+    return (*eager, eager_oks), (*graphed, oks)
+
+
 @pytest.mark.parametrize("precision", [["--bf16"], FP16_OVERFLOWING])
 def test_distributed_optimizer_on_one_rank_replays_like_eager_steps(precision):
     """--use-distributed-optimizer with one data-parallel rank: nothing to reduce-scatter
@@ -113,13 +124,8 @@ def test_distributed_optimizer_on_one_rank_replays_like_eager_steps(precision):
     update flags, grad norms, weights), and the optimizer names the DP all-gather as the
     reason not to capture once its buckets have a DP group."""
     argv = ARGV + precision + ["--use-distributed-optimizer"]
-    steps = WARMUP_STEPS + 6
-    eager_oks, oks = [], []
-    eager_losses, eager_norms, eager = _run(argv + ["--cuda-graph-step", "off"], steps,
-                                            oks=eager_oks)
-    runner = StepGraph(simulated=True)
-    losses, norms, graphed = _run(argv, steps, runner, oks=oks)
-    assert runner.body is not None and runner.failed is None, "no step was replayed"
+    (eager_losses, eager_norms, eager, eager_oks), (losses, norms, graphed, oks) = \
+        _eager_and_replayed(argv, WARMUP_STEPS + 6)
     assert type(graphed.optimizer).__name__ == "DistributedOptimizer"
     assert graphed.optimizer.graph_capture_reason() is None
     assert oks == eager_oks
@@ -137,14 +143,8 @@ def test_simulated_fp16_replays_skip_overflows_like_eager_steps():
     device (the kernel masks itself off) and the host learns it after the replay; the
     skip pattern, losses, grad norms, loss scales, weights and step counts must equal an
     eager run's, which decides before launching the kernel."""
-    argv = ARGV + FP16_OVERFLOWING
-    steps = WARMUP_STEPS + 10
-    eager_oks, oks = [], []
-    eager_losses, eager_norms, eager = _run(argv + ["--cuda-graph-step", "off"], steps,
-                                            oks=eager_oks)
-    runner = StepGraph(simulated=True)
-    losses, norms, graphed = _run(argv, steps, runner, oks=oks)
-    assert runner.body is not None and runner.failed is None, "no step was replayed"
+    (eager_losses, eager_norms, eager, eager_oks), (losses, norms, graphed, oks) = \
+        _eager_and_replayed(ARGV + FP16_OVERFLOWING, WARMUP_STEPS + 10)
     assert oks == eager_oks
     replayed = oks[WARMUP_STEPS:]
     pairs = set(zip(replayed, replayed[1:]))
@@ -212,6 +212,20 @@ def test_fp16_replays_log_what_eager_steps_log(tmp_path, capsys):
     assert graphed.optimizer._multi.step_count == eager.optimizer._multi.step_count
 
 
+def _saved_checkpoints(argv, tmp_path, capsys, files):
+    """The training loop eagerly and through a simulated graph, saving at 3, 6 and 8:
+    {"eager"|"graphed": [{file: its loaded payload} per saved iteration]}."""
+    runs = {}
+    for name, runner, mode in (("eager", None, ["--cuda-graph-step", "off"]),
+                               ("graphed", StepGraph(simulated=True), [])):
+        save = tmp_path / name
+        _log_run(argv + mode, runner, tmp_path / f"tb-{name}", capsys,
+                 extra=["--save", str(save), "--save-interval", "3", "--log-interval", "4"])
+        runs[name] = [{f: torch.load(save / f"iter_{it:07d}" / "mp_rank_00" / f,
+                                     weights_only=False) for f in files} for it in (3, 6, 8)]
+    return runs
+
+
 def test_fp16_checkpoints_saved_between_replays_equal_eager_ones(tmp_path, capsys):
     """A checkpoint saved right after an fp16 replay, whose update flag the host had not
     read yet, holds exact counts: the scheduler's, Adam's per-parameter steps and the loss
@@ -219,16 +233,9 @@ def test_fp16_checkpoints_saved_between_replays_equal_eager_ones(tmp_path, capsy
     replays that skipped, no log line there to read the flag first, and at 8)."""
     from megatron.checkpointing import MODEL_FILENAME
 
-    argv = ARGV + FP16_OVERFLOWING
-    runs = {}
-    for name, runner, mode in (("eager", None, ["--cuda-graph-step", "off"]),
-                               ("graphed", StepGraph(simulated=True), [])):
-        save = tmp_path / name
-        _log_run(argv + mode, runner, tmp_path / f"tb-{name}", capsys,
-                 extra=["--save", str(save), "--save-interval", "3", "--log-interval", "4"])
-        runs[name] = [torch.load(save / f"iter_{it:07d}" / "mp_rank_00" / MODEL_FILENAME,
-                                 weights_only=False) for it in (3, 6, 8)]
-    for eager, graphed in zip(runs["eager"], runs["graphed"]):
+    runs = _saved_checkpoints(ARGV + FP16_OVERFLOWING, tmp_path, capsys, [MODEL_FILENAME])
+    for eager, graphed in zip(*([r[MODEL_FILENAME] for r in runs[k]]
+                                for k in ("eager", "graphed"))):
         assert graphed["opt_param_scheduler"] == eager["opt_param_scheduler"]
         opt_e, opt_g = eager["optimizer"], graphed["optimizer"]
         assert opt_g["grad_scaler"]["growth_tracker"] == opt_e["grad_scaler"]["growth_tracker"]
@@ -239,7 +246,7 @@ def test_fp16_checkpoints_saved_between_replays_equal_eager_ones(tmp_path, capsy
                  for o in (opt_e, opt_g)]
         assert steps[0] == steps[1] and len(steps[0]) == 1
     kept = [{float(s["step"]) for s in ck["optimizer"]["optimizer"]["state"].values()}
-            for ck in runs["graphed"]]
+            for ck in (r[MODEL_FILENAME] for r in runs["graphed"])]
     assert kept[0] != {3.0} and kept[1] != {6.0}, f"saves not after skips: steps {kept}"
 
 
@@ -361,16 +368,8 @@ def test_distributed_optimizer_checkpoints_between_replays_equal_eager_ones(tmp_
     from megatron.checkpoint_reshard import DISTRIB_FILENAME
     from megatron.checkpointing import MODEL_FILENAME
 
-    argv = ARGV + FP16_OVERFLOWING + ["--use-distributed-optimizer"]
-    runs = {}
-    for name, runner, mode in (("eager", None, ["--cuda-graph-step", "off"]),
-                               ("graphed", StepGraph(simulated=True), [])):
-        save = tmp_path / name
-        _log_run(argv + mode, runner, tmp_path / f"tb-{name}", capsys,
-                 extra=["--save", str(save), "--save-interval", "3", "--log-interval", "4"])
-        runs[name] = [{f: torch.load(save / f"iter_{it:07d}" / "mp_rank_00" / f,
-                                     weights_only=False)
-                       for f in (MODEL_FILENAME, DISTRIB_FILENAME)} for it in (3, 6, 8)]
+    runs = _saved_checkpoints(ARGV + FP16_OVERFLOWING + ["--use-distributed-optimizer"],
+                              tmp_path, capsys, [MODEL_FILENAME, DISTRIB_FILENAME])
     for eager, graphed in zip(runs["eager"], runs["graphed"]):
         model_e, model_g = eager[MODEL_FILENAME], graphed[MODEL_FILENAME]
         assert model_g["opt_param_scheduler"] == model_e["opt_param_scheduler"]
