@@ -324,10 +324,14 @@ def test_a_rank_that_cannot_take_the_kernel_stops_with_an_error(interpret):
             opt.step()
 
 
-def test_not_captured_in_a_step_graph(interpret):
+def test_captured_in_a_step_graph_only_with_one_dp_rank(interpret):
+    """dp=1: no collective in the step, so a whole-step graph may record it; with a DP
+    group the parameter all-gather after the step rules the graph out."""
     ddp, opt = _dp1_optimizer("triton")
     ddp.finish_grad_sync()
     assert opt.step()[0] and opt._multi
+    assert opt.graph_capture_reason() is None
+    opt.shards[0].bucket.dp_group = object()  # as a bucket of several DP ranks has
     assert "--use-distributed-optimizer" in opt.graph_capture_reason()
 
 
