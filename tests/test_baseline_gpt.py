@@ -52,7 +52,7 @@ def test_profile_steps_prints_the_operator_table_and_rejects_negative_counts():
             "--preset", "tiny", "--warmup", "1", "--steps", "1", "--no-compile"]
     proc = subprocess.run(base + ["--profile-steps", "2"], capture_output=True, text=True,
                           check=True, timeout=300)
-    assert "aten::linear" in proc.stderr and "Self CPU time total" in proc.stderr
+    assert "aten::" in proc.stderr and "Self CPU time total" in proc.stderr  # the op table
     assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 1
     bad = subprocess.run(base + ["--profile-steps", "-1"], capture_output=True, text=True,
                          timeout=300)
