@@ -1,0 +1,124 @@
+"""tools/layout_parity.py: layouts, the curve comparison, and whole runs on the CPU."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.logging_utils import format_iteration_line
+from tools import layout_parity as lp
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "255", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--lr", "1e-3", "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", "1234",
+        "--eval-iters", "0"]
+
+
+def test_parse_layout_sizes_and_options():
+    lay = lp.parse_layout("tp2pp2vp2dp2+distopt+overlap")
+    assert (lay.tp, lay.pp, lay.vp, lay.dp, lay.ranks) == (2, 2, 2, 2, 8)
+    assert lay.options == ("distopt", "overlap")
+    assert lp.parse_layout("dp4").ranks == 4
+
+
+@pytest.mark.parametrize("text, message", [
+    ("tp2x", "write sizes as tpN"), ("tp2tp4", "tp given twice"), ("tp0", "at least 1"),
+    ("tp2+fast", "unknown option"), ("vp2", "needs pp >= 2")])
+def test_parse_layout_errors_name_the_problem(text, message):
+    with pytest.raises(ValueError, match=message):
+        lp.parse_layout(text)
+
+
+def test_layout_flags():
+    model = ["--num-layers", "8"]
+    flags = lp.layout_flags(lp.parse_layout("tp2pp2vp2+distopt"), model)
+    assert flags[:4] == ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    assert "--sequence-parallel" in flags and "--use-distributed-optimizer" in flags
+    i = flags.index("--num-layers-per-virtual-pipeline-stage")
+    assert flags[i + 1] == "2"  # 8 layers / (2 stages * 2 virtual stages)
+    assert "--sequence-parallel" not in lp.layout_flags(lp.parse_layout("tp2+nosp"), model)
+    assert "--no-compile" in lp.layout_flags(lp.parse_layout("tp1+eager"), model)
+    with pytest.raises(ValueError, match="multiple of pp\\*vp = 6"):
+        lp.layout_flags(lp.parse_layout("pp3vp2"), model)
+
+
+def test_rank_env_one_gpu_gives_each_rank_its_own_nccl_host():
+    envs = [lp.rank_env(r, 4, 1234, True, "run") for r in range(4)]
+    assert {e["LOCAL_RANK"] for e in envs} == {"0"}
+    assert len({e["NCCL_HOSTID"] for e in envs}) == 4
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
+    plain = lp.rank_env(3, 4, 1234, False, "run")
+    assert plain["LOCAL_RANK"] == "3" and plain["LOCAL_WORLD_SIZE"] == "4"
+    assert plain.get("NCCL_HOSTID") == os.environ.get("NCCL_HOSTID")  # left as it was
+
+
+def _log(points):
+    """pretrain_gpt.py's iteration lines for {iteration: (loss, grad norm)}."""
+    return "\n".join(format_iteration_line(i, 60, 8 * i, 10.0, 1e-3, 8, {"lm loss": loss}, 1.0,
+                                           grad_norm=g) for i, (loss, g) in points.items())
+
+
+def test_curves_parse_the_training_log_line():
+    points = {2: (8.364573, 1.318), 3: (8.291478, 2.5)}
+    assert lp.curves(_log(points)) == points
+    no_norm = format_iteration_line(4, 60, 32, 10.0, 1e-3, 8, {"lm loss": 7.5}, 1.0)
+    assert lp.curves(no_norm) == {4: (7.5, None)}
+
+
+def _ref(n=40):
+    return {i: (8.0 - 0.02 * i, 1.0 + 0.5 * (i % 3)) for i in range(2, 2 + n)}
+
+
+def test_compare_passes_swings_that_cancel_and_fails_a_scale_error():
+    ref, its, tol = _ref(), list(range(2, 42)), (0.01, 0.05)
+    # rounding in a spiky stretch: single iterations swing 20% both ways, means agree
+    swing = {i: (l, g * (1.2 if i % 2 else 0.8)) for i, (l, g) in ref.items()}
+    m = lp.compare(ref, swing, its)
+    assert m["gnorm_max_rel"] > 0.19 and m["gnorm_window_rel"] < 0.05
+    assert lp.verdict(m, tol) == "ok"
+    # a gradient 15% too large in every iteration (a wrong scale) fails
+    scaled = {i: (l, g * 1.15) for i, (l, g) in ref.items()}
+    assert lp.verdict(lp.compare(ref, scaled, its), tol) == "FAIL: grad norm beyond 0.05"
+    shifted = {i: (l * 1.02, g) for i, (l, g) in ref.items()}
+    assert lp.verdict(lp.compare(ref, shifted, its), tol) == "FAIL: loss beyond 0.01"
+    cut = {i: v for i, v in ref.items() if i < 30}
+    assert lp.verdict(lp.compare(ref, cut, its), tol).startswith("FAIL: no log line for iterations [30")
+
+
+def test_compare_forgives_one_printed_grad_norm_unit():
+    ref = {2: (5.0, 0.010), 3: (5.0, 0.010)}
+    got = {2: (5.0, 0.011), 3: (5.0, 0.011)}  # 10% apart, but one unit of the printed 0.010
+    m = lp.compare(ref, got, [2, 3])
+    assert m["gnorm_max_rel"] == 0.0 and m["gnorm_window_rel"] == 0.0
+
+
+def test_default_tolerances_by_precision():
+    assert lp.default_tolerance(["--bf16"]) == (0.01, 0.05)
+    assert lp.default_tolerance([]) == (1e-4, 0.01)
+
+
+@pytest.mark.slow
+def test_layouts_match_one_process_on_cpu_and_a_bad_layout_fails(tmp_path):
+    cmd = [sys.executable, str(ROOT / "tools" / "layout_parity.py"), "--layouts",
+           "tp1,tp2,pp2vp2,dp2+distopt+overlap,tp3", "--iters", "3", "--one-gpu",
+           "--out-dir", str(tmp_path), "--"] + TINY
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr[-3000:]  # tp3 cannot split 4 heads
+    rows = {line.split()[0]: line for line in out.splitlines()[1:-1]}
+    assert rows["tp1"].endswith("reference")
+    for name in ("tp2", "pp2vp2", "dp2+distopt+overlap"):
+        assert rows[name].endswith("  ok"), out
+        loss_max = float(rows[name].split()[2])
+        assert loss_max <= 1e-4  # fp32 on the CPU: the same curve up to summation order
+    assert "FAIL: exit 2" in rows["tp3"]
+    assert "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3" in \
+        proc.stderr
+    assert (tmp_path / "01-tp2" / "rank1.log").exists()
