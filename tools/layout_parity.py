@@ -27,11 +27,13 @@ itself and gives each its own NCCL_HOSTID, so NCCL takes them for ranks on diffe
 and connects them through loopback sockets (it refuses two ranks of one host on one GPU).
 That checks the NCCL code paths of any layout on a machine with one GPU; speed means
 nothing there: the ranks time-slice the GPU, so a collective costs milliseconds (tens
-with 8 ranks) -- keep the model, its micro-batch count and the TP size small. Without it, rank r runs on GPU r, as under torchrun on one host.
+with 8 ranks) -- keep the model, its micro-batch count and the TP size small. Without
+it, rank r runs on GPU r, as under torchrun on one host.
 
 Flags after `--` replace the default model and data (a small GPT with biases on mock
 data, bf16 on CUDA); the tool adds the layout, --train-iters, --log-interval 1 and the
-checkpoint flags. Each run's output is kept under --out-dir.
+checkpoint flags. Each rank's output goes to --out-dir/<run>/rank<r>.log (by default a
+temporary directory, removed when every layout passed).
 """
 from __future__ import annotations
 
