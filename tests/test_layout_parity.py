@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -122,3 +123,17 @@ def test_layouts_match_one_process_on_cpu_and_a_bad_layout_fails(tmp_path):
     assert "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3" in \
         proc.stderr
     assert (tmp_path / "01-tp2" / "rank1.log").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_one_gpu_nccl_ranks_match_one_process(tmp_path):
+    """Two NCCL ranks on GPU 0 (each its own NCCL_HOSTID) train like one process, bf16."""
+    cmd = [sys.executable, str(ROOT / "tools" / "layout_parity.py"), "--layouts",
+           "tp1,tp2,dp2+distopt", "--iters", "5", "--one-gpu", "--out-dir", str(tmp_path),
+           "--"] + TINY + ["--bf16"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines()[1:-1]}
+    assert rows["tp2"].endswith("  ok") and rows["dp2+distopt"].endswith("  ok")
+    assert re.search(r"distributed_backend \.+ nccl", (tmp_path / "01-tp2" / "rank0.log").read_text())
