@@ -2,7 +2,8 @@
 # Layout parity on one GPU: every rank on GPU 0, NCCL between them through loopback sockets
 # (tools/layout_parity.py --one-gpu). Ranks time-slice the GPU, so each collective costs a
 # few milliseconds: the TP part uses few micro-batches and layers. Results: RESULTS.md.
-#   OUT=/some/dir bash benchmarks/layout_parity_one_gpu.sh [A|B|C]...   (default: A B C)
+#   OUT=/some/dir bash benchmarks/layout_parity_one_gpu.sh [A|T8|B|C|D]...   (default: all,
+#   ~24 min: name one or two parts per device call)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/layout_parity}
@@ -22,11 +23,15 @@ part() {  # name, seconds, layouts, model flags
     (cd "/tmp/lp$1" && tar czf "$OUT/logs$1.tgz" $(find . -name '*.log'))
 }
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(A B C)
+[ ${#parts[@]} -eq 0 ] && parts=(A T8 B C D)
 for p in "${parts[@]}"; do
+    # Each part fits one 600 s device call (times from the 2026-12-04 runs in RESULTS.md).
     case $p in
-        A) part A 230 tp1,tp2,tp4,tp8,tp2+nosp "$A" ;;
-        B) part B 300 tp1,pp2,pp4,pp2vp2,pp4vp2 "$B" ;;
-        C) part C 300 tp1,tp1+eager,dp2+overlap,dp2+distopt,dp8+overlap+distopt,pp4vp2,tp2pp2dp2+overlap+distopt "$B" ;;
+        A) part A 560 tp1,tp2,tp4,tp2+nosp "$A" ;;                        # ~3 min
+        T8) part T8 560 tp1,tp8 "$A" ;;                                   # ~7.5 min
+        B) part B 560 tp1,pp2,pp4,pp2vp2,pp4vp2 "$B" ;;                   # ~5 min
+        C) part C 560 tp1,tp1+eager,dp2+overlap,dp2+distopt,dp8+overlap+distopt "$B" ;;  # ~3.5 min
+        D) part D 560 tp1,tp2pp2dp2+overlap+distopt "$B" ;;               # ~4.5 min
+        *) echo "unknown part $p (A, T8, B, C, D)" >&2; exit 2 ;;
     esac
 done
