@@ -99,6 +99,11 @@ def test_compare_forgives_one_printed_grad_norm_unit():
     assert m["gnorm_max_rel"] == 0.0 and m["gnorm_window_rel"] == 0.0
 
 
+def test_describe_exit_names_a_timeout():
+    assert lp.describe_exit(124, 3) == "timed out after 3 s (--timeout)"
+    assert lp.describe_exit(2, 3) == "exit 2"
+
+
 def test_default_tolerances_by_precision():
     assert lp.default_tolerance(["--bf16"]) == (0.01, 0.05)
     assert lp.default_tolerance([]) == (1e-4, 0.01)

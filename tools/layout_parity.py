@@ -171,7 +171,7 @@ def _wait_all(procs: List[subprocess.Popen], deadline: float) -> Tuple[int, Opti
                     p.kill()
             for p in procs:
                 p.wait()
-            return (codes[failed[0]], failed[0]) if failed else (124, None)
+            return (codes[failed[0]], failed[0]) if failed else (124, None)  # 124: timeout
         if all(c == 0 for c in codes):
             return 0, None
         time.sleep(0.2)
@@ -194,6 +194,10 @@ def launch(argv: List[str], world: int, one_gpu: bool, log_dir: str, timeout_s: 
     rc, bad = _wait_all(procs, deadline)
     logs = [open(p).read() for p in paths]
     return rc, "".join(logs), (logs[bad] if bad is not None else logs[-1])
+
+
+def describe_exit(rc: int, timeout_s: float) -> str:
+    return f"timed out after {timeout_s:g} s (--timeout)" if rc == 124 else f"exit {rc}"
 
 
 def curves(log: str) -> Dict[int, Tuple[float, Optional[float]]]:
@@ -266,8 +270,8 @@ def seed_checkpoint(model: List[str], start: int, total: int, out_dir: str, time
                     "--log-interval", "1", "--save", ckpt, "--save-interval", str(start)]
     rc, _, log = launch(argv, 1, True, os.path.join(out_dir, "seed"), timeout_s, base_env)
     if rc != 0 or not os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt")):
-        raise SystemExit(f"layout_parity: the seed run failed (exit {rc}); its output "
-                         f"ends:\n{log[-3000:]}")
+        raise SystemExit(f"layout_parity: the seed run failed ({describe_exit(rc, timeout_s)}); "
+                         f"its output ends:\n{log[-3000:]}")
     return ckpt
 
 
@@ -292,9 +296,9 @@ def run_layout(lay: Layout, n: int, model: List[str], a, ckpt: str,
     row["seconds"] = time.time() - t0
     row["curve"] = curves(log)
     if rc != 0:
-        row["error"] = f"exit {rc}, output in {log_dir}"
-        print(f"layout_parity: {lay.name} failed (exit {rc}); the failed rank's output "
-              f"ends:\n{failed_log[-2000:]}", file=sys.stderr, flush=True)
+        row["error"] = f"{describe_exit(rc, a.timeout)}, output in {log_dir}"
+        print(f"layout_parity: {lay.name} failed ({describe_exit(rc, a.timeout)}); the failed "
+              f"rank's output ends:\n{failed_log[-2000:]}", file=sys.stderr, flush=True)
     return row
 
 
