@@ -244,10 +244,15 @@ def log_interval(tr: Trainer, stats: IntervalStats) -> None:
     extras = interval_extras(tr, n)
     last_it = stats.records[-1][0]
     good_losses = []
+    # The line counts skipped and NaN iterations of this interval, as Megatron's does (its
+    # counters restart at every print); TrainState keeps the run's totals.
+    interval_skipped = interval_nans = 0
     for it, consumed, lr, loss, scale, norm, ok, counted, _ in stats.records:
         loss_f, norm_f = _to_float(loss), _to_float(norm)
+        interval_skipped += 0 if ok else 1
         if not math.isfinite(loss_f):
             st.nan_iters += 0 if counted else 1
+            interval_nans += 1
         elif ok:
             good_losses.append(loss_f)
         if tr.tb is not None and it % cfg.logging.tensorboard_log_interval == 0:
@@ -266,7 +271,7 @@ def log_interval(tr: Trainer, stats: IntervalStats) -> None:
         cfg.data.global_batch_size,
         {"lm loss": sum(good_losses) / len(good_losses)} if good_losses else {},
         _to_float(scale), _to_float(norm), _to_float(extras.num_zeros.get(it)),
-        extras.params_norm, st.skipped_iters, st.nan_iters, tokens_per_gpu, tflops,
+        extras.params_norm, interval_skipped, interval_nans, tokens_per_gpu, tflops,
     )
     print_rank_last(line)
     print_rank_last(progress_line(it, cfg.training.train_iters, time.time() - tr.start_time,

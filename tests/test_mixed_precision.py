@@ -1,8 +1,9 @@
 """Mixed precision and data parallelism at scale (issue 5).
 
 * fp16 from the command line: the dynamic loss scale starts at 2^32, the first iterations
-  overflow and are skipped ("number of skipped iterations" grows, "loss scale" falls, the
-  tensorboard `loss-scale` scalar too), then training proceeds.
+  overflow and are skipped ("number of skipped iterations" counts them per log interval,
+  as Megatron's line does; "loss scale" and the tensorboard `loss-scale` scalar fall),
+  then training proceeds.
 * The precision flags change what they say: --fp16-lm-cross-entropy (loss computed in
   fp16), --fp32-residual-connection (fp32 residual stream, bf16 layers),
   --embedding-weights-in-fp32 (fp32 table, tied output cast to bf16); the two attention
@@ -80,12 +81,14 @@ def test_fp16_cli_skips_overflowing_iterations_and_backs_off(tmp_path, capsys):
     skipped = [_field(line, "number of skipped iterations") for line in lines]
     scales = [_field(line, "loss scale") for line in lines]
     # 2^32 overflows fp16 activations' grads: early steps are skipped and the scale halves
-    # after each overflow (hysteresis 2: the first one is tolerated).
-    assert skipped[0] == 4 and skipped[1] > skipped[0], skipped
+    # after each overflow (hysteresis 2: the first one is tolerated). Each line counts the
+    # skips of its own interval, as Megatron's does: all 4 steps of the first one.
+    assert skipped[0] == 4 and skipped[1] >= 1, skipped
     assert scales[0] < 2.0**32 and scales[1] < scales[0], scales
     assert all(b <= a for a, b in zip(scales, scales[1:])), scales
     # ... until it fits: the last steps update the weights (a loss is averaged again).
-    assert skipped[-1] == skipped[-2] < 24 and "lm loss" in lines[-1] and "grad norm" in lines[-1]
+    assert skipped[-1] == 0 and sum(skipped) < 24, skipped
+    assert "lm loss" in lines[-1] and "grad norm" in lines[-1]
     scalars = read_scalars(str(tb))
     tb_scales = [v for _, v in sorted(scalars["loss-scale"])]
     assert len(tb_scales) == 24 and tb_scales[0] == 2.0**32

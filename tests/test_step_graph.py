@@ -206,7 +206,7 @@ def test_fp16_replays_log_what_eager_steps_log(tmp_path, capsys):
     assert len(lines) == 3 and lines == eager_lines
     skipped = [int(line.split("number of skipped iterations:")[1].split("|")[0])
                for line in lines]
-    assert 0 < skipped[-1] < 8, f"no mix of skipped and updated steps: {skipped}"
+    assert 0 < sum(skipped) < 8, f"no mix of skipped and updated steps: {skipped}"
     assert tb == eager_tb and len(tb["learning-rate"]) == 8
     assert graphed.scheduler.num_steps == eager.scheduler.num_steps
     assert graphed.optimizer._multi.step_count == eager.optimizer._multi.step_count
