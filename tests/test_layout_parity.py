@@ -92,6 +92,18 @@ def test_compare_passes_swings_that_cancel_and_fails_a_scale_error():
     assert lp.verdict(lp.compare(ref, cut, its), tol).startswith("FAIL: no log line for iterations [30")
 
 
+def test_skipped_iterations_compare_by_their_skip():
+    skipped_line = format_iteration_line(5, 60, 40, 10.0, 1e-3, 8, {}, 2.0**17, skipped_iters=1)
+    ref = lp.curves(_log({4: (7.0, 1.5)}) + "\n" + skipped_line)
+    assert ref == {4: (7.0, 1.5), 5: (None, None)}
+    both = lp.compare(ref, dict(ref), [4, 5])
+    assert lp.verdict(both, (0.01, 0.05)) == "ok" and both["stepped"] == 1
+    one = lp.compare(ref, {4: (7.0, 1.5), 5: (6.9, 1.4)}, [4, 5])
+    assert lp.verdict(one, (0.01, 0.05)).startswith("FAIL: skipped in one run only: iterations [5]")
+    none = lp.compare({5: (None, None)}, {5: (None, None)}, [5])
+    assert lp.verdict(none, (0.01, 0.05)).startswith("FAIL: no iteration updated the weights")
+
+
 def test_compare_forgives_one_printed_grad_norm_unit():
     ref = {2: (5.0, 0.010), 3: (5.0, 0.010)}
     got = {2: (5.0, 0.011), 3: (5.0, 0.011)}  # 10% apart, but one unit of the printed 0.010

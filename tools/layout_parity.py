@@ -30,6 +30,11 @@ nothing there: the ranks time-slice the GPU, so a collective costs milliseconds 
 with 8 ranks) -- keep the model, its micro-batch count and the TP size small. Without
 it, rank r runs on GPU r, as under torchrun on one host.
 
+With --fp16 and the dynamic loss scale, layouts with another number of micro-batches per
+rank overflow at other iterations: each micro-batch's loss is divided by the rank's own
+micro-batch count (as in Megatron), so dp scales the activation grads. A skip in one run
+only is reported as a failure; compare fp16 layouts under a constant --loss-scale.
+
 Flags after `--` replace the default model and data (a small GPT with biases on mock
 data, bf16 on CUDA); the tool adds the layout, --train-iters, --log-interval 1 and the
 checkpoint flags. Each rank's output goes to --out-dir/<run>/rank<r>.log (by default a
@@ -65,8 +70,9 @@ DEFAULT_MODEL = [
 ]
 OPTIONS = {"nosp": [], "overlap": ["--overlap-grad-reduce"],
            "distopt": ["--use-distributed-optimizer"], "eager": ["--no-compile"]}
-LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|"
-                  r"(?:.*? grad norm: ([0-9.E+-]+) \|)?")
+LINE = re.compile(r"^ iteration\s+(\d+)/\s*\d+ \|(.*)$", re.M)
+LOSS = re.compile(r" lm loss: ([0-9.E+-]+) \|")
+GNORM = re.compile(r" grad norm: ([0-9.E+-]+) \|")
 GRAD_NORM_UNIT = 1e-3  # the log line prints the grad norm with three decimals
 WINDOW = 10  # iterations per grad-norm mean compared
 
@@ -200,11 +206,14 @@ def describe_exit(rc: int, timeout_s: float) -> str:
     return f"timed out after {timeout_s:g} s (--timeout)" if rc == 124 else f"exit {rc}"
 
 
-def curves(log: str) -> Dict[int, Tuple[float, Optional[float]]]:
-    """{iteration: (lm loss, grad norm or None)} from pretrain_gpt.py's iteration lines."""
+def curves(log: str) -> Dict[int, Tuple[Optional[float], Optional[float]]]:
+    """{iteration: (lm loss, grad norm)} from pretrain_gpt.py's iteration lines; both are
+    None for an iteration whose step was skipped (fp16 overflow), as its line has neither."""
     out = {}
-    for it, loss, gnorm in LINE.findall(log):
-        out[int(it)] = (float(loss), float(gnorm) if gnorm else None)
+    for it, rest in LINE.findall(log):
+        loss, gnorm = LOSS.search(rest), GNORM.search(rest)
+        out[int(it)] = (float(loss.group(1)) if loss else None,
+                        float(gnorm.group(1)) if gnorm else None)
     return out
 
 
@@ -225,13 +234,16 @@ def compare(ref: Dict[int, tuple], got: Dict[int, tuple], iterations: List[int],
     of the grad norm, between means over `window` iterations (the checked one) and
     iteration by iteration (shown). A wrong gradient scale moves every window; 16-bit
     rounding can make single iterations swing by 20% in a spiky stretch of training
-    (benchmarks/RESULTS.md), and those swings go both ways."""
+    (benchmarks/RESULTS.md), and those swings go both ways. An iteration skipped (no loss)
+    in one run but not in the other is listed under "skip_mismatch"."""
     missing = [i for i in iterations if i not in got or i not in ref]
     its = [i for i in iterations if i not in missing]
-    loss_rel = [abs(got[i][0] - ref[i][0]) / max(abs(ref[i][0]), 1e-12) for i in its]
-    both = [i for i in its if ref[i][1] is not None and got[i][1] is not None]
+    mismatch = [i for i in its if (ref[i][0] is None) != (got[i][0] is None)]
+    stepped = [i for i in its if ref[i][0] is not None and got[i][0] is not None]
+    loss_rel = [abs(got[i][0] - ref[i][0]) / max(abs(ref[i][0]), 1e-12) for i in stepped]
+    both = [i for i in stepped if ref[i][1] is not None and got[i][1] is not None]
     g0, g1 = [ref[i][1] for i in both], [got[i][1] for i in both]
-    return {"missing": missing,
+    return {"missing": missing, "skip_mismatch": mismatch, "stepped": len(stepped),
             "loss_max_rel": max(loss_rel, default=float("nan")),
             "loss_mean_rel": sum(loss_rel) / len(loss_rel) if loss_rel else float("nan"),
             "gnorm_max_rel": max((window_gap([a], [b], 1) for a, b in zip(g0, g1)),
@@ -243,6 +255,11 @@ def verdict(cmp: dict, tolerance: Tuple[float, float]) -> str:
     """'ok' or why not; `tolerance` is (loss, grad norm), both relative."""
     if cmp["missing"]:
         return f"FAIL: no log line for iterations {cmp['missing'][:5]}"
+    if cmp["skip_mismatch"]:
+        return (f"FAIL: skipped in one run only: iterations {cmp['skip_mismatch'][:5]} "
+                "(with fp16, compare layouts under a constant --loss-scale)")
+    if not cmp["stepped"]:
+        return "FAIL: no iteration updated the weights in both runs (all skipped); raise --iters"
     if not cmp["loss_max_rel"] <= tolerance[0]:
         return f"FAIL: loss beyond {tolerance[0]:g}"
     if cmp["gnorm_window_rel"] > tolerance[1]:  # nan (no grad norms logged) passes
