@@ -49,6 +49,27 @@ def test_layout_flags():
         lp.layout_flags(lp.parse_layout("pp3vp2"), model)
 
 
+def test_every_layout_pads_the_vocabulary_alike():
+    layouts = [lp.parse_layout(t) for t in ("tp1", "tp2", "tp4pp2", "tp3")]
+    assert lp.vocab_multiple(layouts, []) == 128 * 12
+    assert lp.vocab_multiple(layouts[:2], ["--make-vocab-size-divisible-by", "64"]) == 128
+    for lay in layouts:  # Megatron pads to (flag x tp): the same multiple for every layout
+        flags = lp.layout_flags(lay, ["--num-layers", "8"], 128 * 12)
+        i = flags.index("--make-vocab-size-divisible-by")
+        assert int(flags[i + 1]) * lay.tp == 128 * 12
+
+
+def test_a_layout_padded_otherwise_fails():
+    curve = {2: (7.0, 1.0)}
+    ref = {"layout": lp.parse_layout("tp1"), "curve": curve, "error": None, "seconds": 1.0,
+           "padded_vocab": 4224}
+    row = dict(ref, layout=lp.parse_layout("tp2"), padded_vocab=4352)
+    line, ok = lp.row_line(row, ref, [2], (0.01, 0.05))
+    assert not ok and "FAIL: padded vocabulary 4352 against 4224 in the reference" in line
+    line, ok = lp.row_line(dict(row, padded_vocab=4224), ref, [2], (0.01, 0.05))
+    assert ok and line.endswith("  ok")
+
+
 def test_rank_env_one_gpu_gives_each_rank_its_own_nccl_host():
     envs = [lp.rank_env(r, 4, 1234, True, "run") for r in range(4)]
     assert {e["LOCAL_RANK"] for e in envs} == {"0"}

@@ -35,6 +35,11 @@ rank overflow at other iterations: each micro-batch's loss is divided by the ran
 micro-batch count (as in Megatron), so dp scales the activation grads. A skip in one run
 only is reported as a failure; compare fp16 layouts under a constant --loss-scale.
 
+Every run pads the vocabulary to the same size: the tool sets
+--make-vocab-size-divisible-by per layout to (the given value, 128 by default) x lcm(tp
+sizes) / tp, since Megatron pads to that flag times tp and the padded rows enter the
+softmax. A layout whose log reports another padded size fails.
+
 Flags after `--` replace the default model and data (a small GPT with biases on mock
 data, bf16 on CUDA); the tool adds the layout, --train-iters, --log-interval 1 and the
 checkpoint flags. Each rank's output goes to --out-dir/<run>/rank<r>.log (by default a
@@ -43,6 +48,7 @@ temporary directory, removed when every layout passed).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import shutil
@@ -73,6 +79,7 @@ OPTIONS = {"nosp": [], "overlap": ["--overlap-grad-reduce"],
 LINE = re.compile(r"^ iteration\s+(\d+)/\s*\d+ \|(.*)$", re.M)
 LOSS = re.compile(r" lm loss: ([0-9.E+-]+) \|")
 GNORM = re.compile(r" grad norm: ([0-9.E+-]+) \|")
+PADDED_VOCAB = re.compile(r"padded vocab \(size: \d+\) with \d+ dummy tokens \(new size: (\d+)\)")
 GRAD_NORM_UNIT = 1e-3  # the log line prints the grad norm with three decimals
 WINDOW = 10  # iterations per grad-norm mean compared
 
@@ -124,10 +131,23 @@ def flag_value(flags: List[str], name: str) -> Optional[str]:
     return value
 
 
-def layout_flags(lay: Layout, model: List[str]) -> List[str]:
-    """pretrain_gpt.py flags that set up `lay` for the model flags `model`."""
+def vocab_multiple(layouts: List[Layout], model: List[str]) -> int:
+    """What every layout's padded vocabulary must be a multiple of to have the same size:
+    --make-vocab-size-divisible-by (Megatron's 128 by default) times the least common
+    multiple of the layouts' tp sizes. Megatron pads to that flag times tp, and the padded
+    rows take part in the softmax, so runs padded differently train different models."""
+    base = int(flag_value(model, "--make-vocab-size-divisible-by") or 128)
+    return base * math.lcm(*(lay.tp for lay in layouts))
+
+
+def layout_flags(lay: Layout, model: List[str], multiple: Optional[int] = None) -> List[str]:
+    """pretrain_gpt.py flags that set up `lay` for the model flags `model`; with
+    `multiple` (see vocab_multiple), the vocabulary padding that gives every layout the
+    same padded size."""
     flags = ["--tensor-model-parallel-size", str(lay.tp),
              "--pipeline-model-parallel-size", str(lay.pp)]
+    if multiple is not None:
+        flags += ["--make-vocab-size-divisible-by", str(multiple // lay.tp)]
     if lay.tp > 1 and "nosp" not in lay.options:
         flags.append("--sequence-parallel")
     if lay.vp > 1:
@@ -278,12 +298,13 @@ def default_tolerance(model: List[str]) -> Tuple[float, float]:
 
 
 def seed_checkpoint(model: List[str], start: int, total: int, out_dir: str, timeout_s: float,
-                    base_env: Dict[str, str]) -> str:
+                    base_env: Dict[str, str], multiple: int) -> str:
     """Train `start` of `total` iterations on one process and save; the checkpoint dir."""
     ckpt = os.path.join(out_dir, "seed-checkpoint")
     shutil.rmtree(ckpt, ignore_errors=True)
     # The layouts' --train-iters (the learning-rate schedule depends on it), stopped early.
-    argv = model + ["--train-iters", str(total), "--exit-interval", str(start),
+    argv = model + ["--make-vocab-size-divisible-by", str(multiple),
+                    "--train-iters", str(total), "--exit-interval", str(start),
                     "--log-interval", "1", "--save", ckpt, "--save-interval", str(start)]
     rc, _, log = launch(argv, 1, True, os.path.join(out_dir, "seed"), timeout_s, base_env)
     if rc != 0 or not os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt")):
@@ -299,9 +320,9 @@ HEADER = (f"{'layout':<28}{'ranks':>6}{'loss max':>10}{'loss mean':>11}{'gnorm m
 def run_layout(lay: Layout, n: int, model: List[str], a, ckpt: str,
                base_env: Dict[str, str]) -> dict:
     """One layout from the seed checkpoint for a.iters iterations."""
-    row = {"layout": lay, "curve": {}, "error": None, "seconds": 0.0}
+    row = {"layout": lay, "curve": {}, "error": None, "seconds": 0.0, "padded_vocab": None}
     try:
-        flags = layout_flags(lay, model)
+        flags = layout_flags(lay, model, a.vocab_multiple)
     except ValueError as e:
         row["error"] = str(e)
         return row
@@ -312,6 +333,8 @@ def run_layout(lay: Layout, n: int, model: List[str], a, ckpt: str,
     rc, log, failed_log = launch(argv, lay.ranks, a.one_gpu, log_dir, a.timeout, base_env)
     row["seconds"] = time.time() - t0
     row["curve"] = curves(log)
+    padded = PADDED_VOCAB.search(log)
+    row["padded_vocab"] = int(padded.group(1)) if padded else None
     if rc != 0:
         row["error"] = f"{describe_exit(rc, a.timeout)}, output in {log_dir}"
         print(f"layout_parity: {lay.name} failed ({describe_exit(rc, a.timeout)}); the failed "
@@ -332,6 +355,9 @@ def row_line(row: dict, ref: dict, iterations: List[int],
         result = f"FAIL: no log line for iterations {missing[:5]}" if missing else "reference"
     elif ref["error"] or len(ref["curve"]) < len(iterations):
         result = "not compared: the reference failed"
+    elif row["padded_vocab"] != ref["padded_vocab"]:
+        result = (f"FAIL: padded vocabulary {row['padded_vocab']} against "
+                  f"{ref['padded_vocab']} in the reference")
     else:
         cmp = compare(ref["curve"], curve, iterations, WINDOW)
         result = verdict(cmp, tolerance)
@@ -402,8 +428,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     a.out_dir = a.out_dir or tempfile.mkdtemp(prefix="layout_parity_")
     base_env = {"NCCL_NVLS_ENABLE": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    a.vocab_multiple = vocab_multiple(layouts, model)
     ckpt = seed_checkpoint(model, a.start_iters, a.start_iters + a.iters, a.out_dir, a.timeout,
-                           base_env)
+                           base_env, a.vocab_multiple)
     status = run_all(layouts, model, a, ckpt, base_env, tolerance)
     if status == 0 and not keep:
         shutil.rmtree(a.out_dir, ignore_errors=True)
