@@ -6,7 +6,8 @@ small on the CPU).
     python benchmarks/baseline_gpt.py --preset gpt-1.3b [--steps 12] [--warmup 3]
 
 What it is: fp32 weights under bf16 autocast, the whole model under torch.compile,
-torch's scaled_dot_product_attention (causal), the erf GeLU, no biases, tied input and
+torch's scaled_dot_product_attention (causal), the erf GeLU (`--gelu tanh`: GPT-2's tanh
+form), no biases, tied input and
 output embeddings, torch's fused AdamW (learning rate 6e-4 after a linear warm-up over
 --lr-warmup steps), gradient clipping at 1.0, one micro-batch per step (or
 --micro-batches N, gradient accumulation), the same fixed batch of random tokens. It
@@ -38,9 +39,10 @@ PEAK_TFLOPS = 989.0  # H200 bf16 dense
 
 
 class Layer(nn.Module):
-    def __init__(self, hidden: int, heads: int):
+    def __init__(self, hidden: int, heads: int, gelu: str = "erf"):
         super().__init__()
         self.heads = heads
+        self.approximate = "tanh" if gelu == "tanh" else "none"
         self.norm1 = nn.LayerNorm(hidden, bias=False)
         self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
         self.out = nn.Linear(hidden, hidden, bias=False)
@@ -54,15 +56,16 @@ class Layer(nn.Module):
                    for t in self.qkv(self.norm1(x)).split(h, dim=2))
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.out(att.transpose(1, 2).reshape(b, s, h))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
+        return x + self.down(F.gelu(self.up(self.norm2(x)), approximate=self.approximate))
 
 
 class Model(nn.Module):
-    def __init__(self, layers: int, hidden: int, heads: int, seq: int, vocab: int):
+    def __init__(self, layers: int, hidden: int, heads: int, seq: int, vocab: int,
+                 gelu: str = "erf"):
         super().__init__()
         self.tokens = nn.Embedding(vocab, hidden)
         self.positions = nn.Embedding(seq, hidden)
-        self.layers = nn.ModuleList(Layer(hidden, heads) for _ in range(layers))
+        self.layers = nn.ModuleList(Layer(hidden, heads, gelu) for _ in range(layers))
         self.norm = nn.LayerNorm(hidden, bias=False)
         for name, p in self.named_parameters():
             if p.dim() == 2:  # residual outputs scaled down with depth, the rest 0.02
@@ -114,11 +117,12 @@ def print_profile(step, steps: int, cuda: bool) -> None:
 
 
 def run(preset: str, steps: int, warmup: int, device: str, compile_model: bool,
-        lr_warmup: int = 100, micro_batches: int = 1, profile_steps: int = 0) -> dict:
+        lr_warmup: int = 100, micro_batches: int = 1, profile_steps: int = 0,
+        gelu: str = "erf") -> dict:
     t_launch = time.perf_counter()
     layers, hidden, heads, seq, mb, vocab = PRESETS[preset]
     torch.manual_seed(0)
-    model = Model(layers, hidden, heads, seq, vocab).to(device)
+    model = Model(layers, hidden, heads, seq, vocab, gelu).to(device)
     decay = [p for p in model.parameters() if p.dim() == 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -175,7 +179,7 @@ def run(preset: str, steps: int, warmup: int, device: str, compile_model: bool,
             "mfu": round(tflops / PEAK_TFLOPS, 4),
             "peak_mem_gb": peak_gb,
             "time_to_first_step_s": round(first, 1) if first is not None else None,
-            "loss": round(loss.item() * micro_batches, 4), "compile": compile_model}
+            "loss": round(loss.item() * micro_batches, 4), "compile": compile_model, "gelu": gelu}
 
 
 def main() -> None:
@@ -188,6 +192,9 @@ def main() -> None:
     ap.add_argument("--lr-warmup", type=int, default=100)
     ap.add_argument("--micro-batches", type=int, default=1,
                     help="micro-batches per optimizer step (gradient accumulation)")
+    ap.add_argument("--gelu", default="erf", choices=["erf", "tanh"],
+                    help="the MLP's GeLU: erf (torch's default) or tanh (GPT-2's form, what "
+                         "pretrain_gpt.py --openai-gelu computes)")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after timing, profile this many steps and print the kernel time "
                          "per step by category (stderr)")
@@ -205,7 +212,7 @@ def main() -> None:
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device here: use --device cpu --preset tiny")
     print(json.dumps(run(a.preset, a.steps, a.warmup, a.device, not a.no_compile,
-                         a.lr_warmup, a.micro_batches, a.profile_steps)), flush=True)
+                         a.lr_warmup, a.micro_batches, a.profile_steps, a.gelu)), flush=True)
 
 
 if __name__ == "__main__":

@@ -57,3 +57,34 @@ def test_profile_steps_prints_the_operator_table_and_rejects_negative_counts():
     bad = subprocess.run(base + ["--profile-steps", "-1"], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and "--profile-steps -1" in bad.stderr
+
+
+def test_gelu_tanh_reaches_the_model():
+    """--gelu tanh swaps the MLP's activation for GPT-2's tanh form: a slightly different
+    model (losses differ in fp32) that trains the same way (they stay close)."""
+    erf, tanh = _tiny("--steps", "3"), _tiny("--steps", "3", "--gelu", "tanh")
+    assert (erf["gelu"], tanh["gelu"]) == ("erf", "tanh")
+    assert erf["loss"] != tanh["loss"]
+    assert math.isclose(erf["loss"], tanh["loss"], rel_tol=1e-2), (erf, tanh)
+
+
+def test_baseline_pairs_alternates_both_trainers_and_prints_ratios(tmp_path):
+    """benchmarks/baseline_pairs.py on the CPU: one round of erf and tanh pairs, each a
+    baseline run and a tools/benchmark.py run, the tanh pair with --openai-gelu."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "baseline_pairs.py"),
+                           "--preset", "tiny", "--device", "cpu", "--rounds", "1",
+                           "--steps", "2", "--warmup", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()
+            if line.startswith("| 1 |")]
+    assert [r[1].strip() for r in rows] == ["erf", "tanh"]
+    for r in rows:
+        base, ours, ratio = (float(c.replace(",", "")) for c in r[2:5])
+        assert math.isclose(ratio, ours / base, rel_tol=2e-3), r
+    log = (tmp_path / "pairs.log").read_text()
+    assert log.count("baseline_gpt.py") == 2 and log.count("benchmark.py --preset") == 2
+    assert "--gelu tanh" in log and "-- --openai-gelu" in log
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "baseline_pairs.py"),
+                          "--gelu", "relu"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--gelu 'relu'" in bad.stderr
