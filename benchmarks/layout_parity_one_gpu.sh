@@ -28,7 +28,7 @@ for p in "${parts[@]}"; do
     # Each part fits one 600 s device call (times from the 2026-12-04 runs in RESULTS.md).
     case $p in
         A) part A 560 tp1,tp2,tp4,tp2+nosp "$A" ;;                        # ~3 min
-        T8) part T8 560 tp1,tp8 "$A" ;;                                   # ~7.5 min
+        T8) part T8 560 tp1,tp8 "$A" ;;                                   # ~4.5 min
         B) part B 560 tp1,pp2,pp4,pp2vp2,pp4vp2 "$B" ;;                   # ~5 min
         C) part C 560 tp1,tp1+eager,dp2+overlap,dp2+distopt,dp8+overlap+distopt "$B" ;;  # ~3.5 min
         D) part D 560 tp1,tp2pp2dp2+overlap+distopt "$B" ;;               # ~4.5 min
