@@ -7,8 +7,8 @@ small on the CPU).
 
 What it is: fp32 weights under bf16 autocast, the whole model under torch.compile,
 torch's scaled_dot_product_attention (causal), the erf GeLU (`--gelu tanh`: GPT-2's tanh
-form), no biases, tied input and output embeddings, torch's fused AdamW (learning rate 6e-4 after a linear warm-up over
---lr-warmup steps), gradient clipping at 1.0, one micro-batch per step (or
+form), no biases, tied input and output embeddings, torch's fused AdamW (learning rate
+6e-4 after a linear warm-up over --lr-warmup steps), gradient clipping at 1.0, one micro-batch per step (or
 --micro-batches N, gradient accumulation), the same fixed batch of random tokens. It
 prints one JSON line with the fields tools/benchmark.py uses for the same quantities
 (tokens/s, TFLOP/s, MFU with the same FLOP count and peak, step ms, peak GB, time to the
