@@ -61,25 +61,24 @@ class IntervalExtras(NamedTuple):
     """The log line's values beyond the per-step records (None when not asked for)."""
 
     num_zeros: Dict[int, torch.Tensor]  # iteration -> zero count (--log-num-zeros-in-grad)
-    params_norm: Optional[float]  # --log-params-norm, after the last step
     timers: Optional[Dict[str, float]]  # --log-timers-to-tensorboard: max s per iteration
     memory: Optional[dict]  # --log-memory-to-tensorboard: torch.cuda.memory_stats()
 
 
 def interval_extras(tr, iterations: int) -> IntervalExtras:
     """Collect (and clear) what the next log line needs. Collective when asked for, so
-    every rank calls it at the same iterations: the parameter norm is an all-reduce over
-    the optimizer's group, the timer maxima an all-gather over the world."""
+    every rank calls it at the same iterations: the timer maxima are an all-gather over
+    the world. (The parameter norm is taken after each step that reports it:
+    megatron/interval_log.py.)"""
     lg, log = tr.config.logging, step_log(tr)
     num_zeros, log.num_zeros = log.num_zeros, {}
-    params_norm = float(tr.optimizer.get_params_norm()) if lg.log_params_norm else None
     timers = None
     if lg.log_timers_to_tensorboard and lg.timing_log_level > 0:
         timers = log.timers.max_times(TIMER_NAMES, normalizer=iterations)
     memory = None
     if lg.log_memory_to_tensorboard and tr.rt.device.type == "cuda":
         memory = torch.cuda.memory_stats(tr.rt.device)
-    return IntervalExtras(num_zeros, params_norm, timers, memory)
+    return IntervalExtras(num_zeros, timers, memory)
 
 
 def log_timers(tr, iterations: int) -> None:

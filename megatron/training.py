@@ -1,18 +1,19 @@
 """pretrain(): build everything, then the loop -- train_step, logging, eval, checkpoints, exit.
 
+The iteration line and TensorBoard scalars are megatron/interval_log.py's.
+
 `train_step` reads top to bottom: micro-batches -> forward/backward -> finish the
 data-parallel gradient reduction -> optimizer step (may skip) -> lr step.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,10 +26,14 @@ from megatron.core.optimizer import OptimizerParamScheduler, build_optimizer
 from megatron.core.pipeline_parallel import ModelChunks
 from megatron.data_loading import build_datasets, build_tokenizer_for, make_iterator
 from megatron.initialize import Runtime
+from megatron.interval_log import (  # noqa: F401 (progress_line re-exported)
+    IntervalStats,
+    log_interval,
+    progress_line,
+    to_float,
+)
 from megatron.logging_utils import (
     TensorboardLogger,
-    flops_per_token,
-    format_iteration_line,
     format_validation_block,
     print_rank_0,
     print_rank_last,
@@ -183,124 +188,6 @@ def run_evaluation(tr: Trainer, data, prefix: str) -> None:
         tr.tb.log_validation(tr.state.iteration, tr.state.consumed_train_samples, {"lm loss": loss})
 
 
-# --------------------------------------------------------------------------- logging
-class IntervalStats:
-    """Losses and times since the last console line. Per-iteration values stay on the
-    device until the log interval, so the step itself never waits for the host."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.records: List[tuple] = []  # (iteration, consumed, lr, loss, scale, norm, ok, counted, local)
-        self.start = time.time()
-
-    def add(self, tr: Trainer, loss, ok, grad_norm, counted: bool = False) -> None:
-        """Record one iteration; `counted`: a NaN already counted by the NaN policy."""
-        scale = tr.optimizer.get_loss_scale()
-        if getattr(tr.optimizer, "grad_scaler", None) is not None:
-            scale = scale.clone()  # the scaler updates its tensor in place
-        lr = tr.scheduler.get_lr()
-        if torch.is_tensor(ok):  # decided on the device: the lr after it if it skipped too
-            lr = (lr, tr.scheduler.get_lr(tr.scheduler.num_steps
-                                          - tr.config.data.global_batch_size))
-        self.records.append((tr.state.iteration, tr.state.consumed_train_samples,
-                             lr, loss, scale, grad_norm, ok, counted, tr.last_local_loss))
-
-    def read_flags(self, st: TrainState) -> None:
-        """Read the update flags that fp16 replays left on the device (after a sync: no
-        wait), count their skips, and pick each one's lr; a skipped step shows no norm."""
-        resolved = []
-        for it, consumed, lr, loss, scale, norm, ok, counted, local in self.records:
-            if torch.is_tensor(ok):
-                ok = bool(ok)
-                st.skipped_iters += 0 if ok else 1
-                lr = lr[0] if ok else lr[1]
-            resolved.append((it, consumed, lr, loss, scale, norm if ok else None, ok,
-                             counted, local))
-        self.records = resolved
-
-
-def _to_float(x) -> Optional[float]:
-    if x is None:
-        return None
-    return float(x.item()) if torch.is_tensor(x) else float(x)
-
-
-def log_interval(tr: Trainer, stats: IntervalStats) -> None:
-    """Print Megatron's iteration line (and timer block), write tensorboard scalars, count
-    NaN iterations. Collective with --log-params-norm or timers: every rank calls it."""
-    from megatron.train_step import interval_extras, log_timers
-
-    cfg, st = tr.config, tr.state
-    if tr.rt.device.type == "cuda":
-        # Collectives are asynchronous on NCCL: a hang shows up here.
-        with tr.watchdog.watch("step synchronisation at the log interval") if tr.watchdog else contextlib.nullcontext():
-            torch.cuda.synchronize()
-    elapsed = time.time() - stats.start
-    stats.read_flags(st)
-    step_graph.settle(tr)
-    n = max(len(stats.records), 1)
-    extras = interval_extras(tr, n)
-    last_it = stats.records[-1][0]
-    good_losses = []
-    # The line counts skipped and NaN iterations of this interval, as Megatron's does (its
-    # counters restart at every print); TrainState keeps the run's totals.
-    interval_skipped = interval_nans = 0
-    for it, consumed, lr, loss, scale, norm, ok, counted, _ in stats.records:
-        loss_f, norm_f = _to_float(loss), _to_float(norm)
-        interval_skipped += 0 if ok else 1
-        if not math.isfinite(loss_f):
-            st.nan_iters += 0 if counted else 1
-            interval_nans += 1
-        elif ok:
-            good_losses.append(loss_f)
-        if tr.tb is not None and it % cfg.logging.tensorboard_log_interval == 0:
-            last = it == last_it  # the norm, memory and timers are of the interval's end
-            tr.tb.log_training(it, consumed, lr, cfg.data.global_batch_size, {"lm loss": loss_f},
-                               _to_float(scale), norm_f, _to_float(extras.num_zeros.get(it)),
-                               extras.params_norm if last else None, tr.rt.ps.world_size,
-                               extras.memory if last else None, extras.timers if last else None)
-    it, consumed, lr, _, scale, norm, _, _, _ = stats.records[-1]
-    tokens_per_gpu = cfg.data.global_batch_size * cfg.data.seq_length * n / elapsed / tr.rt.ps.world_size
-    m = cfg.model
-    tflops = tokens_per_gpu * flops_per_token(m.num_layers, m.hidden_size, cfg.data.seq_length,
-                                              m.padded_vocab_size) / 1e12
-    line = format_iteration_line(
-        it, cfg.training.train_iters, consumed, elapsed * 1000.0 / n, lr,
-        cfg.data.global_batch_size,
-        {"lm loss": sum(good_losses) / len(good_losses)} if good_losses else {},
-        _to_float(scale), _to_float(norm), _to_float(extras.num_zeros.get(it)),
-        extras.params_norm, interval_skipped, interval_nans, tokens_per_gpu, tflops,
-    )
-    print_rank_last(line)
-    print_rank_last(progress_line(it, cfg.training.train_iters, time.time() - tr.start_time,
-                                  tr.start_iteration))
-    log_timers(tr, n)
-    if tr.tb is not None:
-        extra = {"tokens-per-sec-per-gpu": tokens_per_gpu, "tflops-per-gpu": tflops,
-                 "mfu": tflops * 1e12 / PEAK_FLOPS}
-        if tr.rt.device.type == "cuda":
-            extra["mem-max-allocated-gb"] = torch.cuda.max_memory_allocated() / 2**30
-        tr.tb.log_scalars(it, consumed, extra)
-        tr.tb.log_iteration_time(it, elapsed / n)
-        tr.tb.flush()
-    stats.reset()
-
-
-PEAK_FLOPS = 989e12  # H100/H200 dense bf16, the MFU denominator
-
-
-def progress_line(iteration: int, train_iters: int, elapsed_s: float, start_iteration: int) -> str:
-    """' progress: 40.0% (120/300) | elapsed 0:01:02 | ETA 0:01:30 |' from this run's pace."""
-    done = iteration - start_iteration
-    left = max(train_iters - iteration, 0)
-    eta = elapsed_s / done * left if done > 0 else float("nan")
-    fmt = lambda sec: "?" if not math.isfinite(sec) else time.strftime("%H:%M:%S", time.gmtime(sec))
-    return (f" progress: {100.0 * iteration / max(train_iters, 1):.1f}% ({iteration}/{train_iters}) "
-            f"| elapsed {fmt(elapsed_s)} | ETA {fmt(eta)} |")
-
-
 # --------------------------------------------------------------------------- the loop
 def _should_exit(tr: Trainer, start_time: float) -> Optional[str]:
     """Exit reason shared by all ranks (signals, duration, interval), or None."""
@@ -333,9 +220,9 @@ def _report_nan(tr: Trainer, iteration: int, local: Optional[torch.Tensor]) -> s
 def _check_pending_nan(tr: Trainer, stats: IntervalStats) -> None:
     """Policy 'stop': losses are checked at log intervals and before saves (no per-step
     host sync); a non-finite one stops the run naming its iteration."""
-    for it, _, _, loss, _, _, _, _, local in stats.records:
-        if not math.isfinite(_to_float(loss)):
-            msg = _report_nan(tr, it, local)
+    for r in stats.records:
+        if not math.isfinite(to_float(r.loss)):
+            msg = _report_nan(tr, r.iteration, r.local_loss)
             log_interval(tr, stats)
             raise SystemExit(f"error: {msg}; stopping (--nan-loss-policy stop). Resume from "
                              f"the last checkpoint, or use --nan-loss-policy skip|rollback")
@@ -373,7 +260,7 @@ def _after_step(tr: Trainer, stats: IntervalStats, loss, ok: bool, grad_norm) ->
     if not torch.is_tensor(ok):  # a tensor (fp16 replay): counted at the log line
         st.skipped_iters += 0 if ok else 1
     policy = cfg.training.nan_loss_policy
-    if policy != "stop" and not ok and not math.isfinite(_to_float(loss)):
+    if policy != "stop" and not ok and not math.isfinite(to_float(loss)):
         st.nan_iters += 1
         msg = _report_nan(tr, st.iteration, tr.last_local_loss)
         print_rank_0(f" > {msg}: optimizer step skipped (--nan-loss-policy {policy})")
@@ -410,6 +297,16 @@ def _save(tr: Trainer, stats: IntervalStats) -> None:
     trainer_checkpoint.save_trainer_checkpoint(tr)
 
 
+def _close_interval(tr: Trainer, stats: IntervalStats) -> None:
+    """The loop stops: NaN check (policy stop), then the pending records go to
+    TensorBoard without an iteration line (Megatron prints one only every
+    --log-interval iterations)."""
+    if tr.config.training.nan_loss_policy == "stop":
+        _check_pending_nan(tr, stats)
+    if stats.records:
+        log_interval(tr, stats, print_line=False)
+
+
 def train(tr: Trainer, train_data, valid_data) -> None:
     cfg, st = tr.config, tr.state
     stats = IntervalStats()
@@ -430,8 +327,7 @@ def train(tr: Trainer, train_data, valid_data) -> None:
             saved_at = st.iteration
         reason = _should_exit(tr, start_time)
         if reason:
-            if stats.records:
-                log_interval(tr, stats)
+            _close_interval(tr, stats)
             if cfg.checkpoint.save and saved_at != st.iteration:
                 _save(tr, stats)
             elif not cfg.checkpoint.save and tr.signals is not None:
@@ -439,8 +335,7 @@ def train(tr: Trainer, train_data, valid_data) -> None:
             trainer_checkpoint.wait_for_async_save(tr)
             print_rank_0(f"{reason} datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
             return
-    if stats.records:
-        log_interval(tr, stats)
+    _close_interval(tr, stats)
     step_graph.settle(tr)
     if cfg.checkpoint.save and st.iteration > 0 and saved_at != st.iteration:
         _save(tr, stats)

@@ -37,6 +37,7 @@ DATA = "megatron/data_loading.py"
 LOGS = "megatron/logging_utils.py"
 STEP = "megatron/train_step.py"
 TRAIN = "megatron/training.py"
+INTERVAL_LOG = "megatron/interval_log.py"
 CKPT = "megatron/trainer_checkpoint.py"
 TOK = "megatron/tokenizer/tokenizer.py"
 PROF = "megatron/profiling.py"
@@ -185,12 +186,12 @@ IMPLEMENTED_BY = {
     "--reset-attention-mask": (DATA, "reset_attention_mask"),
     "--eod-mask-loss": (DATA, "eod_mask_loss"),
     # logging
-    "--log-params-norm": (STEP, "log_params_norm"),
+    "--log-params-norm": (INTERVAL_LOG, "log_params_norm"),
     "--log-num-zeros-in-grad": (OPTIM, "log_num_zeros_in_grad"),
     "--timing-log-level": (STEP, "timing_log_level"),
     "--no-barrier-with-level-1-timing": (STEP, "barrier_with_L1_time"),
     "--timing-log-option": (STEP, "timing_log_option"),
-    "--tensorboard-log-interval": (TRAIN, "tensorboard_log_interval"),
+    "--tensorboard-log-interval": (INTERVAL_LOG, "tensorboard_log_interval"),
     "--tensorboard-queue-size": (LOGS, "tensorboard_queue_size"),
     "--log-timers-to-tensorboard": (STEP, "log_timers_to_tensorboard"),
     "--log-batch-size-to-tensorboard": (LOGS, "log_batch_size_to_tensorboard"),
@@ -308,7 +309,7 @@ def test_logging_flags_from_the_cli(tmp_path, capsys):
     scalars = read_scalars(str(tb))
     assert [s for s, _ in scalars["batch-size"]] == [2, 4, 6]  # every 2nd iteration
     assert [s for s, _ in scalars["num-zeros"]] == [2, 4, 6]
-    assert [s for s, _ in scalars["params-norm"]] == [6]  # at the log iterations only
+    assert [s for s, _ in scalars["params-norm"]] == [2, 4, 6]  # as every other scalar
     assert scalars["world-size"][0][1] == 1.0 and "learning-rate" not in scalars
     assert {"forward-backward-time", "optimizer-time", "iteration-time"} <= set(scalars)
 

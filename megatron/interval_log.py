@@ -1,0 +1,188 @@
+"""The training loop's iteration line and TensorBoard scalars (Megatron's `training_log`).
+
+Each step's values -- loss, loss scale, grad norm, update flag, and with --log-params-norm
+the norm of the parameters at the iterations that report it -- stay on the device as a
+`StepRecord` until the next --log-interval iteration, so a step never waits for the host.
+There the records are read: each --tensorboard-log-interval iteration among them is
+written to TensorBoard with its own values, and the line is printed with the loss averaged
+over the interval's updated iterations. When the loop stops off the log interval (the
+last iteration, an exit condition) the records still go to TensorBoard and the averages
+are dropped without a line: Megatron prints one only every --log-interval iterations.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import List, NamedTuple, Optional, Tuple
+
+import torch
+
+from megatron import step_graph
+from megatron.logging_utils import flops_per_token, format_iteration_line, print_rank_last
+from megatron.train_step import interval_extras, log_timers
+
+PEAK_FLOPS = 989e12  # H100/H200 dense bf16, the MFU denominator
+
+
+class StepRecord(NamedTuple):
+    """One iteration's values, kept (on the device) until the next log line."""
+
+    iteration: int
+    consumed: int
+    lr: object  # a float; (if updated, if skipped) while `ok` is a device tensor
+    loss: torch.Tensor
+    scale: object
+    grad_norm: Optional[torch.Tensor]
+    ok: object  # bool, or a 0-dim bool tensor decided on the device (an fp16 replay)
+    counted: bool  # a NaN already counted by the NaN policy
+    local_loss: Optional[torch.Tensor]  # this rank's own loss, to name a NaN's origin
+    params_norm: Optional[torch.Tensor]  # --log-params-norm, where a log reports it
+
+
+def params_norm_due(logging_config, iteration: int) -> bool:
+    """Whether --log-params-norm needs the norm after `iteration`: at the iteration line
+    (--log-interval) and at the TensorBoard interval when a writer is configured. The
+    same answer on every rank (the norm is a collective); a full pass over the
+    parameters, so not taken at iterations that report nothing."""
+    lg = logging_config
+    if not lg.log_params_norm:
+        return False
+    return (iteration % lg.log_interval == 0
+            or (lg.tensorboard_dir is not None and iteration % lg.tensorboard_log_interval == 0))
+
+
+def to_float(x) -> Optional[float]:
+    if x is None:
+        return None
+    return float(x.item()) if torch.is_tensor(x) else float(x)
+
+
+class IntervalStats:
+    """The records and the wall time since the last console line."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.records: List[StepRecord] = []
+        self.start = time.time()
+
+    def add(self, tr, loss, ok, grad_norm, counted: bool = False) -> None:
+        """Record the iteration just counted in `tr.state`; `counted`: a NaN the NaN policy
+        counted already. With --log-params-norm, where due, the norm of the parameters
+        after the step (collective over the optimizer's group; no host sync)."""
+        scale = tr.optimizer.get_loss_scale()
+        if getattr(tr.optimizer, "grad_scaler", None) is not None:
+            scale = scale.clone()  # the scaler updates its tensor in place
+        lr = tr.scheduler.get_lr()
+        if torch.is_tensor(ok):  # decided on the device: the lr after it if it skipped too
+            lr = (lr, tr.scheduler.get_lr(tr.scheduler.num_steps
+                                          - tr.config.data.global_batch_size))
+        st = tr.state
+        norm = (tr.optimizer.get_params_norm()
+                if params_norm_due(tr.config.logging, st.iteration) else None)
+        self.records.append(StepRecord(st.iteration, st.consumed_train_samples, lr, loss,
+                                       scale, grad_norm, ok, counted, tr.last_local_loss,
+                                       norm))
+
+    def read_flags(self, st) -> None:
+        """Read the update flags that fp16 replays left on the device (after a sync: no
+        wait), count their skips, and pick each one's lr; a skipped step shows no norm."""
+        resolved = []
+        for r in self.records:
+            if torch.is_tensor(r.ok):
+                ok = bool(r.ok)
+                st.skipped_iters += 0 if ok else 1
+                r = r._replace(ok=ok, lr=r.lr[0] if ok else r.lr[1])
+            resolved.append(r if r.ok else r._replace(grad_norm=None))
+        self.records = resolved
+
+
+def _settle(tr, stats: IntervalStats) -> None:
+    """Wait for the interval's steps and make the host's counts exact."""
+    if tr.rt.device.type == "cuda":
+        # Collectives are asynchronous on NCCL: a hang shows up here.
+        wd = tr.watchdog
+        with wd.watch("step synchronisation at the log interval") if wd else contextlib.nullcontext():
+            torch.cuda.synchronize()
+    stats.read_flags(tr.state)
+    step_graph.settle(tr)
+
+
+def _write_records(tr, stats: IntervalStats, extras) -> Tuple[List[float], int, int]:
+    """Write each record at the TensorBoard interval and count the NaN iterations into
+    `tr.state`. Returns (losses of the updated iterations, skipped, NaN iterations)."""
+    cfg, st = tr.config, tr.state
+    last_it = stats.records[-1].iteration
+    good_losses = []
+    # The line counts skipped and NaN iterations of this interval, as Megatron's does (its
+    # counters restart at every print); TrainState keeps the run's totals.
+    skipped = nans = 0
+    for r in stats.records:
+        loss_f = to_float(r.loss)
+        skipped += 0 if r.ok else 1
+        if not math.isfinite(loss_f):
+            st.nan_iters += 0 if r.counted else 1
+            nans += 1
+        elif r.ok:
+            good_losses.append(loss_f)
+        if tr.tb is not None and r.iteration % cfg.logging.tensorboard_log_interval == 0:
+            last = r.iteration == last_it  # memory and timers are of the interval's end
+            tr.tb.log_training(r.iteration, r.consumed, r.lr, cfg.data.global_batch_size,
+                               {"lm loss": loss_f}, to_float(r.scale), to_float(r.grad_norm),
+                               to_float(extras.num_zeros.get(r.iteration)),
+                               to_float(r.params_norm), tr.rt.ps.world_size,
+                               extras.memory if last else None, extras.timers if last else None)
+    return good_losses, skipped, nans
+
+
+def log_interval(tr, stats: IntervalStats, print_line: bool = True) -> None:
+    """Write the records to TensorBoard, count NaN iterations and, with `print_line`,
+    print Megatron's iteration line and timer block. Collective with timers: every rank
+    calls it at the same iterations. Without `print_line` (the loop stopped off the log
+    interval) the loss average and the timer readings are dropped."""
+    cfg = tr.config
+    _settle(tr, stats)
+    elapsed = time.time() - stats.start
+    n = max(len(stats.records), 1)
+    extras = interval_extras(tr, n)
+    good_losses, skipped, nans = _write_records(tr, stats, extras)
+    if print_line:
+        r = stats.records[-1]
+        tokens_per_gpu = (cfg.data.global_batch_size * cfg.data.seq_length * n / elapsed
+                          / tr.rt.ps.world_size)
+        m = cfg.model
+        tflops = tokens_per_gpu * flops_per_token(m.num_layers, m.hidden_size,
+                                                  cfg.data.seq_length,
+                                                  m.padded_vocab_size) / 1e12
+        print_rank_last(format_iteration_line(
+            r.iteration, cfg.training.train_iters, r.consumed, elapsed * 1000.0 / n, r.lr,
+            cfg.data.global_batch_size,
+            {"lm loss": sum(good_losses) / len(good_losses)} if good_losses else {},
+            to_float(r.scale), to_float(r.grad_norm),
+            to_float(extras.num_zeros.get(r.iteration)), to_float(r.params_norm),
+            skipped, nans, tokens_per_gpu, tflops))
+        print_rank_last(progress_line(r.iteration, cfg.training.train_iters,
+                                      time.time() - tr.start_time, tr.start_iteration))
+        log_timers(tr, n)
+        if tr.tb is not None:
+            extra = {"tokens-per-sec-per-gpu": tokens_per_gpu, "tflops-per-gpu": tflops,
+                     "mfu": tflops * 1e12 / PEAK_FLOPS}
+            if tr.rt.device.type == "cuda":
+                extra["mem-max-allocated-gb"] = torch.cuda.max_memory_allocated() / 2**30
+            tr.tb.log_scalars(r.iteration, r.consumed, extra)
+            tr.tb.log_iteration_time(r.iteration, elapsed / n)
+    if tr.tb is not None:
+        tr.tb.flush()
+    stats.reset()
+
+
+def progress_line(iteration: int, train_iters: int, elapsed_s: float, start_iteration: int) -> str:
+    """' progress: 40.0% (120/300) | elapsed 0:01:02 | ETA 0:01:30 |' from this run's pace."""
+    done = iteration - start_iteration
+    left = max(train_iters - iteration, 0)
+    eta = elapsed_s / done * left if done > 0 else float("nan")
+    fmt = lambda sec: "?" if not math.isfinite(sec) else time.strftime("%H:%M:%S", time.gmtime(sec))
+    return (f" progress: {100.0 * iteration / max(train_iters, 1):.1f}% ({iteration}/{train_iters}) "
+            f"| elapsed {fmt(elapsed_s)} | ETA {fmt(eta)} |")
