@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     set_random_seed(config.training.seed, rt, config.training.data_parallel_random_init)
     print_rank_0(f"time to initialize megatron (seconds): {time.time() - start:.3f}")
     try:
-        pretrain(config, rt)
+        pretrain(config, rt, process_start_time=start)  # exits return here too: status 0
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -84,6 +84,8 @@ class Trainer:
     step_log: object = None  # megatron.train_step.StepLog, built at the first step
     # megatron.step_graph.StepGraph (False: graphs off), decided at the first step
     step_graph: object = None
+    process_start_time: Optional[float] = None  # --exit-duration-in-mins counts from it
+    exit_reason: Optional[str] = None  # the exit line when an exit condition ended the run
 
 
 # --------------------------------------------------------------------------- building
@@ -190,7 +192,10 @@ def run_evaluation(tr: Trainer, data, prefix: str) -> None:
 
 # --------------------------------------------------------------------------- the loop
 def _should_exit(tr: Trainer, start_time: float) -> Optional[str]:
-    """Exit reason shared by all ranks (signals, duration, interval), or None."""
+    """Megatron's exit line when an exit condition holds (the same on all ranks: the
+    checks are collectives over the control group), else None. In Megatron's order:
+    a signal received by any rank (--exit-signal-handler), --exit-duration-in-mins since
+    `start_time` (the process start) on the longest-running rank, --exit-interval."""
     t = tr.config.training
     it = tr.state.iteration
     if tr.signals is not None:
@@ -307,14 +312,33 @@ def _close_interval(tr: Trainer, stats: IntervalStats) -> None:
         log_interval(tr, stats, print_line=False)
 
 
-def train(tr: Trainer, train_data, valid_data) -> None:
+def _exit_program(tr: Trainer, stats: IntervalStats, reason: str, saved_at) -> None:
+    """An exit condition holds on every rank: save (with --save, unless this iteration
+    was just saved), finish an async save, and print Megatron's exit line."""
+    cfg, st = tr.config, tr.state
+    _close_interval(tr, stats)
+    if cfg.checkpoint.save and saved_at != st.iteration:
+        _save(tr, stats)
+    elif reason.startswith("[exiting program after receiving"):  # no --save
+        print_rank_0("WARNING: exiting without a checkpoint: --save is not set")
+    trainer_checkpoint.wait_for_async_save(tr)
+    if dist.is_initialized():
+        dist.barrier(group=tr.rt.control_group)
+    print_rank_0(f"{reason} datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
+
+
+def train(tr: Trainer, train_data, valid_data) -> Optional[str]:
+    """The training loop, from the trainer's iteration to --train-iters. Returns None when
+    it got there (a final checkpoint saved with --save), or Megatron's exit line when an
+    exit condition (--exit-signal-handler, --exit-duration-in-mins, --exit-interval)
+    stopped it: the caller then ends the program without the final evaluation."""
     cfg, st = tr.config, tr.state
     stats = IntervalStats()
-    start_time = time.time()
     tr.model.train()
     saved_at = None
     check_each_step = cfg.training.nan_loss_policy != "stop"
     tr.start_time, tr.start_iteration = time.time(), st.iteration
+    process_start = tr.process_start_time or tr.start_time
     profiler = StepProfiler.from_args(cfg.args, tr.rt.ps.rank, cfg.logging.tensorboard_dir)
     while st.iteration < cfg.training.train_iters:
         profiler.before_step(st.iteration + 1)
@@ -325,56 +349,80 @@ def train(tr: Trainer, train_data, valid_data) -> None:
             continue
         if _periodic(tr, stats, valid_data):
             saved_at = st.iteration
-        reason = _should_exit(tr, start_time)
+        reason = _should_exit(tr, process_start)
         if reason:
-            _close_interval(tr, stats)
-            if cfg.checkpoint.save and saved_at != st.iteration:
-                _save(tr, stats)
-            elif not cfg.checkpoint.save and tr.signals is not None:
-                print_rank_0("WARNING: exiting without a checkpoint: --save is not set")
-            trainer_checkpoint.wait_for_async_save(tr)
-            print_rank_0(f"{reason} datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
-            return
+            _exit_program(tr, stats, reason, saved_at)
+            return reason
     _close_interval(tr, stats)
     step_graph.settle(tr)
     if cfg.checkpoint.save and st.iteration > 0 and saved_at != st.iteration:
         _save(tr, stats)
     trainer_checkpoint.wait_for_async_save(tr)
+    return None
 
 
-def pretrain(config: Config, rt: Runtime) -> Trainer:
-    """Build model, optimizer and data; load; train; evaluate at the end."""
+def _datetime(event: str) -> None:
+    print_rank_0(f"[{event}] datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
+
+
+def _build_data(tr: Trainer):
+    """(train, valid) iterators; valid None without --eval-iters or data."""
+    config, rt = tr.config, tr.rt
+    vocab = config.data.vocab_size or config.model.padded_vocab_size
+    tokenizer = build_tokenizer_for(config)
+    tr.eod = None if tokenizer is None else tokenizer.eod
+    datasets = build_datasets(config, rt.ps.rank, vocab)
+    train_data = data_iterator(config, rt, "train", tr.state.consumed_train_samples, datasets)
+    valid_data = None
+    if config.training.eval_iters > 0:
+        valid_data = data_iterator(config, rt, "valid", tr.state.consumed_valid_samples,
+                                   datasets)
+    return train_data, valid_data
+
+
+def _setup(config: Config, rt: Runtime, process_start_time: Optional[float]) -> Trainer:
+    """Model, optimizer, scheduler, --load."""
     tr = build_trainer(config, rt)
+    tr.process_start_time = process_start_time
     tr.watchdog = build_watchdog(config.parallel.distributed_timeout_minutes * 60)
     if config.training.exit_signal_handler:
         tr.signals = SignalHandler()
+        if not config.checkpoint.save:
+            print_rank_0("WARNING: --exit-signal-handler without --save: on SIGTERM/SIGUSR1 "
+                         "the run will exit without saving a checkpoint")
     if config.checkpoint.load:
         trainer_checkpoint.load_trainer_checkpoint(tr)
-    print_rank_0(f"[after model, optimizer, and learning rate scheduler are built] datetime: "
-                 f"{time.strftime('%Y-%m-%d %H:%M:%S')} ")
+    _datetime("after model, optimizer, and learning rate scheduler are built")
+    return tr
+
+
+def pretrain(config: Config, rt: Runtime, process_start_time: Optional[float] = None
+             ) -> Trainer:
+    """Build model, optimizer and data; load; train; evaluate at the end. An exit
+    condition ends it after the loop's checkpoint, without the final evaluation
+    (`tr.exit_reason` says which). `process_start_time`: what --exit-duration-in-mins
+    counts from (default: the start of the loop)."""
+    tr = _setup(config, rt, process_start_time)
     if tr.tb is not None:
         tr.tb.log_args(config.args, tr.state.iteration)
         ps = rt.ps
         tr.tb.log_text("parallel layout", f"world {ps.world_size} = tensor {ps.tp_size} x "
                        f"pipeline {ps.pp_size} x data {ps.dp_size}; sequence parallel "
                        f"{config.model.sequence_parallel}; backend {rt.backend}", tr.state.iteration)
-    vocab = config.data.vocab_size or config.model.padded_vocab_size
-    tokenizer = build_tokenizer_for(config)
-    tr.eod = None if tokenizer is None else tokenizer.eod
-    datasets = build_datasets(config, rt.ps.rank, vocab)
-    print_rank_0(f"[after dataloaders are built] datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
-    train_data = data_iterator(config, rt, "train", tr.state.consumed_train_samples, datasets)
-    valid_data = None
-    if config.training.eval_iters > 0:
-        valid_data = data_iterator(config, rt, "valid", tr.state.consumed_valid_samples, datasets)
+    train_data, valid_data = _build_data(tr)
+    _datetime("after dataloaders are built")
     if not config.training.skip_train:
-        print_rank_0(f"[before the start of training step] datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
-        train(tr, train_data, valid_data)
-        print_rank_0(f"[after training is done] datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
-    if valid_data is not None and (config.training.skip_train or config.training.eval_interval):
+        _datetime("before the start of training step")
+        tr.exit_reason = train(tr, train_data, valid_data)
+        if tr.exit_reason is None:
+            _datetime("after training is done")
+    if valid_data is not None and tr.exit_reason is None and (
+            config.training.skip_train or config.training.eval_interval):
         draw = config.training.eval_iters * config.data.global_batch_size
         run_evaluation(tr, valid_data, f"iteration {tr.state.iteration} on {draw}-sample draw "
                                        f"from validation set")
+    if tr.signals is not None:
+        tr.signals.restore()
     if tr.tb is not None:
         tr.tb.close()
     tr.watchdog.close()

@@ -1,14 +1,21 @@
 """The training loop's Megatron behaviours, in one process through `pretrain()`:
 
+* an exit condition (--exit-interval, a signal with --exit-signal-handler,
+  --exit-duration-in-mins counted from the process start) saves, prints the exit line and
+  ends the program there: no "[after training is done]", no final evaluation;
 * iteration lines only every --log-interval (none for a last or exit iteration off it),
   while TensorBoard still gets every --tensorboard-log-interval iteration, params-norm too.
 """
 from __future__ import annotations
 
+import os
 import re
+import signal
+import time
 
 import megatron.training as training
 from megatron.arguments import parse_and_validate
+from megatron.checkpointing import read_tracker
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.initialize import initialize_distributed, set_random_seed
 from megatron.logging_utils import read_scalars
@@ -21,18 +28,78 @@ MOCK = (
 ).split()
 
 
-def _pretrain(argv, capsys):
+def _pretrain(argv, capsys, process_start_time=None):
     """(stdout, trainer) of one run of `pretrain()` as pretrain_gpt.py runs it."""
     cfg = parse_and_validate(MOCK + list(argv), world_size=1, env={"RANK": "0"},
                              cuda_available=False)
     rt = initialize_distributed(cfg.parallel, 0, 1, 0)
     set_random_seed(cfg.training.seed, rt)
-    tr = training.pretrain(cfg, rt)
+    kwargs = {} if process_start_time is None else {"process_start_time": process_start_time}
+    tr = training.pretrain(cfg, rt, **kwargs)
     return capsys.readouterr().out, tr
 
 
 def _logged_iterations(out: str) -> list:
     return [int(i) for i in re.findall(r"^ iteration\s+(\d+)/", out, re.M)]
+
+
+def _final_blocks(out: str) -> list:
+    return re.findall(r"validation loss at iteration (\d+) on (\d+)-sample draw from (\w+) set",
+                      out)
+
+
+# --------------------------------------------------------------------------- exits
+def test_exit_interval_saves_prints_and_ends_the_program(tmp_path, capsys):
+    ck = str(tmp_path / "ck")
+    out, tr = _pretrain(["--train-iters", "10", "--log-interval", "2", "--exit-interval", "3",
+                         "--save", ck, "--save-interval", "100"], capsys)
+    assert read_tracker(ck) == (3, False)
+    assert out.rstrip().splitlines()[-1].startswith("[exiting program at iteration 3] datetime: ")
+    assert tr.exit_reason == "[exiting program at iteration 3]"
+    assert "[after training is done]" not in out and not _final_blocks(out)
+    assert _logged_iterations(out) == [2]  # no line for the exit iteration 3
+
+
+def test_sigterm_ends_the_program_with_status_0(tmp_path, capsys, monkeypatch):
+    import pretrain_gpt
+
+    ck = str(tmp_path / "ck")
+    original = training.train_step
+
+    def step_then_sigterm(tr, data, **kwargs):
+        if tr.state.iteration == 3:  # arrives during iteration 4
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(tr, data, **kwargs)
+
+    monkeypatch.setattr(training, "train_step", step_then_sigterm)
+    before = signal.getsignal(signal.SIGTERM)
+    assert pretrain_gpt.main(MOCK + ["--train-iters", "100", "--log-interval", "3",
+                                     "--exit-signal-handler", "--save", ck, "--save-interval", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) == before, "the handler is removed again"
+    assert read_tracker(ck) == (4, False)
+    assert out.rstrip().splitlines()[-1].startswith(
+        "[exiting program after receiving SIGTERM.] datetime: ")
+    assert "[after training is done]" not in out and not _final_blocks(out)
+    assert _logged_iterations(out) == [3]
+    assert "without saving" not in out  # --save is set: no warning
+
+
+def test_exit_duration_counts_from_the_process_start(capsys):
+    out, tr = _pretrain(["--train-iters", "10", "--log-interval", "3",
+                         "--exit-duration-in-mins", "1"], capsys,
+                        process_start_time=time.time() - 61.0)
+    assert tr.state.iteration == 1, "the first check already finds more than a minute"
+    assert re.search(r"^\[exiting program after 1\.0\d* minutes\] datetime: ", out, re.M)
+    assert "[after training is done]" not in out and not _final_blocks(out)
+    assert _logged_iterations(out) == []  # iteration 1 is off --log-interval 3
+
+
+def test_signal_handler_without_save_warns_at_startup(capsys):
+    out, _ = _pretrain(["--train-iters", "1", "--exit-signal-handler", "--eval-iters", "0"],
+                       capsys)
+    warning = out.index("WARNING: --exit-signal-handler without --save")
+    assert warning < out.index("[before the start of training step]")
 
 
 # --------------------------------------------------------------------------- log lines
