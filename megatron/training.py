@@ -167,14 +167,16 @@ def data_iterator(config: Config, rt: Runtime, split: str, consumed: int,
 
 
 @torch.no_grad()
-def evaluate(tr: Trainer, data: Iterator[dict]) -> float:
-    """Mean validation loss over --eval-iters global batches (all ranks agree)."""
+def evaluate(tr: Trainer, data: Iterator[dict], count_valid_samples: bool = True) -> float:
+    """Mean loss over --eval-iters global batches (all ranks agree). `count_valid_samples`:
+    the batches are the validation set's (the test set's are not counted)."""
     cfg = tr.config
     tr.model.eval()
     total = torch.zeros((), device=tr.rt.device)
     for _ in range(cfg.training.eval_iters):
         total += forward_backward(tr, data, cfg.data.num_micro_batches, forward_only=True)
-        tr.state.consumed_valid_samples += cfg.data.global_batch_size
+        if count_valid_samples:
+            tr.state.consumed_valid_samples += cfg.data.global_batch_size
     tr.model.train()
     if tr.rt.ps.dp_group is not None:
         dist.all_reduce(total, group=tr.rt.ps.dp_group)
@@ -182,12 +184,29 @@ def evaluate(tr: Trainer, data: Iterator[dict]) -> float:
     return total.item() / max(cfg.training.eval_iters, 1)
 
 
-def run_evaluation(tr: Trainer, data, prefix: str) -> None:
-    loss = evaluate(tr, data)
+def run_evaluation(tr: Trainer, data, prefix: str, test_set: bool = False,
+                   write_tensorboard: bool = True) -> None:
+    """Evaluate and print Megatron's validation block. Its TensorBoard scalars are
+    `lm loss validation` for the test set too (Megatron writes every evaluation there)."""
+    loss = evaluate(tr, data, count_valid_samples=not test_set)
     block = format_validation_block(prefix, {"lm loss": loss})
     print_rank_last(block)
-    if tr.tb is not None:
+    if tr.tb is not None and write_tensorboard:
         tr.tb.log_validation(tr.state.iteration, tr.state.consumed_train_samples, {"lm loss": loss})
+
+
+def final_evaluation(tr: Trainer, valid_data, test_data) -> None:
+    """After the loop reached --train-iters (or with --skip-train, at the loaded
+    iteration): the validation set, then the test set, each an --eval-iters draw.
+    --skip-train writes no TensorBoard scalars."""
+    cfg = tr.config
+    draw = cfg.training.eval_iters * cfg.data.global_batch_size
+    write = not cfg.training.skip_train
+    for data, name in ((valid_data, "validation"), (test_data, "test")):
+        if data is not None:
+            run_evaluation(tr, data, f"iteration {tr.state.iteration} on {draw}-sample draw "
+                                     f"from {name} set", test_set=name == "test",
+                           write_tensorboard=write)
 
 
 # --------------------------------------------------------------------------- the loop
@@ -366,18 +385,20 @@ def _datetime(event: str) -> None:
 
 
 def _build_data(tr: Trainer):
-    """(train, valid) iterators; valid None without --eval-iters or data."""
+    """(train, valid, test) iterators; valid and test None without --eval-iters or data.
+    The test set is read from its start (as in Megatron)."""
     config, rt = tr.config, tr.rt
     vocab = config.data.vocab_size or config.model.padded_vocab_size
     tokenizer = build_tokenizer_for(config)
     tr.eod = None if tokenizer is None else tokenizer.eod
     datasets = build_datasets(config, rt.ps.rank, vocab)
     train_data = data_iterator(config, rt, "train", tr.state.consumed_train_samples, datasets)
-    valid_data = None
+    valid_data = test_data = None
     if config.training.eval_iters > 0:
         valid_data = data_iterator(config, rt, "valid", tr.state.consumed_valid_samples,
                                    datasets)
-    return train_data, valid_data
+        test_data = data_iterator(config, rt, "test", 0, datasets)
+    return train_data, valid_data, test_data
 
 
 def _setup(config: Config, rt: Runtime, process_start_time: Optional[float]) -> Trainer:
@@ -398,10 +419,10 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float]) -> 
 
 def pretrain(config: Config, rt: Runtime, process_start_time: Optional[float] = None
              ) -> Trainer:
-    """Build model, optimizer and data; load; train; evaluate at the end. An exit
-    condition ends it after the loop's checkpoint, without the final evaluation
-    (`tr.exit_reason` says which). `process_start_time`: what --exit-duration-in-mins
-    counts from (default: the start of the loop)."""
+    """Build model, optimizer and data; load; train; evaluate at the end (validation,
+    then test). An exit condition ends it after the loop's checkpoint, without the final
+    evaluation (`tr.exit_reason` says which). `process_start_time`: what
+    --exit-duration-in-mins counts from (default: the start of the loop)."""
     tr = _setup(config, rt, process_start_time)
     if tr.tb is not None:
         tr.tb.log_args(config.args, tr.state.iteration)
@@ -409,18 +430,17 @@ def pretrain(config: Config, rt: Runtime, process_start_time: Optional[float] = 
         tr.tb.log_text("parallel layout", f"world {ps.world_size} = tensor {ps.tp_size} x "
                        f"pipeline {ps.pp_size} x data {ps.dp_size}; sequence parallel "
                        f"{config.model.sequence_parallel}; backend {rt.backend}", tr.state.iteration)
-    train_data, valid_data = _build_data(tr)
+    train_data, valid_data, test_data = _build_data(tr)
     _datetime("after dataloaders are built")
     if not config.training.skip_train:
         _datetime("before the start of training step")
         tr.exit_reason = train(tr, train_data, valid_data)
         if tr.exit_reason is None:
             _datetime("after training is done")
-    if valid_data is not None and tr.exit_reason is None and (
-            config.training.skip_train or config.training.eval_interval):
-        draw = config.training.eval_iters * config.data.global_batch_size
-        run_evaluation(tr, valid_data, f"iteration {tr.state.iteration} on {draw}-sample draw "
-                                       f"from validation set")
+    else:
+        print_rank_0("skipping training (--skip-train is on) ...")
+    if tr.exit_reason is None and (config.training.skip_train or config.training.eval_interval):
+        final_evaluation(tr, valid_data, test_data)
     if tr.signals is not None:
         tr.signals.restore()
     if tr.tb is not None:

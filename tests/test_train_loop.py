@@ -4,7 +4,9 @@
   --exit-duration-in-mins counted from the process start) saves, prints the exit line and
   ends the program there: no "[after training is done]", no final evaluation;
 * iteration lines only every --log-interval (none for a last or exit iteration off it),
-  while TensorBoard still gets every --tensorboard-log-interval iteration, params-norm too.
+  while TensorBoard still gets every --tensorboard-log-interval iteration, params-norm too;
+* at the end the validation set, then the test set (also with --skip-train, then without
+  TensorBoard scalars).
 """
 from __future__ import annotations
 
@@ -13,24 +15,28 @@ import re
 import signal
 import time
 
+import pytest
+
 import megatron.training as training
 from megatron.arguments import parse_and_validate
 from megatron.checkpointing import read_tracker
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.initialize import initialize_distributed, set_random_seed
 from megatron.logging_utils import read_scalars
+from tests.test_gpt_dataset import make_corpus
 
-MOCK = (
+BASE = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
     "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 "
     "--tokenizer-type NullTokenizer --vocab-size 256 --eval-interval 5 --eval-iters 2 "
-    "--num-workers 0 --use-cpu-initialization --mock-data"
+    "--num-workers 0 --use-cpu-initialization"
 ).split()
+MOCK = BASE + ["--mock-data"]
 
 
-def _pretrain(argv, capsys, process_start_time=None):
+def _pretrain(argv, capsys, process_start_time=None, base=MOCK):
     """(stdout, trainer) of one run of `pretrain()` as pretrain_gpt.py runs it."""
-    cfg = parse_and_validate(MOCK + list(argv), world_size=1, env={"RANK": "0"},
+    cfg = parse_and_validate(base + list(argv), world_size=1, env={"RANK": "0"},
                              cuda_available=False)
     rt = initialize_distributed(cfg.parallel, 0, 1, 0)
     set_random_seed(cfg.training.seed, rt)
@@ -144,3 +150,34 @@ def test_params_norm_only_at_log_lines_without_tensorboard(capsys, monkeypatch):
     out, _ = _pretrain(["--train-iters", "10", "--log-interval", "3", "--eval-iters", "0",
                         "--log-params-norm"], capsys)
     assert len(calls) == 3 and out.count(" params norm: ") == 3
+
+
+# --------------------------------------------------------------------------- evaluation
+def test_validation_then_test_set_at_the_end(tmp_path, capsys):
+    tb = str(tmp_path / "tb")
+    out, tr = _pretrain(["--train-iters", "4", "--eval-interval", "2", "--log-interval", "2",
+                         "--tensorboard-dir", tb], capsys)
+    assert _final_blocks(out) == [("4", "8", "validation"), ("4", "8", "test")]
+    assert out.index("[after training is done]") < out.index("from validation set")
+    assert tr.state.consumed_valid_samples == 3 * 8, "the test draw is not counted"
+    # Megatron writes every evaluation, the test set's too, as `lm loss validation`
+    steps = [s for s, _ in read_scalars(tb)["lm loss validation"]]
+    assert steps == [2, 4, 4, 4]
+
+
+@pytest.mark.parametrize("split,blocks", [("80,10,10", ["validation", "test"]),
+                                          ("90,10,0", ["validation"])])
+def test_test_split_of_a_data_path(tmp_path, capsys, split, blocks):
+    prefix, _ = make_corpus(tmp_path / "corpus", [40] * 200, vocab=250)
+    out, _ = _pretrain(["--train-iters", "2", "--log-interval", "1", "--data-path", prefix,
+                        "--split", split, "--data-cache-path", str(tmp_path / "cache")],
+                       capsys, base=BASE)
+    assert [name for _, _, name in _final_blocks(out)] == blocks
+
+
+def test_skip_train_evaluates_both_sets_without_tensorboard(tmp_path, capsys):
+    tb = str(tmp_path / "tb")
+    out, _ = _pretrain(["--train-iters", "4", "--skip-train", "--tensorboard-dir", tb], capsys)
+    assert _final_blocks(out) == [("0", "8", "validation"), ("0", "8", "test")]
+    assert "skipping training (--skip-train is on) ..." in out
+    assert "lm loss validation" not in read_scalars(tb)
