@@ -29,10 +29,11 @@ from megatron.microbatches import update_micro_batches
 from megatron.step_graph import runner_for
 
 # Megatron's timers that this step runs, in the order of its timer block. Level 1:
-# forward-backward, the gradient reductions, optimizer; level 2: batch-generator.
-TIMER_NAMES = ("forward-backward", "batch-generator", "layernorm-grads-all-reduce",
-               "embedding-grads-all-reduce", "grads-all-reduce", "grads-reduce-scatter",
-               "optimizer")
+# forward-backward, the gradient reductions, optimizer; level 2: forward-compute and
+# backward-compute (per micro-batch, in the schedule executor), batch-generator.
+TIMER_NAMES = ("forward-backward", "forward-compute", "backward-compute", "batch-generator",
+               "layernorm-grads-all-reduce", "embedding-grads-all-reduce", "grads-all-reduce",
+               "grads-reduce-scatter", "optimizer")
 
 
 class StepLog:
@@ -160,7 +161,8 @@ def forward_backward(tr, data: Iterator[dict], num_micro: int,
     executor = ScheduleExecutor(
         chunks, _forward_step(chunks, feed),
         _p2p_communicator(tr), ps.pp_rank, ps.pp_size, num_micro,
-        scale_loss=tr.optimizer.scale_loss, forward_only=forward_only, device=tr.rt.device)
+        scale_loss=tr.optimizer.scale_loss, forward_only=forward_only, device=tr.rt.device,
+        timers=None if forward_only else step_log(tr).timers)  # evaluation is not timed
     result = executor.run(plan)
     if result.loss_sum is None:
         loss = torch.zeros((), dtype=torch.float32, device=tr.rt.device)

@@ -40,7 +40,12 @@ from megatron.logging_utils import (
 )
 from megatron.profiling import StepProfiler
 from megatron.signals import SignalHandler
-from megatron.train_step import forward_backward, train_step  # noqa: F401 (re-exported)
+from megatron.train_step import (  # noqa: F401 (forward_backward re-exported)
+    StepLog,
+    forward_backward,
+    step_log,
+    train_step,
+)
 from megatron.watchdog import build_watchdog
 
 
@@ -315,10 +320,19 @@ def _periodic(tr: Trainer, stats: IntervalStats, valid_data) -> bool:
     return False
 
 
-def _save(tr: Trainer, stats: IntervalStats) -> None:
+def _save(tr: Trainer, stats: IntervalStats, timed: bool = True) -> None:
+    """Save a checkpoint. `timed`: Megatron's level-0 `save-checkpoint` timer (barriers
+    around it) and its timer block, as for the saves inside the loop."""
     if tr.config.training.nan_loss_policy == "stop":
         _check_pending_nan(tr, stats)  # never checkpoint weights a NaN step produced
+    if not timed:
+        trainer_checkpoint.save_trainer_checkpoint(tr)
+        return
+    timers = step_log(tr).timers
+    timers("save-checkpoint", 0).start(barrier=True)
     trainer_checkpoint.save_trainer_checkpoint(tr)
+    timers("save-checkpoint").stop(barrier=True)
+    timers.log(["save-checkpoint"])
 
 
 def _close_interval(tr: Trainer, stats: IntervalStats) -> None:
@@ -375,7 +389,7 @@ def train(tr: Trainer, train_data, valid_data) -> Optional[str]:
     _close_interval(tr, stats)
     step_graph.settle(tr)
     if cfg.checkpoint.save and st.iteration > 0 and saved_at != st.iteration:
-        _save(tr, stats)
+        _save(tr, stats, timed=False)
     trainer_checkpoint.wait_for_async_save(tr)
     return None
 
@@ -402,9 +416,12 @@ def _build_data(tr: Trainer):
 
 
 def _setup(config: Config, rt: Runtime, process_start_time: Optional[float]) -> Trainer:
-    """Model, optimizer, scheduler, --load."""
+    """Model, optimizer, scheduler, --load: Megatron's `model-and-optimizer-setup` timer
+    (with `load-checkpoint` inside it, printed when it happens)."""
+    log = StepLog(config, rt.device)
+    log.timers("model-and-optimizer-setup", 0).start(barrier=True)
     tr = build_trainer(config, rt)
-    tr.process_start_time = process_start_time
+    tr.step_log, tr.process_start_time = log, process_start_time
     tr.watchdog = build_watchdog(config.parallel.distributed_timeout_minutes * 60)
     if config.training.exit_signal_handler:
         tr.signals = SignalHandler()
@@ -412,7 +429,11 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float]) -> 
             print_rank_0("WARNING: --exit-signal-handler without --save: on SIGTERM/SIGUSR1 "
                          "the run will exit without saving a checkpoint")
     if config.checkpoint.load:
+        log.timers("load-checkpoint", 0).start(barrier=True)
         trainer_checkpoint.load_trainer_checkpoint(tr)
+        log.timers("load-checkpoint").stop(barrier=True)
+        log.timers.log(["load-checkpoint"])
+    log.timers("model-and-optimizer-setup").stop()
     _datetime("after model, optimizer, and learning rate scheduler are built")
     return tr
 
@@ -424,15 +445,21 @@ def pretrain(config: Config, rt: Runtime, process_start_time: Optional[float] = 
     evaluation (`tr.exit_reason` says which). `process_start_time`: what
     --exit-duration-in-mins counts from (default: the start of the loop)."""
     tr = _setup(config, rt, process_start_time)
+    timers = tr.step_log.timers
     if tr.tb is not None:
         tr.tb.log_args(config.args, tr.state.iteration)
         ps = rt.ps
         tr.tb.log_text("parallel layout", f"world {ps.world_size} = tensor {ps.tp_size} x "
                        f"pipeline {ps.pp_size} x data {ps.dp_size}; sequence parallel "
                        f"{config.model.sequence_parallel}; backend {rt.backend}", tr.state.iteration)
+    timers("train/valid/test-data-iterators-setup", 0).start(barrier=True)
     train_data, valid_data, test_data = _build_data(tr)
+    timers("train/valid/test-data-iterators-setup").stop()
     _datetime("after dataloaders are built")
+    print_rank_0("done with setup ...")
+    timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"])
     if not config.training.skip_train:
+        print_rank_0("training ...")
         _datetime("before the start of training step")
         tr.exit_reason = train(tr, train_data, valid_data)
         if tr.exit_reason is None:

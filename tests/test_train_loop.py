@@ -6,7 +6,9 @@
 * iteration lines only every --log-interval (none for a last or exit iteration off it),
   while TensorBoard still gets every --tensorboard-log-interval iteration, params-norm too;
 * at the end the validation set, then the test set (also with --skip-train, then without
-  TensorBoard scalars).
+  TensorBoard scalars);
+* the level-0 timers (setup, load-checkpoint, save-checkpoint) and the level-2
+  forward-compute / backward-compute timers in Megatron's block format.
 """
 from __future__ import annotations
 
@@ -181,3 +183,35 @@ def test_skip_train_evaluates_both_sets_without_tensorboard(tmp_path, capsys):
     assert _final_blocks(out) == [("0", "8", "validation"), ("0", "8", "test")]
     assert "skipping training (--skip-train is on) ..." in out
     assert "lm loss validation" not in read_scalars(tb)
+
+
+# --------------------------------------------------------------------------- timers
+def _timer_block(out: str, names: list) -> bool:
+    """Megatron's minmax block: header, then `    <name + ' ' dot-padded to 48>: (a, b)`."""
+    rows = "".join(rf"\n    {re.escape((n + ' ').ljust(48, '.'))}: \(\d+\.\d\d, \d+\.\d\d\)"
+                   for n in names)
+    return re.search(r"^\(min, max\) time across ranks \(ms\):" + rows + "$", out, re.M) is not None
+
+
+def test_level_0_timers_setup_save_and_load(tmp_path, capsys):
+    ck = str(tmp_path / "ck")
+    out, _ = _pretrain(["--train-iters", "2", "--log-interval", "1", "--eval-iters", "0",
+                        "--save", ck, "--save-interval", "1"], capsys)
+    assert _timer_block(out, ["model-and-optimizer-setup",
+                              "train/valid/test-data-iterators-setup"])
+    assert out.index("done with setup ...") < out.index("model-and-optimizer-setup")
+    assert out.count("    save-checkpoint ") == 2 and _timer_block(out, ["save-checkpoint"])
+    assert "load-checkpoint" not in out
+    out, _ = _pretrain(["--train-iters", "2", "--log-interval", "1", "--eval-iters", "0",
+                        "--load", ck], capsys)
+    assert _timer_block(out, ["load-checkpoint"])
+    assert out.index("load-checkpoint") < out.index("model-and-optimizer-setup")
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_forward_and_backward_compute_timers_at_level_2(capsys, level):
+    out, _ = _pretrain(["--train-iters", "2", "--log-interval", "2", "--eval-iters", "0",
+                        "--timing-log-level", str(level)], capsys)
+    assert ("    forward-compute ." in out) == (level == 2)
+    assert ("    backward-compute ." in out) == (level == 2)
+    assert "    forward-backward ." in out

@@ -37,6 +37,19 @@ from .schedules import (
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]
 
 
+class _Untimed:
+    """The timer of an executor given no timers."""
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+_UNTIMED = _Untimed()
+
+
 @dataclass
 class ScheduleResult:
     """loss_sum: sum of the micro-batch losses (0-dim fp32) when this rank holds the last
@@ -58,12 +71,16 @@ class ScheduleExecutor:
         num_microbatches: the divisor of every micro-batch loss.
         scale_loss: applied to the divided loss before backward (the loss scaler).
         forward_only: evaluation: no backward, nothing kept for one.
+        timers: Megatron-style `timers(name, log_level)` returning an object with
+            start()/stop() (the driver's, whose timers above its level do nothing), for
+            the level-2 `forward-compute` and `backward-compute` timers; None: untimed.
     """
 
     def __init__(self, chunks: Sequence[torch.nn.Module], forward_step: ForwardStep,
                  comm: Optional[P2PCommunicator], pp_rank: int, pp_size: int,
                  num_microbatches: int, scale_loss: Callable = lambda x: x,
-                 forward_only: bool = False, device=None) -> None:
+                 forward_only: bool = False, device=None,
+                 timers: Optional[Callable] = None) -> None:
         self.chunks = list(chunks)
         self.forward_step = forward_step
         self.comm = comm
@@ -73,6 +90,10 @@ class ScheduleExecutor:
         self.scale_loss = scale_loss
         self.forward_only = forward_only
         self.device = device
+        self.timers = timers
+
+    def _timer(self, name: str):
+        return _UNTIMED if self.timers is None else self.timers(name, 2)
 
     def _stage(self, chunk: int) -> int:
         return chunk * self.pp_size + self.pp_rank
@@ -114,7 +135,10 @@ class ScheduleExecutor:
             x = self._received.pop((RECV_FORWARD, mb, chunk))
             if not self.forward_only:
                 x.requires_grad_(True)
+        timer = self._timer("forward-compute")
+        timer.start()
         out = self.forward_step(chunk, mb, x)
+        timer.stop()
         if stage == self.num_stages - 1:
             self._loss_sum += out.detach()
         else:
@@ -127,11 +151,14 @@ class ScheduleExecutor:
         x, out = self._saved.pop((chunk, mb))
         no_sync = getattr(self.chunks[chunk], "no_sync", None)
         last = self._last_backward[chunk] == mb
+        timer = self._timer("backward-compute")
+        timer.start()
         with contextlib.nullcontext() if last or no_sync is None else no_sync():
             if stage == self.num_stages - 1:
                 torch.autograd.backward(self.scale_loss(out / self.num_microbatches))
             else:
                 grad = self._received.pop((RECV_BACKWARD, mb, chunk))
                 torch.autograd.backward(out, grad_tensors=grad)
+        timer.stop()
         if stage > 0:
             self._to_send[(SEND_BACKWARD, mb, chunk)] = x.grad
