@@ -12,7 +12,8 @@ the same name, so Megatron need not be installed.
 `args` as a dict of plain values, the nested model state (`language_model` ->
 `embedding` / `encoder` / `output_layer`) as flat parameter names, and the counters that
 Megatron keeps in `args` (consumed samples) as `train_state`. A payload of this framework's
-own passes through unchanged.
+own passes through unchanged. `megatron_payload` is the inverse, for
+`tools/checkpoint_convert.py to-megatron`.
 """
 from __future__ import annotations
 
@@ -153,5 +154,56 @@ def normalize_payload(state):
     return state
 
 
+# ---------------------------------------------------------------- to Megatron-LM's form
+def nest_model_state(flat: Dict[str, object]) -> dict:
+    """Flat parameter names -> Megatron-LM's nested model state: `language_model` ->
+    `embedding` -> `word_embeddings` -> `weight`, `encoder` -> flat names `layers.<i>...`
+    and `final_layernorm.*`, `output_layer` -> `weight`; `word_embeddings_for_head` ->
+    `weight`. The inverse of `flat_model_state`."""
+    out: dict = {}
+    for name, value in flat.items():
+        parts = name.split(".")
+        if parts[:2] == ["language_model", "encoder"]:
+            out.setdefault("language_model", {}).setdefault("encoder", {})[
+                ".".join(parts[2:])] = value
+            continue
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+def _dtype_from_name(value):
+    if isinstance(value, str) and value.startswith("torch.") and \
+            isinstance(getattr(torch, value[6:], None), torch.dtype):
+        return getattr(torch, value[6:])
+    return value
+
+
+def megatron_payload(state: dict) -> dict:
+    """This framework's model_optim_rng.pt payload as Megatron-LM 23.05 writes it: `args`
+    an argparse.Namespace (dtype names as torch dtypes, the consumed-sample counters from
+    `train_state`), the model state nested, the numpy RNG state with a numpy array, no
+    `train_state`. Everything it pickles loads without this framework installed."""
+    out = {k: v for k, v in state.items() if k != "train_state"}
+    args = {k: _dtype_from_name(v) for k, v in (state.get("args") or {}).items()}
+    counters = state.get("train_state", {})
+    for key in ("consumed_train_samples", "consumed_valid_samples"):
+        if key in counters:
+            args[key] = int(counters[key])
+    out["args"] = argparse.Namespace(**args)
+    for key in [k for k in out if _is_model_key(k)]:
+        out[key] = nest_model_state(out[key])
+    if "rng_state" in out:
+        out["rng_state"] = [dict(rng) for rng in out["rng_state"]]
+        for rng in out["rng_state"]:
+            name, keys, pos, has_gauss, cached = rng["np_rng_state"]
+            keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+            rng["np_rng_state"] = (str(name), keys.astype(np.uint32), int(pos), int(has_gauss),
+                                   float(cached))
+    return out
+
+
 __all__ = ["ModelType", "MIN_CHECKPOINT_VERSION", "megatron_globals", "load_checkpoint_file",
-           "flat_model_state", "normalize_payload"]
+           "flat_model_state", "normalize_payload", "nest_model_state", "megatron_payload"]

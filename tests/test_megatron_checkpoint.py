@@ -4,9 +4,11 @@ A Megatron-LM 23.05 `model_optim_rng.pt` differs from this framework's in what i
 (`args` an argparse.Namespace holding a `ModelType` enum member and torch dtypes, the numpy
 RNG state as a numpy array) and in shape (the model state nested as `language_model` ->
 `embedding` / `encoder`, the consumed-sample counters in `args`, no `train_state`). The
-tests rewrite a checkpoint of this framework into that form (`megatronize`) and check that
-training resumes from it exactly as from the original, that tools reading checkpoints read
-it, and that anything else pickled is refused without being run.
+tests rewrite a checkpoint of this framework into that form (`megatronize`, through
+`tools/checkpoint_convert.py to-megatron`'s function, whose output is checked against the
+reference's description) and check that training resumes from it exactly as from the
+original, that tools reading checkpoints read it, and that anything else pickled is refused
+without being run.
 """
 from __future__ import annotations
 
@@ -22,7 +24,13 @@ import pytest
 import torch
 
 from megatron.arguments_checkpoint import read_checkpoint_args
-from megatron.checkpoint_files import ModelType, load_checkpoint_file, normalize_payload
+from megatron.checkpoint_files import (
+    ModelType,
+    load_checkpoint_file,
+    megatron_globals,
+    megatron_payload,
+    normalize_payload,
+)
 from megatron.checkpoint_reshard import SourceCheckpoint
 from megatron.checkpointing import checkpoint_name
 from tests.test_exact_resume import K, N, _assert_exact, run_pretrain
@@ -38,41 +46,18 @@ def _megatron_enum_module():
     return mod
 
 
-def nest_model_state(flat: dict) -> dict:
-    """This framework's flat names -> Megatron-LM's nested model state: `language_model`
-    -> `embedding` -> `word_embeddings` -> `weight`, `encoder` -> flat `layers.<i>...`,
-    `output_layer` -> `weight`; `word_embeddings_for_head` -> `weight`."""
-    out: dict = {}
-    for name, tensor in flat.items():
-        parts = name.split(".")
-        if parts[:2] == ["language_model", "encoder"]:
-            out.setdefault("language_model", {}).setdefault("encoder", {})[
-                ".".join(parts[2:])] = tensor
-            continue
-        node = out
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = tensor
-    return out
-
-
 def megatronize(path: str, monkeypatch) -> dict:
-    """Rewrite one model_optim_rng.pt of this framework as Megatron-LM 23.05 writes it."""
+    """Rewrite one model_optim_rng.pt of this framework as Megatron-LM 23.05 writes it
+    (`megatron_payload`, whose shape `test_the_export_has_megatron_lms_shape` checks
+    against the reference), plus the `ModelType` member Megatron-LM keeps in its args."""
     state = torch.load(path, weights_only=True)
+    train_state = state["train_state"]
     mod = _megatron_enum_module()
-    args = argparse.Namespace(**state["args"])
-    args.model_type = mod.ModelType.encoder_or_decoder
-    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
-    state["args"] = args
-    state["model"] = nest_model_state(state["model"])
-    train_state = state.pop("train_state")
-    assert args.consumed_train_samples == train_state["consumed_train_samples"]
-    for rng in state.get("rng_state", []):
-        name, keys, pos, has_gauss, cached = rng["np_rng_state"]
-        rng["np_rng_state"] = (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
+    out = megatron_payload(state)
+    out["args"].model_type = mod.ModelType.encoder_or_decoder
     with monkeypatch.context() as m:
         m.setitem(sys.modules, "megatron.core.enums", mod)
-        torch.save(state, path)
+        torch.save(out, path)
     with pytest.raises(Exception, match="Unsupported global"):
         torch.load(path, weights_only=True)  # what a plain weights_only load makes of it
     return train_state
@@ -159,3 +144,41 @@ def test_an_old_qkv_ordering_is_refused(tmp_path):
                 "model": {}}, path)
     with pytest.raises(SystemExit, match=r"checkpoint version 1.0 .* versions >= 2.0"):
         load_checkpoint_file(path)
+
+
+def test_the_export_has_megatron_lms_shape(tmp_path):
+    """`to-megatron` writes what reference section d.2 describes, pickling nothing that
+    needs this framework (a plain torch.load with only argparse and numpy allowed reads
+    it), and this framework reads the export back to the same payload."""
+    root, out = str(tmp_path / "ck"), str(tmp_path / "mlm")
+    run_pretrain(["--bf16", "--save", root, "--save-interval", str(K), "--exit-interval", str(K)])
+    done = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "checkpoint_convert.py"), "to-megatron",
+         "--load", root, "--save", out], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    path = checkpoint_name(out, K, 0, 0, 1)
+    with open(os.path.join(out, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read() == str(K)
+    numpy_only = [g for g in megatron_globals() if g[0] is not ModelType]
+    with torch.serialization.safe_globals(numpy_only):
+        raw = torch.load(path, weights_only=True)
+    args = raw["args"]
+    assert isinstance(args, argparse.Namespace) and args.params_dtype is torch.bfloat16
+    assert args.consumed_train_samples == K * 8 and "train_state" not in raw
+    lm = raw["model"]["language_model"]
+    assert set(raw["model"]) == {"language_model"}
+    assert set(lm) == {"embedding", "encoder"}
+    assert set(lm["embedding"]) == {"word_embeddings", "position_embeddings"}
+    assert set(lm["embedding"]["word_embeddings"]) == {"weight"}
+    assert "layers.0.input_layernorm.weight" in lm["encoder"]
+    assert "layers.1.self_attention.query_key_value.weight" in lm["encoder"]
+    assert "layers.1.mlp.dense_4h_to_h.weight" in lm["encoder"]
+    assert "final_layernorm.weight" in lm["encoder"]
+    assert isinstance(raw["rng_state"][0]["np_rng_state"][1], np.ndarray)
+    assert set(raw["optimizer"]) >= {"optimizer", "fp32_from_fp16_params"}
+    original = torch.load(checkpoint_name(root, K, 0, 0, 1), weights_only=True)
+    back = load_checkpoint_file(path)
+    assert back["model"].keys() == original["model"].keys()
+    assert all(torch.equal(back["model"][k], v) for k, v in original["model"].items())
+    assert back["train_state"] == {k: original["train_state"][k] for k in back["train_state"]}
+    assert back["args"]["hidden_size"] == original["args"]["hidden_size"]
