@@ -44,6 +44,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from megatron.checkpoint_files import flat_model_state, load_checkpoint_file
 from megatron.checkpointing import (
     MODEL_FILENAME,
     iteration_dir_name,
@@ -114,13 +115,9 @@ def live_optimizer_kind(optimizer) -> str:
 
 
 def load_shard(path: str):
-    """weights_only load, memory-mapped (tensors are read when used) when the file allows."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as exc:
-        if "mmap" not in str(exc):
-            raise
-        return torch.load(path, map_location="cpu", weights_only=True)  # legacy format
+    """weights_only load, memory-mapped (tensors are read when used) when the file allows;
+    files written by Megatron-LM itself are normalised (megatron/checkpoint_files.py)."""
+    return load_checkpoint_file(path, mmap=True)
 
 
 def _model_keys(state: dict) -> List[str]:
@@ -170,16 +167,10 @@ def global_name(local: str, layer_offset: int) -> str:
     return EMBEDDING if local == TIED_COPY else local
 
 
-def flatten_state(tree: dict, prefix: str = "") -> Dict[str, torch.Tensor]:
-    """Megatron's nested {'language_model': {'embedding': ...}} or flat keys -> flat keys."""
-    out = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flatten_state(value, name + "."))
-        elif isinstance(value, torch.Tensor):
-            out[name] = value
-    return out
+def flatten_state(tree: dict) -> Dict[str, torch.Tensor]:
+    """Megatron's nested {'language_model': {'embedding': ...}} or flat keys -> flat keys
+    (tensors only)."""
+    return {k: v for k, v in flat_model_state(tree).items() if isinstance(v, torch.Tensor)}
 
 
 def param_group_order(chunks: Sequence[Dict[str, torch.Tensor]]) -> List[List[ParamKey]]:

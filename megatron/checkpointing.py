@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.async_save import AsyncSaver, mark_done, remove_markers, wait_for_markers
+from megatron.checkpoint_files import load_checkpoint_file
 from megatron.core.parallel_state import ParallelState
 from megatron.logging_utils import print_rank_0
 
@@ -370,7 +371,7 @@ def load_rank_file(root: str, iteration: int, release: bool, ps: ParallelState) 
     """This rank's model_optim_rng.pt (collective: the missing-file check)."""
     path = _check_rank_files(root, iteration, release, ps)
     print_rank_0(f" loading checkpoint from {root} at iteration {iteration}")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return load_checkpoint_file(path)
 
 
 def load_checkpoint(root: str, ps: ParallelState,
@@ -398,7 +399,7 @@ def load_extra_file(root: str, iteration: int, ps: ParallelState, name: str,
         checkpoint_name(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size, release)), name)
     if not os.path.isfile(path):
         raise SystemExit(f"checkpoint file {path} not found")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return load_checkpoint_file(path)
 
 
 # ---------------------------------------------------------------------------------------

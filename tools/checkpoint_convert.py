@@ -17,6 +17,13 @@ padding rows cut or zero-filled. RNG states are per rank: they are kept when tp 
 not change, else the resumed run starts fresh ones. The output is written to
 `OUT/iter_XXXXXXX.tmp/`, renamed into place, then the tracker file is written.
 
+    python tools/checkpoint_convert.py to-megatron --load CKPT --save OUT [--iteration I]
+
+`to-megatron` writes the same checkpoint in the form Megatron-LM 23.05 itself writes and
+loads (`args` an argparse.Namespace, the model state nested under `language_model`); the
+files of `reshard` and of training load with `torch.load(..., weights_only=True)` instead.
+Checkpoints in Megatron-LM's form load here directly (`--load`, `reshard`).
+
 Subcommands are registered in SUBCOMMANDS: name -> (add_arguments(parser), run(args) -> exit
 status).
 """
@@ -34,6 +41,7 @@ import torch  # noqa: E402
 
 from megatron import checkpoint_reshard as reshard_lib  # noqa: E402
 from megatron import hf_convert  # noqa: E402
+from megatron.checkpoint_files import load_checkpoint_file, megatron_payload  # noqa: E402
 from megatron.checkpointing import (  # noqa: E402
     MODEL_FILENAME,
     iteration_dir_name,
@@ -189,12 +197,59 @@ def run_reshard(a: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------ to-megatron
+def add_to_megatron_arguments(p: argparse.ArgumentParser) -> None:
+    """Rewrite a checkpoint in the form Megatron-LM 23.05 itself loads."""
+    p.add_argument("--load", required=True, help="checkpoint directory to read")
+    p.add_argument("--save", required=True, help="directory to write (not --load)")
+    p.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
+
+
+def to_megatron(load: str, save: str, iteration: Optional[int] = None) -> dict:
+    """Write the checkpoint under `load` to `save` as Megatron-LM writes it (same layout;
+    `args` an argparse.Namespace, nested model state: megatron/checkpoint_files.py).
+    Megatron-LM loads such files with a plain `torch.load`; this framework loads them too.
+    Returns {iteration, files, directory}."""
+    if os.path.realpath(save) == os.path.realpath(load):
+        raise SystemExit("error: --save must differ from --load (the source stays untouched)")
+    iter_dir, iteration, release = reshard_lib.locate_iteration(load, iteration)
+    final_dir = os.path.join(save, iteration_dir_name(iteration, release))
+    tmp_dir = final_dir + ".tmp"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    files = 0
+    for rank_dir in sorted(os.listdir(iter_dir)):
+        source = os.path.join(iter_dir, rank_dir, MODEL_FILENAME)
+        if not os.path.isfile(source):
+            continue
+        os.makedirs(os.path.join(tmp_dir, rank_dir))
+        state = load_checkpoint_file(source)
+        torch.save(megatron_payload(state), os.path.join(tmp_dir, rank_dir, MODEL_FILENAME))
+        files += 1
+        extra = os.path.join(iter_dir, rank_dir, reshard_lib.DISTRIB_FILENAME)
+        if os.path.isfile(extra):  # tensors keyed by ints and dtypes: the same in both
+            shutil.copy2(extra, os.path.join(tmp_dir, rank_dir))
+            files += 1
+    if not files:
+        raise SystemExit(f"error: {iter_dir} holds no mp_rank_*/{MODEL_FILENAME} files")
+    os.makedirs(save, exist_ok=True)
+    _publish(save, tmp_dir, final_dir, iteration, release)
+    return {"iteration": iteration, "files": files, "directory": final_dir}
+
+
+def run_to_megatron(a: argparse.Namespace) -> int:
+    out = to_megatron(a.load, a.save, a.iteration)
+    print(f"wrote iteration {out['iteration']} of {a.load} in Megatron-LM's form -> "
+          f"{out['directory']}: {out['files']} files")
+    return 0
+
+
 # ------------------------------------------------------------------------ dispatcher
 Subcommand = Tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 SUBCOMMANDS: Dict[str, Subcommand] = {
     "reshard": (add_reshard_arguments, run_reshard),
     "to-hf": (hf_convert.add_to_hf_arguments, hf_convert.run_to_hf),
     "from-hf": (hf_convert.add_from_hf_arguments, hf_convert.run_from_hf),
+    "to-megatron": (add_to_megatron_arguments, run_to_megatron),
 }
 
 

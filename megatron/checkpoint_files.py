@@ -1,0 +1,209 @@
+"""Reading checkpoint files: this framework's own, and those Megatron-LM itself wrote.
+
+Every checkpoint file is read with `torch.load(..., weights_only=True)`: tensors and plain
+Python data only, never arbitrary code. This framework's files need nothing more. Files
+written by Megatron-LM 23.05 pickle three kinds of objects besides: the `args` entry is an
+`argparse.Namespace` (holding `model_type`, a `ModelType` enum member of Megatron's), and
+the RNG state holds numpy's `np.random.get_state()` (a numpy array). Those, and only those,
+are allowed on a second attempt (`MEGATRON_GLOBALS`); the enum is read into a stand-in of
+the same name, so Megatron need not be installed.
+
+`normalize_payload` then turns a Megatron-LM payload into the one this framework writes:
+`args` as a dict of plain values, the nested model state (`language_model` ->
+`embedding` / `encoder` / `output_layer`) as flat parameter names, and the counters that
+Megatron keeps in `args` (consumed samples) as `train_state`. A payload of this framework's
+own passes through unchanged. `megatron_payload` is the inverse, for
+`tools/checkpoint_convert.py to-megatron`.
+"""
+from __future__ import annotations
+
+import argparse
+import enum
+import pickle
+import re
+from typing import Dict, List
+
+import numpy as np
+import torch
+
+# Checkpoint versions whose QKV rows are per-head [q|k|v] blocks (Megatron-LM reorders
+# the rows of versions 0 and 1 on load; this framework does not).
+MIN_CHECKPOINT_VERSION = 2.0
+
+
+class ModelType(enum.Enum):
+    """Stand-in for Megatron-LM's `ModelType` (values as in 23.05), so that the
+    `args.model_type` of its checkpoints can be read without Megatron installed."""
+
+    encoder_or_decoder = 1
+    encoder_and_decoder = 2
+    retro_encoder = 3
+    retro_decoder = 4
+
+
+def _numpy_globals() -> List[tuple]:
+    """numpy's array-reconstruction globals under both module names numpy has used
+    (`numpy.core` before 2.0, `numpy._core` since), so files of either load."""
+    try:
+        reconstruct = np._core.multiarray._reconstruct  # numpy >= 2
+    except AttributeError:  # pragma: no cover - numpy 1.x
+        reconstruct = np.core.multiarray._reconstruct
+    out = [(reconstruct, f"{root}.multiarray._reconstruct")
+           for root in ("numpy.core", "numpy._core")]
+    out += [(np.ndarray, "numpy.ndarray"), (np.dtype, "numpy.dtype")]
+    out += [(type(np.dtype(t)), f"numpy.dtypes.{type(np.dtype(t)).__name__}")
+            for t in (np.uint32, np.int64, np.float64)]
+    return out
+
+
+def megatron_globals() -> List[tuple]:
+    """The (object, pickled name) pairs a Megatron-LM 23.05 checkpoint file needs beyond
+    weights_only's defaults: argparse.Namespace, ModelType (in either of the modules
+    Megatron has kept it in), numpy's array reconstruction (the numpy RNG state)."""
+    pairs = [(argparse.Namespace, "argparse.Namespace")]
+    pairs += [(ModelType, f"{mod}.ModelType")
+              for mod in ("megatron.core.enums", "megatron.model.enums")]
+    return pairs + _numpy_globals()
+
+
+def _torch_load(path: str, mmap: bool):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except RuntimeError as exc:
+        if not mmap or "mmap" not in str(exc):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)  # legacy format
+
+
+_UNSUPPORTED_RE = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+
+
+def load_checkpoint_file(path: str, mmap: bool = False):
+    """One checkpoint file (model_optim_rng.pt, distrib_optim.pt), weights_only, read
+    memory-mapped when `mmap` and the file allows. A file written by Megatron-LM is read
+    with `megatron_globals()` allowed and normalised (`normalize_payload`).
+
+    SystemExit naming the file and the object when it pickles anything else."""
+    try:
+        return normalize_payload(_torch_load(path, mmap))
+    except pickle.UnpicklingError as exc:
+        if _UNSUPPORTED_RE.search(str(exc)) is None:
+            raise
+    try:
+        with torch.serialization.safe_globals(megatron_globals()):
+            state = _torch_load(path, mmap)
+    except pickle.UnpicklingError as exc:
+        found = _UNSUPPORTED_RE.search(str(exc))
+        what = found.group(1) if found else str(exc).splitlines()[0]
+        raise SystemExit(
+            f"error: checkpoint file {path} holds a pickled {what}, which is not plain "
+            "data; checkpoint files are read without running pickled code (tensors, plain "
+            "Python data and, from Megatron-LM, its argparse.Namespace, ModelType and numpy "
+            "RNG state). Re-save the file without that object.") from None
+    return normalize_payload(state)
+
+
+def flat_model_state(tree: dict, prefix: str = "") -> Dict[str, object]:
+    """Megatron-LM's nested model state ({'language_model': {'embedding': {...}}}) as
+    flat parameter names; a flat state comes back as it is. Non-tensor leaves are kept."""
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat_model_state(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def _is_model_key(key: str) -> bool:
+    return key == "model" or re.fullmatch(r"model\d+", key) is not None
+
+
+def _train_state_from_args(state: dict, args: dict) -> dict:
+    """Megatron-LM keeps the consumed-sample counters in `args`; this framework in
+    `train_state` (with the iteration)."""
+    iteration = state.get("iteration", state.get("total_iters", 0))
+    return {"iteration": int(iteration),
+            "consumed_train_samples": int(args.get("consumed_train_samples") or 0),
+            "consumed_valid_samples": int(args.get("consumed_valid_samples") or 0)}
+
+
+def normalize_payload(state):
+    """A model_optim_rng.pt payload written by Megatron-LM (its `args` an argparse
+    Namespace) in this framework's form (see the module docstring). Anything else --
+    this framework's payloads, distrib_optim.pt payloads -- comes back unchanged.
+    SystemExit for a Megatron-LM checkpoint version older than 2.0."""
+    if not isinstance(state, dict) or not isinstance(state.get("args"), argparse.Namespace):
+        return state
+    from megatron.checkpointing import args_to_plain  # (it imports this module)
+
+    version = state.get("checkpoint_version", 0)
+    if isinstance(version, (int, float)) and version < MIN_CHECKPOINT_VERSION:
+        raise SystemExit(
+            f"error: checkpoint version {version} stores the attention's query/key/value "
+            f"rows in an older order; only versions >= {MIN_CHECKPOINT_VERSION} load here. "
+            "Load and re-save it with Megatron-LM (any release from 2021 on) first.")
+    state["args"] = args_to_plain(state["args"])
+    for key in [k for k in state if _is_model_key(k)]:
+        state[key] = flat_model_state(state[key])
+    if "iteration" not in state and "total_iters" in state:
+        state["iteration"] = state["total_iters"]
+    if "train_state" not in state:
+        state["train_state"] = _train_state_from_args(state, state["args"])
+    return state
+
+
+# ---------------------------------------------------------------- to Megatron-LM's form
+def nest_model_state(flat: Dict[str, object]) -> dict:
+    """Flat parameter names -> Megatron-LM's nested model state: `language_model` ->
+    `embedding` -> `word_embeddings` -> `weight`, `encoder` -> flat names `layers.<i>...`
+    and `final_layernorm.*`, `output_layer` -> `weight`; `word_embeddings_for_head` ->
+    `weight`. The inverse of `flat_model_state`."""
+    out: dict = {}
+    for name, value in flat.items():
+        parts = name.split(".")
+        if parts[:2] == ["language_model", "encoder"]:
+            out.setdefault("language_model", {}).setdefault("encoder", {})[
+                ".".join(parts[2:])] = value
+            continue
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+def _dtype_from_name(value):
+    if isinstance(value, str) and value.startswith("torch.") and \
+            isinstance(getattr(torch, value[6:], None), torch.dtype):
+        return getattr(torch, value[6:])
+    return value
+
+
+def megatron_payload(state: dict) -> dict:
+    """This framework's model_optim_rng.pt payload as Megatron-LM 23.05 writes it: `args`
+    an argparse.Namespace (dtype names as torch dtypes, the consumed-sample counters from
+    `train_state`), the model state nested, the numpy RNG state with a numpy array, no
+    `train_state`. Everything it pickles loads without this framework installed."""
+    out = {k: v for k, v in state.items() if k != "train_state"}
+    args = {k: _dtype_from_name(v) for k, v in (state.get("args") or {}).items()}
+    counters = state.get("train_state", {})
+    for key in ("consumed_train_samples", "consumed_valid_samples"):
+        if key in counters:
+            args[key] = int(counters[key])
+    out["args"] = argparse.Namespace(**args)
+    for key in [k for k in out if _is_model_key(k)]:
+        out[key] = nest_model_state(out[key])
+    if "rng_state" in out:
+        out["rng_state"] = [dict(rng) for rng in out["rng_state"]]
+        for rng in out["rng_state"]:
+            name, keys, pos, has_gauss, cached = rng["np_rng_state"]
+            keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+            rng["np_rng_state"] = (str(name), keys.astype(np.uint32), int(pos), int(has_gauss),
+                                   float(cached))
+    return out
+
+
+__all__ = ["ModelType", "MIN_CHECKPOINT_VERSION", "megatron_globals", "load_checkpoint_file",
+           "flat_model_state", "normalize_payload", "nest_model_state", "megatron_payload"]

@@ -1,0 +1,184 @@
+"""Checkpoints written by Megatron-LM itself load here (megatron/checkpoint_files.py).
+
+A Megatron-LM 23.05 `model_optim_rng.pt` differs from this framework's in what it pickles
+(`args` an argparse.Namespace holding a `ModelType` enum member and torch dtypes, the numpy
+RNG state as a numpy array) and in shape (the model state nested as `language_model` ->
+`embedding` / `encoder`, the consumed-sample counters in `args`, no `train_state`). The
+tests rewrite a checkpoint of this framework into that form (`megatronize`, through
+`tools/checkpoint_convert.py to-megatron`'s function, whose output is checked against the
+reference's description) and check that training resumes from it exactly as from the
+original, that tools reading checkpoints read it, and that anything else pickled is refused
+without being run.
+"""
+from __future__ import annotations
+
+import argparse
+import enum
+import os
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.arguments_checkpoint import read_checkpoint_args
+from megatron.checkpoint_files import (
+    ModelType,
+    load_checkpoint_file,
+    megatron_globals,
+    megatron_payload,
+    normalize_payload,
+)
+from megatron.checkpoint_reshard import SourceCheckpoint
+from megatron.checkpointing import checkpoint_name
+from tests.test_exact_resume import K, N, _assert_exact, run_pretrain
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _megatron_enum_module():
+    """A module named as Megatron-LM's, so that pickle records `megatron.core.enums.ModelType`."""
+    mod = types.ModuleType("megatron.core.enums")
+    mod.ModelType = enum.Enum("ModelType", [("encoder_or_decoder", 1), ("encoder_and_decoder", 2)],
+                              module="megatron.core.enums")
+    return mod
+
+
+def megatronize(path: str, monkeypatch) -> dict:
+    """Rewrite one model_optim_rng.pt of this framework as Megatron-LM 23.05 writes it
+    (`megatron_payload`, whose shape `test_the_export_has_megatron_lms_shape` checks
+    against the reference), plus the `ModelType` member Megatron-LM keeps in its args."""
+    state = torch.load(path, weights_only=True)
+    train_state = state["train_state"]
+    mod = _megatron_enum_module()
+    out = megatron_payload(state)
+    out["args"].model_type = mod.ModelType.encoder_or_decoder
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "megatron.core.enums", mod)
+        torch.save(out, path)
+    with pytest.raises(Exception, match="Unsupported global"):
+        torch.load(path, weights_only=True)  # what a plain weights_only load makes of it
+    return train_state
+
+
+@pytest.mark.parametrize("name,extra", [("fp32", []), ("bf16", ["--bf16"])])
+def test_training_resumes_from_a_megatron_lm_checkpoint_exactly(tmp_path, monkeypatch, name,
+                                                               extra):
+    root = str(tmp_path / "ck")
+    ref, _ = run_pretrain(extra)
+    first, _ = run_pretrain(extra + ["--save", root, "--save-interval", str(K),
+                                     "--exit-interval", str(K)])
+    train_state = megatronize(checkpoint_name(root, K, 0, 0, 1), monkeypatch)
+    resumed, tr = run_pretrain(extra + ["--load", root])
+    _assert_exact(ref, first, resumed, name)
+    assert train_state["consumed_train_samples"] == K * 8
+    assert tr.state.consumed_train_samples == N * 8, "counters continue from Megatron's args"
+
+
+@pytest.fixture(scope="module")
+def megatron_checkpoint(tmp_path_factory):
+    """A checkpoint at iteration K rewritten into Megatron-LM's form, and its original."""
+    root = str(tmp_path_factory.mktemp("mlm") / "ck")
+    run_pretrain(["--save", root, "--save-interval", str(K), "--exit-interval", str(K)])
+    path = checkpoint_name(root, K, 0, 0, 1)
+    original = torch.load(path, weights_only=True)
+    with pytest.MonkeyPatch.context() as mp:
+        megatronize(path, mp)
+    return root, path, original
+
+
+def test_the_file_reads_as_this_frameworks_payload(megatron_checkpoint):
+    _, path, original = megatron_checkpoint
+    state = load_checkpoint_file(path)
+    assert isinstance(state["args"], dict) and state["args"]["model_type"] == 1
+    assert state["args"]["params_dtype"] == "torch.float32"
+    assert state["args"]["num_layers"] == original["args"]["num_layers"]
+    assert state["model"].keys() == original["model"].keys()
+    for key, tensor in original["model"].items():
+        assert torch.equal(state["model"][key], tensor), key
+    assert state["train_state"] == {k: original["train_state"][k] for k in state["train_state"]}
+    np_state = state["rng_state"][0]["np_rng_state"]
+    assert np.array_equal(np_state[1], original["rng_state"][0]["np_rng_state"][1].numpy())
+    assert normalize_payload(original) is original, "this framework's payload passes as is"
+    assert ModelType(1).name == "encoder_or_decoder"
+
+
+def test_checkpoint_tools_read_it(megatron_checkpoint, tmp_path):
+    root, _, original = megatron_checkpoint
+    assert read_checkpoint_args(root)["hidden_size"] == original["args"]["hidden_size"]
+    src = SourceCheckpoint(os.path.dirname(os.path.dirname(checkpoint_name(root, K, 0, 0, 1))))
+    assert src.chunks[0, 0][0].keys() == original["model"].keys()
+    out = str(tmp_path / "tp2")
+    done = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "checkpoint_convert.py"), "reshard",
+         "--load", root, "--save", out, "--target-tensor-model-parallel-size", "2",
+         "--target-pipeline-model-parallel-size", "1"],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    shards = [torch.load(checkpoint_name(out, K, t, 0, 1), weights_only=True) for t in (0, 1)]
+    qkv = "language_model.encoder.layers.0.self_attention.query_key_value.weight"
+    merged = torch.cat([s["model"][qkv] for s in shards], dim=0)
+    assert torch.equal(merged, original["model"][qkv])
+
+
+class Gadget:
+    """Not plain data: a checkpoint holding one must be refused, not unpickled."""
+
+    def __reduce__(self):
+        return (Gadget, ())
+
+
+def test_other_pickled_objects_are_refused(tmp_path):
+    path = str(tmp_path / "model_optim_rng.pt")
+    torch.save({"args": argparse.Namespace(num_layers=2), "checkpoint_version": 3.0,
+                "gadget": Gadget()}, path)
+    with pytest.raises(SystemExit, match=r"holds a pickled .*Gadget.*not plain data"):
+        load_checkpoint_file(path)
+
+
+def test_an_old_qkv_ordering_is_refused(tmp_path):
+    path = str(tmp_path / "model_optim_rng.pt")
+    torch.save({"args": argparse.Namespace(num_layers=2), "checkpoint_version": 1.0,
+                "model": {}}, path)
+    with pytest.raises(SystemExit, match=r"checkpoint version 1.0 .* versions >= 2.0"):
+        load_checkpoint_file(path)
+
+
+def test_the_export_has_megatron_lms_shape(tmp_path):
+    """`to-megatron` writes what reference section d.2 describes, pickling nothing that
+    needs this framework (a plain torch.load with only argparse and numpy allowed reads
+    it), and this framework reads the export back to the same payload."""
+    root, out = str(tmp_path / "ck"), str(tmp_path / "mlm")
+    run_pretrain(["--bf16", "--save", root, "--save-interval", str(K), "--exit-interval", str(K)])
+    done = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "checkpoint_convert.py"), "to-megatron",
+         "--load", root, "--save", out], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    path = checkpoint_name(out, K, 0, 0, 1)
+    with open(os.path.join(out, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read() == str(K)
+    numpy_only = [g for g in megatron_globals() if g[0] is not ModelType]
+    with torch.serialization.safe_globals(numpy_only):
+        raw = torch.load(path, weights_only=True)
+    args = raw["args"]
+    assert isinstance(args, argparse.Namespace) and args.params_dtype is torch.bfloat16
+    assert args.consumed_train_samples == K * 8 and "train_state" not in raw
+    lm = raw["model"]["language_model"]
+    assert set(raw["model"]) == {"language_model"}
+    assert set(lm) == {"embedding", "encoder"}
+    assert set(lm["embedding"]) == {"word_embeddings", "position_embeddings"}
+    assert set(lm["embedding"]["word_embeddings"]) == {"weight"}
+    assert "layers.0.input_layernorm.weight" in lm["encoder"]
+    assert "layers.1.self_attention.query_key_value.weight" in lm["encoder"]
+    assert "layers.1.mlp.dense_4h_to_h.weight" in lm["encoder"]
+    assert "final_layernorm.weight" in lm["encoder"]
+    assert isinstance(raw["rng_state"][0]["np_rng_state"][1], np.ndarray)
+    assert set(raw["optimizer"]) >= {"optimizer", "fp32_from_fp16_params"}
+    original = torch.load(checkpoint_name(root, K, 0, 0, 1), weights_only=True)
+    back = load_checkpoint_file(path)
+    assert back["model"].keys() == original["model"].keys()
+    assert all(torch.equal(back["model"][k], v) for k, v in original["model"].items())
+    assert back["train_state"] == {k: original["train_state"][k] for k in back["train_state"]}
+    assert back["args"]["hidden_size"] == original["args"]["hidden_size"]
