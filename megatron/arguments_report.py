@@ -106,6 +106,11 @@ def _fmt(n: int) -> str:
     return f"{n:,}"
 
 
+def _samples(n) -> str:
+    """A schedule length in samples: 3.5999999999999996 (0.3 x 12) prints as 3.6."""
+    return str(round(n, 4)) if isinstance(n, float) else str(n)
+
+
 def dry_run_report(config: Config, world_size: int) -> str:
     """Human-readable summary of a resolved configuration for `--dry-run`."""
     m, p, d, t, o = config.model, config.parallel, config.data, config.training, config.optimizer
@@ -122,8 +127,8 @@ def dry_run_report(config: Config, world_size: int) -> str:
         f" (backend {config.args.get('distributed_backend')})",
         f"  batch: micro {d.micro_batch_size} x {d.num_micro_batches} micro-batches per step x "
         f"data {p.dp_size} = global {d.global_batch_size}; sequence length {d.seq_length}",
-        f"  training: {steps}, lr {o.lr} ({o.lr_decay_style}, warmup {o.lr_warmup_steps} / decay "
-        f"{o.lr_decay_steps} samples)",
+        f"  training: {steps}, lr {o.lr} ({o.lr_decay_style}, warmup {_samples(o.lr_warmup_steps)} / "
+        f"decay {_samples(o.lr_decay_steps)} samples)",
         f"  model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads"
         f"{groups}, ffn {m.ffn_hidden_size} ({m.activation}), {m.normalization}, positions "
         f"{m.position_embedding_type}, vocab {m.padded_vocab_size} (padded), {dtype}",
