@@ -371,7 +371,7 @@ def parse_and_validate(
             if ns.local_rank is None and env.get("LOCAL_RANK"):
                 ns.local_rank = int(env["LOCAL_RANK"])
             validate_args(ns, world_size, explicit=explicit, cuda_available=cuda_available,
-                          vocab_size_fn=vocab_size_fn)
+                          vocab_size_fn=vocab_size_fn, origins=origins)
             return build_config(ns)
     except ArgumentsError as err:
         prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "megatron"

@@ -12,11 +12,12 @@ import argparse
 import json
 import os
 from dataclasses import fields
-from typing import Any, Callable, Dict, Optional, Set
+from typing import Any, Callable, Dict, Mapping, Optional, Set
 
 import torch
 
 from megatron.arguments_common import ArgumentsError, note, warn
+from megatron.arguments_schedule import check_run_length, resolve_iterations, schedule_steps
 from megatron.config import (
     CheckpointConfig,
     Config,
@@ -27,7 +28,6 @@ from megatron.config import (
     ParallelConfig,
     TrainingConfig,
 )
-from megatron.microbatches import parse_rampup, rampup_train_iters
 
 # Attributes Megatron deletes after mapping them; they never reach Config.args.
 _DELETED = ("batch_size", "warmup", "model_parallel_size", "checkpoint_activations",
@@ -179,7 +179,7 @@ def _resolve_virtual_pipeline(ns) -> None:
 
 
 def _resolve_batch(ns) -> None:
-    """Global batch default and divisibility; Megatron's iteration- vs sample-based rules."""
+    """Global batch default and divisibility, micro-batches per step."""
     mbs, dp = ns.micro_batch_size, ns.data_parallel_size
     if ns.global_batch_size is None:
         ns.global_batch_size = mbs * dp
@@ -191,52 +191,8 @@ def _resolve_batch(ns) -> None:
             f"--global-batch-size {gbs} is not a positive multiple of --micro-batch-size {mbs} "
             f"x data-parallel size {dp} = {mbs * dp}; use a multiple of {mbs * dp}")
     ns.num_micro_batches = gbs // (mbs * dp)
-    if ns.rampup_batch_size is None:  # else the ramp-up is announced (_resolve_rampup)
+    if ns.rampup_batch_size is None:  # else the ramp-up is announced (resolve_iterations)
         note(f"setting number of micro-batches to constant {ns.num_micro_batches}")
-    if ns.train_iters is not None and ns.train_samples is not None:
-        raise ArgumentsError(f"--train-iters {ns.train_iters} and --train-samples "
-                             f"{ns.train_samples} are exclusive; pass one")
-    rules = []
-    if ns.train_iters and ns.rampup_batch_size is not None:
-        raise ArgumentsError("--rampup-batch-size needs a sample-based run: use --train-samples "
-                             f"instead of --train-iters {ns.train_iters}")
-    if ns.train_iters:
-        rules = [("lr_decay_samples", None), ("lr_warmup_samples", 0)]
-        if ns.lr_warmup_fraction is not None:
-            rules.append(("lr_warmup_iters", 0))
-        mode, other = "iteration-based (--train-iters)", "-iters"
-    elif ns.train_samples:
-        rules = [("lr_decay_iters", None), ("lr_warmup_iters", 0)]
-        if ns.lr_warmup_fraction is not None:
-            rules.append(("lr_warmup_samples", 0))
-        mode, other = "sample-based (--train-samples)", "-samples"
-    for dest, allowed in rules:
-        value = getattr(ns, dest)
-        if value != allowed:
-            flag = "--" + dest.replace("_", "-")
-            fix = ("drop it or use --lr-warmup-fraction alone" if dest.startswith("lr_warmup")
-                   and ns.lr_warmup_fraction is not None else f"use the {other} flag instead")
-            raise ArgumentsError(f"{flag} {value} cannot be used in a {mode} run; {fix}")
-
-
-def _resolve_rampup(ns) -> None:
-    """--rampup-batch-size: Megatron's checks, ints in the namespace (see microbatches.py)."""
-    interleaved = ns.virtual_pipeline_model_parallel_size is not None
-    try:
-        rampup = parse_rampup(ns.rampup_batch_size, ns.global_batch_size, ns.micro_batch_size,
-                              ns.data_parallel_size,
-                              ns.pipeline_model_parallel_size if interleaved else 1)
-    except ValueError as e:
-        raise ArgumentsError(str(e)) from None
-    if rampup is None:
-        return
-    ns.rampup_batch_size = list(rampup)
-    if ns.train_samples and ns.train_samples <= rampup[2]:
-        raise ArgumentsError(f"--rampup-batch-size ramps up over {rampup[2]} samples but "
-                             f"--train-samples is {ns.train_samples}; ramp up over fewer samples")
-    note(f"will use batch size rampup starting from global batch size {rampup[0]} to global "
-         f"batch size {ns.global_batch_size} with batch size increments {rampup[1]} over "
-         f"{rampup[2]} samples.")
 
 
 def _resolve_model_shape(ns) -> None:
@@ -481,19 +437,22 @@ def validate_args(
     explicit: Optional[Set[str]] = None,
     cuda_available: bool = False,
     vocab_size_fn: Optional[Callable[[argparse.Namespace], int]] = None,
+    origins: Optional[Mapping[str, str]] = None,
 ) -> argparse.Namespace:
     """Check every cross-flag rule and fill the derived values in `ns` (in place, returned):
     data_parallel_size, global_batch_size, num_micro_batches, ffn_hidden_size, kv_channels,
     params_dtype, activation, position_embedding_type, padded_vocab_size, ...
 
-    `explicit` is the set of dests the user set (command line or YAML). Raises
-    `ArgumentsError` naming the values and the fix."""
+    `explicit` is the set of dests the user set (command line or YAML); `origins` maps a
+    dest to the deprecated flag that set it (`arguments.apply_deprecated`), for messages.
+    Raises `ArgumentsError` naming the values and the fix."""
     explicit = explicit or set()
     _check_required(ns)
     _resolve_parallel(ns, world_size)
     _resolve_batch(ns)
+    check_run_length(ns, origins)
     _resolve_virtual_pipeline(ns)
-    _resolve_rampup(ns)
+    resolve_iterations(ns)
     _resolve_model_shape(ns)
     _resolve_precision(ns, explicit)
     _resolve_data_parallel(ns)
@@ -506,42 +465,11 @@ def validate_args(
                                           ns.tensor_model_parallel_size)
     note(f" > padded vocab (size: {orig}) with {ns.padded_vocab_size - orig} dummy tokens "
          f"(new size: {ns.padded_vocab_size})")
-    _schedule_steps(ns)  # checks warmup < decay before anything is built
+    schedule_steps(ns)  # checks warmup < decay before anything is built
     return ns
 
 
 # ------------------------------------------------------------------------ building
-
-
-def _schedule_steps(ns) -> Dict[str, Any]:
-    """LR/WD schedule lengths in SAMPLES, as Megatron's scheduler counts them; also sets
-    train_iters for sample-based runs (train_samples // global batch)."""
-    gbs = ns.global_batch_size
-    if ns.train_samples:
-        decay = ns.lr_decay_samples if ns.lr_decay_samples is not None else ns.train_samples
-        warmup = (ns.lr_warmup_fraction * decay if ns.lr_warmup_fraction is not None
-                  else ns.lr_warmup_samples)
-        wd_incr = ns.train_samples
-        ns.train_iters = ns.train_samples // gbs
-        if ns.rampup_batch_size:
-            ns.train_iters = rampup_train_iters(ns.train_samples, ns.rampup_batch_size, gbs)
-    else:
-        iters = ns.lr_decay_iters if ns.lr_decay_iters is not None else ns.train_iters
-        ns.lr_decay_iters = iters
-        decay = (iters or 0) * gbs
-        warmup = (ns.lr_warmup_fraction * decay if ns.lr_warmup_fraction is not None
-                  else ns.lr_warmup_iters * gbs)
-        wd_incr = (ns.train_iters or 0) * gbs
-    if ns.skip_train and not decay:
-        decay, warmup, wd_incr = 1, 0, 1
-    if decay <= 0 or not 0 <= warmup < decay:
-        raise ArgumentsError(
-            f"learning-rate warmup ({warmup:g} samples) must be >= 0 and shorter than the decay "
-            f"({decay:g} samples); lower --lr-warmup-iters/--lr-warmup-samples/"
-            "--lr-warmup-fraction or raise --lr-decay-iters/--lr-decay-samples")
-    if isinstance(warmup, float) and warmup.is_integer():
-        warmup = int(warmup)
-    return {"lr_warmup_steps": warmup, "lr_decay_steps": decay, "wd_incr_steps": max(wd_incr, 1)}
 
 
 _RENAMES = {
@@ -580,7 +508,7 @@ def build_config(ns: argparse.Namespace) -> Config:
     """The config dataclasses from a validated namespace; `Config.args` holds every resolved
     flag value as plain JSON-able data (params_dtype as 'torch.float32' etc.)."""
     values = dict(vars(ns))
-    values.update(_schedule_steps(ns))
+    values.update(schedule_steps(ns))
     values["train_iters"] = ns.train_iters
     values["num_query_groups"] = ns.num_query_groups if ns.group_query_attention else None
     if ns.rampup_batch_size:

@@ -347,8 +347,9 @@ def test_yaml_values_are_rejected_like_flags(tmp_path):
     ("--train-samples 100", 1, ["--train-iters 10 and --train-samples 100 are exclusive"]),
     ("--lr-decay-samples 50", 1, ["--lr-decay-samples 50", "iteration-based"]),
     ("--lr-warmup-samples 5", 1, ["--lr-warmup-samples 5", "iteration-based"]),
-    ("--lr-warmup-fraction 0.1 --lr-warmup-iters 2", 1, ["--lr-warmup-iters 2",
-                                                          "--lr-warmup-fraction alone"]),
+    ("--lr-warmup-fraction 0.1 --lr-warmup-iters 2", 1, [
+        "--lr-warmup-fraction 0.1 and --lr-warmup-iters 2",
+        "with --lr-warmup-fraction set, --lr-warmup-iters must be 0"]),
     ("--seed 0", 1, ["--seed 0 must be > 0"]),
     ("--lr-warmup-iters 10", 1, ["warmup (20 samples)", "decay (20 samples)"]),
     ("--group-query-attention --num-query-groups 3", 1, ["--num-attention-heads 4",
