@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Set
 import torch
 
 from megatron.arguments_common import ArgumentsError, note, warn
+from megatron.arguments_ranges import check_value_ranges
 from megatron.arguments_schedule import check_run_length, resolve_iterations, schedule_steps
 from megatron.config import (
     CheckpointConfig,
@@ -321,6 +322,10 @@ def _resolve_data_parallel(ns) -> None:
 
 
 def _resolve_optimizer(ns) -> None:
+    if ns.override_opt_param_scheduler and ns.use_checkpoint_opt_param_scheduler:
+        raise ArgumentsError("--override-opt_param-scheduler (take the schedule from the command "
+                             "line) and --use-checkpoint-opt_param-scheduler (take it from the "
+                             "checkpoint) contradict each other; pass at most one")
     if ns.lr < 0 or ns.min_lr < 0 or ns.min_lr > ns.lr:
         raise ArgumentsError(f"--min-lr {ns.min_lr} must be >= 0 and <= --lr {ns.lr}")
     style, start, end = ns.weight_decay_incr_style, ns.start_weight_decay, ns.end_weight_decay
@@ -448,6 +453,7 @@ def validate_args(
     Raises `ArgumentsError` naming the values and the fix."""
     explicit = explicit or set()
     _check_required(ns)
+    check_value_ranges(ns)
     _resolve_parallel(ns, world_size)
     _resolve_batch(ns)
     check_run_length(ns, origins)

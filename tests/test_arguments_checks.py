@@ -87,3 +87,52 @@ def test_rampup_longer_than_the_run_is_allowed_with_a_warning(caplog):
     assert "the run ends during the ramp-up, after 3 iterations (7 samples" in caplog.text
     cfg = run("--train-samples 8 --rampup-batch-size 2 2 8", base=without("--train-iters"))
     assert cfg.training.train_iters == 4  # 2, 2, 2, 2 (the step to 4 comes after 8 samples)
+
+
+# ------------------------------------------------------------------- value ranges
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ("--log-interval 0", "--log-interval 0 must be >= 1 (iterations between log lines)"),
+    ("--tensorboard-log-interval 0 --tensorboard-dir tb", "--tensorboard-log-interval 0 must "
+                                                          "be >= 1"),
+    ("--hidden-dropout 1.5", "--hidden-dropout 1.5 must be <= 1 (a probability)"),
+    ("--attention-dropout -0.1", "--attention-dropout -0.1 must be >= 0 (a probability)"),
+    ("--num-workers -1", "--num-workers -1 must be >= 0"),
+    ("--eval-interval -5", "--eval-interval -5 must be >= 0"),
+    ("--eval-iters -1", "--eval-iters -1 must be >= 0"),
+    ("--save x --save-interval -2", "--save-interval -2 must be >= 0"),
+    ("--exit-interval -1", "--exit-interval -1 must be >= 0"),
+    ("--distributed-timeout-minutes 0", "--distributed-timeout-minutes 0 must be >= 1"),
+    ("--train-iters 0", "--train-iters 0 must be >= 1 (pass --skip-train to only evaluate)"),
+    ("--lr-decay-iters 0", "--lr-decay-iters 0 must be >= 1"),
+    ("--lr-warmup-fraction 1.0", "--lr-warmup-fraction 1.0 must be < 1"),
+    ("--lr -1", "--lr -1.0 must be >= 0"),
+    ("--weight-decay -0.1", "--weight-decay -0.1 must be >= 0"),
+    ("--adam-beta2 1.0", "--adam-beta2 1.0 must be < 1"),
+    ("--loss-scale -8", "--loss-scale -8.0 must be >= 0"),
+    ("--fp16 --hysteresis 0", "--hysteresis 0 must be >= 1"),
+    ("--fp16 --loss-scale-window 0", "--loss-scale-window 0.0 must be >= 1"),
+    ("--fp16 --min-loss-scale 0", "--min-loss-scale 0.0 must be > 0"),
+    ("--fp16 --min-loss-scale 8 --initial-loss-scale 4", "--min-loss-scale 8.0 must be <= "
+                                                         "--initial-loss-scale 4.0"),
+    ("--override-opt_param-scheduler --use-checkpoint-opt_param-scheduler",
+     "--override-opt_param-scheduler (take the schedule from the command line) and "
+     "--use-checkpoint-opt_param-scheduler"),
+])
+def test_values_no_run_can_use_fail_in_validation(extra, expected):
+    base = without("--train-iters") if "--train-iters" in extra else B
+    assert expected in error_of(extra, base=base)
+
+
+def test_values_megatron_reads_as_off_stay_valid():
+    cfg = run("--eval-iters 0 --eval-interval 0 --exit-interval 0 --num-workers 0 "
+              "--save x --save-interval 0 --tensorboard-log-interval 0 --hidden-dropout 1.0 "
+              "--hysteresis 0 --loss-scale 0")  # no tensorboard dir, no --fp16: unused
+    assert cfg.training.eval_iters == 0 and cfg.checkpoint.save_interval == 0
+    assert run("--train-iters 0 --skip-train", base=without("--train-iters")).training.skip_train
+
+
+def test_negative_clip_grad_means_no_clipping_as_in_megatron(caplog):
+    assert run("--clip-grad -1").optimizer.clip_grad == 0.0
+    assert "--clip-grad -1.0: gradients are not clipped" in caplog.text
