@@ -61,16 +61,16 @@ def count_parameters(cfg: ModelConfig, tp_size: int = 1, pp_size: int = 1) -> Pa
 
 
 def _data_prefixes(paths: Optional[Sequence[str]]) -> List[str]:
-    """Prefixes of a Megatron data list: `p`, or `w1 p1 w2 p2 ...` (weights dropped)."""
+    """Prefixes of a Megatron data list: `p`, or `w1 p1 w2 p2 ...` (weights dropped), read
+    by the dataset builder's parser; a list it rejects (validation reports it) as is."""
+    from megatron.core.datasets.blended import parse_weighted_prefixes
+
     if not paths:
         return []
-    if len(paths) > 1 and len(paths) % 2 == 0:
-        try:
-            [float(w) for w in paths[0::2]]
-            return list(paths[1::2])
-        except ValueError:
-            pass
-    return list(paths)
+    try:
+        return parse_weighted_prefixes(paths)[0]
+    except ValueError:
+        return list(paths)
 
 
 def find_missing_inputs(args: Mapping[str, Any]) -> List[str]:

@@ -9,7 +9,6 @@ with --swiglu): never silently.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import fields
 from typing import Any, Callable, Dict, Mapping, Optional, Set
@@ -17,6 +16,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Set
 import torch
 
 from megatron.arguments_common import ArgumentsError, note, warn
+from megatron.arguments_inputs import check_data_inputs, check_tokenizer_files, default_vocab_size
 from megatron.arguments_ranges import check_value_ranges
 from megatron.arguments_schedule import check_run_length, resolve_iterations, schedule_steps
 from megatron.config import (
@@ -43,32 +43,6 @@ def pad_vocab_size(orig_vocab_size: int, divisible_by: int, tp_size: int) -> int
                              f"size {tp_size} must both be >= 1")
     multiple = divisible_by * tp_size
     return -(-orig_vocab_size // multiple) * multiple
-
-
-def default_vocab_size(args: argparse.Namespace) -> int:
-    """Tokenizer vocab size before padding, for the tokenizers that need no library:
-    NullTokenizer: --vocab-size N -> N + 1 (id N is end-of-document);
-    GPT2BPETokenizer: number of entries of the --vocab-file JSON.
-    Other tokenizer types need a `vocab_size_fn` from the tokenizer package."""
-    kind = args.tokenizer_type
-    if kind == "NullTokenizer":
-        if args.vocab_size is None:
-            raise ArgumentsError("--tokenizer-type NullTokenizer needs --vocab-size N")
-        return args.vocab_size + 1
-    if kind == "GPT2BPETokenizer":
-        if not args.vocab_file:
-            raise ArgumentsError(
-                "GPT2BPETokenizer (the default --tokenizer-type) needs --vocab-file and "
-                "--merge-file (GPT-2's gpt2-vocab.json / gpt2-merges.txt); without files use "
-                "--tokenizer-type NullTokenizer --vocab-size N (e.g. with --mock-data)")
-        if not os.path.isfile(args.vocab_file):
-            raise ArgumentsError(f"--vocab-file {args.vocab_file}: file not found")
-        with open(args.vocab_file, encoding="utf-8") as f:
-            return len(json.load(f))
-    if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
-        raise ArgumentsError(f"--tokenizer-type {kind} has no end-of-document token, which GPT "
-                             "pretraining needs; use GPT2BPETokenizer or a SentencePiece tokenizer")
-    raise ArgumentsError(f"--tokenizer-type {kind} is not supported by this framework yet")
 
 
 def _check_required(ns) -> None:
@@ -466,6 +440,8 @@ def validate_args(
     _resolve_recompute(ns)
     _resolve_runtime(ns, explicit, cuda_available)
     _check_gemm_algorithms(ns, cuda_available)
+    check_data_inputs(ns)
+    check_tokenizer_files(ns)
     orig = (vocab_size_fn or default_vocab_size)(ns)
     ns.padded_vocab_size = pad_vocab_size(orig, ns.make_vocab_size_divisible_by,
                                           ns.tensor_model_parallel_size)

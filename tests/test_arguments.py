@@ -440,12 +440,16 @@ def test_vocab_sizes_from_tokenizers(tmp_path):
     assert run().model.padded_vocab_size == 128  # NullTokenizer 100 -> 101 -> 128
     vocab = tmp_path / "vocab.json"
     vocab.write_text(json.dumps({f"t{i}": i for i in range(300)}))
-    base = without("--vocab-size", without("--tokenizer-type"))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    base = without("--vocab-size", without("--tokenizer-type")) + [
+        "--merge-file", str(tmp_path / "merges.txt")]
     assert run(f"--vocab-file {vocab}", base=base).model.padded_vocab_size == 384
     assert f"--vocab-file {tmp_path}/nope.json: file not found" in error_of(
         f"--vocab-file {tmp_path}/nope.json", base=base)
     assert "needs --vocab-file" in error_of(base=base)
-    assert run("--tokenizer-type SentencePieceTokenizer", base=without("--tokenizer-type"),
+    (tmp_path / "spm.model").write_bytes(b"")
+    assert run(f"--tokenizer-type SentencePieceTokenizer --tokenizer-model {tmp_path}/spm.model",
+               base=without("--tokenizer-type"),
                vocab_size_fn=lambda a: 1000).model.padded_vocab_size == 1024
 
 

@@ -13,11 +13,12 @@ B = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
 
 
 def without(*flags, base=B):
-    """`base` minus each flag and its value."""
+    """`base` minus each flag and its value (if it takes one)."""
     out = list(base)
     for flag in flags:
         i = out.index(flag)
-        del out[i:i + 2]
+        has_value = i + 1 < len(out) and not out[i + 1].startswith("--")
+        del out[i:i + 1 + has_value]
     return out
 
 
@@ -111,6 +112,7 @@ def test_rampup_longer_than_the_run_is_allowed_with_a_warning(caplog):
     ("--weight-decay -0.1", "--weight-decay -0.1 must be >= 0"),
     ("--adam-beta2 1.0", "--adam-beta2 1.0 must be < 1"),
     ("--loss-scale -8", "--loss-scale -8.0 must be >= 0"),
+    ("--vocab-size 0", "--vocab-size 0 must be >= 1 (NullTokenizer's token ids)"),
     ("--fp16 --hysteresis 0", "--hysteresis 0 must be >= 1"),
     ("--fp16 --loss-scale-window 0", "--loss-scale-window 0.0 must be >= 1"),
     ("--fp16 --min-loss-scale 0", "--min-loss-scale 0.0 must be > 0"),
@@ -136,3 +138,57 @@ def test_values_megatron_reads_as_off_stay_valid():
 def test_negative_clip_grad_means_no_clipping_as_in_megatron(caplog):
     assert run("--clip-grad -1").optimizer.clip_grad == 0.0
     assert "--clip-grad -1.0: gradients are not clipped" in caplog.text
+
+
+# ------------------------------------------------------------------- data inputs
+
+DATA = without("--mock-data", base=B)
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ("--data-path Z --split a,b", "--split 'a,b': expected numbers like '969,30,1'"),
+    ("--data-path Z --split 0,0,0", "--split '0,0,0': weights must be >= 0 with a positive sum"),
+    ("--data-path X X", "--data-path: data path ['X', 'X']: weights must be numbers"),
+    ("--data-path 0.5 X 0.5", "--data-path: data path ['0.5', 'X', '0.5'] must be one "
+                              "prefix or pairs 'weight prefix weight prefix ...'"),
+    ("--train-data-path 1 X Y", "--train-data-path: data path ['1', 'X', 'Y']"),
+])
+def test_data_path_and_split_syntax_fail_in_validation(extra, expected):
+    assert expected in error_of(extra, base=DATA)
+
+
+def test_split_is_not_checked_where_megatron_ignores_it():
+    cfg = run("--train-data-path X --split a,b", base=DATA)
+    assert cfg.data.train_data_path == ["X"]
+
+
+# ---------------------------------------------------------------------- tokenizer
+
+TOKENIZER = without("--tokenizer-type", "--vocab-size")
+
+
+def test_missing_tokenizer_files_fail_in_validation(tmp_path):
+    merges = tmp_path / "merges.txt"
+    merges.write_text("#version: 0.2\n")
+    msg = error_of("--tokenizer-type GPT2BPETokenizer", base=TOKENIZER)
+    assert "needs --vocab-file and --merge-file" in msg and "NullTokenizer" in msg
+    msg = error_of(f"--vocab-file {tmp_path}/nope.json --merge-file {merges}", base=TOKENIZER,
+                   vocab_size_fn=lambda a: 1)
+    assert msg == f"--vocab-file {tmp_path}/nope.json: file not found"
+    assert "(the default) needs --merge-file (" in error_of(f"--vocab-file {merges}",
+                                                            base=TOKENIZER)
+    msg = error_of("--tokenizer-type SentencePieceTokenizer", base=TOKENIZER,
+                   vocab_size_fn=lambda a: 1)
+    assert msg == "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model"
+
+
+def test_a_tokenizer_that_cannot_be_built_exits_2(tmp_path, capsys):
+    import pretrain_gpt
+
+    (tmp_path / "vocab.json").write_text("{not json")
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    with pytest.raises(SystemExit) as info:
+        pretrain_gpt.main(TOKENIZER + ["--vocab-file", str(tmp_path / "vocab.json"),
+                                       "--merge-file", str(tmp_path / "merges.txt"), "--dry-run"])
+    assert info.value.code == 2
+    assert "error: cannot build the GPT2BPETokenizer: " in capsys.readouterr().err
