@@ -256,12 +256,6 @@ def _resolve_precision(ns, explicit: Set[str]) -> None:
     if ns.bf16 and not ns.accumulate_allreduce_grads_in_fp32:
         note("accumulate and all-reduce gradients in fp32 for bfloat16 data type")
         ns.accumulate_allreduce_grads_in_fp32 = True
-    if ns.accumulate_allreduce_grads_in_fp32 and (
-            ns.DDP_impl != "local" or not ns.use_contiguous_buffers_in_local_ddp):
-        raise ArgumentsError(
-            "fp32 gradient accumulation (--bf16 or --accumulate-allreduce-grads-in-fp32) needs "
-            f"--DDP-impl local (got {ns.DDP_impl}) and contiguous buffers (drop "
-            "--no-contiguous-buffers-in-local-ddp)")
     if ns.fp16_lm_cross_entropy and not ns.fp16:
         raise ArgumentsError("--fp16-lm-cross-entropy needs --fp16")
     if ns.fp32_residual_connection and not (ns.fp16 or ns.bf16):
@@ -272,15 +266,37 @@ def _resolve_precision(ns, explicit: Set[str]) -> None:
         ns.async_tensor_model_parallel_allreduce = False
 
 
+def _check_grad_buffers(ns) -> None:
+    """Megatron's rule: fp32 gradient accumulation (which --bf16 turns on) and the
+    distributed optimizer need --DDP-impl local with contiguous gradient buffers. The local
+    DDP here always keeps contiguous buffers, so --no-contiguous-buffers-in-local-ddp is
+    either refused (where Megatron asserts) or without effect (warned)."""
+    users = []
+    if ns.accumulate_allreduce_grads_in_fp32:
+        users.append("--bf16 (gradients accumulated and all-reduced in fp32)" if ns.bf16
+                     else "--accumulate-allreduce-grads-in-fp32")
+    if ns.use_distributed_optimizer:
+        users.append("--use-distributed-optimizer")
+    what = " and ".join(users)
+    if users and ns.DDP_impl != "local":
+        raise ArgumentsError(f"{what} needs --DDP-impl local (got {ns.DDP_impl}); drop "
+                             f"--DDP-impl {ns.DDP_impl}")
+    if ns.use_contiguous_buffers_in_local_ddp:
+        return
+    if users:
+        raise ArgumentsError(f"--no-contiguous-buffers-in-local-ddp cannot be used with {what}, "
+                             f"which {'need' if len(users) > 1 else 'needs'} contiguous gradient "
+                             "buffers (Megatron-LM asserts the same); drop "
+                             "--no-contiguous-buffers-in-local-ddp")
+    warn("--no-contiguous-buffers-in-local-ddp has no effect here: the local DDP always keeps "
+         "gradients in contiguous buffers")
+
+
 def _resolve_data_parallel(ns) -> None:
-    """Megatron's --DDP-impl rules: the distributed optimizer (like fp32 accumulation, see
-    _resolve_precision) and pipeline parallelism need the local DDP with contiguous grad
-    buffers; --overlap-param-gather needs the distributed optimizer."""
-    if ns.use_distributed_optimizer and (
-            ns.DDP_impl != "local" or not ns.use_contiguous_buffers_in_local_ddp):
-        raise ArgumentsError(
-            f"--use-distributed-optimizer needs --DDP-impl local (got {ns.DDP_impl}) and "
-            "contiguous buffers (drop --no-contiguous-buffers-in-local-ddp)")
+    """Megatron's --DDP-impl rules: fp32 gradient accumulation and the distributed optimizer
+    (_check_grad_buffers) and pipeline parallelism need the local DDP;
+    --overlap-param-gather needs the distributed optimizer."""
+    _check_grad_buffers(ns)
     if ns.DDP_impl == "torch" and ns.pipeline_model_parallel_size > 1:
         raise ArgumentsError(
             f"--pipeline-model-parallel-size {ns.pipeline_model_parallel_size} needs "

@@ -192,3 +192,18 @@ def test_a_tokenizer_that_cannot_be_built_exits_2(tmp_path, capsys):
                                        "--merge-file", str(tmp_path / "merges.txt"), "--dry-run"])
     assert info.value.code == 2
     assert "error: cannot build the GPT2BPETokenizer: " in capsys.readouterr().err
+
+
+# ------------------------------------------------------------- contiguous buffers
+
+
+def test_no_contiguous_buffers_is_one_coherent_message(caplog):
+    msg = error_of("--bf16 --no-contiguous-buffers-in-local-ddp")
+    assert msg.startswith("--no-contiguous-buffers-in-local-ddp cannot be used with --bf16")
+    assert "drop --no-contiguous-buffers-in-local-ddp" in msg and "(got local)" not in msg
+    assert "has no effect" not in caplog.text
+    assert "--DDP-impl local (got torch)" in error_of("--bf16 --DDP-impl torch")
+    assert "cannot be used with --use-distributed-optimizer" in error_of(
+        "--use-distributed-optimizer --no-contiguous-buffers-in-local-ddp")
+    run("--no-contiguous-buffers-in-local-ddp")  # fp32, replicated optimizer: accepted
+    assert "--no-contiguous-buffers-in-local-ddp has no effect here" in caplog.text

@@ -153,6 +153,9 @@ IMPLEMENTED_BY = {
     "--distributed-backend": (VALIDATE, "distributed_backend"),  # nccl iff CUDA, warned
     "--distributed-timeout-minutes": ("megatron/initialize.py", "distributed_timeout_minutes"),
     "--DDP-impl": (DDP, "ddp_impl"),
+    # refused where Megatron asserts (fp32 accumulation, distributed optimizer), else warned
+    # as without effect: the local DDP always keeps contiguous gradient buffers
+    "--no-contiguous-buffers-in-local-ddp": (VALIDATE, "use_contiguous_buffers_in_local_ddp"),
     # Kept in args, filled from $LOCAL_RANK when absent; the device comes from
     # $LOCAL_RANK, which torchrun and torch.distributed.launch always set.
     "--local_rank": ("megatron/arguments.py", "local_rank"),
