@@ -464,6 +464,10 @@ def validate_args(
     note(f" > padded vocab (size: {orig}) with {ns.padded_vocab_size - orig} dummy tokens "
          f"(new size: {ns.padded_vocab_size})")
     schedule_steps(ns)  # checks warmup < decay before anything is built
+    # Megatron's counters, 0 at the start (a checkpoint stores the live values), and its
+    # fixed-sequence-length switch: in the namespace, so the arguments dump shows them.
+    ns.consumed_train_samples = ns.consumed_valid_samples = 0
+    ns.variable_seq_lengths = False
     return ns
 
 

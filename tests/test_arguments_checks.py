@@ -207,3 +207,17 @@ def test_no_contiguous_buffers_is_one_coherent_message(caplog):
         "--use-distributed-optimizer --no-contiguous-buffers-in-local-ddp")
     run("--no-contiguous-buffers-in-local-ddp")  # fp32, replicated optimizer: accepted
     assert "--no-contiguous-buffers-in-local-ddp has no effect here" in caplog.text
+
+
+# ----------------------------------------------------------------- arguments dump
+
+
+def test_dump_shows_megatrons_counters_and_fixed_lengths():
+    from megatron.arguments import format_args_dump
+
+    args = run().args
+    assert (args["consumed_train_samples"], args["consumed_valid_samples"]) == (0, 0)
+    assert args["variable_seq_lengths"] is False
+    dump = format_args_dump(args).splitlines()
+    assert "  consumed_train_samples " + "." * 26 + " 0" in dump
+    assert "  variable_seq_lengths " + "." * 28 + " False" in dump
