@@ -1,7 +1,8 @@
 """Shared pieces of the CLI layer: the user-error type, the warning helper and the flag index.
 
-Used by `arguments.py`, `arguments_validate.py` and `arguments_report.py`; it imports only the
-flag tables.
+Used by `arguments.py`, `arguments_validate.py` and the modules it calls
+(`arguments_ranges.py`, `arguments_schedule.py`, `arguments_inputs.py`) and
+`arguments_report.py`; it imports only the flag tables.
 """
 from __future__ import annotations
 

@@ -5,6 +5,10 @@ then the config dataclasses.
 message names the values involved and the fix. Where Megatron silently rewrote a value we
 either keep Megatron's rewrite and warn, or keep the user's value and warn (--ffn-hidden-size
 with --swiglu): never silently.
+
+Parts live beside it: single-value ranges (arguments_ranges.py), run length and lr
+schedule (arguments_schedule.py), data-path/split syntax and tokenizer files
+(arguments_inputs.py).
 """
 from __future__ import annotations
 
