@@ -27,15 +27,17 @@ def _launcher_env() -> tuple:
 
 
 def tokenizer_vocab_size(args) -> int:
-    """Unpadded vocabulary size of the run's tokenizer (built from its local files)."""
+    """Unpadded vocabulary size of the run's tokenizer (built from its local files). A
+    tokenizer that cannot be built is a configuration error (exit status 2)."""
+    from megatron.arguments_common import ArgumentsError
     from megatron.tokenizer import build_tokenizer
 
     try:
         tok = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
                               merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
                               vocab_size=args.vocab_size, vocab_extra_ids=args.vocab_extra_ids)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"pretrain_gpt.py: error: cannot build the {args.tokenizer_type}: {e}")
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ArgumentsError(f"cannot build the {args.tokenizer_type}: {e}") from None
     return tok.vocab_size
 
 

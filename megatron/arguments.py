@@ -10,8 +10,11 @@ Steps, each its own function:
      `--checkpoint-activations` mapped to their replacements with a warning.
   3. `check_not_supported`: every flag of another model family or of a feature not built,
      set to a non-default value, is listed in ONE error with the reason.
-  4. `validate_args` (arguments_validate.py): cross-flag rules with the world size, derived
-     values (data-parallel size, global batch, ffn size, padded vocab ...).
+  4. `validate_args` (arguments_validate.py): single-value ranges (arguments_ranges.py),
+     cross-flag rules with the world size, run length and lr schedule
+     (arguments_schedule.py), data-path/split syntax and tokenizer files
+     (arguments_inputs.py), derived values (data-parallel size, global batch, ffn size,
+     padded vocab ...).
   5. `build_config`: the dataclasses of megatron/config.py plus `Config.args` (plain data).
 
 User errors raise `ArgumentsError` (a SystemExit with status 2) after printing
@@ -371,7 +374,7 @@ def parse_and_validate(
             if ns.local_rank is None and env.get("LOCAL_RANK"):
                 ns.local_rank = int(env["LOCAL_RANK"])
             validate_args(ns, world_size, explicit=explicit, cuda_available=cuda_available,
-                          vocab_size_fn=vocab_size_fn)
+                          vocab_size_fn=vocab_size_fn, origins=origins)
             return build_config(ns)
     except ArgumentsError as err:
         prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "megatron"

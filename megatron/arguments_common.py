@@ -1,14 +1,15 @@
 """Shared pieces of the CLI layer: the user-error type, the warning helper and the flag index.
 
-Used by `arguments.py`, `arguments_validate.py` and `arguments_report.py`; it imports only the
-flag tables.
+Used by `arguments.py`, `arguments_validate.py` and the modules it calls
+(`arguments_ranges.py`, `arguments_schedule.py`, `arguments_inputs.py`) and
+`arguments_report.py`; it imports only the flag tables.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import sys
-from typing import Dict, Iterator, NamedTuple, Optional, Tuple
+from typing import Dict, Iterator, Mapping, NamedTuple, Optional, Tuple
 
 from megatron.arguments_table import EXTRA_GROUP, MEGATRON_GROUPS
 
@@ -105,3 +106,16 @@ def flag_for_dest(dest: str) -> str:
         if spec.dest == dest:
             return spec.flag
     return "--" + dest.replace("_", "-")
+
+
+def spelled(ns, dest: str, origins: Optional[Mapping[str, str]] = None) -> str:
+    """`dest`'s flag and value as the user typed them, for messages: '--lr-warmup-iters 3',
+    or '--warmup 3 (deprecated; read as --lr-warmup-iters 3)' when a deprecated flag set it
+    (`origins`: dest -> deprecated flag, as `arguments.apply_deprecated` returns)."""
+    text = f"{flag_for_dest(dest)} {getattr(ns, dest)}"
+    old = (origins or {}).get(dest)
+    if old is None:
+        return text
+    old_value = getattr(ns, old.lstrip("-").replace("-", "_"), None)
+    typed = old if old_value is None or old_value is True else f"{old} {old_value}"
+    return f"{typed} (deprecated; read as {text})"

@@ -61,16 +61,16 @@ def count_parameters(cfg: ModelConfig, tp_size: int = 1, pp_size: int = 1) -> Pa
 
 
 def _data_prefixes(paths: Optional[Sequence[str]]) -> List[str]:
-    """Prefixes of a Megatron data list: `p`, or `w1 p1 w2 p2 ...` (weights dropped)."""
+    """Prefixes of a Megatron data list: `p`, or `w1 p1 w2 p2 ...` (weights dropped), read
+    by the dataset builder's parser; a list it rejects (validation reports it) as is."""
+    from megatron.core.datasets.blended import parse_weighted_prefixes
+
     if not paths:
         return []
-    if len(paths) > 1 and len(paths) % 2 == 0:
-        try:
-            [float(w) for w in paths[0::2]]
-            return list(paths[1::2])
-        except ValueError:
-            pass
-    return list(paths)
+    try:
+        return parse_weighted_prefixes(paths)[0]
+    except ValueError:
+        return list(paths)
 
 
 def find_missing_inputs(args: Mapping[str, Any]) -> List[str]:
@@ -106,6 +106,11 @@ def _fmt(n: int) -> str:
     return f"{n:,}"
 
 
+def _samples(n) -> str:
+    """A schedule length in samples: 3.5999999999999996 (0.3 x 12) prints as 3.6."""
+    return str(round(n, 4)) if isinstance(n, float) else str(n)
+
+
 def dry_run_report(config: Config, world_size: int) -> str:
     """Human-readable summary of a resolved configuration for `--dry-run`."""
     m, p, d, t, o = config.model, config.parallel, config.data, config.training, config.optimizer
@@ -122,8 +127,8 @@ def dry_run_report(config: Config, world_size: int) -> str:
         f" (backend {config.args.get('distributed_backend')})",
         f"  batch: micro {d.micro_batch_size} x {d.num_micro_batches} micro-batches per step x "
         f"data {p.dp_size} = global {d.global_batch_size}; sequence length {d.seq_length}",
-        f"  training: {steps}, lr {o.lr} ({o.lr_decay_style}, warmup {o.lr_warmup_steps} / decay "
-        f"{o.lr_decay_steps} samples)",
+        f"  training: {steps}, lr {o.lr} ({o.lr_decay_style}, warmup {_samples(o.lr_warmup_steps)} / "
+        f"decay {_samples(o.lr_decay_steps)} samples)",
         f"  model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads"
         f"{groups}, ffn {m.ffn_hidden_size} ({m.activation}), {m.normalization}, positions "
         f"{m.position_embedding_type}, vocab {m.padded_vocab_size} (padded), {dtype}",

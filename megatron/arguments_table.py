@@ -480,8 +480,6 @@ NO_EFFECT = {
                                     "in fp32, so it never changes the result",
     "--mmap-warmup": "page-cache warm-up only; the .bin/.idx files are memory-mapped and "
                      "paged in on first use",
-    "--no-contiguous-buffers-in-local-ddp": "the local DDP always keeps gradients in "
-                                            "contiguous buffers",
 }
 
 # Flags from older Megatron-LM releases that 23.05 no longer knows: error with the modern

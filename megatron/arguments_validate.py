@@ -5,18 +5,24 @@ then the config dataclasses.
 message names the values involved and the fix. Where Megatron silently rewrote a value we
 either keep Megatron's rewrite and warn, or keep the user's value and warn (--ffn-hidden-size
 with --swiglu): never silently.
+
+Parts live beside it: single-value ranges (arguments_ranges.py), run length and lr
+schedule (arguments_schedule.py), data-path/split syntax and tokenizer files
+(arguments_inputs.py).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import fields
-from typing import Any, Callable, Dict, Optional, Set
+from typing import Any, Callable, Dict, Mapping, Optional, Set
 
 import torch
 
 from megatron.arguments_common import ArgumentsError, note, warn
+from megatron.arguments_inputs import check_data_inputs, check_tokenizer_files, default_vocab_size
+from megatron.arguments_ranges import check_value_ranges
+from megatron.arguments_schedule import check_run_length, resolve_iterations, schedule_steps
 from megatron.config import (
     CheckpointConfig,
     Config,
@@ -27,7 +33,6 @@ from megatron.config import (
     ParallelConfig,
     TrainingConfig,
 )
-from megatron.microbatches import parse_rampup, rampup_train_iters
 
 # Attributes Megatron deletes after mapping them; they never reach Config.args.
 _DELETED = ("batch_size", "warmup", "model_parallel_size", "checkpoint_activations",
@@ -42,32 +47,6 @@ def pad_vocab_size(orig_vocab_size: int, divisible_by: int, tp_size: int) -> int
                              f"size {tp_size} must both be >= 1")
     multiple = divisible_by * tp_size
     return -(-orig_vocab_size // multiple) * multiple
-
-
-def default_vocab_size(args: argparse.Namespace) -> int:
-    """Tokenizer vocab size before padding, for the tokenizers that need no library:
-    NullTokenizer: --vocab-size N -> N + 1 (id N is end-of-document);
-    GPT2BPETokenizer: number of entries of the --vocab-file JSON.
-    Other tokenizer types need a `vocab_size_fn` from the tokenizer package."""
-    kind = args.tokenizer_type
-    if kind == "NullTokenizer":
-        if args.vocab_size is None:
-            raise ArgumentsError("--tokenizer-type NullTokenizer needs --vocab-size N")
-        return args.vocab_size + 1
-    if kind == "GPT2BPETokenizer":
-        if not args.vocab_file:
-            raise ArgumentsError(
-                "GPT2BPETokenizer (the default --tokenizer-type) needs --vocab-file and "
-                "--merge-file (GPT-2's gpt2-vocab.json / gpt2-merges.txt); without files use "
-                "--tokenizer-type NullTokenizer --vocab-size N (e.g. with --mock-data)")
-        if not os.path.isfile(args.vocab_file):
-            raise ArgumentsError(f"--vocab-file {args.vocab_file}: file not found")
-        with open(args.vocab_file, encoding="utf-8") as f:
-            return len(json.load(f))
-    if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
-        raise ArgumentsError(f"--tokenizer-type {kind} has no end-of-document token, which GPT "
-                             "pretraining needs; use GPT2BPETokenizer or a SentencePiece tokenizer")
-    raise ArgumentsError(f"--tokenizer-type {kind} is not supported by this framework yet")
 
 
 def _check_required(ns) -> None:
@@ -179,7 +158,7 @@ def _resolve_virtual_pipeline(ns) -> None:
 
 
 def _resolve_batch(ns) -> None:
-    """Global batch default and divisibility; Megatron's iteration- vs sample-based rules."""
+    """Global batch default and divisibility, micro-batches per step."""
     mbs, dp = ns.micro_batch_size, ns.data_parallel_size
     if ns.global_batch_size is None:
         ns.global_batch_size = mbs * dp
@@ -191,52 +170,8 @@ def _resolve_batch(ns) -> None:
             f"--global-batch-size {gbs} is not a positive multiple of --micro-batch-size {mbs} "
             f"x data-parallel size {dp} = {mbs * dp}; use a multiple of {mbs * dp}")
     ns.num_micro_batches = gbs // (mbs * dp)
-    if ns.rampup_batch_size is None:  # else the ramp-up is announced (_resolve_rampup)
+    if ns.rampup_batch_size is None:  # else the ramp-up is announced (resolve_iterations)
         note(f"setting number of micro-batches to constant {ns.num_micro_batches}")
-    if ns.train_iters is not None and ns.train_samples is not None:
-        raise ArgumentsError(f"--train-iters {ns.train_iters} and --train-samples "
-                             f"{ns.train_samples} are exclusive; pass one")
-    rules = []
-    if ns.train_iters and ns.rampup_batch_size is not None:
-        raise ArgumentsError("--rampup-batch-size needs a sample-based run: use --train-samples "
-                             f"instead of --train-iters {ns.train_iters}")
-    if ns.train_iters:
-        rules = [("lr_decay_samples", None), ("lr_warmup_samples", 0)]
-        if ns.lr_warmup_fraction is not None:
-            rules.append(("lr_warmup_iters", 0))
-        mode, other = "iteration-based (--train-iters)", "-iters"
-    elif ns.train_samples:
-        rules = [("lr_decay_iters", None), ("lr_warmup_iters", 0)]
-        if ns.lr_warmup_fraction is not None:
-            rules.append(("lr_warmup_samples", 0))
-        mode, other = "sample-based (--train-samples)", "-samples"
-    for dest, allowed in rules:
-        value = getattr(ns, dest)
-        if value != allowed:
-            flag = "--" + dest.replace("_", "-")
-            fix = ("drop it or use --lr-warmup-fraction alone" if dest.startswith("lr_warmup")
-                   and ns.lr_warmup_fraction is not None else f"use the {other} flag instead")
-            raise ArgumentsError(f"{flag} {value} cannot be used in a {mode} run; {fix}")
-
-
-def _resolve_rampup(ns) -> None:
-    """--rampup-batch-size: Megatron's checks, ints in the namespace (see microbatches.py)."""
-    interleaved = ns.virtual_pipeline_model_parallel_size is not None
-    try:
-        rampup = parse_rampup(ns.rampup_batch_size, ns.global_batch_size, ns.micro_batch_size,
-                              ns.data_parallel_size,
-                              ns.pipeline_model_parallel_size if interleaved else 1)
-    except ValueError as e:
-        raise ArgumentsError(str(e)) from None
-    if rampup is None:
-        return
-    ns.rampup_batch_size = list(rampup)
-    if ns.train_samples and ns.train_samples <= rampup[2]:
-        raise ArgumentsError(f"--rampup-batch-size ramps up over {rampup[2]} samples but "
-                             f"--train-samples is {ns.train_samples}; ramp up over fewer samples")
-    note(f"will use batch size rampup starting from global batch size {rampup[0]} to global "
-         f"batch size {ns.global_batch_size} with batch size increments {rampup[1]} over "
-         f"{rampup[2]} samples.")
 
 
 def _resolve_model_shape(ns) -> None:
@@ -325,12 +260,6 @@ def _resolve_precision(ns, explicit: Set[str]) -> None:
     if ns.bf16 and not ns.accumulate_allreduce_grads_in_fp32:
         note("accumulate and all-reduce gradients in fp32 for bfloat16 data type")
         ns.accumulate_allreduce_grads_in_fp32 = True
-    if ns.accumulate_allreduce_grads_in_fp32 and (
-            ns.DDP_impl != "local" or not ns.use_contiguous_buffers_in_local_ddp):
-        raise ArgumentsError(
-            "fp32 gradient accumulation (--bf16 or --accumulate-allreduce-grads-in-fp32) needs "
-            f"--DDP-impl local (got {ns.DDP_impl}) and contiguous buffers (drop "
-            "--no-contiguous-buffers-in-local-ddp)")
     if ns.fp16_lm_cross_entropy and not ns.fp16:
         raise ArgumentsError("--fp16-lm-cross-entropy needs --fp16")
     if ns.fp32_residual_connection and not (ns.fp16 or ns.bf16):
@@ -341,15 +270,37 @@ def _resolve_precision(ns, explicit: Set[str]) -> None:
         ns.async_tensor_model_parallel_allreduce = False
 
 
+def _check_grad_buffers(ns) -> None:
+    """Megatron's rule: fp32 gradient accumulation (which --bf16 turns on) and the
+    distributed optimizer need --DDP-impl local with contiguous gradient buffers. The local
+    DDP here always keeps contiguous buffers, so --no-contiguous-buffers-in-local-ddp is
+    either refused (where Megatron asserts) or without effect (warned)."""
+    users = []
+    if ns.accumulate_allreduce_grads_in_fp32:
+        users.append("--bf16 (gradients accumulated and all-reduced in fp32)" if ns.bf16
+                     else "--accumulate-allreduce-grads-in-fp32")
+    if ns.use_distributed_optimizer:
+        users.append("--use-distributed-optimizer")
+    what = " and ".join(users)
+    if users and ns.DDP_impl != "local":
+        raise ArgumentsError(f"{what} needs --DDP-impl local (got {ns.DDP_impl}); drop "
+                             f"--DDP-impl {ns.DDP_impl}")
+    if ns.use_contiguous_buffers_in_local_ddp:
+        return
+    if users:
+        raise ArgumentsError(f"--no-contiguous-buffers-in-local-ddp cannot be used with {what}, "
+                             f"which {'need' if len(users) > 1 else 'needs'} contiguous gradient "
+                             "buffers (Megatron-LM asserts the same); drop "
+                             "--no-contiguous-buffers-in-local-ddp")
+    warn("--no-contiguous-buffers-in-local-ddp has no effect here: the local DDP always keeps "
+         "gradients in contiguous buffers")
+
+
 def _resolve_data_parallel(ns) -> None:
-    """Megatron's --DDP-impl rules: the distributed optimizer (like fp32 accumulation, see
-    _resolve_precision) and pipeline parallelism need the local DDP with contiguous grad
-    buffers; --overlap-param-gather needs the distributed optimizer."""
-    if ns.use_distributed_optimizer and (
-            ns.DDP_impl != "local" or not ns.use_contiguous_buffers_in_local_ddp):
-        raise ArgumentsError(
-            f"--use-distributed-optimizer needs --DDP-impl local (got {ns.DDP_impl}) and "
-            "contiguous buffers (drop --no-contiguous-buffers-in-local-ddp)")
+    """Megatron's --DDP-impl rules: fp32 gradient accumulation and the distributed optimizer
+    (_check_grad_buffers) and pipeline parallelism need the local DDP;
+    --overlap-param-gather needs the distributed optimizer."""
+    _check_grad_buffers(ns)
     if ns.DDP_impl == "torch" and ns.pipeline_model_parallel_size > 1:
         raise ArgumentsError(
             f"--pipeline-model-parallel-size {ns.pipeline_model_parallel_size} needs "
@@ -365,6 +316,10 @@ def _resolve_data_parallel(ns) -> None:
 
 
 def _resolve_optimizer(ns) -> None:
+    if ns.override_opt_param_scheduler and ns.use_checkpoint_opt_param_scheduler:
+        raise ArgumentsError("--override-opt_param-scheduler (take the schedule from the command "
+                             "line) and --use-checkpoint-opt_param-scheduler (take it from the "
+                             "checkpoint) contradict each other; pass at most one")
     if ns.lr < 0 or ns.min_lr < 0 or ns.min_lr > ns.lr:
         raise ArgumentsError(f"--min-lr {ns.min_lr} must be >= 0 and <= --lr {ns.lr}")
     style, start, end = ns.weight_decay_incr_style, ns.start_weight_decay, ns.end_weight_decay
@@ -481,19 +436,23 @@ def validate_args(
     explicit: Optional[Set[str]] = None,
     cuda_available: bool = False,
     vocab_size_fn: Optional[Callable[[argparse.Namespace], int]] = None,
+    origins: Optional[Mapping[str, str]] = None,
 ) -> argparse.Namespace:
     """Check every cross-flag rule and fill the derived values in `ns` (in place, returned):
     data_parallel_size, global_batch_size, num_micro_batches, ffn_hidden_size, kv_channels,
     params_dtype, activation, position_embedding_type, padded_vocab_size, ...
 
-    `explicit` is the set of dests the user set (command line or YAML). Raises
-    `ArgumentsError` naming the values and the fix."""
+    `explicit` is the set of dests the user set (command line or YAML); `origins` maps a
+    dest to the deprecated flag that set it (`arguments.apply_deprecated`), for messages.
+    Raises `ArgumentsError` naming the values and the fix."""
     explicit = explicit or set()
     _check_required(ns)
+    check_value_ranges(ns)
     _resolve_parallel(ns, world_size)
     _resolve_batch(ns)
+    check_run_length(ns, origins)
     _resolve_virtual_pipeline(ns)
-    _resolve_rampup(ns)
+    resolve_iterations(ns)
     _resolve_model_shape(ns)
     _resolve_precision(ns, explicit)
     _resolve_data_parallel(ns)
@@ -501,47 +460,22 @@ def validate_args(
     _resolve_recompute(ns)
     _resolve_runtime(ns, explicit, cuda_available)
     _check_gemm_algorithms(ns, cuda_available)
+    check_data_inputs(ns)
+    check_tokenizer_files(ns)
     orig = (vocab_size_fn or default_vocab_size)(ns)
     ns.padded_vocab_size = pad_vocab_size(orig, ns.make_vocab_size_divisible_by,
                                           ns.tensor_model_parallel_size)
     note(f" > padded vocab (size: {orig}) with {ns.padded_vocab_size - orig} dummy tokens "
          f"(new size: {ns.padded_vocab_size})")
-    _schedule_steps(ns)  # checks warmup < decay before anything is built
+    schedule_steps(ns)  # checks warmup < decay before anything is built
+    # Megatron's counters, 0 at the start (a checkpoint stores the live values), and its
+    # fixed-sequence-length switch: in the namespace, so the arguments dump shows them.
+    ns.consumed_train_samples = ns.consumed_valid_samples = 0
+    ns.variable_seq_lengths = False
     return ns
 
 
 # ------------------------------------------------------------------------ building
-
-
-def _schedule_steps(ns) -> Dict[str, Any]:
-    """LR/WD schedule lengths in SAMPLES, as Megatron's scheduler counts them; also sets
-    train_iters for sample-based runs (train_samples // global batch)."""
-    gbs = ns.global_batch_size
-    if ns.train_samples:
-        decay = ns.lr_decay_samples if ns.lr_decay_samples is not None else ns.train_samples
-        warmup = (ns.lr_warmup_fraction * decay if ns.lr_warmup_fraction is not None
-                  else ns.lr_warmup_samples)
-        wd_incr = ns.train_samples
-        ns.train_iters = ns.train_samples // gbs
-        if ns.rampup_batch_size:
-            ns.train_iters = rampup_train_iters(ns.train_samples, ns.rampup_batch_size, gbs)
-    else:
-        iters = ns.lr_decay_iters if ns.lr_decay_iters is not None else ns.train_iters
-        ns.lr_decay_iters = iters
-        decay = (iters or 0) * gbs
-        warmup = (ns.lr_warmup_fraction * decay if ns.lr_warmup_fraction is not None
-                  else ns.lr_warmup_iters * gbs)
-        wd_incr = (ns.train_iters or 0) * gbs
-    if ns.skip_train and not decay:
-        decay, warmup, wd_incr = 1, 0, 1
-    if decay <= 0 or not 0 <= warmup < decay:
-        raise ArgumentsError(
-            f"learning-rate warmup ({warmup:g} samples) must be >= 0 and shorter than the decay "
-            f"({decay:g} samples); lower --lr-warmup-iters/--lr-warmup-samples/"
-            "--lr-warmup-fraction or raise --lr-decay-iters/--lr-decay-samples")
-    if isinstance(warmup, float) and warmup.is_integer():
-        warmup = int(warmup)
-    return {"lr_warmup_steps": warmup, "lr_decay_steps": decay, "wd_incr_steps": max(wd_incr, 1)}
 
 
 _RENAMES = {
@@ -580,7 +514,7 @@ def build_config(ns: argparse.Namespace) -> Config:
     """The config dataclasses from a validated namespace; `Config.args` holds every resolved
     flag value as plain JSON-able data (params_dtype as 'torch.float32' etc.)."""
     values = dict(vars(ns))
-    values.update(_schedule_steps(ns))
+    values.update(schedule_steps(ns))
     values["train_iters"] = ns.train_iters
     values["num_query_groups"] = ns.num_query_groups if ns.group_query_attention else None
     if ns.rampup_batch_size:

@@ -62,12 +62,24 @@ def rampup_train_iters(train_samples: int, rampup: Tuple[int, int, int],
                        global_batch_size: int) -> int:
     """Iterations of a sample-based run (`--train-samples`) with ramp-up: the steps taken
     until more than the ramp-up samples are consumed, then whole final-size batches of
-    what is left (Megatron's count; a partial last batch is dropped)."""
+    what is left (Megatron's count; a partial last batch is dropped). When --train-samples
+    ends inside the ramp-up, Megatron's floor division of the negative remainder takes
+    steps back off in final-size batches: 2 1 8 with GBS 4 and 8 train samples ramps
+    2 + 2 + 3 + 3 = 10 samples in 4 steps, then (8 - 10) // 4 = -1: 3 iterations."""
     consumed = iterations = 0
     while consumed <= rampup[2]:
         consumed += current_global_batch_size(consumed, rampup, global_batch_size)
         iterations += 1
-    return iterations + max(train_samples - consumed, 0) // global_batch_size
+    return max(iterations + (train_samples - consumed) // global_batch_size, 0)
+
+
+def rampup_consumed_samples(iterations: int, rampup: Tuple[int, int, int],
+                            global_batch_size: int) -> int:
+    """Samples consumed by the first `iterations` steps of a ramped run."""
+    consumed = 0
+    for _ in range(iterations):
+        consumed += current_global_batch_size(consumed, rampup, global_batch_size)
+    return consumed
 
 
 def update_micro_batches(data, consumed_samples: int, dp_size: int) -> None:

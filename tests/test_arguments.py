@@ -347,8 +347,9 @@ def test_yaml_values_are_rejected_like_flags(tmp_path):
     ("--train-samples 100", 1, ["--train-iters 10 and --train-samples 100 are exclusive"]),
     ("--lr-decay-samples 50", 1, ["--lr-decay-samples 50", "iteration-based"]),
     ("--lr-warmup-samples 5", 1, ["--lr-warmup-samples 5", "iteration-based"]),
-    ("--lr-warmup-fraction 0.1 --lr-warmup-iters 2", 1, ["--lr-warmup-iters 2",
-                                                          "--lr-warmup-fraction alone"]),
+    ("--lr-warmup-fraction 0.1 --lr-warmup-iters 2", 1, [
+        "--lr-warmup-fraction 0.1 and --lr-warmup-iters 2",
+        "with --lr-warmup-fraction set, --lr-warmup-iters must be 0"]),
     ("--seed 0", 1, ["--seed 0 must be > 0"]),
     ("--lr-warmup-iters 10", 1, ["warmup (20 samples)", "decay (20 samples)"]),
     ("--group-query-attention --num-query-groups 3", 1, ["--num-attention-heads 4",
@@ -439,12 +440,16 @@ def test_vocab_sizes_from_tokenizers(tmp_path):
     assert run().model.padded_vocab_size == 128  # NullTokenizer 100 -> 101 -> 128
     vocab = tmp_path / "vocab.json"
     vocab.write_text(json.dumps({f"t{i}": i for i in range(300)}))
-    base = without("--vocab-size", without("--tokenizer-type"))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    base = without("--vocab-size", without("--tokenizer-type")) + [
+        "--merge-file", str(tmp_path / "merges.txt")]
     assert run(f"--vocab-file {vocab}", base=base).model.padded_vocab_size == 384
     assert f"--vocab-file {tmp_path}/nope.json: file not found" in error_of(
         f"--vocab-file {tmp_path}/nope.json", base=base)
     assert "needs --vocab-file" in error_of(base=base)
-    assert run("--tokenizer-type SentencePieceTokenizer", base=without("--tokenizer-type"),
+    (tmp_path / "spm.model").write_bytes(b"")
+    assert run(f"--tokenizer-type SentencePieceTokenizer --tokenizer-model {tmp_path}/spm.model",
+               base=without("--tokenizer-type"),
                vocab_size_fn=lambda a: 1000).model.padded_vocab_size == 1024
 
 

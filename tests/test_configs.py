@@ -131,6 +131,7 @@ def _world_size(launcher: str, argv) -> int:
 def test_script_command_line_is_accepted(script, tmp_path):
     vocab = tmp_path / "vocab.json"
     vocab.write_text(json.dumps({f"t{i}": i for i in range(50257)}))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")  # validation checks it exists
     paths = {"DATA_PATH": str(tmp_path / "corpus_text_document"), "VOCAB_FILE": str(vocab),
              "MERGE_FILE": str(tmp_path / "merges.txt"), "CHECKPOINT_PATH": str(tmp_path / "ck")}
     launcher, connections, argv = _launch_argv(script, tmp_path, paths)

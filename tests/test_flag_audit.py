@@ -28,6 +28,7 @@ from megatron.arguments_table import (
 
 ROOT = Path(__file__).resolve().parents[1]
 VALIDATE = "megatron/arguments_validate.py"
+SCHEDULE = "megatron/arguments_schedule.py"
 GPT = "megatron/core/models/gpt/gpt_model.py"
 LAYERS = "megatron/core/models/gpt/transformer.py"
 OPTIM = "megatron/core/optimizer/build.py"
@@ -108,14 +109,14 @@ IMPLEMENTED_BY = {
     "--data-parallel-random-init": (STEP, "data_parallel_random_init"),
     "--init-method-std": (LAYERS, "init_method_std"),
     "--init-method-xavier-uniform": (LAYERS, "init_method_xavier_uniform"),
-    # learning rate (schedule lengths become samples in arguments_validate._schedule_steps)
+    # learning rate (schedule lengths become samples in arguments_schedule.schedule_steps)
     "--lr": (SCHED, "lr"),
     "--lr-decay-style": (SCHED, "lr_decay_style"),
-    "--lr-decay-iters": (VALIDATE, "lr_decay_iters"),
-    "--lr-decay-samples": (VALIDATE, "lr_decay_samples"),
-    "--lr-warmup-fraction": (VALIDATE, "lr_warmup_fraction"),
-    "--lr-warmup-iters": (VALIDATE, "lr_warmup_iters"),
-    "--lr-warmup-samples": (VALIDATE, "lr_warmup_samples"),
+    "--lr-decay-iters": (SCHEDULE, "lr_decay_iters"),
+    "--lr-decay-samples": (SCHEDULE, "lr_decay_samples"),
+    "--lr-warmup-fraction": (SCHEDULE, "lr_warmup_fraction"),
+    "--lr-warmup-iters": (SCHEDULE, "lr_warmup_iters"),
+    "--lr-warmup-samples": (SCHEDULE, "lr_warmup_samples"),
     "--warmup": ("megatron/arguments.py", "warmup"),  # deprecated -> warmup fraction/iters
     "--min-lr": (SCHED, "min_lr"),
     "--override-opt_param-scheduler": (SCHED, "override_opt_param_scheduler"),
@@ -153,6 +154,9 @@ IMPLEMENTED_BY = {
     "--distributed-backend": (VALIDATE, "distributed_backend"),  # nccl iff CUDA, warned
     "--distributed-timeout-minutes": ("megatron/initialize.py", "distributed_timeout_minutes"),
     "--DDP-impl": (DDP, "ddp_impl"),
+    # refused where Megatron asserts (fp32 accumulation, distributed optimizer), else warned
+    # as without effect: the local DDP always keeps contiguous gradient buffers
+    "--no-contiguous-buffers-in-local-ddp": (VALIDATE, "use_contiguous_buffers_in_local_ddp"),
     # Kept in args, filled from $LOCAL_RANK when absent; the device comes from
     # $LOCAL_RANK, which torchrun and torch.distributed.launch always set.
     "--local_rank": ("megatron/arguments.py", "local_rank"),

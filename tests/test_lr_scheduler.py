@@ -169,3 +169,47 @@ def test_legacy_keys_load():
     sched.load_state_dict(legacy)
     assert sched.num_steps == 300
     assert sched.get_lr() == pytest.approx(_expected_lr("linear", 300))
+
+
+# Megatron keeps warmup = fraction * decay as a float: --lr-warmup-fraction 0.3 of 3
+# iterations x 4 samples is 3.6 samples, not 3.
+FRACTIONAL = dict(lr_warmup_steps=0.3 * 12, lr_decay_steps=12, min_lr=0.0)
+
+
+def test_fractional_warmup_is_not_truncated():
+    sched = OptimizerParamScheduler(_optimizer(), _config(**FRACTIONAL))
+    assert sched.lr_warmup_steps == pytest.approx(3.6)
+    assert _lr_at(sched, 4) == pytest.approx(9.5238095e-4)  # Megatron: 1e-3 * (1 - 0.4 / 8.4)
+    assert _lr_at(sched, 8) == pytest.approx(4.7619048e-4)
+    tiny = OptimizerParamScheduler(_optimizer(), _config(lr_warmup_steps=0.01 * 24,
+                                                         lr_decay_steps=24))
+    assert tiny.get_lr() == 0.0  # step 0 is inside the 0.24-sample warmup
+    assert isinstance(OptimizerParamScheduler(_optimizer(), _config()).lr_warmup_steps, int)
+
+
+def test_fractional_warmup_checkpoint_round_trip(tmp_path):
+    sched = OptimizerParamScheduler(_optimizer(), _config(**FRACTIONAL))
+    sched.step(4)
+    torch.save(sched.state_dict(), tmp_path / "s.pt")
+    again = OptimizerParamScheduler(_optimizer(), _config(**FRACTIONAL))
+    again.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
+    assert again.lr_warmup_steps == sched.lr_warmup_steps and again.get_lr() == sched.get_lr()
+
+
+def test_checkpoint_with_truncated_warmup_still_resumes(caplog):
+    """Checkpoints written before the fix stored int(3.6) = 3: they resume, keeping this
+    run's 3.6 with a warning (or the stored 3 with --use-checkpoint-opt_param-scheduler);
+    any other difference is still an error."""
+    old = OptimizerParamScheduler(_optimizer(), _config(**FRACTIONAL)).state_dict()
+    old.update(lr_warmup_steps=3, num_steps=4)
+    sched = OptimizerParamScheduler(_optimizer(), _config(**FRACTIONAL))
+    sched.load_state_dict(old)
+    assert sched.lr_warmup_steps == pytest.approx(3.6) and sched.num_steps == 4
+    assert "rounded down" in caplog.text and "--use-checkpoint-opt_param-scheduler" in caplog.text
+    take = OptimizerParamScheduler(_optimizer(), _config(
+        use_checkpoint_opt_param_scheduler=True, **FRACTIONAL))
+    take.load_state_dict(old)
+    assert take.lr_warmup_steps == 3
+    old["lr_warmup_steps"] = 2
+    with pytest.raises(ValueError, match="lr_warmup_steps"):
+        OptimizerParamScheduler(_optimizer(), _config(**FRACTIONAL)).load_state_dict(old)

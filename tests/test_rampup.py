@@ -16,7 +16,12 @@ from megatron.arguments import ArgumentsError, parse_and_validate
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.random import RNGStatesTracker
 from megatron.initialize import Runtime, set_random_seed
-from megatron.microbatches import current_global_batch_size, parse_rampup, rampup_train_iters
+from megatron.microbatches import (
+    current_global_batch_size,
+    parse_rampup,
+    rampup_consumed_samples,
+    rampup_train_iters,
+)
 from megatron.training import build_trainer, data_iterator, train_step
 from tests.dist_utils import run_distributed
 from tests.gpt_helpers import tiny_config
@@ -60,9 +65,12 @@ def test_cli_rules_and_derived_values():
     assert cfg.training.train_iters == 14 and cfg.optimizer.lr_decay_steps == 80
     with pytest.raises(ArgumentsError, match="sample-based run"):
         parse_and_validate(BASE + ["--train-iters", "10", "--rampup-batch-size", "2", "2", "8"])
-    with pytest.raises(ArgumentsError, match="fewer samples"):
-        parse_and_validate(BASE + ["--global-batch-size", "8", "--train-samples", "20",
-                                   "--rampup-batch-size", "2", "2", "24"])
+    # A run that ends inside the ramp-up is allowed (with a warning), with Megatron's count:
+    # the ramp takes 2, 2, 2, 2, 4, 4, 6, 6 (28 samples), then (20 - 28) // 8 = -1 step.
+    cfg = parse_and_validate(BASE + ["--global-batch-size", "8", "--train-samples", "20",
+                                     "--rampup-batch-size", "2", "2", "24"])
+    assert cfg.training.train_iters == 7 == rampup_train_iters(20, (2, 2, 24), 8)
+    assert rampup_consumed_samples(7, (2, 2, 24), 8) == 22
     # --train-samples without ramp-up: train_samples // gbs iterations, schedule in samples.
     cfg = parse_and_validate(BASE + ["--global-batch-size", "8", "--train-samples", "44",
                                      "--lr-warmup-samples", "8"])

@@ -143,7 +143,7 @@ class OptimizerConfig:
     sgd_momentum: float = 0.9
     clip_grad: float = 1.0
     lr_decay_style: str = "linear"
-    lr_warmup_steps: int = 0  # samples
+    lr_warmup_steps: float = 0  # samples; fractional from --lr-warmup-fraction (as Megatron)
     lr_decay_steps: int = 1  # samples
     wd_incr_steps: int = 1  # samples
     override_opt_param_scheduler: bool = False

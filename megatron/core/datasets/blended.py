@@ -29,7 +29,8 @@ def parse_weighted_prefixes(data_prefix: Sequence[str]) -> Tuple[List[str], List
     try:
         weights = [float(w) for w in data_prefix[0::2]]
     except ValueError as e:
-        raise ValueError(f"data path {list(data_prefix)}: weights must be numbers ({e})") from e
+        raise ValueError(f"data path {list(data_prefix)}: weights must be numbers ({e}); give "
+                         "one prefix or pairs 'weight prefix weight prefix ...'") from e
     prefixes = [p.strip() for p in data_prefix[1::2]]
     total = 0.0
     for w in weights:

@@ -7,7 +7,8 @@ successful iteration) and writes the new values into every optimizer parameter g
     group["lr"]           = lr * group.get("lr_mult", 1.0)
     group["weight_decay"] = wd * group.get("wd_mult", 1.0)
 
-Learning rate at step n (W = warmup, D = decay steps, both in samples):
+Learning rate at step n (W = warmup, D = decay steps, both in samples; W may be fractional,
+e.g. `--lr-warmup-fraction 0.3` of 12 samples is 3.6, as in Megatron):
     n <= W and W > 0            -> max_lr * n / W
     style "constant"            -> max_lr
     n > D                       -> min_lr
@@ -21,10 +22,13 @@ start + 0.5 (cos(pi (1 - r)) + 1) (end - start).
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
 from megatron.core.config import OptimizerConfig
+
+logger = logging.getLogger(__name__)
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
@@ -64,6 +68,20 @@ def _weight_decay_range(config: OptimizerConfig):
     return float(start), float(end)
 
 
+def _warmup_steps(value) -> float:
+    """The warmup length as Megatron keeps it: `fraction * decay` stays fractional (never
+    truncated); a whole number is an int, so state dicts keep their old form."""
+    value = float(value)
+    return int(value) if value.is_integer() else value
+
+
+def _truncated_warmup(current, saved) -> bool:
+    """True when `saved` is `current` rounded down to an int: what checkpoints written before
+    the warmup was kept fractional stored for a fractional warmup."""
+    return (isinstance(current, float) and not current.is_integer()
+            and isinstance(saved, int) and saved == math.floor(current))
+
+
 class OptimizerParamScheduler:
     """Sets lr and weight decay of every parameter group from the number of samples seen.
 
@@ -79,7 +97,7 @@ class OptimizerParamScheduler:
         self.optimizer = optimizer
         self.max_lr = float(config.lr)
         self.min_lr = float(config.min_lr)
-        self.lr_warmup_steps = int(config.lr_warmup_steps)
+        self.lr_warmup_steps = _warmup_steps(config.lr_warmup_steps)
         self.lr_decay_steps = int(config.lr_decay_steps)
         self.lr_decay_style = config.lr_decay_style
         self.start_wd, self.end_wd = _weight_decay_range(config)
@@ -205,6 +223,22 @@ class OptimizerParamScheduler:
             )
         return saved
 
+    def _keep_fractional_warmup(self, saved) -> bool:
+        """A checkpoint from before the fractional warmup stores int(warmup): it matches this
+        run's warmup, which is kept (with a warning) unless the checkpoint's values are
+        asked for."""
+        if not _truncated_warmup(self.lr_warmup_steps, saved):
+            return False
+        if self.use_checkpoint_opt_param_scheduler:
+            return False
+        if not self.override_opt_param_scheduler:
+            logger.warning(
+                f"the checkpoint's lr warmup of {saved} samples is this run's "
+                f"{self.lr_warmup_steps:.6g} rounded down (written by a version that truncated "
+                f"the warmup); continuing with {self.lr_warmup_steps:.6g} as Megatron-LM "
+                f"computes it (pass --use-checkpoint-opt_param-scheduler to keep {saved})")
+        return True
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore from a checkpoint entry (also accepts the older Megatron key names)."""
 
@@ -215,6 +249,8 @@ class OptimizerParamScheduler:
             raise KeyError(f"optimizer-parameter-scheduler checkpoint has no {key!r}")
 
         for key in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style"):
+            if key == "lr_warmup_steps" and self._keep_fractional_warmup(saved(key)):
+                continue
             setattr(self, key, self._check_and_set(getattr(self, key), saved(key), key))
         if "start_wd" in state_dict:
             for key in ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style"):

@@ -1,0 +1,108 @@
+"""What a run reads from disk, checked in validation (so --dry-run catches it too):
+
+* the syntax of `--data-path` (and `--train/valid/test-data-path`) and of `--split`, with
+  the dataset builder's own parsers, so the rules and messages are the builder's;
+* the tokenizer's files: the flags its type needs are given and name existing files;
+* the tokenizer's vocabulary size for the tokenizers that need no library
+  (`default_vocab_size`).
+
+Whether the data files themselves exist is reported by `--dry-run`
+(`arguments_report.find_missing_inputs`) and checked by the dataset builder.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from megatron.arguments_common import ArgumentsError, flag_for_dest
+
+_DATA_LISTS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+# tokenizer type -> the flags (dests) naming its files
+_TOKENIZER_FILES = {
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "GPTSentencePieceTokenizer": ("tokenizer_model",),
+}
+_GPT2_HINT = ("(GPT-2's gpt2-vocab.json / gpt2-merges.txt); without files use --tokenizer-type "
+              "NullTokenizer --vocab-size N (e.g. with --mock-data)")
+
+
+def check_data_inputs(ns) -> None:
+    """`--data-path` lists: one prefix or `weight prefix` pairs with numeric weights (the
+    builder's `parse_weighted_prefixes`); `--split`: numbers with a positive sum (the
+    builder's `get_train_valid_test_split`), unless --train/valid/test-data-path replace
+    --data-path (then Megatron-LM ignores --split)."""
+    from megatron.core.datasets.blended import parse_weighted_prefixes
+    from megatron.core.datasets.gpt_dataset import get_train_valid_test_split
+
+    for dest in _DATA_LISTS:
+        paths = getattr(ns, dest)
+        if paths is not None:
+            try:
+                parse_weighted_prefixes(paths)
+            except ValueError as e:
+                raise ArgumentsError(f"{flag_for_dest(dest)}: {e}") from None
+    split_ignored = not ns.data_path and any(getattr(ns, d) for d in _DATA_LISTS[1:])
+    if not split_ignored:
+        try:
+            get_train_valid_test_split(ns.split, 1000)
+        except ValueError as e:
+            raise ArgumentsError(str(e)) from None
+
+
+def _check_file(dest: str, path: str) -> None:
+    if not os.path.exists(path):
+        raise ArgumentsError(f"{flag_for_dest(dest)} {path}: file not found")
+
+
+def check_tokenizer_files(ns) -> None:
+    """The files of `--tokenizer-type` are named and exist: GPT2BPETokenizer --vocab-file
+    and --merge-file, the SentencePiece types --tokenizer-model, HuggingFaceTokenizer
+    --tokenizer-model (or --vocab-file). Megatron-LM asserts the same when it builds the
+    tokenizer; here it fails before anything starts, with exit status 2."""
+    kind = ns.tokenizer_type
+    if kind == "HuggingFaceTokenizer":
+        dest = "tokenizer_model" if ns.tokenizer_model is not None else "vocab_file"
+        if getattr(ns, dest) is None:
+            raise ArgumentsError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model "
+                                 "(a tokenizer.json file or a directory holding one)")
+        _check_file(dest, getattr(ns, dest))
+        return
+    dests = _TOKENIZER_FILES.get(kind, ())
+    missing = [flag_for_dest(d) for d in dests if not getattr(ns, d)]
+    if missing:
+        hint = f" {_GPT2_HINT}" if kind == "GPT2BPETokenizer" else ""
+        default = " (the default)" if kind == "GPT2BPETokenizer" else ""
+        raise ArgumentsError(f"--tokenizer-type {kind}{default} needs {' and '.join(missing)}"
+                             f"{hint}")
+    for dest in dests:
+        _check_file(dest, getattr(ns, dest))
+
+
+def default_vocab_size(args: argparse.Namespace) -> int:
+    """Tokenizer vocab size before padding, for the tokenizers that need no library:
+    NullTokenizer: --vocab-size N -> N + 1 (id N is end-of-document);
+    GPT2BPETokenizer: number of entries of the --vocab-file JSON.
+    Other tokenizer types need a `vocab_size_fn` from the tokenizer package."""
+    kind = args.tokenizer_type
+    if kind == "NullTokenizer":
+        if args.vocab_size is None:
+            raise ArgumentsError("--tokenizer-type NullTokenizer needs --vocab-size N")
+        return args.vocab_size + 1
+    if kind == "GPT2BPETokenizer":
+        if not args.vocab_file:
+            raise ArgumentsError(f"GPT2BPETokenizer (the default --tokenizer-type) needs "
+                                 f"--vocab-file and --merge-file {_GPT2_HINT}")
+        _check_file("vocab_file", args.vocab_file)
+        with open(args.vocab_file, encoding="utf-8") as f:
+            try:
+                return len(json.load(f))
+            except ValueError as e:
+                raise ArgumentsError(f"--vocab-file {args.vocab_file}: not a JSON vocabulary "
+                                     f"({e})") from None
+    if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        raise ArgumentsError(f"--tokenizer-type {kind} has no end-of-document token, which GPT "
+                             "pretraining needs; use GPT2BPETokenizer or a SentencePiece tokenizer")
+    raise ArgumentsError(f"--tokenizer-type {kind} is not supported by this framework yet")

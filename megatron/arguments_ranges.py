@@ -1,0 +1,110 @@
+"""Range checks of single flag values: what argparse accepts (an int, a float) but no run
+can use, caught in validation, before any cross-flag rule and any process group.
+
+The bounds follow what Megatron-LM 23.05 can run. A value it crashes on later is an error
+here (--log-interval 0: ZeroDivisionError; --hidden-dropout 1.5: torch's Dropout;
+--num-workers -1: the DataLoader); a value it reads as "off" stays valid (--eval-iters 0,
+--save-interval 0: only the final checkpoint, --exit-interval 0; here also
+--eval-interval 0: no evaluation during training); a value it reads as another setting is
+taken with a warning (--clip-grad -1: no clipping, like 0).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+from megatron.arguments_common import ArgumentsError, flag_for_dest, warn
+
+_Rule = Tuple[str, float, str, Optional[Callable]]
+
+
+def _uses_dynamic_loss_scale(ns) -> bool:
+    return bool(ns.fp16) and not ns.loss_scale
+
+
+# (dest, smallest valid value, what the flag means or how to turn it off, applies when).
+# An unset (None) optional flag is not checked.
+_AT_LEAST: Tuple[_Rule, ...] = (
+    ("log_interval", 1, "iterations between log lines", None),
+    ("tensorboard_log_interval", 1, "iterations between tensorboard scalars",
+     lambda ns: ns.tensorboard_dir),
+    ("eval_interval", 0, "iterations between evaluations; 0: none during training", None),
+    ("eval_iters", 0, "iterations per evaluation; 0: no evaluation", None),
+    ("save_interval", 0, "iterations between checkpoints; 0: only the final one", None),
+    ("exit_interval", 0, "exit when the iteration is a multiple of it; 0: never", None),
+    ("exit_duration_in_mins", 0, "exit after this many minutes; 0: never", None),
+    ("num_workers", 0, "data-loader worker processes; 0: a thread of the trainer loads",
+     None),
+    ("distributed_timeout_minutes", 1, "minutes a collective may wait", None),
+    ("train_iters", 1, "pass --skip-train to only evaluate", lambda ns: not ns.skip_train),
+    ("train_samples", 1, "pass --skip-train to only evaluate", lambda ns: not ns.skip_train),
+    ("train_iters", 0, "iterations to train", None),
+    ("train_samples", 0, "samples to train on", None),
+    ("lr_decay_iters", 1, "iterations the learning rate decays over", None),
+    ("lr_decay_samples", 1, "samples the learning rate decays over", None),
+    ("lr_warmup_iters", 0, "warmup iterations", None),
+    ("lr_warmup_samples", 0, "warmup samples", None),
+    ("lr_warmup_fraction", 0, "fraction of the decay spent warming up", None),
+    ("lr", 0, "the peak learning rate", None),
+    ("weight_decay", 0, "the L2 regularization coefficient", None),
+    ("init_method_std", 0, "standard deviation of the initial weights", None),
+    ("adam_beta1", 0, "Adam's first-moment decay", lambda ns: ns.optimizer == "adam"),
+    ("adam_beta2", 0, "Adam's second-moment decay", lambda ns: ns.optimizer == "adam"),
+    ("adam_eps", 0, "Adam's denominator term", lambda ns: ns.optimizer == "adam"),
+    ("sgd_momentum", 0, "SGD's momentum", lambda ns: ns.optimizer == "sgd"),
+    ("hidden_dropout", 0, "a probability", None),
+    ("attention_dropout", 0, "a probability", None),
+    ("kv_channels", 1, "width of one attention head", None),
+    ("ffn_hidden_size", 1, "width of the MLP", None),
+    ("vocab_size", 1, "NullTokenizer's token ids", lambda ns: ns.tokenizer_type == "NullTokenizer"),
+    ("ddp_bucket_size", 1, "elements per gradient all-reduce bucket", None),
+    ("loss_scale", 0, "a fixed loss scale; 0 or unset: dynamic scaling with --fp16", None),
+    ("loss_scale_window", 1, "clean iterations before the loss scale grows",
+     _uses_dynamic_loss_scale),
+    ("hysteresis", 1, "overflows tolerated before the loss scale drops",
+     _uses_dynamic_loss_scale),
+)
+
+# (dest, meaning, applies when): values that must be > 0
+_POSITIVE = (
+    ("initial_loss_scale", "the first dynamic loss scale", _uses_dynamic_loss_scale),
+    ("min_loss_scale", "the smallest dynamic loss scale", _uses_dynamic_loss_scale),
+)
+
+# (dest, value it must stay below or at, inclusive?, meaning, applies when)
+_AT_MOST = (
+    ("hidden_dropout", 1, True, "a probability", None),
+    ("attention_dropout", 1, True, "a probability", None),
+    ("lr_warmup_fraction", 1, False, "fraction of the decay spent warming up", None),
+    ("adam_beta1", 1, False, "Adam's first-moment decay", lambda ns: ns.optimizer == "adam"),
+    ("adam_beta2", 1, False, "Adam's second-moment decay", lambda ns: ns.optimizer == "adam"),
+)
+
+
+def _applies(ns, dest: str, when: Optional[Callable]) -> bool:
+    return getattr(ns, dest, None) is not None and (when is None or bool(when(ns)))
+
+
+def check_value_ranges(ns) -> None:
+    """Raise `ArgumentsError` for the first flag outside its range, naming the value, the
+    range and what the flag means; take --clip-grad below 0 as 0 (no clipping) with a
+    warning, as Megatron-LM clips only when --clip-grad > 0."""
+    for dest, low, meaning, when in _AT_LEAST:
+        if _applies(ns, dest, when) and getattr(ns, dest) < low:
+            raise ArgumentsError(f"{flag_for_dest(dest)} {getattr(ns, dest)} must be "
+                                 f">= {low:g} ({meaning})")
+    for dest, meaning, when in _POSITIVE:
+        if _applies(ns, dest, when) and getattr(ns, dest) <= 0:
+            raise ArgumentsError(f"{flag_for_dest(dest)} {getattr(ns, dest)} must be > 0 "
+                                 f"({meaning})")
+    for dest, high, inclusive, meaning, when in _AT_MOST:
+        value = getattr(ns, dest, None)
+        if _applies(ns, dest, when) and (value > high if inclusive else value >= high):
+            bound = f"<= {high:g}" if inclusive else f"< {high:g}"
+            raise ArgumentsError(f"{flag_for_dest(dest)} {value} must be {bound} ({meaning})")
+    if ns.clip_grad < 0:
+        warn(f"--clip-grad {ns.clip_grad}: gradients are not clipped (Megatron-LM clips only "
+             "when --clip-grad > 0); pass --clip-grad 0 to say so")
+        ns.clip_grad = 0.0
+    if _uses_dynamic_loss_scale(ns) and ns.min_loss_scale > ns.initial_loss_scale:
+        raise ArgumentsError(f"--min-loss-scale {ns.min_loss_scale} must be <= "
+                             f"--initial-loss-scale {ns.initial_loss_scale}")

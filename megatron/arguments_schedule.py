@@ -1,0 +1,119 @@
+"""How long a run trains and how its learning rate is scheduled (Megatron-LM 23.05 rules).
+
+A run is iteration-based (`--train-iters`) or sample-based (`--train-samples`); each allows
+only its own family of schedule flags. `--rampup-batch-size` needs a sample-based run. All
+schedule lengths are in SAMPLES, as Megatron's scheduler counts them; the warmup
+`fraction x decay` stays fractional.
+
+Called by `arguments_validate.validate_args` in this order: `check_run_length` (once the
+global batch is known), `resolve_iterations` (ramp-up; train_iters of sample-based runs),
+and `schedule_steps` (also used by `build_config`).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional
+
+from megatron.arguments_common import ArgumentsError, note, spelled, warn
+from megatron.microbatches import parse_rampup, rampup_consumed_samples, rampup_train_iters
+
+# mode -> (dest of the other mode's flag, its only allowed value, what to use instead)
+_OTHER_MODE = {
+    "iteration": (("lr_decay_samples", None, "--lr-decay-iters"),
+                  ("lr_warmup_samples", 0, "--lr-warmup-iters or --lr-warmup-fraction")),
+    "sample": (("lr_decay_iters", None, "--lr-decay-samples"),
+               ("lr_warmup_iters", 0, "--lr-warmup-samples or --lr-warmup-fraction")),
+}
+
+
+def check_run_length(ns, origins: Optional[Mapping[str, str]] = None) -> None:
+    """--train-iters xor --train-samples, and the schedule flags each mode allows (Megatron's
+    asserts): an iteration-based run takes no *-samples flag, a sample-based run no *-iters
+    flag; with --lr-warmup-fraction the mode's warmup count must stay 0."""
+    origins = origins or {}
+    if ns.train_iters is not None and ns.train_samples is not None:
+        raise ArgumentsError(f"--train-iters {ns.train_iters} and --train-samples "
+                             f"{ns.train_samples} are exclusive; pass one")
+    if ns.train_iters and ns.rampup_batch_size is not None:
+        raise ArgumentsError("--rampup-batch-size needs a sample-based run: use --train-samples "
+                             f"instead of --train-iters {ns.train_iters}")
+    if ns.train_iters:
+        mode, run, warmup = "an iteration", f"--train-iters {ns.train_iters}", "lr_warmup_iters"
+    elif ns.train_samples:
+        mode, run, warmup = "a sample", f"--train-samples {ns.train_samples}", "lr_warmup_samples"
+    else:
+        return
+    for dest, allowed, instead in _OTHER_MODE[mode.split()[1]]:
+        if getattr(ns, dest) != allowed:
+            raise ArgumentsError(f"{spelled(ns, dest, origins)} cannot be used in {mode}-based "
+                                 f"run ({run}); use {instead}")
+    if ns.lr_warmup_fraction is not None and getattr(ns, warmup) != 0:
+        flag = "--" + warmup.replace("_", "-")
+        raise ArgumentsError(
+            f"{spelled(ns, 'lr_warmup_fraction', origins)} and {spelled(ns, warmup, origins)} "
+            f"both set the warmup: with --lr-warmup-fraction set, {flag} must be 0; pass only "
+            "one of them")
+
+
+def resolve_iterations(ns) -> None:
+    """--rampup-batch-size: Megatron's checks, ints in the namespace (see microbatches.py);
+    then train_iters of a sample-based run (train_samples // global batch, or Megatron's
+    count through the ramp-up), or --lr-decay-iters' default of an iteration-based one."""
+    interleaved = ns.virtual_pipeline_model_parallel_size is not None
+    try:
+        rampup = parse_rampup(ns.rampup_batch_size, ns.global_batch_size, ns.micro_batch_size,
+                              ns.data_parallel_size,
+                              ns.pipeline_model_parallel_size if interleaved else 1)
+    except ValueError as e:
+        raise ArgumentsError(str(e)) from None
+    if rampup is not None:
+        ns.rampup_batch_size = list(rampup)
+        note(f"will use batch size rampup starting from global batch size {rampup[0]} to "
+             f"global batch size {ns.global_batch_size} with batch size increments {rampup[1]} "
+             f"over {rampup[2]} samples.")
+    if not ns.train_samples:
+        if ns.lr_decay_iters is None:
+            ns.lr_decay_iters = ns.train_iters
+        return
+    gbs = ns.global_batch_size
+    ns.train_iters = ns.train_samples // gbs
+    if rampup is not None:
+        ns.train_iters = rampup_train_iters(ns.train_samples, rampup, gbs)
+        if ns.train_samples <= rampup[2]:
+            consumed = rampup_consumed_samples(ns.train_iters, rampup, gbs)
+            warn(f"--rampup-batch-size {' '.join(map(str, rampup))} ramps up over {rampup[2]} "
+                 f"samples but --train-samples is {ns.train_samples}: the run ends during the "
+                 f"ramp-up, after {ns.train_iters} iterations ({consumed} samples, Megatron-LM's "
+                 f"count), before the global batch reaches {gbs}")
+    if ns.train_iters == 0 and not ns.skip_train:
+        warn(f"--train-samples {ns.train_samples} is less than one global batch ({gbs}): "
+             "no training iteration will run")
+
+
+def schedule_steps(ns) -> Dict[str, Any]:
+    """LR/WD schedule lengths in SAMPLES, as Megatron's scheduler counts them:
+    iteration-based: decay = (--lr-decay-iters or --train-iters) x global batch, warmup =
+    fraction x decay or --lr-warmup-iters x global batch; sample-based: decay =
+    --lr-decay-samples or --train-samples, warmup = fraction x decay or --lr-warmup-samples.
+    A fractional warmup stays fractional. Raises unless 0 <= warmup < decay."""
+    gbs = ns.global_batch_size
+    if ns.train_samples:
+        decay = ns.lr_decay_samples if ns.lr_decay_samples is not None else ns.train_samples
+        warmup = (ns.lr_warmup_fraction * decay if ns.lr_warmup_fraction is not None
+                  else ns.lr_warmup_samples)
+        wd_incr = ns.train_samples
+    else:
+        iters = ns.lr_decay_iters if ns.lr_decay_iters is not None else ns.train_iters
+        decay = (iters or 0) * gbs
+        warmup = (ns.lr_warmup_fraction * decay if ns.lr_warmup_fraction is not None
+                  else ns.lr_warmup_iters * gbs)
+        wd_incr = (ns.train_iters or 0) * gbs
+    if ns.skip_train and not decay:
+        decay, warmup, wd_incr = 1, 0, 1
+    if decay <= 0 or not 0 <= warmup < decay:
+        raise ArgumentsError(
+            f"learning-rate warmup ({warmup:g} samples) must be >= 0 and shorter than the decay "
+            f"({decay:g} samples); lower --lr-warmup-iters/--lr-warmup-samples/"
+            "--lr-warmup-fraction or raise --lr-decay-iters/--lr-decay-samples")
+    if isinstance(warmup, float) and warmup.is_integer():
+        warmup = int(warmup)
+    return {"lr_warmup_steps": warmup, "lr_decay_steps": decay, "wd_incr_steps": max(wd_incr, 1)}

@@ -1,0 +1,223 @@
+"""Command lines that used to pass validation (and --dry-run) but failed later, or failed
+with a misleading message: each must fail early with exit status 2 and a message that
+names the value and the fix, or run as Megatron-LM 23.05 runs it."""
+from __future__ import annotations
+
+import pytest
+
+from megatron.arguments import ArgumentsError, dry_run_report, parse_and_validate
+
+B = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+     "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 "
+     "--train-iters 4 --mock-data --tokenizer-type NullTokenizer --vocab-size 100").split()
+
+
+def without(*flags, base=B):
+    """`base` minus each flag and its value (if it takes one)."""
+    out = list(base)
+    for flag in flags:
+        i = out.index(flag)
+        has_value = i + 1 < len(out) and not out[i + 1].startswith("--")
+        del out[i:i + 1 + has_value]
+    return out
+
+
+def run(extra="", base=B, world_size=1, **kw):
+    argv = list(base) + (extra.split() if isinstance(extra, str) else list(extra))
+    kw.setdefault("cuda_available", False)
+    return parse_and_validate(argv, world_size=world_size, env={}, **kw)
+
+
+def error_of(extra="", base=B, **kw) -> str:
+    with pytest.raises(ArgumentsError) as info:
+        run(extra, base, **kw)
+    assert info.value.code == 2
+    return info.value.message
+
+
+# ------------------------------------------------------------------ fractional warmup
+
+
+def test_warmup_fraction_is_kept_fractional_and_printed_rounded():
+    cfg = run("--train-iters 3 --lr-warmup-fraction 0.3", base=without("--train-iters"))
+    assert cfg.optimizer.lr_warmup_steps == pytest.approx(3.6)
+    assert "warmup 3.6 / decay 12 samples" in dry_run_report(cfg, 1)
+    cfg = run("--train-iters 6 --lr-warmup-fraction 0.01", base=without("--train-iters"))
+    assert cfg.optimizer.lr_warmup_steps == pytest.approx(0.24)
+
+
+# --------------------------------------------------- iteration- vs sample-based flags
+
+
+def test_warmup_fraction_with_a_warmup_count_names_the_real_rule():
+    msg = error_of("--lr-warmup-fraction 0.1 --lr-warmup-iters 1")
+    assert msg.startswith("--lr-warmup-fraction 0.1 and --lr-warmup-iters 1 both set the warmup")
+    assert "with --lr-warmup-fraction set, --lr-warmup-iters must be 0" in msg
+    msg = error_of("--train-samples 400 --lr-warmup-fraction 0.1 --lr-warmup-samples 8",
+                   base=without("--train-iters"))
+    assert "with --lr-warmup-fraction set, --lr-warmup-samples must be 0" in msg
+
+
+def test_wrong_mode_flags_name_the_mode_and_what_to_use():
+    msg = error_of("--lr-warmup-samples 8")
+    assert msg == ("--lr-warmup-samples 8 cannot be used in an iteration-based run "
+                   "(--train-iters 4); use --lr-warmup-iters or --lr-warmup-fraction")
+    assert "use --lr-decay-samples" in error_of("--train-samples 400 --lr-decay-iters 5",
+                                                base=without("--train-iters"))
+
+
+def test_deprecated_warmup_is_named_as_typed():
+    msg = error_of("--train-samples 400 --warmup 3", base=without("--train-iters"))
+    assert msg.startswith("--warmup 3 (deprecated; read as --lr-warmup-iters 3) cannot be used "
+                          "in a sample-based run (--train-samples 400)")
+    msg = error_of("--warmup 0.1 --lr-warmup-iters 1")
+    assert msg.startswith("--warmup 0.1 (deprecated; read as --lr-warmup-fraction 0.1) and "
+                          "--lr-warmup-iters 1")
+
+
+# ------------------------------------------------------------------------- ramp-up
+
+
+def test_rampup_longer_than_the_run_is_allowed_with_a_warning(caplog):
+    """Megatron only asks start > 0, incr > 0 and (GBS - start) % incr == 0; the iteration
+    count is Megatron's: the ramp 2, 2, 3, 3 passes 8 samples after 4 steps, then
+    (8 - 10) // 4 = -1 takes one back."""
+    cfg = run("--micro-batch-size 1 --train-samples 8 --rampup-batch-size 2 1 8",
+              base=without("--train-iters", "--micro-batch-size"))
+    assert cfg.training.train_iters == 3 and cfg.data.rampup_batch_size == [2, 1, 8]
+    assert "the run ends during the ramp-up, after 3 iterations (7 samples" in caplog.text
+    cfg = run("--train-samples 8 --rampup-batch-size 2 2 8", base=without("--train-iters"))
+    assert cfg.training.train_iters == 4  # 2, 2, 2, 2 (the step to 4 comes after 8 samples)
+
+
+# ------------------------------------------------------------------- value ranges
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ("--log-interval 0", "--log-interval 0 must be >= 1 (iterations between log lines)"),
+    ("--tensorboard-log-interval 0 --tensorboard-dir tb", "--tensorboard-log-interval 0 must "
+                                                          "be >= 1"),
+    ("--hidden-dropout 1.5", "--hidden-dropout 1.5 must be <= 1 (a probability)"),
+    ("--attention-dropout -0.1", "--attention-dropout -0.1 must be >= 0 (a probability)"),
+    ("--num-workers -1", "--num-workers -1 must be >= 0"),
+    ("--eval-interval -5", "--eval-interval -5 must be >= 0"),
+    ("--eval-iters -1", "--eval-iters -1 must be >= 0"),
+    ("--save x --save-interval -2", "--save-interval -2 must be >= 0"),
+    ("--exit-interval -1", "--exit-interval -1 must be >= 0"),
+    ("--distributed-timeout-minutes 0", "--distributed-timeout-minutes 0 must be >= 1"),
+    ("--train-iters 0", "--train-iters 0 must be >= 1 (pass --skip-train to only evaluate)"),
+    ("--lr-decay-iters 0", "--lr-decay-iters 0 must be >= 1"),
+    ("--lr-warmup-fraction 1.0", "--lr-warmup-fraction 1.0 must be < 1"),
+    ("--lr -1", "--lr -1.0 must be >= 0"),
+    ("--weight-decay -0.1", "--weight-decay -0.1 must be >= 0"),
+    ("--adam-beta2 1.0", "--adam-beta2 1.0 must be < 1"),
+    ("--loss-scale -8", "--loss-scale -8.0 must be >= 0"),
+    ("--vocab-size 0", "--vocab-size 0 must be >= 1 (NullTokenizer's token ids)"),
+    ("--fp16 --hysteresis 0", "--hysteresis 0 must be >= 1"),
+    ("--fp16 --loss-scale-window 0", "--loss-scale-window 0.0 must be >= 1"),
+    ("--fp16 --min-loss-scale 0", "--min-loss-scale 0.0 must be > 0"),
+    ("--fp16 --min-loss-scale 8 --initial-loss-scale 4", "--min-loss-scale 8.0 must be <= "
+                                                         "--initial-loss-scale 4.0"),
+    ("--override-opt_param-scheduler --use-checkpoint-opt_param-scheduler",
+     "--override-opt_param-scheduler (take the schedule from the command line) and "
+     "--use-checkpoint-opt_param-scheduler"),
+])
+def test_values_no_run_can_use_fail_in_validation(extra, expected):
+    base = without("--train-iters") if "--train-iters" in extra else B
+    assert expected in error_of(extra, base=base)
+
+
+def test_values_megatron_reads_as_off_stay_valid():
+    cfg = run("--eval-iters 0 --eval-interval 0 --exit-interval 0 --num-workers 0 "
+              "--save x --save-interval 0 --tensorboard-log-interval 0 --hidden-dropout 1.0 "
+              "--hysteresis 0 --loss-scale 0")  # no tensorboard dir, no --fp16: unused
+    assert cfg.training.eval_iters == 0 and cfg.checkpoint.save_interval == 0
+    assert run("--train-iters 0 --skip-train", base=without("--train-iters")).training.skip_train
+
+
+def test_negative_clip_grad_means_no_clipping_as_in_megatron(caplog):
+    assert run("--clip-grad -1").optimizer.clip_grad == 0.0
+    assert "--clip-grad -1.0: gradients are not clipped" in caplog.text
+
+
+# ------------------------------------------------------------------- data inputs
+
+DATA = without("--mock-data", base=B)
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ("--data-path Z --split a,b", "--split 'a,b': expected numbers like '969,30,1'"),
+    ("--data-path Z --split 0,0,0", "--split '0,0,0': weights must be >= 0 with a positive sum"),
+    ("--data-path X X", "--data-path: data path ['X', 'X']: weights must be numbers"),
+    ("--data-path 0.5 X 0.5", "--data-path: data path ['0.5', 'X', '0.5'] must be one "
+                              "prefix or pairs 'weight prefix weight prefix ...'"),
+    ("--train-data-path 1 X Y", "--train-data-path: data path ['1', 'X', 'Y']"),
+])
+def test_data_path_and_split_syntax_fail_in_validation(extra, expected):
+    assert expected in error_of(extra, base=DATA)
+
+
+def test_split_is_not_checked_where_megatron_ignores_it():
+    cfg = run("--train-data-path X --split a,b", base=DATA)
+    assert cfg.data.train_data_path == ["X"]
+
+
+# ---------------------------------------------------------------------- tokenizer
+
+TOKENIZER = without("--tokenizer-type", "--vocab-size")
+
+
+def test_missing_tokenizer_files_fail_in_validation(tmp_path):
+    merges = tmp_path / "merges.txt"
+    merges.write_text("#version: 0.2\n")
+    msg = error_of("--tokenizer-type GPT2BPETokenizer", base=TOKENIZER)
+    assert "needs --vocab-file and --merge-file" in msg and "NullTokenizer" in msg
+    msg = error_of(f"--vocab-file {tmp_path}/nope.json --merge-file {merges}", base=TOKENIZER,
+                   vocab_size_fn=lambda a: 1)
+    assert msg == f"--vocab-file {tmp_path}/nope.json: file not found"
+    assert "(the default) needs --merge-file (" in error_of(f"--vocab-file {merges}",
+                                                            base=TOKENIZER)
+    msg = error_of("--tokenizer-type SentencePieceTokenizer", base=TOKENIZER,
+                   vocab_size_fn=lambda a: 1)
+    assert msg == "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model"
+
+
+def test_a_tokenizer_that_cannot_be_built_exits_2(tmp_path, capsys):
+    import pretrain_gpt
+
+    (tmp_path / "vocab.json").write_text("{not json")
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    with pytest.raises(SystemExit) as info:
+        pretrain_gpt.main(TOKENIZER + ["--vocab-file", str(tmp_path / "vocab.json"),
+                                       "--merge-file", str(tmp_path / "merges.txt"), "--dry-run"])
+    assert info.value.code == 2
+    assert "error: cannot build the GPT2BPETokenizer: " in capsys.readouterr().err
+
+
+# ------------------------------------------------------------- contiguous buffers
+
+
+def test_no_contiguous_buffers_is_one_coherent_message(caplog):
+    msg = error_of("--bf16 --no-contiguous-buffers-in-local-ddp")
+    assert msg.startswith("--no-contiguous-buffers-in-local-ddp cannot be used with --bf16")
+    assert "drop --no-contiguous-buffers-in-local-ddp" in msg and "(got local)" not in msg
+    assert "has no effect" not in caplog.text
+    assert "--DDP-impl local (got torch)" in error_of("--bf16 --DDP-impl torch")
+    assert "cannot be used with --use-distributed-optimizer" in error_of(
+        "--use-distributed-optimizer --no-contiguous-buffers-in-local-ddp")
+    run("--no-contiguous-buffers-in-local-ddp")  # fp32, replicated optimizer: accepted
+    assert "--no-contiguous-buffers-in-local-ddp has no effect here" in caplog.text
+
+
+# ----------------------------------------------------------------- arguments dump
+
+
+def test_dump_shows_megatrons_counters_and_fixed_lengths():
+    from megatron.arguments import format_args_dump
+
+    args = run().args
+    assert (args["consumed_train_samples"], args["consumed_valid_samples"]) == (0, 0)
+    assert args["variable_seq_lengths"] is False
+    dump = format_args_dump(args).splitlines()
+    assert "  consumed_train_samples " + "." * 26 + " 0" in dump
+    assert "  variable_seq_lengths " + "." * 28 + " False" in dump
