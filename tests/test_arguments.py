@@ -456,7 +456,9 @@ def test_vocab_sizes_from_tokenizers(tmp_path):
 @pytest.mark.skipif(not os.path.isfile(GPT2_VOCAB), reason="needs ../shared/data/gpt2")
 def test_gpt2_vocab_file_pads_to_50304():
     base = without("--vocab-size", without("--tokenizer-type"))
-    assert run(f"--vocab-file {GPT2_VOCAB}", base=base).model.padded_vocab_size == 50304
+    merges = os.path.join(os.path.dirname(GPT2_VOCAB), "gpt2-merges.txt")
+    assert run(f"--vocab-file {GPT2_VOCAB} --merge-file {merges}",
+               base=base).model.padded_vocab_size == 50304
 
 
 # ------------------------------------------------------------------------- config build
