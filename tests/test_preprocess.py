@@ -169,3 +169,30 @@ def test_small_chunks_keep_line_numbers(tmp_path, bpe, monkeypatch):
     counts = run_tool(bpe, src, tmp_path / "out", "--skip-bad-lines", "--append-eod", workers=2)
     assert counts["skipped"] == 1
     check_outputs(bpe, tmp_path / "out", docs + [DOCS[0]])
+
+
+def _argv(src, prefix, *tokenizer):
+    return ["--input", str(src), "--output-prefix", str(prefix), *tokenizer, "--workers", "1"]
+
+
+def test_tokenizer_argument_errors_exit_cleanly(tmp_path, bpe):
+    vocab_file, merge_file = bpe
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS)
+    gpt2 = ["--tokenizer-type", "GPT2BPETokenizer"]
+    cases = [
+        (gpt2 + ["--vocab-file", "/nope/vocab.json", "--merge-file", merge_file],
+         r"--vocab-file /nope/vocab\.json: no such file"),
+        (gpt2 + ["--merge-file", merge_file], r"needs --vocab-file: pass --vocab-file"),
+        (gpt2 + ["--vocab-file", merge_file, "--merge-file", vocab_file],
+         rf"--vocab-file {merge_file}: not a JSON vocabulary .*swapped"),
+        (gpt2 + ["--vocab-file", vocab_file, "--merge-file", vocab_file],
+         rf"--merge-file {vocab_file}:1: expected two symbols .*swapped"),
+        (["--tokenizer-type", "NullTokenizer", "--vocab-size", "abc"],
+         r"--vocab-size 'abc' is not an integer"),
+        (["--tokenizer-type", "NullTokenizer", "--vocab-size", "-5"],
+         r"--vocab-size -5: NullTokenizer needs a number of token ids >= 1"),
+    ]
+    for tokenizer, message in cases:
+        with pytest.raises(SystemExit, match=r"^error: cannot build the \w+: .*" + message):
+            preprocess_data.run(preprocess_data.get_args(_argv(src, tmp_path / "o", *tokenizer)))
+    assert not list(tmp_path.glob("o*"))

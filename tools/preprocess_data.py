@@ -281,10 +281,19 @@ def _pool(args: argparse.Namespace, dtype):
                     initargs=(options_from_args(args, dtype),))
 
 
+def build_tokenizer_or_exit(args: argparse.Namespace):
+    """The tokenizer of `args`; a missing, unreadable or wrong tokenizer file or value
+    ends the run with `error: ...` naming it (no traceback)."""
+    try:
+        return build_tokenizer_from_options(options_from_args(args, np.int32))
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: cannot build the {args.tokenizer_type}: {e}") from None
+
+
 def run(args: argparse.Namespace) -> dict:
     """Preprocess per `args`; returns counts {'documents', 'bytes', 'skipped', 'seconds'}."""
     files = input_files(args.input)
-    tokenizer = build_tokenizer_from_options(options_from_args(args, np.int32))
+    tokenizer = build_tokenizer_or_exit(args)
     dtype = best_dtype(tokenizer.vocab_size)
     init_worker(options_from_args(args, dtype))  # forked workers inherit this encoder
     print(f"Input: {len(files)} file(s), {sum(os.path.getsize(f) for f in files) / 1e6:.1f} MB; "
