@@ -196,3 +196,24 @@ def test_tokenizer_argument_errors_exit_cleanly(tmp_path, bpe):
         with pytest.raises(SystemExit, match=r"^error: cannot build the \w+: .*" + message):
             preprocess_data.run(preprocess_data.get_args(_argv(src, tmp_path / "o", *tokenizer)))
     assert not list(tmp_path.glob("o*"))
+
+
+def test_text_the_tokenizer_cannot_encode_is_a_bad_line(tmp_path, bpe):
+    src = tmp_path / "enc.jsonl"
+    src.write_text(json.dumps(DOCS[0]) + "\n"
+                   + '{"text": "bad \\ud800 surrogate", "title": "t"}\n')
+    with pytest.raises(SystemExit, match=r"enc\.jsonl:2: key 'text': \w+ cannot encode the "
+                                         r"text \(UnicodeEncodeError"):
+        run_tool(bpe, src, tmp_path / "out")
+    counts = run_tool(bpe, src, tmp_path / "out", "--skip-bad-lines", "--append-eod")
+    assert counts["skipped"] == 1 and counts["documents"] == 1
+    check_outputs(bpe, tmp_path / "out", [DOCS[0]])
+    src = write_jsonl(tmp_path / "null.jsonl", [{"text": "hello"}, {"text": "1 2"},
+                                                {"text": "3 99"}, {"text": "-1"}])
+    null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50"]
+    with pytest.raises(SystemExit, match=r"null\.jsonl:1: key 'text': NullTokenizer cannot"):
+        preprocess_data.run(preprocess_data.get_args(_argv(src, tmp_path / "n", *null)))
+    argv = _argv(src, tmp_path / "n", *null, "--skip-bad-lines")
+    assert preprocess_data.run(preprocess_data.get_args(argv))["skipped"] == 3
+    ds = MMapIndexedDataset(str(tmp_path / "n_text_document"))
+    assert [s.tolist() for s in ds] == [[1, 2]]  # 99 >= 51 ids and -1 are bad lines too

@@ -204,11 +204,28 @@ class ChunkEncoder:
             raise BadLine(f"missing key(s) {missing}; present: {sorted(doc)[:10]}")
         return doc
 
+    def _encode_text(self, value, key: str) -> list:
+        """Non-empty token arrays of `value`'s sentences. Text the tokenizer cannot encode
+        (a lone surrogate for GPT-2 BPE, a non-integer for NullTokenizer, ...) is a bad
+        line like malformed JSON: reported with its file and line, or skipped."""
+        sentences = self._sentences(value, key)
+        try:
+            encoded = [self._ids(s) for s in sentences]
+        except Exception as e:  # noqa: BLE001 - any tokenizer failure is this line's fault
+            raise BadLine(f"key {key!r}: {self.tokenizer.name} cannot encode the text "
+                          f"({type(e).__name__}: {e})") from None
+        encoded = [ids for ids in encoded if len(ids)]
+        vocab = self.tokenizer.vocab_size
+        for ids in encoded:  # NullTokenizer takes any integer: keep the dtype from wrapping
+            if ids.min() < 0 or ids.max() >= vocab:
+                bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+                raise BadLine(f"key {key!r}: token id {bad} outside the vocabulary [0, {vocab})")
+        return encoded
+
     def _encode_doc(self, doc: dict) -> list:
         out = []
         for key in self.opts.json_keys:
-            pieces = [ids for ids in (self._ids(s) for s in self._sentences(doc[key], key))
-                      if len(ids)]
+            pieces = self._encode_text(doc[key], key)
             sizes = [len(ids) for ids in pieces]
             if pieces and self.eod is not None:
                 pieces.append(self.eod)
