@@ -217,3 +217,41 @@ def test_text_the_tokenizer_cannot_encode_is_a_bad_line(tmp_path, bpe):
     assert preprocess_data.run(preprocess_data.get_args(argv))["skipped"] == 3
     ds = MMapIndexedDataset(str(tmp_path / "n_text_document"))
     assert [s.tolist() for s in ds] == [[1, 2]]  # 99 >= 51 ids and -1 are bad lines too
+
+
+def test_missing_output_directory_is_created(tmp_path, bpe, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS)
+    run_tool(bpe, src, tmp_path / "new" / "sub" / "out", "--append-eod")
+    assert "Created output directory" in capsys.readouterr().err
+    check_outputs(bpe, tmp_path / "new" / "sub" / "out", DOCS)
+
+
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_failed_run_keeps_the_existing_dataset(tmp_path, bpe, partitions, monkeypatch):
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS)
+    run_tool(bpe, src, tmp_path / "out", "--append-eod")
+    before = sorted((p.name, p.read_bytes()) for p in tmp_path.glob("out*"))
+    monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 64)  # documents written, then the error
+    bad = write_jsonl(tmp_path / "bad.jsonl", DOCS * 3)
+    with open(bad, "a") as f:
+        f.write("{oops\n")
+    with pytest.raises(SystemExit, match=r"bad\.jsonl:16: invalid JSON"):
+        run_tool(bpe, bad, tmp_path / "out", "--partitions", str(partitions),
+                 workers=partitions)
+    assert sorted((p.name, p.read_bytes()) for p in tmp_path.glob("out*")) == before
+    assert len(before) == 4, "the .bin/.idx of both keys, no temporary file left"
+
+
+def test_zero_documents_is_an_error_and_writes_nothing(tmp_path, bpe):
+    src = tmp_path / "plain.txt"
+    src.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\n")
+    with pytest.raises(SystemExit, match=r"no documents written: none of the 3 lines .*plain "
+                                         r"text.*json\.dumps"):
+        run_tool(bpe, src, tmp_path / "out", "--skip-bad-lines")
+    src.write_text(json.dumps({"title": "no text"}) + "\n")
+    with pytest.raises(SystemExit, match=r"no documents written: all 1 lines were bad"):
+        run_tool(bpe, src, tmp_path / "out", "--skip-bad-lines")
+    src.write_text("\n\n")
+    with pytest.raises(SystemExit, match=r"no documents written: .* holds no non-blank lines"):
+        run_tool(bpe, src, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain.txt"]

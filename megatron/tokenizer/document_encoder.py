@@ -32,6 +32,10 @@ class BadLine(ValueError):
     """A line that is not a JSON object with the wanted keys."""
 
 
+class NotJSON(BadLine):
+    """A line that does not parse as JSON at all (plain text input, for instance)."""
+
+
 @dataclass
 class EncoderOptions:
     tokenizer_type: str
@@ -196,7 +200,7 @@ class ChunkEncoder:
             try:
                 doc = json.loads(line)
             except (ValueError, UnicodeDecodeError) as e:
-                raise BadLine(f"invalid JSON ({e})") from None
+                raise NotJSON(f"invalid JSON ({e})") from None
         if not isinstance(doc, dict):
             raise BadLine(f"expected a JSON object, got {type(doc).__name__}")
         missing = [k for k in self.opts.json_keys if k not in doc]
@@ -236,7 +240,7 @@ class ChunkEncoder:
     def encode(self, chunk) -> dict:
         path, first_line, data = chunk
         per_key = [([], [], [], []) for _ in self.opts.json_keys]  # tokens, sizes, seqs, ntok
-        docs, bad = 0, []
+        docs, bad, not_json = 0, [], 0
         for line_no, line in enumerate(data.split(b"\n"), first_line):
             if not line.strip():
                 continue
@@ -247,6 +251,7 @@ class ChunkEncoder:
                 if not self.opts.skip_bad_lines:
                     return {"error": message}
                 bad.append(message)
+                not_json += isinstance(e, NotJSON)
                 continue
             docs += 1
             for (tokens, sizes, seqs, ntok), (pieces, doc_sizes) in zip(per_key, encoded):
@@ -260,7 +265,8 @@ class ChunkEncoder:
                     else np.zeros(0, dtype=self.dtype))
             keys[key] = (flat.tobytes(), np.asarray(sizes, dtype=np.int32),
                          np.asarray(seqs, dtype=np.int64), np.asarray(ntok, dtype=np.int64))
-        return {"keys": keys, "docs": docs, "bytes": len(data), "bad": bad}
+        return {"keys": keys, "docs": docs, "bytes": len(data), "bad": bad,
+                "not_json": not_json}
 
 
 _WORKER: Optional[ChunkEncoder] = None

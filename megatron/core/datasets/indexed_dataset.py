@@ -143,6 +143,10 @@ class IndexedDatasetBuilder:
         with open(data_file_path(prefix), "rb") as f:
             shutil.copyfileobj(f, self._data, length=16 << 20)
 
+    def close(self) -> None:
+        """Close the .bin without writing an index (the build is abandoned)."""
+        self._data.close()
+
     def finalize(self, idx_path: str) -> None:
         """Close the .bin and write the .idx."""
         self._data.close()
