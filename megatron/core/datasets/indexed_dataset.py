@@ -183,7 +183,11 @@ class MMapIndexedDataset:
         idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
-                raise ValueError(f"{path}: no such file (dataset prefix {prefix!r})")
+                hint = ""
+                if prefix.endswith((".bin", ".idx")):
+                    hint = (f"; a dataset is named by its prefix without .bin/.idx: pass "
+                            f"{prefix[:-4]}")
+                raise ValueError(f"{path}: no such file (dataset prefix {prefix!r}){hint}")
         idx_size = os.path.getsize(idx_path)
         self._idx_map = (np.memmap(idx_path, mode="r", dtype=np.uint8) if idx_size
                          else np.zeros(0, dtype=np.uint8))
