@@ -14,21 +14,21 @@ and `n` requested samples:
 The three arrays are cached as `.npy` files named by the md5 of the dataset description
 (`<H>.dsc`, `<H>_doc_idx.npy`, `<H>_sample_idx.npy`, `<H>_shuffle_idx.npy`), looked up in
 `<dirname(prefix)>/index-cache/` then `cache_dir`, and built into the last of those when
-missing. Building is vectorised numpy (a 10-billion-token index takes seconds).
+missing (index_cache.py). A cached set is used only if `index_mismatch` finds it fits the
+documents it is loaded for: the description does not name the document range, so other
+data can share its name. Building is vectorised numpy (a 10-billion-token index takes
+seconds).
 """
 from __future__ import annotations
 
 import hashlib
-import logging
-import os
-import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megatron.core.datasets.index_cache import find_or_build_cache, load_arrays
 from megatron.core.datasets.indexed_dataset import MMapIndexedDataset
 
-logger = logging.getLogger(__name__)
 LAST_EPOCH_FRACTION = 0.80
 
 
@@ -150,42 +150,43 @@ def describe(data_prefix: str, name: str, num_samples: int, seq_length: int, see
             f"Split {split_string}\n")
 
 
-def _cache_paths(directory: str, desc_hash: str) -> Dict[str, str]:
-    return {key: os.path.join(directory, desc_hash + suffix) for key, suffix in
-            (("desc", ".dsc"), ("doc", "_doc_idx.npy"), ("sample", "_sample_idx.npy"),
-             ("shuffle", "_shuffle_idx.npy"))}
-
-
-def find_or_build_cache(desc: str, data_prefix: str, cache_dir: Optional[str],
-                        build: Callable[[], Tuple[np.ndarray, np.ndarray, np.ndarray]],
-                        may_build: bool) -> Dict[str, str]:
-    """Paths of the four cache files: the first directory holding all of them, else build
-    them into the last directory looked at (`cache_dir` when given)."""
-    desc_hash = hashlib.md5(desc.encode("utf-8")).hexdigest()
-    directories = [os.path.join(os.path.dirname(data_prefix), "index-cache")]
-    if cache_dir is not None:
-        directories.append(cache_dir)
-    for directory in directories:
-        paths = _cache_paths(directory, desc_hash)
-        if all(os.path.isfile(p) for p in paths.values()):
-            return paths
-    if not may_build:
-        raise ValueError(f"index files {paths['doc']} (and siblings) are missing: the builder "
-                         "rank did not create them; data index creation unsuccessful")
-    start = time.time()
-    doc_idx, sample_idx, shuffle_idx = build()
-    try:
-        os.makedirs(directories[-1], exist_ok=True)
-        with open(paths["desc"], "wt") as f:
-            f.write(desc)
-        np.save(paths["doc"], doc_idx, allow_pickle=True)
-        np.save(paths["sample"], sample_idx, allow_pickle=True)
-        np.save(paths["shuffle"], shuffle_idx, allow_pickle=True)
-    except OSError as e:
-        raise ValueError(f"cannot write the dataset index cache to {directories[-1]} ({e}); "
-                         "pass a writable --data-cache-path") from e
-    logger.info("built index %s in %.2f s", desc_hash, time.time() - start)
-    return paths
+def index_mismatch(arrays: Tuple[np.ndarray, np.ndarray, np.ndarray], documents: np.ndarray,
+                   sizes: np.ndarray, num_samples: int, seq_length: int) -> Optional[str]:
+    """Why cached (doc_idx, sample_idx, shuffle_idx) cannot be the index of `documents`
+    (None when they can). Checked: doc_idx holds each document exactly E times (E the
+    epochs these documents need); sample_idx has (E*T-1)//S + 1 rows whose positions lie in
+    doc_idx, in order, and whose offsets lie inside their documents; shuffle_idx permutes
+    within (E*T-1)//S. A few vectorised passes over the arrays, about the cost of reading
+    them once (under a second for a 10-billion-token index): this catches an index built
+    for another document range or for data since preprocessed again. It is no proof: an
+    index whose counts and bounds all fit (data re-tokenized to nearly the same sizes) is
+    accepted."""
+    doc_idx, sample_idx, shuffle_idx = (np.asarray(a) for a in arrays)
+    tokens = int(np.asarray(sizes)[documents].sum(dtype=np.int64))
+    epochs = num_epochs_needed(tokens, seq_length, num_samples)
+    total = (epochs * tokens - 1) // seq_length
+    lo, hi = int(documents.min()), int(documents.max())
+    if doc_idx.ndim != 1 or len(doc_idx) != epochs * len(documents):
+        return (f"doc_idx has {len(doc_idx)} entries, not {epochs} epochs x "
+                f"{len(documents)} documents")
+    first, last = int(doc_idx.min()), int(doc_idx.max())
+    if first < lo or last > hi:
+        return f"doc_idx holds documents {first}..{last}, outside this dataset's {lo}..{hi}"
+    wanted = np.bincount(documents - lo, minlength=hi - lo + 1) * epochs
+    if not np.array_equal(np.bincount(doc_idx - lo, minlength=hi - lo + 1), wanted):
+        return f"doc_idx does not hold each of the {len(documents)} documents {epochs} times"
+    if sample_idx.shape != (total + 1, 2):
+        return (f"sample_idx has shape {sample_idx.shape}, not ({total + 1}, 2) for "
+                f"{tokens} tokens x {epochs} epochs in samples of {seq_length}")
+    pos, off = sample_idx[:, 0].astype(np.int64), sample_idx[:, 1].astype(np.int64)
+    if pos.min() < 0 or pos.max() >= len(doc_idx) or np.any(np.diff(pos) < 0):
+        return "sample_idx positions are not ordered positions of doc_idx"
+    lengths = np.asarray(sizes)[doc_idx[pos]]
+    if off.min() < 0 or np.any((off >= lengths) & (off > 0)):
+        return "sample_idx offsets lie beyond the sizes of their documents"
+    if shuffle_idx.shape != (total,) or (total and int(shuffle_idx.max()) >= total):
+        return f"shuffle_idx is not a permutation of {total} samples"
+    return None
 
 
 class GPTDataset:
@@ -206,20 +207,25 @@ class GPTDataset:
         self.seq_length = seq_length
         self.desc = describe(data_prefix, name, num_samples, seq_length, seed, split_string)
         self.desc_hash = hashlib.md5(self.desc.encode("utf-8")).hexdigest()
+        sizes = indexed_dataset.sizes
+        what = (f"the {name} dataset of {data_prefix} (documents {documents.min()}.."
+                f"{documents.max()})")
+        if int(sizes[documents].sum(dtype=np.int64)) == 0:
+            raise ValueError(f"{what}: all its documents are empty (0 tokens); preprocess "
+                             "non-empty text or adjust --split")
 
         def build():
-            return build_index_arrays(documents, indexed_dataset.sizes, num_samples,
-                                      seq_length, seed)
+            return build_index_arrays(documents, sizes, num_samples, seq_length, seed)
 
-        self.cache_paths = find_or_build_cache(self.desc, data_prefix, cache_dir, build,
-                                               may_build)
-        self._load()
+        def check(arrays):
+            return index_mismatch(arrays, documents, sizes, num_samples, seq_length)
+
+        self.cache_paths, arrays = find_or_build_cache(self.desc, data_prefix, cache_dir, build,
+                                                       may_build, check, what)
+        self.doc_idx, self.sample_idx, self.shuffle_idx = arrays
 
     def _load(self) -> None:
-        paths = self.cache_paths
-        self.doc_idx = np.load(paths["doc"], allow_pickle=True, mmap_mode="r")
-        self.sample_idx = np.load(paths["sample"], allow_pickle=True, mmap_mode="r")
-        self.shuffle_idx = np.load(paths["shuffle"], allow_pickle=True, mmap_mode="r")
+        self.doc_idx, self.sample_idx, self.shuffle_idx = load_arrays(self.cache_paths)
 
     def __getstate__(self) -> dict:  # pickled for spawned loader workers: reload the maps
         return {k: v for k, v in self.__dict__.items()
