@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron.core.datasets.index_cache import find_or_build_cache, load_arrays
-from megatron.core.datasets.indexed_dataset import MMapIndexedDataset
+from megatron.core.datasets.indexed_dataset import MMapIndexedDataset, check_token_ids
 
 LAST_EPOCH_FRACTION = 0.80
 
@@ -198,6 +198,9 @@ class GPTDataset:
                  may_build: bool = True):
         documents = np.asarray(documents, dtype=np.int32)
         n_seq = len(indexed_dataset.sizes)
+        if n_seq == 0:
+            raise ValueError(f"{data_prefix}: holds no non-empty documents (0 sequences); "
+                             "preprocess text that is not empty (check --json-keys)")
         if len(documents) == 0 or documents.min() < 0 or documents.max() >= n_seq:
             raise ValueError(f"{data_prefix}: documents must be a non-empty subset of "
                              f"[0, {n_seq})")
@@ -258,14 +261,20 @@ class _Builder:
     """Opens each prefix once and builds single or blended datasets."""
 
     def __init__(self, split: str, seq_length: int, seed: int, cache_dir: Optional[str],
-                 may_build: bool):
+                 may_build: bool, vocab_size: Optional[int] = None,
+                 log: Optional[Callable[[str], None]] = None):
         self.split, self.seq_length, self.seed = split, seq_length, seed
         self.cache_dir, self.may_build = cache_dir, may_build
+        self.vocab_size, self.log = vocab_size, log
         self._opened: Dict[str, MMapIndexedDataset] = {}
 
     def indexed(self, prefix: str) -> MMapIndexedDataset:
+        """The dataset at `prefix`, opened once; its ids checked against `vocab_size`."""
         if prefix not in self._opened:
-            self._opened[prefix] = MMapIndexedDataset(prefix)
+            dataset = MMapIndexedDataset(prefix)
+            if self.vocab_size is not None:
+                check_token_ids(dataset, self.vocab_size)
+            self._opened[prefix] = dataset
         return self._opened[prefix]
 
     def dataset(self, name: str, prefix: str, documents: np.ndarray, num_samples: int):
@@ -290,7 +299,12 @@ class _Builder:
         if any(d is None for d in datasets):
             raise ValueError(f"{what}: a blended member has an empty split; adjust --split so "
                              "every weighted dataset gets documents")
-        return BlendedDataset(datasets, weights, size, self.cache_dir, self.may_build)
+        blend = BlendedDataset(datasets, weights, size, self.cache_dir, self.may_build)
+        if self.log is not None:
+            self.log(f" > blended dataset for {what}: {size} samples; sample ratios:")
+            for d, (w, achieved) in enumerate(zip(blend.weights, blend.achieved_weights())):
+                self.log(f"   dataset {d}, input: {w:g}, achieved: {achieved:g}")
+        return blend
 
     def whole(self, name: str, data_path: Sequence[str], num_samples: int):
         """One dataset using all documents of `data_path` (one prefix or a weighted list)."""
@@ -306,9 +320,35 @@ class _Builder:
         return self.blend(members, weights, sum(counts), f"--{name}-data-path")
 
 
+def _check_train_data(builder: _Builder, data_prefix, train_path, num_train: int) -> None:
+    """When training asks for samples, stop before any index is built if the train split
+    would have no documents, naming the paths, their document counts and the fix."""
+    from megatron.core.datasets.blended import parse_weighted_prefixes
+
+    if num_train <= 0:
+        return
+    if not data_prefix and train_path is None:
+        raise ValueError(f"training asks for {num_train} samples but no train data is given "
+                         "(--valid-data-path/--test-data-path without --train-data-path); pass "
+                         "--train-data-path or --data-path, or --skip-train to only evaluate")
+    prefixes = parse_weighted_prefixes(data_prefix or train_path)[0]
+    counts = {p: len(builder.indexed(p).sizes) for p in prefixes}
+    listing = ", ".join(f"{p}: {n} documents" for p, n in counts.items())
+    if not any(counts.values()):
+        raise ValueError(f"no non-empty documents to train on ({listing}); preprocess text that "
+                         "is not empty (check --json-keys)")
+    if data_prefix:
+        bounds = [get_train_valid_test_split(builder.split, n) for n in counts.values()]
+        if all(b[1] == b[0] for b in bounds):
+            raise ValueError(f"--split {builder.split!r} gives the train split no documents "
+                             f"({listing}); give train a positive share, e.g. --split "
+                             "969,30,1, or pass --skip-train to only evaluate")
+
+
 def _build_all(builder: _Builder, data_prefix, num_samples, paths) -> tuple:
     from megatron.core.datasets.blended import parse_weighted_prefixes, per_dataset_num_samples
 
+    _check_train_data(builder, data_prefix, paths[0], num_samples[0])
     if data_prefix:
         prefixes, weights = parse_weighted_prefixes(data_prefix)
         if len(data_prefix) == 1:
@@ -333,7 +373,9 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
                                     valid_data_path: Optional[Sequence[str]] = None,
                                     test_data_path: Optional[Sequence[str]] = None, *,
                                     is_builder_rank: bool = True,
-                                    barrier: Optional[Callable[[], None]] = None) -> tuple:
+                                    barrier: Optional[Callable[[], None]] = None,
+                                    vocab_size: Optional[int] = None,
+                                    log: Optional[Callable[[str], None]] = None) -> tuple:
     """(train, valid, test) datasets, each GPTDataset, BlendedDataset or None.
 
     `data_prefix` is `--data-path`: one prefix (split by `split`) or `w1 p1 w2 p2 ...`
@@ -344,6 +386,11 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
     (global rank 0) builds missing cache files first, then all ranks meet in `barrier()`
     (e.g. `torch.distributed.barrier`; one call per rank), then the others load the files.
     A non-builder rank that finds a file missing raises ValueError.
+
+    `vocab_size` (the model's padded vocabulary) has every opened `.bin` checked for ids
+    outside it (`check_token_ids`: a bounded sample). `log` (e.g. a rank-0 print) receives,
+    on the builder rank, each blend's requested and achieved ratios. With `train` samples
+    asked for (n_train > 0) a train split without documents is an error.
     """
     if not data_prefix and not any((train_data_path, valid_data_path, test_data_path)):
         raise ValueError("no data: pass --data-path, or --train-data-path/--valid-data-path/"
@@ -353,8 +400,8 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
     result, error = None, None
     if is_builder_rank:
         try:
-            result = _build_all(_Builder(split, seq_length, seed, cache_dir, True),
-                                data_prefix, num_samples, paths)
+            result = _build_all(_Builder(split, seq_length, seed, cache_dir, True,
+                                         vocab_size, log), data_prefix, num_samples, paths)
         except Exception as e:  # reach the barrier anyway so the other ranks do not hang
             error = e
     if barrier is not None:
@@ -362,6 +409,6 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
     if error is not None:
         raise error
     if result is None:
-        result = _build_all(_Builder(split, seq_length, seed, cache_dir, False),
+        result = _build_all(_Builder(split, seq_length, seed, cache_dir, False, vocab_size),
                             data_prefix, num_samples, paths)
     return result
