@@ -111,3 +111,18 @@ def test_stale_index_under_two_ranks(tmp_path):
     assert out[0]["max"] == out[1]["max"] == 28
     names = os.listdir(cache)
     assert len(names) == 8 and not [n for n in names if ".tmp" in n]  # train and valid
+
+
+def test_truncated_blend_cache_file_is_named(tmp_path):
+    a, _ = make_corpus(tmp_path / "a", [30] * 40, seed=1)
+    b, _ = make_corpus(tmp_path / "b", [17] * 60, seed=2)
+    cache = tmp_path / "cache"
+    args = (["0.3", a, "0.7", b], "90,10,0", [200, 20, 0], 16, 7, str(cache))
+    build_train_valid_test_datasets(*args)
+    names = _cache_files(cache)
+    assert not [n for n in names if ".tmp" in n]
+    path = str(cache / next(n for n in names if n.endswith("_sample_index.npy")))
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 8)
+    with pytest.raises(ValueError, match=rf"index cache file {path} is unreadable"):
+        build_train_valid_test_datasets(*args)

@@ -50,17 +50,20 @@ def cache_paths(directory: str, desc_hash: str) -> Dict[str, str]:
              ("shuffle", "_shuffle_idx.npy"))}
 
 
+def load_npy(path: str, siblings: str) -> np.ndarray:
+    """`path` memory-mapped; an unreadable file raises ValueError naming it and the fix
+    (delete it and `siblings`, the other files of its cache set, to rebuild)."""
+    try:
+        return np.load(path, allow_pickle=True, mmap_mode="r")
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"index cache file {path} is unreadable ({e}): truncated or corrupt, "
+                         f"e.g. by an interrupted write; delete it and its siblings ({siblings}) "
+                         "to rebuild the index") from None
+
+
 def load_arrays(paths: Dict[str, str]) -> Arrays:
-    """The three arrays, memory-mapped; an unreadable file raises ValueError naming it."""
-    arrays = []
-    for key in ARRAY_KEYS:
-        try:
-            arrays.append(np.load(paths[key], allow_pickle=True, mmap_mode="r"))
-        except (ValueError, OSError, EOFError) as e:
-            raise ValueError(f"index cache file {paths[key]} is unreadable ({e}): truncated or "
-                             "corrupt, e.g. by an interrupted write; delete it and its siblings "
-                             f"({_listing(paths)}) to rebuild the index") from None
-    return tuple(arrays)
+    """The three arrays, memory-mapped (see `load_npy`)."""
+    return tuple(load_npy(paths[key], _listing(paths)) for key in ARRAY_KEYS)
 
 
 def _listing(paths: Dict[str, str]) -> str:
@@ -80,12 +83,22 @@ def _save(path: str, write: Callable) -> None:
         raise
 
 
+def save_npy(path: str, array: np.ndarray) -> None:
+    """np.save `array` to `path` through a temporary file renamed into place."""
+    _save(path, lambda f: np.save(f, array, allow_pickle=True))
+
+
+def save_text(path: str, text: str) -> None:
+    """Write `text` (UTF-8) to `path` through a temporary file renamed into place."""
+    _save(path, lambda f: f.write(text.encode("utf-8")))
+
+
 def save_cache(paths: Dict[str, str], desc: str, arrays: Arrays) -> None:
     """Write the three arrays (np.save format), then the description."""
     os.makedirs(os.path.dirname(paths["desc"]) or ".", exist_ok=True)
     for key, array in zip(ARRAY_KEYS, arrays):
-        _save(paths[key], lambda f, a=array: np.save(f, a, allow_pickle=True))
-    _save(paths["desc"], lambda f: f.write(desc.encode("utf-8")))
+        save_npy(paths[key], array)
+    save_text(paths["desc"], desc)
 
 
 def _stale_error(stale: List[Tuple[Dict[str, str], str]], what: str) -> ValueError:
