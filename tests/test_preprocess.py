@@ -255,3 +255,12 @@ def test_zero_documents_is_an_error_and_writes_nothing(tmp_path, bpe):
     with pytest.raises(SystemExit, match=r"no documents written: .* holds no non-blank lines"):
         run_tool(bpe, src, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plain.txt"]
+
+
+def test_all_empty_documents_warn(tmp_path, bpe, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "", "title": "t"}] * 3)
+    assert run_tool(bpe, src, tmp_path / "out")["documents"] == 3
+    err = capsys.readouterr().err
+    assert "out_text_document holds no tokens: the 3 documents' 'text' values" in err
+    assert "title_document holds no tokens" not in err
+    assert MMapIndexedDataset(str(tmp_path / "out_text_document")).doc_idx.tolist() == [0] * 4

@@ -220,6 +220,7 @@ class Writers:
             self.part_prefixes = {k: [self.tmp_prefixes[k]] for k in self.keys}
         self.dtype = dtype
         self.num_docs = 0
+        self.num_tokens = {k: 0 for k in self.keys}
         self.builders = {k: [] for k in self.keys}
         try:
             for k in self.keys:
@@ -232,6 +233,7 @@ class Writers:
     def add(self, per_key: dict, num_docs: int) -> None:
         for key, (tokens, sizes, seqs, toks_per_doc) in per_key.items():
             tokens = np.frombuffer(tokens, dtype=self.dtype)
+            self.num_tokens[key] += len(tokens)
             if self.partitions == 1:
                 self.builders[key][0].add_batch(tokens, sizes, seqs)
                 continue
@@ -399,6 +401,10 @@ def run(args: argparse.Namespace) -> dict:
         raise
     for key in args.json_keys:
         print(f"Wrote {writers.prefixes[key]}.bin/.idx", file=sys.stderr)
+        if writers.num_tokens[key] == 0:
+            print(f"warning: {writers.prefixes[key]} holds no tokens: the {progress.docs} "
+                  f"documents' {key!r} values are all empty; training cannot use it",
+                  file=sys.stderr)
     return {"documents": progress.docs, "bytes": progress.bytes, "skipped": progress.skipped,
             "seconds": time.time() - progress.start}
 
