@@ -47,7 +47,10 @@ def split_sample_counts(config: Config) -> List[int]:
 
 def build_datasets(config: Config, rank: int, vocab_size: int) -> Dict[str, object]:
     """split -> dataset (or None). Collective when distributed: global rank 0 builds the
-    index caches while the others wait, then everyone loads them."""
+    index caches while the others wait, then everyone loads them. Token ids are checked
+    (a bounded sample) against the padded vocabulary; blend ratios are printed on rank 0;
+    a run that trains needs train documents. Any data problem ends the run with
+    `error: could not build the datasets: ...`."""
     d = config.data
     if d.mock_data:
         return {s: MockGPTDataset(vocab_size, d.seq_length, d.seed, split_index=i)
@@ -63,7 +66,8 @@ def build_datasets(config: Config, rank: int, vocab_size: int) -> Dict[str, obje
         train, valid, test = build_train_valid_test_datasets(
             d.data_path, d.split, counts, d.seq_length, d.seed, d.data_cache_path,
             d.train_data_path, d.valid_data_path, d.test_data_path,
-            is_builder_rank=rank == 0, barrier=barrier)
+            is_builder_rank=rank == 0, barrier=barrier,
+            vocab_size=config.model.padded_vocab_size, log=print_rank_0)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: could not build the datasets: {e}") from None
     return {"train": train, "valid": valid, "test": test}

@@ -160,3 +160,22 @@ def test_missing_file_and_megatron_eod_bug(tmp_path):
 def test_best_dtype():
     assert best_dtype(50257) == np.uint16 and best_dtype(65499) == np.uint16
     assert best_dtype(65500) == np.int32 and best_dtype(128000) == np.int32
+
+
+def test_merge_tool_directory_needs_pairs(tmp_path):
+    (tmp_path / "d").mkdir()
+    write(tmp_path / "d" / "a", [[[1, 2]]])
+    write(tmp_path / "d" / "b", [[[3]]])
+    (tmp_path / "d" / "b.bin").unlink()
+    cmd = [sys.executable, str(REPO / "tools" / "merge_datasets.py"), "--input",
+           str(tmp_path / "d"), "--output-prefix", str(tmp_path / "out")]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode != 0 and f"{tmp_path / 'd' / 'b.idx'} has no .bin" in r.stderr
+    assert not (tmp_path / "out.bin").exists()
+
+
+def test_prefix_with_a_suffix_suggests_dropping_it(tmp_path):
+    write(tmp_path / "w", [[[1, 2]]])
+    with pytest.raises(ValueError, match=rf"w\.bin\.idx: no such file .*without \.bin/\.idx: "
+                                         rf"pass {tmp_path / 'w'}$"):
+        MMapIndexedDataset(str(tmp_path / "w.bin"))

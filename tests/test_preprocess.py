@@ -169,3 +169,98 @@ def test_small_chunks_keep_line_numbers(tmp_path, bpe, monkeypatch):
     counts = run_tool(bpe, src, tmp_path / "out", "--skip-bad-lines", "--append-eod", workers=2)
     assert counts["skipped"] == 1
     check_outputs(bpe, tmp_path / "out", docs + [DOCS[0]])
+
+
+def _argv(src, prefix, *tokenizer):
+    return ["--input", str(src), "--output-prefix", str(prefix), *tokenizer, "--workers", "1"]
+
+
+def test_tokenizer_argument_errors_exit_cleanly(tmp_path, bpe):
+    vocab_file, merge_file = bpe
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS)
+    gpt2 = ["--tokenizer-type", "GPT2BPETokenizer"]
+    cases = [
+        (gpt2 + ["--vocab-file", "/nope/vocab.json", "--merge-file", merge_file],
+         r"--vocab-file /nope/vocab\.json: no such file"),
+        (gpt2 + ["--merge-file", merge_file], r"needs --vocab-file: pass --vocab-file"),
+        (gpt2 + ["--vocab-file", merge_file, "--merge-file", vocab_file],
+         rf"--vocab-file {merge_file}: not a JSON vocabulary .*swapped"),
+        (gpt2 + ["--vocab-file", vocab_file, "--merge-file", vocab_file],
+         rf"--merge-file {vocab_file}:1: expected two symbols .*swapped"),
+        (["--tokenizer-type", "NullTokenizer", "--vocab-size", "abc"],
+         r"--vocab-size 'abc' is not an integer"),
+        (["--tokenizer-type", "NullTokenizer", "--vocab-size", "-5"],
+         r"--vocab-size -5: NullTokenizer needs a number of token ids >= 1"),
+    ]
+    for tokenizer, message in cases:
+        with pytest.raises(SystemExit, match=r"^error: cannot build the \w+: .*" + message):
+            preprocess_data.run(preprocess_data.get_args(_argv(src, tmp_path / "o", *tokenizer)))
+    assert not list(tmp_path.glob("o*"))
+
+
+def test_text_the_tokenizer_cannot_encode_is_a_bad_line(tmp_path, bpe):
+    src = tmp_path / "enc.jsonl"
+    src.write_text(json.dumps(DOCS[0]) + "\n"
+                   + '{"text": "bad \\ud800 surrogate", "title": "t"}\n')
+    with pytest.raises(SystemExit, match=r"enc\.jsonl:2: key 'text': \w+ cannot encode the "
+                                         r"text \(UnicodeEncodeError"):
+        run_tool(bpe, src, tmp_path / "out")
+    counts = run_tool(bpe, src, tmp_path / "out", "--skip-bad-lines", "--append-eod")
+    assert counts["skipped"] == 1 and counts["documents"] == 1
+    check_outputs(bpe, tmp_path / "out", [DOCS[0]])
+    src = write_jsonl(tmp_path / "null.jsonl", [{"text": "hello"}, {"text": "1 2"},
+                                                {"text": "3 99"}, {"text": "-1"}])
+    null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50"]
+    with pytest.raises(SystemExit, match=r"null\.jsonl:1: key 'text': NullTokenizer cannot"):
+        preprocess_data.run(preprocess_data.get_args(_argv(src, tmp_path / "n", *null)))
+    argv = _argv(src, tmp_path / "n", *null, "--skip-bad-lines")
+    assert preprocess_data.run(preprocess_data.get_args(argv))["skipped"] == 3
+    ds = MMapIndexedDataset(str(tmp_path / "n_text_document"))
+    assert [s.tolist() for s in ds] == [[1, 2]]  # 99 >= 51 ids and -1 are bad lines too
+
+
+def test_missing_output_directory_is_created(tmp_path, bpe, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS)
+    run_tool(bpe, src, tmp_path / "new" / "sub" / "out", "--append-eod")
+    assert "Created output directory" in capsys.readouterr().err
+    check_outputs(bpe, tmp_path / "new" / "sub" / "out", DOCS)
+
+
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_failed_run_keeps_the_existing_dataset(tmp_path, bpe, partitions, monkeypatch):
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS)
+    run_tool(bpe, src, tmp_path / "out", "--append-eod")
+    before = sorted((p.name, p.read_bytes()) for p in tmp_path.glob("out*"))
+    monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 64)  # documents written, then the error
+    bad = write_jsonl(tmp_path / "bad.jsonl", DOCS * 3)
+    with open(bad, "a") as f:
+        f.write("{oops\n")
+    with pytest.raises(SystemExit, match=r"bad\.jsonl:16: invalid JSON"):
+        run_tool(bpe, bad, tmp_path / "out", "--partitions", str(partitions),
+                 workers=partitions)
+    assert sorted((p.name, p.read_bytes()) for p in tmp_path.glob("out*")) == before
+    assert len(before) == 4, "the .bin/.idx of both keys, no temporary file left"
+
+
+def test_zero_documents_is_an_error_and_writes_nothing(tmp_path, bpe):
+    src = tmp_path / "plain.txt"
+    src.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\n")
+    with pytest.raises(SystemExit, match=r"no documents written: none of the 3 lines .*plain "
+                                         r"text.*json\.dumps"):
+        run_tool(bpe, src, tmp_path / "out", "--skip-bad-lines")
+    src.write_text(json.dumps({"title": "no text"}) + "\n")
+    with pytest.raises(SystemExit, match=r"no documents written: all 1 lines were bad"):
+        run_tool(bpe, src, tmp_path / "out", "--skip-bad-lines")
+    src.write_text("\n\n")
+    with pytest.raises(SystemExit, match=r"no documents written: .* holds no non-blank lines"):
+        run_tool(bpe, src, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain.txt"]
+
+
+def test_all_empty_documents_warn(tmp_path, bpe, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "", "title": "t"}] * 3)
+    assert run_tool(bpe, src, tmp_path / "out")["documents"] == 3
+    err = capsys.readouterr().err
+    assert "out_text_document holds no tokens: the 3 documents' 'text' values" in err
+    assert "title_document holds no tokens" not in err
+    assert MMapIndexedDataset(str(tmp_path / "out_text_document")).doc_idx.tolist() == [0] * 4

@@ -21,16 +21,29 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
 )
 
 
+def directory_prefixes(directory: str) -> list:
+    """Prefixes of the `.bin/.idx` pairs in `directory`, sorted; a `.bin` or `.idx` without
+    its partner is an error (Megatron's tool asserts the same), naming the file."""
+    files = {n for n in os.listdir(directory) if os.path.isfile(os.path.join(directory, n))}
+    for name in sorted(files):
+        stem, ext = os.path.splitext(name)
+        partner = {".idx": ".bin", ".bin": ".idx"}.get(ext)
+        if partner is not None and stem + partner not in files:
+            raise SystemExit(f"--input {directory}: {os.path.join(directory, name)} has no "
+                             f"{partner} beside it; restore {stem + partner} or move {name} "
+                             "out of the directory")
+    names = sorted(n[:-4] for n in files if n.endswith(".idx"))
+    if not names:
+        raise SystemExit(f"--input {directory}: directory holds no .bin/.idx pairs")
+    return [os.path.join(directory, n) for n in names]
+
+
 def input_prefixes(inputs) -> list:
     """Dataset prefixes named by `inputs` (prefixes, or directories of .bin/.idx pairs)."""
     prefixes = []
     for item in inputs:
         if os.path.isdir(item):
-            names = sorted(n[:-4] for n in os.listdir(item) if n.endswith(".idx")
-                           and os.path.isfile(os.path.join(item, n[:-4] + ".bin")))
-            if not names:
-                raise SystemExit(f"--input {item}: directory holds no .bin/.idx pairs")
-            prefixes += [os.path.join(item, n) for n in names]
+            prefixes += directory_prefixes(item)
         else:
             if item.endswith((".bin", ".idx")):
                 item = item[:-4]

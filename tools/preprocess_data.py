@@ -10,9 +10,12 @@ is streamed: chunks of lines go to `--workers` processes (each builds its tokeni
 and at most a few chunks per worker are in flight, so memory stays bounded. The `.bin` is
 byte-identical to Megatron-LM 23.05's tool for the same input and tokenizer; unlike it,
 with `--append-eod` each document's size counts its EOD token, and every key's `.idx` is
-written. A malformed line (bad JSON, missing key, value neither text nor a list of text)
-stops the run with its file and line number, or is skipped and counted with
-`--skip-bad-lines`. Blank lines are ignored.
+written. A malformed line (bad JSON, missing key, value neither text nor a list of text,
+text the tokenizer cannot encode) stops the run with its file and line number, or is
+skipped and counted with `--skip-bad-lines`. Blank lines are ignored. A run that reads no
+document is an error. Output goes to temporary files beside the targets, renamed into
+place when complete, so a failed run leaves an existing dataset intact; a missing output
+directory is created.
 
 `--split-sentences` splits each text with NLTK punkt (`pip install nltk` and
 `python -m nltk.downloader punkt_tab`, or NLTK_DATA pointing at a copy of that data):
@@ -202,24 +205,38 @@ class Reader:
 
 
 class Writers:
-    """One builder per key (and per partition); documents dealt round-robin to partitions."""
+    """One builder per key (and per partition); documents dealt round-robin to partitions.
+
+    Everything is written to temporary files beside the targets (`<prefix>.tmp<pid>.*`);
+    `finalize()` renames them into place only when complete, each `.bin` before its `.idx`,
+    and `abort()` removes them, so a failed run leaves an existing dataset untouched.
+    """
 
     def __init__(self, args: argparse.Namespace, dtype):
         self.keys, self.partitions = args.json_keys, args.partitions
         level = "sentence" if args.split_sentences else "document"
         self.prefixes = {k: f"{args.output_prefix}_{k}_{level}" for k in self.keys}
-        self.part_prefixes = {k: [f"{args.output_prefix}_{i}_{k}_{level}"
-                                  for i in range(self.partitions)] for k in self.keys}
+        self.tmp_prefixes = {k: f"{p}.tmp{os.getpid()}" for k, p in self.prefixes.items()}
+        self.part_prefixes = {k: [f"{self.tmp_prefixes[k]}_{i}" for i in range(self.partitions)]
+                              for k in self.keys}
         if self.partitions == 1:
-            self.part_prefixes = {k: [self.prefixes[k]] for k in self.keys}
-        self.builders = {k: [IndexedDatasetBuilder(data_file_path(p), dtype)
-                             for p in self.part_prefixes[k]] for k in self.keys}
+            self.part_prefixes = {k: [self.tmp_prefixes[k]] for k in self.keys}
         self.dtype = dtype
         self.num_docs = 0
+        self.num_tokens = {k: 0 for k in self.keys}
+        self.builders = {k: [] for k in self.keys}
+        try:
+            for k in self.keys:
+                for p in self.part_prefixes[k]:
+                    self.builders[k].append(IndexedDatasetBuilder(data_file_path(p), dtype))
+        except BaseException:
+            self.abort()
+            raise
 
     def add(self, per_key: dict, num_docs: int) -> None:
         for key, (tokens, sizes, seqs, toks_per_doc) in per_key.items():
             tokens = np.frombuffer(tokens, dtype=self.dtype)
+            self.num_tokens[key] += len(tokens)
             if self.partitions == 1:
                 self.builders[key][0].add_batch(tokens, sizes, seqs)
                 continue
@@ -232,17 +249,32 @@ class Writers:
         self.num_docs += num_docs
 
     def finalize(self) -> None:
+        """Write every index, merge partitions, then move the files into place."""
         for key in self.keys:
             for prefix, builder in zip(self.part_prefixes[key], self.builders[key]):
                 builder.finalize(index_file_path(prefix))
             if self.partitions == 1:
                 continue
-            merged = IndexedDatasetBuilder(data_file_path(self.prefixes[key]), self.dtype)
+            merged = IndexedDatasetBuilder(data_file_path(self.tmp_prefixes[key]), self.dtype)
+            self.builders[key].append(merged)
             for prefix in self.part_prefixes[key]:
                 merged.merge_file_(prefix)
                 os.remove(data_file_path(prefix))
                 os.remove(index_file_path(prefix))
-            merged.finalize(index_file_path(self.prefixes[key]))
+            merged.finalize(index_file_path(self.tmp_prefixes[key]))
+        for key in self.keys:
+            for path in (data_file_path, index_file_path):  # .idx last
+                os.replace(path(self.tmp_prefixes[key]), path(self.prefixes[key]))
+
+    def abort(self) -> None:
+        """Close and remove every temporary file; the targets are left as they were."""
+        for key in self.keys:
+            for builder in self.builders[key]:
+                builder.close()
+            for prefix in self.part_prefixes[key] + [self.tmp_prefixes[key]]:
+                for path in (data_file_path(prefix), index_file_path(prefix)):
+                    if os.path.exists(path):
+                        os.remove(path)
 
 
 class Progress:
@@ -281,19 +313,33 @@ def _pool(args: argparse.Namespace, dtype):
                     initargs=(options_from_args(args, dtype),))
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Preprocess per `args`; returns counts {'documents', 'bytes', 'skipped', 'seconds'}."""
-    files = input_files(args.input)
-    tokenizer = build_tokenizer_from_options(options_from_args(args, np.int32))
-    dtype = best_dtype(tokenizer.vocab_size)
-    init_worker(options_from_args(args, dtype))  # forked workers inherit this encoder
-    print(f"Input: {len(files)} file(s), {sum(os.path.getsize(f) for f in files) / 1e6:.1f} MB; "
-          f"tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size}), dtype "
-          f"{np.dtype(dtype).name}", file=sys.stderr)
-    reader = Reader(files, max_in_flight=4 * args.workers)
-    writers = Writers(args, dtype)
-    progress = Progress(reader, args.log_interval)
-    examples = []
+def build_tokenizer_or_exit(args: argparse.Namespace):
+    """The tokenizer of `args`; a missing, unreadable or wrong tokenizer file or value
+    ends the run with `error: ...` naming it (no traceback)."""
+    try:
+        return build_tokenizer_from_options(options_from_args(args, np.int32))
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: cannot build the {args.tokenizer_type}: {e}") from None
+
+
+def make_output_dir(output_prefix: str) -> None:
+    """Create the directory of `--output-prefix` when missing (and say so)."""
+    directory = os.path.dirname(os.path.abspath(output_prefix))
+    if os.path.isdir(directory):
+        return
+    try:
+        os.makedirs(directory)
+    except OSError as e:
+        raise SystemExit(f"error: --output-prefix {output_prefix}: cannot create its directory "
+                         f"{directory} ({e}); pass a prefix in a writable directory") from None
+    print(f"Created output directory {directory}", file=sys.stderr)
+
+
+def encode_all(args: argparse.Namespace, dtype, reader: Reader, writers: Writers,
+               progress: Progress) -> dict:
+    """Feed the input through the worker pool into `writers`; returns
+    {'examples': first bad lines, 'not_json': bad lines that were not JSON at all}."""
+    examples, not_json = [], 0
     with _pool(args, dtype) as pool:
         try:
             for result in pool.imap(encode_chunk, reader, chunksize=1):
@@ -303,16 +349,65 @@ def run(args: argparse.Namespace) -> dict:
                                      "and count malformed lines)")
                 writers.add(result["keys"], result["docs"])
                 examples += result["bad"][:max(0, 5 - len(examples))]
+                not_json += result["not_json"]
                 progress.update(result["docs"], result["bytes"], len(result["bad"]))
         finally:
             reader.stop()
-    writers.finalize()
-    print(progress.line(), file=sys.stderr)
+    return {"examples": examples, "not_json": not_json}
+
+
+def check_documents(files: list, progress: Progress, not_json: int) -> None:
+    """Stop (nothing is written) when no document was read."""
+    if progress.docs:
+        return
+    if progress.skipped and not_json == progress.skipped:
+        raise SystemExit(
+            f"error: no documents written: none of the {progress.skipped} lines of "
+            f"{', '.join(files[:3])} parsed as JSON, so the input looks like plain text. "
+            "preprocess_data.py reads JSON lines ({\"text\": \"...\"} per document); convert "
+            "plain text with, e.g. (one document per line): python -c \"import json, sys; "
+            "[print(json.dumps({'text': line.rstrip(chr(10))})) for line in sys.stdin]\" "
+            "< input.txt > input.jsonl")
     if progress.skipped:
-        print(f"Skipped {progress.skipped} bad lines; first ones:\n  " + "\n  ".join(examples),
-              file=sys.stderr)
+        raise SystemExit(f"error: no documents written: all {progress.skipped} lines were bad "
+                         "(see the examples above); fix the input or --json-keys")
+    raise SystemExit(f"error: no documents written: {', '.join(files[:3])} holds no "
+                     "non-blank lines")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Preprocess per `args`; returns counts {'documents', 'bytes', 'skipped', 'seconds'}.
+
+    Output goes to temporary files renamed into place at the end (see `Writers`): a run
+    that fails, or reads no document, leaves any existing dataset at the prefix intact."""
+    files = input_files(args.input)
+    tokenizer = build_tokenizer_or_exit(args)
+    dtype = best_dtype(tokenizer.vocab_size)
+    init_worker(options_from_args(args, dtype))  # forked workers inherit this encoder
+    print(f"Input: {len(files)} file(s), {sum(os.path.getsize(f) for f in files) / 1e6:.1f} MB; "
+          f"tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size}), dtype "
+          f"{np.dtype(dtype).name}", file=sys.stderr)
+    make_output_dir(args.output_prefix)
+    reader = Reader(files, max_in_flight=4 * args.workers)
+    writers = Writers(args, dtype)
+    progress = Progress(reader, args.log_interval)
+    try:
+        found = encode_all(args, dtype, reader, writers, progress)
+        print(progress.line(), file=sys.stderr)
+        if progress.skipped:
+            print(f"Skipped {progress.skipped} bad lines; first ones:\n  "
+                  + "\n  ".join(found["examples"]), file=sys.stderr)
+        check_documents(files, progress, found["not_json"])
+        writers.finalize()
+    except BaseException:
+        writers.abort()
+        raise
     for key in args.json_keys:
         print(f"Wrote {writers.prefixes[key]}.bin/.idx", file=sys.stderr)
+        if writers.num_tokens[key] == 0:
+            print(f"warning: {writers.prefixes[key]} holds no tokens: the {progress.docs} "
+                  f"documents' {key!r} values are all empty; training cannot use it",
+                  file=sys.stderr)
     return {"documents": progress.docs, "bytes": progress.bytes, "skipped": progress.skipped,
             "seconds": time.time() - progress.start}
 

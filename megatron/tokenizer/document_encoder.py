@@ -32,6 +32,10 @@ class BadLine(ValueError):
     """A line that is not a JSON object with the wanted keys."""
 
 
+class NotJSON(BadLine):
+    """A line that does not parse as JSON at all (plain text input, for instance)."""
+
+
 @dataclass
 class EncoderOptions:
     tokenizer_type: str
@@ -196,7 +200,7 @@ class ChunkEncoder:
             try:
                 doc = json.loads(line)
             except (ValueError, UnicodeDecodeError) as e:
-                raise BadLine(f"invalid JSON ({e})") from None
+                raise NotJSON(f"invalid JSON ({e})") from None
         if not isinstance(doc, dict):
             raise BadLine(f"expected a JSON object, got {type(doc).__name__}")
         missing = [k for k in self.opts.json_keys if k not in doc]
@@ -204,11 +208,28 @@ class ChunkEncoder:
             raise BadLine(f"missing key(s) {missing}; present: {sorted(doc)[:10]}")
         return doc
 
+    def _encode_text(self, value, key: str) -> list:
+        """Non-empty token arrays of `value`'s sentences. Text the tokenizer cannot encode
+        (a lone surrogate for GPT-2 BPE, a non-integer for NullTokenizer, ...) is a bad
+        line like malformed JSON: reported with its file and line, or skipped."""
+        sentences = self._sentences(value, key)
+        try:
+            encoded = [self._ids(s) for s in sentences]
+        except Exception as e:  # noqa: BLE001 - any tokenizer failure is this line's fault
+            raise BadLine(f"key {key!r}: {self.tokenizer.name} cannot encode the text "
+                          f"({type(e).__name__}: {e})") from None
+        encoded = [ids for ids in encoded if len(ids)]
+        vocab = self.tokenizer.vocab_size
+        for ids in encoded:  # NullTokenizer takes any integer: keep the dtype from wrapping
+            if ids.min() < 0 or ids.max() >= vocab:
+                bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+                raise BadLine(f"key {key!r}: token id {bad} outside the vocabulary [0, {vocab})")
+        return encoded
+
     def _encode_doc(self, doc: dict) -> list:
         out = []
         for key in self.opts.json_keys:
-            pieces = [ids for ids in (self._ids(s) for s in self._sentences(doc[key], key))
-                      if len(ids)]
+            pieces = self._encode_text(doc[key], key)
             sizes = [len(ids) for ids in pieces]
             if pieces and self.eod is not None:
                 pieces.append(self.eod)
@@ -219,7 +240,7 @@ class ChunkEncoder:
     def encode(self, chunk) -> dict:
         path, first_line, data = chunk
         per_key = [([], [], [], []) for _ in self.opts.json_keys]  # tokens, sizes, seqs, ntok
-        docs, bad = 0, []
+        docs, bad, not_json = 0, [], 0
         for line_no, line in enumerate(data.split(b"\n"), first_line):
             if not line.strip():
                 continue
@@ -230,6 +251,7 @@ class ChunkEncoder:
                 if not self.opts.skip_bad_lines:
                     return {"error": message}
                 bad.append(message)
+                not_json += isinstance(e, NotJSON)
                 continue
             docs += 1
             for (tokens, sizes, seqs, ntok), (pieces, doc_sizes) in zip(per_key, encoded):
@@ -243,7 +265,8 @@ class ChunkEncoder:
                     else np.zeros(0, dtype=self.dtype))
             keys[key] = (flat.tobytes(), np.asarray(sizes, dtype=np.int32),
                          np.asarray(seqs, dtype=np.int64), np.asarray(ntok, dtype=np.int64))
-        return {"keys": keys, "docs": docs, "bytes": len(data), "bad": bad}
+        return {"keys": keys, "docs": docs, "bytes": len(data), "bad": bad,
+                "not_json": not_json}
 
 
 _WORKER: Optional[ChunkEncoder] = None

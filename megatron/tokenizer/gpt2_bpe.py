@@ -22,6 +22,8 @@ import numpy as np
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 EOD_TEXT = "<|endoftext|>"
+SWAPPED_HINT = ("--vocab-file takes GPT-2's vocab.json and --merge-file its merges.txt; "
+                "were the two swapped?")
 
 
 def bytes_to_unicode() -> Dict[int, str]:
@@ -52,17 +54,22 @@ def read_merges(merge_file: str) -> List[Tuple[str, str]]:
                 continue
             parts = line.split()
             if len(parts) != 2:
-                raise ValueError(f"{merge_file}:{lineno}: expected two symbols per merge line, "
-                                 f"got {line!r}")
+                raise ValueError(f"--merge-file {merge_file}:{lineno}: expected two symbols per "
+                                 f"merge line, got {line[:60]!r}; {SWAPPED_HINT}")
             merges.append((parts[0], parts[1]))
     return merges
 
 
 def _load_vocab(vocab_file: str) -> Dict[str, int]:
-    with open(vocab_file, encoding="utf-8") as f:
-        vocab = json.load(f)
+    try:
+        with open(vocab_file, encoding="utf-8") as f:
+            vocab = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"--vocab-file {vocab_file}: not a JSON vocabulary ({e}); "
+                         f"{SWAPPED_HINT}") from None
     if not isinstance(vocab, dict):
-        raise ValueError(f"{vocab_file}: expected a JSON object mapping token -> id")
+        raise ValueError(f"--vocab-file {vocab_file}: expected a JSON object mapping token -> "
+                         f"id, got {type(vocab).__name__}; {SWAPPED_HINT}")
     return vocab
 
 

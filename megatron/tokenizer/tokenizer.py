@@ -14,9 +14,14 @@ class NullTokenizer:
     name = "NullTokenizer"
 
     def __init__(self, vocab_size: int):
-        vocab_size = int(vocab_size)
+        try:
+            vocab_size = int(vocab_size)
+        except (TypeError, ValueError):
+            raise ValueError(f"--vocab-size {vocab_size!r} is not an integer; NullTokenizer "
+                             "needs the number of token ids, e.g. --vocab-size 50257") from None
         if vocab_size < 1:
-            raise ValueError(f"NullTokenizer needs --vocab-size >= 1, got {vocab_size}")
+            raise ValueError(f"--vocab-size {vocab_size}: NullTokenizer needs a number of token "
+                             "ids >= 1, e.g. --vocab-size 50257")
         self._eod = vocab_size
         self._vocab_size = vocab_size + 1
 
@@ -41,9 +46,9 @@ class NullTokenizer:
 
 def _need(value: Optional[str], flag: str, tokenizer_type: str) -> str:
     if value is None:
-        raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag}")
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag}: pass {flag} PATH")
     if not os.path.exists(value):
-        raise ValueError(f"{flag} {value}: no such file or directory")
+        raise ValueError(f"{flag} {value}: no such file or directory; check the path")
     return value
 
 
@@ -74,7 +79,7 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None,
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
-        return NullTokenizer(int(vocab_size))
+        return NullTokenizer(vocab_size)
     raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of "
                      f"{', '.join(TOKENIZER_TYPES)}")
 

@@ -5,6 +5,8 @@ Sample s of the blend comes from the dataset d that maximises
 does; `count_d` (before the increment) is the sample taken from dataset d. This module
 computes the same two arrays without a compiled helper: two datasets use a vectorised
 predict-and-verify scheme (exact, verified step by step in numpy), more use a plain loop.
+With a cache dir the two arrays are cached (written under temporary names, renamed into
+place); they depend only on the weights and the size, both named in the description.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import os
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from megatron.core.datasets.index_cache import load_npy, save_npy, save_text
 
 logger = logging.getLogger(__name__)
 
@@ -154,12 +158,11 @@ class BlendedDataset:
                         cache_dir)
             index, sample_index = build_blending_indices(self.weights, self.size)
             os.makedirs(cache_dir, exist_ok=True)
-            with open(paths[0], "wt") as f:
-                f.write(self.desc)
-            np.save(paths[1], index, allow_pickle=True)
-            np.save(paths[2], sample_index, allow_pickle=True)
-        return (np.load(paths[1], allow_pickle=True, mmap_mode="r"),
-                np.load(paths[2], allow_pickle=True, mmap_mode="r"))
+            save_npy(paths[1], index)
+            save_npy(paths[2], sample_index)
+            save_text(paths[0], self.desc)
+        siblings = ", ".join(paths)
+        return load_npy(paths[1], siblings), load_npy(paths[2], siblings)
 
     def _check_members(self) -> None:
         for d, dataset in enumerate(self.datasets):

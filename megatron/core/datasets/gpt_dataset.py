@@ -14,21 +14,21 @@ and `n` requested samples:
 The three arrays are cached as `.npy` files named by the md5 of the dataset description
 (`<H>.dsc`, `<H>_doc_idx.npy`, `<H>_sample_idx.npy`, `<H>_shuffle_idx.npy`), looked up in
 `<dirname(prefix)>/index-cache/` then `cache_dir`, and built into the last of those when
-missing. Building is vectorised numpy (a 10-billion-token index takes seconds).
+missing (index_cache.py). A cached set is used only if `index_mismatch` finds it fits the
+documents it is loaded for: the description does not name the document range, so other
+data can share its name. Building is vectorised numpy (a 10-billion-token index takes
+seconds).
 """
 from __future__ import annotations
 
 import hashlib
-import logging
-import os
-import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron.core.datasets.indexed_dataset import MMapIndexedDataset
+from megatron.core.datasets.index_cache import find_or_build_cache, load_arrays
+from megatron.core.datasets.indexed_dataset import MMapIndexedDataset, check_token_ids
 
-logger = logging.getLogger(__name__)
 LAST_EPOCH_FRACTION = 0.80
 
 
@@ -150,42 +150,43 @@ def describe(data_prefix: str, name: str, num_samples: int, seq_length: int, see
             f"Split {split_string}\n")
 
 
-def _cache_paths(directory: str, desc_hash: str) -> Dict[str, str]:
-    return {key: os.path.join(directory, desc_hash + suffix) for key, suffix in
-            (("desc", ".dsc"), ("doc", "_doc_idx.npy"), ("sample", "_sample_idx.npy"),
-             ("shuffle", "_shuffle_idx.npy"))}
-
-
-def find_or_build_cache(desc: str, data_prefix: str, cache_dir: Optional[str],
-                        build: Callable[[], Tuple[np.ndarray, np.ndarray, np.ndarray]],
-                        may_build: bool) -> Dict[str, str]:
-    """Paths of the four cache files: the first directory holding all of them, else build
-    them into the last directory looked at (`cache_dir` when given)."""
-    desc_hash = hashlib.md5(desc.encode("utf-8")).hexdigest()
-    directories = [os.path.join(os.path.dirname(data_prefix), "index-cache")]
-    if cache_dir is not None:
-        directories.append(cache_dir)
-    for directory in directories:
-        paths = _cache_paths(directory, desc_hash)
-        if all(os.path.isfile(p) for p in paths.values()):
-            return paths
-    if not may_build:
-        raise ValueError(f"index files {paths['doc']} (and siblings) are missing: the builder "
-                         "rank did not create them; data index creation unsuccessful")
-    start = time.time()
-    doc_idx, sample_idx, shuffle_idx = build()
-    try:
-        os.makedirs(directories[-1], exist_ok=True)
-        with open(paths["desc"], "wt") as f:
-            f.write(desc)
-        np.save(paths["doc"], doc_idx, allow_pickle=True)
-        np.save(paths["sample"], sample_idx, allow_pickle=True)
-        np.save(paths["shuffle"], shuffle_idx, allow_pickle=True)
-    except OSError as e:
-        raise ValueError(f"cannot write the dataset index cache to {directories[-1]} ({e}); "
-                         "pass a writable --data-cache-path") from e
-    logger.info("built index %s in %.2f s", desc_hash, time.time() - start)
-    return paths
+def index_mismatch(arrays: Tuple[np.ndarray, np.ndarray, np.ndarray], documents: np.ndarray,
+                   sizes: np.ndarray, num_samples: int, seq_length: int) -> Optional[str]:
+    """Why cached (doc_idx, sample_idx, shuffle_idx) cannot be the index of `documents`
+    (None when they can). Checked: doc_idx holds each document exactly E times (E the
+    epochs these documents need); sample_idx has (E*T-1)//S + 1 rows whose positions lie in
+    doc_idx, in order, and whose offsets lie inside their documents; shuffle_idx permutes
+    within (E*T-1)//S. A few vectorised passes over the arrays, about the cost of reading
+    them once (under a second for a 10-billion-token index): this catches an index built
+    for another document range or for data since preprocessed again. It is no proof: an
+    index whose counts and bounds all fit (data re-tokenized to nearly the same sizes) is
+    accepted."""
+    doc_idx, sample_idx, shuffle_idx = (np.asarray(a) for a in arrays)
+    tokens = int(np.asarray(sizes)[documents].sum(dtype=np.int64))
+    epochs = num_epochs_needed(tokens, seq_length, num_samples)
+    total = (epochs * tokens - 1) // seq_length
+    lo, hi = int(documents.min()), int(documents.max())
+    if doc_idx.ndim != 1 or len(doc_idx) != epochs * len(documents):
+        return (f"doc_idx has {len(doc_idx)} entries, not {epochs} epochs x "
+                f"{len(documents)} documents")
+    first, last = int(doc_idx.min()), int(doc_idx.max())
+    if first < lo or last > hi:
+        return f"doc_idx holds documents {first}..{last}, outside this dataset's {lo}..{hi}"
+    wanted = np.bincount(documents - lo, minlength=hi - lo + 1) * epochs
+    if not np.array_equal(np.bincount(doc_idx - lo, minlength=hi - lo + 1), wanted):
+        return f"doc_idx does not hold each of the {len(documents)} documents {epochs} times"
+    if sample_idx.shape != (total + 1, 2):
+        return (f"sample_idx has shape {sample_idx.shape}, not ({total + 1}, 2) for "
+                f"{tokens} tokens x {epochs} epochs in samples of {seq_length}")
+    pos, off = sample_idx[:, 0].astype(np.int64), sample_idx[:, 1].astype(np.int64)
+    if pos.min() < 0 or pos.max() >= len(doc_idx) or np.any(np.diff(pos) < 0):
+        return "sample_idx positions are not ordered positions of doc_idx"
+    lengths = np.asarray(sizes)[doc_idx[pos]]
+    if off.min() < 0 or np.any((off >= lengths) & (off > 0)):
+        return "sample_idx offsets lie beyond the sizes of their documents"
+    if shuffle_idx.shape != (total,) or (total and int(shuffle_idx.max()) >= total):
+        return f"shuffle_idx is not a permutation of {total} samples"
+    return None
 
 
 class GPTDataset:
@@ -197,6 +198,9 @@ class GPTDataset:
                  may_build: bool = True):
         documents = np.asarray(documents, dtype=np.int32)
         n_seq = len(indexed_dataset.sizes)
+        if n_seq == 0:
+            raise ValueError(f"{data_prefix}: holds no non-empty documents (0 sequences); "
+                             "preprocess text that is not empty (check --json-keys)")
         if len(documents) == 0 or documents.min() < 0 or documents.max() >= n_seq:
             raise ValueError(f"{data_prefix}: documents must be a non-empty subset of "
                              f"[0, {n_seq})")
@@ -206,20 +210,25 @@ class GPTDataset:
         self.seq_length = seq_length
         self.desc = describe(data_prefix, name, num_samples, seq_length, seed, split_string)
         self.desc_hash = hashlib.md5(self.desc.encode("utf-8")).hexdigest()
+        sizes = indexed_dataset.sizes
+        what = (f"the {name} dataset of {data_prefix} (documents {documents.min()}.."
+                f"{documents.max()})")
+        if int(sizes[documents].sum(dtype=np.int64)) == 0:
+            raise ValueError(f"{what}: all its documents are empty (0 tokens); preprocess "
+                             "non-empty text or adjust --split")
 
         def build():
-            return build_index_arrays(documents, indexed_dataset.sizes, num_samples,
-                                      seq_length, seed)
+            return build_index_arrays(documents, sizes, num_samples, seq_length, seed)
 
-        self.cache_paths = find_or_build_cache(self.desc, data_prefix, cache_dir, build,
-                                               may_build)
-        self._load()
+        def check(arrays):
+            return index_mismatch(arrays, documents, sizes, num_samples, seq_length)
+
+        self.cache_paths, arrays = find_or_build_cache(self.desc, data_prefix, cache_dir, build,
+                                                       may_build, check, what)
+        self.doc_idx, self.sample_idx, self.shuffle_idx = arrays
 
     def _load(self) -> None:
-        paths = self.cache_paths
-        self.doc_idx = np.load(paths["doc"], allow_pickle=True, mmap_mode="r")
-        self.sample_idx = np.load(paths["sample"], allow_pickle=True, mmap_mode="r")
-        self.shuffle_idx = np.load(paths["shuffle"], allow_pickle=True, mmap_mode="r")
+        self.doc_idx, self.sample_idx, self.shuffle_idx = load_arrays(self.cache_paths)
 
     def __getstate__(self) -> dict:  # pickled for spawned loader workers: reload the maps
         return {k: v for k, v in self.__dict__.items()
@@ -252,14 +261,20 @@ class _Builder:
     """Opens each prefix once and builds single or blended datasets."""
 
     def __init__(self, split: str, seq_length: int, seed: int, cache_dir: Optional[str],
-                 may_build: bool):
+                 may_build: bool, vocab_size: Optional[int] = None,
+                 log: Optional[Callable[[str], None]] = None):
         self.split, self.seq_length, self.seed = split, seq_length, seed
         self.cache_dir, self.may_build = cache_dir, may_build
+        self.vocab_size, self.log = vocab_size, log
         self._opened: Dict[str, MMapIndexedDataset] = {}
 
     def indexed(self, prefix: str) -> MMapIndexedDataset:
+        """The dataset at `prefix`, opened once; its ids checked against `vocab_size`."""
         if prefix not in self._opened:
-            self._opened[prefix] = MMapIndexedDataset(prefix)
+            dataset = MMapIndexedDataset(prefix)
+            if self.vocab_size is not None:
+                check_token_ids(dataset, self.vocab_size)
+            self._opened[prefix] = dataset
         return self._opened[prefix]
 
     def dataset(self, name: str, prefix: str, documents: np.ndarray, num_samples: int):
@@ -284,7 +299,12 @@ class _Builder:
         if any(d is None for d in datasets):
             raise ValueError(f"{what}: a blended member has an empty split; adjust --split so "
                              "every weighted dataset gets documents")
-        return BlendedDataset(datasets, weights, size, self.cache_dir, self.may_build)
+        blend = BlendedDataset(datasets, weights, size, self.cache_dir, self.may_build)
+        if self.log is not None:
+            self.log(f" > blended dataset for {what}: {size} samples; sample ratios:")
+            for d, (w, achieved) in enumerate(zip(blend.weights, blend.achieved_weights())):
+                self.log(f"   dataset {d}, input: {w:g}, achieved: {achieved:g}")
+        return blend
 
     def whole(self, name: str, data_path: Sequence[str], num_samples: int):
         """One dataset using all documents of `data_path` (one prefix or a weighted list)."""
@@ -300,9 +320,35 @@ class _Builder:
         return self.blend(members, weights, sum(counts), f"--{name}-data-path")
 
 
+def _check_train_data(builder: _Builder, data_prefix, train_path, num_train: int) -> None:
+    """When training asks for samples, stop before any index is built if the train split
+    would have no documents, naming the paths, their document counts and the fix."""
+    from megatron.core.datasets.blended import parse_weighted_prefixes
+
+    if num_train <= 0:
+        return
+    if not data_prefix and train_path is None:
+        raise ValueError(f"training asks for {num_train} samples but no train data is given "
+                         "(--valid-data-path/--test-data-path without --train-data-path); pass "
+                         "--train-data-path or --data-path, or --skip-train to only evaluate")
+    prefixes = parse_weighted_prefixes(data_prefix or train_path)[0]
+    counts = {p: len(builder.indexed(p).sizes) for p in prefixes}
+    listing = ", ".join(f"{p}: {n} documents" for p, n in counts.items())
+    if not any(counts.values()):
+        raise ValueError(f"no non-empty documents to train on ({listing}); preprocess text that "
+                         "is not empty (check --json-keys)")
+    if data_prefix:
+        bounds = [get_train_valid_test_split(builder.split, n) for n in counts.values()]
+        if all(b[1] == b[0] for b in bounds):
+            raise ValueError(f"--split {builder.split!r} gives the train split no documents "
+                             f"({listing}); give train a positive share, e.g. --split "
+                             "969,30,1, or pass --skip-train to only evaluate")
+
+
 def _build_all(builder: _Builder, data_prefix, num_samples, paths) -> tuple:
     from megatron.core.datasets.blended import parse_weighted_prefixes, per_dataset_num_samples
 
+    _check_train_data(builder, data_prefix, paths[0], num_samples[0])
     if data_prefix:
         prefixes, weights = parse_weighted_prefixes(data_prefix)
         if len(data_prefix) == 1:
@@ -327,7 +373,9 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
                                     valid_data_path: Optional[Sequence[str]] = None,
                                     test_data_path: Optional[Sequence[str]] = None, *,
                                     is_builder_rank: bool = True,
-                                    barrier: Optional[Callable[[], None]] = None) -> tuple:
+                                    barrier: Optional[Callable[[], None]] = None,
+                                    vocab_size: Optional[int] = None,
+                                    log: Optional[Callable[[str], None]] = None) -> tuple:
     """(train, valid, test) datasets, each GPTDataset, BlendedDataset or None.
 
     `data_prefix` is `--data-path`: one prefix (split by `split`) or `w1 p1 w2 p2 ...`
@@ -338,6 +386,11 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
     (global rank 0) builds missing cache files first, then all ranks meet in `barrier()`
     (e.g. `torch.distributed.barrier`; one call per rank), then the others load the files.
     A non-builder rank that finds a file missing raises ValueError.
+
+    `vocab_size` (the model's padded vocabulary) has every opened `.bin` checked for ids
+    outside it (`check_token_ids`: a bounded sample). `log` (e.g. a rank-0 print) receives,
+    on the builder rank, each blend's requested and achieved ratios. With `train` samples
+    asked for (n_train > 0) a train split without documents is an error.
     """
     if not data_prefix and not any((train_data_path, valid_data_path, test_data_path)):
         raise ValueError("no data: pass --data-path, or --train-data-path/--valid-data-path/"
@@ -347,8 +400,8 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
     result, error = None, None
     if is_builder_rank:
         try:
-            result = _build_all(_Builder(split, seq_length, seed, cache_dir, True),
-                                data_prefix, num_samples, paths)
+            result = _build_all(_Builder(split, seq_length, seed, cache_dir, True,
+                                         vocab_size, log), data_prefix, num_samples, paths)
         except Exception as e:  # reach the barrier anyway so the other ranks do not hang
             error = e
     if barrier is not None:
@@ -356,6 +409,6 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
     if error is not None:
         raise error
     if result is None:
-        result = _build_all(_Builder(split, seq_length, seed, cache_dir, False),
+        result = _build_all(_Builder(split, seq_length, seed, cache_dir, False, vocab_size),
                             data_prefix, num_samples, paths)
     return result

@@ -19,13 +19,14 @@ import shutil
 import struct
 import warnings
 from array import array
-from typing import Iterable, Optional, Union
+from typing import Iterable, Optional, Tuple, Union
 
 import numpy as np
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = 34  # 9 magic + 8 version + 1 dtype code + 8 N + 8 K
+TOKEN_SCAN_BYTES = 8 << 20  # bytes of a .bin sampled by check_token_ids
 DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
                6: np.float64, 7: np.float32, 8: np.uint16}
 
@@ -143,6 +144,10 @@ class IndexedDatasetBuilder:
         with open(data_file_path(prefix), "rb") as f:
             shutil.copyfileobj(f, self._data, length=16 << 20)
 
+    def close(self) -> None:
+        """Close the .bin without writing an index (the build is abandoned)."""
+        self._data.close()
+
     def finalize(self, idx_path: str) -> None:
         """Close the .bin and write the .idx."""
         self._data.close()
@@ -179,7 +184,11 @@ class MMapIndexedDataset:
         idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
-                raise ValueError(f"{path}: no such file (dataset prefix {prefix!r})")
+                hint = ""
+                if prefix.endswith((".bin", ".idx")):
+                    hint = (f"; a dataset is named by its prefix without .bin/.idx: pass "
+                            f"{prefix[:-4]}")
+                raise ValueError(f"{path}: no such file (dataset prefix {prefix!r}){hint}")
         idx_size = os.path.getsize(idx_path)
         self._idx_map = (np.memmap(idx_path, mode="r", dtype=np.uint8) if idx_size
                          else np.zeros(0, dtype=np.uint8))
@@ -194,6 +203,15 @@ class MMapIndexedDataset:
         self._bin_map = (np.memmap(bin_path, mode="r", dtype=np.uint8) if bin_size
                          else np.zeros(0, dtype=np.uint8))
         self._bin = memoryview(self._bin_map)
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+    @property
+    def bin_nbytes(self) -> int:
+        """Size of the `.bin` in bytes."""
+        return len(self._bin)
 
     def __getstate__(self) -> dict:  # memory maps are not picklable: reopen by prefix
         return {"prefix": self._prefix}
@@ -277,7 +295,52 @@ class MMapIndexedDataset:
         start = int(self._pointers[idx]) + offset * self._dtype.itemsize
         return np.frombuffer(self._bin, dtype=self._dtype, count=length, offset=start)
 
+    def token_id_range(self, max_bytes: int = TOKEN_SCAN_BYTES) -> Tuple[int, int, int]:
+        """(smallest id, largest id, bytes read) over at most `max_bytes` of the `.bin`:
+        all of it when small, else four evenly spaced windows (start to end). Bounded so
+        that opening a large dataset does not pay for a full scan; ids outside the windows
+        are not seen. (0, -1, 0) for an empty file."""
+        itemsize = self._dtype.itemsize
+        total = len(self._bin) // itemsize
+        if total == 0:
+            return 0, -1, 0
+        window = max(1, max_bytes // (4 * itemsize))
+        if total <= 4 * window:
+            starts = [0]
+            window = total
+        else:
+            starts = np.linspace(0, total - window, 4).astype(np.int64).tolist()
+        lo, hi = None, None
+        for start in starts:
+            ids = np.frombuffer(self._bin, dtype=self._dtype, count=window,
+                                offset=int(start) * itemsize)
+            lo = ids.min() if lo is None else min(lo, ids.min())
+            hi = ids.max() if hi is None else max(hi, ids.max())
+        return int(lo), int(hi), len(starts) * window * itemsize
+
     @staticmethod
     def exists(prefix: str) -> bool:
         """True when both `<prefix>.idx` and `<prefix>.bin` exist."""
         return os.path.isfile(index_file_path(prefix)) and os.path.isfile(data_file_path(prefix))
+
+
+def check_token_ids(dataset: MMapIndexedDataset, vocab_size: int,
+                    max_bytes: int = TOKEN_SCAN_BYTES) -> None:
+    """Raise ValueError when `dataset` holds an id outside [0, vocab_size) (the model's
+    padded vocabulary), naming the file, the id and the size. Free when the dtype cannot
+    hold such an id; otherwise a bounded sample (`max_bytes`, 8 MiB by default: the whole
+    file when smaller) is scanned, so a large dataset costs milliseconds and a bad id
+    outside the sample is missed."""
+    info = np.iinfo(dataset.dtype) if dataset.dtype.kind in "iu" else None
+    if info is not None and info.min >= 0 and info.max < vocab_size:
+        return
+    lo, hi, scanned = dataset.token_id_range(max_bytes)
+    if lo >= 0 and hi < vocab_size:
+        return
+    bad = hi if hi >= vocab_size else lo
+    whole = scanned >= dataset.bin_nbytes
+    where = "in it" if whole else f"in the {scanned / 2**20:.1f} MiB of it sampled"
+    raise ValueError(f"{data_file_path(dataset.prefix)}: token id {bad} {where} is outside the "
+                     f"padded vocabulary of {vocab_size} ids: the data was tokenized with "
+                     "another vocabulary than this run's. Pass the --tokenizer-type and "
+                     "--vocab-file (or --vocab-size) it was preprocessed with")

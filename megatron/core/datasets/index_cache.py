@@ -1,0 +1,162 @@
+"""The GPT index cache: Megatron 23.05's `.dsc`/`.npy` files, found, checked or built.
+
+The md5 H of a dataset's description names four files: `H.dsc`, `H_doc_idx.npy`,
+`H_sample_idx.npy` and `H_shuffle_idx.npy`. They are looked up in
+`<dirname(prefix)>/index-cache/` and then in the cache dir (`--data-cache-path`), and
+built into the last of those when missing. Names and contents are Megatron's, so either
+tool can use the other's files.
+
+The description does not say which documents the index covers, so one name can stand for
+different indexes: `--train-data-path X` (all documents) and `--data-path X` (the train
+split) share it, and so do the data at a prefix before and after it is preprocessed
+again. Every set found is therefore checked against the dataset it is loaded for (the
+caller's `check`); a set that does not match is skipped, and the search goes on.
+
+A mismatching set is never overwritten. Building is already safe between the ranks of one
+run (only the builder rank writes, the others load after the barrier), but the files are
+shared by name with other runs: a job using the other index may be running now, and its
+loader workers reopen the files by path, so a rewrite would hand it this run's index (and
+its next start would rewrite them back). When the directory that would receive a new
+index holds a mismatching set, the build stops with an error listing the stale files and
+the fix: delete them to rebuild, or pass another `--data-cache-path`. A mismatching set in
+`index-cache/` next to the data, with a cache dir given, is skipped with a warning and a
+fresh index is built into (or loaded from) the cache dir.
+
+Files are written to temporary names and renamed into place, so an interrupted build never
+leaves a truncated file under a cache name; a truncated or corrupt file found anyway is
+reported by name, with the fix (delete it to rebuild).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+import warnings
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+Arrays = Tuple[np.ndarray, np.ndarray, np.ndarray]  # doc_idx, sample_idx, shuffle_idx
+ARRAY_KEYS = ("doc", "sample", "shuffle")
+
+
+def cache_paths(directory: str, desc_hash: str) -> Dict[str, str]:
+    """{'desc', 'doc', 'sample', 'shuffle'} -> the four cache file paths in `directory`."""
+    return {key: os.path.join(directory, desc_hash + suffix) for key, suffix in
+            (("desc", ".dsc"), ("doc", "_doc_idx.npy"), ("sample", "_sample_idx.npy"),
+             ("shuffle", "_shuffle_idx.npy"))}
+
+
+def load_npy(path: str, siblings: str) -> np.ndarray:
+    """`path` memory-mapped; an unreadable file raises ValueError naming it and the fix
+    (delete it and `siblings`, the other files of its cache set, to rebuild)."""
+    try:
+        return np.load(path, allow_pickle=True, mmap_mode="r")
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"index cache file {path} is unreadable ({e}): truncated or corrupt, "
+                         f"e.g. by an interrupted write; delete it and its siblings ({siblings}) "
+                         "to rebuild the index") from None
+
+
+def load_arrays(paths: Dict[str, str]) -> Arrays:
+    """The three arrays, memory-mapped (see `load_npy`)."""
+    return tuple(load_npy(paths[key], _listing(paths)) for key in ARRAY_KEYS)
+
+
+def _listing(paths: Dict[str, str]) -> str:
+    return ", ".join(paths[k] for k in ("desc",) + ARRAY_KEYS)
+
+
+def _save(path: str, write: Callable) -> None:
+    """Write `path` through a temporary file beside it, renamed into place when complete."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def save_npy(path: str, array: np.ndarray) -> None:
+    """np.save `array` to `path` through a temporary file renamed into place."""
+    _save(path, lambda f: np.save(f, array, allow_pickle=True))
+
+
+def save_text(path: str, text: str) -> None:
+    """Write `text` (UTF-8) to `path` through a temporary file renamed into place."""
+    _save(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def save_cache(paths: Dict[str, str], desc: str, arrays: Arrays) -> None:
+    """Write the three arrays (np.save format), then the description."""
+    os.makedirs(os.path.dirname(paths["desc"]) or ".", exist_ok=True)
+    for key, array in zip(ARRAY_KEYS, arrays):
+        save_npy(paths[key], array)
+    save_text(paths["desc"], desc)
+
+
+def _stale_error(stale: List[Tuple[Dict[str, str], str]], what: str) -> ValueError:
+    found = "; ".join(f"{os.path.dirname(p['desc'])}: {reason}" for p, reason in stale)
+    files = ", ".join(_listing(p) for p, _ in stale)
+    return ValueError(
+        f"the index cache for {what} does not match it ({found}). It was built for other "
+        "data under the same name: the prefix was preprocessed again, or it was used with "
+        "--train/valid/test-data-path and now with --data-path and --split (Megatron names "
+        f"both indexes alike). Stale files: {files}. Fix: delete them to rebuild, or pass "
+        "--data-cache-path with another directory to build a separate index there")
+
+
+def find_or_build_cache(desc: str, data_prefix: str, cache_dir: Optional[str],
+                        build: Callable[[], Arrays], may_build: bool,
+                        check: Callable[[Arrays], Optional[str]], what: str
+                        ) -> Tuple[Dict[str, str], Arrays]:
+    """(paths, loaded arrays) of the first cache set that `check` accepts (it returns None,
+    or the reason of a mismatch), else of one built by `build` into the last directory
+    looked at. `may_build` False (a non-builder rank) raises instead of building. See the
+    module docstring for what happens to sets that `check` rejects."""
+    desc_hash = hashlib.md5(desc.encode("utf-8")).hexdigest()
+    directories = [os.path.join(os.path.dirname(data_prefix), "index-cache")]
+    if cache_dir is not None and os.path.abspath(cache_dir) != os.path.abspath(directories[0]):
+        directories.append(cache_dir)
+    stale: List[Tuple[Dict[str, str], str]] = []
+    for directory in directories:
+        paths = cache_paths(directory, desc_hash)
+        if not all(os.path.isfile(p) for p in paths.values()):
+            continue
+        arrays = load_arrays(paths)
+        reason = check(arrays)
+        if reason is None:
+            _warn_skipped(stale, what, paths)
+            return paths, arrays
+        stale.append((paths, reason))
+    target = cache_paths(directories[-1], desc_hash)
+    if stale and stale[-1][0] == target:
+        raise _stale_error(stale, what)
+    if not may_build:
+        raise ValueError(f"index files {target['doc']} (and siblings) are missing: the builder "
+                         "rank did not create them; data index creation unsuccessful")
+    _warn_skipped(stale, what, target)
+    start = time.time()
+    arrays = build()
+    try:
+        save_cache(target, desc, arrays)
+    except OSError as e:
+        raise ValueError(f"cannot write the dataset index cache to {directories[-1]} ({e}); "
+                         "pass a writable --data-cache-path") from e
+    logger.info("built index %s in %.2f s", desc_hash, time.time() - start)
+    return target, load_arrays(target)
+
+
+def _warn_skipped(stale: List[Tuple[Dict[str, str], str]], what: str,
+                  used: Dict[str, str]) -> None:
+    for paths, reason in stale:
+        files = paths["desc"][:-len(".dsc")] + "{.dsc,_*_idx.npy}"
+        warnings.warn(f"ignoring the index cache {files}: it does not match {what} "
+                      f"({reason}); using {os.path.dirname(used['desc'])} instead",
+                      stacklevel=3)

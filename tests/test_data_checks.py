@@ -1,0 +1,92 @@
+"""Checks made when a run opens its data: train documents exist when training is asked
+for, token ids fit the padded vocabulary, and blends report their achieved ratios."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from megatron.core.datasets.indexed_dataset import (
+    IndexedDatasetBuilder,
+    MMapIndexedDataset,
+    check_token_ids,
+)
+from megatron.data_loading import build_datasets
+from tests.gpt_helpers import tiny_config
+from tests.test_gpt_dataset import make_corpus
+
+
+def _config(iters=3, skip_train=False, **data):
+    cfg = tiny_config(mbs=2, gbs=2, iters=iters)  # padded vocabulary: 128 ids
+    cfg.data = dataclasses.replace(cfg.data, mock_data=False, **data)
+    cfg.training = dataclasses.replace(cfg.training, eval_interval=2, eval_iters=1,
+                                       skip_train=skip_train)
+    return cfg
+
+
+def _build(cfg):
+    return build_datasets(cfg, 0, cfg.model.padded_vocab_size)
+
+
+def test_no_train_data_is_a_clean_error_when_training(tmp_path):
+    prefix, _ = make_corpus(tmp_path / "c", [20] * 30, vocab=100)
+    with pytest.raises(SystemExit, match=r"^error: could not build the datasets: --split "
+                                         r"'0,100,0' gives the train split no documents "
+                                         rf"\({prefix}: 30 documents\).*--skip-train"):
+        _build(_config(data_path=[prefix], split="0,100,0"))
+    with pytest.raises(SystemExit, match=r"no train data is given \(--valid-data-path/"
+                                         r"--test-data-path without --train-data-path\)"):
+        _build(_config(valid_data_path=[prefix]))
+    empty = IndexedDatasetBuilder(str(tmp_path / "e.bin"), np.uint16)
+    for _ in range(3):
+        empty.end_document()  # documents with no text: no sequence
+    empty.finalize(str(tmp_path / "e.idx"))
+    with pytest.raises(SystemExit, match=rf"no non-empty documents to train on \({tmp_path}/e: "
+                                         r"0 documents\)"):
+        _build(_config(data_path=[str(tmp_path / "e")]))
+    # Not training: nothing to complain about.
+    for cfg in (_config(skip_train=True, data_path=[prefix], split="0,100,0"),
+                _config(iters=0, valid_data_path=[prefix])):
+        datasets = _build(cfg)
+        assert datasets["train"] is None and len(datasets["valid"]) > 0
+
+
+def test_token_ids_beyond_the_padded_vocabulary(tmp_path):
+    prefix, _ = make_corpus(tmp_path / "c", [20] * 30, vocab=1000)
+    with pytest.raises(SystemExit, match=rf"{prefix}\.bin: token id \d+ in it is outside the "
+                                         r"padded vocabulary of 128 ids.*--vocab-size"):
+        _build(_config(data_path=[prefix]))
+    fits, _ = make_corpus(tmp_path / "ok", [20] * 30, vocab=128)
+    assert _build(_config(data_path=[fits]))["train"] is not None
+    check_token_ids(MMapIndexedDataset(prefix), 65536)  # uint16 always fits: no scan
+
+
+def test_token_id_scan_is_bounded(tmp_path):
+    b = IndexedDatasetBuilder(str(tmp_path / "big.bin"), np.int32)
+    ids = np.zeros(1 << 20, dtype=np.int32)  # 4 MiB
+    ids[len(ids) // 2 + 1000] = 500  # between the sampled windows
+    ids[-1] = 400  # in the last window
+    b.add_item(ids)
+    b.end_document()
+    b.finalize(str(tmp_path / "big.idx"))
+    ds = MMapIndexedDataset(str(tmp_path / "big"))
+    lo, hi, scanned = ds.token_id_range(max_bytes=64 << 10)
+    assert (lo, hi, scanned) == (0, 400, 64 << 10)
+    with pytest.raises(ValueError, match=r"big\.bin: token id 400 in the 0\.1 MiB of it sampled"):
+        check_token_ids(ds, 300, max_bytes=64 << 10)
+    assert ds.token_id_range()[1] == 500  # 4 MiB < the default 8 MiB: the whole file
+
+
+def test_blend_prints_achieved_ratios(tmp_path, capsys):
+    a, _ = make_corpus(tmp_path / "a", [30] * 40, seed=1, vocab=100)
+    b, _ = make_corpus(tmp_path / "b", [17] * 60, seed=2, vocab=100)
+    datasets = _build(_config(data_path=["0.3", a, "0.7", b], split="90,10,0"))
+    out = capsys.readouterr().out
+    train = datasets["train"]
+    assert f" > blended dataset for --data-path (train): {len(train)} samples; sample " \
+           "ratios:" in out
+    achieved = train.achieved_weights()
+    assert f"   dataset 0, input: 0.3, achieved: {achieved[0]:g}\n" in out
+    assert f"   dataset 1, input: 0.7, achieved: {achieved[1]:g}\n" in out
+    assert "--data-path (valid)" in out

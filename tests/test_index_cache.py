@@ -1,0 +1,128 @@
+"""A cached GPT index is used only for the dataset it fits: stale sets (another document
+range under the same name, data preprocessed again) and unreadable files are reported."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from megatron.core.datasets import gpt_dataset as gd
+from megatron.core.datasets.gpt_dataset import build_train_valid_test_datasets
+from tests.test_gpt_dataset import CASES, make_corpus, ref_indices
+
+SPLIT = "969, 30, 1"
+
+
+@pytest.mark.parametrize("sizes,num_samples,seq_length,seed", CASES)
+def test_megatron_built_indexes_are_accepted(sizes, num_samples, seq_length, seed):
+    sizes = np.array(sizes, dtype=np.int32)
+    documents = np.arange(len(sizes), dtype=np.int32)
+    arrays = ref_indices(documents, sizes, num_samples, seq_length, seed)[:3]
+    assert gd.index_mismatch(arrays, documents, sizes, num_samples, seq_length) is None
+    assert gd.index_mismatch(arrays, documents[:-1], sizes, num_samples, seq_length)
+    # Same documents, twice the tokens: the data at the prefix was preprocessed again.
+    assert gd.index_mismatch(arrays, documents, sizes * 2, num_samples, seq_length)
+
+
+def _cache_files(directory):
+    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+
+
+def test_whole_file_index_is_not_reused_for_the_train_split(tmp_path):
+    (tmp_path / "data").mkdir()
+    prefix, _ = make_corpus(tmp_path / "data" / "c", [20] * 30)
+    index_cache = tmp_path / "data" / "index-cache"
+    whole, _, _ = build_train_valid_test_datasets(None, SPLIT, [10, 2, 1], 8, 1234,
+                                                  train_data_path=[prefix])
+    assert int(np.max(whole.doc_idx)) == 29
+    built = _cache_files(index_cache)
+    with pytest.raises(ValueError, match=r"the train dataset of .*c \(documents 0\.\.28\) "
+                                         r"does not match it \(.*index-cache: doc_idx has 30 "
+                                         r"entries, not 1 epochs x 29 documents\).*Stale files: "
+                                         r".*_doc_idx\.npy.*delete them.*--data-cache-path"):
+        build_train_valid_test_datasets([prefix], SPLIT, [10, 2, 1], 8, 1234)
+    assert _cache_files(index_cache) == built, "the stale files are left alone"
+    cache = str(tmp_path / "cache")
+    with pytest.warns(UserWarning, match="ignoring the index cache"):
+        train, _, _ = build_train_valid_test_datasets([prefix], SPLIT, [10, 2, 1], 8, 1234,
+                                                      cache)
+    assert int(np.max(train.doc_idx)) == 28 and "cache" in train.cache_paths["doc"]
+    # Each configuration keeps finding its own index from now on.
+    with pytest.warns(UserWarning, match=r"ignoring the index cache .*index-cache/\w+\{\.dsc"):
+        again, _, _ = build_train_valid_test_datasets([prefix], SPLIT, [10, 2, 1], 8, 1234,
+                                                      cache)
+    assert again.cache_paths == train.cache_paths
+    whole2, _, _ = build_train_valid_test_datasets(None, SPLIT, [10, 2, 1], 8, 1234, cache,
+                                                   train_data_path=[prefix])
+    assert whole2.cache_paths == whole.cache_paths
+
+
+def test_index_of_data_preprocessed_again_is_refused(tmp_path):
+    prefix, _ = make_corpus(tmp_path / "c", [30] * 200)
+    build_train_valid_test_datasets([prefix], SPLIT, [50, 5, 5], 16, 7)
+    make_corpus(tmp_path / "c", [30] * 8, seed=3)  # same prefix, other data
+    with pytest.raises(ValueError, match=r"does not match it .*Stale files"):
+        build_train_valid_test_datasets([prefix], SPLIT, [50, 5, 5], 16, 7)
+    make_corpus(tmp_path / "c", [31] * 200, seed=3)  # as many documents, other sizes
+    with pytest.raises(ValueError, match=r"does not match it"):
+        build_train_valid_test_datasets([prefix], SPLIT, [50, 5, 5], 16, 7)
+
+
+def test_truncated_cache_file_is_named(tmp_path):
+    prefix, _ = make_corpus(tmp_path / "c", [20] * 30)
+    train, _, _ = build_train_valid_test_datasets([prefix], SPLIT, [10, 2, 1], 8, 1)
+    path = train.cache_paths["sample"]
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 8)
+    with pytest.raises(ValueError, match=rf"index cache file {path} is unreadable .*delete it"):
+        build_train_valid_test_datasets([prefix], SPLIT, [10, 2, 1], 8, 1)
+    assert not [n for n in _cache_files(tmp_path / "index-cache") if ".tmp" in n]
+
+
+def _two_ranks(rank, world_size, prefix, cache):
+    import torch.distributed as dist
+
+    kwargs = dict(is_builder_rank=rank == 0, barrier=dist.barrier)
+    try:
+        build_train_valid_test_datasets([prefix], SPLIT, [10, 2, 1], 8, 5, **kwargs)
+    except ValueError as e:
+        refused = "Stale files" in str(e)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train, _, _ = build_train_valid_test_datasets([prefix], SPLIT, [10, 2, 1], 8, 5, cache,
+                                                      **kwargs)
+    return {"refused": refused, "doc": train.cache_paths["doc"],
+            "max": int(np.max(train.doc_idx))}
+
+
+def test_stale_index_under_two_ranks(tmp_path):
+    from tests.dist_utils import run_distributed
+
+    (tmp_path / "data").mkdir()
+    prefix, _ = make_corpus(tmp_path / "data" / "c", [20] * 30)
+    build_train_valid_test_datasets(None, SPLIT, [10, 2, 1], 8, 5, train_data_path=[prefix])
+    cache = str(tmp_path / "cache")
+    out = run_distributed(_two_ranks, 2, prefix, cache)
+    assert all(r["refused"] for r in out), "every rank stops, none waits forever"
+    assert out[0]["doc"] == out[1]["doc"] and out[0]["doc"].startswith(cache)
+    assert out[0]["max"] == out[1]["max"] == 28
+    names = os.listdir(cache)
+    assert len(names) == 8 and not [n for n in names if ".tmp" in n]  # train and valid
+
+
+def test_truncated_blend_cache_file_is_named(tmp_path):
+    a, _ = make_corpus(tmp_path / "a", [30] * 40, seed=1)
+    b, _ = make_corpus(tmp_path / "b", [17] * 60, seed=2)
+    cache = tmp_path / "cache"
+    args = (["0.3", a, "0.7", b], "90,10,0", [200, 20, 0], 16, 7, str(cache))
+    build_train_valid_test_datasets(*args)
+    names = _cache_files(cache)
+    assert not [n for n in names if ".tmp" in n]
+    path = str(cache / next(n for n in names if n.endswith("_sample_index.npy")))
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 8)
+    with pytest.raises(ValueError, match=rf"index cache file {path} is unreadable"):
+        build_train_valid_test_datasets(*args)
