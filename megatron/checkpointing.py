@@ -230,8 +230,8 @@ def save_checkpoint(root: str, iteration: int, state: Optional[Dict], ps: Parall
         _publish(root, tmp_dir, final_dir, iteration, release)
     _barrier()  # the tracker names a complete checkpoint
     seconds = time.perf_counter() - start
-    print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root} "
-                 f"(blocking {seconds:.2f} s)")
+    print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
+    print_rank_0(f"  checkpoint save time (blocking {seconds:.2f} s)")
     return seconds
 
 
@@ -269,9 +269,9 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
             wait_for_markers(tmp_dir, writers, timeout_s)
             remove_markers(tmp_dir, writers)
             _publish(root, tmp_dir, final_dir, iteration, release)
-            print(f"  successfully saved checkpoint at iteration {iteration:7d} to {root} "
-                  f"(blocking {blocking:.2f} s, writing {time.perf_counter() - t0:.2f} s in "
-                  f"the background)", flush=True)
+            print(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}\n"
+                  f"  checkpoint save time (blocking {blocking:.2f} s, writing "
+                  f"{time.perf_counter() - t0:.2f} s in the background)", flush=True)
 
     saver.submit(write_and_publish, f"the checkpoint at iteration {iteration} to {root}")
     return blocking

@@ -122,7 +122,9 @@ def test_round_trip_single_process(tmp_path, capsys):
     assert seconds >= 0.0
     out = capsys.readouterr().out
     assert f"saving checkpoint at iteration     100 to {root}" in out
-    assert f"  successfully saved checkpoint at iteration     100 to {root}" in out
+    # Megatron's line exactly, the time on a line of its own
+    assert f"\n  successfully saved checkpoint at iteration     100 to {root}\n" \
+           f"  checkpoint save time (blocking " in out
     assert Path(tracker_path(root)).read_text() == "100"  # no newline, like Megatron
     assert sorted(os.listdir(root)) == ["iter_0000100", "latest_checkpointed_iteration.txt"]
     path = checkpoint_name(root, 100, 0, 0, 1)
