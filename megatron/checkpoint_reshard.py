@@ -47,7 +47,9 @@ import torch
 from megatron.checkpointing import (
     MODEL_FILENAME,
     iteration_dir_name,
+    list_checkpoints,
     rank_dir_name,
+    read_checkpoint_file,
     read_tracker,
     tracker_path,
 )
@@ -114,13 +116,9 @@ def live_optimizer_kind(optimizer) -> str:
 
 
 def load_shard(path: str):
-    """weights_only load, memory-mapped (tensors are read when used) when the file allows."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as exc:
-        if "mmap" not in str(exc):
-            raise
-        return torch.load(path, map_location="cpu", weights_only=True)  # legacy format
+    """weights_only load, memory-mapped (tensors are read when used) when the file allows;
+    SystemExit naming the file when it cannot be read (truncated, damaged)."""
+    return read_checkpoint_file(path, mmap=True)
 
 
 def _model_keys(state: dict) -> List[str]:
@@ -530,7 +528,7 @@ def _flat_buffers(plan: RankPlan, per_param: Dict[ParamKey, Dict[str, torch.Tens
 def locate_iteration(load: str, iteration: Optional[int] = None) -> Tuple[str, int, bool]:
     """(iteration directory, iteration, release) under `load`: the tracker's iteration
     unless `iteration` is given. SystemExit naming the path when there is none."""
-    release = False
+    release, given = False, iteration is not None
     if iteration is None:
         try:
             iteration, release = read_tracker(load)
@@ -541,7 +539,10 @@ def locate_iteration(load: str, iteration: Optional[int] = None) -> Tuple[str, i
                              "does not exist (pass --iteration N to pick one by hand)")
     iter_dir = os.path.join(load, iteration_dir_name(iteration, release))
     if not os.path.isdir(iter_dir):
-        raise SystemExit(f"error: checkpoint directory {iter_dir} does not exist")
+        source = "--iteration" if given else tracker_path(load)
+        raise SystemExit(f"error: checkpoint directory {iter_dir} (from {source}) does not "
+                         f"exist; the checkpoints under {load}: "
+                         f"{', '.join(list_checkpoints(load)) or 'none'}")
     return iter_dir, iteration, release
 
 

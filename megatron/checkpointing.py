@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import enum
 import os
+import pickle
 import random
 import re
 import shutil
@@ -142,6 +143,14 @@ def _all_reduce_max(values: List[int]) -> List[int]:
     t = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [int(v) for v in t.cpu().tolist()]
+
+
+def _failing_ranks(ps: ParallelState, failed: bool) -> List[int]:
+    """The global ranks for which `failed` is true (all-reduce MAX of a flag vector over the
+    world, so that every rank takes the same decision); [0] or [] in a single process."""
+    flags = [0] * ps.world_size
+    flags[ps.rank] = int(failed)
+    return [r for r, f in enumerate(_all_reduce_max(flags)) if f]
 
 
 # ---------------------------------------------------------------------------------------
@@ -280,6 +289,50 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
 # ---------------------------------------------------------------------------------------
 # Load
 _RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_ITER_DIR_RE = re.compile(r"^(iter_\d{7}|release)$")
+# what torch.load raises for a truncated, damaged or foreign file
+READ_ERRORS = (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError)
+
+
+def list_checkpoints(root: str) -> List[str]:
+    """The checkpoint directories under `root` (`iter_XXXXXXX`, `release`), sorted."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(d for d in os.listdir(root)
+                  if _ITER_DIR_RE.match(d) and os.path.isdir(os.path.join(root, d)))
+
+
+def _other_checkpoints_hint(root: str, skip: str) -> str:
+    """How to resume from another checkpoint under `root` than the directory `skip`."""
+    others = [d for d in list_checkpoints(root) if d != skip]
+    if not others:
+        return f"there is no other checkpoint under {root}"
+    last = others[-1]
+    value = "release" if last == "release" else str(int(last[len("iter_"):]))
+    return (f"the checkpoints under {root} are {', '.join(others)}: to resume from one, write "
+            f"its iteration into {tracker_path(root)} (e.g. `printf {value} > "
+            f"{tracker_path(root)}`)")
+
+
+def unreadable_file_message(path: str, exc: BaseException) -> str:
+    """The message for a checkpoint file torch.load cannot read: the file, the error, and
+    how to fall back to an earlier checkpoint (`path` is <root>/<iter dir>/<rank dir>/file)."""
+    iter_dir = os.path.dirname(os.path.dirname(path))
+    return (f"error: cannot read checkpoint file {path} ({type(exc).__name__}: {exc}); it is "
+            f"truncated or damaged (copied incompletely, or written by another program). Load "
+            f"another checkpoint: "
+            f"{_other_checkpoints_hint(os.path.dirname(iter_dir), os.path.basename(iter_dir))}")
+
+
+def read_checkpoint_file(path: str, mmap: bool = False):
+    """torch.load(path, weights_only=True) to CPU; SystemExit naming the file and the way
+    out when it cannot be read (`unreadable_file_message`)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except READ_ERRORS as exc:
+        if mmap and isinstance(exc, RuntimeError) and "mmap" in str(exc):
+            return read_checkpoint_file(path)  # the legacy (non-zip) format cannot be mapped
+        raise SystemExit(unreadable_file_message(path, exc)) from exc
 
 
 def describe_layout(iter_dir: str) -> str:
@@ -313,10 +366,7 @@ def _check_rank_files(root: str, iteration: int, release: bool, ps: ParallelStat
     Collective: all-reduce MAX of a per-rank "missing" flag vector over the world.
     """
     path = checkpoint_name(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size, release)
-    flags = [0] * ps.world_size
-    flags[ps.rank] = 0 if os.path.isfile(path) else 1
-    flags = _all_reduce_max(flags)
-    missing = [r for r, f in enumerate(flags) if f]
+    missing = _failing_ranks(ps, not os.path.isfile(path))
     if not missing:
         return path
     paths = []
@@ -333,8 +383,12 @@ def _check_rank_files(root: str, iteration: int, release: bool, ps: ParallelStat
 
 
 def _agreed_iteration(root: str) -> Tuple[int, bool]:
-    """(iteration, release) from the tracker, the MAX over ranks (all-reduce); -1 if none."""
-    iteration, release = read_tracker(root)
+    """(iteration, release) from the tracker, the MAX over ranks (all-reduce); -1 if none.
+    SystemExit when the tracker file is malformed."""
+    try:
+        iteration, release = read_tracker(root)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     local = -1 if iteration is None else iteration
     agreed, any_release = _all_reduce_max([local, int(release)])
     if local != agreed and _dist_ready():
@@ -363,14 +417,40 @@ def resolve_checkpoint(root: Optional[str], ps: ParallelState,
     if ps.rank == 0:
         _recover_interrupted_replace(root, agreed, release)
     _barrier()
+    _check_iteration_dir(root, agreed, release, ps)
     return agreed, release
 
 
+def _check_iteration_dir(root: str, iteration: int, release: bool, ps: ParallelState) -> None:
+    """SystemExit on every rank (all-reduce of a flag) when the directory the tracker names
+    does not exist on some rank: which directories do exist, and how to fix the tracker."""
+    name = iteration_dir_name(iteration, release)
+    if not _failing_ranks(ps, not os.path.isdir(os.path.join(root, name))):
+        return
+    value = "release" if release else iteration
+    raise SystemExit(f"error: {tracker_path(root)} names {value}, but the checkpoint directory "
+                     f"{os.path.join(root, name)} does not exist; fix the tracker file: "
+                     f"{_other_checkpoints_hint(root, name)}")
+
+
 def load_rank_file(root: str, iteration: int, release: bool, ps: ParallelState) -> Dict:
-    """This rank's model_optim_rng.pt (collective: the missing-file check)."""
+    """This rank's model_optim_rng.pt. Collective: SystemExit on every rank when a rank's
+    file is missing or cannot be read (two all-reduces of per-rank flags)."""
     path = _check_rank_files(root, iteration, release, ps)
     print_rank_0(f" loading checkpoint from {root} at iteration {iteration}")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    state, error = None, None
+    try:
+        state = read_checkpoint_file(path)
+    except SystemExit as exc:
+        error = exc
+    failed = _failing_ranks(ps, error is not None)
+    if error is not None:
+        raise error
+    if failed:
+        raise SystemExit(f"error: the checkpoint files of rank(s) {failed} in "
+                         f"{os.path.dirname(os.path.dirname(path))} cannot be read (see their "
+                         "messages)")
+    return state
 
 
 def load_checkpoint(root: str, ps: ParallelState,
@@ -398,7 +478,7 @@ def load_extra_file(root: str, iteration: int, ps: ParallelState, name: str,
         checkpoint_name(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size, release)), name)
     if not os.path.isfile(path):
         raise SystemExit(f"checkpoint file {path} not found")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return read_checkpoint_file(path)
 
 
 # ---------------------------------------------------------------------------------------
@@ -487,5 +567,6 @@ __all__ = [
     "CHECKPOINT_VERSION", "TRACKER_FILENAME", "MODEL_FILENAME", "checkpoint_name",
     "iteration_dir_name", "rank_dir_name", "tracker_path", "read_tracker", "describe_layout",
     "save_checkpoint", "save_checkpoint_async", "resolve_checkpoint", "load_checkpoint",
-    "load_rank_file", "load_extra_file", "get_rng_state", "set_rng_state", "args_to_plain",
+    "load_rank_file", "load_extra_file", "list_checkpoints", "read_checkpoint_file",
+    "unreadable_file_message", "READ_ERRORS", "get_rng_state", "set_rng_state", "args_to_plain",
 ]

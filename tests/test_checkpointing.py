@@ -110,8 +110,55 @@ def test_malformed_tracker_names_file_and_content(tmp_path, content):
         read_tracker(str(tmp_path))
     msg = str(err.value)
     assert tracker_path(str(tmp_path)) in msg and repr(content) in msg
-    with pytest.raises(ValueError):
+    with pytest.raises(SystemExit) as err:  # loading: a clean exit, not a traceback
         load_checkpoint(str(tmp_path), _ps1())
+    assert str(err.value) == f"error: {msg}"
+
+
+def test_tracker_naming_a_missing_iteration_lists_the_existing_ones(tmp_path):
+    root = str(tmp_path)
+    for it in (5, 10):
+        save_checkpoint(root, it, _full_state(it, 0, 0), _ps1())
+    Path(tracker_path(root)).write_text("7")
+    with pytest.raises(SystemExit) as err:
+        load_checkpoint(root, _ps1())
+    msg = str(err.value)
+    assert f"{tmp_path / 'iter_0000007'} does not exist" in msg
+    assert "iter_0000005, iter_0000010" in msg and "mp_rank" not in msg
+    assert f"printf 10 > {tracker_path(root)}" in msg
+    from megatron.checkpoint_reshard import locate_iteration  # the tools' way in
+
+    with pytest.raises(SystemExit, match="the checkpoints under .*: iter_0000005, iter_0000010"):
+        locate_iteration(root)
+
+
+def _truncate(path, size=5000):
+    with open(path, "rb") as f:
+        head = f.read(size)
+    with open(path, "wb") as f:
+        f.write(head)
+
+
+def test_truncated_shard_names_the_file_and_the_earlier_checkpoint(tmp_path):
+    from megatron.checkpoint_reshard import load_shard, read_layout
+
+    root = str(tmp_path)
+    for it in (5, 10):
+        save_checkpoint(root, it, _full_state(it, 0, 0), _ps1())
+    path = checkpoint_name(root, 10, 0, 0, 1)
+    _truncate(path)
+    for load in (lambda: load_checkpoint(root, _ps1()), lambda: load_shard(path),
+                 lambda: read_layout(str(tmp_path / "iter_0000010"))):
+        with pytest.raises(SystemExit) as err:
+            load()
+        msg = str(err.value)
+        assert msg.startswith(f"error: cannot read checkpoint file {path} (")
+        assert "truncated" in msg and "iter_0000005" in msg
+        assert f"printf 5 > {tracker_path(root)}" in msg
+    Path(path).write_bytes(b"")  # an empty file (EOFError, or the mmap refusal)
+    for load in (lambda: load_checkpoint(root, _ps1()), lambda: load_shard(path)):
+        with pytest.raises(SystemExit, match="cannot read checkpoint file"):
+            load()
 
 
 # --- single-process save/load ----------------------------------------------------------
@@ -301,3 +348,26 @@ def test_distributed_missing_shard_exits_on_every_rank(tmp_path):
     assert all(m is not None and m == messages[0] for m in messages)
     assert "mp_rank_02" in messages[0] and "mp_rank_03" in messages[0]
     assert "tensor-model-parallel size 2" in messages[0]
+
+
+def _dist_truncated_shard(rank, world_size, root):
+    import torch.distributed as dist
+
+    ps = ParallelState.build(world_size, rank, tp_size=2)
+    save_checkpoint(root, 4, _full_state(4, ps.tp_rank, 0), ps)
+    if rank == 0:
+        _truncate(checkpoint_name(root, 4, 1, 0, 1))
+    dist.barrier()
+    try:
+        load_checkpoint(root, ps)
+    except SystemExit as exc:
+        return str(exc)
+    return None
+
+
+def test_distributed_truncated_shard_exits_on_every_rank(tmp_path):
+    """Only rank 1's file is damaged; rank 0 must not go on alone (it would hang)."""
+    messages = run_distributed(_dist_truncated_shard, 2, str(tmp_path))
+    bad = checkpoint_name(str(tmp_path), 4, 1, 0, 1)
+    assert messages[1].startswith(f"error: cannot read checkpoint file {bad}")
+    assert messages[0] is not None and "rank(s) [1]" in messages[0]
