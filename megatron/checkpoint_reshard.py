@@ -127,18 +127,24 @@ def _model_keys(state: dict) -> List[str]:
     return sorted((k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
 
 
-def read_layout(iter_dir: str) -> Layout:
-    """The layout a saved iteration was written with, from its directories and the first
-    rank's file (memory-mapped: only its structure is read)."""
+def inspect_checkpoint(iter_dir: str) -> Tuple[Layout, str, dict]:
+    """(the layout a saved iteration was written with, the path of its first rank's file,
+    that file's payload memory-mapped: only its structure and plain data are read)."""
     tp, pp = scan_layout(iter_dir)
     first = os.path.join(iter_dir, rank_dir_name(0, 0, pp))
-    if not os.path.isfile(os.path.join(first, MODEL_FILENAME)):
-        raise SystemExit(f"error: checkpoint shard {os.path.join(first, MODEL_FILENAME)} is "
-                         "missing")
-    state = load_shard(os.path.join(first, MODEL_FILENAME))
+    path = os.path.join(first, MODEL_FILENAME)
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: checkpoint shard {path} is missing")
+    state = load_shard(path)
     has_distrib = os.path.isfile(os.path.join(first, DISTRIB_FILENAME))
-    return Layout(tp, pp, max(len(_model_keys(state)), 1),
-                  optimizer_kind(state.get("optimizer"), has_distrib))
+    layout = Layout(tp, pp, max(len(_model_keys(state)), 1),
+                    optimizer_kind(state.get("optimizer"), has_distrib))
+    return layout, path, state
+
+
+def read_layout(iter_dir: str) -> Layout:
+    """The layout a saved iteration was written with (see `inspect_checkpoint`)."""
+    return inspect_checkpoint(iter_dir)[0]
 
 
 def needs_resharding(saved: Layout, run: Layout, with_optimizer: bool) -> bool:

@@ -354,7 +354,8 @@ def _rollback(tr: Trainer, iteration: int) -> None:
             tr.state.skipped_iters, tr.state.nan_iters)
     saved = tr.config.checkpoint
     tr.config.checkpoint = dataclasses.replace(saved, load=saved.save, finetune=False,
-                                               no_load_optim=False, no_load_rng=False)
+                                               no_load_optim=saved.no_save_optim,
+                                               no_load_rng=saved.no_save_rng)
     try:
         trainer_checkpoint.load_trainer_checkpoint(tr)
     finally:

@@ -9,6 +9,7 @@ path is the one a user gets; the per-iteration losses are read off `train_step`.
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -147,8 +148,16 @@ def test_no_save_optim_and_no_save_rng_omit_their_keys(tmp_path, plain_run):
     assert {"model", "iteration", "args", "train_state"} <= set(state)
     assert not {"optimizer", "opt_param_scheduler", "rng_state"} & set(state)
     assert os.listdir(os.path.dirname(path)) == ["model_optim_rng.pt"], "no distrib_optim.pt"
-    # it resumes: position restored, optimizer and dropout RNG fresh
-    losses, _ = run_pretrain(["--load", root, "--use-distributed-optimizer"])
+    # loading the missing states is refused (Megatron's d.3.8), naming the flag that skips them
+    with pytest.raises(SystemExit, match=rf"unable to load optimizer from checkpoint {path}.*"
+                                         "Specify --no-load-optim or --finetune"):
+        run_pretrain(["--load", root, "--use-distributed-optimizer"])
+    with pytest.raises(SystemExit, match=rf"unable to load rng state from checkpoint {path}.*"
+                                         "Specify --no-load-rng or --finetune"):
+        run_pretrain(["--load", root, "--use-distributed-optimizer", "--no-load-optim"])
+    # with them it resumes: position restored, optimizer and dropout RNG fresh
+    losses, _ = run_pretrain(["--load", root, "--use-distributed-optimizer", "--no-load-optim",
+                              "--no-load-rng"])
     assert sorted(losses) == list(range(K + 1, N + 1))
 
     root_rng = str(tmp_path / "ck_rng")
@@ -156,3 +165,39 @@ def test_no_save_optim_and_no_save_rng_omit_their_keys(tmp_path, plain_run):
                   "--no-save-optim"])
     state = torch.load(checkpoint_name(root_rng, K, 0, 0, 1), weights_only=True)
     assert "rng_state" in state and "optimizer" not in state
+    losses, _ = run_pretrain(["--load", root_rng, "--no-load-optim"])  # RNG restored
+    assert sorted(losses) == list(range(K + 1, N + 1))
+
+
+# --------------------------------------------------------------------------- release
+def _as_release(root: str, dst: str) -> str:
+    """A copy of `root`'s checkpoint at K as a release checkpoint (`release/`, tracker)."""
+    shutil.copytree(os.path.join(root, f"iter_{K:07d}"), os.path.join(dst, "release"))
+    with open(os.path.join(dst, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("release")
+    return dst
+
+
+def test_release_checkpoint_starts_at_zero_keeping_consumed_samples(tmp_path, plain_run):
+    """d.3.3: iteration 0, no optimizer / scheduler / RNG load -- so a changed schedule is no
+    error -- and, without --finetune, the checkpoint's consumed samples."""
+    ref, root = plain_run
+    release = _as_release(root, str(tmp_path / "rel"))
+    losses, tr = run_pretrain(["--load", release, "--lr", "5e-3"])
+    assert sorted(losses) == list(range(1, N + 1)), "a release starts at iteration 0"
+    assert tr.state.consumed_train_samples == (K + N) * 8, "consumed samples kept"
+    assert losses[1] < ref[1], "the checkpoint's weights"
+    assert tr.scheduler.num_steps == N * 8, "a fresh schedule"
+    losses, tr = run_pretrain(["--load", release, "--finetune"])
+    assert sorted(losses) == list(range(1, N + 1))
+    assert tr.state.consumed_train_samples == N * 8, "--finetune: consumed samples from 0"
+
+
+# --------------------------------------------------------------------------- mismatches
+def test_changed_schedule_on_resume_exits_with_the_fix(plain_run):
+    _, root = plain_run
+    with pytest.raises(SystemExit) as err:
+        run_pretrain(["--load", root, "--lr", "5e-3"])
+    msg = str(err.value)
+    assert msg.startswith(f"error: loading {root}/iter_{K:07d}: ") and "0.005" in msg
+    assert "--override-opt_param-scheduler" in msg
