@@ -16,6 +16,7 @@ from typing import Dict, NamedTuple, Optional, Set, Tuple
 import torch
 
 from megatron.async_save import AsyncSaver
+from megatron.checkpoint_args import check_checkpoint_args
 from megatron.checkpoint_reshard import (
     Layout,
     RankPlan,
@@ -229,7 +230,8 @@ def _states_to_load(ck, release: bool, first: Dict, path: str) -> Tuple[bool, bo
 def _load_trainer_payload(tr) -> Optional[_Loaded]:
     """This rank's payload from --load, checked against the run; None without a checkpoint.
 
-    The first rank's file (memory-mapped) is checked first: the states to load being there. When the checkpoint's tp,
+    The first rank's file (memory-mapped) is checked first: its arguments against the run's
+    (`check_checkpoint_args`) and the states to load being there. When the checkpoint's tp,
     pp or chunks per rank differ from the run's -- or, with the optimizer state to load, its
     optimizer kind (distributed or not, fp32 or mixed) -- every rank reads all shards and
     takes its slice (megatron.checkpoint_reshard). Collective: the tracker all-reduce and
@@ -241,6 +243,7 @@ def _load_trainer_payload(tr) -> Optional[_Loaded]:
     iteration, release = found
     iter_dir = os.path.join(ck.load, iteration_dir_name(iteration, release))
     saved, first_path, first = inspect_checkpoint(iter_dir)
+    check_checkpoint_args(first.get("args"), tr.config.args, iter_dir, finetune=ck.finetune)
     with_optimizer, with_rng = _states_to_load(ck, release, first, first_path)
     loaded = _Loaded(0 if release else iteration, release, {}, None, None, with_optimizer,
                      with_rng, iter_dir)

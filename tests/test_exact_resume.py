@@ -201,3 +201,35 @@ def test_changed_schedule_on_resume_exits_with_the_fix(plain_run):
     msg = str(err.value)
     assert msg.startswith(f"error: loading {root}/iter_{K:07d}: ") and "0.005" in msg
     assert "--override-opt_param-scheduler" in msg
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--num-attention-heads", "8"], ["--num-attention-heads: checkpoint 4, this run 8",
+                                      "--kv-channels: checkpoint 8, this run 4"]),
+    (["--num-layers", "3"], ["--num-layers: checkpoint 2, this run 3"]),
+    (["--hidden-size", "64"], ["--hidden-size: checkpoint 32, this run 64",
+                               "--ffn-hidden-size: checkpoint 128, this run 256"]),
+])
+@pytest.mark.parametrize("finetune", [False, True])
+def test_model_arguments_other_than_the_checkpoint_exit_naming_them(plain_run, flags, expected,
+                                                                    finetune):
+    """Megatron's check_checkpoint_args; shapes and head layout even with --finetune (8 heads
+    of 4 would load silently, the other shapes as load_state_dict tracebacks)."""
+    _, root = plain_run
+    with pytest.raises(SystemExit) as err:
+        run_pretrain(["--load", root, *flags] + (["--finetune"] if finetune else []))
+    msg = str(err.value)
+    assert msg.startswith(f"error: the checkpoint in {root}/iter_{K:07d} was saved with other "
+                          "model arguments")
+    for line in expected:
+        assert f"\n  {line}\n" in msg, msg
+    assert "--use-checkpoint-args" in msg and f"({flags[0]} " in msg
+    assert ("--finetune does not skip these" in msg) == finetune
+
+
+def test_finetune_skips_the_non_shape_arguments(plain_run):
+    _, root = plain_run
+    with pytest.raises(SystemExit, match="--vocab-size: checkpoint 100, this run 101"):
+        run_pretrain(["--load", root, "--vocab-size", "101"])  # same padded rows (128)
+    losses, _ = run_pretrain(["--load", root, "--vocab-size", "101", "--finetune"])
+    assert sorted(losses) == list(range(1, N + 1))
