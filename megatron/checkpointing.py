@@ -26,6 +26,7 @@ import pickle
 import random
 import re
 import shutil
+import tempfile
 import time
 from pathlib import PurePath
 from typing import Dict, List, Optional, Tuple
@@ -174,6 +175,28 @@ def _publish(root: str, tmp_dir: str, final_dir: str, iteration: int, release: b
     if os.path.exists(old_dir):
         shutil.rmtree(old_dir)
     _write_tracker(root, iteration, release)
+
+
+def check_save_dir(root: str, ps: ParallelState) -> None:
+    """Startup check of --save: global rank 0 creates `root` and writes and removes a probe
+    file in it. Collective (an all-reduce of a flag over the world): SystemExit on every
+    rank, naming the path and the error, when that fails -- not after training, at the
+    first save."""
+    error = None
+    if ps.rank == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".write_test.", dir=root)
+            os.close(fd)
+            os.remove(probe)
+        except OSError as exc:
+            error = exc
+    if not _failing_ranks(ps, error is not None):
+        return
+    detail = f"{type(error).__name__}: {error}" if error is not None else "see rank 0's message"
+    raise SystemExit(f"error: --save {root} cannot be used: global rank 0 could not create it or "
+                     f"write into it ({detail}); pass a directory that can be created and "
+                     "written to")
 
 
 def _check_save_iteration(iteration: int, release: bool) -> None:
@@ -566,7 +589,7 @@ def args_to_plain(obj):
 __all__ = [
     "CHECKPOINT_VERSION", "TRACKER_FILENAME", "MODEL_FILENAME", "checkpoint_name",
     "iteration_dir_name", "rank_dir_name", "tracker_path", "read_tracker", "describe_layout",
-    "save_checkpoint", "save_checkpoint_async", "resolve_checkpoint", "load_checkpoint",
-    "load_rank_file", "load_extra_file", "list_checkpoints", "read_checkpoint_file",
+    "check_save_dir", "save_checkpoint", "save_checkpoint_async", "resolve_checkpoint",
+    "load_checkpoint", "load_rank_file", "load_extra_file", "list_checkpoints", "read_checkpoint_file",
     "unreadable_file_message", "READ_ERRORS", "get_rng_state", "set_rng_state", "args_to_plain",
 ]

@@ -449,7 +449,9 @@ def train(tr: Trainer, train_data, valid_data) -> None:
 
 
 def pretrain(config: Config, rt: Runtime) -> Trainer:
-    """Build model, optimizer and data; load; train; evaluate at the end."""
+    """Check --save; build model, optimizer and data; load; train; evaluate at the end."""
+    if config.checkpoint.save:
+        checkpointing.check_save_dir(config.checkpoint.save, rt.ps)  # not after training
     tr = build_trainer(config, rt)
     tr.watchdog = build_watchdog(config.parallel.distributed_timeout_minutes * 60)
     if config.training.exit_signal_handler:

@@ -10,6 +10,7 @@ import torch
 from megatron.checkpointing import (
     CHECKPOINT_VERSION,
     args_to_plain,
+    check_save_dir,
     checkpoint_name,
     get_rng_state,
     load_checkpoint,
@@ -235,6 +236,18 @@ def test_release_checkpoint_loads_as_iteration_zero(tmp_path):
     assert iteration == 0 and (tmp_path / "release" / "mp_rank_00").is_dir()
 
 
+def test_check_save_dir_creates_the_directory_or_names_the_problem(tmp_path):
+    root = tmp_path / "a" / "b"
+    check_save_dir(str(root), _ps1())
+    assert root.is_dir() and os.listdir(root) == [], "created, the probe file removed"
+    (tmp_path / "file").write_text("x")
+    for bad in (tmp_path / "file", tmp_path / "file" / "sub", Path("/proc/x")):
+        with pytest.raises(SystemExit) as err:
+            check_save_dir(str(bad), _ps1())
+        msg = str(err.value)
+        assert msg.startswith(f"error: --save {bad} cannot be used: ") and "Error: [Errno" in msg
+
+
 def test_save_rejects_iteration_zero(tmp_path):
     with pytest.raises(ValueError, match="iteration 0"):
         save_checkpoint(str(tmp_path), 0, {}, _ps1())
@@ -371,3 +384,18 @@ def test_distributed_truncated_shard_exits_on_every_rank(tmp_path):
     bad = checkpoint_name(str(tmp_path), 4, 1, 0, 1)
     assert messages[1].startswith(f"error: cannot read checkpoint file {bad}")
     assert messages[0] is not None and "rank(s) [1]" in messages[0]
+
+
+def _dist_bad_save_dir(rank, world_size, path):
+    try:
+        check_save_dir(path, ParallelState.build(world_size, rank))
+    except SystemExit as exc:
+        return str(exc)
+    return None
+
+
+def test_distributed_bad_save_dir_exits_on_every_rank(tmp_path):
+    (tmp_path / "file").write_text("x")
+    messages = run_distributed(_dist_bad_save_dir, 2, str(tmp_path / "file" / "ck"))
+    assert "NotADirectoryError" in messages[0]
+    assert messages[1] is not None and "see rank 0's message" in messages[1]

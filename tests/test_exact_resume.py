@@ -233,3 +233,15 @@ def test_finetune_skips_the_non_shape_arguments(plain_run):
         run_pretrain(["--load", root, "--vocab-size", "101"])  # same padded rows (128)
     losses, _ = run_pretrain(["--load", root, "--vocab-size", "101", "--finetune"])
     assert sorted(losses) == list(range(1, N + 1))
+
+
+def test_unusable_save_directory_exits_before_any_work(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    bad = str(tmp_path / "file" / "ck")
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built before --save was checked")
+
+    monkeypatch.setattr(training, "build_trainer", no_build)
+    with pytest.raises(SystemExit, match=f"--save {bad} cannot be used: .*NotADirectoryError"):
+        run_pretrain(["--save", bad, "--save-interval", str(K)])
