@@ -226,15 +226,72 @@ def _rank_files(ps: ParallelState, state: Optional[Dict],
     return {MODEL_FILENAME: state, **(extra_files or {})}
 
 
-def _write_rank_files(tmp_dir: str, ps: ParallelState, files: Dict[str, object]) -> str:
-    """Write and fsync this rank's files into its `mp_rank_*` directory; returns its name."""
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint file could not be written (disk full, quota, I/O error). Nothing was
+    published: the tracker still names the previous checkpoint."""
+
+
+def _free_space(path: str) -> str:
+    """'1.5 GiB free on the file system of <path>' (or why that is unknown)."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError as exc:
+        return f"free space on the file system of {path} unknown ({exc})"
+    units = ["bytes", "KiB", "MiB", "GiB", "TiB"]
+    size, unit = float(free), 0
+    while size >= 1024 and unit < len(units) - 1:
+        size, unit = size / 1024, unit + 1
+    return f"{size:.1f} {units[unit]} free on the file system of {path}"
+
+
+def _previous_checkpoint(root: str) -> str:
+    try:
+        iteration, release = read_tracker(root)
+    except ValueError:
+        iteration, release = None, False
+    if iteration is None:
+        return f"there is no earlier checkpoint in {root}"
+    return (f"the previous checkpoint {os.path.join(root, iteration_dir_name(iteration, release))}"
+            f" is intact (the tracker still names it)")
+
+
+def _write_rank_files(root: str, iteration: int, tmp_dir: str, ps: ParallelState,
+                      files: Dict[str, object]) -> str:
+    """Write and fsync this rank's files into its `mp_rank_*` directory; returns its name.
+    CheckpointWriteError (the original error chained) naming the file, the free space and
+    the checkpoint that stays in use when a file cannot be written."""
     name = rank_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size)
     rank_dir = os.path.join(tmp_dir, name)
-    os.makedirs(rank_dir, exist_ok=True)
-    for file_name, obj in files.items():
-        _torch_save_synced(obj, os.path.join(rank_dir, file_name))
-    _fsync_dir(rank_dir)
+    path = rank_dir
+    try:
+        os.makedirs(rank_dir, exist_ok=True)
+        for file_name, obj in files.items():
+            path = os.path.join(rank_dir, file_name)
+            _torch_save_synced(obj, path)
+        _fsync_dir(rank_dir)
+    except (OSError, RuntimeError) as exc:
+        raise CheckpointWriteError(
+            f"the checkpoint at iteration {iteration} could not be written to {path} "
+            f"({type(exc).__name__}: {exc}); {_free_space(tmp_dir)}; "
+            f"{_previous_checkpoint(root)}. Free space or pass another --save") from exc
     return name
+
+
+def _after_write(root: str, iteration: int, tmp_dir: str, ps: ParallelState,
+                 error: Optional[CheckpointWriteError]) -> None:
+    """The barrier after writing, as an all-reduce of a failure flag: when a rank could not
+    write, rank 0 removes the partial directory and every rank raises (the failing rank
+    its own error, the others one naming the failing ranks)."""
+    failed = _failing_ranks(ps, error is not None)
+    if not failed:
+        return
+    if ps.rank == 0:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    if error is not None:
+        raise error
+    raise CheckpointWriteError(f"the checkpoint at iteration {iteration} could not be written "
+                               f"to {root}: rank(s) {failed} failed (see their messages); "
+                               f"{_previous_checkpoint(root)}")
 
 
 def save_checkpoint(root: str, iteration: int, state: Optional[Dict], ps: ParallelState,
@@ -255,9 +312,13 @@ def save_checkpoint(root: str, iteration: int, state: Optional[Dict], ps: Parall
     tmp_dir = final_dir + ".tmp"
     _prepare_tmp_dir(root, tmp_dir, ps)
     files = _rank_files(ps, state, extra_files)
+    error = None
     if files is not None:
-        _write_rank_files(tmp_dir, ps, files)
-    _barrier()  # every shard is on disk
+        try:
+            _write_rank_files(root, iteration, tmp_dir, ps, files)
+        except CheckpointWriteError as exc:
+            error = exc
+    _after_write(root, iteration, tmp_dir, ps, error)  # every shard is on disk
     if ps.rank == 0:
         _publish(root, tmp_dir, final_dir, iteration, release)
     _barrier()  # the tracker names a complete checkpoint
@@ -296,7 +357,7 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
     def write_and_publish() -> None:
         t0 = time.perf_counter()
         if snapshot is not None:
-            mark_done(tmp_dir, _write_rank_files(tmp_dir, ps, snapshot))
+            mark_done(tmp_dir, _write_rank_files(root, iteration, tmp_dir, ps, snapshot))
         if writers:
             wait_for_markers(tmp_dir, writers, timeout_s)
             remove_markers(tmp_dir, writers)
@@ -589,7 +650,7 @@ def args_to_plain(obj):
 __all__ = [
     "CHECKPOINT_VERSION", "TRACKER_FILENAME", "MODEL_FILENAME", "checkpoint_name",
     "iteration_dir_name", "rank_dir_name", "tracker_path", "read_tracker", "describe_layout",
-    "check_save_dir", "save_checkpoint", "save_checkpoint_async", "resolve_checkpoint",
+    "CheckpointWriteError", "check_save_dir", "save_checkpoint", "save_checkpoint_async", "resolve_checkpoint",
     "load_checkpoint", "load_rank_file", "load_extra_file", "list_checkpoints", "read_checkpoint_file",
     "unreadable_file_message", "READ_ERRORS", "get_rng_state", "set_rng_state", "args_to_plain",
 ]

@@ -1,6 +1,7 @@
 import enum
 import os
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +10,7 @@ import torch
 
 from megatron.checkpointing import (
     CHECKPOINT_VERSION,
+    CheckpointWriteError,
     args_to_plain,
     check_save_dir,
     checkpoint_name,
@@ -16,6 +18,7 @@ from megatron.checkpointing import (
     load_checkpoint,
     read_tracker,
     save_checkpoint,
+    save_checkpoint_async,
     set_rng_state,
     tracker_path,
 )
@@ -248,6 +251,46 @@ def test_check_save_dir_creates_the_directory_or_names_the_problem(tmp_path):
         assert msg.startswith(f"error: --save {bad} cannot be used: ") and "Error: [Errno" in msg
 
 
+def _disk_full(monkeypatch):
+    """torch.save fails as it does on a full disk (after writing part of the file)."""
+    def full(obj, f, *args, **kwargs):
+        f.write(b"PK partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 10")
+
+    monkeypatch.setattr(torch, "save", full)
+
+
+def test_full_disk_names_iteration_path_free_space_and_intact_checkpoint(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    save_checkpoint(root, 5, _full_state(5, 0, 0), _ps1())
+    _disk_full(monkeypatch)
+    with pytest.raises(CheckpointWriteError) as err:
+        save_checkpoint(root, 10, _full_state(10, 0, 0), _ps1())
+    msg = str(err.value)
+    path = os.path.join(root, "iter_0000010.tmp", "mp_rank_00", "model_optim_rng.pt")
+    assert msg.startswith(f"the checkpoint at iteration 10 could not be written to {path} "
+                          "(RuntimeError: [enforce fail")
+    assert re.search(r"; \d+\.\d (bytes|KiB|MiB|GiB|TiB) free on the file system of ", msg)
+    assert f"the previous checkpoint {os.path.join(root, 'iter_0000005')} is intact" in msg
+    assert isinstance(err.value.__cause__, RuntimeError), "the original error is chained"
+    assert sorted(os.listdir(root)) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
+    monkeypatch.undo()
+    assert load_checkpoint(root, _ps1())[0] == 5
+
+
+def test_full_disk_in_a_background_save(tmp_path, monkeypatch):
+    from megatron.async_save import AsyncSaver
+
+    saver = AsyncSaver()
+    _disk_full(monkeypatch)
+    save_checkpoint_async(str(tmp_path), 3, _full_state(3, 0, 0), _ps1(), saver)
+    with pytest.raises(RuntimeError, match="background save") as err:
+        saver.wait()
+    assert isinstance(err.value.__cause__, CheckpointWriteError)
+    assert "there is no earlier checkpoint in" in str(err.value)
+    assert read_tracker(str(tmp_path)) == (None, False)
+
+
 def test_save_rejects_iteration_zero(tmp_path):
     with pytest.raises(ValueError, match="iteration 0"):
         save_checkpoint(str(tmp_path), 0, {}, _ps1())
@@ -399,3 +442,29 @@ def test_distributed_bad_save_dir_exits_on_every_rank(tmp_path):
     messages = run_distributed(_dist_bad_save_dir, 2, str(tmp_path / "file" / "ck"))
     assert "NotADirectoryError" in messages[0]
     assert messages[1] is not None and "see rank 0's message" in messages[1]
+
+
+def _dist_full_disk_on_one_rank(rank, world_size, root):
+    ps = ParallelState.build(world_size, rank, tp_size=2)
+    save_checkpoint(root, 2, _full_state(2, ps.tp_rank, 0), ps)
+    real_save = torch.save
+    if rank == 1:
+        def full(obj, f, *args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        torch.save = full
+    try:
+        save_checkpoint(root, 4, _full_state(4, ps.tp_rank, 0), ps)
+    except CheckpointWriteError as exc:
+        return str(exc)
+    finally:
+        torch.save = real_save  # the test harness returns results with it
+    return None
+
+
+def test_distributed_full_disk_on_one_rank_fails_every_rank(tmp_path):
+    messages = run_distributed(_dist_full_disk_on_one_rank, 2, str(tmp_path))
+    assert "No space left on device" in messages[1]
+    assert messages[0] is not None and "rank(s) [1] failed" in messages[0]
+    assert read_tracker(str(tmp_path)) == (2, False)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
