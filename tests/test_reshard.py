@@ -175,6 +175,26 @@ def test_offline_reshard_loads_without_conversion(tmp_path_factory, tmp_path, ca
                                  "--target-tensor-model-parallel-size", "1",
                                  "--target-pipeline-model-parallel-size", "2",
                                  "--target-num-layers-per-virtual-pipeline-stage", "3"])
+    # sizes that do not split the model: refused before any file is written
+    for tp, pp, words in [(3, 1, "--target-tensor-model-parallel-size 3 does not divide the "
+                                 "saved model's --num-attention-heads 4 and --ffn-hidden-size 128"),
+                          (2, 3, "--target-pipeline-model-parallel-size 3 does not divide the "
+                                 "saved model's 4 layers")]:
+        with pytest.raises(SystemExit, match=words):
+            checkpoint_convert.main(["reshard", "--load", out, "--save", str(tmp_path / "y"),
+                                     "--target-tensor-model-parallel-size", str(tp),
+                                     "--target-pipeline-model-parallel-size", str(pp)])
+        assert not os.path.exists(tmp_path / "y")
+
+
+def test_target_layout_check_names_the_sizes_that_fit():
+    args = {"num_attention_heads": 8, "group_query_attention": True, "num_query_groups": 2,
+            "ffn_hidden_size": 96, "num_layers": 6, "standalone_embedding_stage": True}
+    with pytest.raises(SystemExit, match="--num-query-groups 2; .* divides them: 1, 2$"):
+        checkpoint_convert.check_target_layout(args, 4, 1)
+    checkpoint_convert.check_target_layout(args, 2, 4)  # 6 layers over 3 stages + embedding
+    with pytest.raises(SystemExit, match="6 layers over 4 stage"):
+        checkpoint_convert.check_target_layout(args, 2, 4, virtual=True)
 
 
 # ------------------------------------------------------------------------------- 3. units
