@@ -237,11 +237,12 @@ def _free_space(path: str) -> str:
         free = shutil.disk_usage(path).free
     except OSError as exc:
         return f"free space on the file system of {path} unknown ({exc})"
-    units = ["bytes", "KiB", "MiB", "GiB", "TiB"]
-    size, unit = float(free), 0
+    units = ["KiB", "MiB", "GiB", "TiB"]
+    size, unit = float(free), -1
     while size >= 1024 and unit < len(units) - 1:
         size, unit = size / 1024, unit + 1
-    return f"{size:.1f} {units[unit]} free on the file system of {path}"
+    amount = f"{free} bytes" if unit < 0 else f"{size:.1f} {units[unit]}"
+    return f"{amount} free on the file system of {path}"
 
 
 def _previous_checkpoint(root: str) -> str:
@@ -272,7 +273,7 @@ def _write_rank_files(root: str, iteration: int, tmp_dir: str, ps: ParallelState
     except (OSError, RuntimeError) as exc:
         raise CheckpointWriteError(
             f"the checkpoint at iteration {iteration} could not be written to {path} "
-            f"({type(exc).__name__}: {exc}); {_free_space(tmp_dir)}; "
+            f"({type(exc).__name__}: {exc}); {_free_space(root)}; "
             f"{_previous_checkpoint(root)}. Free space or pass another --save") from exc
     return name
 
@@ -472,7 +473,7 @@ def _agreed_iteration(root: str) -> Tuple[int, bool]:
     try:
         iteration, release = read_tracker(root)
     except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        raise SystemExit(f"error: {exc}; {_other_checkpoints_hint(root, '')}") from None
     local = -1 if iteration is None else iteration
     agreed, any_release = _all_reduce_max([local, int(release)])
     if local != agreed and _dist_ready():

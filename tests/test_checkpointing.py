@@ -114,9 +114,17 @@ def test_malformed_tracker_names_file_and_content(tmp_path, content):
         read_tracker(str(tmp_path))
     msg = str(err.value)
     assert tracker_path(str(tmp_path)) in msg and repr(content) in msg
+    save_checkpoint(str(tmp_path / "ck"), 5, _full_state(5, 0, 0), _ps1())
+    Path(tracker_path(str(tmp_path / "ck"))).write_text(content)
     with pytest.raises(SystemExit) as err:  # loading: a clean exit, not a traceback
-        load_checkpoint(str(tmp_path), _ps1())
-    assert str(err.value) == f"error: {msg}"
+        load_checkpoint(str(tmp_path / "ck"), _ps1())
+    assert str(err.value).startswith(f"error: malformed checkpoint tracker file "
+                                     f"{tracker_path(str(tmp_path / 'ck'))}: content "
+                                     f"{content!r}")
+    assert str(err.value).endswith(f"the checkpoints under {tmp_path / 'ck'} are iter_0000005: "
+                                   f"to resume from one, write its iteration into "
+                                   f"{tracker_path(str(tmp_path / 'ck'))} (e.g. `printf 5 > "
+                                   f"{tracker_path(str(tmp_path / 'ck'))}`)")
 
 
 def test_tracker_naming_a_missing_iteration_lists_the_existing_ones(tmp_path):
@@ -270,7 +278,8 @@ def test_full_disk_names_iteration_path_free_space_and_intact_checkpoint(tmp_pat
     path = os.path.join(root, "iter_0000010.tmp", "mp_rank_00", "model_optim_rng.pt")
     assert msg.startswith(f"the checkpoint at iteration 10 could not be written to {path} "
                           "(RuntimeError: [enforce fail")
-    assert re.search(r"; \d+\.\d (bytes|KiB|MiB|GiB|TiB) free on the file system of ", msg)
+    assert re.search(rf"; (\d+ bytes|\d+\.\d (KiB|MiB|GiB|TiB)) free on the file system of "
+                     rf"{root}; ", msg)
     assert f"the previous checkpoint {os.path.join(root, 'iter_0000005')} is intact" in msg
     assert isinstance(err.value.__cause__, RuntimeError), "the original error is chained"
     assert sorted(os.listdir(root)) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
