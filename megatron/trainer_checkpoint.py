@@ -59,7 +59,7 @@ def model_state_dicts(model) -> dict:
 
 def load_model_state_dicts(model, state: dict) -> None:
     """Load the keys written by `model_state_dicts` (strict); SystemExit when the
-    checkpoint's number of virtual pipeline chunks differs from this run's."""
+    checkpoint's number of virtual pipeline chunks or its tensors differ from this run's."""
     chunks = _chunk_models(model)
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     missing = [k for k in keys if k not in state]
@@ -70,7 +70,11 @@ def load_model_state_dicts(model, state: dict) -> None:
             f"chunk(s) per pipeline rank (needs {keys}); run with the checkpoint's "
             "--num-layers-per-virtual-pipeline-stage")
     for key, chunk in zip(keys, chunks):
-        chunk.load_state_dict(state[key], strict=True)
+        try:
+            chunk.load_state_dict(state[key], strict=True)
+        except RuntimeError as exc:  # a checkpoint whose args did not tell (an older writer)
+            raise SystemExit(f"error: the checkpoint's model does not fit this run's: {exc}\n"
+                             "Run with the model flags the checkpoint was saved with") from None
 
 
 def trainer_state_dict(tr) -> dict:
@@ -177,7 +181,10 @@ def reshard_for_trainer(tr, iter_dir: str, with_optimizer: bool
     plan = plan_trainer_rank(tr)
     notes: Set[str] = set()
     kind = live_optimizer_kind(tr.optimizer) if with_optimizer else None
-    payload, distrib = build_rank_payload(src, plan, kind, notes)
+    try:
+        payload, distrib = build_rank_payload(src, plan, kind, notes)
+    except ValueError as exc:  # shapes or parameters the checkpoint's args did not tell
+        raise SystemExit(f"error: cannot reshard {iter_dir} for this run: {exc}") from None
     what = "model and optimizer" if "optimizer" in payload else "model"
     text = (f"resharded {iter_dir} on load: saved with {src.layout.describe()}, this run has "
             f"{trainer_layout(tr).describe()}; {what} state of {len(src.files)} shard file(s) "

@@ -245,3 +245,17 @@ def test_unusable_save_directory_exits_before_any_work(tmp_path, monkeypatch):
     monkeypatch.setattr(training, "build_trainer", no_build)
     with pytest.raises(SystemExit, match=f"--save {bad} cannot be used: .*NotADirectoryError"):
         run_pretrain(["--save", bad, "--save-interval", str(K)])
+
+
+def test_model_mismatch_without_saved_args_exits_cleanly(tmp_path, plain_run):
+    """A checkpoint without `args` (an older writer) cannot be checked up front: the
+    strict load still ends in a clean exit, not a traceback."""
+    _, root = plain_run
+    bare = str(tmp_path / "bare")
+    shutil.copytree(root, bare)
+    path = checkpoint_name(bare, K, 0, 0, 1)
+    state = torch.load(path, weights_only=True)
+    del state["args"]
+    torch.save(state, path)
+    with pytest.raises(SystemExit, match=r"(?s)does not fit this run's: .*size mismatch"):
+        run_pretrain(["--load", bare, "--hidden-size", "64"])

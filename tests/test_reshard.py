@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from functools import lru_cache
 
 import pytest
@@ -262,6 +263,23 @@ def test_vocabulary_repadding_and_shape_errors(tmp_path_factory):
     plan = reshard.plan_rank([GPTModel(wrong.model, device="meta")], [0], 1, 0)
     with pytest.raises(ValueError, match="the checkpoint holds shape"):
         reshard.build_rank_payload(src, plan, "fp32")
+
+
+def test_reshard_on_load_of_another_model_exits_cleanly(tmp_path_factory, tmp_path):
+    """Another model behind a checkpoint without `args` (nothing to check up front): the
+    resharding's shape error is a clean exit."""
+    root = str(tmp_path_factory.getbasetemp() / "src-2---tensor-model-parallel-size2")
+    _saved("--tensor-model-parallel-size 2", 2, root)
+    bare = str(tmp_path / "bare")
+    shutil.copytree(root, bare)
+    for t in range(2):
+        path = os.path.join(bare, "iter_0000002", rank_dir_name(t, 0, 1), MODEL_FILENAME)
+        state = torch.load(path, weights_only=True)
+        del state["args"]
+        torch.save(state, path)
+    _, _, tr = _trainer(0, 1, "--hidden-size 64", load=bare)
+    with pytest.raises(SystemExit, match="cannot reshard .* the checkpoint holds shape"):
+        load_trainer_checkpoint(tr)
 
 
 NO_MODEL_FLAGS = ("--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --train-iters 4 "
