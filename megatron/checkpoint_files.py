@@ -26,6 +26,8 @@ from typing import Dict, List
 import numpy as np
 import torch
 
+from megatron.checkpoint_plain import args_to_plain
+
 # Checkpoint versions whose QKV rows are per-head [q|k|v] blocks (Megatron-LM reorders
 # the rows of versions 0 and 1 on load; this framework does not).
 MIN_CHECKPOINT_VERSION = 2.0
@@ -136,8 +138,6 @@ def normalize_payload(state):
     SystemExit for a Megatron-LM checkpoint version older than 2.0."""
     if not isinstance(state, dict) or not isinstance(state.get("args"), argparse.Namespace):
         return state
-    from megatron.checkpointing import args_to_plain  # (it imports this module)
-
     version = state.get("checkpoint_version", 0)
     if isinstance(version, (int, float)) and version < MIN_CHECKPOINT_VERSION:
         raise SystemExit(

@@ -44,11 +44,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from megatron.checkpoint_files import flat_model_state, load_checkpoint_file
+from megatron.checkpoint_files import flat_model_state
 from megatron.checkpointing import (
     MODEL_FILENAME,
     iteration_dir_name,
+    list_checkpoints,
     rank_dir_name,
+    read_checkpoint_file,
     read_tracker,
     tracker_path,
 )
@@ -116,8 +118,8 @@ def live_optimizer_kind(optimizer) -> str:
 
 def load_shard(path: str):
     """weights_only load, memory-mapped (tensors are read when used) when the file allows;
-    files written by Megatron-LM itself are normalised (megatron/checkpoint_files.py)."""
-    return load_checkpoint_file(path, mmap=True)
+    SystemExit naming the file when it cannot be read (truncated, damaged)."""
+    return read_checkpoint_file(path, mmap=True)
 
 
 def _model_keys(state: dict) -> List[str]:
@@ -126,18 +128,24 @@ def _model_keys(state: dict) -> List[str]:
     return sorted((k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
 
 
-def read_layout(iter_dir: str) -> Layout:
-    """The layout a saved iteration was written with, from its directories and the first
-    rank's file (memory-mapped: only its structure is read)."""
+def inspect_checkpoint(iter_dir: str) -> Tuple[Layout, str, dict]:
+    """(the layout a saved iteration was written with, the path of its first rank's file,
+    that file's payload memory-mapped: only its structure and plain data are read)."""
     tp, pp = scan_layout(iter_dir)
     first = os.path.join(iter_dir, rank_dir_name(0, 0, pp))
-    if not os.path.isfile(os.path.join(first, MODEL_FILENAME)):
-        raise SystemExit(f"error: checkpoint shard {os.path.join(first, MODEL_FILENAME)} is "
-                         "missing")
-    state = load_shard(os.path.join(first, MODEL_FILENAME))
+    path = os.path.join(first, MODEL_FILENAME)
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: checkpoint shard {path} is missing")
+    state = load_shard(path)
     has_distrib = os.path.isfile(os.path.join(first, DISTRIB_FILENAME))
-    return Layout(tp, pp, max(len(_model_keys(state)), 1),
-                  optimizer_kind(state.get("optimizer"), has_distrib))
+    layout = Layout(tp, pp, max(len(_model_keys(state)), 1),
+                    optimizer_kind(state.get("optimizer"), has_distrib))
+    return layout, path, state
+
+
+def read_layout(iter_dir: str) -> Layout:
+    """The layout a saved iteration was written with (see `inspect_checkpoint`)."""
+    return inspect_checkpoint(iter_dir)[0]
 
 
 def needs_resharding(saved: Layout, run: Layout, with_optimizer: bool) -> bool:
@@ -521,7 +529,7 @@ def _flat_buffers(plan: RankPlan, per_param: Dict[ParamKey, Dict[str, torch.Tens
 def locate_iteration(load: str, iteration: Optional[int] = None) -> Tuple[str, int, bool]:
     """(iteration directory, iteration, release) under `load`: the tracker's iteration
     unless `iteration` is given. SystemExit naming the path when there is none."""
-    release = False
+    release, given = False, iteration is not None
     if iteration is None:
         try:
             iteration, release = read_tracker(load)
@@ -532,7 +540,10 @@ def locate_iteration(load: str, iteration: Optional[int] = None) -> Tuple[str, i
                              "does not exist (pass --iteration N to pick one by hand)")
     iter_dir = os.path.join(load, iteration_dir_name(iteration, release))
     if not os.path.isdir(iter_dir):
-        raise SystemExit(f"error: checkpoint directory {iter_dir} does not exist")
+        source = "--iteration" if given else tracker_path(load)
+        raise SystemExit(f"error: checkpoint directory {iter_dir} (from {source}) does not "
+                         f"exist; the checkpoints under {load}: "
+                         f"{', '.join(list_checkpoints(load)) or 'none'}")
     return iter_dir, iteration, release
 
 

@@ -6,7 +6,8 @@
 
 One file per (tp, pp) pair, written by its data-parallel rank 0. Every file loads with
 `torch.load(..., weights_only=True)`: the contents are tensors and plain Python data only
-(`args` is a dict of plain values, RNG states are tuples/lists of ints and tensors).
+(`args` is a dict of plain values, RNG states are tuples/lists of ints and tensors: see
+megatron/checkpoint_plain.py, whose functions this module re-exports).
 
 Saving is crash safe: files go to `iter_XXXXXXX.tmp/`, then global rank 0 renames the
 directory into place and writes the tracker file last. A crash at any point leaves the
@@ -18,23 +19,20 @@ checkpoint of another parallel layout on load, are in megatron/trainer_checkpoin
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import enum
 import os
-import random
+import pickle
 import re
 import shutil
+import tempfile
 import time
-from pathlib import PurePath
 from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron.async_save import AsyncSaver, mark_done, remove_markers, wait_for_markers
 from megatron.checkpoint_files import load_checkpoint_file
+from megatron.checkpoint_plain import args_to_plain, get_rng_state, set_rng_state
 from megatron.core.parallel_state import ParallelState
 from megatron.logging_utils import print_rank_0
 
@@ -145,6 +143,14 @@ def _all_reduce_max(values: List[int]) -> List[int]:
     return [int(v) for v in t.cpu().tolist()]
 
 
+def _failing_ranks(ps: ParallelState, failed: bool) -> List[int]:
+    """The global ranks for which `failed` is true (all-reduce MAX of a flag vector over the
+    world, so that every rank takes the same decision); [0] or [] in a single process."""
+    flags = [0] * ps.world_size
+    flags[ps.rank] = int(failed)
+    return [r for r, f in enumerate(_all_reduce_max(flags)) if f]
+
+
 # ---------------------------------------------------------------------------------------
 # Save
 def _torch_save_synced(obj, path: str) -> None:
@@ -166,6 +172,28 @@ def _publish(root: str, tmp_dir: str, final_dir: str, iteration: int, release: b
     if os.path.exists(old_dir):
         shutil.rmtree(old_dir)
     _write_tracker(root, iteration, release)
+
+
+def check_save_dir(root: str, ps: ParallelState) -> None:
+    """Startup check of --save: global rank 0 creates `root` and writes and removes a probe
+    file in it. Collective (an all-reduce of a flag over the world): SystemExit on every
+    rank, naming the path and the error, when that fails -- not after training, at the
+    first save."""
+    error = None
+    if ps.rank == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".write_test.", dir=root)
+            os.close(fd)
+            os.remove(probe)
+        except OSError as exc:
+            error = exc
+    if not _failing_ranks(ps, error is not None):
+        return
+    detail = f"{type(error).__name__}: {error}" if error is not None else "see rank 0's message"
+    raise SystemExit(f"error: --save {root} cannot be used: global rank 0 could not create it or "
+                     f"write into it ({detail}); pass a directory that can be created and "
+                     "written to")
 
 
 def _check_save_iteration(iteration: int, release: bool) -> None:
@@ -195,15 +223,73 @@ def _rank_files(ps: ParallelState, state: Optional[Dict],
     return {MODEL_FILENAME: state, **(extra_files or {})}
 
 
-def _write_rank_files(tmp_dir: str, ps: ParallelState, files: Dict[str, object]) -> str:
-    """Write and fsync this rank's files into its `mp_rank_*` directory; returns its name."""
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint file could not be written (disk full, quota, I/O error). Nothing was
+    published: the tracker still names the previous checkpoint."""
+
+
+def _free_space(path: str) -> str:
+    """'1.5 GiB free on the file system of <path>' (or why that is unknown)."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError as exc:
+        return f"free space on the file system of {path} unknown ({exc})"
+    units = ["KiB", "MiB", "GiB", "TiB"]
+    size, unit = float(free), -1
+    while size >= 1024 and unit < len(units) - 1:
+        size, unit = size / 1024, unit + 1
+    amount = f"{free} bytes" if unit < 0 else f"{size:.1f} {units[unit]}"
+    return f"{amount} free on the file system of {path}"
+
+
+def _previous_checkpoint(root: str) -> str:
+    try:
+        iteration, release = read_tracker(root)
+    except ValueError:
+        iteration, release = None, False
+    if iteration is None:
+        return f"there is no earlier checkpoint in {root}"
+    return (f"the previous checkpoint {os.path.join(root, iteration_dir_name(iteration, release))}"
+            f" is intact (the tracker still names it)")
+
+
+def _write_rank_files(root: str, iteration: int, tmp_dir: str, ps: ParallelState,
+                      files: Dict[str, object]) -> str:
+    """Write and fsync this rank's files into its `mp_rank_*` directory; returns its name.
+    CheckpointWriteError (the original error chained) naming the file, the free space and
+    the checkpoint that stays in use when a file cannot be written."""
     name = rank_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size)
     rank_dir = os.path.join(tmp_dir, name)
-    os.makedirs(rank_dir, exist_ok=True)
-    for file_name, obj in files.items():
-        _torch_save_synced(obj, os.path.join(rank_dir, file_name))
-    _fsync_dir(rank_dir)
+    path = rank_dir
+    try:
+        os.makedirs(rank_dir, exist_ok=True)
+        for file_name, obj in files.items():
+            path = os.path.join(rank_dir, file_name)
+            _torch_save_synced(obj, path)
+        _fsync_dir(rank_dir)
+    except (OSError, RuntimeError) as exc:
+        raise CheckpointWriteError(
+            f"the checkpoint at iteration {iteration} could not be written to {path} "
+            f"({type(exc).__name__}: {exc}); {_free_space(root)}; "
+            f"{_previous_checkpoint(root)}. Free space or pass another --save") from exc
     return name
+
+
+def _after_write(root: str, iteration: int, tmp_dir: str, ps: ParallelState,
+                 error: Optional[CheckpointWriteError]) -> None:
+    """The barrier after writing, as an all-reduce of a failure flag: when a rank could not
+    write, rank 0 removes the partial directory and every rank raises (the failing rank
+    its own error, the others one naming the failing ranks)."""
+    failed = _failing_ranks(ps, error is not None)
+    if not failed:
+        return
+    if ps.rank == 0:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    if error is not None:
+        raise error
+    raise CheckpointWriteError(f"the checkpoint at iteration {iteration} could not be written "
+                               f"to {root}: rank(s) {failed} failed (see their messages); "
+                               f"{_previous_checkpoint(root)}")
 
 
 def save_checkpoint(root: str, iteration: int, state: Optional[Dict], ps: ParallelState,
@@ -224,15 +310,19 @@ def save_checkpoint(root: str, iteration: int, state: Optional[Dict], ps: Parall
     tmp_dir = final_dir + ".tmp"
     _prepare_tmp_dir(root, tmp_dir, ps)
     files = _rank_files(ps, state, extra_files)
+    error = None
     if files is not None:
-        _write_rank_files(tmp_dir, ps, files)
-    _barrier()  # every shard is on disk
+        try:
+            _write_rank_files(root, iteration, tmp_dir, ps, files)
+        except CheckpointWriteError as exc:
+            error = exc
+    _after_write(root, iteration, tmp_dir, ps, error)  # every shard is on disk
     if ps.rank == 0:
         _publish(root, tmp_dir, final_dir, iteration, release)
     _barrier()  # the tracker names a complete checkpoint
     seconds = time.perf_counter() - start
-    print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root} "
-                 f"(blocking {seconds:.2f} s)")
+    print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
+    print_rank_0(f"  checkpoint save time (blocking {seconds:.2f} s)")
     return seconds
 
 
@@ -265,14 +355,14 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
     def write_and_publish() -> None:
         t0 = time.perf_counter()
         if snapshot is not None:
-            mark_done(tmp_dir, _write_rank_files(tmp_dir, ps, snapshot))
+            mark_done(tmp_dir, _write_rank_files(root, iteration, tmp_dir, ps, snapshot))
         if writers:
             wait_for_markers(tmp_dir, writers, timeout_s)
             remove_markers(tmp_dir, writers)
             _publish(root, tmp_dir, final_dir, iteration, release)
-            print(f"  successfully saved checkpoint at iteration {iteration:7d} to {root} "
-                  f"(blocking {blocking:.2f} s, writing {time.perf_counter() - t0:.2f} s in "
-                  f"the background)", flush=True)
+            print(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}\n"
+                  f"  checkpoint save time (blocking {blocking:.2f} s, writing "
+                  f"{time.perf_counter() - t0:.2f} s in the background)", flush=True)
 
     saver.submit(write_and_publish, f"the checkpoint at iteration {iteration} to {root}")
     return blocking
@@ -281,6 +371,50 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
 # ---------------------------------------------------------------------------------------
 # Load
 _RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_ITER_DIR_RE = re.compile(r"^(iter_\d{7}|release)$")
+# what torch.load raises for a truncated, damaged or foreign file
+READ_ERRORS = (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError)
+
+
+def list_checkpoints(root: str) -> List[str]:
+    """The checkpoint directories under `root` (`iter_XXXXXXX`, `release`), sorted."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(d for d in os.listdir(root)
+                  if _ITER_DIR_RE.match(d) and os.path.isdir(os.path.join(root, d)))
+
+
+def _other_checkpoints_hint(root: str, skip: str) -> str:
+    """How to resume from another checkpoint under `root` than the directory `skip`."""
+    others = [d for d in list_checkpoints(root) if d != skip]
+    if not others:
+        return f"there is no other checkpoint under {root}"
+    last = others[-1]
+    value = "release" if last == "release" else str(int(last[len("iter_"):]))
+    return (f"the checkpoints under {root} are {', '.join(others)}: to resume from one, write "
+            f"its iteration into {tracker_path(root)} (e.g. `printf {value} > "
+            f"{tracker_path(root)}`)")
+
+
+def unreadable_file_message(path: str, exc: BaseException) -> str:
+    """The message for a checkpoint file torch.load cannot read: the file, the error, and
+    how to fall back to an earlier checkpoint (`path` is <root>/<iter dir>/<rank dir>/file)."""
+    iter_dir = os.path.dirname(os.path.dirname(path))
+    return (f"error: cannot read checkpoint file {path} ({type(exc).__name__}: {exc}); it is "
+            f"truncated or damaged (copied incompletely, or written by another program). Load "
+            f"another checkpoint: "
+            f"{_other_checkpoints_hint(os.path.dirname(iter_dir), os.path.basename(iter_dir))}")
+
+
+def read_checkpoint_file(path: str, mmap: bool = False):
+    """torch.load(path, weights_only=True) to CPU, through `load_checkpoint_file` (files
+    written by Megatron-LM itself are normalised; the legacy non-zip format is read
+    unmapped); SystemExit naming the file and the way out when it cannot be read
+    (`unreadable_file_message`)."""
+    try:
+        return load_checkpoint_file(path, mmap=mmap)
+    except READ_ERRORS as exc:
+        raise SystemExit(unreadable_file_message(path, exc)) from exc
 
 
 def describe_layout(iter_dir: str) -> str:
@@ -314,10 +448,7 @@ def _check_rank_files(root: str, iteration: int, release: bool, ps: ParallelStat
     Collective: all-reduce MAX of a per-rank "missing" flag vector over the world.
     """
     path = checkpoint_name(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size, release)
-    flags = [0] * ps.world_size
-    flags[ps.rank] = 0 if os.path.isfile(path) else 1
-    flags = _all_reduce_max(flags)
-    missing = [r for r, f in enumerate(flags) if f]
+    missing = _failing_ranks(ps, not os.path.isfile(path))
     if not missing:
         return path
     paths = []
@@ -334,8 +465,12 @@ def _check_rank_files(root: str, iteration: int, release: bool, ps: ParallelStat
 
 
 def _agreed_iteration(root: str) -> Tuple[int, bool]:
-    """(iteration, release) from the tracker, the MAX over ranks (all-reduce); -1 if none."""
-    iteration, release = read_tracker(root)
+    """(iteration, release) from the tracker, the MAX over ranks (all-reduce); -1 if none.
+    SystemExit when the tracker file is malformed."""
+    try:
+        iteration, release = read_tracker(root)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}; {_other_checkpoints_hint(root, '')}") from None
     local = -1 if iteration is None else iteration
     agreed, any_release = _all_reduce_max([local, int(release)])
     if local != agreed and _dist_ready():
@@ -364,14 +499,40 @@ def resolve_checkpoint(root: Optional[str], ps: ParallelState,
     if ps.rank == 0:
         _recover_interrupted_replace(root, agreed, release)
     _barrier()
+    _check_iteration_dir(root, agreed, release, ps)
     return agreed, release
 
 
+def _check_iteration_dir(root: str, iteration: int, release: bool, ps: ParallelState) -> None:
+    """SystemExit on every rank (all-reduce of a flag) when the directory the tracker names
+    does not exist on some rank: which directories do exist, and how to fix the tracker."""
+    name = iteration_dir_name(iteration, release)
+    if not _failing_ranks(ps, not os.path.isdir(os.path.join(root, name))):
+        return
+    value = "release" if release else iteration
+    raise SystemExit(f"error: {tracker_path(root)} names {value}, but the checkpoint directory "
+                     f"{os.path.join(root, name)} does not exist; fix the tracker file: "
+                     f"{_other_checkpoints_hint(root, name)}")
+
+
 def load_rank_file(root: str, iteration: int, release: bool, ps: ParallelState) -> Dict:
-    """This rank's model_optim_rng.pt (collective: the missing-file check)."""
+    """This rank's model_optim_rng.pt. Collective: SystemExit on every rank when a rank's
+    file is missing or cannot be read (two all-reduces of per-rank flags)."""
     path = _check_rank_files(root, iteration, release, ps)
     print_rank_0(f" loading checkpoint from {root} at iteration {iteration}")
-    return load_checkpoint_file(path)
+    state, error = None, None
+    try:
+        state = read_checkpoint_file(path)
+    except SystemExit as exc:
+        error = exc
+    failed = _failing_ranks(ps, error is not None)
+    if error is not None:
+        raise error
+    if failed:
+        raise SystemExit(f"error: the checkpoint files of rank(s) {failed} in "
+                         f"{os.path.dirname(os.path.dirname(path))} cannot be read (see their "
+                         "messages)")
+    return state
 
 
 def load_checkpoint(root: str, ps: ParallelState,
@@ -399,94 +560,13 @@ def load_extra_file(root: str, iteration: int, ps: ParallelState, name: str,
         checkpoint_name(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size, release)), name)
     if not os.path.isfile(path):
         raise SystemExit(f"checkpoint file {path} not found")
-    return load_checkpoint_file(path)
-
-
-# ---------------------------------------------------------------------------------------
-# RNG state (plain data only, so that it loads with weights_only=True)
-def _numpy_state_to_plain(state) -> tuple:
-    """np.random.get_state() with the key array as an int64 tensor (numpy arrays are not
-    allowed by weights_only loading)."""
-    name, keys, pos, has_gauss, cached = state
-    return (str(name), torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()), int(pos),
-            int(has_gauss), float(cached))
-
-
-def _numpy_state_from_plain(state) -> tuple:
-    name, keys, pos, has_gauss, cached = state
-    if isinstance(keys, torch.Tensor):
-        keys = keys.numpy()
-    return (name, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached))
-
-
-def get_rng_state(tracker=None) -> Dict[str, object]:
-    """This process's RNG states, Megatron's keys, as weights_only-loadable data.
-
-    `tracker` is anything with `get_states()` (e.g. the CUDA RNG tracker of
-    megatron.core.tensor_parallel.random); `cuda_rng_state` is None without CUDA.
-    """
-    return {
-        "random_rng_state": random.getstate(),
-        "np_rng_state": _numpy_state_to_plain(np.random.get_state()),
-        "torch_rng_state": torch.get_rng_state(),
-        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "rng_tracker_states": tracker.get_states() if tracker is not None else {},
-    }
-
-
-def set_rng_state(state: Dict[str, object], tracker=None) -> None:
-    """Restore states saved by `get_rng_state` (numpy arrays are accepted as well).
-
-    The tracker (anything with `set_states()`) is restored when the saved states are not
-    empty; a CUDA state is restored only when CUDA is available.
-    """
-    rs = state["random_rng_state"]
-    random.setstate((rs[0], tuple(rs[1]), rs[2]))
-    np.random.set_state(_numpy_state_from_plain(state["np_rng_state"]))
-    torch.set_rng_state(state["torch_rng_state"])
-    cuda_state = state.get("cuda_rng_state")
-    if cuda_state is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(cuda_state)
-    tracker_states = state.get("rng_tracker_states")
-    if tracker is not None and tracker_states:
-        tracker.set_states(tracker_states)
-
-
-# ---------------------------------------------------------------------------------------
-# Arguments as plain data
-def args_to_plain(obj):
-    """Recursively convert arguments to JSON-like data that loads with weights_only=True.
-
-    dicts keep their keys (as str), tuples/lists/sets become lists, torch.dtype becomes
-    its name (`"torch.bfloat16"`), paths become str, enums their value, dataclasses and
-    argparse Namespaces dicts; other unknown objects become `str(obj)`.
-    """
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, (np.integer, np.floating, np.bool_)):
-        return obj.item()
-    if isinstance(obj, dict):
-        return {str(k): args_to_plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [args_to_plain(v) for v in obj]
-    if isinstance(obj, (set, frozenset)):
-        return sorted((args_to_plain(v) for v in obj), key=repr)
-    if isinstance(obj, torch.dtype):
-        return str(obj)
-    if isinstance(obj, PurePath):
-        return str(obj)
-    if isinstance(obj, enum.Enum):
-        return args_to_plain(obj.value)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: args_to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, argparse.Namespace):
-        return args_to_plain(vars(obj))
-    return str(obj)
+    return read_checkpoint_file(path)
 
 
 __all__ = [
     "CHECKPOINT_VERSION", "TRACKER_FILENAME", "MODEL_FILENAME", "checkpoint_name",
     "iteration_dir_name", "rank_dir_name", "tracker_path", "read_tracker", "describe_layout",
-    "save_checkpoint", "save_checkpoint_async", "resolve_checkpoint", "load_checkpoint",
-    "load_rank_file", "load_extra_file", "get_rng_state", "set_rng_state", "args_to_plain",
+    "CheckpointWriteError", "check_save_dir", "save_checkpoint", "save_checkpoint_async", "resolve_checkpoint",
+    "load_checkpoint", "load_rank_file", "load_extra_file", "list_checkpoints", "read_checkpoint_file",
+    "unreadable_file_message", "READ_ERRORS", "get_rng_state", "set_rng_state", "args_to_plain",
 ]

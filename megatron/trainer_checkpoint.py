@@ -11,20 +11,21 @@ from __future__ import annotations
 import os
 import re
 import time
-from typing import Dict, Optional, Set, Tuple
+from typing import Dict, NamedTuple, Optional, Set, Tuple
 
 import torch
 
 from megatron.async_save import AsyncSaver
+from megatron.checkpoint_args import check_checkpoint_args
 from megatron.checkpoint_reshard import (
     Layout,
     RankPlan,
     SourceCheckpoint,
     build_rank_payload,
+    inspect_checkpoint,
     live_optimizer_kind,
     needs_resharding,
     plan_rank,
-    read_layout,
 )
 from megatron.checkpointing import (
     args_to_plain,
@@ -58,7 +59,7 @@ def model_state_dicts(model) -> dict:
 
 def load_model_state_dicts(model, state: dict) -> None:
     """Load the keys written by `model_state_dicts` (strict); SystemExit when the
-    checkpoint's number of virtual pipeline chunks differs from this run's."""
+    checkpoint's number of virtual pipeline chunks or its tensors differ from this run's."""
     chunks = _chunk_models(model)
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     missing = [k for k in keys if k not in state]
@@ -69,7 +70,11 @@ def load_model_state_dicts(model, state: dict) -> None:
             f"chunk(s) per pipeline rank (needs {keys}); run with the checkpoint's "
             "--num-layers-per-virtual-pipeline-stage")
     for key, chunk in zip(keys, chunks):
-        chunk.load_state_dict(state[key], strict=True)
+        try:
+            chunk.load_state_dict(state[key], strict=True)
+        except RuntimeError as exc:  # a checkpoint whose args did not tell (an older writer)
+            raise SystemExit(f"error: the checkpoint's model does not fit this run's: {exc}\n"
+                             "Run with the model flags the checkpoint was saved with") from None
 
 
 def trainer_state_dict(tr) -> dict:
@@ -176,7 +181,10 @@ def reshard_for_trainer(tr, iter_dir: str, with_optimizer: bool
     plan = plan_trainer_rank(tr)
     notes: Set[str] = set()
     kind = live_optimizer_kind(tr.optimizer) if with_optimizer else None
-    payload, distrib = build_rank_payload(src, plan, kind, notes)
+    try:
+        payload, distrib = build_rank_payload(src, plan, kind, notes)
+    except ValueError as exc:  # shapes or parameters the checkpoint's args did not tell
+        raise SystemExit(f"error: cannot reshard {iter_dir} for this run: {exc}") from None
     what = "model and optimizer" if "optimizer" in payload else "model"
     text = (f"resharded {iter_dir} on load: saved with {src.layout.describe()}, this run has "
             f"{trainer_layout(tr).describe()}; {what} state of {len(src.files)} shard file(s) "
@@ -188,60 +196,130 @@ def reshard_for_trainer(tr, iter_dir: str, with_optimizer: bool
     return payload, distrib, text
 
 
-def _load_trainer_payload(tr) -> Optional[Tuple[int, Dict, Optional[Dict], Optional[str]]]:
-    """(iteration, this rank's payload, its distrib_optim.pt payload if already built, a
-    description of the conversion or None) from --load; None when there is no checkpoint.
+class _Loaded(NamedTuple):
+    """What `_load_trainer_payload` found under --load."""
 
-    When the checkpoint's tp, pp or chunks per rank differ from the run's -- or, with the
-    optimizer state to load, its optimizer kind (distributed or not, fp32 or mixed) --
-    every rank reads all shards and takes its slice (megatron.checkpoint_reshard).
-    Collective: the tracker all-reduce and barrier; the missing-file all-reduce otherwise."""
+    iteration: int  # 0 for a release checkpoint
+    release: bool
+    state: Dict  # this rank's model_optim_rng.pt payload
+    param_state: Optional[Dict]  # its distrib_optim.pt payload, when already built
+    converted: Optional[str]  # the description of a resharding, else None
+    with_optimizer: bool  # load the optimizer and scheduler states
+    with_rng: bool  # restore the RNG states (when the payload has them)
+    iter_dir: str
+
+
+def _states_to_load(ck, release: bool, first: Dict, path: str) -> Tuple[bool, bool]:
+    """(load the optimizer + scheduler, load the RNG) as Megatron decides: neither for
+    --finetune or a release checkpoint, nor what --no-load-optim / --no-load-rng exclude.
+    SystemExit when a state to load is not in the checkpoint (saved with --no-save-optim /
+    --no-save-rng), naming the flag that skips it; RNG states that an offline resharding
+    dropped start fresh (with a note). `first` is the first rank's payload."""
+    fresh = ck.finetune or release
+    with_optimizer = not (fresh or ck.no_load_optim)
+    with_rng = not (fresh or ck.no_load_rng)
+    if with_optimizer and ("optimizer" not in first or "opt_param_scheduler" not in first):
+        raise SystemExit(f"error: unable to load optimizer from checkpoint {path}: it holds no "
+                         "optimizer state (saved with --no-save-optim). Specify --no-load-optim "
+                         "or --finetune to prevent attempting to load the optimizer state")
+    if with_rng and "rng_state" not in first:
+        saved_without = (first.get("args") or {}).get("no_save_rng", True)
+        if saved_without:  # --no-save-rng, or a writer that does not say
+            raise SystemExit(f"error: unable to load rng state from checkpoint {path}: it holds "
+                             "no RNG state (saved with --no-save-rng). Specify --no-load-rng or "
+                             "--finetune to prevent attempting to load the rng state")
+        # saved with RNG states, dropped by tools/checkpoint_convert.py (they are per rank)
+        print_rank_0(f" > {path} holds no RNG states (resharded to another layout): RNG "
+                     "states start fresh")
+    return with_optimizer, with_rng
+
+
+def _load_trainer_payload(tr) -> Optional[_Loaded]:
+    """This rank's payload from --load, checked against the run; None without a checkpoint.
+
+    The first rank's file (memory-mapped) is checked first: its arguments against the run's
+    (`check_checkpoint_args`) and the states to load being there. When the checkpoint's tp,
+    pp or chunks per rank differ from the run's -- or, with the optimizer state to load, its
+    optimizer kind (distributed or not, fp32 or mixed) -- every rank reads all shards and
+    takes its slice (megatron.checkpoint_reshard). Collective: the tracker all-reduce and
+    barrier; the missing- and unreadable-file all-reduces otherwise."""
     ck, ps = tr.config.checkpoint, tr.rt.ps
     found = resolve_checkpoint(ck.load, ps, exit_on_missing=ck.exit_on_missing_checkpoint)
     if found is None:
         return None
     iteration, release = found
-    loaded_iteration = 0 if release else iteration
     iter_dir = os.path.join(ck.load, iteration_dir_name(iteration, release))
-    with_optimizer = not (ck.finetune or ck.no_load_optim)
-    saved = read_layout(iter_dir)
+    saved, first_path, first = inspect_checkpoint(iter_dir)
+    check_checkpoint_args(first.get("args"), tr.config.args, iter_dir, finetune=ck.finetune)
+    with_optimizer, with_rng = _states_to_load(ck, release, first, first_path)
+    loaded = _Loaded(0 if release else iteration, release, {}, None, None, with_optimizer,
+                     with_rng, iter_dir)
     if not needs_resharding(saved, trainer_layout(tr), with_optimizer):
-        return loaded_iteration, load_rank_file(ck.load, iteration, release, ps), None, None
+        return loaded._replace(state=load_rank_file(ck.load, iteration, release, ps))
     print_rank_0(f" loading checkpoint from {ck.load} at iteration {iteration} "
                  f"(resharding: every rank reads all shards)")
     payload, distrib, text = reshard_for_trainer(tr, iter_dir, with_optimizer)
     print_rank_0(f" > {text}")
-    return loaded_iteration, payload, distrib, text
+    return loaded._replace(state=payload, param_state=distrib, converted=text)
+
+
+def _restore_counters(tr, loaded: _Loaded) -> None:
+    """Iteration and sample counters: all from the checkpoint on a resume; with --finetune
+    none; from a release checkpoint only the consumed samples (from its args, as Megatron)."""
+    if tr.config.checkpoint.finetune:
+        return
+    args = loaded.state.get("args") or {}
+    from_args = {"consumed_train_samples": args.get("consumed_train_samples", 0),
+                 "consumed_valid_samples": args.get("consumed_valid_samples", 0)}
+    if loaded.release:
+        tr.state.load_state_dict(from_args)
+        return
+    tr.state.load_state_dict(loaded.state.get("train_state",
+                                              {"iteration": loaded.iteration, **from_args}))
+
+
+def _load_optimizer(tr, loaded: _Loaded) -> None:
+    """Optimizer (and the distributed optimizer's shards) and scheduler states; SystemExit
+    when the scheduler's saved values contradict the command line."""
+    ck, state = tr.config.checkpoint, loaded.state
+    tr.optimizer.load_state_dict(state["optimizer"])
+    if hasattr(tr.optimizer, "load_parameter_state"):  # the distributed optimizer's shards
+        param_state = loaded.param_state
+        if param_state is None:
+            param_state = load_extra_file(ck.load, loaded.iteration, tr.rt.ps,
+                                          "distrib_optim.pt", release=loaded.release)
+        tr.optimizer.load_parameter_state(param_state)
+    try:
+        tr.scheduler.load_state_dict(state["opt_param_scheduler"])
+    except ValueError as exc:
+        raise SystemExit(f"error: loading {loaded.iter_dir}: {exc}") from None
 
 
 def load_trainer_checkpoint(tr) -> Optional[str]:
     """Restore model, optimizer, scheduler, RNG and counters from --load, if present.
 
-    A checkpoint saved with another layout is resharded on load (see
-    `_load_trainer_payload`); returns the description of that conversion, else None."""
+    Megatron's rules: --finetune and release checkpoints start at iteration 0 with fresh
+    optimizer, scheduler and RNG (a release keeps its consumed samples); --no-load-optim /
+    --no-load-rng skip those states. A checkpoint saved with another layout is resharded on
+    load (see `_load_trainer_payload`); returns the description of that conversion, else
+    None. SystemExit for a checkpoint that does not fit the run."""
     ck = tr.config.checkpoint
     loaded = _load_trainer_payload(tr)
     if loaded is None:
         return None
-    iteration, state, param_state, converted = loaded
-    load_model_state_dicts(tr.model, state)
-    if ck.finetune:
-        tr.optimizer.reload_model_params()
-        print_rank_0(f" > loaded weights from {ck.load} at iteration {iteration} (--finetune: "
-                     f"counters, optimizer and RNG start fresh)")
-        return converted
-    tr.state.load_state_dict(state.get("train_state", {"iteration": iteration}))
-    if not ck.no_load_optim and "optimizer" in state:
-        tr.optimizer.load_state_dict(state["optimizer"])
-        if hasattr(tr.optimizer, "load_parameter_state"):  # the distributed optimizer's shards
-            if param_state is None:
-                param_state = load_extra_file(ck.load, iteration, tr.rt.ps, "distrib_optim.pt",
-                                              release=iteration == 0)
-            tr.optimizer.load_parameter_state(param_state)
-        tr.scheduler.load_state_dict(state["opt_param_scheduler"])
+    load_model_state_dicts(tr.model, loaded.state)
+    _restore_counters(tr, loaded)
+    if loaded.with_optimizer:
+        _load_optimizer(tr, loaded)
     else:
         tr.optimizer.reload_model_params()
-    if not ck.no_load_rng and "rng_state" in state:
-        set_rng_state(state["rng_state"][0], tr.rt.rng_tracker)
-    print_rank_0(f"  successfully loaded checkpoint from {ck.load} at iteration {iteration}")
-    return converted
+    if loaded.with_rng and "rng_state" in loaded.state:  # not kept when tp or pp changed
+        set_rng_state(loaded.state["rng_state"][0], tr.rt.rng_tracker)
+    if ck.finetune or loaded.release:
+        what = "--finetune" if ck.finetune else "a release checkpoint"
+        print_rank_0(f" > loaded weights from {ck.load} ({what}: iteration 0, optimizer, "
+                     f"scheduler and RNG start fresh; consumed samples "
+                     f"{tr.state.consumed_train_samples})")
+    print_rank_0(f"  successfully loaded checkpoint from {ck.load} at iteration "
+                 f"{loaded.iteration}")
+    return loaded.converted

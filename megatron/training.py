@@ -270,7 +270,8 @@ def _rollback(tr: Trainer, iteration: int) -> None:
             tr.state.skipped_iters, tr.state.nan_iters)
     saved = tr.config.checkpoint
     tr.config.checkpoint = dataclasses.replace(saved, load=saved.save, finetune=False,
-                                               no_load_optim=False, no_load_rng=False)
+                                               no_load_optim=saved.no_save_optim,
+                                               no_load_rng=saved.no_save_rng)
     try:
         trainer_checkpoint.load_trainer_checkpoint(tr)
     finally:
@@ -444,6 +445,8 @@ def pretrain(config: Config, rt: Runtime, process_start_time: Optional[float] = 
     then test). An exit condition ends it after the loop's checkpoint, without the final
     evaluation (`tr.exit_reason` says which). `process_start_time`: what
     --exit-duration-in-mins counts from (default: the start of the loop)."""
+    if config.checkpoint.save:
+        checkpointing.check_save_dir(config.checkpoint.save, rt.ps)  # not after training
     tr = _setup(config, rt, process_start_time)
     timers = tr.step_log.timers
     if tr.tb is not None:

@@ -93,8 +93,9 @@ def test_async_save_writes_what_a_sync_save_writes(tmp_path, capsys):
     saver.wait()
     assert 0.0 <= blocking < 5.0
     out = capsys.readouterr().out
-    assert re.search(r"  successfully saved checkpoint at iteration       5 to \S+ "
-                     r"\(blocking \d+\.\d\d s, writing \d+\.\d\d s in the background\)", out)
+    assert re.search(r"\n  successfully saved checkpoint at iteration       5 to \S+\n"
+                     r"  checkpoint save time \(blocking \d+\.\d\d s, writing \d+\.\d\d s in "
+                     r"the background\)", out)
     assert sorted(os.listdir(async_root)) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
     assert os.listdir(os.path.join(async_root, "iter_0000005")) == ["mp_rank_00"], "no markers"
     a = torch.load(checkpoint_name(async_root, 5, 0, 0, 1), weights_only=True)
@@ -197,8 +198,9 @@ def test_async_checkpoints_resume_bit_exactly(tmp_path, capsys):
     _check_scenario(*_trainer_async_scenario(root), "one process")
     out = capsys.readouterr().out
     for it in (2, 4):
-        assert re.search(rf"successfully saved checkpoint at iteration\s+{it} to \S+ \(blocking "
-                         r"[0-9.]+ s, writing [0-9.]+ s in the background\)", out), out[-2000:]
+        assert re.search(rf"successfully saved checkpoint at iteration\s+{it} to \S+\n  checkpoint "
+                         r"save time \(blocking [0-9.]+ s, writing [0-9.]+ s in the background\)",
+                         out), out[-2000:]
     assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000004",
                                         "latest_checkpointed_iteration.txt"]
 

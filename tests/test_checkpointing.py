@@ -1,6 +1,7 @@
 import enum
 import os
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -9,12 +10,15 @@ import torch
 
 from megatron.checkpointing import (
     CHECKPOINT_VERSION,
+    CheckpointWriteError,
     args_to_plain,
+    check_save_dir,
     checkpoint_name,
     get_rng_state,
     load_checkpoint,
     read_tracker,
     save_checkpoint,
+    save_checkpoint_async,
     set_rng_state,
     tracker_path,
 )
@@ -110,8 +114,63 @@ def test_malformed_tracker_names_file_and_content(tmp_path, content):
         read_tracker(str(tmp_path))
     msg = str(err.value)
     assert tracker_path(str(tmp_path)) in msg and repr(content) in msg
-    with pytest.raises(ValueError):
-        load_checkpoint(str(tmp_path), _ps1())
+    save_checkpoint(str(tmp_path / "ck"), 5, _full_state(5, 0, 0), _ps1())
+    Path(tracker_path(str(tmp_path / "ck"))).write_text(content)
+    with pytest.raises(SystemExit) as err:  # loading: a clean exit, not a traceback
+        load_checkpoint(str(tmp_path / "ck"), _ps1())
+    assert str(err.value).startswith(f"error: malformed checkpoint tracker file "
+                                     f"{tracker_path(str(tmp_path / 'ck'))}: content "
+                                     f"{content!r}")
+    assert str(err.value).endswith(f"the checkpoints under {tmp_path / 'ck'} are iter_0000005: "
+                                   f"to resume from one, write its iteration into "
+                                   f"{tracker_path(str(tmp_path / 'ck'))} (e.g. `printf 5 > "
+                                   f"{tracker_path(str(tmp_path / 'ck'))}`)")
+
+
+def test_tracker_naming_a_missing_iteration_lists_the_existing_ones(tmp_path):
+    root = str(tmp_path)
+    for it in (5, 10):
+        save_checkpoint(root, it, _full_state(it, 0, 0), _ps1())
+    Path(tracker_path(root)).write_text("7")
+    with pytest.raises(SystemExit) as err:
+        load_checkpoint(root, _ps1())
+    msg = str(err.value)
+    assert f"{tmp_path / 'iter_0000007'} does not exist" in msg
+    assert "iter_0000005, iter_0000010" in msg and "mp_rank" not in msg
+    assert f"printf 10 > {tracker_path(root)}" in msg
+    from megatron.checkpoint_reshard import locate_iteration  # the tools' way in
+
+    with pytest.raises(SystemExit, match="the checkpoints under .*: iter_0000005, iter_0000010"):
+        locate_iteration(root)
+
+
+def _truncate(path, size=5000):
+    with open(path, "rb") as f:
+        head = f.read(size)
+    with open(path, "wb") as f:
+        f.write(head)
+
+
+def test_truncated_shard_names_the_file_and_the_earlier_checkpoint(tmp_path):
+    from megatron.checkpoint_reshard import load_shard, read_layout
+
+    root = str(tmp_path)
+    for it in (5, 10):
+        save_checkpoint(root, it, _full_state(it, 0, 0), _ps1())
+    path = checkpoint_name(root, 10, 0, 0, 1)
+    _truncate(path)
+    for load in (lambda: load_checkpoint(root, _ps1()), lambda: load_shard(path),
+                 lambda: read_layout(str(tmp_path / "iter_0000010"))):
+        with pytest.raises(SystemExit) as err:
+            load()
+        msg = str(err.value)
+        assert msg.startswith(f"error: cannot read checkpoint file {path} (")
+        assert "truncated" in msg and "iter_0000005" in msg
+        assert f"printf 5 > {tracker_path(root)}" in msg
+    Path(path).write_bytes(b"")  # an empty file (EOFError, or the mmap refusal)
+    for load in (lambda: load_checkpoint(root, _ps1()), lambda: load_shard(path)):
+        with pytest.raises(SystemExit, match="cannot read checkpoint file"):
+            load()
 
 
 # --- single-process save/load ----------------------------------------------------------
@@ -122,7 +181,9 @@ def test_round_trip_single_process(tmp_path, capsys):
     assert seconds >= 0.0
     out = capsys.readouterr().out
     assert f"saving checkpoint at iteration     100 to {root}" in out
-    assert f"  successfully saved checkpoint at iteration     100 to {root}" in out
+    # Megatron's line exactly, the time on a line of its own
+    assert f"\n  successfully saved checkpoint at iteration     100 to {root}\n" \
+           f"  checkpoint save time (blocking " in out
     assert Path(tracker_path(root)).read_text() == "100"  # no newline, like Megatron
     assert sorted(os.listdir(root)) == ["iter_0000100", "latest_checkpointed_iteration.txt"]
     path = checkpoint_name(root, 100, 0, 0, 1)
@@ -184,6 +245,59 @@ def test_release_checkpoint_loads_as_iteration_zero(tmp_path):
     assert Path(tracker_path(str(tmp_path))).read_text() == "release"
     iteration, state = load_checkpoint(str(tmp_path), _ps1())
     assert iteration == 0 and (tmp_path / "release" / "mp_rank_00").is_dir()
+
+
+def test_check_save_dir_creates_the_directory_or_names_the_problem(tmp_path):
+    root = tmp_path / "a" / "b"
+    check_save_dir(str(root), _ps1())
+    assert root.is_dir() and os.listdir(root) == [], "created, the probe file removed"
+    (tmp_path / "file").write_text("x")
+    for bad in (tmp_path / "file", tmp_path / "file" / "sub", Path("/proc/x")):
+        with pytest.raises(SystemExit) as err:
+            check_save_dir(str(bad), _ps1())
+        msg = str(err.value)
+        assert msg.startswith(f"error: --save {bad} cannot be used: ") and "Error: [Errno" in msg
+
+
+def _disk_full(monkeypatch):
+    """torch.save fails as it does on a full disk (after writing part of the file)."""
+    def full(obj, f, *args, **kwargs):
+        f.write(b"PK partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 10")
+
+    monkeypatch.setattr(torch, "save", full)
+
+
+def test_full_disk_names_iteration_path_free_space_and_intact_checkpoint(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    save_checkpoint(root, 5, _full_state(5, 0, 0), _ps1())
+    _disk_full(monkeypatch)
+    with pytest.raises(CheckpointWriteError) as err:
+        save_checkpoint(root, 10, _full_state(10, 0, 0), _ps1())
+    msg = str(err.value)
+    path = os.path.join(root, "iter_0000010.tmp", "mp_rank_00", "model_optim_rng.pt")
+    assert msg.startswith(f"the checkpoint at iteration 10 could not be written to {path} "
+                          "(RuntimeError: [enforce fail")
+    assert re.search(rf"; (\d+ bytes|\d+\.\d (KiB|MiB|GiB|TiB)) free on the file system of "
+                     rf"{root}; ", msg)
+    assert f"the previous checkpoint {os.path.join(root, 'iter_0000005')} is intact" in msg
+    assert isinstance(err.value.__cause__, RuntimeError), "the original error is chained"
+    assert sorted(os.listdir(root)) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
+    monkeypatch.undo()
+    assert load_checkpoint(root, _ps1())[0] == 5
+
+
+def test_full_disk_in_a_background_save(tmp_path, monkeypatch):
+    from megatron.async_save import AsyncSaver
+
+    saver = AsyncSaver()
+    _disk_full(monkeypatch)
+    save_checkpoint_async(str(tmp_path), 3, _full_state(3, 0, 0), _ps1(), saver)
+    with pytest.raises(RuntimeError, match="background save") as err:
+        saver.wait()
+    assert isinstance(err.value.__cause__, CheckpointWriteError)
+    assert "there is no earlier checkpoint in" in str(err.value)
+    assert read_tracker(str(tmp_path)) == (None, False)
 
 
 def test_save_rejects_iteration_zero(tmp_path):
@@ -299,3 +413,67 @@ def test_distributed_missing_shard_exits_on_every_rank(tmp_path):
     assert all(m is not None and m == messages[0] for m in messages)
     assert "mp_rank_02" in messages[0] and "mp_rank_03" in messages[0]
     assert "tensor-model-parallel size 2" in messages[0]
+
+
+def _dist_truncated_shard(rank, world_size, root):
+    import torch.distributed as dist
+
+    ps = ParallelState.build(world_size, rank, tp_size=2)
+    save_checkpoint(root, 4, _full_state(4, ps.tp_rank, 0), ps)
+    if rank == 0:
+        _truncate(checkpoint_name(root, 4, 1, 0, 1))
+    dist.barrier()
+    try:
+        load_checkpoint(root, ps)
+    except SystemExit as exc:
+        return str(exc)
+    return None
+
+
+def test_distributed_truncated_shard_exits_on_every_rank(tmp_path):
+    """Only rank 1's file is damaged; rank 0 must not go on alone (it would hang)."""
+    messages = run_distributed(_dist_truncated_shard, 2, str(tmp_path))
+    bad = checkpoint_name(str(tmp_path), 4, 1, 0, 1)
+    assert messages[1].startswith(f"error: cannot read checkpoint file {bad}")
+    assert messages[0] is not None and "rank(s) [1]" in messages[0]
+
+
+def _dist_bad_save_dir(rank, world_size, path):
+    try:
+        check_save_dir(path, ParallelState.build(world_size, rank))
+    except SystemExit as exc:
+        return str(exc)
+    return None
+
+
+def test_distributed_bad_save_dir_exits_on_every_rank(tmp_path):
+    (tmp_path / "file").write_text("x")
+    messages = run_distributed(_dist_bad_save_dir, 2, str(tmp_path / "file" / "ck"))
+    assert "NotADirectoryError" in messages[0]
+    assert messages[1] is not None and "see rank 0's message" in messages[1]
+
+
+def _dist_full_disk_on_one_rank(rank, world_size, root):
+    ps = ParallelState.build(world_size, rank, tp_size=2)
+    save_checkpoint(root, 2, _full_state(2, ps.tp_rank, 0), ps)
+    real_save = torch.save
+    if rank == 1:
+        def full(obj, f, *args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        torch.save = full
+    try:
+        save_checkpoint(root, 4, _full_state(4, ps.tp_rank, 0), ps)
+    except CheckpointWriteError as exc:
+        return str(exc)
+    finally:
+        torch.save = real_save  # the test harness returns results with it
+    return None
+
+
+def test_distributed_full_disk_on_one_rank_fails_every_rank(tmp_path):
+    messages = run_distributed(_dist_full_disk_on_one_rank, 2, str(tmp_path))
+    assert "No space left on device" in messages[1]
+    assert messages[0] is not None and "rank(s) [1] failed" in messages[0]
+    assert read_tracker(str(tmp_path)) == (2, False)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]

@@ -9,6 +9,7 @@ path is the one a user gets; the per-iteration losses are read off `train_step`.
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -147,8 +148,16 @@ def test_no_save_optim_and_no_save_rng_omit_their_keys(tmp_path, plain_run):
     assert {"model", "iteration", "args", "train_state"} <= set(state)
     assert not {"optimizer", "opt_param_scheduler", "rng_state"} & set(state)
     assert os.listdir(os.path.dirname(path)) == ["model_optim_rng.pt"], "no distrib_optim.pt"
-    # it resumes: position restored, optimizer and dropout RNG fresh
-    losses, _ = run_pretrain(["--load", root, "--use-distributed-optimizer"])
+    # loading the missing states is refused (Megatron's d.3.8), naming the flag that skips them
+    with pytest.raises(SystemExit, match=rf"unable to load optimizer from checkpoint {path}.*"
+                                         "Specify --no-load-optim or --finetune"):
+        run_pretrain(["--load", root, "--use-distributed-optimizer"])
+    with pytest.raises(SystemExit, match=rf"unable to load rng state from checkpoint {path}.*"
+                                         "Specify --no-load-rng or --finetune"):
+        run_pretrain(["--load", root, "--use-distributed-optimizer", "--no-load-optim"])
+    # with them it resumes: position restored, optimizer and dropout RNG fresh
+    losses, _ = run_pretrain(["--load", root, "--use-distributed-optimizer", "--no-load-optim",
+                              "--no-load-rng"])
     assert sorted(losses) == list(range(K + 1, N + 1))
 
     root_rng = str(tmp_path / "ck_rng")
@@ -156,3 +165,97 @@ def test_no_save_optim_and_no_save_rng_omit_their_keys(tmp_path, plain_run):
                   "--no-save-optim"])
     state = torch.load(checkpoint_name(root_rng, K, 0, 0, 1), weights_only=True)
     assert "rng_state" in state and "optimizer" not in state
+    losses, _ = run_pretrain(["--load", root_rng, "--no-load-optim"])  # RNG restored
+    assert sorted(losses) == list(range(K + 1, N + 1))
+
+
+# --------------------------------------------------------------------------- release
+def _as_release(root: str, dst: str) -> str:
+    """A copy of `root`'s checkpoint at K as a release checkpoint (`release/`, tracker)."""
+    shutil.copytree(os.path.join(root, f"iter_{K:07d}"), os.path.join(dst, "release"))
+    with open(os.path.join(dst, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("release")
+    return dst
+
+
+def test_release_checkpoint_starts_at_zero_keeping_consumed_samples(tmp_path, plain_run):
+    """d.3.3: iteration 0, no optimizer / scheduler / RNG load -- so a changed schedule is no
+    error -- and, without --finetune, the checkpoint's consumed samples."""
+    ref, root = plain_run
+    release = _as_release(root, str(tmp_path / "rel"))
+    losses, tr = run_pretrain(["--load", release, "--lr", "5e-3"])
+    assert sorted(losses) == list(range(1, N + 1)), "a release starts at iteration 0"
+    assert tr.state.consumed_train_samples == (K + N) * 8, "consumed samples kept"
+    assert losses[1] < ref[1], "the checkpoint's weights"
+    assert tr.scheduler.num_steps == N * 8, "a fresh schedule"
+    losses, tr = run_pretrain(["--load", release, "--finetune"])
+    assert sorted(losses) == list(range(1, N + 1))
+    assert tr.state.consumed_train_samples == N * 8, "--finetune: consumed samples from 0"
+
+
+# --------------------------------------------------------------------------- mismatches
+def test_changed_schedule_on_resume_exits_with_the_fix(plain_run):
+    _, root = plain_run
+    with pytest.raises(SystemExit) as err:
+        run_pretrain(["--load", root, "--lr", "5e-3"])
+    msg = str(err.value)
+    assert msg.startswith(f"error: loading {root}/iter_{K:07d}: ") and "0.005" in msg
+    assert "--override-opt_param-scheduler" in msg
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--num-attention-heads", "8"], ["--num-attention-heads: checkpoint 4, this run 8",
+                                      "--kv-channels: checkpoint 8, this run 4"]),
+    (["--num-layers", "3"], ["--num-layers: checkpoint 2, this run 3"]),
+    (["--hidden-size", "64"], ["--hidden-size: checkpoint 32, this run 64",
+                               "--ffn-hidden-size: checkpoint 128, this run 256"]),
+])
+@pytest.mark.parametrize("finetune", [False, True])
+def test_model_arguments_other_than_the_checkpoint_exit_naming_them(plain_run, flags, expected,
+                                                                    finetune):
+    """Megatron's check_checkpoint_args; shapes and head layout even with --finetune (8 heads
+    of 4 would load silently, the other shapes as load_state_dict tracebacks)."""
+    _, root = plain_run
+    with pytest.raises(SystemExit) as err:
+        run_pretrain(["--load", root, *flags] + (["--finetune"] if finetune else []))
+    msg = str(err.value)
+    assert msg.startswith(f"error: the checkpoint in {root}/iter_{K:07d} was saved with other "
+                          "model arguments")
+    for line in expected:
+        assert f"\n  {line}\n" in msg, msg
+    assert "--use-checkpoint-args" in msg and f"({flags[0]} " in msg
+    assert ("--finetune does not skip these" in msg) == finetune
+
+
+def test_finetune_skips_the_non_shape_arguments(plain_run):
+    _, root = plain_run
+    with pytest.raises(SystemExit, match="--vocab-size: checkpoint 100, this run 101"):
+        run_pretrain(["--load", root, "--vocab-size", "101"])  # same padded rows (128)
+    losses, _ = run_pretrain(["--load", root, "--vocab-size", "101", "--finetune"])
+    assert sorted(losses) == list(range(1, N + 1))
+
+
+def test_unusable_save_directory_exits_before_any_work(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    bad = str(tmp_path / "file" / "ck")
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built before --save was checked")
+
+    monkeypatch.setattr(training, "build_trainer", no_build)
+    with pytest.raises(SystemExit, match=f"--save {bad} cannot be used: .*NotADirectoryError"):
+        run_pretrain(["--save", bad, "--save-interval", str(K)])
+
+
+def test_model_mismatch_without_saved_args_exits_cleanly(tmp_path, plain_run):
+    """A checkpoint without `args` (an older writer) cannot be checked up front: the
+    strict load still ends in a clean exit, not a traceback."""
+    _, root = plain_run
+    bare = str(tmp_path / "bare")
+    shutil.copytree(root, bare)
+    path = checkpoint_name(bare, K, 0, 0, 1)
+    state = torch.load(path, weights_only=True)
+    del state["args"]
+    torch.save(state, path)
+    with pytest.raises(SystemExit, match=r"(?s)does not fit this run's: .*size mismatch"):
+        run_pretrain(["--load", bare, "--hidden-size", "64"])

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from functools import lru_cache
 
 import pytest
@@ -175,6 +176,26 @@ def test_offline_reshard_loads_without_conversion(tmp_path_factory, tmp_path, ca
                                  "--target-tensor-model-parallel-size", "1",
                                  "--target-pipeline-model-parallel-size", "2",
                                  "--target-num-layers-per-virtual-pipeline-stage", "3"])
+    # sizes that do not split the model: refused before any file is written
+    for tp, pp, words in [(3, 1, "--target-tensor-model-parallel-size 3 does not divide the "
+                                 "saved model's --num-attention-heads 4 and --ffn-hidden-size 128"),
+                          (2, 3, "--target-pipeline-model-parallel-size 3 does not divide the "
+                                 "saved model's 4 layers")]:
+        with pytest.raises(SystemExit, match=words):
+            checkpoint_convert.main(["reshard", "--load", out, "--save", str(tmp_path / "y"),
+                                     "--target-tensor-model-parallel-size", str(tp),
+                                     "--target-pipeline-model-parallel-size", str(pp)])
+        assert not os.path.exists(tmp_path / "y")
+
+
+def test_target_layout_check_names_the_sizes_that_fit():
+    args = {"num_attention_heads": 8, "group_query_attention": True, "num_query_groups": 2,
+            "ffn_hidden_size": 96, "num_layers": 6, "standalone_embedding_stage": True}
+    with pytest.raises(SystemExit, match="--num-query-groups 2; .* divides them: 1, 2$"):
+        checkpoint_convert.check_target_layout(args, 4, 1)
+    checkpoint_convert.check_target_layout(args, 2, 4)  # 6 layers over 3 stages + embedding
+    with pytest.raises(SystemExit, match="6 layers over 4 stage"):
+        checkpoint_convert.check_target_layout(args, 2, 4, virtual=True)
 
 
 # ------------------------------------------------------------------------------- 3. units
@@ -242,6 +263,23 @@ def test_vocabulary_repadding_and_shape_errors(tmp_path_factory):
     plan = reshard.plan_rank([GPTModel(wrong.model, device="meta")], [0], 1, 0)
     with pytest.raises(ValueError, match="the checkpoint holds shape"):
         reshard.build_rank_payload(src, plan, "fp32")
+
+
+def test_reshard_on_load_of_another_model_exits_cleanly(tmp_path_factory, tmp_path):
+    """Another model behind a checkpoint without `args` (nothing to check up front): the
+    resharding's shape error is a clean exit."""
+    root = str(tmp_path_factory.getbasetemp() / "src-2---tensor-model-parallel-size2")
+    _saved("--tensor-model-parallel-size 2", 2, root)
+    bare = str(tmp_path / "bare")
+    shutil.copytree(root, bare)
+    for t in range(2):
+        path = os.path.join(bare, "iter_0000002", rank_dir_name(t, 0, 1), MODEL_FILENAME)
+        state = torch.load(path, weights_only=True)
+        del state["args"]
+        torch.save(state, path)
+    _, _, tr = _trainer(0, 1, "--hidden-size 64", load=bare)
+    with pytest.raises(SystemExit, match="cannot reshard .* the checkpoint holds shape"):
+        load_trainer_checkpoint(tr)
 
 
 NO_MODEL_FLAGS = ("--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --train-iters 4 "

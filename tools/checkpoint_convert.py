@@ -30,6 +30,7 @@ status).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -66,6 +67,38 @@ def add_reshard_arguments(p: argparse.ArgumentParser) -> None:
                      help="write the optimizer for --use-distributed-optimizer")
     opt.add_argument("--target-no-distributed-optimizer", dest="target_distributed",
                      action="store_false", help="write it for the plain optimizer")
+
+
+def _tp_split_sizes(args: dict) -> Dict[str, int]:
+    """What tensor parallelism splits, by name -> size: heads, key/value groups, the MLP."""
+    sizes = {"--num-attention-heads": int(args["num_attention_heads"])}
+    if args.get("group_query_attention") and args.get("num_query_groups"):
+        sizes["--num-query-groups"] = int(args["num_query_groups"])
+    if args.get("ffn_hidden_size"):
+        sizes["--ffn-hidden-size"] = int(args["ffn_hidden_size"])
+    return sizes
+
+
+def check_target_layout(args: dict, tp: int, pp: int, virtual: bool = False) -> None:
+    """SystemExit before any work when the saved model cannot be split for the target: tp
+    must divide the heads, the key/value groups and the MLP width (the vocabulary is
+    re-padded for tp), pp the layers (over pp - 1 stages with a standalone embedding stage,
+    which `virtual` stages drop; those are checked by `_virtual_stages`)."""
+    sizes = _tp_split_sizes(args)
+    bad = [f"{name} {size}" for name, size in sizes.items() if size % tp]
+    if bad:
+        common = math.gcd(*sizes.values())
+        fits = [str(d) for d in range(1, common + 1) if common % d == 0]
+        raise SystemExit(f"error: --target-tensor-model-parallel-size {tp} does not divide the "
+                         f"saved model's {' and '.join(bad)}; tensor parallelism splits them "
+                         f"evenly. Use a size that divides them: {', '.join(fits)}")
+    layers = int(args["num_layers"])
+    standalone = args.get("standalone_embedding_stage") and pp > 1 and not virtual
+    stages = pp - 1 if standalone else pp
+    if layers % stages:
+        raise SystemExit(f"error: --target-pipeline-model-parallel-size {pp} does not divide "
+                         f"the saved model's {layers} layers over {stages} stage(s); every "
+                         f"stage needs the same number of layers")
 
 
 def _virtual_stages(num_layers: int, pp: int, layers_per_stage: Optional[int]) -> int:
@@ -144,6 +177,7 @@ def reshard(load: str, save: str, tp: int, pp: int, layers_per_stage: Optional[i
     if not src.args:
         raise SystemExit(f"error: {iter_dir} has no 'args': the model shape is unknown (was it "
                          "written by pretrain_gpt.py?)")
+    check_target_layout(src.args, tp, pp, layers_per_stage is not None)
     vpp = _virtual_stages(src.num_layers, pp, layers_per_stage)
     if distributed is None:
         distributed = src.layout.optimizer == "distributed"

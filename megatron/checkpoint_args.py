@@ -1,0 +1,168 @@
+"""Megatron's check_checkpoint_args: does a checkpoint's model fit this run's flags?
+
+Megatron-LM 23.05, when loading without --finetune, asserts that num_layers, hidden_size,
+num_attention_heads and add_position_embedding equal the checkpoint's, and with --vocab-file
+also max_position_embeddings, make_vocab_size_divisible_by, padded_vocab_size and
+tokenizer_type (and the tp / pp sizes). This framework reshards on load, so the parallel
+sizes may differ -- and a vocabulary padded for another tp size is re-padded -- but it checks
+every argument that gives a weight its shape or says how it is read: the same QKV rows mean
+other things with other heads or query groups. Those are checked with --finetune as well;
+the other items are skipped with --finetune, as Megatron skips its whole check.
+
+Arguments the checkpoint's `args` (a plain dict) or the run's do not hold -- an older
+writer -- are not checked. A mismatch is a clean exit naming every differing argument with
+both values and the fix.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, NamedTuple, Optional
+
+from megatron.arguments_common import FLAG_SPECS, flag_for_dest
+from megatron.checkpointing import args_to_plain
+
+_ABSENT = object()
+
+# the shape of a weight, or how its rows are read: checked even with --finetune
+SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+              "kv_channels", "swiglu", "untie_embeddings_and_output_weights", "normalization",
+              "add_bias_linear", "apply_layernorm_1p", "num_experts")
+# how the weights are used: skipped with --finetune (fine-tuning may change them on purpose)
+OTHER_ARGS = ("vocab_size", "vocab_extra_ids", "rotary_percent", "rotary_base")
+# Megatron's items that it checks only when the run has --vocab-file (not with --finetune)
+VOCAB_FILE_ARGS = ("max_position_embeddings", "make_vocab_size_divisible_by", "tokenizer_type")
+
+
+class Mismatch(NamedTuple):
+    """One argument whose value differs: its name (a flag), both values, and the flags
+    that give the checkpoint's value."""
+
+    name: str
+    saved: object
+    run: object
+    fix: str
+
+
+def _flag_setting(dest: str, value) -> str:
+    """The command-line words that set `dest` to `value`: '--swiglu', 'no --swiglu',
+    '--hidden-size 64', 'no --disable-bias-linear'."""
+    flag = flag_for_dest(dest)
+    kind = next((s.kind for s in FLAG_SPECS.values() if s.dest == dest), None)
+    if kind in ("true", "false"):
+        on = bool(value) if kind == "true" else not value
+        return flag if on else f"no {flag}"
+    return f"no {flag}" if value is None else f"{flag} {value}"
+
+
+def _plain(args: dict, key: str):
+    return args_to_plain(args[key]) if key in args else _ABSENT
+
+
+def _compare(saved: dict, run: dict, dest: str) -> Optional[Mismatch]:
+    a, b = _plain(saved, dest), _plain(run, dest)
+    if a is _ABSENT or b is _ABSENT or a == b:
+        return None
+    return Mismatch(flag_for_dest(dest), a, b, _flag_setting(dest, a))
+
+
+def _query_groups(args: dict):
+    """Key/value groups of the attention (the heads without --group-query-attention)."""
+    if "group_query_attention" not in args or "num_attention_heads" not in args:
+        return _ABSENT
+    return args.get("num_query_groups") if args["group_query_attention"] \
+        else args["num_attention_heads"]
+
+
+def _groups_item(saved: dict, run: dict) -> Optional[Mismatch]:
+    a, b = _query_groups(saved), _query_groups(run)
+    if a is _ABSENT or b is _ABSENT or a == b:
+        return None
+    if not (saved["group_query_attention"] or run["group_query_attention"]):
+        return None  # the heads differ: reported as --num-attention-heads
+    fix = (f"--group-query-attention --num-query-groups {a}" if saved["group_query_attention"]
+           else "no --group-query-attention")
+    return Mismatch("query groups (--group-query-attention --num-query-groups)", a, b, fix)
+
+
+def _position_type(args: dict):
+    if "position_embedding_type" in args:
+        return args["position_embedding_type"]
+    if "add_position_embedding" not in args:
+        return _ABSENT
+    if args.get("use_rotary_position_embeddings"):
+        return "rope"  # a 23.05 writer: rotary (this framework drops the learned table then)
+    return "learned_absolute" if args["add_position_embedding"] else "none"
+
+
+def _position_item(saved: dict, run: dict) -> Optional[Mismatch]:
+    a, b = _position_type(saved), _position_type(run)
+    if a is _ABSENT or b is _ABSENT or a == b:
+        return None
+    return Mismatch("--position-embedding-type", a, b, f"--position-embedding-type {a}")
+
+
+def _max_positions_item(saved: dict, run: dict) -> Optional[Mismatch]:
+    """The rows of the learned position table."""
+    if _position_type(saved) == _position_type(run) == "learned_absolute":
+        return _compare(saved, run, "max_position_embeddings")
+    return None
+
+
+def _vocab_rows_item(saved: dict, run: dict) -> Optional[Mismatch]:
+    """The rows of the word embedding: at the same tp size nothing re-pads them."""
+    tp = "tensor_model_parallel_size"
+    if _plain(saved, tp) is _ABSENT or _plain(saved, tp) != _plain(run, tp):
+        return None
+    item = _compare(saved, run, "padded_vocab_size")
+    if item is None:
+        return None
+    words = [f"--tokenizer-type {saved.get('tokenizer_type')}"]
+    if saved.get("vocab_size") is not None:
+        words.append(f"--vocab-size {saved['vocab_size']}")
+    words.append(f"--make-vocab-size-divisible-by {saved.get('make_vocab_size_divisible_by')}")
+    return item._replace(name="padded vocabulary size (rows of the word embedding)",
+                         fix=" ".join(words) + " (the checkpoint's tokenizer)")
+
+
+_SHAPE_ITEMS: List[Callable[[dict, dict], Optional[Mismatch]]] = [
+    _groups_item, _position_item, _max_positions_item, _vocab_rows_item]
+
+
+def checkpoint_arg_mismatches(saved: Dict, run: Dict, finetune: bool = False) -> List[Mismatch]:
+    """The checkpoint's arguments `saved` against the run's `run` (plain dicts): the shape
+    and layout items always, the others unless `finetune`. Keys either lacks are skipped."""
+    found = [_compare(saved, run, dest) for dest in SHAPE_ARGS]
+    found += [item(saved, run) for item in _SHAPE_ITEMS]
+    if not finetune:
+        found += [_compare(saved, run, dest) for dest in OTHER_ARGS]
+        if run.get("vocab_file"):
+            found += [_compare(saved, run, dest) for dest in VOCAB_FILE_ARGS]
+    unique: Dict[str, Mismatch] = {}
+    for item in found:
+        if item is not None:
+            unique.setdefault(item.name, item)
+    return list(unique.values())
+
+
+def check_checkpoint_args(saved: Optional[Dict], run: Dict, where: str,
+                          finetune: bool = False) -> None:
+    """SystemExit naming every argument of this run (`run`) that differs from the checkpoint
+    in `where` (its stored `saved` args; None: nothing to check), both values and the fix."""
+    if not isinstance(saved, dict):
+        return
+    items = checkpoint_arg_mismatches(saved, run, finetune)
+    if not items:
+        return
+    lines = [f"  {m.name}: checkpoint {m.saved}, this run {m.run}" for m in items]
+    fixes = "; ".join(m.fix for m in items)
+    text = (f"error: the checkpoint in {where} was saved with other model arguments than this "
+            f"run's:\n" + "\n".join(lines) + "\n"
+            f"Run with the checkpoint's values ({fixes}), or leave these flags out and pass "
+            f"--use-checkpoint-args to take them from the checkpoint.")
+    if finetune:
+        text += (" --finetune does not skip these: they give the weights their shape and "
+                 "layout.")
+    raise SystemExit(text)
+
+
+__all__ = ["Mismatch", "SHAPE_ARGS", "OTHER_ARGS", "VOCAB_FILE_ARGS",
+           "checkpoint_arg_mismatches", "check_checkpoint_args"]

@@ -1,0 +1,109 @@
+"""megatron/checkpoint_args.py: the checkpoint's model arguments against the run's (Megatron's
+check_checkpoint_args, plus every argument that shapes or lays out a weight). Plain dicts, as
+the checkpoints store them; the end-to-end exits are in tests/test_exact_resume.py."""
+from __future__ import annotations
+
+import pytest
+
+from megatron.checkpoint_args import check_checkpoint_args, checkpoint_arg_mismatches
+
+SAVED = {
+    "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
+    "kv_channels": 16, "group_query_attention": False, "num_query_groups": None,
+    "swiglu": False, "untie_embeddings_and_output_weights": False, "normalization": "LayerNorm",
+    "add_bias_linear": True, "apply_layernorm_1p": False, "num_experts": None,
+    "position_embedding_type": "learned_absolute", "add_position_embedding": True,
+    "use_rotary_position_embeddings": False, "rotary_percent": 1.0, "rotary_base": 10000.0,
+    "max_position_embeddings": 64, "tensor_model_parallel_size": 1, "padded_vocab_size": 384,
+    "vocab_size": 256, "vocab_extra_ids": 0, "make_vocab_size_divisible_by": 128,
+    "tokenizer_type": "NullTokenizer", "vocab_file": None, "seq_length": 64,
+}
+
+
+def _names(run_changes, finetune=False, saved_changes=None):
+    saved = {**SAVED, **(saved_changes or {})}
+    return [m.name for m in checkpoint_arg_mismatches(saved, {**SAVED, **run_changes}, finetune)]
+
+
+def test_same_arguments_and_free_ones_pass():
+    assert _names({}) == []
+    # parallel sizes and everything that does not touch the weights may change
+    assert _names({"tensor_model_parallel_size": 2, "padded_vocab_size": 512,
+                   "seq_length": 32, "hidden_dropout": 0.0}) == []
+
+
+@pytest.mark.parametrize("changes,name", [
+    ({"num_layers": 3}, "--num-layers"),
+    ({"swiglu": True}, "--swiglu"),
+    ({"normalization": "RMSNorm"}, "--normalization"),
+    ({"add_bias_linear": False}, "--disable-bias-linear"),
+    ({"untie_embeddings_and_output_weights": True}, "--untie-embeddings-and-output-weights"),
+    ({"apply_layernorm_1p": True}, "--apply-layernorm-1p"),
+    ({"max_position_embeddings": 128}, "--max-position-embeddings"),  # learned table rows
+    ({"padded_vocab_size": 512}, "padded vocabulary size (rows of the word embedding)"),
+    ({"position_embedding_type": "rope"}, "--position-embedding-type"),
+])
+@pytest.mark.parametrize("finetune", [False, True])
+def test_shape_and_layout_arguments_are_checked_even_with_finetune(changes, name, finetune):
+    assert _names(changes, finetune) == [name]
+
+
+def test_query_groups_compare_by_layout():
+    gqa = {"group_query_attention": True, "num_query_groups": 2}
+    assert _names(gqa) == ["query groups (--group-query-attention --num-query-groups)"]
+    assert _names(gqa, finetune=True) != []
+    # one group per head is the plain attention's layout
+    assert _names({"group_query_attention": True, "num_query_groups": 4}) == []
+    # heads alone: reported once, as the heads (and the derived head size)
+    assert _names({"num_attention_heads": 8, "kv_channels": 8}) == ["--num-attention-heads",
+                                                                     "--kv-channels"]
+
+
+def test_rope_ignores_max_positions_unless_vocab_file_given():
+    rope = {"position_embedding_type": "rope", "add_position_embedding": False,
+            "use_rotary_position_embeddings": True}
+    assert _names({**rope, "max_position_embeddings": 128}, saved_changes=rope) == []
+    vocab_file = {**rope, "max_position_embeddings": 128, "vocab_file": "v.json"}
+    assert _names(vocab_file, saved_changes=rope) == ["--max-position-embeddings"]
+    assert _names(vocab_file, finetune=True, saved_changes=rope) == []
+
+
+def test_other_arguments_are_skipped_with_finetune():
+    changes = {"vocab_size": 300, "rotary_base": 500000.0}
+    assert _names(changes) == ["--vocab-size", "--rotary-base"]
+    assert _names(changes, finetune=True) == []
+    # Megatron's --vocab-file items
+    changes = {"vocab_file": "v.json", "make_vocab_size_divisible_by": 64,
+               "tokenizer_type": "GPT2BPETokenizer", "tensor_model_parallel_size": 2}
+    assert _names(changes) == ["--make-vocab-size-divisible-by", "--tokenizer-type"]
+    assert _names({**changes, "vocab_file": None}) == []
+
+
+def test_keys_an_older_checkpoint_lacks_are_skipped():
+    old = {k: SAVED[k] for k in ("num_layers", "hidden_size", "num_attention_heads",
+                                 "add_position_embedding")}
+    run = {**SAVED, "swiglu": True, "padded_vocab_size": 512, "num_query_groups": 2,
+           "group_query_attention": True}
+    assert checkpoint_arg_mismatches(old, run) == []
+    # Megatron 23.05 names: rotary on means no learned table here
+    legacy = {**old, "use_rotary_position_embeddings": True}
+    assert [m.name for m in checkpoint_arg_mismatches(legacy, SAVED)] == \
+        ["--position-embedding-type"]
+    check_checkpoint_args(None, SAVED, "somewhere")  # no args at all: nothing to check
+
+
+def test_message_names_values_and_fix():
+    run = {**SAVED, "num_attention_heads": 8, "kv_channels": 8, "swiglu": True,
+           "add_bias_linear": False}
+    with pytest.raises(SystemExit) as err:
+        check_checkpoint_args(SAVED, run, "ck/iter_0000010")
+    msg = str(err.value)
+    assert msg.startswith("error: the checkpoint in ck/iter_0000010 was saved with other model "
+                          "arguments than this run's:\n")
+    assert "\n  --num-attention-heads: checkpoint 4, this run 8\n" in msg
+    assert "\n  --swiglu: checkpoint False, this run True\n" in msg
+    assert ("(--num-attention-heads 4; --kv-channels 16; no --swiglu; no --disable-bias-linear)"
+            in msg)
+    assert "--use-checkpoint-args" in msg and "--finetune" not in msg
+    with pytest.raises(SystemExit, match="--finetune does not skip these"):
+        check_checkpoint_args(SAVED, run, "ck/iter_0000010", finetune=True)
