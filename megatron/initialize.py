@@ -116,6 +116,18 @@ def choose_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def check_local_rank(local_rank: int, num_gpus: int) -> None:
+    """SystemExit when a process's local rank has no GPU of its own (NCCL runs one process
+    per GPU): more processes were started on this node than it has GPUs."""
+    if local_rank >= num_gpus:
+        raise SystemExit(
+            f"error: local rank {local_rank} has no GPU: this node has {num_gpus} visible "
+            f"GPU(s) and NCCL needs one per process. Start at most {num_gpus} process(es) "
+            f"per node (torchrun --nproc-per-node {num_gpus}, with a layout whose "
+            "tensor x pipeline x data sizes fit), or run on the CPU with gloo "
+            "(CUDA_VISIBLE_DEVICES= torchrun ...)")
+
+
 def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
                            local_rank: int, agent_store: AgentStore | None = None) -> Runtime:
     """Init torch.distributed (when world_size > 1), pick the device, build ParallelState.
@@ -129,6 +141,7 @@ def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
         backend = "gloo"  # a gloo group made by the caller: stay on the CPU with it
     device = torch.device("cpu")
     if backend == "nccl":
+        check_local_rank(local_rank, torch.cuda.device_count())
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     # One minute more than --distributed-timeout-minutes: the training watchdog names the

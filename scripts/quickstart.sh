@@ -3,8 +3,8 @@
 # (the Python standard library's sources), with no download:
 #   1. build a JSONL corpus and train a SentencePiece BPE tokenizer on it,
 #   2. preprocess it into Megatron's .bin/.idx format,
-#   3. train with tensor parallelism over 2 processes (CPU/gloo or GPUs/NCCL), with
-#      validation perplexity, tensorboard logs and checkpoints.
+#   3. train with tensor parallelism over 2 processes (CPU/gloo or GPUs/NCCL; one GPU:
+#      one process), with validation perplexity, tensorboard logs and checkpoints.
 # Outputs go under ${OUT_DIR:-runs/quickstart}. A few minutes on 2 CPU cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,8 +21,17 @@ if [ ! -f "$DATA/stdlib_text_document.idx" ]; then
       --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/spm.model" \
       --append-eod --workers 2
 fi
+# NCCL needs a GPU per process: with fewer GPUs than processes, use as many as there are
+# (one GPU: tensor parallel size 1); without GPUs the processes share the CPU (gloo).
+GPUS=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+if [ "$GPUS" -gt 0 ] && [ "$GPUS" -lt "$NPROC" ]; then
+  echo "note: $GPUS GPU(s) for $NPROC processes: training with $GPUS (NPROC=$GPUS)"
+  NPROC=$GPUS
+fi
+TP_FLAGS="--tensor-model-parallel-size $NPROC"
+[ "$NPROC" -gt 1 ] && TP_FLAGS="$TP_FLAGS --sequence-parallel"
 python -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_gpt.py \
-    --tensor-model-parallel-size 2 --sequence-parallel \
+    $TP_FLAGS \
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
     --seq-length 128 --max-position-embeddings 128 \
     --micro-batch-size 8 --global-batch-size 16 \

@@ -82,7 +82,7 @@ def _run_main(monkeypatch, argv):
                         lambda *a, **k: SimpleNamespace(device=torch.device("cpu")))
     monkeypatch.setattr(init, "set_random_seed", lambda *a, **k: None)
     monkeypatch.setattr(training, "pretrain",
-                        lambda config, rt: seen.update({n: os.environ.get(n)
+                        lambda config, rt, **kw: seen.update({n: os.environ.get(n)
                                                         for n in CUBLAS_USER_CHOICES}))
     monkeypatch.syspath_prepend(str(ROOT))
     sys.modules.pop("pretrain_gpt", None)
