@@ -59,14 +59,34 @@ def to_float(x) -> Optional[float]:
 
 
 class IntervalStats:
-    """The records and the wall time since the last console line."""
+    """The records and the wall time since the last console line, less the time spent
+    in `paused()` (evaluation and checkpoint saves: Megatron stops its interval timer
+    around them, so "elapsed time per iteration" is training time)."""
+
+    clock = staticmethod(time.time)  # seconds
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
         self.records: List[StepRecord] = []
-        self.start = time.time()
+        self.start = self.clock()
+        self.excluded = 0.0
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start - self.excluded
+
+    @contextlib.contextmanager
+    def paused(self, device: torch.device):
+        """Leave the time inside out of the interval. The device is synchronised first,
+        so that the training work still queued stays in the interval."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        began = self.clock()
+        try:
+            yield
+        finally:
+            self.excluded += self.clock() - began
 
     def add(self, tr, loss, ok, grad_norm, counted: bool = False) -> None:
         """Record the iteration just counted in `tr.state`; `counted`: a NaN the NaN policy
@@ -144,7 +164,7 @@ def log_interval(tr, stats: IntervalStats, print_line: bool = True) -> None:
     interval) the loss average and the timer readings are dropped."""
     cfg = tr.config
     _settle(tr, stats)
-    elapsed = time.time() - stats.start
+    elapsed = stats.elapsed()
     n = max(len(stats.records), 1)
     extras = interval_extras(tr, n)
     good_losses, skipped, nans = _write_records(tr, stats, extras)

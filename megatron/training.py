@@ -313,10 +313,12 @@ def _periodic(tr: Trainer, stats: IntervalStats, valid_data) -> bool:
         log_interval(tr, stats)
     t = cfg.training
     if t.eval_interval and st.iteration % t.eval_interval == 0 and valid_data is not None:
-        run_evaluation(tr, valid_data, f"iteration {st.iteration}")
+        with stats.paused(tr.rt.device):
+            run_evaluation(tr, valid_data, f"iteration {st.iteration}")
     ck = cfg.checkpoint
     if ck.save and ck.save_interval and st.iteration % ck.save_interval == 0:
-        _save(tr, stats)
+        with stats.paused(tr.rt.device):
+            _save(tr, stats)
         return True
     return False
 

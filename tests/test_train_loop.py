@@ -215,3 +215,37 @@ def test_forward_and_backward_compute_timers_at_level_2(capsys, level):
     assert ("    forward-compute ." in out) == (level == 2)
     assert ("    backward-compute ." in out) == (level == 2)
     assert "    forward-backward ." in out
+
+
+# --------------------------------------------------------------------------- interval time
+def _per_iteration_ms(out: str) -> list:
+    return [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([\d.]+)", out)]
+
+
+def test_elapsed_time_per_iteration_leaves_out_evaluation_and_saves(tmp_path, capsys,
+                                                                    monkeypatch):
+    """Megatron stops its interval timer around evaluation and checkpoint saves: a slow
+    evaluation (or save) inside an interval does not inflate the training time per
+    iteration. Here each one moves the interval's clock 1,000 s on: 200 s per iteration
+    of a 5-iteration interval had it been counted."""
+    import megatron.interval_log as interval_log
+
+    offset = [0.0]
+    monkeypatch.setattr(interval_log.IntervalStats, "clock",
+                        staticmethod(lambda: time.time() + offset[0]))
+
+    def slow(fn):
+        def wrapped(*args, **kwargs):
+            offset[0] += 1000.0
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(training, "run_evaluation", slow(training.run_evaluation))
+    monkeypatch.setattr(training.trainer_checkpoint, "save_trainer_checkpoint",
+                        slow(training.trainer_checkpoint.save_trainer_checkpoint))
+    out, _ = _pretrain(["--train-iters", "10", "--log-interval", "5", "--eval-interval", "3",
+                        "--save", str(tmp_path / "ck"), "--save-interval", "4"], capsys)
+    times = _per_iteration_ms(out)
+    assert len(times) == 2 and "validation loss at iteration 3 |" in out
+    assert offset[0] >= 4000.0, "evaluations at 3, 6, 9 and saves at 4, 8 went by the clock"
+    assert max(times) < 100_000, times
