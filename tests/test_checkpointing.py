@@ -400,9 +400,13 @@ def test_distributed_save_load(tmp_path, tp, pp):
 def _dist_wrong_layout(rank, world_size, root):
     ps = ParallelState.build(world_size, rank, tp_size=2)
     save_checkpoint(root, 4, _full_state(4, ps.tp_rank, 0) if ps.dp_rank == 0 else None, ps)
-    wrong = ParallelState.build(world_size, rank, tp_size=4)
+    return _load_message(root, ParallelState.build(world_size, rank, tp_size=4))
+
+
+def _load_message(root, ps):
+    """load_checkpoint's SystemExit message, or None when it loads."""
     try:
-        load_checkpoint(root, wrong)
+        load_checkpoint(root, ps)
     except SystemExit as exc:
         return str(exc)
     return None
@@ -423,11 +427,7 @@ def _dist_truncated_shard(rank, world_size, root):
     if rank == 0:
         _truncate(checkpoint_name(root, 4, 1, 0, 1))
     dist.barrier()
-    try:
-        load_checkpoint(root, ps)
-    except SystemExit as exc:
-        return str(exc)
-    return None
+    return _load_message(root, ps)
 
 
 def test_distributed_truncated_shard_exits_on_every_rank(tmp_path):
