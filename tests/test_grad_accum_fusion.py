@@ -124,16 +124,18 @@ def test_fused_grads_reduce_over_dp_with_overlap_and_reduce_scatter():
             _compare(grads, single, f"dp=2 {name} rank={rank}", rtol=1e-5)
 
 
-def _two_iterations(fusion: bool, compile_layers: bool = False):
+def _two_iterations(fusion: bool, compile_layers: bool = False, **model_kwargs):
     """Main grads of the second of two DDP iterations (2 micro-batches each, different
-    tokens), and how many of its main grads are still listed as stale afterwards."""
+    tokens), and how many of its main grads are still listed as stale afterwards.
+    `model_kwargs`: more ModelConfig fields (e.g. activation recompute)."""
     from megatron.core.distributed import stale_grads
 
     torch.manual_seed(0)
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
                       padded_vocab_size=VOCAB, seq_length=SEQ, max_position_embeddings=SEQ,
                       hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-                      gradient_accumulation_fusion=fusion, compile_layers=compile_layers)
+                      gradient_accumulation_fusion=fusion, compile_layers=compile_layers,
+                      **model_kwargs)
     model = GPTModel(cfg, device="cpu")
     ddp = DistributedDataParallel(model, ParallelState.build(), ParallelConfig())
     for seed in (3, 4):
@@ -160,6 +162,24 @@ def test_stale_weight_grads_are_overwritten_by_the_first_product(compile_layers)
     assert left == 0
     for name, g in ref.items():
         if compile_layers or name == EMBEDDING:
+            assert torch.allclose(got[name], g, rtol=1e-5, atol=1e-6), name
+        else:
+            assert torch.equal(got[name], g), name
+
+
+@pytest.mark.parametrize("method", ["uniform", "block"])
+def test_full_recompute_with_fusion_gives_the_unfused_grads(method):
+    """Full activation recompute (torch's non-reentrant checkpoint) hands the backward a
+    recomputed alias of each saved parameter, without the `main_grad` the fused paths
+    write into: their gradients then go through `.grad` and the grad hook instead (was an
+    AttributeError at the first backward). Grads equal the unfused run's without
+    recompute: fp32 on CPU, the tied embedding within 1e-6."""
+    ref, _ = _two_iterations(False)
+    got, left = _two_iterations(True, recompute_granularity="full", recompute_method=method,
+                                recompute_num_layers=1)
+    assert left == 0
+    for name, g in ref.items():
+        if name == EMBEDDING:
             assert torch.allclose(got[name], g, rtol=1e-5, atol=1e-6), name
         else:
             assert torch.equal(got[name], g), name

@@ -216,7 +216,7 @@ def accumulate_weight_grad(main_grad: torch.Tensor, grad_output_2d: torch.Tensor
 class _GradIntoMainGrad(torch.autograd.Function):
     """Identity on a parameter; backward adds the gradient into `param.main_grad` and
     hands autograd None (its grad hook still fires, with `.grad` None, as for the fused
-    linears). Inside a compiled graph the add fuses with the kernel that reduces the
+    linears) -- or, when the saved parameter has no main_grad (recompute), the gradient. Inside a compiled graph the add fuses with the kernel that reduces the
     gradient, in fp32, instead of a bf16 gradient output plus a separate add per
     parameter."""
 
@@ -228,7 +228,13 @@ class _GradIntoMainGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (param,) = ctx.saved_tensors
-        param.main_grad.add_(grad)
+        main_grad = getattr(param, "main_grad", None)
+        if main_grad is None:
+            # Under activation recompute (torch's non-reentrant checkpoint) the saved
+            # parameter comes back as a recomputed alias without `main_grad`: hand the
+            # gradient to autograd, whose `.grad` the grad hook moves into main_grad.
+            return grad
+        main_grad.add_(grad)
         return None
 
 
