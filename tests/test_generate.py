@@ -80,6 +80,20 @@ def test_greedy_equals_argmax_loop_and_sampling(tmp_path):
     assert top1 == ids[3:]
 
 
+def test_bf16_checkpoint_loads_in_any_dtype(tmp_path):
+    """A --bf16 run's checkpoint decodes in fp32 (the CPU default), bf16 and fp16: the model
+    config's params_dtype follows the weights, so the embeddings are cast to match them."""
+    _train(tmp_path, "--bf16", steps=1)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        model, config, _ = generate.load_model(str(tmp_path), dtype=dtype)
+        assert config.model.params_dtype == dtype == model.config.params_dtype
+        assert {p.dtype for p in model.parameters()} == {dtype}
+    for flags in ([], ["--dtype", "fp32"], ["--dtype", "bf16"], ["--dtype", "fp16"]):
+        out = _run_cli("--load", str(tmp_path), "--prompt-ids", "1,2", "--greedy",
+                       "--max-new-tokens", "3", "--no-stop-at-eod", *flags)
+        assert len(out["generated_ids"]) == 3, flags
+
+
 def test_sample_next_filters():
     logits = torch.tensor([1.0, 3.0, 2.0, 0.5])
     g = torch.Generator().manual_seed(0)

@@ -21,6 +21,7 @@ prompt and generated ids and text (--json: one JSON line instead).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -46,7 +47,9 @@ def load_model(load: str, iteration: Optional[int] = None, device="cpu",
                dtype: Optional[torch.dtype] = None):
     """(model in eval mode, Config, iteration) from the checkpoint under `load`, merged
     into one process by megatron.checkpoint_reshard. `dtype` None keeps the checkpoint's
-    parameter dtype."""
+    parameter dtype; another dtype is written into the model config too, since the forward
+    casts activations to `params_dtype` (a bf16 run's config with fp32 weights would mix
+    dtypes in the first matmul)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     iter_dir, iteration, _ = locate_iteration(load, iteration)
@@ -55,6 +58,9 @@ def load_model(load: str, iteration: Optional[int] = None, device="cpu",
         raise SystemExit(f"error: {iter_dir} has no 'args' dict: it was not written by "
                          "pretrain_gpt.py, so the model shape is unknown")
     config = config_from_args(src.args)
+    if dtype is not None:
+        config.model = dataclasses.replace(config.model, params_dtype=dtype,
+                                           embedding_weights_in_fp32=False)
     model = GPTModel(config.model, device="meta")
     model.load_state_dict(full_model_state(src, model), strict=True, assign=True)
     model.to(device=device, dtype=dtype)
