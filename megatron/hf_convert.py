@@ -108,6 +108,11 @@ def _to_hf(a) -> int:
     dtype = _DTYPES.get(a.dtype) or _DTYPES.get(
         {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(args.get("params_dtype")), "fp32"))
     eod = _eod_of(tok)
+    if eod is not None and eod >= vocab:
+        raise ValueError(f"--true-vocab-size {vocab} leaves out the end-of-document id {eod} "
+                         f"of the checkpoint's tokenizer ({tok.vocab_size} ids), which "
+                         f"config.json names as eos/bos; pass --true-vocab-size {eod + 1} or "
+                         "more")
     hf_state = to_hf_state_dict(state, model_cfg, family, vocab, dtype)
     config = hf_config(model_cfg, family, vocab, dtype, eod, hf_state)
     if family == "llama":

@@ -290,6 +290,21 @@ def test_from_hf_refuses_a_save_holding_a_checkpoint(tmp_path, capsys):
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".from-hf-")]
 
 
+def test_to_hf_refuses_a_vocabulary_without_the_eod_id(tmp_path):
+    """NullTokenizer --vocab-size 100: ids 0..99 and the end-of-document id 100. Keeping
+    100 rows would write eos/bos 100 outside the exported vocabulary: refused, nothing
+    written."""
+    _train(tmp_path / "ck", "", steps=1)
+    with pytest.raises(SystemExit, match="--true-vocab-size 100 leaves out the end-of-"
+                       r"document id 100 .*\(101 ids\).*pass --true-vocab-size 101 or more"):
+        _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "hf",
+             "--true-vocab-size", 100)
+    assert not (tmp_path / "hf").exists()
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "hf",
+                "--true-vocab-size", 101) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 100
+
+
 def test_pretrain_gpt_cli_trains_from_an_imported_model(tmp_path):
     """`pretrain_gpt.py --load` of a from-hf 'release' checkpoint: loads at iteration 0 with
     a fresh optimizer, trains, saves iteration 2."""
