@@ -163,3 +163,24 @@ def test_script_command_line_is_accepted(script, tmp_path):
         assert cfg.parallel.sequence_parallel
     elif launcher == "torchrun":
         assert (world, cfg.parallel.dp_size) == (8, 8)
+
+
+def test_quickstart_says_it_deletes_the_previous_run(tmp_path):
+    """A rerun of scripts/quickstart.sh replaces checkpoints/ and tensorboard/ under OUT_DIR:
+    it says so for each (python and torchrun are stand-ins; the data is already built)."""
+    bindir, out_dir = tmp_path / "bin", tmp_path / "out"
+    bindir.mkdir()
+    (bindir / "python").write_text('#!/usr/bin/env bash\n[ "$1" = "-c" ] && echo 0\nexit 0\n')
+    (bindir / "python").chmod(0o755)
+    for sub in ("data", "checkpoints", "tensorboard"):
+        (out_dir / sub).mkdir(parents=True)
+    (out_dir / "data" / "stdlib_text_document.idx").touch()
+    (out_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("300")
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", OUT_DIR=str(out_dir))
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "quickstart.sh")], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    for sub in ("checkpoints", "tensorboard"):
+        assert f"note: deleting the previous run's {out_dir / sub} " in proc.stdout
+        assert not (out_dir / sub).exists()
+    assert (out_dir / "data" / "stdlib_text_document.idx").exists()
