@@ -49,6 +49,7 @@ from megatron.checkpointing import (
     MODEL_FILENAME,
     iteration_dir_name,
     list_checkpoints,
+    missing_tracker_message,
     rank_dir_name,
     read_checkpoint_file,
     read_tracker,
@@ -536,8 +537,7 @@ def locate_iteration(load: str, iteration: Optional[int] = None) -> Tuple[str, i
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from None
         if iteration is None:
-            raise SystemExit(f"error: no checkpoint under --load {load}: {tracker_path(load)} "
-                             "does not exist (pass --iteration N to pick one by hand)")
+            raise SystemExit(f"error: {missing_tracker_message(load)}")
     iter_dir = os.path.join(load, iteration_dir_name(iteration, release))
     if not os.path.isdir(iter_dir):
         source = "--iteration" if given else tracker_path(load)

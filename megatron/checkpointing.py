@@ -384,6 +384,23 @@ def list_checkpoints(root: str) -> List[str]:
                   if _ITER_DIR_RE.match(d) and os.path.isdir(os.path.join(root, d)))
 
 
+def missing_tracker_message(root: str) -> str:
+    """Why there is no checkpoint to load under `root` (which has no tracker file), and the
+    fix: the parent directory when `root` is itself an iteration directory, --iteration
+    when it holds iteration directories."""
+    name = os.path.basename(os.path.normpath(root))
+    if _ITER_DIR_RE.match(name):
+        parent = os.path.dirname(os.path.normpath(root)) or "."
+        pick = "" if name == "release" else f" --iteration {int(name[len('iter_'):])}"
+        return (f"--load {root} is one checkpoint's iteration directory; --load takes the "
+                f"directory above it: --load {parent}{pick}")
+    found = list_checkpoints(root)
+    where = f"no checkpoint under --load {root}: {tracker_path(root)} does not exist"
+    if found:
+        return f"{where}; it holds {', '.join(found)}: pass --iteration N to pick one"
+    return f"{where} and {root} holds no iter_XXXXXXX or release directory"
+
+
 def _other_checkpoints_hint(root: str, skip: str) -> str:
     """How to resume from another checkpoint under `root` than the directory `skip`."""
     others = [d for d in list_checkpoints(root) if d != skip]
@@ -568,5 +585,6 @@ __all__ = [
     "iteration_dir_name", "rank_dir_name", "tracker_path", "read_tracker", "describe_layout",
     "CheckpointWriteError", "check_save_dir", "save_checkpoint", "save_checkpoint_async", "resolve_checkpoint",
     "load_checkpoint", "load_rank_file", "load_extra_file", "list_checkpoints", "read_checkpoint_file",
+    "missing_tracker_message",
     "unreadable_file_message", "READ_ERRORS", "get_rng_state", "set_rng_state", "args_to_plain",
 ]

@@ -108,6 +108,11 @@ def _to_hf(a) -> int:
     dtype = _DTYPES.get(a.dtype) or _DTYPES.get(
         {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(args.get("params_dtype")), "fp32"))
     eod = _eod_of(tok)
+    if eod is not None and eod >= vocab:
+        raise ValueError(f"--true-vocab-size {vocab} leaves out the end-of-document id {eod} "
+                         f"of the checkpoint's tokenizer ({tok.vocab_size} ids), which "
+                         f"config.json names as eos/bos; pass --true-vocab-size {eod + 1} or "
+                         "more")
     hf_state = to_hf_state_dict(state, model_cfg, family, vocab, dtype)
     config = hf_config(model_cfg, family, vocab, dtype, eod, hf_state)
     if family == "llama":
@@ -158,6 +163,9 @@ def add_from_hf_arguments(parser) -> None:
                         "else NullTokenizer with --vocab-size = HF vocab_size - 1)")
     for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
         parser.add_argument(flag, default=None)
+    parser.add_argument("--overwrite", action="store_true",
+                        help="allow a --save that already holds a checkpoint (its release "
+                             "directory is replaced and the tracker says 'release')")
 
 
 def _tokenizer_flags(a, in_dir: str, hf_vocab: int) -> List[str]:
@@ -209,10 +217,13 @@ def run_from_hf(a) -> int:
 
 
 def _from_hf(a) -> int:
+    from tools.checkpoint_convert import check_save
+
+    check_save(a.save, a.overwrite)
     hf_cfg, hf_state = load_hf_checkpoint(a.input)
     family, cfg = config_from_hf(hf_cfg, a, a.input)
     state = from_hf_state_dict(hf_state, cfg.model, family)
-    save_release_checkpoint(a.save, state, cfg)
+    save_release_checkpoint(a.save, state, cfg, a.overwrite)
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
     print(f"wrote {family} model from {a.input} to {a.save}/release (tp {tp}, pp {pp}, padded "
           f"vocab {cfg.model.padded_vocab_size}); train from it with pretrain_gpt.py --load "
@@ -241,17 +252,21 @@ def load_full_checkpoint(load: str, iteration: Optional[int] = None):
     return config.args, config.model, state, 0 if release else iteration
 
 
-def save_release_checkpoint(save: str, state: Dict[str, torch.Tensor], cfg) -> None:
+def save_release_checkpoint(save: str, state: Dict[str, torch.Tensor], cfg,
+                            overwrite: bool = False) -> None:
     """Write the full `state` as `<save>/release/mp_rank_*` for cfg's tp/pp, the tracker
-    saying "release" (a run loads it at iteration 0 with a fresh optimizer). tp = pp = 1 is
-    written directly; other layouts are written at tp = pp = 1 into a temporary directory
-    beside `save` and split by `tools/checkpoint_convert.py reshard`."""
+    saying "release" (a run loads it at iteration 0 with a fresh optimizer). It is written
+    at tp = pp = 1 into a temporary directory beside `save`, then moved into place (tp = pp
+    = 1) or split by `tools/checkpoint_convert.py reshard`. A checkpoint already in `save`
+    is refused unless `overwrite` (SystemExit naming it)."""
     from megatron.checkpointing import CHECKPOINT_VERSION, args_to_plain, checkpoint_name
+    from tools.checkpoint_convert import check_save, publish_checkpoint, reshard
 
+    check_save(save, overwrite)
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
     parent = os.path.dirname(os.path.abspath(save))
     os.makedirs(parent, exist_ok=True)
-    root = save if tp == pp == 1 else tempfile.mkdtemp(prefix=".from-hf-", dir=parent)
+    root = tempfile.mkdtemp(prefix=".from-hf-", dir=parent)
     try:
         path = checkpoint_name(root, 0, 0, 0, 1, release=True)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -259,10 +274,11 @@ def save_release_checkpoint(save: str, state: Dict[str, torch.Tensor], cfg) -> N
                     "iteration": 0, "model": state}, path)
         with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write("release")
-        if root != save:
-            from tools.checkpoint_convert import reshard
-
-            reshard(root, save, tp, pp)
+        if tp == pp == 1:
+            os.makedirs(save, exist_ok=True)
+            publish_checkpoint(save, os.path.join(root, "release"),
+                               os.path.join(save, "release"), 0, True)
+        else:
+            reshard(root, save, tp, pp, overwrite=overwrite)
     finally:
-        if root != save:
-            shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)

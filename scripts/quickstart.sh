@@ -5,14 +5,22 @@
 #   2. preprocess it into Megatron's .bin/.idx format,
 #   3. train with tensor parallelism over 2 processes (CPU/gloo or GPUs/NCCL; one GPU:
 #      one process), with validation perplexity, tensorboard logs and checkpoints.
-# Outputs go under ${OUT_DIR:-runs/quickstart}. A few minutes on 2 CPU cores.
+# Outputs go under ${OUT_DIR:-runs/quickstart}. A few minutes on 2 CPU cores. Every run
+# starts afresh: it deletes the checkpoints/ and tensorboard/ of the previous run under
+# OUT_DIR (saying so; the corpus and tokenizer in data/ are kept and reused).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT_DIR:-runs/quickstart}
 NPROC=${NPROC:-2}
 TRAIN_ITERS=${TRAIN_ITERS:-300}
 DATA=$OUT_DIR/data
-rm -rf "$OUT_DIR/checkpoints" "$OUT_DIR/tensorboard"
+for previous in "$OUT_DIR/checkpoints" "$OUT_DIR/tensorboard"; do
+  if [ -e "$previous" ]; then
+    echo "note: deleting the previous run's $previous (a quickstart starts afresh; use" \
+         "another OUT_DIR to keep it)"
+    rm -rf "$previous"
+  fi
+done
 mkdir -p "$DATA"
 if [ ! -f "$DATA/stdlib_text_document.idx" ]; then
   python tools/make_corpus.py --output "$DATA/corpus.jsonl" --max-mb 6 \

@@ -87,6 +87,21 @@ def test_175b_fits_its_stated_128_gpus():
     assert estimate_memory(cfg)["total"] < 72 * 2**30
 
 
+def test_readme_and_175b_comment_tell_how_8_gpus_fare(capsys):
+    """README names the preset that does not fit on 8 GPUs; the 175B file's claim about
+    WORLD_SIZE=8 holds as it says: with --gpu-memory-gb 80 (no GPU here) --dry-run warns."""
+    no_fit = [p.name for p in CONFIGS if "Does NOT fit on 8 x 80 GB GPUs" in p.read_text()]
+    assert no_fit == ["gpt3-175b.yaml"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "suggested layout for 8 x 80 GB GPUs, except gpt3-175b.yaml: it does not fit" in readme
+    path = ROOT / "configs" / "gpt3-175b.yaml"
+    assert "--gpu-memory-gb 80" in path.read_text()
+    run_dry_run(_load(path), 8)
+    assert "exceeds" not in capsys.readouterr().out  # no GPU, no --gpu-memory-gb: no verdict
+    run_dry_run(_load(path, extra=["--gpu-memory-gb", "80"]), 8)
+    assert "per GPU exceeds 80.0 GiB (--gpu-memory-gb)" in capsys.readouterr().out
+
+
 # -------------------------------------------------------------------------- scripts
 
 SCRIPTS = ["pretrain_gpt.sh", "pretrain_gpt_distributed.sh", "pretrain_gpt_distributed_with_mp.sh"]
@@ -148,3 +163,24 @@ def test_script_command_line_is_accepted(script, tmp_path):
         assert cfg.parallel.sequence_parallel
     elif launcher == "torchrun":
         assert (world, cfg.parallel.dp_size) == (8, 8)
+
+
+def test_quickstart_says_it_deletes_the_previous_run(tmp_path):
+    """A rerun of scripts/quickstart.sh replaces checkpoints/ and tensorboard/ under OUT_DIR:
+    it says so for each (python and torchrun are stand-ins; the data is already built)."""
+    bindir, out_dir = tmp_path / "bin", tmp_path / "out"
+    bindir.mkdir()
+    (bindir / "python").write_text('#!/usr/bin/env bash\n[ "$1" = "-c" ] && echo 0\nexit 0\n')
+    (bindir / "python").chmod(0o755)
+    for sub in ("data", "checkpoints", "tensorboard"):
+        (out_dir / sub).mkdir(parents=True)
+    (out_dir / "data" / "stdlib_text_document.idx").touch()
+    (out_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("300")
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", OUT_DIR=str(out_dir))
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "quickstart.sh")], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    for sub in ("checkpoints", "tensorboard"):
+        assert f"note: deleting the previous run's {out_dir / sub} " in proc.stdout
+        assert not (out_dir / sub).exists()
+    assert (out_dir / "data" / "stdlib_text_document.idx").exists()

@@ -73,6 +73,14 @@ def test_record_only_prints_the_shapes(capsys, entry_env):
         tune_gemms.main(["--device", "cpu", "--preset", "tiny"])
 
 
+def test_help_describes_the_tool_in_whole_sentences(capsys):
+    with pytest.raises(SystemExit):
+        tune_gemms.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("fastest at the GPU's power limit, and write the table that `--gemm-algorithms "
+            "FILE` reads (CUDA).") in text
+
+
 def _algo(seed: int) -> bytes:
     return bytes((seed + i) % 256 for i in range(64))
 

@@ -80,6 +80,34 @@ def test_greedy_equals_argmax_loop_and_sampling(tmp_path):
     assert top1 == ids[3:]
 
 
+def test_bf16_checkpoint_loads_in_any_dtype(tmp_path):
+    """A --bf16 run's checkpoint decodes in fp32 (the CPU default), bf16 and fp16: the model
+    config's params_dtype follows the weights, so the embeddings are cast to match them."""
+    _train(tmp_path, "--bf16", steps=1)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        model, config, _ = generate.load_model(str(tmp_path), dtype=dtype)
+        assert config.model.params_dtype == dtype == model.config.params_dtype
+        assert {p.dtype for p in model.parameters()} == {dtype}
+    for flags in ([], ["--dtype", "fp32"], ["--dtype", "bf16"], ["--dtype", "fp16"]):
+        out = _run_cli("--load", str(tmp_path), "--prompt-ids", "1,2", "--greedy",
+                       "--max-new-tokens", "3", "--no-stop-at-eod", *flags)
+        assert len(out["generated_ids"]) == 3, flags
+
+
+def test_seeded_samples_do_not_depend_on_the_vocabulary_padding(tmp_path):
+    """The same weights resharded to tp 2 (vocabulary padded to 256 rows, not 128) give the
+    same seeded samples: only the tokenizer's 101 ids are drawn from."""
+    from tools.checkpoint_convert import reshard
+
+    _train(tmp_path / "tp1", steps=1)
+    reshard(str(tmp_path / "tp1"), str(tmp_path / "tp2"), 2, 1)
+    assert generate.load_model(str(tmp_path / "tp2"))[1].model.padded_vocab_size == 256
+    out = [_run_cli("--load", str(tmp_path / name), "--prompt-ids", "5,6,7", "--seed", "3",
+                    "--temperature", "2", "--max-new-tokens", "12", "--no-stop-at-eod")
+           for name in ("tp1", "tp2")]
+    assert out[0]["generated_ids"] == out[1]["generated_ids"]
+
+
 def test_sample_next_filters():
     logits = torch.tensor([1.0, 3.0, 2.0, 0.5])
     g = torch.Generator().manual_seed(0)
@@ -179,13 +207,29 @@ def test_user_errors(tmp_path):
     with pytest.raises(SystemExit, match="no checkpoint under --load"):
         generate.load_model(str(tmp_path))
     _train(tmp_path, steps=1)
-    with pytest.raises(SystemExit, match="outside the vocabulary"):
-        generate.main(["--load", str(tmp_path), "--prompt-ids", "1,9999"])
+    with pytest.raises(SystemExit, match=r"outside the vocabulary \[0, 101\)"):
+        generate.main(["--load", str(tmp_path), "--prompt-ids", "1,101"])  # padded: 128
+    with pytest.raises(SystemExit, match="'abc': NullTokenizer expects space-separated"):
+        generate.main(["--load", str(tmp_path), "--prompt", "abc"])
+    for empty in (["--prompt", ""], ["--prompt-ids", ""]):
+        with pytest.raises(SystemExit, match="the prompt is empty"):
+            generate.main(["--load", str(tmp_path), *empty])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="--device cuda: this machine has 0 usable CUDA"):
+            generate.main(["--load", str(tmp_path), "--prompt", "1", "--device", "cuda"])
+    with pytest.raises(SystemExit, match="--device 'gpu0'"):
+        generate.main(["--load", str(tmp_path), "--prompt", "1", "--device", "gpu0"])
+    it_dir = tmp_path / "iter_0000001"
+    with pytest.raises(SystemExit, match=f"--load {tmp_path} --iteration 1$"):
+        generate.main(["--load", str(it_dir), "--prompt", "1"])
     with pytest.raises(SystemExit, match="expected comma-separated integers"):
         generate.main(["--load", str(tmp_path), "--prompt-ids", "a,b"])
     with pytest.raises(SystemExit, match="--prompt needs the checkpoint's tokenizer"):
         generate.main(["--load", str(tmp_path), "--prompt", "hello",
                        "--tokenizer-type", "GPT2BPETokenizer"])
+    (tmp_path / "latest_checkpointed_iteration.txt").unlink()
+    with pytest.raises(SystemExit, match="it holds iter_0000001: pass --iteration N"):
+        generate.main(["--load", str(tmp_path), "--prompt", "1"])
 
 
 GPT2_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2"

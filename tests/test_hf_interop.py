@@ -267,6 +267,44 @@ def test_from_hf_checkpoint_trains_in_tp2_run(tmp_path):
     assert (tmp_path / "cont" / "latest_checkpointed_iteration.txt").read_text() == "2"
 
 
+def test_from_hf_refuses_a_save_holding_a_checkpoint(tmp_path, capsys):
+    """from-hf into a run's --save directory would point its tracker at 'release' (a
+    resume would restart from the import): refused before reading the model; --overwrite
+    writes it, saying what it replaces, and keeps the run's iterations."""
+    _train(tmp_path / "ck", "", steps=1)
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "hf") == 0
+    for layout in ([], ["--tensor-model-parallel-size", 2]):
+        with pytest.raises(SystemExit, match="already holds a checkpoint: latest_checkpointed_"
+                           r"iteration.txt \('1'\), iter_0000001; .* add --overwrite"):
+            _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "ck", *layout)
+        assert sorted(os.listdir(tmp_path / "ck")) == ["iter_0000001",
+                                                       "latest_checkpointed_iteration.txt"]
+    capsys.readouterr()
+    for _ in range(2):  # the second time the release directory itself is replaced
+        assert _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "ck",
+                    "--overwrite") == 0
+    out = capsys.readouterr().out
+    assert "said '1', now 'release'" in out and f"replacing {tmp_path / 'ck' / 'release'}" in out
+    assert sorted(os.listdir(tmp_path / "ck")) == ["iter_0000001",
+                                                   "latest_checkpointed_iteration.txt", "release"]
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".from-hf-")]
+
+
+def test_to_hf_refuses_a_vocabulary_without_the_eod_id(tmp_path):
+    """NullTokenizer --vocab-size 100: ids 0..99 and the end-of-document id 100. Keeping
+    100 rows would write eos/bos 100 outside the exported vocabulary: refused, nothing
+    written."""
+    _train(tmp_path / "ck", "", steps=1)
+    with pytest.raises(SystemExit, match="--true-vocab-size 100 leaves out the end-of-"
+                       r"document id 100 .*\(101 ids\).*pass --true-vocab-size 101 or more"):
+        _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "hf",
+             "--true-vocab-size", 100)
+    assert not (tmp_path / "hf").exists()
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "hf",
+                "--true-vocab-size", 101) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 100
+
+
 def test_pretrain_gpt_cli_trains_from_an_imported_model(tmp_path):
     """`pretrain_gpt.py --load` of a from-hf 'release' checkpoint: loads at iteration 0 with
     a fresh optimizer, trains, saves iteration 2."""

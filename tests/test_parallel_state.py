@@ -363,15 +363,25 @@ def test_tool_bad_sizes_exit_2_with_the_message(capsys):
     assert "world size (8) is not divisible" in capsys.readouterr().err
 
 
-def test_tool_png_without_graphviz_prints_a_note(tmp_path, capsys, monkeypatch):
+def test_tool_png_without_graphviz_is_an_error(tmp_path, capsys, monkeypatch):
     from tools import parallel_groups
 
     monkeypatch.setattr(parallel_groups.shutil, "which", lambda name: None)
     png = tmp_path / "g.png"
-    assert parallel_groups.main(["--world-size", "4", "--tp", "2", "--png", str(png)]) == 0
+    assert parallel_groups.main(["--world-size", "4", "--tp", "2", "--png", str(png)]) == 1
     err = capsys.readouterr().err
-    assert "Graphviz `dot` is not installed" in err and str(png) in err
+    assert "error: Graphviz `dot` is not installed" in err and str(png) in err
     assert not png.exists()
+
+
+def test_tool_dot_file_that_cannot_be_written_is_an_error(tmp_path, capsys):
+    from tools import parallel_groups
+
+    dot = tmp_path / "missing" / "x.dot"
+    assert parallel_groups.main(["--world-size", "4", "--tp", "2", "--dot", str(dot)]) == 1
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 2 + 4  # the table still comes first
+    assert err.startswith(f"error: cannot write --dot {dot} (No such file or directory); ")
 
 
 def test_tool_png_runs_dot(tmp_path, capsys, monkeypatch):

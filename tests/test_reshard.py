@@ -188,6 +188,42 @@ def test_offline_reshard_loads_without_conversion(tmp_path_factory, tmp_path, ca
         assert not os.path.exists(tmp_path / "y")
 
 
+def test_save_holding_a_checkpoint_is_refused_unless_overwrite(tmp_path, capsys):
+    """reshard / to-megatron into a --save that holds newer iterations would point its
+    tracker back at the converted one: refused, nothing written; --overwrite replaces the
+    same-named directory and the tracker, saying so, and keeps the other iterations."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    cfg, rt, tr = _trainer(0, 1, "", save=str(src))
+    _steps(tr, data_iterator(cfg, rt, "train", 0), 1)
+    save_trainer_checkpoint(tr)
+    dst.mkdir()  # an empty directory is fine
+    reshard_argv = ["reshard", "--load", str(src), "--save", str(dst),
+                    "--target-tensor-model-parallel-size", "2",
+                    "--target-pipeline-model-parallel-size", "1"]
+    assert checkpoint_convert.main(reshard_argv) == 0
+    shutil.copytree(dst / "iter_0000001", dst / "iter_0000020")  # a later run's checkpoint
+    (dst / "latest_checkpointed_iteration.txt").write_text("20")
+    for argv in (reshard_argv, ["to-megatron", "--load", str(src), "--save", str(dst)]):
+        with pytest.raises(SystemExit, match=f"--save {dst} already holds a checkpoint: "
+                           r"latest_checkpointed_iteration.txt \('20'\), iter_0000001, "
+                           "iter_0000020; .* add --overwrite"):
+            checkpoint_convert.main(argv)
+        assert (dst / "latest_checkpointed_iteration.txt").read_text() == "20"
+        assert sorted(os.listdir(dst)) == ["iter_0000001", "iter_0000020",
+                                           "latest_checkpointed_iteration.txt"]
+    capsys.readouterr()
+    assert checkpoint_convert.main(["to-megatron", "--load", str(src), "--save", str(dst),
+                                    "--overwrite"]) == 0
+    out = capsys.readouterr().out
+    assert f"overwrite: replacing {dst / 'iter_0000001'}" in out and "said '20', now '1'" in out
+    assert (dst / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert sorted(os.listdir(dst)) == ["iter_0000001", "iter_0000020",
+                                       "latest_checkpointed_iteration.txt"]
+    assert reshard.read_layout(str(dst / "iter_0000001")).tp == 1  # to-megatron's copy
+    with pytest.raises(SystemExit, match="is a file; pass a directory"):
+        checkpoint_convert.check_save(str(dst / "latest_checkpointed_iteration.txt"))
+
+
 def test_target_layout_check_names_the_sizes_that_fit():
     args = {"num_attention_heads": 8, "group_query_attention": True, "num_query_groups": 2,
             "ffn_hidden_size": 96, "num_layers": 6, "standalone_embedding_stage": True}

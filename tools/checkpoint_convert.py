@@ -15,7 +15,9 @@ comes from the `args` stored in the checkpoint; the precision stays the saved on
 vocabulary is re-padded for the target tp (`--make-vocab-size-divisible-by` x tp), the
 padding rows cut or zero-filled. RNG states are per rank: they are kept when tp and pp do
 not change, else the resumed run starts fresh ones. The output is written to
-`OUT/iter_XXXXXXX.tmp/`, renamed into place, then the tracker file is written.
+`OUT/iter_XXXXXXX.tmp/`, renamed into place, then the tracker file is written. An OUT
+that already holds a checkpoint is refused (a resume from it would go back to the
+converted iteration) unless --overwrite is given, for every subcommand that writes one.
 
     python tools/checkpoint_convert.py to-megatron --load CKPT --save OUT [--iteration I]
 
@@ -45,7 +47,9 @@ from megatron import hf_convert  # noqa: E402
 from megatron.checkpoint_files import load_checkpoint_file, megatron_payload  # noqa: E402
 from megatron.checkpointing import (  # noqa: E402
     MODEL_FILENAME,
+    TRACKER_FILENAME,
     iteration_dir_name,
+    list_checkpoints,
     rank_dir_name,
     tracker_path,
 )
@@ -67,6 +71,7 @@ def add_reshard_arguments(p: argparse.ArgumentParser) -> None:
                      help="write the optimizer for --use-distributed-optimizer")
     opt.add_argument("--target-no-distributed-optimizer", dest="target_distributed",
                      action="store_false", help="write it for the plain optimizer")
+    add_overwrite_argument(p)
 
 
 def _tp_split_sizes(args: dict) -> Dict[str, int]:
@@ -154,24 +159,64 @@ def _stage_modules(config, pp: int, pp_rank: int, vpp: int, standalone: bool):
     return modules, [s.layer_offset for s in specs]
 
 
-def _publish(save: str, tmp_dir: str, final_dir: str, iteration: int, release: bool) -> None:
-    """Move the written directory into place (replacing an older one), tracker last."""
+def check_save(save: str, overwrite: bool = False) -> None:
+    """Before any work: SystemExit when `save` is a file, or already holds a checkpoint (a
+    tracker file, iter_*/release directories) and not `overwrite`. Writing there would
+    replace a directory of the same name and point the tracker at the converted
+    iteration: a run resuming from `save` would go back to it and later overwrite the
+    newer iterations."""
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise SystemExit(f"error: --save {save} is a file; pass a directory")
+    found = list_checkpoints(save)
+    if os.path.isfile(tracker_path(save)):
+        with open(tracker_path(save)) as f:
+            found.insert(0, f"{TRACKER_FILENAME} ({f.read().strip()!r})")
+    if found and not overwrite:
+        raise SystemExit(f"error: --save {save} already holds a checkpoint: {', '.join(found)}; "
+                         "writing there would replace a directory of the same name and the "
+                         "tracker. Pass an empty or new directory, or add --overwrite to "
+                         "replace them")
+
+
+def publish_checkpoint(save: str, tmp_dir: str, final_dir: str, iteration: int,
+                       release: bool) -> None:
+    """Move the written directory into place (replacing an older one, which only
+    `check_save(..., overwrite=True)` lets through: each replacement is printed), tracker
+    last."""
+    old_dir = final_dir + ".old"
+    shutil.rmtree(old_dir, ignore_errors=True)
     if os.path.exists(final_dir):
-        shutil.rmtree(final_dir)
+        print(f"overwrite: replacing {final_dir}")
+        os.rename(final_dir, old_dir)
     os.rename(tmp_dir, final_dir)
-    tracker = tracker_path(save)
+    shutil.rmtree(old_dir, ignore_errors=True)
+    tracker, value = tracker_path(save), "release" if release else str(iteration)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            before = f.read().strip()
+        if before != value:
+            print(f"overwrite: {tracker} said {before!r}, now {value!r}")
     with open(tracker + ".tmp", "w") as f:
-        f.write("release" if release else str(iteration))
+        f.write(value)
     os.replace(tracker + ".tmp", tracker)
 
 
+def add_overwrite_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overwrite", action="store_true",
+                   help="allow a --save that already holds a checkpoint: a directory of the "
+                        "same iteration is replaced and the tracker points at the new one")
+
+
 def reshard(load: str, save: str, tp: int, pp: int, layers_per_stage: Optional[int] = None,
-            iteration: Optional[int] = None, distributed: Optional[bool] = None) -> dict:
+            iteration: Optional[int] = None, distributed: Optional[bool] = None,
+            overwrite: bool = False) -> dict:
     """Write the checkpoint under `load` (tracker's iteration unless given) to `save` with
-    the target layout; `distributed` None keeps the saved optimizer kind. Returns a summary
+    the target layout; `distributed` None keeps the saved optimizer kind; a checkpoint
+    already in `save` is refused unless `overwrite` (`check_save`). Returns a summary
     {iteration, source, target, files, notes}."""
     if os.path.realpath(save) == os.path.realpath(load):
         raise SystemExit("error: --save must differ from --load (the source stays untouched)")
+    check_save(save, overwrite)
     iter_dir, iteration, release = reshard_lib.locate_iteration(load, iteration)
     src = reshard_lib.SourceCheckpoint(iter_dir)
     if not src.args:
@@ -208,7 +253,7 @@ def reshard(load: str, save: str, tp: int, pp: int, layers_per_stage: Optional[i
                 torch.save(distrib, os.path.join(rank_dir, reshard_lib.DISTRIB_FILENAME))
                 files += 1
     os.makedirs(save, exist_ok=True)
-    _publish(save, tmp_dir, final_dir, iteration, release)
+    publish_checkpoint(save, tmp_dir, final_dir, iteration, release)
     target = reshard_lib.Layout(tp, pp, vpp, kind)
     return {"iteration": iteration, "source": src.layout, "target": target, "files": files,
             "notes": sorted(notes), "directory": final_dir}
@@ -223,7 +268,7 @@ def run_reshard(a: argparse.Namespace) -> int:
     out = reshard(a.load, a.save, a.target_tensor_model_parallel_size,
                   a.target_pipeline_model_parallel_size,
                   a.target_num_layers_per_virtual_pipeline_stage, a.iteration,
-                  a.target_distributed)
+                  a.target_distributed, a.overwrite)
     print(f"resharded iteration {out['iteration']} of {a.load} ({out['source'].describe()}) "
           f"-> {out['directory']} ({out['target'].describe()}): {out['files']} files")
     for note in out["notes"]:
@@ -237,15 +282,19 @@ def add_to_megatron_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", required=True, help="checkpoint directory to read")
     p.add_argument("--save", required=True, help="directory to write (not --load)")
     p.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
+    add_overwrite_argument(p)
 
 
-def to_megatron(load: str, save: str, iteration: Optional[int] = None) -> dict:
+def to_megatron(load: str, save: str, iteration: Optional[int] = None,
+                overwrite: bool = False) -> dict:
     """Write the checkpoint under `load` to `save` as Megatron-LM writes it (same layout;
     `args` an argparse.Namespace, nested model state: megatron/checkpoint_files.py).
     Megatron-LM loads such files with a plain `torch.load`; this framework loads them too.
-    Returns {iteration, files, directory}."""
+    A checkpoint already in `save` is refused unless `overwrite`. Returns {iteration,
+    files, directory}."""
     if os.path.realpath(save) == os.path.realpath(load):
         raise SystemExit("error: --save must differ from --load (the source stays untouched)")
+    check_save(save, overwrite)
     iter_dir, iteration, release = reshard_lib.locate_iteration(load, iteration)
     final_dir = os.path.join(save, iteration_dir_name(iteration, release))
     tmp_dir = final_dir + ".tmp"
@@ -266,12 +315,12 @@ def to_megatron(load: str, save: str, iteration: Optional[int] = None) -> dict:
     if not files:
         raise SystemExit(f"error: {iter_dir} holds no mp_rank_*/{MODEL_FILENAME} files")
     os.makedirs(save, exist_ok=True)
-    _publish(save, tmp_dir, final_dir, iteration, release)
+    publish_checkpoint(save, tmp_dir, final_dir, iteration, release)
     return {"iteration": iteration, "files": files, "directory": final_dir}
 
 
 def run_to_megatron(a: argparse.Namespace) -> int:
-    out = to_megatron(a.load, a.save, a.iteration)
+    out = to_megatron(a.load, a.save, a.iteration, a.overwrite)
     print(f"wrote iteration {out['iteration']} of {a.load} in Megatron-LM's form -> "
           f"{out['directory']}: {out['files']} files")
     return 0

@@ -12,6 +12,8 @@ interleaved back; the fused QKV weight is laid out per query group, so a plain
 concatenation restores it) and pipeline stages (and virtual stages) are put back in layer
 order. Text prompts need the checkpoint's tokenizer (its files can be given again with
 --vocab-file/--merge-file/--tokenizer-model); NullTokenizer text is space-separated ids.
+Tokens are drawn from the tokenizer's vocabulary only, so a --seed gives the same text
+whatever layout padded the vocabulary (without a tokenizer: the padded vocabulary).
 
 Decoding recomputes the whole sequence for every new token (no key/value cache); the
 context is cut to the last --max-position-embeddings tokens. It stops after
@@ -21,6 +23,7 @@ prompt and generated ids and text (--json: one JSON line instead).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -46,7 +49,9 @@ def load_model(load: str, iteration: Optional[int] = None, device="cpu",
                dtype: Optional[torch.dtype] = None):
     """(model in eval mode, Config, iteration) from the checkpoint under `load`, merged
     into one process by megatron.checkpoint_reshard. `dtype` None keeps the checkpoint's
-    parameter dtype."""
+    parameter dtype; another dtype is written into the model config too, since the forward
+    casts activations to `params_dtype` (a bf16 run's config with fp32 weights would mix
+    dtypes in the first matmul)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     iter_dir, iteration, _ = locate_iteration(load, iteration)
@@ -55,6 +60,9 @@ def load_model(load: str, iteration: Optional[int] = None, device="cpu",
         raise SystemExit(f"error: {iter_dir} has no 'args' dict: it was not written by "
                          "pretrain_gpt.py, so the model shape is unknown")
     config = config_from_args(src.args)
+    if dtype is not None:
+        config.model = dataclasses.replace(config.model, params_dtype=dtype,
+                                           embedding_weights_in_fp32=False)
     model = GPTModel(config.model, device="meta")
     model.load_state_dict(full_model_state(src, model), strict=True, assign=True)
     model.to(device=device, dtype=dtype)
@@ -89,8 +97,10 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, greedy: b
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              generator: Optional[torch.Generator] = None, eod: Optional[int] = None,
              vocab_limit: Optional[int] = None) -> List[int]:
-    """New token ids after `prompt_ids` (full-sequence recompute per token). Ids at or above
-    `vocab_limit` (the padding rows of the embedding) are never produced."""
+    """New token ids after `prompt_ids` (full-sequence recompute per token). Only the first
+    `vocab_limit` logits (the tokenizer's vocabulary) are sampled: the padding rows of the
+    embedding are never produced, and a seeded draw does not depend on how far the layout
+    padded the vocabulary (tp x --make-vocab-size-divisible-by)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty; give --prompt or --prompt-ids")
     device = next(model.parameters()).device
@@ -99,9 +109,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, greedy: b
     out: List[int] = []
     for _ in range(max_new_tokens):
         context = torch.tensor([ids[-max_len:]], dtype=torch.long, device=device)
-        logits = model(context)[0, -1].float()
-        if vocab_limit is not None:
-            logits[vocab_limit:] = float("-inf")
+        logits = model(context)[0, -1, :vocab_limit].float()
         token = sample_next(logits, greedy, temperature, top_k, top_p, generator)
         out.append(token)
         ids.append(token)
@@ -168,25 +176,51 @@ def _prompt_ids(a, tokenizer, why_not: Optional[str]) -> List[int]:
         raise SystemExit(f"error: --prompt needs the checkpoint's tokenizer, which cannot be "
                          f"built: {why_not}; give its files (--vocab-file/--merge-file/"
                          "--tokenizer-model) or use --prompt-ids")
-    return tokenizer.tokenize(a.prompt)
+    try:
+        return tokenizer.tokenize(a.prompt)
+    except ValueError as exc:
+        raise SystemExit(f"error: --prompt {a.prompt[:60]!r}: {exc}; write the prompt as "
+                         "the tokenizer expects, or give ids with --prompt-ids") from None
+
+
+def _checked_ids(ids: List[int], vocab: int) -> List[int]:
+    """`ids` when the prompt is not empty and every id is a token of the vocabulary."""
+    if not ids:
+        raise SystemExit("error: the prompt is empty: give --prompt TEXT or --prompt-ids "
+                         "with at least one token")
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise SystemExit(f"error: prompt ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    return ids
+
+
+def _device(name: Optional[str]) -> torch.device:
+    """--device as a torch.device (default: cuda when available); SystemExit when it names
+    no device this machine has."""
+    try:
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as exc:
+        raise SystemExit(f"error: --device {name!r}: {exc}; use cpu or cuda") from None
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise SystemExit(f"error: --device {name}: this machine has "
+                         f"{torch.cuda.device_count()} usable CUDA device(s) (torch "
+                         f"{torch.__version__}); use --device cpu or leave --device out")
+    return device
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _device(a.device)
     dtype = _DTYPES[a.dtype] if a.dtype else (None if device.type == "cuda" else torch.float32)
     model, config, iteration = load_model(a.load, a.iteration, device, dtype)
     tokenizer, why_not = build_tokenizer_from(config.args, a)
-    ids = _prompt_ids(a, tokenizer, why_not)
-    vocab = config.model.padded_vocab_size
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise SystemExit(f"error: prompt ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    # the tokenizer's vocabulary, not the padded one (which depends on the layout)
+    vocab = tokenizer.vocab_size if tokenizer is not None else config.model.padded_vocab_size
+    ids = _checked_ids(_prompt_ids(a, tokenizer, why_not), vocab)
     gen = torch.Generator().manual_seed(a.seed)
     eod = None if (a.no_stop_at_eod or tokenizer is None) else getattr(tokenizer, "eod", None)
     new = generate(model, ids, a.max_new_tokens, greedy=a.greedy, temperature=a.temperature,
-                   top_k=a.top_k, top_p=a.top_p, generator=gen, eod=eod,
-                   vocab_limit=tokenizer.vocab_size if tokenizer is not None else None)
+                   top_k=a.top_k, top_p=a.top_p, generator=gen, eod=eod, vocab_limit=vocab)
     text = tokenizer.detokenize(new) if tokenizer is not None else None
     if a.json:
         print(json.dumps({"iteration": iteration, "prompt_ids": ids, "generated_ids": new,

@@ -2,18 +2,20 @@
 """Build a JSONL text corpus from what ships with Python itself (no download), and
 optionally train a SentencePiece tokenizer on it.
 
-    python tools/make_corpus.py --output data/corpus.jsonl --max-mb 6 \
+    python tools/make_corpus.py --output data/corpus.jsonl --max-mb 6 \\
         --tokenizer-prefix data/spm --vocab-size 4096
 
 Documents are the standard library's source files (code, comments and docstrings), one
 JSON object {"text": ...} per file, in a fixed order, so the corpus is the same on every
-machine with the same Python version.
+machine with the same Python version. The same text is written as plain text (for the
+tokenizer) beside the output, with the suffix .txt: the output must not end in .txt.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 import sysconfig
 import time
@@ -39,7 +41,17 @@ def stdlib_files(max_bytes: int):
             return
 
 
+def check_output(output: Path) -> None:
+    """SystemExit when the plain-text twin of `output` would be `output` itself (the JSONL
+    overwritten with plain text, which preprocess_data.py then rejects)."""
+    if output.with_suffix(".txt") == output:
+        raise SystemExit(f"error: --output {output}: the plain-text copy is written to the "
+                         f"output's name with the suffix .txt, which here is the output itself; "
+                         f"name the JSONL file {output.with_suffix('.jsonl')}")
+
+
 def write_corpus(output: Path, max_mb: float) -> tuple:
+    check_output(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     docs = nbytes = 0
     with output.open("w", encoding="utf-8") as f, \
@@ -58,12 +70,22 @@ def train_sentencepiece(text_file: Path, prefix: str, vocab_size: int) -> None:
     except ImportError:
         raise SystemExit("error: sentencepiece is not installed (pip install sentencepiece)")
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    spm.SentencePieceTrainer.train(
-        input=str(text_file), model_prefix=prefix, vocab_size=vocab_size, model_type="bpe",
-        byte_fallback=True, character_coverage=1.0, input_sentence_size=200_000,
-        shuffle_input_sentence=True, max_sentence_length=8192, num_threads=os.cpu_count() or 1,
-        remove_extra_whitespaces=False, split_digits=True, minloglevel=2,
-    )
+    try:
+        spm.SentencePieceTrainer.train(
+            input=str(text_file), model_prefix=prefix, vocab_size=vocab_size,
+            model_type="bpe", byte_fallback=True, character_coverage=1.0,
+            input_sentence_size=200_000, shuffle_input_sentence=True, max_sentence_length=8192,
+            num_threads=os.cpu_count() or 1, remove_extra_whitespaces=False, split_digits=True,
+            minloglevel=2,
+        )
+    except RuntimeError as exc:
+        limit = re.search(r"value <= (\d+)", str(exc))
+        if limit is None:
+            raise SystemExit(f"error: SentencePiece could not train on {text_file}: {exc}"
+                             ) from None
+        raise SystemExit(f"error: --vocab-size {vocab_size} is more than SentencePiece can "
+                         f"learn from {text_file}: at most {limit.group(1)} here; lower "
+                         "--vocab-size or raise --max-mb") from None
 
 
 def main(argv=None) -> int:

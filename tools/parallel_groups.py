@@ -114,7 +114,7 @@ def render_png(dot_text: str, png_path: str) -> Optional[str]:
     exe = shutil.which("dot")
     if exe is None:
         return (
-            f"note: Graphviz `dot` is not installed, so {png_path} was not written; install "
+            f"error: Graphviz `dot` is not installed, so {png_path} was not written; install "
             "graphviz (e.g. `apt-get install graphviz`) or write the graph with --dot FILE "
             "and render it elsewhere with `dot -Tpng FILE -o out.png`"
         )
@@ -122,12 +122,35 @@ def render_png(dot_text: str, png_path: str) -> Optional[str]:
         [exe, "-Tpng", "-o", png_path], input=dot_text, text=True, capture_output=True
     )
     if proc.returncode != 0:
-        return f"note: `dot -Tpng` failed (exit {proc.returncode}): {proc.stderr.strip()}"
+        return (f"error: `dot -Tpng -o {png_path}` failed (exit {proc.returncode}): "
+                f"{proc.stderr.strip()}")
     return None
 
 
+def write_graph(dot_text: str, dot_path: Optional[str], png_path: Optional[str]) -> int:
+    """Write the DOT file and / or the PNG; 0, or 1 after saying on stderr which one could
+    not be written and why."""
+    if dot_path:
+        try:
+            with open(dot_path, "w") as f:
+                f.write(dot_text)
+        except OSError as exc:
+            print(f"error: cannot write --dot {dot_path} ({exc.strerror or exc}); pass a "
+                  "file in an existing, writable directory", file=sys.stderr)
+            return 1
+        print(f"wrote {dot_path}")
+    if png_path:
+        problem = render_png(dot_text, png_path)
+        if problem:
+            print(problem, file=sys.stderr)
+            return 1
+        print(f"wrote {png_path}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Print the table; write --dot / --png when asked. Bad sizes exit 2."""
+    """Print the table; write --dot / --png when asked. Bad sizes exit 2; a graph file that
+    cannot be written exits 1."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -137,14 +160,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with_ep = args.ep_size > 1
     print(format_table(info, with_ep))
     if args.dot or args.png:
-        dot_text = build_dot(info, with_ep)
-        if args.dot:
-            with open(args.dot, "w") as f:
-                f.write(dot_text)
-            print(f"wrote {args.dot}")
-        if args.png:
-            note = render_png(dot_text, args.png)
-            print(note if note else f"wrote {args.png}", file=sys.stderr if note else sys.stdout)
+        return write_graph(build_dot(info, with_ep), args.dot, args.png)
     return 0
 
 

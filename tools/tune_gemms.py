@@ -17,10 +17,10 @@ table when its result matches torch's and it beats torch's product by more than
 `--openai-gelu`, the default GeLU with biases, or `--gelu-kernel epilogue`) those products
 (GELU_AUX or GELU_AUX_BIAS forward, DGELU input grad) are recorded too, and so are the
 forward products that add a bias (BIAS epilogue); their baseline is cuBLASLt's heuristic's
-first algorithm (what the run takes without a table, or as torch's addmm does). Train with `--gemm-algorithms
-gemms.json` on the same GPU model and software (the table records both and is refused
-elsewhere). Tune with the flags of the real run:
-the shapes depend on the micro batch, sequence length and parallel layout.
+first algorithm (what the run takes without a table, or as torch's addmm does). Train with
+`--gemm-algorithms gemms.json` on the same GPU model and software (the table records both
+and is refused elsewhere). Tune with the flags of the real run: the shapes depend on the
+micro batch, sequence length and parallel layout.
 """
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ def _as_algo(algo: bytes):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],  # first paragraph
                                  epilog="flags after -- are pretrain_gpt.py's")
     ap.add_argument("--out", help="table to write (JSON)")
     ap.add_argument("--preset", help="a tools/benchmark.py preset instead of flags after --")

@@ -1,0 +1,35 @@
+"""tools/make_corpus.py: the JSONL output and its plain-text twin are two files, the usage
+text keeps its example's line break, and a vocabulary SentencePiece cannot learn from the
+corpus is a clean error naming the limit."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tools import make_corpus
+
+
+def test_output_ending_in_txt_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match=r"c\.txt: .*the output itself; name the JSONL file "
+                                         rf"{tmp_path}/c\.jsonl$"):
+        make_corpus.main(["--output", str(tmp_path / "c.txt"), "--max-mb", "0.01"])
+    assert not (tmp_path / "c.txt").exists()
+    assert make_corpus.main(["--output", str(tmp_path / "c.jsonl"), "--max-mb", "0.01"]) == 0
+    first = (tmp_path / "c.jsonl").read_text().splitlines()[0]
+    assert set(json.loads(first)) == {"text", "source"}
+    assert (tmp_path / "c.txt").read_text().startswith(json.loads(first)["text"])
+
+
+def test_usage_example_keeps_its_line_continuation(capsys):
+    with pytest.raises(SystemExit):
+        make_corpus.main(["--help"])
+    assert "--max-mb 6 \\\n        --tokenizer-prefix data/spm" in capsys.readouterr().out
+
+
+def test_vocab_size_beyond_the_corpus_names_the_limit(tmp_path):
+    pytest.importorskip("sentencepiece")
+    with pytest.raises(SystemExit, match=r"--vocab-size 60000 is more than SentencePiece can "
+                                         r"learn from .*: at most \d+ here; lower --vocab-size"):
+        make_corpus.main(["--output", str(tmp_path / "c.jsonl"), "--max-mb", "0.05",
+                          "--tokenizer-prefix", str(tmp_path / "spm"), "--vocab-size", "60000"])
