@@ -401,6 +401,21 @@ def missing_tracker_message(root: str) -> str:
     return f"{where} and {root} holds no iter_XXXXXXX or release directory"
 
 
+def _refuse_untracked_checkpoints(root: str) -> None:
+    """SystemExit when --load has no tracker file but is a checkpoint's iteration directory,
+    or holds iteration directories: starting from random there is almost surely not what
+    was meant (and later saves would mix with those checkpoints)."""
+    name = os.path.basename(os.path.normpath(root))
+    if _ITER_DIR_RE.match(name) and os.path.isdir(root):
+        parent = os.path.dirname(os.path.normpath(root)) or "."
+        raise SystemExit(f"error: --load {root} is one checkpoint's iteration directory; "
+                         f"--load takes the directory above it: --load {parent} (its "
+                         f"{TRACKER_FILENAME} names the iteration to resume)")
+    if list_checkpoints(root):
+        raise SystemExit(f"error: --load {root} has no {TRACKER_FILENAME} but holds "
+                         f"checkpoints; {_other_checkpoints_hint(root, '')}")
+
+
 def _other_checkpoints_hint(root: str, skip: str) -> str:
     """How to resume from another checkpoint under `root` than the directory `skip`."""
     others = [d for d in list_checkpoints(root) if d != skip]
@@ -510,6 +525,8 @@ def resolve_checkpoint(root: Optional[str], ps: ParallelState,
         if exit_on_missing:
             raise SystemExit(f"no checkpoint found: {tracker} does not exist and "
                              f"--exit-on-missing-checkpoint is set; check --load or drop the flag")
+        if root is not None:
+            _refuse_untracked_checkpoints(root)
         print_rank_0(f"WARNING: could not find the metadata file {tracker}")
         print_rank_0("    will not load any checkpoints and will start from random")
         return None

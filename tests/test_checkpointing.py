@@ -313,6 +313,24 @@ def test_missing_checkpoint_behaviours(tmp_path, capsys):
         load_checkpoint(str(tmp_path), _ps1(), exit_on_missing=True)
 
 
+def test_load_pointing_at_untracked_checkpoints_is_refused(tmp_path, capsys):
+    """No tracker, but --load is an iteration directory or holds some: an error with the
+    fix, not a fresh start whose saves would mix with those checkpoints."""
+    root = str(tmp_path / "ck")
+    for it in (5, 10):
+        save_checkpoint(root, it, _full_state(it, 0, 0), _ps1())
+    iter_dir = str(tmp_path / "ck" / "iter_0000010")
+    with pytest.raises(SystemExit, match=rf"--load {iter_dir} is one checkpoint's iteration "
+                                         rf"directory; .* --load {root} "):
+        load_checkpoint(iter_dir, _ps1())
+    os.remove(tracker_path(root))
+    with pytest.raises(SystemExit, match=r"has no latest_checkpointed_iteration.txt but holds "
+                                         r"checkpoints; .*iter_0000005, iter_0000010.*printf 10"):
+        load_checkpoint(root, _ps1())
+    assert load_checkpoint(str(tmp_path / "empty"), _ps1()) is None  # Megatron's warning
+    assert "will start from random" in capsys.readouterr().out
+
+
 def test_missing_rank_file_names_path_and_layout(tmp_path):
     root = str(tmp_path)
     save_checkpoint(root, 3, _full_state(3, 0, 0), _ps1())
