@@ -31,13 +31,21 @@ import torch
 import torch.distributed as dist
 
 from megatron.async_save import AsyncSaver, mark_done, remove_markers, wait_for_markers
+from megatron.checkpoint_dirs import (
+    TRACKER_FILENAME,
+    list_checkpoints,
+    missing_tracker_message,
+    other_checkpoints_hint,
+    refuse_untracked_checkpoints,
+    tracker_path,
+    unreadable_file_message,
+)
 from megatron.checkpoint_files import load_checkpoint_file
 from megatron.checkpoint_plain import args_to_plain, get_rng_state, set_rng_state
 from megatron.core.parallel_state import ParallelState
 from megatron.logging_utils import print_rank_0
 
 CHECKPOINT_VERSION = 3.0
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
 
 
@@ -60,10 +68,6 @@ def checkpoint_name(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_si
     """Path of one (tp, pp) rank's `model_optim_rng.pt`."""
     return os.path.join(root, iteration_dir_name(iteration, release),
                         rank_dir_name(tp_rank, pp_rank, pp_size), MODEL_FILENAME)
-
-
-def tracker_path(root: str) -> str:
-    return os.path.join(root, TRACKER_FILENAME)
 
 
 def read_tracker(root: str) -> Tuple[Optional[int], bool]:
@@ -371,71 +375,8 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
 # ---------------------------------------------------------------------------------------
 # Load
 _RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
-_ITER_DIR_RE = re.compile(r"^(iter_\d{7}|release)$")
 # what torch.load raises for a truncated, damaged or foreign file
 READ_ERRORS = (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError)
-
-
-def list_checkpoints(root: str) -> List[str]:
-    """The checkpoint directories under `root` (`iter_XXXXXXX`, `release`), sorted."""
-    if not os.path.isdir(root):
-        return []
-    return sorted(d for d in os.listdir(root)
-                  if _ITER_DIR_RE.match(d) and os.path.isdir(os.path.join(root, d)))
-
-
-def missing_tracker_message(root: str) -> str:
-    """Why there is no checkpoint to load under `root` (which has no tracker file), and the
-    fix: the parent directory when `root` is itself an iteration directory, --iteration
-    when it holds iteration directories."""
-    name = os.path.basename(os.path.normpath(root))
-    if _ITER_DIR_RE.match(name):
-        parent = os.path.dirname(os.path.normpath(root)) or "."
-        pick = "" if name == "release" else f" --iteration {int(name[len('iter_'):])}"
-        return (f"--load {root} is one checkpoint's iteration directory; --load takes the "
-                f"directory above it: --load {parent}{pick}")
-    found = list_checkpoints(root)
-    where = f"no checkpoint under --load {root}: {tracker_path(root)} does not exist"
-    if found:
-        return f"{where}; it holds {', '.join(found)}: pass --iteration N to pick one"
-    return f"{where} and {root} holds no iter_XXXXXXX or release directory"
-
-
-def _refuse_untracked_checkpoints(root: str) -> None:
-    """SystemExit when --load has no tracker file but is a checkpoint's iteration directory,
-    or holds iteration directories: starting from random there is almost surely not what
-    was meant (and later saves would mix with those checkpoints)."""
-    name = os.path.basename(os.path.normpath(root))
-    if _ITER_DIR_RE.match(name) and os.path.isdir(root):
-        parent = os.path.dirname(os.path.normpath(root)) or "."
-        raise SystemExit(f"error: --load {root} is one checkpoint's iteration directory; "
-                         f"--load takes the directory above it: --load {parent} (its "
-                         f"{TRACKER_FILENAME} names the iteration to resume)")
-    if list_checkpoints(root):
-        raise SystemExit(f"error: --load {root} has no {TRACKER_FILENAME} but holds "
-                         f"checkpoints; {_other_checkpoints_hint(root, '')}")
-
-
-def _other_checkpoints_hint(root: str, skip: str) -> str:
-    """How to resume from another checkpoint under `root` than the directory `skip`."""
-    others = [d for d in list_checkpoints(root) if d != skip]
-    if not others:
-        return f"there is no other checkpoint under {root}"
-    last = others[-1]
-    value = "release" if last == "release" else str(int(last[len("iter_"):]))
-    return (f"the checkpoints under {root} are {', '.join(others)}: to resume from one, write "
-            f"its iteration into {tracker_path(root)} (e.g. `printf {value} > "
-            f"{tracker_path(root)}`)")
-
-
-def unreadable_file_message(path: str, exc: BaseException) -> str:
-    """The message for a checkpoint file torch.load cannot read: the file, the error, and
-    how to fall back to an earlier checkpoint (`path` is <root>/<iter dir>/<rank dir>/file)."""
-    iter_dir = os.path.dirname(os.path.dirname(path))
-    return (f"error: cannot read checkpoint file {path} ({type(exc).__name__}: {exc}); it is "
-            f"truncated or damaged (copied incompletely, or written by another program). Load "
-            f"another checkpoint: "
-            f"{_other_checkpoints_hint(os.path.dirname(iter_dir), os.path.basename(iter_dir))}")
 
 
 def read_checkpoint_file(path: str, mmap: bool = False):
@@ -502,7 +443,7 @@ def _agreed_iteration(root: str) -> Tuple[int, bool]:
     try:
         iteration, release = read_tracker(root)
     except ValueError as exc:
-        raise SystemExit(f"error: {exc}; {_other_checkpoints_hint(root, '')}") from None
+        raise SystemExit(f"error: {exc}; {other_checkpoints_hint(root, '')}") from None
     local = -1 if iteration is None else iteration
     agreed, any_release = _all_reduce_max([local, int(release)])
     if local != agreed and _dist_ready():
@@ -526,7 +467,7 @@ def resolve_checkpoint(root: Optional[str], ps: ParallelState,
             raise SystemExit(f"no checkpoint found: {tracker} does not exist and "
                              f"--exit-on-missing-checkpoint is set; check --load or drop the flag")
         if root is not None:
-            _refuse_untracked_checkpoints(root)
+            refuse_untracked_checkpoints(root)
         print_rank_0(f"WARNING: could not find the metadata file {tracker}")
         print_rank_0("    will not load any checkpoints and will start from random")
         return None
@@ -546,7 +487,7 @@ def _check_iteration_dir(root: str, iteration: int, release: bool, ps: ParallelS
     value = "release" if release else iteration
     raise SystemExit(f"error: {tracker_path(root)} names {value}, but the checkpoint directory "
                      f"{os.path.join(root, name)} does not exist; fix the tracker file: "
-                     f"{_other_checkpoints_hint(root, name)}")
+                     f"{other_checkpoints_hint(root, name)}")
 
 
 def load_rank_file(root: str, iteration: int, release: bool, ps: ParallelState) -> Dict:
