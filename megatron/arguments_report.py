@@ -35,10 +35,16 @@ def _layer_params(cfg: ModelConfig) -> tuple:
     return sharded, replicated
 
 
-def count_parameters(cfg: ModelConfig, tp_size: int = 1, pp_size: int = 1) -> ParamCount:
+def count_parameters(cfg: ModelConfig, tp_size: int = 1, pp_size: int = 1,
+                     standalone_embedding_stage: bool = False) -> ParamCount:
     """Analytic GPT parameter count: word embeddings (+ learned positions), per layer QKV
     (with grouped-query attention), projection, two norms and the MLP (3 matrices with
-    SwiGLU), biases when add_bias_linear, final norm and an untied output layer."""
+    SwiGLU), biases when add_bias_linear, final norm and an untied output layer. Per
+    pipeline stage as the model places them (`stage_layout`): with
+    `standalone_embedding_stage` stage 0 holds the embedding only; a last stage that does
+    not hold the embedding keeps a copy of it for a tied output layer."""
+    from megatron.core.models.gpt.stages import stage_layout
+
     h, vocab = cfg.hidden_size, cfg.padded_vocab_size
     sharded, replicated = _layer_params(cfg)
     final_norm = h if cfg.normalization == "RMSNorm" else 2 * h
@@ -46,16 +52,16 @@ def count_parameters(cfg: ModelConfig, tp_size: int = 1, pp_size: int = 1) -> Pa
     pos = cfg.max_position_embeddings * h if cfg.position_embedding_type == "learned_absolute" else 0
     untied = cfg.untie_embeddings_and_output_weights
     total = word + pos + cfg.num_layers * (sharded + replicated) + final_norm + (word if untied else 0)
-    layers = cfg.num_layers // pp_size
     per_stage = []
     for stage in range(pp_size):
-        n = layers * (sharded // tp_size + replicated)
-        if stage == 0:
+        specs = stage_layout(cfg.num_layers, pp_size, stage,
+                             standalone_embedding_stage=standalone_embedding_stage)
+        pre = any(s.pre_process for s in specs)
+        n = sum(s.num_layers for s in specs) * (sharded // tp_size + replicated)
+        if pre:
             n += word // tp_size + pos
-        if stage == pp_size - 1:
-            n += final_norm
-            if untied or pp_size > 1:
-                n += word // tp_size
+        if any(s.post_process for s in specs):
+            n += final_norm + (word // tp_size if untied or not pre else 0)
         per_stage.append(n)
     return ParamCount(total, per_stage)
 
@@ -114,7 +120,7 @@ def _samples(n) -> str:
 def dry_run_report(config: Config, world_size: int) -> str:
     """Human-readable summary of a resolved configuration for `--dry-run`."""
     m, p, d, t, o = config.model, config.parallel, config.data, config.training, config.optimizer
-    counts = count_parameters(m, p.tp_size, p.pp_size)
+    counts = count_parameters(m, p.tp_size, p.pp_size, p.standalone_embedding_stage)
     dtype = "bf16" if o.bf16 else "fp16" if o.fp16 else "fp32"
     steps = (f"{t.train_iters} iterations" if t.train_iters is not None else "no training")
     if t.train_samples:

@@ -211,17 +211,20 @@ def estimate_stage_memory(config: Config, stage: int = 0, *,
                           workspace_bytes: int = WORKSPACE_BYTES) -> Dict[str, int]:
     """Peak bytes on one GPU of pipeline stage `stage` (see `estimate_memory`)."""
     from megatron.arguments_report import count_parameters  # avoids an import cycle
+    from megatron.core.models.gpt.stages import stage_layout
 
     m, p, d = config.model, config.parallel, config.data
     if use_distributed_optimizer is None:
         use_distributed_optimizer = p.use_distributed_optimizer
-    n_params = count_parameters(m, p.tp_size, p.pp_size).per_stage[stage]
+    n_params = count_parameters(m, p.tp_size, p.pp_size,
+                                p.standalone_embedding_stage).per_stage[stage]
     per = _optimizer_bytes_per_param(config)
     shard = p.dp_size if use_distributed_optimizer else 1
     in_flight = min(p.pp_size - stage, d.num_micro_batches)
     if (p.virtual_pp_size or 1) > 1:  # interleaved 1F1B keeps more warm-up micro-batches
         in_flight *= 1 + (p.pp_size - 1) / (p.pp_size * p.virtual_pp_size)
-    layers = m.num_layers // p.pp_size
+    layers = sum(s.num_layers for s in stage_layout(
+        m.num_layers, p.pp_size, stage, standalone_embedding_stage=p.standalone_embedding_stage))
     head = _head_bytes(config, stage == 0, stage == p.pp_size - 1)
     acts = in_flight * (activation_bytes(config, layers, flash_attention)
                         + head["embedding"] + head["final_norm"]) + head["rotary_table"]

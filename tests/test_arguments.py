@@ -543,6 +543,29 @@ def test_param_count_variants_by_hand():
     assert count_parameters(cfg).total == 16 * 8 * 2 + 2 * layer + 8
 
 
+@pytest.mark.parametrize("pp,standalone,untied", [(2, False, False), (2, True, False),
+                                                   (3, True, True), (4, False, True)])
+def test_param_count_per_stage_equals_the_stages_the_model_builds(pp, standalone, untied):
+    """Per-stage counts (the --dry-run report, the memory estimate) equal the parameters of
+    the stages built on the meta device, also with --standalone-embedding-stage (stage 0:
+    the embedding only), which the count used to ignore."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.models.gpt.stages import stage_layout
+
+    cfg = ModelConfig(num_layers=6 if pp == 3 else 4, hidden_size=16, num_attention_heads=4,
+                      padded_vocab_size=64, seq_length=8, max_position_embeddings=8,
+                      untie_embeddings_and_output_weights=untied)
+    counts = count_parameters(cfg, pp_size=pp, standalone_embedding_stage=standalone)
+    built = []
+    for stage in range(pp):
+        (spec,) = stage_layout(cfg.num_layers, pp, stage, standalone_embedding_stage=standalone)
+        model = GPTModel(cfg, pre_process=spec.pre_process, post_process=spec.post_process,
+                         num_layers=spec.num_layers, layer_offset=spec.layer_offset,
+                         device="meta")
+        built.append(sum(p.numel() for p in model.parameters()))
+    assert counts.per_stage == built
+
+
 def test_param_count_1_3b_shape():
     cfg = ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16,
                       padded_vocab_size=50304, seq_length=2048, max_position_embeddings=2048)
