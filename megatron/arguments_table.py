@@ -417,7 +417,8 @@ EXTRA_HELP = {
                     "once every rank has finished (the run waits for it at exit)",
     "--nan-loss-policy": "on a NaN/Inf loss: stop with a message (default); skip the "
                          "iteration; or roll back to the last checkpoint and skip the batches "
-                         "since it (skip and rollback check every iteration: one host sync)",
+                         "since it, stopping after 3 rollbacks in a row that get no further "
+                         "(skip and rollback check every iteration: one host sync)",
 }
 
 # ---------------------------------------------------------------------------------------

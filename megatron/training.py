@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -89,6 +89,9 @@ class Trainer:
     step_log: object = None  # megatron.train_step.StepLog, built at the first step
     # megatron.step_graph.StepGraph (False: graphs off), decided at the first step
     step_graph: object = None
+    # --nan-loss-policy rollback: (the furthest iteration a NaN stopped, how many rollbacks
+    # in a row have not got past it)
+    rollback_streak: Tuple[int, int] = (0, 0)
     process_start_time: Optional[float] = None  # --exit-duration-in-mins counts from it
     exit_reason: Optional[str] = None  # the exit line when an exit condition ended the run
 
@@ -257,6 +260,11 @@ def _check_pending_nan(tr: Trainer, stats: IntervalStats) -> None:
                              f"the last checkpoint, or use --nan-loss-policy skip|rollback")
 
 
+# --nan-loss-policy rollback gives up after this many rollbacks in a row that do not get
+# past the iteration where the previous NaN appeared (a divergence, not one bad batch).
+MAX_ROLLBACKS_WITHOUT_PROGRESS = 3
+
+
 def _rollback(tr: Trainer, iteration: int) -> None:
     """Reload the last checkpoint of --save; keep the data position, so the batches since
     that checkpoint (the offending one included) are skipped."""
@@ -266,6 +274,15 @@ def _rollback(tr: Trainer, iteration: int) -> None:
     if not tracker:
         raise SystemExit(f"error: NaN/Inf loss at iteration {iteration} and no checkpoint in "
                          f"--save to roll back to; stopping")
+    furthest, streak = tr.rollback_streak
+    streak = streak + 1 if iteration <= furthest else 1
+    tr.rollback_streak = (max(furthest, iteration), streak)
+    if streak > MAX_ROLLBACKS_WITHOUT_PROGRESS:
+        raise SystemExit(
+            f"error: NaN/Inf loss at iteration {iteration} again: {streak - 1} rollbacks to "
+            f"the checkpoint at iteration {tracker} in a row have not got past iteration "
+            f"{max(furthest, iteration)}, so this is not one bad batch. Stopping; lower --lr "
+            "(or raise the warmup), check the data, or resume from an earlier checkpoint")
     keep = (tr.state.consumed_train_samples, tr.state.consumed_valid_samples,
             tr.state.skipped_iters, tr.state.nan_iters)
     saved = tr.config.checkpoint

@@ -95,6 +95,18 @@ def test_rollback_policy_restores_the_checkpoint_and_skips_batches(tmp_path):
     assert all(torch.isfinite(p).all() for p in _params(tr).values())
 
 
+def test_rollback_gives_up_when_rollbacks_do_not_get_further(tmp_path, capsys):
+    """A divergence (every step after iteration 2 NaN) used to roll back forever, with the
+    iteration stuck and the data consumed. Three rollbacks that do not get past the
+    iteration of the previous NaN are allowed; the fourth NaN stops the run, saying why."""
+    tr = _trainer(tmp_path, "rollback", iters=8, save_interval=2)
+    _poison_at(tr, set(range(3, 100)))
+    with pytest.raises(SystemExit, match=r"NaN/Inf loss at iteration 3 again: 3 rollbacks to "
+                                         r"the checkpoint at iteration 2 .* lower --lr"):
+        train(tr, data_iterator(tr.config, tr.rt, "train", 0), None)
+    assert capsys.readouterr().out.count("rolled back from iteration 3 to 2") == 3
+
+
 def test_rollback_without_checkpoint_stops_clearly(tmp_path):
     tr = _trainer(tmp_path, "rollback", iters=4)
     _poison_at(tr, {2})
