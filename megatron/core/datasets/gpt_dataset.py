@@ -150,41 +150,81 @@ def describe(data_prefix: str, name: str, num_samples: int, seq_length: int, see
             f"Split {split_string}\n")
 
 
-def index_mismatch(arrays: Tuple[np.ndarray, np.ndarray, np.ndarray], documents: np.ndarray,
-                   sizes: np.ndarray, num_samples: int, seq_length: int) -> Optional[str]:
-    """Why cached (doc_idx, sample_idx, shuffle_idx) cannot be the index of `documents`
-    (None when they can). Checked: doc_idx holds each document exactly E times (E the
-    epochs these documents need); sample_idx has (E*T-1)//S + 1 rows whose positions lie in
-    doc_idx, in order, and whose offsets lie inside their documents; shuffle_idx permutes
-    within (E*T-1)//S. A few vectorised passes over the arrays, about the cost of reading
-    them once (under a second for a 10-billion-token index): this catches an index built
-    for another document range or for data since preprocessed again. It is no proof: an
-    index whose counts and bounds all fit (data re-tokenized to nearly the same sizes) is
-    accepted."""
-    doc_idx, sample_idx, shuffle_idx = (np.asarray(a) for a in arrays)
-    tokens = int(np.asarray(sizes)[documents].sum(dtype=np.int64))
-    epochs = num_epochs_needed(tokens, seq_length, num_samples)
-    total = (epochs * tokens - 1) // seq_length
-    lo, hi = int(documents.min()), int(documents.max())
+_CHUNK = 1 << 22  # rows per pass of the cache check: bounded memory for any index size
+
+
+def _chunks(array: np.ndarray):
+    for start in range(0, len(array), _CHUNK):
+        yield start, array[start:start + _CHUNK]
+
+
+def _moments(values: np.ndarray) -> Tuple[int, int]:
+    """(sum, sum of squares) of integer ids, wrapping modulo 2**64 (equal multisets give
+    equal results; a wrap on both sides keeps that)."""
+    v = values.astype(np.uint64)
+    with np.errstate(over="ignore"):
+        return int(v.sum(dtype=np.uint64)), int((v * v).sum(dtype=np.uint64))
+
+
+def _doc_idx_mismatch(doc_idx: np.ndarray, documents: np.ndarray, epochs: int) -> Optional[str]:
     if doc_idx.ndim != 1 or len(doc_idx) != epochs * len(documents):
         return (f"doc_idx has {len(doc_idx)} entries, not {epochs} epochs x "
                 f"{len(documents)} documents")
-    first, last = int(doc_idx.min()), int(doc_idx.max())
+    lo, hi = int(documents.min()), int(documents.max())
+    first, last, total, squares = hi, lo, 0, 0
+    for _, part in _chunks(doc_idx):
+        first, last = min(first, int(part.min())), max(last, int(part.max()))
+        s1, s2 = _moments(part)
+        total, squares = (total + s1) % 2**64, (squares + s2) % 2**64
     if first < lo or last > hi:
         return f"doc_idx holds documents {first}..{last}, outside this dataset's {lo}..{hi}"
-    wanted = np.bincount(documents - lo, minlength=hi - lo + 1) * epochs
-    if not np.array_equal(np.bincount(doc_idx - lo, minlength=hi - lo + 1), wanted):
+    want1, want2 = _moments(documents)
+    if (total, squares) != (want1 * epochs % 2**64, want2 * epochs % 2**64):
         return f"doc_idx does not hold each of the {len(documents)} documents {epochs} times"
+    return None
+
+
+def _sample_idx_mismatch(sample_idx: np.ndarray, doc_idx: np.ndarray,
+                         sizes: np.ndarray) -> Optional[str]:
+    previous = 0
+    for _, part in _chunks(sample_idx):
+        pos, off = part[:, 0].astype(np.int64), part[:, 1].astype(np.int64)
+        if pos.min() < previous or pos.max() >= len(doc_idx) or np.any(np.diff(pos) < 0):
+            return "sample_idx positions are not ordered positions of doc_idx"
+        previous = int(pos[-1])
+        lengths = sizes[doc_idx[pos]]
+        if off.min() < 0 or np.any((off >= lengths) & (off > 0)):
+            return "sample_idx offsets lie beyond the sizes of their documents"
+    return None
+
+
+def index_mismatch(arrays: Tuple[np.ndarray, np.ndarray, np.ndarray], documents: np.ndarray,
+                   sizes: np.ndarray, num_samples: int, seq_length: int) -> Optional[str]:
+    """Why cached (doc_idx, sample_idx, shuffle_idx) cannot be the index of `documents`
+    (None when they can). Checked: doc_idx has E entries per document (E the epochs these
+    documents need), all within the documents' range, with their sum and sum of squares;
+    sample_idx has (E*T-1)//S + 1 rows whose positions lie in doc_idx, in order, and whose
+    offsets lie inside their documents; shuffle_idx stays within (E*T-1)//S. One pass over
+    the arrays in blocks of `_CHUNK` rows (memory bounded whatever the index size): this
+    catches an index built for another document range or for data since preprocessed
+    again. It is no proof: an index whose counts and bounds all fit (data re-tokenized to
+    nearly the same sizes) is accepted."""
+    doc_idx, sample_idx, shuffle_idx = arrays
+    sizes = np.asarray(sizes)
+    tokens = int(sizes[documents].sum(dtype=np.int64))
+    epochs = num_epochs_needed(tokens, seq_length, num_samples)
+    total = (epochs * tokens - 1) // seq_length
+    problem = _doc_idx_mismatch(doc_idx, documents, epochs)
+    if problem:
+        return problem
     if sample_idx.shape != (total + 1, 2):
         return (f"sample_idx has shape {sample_idx.shape}, not ({total + 1}, 2) for "
                 f"{tokens} tokens x {epochs} epochs in samples of {seq_length}")
-    pos, off = sample_idx[:, 0].astype(np.int64), sample_idx[:, 1].astype(np.int64)
-    if pos.min() < 0 or pos.max() >= len(doc_idx) or np.any(np.diff(pos) < 0):
-        return "sample_idx positions are not ordered positions of doc_idx"
-    lengths = np.asarray(sizes)[doc_idx[pos]]
-    if off.min() < 0 or np.any((off >= lengths) & (off > 0)):
-        return "sample_idx offsets lie beyond the sizes of their documents"
-    if shuffle_idx.shape != (total,) or (total and int(shuffle_idx.max()) >= total):
+    problem = _sample_idx_mismatch(sample_idx, doc_idx, sizes)
+    if problem:
+        return problem
+    if shuffle_idx.shape != (total,) or any(int(part.max()) >= total
+                                            for _, part in _chunks(shuffle_idx)):
         return f"shuffle_idx is not a permutation of {total} samples"
     return None
 
