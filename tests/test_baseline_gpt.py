@@ -81,7 +81,8 @@ def test_baseline_pairs_alternates_both_trainers_and_prints_ratios(tmp_path):
     assert [r[1].strip() for r in rows] == ["erf", "tanh"]
     for r in rows:
         base, ours, ratio = (float(c.replace(",", "")) for c in r[2:5])
-        assert math.isclose(ratio, ours / base, rel_tol=2e-3), r
+        # the ratio is printed with 3 decimals: within half a unit of the last one
+        assert math.isclose(ratio, ours / base, rel_tol=2e-3, abs_tol=5e-4), r
     log = (tmp_path / "pairs.log").read_text()
     assert log.count("baseline_gpt.py") == 2 and log.count("benchmark.py --preset") == 2
     assert "--gelu tanh" in log and "-- --openai-gelu" in log
