@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from megatron.core.datasets.indexed_dataset import (
+    TOKEN_SCAN_BYTES,
     IndexedDatasetBuilder,
     MMapIndexedDataset,
     check_token_ids,
@@ -75,7 +76,8 @@ def test_token_id_scan_is_bounded(tmp_path):
     assert (lo, hi, scanned) == (0, 400, 64 << 10)
     with pytest.raises(ValueError, match=r"big\.bin: token id 400 in the 0\.1 MiB of it sampled"):
         check_token_ids(ds, 300, max_bytes=64 << 10)
-    assert ds.token_id_range()[1] == 500  # 4 MiB < the default 8 MiB: the whole file
+    assert ds.token_id_range(max_bytes=8 << 20)[1] == 500  # 4 MiB < 8 MiB: the whole file
+    assert ds.token_id_range()[2] == TOKEN_SCAN_BYTES  # the default reads 1 MiB of 4
 
 
 def test_blend_prints_achieved_ratios(tmp_path, capsys):

@@ -26,7 +26,7 @@ import numpy as np
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = 34  # 9 magic + 8 version + 1 dtype code + 8 N + 8 K
-TOKEN_SCAN_BYTES = 8 << 20  # bytes of a .bin sampled by check_token_ids
+TOKEN_SCAN_BYTES = 1 << 20  # bytes of a .bin sampled by check_token_ids (every rank, every file)
 DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
                6: np.float64, 7: np.float32, 8: np.uint16}
 
@@ -328,7 +328,7 @@ def check_token_ids(dataset: MMapIndexedDataset, vocab_size: int,
                     max_bytes: int = TOKEN_SCAN_BYTES) -> None:
     """Raise ValueError when `dataset` holds an id outside [0, vocab_size) (the model's
     padded vocabulary), naming the file, the id and the size. Free when the dtype cannot
-    hold such an id; otherwise a bounded sample (`max_bytes`, 8 MiB by default: the whole
+    hold such an id; otherwise a bounded sample (`max_bytes`, 1 MiB by default: the whole
     file when smaller) is scanned, so a large dataset costs milliseconds and a bad id
     outside the sample is missed."""
     info = np.iinfo(dataset.dtype) if dataset.dtype.kind in "iu" else None
