@@ -377,7 +377,7 @@ def _exit_program(tr: Trainer, stats: IntervalStats, reason: str, saved_at) -> N
     trainer_checkpoint.wait_for_async_save(tr)
     if dist.is_initialized():
         dist.barrier(group=tr.rt.control_group)
-    print_rank_0(f"{reason} datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
+    _datetime_line(reason)
 
 
 def train(tr: Trainer, train_data, valid_data) -> Optional[str]:
@@ -414,8 +414,13 @@ def train(tr: Trainer, train_data, valid_data) -> Optional[str]:
     return None
 
 
+def _datetime_line(label: str) -> None:
+    """Megatron's `<label> datetime: YYYY-MM-DD HH:MM:SS ` line."""
+    print_rank_0(f"{label} datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
+
+
 def _datetime(event: str) -> None:
-    print_rank_0(f"[{event}] datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
+    _datetime_line(f"[{event}]")
 
 
 def _build_data(tr: Trainer):
