@@ -36,7 +36,7 @@ import math
 import os
 import shutil
 import sys
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -84,24 +84,29 @@ def _tp_split_sizes(args: dict) -> Dict[str, int]:
     return sizes
 
 
-def check_target_layout(args: dict, tp: int, pp: int, virtual: bool = False) -> None:
+TARGET_FLAGS = ("--target-tensor-model-parallel-size", "--target-pipeline-model-parallel-size")
+
+
+def check_target_layout(args: dict, tp: int, pp: int, virtual: bool = False,
+                        flags: Tuple[str, str] = TARGET_FLAGS) -> None:
     """SystemExit before any work when the saved model cannot be split for the target: tp
     must divide the heads, the key/value groups and the MLP width (the vocabulary is
     re-padded for tp), pp the layers (over pp - 1 stages with a standalone embedding stage,
-    which `virtual` stages drop; those are checked by `_virtual_stages`)."""
+    which `virtual` stages drop; those are checked by `_virtual_stages`). `flags` are the
+    names of the (tp, pp) options the messages cite."""
     sizes = _tp_split_sizes(args)
     bad = [f"{name} {size}" for name, size in sizes.items() if size % tp]
     if bad:
         common = math.gcd(*sizes.values())
         fits = [str(d) for d in range(1, common + 1) if common % d == 0]
-        raise SystemExit(f"error: --target-tensor-model-parallel-size {tp} does not divide the "
+        raise SystemExit(f"error: {flags[0]} {tp} does not divide the "
                          f"saved model's {' and '.join(bad)}; tensor parallelism splits them "
                          f"evenly. Use a size that divides them: {', '.join(fits)}")
     layers = int(args["num_layers"])
     standalone = args.get("standalone_embedding_stage") and pp > 1 and not virtual
     stages = pp - 1 if standalone else pp
     if layers % stages:
-        raise SystemExit(f"error: --target-pipeline-model-parallel-size {pp} does not divide "
+        raise SystemExit(f"error: {flags[1]} {pp} does not divide "
                          f"the saved model's {layers} layers over {stages} stage(s); every "
                          f"stage needs the same number of layers")
 
@@ -117,21 +122,30 @@ def _virtual_stages(num_layers: int, pp: int, layers_per_stage: Optional[int]) -
     return num_layers // pp // layers_per_stage
 
 
-def _target_padded_vocab(args: dict, tp: int) -> int:
-    """Megatron's padding rule for the target tp, from the tokenizer's size when it is
-    known without files beyond the vocab file, else from the saved padded size."""
-    from megatron.arguments_validate import default_vocab_size, pad_vocab_size
+def tokenizer_vocab_size(args: dict) -> Optional[int]:
+    """The vocabulary size before padding of the saved run's tokenizer, when it is known
+    without files beyond the vocab file (NullTokenizer, GPT2BPETokenizer); else None."""
+    from megatron.arguments_validate import default_vocab_size
 
     try:
-        orig = default_vocab_size(argparse.Namespace(**args))
+        return default_vocab_size(argparse.Namespace(**args))
     except (SystemExit, OSError, ValueError, KeyError, AttributeError, TypeError):
-        orig = int(args["padded_vocab_size"])
+        return None
+
+
+def _target_padded_vocab(args: dict, tp: int, orig_vocab_size: Optional[int] = None) -> int:
+    """Megatron's padding rule for the target tp, from `orig_vocab_size` when given, else
+    the tokenizer's size (`tokenizer_vocab_size`), else the saved padded size."""
+    from megatron.arguments_validate import pad_vocab_size
+
+    orig = orig_vocab_size or tokenizer_vocab_size(args) or int(args["padded_vocab_size"])
     return pad_vocab_size(orig, int(args.get("make_vocab_size_divisible_by") or 1), tp)
 
 
 def target_args(saved: dict, tp: int, pp: int, vpp: int, layers_per_stage: Optional[int],
-                distributed: bool) -> dict:
-    """The saved arguments with the target layout written in."""
+                distributed: bool, orig_vocab_size: Optional[int] = None) -> dict:
+    """The saved arguments with the target layout written in (the vocabulary padded from
+    `orig_vocab_size` when given: see `_target_padded_vocab`)."""
     args = dict(saved)
     args.update(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -140,7 +154,7 @@ def target_args(saved: dict, tp: int, pp: int, vpp: int, layers_per_stage: Optio
         use_distributed_optimizer=distributed,
         standalone_embedding_stage=bool(saved.get("standalone_embedding_stage")) and pp > 1
         and vpp == 1,
-        padded_vocab_size=_target_padded_vocab(saved, tp))
+        padded_vocab_size=_target_padded_vocab(saved, tp, orig_vocab_size))
     if tp == 1:
         args["sequence_parallel"] = False
     return args
@@ -159,6 +173,16 @@ def _stage_modules(config, pp: int, pp_rank: int, vpp: int, standalone: bool):
     return modules, [s.layer_offset for s in specs]
 
 
+def held_checkpoints(save: str) -> List[str]:
+    """What of a checkpoint `save` already holds: its tracker file (with the iteration it
+    names), then its iter_*/release directories; [] for none."""
+    found = list_checkpoints(save)
+    if os.path.isfile(tracker_path(save)):
+        with open(tracker_path(save)) as f:
+            found.insert(0, f"{TRACKER_FILENAME} ({f.read().strip()!r})")
+    return found
+
+
 def check_save(save: str, overwrite: bool = False) -> None:
     """Before any work: SystemExit when `save` is a file, or already holds a checkpoint (a
     tracker file, iter_*/release directories) and not `overwrite`. Writing there would
@@ -167,10 +191,7 @@ def check_save(save: str, overwrite: bool = False) -> None:
     newer iterations."""
     if os.path.exists(save) and not os.path.isdir(save):
         raise SystemExit(f"error: --save {save} is a file; pass a directory")
-    found = list_checkpoints(save)
-    if os.path.isfile(tracker_path(save)):
-        with open(tracker_path(save)) as f:
-            found.insert(0, f"{TRACKER_FILENAME} ({f.read().strip()!r})")
+    found = held_checkpoints(save)
     if found and not overwrite:
         raise SystemExit(f"error: --save {save} already holds a checkpoint: {', '.join(found)}; "
                          "writing there would replace a directory of the same name and the "
@@ -209,11 +230,12 @@ def add_overwrite_argument(p: argparse.ArgumentParser) -> None:
 
 def reshard(load: str, save: str, tp: int, pp: int, layers_per_stage: Optional[int] = None,
             iteration: Optional[int] = None, distributed: Optional[bool] = None,
-            overwrite: bool = False) -> dict:
+            overwrite: bool = False, orig_vocab_size: Optional[int] = None) -> dict:
     """Write the checkpoint under `load` (tracker's iteration unless given) to `save` with
     the target layout; `distributed` None keeps the saved optimizer kind; a checkpoint
-    already in `save` is refused unless `overwrite` (`check_save`). Returns a summary
-    {iteration, source, target, files, notes}."""
+    already in `save` is refused unless `overwrite` (`check_save`); `orig_vocab_size`, the
+    vocabulary size before padding, overrides the tokenizer's for the re-padding. Returns
+    a summary {iteration, source, target, files, notes, directory}."""
     if os.path.realpath(save) == os.path.realpath(load):
         raise SystemExit("error: --save must differ from --load (the source stays untouched)")
     check_save(save, overwrite)
@@ -226,7 +248,7 @@ def reshard(load: str, save: str, tp: int, pp: int, layers_per_stage: Optional[i
     vpp = _virtual_stages(src.num_layers, pp, layers_per_stage)
     if distributed is None:
         distributed = src.layout.optimizer == "distributed"
-    args = target_args(src.args, tp, pp, vpp, layers_per_stage, distributed)
+    args = target_args(src.args, tp, pp, vpp, layers_per_stage, distributed, orig_vocab_size)
     config = reshard_lib.config_from_args(args, padded_vocab_size=args["padded_vocab_size"])
     kind = None
     if src.layout.optimizer is not None:
@@ -269,11 +291,16 @@ def run_reshard(a: argparse.Namespace) -> int:
                   a.target_pipeline_model_parallel_size,
                   a.target_num_layers_per_virtual_pipeline_stage, a.iteration,
                   a.target_distributed, a.overwrite)
-    print(f"resharded iteration {out['iteration']} of {a.load} ({out['source'].describe()}) "
+    print_reshard_summary(a.load, out)
+    return 0
+
+
+def print_reshard_summary(load: str, out: dict) -> None:
+    """The lines a reshard prints when done: source and target layouts, files, notes."""
+    print(f"resharded iteration {out['iteration']} of {load} ({out['source'].describe()}) "
           f"-> {out['directory']} ({out['target'].describe()}): {out['files']} files")
     for note in out["notes"]:
         print(f"  note: {note}")
-    return 0
 
 
 # ------------------------------------------------------------------------ to-megatron
