@@ -14,8 +14,9 @@ import os
 from typing import Callable, List, Set
 
 from megatron.arguments_common import ArgumentsError
+from megatron.checkpoint_dirs import model_file
 from megatron.checkpoint_reshard import load_shard, locate_iteration, scan_layout
-from megatron.checkpointing import MODEL_FILENAME, rank_dir_name
+from megatron.checkpointing import rank_dir_name
 
 # Megatron-LM 23.05 copies these when the command line left them unset ...
 _FILL_IF_UNSET = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length",
@@ -38,7 +39,7 @@ def read_checkpoint_args(load: str) -> dict:
     scheme), memory-mapped. SystemExit when there is no checkpoint or it has no args."""
     iter_dir, _, _ = locate_iteration(load)
     _, pp = scan_layout(iter_dir)
-    path = os.path.join(iter_dir, rank_dir_name(0, 0, pp), MODEL_FILENAME)
+    path = model_file(os.path.join(iter_dir, rank_dir_name(0, 0, pp)))
     args = load_shard(path).get("args") if os.path.isfile(path) else None
     if not isinstance(args, dict):
         raise SystemExit(f"error: --use-checkpoint-args: {path} holds no arguments")

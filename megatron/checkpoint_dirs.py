@@ -1,14 +1,27 @@
 """Checkpoint directories under --load / --save: the tracker file, the iteration
-directories there are, and the messages that name them with the fix when a load cannot
-go ahead (megatron/checkpointing.py re-exports these)."""
+directories there are, the rank directories and model files in one, and the messages that
+name them with the fix when a load cannot go ahead (megatron/checkpointing.py re-exports
+these).
+
+Megatron-LM 23.04 with --use-distributed-optimizer wrote another layout: the model (and
+RNG states) in `mp_rank_XX[_YYY]/model_rng.pt`, and one optimizer file per data-parallel
+rank in `mp_rank_XX[_YYY]_<dp rank, 3 digits>/optim.pt`. Its model files are read (no
+`model_optim_rng.pt` beside them); its optimizer files are not (their layout is not
+documented), and with pp 1 their directories (`mp_rank_00_000`, ...) are named like the
+rank directories of pp > 1: `model_rank_dirs` leaves them out.
+"""
 from __future__ import annotations
 
 import os
 import re
-from typing import List
+from typing import List, Tuple
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+MODEL_FILENAME = "model_optim_rng.pt"
+LEGACY_MODEL_FILENAME = "model_rng.pt"  # Megatron-LM 23.04, distributed optimizer
+LEGACY_OPTIM_FILENAME = "optim.pt"  # ... one per data-parallel rank
 _ITER_DIR_RE = re.compile(r"^(iter_\d{7}|release)$")
+_RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 
 def tracker_path(root: str) -> str:
@@ -21,6 +34,51 @@ def list_checkpoints(root: str) -> List[str]:
         return []
     return sorted(d for d in os.listdir(root)
                   if _ITER_DIR_RE.match(d) and os.path.isdir(os.path.join(root, d)))
+
+
+def model_file(rank_dir: str) -> str:
+    """The model file of a rank directory: `model_optim_rng.pt`, or Megatron-LM 23.04's
+    `model_rng.pt` when only that exists (`model_optim_rng.pt` when neither does)."""
+    path = os.path.join(rank_dir, MODEL_FILENAME)
+    legacy = os.path.join(rank_dir, LEGACY_MODEL_FILENAME)
+    return legacy if not os.path.isfile(path) and os.path.isfile(legacy) else path
+
+
+def is_legacy_model_file(path: str) -> bool:
+    """Whether `path` is a Megatron-LM 23.04 distributed-optimizer model file."""
+    return os.path.basename(path) == LEGACY_MODEL_FILENAME
+
+
+def _is_legacy_optimizer_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, LEGACY_OPTIM_FILENAME)) and \
+        not os.path.isfile(model_file(path))
+
+
+def model_rank_dirs(iter_dir: str) -> List[Tuple[str, int, int]]:
+    """(name, tp rank, pp rank) of the `mp_rank_XX[_YYY]` directories of a saved iteration,
+    sorted by name, leaving out Megatron-LM 23.04's per-data-parallel optimizer directories
+    (an `optim.pt` and no model file); [] when there are none."""
+    if not os.path.isdir(iter_dir):
+        return []
+    out = []
+    for name in sorted(os.listdir(iter_dir)):
+        m = _RANK_DIR_RE.match(name)
+        if m and not _is_legacy_optimizer_dir(os.path.join(iter_dir, name)):
+            out.append((name, int(m.group(1)), int(m.group(2) or 0)))
+    return out
+
+
+def legacy_optimizer_message(path: str) -> str:
+    """Why the optimizer state of the Megatron-LM 23.04 checkpoint whose model file is
+    `path` cannot be loaded, and the flags that load the rest."""
+    iter_dir = os.path.dirname(os.path.dirname(path))
+    return (f"error: {iter_dir} is a Megatron-LM 23.04-layout distributed-optimizer "
+            f"checkpoint (the model in mp_rank_*/{LEGACY_MODEL_FILENAME}, the optimizer in one "
+            f"mp_rank_*_<data-parallel rank>/{LEGACY_OPTIM_FILENAME} per data-parallel rank); "
+            "its optimizer state cannot be read here (that layout is not documented). Pass "
+            "--no-load-optim to resume from it (the weights, the iteration and the consumed "
+            "samples are kept; the Adam moments and the learning-rate schedule start fresh), "
+            "or --finetune to start from its weights at iteration 0")
 
 
 def missing_tracker_message(root: str) -> str:

@@ -44,9 +44,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from megatron.checkpoint_dirs import model_file, model_rank_dirs
 from megatron.checkpoint_files import flat_model_state
 from megatron.checkpointing import (
-    MODEL_FILENAME,
     iteration_dir_name,
     list_checkpoints,
     missing_tracker_message,
@@ -63,7 +63,6 @@ EMBEDDING = "language_model.embedding.word_embeddings.weight"
 TIED_COPY = "word_embeddings_for_head.weight"
 VOCAB_PARAMS = (EMBEDDING, "language_model.output_layer.weight")
 _HALF = (torch.float16, torch.bfloat16)
-_RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 _LAYER_RE = re.compile(r"^(language_model\.encoder\.layers\.)(\d+)(\..*)$")
 
 Partition = Optional[Tuple[int, int]]  # (partition_dim, partition_stride); None: replicated
@@ -88,14 +87,12 @@ class Layout:
 
 
 def scan_layout(iter_dir: str) -> Tuple[int, int]:
-    """(tp, pp) from the `mp_rank_*` directories of a saved iteration; SystemExit if none."""
-    found = [_RANK_DIR_RE.match(d) for d in sorted(os.listdir(iter_dir))] \
-        if os.path.isdir(iter_dir) else []
-    found = [m for m in found if m]
+    """(tp, pp) from the `mp_rank_*` directories of a saved iteration (`model_rank_dirs`);
+    SystemExit if none."""
+    found = model_rank_dirs(iter_dir)
     if not found:
         raise SystemExit(f"error: {iter_dir} holds no mp_rank_* directories (not a checkpoint)")
-    return (1 + max(int(m.group(1)) for m in found),
-            1 + max(int(m.group(2) or 0) for m in found))
+    return 1 + max(t for _, t, _ in found), 1 + max(p for _, _, p in found)
 
 
 def optimizer_kind(opt_state, has_distrib_file: bool = False) -> Optional[str]:
@@ -134,7 +131,7 @@ def inspect_checkpoint(iter_dir: str) -> Tuple[Layout, str, dict]:
     that file's payload memory-mapped: only its structure and plain data are read)."""
     tp, pp = scan_layout(iter_dir)
     first = os.path.join(iter_dir, rank_dir_name(0, 0, pp))
-    path = os.path.join(first, MODEL_FILENAME)
+    path = model_file(first)
     if not os.path.isfile(path):
         raise SystemExit(f"error: checkpoint shard {path} is missing")
     state = load_shard(path)
@@ -209,7 +206,7 @@ class SourceCheckpoint:
         for p in range(pp):
             for t in range(tp):
                 rank_dir = os.path.join(iter_dir, rank_dir_name(t, p, pp))
-                path = os.path.join(rank_dir, MODEL_FILENAME)
+                path = model_file(rank_dir)
                 if not os.path.isfile(path):
                     raise SystemExit(f"error: checkpoint shard {path} is missing (the "
                                      f"directories say tp {tp} x pp {pp})")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import re
 import shutil
 import tempfile
 import time
@@ -32,9 +31,12 @@ import torch.distributed as dist
 
 from megatron.async_save import AsyncSaver, mark_done, remove_markers, wait_for_markers
 from megatron.checkpoint_dirs import (
+    MODEL_FILENAME,
     TRACKER_FILENAME,
     list_checkpoints,
     missing_tracker_message,
+    model_file,
+    model_rank_dirs,
     other_checkpoints_hint,
     refuse_untracked_checkpoints,
     tracker_path,
@@ -46,7 +48,6 @@ from megatron.core.parallel_state import ParallelState
 from megatron.logging_utils import print_rank_0
 
 CHECKPOINT_VERSION = 3.0
-MODEL_FILENAME = "model_optim_rng.pt"
 
 
 # ---------------------------------------------------------------------------------------
@@ -374,7 +375,6 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
 
 # ---------------------------------------------------------------------------------------
 # Load
-_RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 # what torch.load raises for a truncated, damaged or foreign file
 READ_ERRORS = (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError)
 
@@ -392,17 +392,12 @@ def read_checkpoint_file(path: str, mmap: bool = False):
 
 def describe_layout(iter_dir: str) -> str:
     """What the `mp_rank_*` directories in a checkpoint say about its tp/pp layout."""
-    found = sorted(d for d in os.listdir(iter_dir) if _RANK_DIR_RE.match(d)) \
-        if os.path.isdir(iter_dir) else []
+    found = model_rank_dirs(iter_dir)
     if not found:
         return f"{iter_dir} holds no mp_rank_* directories"
-    tps, pps = set(), set()
-    for name in found:
-        m = _RANK_DIR_RE.match(name)
-        tps.add(int(m.group(1)))
-        pps.add(int(m.group(2)) if m.group(2) is not None else 0)
-    return (f"the checkpoint appears to have tensor-model-parallel size {max(tps) + 1} and "
-            f"pipeline-model-parallel size {max(pps) + 1} (found {', '.join(found)})")
+    return (f"the checkpoint appears to have tensor-model-parallel size "
+            f"{max(t for _, t, _ in found) + 1} and pipeline-model-parallel size "
+            f"{max(p for _, _, p in found) + 1} (found {', '.join(n for n, _, _ in found)})")
 
 
 def _recover_interrupted_replace(root: str, iteration: int, release: bool) -> None:
@@ -416,11 +411,13 @@ def _recover_interrupted_replace(root: str, iteration: int, release: bool) -> No
 
 
 def _check_rank_files(root: str, iteration: int, release: bool, ps: ParallelState) -> str:
-    """This rank's file path; SystemExit on every rank if any rank's file is missing.
+    """This rank's file path (`model_file`: Megatron-LM 23.04's model_rng.pt when that is
+    the one there); SystemExit on every rank if any rank's file is missing.
 
     Collective: all-reduce MAX of a per-rank "missing" flag vector over the world.
     """
-    path = checkpoint_name(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size, release)
+    path = model_file(os.path.dirname(
+        checkpoint_name(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size, release)))
     missing = _failing_ranks(ps, not os.path.isfile(path))
     if not missing:
         return path

@@ -17,6 +17,7 @@ import torch
 
 from megatron.async_save import AsyncSaver
 from megatron.checkpoint_args import check_checkpoint_args
+from megatron.checkpoint_dirs import is_legacy_model_file, legacy_optimizer_message
 from megatron.checkpoint_reshard import (
     Layout,
     RankPlan,
@@ -213,11 +214,15 @@ def _states_to_load(ck, release: bool, first: Dict, path: str) -> Tuple[bool, bo
     """(load the optimizer + scheduler, load the RNG) as Megatron decides: neither for
     --finetune or a release checkpoint, nor what --no-load-optim / --no-load-rng exclude.
     SystemExit when a state to load is not in the checkpoint (saved with --no-save-optim /
-    --no-save-rng), naming the flag that skips it; RNG states that an offline resharding
-    dropped start fresh (with a note). `first` is the first rank's payload."""
+    --no-save-rng), naming the flag that skips it, or when the optimizer state is in
+    Megatron-LM 23.04's per-data-parallel files, which are not read; RNG states that an
+    offline resharding dropped start fresh (with a note). `first` is the first rank's
+    payload, read from `path`."""
     fresh = ck.finetune or release
     with_optimizer = not (fresh or ck.no_load_optim)
     with_rng = not (fresh or ck.no_load_rng)
+    if with_optimizer and is_legacy_model_file(path):
+        raise SystemExit(legacy_optimizer_message(path))
     if with_optimizer and ("optimizer" not in first or "opt_param_scheduler" not in first):
         raise SystemExit(f"error: unable to load optimizer from checkpoint {path}: it holds no "
                          "optimizer state (saved with --no-save-optim). Specify --no-load-optim "

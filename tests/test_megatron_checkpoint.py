@@ -31,9 +31,11 @@ from megatron.checkpoint_files import (
     megatron_payload,
     normalize_payload,
 )
-from megatron.checkpoint_reshard import SourceCheckpoint
-from megatron.checkpointing import checkpoint_name
+from megatron.checkpoint_reshard import Layout, SourceCheckpoint, read_layout
+from megatron.checkpointing import checkpoint_name, describe_layout
 from tests.test_exact_resume import K, N, _assert_exact, run_pretrain
+from tools import checkpoint_convert
+from tools.checkpoint_convert import to_megatron
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -182,3 +184,81 @@ def test_the_export_has_megatron_lms_shape(tmp_path):
     assert all(torch.equal(back["model"][k], v) for k, v in original["model"].items())
     assert back["train_state"] == {k: original["train_state"][k] for k in back["train_state"]}
     assert back["args"]["hidden_size"] == original["args"]["hidden_size"]
+
+
+# ------------------------------------------- Megatron-LM 23.04 distributed-optimizer layout
+def to_23_04_layout(root: str, dp_size: int = 2) -> None:
+    """Rearrange the Megatron-LM-form checkpoint at iteration K under `root` (pp 1) as
+    Megatron-LM 23.04 wrote it with --use-distributed-optimizer (reference d.1): the payload
+    without its optimizer and scheduler in mp_rank_XX/model_rng.pt, one
+    mp_rank_XX_<dp rank>/optim.pt per data-parallel rank (dummy contents: never read), no
+    model_optim_rng.pt or distrib_optim.pt."""
+    iter_dir = os.path.dirname(os.path.dirname(checkpoint_name(root, K, 0, 0, 1)))
+    for rank_dir in [d for d in os.listdir(iter_dir) if d.startswith("mp_rank_")]:
+        path = os.path.join(iter_dir, rank_dir, "model_optim_rng.pt")
+        with torch.serialization.safe_globals(megatron_globals()):
+            state = torch.load(path, weights_only=True)
+        optim = {k: state.pop(k) for k in ("optimizer", "opt_param_scheduler")}
+        assert "rng_state" in state
+        torch.save(state, os.path.join(iter_dir, rank_dir, "model_rng.pt"))
+        os.remove(path)
+        os.remove(os.path.join(iter_dir, rank_dir, "distrib_optim.pt"))
+        for dp_rank in range(dp_size):
+            os.makedirs(os.path.join(iter_dir, f"{rank_dir}_{dp_rank:03d}"))
+            torch.save({"dummy": torch.zeros(1), "keys": sorted(optim)},
+                       os.path.join(iter_dir, f"{rank_dir}_{dp_rank:03d}", "optim.pt"))
+
+
+@pytest.fixture(scope="module")
+def legacy_checkpoint(tmp_path_factory):
+    """(a distributed-optimizer checkpoint of this framework at iteration K, the same in
+    Megatron-LM 23.04's layout)."""
+    base = tmp_path_factory.mktemp("mlm2304")
+    root, legacy = str(base / "ck"), str(base / "legacy")
+    run_pretrain(["--use-distributed-optimizer", "--save", root, "--save-interval", str(K),
+                  "--exit-interval", str(K)])
+    to_megatron(root, legacy)
+    to_23_04_layout(legacy)
+    assert sorted(os.listdir(os.path.join(legacy, f"iter_{K:07d}"))) == \
+        ["mp_rank_00", "mp_rank_00_000", "mp_rank_00_001"]
+    return root, legacy
+
+
+def test_23_04_layout_optimizer_state_is_refused_with_the_fix(legacy_checkpoint):
+    _, legacy = legacy_checkpoint
+    with pytest.raises(SystemExit, match=r"iter_0000003 is a Megatron-LM 23.04-layout "
+                       r"distributed-optimizer checkpoint .* optimizer state cannot be read "
+                       r"here .* Pass --no-load-optim .* or --finetune"):
+        run_pretrain(["--use-distributed-optimizer", "--load", legacy])
+
+
+def test_23_04_layout_resumes_with_no_load_optim(legacy_checkpoint):
+    """The weights, RNG states (dropout is on), iteration and consumed samples come from
+    model_rng.pt: the losses are those of loading the original with --no-load-optim."""
+    root, legacy = legacy_checkpoint
+    flags = ["--use-distributed-optimizer", "--no-load-optim"]
+    expected, _ = run_pretrain(flags + ["--load", root])
+    resumed, tr = run_pretrain(flags + ["--load", legacy])
+    assert sorted(resumed) == list(range(K + 1, N + 1))
+    assert resumed == expected
+    assert tr.state.iteration == N and tr.state.consumed_train_samples == N * 8
+    fine, tr = run_pretrain(["--load", legacy, "--finetune"])  # from iteration 0
+    assert sorted(fine) == list(range(1, N + 1)) and tr.state.iteration == N
+
+
+def test_23_04_layout_model_is_read_by_the_tools(legacy_checkpoint, tmp_path, capsys):
+    root, legacy = legacy_checkpoint
+    iter_dir = os.path.join(legacy, f"iter_{K:07d}")
+    original = torch.load(checkpoint_name(root, K, 0, 0, 1), weights_only=True)
+    src = SourceCheckpoint(iter_dir)
+    assert src.layout == Layout(1, 1, 1, None)  # the optim.pt directories are not pp ranks
+    assert all(torch.equal(src.chunks[0, 0][0][k], v) for k, v in original["model"].items())
+    assert read_checkpoint_args(legacy)["hidden_size"] == original["args"]["hidden_size"]
+    assert describe_layout(iter_dir).endswith("(found mp_rank_00)")
+    capsys.readouterr()
+    assert checkpoint_convert.main(["reshard", "--load", legacy, "--save", str(tmp_path / "tp2"),
+                                    "--target-tensor-model-parallel-size", "2",
+                                    "--target-pipeline-model-parallel-size", "1"]) == 0
+    assert "23.04-layout distributed-optimizer checkpoint: its optimizer state" in \
+        capsys.readouterr().out
+    assert read_layout(str(tmp_path / "tp2" / f"iter_{K:07d}")) == Layout(2, 1, 1, None)

@@ -44,6 +44,7 @@ import torch  # noqa: E402
 
 from megatron import checkpoint_reshard as reshard_lib  # noqa: E402
 from megatron import hf_convert  # noqa: E402
+from megatron.checkpoint_dirs import is_legacy_model_file, model_file  # noqa: E402
 from megatron.checkpoint_files import load_checkpoint_file, megatron_payload  # noqa: E402
 from megatron.checkpointing import (  # noqa: E402
     MODEL_FILENAME,
@@ -246,6 +247,12 @@ def reshard(load: str, save: str, tp: int, pp: int, layers_per_stage: Optional[i
                          "written by pretrain_gpt.py?)")
     check_target_layout(src.args, tp, pp, layers_per_stage is not None)
     vpp = _virtual_stages(src.num_layers, pp, layers_per_stage)
+    notes = set()
+    first_file = model_file(os.path.join(iter_dir, rank_dir_name(0, 0, src.layout.pp)))
+    if is_legacy_model_file(first_file):
+        notes.add("a Megatron-LM 23.04-layout distributed-optimizer checkpoint: its optimizer "
+                  "state (per-data-parallel optim.pt files) is not read, the output holds none "
+                  "(load it with --no-load-optim)")
     if distributed is None:
         distributed = src.layout.optimizer == "distributed"
     args = target_args(src.args, tp, pp, vpp, layers_per_stage, distributed, orig_vocab_size)
@@ -259,7 +266,7 @@ def reshard(load: str, save: str, tp: int, pp: int, layers_per_stage: Optional[i
     final_dir = os.path.join(save, iteration_dir_name(iteration, release))
     tmp_dir = final_dir + ".tmp"
     shutil.rmtree(tmp_dir, ignore_errors=True)
-    notes, files = set(), 0
+    files = 0
     for p in range(pp):
         modules, offsets = _stage_modules(config, pp, p, vpp, args["standalone_embedding_stage"])
         for t in range(tp):
@@ -328,7 +335,7 @@ def to_megatron(load: str, save: str, iteration: Optional[int] = None,
     shutil.rmtree(tmp_dir, ignore_errors=True)
     files = 0
     for rank_dir in sorted(os.listdir(iter_dir)):
-        source = os.path.join(iter_dir, rank_dir, MODEL_FILENAME)
+        source = model_file(os.path.join(iter_dir, rank_dir))  # Megatron-LM 23.04's too
         if not os.path.isfile(source):
             continue
         os.makedirs(os.path.join(tmp_dir, rank_dir))
