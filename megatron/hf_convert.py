@@ -64,6 +64,24 @@ def add_to_hf_arguments(parser) -> None:
                         help="load the export with transformers and compare logits with ours")
     parser.add_argument("--verify-tolerance", type=float, default=1e-3,
                         help="largest accepted max |logit difference| (fp32, CPU)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="allow an --output directory that is not empty: config.json, "
+                             "generation_config.json and the weight files are replaced (an "
+                             "earlier export's weight files removed), other files kept")
+
+
+def check_output(output: str, overwrite: bool = False) -> None:
+    """Before any work: SystemExit when `output` is a file, or a directory that is not
+    empty and not `overwrite` (an earlier export, or another model's files, would be
+    replaced without a word)."""
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise SystemExit(f"error: --output {output} is a file; pass a directory")
+    found = sorted(os.listdir(output)) if os.path.isdir(output) else []
+    if found and not overwrite:
+        shown = ", ".join(found[:5]) + (f", ... ({len(found)} entries)" if len(found) > 5 else "")
+        raise SystemExit(f"error: --output {output} is not empty ({shown}); writing there would "
+                         "replace its config.json and weight files. Pass an empty or new "
+                         "directory, or add --overwrite to replace them")
 
 
 def _tokenizer_of(args: dict):
@@ -98,6 +116,7 @@ def run_to_hf(a) -> int:
 
 
 def _to_hf(a) -> int:
+    check_output(a.output, a.overwrite)
     args, model_cfg, state, iteration = load_full_checkpoint(a.load, a.iteration)
     family = detect_family(model_cfg) if a.family == "auto" else a.family
     tok = _tokenizer_of(args)

@@ -118,7 +118,7 @@ def test_ours_to_hf_to_ours_without_transformers(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(SystemExit, match="--verify needs the transformers package"):
         _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "hf", "--verify",
-             "--max-shard-size-gb", 1e-5)
+             "--max-shard-size-gb", 1e-5, "--overwrite")
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     assert not (tmp_path / "hf" / "model.safetensors").exists()
@@ -303,6 +303,27 @@ def test_to_hf_refuses_a_vocabulary_without_the_eod_id(tmp_path):
     assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "hf",
                 "--true-vocab-size", 101) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 100
+
+
+def test_to_hf_refuses_a_non_empty_output_unless_overwrite(tmp_path):
+    """An --output holding files (another model, an earlier export) is refused before
+    anything is read or written; --overwrite replaces the export's files, keeps others."""
+    _train(tmp_path / "ck", "", steps=1)
+    out = tmp_path / "hf"
+    out.mkdir()  # an empty directory is fine
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", out) == 0
+    (out / "README.md").write_text("notes")
+    (out / "config.json").write_text("{}")  # stands for another model's
+    with pytest.raises(SystemExit, match=f"--output {out} is not empty \\(README.md, "
+                       r"config.json, generation_config.json, model.safetensors\); writing "
+                       r"there would replace .* or add --overwrite to replace them"):
+        _cli("to-hf", "--load", tmp_path / "ck", "--output", out)
+    assert (out / "config.json").read_text() == "{}"
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", out, "--overwrite") == 0
+    assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
+    assert (out / "README.md").read_text() == "notes"
+    with pytest.raises(SystemExit, match="--output .*README.md is a file; pass a directory"):
+        _cli("to-hf", "--load", tmp_path / "ck", "--output", out / "README.md", "--overwrite")
 
 
 def test_pretrain_gpt_cli_trains_from_an_imported_model(tmp_path):

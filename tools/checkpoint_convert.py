@@ -17,7 +17,8 @@ padding rows cut or zero-filled. RNG states are per rank: they are kept when tp 
 not change, else the resumed run starts fresh ones. The output is written to
 `OUT/iter_XXXXXXX.tmp/`, renamed into place, then the tracker file is written. An OUT
 that already holds a checkpoint is refused (a resume from it would go back to the
-converted iteration) unless --overwrite is given, for every subcommand that writes one.
+converted iteration) unless --overwrite is given, for every subcommand that writes one;
+`to-hf` likewise refuses an --output directory that is not empty.
 
     python tools/checkpoint_convert.py to-megatron --load CKPT --save OUT [--iteration I]
 
