@@ -7,11 +7,15 @@ whose two contributions (lookup and output layer) are summed in another order (r
 bf16 parameters with fp32 main grads -> rtol 1e-2. With DP=2, overlapped bucketed
 reduction and the distributed optimizer's reduce-scatter, the fused grads still reach every
 bucket's hook (all buckets start during the backward) and equal the single-process
-full-batch grads (fp32, max abs diff <= 1e-5 * (1 + max|g|)).
+full-batch grads (fp32, max abs diff <= 1e-5 * (1 + max|g|)). Full activation recompute
+keeps the fused path (eager, compiled, TP=2 with distributed inputs): its main grads equal
+the fused run's without recompute (fp32 eager bit for bit).
 """
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import nullcontext
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -124,20 +128,41 @@ def test_fused_grads_reduce_over_dp_with_overlap_and_reduce_scatter():
             _compare(grads, single, f"dp=2 {name} rank={rank}", rtol=1e-5)
 
 
-def _two_iterations(fusion: bool, compile_layers: bool = False, **model_kwargs):
-    """Main grads of the second of two DDP iterations (2 micro-batches each, different
-    tokens), and how many of its main grads are still listed as stale afterwards.
-    `model_kwargs`: more ModelConfig fields (e.g. activation recompute)."""
-    from megatron.core.distributed import stale_grads
+class _Iterations(NamedTuple):
+    grads: dict  # name -> main grad after the second iteration
+    stale_left: int  # main grads still listed as stale after it
+    through_grad: set  # names whose gradient reached autograd's `.grad` (the hook moved it)
+    hook_calls: Counter  # name -> grad-hook calls (what marks a parameter ready)
 
-    torch.manual_seed(0)
+
+def _two_iterations(fusion: bool, compile_layers: bool = False, dtype=torch.float32,
+                    ps=None, parallel=None, **model_kwargs) -> _Iterations:
+    """Two DDP iterations of 2 micro-batches each (different tokens): see _Iterations.
+    `ps`, `parallel`: a tensor-parallel layout (default: one process); `model_kwargs`:
+    more ModelConfig fields (e.g. activation recompute)."""
+    from megatron.core.distributed import stale_grads
+    from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_seed
+
+    ps = ParallelState.build() if ps is None else ps
+    tracker = model_parallel_seed(0, ps.tp_rank, RNGStatesTracker("cpu"))
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
                       padded_vocab_size=VOCAB, seq_length=SEQ, max_position_embeddings=SEQ,
                       hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-                      gradient_accumulation_fusion=fusion, compile_layers=compile_layers,
-                      **model_kwargs)
-    model = GPTModel(cfg, device="cpu")
-    ddp = DistributedDataParallel(model, ParallelState.build(), ParallelConfig())
+                      params_dtype=dtype, gradient_accumulation_fusion=fusion,
+                      compile_layers=compile_layers, **model_kwargs)
+    model = GPTModel(cfg, tp_group=ps.tp_group, rng_tracker=tracker, device="cpu")
+    through_grad, hook_calls = set(), Counter()
+
+    def record(name, p):
+        hook_calls[name] += 1
+        if p.grad is not None:
+            through_grad.add(name)
+
+    for name, p in model.named_parameters():  # runs before the DDP hook, which clears .grad
+        p.register_post_accumulate_grad_hook(lambda p, name=name: record(name, p))
+    parallel = ParallelConfig(accumulate_allreduce_grads_in_fp32=True) if parallel is None \
+        else parallel
+    ddp = DistributedDataParallel(model, ps, parallel)
     for seed in (3, 4):
         tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1),
                                generator=torch.Generator().manual_seed(seed))
@@ -146,8 +171,9 @@ def _two_iterations(fusion: bool, compile_layers: bool = False, **model_kwargs):
             with ddp.no_sync() if m == 0 else nullcontext():
                 (_loss(ddp, micro) / 2).backward()
         ddp.finish_grad_sync()
-    return ({n: p.main_grad.clone() for n, p in model.named_parameters()},
-            sum(stale_grads.pending(p.main_grad) for p in model.parameters()))
+    return _Iterations({n: p.main_grad.clone() for n, p in model.named_parameters()},
+                       sum(stale_grads.pending(p.main_grad) for p in model.parameters()),
+                       through_grad, hook_calls)
 
 
 @pytest.mark.parametrize("compile_layers", [False, True])
@@ -157,8 +183,8 @@ def test_stale_weight_grads_are_overwritten_by_the_first_product(compile_layers)
     values. Second-iteration grads equal the unfused ones (which are zeroed and added):
     fp32, eager exactly (the tied embedding within 1e-6), compiled layers within 1e-5;
     nothing is left listed as stale."""
-    ref, _ = _two_iterations(False)
-    got, left = _two_iterations(True, compile_layers)
+    ref = _two_iterations(False).grads
+    got, left = _two_iterations(True, compile_layers)[:2]
     assert left == 0
     for name, g in ref.items():
         if compile_layers or name == EMBEDDING:
@@ -167,22 +193,75 @@ def test_stale_weight_grads_are_overwritten_by_the_first_product(compile_layers)
             assert torch.equal(got[name], g), name
 
 
-@pytest.mark.parametrize("method", ["uniform", "block"])
-def test_full_recompute_with_fusion_gives_the_unfused_grads(method):
-    """Full activation recompute (torch's non-reentrant checkpoint) hands the backward a
-    recomputed alias of each saved parameter, without the `main_grad` the fused paths
-    write into: their gradients then go through `.grad` and the grad hook instead (was an
-    AttributeError at the first backward). Grads equal the unfused run's without
-    recompute: fp32 on CPU, the tied embedding within 1e-6."""
-    ref, _ = _two_iterations(False)
-    got, left = _two_iterations(True, recompute_granularity="full", recompute_method=method,
-                                recompute_num_layers=1)
-    assert left == 0
-    for name, g in ref.items():
-        if name == EMBEDDING:
-            assert torch.allclose(got[name], g, rtol=1e-5, atol=1e-6), name
+EMBEDDINGS = {EMBEDDING, "language_model.embedding.position_embeddings.weight"}
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_num_layers": 1}
+
+
+def _check_fused_path_kept(got: _Iterations, ref: _Iterations, what, rtol=0.0, atol=0.0):
+    """`got` (recompute) kept the fused path as `ref` (no recompute) did: only the unfused
+    embeddings' grads reached `.grad`, every grad hook fired as often (each parameter is
+    marked ready), nothing is left stale, and the main grads match (exactly when rtol 0)."""
+    assert ref.through_grad == EMBEDDINGS, what
+    assert got.through_grad == EMBEDDINGS, (what, sorted(got.through_grad - EMBEDDINGS))
+    assert got.hook_calls == ref.hook_calls and got.stale_left == 0, what
+    for name, g in ref.grads.items():
+        if rtol == 0:
+            assert torch.equal(got.grads[name], g), (what, name)
         else:
-            assert torch.equal(got[name], g), name
+            assert torch.allclose(got.grads[name], g, rtol=rtol, atol=atol), (what, name)
+
+
+@pytest.mark.parametrize("method,dtype,activation", [
+    ("uniform", torch.float32, "gelu"), ("block", torch.float32, "gelu"),
+    ("uniform", torch.bfloat16, "gelu"), ("block", torch.bfloat16, "gelu"),
+    ("uniform", torch.float32, "openai_gelu"),  # fc1/fc2 through the GeLU-epilogue pair
+], ids=["uniform", "block", "uniform-bf16", "block-bf16", "uniform-gelu-epilogue"])
+def test_full_recompute_keeps_the_fused_path(method, dtype, activation):
+    """Under full activation recompute (torch's non-reentrant checkpoint) the backward gets
+    a recomputed alias of each saved parameter, without `main_grad`; the layers write into
+    the grad buffer recorded at forward time instead, so no fused gradient goes through
+    `.grad` and the grad hook. Over two iterations of two micro-batches (the first product
+    of the second overwrites the stale buffer) the main grads equal the run without
+    recompute: fp32 bit for bit; bf16 parameters (fp32 main grads) within rtol 1e-2,
+    atol 1e-5 (the same operations, so equal in practice)."""
+    ref = _two_iterations(True, dtype=dtype, activation=activation)
+    got = _two_iterations(True, dtype=dtype, activation=activation, recompute_method=method,
+                          **FULL_RECOMPUTE)
+    bf16 = dtype == torch.bfloat16
+    _check_fused_path_kept(got, ref, method, rtol=1e-2 if bf16 else 0.0, atol=1e-5)
+
+
+def test_full_recompute_keeps_the_fused_path_in_compiled_layers():
+    """Compiled layers under full recompute (the checkpoint wraps each compiled layer): the
+    compiled backward takes main_grad from the forward's inputs, which the recompute saves
+    again as an alias of the same buffer, so the fused path holds there without the
+    forward-time record. Main grads equal the compiled run without recompute within
+    rtol 1e-5, atol 1e-6 (that run compiles from norm to norm across layer boundaries, so
+    its kernels round differently)."""
+    ref = _two_iterations(True, compile_layers=True)
+    got = _two_iterations(True, compile_layers=True, recompute_method="uniform",
+                          **FULL_RECOMPUTE)
+    _check_fused_path_kept(got, ref, "compiled", rtol=1e-5, atol=1e-6)
+
+
+def _tp2_recompute_worker(rank, world):
+    ps = ParallelState.build(world, rank, tp_size=world)
+    parallel = ParallelConfig(tp_size=world, world_size=world)
+    return {name: _two_iterations(True, ps=ps, parallel=parallel, **kw) for name, kw in (
+        ("none", {}),
+        ("full", dict(recompute_method="uniform", **FULL_RECOMPUTE)),
+        ("distributed", dict(recompute_method="uniform", distribute_saved_activations=True,
+                             **FULL_RECOMPUTE)))}
+
+
+def test_tp2_full_recompute_and_distributed_inputs_keep_the_fused_path():
+    """TP=2 on gloo: full recompute keeps the fused path as on one process; so does
+    --distribute-saved-activations, whose backward reruns the layer on the parameters
+    themselves (it did before the forward-time record too). Each rank's main grads equal
+    its run without recompute bit for bit (fp32)."""
+    for rank, out in enumerate(run_distributed(_tp2_recompute_worker, 2)):
+        for name in ("full", "distributed"):
+            _check_fused_path_kept(out[name], out["none"], f"rank {rank} {name}")
 
 
 def _fused_pair(fill: float):

@@ -216,13 +216,14 @@ def accumulate_weight_grad(main_grad: torch.Tensor, grad_output_2d: torch.Tensor
 class _GradIntoMainGrad(torch.autograd.Function):
     """Identity on a parameter; backward adds the gradient into `param.main_grad` and
     hands autograd None (its grad hook still fires, with `.grad` None, as for the fused
-    linears) -- or, when the saved parameter has no main_grad (recompute), the gradient. Inside a compiled graph the add fuses with the kernel that reduces the
+    linears). Inside a compiled graph the add fuses with the kernel that reduces the
     gradient, in fp32, instead of a bf16 gradient output plus a separate add per
     parameter."""
 
     @staticmethod
     def forward(ctx, param):
         ctx.save_for_backward(param)
+        ctx.main_grad = param.main_grad
         return param.view_as(param)
 
     @staticmethod
@@ -230,10 +231,10 @@ class _GradIntoMainGrad(torch.autograd.Function):
         (param,) = ctx.saved_tensors
         main_grad = getattr(param, "main_grad", None)
         if main_grad is None:
-            # Under activation recompute (torch's non-reentrant checkpoint) the saved
-            # parameter comes back as a recomputed alias without `main_grad`: hand the
-            # gradient to autograd, whose `.grad` the grad hook moves into main_grad.
-            return grad
+            # Under full activation recompute (torch's non-reentrant checkpoint) the saved
+            # parameter comes back as a recomputed alias without `main_grad`: the buffer
+            # recorded at forward time is the same memory.
+            main_grad = ctx.main_grad
         main_grad.add_(grad)
         return None
 
@@ -262,7 +263,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     gathered input is not kept: it is all-gathered again (async) while grad_x is computed.
     With `gradient_accumulation_fusion` and a `weight.main_grad` buffer the weight grad is
     added into main_grad and None is returned for it (the layers route the bias through
-    `grad_into_main_grad`, which does the same for its grad).
+    `grad_into_main_grad`, which does the same for its grad). The buffer is also recorded
+    on ctx at forward time, for a backward under full recompute, whose saved weight is a
+    recomputed alias without `main_grad`.
     """
 
     @staticmethod
@@ -287,6 +290,9 @@ def _setup_linear(ctx, x, weight, bias, gradient_accumulation_fusion, async_grad
     ctx.save_for_backward(x, weight, *more_saved)
     ctx.use_bias = bias is not None
     ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
+    # The grad buffer itself (a persistent view, no activation memory): under full
+    # recompute the saved weight comes back as a recomputed alias without `main_grad`.
+    ctx.main_grad = getattr(weight, "main_grad", None) if gradient_accumulation_fusion else None
     ctx.async_grad_allreduce = async_grad_allreduce and group_size(group) > 1
     ctx.sequence_parallel = sequence_parallel and group_size(group) > 1
     ctx.group = group
@@ -318,6 +324,8 @@ def _linear_backward(ctx, grad_output, x, weight, dgrad, want_input_grad: bool,
     if want_weight_grad:
         if ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
             accumulate_weight_grad(weight.main_grad, grad_output_2d, total_x_2d)
+        elif ctx.main_grad is not None:  # recompute: the weight's alias lacks main_grad
+            accumulate_weight_grad(ctx.main_grad, grad_output_2d, total_x_2d)
         else:
             grad_weight = grad_output_2d.t().matmul(total_x_2d)
     grad_bias = grad_output_2d.sum(dim=0) if use_bias else None
