@@ -225,7 +225,8 @@ def _states_to_load(ck, release: bool, first: Dict, path: str) -> Tuple[bool, bo
         raise SystemExit(legacy_optimizer_message(path))
     if with_optimizer and ("optimizer" not in first or "opt_param_scheduler" not in first):
         raise SystemExit(f"error: unable to load optimizer from checkpoint {path}: it holds no "
-                         "optimizer state (saved with --no-save-optim). Specify --no-load-optim "
+                         "optimizer state (saved with --no-save-optim, or converted from a "
+                         "checkpoint that had none). Specify --no-load-optim "
                          "or --finetune to prevent attempting to load the optimizer state")
     if with_rng and "rng_state" not in first:
         saved_without = (first.get("args") or {}).get("no_save_rng", True)
