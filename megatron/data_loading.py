@@ -45,6 +45,39 @@ def split_sample_counts(config: Config) -> List[int]:
     return [train, evals, t.eval_iters * gbs]
 
 
+def validation_shortfall(config: Config, iteration: int, consumed: int,
+                         num_samples: int) -> Optional[str]:
+    """Why the validation set cannot serve the evaluations left to a run starting at
+    `iteration` with `consumed` validation samples behind it (None when it can).
+
+    Each evaluation reads the next --eval-iters global batches (the `single` loader does
+    not wrap). The set is sized from the current --train-iters, --eval-interval and
+    --eval-iters, while `consumed` comes from the checkpoint: a run resumed with fewer
+    --eval-iters or a longer --eval-interval than it was trained with can find the set
+    used up, which Megatron-LM reports as a bare StopIteration at that evaluation, possibly
+    hours in. Said before training instead."""
+    t, d = config.training, config.data
+    if t.eval_iters <= 0:
+        return None
+    per_draw = t.eval_iters * (d.target_global_batch_size or d.global_batch_size)
+    in_loop = 0
+    if t.eval_interval and not t.skip_train:
+        in_loop = max(0, (t.train_iters or 0) // t.eval_interval - iteration // t.eval_interval)
+    draws = in_loop + (1 if t.skip_train or t.eval_interval else 0)  # + the final one
+    if consumed + draws * per_draw <= num_samples:
+        return None
+    fits = max(0, num_samples - consumed) // per_draw
+    where = (f"the evaluation at iteration {(iteration // t.eval_interval + fits + 1) * t.eval_interval}"
+             if fits < in_loop else "the final evaluation")
+    return (f"the validation set has {num_samples} samples and {consumed} are already consumed "
+            f"(consumed_valid_samples at iteration {iteration}); the {draws} evaluation(s) left "
+            f"read {per_draw} samples each (--eval-iters {t.eval_iters} x global batch "
+            f"{per_draw // t.eval_iters}), {draws * per_draw} in all, so {where} would run out "
+            "of data. The set is sized from --train-iters, --eval-interval and --eval-iters as "
+            "given now: resume with the --eval-interval and --eval-iters the checkpoint was "
+            "trained with, or pass --eval-iters 0 to train without validation")
+
+
 def build_datasets(config: Config, rank: int, vocab_size: int) -> Dict[str, object]:
     """split -> dataset (or None). Collective when distributed: global rank 0 builds the
     index caches while the others wait, then everyone loads them. Token ids are checked

@@ -24,7 +24,12 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.models.gpt.stages import build_stage_models, sync_tied_embeddings
 from megatron.core.optimizer import OptimizerParamScheduler, build_optimizer
 from megatron.core.pipeline_parallel import ModelChunks
-from megatron.data_loading import build_datasets, build_tokenizer_for, make_iterator
+from megatron.data_loading import (
+    build_datasets,
+    build_tokenizer_for,
+    make_iterator,
+    validation_shortfall,
+)
 from megatron.initialize import Runtime
 from megatron.interval_log import (  # noqa: F401 (progress_line re-exported)
     IntervalStats,
@@ -434,6 +439,10 @@ def _build_data(tr: Trainer):
     train_data = data_iterator(config, rt, "train", tr.state.consumed_train_samples, datasets)
     valid_data = test_data = None
     if config.training.eval_iters > 0:
+        shortfall = (None if datasets["valid"] is None else validation_shortfall(
+            config, tr.state.iteration, tr.state.consumed_valid_samples, len(datasets["valid"])))
+        if shortfall:
+            raise SystemExit(f"error: {shortfall}")
         valid_data = data_iterator(config, rt, "valid", tr.state.consumed_valid_samples,
                                    datasets)
         test_data = data_iterator(config, rt, "test", 0, datasets)
