@@ -145,23 +145,28 @@ def _collate(samples: List[dict]) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _put(q: "queue.Queue", item, stop: threading.Event) -> bool:
+    """Put `item` unless `stop` is set first (checked every 0.1 s); False when stopped."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 def _produce(dataset, sampler, pin: bool, q: "queue.Queue", stop: threading.Event) -> None:
     try:
         for indices in sampler:
             batch = _collate([dataset[i] for i in indices])
             if pin:
                 batch = {k: v.pin_memory() for k, v in batch.items()}
-            while not stop.is_set():
-                try:
-                    q.put(batch, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if stop.is_set():
+            if not _put(q, batch, stop):
                 return
     except BaseException as e:  # hand the error to the consumer
-        q.put(e)
-    q.put(StopIteration())
+        _put(q, e, stop)
+    _put(q, StopIteration(), stop)
 
 
 class PrefetchIterator:
@@ -187,7 +192,10 @@ class PrefetchIterator:
         return item
 
     def close(self) -> None:
+        """Stop the reader thread and wait for it (it notices within 0.1 s, or when the
+        sample it is assembling is done)."""
         self.stop.set()
+        self.thread.join()
 
 
 class _WorkerIterator:
@@ -216,6 +224,15 @@ class _WorkerIterator:
             it._shutdown_workers()
             atexit.unregister(self.close)
             self._finalizer.cancel()
+
+
+def close_iterators(iterators) -> None:
+    """Stop the reader threads and loader worker processes of `iterators` (any may be
+    None). pretrain() calls this when it returns: otherwise every call left its loaders
+    running until the interpreter exits (a thread each, or --num-workers processes each)."""
+    for it in iterators:
+        if it is not None:
+            it.close()
 
 
 def _ignore_preemption_signals(_worker_id: int) -> None:

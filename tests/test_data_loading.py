@@ -2,13 +2,21 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from megatron.core.datasets.samplers import PretrainingSampler
-from megatron.data_loading import CyclicSampler, get_batch, make_iterator, validation_shortfall
+from megatron.data_loading import (
+    CyclicSampler,
+    PrefetchIterator,
+    get_batch,
+    make_iterator,
+    validation_shortfall,
+)
 from tests.gpt_helpers import tiny_config
 
 
@@ -114,3 +122,18 @@ def test_validation_shortfall_counts_the_evaluations_left():
     assert "the 1 evaluation(s) left" in validation_shortfall(
         _eval_config(100, 10, 2, skip_train=True), 100, 176, 191)
     assert validation_shortfall(_eval_config(100, 10, 0), 0, 10**6, 0) is None
+
+
+def test_prefetch_iterator_closes_with_a_full_queue_after_the_last_batch():
+    """close() joins the reader thread: it must not stay blocked putting the end marker
+    into a full queue (the data ran out while nobody was reading)."""
+    data = [{"text": np.arange(5)} for _ in range(2)]  # one micro-batch, then the end
+    it = PrefetchIterator(data, PretrainingSampler(2, 0, 2, 0, 1), pin=False, depth=1)
+    deadline = time.monotonic() + 10
+    while not it.q.full() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # the reader is now waiting to put its next item
+    closer = threading.Thread(target=it.close, daemon=True)
+    closer.start()
+    closer.join(timeout=5)
+    assert not closer.is_alive() and not it.thread.is_alive()
