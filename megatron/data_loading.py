@@ -45,6 +45,39 @@ def split_sample_counts(config: Config) -> List[int]:
     return [train, evals, t.eval_iters * gbs]
 
 
+def validation_shortfall(config: Config, iteration: int, consumed: int,
+                         num_samples: int) -> Optional[str]:
+    """Why the validation set cannot serve the evaluations left to a run starting at
+    `iteration` with `consumed` validation samples behind it (None when it can).
+
+    Each evaluation reads the next --eval-iters global batches (the `single` loader does
+    not wrap). The set is sized from the current --train-iters, --eval-interval and
+    --eval-iters, while `consumed` comes from the checkpoint: a run resumed with fewer
+    --eval-iters or a longer --eval-interval than it was trained with can find the set
+    used up, which Megatron-LM reports as a bare StopIteration at that evaluation, possibly
+    hours in. Said before training instead."""
+    t, d = config.training, config.data
+    if t.eval_iters <= 0:
+        return None
+    per_draw = t.eval_iters * (d.target_global_batch_size or d.global_batch_size)
+    in_loop = 0
+    if t.eval_interval and not t.skip_train:
+        in_loop = max(0, (t.train_iters or 0) // t.eval_interval - iteration // t.eval_interval)
+    draws = in_loop + (1 if t.skip_train or t.eval_interval else 0)  # + the final one
+    if consumed + draws * per_draw <= num_samples:
+        return None
+    fits = max(0, num_samples - consumed) // per_draw
+    where = (f"the evaluation at iteration {(iteration // t.eval_interval + fits + 1) * t.eval_interval}"
+             if fits < in_loop else "the final evaluation")
+    return (f"the validation set has {num_samples} samples and {consumed} are already consumed "
+            f"(consumed_valid_samples at iteration {iteration}); the {draws} evaluation(s) left "
+            f"read {per_draw} samples each (--eval-iters {t.eval_iters} x global batch "
+            f"{per_draw // t.eval_iters}), {draws * per_draw} in all, so {where} would run out "
+            "of data. The set is sized from --train-iters, --eval-interval and --eval-iters as "
+            "given now: resume with the --eval-interval and --eval-iters the checkpoint was "
+            "trained with, or pass --eval-iters 0 to train without validation")
+
+
 def build_datasets(config: Config, rank: int, vocab_size: int) -> Dict[str, object]:
     """split -> dataset (or None). Collective when distributed: global rank 0 builds the
     index caches while the others wait, then everyone loads them. Token ids are checked
@@ -112,23 +145,28 @@ def _collate(samples: List[dict]) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _put(q: "queue.Queue", item, stop: threading.Event) -> bool:
+    """Put `item` unless `stop` is set first (checked every 0.1 s); False when stopped."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 def _produce(dataset, sampler, pin: bool, q: "queue.Queue", stop: threading.Event) -> None:
     try:
         for indices in sampler:
             batch = _collate([dataset[i] for i in indices])
             if pin:
                 batch = {k: v.pin_memory() for k, v in batch.items()}
-            while not stop.is_set():
-                try:
-                    q.put(batch, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if stop.is_set():
+            if not _put(q, batch, stop):
                 return
     except BaseException as e:  # hand the error to the consumer
-        q.put(e)
-    q.put(StopIteration())
+        _put(q, e, stop)
+    _put(q, StopIteration(), stop)
 
 
 class PrefetchIterator:
@@ -154,7 +192,10 @@ class PrefetchIterator:
         return item
 
     def close(self) -> None:
+        """Stop the reader thread and wait for it (it notices within 0.1 s, or when the
+        sample it is assembling is done)."""
         self.stop.set()
+        self.thread.join()
 
 
 class _WorkerIterator:
@@ -183,6 +224,15 @@ class _WorkerIterator:
             it._shutdown_workers()
             atexit.unregister(self.close)
             self._finalizer.cancel()
+
+
+def close_iterators(iterators) -> None:
+    """Stop the reader threads and loader worker processes of `iterators` (any may be
+    None). pretrain() calls this when it returns: otherwise every call left its loaders
+    running until the interpreter exits (a thread each, or --num-workers processes each)."""
+    for it in iterators:
+        if it is not None:
+            it.close()
 
 
 def _ignore_preemption_signals(_worker_id: int) -> None:

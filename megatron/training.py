@@ -24,7 +24,13 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.models.gpt.stages import build_stage_models, sync_tied_embeddings
 from megatron.core.optimizer import OptimizerParamScheduler, build_optimizer
 from megatron.core.pipeline_parallel import ModelChunks
-from megatron.data_loading import build_datasets, build_tokenizer_for, make_iterator
+from megatron.data_loading import (
+    build_datasets,
+    build_tokenizer_for,
+    close_iterators,
+    make_iterator,
+    validation_shortfall,
+)
 from megatron.initialize import Runtime
 from megatron.interval_log import (  # noqa: F401 (progress_line re-exported)
     IntervalStats,
@@ -425,12 +431,19 @@ def _datetime(event: str) -> None:
 
 def _build_data(tr: Trainer):
     """(train, valid, test) iterators; valid and test None without --eval-iters or data.
-    The test set is read from its start (as in Megatron)."""
+    The test set is read from its start (as in Megatron). SystemExit, before any loader
+    starts, when the validation set cannot serve the evaluations left (a resume with
+    other evaluation flags: `validation_shortfall`)."""
     config, rt = tr.config, tr.rt
     vocab = config.data.vocab_size or config.model.padded_vocab_size
     tokenizer = build_tokenizer_for(config)
     tr.eod = None if tokenizer is None else tokenizer.eod
     datasets = build_datasets(config, rt.ps.rank, vocab)
+    if datasets["valid"] is not None:
+        shortfall = validation_shortfall(config, tr.state.iteration,
+                                         tr.state.consumed_valid_samples, len(datasets["valid"]))
+        if shortfall:
+            raise SystemExit(f"error: {shortfall}")
     train_data = data_iterator(config, rt, "train", tr.state.consumed_train_samples, datasets)
     valid_data = test_data = None
     if config.training.eval_iters > 0:
@@ -463,6 +476,22 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float]) -> 
     return tr
 
 
+def _train_and_evaluate(tr: Trainer, train_data, valid_data, test_data) -> None:
+    """The loop (unless --skip-train), then the final evaluation unless an exit condition
+    ended the loop."""
+    config = tr.config
+    if not config.training.skip_train:
+        print_rank_0("training ...")
+        _datetime("before the start of training step")
+        tr.exit_reason = train(tr, train_data, valid_data)
+        if tr.exit_reason is None:
+            _datetime("after training is done")
+    else:
+        print_rank_0("skipping training (--skip-train is on) ...")
+    if tr.exit_reason is None and (config.training.skip_train or config.training.eval_interval):
+        final_evaluation(tr, valid_data, test_data)
+
+
 def pretrain(config: Config, rt: Runtime, process_start_time: Optional[float] = None
              ) -> Trainer:
     """Build model, optimizer and data; load; train; evaluate at the end (validation,
@@ -480,21 +509,15 @@ def pretrain(config: Config, rt: Runtime, process_start_time: Optional[float] = 
                        f"pipeline {ps.pp_size} x data {ps.dp_size}; sequence parallel "
                        f"{config.model.sequence_parallel}; backend {rt.backend}", tr.state.iteration)
     timers("train/valid/test-data-iterators-setup", 0).start(barrier=True)
-    train_data, valid_data, test_data = _build_data(tr)
+    loaders = _build_data(tr)
     timers("train/valid/test-data-iterators-setup").stop()
     _datetime("after dataloaders are built")
     print_rank_0("done with setup ...")
     timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"])
-    if not config.training.skip_train:
-        print_rank_0("training ...")
-        _datetime("before the start of training step")
-        tr.exit_reason = train(tr, train_data, valid_data)
-        if tr.exit_reason is None:
-            _datetime("after training is done")
-    else:
-        print_rank_0("skipping training (--skip-train is on) ...")
-    if tr.exit_reason is None and (config.training.skip_train or config.training.eval_interval):
-        final_evaluation(tr, valid_data, test_data)
+    try:
+        _train_and_evaluate(tr, *loaders)
+    finally:  # their threads / worker processes would outlive this call (and the next one's)
+        close_iterators(loaders)
     if tr.signals is not None:
         tr.signals.restore()
     if tr.tb is not None:

@@ -2,13 +2,21 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from megatron.core.datasets.samplers import PretrainingSampler
-from megatron.data_loading import CyclicSampler, get_batch, make_iterator
+from megatron.data_loading import (
+    CyclicSampler,
+    PrefetchIterator,
+    get_batch,
+    make_iterator,
+    validation_shortfall,
+)
 from tests.gpt_helpers import tiny_config
 
 
@@ -91,3 +99,41 @@ def test_process_with_loader_workers_exits_without_closing(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True,
                           text=True, timeout=60, env={"PYTHONPATH": str(root), "PATH": ""})
     assert proc.returncode == 1 and "error: stop" in proc.stderr
+
+
+def _eval_config(train_iters, eval_interval, eval_iters, skip_train=False):
+    cfg = tiny_config(mbs=2, gbs=8, iters=train_iters)
+    return dataclasses.replace(cfg, training=dataclasses.replace(
+        cfg.training, eval_interval=eval_interval, eval_iters=eval_iters, skip_train=skip_train))
+
+
+def test_validation_shortfall_counts_the_evaluations_left():
+    # Megatron's validation size (100 // 10 + 1) * 2 * 8 = 176 samples serves an unchanged
+    # run from any iteration: 10 evaluations in the loop and the final one.
+    cfg = _eval_config(100, 10, 2)
+    for it in (0, 35, 100):
+        assert validation_shortfall(cfg, it, (it // 10) * 16, 176) is None
+    # One sample short: the final evaluation runs out (resumed at 35: 3 x 16 consumed).
+    assert "the final evaluation would run out" in validation_shortfall(cfg, 35, 48, 175)
+    # 48 + 16 * 3 fits, the 4th evaluation after iteration 35 (at 70) does not.
+    assert "the evaluation at iteration 70 would" in validation_shortfall(cfg, 35, 48, 111)
+    # --skip-train: one draw only; no validation: nothing to check.
+    assert validation_shortfall(_eval_config(100, 10, 2, skip_train=True), 100, 176, 192) is None
+    assert "the 1 evaluation(s) left" in validation_shortfall(
+        _eval_config(100, 10, 2, skip_train=True), 100, 176, 191)
+    assert validation_shortfall(_eval_config(100, 10, 0), 0, 10**6, 0) is None
+
+
+def test_prefetch_iterator_closes_with_a_full_queue_after_the_last_batch():
+    """close() joins the reader thread: it must not stay blocked putting the end marker
+    into a full queue (the data ran out while nobody was reading)."""
+    data = [{"text": np.arange(5)} for _ in range(2)]  # one micro-batch, then the end
+    it = PrefetchIterator(data, PretrainingSampler(2, 0, 2, 0, 1), pin=False, depth=1)
+    deadline = time.monotonic() + 10
+    while not it.q.full() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # the reader is now waiting to put its next item
+    closer = threading.Thread(target=it.close, daemon=True)
+    closer.start()
+    closer.join(timeout=5)
+    assert not closer.is_alive() and not it.thread.is_alive()

@@ -12,9 +12,11 @@
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -183,6 +185,37 @@ def test_skip_train_evaluates_both_sets_without_tensorboard(tmp_path, capsys):
     assert _final_blocks(out) == [("0", "8", "validation"), ("0", "8", "test")]
     assert "skipping training (--skip-train is on) ..." in out
     assert "lm loss validation" not in read_scalars(tb)
+
+
+def test_resume_with_fewer_eval_iters_than_the_validation_set_serves_stops_at_startup(
+        tmp_path, capsys):
+    """The validation set is sized from the current --eval-iters; consumed_valid_samples
+    from the checkpoint. Resumed with fewer --eval-iters, the set (99 samples) is used up
+    (160 consumed): a clear error before training, not a StopIteration at iteration 15."""
+    prefix, _ = make_corpus(tmp_path / "corpus", [40] * 200, vocab=250)
+    ck = str(tmp_path / "ck")
+    data = ["--data-path", prefix, "--split", "80,20,0", "--data-cache-path",
+            str(tmp_path / "cache"), "--train-iters", "20", "--save", ck, "--save-interval",
+            "100", "--log-interval", "5"]
+    _pretrain(data + ["--eval-iters", "20", "--exit-interval", "10"], capsys, base=BASE)
+    with pytest.raises(SystemExit, match=r"the validation set has 99 samples and 160 are "
+                       r"already consumed .* the evaluation at iteration 15 would run out"):
+        _pretrain(data + ["--eval-iters", "1", "--load", ck], capsys, base=BASE)
+    assert "training ..." not in capsys.readouterr().out
+    out, tr = _pretrain(data + ["--eval-iters", "20", "--load", ck], capsys, base=BASE)
+    assert tr.state.iteration == 20 and tr.state.consumed_valid_samples == 400
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_pretrain_stops_its_loaders_when_it_returns(capsys, workers):
+    """Each call of pretrain() used to leave its train/valid/test loaders running until the
+    interpreter exited: a polling thread each, or --num-workers processes each (6 processes
+    and 32 descriptors per call with 2 workers), growing with every call in one process."""
+    threads = set(threading.enumerate())
+    for _ in range(2):
+        _pretrain(["--train-iters", "2", "--num-workers", workers], capsys)
+        assert multiprocessing.active_children() == []
+        assert set(threading.enumerate()) <= threads
 
 
 # --------------------------------------------------------------------------- timers
