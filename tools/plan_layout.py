@@ -229,10 +229,9 @@ def parse_model(argv: Sequence[str]) -> tuple:
     return ns, explicit, placeholders
 
 
-def validate_layout(ns: argparse.Namespace, explicit: set, layout: Layout, gpus: int,
-                    level: int = logging.ERROR) -> Config:
+def validate_layout(ns: argparse.Namespace, explicit: set, layout: Layout, gpus: int) -> Config:
     """The project's validation of `ns` with `layout` for `gpus` processes, as on a GPU
-    machine (its messages below `level` are not shown). Raises ArgumentsError."""
+    machine. Raises ArgumentsError."""
     c = copy.copy(ns)
     c.tensor_model_parallel_size, c.pipeline_model_parallel_size = layout.tp, layout.pp
     c.num_layers_per_virtual_pipeline_stage = (
@@ -244,8 +243,7 @@ def validate_layout(ns: argparse.Namespace, explicit: set, layout: Layout, gpus:
     c.recompute_num_layers = 1
     c.recompute_activations = c.distribute_saved_activations = False
     c.rank, c.world_size = 0, gpus
-    with _messages(level):
-        validate_args(c, gpus, explicit=explicit, cuda_available=True)
+    validate_args(c, gpus, explicit=explicit, cuda_available=True)
     return build_config(c)
 
 
@@ -304,23 +302,29 @@ def plan_layouts(req: Request, gpus: Optional[int] = None,
                                     req.gpus_per_node, ns.standalone_embedding_stage)
     result = PlanResult(gpus, num_candidates=len(layouts))
     start, last = time.time(), [0.0]
-    for i, layout in enumerate(layouts):
-        if progress is not None:
-            progress(start, i, len(layouts), last)
-        try:
-            config = validate_layout(ns, req.explicit, layout, gpus)
-        except ArgumentsError as err:
-            result.rejections[err.message] = result.rejections.get(err.message, 0) + 1
-            continue
-        result.num_valid += 1
-        plan = Plan(layout, config, estimate_memory(config), step_cost(config, req.gpus_per_node))
-        if result.smallest is None or plan.memory["total"] < result.smallest.memory["total"]:
-            result.smallest = plan
-        if plan.memory["total"] <= req.limit_bytes:
-            result.fitting.append(plan)
+    with _messages(logging.ERROR):  # the probe showed the model's warnings once
+        for i, layout in enumerate(layouts):
+            if progress is not None:
+                progress(start, i, len(layouts), last)
+            _evaluate(req, layout, gpus, result)
     result.fitting = _drop_beaten(result.fitting)
     result.fitting.sort(key=lambda p: (p.cost.total, p.memory["total"]))
     return result
+
+
+def _evaluate(req: Request, layout: Layout, gpus: int, result: PlanResult) -> None:
+    """Validate one layout, estimate its memory and cost, and file it in `result`."""
+    try:
+        config = validate_layout(req.ns, req.explicit, layout, gpus)
+    except ArgumentsError as err:
+        result.rejections[err.message] = result.rejections.get(err.message, 0) + 1
+        return
+    result.num_valid += 1
+    plan = Plan(layout, config, estimate_memory(config), step_cost(config, req.gpus_per_node))
+    if result.smallest is None or plan.memory["total"] < result.smallest.memory["total"]:
+        result.smallest = plan
+    if plan.memory["total"] <= req.limit_bytes:
+        result.fitting.append(plan)
 
 
 def _drop_beaten(plans: List[Plan]) -> List[Plan]:
@@ -402,8 +406,8 @@ def _probe_model(ns: argparse.Namespace, explicit: set) -> None:
     """Validate the model once with the simplest layout: the validation's warnings show
     once, and its errors for everything but the layout stop the planner (exit 2)."""
     pp = 2 if ns.standalone_embedding_stage else 1
-    config = validate_layout(ns, explicit, Layout(1, pp, 1, 1, False, False, None), pp,
-                             level=logging.WARNING)
+    with _messages(logging.WARNING):
+        config = validate_layout(ns, explicit, Layout(1, pp, 1, 1, False, False, None), pp)
     if ns.num_layers is None:  # given as --encoder-num-layers
         ns.num_layers, ns.encoder_num_layers = config.model.num_layers, None
 
