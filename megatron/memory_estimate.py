@@ -205,19 +205,28 @@ def _optimizer_bytes_per_param(config: Config) -> Dict[str, float]:
             "grad_copy": grad_copy}
 
 
+def _stage_params(config: Config) -> List[int]:
+    """Parameters on one tensor-parallel rank of each pipeline stage."""
+    from megatron.arguments_report import count_parameters  # avoids an import cycle
+
+    p = config.parallel
+    return count_parameters(config.model, p.tp_size, p.pp_size,
+                            p.standalone_embedding_stage).per_stage
+
+
 def estimate_stage_memory(config: Config, stage: int = 0, *,
                           use_distributed_optimizer: Optional[bool] = None,
                           flash_attention: bool = True,
-                          workspace_bytes: int = WORKSPACE_BYTES) -> Dict[str, int]:
-    """Peak bytes on one GPU of pipeline stage `stage` (see `estimate_memory`)."""
-    from megatron.arguments_report import count_parameters  # avoids an import cycle
+                          workspace_bytes: int = WORKSPACE_BYTES,
+                          stage_params: Optional[List[int]] = None) -> Dict[str, int]:
+    """Peak bytes on one GPU of pipeline stage `stage` (see `estimate_memory`).
+    `stage_params`: the parameters per stage when the caller has counted them already."""
     from megatron.core.models.gpt.stages import stage_layout
 
     m, p, d = config.model, config.parallel, config.data
     if use_distributed_optimizer is None:
         use_distributed_optimizer = p.use_distributed_optimizer
-    n_params = count_parameters(m, p.tp_size, p.pp_size,
-                                p.standalone_embedding_stage).per_stage[stage]
+    n_params = (stage_params or _stage_params(config))[stage]
     per = _optimizer_bytes_per_param(config)
     shard = p.dp_size if use_distributed_optimizer else 1
     in_flight = min(p.pp_size - stage, d.num_micro_batches)
@@ -257,9 +266,11 @@ def estimate_memory(config: Config, *, use_distributed_optimizer: Optional[bool]
     `use_distributed_optimizer` None follows the config.
     """
     best: Optional[Dict[str, int]] = None
+    params = _stage_params(config)  # once, not once per stage
     for stage in range(config.parallel.pp_size):
         est = estimate_stage_memory(config, stage, use_distributed_optimizer=use_distributed_optimizer,
-                                    flash_attention=flash_attention, workspace_bytes=workspace_bytes)
+                                    flash_attention=flash_attention, workspace_bytes=workspace_bytes,
+                                    stage_params=params)
         est["stage"] = stage
         if best is None or est["total"] > best["total"]:
             best = est

@@ -1,0 +1,252 @@
+"""tools/plan_layout.py: every layout it lists passes the project's validation for the world
+size and carries --dry-run's own memory figure; the cost model's terms are the documented
+ones; what it says when nothing fits or the input is wrong."""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.arguments import parse_and_validate, run_dry_run
+from megatron.memory_estimate import estimate_memory
+from tools import layout_cost
+from tools.layout_report import check_command, format_table, inputs_to_remove
+from tools.plan_layout import (
+    Layout,
+    build_parser,
+    build_request,
+    gpus_that_fit,
+    main,
+    plan_layouts,
+    smallest_layouts,
+    tensor_sizes,
+    validate_layout,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8",
+         "--seq-length", "128", "--max-position-embeddings", "128", "--global-batch-size", "64",
+         "--bf16"]
+
+
+def _preset(name: str, gpus: int, *extra: str) -> tuple:
+    return ("--config", str(ROOT / "configs" / f"{name}.yaml"), "--gpus", str(gpus),
+            "--gpu-memory-gb", "80", *extra)
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(argv: tuple):
+    req = build_request(list(argv))
+    return req, plan_layouts(req, progress=None)
+
+
+def _layout_of(config) -> Layout:
+    p, m, d = config.parallel, config.model, config.data
+    return Layout(p.tp_size, p.pp_size, p.virtual_pp_size or 1, d.micro_batch_size,
+                  p.sequence_parallel, p.use_distributed_optimizer, m.recompute_granularity)
+
+
+def _run(argv, capsys):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---------------------------------------------------------------- listed layouts
+
+
+@pytest.mark.parametrize("name,gpus", [("gpt3-1.3b", 16), ("gpt3-13b", 64), ("llama-1b", 8)])
+def test_listed_layouts_pass_validation_with_dry_run_memory(name, gpus):
+    """Each listed layout, given to pretrain_gpt.py's own parse (as on a GPU machine) with the
+    world size, validates to that layout and has exactly the estimate --dry-run prints."""
+    req, result = _plan(_preset(name, gpus))
+    listed = result.fitting[:req.top]
+    assert len(listed) == req.top
+    assert any(p.layout.pp > 1 for p in listed) or name != "gpt3-13b"
+    for plan in listed:
+        argv = check_command(req, plan.layout)[2:]
+        cfg = parse_and_validate(argv, world_size=gpus, env={}, cuda_available=True)
+        assert _layout_of(cfg) == plan.layout
+        assert cfg.parallel.tp_size * cfg.parallel.pp_size * cfg.parallel.dp_size == gpus
+        assert estimate_memory(cfg) == plan.memory
+        assert plan.memory["total"] <= 0.9 * 80 * 2**30
+        assert plan.layout.tp <= 8
+    times = [p.cost.total for p in result.fitting]
+    assert times == sorted(times)
+
+
+PRESET_GPUS = [(p.stem, 128 if p.stem == "gpt3-175b" else 8)
+               for p in sorted((ROOT / "configs").glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("name,gpus", PRESET_GPUS)
+def test_every_preset_gets_a_layout_that_passes_dry_run(name, gpus, capsys):
+    """The best layout's check command, parsed as `python pretrain_gpt.py` on this machine
+    parses it with WORLD_SIZE set, passes --dry-run (exit 0, no memory warning)."""
+    req, result = _plan(_preset(name, gpus))
+    assert result.fitting, f"{name} on {gpus} GPUs: nothing fits"
+    argv = check_command(req, result.fitting[0].layout)[2:]
+    cfg = parse_and_validate(argv, world_size=gpus, env={}, cuda_available=False)
+    capsys.readouterr()
+    assert run_dry_run(cfg, gpus) == 0
+    out = capsys.readouterr().out
+    assert "all input files found" in out and "exceeds" not in out
+
+
+def test_script_prints_a_plan_whose_check_command_runs():
+    """End to end: the printed check command (WORLD_SIZE=N python pretrain_gpt.py ...
+    --dry-run) runs as printed."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "tools/plan_layout.py", *_preset("gpt3-125m", 8),
+                           "--top", "3"], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "rank  tp  pp  vp  dp  mbs" in out and "rel. time" in out
+    assert "ESTIMATE" in out and "not a measurement" in out and "NVLINK_BW" in out
+    line = out.split("check it:\n", 1)[1].splitlines()[0].strip()
+    world, command = line.split(" ", 1)
+    assert world == "WORLD_SIZE=8"
+    argv = shlex.split(command)
+    argv[0] = sys.executable
+    check = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
+                           env=dict(env, WORLD_SIZE="8"))
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "world size 8 = tensor 1 x pipeline 1 x data 8" in check.stdout
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
+def test_a_model_with_room_gets_pure_data_parallelism(gpus):
+    req, result = _plan(_preset("gpt3-125m", gpus))
+    best = result.fitting[0]
+    assert (best.layout.tp, best.layout.pp, best.config.parallel.dp_size) == (1, 1, gpus)
+    assert result.smallest.memory["total"] < 0.5 * req.limit_bytes
+
+
+def test_tensor_parallel_stays_within_a_node():
+    assert tensor_sizes(24, 8) == [1, 2, 4, 8]  # 3 and 6 would straddle two nodes
+    assert tensor_sizes(6, 8) == [1, 2, 3, 6]  # one node: any divisor
+    assert tensor_sizes(64, 4) == [1, 2, 4]
+    req, result = _plan(_preset("gpt3-1.3b", 16, "--gpus-per-node", "4"))
+    assert result.fitting and max(p.layout.tp for p in result.fitting) == 4
+    _, wide = _plan(_preset("gpt3-1.3b", 16))
+    assert max(p.layout.tp for p in wide.fitting) == 8
+
+
+# ------------------------------------------------------------------- cost model
+
+
+def _small_cost(layout: Layout, gpus: int, gpus_per_node: int = 8, *extra: str):
+    req = build_request(["--gpus", str(gpus), "--gpu-memory-gb", "80", *SMALL, *extra])
+    config = validate_layout(req.ns, req.explicit, layout, gpus)
+    return config, layout_cost.step_cost(config, gpus_per_node)
+
+
+def test_bubble_is_p_minus_1_over_m_v():
+    # 16 GPUs = pp 4 x dp 4; global batch 64 / (micro batch 2 x dp 4) = 8 micro-batches
+    config, cost = _small_cost(Layout(1, 4, 2, 2, False, False, None), 16)
+    assert config.data.num_micro_batches == 8 and config.parallel.virtual_pp_size == 2
+    assert cost.bubble == pytest.approx(3 / (8 * 2))
+    _, plain = _small_cost(Layout(1, 4, 1, 2, False, False, None), 16)
+    assert plain.bubble == pytest.approx(3 / 8)
+    req = build_request(["--gpus", "16", "--gpu-memory-gb", "80", *SMALL])
+    plans = plan_layouts(req, layouts=[Layout(1, 4, 2, 2, False, False, None)],
+                         progress=None).fitting
+    assert format_table(plans).splitlines()[1].split()[10] == "18.8"
+
+
+def test_cost_model_moves_the_obvious_ways():
+    none = _small_cost(Layout(2, 1, 1, 1, True, False, None), 8)[1]
+    selective = _small_cost(Layout(2, 1, 1, 1, True, False, "selective"), 8)[1]
+    full = _small_cost(Layout(2, 1, 1, 1, True, False, "full"), 8)[1]
+    assert none.total < selective.total < full.total
+    l, h, s = 8, 256, 128
+    assert full.compute - none.compute == pytest.approx(
+        24 * l * h * h * (1 + s / (6 * h)) * 64 * s / 8 / layout_cost.GPU_FLOPS)
+    assert full.tp_comm == pytest.approx(none.tp_comm * 6 / 4)
+    small_mb = _small_cost(Layout(1, 1, 1, 1, False, False, None), 8)[1]
+    big_mb = _small_cost(Layout(1, 1, 1, 8, False, False, None), 8)[1]
+    assert big_mb.total < small_mb.total
+    inside = _small_cost(Layout(1, 1, 1, 1, False, False, None), 8, 8)[1]
+    across = _small_cost(Layout(1, 1, 1, 1, False, False, None), 8, 4)[1]
+    assert across.dp_exposed == pytest.approx(inside.dp_exposed * layout_cost.NVLINK_BW
+                                              / layout_cost.NETWORK_BW)
+    overlapped = _small_cost(Layout(1, 1, 1, 1, False, False, None), 8, 8,
+                             "--overlap-grad-reduce")[1]
+    assert overlapped.dp_exposed == pytest.approx(inside.dp_exposed * (1 - layout_cost.DP_OVERLAP))
+
+
+def test_help_says_the_ranking_is_an_estimate():
+    text = " ".join(build_parser().format_help().split())
+    assert "ESTIMATE" in text and "not a measurement" in text
+    for name in layout_cost.CONSTANTS:
+        assert name in text
+
+
+# --------------------------------------------------------- nothing fits, bad input
+
+
+def test_nothing_fits_exits_1_and_names_what_would_help(capsys):
+    code, out, err = _run(_preset("gpt3-175b", 8), capsys)
+    assert code == 1 and out == ""
+    assert err.startswith("no layout fits: ")
+    assert "already considered: micro batch down to 1, full recompute" in err
+    assert "what would help:" in err and "GPUs with more memory: --gpu-memory-gb" in err
+    more = int(re.search(r"more GPUs: the least-memory layouts fit with --gpus (\d+)", err)[1])
+    req = build_request(list(_preset("gpt3-175b", 8)))
+    assert gpus_that_fit(req) == more
+    fits = lambda n: plan_layouts(req, n, smallest_layouts(n, 8), progress=None).fitting  # noqa: E731
+    assert fits(more) and not fits(more // 2)
+
+
+def test_too_little_memory_for_any_gpu_count(capsys):
+    code, _, err = _run(_preset("gpt3-1.3b", 8)[:-1] + ("1",), capsys)
+    assert code == 1 and "no layout fits" in err
+    assert "not more GPUs alone: nothing fits up to --gpus 512" in err
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--gpus", "0"], "--gpus 0 must be >= 1"),
+    (["--gpus", "12"], "--gpus 12 is more than one node of --gpus-per-node 8 but not whole "
+                       "nodes; use a multiple of 8 (e.g. 8 or 16)"),
+    (["--gpus", "8", "--top", "0"], "--top 0 must be >= 1"),
+    (["--gpus", "8", "--gpu-memory-gb", "0"], "--gpu-memory-gb 0.0 must be > 0"),
+    (["--gpus", "8", "--hiden-size", "3"], "did you mean --hidden-size?"),
+])
+def test_bad_planner_input(extra, message, capsys):
+    argv = ["--config", str(ROOT / "configs" / "gpt3-1.3b.yaml"), "--gpu-memory-gb", "80", *extra]
+    code, out, err = _run(argv, capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("plan_layout.py: error: ") and message in err
+
+
+def test_gpu_count_with_no_valid_layout_names_reasons_and_neighbours(capsys):
+    code, _, err = _run(_preset("gpt3-1.3b", 7), capsys)
+    assert code == 2
+    assert "no layout of --gpus 7 passes the validation" in err
+    assert "--num-attention-heads 16 is not divisible by --tensor-model-parallel-size 7" in err
+    assert "GPU counts near it with layouts that pass: --gpus 4, --gpus 6, --gpus 8" in err
+
+
+def test_global_batch_and_gpu_memory_are_needed(capsys, monkeypatch):
+    model = [a for a in SMALL if a not in ("--global-batch-size", "64")]
+    code, _, err = _run(["--gpus", "8", "--gpu-memory-gb", "80", *model], capsys)
+    assert code == 2 and "pass --global-batch-size" in err
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    code, _, err = _run(["--gpus", "8", *SMALL], capsys)
+    assert code == 2 and "no GPU here to read the memory from: pass --gpu-memory-gb" in err
+    with pytest.raises(SystemExit) as exc:
+        main(SMALL)
+    assert exc.value.code == 2 and "--gpus" in capsys.readouterr().err
+
+
+def test_switches_the_input_turns_on_must_be_removed():
+    req = build_request(list(_preset("gpt3-13b", 8)))  # its YAML sets sequence-parallel
+    assert inputs_to_remove(req.ns, req.explicit, Layout(1, 2, 1, 1, False, True, None)) == \
+        ["--sequence-parallel"]
+    assert inputs_to_remove(req.ns, req.explicit, Layout(4, 1, 1, 1, True, True, "full")) == []
