@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -76,15 +77,28 @@ def test_llama_presets():
 @pytest.mark.parametrize("path", [p for p in CONFIGS if "Layout for 8 x 80 GB" in p.read_text()],
                          ids=lambda p: p.stem)
 def test_stated_layouts_fit_80gb(path):
-    """The memory estimate (as on a GPU: compiled layers) agrees with each file's claim."""
+    """The memory estimate (as on a GPU: compiled layers) agrees with each file's claim:
+    under 72 GiB, and the header's "about N GiB per GPU" within 1 GiB of it."""
     est = estimate_memory(_load(path, cuda=True))
     assert est["total"] < 72 * 2**30
+    stated = re.search(r"about (\d+) GiB per GPU", " ".join(path.read_text().split()))
+    assert stated, f"{path.name}: the header states no 'about N GiB per GPU'"
+    assert abs(int(stated.group(1)) - est["total"] / 2**30) <= 1.0, (stated.group(0), est)
 
 
 def test_175b_fits_its_stated_128_gpus():
     cfg = _load(ROOT / "configs" / "gpt3-175b.yaml", world_size=128, cuda=True)
     assert (cfg.parallel.tp_size, cfg.parallel.pp_size) == (8, 16)
-    assert estimate_memory(cfg)["total"] < 72 * 2**30
+    est = estimate_memory(cfg)["total"] / 2**30
+    assert est < 72
+    text = " ".join(path_175b().read_text().split())
+    assert f"Per GPU about {round(est)} GiB on stage 0" in text
+    small = estimate_memory(_load(path_175b(), cuda=True))["total"] / 2**30  # WORLD_SIZE=8
+    assert f"estimates about {round(small)} GiB per GPU" in text
+
+
+def path_175b():
+    return ROOT / "configs" / "gpt3-175b.yaml"
 
 
 def test_readme_and_175b_comment_tell_how_8_gpus_fare(capsys):
