@@ -146,12 +146,40 @@ def test_oom_during_setup_names_the_phase(target, phase, tmp_path, capsys, monke
     assert _suggested_flags(err) == ["--tensor-model-parallel-size", "check"]
 
 
-def test_oom_in_the_first_optimizer_step(capsys, monkeypatch):
+def _host_allocation_failure() -> RuntimeError:
+    """The error this torch raises when the host cannot give the memory."""
+    try:
+        torch.empty(2**60, dtype=torch.uint8)
+    except RuntimeError as e:
+        return e
+    raise AssertionError("2**60 bytes were allocated")
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_oom_in_the_first_optimizer_step(host, capsys, monkeypatch):
     from megatron.core.optimizer.optimizer import MegatronOptimizer
 
-    monkeypatch.setattr(MegatronOptimizer, "_clip_and_step", _raise_oom)
+    error = _host_allocation_failure() if host else torch.OutOfMemoryError(TORCH_MESSAGE)
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(MegatronOptimizer, "_clip_and_step", fail)
     assert _main(["--train-iters", "2", "--eval-iters", "0"]) == 1
-    assert "out of GPU memory in iteration 1 (optimizer step)\n" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    what = "host" if host else "GPU"
+    assert f"out of {what} memory in iteration 1 (optimizer step)\n" in err
+    assert re.search(r"host memory of this process: resident [\d.]+ GiB, peak resident "
+                     r"[\d.]+ GiB, host total [\d.]+ GiB", err)
+
+
+def test_oom_while_saving_names_it_and_publishes_nothing(tmp_path, capsys, monkeypatch):
+    ck = str(tmp_path / "ck")
+    monkeypatch.setattr(trainer_checkpoint, "save_trainer_checkpoint", _raise_oom)
+    assert _main(["--train-iters", "4", "--eval-iters", "0", "--save", ck,
+                  "--save-interval", "2"]) == 1
+    assert "out of GPU memory in saving the checkpoint of iteration 2\n" in capsys.readouterr().err
+    assert read_tracker(ck)[0] is None
 
 
 # --------------------------------------------------------------------------- the parts
@@ -221,9 +249,7 @@ def test_suggestions_follow_the_configuration():
 
 
 def test_host_allocation_failures_are_recognised_and_others_pass():
-    with pytest.raises(RuntimeError) as real:  # this torch's own words
-        torch.empty(2**60, dtype=torch.uint8)
-    assert oom_report.out_of_memory_kind(real.value) == "host"
+    assert oom_report.out_of_memory_kind(_host_allocation_failure()) == "host"  # torch's words
     assert oom_report.out_of_memory_kind(torch.OutOfMemoryError("x")) == "device"
     assert oom_report.out_of_memory_kind(torch.cuda.OutOfMemoryError("x")) == "device"
     assert oom_report.out_of_memory_kind(RuntimeError("CUDA error: out of memory")) == "device"
