@@ -55,6 +55,7 @@ def main(argv=None) -> int:
 
     from megatron.initialize import initialize_entry_point, set_random_seed
     from megatron.logging_utils import print_rank_0
+    from megatron.oom_report import OutOfMemoryExit
     from megatron.training import pretrain
 
     rt = initialize_entry_point(config.parallel, config.args["cublas_workspace"], rank, world,
@@ -63,12 +64,15 @@ def main(argv=None) -> int:
         print(format_args_dump(config.args), flush=True)
     set_random_seed(config.training.seed, rt, config.training.data_parallel_random_init)
     print_rank_0(f"time to initialize megatron (seconds): {time.time() - start:.3f}")
+    oom = None
     try:
         pretrain(config, rt, process_start_time=start)  # exits return here too: status 0
-    finally:
-        if dist.is_initialized():
+    except OutOfMemoryExit as e:  # reported already
+        oom = e
+    finally:  # not after an OOM: the teardown may wait for ranks still in a collective
+        if dist.is_initialized() and oom is None:  # (the launcher ends those)
             dist.destroy_process_group()
-    return 0
+    return 0 if oom is None else oom.code
 
 
 if __name__ == "__main__":

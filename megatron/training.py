@@ -44,6 +44,7 @@ from megatron.logging_utils import (
     print_rank_0,
     print_rank_last,
 )
+from megatron.oom_report import OomReport
 from megatron.profiling import StepProfiler
 from megatron.signals import SignalHandler
 from megatron.train_step import (  # noqa: F401 (forward_backward re-exported)
@@ -497,10 +498,19 @@ def pretrain(config: Config, rt: Runtime, process_start_time: Optional[float] = 
     """Build model, optimizer and data; load; train; evaluate at the end (validation,
     then test). An exit condition ends it after the loop's checkpoint, without the final
     evaluation (`tr.exit_reason` says which). `process_start_time`: what
-    --exit-duration-in-mins counts from (default: the start of the loop)."""
+    --exit-duration-in-mins counts from (default: the start of the loop). An
+    out-of-memory error on this rank prints what to do and raises `OutOfMemoryExit`
+    (status 1; megatron/oom_report.py)."""
+    with OomReport(config, rt) as oom:
+        return _pretrain(config, rt, process_start_time, oom)
+
+
+def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
+              oom: OomReport) -> Trainer:
     if config.checkpoint.save:
         checkpointing.check_save_dir(config.checkpoint.save, rt.ps)  # not after training
     tr = _setup(config, rt, process_start_time)
+    oom.trainer = tr  # the report names the iteration from here on
     timers = tr.step_log.timers
     if tr.tb is not None:
         tr.tb.log_args(config.args, tr.state.iteration)
