@@ -6,11 +6,11 @@ Sample counts follow Megatron: train = train_iters * global batch; valid = test 
 """
 from __future__ import annotations
 
-import atexit
 import multiprocessing.util
 import queue
 import signal
 import threading
+import weakref
 from typing import Dict, Iterator, List, Optional
 
 import numpy as np
@@ -179,6 +179,9 @@ class PrefetchIterator:
         self.thread = threading.Thread(target=_produce, args=(dataset, sampler, pin, self.q, self.stop),
                                        daemon=True)
         self.thread.start()
+        # An iterator dropped without close() (a library caller, a test) stops its thread
+        # when it is collected; the thread itself holds no reference to the iterator.
+        weakref.finalize(self, self.stop.set)
 
     def __iter__(self):
         return self
@@ -198,32 +201,42 @@ class PrefetchIterator:
         self.thread.join()
 
 
+def _shutdown_workers(holder: list) -> None:
+    """Shut down the DataLoader iterator in `holder` (once; later calls do nothing)."""
+    if holder:
+        holder.pop()._shutdown_workers()
+
+
 class _WorkerIterator:
-    """A DataLoader iterator whose workers are shut down in order at close() or at exit.
+    """A DataLoader iterator whose workers are shut down in order at close(), when the
+    iterator is collected, or at exit.
 
     The workers ignore SIGTERM (see `_ignore_preemption_signals`), so they must not be left
     to multiprocessing's exit handler, which terminates daemonic children and joins them: it
-    would wait forever. close() is registered twice: with atexit (a normal interpreter exit)
-    and as a multiprocessing finalizer with a priority, which that exit handler runs before it
-    terminates children (a forked process leaves through os._exit and never runs atexit)."""
+    would wait forever. The shutdown is registered twice, neither registration holding the
+    iterator itself (it would then never be collected, and a caller that drops it without
+    close() would keep its workers until exit): as a weakref finalizer, which also runs at a
+    normal interpreter exit, and as a multiprocessing finalizer with a priority, which that
+    exit handler runs before it terminates children (a forked process leaves through
+    os._exit and never runs atexit)."""
 
     def __init__(self, loader):
-        self.it = iter(loader)
-        atexit.register(self.close)
-        self._finalizer = multiprocessing.util.Finalize(self, self.close, exitpriority=100)
+        self._holder = [iter(loader)]
+        self._at_exit = weakref.finalize(self, _shutdown_workers, self._holder)
+        self._finalizer = multiprocessing.util.Finalize(self, _shutdown_workers,
+                                                        args=(self._holder,), exitpriority=100)
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        return next(self.it)
+        if not self._holder:
+            raise StopIteration  # closed
+        return next(self._holder[0])
 
     def close(self) -> None:
-        it, self.it = self.it, None
-        if it is not None:
-            it._shutdown_workers()
-            atexit.unregister(self.close)
-            self._finalizer.cancel()
+        self._at_exit()  # runs the shutdown once and unregisters it
+        self._finalizer.cancel()
 
 
 def close_iterators(iterators) -> None:
