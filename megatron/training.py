@@ -511,7 +511,19 @@ def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
         checkpointing.check_save_dir(config.checkpoint.save, rt.ps)  # not after training
     tr = _setup(config, rt, process_start_time)
     oom.trainer = tr  # the report names the iteration from here on
-    timers = tr.step_log.timers
+    loaders = ()
+    try:
+        loaders = _start(tr)
+        _train_and_evaluate(tr, *loaders)
+    finally:  # also on an error or a stop (SystemExit): nothing outlives this call
+        _teardown(tr, loaders)
+    sys.stdout.flush()
+    return tr
+
+
+def _start(tr: Trainer) -> tuple:
+    """TensorBoard's argument and layout texts, then the data iterators."""
+    config, rt, timers = tr.config, tr.rt, tr.step_log.timers
     if tr.tb is not None:
         tr.tb.log_args(config.args, tr.state.iteration)
         ps = rt.ps
@@ -524,14 +536,17 @@ def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
     _datetime("after dataloaders are built")
     print_rank_0("done with setup ...")
     timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"])
-    try:
-        _train_and_evaluate(tr, *loaders)
-    finally:  # their threads / worker processes would outlive this call (and the next one's)
-        close_iterators(loaders)
+    return loaders
+
+
+def _teardown(tr: Trainer, loaders) -> None:
+    """Stop what the run started: the loaders' threads / worker processes (they would
+    outlive this call, and the next one's), the signal handlers, the TensorBoard writer
+    (its last events reach the file even when the run stopped on an error) and the
+    watchdog."""
+    close_iterators(loaders)
     if tr.signals is not None:
         tr.signals.restore()
     if tr.tb is not None:
         tr.tb.close()
     tr.watchdog.close()
-    sys.stdout.flush()
-    return tr

@@ -112,6 +112,29 @@ def test_signal_handler_without_save_warns_at_startup(capsys):
     assert warning < out.index("[before the start of training step]")
 
 
+def test_a_stop_inside_the_run_still_tears_it_down(tmp_path, capsys, monkeypatch):
+    """A SystemExit or an error inside the loop (a NaN stop, a startup check) used to skip
+    the teardown: the signal handlers stayed installed, the TensorBoard writer unclosed
+    (its queued events unwritten), and the loaders ran on."""
+    def stop(tr, *loaders):
+        tr.tb.log_training(1, 8, 1e-3, 8, {"lm loss": 4.5}, 1.0, None, None, None, 1)
+        raise SystemExit("stopped inside the run")
+
+    monkeypatch.setattr(training, "_train_and_evaluate", stop)
+    before = signal.getsignal(signal.SIGTERM)
+    threads = set(threading.enumerate())
+    tb = str(tmp_path / "tb")
+    with pytest.raises(SystemExit, match="stopped inside the run"):
+        _pretrain(["--train-iters", "4", "--exit-signal-handler", "--tensorboard-dir", tb,
+                   "--tensorboard-queue-size", "1000"], capsys)
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert read_scalars(tb)["lm loss"] == [(1, 4.5)]
+    deadline = time.monotonic() + 5
+    while set(threading.enumerate()) - threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(threading.enumerate()) <= threads
+
+
 # --------------------------------------------------------------------------- log lines
 def test_iteration_lines_only_every_log_interval(tmp_path, capsys):
     tb = str(tmp_path / "tb")
