@@ -46,6 +46,7 @@ from megatron.checkpoint_files import load_checkpoint_file
 from megatron.checkpoint_plain import args_to_plain, get_rng_state, set_rng_state
 from megatron.core.parallel_state import ParallelState
 from megatron.logging_utils import print_rank_0
+from megatron.oom_report import out_of_memory_kind
 
 CHECKPOINT_VERSION = 3.0
 
@@ -273,6 +274,13 @@ def _write_rank_files(root: str, iteration: int, tmp_dir: str, ps: ParallelState
             _torch_save_synced(obj, path)
         _fsync_dir(rank_dir)
     except (OSError, RuntimeError) as exc:
+        if out_of_memory_kind(exc):  # not the disk: no free-space advice
+            raise CheckpointWriteError(
+                f"the checkpoint at iteration {iteration} could not be written to {path}: "
+                f"out of {'host' if out_of_memory_kind(exc) == 'host' else 'GPU'} memory "
+                f"while serialising it ({exc}); {_previous_checkpoint(root)}. Lower the "
+                "memory use of the run (python pretrain_gpt.py ... --dry-run estimates it) "
+                "or the process count per node") from exc
         raise CheckpointWriteError(
             f"the checkpoint at iteration {iteration} could not be written to {path} "
             f"({type(exc).__name__}: {exc}); {_free_space(root)}; "

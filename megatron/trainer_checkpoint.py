@@ -41,6 +41,7 @@ from megatron.checkpointing import (
 )
 from megatron.core.models.gpt.stages import stage_layout
 from megatron.logging_utils import print_rank_0
+from megatron.oom_report import out_of_memory_kind
 from megatron.step_graph import settle
 
 
@@ -74,6 +75,8 @@ def load_model_state_dicts(model, state: dict) -> None:
         try:
             chunk.load_state_dict(state[key], strict=True)
         except RuntimeError as exc:  # a checkpoint whose args did not tell (an older writer)
+            if out_of_memory_kind(exc):
+                raise  # the out-of-memory report names it
             raise SystemExit(f"error: the checkpoint's model does not fit this run's: {exc}\n"
                              "Run with the model flags the checkpoint was saved with") from None
 

@@ -287,6 +287,26 @@ def test_full_disk_names_iteration_path_free_space_and_intact_checkpoint(tmp_pat
     assert load_checkpoint(root, _ps1())[0] == 5
 
 
+def test_out_of_memory_while_writing_is_not_called_a_full_disk(tmp_path, monkeypatch):
+    """Serialising a checkpoint can fail for lack of host memory; the message used to
+    advise freeing disk space."""
+    root = str(tmp_path)
+    save_checkpoint(root, 5, _full_state(5, 0, 0), _ps1())
+
+    def no_memory(obj, f, *args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: "
+                           "can't allocate memory: you tried to allocate 8589934592 bytes.")
+
+    monkeypatch.setattr(torch, "save", no_memory)
+    with pytest.raises(CheckpointWriteError) as err:
+        save_checkpoint(root, 10, _full_state(10, 0, 0), _ps1())
+    msg = str(err.value)
+    assert "out of host memory while serialising it" in msg and "free on the" not in msg
+    assert f"the previous checkpoint {os.path.join(root, 'iter_0000005')} is intact" in msg
+    assert "--dry-run" in msg and "Free space" not in msg
+    assert sorted(os.listdir(root)) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
+
+
 def test_full_disk_in_a_background_save(tmp_path, monkeypatch):
     from megatron.async_save import AsyncSaver
 

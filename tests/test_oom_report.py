@@ -287,3 +287,18 @@ if __name__ == "__main__":  # torchrun's script for the test above
 
     _oom_in_forward_at(oom_iteration, oom_rank)
     sys.exit(pretrain_gpt.main(args[4:]))
+
+
+def test_model_load_passes_an_out_of_memory_error_through():
+    """load_model_state_dicts turns a RuntimeError from load_state_dict into "the
+    checkpoint's model does not fit this run's"; an out-of-memory error is not that."""
+    class Chunk(torch.nn.Linear):
+        def load_state_dict(self, *args, **kwargs):
+            raise torch.OutOfMemoryError(TORCH_MESSAGE)
+
+    chunk = Chunk(2, 2)
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer_checkpoint.load_model_state_dicts(chunk, {"model": chunk.state_dict()})
+    with pytest.raises(SystemExit, match="does not fit this run's"):
+        trainer_checkpoint.load_model_state_dicts(torch.nn.Linear(2, 3),
+                                                  {"model": chunk.state_dict()})
