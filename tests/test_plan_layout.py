@@ -250,3 +250,15 @@ def test_switches_the_input_turns_on_must_be_removed():
     assert inputs_to_remove(req.ns, req.explicit, Layout(1, 2, 1, 1, False, True, None)) == \
         ["--sequence-parallel"]
     assert inputs_to_remove(req.ns, req.explicit, Layout(4, 1, 1, 1, True, True, "full")) == []
+
+
+def test_check_command_reproduces_the_table_figure_on_a_machine_without_gpu():
+    """The table's figure assumes compiled layers (a GPU machine); the check command asks for
+    them, so its --dry-run prints the same figure where there is no GPU (an RMSNorm model's
+    eager layers keep more)."""
+    req, result = _plan(_preset("llama-1b", 8))
+    plan = result.fitting[0]
+    cfg = parse_and_validate(check_command(req, plan.layout)[2:], world_size=8, env={},
+                             cuda_available=False)
+    assert cfg.model.normalization == "RMSNorm"
+    assert estimate_memory(cfg) == plan.memory

@@ -203,7 +203,7 @@ def _messages(level: int) -> Iterator[None]:
 def parse_model(argv: Sequence[str]) -> tuple:
     """pretrain_gpt.py's argv -> (namespace before validation, dests the input set, the
     placeholder flags used for what the input leaves out and the layout does not depend on:
-    --lr, a run length, a tokenizer (GPT-2's vocabulary size), data)."""
+    --lr, a run length, a tokenizer (GPT-2's vocabulary size), data; --compile as on a GPU)."""
     ns, explicit = parse_args(argv)
     origins = apply_deprecated(ns, explicit)
     check_not_supported(ns, origins)
@@ -226,6 +226,10 @@ def parse_model(argv: Sequence[str]) -> tuple:
         placeholders += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(DEFAULT_VOCAB - 1)]
     if not {"data_path", "train_data_path", "mock_data"} & explicit:
         placeholders.append("--mock-data")  # only for the --dry-run check command
+    if "compile_layers" not in explicit:
+        # The plan assumes a GPU machine (compiled layers); the check command may run where
+        # there is none, and eager layers keep more (RMSNorm), so it asks for the same.
+        placeholders.append("--compile")
     return ns, explicit, placeholders
 
 
