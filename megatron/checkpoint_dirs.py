@@ -24,6 +24,11 @@ _ITER_DIR_RE = re.compile(r"^(iter_\d{7}|release)$")
 _RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 
+def is_iteration_dir_name(name: str) -> bool:
+    """Whether `name` is a checkpoint's iteration directory's (iter_XXXXXXX, release)."""
+    return bool(_ITER_DIR_RE.match(name))
+
+
 def tracker_path(root: str) -> str:
     return os.path.join(root, TRACKER_FILENAME)
 

@@ -177,3 +177,23 @@ def test_script_help_says_what_is_ignored_and_kept():
     text = " ".join(done.stdout.split())
     assert "--megatron-path, --max-queue-size and --no-checking are accepted and ignored" in text
     assert "the model AND the optimizer state" in text and "model weights only" in text
+
+
+def test_load_dir_without_tracker_gets_a_fix_in_this_command_lines_flags(source, tmp_path):
+    """No tracker under --load-dir: the fix names --load-dir (not --load) and, this command
+    line having no --iteration, checkpoint_convert.py reshard's for picking an iteration."""
+    root, _ = source
+    iter_dir = os.path.join(root, "iter_0000002")
+    with pytest.raises(SystemExit, match=f"--load-dir {iter_dir} is one checkpoint's iteration "
+                       f"directory; --load-dir takes the directory above it: --load-dir {root} "
+                       r"\(.*checkpoint_convert.py reshard --load " + root + " --iteration N"):
+        _util(iter_dir, tmp_path / "out")
+    untracked = tmp_path / "untracked"
+    os.makedirs(untracked / "iter_0000002")
+    with pytest.raises(SystemExit, match=f"--load-dir {untracked} has no latest_checkpointed_"
+                       r"iteration.txt .* holds iter_0000002; write the iteration into .*"
+                       f"checkpoint_convert.py reshard --load {untracked} --iteration N"):
+        _util(untracked, tmp_path / "out")
+    with pytest.raises(SystemExit, match="no checkpoint under --load-dir "):
+        _util(tmp_path / "none", tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out")

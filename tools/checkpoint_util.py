@@ -40,6 +40,12 @@ from typing import List, Optional, Tuple
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron import checkpoint_reshard as reshard_lib  # noqa: E402
+from megatron.checkpoint_dirs import (  # noqa: E402
+    TRACKER_FILENAME,
+    is_iteration_dir_name,
+    list_checkpoints,
+    tracker_path,
+)
 from tools import checkpoint_convert  # noqa: E402
 
 FLAGS = ("--target-tensor-parallel-size", "--target-pipeline-parallel-size")
@@ -118,6 +124,30 @@ def check_save_dir(load: str, save: str) -> None:
                          "--save-dir")
 
 
+def check_load_dir(load: str) -> None:
+    """SystemExit when --load-dir has no tracker file, with a fix in this command line's
+    flags: it reads the iteration the tracker names, as Megatron-LM's does, and has no
+    --iteration (checkpoint_convert.py reshard has)."""
+    if os.path.isfile(tracker_path(load)):
+        return
+    def other(root: str) -> str:
+        return f"python tools/checkpoint_convert.py reshard --load {root} --iteration N ..."
+
+    if is_iteration_dir_name(os.path.basename(os.path.normpath(load))):
+        parent = os.path.dirname(os.path.normpath(load)) or "."
+        raise SystemExit(f"error: --load-dir {load} is one checkpoint's iteration directory; "
+                         f"--load-dir takes the directory above it: --load-dir {parent} (the "
+                         f"iteration its {TRACKER_FILENAME} names is read; for another one: "
+                         f"{other(parent)})")
+    found = list_checkpoints(load)
+    if found:
+        raise SystemExit(f"error: --load-dir {load} has no {TRACKER_FILENAME} (it names the "
+                         f"iteration to read) but holds {', '.join(found)}; write the iteration "
+                         f"into {tracker_path(load)} or pick one with: {other(load)}")
+    raise SystemExit(f"error: no checkpoint under --load-dir {load}: {tracker_path(load)} does "
+                     f"not exist and {load} holds no iter_XXXXXXX or release directory")
+
+
 def _vocab_file_size(path: str) -> int:
     """The number of entries of a GPT-2 vocab.json; SystemExit naming the file otherwise."""
     from megatron.arguments_common import ArgumentsError
@@ -178,6 +208,7 @@ def run(a: argparse.Namespace) -> int:
     for note in ignored_notes(a):
         print(f"note: {note}")
     check_save_dir(a.load_dir, a.save_dir)
+    check_load_dir(a.load_dir)
     iter_dir, _, _ = reshard_lib.locate_iteration(a.load_dir)
     saved, path, first = reshard_lib.inspect_checkpoint(iter_dir)
     args = first.get("args")
