@@ -44,6 +44,11 @@ CUDA_RUNTIME_OOM = "CUDA error: out of memory"
 # cached-but-unallocated at least this fraction of what is reserved (and 1 GiB): suggest
 # the expandable-segments allocator setting
 FRAGMENTATION_FRACTION = 0.2
+CGROUP_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+# host figures, as the report names them
+_HOST_FIGURES = (("rss", "resident"), ("peak_rss", "peak resident"), ("total", "host total"),
+                 ("address_limit", "address-space limit (ulimit -v)"),
+                 ("cgroup_limit", "cgroup memory limit"))
 
 
 class OutOfMemoryExit(SystemExit):
@@ -143,6 +148,30 @@ def host_memory() -> Dict[str, int]:
         out["total"] = os.sysconf("SC_PHYS_PAGES") * page
     except (OSError, ValueError, AttributeError):
         pass
+    out.update(host_memory_limits())
+    return out
+
+
+def host_memory_limits() -> Dict[str, int]:
+    """The limits below the host's memory that end an allocation first, in bytes, where
+    set: the address-space limit (`ulimit -v`, RLIMIT_AS) and the cgroup's memory limit
+    (a container's or a Slurm job's: cgroup v2 memory.max, v1 memory.limit_in_bytes)."""
+    out: Dict[str, int] = {}
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            out["address_limit"] = soft
+    except (OSError, ValueError, AttributeError):
+        pass
+    for path in CGROUP_LIMIT_FILES:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"):
+            out["cgroup_limit"] = int(text)  # v1's "no limit" is a huge number, v2's "max"
+        break
     return out
 
 
@@ -155,9 +184,7 @@ def _figure_lines(kind: str, device: torch.device) -> tuple:
                     f"peak allocated {_gib(m['peak'])}, total {_gib(m['total'])} (free "
                     f"{_gib(m['free'])})"], m
         m = host_memory()
-        parts = [f"{name} {_gib(m[key])}" for key, name in
-                 (("rss", "resident"), ("peak_rss", "peak resident"), ("total", "host total"))
-                 if key in m]
+        parts = [f"{name} {_gib(m[key])}" for key, name in _HOST_FIGURES if key in m]
         return [f"host memory of this process: {', '.join(parts) or 'unknown'}"], m
     except Exception as e:  # noqa: BLE001 - the report must not fail on its figures
         return [f"memory figures unavailable ({type(e).__name__}: {e})".splitlines()[0]], {}
@@ -242,6 +269,13 @@ def _compact_traceback(tb) -> List[str]:
     return lines
 
 
+def _usable(figures: dict) -> Optional[int]:
+    """The most memory this process can have: the device's or host's total, or a lower
+    host limit."""
+    found = [figures[k] for k in ("total", "address_limit", "cgroup_limit") if k in figures]
+    return min(found) if found else None
+
+
 def format_report(config, ps, device: torch.device, exc: BaseException, kind: str,
                   phase: str) -> str:
     """The whole report for `exc` (see the module docstring); never raises on its figures
@@ -254,8 +288,9 @@ def format_report(config, ps, device: torch.device, exc: BaseException, kind: st
     what = "GPU" if kind == "device" else "host"
     lines = [f"[rank {ps.rank}] out of {what} memory in {phase}", head,
              f"torch: {message}", *figure_lines,
-             *_estimate_lines(config, figures.get("total"), "GPU" if "reserved" in figures
-                              else "host"),
+             *_estimate_lines(config, _usable(figures), "GPU" if "reserved" in figures
+                              else "host" if _usable(figures) == figures.get("total")
+                              else "process's limit"),
              "what may help here (each lowers memory per GPU):"]
     lines += ["  " + s for s in suggestions(config, not phase.startswith(_NO_ACTIVATIONS),
                                             figures)]

@@ -302,3 +302,25 @@ def test_model_load_passes_an_out_of_memory_error_through():
     with pytest.raises(SystemExit, match="does not fit this run's"):
         trainer_checkpoint.load_model_state_dicts(torch.nn.Linear(2, 3),
                                                   {"model": chunk.state_dict()})
+
+
+def test_host_report_names_the_limit_below_the_hosts_memory(tmp_path, monkeypatch):
+    """A host allocation that fails under `ulimit -v` or a cgroup's limit (a container, a
+    Slurm job): the report shows that limit and sets the estimate beside it, not beside the
+    host's total alone, which the process could never reach."""
+    gib = 2**30
+    cgroup = tmp_path / "memory.max"
+    cgroup.write_text("max\n")  # cgroup v2: no limit
+    monkeypatch.setattr(oom_report, "CGROUP_LIMIT_FILES", (str(cgroup),))
+    monkeypatch.setattr(oom_report.resource, "getrlimit",
+                        lambda what: (6 * gib, oom_report.resource.RLIM_INFINITY))
+    cfg, exc = _config(), _host_allocation_failure()
+    text = oom_report.format_report(cfg, _fake_rt("cpu").ps, torch.device("cpu"), exc, "host",
+                                    "iteration 1 (forward)")
+    assert "address-space limit (ulimit -v) 6.00 GiB" in text
+    assert "cgroup memory limit" not in text
+    assert "--dry-run's estimate for this layout (this process's limit: 6.00 GiB):" in text
+    cgroup.write_text(f"{3 * gib}\n")
+    text = oom_report.format_report(cfg, _fake_rt("cpu").ps, torch.device("cpu"), exc, "host",
+                                    "iteration 1 (forward)")
+    assert "cgroup memory limit 3.00 GiB" in text and "(this process's limit: 3.00 GiB)" in text
