@@ -217,6 +217,11 @@ def test_too_little_memory_for_any_gpu_count(capsys):
     (["--gpus", "8", "--top", "0"], "--top 0 must be >= 1"),
     (["--gpus", "8", "--gpu-memory-gb", "0"], "--gpu-memory-gb 0.0 must be > 0"),
     (["--gpus", "8", "--hiden-size", "3"], "did you mean --hidden-size?"),
+    (["--gpus", "8", "--vocab-file", "/nonexistent/gpt2-vocab.json", "--merge-file",
+      "/nonexistent/gpt2-merges.txt"],
+     "--vocab-file /nonexistent/gpt2-vocab.json: file not found. The plan needs only the "
+     "vocabulary size: leave the tokenizer flags out (GPT-2's 50257 tokens), or pass "
+     "--tokenizer-type NullTokenizer --vocab-size N"),
 ])
 def test_bad_planner_input(extra, message, capsys):
     argv = ["--config", str(ROOT / "configs" / "gpt3-1.3b.yaml"), "--gpu-memory-gb", "80", *extra]

@@ -221,6 +221,7 @@ def parse_model(argv: Sequence[str]) -> tuple:
     if ns.train_iters is None and ns.train_samples is None and not ns.skip_train:
         ns.skip_train = True
         placeholders.append("--skip-train")
+    _check_tokenizer_files_here(ns)
     if not {"tokenizer_type", "vocab_file", "tokenizer_model", "vocab_size"} & explicit:
         ns.tokenizer_type, ns.vocab_size = "NullTokenizer", DEFAULT_VOCAB - 1
         placeholders += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(DEFAULT_VOCAB - 1)]
@@ -231,6 +232,19 @@ def parse_model(argv: Sequence[str]) -> tuple:
         # there is none, and eager layers keep more (RMSNorm), so it asks for the same.
         placeholders.append("--compile")
     return ns, explicit, placeholders
+
+
+def _check_tokenizer_files_here(ns: argparse.Namespace) -> None:
+    """A training command line planned on another machine (a login node, a laptop) may name
+    tokenizer files that are not here; the plan needs only the vocabulary size."""
+    for flag, dest in (("--vocab-file", "vocab_file"), ("--merge-file", "merge_file"),
+                       ("--tokenizer-model", "tokenizer_model")):
+        path = getattr(ns, dest, None)
+        if path and not os.path.exists(path):
+            raise ArgumentsError(
+                f"{flag} {path}: file not found. The plan needs only the vocabulary size: "
+                "leave the tokenizer flags out (GPT-2's 50257 tokens), or pass "
+                "--tokenizer-type NullTokenizer --vocab-size N for a vocabulary of N tokens")
 
 
 def validate_layout(ns: argparse.Namespace, explicit: set, layout: Layout, gpus: int) -> Config:
