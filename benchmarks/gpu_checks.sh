@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call for the CUDA-only checks: the tests that need a GPU (pinned-memory async
 # save, CUDA memory accounting), a bf16 run through pretrain_gpt.py with --async-save
-# (prints how long each save blocked training), and gpt-1.3b with full recompute (peak
-# memory against the run without, benchmarks/RESULTS.md). pytest must be importable.
+# (prints how long each save blocked training), gpt-1.3b with full recompute (peak
+# memory and speed against the run without, benchmarks/RESULTS.md), and a run that cannot
+# fit, for the out-of-memory report (megatron/oom_report.py: exit status 1, the report's
+# first lines). pytest must be importable.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_checks}; mkdir -p "$OUT"
@@ -20,3 +22,11 @@ for extra in "" "--recompute-granularity full --recompute-method uniform"; do
   python tools/benchmark.py --preset ${PRESET:-gpt-1.3b} --steps ${STEPS:-10} --warmup 3 \
       ${extra:+-- $extra} 2>&1 | tee -a "$OUT/bench.log" | grep -E '^\{|rror' | tail -2
 done
+# gpt-1.3b's shape with 64 sequences of 2048 per micro-batch needs far more than one GPU.
+python -m torch.distributed.run --standalone --nproc-per-node 1 pretrain_gpt.py \
+    --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \
+    --max-position-embeddings 2048 --micro-batch-size 64 --global-batch-size 64 --lr 1e-4 \
+    --train-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 50257 \
+    --eval-iters 0 --bf16 > "$OUT/oom.log" 2>&1
+echo "out-of-memory run: exit status $? (expected 1)"
+grep -A12 "out of GPU memory" "$OUT/oom.log" | head -14
