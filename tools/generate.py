@@ -27,7 +27,7 @@ import dataclasses
 import json
 import os
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -96,11 +96,13 @@ def sample_next(logits: torch.Tensor, greedy: bool = False, temperature: float =
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, greedy: bool = False,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              generator: Optional[torch.Generator] = None, eod: Optional[int] = None,
-             vocab_limit: Optional[int] = None) -> List[int]:
+             vocab_limit: Optional[int] = None,
+             stop: Optional[Callable[[List[int]], bool]] = None) -> List[int]:
     """New token ids after `prompt_ids` (full-sequence recompute per token). Only the first
     `vocab_limit` logits (the tokenizer's vocabulary) are sampled: the padding rows of the
     embedding are never produced, and a seeded draw does not depend on how far the layout
-    padded the vocabulary (tp x --make-vocab-size-divisible-by)."""
+    padded the vocabulary (tp x --make-vocab-size-divisible-by). `stop(ids)`, called with
+    the whole sequence after each new token, ends generation early when it returns True."""
     if not prompt_ids:
         raise ValueError("the prompt is empty; give --prompt or --prompt-ids")
     device = next(model.parameters()).device
@@ -113,7 +115,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, greedy: b
         token = sample_next(logits, greedy, temperature, top_k, top_p, generator)
         out.append(token)
         ids.append(token)
-        if eod is not None and token == eod:
+        if (eod is not None and token == eod) or (stop is not None and stop(ids)):
             break
     return out
 
