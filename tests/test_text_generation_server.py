@@ -1,0 +1,170 @@
+"""tools/run_text_generation_server.py against a tiny checkpoint: the server's greedy and
+seeded text equal tools/generate.py's, log-probs have one finite value per scored token,
+and every bad request is a 400 naming the field."""
+from __future__ import annotations
+
+import json
+import math
+import threading
+
+import pytest
+
+from tests.test_generate import _run_cli, _train
+from tools import run_text_generation_server as server_mod
+from tools.text_generation_api import eol_stop
+from tools.text_generation_cli import put
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    _train(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def served(ckpt):
+    """(url, log lines) of a server on a free port, serving in a thread."""
+    a, ns, explicit = server_mod.parse_args(["--load", ckpt, "--port", "0", "--seed", "5"])
+    engine, _ = server_mod.build_engine(a, ns, explicit)
+    lines = []
+    server = server_mod.build_server(engine, "127.0.0.1", 0, log=lines.append)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/api", lines
+    server.shutdown()
+    server.server_close()
+
+
+def _ok(url, body) -> dict:
+    status, text = put(url, body, timeout=60)
+    assert status == 200, text
+    return json.loads(text)
+
+
+def _generate_py(ckpt, *flags) -> str:
+    """prompt 5 6 7 -> the whole text generate.py makes (NullTokenizer: ids with spaces)."""
+    out = _run_cli("--load", ckpt, "--prompt", "5 6 7", "--max-new-tokens", "10", *flags)
+    return " ".join(map(str, out["prompt_ids"] + out["generated_ids"]))
+
+
+def test_greedy_and_seeded_text_match_generate_py(ckpt, served):
+    url, lines = served
+    out = _ok(url, {"prompts": ["5 6 7"], "tokens_to_generate": 10, "top_k": 1})
+    assert out["text"] == [_generate_py(ckpt, "--greedy")]
+    assert out["segments"] == [out["text"][0].split(" ")] and "logprobs" not in out
+    body = {"prompts": ["5 6 7"], "tokens_to_generate": 10, "temperature": 1.5,
+            "random_seed": 3}
+    first, again = _ok(url, body), _ok(url, body)
+    assert first == again
+    assert first["text"] == [_generate_py(ckpt, "--seed", "3", "--temperature", "1.5")]
+    nucleus = dict(body, top_p=0.9)
+    assert _ok(url, nucleus)["text"] == [_generate_py(ckpt, "--seed", "3", "--temperature",
+                                                      "1.5", "--top-p", "0.9")]
+    assert lines[-1].endswith(" s") and "1 prompt(s), 10 tokens to generate" in lines[-1]
+    n = len(lines)
+    _ok(url, dict(body, no_log=True))
+    assert len(lines) == n
+
+
+def test_logprobs_and_scoring(served):
+    url, _ = served
+    out = _ok(url, {"prompts": ["5 6 7", "1 2"], "tokens_to_generate": 4, "logprobs": True,
+                    "top_k": 1})
+    for text, logprobs in zip(out["text"], out["logprobs"]):
+        assert len(logprobs) == len(text.split()) - 1
+        assert all(math.isfinite(x) and x <= 0 for x in logprobs)
+    scored = _ok(url, {"prompts": ["5 6 7"], "tokens_to_generate": 0, "logprobs": True})
+    assert scored["text"] == ["5 6 7"]
+    assert scored["logprobs"][0] == pytest.approx(out["logprobs"][0][:2], abs=1e-5)
+    bos = _ok(url, {"prompts": [""], "tokens_to_generate": 2, "add_BOS": True, "top_k": 1})
+    assert bos["segments"][0][0] == "100"  # NullTokenizer --vocab-size 100: EOD is id 100
+
+
+@pytest.mark.parametrize("body,message", [
+    ({}, "prompts must be a list of 1 to 128 strings (got None)"),
+    ({"prompts": []}, "prompts must be a list of 1 to 128 strings (got [])"),
+    ({"prompts": "5"}, "prompts must be a list of 1 to 128 strings"),
+    ({"prompts": ["5"] * 129}, "prompts must be a list of 1 to 128 strings"),
+    ({"prompts": [5]}, "prompts must be a list of 1 to 128 strings (got [5])"),
+    ({"prompts": ["5"], "tokens_to_generate": -1},
+     "tokens_to_generate must be an integer >= 0 (got -1)"),
+    ({"prompts": ["5"], "tokens_to_generate": "8"},
+     "tokens_to_generate must be an integer >= 0 (got '8')"),
+    ({"prompts": ["5"], "temperature": 0}, "temperature must be a number > 0 (got 0)"),
+    ({"prompts": ["5"], "top_k": -2}, "top_k must be an integer >= 0 (0: off, 1: greedy)"),
+    ({"prompts": ["5"], "top_p": 1.5}, "top_p must be a number in [0, 1] (0: off) (got 1.5)"),
+    ({"prompts": ["5"], "top_k": 5, "top_p": 0.5},
+     "top_k (5) and top_p (0.5) cannot both be set: set one of them to 0"),
+    ({"prompts": ["5"], "random_seed": -3},
+     "random_seed must be an integer >= 0, or -1 (unseeded) (got -3)"),
+    ({"prompts": ["5"], "logprobs": 1}, "logprobs must be true or false (got 1)"),
+    ({"prompts": ["5"], "beam_width": 2}, "beam_width is not supported by this server"),
+    ({"prompts": ["5"], "prompt": "x"}, "unknown field(s) prompt; the fields are prompts,"),
+    ([1], "the body must be a JSON object"),
+    ({"prompts": [""]}, "prompts[0] is empty: give text, or set add_BOS true"),
+    ({"prompts": ["5", "hello"], "tokens_to_generate": 2},
+     "prompts[1] ('hello'): NullTokenizer expects space-separated integers"),
+    ({"prompts": ["5 101"], "tokens_to_generate": 2}, "token ids [101] are outside the vocabulary [0, 101)"),
+    ({"prompts": ["1 2 3"], "tokens_to_generate": 14},
+     "has 3 tokens; with tokens_to_generate 14 that makes 17, over the model's 16 positions"),
+])
+def test_bad_requests_are_400(served, body, message):
+    status, text = put(served[0], body, timeout=60)
+    assert status == 400 and message in text, text
+
+
+def test_other_paths_and_methods(served):
+    import urllib.error
+    import urllib.request
+
+    url = served[0]
+    status, text = put(url.replace("/api", "/generate"), {"prompts": ["5"]})
+    assert status == 404 and "the endpoint is PUT /api" in text
+    for method in ("GET", "POST"):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(urllib.request.Request(url, data=b"{}", method=method))
+        assert err.value.code == 405 and err.value.headers["Allow"] == "PUT"
+    req = urllib.request.Request(url, data=b"{not json", method="PUT")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req)
+    assert err.value.code == 400 and "the body is not JSON" in err.value.read().decode()
+
+
+def test_command_line(ckpt, capsys):
+    a, ns, explicit = server_mod.parse_args(
+        ["--load", ckpt, "--num-layers", "2", "--hidden-size", "32", "--micro-batch-size",
+         "4", "--tensor-model-parallel-size", "2", "--top_p", "0.9"])
+    assert (a.port, a.host) == (5000, "127.0.0.1")
+    server_mod.build_engine(a, ns, explicit)  # same shape as the checkpoint: accepted
+    note = capsys.readouterr().out
+    assert "no effect on the server: --micro-batch-size, --tensor-model-parallel-size, " \
+           "--top_p" in note
+    a, ns, explicit = server_mod.parse_args(["--load", ckpt, "--hidden-size", "64",
+                                             "--num-attention-heads", "8"])
+    with pytest.raises(SystemExit, match=r"--hidden-size: checkpoint 32, command line 64\n"
+                                         r"  --num-attention-heads: checkpoint 4, command "
+                                         r"line 8\n"):
+        server_mod.build_engine(a, ns, explicit)
+    with pytest.raises(SystemExit, match="--load DIR is required"):
+        server_mod.parse_args(["--num-layers", "2"])
+    with pytest.raises(SystemExit, match=r"--hiden-size \(did you mean --hidden-size\?\)"):
+        server_mod.parse_args(["--load", ckpt, "--hiden-size", "3"])
+
+
+class _Lines:
+    """A tokenizer whose ids are indices into a list of strings."""
+
+    def __init__(self, words):
+        self.words = words
+
+    def detokenize(self, ids):
+        return "".join(self.words[i] for i in ids)
+
+
+def test_eol_stops():
+    tok = _Lines(["a", "\n", "\n\n", "b\n"])
+    eol, double = eol_stop(tok, double=False), eol_stop(tok, double=True)
+    assert not eol([0, 0]) and eol([0, 1]) and eol([0, 2]) and eol([0, 3])
+    assert not double([0, 1]) and double([0, 2]) and double([1, 1]) and double([3, 1])
+    assert not double([0, 3])

@@ -1,0 +1,238 @@
+#!/usr/bin/env python
+"""Serve a checkpoint over HTTP for quick sanity checks, as Megatron-LM's server does.
+
+    python tools/run_text_generation_server.py --load CKPT --tokenizer-type GPT2BPETokenizer \\
+        --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt [Megatron's model flags]
+    curl -X PUT http://localhost:5000/api -H 'Content-Type: application/json' \\
+        -d '{"prompts": ["Hello"], "tokens_to_generate": 32}'
+    python tools/text_generation_cli.py localhost:5000
+
+The command line is Megatron's: every Megatron-LM 23.05 flag parses. The model is rebuilt
+from the checkpoint's stored arguments as ONE process (tools/generate.py; any tp/pp layout
+merges), so the model-shape flags are optional; one that is given and differs from the
+checkpoint is an ERROR naming both values (the weights cannot take another shape, and a
+silently preferred value would hide a wrong --load). --tensor/--pipeline-model-parallel-size
+and the training and data flags have no effect (one note lists them). Under torchrun only
+rank 0 serves; the other ranks exit at once. --fp16/--bf16 pick the dtype (default: the
+checkpoint's on CUDA, fp32 on CPU); unseeded requests draw from a generator seeded by --seed.
+
+The request and response are described in tools/text_generation_api.py (Megatron's PUT /api
+fields). Requests run one at a time; each prints one line to stdout. Bad requests get HTTP
+400 with a plain-text message, other paths 404, other methods on /api 405.
+
+--host defaults to 127.0.0.1, not Megatron's 0.0.0.0: the API has no authentication, so
+reaching it from other machines is opt-in (--host 0.0.0.0).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable, List, Set, Tuple
+from urllib.parse import urlsplit
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from tools.generate import _device, build_tokenizer_from, load_model  # noqa: E402
+from tools.text_generation_api import (  # noqa: E402
+    Engine,
+    RequestError,
+    parse_request,
+    run_request,
+)
+
+_PROG = "run_text_generation_server.py"
+_MAX_BODY = 16 * 1024 * 1024
+# flags of the model's shape: compared with the checkpoint when given
+_SHAPE_DESTS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                "kv_channels", "swiglu", "untie_embeddings_and_output_weights",
+                "normalization", "add_bias_linear", "apply_layernorm_1p", "num_experts",
+                "vocab_size", "vocab_extra_ids", "rotary_percent", "rotary_base",
+                "max_position_embeddings", "tokenizer_type", "group_query_attention",
+                "num_query_groups", "position_embedding_type", "add_position_embedding",
+                "use_rotary_position_embeddings")
+# flags the server uses
+_USED_DESTS = ("load", "vocab_file", "merge_file", "tokenizer_model", "fp16", "bf16", "seed")
+
+
+# -------------------------------------------------------------------------- command line
+def _server_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=_PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Every other flag is one of Megatron-LM's (see pretrain_gpt.py --help).")
+    ap.add_argument("--port", type=int, default=5000, help="default 5000 (0: any free port)")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address to bind; default 127.0.0.1 (this machine only; Megatron "
+                         "binds 0.0.0.0: pass --host 0.0.0.0 to serve other machines)")
+    ap.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
+    ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    for flag, kind in (("--temperature", float), ("--top_p", float), ("--top_k", int),
+                       ("--out-seq-length", int)):  # Megatron's server flags: requests set these
+        ap.add_argument(flag, type=kind, default=None, help="no effect: each request sets it")
+    return ap
+
+
+def parse_args(argv=None) -> Tuple[argparse.Namespace, argparse.Namespace, Set[str]]:
+    """(server flags, Megatron namespace, Megatron dests given). SystemExit on a bad flag."""
+    from megatron.arguments import ArgumentsError, apply_deprecated, check_not_supported
+    from megatron.arguments import parse_args as parse_megatron
+
+    a, rest = _server_parser().parse_known_args(argv)
+    try:
+        ns, explicit = parse_megatron(rest)
+        check_not_supported(ns, apply_deprecated(ns, explicit))
+    except ArgumentsError as err:
+        raise SystemExit(f"{_PROG}: {err}") from None
+    if not ns.load:
+        raise SystemExit(f"{_PROG}: error: --load DIR is required (the checkpoint to serve)")
+    return a, ns, explicit
+
+
+def check_model_flags(ns, explicit: Set[str], saved: dict, where: str) -> List[str]:
+    """SystemExit when a model-shape flag given on the command line differs from the
+    checkpoint's `saved` args; else the given flags that have no effect here."""
+    from megatron.arguments_common import flag_for_dest
+    from megatron.checkpoint_args import checkpoint_arg_mismatches
+
+    run = {d: getattr(ns, d) for d in explicit if d in _SHAPE_DESTS}
+    run["vocab_file"] = True  # compare the tokenizer items too (Megatron's --vocab-file case)
+    items = checkpoint_arg_mismatches(saved, run)
+    if items:
+        lines = "\n".join(f"  {m.name}: checkpoint {m.saved}, command line {m.run}"
+                          for m in items)
+        raise SystemExit(f"{_PROG}: error: the model's shape comes from the checkpoint in "
+                         f"{where}, and the command line disagrees:\n{lines}\nLeave these "
+                         f"flags out or give the checkpoint's values "
+                         f"({'; '.join(m.fix for m in items)}).")
+    return sorted(flag_for_dest(d) for d in explicit - set(_SHAPE_DESTS) - set(_USED_DESTS))
+
+
+def build_engine(a, ns, explicit: Set[str]) -> Tuple[Engine, int]:
+    """(Engine, iteration) for the checkpoint under --load; SystemExit with the fix when
+    the flags disagree with it or its tokenizer cannot be built."""
+    device = _device(a.device)
+    dtype = (torch.float16 if ns.fp16 else torch.bfloat16 if ns.bf16 else
+             None if device.type == "cuda" else torch.float32)
+    model, config, iteration = load_model(ns.load, a.iteration, device, dtype)
+    idle = check_model_flags(ns, explicit, config.args, ns.load)
+    idle += [f for f in ("--temperature", "--top_p", "--top_k", "--out-seq-length")
+             if getattr(a, f.lstrip("-").replace("-", "_")) is not None]
+    if idle:
+        print(f"note: no effect on the server: {', '.join(idle)} (the model comes from the "
+              "checkpoint as one process; each request sets its own sampling)")
+    tokenizer, why_not = build_tokenizer_from(config.args, ns)
+    if tokenizer is None:
+        raise SystemExit(f"{_PROG}: error: the server needs the checkpoint's tokenizer, which "
+                         f"cannot be built: {why_not}; give --tokenizer-type and its files "
+                         "(--vocab-file/--merge-file or --tokenizer-model)")
+    engine = Engine(model, tokenizer, tokenizer.vocab_size,
+                    config.model.max_position_embeddings,
+                    torch.Generator().manual_seed(ns.seed))
+    return engine, iteration
+
+
+# ---------------------------------------------------------------------------------- HTTP
+class _Handler(BaseHTTPRequestHandler):
+    """PUT /api; the engine and the log function are class attributes (see build_server)."""
+
+    engine: Engine
+    log: Callable[[str], None]
+
+    def log_message(self, format, *args):  # noqa: A002 -- one line per request instead
+        pass
+
+    def _reply(self, status: int, text: str, content_type: str = "text/plain") -> None:
+        data = text.encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", f"{content_type}; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        if status == 405:
+            self.send_header("Allow", "PUT")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _other(self) -> None:
+        if urlsplit(self.path).path == "/api":
+            self._reply(405, f"{self.command} is not allowed on /api: use PUT with a JSON body")
+        else:
+            self._reply(404, f"no such path {urlsplit(self.path).path}: the endpoint is PUT /api")
+
+    do_GET = do_POST = do_DELETE = do_PATCH = _other
+
+    def _body(self):
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            raise RequestError("the request needs a Content-Length header and a JSON "
+                               "body") from None
+        if not 0 <= length <= _MAX_BODY:
+            raise RequestError(f"the body must be at most {_MAX_BODY} bytes (got {length})")
+        try:
+            return json.loads(self.rfile.read(length).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise RequestError(f"the body is not JSON: {exc}") from None
+
+    def do_PUT(self) -> None:
+        if urlsplit(self.path).path != "/api":
+            return self._other()
+        start, req = time.perf_counter(), None
+        try:
+            req = parse_request(self._body())
+            with self.engine.lock:
+                out = run_request(self.engine, req)
+        except RequestError as exc:
+            self.log(f"PUT /api from {self.client_address[0]}: 400 {exc}")
+            return self._reply(400, str(exc))
+        except Exception as exc:  # a failed forward must not leave the client hanging
+            traceback.print_exc()
+            return self._reply(500, f"generation failed: {type(exc).__name__}: {exc}")
+        self._reply(200, json.dumps(out), "application/json")
+        if not req.no_log:
+            self.log(f"PUT /api from {self.client_address[0]}: {len(req.prompts)} prompt(s), "
+                     f"{req.tokens_to_generate} tokens to generate, "
+                     f"{time.perf_counter() - start:.2f} s")
+
+
+def build_server(engine: Engine, host: str, port: int,
+                 log: Callable[[str], None] = print) -> ThreadingHTTPServer:
+    """A bound (not yet serving) HTTP server for `engine`; port 0 takes a free port."""
+    def log_line(text: str) -> None:
+        log(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}")
+        sys.stdout.flush()
+
+    handler = type("Handler", (_Handler,), {"engine": engine, "log": staticmethod(log_line)})
+    return ThreadingHTTPServer((host, port), handler)
+
+
+def main(argv=None) -> int:
+    a, ns, explicit = parse_args(argv)
+    if int(os.environ.get("RANK", "0") or 0) != 0:
+        print(f"rank {os.environ['RANK']}: only rank 0 serves (the checkpoint loads as one "
+              "process); exiting")
+        return 0
+    engine, iteration = build_engine(a, ns, explicit)
+    try:
+        server = build_server(engine, a.host, a.port)
+    except OSError as exc:
+        raise SystemExit(f"{_PROG}: error: cannot listen on {a.host}:{a.port}: {exc}; pick "
+                         "another --port") from None
+    host, port = server.server_address[:2]
+    print(f"serving {ns.load} (iteration {iteration}) at http://{host}:{port}/api (PUT); "
+          "Ctrl-C stops", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
