@@ -1,16 +1,20 @@
-"""tools/run_text_generation_server.py against a tiny checkpoint: the server's greedy and
-seeded text equal tools/generate.py's, log-probs have one finite value per scored token,
-and every bad request is a 400 naming the field."""
+"""tools/run_text_generation_server.py and tools/text_generation_cli.py against a tiny
+checkpoint: the server's greedy and seeded text equal tools/generate.py's, log-probs have
+one finite value per scored token, every bad request is a 400 naming the field, and the
+CLI prints the server's text."""
 from __future__ import annotations
 
+import io
 import json
 import math
+import re
 import threading
 
 import pytest
 
 from tests.test_generate import _run_cli, _train
 from tools import run_text_generation_server as server_mod
+from tools import text_generation_cli
 from tools.text_generation_api import eol_stop
 from tools.text_generation_cli import put
 
@@ -129,6 +133,31 @@ def test_other_paths_and_methods(served):
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req)
     assert err.value.code == 400 and "the body is not JSON" in err.value.read().decode()
+
+
+def test_cli_prints_the_text(served, monkeypatch, capsys):
+    url = served[0]
+    address = url.removeprefix("http://").removesuffix("/api")
+    monkeypatch.setattr("sys.stdin", io.StringIO("5 6 7\n10\nhello\nx\n2\n"))
+    assert text_generation_cli.main([address]) == 0
+    out = capsys.readouterr().out
+    # unseeded sampling (it may stop at EOD): the prompt and 1 to 10 more ids; the input()
+    # prompts share the line when stdin is not a terminal
+    assert re.search(r"(^|: )5 6 7( \d+){1,10}$", out, re.M), out
+    assert "'x' is not a whole number" in out
+    assert "server error 400: prompts[0] ('hello'): NullTokenizer expects" in out
+
+
+def test_cli_unreachable_server(monkeypatch, capsys):
+    import socket
+
+    with socket.socket() as s:  # a port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr("sys.stdin", io.StringIO("5 6\n3\n"))
+    assert text_generation_cli.main([f"127.0.0.1:{port}"]) == 1
+    assert "cannot reach the text generation server at http://127.0.0.1:" in \
+        capsys.readouterr().err
 
 
 def test_command_line(ckpt, capsys):

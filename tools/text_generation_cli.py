@@ -1,0 +1,79 @@
+#!/usr/bin/env python
+"""Talk to tools/run_text_generation_server.py from a terminal.
+
+    python tools/text_generation_cli.py localhost:5000
+
+Asks for a prompt and a number of tokens (empty: 64), PUTs them to http://HOST:PORT/api
+and prints the text the server returns (the prompt and its continuation), in a loop. End
+of input (Ctrl-D) or Ctrl-C ends it. An unreachable server is an error (exit 1); a request
+the server refuses prints its message and the loop goes on.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+from typing import Optional, Tuple
+
+DEFAULT_TOKENS = 64
+
+
+def put(url: str, body: dict, timeout: Optional[float] = None) -> Tuple[int, str]:
+    """(HTTP status, response text) of PUT `url` with `body` as JSON. URLError when the
+    server cannot be reached."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode("utf-8"), method="PUT",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read().decode("utf-8")
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode("utf-8", errors="replace")
+
+
+def _ask_tokens() -> int:
+    """The number of tokens to generate, asked again until it is an integer >= 0."""
+    while True:
+        text = input(f"Tokens to generate [{DEFAULT_TOKENS}]: ").strip()
+        if not text:
+            return DEFAULT_TOKENS
+        if text.isdigit():
+            return int(text)
+        print(f"  {text!r} is not a whole number >= 0")
+
+
+def _unreachable(url: str, exc: Exception) -> int:
+    reason = getattr(exc, "reason", exc)
+    print(f"error: cannot reach the text generation server at {url} ({reason}); is "
+          "tools/run_text_generation_server.py running there, on that host and port?",
+          file=sys.stderr)
+    return 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("address", help="HOST:PORT of the server, e.g. localhost:5000")
+    a = ap.parse_args(argv)
+    address = a.address.removeprefix("http://").rstrip("/")
+    url = f"http://{address}/api"
+    try:
+        while True:
+            prompt = input("Prompt: ")
+            body = {"prompts": [prompt], "tokens_to_generate": _ask_tokens()}
+            try:
+                status, text = put(url, body)
+            except (urllib.error.URLError, OSError) as exc:
+                return _unreachable(url, exc)
+            if status == 200:
+                print(json.loads(text)["text"][0])
+            else:
+                print(f"server error {status}: {text}")
+    except (EOFError, KeyboardInterrupt):
+        print()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
