@@ -458,8 +458,6 @@ NOT_SUPPORTED = {
     "--expert-model-parallel-size": _MOE,
     "--onnx-safe": "ONNX export is not supported",
     "--lazy-mpu-init": "lazy model-parallel initialization (for external tools) is not supported",
-    "--inference-batch-times-seqlen-threshold": "text generation is not part of pretraining yet",
-    "--max-tokens-to-oom": "text generation is not part of pretraining yet",
     "--adlr-autoresume": "ADLR autoresume is an NVIDIA cluster service and is not supported; "
                          "use --exit-signal-handler or --exit-duration-in-mins",
     "--adlr-autoresume-interval": "ADLR autoresume is not supported",
@@ -479,6 +477,11 @@ NO_EFFECT = {
     "--no-query-key-layer-scaling": "the scaling only kept fp16 attention scores from "
                                     "overflowing; scaled_dot_product_attention computes them "
                                     "in fp32, so it never changes the result",
+    "--inference-batch-times-seqlen-threshold": "text generation runs as one process "
+                                                "(tools/run_text_generation_server.py): no "
+                                                "pipeline micro-batching to tune",
+    "--max-tokens-to-oom": "read by tools/run_text_generation_server.py only (it refuses "
+                           "requests above it)",
     "--mmap-warmup": "page-cache warm-up only; the .bin/.idx files are memory-mapped and "
                      "paged in on first use",
 }

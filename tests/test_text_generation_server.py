@@ -29,7 +29,8 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(ckpt):
     """(url, log lines) of a server on a free port, serving in a thread."""
-    a, ns, explicit = server_mod.parse_args(["--load", ckpt, "--port", "0", "--seed", "5"])
+    a, ns, explicit = server_mod.parse_args(["--load", ckpt, "--port", "0", "--seed", "5",
+                                             "--max-tokens-to-oom", "40"])
     engine, _ = server_mod.build_engine(a, ns, explicit)
     lines = []
     server = server_mod.build_server(engine, "127.0.0.1", 0, log=lines.append)
@@ -95,8 +96,19 @@ def test_logprobs_and_scoring(served):
      "tokens_to_generate must be an integer >= 0 (got -1)"),
     ({"prompts": ["5"], "tokens_to_generate": "8"},
      "tokens_to_generate must be an integer >= 0 (got '8')"),
-    ({"prompts": ["5"], "temperature": 0}, "temperature must be a number > 0 (got 0)"),
-    ({"prompts": ["5"], "top_k": -2}, "top_k must be an integer >= 0 (0: off, 1: greedy)"),
+    ({"prompts": ["5"], "temperature": 0},
+     "temperature must be a number > 0 and <= 100 (got 0)"),
+    ({"prompts": ["5"], "temperature": 101},
+     "temperature must be a number > 0 and <= 100 (got 101)"),
+    ({"prompts": ["5"], "top_k": -2},
+     "top_k must be an integer from 0 to 1000 (0: off, 1: greedy) (got -2)"),
+    ({"prompts": ["5"], "top_k": 1001},
+     "top_k must be an integer from 0 to 1000 (0: off, 1: greedy) (got 1001)"),
+    ({"prompts": ["5"], "tokens_to_generate": 0},
+     "tokens_to_generate 0 only scores the prompts: set logprobs true"),
+    ({"prompts": ["1 2 3"] * 4, "tokens_to_generate": 8},
+     "too many tokens: 4 prompts x (longest prompt + tokens_to_generate) = 44, over the "
+     "server's --max-tokens-to-oom 40"),
     ({"prompts": ["5"], "top_p": 1.5}, "top_p must be a number in [0, 1] (0: off) (got 1.5)"),
     ({"prompts": ["5"], "top_k": 5, "top_p": 0.5},
      "top_k (5) and top_p (0.5) cannot both be set: set one of them to 0"),
@@ -197,3 +209,26 @@ def test_eol_stops():
     assert not eol([0, 0]) and eol([0, 1]) and eol([0, 2]) and eol([0, 3])
     assert not double([0, 1]) and double([0, 2]) and double([1, 1]) and double([3, 1])
     assert not double([0, 3])
+
+
+def test_max_tokens_to_oom_is_the_servers(ckpt, caplog):
+    """--max-tokens-to-oom limits each request here (Megatron's server reads it too): no
+    "has no effect" warning; pretrain_gpt.py accepts it with that warning (it was refused
+    as "text generation is not part of pretraining yet")."""
+    from megatron.arguments import parse_and_validate
+
+    _, ns, _ = server_mod.parse_args(["--load", ckpt, "--max-tokens-to-oom", "500"])
+    assert ns.max_tokens_to_oom == 500
+    assert "no effect" not in caplog.text
+    with pytest.raises(SystemExit, match="--max-tokens-to-oom 0 must be >= 1"):
+        server_mod.parse_args(["--load", ckpt, "--max-tokens-to-oom", "0"])
+    parse_and_validate(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
+                        "4", "--seq-length", "16", "--max-position-embeddings", "16",
+                        "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",
+                        "--train-iters", "1", "--mock-data", "--tokenizer-type",
+                        "NullTokenizer", "--vocab-size", "100", "--max-tokens-to-oom", "500",
+                        "--inference-batch-times-seqlen-threshold", "64"],
+                       world_size=1, env={}, cuda_available=False)
+    assert "--max-tokens-to-oom has no effect here: read by " \
+           "tools/run_text_generation_server.py only" in caplog.text
+    assert "--inference-batch-times-seqlen-threshold has no effect here" in caplog.text

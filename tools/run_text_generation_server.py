@@ -57,8 +57,10 @@ _SHAPE_DESTS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
                 "max_position_embeddings", "tokenizer_type", "group_query_attention",
                 "num_query_groups", "position_embedding_type", "add_position_embedding",
                 "use_rotary_position_embeddings")
+_MAX_TOKENS = "--max-tokens-to-oom"
 # flags the server uses
-_USED_DESTS = ("load", "vocab_file", "merge_file", "tokenizer_model", "fp16", "bf16", "seed")
+_USED_DESTS = ("load", "vocab_file", "merge_file", "tokenizer_model", "fp16", "bf16", "seed",
+               "max_tokens_to_oom")
 
 
 # -------------------------------------------------------------------------- command line
@@ -82,11 +84,17 @@ def parse_args(argv=None) -> Tuple[argparse.Namespace, argparse.Namespace, Set[s
     """(server flags, Megatron namespace, Megatron dests given). SystemExit on a bad flag."""
     from megatron.arguments import ArgumentsError, apply_deprecated, check_not_supported
     from megatron.arguments import parse_args as parse_megatron
+    from megatron.arguments_common import FLAG_SPECS
 
     a, rest = _server_parser().parse_known_args(argv)
     try:
         ns, explicit = parse_megatron(rest)
+        # --max-tokens-to-oom is the server's (check_not_supported calls it idle elsewhere)
+        max_tokens, ns.max_tokens_to_oom = ns.max_tokens_to_oom, FLAG_SPECS[_MAX_TOKENS].default
         check_not_supported(ns, apply_deprecated(ns, explicit))
+        ns.max_tokens_to_oom = max_tokens
+        if max_tokens < 1:
+            raise ArgumentsError(f"{_MAX_TOKENS} {max_tokens} must be >= 1")
     except ArgumentsError as err:
         raise SystemExit(f"{_PROG}: {err}") from None
     if not ns.load:
@@ -133,7 +141,7 @@ def build_engine(a, ns, explicit: Set[str]) -> Tuple[Engine, int]:
                          "(--vocab-file/--merge-file or --tokenizer-model)")
     engine = Engine(model, tokenizer, tokenizer.vocab_size,
                     config.model.max_position_embeddings,
-                    torch.Generator().manual_seed(ns.seed))
+                    torch.Generator().manual_seed(ns.seed), max_tokens=ns.max_tokens_to_oom)
     return engine, iteration
 
 

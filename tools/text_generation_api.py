@@ -80,6 +80,7 @@ class Engine:
     vocab_size: int
     max_len: int
     generator: torch.Generator
+    max_tokens: int = 12000  # --max-tokens-to-oom: prompts x longest sequence per request
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -125,15 +126,23 @@ def parse_request(body: Any) -> GenerationRequest:
         shown = repr(prompts) if len(repr(prompts)) <= 60 else repr(prompts)[:57] + "..."
         raise RequestError(f"prompts must be a list of 1 to {MAX_PROMPTS} strings "
                            f"(got {shown})")
-    top_k = _int(body, "top_k", 0, 0, "an integer >= 0 (0: off, 1: greedy)")
+    top_k = _int(body, "top_k", 0, 0, "an integer from 0 to 1000 (0: off, 1: greedy)")
+    if top_k > 1000:
+        raise RequestError(f"top_k must be an integer from 0 to 1000 (0: off, 1: greedy) "
+                           f"(got {top_k})")
     top_p = _number(body, "top_p", 0.0, lambda v: 0 <= v <= 1, "a number in [0, 1] (0: off)")
     if top_k > 0 and top_p > 0:
         raise RequestError(f"top_k ({top_k}) and top_p ({top_p}) cannot both be set: set "
                            "one of them to 0")
+    tokens = _int(body, "tokens_to_generate", 64, 0, "an integer >= 0")
+    if tokens == 0 and body.get("logprobs") is not True:
+        raise RequestError("tokens_to_generate 0 only scores the prompts: set logprobs true "
+                           "(or ask for tokens)")
     return GenerationRequest(
         prompts=prompts,
-        tokens_to_generate=_int(body, "tokens_to_generate", 64, 0, "an integer >= 0"),
-        temperature=_number(body, "temperature", 1.0, lambda v: v > 0, "a number > 0"),
+        tokens_to_generate=tokens,
+        temperature=_number(body, "temperature", 1.0, lambda v: 0 < v <= 100,
+                            "a number > 0 and <= 100"),
         top_k=top_k, top_p=top_p,
         random_seed=_int(body, "random_seed", -1, -1, "an integer >= 0, or -1 (unseeded)"),
         **{name: body.get(name, False) for name in _BOOLS})
@@ -198,6 +207,13 @@ def run_request(engine: Engine, req: GenerationRequest) -> Dict[str, list]:
     """The response object of a validated request (call it holding engine.lock).
     RequestError when a prompt does not tokenize or does not fit."""
     all_ids = [_prompt_ids(engine, i, p, req) for i, p in enumerate(req.prompts)]
+    total = len(all_ids) * (max(len(ids) for ids in all_ids) + req.tokens_to_generate)
+    if total > engine.max_tokens:
+        raise RequestError(f"too many tokens: {len(all_ids)} prompts x (longest prompt + "
+                           f"tokens_to_generate) = {total}, over the server's "
+                           f"--max-tokens-to-oom {engine.max_tokens}: send fewer prompts, "
+                           "lower tokens_to_generate, or restart the server with a larger "
+                           "--max-tokens-to-oom")
     gen = (torch.Generator().manual_seed(req.random_seed) if req.random_seed >= 0
            else engine.generator)
     stop: Optional[Callable[[List[int]], bool]] = None
