@@ -55,9 +55,10 @@ def validation_shortfall(config: Config, iteration: int, consumed: int,
     --eval-iters, while `consumed` comes from the checkpoint: a run resumed with fewer
     --eval-iters or a longer --eval-interval than it was trained with can find the set
     used up, which Megatron-LM reports as a bare StopIteration at that evaluation, possibly
-    hours in. Said before training instead."""
+    hours in. Said before training instead. The `cyclic` loader starts another epoch
+    instead of running out: nothing to say there."""
     t, d = config.training, config.data
-    if t.eval_iters <= 0:
+    if t.eval_iters <= 0 or d.dataloader_type == "cyclic":
         return None
     per_draw = t.eval_iters * (d.target_global_batch_size or d.global_batch_size)
     in_loop = 0

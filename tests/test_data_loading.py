@@ -162,6 +162,17 @@ def test_validation_shortfall_counts_the_evaluations_left():
     assert validation_shortfall(_eval_config(100, 10, 0), 0, 10**6, 0) is None
 
 
+def test_validation_shortfall_ignores_the_cyclic_loader():
+    """--dataloader-type cyclic wraps the validation set (CyclicSampler starts another
+    epoch), so a resume whose evaluations read past its end runs: not refused."""
+    cfg = _eval_config(100, 10, 2)
+    assert validation_shortfall(cfg, 35, 48, 111) is not None  # `single`: it runs out
+    cyclic = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataloader_type="cyclic"))
+    assert validation_shortfall(cyclic, 35, 48, 111) is None
+    sampler = iter(CyclicSampler(16, 16 * 5, 2, 0, 1))  # consumed past the end: still serves
+    assert all(len(next(sampler)) == 2 for _ in range(20))
+
+
 def test_prefetch_iterator_closes_with_a_full_queue_after_the_last_batch():
     """close() joins the reader thread: it must not stay blocked putting the end marker
     into a full queue (the data ran out while nobody was reading)."""
