@@ -130,6 +130,19 @@ def test_bad_requests_are_400(served, body, message):
     assert status == 400 and message in text, text
 
 
+def test_megatron_defaults_of_unsupported_fields_are_accepted():
+    """A client that sends Megatron's defaults of the fields not implemented here (as its
+    own code may, e.g. stop_token 50256) is served; another value is refused by name."""
+    from tools.text_generation_api import NOT_SUPPORTED, RequestError, parse_request
+
+    defaults = {"top_p_decay": 0.0, "top_p_bound": 0.0, "prevent_newline_after_colon": False,
+                "stop_token": 50256, "length_penalty": 1}
+    assert parse_request({"prompts": ["5"], **defaults}).prompts == ["5"]
+    assert set(defaults) < set(NOT_SUPPORTED)
+    with pytest.raises(RequestError, match="stop_token is not supported"):
+        parse_request({"prompts": ["5"], "stop_token": 7})
+
+
 def test_other_paths_and_methods(served):
     import urllib.error
     import urllib.request

@@ -39,9 +39,10 @@ import torch
 from tools.generate import generate
 
 MAX_PROMPTS = 128
-# Megatron-LM fields not implemented here, with the values that ask for nothing
+# Megatron-LM fields not implemented here, with the values that ask for nothing: Megatron's
+# defaults (stop_token 50256, GPT-2's end of document, is read by beam search only)
 NOT_SUPPORTED = {"top_p_decay": 0.0, "top_p_bound": 0.0, "prevent_newline_after_colon": False,
-                 "beam_width": None, "stop_token": None, "length_penalty": 1}
+                 "beam_width": None, "stop_token": 50256, "length_penalty": 1}
 
 
 class RequestError(ValueError):
