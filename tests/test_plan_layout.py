@@ -267,3 +267,15 @@ def test_check_command_reproduces_the_table_figure_on_a_machine_without_gpu():
                              cuda_available=False)
     assert cfg.model.normalization == "RMSNorm"
     assert estimate_memory(cfg) == plan.memory
+
+
+def test_full_recompute_flags_fix_the_layer_count_the_plan_used():
+    """The plan estimates full recompute with --recompute-num-layers 1; an input that gave
+    another count kept it in the printed flags, so the check did not reproduce the table."""
+    layout = Layout(tp=1, pp=2, vp=1, mbs=2, sp=False, dist_opt=False, recompute="full")
+    argv = SMALL + ["--recompute-num-layers", "4", "--lr", "1e-4", "--train-iters", "1",
+                    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    cfg = parse_and_validate(argv + layout.flags(8), world_size=2, env={},
+                             cuda_available=True)
+    assert cfg.model.recompute_num_layers == 1
+    assert cfg.model.recompute_granularity == "full" and cfg.model.recompute_method == "uniform"

@@ -101,7 +101,8 @@ class Layout:
         if self.recompute == "selective":
             out += ["--recompute-granularity", "selective"]
         elif self.recompute == "full":
-            out += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+            out += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                    "--recompute-num-layers", "1"]
         return out
 
 
