@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing.util
 import queue
 import signal
+import sys
 import threading
 import weakref
 from typing import Dict, Iterator, List, Optional
@@ -187,7 +188,11 @@ class PrefetchIterator:
     def __iter__(self):
         return self
 
+    join_timeout_s = 30.0  # a sample read stuck on a stalled file system must not hang exit
+
     def __next__(self) -> Dict[str, torch.Tensor]:
+        if self.stop.is_set():
+            raise StopIteration  # closed
         item = self.q.get()
         if isinstance(item, StopIteration):
             raise StopIteration
@@ -196,10 +201,16 @@ class PrefetchIterator:
         return item
 
     def close(self) -> None:
-        """Stop the reader thread and wait for it (it notices within 0.1 s, or when the
-        sample it is assembling is done)."""
+        """Stop the reader thread and wait for it: it notices within 0.1 s, or when the
+        sample it is assembling is done. A read that takes longer than `join_timeout_s`
+        (a stalled file system) is left behind with a warning: the thread is a daemon, and
+        every exit path (a signal, an error) comes through here."""
         self.stop.set()
-        self.thread.join()
+        self.thread.join(self.join_timeout_s)
+        if self.thread.is_alive():
+            print(f"WARNING: the data reader thread did not stop within "
+                  f"{self.join_timeout_s:g} s (a sample read is stuck, e.g. on a stalled "
+                  "file system); leaving it behind", file=sys.stderr, flush=True)
 
 
 def _shutdown_workers(holder: list) -> None:

@@ -186,3 +186,31 @@ def test_prefetch_iterator_closes_with_a_full_queue_after_the_last_batch():
     closer.start()
     closer.join(timeout=5)
     assert not closer.is_alive() and not it.thread.is_alive()
+
+
+def test_prefetch_close_does_not_hang_on_a_stuck_read_and_ends_the_iterator(capsys):
+    """close() runs on every exit path (a signal, an error): a sample read stuck on a
+    stalled file system used to keep it waiting for ever. After close(), next() ends."""
+    release = threading.Event()
+
+    class Stuck:
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            if i >= 2:
+                release.wait(30)  # the stalled read
+            return {"text": np.arange(5)}
+
+    it = PrefetchIterator(Stuck(), PretrainingSampler(8, 0, 2, 0, 1), pin=False, depth=1)
+    next(it)
+    it.join_timeout_s = 0.3
+    began = time.monotonic()
+    it.close()
+    assert time.monotonic() - began < 5
+    assert "the data reader thread did not stop within 0.3 s" in capsys.readouterr().err
+    with pytest.raises(StopIteration):
+        next(it)
+    release.set()
+    it.thread.join(5)
+    assert not it.thread.is_alive()
