@@ -245,3 +245,23 @@ def test_max_tokens_to_oom_is_the_servers(ckpt, caplog):
     assert "--max-tokens-to-oom has no effect here: read by " \
            "tools/run_text_generation_server.py only" in caplog.text
     assert "--inference-batch-times-seqlen-threshold has no effect here" in caplog.text
+
+
+@pytest.mark.parametrize("host_flags,noted", [([], True), (["--host", "127.0.0.1"], False)])
+def test_main_notes_the_local_only_default(ckpt, capsys, monkeypatch, host_flags, noted):
+    class Server:  # serves until Ctrl-C, at once
+        server_address = ("127.0.0.1", 5999)
+
+        def serve_forever(self):
+            raise KeyboardInterrupt
+
+        def server_close(self):
+            pass
+
+    monkeypatch.setattr(server_mod, "build_server", lambda *a, **k: Server())
+    monkeypatch.delenv("RANK", raising=False)
+    assert server_mod.main(["--load", ckpt, *host_flags]) == 0
+    out = capsys.readouterr().out
+    assert "at http://127.0.0.1:5999/api (PUT)" in out
+    assert ("note: listening on 127.0.0.1 only (Megatron-LM listens on 0.0.0.0); pass "
+            "--host 0.0.0.0" in out) == noted

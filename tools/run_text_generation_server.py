@@ -18,7 +18,9 @@ checkpoint's on CUDA, fp32 on CPU); unseeded requests draw from a generator seed
 
 The request and response are described in tools/text_generation_api.py (Megatron's PUT /api
 fields). Requests run one at a time; each prints one line to stdout. Bad requests get HTTP
-400 with a plain-text message, other paths 404, other methods on /api 405.
+400 with a plain-text message, other paths 404, other methods on /api 405. (Megatron-LM
+answers most bad requests with HTTP 200 and the message as the body; a client that tells
+success from failure by the status works with both.)
 
 --host defaults to 127.0.0.1, not Megatron's 0.0.0.0: the API has no authentication, so
 reaching it from other machines is opt-in (--host 0.0.0.0).
@@ -48,6 +50,7 @@ from tools.text_generation_api import (  # noqa: E402
 )
 
 _PROG = "run_text_generation_server.py"
+LOCAL_ONLY = "127.0.0.1"  # the default --host
 _MAX_BODY = 16 * 1024 * 1024
 # flags of the model's shape: compared with the checkpoint when given
 _SHAPE_DESTS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -69,7 +72,7 @@ def _server_parser() -> argparse.ArgumentParser:
         prog=_PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Every other flag is one of Megatron-LM's (see pretrain_gpt.py --help).")
     ap.add_argument("--port", type=int, default=5000, help="default 5000 (0: any free port)")
-    ap.add_argument("--host", default="127.0.0.1",
+    ap.add_argument("--host", default=LOCAL_ONLY,
                     help="address to bind; default 127.0.0.1 (this machine only; Megatron "
                          "binds 0.0.0.0: pass --host 0.0.0.0 to serve other machines)")
     ap.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
@@ -233,6 +236,11 @@ def main(argv=None) -> int:
     host, port = server.server_address[:2]
     print(f"serving {ns.load} (iteration {iteration}) at http://{host}:{port}/api (PUT); "
           "Ctrl-C stops", flush=True)
+    if a.host == LOCAL_ONLY and not any(x == "--host" or x.startswith("--host=")
+                                        for x in (argv if argv is not None else sys.argv[1:])):
+        print(f"note: listening on {LOCAL_ONLY} only (Megatron-LM listens on 0.0.0.0); pass "
+              "--host 0.0.0.0 to serve other machines (the API has no authentication)",
+              flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
