@@ -429,8 +429,11 @@ def save_hf_checkpoint(out_dir: str, state: Dict[str, torch.Tensor], config: dic
                  "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
         _write_json(os.path.join(out_dir, SAFETENSORS_INDEX), index)
     _write_json(os.path.join(out_dir, "config.json"), config)
+    generation_path = os.path.join(out_dir, "generation_config.json")
     if generation_config is not None:
-        _write_json(os.path.join(out_dir, "generation_config.json"), generation_config)
+        _write_json(generation_path, generation_config)
+    elif os.path.exists(generation_path):  # an earlier export's: not this model's
+        os.remove(generation_path)
     return names
 
 

@@ -344,3 +344,15 @@ def test_pretrain_gpt_cli_trains_from_an_imported_model(tmp_path):
     assert "successfully loaded checkpoint" in out and "at iteration 0" in out
     assert len(re.findall(r"iteration\s+\d+/\s*2 \|.*lm loss", out)) == 2, out[-3000:]
     assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
+def test_export_without_generation_config_removes_an_earlier_one(tmp_path):
+    """--overwrite replaces an export: a generation_config.json of the earlier model (its
+    end-of-document id) must not stay beside the new one's weights."""
+    pytest.importorskip("safetensors")
+    state = {"w": torch.zeros(2)}
+    hf_interop.save_hf_checkpoint(str(tmp_path), state, {"a": 1}, {"eos_token_id": 7})
+    assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == 7
+    hf_interop.save_hf_checkpoint(str(tmp_path), state, {"a": 2})
+    assert not (tmp_path / "generation_config.json").exists()
+    assert json.loads((tmp_path / "config.json").read_text()) == {"a": 2}
