@@ -38,6 +38,7 @@ class StepRecord(NamedTuple):
     counted: bool  # a NaN already counted by the NaN policy
     local_loss: Optional[torch.Tensor]  # this rank's own loss, to name a NaN's origin
     params_norm: Optional[torch.Tensor]  # --log-params-norm, where a log reports it
+    memory: Optional[dict] = None  # --log-memory-to-tensorboard at a TensorBoard iteration
 
 
 def params_norm_due(logging_config, iteration: int) -> bool:
@@ -50,6 +51,17 @@ def params_norm_due(logging_config, iteration: int) -> bool:
         return False
     return (iteration % lg.log_interval == 0
             or (lg.tensorboard_dir is not None and iteration % lg.tensorboard_log_interval == 0))
+
+
+def memory_stats_due(tr, iteration: int) -> Optional[dict]:
+    """The allocator's statistics when --log-memory-to-tensorboard writes them for
+    `iteration` (a TensorBoard iteration of the rank that writes, on CUDA), else None.
+    Host-side bookkeeping: no device synchronisation."""
+    lg = tr.config.logging
+    if (tr.tb is None or not lg.log_memory_to_tensorboard or tr.rt.device.type != "cuda"
+            or iteration % lg.tensorboard_log_interval != 0):
+        return None
+    return torch.cuda.memory_stats(tr.rt.device)
 
 
 def to_float(x) -> Optional[float]:
@@ -104,7 +116,7 @@ class IntervalStats:
                 if params_norm_due(tr.config.logging, st.iteration) else None)
         self.records.append(StepRecord(st.iteration, st.consumed_train_samples, lr, loss,
                                        scale, grad_norm, ok, counted, tr.last_local_loss,
-                                       norm))
+                                       norm, memory_stats_due(tr, st.iteration)))
 
     def read_flags(self, st) -> None:
         """Read the update flags that fp16 replays left on the device (after a sync: no
@@ -148,12 +160,13 @@ def _write_records(tr, stats: IntervalStats, extras) -> Tuple[List[float], int, 
         elif r.ok:
             good_losses.append(loss_f)
         if tr.tb is not None and r.iteration % cfg.logging.tensorboard_log_interval == 0:
-            last = r.iteration == last_it  # memory and timers are of the interval's end
+            last = r.iteration == last_it  # timers are of the interval's end
+            memory = r.memory if r.memory is not None else extras.memory if last else None
             tr.tb.log_training(r.iteration, r.consumed, r.lr, cfg.data.global_batch_size,
                                {"lm loss": loss_f}, to_float(r.scale), to_float(r.grad_norm),
                                to_float(extras.num_zeros.get(r.iteration)),
                                to_float(r.params_norm), tr.rt.ps.world_size,
-                               extras.memory if last else None, extras.timers if last else None)
+                               memory, extras.timers if last else None)
     return good_losses, skipped, nans
 
 

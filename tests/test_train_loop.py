@@ -18,8 +18,10 @@ import re
 import signal
 import threading
 import time
+import types
 
 import pytest
+import torch
 
 import megatron.training as training
 from megatron.arguments import parse_and_validate
@@ -240,6 +242,30 @@ def test_pretrain_stops_its_loaders_when_it_returns(capsys, workers):
         _pretrain(["--train-iters", "2", "--num-workers", workers], capsys)
         assert set(multiprocessing.active_children()) <= children
         assert set(threading.enumerate()) <= threads
+
+
+def test_memory_scalars_at_every_tensorboard_iteration(tmp_path, capsys, monkeypatch):
+    """--log-memory-to-tensorboard writes the allocator's figures at each
+    --tensorboard-log-interval iteration, as Megatron does (they were written only at the
+    --log-interval iterations). CPU has no CUDA allocator: its statistics are faked."""
+    from megatron import interval_log
+
+    real = interval_log.memory_stats_due  # its conditions, run as on a CUDA device
+
+    def fake(tr, iteration):
+        tr_cuda = types.SimpleNamespace(tb=tr.tb, config=tr.config,
+                                        rt=types.SimpleNamespace(device=torch.device("cuda")))
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "memory_stats",
+                      lambda device: {"allocated_bytes.all.current": 1000 * iteration})
+            return real(tr_cuda, iteration)
+
+    monkeypatch.setattr(interval_log, "memory_stats_due", fake)
+    tb = str(tmp_path / "tb")
+    _pretrain(["--train-iters", "6", "--log-interval", "3", "--eval-iters", "0",
+               "--tensorboard-dir", tb, "--tensorboard-log-interval", "2",
+               "--log-memory-to-tensorboard"], capsys)
+    assert read_scalars(tb)["mem-allocated-bytes"] == [(2, 2000.0), (4, 4000.0), (6, 6000.0)]
 
 
 # --------------------------------------------------------------------------- timers
