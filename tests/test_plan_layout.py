@@ -279,3 +279,13 @@ def test_full_recompute_flags_fix_the_layer_count_the_plan_used():
                              cuda_available=True)
     assert cfg.model.recompute_num_layers == 1
     assert cfg.model.recompute_granularity == "full" and cfg.model.recompute_method == "uniform"
+
+
+def test_check_command_with_data_flags_says_it_needs_the_files(capsys):
+    """A training command line with --data-path plans fine anywhere, but its check command's
+    --dry-run also looks for the data files (exit 1 where they are not)."""
+    note = "(it also checks that the data files exist: run it where they are"
+    code, out, _ = _run(_preset("gpt3-125m", 8, "--data-path", "/nonexistent/corpus"), capsys)
+    assert code == 0 and note in out
+    code, out, _ = _run(_preset("gpt3-125m", 8), capsys)
+    assert code == 0 and note not in out

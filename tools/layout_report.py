@@ -111,6 +111,11 @@ def format_plan(req: Request, result: PlanResult) -> str:
     lines += [
         "check it:",
         f"  WORLD_SIZE={result.gpus} " + shlex.join(check_command(req, best.layout)),
+    ]
+    if {"data_path", "train_data_path"} & req.explicit:
+        lines.append("  (it also checks that the data files exist: run it where they are, "
+                     "or in place of the data flags pass --mock-data)")
+    lines += [
         "",
         "peak GiB: --dry-run's memory estimate for the worst pipeline stage (compiled layers, as "
         "on a GPU). rel. time: an ESTIMATE from the cost model in tools/layout_cost.py, not a "
