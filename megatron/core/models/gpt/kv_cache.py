@@ -1,0 +1,165 @@
+"""Incremental decoding: the GPT forward over new tokens only, with a key/value cache.
+
+Shape legend: b = batch, s = new tokens of this call, L = positions in the cache after it
+(start + s), h = hidden, n = attention heads, g = query groups (key/value heads),
+d = head dim, V = padded vocabulary.
+
+`forward_incremental(model, input_ids_bs, cache)` runs the tokens at positions
+[cache.length, cache.length + s): the prompt as one call (prefill), then one token per
+call. Each layer appends its new keys and values to the cache and its new queries attend
+over every cached position up to their own (causal). It reuses the model's own modules --
+embedding (learned positions), norms, QKV and output projections, MLP, residual rule,
+final norm and output layer -- and the same rotary table and rotation
+(`fused_rotary.split_and_rotate`, sliced at the new positions), so the logits equal those
+of the full forward at the same positions up to float rounding.
+
+Scope: one process, the whole model (tp = 1, pp = 1: tools/generate.py's `load_model`
+merges any layout into that), eval mode. This path is eager and separate: it calls the
+layers' submodules directly and never the training forward, the compiled layer graphs or
+their inputs, so training numerics and what torch.compile captures are unchanged. A cache
+holds at most `max_len` positions (<= --max-position-embeddings); what to do past that is
+the caller's choice (tools/generate.py recomputes the sliding window without the cache).
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.fused_rotary import split_and_rotate
+
+from .transformer import sdpa_backend
+
+
+class KVCache:
+    """Per-layer keys and values, [b, g, max_len, d] each, allocated at a layer's first
+    `append` (in the dtype and on the device of its keys); `length` positions are filled."""
+
+    def __init__(self, num_layers: int, max_len: int) -> None:
+        if max_len < 1:
+            raise ValueError(f"a key/value cache needs max_len >= 1 (got {max_len})")
+        self.max_len = max_len
+        self.length = 0
+        self.keys: List[Optional[torch.Tensor]] = [None] * num_layers
+        self.values: List[Optional[torch.Tensor]] = [None] * num_layers
+
+    def append(self, layer: int, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Store layer `layer`'s keys and values of the positions [length, length + s);
+        return its keys and values of positions [0, length + s) (views into the cache)."""
+        end = self.length + k_bgsd.shape[2]
+        if self.keys[layer] is None:
+            b, g, _, d = k_bgsd.shape
+            self.keys[layer] = k_bgsd.new_empty(b, g, self.max_len, d)
+            self.values[layer] = v_bgsd.new_empty(b, g, self.max_len, d)
+        k_all, v_all = self.keys[layer], self.values[layer]
+        k_all[:, :, self.length:end] = k_bgsd
+        v_all[:, :, self.length:end] = v_bgsd
+        return k_all[:, :, :end], v_all[:, :, :end]
+
+
+def check_incremental(model) -> None:
+    """ValueError naming the reason when `model` cannot decode with a cache."""
+    if not (model.pre_process and model.post_process):
+        raise ValueError("incremental decoding needs the whole model in one process "
+                         "(pre_process and post_process); merge pipeline stages first "
+                         "(tools/generate.py load_model)")
+    if model._tp_size() != 1:
+        raise ValueError(f"incremental decoding runs with tensor-parallel size 1 (got "
+                         f"{model._tp_size()}); merge the shards first (tools/generate.py "
+                         "load_model)")
+    if model.training:
+        raise ValueError("incremental decoding runs in eval mode (no dropout): call "
+                         "model.eval() first")
+
+
+def _attend(attn, q_bnsd, k_bgLd, v_bgLd) -> torch.Tensor:
+    """The new queries (the last s of L positions) over the cached keys and values,
+    causal. Prefill (s == L) runs what the full forward runs (is_causal, the configured
+    kernel); one new token sees every position, so it needs no mask."""
+    s, total = q_bnsd.shape[2], k_bgLd.shape[2]
+    mask = None
+    if 1 < s < total:  # several new tokens after a prefix: bottom-right causal mask
+        pos = torch.arange(total, device=q_bnsd.device)
+        mask = pos[None, :] <= pos[total - s:, None]  # [s, L], True = attend
+    gqa = {}
+    if attn.g != attn.n and attn._native_gqa(q_bnsd, mask):
+        gqa = {"enable_gqa": True}
+    elif attn.g != attn.n:
+        rep = attn.n // attn.g
+        k_bgLd = k_bgLd.repeat_interleave(rep, dim=1)
+        v_bgLd = v_bgLd.repeat_interleave(rep, dim=1)
+    backend = attn.config.attention_backend if s == total else "auto"
+    with sdpa_backend(backend):
+        return F.scaled_dot_product_attention(
+            q_bnsd, k_bgLd, v_bgLd, attn_mask=mask, is_causal=s == total and s > 1,
+            scale=1.0 / math.sqrt(attn.d), **gqa)
+
+
+def _attention_step(attn, x_sbh, rotary_table, cache: KVCache, layer: int):
+    """ParallelAttention.forward for the new tokens, keys and values through the cache."""
+    qkv, bias = attn.query_key_value(x_sbh)
+    if bias is not None:
+        qkv = qkv + bias
+    if rotary_table is None:
+        q, k, v = attn._split_qkv(qkv)  # [s, b, n|g, d]
+    else:
+        q, k, v = split_and_rotate(qkv, rotary_table, attn.g, attn.n // attn.g, attn.d)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n|g, s, d]
+    k_all, v_all = cache.append(layer, k, v)
+    ctx = _attend(attn, q, k_all, v_all)
+    s, b = qkv.shape[0], qkv.shape[1]
+    return attn.dense(ctx.permute(2, 0, 1, 3).reshape(s, b, attn.n * attn.d))
+
+
+def _layer_step(layer, x_sbh, rotary_table, cache: KVCache, index: int):
+    """TransformerLayer.forward (pre-LN, or post-LN residuals) with cached attention."""
+    ln = layer.input_layernorm(x_sbh)
+    out, bias = _attention_step(layer.self_attention, ln, rotary_table, cache, index)
+    if layer.config.apply_residual_connection_post_layernorm:
+        x_sbh = layer._residual_dropout(out, bias, ln)
+        ln = layer.post_attention_layernorm(x_sbh)
+        out, bias = layer.mlp(ln)
+        return layer._residual_dropout(out, bias, ln)
+    x_sbh = layer._residual_dropout(out, bias, x_sbh)
+    out, bias = layer.mlp(layer.post_attention_layernorm(x_sbh))
+    return layer._residual_dropout(out, bias, x_sbh)
+
+
+@torch.no_grad()
+def forward_incremental(model, input_ids_bs: torch.Tensor, cache: KVCache,
+                        last_only: bool = False) -> torch.Tensor:
+    """Logits [b, s, V] (V/tp rows of the padded vocabulary; [b, 1, V] with `last_only`)
+    of the tokens `input_ids_bs` at positions [cache.length, cache.length + s), given the
+    keys and values of the earlier positions in `cache`, which this call extends.
+
+    ValueError when the model cannot decode this way (see `check_incremental`) or the
+    tokens would run past the cache or the model's positions."""
+    check_incremental(model)
+    start, s = cache.length, input_ids_bs.shape[1]
+    end = start + s
+    limit = min(cache.max_len, model.config.max_position_embeddings)
+    if s < 1 or end > limit:
+        raise ValueError(f"{s} new token(s) after {start} cached positions make {end}, "
+                         f"over the cache's {cache.max_len} / the model's "
+                         f"{model.config.max_position_embeddings} positions; start a new "
+                         "cache on the last positions (recompute) instead")
+    lm = model.language_model
+    position_ids = None
+    if lm.embedding.position_embeddings is not None:
+        position_ids = torch.arange(start, end, device=input_ids_bs.device)[None]
+    hidden_sbh = lm.embedding(input_ids_bs, position_ids)
+    rotary = model._rotary(end, hidden_sbh.device)
+    rotary = None if rotary is None else rotary[:, start:end]
+    for i, layer in enumerate(lm.encoder.layers):
+        hidden_sbh = _layer_step(layer, hidden_sbh, rotary, cache, i)
+    cache.length = end
+    hidden_sbh = lm.encoder.final_layernorm(hidden_sbh)
+    if last_only:
+        hidden_sbh = hidden_sbh[-1:]
+    return model._head(hidden_sbh, None)
+
+
+__all__ = ["KVCache", "check_incremental", "forward_incremental"]
