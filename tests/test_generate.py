@@ -78,6 +78,10 @@ def test_greedy_equals_argmax_loop_and_sampling(tmp_path):
     top1 = _run_cli("--load", str(tmp_path), "--prompt-ids", "5,6,7", "--top-k", "1",
                     "--max-new-tokens", "12", "--no-stop-at-eod")["generated_ids"]
     assert top1 == ids[3:]
+    past_max = [_run_cli("--load", str(tmp_path), "--prompt-ids", "5,6,7", "--seed", "2",
+                         "--max-new-tokens", "20", "--no-stop-at-eod", *flags)["generated_ids"]
+                for flags in ([], ["--no-kv-cache"])]  # 23 tokens: past the 16 positions
+    assert past_max[0] == past_max[1] and len(past_max[0]) == 20
 
 
 def test_bf16_checkpoint_loads_in_any_dtype(tmp_path):

@@ -15,8 +15,12 @@ order. Text prompts need the checkpoint's tokenizer (its files can be given agai
 Tokens are drawn from the tokenizer's vocabulary only, so a --seed gives the same text
 whatever layout padded the vocabulary (without a tokenizer: the padded vocabulary).
 
-Decoding recomputes the whole sequence for every new token (no key/value cache); the
-context is cut to the last --max-position-embeddings tokens. It stops after
+Decoding keeps a key/value cache (megatron/core/models/gpt/kv_cache.py): the prompt runs
+through the model once, then each new token alone. --no-kv-cache recomputes the whole
+sequence for every new token instead (the reference; same tokens, logits equal up to float
+rounding). Past --max-position-embeddings the context is cut to the last max_len tokens;
+the cached keys cannot slide with it (their positions would change), so from there on
+every token recomputes that window, with or without the cache. It stops after
 --max-new-tokens or at the end-of-document token (unless --no-stop-at-eod). Prints the
 prompt and generated ids and text (--json: one JSON line instead).
 """
@@ -38,6 +42,11 @@ from megatron.checkpoint_reshard import (  # noqa: E402
     config_from_args,
     full_model_state,
     locate_iteration,
+)
+from megatron.core.models.gpt.kv_cache import (  # noqa: E402
+    KVCache,
+    check_incremental,
+    forward_incremental,
 )
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -92,26 +101,59 @@ def sample_next(logits: torch.Tensor, greedy: bool = False, temperature: float =
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
+class _NextLogits:
+    """Logits [V] of the token after `ids`, for a sequence that grows by one token per
+    call. With `use_cache` the first call runs the prompt through the model once (the
+    key/value cache's prefill) and later calls run the new token only; once the sequence
+    is longer than the model's positions (no cache slot, and learned or rotary positions
+    cannot slide) every call recomputes the last --max-position-embeddings tokens, as the
+    path without a cache does for every token."""
+
+    def __init__(self, model, use_cache: bool, capacity: int):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.max_len = model.config.max_position_embeddings
+        self.cache = None
+        if use_cache:
+            check_incremental(model)
+            self.cache = KVCache(len(model.language_model.encoder.layers),
+                                 min(self.max_len, capacity))
+
+    def __call__(self, ids: List[int]) -> torch.Tensor:
+        cache = self.cache
+        if cache is None or len(ids) > cache.max_len:
+            context = torch.tensor([ids[-self.max_len:]], dtype=torch.long, device=self.device)
+            return self.model(context)[0, -1]
+        new = torch.tensor([ids[cache.length:]], dtype=torch.long, device=self.device)
+        return forward_incremental(self.model, new, cache, last_only=True)[0, -1]
+
+
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, greedy: bool = False,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              generator: Optional[torch.Generator] = None, eod: Optional[int] = None,
              vocab_limit: Optional[int] = None,
-             stop: Optional[Callable[[List[int]], bool]] = None) -> List[int]:
-    """New token ids after `prompt_ids` (full-sequence recompute per token). Only the first
+             stop: Optional[Callable[[List[int]], bool]] = None,
+             use_cache: bool = True) -> List[int]:
+    """New token ids after `prompt_ids`. With `use_cache` (default) a key/value cache
+    (megatron/core/models/gpt/kv_cache.py) runs each new token alone through the model;
+    `use_cache=False` recomputes the whole context for every token (the reference: the
+    same tokens, logits equal up to float rounding). Past --max-position-embeddings both
+    run the last max_len tokens in full. Only the first
     `vocab_limit` logits (the tokenizer's vocabulary) are sampled: the padding rows of the
     embedding are never produced, and a seeded draw does not depend on how far the layout
     padded the vocabulary (tp x --make-vocab-size-divisible-by). `stop(ids)`, called with
-    the whole sequence after each new token, ends generation early when it returns True."""
+    the whole sequence after each new token, ends generation early when it returns True.
+    The cache needs a GPTModel of one process (tp 1, pp 1) in eval mode, as load_model
+    returns it."""
     if not prompt_ids:
         raise ValueError("the prompt is empty; give --prompt or --prompt-ids")
-    device = next(model.parameters()).device
-    max_len = model.config.max_position_embeddings
     ids = list(prompt_ids)
+    next_logits = _NextLogits(model, use_cache and max_new_tokens > 0,
+                              len(ids) + max_new_tokens - 1)
     out: List[int] = []
     for _ in range(max_new_tokens):
-        context = torch.tensor([ids[-max_len:]], dtype=torch.long, device=device)
-        logits = model(context)[0, -1, :vocab_limit].float()
+        logits = next_logits(ids)[:vocab_limit].float()
         token = sample_next(logits, greedy, temperature, top_k, top_p, generator)
         out.append(token)
         ids.append(token)
@@ -153,6 +195,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--top-p", type=float, default=1.0, help="1.0: no nucleus filter")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--no-stop-at-eod", action="store_true", help="keep going after EOD")
+    ap.add_argument("--no-kv-cache", action="store_true",
+                    help="recompute the whole context for every token (the reference the "
+                         "key/value cache is checked against; slower)")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
                     help="default: the checkpoint's on CUDA, fp32 on CPU")
@@ -222,7 +267,8 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(a.seed)
     eod = None if (a.no_stop_at_eod or tokenizer is None) else getattr(tokenizer, "eod", None)
     new = generate(model, ids, a.max_new_tokens, greedy=a.greedy, temperature=a.temperature,
-                   top_k=a.top_k, top_p=a.top_p, generator=gen, eod=eod, vocab_limit=vocab)
+                   top_k=a.top_k, top_p=a.top_p, generator=gen, eod=eod, vocab_limit=vocab,
+                   use_cache=not a.no_kv_cache)
     text = tokenizer.detokenize(new) if tokenizer is not None else None
     if a.json:
         print(json.dumps({"iteration": iteration, "prompt_ids": ids, "generated_ids": new,
