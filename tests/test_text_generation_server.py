@@ -72,6 +72,32 @@ def test_greedy_and_seeded_text_match_generate_py(ckpt, served):
     assert len(lines) == n
 
 
+def test_generation_uses_the_kv_cache(ckpt, monkeypatch):
+    """Requests generate through the key/value cache (the prompt as one call, then one
+    token per call); --no-kv-cache recomputes the context and gives the same answer."""
+    from tools import generate as generate_mod
+    from tools.text_generation_api import parse_request, run_request
+
+    calls = []
+    real = generate_mod.forward_incremental
+    monkeypatch.setattr(generate_mod, "forward_incremental", lambda model, ids, cache, **kw:
+                        calls.append(ids.shape[1]) or real(model, ids, cache, **kw))
+    body = parse_request({"prompts": ["5 6 7", "1 2"], "tokens_to_generate": 6,
+                          "temperature": 1.5, "random_seed": 4, "logprobs": True})
+    answers = []
+    for flags in ([], ["--no-kv-cache"]):
+        a, ns, explicit = server_mod.parse_args(["--load", ckpt, *flags])
+        engine, _ = server_mod.build_engine(a, ns, explicit)
+        assert engine.use_kv_cache is not bool(flags)
+        calls.clear()
+        answers.append(run_request(engine, body))
+        if flags:
+            assert calls == []
+        else:  # per prompt: its tokens in one call, then one per token (EOD may end it)
+            assert calls[0] == 3 and 2 in calls and set(calls) == {1, 2, 3}, calls
+    assert answers[0] == answers[1]
+
+
 def test_logprobs_and_scoring(served):
     url, _ = served
     out = _ok(url, {"prompts": ["5 6 7", "1 2"], "tokens_to_generate": 4, "logprobs": True,

@@ -18,7 +18,9 @@ A request is Megatron-LM's `PUT /api` JSON object:
 The answer is {"text": [prompt + generated text], "segments": [[token text, ...]]} and,
 when asked, "logprobs": [[log p(token | tokens before it) for every token after the
 first]] (tokens_to_generate 0 with logprobs scores the prompts). Prompts run one after
-another through tools/generate.py's `generate`, all drawing from ONE generator: a request
+another through tools/generate.py's `generate` (with its key/value cache unless the server
+was started with --no-kv-cache; the log-probabilities come from one full forward of each
+answer), all drawing from ONE generator: a request
 with one prompt and random_seed S draws exactly what `generate.py --seed S` draws. Like
 generate.py, tokens come from the tokenizer's vocabulary only (not the layout's padding),
 log-probabilities are normalised over that vocabulary from the plain logits (no temperature
@@ -73,8 +75,9 @@ _BOOLS = ("logprobs", "add_BOS", "stop_on_eol", "stop_on_double_eol", "no_log")
 @dataclasses.dataclass
 class Engine:
     """What a request runs on: the model (eval mode), its tokenizer, the tokenizer's
-    vocabulary size, the longest sequence, the generator of unseeded requests, and the
-    lock that lets one request at a time use the model."""
+    vocabulary size, the longest sequence, the generator of unseeded requests, the
+    request size limit, whether generation keeps a key/value cache, and the lock that
+    lets one request at a time use the model."""
 
     model: torch.nn.Module
     tokenizer: Any
@@ -82,6 +85,7 @@ class Engine:
     max_len: int
     generator: torch.Generator
     max_tokens: int = 12000  # --max-tokens-to-oom: prompts x longest sequence per request
+    use_kv_cache: bool = True  # False (--no-kv-cache): recompute the context per token
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -229,7 +233,7 @@ def run_request(engine: Engine, req: GenerationRequest) -> Dict[str, list]:
                        temperature=req.temperature, top_k=req.top_k,
                        top_p=req.top_p if req.top_p > 0 else 1.0, generator=gen,
                        eod=getattr(tok, "eod", None), vocab_limit=engine.vocab_size,
-                       stop=stop)
+                       stop=stop, use_cache=engine.use_kv_cache)
         full = ids + new
         out["text"].append(tok.detokenize(full))
         out["segments"].append([tok.detokenize([t]) for t in full])
