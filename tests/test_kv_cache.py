@@ -31,10 +31,10 @@ VARIANTS = {
 }
 
 
-def _model(variant: str, dtype=torch.float32) -> GPTModel:
+def _model(variant: str, dtype=torch.float32, seq_length: int = MAX_POS) -> GPTModel:
     torch.manual_seed(0)
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
-                      padded_vocab_size=VOCAB, seq_length=MAX_POS,
+                      padded_vocab_size=VOCAB, seq_length=seq_length,
                       max_position_embeddings=MAX_POS, hidden_dropout=0.0,
                       attention_dropout=0.0, use_cpu_initialization=True,
                       init_method_std=0.3, params_dtype=dtype, **VARIANTS[variant])
@@ -72,6 +72,50 @@ def test_prefill_and_steps_equal_the_full_forward(variant):
     torch.testing.assert_close(chunk, full[5:12], rtol=0, atol=1e-5 * full.abs().max())
     last = forward_incremental(model, ids[:, 12:15], cache, last_only=True)[0]
     torch.testing.assert_close(last, full[14:15], rtol=0, atol=1e-5 * full.abs().max())
+
+
+def test_the_models_rotary_table_is_left_alone():
+    """Decoding past --seq-length (up to --max-position-embeddings) builds the cache's own
+    longer table: the model's, which training passes to its compiled layers (a longer
+    table would change the strides they were compiled for), stays as it was."""
+    model = _model("llama", seq_length=8)
+    with torch.no_grad():
+        model(_tokens(8))
+    table = model._rotary_cache
+    generate.generate(model, _tokens(4)[0].tolist(), 16, greedy=True)
+    assert model._rotary_cache is table and table.shape[1] == 8
+
+
+def test_rotary_kernel_reads_the_new_positions_rows(triton_interpreter, monkeypatch):
+    """The Triton rotation (CUDA's path, here through Triton's interpreter) given the
+    table's rows from the cache's position on rotates as the full forward does."""
+    from megatron.core import fused_rotary
+
+    monkeypatch.setattr(fused_rotary, "INTERPRET_ON_CPU", True)
+    model = _model("llama")
+    ids = _tokens(12)
+    with torch.no_grad():
+        full = model(ids)[0]
+    cache = KVCache(model.config.num_layers, MAX_POS)
+    parts = [forward_incremental(model, ids[:, :5], cache)[0]]
+    parts += [forward_incremental(model, ids[:, i:i + 1], cache)[0] for i in range(5, 12)]
+    torch.testing.assert_close(torch.cat(parts), full, rtol=0, atol=1e-5 * full.abs().max())
+
+
+def test_the_cached_path_stays_eager():
+    """A model built to compile its layers (--compile-layers) decodes through the cache
+    without compiling anything: the training graphs are neither built nor changed here."""
+    import dataclasses
+
+    model = _model("llama")
+    model.config = dataclasses.replace(model.config, compile_layers=True)
+    model.language_model.encoder.config = model.config
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    generate.generate(model, [1, 2, 3], 4, greedy=True)
+    assert model.language_model.encoder._compiled is None
+    assert model.language_model.encoder._compiled_unit is None
+    assert not counters["frames"] and not counters["stats"]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

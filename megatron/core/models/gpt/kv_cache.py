@@ -9,9 +9,11 @@ d = head dim, V = padded vocabulary.
 call. Each layer appends its new keys and values to the cache and its new queries attend
 over every cached position up to their own (causal). It reuses the model's own modules --
 embedding (learned positions), norms, QKV and output projections, MLP, residual rule,
-final norm and output layer -- and the same rotary table and rotation
-(`fused_rotary.split_and_rotate`, sliced at the new positions), so the logits equal those
-of the full forward at the same positions up to float rounding.
+final norm and output layer -- and the same rotary table (`rotary.rotary_table`, the
+cache's own copy, read from the new positions' rows) and rotation
+(`fused_rotary.split_and_rotate`), so the logits equal those of the full forward at the
+same positions up to float rounding (fp32: within 1e-6 of the largest logit,
+tests/test_kv_cache.py).
 
 Scope: one process, the whole model (tp = 1, pp = 1: tools/generate.py's `load_model`
 merges any layout into that), eval mode. This path is eager and separate: it calls the
@@ -30,12 +32,14 @@ import torch.nn.functional as F
 
 from megatron.core.fused_rotary import split_and_rotate
 
+from .rotary import rotary_table
 from .transformer import sdpa_backend
 
 
 class KVCache:
     """Per-layer keys and values, [b, g, max_len, d] each, allocated at a layer's first
-    `append` (in the dtype and on the device of its keys); `length` positions are filled."""
+    `append` (in the dtype and on the device of its keys); `length` positions are filled.
+    One cache serves one sequence (batch) from position 0 on; start a new one for another."""
 
     def __init__(self, num_layers: int, max_len: int) -> None:
         if max_len < 1:
@@ -44,6 +48,7 @@ class KVCache:
         self.length = 0
         self.keys: List[Optional[torch.Tensor]] = [None] * num_layers
         self.values: List[Optional[torch.Tensor]] = [None] * num_layers
+        self.rotary: Optional[torch.Tensor] = None  # [2, >= max_len, 1, 1, rot]: cos, sin
 
     def append(self, layer: int, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor
                ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +133,19 @@ def _layer_step(layer, x_sbh, rotary_table, cache: KVCache, index: int):
     return layer._residual_dropout(out, bias, x_sbh)
 
 
+def _rotary_rows(model, cache: KVCache, device, start: int, end: int):
+    """Rows [start, end) of the rotary cos/sin table, or None without rotary positions.
+    The table is the cache's own, built as GPTModel builds its table (same function, same
+    length when the cache fits in --seq-length, so the same values): the model's table,
+    which the training forward passes to the compiled layers, is left as it is."""
+    if model.rotary_dim is None:
+        return None
+    if cache.rotary is None or cache.rotary.device != device:
+        length = max(cache.max_len, model.config.seq_length)
+        cache.rotary = rotary_table(length, model.rotary_dim, model.config.rotary_base, device)
+    return cache.rotary[:, start:end]
+
+
 @torch.no_grad()
 def forward_incremental(model, input_ids_bs: torch.Tensor, cache: KVCache,
                         last_only: bool = False) -> torch.Tensor:
@@ -151,8 +169,7 @@ def forward_incremental(model, input_ids_bs: torch.Tensor, cache: KVCache,
     if lm.embedding.position_embeddings is not None:
         position_ids = torch.arange(start, end, device=input_ids_bs.device)[None]
     hidden_sbh = lm.embedding(input_ids_bs, position_ids)
-    rotary = model._rotary(end, hidden_sbh.device)
-    rotary = None if rotary is None else rotary[:, start:end]
+    rotary = _rotary_rows(model, cache, hidden_sbh.device, start, end)
     for i, layer in enumerate(lm.encoder.layers):
         hidden_sbh = _layer_step(layer, hidden_sbh, rotary, cache, i)
     cache.length = end
