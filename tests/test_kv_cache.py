@@ -23,6 +23,10 @@ VARIANTS = {
     "llama": dict(position_embedding_type="rope", rotary_percent=0.5, normalization="RMSNorm",
                   activation="swiglu", num_query_groups=2, add_bias_linear=False,
                   untie_embeddings_and_output_weights=True, rotary_base=500.0),
+    # one query group (multi-query attention), a head dim other than hidden / heads,
+    # full-width rotary, squared ReLU, the fp32 residual stream (in 16-bit runs)
+    "mqa": dict(position_embedding_type="rope", num_query_groups=1, kv_channels=16,
+                activation="squared_relu", fp32_residual_connection=True),
     # tied, tanh GeLU (the MLP's epilogue path), post-LN residuals, LayerNorm-1p, no
     # position embedding at all
     "tied-postln": dict(position_embedding_type="none", activation="openai_gelu",
@@ -148,12 +152,13 @@ def test_generation_uses_the_cache(monkeypatch):
     assert seen == []
 
 
+@pytest.mark.parametrize("variant", ["llama", "mqa"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_generation_matches(dtype):
+def test_half_precision_generation_matches(dtype, variant):
     """bf16 / fp16: greedy tokens equal the full-recompute path's on a short sequence;
     the logits agree within 2e-2 of the largest (one rounding of the half-precision
     activations)."""
-    model = _model("llama", dtype)
+    model = _model(variant, dtype)
     ids = _tokens(16, seed=3)
     with torch.no_grad():
         full = model(ids)[0].float()

@@ -146,7 +146,10 @@ def _split_op(qkv: torch.Tensor, table: torch.Tensor, groups: int, p: int, d: in
         out = (r * cos + _rotate_half(r) * sin).to(t.dtype)
         return torch.cat((out, t[..., rot:]), dim=-1)
 
-    return [rotate(q.reshape(s, b, groups * p, d)), rotate(k), v.contiguous()]
+    # a copy even where v is already contiguous (one token, one group: decoding with a
+    # key/value cache): a custom op may not return a view of its input
+    return [rotate(q.reshape(s, b, groups * p, d)), rotate(k),
+            v.clone(memory_format=torch.contiguous_format)]
 
 
 @torch.library.custom_op("megatron::rope_split_backward", mutates_args=())
