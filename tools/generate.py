@@ -139,13 +139,14 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, greedy: b
     (megatron/core/models/gpt/kv_cache.py) runs each new token alone through the model;
     `use_cache=False` recomputes the whole context for every token (the reference: the
     same tokens, logits equal up to float rounding). Past --max-position-embeddings both
-    run the last max_len tokens in full. Only the first
-    `vocab_limit` logits (the tokenizer's vocabulary) are sampled: the padding rows of the
-    embedding are never produced, and a seeded draw does not depend on how far the layout
-    padded the vocabulary (tp x --make-vocab-size-divisible-by). `stop(ids)`, called with
-    the whole sequence after each new token, ends generation early when it returns True.
-    The cache needs a GPTModel of one process (tp 1, pp 1) in eval mode, as load_model
-    returns it."""
+    run the last max_len tokens in full. The cache needs a GPTModel of one process (tp 1,
+    pp 1) in eval mode, as load_model returns it (ValueError otherwise).
+
+    Only the first `vocab_limit` logits (the tokenizer's vocabulary) are sampled: the
+    padding rows of the embedding are never produced, and a seeded draw does not depend on
+    how far the layout padded the vocabulary (tp x --make-vocab-size-divisible-by).
+    `stop(ids)`, called with the whole sequence after each new token, ends generation
+    early when it returns True."""
     if not prompt_ids:
         raise ValueError("the prompt is empty; give --prompt or --prompt-ids")
     ids = list(prompt_ids)
