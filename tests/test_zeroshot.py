@@ -287,6 +287,16 @@ def test_single_process_matches_reference(single):
     assert got["plain"]["accuracy"] == ref["plain"] / 12
 
 
+def test_several_micro_batches_per_schedule_run(single, capsys):
+    """--global-batch-size 9 with --micro-batch-size 3: three micro-batches per schedule
+    run, the last run filled up with unscored micro-batches; same numbers."""
+    for name in ("wiki", "plain"):
+        res = evaluate.main(single["runs"][name] + ["--global-batch-size", "9"])
+        for key, value in single["got"][name].items():
+            assert res[key] == pytest.approx(value, rel=REL)
+    assert "> working on iteration: 0" in capsys.readouterr().out
+
+
 def _layout_worker(rank, world_size, runs, layout):
     return {name: evaluate.main(argv + layout, rank, world_size) for name, argv in runs.items()}
 

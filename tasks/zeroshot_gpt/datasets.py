@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -48,17 +49,33 @@ def window(tokens: Sequence[int], index: int, seq_length: int, stride: int,
     return ids, mask
 
 
+class Windows(SequenceABC):
+    """The windows of `tokens` (see the module doc), each made when it is read: a
+    WikiText-103-sized text has thousands of windows of seq_length + 1 ids each."""
+
+    def __init__(self, tokens: Sequence[int], seq_length: int, stride: int, pad_id: int):
+        self.tokens, self.seq_length, self.stride, self.pad_id = tokens, seq_length, stride, pad_id
+        self.count = num_windows(len(tokens), seq_length, stride)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> Sample:
+        if not 0 <= index < self.count:
+            raise IndexError(f"window {index} of {self.count}")
+        return window(self.tokens, index, self.seq_length, self.stride, self.pad_id)
+
+
 def windows(tokens: Sequence[int], seq_length: int, stride: int, pad_id: int) -> List[Sample]:
-    """Every window of `tokens` (see the module doc)."""
-    return [window(tokens, i, seq_length, stride, pad_id)
-            for i in range(num_windows(len(tokens), seq_length, stride))]
+    """Every window of `tokens`, as a list."""
+    return list(Windows(tokens, seq_length, stride, pad_id))
 
 
 @dataclass
 class LanguageModelingData:
     """WIKITEXT103's samples and the counts its report needs."""
 
-    samples: List[Sample]
+    samples: Sequence[Sample]  # a Windows
     num_original_tokens: int  # whitespace-separated words of the file, as Megatron counts
     num_tokenized_tokens: int
 
@@ -86,7 +103,7 @@ def build_wikitext_data(path: str, tokenizer, seq_length: int, stride: int
     if len(tokens) < 2 or num_original < 2:
         raise SystemExit(f"error: --valid-data {path}: {num_original} word(s), {len(tokens)} "
                          "token(s); the perplexity needs at least 2 of each")
-    return LanguageModelingData(windows(tokens, seq_length, stride, tokenizer.eod),
+    return LanguageModelingData(Windows(tokens, seq_length, stride, tokenizer.eod),
                                 num_original, len(tokens))
 
 

@@ -159,47 +159,47 @@ class CorrectCount:
 
 
 # -------------------------------------------------------------------- the micro-batches
-def micro_batches(samples: Sequence[Sample], micro_batch_size: int, seq_length: int,
-                  pad_id: int) -> List[dict]:
-    """{'text': [b, s+1] int64, 'loss_mask': [b, s] fp32} micro-batches of
-    `micro_batch_size`; the last one is filled up with unscored pad rows (the pipeline
-    sends activations of one fixed shape)."""
+def micro_batch(rows: Sequence[Sample], micro_batch_size: int, seq_length: int,
+                pad_id: int) -> dict:
+    """{'text': [b, s+1] int64, 'loss_mask': [b, s] fp32} from up to `micro_batch_size`
+    samples, filled up with unscored pad rows (the pipeline sends activations of one
+    fixed shape, so a last partial micro-batch keeps the full size)."""
     filler = ([pad_id] * (seq_length + 1), [0] * seq_length)
-    out = []
-    for start in range(0, len(samples), micro_batch_size):
-        rows = list(samples[start:start + micro_batch_size])
-        rows += [filler] * (micro_batch_size - len(rows))
-        out.append({"text": torch.tensor([r[0] for r in rows], dtype=torch.long),
-                    "loss_mask": torch.tensor([r[1] for r in rows], dtype=torch.float32)})
-    return out
+    rows = list(rows) + [filler] * (micro_batch_size - len(rows))
+    return {"text": torch.tensor([r[0] for r in rows], dtype=torch.long),
+            "loss_mask": torch.tensor([r[1] for r in rows], dtype=torch.float32)}
 
 
-def _filler_like(micro: dict) -> dict:
-    return {"text": torch.zeros_like(micro["text"]), "loss_mask": torch.zeros_like(micro["loss_mask"])}
+def _runs(samples: Sequence[Sample], indices: Sequence[int], cfg, pad_id: int):
+    """(first micro-batch number, micro-batches) per schedule run: `num_micro_batches`
+    micro-batches each (--global-batch-size / (--micro-batch-size x dp)), the last run
+    filled up with unscored ones. Made as they are needed."""
+    mbs, seq, per_run = cfg.micro_batch_size, cfg.seq_length, cfg.num_micro_batches
+    num_micro = -(-len(indices) // mbs)
+    for first in range(0, num_micro, per_run):
+        run = []
+        for m in range(first, first + per_run):
+            rows = [samples[i] for i in indices[m * mbs:(m + 1) * mbs]]
+            run.append(micro_batch(rows, mbs, seq, pad_id))
+        yield first, min(per_run, num_micro - first), run
 
 
 @torch.no_grad()
 def evaluate_metric(tr, samples: Sequence[Sample], metric, pad_id: int) -> float:
     """The metric summed over this data-parallel rank's share of `samples` (every dp-th),
-    then over the data-parallel group (float64). Each schedule run takes
-    `num_micro_batches` micro-batches (--global-batch-size / (--micro-batch-size x dp));
-    the last run is filled up with unscored micro-batches. Prints Megatron's
-    '> working on iteration: N' every --log-interval micro-batches (rank 0)."""
+    then over the data-parallel group (float64). Prints Megatron's '> working on
+    iteration: N' every --log-interval micro-batches (rank 0)."""
     from megatron.train_step import run_schedule
 
     cfg, ps = tr.config, tr.rt.ps
-    mine = samples[ps.dp_rank::ps.dp_size]
-    micros = micro_batches(mine, cfg.data.micro_batch_size, cfg.data.seq_length, pad_id)
-    per_run = cfg.data.num_micro_batches
+    indices = range(ps.dp_rank, len(samples), ps.dp_size)
     total = torch.zeros((), dtype=torch.float64, device=tr.rt.device)
     tr.model.eval()
-    for start in range(0, len(micros), per_run):
-        for i in range(start, min(start + per_run, len(micros))):
+    for first, count, run in _runs(samples, indices, cfg.data, pad_id):
+        for i in range(first, first + count):
             if i % cfg.logging.log_interval == 0:
                 print_rank_0(f"> working on iteration: {i}")
-        run = micros[start:start + per_run]
-        run += [_filler_like(run[0])] * (per_run - len(run))
-        total += run_schedule(tr, iter(run), per_run, forward_only=True, metric=metric).double()
+        total += run_schedule(tr, iter(run), len(run), forward_only=True, metric=metric).double()
     if ps.dp_group is not None:
         dist.all_reduce(total, group=ps.dp_group)
     return float(total)
