@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Zero-shot evaluation of a GPT checkpoint, with Megatron-LM's command line:
+r"""Zero-shot evaluation of a GPT checkpoint, with Megatron-LM's command line:
 
     torchrun --nproc-per-node 1 tasks/main.py --task WIKITEXT103|LAMBADA \
         --valid-data FILE [--strict-lambada] [--overlapping-eval 32] \

@@ -1,4 +1,4 @@
-"""Zero-shot evaluation of a GPT checkpoint: WIKITEXT103 perplexity, LAMBADA accuracy.
+r"""Zero-shot evaluation of a GPT checkpoint: WIKITEXT103 perplexity, LAMBADA accuracy.
 
     torchrun --nproc-per-node N tasks/main.py --task LAMBADA --valid-data lambada.jsonl \
         --strict-lambada <pretrain_gpt.py's model, tokenizer and layout flags> --load CKPT
