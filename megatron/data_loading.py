@@ -292,14 +292,20 @@ def make_iterator(config: Config, dataset, consumed: int, dp_rank: int, dp_size:
 
 def get_batch(micro: dict, device: torch.device, eod: Optional[int], flags) -> dict:
     """Model inputs from a {'text': [b, s+1]} micro-batch: tokens, labels, loss_mask,
-    position_ids and (only with --reset-attention-mask) attention_mask (True = masked)."""
+    position_ids and (only with --reset-attention-mask) attention_mask (True = masked).
+    A micro-batch that brings its own 'loss_mask' [b, s] (the zero-shot evaluations) keeps
+    it instead of the one the flags would make."""
     text = micro["text"].to(device, non_blocking=True).long()
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
     needs_eod = flags.reset_position_ids or flags.reset_attention_mask or flags.eod_mask_loss
     if eod is None or not needs_eod:
-        return {"tokens": tokens, "labels": labels, "position_ids": None, "attention_mask": None,
-                "loss_mask": torch.ones_like(labels, dtype=torch.float32)}
-    mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-        tokens, eod, flags.reset_position_ids, flags.reset_attention_mask, flags.eod_mask_loss)
-    return {"tokens": tokens, "labels": labels, "position_ids": position_ids,
-            "attention_mask": mask, "loss_mask": loss_mask.float()}
+        batch = {"tokens": tokens, "labels": labels, "position_ids": None,
+                 "attention_mask": None, "loss_mask": torch.ones_like(labels, dtype=torch.float32)}
+    else:
+        mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+            tokens, eod, flags.reset_position_ids, flags.reset_attention_mask, flags.eod_mask_loss)
+        batch = {"tokens": tokens, "labels": labels, "position_ids": position_ids,
+                 "attention_mask": mask, "loss_mask": loss_mask.float()}
+    if "loss_mask" in micro:
+        batch["loss_mask"] = micro["loss_mask"].to(device, non_blocking=True).float()
+    return batch

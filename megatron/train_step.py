@@ -109,10 +109,12 @@ class _MicroBatchFeed:
         return batch
 
 
-def _forward_step(chunks, feed: _MicroBatchFeed):
+def _forward_step(chunks, feed: _MicroBatchFeed, metric=None):
     """forward_step(chunk, microbatch, input_sbh) for the executor: the chunk's output
-    activation, or on the last stage the micro-batch loss (masked mean, fp32)."""
+    activation, or on the last stage the micro-batch loss (masked mean, fp32) -- or, with
+    a `metric` (see `run_schedule`), what the metric makes of the output."""
     modules = [unwrap(c) for c in chunks]
+    wants_logits = metric is not None and metric.needs_logits
 
     def step(c: int, microbatch: int, input_sbh):
         model, module = chunks[c], modules[c]
@@ -121,11 +123,13 @@ def _forward_step(chunks, feed: _MicroBatchFeed):
             b = feed.get(microbatch)
         module.set_input_tensor(input_sbh)
         out = model(b["tokens"], position_ids=b["position_ids"],
-                    labels=b["labels"] if module.post_process else None,
+                    labels=b["labels"] if module.post_process and not wants_logits else None,
                     attention_mask=b["attention_mask"])
         module.set_input_tensor(None)
         if not module.post_process:
             return out
+        if metric is not None:
+            return metric(out, b)
         return (out.float() * b["loss_mask"]).sum() / b["loss_mask"].sum()
 
     return step
@@ -146,31 +150,42 @@ def model_chunks(tr) -> list:
     return list(tr.model) if isinstance(tr.model, torch.nn.ModuleList) else [tr.model]
 
 
-def forward_backward(tr, data: Iterator[dict], num_micro: int,
-                     forward_only: bool = False) -> torch.Tensor:
+def run_schedule(tr, data: Iterator[dict], num_micro: int, forward_only: bool = False,
+                 metric=None) -> torch.Tensor:
     """Run the micro-batches through this rank's pipeline schedule (plain gradient
     accumulation when pp == 1, 1F1B, or interleaved 1F1B with virtual stages); returns
-    the mean loss over them (a 0-dim tensor, this DP replica). Each micro-batch loss is
-    divided by num_micro before backward. With pp > 1 the loss, computed on the last
-    stage, is broadcast over the pipeline group so that every rank returns it."""
+    the SUM over the micro-batches of what the last stage computes (a 0-dim fp32 tensor,
+    this DP replica): each micro-batch's masked mean loss, or with `metric` (forward only)
+    `metric(output, batch)`, where output is the per-token loss [b, s] (fp32), or the
+    vocabulary-parallel logits [b, s, V/tp] when `metric.needs_logits` is true. With
+    pp > 1 the sum, computed on the last stage, is broadcast over the pipeline group so
+    that every rank returns it."""
     ps = tr.rt.ps
     chunks = model_chunks(tr)
     plan = build_schedule(ps.pp_size, num_micro, len(chunks), forward_only,
                           tr.config.parallel.overlap_p2p_comm)[ps.pp_rank]
     feed = _MicroBatchFeed(data, tr.rt.device, tr.eod, tr.config.data, step_log(tr).timers)
+    scale_loss = tr.optimizer.scale_loss if tr.optimizer is not None else (lambda x: x)
     executor = ScheduleExecutor(
-        chunks, _forward_step(chunks, feed),
+        chunks, _forward_step(chunks, feed, metric),
         _p2p_communicator(tr), ps.pp_rank, ps.pp_size, num_micro,
-        scale_loss=tr.optimizer.scale_loss, forward_only=forward_only, device=tr.rt.device,
+        scale_loss=scale_loss, forward_only=forward_only, device=tr.rt.device,
         timers=None if forward_only else step_log(tr).timers)  # evaluation is not timed
     result = executor.run(plan)
-    if result.loss_sum is None:
-        loss = torch.zeros((), dtype=torch.float32, device=tr.rt.device)
-    else:
-        loss = result.loss_sum / num_micro
+    total = result.loss_sum
+    if total is None:
+        total = torch.zeros((), dtype=torch.float32, device=tr.rt.device)
     if ps.pp_size > 1:
-        dist.broadcast(loss, src=ps.ranks("pp")[-1], group=ps.pp_group)
-    return loss
+        dist.broadcast(total, src=ps.ranks("pp")[-1], group=ps.pp_group)
+    return total
+
+
+def forward_backward(tr, data: Iterator[dict], num_micro: int,
+                     forward_only: bool = False) -> torch.Tensor:
+    """`run_schedule` over `num_micro` micro-batches; returns the mean loss over them (a
+    0-dim tensor, this DP replica, on every pipeline rank). Each micro-batch loss is
+    divided by num_micro before backward."""
+    return run_schedule(tr, data, num_micro, forward_only) / num_micro
 
 
 def _watch(tr, name: str, group_kind: str):

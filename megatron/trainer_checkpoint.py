@@ -320,7 +320,7 @@ def load_trainer_checkpoint(tr) -> Optional[str]:
     _restore_counters(tr, loaded)
     if loaded.with_optimizer:
         _load_optimizer(tr, loaded)
-    else:
+    elif tr.optimizer is not None:  # None: an evaluation-only trainer (no main params)
         tr.optimizer.reload_model_params()
     if loaded.with_rng and "rng_state" in loaded.state:  # not kept when tp or pp changed
         set_rng_state(loaded.state["rng_state"][0], tr.rt.rng_tracker)

@@ -104,9 +104,10 @@ class Trainer:
 
 
 # --------------------------------------------------------------------------- building
-def build_model(config: Config, rt: Runtime) -> ModelChunks:
+def build_model(config: Config, rt: Runtime, for_training: bool = True) -> ModelChunks:
     """This rank's model chunks (one, or one per virtual pipeline stage), each wrapped for
-    data-parallel gradient reduction. With pp > 1 and tied embeddings the last stage's
+    data-parallel gradient reduction (not when `for_training` is false: evaluation only,
+    no gradient buffers). With pp > 1 and tied embeddings the last stage's
     output-embedding copy starts as the first stage's embedding (broadcast)."""
     models = build_stage_models(config.model, rt.ps, rt.rng_tracker, rt.device,
                                 config.parallel.virtual_pp_size,
@@ -117,6 +118,8 @@ def build_model(config: Config, rt: Runtime) -> ModelChunks:
     print(f" > number of parameters on (tensor, pipeline) model parallel rank "
           f"({rt.ps.tp_rank}, {rt.ps.pp_rank}): {n_params}", flush=True) if rt.ps.dp_rank == 0 else None
     sync_tied_embeddings(models, rt.ps)
+    if not for_training:
+        return ModelChunks(models)
     return ModelChunks(DistributedDataParallel(m, rt.ps, config.parallel) for m in models)
 
 

@@ -3,7 +3,11 @@
 Every function and layer takes its process group explicitly; `None` means one process.
 See README.md in this folder for the layout conventions.
 """
-from .cross_entropy import vocab_parallel_cross_entropy
+from .cross_entropy import (
+    mask_vocab_padding,
+    vocab_parallel_argmax,
+    vocab_parallel_cross_entropy,
+)
 from .layers import (
     ColumnParallelLinear,
     LinearWithGradAccumulationAndAsyncCommunication,
@@ -60,7 +64,7 @@ __all__ = [
     "copy_tensor_model_parallel_attributes", "param_is_not_tensor_parallel_duplicate",
     "init_method_normal", "scaled_init_method_normal", "shard_of_full_weight",
     # loss
-    "vocab_parallel_cross_entropy",
+    "vocab_parallel_cross_entropy", "vocab_parallel_argmax", "mask_vocab_padding",
     # random
     "RNGStatesTracker", "MODEL_PARALLEL_RNG", "model_parallel_seed", "get_rng_tracker",
     "get_cuda_rng_tracker", "set_rng_tracker", "checkpoint",

@@ -11,6 +11,8 @@ local logits is softmax - one_hot(target) restricted to the local slice.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -105,3 +107,42 @@ def vocab_parallel_cross_entropy(
         )
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group,
                                             label_smoothing)
+
+
+
+def mask_vocab_padding(vocab_parallel_logits: torch.Tensor, group=None,
+                       vocab_limit: Optional[int] = None) -> torch.Tensor:
+    """fp32 logits [..., V/tp] with the ids at or above `vocab_limit` (the padding rows of
+    a padded vocabulary) set to -inf, so that neither a softmax nor an argmax sees them;
+    the input itself when nothing is padded (None: nothing). No communication."""
+    logits = vocab_parallel_logits.float()
+    start, end = vocab_range_from_per_partition_vocab_size(logits.size(-1), group_rank(group))
+    if vocab_limit is None or vocab_limit >= end:
+        return logits
+    if logits is vocab_parallel_logits:
+        logits = logits.clone()
+    logits[..., max(vocab_limit - start, 0):] = float("-inf")
+    return logits
+
+
+@torch.no_grad()
+def vocab_parallel_argmax(vocab_parallel_logits: torch.Tensor, group=None,
+                          vocab_limit: Optional[int] = None) -> torch.Tensor:
+    """Global id of the largest logit per token, for logits split along the vocabulary.
+
+    vocab_parallel_logits: [..., V/tp] (rank r holds ids [r*V/tp, (r+1)*V/tp)). Only ids
+    below `vocab_limit` (the tokenizer's vocabulary; None: all) can win, so the padding rows
+    of a padded vocabulary never do. Ties go to the lowest id, as torch.argmax over the
+    gathered logits would. Returns [...] int64, the same on every rank of `group`.
+    Collectives: 2 all-reduces over `group` (MAX of the values, MIN of the winning ids);
+    no autograd. The full vocabulary is never gathered.
+    """
+    logits = mask_vocab_padding(vocab_parallel_logits, group, vocab_limit)
+    start = logits.size(-1) * group_rank(group)
+    local_max, local_arg = logits.max(dim=-1)
+    global_max = _all_reduce_(local_max.clone(), group, dist.ReduceOp.MAX)
+    # a rank whose best is not the global best offers an id larger than any real one
+    none = torch.iinfo(torch.int64).max
+    ids = torch.where(local_max == global_max, local_arg + start,
+                      torch.full_like(local_arg, none))
+    return _all_reduce_(ids, group, dist.ReduceOp.MIN)

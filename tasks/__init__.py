@@ -1,0 +1,1 @@
+"""Downstream evaluations of a pretrained GPT checkpoint (`python tasks/main.py --task ...`)."""

@@ -1,0 +1,35 @@
+#!/usr/bin/env python
+r"""Zero-shot evaluation of a GPT checkpoint, with Megatron-LM's command line:
+
+    torchrun --nproc-per-node 1 tasks/main.py --task WIKITEXT103|LAMBADA \
+        --valid-data FILE [--strict-lambada] [--overlapping-eval 32] \
+        --load CKPT --no-load-optim --no-load-rng <pretrain_gpt.py's model/tokenizer flags>
+
+The logic is in tasks/zeroshot_gpt/evaluate.py.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv=None) -> int:
+    import torch.distributed as dist
+
+    from pretrain_gpt import _launcher_env
+    from tasks.zeroshot_gpt.evaluate import main as evaluate_main
+
+    rank, world, local_rank = _launcher_env()
+    try:
+        evaluate_main(sys.argv[1:] if argv is None else argv, rank, world, local_rank,
+                      os.environ)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

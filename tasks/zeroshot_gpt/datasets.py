@@ -1,0 +1,171 @@
+"""The samples of the zero-shot evaluations: token windows and loss masks.
+
+A sample is (tokens, loss_mask): `tokens` has seq_length + 1 ids (inputs are the first
+seq_length, labels the last seq_length), padded with the pad id (the tokenizer's
+end-of-document); `loss_mask` has seq_length entries in label space, 1 where that label
+is scored.
+
+WIKITEXT103, sliding windows: with stride o (--overlapping-eval) window i starts at token
+i * o. Window 0 scores all its labels; a later window scores only its last o labels (the
+ones before were scored by an earlier window), so every target token (every token but the
+first) is scored exactly once. Padding labels are never scored.
+
+LAMBADA: context + target ids, the target's label positions scored.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+from tasks.zeroshot_gpt.detokenizer import get_detokenizer
+
+Sample = Tuple[List[int], List[int]]  # (tokens [seq + 1], loss mask [seq])
+
+
+def num_windows(num_tokens: int, seq_length: int, stride: int) -> int:
+    """Windows over `num_tokens` tokens: max(ceil((targets - stride) / stride) + 1, 1)
+    with targets = num_tokens - 1 (Megatron-LM's count: the first window scores seq_length
+    targets, each later one `stride`; a trailing window may score none)."""
+    targets = max(num_tokens - 1 - stride, 0)
+    return max(math.ceil(targets / stride) + 1, 1)
+
+
+def window(tokens: Sequence[int], index: int, seq_length: int, stride: int,
+           pad_id: int) -> Sample:
+    """Window `index`: tokens[index * stride : index * stride + seq_length + 1], padded to
+    seq_length + 1 with `pad_id`; the mask scores its real labels, and for index > 0 with
+    an overlap (stride < seq_length) only the last `stride` of them."""
+    start = index * stride
+    ids = list(tokens[start:start + seq_length + 1])
+    real = len(ids)
+    ids += [pad_id] * (seq_length + 1 - real)
+    mask = [1] * max(real - 1, 0) + [0] * (seq_length + 1 - max(real, 1))
+    if index > 0 and stride != seq_length:
+        mask[:seq_length - stride] = [0] * (seq_length - stride)
+    return ids, mask
+
+
+class Windows(SequenceABC):
+    """The windows of `tokens` (see the module doc), each made when it is read: a
+    WikiText-103-sized text has thousands of windows of seq_length + 1 ids each."""
+
+    def __init__(self, tokens: Sequence[int], seq_length: int, stride: int, pad_id: int):
+        self.tokens, self.seq_length, self.stride, self.pad_id = tokens, seq_length, stride, pad_id
+        self.count = num_windows(len(tokens), seq_length, stride)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> Sample:
+        if not 0 <= index < self.count:
+            raise IndexError(f"window {index} of {self.count}")
+        return window(self.tokens, index, self.seq_length, self.stride, self.pad_id)
+
+
+def windows(tokens: Sequence[int], seq_length: int, stride: int, pad_id: int) -> List[Sample]:
+    """Every window of `tokens`, as a list."""
+    return list(Windows(tokens, seq_length, stride, pad_id))
+
+
+@dataclass
+class LanguageModelingData:
+    """WIKITEXT103's samples and the counts its report needs."""
+
+    samples: Sequence[Sample]  # a Windows
+    num_original_tokens: int  # whitespace-separated words of the file, as Megatron counts
+    num_tokenized_tokens: int
+
+
+def read_text_file(path: str, what: str) -> str:
+    """The whole file as UTF-8 text; SystemExit naming the file when it is missing or
+    holds nothing but whitespace."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: --valid-data {path}: file not found (the {what} file to "
+                         "evaluate on)")
+    with open(path, "rb") as f:
+        text = f.read().decode("utf-8")
+    if not text.strip():
+        raise SystemExit(f"error: --valid-data {path} is empty: the {what} file has no text")
+    return text
+
+
+def build_wikitext_data(path: str, tokenizer, seq_length: int, stride: int
+                        ) -> LanguageModelingData:
+    """Read, detokenize (by path: detokenizer.get_detokenizer), tokenize, cut into windows.
+    SystemExit when the text has fewer than 2 words or tokens (no target to score)."""
+    text = read_text_file(path, "WIKITEXT103 text")
+    num_original = len(text.strip().split(" "))
+    tokens = tokenizer.tokenize(get_detokenizer(path)(text))
+    if len(tokens) < 2 or num_original < 2:
+        raise SystemExit(f"error: --valid-data {path}: {num_original} word(s), {len(tokens)} "
+                         "token(s); the perplexity needs at least 2 of each")
+    return LanguageModelingData(Windows(tokens, seq_length, stride, tokenizer.eod),
+                                num_original, len(tokens))
+
+
+def lambada_split(text: str, tokenizer, strict: bool) -> Tuple[List[int], List[int]]:
+    """(context ids, target ids) of one LAMBADA passage. Not strict: the last token is the
+    target. Strict (--strict-lambada): the last whitespace-separated word is the target,
+    tokenised with its leading space, the text before it (stripped) the context."""
+    if not strict:
+        tokens = tokenizer.tokenize(text)
+        return tokens[:-1], tokens[-1:]
+    word = text.split()[-1]
+    context = tokenizer.tokenize(text[:text.rfind(word)].strip())
+    return context, tokenizer.tokenize(" " + word)
+
+
+def lambada_sample(context: Sequence[int], target: Sequence[int], seq_length: int,
+                   pad_id: int) -> Optional[Sample]:
+    """context + target padded to seq_length + 1, the target's labels scored; None when
+    longer than seq_length + 1."""
+    ids = list(context) + list(target)
+    if len(ids) > seq_length + 1:
+        return None
+    mask = [0] * (len(context) - 1) + [1] * len(target)
+    pad = seq_length + 1 - len(ids)
+    return ids + [pad_id] * pad, mask + [0] * pad
+
+
+def _lambada_text(line: str, path: str, number: int) -> str:
+    where = f"--valid-data {path} line {number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"error: {where}: not JSON ({e}); LAMBADA's file has one JSON "
+                         'object per line, e.g. {"text": "..."}') from None
+    if not isinstance(record, dict) or "text" not in record:
+        raise SystemExit(f'error: {where}: no "text" field; LAMBADA\'s file has one JSON '
+                         'object per line, e.g. {"text": "..."}')
+    text = record["text"]
+    if not isinstance(text, str) or not text.split():
+        raise SystemExit(f'error: {where}: "text" is empty')
+    return text
+
+
+def build_lambada_data(path: str, tokenizer, seq_length: int, strict: bool) -> List[Sample]:
+    """One sample per non-blank line of the JSON-lines file. SystemExit naming the line for
+    a line that is not a JSON object with a non-empty "text", a passage with no context
+    token, or one longer than --seq-length + 1 tokens (refused, not truncated: a cut
+    context would change what is measured)."""
+    text = read_text_file(path, "LAMBADA JSON-lines")
+    samples = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        context, target = lambada_split(_lambada_text(line, path, number), tokenizer, strict)
+        if not context or not target:
+            raise SystemExit(f"error: --valid-data {path} line {number}: the passage has no "
+                             "context before its last word")
+        sample = lambada_sample(context, target, seq_length, tokenizer.eod)
+        if sample is None:
+            raise SystemExit(
+                f"error: --valid-data {path} line {number}: {len(context) + len(target)} "
+                f"tokens, more than --seq-length {seq_length} + 1; evaluate with a larger "
+                "--seq-length (up to --max-position-embeddings) or shorten the passage")
+        samples.append(sample)
+    return samples

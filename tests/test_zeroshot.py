@@ -1,0 +1,386 @@
+"""tasks/main.py, Megatron-LM's zero-shot GPT evaluation (WIKITEXT103, LAMBADA).
+
+Unit: the sliding windows score every target token once; the detokenizers; LAMBADA's
+strict / non-strict split with a GPT-2 BPE tokenizer; the vocabulary-parallel argmax;
+the all-positions rule of LAMBADA's accuracy. End to end: a model trained by
+pretrain_gpt.py is evaluated by tasks/main.py and compared with a plain single-process
+reference (tools/generate.load_model, torch's cross entropy and argmax): fp32, 1e-5
+relative; then the same evaluation under tp=2, pp=2 (also interleaved) and dp=2 on gloo.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.tokenizer import build_tokenizer
+from tasks.zeroshot_gpt import datasets, detokenizer, evaluate
+from tests.dist_utils import run_distributed
+from tests.test_tokenizer import TRAIN_TEXT, train_tiny_bpe, write_bpe_files
+
+ROOT = Path(__file__).resolve().parents[1]
+REL = 1e-5  # fp32 on CPU: the layouts sum in other orders
+
+
+# ------------------------------------------------------------------------------ windows
+@pytest.mark.parametrize("n,seq,stride,expected_windows", [
+    (10, 4, 4, 3), (10, 4, 2, 5), (11, 4, 1, 10), (5, 8, 3, 2), (2, 4, 4, 1), (1, 4, 2, 1),
+    (17, 5, 3, 6), (9, 4, 3, 3), (33, 8, 8, 4), (41, 8, 5, 8)])
+def test_windows_score_every_target_once(n, seq, stride, expected_windows):
+    tokens = list(range(1, n + 1))  # token t sits at index t - 1; pad id 0
+    wins = datasets.windows(tokens, seq, stride, pad_id=0)
+    assert len(wins) == expected_windows  # max(ceil((n - 1 - stride) / stride) + 1, 1)
+    scored = [0] * (n + 1)
+    for ids, mask in wins:
+        assert len(ids) == seq + 1 and len(mask) == seq
+        for pos, m in enumerate(mask):
+            if m:
+                assert ids[pos + 1] != 0, "a pad label was scored"
+                scored[ids[pos + 1]] += 1
+    assert scored[2:] == [1] * (n - 1)  # every token but the first, once
+    assert scored[1] == 0
+
+
+def test_window_masks_by_hand():
+    tokens = list(range(1, 11))
+    wins = datasets.windows(tokens, 4, 2, pad_id=0)
+    assert wins[0] == ([1, 2, 3, 4, 5], [1, 1, 1, 1])
+    assert wins[1] == ([3, 4, 5, 6, 7], [0, 0, 1, 1])  # labels 4, 5 were scored in window 0
+    assert wins[3] == ([7, 8, 9, 10, 0], [0, 0, 1, 0])  # label 10; the pad label is not
+    assert wins[4] == ([9, 10, 0, 0, 0], [0, 0, 0, 0])  # Megatron's trailing window: empty
+    assert datasets.windows(tokens, 4, 4, 0)[1] == ([5, 6, 7, 8, 9], [1, 1, 1, 1])
+
+
+# ------------------------------------------------------------------------ detokenizers
+def test_wikitext_detokenizer():
+    raw = (" = = Gameplay = = \n The game ( released in 2011 ) cost 1 @,@ 000 dollars , "
+           "it 's \" very good \" . The players ' choice ; 5 @.@ 5 ° C and a well @-@ known "
+           "[ citation ] ! N items \n")
+    assert detokenizer.wikitext_detokenizer(raw) == (
+        ' == Gameplay ==\nThe game (released in 2011) cost 1,000 dollars, it\'s "very good". '
+        "The players' choice; 5.5°C and a well-known [citation]! 1 items\n")
+    assert detokenizer.wikitext_detokenizer("a N b = = = = c") == "a 1 b ==== c"
+
+
+def test_detokenizer_by_path():
+    assert detokenizer.get_detokenizer("data/wikitext-103/wiki.test.tokens")("a @-@ b") == "a-b"
+    assert detokenizer.get_detokenizer("ptb/test.txt")("do n't pay $ 1 N ") == "don't pay $11 "
+    assert detokenizer.get_detokenizer("lambada_test.jsonl")("\u201chi\u201d") == '"hi"'
+    assert detokenizer.get_detokenizer("other.txt")("a @-@ b") == "a @-@ b"
+
+
+# --------------------------------------------------------------------------- LAMBADA
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    vocab, merges = train_tiny_bpe(TRAIN_TEXT, 200)
+    vocab_file, merge_file = write_bpe_files(tmp_path_factory.mktemp("bpe"), vocab, merges)
+    return build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+
+
+def test_lambada_strict_and_plain_split(bpe):
+    text = "the quick brown fox met a naïve quickly"
+    context, target = datasets.lambada_split(text, bpe, strict=False)
+    whole = bpe.tokenize(text)
+    assert context == whole[:-1] and target == whole[-1:]
+    context, target = datasets.lambada_split(text, bpe, strict=True)
+    assert context == bpe.tokenize("the quick brown fox met a naïve")
+    assert target == bpe.tokenize(" quickly") and len(target) == 3  # the whole last word
+    ids, mask = datasets.lambada_sample(context, target, 40, pad_id=bpe.eod)
+    n = len(context) + len(target)
+    assert ids == context + target + [bpe.eod] * (41 - n)
+    # label space: label i is token i + 1, so the target's labels start at len(context) - 1
+    assert mask == [0] * (len(context) - 1) + [1] * len(target) + [0] * (41 - n)
+
+
+def test_lambada_file_errors(bpe, tmp_path):
+    def error(lines, seq=40):
+        path = tmp_path / "lambada.jsonl"
+        path.write_text("\n".join(lines) + "\n")
+        with pytest.raises(SystemExit) as e:
+            datasets.build_lambada_data(str(path), bpe, seq, strict=True)
+        return str(e.value.code)
+
+    good = json.dumps({"text": "the quick brown fox"})
+    assert "line 2: no \"text\" field" in error([good, json.dumps({"txt": "a b"})])
+    assert "line 1: not JSON" in error(["{oops"])
+    assert "line 2:" in error([good, json.dumps({"text": "the quick brown fox " * 20})], 40)
+    assert "more than --seq-length 40 + 1" in error([json.dumps({"text": "fox " * 80})])
+    assert "is empty" in error([""])
+    with pytest.raises(SystemExit, match="file not found"):
+        datasets.build_lambada_data(str(tmp_path / "nope.jsonl"), bpe, 40, strict=True)
+
+
+# ------------------------------------------------------------------ argmax and accuracy
+def _argmax_logits():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 16)
+    logits[0, 0, 2] = logits[0, 0, 10] = 50.0  # a tie across the two TP halves: id 2 wins
+    logits[1, :, 13:] = 1000.0  # padding rows (ids >= 13) must never win
+    return logits
+
+
+def _argmax_worker(rank, world_size):
+    import torch.distributed as dist
+
+    from megatron.core.tensor_parallel import vocab_parallel_argmax
+    half = _argmax_logits().chunk(world_size, dim=-1)[rank]
+    return vocab_parallel_argmax(half, dist.group.WORLD, vocab_limit=13)
+
+
+def test_vocab_parallel_argmax():
+    from megatron.core.tensor_parallel import vocab_parallel_argmax
+
+    logits = _argmax_logits()
+    expected = logits[..., :13].argmax(dim=-1)
+    assert expected[0, 0] == 2
+    assert torch.equal(vocab_parallel_argmax(logits, None, vocab_limit=13), expected)
+    for got in run_distributed(_argmax_worker, 2):
+        assert torch.equal(got, expected)
+
+
+def test_lambada_accuracy_needs_every_scored_position():
+    labels = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [0, 0, 0, 0]])
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 0], [0, 0, 0, 0]], dtype=torch.float32)
+    predicted = torch.tensor([[7, 2, 3, 7], [1, 2, 7, 4], [0, 0, 0, 0]])
+    logits = F.one_hot(predicted, 8).float()
+    right = evaluate.CorrectCount(None, 8)(logits, {"labels": labels, "loss_mask": mask})
+    # row 0: both scored positions right (unscored ones wrong: ignored); row 1: one scored
+    # position wrong; row 2: a filler row with nothing scored counts as neither
+    assert float(right) == 1.0
+
+
+# ------------------------------------------------------------------------ end to end
+MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "16", "--max-position-embeddings", "16",
+         "--tokenizer-type", "GPT2BPETokenizer", "--make-vocab-size-divisible-by", "1",
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--use-cpu-initialization"]
+WIKI = (" = = Gameplay = = \n The game ( released in 2011 ) cost 1 @,@ 000 dollars , it 's "
+        "\" very good \" . The quick brown fox jumps over the lazy dog . def tokenize ( text ) "
+        ": return [ int ( x ) for x in text.split ( ) ] \n naïve café résumé coöperate \n")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 4-layer model trained 4 iterations on mock data with the tiny GPT-2 BPE, saved;
+    a WikiText-styled file and the tokenizer flags."""
+    import pretrain_gpt
+
+    d = tmp_path_factory.mktemp("zeroshot")
+    vocab, merges = train_tiny_bpe(TRAIN_TEXT, 200)
+    vocab_file, merge_file = write_bpe_files(d, vocab, merges)
+    tok_flags = ["--vocab-file", vocab_file, "--merge-file", merge_file]
+    assert pretrain_gpt.main(MODEL + tok_flags + [
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-2",
+        "--train-iters", "4", "--mock-data", "--save", str(d / "ckpt"),
+        "--save-interval", "4", "--log-interval", "100", "--eval-iters", "0"]) == 0
+    (d / "wikitext_sample.tokens").write_text(WIKI)
+    return {"dir": d, "ckpt": str(d / "ckpt"), "tok_flags": tok_flags}
+
+
+def _reference_model(trained):
+    from tools.generate import load_model
+
+    model, _, _ = load_model(trained["ckpt"])
+    return model
+
+
+def _reference_wikitext(model, tokenizer, path: Path, seq: int, stride: int) -> float:
+    """avg loss from first principles: target j (token j + 1) is predicted from the window
+    that scores it -- window 0 for j < seq, else the one starting at
+    ((j - seq) // stride + 1) * stride -- with a softmax over the tokenizer's vocabulary."""
+    text = path.read_text()
+    tokens = tokenizer.tokenize(detokenizer.wikitext_detokenizer(text))
+    total = 0.0
+    with torch.no_grad():
+        for j in range(len(tokens) - 1):
+            start = 0 if j < seq else ((j - seq) // stride + 1) * stride
+            logits = model(torch.tensor([tokens[start:j + 1]]))[0, -1, :tokenizer.vocab_size]
+            total += float(F.cross_entropy(logits[None].double(), torch.tensor([tokens[j + 1]])))
+    return total / (len(tokens) - 1)
+
+
+def _lambada_file(model, tokenizer, path: Path) -> None:
+    """Passages of words from TRAIN_TEXT; half end with the model's own greedy next token
+    (kept when the text retokenizes to exactly context + that token), so that some are
+    right."""
+    rng = random.Random(1)
+    words = TRAIN_TEXT.split()
+    lines = []
+    while len(lines) < 12:
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(2, 5)))
+        if len(lines) % 2 == 0:
+            ids = tokenizer.tokenize(text)
+            with torch.no_grad():
+                nxt = int(model(torch.tensor([ids[-15:]]))[0, -1, :tokenizer.vocab_size].argmax())
+            text = text + tokenizer.detokenize([nxt])
+            if tokenizer.tokenize(text) != ids + [nxt] or not text.split() or len(ids) > 15:
+                continue
+        if 2 <= len(tokenizer.tokenize(text)) <= 17:
+            lines.append(json.dumps({"text": text}))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _reference_lambada(model, tokenizer, path: Path, strict: bool) -> int:
+    right = 0
+    with torch.no_grad():
+        for line in path.read_text().splitlines():
+            text = json.loads(line)["text"]
+            if strict:  # the last word, with its space, is the target
+                word = text.split()[-1]
+                context = tokenizer.tokenize(text[:text.rfind(word)].strip())
+                target = tokenizer.tokenize(" " + word)
+            else:
+                ids = tokenizer.tokenize(text)
+                context, target = ids[:-1], ids[-1:]
+            ids = context + target
+            logits = model(torch.tensor([ids[:-1]]))[0, :, :tokenizer.vocab_size]
+            right += int(logits.argmax(-1)[len(context) - 1:].tolist() == target)
+    return right
+
+
+def _argv(trained, task, path, *extra):
+    return ["--task", task, "--valid-data", str(path), "--load", trained["ckpt"],
+            "--no-load-optim", "--no-load-rng", "--micro-batch-size", "3",
+            "--log-interval", "5", *MODEL, *trained["tok_flags"], *extra]
+
+
+@pytest.fixture(scope="module")
+def single(trained):
+    """Single-process results of tasks/main.py and the plain reference."""
+    d = trained["dir"]
+    model = _reference_model(trained)
+    tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=trained["tok_flags"][1],
+                                merge_file=trained["tok_flags"][3])
+    _lambada_file(model, tokenizer, d / "lambada.jsonl")
+    runs = {
+        "wiki": _argv(trained, "WIKITEXT103", d / "wikitext_sample.tokens",
+                      "--overlapping-eval", "5"),
+        "strict": _argv(trained, "LAMBADA", d / "lambada.jsonl", "--strict-lambada"),
+        "plain": _argv(trained, "LAMBADA", d / "lambada.jsonl"),
+    }
+    got = {name: evaluate.main(argv) for name, argv in runs.items()}
+    ref = {"wiki": _reference_wikitext(model, tokenizer, d / "wikitext_sample.tokens", 16, 5),
+           "strict": _reference_lambada(model, tokenizer, d / "lambada.jsonl", True),
+           "plain": _reference_lambada(model, tokenizer, d / "lambada.jsonl", False),
+           "num_tokens": len(tokenizer.tokenize(detokenizer.wikitext_detokenizer(WIKI)))}
+    return {"runs": runs, "got": got, "ref": ref}
+
+
+def test_single_process_matches_reference(single):
+    got, ref = single["got"], single["ref"]
+    wiki = got["wiki"]
+    assert wiki["avg_loss"] == pytest.approx(ref["wiki"], rel=REL)
+    assert wiki["ppl"] == pytest.approx(math.exp(ref["wiki"]), rel=REL * 10)
+    ratio = (ref["num_tokens"] - 1) / (len(WIKI.strip().split(" ")) - 1)
+    assert wiki["token_ratio"] == pytest.approx(ratio, rel=1e-12) and ratio != 1.0
+    assert wiki["adjusted_ppl"] == pytest.approx(math.exp(ref["wiki"] * ratio), rel=REL * 10)
+    assert got["plain"]["num_examples"] == got["strict"]["num_examples"] == 12
+    assert got["plain"]["num_correct"] == ref["plain"] and 0 < ref["plain"] < 12
+    assert got["strict"]["num_correct"] == ref["strict"]
+    assert got["plain"]["accuracy"] == ref["plain"] / 12
+
+
+def test_several_micro_batches_per_schedule_run(single, capsys):
+    """--global-batch-size 9 with --micro-batch-size 3: three micro-batches per schedule
+    run, the last run filled up with unscored micro-batches; same numbers."""
+    for name in ("wiki", "plain"):
+        res = evaluate.main(single["runs"][name] + ["--global-batch-size", "9"])
+        for key, value in single["got"][name].items():
+            assert res[key] == pytest.approx(value, rel=REL)
+    assert "> working on iteration: 0" in capsys.readouterr().out
+
+
+def _layout_worker(rank, world_size, runs, layout):
+    return {name: evaluate.main(argv + layout, rank, world_size) for name, argv in runs.items()}
+
+
+@pytest.mark.parametrize("layout", [
+    ["--tensor-model-parallel-size", "2"],
+    ["--pipeline-model-parallel-size", "2"],
+    ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+     "--global-batch-size", "6"],
+    ["--use-checkpoint-args"],  # dp = 2, the model shape from the checkpoint
+], ids=["tp2", "pp2", "pp2vp2", "dp2"])
+def test_parallel_layouts_match_single_process(single, layout):
+    runs = single["runs"]
+    if layout == ["--use-checkpoint-args"]:  # drop the model shape flags
+        shape = {"--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
+                 "--max-position-embeddings"}
+        runs = {k: [a for i, a in enumerate(v) if a not in shape and v[i - 1] not in shape]
+                for k, v in runs.items()}
+    results = run_distributed(_layout_worker, 2, runs, layout)
+    for res in results:  # every rank returns the all-reduced numbers
+        assert res["wiki"]["avg_loss"] == pytest.approx(single["got"]["wiki"]["avg_loss"], rel=REL)
+        assert res["strict"] == single["got"]["strict"]
+        assert res["plain"] == single["got"]["plain"]
+
+
+# --------------------------------------------------------------------- the command line
+def test_cli_prints_megatrons_report(single, trained):
+    """tasks/main.py as Megatron's script runs it (--batch-size, --no-load-*): the report
+    block and the progress lines, with the in-process numbers."""
+    argv = [a if a != "--micro-batch-size" else "--batch-size" for a in single["runs"]["wiki"]]
+    proc = subprocess.run([sys.executable, str(ROOT / "tasks" / "main.py"), *argv],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    wiki = single["got"]["wiki"]
+    text = (f" validation results on WIKITEXT103 | avg loss: {wiki['avg_loss']:.4E} | ppl: "
+            f"{wiki['ppl']:.4E} | adjusted ppl: {wiki['adjusted_ppl']:.4E} | token ratio: "
+            f"{wiki['token_ratio']} |")
+    i = lines.index(text)
+    assert lines[i - 1] == lines[i + 1] == "-" * (len(text) + 1)
+    assert "> working on iteration: 0" in lines and "> working on iteration: 5" in lines
+    assert "> working on iteration: 1" not in lines
+
+
+def _error_of(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(argv)
+    assert e.value.code != 0
+    return str(e.value) + capsys.readouterr().err
+
+
+NULL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "50"]
+
+
+def test_errors(tmp_path, capsys):
+    assert "unknown --task SQUAD; the supported tasks are WIKITEXT103 and LAMBADA" in \
+        _error_of(["--task", "SQUAD", "--valid-data", "x"] + NULL, capsys)
+    assert "--task RACE is one of Megatron-LM's BERT tasks" in \
+        _error_of(["--task", "RACE", "--valid-data", "x"] + NULL, capsys)
+    assert "--task is required" in _error_of(NULL, capsys)
+    assert "--task LAMBADA needs --valid-data FILE" in _error_of(["--task", "LAMBADA"] + NULL,
+                                                                capsys)
+    missing = str(tmp_path / "wiki.tokens")
+    assert f"--valid-data {missing}: file not found" in \
+        _error_of(["--task", "WIKITEXT103", "--valid-data", missing] + NULL, capsys)
+    (tmp_path / "empty.txt").write_text("  \n")
+    assert "is empty" in _error_of(["--task", "WIKITEXT103", "--valid-data",
+                                    str(tmp_path / "empty.txt")] + NULL, capsys)
+    (tmp_path / "l.jsonl").write_text('{"text": "1 2 3"}\n{"txt": "1 2"}\n')
+    assert 'line 2: no "text" field' in _error_of(
+        ["--task", "LAMBADA", "--valid-data", str(tmp_path / "l.jsonl")] + NULL, capsys)
+    # a flag Megatron-LM removed before 23.05 is refused as pretrain_gpt.py refuses it
+    assert "--activations-checkpoint-method was removed" in _error_of(
+        ["--task", "LAMBADA", "--valid-data", str(tmp_path / "l.jsonl"),
+         "--activations-checkpoint-method", "uniform"] + NULL, capsys)
+
+
+def test_finetuning_flags_warn(tmp_path, capsys):
+    (tmp_path / "l.jsonl").write_text('{"text": "1 2 3"}\n')
+    res = evaluate.main(["--task", "LAMBADA", "--valid-data", str(tmp_path / "l.jsonl"),
+                         "--epochs", "3", "--train-data", "a", "b", "--keep-last"] + NULL)
+    out = capsys.readouterr().out
+    assert "--epochs has no effect" in out and "--train-data has no effect" in out
+    assert "no --load: evaluating a randomly initialised model" in out
+    assert res["num_examples"] == 1
