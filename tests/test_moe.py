@@ -35,7 +35,7 @@ from megatron.core.tensor_parallel.random import RNGStatesTracker
 from megatron.initialize import Runtime, set_random_seed
 from megatron.training import build_trainer, data_iterator, train_step
 from tests.dist_utils import run_distributed
-from tests.gpt_helpers import full_named_grads
+from tests.gpt_helpers import full_named_grads, full_tensor
 from tests.test_pipeline_parallel import (
     LAYERS,
     _cfg,
@@ -232,7 +232,9 @@ def _parity_worker(rank, world, tp, pp, model_kw, parallel, iters=3):
     grads = {_full_name(n, offset): g
              for n, g in full_named_grads(module, ps.tp_group).items()}
     routers = {n: p.detach().clone() for n, p in module.named_parameters() if "router" in n}
-    return {"losses": losses, "grads": grads, "routers": routers}
+    params = {_full_name(n, offset): full_tensor(p, p, ps.tp_group)
+              for n, p in module.named_parameters()}
+    return {"losses": losses, "grads": grads, "routers": routers, "params": params}
 
 
 def _check_parity(ref, results, what, grads=True):
@@ -244,9 +246,12 @@ def _check_parity(ref, results, what, grads=True):
             r = ref["grads"][name]
             diff = (g - r).abs().max().item()
             assert diff <= 1e-5 * (1 + r.abs().max().item()), f"{what}: {name} off by {diff}"
-        covered |= set(got["grads"])
-    if grads:
-        assert covered == set(ref["grads"]), set(ref["grads"]) - covered
+        for name, w in got["params"].items():  # the weights after the last step
+            r = ref["params"][name]
+            diff = (w - r).abs().max().item()
+            assert diff <= 1e-5 * (1 + r.abs().max().item()), f"{what}: {name} off by {diff}"
+        covered |= set(got["params"])
+    assert covered == set(ref["params"]), set(ref["params"]) - covered
 
 
 def test_tp2_pp2_dp2_distributed_optimizer_overlap_matches_single_process():
@@ -255,7 +260,7 @@ def test_tp2_pp2_dp2_distributed_optimizer_overlap_matches_single_process():
     ref = _parity_worker(0, 1, 1, 1, {}, {})
     results = run_distributed(_parity_worker, 8, 2, 2, {}, parallel)
     # main_grad under the distributed optimizer is reduced only on the owned shard:
-    # compare losses (3 steps: the updates of steps 1, 2 carry every reduced grad)
+    # compare the losses and the weights after the last step
     _check_parity(ref, results, "tp2 pp2 dp2 distopt overlap", grads=False)
     for tp_pair in ((0, 1), (2, 3), (4, 5), (6, 7)):  # ranks of one TP group: same router
         a, b = (results[r]["routers"] for r in tp_pair)
@@ -280,8 +285,10 @@ MOE_FLAGS = f"--num-experts {EXPERTS}"
 
 def test_saved_at_tp2_resumes_resharded_with_the_same_losses(tmp_path):
     """Experts split like the dense MLP (SwiGLU's interleaved fc1 included), the router
-    kept whole: TP2 -> TP1 and TP2 -> PP2 with the distributed optimizer."""
+    kept whole: TP2 -> TP1 and TP2 -> PP2 with the distributed optimizer on load, and
+    TP2 -> TP1 offline (tools/checkpoint_convert.py reshard)."""
     from tests.test_reshard import _load_and_continue, _run, _save_and_continue
+    from tools import checkpoint_convert
 
     src = f"{MOE_FLAGS} --swiglu --tensor-model-parallel-size 2"
     root = str(tmp_path / "tp2")
@@ -293,6 +300,13 @@ def test_saved_at_tp2_resumes_resharded_with_the_same_losses(tmp_path):
         assert converted is not None and "resharded" in converted
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5,
                                    atol=0, msg=dst)
+    out = str(tmp_path / "offline-tp1")  # tools/checkpoint_convert.py reshard, then a plain load
+    assert checkpoint_convert.main(["reshard", "--load", root, "--save", out,
+                                    "--target-tensor-model-parallel-size", "1",
+                                    "--target-pipeline-model-parallel-size", "1"]) == 0
+    losses, converted = _run(_load_and_continue, 1, f"{MOE_FLAGS} --swiglu", out)
+    assert converted is None
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
 
 
 def _validate(extra: str, world: int = 1):
