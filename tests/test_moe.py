@@ -268,11 +268,11 @@ def test_tp2_pp2_dp2_distributed_optimizer_overlap_matches_single_process():
 
 
 @pytest.mark.parametrize("model_kw,parallel", [
-    ({}, {}),
+    (dict(recompute_granularity="selective"), {}),
     (dict(recompute_granularity="full", recompute_method="uniform",
-          gradient_accumulation_fusion=True, activation="swiglu", ffn_hidden_size=48,
-          add_bias_linear=False), {}),
-], ids=["tp2", "tp2-full-recompute-swiglu-fusion"])
+          distribute_saved_activations=True, gradient_accumulation_fusion=True,
+          activation="swiglu", ffn_hidden_size=48, add_bias_linear=False), {}),
+], ids=["tp2-selective-recompute", "tp2-full-recompute-distributed-swiglu-fusion"])
 def test_tp2_matches_single_process(model_kw, parallel):
     ref = _parity_worker(0, 1, 1, 1, model_kw, {})
     _check_parity(ref, run_distributed(_parity_worker, 2, 2, 1, model_kw, parallel),
