@@ -353,6 +353,14 @@ def test_sequence_parallel_with_experts_is_refused():
         _validate(f"{MOE_FLAGS} --expert-model-parallel-size 2", 2)
 
 
+def test_layout_parity_leaves_sequence_parallelism_out_with_experts():
+    from tools import layout_parity as lp
+
+    lay = lp.parse_layout("tp2")
+    assert "--sequence-parallel" in lp.layout_flags(lay, ["--num-layers", "2"])
+    assert "--sequence-parallel" not in lp.layout_flags(lay, ["--num-experts", "4"])
+
+
 def test_flops_count_one_expert_and_the_router():
     from megatron.logging_utils import flops_per_token
 
