@@ -55,6 +55,7 @@ _AT_LEAST: Tuple[_Rule, ...] = (
     ("attention_dropout", 0, "a probability", None),
     ("kv_channels", 1, "width of one attention head", None),
     ("ffn_hidden_size", 1, "width of the MLP", None),
+    ("num_experts", 1, "experts per switch MLP; leave it unset for the dense MLP", None),
     ("vocab_size", 1, "NullTokenizer's token ids", lambda ns: ns.tokenizer_type == "NullTokenizer"),
     ("ddp_bucket_size", 1, "elements per gradient all-reduce bucket", None),
     ("loss_scale", 0, "a fixed loss scale; 0 or unset: dynamic scaling with --fp16", None),

@@ -20,18 +20,24 @@ class ParamCount(NamedTuple):
 def _layer_params(cfg: ModelConfig) -> tuple:
     """(sharded, replicated) parameter counts of one transformer layer. Sharded ones are
     split over tensor-parallel ranks: QKV and fc1 (column-parallel, weight and bias), proj
-    and fc2 weights (row-parallel); the norms and the row-parallel biases are replicated."""
+    and fc2 weights (row-parallel); the norms and the row-parallel biases are replicated.
+    With --num-experts E the layer holds E MLPs and the router (h -> E, with bias,
+    replicated)."""
     h, d = cfg.hidden_size, cfg.kv_channels
     heads, groups = cfg.num_attention_heads, cfg.num_query_groups
     bias = 1 if cfg.add_bias_linear else 0
     norm = h if cfg.normalization == "RMSNorm" else 2 * h
     qkv_out = (heads + 2 * groups) * d
     fc1_out = cfg.ffn_hidden_size * (2 if cfg.swiglu else 1)
+    mlps = cfg.num_experts or 1
+    mlp = (fc1_out * h + bias * fc1_out  # dense_h_to_4h
+           + cfg.ffn_hidden_size * h)  # dense_4h_to_h
     sharded = (qkv_out * h + bias * qkv_out  # query_key_value
                + heads * d * h  # dense (attention output projection)
-               + fc1_out * h + bias * fc1_out  # dense_h_to_4h
-               + cfg.ffn_hidden_size * h)  # dense_4h_to_h
-    replicated = 2 * norm + bias * 2 * h
+               + mlps * mlp)
+    replicated = 2 * norm + bias * h * (1 + mlps)  # norms, proj and fc2 biases
+    if cfg.num_experts:
+        replicated += cfg.num_experts * (h + 1)  # router
     return sharded, replicated
 
 
@@ -137,7 +143,8 @@ def dry_run_report(config: Config, world_size: int) -> str:
         f"decay {_samples(o.lr_decay_steps)} samples)",
         f"  model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads"
         f"{groups}, ffn {m.ffn_hidden_size} ({m.activation}), {m.normalization}, positions "
-        f"{m.position_embedding_type}, vocab {m.padded_vocab_size} (padded), {dtype}",
+        f"{m.position_embedding_type}, vocab {m.padded_vocab_size} (padded), {dtype}"
+        + (f", switch MLP of {m.num_experts} experts (top-1)" if m.num_experts else ""),
         f"  parameters: {_fmt(counts.total)} total; per rank ({per_rank})",
     ]
     lines += _memory_lines(config)

@@ -397,7 +397,9 @@ EXTRA_HELP = {
     "--gradient-accumulation-fusion": "grads accumulate into main_grad inside the layers: "
                                       "weight grads in the GEMM, norm and bias grads in "
                                       "the backward (default)",
-    "--expert-model-parallel-size": "expert-model-parallel size (mixture-of-experts)",
+    "--expert-model-parallel-size": "expert-model-parallel size (not supported: with "
+                                    "--num-experts the experts are replicated, as in "
+                                    "Megatron-LM 23.05)",
     "--gpu-memory-gb": "memory of one GPU for the --dry-run memory check (default: what the "
                        "local GPU has; no check without a GPU)",
     "--pipeline-model-parallel-size": "number of pipeline stages (layers split evenly)",
@@ -430,7 +432,9 @@ _VISION = "vision models are not part of this GPT framework"
 _BIENCODER = "biencoder/ICT retrieval models are not part of this GPT framework"
 _RETRO = "RETRO models are not part of this GPT framework"
 _FP8 = "Transformer Engine and fp8 are not supported by this framework yet"
-_MOE = "mixture-of-experts is not supported by this framework yet"
+_EP = ("expert model parallelism is not supported: with --num-experts every expert is "
+       "replicated over data-parallel ranks and split over tensor-parallel ranks like the "
+       "dense MLP, as in Megatron-LM 23.05")
 
 # Every flag of these Megatron groups except those listed in ALLOWED_IN_REJECTED_GROUPS.
 NOT_SUPPORTED_GROUPS = {
@@ -454,8 +458,7 @@ NOT_SUPPORTED = {
     "--output-bert-embeddings": _BERT,
     "--bert-embedder-type": _BERT,
     # features not built (yet)
-    "--num-experts": _MOE,
-    "--expert-model-parallel-size": _MOE,
+    "--expert-model-parallel-size": _EP,
     "--onnx-safe": "ONNX export is not supported",
     "--lazy-mpu-init": "lazy model-parallel initialization (for external tools) is not supported",
     "--adlr-autoresume": "ADLR autoresume is an NVIDIA cluster service and is not supported; "

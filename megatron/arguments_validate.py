@@ -157,6 +157,17 @@ def _resolve_virtual_pipeline(ns) -> None:
     note(f"interleaved pipeline schedule: {vpp} virtual stages per pipeline rank")
 
 
+def _check_experts(ns) -> None:
+    """--num-experts (the switch MLP) with sequence parallelism is refused, as Megatron-LM
+    23.05 cannot run it either: each tensor-parallel rank would route its own slice of the
+    sequence through experts whose weights are split over those same ranks."""
+    if ns.num_experts is not None and ns.sequence_parallel:
+        raise ArgumentsError(
+            f"--sequence-parallel cannot be used with --num-experts {ns.num_experts}: the "
+            "switch MLP routes whole sequences on every tensor-parallel rank (its experts "
+            "are split over those ranks), as in Megatron-LM 23.05; drop --sequence-parallel")
+
+
 def _resolve_batch(ns) -> None:
     """Global batch default and divisibility, micro-batches per step."""
     mbs, dp = ns.micro_batch_size, ns.data_parallel_size
@@ -394,7 +405,8 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
             nan_loss_policy=ns.nan_loss_policy, timing_log_level=ns.timing_log_level,
             rampup_batch_size=ns.rampup_batch_size,
             empty_unused_memory_level=ns.empty_unused_memory_level,
-            compile_mode=ns.compile_mode, adam_kernel=ns.adam_kernel, optimizer=ns.optimizer)
+            compile_mode=ns.compile_mode, adam_kernel=ns.adam_kernel, optimizer=ns.optimizer,
+            num_experts=ns.num_experts)
         if reason is not None:
             raise ArgumentsError(f"--cuda-graph-step on, but {reason}; use --cuda-graph-step "
                                  "auto (captures when it can) or off")
@@ -449,6 +461,7 @@ def validate_args(
     _check_required(ns)
     check_value_ranges(ns)
     _resolve_parallel(ns, world_size)
+    _check_experts(ns)
     _resolve_batch(ns)
     check_run_length(ns, origins)
     _resolve_virtual_pipeline(ns)

@@ -8,7 +8,7 @@ import dataclasses
 import os
 import shutil
 import tempfile
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -115,9 +115,22 @@ def run_to_hf(a) -> int:
         raise SystemExit(f"error: {exc}") from None
 
 
+def refuse_switch_mlp(args: dict) -> None:
+    """ValueError for a checkpoint of a --num-experts model: no Hugging Face class we
+    export to (GPT2LMHeadModel, LlamaForCausalLM) has a top-1 switch MLP."""
+    experts = args.get("num_experts")
+    if experts is not None:
+        raise ValueError(
+            f"the checkpoint's model has --num-experts {experts} (Megatron-LM 23.05's top-1 "
+            "switch MLP); no Hugging Face GPT-2 or Llama class has that MLP, so to-hf cannot "
+            "export it. tools/checkpoint_convert.py to-megatron writes it for Megatron-LM, "
+            "and tools/generate.py samples from it as it is")
+
+
 def _to_hf(a) -> int:
     check_output(a.output, a.overwrite)
-    args, model_cfg, state, iteration = load_full_checkpoint(a.load, a.iteration)
+    args, model_cfg, state, iteration = load_full_checkpoint(a.load, a.iteration,
+                                                             check_args=refuse_switch_mlp)
     family = detect_family(model_cfg) if a.family == "auto" else a.family
     tok = _tokenizer_of(args)
     vocab = a.true_vocab_size or (tok.vocab_size if tok is not None else model_cfg.padded_vocab_size)
@@ -251,9 +264,11 @@ def _from_hf(a) -> int:
 
 
 # ------------------------------------------- checkpoint access (merge / split of shards)
-def load_full_checkpoint(load: str, iteration: Optional[int] = None):
+def load_full_checkpoint(load: str, iteration: Optional[int] = None,
+                         check_args: Optional[Callable[[dict], None]] = None):
     """(args, one-process ModelConfig, full state dict, iteration) of our checkpoint under
-    `load` (any tp/pp/virtual layout; shards merged by megatron.checkpoint_reshard)."""
+    `load` (any tp/pp/virtual layout; shards merged by megatron.checkpoint_reshard).
+    `check_args(saved args)` runs before any weight is read (it raises to refuse)."""
     from megatron.checkpoint_reshard import (
         SourceCheckpoint,
         config_from_args,
@@ -266,6 +281,8 @@ def load_full_checkpoint(load: str, iteration: Optional[int] = None):
     src = SourceCheckpoint(iter_dir)
     if not src.args:
         raise SystemExit(f"error: {iter_dir} holds no 'args': the model shape is unknown")
+    if check_args is not None:
+        check_args(src.args)
     config = config_from_args(src.args)
     state = full_model_state(src, GPTModel(config.model, device="meta"))
     return config.args, config.model, state, 0 if release else iteration

@@ -57,6 +57,9 @@ def family_problems(model: ModelConfig, family: str) -> List[str]:
     if family not in FAMILIES:
         raise ValueError(f"unknown Hugging Face family {family!r}; choose one of {FAMILIES}")
     problems = []
+    if model.num_experts:
+        problems.append(f"--num-experts {model.num_experts} (no Hugging Face {family} class "
+                        "has a top-1 switch MLP)")
     if model.apply_residual_connection_post_layernorm:
         problems.append("--apply-residual-connection-post-layernorm (no HF equivalent)")
     if family == "gpt2":

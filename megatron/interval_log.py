@@ -187,8 +187,8 @@ def log_interval(tr, stats: IntervalStats, print_line: bool = True) -> None:
                           / tr.rt.ps.world_size)
         m = cfg.model
         tflops = tokens_per_gpu * flops_per_token(m.num_layers, m.hidden_size,
-                                                  cfg.data.seq_length,
-                                                  m.padded_vocab_size) / 1e12
+                                                  cfg.data.seq_length, m.padded_vocab_size,
+                                                  m.num_experts) / 1e12
         print_rank_last(format_iteration_line(
             r.iteration, cfg.training.train_iters, r.consumed, elapsed * 1000.0 / n, r.lr,
             cfg.data.global_batch_size,

@@ -219,14 +219,18 @@ class Timers:
 
 # ---------------------------------------------------------------------------------------
 # Throughput
-def flops_per_token(num_layers: int, hidden_size: int, seq_length: int, vocab_size: int) -> float:
+def flops_per_token(num_layers: int, hidden_size: int, seq_length: int, vocab_size: int,
+                    num_experts: Optional[int] = None) -> float:
     """Training FLOPs per token (forward + backward, no activation recompute).
 
     72 * l * h^2 * (1 + s / (6h) + V / (12 l h)): the transformer matmuls and attention
     scores (24 l h^2 (1 + s/6h) per token forward, x3 with backward) plus the logits layer.
+    With --num-experts E a token passes one expert (the same MLP FLOPs) plus the router:
+    + 6 * l * h * E.
     """
     l, h, s, v = num_layers, hidden_size, seq_length, vocab_size
-    return 72.0 * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h))
+    router = 6.0 * l * h * num_experts if num_experts else 0.0
+    return 72.0 * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h)) + router
 
 
 def mfu(tokens_per_s_per_gpu: float, flops_per_token: float,

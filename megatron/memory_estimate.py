@@ -48,6 +48,10 @@ used here, each checked against the tensors this model's layers actually save
                    3*e*s*b*f
   So with e = 2, f = 4h, dropout on and no flash the sum is exactly the paper's
   s*b*h*(34 + 5*a*s/h) (plus the small norm_stats); with flash the 5*a*s/h term is gone.
+    switch_mlp     with --num-experts: the router's probabilities, the tokens grouped by
+                   expert, the experts' outputs before the scaling (see
+                   `switch_mlp_bytes`); the experts' own tensors are the mlp term (every
+                   token passes one expert), the E experts' weights are all in P
   selective recompute: the attention core keeps only Q and the unrepeated K, V.
   full recompute: each layer keeps only its input (e*sbh, / t with sequence parallelism),
   plus one layer's full set while it is rebuilt in backward; method block N: N layers.
@@ -139,7 +143,20 @@ def layer_activation_terms(m: ModelConfig, s: int, b: int, tp: int, sp: bool, e:
         terms["attention_scores"] = (e * scores + dropout) / tp
     mlp_factor = 3 if m.swiglu else 2
     terms["mlp"] = mlp_factor * e * s * b * f / tp
+    if m.num_experts:
+        terms["switch_mlp"] = switch_mlp_bytes(m, s, b, e)
     return terms
+
+
+def switch_mlp_bytes(m: ModelConfig, s: int, b: int, e: int) -> float:
+    """What the switch MLP (--num-experts E) saves beyond the dense MLP's terms, which
+    its experts save together (each token passes one expert): the router's softmax output
+    (e*s*b*E), the tokens grouped by expert (e*sbh), the experts' outputs and, with
+    biases, their fc2 biases before the scaling by the routing probability (e*sbh each),
+    that probability (e*s*b), and three int64 token indices (24*s*b). Not split by TP."""
+    sbh = s * b * m.hidden_size
+    bias = 1 if m.add_bias_linear else 0
+    return e * s * b * (m.num_experts + 1) + e * sbh * (2 + bias) + 24 * s * b
 
 
 def _selective_layer_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, e: int) -> float:

@@ -46,7 +46,8 @@ WARMUP_STEPS = 2  # eager steps before the capture
 def settings_reason(*, device_type: str, world_size: int, hidden_dropout: float,
                     attention_dropout: float, nan_loss_policy: str, timing_log_level: int,
                     rampup_batch_size, empty_unused_memory_level: int, compile_mode: str,
-                    adam_kernel: str, optimizer: str) -> Optional[str]:
+                    adam_kernel: str, optimizer: str,
+                    num_experts: Optional[int] = None) -> Optional[str]:
     """Why these settings rule out a captured step (None: they don't). Checked from the
     flags when `--cuda-graph-step on` is given, and again at the first step."""
     checks = (
@@ -67,6 +68,8 @@ def settings_reason(*, device_type: str, world_size: int, hidden_dropout: float,
         (adam_kernel == "torch", "--adam-kernel torch reads the learning rate on the host"),
         (optimizer != "adam", f"--optimizer {optimizer}: only the Triton AdamW step reads its "
                               "learning rate from the device"),
+        (num_experts is not None, f"--num-experts {num_experts}: the switch MLP's tokens per "
+                                  "expert are counted on the host every layer"),
     )
     return next((reason for failed, reason in checks if failed), None)
 
@@ -83,7 +86,8 @@ def graph_capture_reason(tr) -> Optional[str]:
         timing_log_level=cfg.logging.timing_log_level,
         rampup_batch_size=cfg.data.rampup_batch_size,
         empty_unused_memory_level=cfg.training.empty_unused_memory_level,
-        compile_mode=m.compile_mode, adam_kernel=o.adam_kernel, optimizer=o.optimizer)
+        compile_mode=m.compile_mode, adam_kernel=o.adam_kernel, optimizer=o.optimizer,
+        num_experts=m.num_experts)
     return reason or tr.optimizer.graph_capture_reason()
 
 

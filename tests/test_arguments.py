@@ -268,8 +268,8 @@ def test_every_not_supported_flag_is_rejected_with_its_reason():
 
 
 def test_rejection_is_one_error_listing_all_flags():
-    msg = error_of("--num-experts 8 --img-h 32 --onnx-safe true", world_size=2)
-    assert "--num-experts: mixture-of-experts is not supported by this framework yet" in msg
+    msg = error_of("--expert-model-parallel-size 2 --img-h 32 --onnx-safe true", world_size=2)
+    assert "--expert-model-parallel-size: expert model parallelism is not supported" in msg
     assert "--img-h: vision models are not part of this GPT framework" in msg
     assert "--onnx-safe: ONNX export is not supported" in msg
 
@@ -324,8 +324,8 @@ def test_yaml_bad_values(tmp_path, text, expected):
 
 
 def test_yaml_values_are_rejected_like_flags(tmp_path):
-    assert "--num-experts: mixture-of-experts" in error_of(
-        f"--config {_yaml(tmp_path, 'num_experts: 4')}")
+    assert "--expert-model-parallel-size: expert model parallelism" in error_of(
+        f"--config {_yaml(tmp_path, 'expert_model_parallel_size: 2')}")
 
 
 # ------------------------------------------------------------------------ validation

@@ -65,6 +65,7 @@ IMPLEMENTED_BY = {
     "--no-bias-gelu-fusion": (VALIDATE, "bias_gelu_fusion"),  # -> activation (tanh form)
     "--squared-relu": (VALIDATE, "squared_relu"),
     "--swiglu": (VALIDATE, "swiglu"),
+    "--num-experts": (LAYERS, "num_experts"),
     "--untie-embeddings-and-output-weights": (GPT, "untie_embeddings_and_output_weights"),
     "--embedding-weights-in-fp32": (GPT, "embedding_weights_in_fp32"),
     # regularization

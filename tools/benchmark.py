@@ -412,7 +412,8 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     syncs = count_syncs(tr, data, sync_steps) if (sync_steps and use_cuda) else None
     m, d = config.model, config.data
     tokens_per_s = d.global_batch_size * d.seq_length * steps / elapsed / world  # per GPU
-    fpt = flops_per_token(m.num_layers, m.hidden_size, d.seq_length, m.padded_vocab_size)
+    fpt = flops_per_token(m.num_layers, m.hidden_size, d.seq_length, m.padded_vocab_size,
+                          m.num_experts)
     return {
         "preset": preset, "device": torch.cuda.get_device_name() if use_cuda else "cpu",
         "layout": layout_name(config), "world_size": world,

@@ -92,7 +92,7 @@ def training_flops_per_token(config: Config) -> float:
     """FLOPs per token of one step with the configuration's activation recompute."""
     m, s = config.model, config.data.seq_length
     l, h = m.num_layers, m.hidden_size
-    flops = flops_per_token(l, h, s, m.padded_vocab_size)
+    flops = flops_per_token(l, h, s, m.padded_vocab_size, m.num_experts)
     if m.recompute_granularity == "full":
         flops += 24.0 * l * h * h * (1.0 + s / (6.0 * h))
     elif m.recompute_granularity == "selective":

@@ -18,7 +18,8 @@ failed to run or left the tolerance.
 
 Layouts: tpN, ppN, vpN (virtual stages per pipeline rank, the interleaved schedule) and
 dpN in any order, ranks = tp*pp*dp; then options, each after a '+': nosp (sequence
-parallelism is on whenever tp > 1, as Megatron users run it), overlap
+parallelism is on whenever tp > 1, as Megatron users run it, except with --num-experts,
+which refuses it), overlap
 (--overlap-grad-reduce), distopt (--use-distributed-optimizer), eager (--no-compile: the
 same layout without torch.compile, a control for how far rounding alone moves a run).
 
@@ -148,7 +149,7 @@ def layout_flags(lay: Layout, model: List[str], multiple: Optional[int] = None) 
              "--pipeline-model-parallel-size", str(lay.pp)]
     if multiple is not None:
         flags += ["--make-vocab-size-divisible-by", str(multiple // lay.tp)]
-    if lay.tp > 1 and "nosp" not in lay.options:
+    if lay.tp > 1 and "nosp" not in lay.options and flag_value(model, "--num-experts") is None:
         flags.append("--sequence-parallel")
     if lay.vp > 1:
         layers = flag_value(model, "--num-layers")

@@ -39,6 +39,9 @@ class ModelConfig:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     untie_embeddings_and_output_weights: bool = False
+    # --num-experts E: every layer's MLP is a top-1 switch MLP of E experts (Megatron-LM
+    # 23.05's SwitchMLP; transformer.SwitchMLP). None: the dense MLP.
+    num_experts: Optional[int] = None
     init_method_std: float = 0.02
     init_method_xavier_uniform: bool = False
     init_seed: int = 1234

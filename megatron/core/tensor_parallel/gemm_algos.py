@@ -469,7 +469,7 @@ def _epilogue_entry(kind: str, epilogue: str, m: int, n: int, k: int, a: torch.T
     if _RECORDING is not None:
         _RECORDING[key] += 1
     if (a.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != a.dtype
-            or not _fits(a, weight)):
+            or not _fits(a, weight) or m == 0):  # m = 0: a switch-MLP expert without tokens
         return -1
     return _ACTIVE.get(key, -2)
 

@@ -30,7 +30,7 @@ from megatron.core.tensor_parallel import (
     init_method_normal,
     scaled_init_method_normal,
 )
-from megatron.core.tensor_parallel.layers import grad_into_main_grad
+from megatron.core.tensor_parallel.layers import _resolve_device, grad_into_main_grad
 from megatron.core.tensor_parallel.mappings import TRACED_COLLECTIVES
 from megatron.core.tensor_parallel.random import checkpoint as recompute_checkpoint
 from megatron.core.tensor_parallel.random import checkpoint_distributed_input
@@ -217,6 +217,71 @@ class ParallelMLP(nn.Module):
         return self.dense_4h_to_h(h_sbf)  # (out [s,b,h], bias or None)
 
 
+def build_router(config: ModelConfig, device=None) -> nn.Linear:
+    """The switch MLP's router: nn.Linear(h, num_experts) with bias, torch's default init
+    drawn from the CPU generator (Megatron-LM builds it on the host, like any plain torch
+    module; also with --no-initialization), then moved to `device` in the model's dtype.
+    The same seed gives every tensor-parallel rank the same router; it is replicated,
+    never split."""
+    target = _resolve_device(device, config.use_cpu_initialization)
+    init_on = "meta" if target.type == "meta" else "cpu"
+    router = nn.Linear(config.hidden_size, config.num_experts, bias=True,
+                       dtype=config.params_dtype, device=init_on)
+    router.to(target)
+    for p in router.parameters():
+        p.tensor_model_parallel = False
+        p.sequence_parallel = False  # refused with experts (arguments_validate)
+    return router
+
+
+class SwitchMLP(nn.Module):
+    """`--num-experts E`: Megatron-LM 23.05's top-1 mixture of experts in place of the MLP.
+
+    router (`build_router`, replicated over TP) scores each token; experts[e] are E
+    ParallelMLPs, each split over tensor-parallel ranks exactly as the dense MLP. Per token
+    x: probs = softmax(router(x)) in the activation dtype, (p, e) = their max, and the
+    output is p * expert_e(x), with expert e's fc2 bias times p returned separately (as
+    the dense MLP returns its bias, for the layer's bias-dropout-add). No load-balancing
+    loss, no capacity limit, no expert parallelism.
+
+    Every expert runs on every call, one with no tokens on zero rows: its parameters then
+    get a (zero) gradient through the same autograd path on every rank, so the grad hooks,
+    the bucketed all-reduce and the distributed optimizer see the same sequence of ready
+    parameters on all data-parallel ranks. The tokens per expert are data-dependent
+    shapes: this module runs eagerly, outside the compiled layer graphs.
+    """
+
+    def __init__(self, config: ModelConfig, tp_group=None, device=None, rng_tracker=None):
+        super().__init__()
+        self.router = build_router(config, device)
+        self.experts = nn.ModuleList(ParallelMLP(config, tp_group, device, rng_tracker)
+                                     for _ in range(config.num_experts))
+
+    @torch.compiler.disable
+    def forward(self, x_sbh: torch.Tensor):
+        s, b, h = x_sbh.shape
+        probs_sbe = torch.softmax(self.router(x_sbh), dim=-1)
+        prob_sb, expert_sb = probs_sbe.max(dim=-1)
+        expert_t = expert_sb.reshape(-1)  # t = s * b tokens
+        order_t = torch.argsort(expert_t, stable=True)  # tokens grouped by expert
+        counts = torch.bincount(expert_t, minlength=len(self.experts)).tolist()
+        x_th = x_sbh.reshape(-1, h).index_select(0, order_t)
+        outs, biases = [], []
+        for expert, x_nh in zip(self.experts, x_th.split(counts)):
+            out_n1h, bias_h = expert(x_nh.unsqueeze(1))  # [n, 1, h]: n tokens as a sequence
+            outs.append(out_n1h.squeeze(1))
+            if bias_h is not None:
+                biases.append(bias_h.expand(x_nh.shape[0], h))
+        inverse_t = torch.empty_like(order_t)
+        inverse_t[order_t] = torch.arange(order_t.numel(), device=order_t.device)
+        scale_t1 = prob_sb.reshape(-1, 1)
+        out_sbh = (torch.cat(outs).index_select(0, inverse_t) * scale_t1).view(s, b, h)
+        if not biases:
+            return out_sbh, None
+        bias_sbh = (torch.cat(biases).index_select(0, inverse_t) * scale_t1).view(s, b, h)
+        return out_sbh, bias_sbh
+
+
 class ParallelAttention(nn.Module):
     """Causal self-attention with heads split across tensor-parallel ranks.
 
@@ -328,7 +393,8 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = build_norm(config)
         self.self_attention = ParallelAttention(config, tp_group, rng_tracker, device)
         self.post_attention_layernorm = build_norm(config)
-        self.mlp = ParallelMLP(config, tp_group, device, rng_tracker)
+        mlp = SwitchMLP if config.num_experts else ParallelMLP
+        self.mlp = mlp(config, tp_group, device, rng_tracker)
 
     def _residual_dropout(self, out, bias, residual):
         if bias is not None:
