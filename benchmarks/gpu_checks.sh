@@ -4,7 +4,8 @@
 # (prints how long each save blocked training), gpt-1.3b with full recompute (peak
 # memory and speed against the run without, benchmarks/RESULTS.md), and a run that cannot
 # fit, for the out-of-memory report (megatron/oom_report.py: exit status 1, the report's
-# first lines). pytest must be importable.
+# first lines), then the zero-shot evaluation, a --num-experts benchmark and the
+# key/value-cache generation speed. pytest must be importable.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_checks}; mkdir -p "$OUT"
@@ -30,3 +31,18 @@ python -m torch.distributed.run --standalone --nproc-per-node 1 pretrain_gpt.py 
     --eval-iters 0 --bf16 > "$OUT/oom.log" 2>&1
 echo "out-of-memory run: exit status $? (expected 1)"
 grep -A12 "out of GPU memory" "$OUT/oom.log" | head -14
+# Zero-shot evaluation (tasks/main.py) of the checkpoint the async-save run wrote: a
+# WikiText-style file of NullTokenizer ids, bf16, through the forward-only schedule.
+python -c "import random; random.seed(0); print(' '.join(str(random.randrange(50257)) for _ in range(20000)))" \
+    > "$OUT/wikitext_ids.txt"
+python -m torch.distributed.run --standalone --nproc-per-node 1 tasks/main.py --task WIKITEXT103 \
+    --valid-data "$OUT/wikitext_ids.txt" --overlapping-eval 256 --num-layers 12 --hidden-size 768 \
+    --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8 \
+    --tokenizer-type NullTokenizer --vocab-size 50257 --bf16 --load "${CKPT:-/tmp/gpu_checks_ckpt}" \
+    --no-load-optim --no-load-rng 2>&1 | tee "$OUT/zeroshot.log" | grep -E "validation results|rror"
+# Mixture of experts (--num-experts, eager switch MLP) at gpt2-124m's shape, and text
+# generation with and without the key/value cache at gpt-1.3b's shape.
+python tools/benchmark.py --preset gpt2-124m --steps 10 --warmup 3 -- --num-experts 8 2>&1 \
+    | tee -a "$OUT/bench.log" | grep -E '^\{|rror' | tail -1
+python benchmarks/kv_cache_speed.py --device cuda --dtype bf16 --layers 24 --hidden 2048 --heads 16 \
+    --prompt 128 --new 256 2>&1 | tee "$OUT/kv_cache.log"
