@@ -23,6 +23,11 @@ the cached keys cannot slide with it (their positions would change), so from the
 every token recomputes that window, with or without the cache. It stops after
 --max-new-tokens or at the end-of-document token (unless --no-stop-at-eod). Prints the
 prompt and generated ids and text (--json: one JSON line instead).
+
+`generate_batch` (the text generation server's path) decodes several prompts together
+through one cache, one model call per position for all of them; per prompt it gives what
+`generate` gives (greedy: the same tokens; sampling: the same draws from that prompt's
+generator, up to float rounding of the probabilities).
 """
 from __future__ import annotations
 
