@@ -72,30 +72,78 @@ def test_greedy_and_seeded_text_match_generate_py(ckpt, served):
     assert len(lines) == n
 
 
-def test_generation_uses_the_kv_cache(ckpt, monkeypatch):
-    """Requests generate through the key/value cache (the prompt as one call, then one
-    token per call); --no-kv-cache recomputes the context and gives the same answer."""
-    from tools import generate as generate_mod
-    from tools.text_generation_api import parse_request, run_request
+def _engine(ckpt, *flags):
+    a, ns, explicit = server_mod.parse_args(["--load", ckpt, *flags])
+    return server_mod.build_engine(a, ns, explicit)[0]
 
-    calls = []
+
+def _record_calls(monkeypatch) -> list:
+    """The [batch, tokens] shape of every cached model call (any thread)."""
+    from tools import generate as generate_mod
+
+    shapes = []
     real = generate_mod.forward_incremental
     monkeypatch.setattr(generate_mod, "forward_incremental", lambda model, ids, cache, **kw:
-                        calls.append(ids.shape[1]) or real(model, ids, cache, **kw))
+                        shapes.append(tuple(ids.shape)) or real(model, ids, cache, **kw))
+    return shapes
+
+
+def test_generation_uses_the_kv_cache(ckpt, monkeypatch):
+    """A request's prompts generate together through the key/value cache: one call of
+    every prompt up to the shortest, then one call per position with every prompt, not
+    one per prompt and token; --no-kv-cache recomputes the context, one prompt at a time,
+    and gives the same answer (same seed per prompt)."""
+    from tools.text_generation_api import parse_request, run_request
+
+    calls = _record_calls(monkeypatch)
     body = parse_request({"prompts": ["5 6 7", "1 2"], "tokens_to_generate": 6,
                           "temperature": 1.5, "random_seed": 4, "logprobs": True})
     answers = []
     for flags in ([], ["--no-kv-cache"]):
-        a, ns, explicit = server_mod.parse_args(["--load", ckpt, *flags])
-        engine, _ = server_mod.build_engine(a, ns, explicit)
+        engine = _engine(ckpt, *flags)
         assert engine.use_kv_cache is not bool(flags)
         calls.clear()
         answers.append(run_request(engine, body))
         if flags:
             assert calls == []
-        else:  # per prompt: its tokens in one call, then one per token (EOD may end it)
-            assert calls[0] == 3 and 2 in calls and set(calls) == {1, 2, 3}, calls
-    assert answers[0] == answers[1]
+        else:  # EOD may end both prompts early
+            assert calls[0] == (2, 2) and set(calls[1:]) == {(2, 1)}, calls
+            assert len(calls) <= 3 + 6 - 2, calls
+    assert answers[0]["text"] == answers[1]["text"]
+    for got, want in zip(answers[0]["logprobs"], answers[1]["logprobs"]):
+        assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_a_batch_answers_as_one_prompt_at_a_time(ckpt, served, monkeypatch):
+    """Prompts of 4, 1 and 3 tokens in one greedy request: the text, segments and
+    log-probs (within 1e-5) of one prompt at a time without the cache (the reference),
+    from one batch of 3 rows."""
+    url, _ = served
+    calls = _record_calls(monkeypatch)
+    body = {"prompts": ["9 8 7 6", "1", "5 6 7"], "tokens_to_generate": 8, "top_k": 1,
+            "logprobs": True}
+    out = _ok(url, body)
+    assert calls and {c[0] for c in calls} == {3}, calls
+    from tools.text_generation_api import parse_request, run_request
+
+    ref = run_request(_engine(ckpt, "--no-kv-cache"), parse_request(body))
+    assert out["text"] == ref["text"] and out["segments"] == ref["segments"]
+    assert [len(x) for x in out["logprobs"]] == [len(x) for x in ref["logprobs"]]
+    for got, want in zip(out["logprobs"], ref["logprobs"]):
+        assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_seeded_batch_is_deterministic(served):
+    """The same seeded request twice gives the same answer; prompts[i] draws with seed
+    random_seed + i, so it answers as a one-prompt request with that seed."""
+    url, _ = served
+    body = {"prompts": ["5 6 7", "1", "9 8 7 6"], "tokens_to_generate": 8,
+            "temperature": 1.5, "random_seed": 3}
+    first = _ok(url, body)
+    assert _ok(url, body) == first
+    alone = [_ok(url, dict(body, prompts=[p], random_seed=3 + i))["text"][0]
+             for i, p in enumerate(body["prompts"])]
+    assert first["text"] == alone
 
 
 def test_logprobs_and_scoring(served):
@@ -140,6 +188,8 @@ def test_logprobs_and_scoring(served):
      "top_k (5) and top_p (0.5) cannot both be set: set one of them to 0"),
     ({"prompts": ["5"], "random_seed": -3},
      "random_seed must be an integer >= 0, or -1 (unseeded) (got -3)"),
+    ({"prompts": ["5"], "random_seed": 2 ** 64},
+     "random_seed must be below 2**64 = 18446744073709551616 (got 18446744073709551616)"),
     ({"prompts": ["5"], "logprobs": 1}, "logprobs must be true or false (got 1)"),
     ({"prompts": ["5"], "beam_width": 2}, "beam_width is not supported by this server"),
     ({"prompts": ["5"], "prompt": "x"}, "unknown field(s) prompt; the fields are prompts,"),

@@ -23,6 +23,11 @@ the cached keys cannot slide with it (their positions would change), so from the
 every token recomputes that window, with or without the cache. It stops after
 --max-new-tokens or at the end-of-document token (unless --no-stop-at-eod). Prints the
 prompt and generated ids and text (--json: one JSON line instead).
+
+`generate_batch` (the text generation server's path) decodes several prompts together
+through one cache, one model call per position for all of them; per prompt it gives what
+`generate` gives (greedy: the same tokens; sampling: the same draws from that prompt's
+generator, up to float rounding of the probabilities).
 """
 from __future__ import annotations
 
@@ -50,7 +55,8 @@ from megatron.core.models.gpt.kv_cache import (  # noqa: E402
 )
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-__all__ = ["config_from_args", "load_model", "sample_next", "generate", "main"]
+__all__ = ["config_from_args", "load_model", "sample_next", "generate", "generate_batch",
+           "main"]
 
 
 # ------------------------------------------------------------------------------ model
@@ -160,6 +166,99 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, greedy: b
         ids.append(token)
         if (eod is not None and token == eod) or (stop is not None and stop(ids)):
             break
+    return out
+
+
+def _batch_step_logits(model, cache: KVCache, tokens_bs: torch.Tensor,
+                       vocab_limit: Optional[int]) -> torch.Tensor:
+    """Logits [b, vocab_limit] (fp32) of the token after `tokens_bs`, which extend `cache`."""
+    return forward_incremental(model, tokens_bs, cache, last_only=True)[:, -1, :vocab_limit].float()
+
+
+def _decode_together(model, prompts: List[List[int]], max_new_tokens: int,
+                     pick: Callable[[torch.Tensor, int], int],
+                     done: Callable[[int, List[int], int], bool],
+                     vocab_limit: Optional[int]) -> List[List[int]]:
+    """New ids of each prompt, all rows through one key/value cache at shared positions.
+    Every row is prefilled up to the shortest prompt; then each call feeds one position
+    of every row: a row still inside its prompt feeds its next prompt token (what the
+    model predicted there is not used), a row past it feeds the token it drew last, a
+    finished row feeds padding (id 0) that no other row sees (attention stays within a
+    row). `pick(logits [V], row)` draws a token, `done(row, sequence, token)` says whether
+    the row ends after it. Every row must fit: len(prompt) + max_new_tokens - 1 <= the
+    model's positions."""
+    device = next(model.parameters()).device
+    seqs = [list(p) for p in prompts]
+    out: List[List[int]] = [[] for _ in prompts]
+    finished = [False] * len(prompts)
+    pos = min(len(p) for p in prompts)
+    cache = KVCache(len(model.language_model.encoder.layers),
+                    max(len(p) for p in prompts) + max_new_tokens - 1)
+    tokens = torch.tensor([p[:pos] for p in prompts], dtype=torch.long, device=device)
+    while True:
+        logits = _batch_step_logits(model, cache, tokens, vocab_limit)  # predicts index pos
+        for row, seq in enumerate(seqs):
+            if not finished[row] and len(seq) == pos:  # the row's prompt is all in the cache
+                token = pick(logits[row], row)
+                out[row].append(token)
+                seq.append(token)
+                finished[row] = len(out[row]) == max_new_tokens or done(row, seq, token)
+        if all(finished):
+            return out
+        feed = [seq[pos] if pos < len(seq) else 0 for seq in seqs]
+        tokens = torch.tensor(feed, dtype=torch.long, device=device)[:, None]
+        pos += 1
+
+
+@torch.no_grad()
+def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                   greedy: bool = False, temperature: float = 1.0, top_k: int = 0,
+                   top_p: float = 1.0,
+                   generators: Optional[Sequence[Optional[torch.Generator]]] = None,
+                   eod: Optional[int] = None, vocab_limit: Optional[int] = None,
+                   stop: Optional[Callable[[List[int]], bool]] = None) -> List[List[int]]:
+    """New token ids after each of `prompts`, decoded together as one batch through a
+    key/value cache: `generate` for every prompt (same arguments, `use_cache` on), one
+    model call per position instead of one per prompt and position.
+
+    Row i draws from `generators[i]` only (None: torch's global generator), one draw per
+    token it generates, so it draws what `generate(prompts[i], generator=generators[i])`
+    draws; greedy tokens equal `generate`'s per prompt (the logits agree up to float
+    rounding: the batch feeds a longer prompt's tail one token at a time). Rows end
+    independently (`eod`, `stop(ids)`, max_new_tokens); the batch runs until every row has
+    ended. A prompt whose tokens plus max_new_tokens - 1 exceed --max-position-embeddings
+    is generated alone by `generate` (its window recompute does not fit a shared cache).
+    The model is one process in eval mode, as for `generate` (ValueError otherwise)."""
+    prompts = [list(p) for p in prompts]
+    if not prompts or not all(prompts):
+        raise ValueError("generate_batch needs at least one prompt and no empty prompt "
+                         f"(got prompt lengths {[len(p) for p in prompts]})")
+    gens = list(generators) if generators is not None else [None] * len(prompts)
+    if len(gens) != len(prompts):
+        raise ValueError(f"{len(gens)} generators for {len(prompts)} prompts: give one per "
+                         "prompt (or None)")
+    out: List[List[int]] = [[] for _ in prompts]
+    if max_new_tokens <= 0:
+        return out
+    max_len = model.config.max_position_embeddings
+    rows = [i for i, p in enumerate(prompts) if len(p) + max_new_tokens - 1 <= max_len]
+    for i in sorted(set(range(len(prompts))) - set(rows)):
+        out[i] = generate(model, prompts[i], max_new_tokens, greedy=greedy,
+                          temperature=temperature, top_k=top_k, top_p=top_p,
+                          generator=gens[i], eod=eod, vocab_limit=vocab_limit, stop=stop)
+    if not rows:
+        return out
+
+    def pick(logits: torch.Tensor, row: int) -> int:
+        return sample_next(logits, greedy, temperature, top_k, top_p, gens[rows[row]])
+
+    def done(row: int, seq: List[int], token: int) -> bool:
+        return (eod is not None and token == eod) or (stop is not None and stop(seq))
+
+    batch = _decode_together(model, [prompts[i] for i in rows], max_new_tokens, pick, done,
+                             vocab_limit)
+    for i, new in zip(rows, batch):
+        out[i] = new
     return out
 
 

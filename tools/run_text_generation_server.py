@@ -15,8 +15,9 @@ silently preferred value would hide a wrong --load). --tensor/--pipeline-model-p
 and the training and data flags have no effect (one note lists them). Under torchrun only
 rank 0 serves; the other ranks exit at once. --fp16/--bf16 pick the dtype (default: the
 checkpoint's on CUDA, fp32 on CPU); unseeded requests draw from a generator seeded by --seed.
-Generation keeps a key/value cache per prompt (tools/generate.py); --no-kv-cache recomputes
-the whole context for every token instead (same tokens, slower).
+The prompts of a request are generated together as one batch through a key/value cache
+(tools/generate.py generate_batch); --no-kv-cache runs them one at a time, recomputing the
+whole context for every token instead (the reference: same tokens, slower).
 
 The request and response are described in tools/text_generation_api.py (Megatron's PUT /api
 fields). Requests run one at a time; each prints one line to stdout. Bad requests get HTTP
@@ -80,8 +81,9 @@ def _server_parser() -> argparse.ArgumentParser:
     ap.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--no-kv-cache", action="store_true",
-                    help="recompute the whole context for every generated token (as "
-                         "tools/generate.py --no-kv-cache; slower, for checking)")
+                    help="generate a request's prompts one at a time, recomputing the "
+                         "whole context for every token (as tools/generate.py "
+                         "--no-kv-cache; slower, for checking)")
     for flag, kind in (("--temperature", float), ("--top_p", float), ("--top_k", int),
                        ("--out-seq-length", int)):  # Megatron's server flags: requests set these
         ap.add_argument(flag, type=kind, default=None, help="no effect: each request sets it")
