@@ -124,8 +124,8 @@ def _vocab_json(path, entries):
     (["--true-vocab-size", "128", "--vocab-file", "VOCAB3"],
      r"--true-vocab-size 128 and --vocab-file .*vocab.json \(3 entries\) disagree"),
     (["--vocab-file", "VOCAB3"], r"--vocab-file .*vocab.json \(3 entries\) disagrees"),
-    (["--vocab-file", "MISSING"], "--vocab-file .*missing.json: file not found; --vocab-file "
-                                  "takes a GPT-2 vocab.json"),
+    (["--vocab-file", "MISSING"], "--vocab-file .*missing.json: file not found; check the path; "
+                                  "--vocab-file takes a GPT-2 vocab.json"),
 ])
 def test_errors_name_the_value_and_the_fix(source, tmp_path, extra, words):
     root, _ = source
