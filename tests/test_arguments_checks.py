@@ -227,3 +227,14 @@ def test_dump_shows_megatrons_counters_and_fixed_lengths():
     dump = format_args_dump(args).splitlines()
     assert "  consumed_train_samples " + "." * 26 + " 0" in dump
     assert "  variable_seq_lengths " + "." * 28 + " False" in dump
+
+
+def test_rollback_nan_policy_needs_save():
+    """Without --save a rollback has nothing to reload: refused before training, not at the
+    first NaN."""
+    assert error_of("--nan-loss-policy rollback") == (
+        "--nan-loss-policy rollback reloads the last checkpoint that --save wrote, and there "
+        "is no --save; add --save DIR --save-interval N, or use --nan-loss-policy skip")
+    assert run("--nan-loss-policy rollback --save x --save-interval 2").training \
+        .nan_loss_policy == "rollback"
+    assert run("--nan-loss-policy skip").training.nan_loss_policy == "skip"
