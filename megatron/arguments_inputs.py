@@ -53,8 +53,13 @@ def check_data_inputs(ns) -> None:
 
 
 def _check_file(dest: str, path: str) -> None:
+    """ArgumentsError naming the flag and the path when `path` does not exist; a relative
+    path is also shown resolved (the launch scripts run from the repository root, not from
+    where they were started)."""
     if not os.path.exists(path):
-        raise ArgumentsError(f"{flag_for_dest(dest)} {path}: file not found")
+        where = "" if os.path.isabs(path) else f" (looked for {os.path.abspath(path)})"
+        raise ArgumentsError(f"{flag_for_dest(dest)} {path}: file not found{where}; check "
+                             "the path")
 
 
 def check_tokenizer_files(ns) -> None:

@@ -92,9 +92,13 @@ def find_missing_inputs(args: Mapping[str, Any]) -> List[str]:
     missing = []
     for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         for prefix in _data_prefixes(args.get(flag)):
-            for ext in (".bin", ".idx"):
-                if not os.path.isfile(prefix + ext):
-                    missing.append(f"{prefix}{ext} (--{flag.replace('_', '-')})")
+            absent = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            if absent and prefix.endswith((".bin", ".idx")):
+                # Megatron names a dataset by its prefix: 'x.bin' would read x.bin.bin.
+                missing.append(f"{' and '.join(absent)} (--{flag.replace('_', '-')}: a dataset "
+                               f"is named by its prefix without .bin/.idx: pass {prefix[:-4]})")
+                continue
+            missing += [f"{path} (--{flag.replace('_', '-')})" for path in absent]
     tokenizer = args.get("tokenizer_type")
     files = {"GPT2BPETokenizer": ("vocab_file", "merge_file"),
              "SentencePieceTokenizer": ("tokenizer_model",),

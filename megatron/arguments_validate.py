@@ -372,6 +372,11 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
     """Checkpoint/loader defaults, backend and compile choices, tokenizer default."""
     if ns.save is not None and ns.save_interval is None:
         raise ArgumentsError(f"--save {ns.save} needs --save-interval N (iterations between saves)")
+    if ns.nan_loss_policy == "rollback" and ns.save is None:
+        # Found out at the first NaN otherwise, maybe hours in, with nothing to reload.
+        raise ArgumentsError("--nan-loss-policy rollback reloads the last checkpoint that --save "
+                             "wrote, and there is no --save; add --save DIR --save-interval N, "
+                             "or use --nan-loss-policy skip")
     if ns.mock_data and (ns.data_path or ns.train_data_path):
         raise ArgumentsError("--mock-data and --data-path/--train-data-path are exclusive")
     if ns.dataloader_type is None:

@@ -5,7 +5,7 @@
 #   bash scripts/pretrain_gpt.sh --train-iters 100 --dry-run
 set -euo pipefail
 
-# --- paths -----------------------------------------------------------------------------
+# --- paths (relative ones: from the repository root, where the script runs) ------------
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/gpt2_345m}      # --save and --load
 VOCAB_FILE=${VOCAB_FILE:-data/gpt2-vocab.json}
 MERGE_FILE=${MERGE_FILE:-data/gpt2-merges.txt}

@@ -12,7 +12,7 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
 
-# --- paths -----------------------------------------------------------------------------
+# --- paths (relative ones: from the repository root, where the script runs) ------------
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/gpt2_345m}      # --save and --load
 VOCAB_FILE=${VOCAB_FILE:-data/gpt2-vocab.json}
 MERGE_FILE=${MERGE_FILE:-data/gpt2-merges.txt}

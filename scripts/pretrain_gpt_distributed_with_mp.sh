@@ -15,7 +15,7 @@ MASTER_PORT=${MASTER_PORT:-6000}
 TP=${TP:-2}                                # tensor-model-parallel size
 PP=${PP:-2}                                # pipeline-model-parallel size
 
-# --- paths -----------------------------------------------------------------------------
+# --- paths (relative ones: from the repository root, where the script runs) ------------
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/gpt2_345m_tp${TP}_pp${PP}}   # --save, --load
 VOCAB_FILE=${VOCAB_FILE:-data/gpt2-vocab.json}
 MERGE_FILE=${MERGE_FILE:-data/gpt2-merges.txt}

@@ -5,7 +5,8 @@
 #   2. preprocess it into Megatron's .bin/.idx format,
 #   3. train with tensor parallelism over 2 processes (CPU/gloo or GPUs/NCCL; one GPU:
 #      one process), with validation perplexity, tensorboard logs and checkpoints.
-# Outputs go under ${OUT_DIR:-runs/quickstart}. A few minutes on 2 CPU cores. Every run
+# Outputs go under ${OUT_DIR:-runs/quickstart}; NPROC (2) and TRAIN_ITERS (300) may be set
+# too, and extra flags go to pretrain_gpt.py. A few minutes on 2 CPU cores. Every run
 # starts afresh: it deletes the checkpoints/ and tensorboard/ of the previous run under
 # OUT_DIR (saying so; the corpus and tokenizer in data/ are kept and reused).
 set -euo pipefail
@@ -13,6 +14,8 @@ cd "$(dirname "$0")/.."
 OUT_DIR=${OUT_DIR:-runs/quickstart}
 NPROC=${NPROC:-2}
 TRAIN_ITERS=${TRAIN_ITERS:-300}
+# 20 warmup iterations; a tenth of a shorter run (the warmup must end before the decay does)
+WARMUP_ITERS=$(( TRAIN_ITERS / 10 < 20 ? TRAIN_ITERS / 10 : 20 ))
 DATA=$OUT_DIR/data
 for previous in "$OUT_DIR/checkpoints" "$OUT_DIR/tensorboard"; do
   if [ -e "$previous" ]; then
@@ -43,7 +46,7 @@ python -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
     --seq-length 128 --max-position-embeddings 128 \
     --micro-batch-size 8 --global-batch-size 16 \
-    --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 20 \
+    --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters "$WARMUP_ITERS" \
     --train-iters "$TRAIN_ITERS" --weight-decay 0.1 --clip-grad 1.0 \
     --hidden-dropout 0.0 --attention-dropout 0.0 \
     --data-path "$DATA/stdlib_text_document" --split 98,2,0 \

@@ -588,6 +588,9 @@ def test_dry_run_report_and_missing_inputs(tmp_path, capsys):
     assert f"{prefix}.bin (--data-path)" in text and f"{prefix}.idx" not in text
     assert f"{tmp_path}/none (--load" in text
     assert run_dry_run(cfg, 1) == 1
+    cfg = run(f"--data-path {prefix}.idx", base=without("--mock-data"))
+    assert (f"{prefix}.idx.bin and {prefix}.idx.idx (--data-path: a dataset is named by its "
+            f"prefix without .bin/.idx: pass {prefix})") in dry_run_report(cfg, 1)
 
 
 def test_format_args_dump():

@@ -3,6 +3,8 @@ with a misleading message: each must fail early with exit status 2 and a message
 names the value and the fix, or run as Megatron-LM 23.05 runs it."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from megatron.arguments import ArgumentsError, dry_run_report, parse_and_validate
@@ -174,7 +176,11 @@ def test_missing_tokenizer_files_fail_in_validation(tmp_path):
     assert "needs --vocab-file and --merge-file" in msg and "NullTokenizer" in msg
     msg = error_of(f"--vocab-file {tmp_path}/nope.json --merge-file {merges}", base=TOKENIZER,
                    vocab_size_fn=lambda a: 1)
-    assert msg == f"--vocab-file {tmp_path}/nope.json: file not found"
+    assert msg == f"--vocab-file {tmp_path}/nope.json: file not found; check the path"
+    msg = error_of(f"--vocab-file data/nope.json --merge-file {merges}", base=TOKENIZER,
+                   vocab_size_fn=lambda a: 1)
+    assert msg == ("--vocab-file data/nope.json: file not found (looked for "
+                   f"{os.path.join(os.getcwd(), 'data', 'nope.json')}); check the path")
     assert "(the default) needs --merge-file (" in error_of(f"--vocab-file {merges}",
                                                             base=TOKENIZER)
     msg = error_of("--tokenizer-type SentencePieceTokenizer", base=TOKENIZER,
@@ -221,3 +227,14 @@ def test_dump_shows_megatrons_counters_and_fixed_lengths():
     dump = format_args_dump(args).splitlines()
     assert "  consumed_train_samples " + "." * 26 + " 0" in dump
     assert "  variable_seq_lengths " + "." * 28 + " False" in dump
+
+
+def test_rollback_nan_policy_needs_save():
+    """Without --save a rollback has nothing to reload: refused before training, not at the
+    first NaN."""
+    assert error_of("--nan-loss-policy rollback") == (
+        "--nan-loss-policy rollback reloads the last checkpoint that --save wrote, and there "
+        "is no --save; add --save DIR --save-interval N, or use --nan-loss-policy skip")
+    assert run("--nan-loss-policy rollback --save x --save-interval 2").training \
+        .nan_loss_policy == "rollback"
+    assert run("--nan-loss-policy skip").training.nan_loss_policy == "skip"

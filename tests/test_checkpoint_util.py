@@ -23,6 +23,7 @@ import torch
 
 from megatron import checkpoint_reshard as reshard
 from tests.test_reshard import RTOL, _check_weights_only, _load_and_continue, _run, _saved
+from tests.test_tokenizer import _train_sentencepiece
 from tools import checkpoint_convert, checkpoint_util
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,8 +124,8 @@ def _vocab_json(path, entries):
     (["--true-vocab-size", "128", "--vocab-file", "VOCAB3"],
      r"--true-vocab-size 128 and --vocab-file .*vocab.json \(3 entries\) disagree"),
     (["--vocab-file", "VOCAB3"], r"--vocab-file .*vocab.json \(3 entries\) disagrees"),
-    (["--vocab-file", "MISSING"], "--vocab-file .*missing.json: file not found; --vocab-file "
-                                  "takes a GPT-2 vocab.json"),
+    (["--vocab-file", "MISSING"], "--vocab-file .*missing.json: file not found; check the path; "
+                                  "--vocab-file takes a GPT-2 vocab.json"),
 ])
 def test_errors_name_the_value_and_the_fix(source, tmp_path, extra, words):
     root, _ = source
@@ -168,6 +169,21 @@ def test_true_vocab_size_repads_when_the_tokenizer_is_not_known(tmp_path):
     assert checkpoint_convert.target_args(args, 1, 1, 1, None, False, 130)[
         "padded_vocab_size"] == 192
     assert checkpoint_convert.target_args(args, 1, 1, 1, None, False)["padded_vocab_size"] == 256
+
+
+def test_sentencepiece_checkpoint_is_repadded_from_its_tokenizer_model(tmp_path):
+    """A SentencePiece run saved at tp 2 (125 tokens padded to 256 with 128 x tp): to tp 1
+    the tokenizer built from the stored --tokenizer-model gives 128 rows, as a tp 1 run with
+    that tokenizer pads them (the saved padded size alone would keep 256, which that run
+    then refuses to load); a model file that has moved keeps the saved size."""
+    model = _train_sentencepiece(tmp_path)
+    args = {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": model,
+            "padded_vocab_size": 256, "make_vocab_size_divisible_by": 128}
+    assert checkpoint_convert.tokenizer_vocab_size(args) == 125
+    assert checkpoint_convert.target_args(args, 1, 1, 1, None, False)["padded_vocab_size"] == 128
+    moved = dict(args, tokenizer_model=str(tmp_path / "moved.model"))
+    assert checkpoint_convert.tokenizer_vocab_size(moved) is None
+    assert checkpoint_convert.target_args(moved, 1, 1, 1, None, False)["padded_vocab_size"] == 256
 
 
 def test_script_help_says_what_is_ignored_and_kept():

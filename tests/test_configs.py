@@ -198,3 +198,24 @@ def test_quickstart_says_it_deletes_the_previous_run(tmp_path):
         assert f"note: deleting the previous run's {out_dir / sub} " in proc.stdout
         assert not (out_dir / sub).exists()
     assert (out_dir / "data" / "stdlib_text_document.idx").exists()
+
+
+@pytest.mark.parametrize("train_iters, warmup", [(None, 20), ("10", 1), ("4", 0)])
+def test_quickstart_short_run_shortens_the_warmup(tmp_path, train_iters, warmup):
+    """TRAIN_ITERS below 200 takes a tenth as warmup: a fixed 20 made TRAIN_ITERS=10 fail
+    validation (warmup longer than the decay) after deleting the previous run."""
+    bindir, out_dir, argv = tmp_path / "bin", tmp_path / "out", tmp_path / "argv"
+    bindir.mkdir()
+    (bindir / "python").write_text(f'#!/usr/bin/env bash\n[ "$1" = "-c" ] && echo 0 && exit 0\n'
+                                   f'echo "$@" >> {argv}\nexit 0\n')
+    (bindir / "python").chmod(0o755)
+    (out_dir / "data").mkdir(parents=True)
+    (out_dir / "data" / "stdlib_text_document.idx").touch()
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", OUT_DIR=str(out_dir))
+    if train_iters is not None:
+        env["TRAIN_ITERS"] = train_iters
+    subprocess.run(["bash", str(ROOT / "scripts" / "quickstart.sh")], env=env,
+                   capture_output=True, text=True)
+    (launch,) = [line for line in argv.read_text().splitlines() if "pretrain_gpt.py" in line]
+    assert f" --lr-warmup-iters {warmup} " in launch
+    assert f" --train-iters {train_iters or 300} " in launch

@@ -137,6 +137,19 @@ def test_describe_exit_names_a_timeout():
     assert lp.describe_exit(2, 3) == "exit 2"
 
 
+def test_dropout_left_on_is_warned_about():
+    """Own model flags without dropout 0 (Megatron's default is 0.1) make every layout fail
+    for the dropout masks alone: the tool says so and names the flags to add."""
+    assert lp.dropout_warning(lp.DEFAULT_MODEL) is None and lp.dropout_warning(TINY) is None
+    bare = TINY[:TINY.index("--hidden-dropout")] + TINY[TINY.index("--attention-dropout") + 2:]
+    warning = lp.dropout_warning(bare)
+    assert warning is not None
+    assert "--hidden-dropout 0.1 (the default), --attention-dropout 0.1 (the default)" in warning
+    assert "add --hidden-dropout 0 --attention-dropout 0" in warning
+    assert "--hidden-dropout 0.05" in lp.dropout_warning(bare + ["--hidden-dropout", "0.05",
+                                                                 "--attention-dropout", "0.0"])
+
+
 def test_default_tolerances_by_precision():
     assert lp.default_tolerance(["--bf16"]) == (0.01, 0.05)
     assert lp.default_tolerance([]) == (1e-4, 0.01)

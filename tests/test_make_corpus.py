@@ -33,3 +33,13 @@ def test_vocab_size_beyond_the_corpus_names_the_limit(tmp_path):
                                          r"learn from .*: at most \d+ here; lower --vocab-size"):
         make_corpus.main(["--output", str(tmp_path / "c.jsonl"), "--max-mb", "0.05",
                           "--tokenizer-prefix", str(tmp_path / "spm"), "--vocab-size", "60000"])
+
+
+def test_vocab_size_without_tokenizer_prefix_is_refused(tmp_path, capsys):
+    """--vocab-size alone trained nothing and said nothing: now it names the missing flag."""
+    with pytest.raises(SystemExit):
+        make_corpus.main(["--output", str(tmp_path / "c.jsonl"), "--vocab-size", "1000"])
+    assert ("--vocab-size 1000 is the size of the SentencePiece tokenizer, which only "
+            "--tokenizer-prefix PREFIX trains; add it or drop --vocab-size") \
+        in capsys.readouterr().err
+    assert not (tmp_path / "c.jsonl").exists()

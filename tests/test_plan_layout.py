@@ -212,6 +212,9 @@ def test_too_little_memory_for_any_gpu_count(capsys):
 
 @pytest.mark.parametrize("extra,message", [
     (["--gpus", "0"], "--gpus 0 must be >= 1"),
+    ([], "--gpus N (the number of GPUs in all) is required"),
+    (["--gpu", "64"], "--gpus N (the number of GPUs in all) is required; --gpu is not a flag: "
+                      "did you mean --gpus?"),
     (["--gpus", "12"], "--gpus 12 is more than one node of --gpus-per-node 8 but not whole "
                        "nodes; use a multiple of 8 (e.g. 8 or 16)"),
     (["--gpus", "8", "--top", "0"], "--top 0 must be >= 1"),
@@ -245,9 +248,8 @@ def test_global_batch_and_gpu_memory_are_needed(capsys, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     code, _, err = _run(["--gpus", "8", *SMALL], capsys)
     assert code == 2 and "no GPU here to read the memory from: pass --gpu-memory-gb" in err
-    with pytest.raises(SystemExit) as exc:
-        main(SMALL)
-    assert exc.value.code == 2 and "--gpus" in capsys.readouterr().err
+    assert main(SMALL) == 2 and "--gpus N (the number of GPUs in all) is required" in \
+        capsys.readouterr().err
 
 
 def test_switches_the_input_turns_on_must_be_removed():

@@ -115,13 +115,15 @@ def test_bad_lines(tmp_path, bpe):
              json.dumps({"text": 5, "title": "x"}), "[1, 2]", json.dumps(DOCS[1])]
     src = tmp_path / "bad.jsonl"
     src.write_text("\n".join(lines) + "\n")
-    with pytest.raises(SystemExit, match=r"bad\.jsonl:3: invalid JSON"):
+    with pytest.raises(SystemExit, match=r"bad\.jsonl:3: invalid JSON \(.*\); the input is "
+                       r"JSON lines: one object such as \{\"text\": \"...\"\} per line"):
         run_tool(bpe, src, tmp_path / "out")
     counts = run_tool(bpe, src, tmp_path / "out", "--skip-bad-lines", "--append-eod")
     assert counts["skipped"] == 4 and counts["documents"] == 2
     check_outputs(bpe, tmp_path / "out", [DOCS[0], DOCS[1]])
     src.write_text(json.dumps({"title": "x"}) + "\n")
-    with pytest.raises(SystemExit, match=r"bad\.jsonl:1: missing key\(s\) \['text'\]"):
+    with pytest.raises(SystemExit, match=r"bad\.jsonl:1: missing key\(s\) \['text'\]; present: "
+                       r"\['title'\]; --json-keys names the keys that hold the text"):
         run_tool(bpe, src, tmp_path / "out")
 
 

@@ -125,13 +125,24 @@ def _virtual_stages(num_layers: int, pp: int, layers_per_stage: Optional[int]) -
 
 
 def tokenizer_vocab_size(args: dict) -> Optional[int]:
-    """The vocabulary size before padding of the saved run's tokenizer, when it is known
-    without files beyond the vocab file (NullTokenizer, GPT2BPETokenizer); else None."""
+    """The vocabulary size before padding of the saved run's tokenizer: from the arguments
+    and the vocab file (NullTokenizer, GPT2BPETokenizer), else from the tokenizer built
+    from its stored files (SentencePiece, Hugging Face), as pretrain_gpt.py pads it; None
+    when those files are not readable here."""
     from megatron.arguments_validate import default_vocab_size
+    from megatron.tokenizer import build_tokenizer
 
     try:
         return default_vocab_size(argparse.Namespace(**args))
     except (SystemExit, OSError, ValueError, KeyError, AttributeError, TypeError):
+        pass
+    try:
+        return build_tokenizer(args["tokenizer_type"], vocab_file=args.get("vocab_file"),
+                               merge_file=args.get("merge_file"),
+                               tokenizer_model=args.get("tokenizer_model"),
+                               vocab_size=args.get("vocab_size"),
+                               vocab_extra_ids=args.get("vocab_extra_ids") or 0).vocab_size
+    except (SystemExit, OSError, ValueError, KeyError, RuntimeError, ImportError):
         return None
 
 

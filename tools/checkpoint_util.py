@@ -18,11 +18,11 @@ checkpoint under IN (the one its tracker file names):
   those).
 - A target size left out keeps the checkpoint's, as Megatron does.
 - The vocabulary is re-padded for the target tensor-parallel size from the size of the
-  checkpoint's tokenizer (NullTokenizer, GPT2BPETokenizer) whenever that is known here.
+  checkpoint's tokenizer whenever that is known here (NullTokenizer, GPT2BPETokenizer, or
+  a tokenizer built from its stored files: SentencePiece, Hugging Face).
   --true-vocab-size / --vocab-file then change nothing (they are checked against it); they
-  matter when the tokenizer's size is not known here (other tokenizer types, a vocab file
-  that has moved): the vocabulary is then re-padded from them instead of from the saved
-  padded size.
+  matter when the tokenizer's size is not known here (its files have moved): the
+  vocabulary is then re-padded from them instead of from the saved padded size.
 - --megatron-path, --max-queue-size and --no-checking are accepted and ignored: nothing is
   imported from Megatron-LM, no loader/saver processes pass tensors through a queue, and
   every shard is checked as it is read.

@@ -43,7 +43,8 @@ softmax. A layout whose log reports another padded size fails.
 
 Flags after `--` replace the default model and data (a small GPT with biases on mock
 data, bf16 on CUDA); the tool adds the layout, --train-iters, --log-interval 1 and the
-checkpoint flags. Each rank's output goes to --out-dir/<run>/rank<r>.log (by default a
+checkpoint flags. Give them --hidden-dropout 0 --attention-dropout 0 (a warning says so
+otherwise): with dropout on, each layout draws other masks and no layout matches. Each rank's output goes to --out-dir/<run>/rank<r>.log (by default a
 temporary directory, removed when every layout passed).
 """
 from __future__ import annotations
@@ -298,6 +299,25 @@ def default_tolerance(model: List[str]) -> Tuple[float, float]:
     return (0.01, 0.05) if ("--bf16" in model or "--fp16" in model) else (1e-4, 0.01)
 
 
+def dropout_warning(model: List[str]) -> Optional[str]:
+    """A warning when the model flags leave dropout on (Megatron's default is 0.1 for both):
+    each layout then draws other dropout masks (the tensor-parallel RNG streams differ), so
+    the curves part by far more than any tolerance whether or not the layout is right."""
+    on = []
+    for flag in ("--hidden-dropout", "--attention-dropout"):
+        value = flag_value(model, flag)
+        try:
+            if value is None or float(value) != 0.0:
+                on.append(f"{flag} {value if value is not None else '0.1 (the default)'}")
+        except ValueError:
+            continue  # pretrain_gpt.py names the bad value
+    if not on:
+        return None
+    return (f"warning: dropout is on ({', '.join(on)}): every layout draws other dropout "
+            "masks, so the losses differ beyond the tolerance even where the layout is "
+            "right; add --hidden-dropout 0 --attention-dropout 0 to the flags after --")
+
+
 def seed_checkpoint(model: List[str], start: int, total: int, out_dir: str, timeout_s: float,
                     base_env: Dict[str, str], multiple: int) -> str:
     """Train `start` of `total` iterations on one process and save; the checkpoint dir."""
@@ -423,6 +443,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     model = extra or DEFAULT_MODEL + (["--bf16"] if torch.cuda.is_available() else [])
     loss_tol, gnorm_tol = default_tolerance(model)
+    warning = dropout_warning(model)
+    if warning:
+        print(f"layout_parity: {warning}", file=sys.stderr, flush=True)
     tolerance = (loss_tol if a.tolerance is None else a.tolerance,
                  gnorm_tol if a.gnorm_tolerance is None else a.gnorm_tolerance)
     keep = a.out_dir is not None
@@ -437,6 +460,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         shutil.rmtree(a.out_dir, ignore_errors=True)
     elif status:
         print(f"layout_parity: logs in {a.out_dir}", file=sys.stderr)
+        if warning:
+            print(f"layout_parity: {warning}", file=sys.stderr)
     return status
 
 

@@ -94,8 +94,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-mb", type=float, default=6.0, help="stop after this much text")
     ap.add_argument("--tokenizer-prefix", default=None,
                     help="also train a SentencePiece BPE model: writes PREFIX.model/.vocab")
-    ap.add_argument("--vocab-size", type=int, default=4096)
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="the tokenizer's vocabulary (with --tokenizer-prefix; default 4096)")
     a = ap.parse_args(argv)
+    if a.vocab_size is not None and not a.tokenizer_prefix:
+        ap.error(f"--vocab-size {a.vocab_size} is the size of the SentencePiece tokenizer, which "
+                 "only --tokenizer-prefix PREFIX trains; add it or drop --vocab-size")
+    a.vocab_size = 4096 if a.vocab_size is None else a.vocab_size
     t0 = time.time()
     docs, nbytes = write_corpus(Path(a.output), a.max_mb)
     if docs == 0:

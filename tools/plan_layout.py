@@ -169,11 +169,24 @@ def build_parser() -> argparse.ArgumentParser:
                "not a measurement: step = (compute + tensor-parallel comm + pipeline p2p + "
                "per-micro-batch overhead) x (1 + bubble) + exposed data-parallel reduction, "
                f"with {consts}. Exit status 0: a plan; 1: no layout fits; 2: bad input.")
-    p.add_argument("--gpus", type=int, required=True, help="number of GPUs in all")
+    # Checked in build_request, not by argparse: a typo such as --gpu then gets named.
+    p.add_argument("--gpus", type=int, default=None, help="number of GPUs in all (required)")
     p.add_argument("--gpus-per-node", type=int, default=8,
                    help="GPUs per node (default 8); tensor parallelism stays inside a node")
     p.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
     return p
+
+
+def _missing_gpus_message(rest: Sequence[str]) -> str:
+    """No --gpus: say it is required and name a flag that looks like a typo of it."""
+    import difflib
+
+    message = "--gpus N (the number of GPUs in all) is required"
+    for token in rest:
+        flag = token.split("=", 1)[0]
+        if flag.startswith("--") and difflib.get_close_matches(flag, ["--gpus"], cutoff=0.8):
+            return f"{message}; {flag} is not a flag: did you mean --gpus?"
+    return message
 
 
 def check_planner_args(args: argparse.Namespace) -> None:
@@ -433,8 +446,10 @@ def _probe_model(ns: argparse.Namespace, explicit: set) -> None:
 
 def build_request(argv: Sequence[str]) -> Request:
     """Planner flags + pretrain_gpt.py flags -> Request; ArgumentsError for bad input.
-    `--help` and a missing --gpus exit here (argparse)."""
+    `--help` exits here (argparse)."""
     args, rest = build_parser().parse_known_args(list(argv))
+    if args.gpus is None:
+        raise ArgumentsError(_missing_gpus_message(rest))
     check_planner_args(args)
     with _messages(logging.WARNING):
         ns, explicit, placeholders = parse_model(rest)

@@ -200,12 +200,14 @@ class ChunkEncoder:
             try:
                 doc = json.loads(line)
             except (ValueError, UnicodeDecodeError) as e:
-                raise NotJSON(f"invalid JSON ({e})") from None
+                raise NotJSON(f"invalid JSON ({e}); the input is JSON lines: one object such "
+                              'as {"text": "..."} per line') from None
         if not isinstance(doc, dict):
             raise BadLine(f"expected a JSON object, got {type(doc).__name__}")
         missing = [k for k in self.opts.json_keys if k not in doc]
         if missing:
-            raise BadLine(f"missing key(s) {missing}; present: {sorted(doc)[:10]}")
+            raise BadLine(f"missing key(s) {missing}; present: {sorted(doc)[:10]}; --json-keys "
+                          "names the keys that hold the text (default: text)")
         return doc
 
     def _encode_text(self, value, key: str) -> list:
