@@ -2,13 +2,18 @@
 decoding's logits (prefill + one-token steps) equal the full tp = 1 forward within 1e-5 of
 the largest logit (fp32) and are the same tensor on both ranks; greedy `generate_batch`
 tokens equal tp = 1's; checkpoints saved at tp 1 and at tp 2 x pp 2 give generate.py's
-one-process greedy text under torchrun-style ranks at tp 2; the layouts generation does not
-run are refused by name."""
+one-process greedy text under torchrun-style ranks at tp 2; the server on 2 ranks answers
+as one process (text; log-probs within 1e-5), and stopping rank 0 ends rank 1; the layouts
+generation does not run are refused by name."""
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+import os
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -17,10 +22,11 @@ import torch.distributed as dist
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.gpt.kv_cache import KVCache, forward_incremental
 from megatron.core.tensor_parallel import shard_of_full_weight
-from tests.dist_utils import run_distributed
+from tests.dist_utils import free_port, run_distributed
 from tests.test_generate import _run_cli, _train
 from tests.test_kv_cache import MAX_POS, _model, _tokens
 from tools import generate
+from tools import run_text_generation_server as server_mod
 from tools.generate_tp import check_generation_layout
 
 PROMPTS = ([4, 9, 1, 30], [7], [3, 3, 8, 2, 11, 5, 60])
@@ -129,6 +135,78 @@ def test_tp1_and_tp2pp2_checkpoints_generate_at_tp2(ckpt_tp1, tmp_path):
         assert json.loads(out[0]) == _run_cli("--load", ckpt, *sampled), ckpt
 
 
+# -------------------------------------------------------------------------- server
+def _serve_worker(rank, world_size, ckpt, port, pid_dir):
+    with open(os.path.join(pid_dir, f"rank{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
+    server_mod.HEARTBEAT_S = 0.2  # idle messages between the requests too
+    with contextlib.redirect_stdout(io.StringIO()):
+        return server_mod.main(["--load", ckpt, "--tensor-model-parallel-size", "2",
+                                "--port", str(port)], environ=env)
+
+
+def _pid(pid_dir, rank: int) -> int:
+    with open(os.path.join(pid_dir, f"rank{rank}")) as f:
+        return int(f.read())
+
+
+def _wait_for_server(url, deadline, ranks: threading.Thread):
+    from tools.text_generation_cli import put
+
+    while time.monotonic() < deadline and ranks.is_alive():
+        try:
+            return put(url, {"prompts": ["1"], "tokens_to_generate": 1}, timeout=60)
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"no server at {url} (the ranks ended: {not ranks.is_alive()})")
+
+
+def test_server_on_two_ranks(ckpt_tp1, tmp_path):
+    from tools.text_generation_api import parse_request, run_request
+    from tools.text_generation_cli import put
+
+    port = free_port()
+    results, errors = [], []
+
+    def run():
+        try:
+            results.extend(run_distributed(_serve_worker, 2, ckpt_tp1, port, str(tmp_path)))
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        ready = _wait_for_server(url, time.monotonic() + 120, thread)
+        assert ready[0] == 200, (ready, errors)
+        body = {"prompts": ["5 6 7", "9 8 7 6 5"], "tokens_to_generate": 8, "top_k": 1,
+                "logprobs": True}
+        status, text = put(url, body, timeout=60)
+        assert status == 200, text
+        got = json.loads(text)
+        a, ns, explicit = server_mod.parse_args(["--load", ckpt_tp1])
+        engine, _ = server_mod.build_engine(a, ns, explicit, environ={})
+        want = run_request(engine, parse_request(body))
+        assert got["text"] == want["text"] and got["segments"] == want["segments"]
+        for g, w in zip(got["logprobs"], want["logprobs"]):
+            assert g == pytest.approx(w, abs=1e-5)
+        status, text = put(url, {"prompts": ["5 999"]}, timeout=60)  # 400, ranks in step
+        assert status == 400 and "outside the vocabulary" in text
+        assert put(url, body, timeout=60)[1] == json.dumps(got)
+    finally:
+        os.kill(_pid(tmp_path, 0), signal.SIGINT)  # rank 0 stops; rank 1 must follow
+        thread.join(60)
+    if thread.is_alive():  # do not leave the ranks behind
+        for rank in (0, 1):
+            with contextlib.suppress(OSError):
+                os.kill(_pid(tmp_path, rank), signal.SIGKILL)
+        pytest.fail("rank 1 did not stop within 60 s after rank 0 was interrupted")
+    assert not errors, errors
+    assert results == [0, 0]
+
+
 # ------------------------------------------------------------------------ refusals
 def test_layouts_generation_does_not_run(ckpt_tp1):
     check_generation_layout("x", 1, 1, 1)
@@ -143,3 +221,9 @@ def test_layouts_generation_does_not_run(ckpt_tp1):
     with pytest.raises(SystemExit, match="world size 1 with --tensor-model-parallel-size 2"):
         generate.main(["--load", ckpt_tp1, "--prompt", "5", "--tensor-model-parallel-size",
                        "2"], environ={})
+    env = {"RANK": "0", "WORLD_SIZE": "2"}
+    with pytest.raises(SystemExit, match="--pipeline-model-parallel-size 2"):
+        server_mod.main(["--load", ckpt_tp1, "--pipeline-model-parallel-size", "2",
+                         "--tensor-model-parallel-size", "2"], environ=env)
+    with pytest.raises(SystemExit, match="world size 2 with --tensor-model-parallel-size 1"):
+        server_mod.main(["--load", ckpt_tp1], environ=env)
