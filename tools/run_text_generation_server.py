@@ -272,7 +272,10 @@ class Lockstep:
         except KeyboardInterrupt:
             pass
         finally:
-            self.stop_others()
+            try:
+                self.stop_others()
+            except RuntimeError as exc:  # a rank that failed cannot be told; close anyway
+                print(f"note: the other ranks could not be told to stop: {exc}", flush=True)
             server.shutdown()
             server.server_close()
             while not self.pending.empty():
