@@ -28,6 +28,13 @@ prompt and generated ids and text (--json: one JSON line instead).
 through one cache, one model call per position for all of them; per prompt it gives what
 `generate` gives (greedy: the same tokens; sampling: the same draws from that prompt's
 generator, up to float rounding of the probabilities).
+
+Models too big for one device: `torchrun --nproc-per-node N tools/generate.py
+--tensor-model-parallel-size N --load CKPT ...` builds a 1/N tensor-parallel shard per rank
+and loads the checkpoint through the training loader, resharded from any saved layout
+(tools/generate_tp.py); the ranks decode in lockstep with identical full-vocabulary logits
+and rank 0 prints. Pipeline parallelism is refused (any pp layout loads at pp 1), and so
+is a world size other than N.
 """
 from __future__ import annotations
 
@@ -52,6 +59,7 @@ from megatron.core.models.gpt.kv_cache import (  # noqa: E402
     KVCache,
     check_incremental,
     forward_incremental,
+    gather_vocab,
 )
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -129,7 +137,7 @@ class _NextLogits:
         cache = self.cache
         if cache is None or len(ids) > cache.max_len:
             context = torch.tensor([ids[-self.max_len:]], dtype=torch.long, device=self.device)
-            return self.model(context)[0, -1]
+            return gather_vocab(self.model, self.model(context))[0, -1]
         new = torch.tensor([ids[cache.length:]], dtype=torch.long, device=self.device)
         return forward_incremental(self.model, new, cache, last_only=True)[0, -1]
 
@@ -145,8 +153,10 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, greedy: b
     (megatron/core/models/gpt/kv_cache.py) runs each new token alone through the model;
     `use_cache=False` recomputes the whole context for every token (the reference: the
     same tokens, logits equal up to float rounding). Past --max-position-embeddings both
-    run the last max_len tokens in full. The cache needs a GPTModel of one process (tp 1,
-    pp 1) in eval mode, as load_model returns it (ValueError otherwise).
+    run the last max_len tokens in full. The model is a whole GPTModel (pp 1) in eval mode,
+    as load_model returns it, or a tensor-parallel shard (load_model_tp in
+    tools/generate_tp.py) that every rank of its group calls with the same arguments
+    (ValueError otherwise).
 
     Only the first `vocab_limit` logits (the tokenizer's vocabulary) are sampled: the
     padding rows of the embedding are never produced, and a seeded draw does not depend on
@@ -228,7 +238,8 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     independently (`eod`, `stop(ids)`, max_new_tokens); the batch runs until every row has
     ended. A prompt whose tokens plus max_new_tokens - 1 exceed --max-position-embeddings
     is generated alone by `generate` (its window recompute does not fit a shared cache).
-    The model is one process in eval mode, as for `generate` (ValueError otherwise)."""
+    The model is as for `generate`: one process, or every rank of a tensor-parallel group
+    in lockstep (ValueError otherwise)."""
     prompts = [list(p) for p in prompts]
     if not prompts or not all(prompts):
         raise ValueError("generate_batch needs at least one prompt and no empty prompt "
@@ -306,6 +317,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--merge-file", default=None)
     ap.add_argument("--tokenizer-model", default=None)
     ap.add_argument("--json", action="store_true", help="print one JSON line")
+    ap.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                    help="under torchrun: the number of processes (ranks) the model is "
+                         "split over, equal to --nproc-per-node x nodes")
+    ap.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                    help="only 1: any pipeline layout loads at pipeline size 1")
     a = ap.parse_args(argv)
     if a.max_new_tokens < 0 or a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
         ap.error("need --max-new-tokens >= 0, --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
@@ -355,14 +371,40 @@ def _device(name: Optional[str]) -> torch.device:
     return device
 
 
-def main(argv=None) -> int:
+def _load(a, environ) -> Tuple[torch.nn.Module, object, int, int]:
+    """(model, Config, iteration, rank): the whole model in this process, or under torchrun
+    with --tensor-model-parallel-size N (N == world size) this rank's shard
+    (tools/generate_tp.py). SystemExit for a layout generation does not run."""
+    from tools.generate_tp import check_generation_layout, launch_ranks, load_model_tp
+
+    rank, world_size, local_rank = launch_ranks(environ)
+    check_generation_layout("generate.py", world_size, a.tensor_model_parallel_size,
+                            a.pipeline_model_parallel_size)
+    dtype = _DTYPES[a.dtype] if a.dtype else None
+    if world_size == 1:
+        device = _device(a.device)
+        dtype = dtype or (None if device.type == "cuda" else torch.float32)
+        return (*load_model(a.load, a.iteration, device, dtype), 0)
+    if a.device is not None:
+        raise SystemExit(f"error: --device {a.device}: under torchrun each rank uses "
+                         "cuda:LOCAL_RANK (the CPU without CUDA); leave --device out")
+    if dtype is None and not torch.cuda.is_available():
+        dtype = torch.float32
+    model, config, iteration, _ = load_model_tp(a.load, world_size, rank, local_rank,
+                                                environ, a.iteration, dtype)
+    return model, config, iteration, rank
+
+
+def main(argv=None, environ=None) -> int:
+    """The command line; under torchrun (RANK / WORLD_SIZE in `environ`, default
+    os.environ) every rank generates in lockstep and rank 0 prints."""
     a = parse_args(argv)
-    device = _device(a.device)
-    dtype = _DTYPES[a.dtype] if a.dtype else (None if device.type == "cuda" else torch.float32)
-    model, config, iteration = load_model(a.load, a.iteration, device, dtype)
+    model, config, iteration, rank = _load(a, os.environ if environ is None else environ)
     tokenizer, why_not = build_tokenizer_from(config.args, a)
-    # the tokenizer's vocabulary, not the padded one (which depends on the layout)
-    vocab = tokenizer.vocab_size if tokenizer is not None else config.model.padded_vocab_size
+    # the tokenizer's vocabulary, not the padded one (which depends on the layout); without
+    # a tokenizer the checkpoint's padded vocabulary (tp > 1 may pad it further)
+    vocab = (tokenizer.vocab_size if tokenizer is not None else
+             int(config.args.get("padded_vocab_size") or config.model.padded_vocab_size))
     ids = _checked_ids(_prompt_ids(a, tokenizer, why_not), vocab)
     gen = torch.Generator().manual_seed(a.seed)
     eod = None if (a.no_stop_at_eod or tokenizer is None) else getattr(tokenizer, "eod", None)
@@ -370,6 +412,8 @@ def main(argv=None) -> int:
                    top_k=a.top_k, top_p=a.top_p, generator=gen, eod=eod, vocab_limit=vocab,
                    use_cache=not a.no_kv_cache)
     text = tokenizer.detokenize(new) if tokenizer is not None else None
+    if rank != 0:
+        return 0
     if a.json:
         print(json.dumps({"iteration": iteration, "prompt_ids": ids, "generated_ids": new,
                           "generated_text": text}))

@@ -11,10 +11,24 @@ The command line is Megatron's: every Megatron-LM 23.05 flag parses. The model i
 from the checkpoint's stored arguments as ONE process (tools/generate.py; any tp/pp layout
 merges), so the model-shape flags are optional; one that is given and differs from the
 checkpoint is an ERROR naming both values (the weights cannot take another shape, and a
-silently preferred value would hide a wrong --load). --tensor/--pipeline-model-parallel-size
-and the training and data flags have no effect (one note lists them). Under torchrun only
-rank 0 serves; the other ranks exit at once. --fp16/--bf16 pick the dtype (default: the
-checkpoint's on CUDA, fp32 on CPU); unseeded requests draw from a generator seeded by --seed.
+silently preferred value would hide a wrong --load). The training and data flags have no
+effect (one note lists them). --fp16/--bf16 pick the dtype (default: the checkpoint's on
+CUDA, fp32 on CPU); unseeded requests draw from a generator seeded by --seed.
+
+A model too big for one GPU is served tensor-parallel:
+
+    torchrun --nproc-per-node 8 tools/run_text_generation_server.py --load CKPT \
+        --tensor-model-parallel-size 8 [--tokenizer flags]
+
+Every rank holds a 1/8 shard, loaded through the training loader from any saved layout
+(tools/generate_tp.py). Rank 0 listens on HTTP; for each request it broadcasts the parsed
+request to the other ranks (a gloo group), all ranks generate it in lockstep (identical
+full-vocabulary logits, same seeds, so the same tokens) and rank 0 answers. While idle,
+rank 0 broadcasts a heartbeat every 30 s, so the waiting ranks never reach the process
+group's timeout. When rank 0 stops (Ctrl-C, SIGTERM, a failure) it broadcasts a stop
+message and every rank exits; a rank 0 killed outright breaks the other ranks' broadcast,
+and they exit with an error. --pipeline-model-parallel-size > 1 is refused (a checkpoint of
+any pp layout loads at pp 1), and so is a world size other than the tensor-parallel size.
 The prompts of a request are generated together as one batch through a key/value cache
 (tools/generate.py generate_batch); --no-kv-cache runs them one at a time, recomputing the
 whole context for every token instead (the reference: same tokens, slower).
@@ -33,16 +47,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
+import signal
 import sys
+import threading
 import time
 import traceback
+from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, List, Set, Tuple
+from typing import Callable, List, Optional, Set, Tuple
 from urllib.parse import urlsplit
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from tools.generate import _device, build_tokenizer_from, load_model  # noqa: E402
 from tools.text_generation_api import (  # noqa: E402
@@ -66,7 +85,8 @@ _SHAPE_DESTS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
 _MAX_TOKENS = "--max-tokens-to-oom"
 # flags the server uses
 _USED_DESTS = ("load", "vocab_file", "merge_file", "tokenizer_model", "fp16", "bf16", "seed",
-               "max_tokens_to_oom")
+               "max_tokens_to_oom", "tensor_model_parallel_size", "pipeline_model_parallel_size")
+HEARTBEAT_S = 30.0  # rank 0's idle broadcast under tensor parallelism
 
 
 # -------------------------------------------------------------------------- command line
@@ -131,19 +151,41 @@ def check_model_flags(ns, explicit: Set[str], saved: dict, where: str) -> List[s
     return sorted(flag_for_dest(d) for d in explicit - set(_SHAPE_DESTS) - set(_USED_DESTS))
 
 
-def build_engine(a, ns, explicit: Set[str]) -> Tuple[Engine, int]:
-    """(Engine, iteration) for the checkpoint under --load; SystemExit with the fix when
-    the flags disagree with it or its tokenizer cannot be built."""
-    device = _device(a.device)
-    dtype = (torch.float16 if ns.fp16 else torch.bfloat16 if ns.bf16 else
-             None if device.type == "cuda" else torch.float32)
-    model, config, iteration = load_model(ns.load, a.iteration, device, dtype)
+def _load(a, ns, environ):
+    """(model, Config, iteration, Runtime or None): the whole model in this process, or
+    under torchrun this rank's tensor-parallel shard (tools/generate_tp.py). SystemExit
+    for a layout the server does not run."""
+    from tools.generate_tp import check_generation_layout, launch_ranks, load_model_tp
+
+    rank, world_size, local_rank = launch_ranks(environ)
+    check_generation_layout(_PROG, world_size, ns.tensor_model_parallel_size,
+                            ns.pipeline_model_parallel_size)
+    dtype = torch.float16 if ns.fp16 else torch.bfloat16 if ns.bf16 else None
+    if world_size == 1:
+        device = _device(a.device)
+        dtype = dtype or (None if device.type == "cuda" else torch.float32)
+        return (*load_model(ns.load, a.iteration, device, dtype), None)
+    if a.device is not None:
+        raise SystemExit(f"{_PROG}: error: --device {a.device}: under torchrun each rank uses "
+                         "cuda:LOCAL_RANK (the CPU without CUDA); leave --device out")
+    if dtype is None and not torch.cuda.is_available():
+        dtype = torch.float32
+    return load_model_tp(ns.load, world_size, rank, local_rank, environ, a.iteration, dtype)
+
+
+def build_engine(a, ns, explicit: Set[str], environ=None) -> Tuple[Engine, int]:
+    """(Engine, iteration) for the checkpoint under --load (under torchrun: this rank's
+    tensor-parallel shard, `engine.runtime` set); SystemExit with the fix when the flags
+    disagree with it or its tokenizer cannot be built."""
+    environ = os.environ if environ is None else environ
+    model, config, iteration, rt = _load(a, ns, environ)
+    lead = rt is None or rt.ps.rank == 0
     idle = check_model_flags(ns, explicit, config.args, ns.load)
     idle += [f for f in ("--temperature", "--top_p", "--top_k", "--out-seq-length")
              if getattr(a, f.lstrip("-").replace("-", "_")) is not None]
-    if idle:
+    if idle and lead:
         print(f"note: no effect on the server: {', '.join(idle)} (the model comes from the "
-              "checkpoint as one process; each request sets its own sampling)")
+              "checkpoint; each request sets its own sampling)")
     tokenizer, why_not = build_tokenizer_from(config.args, ns)
     if tokenizer is None:
         raise SystemExit(f"{_PROG}: error: the server needs the checkpoint's tokenizer, which "
@@ -152,16 +194,102 @@ def build_engine(a, ns, explicit: Set[str]) -> Tuple[Engine, int]:
     engine = Engine(model, tokenizer, tokenizer.vocab_size,
                     config.model.max_position_embeddings,
                     torch.Generator().manual_seed(ns.seed), max_tokens=ns.max_tokens_to_oom,
-                    use_kv_cache=not a.no_kv_cache)
+                    use_kv_cache=not a.no_kv_cache, runtime=rt)
     return engine, iteration
+
+
+# ------------------------------------------------------------------- tensor parallelism
+_IDLE, _REQUEST, _STOP = "idle", "request", "stop"
+
+
+def _broadcast(message, group):
+    """`message` from rank 0 to every rank of `group` (gloo); what rank 0 sent."""
+    box = [message]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def control_group(engine: Engine):
+    """The gloo group the request messages travel on: the runtime's CPU group beside
+    NCCL, else the default (gloo) group."""
+    return engine.runtime.control_group
+
+
+def follow_requests(engine: Engine) -> int:
+    """A rank other than 0: generate each request rank 0 broadcasts, in lockstep with it,
+    until rank 0 broadcasts stop; returns the number of requests. A request that fails its
+    checks fails alike on every rank (rank 0 answers 400), before any collective."""
+    group, served = control_group(engine), 0
+    while True:
+        kind, req = _broadcast(None, group)
+        if kind == _STOP:
+            return served
+        if kind == _REQUEST:
+            served += 1
+            try:
+                run_request(engine, req)
+            except RequestError:
+                pass
+
+
+class Lockstep:
+    """Rank 0 under tensor parallelism: the HTTP threads `submit` requests; `serve`, on
+    the main thread, broadcasts each to the other ranks and runs it (a heartbeat while
+    idle), and broadcasts stop when it ends."""
+
+    def __init__(self, engine: Engine, heartbeat_s: Optional[float] = None) -> None:
+        self.engine = engine
+        self.heartbeat_s = HEARTBEAT_S if heartbeat_s is None else heartbeat_s
+        self.group = control_group(engine)
+        self.pending: "queue.Queue" = queue.Queue()
+
+    def submit(self, req):
+        """The response of `req` (an HTTP thread waits here); its exception re-raised."""
+        done: Future = Future()
+        self.pending.put((req, done))
+        return done.result()
+
+    def stop_others(self) -> None:
+        _broadcast((_STOP, None), self.group)
+
+    def serve(self, server) -> None:
+        """Serve `server` in a thread until KeyboardInterrupt (SIGINT; SIGTERM is turned
+        into one by main), then tell the other ranks to stop and close the server."""
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            while True:
+                try:
+                    req, done = self.pending.get(timeout=self.heartbeat_s)
+                except queue.Empty:
+                    _broadcast((_IDLE, None), self.group)
+                    continue
+                _broadcast((_REQUEST, req), self.group)
+                try:
+                    done.set_result(run_request(self.engine, req))
+                except Exception as exc:  # the handler answers 400 / 500
+                    done.set_exception(exc)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            try:
+                self.stop_others()
+            except RuntimeError as exc:  # a rank that failed cannot be told; close anyway
+                print(f"note: the other ranks could not be told to stop: {exc}", flush=True)
+            server.shutdown()
+            server.server_close()
+            while not self.pending.empty():
+                self.pending.get()[1].set_exception(RuntimeError("the server is stopping"))
 
 
 # ---------------------------------------------------------------------------------- HTTP
 class _Handler(BaseHTTPRequestHandler):
-    """PUT /api; the engine and the log function are class attributes (see build_server)."""
+    """PUT /api; the engine, the log function and `run` (request -> response) are class
+    attributes (see build_server)."""
 
     engine: Engine
     log: Callable[[str], None]
+    run: Callable
 
     def log_message(self, format, *args):  # noqa: A002 -- one line per request instead
         pass
@@ -203,8 +331,7 @@ class _Handler(BaseHTTPRequestHandler):
         start, req = time.perf_counter(), None
         try:
             req = parse_request(self._body())
-            with self.engine.lock:
-                out = run_request(self.engine, req)
+            out = self.run(req)
         except RequestError as exc:
             self.log(f"PUT /api from {self.client_address[0]}: 400 {exc}")
             return self._reply(400, str(exc))
@@ -218,37 +345,59 @@ class _Handler(BaseHTTPRequestHandler):
                      f"{time.perf_counter() - start:.2f} s")
 
 
-def build_server(engine: Engine, host: str, port: int,
-                 log: Callable[[str], None] = print) -> ThreadingHTTPServer:
-    """A bound (not yet serving) HTTP server for `engine`; port 0 takes a free port."""
+def build_server(engine: Engine, host: str, port: int, log: Callable[[str], None] = print,
+                 run: Optional[Callable] = None) -> ThreadingHTTPServer:
+    """A bound (not yet serving) HTTP server for `engine`; port 0 takes a free port.
+    `run(request)` answers a request (default: run_request holding engine.lock; under
+    tensor parallelism Lockstep.submit)."""
     def log_line(text: str) -> None:
         log(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}")
         sys.stdout.flush()
 
-    handler = type("Handler", (_Handler,), {"engine": engine, "log": staticmethod(log_line)})
+    def run_locked(req):
+        with engine.lock:
+            return run_request(engine, req)
+
+    handler = type("Handler", (_Handler,), {"engine": engine, "log": staticmethod(log_line),
+                                            "run": staticmethod(run or run_locked)})
     return ThreadingHTTPServer((host, port), handler)
 
 
-def main(argv=None) -> int:
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv=None, environ=None) -> int:
+    """The command line; under torchrun (RANK / WORLD_SIZE in `environ`, default
+    os.environ) rank 0 serves and the other ranks follow it (see the module docstring)."""
     a, ns, explicit = parse_args(argv)
-    if int(os.environ.get("RANK", "0") or 0) != 0:
-        print(f"rank {os.environ['RANK']}: only rank 0 serves (the checkpoint loads as one "
-              "process); exiting")
+    engine, iteration = build_engine(a, ns, explicit, environ)
+    rt = engine.runtime
+    if rt is not None and rt.ps.rank != 0:
+        follow_requests(engine)
         return 0
-    engine, iteration = build_engine(a, ns, explicit)
+    lockstep = None if rt is None else Lockstep(engine)
     try:
-        server = build_server(engine, a.host, a.port)
+        server = build_server(engine, a.host, a.port,
+                              run=None if lockstep is None else lockstep.submit)
     except OSError as exc:
+        if lockstep is not None:
+            lockstep.stop_others()
         raise SystemExit(f"{_PROG}: error: cannot listen on {a.host}:{a.port}: {exc}; pick "
                          "another --port") from None
     host, port = server.server_address[:2]
-    print(f"serving {ns.load} (iteration {iteration}) at http://{host}:{port}/api (PUT); "
-          "Ctrl-C stops", flush=True)
+    layout = "" if rt is None else f", tensor-parallel over {rt.ps.tp_size} ranks"
+    print(f"serving {ns.load} (iteration {iteration}{layout}) at http://{host}:{port}/api "
+          "(PUT); Ctrl-C stops", flush=True)
     if a.host == LOCAL_ONLY and not any(x == "--host" or x.startswith("--host=")
                                         for x in (argv if argv is not None else sys.argv[1:])):
         print(f"note: listening on {LOCAL_ONLY} only (Megatron-LM listens on 0.0.0.0); pass "
               "--host 0.0.0.0 to serve other machines (the API has no authentication)",
               flush=True)
+    if lockstep is not None:
+        signal.signal(signal.SIGTERM, _interrupt)  # stop the other ranks on SIGTERM too
+        lockstep.serve(server)
+        return 0
     try:
         server.serve_forever()
     except KeyboardInterrupt:

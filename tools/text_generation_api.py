@@ -54,6 +54,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from megatron.core.models.gpt.kv_cache import gather_vocab
 from tools.generate import generate, generate_batch
 
 MAX_PROMPTS = 128
@@ -92,8 +93,9 @@ _BOOLS = ("logprobs", "add_BOS", "stop_on_eol", "stop_on_double_eol", "no_log")
 class Engine:
     """What a request runs on: the model (eval mode), its tokenizer, the tokenizer's
     vocabulary size, the longest sequence, the generator of unseeded requests, the
-    request size limit, whether generation keeps a key/value cache, and the lock that
-    lets one request at a time use the model."""
+    request size limit, whether generation keeps a key/value cache, the tensor-parallel
+    runtime (None: one process), and the lock that lets one request at a time use the
+    model."""
 
     model: torch.nn.Module
     tokenizer: Any
@@ -102,6 +104,7 @@ class Engine:
     generator: torch.Generator
     max_tokens: int = 12000  # --max-tokens-to-oom: prompts x longest sequence per request
     use_kv_cache: bool = True  # False (--no-kv-cache): recompute the context per token
+    runtime: Any = None  # under torchrun: the tensor-parallel Runtime (tools/generate_tp.py)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -231,14 +234,17 @@ def batch_token_logprobs(model, seqs: List[List[int]], vocab_size: int) -> List[
     """`token_logprobs` of each sequence, from ONE forward of them all: shorter sequences
     are padded on the right (id 0), which no real position sees (causal attention: a
     position attends to itself and the positions before it) and whose scores are dropped.
-    Equal to one forward per sequence up to float rounding (fp32: within 1e-5)."""
+    Equal to one forward per sequence up to float rounding (fp32: within 1e-5). A
+    tensor-parallel model's logits are all-gathered over the vocabulary first (every rank
+    of its group calls this with the same sequences)."""
     longest = max(len(ids) for ids in seqs)
     if longest < 2:
         return [[] for _ in seqs]
     device = next(model.parameters()).device
     tokens = torch.tensor([ids + [0] * (longest - len(ids)) for ids in seqs],
                           dtype=torch.long, device=device)
-    logp = torch.log_softmax(model(tokens)[:, :-1, :vocab_size].float(), dim=-1)
+    logits = gather_vocab(model, model(tokens))  # the whole vocabulary under TP too
+    logp = torch.log_softmax(logits[:, :-1, :vocab_size].float(), dim=-1)
     scores = logp.gather(2, tokens[:, 1:, None])[..., 0]  # [b, longest - 1]
     return [scores[i, :len(ids) - 1].tolist() for i, ids in enumerate(seqs)]
 

@@ -15,12 +15,17 @@ cache's own copy, read from the new positions' rows) and rotation
 same positions up to float rounding (fp32: within 1e-6 of the largest logit,
 tests/test_kv_cache.py).
 
-Scope: one process, the whole model (tp = 1, pp = 1: tools/generate.py's `load_model`
-merges any layout into that), eval mode. This path is eager and separate: it calls the
-layers' submodules directly and never the training forward, the compiled layer graphs or
-their inputs, so training numerics and what torch.compile captures are unchanged. A cache
-holds at most `max_len` positions (<= --max-position-embeddings); what to do past that is
-the caller's choice (tools/generate.py recomputes the sliding window without the cache).
+Scope: the whole model in one pipeline stage (pp = 1), eval mode, any tensor-parallel size
+without sequence parallelism. Under tensor parallelism every rank of the group calls it
+with the same tokens: each rank caches the keys and values of its own query groups (the
+split of the fused QKV weight), the row-parallel projections all-reduce as in training,
+and the vocabulary-parallel logits are all-gathered over the group (`gather_vocab`), so
+every rank returns the same full-vocabulary rows (tests/test_generate_tp.py: the logits of
+tp = 2 equal those of tp = 1 within 1e-5 of the largest, fp32). This path is eager and
+separate: it calls the layers' submodules directly and never the training forward, the
+compiled layer graphs or their inputs, so training numerics and what torch.compile
+captures are unchanged. A cache holds at most `max_len` positions (<=
+--max-position-embeddings); what to do past that is the caller's choice (tools/generate.py recomputes the sliding window without the cache).
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.fused_rotary import split_and_rotate
+from megatron.core.tensor_parallel import gather_from_tp
 
 from .rotary import rotary_table
 from .transformer import sdpa_backend
@@ -71,10 +77,10 @@ def check_incremental(model) -> None:
         raise ValueError("incremental decoding needs the whole model in one process "
                          "(pre_process and post_process); merge pipeline stages first "
                          "(tools/generate.py load_model)")
-    if model._tp_size() != 1:
-        raise ValueError(f"incremental decoding runs with tensor-parallel size 1 (got "
-                         f"{model._tp_size()}); merge the shards first (tools/generate.py "
-                         "load_model)")
+    if model._tp_size() > 1 and model.config.sequence_parallel:
+        raise ValueError("incremental decoding runs without sequence parallelism (the "
+                         f"model has tensor-parallel size {model._tp_size()} with "
+                         "sequence_parallel on); build it with sequence_parallel off")
     if model.training:
         raise ValueError("incremental decoding runs in eval mode (no dropout): call "
                          "model.eval() first")
@@ -146,11 +152,19 @@ def _rotary_rows(model, cache: KVCache, device, start: int, end: int):
     return cache.rotary[:, start:end]
 
 
+def gather_vocab(model, logits_bsv: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits [..., V] from the model's vocabulary-parallel ones [..., V/tp]:
+    an all-gather of the last dim over `model.tp_group` (every rank of the group must call
+    it; the identity at tp = 1). Every rank gets the same tensor, so the same sampling
+    draws follow from the same generator."""
+    return gather_from_tp(logits_bsv, model.tp_group)
+
+
 @torch.no_grad()
 def forward_incremental(model, input_ids_bs: torch.Tensor, cache: KVCache,
                         last_only: bool = False) -> torch.Tensor:
-    """Logits [b, s, V] (V/tp rows of the padded vocabulary; [b, 1, V] with `last_only`)
-    of the tokens `input_ids_bs` at positions [cache.length, cache.length + s), given the
+    """Logits [b, s, V] (the whole padded vocabulary on every tensor-parallel rank; [b, 1,
+    V] with `last_only`) of the tokens `input_ids_bs` at positions [cache.length, cache.length + s), given the
     keys and values of the earlier positions in `cache`, which this call extends.
 
     ValueError when the model cannot decode this way (see `check_incremental`) or the
@@ -176,7 +190,7 @@ def forward_incremental(model, input_ids_bs: torch.Tensor, cache: KVCache,
     hidden_sbh = lm.encoder.final_layernorm(hidden_sbh)
     if last_only:
         hidden_sbh = hidden_sbh[-1:]
-    return model._head(hidden_sbh, None)
+    return gather_vocab(model, model._head(hidden_sbh, None))
 
 
-__all__ = ["KVCache", "check_incremental", "forward_incremental"]
+__all__ = ["KVCache", "check_incremental", "forward_incremental", "gather_vocab"]

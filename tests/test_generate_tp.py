@@ -1,0 +1,229 @@
+"""Tensor-parallel generation on 2 gloo ranks against the one-process path: the cached
+decoding's logits (prefill + one-token steps) equal the full tp = 1 forward within 1e-5 of
+the largest logit (fp32) and are the same tensor on both ranks; greedy `generate_batch`
+tokens equal tp = 1's; checkpoints saved at tp 1 and at tp 2 x pp 2 give generate.py's
+one-process greedy text under torchrun-style ranks at tp 2; the server on 2 ranks answers
+as one process (text; log-probs within 1e-5), and stopping rank 0 ends rank 1; the layouts
+generation does not run are refused by name."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.models.gpt.kv_cache import KVCache, forward_incremental
+from megatron.core.tensor_parallel import shard_of_full_weight
+from tests.dist_utils import free_port, run_distributed
+from tests.test_generate import _run_cli, _train
+from tests.test_kv_cache import MAX_POS, _model, _tokens
+from tools import generate
+from tools import run_text_generation_server as server_mod
+from tools.generate_tp import check_generation_layout
+
+PROMPTS = ([4, 9, 1, 30], [7], [3, 3, 8, 2, 11, 5, 60])
+
+
+def _tp_shard(full: GPTModel, world_size: int) -> GPTModel:
+    """`full` rebuilt with tensor-parallel size `world_size` over the world: each
+    parameter this rank's slice of the full one (partition dim and stride as built)."""
+    model = GPTModel(full.config, tp_group=dist.group.WORLD, device="meta")
+    state = {}
+    for name, prm in model.named_parameters():
+        value = full.state_dict()[name]
+        if getattr(prm, "tensor_model_parallel", False):
+            value = shard_of_full_weight(value, prm.partition_dim, prm.partition_stride,
+                                         dist.get_rank(), world_size)
+        state[name] = value.clone()
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval()
+
+
+def _decode_worker(rank, world_size, variants):
+    out = {}
+    for variant in variants:
+        full = _model(variant)
+        model = _tp_shard(full, world_size)
+        ids = _tokens(MAX_POS)
+        cache = KVCache(model.config.num_layers, MAX_POS)
+        parts = [forward_incremental(model, ids[:, :7], cache)[0]]
+        parts += [forward_incremental(model, ids[:, i:i + 1], cache)[0]
+                  for i in range(7, MAX_POS)]
+        prompts = [list(p) for p in PROMPTS]
+        with torch.no_grad():
+            out[variant] = {
+                "cached": torch.cat(parts), "full_tp1": full(ids)[0],
+                "full_tp2": generate.gather_vocab(model, model(ids))[0],
+                "cached_k_heads": cache.keys[0].shape[1],
+                "batch": generate.generate_batch(model, prompts, 8, greedy=True,
+                                                 vocab_limit=100),
+                "batch_tp1": generate.generate_batch(full, prompts, 8, greedy=True,
+                                                     vocab_limit=100),
+                "no_cache": generate.generate(model, prompts[0], 6, greedy=True,
+                                              use_cache=False),
+                "no_cache_tp1": generate.generate(full, prompts[0], 6, greedy=True,
+                                                  use_cache=False)}
+    return out
+
+
+def test_tp2_decoding_equals_tp1():
+    """gpt2: learned positions, GeLU, tied output; llama: rotary, SwiGLU, 2 query groups
+    (one per rank), untied output."""
+    variants = ("gpt2", "llama")
+    results = run_distributed(_decode_worker, 2, variants)
+    for variant in variants:
+        r0, r1 = results[0][variant], results[1][variant]
+        ref = r0["full_tp1"]
+        assert r0["cached"].shape == ref.shape == (MAX_POS, 128)
+        scale = ref.abs().max()
+        for key in ("cached", "full_tp2"):
+            err = float((r0[key] - ref).abs().max() / scale)
+            assert err < 1e-5, (variant, key, err)
+            assert torch.equal(r0[key], r1[key]), (variant, key)  # the same on every rank
+        assert r0["cached_k_heads"] == (2 if variant == "gpt2" else 1)  # local groups
+        assert r0["batch"] == r1["batch"] == r0["batch_tp1"], variant
+        assert r0["no_cache"] == r0["no_cache_tp1"], variant
+
+
+# --------------------------------------------------------------------- checkpoints
+def _generate_worker(rank, world_size, ckpt, flags):
+    buf = io.StringIO()
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
+    with contextlib.redirect_stdout(buf):
+        assert generate.main(["--load", ckpt, "--tensor-model-parallel-size", "2", "--json",
+                              *flags], environ=env) == 0
+    return buf.getvalue()
+
+
+def _train_worker(rank, world_size, save_dir, extra):
+    _train(save_dir, extra, world_size=world_size, rank=rank, steps=2)
+
+
+# vocabulary 101 padded to 128 at tp 1 and tp 2: its ids span both ranks' halves
+VOCAB_FLAGS = "--make-vocab-size-divisible-by 32"
+FLAGS = ("--prompt", "5 6 7", "--max-new-tokens", "10", "--greedy", "--no-stop-at-eod")
+
+
+@pytest.fixture(scope="module")
+def ckpt_tp1(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp1")
+    _train(path, VOCAB_FLAGS, steps=2)
+    return str(path)
+
+
+def test_tp1_and_tp2pp2_checkpoints_generate_at_tp2(ckpt_tp1, tmp_path):
+    ckpt_tp2pp2 = str(tmp_path / "tp2pp2")
+    run_distributed(_train_worker, 4, ckpt_tp2pp2,
+                    f"--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 {VOCAB_FLAGS}")
+    for ckpt in (ckpt_tp1, ckpt_tp2pp2):
+        alone = _run_cli("--load", ckpt, *FLAGS)
+        assert len(alone["generated_ids"]) == 10
+        out = run_distributed(_generate_worker, 2, ckpt, FLAGS)
+        assert out[1] == ""  # rank 0 prints
+        assert json.loads(out[0]) == alone, ckpt
+        sampled = ("--prompt", "5 6 7", "--max-new-tokens", "10", "--temperature", "1.5",
+                   "--seed", "3", "--no-stop-at-eod")
+        out = run_distributed(_generate_worker, 2, ckpt, sampled)
+        assert json.loads(out[0]) == _run_cli("--load", ckpt, *sampled), ckpt
+
+
+# -------------------------------------------------------------------------- server
+def _serve_worker(rank, world_size, ckpt, port, pid_dir):
+    with open(os.path.join(pid_dir, f"rank{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
+    server_mod.HEARTBEAT_S = 0.2  # idle messages between the requests too
+    with contextlib.redirect_stdout(io.StringIO()):
+        return server_mod.main(["--load", ckpt, "--tensor-model-parallel-size", "2",
+                                "--port", str(port)], environ=env)
+
+
+def _pid(pid_dir, rank: int) -> int:
+    with open(os.path.join(pid_dir, f"rank{rank}")) as f:
+        return int(f.read())
+
+
+def _wait_for_server(url, deadline, ranks: threading.Thread):
+    from tools.text_generation_cli import put
+
+    while time.monotonic() < deadline and ranks.is_alive():
+        try:
+            return put(url, {"prompts": ["1"], "tokens_to_generate": 1}, timeout=60)
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"no server at {url} (the ranks ended: {not ranks.is_alive()})")
+
+
+def test_server_on_two_ranks(ckpt_tp1, tmp_path):
+    from tools.text_generation_api import parse_request, run_request
+    from tools.text_generation_cli import put
+
+    port = free_port()
+    results, errors = [], []
+
+    def run():
+        try:
+            results.extend(run_distributed(_serve_worker, 2, ckpt_tp1, port, str(tmp_path)))
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        ready = _wait_for_server(url, time.monotonic() + 120, thread)
+        assert ready[0] == 200, (ready, errors)
+        body = {"prompts": ["5 6 7", "9 8 7 6 5"], "tokens_to_generate": 8, "top_k": 1,
+                "logprobs": True}
+        status, text = put(url, body, timeout=60)
+        assert status == 200, text
+        got = json.loads(text)
+        a, ns, explicit = server_mod.parse_args(["--load", ckpt_tp1])
+        engine, _ = server_mod.build_engine(a, ns, explicit, environ={})
+        want = run_request(engine, parse_request(body))
+        assert got["text"] == want["text"] and got["segments"] == want["segments"]
+        for g, w in zip(got["logprobs"], want["logprobs"]):
+            assert g == pytest.approx(w, abs=1e-5)
+        status, text = put(url, {"prompts": ["5 999"]}, timeout=60)  # 400, ranks in step
+        assert status == 400 and "outside the vocabulary" in text
+        assert put(url, body, timeout=60)[1] == json.dumps(got)
+    finally:
+        os.kill(_pid(tmp_path, 0), signal.SIGINT)  # rank 0 stops; rank 1 must follow
+        thread.join(60)
+    if thread.is_alive():  # do not leave the ranks behind
+        for rank in (0, 1):
+            with contextlib.suppress(OSError):
+                os.kill(_pid(tmp_path, rank), signal.SIGKILL)
+        pytest.fail("rank 1 did not stop within 60 s after rank 0 was interrupted")
+    assert not errors, errors
+    assert results == [0, 0]
+
+
+# ------------------------------------------------------------------------ refusals
+def test_layouts_generation_does_not_run(ckpt_tp1):
+    check_generation_layout("x", 1, 1, 1)
+    check_generation_layout("x", 4, 4, 1)
+    with pytest.raises(SystemExit, match="--pipeline-model-parallel-size 2: generation runs "
+                                         "without pipeline parallelism.*loads at pipeline "
+                                         "size 1"):
+        check_generation_layout("x", 4, 2, 2)
+    with pytest.raises(SystemExit, match="world size 4 with --tensor-model-parallel-size 2: "
+                                         ".*no data-parallel replicas"):
+        check_generation_layout("x", 4, 2, 1)
+    with pytest.raises(SystemExit, match="world size 1 with --tensor-model-parallel-size 2"):
+        generate.main(["--load", ckpt_tp1, "--prompt", "5", "--tensor-model-parallel-size",
+                       "2"], environ={})
+    env = {"RANK": "0", "WORLD_SIZE": "2"}
+    with pytest.raises(SystemExit, match="--pipeline-model-parallel-size 2"):
+        server_mod.main(["--load", ckpt_tp1, "--pipeline-model-parallel-size", "2",
+                         "--tensor-model-parallel-size", "2"], environ=env)
+    with pytest.raises(SystemExit, match="world size 2 with --tensor-model-parallel-size 1"):
+        server_mod.main(["--load", ckpt_tp1], environ=env)

@@ -1,0 +1,139 @@
+"""Tensor-parallel generation under torchrun: the layout check and this rank's model shard.
+
+    torchrun --nproc-per-node 2 tools/generate.py --load CKPT --tensor-model-parallel-size 2 ...
+    torchrun --nproc-per-node 8 tools/run_text_generation_server.py --load CKPT \\
+        --tensor-model-parallel-size 8 ...
+
+With world size W > 1 every rank builds its 1/W share of the model as training builds it
+for tensor-parallel size W (pipeline size 1, no sequence parallelism; gloo on the CPU,
+NCCL with one GPU per rank) and loads the checkpoint through the training loader
+(megatron/trainer_checkpoint.py: a checkpoint saved with any tp x pp layout is resharded
+on load; the optimizer and RNG states are not read). The model's shape comes from the
+checkpoint's stored arguments, as in the one-process path (tools/generate.py load_model).
+The ranks then decode in lockstep: the same tokens on every rank, the attention and MLP
+modules all-reduce as in training, and the logits are all-gathered over the vocabulary
+(megatron/core/models/gpt/kv_cache.py `gather_vocab`), so every rank samples the same
+token from the same generator.
+
+Pipeline parallelism is not served (a checkpoint of any pp layout loads at pp 1 with tp W),
+and neither are data-parallel replicas (W must equal the tensor-parallel size).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from typing import Mapping, MutableMapping, Optional, Tuple
+
+import torch
+
+
+def launch_ranks(environ: Mapping[str, str]) -> Tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) without it."""
+    def number(name: str, default: int) -> int:
+        value = environ.get(name, "")
+        try:
+            return int(value) if value else default
+        except ValueError:
+            raise SystemExit(f"error: the environment's {name}={value!r} is not an integer "
+                             "(torchrun sets it; start under torchrun or unset it)") from None
+
+    return number("RANK", 0), number("WORLD_SIZE", 1), number("LOCAL_RANK", 0)
+
+
+def check_generation_layout(prog: str, world_size: int, tp_size: int, pp_size: int) -> None:
+    """SystemExit naming the values and the fix unless the layout is one generation runs:
+    pipeline size 1 and world size == tensor-parallel size (1 x 1 is the one-process path)."""
+    if pp_size != 1:
+        raise SystemExit(
+            f"{prog}: error: --pipeline-model-parallel-size {pp_size}: generation runs "
+            f"without pipeline parallelism. A checkpoint saved with any tp x pp layout "
+            f"loads at pipeline size 1 (resharded on load): leave the flag out and use "
+            f"--tensor-model-parallel-size N with torchrun --nproc-per-node N (N GPUs "
+            f"holding the model), or one process (no torchrun), which merges the layout")
+    if tp_size < 1 or world_size != tp_size:
+        raise SystemExit(
+            f"{prog}: error: world size {world_size} with --tensor-model-parallel-size "
+            f"{tp_size}: generation needs every process in one tensor-parallel group (no "
+            f"data-parallel replicas); run torchrun --nproc-per-node {tp_size} with "
+            f"--tensor-model-parallel-size {tp_size}, or --tensor-model-parallel-size "
+            f"{world_size} for {world_size} processes")
+
+
+def _padded_vocab(saved: dict, tp_size: int) -> int:
+    """The checkpoint's padded vocabulary, padded further when the tensor-parallel size
+    does not divide it into --make-vocab-size-divisible-by multiples (the loader fills the
+    extra rows with zeros; they are past the tokenizer's vocabulary, never sampled)."""
+    padded = int(saved["padded_vocab_size"])
+    multiple = int(saved.get("make_vocab_size_divisible_by") or 1) * tp_size
+    return -(-padded // multiple) * multiple
+
+
+def tp_config(saved: dict, load: str, rank: int, tp_size: int,
+              dtype: Optional[torch.dtype]):
+    """The Config of tensor-parallel size `tp_size` (pp 1, dp 1) for the checkpoint whose
+    stored arguments are `saved`, to be loaded from `load` without optimizer or RNG.
+    config.model has this layout's padded vocabulary; config.args keeps the checkpoint's
+    (the ids a prompt may hold when there is no tokenizer)."""
+    from megatron.checkpoint_reshard import config_from_args
+
+    config = config_from_args(
+        saved, tensor_model_parallel_size=tp_size, world_size=tp_size, rank=rank,
+        padded_vocab_size=_padded_vocab(saved, tp_size), load=load, no_load_optim=True,
+        no_load_rng=True, finetune=False, exit_on_missing_checkpoint=True,
+        perform_initialization=False, async_save=False, save=None)
+    config.args["padded_vocab_size"] = int(saved["padded_vocab_size"])
+    if dtype is not None:
+        config = dataclasses.replace(config, model=dataclasses.replace(
+            config.model, params_dtype=dtype, embedding_weights_in_fp32=False))
+    return config
+
+
+def _saved_args(load: str, iteration: Optional[int]) -> Tuple[dict, int]:
+    """(the checkpoint's stored arguments, its iteration): the tracker's, which the training
+    loader reads; SystemExit for another --iteration or a checkpoint without arguments."""
+    from megatron.checkpoint_reshard import inspect_checkpoint, locate_iteration
+
+    iter_dir, latest, _ = locate_iteration(load)
+    if iteration is not None and iteration != latest:
+        raise SystemExit(f"error: --iteration {iteration}: under tensor parallelism the "
+                         f"training loader reads the tracker's iteration ({latest}) of "
+                         f"{load}; leave --iteration out, or load iteration {iteration} in "
+                         "one process (no torchrun)")
+    args = inspect_checkpoint(iter_dir)[2].get("args")
+    if not isinstance(args, dict):
+        raise SystemExit(f"error: {iter_dir} has no 'args' dict: it was not written by "
+                         "pretrain_gpt.py, so the model shape is unknown")
+    return args, latest
+
+
+def load_model_tp(load: str, tp_size: int, rank: int, local_rank: int,
+                  environ: MutableMapping[str, str], iteration: Optional[int] = None,
+                  dtype: Optional[torch.dtype] = None):
+    """(this rank's GPTModel shard in eval mode, Config, iteration, Runtime) for
+    tensor-parallel size `tp_size` == the world size. Initialises torch.distributed (gloo
+    on the CPU, NCCL with CUDA; a process group that already exists is used), builds the
+    shard as training does (`build_model(for_training=False)`) and loads --load's latest
+    checkpoint through the training loader, resharded from any saved layout. Collective
+    over the world. The loader's messages go to stderr (stdout stays the tool's)."""
+    from megatron.initialize import initialize_entry_point, set_random_seed
+    from megatron.trainer_checkpoint import load_trainer_checkpoint
+    from megatron.training import Trainer, activate_gemm_algorithms, build_model
+
+    saved, iteration = _saved_args(load, iteration)
+    config = tp_config(saved, load, rank, tp_size, dtype)
+    with contextlib.redirect_stdout(sys.stderr):
+        rt = initialize_entry_point(config.parallel, str(saved.get("cublas_workspace") or
+                                                         "none"),
+                                    rank, tp_size, local_rank, environ)
+        set_random_seed(config.training.seed, rt)
+        activate_gemm_algorithms(config, rt)
+        tr = Trainer(config, rt, build_model(config, rt, for_training=False), optimizer=None,
+                     scheduler=None)
+        load_trainer_checkpoint(tr)
+    model = tr.model.module
+    model.eval()
+    return model, config, iteration, rt
+
+
+__all__ = ["check_generation_layout", "launch_ranks", "load_model_tp", "tp_config"]
