@@ -186,6 +186,21 @@ def test_sentencepiece_checkpoint_is_repadded_from_its_tokenizer_model(tmp_path)
     assert checkpoint_convert.target_args(moved, 1, 1, 1, None, False)["padded_vocab_size"] == 256
 
 
+def test_unknown_tokenizer_size_at_another_tp_is_warned(capsys):
+    """Tokenizer files not readable here and the tensor-parallel size changes: the saved
+    padded size is kept, with a warning naming the sizes and the two ways out; at the
+    saved tp nothing is said (nothing can go wrong there)."""
+    args = {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": "/nonexistent.model",
+            "padded_vocab_size": 256, "make_vocab_size_divisible_by": 128,
+            "tensor_model_parallel_size": 2}
+    assert checkpoint_convert.target_args(args, 2, 1, 1, None, False)["padded_vocab_size"] == 256
+    assert "warning" not in capsys.readouterr().err
+    assert checkpoint_convert.target_args(args, 1, 1, 1, None, False)["padded_vocab_size"] == 256
+    err = " ".join(capsys.readouterr().err.split())
+    assert "saved 256 rows to 256" in err and "tensor parallel size 1" in err
+    assert "--true-vocab-size" in err and "tokenizer files" in err
+
+
 def test_script_help_says_what_is_ignored_and_kept():
     done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "checkpoint_util.py"),
                            "--help"], capture_output=True, text=True, timeout=120)

@@ -151,8 +151,21 @@ def _target_padded_vocab(args: dict, tp: int, orig_vocab_size: Optional[int] = N
     the tokenizer's size (`tokenizer_vocab_size`), else the saved padded size."""
     from megatron.arguments_validate import pad_vocab_size
 
-    orig = orig_vocab_size or tokenizer_vocab_size(args) or int(args["padded_vocab_size"])
-    return pad_vocab_size(orig, int(args.get("make_vocab_size_divisible_by") or 1), tp)
+    divisor = int(args.get("make_vocab_size_divisible_by") or 1)
+    orig = orig_vocab_size or tokenizer_vocab_size(args)
+    if orig is not None:
+        return pad_vocab_size(orig, divisor, tp)
+    saved = int(args["padded_vocab_size"])
+    padded = pad_vocab_size(saved, divisor, tp)
+    if int(args.get("tensor_model_parallel_size") or 1) != tp:
+        print(f"warning: the tokenizer's vocabulary size is not known here (tokenizer "
+              f"{args.get('tokenizer_type')}: its files are not readable on this machine), so "
+              f"the target is padded from the saved {saved} rows to {padded}; a run at tensor "
+              f"parallel size {tp} pads the real vocabulary itself and may get fewer rows, and "
+              "then refuses this checkpoint. Convert where the tokenizer files (the paths "
+              "stored in the checkpoint's args) are readable, or give the real size with "
+              "tools/checkpoint_util.py --true-vocab-size", file=sys.stderr)
+    return padded
 
 
 def target_args(saved: dict, tp: int, pp: int, vpp: int, layers_per_stage: Optional[int],
