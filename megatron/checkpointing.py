@@ -273,7 +273,7 @@ def _write_rank_files(root: str, iteration: int, tmp_dir: str, ps: ParallelState
             path = os.path.join(rank_dir, file_name)
             _torch_save_synced(obj, path)
         _fsync_dir(rank_dir)
-    except (OSError, RuntimeError) as exc:
+    except (OSError, RuntimeError, MemoryError) as exc:
         if out_of_memory_kind(exc):  # not the disk: no free-space advice
             raise CheckpointWriteError(
                 f"the checkpoint at iteration {iteration} could not be written to {path}: "

@@ -60,6 +60,8 @@ def out_of_memory_kind(exc: BaseException) -> Optional[str]:
     None (recognised by type, or by the allocator's own words for RuntimeErrors)."""
     if isinstance(exc, torch.OutOfMemoryError):
         return "device"
+    if isinstance(exc, MemoryError):  # Python's own (pickling, numpy, a bytes buffer)
+        return "host"
     if isinstance(exc, RuntimeError):
         text = str(exc)
         if CUDA_RUNTIME_OOM in text:
@@ -287,7 +289,8 @@ def format_report(config, ps, device: torch.device, exc: BaseException, kind: st
             f"{ps.dp_rank} of {ps.dp_size}")
     what = "GPU" if kind == "device" else "host"
     lines = [f"[rank {ps.rank}] out of {what} memory in {phase}", head,
-             f"torch: {message}", *figure_lines,
+             f"{'python' if isinstance(exc, MemoryError) else 'torch'}: {message}",
+             *figure_lines,
              *_estimate_lines(config, _usable(figures), "GPU" if "reserved" in figures
                               else "host" if _usable(figures) == figures.get("total")
                               else "process's limit"),

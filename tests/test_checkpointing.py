@@ -297,6 +297,12 @@ def test_out_of_memory_while_writing_is_not_called_a_full_disk(tmp_path, monkeyp
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: "
                            "can't allocate memory: you tried to allocate 8589934592 bytes.")
 
+    def no_python_memory(obj, f, *args, **kwargs):  # pickling a large object, say
+        raise MemoryError()
+
+    monkeypatch.setattr(torch, "save", no_python_memory)
+    with pytest.raises(CheckpointWriteError, match="out of host memory while serialising"):
+        save_checkpoint(root, 10, _full_state(10, 0, 0), _ps1())
     monkeypatch.setattr(torch, "save", no_memory)
     with pytest.raises(CheckpointWriteError) as err:
         save_checkpoint(root, 10, _full_state(10, 0, 0), _ps1())

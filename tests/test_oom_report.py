@@ -155,11 +155,13 @@ def _host_allocation_failure() -> RuntimeError:
     raise AssertionError("2**60 bytes were allocated")
 
 
-@pytest.mark.parametrize("host", [False, True])
+@pytest.mark.parametrize("host", [False, True, "python"])
 def test_oom_in_the_first_optimizer_step(host, capsys, monkeypatch):
+    """A CUDA OOM, torch's host allocator failing, and Python's own MemoryError."""
     from megatron.core.optimizer.optimizer import MegatronOptimizer
 
-    error = _host_allocation_failure() if host else torch.OutOfMemoryError(TORCH_MESSAGE)
+    error = (MemoryError() if host == "python" else _host_allocation_failure() if host
+             else torch.OutOfMemoryError(TORCH_MESSAGE))
 
     def fail(*args, **kwargs):
         raise error
@@ -169,6 +171,7 @@ def test_oom_in_the_first_optimizer_step(host, capsys, monkeypatch):
     err = capsys.readouterr().err
     what = "host" if host else "GPU"
     assert f"out of {what} memory in iteration 1 (optimizer step)\n" in err
+    assert ("  python: MemoryError\n" in err) == (host == "python")
     assert re.search(r"host memory of this process: resident [\d.]+ GiB, peak resident "
                      r"[\d.]+ GiB, host total [\d.]+ GiB", err)
 
@@ -253,6 +256,7 @@ def test_host_allocation_failures_are_recognised_and_others_pass():
     assert oom_report.out_of_memory_kind(torch.OutOfMemoryError("x")) == "device"
     assert oom_report.out_of_memory_kind(torch.cuda.OutOfMemoryError("x")) == "device"
     assert oom_report.out_of_memory_kind(RuntimeError("CUDA error: out of memory")) == "device"
+    assert oom_report.out_of_memory_kind(MemoryError()) == "host"  # Python's own
     assert oom_report.out_of_memory_kind(RuntimeError("shape mismatch")) is None
     with pytest.raises(ValueError):
         with OomReport(_config(), _fake_rt("cpu")):
