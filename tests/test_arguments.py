@@ -149,6 +149,13 @@ def test_odd_spellings_and_no_abbreviations():
     assert "unrecognized arguments: --num-lay" in msg and "--num-layers" in msg
 
 
+def test_local_rank_as_torch_distributed_launch_passes_it():
+    """torch >= 2.0's `python -m torch.distributed.launch` (Megatron-LM's example scripts)
+    appends --local-rank=N: the same flag as --local_rank."""
+    assert run("--local-rank=2").args["local_rank"] == 2
+    assert run("--local_rank=1").args["local_rank"] == 1
+
+
 def test_user_errors_exit_2_and_print_error(capsys):
     with pytest.raises(SystemExit) as info:
         run("--seed 0")
