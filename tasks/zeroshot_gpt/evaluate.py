@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -246,9 +247,28 @@ def build_data(task_ns, config, tokenizer) -> dict:
                      f"--seq-length {seq}: windows would skip tokens; using {seq} (windows "
                      "without overlap)")
         stride = seq
-    data = build_wikitext_data(path, tokenizer, seq, stride)
+    data = build_wikitext_data(path, tokenizer, seq, stride, warn=print_rank_0)
     return {"samples": data.samples, "num_original": data.num_original_tokens,
             "num_tokenized": data.num_tokenized_tokens}
+
+
+def check_load_dir(load: Optional[str]) -> None:
+    """SystemExit when --load is given but names no checkpoint (no tracker file): training
+    starts from random there, but an evaluation would report a random model's numbers as
+    the checkpoint's (a mistyped path). Runs before any process group exists."""
+    from megatron.checkpoint_dirs import (
+        TRACKER_FILENAME,
+        refuse_untracked_checkpoints,
+        tracker_path,
+    )
+
+    if load is None or os.path.isfile(tracker_path(load)):
+        return
+    refuse_untracked_checkpoints(load)  # an iteration directory, or one without its tracker
+    what = "does not exist" if not os.path.exists(load) else f"has no {TRACKER_FILENAME}"
+    raise SystemExit(f"error: --load {load} {what}: there is no checkpoint to evaluate; pass "
+                     "the directory pretrain_gpt.py's --save wrote (or drop --load to evaluate "
+                     "a randomly initialised model)")
 
 
 def build_evaluator(config, rt, eod: int):
@@ -313,6 +333,7 @@ def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: in
     if config.args.get("dry_run"):
         run_dry_run(config, world_size)
         return None
+    check_load_dir(config.checkpoint.load)
     tokenizer = build_tokenizer_for(config)
     data = build_data(task_ns, config, tokenizer)
     rt = initialize_entry_point(config.parallel, config.args["cublas_workspace"], rank,
