@@ -395,6 +395,17 @@ def test_layers_divisible_by_pipeline_size():
         validate_args(ns, 2, explicit=explicit)
 
 
+def test_ffn_size_divisible_by_tensor_parallel_size():
+    """--ffn-hidden-size 333 with tp 2 (dense or --num-experts) is refused at validation,
+    not by a bare "333 is not divisible by 2" from every rank's model build."""
+    for extra in ("", " --num-experts 4"):
+        msg = error_of("--ffn-hidden-size 333 --tensor-model-parallel-size 2" + extra,
+                       world_size=2)
+        assert ("--ffn-hidden-size 333 is not divisible by --tensor-model-parallel-size 2"
+                in msg and "(e.g. 332)" in msg)
+    assert run("--ffn-hidden-size 334 --tensor-model-parallel-size 2", world_size=2)
+
+
 def test_tp_larger_than_world_is_clamped_with_warning(caplog):
     assert run("--tensor-model-parallel-size 2", world_size=1).parallel.tp_size == 1
     assert "--tensor-model-parallel-size 2 is larger than the world size 1" in caplog.text
