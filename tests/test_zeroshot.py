@@ -417,3 +417,22 @@ def test_valid_data_warnings(tmp_path):
     said = []
     data = datasets.build_wikitext_data(str(path), words, 4, 4, warn=said.append)
     assert data.num_tokenized_tokens == 5 and len(said) == 1 and str(path) in said[0]
+
+
+def test_other_tasks_flags_and_overlapping_eval_below_one_warn():
+    """--strict-lambada on WIKITEXT103 and --overlapping-eval on LAMBADA have no effect;
+    --overlapping-eval 0 is taken as 1 (a window per token): each says so."""
+    def warnings(argv):
+        said = []
+        ns, _ = evaluate.split_args(argv)
+        evaluate.check_task_args(ns, warn=said.append)
+        return ns, " | ".join(said)
+
+    ns, said = warnings(["--task", "WIKITEXT103", "--valid-data", "w", "--strict-lambada"])
+    assert "--strict-lambada has no effect on --task WIKITEXT103" in said
+    assert ns.overlapping_eval == 32  # Megatron-LM's default
+    ns, said = warnings(["--task", "LAMBADA", "--valid-data", "l", "--overlapping-eval", "64"])
+    assert "--overlapping-eval has no effect on --task LAMBADA" in said
+    ns, said = warnings(["--task", "WIKITEXT103", "--valid-data", "w", "--overlapping-eval", "0"])
+    assert "--overlapping-eval 0 is taken as 1" in said and ns.overlapping_eval == 0
+    assert warnings(["--task", "LAMBADA", "--valid-data", "l", "--strict-lambada"])[1] == ""

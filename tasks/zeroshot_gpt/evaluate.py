@@ -62,8 +62,8 @@ def build_task_parser() -> argparse.ArgumentParser:
     g.add_argument("--task", type=str, default=None, help="WIKITEXT103 or LAMBADA (required)")
     g.add_argument("--valid-data", nargs="*", default=None,
                    help="the file to evaluate: WikiText-103 text, or LAMBADA JSON lines")
-    g.add_argument("--overlapping-eval", type=int, default=32,
-                   help="WIKITEXT103: stride of the sliding windows, in tokens")
+    g.add_argument("--overlapping-eval", type=int, default=None,
+                   help="WIKITEXT103: stride of the sliding windows, in tokens (default 32)")
     g.add_argument("--strict-lambada", action="store_true",
                    help="LAMBADA: the target is the whole last word, not the last token")
     g.add_argument("--epochs", type=int, default=None, help="no effect (finetuning tasks)")
@@ -104,6 +104,24 @@ def check_task_args(ns: argparse.Namespace, warn=print) -> None:
     for dest, flag in NO_EFFECT.items():
         if getattr(ns, dest) not in (None, False):
             warn(f"WARNING: {flag} has no effect on a zero-shot evaluation")
+    _check_task_specific(ns, warn)
+
+
+def _check_task_specific(ns: argparse.Namespace, warn) -> None:
+    """Warnings for a flag of the other task (no effect) and for an --overlapping-eval
+    below 1 (taken as 1, as Megatron-LM does: one window per token, the slowest
+    evaluation); fills --overlapping-eval's default, 32."""
+    if ns.task == "WIKITEXT103" and ns.strict_lambada:
+        warn("WARNING: --strict-lambada has no effect on --task WIKITEXT103 (it is LAMBADA's)")
+    if ns.task == "LAMBADA" and ns.overlapping_eval is not None:
+        warn("WARNING: --overlapping-eval has no effect on --task LAMBADA (it is "
+             "WIKITEXT103's window stride)")
+    if ns.overlapping_eval is None:
+        ns.overlapping_eval = 32
+    elif ns.overlapping_eval < 1 and ns.task == "WIKITEXT103":
+        warn(f"WARNING: --overlapping-eval {ns.overlapping_eval} is taken as 1 (as Megatron-LM "
+             "does): a window of --seq-length tokens per scored token, the slowest evaluation; "
+             "Megatron-LM's default is 32, --seq-length gives windows without overlap")
 
 
 def split_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
