@@ -44,6 +44,7 @@ from megatron.arguments_report import (
     run_dry_run,
 )
 from megatron.arguments_table import (
+    ALIASES,
     ALLOWED_IN_REJECTED_GROUPS,
     DEPRECATED_HELP,
     EXTRA_GROUP,
@@ -123,7 +124,7 @@ def _add_flag(group, spec: FlagSpec, suppress_defaults: bool) -> None:
         text = "not supported: " + NOT_SUPPORTED[spec.flag]
     if text is not None:
         kw["help"] = text
-    group.add_argument(spec.flag, **kw)
+    group.add_argument(spec.flag, *ALIASES.get(spec.flag, ()), **kw)
 
 
 def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:

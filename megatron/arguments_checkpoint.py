@@ -31,7 +31,9 @@ _ARCHITECTURE = ("add_position_embedding", "use_rotary_position_embeddings", "ro
                  "normalization", "group_query_attention", "num_query_groups",
                  "squared_relu", "openai_gelu", "bias_gelu_fusion", "layernorm_epsilon",
                  "apply_residual_connection_post_layernorm", "vocab_size",
-                 "make_vocab_size_divisible_by")
+                 "make_vocab_size_divisible_by", "vocab_extra_ids", "num_experts")
+# (every argument megatron/checkpoint_args.py checks is here: its mismatch message offers
+# --use-checkpoint-args as the fix)
 
 
 def read_checkpoint_args(load: str) -> dict:

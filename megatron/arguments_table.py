@@ -502,6 +502,13 @@ REMOVED = {
     "--checkpoint-attention": "--recompute-granularity selective",
 }
 
+# Second spellings of a flag. torch >= 2.0's `python -m torch.distributed.launch` (which
+# Megatron-LM's example scripts, e.g. evaluate_zeroshot_gpt.sh, use) passes --local-rank=N
+# where older versions passed --local_rank=N; later Megatron-LM versions accept both.
+ALIASES = {
+    "--local_rank": ("--local-rank",),
+}
+
 DEPRECATED_HELP = {
     "--model-parallel-size": "deprecated: use --tensor-model-parallel-size",
     "--batch-size": "deprecated: use --micro-batch-size",

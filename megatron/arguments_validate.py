@@ -247,6 +247,17 @@ def _resolve_query_groups(ns) -> None:
                              "whole key/value groups")
 
 
+def _check_ffn_split(ns) -> None:
+    """The MLP's (each expert's) fc1 columns and fc2 rows are split over the tensor-parallel
+    ranks: the ffn size must divide by tp (else the model build fails on every rank)."""
+    tp, ffn = ns.tensor_model_parallel_size, ns.ffn_hidden_size
+    if ffn % tp:
+        raise ArgumentsError(f"--ffn-hidden-size {ffn} is not divisible by "
+                             f"--tensor-model-parallel-size {tp}: each tensor-parallel rank "
+                             f"holds ffn/tp columns of the MLP; use an ffn size that is a "
+                             f"multiple of {tp} (e.g. {ffn - ffn % tp}) or another tp size")
+
+
 def _resolve_position_embedding(ns) -> None:
     legacy = ("rope" if ns.use_rotary_position_embeddings
               else "learned_absolute" if ns.add_position_embedding else "none")
@@ -472,6 +483,7 @@ def validate_args(
     _resolve_virtual_pipeline(ns)
     resolve_iterations(ns)
     _resolve_model_shape(ns)
+    _check_ffn_split(ns)
     _resolve_precision(ns, explicit)
     _resolve_data_parallel(ns)
     _resolve_optimizer(ns)

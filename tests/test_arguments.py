@@ -149,6 +149,13 @@ def test_odd_spellings_and_no_abbreviations():
     assert "unrecognized arguments: --num-lay" in msg and "--num-layers" in msg
 
 
+def test_local_rank_as_torch_distributed_launch_passes_it():
+    """torch >= 2.0's `python -m torch.distributed.launch` (Megatron-LM's example scripts)
+    appends --local-rank=N: the same flag as --local_rank."""
+    assert run("--local-rank=2").args["local_rank"] == 2
+    assert run("--local_rank=1").args["local_rank"] == 1
+
+
 def test_user_errors_exit_2_and_print_error(capsys):
     with pytest.raises(SystemExit) as info:
         run("--seed 0")
@@ -386,6 +393,17 @@ def test_layers_divisible_by_pipeline_size():
     with pytest.raises(ArgumentsError, match="--num-layers 3 is not divisible by "
                                              "--pipeline-model-parallel-size 2"):
         validate_args(ns, 2, explicit=explicit)
+
+
+def test_ffn_size_divisible_by_tensor_parallel_size():
+    """--ffn-hidden-size 333 with tp 2 (dense or --num-experts) is refused at validation,
+    not by a bare "333 is not divisible by 2" from every rank's model build."""
+    for extra in ("", " --num-experts 4"):
+        msg = error_of("--ffn-hidden-size 333 --tensor-model-parallel-size 2" + extra,
+                       world_size=2)
+        assert ("--ffn-hidden-size 333 is not divisible by --tensor-model-parallel-size 2"
+                in msg and "(e.g. 332)" in msg)
+    assert run("--ffn-hidden-size 334 --tensor-model-parallel-size 2", world_size=2)
 
 
 def test_tp_larger_than_world_is_clamped_with_warning(caplog):

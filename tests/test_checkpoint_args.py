@@ -107,3 +107,21 @@ def test_message_names_values_and_fix():
     assert "--use-checkpoint-args" in msg and "--finetune" not in msg
     with pytest.raises(SystemExit, match="--finetune does not skip these"):
         check_checkpoint_args(SAVED, run, "ck/iter_0000010", finetune=True)
+
+
+def test_use_checkpoint_args_takes_every_checked_argument(monkeypatch):
+    """The mismatch message names --use-checkpoint-args as the fix, so that flag must take
+    every argument checked here from the checkpoint (a --num-experts checkpoint loaded
+    with --use-checkpoint-args and no --num-experts was refused with that very advice)."""
+    from megatron import arguments_checkpoint
+    from megatron.arguments import parse_args
+
+    saved = {**SAVED, "num_layers": 3, "swiglu": True, "num_experts": 4, "vocab_extra_ids": 2,
+             "group_query_attention": True, "num_query_groups": 2, "rotary_base": 500.0,
+             "tokenizer_type": "GPT2BPETokenizer", "vocab_file": "vocab.json"}
+    monkeypatch.setattr(arguments_checkpoint, "read_checkpoint_args", lambda load: saved)
+    ns, explicit = parse_args(["--load", "ck", "--use-checkpoint-args",
+                               "--vocab-file", "vocab.json"])
+    arguments_checkpoint.apply_checkpoint_args(ns, explicit, warn=print)
+    assert [m.name for m in checkpoint_arg_mismatches(saved, vars(ns))] == []
+    assert ns.num_experts == 4 and ns.vocab_extra_ids == 2

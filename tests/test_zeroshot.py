@@ -384,3 +384,55 @@ def test_finetuning_flags_warn(tmp_path, capsys):
     assert "--epochs has no effect" in out and "--train-data has no effect" in out
     assert "no --load: evaluating a randomly initialised model" in out
     assert res["num_examples"] == 1
+
+
+def test_load_without_a_checkpoint_is_refused(tmp_path, capsys):
+    """A --load that names no checkpoint (a mistyped path) is an error, not a randomly
+    initialised model's numbers reported as the checkpoint's."""
+    (tmp_path / "l.jsonl").write_text('{"text": "1 2 3"}\n')
+    base = ["--task", "LAMBADA", "--valid-data", str(tmp_path / "l.jsonl")] + NULL
+    missing = str(tmp_path / "no_such_ckpt")
+    msg = _error_of(base + ["--load", missing], capsys)
+    assert f"--load {missing} does not exist: there is no checkpoint to evaluate" in msg
+    (tmp_path / "empty_dir").mkdir()
+    msg = _error_of(base + ["--load", str(tmp_path / "empty_dir")], capsys)
+    assert "has no latest_checkpointed_iteration.txt" in msg and "--save wrote" in msg
+    (tmp_path / "ck" / "iter_0000005").mkdir(parents=True)  # an iteration dir given
+    msg = _error_of(base + ["--load", str(tmp_path / "ck" / "iter_0000005")], capsys)
+    assert f"--load takes the directory above it: --load {tmp_path / 'ck'}" in msg
+
+
+def test_valid_data_warnings(tmp_path):
+    """WikiText's tokenized text under a path without "wikitext" (scored as written), and
+    a JSON-lines file given to WIKITEXT103, each get a warning naming the file."""
+    assert datasets.wikitext_warnings("data/wikitext-103/wiki.test.tokens", WIKI) == []
+    assert datasets.wikitext_warnings("plain.txt", "To be , or not to be .\n") == []
+    (msg,) = datasets.wikitext_warnings("data/wiki.test.tokens", " the well @-@ known \n")
+    assert "data/wiki.test.tokens" in msg and 'does not contain "wikitext"' in msg
+    (msg,) = datasets.wikitext_warnings("wikitext_lambada.jsonl", '\n{"text": "a b c"}\n')
+    assert "looks like JSON lines" in msg and "--task LAMBADA" in msg
+    path = tmp_path / "wiki.tokens"  # tmp_path holds the test's name: no "wikitext"
+    path.write_text(" a @-@ b c d \n")
+    words = type("Words", (), {"eod": 0, "tokenize": staticmethod(str.split)})
+    said = []
+    data = datasets.build_wikitext_data(str(path), words, 4, 4, warn=said.append)
+    assert data.num_tokenized_tokens == 5 and len(said) == 1 and str(path) in said[0]
+
+
+def test_other_tasks_flags_and_overlapping_eval_below_one_warn():
+    """--strict-lambada on WIKITEXT103 and --overlapping-eval on LAMBADA have no effect;
+    --overlapping-eval 0 is taken as 1 (a window per token): each says so."""
+    def warnings(argv):
+        said = []
+        ns, _ = evaluate.split_args(argv)
+        evaluate.check_task_args(ns, warn=said.append)
+        return ns, " | ".join(said)
+
+    ns, said = warnings(["--task", "WIKITEXT103", "--valid-data", "w", "--strict-lambada"])
+    assert "--strict-lambada has no effect on --task WIKITEXT103" in said
+    assert ns.overlapping_eval == 32  # Megatron-LM's default
+    ns, said = warnings(["--task", "LAMBADA", "--valid-data", "l", "--overlapping-eval", "64"])
+    assert "--overlapping-eval has no effect on --task LAMBADA" in said
+    ns, said = warnings(["--task", "WIKITEXT103", "--valid-data", "w", "--overlapping-eval", "0"])
+    assert "--overlapping-eval 0 is taken as 1" in said and ns.overlapping_eval == 0
+    assert warnings(["--task", "LAMBADA", "--valid-data", "l", "--strict-lambada"])[1] == ""

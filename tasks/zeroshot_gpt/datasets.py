@@ -93,11 +93,38 @@ def read_text_file(path: str, what: str) -> str:
     return text
 
 
-def build_wikitext_data(path: str, tokenizer, seq_length: int, stride: int
-                        ) -> LanguageModelingData:
+def wikitext_warnings(path: str, text: str) -> List[str]:
+    """Warnings for a WIKITEXT103 file that is probably not what was meant: WikiText's
+    tokenized text (" @-@ " etc.) under a path without "wikitext" (the detokenizer is
+    picked by path, so it is scored as written), or JSON lines (LAMBADA's format)."""
+    warnings = []
+    if "wikitext" not in path and any(t in text for t in (" @-@ ", " @,@ ", " @.@ ")):
+        warnings.append(f"WARNING: --valid-data {path} holds WikiText's tokenized text (\" @-@ "
+                        "\") but its path does not contain \"wikitext\", which selects the "
+                        "WikiText detokenizer: the text is scored as written. Put the file "
+                        "under a path containing \"wikitext\" (e.g. wikitext-103/"
+                        "wiki.test.tokens) for Megatron-LM's numbers")
+    first = text.lstrip().split("\n", 1)[0]
+    try:
+        record = json.loads(first)
+    except json.JSONDecodeError:
+        record = None
+    if isinstance(record, dict) and "text" in record:
+        warnings.append(f"WARNING: --valid-data {path} looks like JSON lines ({{\"text\": ...}} "
+                        "per line, LAMBADA's format); --task WIKITEXT103 scores the whole file "
+                        "as raw text, braces and quotes included (--task LAMBADA reads JSON "
+                        "lines)")
+    return warnings
+
+
+def build_wikitext_data(path: str, tokenizer, seq_length: int, stride: int,
+                        warn=print) -> LanguageModelingData:
     """Read, detokenize (by path: detokenizer.get_detokenizer), tokenize, cut into windows.
-    SystemExit when the text has fewer than 2 words or tokens (no target to score)."""
+    `warn` gets `wikitext_warnings`'s lines. SystemExit when the text has fewer than 2
+    words or tokens (no target to score)."""
     text = read_text_file(path, "WIKITEXT103 text")
+    for line in wikitext_warnings(path, text):
+        warn(line)
     num_original = len(text.strip().split(" "))
     tokens = tokenizer.tokenize(get_detokenizer(path)(text))
     if len(tokens) < 2 or num_original < 2:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -61,8 +62,8 @@ def build_task_parser() -> argparse.ArgumentParser:
     g.add_argument("--task", type=str, default=None, help="WIKITEXT103 or LAMBADA (required)")
     g.add_argument("--valid-data", nargs="*", default=None,
                    help="the file to evaluate: WikiText-103 text, or LAMBADA JSON lines")
-    g.add_argument("--overlapping-eval", type=int, default=32,
-                   help="WIKITEXT103: stride of the sliding windows, in tokens")
+    g.add_argument("--overlapping-eval", type=int, default=None,
+                   help="WIKITEXT103: stride of the sliding windows, in tokens (default 32)")
     g.add_argument("--strict-lambada", action="store_true",
                    help="LAMBADA: the target is the whole last word, not the last token")
     g.add_argument("--epochs", type=int, default=None, help="no effect (finetuning tasks)")
@@ -103,6 +104,24 @@ def check_task_args(ns: argparse.Namespace, warn=print) -> None:
     for dest, flag in NO_EFFECT.items():
         if getattr(ns, dest) not in (None, False):
             warn(f"WARNING: {flag} has no effect on a zero-shot evaluation")
+    _check_task_specific(ns, warn)
+
+
+def _check_task_specific(ns: argparse.Namespace, warn) -> None:
+    """Warnings for a flag of the other task (no effect) and for an --overlapping-eval
+    below 1 (taken as 1, as Megatron-LM does: one window per token, the slowest
+    evaluation); fills --overlapping-eval's default, 32."""
+    if ns.task == "WIKITEXT103" and ns.strict_lambada:
+        warn("WARNING: --strict-lambada has no effect on --task WIKITEXT103 (it is LAMBADA's)")
+    if ns.task == "LAMBADA" and ns.overlapping_eval is not None:
+        warn("WARNING: --overlapping-eval has no effect on --task LAMBADA (it is "
+             "WIKITEXT103's window stride)")
+    if ns.overlapping_eval is None:
+        ns.overlapping_eval = 32
+    elif ns.overlapping_eval < 1 and ns.task == "WIKITEXT103":
+        warn(f"WARNING: --overlapping-eval {ns.overlapping_eval} is taken as 1 (as Megatron-LM "
+             "does): a window of --seq-length tokens per scored token, the slowest evaluation; "
+             "Megatron-LM's default is 32, --seq-length gives windows without overlap")
 
 
 def split_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
@@ -246,9 +265,28 @@ def build_data(task_ns, config, tokenizer) -> dict:
                      f"--seq-length {seq}: windows would skip tokens; using {seq} (windows "
                      "without overlap)")
         stride = seq
-    data = build_wikitext_data(path, tokenizer, seq, stride)
+    data = build_wikitext_data(path, tokenizer, seq, stride, warn=print_rank_0)
     return {"samples": data.samples, "num_original": data.num_original_tokens,
             "num_tokenized": data.num_tokenized_tokens}
+
+
+def check_load_dir(load: Optional[str]) -> None:
+    """SystemExit when --load is given but names no checkpoint (no tracker file): training
+    starts from random there, but an evaluation would report a random model's numbers as
+    the checkpoint's (a mistyped path). Runs before any process group exists."""
+    from megatron.checkpoint_dirs import (
+        TRACKER_FILENAME,
+        refuse_untracked_checkpoints,
+        tracker_path,
+    )
+
+    if load is None or os.path.isfile(tracker_path(load)):
+        return
+    refuse_untracked_checkpoints(load)  # an iteration directory, or one without its tracker
+    what = "does not exist" if not os.path.exists(load) else f"has no {TRACKER_FILENAME}"
+    raise SystemExit(f"error: --load {load} {what}: there is no checkpoint to evaluate; pass "
+                     "the directory pretrain_gpt.py's --save wrote (or drop --load to evaluate "
+                     "a randomly initialised model)")
 
 
 def build_evaluator(config, rt, eod: int):
@@ -313,6 +351,7 @@ def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: in
     if config.args.get("dry_run"):
         run_dry_run(config, world_size)
         return None
+    check_load_dir(config.checkpoint.load)
     tokenizer = build_tokenizer_for(config)
     data = build_data(task_ns, config, tokenizer)
     rt = initialize_entry_point(config.parallel, config.args["cublas_workspace"], rank,
