@@ -14,7 +14,7 @@ import os
 from typing import Callable, List, Set
 
 from megatron.arguments_common import ArgumentsError
-from megatron.checkpoint_dirs import model_file
+from megatron.checkpoint_dirs import model_file, refuse_untracked_checkpoints, tracker_path
 from megatron.checkpoint_reshard import load_shard, locate_iteration, scan_layout
 from megatron.checkpointing import rank_dir_name
 
@@ -38,7 +38,11 @@ _ARCHITECTURE = ("add_position_embedding", "use_rotary_position_embeddings", "ro
 
 def read_checkpoint_args(load: str) -> dict:
     """The `args` of the rank-0 file of the latest checkpoint under `load` (either naming
-    scheme), memory-mapped. SystemExit when there is no checkpoint or it has no args."""
+    scheme), memory-mapped. SystemExit when there is no checkpoint or it has no args; an
+    iteration directory, or checkpoints without a tracker file, get training's fix (the
+    tools' `--iteration N` is not a pretrain_gpt.py flag)."""
+    if not os.path.isfile(tracker_path(load)):
+        refuse_untracked_checkpoints(load)
     iter_dir, _, _ = locate_iteration(load)
     _, pp = scan_layout(iter_dir)
     path = model_file(os.path.join(iter_dir, rank_dir_name(0, 0, pp)))

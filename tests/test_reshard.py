@@ -341,6 +341,15 @@ def test_use_checkpoint_args_fills_model_flags(tmp_path_factory, tmp_path):
     with pytest.raises(ArgumentsError, match="no checkpoint under"):
         parse_and_validate(f"{NO_MODEL_FLAGS} --load {tmp_path}".split(), world_size=1, env={},
                            cuda_available=False)
+    # checkpoints without a tracker, or an iteration directory: training's fix, not the
+    # tools' --iteration (pretrain_gpt.py has no such flag)
+    shutil.copytree(os.path.join(root, "iter_0000002"), tmp_path / "untracked" / "iter_0000002")
+    for load, fix in ((tmp_path / "untracked", "printf 2 >"),
+                      (tmp_path / "untracked" / "iter_0000002", f"--load {tmp_path / 'untracked'} ")):
+        with pytest.raises(ArgumentsError) as err:
+            parse_and_validate(f"{NO_MODEL_FLAGS} --load {load}".split(), world_size=1, env={},
+                               cuda_available=False)
+        assert fix in str(err.value) and "--iteration" not in str(err.value)
 
 
 # ------------------------------------------------------------------ 4. the CLI (torchrun)
