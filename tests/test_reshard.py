@@ -188,6 +188,22 @@ def test_offline_reshard_loads_without_conversion(tmp_path_factory, tmp_path, ca
         assert not os.path.exists(tmp_path / "y")
 
 
+def test_offline_reshard_keeps_a_target_size_left_out(tmp_path_factory, tmp_path):
+    """Only --target-pipeline-model-parallel-size given: the saved tp (2) is kept; neither
+    given: an error naming both flags, nothing written."""
+    root = str(tmp_path_factory.getbasetemp() / "src-2---tensor-model-parallel-size2")
+    _saved("--tensor-model-parallel-size 2", 2, root)
+    out = str(tmp_path / "tp2pp2")
+    assert checkpoint_convert.main(["reshard", "--load", root, "--save", out,
+                                    "--target-pipeline-model-parallel-size", "2"]) == 0
+    assert reshard.read_layout(os.path.join(out, "iter_0000002")).tp == 2
+    assert reshard.read_layout(os.path.join(out, "iter_0000002")).pp == 2
+    with pytest.raises(SystemExit, match="--target-tensor-model-parallel-size and/or "
+                                         "--target-pipeline-model-parallel-size"):
+        checkpoint_convert.main(["reshard", "--load", root, "--save", str(tmp_path / "z")])
+    assert not os.path.exists(tmp_path / "z")
+
+
 def test_save_holding_a_checkpoint_is_refused_unless_overwrite(tmp_path, capsys):
     """reshard / to-megatron into a --save that holds newer iterations would point its
     tracker back at the converted one: refused, nothing written; --overwrite replaces the

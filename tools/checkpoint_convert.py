@@ -6,7 +6,8 @@
         [--target-num-layers-per-virtual-pipeline-stage K] [--iteration I] \\
         [--target-use-distributed-optimizer | --target-no-distributed-optimizer]
 
-`reshard` rewrites a checkpoint saved by pretrain_gpt.py with any (tp, pp, virtual
+A target size left out keeps the saved one. `reshard` rewrites a checkpoint saved by
+pretrain_gpt.py with any (tp, pp, virtual
 stages, distributed optimizer or not) for another layout, model AND optimizer state (fp32
 main weights, Adam moments, step, loss scaler, scheduler and counters), so that a run with
 the target layout loads it directly (no resharding on load). The data-parallel size is
@@ -64,8 +65,10 @@ def add_reshard_arguments(p: argparse.ArgumentParser) -> None:
     """Reshard a checkpoint to another tensor / pipeline / virtual-pipeline layout."""
     p.add_argument("--load", required=True, help="checkpoint directory to read")
     p.add_argument("--save", required=True, help="directory to write (not --load)")
-    p.add_argument("--target-tensor-model-parallel-size", type=int, required=True)
-    p.add_argument("--target-pipeline-model-parallel-size", type=int, required=True)
+    p.add_argument("--target-tensor-model-parallel-size", type=int, default=None,
+                   help="default: the saved tensor-parallel size")
+    p.add_argument("--target-pipeline-model-parallel-size", type=int, default=None,
+                   help="default: the saved pipeline-parallel size")
     p.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="layers per virtual stage (interleaved schedule); default: none")
     p.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
@@ -315,7 +318,22 @@ def reshard(load: str, save: str, tp: int, pp: int, layers_per_stage: Optional[i
             "notes": sorted(notes), "directory": final_dir}
 
 
+def _default_targets(a: argparse.Namespace) -> None:
+    """A target size left out keeps the saved one (one of the two must be given)."""
+    if a.target_tensor_model_parallel_size is None and a.target_pipeline_model_parallel_size is None:
+        raise SystemExit("error: give --target-tensor-model-parallel-size and/or "
+                         "--target-pipeline-model-parallel-size (one left out keeps the "
+                         "saved size)")
+    iter_dir, _, _ = reshard_lib.locate_iteration(a.load, a.iteration)
+    saved = reshard_lib.SourceCheckpoint(iter_dir).layout
+    if a.target_tensor_model_parallel_size is None:
+        a.target_tensor_model_parallel_size = saved.tp
+    if a.target_pipeline_model_parallel_size is None:
+        a.target_pipeline_model_parallel_size = saved.pp
+
+
 def run_reshard(a: argparse.Namespace) -> int:
+    _default_targets(a)
     for flag, value in (("--target-tensor-model-parallel-size", a.target_tensor_model_parallel_size),
                         ("--target-pipeline-model-parallel-size",
                          a.target_pipeline_model_parallel_size)):
