@@ -95,13 +95,7 @@ def _attend(attn, q_bnsd, k_bgLd, v_bgLd) -> torch.Tensor:
     if 1 < s < total:  # several new tokens after a prefix: bottom-right causal mask
         pos = torch.arange(total, device=q_bnsd.device)
         mask = pos[None, :] <= pos[total - s:, None]  # [s, L], True = attend
-    gqa = {}
-    if attn.g != attn.n and attn._native_gqa(q_bnsd, mask):
-        gqa = {"enable_gqa": True}
-    elif attn.g != attn.n:
-        rep = attn.n // attn.g
-        k_bgLd = k_bgLd.repeat_interleave(rep, dim=1)
-        v_bgLd = v_bgLd.repeat_interleave(rep, dim=1)
+    k_bgLd, v_bgLd, gqa = attn.grouped_kv(q_bnsd, k_bgLd, v_bgLd, mask)
     backend = attn.config.attention_backend if s == total else "auto"
     with sdpa_backend(backend):
         return F.scaled_dot_product_attention(

@@ -330,14 +330,8 @@ class ParallelAttention(nn.Module):
     def _core_attention(self, q_bnsd, k_bgsd, v_bgsd, attention_mask=None):
         dropout_p = self.config.attention_dropout if self.training else 0.0
         fork = self.rng_tracker.fork() if (self.rng_tracker and dropout_p > 0) else contextlib.nullcontext()
-        gqa = {}
         with fork, sdpa_backend(self.config.attention_backend):
-            if self.g != self.n and self._native_gqa(q_bnsd, attention_mask):
-                gqa = {"enable_gqa": True}
-            elif self.g != self.n:
-                rep = self.n // self.g
-                k_bgsd = k_bgsd.repeat_interleave(rep, dim=1)
-                v_bgsd = v_bgsd.repeat_interleave(rep, dim=1)
+            k_bgsd, v_bgsd, gqa = self.grouped_kv(q_bnsd, k_bgsd, v_bgsd, attention_mask)
             # attention_mask: [b, 1, s, s] bool, True = masked (Megatron's convention);
             # SDPA's boolean mask means the opposite. None = plain causal (fast kernels).
             return F.scaled_dot_product_attention(
@@ -345,6 +339,17 @@ class ParallelAttention(nn.Module):
                 is_causal=attention_mask is None, dropout_p=dropout_p,
                 scale=1.0 / math.sqrt(self.d), **gqa,
             )
+
+    def grouped_kv(self, q_bnsd, k_bgsd, v_bgsd, attention_mask):
+        """(k, v, extra SDPA kwargs) for the query heads: the groups as they are with
+        `enable_gqa` where the kernel takes them (`_native_gqa`), else each group repeated
+        to its n/g query heads; unchanged without grouped-query attention."""
+        if self.g == self.n:
+            return k_bgsd, v_bgsd, {}
+        if self._native_gqa(q_bnsd, attention_mask):
+            return k_bgsd, v_bgsd, {"enable_gqa": True}
+        rep = self.n // self.g
+        return k_bgsd.repeat_interleave(rep, dim=1), v_bgsd.repeat_interleave(rep, dim=1), {}
 
     def _native_gqa(self, q: torch.Tensor, attention_mask) -> bool:
         """Whether SDPA gets the query groups' k and v as they are (`enable_gqa`: the
