@@ -55,7 +55,7 @@ def count_parameters(cfg: ModelConfig, tp_size: int = 1, pp_size: int = 1,
     sharded, replicated = _layer_params(cfg)
     final_norm = h if cfg.normalization == "RMSNorm" else 2 * h
     word = vocab * h
-    pos = cfg.max_position_embeddings * h if cfg.position_embedding_type == "learned_absolute" else 0
+    pos = cfg.max_position_embeddings * h if cfg.add_position_embedding else 0
     untied = cfg.untie_embeddings_and_output_weights
     total = word + pos + cfg.num_layers * (sharded + replicated) + final_norm + (word if untied else 0)
     per_stage = []

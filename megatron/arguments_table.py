@@ -306,7 +306,7 @@ EXTRA_GROUP = ("extensions (not in Megatron-LM 23.05)", (
     ("--normalization", "str", "LayerNorm", ("LayerNorm", "RMSNorm")),
     ("--group-query-attention", "true", False),
     ("--num-query-groups", "int", None),
-    ("--position-embedding-type", "str", None, ("learned_absolute", "rope")),
+    ("--position-embedding-type", "str", None, ("learned_absolute", "rope", "rope+learned")),
     ("--rotary-base", "float", 10000.0),
     ("--overlap-grad-reduce", "true", False),
     ("--no-overlap-grad-reduce", "false", False, None, "overlap_grad_reduce"),
@@ -384,8 +384,9 @@ EXTRA_HELP = {
     "--normalization": "normalization layer type",
     "--group-query-attention": "grouped-query attention (see --num-query-groups)",
     "--num-query-groups": "number of key/value groups with --group-query-attention (default 1)",
-    "--position-embedding-type": "learned_absolute or rope (same as "
-                                 "--use-rotary-position-embeddings)",
+    "--position-embedding-type": "learned_absolute, rope (rotary only, as "
+                                 "--use-rotary-position-embeddings --no-position-embedding) "
+                                 "or rope+learned (both, as --use-rotary-position-embeddings)",
     "--rotary-base": "base of the rotary embedding frequencies",
     "--overlap-grad-reduce": "overlap the data-parallel gradient all-reduce with backward",
     "--no-overlap-grad-reduce": "do not overlap the gradient all-reduce (default)",

@@ -33,6 +33,7 @@ from megatron.config import (
     ParallelConfig,
     TrainingConfig,
 )
+from megatron.core.config import position_embedding_type_for
 
 # Attributes Megatron deletes after mapping them; they never reach Config.args.
 _DELETED = ("batch_size", "warmup", "model_parallel_size", "checkpoint_activations",
@@ -259,20 +260,22 @@ def _check_ffn_split(ns) -> None:
 
 
 def _resolve_position_embedding(ns) -> None:
-    legacy = ("rope" if ns.use_rotary_position_embeddings
-              else "learned_absolute" if ns.add_position_embedding else "none")
-    if ns.position_embedding_type is None:
-        if ns.use_rotary_position_embeddings and ns.add_position_embedding:
-            warn("--use-rotary-position-embeddings without --no-position-embedding: Megatron-LM "
-                 "23.05 adds learned absolute positions as well; this framework uses rotary "
-                 "only (pass --no-position-embedding to silence this)")
+    """--position-embedding-type from Megatron-LM 23.05's two switches when not given:
+    --use-rotary-position-embeddings alone gives rope+learned (both, as Megatron builds),
+    with --no-position-embedding rope. A type given explicitly must agree with the switches
+    the user set; rope takes --use-rotary-position-embeddings as a synonym (later Megatron's
+    meaning: rotary only)."""
+    rotary, learned = ns.use_rotary_position_embeddings, ns.add_position_embedding
+    legacy = position_embedding_type_for(rotary, learned)
+    kind = ns.position_embedding_type
+    if kind is None:
         ns.position_embedding_type = legacy
-    elif ns.position_embedding_type != legacy and (
-            ns.use_rotary_position_embeddings or not ns.add_position_embedding):
-        raise ArgumentsError(f"--position-embedding-type {ns.position_embedding_type} "
-                             f"contradicts the legacy flags (which give {legacy}); pass one")
-    ns.use_rotary_position_embeddings = ns.position_embedding_type == "rope"
-    ns.add_position_embedding = ns.position_embedding_type == "learned_absolute"
+    elif kind != legacy and (rotary or not learned) and not (kind == "rope" and rotary):
+        raise ArgumentsError(f"--position-embedding-type {kind} contradicts the legacy flags "
+                             f"(which give {legacy}); pass one")
+    ns.use_rotary_position_embeddings = ns.position_embedding_type in ("rope", "rope+learned")
+    ns.add_position_embedding = ns.position_embedding_type in ("learned_absolute",
+                                                               "rope+learned")
 
 
 def _resolve_precision(ns, explicit: Set[str]) -> None:

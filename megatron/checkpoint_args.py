@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 
 from megatron.arguments_common import FLAG_SPECS, flag_for_dest
 from megatron.checkpointing import args_to_plain
+from megatron.core.config import position_embedding_type_for
 
 _ABSENT = object()
 
@@ -88,9 +89,8 @@ def _position_type(args: dict):
         return args["position_embedding_type"]
     if "add_position_embedding" not in args:
         return _ABSENT
-    if args.get("use_rotary_position_embeddings"):
-        return "rope"  # a 23.05 writer: rotary (this framework drops the learned table then)
-    return "learned_absolute" if args["add_position_embedding"] else "none"
+    return position_embedding_type_for(bool(args.get("use_rotary_position_embeddings")),
+                                       bool(args["add_position_embedding"]))  # a 23.05 writer
 
 
 def _position_item(saved: dict, run: dict) -> Optional[Mismatch]:
@@ -102,7 +102,8 @@ def _position_item(saved: dict, run: dict) -> Optional[Mismatch]:
 
 def _max_positions_item(saved: dict, run: dict) -> Optional[Mismatch]:
     """The rows of the learned position table."""
-    if _position_type(saved) == _position_type(run) == "learned_absolute":
+    learned = ("learned_absolute", "rope+learned")
+    if _position_type(saved) in learned and _position_type(saved) == _position_type(run):
         return _compare(saved, run, "max_position_embeddings")
     return None
 

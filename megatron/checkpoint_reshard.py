@@ -55,6 +55,7 @@ from megatron.checkpointing import (
     read_tracker,
     tracker_path,
 )
+from megatron.core.config import position_embedding_type_for
 from megatron.core.optimizer.param_groups import default_no_weight_decay, get_param_groups
 from megatron.core.tensor_parallel.layers import shard_of_full_weight
 
@@ -560,6 +561,9 @@ def config_from_args(args: dict, **overrides):
                   virtual_pipeline_model_parallel_size=None, compile_layers=False,
                   recompute_granularity=None, use_cpu_initialization=False, rank=0)
     values.update(overrides)
+    if "position_embedding_type" not in values and "add_position_embedding" in values:
+        values["position_embedding_type"] = position_embedding_type_for(  # a 23.05 writer
+            bool(values.get("use_rotary_position_embeddings")), bool(values["add_position_embedding"]))
     values["params_dtype"] = _DTYPES.get(str(values.get("params_dtype")), torch.float32)
     try:
         return build_config(argparse.Namespace(**values))

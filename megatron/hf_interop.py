@@ -62,10 +62,15 @@ def family_problems(model: ModelConfig, family: str) -> List[str]:
                         "has a top-1 switch MLP)")
     if model.apply_residual_connection_post_layernorm:
         problems.append("--apply-residual-connection-post-layernorm (no HF equivalent)")
+    both = model.position_embedding_type == "rope+learned"
+    if both:
+        problems.append("learned absolute and rotary positions together (--use-rotary-"
+                        "position-embeddings without --no-position-embedding): neither "
+                        "GPT2LMHeadModel nor LlamaForCausalLM has both")
     if family == "gpt2":
         if model.normalization != "LayerNorm":
             problems.append(f"normalization {model.normalization} (GPT-2 uses LayerNorm)")
-        if model.position_embedding_type != "learned_absolute":
+        if model.position_embedding_type != "learned_absolute" and not both:
             problems.append(f"position embedding {model.position_embedding_type} "
                             "(GPT-2 learns absolute positions)")
         if model.activation not in _ACT_TO_HF:
@@ -77,7 +82,7 @@ def family_problems(model: ModelConfig, family: str) -> List[str]:
     else:
         if model.normalization != "RMSNorm":
             problems.append(f"normalization {model.normalization} (Llama uses RMSNorm)")
-        if model.position_embedding_type != "rope" or model.rotary_percent != 1.0:
+        if (model.position_embedding_type != "rope" and not both) or model.rotary_percent != 1.0:
             problems.append(f"position embedding {model.position_embedding_type} with rotary "
                             f"percent {model.rotary_percent} (Llama rotates whole heads)")
         if not model.swiglu:

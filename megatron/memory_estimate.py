@@ -122,7 +122,7 @@ def layer_activation_terms(m: ModelConfig, s: int, b: int, tp: int, sp: bool, e:
     sbh = s * b * h
     er = 4 if m.fp32_residual_connection else e
     rms = m.normalization == "RMSNorm"
-    rope = m.position_embedding_type == "rope"
+    rope = m.use_rotary_position_embeddings
     bdiv = tp if sp else 1  # boundary terms are split only with sequence parallelism
     terms = {
         "norm_inputs": 2 * er * sbh / bdiv,
@@ -164,7 +164,7 @@ def _selective_layer_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, e:
     instead of the kernel's; the projection still saves the recomputed function's output."""
     terms = layer_activation_terms(m, s, b, tp, sp, e, flash_attention=True)
     terms.pop("attention_logsumexp")
-    rope = m.position_embedding_type == "rope"
+    rope = m.use_rotary_position_embeddings
     terms["qkv"] = e * s * b * qkv_saved_width(m.num_attention_heads // tp, m.num_query_groups // tp,
                                                m.kv_channels, rope, repeated=False)
     return sum(terms.values())
@@ -197,7 +197,7 @@ def _head_bytes(config: Config, first: bool, last: bool) -> Dict[str, float]:
     s, b, tp, e = d.seq_length, d.micro_batch_size, p.tp_size, _act_bytes(config)
     sbh_div = s * b * m.hidden_size / (tp if p.sequence_parallel else 1)
     out = {"embedding": 0.0, "final_norm": 0.0, "logits": 0.0, "rotary_table": 0.0}
-    if m.position_embedding_type == "rope":  # cos and sin, fp32 [2, s, rotary dim]
+    if m.use_rotary_position_embeddings:  # cos and sin, fp32 [2, s, rotary dim]
         out["rotary_table"] = 2 * 4 * s * int(m.kv_channels * m.rotary_percent)
     if first and m.hidden_dropout > 0:
         out["embedding"] = sbh_div  # dropout mask

@@ -68,3 +68,40 @@ def test_recompute_gives_identical_grads_with_dropout(granularity, method):
     assert torch.equal(loss, ref_loss)
     for name, g in ref_grads.items():
         assert torch.equal(grads[name], g), name
+
+
+class _WordPlusPositions(torch.nn.Module):
+    """A word embedding that adds learned positions 0..s-1: the input a rotary-only model
+    gets in place of Megatron-LM 23.05's rotary + learned-position embedding."""
+
+    def __init__(self, word, positions_weight):
+        super().__init__()
+        self.word, self.positions_weight = word, positions_weight
+
+    @property
+    def weight(self):  # the tied output layer's
+        return self.word.weight
+
+    def forward(self, ids):
+        return self.word(ids) + self.positions_weight[: ids.shape[1]]
+
+
+def test_rope_plus_learned_is_rotary_layers_fed_word_plus_positions():
+    """position_embedding_type rope+learned (--use-rotary-position-embeddings without
+    --no-position-embedding): the learned table is added to the word embedding and every
+    layer rotates q and k -- the rotary-only model with the same weights, fed word +
+    position embeddings, gives the same logits (fp32, 1e-6); the table gets gradients."""
+    both = _model(position_embedding_type="rope+learned", rotary_percent=0.5)
+    ref = _model(seed=1, position_embedding_type="rope", rotary_percent=0.5)
+    table = both.language_model.embedding.position_embeddings.weight
+    assert ref.load_state_dict(both.state_dict(), strict=False).unexpected_keys == \
+        ["language_model.embedding.position_embeddings.weight"]
+    emb = ref.language_model.embedding
+    emb.word_embeddings = _WordPlusPositions(emb.word_embeddings, table.detach())
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+    out = both(tokens)
+    torch.testing.assert_close(out, ref(tokens), rtol=0, atol=1e-6)
+    emb.word_embeddings = emb.word_embeddings.word
+    assert (out - ref(tokens)).abs().max() > 1e-3  # the positions do take part
+    both(tokens, labels=tokens).mean().backward()
+    assert table.grad is not None and table.grad.abs().sum() > 0

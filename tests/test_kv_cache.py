@@ -27,6 +27,9 @@ VARIANTS = {
     # full-width rotary, squared ReLU, the fp32 residual stream (in 16-bit runs)
     "mqa": dict(position_embedding_type="rope", num_query_groups=1, kv_channels=16,
                 activation="squared_relu", fp32_residual_connection=True),
+    # Megatron-LM 23.05's --use-rotary-position-embeddings alone: learned absolute
+    # positions added to the word embedding and rotary ones in every layer
+    "rope+learned": dict(position_embedding_type="rope+learned", rotary_percent=0.5),
     # tied, tanh GeLU (the MLP's epilogue path), post-LN residuals, LayerNorm-1p, no
     # position embedding at all
     "tied-postln": dict(position_embedding_type="none", activation="openai_gelu",

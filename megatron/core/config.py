@@ -26,7 +26,9 @@ class ModelConfig:
     ffn_hidden_size: Optional[int] = None  # None -> 4 * hidden (or the SwiGLU rule)
     kv_channels: Optional[int] = None  # None -> hidden // heads
     num_query_groups: Optional[int] = None  # grouped-query attention; None -> heads
-    # "learned_absolute" | "rope" | "none"
+    # "learned_absolute" | "rope" | "none" | "rope+learned" (both: the learned table added to
+    # the word embedding and q, k rotated in every layer -- Megatron-LM 23.05's
+    # --use-rotary-position-embeddings without --no-position-embedding)
     position_embedding_type: str = "learned_absolute"
     rotary_percent: float = 1.0
     rotary_base: float = 10000.0
@@ -101,6 +103,24 @@ class ModelConfig:
     def swiglu(self) -> bool:
         return self.activation == "swiglu"
 
+    @property
+    def add_position_embedding(self) -> bool:
+        """A learned absolute position table is added to the word embedding."""
+        return self.position_embedding_type in ("learned_absolute", "rope+learned")
+
+    @property
+    def use_rotary_position_embeddings(self) -> bool:
+        """Queries and keys are rotated in every attention layer."""
+        return self.position_embedding_type in ("rope", "rope+learned")
+
+
+def position_embedding_type_for(use_rotary: bool, add_position_embedding: bool) -> str:
+    """The `position_embedding_type` of Megatron-LM 23.05's two switches
+    (--use-rotary-position-embeddings, and --no-position-embedding turning off the other)."""
+    if use_rotary:
+        return "rope+learned" if add_position_embedding else "rope"
+    return "learned_absolute" if add_position_embedding else "none"
+
 
 @dataclass
 class ParallelConfig:
@@ -174,4 +194,4 @@ class OptimizerConfig:
         return torch.float32
 
 
-__all__ = ["ModelConfig", "ParallelConfig", "OptimizerConfig", "field"]
+__all__ = ["ModelConfig", "ParallelConfig", "OptimizerConfig", "field", "position_embedding_type_for"]

@@ -93,7 +93,7 @@ class Embedding(nn.Module):
             rng_tracker=rng_tracker,
         )
         self.position_embeddings = None
-        if config.position_embedding_type == "learned_absolute":
+        if config.add_position_embedding:
             shape = (config.max_position_embeddings, config.hidden_size)
             where = "cpu" if config.use_cpu_initialization else device
             # Without initialisation nn.Embedding must not draw its default N(0, 1) either.
@@ -201,7 +201,7 @@ class GPTModel(nn.Module):
                 self.word_embeddings_for_head.weight.shared = True
             self.output_weight_cast = CastTo()
         self.rotary_dim = None
-        if config.position_embedding_type == "rope":
+        if config.use_rotary_position_embeddings:
             self.rotary_dim = int(config.kv_channels * config.rotary_percent)
         self._rotary_cache = None
 
