@@ -561,6 +561,32 @@ def test_param_count_variants_by_hand():
     assert count_parameters(cfg).total == 16 * 8 * 2 + 2 * layer + 8
 
 
+def test_rotary_alone_adds_learned_positions_as_megatron(caplog):
+    """Megatron-LM 23.05: --use-rotary-position-embeddings without --no-position-embedding
+    builds both the learned position table and rotary attention (no warning here); with
+    --no-position-embedding, or as --position-embedding-type rope, rotary only."""
+    both = run("--use-rotary-position-embeddings")
+    m = both.model
+    assert (m.position_embedding_type, m.add_position_embedding,
+            m.use_rotary_position_embeddings) == ("rope+learned", True, True)
+    assert both.args["add_position_embedding"] and both.args["use_rotary_position_embeddings"]
+    assert "position" not in caplog.text
+    for extra in ("--use-rotary-position-embeddings --no-position-embedding",
+                  "--position-embedding-type rope",
+                  "--position-embedding-type rope --use-rotary-position-embeddings"):
+        rope = run(extra)
+        assert rope.model.position_embedding_type == "rope", extra
+        assert not rope.args["add_position_embedding"], extra
+    assert "contradicts the legacy flags (which give rope+learned)" in error_of(
+        "--position-embedding-type learned_absolute --use-rotary-position-embeddings")
+    # --dry-run's count: the learned table (max positions x hidden) on top of rotary only
+    assert count_parameters(m).total == count_parameters(rope.model).total + 32 * 64
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    built = GPTModel(m)
+    assert sum(p.numel() for p in built.parameters()) == count_parameters(m).total
+
+
 @pytest.mark.parametrize("pp,standalone,untied", [(2, False, False), (2, True, False),
                                                    (3, True, True), (4, False, True)])
 def test_param_count_per_stage_equals_the_stages_the_model_builds(pp, standalone, untied):

@@ -85,10 +85,12 @@ def test_keys_an_older_checkpoint_lacks_are_skipped():
     run = {**SAVED, "swiglu": True, "padded_vocab_size": 512, "num_query_groups": 2,
            "group_query_attention": True}
     assert checkpoint_arg_mismatches(old, run) == []
-    # Megatron 23.05 names: rotary on means no learned table here
+    # Megatron 23.05 names: rotary on with the learned table is both (rope+learned)
     legacy = {**old, "use_rotary_position_embeddings": True}
-    assert [m.name for m in checkpoint_arg_mismatches(legacy, SAVED)] == \
-        ["--position-embedding-type"]
+    assert [(m.name, m.saved) for m in checkpoint_arg_mismatches(legacy, SAVED)] == \
+        [("--position-embedding-type", "rope+learned")]
+    assert checkpoint_arg_mismatches(legacy, {**SAVED, "position_embedding_type":
+                                              "rope+learned"}) == []
     check_checkpoint_args(None, SAVED, "somewhere")  # no args at all: nothing to check
 
 

@@ -69,3 +69,13 @@ def test_llama_style_gpt_tp2_sp_matches_single_process():
 def test_loss_decreases_single_process():
     out = _train(0, 1, 1, False, {}, iters=30, lr=1e-2)
     assert out["losses"][-1] < out["losses"][0] - 0.3, out["losses"]
+
+
+def test_rope_plus_learned_matches_single_process():
+    """Megatron-LM 23.05's rotary + learned positions: the replicated position table and
+    the rotated q, k under tp=2 with sequence parallelism equal the single process."""
+    kw = dict(position_embedding_type="rope+learned", rotary_percent=0.5)
+    ref = _reference(kw)
+    assert "language_model.embedding.position_embeddings.weight" in ref["grads"]
+    for rank, got in enumerate(run_distributed(_train, 2, 2, True, kw)):
+        _compare(ref, got, f"rope+learned tp=2 sp rank={rank}")

@@ -95,6 +95,10 @@ def test_qkv_layout_family_detection_and_errors(tmp_path):
         hf_interop.to_hf_state_dict({}, m, "gpt2", 101)
     gpt = parse_and_validate(TINY.split(), world_size=1, env={}, cuda_available=False).model
     assert hf_interop.detect_family(gpt) == "gpt2"
+    both = parse_and_validate(TINY.split() + ["--use-rotary-position-embeddings"], world_size=1,
+                              env={}, cuda_available=False).model
+    with pytest.raises(ValueError, match="rotary positions together .* neither GPT2LMHeadModel"):
+        hf_interop.detect_family(both)
     with pytest.raises(ValueError, match="vocab size 500 outside"):
         hf_interop.to_hf_state_dict({}, gpt, "gpt2", 500)
     with pytest.raises(ValueError, match="model_type 'bert' is not supported"):

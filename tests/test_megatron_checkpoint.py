@@ -33,7 +33,7 @@ from megatron.checkpoint_files import (
 )
 from megatron.checkpoint_reshard import Layout, SourceCheckpoint, read_layout
 from megatron.checkpointing import checkpoint_name, describe_layout
-from tests.test_exact_resume import K, N, _assert_exact, run_pretrain
+from tests.test_exact_resume import K, N, _assert_exact, resume_scenario, run_pretrain
 from tools import checkpoint_convert
 from tools.checkpoint_convert import to_megatron
 
@@ -184,6 +184,34 @@ def test_the_export_has_megatron_lms_shape(tmp_path):
     assert all(torch.equal(back["model"][k], v) for k, v in original["model"].items())
     assert back["train_state"] == {k: original["train_state"][k] for k in back["train_state"]}
     assert back["args"]["hidden_size"] == original["args"]["hidden_size"]
+
+
+def test_rotary_plus_learned_positions_round_trip(tmp_path):
+    """--use-rotary-position-embeddings alone (learned positions and rotary ones, as
+    Megatron-LM 23.05 builds): resume gives the uninterrupted run's losses; the
+    to-megatron export keeps the position table under Megatron's names, and with its args
+    as Megatron writes them (add_position_embedding, use_rotary_position_embeddings, no
+    position_embedding_type) --use-checkpoint-args rebuilds the model and resumes the same
+    losses; to-hf refuses (no Hugging Face class has both)."""
+    rope = ["--use-rotary-position-embeddings"]
+    root, out = str(tmp_path / "ck"), str(tmp_path / "mlm")
+    ref, first, resumed = resume_scenario(root, rope)
+    _assert_exact(ref, first, resumed, "rope+learned")
+    to_megatron(root, out)
+    path = checkpoint_name(out, K, 0, 0, 1)
+    numpy_only = [g for g in megatron_globals() if g[0] is not ModelType]
+    with torch.serialization.safe_globals(numpy_only):
+        raw = torch.load(path, weights_only=True)
+    assert set(raw["model"]["language_model"]["embedding"]) == {"word_embeddings",
+                                                                "position_embeddings"}
+    assert raw["args"].add_position_embedding and raw["args"].use_rotary_position_embeddings
+    del raw["args"].position_embedding_type  # a Megatron-LM 23.05 writer has none
+    torch.save(raw, path)
+    from_megatron, tr = run_pretrain(["--load", out, "--use-checkpoint-args"])
+    assert tr.model.module.config.position_embedding_type == "rope+learned"
+    assert from_megatron == {i: ref[i] for i in range(K + 1, N + 1)}
+    with pytest.raises(SystemExit, match="neither GPT2LMHeadModel nor LlamaForCausalLM"):
+        checkpoint_convert.main(["to-hf", "--load", root, "--output", str(tmp_path / "hf")])
 
 
 # ------------------------------------------- Megatron-LM 23.04 distributed-optimizer layout
