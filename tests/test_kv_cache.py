@@ -60,6 +60,9 @@ def _tokens(n: int, seed: int = 1) -> torch.Tensor:
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_prefill_and_steps_equal_the_full_forward(variant):
     model = _model(variant)
+    if variant == "rope+learned":  # both kinds of position really take part
+        assert model.language_model.embedding.position_embeddings is not None
+        assert model.rotary_dim == 4
     ids = _tokens(MAX_POS)
     with torch.no_grad():
         full = model(ids)[0]
