@@ -223,7 +223,8 @@ IMPLEMENTED_BY = {
     "--normalization": (LAYERS, "normalization"),
     "--group-query-attention": (VALIDATE, "group_query_attention"),  # -> num_query_groups
     "--num-query-groups": (LAYERS, "num_query_groups"),
-    "--position-embedding-type": (GPT, "position_embedding_type"),
+    # -> ModelConfig's add_position_embedding and use_rotary_position_embeddings
+    "--position-embedding-type": (GPT, "use_rotary_position_embeddings"),
     "--rotary-base": (GPT, "rotary_base"),
     "--overlap-grad-reduce": (DDP, "overlap_grad_reduce"),
     "--no-overlap-grad-reduce": (DDP, "overlap_grad_reduce"),
