@@ -236,6 +236,34 @@ def test_user_errors(tmp_path):
         generate.main(["--load", str(tmp_path), "--prompt", "1"])
 
 
+def test_prompt_file_equals_one_prompt_at_a_time(tmp_path):
+    """--prompt-file: each line's answer equals --prompt with --seed + its index, sampled
+    (batched through the cache, and one by one with --no-kv-cache); a bad line is named."""
+    ckpt = tmp_path / "ckpt"
+    _train(ckpt, steps=1)
+    lines = ["5 6 7", "", "9", "11 12 13 14 15"]
+    (tmp_path / "p.txt").write_text("\n".join(lines) + "\n")
+    common = ["--load", str(ckpt), "--max-new-tokens", "6", "--temperature", "0.8",
+              "--no-stop-at-eod", "--json"]
+    for extra in ([], ["--no-kv-cache"]):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert generate.main([*common, *extra, "--prompt-file", str(tmp_path / "p.txt"),
+                                  "--seed", "40"]) == 0
+        got = [json.loads(line) for line in buf.getvalue().splitlines()]
+        assert [g["index"] for g in got] == [0, 1, 2]
+        for i, text in enumerate(t for t in lines if t):
+            one = _run_cli(*common[:-1], "--prompt", text, "--seed", str(40 + i))
+            assert got[i]["prompt_ids"] == one["prompt_ids"]
+            assert got[i]["generated_ids"] == one["generated_ids"], (extra, i)
+    (tmp_path / "bad.txt").write_text("5 6\nabc\n")
+    with pytest.raises(SystemExit, match=r"NullTokenizer expects .*prompt 2\)"):
+        generate.main(["--load", str(ckpt), "--prompt-file", str(tmp_path / "bad.txt")])
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    with pytest.raises(SystemExit, match="has no prompt: write one per line"):
+        generate.main(["--load", str(ckpt), "--prompt-file", str(tmp_path / "empty.txt")])
+
+
 GPT2_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2"
 
 

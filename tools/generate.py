@@ -4,6 +4,11 @@
     python tools/generate.py --load CKPT_DIR --prompt "The meaning of life" --max-new-tokens 40
     python tools/generate.py --load CKPT_DIR --prompt-ids 464,3616,286 --greedy
     python tools/generate.py --load CKPT_DIR --prompt "..." --temperature 0.8 --top-p 0.9 --seed 7
+    python tools/generate.py --load CKPT_DIR --prompt-file prompts.txt --json
+
+--prompt-file: one prompt per non-empty line, generated together as one batch through the
+key/value cache (`generate_batch`); prompt i (counting from 0) draws from --seed + i, so its
+answer equals `--prompt` with that seed, whatever the other lines are.
 
 The model is rebuilt from the `args` stored in the checkpoint (through megatron.arguments'
 config builder) as ONE process: tensor-parallel shards are concatenated along each
@@ -299,6 +304,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (NullTokenizer: space-separated ids)")
     src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
+    src.add_argument("--prompt-file", help="one prompt per non-empty line (batched)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--greedy", action="store_true", help="argmax decoding")
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -326,6 +332,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.max_new_tokens < 0 or a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
         ap.error("need --max-new-tokens >= 0, --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
     return a
+
+
+def _file_prompts(path: str) -> List[str]:
+    """The non-empty lines of --prompt-file (newline and trailing spaces dropped)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.rstrip() for line in f]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"error: --prompt-file {path}: {exc}") from None
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise SystemExit(f"error: --prompt-file {path} has no prompt: write one per line")
+    return prompts
 
 
 def _prompt_ids(a, tokenizer, why_not: Optional[str]) -> List[int]:
@@ -405,12 +424,15 @@ def main(argv=None, environ=None) -> int:
     # a tokenizer the checkpoint's padded vocabulary (tp > 1 may pad it further)
     vocab = (tokenizer.vocab_size if tokenizer is not None else
              int(config.args.get("padded_vocab_size") or config.model.padded_vocab_size))
+    eod = None if (a.no_stop_at_eod or tokenizer is None) else getattr(tokenizer, "eod", None)
+    sampling = dict(greedy=a.greedy, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                    eod=eod, vocab_limit=vocab)
+    if a.prompt_file is not None:
+        return _main_file(a, model, iteration, rank, tokenizer, why_not, vocab, sampling)
     ids = _checked_ids(_prompt_ids(a, tokenizer, why_not), vocab)
     gen = torch.Generator().manual_seed(a.seed)
-    eod = None if (a.no_stop_at_eod or tokenizer is None) else getattr(tokenizer, "eod", None)
-    new = generate(model, ids, a.max_new_tokens, greedy=a.greedy, temperature=a.temperature,
-                   top_k=a.top_k, top_p=a.top_p, generator=gen, eod=eod, vocab_limit=vocab,
-                   use_cache=not a.no_kv_cache)
+    new = generate(model, ids, a.max_new_tokens, generator=gen, use_cache=not a.no_kv_cache,
+                   **sampling)
     text = tokenizer.detokenize(new) if tokenizer is not None else None
     if rank != 0:
         return 0
@@ -424,6 +446,37 @@ def main(argv=None, environ=None) -> int:
     print(f"prompt ids: {ids}")
     print(f"generated ids: {new}")
     print(f"generated text: {text if text is not None else '(no tokenizer: ' + str(why_not) + ')'}")
+    return 0
+
+
+def _main_file(a, model, iteration: int, rank: int, tokenizer, why_not, vocab: int,
+               sampling: dict) -> int:
+    """--prompt-file: every line's prompt, as one batch (one by one with --no-kv-cache);
+    line i draws from --seed + i. Prints one block (--json: one line) per prompt."""
+    texts = _file_prompts(a.prompt_file)
+    prompts = []
+    for number, text in enumerate(texts, 1):
+        a.prompt = text
+        try:
+            prompts.append(_checked_ids(_prompt_ids(a, tokenizer, why_not), vocab))
+        except SystemExit as exc:
+            raise SystemExit(f"{exc} (--prompt-file {a.prompt_file}, prompt {number})") from None
+    gens = [torch.Generator().manual_seed((a.seed + i) % 2**64) for i in range(len(prompts))]
+    if a.no_kv_cache:
+        news = [generate(model, ids, a.max_new_tokens, generator=g, use_cache=False, **sampling)
+                for ids, g in zip(prompts, gens)]
+    else:
+        news = generate_batch(model, prompts, a.max_new_tokens, generators=gens, **sampling)
+    if rank != 0:
+        return 0
+    for i, (ids, new) in enumerate(zip(prompts, news)):
+        text = tokenizer.detokenize(new) if tokenizer is not None else None
+        if a.json:
+            print(json.dumps({"index": i, "iteration": iteration, "prompt_ids": ids,
+                              "generated_ids": new, "generated_text": text}))
+        else:
+            print(f"[{i}] prompt: {texts[i]}\n[{i}] generated text: "
+                  f"{text if text is not None else new}")
     return 0
 
 
