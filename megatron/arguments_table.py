@@ -475,7 +475,8 @@ NO_EFFECT = {
     "--no-bias-dropout-fusion": "there is no fused bias-dropout kernel",
     "--no-persist-layer-norm": "layer norms are torch.nn layers",
     "--use-flash-attn": "torch scaled_dot_product_attention picks a flash kernel by itself",
-    "--data-impl": "only the mmap format exists",
+    "--data-impl": "the format is read from each index's magic (mmap, or legacy TNTIDX "
+                   "written by older Megatron-LM's --dataset-impl lazy/cached)",
     "--attention-softmax-in-fp32": "always on: scaled_dot_product_attention computes the "
                                    "softmax in fp32 for fp16/bf16 inputs (every backend)",
     "--no-query-key-layer-scaling": "the scaling only kept fp16 attention scores from "

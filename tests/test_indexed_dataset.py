@@ -128,7 +128,7 @@ def _corrupt(tmp_path, name, idx=None, bin_=None):
 
 
 @pytest.mark.parametrize("name,idx,bin_,message", [
-    ("magic", b"TNTIDX\x00\x00" + EXAMPLE_IDX[8:], None, "bad magic"),
+    ("magic", b"XNTIDX\x00\x00" + EXAMPLE_IDX[8:], None, "bad magic"),
     ("version", EXAMPLE_IDX[:9] + struct.pack("<Q", 2) + EXAMPLE_IDX[17:], None, "version 2"),
     ("code", EXAMPLE_IDX[:17] + bytes([9]) + EXAMPLE_IDX[18:], None, "dtype code 9"),
     ("short_header", EXAMPLE_IDX[:20], None, "truncated index"),
@@ -144,6 +144,42 @@ def test_corrupt_files_raise(tmp_path, name, idx, bin_, message):
     with pytest.raises(ValueError, match=message) as info:
         MMapIndexedDataset(prefix)
     assert name in str(info.value)  # the message names the file
+
+
+def _legacy_idx(code=8, element_size=2, sizes=(3, 2), doc_idx=(0, 1, 2), dims=None):
+    """A legacy TNTIDX index (older Megatron-LM's --dataset-impl lazy/cached) by hand."""
+    n = len(sizes)
+    dims = list(range(n + 1)) if dims is None else dims
+    data = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    return (b"TNTIDX\x00\x00" + struct.pack("<QQQQQQ", 1, code, element_size, n, len(sizes),
+                                             len(doc_idx))
+            + struct.pack(f"<{n + 1}q", *dims) + struct.pack(f"<{n + 1}q", *data)
+            + struct.pack(f"<{len(sizes)}q", *sizes) + struct.pack(f"<{len(doc_idx)}q", *doc_idx))
+
+
+def test_legacy_index_reads_like_the_mmap_one(tmp_path):
+    """The worked example's .bin under a legacy index gives the same sizes, pointers,
+    doc_idx and tokens as under the mmap index."""
+    legacy = MMapIndexedDataset(_corrupt(tmp_path, "legacy", _legacy_idx()))
+    mmap = MMapIndexedDataset(_corrupt(tmp_path, "mmap"))
+    assert legacy.dtype == mmap.dtype == np.uint16
+    for name in ("sizes", "pointers", "doc_idx"):
+        assert getattr(legacy, name).tolist() == getattr(mmap, name).tolist(), name
+    assert [x.tolist() for x in legacy[0:2]] == [[10, 11, 12], [20, 21]]
+    assert legacy.get(0, 1, 2).tolist() == [11, 12]
+
+
+@pytest.mark.parametrize("idx,message", [
+    (_legacy_idx(code=6, element_size=8), "dtype code 6"),
+    (_legacy_idx(code=8, element_size=4), "element size 4"),
+    (_legacy_idx()[:-8], "truncated legacy index"),
+    (_legacy_idx(dims=[0, 2, 3]), "multi-dimensional items"),
+    (_legacy_idx(doc_idx=(0, 1)), "doc_idx"),
+])
+def test_bad_legacy_index_is_named(tmp_path, idx, message):
+    with pytest.raises(ValueError, match=message) as info:
+        MMapIndexedDataset(_corrupt(tmp_path, "bad_legacy", idx))
+    assert "bad_legacy.idx" in str(info.value)
 
 
 def test_missing_file_and_megatron_eod_bug(tmp_path):
@@ -179,3 +215,22 @@ def test_prefix_with_a_suffix_suggests_dropping_it(tmp_path):
     with pytest.raises(ValueError, match=rf"w\.bin\.idx: no such file .*without \.bin/\.idx: "
                                          rf"pass {tmp_path / 'w'}$"):
         MMapIndexedDataset(str(tmp_path / "w.bin"))
+
+
+def test_gpt_samples_from_a_legacy_index_equal_the_mmap_ones(tmp_path):
+    """The same documents under a legacy index and an mmap index give the same GPT
+    training samples (what a run on older Megatron-LM data files reads)."""
+    from megatron.core.datasets.gpt_dataset import build_train_valid_test_datasets
+
+    rng = np.random.default_rng(0)
+    docs = [[rng.integers(0, 500, size=int(rng.integers(3, 30))).tolist()] for _ in range(40)]
+    write(tmp_path / "m", docs)
+    sizes = [len(d[0]) for d in docs]
+    (tmp_path / "l.bin").write_bytes((tmp_path / "m.bin").read_bytes())
+    (tmp_path / "l.idx").write_bytes(_legacy_idx(sizes=sizes, doc_idx=range(len(docs) + 1)))
+    out = {}
+    for name in ("m", "l"):
+        train, _, _ = build_train_valid_test_datasets([str(tmp_path / name)], "98,2,0",
+                                                      [20, 2, 0], 16, 1234, None)
+        out[name] = [train[i]["text"].tolist() for i in range(len(train))]
+    assert out["l"] == out["m"] and len(out["m"]) >= 20

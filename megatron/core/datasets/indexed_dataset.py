@@ -11,6 +11,16 @@ sequence of document d; it starts with 0 and ends with N.
 The reader maps both files and hands out numpy views into them (no copies). It checks
 magic, version, dtype code, the `.idx` size implied by its header and the `.bin` size
 implied by `sizes`; a bad file raises ValueError naming the file and the problem.
+
+Older Megatron-LM releases also wrote a legacy index (`--dataset-impl lazy|cached`):
+
+    magic b"TNTIDX\x00\x00" | u64 version=1 | u64 dtype code | u64 element size | u64 n
+    | u64 s | u64 K | int64 dim_offsets[n+1] | int64 data_offsets[n+1] (in elements)
+    | int64 sizes[s] | int64 doc_idx[K]
+
+over the same kind of `.bin`. Such an index is read too (token sequences only: one
+dimension per item, integer dtypes) and turned into the sizes / byte pointers / doc_idx
+arrays above, so the rest of the reader does not know which format it came from.
 """
 from __future__ import annotations
 
@@ -29,6 +39,9 @@ HEADER_SIZE = 34  # 9 magic + 8 version + 1 dtype code + 8 N + 8 K
 TOKEN_SCAN_BYTES = 1 << 20  # bytes of a .bin sampled by check_token_ids (every rank, every file)
 DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
                6: np.float64, 7: np.float32, 8: np.uint16}
+LEGACY_MAGIC = b"TNTIDX\x00\x00"
+LEGACY_HEADER_SIZE = 56  # 8 magic + 8 version + 8 code + 8 element size + 8 n + 8 s + 8 K
+LEGACY_TOKEN_CODES = (1, 2, 3, 4, 5, 8)  # integer dtypes: token ids
 
 
 def dtype_code(dtype) -> int:
@@ -160,8 +173,8 @@ def _read_header(idx_path: str, idx_size: int, buf) -> tuple:
         raise ValueError(f"{idx_path}: truncated index: {idx_size} bytes, the header alone is "
                          f"{HEADER_SIZE}")
     if bytes(buf[:9]) != MAGIC:
-        raise ValueError(f"{idx_path}: bad magic {bytes(buf[:9])!r}, expected {MAGIC!r}; not a "
-                         "Megatron mmap index (legacy TNTIDX files are not supported)")
+        raise ValueError(f"{idx_path}: bad magic {bytes(buf[:9])!r}, expected {MAGIC!r} (mmap) "
+                         f"or {LEGACY_MAGIC!r} (legacy); not a Megatron index")
     version, code, n, k = struct.unpack("<QBQQ", bytes(buf[9:HEADER_SIZE]))
     if version != VERSION:
         raise ValueError(f"{idx_path}: index version {version}, only {VERSION} is supported")
@@ -174,6 +187,39 @@ def _read_header(idx_path: str, idx_size: int, buf) -> tuple:
         raise ValueError(f"{idx_path}: {kind} index: {idx_size} bytes, its header (N={n} "
                          f"sequences, {k} doc_idx entries) implies {expected}")
     return np.dtype(DTYPE_CODES[code]), n, k
+
+
+def _read_legacy_index(idx_path: str, buf) -> tuple:
+    """(dtype, sizes int32 [N], byte pointers int64 [N], doc_idx int64 [K]) of a legacy
+    TNTIDX index; ValueError naming the file for anything but 1-D integer sequences."""
+    size = len(buf)
+    if size < LEGACY_HEADER_SIZE:
+        raise ValueError(f"{idx_path}: truncated legacy index: {size} bytes, the header alone "
+                         f"is {LEGACY_HEADER_SIZE}")
+    version, code, element_size, n, s, k = struct.unpack("<QQQQQQ", bytes(buf[8:56]))
+    if version != VERSION:
+        raise ValueError(f"{idx_path}: legacy index version {version}, only {VERSION} is "
+                         "supported")
+    if code not in LEGACY_TOKEN_CODES or np.dtype(DTYPE_CODES[code]).itemsize != element_size:
+        raise ValueError(f"{idx_path}: legacy index of dtype code {code} (element size "
+                         f"{element_size}): token ids need an integer code of "
+                         f"{list(LEGACY_TOKEN_CODES)} with its own element size")
+    expected = LEGACY_HEADER_SIZE + 8 * (2 * (n + 1) + s + k)
+    if size != expected:
+        kind = "truncated" if size < expected else "oversized"
+        raise ValueError(f"{idx_path}: {kind} legacy index: {size} bytes, its header (n={n} "
+                         f"items, {s} sizes, {k} doc_idx entries) implies {expected}")
+    longs = np.frombuffer(buf, dtype="<i8", offset=LEGACY_HEADER_SIZE)
+    dim_offsets, data_offsets = longs[:n + 1], longs[n + 1:2 * n + 2]
+    sizes, doc_idx = longs[2 * n + 2:2 * n + 2 + s], longs[2 * n + 2 + s:]
+    if s != n or np.any(np.diff(dim_offsets) != 1):
+        raise ValueError(f"{idx_path}: legacy index with multi-dimensional items ({s} sizes "
+                         f"for {n} items); only token sequences (one dimension) can be read")
+    if n and (data_offsets[0] != 0 or np.any(np.diff(data_offsets) != sizes)):
+        raise ValueError(f"{idx_path}: corrupt legacy index: data offsets do not match sizes")
+    dtype = np.dtype(DTYPE_CODES[code])
+    return (dtype, sizes.astype(np.int32), data_offsets[:-1] * dtype.itemsize,
+            np.array(doc_idx))
 
 
 class MMapIndexedDataset:
@@ -193,10 +239,17 @@ class MMapIndexedDataset:
         self._idx_map = (np.memmap(idx_path, mode="r", dtype=np.uint8) if idx_size
                          else np.zeros(0, dtype=np.uint8))
         buf = memoryview(self._idx_map)
-        self._dtype, n, k = _read_header(idx_path, idx_size, buf)
-        self._sizes = np.frombuffer(buf, dtype="<i4", count=n, offset=HEADER_SIZE)
-        self._pointers = np.frombuffer(buf, dtype="<i8", count=n, offset=HEADER_SIZE + 4 * n)
-        self._doc_idx = np.frombuffer(buf, dtype="<i8", count=k, offset=HEADER_SIZE + 12 * n)
+        if bytes(buf[:8]) == LEGACY_MAGIC:
+            self._dtype, self._sizes, self._pointers, self._doc_idx = _read_legacy_index(
+                idx_path, buf)
+            n, k = len(self._sizes), len(self._doc_idx)
+        else:
+            self._dtype, n, k = _read_header(idx_path, idx_size, buf)
+            self._sizes = np.frombuffer(buf, dtype="<i4", count=n, offset=HEADER_SIZE)
+            self._pointers = np.frombuffer(buf, dtype="<i8", count=n,
+                                           offset=HEADER_SIZE + 4 * n)
+            self._doc_idx = np.frombuffer(buf, dtype="<i8", count=k,
+                                          offset=HEADER_SIZE + 12 * n)
         self._check_index(idx_path, n, k)
         bin_size = os.path.getsize(bin_path)
         self._check_bin(bin_path, bin_size)
