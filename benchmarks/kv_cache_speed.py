@@ -47,7 +47,7 @@ def main(argv=None) -> int:
                       padded_vocab_size=a.vocab, seq_length=max_len,
                       max_position_embeddings=max_len, hidden_dropout=0.0,
                       attention_dropout=0.0, params_dtype=_DTYPES[a.dtype])
-    model = GPTModel(cfg, device=a.device).eval()
+    model = GPTModel(cfg, device=a.device).to(a.device).eval()  # norms are built on the host
     prompt = torch.randint(0, a.vocab, (a.prompt,)).tolist()
     print(f"{a.layers} layers, hidden {a.hidden}, vocab {a.vocab}, {a.dtype} on {a.device} "
           f"({torch.get_num_threads()} threads): {a.new} tokens after a {a.prompt}-token prompt")
