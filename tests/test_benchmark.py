@@ -47,10 +47,14 @@ def test_fp16_replaces_the_presets_bf16():
 
 @pytest.mark.slow
 def test_scaling_mode_prints_efficiency_table():
-    out = subprocess.run([sys.executable, TOOL, "--preset", "tiny", "--device", "cpu",
-                          "--steps", "2", "--warmup", "1", "--scaling", "tp1,tp2pp2",
-                          "--", "--num-workers", "0"],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    argv = [sys.executable, TOOL, "--preset", "tiny", "--device", "cpu", "--steps", "2",
+            "--warmup", "1", "--scaling", "tp1,tp2pp2", "--", "--num-workers", "0"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    if out.returncode != 0 and "terminate called without an active exception" in out.stderr:
+        # Once in ~15 CI runs one of the 4 gloo ranks aborted inside the C++ runtime at
+        # start-up (SIGABRT, no Python error) on the 2-core machine; what this test checks
+        # is the table, so a run killed that way is repeated once. Any Python error fails.
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     table = out.stdout.splitlines()[-3:]
     assert table[0].split() == ["layout", "GPUs", "tokens/s/GPU", "MFU", "efficiency"]
