@@ -299,9 +299,11 @@ def _load_optimizer(tr, loaded: _Loaded) -> None:
                                           "distrib_optim.pt", release=loaded.release)
         tr.optimizer.load_parameter_state(param_state)
     try:
-        tr.scheduler.load_state_dict(state["opt_param_scheduler"])
+        notes = tr.scheduler.load_state_dict(state["opt_param_scheduler"])
     except ValueError as exc:
         raise SystemExit(f"error: loading {loaded.iter_dir}: {exc}") from None
+    for note in notes:  # a value one of the two scheduler flags settled
+        print_rank_0(f" > learning-rate schedule: {note}")
 
 
 def load_trainer_checkpoint(tr) -> Optional[str]:

@@ -162,6 +162,35 @@ def test_override_and_use_checkpoint_flags():
     assert take.max_lr == 2e-3 and take.get_lr() == old.get_lr()
 
 
+def test_flags_report_the_values_they_settle():
+    """Megatron prints which value each flag kept; a --lr changed on resume under
+    --use-checkpoint-opt_param-scheduler must not be dropped without a word."""
+    old = OptimizerParamScheduler(_optimizer(), _config(lr=2e-3))
+    sd = old.state_dict()
+    keep = OptimizerParamScheduler(_optimizer(), _config(override_opt_param_scheduler=True))
+    assert keep.load_state_dict(sd) == [
+        "max_lr: using the command line's 0.001, not the checkpoint's 0.002 "
+        "(--override-opt_param-scheduler)"]
+    take = OptimizerParamScheduler(
+        _optimizer(), _config(use_checkpoint_opt_param_scheduler=True))
+    assert take.load_state_dict(sd) == [
+        "max_lr: using the checkpoint's 0.002, not the command line's 0.001 "
+        "(--use-checkpoint-opt_param-scheduler)"]
+    same = OptimizerParamScheduler(_optimizer(), _config(use_checkpoint_opt_param_scheduler=True))
+    assert same.load_state_dict(OptimizerParamScheduler(_optimizer(), _config()).state_dict()) \
+        == []
+
+
+def test_step_mismatch_says_it_counts_samples():
+    """A resume with another --global-batch-size changes the warmup in samples: the error
+    says what the numbers count."""
+    sd = OptimizerParamScheduler(_optimizer(), _config()).state_dict()
+    sched = OptimizerParamScheduler(_optimizer(), _config(lr_warmup_steps=2 * WARMUP))
+    with pytest.raises(ValueError, match=r"'lr_warmup_steps' \(in samples: iterations x global "
+                                         r"batch size\) from the checkpoint \(100\)"):
+        sched.load_state_dict(sd)
+
+
 def test_legacy_keys_load():
     sched = OptimizerParamScheduler(_optimizer(), _config())
     legacy = {"start_lr": MAX_LR, "min_lr": MIN_LR, "warmup_iter": WARMUP,

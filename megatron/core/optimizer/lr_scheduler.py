@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
+# What a difference in a *_steps value is counted in: changing --global-batch-size changes it.
+_SAMPLE_UNITS = " (in samples: iterations x global batch size)"
 
 # Keys an older Megatron checkpoint may use instead of the current ones.
 _LEGACY_KEYS = {
@@ -209,18 +211,26 @@ class OptimizerParamScheduler:
             "wd_incr_steps": self.wd_incr_steps,
         }
 
-    def _check_and_set(self, current, saved, name: str):
+    def _check_and_set(self, current, saved, name: str, notes: List[str]):
         """Megatron's rule: override -> keep config; use_checkpoint -> take the checkpoint;
-        otherwise the two must agree."""
+        otherwise the two must agree. A value one of the two flags settles differently from
+        the other side is described in `notes` (Megatron prints one line per value)."""
+        unit = _SAMPLE_UNITS if name.endswith("_steps") else ""
         if self.override_opt_param_scheduler:
+            if current != saved:
+                notes.append(f"{name}{unit}: using the command line's {current}, not the "
+                             f"checkpoint's {saved} (--override-opt_param-scheduler)")
             return current
         if not self.use_checkpoint_opt_param_scheduler and current != saved:
             raise ValueError(
-                f"optimizer-parameter-scheduler value {name!r} from the checkpoint ({saved}) "
-                f"differs from the command line ({current}); pass "
+                f"optimizer-parameter-scheduler value {name!r}{unit} from the checkpoint "
+                f"({saved}) differs from the command line ({current}); pass "
                 f"--override-opt_param-scheduler to use the command line or "
                 f"--use-checkpoint-opt_param-scheduler to use the checkpoint"
             )
+        if current != saved:
+            notes.append(f"{name}{unit}: using the checkpoint's {saved}, not the command "
+                         f"line's {current} (--use-checkpoint-opt_param-scheduler)")
         return saved
 
     def _keep_fractional_warmup(self, saved) -> bool:
@@ -239,8 +249,14 @@ class OptimizerParamScheduler:
                 f"computes it (pass --use-checkpoint-opt_param-scheduler to keep {saved})")
         return True
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore from a checkpoint entry (also accepts the older Megatron key names)."""
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> List[str]:
+        """Restore from a checkpoint entry (also accepts the older Megatron key names).
+
+        Returns one line per value on which the checkpoint and this run's config differ
+        and --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler chose
+        one side (for the caller to print); without either flag a difference is a
+        ValueError."""
+        notes: List[str] = []
 
         def saved(key):
             for k in (key,) + _LEGACY_KEYS.get(key, ()):
@@ -251,9 +267,11 @@ class OptimizerParamScheduler:
         for key in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style"):
             if key == "lr_warmup_steps" and self._keep_fractional_warmup(saved(key)):
                 continue
-            setattr(self, key, self._check_and_set(getattr(self, key), saved(key), key))
+            setattr(self, key, self._check_and_set(getattr(self, key), saved(key), key, notes))
         if "start_wd" in state_dict:
             for key in ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style"):
-                setattr(self, key, self._check_and_set(getattr(self, key), saved(key), key))
+                setattr(self, key,
+                        self._check_and_set(getattr(self, key), saved(key), key, notes))
         self.num_steps = 0
         self.step(int(saved("num_steps")))
+        return notes
