@@ -202,6 +202,26 @@ def check_save_dir(root: str, ps: ParallelState) -> None:
                      "written to")
 
 
+def later_checkpoints_warning(root: str, start_iteration: int) -> Optional[str]:
+    """The warning for a run that starts at `start_iteration` while --save `root` already
+    tracks a later checkpoint (no --load, --finetune, or --load of another directory): its
+    saves replace the iteration directories they reach and point the tracker back, so the
+    later checkpoints drop out of a resume. None when there is nothing to lose (no tracker,
+    a release or malformed one, or one at or before `start_iteration`). Local, no
+    collective: call it on one rank."""
+    try:
+        saved, release = read_tracker(root)
+    except ValueError:
+        return None
+    if saved is None or release or saved <= start_iteration:
+        return None
+    return (f"WARNING: --save {root} already holds checkpoints up to iteration {saved} (its "
+            f"{TRACKER_FILENAME}), and this run starts at iteration {start_iteration}: its "
+            f"first save will point the tracker back, and its saves replace the iteration "
+            f"directories they reach. To resume instead, pass --load {root}; to keep both, "
+            "pass another --save directory")
+
+
 def _check_save_iteration(iteration: int, release: bool) -> None:
     if iteration < 1 and not release:
         raise ValueError(f"cannot save a checkpoint at iteration {iteration}: Megatron's "

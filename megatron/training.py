@@ -475,6 +475,11 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float]) -> 
         trainer_checkpoint.load_trainer_checkpoint(tr)
         log.timers("load-checkpoint").stop(barrier=True)
         log.timers.log(["load-checkpoint"])
+    if config.checkpoint.save and rt.ps.rank == 0:
+        warning = checkpointing.later_checkpoints_warning(config.checkpoint.save,
+                                                          tr.state.iteration)
+        if warning:
+            print(warning, flush=True)
     log.timers("model-and-optimizer-setup").stop()
     _datetime("after model, optimizer, and learning rate scheduler are built")
     return tr

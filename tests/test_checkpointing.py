@@ -15,6 +15,7 @@ from megatron.checkpointing import (
     check_save_dir,
     checkpoint_name,
     get_rng_state,
+    later_checkpoints_warning,
     load_checkpoint,
     read_tracker,
     save_checkpoint,
@@ -105,6 +106,17 @@ def test_read_tracker(tmp_path):
     assert read_tracker(str(tmp_path)) == (42, False)
     Path(tracker_path(str(tmp_path))).write_text("release")
     assert read_tracker(str(tmp_path)) == (0, True)
+
+
+def test_later_checkpoints_warning_only_when_a_later_iteration_is_tracked(tmp_path):
+    root = str(tmp_path)
+    assert later_checkpoints_warning(root, 0) is None  # nothing saved there yet
+    for content, start, warns in [("40", 0, True), ("40", 20, True), ("40", 40, False),
+                                  ("40", 60, False), ("release", 0, False), ("abc", 0, False)]:
+        Path(tracker_path(root)).write_text(content)
+        assert (later_checkpoints_warning(root, start) is not None) == warns, (content, start)
+    Path(tracker_path(root)).write_text("40")
+    assert "up to iteration 40" in later_checkpoints_warning(root, 20)
 
 
 @pytest.mark.parametrize("content", ["abc", "", "0", "-3", "12.5"])

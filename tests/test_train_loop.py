@@ -72,6 +72,22 @@ def test_exit_interval_saves_prints_and_ends_the_program(tmp_path, capsys):
     assert _logged_iterations(out) == [2]  # no line for the exit iteration 3
 
 
+def test_save_dir_with_later_checkpoints_warns_at_startup(tmp_path, capsys):
+    """A restart that forgot --load (or a --finetune into the same --save) starts at
+    iteration 0 and its first save points the tracker back: said before training, not
+    found out at the next resume. A resume with --load is silent."""
+    ck = str(tmp_path / "ck")
+    flags = ["--train-iters", "10", "--eval-iters", "0", "--save", ck, "--save-interval", "2"]
+    _pretrain(flags + ["--exit-interval", "4"], capsys)
+    out, _ = _pretrain(flags + ["--exit-interval", "2"], capsys)
+    assert (f"WARNING: --save {ck} already holds checkpoints up to iteration 4 (its "
+            "latest_checkpointed_iteration.txt), and this run starts at iteration 0") in out
+    assert f"To resume instead, pass --load {ck}" in out
+    assert read_tracker(ck) == (2, False)  # what the warning announced
+    out, _ = _pretrain(flags + ["--exit-interval", "4", "--load", ck], capsys)
+    assert "already holds checkpoints" not in out
+
+
 def test_sigterm_ends_the_program_with_status_0(tmp_path, capsys, monkeypatch):
     import pretrain_gpt
 
