@@ -220,6 +220,21 @@ def test_test_split_of_a_data_path(tmp_path, capsys, split, blocks):
     assert [name for _, _, name in _final_blocks(out)] == blocks
 
 
+def test_a_validation_split_without_documents_is_warned(tmp_path, capsys):
+    """--eval-iters > 0 but --split gives validation no document (a small corpus, or a
+    split like 100,0,0): the run says it will never evaluate, instead of staying silent."""
+    prefix, _ = make_corpus(tmp_path / "corpus", [40] * 3, vocab=250)
+    out, _ = _pretrain(["--train-iters", "2", "--log-interval", "1", "--data-path", prefix,
+                        "--data-cache-path", str(tmp_path / "cache")], capsys, base=BASE)
+    assert ("WARNING: --split '969, 30, 1' leaves the validation split no documents of "
+            "--data-path, so this run never evaluates") in out
+    assert not _final_blocks(out)
+    out, _ = _pretrain(["--train-iters", "2", "--log-interval", "1", "--data-path", prefix,
+                        "--data-cache-path", str(tmp_path / "cache"), "--eval-iters", "0"],
+                       capsys, base=BASE)
+    assert "never evaluates" not in out
+
+
 def test_skip_train_evaluates_both_sets_without_tensorboard(tmp_path, capsys):
     tb = str(tmp_path / "tb")
     out, _ = _pretrain(["--train-iters", "4", "--skip-train", "--tensorboard-dir", tb], capsys)
