@@ -15,7 +15,7 @@ import argparse
 import json
 import os
 
-from megatron.arguments_common import ArgumentsError, flag_for_dest
+from megatron.arguments_common import ArgumentsError, flag_for_dest, warn
 
 _DATA_LISTS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 
@@ -29,11 +29,13 @@ _GPT2_HINT = ("(GPT-2's gpt2-vocab.json / gpt2-merges.txt); without files use --
               "NullTokenizer --vocab-size N (e.g. with --mock-data)")
 
 
-def check_data_inputs(ns) -> None:
+def check_data_inputs(ns, explicit=frozenset()) -> None:
     """`--data-path` lists: one prefix or `weight prefix` pairs with numeric weights (the
     builder's `parse_weighted_prefixes`); `--split`: numbers with a positive sum (the
     builder's `get_train_valid_test_split`), unless --train/valid/test-data-path replace
-    --data-path (then Megatron-LM ignores --split)."""
+    --data-path (then Megatron-LM ignores --split). What Megatron-LM ignores of the two
+    ways is warned: --train/valid/test-data-path beside --data-path, a --split given
+    (`explicit`: the dests set on the command line) without --data-path."""
     from megatron.core.datasets.blended import parse_weighted_prefixes
     from megatron.core.datasets.gpt_dataset import get_train_valid_test_split
 
@@ -44,7 +46,15 @@ def check_data_inputs(ns) -> None:
                 parse_weighted_prefixes(paths)
             except ValueError as e:
                 raise ArgumentsError(f"{flag_for_dest(dest)}: {e}") from None
-    split_ignored = not ns.data_path and any(getattr(ns, d) for d in _DATA_LISTS[1:])
+    separate = [flag_for_dest(d) for d in _DATA_LISTS[1:] if getattr(ns, d)]
+    if ns.data_path and separate:
+        warn(f"{', '.join(separate)} ignored: --data-path is given, and its --split "
+             f"'{ns.split}' makes the train, validation and test sets (as in Megatron-LM); "
+             f"drop --data-path to use {', '.join(separate)}")
+    split_ignored = not ns.data_path and bool(separate)
+    if split_ignored and "split" in explicit:
+        warn(f"--split '{ns.split}' ignored: without --data-path, the documents of "
+             f"{', '.join(separate)} are used whole")
     if not split_ignored:
         try:
             get_train_valid_test_split(ns.split, 1000)

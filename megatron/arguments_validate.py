@@ -493,7 +493,7 @@ def validate_args(
     _resolve_recompute(ns)
     _resolve_runtime(ns, explicit, cuda_available)
     _check_gemm_algorithms(ns, cuda_available)
-    check_data_inputs(ns)
+    check_data_inputs(ns, explicit)
     check_tokenizer_files(ns)
     orig = (vocab_size_fn or default_vocab_size)(ns)
     ns.padded_vocab_size = pad_vocab_size(orig, ns.make_vocab_size_divisible_by,

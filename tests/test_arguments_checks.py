@@ -159,9 +159,24 @@ def test_data_path_and_split_syntax_fail_in_validation(extra, expected):
     assert expected in error_of(extra, base=DATA)
 
 
-def test_split_is_not_checked_where_megatron_ignores_it():
+def test_split_is_not_checked_where_megatron_ignores_it(caplog):
     cfg = run("--train-data-path X --split a,b", base=DATA)
     assert cfg.data.train_data_path == ["X"]
+    assert ("--split 'a,b' ignored: without --data-path, the documents of --train-data-path "
+            "are used whole") in caplog.text
+
+
+def test_what_megatron_ignores_of_the_two_data_flag_sets_is_warned(caplog):
+    """Megatron-LM builds from --data-path when it is given, silently dropping
+    --train/valid/test-data-path; and ignores --split without --data-path."""
+    cfg = run("--data-path Z --valid-data-path V --test-data-path T", base=DATA)
+    assert cfg.data.data_path == ["Z"] and cfg.data.valid_data_path == ["V"]
+    assert ("--valid-data-path, --test-data-path ignored: --data-path is given, and its "
+            "--split '969, 30, 1' makes the train, validation and test sets") in caplog.text
+    caplog.clear()
+    run("--train-data-path X --valid-data-path V", base=DATA)  # the default --split: silent
+    run("--data-path Z --split 90,10,0", base=DATA)
+    assert "ignored" not in caplog.text
 
 
 # ---------------------------------------------------------------------- tokenizer
