@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     from megatron.initialize import initialize_entry_point, set_random_seed
     from megatron.logging_utils import print_rank_0
     from megatron.oom_report import OutOfMemoryExit
-    from megatron.training import pretrain
+    from megatron.training import pretrain, print_datetime
 
     rt = initialize_entry_point(config.parallel, config.args["cublas_workspace"], rank, world,
                                 local_rank, os.environ)
@@ -64,6 +64,7 @@ def main(argv=None) -> int:
         print(format_args_dump(config.args), flush=True)
     set_random_seed(config.training.seed, rt, config.training.data_parallel_random_init)
     print_rank_0(f"time to initialize megatron (seconds): {time.time() - start:.3f}")
+    print_datetime("after megatron is initialized")
     oom = None
     try:
         pretrain(config, rt, process_start_time=start)  # exits return here too: status 0

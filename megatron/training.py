@@ -429,7 +429,8 @@ def _datetime_line(label: str) -> None:
     print_rank_0(f"{label} datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
 
 
-def _datetime(event: str) -> None:
+def print_datetime(event: str) -> None:
+    """Megatron's `[<event>] datetime: ...` line on rank 0."""
     _datetime_line(f"[{event}]")
 
 
@@ -497,7 +498,7 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float]) -> 
         if warning:
             print(warning, flush=True)
     log.timers("model-and-optimizer-setup").stop()
-    _datetime("after model, optimizer, and learning rate scheduler are built")
+    print_datetime("after model, optimizer, and learning rate scheduler are built")
     return tr
 
 
@@ -507,10 +508,10 @@ def _train_and_evaluate(tr: Trainer, train_data, valid_data, test_data) -> None:
     config = tr.config
     if not config.training.skip_train:
         print_rank_0("training ...")
-        _datetime("before the start of training step")
+        print_datetime("before the start of training step")
         tr.exit_reason = train(tr, train_data, valid_data)
         if tr.exit_reason is None:
-            _datetime("after training is done")
+            print_datetime("after training is done")
     else:
         print_rank_0("skipping training (--skip-train is on) ...")
     if tr.exit_reason is None and (config.training.skip_train or config.training.eval_interval):
@@ -557,7 +558,7 @@ def _start(tr: Trainer) -> tuple:
     timers("train/valid/test-data-iterators-setup", 0).start(barrier=True)
     loaders = _build_data(tr)
     timers("train/valid/test-data-iterators-setup").stop()
-    _datetime("after dataloaders are built")
+    print_datetime("after dataloaders are built")
     print_rank_0("done with setup ...")
     timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"])
     return loaders

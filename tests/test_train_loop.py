@@ -88,6 +88,21 @@ def test_save_dir_with_later_checkpoints_warns_at_startup(tmp_path, capsys):
     assert "already holds checkpoints" not in out
 
 
+def test_megatron_event_lines_in_order(capsys):
+    """pretrain_gpt.py prints Megatron-LM's `[<event>] datetime: YYYY-MM-DD HH:MM:SS `
+    lines, which log parsers key on, in Megatron's order."""
+    import pretrain_gpt
+
+    assert pretrain_gpt.main(MOCK + ["--train-iters", "1", "--eval-iters", "0"]) == 0
+    out = capsys.readouterr().out
+    events = re.findall(r"^\[(.+)\] datetime: \d{4}-\d\d-\d\d \d\d:\d\d:\d\d $", out, re.M)
+    assert events == ["after megatron is initialized",
+                      "after model, optimizer, and learning rate scheduler are built",
+                      "after dataloaders are built", "before the start of training step",
+                      "after training is done"]
+    assert out.index("time to initialize megatron (seconds): ") < out.index("[after megatron")
+
+
 def test_sigterm_ends_the_program_with_status_0(tmp_path, capsys, monkeypatch):
     import pretrain_gpt
 
