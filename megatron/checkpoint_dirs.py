@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
@@ -39,6 +39,25 @@ def list_checkpoints(root: str) -> List[str]:
         return []
     return sorted(d for d in os.listdir(root)
                   if _ITER_DIR_RE.match(d) and os.path.isdir(os.path.join(root, d)))
+
+
+def unfinished_saves_warning(root: str) -> Optional[str]:
+    """The warning for `iter_XXXXXXX.tmp` / `release.tmp` directories under --save `root`:
+    saves a killed process never finished (megatron/checkpointing.py writes there, then
+    renames). Nothing loads them, and a later save removes one only when it saves that
+    same iteration again, so one left by a save at an off-interval iteration (a preemption
+    signal, --exit-duration-in-mins) stays for good. None when there are none."""
+    if not os.path.isdir(root):
+        return None
+    stale = sorted(d for d in os.listdir(root) if d.endswith(".tmp")
+                   and _ITER_DIR_RE.match(d[:-len(".tmp")]) and os.path.isdir(os.path.join(root, d)))
+    if not stale:
+        return None
+    size = sum(os.path.getsize(os.path.join(top, f))
+               for d in stale for top, _, files in os.walk(os.path.join(root, d)) for f in files)
+    return (f"WARNING: --save {root} holds {', '.join(stale)}: unfinished checkpoint "
+            f"save(s) of a process killed while writing ({size / 2**30:.2f} GiB); nothing "
+            "loads them, delete them to free the space")
 
 
 def model_file(rank_dir: str) -> str:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import checkpointing, step_graph, trainer_checkpoint
+from megatron.checkpoint_dirs import unfinished_saves_warning
 from megatron.config import Config
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.models.gpt.stages import build_stage_models, sync_tied_embeddings
@@ -493,10 +494,11 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float]) -> 
         log.timers("load-checkpoint").stop(barrier=True)
         log.timers.log(["load-checkpoint"])
     if config.checkpoint.save and rt.ps.rank == 0:
-        warning = checkpointing.later_checkpoints_warning(config.checkpoint.save,
-                                                          tr.state.iteration)
-        if warning:
-            print(warning, flush=True)
+        save = config.checkpoint.save
+        for warning in (checkpointing.later_checkpoints_warning(save, tr.state.iteration),
+                        unfinished_saves_warning(save)):
+            if warning:
+                print(warning, flush=True)
     log.timers("model-and-optimizer-setup").stop()
     print_datetime("after model, optimizer, and learning rate scheduler are built")
     return tr

@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import threading
 import time
@@ -86,6 +87,24 @@ def test_save_dir_with_later_checkpoints_warns_at_startup(tmp_path, capsys):
     assert read_tracker(ck) == (2, False)  # what the warning announced
     out, _ = _pretrain(flags + ["--exit-interval", "4", "--load", ck], capsys)
     assert "already holds checkpoints" not in out
+
+
+def test_unfinished_saves_in_the_save_dir_are_reported_at_startup(tmp_path, capsys):
+    """A save killed mid-write (SIGKILL after a preemption's grace time) leaves
+    iter_N.tmp; a restart that never saves iteration N again would keep it for good."""
+    ck = tmp_path / "ck"
+    flags = ["--train-iters", "10", "--eval-iters", "0", "--save", str(ck), "--save-interval",
+             "2", "--load", str(ck)]
+    _pretrain(flags + ["--exit-interval", "2"], capsys)
+    (ck / "iter_0000003.tmp" / "mp_rank_00").mkdir(parents=True)
+    (ck / "iter_0000003.tmp" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"x" * 1024)
+    out, _ = _pretrain(flags + ["--exit-interval", "4"], capsys)
+    assert (f"WARNING: --save {ck} holds iter_0000003.tmp: unfinished checkpoint save(s) of a "
+            "process killed while writing (0.00 GiB); nothing loads them") in out
+    assert read_tracker(str(ck)) == (4, False)
+    shutil.rmtree(ck / "iter_0000003.tmp")
+    out, _ = _pretrain(flags + ["--exit-interval", "6"], capsys)
+    assert "unfinished checkpoint save" not in out
 
 
 def test_megatron_event_lines_in_order(capsys):
