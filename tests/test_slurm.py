@@ -201,3 +201,20 @@ def test_scontrol_requeue_resumes_from_latest_checkpoint(cluster, reference, tmp
     ref = dict(losses(reference[1]))
     assert losses(second) == [(i, ref[i]) for i in range(resumed_from + 1, TRAIN_ITERS + 1)]
     assert tracker(tmp_path) == str(TRAIN_ITERS)
+
+
+@pytest.mark.parametrize("script", ["pretrain_gpt.sbatch", "pretrain_gpt_cpu.sbatch"])
+def test_run_outside_slurm_says_to_submit_it(script, tmp_path):
+    """`bash scripts/slurm/...sbatch` without Slurm used to stop at `set -u` with
+    'SLURM_JOB_NODELIST: unbound variable'; now it says what the script is and what to run."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["REPO"] = str(ROOT)  # where the CPU variant finds the main script
+    proc = subprocess.run(["bash", str(SLURM_DIR / script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2, proc.stderr
+    assert "is a Slurm batch script" in proc.stderr and "submit it with sbatch" in proc.stderr
+    assert "unbound variable" not in proc.stderr
+    assert not (tmp_path / "runs").exists()  # stopped before making any directory
