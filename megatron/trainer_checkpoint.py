@@ -324,6 +324,11 @@ def load_trainer_checkpoint(tr) -> Optional[str]:
         _load_optimizer(tr, loaded)
     elif tr.optimizer is not None:  # None: an evaluation-only trainer (no main params)
         tr.optimizer.reload_model_params()
+        if ck.no_load_optim and not (ck.finetune or loaded.release):
+            print_rank_0(" > --no-load-optim: the optimizer state and the learning-rate "
+                         "schedule start fresh; the schedule counts samples from 0 again "
+                         f"(warmup first) while the run goes on from iteration "
+                         f"{loaded.iteration}, as in Megatron-LM")
     if loaded.with_rng and "rng_state" in loaded.state:  # not kept when tp or pp changed
         set_rng_state(loaded.state["rng_state"][0], tr.rt.rng_tracker)
     if ck.finetune or loaded.release:

@@ -107,9 +107,14 @@ def plain_run(tmp_path_factory):
     return ref, root
 
 
-def test_no_load_optim_keeps_weights_and_position_but_fresh_optimizer(plain_run):
+def test_no_load_optim_keeps_weights_and_position_but_fresh_optimizer(plain_run, capsys):
     ref, root = plain_run
+    capsys.readouterr()
     losses, tr = run_pretrain(["--load", root, "--no-load-optim"])
+    assert (" > --no-load-optim: the optimizer state and the learning-rate schedule start "
+            "fresh; the schedule counts samples from 0 again (warmup first) while the run goes "
+            f"on from iteration {K}") in capsys.readouterr().out
+    assert tr.scheduler.num_steps == (N - K) * 8, "Megatron's schedule restarts at sample 0"
     assert sorted(losses) == list(range(K + 1, N + 1)), "iteration and data position restored"
     assert losses[K + 1] == ref[K + 1], "same weights, batch and dropout masks"
     assert losses[K + 2] != ref[K + 2], "a fresh Adam state and lr schedule step differently"
