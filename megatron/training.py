@@ -285,6 +285,13 @@ def _rollback(tr: Trainer, iteration: int) -> None:
     if not tracker:
         raise SystemExit(f"error: NaN/Inf loss at iteration {iteration} and no checkpoint in "
                          f"--save to roll back to; stopping")
+    if tracker >= iteration:  # this run cannot have saved it: an earlier run in --save did
+        raise SystemExit(
+            f"error: NaN/Inf loss at iteration {iteration}, and the last checkpoint in --save "
+            f"{ck.save} is iteration {tracker}, which this run has not reached: an earlier run "
+            "saved it there (this one did not resume from it), so there is no checkpoint of "
+            "this run to roll back to; stopping. Resume with --load "
+            f"{ck.save}, or train with another --save directory")
     furthest, streak = tr.rollback_streak
     streak = streak + 1 if iteration <= furthest else 1
     tr.rollback_streak = (max(furthest, iteration), streak)

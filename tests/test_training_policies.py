@@ -114,6 +114,21 @@ def test_rollback_without_checkpoint_stops_clearly(tmp_path):
         train(tr, data_iterator(tr.config, tr.rt, "train", 0), None)
 
 
+def test_rollback_never_loads_a_later_checkpoint_of_an_earlier_run(tmp_path):
+    """--save still tracks iteration 20 of an earlier run (this one started without
+    --load): a NaN before this run's first save must not jump to that run's weights."""
+    tr = _trainer(tmp_path, "rollback", iters=8, save_interval=4)
+    os.makedirs(tr.config.checkpoint.save)
+    with open(checkpointing.tracker_path(tr.config.checkpoint.save), "w") as f:
+        f.write("20")
+    _poison_at(tr, {2})
+    with pytest.raises(SystemExit, match=r"NaN/Inf loss at iteration 2, and the last checkpoint "
+                                         r"in --save .* is iteration 20, which this run has not "
+                                         r"reached"):
+        train(tr, data_iterator(tr.config, tr.rt, "train", 0), None)
+    assert tr.state.iteration == 2
+
+
 def test_sigusr1_saves_and_exits(tmp_path, capsys):
     tr = _trainer(tmp_path, iters=20, save_interval=100)
     tr.signals = SignalHandler()
