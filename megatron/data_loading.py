@@ -7,10 +7,12 @@ Sample counts follow Megatron: train = train_iters * global batch; valid = test 
 from __future__ import annotations
 
 import multiprocessing.util
+import os
 import queue
 import signal
 import sys
 import threading
+import warnings
 import weakref
 from typing import Dict, Iterator, List, Optional
 
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import megatron.core.datasets
 from megatron.config import Config
 from megatron.core.datasets.mock import MockGPTDataset
 from megatron.core.datasets.samplers import PretrainingSampler
@@ -25,6 +28,8 @@ from megatron.core.datasets.utils import get_ltor_masks_and_position_ids
 from megatron.logging_utils import print_rank_0
 
 SPLITS = ("train", "valid", "test")
+# warnings raised by files under here are the dataset builder's own
+_DATASETS_DIR = os.path.dirname(megatron.core.datasets.__file__)
 
 
 def build_tokenizer_for(config: Config):
@@ -98,14 +103,28 @@ def build_datasets(config: Config, rank: int, vocab_size: int) -> Dict[str, obje
         print_rank_0(f"    {name}: {n}")
     barrier = dist.barrier if dist.is_initialized() else None
     try:
-        train, valid, test = build_train_valid_test_datasets(
-            d.data_path, d.split, counts, d.seq_length, d.seed, d.data_cache_path,
-            d.train_data_path, d.valid_data_path, d.test_data_path,
-            is_builder_rank=rank == 0, barrier=barrier,
-            vocab_size=config.model.padded_vocab_size, log=print_rank_0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            train, valid, test = build_train_valid_test_datasets(
+                d.data_path, d.split, counts, d.seq_length, d.seed, d.data_cache_path,
+                d.train_data_path, d.valid_data_path, d.test_data_path,
+                is_builder_rank=rank == 0, barrier=barrier,
+                vocab_size=config.model.padded_vocab_size, log=print_rank_0)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: could not build the datasets: {e}") from None
+    _report_warnings(caught)
     return {"train": train, "valid": valid, "test": test}
+
+
+def _report_warnings(caught: List[warnings.WarningMessage]) -> None:
+    """The dataset builder's own warnings (every rank sees the same files) as one
+    `WARNING: ...` line on rank 0, not one `path:line: UserWarning` per rank; others
+    are shown as Python would have shown them."""
+    for w in caught:
+        if w.filename.startswith(_DATASETS_DIR):
+            print_rank_0(f"WARNING: {w.message}")
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
 
 
 class CyclicSampler:

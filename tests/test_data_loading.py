@@ -214,3 +214,33 @@ def test_prefetch_close_does_not_hang_on_a_stuck_read_and_ends_the_iterator(caps
     release.set()
     it.thread.join(5)
     assert not it.thread.is_alive()
+
+
+def test_dataset_builder_warnings_are_one_warning_line_on_rank_0(tmp_path, capsys):
+    """A cache of another document range is skipped with a warning: printed once by rank 0
+    as `WARNING: ...`, not as `<file>:<line>: UserWarning` plus a source line on every
+    rank (64 copies on 64 GPUs)."""
+    import warnings
+
+    from megatron.arguments import parse_and_validate
+    from megatron.data_loading import build_datasets
+    from tests.test_gpt_dataset import make_corpus
+
+    prefix, _ = make_corpus(tmp_path / "corpus", [40] * 30, vocab=250)
+    base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+            "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 "
+            "--train-iters 4 --eval-iters 1 --tokenizer-type NullTokenizer --vocab-size 250 "
+            "--split 90,10,0").split()
+
+    def build(extra):
+        cfg = parse_and_validate(base + extra, world_size=1, env={}, cuda_available=False)
+        return build_datasets(cfg, 0, cfg.model.padded_vocab_size)
+
+    build(["--train-data-path", prefix])  # the whole corpus, cached in index-cache/
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none may escape as a Python warning
+        build(["--data-path", prefix, "--data-cache-path", str(tmp_path / "cache")])
+    out = capsys.readouterr()
+    assert out.out.count("WARNING: ignoring the index cache ") == 1
+    assert "UserWarning" not in out.err + out.out
