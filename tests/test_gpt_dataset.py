@@ -182,6 +182,23 @@ def test_split_bad_values():
         get_train_valid_test_split("0,0,0", 10)
 
 
+def test_builder_logs_the_split_and_the_epochs_of_each_dataset(tmp_path):
+    """Megatron-LM prints each prefix's document split and each dataset's epoch count:
+    a run that loops 20 times over a corpus too small for it can be seen at start-up."""
+    prefix, _ = make_corpus(tmp_path / "c", [20] * 30)
+    lines = []
+    train, _, _ = build_train_valid_test_datasets([prefix], "90,10,0", [200, 2, 1], 8, 1234,
+                                                  str(tmp_path / "cache"), log=lines.append)
+    assert lines[:4] == [f" > dataset split of {prefix} (30 documents, --split '90,10,0'):",
+                         "    train: document indices in [0, 27) total of 27 documents",
+                         "    validation: document indices in [27, 30) total of 3 documents",
+                         "    test: document indices in [30, 30) total of 0 documents"]
+    epochs = len(train.doc_idx) // 27
+    assert epochs > 1 and lines[4] == (f"    train dataset of {prefix}: {len(train)} samples of 8 "
+                                       f"tokens, {epochs} epoch(s) over 27 documents")
+    assert lines[5].startswith(f"    validation dataset of {prefix}: ") and len(lines) == 6
+
+
 def test_cache_names_reuse_and_lookup(tmp_path, monkeypatch):
     (tmp_path / "data").mkdir()
     prefix, _ = make_corpus(tmp_path / "data" / "c", [20] * 30)

@@ -318,12 +318,24 @@ class _Builder:
         return self._opened[prefix]
 
     def dataset(self, name: str, prefix: str, documents: np.ndarray, num_samples: int):
-        return GPTDataset(name, prefix, documents, self.indexed(prefix), num_samples,
-                          self.seq_length, self.seed, self.split, self.cache_dir, self.may_build)
+        ds = GPTDataset(name, prefix, documents, self.indexed(prefix), num_samples,
+                        self.seq_length, self.seed, self.split, self.cache_dir, self.may_build)
+        if self.log is not None:  # how often the documents repeat: an epoch count
+            epochs = len(ds.doc_idx) // max(len(documents), 1)
+            shown = "validation" if name == "valid" else name
+            self.log(f"    {shown} dataset of {prefix}: {len(ds)} samples of {self.seq_length} "
+                     f"tokens, {epochs} epoch(s) over {len(documents)} documents")
+        return ds
 
     def split_datasets(self, prefix: str, num_samples: Sequence[int]) -> list:
         """train/valid/test GPTDatasets over the split ranges of one prefix (None if empty)."""
         bounds = get_train_valid_test_split(self.split, len(self.indexed(prefix).sizes))
+        if self.log is not None:
+            self.log(f" > dataset split of {prefix} ({bounds[3]} documents, --split "
+                     f"{self.split!r}):")
+            for i, name in enumerate(("train", "validation", "test")):
+                self.log(f"    {name}: document indices in [{bounds[i]}, {bounds[i + 1]}) total "
+                         f"of {bounds[i + 1] - bounds[i]} documents")
         out = []
         for i, name in enumerate(("train", "valid", "test")):
             if bounds[i + 1] > bounds[i]:
