@@ -1,0 +1,169 @@
+"""The switch MLP's experts as two grouped GEMMs: a dispatch with no host sync.
+
+Shape legend: t = tokens (s * b), sorted by expert where named `_sorted`; h = hidden;
+f = fc1's output width on this rank (ffn / tp, twice that with SwiGLU); g = fc2's input
+width on this rank (ffn / tp); E = experts; k, n = a GEMM's input and output widths.
+
+Why. The loop dispatch (`SwitchMLP._experts_loop`) cuts the sorted tokens per expert with
+counts read on the host (`bincount(...).tolist()`, a device-to-host copy that waits for
+the GPU in every layer) and then runs E small MLPs from Python, each a dozen kernel
+launches. Here the counts never leave the device: they become the int32 end offsets of
+`torch._grouped_mm`, which runs every expert's fc1 (and then fc2) as one kernel, an empty
+expert contributing nothing. Every shape is then fixed by (s, b, h, E), so the step can
+be captured as one CUDA graph.
+
+Parameters. Each expert keeps its own ParallelMLP and parameters: checkpoint names, TP
+splits, initialisation and DDP buckets are those of the loop dispatch. A forward stacks
+the experts' local shards into [E, n, k] (`stack_params`); the stack's backward hands
+each expert its slice as an ordinary `.grad` (zeros for an expert without tokens), which
+the DDP grad hook moves into `main_grad` (a copy where the buffer was left stale, an add
+otherwise). So every expert's parameters get a gradient in every step on every rank, as
+with the loop; with gradient-accumulation fusion the expert weights' gradients take this
+route too (one [E, n, k] product per GEMM instead of E products into main_grad).
+
+Tensor parallelism, as in ParallelMLP: the input enters through `copy_to_tp` (forward
+identity, backward all-reduce of its gradient over TP), fc2's partial products leave
+through `reduce_from_tp` (forward all-reduce, backward identity); fc2's bias is returned
+for the caller to add after the reduction. (Sequence parallelism is refused with experts.)
+
+Availability. `grouped_mm_works` runs a small forward and backward of `GroupedLinear` once
+per (device, dtype, k, n), with an empty expert, and compares it with per-expert matmuls;
+where the operator is missing or refuses the layout (torch builds without it, CUDA dtypes
+or GPUs it does not support, a width that breaks its 16-byte stride rule) the switch MLP
+keeps the loop dispatch. `sync_free` says where the grouped kernel is known to run
+entirely on the device (the CPU, and bf16 on Hopper-class GPUs with torch's native
+kernel): only there may the whole step be captured as a CUDA graph.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core.tensor_parallel.mappings import copy_to_tp, reduce_from_tp
+
+_GROUPED_MM = getattr(torch, "_grouped_mm", None)
+
+
+class GroupedLinear(torch.autograd.Function):
+    """y_sorted[t] = x_sorted[t] @ w_enk[e(t)]^T for tokens sorted by expert, expert e
+    owning rows offs[e-1]:offs[e] (offs: int32 end offsets, offs[-1] = t).
+
+    Backward: grad_x = grad_y grouped with w (same offsets); grad_w[e] = grad_y[rows of
+    e]^T x[rows of e], the grouped product over the token dimension (zeros for an expert
+    without rows). No communication. The incoming gradient is made dense first: the
+    kernel refuses stride-0 (expanded) operands, e.g. the gradient of a `.sum()`."""
+
+    @staticmethod
+    def forward(ctx, x_tk: torch.Tensor, w_enk: torch.Tensor, offs_e: torch.Tensor):
+        ctx.save_for_backward(x_tk, w_enk, offs_e)
+        return _GROUPED_MM(x_tk, w_enk.transpose(1, 2), offs_e)
+
+    @staticmethod
+    def backward(ctx, grad_tn: torch.Tensor):
+        x_tk, w_enk, offs_e = ctx.saved_tensors
+        return (*_grouped_grads(grad_tn, x_tk, w_enk, offs_e, *ctx.needs_input_grad[:2]),
+                None)
+
+
+def _grouped_grads(grad_tn, x_tk, w_enk, offs_e, want_x: bool = True, want_w: bool = True):
+    """(grad_x [t, k], grad_w [E, n, k]) of y = GroupedLinear(x, w, offs)."""
+    grad_tn = grad_tn.contiguous()
+    grad_x = _GROUPED_MM(grad_tn, w_enk, offs_e) if want_x else None
+    grad_w = _GROUPED_MM(grad_tn.t(), x_tk, offs_e) if want_w else None
+    return grad_x, grad_w
+
+
+def grouped_linear(x_tk: torch.Tensor, w_enk: torch.Tensor, offs_e: torch.Tensor):
+    """Functional form of `GroupedLinear` (see there)."""
+    return GroupedLinear.apply(x_tk, w_enk, offs_e)
+
+
+class StackParams(nn.Module):
+    """torch.stack of parameters, called as a module with the parameters as arguments: the
+    DDP wrapper's forward pre-hook (`--overlap-param-gather`) waits for the all-gather of
+    the buckets of parameters passed to a module, and the experts' own modules, whose
+    hooks would wait for them, are not called by the grouped dispatch."""
+
+    def forward(self, *params: torch.Tensor) -> torch.Tensor:
+        return torch.stack(params)
+
+
+def expert_offsets(expert_sorted_t: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int32 end offsets of each expert's rows in the sorted token order: the number of
+    sorted ids <= e, for e = 0..E-1 (a binary search on the device, no host sync)."""
+    ids = torch.arange(num_experts, device=expert_sorted_t.device, dtype=expert_sorted_t.dtype)
+    return torch.searchsorted(expert_sorted_t, ids, right=True).to(torch.int32)
+
+
+def experts_forward(x_sorted_th: torch.Tensor, expert_sorted_t: torch.Tensor,
+                    weights: Sequence[Optional[torch.Tensor]],
+                    activation: Callable[[torch.Tensor], torch.Tensor], tp_group):
+    """Every expert's MLP (without fc2's bias) on its tokens: [t, h] in the sorted order.
+
+    `weights` = (fc1 [E, f, h], fc1 bias [E, f] or None, fc2 [E, h, g]), this rank's
+    stacked shards. Collectives: backward all-reduce of the input grad over TP
+    (copy_to_tp), forward all-reduce of fc2's partial products (reduce_from_tp)."""
+    fc1_efh, fc1_bias_ef, fc2_ehg = weights
+    offs_e = expert_offsets(expert_sorted_t, fc1_efh.shape[0])
+    x_th = copy_to_tp(x_sorted_th, tp_group)
+    h_tf = grouped_linear(x_th, fc1_efh, offs_e)
+    if fc1_bias_ef is not None:
+        # a gather of each token's expert row; its backward sums per expert without
+        # atomics on CUDA (embedding's sorted backward)
+        h_tf = h_tf + F.embedding(expert_sorted_t, fc1_bias_ef)
+    out_th = grouped_linear(activation(h_tf), fc2_ehg, offs_e)
+    return reduce_from_tp(out_th, tp_group)
+
+
+def _probe_values(num_experts: int, n: int, k: int, device, dtype) -> torch.Tensor:
+    # deterministic values (no random generator is drawn from: a probe must not shift
+    # the run's random streams), distinct per expert and small enough to stay exact-ish
+    # in bf16
+    grid = torch.arange(num_experts * n * k, device=device, dtype=torch.float32)
+    return (torch.sin(grid) / 4).to(dtype).view(num_experts, n, k)
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_works(device: torch.device, dtype: torch.dtype, k: int, n: int) -> bool:
+    """Whether `GroupedLinear` runs here (forward, input and weight grads) for [t, k] x
+    [E, n, k] operands and agrees with per-expert matmuls, an expert without tokens
+    included. Decided once per (device, dtype, k, n); False on any error."""
+    if _GROUPED_MM is None or device.type == "meta":
+        return False
+    offs = torch.tensor([3, 3, 16], dtype=torch.int32, device=device)  # expert 1 is empty
+    x = _probe_values(1, 16, k, device, dtype)[0]
+    w = _probe_values(3, n, k, device, dtype)
+    grad = torch.ones((), device=device, dtype=dtype).expand(16, n)  # as from a .sum()
+    # No autograd here: the first call may come inside an activation checkpoint, whose
+    # recompute must save the same tensors as the original forward.
+    try:
+        with torch.no_grad():
+            y = _GROUPED_MM(x, w.transpose(1, 2), offs)
+            gx, gw = _grouped_grads(grad, x, w, offs)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+    x, w, y, gx, gw = (t.float() for t in (x, w, y, gx, gw))
+    rows = (slice(0, 3), slice(3, 3), slice(3, 16))
+    ref = torch.cat([x[r] @ w[e].t() for e, r in enumerate(rows)])
+    ref_gx = torch.cat([w[e].sum(0).expand(r.stop - r.start, k) for e, r in enumerate(rows)])
+    ref_gw = torch.stack([x[r].sum(0).expand(n, k) for r in rows])  # expert 1: zeros
+    low = dtype in (torch.bfloat16, torch.float16)
+    tol = dict(rtol=2e-2, atol=2e-2) if low else dict(rtol=1e-4, atol=1e-5)
+    return (torch.allclose(y, ref, **tol) and torch.allclose(gx, ref_gx, **tol)
+            and torch.allclose(gw, ref_gw, **tol) and not gw[1].any())
+
+
+def sync_free(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped GEMM is known to stay on the device here (no host-side
+    loop over the offsets): the CPU, and bf16 on compute capability 9.0 / 10.0 GPUs
+    (torch's CUTLASS kernel); elsewhere CUDA may fall back to a per-group loop that
+    reads the offsets on the host."""
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
