@@ -252,8 +252,8 @@ class SwitchMLP(nn.Module):
     loss, no capacity limit, no expert parallelism.
 
     Two dispatches of the same function. Grouped (grouped_experts.py), where
-    torch._grouped_mm runs for the experts' dtype, device and widths (checked once, at the
-    first call): tokens sorted by expert, every expert's fc1 and fc2 one grouped GEMM
+    torch._grouped_mm runs for the experts' dtype, device and widths (probed once per
+    kind, at the first call): tokens sorted by expert, every expert's fc1 and fc2 one grouped GEMM
     each over the experts' stacked weights; no host sync, fixed shapes. Loop (the
     fallback, and the reference in tests): tokens per expert counted on the host and each
     expert called as a module on its rows.
@@ -272,17 +272,24 @@ class SwitchMLP(nn.Module):
                                      for _ in range(config.num_experts))
         self.tp_group = tp_group
         self.stack = grouped_experts.StackParams()
-        # None: decide at the first call; tests set False to force the loop dispatch
-        self.grouped: Optional[bool] = None
+        self.dispatch = "auto"  # "auto" | "grouped" | "loop" (tests and benchmarks pick one)
 
     def grouped_dispatch(self) -> bool:
-        """Whether calls use the grouped GEMMs (decided once, from the first expert's fc1
-        and fc2 weights: device, dtype, widths)."""
-        if self.grouped is None:
-            fc1, fc2 = self.experts[0].dense_h_to_4h.weight, self.experts[0].dense_4h_to_h.weight
-            self.grouped = all(grouped_experts.grouped_mm_works(w.device, w.dtype, *w.shape[::-1])
-                               for w in (fc1, fc2))
-        return self.grouped
+        """Whether this call uses the grouped GEMMs: with "auto", where the probe
+        (`grouped_experts.grouped_mm_works`, run once per device, dtype and widths, then
+        a cache lookup) passed for the experts' fc1 and fc2 weights as they are now."""
+        if self.dispatch != "auto":
+            return self.dispatch == "grouped"
+        expert = self.experts[0]
+        return all(grouped_experts.grouped_mm_works(w.device, w.dtype, *w.shape[::-1])
+                   for w in (expert.dense_h_to_4h.weight, expert.dense_4h_to_h.weight))
+
+    def sync_free(self) -> bool:
+        """Whether a call needs nothing from the host (whole-step CUDA graphs): the
+        grouped dispatch, with a grouped GEMM known to run on the device alone."""
+        weight = self.experts[0].dense_h_to_4h.weight
+        return self.grouped_dispatch() and grouped_experts.sync_free(weight.device,
+                                                                     weight.dtype)
 
     @torch.compiler.disable
     def forward(self, x_sbh: torch.Tensor):
