@@ -6,12 +6,15 @@ against its loop dispatch, the reference.
    within max|grouped - loop| <= 1e-6 * (1 + max|loop|), for 1 to 8 experts, each
    activation, with and without biases, one expert without tokens (its gradients are
    exactly zero, and present); on two gloo ranks with the experts split over TP the same
-   holds on each rank's shards and for the input gradient (the TP all-reduce).
+   holds on each rank's shards and for the input gradient (the TP all-reduce); three
+   training steps of a small GPT (grad buffers, gradient-accumulation fusion) give the
+   same losses, gradients and weights within the same bound.
 2. No host reads in the grouped forward and backward (the tensor-to-Python conversions
    raise while they run; the loop needs them); every expert parameter is seen by the
    forward pre-hooks of the modules called (what the DDP wrapper's
-   --overlap-param-gather waits on); the loop is kept where the probe fails (no operator,
-   bf16 widths off the 16-byte rule).
+   --overlap-param-gather waits on); no stacked copy of the expert weights is saved for
+   the backward; the loop is kept where the probe fails (no operator, bf16 widths off the
+   16-byte rule).
 3. Whole-step CUDA graphs: --num-experts no longer rules them out once every switch MLP is
    host-free; without --bf16 `--cuda-graph-step on` is still refused.
 4. CUDA (skipped without a GPU): bf16 grouped vs loop, and no synchronising CUDA call in
@@ -132,6 +135,27 @@ def test_grouped_dispatch_equals_the_loop_on_two_tensor_parallel_ranks(activatio
         assert set(diffs) >= {"input", "router.weight", "experts.3.dense_4h_to_h.weight"}
 
 
+@pytest.mark.parametrize("model_kw", [
+    dict(gradient_accumulation_fusion=True),
+    dict(activation="swiglu", ffn_hidden_size=48, add_bias_linear=False),
+], ids=["fusion", "swiglu"])
+def test_training_steps_with_the_grouped_dispatch_equal_the_loop(monkeypatch, model_kw):
+    """Three steps of the small GPT of tests/test_moe.py (4 experts, grad buffers, the
+    fused weight-grad path for the loop's experts): the same losses, gradients and
+    weights within 1e-6 * (1 + max|loop|)."""
+    from tests.test_moe import _parity_worker
+
+    grouped = _parity_worker(0, 1, 1, 1, model_kw, {})
+    monkeypatch.setattr(SwitchMLP, "grouped_dispatch", lambda self: False)
+    loop = _parity_worker(0, 1, 1, 1, model_kw, {})
+    torch.testing.assert_close(torch.tensor(grouped["losses"]), torch.tensor(loop["losses"]),
+                               rtol=1e-6, atol=0)
+    for kind in ("grads", "params"):
+        assert grouped[kind].keys() == loop[kind].keys()
+        for name, want in loop[kind].items():
+            assert _max_rel_diff(grouped[kind][name], want) <= 1e-6, (kind, name)
+
+
 # ------------------------------------------------- 2. host reads, pre-hooks, fallback
 _HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu",
                "numpy")
@@ -167,6 +191,21 @@ def test_every_expert_parameter_reaches_a_forward_pre_hook():
         sub.register_forward_pre_hook(hook)
     mlp(_inputs()[0])
     assert seen == {id(p) for p in mlp.parameters()}
+
+
+def test_no_stacked_copy_of_the_expert_weights_is_kept_for_the_backward():
+    """The grouped products stack the experts' weights again in the backward: a saved
+    [E, n, k] stack would keep a second copy of every expert's weights per layer."""
+    mlp = _switch(experts=4)
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mlp(_inputs()[0].requires_grad_())
+    assert saved and not [s for s in saved if len(s) == 3 and s[0] == 4], saved
 
 
 def test_the_loop_is_kept_where_the_grouped_gemm_cannot_run(monkeypatch):

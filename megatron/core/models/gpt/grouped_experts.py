@@ -13,21 +13,25 @@ expert contributing nothing. Every shape is then fixed by (s, b, h, E), so the s
 be captured as one CUDA graph.
 
 Parameters. Each expert keeps its own ParallelMLP and parameters: checkpoint names, TP
-splits, initialisation and DDP buckets are those of the loop dispatch. A forward stacks
-the experts' local shards into [E, n, k] (`stack_params`); the stack's backward hands
-each expert its slice as an ordinary `.grad` (zeros for an expert without tokens), which
-the DDP grad hook moves into `main_grad` (a copy where the buffer was left stale, an add
-otherwise). So every expert's parameters get a gradient in every step on every rank, as
-with the loop; with gradient-accumulation fusion the expert weights' gradients take this
-route too (one [E, n, k] product per GEMM instead of E products into main_grad).
+splits, initialisation and DDP buckets are those of the loop dispatch. `GroupedLinear`
+takes the experts' local weight shards as they are and stacks them into [E, n, k] for its
+products (in the forward, and again in the backward rather than keeping a second copy of
+the weights alive in between); its weight-gradient product [E, n, k] is handed back as one
+ordinary `.grad` per expert weight (zeros for an expert without tokens), and the biases'
+gradients come back per expert the same way. The DDP grad hook moves them into
+`main_grad` (a copy where the buffer was left stale, an add otherwise). So every expert's
+parameters get a gradient in every step on every rank, as with the loop; with
+gradient-accumulation fusion the expert weights' gradients take this route too (one
+[E, n, k] product per GEMM instead of E products accumulated into main_grad).
 
 Tensor parallelism, as in ParallelMLP: the input enters through `copy_to_tp` (forward
 identity, backward all-reduce of its gradient over TP), fc2's partial products leave
 through `reduce_from_tp` (forward all-reduce, backward identity); fc2's bias is returned
 for the caller to add after the reduction. (Sequence parallelism is refused with experts.)
 
-Availability. `grouped_mm_works` runs a small forward and backward of `GroupedLinear` once
-per (device, dtype, k, n), with an empty expert, and compares it with per-expert matmuls;
+Availability. `grouped_mm_works` runs `GroupedLinear`'s three grouped products (forward,
+input and weight grads) on small operands once per (device, dtype, k, n), with an empty
+expert, and compares them with per-expert matmuls;
 where the operator is missing or refuses the layout (torch builds without it, CUDA dtypes
 or GPUs it does not support, a width that breaks its 16-byte stride rule) the switch MLP
 keeps the loop dispatch. `sync_free` says where the grouped kernel is known to run
@@ -49,47 +53,53 @@ _GROUPED_MM = getattr(torch, "_grouped_mm", None)
 
 
 class GroupedLinear(torch.autograd.Function):
-    """y_sorted[t] = x_sorted[t] @ w_enk[e(t)]^T for tokens sorted by expert, expert e
-    owning rows offs[e-1]:offs[e] (offs: int32 end offsets, offs[-1] = t).
+    """y_sorted[t] = x_sorted[t] @ W_e(t)^T for tokens sorted by expert, expert e owning
+    rows offs[e-1]:offs[e] (offs: int32 end offsets, offs[-1] = t), W_e = weights[e].
 
-    Backward: grad_x = grad_y grouped with w (same offsets); grad_w[e] = grad_y[rows of
-    e]^T x[rows of e], the grouped product over the token dimension (zeros for an expert
-    without rows). No communication. The incoming gradient is made dense first: the
-    kernel refuses stride-0 (expanded) operands, e.g. the gradient of a `.sum()`."""
+    The experts' weights are stacked into [E, n, k] for the product and again in the
+    backward (not kept: a saved stack would hold a second copy of every expert's weights
+    per layer until the backward). Backward: grad_x = grad_y grouped with the stack (same
+    offsets); grad_W_e = grad_y[rows of e]^T x[rows of e], one grouped product over the
+    token dimension (zeros for an expert without rows), handed to each weight as its own
+    gradient. No communication. The incoming gradient is made dense first: the kernel
+    refuses stride-0 (expanded) operands, e.g. the gradient of a `.sum()`."""
 
     @staticmethod
-    def forward(ctx, x_tk: torch.Tensor, w_enk: torch.Tensor, offs_e: torch.Tensor):
-        ctx.save_for_backward(x_tk, w_enk, offs_e)
-        return _GROUPED_MM(x_tk, w_enk.transpose(1, 2), offs_e)
+    def forward(ctx, x_tk: torch.Tensor, offs_e: torch.Tensor, *weights_nk: torch.Tensor):
+        ctx.save_for_backward(x_tk, offs_e, *weights_nk)
+        return _GROUPED_MM(x_tk, torch.stack(weights_nk).transpose(1, 2), offs_e)
 
     @staticmethod
     def backward(ctx, grad_tn: torch.Tensor):
-        x_tk, w_enk, offs_e = ctx.saved_tensors
-        return (*_grouped_grads(grad_tn, x_tk, w_enk, offs_e, *ctx.needs_input_grad[:2]),
-                None)
+        x_tk, offs_e, *weights_nk = ctx.saved_tensors
+        want_x, want_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[2:])
+        w_enk = torch.stack(weights_nk) if want_x else None
+        grad_x, grad_w = _grouped_grads(grad_tn, x_tk, w_enk, offs_e, want_x, want_w)
+        grad_ws = grad_w.unbind(0) if want_w else (None,) * len(weights_nk)
+        return (grad_x, None, *grad_ws)
 
 
 def _grouped_grads(grad_tn, x_tk, w_enk, offs_e, want_x: bool = True, want_w: bool = True):
-    """(grad_x [t, k], grad_w [E, n, k]) of y = GroupedLinear(x, w, offs)."""
+    """(grad_x [t, k], grad_w [E, n, k]) of y = x grouped with w_enk^T."""
     grad_tn = grad_tn.contiguous()
     grad_x = _GROUPED_MM(grad_tn, w_enk, offs_e) if want_x else None
     grad_w = _GROUPED_MM(grad_tn.t(), x_tk, offs_e) if want_w else None
     return grad_x, grad_w
 
 
-def grouped_linear(x_tk: torch.Tensor, w_enk: torch.Tensor, offs_e: torch.Tensor):
+def grouped_linear(x_tk: torch.Tensor, offs_e: torch.Tensor, weights_nk: Sequence[torch.Tensor]):
     """Functional form of `GroupedLinear` (see there)."""
-    return GroupedLinear.apply(x_tk, w_enk, offs_e)
+    return GroupedLinear.apply(x_tk, offs_e, *weights_nk)
 
 
-class StackParams(nn.Module):
-    """torch.stack of parameters, called as a module with the parameters as arguments: the
-    DDP wrapper's forward pre-hook (`--overlap-param-gather`) waits for the all-gather of
-    the buckets of parameters passed to a module, and the experts' own modules, whose
-    hooks would wait for them, are not called by the grouped dispatch."""
+class ExpertParams(nn.Module):
+    """Identity on the parameters it is called with. The DDP wrapper's forward pre-hook
+    (`--overlap-param-gather`) waits for the all-gather of the buckets of the parameters
+    owned by or passed to the module called; the grouped dispatch calls none of the
+    experts' own modules, so it passes their parameters through this one first."""
 
-    def forward(self, *params: torch.Tensor) -> torch.Tensor:
-        return torch.stack(params)
+    def forward(self, *params: torch.Tensor):
+        return params
 
 
 def expert_offsets(expert_sorted_t: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -99,23 +109,29 @@ def expert_offsets(expert_sorted_t: torch.Tensor, num_experts: int) -> torch.Ten
     return torch.searchsorted(expert_sorted_t, ids, right=True).to(torch.int32)
 
 
+def expert_rows(expert_t: torch.Tensor, rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[t, n]: row expert_t[i] of the stacked `rows` (E vectors [n], e.g. biases) for
+    each token i. A gather; its backward sums the gradient per expert, on CUDA by
+    embedding's sorted backward (no atomics: deterministic)."""
+    return F.embedding(expert_t, torch.stack(rows))
+
+
 def experts_forward(x_sorted_th: torch.Tensor, expert_sorted_t: torch.Tensor,
-                    weights: Sequence[Optional[torch.Tensor]],
+                    fc1_weights: Sequence[torch.Tensor],
+                    fc1_biases: Optional[Sequence[torch.Tensor]],
+                    fc2_weights: Sequence[torch.Tensor],
                     activation: Callable[[torch.Tensor], torch.Tensor], tp_group):
     """Every expert's MLP (without fc2's bias) on its tokens: [t, h] in the sorted order.
 
-    `weights` = (fc1 [E, f, h], fc1 bias [E, f] or None, fc2 [E, h, g]), this rank's
-    stacked shards. Collectives: backward all-reduce of the input grad over TP
+    The weights are this rank's shards, one per expert: fc1 [f, h], its bias [f] (or
+    None for all), fc2 [h, g]. Collectives: backward all-reduce of the input grad over TP
     (copy_to_tp), forward all-reduce of fc2's partial products (reduce_from_tp)."""
-    fc1_efh, fc1_bias_ef, fc2_ehg = weights
-    offs_e = expert_offsets(expert_sorted_t, fc1_efh.shape[0])
+    offs_e = expert_offsets(expert_sorted_t, len(fc1_weights))
     x_th = copy_to_tp(x_sorted_th, tp_group)
-    h_tf = grouped_linear(x_th, fc1_efh, offs_e)
-    if fc1_bias_ef is not None:
-        # a gather of each token's expert row; its backward sums per expert without
-        # atomics on CUDA (embedding's sorted backward)
-        h_tf = h_tf + F.embedding(expert_sorted_t, fc1_bias_ef)
-    out_th = grouped_linear(activation(h_tf), fc2_ehg, offs_e)
+    h_tf = grouped_linear(x_th, offs_e, fc1_weights)
+    if fc1_biases is not None:
+        h_tf = h_tf + expert_rows(expert_sorted_t, fc1_biases)
+    out_th = grouped_linear(activation(h_tf), offs_e, fc2_weights)
     return reduce_from_tp(out_th, tp_group)
 
 

@@ -271,7 +271,7 @@ class SwitchMLP(nn.Module):
         self.experts = nn.ModuleList(ParallelMLP(config, tp_group, device, rng_tracker)
                                      for _ in range(config.num_experts))
         self.tp_group = tp_group
-        self.stack = grouped_experts.StackParams()
+        self.expert_params = grouped_experts.ExpertParams()  # see there: DDP's pre-hook
         self.dispatch = "auto"  # "auto" | "grouped" | "loop" (tests and benchmarks pick one)
 
     def grouped_dispatch(self) -> bool:
@@ -328,15 +328,15 @@ class SwitchMLP(nn.Module):
         no host sync."""
         fc1s = [e.dense_h_to_4h for e in self.experts]
         fc2s = [e.dense_4h_to_h for e in self.experts]
-        weights = (self.stack(*(m.weight for m in fc1s)),
-                   self.stack(*(m.bias for m in fc1s)) if fc1s[0].bias is not None else None,
-                   self.stack(*(m.weight for m in fc2s)))
-        expert_sorted_t = expert_t.index_select(0, order_t)
-        out_th = grouped_experts.experts_forward(x_th, expert_sorted_t, weights,
-                                                 self.experts[0].activation, self.tp_group)
-        if fc2s[0].bias is None:
-            return out_th, None
-        return out_th, F.embedding(expert_t, self.stack(*(m.bias for m in fc2s)))
+        biased = fc1s[0].bias is not None
+        params = self.expert_params(*(m.weight for m in fc1s), *(m.weight for m in fc2s),
+                                    *((m.bias for m in fc1s + fc2s) if biased else ()))
+        num = len(self.experts)
+        fc1_w, fc2_w, fc1_b, fc2_b = (params[i * num:(i + 1) * num] for i in range(4))
+        out_th = grouped_experts.experts_forward(
+            x_th, expert_t.index_select(0, order_t), fc1_w, fc1_b if biased else None, fc2_w,
+            self.experts[0].activation, self.tp_group)
+        return out_th, grouped_experts.expert_rows(expert_t, fc2_b) if biased else None
 
 
 class ParallelAttention(nn.Module):
