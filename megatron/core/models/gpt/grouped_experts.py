@@ -22,7 +22,9 @@ gradients come back per expert the same way. The DDP grad hook moves them into
 `main_grad` (a copy where the buffer was left stale, an add otherwise). So every expert's
 parameters get a gradient in every step on every rank, as with the loop; with
 gradient-accumulation fusion the expert weights' gradients take this route too (one
-[E, n, k] product per GEMM instead of E products accumulated into main_grad).
+[E, n, k] product per GEMM instead of E products accumulated into main_grad; in bf16 each
+micro-batch's weight gradient is thus rounded to bf16 before its fp32 add, as without
+fusion, since the grouped GEMM writes only bf16).
 
 Tensor parallelism, as in ParallelMLP: the input enters through `copy_to_tp` (forward
 identity, backward all-reduce of its gradient over TP), fc2's partial products leave
