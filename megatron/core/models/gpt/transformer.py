@@ -252,11 +252,11 @@ class SwitchMLP(nn.Module):
     loss, no capacity limit, no expert parallelism.
 
     Two dispatches of the same function. Grouped (grouped_experts.py), where
-    torch._grouped_mm runs for the experts' dtype, device and widths (probed once per
-    kind, at the first call): tokens sorted by expert, every expert's fc1 and fc2 one grouped GEMM
-    each over the experts' stacked weights; no host sync, fixed shapes. Loop (the
-    fallback, and the reference in tests): tokens per expert counted on the host and each
-    expert called as a module on its rows.
+    torch._grouped_mm runs for the experts' dtype, device and widths (probed once for
+    each, at the first call): tokens sorted by expert, every expert's fc1 and fc2 one
+    grouped GEMM each over the experts' stacked weights; no host sync, fixed shapes. Loop
+    (the fallback, and the reference in tests): tokens per expert counted on the host and
+    each expert called as a module on its rows.
 
     Every expert's parameters get a gradient on every call, a zero one for an expert with
     no tokens (the loop runs it on zero rows; the grouped GEMMs give it a zero slice): the
