@@ -425,7 +425,9 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
             rampup_batch_size=ns.rampup_batch_size,
             empty_unused_memory_level=ns.empty_unused_memory_level,
             compile_mode=ns.compile_mode, adam_kernel=ns.adam_kernel, optimizer=ns.optimizer,
-            num_experts=ns.num_experts)
+            # the grouped expert dispatch is host-free only in bf16 (checked again on the
+            # built model at the first step)
+            num_experts=ns.num_experts, experts_sync_free=bool(ns.bf16))
         if reason is not None:
             raise ArgumentsError(f"--cuda-graph-step on, but {reason}; use --cuda-graph-step "
                                  "auto (captures when it can) or off")

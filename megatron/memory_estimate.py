@@ -153,7 +153,8 @@ def switch_mlp_bytes(m: ModelConfig, s: int, b: int, e: int) -> float:
     its experts save together (each token passes one expert): the router's softmax output
     (e*s*b*E), the tokens grouped by expert (e*sbh), the experts' outputs and, with
     biases, their fc2 biases before the scaling by the routing probability (e*sbh each),
-    that probability (e*s*b), and three int64 token indices (24*s*b). Not split by TP."""
+    that probability (e*s*b), and three int64 token indices (24*s*b; the grouped expert
+    dispatch with biases keeps a fourth, 8*s*b more, not counted). Not split by TP."""
     sbh = s * b * m.hidden_size
     bias = 1 if m.add_bias_linear else 0
     return e * s * b * (m.num_experts + 1) + e * sbh * (2 + bias) + 24 * s * b

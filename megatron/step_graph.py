@@ -46,10 +46,14 @@ WARMUP_STEPS = 2  # eager steps before the capture
 def settings_reason(*, device_type: str, world_size: int, hidden_dropout: float,
                     attention_dropout: float, nan_loss_policy: str, timing_log_level: int,
                     rampup_batch_size, empty_unused_memory_level: int, compile_mode: str,
-                    adam_kernel: str, optimizer: str,
-                    num_experts: Optional[int] = None) -> Optional[str]:
+                    adam_kernel: str, optimizer: str, num_experts: Optional[int] = None,
+                    experts_sync_free: bool = False) -> Optional[str]:
     """Why these settings rule out a captured step (None: they don't). Checked from the
-    flags when `--cuda-graph-step on` is given, and again at the first step."""
+    flags when `--cuda-graph-step on` is given, and again at the first step.
+
+    `experts_sync_free`: the switch MLPs (`--num-experts`) use the grouped dispatch with a
+    grouped GEMM that needs nothing from the host (`SwitchMLP.sync_free`); the loop
+    dispatch counts each expert's tokens on the host in every layer."""
     checks = (
         (device_type != "cuda", "it needs CUDA"),
         (world_size > 1, f"the run has {world_size} ranks (one-GPU runs only, so far)"),
@@ -68,8 +72,10 @@ def settings_reason(*, device_type: str, world_size: int, hidden_dropout: float,
         (adam_kernel == "torch", "--adam-kernel torch reads the learning rate on the host"),
         (optimizer != "adam", f"--optimizer {optimizer}: only the Triton AdamW step reads its "
                               "learning rate from the device"),
-        (num_experts is not None, f"--num-experts {num_experts}: the switch MLP's tokens per "
-                                  "expert are counted on the host every layer"),
+        (num_experts is not None and not experts_sync_free,
+         f"--num-experts {num_experts}: the switch MLP's tokens per expert are counted on "
+         "the host every layer (its grouped dispatch, which needs no host, runs only in "
+         "bf16 on compute capability 9.x/10.x GPUs, with widths of multiples of 8)"),
     )
     return next((reason for failed, reason in checks if failed), None)
 
@@ -87,8 +93,16 @@ def graph_capture_reason(tr) -> Optional[str]:
         rampup_batch_size=cfg.data.rampup_batch_size,
         empty_unused_memory_level=cfg.training.empty_unused_memory_level,
         compile_mode=m.compile_mode, adam_kernel=o.adam_kernel, optimizer=o.optimizer,
-        num_experts=m.num_experts)
+        num_experts=m.num_experts, experts_sync_free=_experts_sync_free(tr.model))
     return reason or tr.optimizer.graph_capture_reason()
+
+
+def _experts_sync_free(model) -> bool:
+    """Whether every switch MLP of the model takes the grouped dispatch with a
+    device-only grouped GEMM (True when there are none)."""
+    from megatron.core.models.gpt.transformer import SwitchMLP
+
+    return all(m.sync_free() for m in model.modules() if isinstance(m, SwitchMLP))
 
 
 def runner_for(tr) -> Optional["StepGraph"]:

@@ -24,6 +24,7 @@ from torch.torch_version import TorchVersion
 from megatron.core import fused_activation
 from megatron.core.config import ModelConfig
 from megatron.core.fused_rotary import split_and_rotate
+from megatron.core.models.gpt import grouped_experts
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -210,11 +211,17 @@ class ParallelMLP(nn.Module):
         h_sbf, bias = self.dense_h_to_4h(x_sbh)
         if bias is not None:
             h_sbf = h_sbf + bias
+        return self.dense_4h_to_h(self.activation(h_sbf))  # (out [s,b,h], bias or None)
+
+    def activation(self, h_sbf: torch.Tensor) -> torch.Tensor:
+        """The activation applied to fc1's output (its bias added). With the GeLU epilogue
+        `forward` never calls this; the tanh-form GeLU here is the same function, for the
+        switch MLP's grouped experts, which have no epilogue."""
         if self.swiglu:  # silu(gate) * up, gate and up the halves of h (one kernel each way)
-            h_sbf = fused_activation.swiglu(h_sbf)
-        else:
-            h_sbf = self.act(h_sbf)
-        return self.dense_4h_to_h(h_sbf)  # (out [s,b,h], bias or None)
+            return fused_activation.swiglu(h_sbf)
+        if self.gelu_epilogue:
+            return F.gelu(h_sbf, approximate="tanh")
+        return self.act(h_sbf)
 
 
 def build_router(config: ModelConfig, device=None) -> nn.Linear:
@@ -244,11 +251,18 @@ class SwitchMLP(nn.Module):
     the dense MLP returns its bias, for the layer's bias-dropout-add). No load-balancing
     loss, no capacity limit, no expert parallelism.
 
-    Every expert runs on every call, one with no tokens on zero rows: its parameters then
-    get a (zero) gradient through the same autograd path on every rank, so the grad hooks,
-    the bucketed all-reduce and the distributed optimizer see the same sequence of ready
-    parameters on all data-parallel ranks. The tokens per expert are data-dependent
-    shapes: this module runs eagerly, outside the compiled layer graphs.
+    Two dispatches of the same function. Grouped (grouped_experts.py), where
+    torch._grouped_mm runs for the experts' dtype, device and widths (probed once for
+    each, at the first call): tokens sorted by expert, every expert's fc1 and fc2 one
+    grouped GEMM each over the experts' stacked weights; no host sync, fixed shapes. Loop
+    (the fallback, and the reference in tests): tokens per expert counted on the host and
+    each expert called as a module on its rows.
+
+    Every expert's parameters get a gradient on every call, a zero one for an expert with
+    no tokens (the loop runs it on zero rows; the grouped GEMMs give it a zero slice): the
+    grad hooks, the bucketed all-reduce and the distributed optimizer see the same
+    sequence of ready parameters on all data-parallel ranks. This module runs eagerly,
+    outside the compiled layer graphs (the loop's shapes are data-dependent).
     """
 
     def __init__(self, config: ModelConfig, tp_group=None, device=None, rng_tracker=None):
@@ -256,6 +270,26 @@ class SwitchMLP(nn.Module):
         self.router = build_router(config, device)
         self.experts = nn.ModuleList(ParallelMLP(config, tp_group, device, rng_tracker)
                                      for _ in range(config.num_experts))
+        self.tp_group = tp_group
+        self.expert_params = grouped_experts.ExpertParams()  # see there: DDP's pre-hook
+        self.dispatch = "auto"  # "auto" | "grouped" | "loop" (tests and benchmarks pick one)
+
+    def grouped_dispatch(self) -> bool:
+        """Whether this call uses the grouped GEMMs: with "auto", where the probe
+        (`grouped_experts.grouped_mm_works`, run once per device, dtype and widths, then
+        a cache lookup) passed for the experts' fc1 and fc2 weights as they are now."""
+        if self.dispatch != "auto":
+            return self.dispatch == "grouped"
+        expert = self.experts[0]
+        return all(grouped_experts.grouped_mm_works(w.device, w.dtype, *w.shape[::-1])
+                   for w in (expert.dense_h_to_4h.weight, expert.dense_4h_to_h.weight))
+
+    def sync_free(self) -> bool:
+        """Whether a call needs nothing from the host (whole-step CUDA graphs): the
+        grouped dispatch, with a grouped GEMM known to run on the device alone."""
+        weight = self.experts[0].dense_h_to_4h.weight
+        return self.grouped_dispatch() and grouped_experts.sync_free(weight.device,
+                                                                     weight.dtype)
 
     @torch.compiler.disable
     def forward(self, x_sbh: torch.Tensor):
@@ -264,22 +298,45 @@ class SwitchMLP(nn.Module):
         prob_sb, expert_sb = probs_sbe.max(dim=-1)
         expert_t = expert_sb.reshape(-1)  # t = s * b tokens
         order_t = torch.argsort(expert_t, stable=True)  # tokens grouped by expert
-        counts = torch.bincount(expert_t, minlength=len(self.experts)).tolist()
+        inverse_t = torch.empty_like(order_t).scatter_(
+            0, order_t, torch.arange(order_t.numel(), device=order_t.device))
         x_th = x_sbh.reshape(-1, h).index_select(0, order_t)
+        experts = self._experts_grouped if self.grouped_dispatch() else self._experts_loop
+        out_th, bias_th = experts(x_th, expert_t, order_t, inverse_t)
+        scale_t1 = prob_sb.reshape(-1, 1)
+        out_sbh = (out_th.index_select(0, inverse_t) * scale_t1).view(s, b, h)
+        if bias_th is None:
+            return out_sbh, None
+        return out_sbh, (bias_th * scale_t1).view(s, b, h)
+
+    def _experts_loop(self, x_th, expert_t, order_t, inverse_t):
+        """(outputs [t, h] in the sorted order of `x_th`, fc2 biases [t, h] in token order
+        or None): one host sync (the counts) and one module call per expert."""
+        h = x_th.shape[-1]
+        counts = torch.bincount(expert_t, minlength=len(self.experts)).tolist()
         outs, biases = [], []
         for expert, x_nh in zip(self.experts, x_th.split(counts)):
             out_n1h, bias_h = expert(x_nh.unsqueeze(1))  # [n, 1, h]: n tokens as a sequence
             outs.append(out_n1h.squeeze(1))
             if bias_h is not None:
                 biases.append(bias_h.expand(x_nh.shape[0], h))
-        inverse_t = torch.empty_like(order_t)
-        inverse_t[order_t] = torch.arange(order_t.numel(), device=order_t.device)
-        scale_t1 = prob_sb.reshape(-1, 1)
-        out_sbh = (torch.cat(outs).index_select(0, inverse_t) * scale_t1).view(s, b, h)
-        if not biases:
-            return out_sbh, None
-        bias_sbh = (torch.cat(biases).index_select(0, inverse_t) * scale_t1).view(s, b, h)
-        return out_sbh, bias_sbh
+        bias_th = torch.cat(biases).index_select(0, inverse_t) if biases else None
+        return torch.cat(outs), bias_th
+
+    def _experts_grouped(self, x_th, expert_t, order_t, inverse_t):
+        """As `_experts_loop`, by two grouped GEMMs over the stacked expert weights, with
+        no host sync."""
+        fc1s = [e.dense_h_to_4h for e in self.experts]
+        fc2s = [e.dense_4h_to_h for e in self.experts]
+        biased = fc1s[0].bias is not None
+        params = self.expert_params(*(m.weight for m in fc1s), *(m.weight for m in fc2s),
+                                    *((m.bias for m in fc1s + fc2s) if biased else ()))
+        num = len(self.experts)
+        fc1_w, fc2_w, fc1_b, fc2_b = (params[i * num:(i + 1) * num] for i in range(4))
+        out_th = grouped_experts.experts_forward(
+            x_th, expert_t.index_select(0, order_t), fc1_w, fc1_b if biased else None, fc2_w,
+            self.experts[0].activation, self.tp_group)
+        return out_th, grouped_experts.expert_rows(expert_t, fc2_b) if biased else None
 
 
 class ParallelAttention(nn.Module):
