@@ -21,9 +21,13 @@ Tokens are drawn from the tokenizer's vocabulary only, so a --seed gives the sam
 whatever layout padded the vocabulary (without a tokenizer: the padded vocabulary).
 
 Decoding keeps a key/value cache (megatron/core/models/gpt/kv_cache.py): the prompt runs
-through the model once, then each new token alone. --no-kv-cache recomputes the whole
-sequence for every new token instead (the reference; same tokens, logits equal up to float
-rounding). Past --max-position-embeddings the context is cut to the last max_len tokens;
+through the model once, then each new token alone. On CUDA that one-token step runs at
+static shapes (a preallocated cache, the position in a device tensor) and is captured once
+as a CUDA graph, then replayed per token (megatron/core/models/gpt/static_decode.py):
+one launch instead of ~100 small kernels. --decode-cuda-graph auto (default: on where it
+can be captured -- CUDA, NCCL under tensor parallelism, no MoE layers), on (an error names
+why it cannot) or off (the eager step). --no-kv-cache recomputes the whole sequence for
+every new token instead (the reference; same tokens, logits equal up to float rounding). Past --max-position-embeddings the context is cut to the last max_len tokens;
 the cached keys cannot slide with it (their positions would change), so from there on
 every token recomputes that window, with or without the cache. It stops after
 --max-new-tokens or at the end-of-document token (unless --no-stop-at-eod). Prints the

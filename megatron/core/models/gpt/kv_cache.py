@@ -24,7 +24,9 @@ every rank returns the same full-vocabulary rows (tests/test_generate_tp.py: the
 tp = 2 equal those of tp = 1 within 1e-5 of the largest, fp32). This path is eager and
 separate: it calls the layers' submodules directly and never the training forward, the
 compiled layer graphs or their inputs, so training numerics and what torch.compile
-captures are unchanged. A cache holds at most `max_len` positions (<=
+captures are unchanged. Its one-token calls change shapes every token (launch-bound on a
+GPU); static_decode.py runs them at static shapes on the same cache, replayable from a CUDA
+graph. A cache holds at most `max_len` positions (<=
 --max-position-embeddings); what to do past that is the caller's choice (tools/generate.py recomputes the sliding window without the cache).
 """
 from __future__ import annotations
