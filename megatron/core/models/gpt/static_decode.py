@@ -224,18 +224,22 @@ class StaticDecoder:
     def _capture(self) -> None:
         """Warm-up steps on a side stream (lazily made cuBLAS handles and workspaces then
         exist for it), then the capture on that stream. Warm-ups restart at position 0,
-        so they never write past the cache; the capture only records."""
-        cache, stream = self.cache, torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP_STEPS):
-                cache.reset()
-                forward_static(self.model, self.tokens_b1, cache)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        cache.reset()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-            self.logits_b1v = forward_static(self.model, self.tokens_b1, cache)
+        so they never write past the cache; the capture only records. The model's device
+        is made current (a server's HTTP thread may have another), and other threads may
+        use CUDA meanwhile (thread-local capture mode)."""
+        cache = self.cache
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(WARMUP_STEPS):
+                    cache.reset()
+                    forward_static(self.model, self.tokens_b1, cache)
+            torch.cuda.current_stream().wait_stream(stream)
+            cache.reset()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                self.logits_b1v = forward_static(self.model, self.tokens_b1, cache)
         self.graph = graph
         self.num_captures += 1
 
