@@ -5,7 +5,8 @@ static steps give forward_incremental's logits (fp32: within 2e-6 of the largest
 and keep the device position equal to the host length; greedy and seeded tokens of
 `generate` / `generate_batch` through a StaticDecoder equal those without one over 20 and
 more steps; the decoder reuses its cache for the same batch size and allocates a new one
-otherwise; on tp = 2 gloo ranks the static step equals the one-process logits. On CUDA
+otherwise; --decode-cuda-graph in generate.py and the server (`on` refused by name on the
+CPU); on tp = 2 gloo ranks the static step equals the one-process logits. On CUDA
 (marked `cuda`) the captured graph's replays equal the eager static step, and a new
 request of the same shape reuses the graph."""
 from __future__ import annotations
@@ -142,6 +143,35 @@ def test_modes_and_refusals():
         decoder.step(_batch_ids(1, 1))
     with pytest.raises(ValueError, match="a cache of 25 positions: the model has 24"):
         decoder.new_cache(1, 25)
+
+
+# ------------------------------------------------------------------------ command lines
+def test_the_flag_in_generate_py_and_the_server(tmp_path):
+    """--decode-cuda-graph: `on` without CUDA (or with --no-kv-cache) is an error naming
+    why; auto on the CPU and off give the eager path's text; the server's engine keeps
+    the decoder (none here)."""
+    from tests.test_generate import _run_cli, _train
+    from tools import run_text_generation_server as server_mod
+
+    _train(tmp_path)
+    flags = ("--load", str(tmp_path), "--prompt-ids", "5,6,7", "--max-new-tokens", "8",
+             "--greedy", "--device", "cpu")
+    auto = _run_cli(*flags)
+    assert _run_cli(*flags, "--decode-cuda-graph", "off") == auto
+    with pytest.raises(SystemExit, match="generate.py: error: --decode-cuda-graph on: the "
+                                         "decode step cannot be captured: it needs CUDA"):
+        _run_cli(*flags, "--decode-cuda-graph", "on")
+    with pytest.raises(SystemExit):  # argparse: needs the key/value cache
+        generate.parse_args([*flags, "--no-kv-cache", "--decode-cuda-graph", "on"])
+    for mode in ("auto", "off"):
+        a, ns, explicit = server_mod.parse_args(["--load", str(tmp_path), "--device", "cpu",
+                                                 "--decode-cuda-graph", mode])
+        assert server_mod.build_engine(a, ns, explicit, environ={})[0].decoder is None
+    a, ns, explicit = server_mod.parse_args(["--load", str(tmp_path), "--device", "cpu",
+                                             "--decode-cuda-graph", "on"])
+    with pytest.raises(SystemExit, match="run_text_generation_server.py: error: "
+                                         "--decode-cuda-graph on: .*needs CUDA"):
+        server_mod.build_engine(a, ns, explicit, environ={})
 
 
 # ------------------------------------------------------------------ tensor parallelism
