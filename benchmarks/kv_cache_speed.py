@@ -1,12 +1,20 @@
-"""Tokens per second of tools/generate.py's `generate` with the key/value cache and with
-full recompute (--no-kv-cache), on a small random GPT: greedy, one sequence, a prompt of
+"""Tokens per second of tools/generate.py's `generate` on a small random GPT: full
+recompute (--no-kv-cache), the key/value cache's eager dynamic step ("cache eager"), its
+static one-token step run eagerly ("static eager", megatron/core/models/gpt/
+static_decode.py) and, on CUDA, that step replayed from a CUDA graph ("cache graphed";
+skipped elsewhere; the one capture is timed on its own). Greedy, one sequence, a prompt of
 --prompt tokens and --new generated tokens, fp32 unless --dtype says otherwise. Prints one
-line per path and whether the two paths gave the same tokens. A report, not a test.
-2 shared CPU cores, --threads 1, the defaults: 100.8 tokens/s with the cache, 12.6 without
-(8.0x; with --vocab 1024: 206.9 vs 33.2, 6.2x), the same tokens.
+line per path and whether it gave the tokens of the recompute and cache-eager paths. A
+report, not a test.
+
+2 shared CPU cores, --threads 1, the defaults: recompute 11.7 tokens/s, cache eager 87.1,
+static eager 88.6 (7.4x), the same tokens (graphed: skipped). Earlier: with --vocab 1024,
+206.9 vs 33.2 (6.2x). H200 figures: benchmarks/RESULTS.md.
 
     python benchmarks/kv_cache_speed.py [--layers 6 --hidden 256 --heads 8 --vocab 50304
                                          --prompt 64 --new 128 --device cpu --threads N]
+    python benchmarks/kv_cache_speed.py --device cuda --dtype bf16 --layers 24 \
+        --hidden 2048 --heads 16 --prompt 128 --new 256      # gpt-1.3b's shape
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.core.config import ModelConfig  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
+from megatron.core.models.gpt.static_decode import StaticDecoder  # noqa: E402
 from tools.generate import generate  # noqa: E402
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,6 +46,17 @@ def _args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _timed(fn, device: str):
+    """(result, seconds) of fn(), the device synchronised at both ends."""
+    if device != "cpu":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
 def main(argv=None) -> int:
     a = _args(argv)
     if a.threads:
@@ -52,16 +72,25 @@ def main(argv=None) -> int:
     print(f"{a.layers} layers, hidden {a.hidden}, vocab {a.vocab}, {a.dtype} on {a.device} "
           f"({torch.get_num_threads()} threads): {a.new} tokens after a {a.prompt}-token prompt")
     generate(model, prompt, 4, greedy=True)  # warm-up
+    paths = {"recompute": dict(use_cache=False), "cache eager": {},
+             "static eager": dict(decoder=StaticDecoder(model, graphed=False))}
+    decoder = StaticDecoder.for_mode(model, "auto")
+    if decoder is not None:  # the capture (warm-up steps included) is timed on its own
+        _, seconds = _timed(lambda: decoder.new_cache(1, a.prompt + a.new - 1), a.device)
+        print(f"  CUDA graph capture of the one-token step: {seconds:.2f} s (once per shape)")
+        paths["cache graphed"] = dict(decoder=decoder)
+    print(f"  {'path':<14} {'seconds':>8} {'tokens/s':>9} {'ms/token':>9}  "
+          "same tokens as recompute / cache eager")
     tokens = {}
-    for use_cache in (True, False):
-        start = time.perf_counter()
-        tokens[use_cache] = generate(model, prompt, a.new, greedy=True, use_cache=use_cache)
-        if a.device != "cpu":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        print(f"  {'kv cache  ' if use_cache else 'recompute '} {seconds:7.2f} s  "
-              f"{a.new / seconds:8.1f} tokens/s")
-    print(f"  same tokens: {tokens[True] == tokens[False]}")
+    for name, kw in paths.items():
+        tokens[name], seconds = _timed(lambda: generate(model, prompt, a.new, greedy=True, **kw),
+                                       a.device)
+        same = [str(tokens[name] == tokens[ref]) for ref in ("recompute", "cache eager")
+                if ref in tokens and ref != name]
+        print(f"  {name:<14} {seconds:8.2f} {a.new / seconds:9.1f} "
+              f"{1000 * seconds / a.new:9.2f}  {' / '.join(same) or '-'}")
+    if decoder is None:
+        print("  cache graphed: skipped (the one-token step is captured on CUDA only)")
     return 0
 
 

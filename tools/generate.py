@@ -21,9 +21,13 @@ Tokens are drawn from the tokenizer's vocabulary only, so a --seed gives the sam
 whatever layout padded the vocabulary (without a tokenizer: the padded vocabulary).
 
 Decoding keeps a key/value cache (megatron/core/models/gpt/kv_cache.py): the prompt runs
-through the model once, then each new token alone. --no-kv-cache recomputes the whole
-sequence for every new token instead (the reference; same tokens, logits equal up to float
-rounding). Past --max-position-embeddings the context is cut to the last max_len tokens;
+through the model once, then each new token alone. On CUDA that one-token step runs at
+static shapes (a preallocated cache, the position in a device tensor) and is captured once
+as a CUDA graph, then replayed per token (megatron/core/models/gpt/static_decode.py):
+one launch instead of ~100 small kernels. --decode-cuda-graph auto (default: on where it
+can be captured -- CUDA, NCCL under tensor parallelism, no MoE layers), on (an error names
+why it cannot) or off (the eager step). --no-kv-cache recomputes the whole sequence for
+every new token instead (the reference; same tokens, logits equal up to float rounding). Past --max-position-embeddings the context is cut to the last max_len tokens;
 the cached keys cannot slide with it (their positions would change), so from there on
 every token recomputes that window, with or without the cache. It stops after
 --max-new-tokens or at the end-of-document token (unless --no-stop-at-eod). Prints the
@@ -66,10 +70,11 @@ from megatron.core.models.gpt.kv_cache import (  # noqa: E402
     forward_incremental,
     gather_vocab,
 )
+from megatron.core.models.gpt.static_decode import MODES, StaticDecoder  # noqa: E402
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-__all__ = ["config_from_args", "load_model", "sample_next", "generate", "generate_batch",
-           "main"]
+__all__ = ["build_decoder", "config_from_args", "load_model", "sample_next", "generate",
+           "generate_batch", "main"]
 
 
 # ------------------------------------------------------------------------------ model
@@ -126,17 +131,21 @@ class _NextLogits:
     key/value cache's prefill) and later calls run the new token only; once the sequence
     is longer than the model's positions (no cache slot, and learned or rotary positions
     cannot slide) every call recomputes the last --max-position-embeddings tokens, as the
-    path without a cache does for every token."""
+    path without a cache does for every token. With a `decoder` (StaticDecoder) the cache
+    is the decoder's and the one-token calls are its static steps (CUDA-graph replays)."""
 
-    def __init__(self, model, use_cache: bool, capacity: int):
+    def __init__(self, model, use_cache: bool, capacity: int,
+                 decoder: Optional[StaticDecoder] = None):
         self.model = model
         self.device = next(model.parameters()).device
         self.max_len = model.config.max_position_embeddings
         self.cache = None
+        self.decoder = decoder if use_cache else None
         if use_cache:
             check_incremental(model)
-            self.cache = KVCache(len(model.language_model.encoder.layers),
-                                 min(self.max_len, capacity))
+            capacity = min(self.max_len, capacity)
+            self.cache = (decoder.new_cache(1, capacity) if decoder is not None else
+                          KVCache(len(model.language_model.encoder.layers), capacity))
 
     def __call__(self, ids: List[int]) -> torch.Tensor:
         cache = self.cache
@@ -144,6 +153,8 @@ class _NextLogits:
             context = torch.tensor([ids[-self.max_len:]], dtype=torch.long, device=self.device)
             return gather_vocab(self.model, self.model(context))[0, -1]
         new = torch.tensor([ids[cache.length:]], dtype=torch.long, device=self.device)
+        if self.decoder is not None and cache.length > 0 and new.shape[1] == 1:
+            return self.decoder.step(new)[0, -1]
         return forward_incremental(self.model, new, cache, last_only=True)[0, -1]
 
 
@@ -153,7 +164,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, greedy: b
              generator: Optional[torch.Generator] = None, eod: Optional[int] = None,
              vocab_limit: Optional[int] = None,
              stop: Optional[Callable[[List[int]], bool]] = None,
-             use_cache: bool = True) -> List[int]:
+             use_cache: bool = True, decoder: Optional[StaticDecoder] = None) -> List[int]:
     """New token ids after `prompt_ids`. With `use_cache` (default) a key/value cache
     (megatron/core/models/gpt/kv_cache.py) runs each new token alone through the model;
     `use_cache=False` recomputes the whole context for every token (the reference: the
@@ -167,12 +178,14 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, greedy: b
     padding rows of the embedding are never produced, and a seeded draw does not depend on
     how far the layout padded the vocabulary (tp x --make-vocab-size-divisible-by).
     `stop(ids)`, called with the whole sequence after each new token, ends generation
-    early when it returns True."""
+    early when it returns True. `decoder` (a StaticDecoder, `StaticDecoder.for_mode`; None:
+    the dynamic path) runs the cached one-token steps at static shapes -- on CUDA replayed
+    from a captured graph -- with the same tokens (the logits agree up to float rounding)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty; give --prompt or --prompt-ids")
     ids = list(prompt_ids)
     next_logits = _NextLogits(model, use_cache and max_new_tokens > 0,
-                              len(ids) + max_new_tokens - 1)
+                              len(ids) + max_new_tokens - 1, decoder)
     out: List[int] = []
     for _ in range(max_new_tokens):
         logits = next_logits(ids)[:vocab_limit].float()
@@ -185,15 +198,22 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, greedy: b
 
 
 def _batch_step_logits(model, cache: KVCache, tokens_bs: torch.Tensor,
-                       vocab_limit: Optional[int]) -> torch.Tensor:
-    """Logits [b, vocab_limit] (fp32) of the token after `tokens_bs`, which extend `cache`."""
-    return forward_incremental(model, tokens_bs, cache, last_only=True)[:, -1, :vocab_limit].float()
+                       vocab_limit: Optional[int],
+                       decoder: Optional[StaticDecoder] = None) -> torch.Tensor:
+    """Logits [b, vocab_limit] (fp32) of the token after `tokens_bs`, which extend `cache`
+    (one token after the prefill: `decoder`'s static step, when given)."""
+    if decoder is not None and cache.length > 0 and tokens_bs.shape[1] == 1:
+        logits = decoder.step(tokens_bs)
+    else:
+        logits = forward_incremental(model, tokens_bs, cache, last_only=True)
+    return logits[:, -1, :vocab_limit].float()
 
 
 def _decode_together(model, prompts: List[List[int]], max_new_tokens: int,
                      pick: Callable[[torch.Tensor, int], int],
                      done: Callable[[int, List[int], int], bool],
-                     vocab_limit: Optional[int]) -> List[List[int]]:
+                     vocab_limit: Optional[int],
+                     decoder: Optional[StaticDecoder] = None) -> List[List[int]]:
     """New ids of each prompt, all rows through one key/value cache at shared positions.
     Every row is prefilled up to the shortest prompt; then each call feeds one position
     of every row: a row still inside its prompt feeds its next prompt token (what the
@@ -201,17 +221,19 @@ def _decode_together(model, prompts: List[List[int]], max_new_tokens: int,
     finished row feeds padding (id 0) that no other row sees (attention stays within a
     row). `pick(logits [V], row)` draws a token, `done(row, sequence, token)` says whether
     the row ends after it. Every row must fit: len(prompt) + max_new_tokens - 1 <= the
-    model's positions."""
+    model's positions. With a `decoder` the cache is its own (reused across calls) and
+    the one-token calls are its static steps."""
     device = next(model.parameters()).device
     seqs = [list(p) for p in prompts]
     out: List[List[int]] = [[] for _ in prompts]
     finished = [False] * len(prompts)
     pos = min(len(p) for p in prompts)
-    cache = KVCache(len(model.language_model.encoder.layers),
-                    max(len(p) for p in prompts) + max_new_tokens - 1)
+    need = max(len(p) for p in prompts) + max_new_tokens - 1
+    cache = (decoder.new_cache(len(prompts), need) if decoder is not None else
+             KVCache(len(model.language_model.encoder.layers), need))
     tokens = torch.tensor([p[:pos] for p in prompts], dtype=torch.long, device=device)
     while True:
-        logits = _batch_step_logits(model, cache, tokens, vocab_limit)  # predicts index pos
+        logits = _batch_step_logits(model, cache, tokens, vocab_limit, decoder)  # index pos
         for row, seq in enumerate(seqs):
             if not finished[row] and len(seq) == pos:  # the row's prompt is all in the cache
                 token = pick(logits[row], row)
@@ -231,7 +253,8 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                    top_p: float = 1.0,
                    generators: Optional[Sequence[Optional[torch.Generator]]] = None,
                    eod: Optional[int] = None, vocab_limit: Optional[int] = None,
-                   stop: Optional[Callable[[List[int]], bool]] = None) -> List[List[int]]:
+                   stop: Optional[Callable[[List[int]], bool]] = None,
+                   decoder: Optional[StaticDecoder] = None) -> List[List[int]]:
     """New token ids after each of `prompts`, decoded together as one batch through a
     key/value cache: `generate` for every prompt (same arguments, `use_cache` on), one
     model call per position instead of one per prompt and position.
@@ -244,7 +267,9 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     ended. A prompt whose tokens plus max_new_tokens - 1 exceed --max-position-embeddings
     is generated alone by `generate` (its window recompute does not fit a shared cache).
     The model is as for `generate`: one process, or every rank of a tensor-parallel group
-    in lockstep (ValueError otherwise)."""
+    in lockstep (ValueError otherwise). `decoder` (a StaticDecoder; None: the dynamic
+    path) runs the one-token steps of the batch at static shapes, its cache and CUDA graph
+    reused by the next call with as many rows and no more positions."""
     prompts = [list(p) for p in prompts]
     if not prompts or not all(prompts):
         raise ValueError("generate_batch needs at least one prompt and no empty prompt "
@@ -272,7 +297,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         return (eod is not None and token == eod) or (stop is not None and stop(seq))
 
     batch = _decode_together(model, [prompts[i] for i in rows], max_new_tokens, pick, done,
-                             vocab_limit)
+                             vocab_limit, decoder)
     for i, new in zip(rows, batch):
         out[i] = new
     return out
@@ -315,6 +340,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-kv-cache", action="store_true",
                     help="recompute the whole context for every token (the reference the "
                          "key/value cache is checked against; slower)")
+    ap.add_argument("--decode-cuda-graph", choices=MODES, default="auto",
+                    help="run each cached one-token step as one replay of a CUDA graph "
+                         "(static shapes; captured per batch size and cache length). "
+                         "auto (default): on CUDA where the step can be captured; on: "
+                         "insist (an error names why it cannot); off (and auto elsewhere): "
+                         "the eager cached step")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
                     help="default: the checkpoint's on CUDA, fp32 on CPU")
@@ -331,7 +362,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.max_new_tokens < 0 or a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
         ap.error("need --max-new-tokens >= 0, --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
+    if a.no_kv_cache and a.decode_cuda_graph == "on":
+        ap.error("--decode-cuda-graph on replays the cached one-token step: it needs the "
+                 "key/value cache; drop --no-kv-cache or use --decode-cuda-graph auto/off")
     return a
+
+
+def build_decoder(model, mode: str, use_cache: bool = True,
+                  prog: str = "generate.py") -> Optional[StaticDecoder]:
+    """The StaticDecoder of --decode-cuda-graph MODE (None: the dynamic cached path, or no
+    cache at all); SystemExit naming the reason when `on` cannot be honoured."""
+    if not use_cache:
+        if mode == "on":
+            raise SystemExit(f"{prog}: error: --decode-cuda-graph on replays the cached "
+                             "one-token step: it needs the key/value cache; drop "
+                             "--no-kv-cache or use --decode-cuda-graph auto/off")
+        return None
+    try:
+        return StaticDecoder.for_mode(model, mode)
+    except ValueError as exc:
+        raise SystemExit(f"{prog}: error: {exc}") from None
 
 
 def _file_prompts(path: str) -> List[str]:
@@ -426,7 +476,8 @@ def main(argv=None, environ=None) -> int:
              int(config.args.get("padded_vocab_size") or config.model.padded_vocab_size))
     eod = None if (a.no_stop_at_eod or tokenizer is None) else getattr(tokenizer, "eod", None)
     sampling = dict(greedy=a.greedy, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                    eod=eod, vocab_limit=vocab)
+                    eod=eod, vocab_limit=vocab,
+                    decoder=build_decoder(model, a.decode_cuda_graph, not a.no_kv_cache))
     if a.prompt_file is not None:
         return _main_file(a, model, iteration, rank, tokenizer, why_not, vocab, sampling)
     ids = _checked_ids(_prompt_ids(a, tokenizer, why_not), vocab)

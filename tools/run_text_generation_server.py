@@ -30,8 +30,11 @@ message and every rank exits; a rank 0 killed outright breaks the other ranks' b
 and they exit with an error. --pipeline-model-parallel-size > 1 is refused (a checkpoint of
 any pp layout loads at pp 1), and so is a world size other than the tensor-parallel size.
 The prompts of a request are generated together as one batch through a key/value cache
-(tools/generate.py generate_batch); --no-kv-cache runs them one at a time, recomputing the
-whole context for every token instead (the reference: same tokens, slower).
+(tools/generate.py generate_batch); on CUDA each one-token step of the batch is one replay
+of a CUDA graph (--decode-cuda-graph auto, the default; captured at the first request of a
+batch size and reused by later ones: megatron/core/models/gpt/static_decode.py).
+--no-kv-cache runs them one at a time, recomputing the whole context for every token
+instead (the reference: same tokens, slower).
 
 The request and response are described in tools/text_generation_api.py (Megatron's PUT /api
 fields). Requests run one at a time; each prints one line to stdout. Bad requests get HTTP
@@ -63,7 +66,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tools.generate import _device, build_tokenizer_from, load_model  # noqa: E402
+from megatron.core.models.gpt.static_decode import MODES  # noqa: E402
+from tools.generate import (  # noqa: E402
+    _device,
+    build_decoder,
+    build_tokenizer_from,
+    load_model,
+)
 from tools.text_generation_api import (  # noqa: E402
     Engine,
     RequestError,
@@ -104,6 +113,11 @@ def _server_parser() -> argparse.ArgumentParser:
                     help="generate a request's prompts one at a time, recomputing the "
                          "whole context for every token (as tools/generate.py "
                          "--no-kv-cache; slower, for checking)")
+    ap.add_argument("--decode-cuda-graph", choices=MODES, default="auto",
+                    help="replay each cached one-token step from a CUDA graph (as "
+                         "tools/generate.py --decode-cuda-graph): auto (default) where it "
+                         "can be captured (CUDA; NCCL under tensor parallelism), on: "
+                         "insist, off: the eager cached step")
     for flag, kind in (("--temperature", float), ("--top_p", float), ("--top_k", int),
                        ("--out-seq-length", int)):  # Megatron's server flags: requests set these
         ap.add_argument(flag, type=kind, default=None, help="no effect: each request sets it")
@@ -194,7 +208,9 @@ def build_engine(a, ns, explicit: Set[str], environ=None) -> Tuple[Engine, int]:
     engine = Engine(model, tokenizer, tokenizer.vocab_size,
                     config.model.max_position_embeddings,
                     torch.Generator().manual_seed(ns.seed), max_tokens=ns.max_tokens_to_oom,
-                    use_kv_cache=not a.no_kv_cache, runtime=rt)
+                    use_kv_cache=not a.no_kv_cache, runtime=rt,
+                    decoder=build_decoder(model, a.decode_cuda_graph, not a.no_kv_cache,
+                                          _PROG))
     return engine, iteration
 
 

@@ -94,7 +94,8 @@ class Engine:
     """What a request runs on: the model (eval mode), its tokenizer, the tokenizer's
     vocabulary size, the longest sequence, the generator of unseeded requests, the
     request size limit, whether generation keeps a key/value cache, the tensor-parallel
-    runtime (None: one process), and the lock that lets one request at a time use the
+    runtime (None: one process), the static decoder whose CUDA graph the requests share
+    (None: the eager cached step), and the lock that lets one request at a time use the
     model."""
 
     model: torch.nn.Module
@@ -105,6 +106,7 @@ class Engine:
     max_tokens: int = 12000  # --max-tokens-to-oom: prompts x longest sequence per request
     use_kv_cache: bool = True  # False (--no-kv-cache): recompute the context per token
     runtime: Any = None  # under torchrun: the tensor-parallel Runtime (tools/generate_tp.py)
+    decoder: Any = None  # a StaticDecoder (--decode-cuda-graph), reused across requests
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -274,7 +276,7 @@ def _generate_all(engine: Engine, req: GenerationRequest,
     gens = row_generators(engine, req, len(all_ids))
     if engine.use_kv_cache:
         return generate_batch(engine.model, all_ids, req.tokens_to_generate,
-                              generators=gens, **kw)
+                              generators=gens, decoder=engine.decoder, **kw)
     return [generate(engine.model, ids, req.tokens_to_generate, generator=gen,
                      use_cache=False, **kw) for ids, gen in zip(all_ids, gens)]
 

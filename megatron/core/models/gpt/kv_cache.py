@@ -24,7 +24,9 @@ every rank returns the same full-vocabulary rows (tests/test_generate_tp.py: the
 tp = 2 equal those of tp = 1 within 1e-5 of the largest, fp32). This path is eager and
 separate: it calls the layers' submodules directly and never the training forward, the
 compiled layer graphs or their inputs, so training numerics and what torch.compile
-captures are unchanged. A cache holds at most `max_len` positions (<=
+captures are unchanged. Its one-token calls change shapes every token (launch-bound on a
+GPU); static_decode.py runs them at static shapes on the same cache, replayable from a CUDA
+graph. A cache holds at most `max_len` positions (<=
 --max-position-embeddings); what to do past that is the caller's choice (tools/generate.py recomputes the sliding window without the cache).
 """
 from __future__ import annotations
@@ -43,9 +45,14 @@ from .transformer import sdpa_backend
 
 
 class KVCache:
-    """Per-layer keys and values, [b, g, max_len, d] each, allocated at a layer's first
-    `append` (in the dtype and on the device of its keys); `length` positions are filled.
-    One cache serves one sequence (batch) from position 0 on; start a new one for another."""
+    """Per-layer keys and values, [b, g, max_len, d] each, zero-filled at a layer's first
+    write (in the dtype and on the device of its keys); `length` positions are filled.
+    One cache serves one sequence (batch) from position 0 on; start a new one for another
+    (or `reset` it: megatron/core/models/gpt/static_decode.py reuses its tensors).
+
+    `position`, when set (static decoding), is `length` as a device tensor [1] (int64),
+    which the static one-token step reads and advances without a host value; every call
+    of `forward_incremental` keeps it equal to `length`."""
 
     def __init__(self, num_layers: int, max_len: int) -> None:
         if max_len < 1:
@@ -55,20 +62,39 @@ class KVCache:
         self.keys: List[Optional[torch.Tensor]] = [None] * num_layers
         self.values: List[Optional[torch.Tensor]] = [None] * num_layers
         self.rotary: Optional[torch.Tensor] = None  # [2, >= max_len, 1, 1, rot]: cos, sin
+        self.position: Optional[torch.Tensor] = None  # [1] int64 == length (static steps)
+
+    def tensors(self, layer: int, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s whole key and value tensors [b, g, max_len, d], allocated at
+        the first call as zeros shaped and typed after `k_bgsd` / `v_bgsd`. Zeros, not
+        uninitialised memory: the static step reads every slot (masked, but a NaN left in
+        a masked value slot would still reach the output as 0 * NaN)."""
+        if self.keys[layer] is None:
+            b, g, _, d = k_bgsd.shape
+            self.keys[layer] = k_bgsd.new_zeros(b, g, self.max_len, d)
+            self.values[layer] = v_bgsd.new_zeros(b, g, self.max_len, d)
+        return self.keys[layer], self.values[layer]
 
     def append(self, layer: int, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor
                ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Store layer `layer`'s keys and values of the positions [length, length + s);
         return its keys and values of positions [0, length + s) (views into the cache)."""
         end = self.length + k_bgsd.shape[2]
-        if self.keys[layer] is None:
-            b, g, _, d = k_bgsd.shape
-            self.keys[layer] = k_bgsd.new_empty(b, g, self.max_len, d)
-            self.values[layer] = v_bgsd.new_empty(b, g, self.max_len, d)
-        k_all, v_all = self.keys[layer], self.values[layer]
+        k_all, v_all = self.tensors(layer, k_bgsd, v_bgsd)
         k_all[:, :, self.length:end] = k_bgsd
         v_all[:, :, self.length:end] = v_bgsd
         return k_all[:, :, :end], v_all[:, :, :end]
+
+    def reset(self) -> None:
+        """Back to position 0 for a new sequence batch of the same size, keeping the
+        tensors (zeroed again, so nothing of the last batch can reach the next)."""
+        self.length = 0
+        for t in self.keys + self.values:
+            if t is not None:
+                t.zero_()
+        if self.position is not None:
+            self.position.zero_()
 
 
 def check_incremental(model) -> None:
@@ -103,8 +129,9 @@ def _attend(attn, q_bnsd, k_bgLd, v_bgLd) -> torch.Tensor:
             scale=1.0 / math.sqrt(attn.d), **gqa)
 
 
-def _attention_step(attn, x_sbh, rotary_table, cache: KVCache, layer: int):
-    """ParallelAttention.forward for the new tokens, keys and values through the cache."""
+def qkv_heads(attn, x_sbh, rotary_table):
+    """The QKV projection of the new tokens split into heads, q and k rotated:
+    q [b, n, s, d], k and v [b, g, s, d] (ParallelAttention.forward's first half)."""
     qkv, bias = attn.query_key_value(x_sbh)
     if bias is not None:
         qkv = qkv + bias
@@ -112,17 +139,23 @@ def _attention_step(attn, x_sbh, rotary_table, cache: KVCache, layer: int):
         q, k, v = attn._split_qkv(qkv)  # [s, b, n|g, d]
     else:
         q, k, v = split_and_rotate(qkv, rotary_table, attn.g, attn.n // attn.g, attn.d)
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n|g, s, d]
+    return tuple(t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n|g, s, d]
+
+
+def _attention_step(attn, x_sbh, rotary_table, cache: KVCache, layer: int):
+    """ParallelAttention.forward for the new tokens, keys and values through the cache."""
+    q, k, v = qkv_heads(attn, x_sbh, rotary_table)
     k_all, v_all = cache.append(layer, k, v)
     ctx = _attend(attn, q, k_all, v_all)
-    s, b = qkv.shape[0], qkv.shape[1]
+    b, _, s, _ = q.shape
     return attn.dense(ctx.permute(2, 0, 1, 3).reshape(s, b, attn.n * attn.d))
 
 
-def _layer_step(layer, x_sbh, rotary_table, cache: KVCache, index: int):
-    """TransformerLayer.forward (pre-LN, or post-LN residuals) with cached attention."""
+def layer_step(layer, x_sbh, attention):
+    """TransformerLayer.forward (pre-LN, or post-LN residuals) with the self-attention
+    replaced by `attention(self_attention, x_sbh)` -> (out, bias) (a cached one)."""
     ln = layer.input_layernorm(x_sbh)
-    out, bias = _attention_step(layer.self_attention, ln, rotary_table, cache, index)
+    out, bias = attention(layer.self_attention, ln)
     if layer.config.apply_residual_connection_post_layernorm:
         x_sbh = layer._residual_dropout(out, bias, ln)
         ln = layer.post_attention_layernorm(x_sbh)
@@ -133,17 +166,18 @@ def _layer_step(layer, x_sbh, rotary_table, cache: KVCache, index: int):
     return layer._residual_dropout(out, bias, x_sbh)
 
 
-def _rotary_rows(model, cache: KVCache, device, start: int, end: int):
-    """Rows [start, end) of the rotary cos/sin table, or None without rotary positions.
-    The table is the cache's own, built as GPTModel builds its table (same function, same
-    length when the cache fits in --seq-length, so the same values): the model's table,
-    which the training forward passes to the compiled layers, is left as it is."""
+def rotary_table_of(model, cache: KVCache, device) -> Optional[torch.Tensor]:
+    """The cache's rotary cos/sin table [2, >= max_len, 1, 1, rot], or None without rotary
+    positions. The table is the cache's own, built as GPTModel builds its table (same
+    function, same length when the cache fits in --seq-length, so the same values): the
+    model's table, which the training forward passes to the compiled layers, is left as
+    it is."""
     if model.rotary_dim is None:
         return None
     if cache.rotary is None or cache.rotary.device != device:
         length = max(cache.max_len, model.config.seq_length)
         cache.rotary = rotary_table(length, model.rotary_dim, model.config.rotary_base, device)
-    return cache.rotary[:, start:end]
+    return cache.rotary
 
 
 def gather_vocab(model, logits_bsv: torch.Tensor) -> torch.Tensor:
@@ -177,10 +211,14 @@ def forward_incremental(model, input_ids_bs: torch.Tensor, cache: KVCache,
     if lm.embedding.position_embeddings is not None:
         position_ids = torch.arange(start, end, device=input_ids_bs.device)[None]
     hidden_sbh = lm.embedding(input_ids_bs, position_ids)
-    rotary = _rotary_rows(model, cache, hidden_sbh.device, start, end)
+    rotary = rotary_table_of(model, cache, hidden_sbh.device)
+    rotary = None if rotary is None else rotary[:, start:end]
     for i, layer in enumerate(lm.encoder.layers):
-        hidden_sbh = _layer_step(layer, hidden_sbh, rotary, cache, i)
+        hidden_sbh = layer_step(layer, hidden_sbh, lambda attn, x, i=i:
+                                _attention_step(attn, x, rotary, cache, i))
     cache.length = end
+    if cache.position is not None:
+        cache.position.fill_(end)
     hidden_sbh = lm.encoder.final_layernorm(hidden_sbh)
     if last_only:
         hidden_sbh = hidden_sbh[-1:]
