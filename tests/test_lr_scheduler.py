@@ -149,6 +149,29 @@ def test_mismatch_raises_naming_key():
         sched.load_state_dict(sd)
 
 
+def test_check_state_dict_lists_every_difference_and_changes_nothing():
+    """--dry-run's check: every value load_state_dict would stop on (it names only the
+    first), the notes it would return, and the scheduler left as it was."""
+    sd = OptimizerParamScheduler(_optimizer(), _config(lr=2e-3)).state_dict()
+    sched = OptimizerParamScheduler(_optimizer(), _config(lr_decay_steps=2 * DECAY))
+    notes, errors = sched.check_state_dict(sd)
+    assert notes == [] and len(errors) == 2
+    assert errors[0].startswith("optimizer-parameter-scheduler value 'max_lr' from the "
+                                "checkpoint (0.002) differs from the command line (0.001)")
+    assert "'lr_decay_steps' (in samples: iterations x global batch size) from the " \
+           "checkpoint (1000) differs from the command line (2000)" in errors[1]
+    assert sched.max_lr == MAX_LR and sched.lr_decay_steps == 2 * DECAY
+    with pytest.raises(ValueError, match="max_lr"):
+        sched.load_state_dict(sd)
+    keep = OptimizerParamScheduler(_optimizer(), _config(override_opt_param_scheduler=True))
+    assert keep.check_state_dict(sd) == ([
+        "max_lr: using the command line's 0.001, not the checkpoint's 0.002 "
+        "(--override-opt_param-scheduler)"], [])
+    assert keep.max_lr == MAX_LR
+    assert sched.check_state_dict({"max_lr": MAX_LR})[1] == [
+        "optimizer-parameter-scheduler checkpoint has no 'min_lr'"]
+
+
 def test_override_and_use_checkpoint_flags():
     old = OptimizerParamScheduler(_optimizer(), _config(lr=2e-3))
     old.step(200)

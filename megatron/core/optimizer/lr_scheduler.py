@@ -211,10 +211,13 @@ class OptimizerParamScheduler:
             "wd_incr_steps": self.wd_incr_steps,
         }
 
-    def _check_and_set(self, current, saved, name: str, notes: List[str]):
+    def _check_and_set(self, current, saved, name: str, notes: List[str],
+                       errors: Optional[List[str]] = None):
         """Megatron's rule: override -> keep config; use_checkpoint -> take the checkpoint;
         otherwise the two must agree. A value one of the two flags settles differently from
-        the other side is described in `notes` (Megatron prints one line per value)."""
+        the other side is described in `notes` (Megatron prints one line per value). A
+        difference neither flag settles is a ValueError, or appended to `errors` when a
+        list is given (the config's value is then kept)."""
         unit = _SAMPLE_UNITS if name.endswith("_steps") else ""
         if self.override_opt_param_scheduler:
             if current != saved:
@@ -222,12 +225,16 @@ class OptimizerParamScheduler:
                              f"checkpoint's {saved} (--override-opt_param-scheduler)")
             return current
         if not self.use_checkpoint_opt_param_scheduler and current != saved:
-            raise ValueError(
+            message = (
                 f"optimizer-parameter-scheduler value {name!r}{unit} from the checkpoint "
                 f"({saved}) differs from the command line ({current}); pass "
                 f"--override-opt_param-scheduler to use the command line or "
                 f"--use-checkpoint-opt_param-scheduler to use the checkpoint"
             )
+            if errors is None:
+                raise ValueError(message)
+            errors.append(message)
+            return current
         if current != saved:
             notes.append(f"{name}{unit}: using the checkpoint's {saved}, not the command "
                          f"line's {current} (--use-checkpoint-opt_param-scheduler)")
@@ -249,6 +256,22 @@ class OptimizerParamScheduler:
                 f"computes it (pass --use-checkpoint-opt_param-scheduler to keep {saved})")
         return True
 
+    def _settled_values(self, state_dict: Dict[str, Any], notes: List[str],
+                        errors: Optional[List[str]] = None) -> Dict[str, Any]:
+        """name -> the value the run goes on with, for every value a checkpoint entry holds
+        (`_check_and_set`'s rule; older Megatron key names accepted). KeyError for an entry
+        that lacks one."""
+        keys = ["max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style"]
+        if "start_wd" in state_dict:
+            keys += ["start_wd", "end_wd", "wd_incr_steps", "wd_incr_style"]
+        values = {}
+        for key in keys:
+            saved = _saved_value(state_dict, key)
+            if key == "lr_warmup_steps" and self._keep_fractional_warmup(saved):
+                continue
+            values[key] = self._check_and_set(getattr(self, key), saved, key, notes, errors)
+        return values
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> List[str]:
         """Restore from a checkpoint entry (also accepts the older Megatron key names).
 
@@ -257,21 +280,29 @@ class OptimizerParamScheduler:
         one side (for the caller to print); without either flag a difference is a
         ValueError."""
         notes: List[str] = []
-
-        def saved(key):
-            for k in (key,) + _LEGACY_KEYS.get(key, ()):
-                if k in state_dict:
-                    return state_dict[k]
-            raise KeyError(f"optimizer-parameter-scheduler checkpoint has no {key!r}")
-
-        for key in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style"):
-            if key == "lr_warmup_steps" and self._keep_fractional_warmup(saved(key)):
-                continue
-            setattr(self, key, self._check_and_set(getattr(self, key), saved(key), key, notes))
-        if "start_wd" in state_dict:
-            for key in ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style"):
-                setattr(self, key,
-                        self._check_and_set(getattr(self, key), saved(key), key, notes))
+        for key, value in self._settled_values(state_dict, notes).items():
+            setattr(self, key, value)
         self.num_steps = 0
-        self.step(int(saved("num_steps")))
+        self.step(int(_saved_value(state_dict, "num_steps")))
         return notes
+
+    def check_state_dict(self, state_dict: Dict[str, Any]) -> Tuple[List[str], List[str]]:
+        """(notes, errors) of loading `state_dict`, changing nothing: the notes
+        `load_state_dict` would return and the message of every difference it would raise
+        a ValueError for (it stops at the first). For `--dry-run`."""
+        notes: List[str] = []
+        errors: List[str] = []
+        try:
+            self._settled_values(state_dict, notes, errors)
+            _saved_value(state_dict, "num_steps")
+        except KeyError as exc:
+            errors.append(str(exc.args[0]))
+        return notes, errors
+
+
+def _saved_value(state_dict: Dict[str, Any], key: str):
+    """`key` of a scheduler checkpoint entry, or its older Megatron name; KeyError if none."""
+    for k in (key,) + _LEGACY_KEYS.get(key, ()):
+        if k in state_dict:
+            return state_dict[k]
+    raise KeyError(f"optimizer-parameter-scheduler checkpoint has no {key!r}")
