@@ -3,7 +3,7 @@ split, analytic parameter counts, missing input files) and Megatron's arguments 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from megatron.config import Config, ModelConfig
 
@@ -129,6 +129,12 @@ def _samples(n) -> str:
 
 def dry_run_report(config: Config, world_size: int) -> str:
     """Human-readable summary of a resolved configuration for `--dry-run`."""
+    return _dry_run(config, world_size)[0]
+
+
+def _dry_run(config: Config, world_size: int) -> tuple:
+    """(the `--dry-run` report, whether the run would fail: missing inputs, or a
+    checkpoint under --load that the run could not load)."""
     m, p, d, t, o = config.model, config.parallel, config.data, config.training, config.optimizer
     counts = count_parameters(m, p.tp_size, p.pp_size, p.standalone_embedding_stage)
     dtype = "bf16" if o.bf16 else "fp16" if o.fp16 else "fp32"
@@ -158,10 +164,33 @@ def dry_run_report(config: Config, world_size: int) -> str:
         lines += [f"  {item}" for item in missing]
     else:
         lines.append("all input files found")
+    load_lines, load_fails = _checkpoint_lines(config)
+    return "\n".join(lines + load_lines), bool(missing) or load_fails
+
+
+def _checkpoint_lines(config: Config) -> Tuple[List[str], bool]:
+    """(what loading --load would do and every problem that would stop it, whether there
+    is one), read from the tracker and the checkpoint's stored arguments and states, not
+    its weights (megatron/checkpoint_preflight.py)."""
+    from megatron.checkpoint_preflight import preflight_load
+
     load = config.checkpoint.load
-    if load and not os.path.isdir(load):
-        lines.append(f"note: --load {load} does not exist; training would start from scratch")
-    return "\n".join(lines)
+    if not load:
+        return [], False
+    if not os.path.isdir(load):
+        if config.checkpoint.exit_on_missing_checkpoint:
+            return [], False  # a missing input (above)
+        return [f"checkpoint (--load {load}): the directory does not exist; training would "
+                "start from scratch"], False
+    found = preflight_load(config)
+    lines = [f"checkpoint (--load {load}):"] + [f"  {line}" for line in found.lines]
+    if not found.problems:
+        return lines, False
+    lines.append(f"checkpoint problems ({len(found.problems)}; the real run stops at the "
+                 "first):")
+    for problem in found.problems:
+        lines += [f"  {part}" for part in problem.splitlines()]
+    return lines + ["the run would stop when it loads the checkpoint"], True
 
 
 def _local_gpu_memory() -> Optional[int]:
@@ -185,9 +214,11 @@ def _memory_lines(config: Config) -> List[str]:
 
 
 def run_dry_run(config: Config, world_size: int) -> int:
-    """Print the dry-run report; return the exit status (1 when inputs are missing)."""
-    print(dry_run_report(config, world_size))
-    return 1 if find_missing_inputs(config.args) else 0
+    """Print the dry-run report; return the exit status (1 when inputs are missing or the
+    checkpoint under --load would stop the run)."""
+    text, failed = _dry_run(config, world_size)
+    print(text)
+    return 1 if failed else 0
 
 
 def format_args_dump(args: Dict[str, Any]) -> str:

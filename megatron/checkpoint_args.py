@@ -148,11 +148,19 @@ def check_checkpoint_args(saved: Optional[Dict], run: Dict, where: str,
                           finetune: bool = False) -> None:
     """SystemExit naming every argument of this run (`run`) that differs from the checkpoint
     in `where` (its stored `saved` args; None: nothing to check), both values and the fix."""
+    text = checkpoint_args_message(saved, run, where, finetune)
+    if text is not None:
+        raise SystemExit(text)
+
+
+def checkpoint_args_message(saved: Optional[Dict], run: Dict, where: str,
+                            finetune: bool = False) -> Optional[str]:
+    """`check_checkpoint_args`'s error text, or None when the arguments fit."""
     if not isinstance(saved, dict):
-        return
+        return None
     items = checkpoint_arg_mismatches(saved, run, finetune)
     if not items:
-        return
+        return None
     lines = [f"  {m.name}: checkpoint {m.saved}, this run {m.run}" for m in items]
     fixes = "; ".join(m.fix for m in items)
     text = (f"error: the checkpoint in {where} was saved with other model arguments than this "
@@ -162,8 +170,8 @@ def check_checkpoint_args(saved: Optional[Dict], run: Dict, where: str,
     if finetune:
         text += (" --finetune does not skip these: they give the weights their shape and "
                  "layout.")
-    raise SystemExit(text)
+    return text
 
 
 __all__ = ["Mismatch", "SHAPE_ARGS", "OTHER_ARGS", "VOCAB_FILE_ARGS",
-           "checkpoint_arg_mismatches", "check_checkpoint_args"]
+           "checkpoint_arg_mismatches", "check_checkpoint_args", "checkpoint_args_message"]

@@ -462,13 +462,33 @@ def _check_rank_files(root: str, iteration: int, release: bool, ps: ParallelStat
     )
 
 
+def malformed_tracker_message(root: str, exc: ValueError) -> str:
+    """The error for a tracker file `read_tracker` rejects (`exc`), and the way out."""
+    return f"error: {exc}; {other_checkpoints_hint(root, '')}"
+
+
+def exit_on_missing_message(tracker: str) -> str:
+    """The error for a --load without a tracker file under --exit-on-missing-checkpoint."""
+    return (f"no checkpoint found: {tracker} does not exist and --exit-on-missing-checkpoint "
+            f"is set; check --load or drop the flag")
+
+
+def missing_iteration_dir_message(root: str, iteration: int, release: bool) -> str:
+    """The error for a tracker naming an iteration directory that does not exist."""
+    name = iteration_dir_name(iteration, release)
+    value = "release" if release else iteration
+    return (f"error: {tracker_path(root)} names {value}, but the checkpoint directory "
+            f"{os.path.join(root, name)} does not exist; fix the tracker file: "
+            f"{other_checkpoints_hint(root, name)}")
+
+
 def _agreed_iteration(root: str) -> Tuple[int, bool]:
     """(iteration, release) from the tracker, the MAX over ranks (all-reduce); -1 if none.
     SystemExit when the tracker file is malformed."""
     try:
         iteration, release = read_tracker(root)
     except ValueError as exc:
-        raise SystemExit(f"error: {exc}; {other_checkpoints_hint(root, '')}") from None
+        raise SystemExit(malformed_tracker_message(root, exc)) from None
     local = -1 if iteration is None else iteration
     agreed, any_release = _all_reduce_max([local, int(release)])
     if local != agreed and _dist_ready():
@@ -489,8 +509,7 @@ def resolve_checkpoint(root: Optional[str], ps: ParallelState,
     if agreed < 0:
         tracker = tracker_path(root) if root is not None else "(no --load directory given)"
         if exit_on_missing:
-            raise SystemExit(f"no checkpoint found: {tracker} does not exist and "
-                             f"--exit-on-missing-checkpoint is set; check --load or drop the flag")
+            raise SystemExit(exit_on_missing_message(tracker))
         if root is not None:
             refuse_untracked_checkpoints(root)
         print_rank_0(f"WARNING: could not find the metadata file {tracker}")
@@ -509,10 +528,7 @@ def _check_iteration_dir(root: str, iteration: int, release: bool, ps: ParallelS
     name = iteration_dir_name(iteration, release)
     if not _failing_ranks(ps, not os.path.isdir(os.path.join(root, name))):
         return
-    value = "release" if release else iteration
-    raise SystemExit(f"error: {tracker_path(root)} names {value}, but the checkpoint directory "
-                     f"{os.path.join(root, name)} does not exist; fix the tracker file: "
-                     f"{other_checkpoints_hint(root, name)}")
+    raise SystemExit(missing_iteration_dir_message(root, iteration, release))
 
 
 def load_rank_file(root: str, iteration: int, release: bool, ps: ParallelState) -> Dict:
@@ -568,6 +584,7 @@ __all__ = [
     "iteration_dir_name", "rank_dir_name", "tracker_path", "read_tracker", "describe_layout",
     "CheckpointWriteError", "check_save_dir", "save_checkpoint", "save_checkpoint_async", "resolve_checkpoint",
     "load_checkpoint", "load_rank_file", "load_extra_file", "list_checkpoints", "read_checkpoint_file",
-    "missing_tracker_message",
+    "missing_tracker_message", "malformed_tracker_message", "exit_on_missing_message",
+    "missing_iteration_dir_message",
     "unreadable_file_message", "READ_ERRORS", "get_rng_state", "set_rng_state", "args_to_plain",
 ]

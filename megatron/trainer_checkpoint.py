@@ -17,7 +17,7 @@ import torch
 
 from megatron.async_save import AsyncSaver
 from megatron.checkpoint_args import check_checkpoint_args
-from megatron.checkpoint_dirs import is_legacy_model_file, legacy_optimizer_message
+from megatron.checkpoint_preflight import states_to_load
 from megatron.checkpoint_reshard import (
     Layout,
     RankPlan,
@@ -214,33 +214,14 @@ class _Loaded(NamedTuple):
 
 
 def _states_to_load(ck, release: bool, first: Dict, path: str) -> Tuple[bool, bool]:
-    """(load the optimizer + scheduler, load the RNG) as Megatron decides: neither for
-    --finetune or a release checkpoint, nor what --no-load-optim / --no-load-rng exclude.
-    SystemExit when a state to load is not in the checkpoint (saved with --no-save-optim /
-    --no-save-rng), naming the flag that skips it, or when the optimizer state is in
-    Megatron-LM 23.04's per-data-parallel files, which are not read; RNG states that an
-    offline resharding dropped start fresh (with a note). `first` is the first rank's
-    payload, read from `path`."""
-    fresh = ck.finetune or release
-    with_optimizer = not (fresh or ck.no_load_optim)
-    with_rng = not (fresh or ck.no_load_rng)
-    if with_optimizer and is_legacy_model_file(path):
-        raise SystemExit(legacy_optimizer_message(path))
-    if with_optimizer and ("optimizer" not in first or "opt_param_scheduler" not in first):
-        raise SystemExit(f"error: unable to load optimizer from checkpoint {path}: it holds no "
-                         "optimizer state (saved with --no-save-optim, or converted from a "
-                         "checkpoint that had none). Specify --no-load-optim "
-                         "or --finetune to prevent attempting to load the optimizer state")
-    if with_rng and "rng_state" not in first:
-        saved_without = (first.get("args") or {}).get("no_save_rng", True)
-        if saved_without:  # --no-save-rng, or a writer that does not say
-            raise SystemExit(f"error: unable to load rng state from checkpoint {path}: it holds "
-                             "no RNG state (saved with --no-save-rng). Specify --no-load-rng or "
-                             "--finetune to prevent attempting to load the rng state")
-        # saved with RNG states, dropped by tools/checkpoint_convert.py (they are per rank)
-        print_rank_0(f" > {path} holds no RNG states (resharded to another layout): RNG "
-                     "states start fresh")
-    return with_optimizer, with_rng
+    """(load the optimizer + scheduler, load the RNG): `states_to_load`'s decision;
+    SystemExit with its first problem, its notes printed."""
+    states = states_to_load(ck, release, first, path)
+    if states.problems:
+        raise SystemExit(states.problems[0])
+    for note in states.notes:
+        print_rank_0(note)
+    return states.with_optimizer, states.with_rng
 
 
 def _load_trainer_payload(tr) -> Optional[_Loaded]:

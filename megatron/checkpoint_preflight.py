@@ -1,0 +1,234 @@
+"""What `--load` would do, found without building the model: `--dry-run`'s checkpoint part.
+
+The real load (megatron/trainer_checkpoint.py) goes: tracker file -> iteration directory ->
+the first rank's file (its arguments against the run's, the states to load being there) ->
+every rank's file (or resharding, when tp / pp / chunks per rank / optimizer kind differ)
+-> weights -> counters -> optimizer and learning-rate schedule; it stops at the first
+problem. `preflight_load` walks the same steps with the same checks and messages, reading
+only the tracker, the directory listings and the rank files' structure (memory-mapped: no
+tensor is read), and collects every problem. One process, no collective; nothing on disk
+changes (an interrupted re-save the real run would restore is only reported).
+
+Not checked: what needs the weights themselves -- a checkpoint whose stored arguments do
+not describe its tensors (an older writer) fails in the real load only.
+"""
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+from typing import List, NamedTuple, Optional, Tuple
+
+from megatron.checkpoint_args import checkpoint_args_message
+from megatron.checkpoint_dirs import (
+    is_legacy_model_file,
+    legacy_optimizer_message,
+    model_file,
+    refuse_untracked_checkpoints,
+)
+from megatron.checkpoint_reshard import (
+    DISTRIB_FILENAME,
+    Layout,
+    inspect_checkpoint,
+    load_shard,
+    needs_resharding,
+)
+from megatron.checkpointing import (
+    describe_layout,
+    exit_on_missing_message,
+    iteration_dir_name,
+    malformed_tracker_message,
+    missing_iteration_dir_message,
+    rank_dir_name,
+    read_tracker,
+    tracker_path,
+)
+from megatron.config import CheckpointConfig, Config
+
+
+class LoadStates(NamedTuple):
+    """Which states a load restores, and what stops it or is worth a word."""
+
+    with_optimizer: bool  # the optimizer and the learning-rate schedule
+    with_rng: bool
+    problems: List[str]  # each one stops the real load (its message)
+    notes: List[str]
+
+
+def states_to_load(ck: CheckpointConfig, release: bool, first: dict, path: str) -> LoadStates:
+    """(load the optimizer + scheduler, load the RNG) as Megatron decides: neither for
+    --finetune or a release checkpoint, nor what --no-load-optim / --no-load-rng exclude.
+    A problem when a state to load is not in the checkpoint (saved with --no-save-optim /
+    --no-save-rng), naming the flag that skips it, or when the optimizer state is in
+    Megatron-LM 23.04's per-data-parallel files, which are not read; RNG states that an
+    offline resharding dropped start fresh (a note). `first` is the first rank's payload,
+    read from `path`."""
+    fresh = ck.finetune or release
+    with_optimizer = not (fresh or ck.no_load_optim)
+    with_rng = not (fresh or ck.no_load_rng)
+    problems, notes = [], []
+    if with_optimizer and is_legacy_model_file(path):
+        problems.append(legacy_optimizer_message(path))
+    elif with_optimizer and ("optimizer" not in first or "opt_param_scheduler" not in first):
+        problems.append(f"error: unable to load optimizer from checkpoint {path}: it holds no "
+                        "optimizer state (saved with --no-save-optim, or converted from a "
+                        "checkpoint that had none). Specify --no-load-optim "
+                        "or --finetune to prevent attempting to load the optimizer state")
+    if with_rng and "rng_state" not in first:
+        saved_without = (first.get("args") or {}).get("no_save_rng", True)
+        if saved_without:  # --no-save-rng, or a writer that does not say
+            problems.append(f"error: unable to load rng state from checkpoint {path}: it holds "
+                            "no RNG state (saved with --no-save-rng). Specify --no-load-rng or "
+                            "--finetune to prevent attempting to load the rng state")
+        else:  # saved with RNG states, dropped by tools/checkpoint_convert.py (per rank)
+            notes.append(f" > {path} holds no RNG states (resharded to another layout): RNG "
+                         "states start fresh")
+    return LoadStates(with_optimizer, with_rng, problems, notes)
+
+
+class Preflight(NamedTuple):
+    """`preflight_load`'s findings."""
+
+    lines: List[str]  # what the load would do
+    problems: List[str]  # every problem that would stop the real run (its message)
+
+
+def run_layout(config: Config) -> Layout:
+    """The layout the run's Trainer will have (`trainer_layout`), from its config."""
+    p, o = config.parallel, config.optimizer
+    kind = ("distributed" if p.use_distributed_optimizer
+            else "mixed" if (o.fp16 or o.bf16) else "fp32")
+    return Layout(p.tp_size, p.pp_size, p.virtual_pp_size or 1, kind)
+
+
+def _find_iteration(ck: CheckpointConfig) -> Tuple[Optional[Tuple[int, bool, str]], Preflight]:
+    """(iteration, release, its directory) the tracker names, or None with why: the
+    real run's `resolve_checkpoint`, without the collective and without repairing."""
+    root = ck.load
+    try:
+        iteration, release = read_tracker(root)
+    except ValueError as exc:
+        return None, Preflight([], [malformed_tracker_message(root, exc)])
+    if iteration is None:
+        if ck.exit_on_missing_checkpoint:  # (a --load that does not exist: a missing input)
+            problems = [exit_on_missing_message(tracker_path(root))] if os.path.isdir(root) else []
+            return None, Preflight([], problems)
+        try:
+            refuse_untracked_checkpoints(root)
+        except SystemExit as exc:
+            return None, Preflight([], [str(exc.code)])
+        return None, Preflight([f"no checkpoint ({tracker_path(root)} does not exist): starts "
+                                "from scratch (random weights, iteration 0)"], [])
+    iter_dir = os.path.join(root, iteration_dir_name(iteration, release))
+    if os.path.isdir(iter_dir):
+        return (iteration, release, iter_dir), Preflight([], [])
+    if os.path.isdir(iter_dir + ".old"):
+        return (iteration, release, iter_dir + ".old"), Preflight(
+            [f"{iter_dir} is missing but {iter_dir}.old is there (an interrupted re-save): "
+             "the run restores it first"], [])
+    return None, Preflight([], [missing_iteration_dir_message(root, iteration, release)])
+
+
+def _shard_problems(iter_dir: str, saved: Layout, first_path: str,
+                    distrib_files: bool) -> List[str]:
+    """Every rank file of the saved layout (and `distrib_optim.pt` beside it when
+    `distrib_files`) missing or unreadable (its structure is read, memory-mapped)."""
+    missing, problems = [], []
+    for p in range(saved.pp):
+        for t in range(saved.tp):
+            rank_dir = os.path.join(iter_dir, rank_dir_name(t, p, saved.pp))
+            path = model_file(rank_dir)
+            extra = [os.path.join(rank_dir, DISTRIB_FILENAME)] if distrib_files else []
+            missing += [f for f in [path] + extra if not os.path.isfile(f)]
+            if path != first_path and os.path.isfile(path):
+                try:
+                    load_shard(path)
+                except SystemExit as exc:
+                    problems.append(str(exc.code))
+    if missing:
+        problems.insert(0, f"checkpoint file(s) missing: {', '.join(missing)}; "
+                           f"{describe_layout(iter_dir)}")
+    return problems
+
+
+def _resume_lines(ck: CheckpointConfig, iteration: int, release: bool, iter_dir: str,
+                  first: dict, states: LoadStates) -> List[str]:
+    """The iteration the run starts at and the states it loads."""
+    args = first.get("args") or {}
+    consumed = args.get("consumed_train_samples", 0)
+    if ck.finetune:
+        return [f"finetune: weights only from {iter_dir}, iteration 0 (optimizer, "
+                "learning-rate schedule, RNG and sample counts start fresh)"]
+    if release:
+        return [f"release checkpoint {iter_dir}: weights only, iteration 0 (optimizer, "
+                f"learning-rate schedule and RNG start fresh; consumed samples {consumed})"]
+    loads = ["model weights"]
+    if states.with_optimizer:
+        loads.append("optimizer and learning-rate schedule")
+    if states.with_rng:
+        loads.append("RNG states")
+    lines = [f"resumes from iteration {iteration} ({iter_dir}), consumed samples {consumed}",
+             f"loads: {', '.join(loads)}"]
+    if ck.no_load_optim:
+        lines.append("--no-load-optim: the optimizer state and the learning-rate schedule "
+                     "start fresh (the schedule counts samples from 0 again, warmup first)")
+    if ck.no_load_rng:
+        lines.append("--no-load-rng: the RNG states start fresh")
+    return lines
+
+
+def _layout_lines(saved: Layout, run: Layout, states: LoadStates, num_files: int) -> List[str]:
+    if not needs_resharding(saved, run, states.with_optimizer):
+        return [f"layout: saved with {saved.describe()}; each rank reads its own shard"]
+    text = (f"resharded on load: saved with {saved.describe()}, this run has "
+            f"{run.describe()}; every rank reads all {num_files} shard file(s) and takes its "
+            "slice")
+    if states.with_rng and (saved.tp, saved.pp) != (run.tp, run.pp):
+        text += "; RNG states start fresh (they are per rank)"
+    return [text]
+
+
+def _schedule_check(config: Config, entry: dict, iter_dir: str) -> Preflight:
+    """The learning-rate schedule's values against the run's (`check_state_dict` of a
+    scheduler built from the run's config, as the Trainer builds it)."""
+    from megatron.core.optimizer import OptimizerParamScheduler
+
+    scheduler = OptimizerParamScheduler(SimpleNamespace(param_groups=[]), config.optimizer)
+    notes, errors = scheduler.check_state_dict(entry)
+    return Preflight([f"learning-rate schedule: {n}" for n in notes],
+                     [f"error: loading {iter_dir}: {e}" for e in errors])
+
+
+def preflight_load(config: Config) -> Preflight:
+    """What loading --load would do for this run, and every problem that would stop it
+    (see the module doc). Nothing to say without --load."""
+    ck = config.checkpoint
+    if not ck.load:
+        return Preflight([], [])
+    found, result = _find_iteration(ck)
+    if found is None:
+        return result
+    iteration, release, iter_dir = found
+    lines, problems = list(result.lines), list(result.problems)
+    try:
+        saved, first_path, first = inspect_checkpoint(iter_dir)
+    except SystemExit as exc:
+        return Preflight(lines, problems + [str(exc.code)])
+    states = states_to_load(ck, release, first, first_path)
+    run = run_layout(config)
+    resharded = needs_resharding(saved, run, states.with_optimizer)
+    lines += _resume_lines(ck, iteration, release, iter_dir, first, states)
+    lines += _layout_lines(saved, run, states, saved.tp * saved.pp)
+    lines += [note.strip(" >") for note in states.notes]
+    distrib = states.with_optimizer and not resharded and run.optimizer == "distributed"
+    problems += _shard_problems(iter_dir, saved, first_path, distrib)
+    args_error = checkpoint_args_message(first.get("args"), config.args, iter_dir, ck.finetune)
+    problems += [args_error] if args_error else []
+    problems += states.problems
+    if states.with_optimizer and isinstance(first.get("opt_param_scheduler"), dict):
+        schedule = _schedule_check(config, first["opt_param_scheduler"], iter_dir)
+        lines += schedule.lines
+        problems += schedule.problems
+    return Preflight(lines, problems)
+
+
+__all__ = ["LoadStates", "states_to_load", "Preflight", "run_layout", "preflight_load"]
