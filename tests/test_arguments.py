@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 
 import pytest
 import torch
@@ -635,6 +636,138 @@ def test_dry_run_report_and_missing_inputs(tmp_path, capsys):
     cfg = run(f"--data-path {prefix}.idx", base=without("--mock-data"))
     assert (f"{prefix}.idx.bin and {prefix}.idx.idx (--data-path: a dataset is named by its "
             f"prefix without .bin/.idx: pass {prefix})") in dry_run_report(cfg, 1)
+
+
+# ------------------------------------------------ dry run: the checkpoint --load would read
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Checkpoints of BASE's model at iteration 10 (20 samples): "full" (optimizer and RNG
+    states), "bare" (--no-save-optim --no-save-rng), "tp2" (full's shard duplicated as tp
+    rank 1 and its args saying tp 2: the layout is all the dry run reads)."""
+    from megatron.checkpoint_files import load_checkpoint_file
+    from megatron.trainer_checkpoint import save_trainer_checkpoint
+    from tests.gpt_helpers import cli_trainer
+
+    root = tmp_path_factory.mktemp("ckpt")
+    for name, extra in (("full", []), ("bare", ["--no-save-optim", "--no-save-rng"])):
+        _, _, tr = cli_trainer(BASE + ["--save", str(root / name), "--save-interval", "10"] + extra)
+        tr.state.iteration, tr.state.consumed_train_samples = 10, 20
+        tr.scheduler.step(20)
+        save_trainer_checkpoint(tr)
+    it = root / "tp2" / "iter_0000010"
+    shutil.copytree(root / "full", root / "tp2")
+    shutil.copytree(it / "mp_rank_00", it / "mp_rank_01")
+    state = load_checkpoint_file(str(it / "mp_rank_00" / "model_optim_rng.pt"))
+    state["args"]["tensor_model_parallel_size"] = 2
+    torch.save(state, it / "mp_rank_00" / "model_optim_rng.pt")
+    return root
+
+
+def dry(capsys, extra):
+    """(exit status, printed report) of pretrain_gpt.py's --dry-run path."""
+    status = run_dry_run(run(extra), 1)
+    return status, capsys.readouterr().out
+
+
+def test_dry_run_resumes_from_the_checkpoint(saved, capsys, tmp_path):
+    status, out = dry(capsys, f"--load {saved}/full")
+    assert status == 0 and "checkpoint problems" not in out
+    assert (f"checkpoint (--load {saved}/full):\n  resumes from iteration 10 ({saved}/full/"
+            "iter_0000010), consumed samples 20\n  loads: model weights, optimizer and "
+            "learning-rate schedule, RNG states\n  layout: saved with tp 1, pp 1, fp32 "
+            "optimizer; each rank reads its own shard") in out
+    status, out = dry(capsys, f"--load {tmp_path}")
+    assert status == 0 and (f"no checkpoint ({tmp_path}/latest_checkpointed_iteration.txt "
+                            "does not exist): starts from scratch") in out
+    status, out = dry(capsys, f"--load {saved}/full --finetune --lr 5e-4 --no-load-rng")
+    assert status == 0 and f"finetune: weights only from {saved}/full/iter_0000010, " \
+                           "iteration 0" in out
+
+
+def test_dry_run_lists_every_schedule_mismatch(saved, capsys):
+    """The real run stops at max_lr; the dry run names max_lr and the decay length (in
+    samples: --train-iters changed it) with the flags that settle them."""
+    status, out = dry(capsys, f"--load {saved}/full --lr 5e-4 --train-iters 40")
+    assert status == 1 and "checkpoint problems (3; the real run stops at the first)" in out
+    assert (f"error: loading {saved}/full/iter_0000010: optimizer-parameter-scheduler value "
+            "'max_lr' from the checkpoint (0.001) differs from the command line (0.0005); pass "
+            "--override-opt_param-scheduler to use the command line or "
+            "--use-checkpoint-opt_param-scheduler to use the checkpoint") in out
+    assert "'lr_decay_steps' (in samples: iterations x global batch size) from the " \
+           "checkpoint (20) differs from the command line (80)" in out
+    assert out.rstrip().endswith("the run would stop when it loads the checkpoint")
+    status, out = dry(capsys, f"--load {saved}/full --lr 5e-4 --override-opt_param-scheduler")
+    assert status == 0 and "learning-rate schedule: max_lr: using the command line's " \
+                           "0.0005, not the checkpoint's 0.001" in out
+    assert dry(capsys, f"--load {saved}/full --lr 5e-4 "
+                       "--use-checkpoint-opt_param-scheduler")[0] == 0
+
+
+def test_dry_run_global_batch_size_changes_the_schedule(saved, capsys):
+    status, out = dry(capsys, f"--load {saved}/full --global-batch-size 4")
+    assert status == 1
+    for name in ("lr_decay_steps", "wd_incr_steps"):
+        assert (f"'{name}' (in samples: iterations x global batch size) from the checkpoint "
+                "(20) differs from the command line (40)") in out
+
+
+def test_dry_run_checkpoint_without_optimizer_or_rng(saved, capsys):
+    status, out = dry(capsys, f"--load {saved}/bare")
+    path = f"{saved}/bare/iter_0000010/mp_rank_00/model_optim_rng.pt"
+    assert status == 1 and "checkpoint problems (2;" in out
+    assert (f"error: unable to load optimizer from checkpoint {path}: it holds no optimizer "
+            "state") in out and "Specify --no-load-optim or --finetune" in out
+    assert f"error: unable to load rng state from checkpoint {path}" in out
+    status, out = dry(capsys, f"--load {saved}/bare --no-load-optim --no-load-rng")
+    assert status == 0 and "loads: model weights\n  --no-load-optim: the optimizer state " \
+                           "and the learning-rate schedule start fresh" in out
+
+
+def test_dry_run_model_shape_mismatch_names_every_argument(saved, capsys):
+    status, out = dry(capsys, f"--load {saved}/full --hidden-size 128 --num-layers 3 "
+                              "--vocab-size 300")
+    assert status == 1
+    for line in ("--num-layers: checkpoint 2, this run 3",
+                 "--hidden-size: checkpoint 64, this run 128",
+                 "padded vocabulary size (rows of the word embedding): checkpoint 128, this "
+                 "run 384", "--vocab-size: checkpoint 100, this run 300"):
+        assert f"\n    {line}\n" in out
+    assert "or leave these flags out and pass --use-checkpoint-args" in out
+
+
+def test_dry_run_bad_tracker(saved, capsys, tmp_path):
+    root = tmp_path / "ck"
+    shutil.copytree(saved / "full", root)
+    tracker = root / "latest_checkpointed_iteration.txt"
+    tracker.write_text("abc")
+    status, out = dry(capsys, f"--load {root}")
+    assert status == 1 and f"error: malformed checkpoint tracker file {tracker}: content " \
+                           "'abc'" in out
+    tracker.write_text("20")
+    status, out = dry(capsys, f"--load {root}")
+    assert status == 1 and f"{tracker} names 20, but the checkpoint directory " \
+                           f"{root}/iter_0000020 does not exist" in out
+    tracker.unlink()
+    status, out = dry(capsys, f"--load {root}")
+    assert status == 1 and f"error: --load {root} has no latest_checkpointed_iteration.txt " \
+                           "but holds checkpoints" in out
+    assert dry(capsys, f"--load {root} --exit-on-missing-checkpoint")[0] == 1
+
+
+def test_dry_run_other_tensor_parallel_size_reshards(saved, capsys, tmp_path):
+    status, out = dry(capsys, f"--load {saved}/tp2")
+    assert status == 0 and ("resharded on load: saved with tp 2, pp 1, fp32 optimizer, this "
+                            "run has tp 1, pp 1, fp32 optimizer; every rank reads all 2 shard "
+                            "file(s) and takes its slice; RNG states start fresh") in out
+    root = tmp_path / "ck"
+    shutil.copytree(saved / "tp2", root)
+    shard = root / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt"
+    shard.write_bytes(shard.read_bytes()[:5000])
+    status, out = dry(capsys, f"--load {root}")
+    assert status == 1 and f"error: cannot read checkpoint file {shard}" in out
+    shard.unlink()
+    status, out = dry(capsys, f"--load {root}")
+    assert status == 1 and f"checkpoint file(s) missing: {shard}" in out
 
 
 def test_format_args_dump():
