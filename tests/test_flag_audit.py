@@ -129,7 +129,7 @@ IMPLEMENTED_BY = {
     "--no-save-rng": (CKPT, "no_save_rng"),
     "--load": (TRAIN, "load"),
     "--no-load-optim": (CKPT, "no_load_optim"),
-    "--no-load-rng": (CKPT, "no_load_rng"),
+    "--no-load-rng": ("megatron/checkpoint_preflight.py", "no_load_rng"),
     "--finetune": (CKPT, "finetune"),
     "--no-initialization": (LAYERS, "perform_initialization"),
     "--use-checkpoint-args": ("megatron/arguments.py", "use_checkpoint_args"),
