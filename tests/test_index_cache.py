@@ -80,6 +80,34 @@ def test_whole_file_index_is_not_reused_for_the_train_split(tmp_path):
     assert whole2.cache_paths == whole.cache_paths
 
 
+def test_every_stale_index_is_named_in_one_error(tmp_path):
+    """After --train-data-path X --valid-data-path X, --data-path X finds both whole-file
+    indexes under its train and valid names: one error names both (not one per start),
+    and nothing is built or touched meanwhile."""
+    (tmp_path / "data").mkdir()
+    prefix, _ = make_corpus(tmp_path / "data" / "c", [20] * 30)
+    index_cache = tmp_path / "data" / "index-cache"
+    build_train_valid_test_datasets(None, SPLIT, [10, 2, 1], 8, 1234, train_data_path=[prefix],
+                                    valid_data_path=[prefix])
+    built = _cache_files(index_cache)
+    with pytest.raises(ValueError) as info:
+        build_train_valid_test_datasets([prefix], SPLIT, [10, 2, 1], 8, 1234)
+    text = str(info.value)
+    assert text.startswith("the index caches of 2 datasets do not match them (each was built "
+                           "for other data under the same name")
+    assert f"\n  the train dataset of {prefix} (documents 0..28): {index_cache}: doc_idx has " \
+           "30 entries" in text
+    assert f"\n  the valid dataset of {prefix} (documents 29..29): {index_cache}: " in text
+    assert text.count("_doc_idx.npy") == 2
+    assert text.endswith("\nFix: delete all these files to rebuild, or pass --data-cache-path "
+                         "with another directory to build a separate index there")
+    assert _cache_files(index_cache) == built, "nothing built while the run cannot start"
+    for name in built:
+        os.remove(index_cache / name)
+    train, valid, _ = build_train_valid_test_datasets([prefix], SPLIT, [10, 2, 1], 8, 1234)
+    assert int(np.max(train.doc_idx)) == 28 and int(np.min(valid.doc_idx)) == 29
+
+
 def test_index_of_data_preprocessed_again_is_refused(tmp_path):
     prefix, _ = make_corpus(tmp_path / "c", [30] * 200)
     build_train_valid_test_datasets([prefix], SPLIT, [50, 5, 5], 16, 7)

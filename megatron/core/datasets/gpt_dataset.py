@@ -26,7 +26,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron.core.datasets.index_cache import find_or_build_cache, load_arrays
+from megatron.core.datasets.index_cache import (
+    MissingIndexCacheError,
+    StaleIndexCacheError,
+    find_or_build_cache,
+    load_arrays,
+    stale_caches_error,
+)
 from megatron.core.datasets.indexed_dataset import MMapIndexedDataset, check_token_ids
 
 LAST_EPOCH_FRACTION = 0.80
@@ -307,6 +313,8 @@ class _Builder:
         self.cache_dir, self.may_build = cache_dir, may_build
         self.vocab_size, self.log = vocab_size, log
         self._opened: Dict[str, MMapIndexedDataset] = {}
+        # datasets whose index cache is stale: collected, raised together by `_build_all`
+        self.stale: List[StaleIndexCacheError] = []
 
     def indexed(self, prefix: str) -> MMapIndexedDataset:
         """The dataset at `prefix`, opened once; its ids checked against `vocab_size`."""
@@ -318,8 +326,21 @@ class _Builder:
         return self._opened[prefix]
 
     def dataset(self, name: str, prefix: str, documents: np.ndarray, num_samples: int):
-        ds = GPTDataset(name, prefix, documents, self.indexed(prefix), num_samples,
-                        self.seq_length, self.seed, self.split, self.cache_dir, self.may_build)
+        """The GPTDataset, or None when its index cache is stale (kept in `self.stale`).
+        After a stale one, the caches of the others are only looked at (and checked), none
+        is built: the run stops, with every stale cache named (`_build_all`)."""
+        checking_only = bool(self.stale)
+        try:
+            ds = GPTDataset(name, prefix, documents, self.indexed(prefix), num_samples,
+                            self.seq_length, self.seed, self.split, self.cache_dir,
+                            self.may_build and not checking_only)
+        except StaleIndexCacheError as e:
+            self.stale.append(e)
+            return None
+        except MissingIndexCacheError:
+            if checking_only:
+                return None
+            raise
         if self.log is not None:  # how often the documents repeat: an epoch count
             epochs = len(ds.doc_idx) // max(len(documents), 1)
             shown = "validation" if name == "valid" else name
@@ -348,6 +369,8 @@ class _Builder:
     def blend(self, datasets: list, weights: Sequence[float], size: int, what: str):
         from megatron.core.datasets.blended import BlendedDataset
 
+        if any(d is None for d in datasets) and self.stale:
+            return None  # a member's cache is stale: `_build_all` raises that
         if any(d is None for d in datasets):
             raise ValueError(f"{what}: a blended member has an empty split; adjust --split so "
                              "every weighted dataset gets documents")
@@ -398,6 +421,14 @@ def _check_train_data(builder: _Builder, data_prefix, train_path, num_train: int
 
 
 def _build_all(builder: _Builder, data_prefix, num_samples, paths) -> tuple:
+    """The three datasets; one error naming every dataset whose index cache is stale."""
+    datasets = _build_datasets(builder, data_prefix, num_samples, paths)
+    if builder.stale:
+        raise stale_caches_error(builder.stale)
+    return datasets
+
+
+def _build_datasets(builder: _Builder, data_prefix, num_samples, paths) -> tuple:
     from megatron.core.datasets.blended import parse_weighted_prefixes, per_dataset_num_samples
 
     _check_train_data(builder, data_prefix, paths[0], num_samples[0])

@@ -18,9 +18,10 @@ shared by name with other runs: a job using the other index may be running now, 
 loader workers reopen the files by path, so a rewrite would hand it this run's index (and
 its next start would rewrite them back). When the directory that would receive a new
 index holds a mismatching set, the build stops with an error listing the stale files and
-the fix: delete them to rebuild, or pass another `--data-cache-path`. A mismatching set in
-`index-cache/` next to the data, with a cache dir given, is skipped with a warning and a
-fresh index is built into (or loaded from) the cache dir.
+the fix: delete them to rebuild, or pass another `--data-cache-path` (the dataset builder
+collects these errors over all datasets and raises one: `stale_caches_error`). A
+mismatching set in `index-cache/` next to the data, with a cache dir given, is skipped
+with a warning and a fresh index is built into (or loaded from) the cache dir.
 
 Files are written to temporary names and renamed into place, so an interrupted build never
 leaves a truncated file under a cache name; a truncated or corrupt file found anyway is
@@ -101,15 +102,46 @@ def save_cache(paths: Dict[str, str], desc: str, arrays: Arrays) -> None:
     save_text(paths["desc"], desc)
 
 
-def _stale_error(stale: List[Tuple[Dict[str, str], str]], what: str) -> ValueError:
-    found = "; ".join(f"{os.path.dirname(p['desc'])}: {reason}" for p, reason in stale)
-    files = ", ".join(_listing(p) for p, _ in stale)
-    return ValueError(
-        f"the index cache for {what} does not match it ({found}). It was built for other "
-        "data under the same name: the prefix was preprocessed again, or it was used with "
-        "--train/valid/test-data-path and now with --data-path and --split (Megatron names "
-        f"both indexes alike). Stale files: {files}. Fix: delete them to rebuild, or pass "
-        "--data-cache-path with another directory to build a separate index there")
+_STALE_WHY = ("built for other data under the same name: the prefix was preprocessed again, "
+              "or it was used with --train/valid/test-data-path and now with --data-path and "
+              "--split (Megatron names both indexes alike)")
+_STALE_FIX = ("delete them to rebuild, or pass --data-cache-path with another directory to "
+              "build a separate index there")
+
+
+def _stale_found(stale: List[Tuple[Dict[str, str], str]]) -> str:
+    return "; ".join(f"{os.path.dirname(p['desc'])}: {reason}" for p, reason in stale)
+
+
+def _stale_files(stale: List[Tuple[Dict[str, str], str]]) -> str:
+    return ", ".join(_listing(p) for p, _ in stale)
+
+
+class MissingIndexCacheError(ValueError):
+    """No cache set fits a dataset and `may_build` is False."""
+
+
+class StaleIndexCacheError(ValueError):
+    """The index cache sets found for one dataset (`what`) do not match it and a fresh one
+    cannot be built beside them: `stale` holds (paths, reason) of each set."""
+
+    def __init__(self, stale: List[Tuple[Dict[str, str], str]], what: str) -> None:
+        self.stale, self.what = stale, what
+        super().__init__(
+            f"the index cache for {what} does not match it ({_stale_found(stale)}). It was "
+            f"{_STALE_WHY}. Stale files: {_stale_files(stale)}. Fix: {_STALE_FIX}")
+
+
+def stale_caches_error(errors: List[StaleIndexCacheError]) -> ValueError:
+    """One error for the stale caches of several datasets (the single error for one), so
+    that a run reports them all at once rather than one per start."""
+    if len(errors) == 1:
+        return errors[0]
+    lines = [f"  {e.what}: {_stale_found(e.stale)}; stale files: {_stale_files(e.stale)}"
+             for e in errors]
+    return ValueError(f"the index caches of {len(errors)} datasets do not match them (each was "
+                      f"{_STALE_WHY}):\n" + "\n".join(lines) +
+                      f"\nFix: {_STALE_FIX.replace('them', 'all these files', 1)}")
 
 
 def find_or_build_cache(desc: str, data_prefix: str, cache_dir: Optional[str],
@@ -137,10 +169,11 @@ def find_or_build_cache(desc: str, data_prefix: str, cache_dir: Optional[str],
         stale.append((paths, reason))
     target = cache_paths(directories[-1], desc_hash)
     if stale and stale[-1][0] == target:
-        raise _stale_error(stale, what)
+        raise StaleIndexCacheError(stale, what)
     if not may_build:
-        raise ValueError(f"index files {target['doc']} (and siblings) are missing: the builder "
-                         "rank did not create them; data index creation unsuccessful")
+        raise MissingIndexCacheError(f"index files {target['doc']} (and siblings) are missing: "
+                                     "the builder rank did not create them; data index "
+                                     "creation unsuccessful")
     _warn_skipped(stale, what, target)
     start = time.time()
     arrays = build()
