@@ -151,9 +151,16 @@ def _pid(pid_dir, rank: int) -> int:
         return int(f.read())
 
 
-def _wait_for_server(url, deadline, ranks: threading.Thread):
+def _wait_for_server(url, deadline, ranks: threading.Thread, pid_dir):
+    """Poll until the server answers. The first request waits until both ranks have
+    started (written their pid files): the ranks are forked from another thread of this
+    process, and a child forked while this thread is inside an import (urlopen imports
+    lazily) inherits that module's import lock held, and hangs on its own next import."""
     from tools.text_generation_cli import put
 
+    while (time.monotonic() < deadline and ranks.is_alive() and not all(
+            os.path.exists(os.path.join(pid_dir, f"rank{r}")) for r in (0, 1))):
+        time.sleep(0.1)
     while time.monotonic() < deadline and ranks.is_alive():
         try:
             return put(url, {"prompts": ["1"], "tokens_to_generate": 1}, timeout=60)
@@ -179,7 +186,7 @@ def test_server_on_two_ranks(ckpt_tp1, tmp_path):
     thread.start()
     url = f"http://127.0.0.1:{port}/api"
     try:
-        ready = _wait_for_server(url, time.monotonic() + 120, thread)
+        ready = _wait_for_server(url, time.monotonic() + 120, thread, str(tmp_path))
         assert ready[0] == 200, (ready, errors)
         body = {"prompts": ["5 6 7", "9 8 7 6 5"], "tokens_to_generate": 8, "top_k": 1,
                 "logprobs": True}
