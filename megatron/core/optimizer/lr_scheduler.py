@@ -278,9 +278,17 @@ class OptimizerParamScheduler:
         Returns one line per value on which the checkpoint and this run's config differ
         and --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler chose
         one side (for the caller to print); without either flag a difference is a
-        ValueError."""
+        ValueError naming every differing value (Megatron stops at the first), raised
+        before anything is changed."""
         notes: List[str] = []
-        for key, value in self._settled_values(state_dict, notes).items():
+        errors: List[str] = []
+        values = self._settled_values(state_dict, notes, errors)
+        if len(errors) == 1:
+            raise ValueError(errors[0])
+        if errors:
+            raise ValueError(f"{len(errors)} optimizer-parameter-scheduler values differ "
+                             "from the checkpoint:\n  " + "\n  ".join(errors))
+        for key, value in values.items():
             setattr(self, key, value)
         self.num_steps = 0
         self.step(int(_saved_value(state_dict, "num_steps")))
@@ -289,7 +297,7 @@ class OptimizerParamScheduler:
     def check_state_dict(self, state_dict: Dict[str, Any]) -> Tuple[List[str], List[str]]:
         """(notes, errors) of loading `state_dict`, changing nothing: the notes
         `load_state_dict` would return and the message of every difference it would raise
-        a ValueError for (it stops at the first). For `--dry-run`."""
+        a ValueError for. For `--dry-run`."""
         notes: List[str] = []
         errors: List[str] = []
         try:
