@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 import socket
 import tempfile
 import time
@@ -26,7 +27,30 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
+    """A free port for a test's listener (a rendezvous store, an HTTP server), picked
+    below the kernel's ephemeral range: a port from bind(0) is released before the
+    listener binds it, and in between the sockets of other processes (gloo's pairs, any
+    client) may be handed the same ephemeral port ('Address already in use', seen in CI).
+    Ports below the range are only taken by explicit binds. bind(0) if none is free."""
+    top = _ephemeral_start()
+    rng = random.Random()  # not the global generator: tests seed that
+    for _ in range(64):
+        port = rng.randrange(max(1024, top - 12000), top)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -186,7 +186,10 @@ def test_server_on_two_ranks(ckpt_tp1, tmp_path):
     thread.start()
     url = f"http://127.0.0.1:{port}/api"
     try:
-        ready = _wait_for_server(url, time.monotonic() + 120, thread, str(tmp_path))
+        try:
+            ready = _wait_for_server(url, time.monotonic() + 120, thread, str(tmp_path))
+        except TimeoutError as exc:  # name what the ranks raised
+            raise TimeoutError(f"{exc}; the ranks' errors: {errors}") from None
         assert ready[0] == 200, (ready, errors)
         body = {"prompts": ["5 6 7", "9 8 7 6 5"], "tokens_to_generate": 8, "top_k": 1,
                 "logprobs": True}
@@ -203,7 +206,8 @@ def test_server_on_two_ranks(ckpt_tp1, tmp_path):
         assert status == 400 and "outside the vocabulary" in text
         assert put(url, body, timeout=60)[1] == json.dumps(got)
     finally:
-        os.kill(_pid(tmp_path, 0), signal.SIGINT)  # rank 0 stops; rank 1 must follow
+        with contextlib.suppress(OSError):  # rank 0 stops; rank 1 must follow
+            os.kill(_pid(tmp_path, 0), signal.SIGINT)
         thread.join(60)
     if thread.is_alive():  # do not leave the ranks behind
         for rank in (0, 1):
