@@ -131,7 +131,7 @@ def _find_iteration(ck: CheckpointConfig) -> Tuple[Optional[Tuple[int, bool, str
 def _shard_problems(iter_dir: str, saved: Layout, first_path: str,
                     distrib_files: bool) -> List[str]:
     """Every rank file of the saved layout (and `distrib_optim.pt` beside it when
-    `distrib_files`) missing or unreadable (its structure is read, memory-mapped)."""
+    `distrib_files`) missing or unreadable (each one's structure is read, memory-mapped)."""
     missing, problems = [], []
     for p in range(saved.pp):
         for t in range(saved.tp):
@@ -139,11 +139,12 @@ def _shard_problems(iter_dir: str, saved: Layout, first_path: str,
             path = model_file(rank_dir)
             extra = [os.path.join(rank_dir, DISTRIB_FILENAME)] if distrib_files else []
             missing += [f for f in [path] + extra if not os.path.isfile(f)]
-            if path != first_path and os.path.isfile(path):
-                try:
-                    load_shard(path)
-                except SystemExit as exc:
-                    problems.append(str(exc.code))
+            for f in [path] + extra:
+                if f != first_path and os.path.isfile(f):
+                    try:
+                        load_shard(f)
+                    except SystemExit as exc:
+                        problems.append(str(exc.code))
     if missing:
         problems.insert(0, f"checkpoint file(s) missing: {', '.join(missing)}; "
                            f"{describe_layout(iter_dir)}")
@@ -215,11 +216,12 @@ def preflight_load(config: Config) -> Preflight:
         return Preflight(lines, problems + [str(exc.code)])
     states = states_to_load(ck, release, first, first_path)
     run = run_layout(config)
-    resharded = needs_resharding(saved, run, states.with_optimizer)
     lines += _resume_lines(ck, iteration, release, iter_dir, first, states)
     lines += _layout_lines(saved, run, states, saved.tp * saved.pp)
     lines += [note.strip(" >") for note in states.notes]
-    distrib = states.with_optimizer and not resharded and run.optimizer == "distributed"
+    # the saved distributed optimizer's state is in each rank's distrib_optim.pt: read by
+    # the rank itself, or by every rank when resharding (the saved kind is the first rank's)
+    distrib = states.with_optimizer and saved.optimizer == "distributed"
     problems += _shard_problems(iter_dir, saved, first_path, distrib)
     args_error = checkpoint_args_message(first.get("args"), config.args, iter_dir, ck.finetune)
     problems += [args_error] if args_error else []
