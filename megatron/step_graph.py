@@ -38,6 +38,7 @@ from typing import Callable, Iterator, List, Optional
 import torch
 
 from megatron.core.graph_capture import simulated_capture
+from megatron.core.models.gpt.grouped_experts import experts_sync_free
 from megatron.logging_utils import print_rank_0
 
 WARMUP_STEPS = 2  # eager steps before the capture
@@ -93,16 +94,8 @@ def graph_capture_reason(tr) -> Optional[str]:
         rampup_batch_size=cfg.data.rampup_batch_size,
         empty_unused_memory_level=cfg.training.empty_unused_memory_level,
         compile_mode=m.compile_mode, adam_kernel=o.adam_kernel, optimizer=o.optimizer,
-        num_experts=m.num_experts, experts_sync_free=_experts_sync_free(tr.model))
+        num_experts=m.num_experts, experts_sync_free=experts_sync_free(tr.model))
     return reason or tr.optimizer.graph_capture_reason()
-
-
-def _experts_sync_free(model) -> bool:
-    """Whether every switch MLP of the model takes the grouped dispatch with a
-    device-only grouped GEMM (True when there are none)."""
-    from megatron.core.models.gpt.transformer import SwitchMLP
-
-    return all(m.sync_free() for m in model.modules() if isinstance(m, SwitchMLP))
 
 
 def runner_for(tr) -> Optional["StepGraph"]:

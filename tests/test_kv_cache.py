@@ -38,13 +38,15 @@ VARIANTS = {
 }
 
 
-def _model(variant: str, dtype=torch.float32, seq_length: int = MAX_POS) -> GPTModel:
+def _model(variant: str, dtype=torch.float32, seq_length: int = MAX_POS,
+           **overrides) -> GPTModel:
     torch.manual_seed(0)
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
                       padded_vocab_size=VOCAB, seq_length=seq_length,
                       max_position_embeddings=MAX_POS, hidden_dropout=0.0,
                       attention_dropout=0.0, use_cpu_initialization=True,
-                      init_method_std=0.3, params_dtype=dtype, **VARIANTS[variant])
+                      init_method_std=0.3, params_dtype=dtype,
+                      **{**VARIANTS[variant], **overrides})
     model = GPTModel(cfg, device="cpu").eval()
     with torch.no_grad():  # norms away from their init, so their weights take part
         for name, p in model.named_parameters():

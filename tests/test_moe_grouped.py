@@ -226,7 +226,8 @@ def test_the_loop_is_kept_where_the_grouped_gemm_cannot_run(monkeypatch):
 # ------------------------------------------------------------------ 3. CUDA graphs
 def test_experts_rule_out_a_captured_step_only_without_the_host_free_dispatch():
     from megatron.arguments import ArgumentsError, parse_and_validate
-    from megatron.step_graph import _experts_sync_free, settings_reason
+    from megatron.core.models.gpt.grouped_experts import experts_sync_free
+    from megatron.step_graph import settings_reason
 
     base = dict(device_type="cuda", world_size=1, hidden_dropout=0.0, attention_dropout=0.0,
                 nan_loss_policy="stop", timing_log_level=0, rampup_batch_size=None,
@@ -236,9 +237,9 @@ def test_experts_rule_out_a_captured_step_only_without_the_host_free_dispatch():
         settings_reason(**base)
     assert settings_reason(**base, experts_sync_free=True) is None
     mlp = _switch(experts=2)
-    assert _experts_sync_free(torch.nn.ModuleList([mlp]))  # the CPU: grouped, host-free
+    assert experts_sync_free(torch.nn.ModuleList([mlp]))  # the CPU: grouped, host-free
     mlp.dispatch = "loop"
-    assert not _experts_sync_free(torch.nn.ModuleList([mlp]))
+    assert not experts_sync_free(torch.nn.ModuleList([mlp]))
 
     argv = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
             "--max-position-embeddings 16 --micro-batch-size 2 --lr 1e-3 --train-iters 1 "

@@ -18,6 +18,7 @@ from megatron.core.models.gpt.kv_cache import KVCache, forward_incremental
 from megatron.core.models.gpt.static_decode import (
     StaticDecoder,
     capacity_for,
+    experts_reason,
     forward_static,
 )
 from tests.test_kv_cache import MAX_POS, VARIANTS, _model
@@ -56,6 +57,43 @@ def test_static_step_equals_the_dynamic_path(variant):
         assert static.shape == dynamic.shape == (3, MAX_POS - prefill, 128)
         err = float((static - dynamic).abs().max() / dynamic.abs().max())
         assert err < TOL, (variant, prefill, err)
+
+
+def _switch_mlps(model):
+    from megatron.core.models.gpt.transformer import SwitchMLP
+
+    return [m for m in model.modules() if isinstance(m, SwitchMLP)]
+
+
+@pytest.mark.parametrize("dispatch", ["grouped", "loop"])
+@pytest.mark.parametrize("variant", ["gpt2", "llama"])
+def test_static_step_with_experts_equals_the_dynamic_path(variant, dispatch):
+    """Mixture-of-experts layers (4 experts, top-1) in the static step: the same logits
+    and greedy tokens as the dynamic path, through either dispatch."""
+    model = _model(variant, num_experts=4)
+    mlps = _switch_mlps(model)
+    assert len(mlps) == model.config.num_layers
+    for m in mlps:
+        m.dispatch = dispatch
+    decoder = StaticDecoder(model, graphed=False)
+    static, dynamic = _static_vs_dynamic(model, _batch_ids(), 5, decoder)
+    err = float((static - dynamic).abs().max() / dynamic.abs().max())
+    assert err < TOL, (variant, dispatch, err)
+    prompts = [list(p) for p in PROMPTS]
+    assert generate.generate_batch(model, prompts, 12, greedy=True, decoder=decoder) == \
+        generate.generate_batch(model, prompts, 12, greedy=True)
+
+
+def test_experts_keep_the_step_out_of_a_graph_only_with_the_loop_dispatch():
+    """The grouped dispatch (host-free here, on the CPU) leaves the step capturable; the
+    loop dispatch counts tokens on the host, and the reason says so."""
+    model = _model("llama", num_experts=4)
+    assert experts_reason(_model("llama")) is None
+    assert experts_reason(model) is None
+    _switch_mlps(model)[1].dispatch = "loop"
+    assert experts_reason(model).startswith(
+        "the model's 4 experts per layer dispatch tokens through a loop that counts them "
+        "on the host")
 
 
 def test_static_step_from_position_zero():
@@ -216,10 +254,15 @@ def test_tp2_static_step_equals_tp1():
 # ------------------------------------------------------------------------------- CUDA
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("variant,dtype", [("gpt2", torch.float32), ("llama", torch.float32),
-                                           ("llama", torch.bfloat16)])
-def test_cuda_graph_replays_equal_the_eager_step(variant, dtype):
-    model = _model(variant, dtype).cuda()
+@pytest.mark.parametrize("variant,dtype,experts", [
+    ("gpt2", torch.float32, None), ("llama", torch.float32, None),
+    ("llama", torch.bfloat16, None), ("llama", torch.bfloat16, 4)])
+def test_cuda_graph_replays_equal_the_eager_step(variant, dtype, experts):
+    """Graph replays equal the eager static step; with experts (bf16, the grouped GEMM
+    on sm90/sm100; other GPUs keep the loop dispatch and are skipped)."""
+    model = _model(variant, dtype, num_experts=experts).cuda()
+    if experts and experts_reason(model) is not None:
+        pytest.skip(experts_reason(model))
     ids = _batch_ids().cuda()
     graphed = StaticDecoder.for_mode(model, "on")
     eager = StaticDecoder(model, graphed=False)

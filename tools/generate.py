@@ -25,7 +25,8 @@ through the model once, then each new token alone. On CUDA that one-token step r
 static shapes (a preallocated cache, the position in a device tensor) and is captured once
 as a CUDA graph, then replayed per token (megatron/core/models/gpt/static_decode.py):
 one launch instead of ~100 small kernels. --decode-cuda-graph auto (default: on where it
-can be captured -- CUDA, NCCL under tensor parallelism, no MoE layers), on (an error names
+can be captured -- CUDA, NCCL under tensor parallelism, MoE layers only with the
+grouped GEMM that stays on the device: bf16 on sm90/sm100), on (an error names
 why it cannot) or off (the eager step). --no-kv-cache recomputes the whole sequence for
 every new token instead (the reference; same tokens, logits equal up to float rounding). Past --max-position-embeddings the context is cut to the last max_len tokens;
 the cached keys cannot slide with it (their positions would change), so from there on

@@ -185,3 +185,13 @@ def sync_free(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cuda" or dtype != torch.bfloat16:
         return False
     return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+def experts_sync_free(model: nn.Module) -> bool:
+    """Whether every switch MLP of `model` takes the grouped dispatch with a device-only
+    grouped GEMM (`SwitchMLP.sync_free`; True when there are none): what a CUDA graph of
+    a step through the model needs."""
+    from .transformer import SwitchMLP  # (transformer imports this module)
+
+    return all(m.sync_free() for m in model.modules() if isinstance(m, SwitchMLP))
+

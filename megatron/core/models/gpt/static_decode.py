@@ -38,8 +38,9 @@ at most the captured L reuses the graph, the cache tensors and the position tens
 
 Under tensor parallelism the step's collectives (the row-parallel all-reduces, the vocab
 all-gather) are captured too, which needs NCCL: with another backend (gloo, the CPU) there
-is no graph (`graph_reason`). Mixture-of-experts layers route tokens on the host (expert
-counts), so they are not captured either.
+is no graph (`graph_reason`). Mixture-of-experts layers are captured when they dispatch
+through the grouped GEMM that stays on the device (`experts_sync_free`); the loop
+dispatch counts each expert's tokens on the host, so with it there is no graph.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .grouped_experts import experts_sync_free
 from .kv_cache import (
     KVCache,
     check_incremental,
@@ -132,10 +134,17 @@ def graph_reason(model) -> Optional[str]:
         if backend != "nccl":
             return (f"the tensor-parallel group's collectives run on {backend}; capturing "
                     "them needs nccl")
-    if model.config.num_experts:
-        return (f"the model has {model.config.num_experts} experts per layer, which route "
-                "tokens on the host")
-    return None
+    return experts_reason(model)
+
+
+def experts_reason(model) -> Optional[str]:
+    """Why the model's mixture-of-experts layers keep its step out of a CUDA graph (None:
+    there are none, or every one dispatches through the host-free grouped GEMM)."""
+    if not model.config.num_experts or experts_sync_free(model):
+        return None
+    return (f"the model's {model.config.num_experts} experts per layer dispatch tokens "
+            "through a loop that counts them on the host (the grouped GEMM that stays on "
+            "the device needs bf16 on a compute capability 9.0 or 10.0 GPU)")
 
 
 def capacity_for(max_len: int, limit: int) -> int:
