@@ -135,43 +135,57 @@ def dry_run_report(config: Config, world_size: int) -> str:
 def _dry_run(config: Config, world_size: int) -> tuple:
     """(the `--dry-run` report, whether the run would fail: missing inputs, or a
     checkpoint under --load that the run could not load)."""
-    m, p, d, t, o = config.model, config.parallel, config.data, config.training, config.optimizer
-    counts = count_parameters(m, p.tp_size, p.pp_size, p.standalone_embedding_stage)
-    dtype = "bf16" if o.bf16 else "fp16" if o.fp16 else "fp32"
+    d, t, o = config.data, config.training, config.optimizer
     steps = (f"{t.train_iters} iterations" if t.train_iters is not None else "no training")
     if t.train_samples:
         steps += f" ({t.train_samples} samples)"
-    groups = f", {m.num_query_groups} query groups" if m.num_query_groups != m.num_attention_heads else ""
-    per_rank = ", ".join(f"stage {s}: {_fmt(n)}" for s, n in enumerate(counts.per_stage))
+    world, model = setup_lines(config, world_size)
     lines = [
         "dry run: configuration resolved, nothing launched",
-        f"  world size {world_size} = tensor {p.tp_size} x pipeline {p.pp_size} x data {p.dp_size}"
-        f" (backend {config.args.get('distributed_backend')})",
+        world,
         f"  batch: micro {d.micro_batch_size} x {d.num_micro_batches} micro-batches per step x "
-        f"data {p.dp_size} = global {d.global_batch_size}; sequence length {d.seq_length}",
+        f"data {config.parallel.dp_size} = global {d.global_batch_size}; sequence length "
+        f"{d.seq_length}",
         f"  training: {steps}, lr {o.lr} ({o.lr_decay_style}, warmup {_samples(o.lr_warmup_steps)} / "
         f"decay {_samples(o.lr_decay_steps)} samples)",
+    ] + model
+    lines += memory_lines(config)
+    missing = find_missing_inputs(config.args)
+    lines += missing_input_lines(missing)
+    load_lines, load_fails = checkpoint_lines(config)
+    return "\n".join(lines + load_lines), bool(missing) or load_fails
+
+
+def setup_lines(config: Config, world_size: int) -> Tuple[str, List[str]]:
+    """(the world-size line, the model and parameter-count lines) of a dry-run report."""
+    m, p, o = config.model, config.parallel, config.optimizer
+    counts = count_parameters(m, p.tp_size, p.pp_size, p.standalone_embedding_stage)
+    dtype = "bf16" if o.bf16 else "fp16" if o.fp16 else "fp32"
+    groups = f", {m.num_query_groups} query groups" if m.num_query_groups != m.num_attention_heads else ""
+    per_rank = ", ".join(f"stage {s}: {_fmt(n)}" for s, n in enumerate(counts.per_stage))
+    world = (f"  world size {world_size} = tensor {p.tp_size} x pipeline {p.pp_size} x data "
+             f"{p.dp_size} (backend {config.args.get('distributed_backend')})")
+    return world, [
         f"  model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads"
         f"{groups}, ffn {m.ffn_hidden_size} ({m.activation}), {m.normalization}, positions "
         f"{m.position_embedding_type}, vocab {m.padded_vocab_size} (padded), {dtype}"
         + (f", switch MLP of {m.num_experts} experts (top-1)" if m.num_experts else ""),
         f"  parameters: {_fmt(counts.total)} total; per rank ({per_rank})",
     ]
-    lines += _memory_lines(config)
-    missing = find_missing_inputs(config.args)
-    if missing:
-        lines.append("missing inputs:")
-        lines += [f"  {item}" for item in missing]
-    else:
-        lines.append("all input files found")
-    load_lines, load_fails = _checkpoint_lines(config)
-    return "\n".join(lines + load_lines), bool(missing) or load_fails
 
 
-def _checkpoint_lines(config: Config) -> Tuple[List[str], bool]:
+def missing_input_lines(missing: List[str]) -> List[str]:
+    """The report's input-file lines: every missing one, or that all were found."""
+    if not missing:
+        return ["all input files found"]
+    return ["missing inputs:"] + [f"  {item}" for item in missing]
+
+
+def checkpoint_lines(config: Config, evaluation: bool = False) -> Tuple[List[str], bool]:
     """(what loading --load would do and every problem that would stop it, whether there
     is one), read from the tracker and the checkpoint's stored arguments and states, not
-    its weights (megatron/checkpoint_preflight.py)."""
+    its weights (megatron/checkpoint_preflight.py). `evaluation`: for an evaluation,
+    which reads the weights alone (its caller refuses a --load without a checkpoint)."""
     from megatron.checkpoint_preflight import preflight_load
 
     load = config.checkpoint.load
@@ -182,7 +196,7 @@ def _checkpoint_lines(config: Config) -> Tuple[List[str], bool]:
             return [], False  # a missing input (above)
         return [f"checkpoint (--load {load}): the directory does not exist; training would "
                 "start from scratch"], False
-    found = preflight_load(config)
+    found = preflight_load(config, evaluation)
     lines = [f"checkpoint (--load {load}):"] + [f"  {line}" for line in found.lines]
     if not found.problems:
         return lines, False
@@ -190,7 +204,8 @@ def _checkpoint_lines(config: Config) -> Tuple[List[str], bool]:
                  "first):")
     for problem in found.problems:
         lines += [f"  {part}" for part in problem.splitlines()]
-    return lines + ["the run would stop when it loads the checkpoint"], True
+    what = "evaluation" if evaluation else "run"
+    return lines + [f"the {what} would stop when it loads the checkpoint"], True
 
 
 def _local_gpu_memory() -> Optional[int]:
@@ -202,15 +217,17 @@ def _local_gpu_memory() -> Optional[int]:
     return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
-def _memory_lines(config: Config) -> List[str]:
-    """The memory estimate of `megatron.memory_estimate`, checked against --gpu-memory-gb
-    (default: the local GPU's memory; no check on a machine without CUDA)."""
-    from megatron.memory_estimate import format_memory_report
+def memory_lines(config: Config, evaluation: bool = False) -> List[str]:
+    """The memory estimate of `megatron.memory_estimate` (a training step's, or with
+    `evaluation` a forward-only evaluation's), checked against --gpu-memory-gb (default:
+    the local GPU's memory; no check on a machine without CUDA)."""
+    from megatron.memory_estimate import format_evaluation_memory_report, format_memory_report
 
+    report = format_evaluation_memory_report if evaluation else format_memory_report
     gb = config.args.get("gpu_memory_gb")
     if gb is not None:
-        return format_memory_report(config, int(gb * 2**30), "--gpu-memory-gb")
-    return format_memory_report(config, _local_gpu_memory(), "the local GPU's memory")
+        return report(config, int(gb * 2**30), "--gpu-memory-gb")
+    return report(config, _local_gpu_memory(), "the local GPU's memory")
 
 
 def run_dry_run(config: Config, world_size: int) -> int:

@@ -199,9 +199,10 @@ def _schedule_check(config: Config, entry: dict, iter_dir: str) -> Preflight:
                      [f"error: loading {iter_dir}: {e}" for e in errors])
 
 
-def preflight_load(config: Config) -> Preflight:
+def preflight_load(config: Config, evaluation: bool = False) -> Preflight:
     """What loading --load would do for this run, and every problem that would stop it
-    (see the module doc). Nothing to say without --load."""
+    (see the module doc). Nothing to say without --load. `evaluation`: the run only
+    evaluates the weights (its config skips the optimizer and RNG states)."""
     ck = config.checkpoint
     if not ck.load:
         return Preflight([], [])
@@ -216,7 +217,11 @@ def preflight_load(config: Config) -> Preflight:
         return Preflight(lines, problems + [str(exc.code)])
     states = states_to_load(ck, release, first, first_path)
     run = run_layout(config)
-    lines += _resume_lines(ck, iteration, release, iter_dir, first, states)
+    if evaluation:
+        what = "the release checkpoint" if release else f"iteration {iteration}"
+        lines.append(f"evaluates the weights of {what} ({iter_dir})")
+    else:
+        lines += _resume_lines(ck, iteration, release, iter_dir, first, states)
     lines += _layout_lines(saved, run, states, saved.tp * saved.pp)
     lines += [note.strip(" >") for note in states.notes]
     # the saved distributed optimizer's state is in each rank's distrib_optim.pt: read by

@@ -73,6 +73,7 @@ pipeline p2p buffers.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, Optional
 
 from megatron.config import Config, ModelConfig
@@ -327,4 +328,49 @@ def format_memory_report(config: Config, gpu_memory_bytes: Optional[int],
             f"WARNING: estimated peak memory {_gb(est['total'])} per GPU exceeds {_gb(gpu_memory_bytes)}"
             f" ({source}); use more tensor/pipeline parallelism, a smaller --micro-batch-size, "
             "--sequence-parallel, activation recompute or the distributed optimizer")
+    return lines
+
+
+def estimate_evaluation_memory(config: Config) -> Dict[str, int]:
+    """Peak bytes per GPU of a forward-only evaluation (tasks/main.py), for the pipeline
+    stage that needs the most: the weights (no gradients, no optimizer), one layer's
+    tensors of one micro-batch at a time (nothing is kept for a backward; its saved set
+    bounds what one layer holds), the last stage's fp32 logits and their softmax
+    (`logits`, as in training), and the fixed workspace. Keys: weights, activations,
+    logits, allocated, workspace, total, stage."""
+    p = config.parallel
+    params = _stage_params(config)
+    weight_bytes = 2 if (config.optimizer.bf16 or config.optimizer.fp16) else 4
+    layer = activation_bytes(dataclasses.replace(
+        config, model=dataclasses.replace(config.model, recompute_granularity=None)), 1)
+    best: Optional[Dict[str, int]] = None
+    for stage in range(p.pp_size):
+        head = _head_bytes(config, stage == 0, stage == p.pp_size - 1)
+        est = {"weights": params[stage] * weight_bytes,
+               "activations": layer + head["embedding"] + head["final_norm"]
+               + head["rotary_table"],
+               "logits": head["logits"]}
+        est["allocated"] = est["weights"] + est["activations"] + est["logits"]
+        est["workspace"] = WORKSPACE_BYTES
+        est["total"] = est["allocated"] + WORKSPACE_BYTES
+        est = {k: int(round(v)) for k, v in est.items()}
+        est["stage"] = stage
+        if best is None or est["total"] > best["total"]:
+            best = est
+    return best
+
+
+def format_evaluation_memory_report(config: Config, gpu_memory_bytes: Optional[int],
+                                    source: str = "--gpu-memory-gb") -> List[str]:
+    """Lines for an evaluation's `--dry-run` (`estimate_evaluation_memory`), with a
+    WARNING line when the total exceeds `gpu_memory_bytes` (None: no check)."""
+    est = estimate_evaluation_memory(config)
+    stage = f" (pipeline stage {est['stage']})" if config.parallel.pp_size > 1 else ""
+    lines = [f"  memory per GPU{stage}, estimate (forward only): {_gb(est['total'])} = weights "
+             f"{_gb(est['weights'])} + one layer's activations {_gb(est['activations'])} + "
+             f"logits {_gb(est['logits'])} + workspace {_gb(est['workspace'])}"]
+    if gpu_memory_bytes is not None and est["total"] > gpu_memory_bytes:
+        lines.append(f"WARNING: estimated peak memory {_gb(est['total'])} per GPU exceeds "
+                     f"{_gb(gpu_memory_bytes)} ({source}); use more tensor/pipeline "
+                     "parallelism or a smaller --micro-batch-size")
     return lines

@@ -436,3 +436,63 @@ def test_other_tasks_flags_and_overlapping_eval_below_one_warn():
     ns, said = warnings(["--task", "WIKITEXT103", "--valid-data", "w", "--overlapping-eval", "0"])
     assert "--overlapping-eval 0 is taken as 1" in said and ns.overlapping_eval == 0
     assert warnings(["--task", "LAMBADA", "--valid-data", "l", "--strict-lambada"])[1] == ""
+
+
+def _dry(argv, capsys):
+    """(exit status, printed report) of tasks/main.py --dry-run."""
+    try:
+        evaluate.main(argv + ["--dry-run"])
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    return status, capsys.readouterr().out
+
+
+def test_dry_run_checks_what_the_evaluation_reads(trained, capsys, tmp_path):
+    """The checkpoint is read as the evaluation reads it (weights only: no --no-load-optim
+    needed), the --valid-data file and tokenizer files are checked, the memory is a
+    forward-only estimate, and a problem exits 1."""
+    wiki = trained["dir"] / "wikitext_sample.tokens"
+    argv = ["--task", "WIKITEXT103", "--valid-data", str(wiki), "--load", trained["ckpt"],
+            "--micro-batch-size", "3", *MODEL, *trained["tok_flags"]]
+    status, out = _dry(argv, capsys)
+    assert status == 0, out
+    assert out.startswith("dry run: zero-shot evaluation resolved, nothing launched\n")
+    assert f"  task: WIKITEXT103 on {wiki}, sequence length 16, micro batch 3, windows " \
+           "every 16 tokens (--overlapping-eval)" in out  # 32 (default) > 16
+    assert "memory per GPU, estimate (forward only):" in out and "+ optimizer" not in out
+    assert "all input files found" in out
+    assert (f"checkpoint (--load {trained['ckpt']}):\n  evaluates the weights of iteration 4 "
+            f"({trained['ckpt']}/iter_0000004)") in out
+    assert "training" not in out and "resumes" not in out
+
+    missing = tmp_path / "wiki.tokens"
+    bad = list(argv)
+    bad[bad.index(str(wiki))] = str(missing)
+    bad[bad.index(trained["ckpt"])] = str(tmp_path / "ckpt_typo")
+    status, out = _dry(bad, capsys)
+    assert status == 1
+    assert f"missing inputs:\n  {missing} (--valid-data)" in out
+    assert f"--load {tmp_path / 'ckpt_typo'} does not exist: there is no checkpoint to " \
+           "evaluate" in out
+
+    status, out = _dry(argv + ["--num-layers", "2"], capsys)
+    assert status == 1 and "--num-layers: checkpoint 4, this run 2" in out
+    assert out.rstrip().endswith("the evaluation would stop when it loads the checkpoint")
+
+
+def test_evaluation_memory_estimate_is_forward_only():
+    """Weights alone as model state (16-bit with --bf16), one layer's activations, the
+    last stage's logits: below the training estimate of the same configuration."""
+    from megatron.arguments import parse_and_validate
+    from megatron.memory_estimate import estimate_evaluation_memory, estimate_memory
+
+    argv = NULL + ["--lr", "0", "--skip-train", "--bf16", "--global-batch-size", "8"]
+    cfg = parse_and_validate(argv, world_size=1, env={}, cuda_available=False)
+    train, ev = estimate_memory(cfg), estimate_evaluation_memory(cfg)
+    assert ev["weights"] == train["weights"]  # bf16 weights, 2 bytes each
+    assert ev["logits"] == train["logits"]
+    layers = cfg.model.num_layers
+    assert ev["activations"] < train["activations"] / layers * 1.5
+    assert ev["allocated"] == ev["weights"] + ev["activations"] + ev["logits"]
+    assert ev["total"] < train["total"] and "optimizer" not in ev

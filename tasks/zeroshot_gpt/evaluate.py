@@ -328,9 +328,10 @@ def evaluate_task(task_ns, config, rt, tokenizer, data: dict) -> Dict[str, float
 def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: int = 0,
          environ=None) -> Optional[Dict[str, float]]:
     """tasks/main.py: parse -> check the tasks flags -> read the data -> initialise ->
-    evaluate. Returns the numbers (every rank); None for --help / --dry-run. A process
-    group made by the caller is used (and left for the caller to destroy)."""
-    from megatron.arguments import format_args_dump, parse_and_validate, run_dry_run
+    evaluate. Returns the numbers (every rank); None for --help / --dry-run (SystemExit 1
+    when the dry run finds a problem). A process group made by the caller is used (and
+    left for the caller to destroy)."""
+    from megatron.arguments import format_args_dump, parse_and_validate
     from megatron.data_loading import build_tokenizer_for
     from megatron.initialize import initialize_entry_point, set_random_seed
     from pretrain_gpt import tokenizer_vocab_size
@@ -349,7 +350,11 @@ def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: in
                                 env={"RANK": str(rank), "LOCAL_RANK": str(local_rank)},
                                 vocab_size_fn=tokenizer_vocab_size)
     if config.args.get("dry_run"):
-        run_dry_run(config, world_size)
+        from tasks.zeroshot_gpt.dry_run import evaluation_dry_run
+
+        status = evaluation_dry_run(task_ns, config, world_size)
+        if status:
+            raise SystemExit(status)
         return None
     check_load_dir(config.checkpoint.load)
     tokenizer = build_tokenizer_for(config)

@@ -1,0 +1,67 @@
+"""`tasks/main.py ... --dry-run`: what a zero-shot evaluation would do, checked without
+launching it -- the layout and model, a forward-only memory estimate, every input file
+(the --valid-data file, tokenizer files) and the checkpoint under --load as the
+evaluation reads it (the weights only: no optimizer, learning-rate schedule or RNG state
+is needed). Exit status 1 when the evaluation would stop on any of them."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import List, Tuple
+
+from megatron.config import Config
+
+# pretrain_gpt.py's data flags: an evaluation reads --valid-data instead
+_TRAINING_DATA = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+
+def evaluation_dry_run(task_ns, config: Config, world_size: int) -> int:
+    """Print the report; return the exit status (1: the evaluation would stop)."""
+    from megatron.arguments_report import (
+        find_missing_inputs,
+        memory_lines,
+        missing_input_lines,
+        setup_lines,
+    )
+
+    world, model = setup_lines(config, world_size)
+    lines = ["dry run: zero-shot evaluation resolved, nothing launched", world,
+             _task_line(task_ns, config)] + model
+    lines += memory_lines(config, evaluation=True)
+    args = {**config.args, "skip_train": True, **dict.fromkeys(_TRAINING_DATA)}
+    missing = find_missing_inputs(args)
+    path = task_ns.valid_data[0]
+    if not os.path.isfile(path):
+        missing.insert(0, f"{path} (--valid-data)")
+    lines += missing_input_lines(missing)
+    load_lines, load_fails = _load_lines(config)
+    print("\n".join(lines + load_lines), flush=True)
+    return 1 if missing or load_fails else 0
+
+
+def _task_line(task_ns, config: Config) -> str:
+    d = config.data
+    text = (f"  task: {task_ns.task} on {task_ns.valid_data[0]}, sequence length "
+            f"{d.seq_length}, micro batch {d.micro_batch_size}")
+    if task_ns.task == "LAMBADA":
+        return text + (", strict (whole last word)" if task_ns.strict_lambada else "")
+    stride = min(max(1, task_ns.overlapping_eval or 0), d.seq_length)
+    return text + f", windows every {stride} tokens (--overlapping-eval)"
+
+
+def _load_lines(config: Config) -> Tuple[List[str], bool]:
+    """(the checkpoint lines, whether the evaluation would stop on it): the real run's
+    `check_load_dir`, then the checkpoint read as an evaluation reads it."""
+    from megatron.arguments_report import checkpoint_lines
+    from tasks.zeroshot_gpt.evaluate import check_load_dir
+
+    load = config.checkpoint.load
+    if not load:
+        return ["no --load: evaluates a randomly initialised model"], False
+    try:
+        check_load_dir(load)
+    except SystemExit as exc:
+        return [f"checkpoint (--load {load}):", f"  {exc.code}"], True
+    weights_only = dataclasses.replace(config, checkpoint=dataclasses.replace(
+        config.checkpoint, no_load_optim=True, no_load_rng=True))
+    return checkpoint_lines(weights_only, evaluation=True)
