@@ -322,6 +322,8 @@ EXTRA_GROUP = ("extensions (not in Megatron-LM 23.05)", (
     ("--profile-step-start", "int", 10),
     ("--profile-step-end", "int", 12),
     ("--profile-ranks", "+int", [0]),
+    ("--record-memory-history", "true", False),
+    ("--memory-snapshot-path", "str", "snapshot.pickle"),
 ))
 
 EXTRA_HELP = {
@@ -415,6 +417,14 @@ EXTRA_HELP = {
     "--profile-step-start": "first profiled iteration",
     "--profile-step-end": "profiling stops before this iteration",
     "--profile-ranks": "global ranks that write a trace",
+    "--record-memory-history": "record the CUDA caching allocator's history on every rank "
+                               "(for https://pytorch.org/memory_viz): the last rank writes a "
+                               "snapshot to --memory-snapshot-path every --log-interval "
+                               "iterations, a rank that runs out of memory writes "
+                               "<stem>_oom_rank<R><ext> beside it; slows every allocation "
+                               "(debugging only); needs CUDA",
+    "--memory-snapshot-path": "the snapshot file of --record-memory-history (default "
+                              "snapshot.pickle)",
     "--async-save": "checkpoint saves block training only while the state is copied to CPU; "
                     "a background thread writes the files, and the tracker file is written "
                     "once every rank has finished (the run waits for it at exit)",

@@ -431,6 +431,12 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
         if reason is not None:
             raise ArgumentsError(f"--cuda-graph-step on, but {reason}; use --cuda-graph-step "
                                  "auto (captures when it can) or off")
+    if ns.record_memory_history and not cuda_available:
+        raise ArgumentsError("--record-memory-history records the CUDA caching allocator's "
+                             "history, and CUDA is not available here; drop the flag")
+    if not ns.record_memory_history and ns.memory_snapshot_path != "snapshot.pickle":
+        warn(f"--memory-snapshot-path {ns.memory_snapshot_path} has no effect without "
+             "--record-memory-history")
     if ns.attention_backend in ("cudnn", "efficient") and not cuda_available:
         raise ArgumentsError(f"--attention-backend {ns.attention_backend} needs CUDA; use auto, "
                              "flash or math on the CPU")

@@ -307,9 +307,12 @@ class OomReport:
     stderr) and becomes `OutOfMemoryExit(EXIT_CODE)`; other exceptions pass. Set
     `trainer` once it exists, so that the report can name the iteration."""
 
-    def __init__(self, config, rt, stream: Optional[TextIO] = None) -> None:
+    def __init__(self, config, rt, stream: Optional[TextIO] = None,
+                 memory_history=None) -> None:
         self.config, self.rt, self.stream = config, rt, stream
         self.trainer = None
+        # megatron.memory_history.MemoryHistory: its snapshot is written first and named
+        self.memory_history = memory_history
 
     def __enter__(self) -> "OomReport":
         return self
@@ -325,6 +328,9 @@ class OomReport:
         except Exception as e:  # noqa: BLE001 - never hide the error behind the report's own
             report = (f"out of memory: {exc}\n  (the out-of-memory report failed: {e!r})\n  "
                       + "\n  ".join(_compact_traceback(tb)))
+        snapshot = None if self.memory_history is None else self.memory_history.write_oom()
+        if snapshot is not None:
+            report += f"\n  memory snapshot (--record-memory-history): {snapshot}"
         stream = self.stream or sys.stderr
         sys.stdout.flush()
         print(report, file=stream, flush=True)

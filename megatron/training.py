@@ -45,6 +45,7 @@ from megatron.logging_utils import (
     print_rank_0,
     print_rank_last,
 )
+from megatron.memory_history import MemoryHistory
 from megatron.oom_report import OomReport
 from megatron.profiling import StepProfiler
 from megatron.signals import SignalHandler
@@ -102,6 +103,7 @@ class Trainer:
     rollback_streak: Tuple[int, int] = (0, 0)
     process_start_time: Optional[float] = None  # --exit-duration-in-mins counts from it
     exit_reason: Optional[str] = None  # the exit line when an exit condition ended the run
+    memory_history: object = None  # megatron.memory_history.MemoryHistory (pretrain's)
 
 
 # --------------------------------------------------------------------------- building
@@ -418,6 +420,8 @@ def train(tr: Trainer, train_data, valid_data) -> Optional[str]:
         profiler.after_step(st.iteration + 1)
         if not _after_step(tr, stats, loss, ok, grad_norm):
             continue
+        if tr.memory_history is not None:
+            tr.memory_history.after_iteration(st.iteration)
         if _periodic(tr, stats, valid_data):
             saved_at = st.iteration
         reason = _should_exit(tr, process_start)
@@ -535,8 +539,13 @@ def pretrain(config: Config, rt: Runtime, process_start_time: Optional[float] = 
     --exit-duration-in-mins counts from (default: the start of the loop). An
     out-of-memory error on this rank prints what to do and raises `OutOfMemoryExit`
     (status 1; megatron/oom_report.py)."""
-    with OomReport(config, rt) as oom:
-        return _pretrain(config, rt, process_start_time, oom)
+    history = MemoryHistory.from_config(config, rt.ps.rank, rt.ps.world_size)
+    try:  # (stopped after the report: an out-of-memory error writes the history first)
+        with OomReport(config, rt, memory_history=history) as oom:
+            history.start()  # before the model is built: its allocations are in it
+            return _pretrain(config, rt, process_start_time, oom)
+    finally:
+        history.stop()
 
 
 def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
@@ -545,6 +554,7 @@ def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
         checkpointing.check_save_dir(config.checkpoint.save, rt.ps)  # not after training
     tr = _setup(config, rt, process_start_time)
     oom.trainer = tr  # the report names the iteration from here on
+    tr.memory_history = oom.memory_history
     loaders = ()
     try:
         loaders = _start(tr)

@@ -239,6 +239,8 @@ IMPLEMENTED_BY = {
     "--profile-step-start": (PROF, "profile_step_start"),
     "--profile-step-end": (PROF, "profile_step_end"),
     "--profile-ranks": (PROF, "profile_ranks"),
+    "--record-memory-history": ("megatron/memory_history.py", "record_memory_history"),
+    "--memory-snapshot-path": ("megatron/memory_history.py", "memory_snapshot_path"),
 }
 
 # Definitions are not consumers.
