@@ -4,7 +4,7 @@
 # (prints how long each save blocked training), gpt-1.3b with full recompute (peak
 # memory and speed against the run without, benchmarks/RESULTS.md), and a run that cannot
 # fit, for the out-of-memory report (megatron/oom_report.py: exit status 1, the report's
-# first lines), then the zero-shot evaluation, a --num-experts benchmark and the
+# first lines, the --record-memory-history snapshot it names), then the zero-shot evaluation, a --num-experts benchmark and the
 # key/value-cache generation speed. pytest must be importable.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 python -m pytest -q -p no:cacheprovider -x tests/test_async_save.py tests/test_logging_utils.py \
     tests/test_memory_estimate.py tests/test_moe_grouped.py tests/test_static_decode.py \
-    tests/test_step_graph.py 2>&1 | tail -4
+    tests/test_step_graph.py tests/test_memory_history.py 2>&1 | tail -4
 python -m torch.distributed.run --standalone --nproc-per-node 1 pretrain_gpt.py \
     --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 \
     --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 8 --lr 6e-4 \
@@ -29,9 +29,11 @@ python -m torch.distributed.run --standalone --nproc-per-node 1 pretrain_gpt.py 
     --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \
     --max-position-embeddings 2048 --micro-batch-size 64 --global-batch-size 64 --lr 1e-4 \
     --train-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 50257 \
-    --eval-iters 0 --bf16 > "$OUT/oom.log" 2>&1
+    --eval-iters 0 --bf16 --record-memory-history --memory-snapshot-path /tmp/oom_snap.pickle \
+    > "$OUT/oom.log" 2>&1
 echo "out-of-memory run: exit status $? (expected 1)"
 grep -A12 "out of GPU memory" "$OUT/oom.log" | head -14
+grep "memory snapshot" "$OUT/oom.log"; ls -l /tmp/oom_snap_oom_rank0.pickle
 # Zero-shot evaluation (tasks/main.py) of the checkpoint the async-save run wrote: a
 # WikiText-style file of NullTokenizer ids, bf16, through the forward-only schedule.
 python -c "import random; random.seed(0); print(' '.join(str(random.randrange(50257)) for _ in range(20000)))" \
