@@ -31,6 +31,7 @@ VALIDATE = "megatron/arguments_validate.py"
 SCHEDULE = "megatron/arguments_schedule.py"
 GPT = "megatron/core/models/gpt/gpt_model.py"
 LAYERS = "megatron/core/models/gpt/transformer.py"
+NORMS = "megatron/core/models/gpt/norms.py"
 OPTIM = "megatron/core/optimizer/build.py"
 SCHED = "megatron/core/optimizer/lr_scheduler.py"
 DDP = "megatron/core/distributed/ddp.py"
@@ -57,8 +58,8 @@ IMPLEMENTED_BY = {
     "--rotary-percent": (GPT, "rotary_percent"),
     "--no-position-embedding": (VALIDATE, "add_position_embedding"),  # -> position type
     "--make-vocab-size-divisible-by": (VALIDATE, "make_vocab_size_divisible_by"),
-    "--layernorm-epsilon": (LAYERS, "layernorm_epsilon"),
-    "--apply-layernorm-1p": (LAYERS, "apply_layernorm_1p"),
+    "--layernorm-epsilon": (NORMS, "layernorm_epsilon"),
+    "--apply-layernorm-1p": (NORMS, "apply_layernorm_1p"),
     "--apply-residual-connection-post-layernorm":
         (LAYERS, "apply_residual_connection_post_layernorm"),
     "--openai-gelu": (VALIDATE, "openai_gelu"),  # -> activation, read by the MLP
@@ -220,7 +221,7 @@ IMPLEMENTED_BY = {
     "--cross-entropy-kernel": ("megatron/core/models/gpt/gpt_model.py", "cross_entropy_kernel"),
     "--gelu-kernel": ("megatron/core/models/gpt/transformer.py", "gelu_kernel"),
     "--gemm-algorithms": ("megatron/training.py", "gemm_algorithms"),
-    "--normalization": (LAYERS, "normalization"),
+    "--normalization": (NORMS, "normalization"),
     "--group-query-attention": (VALIDATE, "group_query_attention"),  # -> num_query_groups
     "--num-query-groups": (LAYERS, "num_query_groups"),
     # -> ModelConfig's add_position_embedding and use_rotary_position_embeddings
@@ -283,7 +284,7 @@ def test_implementing_module_reads_the_flag(flag):
 
 def test_no_effect_flags_are_not_read_by_the_model():
     """A NO_EFFECT flag whose dest the model code reads would be lying."""
-    model_code = "".join((ROOT / m).read_text() for m in (GPT, LAYERS, STEP, TRAIN))
+    model_code = "".join((ROOT / m).read_text() for m in (GPT, LAYERS, NORMS, STEP, TRAIN))
     for flag in NO_EFFECT:
         dest = FLAG_SPECS[flag].dest
         assert not re.search(r"\." + re.escape(dest) + r"\b", model_code), flag

@@ -1,0 +1,247 @@
+"""--dry-run: the parameter counts (whole model and per pipeline stage), the report and its
+missing inputs, and what the checkpoint that --load names would give the run."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from megatron.arguments import count_parameters, dry_run_report, run_dry_run
+from megatron.config import ModelConfig
+from tests.args_helpers import BASE, error_of, run, without
+
+# --------------------------------------------------------------- dry run / param counts
+
+
+def _gpt2(vocab, **kw):
+    return ModelConfig(num_layers=12, hidden_size=768, num_attention_heads=12,
+                       padded_vocab_size=vocab, seq_length=1024, max_position_embeddings=1024, **kw)
+
+
+def test_param_count_gpt2_124m():
+    assert count_parameters(_gpt2(50257)).total == 124_439_808  # Hugging Face GPT-2 count
+    counts = count_parameters(_gpt2(50304))  # what this framework builds (padded vocab)
+    assert counts.total == 124_439_808 + 47 * 768 and counts.per_stage == [counts.total]
+    per_layer_sharded = 12 * 768 * 768 + 3 * 768 + 4 * 768  # qkv/fc1 biases split too
+    tp2 = count_parameters(_gpt2(50304), tp_size=2).per_stage[0]
+    replicated = 1024 * 768 + 12 * (4 * 768 + 2 * 768) + 2 * 768
+    assert tp2 == 50304 * 768 // 2 + replicated + 12 * per_layer_sharded // 2
+
+
+def test_param_count_variants_by_hand():
+    cfg = ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=4, padded_vocab_size=16,
+                      seq_length=4, max_position_embeddings=4, num_query_groups=2,
+                      ffn_hidden_size=12, activation="swiglu", normalization="RMSNorm",
+                      add_bias_linear=False, position_embedding_type="rope",
+                      untie_embeddings_and_output_weights=True)
+    layer = (4 + 2 * 2) * 2 * 8 + 8 * 8 + 2 * 12 * 8 + 12 * 8 + 2 * 8
+    assert count_parameters(cfg).total == 16 * 8 * 2 + 2 * layer + 8
+
+
+def test_rotary_alone_adds_learned_positions_as_megatron(caplog):
+    """Megatron-LM 23.05: --use-rotary-position-embeddings without --no-position-embedding
+    builds both the learned position table and rotary attention (no warning here); with
+    --no-position-embedding, or as --position-embedding-type rope, rotary only."""
+    both = run("--use-rotary-position-embeddings")
+    m = both.model
+    assert (m.position_embedding_type, m.add_position_embedding,
+            m.use_rotary_position_embeddings) == ("rope+learned", True, True)
+    assert both.args["add_position_embedding"] and both.args["use_rotary_position_embeddings"]
+    assert "position" not in caplog.text
+    for extra in ("--use-rotary-position-embeddings --no-position-embedding",
+                  "--position-embedding-type rope",
+                  "--position-embedding-type rope --use-rotary-position-embeddings"):
+        rope = run(extra)
+        assert rope.model.position_embedding_type == "rope", extra
+        assert not rope.args["add_position_embedding"], extra
+    assert "contradicts the legacy flags (which give rope+learned)" in error_of(
+        "--position-embedding-type learned_absolute --use-rotary-position-embeddings")
+    # --dry-run's count: the learned table (max positions x hidden) on top of rotary only
+    assert count_parameters(m).total == count_parameters(rope.model).total + 32 * 64
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    built = GPTModel(m)
+    assert sum(p.numel() for p in built.parameters()) == count_parameters(m).total
+
+
+@pytest.mark.parametrize("pp,standalone,untied", [(2, False, False), (2, True, False),
+                                                   (3, True, True), (4, False, True)])
+def test_param_count_per_stage_equals_the_stages_the_model_builds(pp, standalone, untied):
+    """Per-stage counts (the --dry-run report, the memory estimate) equal the parameters of
+    the stages built on the meta device, also with --standalone-embedding-stage (stage 0:
+    the embedding only), which the count used to ignore."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.models.gpt.stages import stage_layout
+
+    cfg = ModelConfig(num_layers=6 if pp == 3 else 4, hidden_size=16, num_attention_heads=4,
+                      padded_vocab_size=64, seq_length=8, max_position_embeddings=8,
+                      untie_embeddings_and_output_weights=untied)
+    counts = count_parameters(cfg, pp_size=pp, standalone_embedding_stage=standalone)
+    built = []
+    for stage in range(pp):
+        (spec,) = stage_layout(cfg.num_layers, pp, stage, standalone_embedding_stage=standalone)
+        model = GPTModel(cfg, pre_process=spec.pre_process, post_process=spec.post_process,
+                         num_layers=spec.num_layers, layer_offset=spec.layer_offset,
+                         device="meta")
+        built.append(sum(p.numel() for p in model.parameters()))
+    assert counts.per_stage == built
+
+
+def test_param_count_1_3b_shape():
+    cfg = ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16,
+                      padded_vocab_size=50304, seq_length=2048, max_position_embeddings=2048)
+    counts = count_parameters(cfg, tp_size=2)
+    assert 1.30e9 < counts.total < 1.33e9
+    assert 0.49 < counts.per_stage[0] / counts.total < 0.51
+
+
+def test_dry_run_report_and_missing_inputs(tmp_path, capsys):
+    cfg = run("--dry-run", world_size=2)
+    text = dry_run_report(cfg, 2)
+    assert "world size 2 = tensor 1 x pipeline 1 x data 2" in text
+    assert "parameters:" in text and "all input files found" in text
+    assert run_dry_run(cfg, 2) == 0
+    prefix = tmp_path / "corpus_text_document"
+    (tmp_path / "corpus_text_document.idx").write_bytes(b"")
+    cfg = run(f"--data-path 1.0 {prefix} --load {tmp_path}/none --exit-on-missing-checkpoint",
+              base=without("--mock-data"))
+    text = dry_run_report(cfg, 1)
+    assert f"{prefix}.bin (--data-path)" in text and f"{prefix}.idx" not in text
+    assert f"{tmp_path}/none (--load" in text
+    assert run_dry_run(cfg, 1) == 1
+    cfg = run(f"--data-path {prefix}.idx", base=without("--mock-data"))
+    assert (f"{prefix}.idx.bin and {prefix}.idx.idx (--data-path: a dataset is named by its "
+            f"prefix without .bin/.idx: pass {prefix})") in dry_run_report(cfg, 1)
+
+
+# ------------------------------------------------ dry run: the checkpoint --load would read
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Checkpoints of BASE's model at iteration 10 (20 samples): "full" (optimizer and RNG
+    states), "bare" (--no-save-optim --no-save-rng), "tp2" (full's shard duplicated as tp
+    rank 1 and its args saying tp 2: the layout is all the dry run reads)."""
+    from megatron.checkpoint_files import load_checkpoint_file
+    from megatron.trainer_checkpoint import save_trainer_checkpoint
+    from tests.gpt_helpers import cli_trainer
+
+    root = tmp_path_factory.mktemp("ckpt")
+    for name, extra in (("full", []), ("bare", ["--no-save-optim", "--no-save-rng"])):
+        _, _, tr = cli_trainer(BASE + ["--save", str(root / name), "--save-interval", "10"] + extra)
+        tr.state.iteration, tr.state.consumed_train_samples = 10, 20
+        tr.scheduler.step(20)
+        save_trainer_checkpoint(tr)
+    it = root / "tp2" / "iter_0000010"
+    shutil.copytree(root / "full", root / "tp2")
+    shutil.copytree(it / "mp_rank_00", it / "mp_rank_01")
+    state = load_checkpoint_file(str(it / "mp_rank_00" / "model_optim_rng.pt"))
+    state["args"]["tensor_model_parallel_size"] = 2
+    torch.save(state, it / "mp_rank_00" / "model_optim_rng.pt")
+    return root
+
+
+def dry(capsys, extra):
+    """(exit status, printed report) of pretrain_gpt.py's --dry-run path."""
+    status = run_dry_run(run(extra), 1)
+    return status, capsys.readouterr().out
+
+
+def test_dry_run_resumes_from_the_checkpoint(saved, capsys, tmp_path):
+    status, out = dry(capsys, f"--load {saved}/full")
+    assert status == 0 and "checkpoint problems" not in out
+    assert (f"checkpoint (--load {saved}/full):\n  resumes from iteration 10 ({saved}/full/"
+            "iter_0000010), consumed samples 20\n  loads: model weights, optimizer and "
+            "learning-rate schedule, RNG states\n  layout: saved with tp 1, pp 1, fp32 "
+            "optimizer; each rank reads its own shard") in out
+    status, out = dry(capsys, f"--load {tmp_path}")
+    assert status == 0 and (f"no checkpoint ({tmp_path}/latest_checkpointed_iteration.txt "
+                            "does not exist): starts from scratch") in out
+    status, out = dry(capsys, f"--load {saved}/full --finetune --lr 5e-4 --no-load-rng")
+    assert status == 0 and f"finetune: weights only from {saved}/full/iter_0000010, " \
+                           "iteration 0" in out
+
+
+def test_dry_run_lists_every_schedule_mismatch(saved, capsys):
+    """The real run stops at max_lr; the dry run names max_lr and the decay length (in
+    samples: --train-iters changed it) with the flags that settle them."""
+    status, out = dry(capsys, f"--load {saved}/full --lr 5e-4 --train-iters 40")
+    assert status == 1 and "checkpoint problems (3; the real run stops at the first)" in out
+    assert (f"error: loading {saved}/full/iter_0000010: optimizer-parameter-scheduler value "
+            "'max_lr' from the checkpoint (0.001) differs from the command line (0.0005); pass "
+            "--override-opt_param-scheduler to use the command line or "
+            "--use-checkpoint-opt_param-scheduler to use the checkpoint") in out
+    assert "'lr_decay_steps' (in samples: iterations x global batch size) from the " \
+           "checkpoint (20) differs from the command line (80)" in out
+    assert out.rstrip().endswith("the run would stop when it loads the checkpoint")
+    status, out = dry(capsys, f"--load {saved}/full --lr 5e-4 --override-opt_param-scheduler")
+    assert status == 0 and "learning-rate schedule: max_lr: using the command line's " \
+                           "0.0005, not the checkpoint's 0.001" in out
+    assert dry(capsys, f"--load {saved}/full --lr 5e-4 "
+                       "--use-checkpoint-opt_param-scheduler")[0] == 0
+
+
+def test_dry_run_global_batch_size_changes_the_schedule(saved, capsys):
+    status, out = dry(capsys, f"--load {saved}/full --global-batch-size 4")
+    assert status == 1
+    for name in ("lr_decay_steps", "wd_incr_steps"):
+        assert (f"'{name}' (in samples: iterations x global batch size) from the checkpoint "
+                "(20) differs from the command line (40)") in out
+
+
+def test_dry_run_checkpoint_without_optimizer_or_rng(saved, capsys):
+    status, out = dry(capsys, f"--load {saved}/bare")
+    path = f"{saved}/bare/iter_0000010/mp_rank_00/model_optim_rng.pt"
+    assert status == 1 and "checkpoint problems (2;" in out
+    assert (f"error: unable to load optimizer from checkpoint {path}: it holds no optimizer "
+            "state") in out and "Specify --no-load-optim or --finetune" in out
+    assert f"error: unable to load rng state from checkpoint {path}" in out
+    status, out = dry(capsys, f"--load {saved}/bare --no-load-optim --no-load-rng")
+    assert status == 0 and "loads: model weights\n  --no-load-optim: the optimizer state " \
+                           "and the learning-rate schedule start fresh" in out
+
+
+def test_dry_run_model_shape_mismatch_names_every_argument(saved, capsys):
+    status, out = dry(capsys, f"--load {saved}/full --hidden-size 128 --num-layers 3 "
+                              "--vocab-size 300")
+    assert status == 1
+    for line in ("--num-layers: checkpoint 2, this run 3",
+                 "--hidden-size: checkpoint 64, this run 128",
+                 "padded vocabulary size (rows of the word embedding): checkpoint 128, this "
+                 "run 384", "--vocab-size: checkpoint 100, this run 300"):
+        assert f"\n    {line}\n" in out
+    assert "or leave these flags out and pass --use-checkpoint-args" in out
+
+
+def test_dry_run_bad_tracker(saved, capsys, tmp_path):
+    root = tmp_path / "ck"
+    shutil.copytree(saved / "full", root)
+    tracker = root / "latest_checkpointed_iteration.txt"
+    tracker.write_text("abc")
+    status, out = dry(capsys, f"--load {root}")
+    assert status == 1 and f"error: malformed checkpoint tracker file {tracker}: content " \
+                           "'abc'" in out
+    tracker.write_text("20")
+    status, out = dry(capsys, f"--load {root}")
+    assert status == 1 and f"{tracker} names 20, but the checkpoint directory " \
+                           f"{root}/iter_0000020 does not exist" in out
+    tracker.unlink()
+    status, out = dry(capsys, f"--load {root}")
+    assert status == 1 and f"error: --load {root} has no latest_checkpointed_iteration.txt " \
+                           "but holds checkpoints" in out
+    assert dry(capsys, f"--load {root} --exit-on-missing-checkpoint")[0] == 1
+
+
+def test_dry_run_other_tensor_parallel_size_reshards(saved, capsys, tmp_path):
+    status, out = dry(capsys, f"--load {saved}/tp2")
+    assert status == 0 and ("resharded on load: saved with tp 2, pp 1, fp32 optimizer, this "
+                            "run has tp 1, pp 1, fp32 optimizer; every rank reads all 2 shard "
+                            "file(s) and takes its slice; RNG states start fresh") in out
+    root = tmp_path / "ck"
+    shutil.copytree(saved / "tp2", root)
+    shard = root / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt"
+    shard.write_bytes(shard.read_bytes()[:5000])
+    status, out = dry(capsys, f"--load {root}")
+    assert status == 1 and f"error: cannot read checkpoint file {shard}" in out
+    shard.unlink()
+    status, out = dry(capsys, f"--load {root}")
+    assert status == 1 and f"checkpoint file(s) missing: {shard}" in out

@@ -1,0 +1,221 @@
+"""The CLI layer's validation (messages that name the values and the fix, the rules Megatron
+applies with a warning), the padded vocabulary size, and the config dataclasses built from
+the flags."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from megatron.arguments import (
+    ArgumentsError,
+    pad_vocab_size,
+    parse_and_validate,
+    parse_args,
+    validate_args,
+)
+from tests.args_helpers import BASE, error_of, run, without
+
+GPT2_VOCAB = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gpt2",
+                          "gpt2-vocab.json")
+
+
+# ------------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize("extra, world, parts", [
+    ("--tensor-model-parallel-size 4", 6, ["world size 6", "--tensor-model-parallel-size 4",
+                                           "multiple of 4"]),
+    ("--num-attention-heads 6 --hidden-size 48 --tensor-model-parallel-size 4", 4,
+     ["--num-attention-heads 6", "--tensor-model-parallel-size 4"]),
+    ("--global-batch-size 10 --micro-batch-size 4", 1,
+     ["--global-batch-size 10", "--micro-batch-size 4", "multiple of 4"]),
+    ("--global-batch-size 6", 2, ["--global-batch-size 6", "data-parallel size 2", "= 4"]),
+    ("--seq-length 64", 1, ["--seq-length 64", "--max-position-embeddings 32", "at least 64"]),
+    ("--hidden-size 66", 1, ["--hidden-size 66", "--num-attention-heads 4", "--kv-channels"]),
+    ("--fp16 --bf16", 1, ["--fp16 and --bf16 are exclusive"]),
+    ("--save /tmp/ckpt", 1, ["--save /tmp/ckpt needs --save-interval"]),
+    ("--min-lr 0.1", 1, ["--min-lr 0.1", "--lr 0.001"]),
+    ("--train-samples 100", 1, ["--train-iters 10 and --train-samples 100 are exclusive"]),
+    ("--lr-decay-samples 50", 1, ["--lr-decay-samples 50", "iteration-based"]),
+    ("--lr-warmup-samples 5", 1, ["--lr-warmup-samples 5", "iteration-based"]),
+    ("--lr-warmup-fraction 0.1 --lr-warmup-iters 2", 1, [
+        "--lr-warmup-fraction 0.1 and --lr-warmup-iters 2",
+        "with --lr-warmup-fraction set, --lr-warmup-iters must be 0"]),
+    ("--seed 0", 1, ["--seed 0 must be > 0"]),
+    ("--lr-warmup-iters 10", 1, ["warmup (20 samples)", "decay (20 samples)"]),
+    ("--group-query-attention --num-query-groups 3", 1, ["--num-attention-heads 4",
+                                                          "--num-query-groups 3"]),
+    ("--group-query-attention --num-query-groups 2 --tensor-model-parallel-size 4", 4,
+     ["--num-query-groups 2", "--tensor-model-parallel-size 4"]),
+    ("--num-query-groups 2", 1, ["--num-query-groups 2 needs --group-query-attention"]),
+    ("--bf16 --DDP-impl torch", 1, ["--DDP-impl local (got torch)"]),
+    ("--fp16-lm-cross-entropy", 1, ["--fp16-lm-cross-entropy needs --fp16"]),
+    ("--weight-decay-incr-style linear", 1, ["needs both --start-weight-decay"]),
+    ("--mock-data --data-path x", 1, ["--mock-data and --data-path"]),
+])
+def test_validation_errors_name_values_and_fix(extra, world, parts):
+    msg = error_of(extra, world_size=world)
+    for part in parts:
+        assert part in msg, (part, msg)
+
+
+def test_missing_required_flags_listed_together():
+    base = [a for a in without("--lr", without("--hidden-size", without("--train-iters")))]
+    msg = error_of(base=base)
+    assert "--hidden-size" in msg and "--lr" in msg and "--train-iters or --train-samples" in msg
+    assert run("--skip-train", base=without("--train-iters")).training.skip_train
+
+
+def test_sample_based_rules():
+    base = without("--train-iters")
+    assert "--lr-warmup-iters 2" in error_of("--train-samples 100 --lr-warmup-iters 2", base=base)
+    assert "--lr-decay-iters 5" in error_of("--train-samples 100 --lr-decay-iters 5", base=base)
+
+
+def test_layers_divisible_by_pipeline_size():
+    ns, explicit = parse_args(BASE + ["--num-layers", "3", "--pipeline-model-parallel-size", "2"])
+    with pytest.raises(ArgumentsError, match="--num-layers 3 is not divisible by "
+                                             "--pipeline-model-parallel-size 2"):
+        validate_args(ns, 2, explicit=explicit)
+
+
+def test_ffn_size_divisible_by_tensor_parallel_size():
+    """--ffn-hidden-size 333 with tp 2 (dense or --num-experts) is refused at validation,
+    not by a bare "333 is not divisible by 2" from every rank's model build."""
+    for extra in ("", " --num-experts 4"):
+        msg = error_of("--ffn-hidden-size 333 --tensor-model-parallel-size 2" + extra,
+                       world_size=2)
+        assert ("--ffn-hidden-size 333 is not divisible by --tensor-model-parallel-size 2"
+                in msg and "(e.g. 332)" in msg)
+    assert run("--ffn-hidden-size 334 --tensor-model-parallel-size 2", world_size=2)
+
+
+def test_tp_larger_than_world_is_clamped_with_warning(caplog):
+    assert run("--tensor-model-parallel-size 2", world_size=1).parallel.tp_size == 1
+    assert "--tensor-model-parallel-size 2 is larger than the world size 1" in caplog.text
+
+
+def test_global_batch_default_and_micro_batches(caplog):
+    caplog.set_level(logging.INFO, logger="megatron.arguments")
+    cfg = run(world_size=4)
+    assert cfg.data.global_batch_size == 8 and cfg.data.num_micro_batches == 1
+    assert "setting global batch size to 8" in caplog.text
+    cfg = run("--global-batch-size 32", world_size=4)
+    assert (cfg.parallel.dp_size, cfg.data.num_micro_batches) == (4, 4)
+
+
+def test_sequence_parallel_with_tp1_is_disabled_with_warning(caplog):
+    assert run("--sequence-parallel").model.sequence_parallel is False
+    assert "--sequence-parallel needs --tensor-model-parallel-size > 1" in caplog.text
+    cfg = run("--sequence-parallel --tensor-model-parallel-size 2", world_size=2)
+    assert cfg.parallel.sequence_parallel and cfg.model.sequence_parallel
+    assert cfg.model.async_tensor_model_parallel_allreduce is False
+
+
+def test_swiglu_ffn_rule_and_user_value_kept(caplog):
+    assert run("--swiglu --hidden-size 4096 --num-attention-heads 32").model.ffn_hidden_size == 10880
+    cfg = run("--swiglu --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11008")
+    assert cfg.model.ffn_hidden_size == 11008 and cfg.model.activation == "swiglu"
+    assert "--ffn-hidden-size 11008 kept; Megatron-LM 23.05 replaces it with 10880" in caplog.text
+
+
+def test_bf16_forces_fp32_grad_accumulation():
+    cfg = run("--bf16")
+    assert cfg.parallel.accumulate_allreduce_grads_in_fp32 and cfg.model.params_dtype == torch.bfloat16
+    assert cfg.args["params_dtype"] == "torch.bfloat16"
+
+
+def test_warnings_only_on_rank_zero(capsys):
+    parse_and_validate(BASE + ["--sequence-parallel"], 1, env={"RANK": "1"}, cuda_available=False)
+    assert "sequence-parallel" not in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- vocab
+
+
+@pytest.mark.parametrize("tp, padded", [(1, 50304), (2, 50432), (4, 50688), (8, 51200)])
+def test_pad_vocab_size_megatron_examples(tp, padded):
+    assert pad_vocab_size(50257, 128, tp) == padded
+
+
+def test_vocab_sizes_from_tokenizers(tmp_path):
+    assert run().model.padded_vocab_size == 128  # NullTokenizer 100 -> 101 -> 128
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text(json.dumps({f"t{i}": i for i in range(300)}))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    base = without("--vocab-size", without("--tokenizer-type")) + [
+        "--merge-file", str(tmp_path / "merges.txt")]
+    assert run(f"--vocab-file {vocab}", base=base).model.padded_vocab_size == 384
+    assert f"--vocab-file {tmp_path}/nope.json: file not found" in error_of(
+        f"--vocab-file {tmp_path}/nope.json", base=base)
+    assert "needs --vocab-file" in error_of(base=base)
+    (tmp_path / "spm.model").write_bytes(b"")
+    assert run(f"--tokenizer-type SentencePieceTokenizer --tokenizer-model {tmp_path}/spm.model",
+               base=without("--tokenizer-type"),
+               vocab_size_fn=lambda a: 1000).model.padded_vocab_size == 1024
+
+
+@pytest.mark.skipif(not os.path.isfile(GPT2_VOCAB), reason="needs ../shared/data/gpt2")
+def test_gpt2_vocab_file_pads_to_50304():
+    base = without("--vocab-size", without("--tokenizer-type"))
+    merges = os.path.join(os.path.dirname(GPT2_VOCAB), "gpt2-merges.txt")
+    assert run(f"--vocab-file {GPT2_VOCAB} --merge-file {merges}",
+               base=base).model.padded_vocab_size == 50304
+
+
+# ------------------------------------------------------------------------- config build
+
+
+def test_model_config_mapping():
+    m = run().model  # biases + the default GeLU: Megatron-LM's fused bias-GeLU (tanh form)
+    assert (m.position_embedding_type, m.activation, m.add_bias_linear) == (
+        "learned_absolute", "openai_gelu", True)
+    assert run("--no-bias-gelu-fusion").model.activation == "gelu"  # torch's erf GeLU
+    assert run("--disable-bias-linear").model.activation == "gelu"
+    assert m.params_dtype == torch.float32 and m.apply_query_key_layer_scaling
+    m = run("--use-rotary-position-embeddings --no-position-embedding --disable-bias-linear "
+            "--squared-relu --fp16 --no-query-key-layer-scaling --normalization RMSNorm "
+            "--group-query-attention --num-query-groups 2 --rotary-base 500000").model
+    assert (m.position_embedding_type, m.activation, m.add_bias_linear) == (
+        "rope", "squared_relu", False)
+    assert m.params_dtype == torch.float16 and not m.apply_query_key_layer_scaling
+    assert (m.normalization, m.num_query_groups, m.rotary_base) == ("RMSNorm", 2, 500000.0)
+    assert run("--no-position-embedding").model.position_embedding_type == "none"
+    assert run("--position-embedding-type rope").model.position_embedding_type == "rope"
+    assert run("--openai-gelu").model.activation == "openai_gelu"
+
+
+def test_schedule_lengths_in_samples():
+    o = run("--global-batch-size 8 --lr-decay-iters 6 --lr-warmup-iters 2").optimizer
+    assert (o.lr_warmup_steps, o.lr_decay_steps, o.wd_incr_steps) == (16, 48, 80)
+    o = run("--global-batch-size 8 --lr-warmup-fraction 0.25").optimizer
+    assert (o.lr_warmup_steps, o.lr_decay_steps) == (20, 80)
+    cfg = run("--global-batch-size 8 --train-samples 100 --lr-warmup-samples 10",
+              base=without("--train-iters"))
+    o = cfg.optimizer
+    assert (o.lr_warmup_steps, o.lr_decay_steps, o.wd_incr_steps) == (10, 100, 100)
+    assert cfg.training.train_iters == 12 and cfg.training.train_samples == 100
+
+
+def test_parallel_logging_checkpoint_mapping():
+    cfg = run("--tensor-model-parallel-size 2 --global-batch-size 16 --overlap-grad-reduce "
+              "--ddp-bucket-size 1000 --log-timers-to-tensorboard --no-load-optim "
+              "--tensorboard-dir tb --timing-log-level 2", world_size=8)
+    p = cfg.parallel
+    assert (p.tp_size, p.pp_size, p.dp_size, p.world_size) == (2, 1, 4, 8)
+    assert p.overlap_grad_reduce and p.ddp_bucket_size == 1000
+    assert cfg.data.num_micro_batches == 2
+    assert cfg.logging.log_timers_to_tensorboard and cfg.logging.timing_log_level == 2
+    assert cfg.logging.tensorboard_dir == "tb"
+    assert cfg.checkpoint.no_load_optim is True and cfg.checkpoint.no_save_optim is False
+
+
+def test_args_are_plain_json_data():
+    args = run("--bf16").args
+    assert json.loads(json.dumps(args)) == args
+    assert args["dry_run"] is False and args["padded_vocab_size"] == 128
+    assert run("--dry-run").args["dry_run"] is True
