@@ -160,13 +160,18 @@ def _write_records(tr, stats: IntervalStats, extras) -> Tuple[List[float], int, 
         elif r.ok:
             good_losses.append(loss_f)
         if tr.tb is not None and r.iteration % cfg.logging.tensorboard_log_interval == 0:
-            last = r.iteration == last_it  # timers are of the interval's end
+            last = r.iteration == last_it
             memory = r.memory if r.memory is not None else extras.memory if last else None
+            # The timers are read (a collective) only here, at the interval's end: each
+            # TensorBoard iteration of the interval gets the interval's per-iteration
+            # average, so `<timer>-time` has Megatron's x-axis (every
+            # --tensorboard-log-interval iteration), not only the iterations that are
+            # multiples of both intervals.
             tr.tb.log_training(r.iteration, r.consumed, r.lr, cfg.data.global_batch_size,
                                {"lm loss": loss_f}, to_float(r.scale), to_float(r.grad_norm),
                                to_float(extras.num_zeros.get(r.iteration)),
                                to_float(r.params_norm), tr.rt.ps.world_size,
-                               memory, extras.timers if last else None)
+                               memory, extras.timers)
     return good_losses, skipped, nans
 
 

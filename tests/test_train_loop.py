@@ -333,6 +333,22 @@ def test_memory_scalars_at_every_tensorboard_iteration(tmp_path, capsys, monkeyp
     assert read_scalars(tb)["mem-allocated-bytes"] == [(2, 2000.0), (4, 4000.0), (6, 6000.0)]
 
 
+def test_timer_scalars_at_every_tensorboard_iteration(tmp_path, capsys):
+    """--log-timers-to-tensorboard writes `<timer>-time` at each --tensorboard-log-interval
+    iteration, as Megatron does (they were written only at iterations that are multiples of
+    both --log-interval and --tensorboard-log-interval: 6 of 2, 4, 6, 8); `iteration-time`
+    stays at the --log-interval iterations."""
+    tb = str(tmp_path / "tb")
+    _pretrain(["--train-iters", "9", "--log-interval", "3", "--eval-iters", "0",
+               "--tensorboard-dir", tb, "--tensorboard-log-interval", "2",
+               "--timing-log-level", "1", "--log-timers-to-tensorboard"], capsys)
+    scalars = read_scalars(tb)
+    for name in ("forward-backward-time", "optimizer-time"):
+        assert [step for step, _ in scalars[name]] == [2, 4, 6, 8], name
+        assert all(seconds > 0 for _, seconds in scalars[name]), name
+    assert [step for step, _ in scalars["iteration-time"]] == [3, 6, 9]
+
+
 # --------------------------------------------------------------------------- timers
 def _timer_block(out: str, names: list) -> bool:
     """Megatron's minmax block: header, then `    <name + ' ' dot-padded to 48>: (a, b)`."""
