@@ -120,6 +120,9 @@ def test_rampup_longer_than_the_run_is_allowed_with_a_warning(caplog):
     ("--fp16 --min-loss-scale 0", "--min-loss-scale 0.0 must be > 0"),
     ("--fp16 --min-loss-scale 8 --initial-loss-scale 4", "--min-loss-scale 8.0 must be <= "
                                                          "--initial-loss-scale 4.0"),
+    # a float32 loss scale above its largest value is inf, which never backs off
+    ("--fp16 --initial-loss-scale 1e40", "--initial-loss-scale 1e+40 must be <= 3.40282e+38"),
+    ("--fp16 --loss-scale 1e39", "--loss-scale 1e+39 must be <= 3.40282e+38"),
     ("--override-opt_param-scheduler --use-checkpoint-opt_param-scheduler",
      "--override-opt_param-scheduler (take the schedule from the command line) and "
      "--use-checkpoint-opt_param-scheduler"),
@@ -140,6 +143,14 @@ def test_values_megatron_reads_as_off_stay_valid():
 def test_negative_clip_grad_means_no_clipping_as_in_megatron(caplog):
     assert run("--clip-grad -1").optimizer.clip_grad == 0.0
     assert "--clip-grad -1.0: gradients are not clipped" in caplog.text
+
+
+def test_a_loss_scale_without_fp16_or_bf16_is_warned(caplog):
+    run("--fp16 --loss-scale 128 --initial-loss-scale 4294967296")
+    assert "has no effect" not in caplog.text
+    run("--loss-scale 128")
+    assert ("--loss-scale 128 has no effect without --fp16 or --bf16: fp32 training scales "
+            "no loss") in caplog.text
 
 
 # ------------------------------------------------------------------- data inputs
