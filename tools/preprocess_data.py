@@ -105,6 +105,10 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
                      f"({args.partitions})")
     if args.log_interval < 1:
         parser.error(f"--log-interval must be >= 1, got {args.log_interval}")
+    repeated = sorted({k for k in args.json_keys if args.json_keys.count(k) > 1})
+    if repeated:  # each key writes <output-prefix>_<key>_<level>.bin/.idx
+        parser.error(f"--json-keys {' '.join(args.json_keys)}: {', '.join(repeated)} given "
+                     "twice; each key writes its own dataset: name each key once")
     if args.split_sentences:
         check_split_sentences(args.lang)
     elif args.keep_newlines:
