@@ -116,6 +116,11 @@ def check_value_ranges(ns) -> None:
     if ns.loss_scale and not (ns.fp16 or ns.bf16):
         warn(f"--loss-scale {ns.loss_scale:g} has no effect without --fp16 or --bf16: fp32 "
              "training scales no loss (Megatron-LM ignores it too); drop it or add --fp16")
+    window = ns.loss_scale_window
+    if _uses_dynamic_loss_scale(ns) and window != int(window):  # a float flag, as Megatron's
+        raise ArgumentsError(f"--loss-scale-window {window} must be a whole number of "
+                             f"iterations (Megatron-LM never grows the scale with a fraction); "
+                             f"pass --loss-scale-window {max(int(window), 1)}")
     if _uses_dynamic_loss_scale(ns) and ns.min_loss_scale > ns.initial_loss_scale:
         raise ArgumentsError(f"--min-loss-scale {ns.min_loss_scale} must be <= "
                              f"--initial-loss-scale {ns.initial_loss_scale}")
