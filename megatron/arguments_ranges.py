@@ -15,6 +15,7 @@ from typing import Callable, Optional, Tuple
 from megatron.arguments_common import ArgumentsError, flag_for_dest, warn
 
 _Rule = Tuple[str, float, str, Optional[Callable]]
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _uses_dynamic_loss_scale(ns) -> bool:
@@ -78,6 +79,12 @@ _AT_MOST = (
     ("lr_warmup_fraction", 1, False, "fraction of the decay spent warming up", None),
     ("adam_beta1", 1, False, "Adam's first-moment decay", lambda ns: ns.optimizer == "adam"),
     ("adam_beta2", 1, False, "Adam's second-moment decay", lambda ns: ns.optimizer == "adam"),
+    # The loss scale is a float32: a larger value is inf, and inf never backs off.
+    ("initial_loss_scale", FLOAT32_MAX, True, "the first dynamic loss scale, a float32",
+     _uses_dynamic_loss_scale),
+    ("min_loss_scale", FLOAT32_MAX, True, "the smallest dynamic loss scale, a float32",
+     _uses_dynamic_loss_scale),
+    ("loss_scale", FLOAT32_MAX, True, "a fixed loss scale, a float32", None),
 )
 
 
@@ -106,6 +113,14 @@ def check_value_ranges(ns) -> None:
         warn(f"--clip-grad {ns.clip_grad}: gradients are not clipped (Megatron-LM clips only "
              "when --clip-grad > 0); pass --clip-grad 0 to say so")
         ns.clip_grad = 0.0
+    if ns.loss_scale and not (ns.fp16 or ns.bf16):
+        warn(f"--loss-scale {ns.loss_scale:g} has no effect without --fp16 or --bf16: fp32 "
+             "training scales no loss (Megatron-LM ignores it too); drop it or add --fp16")
+    window = ns.loss_scale_window
+    if _uses_dynamic_loss_scale(ns) and window != int(window):  # a float flag, as Megatron's
+        raise ArgumentsError(f"--loss-scale-window {window} must be a whole number of "
+                             f"iterations (Megatron-LM never grows the scale with a fraction); "
+                             f"pass --loss-scale-window {max(int(window), 1)}")
     if _uses_dynamic_loss_scale(ns) and ns.min_loss_scale > ns.initial_loss_scale:
         raise ArgumentsError(f"--min-loss-scale {ns.min_loss_scale} must be <= "
                              f"--initial-loss-scale {ns.initial_loss_scale}")

@@ -78,6 +78,7 @@ class IntervalStats:
     clock = staticmethod(time.time)  # seconds
 
     def __init__(self):
+        self.floor_warned = False  # see `loss_scale_floor_warning`
         self.reset()
 
     def reset(self) -> None:
@@ -131,6 +132,31 @@ class IntervalStats:
         self.records = resolved
 
 
+def loss_scale_floor_warning(grad_scaler, scale: Optional[float], skipped: int,
+                             iterations: int) -> Optional[str]:
+    """A warning when every one of the interval's `iterations` skipped its step and the loss
+    scale cannot go lower (a constant --loss-scale, or the dynamic one at --min-loss-scale):
+    the skips then go on forever and the model never updates. Megatron keeps training
+    silently; None otherwise."""
+    if grad_scaler is None or scale is None or iterations == 0 or skipped < iterations:
+        return None
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    if isinstance(grad_scaler, DynamicGradScaler):
+        if scale > grad_scaler.min_scale * (1 + 1e-6):  # the scale is a float32
+            return None
+        where = (f"the dynamic loss scale is at --min-loss-scale {grad_scaler.min_scale:g} and "
+                 "cannot back off further")
+        fix = "lower --min-loss-scale"
+    else:
+        where = f"the loss scale is the constant --loss-scale {scale:g}"
+        fix = "lower --loss-scale (or drop it for the dynamic scale)"
+    return (f"WARNING: the optimizer skipped the step at each of the last {iterations} "
+            f"iteration(s) (inf/nan gradients) and {where}: the model is not being updated. "
+            f"If the loss is finite, {fix}; else lower --lr or check the data; "
+            "the skips go on until a step succeeds")
+
+
 def _settle(tr, stats: IntervalStats) -> None:
     """Wait for the interval's steps and make the host's counts exact."""
     if tr.rt.device.type == "cuda":
@@ -160,13 +186,18 @@ def _write_records(tr, stats: IntervalStats, extras) -> Tuple[List[float], int, 
         elif r.ok:
             good_losses.append(loss_f)
         if tr.tb is not None and r.iteration % cfg.logging.tensorboard_log_interval == 0:
-            last = r.iteration == last_it  # timers are of the interval's end
+            last = r.iteration == last_it
             memory = r.memory if r.memory is not None else extras.memory if last else None
+            # The timers are read (a collective) only here, at the interval's end: each
+            # TensorBoard iteration of the interval gets the interval's per-iteration
+            # average, so `<timer>-time` has Megatron's x-axis (every
+            # --tensorboard-log-interval iteration), not only the iterations that are
+            # multiples of both intervals.
             tr.tb.log_training(r.iteration, r.consumed, r.lr, cfg.data.global_batch_size,
                                {"lm loss": loss_f}, to_float(r.scale), to_float(r.grad_norm),
                                to_float(extras.num_zeros.get(r.iteration)),
                                to_float(r.params_norm), tr.rt.ps.world_size,
-                               memory, extras.timers if last else None)
+                               memory, extras.timers)
     return good_losses, skipped, nans
 
 
@@ -198,6 +229,7 @@ def log_interval(tr, stats: IntervalStats, print_line: bool = True) -> None:
             skipped, nans, tokens_per_gpu, tflops))
         print_rank_last(progress_line(r.iteration, cfg.training.train_iters,
                                       time.time() - tr.start_time, tr.start_iteration))
+        _warn_at_loss_scale_floor(tr, stats, to_float(r.scale), skipped)
         log_timers(tr, n)
         if tr.tb is not None:
             extra = {"tokens-per-sec-per-gpu": tokens_per_gpu, "tflops-per-gpu": tflops,
@@ -209,6 +241,17 @@ def log_interval(tr, stats: IntervalStats, print_line: bool = True) -> None:
     if tr.tb is not None:
         tr.tb.flush()
     stats.reset()
+
+
+def _warn_at_loss_scale_floor(tr, stats: IntervalStats, scale: Optional[float],
+                              skipped: int) -> None:
+    """Print `loss_scale_floor_warning` once per run of skipped intervals (again after a
+    step has succeeded)."""
+    note = loss_scale_floor_warning(getattr(tr.optimizer, "grad_scaler", None), scale,
+                                    skipped, len(stats.records))
+    if note and not stats.floor_warned:
+        print_rank_last(note)
+    stats.floor_warned = note is not None
 
 
 def progress_line(iteration: int, train_iters: int, elapsed_s: float, start_iteration: int) -> str:

@@ -120,6 +120,11 @@ def test_rampup_longer_than_the_run_is_allowed_with_a_warning(caplog):
     ("--fp16 --min-loss-scale 0", "--min-loss-scale 0.0 must be > 0"),
     ("--fp16 --min-loss-scale 8 --initial-loss-scale 4", "--min-loss-scale 8.0 must be <= "
                                                          "--initial-loss-scale 4.0"),
+    # a float32 loss scale above its largest value is inf, which never backs off
+    ("--fp16 --initial-loss-scale 1e40", "--initial-loss-scale 1e+40 must be <= 3.40282e+38"),
+    ("--fp16 --loss-scale 1e39", "--loss-scale 1e+39 must be <= 3.40282e+38"),
+    ("--fp16 --loss-scale-window 2.5", "--loss-scale-window 2.5 must be a whole number of "
+                                       "iterations"),
     ("--override-opt_param-scheduler --use-checkpoint-opt_param-scheduler",
      "--override-opt_param-scheduler (take the schedule from the command line) and "
      "--use-checkpoint-opt_param-scheduler"),
@@ -133,6 +138,7 @@ def test_values_megatron_reads_as_off_stay_valid():
     cfg = run("--eval-iters 0 --eval-interval 0 --exit-interval 0 --num-workers 0 "
               "--save x --save-interval 0 --tensorboard-log-interval 0 --hidden-dropout 1.0 "
               "--hysteresis 0 --loss-scale 0")  # no tensorboard dir, no --fp16: unused
+    assert run("--fp16 --loss-scale-window 500.0").optimizer.loss_scale_window == 500
     assert cfg.training.eval_iters == 0 and cfg.checkpoint.save_interval == 0
     assert run("--train-iters 0 --skip-train", base=without("--train-iters")).training.skip_train
 
@@ -140,6 +146,14 @@ def test_values_megatron_reads_as_off_stay_valid():
 def test_negative_clip_grad_means_no_clipping_as_in_megatron(caplog):
     assert run("--clip-grad -1").optimizer.clip_grad == 0.0
     assert "--clip-grad -1.0: gradients are not clipped" in caplog.text
+
+
+def test_a_loss_scale_without_fp16_or_bf16_is_warned(caplog):
+    run("--fp16 --loss-scale 128 --initial-loss-scale 4294967296")
+    assert "has no effect" not in caplog.text
+    run("--loss-scale 128")
+    assert ("--loss-scale 128 has no effect without --fp16 or --bf16: fp32 training scales "
+            "no loss") in caplog.text
 
 
 # ------------------------------------------------------------------- data inputs

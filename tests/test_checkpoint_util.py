@@ -102,6 +102,16 @@ def test_target_sizes_default_to_the_checkpoints(source, tmp_path, capsys):
         reshard.Layout(1, 1, 1, "fp32")  # the optimizer state is kept
 
 
+def test_target_sizes_also_take_the_model_parallel_spellings(source, tmp_path):
+    """--target-tensor/pipeline-model-parallel-size (checkpoint_convert.py reshard's and
+    pretrain_gpt.py's word order) were 'unrecognized arguments'."""
+    root, _ = source
+    assert _util(root, tmp_path / "out", "--target-tensor-model-parallel-size", "2",
+                 "--target-pipeline-model-parallel-size", "2") == 0
+    layout = reshard.read_layout(str(tmp_path / "out" / "iter_0000002"))
+    assert (layout.tp, layout.pp) == (2, 2)
+
+
 def _vocab_json(path, entries):
     path.write_text(json.dumps({f"t{i}": i for i in range(entries)}))
     return str(path)

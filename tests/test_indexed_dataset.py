@@ -210,6 +210,46 @@ def test_merge_tool_directory_needs_pairs(tmp_path):
     assert not (tmp_path / "out.bin").exists()
 
 
+def test_merge_tool_output_directory_and_bad_inputs(tmp_path):
+    """A missing --output-prefix directory is created (it was a FileNotFoundError
+    traceback); a truncated input is an error naming it (a ValueError traceback)."""
+    write(tmp_path / "a", [[[1, 2]]])
+    write(tmp_path / "b", [[[3]], [[4, 5]]])
+    tool = [sys.executable, str(REPO / "tools" / "merge_datasets.py"), "--input",
+            str(tmp_path / "a"), str(tmp_path / "b"), "--output-prefix"]
+    r = subprocess.run(tool + [str(tmp_path / "new" / "m")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert f"Created output directory {tmp_path / 'new'}" in r.stderr
+    assert [s.tolist() for s in MMapIndexedDataset(str(tmp_path / "new" / "m"))] == [
+        [1, 2], [3], [4, 5]]
+    (tmp_path / "b.bin").write_bytes((tmp_path / "b.bin").read_bytes()[:3])
+    r = subprocess.run(tool + [str(tmp_path / "m2")], capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"error: --input {tmp_path / 'b'}: {tmp_path / 'b.bin'}: truncated" in r.stderr
+
+
+def test_a_failed_merge_keeps_the_earlier_output(tmp_path, monkeypatch):
+    from tools import merge_datasets
+
+    write(tmp_path / "a", [[[1, 2]]])
+    write(tmp_path / "b", [[[3]]])
+    out = str(tmp_path / "out")
+    merge_datasets.merge([str(tmp_path / "b")], out)
+    real = IndexedDatasetBuilder.merge_file_
+
+    def fail_on_b(self, prefix):
+        if prefix.endswith("b"):
+            raise OSError("No space left on device")
+        real(self, prefix)
+
+    monkeypatch.setattr(IndexedDatasetBuilder, "merge_file_", fail_on_b)
+    with pytest.raises(OSError, match="No space left"):
+        merge_datasets.merge([str(tmp_path / "a"), str(tmp_path / "b")], out)
+    assert [s.tolist() for s in MMapIndexedDataset(out)] == [[3]]  # a's tokens not in it
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "a.bin", "a.idx", "b.bin", "b.idx", "out.bin", "out.idx"]
+
+
 def test_prefix_with_a_suffix_suggests_dropping_it(tmp_path):
     write(tmp_path / "w", [[[1, 2]]])
     with pytest.raises(ValueError, match=rf"w\.bin\.idx: no such file .*without \.bin/\.idx: "

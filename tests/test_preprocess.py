@@ -150,6 +150,32 @@ def test_cli_errors_and_progress(tmp_path, bpe):
     assert r.returncode != 0 and "no input files" in r.stderr
 
 
+def test_a_json_key_given_twice_is_a_usage_error(tmp_path):
+    """Both keys wrote the same <prefix>_text_document files: a FileNotFoundError traceback
+    at the end, after the whole input was tokenized."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2 3", "title": "4"}])
+    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "n"), "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "100", "--workers", "1",
+            "--json-keys", "text", "title", "text"]
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "preprocess_data.py")] + argv,
+                       capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert "--json-keys text title text: text given twice" in r.stderr
+    assert not list(tmp_path.glob("n_*"))
+
+
+def test_megatron_23_04_chunk_size_is_accepted_and_ignored(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2 3"}, {"text": "4"}])
+    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "n"), "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "100", "--workers", "1", "--chunk-size", "25"]
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "preprocess_data.py")] + argv,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "warning: --chunk-size 25 ignored: Megatron-LM 23.04's flag" in r.stderr
+    ds = MMapIndexedDataset(str(tmp_path / "n_text_document"))
+    assert [s.tolist() for s in ds] == [[1, 2, 3], [4]]
+
+
 def test_null_tokenizer(tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2 3"}, {"text": "70000 4"}])
     argv = ["--input", str(src), "--output-prefix", str(tmp_path / "n"), "--tokenizer-type",

@@ -202,6 +202,11 @@ def test_offline_reshard_keeps_a_target_size_left_out(tmp_path_factory, tmp_path
                                          "--target-pipeline-model-parallel-size"):
         checkpoint_convert.main(["reshard", "--load", root, "--save", str(tmp_path / "z")])
     assert not os.path.exists(tmp_path / "z")
+    # Megatron-LM's checkpoint_util.py spelling, without -model-, is taken too
+    out = str(tmp_path / "tp1")
+    assert checkpoint_convert.main(["reshard", "--load", root, "--save", out,
+                                    "--target-tensor-parallel-size", "1"]) == 0
+    assert reshard.read_layout(os.path.join(out, "iter_0000002")).tp == 1
 
 
 def test_save_holding_a_checkpoint_is_refused_unless_overwrite(tmp_path, capsys):

@@ -333,6 +333,50 @@ def test_memory_scalars_at_every_tensorboard_iteration(tmp_path, capsys, monkeyp
     assert read_scalars(tb)["mem-allocated-bytes"] == [(2, 2000.0), (4, 4000.0), (6, 6000.0)]
 
 
+def test_timer_scalars_at_every_tensorboard_iteration(tmp_path, capsys):
+    """--log-timers-to-tensorboard writes `<timer>-time` at each --tensorboard-log-interval
+    iteration, as Megatron does (they were written only at iterations that are multiples of
+    both --log-interval and --tensorboard-log-interval: 6 of 2, 4, 6, 8); `iteration-time`
+    stays at the --log-interval iterations."""
+    tb = str(tmp_path / "tb")
+    _pretrain(["--train-iters", "9", "--log-interval", "3", "--eval-iters", "0",
+               "--tensorboard-dir", tb, "--tensorboard-log-interval", "2",
+               "--timing-log-level", "1", "--log-timers-to-tensorboard"], capsys)
+    scalars = read_scalars(tb)
+    for name in ("forward-backward-time", "optimizer-time"):
+        assert [step for step, _ in scalars[name]] == [2, 4, 6, 8], name
+        assert all(seconds > 0 for _, seconds in scalars[name]), name
+    assert [step for step, _ in scalars["iteration-time"]] == [3, 6, 9]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--initial-loss-scale", "1e9", "--min-loss-scale", "1e8", "--hysteresis", "1"],
+    ["--loss-scale", "1e9"]])
+def test_a_loss_scale_stuck_at_its_floor_is_warned_once(capsys, flags):
+    """fp16 whose every step overflows at the smallest loss scale allowed (the dynamic one
+    at --min-loss-scale, or a constant --loss-scale) never updates the model: one warning
+    names the flag to lower (Megatron keeps skipping silently)."""
+    out, tr = _pretrain(["--train-iters", "8", "--log-interval", "2", "--eval-iters", "0",
+                         "--fp16"] + flags, capsys)
+    assert tr.state.skipped_iters == 8
+    assert out.count("WARNING: the optimizer skipped the step") == 1
+    line = next(x for x in out.splitlines() if x.startswith("WARNING: the optimizer skipped"))
+    assert ("--min-loss-scale 1e+08" in line) == ("--min-loss-scale" in flags)
+    assert ("--loss-scale 1e+09" in line) == ("--loss-scale" in flags)
+
+
+def test_loss_scale_floor_warning_rules():
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+    from megatron.interval_log import loss_scale_floor_warning as warning
+
+    dynamic = DynamicGradScaler(initial_scale=2.0**16, min_scale=0.1)
+    assert warning(dynamic, float(torch.tensor(0.1)), 3, 3)  # float32 0.1 is the floor
+    assert warning(dynamic, 0.2, 3, 3) is None  # may still back off
+    assert warning(dynamic, 0.1, 2, 3) is None  # a step succeeded
+    assert warning(ConstantGradScaler(1024.0), 1024.0, 3, 3)
+    assert warning(None, 1.0, 3, 3) is None  # fp32 / bf16: no scaler
+
+
 # --------------------------------------------------------------------------- timers
 def _timer_block(out: str, names: list) -> bool:
     """Megatron's minmax block: header, then `    <name + ' ' dot-padded to 48>: (a, b)`."""

@@ -65,9 +65,12 @@ def add_reshard_arguments(p: argparse.ArgumentParser) -> None:
     """Reshard a checkpoint to another tensor / pipeline / virtual-pipeline layout."""
     p.add_argument("--load", required=True, help="checkpoint directory to read")
     p.add_argument("--save", required=True, help="directory to write (not --load)")
-    p.add_argument("--target-tensor-model-parallel-size", type=int, default=None,
+    # The spellings without -model- are Megatron-LM's tools/checkpoint_util.py's.
+    p.add_argument("--target-tensor-model-parallel-size", "--target-tensor-parallel-size",
+                   dest="target_tensor_model_parallel_size", type=int, default=None,
                    help="default: the saved tensor-parallel size")
-    p.add_argument("--target-pipeline-model-parallel-size", type=int, default=None,
+    p.add_argument("--target-pipeline-model-parallel-size", "--target-pipeline-parallel-size",
+                   dest="target_pipeline_model_parallel_size", type=int, default=None,
                    help="default: the saved pipeline-parallel size")
     p.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="layers per virtual stage (interleaved schedule); default: none")

@@ -16,7 +16,9 @@ checkpoint under IN (the one its tracker file names):
   change. OUT has no virtual pipeline stages, as Megatron's saver writes none
   (`checkpoint_convert.py reshard --target-num-layers-per-virtual-pipeline-stage` for
   those).
-- A target size left out keeps the checkpoint's, as Megatron does.
+- A target size left out keeps the checkpoint's, as Megatron does. The target sizes may
+  also be spelt --target-tensor-model-parallel-size / --target-pipeline-model-parallel-size
+  (checkpoint_convert.py reshard's names).
 - The vocabulary is re-padded for the target tensor-parallel size from the size of the
   checkpoint's tokenizer whenever that is known here (NullTokenizer, GPT2BPETokenizer, or
   a tokenizer built from its stored files: SentencePiece, Hugging Face).
@@ -64,9 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "tracker's iteration)")
     ap.add_argument("--save-dir", required=True, help="directory to write; not one that "
                     "already holds a checkpoint")
-    ap.add_argument("--target-tensor-parallel-size", type=int, default=None,
+    # The -model- spellings are pretrain_gpt.py's and checkpoint_convert.py reshard's.
+    ap.add_argument("--target-tensor-parallel-size", "--target-tensor-model-parallel-size",
+                    dest="target_tensor_parallel_size", type=int, default=None,
                     help="default: the checkpoint's")
-    ap.add_argument("--target-pipeline-parallel-size", type=int, default=None,
+    ap.add_argument("--target-pipeline-parallel-size", "--target-pipeline-model-parallel-size",
+                    dest="target_pipeline_parallel_size", type=int, default=None,
                     help="default: the checkpoint's")
     ap.add_argument("--true-vocab-size", type=int, default=None,
                     help="vocabulary size before padding; changes nothing when the "

@@ -53,9 +53,36 @@ def input_prefixes(inputs) -> list:
     return prefixes
 
 
+def open_inputs(prefixes) -> dict:
+    """prefix -> dtype of each input; a truncated or corrupt one ends the run naming it."""
+    dtypes = {}
+    for prefix in prefixes:
+        try:
+            dtypes[prefix] = MMapIndexedDataset(prefix).dtype
+        except ValueError as exc:
+            raise SystemExit(f"error: --input {prefix}: {exc}") from None
+    return dtypes
+
+
+def make_output_dir(output_prefix: str) -> None:
+    """Create the directory of --output-prefix when missing (and say so)."""
+    directory = os.path.dirname(os.path.abspath(output_prefix))
+    if not os.path.isdir(directory):
+        try:
+            os.makedirs(directory)
+        except OSError as exc:
+            raise SystemExit(f"error: --output-prefix {output_prefix}: cannot create its "
+                             f"directory {directory} ({exc})") from None
+        print(f"Created output directory {directory}", file=sys.stderr)
+
+
 def merge(prefixes, output_prefix: str) -> None:
-    """Write `output_prefix.bin/.idx` = the datasets at `prefixes` one after another."""
-    dtypes = {p: MMapIndexedDataset(p).dtype for p in prefixes}
+    """Write `output_prefix.bin/.idx` = the datasets at `prefixes` one after another.
+
+    The files are written as `<output_prefix>.tmp<pid>.bin/.idx` and renamed into place
+    (the .bin, then the .idx) only when complete: a failed merge leaves an earlier dataset
+    at `output_prefix` as it was."""
+    dtypes = open_inputs(prefixes)
     if len(set(dtypes.values())) > 1:
         listing = ", ".join(f"{p}: {d.name}" for p, d in dtypes.items())
         raise SystemExit(f"cannot merge datasets of different dtypes ({listing}); "
@@ -63,10 +90,21 @@ def merge(prefixes, output_prefix: str) -> None:
     out = os.path.abspath(output_prefix)
     if any(os.path.abspath(p) == out for p in prefixes):
         raise SystemExit(f"--output-prefix {output_prefix} is also an input")
-    builder = IndexedDatasetBuilder(data_file_path(output_prefix), dtypes[prefixes[0]])
-    for prefix in prefixes:
-        builder.merge_file_(prefix)
-    builder.finalize(index_file_path(output_prefix))
+    make_output_dir(output_prefix)
+    tmp = f"{output_prefix}.tmp{os.getpid()}"
+    builder = IndexedDatasetBuilder(data_file_path(tmp), dtypes[prefixes[0]])
+    try:
+        for prefix in prefixes:
+            builder.merge_file_(prefix)
+        builder.finalize(index_file_path(tmp))
+        for path in (data_file_path, index_file_path):  # .idx last
+            os.replace(path(tmp), path(output_prefix))
+    except BaseException:
+        builder.close()
+        for path in (data_file_path(tmp), index_file_path(tmp)):
+            if os.path.exists(path):
+                os.remove(path)
+        raise
 
 
 def main(argv=None) -> None:

@@ -15,7 +15,8 @@ text the tokenizer cannot encode) stops the run with its file and line number, o
 skipped and counted with `--skip-bad-lines`. Blank lines are ignored. A run that reads no
 document is an error. Output goes to temporary files beside the targets, renamed into
 place when complete, so a failed run leaves an existing dataset intact; a missing output
-directory is created.
+directory is created. Megatron-LM 23.04's `--chunk-size` is accepted and ignored, with
+a warning.
 
 `--split-sentences` splits each text with NLTK punkt (`pip install nltk` and
 `python -m nltk.downloader punkt_tab`, or NLTK_DATA pointing at a copy of that data):
@@ -91,6 +92,9 @@ def get_args(argv=None) -> argparse.Namespace:
                    "into this many parts, written one after another (Megatron's order)")
     g.add_argument("--log-interval", type=int, default=1000, help="documents between progress "
                    "lines")
+    g.add_argument("--chunk-size", type=int, default=None, help="Megatron-LM 23.04's "
+                   "documents per worker task; accepted and ignored (chunks are sized in "
+                   "bytes here)")
     args = p.parse_args(argv)
     _validate(p, args)
     return args
@@ -105,6 +109,13 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
                      f"({args.partitions})")
     if args.log_interval < 1:
         parser.error(f"--log-interval must be >= 1, got {args.log_interval}")
+    repeated = sorted({k for k in args.json_keys if args.json_keys.count(k) > 1})
+    if repeated:  # each key writes <output-prefix>_<key>_<level>.bin/.idx
+        parser.error(f"--json-keys {' '.join(args.json_keys)}: {', '.join(repeated)} given "
+                     "twice; each key writes its own dataset: name each key once")
+    if args.chunk_size is not None:
+        print(f"warning: --chunk-size {args.chunk_size} ignored: Megatron-LM 23.04's flag; "
+              "the input is handed to the workers in chunks of bytes", file=sys.stderr)
     if args.split_sentences:
         check_split_sentences(args.lang)
     elif args.keep_newlines:
