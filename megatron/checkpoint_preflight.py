@@ -18,7 +18,7 @@ import os
 from types import SimpleNamespace
 from typing import List, NamedTuple, Optional, Tuple
 
-from megatron.checkpoint_args import checkpoint_args_message
+from megatron.checkpoint_args import checkpoint_args_message, seq_length_warning
 from megatron.checkpoint_dirs import (
     is_legacy_model_file,
     legacy_optimizer_message,
@@ -219,6 +219,8 @@ def preflight_load(config: Config) -> Preflight:
     lines += _resume_lines(ck, iteration, release, iter_dir, first, states)
     lines += _layout_lines(saved, run, states, saved.tp * saved.pp)
     lines += [note.strip(" >") for note in states.notes]
+    warning = seq_length_warning(first.get("args"), config.args, iter_dir)
+    lines += [warning] if warning else []
     distrib = states.with_optimizer and not resharded and run.optimizer == "distributed"
     problems += _shard_problems(iter_dir, saved, first_path, distrib)
     args_error = checkpoint_args_message(first.get("args"), config.args, iter_dir, ck.finetune)

@@ -16,7 +16,7 @@ from typing import Dict, NamedTuple, Optional, Set, Tuple
 import torch
 
 from megatron.async_save import AsyncSaver
-from megatron.checkpoint_args import check_checkpoint_args
+from megatron.checkpoint_args import check_checkpoint_args, seq_length_warning
 from megatron.checkpoint_preflight import states_to_load
 from megatron.checkpoint_reshard import (
     Layout,
@@ -241,6 +241,9 @@ def _load_trainer_payload(tr) -> Optional[_Loaded]:
     iter_dir = os.path.join(ck.load, iteration_dir_name(iteration, release))
     saved, first_path, first = inspect_checkpoint(iter_dir)
     check_checkpoint_args(first.get("args"), tr.config.args, iter_dir, finetune=ck.finetune)
+    warning = seq_length_warning(first.get("args"), tr.config.args, iter_dir)
+    if warning is not None:
+        print_rank_0(warning)
     with_optimizer, with_rng = _states_to_load(ck, release, first, first_path)
     loaded = _Loaded(0 if release else iteration, release, {}, None, None, with_optimizer,
                      with_rng, iter_dir)
