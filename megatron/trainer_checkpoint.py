@@ -153,6 +153,27 @@ def wait_for_async_save(tr) -> None:
         saver.wait()
 
 
+def nothing_to_train(tr) -> bool:
+    """Whether the run starts from a checkpoint whose iteration already reaches the last one
+    (--train-iters, or the iterations of --train-samples), so the loop trains nothing; says
+    so on rank 0. Megatron-LM then saves the loaded state again at the same iteration, which
+    costs a save and for a moment leaves no complete copy of the only good checkpoint: when
+    --save is the --load directory (it holds that state already) the caller skips the final
+    save, and the line says so."""
+    t, ck, it = tr.config.training, tr.config.checkpoint, tr.state.iteration
+    if it == 0 or it < t.train_iters:
+        return False
+    goal = (f"--train-samples {t.train_samples} ({t.train_iters} iterations)" if t.train_samples
+            else f"--train-iters {t.train_iters}")
+    text = f"checkpoint at iteration {it} already reaches {goal}: nothing to train"
+    same_dir = bool(ck.load and ck.save) and \
+        os.path.realpath(ck.load) == os.path.realpath(ck.save)
+    if same_dir:
+        text += f"; not saving it again (--save {ck.save} holds it)"
+    print_rank_0(text)
+    return same_dir
+
+
 # ---------------------------------------------------------------------- resharding on load
 def trainer_layout(tr) -> Layout:
     """The layout of a live `megatron.training.Trainer`."""

@@ -400,7 +400,8 @@ def _exit_program(tr: Trainer, stats: IntervalStats, reason: str, saved_at) -> N
 
 def train(tr: Trainer, train_data, valid_data) -> Optional[str]:
     """The training loop, from the trainer's iteration to --train-iters. Returns None when
-    it got there (a final checkpoint saved with --save), or Megatron's exit line when an
+    it got there (a final checkpoint saved with --save, unless the run loaded that state
+    from the same directory and trained nothing), or Megatron's exit line when an
     exit condition (--exit-signal-handler, --exit-duration-in-mins, --exit-interval)
     stopped it: the caller then ends the program without the final evaluation."""
     cfg, st = tr.config, tr.state
@@ -411,6 +412,8 @@ def train(tr: Trainer, train_data, valid_data) -> Optional[str]:
     tr.start_time, tr.start_iteration = time.time(), st.iteration
     process_start = tr.process_start_time or tr.start_time
     profiler = StepProfiler.from_args(cfg.args, tr.rt.ps.rank, cfg.logging.tensorboard_dir)
+    if trainer_checkpoint.nothing_to_train(tr):  # the loaded state is in --save already
+        saved_at = st.iteration
     while st.iteration < cfg.training.train_iters:
         profiler.before_step(st.iteration + 1)
         with profiler.step_range(st.iteration + 1):

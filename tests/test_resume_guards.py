@@ -4,6 +4,8 @@ a checkpoint that already reaches --train-iters (nothing trained, nothing re-sav
 Single-process runs through the real driver (`parse_and_validate` -> `pretrain`)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import megatron.training as training
 from megatron.arguments import parse_and_validate, run_dry_run
 from megatron.checkpoint_args import seq_length_warning
@@ -73,3 +75,41 @@ def test_dry_run_load_prints_the_seq_length_warning(tmp_path, capsys):
     out = capsys.readouterr().out
     assert status == 0, out
     assert "WARNING: --seq-length 8 differs from the checkpoint's 16" in out, out
+
+
+# ------------------------------------------------------------ nothing left to train
+
+
+def _files(root):
+    """{path: (size, mtime_ns, bytes)} of every file under `root`."""
+    out = {}
+    for p in sorted(Path(root).rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            out[str(p)] = (st.st_size, st.st_mtime_ns, p.read_bytes())
+    return out
+
+
+def test_resume_at_train_iters_trains_and_saves_nothing(tmp_path, capsys):
+    save_run(tmp_path, iters=2, stop_at=2)  # reaches --train-iters 2 with a save at 2
+    before = _files(tmp_path)
+    capsys.readouterr()
+    tr = run_pretrain(["--seq-length", "16", "--train-iters", "2", "--load", str(tmp_path),
+                       "--save", str(tmp_path), "--save-interval", "2"])
+    out = capsys.readouterr().out
+    assert tr.state.iteration == 2
+    assert ("checkpoint at iteration 2 already reaches --train-iters 2: nothing to train; "
+            f"not saving it again (--save {tmp_path} holds it)") in out, out
+    assert "saving checkpoint" not in out, out
+    assert _files(tmp_path) == before
+
+
+def test_resume_at_train_iters_into_another_directory_still_saves(tmp_path, capsys):
+    """--save elsewhere does not hold the state: saved there, as Megatron-LM does."""
+    save_run(tmp_path / "a", iters=2, stop_at=2)
+    capsys.readouterr()
+    run_pretrain(["--seq-length", "16", "--train-iters", "2", "--load", str(tmp_path / "a"),
+                  "--save", str(tmp_path / "b"), "--save-interval", "5"])
+    out = capsys.readouterr().out
+    assert "already reaches --train-iters 2: nothing to train\n" in out, out
+    assert (tmp_path / "b" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
