@@ -34,6 +34,7 @@ from megatron.checkpointing import (
     iteration_dir_name,
     load_extra_file,
     load_rank_file,
+    read_tracker,
     resolve_checkpoint,
     save_checkpoint,
     save_checkpoint_async,
@@ -119,6 +120,7 @@ def save_trainer_checkpoint(tr) -> float:
         param_state = tr.optimizer.get_parameter_state()  # distributed optimizer: gather over DP
         extra = None if param_state is None else {"distrib_optim.pt": param_state}
     state = trainer_state_dict(tr)  # references to live tensors: cheap; copied if async
+    tr.own_checkpoints[tr.state.iteration] = "saved"
     if not ck.async_save:
         return save_checkpoint(ck.save, tr.state.iteration, state, tr.rt.ps, extra_files=extra)
     if getattr(tr, "async_saver", None) is None:
@@ -341,6 +343,45 @@ def load_trainer_checkpoint(tr) -> Optional[str]:
         print_rank_0(f" > loaded weights from {ck.load} ({what}: iteration 0, optimizer, "
                      f"scheduler and RNG start fresh; consumed samples "
                      f"{tr.state.consumed_train_samples})")
+    if not (ck.finetune or loaded.release) and _same_dir(ck.load, ck.save):
+        tr.own_checkpoints.setdefault(loaded.iteration, "resumed from")
     print_rank_0(f"  successfully loaded checkpoint from {ck.load} at iteration "
                  f"{loaded.iteration}")
     return loaded.converted
+
+
+def _same_dir(a: Optional[str], b: Optional[str]) -> bool:
+    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def rollback_iteration(tr, iteration: int) -> Tuple[int, str]:
+    """(iteration, origin) of the checkpoint `--nan-loss-policy rollback` reloads after the
+    NaN loss at `iteration`: the last one in --save (its tracker), which must be one this
+    run saved or resumed from (`tr.own_checkpoints`, kept by this process). Another run's
+    checkpoint in --save -- beyond the NaN or below it -- would continue that run's
+    training, possibly with other flags or data: SystemExit naming it. Limit: only this
+    process's own saves and its resume count, so a job relaunched with --load elsewhere
+    does not own the checkpoints its earlier launch left in --save."""
+    ck = tr.config.checkpoint
+    wait_for_async_save(tr)  # the checkpoint being written may be the last one
+    tracker = read_tracker(ck.save)[0] if ck.save else None
+    if not tracker:
+        raise SystemExit(f"error: NaN/Inf loss at iteration {iteration} and no checkpoint in "
+                         f"--save to roll back to; stopping")
+    if tracker in tr.own_checkpoints:
+        what = tr.own_checkpoints[tracker]
+        return tracker, f"the checkpoint this run {what}, in --save {ck.save}"
+    head = (f"error: NaN/Inf loss at iteration {iteration}, and the last checkpoint in --save "
+            f"{ck.save} is iteration {tracker}, which this run ")
+    fix = f"Resume with --load {ck.save}, or train with another --save directory"
+    if tracker >= iteration:
+        raise SystemExit(head + "has not reached: an earlier run saved it there (this one did "
+                         "not resume from it), so there is no checkpoint of this run to roll "
+                         f"back to; stopping. {fix}")
+    start = ("started from scratch" if not tr.start_iteration
+             else f"started at iteration {tr.start_iteration} from --load {ck.load}")
+    raise SystemExit(head + f"neither saved nor resumed from: an earlier run saved it there "
+                     f"(this run {start}), and rolling back to it "
+                     "would continue that run's training; stopping. " + fix
+                     + " (a --save-interval that saves before a NaN gives a rollback "
+                     "this run's own checkpoint)")
