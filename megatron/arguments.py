@@ -28,6 +28,7 @@ import argparse
 import difflib
 import os
 import sys
+import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from megatron.arguments_common import (
@@ -389,12 +390,23 @@ def parse_and_validate(
         raise
 
 
+# How long a rank that leaves an argument error to another rank's message waits before it
+# exits. torchrun (and srun --kill-on-bad-exit) ends every worker once one fails: a silent
+# rank that failed first would end rank 0 before it printed. The first failure is then rank
+# 0's and the launcher ends the waiting ranks at once; without a launcher that does, they
+# exit (status 2) after this delay.
+SILENT_EXIT_DELAY_S = 30.0
+
+
 def _report_error(err: ArgumentsError, rank: int, world_size: int,
                   local_rank: Optional[str]) -> None:
     """Print `<prog>: error: ...` to stderr where `prints_error` says so; an error of this
-    machine, in a run of several processes, names the rank and host that met it."""
+    machine, in a run of several processes, names the rank and host that met it. A rank
+    that does not print waits `SILENT_EXIT_DELAY_S` for the rank that does."""
     local = int(local_rank) if local_rank not in (None, "") else None
     if not prints_error(err, rank, local):
+        if world_size > 1:
+            time.sleep(SILENT_EXIT_DELAY_S)
         return
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "megatron"
     where = ""
