@@ -265,7 +265,7 @@ def _load_trainer_payload(tr) -> Optional[_Loaded]:
     saved, first_path, first = inspect_checkpoint(iter_dir)
     check_checkpoint_args(first.get("args"), tr.config.args, iter_dir, finetune=ck.finetune)
     warning = seq_length_warning(first.get("args"), tr.config.args, iter_dir)
-    if warning is not None:
+    if warning is not None and tr.optimizer is not None:  # not for evaluation-only trainers
         print_rank_0(warning)
     with_optimizer, with_rng = _states_to_load(ck, release, first, first_path)
     loaded = _Loaded(0 if release else iteration, release, {}, None, None, with_optimizer,
