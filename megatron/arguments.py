@@ -18,7 +18,9 @@ Steps, each its own function:
   5. `build_config`: the dataclasses of megatron/config.py plus `Config.args` (plain data).
 
 User errors raise `ArgumentsError` (a SystemExit with status 2) after printing
-`<prog>: error: <message>` to stderr.
+`<prog>: error: <message>` to stderr, once per launch: a mistake in the flags is printed by
+rank 0 alone, an error that depends on the machine (a file, CUDA) by each node's first
+process (`arguments_common.prints_error`).
 """
 from __future__ import annotations
 
@@ -26,14 +28,17 @@ import argparse
 import difflib
 import os
 import sys
+import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from megatron.arguments_common import (
     FLAG_SPECS,
     ArgumentsError,
     FlagSpec,
+    machine_checks,
     messages_for_rank,
     note,
+    prints_error,
     warn,
 )
 from megatron.arguments_report import (
@@ -261,7 +266,8 @@ def parse_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, Set[str]]:
     parser = build_parser()
     yaml_values: Dict[str, Any] = {}
     if getattr(given, "config", None):
-        yaml_values = load_yaml_config(given.config, parser)
+        with machine_checks():  # the file may be missing on some node
+            yaml_values = load_yaml_config(given.config, parser)
         parser.set_defaults(**yaml_values)
     ns = parser.parse_args(argv)
     return ns, set(vars(given)) | set(yaml_values)
@@ -356,7 +362,8 @@ def parse_and_validate(
     `cuda_available` (default torch.cuda.is_available()) picks the backend and the compile
     default. `vocab_size_fn(args) -> int` returns the tokenizer's vocab size before padding
     (default: `default_vocab_size`, which knows GPT2BPETokenizer and NullTokenizer).
-    Raises `ArgumentsError` (exit status 2) after printing `<prog>: error: ...` to stderr.
+    Raises `ArgumentsError` (exit status 2) after printing `<prog>: error: ...` to stderr:
+    on rank 0 only for a mistake in the flags; see `prints_error`.
     """
     env = os.environ if env is None else env
     rank = int(env.get("RANK", 0) or 0)
@@ -370,7 +377,8 @@ def parse_and_validate(
             if ns.use_checkpoint_args:  # model flags from the checkpoint, before validation
                 from megatron.arguments_checkpoint import apply_checkpoint_args
 
-                apply_checkpoint_args(ns, explicit, warn)
+                with machine_checks():
+                    apply_checkpoint_args(ns, explicit, warn)
             ns.rank, ns.world_size = rank, world_size
             if ns.local_rank is None and env.get("LOCAL_RANK"):
                 ns.local_rank = int(env["LOCAL_RANK"])
@@ -378,6 +386,32 @@ def parse_and_validate(
                           vocab_size_fn=vocab_size_fn, origins=origins)
             return build_config(ns)
     except ArgumentsError as err:
-        prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "megatron"
-        print(f"{prog}: {err}", file=sys.stderr)
+        _report_error(err, rank, world_size, env.get("LOCAL_RANK"))
         raise
+
+
+# How long a rank that leaves an argument error to another rank's message waits before it
+# exits. torchrun (and srun --kill-on-bad-exit) ends every worker once one fails: a silent
+# rank that failed first would end rank 0 before it printed. The first failure is then rank
+# 0's and the launcher ends the waiting ranks at once; without a launcher that does, they
+# exit (status 2) after this delay.
+SILENT_EXIT_DELAY_S = 30.0
+
+
+def _report_error(err: ArgumentsError, rank: int, world_size: int,
+                  local_rank: Optional[str]) -> None:
+    """Print `<prog>: error: ...` to stderr where `prints_error` says so; an error of this
+    machine, in a run of several processes, names the rank and host that met it. A rank
+    that does not print waits `SILENT_EXIT_DELAY_S` for the rank that does."""
+    local = int(local_rank) if local_rank not in (None, "") else None
+    if not prints_error(err, rank, local):
+        if world_size > 1:
+            time.sleep(SILENT_EXIT_DELAY_S)
+        return
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "megatron"
+    where = ""
+    if err.machine and world_size > 1:
+        import socket
+
+        where = f" (rank {rank} on {socket.gethostname()})"
+    print(f"{prog}: {err}{where}", file=sys.stderr, flush=True)

@@ -19,16 +19,42 @@ _log = logging.getLogger("megatron.arguments")
 class ArgumentsError(SystemExit):
     """A mistake in the flags: exits with status 2 and prints `error: <message>`, no traceback.
 
-    `parse_and_validate` prints the message to stderr before raising; `str(err)` and
-    `err.message` give the text.
+    `parse_and_validate` prints the message to stderr before raising (see `prints_error`
+    for which ranks print); `str(err)` and `err.message` give the text. `machine` is True
+    when the error depends on this machine (its files, its CUDA) rather than on the flags
+    alone (`machine_checks`).
     """
 
     def __init__(self, message: str):
         super().__init__(2)
         self.message = message
+        self.machine = False
 
     def __str__(self) -> str:
         return f"error: {self.message}"
+
+
+@contextlib.contextmanager
+def machine_checks() -> Iterator[None]:
+    """Mark the ArgumentsErrors raised inside as depending on this machine: files read (a
+    YAML config, tokenizer files, a checkpoint), CUDA present or not. Another node may see
+    different files, so such an error is not left to rank 0 to report."""
+    try:
+        yield
+    except ArgumentsError as err:
+        err.machine = True
+        raise
+
+
+def prints_error(err: ArgumentsError, rank: int, local_rank: Optional[int]) -> bool:
+    """Whether this process prints `err`. A mistake in the flags is the same on every rank
+    (same command line, same world size), so rank 0 alone prints it and the others exit with
+    the same status in silence: one message, not one per process. An error that depends on
+    the machine is printed by rank 0 and by the first process of every node (LOCAL_RANK 0),
+    or by every process when LOCAL_RANK is not set."""
+    if rank == 0:
+        return True
+    return err.machine and (local_rank is None or local_rank == 0)
 
 
 def warn(msg: str) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Set
 
 import torch
 
-from megatron.arguments_common import ArgumentsError, note, warn
+from megatron.arguments_common import ArgumentsError, machine_checks, note, warn
 from megatron.arguments_inputs import check_data_inputs, check_tokenizer_files, default_vocab_size
 from megatron.arguments_ranges import check_value_ranges
 from megatron.arguments_schedule import check_run_length, resolve_iterations, schedule_steps
@@ -415,6 +415,23 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
         raise ArgumentsError("--compile-scope block compiles the layer stack as one graph, which "
                              "full activation recompute splits per layer; use --compile-scope "
                              "layer with --recompute-granularity full")
+    with machine_checks():  # CUDA present or not: may differ between nodes
+        _check_cuda_features(ns, cuda_available)
+    if ns.attention_backend in ("flash", "cudnn") and ns.reset_attention_mask:
+        raise ArgumentsError(f"--attention-backend {ns.attention_backend} has no kernel for the "
+                             "per-document mask of --reset-attention-mask; use auto or efficient")
+    if ns.tokenizer_type is None:
+        ns.tokenizer_type = "GPT2BPETokenizer"
+    if ns.vocab_size is not None and ns.tokenizer_type != "NullTokenizer":
+        warn(f"--vocab-size {ns.vocab_size} is only read by NullTokenizer; the vocab size comes "
+             f"from {ns.tokenizer_type}")
+    if ns.vocab_extra_ids and ns.tokenizer_type in ("GPT2BPETokenizer", "NullTokenizer"):
+        warn(f"--vocab-extra-ids {ns.vocab_extra_ids} has no effect with {ns.tokenizer_type} "
+             "(as in Megatron-LM)")
+
+
+def _check_cuda_features(ns, cuda_available: bool) -> None:
+    """`--cuda-graph-step on` and the CUDA-only attention backends, against the device."""
     if ns.cuda_graph_step == "on":
         from megatron.step_graph import settings_reason
 
@@ -440,17 +457,6 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
     if ns.attention_backend in ("cudnn", "efficient") and not cuda_available:
         raise ArgumentsError(f"--attention-backend {ns.attention_backend} needs CUDA; use auto, "
                              "flash or math on the CPU")
-    if ns.attention_backend in ("flash", "cudnn") and ns.reset_attention_mask:
-        raise ArgumentsError(f"--attention-backend {ns.attention_backend} has no kernel for the "
-                             "per-document mask of --reset-attention-mask; use auto or efficient")
-    if ns.tokenizer_type is None:
-        ns.tokenizer_type = "GPT2BPETokenizer"
-    if ns.vocab_size is not None and ns.tokenizer_type != "NullTokenizer":
-        warn(f"--vocab-size {ns.vocab_size} is only read by NullTokenizer; the vocab size comes "
-             f"from {ns.tokenizer_type}")
-    if ns.vocab_extra_ids and ns.tokenizer_type in ("GPT2BPETokenizer", "NullTokenizer"):
-        warn(f"--vocab-extra-ids {ns.vocab_extra_ids} has no effect with {ns.tokenizer_type} "
-             "(as in Megatron-LM)")
 
 
 def _check_gemm_algorithms(ns, cuda_available: bool) -> None:
@@ -500,10 +506,12 @@ def validate_args(
     _resolve_optimizer(ns)
     _resolve_recompute(ns)
     _resolve_runtime(ns, explicit, cuda_available)
-    _check_gemm_algorithms(ns, cuda_available)
+    with machine_checks():  # CUDA present or not: may differ between nodes
+        _check_gemm_algorithms(ns, cuda_available)
     check_data_inputs(ns, explicit)
-    check_tokenizer_files(ns)
-    orig = (vocab_size_fn or default_vocab_size)(ns)
+    with machine_checks():  # files read: may differ between nodes
+        check_tokenizer_files(ns)
+        orig = (vocab_size_fn or default_vocab_size)(ns)
     ns.padded_vocab_size = pad_vocab_size(orig, ns.make_vocab_size_divisible_by,
                                           ns.tensor_model_parallel_size)
     note(f" > padded vocab (size: {orig}) with {ns.padded_vocab_size - orig} dummy tokens "

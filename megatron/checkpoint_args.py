@@ -173,5 +173,28 @@ def checkpoint_args_message(saved: Optional[Dict], run: Dict, where: str,
     return text
 
 
+def seq_length_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional[str]:
+    """One WARNING line when this run's --seq-length differs from the one the checkpoint in
+    `where` was saved with, else None. Megatron-LM accepts the change silently, and going on
+    at a new length is legitimate (its learned position table has --max-position-embeddings
+    rows, checked above), but a mistyped value should not go unseen. With learned positions
+    a longer sequence uses rows the saving run did not train."""
+    if not isinstance(saved, dict):
+        return None
+    before, now = _plain(saved, "seq_length"), _plain(run, "seq_length")
+    if before is _ABSENT or now is _ABSENT or before == now:
+        return None
+    text = f"WARNING: --seq-length {now} differs from the checkpoint's {before} ({where})"
+    positions = _position_type(run)
+    if positions in ("learned_absolute", "rope+learned") and now > before:
+        text += (f"; learned position embeddings {before}..{now - 1} were not trained by the "
+                 "run that saved it")
+    elif positions == "rope":
+        text += "; rotary positions have no trained table to outgrow"
+    return text + (f"; continuing at the new length is allowed, if it was mistyped rerun with "
+                   f"--seq-length {before}")
+
+
 __all__ = ["Mismatch", "SHAPE_ARGS", "OTHER_ARGS", "VOCAB_FILE_ARGS",
-           "checkpoint_arg_mismatches", "check_checkpoint_args", "checkpoint_args_message"]
+           "checkpoint_arg_mismatches", "check_checkpoint_args", "checkpoint_args_message",
+           "seq_length_warning"]

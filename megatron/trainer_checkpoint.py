@@ -16,7 +16,7 @@ from typing import Dict, NamedTuple, Optional, Set, Tuple
 import torch
 
 from megatron.async_save import AsyncSaver
-from megatron.checkpoint_args import check_checkpoint_args
+from megatron.checkpoint_args import check_checkpoint_args, seq_length_warning
 from megatron.checkpoint_preflight import states_to_load
 from megatron.checkpoint_reshard import (
     Layout,
@@ -34,6 +34,7 @@ from megatron.checkpointing import (
     iteration_dir_name,
     load_extra_file,
     load_rank_file,
+    read_tracker,
     resolve_checkpoint,
     save_checkpoint,
     save_checkpoint_async,
@@ -119,6 +120,7 @@ def save_trainer_checkpoint(tr) -> float:
         param_state = tr.optimizer.get_parameter_state()  # distributed optimizer: gather over DP
         extra = None if param_state is None else {"distrib_optim.pt": param_state}
     state = trainer_state_dict(tr)  # references to live tensors: cheap; copied if async
+    tr.own_checkpoints[tr.state.iteration] = "saved"
     if not ck.async_save:
         return save_checkpoint(ck.save, tr.state.iteration, state, tr.rt.ps, extra_files=extra)
     if getattr(tr, "async_saver", None) is None:
@@ -151,6 +153,27 @@ def wait_for_async_save(tr) -> None:
     saver = getattr(tr, "async_saver", None)
     if saver is not None:
         saver.wait()
+
+
+def nothing_to_train(tr) -> bool:
+    """Whether the run starts from a checkpoint whose iteration already reaches the last one
+    (--train-iters, or the iterations of --train-samples), so the loop trains nothing; says
+    so on rank 0. Megatron-LM then saves the loaded state again at the same iteration, which
+    costs a save and for a moment leaves no complete copy of the only good checkpoint: when
+    --save is the --load directory (it holds that state already) the caller skips the final
+    save, and the line says so."""
+    t, ck, it = tr.config.training, tr.config.checkpoint, tr.state.iteration
+    if it == 0 or it < t.train_iters:
+        return False
+    goal = (f"--train-samples {t.train_samples} ({t.train_iters} iterations)" if t.train_samples
+            else f"--train-iters {t.train_iters}")
+    text = f"checkpoint at iteration {it} already reaches {goal}: nothing to train"
+    same_dir = bool(ck.load and ck.save) and \
+        os.path.realpath(ck.load) == os.path.realpath(ck.save)
+    if same_dir:
+        text += f"; not saving it again (--save {ck.save} holds it)"
+    print_rank_0(text)
+    return same_dir
 
 
 # ---------------------------------------------------------------------- resharding on load
@@ -241,6 +264,9 @@ def _load_trainer_payload(tr) -> Optional[_Loaded]:
     iter_dir = os.path.join(ck.load, iteration_dir_name(iteration, release))
     saved, first_path, first = inspect_checkpoint(iter_dir)
     check_checkpoint_args(first.get("args"), tr.config.args, iter_dir, finetune=ck.finetune)
+    warning = seq_length_warning(first.get("args"), tr.config.args, iter_dir)
+    if warning is not None and tr.optimizer is not None:  # not for evaluation-only trainers
+        print_rank_0(warning)
     with_optimizer, with_rng = _states_to_load(ck, release, first, first_path)
     loaded = _Loaded(0 if release else iteration, release, {}, None, None, with_optimizer,
                      with_rng, iter_dir)
@@ -317,6 +343,45 @@ def load_trainer_checkpoint(tr) -> Optional[str]:
         print_rank_0(f" > loaded weights from {ck.load} ({what}: iteration 0, optimizer, "
                      f"scheduler and RNG start fresh; consumed samples "
                      f"{tr.state.consumed_train_samples})")
+    if not (ck.finetune or loaded.release) and _same_dir(ck.load, ck.save):
+        tr.own_checkpoints.setdefault(loaded.iteration, "resumed from")
     print_rank_0(f"  successfully loaded checkpoint from {ck.load} at iteration "
                  f"{loaded.iteration}")
     return loaded.converted
+
+
+def _same_dir(a: Optional[str], b: Optional[str]) -> bool:
+    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def rollback_iteration(tr, iteration: int) -> Tuple[int, str]:
+    """(iteration, origin) of the checkpoint `--nan-loss-policy rollback` reloads after the
+    NaN loss at `iteration`: the last one in --save (its tracker), which must be one this
+    run saved or resumed from (`tr.own_checkpoints`, kept by this process). Another run's
+    checkpoint in --save -- beyond the NaN or below it -- would continue that run's
+    training, possibly with other flags or data: SystemExit naming it. Limit: only this
+    process's own saves and its resume count, so a job relaunched with --load elsewhere
+    does not own the checkpoints its earlier launch left in --save."""
+    ck = tr.config.checkpoint
+    wait_for_async_save(tr)  # the checkpoint being written may be the last one
+    tracker = read_tracker(ck.save)[0] if ck.save else None
+    if not tracker:
+        raise SystemExit(f"error: NaN/Inf loss at iteration {iteration} and no checkpoint in "
+                         f"--save to roll back to; stopping")
+    if tracker in tr.own_checkpoints:
+        what = tr.own_checkpoints[tracker]
+        return tracker, f"the checkpoint this run {what}, in --save {ck.save}"
+    head = (f"error: NaN/Inf loss at iteration {iteration}, and the last checkpoint in --save "
+            f"{ck.save} is iteration {tracker}, which this run ")
+    fix = f"Resume with --load {ck.save}, or train with another --save directory"
+    if tracker >= iteration:
+        raise SystemExit(head + "has not reached: an earlier run saved it there (this one did "
+                         "not resume from it), so there is no checkpoint of this run to roll "
+                         f"back to; stopping. {fix}")
+    start = ("started from scratch" if not tr.start_iteration
+             else f"started at iteration {tr.start_iteration} from --load {ck.load}")
+    raise SystemExit(head + f"neither saved nor resumed from: an earlier run saved it there "
+                     f"(this run {start}), and rolling back to it "
+                     "would continue that run's training; stopping. " + fix
+                     + " (a --save-interval that saves before a NaN gives a rollback "
+                     "this run's own checkpoint)")

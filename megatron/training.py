@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -101,6 +101,9 @@ class Trainer:
     # --nan-loss-policy rollback: (the furthest iteration a NaN stopped, how many rollbacks
     # in a row have not got past it)
     rollback_streak: Tuple[int, int] = (0, 0)
+    # iteration -> how this run has it in --save ("saved", "resumed from"): what a
+    # rollback may reload (trainer_checkpoint.rollback_iteration)
+    own_checkpoints: Dict[int, str] = field(default_factory=dict)
     process_start_time: Optional[float] = None  # --exit-duration-in-mins counts from it
     exit_reason: Optional[str] = None  # the exit line when an exit condition ended the run
     memory_history: object = None  # megatron.memory_history.MemoryHistory (pretrain's)
@@ -279,28 +282,17 @@ MAX_ROLLBACKS_WITHOUT_PROGRESS = 3
 
 
 def _rollback(tr: Trainer, iteration: int) -> None:
-    """Reload the last checkpoint of --save; keep the data position, so the batches since
+    """Reload the last checkpoint of --save, when this run saved it or resumed from it
+    (`trainer_checkpoint.rollback_iteration`); keep the data position, so the batches since
     that checkpoint (the offending one included) are skipped."""
-    ck = tr.config.checkpoint
-    trainer_checkpoint.wait_for_async_save(tr)  # the checkpoint being written may be the last one
-    tracker = checkpointing.read_tracker(ck.save)[0] if ck.save else None
-    if not tracker:
-        raise SystemExit(f"error: NaN/Inf loss at iteration {iteration} and no checkpoint in "
-                         f"--save to roll back to; stopping")
-    if tracker >= iteration:  # this run cannot have saved it: an earlier run in --save did
-        raise SystemExit(
-            f"error: NaN/Inf loss at iteration {iteration}, and the last checkpoint in --save "
-            f"{ck.save} is iteration {tracker}, which this run has not reached: an earlier run "
-            "saved it there (this one did not resume from it), so there is no checkpoint of "
-            "this run to roll back to; stopping. Resume with --load "
-            f"{ck.save}, or train with another --save directory")
+    target, origin = trainer_checkpoint.rollback_iteration(tr, iteration)
     furthest, streak = tr.rollback_streak
     streak = streak + 1 if iteration <= furthest else 1
     tr.rollback_streak = (max(furthest, iteration), streak)
     if streak > MAX_ROLLBACKS_WITHOUT_PROGRESS:
         raise SystemExit(
             f"error: NaN/Inf loss at iteration {iteration} again: {streak - 1} rollbacks to "
-            f"the checkpoint at iteration {tracker} in a row have not got past iteration "
+            f"the checkpoint at iteration {target} in a row have not got past iteration "
             f"{max(furthest, iteration)}, so this is not one bad batch. Stopping; lower --lr "
             "(or raise the warmup), check the data, or resume from an earlier checkpoint")
     keep = (tr.state.consumed_train_samples, tr.state.consumed_valid_samples,
@@ -315,7 +307,7 @@ def _rollback(tr: Trainer, iteration: int) -> None:
         tr.config.checkpoint = saved
     (tr.state.consumed_train_samples, tr.state.consumed_valid_samples,
      tr.state.skipped_iters, tr.state.nan_iters) = keep
-    print_rank_0(f" > rolled back from iteration {iteration} to {tr.state.iteration}; "
+    print_rank_0(f" > rolled back from iteration {iteration} to {tr.state.iteration} ({origin}); "
                  f"continuing at sample {tr.state.consumed_train_samples}")
 
 
@@ -402,7 +394,8 @@ def _exit_program(tr: Trainer, stats: IntervalStats, reason: str, saved_at) -> N
 
 def train(tr: Trainer, train_data, valid_data) -> Optional[str]:
     """The training loop, from the trainer's iteration to --train-iters. Returns None when
-    it got there (a final checkpoint saved with --save), or Megatron's exit line when an
+    it got there (a final checkpoint saved with --save, unless the run loaded that state
+    from the same directory and trained nothing), or Megatron's exit line when an
     exit condition (--exit-signal-handler, --exit-duration-in-mins, --exit-interval)
     stopped it: the caller then ends the program without the final evaluation."""
     cfg, st = tr.config, tr.state
@@ -413,6 +406,8 @@ def train(tr: Trainer, train_data, valid_data) -> Optional[str]:
     tr.start_time, tr.start_iteration = time.time(), st.iteration
     process_start = tr.process_start_time or tr.start_time
     profiler = StepProfiler.from_args(cfg.args, tr.rt.ps.rank, cfg.logging.tensorboard_dir)
+    if trainer_checkpoint.nothing_to_train(tr):  # the loaded state is in --save already
+        saved_at = st.iteration
     while st.iteration < cfg.training.train_iters:
         profiler.before_step(st.iteration + 1)
         with profiler.step_range(st.iteration + 1):

@@ -1,0 +1,122 @@
+"""Argument errors under a launcher: a mistake in the flags is printed by rank 0 only (every
+rank exits with status 2), while an error that depends on the machine (a missing file, no
+CUDA) is printed by the first process of each node that meets it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron import arguments
+from megatron.arguments import parse_and_validate
+from megatron.arguments_common import ArgumentsError, prints_error
+from tests.dist_utils import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+        "--lr", "1e-3", "--train-iters", "4", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "200"]
+
+
+def launch(args, ranks, world_size=None, end_others=True):
+    """Start pretrain_gpt.py once per {RANK, LOCAL_RANK} env and, as torchrun does, end the
+    others (SIGTERM) once one exits (unless not `end_others`): an argument error never
+    reaches the process group. Returns ({RANK: return code} in the order the processes ended, combined output)."""
+    procs = {}
+    for env_extra in ranks:
+        env = dict(os.environ, WORLD_SIZE=str(world_size or len(ranks)), PYTHONPATH=str(ROOT),
+                   OMP_NUM_THREADS="1", **env_extra)
+        procs[env_extra["RANK"]] = subprocess.Popen(
+            [sys.executable, str(ROOT / "pretrain_gpt.py"), *args], cwd=ROOT, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline, codes = time.monotonic() + 120, {}
+    while not codes and end_others and time.monotonic() < deadline:
+        codes = {r: p.returncode for r, p in procs.items() if p.poll() is not None}
+        time.sleep(0.05)
+    for p in procs.values():
+        if end_others and p.poll() is None:
+            p.terminate()
+    outs = [p.communicate(timeout=60)[0] for p in procs.values()]
+    codes.update({r: p.returncode for r, p in procs.items() if r not in codes})
+    return codes, "".join(outs)
+
+
+TWO_RANKS = [{"RANK": "0", "LOCAL_RANK": "0"}, {"RANK": "1", "LOCAL_RANK": "1"}]
+
+
+def test_unknown_flag_printed_once_rank_zero_fails_first():
+    codes, out = launch(BASE + ["--seq-lenght", "64"], TWO_RANKS)
+    assert list(codes.items())[0] == ("0", 2), (codes, out)  # rank 1 waits: ended
+    assert codes["1"] != 0, out
+    assert out.count("unrecognized arguments: --seq-lenght") == 1, out
+    assert out.count("error:") == 1, out
+
+
+def test_invalid_combination_printed_once():
+    codes, out = launch(BASE + ["--fp16", "--bf16"], TWO_RANKS)
+    assert list(codes.items())[0] == ("0", 2) and codes["1"] != 0, (codes, out)
+    assert out.count("--fp16 and --bf16 are exclusive") == 1, out
+
+
+def test_missing_file_printed_by_each_node(tmp_path):
+    """The first process of each of two nodes (ranks 0 and 2 of 4): the missing vocab file
+    is reported by both, naming the rank and host, since another node's files may differ
+    (the processes of LOCAL_RANK 1 leave it to them: test_prints_error_rule)."""
+    missing = str(tmp_path / "nowhere" / "vocab.json")
+    args = [a for a in BASE if a not in ("NullTokenizer", "--vocab-size", "200",
+                                         "--tokenizer-type")]
+    args += ["--vocab-file", missing, "--merge-file", missing]
+    ranks = [{"RANK": "0", "LOCAL_RANK": "0"}, {"RANK": "2", "LOCAL_RANK": "0"}]
+    codes, out = launch(args, ranks, world_size=4, end_others=False)
+    assert list(codes.values()) == [2, 2], (codes, out)
+    assert out.count(f"--vocab-file {missing}: file not found") == 2, out
+    assert "(rank 0 on " in out and "(rank 2 on " in out, out
+
+
+def test_single_process_prints_without_rank_tag(capsys):
+    with pytest.raises(ArgumentsError) as exc:
+        parse_and_validate(BASE + ["--fp16", "--bf16"], 1, env={}, cuda_available=False)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--fp16 and --bf16 are exclusive" in err and " on " not in err.split("exclusive")[1]
+
+
+def test_rank_one_is_silent_for_a_flag_error_and_waits_for_rank_zero(capsys, monkeypatch):
+    """A silent rank that exits first would have torchrun end rank 0 before it prints."""
+    waits = []
+    monkeypatch.setattr(arguments.time, "sleep", waits.append)
+    with pytest.raises(ArgumentsError) as exc:
+        parse_and_validate(BASE + ["--fp16", "--bf16"], 2, env={"RANK": "1"}, cuda_available=False)
+    assert exc.value.code == 2 and capsys.readouterr().err == ""
+    assert waits == [arguments.SILENT_EXIT_DELAY_S]
+    with pytest.raises(ArgumentsError):  # the rank that prints does not wait
+        parse_and_validate(BASE + ["--fp16", "--bf16"], 2, env={"RANK": "0"}, cuda_available=False)
+    assert waits == [arguments.SILENT_EXIT_DELAY_S]
+
+
+@pytest.mark.parametrize("rank, local_rank, machine, expected", [
+    (0, 0, False, True), (1, 1, False, False), (5, 0, False, False),
+    (0, 0, True, True), (1, 1, True, False), (2, 0, True, True), (3, None, True, True),
+])
+def test_prints_error_rule(rank, local_rank, machine, expected):
+    err = ArgumentsError("x")
+    err.machine = machine
+    assert prints_error(err, rank, local_rank) is expected
+
+
+def test_under_torchrun_the_error_is_printed_once():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(ROOT / "pretrain_gpt.py"), *BASE, "--seq-lenght", "64"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert out.count("unrecognized arguments: --seq-lenght") == 1, out
+    # torchrun's summary: rank 0 failed first (status 2), the waiting rank 1 was ended
+    assert "rank      : 0 (local_rank: 0)\n  exitcode  : 2" in out, out

@@ -1,0 +1,115 @@
+"""What a resume says or skips when the command line and the checkpoint disagree in ways
+that are allowed: another --seq-length (a warning naming both values, also in --dry-run),
+a checkpoint that already reaches --train-iters (nothing trained, nothing re-saved).
+Single-process runs through the real driver (`parse_and_validate` -> `pretrain`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import megatron.training as training
+from megatron.arguments import parse_and_validate, run_dry_run
+from megatron.checkpoint_args import seq_length_warning
+from megatron.initialize import initialize_distributed, set_random_seed
+
+BASE = (
+    "--num-layers 1 --hidden-size 32 --num-attention-heads 4 --max-position-embeddings 16 "
+    "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 100 --use-cpu-initialization --num-workers 0 "
+    "--log-interval 1000 --eval-iters 0 --eval-interval 1000"
+).split()
+
+
+def config(extra):
+    return parse_and_validate(BASE + list(extra), world_size=1, env={"RANK": "0"},
+                              cuda_available=False)
+
+
+def run_pretrain(extra):
+    cfg = config(extra)
+    rt = initialize_distributed(cfg.parallel, 0, 1, 0)
+    set_random_seed(cfg.training.seed, rt)
+    return training.pretrain(cfg, rt)
+
+
+def save_run(root, seq_length=16, iters=3, stop_at=2):
+    """A run of `iters` iterations with --save, stopped at `stop_at` by --exit-interval
+    (same schedule for the resume: --train-iters sets the decay length)."""
+    run_pretrain(["--seq-length", str(seq_length), "--train-iters", str(iters),
+                  "--save", str(root), "--save-interval", str(stop_at),
+                  "--exit-interval", str(stop_at)])
+
+
+# ------------------------------------------------------------------- --seq-length
+
+
+def test_seq_length_warning_text():
+    saved = {"seq_length": 8, "position_embedding_type": "learned_absolute"}
+    assert seq_length_warning(saved, dict(saved), "d") is None
+    assert seq_length_warning({}, saved, "d") is None  # an older writer: nothing to compare
+    longer = seq_length_warning(saved, {**saved, "seq_length": 16}, "d/iter_0000002")
+    assert longer.startswith("WARNING: --seq-length 16 differs from the checkpoint's 8 "
+                             "(d/iter_0000002)")
+    assert "learned position embeddings 8..15 were not trained" in longer
+    assert "rerun with --seq-length 8" in longer and "\n" not in longer
+    shorter = seq_length_warning(saved, {**saved, "seq_length": 4}, "d")
+    assert "position embeddings" not in shorter
+    rope = {"seq_length": 16, "position_embedding_type": "rope"}
+    assert "rotary positions" in seq_length_warning(saved, rope, "d")
+
+
+def test_resume_with_other_seq_length_warns(tmp_path, capsys):
+    save_run(tmp_path, seq_length=8)
+    capsys.readouterr()
+    tr = run_pretrain(["--seq-length", "16", "--train-iters", "3", "--load", str(tmp_path)])
+    assert tr.state.iteration == 3
+    out = capsys.readouterr().out
+    assert out.count("WARNING: --seq-length 16 differs from the checkpoint's 8") == 1, out
+    assert "learned position embeddings 8..15" in out
+
+
+def test_dry_run_load_prints_the_seq_length_warning(tmp_path, capsys):
+    save_run(tmp_path, seq_length=16)
+    capsys.readouterr()
+    status = run_dry_run(config(["--seq-length", "8", "--train-iters", "3", "--load",
+                                 str(tmp_path)]), 1)
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "WARNING: --seq-length 8 differs from the checkpoint's 16" in out, out
+
+
+# ------------------------------------------------------------ nothing left to train
+
+
+def _files(root):
+    """{path: (size, mtime_ns, bytes)} of every file under `root`."""
+    out = {}
+    for p in sorted(Path(root).rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            out[str(p)] = (st.st_size, st.st_mtime_ns, p.read_bytes())
+    return out
+
+
+def test_resume_at_train_iters_trains_and_saves_nothing(tmp_path, capsys):
+    save_run(tmp_path, iters=2, stop_at=2)  # reaches --train-iters 2 with a save at 2
+    before = _files(tmp_path)
+    capsys.readouterr()
+    tr = run_pretrain(["--seq-length", "16", "--train-iters", "2", "--load", str(tmp_path),
+                       "--save", str(tmp_path), "--save-interval", "2"])
+    out = capsys.readouterr().out
+    assert tr.state.iteration == 2
+    assert ("checkpoint at iteration 2 already reaches --train-iters 2: nothing to train; "
+            f"not saving it again (--save {tmp_path} holds it)") in out, out
+    assert "saving checkpoint" not in out, out
+    assert _files(tmp_path) == before
+
+
+def test_resume_at_train_iters_into_another_directory_still_saves(tmp_path, capsys):
+    """--save elsewhere does not hold the state: saved there, as Megatron-LM does."""
+    save_run(tmp_path / "a", iters=2, stop_at=2)
+    capsys.readouterr()
+    run_pretrain(["--seq-length", "16", "--train-iters", "2", "--load", str(tmp_path / "a"),
+                  "--save", str(tmp_path / "b"), "--save-interval", "5"])
+    out = capsys.readouterr().out
+    assert "already reaches --train-iters 2: nothing to train\n" in out, out
+    assert (tmp_path / "b" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
