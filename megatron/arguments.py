@@ -386,26 +386,29 @@ def parse_and_validate(
                           vocab_size_fn=vocab_size_fn, origins=origins)
             return build_config(ns)
     except ArgumentsError as err:
-        _report_error(err, rank, world_size, env.get("LOCAL_RANK"))
+        _report_error(err, rank, world_size, env)
         raise
 
 
 # How long a rank that leaves an argument error to another rank's message waits before it
-# exits. torchrun (and srun --kill-on-bad-exit) ends every worker once one fails: a silent
-# rank that failed first would end rank 0 before it printed. The first failure is then rank
-# 0's and the launcher ends the waiting ranks at once; without a launcher that does, they
-# exit (status 2) after this delay.
+# exits, when a launcher started it (`LAUNCHER_ENV`). torchrun (and srun
+# --kill-on-bad-exit) ends every worker once one fails: a silent rank that failed first
+# would end rank 0 before it printed. The first failure is then rank 0's and the launcher
+# ends the waiting ranks at once; without a launcher that does, they exit (status 2)
+# after this delay. Called as a library (no launcher variable), nothing waits.
 SILENT_EXIT_DELAY_S = 30.0
+LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")  # torchrun / torch.distributed.launch, Slurm
 
 
-def _report_error(err: ArgumentsError, rank: int, world_size: int,
-                  local_rank: Optional[str]) -> None:
+def _report_error(err: ArgumentsError, rank: int, world_size: int, env) -> None:
     """Print `<prog>: error: ...` to stderr where `prints_error` says so; an error of this
     machine, in a run of several processes, names the rank and host that met it. A rank
-    that does not print waits `SILENT_EXIT_DELAY_S` for the rank that does."""
+    that does not print waits `SILENT_EXIT_DELAY_S` for the rank that does, under a
+    launcher."""
+    local_rank = env.get("LOCAL_RANK")
     local = int(local_rank) if local_rank not in (None, "") else None
     if not prints_error(err, rank, local):
-        if world_size > 1:
+        if world_size > 1 and any(env.get(name) for name in LAUNCHER_ENV):
             time.sleep(SILENT_EXIT_DELAY_S)
         return
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "megatron"

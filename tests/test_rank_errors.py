@@ -46,7 +46,9 @@ def launch(args, ranks, world_size=None, end_others=True):
     return codes, "".join(outs)
 
 
-TWO_RANKS = [{"RANK": "0", "LOCAL_RANK": "0"}, {"RANK": "1", "LOCAL_RANK": "1"}]
+LAUNCHED = {"TORCHELASTIC_RUN_ID": "test"}  # as torchrun sets it: silent ranks wait
+TWO_RANKS = [{"RANK": "0", "LOCAL_RANK": "0", **LAUNCHED},
+             {"RANK": "1", "LOCAL_RANK": "1", **LAUNCHED}]
 
 
 def test_unknown_flag_printed_once_rank_zero_fails_first():
@@ -91,12 +93,18 @@ def test_rank_one_is_silent_for_a_flag_error_and_waits_for_rank_zero(capsys, mon
     waits = []
     monkeypatch.setattr(arguments.time, "sleep", waits.append)
     with pytest.raises(ArgumentsError) as exc:
-        parse_and_validate(BASE + ["--fp16", "--bf16"], 2, env={"RANK": "1"}, cuda_available=False)
+        parse_and_validate(BASE + ["--fp16", "--bf16"], 2, env={"RANK": "1", **LAUNCHED},
+                           cuda_available=False)
     assert exc.value.code == 2 and capsys.readouterr().err == ""
     assert waits == [arguments.SILENT_EXIT_DELAY_S]
     with pytest.raises(ArgumentsError):  # the rank that prints does not wait
-        parse_and_validate(BASE + ["--fp16", "--bf16"], 2, env={"RANK": "0"}, cuda_available=False)
-    assert waits == [arguments.SILENT_EXIT_DELAY_S]
+        parse_and_validate(BASE + ["--fp16", "--bf16"], 2, env={"RANK": "0", **LAUNCHED},
+                           cuda_available=False)
+    assert waits == [arguments.SILENT_EXIT_DELAY_S] and "exclusive" in capsys.readouterr().err
+    with pytest.raises(ArgumentsError):  # called as a library (no launcher): no wait
+        parse_and_validate(BASE + ["--fp16", "--bf16"], 2, env={"RANK": "1"},
+                           cuda_available=False)
+    assert waits == [arguments.SILENT_EXIT_DELAY_S] and capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("rank, local_rank, machine, expected", [
