@@ -119,25 +119,37 @@ def test_dry_run_report_and_missing_inputs(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Checkpoints of BASE's model at iteration 10 (20 samples): "full" (optimizer and RNG
-    states), "bare" (--no-save-optim --no-save-rng), "tp2" (full's shard duplicated as tp
-    rank 1 and its args saying tp 2: the layout is all the dry run reads)."""
-    from megatron.checkpoint_files import load_checkpoint_file
+    states), "bare" (--no-save-optim --no-save-rng), "dist" (bf16, distributed optimizer:
+    distrib_optim.pt beside the rank file); "tp2" and "dist-tp2" (full's / dist's shard
+    duplicated as tp rank 1 and its args saying tp 2: the layout is all the dry run reads)."""
     from megatron.trainer_checkpoint import save_trainer_checkpoint
     from tests.gpt_helpers import cli_trainer
 
     root = tmp_path_factory.mktemp("ckpt")
-    for name, extra in (("full", []), ("bare", ["--no-save-optim", "--no-save-rng"])):
+    for name, extra in (("full", []), ("bare", ["--no-save-optim", "--no-save-rng"]),
+                        ("dist", DIST)):
         _, _, tr = cli_trainer(BASE + ["--save", str(root / name), "--save-interval", "10"] + extra)
         tr.state.iteration, tr.state.consumed_train_samples = 10, 20
         tr.scheduler.step(20)
         save_trainer_checkpoint(tr)
-    it = root / "tp2" / "iter_0000010"
-    shutil.copytree(root / "full", root / "tp2")
+    for name in ("full", "dist"):
+        _as_tp2(root / name, root / ("tp2" if name == "full" else "dist-tp2"))
+    return root
+
+
+DIST = ["--bf16", "--use-distributed-optimizer"]
+
+
+def _as_tp2(src, dst) -> None:
+    """A copy of `src` whose rank 0 files also stand as tp rank 1, its args saying tp 2."""
+    from megatron.checkpoint_files import load_checkpoint_file
+
+    it = dst / "iter_0000010"
+    shutil.copytree(src, dst)
     shutil.copytree(it / "mp_rank_00", it / "mp_rank_01")
     state = load_checkpoint_file(str(it / "mp_rank_00" / "model_optim_rng.pt"))
     state["args"]["tensor_model_parallel_size"] = 2
     torch.save(state, it / "mp_rank_00" / "model_optim_rng.pt")
-    return root
 
 
 def dry(capsys, extra):
@@ -245,3 +257,35 @@ def test_dry_run_other_tensor_parallel_size_reshards(saved, capsys, tmp_path):
     shard.unlink()
     status, out = dry(capsys, f"--load {root}")
     assert status == 1 and f"checkpoint file(s) missing: {shard}" in out
+
+
+def test_dry_run_checks_distrib_optim_files_of_its_own_layout(saved, capsys, tmp_path):
+    status, out = dry(capsys, f"--load {saved}/dist {' '.join(DIST)}")
+    assert status == 0 and "layout: saved with tp 1, pp 1, distributed optimizer; each " \
+                           "rank reads its own shard" in out
+    root = tmp_path / "ck"
+    shutil.copytree(saved / "dist", root)
+    distrib = root / "iter_0000010" / "mp_rank_00" / "distrib_optim.pt"
+    distrib.write_bytes(distrib.read_bytes()[:3000])
+    status, out = dry(capsys, f"--load {root} {' '.join(DIST)}")
+    assert status == 1 and f"error: cannot read checkpoint file {distrib}" in out
+
+
+def test_dry_run_resharding_checks_every_distrib_optim_file(saved, capsys, tmp_path):
+    """Resharding reads every rank's distrib_optim.pt: a missing or truncated one is a
+    problem the real run stops on, so the dry run names it."""
+    status, out = dry(capsys, f"--load {saved}/dist-tp2 {' '.join(DIST)}")
+    assert status == 0 and "resharded on load: saved with tp 2, pp 1, distributed " \
+                           "optimizer" in out
+    root = tmp_path / "ck"
+    shutil.copytree(saved / "dist-tp2", root)
+    distrib = root / "iter_0000010" / "mp_rank_01" / "distrib_optim.pt"
+    distrib.write_bytes(distrib.read_bytes()[:3000])
+    status, out = dry(capsys, f"--load {root} {' '.join(DIST)}")
+    assert status == 1 and f"error: cannot read checkpoint file {distrib}" in out
+    distrib.unlink()
+    status, out = dry(capsys, f"--load {root} {' '.join(DIST)}")
+    assert status == 1 and f"checkpoint file(s) missing: {distrib}" in out
+    # without the optimizer state, distrib_optim.pt is not read
+    assert dry(capsys, f"--load {root} {' '.join(DIST)} --no-load-optim")[0] == 0
+

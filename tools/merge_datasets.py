@@ -19,6 +19,7 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     data_file_path,
     index_file_path,
 )
+from tools.preprocess_data import make_output_dir  # noqa: E402
 
 
 def directory_prefixes(directory: str) -> list:
@@ -62,18 +63,6 @@ def open_inputs(prefixes) -> dict:
         except ValueError as exc:
             raise SystemExit(f"error: --input {prefix}: {exc}") from None
     return dtypes
-
-
-def make_output_dir(output_prefix: str) -> None:
-    """Create the directory of --output-prefix when missing (and say so)."""
-    directory = os.path.dirname(os.path.abspath(output_prefix))
-    if not os.path.isdir(directory):
-        try:
-            os.makedirs(directory)
-        except OSError as exc:
-            raise SystemExit(f"error: --output-prefix {output_prefix}: cannot create its "
-                             f"directory {directory} ({exc})") from None
-        print(f"Created output directory {directory}", file=sys.stderr)
 
 
 def merge(prefixes, output_prefix: str) -> None:
