@@ -243,32 +243,36 @@ def test_dry_run_bad_tracker(saved, capsys, tmp_path):
     assert dry(capsys, f"--load {root} --exit-on-missing-checkpoint")[0] == 1
 
 
+def _damaged_copy(capsys, saved, name: str, tmp_path, rank_dir: str, file: str,
+                  flags: str = ""):
+    """A copy of checkpoint `name` whose `rank_dir/file` is truncated; the dry run stops on
+    it, then on its absence. Returns the copy's root."""
+    root = tmp_path / "ck"
+    shutil.copytree(saved / name, root)
+    path = root / "iter_0000010" / rank_dir / file
+    path.write_bytes(path.read_bytes()[:3000])
+    status, out = dry(capsys, f"--load {root} {flags}")
+    assert status == 1 and f"error: cannot read checkpoint file {path}" in out
+    path.unlink()
+    status, out = dry(capsys, f"--load {root} {flags}")
+    assert status == 1 and f"checkpoint file(s) missing: {path}" in out
+    return root
+
+
 def test_dry_run_other_tensor_parallel_size_reshards(saved, capsys, tmp_path):
     status, out = dry(capsys, f"--load {saved}/tp2")
     assert status == 0 and ("resharded on load: saved with tp 2, pp 1, fp32 optimizer, this "
                             "run has tp 1, pp 1, fp32 optimizer; every rank reads all 2 shard "
                             "file(s) and takes its slice; RNG states start fresh") in out
-    root = tmp_path / "ck"
-    shutil.copytree(saved / "tp2", root)
-    shard = root / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt"
-    shard.write_bytes(shard.read_bytes()[:5000])
-    status, out = dry(capsys, f"--load {root}")
-    assert status == 1 and f"error: cannot read checkpoint file {shard}" in out
-    shard.unlink()
-    status, out = dry(capsys, f"--load {root}")
-    assert status == 1 and f"checkpoint file(s) missing: {shard}" in out
+    _damaged_copy(capsys, saved, "tp2", tmp_path, "mp_rank_01", "model_optim_rng.pt")
 
 
 def test_dry_run_checks_distrib_optim_files_of_its_own_layout(saved, capsys, tmp_path):
     status, out = dry(capsys, f"--load {saved}/dist {' '.join(DIST)}")
     assert status == 0 and "layout: saved with tp 1, pp 1, distributed optimizer; each " \
                            "rank reads its own shard" in out
-    root = tmp_path / "ck"
-    shutil.copytree(saved / "dist", root)
-    distrib = root / "iter_0000010" / "mp_rank_00" / "distrib_optim.pt"
-    distrib.write_bytes(distrib.read_bytes()[:3000])
-    status, out = dry(capsys, f"--load {root} {' '.join(DIST)}")
-    assert status == 1 and f"error: cannot read checkpoint file {distrib}" in out
+    _damaged_copy(capsys, saved, "dist", tmp_path, "mp_rank_00", "distrib_optim.pt",
+                  " ".join(DIST))
 
 
 def test_dry_run_resharding_checks_every_distrib_optim_file(saved, capsys, tmp_path):
@@ -277,15 +281,7 @@ def test_dry_run_resharding_checks_every_distrib_optim_file(saved, capsys, tmp_p
     status, out = dry(capsys, f"--load {saved}/dist-tp2 {' '.join(DIST)}")
     assert status == 0 and "resharded on load: saved with tp 2, pp 1, distributed " \
                            "optimizer" in out
-    root = tmp_path / "ck"
-    shutil.copytree(saved / "dist-tp2", root)
-    distrib = root / "iter_0000010" / "mp_rank_01" / "distrib_optim.pt"
-    distrib.write_bytes(distrib.read_bytes()[:3000])
-    status, out = dry(capsys, f"--load {root} {' '.join(DIST)}")
-    assert status == 1 and f"error: cannot read checkpoint file {distrib}" in out
-    distrib.unlink()
-    status, out = dry(capsys, f"--load {root} {' '.join(DIST)}")
-    assert status == 1 and f"checkpoint file(s) missing: {distrib}" in out
+    root = _damaged_copy(capsys, saved, "dist-tp2", tmp_path, "mp_rank_01",
+                         "distrib_optim.pt", " ".join(DIST))
     # without the optimizer state, distrib_optim.pt is not read
     assert dry(capsys, f"--load {root} {' '.join(DIST)} --no-load-optim")[0] == 0
-
