@@ -4,8 +4,9 @@
 # (prints how long each save blocked training), gpt-1.3b with full recompute (peak
 # memory and speed against the run without, benchmarks/RESULTS.md), and a run that cannot
 # fit, for the out-of-memory report (megatron/oom_report.py: exit status 1, the report's
-# first lines, the --record-memory-history snapshot it names), then the zero-shot evaluation, a --num-experts benchmark and the
-# key/value-cache generation speed. pytest must be importable.
+# first lines, the --record-memory-history snapshot it names), then the zero-shot
+# evaluation, a --num-experts benchmark and the key/value-cache generation speed (dense
+# at gpt-1.3b's shape; 8 experts at gpt2-124m's). pytest must be importable.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_checks}; mkdir -p "$OUT"
@@ -50,3 +51,5 @@ python tools/benchmark.py --preset gpt2-124m --steps 10 --warmup 3 -- --num-expe
     | tee -a "$OUT/bench.log" | grep -E '^\{|rror' | tail -1
 python benchmarks/kv_cache_speed.py --device cuda --dtype bf16 --layers 24 --hidden 2048 --heads 16 \
     --prompt 128 --new 256 2>&1 | tee "$OUT/kv_cache.log"
+python benchmarks/kv_cache_speed.py --device cuda --dtype bf16 --layers 12 --hidden 768 --heads 12 \
+    --experts 8 --prompt 128 --new 256 2>&1 | tee "$OUT/kv_cache_moe.log"

@@ -3,7 +3,8 @@ recompute (--no-kv-cache), the key/value cache's eager dynamic step ("cache eage
 static one-token step run eagerly ("static eager", megatron/core/models/gpt/
 static_decode.py) and, on CUDA, that step replayed from a CUDA graph ("cache graphed";
 skipped elsewhere; the one capture is timed on its own). Greedy, one sequence, a prompt of
---prompt tokens and --new generated tokens, fp32 unless --dtype says otherwise. Prints one
+--prompt tokens and --new generated tokens, fp32 unless --dtype says otherwise; --experts E
+makes every MLP a switch MLP of E experts. Prints one
 line per path and whether it gave the tokens of the recompute and cache-eager paths. A
 report, not a test.
 
@@ -39,7 +40,7 @@ def _args(argv=None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag, default in (("--layers", 6), ("--hidden", 256), ("--heads", 8),
                           ("--vocab", 50304), ("--prompt", 64), ("--new", 128),
-                          ("--threads", 0)):
+                          ("--threads", 0), ("--experts", 0)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32")
@@ -66,10 +67,12 @@ def main(argv=None) -> int:
     cfg = ModelConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
                       padded_vocab_size=a.vocab, seq_length=max_len,
                       max_position_embeddings=max_len, hidden_dropout=0.0,
-                      attention_dropout=0.0, params_dtype=_DTYPES[a.dtype])
+                      attention_dropout=0.0, params_dtype=_DTYPES[a.dtype],
+                      num_experts=a.experts or None)
     model = GPTModel(cfg, device=a.device).to(a.device).eval()  # norms are built on the host
     prompt = torch.randint(0, a.vocab, (a.prompt,)).tolist()
-    print(f"{a.layers} layers, hidden {a.hidden}, vocab {a.vocab}, {a.dtype} on {a.device} "
+    experts = f", {a.experts} experts (top-1)" if a.experts else ""
+    print(f"{a.layers} layers, hidden {a.hidden}{experts}, vocab {a.vocab}, {a.dtype} on {a.device} "
           f"({torch.get_num_threads()} threads): {a.new} tokens after a {a.prompt}-token prompt")
     generate(model, prompt, 4, greedy=True)  # warm-up
     paths = {"recompute": dict(use_cache=False), "cache eager": {},
