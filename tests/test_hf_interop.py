@@ -151,6 +151,32 @@ def test_ours_to_hf_to_ours_without_transformers(tmp_path, monkeypatch):
                                       model, "gpt2")
 
 
+@pytest.mark.parametrize("family, edit, named", [
+    ("llama", {"intermediate_size": 48}, "model.layers.0.mlp.gate_proj.weight [64, 32] "
+                                        "(config.json: [48, 32])"),
+    ("llama", {"head_dim": 16}, "model.layers.0.self_attn.q_proj.weight [32, 32] "
+                                "(config.json: [64, 32])"),
+    ("llama", {"vocab_size": 90}, "model.embed_tokens.weight [101, 32] (config.json: [90, 32])"),
+    ("gpt2", {"n_positions": 8}, "transformer.wpe.weight [16, 32] (config.json: [8, 32])")])
+def test_from_hf_refuses_weights_that_do_not_match_config_json(tmp_path, family, edit, named):
+    """Weights and a config.json of another shape: an error naming the tensors, and no
+    checkpoint written (before: a reshape traceback, or a checkpoint that failed to load,
+    or -- a smaller vocab_size -- a model with rows past its vocabulary)."""
+    flags = f"{TINY} {LLAMA if family == 'llama' else ''} --ffn-hidden-size 64"
+    model = parse_and_validate(flags.split(), world_size=1, env={}, cuda_available=False).model
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    ours = GPTModel(model).state_dict()
+    state = hf_interop.to_hf_state_dict(ours, model, family, VOCAB + 1)
+    config = {**hf_interop.hf_config(model, family, VOCAB + 1, torch.float32, state=state),
+              **edit}
+    hf_interop.save_hf_checkpoint(str(tmp_path / "hf"), state, config)
+    with pytest.raises(SystemExit, match=re.escape(named)) as exc:
+        _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "ck")
+    assert "give the config.json saved with these weights" in str(exc.value)
+    assert not (tmp_path / "ck").exists()
+
+
 # ------------------------------------------------------------------------ export
 @pytest.mark.parametrize("extra", ["", "--no-bias-gelu-fusion",
                                    "--openai-gelu --untie-embeddings-and-output-weights "
