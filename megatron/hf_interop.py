@@ -279,13 +279,17 @@ def _gpt2_flags(cfg: dict) -> List[str]:
 
 
 def _llama_theta(cfg: dict) -> float:
+    # transformers reads rope_scaling (older configs) over rope_parameters (newer ones):
+    # a scaling in either is one we do not have
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = cfg.get(key) or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"Llama {key} rope_type {kind!r} (rope scaling) is not supported; "
+                             "only plain rotary embeddings ('default') are")
+        if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("Llama partial_rotary_factor != 1 is not supported")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ValueError(f"Llama rope_type {kind!r} (rope scaling) is not supported; only "
-                         "plain rotary embeddings ('default') are")
-    if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("Llama partial_rotary_factor != 1 is not supported")
     return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 

@@ -106,6 +106,11 @@ def test_qkv_layout_family_detection_and_errors(tmp_path):
     with pytest.raises(ValueError, match="rope_type 'llama3'"):
         hf_interop.megatron_flags_from_hf({"model_type": "llama",
                                            "rope_parameters": {"rope_type": "llama3"}})
+    # transformers reads a config's rope_scaling over its rope_parameters
+    with pytest.raises(ValueError, match="rope_scaling rope_type 'linear'"):
+        hf_interop.megatron_flags_from_hf({
+            "model_type": "llama", "rope_parameters": {"rope_type": "default"},
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
     with pytest.raises(SystemExit, match="no config.json there"):
         _cli("from-hf", "--input", tmp_path, "--save", tmp_path / "ck")
 
