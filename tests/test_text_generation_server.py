@@ -212,11 +212,14 @@ def test_megatron_defaults_of_unsupported_fields_are_accepted():
     from tools.text_generation_api import NOT_SUPPORTED, RequestError, parse_request
 
     defaults = {"top_p_decay": 0.0, "top_p_bound": 0.0, "prevent_newline_after_colon": False,
-                "stop_token": 50256, "length_penalty": 1}
+                "stop_token": 50256, "length_penalty": 1, "all_probs": False}
     assert parse_request({"prompts": ["5"], **defaults}).prompts == ["5"]
     assert set(defaults) < set(NOT_SUPPORTED)
     with pytest.raises(RequestError, match="stop_token is not supported"):
         parse_request({"prompts": ["5"], "stop_token": 7})
+    # all_probs (older Megatron-LM clients): false is served, true refused by name
+    with pytest.raises(RequestError, match="all_probs is not supported"):
+        parse_request({"prompts": ["5"], "all_probs": True})
 
 
 def test_other_paths_and_methods(served):

@@ -59,9 +59,11 @@ from tools.generate import generate, generate_batch
 
 MAX_PROMPTS = 128
 # Megatron-LM fields not implemented here, with the values that ask for nothing: Megatron's
-# defaults (stop_token 50256, GPT-2's end of document, is read by beam search only)
+# defaults (stop_token 50256, GPT-2's end of document, is read by beam search only), and
+# all_probs, which clients written for older Megatron-LM servers still send (false)
 NOT_SUPPORTED = {"top_p_decay": 0.0, "top_p_bound": 0.0, "prevent_newline_after_colon": False,
-                 "beam_width": None, "stop_token": 50256, "length_penalty": 1}
+                 "beam_width": None, "stop_token": 50256, "length_penalty": 1,
+                 "all_probs": False}
 
 
 class RequestError(ValueError):
