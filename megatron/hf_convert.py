@@ -254,7 +254,7 @@ def _from_hf(a) -> int:
     check_save(a.save, a.overwrite)
     hf_cfg, hf_state = load_hf_checkpoint(a.input)
     family, cfg = config_from_hf(hf_cfg, a, a.input)
-    state = from_hf_state_dict(hf_state, cfg.model, family)
+    state = from_hf_state_dict(hf_state, cfg.model, family, int(hf_cfg["vocab_size"]))
     save_release_checkpoint(a.save, state, cfg, a.overwrite)
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
     print(f"wrote {family} model from {a.input} to {a.save}/release (tp {tp}, pp {pp}, padded "

@@ -279,13 +279,17 @@ def _gpt2_flags(cfg: dict) -> List[str]:
 
 
 def _llama_theta(cfg: dict) -> float:
+    # transformers reads rope_scaling (older configs) over rope_parameters (newer ones):
+    # a scaling in either is one we do not have
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = cfg.get(key) or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"Llama {key} rope_type {kind!r} (rope scaling) is not supported; "
+                             "only plain rotary embeddings ('default') are")
+        if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("Llama partial_rotary_factor != 1 is not supported")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ValueError(f"Llama rope_type {kind!r} (rope scaling) is not supported; only "
-                         "plain rotary embeddings ('default') are")
-    if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("Llama partial_rotary_factor != 1 is not supported")
     return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
@@ -372,15 +376,68 @@ class _Tracked(dict):
 _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
-def from_hf_state_dict(hf: Dict[str, torch.Tensor], model: ModelConfig, family: str
-                       ) -> Dict[str, torch.Tensor]:
+def _hf_shapes(model: ModelConfig, family: str, vocab: int) -> Dict[str, Tuple[int, ...]]:
+    """The shape config.json implies for each Hugging Face tensor name (biases included;
+    a name may be absent from the weights)."""
+    n, g, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
+    h, f, top = model.hidden_size, model.ffn_hidden_size, model.num_layers
+    if family == "gpt2":
+        pre, final = "transformer.", ["transformer.ln_f.weight", "transformer.ln_f.bias"]
+        shapes = {pre + "wte.weight": (vocab, h),
+                  pre + "wpe.weight": (model.max_position_embeddings, h)}
+        layer = {"ln_1.weight": (h,), "ln_1.bias": (h,), "ln_2.weight": (h,), "ln_2.bias": (h,),
+                 "attn.c_attn.weight": (h, 3 * n * d), "attn.c_attn.bias": (3 * n * d,),
+                 "attn.c_proj.weight": (n * d, h), "attn.c_proj.bias": (h,),
+                 "mlp.c_fc.weight": (h, f), "mlp.c_fc.bias": (f,),
+                 "mlp.c_proj.weight": (f, h), "mlp.c_proj.bias": (h,)}
+        prefix = pre + "h.{i}."
+    else:
+        final, shapes = ["model.norm.weight"], {"model.embed_tokens.weight": (vocab, h)}
+        rows = {"self_attn.q_proj": (n * d, h), "self_attn.k_proj": (g * d, h),
+                "self_attn.v_proj": (g * d, h), "self_attn.o_proj": (h, n * d),
+                "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f)}
+        layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+        for name, shape in rows.items():
+            layer.update({f"{name}.weight": shape, f"{name}.bias": shape[:1]})
+        prefix = "model.layers.{i}."
+    for i in range(top):
+        shapes.update({prefix.format(i=i) + k: v for k, v in layer.items()})
+    return {**shapes, **{k: (h,) for k in final}, "lm_head.weight": (vocab, h)}
+
+
+def check_hf_shapes(hf: Dict[str, torch.Tensor], model: ModelConfig, family: str,
+                    vocab: int) -> None:
+    """ValueError naming the tensors whose shapes differ from what config.json (as `model`
+    and its `vocab` rows) implies: weights and config.json of different models would
+    otherwise convert into a checkpoint that fails to load, or into another model."""
+    wrong = [f"{k} {list(hf[k].shape)} (config.json: {list(shape)})"
+             for k, shape in _hf_shapes(model, family, vocab).items()
+             if k in hf and tuple(hf[k].shape) != shape]
+    if wrong:
+        raise ValueError(
+            f"the Hugging Face weights do not match their config.json ({len(wrong)} "
+            f"tensor(s)): {'; '.join(wrong[:3])}{f' and {len(wrong) - 3} more' if len(wrong) > 3 else ''}. "
+            f"config.json reads vocab_size {vocab}, hidden {model.hidden_size}, "
+            f"{model.num_attention_heads} heads of {model.kv_channels}, "
+            f"{model.num_query_groups} key/value heads, ffn {model.ffn_hidden_size}: give the "
+            "config.json saved with these weights")
+
+
+def from_hf_state_dict(hf: Dict[str, torch.Tensor], model: ModelConfig, family: str,
+                       vocab_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """A Hugging Face `family` state dict -> our full state dict for `model` (whose
-    `padded_vocab_size` decides the zero rows appended to the vocabulary)."""
+    `padded_vocab_size` decides the zero rows appended to the vocabulary). `vocab_size`
+    (config.json's; None: the embedding's rows) and `model` give every tensor's shape:
+    ValueError naming the tensors that differ."""
     pre, final = ("transformer.", "transformer.ln_f.") if family == "gpt2" else ("model.", "model.norm.")
     if not any(k.startswith(pre) for k in hf):  # saved from the base model (GPT2Model, ...)
         hf = {(k if k == "lm_head.weight" else pre + k): v for k, v in hf.items()}
+    words_key = pre + ("wte.weight" if family == "gpt2" else "embed_tokens.weight")
+    if vocab_size is None and words_key in hf:
+        vocab_size = hf[words_key].shape[0]
+    check_hf_shapes(hf, model, family, vocab_size or 0)
     hf = _Tracked(hf)
-    words = hf[pre + ("wte.weight" if family == "gpt2" else "embed_tokens.weight")]
+    words = hf[words_key]
     out = {_EMB + "word_embeddings.weight": _pad_rows(words, model.padded_vocab_size)}
     if family == "gpt2":
         out[_EMB + "position_embeddings.weight"] = hf["transformer.wpe.weight"]

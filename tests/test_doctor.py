@@ -145,3 +145,16 @@ def test_under_torchrun(hang):
     else:
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "all-reduce  ok" in proc.stdout and "result: all checks passed" in proc.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--iters", "0"], "--iters 0 must be >= 1"),
+    (["--timeout", "-1"], "--timeout -1.0 must be a number of seconds > 0"),
+    (["--size-mb", "-5"], "--size-mb -5.0 must be > 0")])
+def test_values_the_checks_cannot_run_with_are_refused(argv, message, capsys):
+    # before: --iters 0 divided by zero on every rank, --timeout -1 reported healthy
+    # ranks as stuck, --size-mb -5 timed an all-reduce of one number
+    with pytest.raises(SystemExit) as exc:
+        doctor.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

@@ -84,6 +84,27 @@ def test_greedy_equals_argmax_loop_and_sampling(tmp_path):
     assert past_max[0] == past_max[1] and len(past_max[0]) == 20
 
 
+def test_generation_past_the_positions_says_so(tmp_path, capsys):
+    """The context is cut to the last --max-position-embeddings tokens: said on stderr
+    (before: silently, a long prompt's start was dropped), stdout's JSON left alone."""
+    assert generate.window_note(3, 14, 16) is None  # the 14th token sees 16 tokens
+    assert "from new token 15 on, each sees only the last 16" in generate.window_note(3, 15, 16)
+    assert generate.window_note(20, 0, 16) is None  # scores nothing, generates nothing
+    _train(tmp_path, steps=1)
+    capsys.readouterr()
+    out = _run_cli("--load", str(tmp_path), "--prompt-ids", ",".join(["5"] * 20),
+                   "--max-new-tokens", "2", "--greedy")
+    assert len(out["prompt_ids"]) == 20
+    assert ("note: the prompt has 20 tokens, more than the model's 16 positions "
+            "(--max-position-embeddings): only its last 16 are seen") in capsys.readouterr().err
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("5 6\n" + "7 " * 20 + "\n")
+    assert generate.main(["--load", str(tmp_path), "--prompt-file", str(prompts),
+                          "--max-new-tokens", "2", "--greedy"]) == 0
+    err = capsys.readouterr().err
+    assert "note: [1] the prompt has 20 tokens" in err and "[0]" not in err
+
+
 def test_bf16_checkpoint_loads_in_any_dtype(tmp_path):
     """A --bf16 run's checkpoint decodes in fp32 (the CPU default), bf16 and fp16: the model
     config's params_dtype follows the weights, so the embeddings are cast to match them."""

@@ -106,6 +106,11 @@ def test_qkv_layout_family_detection_and_errors(tmp_path):
     with pytest.raises(ValueError, match="rope_type 'llama3'"):
         hf_interop.megatron_flags_from_hf({"model_type": "llama",
                                            "rope_parameters": {"rope_type": "llama3"}})
+    # transformers reads a config's rope_scaling over its rope_parameters
+    with pytest.raises(ValueError, match="rope_scaling rope_type 'linear'"):
+        hf_interop.megatron_flags_from_hf({
+            "model_type": "llama", "rope_parameters": {"rope_type": "default"},
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
     with pytest.raises(SystemExit, match="no config.json there"):
         _cli("from-hf", "--input", tmp_path, "--save", tmp_path / "ck")
 
@@ -149,6 +154,32 @@ def test_ours_to_hf_to_ours_without_transformers(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"does not use \(transformer.h.1.attn.q_norm.weight\)"):
         hf_interop.from_hf_state_dict({**base, "h.1.attn.q_norm.weight": torch.ones(8)},
                                       model, "gpt2")
+
+
+@pytest.mark.parametrize("family, edit, named", [
+    ("llama", {"intermediate_size": 48}, "model.layers.0.mlp.gate_proj.weight [64, 32] "
+                                        "(config.json: [48, 32])"),
+    ("llama", {"head_dim": 16}, "model.layers.0.self_attn.q_proj.weight [32, 32] "
+                                "(config.json: [64, 32])"),
+    ("llama", {"vocab_size": 90}, "model.embed_tokens.weight [101, 32] (config.json: [90, 32])"),
+    ("gpt2", {"n_positions": 8}, "transformer.wpe.weight [16, 32] (config.json: [8, 32])")])
+def test_from_hf_refuses_weights_that_do_not_match_config_json(tmp_path, family, edit, named):
+    """Weights and a config.json of another shape: an error naming the tensors, and no
+    checkpoint written (before: a reshape traceback, or a checkpoint that failed to load,
+    or -- a smaller vocab_size -- a model with rows past its vocabulary)."""
+    flags = f"{TINY} {LLAMA if family == 'llama' else ''} --ffn-hidden-size 64"
+    model = parse_and_validate(flags.split(), world_size=1, env={}, cuda_available=False).model
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    ours = GPTModel(model).state_dict()
+    state = hf_interop.to_hf_state_dict(ours, model, family, VOCAB + 1)
+    config = {**hf_interop.hf_config(model, family, VOCAB + 1, torch.float32, state=state),
+              **edit}
+    hf_interop.save_hf_checkpoint(str(tmp_path / "hf"), state, config)
+    with pytest.raises(SystemExit, match=re.escape(named)) as exc:
+        _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "ck")
+    assert "give the config.json saved with these weights" in str(exc.value)
+    assert not (tmp_path / "ck").exists()
 
 
 # ------------------------------------------------------------------------ export

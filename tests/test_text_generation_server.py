@@ -212,11 +212,36 @@ def test_megatron_defaults_of_unsupported_fields_are_accepted():
     from tools.text_generation_api import NOT_SUPPORTED, RequestError, parse_request
 
     defaults = {"top_p_decay": 0.0, "top_p_bound": 0.0, "prevent_newline_after_colon": False,
-                "stop_token": 50256, "length_penalty": 1}
+                "stop_token": 50256, "length_penalty": 1, "all_probs": False}
     assert parse_request({"prompts": ["5"], **defaults}).prompts == ["5"]
     assert set(defaults) < set(NOT_SUPPORTED)
     with pytest.raises(RequestError, match="stop_token is not supported"):
         parse_request({"prompts": ["5"], "stop_token": 7})
+    # all_probs (older Megatron-LM clients): false is served, true refused by name
+    with pytest.raises(RequestError, match="all_probs is not supported"):
+        parse_request({"prompts": ["5"], "all_probs": True})
+
+
+def test_sentencepiece_segments_are_the_pieces(tmp_path):
+    """As Megatron-LM's server: a SentencePiece tokenizer's segments are its pieces, the
+    word boundary ('\u2581') kept (before: each piece decoded alone, 'the', 'fox', so the
+    segments of "the fox" could not be put back together); others decode each token."""
+    from megatron.tokenizer import build_tokenizer
+    from tests.test_tokenizer import _train_sentencepiece
+    from tools.text_generation_api import token_segments
+
+    model = _train_sentencepiece(tmp_path)
+    for kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+        tok = build_tokenizer(kind, tokenizer_model=model)
+        ids = tok.tokenize("the fox")
+        segments = token_segments(tok, ids)
+        assert segments == [tok._sp.id_to_piece(i) for i in ids] and segments[0][0] == "\u2581"
+        assert "".join(segments).replace("\u2581", " ").strip() == "the fox"
+    assert token_segments(tok, [tok.eod])[0] == tok._sp.id_to_piece(tok.eod)
+    sp = build_tokenizer("SentencePieceTokenizer", tokenizer_model=model)
+    assert token_segments(sp, [sp.eod]) == ["<EOD>"]
+    null = build_tokenizer("NullTokenizer", vocab_size=100)
+    assert token_segments(null, [5, 100]) == ["5", "100"]  # Megatron-LM: str(token)
 
 
 def test_other_paths_and_methods(served):

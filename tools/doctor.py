@@ -375,6 +375,17 @@ def communication(args, env: Dict[str, str]) -> int:
     return 1 if failures else 0
 
 
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """ap.error (exit 2) for a value the checks cannot run with: a timeout of no time
+    fails every rank at once, and no timed all-reduce gives no bandwidth."""
+    for flag, value, ok, need in (
+            ("--timeout", args.timeout, args.timeout > 0, "a number of seconds > 0"),
+            ("--size-mb", args.size_mb, args.size_mb is None or args.size_mb > 0, "> 0"),
+            ("--iters", args.iters, args.iters >= 1, ">= 1")):
+        if not ok:
+            ap.error(f"{flag} {value} must be {need}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -386,6 +397,7 @@ def main(argv=None) -> int:
     ap.add_argument("--simulate-hang-rank", type=int, default=None,
                     help="testing: this rank sleeps instead of checking in")
     args = ap.parse_args(argv)
+    _check_args(ap, args)
     import torch
 
     env = dict(os.environ)

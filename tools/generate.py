@@ -28,7 +28,9 @@ one launch instead of ~100 small kernels. --decode-cuda-graph auto (default: on 
 can be captured -- CUDA, NCCL under tensor parallelism, MoE layers only with the
 grouped GEMM that stays on the device: bf16 on sm90/sm100), on (an error names
 why it cannot) or off (the eager step). --no-kv-cache recomputes the whole sequence for
-every new token instead (the reference; same tokens, logits equal up to float rounding). Past --max-position-embeddings the context is cut to the last max_len tokens;
+every new token instead (the reference; same tokens, logits equal up to float rounding).
+Past --max-position-embeddings the context is cut to the last max_len tokens (a note on
+stderr says from which token on);
 the cached keys cannot slide with it (their positions would change), so from there on
 every token recomputes that window, with or without the cache. It stops after
 --max-new-tokens or at the end-of-document token (unless --no-stop-at-eod). Prints the
@@ -427,6 +429,19 @@ def _checked_ids(ids: List[int], vocab: int) -> List[int]:
     return ids
 
 
+def window_note(prompt_len: int, max_new_tokens: int, max_len: int) -> Optional[str]:
+    """The note that generation runs past the model's `max_len` positions, where the
+    context is cut to its last max_len tokens (None when it does not)."""
+    if max_new_tokens <= 0 or prompt_len + max_new_tokens - 1 <= max_len:
+        return None
+    if prompt_len > max_len:
+        return (f"the prompt has {prompt_len} tokens, more than the model's {max_len} "
+                f"positions (--max-position-embeddings): only its last {max_len} are seen")
+    return (f"the prompt's {prompt_len} tokens and {max_new_tokens} new ones pass the "
+            f"model's {max_len} positions (--max-position-embeddings): from new token "
+            f"{max_len - prompt_len + 2} on, each sees only the last {max_len} tokens")
+
+
 def _device(name: Optional[str]) -> torch.device:
     """--device as a torch.device (default: cuda when available); SystemExit when it names
     no device this machine has."""
@@ -482,6 +497,9 @@ def main(argv=None, environ=None) -> int:
     if a.prompt_file is not None:
         return _main_file(a, model, iteration, rank, tokenizer, why_not, vocab, sampling)
     ids = _checked_ids(_prompt_ids(a, tokenizer, why_not), vocab)
+    note = window_note(len(ids), a.max_new_tokens, config.model.max_position_embeddings)
+    if note and rank == 0:
+        print(f"note: {note}", file=sys.stderr)
     gen = torch.Generator().manual_seed(a.seed)
     new = generate(model, ids, a.max_new_tokens, generator=gen, use_cache=not a.no_kv_cache,
                    **sampling)
@@ -513,6 +531,10 @@ def _main_file(a, model, iteration: int, rank: int, tokenizer, why_not, vocab: i
             prompts.append(_checked_ids(_prompt_ids(a, tokenizer, why_not), vocab))
         except SystemExit as exc:
             raise SystemExit(f"{exc} (--prompt-file {a.prompt_file}, prompt {number})") from None
+    for i, ids in enumerate(prompts):
+        note = window_note(len(ids), a.max_new_tokens, model.config.max_position_embeddings)
+        if note and rank == 0:
+            print(f"note: [{i}] {note}", file=sys.stderr)
     gens = [torch.Generator().manual_seed((a.seed + i) % 2**64) for i in range(len(prompts))]
     if a.no_kv_cache:
         news = [generate(model, ids, a.max_new_tokens, generator=g, use_cache=False, **sampling)

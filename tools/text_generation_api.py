@@ -16,7 +16,8 @@ A request is Megatron-LM's `PUT /api` JSON object:
     stop_on_double_eol   bool, default false: stop after a blank line
     no_log               bool, default false: no request line on the server's stdout
 
-The answer is {"text": [prompt + generated text], "segments": [[token text, ...]]} and,
+The answer is {"text": [prompt + generated text], "segments": [[token text, ...]]} (with a
+SentencePiece tokenizer the pieces as Megatron-LM gives them: '\u2581the') and,
 when asked, "logprobs": [[log p(token | tokens before it) for every token after the
 first]] (tokens_to_generate 0 with logprobs scores the prompts).
 
@@ -59,9 +60,11 @@ from tools.generate import generate, generate_batch
 
 MAX_PROMPTS = 128
 # Megatron-LM fields not implemented here, with the values that ask for nothing: Megatron's
-# defaults (stop_token 50256, GPT-2's end of document, is read by beam search only)
+# defaults (stop_token 50256, GPT-2's end of document, is read by beam search only), and
+# all_probs, which clients written for older Megatron-LM servers still send (false)
 NOT_SUPPORTED = {"top_p_decay": 0.0, "top_p_bound": 0.0, "prevent_newline_after_colon": False,
-                 "beam_width": None, "stop_token": 50256, "length_penalty": 1}
+                 "beam_width": None, "stop_token": 50256, "length_penalty": 1,
+                 "all_probs": False}
 
 
 class RequestError(ValueError):
@@ -85,6 +88,7 @@ class GenerationRequest:
     no_log: bool = False
 
 
+_PIECE_TOKENIZERS = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
 _FIELDS = tuple(f.name for f in dataclasses.fields(GenerationRequest))
 _BOOLS = ("logprobs", "add_BOS", "stop_on_eol", "stop_on_double_eol", "no_log")
 
@@ -281,6 +285,15 @@ def _generate_all(engine: Engine, req: GenerationRequest,
                      use_cache=False, **kw) for ids, gen in zip(all_ids, gens)]
 
 
+def token_segments(tokenizer, ids: List[int]) -> List[str]:
+    """The "segments" of a sequence, one string per token, as Megatron-LM gives them: a
+    SentencePiece tokenizer's pieces as the model spells them ('\u2581the': the word
+    boundary kept, which a piece decoded alone loses), else each token decoded alone."""
+    if getattr(tokenizer, "name", None) in _PIECE_TOKENIZERS:
+        return [tokenizer.decoder[t] for t in ids]
+    return [tokenizer.detokenize([t]) for t in ids]
+
+
 def run_request(engine: Engine, req: GenerationRequest) -> Dict[str, list]:
     """The response object of a validated request (call it holding engine.lock).
     RequestError when a prompt does not tokenize or does not fit."""
@@ -295,7 +308,7 @@ def run_request(engine: Engine, req: GenerationRequest) -> Dict[str, list]:
     tok = engine.tokenizer
     full = [ids + new for ids, new in zip(all_ids, _generate_all(engine, req, all_ids))]
     out: Dict[str, list] = {"text": [tok.detokenize(ids) for ids in full],
-                            "segments": [[tok.detokenize([t]) for t in ids] for ids in full]}
+                            "segments": [token_segments(tok, ids) for ids in full]}
     if req.logprobs and engine.use_kv_cache:
         out["logprobs"] = batch_token_logprobs(engine.model, full, engine.vocab_size)
     elif req.logprobs:  # --no-kv-cache, the reference: one forward per answer
@@ -306,4 +319,4 @@ def run_request(engine: Engine, req: GenerationRequest) -> Dict[str, list]:
 
 __all__ = ["MAX_PROMPTS", "NOT_SUPPORTED", "Engine", "GenerationRequest", "RequestError",
            "batch_token_logprobs", "eol_stop", "parse_request", "row_generators",
-           "run_request", "token_logprobs"]
+           "run_request", "token_logprobs", "token_segments"]

@@ -10,6 +10,7 @@ model's eos id.
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Dict, List
 
@@ -24,6 +25,10 @@ def _piece_or(sp, piece_id: int, fallback: str) -> str:
     if 0 <= piece_id < sp.get_piece_size():
         return sp.id_to_piece(piece_id)
     return fallback
+
+
+def _pieces(sp) -> Dict[int, str]:
+    return {i: sp.id_to_piece(i) for i in range(sp.get_piece_size())}
 
 
 class SentencePieceTokenizer:
@@ -58,6 +63,11 @@ class SentencePieceTokenizer:
     @property
     def eod(self) -> int:
         return self._eod
+
+    @functools.cached_property
+    def decoder(self) -> Dict[int, str]:
+        """Megatron's `decoder`: id -> piece as the model spells it ('\u2581the', '<EOD>')."""
+        return {**_pieces(self._sp), **self._inv_specials}
 
     def tokenize(self, text: str) -> List[int]:
         ids: List[int] = []
@@ -97,6 +107,11 @@ class GPTSentencePieceTokenizer:
     @property
     def eod(self) -> int:
         return self._eod
+
+    @functools.cached_property
+    def decoder(self) -> Dict[int, str]:
+        """Megatron's `decoder`: id -> piece as the model spells it ('\u2581the')."""
+        return _pieces(self._sp)
 
     def tokenize(self, text: str) -> List[int]:
         return self._sp.encode_as_ids(text)
