@@ -28,7 +28,8 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
         "--global-batch-size", "8", "--lr", "1e-3", "--train-iters", "4", "--mock-data",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
-        "--tensor-model-parallel-size", "2", "--eval-iters", "0"]
+        "--use-distributed-optimizer", "--tensor-model-parallel-size", "2",
+        "--eval-iters", "0"]
 TIMEOUT_S = 180  # a rank left waiting in a collective would hang far longer
 
 
@@ -77,7 +78,7 @@ def torchrun_failures(out: str):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A tensor-parallel-2 checkpoint at iteration 4 (two ranks)."""
+    """A tensor-parallel-2 checkpoint at iteration 4 (two ranks), distributed optimizer."""
     root = tmp_path_factory.mktemp("agreed") / "ck"
     codes, out = launch_two(BASE + ["--save", str(root), "--save-interval", "4"])
     assert codes == [0, 0], out
@@ -114,6 +115,18 @@ def test_one_rank_unreadable_shard_named_once_no_rank_hangs(checkpoint, tmp_path
     assert out.count(f"rank 1 (of 2): error: cannot read checkpoint file {shard}") == 1, out
     assert out.count("error:") == 1, out
     assert torchrun_failures(out)[0] == (0, 1), out  # the root cause: rank 0
+
+
+def test_one_rank_missing_optimizer_shard_fails_after_weights_every_rank_exits(
+        checkpoint, tmp_path):
+    """A failure in the last step (restoring the states) on one rank only."""
+    damaged = tmp_path / "ck"
+    shutil.copytree(checkpoint, damaged)
+    missing = damaged / "iter_0000004" / "mp_rank_01" / "distrib_optim.pt"
+    missing.unlink()
+    codes, out = launch_two(BASE + ["--load", str(damaged)])
+    assert codes == [1, 1], (codes, out)
+    assert out.count(f"rank 1 (of 2): checkpoint file {missing} not found") == 1, out
 
 
 def test_single_process_prints_the_message_as_before(checkpoint):
