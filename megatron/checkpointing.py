@@ -505,7 +505,7 @@ def resolve_checkpoint(root: Optional[str], ps: ParallelState, exit_on_missing: 
     None when there is no tracker file (a warning; an exit when `exit_on_missing`).
 
     Collective: a gather of the trackers' iterations over `group` (the run's CPU control
-    group; None: the default group), a barrier after rank 0 has restored an interrupted
+    group; None: the default group), another after rank 0 has restored an interrupted
     re-save of that iteration, an all-reduce of a flag (the directory exists); without a
     tracker a gather of the untracked-checkpoint check. A failure exits on every rank,
     printed once (megatron/agreed_exit.py)."""
@@ -524,9 +524,14 @@ def resolve_checkpoint(root: Optional[str], ps: ParallelState, exit_on_missing: 
         print_rank_0(f"WARNING: could not find the metadata file {tracker}")
         print_rank_0("    will not load any checkpoints and will start from random")
         return None
+    error = None
     if ps.rank == 0:
-        _recover_interrupted_replace(root, agreed, release)
-    _barrier()
+        try:
+            _recover_interrupted_replace(root, agreed, release)
+        except OSError as exc:
+            error = (f"error: cannot restore {os.path.join(root, iteration_dir_name(agreed, release))}"
+                     f" from its .old copy (an interrupted save): {exc}")
+    agree(error, group)  # also the barrier: the restored directory is there for everyone
     _check_iteration_dir(root, agreed, release, ps)
     return agreed, release
 
