@@ -53,6 +53,7 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
+    from megatron.agreed_exit import silent_ranks_wait
     from megatron.initialize import initialize_entry_point, set_random_seed
     from megatron.logging_utils import print_rank_0
     from megatron.oom_report import OutOfMemoryExit
@@ -66,13 +67,14 @@ def main(argv=None) -> int:
     print_rank_0(f"time to initialize megatron (seconds): {time.time() - start:.3f}")
     print_datetime("after megatron is initialized")
     oom = None
-    try:
-        pretrain(config, rt, process_start_time=start)  # exits return here too: status 0
-    except OutOfMemoryExit as e:  # reported already
-        oom = e
-    finally:  # not after an OOM: the teardown may wait for ranks still in a collective
-        if dist.is_initialized() and oom is None:  # (the launcher ends those)
-            dist.destroy_process_group()
+    with silent_ranks_wait(os.environ):  # errors the ranks agree on: rank 0 prints them
+        try:
+            pretrain(config, rt, process_start_time=start)  # exits return here too: status 0
+        except OutOfMemoryExit as e:  # reported already
+            oom = e
+        finally:  # not after an OOM: the teardown may wait for ranks still in a collective
+            if dist.is_initialized() and oom is None:  # (the launcher ends those)
+                dist.destroy_process_group()
     return 0 if oom is None else oom.code
 
 

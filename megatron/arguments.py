@@ -87,6 +87,7 @@ __all__ = [
     "parse_args",
     "run_dry_run",
     "validate_args",
+    "wait_for_printing_rank",
     "warn",
 ]
 
@@ -400,6 +401,14 @@ SILENT_EXIT_DELAY_S = 30.0
 LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")  # torchrun / torch.distributed.launch, Slurm
 
 
+def wait_for_printing_rank(world_size: int, env: Mapping[str, str]) -> None:
+    """A rank that exits in silence, leaving the message to another rank: wait
+    `SILENT_EXIT_DELAY_S` when a launcher started it (`LAUNCHER_ENV` in `env`) and the run
+    has several processes. Also for the load errors ranks agree on (megatron/agreed_exit.py)."""
+    if world_size > 1 and any(env.get(name) for name in LAUNCHER_ENV):
+        time.sleep(SILENT_EXIT_DELAY_S)
+
+
 def _report_error(err: ArgumentsError, rank: int, world_size: int, env) -> None:
     """Print `<prog>: error: ...` to stderr where `prints_error` says so; an error of this
     machine, in a run of several processes, names the rank and host that met it. A rank
@@ -408,8 +417,7 @@ def _report_error(err: ArgumentsError, rank: int, world_size: int, env) -> None:
     local_rank = env.get("LOCAL_RANK")
     local = int(local_rank) if local_rank not in (None, "") else None
     if not prints_error(err, rank, local):
-        if world_size > 1 and any(env.get(name) for name in LAUNCHER_ENV):
-            time.sleep(SILENT_EXIT_DELAY_S)
+        wait_for_printing_rank(world_size, env)
         return
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "megatron"
     where = ""

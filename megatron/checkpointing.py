@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.agreed_exit import agree, exit_on_every_rank
 from megatron.async_save import AsyncSaver, mark_done, remove_markers, wait_for_markers
 from megatron.checkpoint_dirs import (
     MODEL_FILENAME,
@@ -180,11 +181,11 @@ def _publish(root: str, tmp_dir: str, final_dir: str, iteration: int, release: b
     _write_tracker(root, iteration, release)
 
 
-def check_save_dir(root: str, ps: ParallelState) -> None:
+def check_save_dir(root: str, ps: ParallelState, group=None) -> None:
     """Startup check of --save: global rank 0 creates `root` and writes and removes a probe
-    file in it. Collective (an all-reduce of a flag over the world): SystemExit on every
-    rank, naming the path and the error, when that fails -- not after training, at the
-    first save."""
+    file in it. Collective (`agree` over `group`, the run's CPU control group): when that
+    fails, every rank exits (rank 0 prints), naming the path and the error -- not after
+    training, at the first save."""
     error = None
     if ps.rank == 0:
         try:
@@ -193,13 +194,10 @@ def check_save_dir(root: str, ps: ParallelState) -> None:
             os.close(fd)
             os.remove(probe)
         except OSError as exc:
-            error = exc
-    if not _failing_ranks(ps, error is not None):
-        return
-    detail = f"{type(error).__name__}: {error}" if error is not None else "see rank 0's message"
-    raise SystemExit(f"error: --save {root} cannot be used: global rank 0 could not create it or "
-                     f"write into it ({detail}); pass a directory that can be created and "
-                     "written to")
+            error = (f"error: --save {root} cannot be used: global rank 0 could not create it "
+                     f"or write into it ({type(exc).__name__}: {exc}); pass a directory that "
+                     "can be created and written to")
+    agree(error, group)
 
 
 def later_checkpoints_warning(root: str, start_iteration: int) -> Optional[str]:
@@ -454,7 +452,7 @@ def _check_rank_files(root: str, iteration: int, release: bool, ps: ParallelStat
         c = ps.grid.coords(r)
         paths.append(checkpoint_name(root, iteration, c["tp"], c["pp"], ps.pp_size, release))
     iter_dir = os.path.join(root, iteration_dir_name(iteration, release))
-    raise SystemExit(
+    raise exit_on_every_rank(
         f"checkpoint file(s) missing: {', '.join(sorted(set(paths)))}. This run uses "
         f"tensor-model-parallel size {ps.tp_size} and pipeline-model-parallel size "
         f"{ps.pp_size}; {describe_layout(iter_dir)}. Run with the checkpoint's sizes or "
@@ -482,15 +480,18 @@ def missing_iteration_dir_message(root: str, iteration: int, release: bool) -> s
             f"{other_checkpoints_hint(root, name)}")
 
 
-def _agreed_iteration(root: str) -> Tuple[int, bool]:
-    """(iteration, release) from the tracker, the MAX over ranks (all-reduce); -1 if none.
-    SystemExit when the tracker file is malformed."""
+def _agreed_iteration(root: str, group=None) -> Tuple[int, bool]:
+    """(iteration, release) from the tracker, the MAX over ranks (`agree`: a gather over
+    `group`); -1 if none. Every rank exits when a rank's tracker file is malformed."""
+    error, iteration, release = None, None, False
     try:
         iteration, release = read_tracker(root)
     except ValueError as exc:
-        raise SystemExit(malformed_tracker_message(root, exc)) from None
+        error = malformed_tracker_message(root, exc)
     local = -1 if iteration is None else iteration
-    agreed, any_release = _all_reduce_max([local, int(release)])
+    found = agree(error, group, (local, release))
+    agreed = max(i for i, _ in found)
+    any_release = any(r for _, r in found)
     if local != agreed and _dist_ready():
         print(f"WARNING: on rank {dist.get_rank()} found iteration {local} in {tracker_path(root)}"
               f" while max iteration across the ranks is {agreed}, replacing it with max "
@@ -498,73 +499,82 @@ def _agreed_iteration(root: str) -> Tuple[int, bool]:
     return agreed, bool(any_release) and agreed == 0
 
 
-def resolve_checkpoint(root: Optional[str], ps: ParallelState,
-                       exit_on_missing: bool = False) -> Optional[Tuple[int, bool]]:
+def resolve_checkpoint(root: Optional[str], ps: ParallelState, exit_on_missing: bool = False,
+                       group=None) -> Optional[Tuple[int, bool]]:
     """(iteration, release) of the latest checkpoint under `root`, agreed by all ranks, or
-    None when there is no tracker file (a warning; SystemExit when `exit_on_missing`).
+    None when there is no tracker file (a warning; an exit when `exit_on_missing`).
 
-    Collective: all-reduce MAX of the tracker's iteration, a barrier after rank 0 has
-    restored an interrupted re-save of that iteration."""
-    agreed, release = (-1, False) if root is None else _agreed_iteration(root)
+    Collective: a gather of the trackers' iterations over `group` (the run's CPU control
+    group; None: the default group), another after rank 0 has restored an interrupted
+    re-save of that iteration, an all-reduce of a flag (the directory exists); without a
+    tracker a gather of the untracked-checkpoint check. A failure exits on every rank,
+    printed once (megatron/agreed_exit.py)."""
+    agreed, release = (-1, False) if root is None else _agreed_iteration(root, group)
     if agreed < 0:
         tracker = tracker_path(root) if root is not None else "(no --load directory given)"
         if exit_on_missing:
-            raise SystemExit(exit_on_missing_message(tracker))
+            raise exit_on_every_rank(exit_on_missing_message(tracker))
         if root is not None:
-            refuse_untracked_checkpoints(root)
+            error = None
+            try:
+                refuse_untracked_checkpoints(root)
+            except SystemExit as exc:
+                error = str(exc.code)
+            agree(error, group)
         print_rank_0(f"WARNING: could not find the metadata file {tracker}")
         print_rank_0("    will not load any checkpoints and will start from random")
         return None
+    error = None
     if ps.rank == 0:
-        _recover_interrupted_replace(root, agreed, release)
-    _barrier()
+        try:
+            _recover_interrupted_replace(root, agreed, release)
+        except OSError as exc:
+            error = (f"error: cannot restore {os.path.join(root, iteration_dir_name(agreed, release))}"
+                     f" from its .old copy (an interrupted save): {exc}")
+    agree(error, group)  # also the barrier: the restored directory is there for everyone
     _check_iteration_dir(root, agreed, release, ps)
     return agreed, release
 
 
 def _check_iteration_dir(root: str, iteration: int, release: bool, ps: ParallelState) -> None:
-    """SystemExit on every rank (all-reduce of a flag) when the directory the tracker names
-    does not exist on some rank: which directories do exist, and how to fix the tracker."""
+    """Exit on every rank (all-reduce of a flag) when the directory the tracker names does
+    not exist on some rank: which directories do exist, and how to fix the tracker."""
     name = iteration_dir_name(iteration, release)
     if not _failing_ranks(ps, not os.path.isdir(os.path.join(root, name))):
         return
-    raise SystemExit(missing_iteration_dir_message(root, iteration, release))
+    raise exit_on_every_rank(missing_iteration_dir_message(root, iteration, release))
 
 
-def load_rank_file(root: str, iteration: int, release: bool, ps: ParallelState) -> Dict:
-    """This rank's model_optim_rng.pt. Collective: SystemExit on every rank when a rank's
-    file is missing or cannot be read (two all-reduces of per-rank flags)."""
+def load_rank_file(root: str, iteration: int, release: bool, ps: ParallelState,
+                   group=None) -> Dict:
+    """This rank's model_optim_rng.pt. Collective: every rank exits when a rank's file is
+    missing (all-reduce of per-rank flags) or cannot be read (`agree` over `group`, the
+    run's CPU control group), the message printed once."""
     path = _check_rank_files(root, iteration, release, ps)
     print_rank_0(f" loading checkpoint from {root} at iteration {iteration}")
     state, error = None, None
     try:
         state = read_checkpoint_file(path)
     except SystemExit as exc:
-        error = exc
-    failed = _failing_ranks(ps, error is not None)
-    if error is not None:
-        raise error
-    if failed:
-        raise SystemExit(f"error: the checkpoint files of rank(s) {failed} in "
-                         f"{os.path.dirname(os.path.dirname(path))} cannot be read (see their "
-                         "messages)")
+        error = str(exc.code)
+    agree(error, group)
     return state
 
 
-def load_checkpoint(root: str, ps: ParallelState,
-                    exit_on_missing: bool = False) -> Optional[Tuple[int, Dict]]:
+def load_checkpoint(root: str, ps: ParallelState, exit_on_missing: bool = False,
+                    group=None) -> Optional[Tuple[int, Dict]]:
     """Load this rank's shard of the latest checkpoint under `root`.
 
-    Collective (all-reduces over the world). Returns (iteration, state) -- iteration is 0
-    for a release checkpoint -- or None when there is no tracker file (a warning; or
-    SystemExit when `exit_on_missing`). SystemExit when a rank's file is missing, naming
-    the layout the checkpoint appears to have.
+    Collective (over the world, and `group`: see `resolve_checkpoint`). Returns
+    (iteration, state) -- iteration is 0 for a release checkpoint -- or None when there is
+    no tracker file (a warning; or an exit when `exit_on_missing`). Every rank exits when
+    a rank's file is missing, naming the layout the checkpoint appears to have.
     """
-    found = resolve_checkpoint(root, ps, exit_on_missing)
+    found = resolve_checkpoint(root, ps, exit_on_missing, group)
     if found is None:
         return None
     agreed, release = found
-    state = load_rank_file(root, agreed, release, ps)
+    state = load_rank_file(root, agreed, release, ps, group)
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {agreed}")
     return (0 if release else agreed), state
 

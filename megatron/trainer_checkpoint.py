@@ -15,9 +15,10 @@ from typing import Dict, NamedTuple, Optional, Set, Tuple
 
 import torch
 
+from megatron.agreed_exit import agree, exit_message
 from megatron.async_save import AsyncSaver
-from megatron.checkpoint_args import check_checkpoint_args, seq_length_warning
-from megatron.checkpoint_preflight import states_to_load
+from megatron.checkpoint_args import checkpoint_args_message, seq_length_warning
+from megatron.checkpoint_preflight import LoadStates, states_to_load
 from megatron.checkpoint_reshard import (
     Layout,
     RankPlan,
@@ -41,6 +42,7 @@ from megatron.checkpointing import (
     set_rng_state,
 )
 from megatron.core.models.gpt.stages import stage_layout
+from megatron.core.optimizer.lr_scheduler import mismatch_message
 from megatron.logging_utils import print_rank_0
 from megatron.oom_report import out_of_memory_kind
 from megatron.step_graph import settle
@@ -234,47 +236,72 @@ class _Loaded(NamedTuple):
     with_optimizer: bool  # load the optimizer and scheduler states
     with_rng: bool  # restore the RNG states (when the payload has them)
     iter_dir: str
+    error: Optional[str] = None  # this rank's resharding failed: its message
 
 
-def _states_to_load(ck, release: bool, first: Dict, path: str) -> Tuple[bool, bool]:
-    """(load the optimizer + scheduler, load the RNG): `states_to_load`'s decision;
-    SystemExit with its first problem, its notes printed."""
-    states = states_to_load(ck, release, first, path)
-    if states.problems:
-        raise SystemExit(states.problems[0])
-    for note in states.notes:
-        print_rank_0(note)
-    return states.with_optimizer, states.with_rng
+def _control_group(tr):
+    """The run's CPU group for host-side agreements (None: the default group, gloo)."""
+    return getattr(tr.rt, "control_group", None)
+
+
+def _check_first_file(tr, iter_dir: str, release: bool
+                      ) -> Tuple[Optional[Tuple[Layout, Dict, LoadStates]], Optional[str]]:
+    """((saved layout, first rank's payload, states to load), None) when the first rank's
+    file fits the run, else (None, the first problem): the file cannot be read, its
+    arguments differ from the run's (`checkpoint_args_message`), a state to load is not
+    in it (`states_to_load`), its learning-rate schedule contradicts the command line.
+    Local: no collective."""
+    ck = tr.config.checkpoint
+    try:
+        saved, first_path, first = inspect_checkpoint(iter_dir)
+    except SystemExit as exc:
+        return None, exit_message(exc)
+    states = states_to_load(ck, release, first, first_path)
+    problem = (checkpoint_args_message(first.get("args"), tr.config.args, iter_dir,
+                                       finetune=ck.finetune)
+               or next(iter(states.problems), None))
+    if problem is None and states.with_optimizer:
+        errors = tr.scheduler.check_state_dict(first["opt_param_scheduler"])[1]
+        if errors:
+            problem = f"error: loading {iter_dir}: {mismatch_message(errors)}"
+    return (None, problem) if problem else ((saved, first, states), None)
 
 
 def _load_trainer_payload(tr) -> Optional[_Loaded]:
     """This rank's payload from --load, checked against the run; None without a checkpoint.
 
-    The first rank's file (memory-mapped) is checked first: its arguments against the run's
-    (`check_checkpoint_args`) and the states to load being there. When the checkpoint's tp,
+    The first rank's file (memory-mapped) is checked first on every rank
+    (`_check_first_file`), and the ranks agree on the result. When the checkpoint's tp,
     pp or chunks per rank differ from the run's -- or, with the optimizer state to load, its
     optimizer kind (distributed or not, fp32 or mixed) -- every rank reads all shards and
-    takes its slice (megatron.checkpoint_reshard). Collective: the tracker all-reduce and
-    barrier; the missing- and unreadable-file all-reduces otherwise."""
-    ck, ps = tr.config.checkpoint, tr.rt.ps
-    found = resolve_checkpoint(ck.load, ps, exit_on_missing=ck.exit_on_missing_checkpoint)
+    takes its slice (megatron.checkpoint_reshard); a failure there is left in
+    `_Loaded.error` for `load_trainer_checkpoint`'s agreement. Collective: the tracker
+    gather and barrier, the gather of the first file's check; the missing- and
+    unreadable-file checks otherwise. A failure exits every rank, printed once."""
+    ck, ps, group = tr.config.checkpoint, tr.rt.ps, _control_group(tr)
+    found = resolve_checkpoint(ck.load, ps, ck.exit_on_missing_checkpoint, group)
     if found is None:
         return None
     iteration, release = found
     iter_dir = os.path.join(ck.load, iteration_dir_name(iteration, release))
-    saved, first_path, first = inspect_checkpoint(iter_dir)
-    check_checkpoint_args(first.get("args"), tr.config.args, iter_dir, finetune=ck.finetune)
+    checked, problem = _check_first_file(tr, iter_dir, release)
+    agree(problem, group)
+    saved, first, states = checked
     warning = seq_length_warning(first.get("args"), tr.config.args, iter_dir)
     if warning is not None and tr.optimizer is not None:  # not for evaluation-only trainers
         print_rank_0(warning)
-    with_optimizer, with_rng = _states_to_load(ck, release, first, first_path)
-    loaded = _Loaded(0 if release else iteration, release, {}, None, None, with_optimizer,
-                     with_rng, iter_dir)
-    if not needs_resharding(saved, trainer_layout(tr), with_optimizer):
-        return loaded._replace(state=load_rank_file(ck.load, iteration, release, ps))
+    for note in states.notes:
+        print_rank_0(note)
+    loaded = _Loaded(0 if release else iteration, release, {}, None, None,
+                     states.with_optimizer, states.with_rng, iter_dir)
+    if not needs_resharding(saved, trainer_layout(tr), states.with_optimizer):
+        return loaded._replace(state=load_rank_file(ck.load, iteration, release, ps, group))
     print_rank_0(f" loading checkpoint from {ck.load} at iteration {iteration} "
                  f"(resharding: every rank reads all shards)")
-    payload, distrib, text = reshard_for_trainer(tr, iter_dir, with_optimizer)
+    try:
+        payload, distrib, text = reshard_for_trainer(tr, iter_dir, states.with_optimizer)
+    except SystemExit as exc:
+        return loaded._replace(error=exit_message(exc))
     print_rank_0(f" > {text}")
     return loaded._replace(state=payload, param_state=distrib, converted=text)
 
@@ -296,9 +323,13 @@ def _restore_counters(tr, loaded: _Loaded) -> None:
 
 def _load_optimizer(tr, loaded: _Loaded) -> None:
     """Optimizer (and the distributed optimizer's shards) and scheduler states; SystemExit
-    when the scheduler's saved values contradict the command line."""
+    when they do not fit the run (the scheduler's saved values contradict the command line,
+    the optimizer's groups differ, the distributed optimizer's file is missing)."""
     ck, state = tr.config.checkpoint, loaded.state
-    tr.optimizer.load_state_dict(state["optimizer"])
+    try:
+        tr.optimizer.load_state_dict(state["optimizer"])
+    except ValueError as exc:
+        raise SystemExit(f"error: loading {loaded.iter_dir}: {exc}") from None
     if hasattr(tr.optimizer, "load_parameter_state"):  # the distributed optimizer's shards
         param_state = loaded.param_state
         if param_state is None:
@@ -320,24 +351,19 @@ def load_trainer_checkpoint(tr) -> Optional[str]:
     optimizer, scheduler and RNG (a release keeps its consumed samples); --no-load-optim /
     --no-load-rng skip those states. A checkpoint saved with another layout is resharded on
     load (see `_load_trainer_payload`); returns the description of that conversion, else
-    None. SystemExit for a checkpoint that does not fit the run."""
+    None. A checkpoint that does not fit the run exits every rank (collective: the
+    ranks agree on each step's failures, megatron/agreed_exit.py), printed once."""
     ck = tr.config.checkpoint
     loaded = _load_trainer_payload(tr)
     if loaded is None:
         return None
-    load_model_state_dicts(tr.model, loaded.state)
-    _restore_counters(tr, loaded)
-    if loaded.with_optimizer:
-        _load_optimizer(tr, loaded)
-    elif tr.optimizer is not None:  # None: an evaluation-only trainer (no main params)
-        tr.optimizer.reload_model_params()
-        if ck.no_load_optim and not (ck.finetune or loaded.release):
-            print_rank_0(" > --no-load-optim: the optimizer state and the learning-rate "
-                         "schedule start fresh; the schedule counts samples from 0 again "
-                         f"(warmup first) while the run goes on from iteration "
-                         f"{loaded.iteration}, as in Megatron-LM")
-    if loaded.with_rng and "rng_state" in loaded.state:  # not kept when tp or pp changed
-        set_rng_state(loaded.state["rng_state"][0], tr.rt.rng_tracker)
+    agree(loaded.error or _restore_states(tr, loaded), _control_group(tr))
+    if tr.optimizer is not None and not loaded.with_optimizer and ck.no_load_optim \
+            and not (ck.finetune or loaded.release):
+        print_rank_0(" > --no-load-optim: the optimizer state and the learning-rate "
+                     "schedule start fresh; the schedule counts samples from 0 again "
+                     f"(warmup first) while the run goes on from iteration "
+                     f"{loaded.iteration}, as in Megatron-LM")
     if ck.finetune or loaded.release:
         what = "--finetune" if ck.finetune else "a release checkpoint"
         print_rank_0(f" > loaded weights from {ck.load} ({what}: iteration 0, optimizer, "
@@ -348,6 +374,24 @@ def load_trainer_checkpoint(tr) -> Optional[str]:
     print_rank_0(f"  successfully loaded checkpoint from {ck.load} at iteration "
                  f"{loaded.iteration}")
     return loaded.converted
+
+
+def _restore_states(tr, loaded: _Loaded) -> Optional[str]:
+    """Weights, counters, optimizer and scheduler, RNG from `loaded` into the trainer; the
+    message of this rank's failure (a checkpoint that does not fit), else None. Local:
+    the caller's agreement decides for every rank."""
+    try:
+        load_model_state_dicts(tr.model, loaded.state)
+        _restore_counters(tr, loaded)
+        if loaded.with_optimizer:
+            _load_optimizer(tr, loaded)
+        elif tr.optimizer is not None:  # None: an evaluation-only trainer (no main params)
+            tr.optimizer.reload_model_params()
+        if loaded.with_rng and "rng_state" in loaded.state:  # not kept when tp or pp changed
+            set_rng_state(loaded.state["rng_state"][0], tr.rt.rng_tracker)
+    except SystemExit as exc:
+        return exit_message(exc)
+    return None
 
 
 def _same_dir(a: Optional[str], b: Optional[str]) -> bool:

@@ -546,7 +546,7 @@ def pretrain(config: Config, rt: Runtime, process_start_time: Optional[float] = 
 def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
               oom: OomReport) -> Trainer:
     if config.checkpoint.save:
-        checkpointing.check_save_dir(config.checkpoint.save, rt.ps)  # not after training
+        checkpointing.check_save_dir(config.checkpoint.save, rt.ps, rt.control_group)  # not after training
     tr = _setup(config, rt, process_start_time)
     oom.trainer = tr  # the report names the iteration from here on
     tr.memory_history = oom.memory_history

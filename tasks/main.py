@@ -18,16 +18,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def main(argv=None) -> int:
     import torch.distributed as dist
 
+    from megatron.agreed_exit import silent_ranks_wait
     from pretrain_gpt import _launcher_env
     from tasks.zeroshot_gpt.evaluate import main as evaluate_main
 
     rank, world, local_rank = _launcher_env()
-    try:
-        evaluate_main(sys.argv[1:] if argv is None else argv, rank, world, local_rank,
-                      os.environ)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with silent_ranks_wait(os.environ):  # errors the ranks agree on: rank 0 prints them
+        try:
+            evaluate_main(sys.argv[1:] if argv is None else argv, rank, world, local_rank,
+                          os.environ)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
     return 0
 
 

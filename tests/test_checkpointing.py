@@ -487,11 +487,12 @@ def _dist_truncated_shard(rank, world_size, root):
 
 
 def test_distributed_truncated_shard_exits_on_every_rank(tmp_path):
-    """Only rank 1's file is damaged; rank 0 must not go on alone (it would hang)."""
+    """Only rank 1's file is damaged; rank 0 must not go on alone (it would hang). Both
+    exit with one report, naming the rank (printed by rank 0 only: test_agreed_exit.py)."""
     messages = run_distributed(_dist_truncated_shard, 2, str(tmp_path))
     bad = checkpoint_name(str(tmp_path), 4, 1, 0, 1)
-    assert messages[1].startswith(f"error: cannot read checkpoint file {bad}")
-    assert messages[0] is not None and "rank(s) [1]" in messages[0]
+    assert messages[0].startswith(f"rank 1 (of 2): error: cannot read checkpoint file {bad}")
+    assert messages[1] == messages[0]
 
 
 def _dist_bad_save_dir(rank, world_size, path):
@@ -505,8 +506,9 @@ def _dist_bad_save_dir(rank, world_size, path):
 def test_distributed_bad_save_dir_exits_on_every_rank(tmp_path):
     (tmp_path / "file").write_text("x")
     messages = run_distributed(_dist_bad_save_dir, 2, str(tmp_path / "file" / "ck"))
-    assert "NotADirectoryError" in messages[0]
-    assert messages[1] is not None and "see rank 0's message" in messages[1]
+    assert messages[0].startswith("rank 0 (of 2): error: --save ") and \
+        "NotADirectoryError" in messages[0]
+    assert messages[1] == messages[0]
 
 
 def _dist_full_disk_on_one_rank(rank, world_size, root):

@@ -61,6 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron.agreed_exit import silent_ranks_wait  # noqa: E402
 from megatron.checkpoint_reshard import (  # noqa: E402
     SourceCheckpoint,
     config_from_args,
@@ -484,7 +485,9 @@ def main(argv=None, environ=None) -> int:
     """The command line; under torchrun (RANK / WORLD_SIZE in `environ`, default
     os.environ) every rank generates in lockstep and rank 0 prints."""
     a = parse_args(argv)
-    model, config, iteration, rank = _load(a, os.environ if environ is None else environ)
+    environ = os.environ if environ is None else environ
+    with silent_ranks_wait(environ):  # a load error the ranks agree on: rank 0 prints it
+        model, config, iteration, rank = _load(a, environ)
     tokenizer, why_not = build_tokenizer_from(config.args, a)
     # the tokenizer's vocabulary, not the padded one (which depends on the layout); without
     # a tokenizer the checkpoint's padded vocabulary (tp > 1 may pad it further)

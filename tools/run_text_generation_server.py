@@ -66,6 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from megatron.agreed_exit import silent_ranks_wait  # noqa: E402
 from megatron.core.models.gpt.static_decode import MODES  # noqa: E402
 from tools.generate import (  # noqa: E402
     _device,
@@ -387,7 +388,8 @@ def main(argv=None, environ=None) -> int:
     """The command line; under torchrun (RANK / WORLD_SIZE in `environ`, default
     os.environ) rank 0 serves and the other ranks follow it (see the module docstring)."""
     a, ns, explicit = parse_args(argv)
-    engine, iteration = build_engine(a, ns, explicit, environ)
+    with silent_ranks_wait(os.environ if environ is None else environ):  # rank 0 prints
+        engine, iteration = build_engine(a, ns, explicit, environ)  # a load error once
     rt = engine.runtime
     if rt is not None and rt.ps.rank != 0:
         follow_requests(engine)

@@ -283,11 +283,8 @@ class OptimizerParamScheduler:
         notes: List[str] = []
         errors: List[str] = []
         values = self._settled_values(state_dict, notes, errors)
-        if len(errors) == 1:
-            raise ValueError(errors[0])
         if errors:
-            raise ValueError(f"{len(errors)} optimizer-parameter-scheduler values differ "
-                             "from the checkpoint:\n  " + "\n  ".join(errors))
+            raise ValueError(mismatch_message(errors))
         for key, value in values.items():
             setattr(self, key, value)
         self.num_steps = 0
@@ -306,6 +303,15 @@ class OptimizerParamScheduler:
         except KeyError as exc:
             errors.append(str(exc.args[0]))
         return notes, errors
+
+
+def mismatch_message(errors: List[str]) -> str:
+    """One message for the differences `check_state_dict` lists (`load_state_dict`'s
+    ValueError text)."""
+    if len(errors) == 1:
+        return errors[0]
+    return (f"{len(errors)} optimizer-parameter-scheduler values differ from the checkpoint:"
+            "\n  " + "\n  ".join(errors))
 
 
 def _saved_value(state_dict: Dict[str, Any], key: str):

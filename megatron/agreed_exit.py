@@ -1,0 +1,137 @@
+"""Errors every rank agrees on, printed once: the checkpoint load's failures.
+
+A check that can fail on some ranks only (their view of the files, their shard) must not
+raise where it fails: the ranks that passed would wait in their next collective until the
+timeout. Every rank calls `agree` at the same point with its own message or None; when any
+rank has one, every rank raises the same `AgreedExit` (status 1). Its message names which
+ranks met each distinct error unless all did:
+
+    ranks 2-3 (of 4): error: cannot read checkpoint file .../mp_rank_01/model_optim_rng.pt ...
+
+Python prints an uncaught SystemExit's `code` when it is not a number: an `AgreedExit`
+carries the message as its code on rank 0 and status 1 on the other ranks, so the message
+appears once per launch. A failure that every rank reaches with the same message from
+collective results it already has (a flag all-reduce) needs no further collective:
+`exit_on_every_rank`. In a single process (no process group) both raise
+`SystemExit(message)`, as a plain raise would.
+
+Entry points run under `silent_ranks_wait`: a rank that does not print waits under a
+launcher before it exits, as for an argument error (megatron/arguments.py), so that the
+failure the launcher reports first is rank 0's, which printed.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+
+import torch.distributed as dist
+
+
+class AgreedExit(SystemExit):
+    """A failure every rank raises together, with one report (`str(exc)`, `exc.report`).
+
+    Exit status 1. `code` is the report on the rank that prints it (`prints`: rank 0) and
+    1 elsewhere, so that the interpreter prints it once when nothing catches it."""
+
+    def __init__(self, report: str, rank: int, world_size: int):
+        super().__init__(report)
+        self.report = report
+        self.rank = rank
+        self.world_size = world_size
+        self.prints = rank == 0
+        if not self.prints:
+            self.code = 1
+
+
+def _world(group) -> Optional[tuple]:
+    """(rank, world size) in `group` when a process group of several ranks exists."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world_size = dist.get_world_size(group)
+    return (dist.get_rank(group), world_size) if world_size > 1 else None
+
+
+def exit_on_every_rank(message: str, group=None) -> SystemExit:
+    """The exception to raise for a failure every rank of `group` (default: the world)
+    meets with the same `message`, known from a collective already made: an `AgreedExit`
+    that rank 0 prints; `SystemExit(message)` in a single process. No collective."""
+    where = _world(group)
+    if where is None:
+        return SystemExit(message)
+    return AgreedExit(message, *where)
+
+
+def rank_ranges(ranks: Sequence[int]) -> str:
+    """'rank 3', 'ranks 2-3', 'ranks 0, 2, 5-7' for sorted rank numbers."""
+    runs: List[List[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {text}"
+
+
+def agreed_report(errors: Sequence[Optional[str]]) -> Optional[str]:
+    """Each distinct message of `errors` (one entry per rank, None: no error) once, in the
+    order of the first rank that met it, prefixed with its ranks unless every rank met it.
+    None when no rank has an error."""
+    ranks_of: Dict[str, List[int]] = {}
+    for rank, message in enumerate(errors):
+        if message is not None:
+            ranks_of.setdefault(message, []).append(rank)
+    lines = [m if len(r) == len(errors) else f"{rank_ranges(r)} (of {len(errors)}): {m}"
+             for m, r in ranks_of.items()]
+    return "\n".join(lines) if lines else None
+
+
+def agree(error: Optional[str], group=None, value: Any = None) -> List[Any]:
+    """Every rank's `value` (a list indexed by rank) when no rank of `group` has an error;
+    else every rank raises the same `AgreedExit` (see `agreed_report`), which rank 0
+    prints. `error`: this rank's message, or None. In a single process: [value], or
+    SystemExit(error).
+
+    Collective: one all_gather_object of (error, value) over `group` (the run's CPU
+    control group, or None for the default group), which every rank must call at the same
+    point, whether its own check passed or not."""
+    where = _world(group)
+    if where is None:
+        if error is not None:
+            raise SystemExit(error)
+        return [value]
+    gathered: List[Any] = [None] * where[1]
+    dist.all_gather_object(gathered, (error, value), group=group)
+    report = agreed_report([e for e, _ in gathered])
+    if report is not None:
+        raise AgreedExit(report, *where)
+    return [v for _, v in gathered]
+
+
+def exit_message(exc: SystemExit) -> str:
+    """The text an uncaught `exc` would print (its code, or the status it exits with)."""
+    if isinstance(exc, AgreedExit):
+        return exc.report
+    if exc.code is None or isinstance(exc.code, int):
+        return f"exit status {exc.code or 0}"
+    return str(exc.code)
+
+
+@contextlib.contextmanager
+def silent_ranks_wait(env: Mapping[str, str]) -> Iterator[None]:
+    """Around an entry point's run: a rank that leaves an `AgreedExit` to rank 0's message
+    waits before it exits when a launcher started it (`env`: the process environment), as
+    for an argument error (`arguments.wait_for_printing_rank`): torchrun ends every worker
+    at the first failure, and a silent rank failing first could end rank 0 unprinted."""
+    try:
+        yield
+    except AgreedExit as exc:
+        if not exc.prints:
+            from megatron.arguments import wait_for_printing_rank
+
+            wait_for_printing_rank(exc.world_size, env)
+        raise
+
+
+__all__ = ["AgreedExit", "agree", "agreed_report", "exit_message", "exit_on_every_rank",
+           "rank_ranges", "silent_ranks_wait"]

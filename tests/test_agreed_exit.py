@@ -1,0 +1,190 @@
+"""Load-time errors under several ranks: every rank exits (status 1), rank 0 alone prints the
+message, naming the ranks that met it unless all did; no rank is left waiting in a
+collective. In a single process the message is printed as before (megatron/agreed_exit.py)."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron import arguments
+from megatron.agreed_exit import (
+    AgreedExit,
+    agree,
+    agreed_report,
+    exit_on_every_rank,
+    rank_ranges,
+    silent_ranks_wait,
+)
+from tests.dist_utils import free_port, run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--lr", "1e-3", "--train-iters", "4", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
+        "--use-distributed-optimizer", "--tensor-model-parallel-size", "2",
+        "--eval-iters", "0"]
+TIMEOUT_S = 180  # a rank left waiting in a collective would hang far longer
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in arguments.LAUNCHER_ENV}
+    return dict(env, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+
+
+def launch_two(args):
+    """pretrain_gpt.py as ranks 0 and 1 of 2 (env:// rendezvous, no launcher: nothing
+    ends the other rank). Returns ([rank 0's status, rank 1's], combined output)."""
+    port = str(free_port())
+    procs = [subprocess.Popen(
+        [sys.executable, str(ROOT / "pretrain_gpt.py"), *args], cwd=ROOT,
+        env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=port),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [p.returncode for p in procs], "".join(outs)
+
+
+def torchrun_two(args):
+    """torchrun --nproc-per-node 2 pretrain_gpt.py: (its status, its output)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(ROOT / "pretrain_gpt.py"), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def torchrun_failures(out: str):
+    """(root cause, every failure): (rank, exit code) pairs of torchrun's summary."""
+    def pairs(text):
+        found = re.findall(r"rank\s*: (\d+) \(local_rank: \d+\)\n\s*exitcode\s*: (-?\d+)",
+                           text)
+        return [(int(r), int(c)) for r, c in found]
+
+    return pairs(out.split("Root Cause")[-1])[0], pairs(out)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tensor-parallel-2 checkpoint at iteration 4 (two ranks), distributed optimizer."""
+    root = tmp_path_factory.mktemp("agreed") / "ck"
+    codes, out = launch_two(BASE + ["--save", str(root), "--save-interval", "4"])
+    assert codes == [0, 0], out
+    return root
+
+
+def test_schedule_mismatch_printed_once_every_rank_exits(checkpoint):
+    codes, out = launch_two(BASE + ["--load", str(checkpoint), "--lr", "5e-4"])
+    assert codes == [1, 1], (codes, out)
+    assert out.count("optimizer-parameter-scheduler value 'max_lr' from the checkpoint "
+                     "(0.001) differs from the command line (0.0005)") == 1, out
+    assert out.count("error:") == 1, out
+    assert "(of 2)" not in out, out  # both ranks met it: no rank list
+
+
+def test_argument_mismatch_under_torchrun_printed_once_by_rank_zero(checkpoint):
+    code, out = torchrun_two([a if a != "64" else "128" for a in BASE]
+                             + ["--load", str(checkpoint)])
+    assert code != 0, out
+    assert out.count("was saved with other model arguments than this run's") == 1, out
+    assert out.count("--hidden-size: checkpoint 64, this run 128") == 1, out
+    root_cause, failures = torchrun_failures(out)
+    assert root_cause == (0, 1), out  # rank 0, which printed; rank 1 waited
+    assert sorted(r for r, c in failures if c != 0) == [0, 1], out
+
+
+def test_one_rank_unreadable_shard_named_once_no_rank_hangs(checkpoint, tmp_path):
+    damaged = tmp_path / "ck"
+    shutil.copytree(checkpoint, damaged)
+    shard = damaged / "iter_0000004" / "mp_rank_01" / "model_optim_rng.pt"
+    shard.write_bytes(shard.read_bytes()[:100])
+    code, out = torchrun_two(BASE + ["--load", str(damaged)])  # within TIMEOUT_S
+    assert code != 0, out
+    assert out.count(f"rank 1 (of 2): error: cannot read checkpoint file {shard}") == 1, out
+    assert out.count("error:") == 1, out
+    assert torchrun_failures(out)[0] == (0, 1), out  # the root cause: rank 0
+
+
+def test_one_rank_missing_optimizer_shard_fails_after_weights_every_rank_exits(
+        checkpoint, tmp_path):
+    """A failure in the last step (restoring the states) on one rank only."""
+    damaged = tmp_path / "ck"
+    shutil.copytree(checkpoint, damaged)
+    missing = damaged / "iter_0000004" / "mp_rank_01" / "distrib_optim.pt"
+    missing.unlink()
+    codes, out = launch_two(BASE + ["--load", str(damaged)])
+    assert codes == [1, 1], (codes, out)
+    assert out.count(f"rank 1 (of 2): checkpoint file {missing} not found") == 1, out
+
+
+def test_single_process_prints_the_message_as_before(checkpoint):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_gpt.py"), *BASE[:-4], "--eval-iters", "0",
+         "--load", str(checkpoint), "--lr", "5e-4"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.count(f"error: loading {checkpoint / 'iter_0000004'}: optimizer-"
+                             "parameter-scheduler value 'max_lr'") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "(of " not in proc.stderr, proc.stderr
+
+
+# ------------------------------------------------------------------- the utility itself
+def _agree_worker(rank, world_size, errors):
+    try:
+        agree(errors[rank])
+    except AgreedExit as exc:
+        return type(exc).__name__, exc.code, str(exc)
+    return None
+
+
+def test_agree_on_an_error_of_one_rank():
+    results = run_distributed(_agree_worker, 3, [None, "error: x", None])
+    report = "rank 1 (of 3): error: x"
+    assert results[0] == ("AgreedExit", report, report)  # printed when uncaught
+    assert results[1] == ("AgreedExit", 1, report) and results[2] == results[1]  # silent
+
+
+def test_agree_without_errors_returns_on_every_rank():
+    assert run_distributed(_agree_worker, 2, [None, None]) == [None, None]
+
+
+def test_single_process_raises_a_plain_system_exit():
+    with pytest.raises(SystemExit) as exc:
+        agree("error: x")
+    assert type(exc.value) is SystemExit and exc.value.code == "error: x"
+    assert agree(None, value=5) == [5]
+    assert type(exit_on_every_rank("error: y")) is SystemExit
+
+
+def test_report_groups_ranks_by_message():
+    assert agreed_report([None, None]) is None
+    assert agreed_report(["error: a", "error: a"]) == "error: a"
+    assert agreed_report(["error: b", None, "error: a", "error: a", "error: b", None]) == (
+        "ranks 0, 4 (of 6): error: b\nranks 2-3 (of 6): error: a")
+    assert rank_ranges([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8"
+    assert rank_ranges([3]) == "rank 3"
+
+
+def test_silent_rank_waits_only_under_a_launcher(monkeypatch):
+    waits = []
+    monkeypatch.setattr(arguments.time, "sleep", waits.append)
+    launched = {"TORCHELASTIC_RUN_ID": "x"}
+    for rank, env, expected in [(1, launched, [arguments.SILENT_EXIT_DELAY_S]),
+                                (0, launched, []), (1, {}, [])]:
+        waits.clear()
+        with pytest.raises(AgreedExit):
+            with silent_ranks_wait(env):
+                raise AgreedExit("error: x", rank, 2)
+        assert waits == expected, (rank, env)
