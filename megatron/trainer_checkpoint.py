@@ -170,8 +170,7 @@ def nothing_to_train(tr) -> bool:
     goal = (f"--train-samples {t.train_samples} ({t.train_iters} iterations)" if t.train_samples
             else f"--train-iters {t.train_iters}")
     text = f"checkpoint at iteration {it} already reaches {goal}: nothing to train"
-    same_dir = bool(ck.load and ck.save) and \
-        os.path.realpath(ck.load) == os.path.realpath(ck.save)
+    same_dir = _same_dir(ck.load, ck.save)
     if same_dir:
         text += f"; not saving it again (--save {ck.save} holds it)"
     print_rank_0(text)
