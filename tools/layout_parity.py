@@ -221,7 +221,10 @@ def launch(argv: List[str], world: int, one_gpu: bool, log_dir: str, timeout_s: 
                                           stderr=subprocess.STDOUT, env=env, cwd=ROOT))
     rc, bad = _wait_all(procs, deadline)
     logs = [open(p).read() for p in paths]
-    return rc, "".join(logs), (logs[bad] if bad is not None else logs[-1])
+    failed = logs[bad] if bad is not None else logs[-1]
+    if not failed.strip():  # a rank that leaves an error to rank 0's message prints nothing
+        failed = next((log for log in logs if log.strip()), failed)
+    return rc, "".join(logs), failed
 
 
 def describe_exit(rc: int, timeout_s: float) -> str:
