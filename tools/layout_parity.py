@@ -187,12 +187,23 @@ def rank_env(rank: int, world: int, port: int, one_gpu: bool, tag: str) -> Dict[
     return env
 
 
+# After another rank fails, how long rank 0 gets to end by itself: a rank whose argument
+# or load error is rank 0's to print exits without a word, maybe before rank 0 prints.
+RANK0_GRACE_S = 15.0
+
+
 def _wait_all(procs: List[subprocess.Popen], deadline: float) -> Tuple[int, Optional[int]]:
     """Wait for every rank; when one fails or time runs out, stop the others (they would
-    wait in a collective until the backend's timeout). (status, first failed rank)."""
+    wait in a collective until the backend's timeout), rank 0 after `RANK0_GRACE_S`.
+    (status, first failed rank)."""
     while True:
         codes = [p.poll() for p in procs]
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed and codes[0] is None:
+            try:
+                procs[0].wait(timeout=min(RANK0_GRACE_S, max(0.0, deadline - time.time())))
+            except subprocess.TimeoutExpired:
+                pass
         if failed or time.time() > deadline:
             for p in procs:
                 if p.poll() is None:
