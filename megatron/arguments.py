@@ -368,6 +368,8 @@ def parse_and_validate(
     """
     env = os.environ if env is None else env
     rank = int(env.get("RANK", 0) or 0)
+    if rank != 0 and any(a in ("-h", "--help") for a in argv):
+        raise SystemExit(0)  # the help, once per launch: rank 0 prints it
     if cuda_available is None:
         cuda_available = _cuda_available()
     try:

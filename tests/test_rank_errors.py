@@ -128,3 +128,11 @@ def test_under_torchrun_the_error_is_printed_once():
     assert out.count("unrecognized arguments: --seq-lenght") == 1, out
     # torchrun's summary: rank 0 failed first (status 2), the waiting rank 1 was ended
     assert "rank      : 0 (local_rank: 0)\n  exitcode  : 2" in out, out
+
+
+def test_help_is_printed_by_rank_zero_only(capsys):
+    for rank, printed in (("0", True), ("1", False)):
+        with pytest.raises(SystemExit) as exc:
+            parse_and_validate(["--help"], 2, env={"RANK": rank}, cuda_available=False)
+        assert exc.value.code == 0
+        assert ("--tensor-model-parallel-size" in capsys.readouterr().out) is printed, rank
