@@ -194,7 +194,7 @@ def check_save_dir(root: str, ps: ParallelState, group=None) -> None:
             os.close(fd)
             os.remove(probe)
         except OSError as exc:
-            error = (f"error: --save {root} cannot be used: global rank 0 could not create it "
+            error = (f"error: --save {root} cannot be used: could not create it "
                      f"or write into it ({type(exc).__name__}: {exc}); pass a directory that "
                      "can be created and written to")
     agree(error, group)
