@@ -10,6 +10,7 @@ Every run's command, JSON line and stderr are appended to DIR/runs.log.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -57,15 +58,16 @@ def run_one(label, preset, env, flags, extra, tree, out_dir) -> dict:
     return result
 
 
-def main() -> int:
-    args = sys.argv[1:]
-    out_dir = "/tmp/perf_ab"
-    if "--out" in args:
-        i = args.index("--out")
-        out_dir = args[i + 1]
-        del args[i:i + 2]
-    os.makedirs(out_dir, exist_ok=True)
-    results = [run_one(*row, out_dir) for row in parse(args[0])]
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("variants", help="the variants file (format above)")
+    ap.add_argument("--out", default="/tmp/perf_ab", help="directory of runs.log")
+    a = ap.parse_args(argv)
+    if not os.path.isfile(a.variants):
+        ap.error(f"variants file {a.variants} not found")
+    os.makedirs(a.out, exist_ok=True)
+    results = [run_one(*row, a.out) for row in parse(a.variants)]
     print(f"\n{'variant':<28}{'tokens/s':>10}{'MFU':>7}{'step ms':>9}{'peak GB':>9}"
           f"{'1st step s':>11}{'syncs':>6}{'MHz':>6}{'W':>5}{'gap ms':>8}")
     for r in results:

@@ -328,8 +328,9 @@ EXTRA_GROUP = ("extensions (not in Megatron-LM 23.05)", (
 
 EXTRA_HELP = {
     "--config": "YAML file of flag: value pairs; command-line flags override it",
-    "--dry-run": "resolve and print the configuration, parameter counts and missing input "
-                 "files, then exit (status 1 when something is missing)",
+    "--dry-run": "validate for $WORLD_SIZE ranks, print the layout, parameter counts, a "
+                 "memory estimate and missing input files, and with --load what the load "
+                 "would do, then exit (status 1 when something would fail)",
     "--mock-data": "train on random tokens instead of --data-path",
     "--compile": "torch.compile each transformer layer (default: on when CUDA is available)",
     "--no-compile": "never torch.compile the transformer layers",
@@ -346,8 +347,9 @@ EXTRA_HELP = {
                            "cudnn or efficient (CUDA), math (reference)",
     "--cross-entropy-kernel": "output layer + cross entropy: auto (default: one Triton pass "
                               "per token computes the loss and overwrites the logits with "
-                              "their gradient, with bf16/fp32 weights and Triton on the "
-                              "device; under tensor parallelism on the vocabulary slices), "
+                              "their gradient, in any dtype, where Triton runs on the "
+                              "device and --fp16-lm-cross-entropy is off; under tensor "
+                              "parallelism on the vocabulary slices), "
                               "torch (separate layer and loss), triton (insist)",
     "--gelu-kernel": "how the MLP's GeLU is computed. The erf GeLU: torch (torch's erf), "
                      "polynomial (erf by a five-term polynomial and one exponential, |error| "

@@ -30,3 +30,14 @@ def test_variants_run_and_table_lists_each(tmp_path):
     log = (out / "runs.log").read_text()
     assert "===== plain" in log and "env: PYTHONHASHSEED=3" in log
     assert "--attention-backend math" in log and "invalid choice: 'nope'" in log
+
+
+def test_help_and_a_missing_variants_file_are_answered_without_a_traceback(tmp_path):
+    script = str(ROOT / "benchmarks" / "perf_ab.py")
+    shown = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True,
+                           timeout=60)
+    assert shown.returncode == 0 and "VARIANTS_FILE" in shown.stdout, shown.stderr
+    missing = subprocess.run([sys.executable, script, str(tmp_path / "none.txt")],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "none.txt not found" in missing.stderr

@@ -187,7 +187,7 @@ def test_gpt2_bad_files(tmp_path):
         build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file)
     with pytest.raises(ValueError, match="no such file"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file="/nonexistent")
-    with pytest.raises(ValueError, match="not supported"):
+    with pytest.raises(ValueError, match="not supported: it has no end-of-document token"):
         build_tokenizer("BertWordPieceCase", vocab_file=vocab_file)
 
 

@@ -117,7 +117,8 @@ def _server_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-cuda-graph", choices=MODES, default="auto",
                     help="replay each cached one-token step from a CUDA graph (as "
                          "tools/generate.py --decode-cuda-graph): auto (default) where it "
-                         "can be captured (CUDA; NCCL under tensor parallelism), on: "
+                         "can be captured (CUDA; NCCL under tensor parallelism; MoE "
+                         "layers only as grouped GEMMs: bf16 on sm90/sm100), on: "
                          "insist, off: the eager cached step")
     for flag, kind in (("--temperature", float), ("--top_p", float), ("--top_k", int),
                        ("--out-seq-length", int)):  # Megatron's server flags: requests set these

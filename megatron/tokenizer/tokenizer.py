@@ -80,6 +80,10 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None,
         if vocab_size is None:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
+    if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        raise ValueError(f"--tokenizer-type {tokenizer_type} is not supported: it has no "
+                         "end-of-document token, which GPT pretraining needs; use "
+                         "GPT2BPETokenizer or a SentencePiece tokenizer")
     raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of "
                      f"{', '.join(TOKENIZER_TYPES)}")
 
