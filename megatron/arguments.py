@@ -411,6 +411,22 @@ def wait_for_printing_rank(world_size: int, env: Mapping[str, str]) -> None:
         time.sleep(SILENT_EXIT_DELAY_S)
 
 
+def exit_before_group(exc: SystemExit, rank: int, world_size: int, env: Mapping[str, str],
+                      machine: bool = True) -> SystemExit:
+    """What to raise for `exc` (a SystemExit with a message, met before any process group
+    exists, e.g. a checkpoint or data file an entry point reads first): the message
+    printed by the ranks `prints_error` names -- with `machine`, rank 0 and each node's
+    first process, with rank and host; without, rank 0 alone -- and the others wait
+    under a launcher (`wait_for_printing_rank`). Returns SystemExit(1), already reported;
+    `exc` itself when it carries a status, not a message."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc
+    err = ArgumentsError(str(exc.code).removeprefix("error: "))
+    err.machine = machine
+    _report_error(err, rank, world_size, env)
+    return SystemExit(1)
+
+
 def _report_error(err: ArgumentsError, rank: int, world_size: int, env) -> None:
     """Print `<prog>: error: ...` to stderr where `prints_error` says so; an error of this
     machine, in a run of several processes, names the rank and host that met it. A rank

@@ -136,3 +136,43 @@ def test_help_is_printed_by_rank_zero_only(capsys):
             parse_and_validate(["--help"], 2, env={"RANK": rank}, cuda_available=False)
         assert exc.value.code == 0
         assert ("--tensor-model-parallel-size" in capsys.readouterr().out) is printed, rank
+
+
+@pytest.mark.parametrize("rank, local_rank, machine, world, prints, tagged", [
+    (0, 0, True, 1, True, False), (0, 0, True, 4, True, True), (2, 0, True, 4, True, True),
+    (1, 1, True, 4, False, False), (2, 0, False, 4, False, False),
+])
+def test_exit_before_group(rank, local_rank, machine, world, prints, tagged, capsys,
+                           monkeypatch):
+    """A file error met before any process group (an entry point's checkpoint or data
+    file): printed by rank 0 and each node's first process with rank and host; the others
+    wait under a launcher; the SystemExit to raise has status 1."""
+    waits = []
+    monkeypatch.setattr(arguments.time, "sleep", waits.append)
+    env = {"LOCAL_RANK": str(local_rank), **LAUNCHED}
+    exc = arguments.exit_before_group(SystemExit("error: --load /x does not exist"), rank,
+                                      world, env, machine=machine)
+    assert isinstance(exc, SystemExit) and exc.code == 1
+    err = capsys.readouterr().err
+    assert ("error: --load /x does not exist" in err) is prints
+    assert (f"(rank {rank} on " in err) is tagged
+    assert waits == ([] if prints or world == 1 else [arguments.SILENT_EXIT_DELAY_S])
+    status = SystemExit(3)
+    assert arguments.exit_before_group(status, rank, world, env) is status
+
+
+def test_zero_shot_file_errors_print_once_per_node(tmp_path, capsys):
+    """tasks/main.py reads --load and --valid-data before any process group: rank 1 of a
+    node leaves the message to the node's first process."""
+    from tasks.zeroshot_gpt import evaluate
+
+    (tmp_path / "l.jsonl").write_text('{"text": "1 2 3"}\n')
+    argv = ["--task", "LAMBADA", "--valid-data", str(tmp_path / "l.jsonl"), "--load",
+            str(tmp_path / "none")] + BASE[:-4] + ["--tokenizer-type", "NullTokenizer",
+                                                  "--vocab-size", "200"]
+    for rank, printed in ((0, True), (1, False)):
+        with pytest.raises(SystemExit) as exc:
+            evaluate.main(argv, rank=rank, world_size=2, local_rank=rank)
+        assert exc.value.code == 1
+        err = capsys.readouterr().err
+        assert (f"--load {tmp_path / 'none'} does not exist" in err) is printed, (rank, err)

@@ -120,7 +120,13 @@ def load_model_tp(load: str, tp_size: int, rank: int, local_rank: int,
     from megatron.trainer_checkpoint import load_trainer_checkpoint
     from megatron.training import Trainer, activate_gemm_algorithms, build_model
 
-    saved, iteration = _saved_args(load, iteration)
+    try:  # before any process group: printed once per node, not once per rank
+        saved, iteration = _saved_args(load, iteration)
+    except SystemExit as exc:
+        from megatron.arguments import exit_before_group
+
+        raise exit_before_group(exc, rank, tp_size, {**environ, "LOCAL_RANK": str(local_rank)},
+                                machine=True) from None
     config = tp_config(saved, load, rank, tp_size, dtype)
     with contextlib.redirect_stdout(sys.stderr):
         rt = initialize_entry_point(config.parallel, str(saved.get("cublas_workspace") or

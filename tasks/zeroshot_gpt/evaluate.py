@@ -331,7 +331,12 @@ def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: in
     evaluate. Returns the numbers (every rank); None for --help / --dry-run (SystemExit 1
     when the dry run finds a problem). A process group made by the caller is used (and
     left for the caller to destroy)."""
-    from megatron.arguments import format_args_dump, parse_and_validate
+    from megatron.arguments import (
+        exit_before_group,
+        format_args_dump,
+        parse_and_validate,
+        wait_for_printing_rank,
+    )
     from megatron.data_loading import build_tokenizer_for
     from megatron.initialize import initialize_entry_point, set_random_seed
     from pretrain_gpt import tokenizer_vocab_size
@@ -343,8 +348,11 @@ def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: in
     try:
         task_ns, rest = split_args(argv)
         check_task_args(task_ns, warn=lambda m: rank == 0 and print(m, flush=True))
-    except ArgumentsError as err:
-        print(f"tasks/main.py: {err}", file=sys.stderr)
+    except ArgumentsError as err:  # a mistake in the flags: rank 0 prints it
+        if rank == 0:
+            print(f"tasks/main.py: {err}", file=sys.stderr)
+        else:
+            wait_for_printing_rank(world_size, environ)
         raise
     config = parse_and_validate(rest, world_size=world_size,
                                 env={"RANK": str(rank), "LOCAL_RANK": str(local_rank)},
@@ -356,9 +364,13 @@ def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: in
         if status:
             raise SystemExit(status)
         return None
-    check_load_dir(config.checkpoint.load)
-    tokenizer = build_tokenizer_for(config)
-    data = build_data(task_ns, config, tokenizer)
+    try:  # files read before any process group: printed once per node, not once per rank
+        check_load_dir(config.checkpoint.load)
+        tokenizer = build_tokenizer_for(config)
+        data = build_data(task_ns, config, tokenizer)
+    except SystemExit as exc:
+        raise exit_before_group(exc, rank, world_size,
+                                {**environ, "LOCAL_RANK": str(local_rank)}) from None
     rt = initialize_entry_point(config.parallel, config.args["cublas_workspace"], rank,
                                 world_size, local_rank, environ)
     if rank == 0:
