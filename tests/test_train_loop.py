@@ -306,6 +306,11 @@ def test_pretrain_stops_its_loaders_when_it_returns(capsys, workers):
     for _ in range(2):
         _pretrain(["--train-iters", "2", "--num-workers", workers], capsys)
         assert set(multiprocessing.active_children()) <= children
+        # the loader's queue feeder threads end on their own just after the shutdown
+        # (torch closes the queues without joining them): a leak outlives the grace time
+        deadline = time.monotonic() + 5
+        while not set(threading.enumerate()) <= threads and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert set(threading.enumerate()) <= threads
 
 
