@@ -165,4 +165,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tools.cli_exit import run
+
+    run(main)
