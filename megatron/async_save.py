@@ -8,9 +8,12 @@ One save, seen from every rank (`checkpointing.save_checkpoint_async` drives it)
                                        copies its state to CPU (pinned memory from CUDA)
     background thread, every writer    write the files, fsync them, then create the marker
                                        `.done.<mp_rank dir>` in the temporary directory
+                                       (a writer that fails leaves `.failed.<mp_rank dir>`
+                                       holding its error instead)
     background thread, global rank 0   wait until the marker of every (tp, pp) pair exists,
                                        remove the markers, rename the directory into place,
-                                       write `latest_checkpointed_iteration.txt` last
+                                       write `latest_checkpointed_iteration.txt` last; on a
+                                       failure marker stop at once, publishing nothing
 
 Finishing needs no collective: the markers live in the checkpoint directory that all ranks
 share (rank 0 renaming a directory that every rank wrote into already assumes a shared file
@@ -30,6 +33,7 @@ from typing import Callable, Iterable, List, Optional
 import torch
 
 MARKER_PREFIX = ".done."
+FAILED_PREFIX = ".failed."
 
 
 # --------------------------------------------------------------------------- CPU snapshot
@@ -113,24 +117,57 @@ def mark_done(tmp_dir: str, rank_dir: str) -> None:
         os.fsync(f.fileno())
 
 
+def failed_marker_path(tmp_dir: str, rank_dir: str) -> str:
+    """`<tmp_dir>/.failed.<rank_dir>`: the writer of `rank_dir` failed; holds its error."""
+    return os.path.join(tmp_dir, FAILED_PREFIX + rank_dir)
+
+
+def mark_failed(tmp_dir: str, rank_dir: str, message: str) -> None:
+    """Leave the failure marker of `rank_dir` with `message`, so that global rank 0 stops
+    waiting for it at once. Best effort: the file system may be what failed."""
+    try:
+        with open(failed_marker_path(tmp_dir, rank_dir), "w") as f:
+            f.write(message)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        pass
+
+
+def _failure(tmp_dir: str, rank_dir: str) -> Optional[str]:
+    """The message of `rank_dir`'s failure marker, or None when there is none."""
+    try:
+        with open(failed_marker_path(tmp_dir, rank_dir)) as f:
+            return f.read().strip() or "(no message)"
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"(its failure message could not be read: {exc})"
+
+
 def wait_for_markers(tmp_dir: str, rank_dirs: Iterable[str], timeout_s: float,
                      poll_s: float = 0.02) -> None:
     """Block until every marker of `rank_dirs` exists in `tmp_dir`.
 
-    Raises TimeoutError naming the missing ones after `timeout_s` seconds (a writer died
-    or its file system is not the one this rank sees)."""
+    Raises RuntimeError with the writer's message as soon as one of them left a failure
+    marker, and TimeoutError naming the missing ones after `timeout_s` seconds (a writer
+    died or its file system is not the one this rank sees)."""
     pending = set(rank_dirs)
     deadline = time.monotonic() + timeout_s
+    unpublished = "the checkpoint was not published (the tracker still names the previous one)"
     while True:
         pending = {d for d in pending if not os.path.exists(marker_path(tmp_dir, d))}
         if not pending:
             return
+        for d in sorted(pending):
+            message = _failure(tmp_dir, d)
+            if message is not None:
+                raise RuntimeError(f"the writer of {d} failed: {message}; {unpublished}")
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"after {timeout_s:.0f} s, no finished files from {', '.join(sorted(pending))} "
                 f"in {tmp_dir}: a rank died while writing, or the ranks do not share this "
-                f"directory; the checkpoint was not published (the tracker still names the "
-                f"previous one)")
+                f"directory; {unpublished}")
         time.sleep(poll_s)
 
 
@@ -195,5 +232,6 @@ class AsyncSaver:
             raise RuntimeError(f"the background save of {self._what} failed: {error}") from error
 
 
-__all__ = ["AsyncSaver", "snapshot_to_cpu", "marker_path", "mark_done", "wait_for_markers",
-           "remove_markers", "MARKER_PREFIX"]
+__all__ = ["AsyncSaver", "snapshot_to_cpu", "marker_path", "mark_done", "mark_failed",
+           "failed_marker_path", "wait_for_markers", "remove_markers", "MARKER_PREFIX",
+           "FAILED_PREFIX"]

@@ -29,8 +29,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.agreed_exit import agree, exit_on_every_rank
-from megatron.async_save import AsyncSaver, mark_done, remove_markers, wait_for_markers
+from megatron.agreed_exit import AgreedExit, agree, exit_on_every_rank
+from megatron.async_save import AsyncSaver, mark_done, mark_failed, remove_markers, wait_for_markers
 from megatron.checkpoint_dirs import (
     MODEL_FILENAME,
     TRACKER_FILENAME,
@@ -307,25 +307,33 @@ def _write_rank_files(root: str, iteration: int, tmp_dir: str, ps: ParallelState
 
 
 def _after_write(root: str, iteration: int, tmp_dir: str, ps: ParallelState,
-                 error: Optional[CheckpointWriteError]) -> None:
-    """The barrier after writing, as an all-reduce of a failure flag: when a rank could not
-    write, rank 0 removes the partial directory and every rank raises (the failing rank
-    its own error, the others one naming the failing ranks)."""
-    failed = _failing_ranks(ps, error is not None)
-    if not failed:
+                 error: Optional[CheckpointWriteError], group=None) -> None:
+    """The barrier after writing, as an agreement on each rank's failure (`agree` over
+    `group`, the run's CPU control group): when a rank could not write, rank 0 removes the
+    partial directory and every rank raises the same `AgreedExit`, whose report rank 0
+    prints once, naming the ranks that failed and each one's message (the files they could
+    not write, the free space, the checkpoint that stays in use). In a single process the
+    rank's own CheckpointWriteError is raised."""
+    if _world_size(group) == 1:
+        if error is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise error
         return
-    if ps.rank == 0:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-    if error is not None:
-        raise error
-    raise CheckpointWriteError(f"the checkpoint at iteration {iteration} could not be written "
-                               f"to {root}: rank(s) {failed} failed (see their messages); "
-                               f"{_previous_checkpoint(root)}")
+    try:
+        agree(None if error is None else f"error: {error}", group)
+    except AgreedExit as exc:
+        if ps.rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise exc from error
+
+
+def _world_size(group=None) -> int:
+    return dist.get_world_size(group) if _dist_ready() else 1
 
 
 def save_checkpoint(root: str, iteration: int, state: Optional[Dict], ps: ParallelState,
                     release: bool = False,
-                    extra_files: Optional[Dict[str, object]] = None) -> float:
+                    extra_files: Optional[Dict[str, object]] = None, group=None) -> float:
     """Save this rank's `state` as `<root>/iter_XXXXXXX/mp_rank_.../model_optim_rng.pt`.
 
     Every rank must call this (it is collective: world barriers). Only data-parallel
@@ -333,6 +341,8 @@ def save_checkpoint(root: str, iteration: int, state: Optional[Dict], ps: Parall
     `distrib_optim.pt`) are ignored elsewhere and may be None there. Files are written into
     `iter_XXXXXXX.tmp/`; after a barrier global rank 0 renames it into place and writes the
     tracker file last; a final barrier makes the checkpoint visible to all. Returns seconds.
+    A rank that cannot write makes every rank raise the same `AgreedExit` (agreed over
+    `group`, default the world), printed once by rank 0; the tracker keeps its checkpoint.
     """
     _check_save_iteration(iteration, release)
     start = time.perf_counter()
@@ -347,7 +357,7 @@ def save_checkpoint(root: str, iteration: int, state: Optional[Dict], ps: Parall
             _write_rank_files(root, iteration, tmp_dir, ps, files)
         except CheckpointWriteError as exc:
             error = exc
-    _after_write(root, iteration, tmp_dir, ps, error)  # every shard is on disk
+    _after_write(root, iteration, tmp_dir, ps, error, group)  # every shard is on disk
     if ps.rank == 0:
         _publish(root, tmp_dir, final_dir, iteration, release)
     _barrier()  # the tracker names a complete checkpoint
@@ -386,7 +396,12 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
     def write_and_publish() -> None:
         t0 = time.perf_counter()
         if snapshot is not None:
-            mark_done(tmp_dir, _write_rank_files(root, iteration, tmp_dir, ps, snapshot))
+            try:
+                mark_done(tmp_dir, _write_rank_files(root, iteration, tmp_dir, ps, snapshot))
+            except CheckpointWriteError as exc:  # rank 0 stops waiting for this writer
+                mark_failed(tmp_dir, rank_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size),
+                            f"{exc} (rank {ps.rank})")
+                raise
         if writers:
             wait_for_markers(tmp_dir, writers, timeout_s)
             remove_markers(tmp_dir, writers)

@@ -124,7 +124,8 @@ def save_trainer_checkpoint(tr) -> float:
     state = trainer_state_dict(tr)  # references to live tensors: cheap; copied if async
     tr.own_checkpoints[tr.state.iteration] = "saved"
     if not ck.async_save:
-        return save_checkpoint(ck.save, tr.state.iteration, state, tr.rt.ps, extra_files=extra)
+        return save_checkpoint(ck.save, tr.state.iteration, state, tr.rt.ps, extra_files=extra,
+                               group=_control_group(tr))
     if getattr(tr, "async_saver", None) is None:
         tr.async_saver = AsyncSaver()
     blocking = save_checkpoint_async(

@@ -172,6 +172,44 @@ def test_two_ranks_tracker_waits_for_the_slowest_writer(tmp_path):
     assert sorted(os.listdir(tmp_path / "iter_0000003")) == ["mp_rank_00", "mp_rank_01"]
 
 
+def _dist_async_one_writer_fails(rank, world_size, root):
+    ps = ParallelState.build(world_size, rank, tp_size=2)
+    saver = AsyncSaver()
+    save_checkpoint(root, 1, _state(1, float(rank)), ps)
+    original = torch.save
+    if rank == 1:
+        def full(obj, f, *args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        torch.save = full
+    started = time.monotonic()
+    try:
+        save_checkpoint_async(root, 3, _state(3, float(rank)), ps, saver, timeout_s=120.0)
+        try:
+            saver.wait()
+        except RuntimeError as exc:
+            return str(exc), time.monotonic() - started
+        return None, time.monotonic() - started
+    finally:
+        torch.save = original
+
+
+def test_a_failed_background_writer_stops_rank_0_waiting(tmp_path):
+    """Rank 0 waited for the markers of a writer that had failed until the timeout (by
+    default --distributed-timeout-minutes + 1 minutes) and then only said it saw none;
+    now it stops at once with that writer's error, and publishes nothing."""
+    results = run_distributed(_dist_async_one_writer_fails, 2, str(tmp_path))
+    (message0, seconds0), (message1, _) = results
+    assert "No space left on device" in message1
+    assert seconds0 < 60, f"rank 0 waited {seconds0:.0f} s"
+    assert message0.startswith("the background save of the checkpoint at iteration 3 to ")
+    assert "the writer of mp_rank_01 failed: the checkpoint at iteration 3 could not be " \
+        "written to " in message0
+    assert "No space left on device" in message0 and "(rank 1)" in message0
+    assert "the checkpoint was not published" in message0
+    assert read_tracker(str(tmp_path)) == (1, False)
+
+
 # --------------------------------------------------------------------------- trainer
 def _trainer_async_scenario(root, world_size=1, rank=0, extra=()):
     """Uninterrupted losses; a run with async saves at 2 and 4 that stops at 4; the resume."""

@@ -512,6 +512,8 @@ def test_distributed_bad_save_dir_exits_on_every_rank(tmp_path):
 
 
 def _dist_full_disk_on_one_rank(rank, world_size, root):
+    from megatron.agreed_exit import AgreedExit
+
     ps = ParallelState.build(world_size, rank, tp_size=2)
     save_checkpoint(root, 2, _full_state(2, ps.tp_rank, 0), ps)
     real_save = torch.save
@@ -522,16 +524,27 @@ def _dist_full_disk_on_one_rank(rank, world_size, root):
         torch.save = full
     try:
         save_checkpoint(root, 4, _full_state(4, ps.tp_rank, 0), ps)
-    except CheckpointWriteError as exc:
-        return str(exc)
+    except AgreedExit as exc:
+        cause = exc.__cause__
+        return (exc.report, exc.prints, exc.code,
+                None if cause is None else type(cause).__name__)
     finally:
         torch.save = real_save  # the test harness returns results with it
     return None
 
 
 def test_distributed_full_disk_on_one_rank_fails_every_rank(tmp_path):
-    messages = run_distributed(_dist_full_disk_on_one_rank, 2, str(tmp_path))
-    assert "No space left on device" in messages[1]
-    assert messages[0] is not None and "rank(s) [1] failed" in messages[0]
+    """Every rank raises the same report, printed by rank 0 only (it used to be a
+    traceback on each rank, rank 0's only saying that 'rank(s) [1] failed')."""
+    results = run_distributed(_dist_full_disk_on_one_rank, 2, str(tmp_path))
+    (report0, prints0, code0, cause0), (report1, prints1, code1, cause1) = results
+    assert report0 == report1
+    path = os.path.join(str(tmp_path), "iter_0000004.tmp", "mp_rank_01", "model_optim_rng.pt")
+    assert report0.startswith("rank 1 (of 2): error: the checkpoint at iteration 4 could not "
+                              f"be written to {path} (OSError: [Errno 28] No space left on device)")
+    assert f"the previous checkpoint {os.path.join(str(tmp_path), 'iter_0000002')} is intact" \
+        in report0
+    assert (prints0, code0) == (True, report0) and (prints1, code1) == (False, 1)
+    assert (cause0, cause1) == (None, "CheckpointWriteError"), "the failing rank chains its error"
     assert read_tracker(str(tmp_path)) == (2, False)
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
