@@ -157,3 +157,38 @@ def unreadable_file_message(path: str, exc: BaseException) -> str:
             f"truncated or damaged (copied incompletely, or written by another program). Load "
             f"another checkpoint: "
             f"{other_checkpoints_hint(os.path.dirname(iter_dir), os.path.basename(iter_dir))}")
+
+
+def iteration_dir_name(iteration: int, release: bool = False) -> str:
+    """`iter_0000100`, or `release` for a release checkpoint."""
+    return "release" if release else f"iter_{iteration:07d}"
+
+
+def describe_layout(iter_dir: str) -> str:
+    """What the `mp_rank_*` directories in a checkpoint say about its tp/pp layout."""
+    found = model_rank_dirs(iter_dir)
+    if not found:
+        return f"{iter_dir} holds no mp_rank_* directories"
+    return (f"the checkpoint appears to have tensor-model-parallel size "
+            f"{max(t for _, t, _ in found) + 1} and pipeline-model-parallel size "
+            f"{max(p for _, _, p in found) + 1} (found {', '.join(n for n, _, _ in found)})")
+
+
+def malformed_tracker_message(root: str, exc: ValueError) -> str:
+    """The error for a tracker file `read_tracker` rejects (`exc`), and the way out."""
+    return f"error: {exc}; {other_checkpoints_hint(root, '')}"
+
+
+def exit_on_missing_message(tracker: str) -> str:
+    """The error for a --load without a tracker file under --exit-on-missing-checkpoint."""
+    return (f"no checkpoint found: {tracker} does not exist and --exit-on-missing-checkpoint "
+            f"is set; check --load or drop the flag")
+
+
+def missing_iteration_dir_message(root: str, iteration: int, release: bool) -> str:
+    """The error for a tracker naming an iteration directory that does not exist."""
+    name = iteration_dir_name(iteration, release)
+    value = "release" if release else iteration
+    return (f"error: {tracker_path(root)} names {value}, but the checkpoint directory "
+            f"{os.path.join(root, name)} does not exist; fix the tracker file: "
+            f"{other_checkpoints_hint(root, name)}")

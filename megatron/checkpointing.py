@@ -34,11 +34,14 @@ from megatron.async_save import AsyncSaver, mark_done, mark_failed, remove_marke
 from megatron.checkpoint_dirs import (
     MODEL_FILENAME,
     TRACKER_FILENAME,
+    describe_layout,
+    exit_on_missing_message,
+    iteration_dir_name,
     list_checkpoints,
+    malformed_tracker_message,
+    missing_iteration_dir_message,
     missing_tracker_message,
     model_file,
-    model_rank_dirs,
-    other_checkpoints_hint,
     refuse_untracked_checkpoints,
     tracker_path,
     unreadable_file_message,
@@ -54,11 +57,6 @@ CHECKPOINT_VERSION = 3.0
 
 # ---------------------------------------------------------------------------------------
 # Paths and the tracker file
-def iteration_dir_name(iteration: int, release: bool = False) -> str:
-    """`iter_0000100`, or `release` for a release checkpoint."""
-    return "release" if release else f"iter_{iteration:07d}"
-
-
 def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
     """`mp_rank_00` when pp_size == 1, else `mp_rank_00_000`."""
     if pp_size == 1:
@@ -431,16 +429,6 @@ def read_checkpoint_file(path: str, mmap: bool = False):
         raise SystemExit(unreadable_file_message(path, exc)) from exc
 
 
-def describe_layout(iter_dir: str) -> str:
-    """What the `mp_rank_*` directories in a checkpoint say about its tp/pp layout."""
-    found = model_rank_dirs(iter_dir)
-    if not found:
-        return f"{iter_dir} holds no mp_rank_* directories"
-    return (f"the checkpoint appears to have tensor-model-parallel size "
-            f"{max(t for _, t, _ in found) + 1} and pipeline-model-parallel size "
-            f"{max(p for _, _, p in found) + 1} (found {', '.join(n for n, _, _ in found)})")
-
-
 def _recover_interrupted_replace(root: str, iteration: int, release: bool) -> None:
     """Rank 0: undo a re-save of the same iteration that died between moving the old
     directory aside and renaming the new one into place (the tracker names it)."""
@@ -473,26 +461,6 @@ def _check_rank_files(root: str, iteration: int, release: bool, ps: ParallelStat
         f"{ps.pp_size}; {describe_layout(iter_dir)}. Run with the checkpoint's sizes or "
         f"reshard the checkpoint."
     )
-
-
-def malformed_tracker_message(root: str, exc: ValueError) -> str:
-    """The error for a tracker file `read_tracker` rejects (`exc`), and the way out."""
-    return f"error: {exc}; {other_checkpoints_hint(root, '')}"
-
-
-def exit_on_missing_message(tracker: str) -> str:
-    """The error for a --load without a tracker file under --exit-on-missing-checkpoint."""
-    return (f"no checkpoint found: {tracker} does not exist and --exit-on-missing-checkpoint "
-            f"is set; check --load or drop the flag")
-
-
-def missing_iteration_dir_message(root: str, iteration: int, release: bool) -> str:
-    """The error for a tracker naming an iteration directory that does not exist."""
-    name = iteration_dir_name(iteration, release)
-    value = "release" if release else iteration
-    return (f"error: {tracker_path(root)} names {value}, but the checkpoint directory "
-            f"{os.path.join(root, name)} does not exist; fix the tracker file: "
-            f"{other_checkpoints_hint(root, name)}")
 
 
 def _agreed_iteration(root: str, group=None) -> Tuple[int, bool]:
