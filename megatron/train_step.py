@@ -23,6 +23,7 @@ from megatron.core.pipeline_parallel import (
     tensor_shape,
     unwrap,
 )
+from megatron.core.timing import timed
 from megatron.data_loading import get_batch
 from megatron.logging_utils import Timer, Timers
 from megatron.microbatches import update_micro_batches
@@ -274,25 +275,21 @@ def _sync_replicas(tr) -> None:
     tr.optimizer.reload_model_params()
 
 
-def _finish_grads(tr, timers: Timers) -> None:
-    """Data-parallel reduction, then the tied-embedding and sequence-parallel all-reduces."""
+def _finish_grads(tr, timers) -> None:
+    """Data-parallel reduction, then the tied-embedding and sequence-parallel all-reduces.
+    `timers`: the level-1 hook (`StepLog.core_timers(1)`, None at level 0): like
+    Megatron's, these level-1 timers start behind the world barrier unless
+    --no-barrier-with-level-1-timing."""
     ps = tr.rt.ps
     name = ("grads-reduce-scatter" if tr.config.parallel.use_distributed_optimizer
             else "grads-all-reduce")
-    timer = timers(name, 1)
-    timer.start()
-    with _watch(tr, "gradient reduction (data-parallel group)", "dp"):
+    with _watch(tr, "gradient reduction (data-parallel group)", "dp"), timed(timers, name):
         tr.model.finish_grad_sync()
-    timer.stop()
-    timer = timers("embedding-grads-all-reduce", 1)
-    timer.start()
-    allreduce_tied_embedding_grads(model_chunks(tr), ps)  # pp > 1: first + last stage
-    timer.stop()
+    with timed(timers, "embedding-grads-all-reduce"):
+        allreduce_tied_embedding_grads(model_chunks(tr), ps)  # pp > 1: first + last stage
     if tr.config.model.sequence_parallel:
-        timer = timers("layernorm-grads-all-reduce", 1)
-        timer.start()
-        allreduce_sequence_parallel_grads(tr.model, ps.tp_group)
-        timer.stop()
+        with timed(timers, "layernorm-grads-all-reduce"):
+            allreduce_sequence_parallel_grads(tr.model, ps.tp_group)
 
 
 def _step_body(tr, data: Iterator[dict], skip_nonfinite: bool = False):
@@ -307,7 +304,7 @@ def _step_body(tr, data: Iterator[dict], skip_nonfinite: bool = False):
     loss = forward_backward(tr, data, cfg.data.num_micro_batches)
     timer.stop()
     _empty_cache(tr.rt.device, cfg.training.empty_unused_memory_level >= 1)
-    _finish_grads(tr, log.timers)
+    _finish_grads(tr, log.core_timers(1))
     tr.last_local_loss = loss.detach().clone()  # this rank's own loss, to name a NaN's origin
     if tr.rt.ps.dp_group is not None:
         dist.all_reduce(loss, group=tr.rt.ps.dp_group)

@@ -38,7 +38,7 @@ from megatron.core.pipeline_parallel.schedules import (
     build_schedule,
 )
 from megatron.initialize import initialize_distributed, set_random_seed
-from megatron.logging_utils import read_scalars
+from megatron.logging_utils import Timer, read_scalars
 from megatron.train_step import OPTIMIZER_TIMER_NAMES, P2P_TIMER_NAMES, TIMER_NAMES, StepLog
 from tests.dist_utils import run_distributed
 
@@ -272,6 +272,21 @@ def test_core_hooks_by_level(level):
     log = StepLog(cfg, torch.device("cpu"))
     assert (log.core_timers(1) is None) == (level < 1)
     assert (log.core_timers(2) is None) == (level < 2)
+
+
+@pytest.mark.parametrize("flags,barrier", [([], True),
+                                           (["--no-barrier-with-level-1-timing"], False)])
+def test_level_1_core_timers_start_behind_the_barrier(flags, barrier, monkeypatch):
+    """As Megatron's level-1 timers (optimizer phases, gradient reductions); level 2 never."""
+    cfg = parse_and_validate(BASE + ["--timing-log-level", "2"] + flags, world_size=1,
+                             env={"RANK": "0"}, cuda_available=False)
+    log = StepLog(cfg, torch.device("cpu"))
+    seen = []
+    monkeypatch.setattr(Timer, "start", lambda self, barrier=False: seen.append((self.name,
+                                                                                 barrier)))
+    log.core_timers(1)("optimizer-inner-step", 1).start()
+    log.core_timers(1)("forward-recv", 2).start()
+    assert seen == [("optimizer-inner-step", barrier), ("forward-recv", False)]
 
 
 # --------------------------------------------------------------------------- whole runs
