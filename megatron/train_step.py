@@ -23,17 +23,47 @@ from megatron.core.pipeline_parallel import (
     tensor_shape,
     unwrap,
 )
+from megatron.core.timing import timed
 from megatron.data_loading import get_batch
-from megatron.logging_utils import Timers
+from megatron.logging_utils import Timer, Timers
 from megatron.microbatches import update_micro_batches
 from megatron.step_graph import runner_for
 
-# Megatron's timers that this step runs, in the order of its timer block. Level 1:
-# forward-backward, the gradient reductions, optimizer; level 2: forward-compute and
-# backward-compute (per micro-batch, in the schedule executor), batch-generator.
-TIMER_NAMES = ("forward-backward", "forward-compute", "backward-compute", "batch-generator",
-               "layernorm-grads-all-reduce", "embedding-grads-all-reduce", "grads-all-reduce",
-               "grads-reduce-scatter", "optimizer")
+# Megatron's timers that this step runs, in the order of its timer block (Megatron's
+# order, which mixes the levels). Level 1: forward-backward, the gradient reductions,
+# params-all-gather (distributed optimizer), the optimizer's phases and the whole
+# optimizer step. Level 2: forward-compute, backward-compute, batch-generator and the
+# pipeline transfers (megatron/core/pipeline_parallel/p2p.py names them). A timer that did
+# not run in the interval is not printed.
+P2P_TIMER_NAMES = (
+    "forward-recv", "forward-send", "backward-recv", "backward-send",
+    "forward-send-forward-recv", "forward-send-backward-recv", "backward-send-forward-recv",
+    "backward-send-backward-recv", "forward-backward-send-forward-backward-recv")
+OPTIMIZER_TIMER_NAMES = (
+    "optimizer-copy-to-main-grad", "optimizer-unscale-and-check-inf",
+    "optimizer-clip-main-grad", "optimizer-count-zeros", "optimizer-inner-step",
+    "optimizer-copy-main-to-model-params")
+TIMER_NAMES = (("forward-backward", "forward-compute", "backward-compute", "batch-generator")
+               + P2P_TIMER_NAMES
+               + ("layernorm-grads-all-reduce", "embedding-grads-all-reduce",
+                  "grads-all-reduce", "grads-reduce-scatter", "params-all-gather")
+               + OPTIMIZER_TIMER_NAMES + ("optimizer",))
+
+
+class _BarrierStart:
+    """A level-1 timer whose start first waits for every rank at the world barrier, as
+    Megatron's level-1 timers do unless --no-barrier-with-level-1-timing."""
+
+    __slots__ = ("timer",)
+
+    def __init__(self, timer: Timer) -> None:
+        self.timer = timer
+
+    def start(self) -> None:
+        self.timer.start(barrier=True)
+
+    def stop(self) -> None:
+        self.timer.stop()
 
 
 class StepLog:
@@ -48,6 +78,22 @@ class StepLog:
         self.barrier = bool(config.args.get("barrier_with_L1_time", True))
         self.num_zeros: Dict[int, torch.Tensor] = {}
         self.replicas_synced = False
+        self._barriered: Dict[str, _BarrierStart] = {}
+
+    def core_timers(self, lowest_level: int):
+        """The timer hook (megatron/core/timing.py) for core code whose timers are at
+        `lowest_level` or above: None when --timing-log-level is below it, so that code
+        calls no timer at all (level 0: none does)."""
+        return self._core_timer if self.timers.log_level >= lowest_level else None
+
+    def _core_timer(self, name: str, log_level: int):
+        timer = self.timers(name, log_level)
+        if log_level != 1 or not self.barrier or not isinstance(timer, Timer):
+            return timer
+        wrapped = self._barriered.get(name)
+        if wrapped is None:
+            wrapped = self._barriered[name] = _BarrierStart(timer)
+        return wrapped
 
 
 def step_log(tr) -> StepLog:
@@ -170,7 +216,8 @@ def run_schedule(tr, data: Iterator[dict], num_micro: int, forward_only: bool = 
         chunks, _forward_step(chunks, feed, metric),
         _p2p_communicator(tr), ps.pp_rank, ps.pp_size, num_micro,
         scale_loss=scale_loss, forward_only=forward_only, device=tr.rt.device,
-        timers=None if forward_only else step_log(tr).timers)  # evaluation is not timed
+        # level-2 timers only; evaluation is not timed
+        timers=None if forward_only else step_log(tr).core_timers(2))
     result = executor.run(plan)
     total = result.loss_sum
     if total is None:
@@ -228,25 +275,21 @@ def _sync_replicas(tr) -> None:
     tr.optimizer.reload_model_params()
 
 
-def _finish_grads(tr, timers: Timers) -> None:
-    """Data-parallel reduction, then the tied-embedding and sequence-parallel all-reduces."""
+def _finish_grads(tr, timers) -> None:
+    """Data-parallel reduction, then the tied-embedding and sequence-parallel all-reduces.
+    `timers`: the level-1 hook (`StepLog.core_timers(1)`, None at level 0): like
+    Megatron's, these level-1 timers start behind the world barrier unless
+    --no-barrier-with-level-1-timing."""
     ps = tr.rt.ps
     name = ("grads-reduce-scatter" if tr.config.parallel.use_distributed_optimizer
             else "grads-all-reduce")
-    timer = timers(name, 1)
-    timer.start()
-    with _watch(tr, "gradient reduction (data-parallel group)", "dp"):
+    with _watch(tr, "gradient reduction (data-parallel group)", "dp"), timed(timers, name):
         tr.model.finish_grad_sync()
-    timer.stop()
-    timer = timers("embedding-grads-all-reduce", 1)
-    timer.start()
-    allreduce_tied_embedding_grads(model_chunks(tr), ps)  # pp > 1: first + last stage
-    timer.stop()
+    with timed(timers, "embedding-grads-all-reduce"):
+        allreduce_tied_embedding_grads(model_chunks(tr), ps)  # pp > 1: first + last stage
     if tr.config.model.sequence_parallel:
-        timer = timers("layernorm-grads-all-reduce", 1)
-        timer.start()
-        allreduce_sequence_parallel_grads(tr.model, ps.tp_group)
-        timer.stop()
+        with timed(timers, "layernorm-grads-all-reduce"):
+            allreduce_sequence_parallel_grads(tr.model, ps.tp_group)
 
 
 def _step_body(tr, data: Iterator[dict], skip_nonfinite: bool = False):
@@ -261,7 +304,7 @@ def _step_body(tr, data: Iterator[dict], skip_nonfinite: bool = False):
     loss = forward_backward(tr, data, cfg.data.num_micro_batches)
     timer.stop()
     _empty_cache(tr.rt.device, cfg.training.empty_unused_memory_level >= 1)
-    _finish_grads(tr, log.timers)
+    _finish_grads(tr, log.core_timers(1))
     tr.last_local_loss = loss.detach().clone()  # this rank's own loss, to name a NaN's origin
     if tr.rt.ps.dp_group is not None:
         dist.all_reduce(loss, group=tr.rt.ps.dp_group)
@@ -270,7 +313,7 @@ def _step_body(tr, data: Iterator[dict], skip_nonfinite: bool = False):
         return loss, False, None, None
     timer = log.timers("optimizer", 1)
     timer.start(barrier=log.barrier)
-    ok, grad_norm, num_zeros = tr.optimizer.step()
+    ok, grad_norm, num_zeros = tr.optimizer.step(timers=log.core_timers(1))
     timer.stop()
     _empty_cache(tr.rt.device, cfg.training.empty_unused_memory_level >= 2)
     return loss, ok, grad_norm, num_zeros

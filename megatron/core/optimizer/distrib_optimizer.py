@@ -62,6 +62,7 @@ from megatron.core.optimizer.optimizer import (
     StepResult,
     _load_inner_state,
 )
+from megatron.core.timing import TimerHook, timed
 
 # Per-parameter state tensors (shaped like the parameter) that distrib_optim.pt holds.
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
@@ -228,7 +229,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self._grad_views = [g for group in grads for g in group]
         return lambda: grads
 
-    def _buffer_step(self, multi) -> StepResult:
+    def _buffer_step(self, multi, timers: Optional[TimerHook] = None) -> StepResult:
         """`MixedPrecisionOptimizer._buffer_step` on the shards: the norm, zero count and
         overflow check read each shard's gradient where it lives (`main_grad`, set for the
         step only: torch's path reads the fp32 copies in `.grad`), reduced over the world."""
@@ -236,7 +237,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for p, g in zip(mains, self._grad_views):
             p.main_grad = g
         try:
-            return super()._buffer_step(multi)
+            return super()._buffer_step(multi, timers)
         finally:
             for p in mains:
                 del p.main_grad
@@ -252,26 +253,30 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     @torch.no_grad()
     def _copy_main_params_to_model_params(self) -> None:
-        """Write the updated shards into `param_data` (torch's kernels), then all-gather."""
+        """Write the updated shards into `param_data` (torch's kernels); `step()` then
+        all-gathers them."""
         for shard in self.shards:
             if not shard.aliased:
                 shard.model_shard.copy_(shard.main_data)
-        self._start_param_gather()
 
-    def _start_param_gather(self) -> None:
+    def _start_param_gather(self, timers: Optional[TimerHook] = None) -> None:
         """All-gather every bucket's `param_data` over DP (buckets in forward order: the
-        last one of each buffer first)."""
-        for shards in (s for c in self.chunk_shards for s in c.values()):
-            for shard in reversed(shards):
-                shard.bucket.start_param_sync()
+        last one of each buffer first). Timed as Megatron's level-1 `params-all-gather`;
+        with `overlap_param_gather` that is only the launch (the forward waits)."""
+        with timed(timers, "params-all-gather"):
+            for shards in (s for c in self.chunk_shards for s in c.values()):
+                for shard in reversed(shards):
+                    shard.bucket.start_param_sync()
 
     @torch.no_grad()
-    def step(self) -> StepResult:
+    def step(self, timers: Optional[TimerHook] = None) -> StepResult:
         """Main grads from the reduce-scattered shards; unscale and check for overflow
         over the world (skip on overflow); clip over the world; inner step on the shards;
         copy to `param_data` and all-gather the parameters over DP. With the Triton kernel
         the gradients are read in place and `param_data` is written by the kernel (see
-        the module doc); the all-gather follows an update either way."""
+        the module doc); the all-gather follows an update either way. `timers`: the
+        phases of `MixedPrecisionOptimizer.step` and `params-all-gather` (see
+        megatron/core/timing.py; None: untimed)."""
         self._finish_param_sync()
         if not self._views_checked:
             _check_param_views(self.shards)
@@ -286,12 +291,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 "are at different Adam step counts); every rank must take the same path: "
                 "run with --adam-kernel torch")
         try:
-            result = super().step()
+            result = super().step(timers)
         finally:
             for p in self.get_parameters():
                 p.grad = None
-        if result[0] and self._model_params_written:  # the kernel wrote param_data's shards
-            self._start_param_gather()
+        if result[0]:  # param_data's shards are written (by the copy pass or the kernel)
+            self._start_param_gather(timers)
         return result
 
     @torch.no_grad()

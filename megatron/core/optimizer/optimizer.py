@@ -35,6 +35,7 @@ from megatron.core.optimizer.clip_grads import (
 )
 from megatron.core.optimizer.grad_scaler import DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.multi_tensor_adam import MultiTensorAdamW, supports
+from megatron.core.timing import TimerHook, timed
 
 StepResult = Tuple[bool, Optional[torch.Tensor], Optional[torch.Tensor]]
 
@@ -252,19 +253,34 @@ class MegatronOptimizer:
         device = next(p.device for g in self.optimizer.param_groups for p in g["params"])
         return total_norm, (1.0 / coeff).to(device)
 
-    def _clip_and_step(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """Clip and step. With a fused kernel (Triton or torch's fused AdamW) the clip is
-        folded into it: instead of a pass that multiplies every gradient by the clip
-        coefficient, the kernel divides them by `grad_scale` = 1 / coefficient as it reads
-        them (the stored gradients stay unclipped)."""
-        num_zeros = self.count_zeros() if self.log_num_zeros_in_grad else None
+    def _clip_and_step(self, timers: Optional[TimerHook] = None
+                       ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Count zeros (when asked), clip, step: Megatron's `optimizer-count-zeros`,
+        `optimizer-clip-main-grad` and `optimizer-inner-step` phases, each timed only when
+        it runs. With a fused kernel (Triton or torch's fused AdamW) the clip is folded into
+        it: instead of a pass that multiplies every gradient by the clip coefficient, the
+        kernel divides them by `grad_scale` = 1 / coefficient as it reads them (the stored
+        gradients stay unclipped); the clip phase then only computes the norm."""
+        num_zeros = None
+        if self.log_num_zeros_in_grad:
+            with timed(timers, "optimizer-count-zeros"):
+                num_zeros = self.count_zeros()
         self._model_params_written = False
         multi = self._multi_tensor()
-        if self.clip_grad > 0.0 and (multi is not None or self._inner_is_fused()):
-            grad_norm, grad_scale = self._clip_scale()
-        else:
-            grad_norm = self.clip_grad_norm(self.clip_grad) if self.clip_grad > 0.0 else None
-            grad_scale = None
+        grad_norm = grad_scale = None
+        if self.clip_grad > 0.0:
+            with timed(timers, "optimizer-clip-main-grad"):
+                if multi is not None or self._inner_is_fused():
+                    grad_norm, grad_scale = self._clip_scale()
+                else:
+                    grad_norm = self.clip_grad_norm(self.clip_grad)
+        with timed(timers, "optimizer-inner-step"):
+            self._inner_step(multi, grad_scale)
+        return grad_norm, num_zeros
+
+    def _inner_step(self, multi: Optional[MultiTensorAdamW],
+                    grad_scale: Optional[torch.Tensor]) -> None:
+        """The update itself; `grad_scale` (not None): divide the gradients by it first."""
         if multi is not None and multi.step(grad_scale):
             self._model_params_written = True
         elif grad_scale is not None and self._inner_is_fused():
@@ -278,7 +294,6 @@ class MegatronOptimizer:
                 grads = [p.grad for p in self.get_parameters() if p.grad is not None]
                 torch._foreach_div_(grads, grad_scale)
             self.optimizer.step()
-        return grad_norm, num_zeros
 
     def _inner_is_fused(self) -> bool:
         return all(g.get("fused") for g in self.optimizer.param_groups)
@@ -298,7 +313,8 @@ class MegatronOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         raise NotImplementedError
 
-    def step(self) -> StepResult:
+    def step(self, timers: Optional[TimerHook] = None) -> StepResult:
+        """One update; `timers` times its phases (see megatron/core/timing.py)."""
         raise NotImplementedError
 
     def reload_model_params(self) -> None:
@@ -327,10 +343,13 @@ class FP32Optimizer(MegatronOptimizer):
         return [[None] * len(g["params"]) for g in self.optimizer.param_groups]
 
     @torch.no_grad()
-    def step(self) -> StepResult:
-        """Clip (global norm over the mp group), count zeros if asked, inner step."""
-        aliased = self._alias_main_grads(self.get_parameters())
-        grad_norm, num_zeros = self._clip_and_step()
+    def step(self, timers: Optional[TimerHook] = None) -> StepResult:
+        """Point the grads at the grad buffer (Megatron's `optimizer-copy-to-main-grad`
+        phase of this optimizer), clip (global norm over the mp group), count zeros if
+        asked, inner step. `timers`: see megatron/core/timing.py (None: untimed)."""
+        with timed(timers, "optimizer-copy-to-main-grad"):
+            aliased = self._alias_main_grads(self.get_parameters())
+        grad_norm, num_zeros = self._clip_and_step(timers)
         # A grad aliasing the grad buffer must not meet the next backward.
         for p in aliased:
             p.grad = None
@@ -421,7 +440,8 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     def _kernel_grads(self):
         return lambda: [[p.main_grad for p in group] for group in self._grad_holders()]
 
-    def _buffer_step(self, multi: MultiTensorAdamW) -> StepResult:
+    def _buffer_step(self, multi: MultiTensorAdamW,
+                     timers: Optional[TimerHook] = None) -> StepResult:
         """The step on the grad buffers as they are (fp32, or 16-bit in an fp16 run), every
         update in one Triton kernel: no fp32 copy of the gradients, no unscaling pass. With
         a loss scaler the overflow check is the norm of the scaled gradients (non-finite
@@ -430,32 +450,45 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         reads them. Eagerly, the overflow decision is the step's one host sync; inside a
         captured step nothing waits for it: the kernel masks itself off on the device, the
         scaler updates on the device, and the host learns the outcome later from
-        `replay_flag()` (megatron/step_graph.py)."""
+        `replay_flag()` (megatron/step_graph.py).
+
+        Timed phases (`timers`): count-zeros; unscale-and-check-inf is the norm and the
+        overflow decision (with a scaler); clip-main-grad the norm (without a scaler) and
+        the clip coefficient; inner-step the kernel. Nothing is copied, so the copy phases
+        do not occur."""
         holders = [p for group in self._grad_holders() for p in group]
-        num_zeros = (count_zeros(holders, self.mp_group, self.tp_rank)
-                     if self.log_num_zeros_in_grad else None)
+        num_zeros = None
+        if self.log_num_zeros_in_grad:
+            with timed(timers, "optimizer-count-zeros"):
+                num_zeros = count_zeros(holders, self.mp_group, self.tp_rank)
         scaler, divisor, found, norm = self.grad_scaler, None, None, None
-        if self.clip_grad > 0.0 or scaler is not None:
-            norm = get_grad_norm(holders, self.mp_group, self.tp_rank)
-        if scaler is not None:
-            found = (~torch.isfinite(norm)).float()
-            norm, divisor = norm / scaler.scale, scaler.scale
-        if self.clip_grad > 0.0:
-            coeff = float(self.clip_grad) / (norm + 1.0e-6)
-            coeff = torch.where(coeff < 1.0, coeff, torch.ones_like(coeff))
-            divisor = 1.0 / coeff if divisor is None else divisor / coeff
         self._deferred_found = None
-        if found is not None and not capturing():
-            if bool(found.item()):  # the step's one host synchronisation
+        if scaler is not None:
+            with timed(timers, "optimizer-unscale-and-check-inf"):
+                norm = get_grad_norm(holders, self.mp_group, self.tp_rank)
+                found = (~torch.isfinite(norm)).float()
+                norm, divisor = norm / scaler.scale, scaler.scale
+                # eagerly, the step's one host synchronisation
+                overflow = not capturing() and bool(found.item())
+            if overflow:
                 scaler.update(True)
                 return False, None, None
-            multi.step(divisor)
-            scaler.update(False)  # after the launch: the kernel read this step's scale
-        else:
-            multi.step(divisor, skip=found)
-            if found is not None:  # captured: decided and counted on the device
-                scaler.update(found)
-                self._deferred_found = found
+        if self.clip_grad > 0.0:
+            with timed(timers, "optimizer-clip-main-grad"):
+                if norm is None:
+                    norm = get_grad_norm(holders, self.mp_group, self.tp_rank)
+                coeff = float(self.clip_grad) / (norm + 1.0e-6)
+                coeff = torch.where(coeff < 1.0, coeff, torch.ones_like(coeff))
+                divisor = 1.0 / coeff if divisor is None else divisor / coeff
+        with timed(timers, "optimizer-inner-step"):
+            if found is not None and not capturing():
+                multi.step(divisor)
+                scaler.update(False)  # after the launch: the kernel read this step's scale
+            else:
+                multi.step(divisor, skip=found)
+                if found is not None:  # captured: decided and counted on the device
+                    scaler.update(found)
+                    self._deferred_found = found
         self._model_params_written = True
         return True, norm if self.clip_grad > 0.0 else None, num_zeros
 
@@ -504,23 +537,28 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         return self._found_inf.item() > 0
 
     @torch.no_grad()
-    def step(self) -> StepResult:
+    def step(self, timers: Optional[TimerHook] = None) -> StepResult:
         """With the Triton kernel, `_buffer_step`. Otherwise: copy model grads to fp32
         main grads, unscale and check for overflow (skip on overflow), clip, count zeros if
-        asked, inner step, copy main params to the model."""
+        asked, inner step, copy main params to the model. `timers` times these phases
+        under Megatron's names (`optimizer-copy-to-main-grad`, ...), each only when it
+        runs (see megatron/core/timing.py; None: untimed)."""
         multi = self._multi_tensor()
         if multi is not None and multi.ready():
-            return self._buffer_step(multi)
-        aliased = self._copy_model_grads_to_main_grads()
+            return self._buffer_step(multi, timers)
+        with timed(timers, "optimizer-copy-to-main-grad"):
+            aliased = self._copy_model_grads_to_main_grads()
         try:
             if self.grad_scaler is not None:
-                found_inf = self._unscale_and_check_for_inf()
+                with timed(timers, "optimizer-unscale-and-check-inf"):
+                    found_inf = self._unscale_and_check_for_inf()
                 self.grad_scaler.update(found_inf)
                 if found_inf:
                     return False, None, None
-            grad_norm, num_zeros = self._clip_and_step()
+            grad_norm, num_zeros = self._clip_and_step(timers)
             if not self._model_params_written:  # the Triton kernel wrote them already
-                self._copy_main_params_to_model_params()
+                with timed(timers, "optimizer-copy-main-to-model-params"):
+                    self._copy_main_params_to_model_params()
             return True, grad_norm, num_zeros
         finally:
             for p in aliased:

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from .p2p import P2PCommunicator, PendingBatch
+from megatron.core.timing import TimerHook, timer
+
+from .p2p import P2PCommunicator, PendingBatch, timer_name
 from .schedules import (
     BACKWARD,
     COMM,
@@ -35,19 +37,6 @@ from .schedules import (
 )
 
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]
-
-
-class _Untimed:
-    """The timer of an executor given no timers."""
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-
-_UNTIMED = _Untimed()
 
 
 @dataclass
@@ -71,16 +60,18 @@ class ScheduleExecutor:
         num_microbatches: the divisor of every micro-batch loss.
         scale_loss: applied to the divided loss before backward (the loss scaler).
         forward_only: evaluation: no backward, nothing kept for one.
-        timers: Megatron-style `timers(name, log_level)` returning an object with
-            start()/stop() (the driver's, whose timers above its level do nothing), for
-            the level-2 `forward-compute` and `backward-compute` timers; None: untimed.
+        timers: the timer hook (megatron/core/timing.py; None: untimed) for Megatron's
+            level-2 timers: `forward-compute` and `backward-compute` around each forward
+            and backward, and around the posting and the waiting of each batch of
+            transfers the timer that `p2p.timer_name` names by its kinds
+            (`forward-send-backward-recv`, ...).
     """
 
     def __init__(self, chunks: Sequence[torch.nn.Module], forward_step: ForwardStep,
                  comm: Optional[P2PCommunicator], pp_rank: int, pp_size: int,
                  num_microbatches: int, scale_loss: Callable = lambda x: x,
                  forward_only: bool = False, device=None,
-                 timers: Optional[Callable] = None) -> None:
+                 timers: Optional[TimerHook] = None) -> None:
         self.chunks = list(chunks)
         self.forward_step = forward_step
         self.comm = comm
@@ -93,7 +84,7 @@ class ScheduleExecutor:
         self.timers = timers
 
     def _timer(self, name: str):
-        return _UNTIMED if self.timers is None else self.timers(name, 2)
+        return timer(self.timers, name, 2)
 
     def _stage(self, chunk: int) -> int:
         return chunk * self.pp_size + self.pp_rank
@@ -104,7 +95,7 @@ class ScheduleExecutor:
         self._saved: Dict[tuple, tuple] = {}  # (chunk, mb) -> (input, output)
         self._to_send: Dict[tuple, torch.Tensor] = {}
         self._received: Dict[tuple, torch.Tensor] = {}
-        self._pending: Dict[int, PendingBatch] = {}
+        self._pending: Dict[int, Tuple[str, PendingBatch]] = {}  # batch -> (timer, work)
         self._loss_sum = None
         if self.num_stages - 1 in [self._stage(c) for c in range(len(self.chunks))]:
             self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -116,17 +107,29 @@ class ScheduleExecutor:
             elif a.kind == BACKWARD:
                 self._backward(a.microbatch, a.chunk)
             elif a.kind == COMM:
-                sends = {k: self._to_send.pop(k) for k in
-                         [(op.kind, op.microbatch, op.chunk) for op in a.ops]
-                         if k in self._to_send}
-                self._pending[a.batch] = self.comm.post(a.ops, sends)
+                self._post(a)
             elif a.kind == WAIT:
-                self._received.update(self._pending.pop(a.batch).wait())
+                name, batch = self._pending.pop(a.batch)
+                timer = self._timer(name)
+                timer.start()
+                self._received.update(batch.wait())
+                timer.stop()
             else:
                 raise ValueError(f"unknown action {a}")
         leftovers = [k for k in (*self._saved, *self._to_send, *self._received, *self._pending)]
         assert not leftovers, f"plan left work undone: {leftovers}"
         return ScheduleResult(self._loss_sum, in_flight)
+
+    def _post(self, a: Action) -> None:
+        """Post one batch of transfers. Its timer runs while posting and, later, while
+        waiting for it (see `p2p.timer_name`), not during the computes in between."""
+        name = timer_name(a.ops)
+        timer = self._timer(name)
+        timer.start()
+        sends = {k: self._to_send.pop(k) for k in
+                 [(op.kind, op.microbatch, op.chunk) for op in a.ops] if k in self._to_send}
+        self._pending[a.batch] = (name, self.comm.post(a.ops, sends))
+        timer.stop()
 
     def _forward(self, mb: int, chunk: int) -> None:
         stage = self._stage(chunk)

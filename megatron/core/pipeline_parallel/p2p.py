@@ -19,6 +19,28 @@ import torch.distributed as dist
 
 from .schedules import P2P, RECV_BACKWARD, RECV_FORWARD, SEND_BACKWARD, SEND_FORWARD
 
+# Megatron's level-2 timer of each combination of transfer kinds in one batch. A batch
+# holding three or four kinds (or both sends, or both receives) is what Megatron's
+# send_forward_backward_recv_forward_backward does.
+_TIMER_NAMES = {
+    frozenset({RECV_FORWARD}): "forward-recv",
+    frozenset({SEND_FORWARD}): "forward-send",
+    frozenset({RECV_BACKWARD}): "backward-recv",
+    frozenset({SEND_BACKWARD}): "backward-send",
+    frozenset({SEND_FORWARD, RECV_FORWARD}): "forward-send-forward-recv",
+    frozenset({SEND_FORWARD, RECV_BACKWARD}): "forward-send-backward-recv",
+    frozenset({SEND_BACKWARD, RECV_FORWARD}): "backward-send-forward-recv",
+    frozenset({SEND_BACKWARD, RECV_BACKWARD}): "backward-send-backward-recv",
+}
+BOTH_WAYS_TIMER = "forward-backward-send-forward-backward-recv"
+
+
+def timer_name(ops: Sequence[P2P]) -> str:
+    """Megatron's timer for one batch of transfers, named by the kinds it holds: the
+    name of Megatron's p2p function that does the same exchange (forward-send,
+    forward-send-backward-recv, ...)."""
+    return _TIMER_NAMES.get(frozenset(op.kind for op in ops), BOTH_WAYS_TIMER)
+
 
 def tensor_shape(seq_length: int, micro_batch_size: int, hidden_size: int,
                  tp_size: int = 1, sequence_parallel: bool = False) -> Tuple[int, int, int]:
