@@ -166,3 +166,19 @@ def test_forbidden_pair_and_limits():
         beam_search(model, prompt, 3, 4, stop_token=-1, vocab_limit=5)
     with pytest.raises(ValueError, match="leaves room"):
         beam_search(model, list(range(24)), 2, 4, stop_token=-1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", ["gpt2", "llama"])
+def test_cuda_graph_beams_equal_the_recompute(variant):
+    """--decode-cuda-graph on: the beams are a batch of B rows whose one-token steps are
+    replays of a graph captured once for B rows (the cache reordered in place between
+    replays): the hypotheses of the recompute path; a second search reuses the graph."""
+    model = _model(variant).cuda()
+    decoder = StaticDecoder.for_mode(model, "on")
+    kw = dict(stop_token=2, length_penalty=0.5, vocab_limit=8)
+    want = beam_search(model, [4, 9, 1], 3, 5, use_cache=False, **kw)
+    for _ in range(2):
+        _same(beam_search(model, [4, 9, 1], 3, 5, decoder=decoder, **kw), want)
+    assert decoder.graph is not None and decoder.num_captures == 1
