@@ -2,9 +2,11 @@
 decoding's logits (prefill + one-token steps) equal the full tp = 1 forward within 1e-5 of
 the largest logit (fp32) and are the same tensor on both ranks; greedy `generate_batch`
 tokens equal tp = 1's; checkpoints saved at tp 1 and at tp 2 x pp 2 give generate.py's
-one-process greedy text under torchrun-style ranks at tp 2; the server on 2 ranks answers
-as one process (text; log-probs within 1e-5), and stopping rank 0 ends rank 1; the layouts
-generation does not run are refused by name."""
+one-process greedy text under torchrun-style ranks at tp 2; beam search gives tp = 1's
+hypotheses, the same on both ranks, with and without the cache; the server on 2 ranks
+answers as one process (text; log-probs and beam scores within 1e-5; beam and top_p decay
+requests too), and stopping rank 0 ends rank 1; the layouts generation does not run are
+refused by name."""
 from __future__ import annotations
 
 import contextlib
@@ -27,6 +29,7 @@ from tests.test_generate import _run_cli, _train
 from tests.test_kv_cache import MAX_POS, _model, _tokens
 from tools import generate
 from tools import run_text_generation_server as server_mod
+from tools.beam_search import beam_search
 from tools.generate_tp import check_generation_layout
 
 PROMPTS = ([4, 9, 1, 30], [7], [3, 3, 8, 2, 11, 5, 60])
@@ -58,8 +61,16 @@ def _decode_worker(rank, world_size, variants):
         parts += [forward_incremental(model, ids[:, i:i + 1], cache)[0]
                   for i in range(7, MAX_POS)]
         prompts = [list(p) for p in PROMPTS]
+        # a stop token the beams meet: the second greedy token after PROMPTS[0]
+        beam_kw = dict(stop_token=generate.generate(full, prompts[0], 2, greedy=True,
+                                                    vocab_limit=100)[1],
+                       vocab_limit=100, length_penalty=0.7)
         with torch.no_grad():
             out[variant] = {
+                "beam": beam_search(model, prompts[0], 3, 8, **beam_kw),
+                "beam_no_cache": beam_search(model, prompts[0], 3, 8, use_cache=False,
+                                             **beam_kw),
+                "beam_tp1": beam_search(full, prompts[0], 3, 8, **beam_kw),
                 "cached": torch.cat(parts), "full_tp1": full(ids)[0],
                 "full_tp2": generate.gather_vocab(model, model(ids))[0],
                 "cached_k_heads": cache.keys[0].shape[1],
@@ -74,12 +85,20 @@ def _decode_worker(rank, world_size, variants):
     return out
 
 
-def test_tp2_decoding_equals_tp1():
+VARIANTS = ("gpt2", "llama")
+
+
+@pytest.fixture(scope="module")
+def decoded():
+    """What `_decode_worker` returns on each of 2 ranks."""
+    return run_distributed(_decode_worker, 2, VARIANTS)
+
+
+def test_tp2_decoding_equals_tp1(decoded):
     """gpt2: learned positions, GeLU, tied output; llama: rotary, SwiGLU, 2 query groups
     (one per rank), untied output."""
-    variants = ("gpt2", "llama")
-    results = run_distributed(_decode_worker, 2, variants)
-    for variant in variants:
+    results = decoded
+    for variant in VARIANTS:
         r0, r1 = results[0][variant], results[1][variant]
         ref = r0["full_tp1"]
         assert r0["cached"].shape == ref.shape == (MAX_POS, 128)
@@ -91,6 +110,20 @@ def test_tp2_decoding_equals_tp1():
         assert r0["cached_k_heads"] == (2 if variant == "gpt2" else 1)  # local groups
         assert r0["batch"] == r1["batch"] == r0["batch_tp1"], variant
         assert r0["no_cache"] == r0["no_cache_tp1"], variant
+
+
+def test_tp2_beam_search_equals_tp1(decoded):
+    """Beam search (width 3, 8 tokens, a stop token the beams meet) on the tp = 2 shards:
+    the same hypotheses and scores on both ranks (bit for bit: the same all-gathered
+    logits), with and without the cache, and tp = 1's hypotheses (scores within 1e-5)."""
+    for variant in VARIANTS:
+        r0, r1 = decoded[0][variant], decoded[1][variant]
+        want = r0["beam_tp1"]
+        assert len(want) == 3 and any(len(ids) < 8 for ids, _ in want), want  # a stop
+        for key in ("beam", "beam_no_cache"):
+            assert r0[key] == r1[key], (variant, key)
+            assert [ids for ids, _ in r0[key]] == [ids for ids, _ in want], (variant, key)
+            assert [s for _, s in r0[key]] == pytest.approx([s for _, s in want], abs=1e-5)
 
 
 # --------------------------------------------------------------------- checkpoints
@@ -205,6 +238,17 @@ def test_server_on_two_ranks(ckpt_tp1, tmp_path):
         status, text = put(url, {"prompts": ["5 999"]}, timeout=60)  # 400, ranks in step
         assert status == 400 and "outside the vocabulary" in text
         assert put(url, body, timeout=60)[1] == json.dumps(got)
+        for extra in ({"prompts": ["5 6 7"], "beam_width": 3, "tokens_to_generate": 6},
+                      {"temperature": 1.5, "top_p": 0.9, "top_p_decay": 0.5,
+                       "top_p_bound": 0.3, "random_seed": 3}):  # fields on every rank
+            one = dict(body, logprobs=False, top_k=0, **extra)
+            status, text = put(url, one, timeout=60)
+            assert status == 200, text
+            want = run_request(engine, parse_request(one))
+            got = json.loads(text)
+            assert got["text"] == want["text"], extra
+            assert set(got) == set(want)
+            assert got.get("scores", []) == pytest.approx(want.get("scores", []), abs=1e-5)
     finally:
         with contextlib.suppress(OSError):  # rank 0 stops; rank 1 must follow
             os.kill(_pid(tmp_path, 0), signal.SIGINT)

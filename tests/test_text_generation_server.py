@@ -191,7 +191,48 @@ def test_logprobs_and_scoring(served):
     ({"prompts": ["5"], "random_seed": 2 ** 64},
      "random_seed must be below 2**64 = 18446744073709551616 (got 18446744073709551616)"),
     ({"prompts": ["5"], "logprobs": 1}, "logprobs must be true or false (got 1)"),
-    ({"prompts": ["5"], "beam_width": 2}, "beam_width is not supported by this server"),
+    ({"prompts": ["5"], "top_p_decay": 0.5},
+     "top_p_decay needs top_p: it changes top_p after each token, and top_p is 0 (off)"),
+    ({"prompts": ["5"], "top_p": 0.5, "top_p_decay": 1.5},
+     "top_p_decay must be a number in [0, 1] (0: off) (got 1.5)"),
+    ({"prompts": ["5"], "top_p": 0.5, "top_p_decay": "0.5"},
+     "top_p_decay must be a number in [0, 1] (0: off) (got '0.5')"),
+    ({"prompts": ["5"], "top_p_bound": 0.1}, "top_p_bound needs top_p"),
+    ({"prompts": ["5"], "top_p": 0.5, "top_p_bound": 0.6},
+     "top_p_bound must be a number in [0, top_p] = [0, 0.5] (got 0.6)"),
+    ({"prompts": ["5"], "top_p": 0.5, "top_p_bound": -0.1},
+     "top_p_bound must be a number in [0, top_p] (0: off) (got -0.1)"),
+    ({"prompts": ["5"], "prevent_newline_after_colon": "yes"},
+     "prevent_newline_after_colon must be true or false (got 'yes')"),
+    ({"prompts": ["5"], "prevent_newline_after_colon": True, "tokens_to_generate": 2},
+     "prevent_newline_after_colon: this tokenizer cannot spell ':'"),  # NullTokenizer
+    ({"prompts": ["5"], "beam_width": 0},
+     "beam_width must be an integer >= 1, or null (no beam search) (got 0)"),
+    ({"prompts": ["5"], "beam_width": 2.0}, "beam_width must be an integer >= 1"),
+    ({"prompts": ["5", "6"], "beam_width": 2},
+     "beam_width: beam search takes exactly one prompt (got 2); send one request per prompt"),
+    ({"prompts": ["5"], "beam_width": 2, "logprobs": True},
+     "logprobs is not returned by beam search"),
+    ({"prompts": ["5"], "beam_width": 2, "tokens_to_generate": 0},
+     "beam search needs tokens_to_generate >= 1 (got 0)"),
+    ({"prompts": ["5"], "beam_width": 2, "top_k": 1}, "top_k is not used by beam search"),
+    ({"prompts": ["5"], "beam_width": 2, "top_p": 0.9}, "top_p is not used by beam search"),
+    ({"prompts": ["5"], "beam_width": 2, "temperature": 0.5},
+     "temperature is not used by beam search"),
+    ({"prompts": ["5"], "beam_width": 2, "random_seed": 3},
+     "random_seed is not used by beam search"),
+    ({"prompts": ["5"], "beam_width": 2, "stop_on_double_eol": True},
+     "stop_on_double_eol is not used by beam search"),
+    ({"prompts": ["5 6"], "beam_width": 5, "tokens_to_generate": 7},
+     "too many tokens: beam_width 5 x (prompt + tokens_to_generate) = 45, over the "
+     "server's --max-tokens-to-oom 40"),
+    ({"prompts": ["5"], "stop_token": 7},
+     "stop_token is read by beam search only: set beam_width too, or leave stop_token out"),
+    ({"prompts": ["5"], "length_penalty": 2}, "length_penalty is read by beam search only"),
+    ({"prompts": ["5"], "beam_width": 2, "stop_token": -1},
+     "stop_token must be an integer token id >= 0 (default 50256"),
+    ({"prompts": ["5"], "beam_width": 2, "length_penalty": "1"},
+     "length_penalty must be a finite number (got '1')"),
     ({"prompts": ["5"], "prompt": "x"}, "unknown field(s) prompt; the fields are prompts,"),
     ([1], "the body must be a JSON object"),
     ({"prompts": [""]}, "prompts[0] is empty: give text, or set add_BOS true"),
@@ -206,20 +247,49 @@ def test_bad_requests_are_400(served, body, message):
     assert status == 400 and message in text, text
 
 
-def test_megatron_defaults_of_unsupported_fields_are_accepted():
-    """A client that sends Megatron's defaults of the fields not implemented here (as its
-    own code may, e.g. stop_token 50256) is served; another value is refused by name."""
+def test_megatron_defaults_are_accepted():
+    """A client that sends Megatron's defaults of every field (as its own code may, e.g.
+    stop_token 50256 and beam_width null) is served; beam_width takes stop_token and
+    length_penalty; all_probs, the one field not implemented, is refused unless false."""
     from tools.text_generation_api import NOT_SUPPORTED, RequestError, parse_request
 
     defaults = {"top_p_decay": 0.0, "top_p_bound": 0.0, "prevent_newline_after_colon": False,
-                "stop_token": 50256, "length_penalty": 1, "all_probs": False}
-    assert parse_request({"prompts": ["5"], **defaults}).prompts == ["5"]
-    assert set(defaults) < set(NOT_SUPPORTED)
-    with pytest.raises(RequestError, match="stop_token is not supported"):
-        parse_request({"prompts": ["5"], "stop_token": 7})
+                "beam_width": None, "stop_token": 50256, "length_penalty": 1,
+                "all_probs": False}
+    req = parse_request({"prompts": ["5"], **defaults})
+    assert req.beam_width is None and req.stop_token == 50256 and req.length_penalty == 1.0
+    assert NOT_SUPPORTED == {"all_probs": False}
+    req = parse_request({"prompts": ["5"], "beam_width": 4, "stop_token": 7,
+                         "length_penalty": 0.5, "top_k": 0, "random_seed": -1})
+    assert (req.beam_width, req.stop_token, req.length_penalty) == (4, 7, 0.5)
+    req = parse_request({"prompts": ["5"], "top_p": 0.5, "top_p_decay": 1,
+                         "top_p_bound": 0.5, "prevent_newline_after_colon": True})
+    assert (req.top_p_decay, req.top_p_bound, req.prevent_newline_after_colon) == \
+        (1.0, 0.5, True)
     # all_probs (older Megatron-LM clients): false is served, true refused by name
     with pytest.raises(RequestError, match="all_probs is not supported"):
         parse_request({"prompts": ["5"], "all_probs": True})
+
+
+def test_beam_search_answer(ckpt, served):
+    """PUT /api with beam_width: {"text", "segments", "scores"}, beam_width hypotheses
+    best first, each the prompt and its beam (a beam that met the stop token, 34, which
+    this checkpoint draws after 5 6 7 68 ..., ends before it); --no-kv-cache answers the
+    same."""
+    from tools.text_generation_api import parse_request, run_request
+
+    body = {"prompts": ["5 6 7"], "tokens_to_generate": 8, "beam_width": 3,
+            "stop_token": 34, "length_penalty": 1.5}
+    out = _ok(served[0], body)
+    assert set(out) == {"text", "segments", "scores"} and len(out["scores"]) == 3
+    assert out["scores"] == sorted(out["scores"], reverse=True)
+    for text, segments in zip(out["text"], out["segments"]):
+        assert text.startswith("5 6 7") and segments == text.split(" ")
+        assert "34" not in segments[3:] and 3 < len(segments) <= 11
+    assert min(len(s) for s in out["segments"]) < 11  # one ended at the stop token
+    ref = run_request(_engine(ckpt, "--no-kv-cache"), parse_request(body))
+    assert out["text"] == ref["text"]
+    assert out["scores"] == pytest.approx(ref["scores"], abs=1e-5)
 
 
 def test_sentencepiece_segments_are_the_pieces(tmp_path):

@@ -75,6 +75,7 @@ from megatron.core.models.gpt.kv_cache import (  # noqa: E402
     gather_vocab,
 )
 from megatron.core.models.gpt.static_decode import MODES, StaticDecoder  # noqa: E402
+from tools.sampling_rules import TopP, forbid_after, top_p_at  # noqa: E402
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 __all__ = ["build_decoder", "config_from_args", "load_model", "sample_next", "generate",
@@ -164,11 +165,12 @@ class _NextLogits:
 
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, greedy: bool = False,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             temperature: float = 1.0, top_k: int = 0, top_p: TopP = 1.0,
              generator: Optional[torch.Generator] = None, eod: Optional[int] = None,
              vocab_limit: Optional[int] = None,
              stop: Optional[Callable[[List[int]], bool]] = None,
-             use_cache: bool = True, decoder: Optional[StaticDecoder] = None) -> List[int]:
+             use_cache: bool = True, decoder: Optional[StaticDecoder] = None,
+             forbid: Optional[Tuple[int, int]] = None) -> List[int]:
     """New token ids after `prompt_ids`. With `use_cache` (default) a key/value cache
     (megatron/core/models/gpt/kv_cache.py) runs each new token alone through the model;
     `use_cache=False` recomputes the whole context for every token (the reference: the
@@ -184,7 +186,10 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, greedy: b
     `stop(ids)`, called with the whole sequence after each new token, ends generation
     early when it returns True. `decoder` (a StaticDecoder, `StaticDecoder.for_mode`; None:
     the dynamic path) runs the cached one-token steps at static shapes -- on CUDA replayed
-    from a captured graph -- with the same tokens (the logits agree up to float rounding)."""
+    from a captured graph -- with the same tokens (the logits agree up to float rounding).
+    `top_p` may be a function of the position of the token drawn (a TopPSchedule:
+    Megatron's top_p_decay); with `forbid` = (a, b) token b is never drawn right after
+    token a (Megatron's prevent_newline_after_colon; tools/sampling_rules.py)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty; give --prompt or --prompt-ids")
     ids = list(prompt_ids)
@@ -192,8 +197,9 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, greedy: b
                               len(ids) + max_new_tokens - 1, decoder)
     out: List[int] = []
     for _ in range(max_new_tokens):
-        logits = next_logits(ids)[:vocab_limit].float()
-        token = sample_next(logits, greedy, temperature, top_k, top_p, generator)
+        logits = forbid_after(next_logits(ids)[None, :vocab_limit].float(), ids[-1:], forbid)
+        token = sample_next(logits[0], greedy, temperature, top_k, top_p_at(top_p, len(ids)),
+                            generator)
         out.append(token)
         ids.append(token)
         if (eod is not None and token == eod) or (stop is not None and stop(ids)):
@@ -214,7 +220,7 @@ def _batch_step_logits(model, cache: KVCache, tokens_bs: torch.Tensor,
 
 
 def _decode_together(model, prompts: List[List[int]], max_new_tokens: int,
-                     pick: Callable[[torch.Tensor, int], int],
+                     pick: Callable[[torch.Tensor, int, List[int]], int],
                      done: Callable[[int, List[int], int], bool],
                      vocab_limit: Optional[int],
                      decoder: Optional[StaticDecoder] = None) -> List[List[int]]:
@@ -223,7 +229,8 @@ def _decode_together(model, prompts: List[List[int]], max_new_tokens: int,
     of every row: a row still inside its prompt feeds its next prompt token (what the
     model predicted there is not used), a row past it feeds the token it drew last, a
     finished row feeds padding (id 0) that no other row sees (attention stays within a
-    row). `pick(logits [V], row)` draws a token, `done(row, sequence, token)` says whether
+    row). `pick(logits [V], row, sequence)` draws the token after the row's sequence so
+    far, `done(row, sequence, token)` says whether
     the row ends after it. Every row must fit: len(prompt) + max_new_tokens - 1 <= the
     model's positions. With a `decoder` the cache is its own (reused across calls) and
     the one-token calls are its static steps."""
@@ -240,7 +247,7 @@ def _decode_together(model, prompts: List[List[int]], max_new_tokens: int,
         logits = _batch_step_logits(model, cache, tokens, vocab_limit, decoder)  # index pos
         for row, seq in enumerate(seqs):
             if not finished[row] and len(seq) == pos:  # the row's prompt is all in the cache
-                token = pick(logits[row], row)
+                token = pick(logits[row], row, seq)
                 out[row].append(token)
                 seq.append(token)
                 finished[row] = len(out[row]) == max_new_tokens or done(row, seq, token)
@@ -254,11 +261,12 @@ def _decode_together(model, prompts: List[List[int]], max_new_tokens: int,
 @torch.no_grad()
 def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                    greedy: bool = False, temperature: float = 1.0, top_k: int = 0,
-                   top_p: float = 1.0,
+                   top_p: TopP = 1.0,
                    generators: Optional[Sequence[Optional[torch.Generator]]] = None,
                    eod: Optional[int] = None, vocab_limit: Optional[int] = None,
                    stop: Optional[Callable[[List[int]], bool]] = None,
-                   decoder: Optional[StaticDecoder] = None) -> List[List[int]]:
+                   decoder: Optional[StaticDecoder] = None,
+                   forbid: Optional[Tuple[int, int]] = None) -> List[List[int]]:
     """New token ids after each of `prompts`, decoded together as one batch through a
     key/value cache: `generate` for every prompt (same arguments, `use_cache` on), one
     model call per position instead of one per prompt and position.
@@ -290,12 +298,15 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     for i in sorted(set(range(len(prompts))) - set(rows)):
         out[i] = generate(model, prompts[i], max_new_tokens, greedy=greedy,
                           temperature=temperature, top_k=top_k, top_p=top_p,
-                          generator=gens[i], eod=eod, vocab_limit=vocab_limit, stop=stop)
+                          generator=gens[i], eod=eod, vocab_limit=vocab_limit, stop=stop,
+                          forbid=forbid)
     if not rows:
         return out
 
-    def pick(logits: torch.Tensor, row: int) -> int:
-        return sample_next(logits, greedy, temperature, top_k, top_p, gens[rows[row]])
+    def pick(logits: torch.Tensor, row: int, seq: List[int]) -> int:
+        logits = forbid_after(logits[None], seq[-1:], forbid)[0]
+        return sample_next(logits, greedy, temperature, top_k, top_p_at(top_p, len(seq)),
+                           gens[rows[row]])
 
     def done(row: int, seq: List[int], token: int) -> bool:
         return (eod is not None and token == eod) or (stop is not None and stop(seq))

@@ -34,10 +34,14 @@ The prompts of a request are generated together as one batch through a key/value
 of a CUDA graph (--decode-cuda-graph auto, the default; captured at the first request of a
 batch size and reused by later ones: megatron/core/models/gpt/static_decode.py).
 --no-kv-cache runs them one at a time, recomputing the whole context for every token
-instead (the reference: same tokens, slower).
+instead (the reference: same tokens, slower). A beam search request (beam_width B, one
+prompt: tools/beam_search.py) decodes its B beams as one batch of B rows through the same
+cache, reordered to follow the beams chosen at each step (its CUDA graph is the one for a
+batch of B rows); --no-kv-cache recomputes every beam per token.
 
 The request and response are described in tools/text_generation_api.py (Megatron's PUT /api
-fields). Requests run one at a time; each prints one line to stdout. Bad requests get HTTP
+fields: sampling with top_p decay and prevent_newline_after_colon, beam search with
+stop_token and length_penalty). Requests run one at a time; each prints one line to stdout. Bad requests get HTTP
 400 with a plain-text message, other paths 404, other methods on /api 405. (Megatron-LM
 answers most bad requests with HTTP 200 and the message as the body; a client that tells
 success from failure by the status works with both.)
@@ -358,8 +362,9 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(500, f"generation failed: {type(exc).__name__}: {exc}")
         self._reply(200, json.dumps(out), "application/json")
         if not req.no_log:
+            beams = "" if req.beam_width is None else f", beam width {req.beam_width}"
             self.log(f"PUT /api from {self.client_address[0]}: {len(req.prompts)} prompt(s), "
-                     f"{req.tokens_to_generate} tokens to generate, "
+                     f"{req.tokens_to_generate} tokens to generate{beams}, "
                      f"{time.perf_counter() - start:.2f} s")
 
 

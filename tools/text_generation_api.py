@@ -7,6 +7,8 @@ A request is Megatron-LM's `PUT /api` JSON object:
     temperature          number > 0, default 1.0
     top_k                int >= 0, default 0 (off; 1 is greedy decoding)
     top_p                number in [0, 1], default 0.0 (off); top_k and top_p are exclusive
+    top_p_decay          number in [0, 1], default 0.0 (off); needs top_p > 0
+    top_p_bound          number in [0, top_p], default 0.0 (off); needs top_p > 0
     random_seed          int in [0, 2**64), or -1 (default): a base seed drawn from the
                          server's own generator (seeded by --seed at start, running on
                          across requests); prompts[i] samples with seed random_seed + i
@@ -14,7 +16,13 @@ A request is Megatron-LM's `PUT /api` JSON object:
     add_BOS              bool, default false: start each prompt with the end-of-document token
     stop_on_eol          bool, default false: stop after a token holding a newline
     stop_on_double_eol   bool, default false: stop after a blank line
+    prevent_newline_after_colon
+                         bool, default false: never draw "\\n" right after ":"
     no_log               bool, default false: no request line on the server's stdout
+    beam_width           int >= 1, or null (default): beam search (one prompt only)
+    stop_token           int >= 0, default 50256 (GPT-2's end of document): ends a beam
+    length_penalty       finite number, default 1: beam scores are divided by
+                         (generated length) ** length_penalty
 
 The answer is {"text": [prompt + generated text], "segments": [[token text, ...]]} (with a
 SentencePiece tokenizer the pieces as Megatron-LM gives them: '\u2581the') and,
@@ -44,27 +52,59 @@ padding), log-probabilities are normalised over that vocabulary from the plain l
 temperature or filter), and generation stops at the end-of-document token. A prompt plus
 tokens_to_generate must fit in --max-position-embeddings.
 
-Megatron's other request fields (beam search, top_p decay, stop_token, ...) are refused
-unless they hold their default; any other field is refused by name.
+top_p decay (Megatron-LM 23.05's rule, tools/sampling_rules.py TopPSchedule): after each
+position of the batch, counted from the shortest prompt's end, top_p becomes
+top_p * top_p_decay and then at least top_p_bound (when > 0); every prompt of the request
+follows that one schedule, --no-kv-cache too. prevent_newline_after_colon: in a sequence
+whose last token is the tokenizer's first token of ":", the logit of its first token of
+"\\n" is set to -1e10 before drawing (beam search too); the log-probabilities stay those of
+the model.
+
+Beam search (beam_width set; tools/beam_search.py, Megatron's algorithm): the one prompt
+grows into beam_width beams scored by the sum of their log-probabilities (plain logits over
+the tokenizer's vocabulary); a beam ends at stop_token (the stop token is not part of its
+text), the search when no live beam can beat the finished ones or after tokens_to_generate.
+The answer is {"text": [prompt + generated text], "segments": [[token text, ...]],
+"scores": [sum of log-probabilities / length ** length_penalty]}, one entry per
+hypothesis, best first, always beam_width of them. Megatron's beam search ignores the
+sampling fields; here a request with beam_width and a non-default temperature, top_k,
+top_p, top_p_decay, top_p_bound, random_seed, stop_on_eol or stop_on_double_eol is refused
+(it would not do what it says), and so is logprobs true (Megatron's beam answer has no
+log-probabilities) and tokens_to_generate 0. Without beam_width a non-default stop_token or
+length_penalty is refused (Megatron ignores them there). The end-of-document token does not
+end a beam unless it is the stop_token (Megatron's default 50256 is GPT-2's; give the
+tokenizer's own for another; an id outside the vocabulary never ends a beam). A beam
+request counts beam_width rows against --max-tokens-to-oom and needs a vocabulary of at
+least 2 x beam_width tokens. Megatron returns each beam's whole padded row; here the text
+ends where the beam ended. --no-kv-cache recomputes every beam per token (same beams);
+with --decode-cuda-graph the beams are one batch of beam_width rows for the static decoder.
+
+all_probs (older Megatron-LM servers) is refused unless false; any other field is refused
+by name.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from megatron.core.models.gpt.kv_cache import gather_vocab
+from tools.beam_search import beam_search
 from tools.generate import generate, generate_batch
+from tools.sampling_rules import TopPSchedule
 
 MAX_PROMPTS = 128
-# Megatron-LM fields not implemented here, with the values that ask for nothing: Megatron's
-# defaults (stop_token 50256, GPT-2's end of document, is read by beam search only), and
-# all_probs, which clients written for older Megatron-LM servers still send (false)
-NOT_SUPPORTED = {"top_p_decay": 0.0, "top_p_bound": 0.0, "prevent_newline_after_colon": False,
-                 "beam_width": None, "stop_token": 50256, "length_penalty": 1,
-                 "all_probs": False}
+STOP_TOKEN = 50256  # Megatron's default stop_token: GPT-2's end of document
+# fields not implemented here, with the value that asks for nothing: all_probs, which
+# clients written for older Megatron-LM servers still send (false)
+NOT_SUPPORTED = {"all_probs": False}
+# the sampling fields beam search does not read, with their defaults (refused otherwise)
+_NOT_FOR_BEAMS = {"temperature": 1.0, "top_k": 0, "top_p": 0.0, "top_p_decay": 0.0,
+                  "top_p_bound": 0.0, "random_seed": -1, "stop_on_eol": False,
+                  "stop_on_double_eol": False}
 
 
 class RequestError(ValueError):
@@ -80,17 +120,24 @@ class GenerationRequest:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 0.0
+    top_p_decay: float = 0.0
+    top_p_bound: float = 0.0
     random_seed: int = -1
     logprobs: bool = False
     add_BOS: bool = False  # noqa: N815 -- Megatron's field name
     stop_on_eol: bool = False
     stop_on_double_eol: bool = False
+    prevent_newline_after_colon: bool = False
     no_log: bool = False
+    beam_width: Optional[int] = None  # None: sampling; else beam search over one prompt
+    stop_token: int = STOP_TOKEN
+    length_penalty: float = 1.0
 
 
 _PIECE_TOKENIZERS = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
 _FIELDS = tuple(f.name for f in dataclasses.fields(GenerationRequest))
-_BOOLS = ("logprobs", "add_BOS", "stop_on_eol", "stop_on_double_eol", "no_log")
+_BOOLS = ("logprobs", "add_BOS", "stop_on_eol", "stop_on_double_eol",
+          "prevent_newline_after_colon", "no_log")
 
 
 @dataclasses.dataclass
@@ -154,15 +201,17 @@ def _check_fields(body: Any) -> None:
             raise RequestError(f"{name} must be true or false (got {body[name]!r})")
 
 
-def parse_request(body: Any) -> GenerationRequest:
-    """The decoded JSON body as a GenerationRequest; RequestError names what is wrong."""
-    _check_fields(body)
+def _prompts(body: dict) -> List[str]:
     prompts = body.get("prompts")
     if not isinstance(prompts, list) or not 1 <= len(prompts) <= MAX_PROMPTS or \
             not all(isinstance(p, str) for p in prompts):
         shown = repr(prompts) if len(repr(prompts)) <= 60 else repr(prompts)[:57] + "..."
         raise RequestError(f"prompts must be a list of 1 to {MAX_PROMPTS} strings "
                            f"(got {shown})")
+    return prompts
+
+
+def _top_k_p(body: dict) -> Tuple[int, float]:
     top_k = _int(body, "top_k", 0, 0, "an integer from 0 to 1000 (0: off, 1: greedy)")
     if top_k > 1000:
         raise RequestError(f"top_k must be an integer from 0 to 1000 (0: off, 1: greedy) "
@@ -171,7 +220,65 @@ def parse_request(body: Any) -> GenerationRequest:
     if top_k > 0 and top_p > 0:
         raise RequestError(f"top_k ({top_k}) and top_p ({top_p}) cannot both be set: set "
                            "one of them to 0")
+    return top_k, top_p
+
+
+def _top_p_decay(body: dict, top_p: float) -> Dict[str, float]:
+    """top_p_decay and top_p_bound: both shape the top_p schedule, so need top_p > 0."""
+    decay = _number(body, "top_p_decay", 0.0, lambda v: 0 <= v <= 1,
+                    "a number in [0, 1] (0: off)")
+    bound = _number(body, "top_p_bound", 0.0, lambda v: 0 <= v <= 1,
+                    "a number in [0, top_p] (0: off)")
+    for name, value in (("top_p_decay", decay), ("top_p_bound", bound)):
+        if value and not top_p:
+            raise RequestError(f"{name} needs top_p: it changes top_p after each token, and "
+                               f"top_p is 0 (off); set top_p > 0 or leave {name} out (got "
+                               f"{value})")
+    if bound > top_p:
+        raise RequestError(f"top_p_bound must be a number in [0, top_p] = [0, {top_p}] "
+                           f"(got {bound})")
+    return {"top_p_decay": decay, "top_p_bound": bound}
+
+
+def _beam_fields(body: dict, num_prompts: int, tokens: int) -> Dict[str, Any]:
+    """beam_width, stop_token and length_penalty, checked with what beam search reads:
+    one prompt, tokens to generate, no sampling field (see the module docstring)."""
+    stop = _int(body, "stop_token", STOP_TOKEN, 0, f"an integer token id >= 0 (default "
+                f"{STOP_TOKEN}, GPT-2's end of document)")
+    penalty = _number(body, "length_penalty", 1.0, math.isfinite, "a finite number")
+    out = {"stop_token": stop, "length_penalty": penalty}
+    if body.get("beam_width") is None:
+        for name, value, default in (("stop_token", stop, STOP_TOKEN),
+                                     ("length_penalty", penalty, 1.0)):
+            if value != default:
+                raise RequestError(f"{name} is read by beam search only: set beam_width "
+                                   f"too, or leave {name} out (got {body[name]!r})")
+        return out
+    width = _int(body, "beam_width", None, 1, "an integer >= 1, or null (no beam search)")
+    if num_prompts != 1:
+        raise RequestError(f"beam_width: beam search takes exactly one prompt (got "
+                           f"{num_prompts}); send one request per prompt")
+    if body.get("logprobs") is True:
+        raise RequestError("logprobs is not returned by beam search (its answer has text, "
+                           "segments and scores, as Megatron's): leave logprobs out or "
+                           "drop beam_width")
+    if tokens < 1:
+        raise RequestError("beam search needs tokens_to_generate >= 1 (got 0)")
+    for name, default in _NOT_FOR_BEAMS.items():
+        if body.get(name, default) != default:
+            raise RequestError(f"{name} is not used by beam search (it follows the most "
+                               f"likely tokens; Megatron ignores {name} there): leave it out "
+                               f"or {default!r} with beam_width (got {body[name]!r})")
+    return {**out, "beam_width": width}
+
+
+def parse_request(body: Any) -> GenerationRequest:
+    """The decoded JSON body as a GenerationRequest; RequestError names what is wrong."""
+    _check_fields(body)
+    prompts = _prompts(body)
+    top_k, top_p = _top_k_p(body)
     tokens = _int(body, "tokens_to_generate", 64, 0, "an integer >= 0")
+    beam = _beam_fields(body, len(prompts), tokens)
     if tokens == 0 and body.get("logprobs") is not True:
         raise RequestError("tokens_to_generate 0 only scores the prompts: set logprobs true "
                            "(or ask for tokens)")
@@ -180,8 +287,8 @@ def parse_request(body: Any) -> GenerationRequest:
         tokens_to_generate=tokens,
         temperature=_number(body, "temperature", 1.0, lambda v: 0 < v <= 100,
                             "a number > 0 and <= 100"),
-        top_k=top_k, top_p=top_p,
-        random_seed=_seed(body),
+        top_k=top_k, top_p=top_p, **_top_p_decay(body, top_p),
+        random_seed=_seed(body), **beam,
         **{name: body.get(name, False) for name in _BOOLS})
 
 
@@ -273,16 +380,66 @@ def _generate_all(engine: Engine, req: GenerationRequest,
     stop: Optional[Callable[[List[int]], bool]] = None
     if req.stop_on_eol or req.stop_on_double_eol:
         stop = eol_stop(engine.tokenizer, double=req.stop_on_double_eol)
+    top_p: Any = req.top_p if req.top_p > 0 else 1.0
+    if req.top_p > 0 and req.top_p_decay > 0:  # one schedule, from the shortest prompt's end
+        top_p = TopPSchedule(req.top_p, req.top_p_decay, req.top_p_bound,
+                             min(len(ids) for ids in all_ids))
     kw = dict(greedy=req.top_k == 1, temperature=req.temperature, top_k=req.top_k,
-              top_p=req.top_p if req.top_p > 0 else 1.0,
-              eod=getattr(engine.tokenizer, "eod", None), vocab_limit=engine.vocab_size,
-              stop=stop)
+              top_p=top_p, eod=getattr(engine.tokenizer, "eod", None),
+              vocab_limit=engine.vocab_size, stop=stop, forbid=_forbid(engine, req))
     gens = row_generators(engine, req, len(all_ids))
     if engine.use_kv_cache:
         return generate_batch(engine.model, all_ids, req.tokens_to_generate,
                               generators=gens, decoder=engine.decoder, **kw)
     return [generate(engine.model, ids, req.tokens_to_generate, generator=gen,
                      use_cache=False, **kw) for ids, gen in zip(all_ids, gens)]
+
+
+def newline_after_colon(tokenizer) -> Tuple[int, int]:
+    """(the first token id of ":", that of "\\n") as the tokenizer spells each alone: the
+    pair prevent_newline_after_colon forbids (Megatron's rule, first ids included)."""
+    try:
+        colon, newline = tokenizer.tokenize(":"), tokenizer.tokenize("\n")
+    except ValueError as exc:
+        raise RequestError(f"prevent_newline_after_colon: this tokenizer cannot spell ':' "
+                           f"and '\\n' ({exc}); leave it false") from None
+    if not colon or not newline:
+        raise RequestError("prevent_newline_after_colon: this tokenizer spells ':' or '\\n' "
+                           "as no token; leave it false")
+    return colon[0], newline[0]
+
+
+def _forbid(engine: Engine, req: GenerationRequest) -> Optional[Tuple[int, int]]:
+    return newline_after_colon(engine.tokenizer) if req.prevent_newline_after_colon else None
+
+
+def _run_beams(engine: Engine, req: GenerationRequest, ids: List[int]) -> Dict[str, list]:
+    """The beam search answer of a one-prompt request: text, segments, scores."""
+    if engine.vocab_size < 2 * req.beam_width:
+        raise RequestError(f"beam_width {req.beam_width} needs at least 2 x beam_width "
+                           f"candidate tokens; the vocabulary has {engine.vocab_size}")
+    hyps = beam_search(engine.model, ids, req.beam_width, req.tokens_to_generate,
+                       stop_token=req.stop_token, length_penalty=req.length_penalty,
+                       vocab_limit=engine.vocab_size, use_cache=engine.use_kv_cache,
+                       decoder=engine.decoder, forbid=_forbid(engine, req))
+    tok, full = engine.tokenizer, [ids + new for new, _ in hyps]
+    return {"text": [tok.detokenize(seq) for seq in full],
+            "segments": [token_segments(tok, seq) for seq in full],
+            "scores": [score for _, score in hyps]}
+
+
+def _check_size(engine: Engine, req: GenerationRequest, all_ids: List[List[int]]) -> None:
+    """RequestError when the request's rows x longest sequence pass --max-tokens-to-oom (a
+    beam request has beam_width rows)."""
+    longest = max(len(ids) for ids in all_ids) + req.tokens_to_generate
+    rows = (f"beam_width {req.beam_width} x (prompt" if req.beam_width is not None else
+            f"{len(all_ids)} prompts x (longest prompt")
+    total = (req.beam_width or len(all_ids)) * longest
+    if total > engine.max_tokens:
+        raise RequestError(f"too many tokens: {rows} + tokens_to_generate) = {total}, over "
+                           f"the server's --max-tokens-to-oom {engine.max_tokens}: send "
+                           "fewer prompts or beams, lower tokens_to_generate, or restart the "
+                           "server with a larger --max-tokens-to-oom")
 
 
 def token_segments(tokenizer, ids: List[int]) -> List[str]:
@@ -298,13 +455,9 @@ def run_request(engine: Engine, req: GenerationRequest) -> Dict[str, list]:
     """The response object of a validated request (call it holding engine.lock).
     RequestError when a prompt does not tokenize or does not fit."""
     all_ids = [_prompt_ids(engine, i, p, req) for i, p in enumerate(req.prompts)]
-    total = len(all_ids) * (max(len(ids) for ids in all_ids) + req.tokens_to_generate)
-    if total > engine.max_tokens:
-        raise RequestError(f"too many tokens: {len(all_ids)} prompts x (longest prompt + "
-                           f"tokens_to_generate) = {total}, over the server's "
-                           f"--max-tokens-to-oom {engine.max_tokens}: send fewer prompts, "
-                           "lower tokens_to_generate, or restart the server with a larger "
-                           "--max-tokens-to-oom")
+    _check_size(engine, req, all_ids)
+    if req.beam_width is not None:
+        return _run_beams(engine, req, all_ids[0])
     tok = engine.tokenizer
     full = [ids + new for ids, new in zip(all_ids, _generate_all(engine, req, all_ids))]
     out: Dict[str, list] = {"text": [tok.detokenize(ids) for ids in full],
@@ -317,6 +470,7 @@ def run_request(engine: Engine, req: GenerationRequest) -> Dict[str, list]:
     return out
 
 
-__all__ = ["MAX_PROMPTS", "NOT_SUPPORTED", "Engine", "GenerationRequest", "RequestError",
-           "batch_token_logprobs", "eol_stop", "parse_request", "row_generators",
-           "run_request", "token_logprobs", "token_segments"]
+__all__ = ["MAX_PROMPTS", "NOT_SUPPORTED", "STOP_TOKEN", "Engine", "GenerationRequest",
+           "RequestError", "batch_token_logprobs", "eol_stop", "newline_after_colon",
+           "parse_request", "row_generators", "run_request", "token_logprobs",
+           "token_segments"]

@@ -86,6 +86,15 @@ class KVCache:
         v_all[:, :, self.length:end] = v_bgsd
         return k_all[:, :, :end], v_all[:, :, :end]
 
+    def reorder(self, rows_b: torch.Tensor) -> None:
+        """Row i of every layer's keys and values becomes the old row `rows_b[i]` (int64,
+        on the cache's device; beam search following the beams it chose), for the filled
+        positions. In place: the tensors stay the same objects, so a static decoder's
+        captured graph keeps reading them."""
+        for t in self.keys + self.values:
+            if t is not None:
+                t[:, :, :self.length] = t[:, :, :self.length].index_select(0, rows_b)
+
     def reset(self) -> None:
         """Back to position 0 for a new sequence batch of the same size, keeping the
         tensors (zeroed again, so nothing of the last batch can reach the next)."""
