@@ -6,7 +6,7 @@ one-process greedy text under torchrun-style ranks at tp 2; beam search gives tp
 hypotheses, the same on both ranks, with and without the cache; the server on 2 ranks
 answers as one process (text; log-probs and beam scores within 1e-5; beam and top_p decay
 requests too), and stopping rank 0 ends rank 1; the layouts generation does not run are
-refused by name."""
+refused by name (pipeline layouts: tests/test_generate_pp.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -264,20 +264,19 @@ def test_server_on_two_ranks(ckpt_tp1, tmp_path):
 
 # ------------------------------------------------------------------------ refusals
 def test_layouts_generation_does_not_run(ckpt_tp1):
+    """The tp-only layouts (pp > 1: tests/test_generate_pp.py)."""
     check_generation_layout("x", 1, 1, 1)
     check_generation_layout("x", 4, 4, 1)
-    with pytest.raises(SystemExit, match="--pipeline-model-parallel-size 2: generation runs "
-                                         "without pipeline parallelism.*loads at pipeline "
-                                         "size 1"):
-        check_generation_layout("x", 4, 2, 2)
-    with pytest.raises(SystemExit, match="world size 4 with --tensor-model-parallel-size 2: "
-                                         ".*no data-parallel replicas"):
+    with pytest.raises(SystemExit, match="world size 4 with --tensor-model-parallel-size 2 x "
+                                         "--pipeline-model-parallel-size 1 = 2: .*no "
+                                         "data-parallel replicas"):
         check_generation_layout("x", 4, 2, 1)
     with pytest.raises(SystemExit, match="world size 1 with --tensor-model-parallel-size 2"):
         generate.main(["--load", ckpt_tp1, "--prompt", "5", "--tensor-model-parallel-size",
                        "2"], environ={})
     env = {"RANK": "0", "WORLD_SIZE": "2"}
-    with pytest.raises(SystemExit, match="--pipeline-model-parallel-size 2"):
+    with pytest.raises(SystemExit, match="world size 2 with --tensor-model-parallel-size 2 x "
+                                         "--pipeline-model-parallel-size 2 = 4"):
         server_mod.main(["--load", ckpt_tp1, "--pipeline-model-parallel-size", "2",
                          "--tensor-model-parallel-size", "2"], environ=env)
     with pytest.raises(SystemExit, match="world size 2 with --tensor-model-parallel-size 1"):

@@ -41,12 +41,14 @@ through one cache, one model call per position for all of them; per prompt it gi
 `generate` gives (greedy: the same tokens; sampling: the same draws from that prompt's
 generator, up to float rounding of the probabilities).
 
-Models too big for one device: `torchrun --nproc-per-node N tools/generate.py
---tensor-model-parallel-size N --load CKPT ...` builds a 1/N tensor-parallel shard per rank
-and loads the checkpoint through the training loader, resharded from any saved layout
-(tools/generate_tp.py); the ranks decode in lockstep with identical full-vocabulary logits
-and rank 0 prints. Pipeline parallelism is refused (any pp layout loads at pp 1), and so
-is a world size other than N.
+Models too big for one device: `torchrun --nproc-per-node T*P tools/generate.py
+--tensor-model-parallel-size T --pipeline-model-parallel-size P --load CKPT ...` builds
+each rank's 1/T tensor-parallel shard of its pipeline stage's layers and loads the
+checkpoint through the training loader, resharded from any saved layout
+(tools/generate_tp.py); the ranks decode in lockstep (the tokens pass the stages in
+order, the last stage's logits reach every rank) with identical full-vocabulary logits
+and rank 0 prints. A world size other than T x P is refused, and so is
+--decode-cuda-graph on at P > 1 (auto runs the eager cached step there).
 """
 from __future__ import annotations
 
@@ -176,9 +178,9 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, greedy: b
     `use_cache=False` recomputes the whole context for every token (the reference: the
     same tokens, logits equal up to float rounding). Past --max-position-embeddings both
     run the last max_len tokens in full. The model is a whole GPTModel (pp 1) in eval mode,
-    as load_model returns it, or a tensor-parallel shard (load_model_tp in
-    tools/generate_tp.py) that every rank of its group calls with the same arguments
-    (ValueError otherwise).
+    as load_model returns it, or a rank's tensor-parallel shard or pipeline stage
+    (load_model_tp in tools/generate_tp.py) that every rank of the model calls with the
+    same arguments (ValueError otherwise).
 
     Only the first `vocab_limit` logits (the tokenizer's vocabulary) are sampled: the
     padding rows of the embedding are never produced, and a seeded draw does not depend on
@@ -373,7 +375,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="under torchrun: the number of processes (ranks) the model is "
                          "split over, equal to --nproc-per-node x nodes")
     ap.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                    help="only 1: any pipeline layout loads at pipeline size 1")
+                    help="under torchrun: the number of pipeline stages the layers are "
+                         "split over (world size = tensor x pipeline size)")
     a = ap.parse_args(argv)
     if a.max_new_tokens < 0 or a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
         ap.error("need --max-new-tokens >= 0, --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
@@ -470,13 +473,14 @@ def _device(name: Optional[str]) -> torch.device:
 
 def _load(a, environ) -> Tuple[torch.nn.Module, object, int, int]:
     """(model, Config, iteration, rank): the whole model in this process, or under torchrun
-    with --tensor-model-parallel-size N (N == world size) this rank's shard
-    (tools/generate_tp.py). SystemExit for a layout generation does not run."""
+    with --tensor-model-parallel-size T and --pipeline-model-parallel-size P (T x P ==
+    world size) this rank's share (tools/generate_tp.py). SystemExit for a layout
+    generation does not run."""
     from tools.generate_tp import check_generation_layout, launch_ranks, load_model_tp
 
     rank, world_size, local_rank = launch_ranks(environ)
-    check_generation_layout("generate.py", world_size, a.tensor_model_parallel_size,
-                            a.pipeline_model_parallel_size)
+    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    check_generation_layout("generate.py", world_size, tp, pp)
     dtype = _DTYPES[a.dtype] if a.dtype else None
     if world_size == 1:
         device = _device(a.device)
@@ -487,8 +491,8 @@ def _load(a, environ) -> Tuple[torch.nn.Module, object, int, int]:
                          "cuda:LOCAL_RANK (the CPU without CUDA); leave --device out")
     if dtype is None and not torch.cuda.is_available():
         dtype = torch.float32
-    model, config, iteration, _ = load_model_tp(a.load, world_size, rank, local_rank,
-                                                environ, a.iteration, dtype)
+    model, config, iteration, _ = load_model_tp(a.load, tp, rank, local_rank, environ,
+                                                a.iteration, dtype, pp_size=pp)
     return model, config, iteration, rank
 
 

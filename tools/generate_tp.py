@@ -41,23 +41,28 @@ def launch_ranks(environ: Mapping[str, str]) -> Tuple[int, int, int]:
     return number("RANK", 0), number("WORLD_SIZE", 1), number("LOCAL_RANK", 0)
 
 
-def check_generation_layout(prog: str, world_size: int, tp_size: int, pp_size: int) -> None:
+def check_generation_layout(prog: str, world_size: int, tp_size: int, pp_size: int,
+                            vpp_layers: Optional[int] = None) -> None:
     """SystemExit naming the values and the fix unless the layout is one generation runs:
-    pipeline size 1 and world size == tensor-parallel size (1 x 1 is the one-process path)."""
-    if pp_size != 1:
+    world size == tensor-parallel size x pipeline-parallel size (1 x 1 is the one-process
+    path), one model chunk per pipeline stage (at pp > 1 `vpp_layers`, the
+    --num-layers-per-virtual-pipeline-stage given, must be None; at pp 1 it has no effect)."""
+    if tp_size < 1 or pp_size < 1:
+        raise SystemExit(f"{prog}: error: --tensor-model-parallel-size {tp_size} and "
+                         f"--pipeline-model-parallel-size {pp_size} must be >= 1")
+    if vpp_layers is not None and pp_size > 1:
         raise SystemExit(
-            f"{prog}: error: --pipeline-model-parallel-size {pp_size}: generation runs "
-            f"without pipeline parallelism. A checkpoint saved with any tp x pp layout "
-            f"loads at pipeline size 1 (resharded on load): leave the flag out and use "
-            f"--tensor-model-parallel-size N with torchrun --nproc-per-node N (N GPUs "
-            f"holding the model), or one process (no torchrun), which merges the layout")
-    if tp_size < 1 or world_size != tp_size:
+            f"{prog}: error: --num-layers-per-virtual-pipeline-stage {vpp_layers}: "
+            f"generation runs one model chunk per pipeline stage (a token crosses the "
+            f"stages once; interleaving only helps the training schedule). Leave the flag "
+            f"out: a checkpoint saved with virtual stages is resharded on load")
+    if world_size != tp_size * pp_size:
         raise SystemExit(
             f"{prog}: error: world size {world_size} with --tensor-model-parallel-size "
-            f"{tp_size}: generation needs every process in one tensor-parallel group (no "
-            f"data-parallel replicas); run torchrun --nproc-per-node {tp_size} with "
-            f"--tensor-model-parallel-size {tp_size}, or --tensor-model-parallel-size "
-            f"{world_size} for {world_size} processes")
+            f"{tp_size} x --pipeline-model-parallel-size {pp_size} = {tp_size * pp_size}: "
+            f"generation needs every process in one copy of the model (no data-parallel "
+            f"replicas); run torchrun --nproc-per-node {tp_size * pp_size} (over all nodes) "
+            f"with these sizes, or sizes whose product is {world_size}")
 
 
 def _padded_vocab(saved: dict, tp_size: int) -> int:
@@ -70,15 +75,17 @@ def _padded_vocab(saved: dict, tp_size: int) -> int:
 
 
 def tp_config(saved: dict, load: str, rank: int, tp_size: int,
-              dtype: Optional[torch.dtype]):
-    """The Config of tensor-parallel size `tp_size` (pp 1, dp 1) for the checkpoint whose
-    stored arguments are `saved`, to be loaded from `load` without optimizer or RNG.
+              dtype: Optional[torch.dtype], pp_size: int = 1):
+    """The Config of tensor-parallel size `tp_size` and pipeline size `pp_size` (dp 1, one
+    chunk per stage, no standalone embedding stage) for the checkpoint whose stored
+    arguments are `saved`, to be loaded from `load` without optimizer or RNG.
     config.model has this layout's padded vocabulary; config.args keeps the checkpoint's
     (the ids a prompt may hold when there is no tokenizer)."""
     from megatron.checkpoint_reshard import config_from_args
 
     config = config_from_args(
-        saved, tensor_model_parallel_size=tp_size, world_size=tp_size, rank=rank,
+        saved, tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
+        world_size=tp_size * pp_size, rank=rank, standalone_embedding_stage=False,
         padded_vocab_size=_padded_vocab(saved, tp_size), load=load, no_load_optim=True,
         no_load_rng=True, finetune=False, exit_on_missing_checkpoint=True,
         perform_initialization=False, async_save=False, save=None)
@@ -96,7 +103,7 @@ def _saved_args(load: str, iteration: Optional[int]) -> Tuple[dict, int]:
 
     iter_dir, latest, _ = locate_iteration(load)
     if iteration is not None and iteration != latest:
-        raise SystemExit(f"error: --iteration {iteration}: under tensor parallelism the "
+        raise SystemExit(f"error: --iteration {iteration}: under torchrun the "
                          f"training loader reads the tracker's iteration ({latest}) of "
                          f"{load}; leave --iteration out, or load iteration {iteration} in "
                          "one process (no torchrun)")
@@ -107,37 +114,58 @@ def _saved_args(load: str, iteration: Optional[int]) -> Tuple[dict, int]:
     return args, latest
 
 
+def _check_stages(saved: dict, pp_size: int) -> None:
+    """SystemExit when the checkpoint's layers do not split evenly over `pp_size` stages."""
+    layers = int(saved.get("num_layers") or 0)
+    if pp_size > 1 and (layers < pp_size or layers % pp_size):
+        raise SystemExit(f"error: --pipeline-model-parallel-size {pp_size}: the checkpoint's "
+                         f"{layers} layers do not split evenly over {pp_size} stages; use "
+                         "a pipeline size that divides the number of layers")
+
+
 def load_model_tp(load: str, tp_size: int, rank: int, local_rank: int,
                   environ: MutableMapping[str, str], iteration: Optional[int] = None,
-                  dtype: Optional[torch.dtype] = None):
-    """(this rank's GPTModel shard in eval mode, Config, iteration, Runtime) for
-    tensor-parallel size `tp_size` == the world size. Initialises torch.distributed (gloo
-    on the CPU, NCCL with CUDA; a process group that already exists is used), builds the
-    shard as training does (`build_model(for_training=False)`) and loads --load's latest
-    checkpoint through the training loader, resharded from any saved layout. Collective
-    over the world. The loader's messages go to stderr (stdout stays the tool's)."""
+                  dtype: Optional[torch.dtype] = None, pp_size: int = 1):
+    """(this rank's model share in eval mode, Config, iteration, Runtime) for
+    tensor-parallel size `tp_size` x pipeline size `pp_size` == the world size: the
+    GPTModel shard at pp 1, else this rank's stage wrapped as a PipelineGPT
+    (megatron/core/models/gpt/pipeline_decode.py), which the decoding code calls as the
+    whole model. Initialises torch.distributed (gloo on the CPU, NCCL with CUDA; a process
+    group that already exists is used), builds the share as training does
+    (`build_model(for_training=False)`) and loads --load's latest checkpoint through the
+    training loader, resharded from any saved layout. Collective over the world. The
+    loader's messages go to stderr (stdout stays the tool's)."""
+    from megatron.core.models.gpt.pipeline_decode import PipelineGPT
     from megatron.initialize import initialize_entry_point, set_random_seed
     from megatron.trainer_checkpoint import load_trainer_checkpoint
     from megatron.training import Trainer, activate_gemm_algorithms, build_model
 
+    world_size = tp_size * pp_size
     try:  # before any process group: printed once per node, not once per rank
         saved, iteration = _saved_args(load, iteration)
+        _check_stages(saved, pp_size)
     except SystemExit as exc:
         from megatron.arguments import exit_before_group
 
-        raise exit_before_group(exc, rank, tp_size, {**environ, "LOCAL_RANK": str(local_rank)},
+        raise exit_before_group(exc, rank, world_size,
+                                {**environ, "LOCAL_RANK": str(local_rank)},
                                 machine=True) from None
-    config = tp_config(saved, load, rank, tp_size, dtype)
+    config = tp_config(saved, load, rank, tp_size, dtype, pp_size)
     with contextlib.redirect_stdout(sys.stderr):
         rt = initialize_entry_point(config.parallel, str(saved.get("cublas_workspace") or
                                                          "none"),
-                                    rank, tp_size, local_rank, environ)
+                                    rank, world_size, local_rank, environ)
         set_random_seed(config.training.seed, rt)
+        # training seeds each stage apart (seed + 100 x pipeline rank); decoding draws alike
+        # on every rank, so torch's global generator (a caller's generator=None) agrees too
+        torch.manual_seed(config.training.seed)
         activate_gemm_algorithms(config, rt)
         tr = Trainer(config, rt, build_model(config, rt, for_training=False), optimizer=None,
                      scheduler=None)
         load_trainer_checkpoint(tr)
     model = tr.model.module
+    if pp_size > 1:
+        model = PipelineGPT(model, rt.ps)
     model.eval()
     return model, config, iteration, rt
 

@@ -173,13 +173,14 @@ def check_model_flags(ns, explicit: Set[str], saved: dict, where: str) -> List[s
 
 def _load(a, ns, environ):
     """(model, Config, iteration, Runtime or None): the whole model in this process, or
-    under torchrun this rank's tensor-parallel shard (tools/generate_tp.py). SystemExit
-    for a layout the server does not run."""
+    under torchrun this rank's share of a tensor x pipeline layout (tools/generate_tp.py).
+    SystemExit for a layout the server does not run."""
     from tools.generate_tp import check_generation_layout, launch_ranks, load_model_tp
 
     rank, world_size, local_rank = launch_ranks(environ)
-    check_generation_layout(_PROG, world_size, ns.tensor_model_parallel_size,
-                            ns.pipeline_model_parallel_size)
+    tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
+    check_generation_layout(_PROG, world_size, tp, pp,
+                            ns.num_layers_per_virtual_pipeline_stage)
     dtype = torch.float16 if ns.fp16 else torch.bfloat16 if ns.bf16 else None
     if world_size == 1:
         device = _device(a.device)
@@ -190,7 +191,8 @@ def _load(a, ns, environ):
                          "cuda:LOCAL_RANK (the CPU without CUDA); leave --device out")
     if dtype is None and not torch.cuda.is_available():
         dtype = torch.float32
-    return load_model_tp(ns.load, world_size, rank, local_rank, environ, a.iteration, dtype)
+    return load_model_tp(ns.load, tp, rank, local_rank, environ, a.iteration, dtype,
+                         pp_size=pp)
 
 
 def build_engine(a, ns, explicit: Set[str], environ=None) -> Tuple[Engine, int]:
@@ -410,7 +412,8 @@ def main(argv=None, environ=None) -> int:
         raise SystemExit(f"{_PROG}: error: cannot listen on {a.host}:{a.port}: {exc}; pick "
                          "another --port") from None
     host, port = server.server_address[:2]
-    layout = "" if rt is None else f", tensor-parallel over {rt.ps.tp_size} ranks"
+    layout = "" if rt is None else (f", tensor-parallel over {rt.ps.tp_size} x pipeline "
+                                    f"over {rt.ps.pp_size} ranks")
     print(f"serving {ns.load} (iteration {iteration}{layout}) at http://{host}:{port}/api "
           "(PUT); Ctrl-C stops", flush=True)
     if a.host == LOCAL_ONLY and not any(x == "--host" or x.startswith("--host=")

@@ -15,9 +15,11 @@ cache's own copy, read from the new positions' rows) and rotation
 same positions up to float rounding (fp32: within 1e-6 of the largest logit,
 tests/test_kv_cache.py).
 
-Scope: the whole model in one pipeline stage (pp = 1), eval mode, any tensor-parallel size
-without sequence parallelism. Under tensor parallelism every rank of the group calls it
-with the same tokens: each rank caches the keys and values of its own query groups (the
+Scope: eval mode, any tensor-parallel size without sequence parallelism; the whole model in
+one pipeline stage, or one rank's stage of a pipeline wrapped as a `PipelineGPT`
+(pipeline_decode.py), which runs the same steps (`embed_step`, `layers_step`, `head_step`)
+stage after stage, each stage caching its own layers. Under tensor parallelism every rank
+of the group calls it with the same tokens: each rank caches the keys and values of its own query groups (the
 split of the fused QKV weight), the row-parallel projections all-reduce as in training,
 and the vocabulary-parallel logits are all-gathered over the group (`gather_vocab`), so
 every rank returns the same full-vocabulary rows (tests/test_generate_tp.py: the logits of
@@ -110,8 +112,9 @@ def check_incremental(model) -> None:
     """ValueError naming the reason when `model` cannot decode with a cache."""
     if not (model.pre_process and model.post_process):
         raise ValueError("incremental decoding needs the whole model in one process "
-                         "(pre_process and post_process); merge pipeline stages first "
-                         "(tools/generate.py load_model)")
+                         "(pre_process and post_process), or every pipeline stage's share "
+                         "wrapped as a PipelineGPT (pipeline_decode.py); merge pipeline "
+                         "stages (tools/generate.py load_model) or wrap this stage")
     if model._tp_size() > 1 and model.config.sequence_parallel:
         raise ValueError("incremental decoding runs without sequence parallelism (the "
                          f"model has tensor-parallel size {model._tp_size()} with "
@@ -197,17 +200,10 @@ def gather_vocab(model, logits_bsv: torch.Tensor) -> torch.Tensor:
     return gather_from_tp(logits_bsv, model.tp_group)
 
 
-@torch.no_grad()
-def forward_incremental(model, input_ids_bs: torch.Tensor, cache: KVCache,
-                        last_only: bool = False) -> torch.Tensor:
-    """Logits [b, s, V] (the whole padded vocabulary on every tensor-parallel rank; [b, 1,
-    V] with `last_only`) of the tokens `input_ids_bs` at positions [cache.length, cache.length + s), given the
-    keys and values of the earlier positions in `cache`, which this call extends.
-
-    ValueError when the model cannot decode this way (see `check_incremental`) or the
-    tokens would run past the cache or the model's positions."""
-    check_incremental(model)
-    start, s = cache.length, input_ids_bs.shape[1]
+def check_room(model, cache: KVCache, s: int) -> Tuple[int, int]:
+    """(start, end): the positions `s` new tokens take after `cache`; ValueError when they
+    would run past the cache or the model's positions."""
+    start = cache.length
     end = start + s
     limit = min(cache.max_len, model.config.max_position_embeddings)
     if s < 1 or end > limit:
@@ -215,23 +211,69 @@ def forward_incremental(model, input_ids_bs: torch.Tensor, cache: KVCache,
                          f"over the cache's {cache.max_len} / the model's "
                          f"{model.config.max_position_embeddings} positions; start a new "
                          "cache on the last positions (recompute) instead")
+    return start, end
+
+
+def embed_step(model, input_ids_bs: torch.Tensor, start: int) -> torch.Tensor:
+    """Hidden states [s, b, h] of the tokens at positions [start, start + s): the word
+    (and learned position) embedding of a model that holds it (`pre_process`)."""
     lm = model.language_model
     position_ids = None
     if lm.embedding.position_embeddings is not None:
+        end = start + input_ids_bs.shape[1]
         position_ids = torch.arange(start, end, device=input_ids_bs.device)[None]
-    hidden_sbh = lm.embedding(input_ids_bs, position_ids)
+    return lm.embedding(input_ids_bs, position_ids)
+
+
+def layers_step(model, hidden_sbh: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """`model`'s transformer layers over the new positions [cache.length, + s), each
+    layer's keys and values through `cache` (indexed by the model's own layers: a pipeline
+    stage caches its layers only). The cache is not advanced (see `advance`)."""
+    start, end = cache.length, cache.length + hidden_sbh.shape[0]
     rotary = rotary_table_of(model, cache, hidden_sbh.device)
     rotary = None if rotary is None else rotary[:, start:end]
-    for i, layer in enumerate(lm.encoder.layers):
+    for i, layer in enumerate(model.language_model.encoder.layers):
         hidden_sbh = layer_step(layer, hidden_sbh, lambda attn, x, i=i:
                                 _attention_step(attn, x, rotary, cache, i))
+    return hidden_sbh
+
+
+def advance(cache: KVCache, end: int) -> None:
+    """The cache holds positions [0, end) now (host length and device position)."""
     cache.length = end
     if cache.position is not None:
         cache.position.fill_(end)
-    hidden_sbh = lm.encoder.final_layernorm(hidden_sbh)
+
+
+def head_step(model, hidden_sbh: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    """Vocabulary-parallel logits [b, s, V/tp] ([b, 1, V/tp] with `last_only`) of the last
+    hidden states: final norm and output layer of a model that holds them
+    (`post_process`)."""
+    hidden_sbh = model.language_model.encoder.final_layernorm(hidden_sbh)
     if last_only:
         hidden_sbh = hidden_sbh[-1:]
-    return gather_vocab(model, model._head(hidden_sbh, None))
+    return model._head(hidden_sbh, None)
 
 
-__all__ = ["KVCache", "check_incremental", "forward_incremental", "gather_vocab"]
+@torch.no_grad()
+def forward_incremental(model, input_ids_bs: torch.Tensor, cache: KVCache,
+                        last_only: bool = False) -> torch.Tensor:
+    """Logits [b, s, V] (the whole padded vocabulary on every tensor-parallel rank; [b, 1,
+    V] with `last_only`) of the tokens `input_ids_bs` at positions [cache.length,
+    cache.length + s), given the keys and values of the earlier positions in `cache`,
+    which this call extends. A model split over pipeline stages
+    (pipeline_decode.PipelineGPT) runs its own: the same steps, stage after stage.
+
+    ValueError when the model cannot decode this way (see `check_incremental`) or the
+    tokens would run past the cache or the model's positions."""
+    check_incremental(model)
+    if hasattr(model, "forward_incremental"):  # PipelineGPT: one stage's share
+        return model.forward_incremental(input_ids_bs, cache, last_only)
+    _, end = check_room(model, cache, input_ids_bs.shape[1])
+    hidden_sbh = layers_step(model, embed_step(model, input_ids_bs, cache.length), cache)
+    advance(cache, end)
+    return gather_vocab(model, head_step(model, hidden_sbh, last_only))
+
+
+__all__ = ["KVCache", "advance", "check_incremental", "check_room", "embed_step",
+           "forward_incremental", "gather_vocab", "head_step", "layers_step"]

@@ -126,6 +126,10 @@ def forward_static(model, input_ids_b1: torch.Tensor, cache: KVCache) -> torch.T
 def graph_reason(model) -> Optional[str]:
     """Why the one-token step of `model` cannot be captured as a CUDA graph (None: it
     can)."""
+    stages = getattr(model, "pp_size", 1)  # a PipelineGPT (pipeline_decode.py)
+    if stages > 1:
+        return (f"the model is split over {stages} pipeline stages, and the captured step "
+                "is one stage's whole forward (each token here crosses the stages)")
     device = next(model.parameters()).device
     if device.type != "cuda" or not torch.cuda.is_available():
         return f"it needs CUDA (the model is on {device})"
