@@ -34,7 +34,9 @@ the first time (and again when a request of another batch size came in between).
 Under tensor parallelism every rank calls `beam_search` with the same arguments: the
 logits are all-gathered over the vocabulary (the same tensor on every rank) and everything
 after them is deterministic (a stable sort, then host-side bookkeeping), so every rank
-keeps the same beams and reorders its own shard of the cache alike.
+keeps the same beams and reorders its own shard of the cache alike. Under pipeline
+parallelism (megatron/core/models/gpt/pipeline_decode.py) the last stage's logits reach
+every rank, so every stage keeps the same beams and reorders its own layers' cache alike.
 """
 from __future__ import annotations
 

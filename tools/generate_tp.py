@@ -1,22 +1,34 @@
-"""Tensor-parallel generation under torchrun: the layout check and this rank's model shard.
+"""Parallel generation under torchrun: the layout check and this rank's share of the model.
 
     torchrun --nproc-per-node 2 tools/generate.py --load CKPT --tensor-model-parallel-size 2 ...
     torchrun --nproc-per-node 8 tools/run_text_generation_server.py --load CKPT \\
-        --tensor-model-parallel-size 8 ...
+        --tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 ...
 
-With world size W > 1 every rank builds its 1/W share of the model as training builds it
-for tensor-parallel size W (pipeline size 1, no sequence parallelism; gloo on the CPU,
-NCCL with one GPU per rank) and loads the checkpoint through the training loader
-(megatron/trainer_checkpoint.py: a checkpoint saved with any tp x pp layout is resharded
-on load; the optimizer and RNG states are not read). The model's shape comes from the
+With world size W = T x P > 1 (--tensor-model-parallel-size T, --pipeline-model-parallel-size
+P) every rank builds its share of the model as training builds it for that layout -- the
+1/T tensor-parallel shard of its pipeline stage's layers, one chunk per stage (no virtual
+stages, no standalone embedding stage, no sequence parallelism; gloo on the CPU, NCCL with
+one GPU per rank) -- and loads the checkpoint through the training loader
+(megatron/trainer_checkpoint.py: a checkpoint saved with any tp x pp layout is resharded on
+load; the optimizer and RNG states are not read). The model's shape comes from the
 checkpoint's stored arguments, as in the one-process path (tools/generate.py load_model).
-The ranks then decode in lockstep: the same tokens on every rank, the attention and MLP
-modules all-reduce as in training, and the logits are all-gathered over the vocabulary
-(megatron/core/models/gpt/kv_cache.py `gather_vocab`), so every rank samples the same
-token from the same generator.
 
-Pipeline parallelism is not served (a checkpoint of any pp layout loads at pp 1 with tp W),
-and neither are data-parallel replicas (W must equal the tensor-parallel size).
+The ranks then decode in lockstep, all with the same tokens. Within a stage the attention
+and MLP modules all-reduce as in training and the logits are all-gathered over the
+vocabulary (megatron/core/models/gpt/kv_cache.py `gather_vocab`). At P > 1 the stage is
+wrapped as a PipelineGPT (megatron/core/models/gpt/pipeline_decode.py): the first stage
+embeds the tokens, the hidden states pass from stage to stage, each stage caching its own
+layers' keys and values, and the last stage's logits are broadcast over each pipeline group.
+So every rank holds the same full-vocabulary logits and samples the same token from the
+same per-prompt generator (beam search reorders every stage's cache alike; log-probabilities
+come out the same on every rank): the answers equal the one-process ones (greedy and seeded
+tokens identical, fp32 logits within 1e-5; tests/test_generate_pp.py). The CUDA-graph decode
+step (--decode-cuda-graph) is one stage's whole forward, so at P > 1 the eager cached step
+runs (`on` is refused, naming why).
+
+Refused, naming the values and the fix: a world size other than T x P (no data-parallel
+replicas), --num-layers-per-virtual-pipeline-stage at P > 1, and a P that does not divide
+the checkpoint's layers.
 """
 from __future__ import annotations
 

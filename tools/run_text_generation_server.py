@@ -8,27 +8,30 @@
     python tools/text_generation_cli.py localhost:5000
 
 The command line is Megatron's: every Megatron-LM 23.05 flag parses. The model is rebuilt
-from the checkpoint's stored arguments as ONE process (tools/generate.py; any tp/pp layout
+from the checkpoint's stored arguments (in one process: tools/generate.py, any tp/pp layout
 merges), so the model-shape flags are optional; one that is given and differs from the
 checkpoint is an ERROR naming both values (the weights cannot take another shape, and a
 silently preferred value would hide a wrong --load). The training and data flags have no
 effect (one note lists them). --fp16/--bf16 pick the dtype (default: the checkpoint's on
 CUDA, fp32 on CPU); unseeded requests draw from a generator seeded by --seed.
 
-A model too big for one GPU is served tensor-parallel:
+A model too big for one GPU is served tensor- and pipeline-parallel, as Megatron serves it:
 
     torchrun --nproc-per-node 8 tools/run_text_generation_server.py --load CKPT \
-        --tensor-model-parallel-size 8 [--tokenizer flags]
+        --tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 [--tokenizer flags]
 
-Every rank holds a 1/8 shard, loaded through the training loader from any saved layout
-(tools/generate_tp.py). Rank 0 listens on HTTP; for each request it broadcasts the parsed
+Every rank holds a 1/4 shard of its pipeline stage's layers, loaded through the training
+loader from any saved layout (tools/generate_tp.py; at pp > 1 the tokens pass the stages in
+order and the last stage's logits are broadcast to every rank). Rank 0 (the first stage's
+first shard) listens on HTTP; for each request it broadcasts the parsed
 request to the other ranks (a gloo group), all ranks generate it in lockstep (identical
 full-vocabulary logits, same seeds, so the same tokens) and rank 0 answers. While idle,
 rank 0 broadcasts a heartbeat every 30 s, so the waiting ranks never reach the process
 group's timeout. When rank 0 stops (Ctrl-C, SIGTERM, a failure) it broadcasts a stop
 message and every rank exits; a rank 0 killed outright breaks the other ranks' broadcast,
-and they exit with an error. --pipeline-model-parallel-size > 1 is refused (a checkpoint of
-any pp layout loads at pp 1), and so is a world size other than the tensor-parallel size.
+and they exit with an error. A world size other than tp x pp is refused (no data-parallel
+replicas), and so is --num-layers-per-virtual-pipeline-stage at pp > 1; at pp > 1 the
+cached one-token step runs eagerly (no CUDA graph: the captured step is one stage's).
 The prompts of a request are generated together as one batch through a key/value cache
 (tools/generate.py generate_batch); on CUDA each one-token step of the batch is one replay
 of a CUDA graph (--decode-cuda-graph auto, the default; captured at the first request of a

@@ -144,8 +144,8 @@ _BOOLS = ("logprobs", "add_BOS", "stop_on_eol", "stop_on_double_eol",
 class Engine:
     """What a request runs on: the model (eval mode), its tokenizer, the tokenizer's
     vocabulary size, the longest sequence, the generator of unseeded requests, the
-    request size limit, whether generation keeps a key/value cache, the tensor-parallel
-    runtime (None: one process), the static decoder whose CUDA graph the requests share
+    request size limit, whether generation keeps a key/value cache, the tensor x
+    pipeline-parallel runtime (None: one process), the static decoder whose CUDA graph the requests share
     (None: the eager cached step), and the lock that lets one request at a time use the
     model."""
 
@@ -156,7 +156,7 @@ class Engine:
     generator: torch.Generator
     max_tokens: int = 12000  # --max-tokens-to-oom: prompts x longest sequence per request
     use_kv_cache: bool = True  # False (--no-kv-cache): recompute the context per token
-    runtime: Any = None  # under torchrun: the tensor-parallel Runtime (tools/generate_tp.py)
+    runtime: Any = None  # under torchrun: the tp x pp Runtime (tools/generate_tp.py)
     decoder: Any = None  # a StaticDecoder (--decode-cuda-graph), reused across requests
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -348,8 +348,8 @@ def batch_token_logprobs(model, seqs: List[List[int]], vocab_size: int) -> List[
     are padded on the right (id 0), which no real position sees (causal attention: a
     position attends to itself and the positions before it) and whose scores are dropped.
     Equal to one forward per sequence up to float rounding (fp32: within 1e-5). A
-    tensor-parallel model's logits are all-gathered over the vocabulary first (every rank
-    of its group calls this with the same sequences)."""
+    tensor-parallel model's logits are all-gathered over the vocabulary first, a pipeline's
+    come from its last stage (every rank of the model calls this with the same sequences)."""
     longest = max(len(ids) for ids in seqs)
     if longest < 2:
         return [[] for _ in seqs]
