@@ -224,6 +224,25 @@ def test_server_at_pp2(ckpts, tmp_path):
     assert results == [0, 0]
 
 
+def test_one_stage_wrapper_is_the_model():
+    """PipelineGPT over a one-stage pipeline (no process group) decodes as the model it
+    wraps; a stage whose ends do not match its pipeline rank is refused."""
+    from megatron.core.models.gpt.pipeline_decode import PipelineGPT
+    from megatron.core.parallel_state import ParallelState
+    from tests.test_kv_cache import _model, _tokens
+
+    model = _model("llama")
+    wrapped = PipelineGPT(model, ParallelState.build()).eval()
+    ids = _tokens(12)
+    with torch.no_grad():
+        assert torch.equal(wrapped(ids), model(ids))
+    assert generate.generate(wrapped, [4, 9, 1], 6, greedy=True) == \
+        generate.generate(model, [4, 9, 1], 6, greedy=True)
+    ps = ParallelState.build(world_size=2, rank=1, pp_size=2, create_groups=False)
+    with pytest.raises(ValueError, match="pipeline rank 1 of 2 needs a stage"):
+        PipelineGPT(model, ps)  # the whole model on the last stage
+
+
 # ------------------------------------------------------------------------ refusals
 def test_layouts_generation_does_not_run(ckpts, capsys):
     check_generation_layout("x", 2, 1, 2)

@@ -186,7 +186,7 @@ def beam_search(model, prompt_ids: Sequence[int], width: int, max_new_tokens: in
     Megatron does). `vocab_limit`: only the first logits (the tokenizer's vocabulary) are
     candidates; `forbid` = (a, b): token b never follows token a
     (prevent_newline_after_colon). The model is as for tools/generate.py `generate`: one
-    process, or every rank of a tensor-parallel group with the same arguments.
+    process, or every rank of a tensor x pipeline layout with the same arguments.
     ValueError for an empty prompt, no room for a new token, width < 1 or a vocabulary
     of fewer than 2 * width tokens."""
     max_len = model.config.max_position_embeddings

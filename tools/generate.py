@@ -280,8 +280,8 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     independently (`eod`, `stop(ids)`, max_new_tokens); the batch runs until every row has
     ended. A prompt whose tokens plus max_new_tokens - 1 exceed --max-position-embeddings
     is generated alone by `generate` (its window recompute does not fit a shared cache).
-    The model is as for `generate`: one process, or every rank of a tensor-parallel group
-    in lockstep (ValueError otherwise). `decoder` (a StaticDecoder; None: the dynamic
+    The model is as for `generate`: one process, or every rank of a tensor x pipeline
+    layout in lockstep (ValueError otherwise). `decoder` (a StaticDecoder; None: the dynamic
     path) runs the one-token steps of the batch at static shapes, its cache and CUDA graph
     reused by the next call with as many rows and no more positions."""
     prompts = [list(p) for p in prompts]

@@ -103,7 +103,7 @@ _MAX_TOKENS = "--max-tokens-to-oom"
 # flags the server uses
 _USED_DESTS = ("load", "vocab_file", "merge_file", "tokenizer_model", "fp16", "bf16", "seed",
                "max_tokens_to_oom", "tensor_model_parallel_size", "pipeline_model_parallel_size")
-HEARTBEAT_S = 30.0  # rank 0's idle broadcast under tensor parallelism
+HEARTBEAT_S = 30.0  # rank 0's idle broadcast under torchrun
 
 
 # -------------------------------------------------------------------------- command line
@@ -225,7 +225,7 @@ def build_engine(a, ns, explicit: Set[str], environ=None) -> Tuple[Engine, int]:
     return engine, iteration
 
 
-# ------------------------------------------------------------------- tensor parallelism
+# ------------------------------------------------------- tensor / pipeline parallelism
 _IDLE, _REQUEST, _STOP = "idle", "request", "stop"
 
 
@@ -260,7 +260,7 @@ def follow_requests(engine: Engine) -> int:
 
 
 class Lockstep:
-    """Rank 0 under tensor parallelism: the HTTP threads `submit` requests; `serve`, on
+    """Rank 0 under torchrun (tp x pp ranks): the HTTP threads `submit` requests; `serve`, on
     the main thread, broadcasts each to the other ranks and runs it (a heartbeat while
     idle), and broadcasts stop when it ends."""
 

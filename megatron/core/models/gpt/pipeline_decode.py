@@ -112,6 +112,8 @@ class PipelineGPT(nn.Module):
                          shape: Tuple[int, int]) -> torch.Tensor:
         """The last stage's vocabulary-parallel logits [b, s, V/tp] on every stage."""
         vocab = self.config.padded_vocab_size // self._tp_size()
+        if self.pp_size == 1:  # one stage: nothing to pass
+            return logits_bsv
         if self.is_last:
             buf = logits_bsv.to(self._act_dtype()).contiguous()
         else:
