@@ -247,8 +247,8 @@ def _check_first_file(tr, iter_dir: str, release: bool
                       ) -> Tuple[Optional[Tuple[Layout, Dict, LoadStates]], Optional[str]]:
     """((saved layout, first rank's payload, states to load), None) when the first rank's
     file fits the run, else (None, the first problem): the file cannot be read, its
-    arguments differ from the run's (`checkpoint_args_message`), a state to load is not
-    in it (`states_to_load`), its learning-rate schedule contradicts the command line.
+    arguments differ from the run's (`checkpoint_args_message`), states to load are not
+    in it (`states_to_load`: every one named), its learning-rate schedule contradicts the command line.
     Local: no collective."""
     ck = tr.config.checkpoint
     try:
@@ -258,7 +258,7 @@ def _check_first_file(tr, iter_dir: str, release: bool
     states = states_to_load(ck, release, first, first_path)
     problem = (checkpoint_args_message(first.get("args"), tr.config.args, iter_dir,
                                        finetune=ck.finetune)
-               or next(iter(states.problems), None))
+               or "\n".join(states.problems) or None)  # both missing states at once
     if problem is None and states.with_optimizer:
         errors = tr.scheduler.check_state_dict(first["opt_param_scheduler"])[1]
         if errors:
