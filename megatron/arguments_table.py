@@ -456,7 +456,7 @@ NOT_SUPPORTED_GROUPS = {
     "retro": _RETRO,
     "Transformer-Engine": _FP8,
 }
-ALLOWED_IN_REJECTED_GROUPS = ()
+ALLOWED_IN_REJECTED_GROUPS = ("--no-data-sharding",)  # read by the cyclic GPT loader too
 
 NOT_SUPPORTED = {
     # other model families
