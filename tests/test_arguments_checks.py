@@ -193,6 +193,17 @@ def test_what_megatron_ignores_of_the_two_data_flag_sets_is_warned(caplog):
     assert "ignored" not in caplog.text
 
 
+def test_split_numbers_past_the_third_are_warned(caplog):
+    """Megatron-LM reads train, validation and test shares and drops the rest silently."""
+    cfg = run("--data-path Z --split 80,10,5,5", base=DATA)
+    assert cfg.data.split == "80,10,5,5"
+    assert ("--split '80,10,5,5': only the first three numbers (train, validation, test) are "
+            "read; 5 ignored") in caplog.text
+    caplog.clear()
+    run("--data-path Z --split 98/1/1", base=DATA)
+    assert "--split" not in caplog.text
+
+
 # ---------------------------------------------------------------------- tokenizer
 
 TOKENIZER = without("--tokenizer-type", "--vocab-size")
