@@ -118,6 +118,33 @@ def find_missing_inputs(args: Mapping[str, Any]) -> List[str]:
     return missing
 
 
+def data_file_problems(args: Mapping[str, Any]) -> List[str]:
+    """What the run's dataset builder would refuse in data files that exist (`Config.args`
+    as input): an index that does not parse or does not match its `.bin` (a truncated
+    copy, the `.idx` of another preprocessing) and token ids outside the padded vocabulary
+    (the run's bounded sample). Each prefix is opened memory-mapped, as the run opens it:
+    no token is read beyond that sample."""
+    import warnings
+
+    from megatron.core.datasets.indexed_dataset import MMapIndexedDataset, check_token_ids
+
+    vocab, problems, seen = args.get("padded_vocab_size"), [], set()
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        for prefix in _data_prefixes(args.get(flag)):
+            if prefix in seen or not MMapIndexedDataset.exists(prefix):
+                continue  # a missing file is reported by find_missing_inputs
+            seen.add(prefix)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the run prints the builder's notes
+                    dataset = MMapIndexedDataset(prefix)
+                if vocab:
+                    check_token_ids(dataset, vocab)
+            except ValueError as e:
+                problems.append(f"{e} (--{flag.replace('_', '-')})")
+    return problems
+
+
 def _fmt(n: int) -> str:
     return f"{n:,}"
 
@@ -133,8 +160,9 @@ def dry_run_report(config: Config, world_size: int) -> str:
 
 
 def _dry_run(config: Config, world_size: int) -> tuple:
-    """(the `--dry-run` report, whether the run would fail: missing inputs, or a
-    checkpoint under --load that the run could not load)."""
+    """(the `--dry-run` report, whether the run would fail: missing inputs, data files
+    the dataset builder refuses, or a checkpoint under --load that the run could not
+    load)."""
     d, t, o = config.data, config.training, config.optimizer
     steps = (f"{t.train_iters} iterations" if t.train_iters is not None else "no training")
     if t.train_samples:
@@ -152,8 +180,11 @@ def _dry_run(config: Config, world_size: int) -> tuple:
     lines += memory_lines(config)
     missing = find_missing_inputs(config.args)
     lines += missing_input_lines(missing)
+    bad_data = data_file_problems(config.args)
+    if bad_data:
+        lines += ["data files the run would refuse:"] + [f"  {item}" for item in bad_data]
     load_lines, load_fails = checkpoint_lines(config)
-    return "\n".join(lines + load_lines), bool(missing) or load_fails
+    return "\n".join(lines + load_lines), bool(missing or bad_data) or load_fails
 
 
 def setup_lines(config: Config, world_size: int) -> Tuple[str, List[str]]:

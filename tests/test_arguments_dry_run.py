@@ -96,6 +96,29 @@ def test_param_count_1_3b_shape():
     assert 0.49 < counts.per_stage[0] / counts.total < 0.51
 
 
+def test_dry_run_reports_data_files_the_run_would_refuse(tmp_path):
+    """Files that exist but that the dataset builder refuses -- a .bin cut short by an
+    interrupted copy, an .idx of another preprocessing, token ids beyond the padded
+    vocabulary -- fail the dry run with the builder's message (it said 'all input files
+    found' and exited 0; the real run then stopped)."""
+    from tests.test_gpt_dataset import make_corpus
+
+    good, _ = make_corpus(tmp_path / "good", [20] * 30, vocab=100)
+    short, _ = make_corpus(tmp_path / "short", [20] * 30, vocab=100)
+    with open(short + ".bin", "r+b") as f:
+        f.truncate(1000)
+    wide, _ = make_corpus(tmp_path / "wide", [20] * 30, vocab=1000)
+    data = without("--mock-data")
+    cfg = run(f"--dry-run --data-path 0.5 {good} 0.5 {good}", base=data)
+    assert "data files" not in dry_run_report(cfg, 1) and run_dry_run(cfg, 1) == 0
+    cfg = run(f"--dry-run --data-path 0.5 {short} 0.5 {wide}", base=data)
+    text = dry_run_report(cfg, 1)
+    assert "data files the run would refuse:" in text
+    assert f"{short}.bin: truncated data file: 1000 bytes" in text
+    assert f"{wide}.bin: token id" in text and "padded vocabulary of 128 ids" in text
+    assert run_dry_run(cfg, 1) == 1
+
+
 def test_dry_run_report_and_missing_inputs(tmp_path, capsys):
     cfg = run("--dry-run", world_size=2)
     text = dry_run_report(cfg, 2)
