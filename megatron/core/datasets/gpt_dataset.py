@@ -366,14 +366,20 @@ class _Builder:
                 out.append(None)
         return out
 
-    def blend(self, datasets: list, weights: Sequence[float], size: int, what: str):
+    def blend(self, datasets: list, weights: Sequence[float], size: int, what: str,
+              prefixes: Sequence[str] = ()):
         from megatron.core.datasets.blended import BlendedDataset
 
         if any(d is None for d in datasets) and self.stale:
             return None  # a member's cache is stale: `_build_all` raises that
         if any(d is None for d in datasets):
-            raise ValueError(f"{what}: a blended member has an empty split; adjust --split so "
-                             "every weighted dataset gets documents")
+            empty = ", ".join(f"{p} ({len(self.indexed(p).sizes)} documents)"
+                              for d, p in zip(datasets, prefixes) if d is None)
+            raise ValueError(f"{what}: --split {self.split!r} leaves this split no documents "
+                             f"of {empty or 'a blended dataset'}, so the blend cannot give it "
+                             "its weight (Megatron-LM stops here too); raise that share of "
+                             "--split until every weighted dataset gets a document, or leave "
+                             "the small dataset out of --data-path")
         blend = BlendedDataset(datasets, weights, size, self.cache_dir, self.may_build)
         if self.log is not None:
             self.log(f" > blended dataset for {what}: {size} samples; sample ratios:")
@@ -442,8 +448,11 @@ def _build_datasets(builder: _Builder, data_prefix, num_samples, paths) -> tuple
         out = []
         for k, name in enumerate(("train", "valid", "test")):
             parts = [m[k] for m in members]
-            out.append(None if all(p is None for p in parts) else
-                       builder.blend(parts, weights, sum(per[k]), f"--data-path ({name})"))
+            # a split the run never reads (no evaluation: 0 samples) need not blend
+            unread = num_samples[k] == 0 and any(p is None for p in parts)
+            out.append(None if unread or all(p is None for p in parts) else
+                       builder.blend(parts, weights, sum(per[k]), f"--data-path ({name})",
+                                     prefixes))
         return tuple(out)
     return tuple(None if path is None else builder.whole(name, path, num_samples[k])
                  for k, (name, path) in enumerate(zip(("train", "valid", "test"), paths)))
