@@ -156,6 +156,21 @@ def test_a_loss_scale_without_fp16_or_bf16_is_warned(caplog):
             "no loss") in caplog.text
 
 
+def test_a_log_interval_longer_than_the_run_is_warned(caplog):
+    """The iteration line comes at multiples of --log-interval (Megatron's rule): a 10-
+    iteration run with the default 100 printed no loss at all, silently."""
+    run("--log-interval 100")  # B: --train-iters 4
+    assert ("--log-interval 100 is larger than the run's 4 training iterations: no "
+            "iteration line (loss, learning rate, progress) will be printed; pass a "
+            "--log-interval of at most 4 (e.g. 1) to see them") in caplog.text
+    caplog.clear()
+    run("--log-interval 4")
+    run("--log-interval 100 --skip-train")
+    run(["--train-samples", "800", "--log-interval", "100"],
+        base=without("--train-iters"))  # 200 iterations of 4 samples
+    assert "--log-interval" not in caplog.text
+
+
 # ------------------------------------------------------------------- data inputs
 
 DATA = without("--mock-data", base=B)
