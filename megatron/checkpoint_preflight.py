@@ -18,7 +18,11 @@ import os
 from types import SimpleNamespace
 from typing import List, NamedTuple, Optional, Tuple
 
-from megatron.checkpoint_args import checkpoint_args_message, seq_length_warning
+from megatron.checkpoint_args import (
+    checkpoint_args_message,
+    data_order_warning,
+    seq_length_warning,
+)
 from megatron.checkpoint_dirs import (
     is_legacy_model_file,
     legacy_optimizer_message,
@@ -224,9 +228,10 @@ def preflight_load(config: Config, evaluation: bool = False) -> Preflight:
         lines += _resume_lines(ck, iteration, release, iter_dir, first, states)
     lines += _layout_lines(saved, run, states, saved.tp * saved.pp)
     lines += [note.strip(" >") for note in states.notes]
-    warning = None if evaluation else seq_length_warning(first.get("args"), config.args,
-                                                         iter_dir)
-    lines += [warning] if warning else []
+    if not evaluation:
+        for warning in (seq_length_warning(first.get("args"), config.args, iter_dir),
+                        data_order_warning(first.get("args"), config.args, iter_dir)):
+            lines += [warning] if warning else []
     # the saved distributed optimizer's state is in each rank's distrib_optim.pt: read by
     # the rank itself, or by every rank when resharding (the saved kind is the first rank's)
     distrib = states.with_optimizer and saved.optimizer == "distributed"

@@ -17,7 +17,11 @@ import torch
 
 from megatron.agreed_exit import agree, exit_message
 from megatron.async_save import AsyncSaver
-from megatron.checkpoint_args import checkpoint_args_message, seq_length_warning
+from megatron.checkpoint_args import (
+    checkpoint_args_message,
+    data_order_warning,
+    seq_length_warning,
+)
 from megatron.checkpoint_preflight import LoadStates, states_to_load
 from megatron.checkpoint_reshard import (
     Layout,
@@ -286,9 +290,10 @@ def _load_trainer_payload(tr) -> Optional[_Loaded]:
     checked, problem = _check_first_file(tr, iter_dir, release)
     agree(problem, group)
     saved, first, states = checked
-    warning = seq_length_warning(first.get("args"), tr.config.args, iter_dir)
-    if warning is not None and tr.optimizer is not None:  # not for evaluation-only trainers
-        print_rank_0(warning)
+    for warning in (seq_length_warning(first.get("args"), tr.config.args, iter_dir),
+                    data_order_warning(first.get("args"), tr.config.args, iter_dir)):
+        if warning is not None and tr.optimizer is not None:  # not for evaluation-only
+            print_rank_0(warning)
     for note in states.notes:
         print_rank_0(note)
     loaded = _Loaded(0 if release else iteration, release, {}, None, None,
