@@ -259,7 +259,7 @@ def _check_first_file(tr, iter_dir: str, release: bool
         saved, first_path, first = inspect_checkpoint(iter_dir)
     except SystemExit as exc:
         return None, exit_message(exc)
-    states = states_to_load(ck, release, first, first_path)
+    states = states_to_load(ck, release, first, first_path, tr.config.training.skip_train)
     problem = (checkpoint_args_message(first.get("args"), tr.config.args, iter_dir,
                                        finetune=ck.finetune)
                or "\n".join(states.problems) or None)  # both missing states at once

@@ -117,6 +117,34 @@ def test_resume_with_another_seed_warns_also_in_dry_run(tmp_path, capsys):
     assert "--split '90,5,5' differs from the checkpoint's '969, 30, 1'" in capsys.readouterr().out
 
 
+# ------------------------------------------------------------------- --skip-train
+
+
+def test_skip_train_evaluates_a_checkpoint_without_its_training_schedule(tmp_path, capsys):
+    """--skip-train only evaluates and saves nothing: the optimizer, schedule and RNG
+    states are not loaded. An evaluation without --train-iters (allowed with --skip-train)
+    stopped on the schedule check ('lr_decay_steps' 12 vs 1), and one of a checkpoint saved
+    with --no-save-optim --no-save-rng needed --no-load-optim --no-load-rng."""
+    root = tmp_path / "ck"
+    run_pretrain(["--seq-length", "16", "--train-iters", "3", "--save", str(root),
+                  "--save-interval", "2", "--exit-interval", "2", "--no-save-optim",
+                  "--no-save-rng"])
+    capsys.readouterr()
+    evaluate = ["--seq-length", "16", "--load", str(root), "--skip-train", "--eval-iters", "1"]
+    tr = run_pretrain(evaluate)
+    out = capsys.readouterr().out
+    assert tr.state.iteration == 2 and "validation loss at iteration 2" in out, out
+    assert "start fresh" not in out
+    assert run_dry_run(config(evaluate), 1) == 0
+    assert "--skip-train: evaluates only" in capsys.readouterr().out
+    full = tmp_path / "full"  # with its optimizer and schedule (12 samples of decay)
+    save_run(full)
+    capsys.readouterr()
+    tr = run_pretrain(["--seq-length", "16", "--load", str(full), "--skip-train",
+                       "--eval-iters", "1"])
+    assert tr.state.iteration == 2 and "validation loss at iteration 2" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------ nothing left to train
 
 
