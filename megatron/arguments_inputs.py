@@ -94,6 +94,13 @@ def check_tokenizer_files(ns) -> None:
     missing = [flag_for_dest(d) for d in dests if not getattr(ns, d)]
     if missing:
         hint = f" {_GPT2_HINT}" if kind == "GPT2BPETokenizer" else ""
+        if kind == "GPT2BPETokenizer" and ns.tokenizer_model is not None:
+            hint = (f"; --tokenizer-model {ns.tokenizer_model} is given but only the "
+                    "SentencePiece and HuggingFace tokenizers read it: pass --tokenizer-type "
+                    "SentencePieceTokenizer, GPTSentencePieceTokenizer or HuggingFaceTokenizer")
+        elif kind == "GPT2BPETokenizer" and ns.vocab_size is not None:
+            hint = (f"; --vocab-size {ns.vocab_size} is given but only NullTokenizer reads it: "
+                    "pass --tokenizer-type NullTokenizer")
         default = " (the default)" if kind == "GPT2BPETokenizer" else ""
         raise ArgumentsError(f"--tokenizer-type {kind}{default} needs {' and '.join(missing)}"
                              f"{hint}")

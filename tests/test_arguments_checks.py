@@ -243,6 +243,19 @@ def test_missing_tokenizer_files_fail_in_validation(tmp_path):
     assert msg == "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model"
 
 
+def test_a_missing_tokenizer_type_is_named_when_another_tokenizers_flag_is_given():
+    """--tokenizer-model or --vocab-size without --tokenizer-type: the default GPT-2 BPE
+    asked for its two files, not saying which type reads the flag that was given."""
+    msg = error_of("--tokenizer-model sp.model", base=TOKENIZER)
+    assert msg == ("--tokenizer-type GPT2BPETokenizer (the default) needs --vocab-file and "
+                   "--merge-file; --tokenizer-model sp.model is given but only the SentencePiece "
+                   "and HuggingFace tokenizers read it: pass --tokenizer-type "
+                   "SentencePieceTokenizer, GPTSentencePieceTokenizer or HuggingFaceTokenizer")
+    msg = error_of("--vocab-size 1000", base=TOKENIZER)
+    assert msg.endswith("; --vocab-size 1000 is given but only NullTokenizer reads it: pass "
+                        "--tokenizer-type NullTokenizer")
+
+
 def test_a_tokenizer_that_cannot_be_built_exits_2(tmp_path, capsys):
     import pretrain_gpt
 
