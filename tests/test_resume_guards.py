@@ -145,6 +145,34 @@ def test_skip_train_evaluates_a_checkpoint_without_its_training_schedule(tmp_pat
     assert tr.state.iteration == 2 and "validation loss at iteration 2" in capsys.readouterr().out
 
 
+# ------------------------------------------------- --train-samples at another batch size
+
+
+def test_sample_based_resume_at_another_global_batch_warns_and_names_the_fix(tmp_path, capsys):
+    """--train-samples 28 at global batch 4, stopped at iteration 3 (12 samples), resumed
+    at global batch 8: Megatron-LM's count gives 28 // 8 = 3 iterations, so the run trains
+    nothing and ends at 12 of the 28 samples (it said only 'nothing to train'). The warning
+    names the --train-samples that trains the 16 left; that command reaches 28."""
+    root = str(tmp_path / "ck")
+    samples = ["--seq-length", "16", "--train-samples", "28"]
+    run_pretrain(samples + ["--save", root, "--save-interval", "3", "--exit-interval", "3"])
+    capsys.readouterr()
+    tr = run_pretrain(samples + ["--load", root, "--global-batch-size", "8"])
+    out = capsys.readouterr().out
+    assert tr.state.iteration == 3 and tr.state.consumed_train_samples == 12
+    assert ("WARNING: --train-samples 28 at global batch size 8 makes 3 iterations "
+            "(Megatron-LM's count: as if every batch had 8 samples), but the checkpoint "
+            "consumed 12 samples in 3 iterations of another batch size: this run trains 0 "
+            "more and ends at 12 samples, not 28. To train the 16 left (in whole batches), "
+            "pass --train-samples 40 with --use-checkpoint-opt_param-scheduler") in out, out
+    tr = run_pretrain(["--seq-length", "16", "--train-samples", "40", "--load", root,
+                       "--global-batch-size", "8", "--use-checkpoint-opt_param-scheduler"])
+    assert (tr.state.iteration, tr.state.consumed_train_samples) == (5, 28)
+    assert "WARNING: --train-samples" not in capsys.readouterr().out
+    run_pretrain(samples + ["--load", root])  # the same batch size: nothing to say
+    assert "WARNING: --train-samples" not in capsys.readouterr().out
+
+
 # ------------------------------------------------------------ nothing left to train
 
 
