@@ -71,6 +71,10 @@ def resolve_iterations(ns) -> None:
         note(f"will use batch size rampup starting from global batch size {rampup[0]} to "
              f"global batch size {ns.global_batch_size} with batch size increments {rampup[1]} "
              f"over {rampup[2]} samples.")
+        if rampup[0] == ns.global_batch_size:  # Megatron-LM divides by zero increments
+            warn(f"--rampup-batch-size {' '.join(map(str, rampup))}: START is already "
+                 f"--global-batch-size {ns.global_batch_size}, so the batch never ramps up; "
+                 "pass a smaller START to ramp")
     if not ns.train_samples:
         if ns.lr_decay_iters is None:
             ns.lr_decay_iters = ns.train_iters
