@@ -52,15 +52,33 @@ def read_checkpoint_args(load: str) -> dict:
     return args
 
 
+def _untracked(load: str) -> bool:
+    """Whether `load`, without a tracker file, still looks like a checkpoint (an iteration
+    directory, or one holding them): `read_checkpoint_args` refuses those with the fix."""
+    try:
+        refuse_untracked_checkpoints(load)
+    except SystemExit:
+        return True
+    return False
+
+
 def apply_checkpoint_args(ns: argparse.Namespace, explicit: Set[str],
                           warn: Callable[[str], None] = print) -> List[str]:
     """`--use-checkpoint-args`: copy the model flags stored in the checkpoint under
     `ns.load` into `ns` wherever the command line (or YAML) left them unset (`explicit`
     lists the dests that were set). Call before validation. Returns the dests copied.
-    ArgumentsError when there is no --load, no checkpoint or no stored arguments."""
+    No checkpoint under --load yet (no tracker, no iteration directory): a warning, nothing
+    copied, as Megatron-LM does. ArgumentsError without --load, for iteration directories
+    without a tracker, or a checkpoint without stored arguments."""
     if not ns.load:
         raise ArgumentsError("--use-checkpoint-args needs --load DIR (the checkpoint whose "
                              "arguments to use)")
+    if not os.path.isfile(tracker_path(ns.load)) and not _untracked(ns.load):
+        # the first launch of a job that resumes from --load = --save (Megatron-LM goes on
+        # with the command line's flags too)
+        warn(f"--use-checkpoint-args: no checkpoint under --load {ns.load} yet, so the model "
+             "flags are the command line's")
+        return []
     try:
         saved = read_checkpoint_args(ns.load)
     except SystemExit as exc:

@@ -35,7 +35,8 @@ def check_data_inputs(ns, explicit=frozenset()) -> None:
     builder's `get_train_valid_test_split`), unless --train/valid/test-data-path replace
     --data-path (then Megatron-LM ignores --split). What Megatron-LM ignores of the two
     ways is warned: --train/valid/test-data-path beside --data-path, a --split given
-    (`explicit`: the dests set on the command line) without --data-path."""
+    (`explicit`: the dests set on the command line) without --data-path, numbers of a
+    --split past the third."""
     from megatron.core.datasets.blended import parse_weighted_prefixes
     from megatron.core.datasets.gpt_dataset import get_train_valid_test_split
 
@@ -60,6 +61,10 @@ def check_data_inputs(ns, explicit=frozenset()) -> None:
             get_train_valid_test_split(ns.split, 1000)
         except ValueError as e:
             raise ArgumentsError(str(e)) from None
+        numbers = ns.split.replace("/", ",").split(",")
+        if len(numbers) > 3:  # Megatron-LM drops the rest silently
+            warn(f"--split '{ns.split}': only the first three numbers (train, validation, "
+                 f"test) are read; {','.join(n.strip() for n in numbers[3:])} ignored")
 
 
 def _check_file(dest: str, path: str) -> None:
@@ -89,6 +94,13 @@ def check_tokenizer_files(ns) -> None:
     missing = [flag_for_dest(d) for d in dests if not getattr(ns, d)]
     if missing:
         hint = f" {_GPT2_HINT}" if kind == "GPT2BPETokenizer" else ""
+        if kind == "GPT2BPETokenizer" and ns.tokenizer_model is not None:
+            hint = (f"; --tokenizer-model {ns.tokenizer_model} is given but only the "
+                    "SentencePiece and HuggingFace tokenizers read it: pass --tokenizer-type "
+                    "SentencePieceTokenizer, GPTSentencePieceTokenizer or HuggingFaceTokenizer")
+        elif kind == "GPT2BPETokenizer" and ns.vocab_size is not None:
+            hint = (f"; --vocab-size {ns.vocab_size} is given but only NullTokenizer reads it: "
+                    "pass --tokenizer-type NullTokenizer")
         default = " (the default)" if kind == "GPT2BPETokenizer" else ""
         raise ArgumentsError(f"--tokenizer-type {kind}{default} needs {' and '.join(missing)}"
                              f"{hint}")

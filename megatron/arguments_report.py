@@ -118,6 +118,55 @@ def find_missing_inputs(args: Mapping[str, Any]) -> List[str]:
     return missing
 
 
+def data_file_problems(config: Config) -> Tuple[List[str], List[str]]:
+    """(problems, warnings): what the run's dataset builder would refuse in data files that
+    exist -- an index that does not parse or does not match its `.bin` (a truncated copy,
+    the `.idx` of another preprocessing), token ids outside the padded vocabulary (the
+    run's bounded sample), a --split that leaves training no document or a blended dataset
+    none in a split the run reads -- and the run's warning that it never evaluates (no
+    validation document). Each prefix is opened memory-mapped, as the run opens it: no
+    token is read beyond that sample, no index is built."""
+    import warnings
+
+    from megatron.core.datasets.gpt_dataset import check_splits
+    from megatron.core.datasets.indexed_dataset import MMapIndexedDataset, check_token_ids
+    from megatron.data_loading import split_sample_counts
+
+    args, d = config.args, config.data
+    vocab, problems, seen = args.get("padded_vocab_size"), [], set()
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        for prefix in _data_prefixes(args.get(flag)):
+            if prefix in seen or not MMapIndexedDataset.exists(prefix):
+                continue  # a missing file is reported by find_missing_inputs
+            seen.add(prefix)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the run prints the builder's notes
+                    dataset = MMapIndexedDataset(prefix)
+                if vocab:
+                    check_token_ids(dataset, vocab)
+            except ValueError as e:
+                problems.append(f"{e} (--{flag.replace('_', '-')})")
+    prefixes = _data_prefixes(d.data_path) or _data_prefixes(d.train_data_path)
+    if problems or d.mock_data or not all(MMapIndexedDataset.exists(p) for p in prefixes):
+        return problems, []
+    counts = split_sample_counts(config)
+    try:
+        check_splits(d.data_path, d.split, counts, d.train_data_path)
+    except ValueError as e:
+        return [str(e)], []
+    warned = []
+    t = config.training
+    if d.data_path and t.eval_iters > 0 and (t.eval_interval or t.skip_train):
+        from megatron.core.datasets.gpt_dataset import get_train_valid_test_split
+
+        sizes = [len(MMapIndexedDataset(p).sizes) for p in _data_prefixes(d.data_path)]
+        if all(b[2] == b[1] for b in (get_train_valid_test_split(d.split, n) for n in sizes)):
+            warned.append(f"WARNING: --split {d.split!r} leaves the validation split no "
+                          "documents of --data-path, so this run never evaluates")
+    return problems, warned
+
+
 def _fmt(n: int) -> str:
     return f"{n:,}"
 
@@ -133,8 +182,9 @@ def dry_run_report(config: Config, world_size: int) -> str:
 
 
 def _dry_run(config: Config, world_size: int) -> tuple:
-    """(the `--dry-run` report, whether the run would fail: missing inputs, or a
-    checkpoint under --load that the run could not load)."""
+    """(the `--dry-run` report, whether the run would fail: missing inputs, data files
+    the dataset builder refuses, or a checkpoint under --load that the run could not
+    load)."""
     d, t, o = config.data, config.training, config.optimizer
     steps = (f"{t.train_iters} iterations" if t.train_iters is not None else "no training")
     if t.train_samples:
@@ -152,8 +202,12 @@ def _dry_run(config: Config, world_size: int) -> tuple:
     lines += memory_lines(config)
     missing = find_missing_inputs(config.args)
     lines += missing_input_lines(missing)
+    bad_data, data_warnings = data_file_problems(config)
+    if bad_data:
+        lines += ["data the run would refuse:"] + [f"  {item}" for item in bad_data]
+    lines += data_warnings
     load_lines, load_fails = checkpoint_lines(config)
-    return "\n".join(lines + load_lines), bool(missing) or load_fails
+    return "\n".join(lines + load_lines), bool(missing or bad_data) or load_fails
 
 
 def setup_lines(config: Config, world_size: int) -> Tuple[str, List[str]]:

@@ -57,7 +57,8 @@ def check_run_length(ns, origins: Optional[Mapping[str, str]] = None) -> None:
 def resolve_iterations(ns) -> None:
     """--rampup-batch-size: Megatron's checks, ints in the namespace (see microbatches.py);
     then train_iters of a sample-based run (train_samples // global batch, or Megatron's
-    count through the ramp-up), or --lr-decay-iters' default of an iteration-based one."""
+    count through the ramp-up), or --lr-decay-iters' default of an iteration-based one;
+    a --log-interval longer than the run is warned."""
     interleaved = ns.virtual_pipeline_model_parallel_size is not None
     try:
         rampup = parse_rampup(ns.rampup_batch_size, ns.global_batch_size, ns.micro_batch_size,
@@ -70,9 +71,14 @@ def resolve_iterations(ns) -> None:
         note(f"will use batch size rampup starting from global batch size {rampup[0]} to "
              f"global batch size {ns.global_batch_size} with batch size increments {rampup[1]} "
              f"over {rampup[2]} samples.")
+        if rampup[0] == ns.global_batch_size:  # Megatron-LM divides by zero increments
+            warn(f"--rampup-batch-size {' '.join(map(str, rampup))}: START is already "
+                 f"--global-batch-size {ns.global_batch_size}, so the batch never ramps up; "
+                 "pass a smaller START to ramp")
     if not ns.train_samples:
         if ns.lr_decay_iters is None:
             ns.lr_decay_iters = ns.train_iters
+        _check_log_interval(ns)
         return
     gbs = ns.global_batch_size
     ns.train_iters = ns.train_samples // gbs
@@ -87,6 +93,18 @@ def resolve_iterations(ns) -> None:
     if ns.train_iters == 0 and not ns.skip_train:
         warn(f"--train-samples {ns.train_samples} is less than one global batch ({gbs}): "
              "no training iteration will run")
+    _check_log_interval(ns)
+
+
+def _check_log_interval(ns) -> None:
+    """A run shorter than --log-interval prints no iteration line at all (the line comes at
+    multiples of it, as in Megatron-LM): a short test run with the default 100 shows no
+    loss and looks stuck. Warned."""
+    if ns.train_iters and not ns.skip_train and ns.log_interval > ns.train_iters:
+        warn(f"--log-interval {ns.log_interval} is larger than the run's {ns.train_iters} "
+             "training iterations: no iteration line (loss, learning rate, progress) will be "
+             f"printed; pass a --log-interval of at most {ns.train_iters} (e.g. "
+             f"{max(1, ns.train_iters // 10)}) to see them")
 
 
 def schedule_steps(ns) -> Dict[str, Any]:

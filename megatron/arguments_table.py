@@ -332,6 +332,9 @@ EXTRA_HELP = {
                  "memory estimate and missing input files, and with --load what the load "
                  "would do, then exit (status 1 when something would fail)",
     "--mock-data": "train on random tokens instead of --data-path",
+    "--no-data-sharding": "with --dataloader-type cyclic: each epoch one permutation of the "
+                          "whole dataset dealt to the data-parallel ranks in turn (default: "
+                          "each rank shuffles its own contiguous bucket)",
     "--compile": "torch.compile each transformer layer (default: on when CUDA is available)",
     "--no-compile": "never torch.compile the transformer layers",
     "--compile-mode": "torch.compile mode of the layers (reduce-overhead adds CUDA graphs)",
@@ -456,7 +459,7 @@ NOT_SUPPORTED_GROUPS = {
     "retro": _RETRO,
     "Transformer-Engine": _FP8,
 }
-ALLOWED_IN_REJECTED_GROUPS = ()
+ALLOWED_IN_REJECTED_GROUPS = ("--no-data-sharding",)  # read by the cyclic GPT loader too
 
 NOT_SUPPORTED = {
     # other model families

@@ -395,6 +395,9 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
         raise ArgumentsError("--mock-data and --data-path/--train-data-path are exclusive")
     if ns.dataloader_type is None:
         ns.dataloader_type = "single"
+    if not ns.data_sharding and ns.dataloader_type != "cyclic":
+        warn("--no-data-sharding has no effect without --dataloader-type cyclic (the single "
+             "loader reads consecutive samples)")
     if not ns.perform_initialization and ns.load is None:
         warn("--no-initialization without --load: the weights start as uninitialised memory")
     if ns.log_memory_to_tensorboard and not cuda_available:

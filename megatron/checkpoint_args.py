@@ -195,6 +195,49 @@ def seq_length_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional
                    f"--seq-length {before}")
 
 
+def _split_shares(split) -> Optional[List[float]]:
+    """--split as normalised train/valid/test shares ('969, 30, 1' == '969,30,1'), or None
+    when it does not parse."""
+    try:
+        numbers = [float(x) for x in str(split).replace("/", ",").split(",")][:3]
+    except ValueError:
+        return None
+    numbers += [0.0] * (3 - len(numbers))
+    total = sum(numbers)
+    return [x / total for x in numbers] if total > 0 else None
+
+
+def data_order_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional[str]:
+    """One WARNING line when a resume reads its --data-path in another order than the run
+    that saved `where`: another --seed reshuffles the samples (the consumed count then
+    points into a different order: some samples come again, others never), another --split
+    moves documents between the train, validation and test ranges (the validation loss may
+    then be measured on trained-on documents). Megatron-LM resumes silently; going on may
+    be meant, so it is not an error. None for --finetune, mock data or no change."""
+    if not isinstance(saved, dict) or run.get("finetune") or not run.get("data_path"):
+        return None
+    if _plain(saved, "mock_data") is True or not _plain(saved, "data_path"):
+        return None
+    changes, effects = [], []
+    seed_before, seed_now = _plain(saved, "seed"), _plain(run, "seed")
+    if seed_before is not _ABSENT and seed_now is not _ABSENT and seed_before != seed_now:
+        changes.append(f"--seed {seed_now} differs from the checkpoint's {seed_before}")
+        consumed = _plain(saved, "consumed_train_samples")
+        done = "" if consumed is _ABSENT else f" of the {consumed} consumed so far"
+        effects.append(f"the samples are shuffled in another order, so some{done} will come "
+                       "again and others never")
+    split_before, split_now = _plain(saved, "split"), _plain(run, "split")
+    if (split_before is not _ABSENT and split_now is not _ABSENT
+            and _split_shares(split_before) != _split_shares(split_now)):
+        changes.append(f"--split '{split_now}' differs from the checkpoint's '{split_before}'")
+        effects.append("documents move between the train, validation and test ranges (the "
+                       "validation loss may be measured on documents already trained on)")
+    if not changes:
+        return None
+    return (f"WARNING: {' and '.join(changes)} ({where}): {'; '.join(effects)}; continuing "
+            "is allowed, to resume the saved order rerun with the checkpoint's values")
+
+
 __all__ = ["Mismatch", "SHAPE_ARGS", "OTHER_ARGS", "VOCAB_FILE_ARGS",
            "checkpoint_arg_mismatches", "check_checkpoint_args", "checkpoint_args_message",
-           "seq_length_warning"]
+           "data_order_warning", "seq_length_warning"]

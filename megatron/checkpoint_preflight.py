@@ -18,7 +18,11 @@ import os
 from types import SimpleNamespace
 from typing import List, NamedTuple, Optional, Tuple
 
-from megatron.checkpoint_args import checkpoint_args_message, seq_length_warning
+from megatron.checkpoint_args import (
+    checkpoint_args_message,
+    data_order_warning,
+    seq_length_warning,
+)
 from megatron.checkpoint_dirs import (
     is_legacy_model_file,
     legacy_optimizer_message,
@@ -54,15 +58,20 @@ class LoadStates(NamedTuple):
     notes: List[str]
 
 
-def states_to_load(ck: CheckpointConfig, release: bool, first: dict, path: str) -> LoadStates:
+def states_to_load(ck: CheckpointConfig, release: bool, first: dict, path: str,
+                   skip_train: bool = False) -> LoadStates:
     """(load the optimizer + scheduler, load the RNG) as Megatron decides: neither for
     --finetune or a release checkpoint, nor what --no-load-optim / --no-load-rng exclude.
+    Neither for `skip_train` (--skip-train: the run only evaluates and saves nothing, so
+    those states are never used; Megatron loads them, and a schedule that differs from the
+    command line, e.g. no --train-iters given, or a checkpoint saved without them, stopped
+    the evaluation).
     A problem when a state to load is not in the checkpoint (saved with --no-save-optim /
     --no-save-rng), naming the flag that skips it, or when the optimizer state is in
     Megatron-LM 23.04's per-data-parallel files, which are not read; RNG states that an
     offline resharding dropped start fresh (a note). `first` is the first rank's payload,
     read from `path`."""
-    fresh = ck.finetune or release
+    fresh = ck.finetune or release or skip_train
     with_optimizer = not (fresh or ck.no_load_optim)
     with_rng = not (fresh or ck.no_load_rng)
     problems, notes = [], []
@@ -169,7 +178,10 @@ def _resume_lines(ck: CheckpointConfig, iteration: int, release: bool, iter_dir:
         loads.append("RNG states")
     lines = [f"resumes from iteration {iteration} ({iter_dir}), consumed samples {consumed}",
              f"loads: {', '.join(loads)}"]
-    if ck.no_load_optim:
+    if not (states.with_optimizer or states.with_rng or ck.no_load_optim or ck.no_load_rng):
+        lines.append("--skip-train: evaluates only, so the optimizer, learning-rate schedule "
+                     "and RNG states are not loaded")
+    elif ck.no_load_optim:
         lines.append("--no-load-optim: the optimizer state and the learning-rate schedule "
                      "start fresh (the schedule counts samples from 0 again, warmup first)")
     if ck.no_load_rng:
@@ -215,7 +227,7 @@ def preflight_load(config: Config, evaluation: bool = False) -> Preflight:
         saved, first_path, first = inspect_checkpoint(iter_dir)
     except SystemExit as exc:
         return Preflight(lines, problems + [str(exc.code)])
-    states = states_to_load(ck, release, first, first_path)
+    states = states_to_load(ck, release, first, first_path, config.training.skip_train)
     run = run_layout(config)
     if evaluation:
         what = "the release checkpoint" if release else f"iteration {iteration}"
@@ -224,9 +236,10 @@ def preflight_load(config: Config, evaluation: bool = False) -> Preflight:
         lines += _resume_lines(ck, iteration, release, iter_dir, first, states)
     lines += _layout_lines(saved, run, states, saved.tp * saved.pp)
     lines += [note.strip(" >") for note in states.notes]
-    warning = None if evaluation else seq_length_warning(first.get("args"), config.args,
-                                                         iter_dir)
-    lines += [warning] if warning else []
+    if not evaluation:
+        for warning in (seq_length_warning(first.get("args"), config.args, iter_dir),
+                        data_order_warning(first.get("args"), config.args, iter_dir)):
+            lines += [warning] if warning else []
     # the saved distributed optimizer's state is in each rank's distrib_optim.pt: read by
     # the rank itself, or by every rank when resharding (the saved kind is the first rank's)
     distrib = states.with_optimizer and saved.optimizer == "distributed"

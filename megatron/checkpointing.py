@@ -184,15 +184,22 @@ def check_save_dir(root: str, ps: ParallelState, group=None) -> None:
     file in it. Collective (`agree` over `group`, the run's CPU control group): when that
     fails, every rank exits (rank 0 prints), naming the path and the error -- not after
     training, at the first save."""
+    check_output_dir(root, "--save", ps, group)
+
+
+def check_output_dir(root: str, flag: str, ps: ParallelState, group=None,
+                     writer_rank: int = 0) -> None:
+    """`check_save_dir` for any output directory `flag` names, probed by the rank that
+    writes there (`writer_rank`; tensorboard's is the last). Collective."""
     error = None
-    if ps.rank == 0:
+    if ps.rank == writer_rank:
         try:
             os.makedirs(root, exist_ok=True)
             fd, probe = tempfile.mkstemp(prefix=".write_test.", dir=root)
             os.close(fd)
             os.remove(probe)
         except OSError as exc:
-            error = (f"error: --save {root} cannot be used: could not create it "
+            error = (f"error: {flag} {root} cannot be used: could not create it "
                      f"or write into it ({type(exc).__name__}: {exc}); pass a directory that "
                      "can be created and written to")
     agree(error, group)
@@ -575,7 +582,8 @@ def load_extra_file(root: str, iteration: int, ps: ParallelState, name: str,
 __all__ = [
     "CHECKPOINT_VERSION", "TRACKER_FILENAME", "MODEL_FILENAME", "checkpoint_name",
     "iteration_dir_name", "rank_dir_name", "tracker_path", "read_tracker", "describe_layout",
-    "CheckpointWriteError", "check_save_dir", "save_checkpoint", "save_checkpoint_async", "resolve_checkpoint",
+    "CheckpointWriteError", "check_output_dir", "check_save_dir", "save_checkpoint",
+    "save_checkpoint_async", "resolve_checkpoint",
     "load_checkpoint", "load_rank_file", "load_extra_file", "list_checkpoints", "read_checkpoint_file",
     "missing_tracker_message", "malformed_tracker_message", "exit_on_missing_message",
     "missing_iteration_dir_message",

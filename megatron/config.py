@@ -34,6 +34,7 @@ class DataConfig:
     seed: int = 1234
     num_workers: int = 2
     dataloader_type: str = "single"
+    data_sharding: bool = True  # cyclic loader: per-rank buckets (False: --no-data-sharding)
     tokenizer_type: Optional[str] = None
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None

@@ -128,29 +128,41 @@ def _report_warnings(caught: List[warnings.WarningMessage]) -> None:
 
 
 class CyclicSampler:
-    """Megatron's `cyclic` loader: each epoch a permutation seeded by the epoch number,
-    each data-parallel rank reading its own bucket; resumes at `consumed_samples`."""
+    """Megatron's `cyclic` loader: each epoch a permutation seeded by the epoch number;
+    resumes at `consumed_samples`. Sharded (the default), each data-parallel rank permutes
+    its own bucket of consecutive samples; with `data_sharding=False` (--no-data-sharding)
+    one permutation of the whole dataset is dealt to the ranks in turn (rank r takes
+    positions r, r + dp, ...), so every rank can see any sample. An epoch is
+    `bucket` samples per rank either way, every rank the same number of micro-batches."""
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int):
+                 dp_rank: int, dp_size: int, data_sharding: bool = True):
         self.total, self.consumed = total_samples, consumed_samples
         self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+        self.sharded = data_sharding
         self.bucket = (total_samples // (micro_batch_size * dp_size)) * micro_batch_size
         if self.bucket == 0:
             raise ValueError(f"dataset of {total_samples} samples is smaller than one global "
                              f"micro-batch ({micro_batch_size} x {dp_size})")
 
-    def __iter__(self) -> Iterator[List[int]]:
-        active = self.bucket * self.dp_size
-        epoch, offset = divmod(self.consumed, active)
-        offset //= self.dp_size
-        while True:
-            g = torch.Generator().manual_seed(epoch)
+    def _epoch_order(self, epoch: int, done: int) -> List[int]:
+        """This rank's samples of `epoch` after the `done` samples (all ranks) read of it."""
+        g = torch.Generator().manual_seed(epoch)
+        if self.sharded:
             perm = torch.randperm(self.bucket, generator=g).tolist()
             start = self.dp_rank * self.bucket
-            for i in range(offset, self.bucket - self.mbs + 1, self.mbs):
-                yield [start + j for j in perm[i:i + self.mbs]]
-            epoch, offset = epoch + 1, 0
+            return [start + j for j in perm[done // self.dp_size:]]
+        perm = torch.randperm((self.total // self.mbs) * self.mbs, generator=g).tolist()
+        mine = perm[done:][self.dp_rank::self.dp_size]
+        return mine[:self.bucket - done // self.dp_size]
+
+    def __iter__(self) -> Iterator[List[int]]:
+        epoch, done = divmod(self.consumed, self.bucket * self.dp_size)
+        while True:
+            order = self._epoch_order(epoch, done)
+            for i in range(0, len(order) - self.mbs + 1, self.mbs):
+                yield order[i:i + self.mbs]
+            epoch, done = epoch + 1, 0
 
 
 def _collate(samples: List[dict]) -> Dict[str, torch.Tensor]:
@@ -295,8 +307,12 @@ def make_iterator(config: Config, dataset, consumed: int, dp_rank: int, dp_size:
     if dataset is None:
         return None
     d = config.data
-    kind = CyclicSampler if d.dataloader_type == "cyclic" else PretrainingSampler
-    sampler = kind(len(dataset), consumed, d.micro_batch_size, dp_rank, dp_size)
+    if d.dataloader_type == "cyclic":
+        sampler = CyclicSampler(len(dataset), consumed, d.micro_batch_size, dp_rank, dp_size,
+                                data_sharding=d.data_sharding)
+    else:
+        sampler = PretrainingSampler(len(dataset), consumed, d.micro_batch_size, dp_rank,
+                                     dp_size)
     if d.num_workers == 0:
         return PrefetchIterator(dataset, sampler, pin)
     # Own generator: creating the loader must not draw from the (checkpointed) default RNG,

@@ -17,7 +17,11 @@ import torch
 
 from megatron.agreed_exit import agree, exit_message
 from megatron.async_save import AsyncSaver
-from megatron.checkpoint_args import checkpoint_args_message, seq_length_warning
+from megatron.checkpoint_args import (
+    checkpoint_args_message,
+    data_order_warning,
+    seq_length_warning,
+)
 from megatron.checkpoint_preflight import LoadStates, states_to_load
 from megatron.checkpoint_reshard import (
     Layout,
@@ -158,14 +162,48 @@ def wait_for_async_save(tr) -> None:
         saver.wait()
 
 
+def sample_budget_warning(tr) -> Optional[str]:
+    """A WARNING when a sample-based run resumed at another global batch size will not end
+    at --train-samples. Its iterations are Megatron-LM's count, train_samples // global
+    batch, as if every batch had had this size; the checkpoint's samples came in batches of
+    another size, so the run stops short of --train-samples (or with nothing to train) or
+    goes past it. None for iteration-based runs, a ramp-up, a start from iteration 0, or a
+    difference below one batch (the partial last batch Megatron drops)."""
+    t, d, st = tr.config.training, tr.config.data, tr.state
+    if not t.train_samples or d.rampup_batch_size or st.iteration == 0:
+        return None
+    gbs = d.global_batch_size
+    more = max(0, t.train_iters - st.iteration)
+    ends_at = st.consumed_train_samples + more * gbs
+    # the run's length in samples: --train-samples, or the checkpoint's under
+    # --use-checkpoint-opt_param-scheduler (the schedule's weight-decay length is it)
+    goal = getattr(tr.scheduler, "wd_incr_steps", t.train_samples) or t.train_samples
+    if abs(ends_at - goal) < gbs:
+        return None
+    remaining = max(0, goal - st.consumed_train_samples)
+    fix = (st.iteration + remaining // gbs) * gbs
+    return (f"WARNING: --train-samples {t.train_samples} at global batch size {gbs} makes "
+            f"{t.train_iters} iterations (Megatron-LM's count: as if every batch had {gbs} "
+            f"samples), but the checkpoint consumed {st.consumed_train_samples} samples in "
+            f"{st.iteration} iterations of another batch size: this run trains {more} more "
+            f"and ends at {ends_at} samples, not {goal}. To train the "
+            f"{remaining} left (in whole batches), pass --train-samples {fix} with "
+            "--use-checkpoint-opt_param-scheduler (the learning-rate schedule keeps the "
+            "checkpoint's lengths)")
+
+
 def nothing_to_train(tr) -> bool:
     """Whether the run starts from a checkpoint whose iteration already reaches the last one
     (--train-iters, or the iterations of --train-samples), so the loop trains nothing; says
     so on rank 0. Megatron-LM then saves the loaded state again at the same iteration, which
     costs a save and for a moment leaves no complete copy of the only good checkpoint: when
     --save is the --load directory (it holds that state already) the caller skips the final
-    save, and the line says so."""
+    save, and the line says so. First a sample-based run resumed at another global batch
+    size is warned when it will not end at --train-samples (`sample_budget_warning`)."""
     t, ck, it = tr.config.training, tr.config.checkpoint, tr.state.iteration
+    warning = sample_budget_warning(tr)
+    if warning is not None:
+        print_rank_0(warning)
     if it == 0 or it < t.train_iters:
         return False
     goal = (f"--train-samples {t.train_samples} ({t.train_iters} iterations)" if t.train_samples
@@ -248,18 +286,18 @@ def _check_first_file(tr, iter_dir: str, release: bool
                       ) -> Tuple[Optional[Tuple[Layout, Dict, LoadStates]], Optional[str]]:
     """((saved layout, first rank's payload, states to load), None) when the first rank's
     file fits the run, else (None, the first problem): the file cannot be read, its
-    arguments differ from the run's (`checkpoint_args_message`), a state to load is not
-    in it (`states_to_load`), its learning-rate schedule contradicts the command line.
+    arguments differ from the run's (`checkpoint_args_message`), states to load are not
+    in it (`states_to_load`: every one named), its learning-rate schedule contradicts the command line.
     Local: no collective."""
     ck = tr.config.checkpoint
     try:
         saved, first_path, first = inspect_checkpoint(iter_dir)
     except SystemExit as exc:
         return None, exit_message(exc)
-    states = states_to_load(ck, release, first, first_path)
+    states = states_to_load(ck, release, first, first_path, tr.config.training.skip_train)
     problem = (checkpoint_args_message(first.get("args"), tr.config.args, iter_dir,
                                        finetune=ck.finetune)
-               or next(iter(states.problems), None))
+               or "\n".join(states.problems) or None)  # both missing states at once
     if problem is None and states.with_optimizer:
         errors = tr.scheduler.check_state_dict(first["opt_param_scheduler"])[1]
         if errors:
@@ -287,9 +325,10 @@ def _load_trainer_payload(tr) -> Optional[_Loaded]:
     checked, problem = _check_first_file(tr, iter_dir, release)
     agree(problem, group)
     saved, first, states = checked
-    warning = seq_length_warning(first.get("args"), tr.config.args, iter_dir)
-    if warning is not None and tr.optimizer is not None:  # not for evaluation-only trainers
-        print_rank_0(warning)
+    for warning in (seq_length_warning(first.get("args"), tr.config.args, iter_dir),
+                    data_order_warning(first.get("args"), tr.config.args, iter_dir)):
+        if warning is not None and tr.optimizer is not None:  # not for evaluation-only
+            print_rank_0(warning)
     for note in states.notes:
         print_rank_0(note)
     loaded = _Loaded(0 if release else iteration, release, {}, None, None,

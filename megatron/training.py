@@ -547,6 +547,9 @@ def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
               oom: OomReport) -> Trainer:
     if config.checkpoint.save:
         checkpointing.check_save_dir(config.checkpoint.save, rt.ps, rt.control_group)  # not after training
+    if config.logging.tensorboard_dir:  # the last rank writes it: a message, not a traceback
+        checkpointing.check_output_dir(config.logging.tensorboard_dir, "--tensorboard-dir",
+                                       rt.ps, rt.control_group, rt.ps.world_size - 1)
     tr = _setup(config, rt, process_start_time)
     oom.trainer = tr  # the report names the iteration from here on
     tr.memory_history = oom.memory_history

@@ -156,6 +156,21 @@ def test_a_loss_scale_without_fp16_or_bf16_is_warned(caplog):
             "no loss") in caplog.text
 
 
+def test_a_log_interval_longer_than_the_run_is_warned(caplog):
+    """The iteration line comes at multiples of --log-interval (Megatron's rule): a 10-
+    iteration run with the default 100 printed no loss at all, silently."""
+    run("--log-interval 100")  # B: --train-iters 4
+    assert ("--log-interval 100 is larger than the run's 4 training iterations: no "
+            "iteration line (loss, learning rate, progress) will be printed; pass a "
+            "--log-interval of at most 4 (e.g. 1) to see them") in caplog.text
+    caplog.clear()
+    run("--log-interval 4")
+    run("--log-interval 100 --skip-train")
+    run(["--train-samples", "800", "--log-interval", "100"],
+        base=without("--train-iters"))  # 200 iterations of 4 samples
+    assert "--log-interval" not in caplog.text
+
+
 # ------------------------------------------------------------------- data inputs
 
 DATA = without("--mock-data", base=B)
@@ -193,6 +208,17 @@ def test_what_megatron_ignores_of_the_two_data_flag_sets_is_warned(caplog):
     assert "ignored" not in caplog.text
 
 
+def test_split_numbers_past_the_third_are_warned(caplog):
+    """Megatron-LM reads train, validation and test shares and drops the rest silently."""
+    cfg = run("--data-path Z --split 80,10,5,5", base=DATA)
+    assert cfg.data.split == "80,10,5,5"
+    assert ("--split '80,10,5,5': only the first three numbers (train, validation, test) are "
+            "read; 5 ignored") in caplog.text
+    caplog.clear()
+    run("--data-path Z --split 98/1/1", base=DATA)
+    assert "--split" not in caplog.text
+
+
 # ---------------------------------------------------------------------- tokenizer
 
 TOKENIZER = without("--tokenizer-type", "--vocab-size")
@@ -215,6 +241,19 @@ def test_missing_tokenizer_files_fail_in_validation(tmp_path):
     msg = error_of("--tokenizer-type SentencePieceTokenizer", base=TOKENIZER,
                    vocab_size_fn=lambda a: 1)
     assert msg == "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model"
+
+
+def test_a_missing_tokenizer_type_is_named_when_another_tokenizers_flag_is_given():
+    """--tokenizer-model or --vocab-size without --tokenizer-type: the default GPT-2 BPE
+    asked for its two files, not saying which type reads the flag that was given."""
+    msg = error_of("--tokenizer-model sp.model", base=TOKENIZER)
+    assert msg == ("--tokenizer-type GPT2BPETokenizer (the default) needs --vocab-file and "
+                   "--merge-file; --tokenizer-model sp.model is given but only the SentencePiece "
+                   "and HuggingFace tokenizers read it: pass --tokenizer-type "
+                   "SentencePieceTokenizer, GPTSentencePieceTokenizer or HuggingFaceTokenizer")
+    msg = error_of("--vocab-size 1000", base=TOKENIZER)
+    assert msg.endswith("; --vocab-size 1000 is given but only NullTokenizer reads it: pass "
+                        "--tokenizer-type NullTokenizer")
 
 
 def test_a_tokenizer_that_cannot_be_built_exits_2(tmp_path, capsys):

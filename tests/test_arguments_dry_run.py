@@ -96,6 +96,55 @@ def test_param_count_1_3b_shape():
     assert 0.49 < counts.per_stage[0] / counts.total < 0.51
 
 
+def test_dry_run_reports_data_files_the_run_would_refuse(tmp_path):
+    """Files that exist but that the dataset builder refuses -- a .bin cut short by an
+    interrupted copy, an .idx of another preprocessing, token ids beyond the padded
+    vocabulary -- fail the dry run with the builder's message (it said 'all input files
+    found' and exited 0; the real run then stopped)."""
+    from tests.test_gpt_dataset import make_corpus
+
+    good, _ = make_corpus(tmp_path / "good", [20] * 30, vocab=100)
+    short, _ = make_corpus(tmp_path / "short", [20] * 30, vocab=100)
+    with open(short + ".bin", "r+b") as f:
+        f.truncate(1000)
+    wide, _ = make_corpus(tmp_path / "wide", [20] * 30, vocab=1000)
+    data = without("--mock-data")
+    cfg = run(f"--dry-run --data-path 0.5 {good} 0.5 {good}", base=data)
+    assert "refuse" not in dry_run_report(cfg, 1) and run_dry_run(cfg, 1) == 0
+    cfg = run(f"--dry-run --data-path 0.5 {short} 0.5 {wide}", base=data)
+    text = dry_run_report(cfg, 1)
+    assert "data the run would refuse:" in text
+    assert f"{short}.bin: truncated data file: 1000 bytes" in text
+    assert f"{wide}.bin: token id" in text and "padded vocabulary of 128 ids" in text
+    assert run_dry_run(cfg, 1) == 1
+
+
+def test_dry_run_reports_splits_the_run_would_refuse_or_never_evaluate(tmp_path):
+    """The builder's document checks, before any index is built: a --split that leaves
+    training nothing, a blend with a dataset too small for a split the run reads (it
+    passed the dry run; the run stopped), and the run's never-evaluates warning."""
+    from tests.test_gpt_dataset import make_corpus
+
+    big, _ = make_corpus(tmp_path / "big", [20] * 200, vocab=100)
+    small, _ = make_corpus(tmp_path / "small", [20] * 10, vocab=100)
+    data = without("--mock-data")
+    cfg = run(f"--dry-run --data-path 0.5 {big} 0.5 {small} --split 90,8,2 --eval-iters 1",
+              base=data)
+    text = dry_run_report(cfg, 1)
+    assert ("data the run would refuse:\n  --data-path (test): --split '90,8,2' leaves this "
+            f"split no documents of {small} (10 documents)") in text
+    assert run_dry_run(cfg, 1) == 1
+    cfg = run(f"--dry-run --data-path 0.5 {big} 0.5 {small} --split 90,8,2 --eval-iters 0",
+              base=data)
+    assert "refuse" not in dry_run_report(cfg, 1)  # no test samples read: no test blend
+    cfg = run(f"--dry-run --data-path {big} --split 0,100,0", base=data)
+    assert "gives the train split no documents" in dry_run_report(cfg, 1)
+    cfg = run(f"--dry-run --data-path {big} --split 100,0,0 --eval-iters 1", base=data)
+    text = dry_run_report(cfg, 1)
+    assert "WARNING: --split '100,0,0' leaves the validation split no documents" in text
+    assert run_dry_run(cfg, 1) == 0
+
+
 def test_dry_run_report_and_missing_inputs(tmp_path, capsys):
     cfg = run("--dry-run", world_size=2)
     text = dry_run_report(cfg, 2)

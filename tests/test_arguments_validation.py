@@ -116,6 +116,18 @@ def test_sequence_parallel_with_tp1_is_disabled_with_warning(caplog):
     assert cfg.model.async_tensor_model_parallel_allreduce is False
 
 
+def test_no_data_sharding_is_accepted_for_the_cyclic_loader(caplog):
+    """Megatron lists --no-data-sharding with the vision flags, but its cyclic GPT loader
+    reads it: accepted (it was refused as a vision flag), warned without --dataloader-type
+    cyclic, where nothing reads it."""
+    cfg = run("--dataloader-type cyclic --no-data-sharding")
+    assert cfg.data.data_sharding is False and cfg.data.dataloader_type == "cyclic"
+    assert "no-data-sharding" not in caplog.text
+    assert run("").data.data_sharding is True
+    assert run("--no-data-sharding").data.data_sharding is False
+    assert "--no-data-sharding has no effect without --dataloader-type cyclic" in caplog.text
+
+
 def test_swiglu_ffn_rule_and_user_value_kept(caplog):
     assert run("--swiglu --hidden-size 4096 --num-attention-heads 32").model.ffn_hidden_size == 10880
     cfg = run("--swiglu --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11008")

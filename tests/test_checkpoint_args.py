@@ -111,7 +111,7 @@ def test_message_names_values_and_fix():
         check_checkpoint_args(SAVED, run, "ck/iter_0000010", finetune=True)
 
 
-def test_use_checkpoint_args_takes_every_checked_argument(monkeypatch):
+def test_use_checkpoint_args_takes_every_checked_argument(monkeypatch, tmp_path):
     """The mismatch message names --use-checkpoint-args as the fix, so that flag must take
     every argument checked here from the checkpoint (a --num-experts checkpoint loaded
     with --use-checkpoint-args and no --num-experts was refused with that very advice)."""
@@ -122,7 +122,8 @@ def test_use_checkpoint_args_takes_every_checked_argument(monkeypatch):
              "group_query_attention": True, "num_query_groups": 2, "rotary_base": 500.0,
              "tokenizer_type": "GPT2BPETokenizer", "vocab_file": "vocab.json"}
     monkeypatch.setattr(arguments_checkpoint, "read_checkpoint_args", lambda load: saved)
-    ns, explicit = parse_args(["--load", "ck", "--use-checkpoint-args",
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")  # a checkpoint is there
+    ns, explicit = parse_args(["--load", str(tmp_path), "--use-checkpoint-args",
                                "--vocab-file", "vocab.json"])
     arguments_checkpoint.apply_checkpoint_args(ns, explicit, warn=print)
     assert [m.name for m in checkpoint_arg_mismatches(saved, vars(ns))] == []

@@ -271,6 +271,25 @@ def test_check_save_dir_creates_the_directory_or_names_the_problem(tmp_path):
         assert msg.startswith(f"error: --save {bad} cannot be used: ") and "Error: [Errno" in msg
 
 
+def test_a_tensorboard_dir_that_cannot_be_written_stops_the_run_with_a_message(tmp_path):
+    """--tensorboard-dir naming a file (or an unwritable place) ended the run in a
+    FileExistsError traceback from inside tensorboard; now the start-up check names it."""
+    from megatron.arguments import parse_and_validate
+    from megatron.initialize import initialize_distributed
+    from megatron.training import pretrain
+
+    (tmp_path / "tb").write_text("x")
+    argv = ("--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
+            "--max-position-embeddings 8 --micro-batch-size 1 --lr 1e-3 --train-iters 1 "
+            "--mock-data --tokenizer-type NullTokenizer --vocab-size 50 --eval-iters 0 "
+            f"--num-workers 0 --tensorboard-dir {tmp_path / 'tb'}").split()
+    cfg = parse_and_validate(argv, world_size=1, env={}, cuda_available=False)
+    with pytest.raises(SystemExit) as err:
+        pretrain(cfg, initialize_distributed(cfg.parallel, 0, 1, 0))
+    assert str(err.value).startswith(f"error: --tensorboard-dir {tmp_path / 'tb'} cannot be "
+                                     "used: could not create it or write into it")
+
+
 def _disk_full(monkeypatch):
     """torch.save fails as it does on a full disk (after writing part of the file)."""
     def full(obj, f, *args, **kwargs):

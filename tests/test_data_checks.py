@@ -92,3 +92,20 @@ def test_blend_prints_achieved_ratios(tmp_path, capsys):
     assert f"   dataset 0, input: 0.3, achieved: {achieved[0]:g}\n" in out
     assert f"   dataset 1, input: 0.7, achieved: {achieved[1]:g}\n" in out
     assert "--data-path (valid)" in out
+
+
+def test_blend_with_a_member_too_small_for_a_split(tmp_path):
+    """--split 90,8,2 gives a 10-document dataset no test document. Evaluating, the
+    blend cannot weight it: an error naming that dataset and its size (it said 'a blended
+    member'). Not evaluating (--eval-iters 0: no validation or test samples), the unread
+    splits are not blended and the run trains (it stopped with the same error)."""
+    big, _ = make_corpus(tmp_path / "big", [20] * 200, seed=1, vocab=100)
+    small, _ = make_corpus(tmp_path / "small", [20] * 10, seed=2, vocab=100)
+    data = ["0.5", big, "0.5", small]
+    with pytest.raises(SystemExit, match=rf"--data-path \(test\): --split '90,8,2' leaves "
+                                         rf"this split no documents of {small} \(10 documents\)"):
+        _build(_config(data_path=data, split="90,8,2"))
+    cfg = _config(data_path=data, split="90,8,2")
+    cfg.training = dataclasses.replace(cfg.training, eval_iters=0)
+    datasets = _build(cfg)
+    assert len(datasets["train"]) > 0 and datasets["test"] is None

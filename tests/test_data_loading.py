@@ -48,6 +48,32 @@ def test_cyclic_sampler_partitions_each_epoch_and_resumes():
     assert epoch1 != epoch0 and sorted(i for s in epoch1 for i in s) == list(range(total))
 
 
+@pytest.mark.parametrize("total, mbs, dp", [(40, 2, 2), (10, 1, 4), (14, 2, 4)])
+def test_cyclic_sampler_without_data_sharding_deals_one_permutation(total, mbs, dp):
+    """--no-data-sharding: one permutation of the whole set per epoch, rank r taking every
+    dp-th sample of it (Megatron's order), so a rank is not confined to its own bucket;
+    every rank gets as many micro-batches per epoch (no rank waits for another), and a
+    resume continues at the next global micro-batch."""
+    def unsharded(t, consumed, m, r, d):
+        return CyclicSampler(t, consumed, m, r, d, data_sharding=False)
+
+    steps = total // (mbs * dp)
+    epoch0 = _global_order(unsharded, total, 0, mbs, dp, steps + 1)
+    perm = torch.randperm((total // mbs) * mbs, generator=torch.Generator().manual_seed(0))
+    rank0 = [i for step in epoch0[:steps] for i in step[:mbs]]
+    assert rank0 == perm.tolist()[0::dp][:steps * mbs]
+    flat = [i for step in epoch0[:steps] for i in step]
+    assert len(set(flat)) == len(flat) == steps * mbs * dp, "no sample twice in an epoch"
+    assert epoch0[steps] == _global_order(unsharded, total, steps * mbs * dp, mbs, dp, 1)[0], \
+        "every rank moves on to epoch 1 together"
+    assert _global_order(unsharded, total, mbs * dp, mbs, dp, steps - 1) == epoch0[1:steps]
+    if dp > 1:
+        sharded = _global_order(CyclicSampler, total, 0, mbs, dp, steps)
+        bucket = (total // (mbs * dp)) * mbs
+        assert all(i < bucket for step in sharded for i in step[:mbs]), "sharded: own bucket"
+        assert any(i >= bucket for i in rank0), "unsharded: rank 0 reads the whole set"
+
+
 class _Seq:
     def __len__(self):
         return 64

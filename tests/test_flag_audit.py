@@ -102,6 +102,7 @@ IMPLEMENTED_BY = {
     "--disable-bias-linear": (LAYERS, "add_bias_linear"),
     "--optimizer": (OPTIM, "config.optimizer"),
     "--dataloader-type": (DATA, "dataloader_type"),
+    "--no-data-sharding": (DATA, "data_sharding"),  # Megatron's vision group; cyclic GPT loader
     "--no-async-tensor-model-parallel-allreduce":
         (LAYERS, "async_tensor_model_parallel_allreduce"),
     "--sequence-parallel": (LAYERS, "sequence_parallel"),

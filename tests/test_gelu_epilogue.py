@@ -282,6 +282,7 @@ def test_use_checkpoint_args_keeps_the_checkpoints_gelu(monkeypatch, tmp_path):
 
     monkeypatch.setattr(arguments_checkpoint, "read_checkpoint_args",
                         lambda load: {"add_bias_linear": True, "bias_gelu_fusion": False})
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")  # a checkpoint is there
     argv = [a for a in ARGV if a != "--disable-bias-linear"]
     resumed = parse_and_validate(argv + ["--load", str(tmp_path), "--use-checkpoint-args"])
     assert resumed.model.activation == "gelu"

@@ -186,6 +186,18 @@ def test_null_tokenizer(tmp_path):
     assert [s.tolist() for s in ds] == [[1, 2, 3, 80000], [70000, 4, 80000]]
 
 
+def test_null_tokenizer_ids_beyond_vocab_size_name_the_flag(tmp_path):
+    """An id above --vocab-size stopped the run with the range only; the fix (a larger
+    --vocab-size) was not said, and the only hint was --skip-bad-lines."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2 494"}])
+    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "n"), "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "100", "--workers", "1"]
+    with pytest.raises(SystemExit, match=r"in\.jsonl:1: key 'text': token id 494 outside the "
+                                         r"vocabulary \[0, 101\); pass a --vocab-size above "
+                                         r"the text's largest id \(it is 100\)"):
+        preprocess_data.run(preprocess_data.get_args(argv))
+
+
 def test_small_chunks_keep_line_numbers(tmp_path, bpe, monkeypatch):
     monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 37)  # lines straddle many chunks
     docs = DOCS * 4

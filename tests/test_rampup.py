@@ -78,6 +78,20 @@ def test_cli_rules_and_derived_values():
     assert (cfg.optimizer.lr_warmup_steps, cfg.optimizer.lr_decay_steps) == (8, 44)
 
 
+def test_a_rampup_starting_at_the_global_batch_is_warned(caplog):
+    """START == --global-batch-size: no ramp-up at all (Megatron-LM divides by its zero
+    increments); said instead of running a constant batch in silence."""
+    cfg = parse_and_validate(BASE + ["--global-batch-size", "8", "--train-samples", "80",
+                                     "--rampup-batch-size", "8", "2", "24"])
+    assert cfg.training.train_iters == 10
+    assert ("--rampup-batch-size 8 2 24: START is already --global-batch-size 8, so the batch "
+            "never ramps up") in caplog.text
+    caplog.clear()
+    parse_and_validate(BASE + ["--global-batch-size", "8", "--train-samples", "80",
+                               "--rampup-batch-size", "2", "2", "24"])
+    assert "never ramps up" not in caplog.text
+
+
 def test_rampup_run_from_the_cli(capsys):
     import pretrain_gpt
 

@@ -343,7 +343,7 @@ NO_MODEL_FLAGS = ("--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --train-
                   "--mock-data --use-checkpoint-args")
 
 
-def test_use_checkpoint_args_fills_model_flags(tmp_path_factory, tmp_path):
+def test_use_checkpoint_args_fills_model_flags(tmp_path_factory, tmp_path, caplog):
     root = str(tmp_path_factory.getbasetemp() / "src-2---tensor-model-parallel-size2")
     _saved("--tensor-model-parallel-size 2", 2, root)
     cfg = parse_and_validate(f"{NO_MODEL_FLAGS} --load {root}".split(), world_size=2, env={},
@@ -359,9 +359,18 @@ def test_use_checkpoint_args_fills_model_flags(tmp_path_factory, tmp_path):
     assert cfg.parallel.tp_size == 1 and cfg.model.hidden_size == 32
     with pytest.raises(ArgumentsError, match="needs --load"):
         parse_and_validate(NO_MODEL_FLAGS.split(), world_size=1, env={}, cuda_available=False)
-    with pytest.raises(ArgumentsError, match="no checkpoint under"):
+    # no checkpoint yet (a job's first launch with --load = --save): the command line's
+    # flags, as in Megatron-LM, with a warning; without them, validation names them
+    with pytest.raises(ArgumentsError, match="missing required flags: --num-layers"):
         parse_and_validate(f"{NO_MODEL_FLAGS} --load {tmp_path}".split(), world_size=1, env={},
                            cuda_available=False)
+    assert "no checkpoint under --load" in caplog.text and "the command line's" in caplog.text
+    cfg = parse_and_validate(f"{NO_MODEL_FLAGS} --load {tmp_path / 'new'} --num-layers 2 "
+                             "--hidden-size 16 --num-attention-heads 2 --seq-length 8 "
+                             "--max-position-embeddings 8 --tokenizer-type NullTokenizer "
+                             "--vocab-size 100".split(), world_size=1, env={},
+                             cuda_available=False)
+    assert cfg.model.num_layers == 2 and cfg.model.hidden_size == 16
     # checkpoints without a tracker, or an iteration directory: training's fix, not the
     # tools' --iteration (pretrain_gpt.py has no such flag)
     shutil.copytree(os.path.join(root, "iter_0000002"), tmp_path / "untracked" / "iter_0000002")

@@ -1,6 +1,6 @@
 """What a resume says or skips when the command line and the checkpoint disagree in ways
-that are allowed: another --seq-length (a warning naming both values, also in --dry-run),
-a checkpoint that already reaches --train-iters (nothing trained, nothing re-saved).
+that are allowed: another --seq-length, --seed or --split (a warning naming both values,
+also in --dry-run), a checkpoint that already reaches --train-iters (nothing trained, nothing re-saved).
 Single-process runs through the real driver (`parse_and_validate` -> `pretrain`)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import megatron.training as training
 from megatron.arguments import parse_and_validate, run_dry_run
-from megatron.checkpoint_args import seq_length_warning
+from megatron.checkpoint_args import data_order_warning, seq_length_warning
 from megatron.initialize import initialize_distributed, set_random_seed
 
 BASE = (
@@ -19,13 +19,13 @@ BASE = (
 ).split()
 
 
-def config(extra):
-    return parse_and_validate(BASE + list(extra), world_size=1, env={"RANK": "0"},
+def config(extra, base=BASE):
+    return parse_and_validate(list(base) + list(extra), world_size=1, env={"RANK": "0"},
                               cuda_available=False)
 
 
-def run_pretrain(extra):
-    cfg = config(extra)
+def run_pretrain(extra, base=BASE):
+    cfg = config(extra, base)
     rt = initialize_distributed(cfg.parallel, 0, 1, 0)
     set_random_seed(cfg.training.seed, rt)
     return training.pretrain(cfg, rt)
@@ -75,6 +75,102 @@ def test_dry_run_load_prints_the_seq_length_warning(tmp_path, capsys):
     out = capsys.readouterr().out
     assert status == 0, out
     assert "WARNING: --seq-length 8 differs from the checkpoint's 16" in out, out
+
+
+# ------------------------------------------------------------ --seed / --split
+
+
+def test_data_order_warning_text():
+    saved = {"seed": 1234, "split": "969, 30, 1", "data_path": ["d"], "mock_data": False,
+             "consumed_train_samples": 40}
+    run = {**saved, "finetune": False}
+    assert data_order_warning(saved, run, "w") is None
+    assert data_order_warning(saved, {**run, "split": "969,30,1"}, "w") is None  # same shares
+    assert data_order_warning(saved, {**run, "seed": 7, "finetune": True}, "w") is None
+    assert data_order_warning({**saved, "mock_data": True}, {**run, "seed": 7}, "w") is None
+    seed = data_order_warning(saved, {**run, "seed": 7}, "w/iter_0000010")
+    assert seed.startswith("WARNING: --seed 7 differs from the checkpoint's 1234 "
+                           "(w/iter_0000010): the samples are shuffled in another order, so "
+                           "some of the 40 consumed so far will come again and others never")
+    both = data_order_warning(saved, {**run, "seed": 7, "split": "90,5,5"}, "w")
+    assert "and --split '90,5,5' differs from the checkpoint's '969, 30, 1'" in both
+    assert "validation loss may be measured on documents already trained on" in both
+    assert "\n" not in both
+
+
+def test_resume_with_another_seed_warns_also_in_dry_run(tmp_path, capsys):
+    """Megatron-LM resumes silently in another sample order; said once, and by --dry-run."""
+    from tests.test_gpt_dataset import make_corpus
+
+    prefix, _ = make_corpus(tmp_path / "corpus", [40] * 50, vocab=100)
+    data = ["--data-path", prefix, "--seq-length", "16", "--train-iters", "3"]
+    root, base = str(tmp_path / "ck"), [a for a in BASE if a != "--mock-data"]
+    run_pretrain(data + ["--save", root, "--save-interval", "2", "--exit-interval", "2"], base)
+    capsys.readouterr()
+    tr = run_pretrain(data + ["--load", root, "--seed", "99"], base)
+    assert tr.state.iteration == 3
+    out = capsys.readouterr().out
+    assert out.count("WARNING: --seed 99 differs from the checkpoint's 1234") == 1, out
+    run_pretrain(data + ["--load", root], base)  # the saved order: silent
+    assert "differs from the checkpoint" not in capsys.readouterr().out
+    assert run_dry_run(config(data + ["--load", root, "--split", "90,5,5"], base), 1) == 0
+    assert "--split '90,5,5' differs from the checkpoint's '969, 30, 1'" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------- --skip-train
+
+
+def test_skip_train_evaluates_a_checkpoint_without_its_training_schedule(tmp_path, capsys):
+    """--skip-train only evaluates and saves nothing: the optimizer, schedule and RNG
+    states are not loaded. An evaluation without --train-iters (allowed with --skip-train)
+    stopped on the schedule check ('lr_decay_steps' 12 vs 1), and one of a checkpoint saved
+    with --no-save-optim --no-save-rng needed --no-load-optim --no-load-rng."""
+    root = tmp_path / "ck"
+    run_pretrain(["--seq-length", "16", "--train-iters", "3", "--save", str(root),
+                  "--save-interval", "2", "--exit-interval", "2", "--no-save-optim",
+                  "--no-save-rng"])
+    capsys.readouterr()
+    evaluate = ["--seq-length", "16", "--load", str(root), "--skip-train", "--eval-iters", "1"]
+    tr = run_pretrain(evaluate)
+    out = capsys.readouterr().out
+    assert tr.state.iteration == 2 and "validation loss at iteration 2" in out, out
+    assert "start fresh" not in out
+    assert run_dry_run(config(evaluate), 1) == 0
+    assert "--skip-train: evaluates only" in capsys.readouterr().out
+    full = tmp_path / "full"  # with its optimizer and schedule (12 samples of decay)
+    save_run(full)
+    capsys.readouterr()
+    tr = run_pretrain(["--seq-length", "16", "--load", str(full), "--skip-train",
+                       "--eval-iters", "1"])
+    assert tr.state.iteration == 2 and "validation loss at iteration 2" in capsys.readouterr().out
+
+
+# ------------------------------------------------- --train-samples at another batch size
+
+
+def test_sample_based_resume_at_another_global_batch_warns_and_names_the_fix(tmp_path, capsys):
+    """--train-samples 28 at global batch 4, stopped at iteration 3 (12 samples), resumed
+    at global batch 8: Megatron-LM's count gives 28 // 8 = 3 iterations, so the run trains
+    nothing and ends at 12 of the 28 samples (it said only 'nothing to train'). The warning
+    names the --train-samples that trains the 16 left; that command reaches 28."""
+    root = str(tmp_path / "ck")
+    samples = ["--seq-length", "16", "--train-samples", "28"]
+    run_pretrain(samples + ["--save", root, "--save-interval", "3", "--exit-interval", "3"])
+    capsys.readouterr()
+    tr = run_pretrain(samples + ["--load", root, "--global-batch-size", "8"])
+    out = capsys.readouterr().out
+    assert tr.state.iteration == 3 and tr.state.consumed_train_samples == 12
+    assert ("WARNING: --train-samples 28 at global batch size 8 makes 3 iterations "
+            "(Megatron-LM's count: as if every batch had 8 samples), but the checkpoint "
+            "consumed 12 samples in 3 iterations of another batch size: this run trains 0 "
+            "more and ends at 12 samples, not 28. To train the 16 left (in whole batches), "
+            "pass --train-samples 40 with --use-checkpoint-opt_param-scheduler") in out, out
+    tr = run_pretrain(["--seq-length", "16", "--train-samples", "40", "--load", root,
+                       "--global-batch-size", "8", "--use-checkpoint-opt_param-scheduler"])
+    assert (tr.state.iteration, tr.state.consumed_train_samples) == (5, 28)
+    assert "WARNING: --train-samples" not in capsys.readouterr().out
+    run_pretrain(samples + ["--load", root])  # the same batch size: nothing to say
+    assert "WARNING: --train-samples" not in capsys.readouterr().out
 
 
 # ------------------------------------------------------------ nothing left to train

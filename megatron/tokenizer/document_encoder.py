@@ -225,7 +225,10 @@ class ChunkEncoder:
         for ids in encoded:  # NullTokenizer takes any integer: keep the dtype from wrapping
             if ids.min() < 0 or ids.max() >= vocab:
                 bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-                raise BadLine(f"key {key!r}: token id {bad} outside the vocabulary [0, {vocab})")
+                fix = (f"; pass a --vocab-size above the text's largest id (it is "
+                       f"{vocab - 1})" if self.tokenizer.name == "NullTokenizer" else "")
+                raise BadLine(f"key {key!r}: token id {bad} outside the vocabulary [0, {vocab})"
+                              f"{fix}")
         return encoded
 
     def _encode_doc(self, doc: dict) -> list:

@@ -371,9 +371,8 @@ class _Builder:
 
         if any(d is None for d in datasets) and self.stale:
             return None  # a member's cache is stale: `_build_all` raises that
-        if any(d is None for d in datasets):
-            raise ValueError(f"{what}: a blended member has an empty split; adjust --split so "
-                             "every weighted dataset gets documents")
+        if any(d is None for d in datasets):  # (check_splits found it first)
+            raise ValueError(f"{what}: a blended dataset has no document in this split")
         blend = BlendedDataset(datasets, weights, size, self.cache_dir, self.may_build)
         if self.log is not None:
             self.log(f" > blended dataset for {what}: {size} samples; sample ratios:")
@@ -420,6 +419,42 @@ def _check_train_data(builder: _Builder, data_prefix, train_path, num_train: int
                              "969,30,1, or pass --skip-train to only evaluate")
 
 
+def _check_blend_splits(builder: _Builder, data_prefix, num_samples) -> None:
+    """A --data-path blend needs every weighted dataset in each split the run reads (n_k >
+    0: a split asked for no samples is not blended): name each dataset --split leaves
+    without a document there. Megatron-LM stops on an assertion when it blends such a
+    split. Reads the indexes' sizes only; nothing is built."""
+    from megatron.core.datasets.blended import parse_weighted_prefixes
+
+    if not data_prefix or len(data_prefix) == 1:
+        return
+    prefixes = parse_weighted_prefixes(data_prefix)[0]
+    docs = {p: len(builder.indexed(p).sizes) for p in prefixes}
+    bounds = {p: get_train_valid_test_split(builder.split, n) for p, n in docs.items()}
+    for k, name in enumerate(("train", "valid", "test")):
+        empty = [p for p in prefixes if bounds[p][k + 1] == bounds[p][k]]
+        if num_samples[k] > 0 and empty and len(empty) < len(prefixes):
+            listing = ", ".join(f"{p} ({docs[p]} documents)" for p in empty)
+            raise ValueError(f"--data-path ({name}): --split {builder.split!r} leaves this split "
+                             f"no documents of {listing}, so the blend cannot give it its "
+                             "weight (Megatron-LM stops here too); raise that share of --split "
+                             "until every weighted dataset gets a document, or leave the small "
+                             "dataset out of --data-path")
+
+
+def check_splits(data_prefix: Optional[Sequence[str]], split: str,
+                 train_valid_test_num_samples: Sequence[int],
+                 train_data_path: Optional[Sequence[str]] = None) -> None:
+    """The document checks the dataset builder makes before it builds anything (ValueError
+    with its message): a run that trains has train documents, a --data-path blend has
+    documents of every weighted dataset in each split it reads. For `--dry-run`: opens
+    the indexes only."""
+    builder = _Builder(split, 1, 1, None, False)
+    num_samples = [int(n) for n in train_valid_test_num_samples]
+    _check_train_data(builder, data_prefix, train_data_path, num_samples[0])
+    _check_blend_splits(builder, data_prefix, num_samples)
+
+
 def _build_all(builder: _Builder, data_prefix, num_samples, paths) -> tuple:
     """The three datasets; one error naming every dataset whose index cache is stale."""
     datasets = _build_datasets(builder, data_prefix, num_samples, paths)
@@ -432,6 +467,7 @@ def _build_datasets(builder: _Builder, data_prefix, num_samples, paths) -> tuple
     from megatron.core.datasets.blended import parse_weighted_prefixes, per_dataset_num_samples
 
     _check_train_data(builder, data_prefix, paths[0], num_samples[0])
+    _check_blend_splits(builder, data_prefix, num_samples)
     if data_prefix:
         prefixes, weights = parse_weighted_prefixes(data_prefix)
         if len(data_prefix) == 1:
@@ -442,7 +478,9 @@ def _build_datasets(builder: _Builder, data_prefix, num_samples, paths) -> tuple
         out = []
         for k, name in enumerate(("train", "valid", "test")):
             parts = [m[k] for m in members]
-            out.append(None if all(p is None for p in parts) else
+            # a split the run never reads (no evaluation: 0 samples) need not blend
+            unread = num_samples[k] == 0 and any(p is None for p in parts)
+            out.append(None if unread or all(p is None for p in parts) else
                        builder.blend(parts, weights, sum(per[k]), f"--data-path ({name})"))
         return tuple(out)
     return tuple(None if path is None else builder.whole(name, path, num_samples[k])
