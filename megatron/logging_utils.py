@@ -12,6 +12,7 @@ parsers and dashboards keep working:
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -30,16 +31,24 @@ def _dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def print_line(msg: str) -> None:
+    """`msg` and its newline in ONE write, flushed: ranks sharing a terminal or log (torchrun
+    merges their output) then cannot split each other's lines, as print's separate writes
+    of the text and the newline let them (unbuffered output, PYTHONUNBUFFERED=1)."""
+    sys.stdout.write(f"{msg}\n")
+    sys.stdout.flush()
+
+
 def print_rank_0(msg: str) -> None:
     """Print on global rank 0 only (every process prints when not distributed)."""
     if not _dist_ready() or dist.get_rank() == 0:
-        print(msg, flush=True)
+        print_line(msg)
 
 
 def print_rank_last(msg: str) -> None:
     """Print on the last global rank only (every process prints when not distributed)."""
     if not _dist_ready() or dist.get_rank() == dist.get_world_size() - 1:
-        print(msg, flush=True)
+        print_line(msg)
 
 
 def _collective_device(group=None) -> torch.device:

@@ -1,5 +1,6 @@
 import math
 import re
+import sys
 import time
 
 import pytest
@@ -263,3 +264,30 @@ def test_timers_cuda_device_arg_is_safe_without_cuda():
     timers("x", 0).start()
     timers("x", 0).stop()
     assert timers("x").elapsed() >= 0.0
+
+
+class _CountingStream:
+    """A stdout that records each write call (in unbuffered mode each is one syscall)."""
+
+    def __init__(self) -> None:
+        self.writes = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_rank_printing_writes_each_line_whole(monkeypatch):
+    """torchrun merges the ranks' output: a line written as text then newline let another
+    rank's line land between the two (seen as a timer block glued to rank 0's next line)."""
+    from megatron import logging_utils
+
+    stream = _CountingStream()
+    monkeypatch.setattr(sys, "stdout", stream)
+    logging_utils.print_rank_0("iteration 1/ 2 | lm loss: 1.0")
+    logging_utils.print_rank_last("(min, max) time across ranks (ms):\n    forward: (1, 2)")
+    assert stream.writes == ["iteration 1/ 2 | lm loss: 1.0\n",
+                             "(min, max) time across ranks (ms):\n    forward: (1, 2)\n"]
