@@ -55,6 +55,7 @@ def main(argv=None) -> int:
 
     from megatron.agreed_exit import silent_ranks_wait
     from megatron.initialize import initialize_entry_point, set_random_seed
+    from megatron.interrupt import INTERRUPTED_STATUS, InterruptWatch, interrupt_message
     from megatron.logging_utils import print_rank_0
     from megatron.oom_report import OutOfMemoryExit
     from megatron.training import pretrain, print_datetime
@@ -66,15 +67,24 @@ def main(argv=None) -> int:
     set_random_seed(config.training.seed, rt, config.training.data_parallel_random_init)
     print_rank_0(f"time to initialize megatron (seconds): {time.time() - start:.3f}")
     print_datetime("after megatron is initialized")
-    oom = None
-    with silent_ranks_wait(os.environ):  # errors the ranks agree on: rank 0 prints them
+    oom = interrupted = None
+    with silent_ranks_wait(os.environ), InterruptWatch() as watch:  # rank 0 prints errors
         try:
             pretrain(config, rt, process_start_time=start)  # exits return here too: status 0
         except OutOfMemoryExit as e:  # reported already
             oom = e
-        finally:  # not after an OOM: the teardown may wait for ranks still in a collective
-            if dist.is_initialized() and oom is None:  # (the launcher ends those)
-                dist.destroy_process_group()
+        except BaseException as e:  # Ctrl-C: one line below instead of every rank's traceback
+            if not watch.explains(e):
+                raise
+            interrupted = e
+        finally:  # not after an OOM or Ctrl-C: the teardown may wait for ranks still in a
+            if dist.is_initialized() and oom is None and interrupted is None:  # collective
+                dist.destroy_process_group()  # (the launcher ends those)
+    if interrupted is not None:
+        if rank == 0 or local_rank == 0:
+            print(interrupt_message(getattr(interrupted, "iteration", None),
+                                    config.checkpoint.save), flush=True)
+        return INTERRUPTED_STATUS
     return 0 if oom is None else oom.code
 
 

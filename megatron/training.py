@@ -557,6 +557,9 @@ def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
     try:
         loaders = _start(tr)
         _train_and_evaluate(tr, *loaders)
+    except KeyboardInterrupt as exc:  # Ctrl-C: pretrain_gpt.py names the iteration
+        exc.iteration = tr.state.iteration
+        raise
     finally:  # also on an error or a stop (SystemExit): nothing outlives this call
         _teardown(tr, loaders)
     sys.stdout.flush()

@@ -305,3 +305,41 @@ def test_exit_duration_saves_and_exits(tmp_path):
     reached = max(i for i, _ in _losses(run.stdout))
     assert 0 < reached < 100000
     _check_checkpoint(ckpt, reached)
+
+
+@pytest.mark.slow
+def test_ctrl_c_prints_one_line_instead_of_every_ranks_traceback(tmp_path):
+    """Ctrl-C in a terminal: SIGINT to torchrun and its workers (one process group). Each
+    rank printed a KeyboardInterrupt or connection-closed traceback (some 400 lines for two
+    ranks); now rank 0 prints where the run stopped and the checkpoint to resume from, the
+    workers exit with status 130, and their frames appear in no traceback."""
+    ckpt = tmp_path / "ck"
+    args = MODEL + ["--train-iters", "100000", "--save", str(ckpt), "--save-interval", "5"]
+    proc = subprocess.Popen(_torchrun_cmd(2, str(ROOT / "pretrain_gpt.py"), args), cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, bufsize=1, start_new_session=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 90
+        for line in proc.stdout:
+            lines.append(line)
+            if re.search(r"iteration\s+7/", line):
+                os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C
+                break
+            assert time.monotonic() < deadline, "".join(lines[-50:])
+        lines.extend(proc.stdout)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = "".join(lines)
+    found = re.findall(r"interrupted at iteration (\d+) \(SIGINT, e\.g\. Ctrl-C\): stopped "
+                       r"without saving; the last checkpoint is (\S+): relaunch with --load "
+                       r"(\S+) to resume from it", log)
+    assert len(found) == 1, log[-4000:]
+    iteration, last, load = found[0]
+    assert int(iteration) >= 7 and load == str(ckpt)
+    saved, _ = read_tracker(str(ckpt))
+    assert last == f"{ckpt}/iter_{saved:07d}" and saved % 5 == 0 and saved <= int(iteration)
+    assert not re.search(r'File ".*(pretrain_gpt\.py|/megatron/)', log), log[-4000:]
+    assert "KeyboardInterrupt" not in log.replace("torch.distributed.elastic", ""), log[-4000:]
