@@ -251,7 +251,25 @@ def preflight_load(config: Config, evaluation: bool = False) -> Preflight:
         schedule = _schedule_check(config, first["opt_param_scheduler"], iter_dir)
         lines += schedule.lines
         problems += schedule.problems
+    if not (evaluation or release or ck.finetune):
+        budget = _sample_budget(config, iteration, first, states)
+        lines += [budget] if budget else []
     return Preflight(lines, problems)
+
+
+def _sample_budget(config: Config, iteration: int, first: dict,
+                   states: LoadStates) -> Optional[str]:
+    """The run's warning for a sample-based resume at another global batch size (see
+    trainer_checkpoint.sample_budget_message), from the checkpoint's counts."""
+    from megatron.trainer_checkpoint import sample_budget_message
+
+    consumed = (first.get("args") or {}).get("consumed_train_samples", 0)
+    saved = first.get("opt_param_scheduler")
+    goal = None
+    if (states.with_optimizer and isinstance(saved, dict)
+            and config.optimizer.use_checkpoint_opt_param_scheduler):
+        goal = saved.get("wd_incr_steps")
+    return sample_budget_message(config, iteration, consumed, goal)
 
 
 __all__ = ["LoadStates", "states_to_load", "Preflight", "run_layout", "preflight_load"]

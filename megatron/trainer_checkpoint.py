@@ -163,29 +163,38 @@ def wait_for_async_save(tr) -> None:
 
 
 def sample_budget_warning(tr) -> Optional[str]:
+    """`sample_budget_message` for the trainer's resumed state: the goal is --train-samples,
+    or under --use-checkpoint-opt_param-scheduler the checkpoint's run length (the
+    schedule's weight-decay length)."""
+    goal = getattr(tr.scheduler, "wd_incr_steps", None)
+    return sample_budget_message(tr.config, tr.state.iteration,
+                                 tr.state.consumed_train_samples, goal)
+
+
+def sample_budget_message(config, iteration: int, consumed: int,
+                          goal: Optional[int] = None) -> Optional[str]:
     """A WARNING when a sample-based run resumed at another global batch size will not end
-    at --train-samples. Its iterations are Megatron-LM's count, train_samples // global
-    batch, as if every batch had had this size; the checkpoint's samples came in batches of
-    another size, so the run stops short of --train-samples (or with nothing to train) or
-    goes past it. None for iteration-based runs, a ramp-up, a start from iteration 0, or a
-    difference below one batch (the partial last batch Megatron drops)."""
-    t, d, st = tr.config.training, tr.config.data, tr.state
-    if not t.train_samples or d.rampup_batch_size or st.iteration == 0:
+    at --train-samples (or `goal`, the run length in samples when it is not). Its
+    iterations are Megatron-LM's count, train_samples // global batch, as if every batch
+    had had this size; the checkpoint's `consumed` samples came in `iteration` batches of
+    another size, so the run stops short (or has nothing to train) or goes past it. None
+    for iteration-based runs, a ramp-up, a start from iteration 0, or a difference below
+    one batch (the partial last batch Megatron drops)."""
+    t, d = config.training, config.data
+    if not t.train_samples or d.rampup_batch_size or iteration == 0:
         return None
     gbs = d.global_batch_size
-    more = max(0, t.train_iters - st.iteration)
-    ends_at = st.consumed_train_samples + more * gbs
-    # the run's length in samples: --train-samples, or the checkpoint's under
-    # --use-checkpoint-opt_param-scheduler (the schedule's weight-decay length is it)
-    goal = getattr(tr.scheduler, "wd_incr_steps", t.train_samples) or t.train_samples
+    more = max(0, t.train_iters - iteration)
+    ends_at = consumed + more * gbs
+    goal = goal or t.train_samples
     if abs(ends_at - goal) < gbs:
         return None
-    remaining = max(0, goal - st.consumed_train_samples)
-    fix = (st.iteration + remaining // gbs) * gbs
+    remaining = max(0, goal - consumed)
+    fix = (iteration + remaining // gbs) * gbs
     return (f"WARNING: --train-samples {t.train_samples} at global batch size {gbs} makes "
             f"{t.train_iters} iterations (Megatron-LM's count: as if every batch had {gbs} "
-            f"samples), but the checkpoint consumed {st.consumed_train_samples} samples in "
-            f"{st.iteration} iterations of another batch size: this run trains {more} more "
+            f"samples), but the checkpoint consumed {consumed} samples in "
+            f"{iteration} iterations of another batch size: this run trains {more} more "
             f"and ends at {ends_at} samples, not {goal}. To train the "
             f"{remaining} left (in whole batches), pass --train-samples {fix} with "
             "--use-checkpoint-opt_param-scheduler (the learning-rate schedule keeps the "

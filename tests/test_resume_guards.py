@@ -165,6 +165,14 @@ def test_sample_based_resume_at_another_global_batch_warns_and_names_the_fix(tmp
             "consumed 12 samples in 3 iterations of another batch size: this run trains 0 "
             "more and ends at 12 samples, not 28. To train the 16 left (in whole batches), "
             "pass --train-samples 40 with --use-checkpoint-opt_param-scheduler") in out, out
+    # --dry-run --load says the same before anything runs, and nothing for the fixed command
+    assert run_dry_run(config(samples + ["--load", root, "--global-batch-size", "8"]), 1) == 0
+    out = capsys.readouterr().out
+    assert "this run trains 0 more and ends at 12 samples, not 28" in out, out
+    fixed = ["--seq-length", "16", "--train-samples", "40", "--load", root,
+             "--global-batch-size", "8", "--use-checkpoint-opt_param-scheduler"]
+    assert run_dry_run(config(fixed), 1) == 0
+    assert "WARNING: --train-samples" not in capsys.readouterr().out
     tr = run_pretrain(["--seq-length", "16", "--train-samples", "40", "--load", root,
                        "--global-batch-size", "8", "--use-checkpoint-opt_param-scheduler"])
     assert (tr.state.iteration, tr.state.consumed_train_samples) == (5, 28)
