@@ -193,9 +193,11 @@ def test_null_tokenizer_ids_beyond_vocab_size_name_the_flag(tmp_path):
     argv = ["--input", str(src), "--output-prefix", str(tmp_path / "n"), "--tokenizer-type",
             "NullTokenizer", "--vocab-size", "100", "--workers", "1"]
     with pytest.raises(SystemExit, match=r"in\.jsonl:1: key 'text': token id 494 outside the "
-                                         r"vocabulary \[0, 101\); pass a --vocab-size above "
-                                         r"the text's largest id \(it is 100\)"):
+                                         r"vocabulary \[0, 101\); pass a --vocab-size larger "
+                                         r"than the text's largest id \(this one allows ids "
+                                         r"up to 100\)$") as err:
         preprocess_data.run(preprocess_data.get_args(argv))
+    assert "--skip-bad-lines" not in str(err.value.code), "skipping lines is not the fix"
 
 
 def test_small_chunks_keep_line_numbers(tmp_path, bpe, monkeypatch):

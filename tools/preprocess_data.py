@@ -356,8 +356,9 @@ def encode_all(args: argparse.Namespace, dtype, reader: Reader, writers: Writers
             for result in pool.imap(encode_chunk, reader, chunksize=1):
                 reader.slots.release()
                 if "error" in result:
-                    raise SystemExit(f"error: {result['error']}\n(pass --skip-bad-lines to skip "
-                                     "and count malformed lines)")
+                    hint = ("\n(pass --skip-bad-lines to skip and count malformed lines)"
+                            if result.get("skippable", True) else "")
+                    raise SystemExit(f"error: {result['error']}{hint}")
                 writers.add(result["keys"], result["docs"])
                 examples += result["bad"][:max(0, 5 - len(examples))]
                 not_json += result["not_json"]

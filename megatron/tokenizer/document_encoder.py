@@ -36,6 +36,11 @@ class NotJSON(BadLine):
     """A line that does not parse as JSON at all (plain text input, for instance)."""
 
 
+class OutOfVocabulary(BadLine):
+    """A line whose ids fall outside the tokenizer's vocabulary (NullTokenizer text): the
+    fix is the vocabulary, not skipping lines."""
+
+
 @dataclass
 class EncoderOptions:
     tokenizer_type: str
@@ -225,10 +230,11 @@ class ChunkEncoder:
         for ids in encoded:  # NullTokenizer takes any integer: keep the dtype from wrapping
             if ids.min() < 0 or ids.max() >= vocab:
                 bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-                fix = (f"; pass a --vocab-size above the text's largest id (it is "
-                       f"{vocab - 1})" if self.tokenizer.name == "NullTokenizer" else "")
-                raise BadLine(f"key {key!r}: token id {bad} outside the vocabulary [0, {vocab})"
-                              f"{fix}")
+                fix = (f"; pass a --vocab-size larger than the text's largest id (this one "
+                       f"allows ids up to {vocab - 1})" if self.tokenizer.name == "NullTokenizer"
+                       else "")
+                raise OutOfVocabulary(f"key {key!r}: token id {bad} outside the vocabulary "
+                                      f"[0, {vocab}){fix}")
         return encoded
 
     def _encode_doc(self, doc: dict) -> list:
@@ -254,7 +260,7 @@ class ChunkEncoder:
             except BadLine as e:
                 message = f"{path}:{line_no}: {e}"
                 if not self.opts.skip_bad_lines:
-                    return {"error": message}
+                    return {"error": message, "skippable": not isinstance(e, OutOfVocabulary)}
                 bad.append(message)
                 not_json += isinstance(e, NotJSON)
                 continue
