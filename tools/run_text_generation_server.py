@@ -245,7 +245,9 @@ def control_group(engine: Engine):
 def follow_requests(engine: Engine) -> int:
     """A rank other than 0: generate each request rank 0 broadcasts, in lockstep with it,
     until rank 0 broadcasts stop; returns the number of requests. A request that fails its
-    checks fails alike on every rank (rank 0 answers 400), before any collective."""
+    checks fails alike on every rank (rank 0 answers 400), before any collective; one that
+    fails in generation (rank 0 answers 500 and goes on serving) fails here too, and this
+    rank goes on following (a rank that left would stop the whole server)."""
     group, served = control_group(engine), 0
     while True:
         kind, req = _broadcast(None, group)
@@ -257,6 +259,9 @@ def follow_requests(engine: Engine) -> int:
                 run_request(engine, req)
             except RequestError:
                 pass
+            except Exception as exc:  # rank 0 prints the traceback and answers 500
+                print(f"rank {engine.runtime.ps.rank}: the request failed too ("
+                      f"{type(exc).__name__}: {exc}); following the next one", flush=True)
 
 
 class Lockstep:
