@@ -7,8 +7,11 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import re
+import signal
 import threading
+import time
 
 import pytest
 
@@ -479,3 +482,55 @@ def test_a_follower_survives_a_failed_request(monkeypatch, capsys):
     assert server_mod.follow_requests(engine) == 2
     assert ran == ["bad", "good"]
     assert "rank 1: the request failed too (OverflowError" in capsys.readouterr().out
+
+
+def _follower(monkeypatch, messages, run):
+    """follow_requests on a fake rank 1 whose rank 0 sends `messages` (callables: one per
+    broadcast) and whose requests run `run`."""
+    from types import SimpleNamespace
+
+    feed = iter(messages)
+    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group: next(feed)())
+    monkeypatch.setattr(server_mod, "run_request", run)
+    engine = SimpleNamespace(runtime=SimpleNamespace(control_group=None,
+                                                     ps=SimpleNamespace(rank=1)))
+    return server_mod.follow_requests(engine)
+
+
+def _sigint_then(value):
+    def deliver():
+        os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler before returning
+        if isinstance(value, Exception):
+            raise value
+        return value
+    return deliver
+
+
+@pytest.mark.parametrize("rank0_after_sigint", [
+    ("stop", None), RuntimeError("Connection closed by peer")])
+def test_ctrl_c_ends_a_waiting_follower_quietly(monkeypatch, rank0_after_sigint):
+    """A terminal's Ctrl-C reaches every rank; a follower waiting for rank 0 printed a
+    KeyboardInterrupt traceback (and rank 0 could not tell it to stop): now it waits for
+    rank 0's stop, or ends quietly when rank 0 has gone."""
+    previous = signal.getsignal(signal.SIGINT)
+    served = _follower(monkeypatch, [lambda: ("idle", None), _sigint_then(rank0_after_sigint)],
+                       lambda engine, req: None)
+    assert served == 0
+    assert signal.getsignal(signal.SIGINT) is previous  # restored
+
+
+def test_ctrl_c_during_a_request_ends_the_follower(monkeypatch):
+    def run(engine, req):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)  # the handler raises here
+        raise AssertionError("SIGINT during a request did not interrupt it")
+
+    assert _follower(monkeypatch, [lambda: ("request", "r")], run) == 1
+
+
+def test_without_sigint_a_lost_rank0_is_an_error(monkeypatch):
+    def closed():
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(RuntimeError, match="closed"):
+        _follower(monkeypatch, [closed], lambda engine, req: None)
