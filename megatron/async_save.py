@@ -206,8 +206,9 @@ class AsyncSaver:
         assert self.done(), "snapshot while the previous save still reads the buffers"
         return snapshot_to_cpu(obj, self._pinned)
 
-    def submit(self, work: Callable[[], None], what: str) -> None:
-        """Run `work()` in the background; `what` names the save in error messages."""
+    def submit(self, work: Callable[[], None], what: str, report: bool = True) -> None:
+        """Run `work()` in the background; `what` names the save in error messages; a
+        failure is printed when it happens if `report` (one rank reports for all)."""
         assert self._thread is None, "wait() for the previous save first"
         self._error, self._what = None, what
 
@@ -216,7 +217,8 @@ class AsyncSaver:
                 work()
             except BaseException as exc:  # reported here and re-raised by wait()
                 self._error = exc
-                print(f"ERROR: background save of {what} failed: {exc!r}", flush=True)
+                if report:
+                    print(f"ERROR: background save of {what} failed: {exc}", flush=True)
 
         self._thread = threading.Thread(target=run, name="checkpoint-writer", daemon=False)
         self._thread.start()

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.agreed_exit import AgreedExit, agree, exit_on_every_rank
+from megatron.agreed_exit import AgreedExit, agree, agreed_report, exit_on_every_rank
 from megatron.async_save import AsyncSaver, mark_done, mark_failed, remove_markers, wait_for_markers
 from megatron.checkpoint_dirs import (
     MODEL_FILENAME,
@@ -375,7 +375,8 @@ def save_checkpoint(root: str, iteration: int, state: Optional[Dict], ps: Parall
 def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: ParallelState,
                           saver: AsyncSaver, release: bool = False,
                           extra_files: Optional[Dict[str, object]] = None,
-                          timeout_s: float = 660.0, started: Optional[float] = None) -> float:
+                          timeout_s: float = 660.0, started: Optional[float] = None,
+                          group=None) -> float:
     """`save_checkpoint` where only the CPU copy blocks; `saver` writes in the background.
 
     Blocking part (collective: world barriers): wait for this rank's previous save, make
@@ -384,11 +385,13 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
     pair's marker, then rename and write the tracker last -- no collective, see
     megatron/async_save.py. Returns the seconds the caller was blocked, counted from
     `started` (a time.perf_counter() value; default: now). `saver.wait()` finishes it.
+    When the previous background save failed, every rank exits here with one report
+    (`_wait_for_previous_save`, an agreement over `group`).
     """
     started = time.perf_counter() if started is None else started
     _check_save_iteration(iteration, release)
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root} (async)")
-    saver.wait()  # this rank's previous save; on rank 0 that includes publishing it
+    _wait_for_previous_save(saver, group)  # on rank 0 that includes publishing it
     final_dir = os.path.join(root, iteration_dir_name(iteration, release))
     tmp_dir = final_dir + ".tmp"
     _prepare_tmp_dir(root, tmp_dir, ps)
@@ -403,7 +406,7 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
         if snapshot is not None:
             try:
                 mark_done(tmp_dir, _write_rank_files(root, iteration, tmp_dir, ps, snapshot))
-            except CheckpointWriteError as exc:  # rank 0 stops waiting for this writer
+            except Exception as exc:  # rank 0 stops waiting for this writer
                 mark_failed(tmp_dir, rank_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size),
                             f"{exc} (rank {ps.rank})")
                 raise
@@ -415,8 +418,29 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
                   f"  checkpoint save time (blocking {blocking:.2f} s, writing "
                   f"{time.perf_counter() - t0:.2f} s in the background)", flush=True)
 
-    saver.submit(write_and_publish, f"the checkpoint at iteration {iteration} to {root}")
+    saver.submit(write_and_publish, f"the checkpoint at iteration {iteration} to {root}",
+                 report=ps.rank == 0)  # rank 0 learns of every writer's failure
     return blocking
+
+
+def _wait_for_previous_save(saver: AsyncSaver, group=None) -> None:
+    """Wait for this rank's previous background save; when it failed on any rank, every
+    rank raises the same `AgreedExit` (collective: `agree` over `group`) with one report:
+    rank 0's when it has one (it names the writer that failed), else each failing rank's.
+    In a single process the failure's SystemExit."""
+    try:
+        saver.wait()
+        error = None
+    except RuntimeError as exc:
+        error = f"error: {exc}"
+    if _world_size(group) == 1:
+        if error is not None:
+            raise SystemExit(error)
+        return
+    errors = agree(None, group, error)
+    report = errors[0] or agreed_report(errors)
+    if report is not None:
+        raise exit_on_every_rank(report, group)
 
 
 # ---------------------------------------------------------------------------------------

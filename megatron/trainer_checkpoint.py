@@ -134,7 +134,8 @@ def save_trainer_checkpoint(tr) -> float:
         tr.async_saver = AsyncSaver()
     blocking = save_checkpoint_async(
         ck.save, tr.state.iteration, state, tr.rt.ps, tr.async_saver, extra_files=extra,
-        timeout_s=60.0 * (tr.config.parallel.distributed_timeout_minutes + 1), started=started)
+        timeout_s=60.0 * (tr.config.parallel.distributed_timeout_minutes + 1), started=started,
+        group=_control_group(tr))
     if _run_ends_after_save(tr):
         tr.async_saver.wait()
     return blocking

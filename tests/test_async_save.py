@@ -210,6 +210,51 @@ def test_a_failed_background_writer_stops_rank_0_waiting(tmp_path):
     assert read_tracker(str(tmp_path)) == (1, False)
 
 
+
+def _dist_next_save_after_a_failed_writer(rank, world_size, root):
+    import contextlib
+    import io
+
+    from megatron.agreed_exit import AgreedExit
+
+    ps = ParallelState.build(world_size, rank, tp_size=2)
+    saver = AsyncSaver()
+    original, out = torch.save, io.StringIO()
+    if rank == 1:
+        def full(obj, f, *args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        torch.save = full
+    try:
+        with contextlib.redirect_stdout(out):
+            save_checkpoint_async(root, 3, _state(3, float(rank)), ps, saver, timeout_s=120.0)
+            torch.save = original
+            while not saver.done():
+                time.sleep(0.05)
+            try:
+                save_checkpoint_async(root, 5, _state(5, float(rank)), ps, saver)
+            except AgreedExit as exc:
+                return exc.report, exc.prints, out.getvalue()
+        return None, None, out.getvalue()
+    finally:
+        torch.save = original
+
+
+def test_the_next_save_after_a_failed_background_write_exits_every_rank_once(tmp_path):
+    """Every rank raised its own RuntimeError at the next save (a traceback per rank) and
+    the writer's failure was printed by each rank that saw it, as a repr: now rank 0 alone
+    prints it when it happens, and at the next save every rank exits with rank 0's report
+    (naming the writer), printed once."""
+    results = run_distributed(_dist_next_save_after_a_failed_writer, 2, str(tmp_path))
+    (report0, prints0, out0), (report1, prints1, out1) = results
+    assert report0 == report1 and (prints0, prints1) == (True, False)
+    assert report0.startswith("error: the background save of the checkpoint at iteration 3")
+    assert "the writer of mp_rank_01 failed" in report0 and "(rank 1)" in report0
+    assert out0.count("ERROR: background save") == 1 and "ERROR" not in out1
+    assert "CheckpointWriteError(" not in out0
+    assert not os.path.exists(tmp_path / "iter_0000003")  # never published
+
+
 # --------------------------------------------------------------------------- trainer
 def _trainer_async_scenario(root, world_size=1, rank=0, extra=()):
     """Uninterrupted losses; a run with async saves at 2 and 4 that stops at 4; the resume."""

@@ -7,8 +7,11 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import re
+import signal
 import threading
+import time
 
 import pytest
 
@@ -435,3 +438,99 @@ def test_main_notes_the_local_only_default(ckpt, capsys, monkeypatch, host_flags
     assert "at http://127.0.0.1:5999/api (PUT)" in out
     assert ("note: listening on 127.0.0.1 only (Megatron-LM listens on 0.0.0.0); pass "
             "--host 0.0.0.0" in out) == noted
+
+
+@pytest.mark.parametrize("penalty, tokens, ok", [
+    (2000, 5, False), (-2000, 5, False), (2000, 1, True), (40, 1024, True),
+    (44, 1024, False), (1.0, 64, True), (0.0, 64, True)])
+def test_length_penalty_keeps_beam_scores_finite(penalty, tokens, ok):
+    """A length_penalty whose divisor length ** penalty overflows (or underflows to 0) was
+    accepted and failed in the search (500 on rank 0; under torchrun the other ranks left
+    and the server stopped): it is a 400 naming the range, and an accepted one scores."""
+    from tools.beam_search import Hypotheses
+    from tools.text_generation_api import RequestError, parse_request
+
+    body = {"prompts": ["5"], "beam_width": 2, "tokens_to_generate": tokens,
+            "length_penalty": penalty}
+    if not ok:
+        with pytest.raises(RequestError, match=r"length_penalty must be in \[-\d"):
+            parse_request(body)
+        return
+    req = parse_request(body)
+    hyps = Hypotheses(2, req.length_penalty)
+    for length in {1, min(2, tokens), tokens}:  # lengths reach tokens_to_generate
+        assert math.isfinite(hyps.score(-50.0 * length, length))
+
+
+def test_a_follower_survives_a_failed_request(monkeypatch, capsys):
+    """Under torchrun a request that fails in generation on every rank (rank 0 answers 500
+    and goes on) must not end the other ranks: they follow the next request."""
+    from types import SimpleNamespace
+
+    messages = iter([("request", "bad"), ("idle", None), ("request", "good"), ("stop", None)])
+    ran = []
+
+    def run(engine, req):
+        ran.append(req)
+        if req == "bad":
+            raise OverflowError("Numerical result out of range")
+
+    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group: next(messages))
+    monkeypatch.setattr(server_mod, "run_request", run)
+    engine = SimpleNamespace(runtime=SimpleNamespace(control_group=None,
+                                                     ps=SimpleNamespace(rank=1)))
+    assert server_mod.follow_requests(engine) == 2
+    assert ran == ["bad", "good"]
+    assert "rank 1: the request failed too (OverflowError" in capsys.readouterr().out
+
+
+def _follower(monkeypatch, messages, run):
+    """follow_requests on a fake rank 1 whose rank 0 sends `messages` (callables: one per
+    broadcast) and whose requests run `run`."""
+    from types import SimpleNamespace
+
+    feed = iter(messages)
+    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group: next(feed)())
+    monkeypatch.setattr(server_mod, "run_request", run)
+    engine = SimpleNamespace(runtime=SimpleNamespace(control_group=None,
+                                                     ps=SimpleNamespace(rank=1)))
+    return server_mod.follow_requests(engine)
+
+
+def _sigint_then(value):
+    def deliver():
+        os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler before returning
+        if isinstance(value, Exception):
+            raise value
+        return value
+    return deliver
+
+
+@pytest.mark.parametrize("rank0_after_sigint", [
+    ("stop", None), RuntimeError("Connection closed by peer")])
+def test_ctrl_c_ends_a_waiting_follower_quietly(monkeypatch, rank0_after_sigint):
+    """A terminal's Ctrl-C reaches every rank; a follower waiting for rank 0 printed a
+    KeyboardInterrupt traceback (and rank 0 could not tell it to stop): now it waits for
+    rank 0's stop, or ends quietly when rank 0 has gone."""
+    previous = signal.getsignal(signal.SIGINT)
+    served = _follower(monkeypatch, [lambda: ("idle", None), _sigint_then(rank0_after_sigint)],
+                       lambda engine, req: None)
+    assert served == 0
+    assert signal.getsignal(signal.SIGINT) is previous  # restored
+
+
+def test_ctrl_c_during_a_request_ends_the_follower(monkeypatch):
+    def run(engine, req):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)  # the handler raises here
+        raise AssertionError("SIGINT during a request did not interrupt it")
+
+    assert _follower(monkeypatch, [lambda: ("request", "r")], run) == 1
+
+
+def test_without_sigint_a_lost_rank0_is_an_error(monkeypatch):
+    def closed():
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(RuntimeError, match="closed"):
+        _follower(monkeypatch, [closed], lambda engine, req: None)

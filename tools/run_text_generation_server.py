@@ -242,21 +242,64 @@ def control_group(engine: Engine):
     return engine.runtime.control_group
 
 
+class _FollowerSigint:
+    """SIGINT on a rank that follows rank 0 (a terminal's Ctrl-C reaches every rank of the
+    job): while it waits for rank 0's next message it is only noted -- rank 0, interrupted
+    too, broadcasts stop and every rank ends quietly; during a request it raises
+    KeyboardInterrupt (rank 0 stopped mid-request and will not finish it). Installed in
+    the main thread only."""
+
+    def __init__(self) -> None:
+        self.received, self.busy, self._previous = False, False, None
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+        if self.busy:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> "_FollowerSigint":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
 def follow_requests(engine: Engine) -> int:
     """A rank other than 0: generate each request rank 0 broadcasts, in lockstep with it,
     until rank 0 broadcasts stop; returns the number of requests. A request that fails its
-    checks fails alike on every rank (rank 0 answers 400), before any collective."""
+    checks fails alike on every rank (rank 0 answers 400), before any collective; one that
+    fails in generation (rank 0 answers 500 and goes on serving) fails here too, and this
+    rank goes on following (a rank that left would stop the whole server). Ctrl-C ends it
+    without a traceback (see _FollowerSigint); so does rank 0 leaving after one."""
     group, served = control_group(engine), 0
-    while True:
-        kind, req = _broadcast(None, group)
-        if kind == _STOP:
-            return served
-        if kind == _REQUEST:
+    with _FollowerSigint() as sigint:
+        while True:
+            try:
+                kind, req = _broadcast(None, group)
+            except RuntimeError:  # rank 0 left: after Ctrl-C that is the stop
+                if sigint.received:
+                    return served
+                raise
+            if kind == _STOP:
+                return served
+            if kind != _REQUEST:
+                continue
             served += 1
+            sigint.busy = True
             try:
                 run_request(engine, req)
             except RequestError:
                 pass
+            except KeyboardInterrupt:  # Ctrl-C mid-request: rank 0 stopped too
+                return served
+            except Exception as exc:  # rank 0 prints the traceback and answers 500
+                print(f"rank {engine.runtime.ps.rank}: the request failed too ("
+                      f"{type(exc).__name__}: {exc}); following the next one", flush=True)
+            finally:
+                sigint.busy = False
 
 
 class Lockstep:

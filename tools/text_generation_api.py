@@ -22,7 +22,8 @@ A request is Megatron-LM's `PUT /api` JSON object:
     beam_width           int >= 1, or null (default): beam search (one prompt only)
     stop_token           int >= 0, default 50256 (GPT-2's end of document): ends a beam
     length_penalty       finite number, default 1: beam scores are divided by
-                         (generated length) ** length_penalty
+                         (generated length) ** length_penalty; |length_penalty| at most
+                         300 / ln(tokens_to_generate), so that stays a finite number
 
 The answer is {"text": [prompt + generated text], "segments": [[token text, ...]]} (with a
 SentencePiece tokenizer the pieces as Megatron-LM gives them: '\u2581the') and,
@@ -97,6 +98,9 @@ from tools.generate import generate, generate_batch
 from tools.sampling_rules import TopPSchedule
 
 MAX_PROMPTS = 128
+# |length_penalty| x ln(generated length) at most this: length ** length_penalty stays
+# within [e**-300, e**300], so a beam's score is finite (float64 reaches e**709)
+_MAX_LOG_DIVISOR = 300.0
 STOP_TOKEN = 50256  # Megatron's default stop_token: GPT-2's end of document
 # fields not implemented here, with the value that asks for nothing: all_probs, which
 # clients written for older Megatron-LM servers still send (false)
@@ -240,6 +244,18 @@ def _top_p_decay(body: dict, top_p: float) -> Dict[str, float]:
     return {"top_p_decay": decay, "top_p_bound": bound}
 
 
+def _check_penalty_range(penalty: float, tokens: int) -> None:
+    """Refuse a length_penalty for which (generated length) ** length_penalty, for a length
+    up to `tokens`, leaves the range where a beam's score is a finite float (Megatron's
+    server fails there with an OverflowError or ZeroDivisionError)."""
+    limit = _MAX_LOG_DIVISOR / math.log(tokens) if tokens > 1 else math.inf
+    if abs(penalty) > limit:
+        raise RequestError(
+            f"length_penalty must be in [-{limit:.4g}, {limit:.4g}] with tokens_to_generate "
+            f"{tokens}: a beam's score is divided by (generated length) ** length_penalty, "
+            f"which must stay a finite number (got {penalty!r}); the default is 1")
+
+
 def _beam_fields(body: dict, num_prompts: int, tokens: int) -> Dict[str, Any]:
     """beam_width, stop_token and length_penalty, checked with what beam search reads:
     one prompt, tokens to generate, no sampling field (see the module docstring)."""
@@ -264,6 +280,7 @@ def _beam_fields(body: dict, num_prompts: int, tokens: int) -> Dict[str, Any]:
                            "drop beam_width")
     if tokens < 1:
         raise RequestError("beam search needs tokens_to_generate >= 1 (got 0)")
+    _check_penalty_range(penalty, tokens)
     for name, default in _NOT_FOR_BEAMS.items():
         if body.get(name, default) != default:
             raise RequestError(f"{name} is not used by beam search (it follows the most "
