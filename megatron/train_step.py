@@ -287,8 +287,8 @@ def _finish_grads(tr, timers) -> None:
         tr.model.finish_grad_sync()
     with timed(timers, "embedding-grads-all-reduce"):
         allreduce_tied_embedding_grads(model_chunks(tr), ps)  # pp > 1: first + last stage
-    if tr.config.model.sequence_parallel:
-        with timed(timers, "layernorm-grads-all-reduce"):
+    with timed(timers, "layernorm-grads-all-reduce"):  # timed always, as by Megatron-LM
+        if tr.config.model.sequence_parallel:
             allreduce_sequence_parallel_grads(tr.model, ps.tp_group)
 
 
