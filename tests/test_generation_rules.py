@@ -139,5 +139,6 @@ def test_beam_request_with_and_without_the_cache():
     assert out["text"] == [" ".join(map(str, [4, 9, 1] + ids)) for ids, _ in hyps]
     assert out["segments"] == [t.split(" ") for t in out["text"]]
     with pytest.raises(RequestError, match="beam_width 3 needs at least 2 x beam_width "
-                                           "candidate tokens; the vocabulary has 5"):
+                                           "candidate tokens; the vocabulary has 5: "
+                                           "pass a beam_width of at most 2"):
         run_request(_engine(vocab_size=5), parse_request(dict(body, prompts=["4 1"])))

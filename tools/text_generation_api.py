@@ -434,7 +434,8 @@ def _run_beams(engine: Engine, req: GenerationRequest, ids: List[int]) -> Dict[s
     """The beam search answer of a one-prompt request: text, segments, scores."""
     if engine.vocab_size < 2 * req.beam_width:
         raise RequestError(f"beam_width {req.beam_width} needs at least 2 x beam_width "
-                           f"candidate tokens; the vocabulary has {engine.vocab_size}")
+                           f"candidate tokens; the vocabulary has {engine.vocab_size}: "
+                           f"pass a beam_width of at most {engine.vocab_size // 2}")
     hyps = beam_search(engine.model, ids, req.beam_width, req.tokens_to_generate,
                        stop_token=req.stop_token, length_penalty=req.length_penalty,
                        vocab_limit=engine.vocab_size, use_cache=engine.use_kv_cache,
