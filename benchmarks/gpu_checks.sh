@@ -6,7 +6,8 @@
 # fit, for the out-of-memory report (megatron/oom_report.py: exit status 1, the report's
 # first lines, the --record-memory-history snapshot it names), then the zero-shot
 # evaluation, a --num-experts benchmark and the key/value-cache generation speed (dense
-# at gpt-1.3b's shape; 8 experts at gpt2-124m's). pytest must be importable.
+# at gpt-1.3b's shape; 8 experts at gpt2-124m's), generation at tp/pp layouts over NCCL
+# (benchmarks/generate_layouts.py). pytest must be importable.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_checks}; mkdir -p "$OUT"
@@ -53,3 +54,6 @@ python benchmarks/kv_cache_speed.py --device cuda --dtype bf16 --layers 24 --hid
     --prompt 128 --new 256 2>&1 | tee "$OUT/kv_cache.log"
 python benchmarks/kv_cache_speed.py --device cuda --dtype bf16 --layers 12 --hidden 768 --heads 12 \
     --experts 8 --prompt 128 --new 256 2>&1 | tee "$OUT/kv_cache_moe.log"
+# Generation at tp2 / pp2 / tp2pp2 through NCCL with every rank on GPU 0, against one
+# process (the CUDA-graph decode step under tensor parallelism included).
+timeout 400 python benchmarks/generate_layouts.py --layouts tp2,pp2,tp2pp2 2>&1 | grep -E "same ids|DIFFERENT"
