@@ -205,6 +205,9 @@ class AsyncSaver:
         self._abandoned = False
         self._published = False
         self.tmp_dir: Optional[str] = None  # the directory the last submitted save writes
+        # set by the thread itself when it ends: Thread.is_alive() is not to be trusted
+        # after a join() that Ctrl-C interrupted (CPython 3.11 marks the thread stopped)
+        self._finished = threading.Event()
 
     @property
     def pending(self) -> bool:
@@ -217,7 +220,7 @@ class AsyncSaver:
 
     def done(self) -> bool:
         """True when no save is in flight (a finished one may still need `wait()`)."""
-        return self._thread is None or not self._thread.is_alive()
+        return self._thread is None or self._finished.is_set()
 
     def snapshot(self, obj):
         assert self.done(), "snapshot while the previous save still reads the buffers"
@@ -230,6 +233,7 @@ class AsyncSaver:
         `tmp_dir`: the directory it writes into (removed after an agreed failure)."""
         assert self._thread is None, "wait() for the previous save first"
         self._error, self._what, self._published, self.tmp_dir = None, what, False, tmp_dir
+        self._finished.clear()
 
         def run() -> None:
             try:
@@ -238,6 +242,8 @@ class AsyncSaver:
                 self._error = exc
                 if report and not self._abandoned:
                     print(f"ERROR: background save of {what} failed: {exc}", flush=True)
+            finally:
+                self._finished.set()
 
         self._thread = threading.Thread(target=run, name="checkpoint-writer", daemon=False)
         self._thread.start()
