@@ -13,6 +13,7 @@ Takes Megatron-LM 23.05's command line, e.g.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -43,23 +44,42 @@ def tokenizer_vocab_size(args) -> int:
 
 def main(argv=None) -> int:
     start = time.time()
-    from megatron.arguments import format_args_dump, parse_and_validate, run_dry_run
+    from megatron.interrupt import InterruptWatch, RunProgress
 
-    rank, world, local_rank = _launcher_env()
-    config = parse_and_validate(sys.argv[1:] if argv is None else argv, world_size=world,
-                                vocab_size_fn=tokenizer_vocab_size)
-    if config.args.get("dry_run"):
-        return run_dry_run(config, world)
+    progress, config = RunProgress(), None  # Ctrl-C: one line instead of every rank's traceback
+    with InterruptWatch() as watch:
+        try:
+            from megatron.arguments import parse_and_validate, run_dry_run
 
+            rank, world, local_rank = _launcher_env()
+            config = parse_and_validate(sys.argv[1:] if argv is None else argv,
+                                        world_size=world, vocab_size_fn=tokenizer_vocab_size)
+            if config.args.get("dry_run"):
+                return run_dry_run(config, world)
+            return _train(config, (rank, world, local_rank), start, progress, watch)
+        except BaseException as e:
+            if not watch.explains(e):
+                raise
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process is ending
+    rank, _, local_rank = _launcher_env()
+    return _interrupted(config, rank == 0 or local_rank == 0, progress)
+
+
+def _train(config, ranks: tuple, start: float, progress, watch) -> int:
+    """Initialise the process group, then pretrain; the exit status (0, or an
+    out-of-memory exit's). The process group is left as it is after an out-of-memory
+    error or an interrupt: its teardown may wait for ranks still in a collective (the
+    launcher ends those)."""
     import torch.distributed as dist
 
     from megatron.agreed_exit import silent_ranks_wait
+    from megatron.arguments import format_args_dump
     from megatron.initialize import initialize_entry_point, set_random_seed
-    from megatron.interrupt import INTERRUPTED_STATUS, InterruptWatch, interrupt_message
     from megatron.logging_utils import print_rank_0
     from megatron.oom_report import OutOfMemoryExit
     from megatron.training import pretrain, print_datetime
 
+    rank, world, local_rank = ranks
     rt = initialize_entry_point(config.parallel, config.args["cublas_workspace"], rank, world,
                                 local_rank, os.environ)
     if rank == 0:
@@ -67,25 +87,40 @@ def main(argv=None) -> int:
     set_random_seed(config.training.seed, rt, config.training.data_parallel_random_init)
     print_rank_0(f"time to initialize megatron (seconds): {time.time() - start:.3f}")
     print_datetime("after megatron is initialized")
-    oom = interrupted = None
-    with silent_ranks_wait(os.environ), InterruptWatch() as watch:  # rank 0 prints errors
+    leave_group = False
+    with silent_ranks_wait(os.environ):  # rank 0 prints errors
         try:
-            pretrain(config, rt, process_start_time=start)  # exits return here too: status 0
+            pretrain(config, rt, process_start_time=start, progress=progress)  # exits too
         except OutOfMemoryExit as e:  # reported already
-            oom = e
-        except BaseException as e:  # Ctrl-C: one line below instead of every rank's traceback
-            if not watch.explains(e):
-                raise
-            interrupted = e
-        finally:  # not after an OOM or Ctrl-C: the teardown may wait for ranks still in a
-            if dist.is_initialized() and oom is None and interrupted is None:  # collective
-                dist.destroy_process_group()  # (the launcher ends those)
-    if interrupted is not None:
-        if rank == 0 or local_rank == 0:
-            print(interrupt_message(getattr(interrupted, "iteration", None),
-                                    config.checkpoint.save), flush=True)
-        return INTERRUPTED_STATUS
-    return 0 if oom is None else oom.code
+            leave_group = True
+            return e.code
+        except BaseException as e:
+            leave_group = watch.explains(e)
+            raise
+        finally:
+            if dist.is_initialized() and not leave_group:
+                dist.destroy_process_group()
+    return 0
+
+
+def _interrupted(config, prints: bool, progress) -> int:
+    """After Ctrl-C (`config`: None when it came before the command line was read):
+    abandon a background save in flight (never published from now on), print where the
+    run stopped and the checkpoint to resume from (rank 0, and the first process of each
+    node), and return 130 -- or exit at once with it when a background
+    writer still runs: its save is abandoned, waiting for it would only delay the exit."""
+    from megatron.interrupt import INTERRUPTED_STATUS, interrupt_message
+
+    abandoned = progress.abandon_save()
+    if prints and config is None:  # while reading the command line
+        print("interrupted during start-up (SIGINT, e.g. Ctrl-C)", flush=True)
+    elif prints:
+        print(interrupt_message(progress, config.checkpoint.save, abandoned), flush=True)
+    if progress.writer_running():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(INTERRUPTED_STATUS)
+    return INTERRUPTED_STATUS
 
 
 if __name__ == "__main__":

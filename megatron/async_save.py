@@ -26,11 +26,14 @@ tracker untouched: the previous checkpoint stays the one that is loaded.
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from typing import Callable, Iterable, List, Optional
 
 import torch
+
+from megatron.agreed_exit import agree, agreed_report, exit_on_every_rank
 
 MARKER_PREFIX = ".done."
 FAILED_PREFIX = ".failed."
@@ -146,12 +149,14 @@ def _failure(tmp_dir: str, rank_dir: str) -> Optional[str]:
 
 
 def wait_for_markers(tmp_dir: str, rank_dirs: Iterable[str], timeout_s: float,
-                     poll_s: float = 0.02) -> None:
+                     poll_s: float = 0.02,
+                     stop: Optional[Callable[[], bool]] = None) -> None:
     """Block until every marker of `rank_dirs` exists in `tmp_dir`.
 
     Raises RuntimeError with the writer's message as soon as one of them left a failure
     marker, and TimeoutError naming the missing ones after `timeout_s` seconds (a writer
-    died or its file system is not the one this rank sees)."""
+    died or its file system is not the one this rank sees); RuntimeError as soon as
+    `stop()` is true (the save was abandoned)."""
     pending = set(rank_dirs)
     deadline = time.monotonic() + timeout_s
     unpublished = "the checkpoint was not published (the tracker still names the previous one)"
@@ -163,6 +168,8 @@ def wait_for_markers(tmp_dir: str, rank_dirs: Iterable[str], timeout_s: float,
             message = _failure(tmp_dir, d)
             if message is not None:
                 raise RuntimeError(f"the writer of {d} failed: {message}; {unpublished}")
+        if stop is not None and stop():
+            raise RuntimeError(f"abandoned; {unpublished}")
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"after {timeout_s:.0f} s, no finished files from {', '.join(sorted(pending))} "
@@ -185,43 +192,79 @@ class AsyncSaver:
 
     `submit(work)` starts `work()` on a non-daemon thread; `wait()` joins it and re-raises
     its failure as RuntimeError. `snapshot(obj)` is `snapshot_to_cpu` with pinned buffers
-    reused from the previous save (call it only after `wait()`)."""
+    reused from the previous save (call it only after `wait()`). `publish(fn)` runs the
+    step that makes a save visible unless `abandon()` (Ctrl-C) came first: both hold one
+    lock, so once `abandon()` returns the tracker no longer changes."""
 
     def __init__(self) -> None:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._what = ""
         self._pinned = _PinnedBuffers()
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._published = False
+        self.tmp_dir: Optional[str] = None  # the directory the last submitted save writes
+        # set by the thread itself when it ends: Thread.is_alive() is not to be trusted
+        # after a join() that Ctrl-C interrupted (CPython 3.11 marks the thread stopped)
+        self._finished = threading.Event()
 
     @property
     def pending(self) -> bool:
         """True while a submitted save has not been waited for."""
         return self._thread is not None
 
+    @property
+    def abandoned(self) -> bool:
+        return self._abandoned
+
     def done(self) -> bool:
         """True when no save is in flight (a finished one may still need `wait()`)."""
-        return self._thread is None or not self._thread.is_alive()
+        return self._thread is None or self._finished.is_set()
 
     def snapshot(self, obj):
         assert self.done(), "snapshot while the previous save still reads the buffers"
         return snapshot_to_cpu(obj, self._pinned)
 
-    def submit(self, work: Callable[[], None], what: str, report: bool = True) -> None:
+    def submit(self, work: Callable[[], None], what: str, report: bool = True,
+               tmp_dir: Optional[str] = None) -> None:
         """Run `work()` in the background; `what` names the save in error messages; a
-        failure is printed when it happens if `report` (one rank reports for all)."""
+        failure is printed when it happens if `report` (one rank reports for all);
+        `tmp_dir`: the directory it writes into (removed after an agreed failure)."""
         assert self._thread is None, "wait() for the previous save first"
-        self._error, self._what = None, what
+        self._error, self._what, self._published, self.tmp_dir = None, what, False, tmp_dir
+        self._finished.clear()
 
         def run() -> None:
             try:
                 work()
             except BaseException as exc:  # reported here and re-raised by wait()
                 self._error = exc
-                if report:
+                if report and not self._abandoned:
                     print(f"ERROR: background save of {what} failed: {exc}", flush=True)
+            finally:
+                self._finished.set()
 
         self._thread = threading.Thread(target=run, name="checkpoint-writer", daemon=False)
         self._thread.start()
+
+    def publish(self, publish_fn: Callable[[], None]) -> bool:
+        """`publish_fn()` (from the writer thread) unless the save was abandoned; whether
+        it ran."""
+        with self._lock:
+            if self._abandoned:
+                return False
+            publish_fn()
+            self._published = True
+            return True
+
+    def abandon(self) -> Optional[str]:
+        """The run stops without finishing the save in flight (Ctrl-C): it is never
+        published, and a wait for other writers' markers stops. Returns what names that
+        save when one was in flight and not yet published, else None."""
+        with self._lock:
+            self._abandoned = True
+            return None if self.done() or self._published else self._what
 
     def wait(self) -> None:
         """Wait for the save in flight, if any; RuntimeError when it failed."""
@@ -234,6 +277,30 @@ class AsyncSaver:
             raise RuntimeError(f"the background save of {self._what} failed: {error}") from error
 
 
-__all__ = ["AsyncSaver", "snapshot_to_cpu", "marker_path", "mark_done", "mark_failed",
+def agreed_wait(saver: Optional[AsyncSaver], is_rank_0: bool, group=None) -> None:
+    """Wait for this rank's save in flight; when it failed on any rank, every rank raises
+    the same `AgreedExit` (one report: rank 0's when it has one -- it names the writer
+    that failed -- else each failing rank's), and rank 0 first removes the failed save's
+    temporary directory: every rank joined its own writer before the agreement, so none
+    can still write there. In a single process the failure's SystemExit.
+
+    Collective: one `agree` (all_gather_object) over `group`, which every rank must call
+    at the same point, with a saver or not."""
+    error = None
+    try:
+        if saver is not None:
+            saver.wait()
+    except RuntimeError as exc:
+        error = f"error: {exc}"
+    errors = agree(None, group, error)
+    report = errors[0] or agreed_report(errors)
+    if report is None:
+        return
+    if is_rank_0 and saver is not None and saver.tmp_dir:
+        shutil.rmtree(saver.tmp_dir, ignore_errors=True)
+    raise exit_on_every_rank(report, group)
+
+
+__all__ = ["AsyncSaver", "agreed_wait", "snapshot_to_cpu", "marker_path", "mark_done", "mark_failed",
            "failed_marker_path", "wait_for_markers", "remove_markers", "MARKER_PREFIX",
            "FAILED_PREFIX"]

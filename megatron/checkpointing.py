@@ -29,8 +29,15 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.agreed_exit import AgreedExit, agree, agreed_report, exit_on_every_rank
-from megatron.async_save import AsyncSaver, mark_done, mark_failed, remove_markers, wait_for_markers
+from megatron.agreed_exit import AgreedExit, agree, exit_on_every_rank
+from megatron.async_save import (
+    AsyncSaver,
+    agreed_wait,
+    mark_done,
+    mark_failed,
+    remove_markers,
+    wait_for_markers,
+)
 from megatron.checkpoint_dirs import (
     MODEL_FILENAME,
     TRACKER_FILENAME,
@@ -376,7 +383,7 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
                           saver: AsyncSaver, release: bool = False,
                           extra_files: Optional[Dict[str, object]] = None,
                           timeout_s: float = 660.0, started: Optional[float] = None,
-                          group=None) -> float:
+                          group=None, report: bool = True) -> float:
     """`save_checkpoint` where only the CPU copy blocks; `saver` writes in the background.
 
     Blocking part (collective: world barriers): wait for this rank's previous save, make
@@ -384,14 +391,17 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
     files, drop a marker; on global rank 0 wait (up to `timeout_s`) for every (tp, pp)
     pair's marker, then rename and write the tracker last -- no collective, see
     megatron/async_save.py. Returns the seconds the caller was blocked, counted from
-    `started` (a time.perf_counter() value; default: now). `saver.wait()` finishes it.
+    `started` (a time.perf_counter() value; default: now). `saver.wait()` finishes it
+    (`async_save.agreed_wait` on every rank together); `report`: rank 0 prints a failure
+    when it happens (not for a save the run ends after: that wait reports it).
     When the previous background save failed, every rank exits here with one report
-    (`_wait_for_previous_save`, an agreement over `group`).
+    (`async_save.agreed_wait`, an agreement over `group`; rank 0 removes its directory).
+    A save `saver.abandon()` stopped (Ctrl-C) is never published.
     """
     started = time.perf_counter() if started is None else started
     _check_save_iteration(iteration, release)
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root} (async)")
-    _wait_for_previous_save(saver, group)  # on rank 0 that includes publishing it
+    agreed_wait(saver, ps.rank == 0, group)  # on rank 0 that includes publishing it
     final_dir = os.path.join(root, iteration_dir_name(iteration, release))
     tmp_dir = final_dir + ".tmp"
     _prepare_tmp_dir(root, tmp_dir, ps)
@@ -411,36 +421,17 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
                             f"{exc} (rank {ps.rank})")
                 raise
         if writers:
-            wait_for_markers(tmp_dir, writers, timeout_s)
+            wait_for_markers(tmp_dir, writers, timeout_s, stop=lambda: saver.abandoned)
             remove_markers(tmp_dir, writers)
-            _publish(root, tmp_dir, final_dir, iteration, release)
+            if not saver.publish(lambda: _publish(root, tmp_dir, final_dir, iteration, release)):
+                return
             print(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}\n"
                   f"  checkpoint save time (blocking {blocking:.2f} s, writing "
                   f"{time.perf_counter() - t0:.2f} s in the background)", flush=True)
 
     saver.submit(write_and_publish, f"the checkpoint at iteration {iteration} to {root}",
-                 report=ps.rank == 0)  # rank 0 learns of every writer's failure
+                 report=ps.rank == 0 and report, tmp_dir=tmp_dir)  # rank 0 learns of all
     return blocking
-
-
-def _wait_for_previous_save(saver: AsyncSaver, group=None) -> None:
-    """Wait for this rank's previous background save; when it failed on any rank, every
-    rank raises the same `AgreedExit` (collective: `agree` over `group`) with one report:
-    rank 0's when it has one (it names the writer that failed), else each failing rank's.
-    In a single process the failure's SystemExit."""
-    try:
-        saver.wait()
-        error = None
-    except RuntimeError as exc:
-        error = f"error: {exc}"
-    if _world_size(group) == 1:
-        if error is not None:
-            raise SystemExit(error)
-        return
-    errors = agree(None, group, error)
-    report = errors[0] or agreed_report(errors)
-    if report is not None:
-        raise exit_on_every_rank(report, group)
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,31 +8,46 @@ process received SIGINT (and still raises KeyboardInterrupt, as Python's own han
 pretrain_gpt.py then treats whatever stopped the run after the signal as the interrupt:
 rank 0 (and the first process of every other node the signal reached) prints
 `interrupt_message`, the others nothing, and the process exits with status 130 (128 +
-SIGINT, the shell's convention). Nothing is saved, as in Megatron-LM: the message names
-the last checkpoint in --save, the one a relaunch with --load resumes from. The run's own
-teardown still runs (TensorBoard's last events are written, data loader workers stop, a
-background checkpoint save in flight finishes).
+SIGINT, the shell's convention). The line says where the run was (`RunProgress`: during
+start-up, at iteration N, during the evaluation at iteration N, while saving the
+checkpoint of iteration N). Nothing is saved, as in Megatron-LM: the message names the
+last checkpoint in --save, the one a relaunch with --load resumes from. The run's own
+teardown still runs (TensorBoard's last events are written, data loader workers stop). A
+background checkpoint save in flight (--async-save) is abandoned before the tracker is
+read: it is never published, so the line stays true, and the process exits without
+waiting for its writer (its `iter_N.tmp` stays behind; the next start warns of it).
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
-from typing import Optional
+import time
+from typing import Iterator, Optional
 
 INTERRUPTED_STATUS = 128 + signal.SIGINT
 
 
 class InterruptWatch:
     """`with InterruptWatch() as watch:` -- SIGINT in the main thread sets `watch.received`
-    and raises KeyboardInterrupt (each time: a second Ctrl-C interrupts the teardown too).
-    Outside the main thread (a library call) it installs nothing."""
+    and raises KeyboardInterrupt (each time: a second Ctrl-C interrupts the teardown too),
+    except within `FORWARDED_WITHIN_S` of the first: that is the same Ctrl-C again, which
+    torchrun forwards to workers the terminal has already reached; raised again, it would
+    cut the run's teardown short at a random point. Outside the main thread (a library
+    call) it installs nothing."""
+
+    FORWARDED_WITHIN_S = 1.0
 
     def __init__(self) -> None:
         self.received = False
+        self._first = 0.0
         self._previous = None
 
     def _handle(self, signum, frame) -> None:
-        self.received = True
+        if self.received and time.monotonic() - self._first < self.FORWARDED_WITHIN_S:
+            return
+        if not self.received:
+            self.received, self._first = True, time.monotonic()
         raise KeyboardInterrupt
 
     def __enter__(self) -> "InterruptWatch":
@@ -51,13 +66,63 @@ class InterruptWatch:
         return self.received and not isinstance(exc, SystemExit)
 
 
-def interrupt_message(iteration: Optional[int], save: Optional[str]) -> str:
-    """'interrupted at iteration N (SIGINT, e.g. Ctrl-C): ...' naming the checkpoint a
-    relaunch resumes from."""
+class RunProgress:
+    """Where a run is, for the interrupt line: its phase ("start-up" until the data
+    loaders are built, then "training", "evaluation" or "saving" the checkpoint) and the
+    trainer once built (its iteration, its background saver). `stage(phase)` sets the
+    phase for a block and puts the previous one back only when the block ends normally,
+    so an interrupt leaves the phase it came in."""
+
+    def __init__(self) -> None:
+        self.phase = "start-up"
+        self.trainer = None  # megatron.training.Trainer once built
+
+    @property
+    def iteration(self) -> Optional[int]:
+        return None if self.trainer is None else self.trainer.state.iteration
+
+    @contextlib.contextmanager
+    def stage(self, phase: str) -> Iterator[None]:
+        previous, self.phase = self.phase, phase
+        yield
+        self.phase = previous
+
+    def abandon_save(self) -> Optional[str]:
+        """Abandon this process's background save in flight (--async-save), so that it is
+        never published: what names it when one was in flight and unpublished, else None.
+        Call it before reading the tracker (`interrupt_message`)."""
+        saver = getattr(self.trainer, "async_saver", None)
+        return None if saver is None else saver.abandon()
+
+    def writer_running(self) -> bool:
+        """Whether a background checkpoint writer of this process is still running."""
+        saver = getattr(self.trainer, "async_saver", None)
+        return saver is not None and not saver.done()
+
+
+def _where(progress: Optional[RunProgress]) -> str:
+    if progress is None:
+        return ""
+    it = progress.iteration
+    if progress.phase == "start-up" or it is None:
+        return " during start-up"
+    return {"evaluation": f" during the evaluation at iteration {it}",
+            "saving": f" while saving the checkpoint of iteration {it}"}.get(
+                progress.phase, f" at iteration {it}")
+
+
+def interrupt_message(progress: Optional[RunProgress], save: Optional[str],
+                      abandoned: Optional[str] = None) -> str:
+    """'interrupted at iteration N (SIGINT, e.g. Ctrl-C): ...' -- or 'during start-up',
+    'during the evaluation at iteration N', 'while saving the checkpoint of iteration N'
+    -- naming the checkpoint a relaunch resumes from (read from the tracker now: call it
+    after the writers can no longer publish). `abandoned`: the background save in flight
+    that was abandoned (`RunProgress.abandon_save`)."""
     from megatron.checkpointing import iteration_dir_name, read_tracker
 
-    where = f" at iteration {iteration}" if iteration is not None else ""
-    text = f"interrupted{where} (SIGINT, e.g. Ctrl-C): stopped without saving"
+    text = f"interrupted{_where(progress)} (SIGINT, e.g. Ctrl-C): stopped without saving"
+    if abandoned:
+        text += f" (the background save of {abandoned} was abandoned)"
     if not save:
         return text + " (no --save)"
     try:
@@ -66,9 +131,12 @@ def interrupt_message(iteration: Optional[int], save: Optional[str]) -> str:
         saved, release = None, False
     if saved is None:
         return text + f"; --save {save} holds no checkpoint yet"
+    if progress is not None and progress.phase == "saving" and not release \
+            and saved == progress.iteration:  # interrupted after the tracker was written
+        text = text.replace("stopped without saving", "stopped after saving it")
     name = iteration_dir_name(saved, release)
     return (text + f"; the last checkpoint is {save}/{name}: relaunch with --load {save} "
             "to resume from it")
 
 
-__all__ = ["INTERRUPTED_STATUS", "InterruptWatch", "interrupt_message"]
+__all__ = ["INTERRUPTED_STATUS", "InterruptWatch", "RunProgress", "interrupt_message"]

@@ -16,7 +16,7 @@ from typing import Dict, NamedTuple, Optional, Set, Tuple
 import torch
 
 from megatron.agreed_exit import agree, exit_message
-from megatron.async_save import AsyncSaver
+from megatron.async_save import AsyncSaver, agreed_wait
 from megatron.checkpoint_args import (
     checkpoint_args_message,
     data_order_warning,
@@ -115,7 +115,7 @@ def save_trainer_checkpoint(tr) -> float:
     written in the background by `tr.async_saver`; `wait_for_async_save(tr)` finishes it).
 
     Collective over the world (barriers; with the distributed optimizer a gather over DP).
-    An async save that ends the run is waited for at once."""
+    An async save is finished by the next one or by `wait_for_async_save`."""
     started = time.perf_counter()
     if tr.rt.device.type == "cuda":
         torch.cuda.synchronize()
@@ -135,17 +135,14 @@ def save_trainer_checkpoint(tr) -> float:
     blocking = save_checkpoint_async(
         ck.save, tr.state.iteration, state, tr.rt.ps, tr.async_saver, extra_files=extra,
         timeout_s=60.0 * (tr.config.parallel.distributed_timeout_minutes + 1), started=started,
-        group=_control_group(tr))
-    if _run_ends_after_save(tr):
-        tr.async_saver.wait()
+        group=_control_group(tr), report=not _run_ends_after_save(tr))
     return blocking
 
 
 def _run_ends_after_save(tr) -> bool:
     """Whether the loop stops after this save (--train-iters reached, --exit-interval, a
-    preemption signal, --exit-duration-in-mins). Judged locally: waiting is local too. A
-    save the loop ends after without this knowing is waited for at interpreter exit (the
-    writer thread is not a daemon) or by `wait_for_async_save`."""
+    preemption signal, --exit-duration-in-mins), judged locally: then rank 0 leaves the
+    report of a failure to `wait_for_async_save`, which every rank reaches right after."""
     t, it = tr.config.training, tr.state.iteration
     if (t.train_iters and it >= t.train_iters) or (t.exit_interval and it % t.exit_interval == 0):
         return True
@@ -157,10 +154,13 @@ def _run_ends_after_save(tr) -> bool:
 
 def wait_for_async_save(tr) -> None:
     """Wait until this rank's background save (if any) is written -- and on global rank 0
-    published. Local: no collective. RuntimeError when the background save failed."""
-    saver = getattr(tr, "async_saver", None)
-    if saver is not None:
-        saver.wait()
+    published -- when the run ends (the loop reached --train-iters, or an exit condition
+    every rank agreed on). With --async-save a collective (`async_save.agreed_wait` over
+    the control group: every rank must call it together): when the save failed on any
+    rank, rank 0 removes its temporary directory and every rank exits with one report,
+    printed by rank 0."""
+    if tr.config.checkpoint.async_save:
+        agreed_wait(getattr(tr, "async_saver", None), tr.rt.ps.rank == 0, _control_group(tr))
 
 
 def sample_budget_warning(tr) -> Optional[str]:

@@ -33,6 +33,7 @@ from megatron.data_loading import (
     validation_shortfall,
 )
 from megatron.initialize import Runtime
+from megatron.interrupt import RunProgress
 from megatron.interval_log import (  # noqa: F401 (progress_line re-exported)
     IntervalStats,
     log_interval,
@@ -107,6 +108,7 @@ class Trainer:
     process_start_time: Optional[float] = None  # --exit-duration-in-mins counts from it
     exit_reason: Optional[str] = None  # the exit line when an exit condition ended the run
     memory_history: object = None  # megatron.memory_history.MemoryHistory (pretrain's)
+    progress: RunProgress = field(default_factory=RunProgress)  # the phase, for Ctrl-C
 
 
 # --------------------------------------------------------------------------- building
@@ -212,7 +214,8 @@ def run_evaluation(tr: Trainer, data, prefix: str, test_set: bool = False,
                    write_tensorboard: bool = True) -> None:
     """Evaluate and print Megatron's validation block. Its TensorBoard scalars are
     `lm loss validation` for the test set too (Megatron writes every evaluation there)."""
-    loss = evaluate(tr, data, count_valid_samples=not test_set)
+    with tr.progress.stage("evaluation"):
+        loss = evaluate(tr, data, count_valid_samples=not test_set)
     block = format_validation_block(prefix, {"lm loss": loss})
     print_rank_last(block)
     if tr.tb is not None and write_tensorboard:
@@ -357,13 +360,14 @@ def _save(tr: Trainer, stats: IntervalStats, timed: bool = True) -> None:
     around it) and its timer block, as for the saves inside the loop."""
     if tr.config.training.nan_loss_policy == "stop":
         _check_pending_nan(tr, stats)  # never checkpoint weights a NaN step produced
-    if not timed:
+    with tr.progress.stage("saving"):
+        if not timed:
+            trainer_checkpoint.save_trainer_checkpoint(tr)
+            return
+        timers = step_log(tr).timers
+        timers("save-checkpoint", 0).start(barrier=True)
         trainer_checkpoint.save_trainer_checkpoint(tr)
-        return
-    timers = step_log(tr).timers
-    timers("save-checkpoint", 0).start(barrier=True)
-    trainer_checkpoint.save_trainer_checkpoint(tr)
-    timers("save-checkpoint").stop(barrier=True)
+        timers("save-checkpoint").stop(barrier=True)
     timers.log(["save-checkpoint"])
 
 
@@ -526,40 +530,40 @@ def _train_and_evaluate(tr: Trainer, train_data, valid_data, test_data) -> None:
         final_evaluation(tr, valid_data, test_data)
 
 
-def pretrain(config: Config, rt: Runtime, process_start_time: Optional[float] = None
-             ) -> Trainer:
+def pretrain(config: Config, rt: Runtime, process_start_time: Optional[float] = None,
+             progress: Optional[RunProgress] = None) -> Trainer:
     """Build model, optimizer and data; load; train; evaluate at the end (validation,
     then test). An exit condition ends it after the loop's checkpoint, without the final
     evaluation (`tr.exit_reason` says which). `process_start_time`: what
     --exit-duration-in-mins counts from (default: the start of the loop). An
     out-of-memory error on this rank prints what to do and raises `OutOfMemoryExit`
-    (status 1; megatron/oom_report.py)."""
+    (status 1; megatron/oom_report.py). `progress` follows the run's phase and trainer
+    (for the Ctrl-C line of pretrain_gpt.py)."""
     history = MemoryHistory.from_config(config, rt.ps.rank, rt.ps.world_size)
     try:  # (stopped after the report: an out-of-memory error writes the history first)
         with OomReport(config, rt, memory_history=history) as oom:
             history.start()  # before the model is built: its allocations are in it
-            return _pretrain(config, rt, process_start_time, oom)
+            return _pretrain(config, rt, process_start_time, oom, progress or RunProgress())
     finally:
         history.stop()
 
 
 def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
-              oom: OomReport) -> Trainer:
+              oom: OomReport, progress: RunProgress) -> Trainer:
     if config.checkpoint.save:
         checkpointing.check_save_dir(config.checkpoint.save, rt.ps, rt.control_group)  # not after training
     if config.logging.tensorboard_dir:  # the last rank writes it: a message, not a traceback
         checkpointing.check_output_dir(config.logging.tensorboard_dir, "--tensorboard-dir",
                                        rt.ps, rt.control_group, rt.ps.world_size - 1)
     tr = _setup(config, rt, process_start_time)
-    oom.trainer = tr  # the report names the iteration from here on
+    oom.trainer = progress.trainer = tr  # the reports name the iteration from here on
+    tr.progress = progress
     tr.memory_history = oom.memory_history
     loaders = ()
     try:
         loaders = _start(tr)
+        progress.phase = "training"
         _train_and_evaluate(tr, *loaders)
-    except KeyboardInterrupt as exc:  # Ctrl-C: pretrain_gpt.py names the iteration
-        exc.iteration = tr.state.iteration
-        raise
     finally:  # also on an error or a stop (SystemExit): nothing outlives this call
         _teardown(tr, loaders)
     sys.stdout.flush()

@@ -228,9 +228,9 @@ def _dist_next_save_after_a_failed_writer(rank, world_size, root):
     try:
         with contextlib.redirect_stdout(out):
             save_checkpoint_async(root, 3, _state(3, float(rank)), ps, saver, timeout_s=120.0)
-            torch.save = original
-            while not saver.done():
+            while not saver.done():  # the writer thread calls torch.save: restore it after
                 time.sleep(0.05)
+            torch.save = original
             try:
                 save_checkpoint_async(root, 5, _state(5, float(rank)), ps, saver)
             except AgreedExit as exc:
@@ -253,9 +253,81 @@ def test_the_next_save_after_a_failed_background_write_exits_every_rank_once(tmp
     assert out0.count("ERROR: background save") == 1 and "ERROR" not in out1
     assert "CheckpointWriteError(" not in out0
     assert not os.path.exists(tmp_path / "iter_0000003")  # never published
+    assert not os.path.exists(tmp_path / "iter_0000003.tmp"), "rank 0 removed the partial save"
+
+
+def test_an_abandoned_save_is_never_published(tmp_path):
+    """Ctrl-C while a background save is in flight: `abandon()` names it, and it is not
+    published even when its files are written afterwards (the tracker keeps naming the
+    previous checkpoint, so what the interrupt line says stays true)."""
+    root, saver = str(tmp_path), AsyncSaver()
+    save_checkpoint(root, 1, _state(1), _ps1())
+    release = threading.Event()
+    original = checkpointing._torch_save_synced
+
+    def slow(obj, path):
+        release.wait(30)
+        original(obj, path)
+
+    checkpointing._torch_save_synced = slow
+    try:
+        save_checkpoint_async(root, 3, _state(3), _ps1(), saver)
+        assert saver.abandon() == f"the checkpoint at iteration 3 to {root}"
+        release.set()
+        saver.wait()
+    finally:
+        checkpointing._torch_save_synced = original
+    assert read_tracker(root) == (1, False)
+    assert not os.path.exists(tmp_path / "iter_0000003")
+    assert saver.abandon() is None, "nothing in flight any more"
 
 
 # --------------------------------------------------------------------------- trainer
+def _dist_final_save_fails_on_rank_1(rank, world_size, root, stop):
+    """A tp=2 run (both ranks write) with async saves at 2 and at its last iteration (4),
+    where rank 1's torch.save of iteration 4 fails: (report, prints) of the AgreedExit."""
+    from megatron.agreed_exit import AgreedExit
+
+    original = torch.save
+
+    def full(obj, f, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("iteration") == 4:
+            raise OSError(28, "No space left on device")
+        return original(obj, f, *args, **kwargs)
+
+    if rank == 1:
+        torch.save = full
+    try:
+        run_pretrain(["--tensor-model-parallel-size", "2", "--save", root, "--save-interval",
+                      "2", "--async-save", *stop], world_size, rank)
+    except AgreedExit as exc:
+        return exc.report, exc.prints, exc.code
+    finally:
+        torch.save = original
+    return None, None, None
+
+
+@pytest.mark.parametrize("stop", [["--train-iters", "4"], ["--exit-interval", "4"]])
+def test_a_failed_final_async_save_exits_every_rank_with_one_report(tmp_path, capfd, stop):
+    """The save the run ends with (--train-iters, --exit-interval), waited for at the end:
+    each rank raised its own RuntimeError there (a traceback per rank). Now every rank
+    exits with rank 0's report (status 1, printed once, naming the writer), the tracker
+    keeps the previous checkpoint and rank 0 removes the partial directory."""
+    root = str(tmp_path / "ck")
+    (report0, prints0, code0), (report1, prints1, code1) = run_distributed(
+        _dist_final_save_fails_on_rank_1, 2, root, stop)
+    assert report0 == report1 and (prints0, prints1) == (True, False) and code1 == 1
+    assert code0 == report0, "rank 0's exit prints the report (status 1)"
+    assert report0.startswith("error: the background save of the checkpoint at iteration 4")
+    assert "the writer of mp_rank_01 failed" in report0 and "(rank 1)" in report0
+    assert "No space left on device" in report0
+    out = capfd.readouterr().out
+    assert "saving checkpoint at iteration       4" in out
+    assert "ERROR: background save" not in out, "reported once, at exit"
+    assert read_tracker(root) == (2, False)
+    assert sorted(os.listdir(root)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
 def _trainer_async_scenario(root, world_size=1, rank=0, extra=()):
     """Uninterrupted losses; a run with async saves at 2 and 4 that stops at 4; the resume."""
     extra = list(extra)

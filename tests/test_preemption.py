@@ -343,3 +343,122 @@ def test_ctrl_c_prints_one_line_instead_of_every_ranks_traceback(tmp_path):
     assert last == f"{ckpt}/iter_{saved:07d}" and saved % 5 == 0 and saved <= int(iteration)
     assert not re.search(r'File ".*(pretrain_gpt\.py|/megatron/)', log), log[-4000:]
     assert "KeyboardInterrupt" not in log.replace("torch.distributed.elastic", ""), log[-4000:]
+
+
+# Runs pretrain_gpt.py with the {call}th call of {module}.{name} slowed by 30 s (printing
+# "test: slowing" first, so that the test knows when to press Ctrl-C), and records the
+# process's exit status in {status_dir}/rank<RANK> (os._exit included).
+SLOW_PHASE_WRAPPER = """
+import importlib, os, runpy, sys, time
+sys.path.insert(0, {root!r})
+module = importlib.import_module({module!r})
+original, calls = getattr(module, {name!r}), [0]
+
+def slowed(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == {call}:
+        print("test: slowing {name} on rank", os.environ["RANK"], flush=True)
+        time.sleep(30)
+    return original(*args, **kwargs)
+
+setattr(module, {name!r}, slowed)
+status_file = os.path.join({status_dir!r}, "rank" + os.environ["RANK"])
+os_exit = os._exit
+
+def recording_exit(code):
+    open(status_file, "w").write(str(code))
+    os_exit(code)
+
+os._exit = recording_exit
+sys.argv[0] = {script!r}
+try:
+    runpy.run_path({script!r}, run_name="__main__")
+except SystemExit as exc:
+    open(status_file, "w").write(str(exc.code))
+    raise
+"""
+
+CTRL_C_PHASES = {  # phase: (module, function, call slowed, ranks slowed, extra args, line)
+    "start-up": ("megatron.initialize", "initialize_entry_point", 1, 2, [],
+                 r"interrupted during start-up \(SIGINT, e\.g\. Ctrl-C\): stopped without "
+                 r"saving; --save \S+ holds no checkpoint yet"),
+    "data": ("megatron.training", "build_datasets", 1, 2, [],
+             r"interrupted during start-up \(SIGINT, e\.g\. Ctrl-C\): stopped without saving; "
+             r"--save \S+ holds no checkpoint yet"),
+    "evaluation": ("megatron.training", "evaluate", 2, 2, ["--eval-interval", "2",
+                                                           "--eval-iters", "5"],
+                   r"interrupted during the evaluation at iteration 4 \(SIGINT, e\.g\. "
+                   r"Ctrl-C\): stopped without saving; the last checkpoint is \S+/iter_0000003"),
+    "sync save": ("megatron.checkpointing", "_torch_save_synced", 2, 1, [],
+                  r"interrupted while saving the checkpoint of iteration 6 \(SIGINT, e\.g\. "
+                  r"Ctrl-C\): stopped without saving; the last checkpoint is \S+/iter_0000003"),
+    "async save": ("megatron.checkpointing", "_torch_save_synced", 2, 1, ["--async-save"],
+                   r"interrupted (at iteration \d+|while saving the checkpoint of iteration "
+                   r"\d+) \(SIGINT, e\.g\. Ctrl-C\): stopped without saving \(the background "
+                   r"save of the checkpoint at iteration 6 to \S+ was abandoned\); the last "
+                   r"checkpoint is \S+/iter_0000003"),
+}
+
+
+def _interrupt_in(tmp_path, phase: str) -> tuple:
+    """Runs 2 ranks with --save-interval 3 and `phase` slowed; Ctrl-C (SIGINT to the
+    process group) once it is slowed. (log, {rank: exit status}, checkpoint dir)."""
+    module, name, call, slowed, extra, _ = CTRL_C_PHASES[phase]
+    ckpt, status_dir = tmp_path / "ck", tmp_path / "status"
+    status_dir.mkdir()
+    wrapper = tmp_path / "slow_phase.py"
+    wrapper.write_text(SLOW_PHASE_WRAPPER.format(
+        root=str(ROOT), module=module, name=name, call=call, status_dir=str(status_dir),
+        script=str(ROOT / "pretrain_gpt.py")))
+    args = MODEL + ["--train-iters", "100000", "--save", str(ckpt), "--save-interval", "3",
+                    *extra]
+    proc = subprocess.Popen(_torchrun_cmd(2, str(wrapper), args), cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1, start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "".join(lines).count("test: slowing") == slowed:
+                time.sleep(0.5)
+                os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C
+                break
+        lines.extend(proc.stdout)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    statuses = {int(p.name[4:]): int(p.read_text()) for p in status_dir.iterdir()}
+    return "".join(lines), statuses, ckpt
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", list(CTRL_C_PHASES))
+def test_ctrl_c_in_each_phase_prints_one_accurate_line_and_keeps_the_checkpoint(tmp_path,
+                                                                                 phase):
+    """Ctrl-C while starting (process group, data indices), evaluating, saving (sync) or
+    writing in the background (--async-save): before, the first two gave every rank's
+    KeyboardInterrupt traceback, and an interrupted background save could still be
+    published after rank 0 had named the previous checkpoint. Now rank 0 prints one line
+    saying where the run was, every worker exits with status 130, the tracker names a
+    complete checkpoint (the interrupted save is never published) and --load resumes."""
+    log, statuses, ckpt = _interrupt_in(tmp_path, phase)
+    assert "test: slowing" in log, log[-4000:]
+    found = re.findall(r"^interrupted .*$", log, re.M)
+    assert len(found) == 1 and re.match(CTRL_C_PHASES[phase][-1], found[0]), log[-4000:]
+    assert statuses == {0: 130, 1: 130}, log[-4000:]
+    assert not re.search(r'File ".*(pretrain_gpt\.py|/megatron/|slow_phase)', log), log[-4000:]
+    assert "KeyboardInterrupt" not in log.replace("torch.distributed.elastic", ""), log[-4000:]
+    if phase in ("start-up", "data"):
+        assert read_tracker(str(ckpt)) == (None, False)
+        return
+    assert found[0].endswith(f"/iter_0000003: relaunch with --load {ckpt} to resume from it")
+    assert read_tracker(str(ckpt)) == (3, False)
+    assert not os.path.exists(ckpt / "iter_0000006"), "the interrupted save is not published"
+    resumed = _run(_torchrun_cmd(2, str(ROOT / "pretrain_gpt.py"), MODEL + [
+        "--train-iters", "4", "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "4",
+        "--override-opt_param-scheduler"]))
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    assert re.search(r"loading checkpoint from \S+ at iteration 3", resumed.stdout)
+    assert [i for i, _ in _losses(resumed.stdout)] == [4]
+    assert read_tracker(str(ckpt)) == (4, False)
