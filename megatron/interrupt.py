@@ -28,7 +28,28 @@ from typing import Iterator, Optional
 INTERRUPTED_STATUS = 128 + signal.SIGINT
 
 
-class InterruptWatch:
+class SigintHandler:
+    """Base of a `with` block that handles SIGINT by `self._handle(signum, frame)` in the
+    main thread (and puts the previous handler back after); outside the main thread (a
+    library call) it installs nothing."""
+
+    _previous = None
+
+    def _handle(self, signum, frame) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
+class InterruptWatch(SigintHandler):
     """`with InterruptWatch() as watch:` -- SIGINT in the main thread sets `watch.received`
     and raises KeyboardInterrupt (each time: a second Ctrl-C interrupts the teardown too),
     except within `FORWARDED_WITHIN_S` of the first: that is the same Ctrl-C again, which
@@ -41,7 +62,6 @@ class InterruptWatch:
     def __init__(self) -> None:
         self.received = False
         self._first = 0.0
-        self._previous = None
 
     def _handle(self, signum, frame) -> None:
         if self.received and time.monotonic() - self._first < self.FORWARDED_WITHIN_S:
@@ -49,16 +69,6 @@ class InterruptWatch:
         if not self.received:
             self.received, self._first = True, time.monotonic()
         raise KeyboardInterrupt
-
-    def __enter__(self) -> "InterruptWatch":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
 
     def explains(self, exc: BaseException) -> bool:
         """Whether `exc`, which stopped the run, is (a consequence of) the interrupt: any
@@ -139,4 +149,5 @@ def interrupt_message(progress: Optional[RunProgress], save: Optional[str],
             "to resume from it")
 
 
-__all__ = ["INTERRUPTED_STATUS", "InterruptWatch", "RunProgress", "interrupt_message"]
+__all__ = ["INTERRUPTED_STATUS", "InterruptWatch", "RunProgress", "SigintHandler",
+           "interrupt_message"]

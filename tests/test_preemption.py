@@ -181,30 +181,43 @@ def _check_checkpoint(root: Path, iteration: int) -> None:
     assert state["train_state"]["consumed_train_samples"] == iteration * 8
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_sigterm_to_torchrun_saves_at_the_iteration_reached(tmp_path, mode):
-    ckpt = tmp_path / "ck"
-    args = MODEL + ["--train-iters", "100000", "--save", str(ckpt), "--save-interval", "5",
-                    "--exit-signal-handler"] + (["--async-save"] if mode == "async" else [])
-    proc = subprocess.Popen(_torchrun_cmd(2, str(ROOT / "pretrain_gpt.py"), args), cwd=ROOT,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, bufsize=1)
+def _signal_when(args: list, when, sig: int, group: bool = False, script=None,
+                 delay: float = 0.0) -> str:
+    """`script` (default pretrain_gpt.py) with `args` under torchrun with 2 ranks; `sig`
+    goes to torchrun (or, with `group`, to its whole process group, as a terminal's
+    Ctrl-C does) `delay` seconds after the first output line matching the regex `when`
+    (or once `when(output so far)` is true). Returns all the output once the launcher
+    has ended."""
+    ready = when if callable(when) else (lambda text: re.search(when, text.splitlines()[-1]))
+    script = str(script or ROOT / "pretrain_gpt.py")
+    proc = subprocess.Popen(_torchrun_cmd(2, script, args), cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1, start_new_session=group)
     lines = []
     try:
         deadline = time.monotonic() + 90
         for line in proc.stdout:
             lines.append(line)
-            if re.search(r"iteration\s+7/", line):
-                proc.send_signal(signal.SIGTERM)  # what slurm / a scheduler does to the job
+            if ready("".join(lines)):
+                time.sleep(delay)
+                (os.killpg(proc.pid, sig) if group else proc.send_signal(sig))
                 break
             assert time.monotonic() < deadline, "".join(lines[-50:])
         lines.extend(proc.stdout)
         proc.wait(60)
     finally:
         if proc.poll() is None:
-            proc.kill()
-    log = "".join(lines)
+            (os.killpg(proc.pid, signal.SIGKILL) if group else proc.kill())
+    return "".join(lines)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigterm_to_torchrun_saves_at_the_iteration_reached(tmp_path, mode):
+    ckpt = tmp_path / "ck"
+    args = MODEL + ["--train-iters", "100000", "--save", str(ckpt), "--save-interval", "5",
+                    "--exit-signal-handler"] + (["--async-save"] if mode == "async" else [])
+    log = _signal_when(args, r"iteration\s+7/", signal.SIGTERM)  # as slurm does to the job
     assert "[exiting program after receiving SIGTERM.]" in log, log[-4000:]
     reached = max(i for i, _ in _losses(log))
     assert 7 <= reached < 100000
@@ -315,24 +328,7 @@ def test_ctrl_c_prints_one_line_instead_of_every_ranks_traceback(tmp_path):
     workers exit with status 130, and their frames appear in no traceback."""
     ckpt = tmp_path / "ck"
     args = MODEL + ["--train-iters", "100000", "--save", str(ckpt), "--save-interval", "5"]
-    proc = subprocess.Popen(_torchrun_cmd(2, str(ROOT / "pretrain_gpt.py"), args), cwd=ROOT,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, bufsize=1, start_new_session=True)
-    lines = []
-    try:
-        deadline = time.monotonic() + 90
-        for line in proc.stdout:
-            lines.append(line)
-            if re.search(r"iteration\s+7/", line):
-                os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C
-                break
-            assert time.monotonic() < deadline, "".join(lines[-50:])
-        lines.extend(proc.stdout)
-        proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    log = "".join(lines)
+    log = _signal_when(args, r"iteration\s+7/", signal.SIGINT, group=True)  # Ctrl-C
     found = re.findall(r"interrupted at iteration (\d+) \(SIGINT, e\.g\. Ctrl-C\): stopped "
                        r"without saving; the last checkpoint is (\S+): relaunch with --load "
                        r"(\S+) to resume from it", log)
@@ -412,24 +408,10 @@ def _interrupt_in(tmp_path, phase: str) -> tuple:
         script=str(ROOT / "pretrain_gpt.py")))
     args = MODEL + ["--train-iters", "100000", "--save", str(ckpt), "--save-interval", "3",
                     *extra]
-    proc = subprocess.Popen(_torchrun_cmd(2, str(wrapper), args), cwd=ROOT, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1, start_new_session=True)
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if "".join(lines).count("test: slowing") == slowed:
-                time.sleep(0.5)
-                os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C
-                break
-        lines.extend(proc.stdout)
-        proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    log = _signal_when(args, lambda text: text.count("test: slowing") == slowed, signal.SIGINT,
+                       group=True, script=wrapper, delay=0.5)  # the terminal's Ctrl-C
     statuses = {int(p.name[4:]): int(p.read_text()) for p in status_dir.iterdir()}
-    return "".join(lines), statuses, ckpt
+    return log, statuses, ckpt
 
 
 @pytest.mark.slow

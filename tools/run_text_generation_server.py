@@ -75,6 +75,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.agreed_exit import silent_ranks_wait  # noqa: E402
 from megatron.core.models.gpt.static_decode import MODES  # noqa: E402
+from megatron.interrupt import SigintHandler  # noqa: E402
 from tools.generate import (  # noqa: E402
     _device,
     build_decoder,
@@ -242,7 +243,7 @@ def control_group(engine: Engine):
     return engine.runtime.control_group
 
 
-class _FollowerSigint:
+class _FollowerSigint(SigintHandler):
     """SIGINT on a rank that follows rank 0 (a terminal's Ctrl-C reaches every rank of the
     job): while it waits for rank 0's next message it is only noted -- rank 0, interrupted
     too, broadcasts stop and every rank ends quietly; during a request it raises
@@ -250,21 +251,12 @@ class _FollowerSigint:
     the main thread only."""
 
     def __init__(self) -> None:
-        self.received, self.busy, self._previous = False, False, None
+        self.received, self.busy = False, False
 
     def _handle(self, signum, frame) -> None:
         self.received = True
         if self.busy:
             raise KeyboardInterrupt
-
-    def __enter__(self) -> "_FollowerSigint":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
 
 
 def follow_requests(engine: Engine) -> int:
