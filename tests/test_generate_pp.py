@@ -15,9 +15,6 @@ import contextlib
 import io
 import json
 import os
-import signal
-import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -25,9 +22,9 @@ import torch
 
 from megatron.core.models.gpt.kv_cache import KVCache, forward_incremental
 from megatron.core.models.gpt.static_decode import graph_reason
-from tests.dist_utils import free_port, run_distributed
+from tests.dist_utils import run_distributed
 from tests.test_generate import _train
-from tests.test_generate_tp import _pid, _wait_for_server
+from tests.test_generate_tp import two_rank_server
 from tools import generate
 from tools import run_text_generation_server as server_mod
 from tools.beam_search import beam_search
@@ -180,23 +177,8 @@ def test_server_at_pp2(ckpts, tmp_path):
     from tools.text_generation_api import parse_request, run_request
     from tools.text_generation_cli import put
 
-    ckpt, port, results, errors = ckpts["llama"], free_port(), [], []
-
-    def run():
-        try:
-            results.extend(run_distributed(_serve_worker, 2, ckpt, port, str(tmp_path)))
-        except Exception as exc:  # reported below
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}/api"
-    try:
-        try:
-            ready = _wait_for_server(url, time.monotonic() + 120, thread, str(tmp_path))
-        except TimeoutError as exc:
-            raise TimeoutError(f"{exc}; the ranks' errors: {errors}") from None
-        assert ready[0] == 200, (ready, errors)
+    ckpt = ckpts["llama"]
+    with two_rank_server(_serve_worker, ckpt, tmp_path) as url:
         a, ns, explicit = server_mod.parse_args(["--load", ckpt])
         engine, _ = server_mod.build_engine(a, ns, explicit, environ={})
         for body in ({"prompts": ["5 6 7", "9 8 7 6 5"], "tokens_to_generate": 8,
@@ -211,17 +193,6 @@ def test_server_at_pp2(ckpts, tmp_path):
                     assert g == pytest.approx(w, abs=1e-5), key
         status, text = put(url, {"prompts": ["5 999"]}, timeout=60)  # 400, ranks in step
         assert status == 400 and "outside the vocabulary" in text
-    finally:
-        with contextlib.suppress(OSError):  # rank 0 stops; rank 1 must follow
-            os.kill(_pid(tmp_path, 0), signal.SIGINT)
-        thread.join(60)
-    if thread.is_alive():
-        for rank in (0, 1):
-            with contextlib.suppress(OSError):
-                os.kill(_pid(tmp_path, rank), signal.SIGKILL)
-        pytest.fail("rank 1 did not stop within 60 s after rank 0 was interrupted")
-    assert not errors, errors
-    assert results == [0, 0]
 
 
 def test_one_stage_wrapper_is_the_model():

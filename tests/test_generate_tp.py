@@ -202,16 +202,17 @@ def _wait_for_server(url, deadline, ranks: threading.Thread, pid_dir):
     raise TimeoutError(f"no server at {url} (the ranks ended: {not ranks.is_alive()})")
 
 
-def test_server_on_two_ranks(ckpt_tp1, tmp_path):
-    from tools.text_generation_api import parse_request, run_request
-    from tools.text_generation_cli import put
-
-    port = free_port()
-    results, errors = [], []
+@contextlib.contextmanager
+def two_rank_server(worker, ckpt: str, tmp_path):
+    """The server of `worker(rank, world, ckpt, port, tmp)` on 2 ranks in a background
+    thread; yields its URL once it answers. On the way out Ctrl-C goes to rank 0, whose
+    stop rank 1 must follow within 60 s (else both are killed and the test fails); then
+    both ranks must have returned 0 and nothing raised."""
+    port, results, errors = free_port(), [], []
 
     def run():
         try:
-            results.extend(run_distributed(_serve_worker, 2, ckpt_tp1, port, str(tmp_path)))
+            results.extend(run_distributed(worker, 2, ckpt, port, str(tmp_path)))
         except Exception as exc:  # reported below
             errors.append(exc)
 
@@ -224,6 +225,25 @@ def test_server_on_two_ranks(ckpt_tp1, tmp_path):
         except TimeoutError as exc:  # name what the ranks raised
             raise TimeoutError(f"{exc}; the ranks' errors: {errors}") from None
         assert ready[0] == 200, (ready, errors)
+        yield url
+    finally:
+        with contextlib.suppress(OSError):  # rank 0 stops; rank 1 must follow
+            os.kill(_pid(tmp_path, 0), signal.SIGINT)
+        thread.join(60)
+    if thread.is_alive():  # do not leave the ranks behind
+        for rank in (0, 1):
+            with contextlib.suppress(OSError):
+                os.kill(_pid(tmp_path, rank), signal.SIGKILL)
+        pytest.fail("rank 1 did not stop within 60 s after rank 0 was interrupted")
+    assert not errors, errors
+    assert results == [0, 0]
+
+
+def test_server_on_two_ranks(ckpt_tp1, tmp_path):
+    from tools.text_generation_api import parse_request, run_request
+    from tools.text_generation_cli import put
+
+    with two_rank_server(_serve_worker, ckpt_tp1, tmp_path) as url:
         body = {"prompts": ["5 6 7", "9 8 7 6 5"], "tokens_to_generate": 8, "top_k": 1,
                 "logprobs": True}
         status, text = put(url, body, timeout=60)
@@ -249,17 +269,6 @@ def test_server_on_two_ranks(ckpt_tp1, tmp_path):
             assert got["text"] == want["text"], extra
             assert set(got) == set(want)
             assert got.get("scores", []) == pytest.approx(want.get("scores", []), abs=1e-5)
-    finally:
-        with contextlib.suppress(OSError):  # rank 0 stops; rank 1 must follow
-            os.kill(_pid(tmp_path, 0), signal.SIGINT)
-        thread.join(60)
-    if thread.is_alive():  # do not leave the ranks behind
-        for rank in (0, 1):
-            with contextlib.suppress(OSError):
-                os.kill(_pid(tmp_path, rank), signal.SIGKILL)
-        pytest.fail("rank 1 did not stop within 60 s after rank 0 was interrupted")
-    assert not errors, errors
-    assert results == [0, 0]
 
 
 # ------------------------------------------------------------------------ refusals
