@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +23,7 @@ from megatron.core.models.gpt.kv_cache import KVCache, forward_incremental
 from megatron.core.models.gpt.static_decode import graph_reason
 from tests.dist_utils import run_distributed
 from tests.test_generate import _train
+from tests.test_generate_tp import _serve_worker as serve_worker
 from tests.test_generate_tp import two_rank_server
 from tools import generate
 from tools import run_text_generation_server as server_mod
@@ -164,13 +164,8 @@ def test_tp2_pp2_generates_as_one_process(ckpts, tmp_path):
 
 # -------------------------------------------------------------------------- server
 def _serve_worker(rank, world_size, ckpt, port, pid_dir):
-    with open(os.path.join(pid_dir, f"rank{rank}"), "w") as f:
-        f.write(str(os.getpid()))
-    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
-    server_mod.HEARTBEAT_S = 0.2  # idle messages between the requests too
-    with contextlib.redirect_stdout(io.StringIO()):
-        return server_mod.main(["--load", ckpt, "--pipeline-model-parallel-size", "2",
-                                "--port", str(port)], environ=env)
+    return serve_worker(rank, world_size, ckpt, port, pid_dir,
+                        layout=("--pipeline-model-parallel-size", "2"))
 
 
 def test_server_at_pp2(ckpts, tmp_path):

@@ -169,14 +169,15 @@ def test_tp1_and_tp2pp2_checkpoints_generate_at_tp2(ckpt_tp1, tmp_path):
 
 
 # -------------------------------------------------------------------------- server
-def _serve_worker(rank, world_size, ckpt, port, pid_dir):
+def _serve_worker(rank, world_size, ckpt, port, pid_dir,
+                  layout=("--tensor-model-parallel-size", "2")):
+    """One rank of the server at `layout` (its pid in pid_dir/rank<R>, for the stop)."""
     with open(os.path.join(pid_dir, f"rank{rank}"), "w") as f:
         f.write(str(os.getpid()))
     env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
     server_mod.HEARTBEAT_S = 0.2  # idle messages between the requests too
     with contextlib.redirect_stdout(io.StringIO()):
-        return server_mod.main(["--load", ckpt, "--tensor-model-parallel-size", "2",
-                                "--port", str(port)], environ=env)
+        return server_mod.main(["--load", ckpt, *layout, "--port", str(port)], environ=env)
 
 
 def _pid(pid_dir, rank: int) -> int:
