@@ -55,12 +55,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.optimizer.grad_scaler import DynamicGradScaler, MegatronGradScaler
+from megatron.core.optimizer.inner_state import LOCAL_GROUP_KEYS, load_inner_state
 from megatron.core.optimizer.optimizer import (
     _COPIED_ATTRIBUTES,
-    _LOCAL_GROUP_KEYS,
     MixedPrecisionOptimizer,
     StepResult,
-    _load_inner_state,
 )
 from megatron.core.timing import TimerHook, timed
 
@@ -347,7 +346,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                              f"weight-decay / lr-scaling rules differ from the saved run")
         for current, group in zip(self.optimizer.param_groups, saved):
             for key, value in group.items():
-                if key not in ("params", "step") and key not in _LOCAL_GROUP_KEYS:
+                if key not in ("params", "step") and key not in LOCAL_GROUP_KEYS:
                     current[key] = value
         self._loaded_step = int(saved[0].get("step", 0)) if saved else 0
         if "grad_scaler" not in state_dict:
@@ -434,7 +433,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                                 entry["step"] = torch.tensor(float(step))
                             inner_state[index[e.main]] = entry
         groups = self.optimizer.state_dict()["param_groups"]
-        _load_inner_state(self.optimizer, {"state": inner_state, "param_groups": groups})
+        load_inner_state(self.optimizer, {"state": inner_state, "param_groups": groups})
 
 
 def _check_param_views(shards: List[_BucketShard]) -> None:

@@ -34,6 +34,7 @@ from megatron.core.optimizer.clip_grads import (
     get_params_norm,
 )
 from megatron.core.optimizer.grad_scaler import DynamicGradScaler, MegatronGradScaler
+from megatron.core.optimizer.inner_state import load_inner_state
 from megatron.core.optimizer.multi_tensor_adam import MultiTensorAdamW, supports
 from megatron.core.timing import TimerHook, timed
 
@@ -44,8 +45,6 @@ StepResult = Tuple[bool, Optional[torch.Tensor], Optional[torch.Tensor]]
 _COPIED_ATTRIBUTES = (
     "tensor_model_parallel", "partition_dim", "partition_stride", "shared", "sequence_parallel",
 )
-# Implementation switches that belong to this process, not to the checkpoint.
-_LOCAL_GROUP_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
 def _model_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
@@ -78,31 +77,6 @@ def _by_device(pairs):
         dst.append(a)
         src.append(b)
     return out.values()
-
-
-def _load_inner_state(optimizer: torch.optim.Optimizer, state_dict: Dict) -> None:
-    """`optimizer.load_state_dict`, tolerating apex-style state (step kept in the group)
-    and keeping this process's implementation switches (fused/foreach)."""
-    if "state" not in state_dict:
-        raise ValueError(
-            "the checkpoint's optimizer state holds no per-parameter state: it was saved with "
-            "--use-distributed-optimizer (the state is in distrib_optim.pt); resume with that "
-            "flag, or pass --no-load-optim to start the optimizer fresh from the loaded weights")
-    groups = []
-    for saved, current in zip(state_dict["param_groups"], optimizer.param_groups):
-        saved = dict(saved)
-        for key in _LOCAL_GROUP_KEYS:
-            if key in current:
-                saved[key] = current[key]
-        groups.append(saved)
-    state = {}
-    for idx, param_state in state_dict["state"].items():
-        param_state = dict(param_state)
-        if "step" not in param_state and "exp_avg" in param_state:
-            group = next((g for g in groups if idx in g["params"]), {})
-            param_state["step"] = torch.tensor(float(group.get("step", 0)))
-        state[idx] = param_state
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 class MegatronOptimizer:
@@ -363,7 +337,7 @@ class FP32Optimizer(MegatronOptimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: Dict) -> None:
-        _load_inner_state(self.optimizer, state_dict)
+        load_inner_state(self.optimizer, state_dict)
 
 
 class MixedPrecisionOptimizer(MegatronOptimizer):
@@ -590,7 +564,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def load_state_dict(self, state_dict: Dict) -> None:
         key = "optimizer" if "optimizer" in state_dict else "optimizer_state_dict"
-        _load_inner_state(self.optimizer, state_dict[key])
+        load_inner_state(self.optimizer, state_dict[key])
         if "grad_scaler" not in state_dict:
             if isinstance(self.grad_scaler, DynamicGradScaler):
                 warnings.warn("no grad scaler in the checkpoint; keeping the initial loss scale")
