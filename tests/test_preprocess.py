@@ -127,6 +127,18 @@ def test_bad_lines(tmp_path, bpe):
         run_tool(bpe, src, tmp_path / "out")
 
 
+def test_a_line_that_is_not_utf8_names_the_encoding_not_the_json(tmp_path, bpe):
+    src = tmp_path / "latin.jsonl"
+    src.write_bytes(json.dumps(DOCS[0]).encode() + b'\n{"text": "caf\xe9", "title": "t"}\n')
+    with pytest.raises(SystemExit, match=r"latin\.jsonl:2: not UTF-8 text: byte 0xe9 at byte "
+                                         r"14 of the line .* iconv -f latin1 -t utf-8"):
+        run_tool(bpe, src, tmp_path / "out")
+    src.write_bytes(b'{"text": "caf\xe9", "title": "t"}\n' * 2)
+    with pytest.raises(SystemExit, match=r"no documents written: all 2 lines were bad") as e:
+        run_tool(bpe, src, tmp_path / "out", "--skip-bad-lines")
+    assert "plain text" not in str(e.value)  # JSON it is: only the encoding is wrong
+
+
 def test_cli_errors_and_progress(tmp_path, bpe):
     src = write_jsonl(tmp_path / "in.jsonl", DOCS * 3)
     base = [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(src),

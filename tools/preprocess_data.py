@@ -10,13 +10,13 @@ is streamed: chunks of lines go to `--workers` processes (each builds its tokeni
 and at most a few chunks per worker are in flight, so memory stays bounded. The `.bin` is
 byte-identical to Megatron-LM 23.05's tool for the same input and tokenizer; unlike it,
 with `--append-eod` each document's size counts its EOD token, and every key's `.idx` is
-written. A malformed line (bad JSON, missing key, value neither text nor a list of text,
-text the tokenizer cannot encode) stops the run with its file and line number, or is
-skipped and counted with `--skip-bad-lines`. Blank lines are ignored. A run that reads no
-document is an error. Output goes to temporary files beside the targets, renamed into
-place when complete, so a failed run leaves an existing dataset intact; a missing output
-directory is created. Megatron-LM 23.04's `--chunk-size` is accepted and ignored, with
-a warning.
+written. A malformed line (bad JSON, bytes that are not UTF-8, missing key, value neither
+text nor a list of text, text the tokenizer cannot encode) stops the run with its file and
+line number, or is skipped and counted with `--skip-bad-lines`. Blank lines are ignored.
+A run that reads no document is an error. Output goes to temporary files beside the
+targets, renamed into place when complete, so a failed run leaves an existing dataset
+intact; a missing output directory is created. Megatron-LM 23.04's `--chunk-size` is
+accepted and ignored, with a warning.
 
 `--split-sentences` splits each text with NLTK punkt (`pip install nltk` and
 `python -m nltk.downloader punkt_tab`, or NLTK_DATA pointing at a copy of that data):

@@ -36,6 +36,11 @@ class NotJSON(BadLine):
     """A line that does not parse as JSON at all (plain text input, for instance)."""
 
 
+class NotUTF8(BadLine):
+    """A line whose bytes are not UTF-8 (a Latin-1 or cp1252 file, for instance): the fix
+    is converting the file, not its JSON."""
+
+
 class OutOfVocabulary(BadLine):
     """A line whose ids fall outside the tokenizer's vocabulary (NullTokenizer text): the
     fix is the vocabulary, not skipping lines."""
@@ -166,6 +171,15 @@ def _sentence_splitter(lang: str, keep_newlines: bool):
                                   lang_vars=_keep_newlines_lang_vars())
 
 
+def _not_utf8_message(e: UnicodeDecodeError) -> str:
+    """Where a line stops being UTF-8, and the fix (convert the file)."""
+    byte = e.object[e.start] if isinstance(e.object, bytes) and e.start < len(e.object) else None
+    what = f"byte 0x{byte:02x}" if byte is not None else "a byte"
+    return (f"not UTF-8 text: {what} at byte {e.start + 1} of the line is not valid {e.encoding} "
+            f"({e.reason}); JSON lines must be UTF-8 encoded: convert the file, e.g. for "
+            "Latin-1 text: iconv -f latin1 -t utf-8 IN.jsonl > OUT.jsonl")
+
+
 class ChunkEncoder:
     """Holds one tokenizer; `encode(chunk)` returns a picklable result dict."""
 
@@ -204,7 +218,9 @@ class ChunkEncoder:
         if doc is None:
             try:
                 doc = json.loads(line)
-            except (ValueError, UnicodeDecodeError) as e:
+            except UnicodeDecodeError as e:
+                raise NotUTF8(_not_utf8_message(e)) from None
+            except ValueError as e:
                 raise NotJSON(f"invalid JSON ({e}); the input is JSON lines: one object such "
                               'as {"text": "..."} per line') from None
         if not isinstance(doc, dict):
