@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import subprocess
 import sys
@@ -248,6 +249,27 @@ def test_tokenizer_argument_errors_exit_cleanly(tmp_path, bpe):
     ]
     for tokenizer, message in cases:
         with pytest.raises(SystemExit, match=r"^error: cannot build the \w+: .*" + message):
+            preprocess_data.run(preprocess_data.get_args(_argv(src, tmp_path / "o", *tokenizer)))
+    assert not list(tmp_path.glob("o*"))
+
+
+def test_a_file_that_is_not_the_tokenizer_model_exits_cleanly(tmp_path, bpe):
+    from tests.test_tokenizer import _train_sentencepiece
+
+    model = _train_sentencepiece(tmp_path)
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS)
+    vocab_listing = model[:-len(".model")] + ".vocab"
+    cases = [
+        (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", vocab_listing],
+         rf"--tokenizer-model {vocab_listing}: not a SentencePiece model .*: pass {model}$"),
+        (["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", bpe[0]],
+         rf"--tokenizer-model {bpe[0]}: not a SentencePiece model .*pass the <prefix>\.model"),
+    ]
+    if importlib.util.find_spec("tokenizers") is not None:
+        cases.append((["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", model],
+                      rf"--tokenizer-model {model}: not a Hugging Face tokenizer\.json"))
+    for tokenizer, message in cases:
+        with pytest.raises(SystemExit, match=r"^error: cannot build the \w+: " + message):
             preprocess_data.run(preprocess_data.get_args(_argv(src, tmp_path / "o", *tokenizer)))
     assert not list(tmp_path.glob("o*"))
 

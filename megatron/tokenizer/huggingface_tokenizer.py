@@ -36,7 +36,11 @@ class HuggingFaceTokenizer:
         if not os.path.isfile(file):
             raise ValueError(f"HuggingFaceTokenizer: {file} not found; pass a tokenizer.json "
                              "file or a directory holding one")
-        self._tok = Tokenizer.from_file(file)
+        try:
+            self._tok = Tokenizer.from_file(file)
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
+            raise ValueError(f"--tokenizer-model {file}: not a Hugging Face tokenizer.json "
+                             f"({e}); pass the tokenizer.json file (or its directory)") from None
         candidates = [_config_eos(os.path.dirname(os.path.abspath(file)))] + list(EOD_CANDIDATES)
         self._eod = None
         for token in candidates:

@@ -16,9 +16,18 @@ from typing import Dict, List
 
 
 def _load_model(model_file: str):
+    """The SentencePiece model in `model_file`; ValueError naming the file when it is not
+    one (the `.vocab` listing written beside the `.model`, a Hugging Face file, ...)."""
     import sentencepiece
 
-    return sentencepiece.SentencePieceProcessor(model_file=model_file)
+    try:
+        return sentencepiece.SentencePieceProcessor(model_file=model_file)
+    except (RuntimeError, OSError) as e:
+        hint = (f"; {model_file} looks like the listing SentencePiece writes beside the model: "
+                f"pass {model_file[:-len('.vocab')]}.model" if model_file.endswith(".vocab")
+                else "; pass the <prefix>.model file SentencePiece training wrote")
+        raise ValueError(f"--tokenizer-model {model_file}: not a SentencePiece model "
+                         f"({str(e).strip()}){hint}") from None
 
 
 def _piece_or(sp, piece_id: int, fallback: str) -> str:
