@@ -274,6 +274,21 @@ def test_a_file_that_is_not_the_tokenizer_model_exits_cleanly(tmp_path, bpe):
     assert not list(tmp_path.glob("o*"))
 
 
+def test_append_eod_without_an_end_of_document_token_exits_cleanly(tmp_path):
+    from tests.test_tokenizer import _train_sentencepiece
+
+    model = _train_sentencepiece(tmp_path, eos_id=-1)
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS)
+    argv = _argv(src, tmp_path / "o", "--tokenizer-type", "GPTSentencePieceTokenizer",
+                 "--tokenizer-model", model)
+    with pytest.raises(SystemExit, match=r"^error: --append-eod: the GPTSentencePieceTokenizer "
+                                         r"has no end-of-document token \(its end-of-document "
+                                         r"id is -1\); drop --append-eod.*SentencePieceTokenizer"):
+        preprocess_data.run(preprocess_data.get_args(argv + ["--append-eod"]))
+    assert not list(tmp_path.glob("o*"))
+    assert preprocess_data.run(preprocess_data.get_args(argv))["documents"] == len(DOCS)
+
+
 def test_text_the_tokenizer_cannot_encode_is_a_bad_line(tmp_path, bpe):
     src = tmp_path / "enc.jsonl"
     src.write_text(json.dumps(DOCS[0]) + "\n"

@@ -328,9 +328,30 @@ def build_tokenizer_or_exit(args: argparse.Namespace):
     """The tokenizer of `args`; a missing, unreadable or wrong tokenizer file or value
     ends the run with `error: ...` naming it (no traceback)."""
     try:
-        return build_tokenizer_from_options(options_from_args(args, np.int32))
+        tokenizer = build_tokenizer_from_options(options_from_args(args, np.int32))
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: cannot build the {args.tokenizer_type}: {e}") from None
+    if args.append_eod:
+        check_eod(tokenizer, args)
+    return tokenizer
+
+
+def check_eod(tokenizer, args: argparse.Namespace) -> None:
+    """--append-eod needs an end-of-document id inside the vocabulary: a tokenizer without
+    one (a SentencePiece model trained with eos_id -1, a tokenizer.json without an EOS
+    token) ends the run naming the fix, before any input is read."""
+    try:
+        eod = tokenizer.eod
+    except ValueError as e:
+        eod, why = None, str(e)
+    else:
+        why = f"its end-of-document id is {eod}"
+    if eod is not None and 0 <= eod < tokenizer.vocab_size:
+        return
+    raise SystemExit(f"error: --append-eod: the {args.tokenizer_type} has no end-of-document "
+                     f"token ({why}); drop --append-eod, or use a tokenizer that has one"
+                     + (" (SentencePieceTokenizer adds <EOD> to the same model)"
+                        if args.tokenizer_type == "GPTSentencePieceTokenizer" else ""))
 
 
 def make_output_dir(output_prefix: str) -> None:
