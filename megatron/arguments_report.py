@@ -89,16 +89,15 @@ def find_missing_inputs(args: Mapping[str, Any]) -> List[str]:
     """Input files a run would need but that do not exist (`Config.args` as input):
     `<prefix>.bin/.idx` of every data path, tokenizer files, a missing --load directory
     when --exit-on-missing-checkpoint is set, and a run with no data source at all."""
+    from megatron.core.datasets.indexed_dataset import missing_dataset_hint
+
     missing = []
     for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         for prefix in _data_prefixes(args.get(flag)):
             absent = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
-            if absent and prefix.endswith((".bin", ".idx")):
-                # Megatron names a dataset by its prefix: 'x.bin' would read x.bin.bin.
-                missing.append(f"{' and '.join(absent)} (--{flag.replace('_', '-')}: a dataset "
-                               f"is named by its prefix without .bin/.idx: pass {prefix[:-4]})")
-                continue
-            missing += [f"{path} (--{flag.replace('_', '-')})" for path in absent]
+            if absent:  # with the fix when there is one: 'x.bin' given, the --output-prefix, ...
+                hint = missing_dataset_hint(prefix).replace("; ", ": ", 1)
+                missing.append(f"{' and '.join(absent)} (--{flag.replace('_', '-')}{hint})")
     tokenizer = args.get("tokenizer_type")
     files = {"GPT2BPETokenizer": ("vocab_file", "merge_file"),
              "SentencePieceTokenizer": ("tokenizer_model",),

@@ -257,6 +257,34 @@ def test_prefix_with_a_suffix_suggests_dropping_it(tmp_path):
         MMapIndexedDataset(str(tmp_path / "w.bin"))
 
 
+def test_the_output_prefix_given_for_the_dataset_names_its_files(tmp_path):
+    """preprocess_data.py --output-prefix P writes P_<key>_document: P given to --data-path
+    (or merge_datasets.py) names those; a .bin without its .idx says which was not written."""
+    from megatron.arguments_report import find_missing_inputs
+
+    write(tmp_path / "corpus_text_document", [[[1, 2]]])
+    write(tmp_path / "corpus_title_document", [[[3]]])
+    fix = (rf"preprocess_data\.py names its output <output-prefix>_<json key>_document .*: pass "
+           rf"{tmp_path / 'corpus_text_document'} or {tmp_path / 'corpus_title_document'}$")
+    with pytest.raises(ValueError, match=rf"corpus\.idx: no such file .*; {fix}"):
+        MMapIndexedDataset(str(tmp_path / "corpus"))
+    (tmp_path / "lonely.bin").write_bytes(b"\0\0")
+    with pytest.raises(ValueError, match=r"lonely\.idx: no such file .*; the \.bin is there but "
+                                         r"not its \.idx, which preprocess_data\.py and "
+                                         r"merge_datasets\.py write last"):
+        MMapIndexedDataset(str(tmp_path / "lonely"))
+    missing = find_missing_inputs({"data_path": ["1", str(tmp_path / "corpus"),
+                                                 "1", str(tmp_path / "lonely")]})
+    assert any(m.startswith(f"{tmp_path / 'corpus'}.bin and ") and "pass " in m
+               for m in missing), missing
+    assert any(m.startswith(f"{tmp_path / 'lonely'}.idx (--data-path: the .bin is there")
+               for m in missing), missing
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "merge_datasets.py"), "--input",
+                        str(tmp_path / "corpus"), "--output-prefix", str(tmp_path / "m")],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and f"pass {tmp_path / 'corpus_text_document'} or" in r.stderr
+
+
 def test_gpt_samples_from_a_legacy_index_equal_the_mmap_ones(tmp_path):
     """The same documents under a legacy index and an mmap index give the same GPT
     training samples (what a run on older Megatron-LM data files reads)."""

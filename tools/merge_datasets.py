@@ -18,6 +18,7 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     MMapIndexedDataset,
     data_file_path,
     index_file_path,
+    missing_dataset_hint,
 )
 from tools.preprocess_data import make_output_dir  # noqa: E402
 
@@ -49,7 +50,8 @@ def input_prefixes(inputs) -> list:
             if item.endswith((".bin", ".idx")):
                 item = item[:-4]
             if not MMapIndexedDataset.exists(item):
-                raise SystemExit(f"--input {item}: {item}.bin/.idx not found")
+                raise SystemExit(f"--input {item}: {item}.bin/.idx not found"
+                                 f"{missing_dataset_hint(item)}")
             prefixes.append(item)
     return prefixes
 

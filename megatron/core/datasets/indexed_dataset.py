@@ -24,6 +24,7 @@ arrays above, so the rest of the reader does not know which format it came from.
 """
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import struct
@@ -222,6 +223,26 @@ def _read_legacy_index(idx_path: str, buf) -> tuple:
             np.array(doc_idx))
 
 
+def missing_dataset_hint(prefix: str) -> str:
+    """'; <the fix>' for a dataset prefix whose `.bin` or `.idx` is missing, or '': the
+    prefix given with its .bin/.idx suffix, preprocess_data.py's --output-prefix given
+    instead of the `<output-prefix>_<key>_document` it wrote, or a `.bin` without its `.idx`
+    (which both tools write last)."""
+    if prefix.endswith((".bin", ".idx")):
+        return f"; a dataset is named by its prefix without .bin/.idx: pass {prefix[:-4]}"
+    if os.path.isfile(data_file_path(prefix)) and not os.path.isfile(index_file_path(prefix)):
+        return ("; the .bin is there but not its .idx, which preprocess_data.py and "
+                "merge_datasets.py write last: that run did not finish, or the copy is "
+                "incomplete")
+    found = sorted(path[:-len(".idx")] for path in glob.glob(glob.escape(prefix) + "_*.idx")
+                   if path.endswith(("_document.idx", "_sentence.idx")))
+    if not found:
+        return ""
+    shown = " or ".join(found[:3]) + (f" (or {len(found) - 3} more)" if len(found) > 3 else "")
+    return (f"; preprocess_data.py names its output <output-prefix>_<json key>_document "
+            f"(_sentence with --split-sentences): pass {shown}")
+
+
 class MMapIndexedDataset:
     """Read-only view of `<prefix>.bin/.idx`; `ds[i]` is sequence i as a numpy view."""
 
@@ -230,11 +251,8 @@ class MMapIndexedDataset:
         idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
-                hint = ""
-                if prefix.endswith((".bin", ".idx")):
-                    hint = (f"; a dataset is named by its prefix without .bin/.idx: pass "
-                            f"{prefix[:-4]}")
-                raise ValueError(f"{path}: no such file (dataset prefix {prefix!r}){hint}")
+                raise ValueError(f"{path}: no such file (dataset prefix {prefix!r})"
+                                 f"{missing_dataset_hint(prefix)}")
         idx_size = os.path.getsize(idx_path)
         self._idx_map = (np.memmap(idx_path, mode="r", dtype=np.uint8) if idx_size
                          else np.zeros(0, dtype=np.uint8))
