@@ -317,6 +317,26 @@ def test_missing_output_directory_is_created(tmp_path, bpe, capsys):
     check_outputs(bpe, tmp_path / "new" / "sub" / "out", DOCS)
 
 
+def test_an_output_prefix_that_names_only_a_directory_is_a_usage_error(tmp_path, bpe):
+    """`--output-prefix out/` (a directory) wrote out/_text_document.bin, or stopped with a
+    FileNotFoundError traceback when out/ did not exist; merge_datasets.py wrote the hidden
+    out/.bin and out/.idx."""
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS)
+    (tmp_path / "there").mkdir()
+    for prefix in (f"{tmp_path}/there/", f"{tmp_path}/new/"):
+        with pytest.raises(SystemExit) as e:
+            run_tool(bpe, src, prefix)
+        assert e.value.code == 2
+    err = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "merge_datasets.py"), "--input", str(tmp_path / "x"),
+         "--output-prefix", f"{tmp_path}/there/"], capture_output=True, text=True)
+    assert err.returncode == 2 and (f"--output-prefix '{tmp_path}/there/' names no file: the "
+                                    "outputs are files (<prefix>.bin/.idx)") in err.stderr
+    assert f"e.g. --output-prefix {tmp_path}/there/my-corpus" in err.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "there"]
+    assert not list((tmp_path / "there").iterdir())
+
+
 @pytest.mark.parametrize("partitions", [1, 2])
 def test_failed_run_keeps_the_existing_dataset(tmp_path, bpe, partitions, monkeypatch):
     src = write_jsonl(tmp_path / "in.jsonl", DOCS)

@@ -20,7 +20,7 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     index_file_path,
     missing_dataset_hint,
 )
-from tools.preprocess_data import make_output_dir  # noqa: E402
+from tools.preprocess_data import make_output_dir, output_prefix_problem  # noqa: E402
 
 
 def directory_prefixes(directory: str) -> list:
@@ -104,6 +104,9 @@ def main(argv=None) -> None:
                         help="dataset prefixes, or directories holding .bin/.idx pairs")
     parser.add_argument("--output-prefix", required=True)
     args = parser.parse_args(argv)
+    problem = output_prefix_problem(args.output_prefix, "<prefix>.bin/.idx")
+    if problem:
+        parser.error(problem)
     prefixes = input_prefixes(args.input)
     merge(prefixes, args.output_prefix)
     print(f"Merged {len(prefixes)} datasets into {args.output_prefix}.bin/.idx", file=sys.stderr)

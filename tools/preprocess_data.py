@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -107,6 +108,9 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     if args.workers < 1 or args.partitions < 1 or args.workers % args.partitions:
         parser.error(f"--workers ({args.workers}) must be a positive multiple of --partitions "
                      f"({args.partitions})")
+    problem = output_prefix_problem(args.output_prefix, "<prefix>_<key>_document.bin/.idx")
+    if problem:
+        parser.error(problem)
     if args.log_interval < 1:
         parser.error(f"--log-interval must be >= 1, got {args.log_interval}")
     repeated = sorted({k for k in args.json_keys if args.json_keys.count(k) > 1})
@@ -352,6 +356,19 @@ def check_eod(tokenizer, args: argparse.Namespace) -> None:
                      f"token ({why}); drop --append-eod, or use a tokenizer that has one"
                      + (" (SentencePieceTokenizer adds <EOD> to the same model)"
                         if args.tokenizer_type == "GPTSentencePieceTokenizer" else ""))
+
+
+def output_prefix_problem(output_prefix: str, written: str) -> Optional[str]:
+    """Why `output_prefix` cannot be used (None when it can): one ending in a path separator
+    names a directory, but the outputs are files `written` (e.g. '<prefix>.bin/.idx')
+    beginning with it: a name is needed after the separator (the files were called
+    `_text_document.bin` or the hidden `.bin`, or the run failed on a missing directory)."""
+    if output_prefix and os.path.basename(output_prefix):
+        return None
+    example = os.path.join(output_prefix, "my-corpus")
+    return (f"--output-prefix {output_prefix!r} names no file: the outputs are files "
+            f"({written}) whose names begin with it, so it needs a name after the last "
+            f"'/', e.g. --output-prefix {example}")
 
 
 def make_output_dir(output_prefix: str) -> None:
