@@ -85,35 +85,59 @@ def validation_shortfall(config: Config, iteration: int, consumed: int,
             "trained with, or pass --eval-iters 0 to train without validation")
 
 
-def build_datasets(config: Config, rank: int, vocab_size: int) -> Dict[str, object]:
+def build_datasets(config: Config, rank: int, vocab_size: int,
+                   group=None) -> Dict[str, object]:
     """split -> dataset (or None). Collective when distributed: global rank 0 builds the
     index caches while the others wait, then everyone loads them. Token ids are checked
     (a bounded sample) against the padded vocabulary; blend ratios are printed on rank 0;
-    a run that trains needs train documents. Any data problem ends the run with
+    a run that trains needs train documents. Any data problem ends the run on every rank
+    together (`agreed_data_error` over `group`, the run's control group), printed once:
     `error: could not build the datasets: ...`."""
     d = config.data
     if d.mock_data:
         return {s: MockGPTDataset(vocab_size, d.seq_length, d.seed, split_index=i)
                 for i, s in enumerate(SPLITS)}
     from megatron.core.datasets.gpt_dataset import build_train_valid_test_datasets
+    from megatron.core.datasets.index_cache import MissingIndexCacheError
 
     counts = split_sample_counts(config)
     print_rank_0(" > datasets target sizes (minimum size):")
     for name, n in zip(("train", "validation", "test"), counts):
         print_rank_0(f"    {name}: {n}")
     barrier = dist.barrier if dist.is_initialized() else None
+    datasets, error = None, None
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("default")
-            train, valid, test = build_train_valid_test_datasets(
+            datasets = build_train_valid_test_datasets(
                 d.data_path, d.split, counts, d.seq_length, d.seed, d.data_cache_path,
                 d.train_data_path, d.valid_data_path, d.test_data_path,
                 is_builder_rank=rank == 0, barrier=barrier,
                 vocab_size=config.model.padded_vocab_size, log=print_rank_0)
     except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"error: could not build the datasets: {e}") from None
+        error = (isinstance(e, MissingIndexCacheError), str(e))
+    agreed_data_error(error, group)
     _report_warnings(caught)
-    return {"train": train, "valid": valid, "test": test}
+    return dict(zip(SPLITS, datasets))
+
+
+def agreed_data_error(error: Optional[tuple], group=None) -> None:
+    """Raise on every rank when any rank could not build its datasets (`error`: this rank's
+    (waiting-for-the-builder?, message), or None), with one report that rank 0 prints. A
+    rank that failed alone would otherwise leave the others waiting in their next
+    collective until the timeout, and each failing rank printed its own copy. A rank that
+    found no index files only waited for the builder (global rank 0): when the builder
+    failed, its error is the one reported. Collective over `group` (all ranks)."""
+    from megatron.agreed_exit import agree, agreed_report, exit_on_every_rank
+
+    errors = agree(None, group, error)
+    if not any(errors):
+        return
+    builder_failed = errors[0] is not None
+    report = agreed_report([
+        None if e is None or (e[0] and builder_failed)
+        else f"error: could not build the datasets: {e[1]}" for e in errors])
+    raise exit_on_every_rank(report, group)
 
 
 def _report_warnings(caught: List[warnings.WarningMessage]) -> None:

@@ -187,7 +187,7 @@ def data_iterator(config: Config, rt: Runtime, split: str, consumed: int,
     datasets when not given (collective when distributed)."""
     if datasets is None:
         vocab = config.data.vocab_size or config.model.padded_vocab_size
-        datasets = build_datasets(config, rt.ps.rank, vocab)
+        datasets = build_datasets(config, rt.ps.rank, vocab, rt.control_group)
     return make_iterator(config, datasets[split], consumed, rt.ps.dp_rank, rt.ps.dp_size,
                          pin=rt.device.type == "cuda")
 
@@ -454,7 +454,7 @@ def _build_data(tr: Trainer):
     vocab = config.data.vocab_size or config.model.padded_vocab_size
     tokenizer = build_tokenizer_for(config)
     tr.eod = None if tokenizer is None else tokenizer.eod
-    datasets = build_datasets(config, rt.ps.rank, vocab)
+    datasets = build_datasets(config, rt.ps.rank, vocab, rt.control_group)
     if datasets["valid"] is None and config.training.eval_iters > 0 and (
             config.training.eval_interval or config.training.skip_train):
         print_rank_0(f"WARNING: {_no_validation_reason(config)}")

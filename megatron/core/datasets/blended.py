@@ -18,7 +18,13 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron.core.datasets.index_cache import load_npy, save_npy, save_text
+from megatron.core.datasets.index_cache import (
+    MissingIndexCacheError,
+    load_npy,
+    missing_on_this_rank,
+    save_npy,
+    save_text,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -152,8 +158,8 @@ class BlendedDataset:
                  for suffix in (".dsc", "_index.npy", "_sample_index.npy")]
         if not (os.path.isfile(paths[1]) and os.path.isfile(paths[2])):
             if not may_build:
-                raise ValueError(f"blending index {paths[1]} was not built by the builder rank; "
-                                 "data index creation unsuccessful")
+                raise MissingIndexCacheError(missing_on_this_rank(f"blending index {paths[1]}",
+                                                                  cache_dir))
             logger.info("building blending indices for %d datasets into %s", len(self.datasets),
                         cache_dir)
             index, sample_index = build_blending_indices(self.weights, self.size)

@@ -121,6 +121,15 @@ class MissingIndexCacheError(ValueError):
     """No cache set fits a dataset and `may_build` is False."""
 
 
+def missing_on_this_rank(what: str, directory: str) -> str:
+    """The message of a `MissingIndexCacheError`: `what` (files in `directory`) is not there
+    after the builder rank's barrier -- it failed, or this rank does not see its files."""
+    return (f"{what} missing on this rank after the builder rank (global rank 0) built the "
+            f"index: {directory} must be a directory that every node sees (shared storage, "
+            "not a node-local disk such as /tmp); pass a --data-cache-path that all nodes "
+            "share")
+
+
 class StaleIndexCacheError(ValueError):
     """The index cache sets found for one dataset (`what`) do not match it and a fresh one
     cannot be built beside them: `stale` holds (paths, reason) of each set."""
@@ -171,9 +180,8 @@ def find_or_build_cache(desc: str, data_prefix: str, cache_dir: Optional[str],
     if stale and stale[-1][0] == target:
         raise StaleIndexCacheError(stale, what)
     if not may_build:
-        raise MissingIndexCacheError(f"index files {target['doc']} (and siblings) are missing: "
-                                     "the builder rank did not create them; data index "
-                                     "creation unsuccessful")
+        raise MissingIndexCacheError(missing_on_this_rank(f"index files {target['doc']} (and "
+                                                          "siblings)", directories[-1]))
     _warn_skipped(stale, what, target)
     start = time.time()
     arrays = build()
