@@ -161,8 +161,11 @@ def data_file_problems(config: Config) -> Tuple[List[str], List[str]]:
 
         sizes = [len(MMapIndexedDataset(p).sizes) for p in _data_prefixes(d.data_path)]
         if all(b[2] == b[1] for b in (get_train_valid_test_split(d.split, n) for n in sizes)):
+            from megatron.data_loading import validation_split_fix
+
             warned.append(f"WARNING: --split {d.split!r} leaves the validation split no "
-                          "documents of --data-path, so this run never evaluates")
+                          "documents of --data-path, so this run never evaluates; "
+                          f"{validation_split_fix(d.data_path)}")
     return problems, warned
 
 

@@ -140,6 +140,29 @@ def agreed_data_error(error: Optional[tuple], group=None) -> None:
     raise exit_on_every_rank(report, group)
 
 
+def validation_split_fix(data_path) -> str:
+    """The fix for a --data-path whose --split gives validation no document, from the
+    document count of its smallest dataset n: `--split n-1,1,0` gives each dataset at least
+    one; a dataset of one document cannot be split, so validation needs its own files."""
+    from megatron.core.datasets.blended import parse_weighted_prefixes
+    from megatron.core.datasets.indexed_dataset import MMapIndexedDataset
+
+    try:
+        counts = {p: len(MMapIndexedDataset(p).sizes)
+                  for p in parse_weighted_prefixes(data_path)[0]}
+    except ValueError:
+        counts = {}
+    if not counts:
+        return "give the second --split number a share of at least one document"
+    prefix, fewest = min(counts.items(), key=lambda item: item[1])
+    if fewest >= 2:
+        return (f"give the second --split number a share of at least one document: with "
+                f"{fewest} documents in {prefix}, e.g. --split {fewest - 1},1,0")
+    return (f"{prefix} holds one document, which --split cannot share between training and "
+            "validation: preprocess more documents, or give validation its own files with "
+            "--train-data-path and --valid-data-path instead of --data-path")
+
+
 def _report_warnings(caught: List[warnings.WarningMessage]) -> None:
     """The dataset builder's own warnings (every rank sees the same files) as one
     `WARNING: ...` line on rank 0, not one `path:line: UserWarning` per rank; others

@@ -31,6 +31,7 @@ from megatron.data_loading import (
     close_iterators,
     make_iterator,
     validation_shortfall,
+    validation_split_fix,
 )
 from megatron.initialize import Runtime
 from megatron.interrupt import RunProgress
@@ -478,9 +479,8 @@ def _no_validation_reason(config: Config) -> str:
     d = config.data
     if d.data_path:
         return (f"--split {d.split!r} leaves the validation split no documents of "
-                f"--data-path, so this run never evaluates; give the second --split number a "
-                "share of at least one document (e.g. --split 969,30,1 on a larger corpus), "
-                "or pass --eval-iters 0 to train without validation")
+                f"--data-path, so this run never evaluates; {validation_split_fix(d.data_path)}"
+                ", or pass --eval-iters 0 to train without validation")
     return ("no --valid-data-path, so this run never evaluates; pass --valid-data-path, or "
             "--eval-iters 0 to train without validation")
 

@@ -270,3 +270,23 @@ def test_dataset_builder_warnings_are_one_warning_line_on_rank_0(tmp_path, capsy
     out = capsys.readouterr()
     assert out.out.count("WARNING: ignoring the index cache ") == 1
     assert "UserWarning" not in out.err + out.out
+
+
+def test_the_validation_split_fix_names_a_split_that_gives_each_dataset_a_document(tmp_path):
+    """The never-evaluates warning's fix comes from the smallest dataset's document count
+    (it suggested --split 969,30,1 to a run already using it); one document cannot be split."""
+    from megatron.core.datasets.gpt_dataset import get_train_valid_test_split
+    from megatron.data_loading import validation_split_fix
+    from tests.test_gpt_dataset import make_corpus
+
+    big, _ = make_corpus(tmp_path / "big", [20] * 9)
+    small, _ = make_corpus(tmp_path / "small", [20] * 4)
+    one, _ = make_corpus(tmp_path / "one", [20])
+    fix = validation_split_fix(["0.7", big, "0.3", small])
+    assert fix.endswith(f"with 4 documents in {small}, e.g. --split 3,1,0"), fix
+    for n in (4, 9):
+        bounds = get_train_valid_test_split("3,1,0", n)
+        assert bounds[2] > bounds[1], (n, bounds)
+    assert validation_split_fix([one]).startswith(f"{one} holds one document, which --split "
+                                                  "cannot share")
+    assert "--train-data-path and --valid-data-path" in validation_split_fix([one])
