@@ -140,6 +140,18 @@ def agreed_data_error(error: Optional[tuple], group=None) -> None:
     raise exit_on_every_rank(report, group)
 
 
+def no_validation_reason(config: Config) -> str:
+    """Why a run asked to evaluate (--eval-iters > 0) has no validation set, and the fix:
+    Megatron skips every evaluation then without a word."""
+    d = config.data
+    if d.data_path:
+        return (f"--split {d.split!r} leaves the validation split no documents of "
+                f"--data-path, so this run never evaluates; {validation_split_fix(d.data_path)}"
+                ", or pass --eval-iters 0 to train without validation")
+    return ("no --valid-data-path, so this run never evaluates; pass --valid-data-path, or "
+            "--eval-iters 0 to train without validation")
+
+
 def validation_split_fix(data_path) -> str:
     """The fix for a --data-path whose --split gives validation no document, from the
     document count of its smallest dataset n: `--split n-1,1,0` gives each dataset at least

@@ -30,8 +30,8 @@ from megatron.data_loading import (
     build_tokenizer_for,
     close_iterators,
     make_iterator,
+    no_validation_reason,
     validation_shortfall,
-    validation_split_fix,
 )
 from megatron.initialize import Runtime
 from megatron.interrupt import RunProgress
@@ -458,7 +458,7 @@ def _build_data(tr: Trainer):
     datasets = build_datasets(config, rt.ps.rank, vocab, rt.control_group)
     if datasets["valid"] is None and config.training.eval_iters > 0 and (
             config.training.eval_interval or config.training.skip_train):
-        print_rank_0(f"WARNING: {_no_validation_reason(config)}")
+        print_rank_0(f"WARNING: {no_validation_reason(config)}")
     if datasets["valid"] is not None:
         shortfall = validation_shortfall(config, tr.state.iteration,
                                          tr.state.consumed_valid_samples, len(datasets["valid"]))
@@ -471,18 +471,6 @@ def _build_data(tr: Trainer):
                                    datasets)
         test_data = data_iterator(config, rt, "test", 0, datasets)
     return train_data, valid_data, test_data
-
-
-def _no_validation_reason(config: Config) -> str:
-    """Why a run asked to evaluate (--eval-iters > 0) has no validation set, and the fix:
-    Megatron skips every evaluation then without a word."""
-    d = config.data
-    if d.data_path:
-        return (f"--split {d.split!r} leaves the validation split no documents of "
-                f"--data-path, so this run never evaluates; {validation_split_fix(d.data_path)}"
-                ", or pass --eval-iters 0 to train without validation")
-    return ("no --valid-data-path, so this run never evaluates; pass --valid-data-path, or "
-            "--eval-iters 0 to train without validation")
 
 
 def _setup(config: Config, rt: Runtime, process_start_time: Optional[float]) -> Trainer:
