@@ -186,7 +186,8 @@ MEGATRON_GROUPS = (
         ("--num-workers", "int", 2),
         ("--tokenizer-type", "str", None, (
             "BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer",
-            "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer")),
+            "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer",
+            "HuggingFaceTokenizer")),  # the last: an extension (a local tokenizer.json)
         ("--tokenizer-model", "str", None),
         ("--data-impl", "str", "infer", ("mmap", "infer")),
         ("--reset-position-ids", "true", False),

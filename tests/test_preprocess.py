@@ -4,6 +4,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -375,3 +376,39 @@ def test_all_empty_documents_warn(tmp_path, bpe, capsys):
     assert "out_text_document holds no tokens: the 3 documents' 'text' values" in err
     assert "title_document holds no tokens" not in err
     assert MMapIndexedDataset(str(tmp_path / "out_text_document")).doc_idx.tolist() == [0] * 4
+
+
+def test_data_tokenized_with_a_huggingface_tokenizer_trains_with_it(tmp_path, capsys):
+    """preprocess_data.py --tokenizer-type HuggingFaceTokenizer writes data that
+    pretrain_gpt.py trains on with the same tokenizer (an extension choice: the vocabulary
+    size and end-of-document id come from the tokenizer.json)."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    import pretrain_gpt
+
+    hf = Tokenizer(models.BPE(unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.train_from_iterator([TRAIN_TEXT] * 3, trainer=trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<unk>", "</s>"]))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                 str(tmp_path / "tokenizer.json")]
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": TRAIN_TEXT}] * 8)
+    preprocess_data.run(preprocess_data.get_args(
+        _argv(src, tmp_path / "hf", *tokenizer, "--append-eod")))
+    ds = MMapIndexedDataset(str(tmp_path / "hf_text_document"))
+    assert list(ds[0][-1:]) == [hf.token_to_id("</s>")]
+    capsys.readouterr()
+    assert pretrain_gpt.main(tokenizer + [
+        "--data-path", str(tmp_path / "hf_text_document"), "--split", "100,0,0",
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "2", "--eval-iters", "0",
+        "--log-interval", "1", "--num-workers", "0", "--no-compile",
+        "--data-cache-path", str(tmp_path / "cache")]) == 0
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert "iteration        2/       2" in out and "lm loss:" in out
+    # the tokenizer.json's 200 ids, padded to a multiple of 128
+    assert re.search(r"\n  padded_vocab_size \.+ 256\n", out)
