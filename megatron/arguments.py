@@ -231,6 +231,43 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
     return values
 
 
+# A run counts its length and schedule in iterations or in samples (arguments_schedule.py):
+# the dests of each way.
+_RUN_LENGTH = {
+    "train_iters": ("train_iters", "lr_decay_iters", "lr_warmup_iters"),
+    "train_samples": ("train_samples", "lr_decay_samples", "lr_warmup_samples",
+                      "rampup_batch_size"),
+}
+
+
+def _run_length_from_command_line(yaml_values: Dict[str, Any], command_line: Dict[str, Any],
+                                  path: str) -> Dict[str, Any]:
+    """The command line's --train-iters (or --train-samples) overrides the run length of a
+    --config file that counts the other way: the file's schedule flags of that other way
+    are dropped, with a warning naming them (they could not be combined: a preset in
+    samples plus `--train-iters 100` was an error naming two exclusive flags)."""
+    for given, own in _RUN_LENGTH.items():
+        if given not in command_line:
+            continue
+        other = next(dests for flag, dests in _RUN_LENGTH.items() if flag != given)
+        dropped = [d for d in other if d in yaml_values and d not in command_line]
+        if not dropped:
+            return yaml_values
+        names = ", ".join(f"--{d.replace('_', '-')} {_shown(yaml_values[d])}" for d in dropped)
+        unset = [f"--{d.replace('_', '-')}" for d in own[1:3] if d not in command_line]
+        hint = (f"; pass {' / '.join(unset)} to set the schedule in these units (default: "
+                "decay over the whole run, no warmup)" if unset else "")
+        warn(f"--{given.replace('_', '-')} {command_line[given]} on the command line replaces "
+             f"the run length of --config {path}, which counts the other way: its {names} "
+             f"ignored{hint}")
+        return {k: v for k, v in yaml_values.items() if k not in dropped}
+    return yaml_values
+
+
+def _shown(value: Any) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
 # ------------------------------------------------------------------------- parsing
 
 
@@ -269,6 +306,7 @@ def parse_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, Set[str]]:
     if getattr(given, "config", None):
         with machine_checks():  # the file may be missing on some node
             yaml_values = load_yaml_config(given.config, parser)
+        yaml_values = _run_length_from_command_line(yaml_values, vars(given), given.config)
         parser.set_defaults(**yaml_values)
     ns = parser.parse_args(argv)
     return ns, set(vars(given)) | set(yaml_values)

@@ -283,6 +283,32 @@ def test_yaml_config_with_command_line_override(tmp_path):
     assert cfg.args["config"] == path
 
 
+def test_command_line_run_length_replaces_a_preset_counted_the_other_way(tmp_path, caplog):
+    """A preset in samples (the gpt3-* ones) plus --train-iters on the command line: the
+    command line wins, the preset's sample schedule is dropped with a warning (it was an
+    error naming two exclusive flags); and the other way round for a preset in iterations."""
+    samples = _yaml(tmp_path, "train-samples: 4000\nlr-decay-samples: 3000\n"
+                              "lr-warmup-samples: 100\n")
+    cfg = run(f"--config {samples} --train-iters 7", base=without("--train-iters"))
+    assert cfg.args["train_iters"] == 7 and cfg.args["train_samples"] is None
+    assert cfg.args["lr_decay_samples"] is None and cfg.args["lr_warmup_samples"] == 0
+    assert (f"--train-iters 7 on the command line replaces the run length of --config "
+            f"{samples}") in caplog.text
+    assert ("--train-samples 4000, --lr-decay-samples 3000, --lr-warmup-samples 100 ignored; "
+            "pass --lr-decay-iters / --lr-warmup-iters") in caplog.text
+    iters = tmp_path / "iters.yaml"
+    iters.write_text("train-iters: 50\nlr-warmup-iters: 5\nlr-decay-iters: 40\n")
+    cfg = run(f"--config {iters} --train-samples 64 --lr-decay-samples 60",
+              base=without("--train-iters"))
+    assert cfg.args["train_samples"] == 64 and cfg.args["lr_decay_samples"] == 60
+    assert ("--train-iters 50, --lr-decay-iters 40, --lr-warmup-iters 5 ignored; pass "
+            "--lr-warmup-samples to set") in caplog.text
+    caplog.clear()
+    cfg = run(f"--config {iters} --train-iters 9", base=without("--train-iters"))  # same way
+    assert cfg.args["train_iters"] == 9 and cfg.args["lr_decay_iters"] == 40
+    assert "replaces the run length" not in caplog.text
+
+
 def test_yaml_unknown_key_suggests_closest_flag(tmp_path):
     msg = error_of(f"--config {_yaml(tmp_path, 'tensor-model-paralel-size: 2')}")
     assert "unknown key 'tensor-model-paralel-size'" in msg
