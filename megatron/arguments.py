@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import shlex
 import sys
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
@@ -172,6 +173,14 @@ def _yaml_value(key: str, action: argparse.Action, value: Any, path: str) -> Any
         if value:
             return action.const
         return None if action.default is None else (not action.const)
+    if action.nargs in ("*", "+") and isinstance(value, str):
+        # 'data-path: 0.3 a 0.7 b', 'rampup-batch-size: 32 32 1000': the words, as on the
+        # command line (shell quoting keeps a path with spaces whole)
+        try:
+            value = shlex.split(value)
+        except ValueError as exc:
+            raise ArgumentsError(f"{where}: cannot split {value!r} into words ({exc}); "
+                                 "give a YAML list") from None
     items = value if isinstance(value, list) else [value]
     if action.nargs is None and isinstance(value, list):
         raise ArgumentsError(f"{where} takes one value, got the list {value!r}")
@@ -196,7 +205,8 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
     """Read `--config FILE.yaml` into {dest: value}.
 
     Keys are flag names with or without dashes, '-' or '_' alike (`tensor-model-parallel-size`,
-    `tensor_model_parallel_size`); switches take true/false; list flags take YAML lists.
+    `tensor_model_parallel_size`); switches take true/false; list flags take YAML lists or the command line's words on
+    one line (`data-path: 0.3 a 0.7 b`).
     Unknown keys are an error naming the closest flag.
     """
     import yaml

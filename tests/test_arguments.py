@@ -309,6 +309,20 @@ def test_command_line_run_length_replaces_a_preset_counted_the_other_way(tmp_pat
     assert "replaces the run length" not in caplog.text
 
 
+def test_yaml_list_flag_given_as_one_line_is_split_into_words(tmp_path):
+    """'rampup-batch-size: 4 4 16' and 'data-path: 0.3 a 0.7 b' (the command line's
+    spelling) are read as the words: they were one value ('--rampup-batch-size 4 4 16:
+    expected 3 values', a data prefix '0.3 a 0.7 b')."""
+    path = _yaml(tmp_path, "rampup-batch-size: 4 4 16\ndata-path: 0.3 a 0.7 'b c'\n"
+                           "train-samples: 64\n")
+    cfg = run(f"--config {path} --global-batch-size 8",
+              base=without("--train-iters", without("--mock-data")))
+    assert cfg.args["rampup_batch_size"] == [4, 4, 16]
+    assert cfg.data.data_path == ["0.3", "a", "0.7", "b c"]
+    unbalanced = _yaml(tmp_path, "data-path: a 'b\n")
+    assert "key 'data-path': cannot split \"a 'b\"" in error_of(f"--config {unbalanced}")
+
+
 def test_yaml_unknown_key_suggests_closest_flag(tmp_path):
     msg = error_of(f"--config {_yaml(tmp_path, 'tensor-model-paralel-size: 2')}")
     assert "unknown key 'tensor-model-paralel-size'" in msg
