@@ -27,3 +27,37 @@ def test_initialize_checks_before_touching_the_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", no_cuda_call)
     with pytest.raises(SystemExit, match="local rank 1 has no GPU"):
         init.initialize_distributed(ParallelConfig(), rank=1, world_size=2, local_rank=1)
+
+
+# ------------------------------------------------------------- srun without torchrun
+
+
+def test_srun_tasks_without_torchrun_variables_are_refused():
+    """`srun -n 2 python pretrain_gpt.py` (no torchrun): each task would train alone as a
+    one-process run, both writing the same --save. A batch shell or one task is fine, and
+    so is any launch that sets RANK / WORLD_SIZE (torchrun, or a wrapper)."""
+    message = init.srun_tasks_without_launcher({"SLURM_STEP_NUM_TASKS": "8",
+                                                "SLURM_PROCID": "3"})
+    assert "task 3 of the 8 that srun started" in message
+    assert "srun --ntasks-per-node=1 python -m torch.distributed.run" in message
+    for env in ({}, {"SLURM_JOB_ID": "1", "SLURM_NTASKS": "8"}, {"SLURM_STEP_NUM_TASKS": "1"},
+                {"SLURM_STEP_NUM_TASKS": "8", "RANK": "3", "WORLD_SIZE": "8"}):
+        assert init.srun_tasks_without_launcher(env) is None
+
+
+def test_pretrain_gpt_under_srun_without_torchrun_stops_with_the_fix():
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env.update(SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="0")
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--mock-data"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "error: this process is task 0 of the 2 that srun started" in proc.stderr
+    env["SLURM_PROCID"] = "1"  # the other task: silent (no launcher variable to wait under)
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--mock-data"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (1, "")
