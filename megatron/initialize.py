@@ -185,6 +185,16 @@ def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
                    control_group=control_group)
 
 
+def local_gpu(rank: int, local_rank: int, env: Mapping[str, str], num_gpus: int) -> int:
+    """The GPU of this process: LOCAL_RANK where the launcher sets it (torchrun), else
+    Megatron-LM 23.05's choice, rank % the visible GPUs -- for a launch that exports RANK /
+    WORLD_SIZE itself (an srun wrapper setting RANK=$SLURM_PROCID): without LOCAL_RANK every
+    rank of a node took GPU 0."""
+    if env.get("LOCAL_RANK", "") != "" or num_gpus < 1:
+        return local_rank
+    return rank % num_gpus
+
+
 def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank: int,
                            world_size: int, local_rank: int,
                            environ: MutableMapping[str, str]) -> Runtime:
@@ -199,6 +209,8 @@ def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank
         # torch's cuBLASLt calls (addmm with a bias) then run without a workspace too, and
         # say so once per process in a warning that asks for a workspace: that is the choice.
         warnings.filterwarnings("ignore", message="Requested unified CUBLASLT workspace size")
+    if torch.cuda.is_available():
+        local_rank = local_gpu(rank, local_rank, environ, torch.cuda.device_count())
     rt = initialize_distributed(parallel, rank, world_size, local_rank,
                                 agent_store=agent_store_from_env(environ))
     if no_workspace and rt.device.type == "cuda":

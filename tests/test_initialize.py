@@ -61,3 +61,25 @@ def test_pretrain_gpt_under_srun_without_torchrun_stops_with_the_fix():
     proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--mock-data"], cwd=repo, env=env,
                           capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stderr) == (1, "")
+
+
+def test_gpu_without_local_rank_is_rank_modulo_the_gpus_as_in_megatron(monkeypatch):
+    """A launch that exports RANK / WORLD_SIZE itself (an srun wrapper: RANK=$SLURM_PROCID,
+    no LOCAL_RANK) gets Megatron-LM 23.05's GPU, rank % the visible GPUs; every rank of a
+    node took GPU 0 (NCCL: 'Duplicate GPU detected'). torchrun's LOCAL_RANK is kept."""
+    assert init.local_gpu(11, 0, {}, 8) == 3
+    assert init.local_gpu(11, 0, {}, 1) == 0  # one GPU per task (--gpus-per-task=1)
+    assert init.local_gpu(11, 2, {"LOCAL_RANK": "2"}, 8) == 2
+    assert init.local_gpu(3, 0, {}, 0) == 0
+    class Stop(Exception):
+        """raised where initialisation would touch the (absent) GPU"""
+
+    def initialize_distributed(parallel, rank, world_size, local_rank, agent_store):
+        raise Stop(local_rank)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(init, "initialize_distributed", initialize_distributed)
+    with pytest.raises(Stop) as stop:
+        init.initialize_entry_point(ParallelConfig(), "torch", 6, 8, 0, {"RANK": "6"})
+    assert stop.value.args == (2,)
