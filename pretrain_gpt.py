@@ -88,6 +88,7 @@ def _train(config, ranks: tuple, start: float, progress, watch) -> int:
 
     from megatron.agreed_exit import silent_ranks_wait
     from megatron.arguments import format_args_dump
+    from megatron.data_loading import check_data_files
     from megatron.initialize import initialize_entry_point, set_random_seed
     from megatron.logging_utils import print_rank_0
     from megatron.oom_report import OutOfMemoryExit
@@ -104,6 +105,7 @@ def _train(config, ranks: tuple, start: float, progress, watch) -> int:
     leave_group = False
     with silent_ranks_wait(os.environ):  # rank 0 prints errors
         try:
+            check_data_files(config, rt.control_group)  # before the model is built
             pretrain(config, rt, process_start_time=start, progress=progress)  # exits too
         except OutOfMemoryExit as e:  # reported already
             leave_group = True

@@ -85,20 +85,35 @@ def _data_prefixes(paths: Optional[Sequence[str]]) -> List[str]:
         return list(paths)
 
 
-def find_missing_inputs(args: Mapping[str, Any]) -> List[str]:
-    """Input files a run would need but that do not exist (`Config.args` as input):
-    `<prefix>.bin/.idx` of every data path, tokenizer files, a missing --load directory
-    when --exit-on-missing-checkpoint is set, and a run with no data source at all."""
+def missing_data_files(args: Mapping[str, Any]) -> List[str]:
+    """The `<prefix>.bin/.idx` files of every data path (`Config.args` as input) that do
+    not exist, each with its flag; a relative one also resolved from the working directory
+    (the launch scripts run from the repository root, not from where they were started)."""
     missing = []
     for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         for prefix in _data_prefixes(args.get(flag)):
             absent = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
-            if absent and prefix.endswith((".bin", ".idx")):
+            if not absent:
+                continue
+            where = "" if os.path.isabs(prefix) else f"; looked for {os.path.abspath(prefix)}.*"
+            if prefix.endswith((".bin", ".idx")):
                 # Megatron names a dataset by its prefix: 'x.bin' would read x.bin.bin.
                 missing.append(f"{' and '.join(absent)} (--{flag.replace('_', '-')}: a dataset "
                                f"is named by its prefix without .bin/.idx: pass {prefix[:-4]})")
                 continue
-            missing += [f"{path} (--{flag.replace('_', '-')})" for path in absent]
+            if os.path.isfile(prefix + "_text_document.idx"):  # preprocess_data.py's name
+                where += (f"; {prefix}_text_document.bin/.idx exist: tools/preprocess_data.py "
+                          f"names its output <--output-prefix>_<json key>_document, pass "
+                          f"{prefix}_text_document")
+            missing.append(f"{' and '.join(absent)} (--{flag.replace('_', '-')}{where})")
+    return missing
+
+
+def find_missing_inputs(args: Mapping[str, Any]) -> List[str]:
+    """Input files a run would need but that do not exist (`Config.args` as input):
+    `<prefix>.bin/.idx` of every data path, tokenizer files, a missing --load directory
+    when --exit-on-missing-checkpoint is set, and a run with no data source at all."""
+    missing = missing_data_files(args)
     tokenizer = args.get("tokenizer_type")
     files = {"GPT2BPETokenizer": ("vocab_file", "merge_file"),
              "SentencePieceTokenizer": ("tokenizer_model",),
