@@ -218,3 +218,23 @@ def test_run_outside_slurm_says_to_submit_it(script, tmp_path):
     assert "is a Slurm batch script" in proc.stderr and "submit it with sbatch" in proc.stderr
     assert "unbound variable" not in proc.stderr
     assert not (tmp_path / "runs").exists()  # stopped before making any directory
+
+
+@pytest.mark.parametrize("script", ["pretrain_gpt.sbatch", "pretrain_gpt_cpu.sbatch"])
+def test_submitted_from_outside_the_checkout_says_where_to_submit(script, tmp_path):
+    """sbatch from another directory: REPO defaults to the submit directory, which holds
+    no pretrain_gpt.py. The main script failed in every rank ('can't open file
+    pretrain_gpt.py') after srun and torchrun started; the CPU variant with bash's 'No such
+    file or directory' (127). Both now stop at once (status 2), saying to submit from the
+    checkout or set REPO. Slurm's variables are faked: nothing reaches srun."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "REPO"}
+    env.update(SLURM_JOB_ID="7", SLURM_JOB_NODELIST="node1", SLURM_SUBMIT_DIR=str(tmp_path))
+    proc = subprocess.run(["bash", str(SLURM_DIR / script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2, proc.stderr
+    assert "submit from the repository root" in proc.stderr
+    assert "or set REPO=/path/to/checkout" in proc.stderr
+    assert not (tmp_path / "runs").exists()
