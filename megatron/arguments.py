@@ -212,7 +212,9 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
     import yaml
 
     if not os.path.isfile(path):
-        raise ArgumentsError(f"--config {path}: file not found")
+        # a relative path, resolved: the launch scripts run from the repository root
+        where = "" if os.path.isabs(path) else f" (looked for {os.path.abspath(path)})"
+        raise ArgumentsError(f"--config {path}: file not found{where}")
     with open(path) as f:
         try:
             data = yaml.safe_load(f)

@@ -323,6 +323,14 @@ def test_yaml_list_flag_given_as_one_line_is_split_into_words(tmp_path):
     assert "key 'data-path': cannot split \"a 'b\"" in error_of(f"--config {unbalanced}")
 
 
+def test_missing_relative_config_names_where_it_was_looked_for(tmp_path, monkeypatch):
+    # scripts/pretrain_gpt.sh runs from the repository root: 'my.yaml' is looked for there
+    monkeypatch.chdir(tmp_path)
+    assert error_of("--config my.yaml") == (f"--config my.yaml: file not found (looked for "
+                                            f"{tmp_path}/my.yaml)")
+    assert error_of(f"--config {tmp_path}/a.yaml") == f"--config {tmp_path}/a.yaml: file not found"
+
+
 def test_yaml_unknown_key_suggests_closest_flag(tmp_path):
     msg = error_of(f"--config {_yaml(tmp_path, 'tensor-model-paralel-size: 2')}")
     assert "unknown key 'tensor-model-paralel-size'" in msg
