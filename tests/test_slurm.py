@@ -277,3 +277,14 @@ def test_data_given_after_the_script_or_in_config_is_not_mixed_with_mock_data(tm
     assert "--mock-data" not in args and args[:2] == ["--config", str(config)]
     args = _fake_slurm_command_line(tmp_path, [], DATA_PATH="0.5 /a 0.5 /b")
     assert args[:6] == ["--data-path", "0.5", "/a", "0.5", "/b", "--split"]
+
+
+def test_tokenizer_of_the_config_is_not_overridden_by_the_script(tmp_path):
+    """TOKENIZER_TYPE unset: the script passed --tokenizer-type GPT2BPETokenizer, which beat
+    a CONFIG's tokenizer-type (a SentencePiece preset then asked for GPT-2's vocab files)."""
+    config = tmp_path / "run.yaml"
+    config.write_text("tokenizer-type: SentencePieceTokenizer\n")
+    assert "--tokenizer-type" not in _fake_slurm_command_line(tmp_path, [], CONFIG=str(config))
+    args = _fake_slurm_command_line(tmp_path, [], TOKENIZER_TYPE="NullTokenizer",
+                                    VOCAB_SIZE="512")
+    assert args[args.index("--tokenizer-type") + 1] == "NullTokenizer"
