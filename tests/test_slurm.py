@@ -288,3 +288,17 @@ def test_tokenizer_of_the_config_is_not_overridden_by_the_script(tmp_path):
     args = _fake_slurm_command_line(tmp_path, [], TOKENIZER_TYPE="NullTokenizer",
                                     VOCAB_SIZE="512")
     assert args[args.index("--tokenizer-type") + 1] == "NullTokenizer"
+
+
+def test_save_interval_and_split_of_the_config_are_not_overridden_by_the_script(tmp_path):
+    """SAVE_INTERVAL and SPLIT unset: the script's defaults (1000, 969,30,1) beat the CONFIG
+    file's save-interval and split without a word."""
+    config = tmp_path / "run.yaml"
+    config.write_text("save_interval: 250\nsplit: 90,10,0\n")
+    args = _fake_slurm_command_line(tmp_path, [], CONFIG=str(config), DATA_PATH="/d/c")
+    assert "--save-interval" not in args and "--split" not in args
+    args = _fake_slurm_command_line(tmp_path, [], DATA_PATH="/d/c")
+    assert args[args.index("--split") + 1] == "969,30,1"
+    for env, expected in (({}, "1000"), ({"SAVE_INTERVAL": "50", "CONFIG": str(config)}, "50")):
+        args = _fake_slurm_command_line(tmp_path, [], **env)
+        assert args[args.index("--save-interval") + 1] == expected
