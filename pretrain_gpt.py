@@ -68,8 +68,8 @@ def main(argv=None) -> int:
             rank, world, local_rank = _launcher_env()
             config = parse_and_validate(sys.argv[1:] if argv is None else argv,
                                         world_size=world, vocab_size_fn=tokenizer_vocab_size)
-            if config.args.get("dry_run"):
-                return run_dry_run(config, world)
+            if config.args.get("dry_run"):  # under torchrun: one report per node
+                return run_dry_run(config, world, show=rank == 0 or local_rank == 0)
             return _train(config, (rank, world, local_rank), start, progress, watch)
         except BaseException as e:
             if not watch.explains(e):

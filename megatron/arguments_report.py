@@ -299,11 +299,13 @@ def memory_lines(config: Config, evaluation: bool = False) -> List[str]:
     return report(config, _local_gpu_memory(), "the local GPU's memory")
 
 
-def run_dry_run(config: Config, world_size: int) -> int:
-    """Print the dry-run report; return the exit status (1 when inputs are missing or the
+def run_dry_run(config: Config, world_size: int, show: bool = True) -> int:
+    """Print the dry-run report (unless not `show`: a launcher's other ranks make the same
+    checks in silence); return the exit status (1 when inputs are missing or the
     checkpoint under --load would stop the run)."""
     text, failed = _dry_run(config, world_size)
-    print(text)
+    if show:
+        print(text)
     return 1 if failed else 0
 
 
