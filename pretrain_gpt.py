@@ -19,12 +19,25 @@ import time
 
 
 def _launcher_env() -> tuple:
-    """(rank, world_size, local_rank) as torchrun / srun set them."""
+    """(rank, world_size, local_rank) as torchrun sets them."""
     env = os.environ
     world = int(env.get("WORLD_SIZE", "1"))
     rank = int(env.get("RANK", "0"))
     local_rank = int(env.get("LOCAL_RANK", "0"))
     return rank, world, local_rank
+
+
+def _check_srun_tasks(env) -> None:
+    """Several srun tasks without torchrun's variables: one error, printed by task 0 (the
+    others wait for it under Slurm, then exit with status 1)."""
+    from megatron.arguments import exit_before_group
+    from megatron.initialize import srun_tasks_without_launcher
+
+    message = srun_tasks_without_launcher(env)
+    if message is not None:
+        task = int(env.get("SLURM_PROCID", "0") or 0)
+        raise exit_before_group(SystemExit(message), task, int(env["SLURM_STEP_NUM_TASKS"]),
+                                env, machine=False)
 
 
 def tokenizer_vocab_size(args) -> int:
@@ -51,11 +64,12 @@ def main(argv=None) -> int:
         try:
             from megatron.arguments import parse_and_validate, run_dry_run
 
+            _check_srun_tasks(os.environ)
             rank, world, local_rank = _launcher_env()
             config = parse_and_validate(sys.argv[1:] if argv is None else argv,
                                         world_size=world, vocab_size_fn=tokenizer_vocab_size)
-            if config.args.get("dry_run"):
-                return run_dry_run(config, world)
+            if config.args.get("dry_run"):  # under torchrun: one report per node
+                return run_dry_run(config, world, show=rank == 0 or local_rank == 0)
             return _train(config, (rank, world, local_rank), start, progress, watch)
         except BaseException as e:
             if not watch.explains(e):
@@ -74,6 +88,7 @@ def _train(config, ranks: tuple, start: float, progress, watch) -> int:
 
     from megatron.agreed_exit import silent_ranks_wait
     from megatron.arguments import format_args_dump
+    from megatron.data_loading import check_data_files
     from megatron.initialize import initialize_entry_point, set_random_seed
     from megatron.logging_utils import print_rank_0
     from megatron.oom_report import OutOfMemoryExit
@@ -90,6 +105,7 @@ def _train(config, ranks: tuple, start: float, progress, watch) -> int:
     leave_group = False
     with silent_ranks_wait(os.environ):  # rank 0 prints errors
         try:
+            check_data_files(config, rt.control_group)  # before the model is built
             pretrain(config, rt, process_start_time=start, progress=progress)  # exits too
         except OutOfMemoryExit as e:  # reported already
             leave_group = True

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import shlex
 import sys
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
@@ -172,6 +173,14 @@ def _yaml_value(key: str, action: argparse.Action, value: Any, path: str) -> Any
         if value:
             return action.const
         return None if action.default is None else (not action.const)
+    if action.nargs in ("*", "+") and isinstance(value, str):
+        # 'data-path: 0.3 a 0.7 b', 'rampup-batch-size: 32 32 1000': the words, as on the
+        # command line (shell quoting keeps a path with spaces whole)
+        try:
+            value = shlex.split(value)
+        except ValueError as exc:
+            raise ArgumentsError(f"{where}: cannot split {value!r} into words ({exc}); "
+                                 "give a YAML list") from None
     items = value if isinstance(value, list) else [value]
     if action.nargs is None and isinstance(value, list):
         raise ArgumentsError(f"{where} takes one value, got the list {value!r}")
@@ -196,13 +205,16 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
     """Read `--config FILE.yaml` into {dest: value}.
 
     Keys are flag names with or without dashes, '-' or '_' alike (`tensor-model-parallel-size`,
-    `tensor_model_parallel_size`); switches take true/false; list flags take YAML lists.
+    `tensor_model_parallel_size`); switches take true/false; list flags take YAML lists or the command line's words on
+    one line (`data-path: 0.3 a 0.7 b`).
     Unknown keys are an error naming the closest flag.
     """
     import yaml
 
     if not os.path.isfile(path):
-        raise ArgumentsError(f"--config {path}: file not found")
+        # a relative path, resolved: the launch scripts run from the repository root
+        where = "" if os.path.isabs(path) else f" (looked for {os.path.abspath(path)})"
+        raise ArgumentsError(f"--config {path}: file not found{where}")
     with open(path) as f:
         try:
             data = yaml.safe_load(f)
@@ -229,6 +241,43 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
         action = index[norm]
         values[action.dest] = _yaml_value(str(key), action, value, path)
     return values
+
+
+# A run counts its length and schedule in iterations or in samples (arguments_schedule.py):
+# the dests of each way.
+_RUN_LENGTH = {
+    "train_iters": ("train_iters", "lr_decay_iters", "lr_warmup_iters"),
+    "train_samples": ("train_samples", "lr_decay_samples", "lr_warmup_samples",
+                      "rampup_batch_size"),
+}
+
+
+def _run_length_from_command_line(yaml_values: Dict[str, Any], command_line: Dict[str, Any],
+                                  path: str) -> Dict[str, Any]:
+    """The command line's --train-iters (or --train-samples) overrides the run length of a
+    --config file that counts the other way: the file's schedule flags of that other way
+    are dropped, with a warning naming them (they could not be combined: a preset in
+    samples plus `--train-iters 100` was an error naming two exclusive flags)."""
+    for given, own in _RUN_LENGTH.items():
+        if given not in command_line:
+            continue
+        other = next(dests for flag, dests in _RUN_LENGTH.items() if flag != given)
+        dropped = [d for d in other if d in yaml_values and d not in command_line]
+        if not dropped:
+            return yaml_values
+        names = ", ".join(f"--{d.replace('_', '-')} {_shown(yaml_values[d])}" for d in dropped)
+        unset = [f"--{d.replace('_', '-')}" for d in own[1:3] if d not in command_line]
+        hint = (f"; pass {' / '.join(unset)} to set the schedule in these units (default: "
+                "decay over the whole run, no warmup)" if unset else "")
+        warn(f"--{given.replace('_', '-')} {command_line[given]} on the command line replaces "
+             f"the run length of --config {path}, which counts the other way: its {names} "
+             f"ignored{hint}")
+        return {k: v for k, v in yaml_values.items() if k not in dropped}
+    return yaml_values
+
+
+def _shown(value: Any) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 # ------------------------------------------------------------------------- parsing
@@ -269,6 +318,7 @@ def parse_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, Set[str]]:
     if getattr(given, "config", None):
         with machine_checks():  # the file may be missing on some node
             yaml_values = load_yaml_config(given.config, parser)
+        yaml_values = _run_length_from_command_line(yaml_values, vars(given), given.config)
         parser.set_defaults(**yaml_values)
     ns = parser.parse_args(argv)
     return ns, set(vars(given)) | set(yaml_values)

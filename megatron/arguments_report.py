@@ -85,19 +85,30 @@ def _data_prefixes(paths: Optional[Sequence[str]]) -> List[str]:
         return list(paths)
 
 
-def find_missing_inputs(args: Mapping[str, Any]) -> List[str]:
-    """Input files a run would need but that do not exist (`Config.args` as input):
-    `<prefix>.bin/.idx` of every data path, tokenizer files, a missing --load directory
-    when --exit-on-missing-checkpoint is set, and a run with no data source at all."""
+def missing_data_files(args: Mapping[str, Any]) -> List[str]:
+    """The `<prefix>.bin/.idx` files of every data path (`Config.args` as input) that do
+    not exist, each with its flag and the fix when there is one ('x.bin' given, the
+    --output-prefix, a .bin without its .idx); a relative one also resolved from the
+    working directory (the launch scripts run from the repository root)."""
     from megatron.core.datasets.indexed_dataset import missing_dataset_hint
 
     missing = []
     for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         for prefix in _data_prefixes(args.get(flag)):
             absent = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
-            if absent:  # with the fix when there is one: 'x.bin' given, the --output-prefix, ...
-                hint = missing_dataset_hint(prefix).replace("; ", ": ", 1)
-                missing.append(f"{' and '.join(absent)} (--{flag.replace('_', '-')}{hint})")
+            if not absent:
+                continue
+            where = "" if os.path.isabs(prefix) else f"; looked for {os.path.abspath(prefix)}.*"
+            hint = missing_dataset_hint(prefix).replace("; ", ": ", 1)
+            missing.append(f"{' and '.join(absent)} (--{flag.replace('_', '-')}{hint}{where})")
+    return missing
+
+
+def find_missing_inputs(args: Mapping[str, Any]) -> List[str]:
+    """Input files a run would need but that do not exist (`Config.args` as input):
+    `<prefix>.bin/.idx` of every data path, tokenizer files, a missing --load directory
+    when --exit-on-missing-checkpoint is set, and a run with no data source at all."""
+    missing = missing_data_files(args)
     tokenizer = args.get("tokenizer_type")
     files = {"GPT2BPETokenizer": ("vocab_file", "merge_file"),
              "SentencePieceTokenizer": ("tokenizer_model",),
@@ -286,11 +297,13 @@ def memory_lines(config: Config, evaluation: bool = False) -> List[str]:
     return report(config, _local_gpu_memory(), "the local GPU's memory")
 
 
-def run_dry_run(config: Config, world_size: int) -> int:
-    """Print the dry-run report; return the exit status (1 when inputs are missing or the
+def run_dry_run(config: Config, world_size: int, show: bool = True) -> int:
+    """Print the dry-run report (unless not `show`: a launcher's other ranks make the same
+    checks in silence); return the exit status (1 when inputs are missing or the
     checkpoint under --load would stop the run)."""
     text, failed = _dry_run(config, world_size)
-    print(text)
+    if show:
+        print(text)
     return 1 if failed else 0
 
 

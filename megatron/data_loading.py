@@ -85,6 +85,21 @@ def validation_shortfall(config: Config, iteration: int, consumed: int,
             "trained with, or pass --eval-iters 0 to train without validation")
 
 
+def check_data_files(config: Config, group=None) -> None:
+    """Every `.bin/.idx` of the data paths exists, checked by every rank before the model
+    is built (the dataset builder meets a missing one only after the model, optimizer and
+    checkpoint load): one report naming each missing file, printed by rank 0 (the ranks
+    agree over `group`). Collective when distributed."""
+    from megatron.agreed_exit import agree
+    from megatron.arguments_report import missing_data_files
+
+    missing = [] if config.data.mock_data else missing_data_files(config.args)
+    error = None
+    if missing:
+        error = f"error: data files not found: {'; '.join(missing)}"
+    agree(error, group)
+
+
 def build_datasets(config: Config, rank: int, vocab_size: int,
                    group=None) -> Dict[str, object]:
     """split -> dataset (or None). Collective when distributed: global rank 0 builds the

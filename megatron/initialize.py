@@ -66,6 +66,27 @@ def agent_store_from_env(env: Mapping[str, str]) -> AgentStore | None:
             "or unset TORCHELASTIC_USE_AGENT_STORE") from None
 
 
+def srun_tasks_without_launcher(env: Mapping[str, str], script: str = "pretrain_gpt.py",
+                                alone: str = "would train alone as a one-process run, all "
+                                             "of them writing the same --save") -> str | None:
+    """The error for a process that `srun` started as one of several tasks of a step
+    (SLURM_STEP_NUM_TASKS > 1) without torchrun's variables (RANK, WORLD_SIZE): each task
+    `alone` ...; else None. Slurm sets SLURM_STEP_NUM_TASKS for the tasks of an `srun`
+    step only (a batch script's own shell, one process, is not one)."""
+    try:
+        tasks = int(env.get("SLURM_STEP_NUM_TASKS", "") or 1)
+    except ValueError:
+        return None
+    if tasks <= 1 or env.get("RANK") or env.get("WORLD_SIZE"):
+        return None
+    return (f"error: this process is task {env.get('SLURM_PROCID', '?')} of the {tasks} that "
+            f"srun started (SLURM_STEP_NUM_TASKS={tasks}), but RANK and WORLD_SIZE are not "
+            f"set: each task {alone}. Start one torchrun per node instead: srun "
+            "--ntasks-per-node=1 python -m torch.distributed.run --nnodes $SLURM_NNODES "
+            "--node-rank $SLURM_NODEID --nproc-per-node <GPUs per node> --master-addr <first "
+            f"node> --master-port <port> {script} ... (scripts/slurm/pretrain_gpt.sbatch does)")
+
+
 CUBLAS_NO_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}
 # a user who names any of these chose cuBLAS's workspace (or cuBLASLt, which needs one)
 CUBLAS_USER_CHOICES = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE",
@@ -164,6 +185,16 @@ def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
                    control_group=control_group)
 
 
+def local_gpu(rank: int, local_rank: int, env: Mapping[str, str], num_gpus: int) -> int:
+    """The GPU of this process: LOCAL_RANK where the launcher sets it (torchrun), else
+    Megatron-LM 23.05's choice, rank % the visible GPUs -- for a launch that exports RANK /
+    WORLD_SIZE itself (an srun wrapper setting RANK=$SLURM_PROCID): without LOCAL_RANK every
+    rank of a node took GPU 0."""
+    if env.get("LOCAL_RANK", "") != "" or num_gpus < 1:
+        return local_rank
+    return rank % num_gpus
+
+
 def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank: int,
                            world_size: int, local_rank: int,
                            environ: MutableMapping[str, str]) -> Runtime:
@@ -178,6 +209,8 @@ def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank
         # torch's cuBLASLt calls (addmm with a bias) then run without a workspace too, and
         # say so once per process in a warning that asks for a workspace: that is the choice.
         warnings.filterwarnings("ignore", message="Requested unified CUBLASLT workspace size")
+    if torch.cuda.is_available():
+        local_rank = local_gpu(rank, local_rank, environ, torch.cuda.device_count())
     rt = initialize_distributed(parallel, rank, world_size, local_rank,
                                 agent_store=agent_store_from_env(environ))
     if no_workspace and rt.device.type == "cuda":

@@ -289,6 +289,54 @@ def test_yaml_config_with_command_line_override(tmp_path):
     assert cfg.args["config"] == path
 
 
+def test_command_line_run_length_replaces_a_preset_counted_the_other_way(tmp_path, caplog):
+    """A preset in samples (the gpt3-* ones) plus --train-iters on the command line: the
+    command line wins, the preset's sample schedule is dropped with a warning (it was an
+    error naming two exclusive flags); and the other way round for a preset in iterations."""
+    samples = _yaml(tmp_path, "train-samples: 4000\nlr-decay-samples: 3000\n"
+                              "lr-warmup-samples: 100\n")
+    cfg = run(f"--config {samples} --train-iters 7", base=without("--train-iters"))
+    assert cfg.args["train_iters"] == 7 and cfg.args["train_samples"] is None
+    assert cfg.args["lr_decay_samples"] is None and cfg.args["lr_warmup_samples"] == 0
+    assert (f"--train-iters 7 on the command line replaces the run length of --config "
+            f"{samples}") in caplog.text
+    assert ("--train-samples 4000, --lr-decay-samples 3000, --lr-warmup-samples 100 ignored; "
+            "pass --lr-decay-iters / --lr-warmup-iters") in caplog.text
+    iters = tmp_path / "iters.yaml"
+    iters.write_text("train-iters: 50\nlr-warmup-iters: 5\nlr-decay-iters: 40\n")
+    cfg = run(f"--config {iters} --train-samples 64 --lr-decay-samples 60",
+              base=without("--train-iters"))
+    assert cfg.args["train_samples"] == 64 and cfg.args["lr_decay_samples"] == 60
+    assert ("--train-iters 50, --lr-decay-iters 40, --lr-warmup-iters 5 ignored; pass "
+            "--lr-warmup-samples to set") in caplog.text
+    caplog.clear()
+    cfg = run(f"--config {iters} --train-iters 9", base=without("--train-iters"))  # same way
+    assert cfg.args["train_iters"] == 9 and cfg.args["lr_decay_iters"] == 40
+    assert "replaces the run length" not in caplog.text
+
+
+def test_yaml_list_flag_given_as_one_line_is_split_into_words(tmp_path):
+    """'rampup-batch-size: 4 4 16' and 'data-path: 0.3 a 0.7 b' (the command line's
+    spelling) are read as the words: they were one value ('--rampup-batch-size 4 4 16:
+    expected 3 values', a data prefix '0.3 a 0.7 b')."""
+    path = _yaml(tmp_path, "rampup-batch-size: 4 4 16\ndata-path: 0.3 a 0.7 'b c'\n"
+                           "train-samples: 64\n")
+    cfg = run(f"--config {path} --global-batch-size 8",
+              base=without("--train-iters", without("--mock-data")))
+    assert cfg.args["rampup_batch_size"] == [4, 4, 16]
+    assert cfg.data.data_path == ["0.3", "a", "0.7", "b c"]
+    unbalanced = _yaml(tmp_path, "data-path: a 'b\n")
+    assert "key 'data-path': cannot split \"a 'b\"" in error_of(f"--config {unbalanced}")
+
+
+def test_missing_relative_config_names_where_it_was_looked_for(tmp_path, monkeypatch):
+    # scripts/pretrain_gpt.sh runs from the repository root: 'my.yaml' is looked for there
+    monkeypatch.chdir(tmp_path)
+    assert error_of("--config my.yaml") == (f"--config my.yaml: file not found (looked for "
+                                            f"{tmp_path}/my.yaml)")
+    assert error_of(f"--config {tmp_path}/a.yaml") == f"--config {tmp_path}/a.yaml: file not found"
+
+
 def test_yaml_unknown_key_suggests_closest_flag(tmp_path):
     msg = error_of(f"--config {_yaml(tmp_path, 'tensor-model-paralel-size: 2')}")
     assert "unknown key 'tensor-model-paralel-size'" in msg

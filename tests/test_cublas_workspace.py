@@ -79,7 +79,8 @@ def _run_main(monkeypatch, argv):
 
     seen = {}
     monkeypatch.setattr(init, "initialize_distributed",
-                        lambda *a, **k: SimpleNamespace(device=torch.device("cpu")))
+                        lambda *a, **k: SimpleNamespace(device=torch.device("cpu"),
+                                                          control_group=None))
     monkeypatch.setattr(init, "set_random_seed", lambda *a, **k: None)
     monkeypatch.setattr(training, "pretrain",
                         lambda config, rt, **kw: seen.update({n: os.environ.get(n)

@@ -109,3 +109,28 @@ def test_blend_with_a_member_too_small_for_a_split(tmp_path):
     cfg.training = dataclasses.replace(cfg.training, eval_iters=0)
     datasets = _build(cfg)
     assert len(datasets["train"]) > 0 and datasets["test"] is None
+
+
+def test_missing_data_files_stop_the_run_before_the_model_is_built(tmp_path):
+    """pretrain_gpt.py with a --data-path whose files are absent stops right after start-up
+    with every missing file, the relative path resolved and preprocess_data.py's name when
+    that exists; the dataset builder met the first one only after the model, optimizer and
+    checkpoint load."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    prefix, _ = make_corpus(tmp_path / "c_text_document", [20] * 30, vocab=100)
+    argv = ("--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+            "--max-position-embeddings 16 --micro-batch-size 2 --lr 1e-3 --train-iters 2 "
+            "--tokenizer-type NullTokenizer --vocab-size 100 --no-compile --data-path "
+            f"1 c 1 {tmp_path}/absent 1 {prefix}").split()
+    proc = subprocess.run([sys.executable, os.path.join(repo, "pretrain_gpt.py"), *argv],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "number of parameters" not in proc.stdout  # no model was built
+    assert (f"error: data files not found: c.bin and c.idx (--data-path; looked for "
+            f"{tmp_path}/c.*; c_text_document.bin/.idx exist: tools/preprocess_data.py names "
+            "its output <--output-prefix>_<json key>_document, pass c_text_document); "
+            f"{tmp_path}/absent.bin and {tmp_path}/absent.idx (--data-path)\n") in proc.stderr

@@ -158,3 +158,19 @@ def test_values_the_checks_cannot_run_with_are_refused(argv, message, capsys):
         doctor.main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_srun_tasks_without_torchrun_fail_once(monkeypatch, capsys):
+    """`srun -n 2 python tools/doctor.py`: each task had RANK 0 and world size 1, printed
+    the whole report and 'all checks passed' without testing any communication."""
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    assert doctor.main([]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL: this process is task 0 of the 2 that srun started" in out
+    assert "tools/doctor.py ..." in out and out.endswith("result: some checks FAILED\n")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    assert doctor.main([]) == 1
+    assert capsys.readouterr().out == ""

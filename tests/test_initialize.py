@@ -27,3 +27,59 @@ def test_initialize_checks_before_touching_the_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", no_cuda_call)
     with pytest.raises(SystemExit, match="local rank 1 has no GPU"):
         init.initialize_distributed(ParallelConfig(), rank=1, world_size=2, local_rank=1)
+
+
+# ------------------------------------------------------------- srun without torchrun
+
+
+def test_srun_tasks_without_torchrun_variables_are_refused():
+    """`srun -n 2 python pretrain_gpt.py` (no torchrun): each task would train alone as a
+    one-process run, both writing the same --save. A batch shell or one task is fine, and
+    so is any launch that sets RANK / WORLD_SIZE (torchrun, or a wrapper)."""
+    message = init.srun_tasks_without_launcher({"SLURM_STEP_NUM_TASKS": "8",
+                                                "SLURM_PROCID": "3"})
+    assert "task 3 of the 8 that srun started" in message
+    assert "srun --ntasks-per-node=1 python -m torch.distributed.run" in message
+    for env in ({}, {"SLURM_JOB_ID": "1", "SLURM_NTASKS": "8"}, {"SLURM_STEP_NUM_TASKS": "1"},
+                {"SLURM_STEP_NUM_TASKS": "8", "RANK": "3", "WORLD_SIZE": "8"}):
+        assert init.srun_tasks_without_launcher(env) is None
+
+
+def test_pretrain_gpt_under_srun_without_torchrun_stops_with_the_fix():
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env.update(SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="0")
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--mock-data"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "error: this process is task 0 of the 2 that srun started" in proc.stderr
+    env["SLURM_PROCID"] = "1"  # the other task: silent (no launcher variable to wait under)
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--mock-data"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (1, "")
+
+
+def test_gpu_without_local_rank_is_rank_modulo_the_gpus_as_in_megatron(monkeypatch):
+    """A launch that exports RANK / WORLD_SIZE itself (an srun wrapper: RANK=$SLURM_PROCID,
+    no LOCAL_RANK) gets Megatron-LM 23.05's GPU, rank % the visible GPUs; every rank of a
+    node took GPU 0 (NCCL: 'Duplicate GPU detected'). torchrun's LOCAL_RANK is kept."""
+    assert init.local_gpu(11, 0, {}, 8) == 3
+    assert init.local_gpu(11, 0, {}, 1) == 0  # one GPU per task (--gpus-per-task=1)
+    assert init.local_gpu(11, 2, {"LOCAL_RANK": "2"}, 8) == 2
+    assert init.local_gpu(3, 0, {}, 0) == 0
+    class Stop(Exception):
+        """raised where initialisation would touch the (absent) GPU"""
+
+    def initialize_distributed(parallel, rank, world_size, local_rank, agent_store):
+        raise Stop(local_rank)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(init, "initialize_distributed", initialize_distributed)
+    with pytest.raises(Stop) as stop:
+        init.initialize_entry_point(ParallelConfig(), "torch", 6, 8, 0, {"RANK": "6"})
+    assert stop.value.args == (2,)

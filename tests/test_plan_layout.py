@@ -210,6 +210,17 @@ def test_too_little_memory_for_any_gpu_count(capsys):
     assert "not more GPUs alone: nothing fits up to --gpus 512" in err
 
 
+def test_more_memory_suggested_is_enough(capsys):
+    """--gpu-memory-gb 2 for gpt3-125m: the least-memory layout needs 2.1 GiB, 2.3 with the
+    margin; the advice said '--gpu-memory-gb 2 or more' (rounded to nearest), the value that
+    had just failed."""
+    code, _, err = _run(_preset("gpt3-125m", 8)[:-1] + ("2",), capsys)
+    assert code == 1 and "no layout fits" in err
+    need = float(re.search(r"needs ([\d.]+) GiB per GPU", err)[1])
+    more = int(re.search(r"GPUs with more memory: --gpu-memory-gb (\d+) or more", err)[1])
+    assert more * 0.9 >= need and more == 3
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--gpus", "0"], "--gpus 0 must be >= 1"),
     ([], "--gpus N (the number of GPUs in all) is required"),

@@ -65,6 +65,20 @@ def test_invalid_combination_printed_once():
     assert out.count("--fp16 and --bf16 are exclusive") == 1, out
 
 
+def test_dry_run_under_a_launcher_reports_once_per_node():
+    """`bash scripts/pretrain_gpt_distributed.sh --dry-run` (torchrun, 8 ranks) printed the
+    whole report once per rank; now rank 0 and each node's first process print it (ranks 0
+    and 2 of a node of two and a node of one), and every rank exits with the report's
+    status (1: a data file missing)."""
+    ranks = [{"RANK": str(r), "LOCAL_RANK": str(local), **LAUNCHED}
+             for r, local in enumerate((0, 1, 0))]
+    args = [a for a in BASE if a != "--mock-data"] + ["--data-path", "/nowhere/c", "--dry-run"]
+    codes, out = launch(args, ranks, end_others=False)
+    assert codes == {"0": 1, "1": 1, "2": 1}, out
+    assert out.count("dry run: configuration resolved") == 2, out
+    assert out.count("/nowhere/c.bin and /nowhere/c.idx (--data-path)") == 2, out
+
+
 def test_missing_file_printed_by_each_node(tmp_path):
     """The first process of each of two nodes (ranks 0 and 2 of 4): the missing vocab file
     is reported by both, naming the rank and host, since another node's files may differ

@@ -218,3 +218,87 @@ def test_run_outside_slurm_says_to_submit_it(script, tmp_path):
     assert "is a Slurm batch script" in proc.stderr and "submit it with sbatch" in proc.stderr
     assert "unbound variable" not in proc.stderr
     assert not (tmp_path / "runs").exists()  # stopped before making any directory
+
+
+@pytest.mark.parametrize("script", ["pretrain_gpt.sbatch", "pretrain_gpt_cpu.sbatch"])
+def test_submitted_from_outside_the_checkout_says_where_to_submit(script, tmp_path):
+    """sbatch from another directory: REPO defaults to the submit directory, which holds
+    no pretrain_gpt.py. The main script failed in every rank ('can't open file
+    pretrain_gpt.py') after srun and torchrun started; the CPU variant with bash's 'No such
+    file or directory' (127). Both now stop at once (status 2), saying to submit from the
+    checkout or set REPO. Slurm's variables are faked: nothing reaches srun."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "REPO"}
+    env.update(SLURM_JOB_ID="7", SLURM_JOB_NODELIST="node1", SLURM_SUBMIT_DIR=str(tmp_path))
+    proc = subprocess.run(["bash", str(SLURM_DIR / script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2, proc.stderr
+    assert "submit from the repository root" in proc.stderr
+    assert "or set REPO=/path/to/checkout" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def _fake_slurm_command_line(tmp_path, extra, **env_vars) -> list:
+    """The pretrain_gpt.py command line pretrain_gpt.sbatch builds, with stand-ins for
+    srun (records its arguments) and scontrol on PATH, under a faked job environment."""
+    import os
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$SRUN_ARGS"\n')
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho localhost\n")
+    for name in ("srun", "scontrol"):
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", SRUN_ARGS=str(tmp_path / "srun_args"),
+               SLURM_JOB_ID="7", SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1",
+               REPO=str(ROOT), DEVICE="cpu", RUN_DIR=str(tmp_path / "run"), **env_vars)
+    proc = subprocess.run(["bash", str(SLURM_DIR / "pretrain_gpt.sbatch"), *extra], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    args = (tmp_path / "srun_args").read_text().splitlines()
+    return args[args.index("pretrain_gpt.py") + 1:]
+
+
+def test_data_given_after_the_script_or_in_config_is_not_mixed_with_mock_data(tmp_path):
+    """Without DATA_PATH the script passed --mock-data, so a --data-path after the script
+    name (where README says extra flags go) or in the CONFIG file stopped every run with
+    '--mock-data and --data-path/--train-data-path are exclusive'."""
+    assert "--mock-data" in _fake_slurm_command_line(tmp_path, [])
+    args = _fake_slurm_command_line(tmp_path, ["--data-path", "/data/c_text_document"])
+    assert "--mock-data" not in args and args[-2:] == ["--data-path", "/data/c_text_document"]
+    assert "--mock-data" not in _fake_slurm_command_line(tmp_path, ["--train-data-path=/d/t"])
+    config = tmp_path / "run.yaml"
+    config.write_text("num-layers: 2\ndata_path: [/data/c_text_document]\n")
+    args = _fake_slurm_command_line(tmp_path, [], CONFIG=str(config))
+    assert "--mock-data" not in args and args[:2] == ["--config", str(config)]
+    args = _fake_slurm_command_line(tmp_path, [], DATA_PATH="0.5 /a 0.5 /b")
+    assert args[:6] == ["--data-path", "0.5", "/a", "0.5", "/b", "--split"]
+
+
+def test_tokenizer_of_the_config_is_not_overridden_by_the_script(tmp_path):
+    """TOKENIZER_TYPE unset: the script passed --tokenizer-type GPT2BPETokenizer, which beat
+    a CONFIG's tokenizer-type (a SentencePiece preset then asked for GPT-2's vocab files)."""
+    config = tmp_path / "run.yaml"
+    config.write_text("tokenizer-type: SentencePieceTokenizer\n")
+    assert "--tokenizer-type" not in _fake_slurm_command_line(tmp_path, [], CONFIG=str(config))
+    args = _fake_slurm_command_line(tmp_path, [], TOKENIZER_TYPE="NullTokenizer",
+                                    VOCAB_SIZE="512")
+    assert args[args.index("--tokenizer-type") + 1] == "NullTokenizer"
+
+
+def test_save_interval_and_split_of_the_config_are_not_overridden_by_the_script(tmp_path):
+    """SAVE_INTERVAL and SPLIT unset: the script's defaults (1000, 969,30,1) beat the CONFIG
+    file's save-interval and split without a word."""
+    config = tmp_path / "run.yaml"
+    config.write_text("save_interval: 250\nsplit: 90,10,0\n")
+    args = _fake_slurm_command_line(tmp_path, [], CONFIG=str(config), DATA_PATH="/d/c")
+    assert "--save-interval" not in args and "--split" not in args
+    args = _fake_slurm_command_line(tmp_path, [], DATA_PATH="/d/c")
+    assert args[args.index("--split") + 1] == "969,30,1"
+    for env, expected in (({}, "1000"), ({"SAVE_INTERVAL": "50", "CONFIG": str(config)}, "50")):
+        args = _fake_slurm_command_line(tmp_path, [], **env)
+        assert args[args.index("--save-interval") + 1] == expected

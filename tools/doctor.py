@@ -386,6 +386,17 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             ap.error(f"{flag} {value} must be {need}")
 
 
+def _srun_tasks(env: Dict[str, str]) -> Optional[str]:
+    """megatron.initialize's error for srun tasks started without torchrun, in doctor's
+    words (the communication checks need torchrun's variables, as training does)."""
+    from megatron.initialize import srun_tasks_without_launcher
+
+    message = srun_tasks_without_launcher(
+        env, "tools/doctor.py", "checks alone, so no communication is tested (pretrain_gpt.py "
+        "would train alone in each)")
+    return None if message is None else message.removeprefix("error: ")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -404,6 +415,12 @@ def main(argv=None) -> int:
     if args.size_mb is None:
         args.size_mb = 256.0 if torch.cuda.is_available() else 16.0
     rank = int(env.get("RANK", "0") or 0)
+    stray = _srun_tasks(env)
+    if stray is not None:  # every task would check alone, and pass: task 0 says so
+        if env.get("SLURM_PROCID", "0") in ("", "0"):
+            print(f"{machine_report(env)[0]}\nFAIL: {stray}\nresult: some checks FAILED",
+                  flush=True)
+        return 1
     problems: List[str] = []
     if rank == 0:
         text, problems = machine_report(env, args.timeout)

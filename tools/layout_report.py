@@ -3,6 +3,7 @@ messages when no layout passes the validation or none fits."""
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
@@ -147,8 +148,8 @@ def nothing_fits(req: Request, result: PlanResult, more_gpus: Optional[int]) -> 
         lines.append(f"  - more GPUs: the least-memory layouts fit with --gpus {more_gpus}")
     else:
         lines.append(f"  - not more GPUs alone: nothing fits up to --gpus {result.gpus * 64}")
-    lines += [f"  - GPUs with more memory: --gpu-memory-gb "
-              f"{need / (1 - req.memory_margin) / GiB:.0f} or more",
+    lines += [f"  - GPUs with more memory: --gpu-memory-gb "  # rounded up: a value that fits
+              f"{math.ceil(need / (1 - req.memory_margin) / GiB)} or more",
               "  - a shorter --seq-length or a smaller model"]
     return "\n".join(lines)
 
