@@ -130,7 +130,7 @@ def test_missing_data_files_stop_the_run_before_the_model_is_built(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "number of parameters" not in proc.stdout  # no model was built
-    assert (f"error: data files not found: c.bin and c.idx (--data-path; looked for "
-            f"{tmp_path}/c.*; c_text_document.bin/.idx exist: tools/preprocess_data.py names "
-            "its output <--output-prefix>_<json key>_document, pass c_text_document); "
+    assert ("error: data files not found: c.bin and c.idx (--data-path: preprocess_data.py "
+            "names its output <output-prefix>_<json key>_document (_sentence with "
+            f"--split-sentences): pass c_text_document; looked for {tmp_path}/c.*); "
             f"{tmp_path}/absent.bin and {tmp_path}/absent.idx (--data-path)\n") in proc.stderr
