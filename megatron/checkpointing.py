@@ -383,7 +383,7 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
                           saver: AsyncSaver, release: bool = False,
                           extra_files: Optional[Dict[str, object]] = None,
                           timeout_s: float = 660.0, started: Optional[float] = None,
-                          group=None, report: bool = True) -> float:
+                          group=None) -> float:
     """`save_checkpoint` where only the CPU copy blocks; `saver` writes in the background.
 
     Blocking part (collective: world barriers): wait for this rank's previous save, make
@@ -392,8 +392,8 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
     pair's marker, then rename and write the tracker last -- no collective, see
     megatron/async_save.py. Returns the seconds the caller was blocked, counted from
     `started` (a time.perf_counter() value; default: now). `saver.wait()` finishes it
-    (`async_save.agreed_wait` on every rank together); `report`: rank 0 prints a failure
-    when it happens (not for a save the run ends after: that wait reports it).
+    (`async_save.agreed_wait` on every rank together); until then `saver.report_failure()`
+    prints a failure on rank 0, which learns of every writer's.
     When the previous background save failed, every rank exits here with one report
     (`async_save.agreed_wait`, an agreement over `group`; rank 0 removes its directory).
     A save `saver.abandon()` stopped (Ctrl-C) is never published.
@@ -430,7 +430,7 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
                   f"{time.perf_counter() - t0:.2f} s in the background)", flush=True)
 
     saver.submit(write_and_publish, f"the checkpoint at iteration {iteration} to {root}",
-                 report=ps.rank == 0 and report, tmp_dir=tmp_dir)  # rank 0 learns of all
+                 report=ps.rank == 0, tmp_dir=tmp_dir)
     return blocking
 
 
