@@ -1,7 +1,7 @@
-"""Checkpoint directories under --load / --save: the tracker file, the iteration
-directories there are, the rank directories and model files in one, and the messages that
-name them with the fix when a load cannot go ahead (megatron/checkpointing.py re-exports
-these).
+"""Checkpoint directories under --load / --save: the tracker file (its path, reading it),
+the iteration directories there are, the rank directories and model files in one, and the
+messages that name them with the fix when a load cannot go ahead
+(megatron/checkpointing.py re-exports these).
 
 Megatron-LM 23.04 with --use-distributed-optimizer wrote another layout: the model (and
 RNG states) in `mp_rank_XX[_YYY]/model_rng.pt`, and one optimizer file per data-parallel
@@ -31,6 +31,48 @@ def is_iteration_dir_name(name: str) -> bool:
 
 def tracker_path(root: str) -> str:
     return os.path.join(root, TRACKER_FILENAME)
+
+
+def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """`mp_rank_00` when pp_size == 1, else `mp_rank_00_000`."""
+    if pp_size == 1:
+        return f"mp_rank_{tp_rank:02d}"
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def checkpoint_name(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int,
+                    release: bool = False) -> str:
+    """Path of one (tp, pp) rank's `model_optim_rng.pt`."""
+    return os.path.join(root, iteration_dir_name(iteration, release),
+                        rank_dir_name(tp_rank, pp_rank, pp_size), MODEL_FILENAME)
+
+
+def read_tracker(root: str) -> Tuple[Optional[int], bool]:
+    """Parse `latest_checkpointed_iteration.txt`.
+
+    Returns (None, False) when the file does not exist, (0, True) for "release" and
+    (iteration, False) otherwise. Raises ValueError naming the file and its content when
+    it holds anything else (Megatron requires an integer > 0 or "release").
+    """
+    path = tracker_path(root)
+    if not os.path.isfile(path):
+        return None, False
+    with open(path, "r") as f:
+        content = f.read()
+    text = content.strip()
+    if text == "release":
+        return 0, True
+    try:
+        iteration = int(text)
+    except ValueError:
+        iteration = None
+    if iteration is None or iteration <= 0:
+        raise ValueError(
+            f"malformed checkpoint tracker file {path}: content {content!r}; expected an "
+            f"iteration number > 0 or 'release'. Fix or delete the file (it should name one "
+            f"of the iter_XXXXXXX directories in {root})"
+        )
+    return iteration, False
 
 
 def list_checkpoints(root: str) -> List[str]:

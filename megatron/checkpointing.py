@@ -7,7 +7,9 @@
 One file per (tp, pp) pair, written by its data-parallel rank 0. Every file loads with
 `torch.load(..., weights_only=True)`: the contents are tensors and plain Python data only
 (`args` is a dict of plain values, RNG states are tuples/lists of ints and tensors: see
-megatron/checkpoint_plain.py, whose functions this module re-exports).
+megatron/checkpoint_plain.py, whose functions this module re-exports). The names of the
+directories and files, and reading the tracker, are in megatron/checkpoint_dirs.py
+(re-exported here too).
 
 Saving is crash safe: files go to `iter_XXXXXXX.tmp/`, then global rank 0 renames the
 directory into place and writes the tracker file last. A crash at any point leaves the
@@ -41,6 +43,7 @@ from megatron.async_save import (
 from megatron.checkpoint_dirs import (
     MODEL_FILENAME,
     TRACKER_FILENAME,
+    checkpoint_name,
     describe_layout,
     exit_on_missing_message,
     iteration_dir_name,
@@ -49,6 +52,8 @@ from megatron.checkpoint_dirs import (
     missing_iteration_dir_message,
     missing_tracker_message,
     model_file,
+    rank_dir_name,
+    read_tracker,
     refuse_untracked_checkpoints,
     tracker_path,
     unreadable_file_message,
@@ -63,49 +68,7 @@ CHECKPOINT_VERSION = 3.0
 
 
 # ---------------------------------------------------------------------------------------
-# Paths and the tracker file
-def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    """`mp_rank_00` when pp_size == 1, else `mp_rank_00_000`."""
-    if pp_size == 1:
-        return f"mp_rank_{tp_rank:02d}"
-    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-
-
-def checkpoint_name(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int,
-                    release: bool = False) -> str:
-    """Path of one (tp, pp) rank's `model_optim_rng.pt`."""
-    return os.path.join(root, iteration_dir_name(iteration, release),
-                        rank_dir_name(tp_rank, pp_rank, pp_size), MODEL_FILENAME)
-
-
-def read_tracker(root: str) -> Tuple[Optional[int], bool]:
-    """Parse `latest_checkpointed_iteration.txt`.
-
-    Returns (None, False) when the file does not exist, (0, True) for "release" and
-    (iteration, False) otherwise. Raises ValueError naming the file and its content when
-    it holds anything else (Megatron requires an integer > 0 or "release").
-    """
-    path = tracker_path(root)
-    if not os.path.isfile(path):
-        return None, False
-    with open(path, "r") as f:
-        content = f.read()
-    text = content.strip()
-    if text == "release":
-        return 0, True
-    try:
-        iteration = int(text)
-    except ValueError:
-        iteration = None
-    if iteration is None or iteration <= 0:
-        raise ValueError(
-            f"malformed checkpoint tracker file {path}: content {content!r}; expected an "
-            f"iteration number > 0 or 'release'. Fix or delete the file (it should name one "
-            f"of the iter_XXXXXXX directories in {root})"
-        )
-    return iteration, False
-
-
+# Writing the tracker file
 def _fsync_dir(path: str) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
