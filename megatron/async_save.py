@@ -184,6 +184,22 @@ def wait_for_markers(tmp_dir: str, rank_dirs: Iterable[str], timeout_s: float,
         time.sleep(poll_s)
 
 
+def writers_stopped(tmp_dir: str, rank_dirs: Iterable[str], timeout_s: float,
+                    poll_s: float = 0.02) -> bool:
+    """Whether every writer of `rank_dirs` left a marker in `tmp_dir` -- done or failed:
+    it writes there no more -- within `timeout_s` seconds (polling)."""
+    pending = set(rank_dirs)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pending = {d for d in pending if not (os.path.exists(marker_path(tmp_dir, d)) or
+                                              os.path.exists(failed_marker_path(tmp_dir, d)))}
+        if not pending:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+
+
 def remove_markers(tmp_dir: str, rank_dirs: Iterable[str]) -> None:
     for d in rank_dirs:
         try:
@@ -318,5 +334,5 @@ def agreed_wait(saver: Optional[AsyncSaver], is_rank_0: bool, group=None) -> Non
 
 
 __all__ = ["AsyncSaver", "agreed_wait", "snapshot_to_cpu", "marker_path", "mark_done", "mark_failed",
-           "failed_marker_path", "wait_for_markers", "remove_markers", "MARKER_PREFIX",
-           "FAILED_PREFIX"]
+           "failed_marker_path", "wait_for_markers", "writers_stopped", "remove_markers",
+           "MARKER_PREFIX", "FAILED_PREFIX"]

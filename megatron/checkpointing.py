@@ -13,8 +13,10 @@ directories and files, and reading the tracker, are in megatron/checkpoint_dirs.
 
 Saving is crash safe: files go to `iter_XXXXXXX.tmp/`, then global rank 0 renames the
 directory into place and writes the tracker file last. A crash at any point leaves the
-previous tracker pointing at a complete checkpoint. With `--async-save` only the copy to CPU
-blocks training; the files are written by a background thread (megatron/async_save.py).
+previous tracker pointing at a complete checkpoint; a save that an exception (Ctrl-C) stops
+midway removes its partial directory once each writer's marker there says it stopped
+(`save_checkpoint`). With `--async-save` only the copy to CPU blocks training; the files
+are written by a background thread (megatron/async_save.py, which also has the markers).
 
 This module knows nothing of the Trainer: what a Trainer's payload holds, and resharding a
 checkpoint of another parallel layout on load, are in megatron/trainer_checkpoint.py.
@@ -26,7 +28,7 @@ import pickle
 import shutil
 import tempfile
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,7 @@ from megatron.async_save import (
     mark_failed,
     remove_markers,
     wait_for_markers,
+    writers_stopped,
 )
 from megatron.checkpoint_dirs import (
     MODEL_FILENAME,
@@ -201,15 +204,17 @@ def _check_save_iteration(iteration: int, release: bool) -> None:
                          f"tracker only accepts iterations > 0 (or a release checkpoint)")
 
 
-def _prepare_tmp_dir(root: str, tmp_dir: str, ps: ParallelState) -> None:
+def _prepare_tmp_dir(root: str, tmp_dir: str, ps: ParallelState, barrier: bool = True) -> None:
     """Rank 0 makes a fresh `tmp_dir` (removing leftovers of a crashed save of the same
-    iteration); a world barrier makes sure it exists before anyone writes into it."""
+    iteration); a world barrier (unless the caller makes it) makes sure it exists before
+    anyone writes into it."""
     if ps.rank == 0:
         os.makedirs(root, exist_ok=True)
         if os.path.exists(tmp_dir):
             shutil.rmtree(tmp_dir)
         os.makedirs(tmp_dir)
-    _barrier()
+    if barrier:
+        _barrier()
 
 
 def _rank_files(ps: ParallelState, state: Optional[Dict],
@@ -306,9 +311,53 @@ def _world_size(group=None) -> int:
     return dist.get_world_size(group) if _dist_ready() else 1
 
 
+def _write_own_files(root: str, iteration: int, tmp_dir: str, ps: ParallelState,
+                     files: Optional[Dict[str, object]]) -> Optional[CheckpointWriteError]:
+    """Write this rank's `files` (None: it writes nothing), then leave its marker in
+    `tmp_dir` saying that it writes there no more: done, or failed with the write error,
+    which is returned. Another exception (Ctrl-C) leaves the marker to the caller."""
+    if files is None:
+        return None
+    name = rank_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size)
+    try:
+        _write_rank_files(root, iteration, tmp_dir, ps, files)
+    except CheckpointWriteError as exc:
+        mark_failed(tmp_dir, name, str(exc))
+        return exc
+    mark_done(tmp_dir, name)
+    return None
+
+
+def _writer_dirs(ps: ParallelState) -> List[str]:
+    """The rank directory of every (tp, pp) pair: one writer each."""
+    return [rank_dir_name(t, p, ps.pp_size) for p in range(ps.pp_size) for t in range(ps.tp_size)]
+
+
+def _stop_save(tmp_dir: str, ps: ParallelState, writing: bool, pending: List[str],
+               on_stop: Optional[Callable[[str, bool], None]], wait_s: float) -> None:
+    """An exception stops a save midway (Ctrl-C, a peer gone). A writer that may have
+    written (`writing`) leaves its failure marker: it will not write again, its process is
+    on its way out. Rank 0 then removes the partial `tmp_dir` (made by it for this save)
+    once every writer of `pending` has left its marker, waiting up to `wait_s` seconds:
+    no file system call of the save can then still be under way. A writer that stays
+    silent (killed, or on a node the signal did not reach, still writing) keeps the
+    directory, for the next start's warning. `on_stop(tmp_dir, removed)` on rank 0 when
+    the directory was still there (not published, not removed after an agreed failure)."""
+    if writing:
+        mark_failed(tmp_dir, rank_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size), "stopped")
+    if ps.rank != 0 or not os.path.isdir(tmp_dir):
+        return
+    removed = writers_stopped(tmp_dir, pending, wait_s)
+    if removed:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    if on_stop is not None:
+        on_stop(tmp_dir, removed)
+
+
 def save_checkpoint(root: str, iteration: int, state: Optional[Dict], ps: ParallelState,
-                    release: bool = False,
-                    extra_files: Optional[Dict[str, object]] = None, group=None) -> float:
+                    release: bool = False, extra_files: Optional[Dict[str, object]] = None,
+                    group=None, on_stop: Optional[Callable[[str, bool], None]] = None,
+                    stop_wait_s: float = 10.0) -> float:
     """Save this rank's `state` as `<root>/iter_XXXXXXX/mp_rank_.../model_optim_rng.pt`.
 
     Every rank must call this (it is collective: world barriers). Only data-parallel
@@ -318,23 +367,30 @@ def save_checkpoint(root: str, iteration: int, state: Optional[Dict], ps: Parall
     tracker file last; a final barrier makes the checkpoint visible to all. Returns seconds.
     A rank that cannot write makes every rank raise the same `AgreedExit` (agreed over
     `group`, default the world), printed once by rank 0; the tracker keeps its checkpoint.
+    An exception that stops the save midway (Ctrl-C's KeyboardInterrupt) is re-raised after
+    rank 0 removed the partial `iter_XXXXXXX.tmp/` if every writer is known to have stopped
+    (`_stop_save`, no collective: the ranks' markers in the directory; `on_stop`).
     """
     _check_save_iteration(iteration, release)
     start = time.perf_counter()
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root}")
     final_dir = os.path.join(root, iteration_dir_name(iteration, release))
     tmp_dir = final_dir + ".tmp"
-    _prepare_tmp_dir(root, tmp_dir, ps)
-    files = _rank_files(ps, state, extra_files)
-    error = None
-    if files is not None:
-        try:
-            _write_rank_files(root, iteration, tmp_dir, ps, files)
-        except CheckpointWriteError as exc:
-            error = exc
-    _after_write(root, iteration, tmp_dir, ps, error, group)  # every shard is on disk
-    if ps.rank == 0:
-        _publish(root, tmp_dir, final_dir, iteration, release)
+    writing, pending = ps.dp_rank == 0, _writer_dirs(ps)  # who may write into tmp_dir
+    _prepare_tmp_dir(root, tmp_dir, ps, barrier=False)
+    try:
+        _barrier()  # tmp_dir exists before anyone writes into it
+        files = _rank_files(ps, state, extra_files)
+        error = _write_own_files(root, iteration, tmp_dir, ps, files)
+        writing = False
+        _after_write(root, iteration, tmp_dir, ps, error, group)  # every shard is on disk
+        pending = []  # agreed: no writer is left
+        if ps.rank == 0:
+            remove_markers(tmp_dir, _writer_dirs(ps))
+            _publish(root, tmp_dir, final_dir, iteration, release)
+    except BaseException:
+        _stop_save(tmp_dir, ps, writing, pending, on_stop, stop_wait_s)
+        raise
     _barrier()  # the tracker names a complete checkpoint
     seconds = time.perf_counter() - start
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
@@ -370,8 +426,7 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
     _prepare_tmp_dir(root, tmp_dir, ps)
     files = _rank_files(ps, state, extra_files)
     snapshot = None if files is None else saver.snapshot(files)
-    writers = [rank_dir_name(t, p, ps.pp_size) for p in range(ps.pp_size)
-               for t in range(ps.tp_size)] if ps.rank == 0 else []
+    writers = _writer_dirs(ps) if ps.rank == 0 else []
     blocking = time.perf_counter() - started
 
     def write_and_publish() -> None:

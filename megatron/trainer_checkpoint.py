@@ -128,8 +128,10 @@ def save_trainer_checkpoint(tr) -> float:
     state = trainer_state_dict(tr)  # references to live tensors: cheap; copied if async
     tr.own_checkpoints[tr.state.iteration] = "saved"
     if not ck.async_save:
+        progress = getattr(tr, "progress", None)  # told of a save Ctrl-C stopped midway
         return save_checkpoint(ck.save, tr.state.iteration, state, tr.rt.ps, extra_files=extra,
-                               group=_control_group(tr))
+                               group=_control_group(tr),
+                               on_stop=None if progress is None else progress.save_stopped)
     if getattr(tr, "async_saver", None) is None:
         tr.async_saver = AsyncSaver()
     blocking = save_checkpoint_async(
