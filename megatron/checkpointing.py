@@ -49,12 +49,15 @@ from megatron.checkpoint_dirs import (
     checkpoint_name,
     describe_layout,
     exit_on_missing_message,
+    free_space_text,
     iteration_dir_name,
+    later_checkpoints_warning,
     list_checkpoints,
     malformed_tracker_message,
     missing_iteration_dir_message,
     missing_tracker_message,
     model_file,
+    previous_checkpoint_text,
     rank_dir_name,
     read_tracker,
     refuse_untracked_checkpoints,
@@ -178,26 +181,6 @@ def check_output_dir(root: str, flag: str, ps: ParallelState, group=None,
     agree(error, group)
 
 
-def later_checkpoints_warning(root: str, start_iteration: int) -> Optional[str]:
-    """The warning for a run that starts at `start_iteration` while --save `root` already
-    tracks a later checkpoint (no --load, --finetune, or --load of another directory): its
-    saves replace the iteration directories they reach and point the tracker back, so the
-    later checkpoints drop out of a resume. None when there is nothing to lose (no tracker,
-    a release or malformed one, or one at or before `start_iteration`). Local, no
-    collective: call it on one rank."""
-    try:
-        saved, release = read_tracker(root)
-    except ValueError:
-        return None
-    if saved is None or release or saved <= start_iteration:
-        return None
-    return (f"WARNING: --save {root} already holds checkpoints up to iteration {saved} (its "
-            f"{TRACKER_FILENAME}), and this run starts at iteration {start_iteration}: its "
-            f"first save will point the tracker back, and its saves replace the iteration "
-            f"directories they reach. To resume instead, pass --load {root}; to keep both, "
-            "pass another --save directory")
-
-
 def _check_save_iteration(iteration: int, release: bool) -> None:
     if iteration < 1 and not release:
         raise ValueError(f"cannot save a checkpoint at iteration {iteration}: Megatron's "
@@ -232,31 +215,6 @@ class CheckpointWriteError(RuntimeError):
     published: the tracker still names the previous checkpoint."""
 
 
-def _free_space(path: str) -> str:
-    """'1.5 GiB free on the file system of <path>' (or why that is unknown)."""
-    try:
-        free = shutil.disk_usage(path).free
-    except OSError as exc:
-        return f"free space on the file system of {path} unknown ({exc})"
-    units = ["KiB", "MiB", "GiB", "TiB"]
-    size, unit = float(free), -1
-    while size >= 1024 and unit < len(units) - 1:
-        size, unit = size / 1024, unit + 1
-    amount = f"{free} bytes" if unit < 0 else f"{size:.1f} {units[unit]}"
-    return f"{amount} free on the file system of {path}"
-
-
-def _previous_checkpoint(root: str) -> str:
-    try:
-        iteration, release = read_tracker(root)
-    except ValueError:
-        iteration, release = None, False
-    if iteration is None:
-        return f"there is no earlier checkpoint in {root}"
-    return (f"the previous checkpoint {os.path.join(root, iteration_dir_name(iteration, release))}"
-            f" is intact (the tracker still names it)")
-
-
 def _write_rank_files(root: str, iteration: int, tmp_dir: str, ps: ParallelState,
                       files: Dict[str, object]) -> str:
     """Write and fsync this rank's files into its `mp_rank_*` directory; returns its name.
@@ -276,13 +234,13 @@ def _write_rank_files(root: str, iteration: int, tmp_dir: str, ps: ParallelState
             raise CheckpointWriteError(
                 f"the checkpoint at iteration {iteration} could not be written to {path}: "
                 f"out of {'host' if out_of_memory_kind(exc) == 'host' else 'GPU'} memory "
-                f"while serialising it ({exc}); {_previous_checkpoint(root)}. Lower the "
+                f"while serialising it ({exc}); {previous_checkpoint_text(root)}. Lower the "
                 "memory use of the run (python pretrain_gpt.py ... --dry-run estimates it) "
                 "or the process count per node") from exc
         raise CheckpointWriteError(
             f"the checkpoint at iteration {iteration} could not be written to {path} "
-            f"({type(exc).__name__}: {exc}); {_free_space(root)}; "
-            f"{_previous_checkpoint(root)}. Free space or pass another --save") from exc
+            f"({type(exc).__name__}: {exc}); {free_space_text(root)}; "
+            f"{previous_checkpoint_text(root)}. Free space or pass another --save") from exc
     return name
 
 
@@ -615,7 +573,8 @@ def load_extra_file(root: str, iteration: int, ps: ParallelState, name: str,
 __all__ = [
     "CHECKPOINT_VERSION", "TRACKER_FILENAME", "MODEL_FILENAME", "checkpoint_name",
     "iteration_dir_name", "rank_dir_name", "tracker_path", "read_tracker", "describe_layout",
-    "CheckpointWriteError", "check_output_dir", "check_save_dir", "save_checkpoint",
+    "CheckpointWriteError", "check_output_dir", "check_save_dir", "later_checkpoints_warning",
+    "save_checkpoint",
     "save_checkpoint_async", "resolve_checkpoint",
     "load_checkpoint", "load_rank_file", "load_extra_file", "list_checkpoints", "read_checkpoint_file",
     "missing_tracker_message", "malformed_tracker_message", "exit_on_missing_message",
