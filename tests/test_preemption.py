@@ -334,7 +334,9 @@ def test_ctrl_c_prints_one_line_instead_of_every_ranks_traceback(tmp_path):
                        r"(\S+) to resume from it", log)
     assert len(found) == 1, log[-4000:]
     iteration, last, load = found[0]
-    assert int(iteration) >= 7 and load == str(ckpt)
+    # the last rank prints the iteration line; rank 0, which names its own iteration, may
+    # not have counted that step yet when the signal comes
+    assert int(iteration) >= 6 and load == str(ckpt)
     saved, _ = read_tracker(str(ckpt))
     assert last == f"{ckpt}/iter_{saved:07d}" and saved % 5 == 0 and saved <= int(iteration)
     assert not re.search(r'File ".*(pretrain_gpt\.py|/megatron/)', log), log[-4000:]
