@@ -22,6 +22,12 @@ ahead or exits first cannot deadlock anyone. A process waits for its own thread 
 save and at exit (`AsyncSaver.wait`; the thread is not a daemon, so the interpreter waits
 for it as well). A process killed while writing leaves the `.tmp` directory behind and the
 tracker untouched: the previous checkpoint stays the one that is loaded.
+
+A failure is reported once: the wait at the next save or at the end of the run exits
+every rank with it (`agreed_wait`); while training goes on before that, the training
+thread prints it on global rank 0 as soon as it is known (`report_failure`, called before
+each step). Never the writer thread: it cannot know whether the run ends after its save
+(the ranks agree on a signal or a duration exit only after the save began).
 """
 from __future__ import annotations
 
@@ -178,6 +184,22 @@ def wait_for_markers(tmp_dir: str, rank_dirs: Iterable[str], timeout_s: float,
         time.sleep(poll_s)
 
 
+def writers_stopped(tmp_dir: str, rank_dirs: Iterable[str], timeout_s: float,
+                    poll_s: float = 0.02) -> bool:
+    """Whether every writer of `rank_dirs` left a marker in `tmp_dir` -- done or failed:
+    it writes there no more -- within `timeout_s` seconds (polling)."""
+    pending = set(rank_dirs)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pending = {d for d in pending if not (os.path.exists(marker_path(tmp_dir, d)) or
+                                              os.path.exists(failed_marker_path(tmp_dir, d)))}
+        if not pending:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+
+
 def remove_markers(tmp_dir: str, rank_dirs: Iterable[str]) -> None:
     for d in rank_dirs:
         try:
@@ -191,8 +213,9 @@ class AsyncSaver:
     """At most one save in flight per process, written by a background thread.
 
     `submit(work)` starts `work()` on a non-daemon thread; `wait()` joins it and re-raises
-    its failure as RuntimeError. `snapshot(obj)` is `snapshot_to_cpu` with pinned buffers
-    reused from the previous save (call it only after `wait()`). `publish(fn)` runs the
+    its failure as RuntimeError; `report_failure()` prints that failure early, once.
+    `snapshot(obj)` is `snapshot_to_cpu` with pinned buffers reused from the previous save
+    (call it only after `wait()`). `publish(fn)` runs the
     step that makes a save visible unless `abandon()` (Ctrl-C) came first: both hold one
     lock, so once `abandon()` returns the tracker no longer changes."""
 
@@ -204,6 +227,7 @@ class AsyncSaver:
         self._lock = threading.Lock()
         self._abandoned = False
         self._published = False
+        self._report = self._reported = False
         self.tmp_dir: Optional[str] = None  # the directory the last submitted save writes
         # set by the thread itself when it ends: Thread.is_alive() is not to be trusted
         # after a join() that Ctrl-C interrupted (CPython 3.11 marks the thread stopped)
@@ -228,25 +252,33 @@ class AsyncSaver:
 
     def submit(self, work: Callable[[], None], what: str, report: bool = True,
                tmp_dir: Optional[str] = None) -> None:
-        """Run `work()` in the background; `what` names the save in error messages; a
-        failure is printed when it happens if `report` (one rank reports for all);
-        `tmp_dir`: the directory it writes into (removed after an agreed failure)."""
+        """Run `work()` in the background; `what` names the save in error messages;
+        `report`: `report_failure` prints a failure on this rank (one rank reports for
+        all); `tmp_dir`: the directory it writes into (removed after an agreed failure)."""
         assert self._thread is None, "wait() for the previous save first"
         self._error, self._what, self._published, self.tmp_dir = None, what, False, tmp_dir
+        self._report, self._reported = report, False
         self._finished.clear()
 
         def run() -> None:
             try:
                 work()
-            except BaseException as exc:  # reported here and re-raised by wait()
+            except BaseException as exc:  # re-raised by wait(), printed by report_failure()
                 self._error = exc
-                if report and not self._abandoned:
-                    print(f"ERROR: background save of {what} failed: {exc}", flush=True)
             finally:
                 self._finished.set()
 
         self._thread = threading.Thread(target=run, name="checkpoint-writer", daemon=False)
         self._thread.start()
+
+    def report_failure(self) -> None:
+        """Print the failure of the last save once it has failed, on the reporting rank,
+        at most once. Call it only where the run goes on (the training loop, before a
+        step): the wait that ends the run reports a failure itself, with every rank."""
+        if self._report and not self._reported and self._finished.is_set() \
+                and self._error is not None:  # _error is set before _finished
+            self._reported = True
+            print(f"ERROR: background save of {self._what} failed: {self._error}", flush=True)
 
     def publish(self, publish_fn: Callable[[], None]) -> bool:
         """`publish_fn()` (from the writer thread) unless the save was abandoned; whether
@@ -302,5 +334,5 @@ def agreed_wait(saver: Optional[AsyncSaver], is_rank_0: bool, group=None) -> Non
 
 
 __all__ = ["AsyncSaver", "agreed_wait", "snapshot_to_cpu", "marker_path", "mark_done", "mark_failed",
-           "failed_marker_path", "wait_for_markers", "remove_markers", "MARKER_PREFIX",
-           "FAILED_PREFIX"]
+           "failed_marker_path", "wait_for_markers", "writers_stopped", "remove_markers",
+           "MARKER_PREFIX", "FAILED_PREFIX"]

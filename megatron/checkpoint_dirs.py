@@ -1,7 +1,8 @@
-"""Checkpoint directories under --load / --save: the tracker file, the iteration
-directories there are, the rank directories and model files in one, and the messages that
-name them with the fix when a load cannot go ahead (megatron/checkpointing.py re-exports
-these).
+"""Checkpoint directories under --load / --save: the tracker file (its path, reading it),
+the iteration directories there are, the rank directories and model files in one, and the
+messages that name them with the fix when a load cannot go ahead, a save fails (what stays
+in use, the free space) or a run would point the tracker back (megatron/checkpointing.py
+re-exports these).
 
 Megatron-LM 23.04 with --use-distributed-optimizer wrote another layout: the model (and
 RNG states) in `mp_rank_XX[_YYY]/model_rng.pt`, and one optimizer file per data-parallel
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from typing import List, Optional, Tuple
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -31,6 +33,48 @@ def is_iteration_dir_name(name: str) -> bool:
 
 def tracker_path(root: str) -> str:
     return os.path.join(root, TRACKER_FILENAME)
+
+
+def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """`mp_rank_00` when pp_size == 1, else `mp_rank_00_000`."""
+    if pp_size == 1:
+        return f"mp_rank_{tp_rank:02d}"
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def checkpoint_name(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int,
+                    release: bool = False) -> str:
+    """Path of one (tp, pp) rank's `model_optim_rng.pt`."""
+    return os.path.join(root, iteration_dir_name(iteration, release),
+                        rank_dir_name(tp_rank, pp_rank, pp_size), MODEL_FILENAME)
+
+
+def read_tracker(root: str) -> Tuple[Optional[int], bool]:
+    """Parse `latest_checkpointed_iteration.txt`.
+
+    Returns (None, False) when the file does not exist, (0, True) for "release" and
+    (iteration, False) otherwise. Raises ValueError naming the file and its content when
+    it holds anything else (Megatron requires an integer > 0 or "release").
+    """
+    path = tracker_path(root)
+    if not os.path.isfile(path):
+        return None, False
+    with open(path, "r") as f:
+        content = f.read()
+    text = content.strip()
+    if text == "release":
+        return 0, True
+    try:
+        iteration = int(text)
+    except ValueError:
+        iteration = None
+    if iteration is None or iteration <= 0:
+        raise ValueError(
+            f"malformed checkpoint tracker file {path}: content {content!r}; expected an "
+            f"iteration number > 0 or 'release'. Fix or delete the file (it should name one "
+            f"of the iter_XXXXXXX directories in {root})"
+        )
+    return iteration, False
 
 
 def list_checkpoints(root: str) -> List[str]:
@@ -58,6 +102,52 @@ def unfinished_saves_warning(root: str) -> Optional[str]:
     return (f"WARNING: --save {root} holds {', '.join(stale)}: unfinished checkpoint "
             f"save(s) of a process killed while writing ({size / 2**30:.2f} GiB); nothing "
             "loads them, delete them to free the space")
+
+
+def later_checkpoints_warning(root: str, start_iteration: int) -> Optional[str]:
+    """The warning for a run that starts at `start_iteration` while --save `root` already
+    tracks a later checkpoint (no --load, --finetune, or --load of another directory): its
+    saves replace the iteration directories they reach and point the tracker back, so the
+    later checkpoints drop out of a resume. None when there is nothing to lose (no tracker,
+    a release or malformed one, or one at or before `start_iteration`). Local, no
+    collective: call it on one rank."""
+    try:
+        saved, release = read_tracker(root)
+    except ValueError:
+        return None
+    if saved is None or release or saved <= start_iteration:
+        return None
+    return (f"WARNING: --save {root} already holds checkpoints up to iteration {saved} (its "
+            f"{TRACKER_FILENAME}), and this run starts at iteration {start_iteration}: its "
+            f"first save will point the tracker back, and its saves replace the iteration "
+            f"directories they reach. To resume instead, pass --load {root}; to keep both, "
+            "pass another --save directory")
+
+
+def previous_checkpoint_text(root: str) -> str:
+    """What a failed save leaves in use: the tracker's checkpoint, or that there is none."""
+    try:
+        iteration, release = read_tracker(root)
+    except ValueError:
+        iteration, release = None, False
+    if iteration is None:
+        return f"there is no earlier checkpoint in {root}"
+    return (f"the previous checkpoint {os.path.join(root, iteration_dir_name(iteration, release))}"
+            f" is intact (the tracker still names it)")
+
+
+def free_space_text(path: str) -> str:
+    """'1.5 GiB free on the file system of <path>' (or why that is unknown)."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError as exc:
+        return f"free space on the file system of {path} unknown ({exc})"
+    units = ["KiB", "MiB", "GiB", "TiB"]
+    size, unit = float(free), -1
+    while size >= 1024 and unit < len(units) - 1:
+        size, unit = size / 1024, unit + 1
+    amount = f"{free} bytes" if unit < 0 else f"{size:.1f} {units[unit]}"
+    return f"{amount} free on the file system of {path}"
 
 
 def model_file(rank_dir: str) -> str:

@@ -7,12 +7,16 @@
 One file per (tp, pp) pair, written by its data-parallel rank 0. Every file loads with
 `torch.load(..., weights_only=True)`: the contents are tensors and plain Python data only
 (`args` is a dict of plain values, RNG states are tuples/lists of ints and tensors: see
-megatron/checkpoint_plain.py, whose functions this module re-exports).
+megatron/checkpoint_plain.py, whose functions this module re-exports). The names of the
+directories and files, and reading the tracker, are in megatron/checkpoint_dirs.py
+(re-exported here too).
 
 Saving is crash safe: files go to `iter_XXXXXXX.tmp/`, then global rank 0 renames the
 directory into place and writes the tracker file last. A crash at any point leaves the
-previous tracker pointing at a complete checkpoint. With `--async-save` only the copy to CPU
-blocks training; the files are written by a background thread (megatron/async_save.py).
+previous tracker pointing at a complete checkpoint; a save that an exception (Ctrl-C) stops
+midway removes its partial directory once each writer's marker there says it stopped
+(`save_checkpoint`). With `--async-save` only the copy to CPU blocks training; the files
+are written by a background thread (megatron/async_save.py, which also has the markers).
 
 This module knows nothing of the Trainer: what a Trainer's payload holds, and resharding a
 checkpoint of another parallel layout on load, are in megatron/trainer_checkpoint.py.
@@ -24,7 +28,7 @@ import pickle
 import shutil
 import tempfile
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,18 +41,25 @@ from megatron.async_save import (
     mark_failed,
     remove_markers,
     wait_for_markers,
+    writers_stopped,
 )
 from megatron.checkpoint_dirs import (
     MODEL_FILENAME,
     TRACKER_FILENAME,
+    checkpoint_name,
     describe_layout,
     exit_on_missing_message,
+    free_space_text,
     iteration_dir_name,
+    later_checkpoints_warning,
     list_checkpoints,
     malformed_tracker_message,
     missing_iteration_dir_message,
     missing_tracker_message,
     model_file,
+    previous_checkpoint_text,
+    rank_dir_name,
+    read_tracker,
     refuse_untracked_checkpoints,
     tracker_path,
     unreadable_file_message,
@@ -63,49 +74,7 @@ CHECKPOINT_VERSION = 3.0
 
 
 # ---------------------------------------------------------------------------------------
-# Paths and the tracker file
-def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    """`mp_rank_00` when pp_size == 1, else `mp_rank_00_000`."""
-    if pp_size == 1:
-        return f"mp_rank_{tp_rank:02d}"
-    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-
-
-def checkpoint_name(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int,
-                    release: bool = False) -> str:
-    """Path of one (tp, pp) rank's `model_optim_rng.pt`."""
-    return os.path.join(root, iteration_dir_name(iteration, release),
-                        rank_dir_name(tp_rank, pp_rank, pp_size), MODEL_FILENAME)
-
-
-def read_tracker(root: str) -> Tuple[Optional[int], bool]:
-    """Parse `latest_checkpointed_iteration.txt`.
-
-    Returns (None, False) when the file does not exist, (0, True) for "release" and
-    (iteration, False) otherwise. Raises ValueError naming the file and its content when
-    it holds anything else (Megatron requires an integer > 0 or "release").
-    """
-    path = tracker_path(root)
-    if not os.path.isfile(path):
-        return None, False
-    with open(path, "r") as f:
-        content = f.read()
-    text = content.strip()
-    if text == "release":
-        return 0, True
-    try:
-        iteration = int(text)
-    except ValueError:
-        iteration = None
-    if iteration is None or iteration <= 0:
-        raise ValueError(
-            f"malformed checkpoint tracker file {path}: content {content!r}; expected an "
-            f"iteration number > 0 or 'release'. Fix or delete the file (it should name one "
-            f"of the iter_XXXXXXX directories in {root})"
-        )
-    return iteration, False
-
-
+# Writing the tracker file
 def _fsync_dir(path: str) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -212,41 +181,23 @@ def check_output_dir(root: str, flag: str, ps: ParallelState, group=None,
     agree(error, group)
 
 
-def later_checkpoints_warning(root: str, start_iteration: int) -> Optional[str]:
-    """The warning for a run that starts at `start_iteration` while --save `root` already
-    tracks a later checkpoint (no --load, --finetune, or --load of another directory): its
-    saves replace the iteration directories they reach and point the tracker back, so the
-    later checkpoints drop out of a resume. None when there is nothing to lose (no tracker,
-    a release or malformed one, or one at or before `start_iteration`). Local, no
-    collective: call it on one rank."""
-    try:
-        saved, release = read_tracker(root)
-    except ValueError:
-        return None
-    if saved is None or release or saved <= start_iteration:
-        return None
-    return (f"WARNING: --save {root} already holds checkpoints up to iteration {saved} (its "
-            f"{TRACKER_FILENAME}), and this run starts at iteration {start_iteration}: its "
-            f"first save will point the tracker back, and its saves replace the iteration "
-            f"directories they reach. To resume instead, pass --load {root}; to keep both, "
-            "pass another --save directory")
-
-
 def _check_save_iteration(iteration: int, release: bool) -> None:
     if iteration < 1 and not release:
         raise ValueError(f"cannot save a checkpoint at iteration {iteration}: Megatron's "
                          f"tracker only accepts iterations > 0 (or a release checkpoint)")
 
 
-def _prepare_tmp_dir(root: str, tmp_dir: str, ps: ParallelState) -> None:
+def _prepare_tmp_dir(root: str, tmp_dir: str, ps: ParallelState, barrier: bool = True) -> None:
     """Rank 0 makes a fresh `tmp_dir` (removing leftovers of a crashed save of the same
-    iteration); a world barrier makes sure it exists before anyone writes into it."""
+    iteration); a world barrier (unless the caller makes it) makes sure it exists before
+    anyone writes into it."""
     if ps.rank == 0:
         os.makedirs(root, exist_ok=True)
         if os.path.exists(tmp_dir):
             shutil.rmtree(tmp_dir)
         os.makedirs(tmp_dir)
-    _barrier()
+    if barrier:
+        _barrier()
 
 
 def _rank_files(ps: ParallelState, state: Optional[Dict],
@@ -262,31 +213,6 @@ def _rank_files(ps: ParallelState, state: Optional[Dict],
 class CheckpointWriteError(RuntimeError):
     """A checkpoint file could not be written (disk full, quota, I/O error). Nothing was
     published: the tracker still names the previous checkpoint."""
-
-
-def _free_space(path: str) -> str:
-    """'1.5 GiB free on the file system of <path>' (or why that is unknown)."""
-    try:
-        free = shutil.disk_usage(path).free
-    except OSError as exc:
-        return f"free space on the file system of {path} unknown ({exc})"
-    units = ["KiB", "MiB", "GiB", "TiB"]
-    size, unit = float(free), -1
-    while size >= 1024 and unit < len(units) - 1:
-        size, unit = size / 1024, unit + 1
-    amount = f"{free} bytes" if unit < 0 else f"{size:.1f} {units[unit]}"
-    return f"{amount} free on the file system of {path}"
-
-
-def _previous_checkpoint(root: str) -> str:
-    try:
-        iteration, release = read_tracker(root)
-    except ValueError:
-        iteration, release = None, False
-    if iteration is None:
-        return f"there is no earlier checkpoint in {root}"
-    return (f"the previous checkpoint {os.path.join(root, iteration_dir_name(iteration, release))}"
-            f" is intact (the tracker still names it)")
 
 
 def _write_rank_files(root: str, iteration: int, tmp_dir: str, ps: ParallelState,
@@ -308,13 +234,13 @@ def _write_rank_files(root: str, iteration: int, tmp_dir: str, ps: ParallelState
             raise CheckpointWriteError(
                 f"the checkpoint at iteration {iteration} could not be written to {path}: "
                 f"out of {'host' if out_of_memory_kind(exc) == 'host' else 'GPU'} memory "
-                f"while serialising it ({exc}); {_previous_checkpoint(root)}. Lower the "
+                f"while serialising it ({exc}); {previous_checkpoint_text(root)}. Lower the "
                 "memory use of the run (python pretrain_gpt.py ... --dry-run estimates it) "
                 "or the process count per node") from exc
         raise CheckpointWriteError(
             f"the checkpoint at iteration {iteration} could not be written to {path} "
-            f"({type(exc).__name__}: {exc}); {_free_space(root)}; "
-            f"{_previous_checkpoint(root)}. Free space or pass another --save") from exc
+            f"({type(exc).__name__}: {exc}); {free_space_text(root)}; "
+            f"{previous_checkpoint_text(root)}. Free space or pass another --save") from exc
     return name
 
 
@@ -343,9 +269,53 @@ def _world_size(group=None) -> int:
     return dist.get_world_size(group) if _dist_ready() else 1
 
 
+def _write_own_files(root: str, iteration: int, tmp_dir: str, ps: ParallelState,
+                     files: Optional[Dict[str, object]]) -> Optional[CheckpointWriteError]:
+    """Write this rank's `files` (None: it writes nothing), then leave its marker in
+    `tmp_dir` saying that it writes there no more: done, or failed with the write error,
+    which is returned. Another exception (Ctrl-C) leaves the marker to the caller."""
+    if files is None:
+        return None
+    name = rank_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size)
+    try:
+        _write_rank_files(root, iteration, tmp_dir, ps, files)
+    except CheckpointWriteError as exc:
+        mark_failed(tmp_dir, name, str(exc))
+        return exc
+    mark_done(tmp_dir, name)
+    return None
+
+
+def _writer_dirs(ps: ParallelState) -> List[str]:
+    """The rank directory of every (tp, pp) pair: one writer each."""
+    return [rank_dir_name(t, p, ps.pp_size) for p in range(ps.pp_size) for t in range(ps.tp_size)]
+
+
+def _stop_save(tmp_dir: str, ps: ParallelState, writing: bool, pending: List[str],
+               on_stop: Optional[Callable[[str, bool], None]], wait_s: float) -> None:
+    """An exception stops a save midway (Ctrl-C, a peer gone). A writer that may have
+    written (`writing`) leaves its failure marker: it will not write again, its process is
+    on its way out. Rank 0 then removes the partial `tmp_dir` (made by it for this save)
+    once every writer of `pending` has left its marker, waiting up to `wait_s` seconds:
+    no file system call of the save can then still be under way. A writer that stays
+    silent (killed, or on a node the signal did not reach, still writing) keeps the
+    directory, for the next start's warning. `on_stop(tmp_dir, removed)` on rank 0 when
+    the directory was still there (not published, not removed after an agreed failure)."""
+    if writing:
+        mark_failed(tmp_dir, rank_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size), "stopped")
+    if ps.rank != 0 or not os.path.isdir(tmp_dir):
+        return
+    removed = writers_stopped(tmp_dir, pending, wait_s)
+    if removed:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    if on_stop is not None:
+        on_stop(tmp_dir, removed)
+
+
 def save_checkpoint(root: str, iteration: int, state: Optional[Dict], ps: ParallelState,
-                    release: bool = False,
-                    extra_files: Optional[Dict[str, object]] = None, group=None) -> float:
+                    release: bool = False, extra_files: Optional[Dict[str, object]] = None,
+                    group=None, on_stop: Optional[Callable[[str, bool], None]] = None,
+                    stop_wait_s: float = 10.0) -> float:
     """Save this rank's `state` as `<root>/iter_XXXXXXX/mp_rank_.../model_optim_rng.pt`.
 
     Every rank must call this (it is collective: world barriers). Only data-parallel
@@ -355,23 +325,30 @@ def save_checkpoint(root: str, iteration: int, state: Optional[Dict], ps: Parall
     tracker file last; a final barrier makes the checkpoint visible to all. Returns seconds.
     A rank that cannot write makes every rank raise the same `AgreedExit` (agreed over
     `group`, default the world), printed once by rank 0; the tracker keeps its checkpoint.
+    An exception that stops the save midway (Ctrl-C's KeyboardInterrupt) is re-raised after
+    rank 0 removed the partial `iter_XXXXXXX.tmp/` if every writer is known to have stopped
+    (`_stop_save`, no collective: the ranks' markers in the directory; `on_stop`).
     """
     _check_save_iteration(iteration, release)
     start = time.perf_counter()
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root}")
     final_dir = os.path.join(root, iteration_dir_name(iteration, release))
     tmp_dir = final_dir + ".tmp"
-    _prepare_tmp_dir(root, tmp_dir, ps)
-    files = _rank_files(ps, state, extra_files)
-    error = None
-    if files is not None:
-        try:
-            _write_rank_files(root, iteration, tmp_dir, ps, files)
-        except CheckpointWriteError as exc:
-            error = exc
-    _after_write(root, iteration, tmp_dir, ps, error, group)  # every shard is on disk
-    if ps.rank == 0:
-        _publish(root, tmp_dir, final_dir, iteration, release)
+    writing, pending = ps.dp_rank == 0, _writer_dirs(ps)  # who may write into tmp_dir
+    _prepare_tmp_dir(root, tmp_dir, ps, barrier=False)
+    try:
+        _barrier()  # tmp_dir exists before anyone writes into it
+        files = _rank_files(ps, state, extra_files)
+        error = _write_own_files(root, iteration, tmp_dir, ps, files)
+        writing = False
+        _after_write(root, iteration, tmp_dir, ps, error, group)  # every shard is on disk
+        pending = []  # agreed: no writer is left
+        if ps.rank == 0:
+            remove_markers(tmp_dir, _writer_dirs(ps))
+            _publish(root, tmp_dir, final_dir, iteration, release)
+    except BaseException:
+        _stop_save(tmp_dir, ps, writing, pending, on_stop, stop_wait_s)
+        raise
     _barrier()  # the tracker names a complete checkpoint
     seconds = time.perf_counter() - start
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
@@ -383,7 +360,7 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
                           saver: AsyncSaver, release: bool = False,
                           extra_files: Optional[Dict[str, object]] = None,
                           timeout_s: float = 660.0, started: Optional[float] = None,
-                          group=None, report: bool = True) -> float:
+                          group=None) -> float:
     """`save_checkpoint` where only the CPU copy blocks; `saver` writes in the background.
 
     Blocking part (collective: world barriers): wait for this rank's previous save, make
@@ -392,8 +369,8 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
     pair's marker, then rename and write the tracker last -- no collective, see
     megatron/async_save.py. Returns the seconds the caller was blocked, counted from
     `started` (a time.perf_counter() value; default: now). `saver.wait()` finishes it
-    (`async_save.agreed_wait` on every rank together); `report`: rank 0 prints a failure
-    when it happens (not for a save the run ends after: that wait reports it).
+    (`async_save.agreed_wait` on every rank together); until then `saver.report_failure()`
+    prints a failure on rank 0, which learns of every writer's.
     When the previous background save failed, every rank exits here with one report
     (`async_save.agreed_wait`, an agreement over `group`; rank 0 removes its directory).
     A save `saver.abandon()` stopped (Ctrl-C) is never published.
@@ -407,8 +384,7 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
     _prepare_tmp_dir(root, tmp_dir, ps)
     files = _rank_files(ps, state, extra_files)
     snapshot = None if files is None else saver.snapshot(files)
-    writers = [rank_dir_name(t, p, ps.pp_size) for p in range(ps.pp_size)
-               for t in range(ps.tp_size)] if ps.rank == 0 else []
+    writers = _writer_dirs(ps) if ps.rank == 0 else []
     blocking = time.perf_counter() - started
 
     def write_and_publish() -> None:
@@ -430,7 +406,7 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
                   f"{time.perf_counter() - t0:.2f} s in the background)", flush=True)
 
     saver.submit(write_and_publish, f"the checkpoint at iteration {iteration} to {root}",
-                 report=ps.rank == 0 and report, tmp_dir=tmp_dir)  # rank 0 learns of all
+                 report=ps.rank == 0, tmp_dir=tmp_dir)
     return blocking
 
 
@@ -597,7 +573,8 @@ def load_extra_file(root: str, iteration: int, ps: ParallelState, name: str,
 __all__ = [
     "CHECKPOINT_VERSION", "TRACKER_FILENAME", "MODEL_FILENAME", "checkpoint_name",
     "iteration_dir_name", "rank_dir_name", "tracker_path", "read_tracker", "describe_layout",
-    "CheckpointWriteError", "check_output_dir", "check_save_dir", "save_checkpoint",
+    "CheckpointWriteError", "check_output_dir", "check_save_dir", "later_checkpoints_warning",
+    "save_checkpoint",
     "save_checkpoint_async", "resolve_checkpoint",
     "load_checkpoint", "load_rank_file", "load_extra_file", "list_checkpoints", "read_checkpoint_file",
     "missing_tracker_message", "malformed_tracker_message", "exit_on_missing_message",

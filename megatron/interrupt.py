@@ -13,6 +13,10 @@ start-up, at iteration N, during the evaluation at iteration N, while saving the
 checkpoint of iteration N). Nothing is saved, as in Megatron-LM: the message names the
 last checkpoint in --save, the one a relaunch with --load resumes from. The run's own
 teardown still runs (TensorBoard's last events are written, data loader workers stop). A
+synchronous save stopped midway removes its partial `iter_N.tmp/` (global rank 0, once
+every writer left its marker there: none can still be writing; see
+`checkpointing.save_checkpoint`), and the line says so -- or that it stays, when a writer
+did not say it stopped within seconds (killed, or on a node the signal did not reach). A
 background checkpoint save in flight (--async-save) is abandoned before the tracker is
 read: it is never published, so the line stays true, and the process exits without
 waiting for its writer (its `iter_N.tmp` stays behind; the next start warns of it).
@@ -20,10 +24,11 @@ waiting for its writer (its `iter_N.tmp` stays behind; the next start warns of i
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Tuple
 
 INTERRUPTED_STATUS = 128 + signal.SIGINT
 
@@ -86,6 +91,7 @@ class RunProgress:
     def __init__(self) -> None:
         self.phase = "start-up"
         self.trainer = None  # megatron.training.Trainer once built
+        self.partial_save: Optional[Tuple[str, bool]] = None  # see save_stopped
 
     @property
     def iteration(self) -> Optional[int]:
@@ -96,6 +102,11 @@ class RunProgress:
         previous, self.phase = self.phase, phase
         yield
         self.phase = previous
+
+    def save_stopped(self, tmp_dir: str, removed: bool) -> None:
+        """A synchronous save stopped midway (`checkpointing.save_checkpoint`'s `on_stop`,
+        rank 0): whether its partial `tmp_dir` was removed, for the interrupt line."""
+        self.partial_save = (tmp_dir, removed)
 
     def abandon_save(self) -> Optional[str]:
         """Abandon this process's background save in flight (--async-save), so that it is
@@ -133,6 +144,12 @@ def interrupt_message(progress: Optional[RunProgress], save: Optional[str],
     text = f"interrupted{_where(progress)} (SIGINT, e.g. Ctrl-C): stopped without saving"
     if abandoned:
         text += f" (the background save of {abandoned} was abandoned)"
+    if progress is not None and progress.partial_save is not None:
+        tmp_dir, removed = progress.partial_save
+        name = os.path.basename(tmp_dir)
+        text += (f" (its partial {name}/ was removed)" if removed else
+                 f" (its partial {name}/ stays: a writer may still be running; delete it "
+                 "once the job has ended)")
     if not save:
         return text + " (no --save)"
     try:

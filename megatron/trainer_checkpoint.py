@@ -128,28 +128,27 @@ def save_trainer_checkpoint(tr) -> float:
     state = trainer_state_dict(tr)  # references to live tensors: cheap; copied if async
     tr.own_checkpoints[tr.state.iteration] = "saved"
     if not ck.async_save:
+        progress = getattr(tr, "progress", None)  # told of a save Ctrl-C stopped midway
         return save_checkpoint(ck.save, tr.state.iteration, state, tr.rt.ps, extra_files=extra,
-                               group=_control_group(tr))
+                               group=_control_group(tr),
+                               on_stop=None if progress is None else progress.save_stopped)
     if getattr(tr, "async_saver", None) is None:
         tr.async_saver = AsyncSaver()
     blocking = save_checkpoint_async(
         ck.save, tr.state.iteration, state, tr.rt.ps, tr.async_saver, extra_files=extra,
         timeout_s=60.0 * (tr.config.parallel.distributed_timeout_minutes + 1), started=started,
-        group=_control_group(tr), report=not _run_ends_after_save(tr))
+        group=_control_group(tr))
     return blocking
 
 
-def _run_ends_after_save(tr) -> bool:
-    """Whether the loop stops after this save (--train-iters reached, --exit-interval, a
-    preemption signal, --exit-duration-in-mins), judged locally: then rank 0 leaves the
-    report of a failure to `wait_for_async_save`, which every rank reaches right after."""
-    t, it = tr.config.training, tr.state.iteration
-    if (t.train_iters and it >= t.train_iters) or (t.exit_interval and it % t.exit_interval == 0):
-        return True
-    if getattr(tr, "signals", None) is not None and tr.signals.received:
-        return True
-    elapsed_min = (time.time() - getattr(tr, "start_time", time.time())) / 60.0
-    return bool(t.exit_duration_in_mins) and elapsed_min > t.exit_duration_in_mins
+def report_async_failure(tr) -> None:
+    """Where the run goes on (before each training step): global rank 0 prints the failure
+    of the background save in flight once it is known, not only at the next save or at
+    the end, where every rank exits with it (`wait_for_async_save`). Local: a failure the
+    run ends before printing here is reported by that wait alone, once."""
+    saver = getattr(tr, "async_saver", None)
+    if saver is not None:
+        saver.report_failure()
 
 
 def wait_for_async_save(tr) -> None:

@@ -414,6 +414,7 @@ def train(tr: Trainer, train_data, valid_data) -> Optional[str]:
     if trainer_checkpoint.nothing_to_train(tr):  # the loaded state is in --save already
         saved_at = st.iteration
     while st.iteration < cfg.training.train_iters:
+        trainer_checkpoint.report_async_failure(tr)  # the run goes on past that save
         profiler.before_step(st.iteration + 1)
         with profiler.step_range(st.iteration + 1):
             loss, ok, grad_norm, _ = train_step(tr, train_data, skip_nonfinite=check_each_step)

@@ -231,6 +231,8 @@ def _dist_next_save_after_a_failed_writer(rank, world_size, root):
             while not saver.done():  # the writer thread calls torch.save: restore it after
                 time.sleep(0.05)
             torch.save = original
+            saver.report_failure()  # as the training loop does before each step
+            saver.report_failure()  # once
             try:
                 save_checkpoint_async(root, 5, _state(5, float(rank)), ps, saver)
             except AgreedExit as exc:
@@ -243,7 +245,7 @@ def _dist_next_save_after_a_failed_writer(rank, world_size, root):
 def test_the_next_save_after_a_failed_background_write_exits_every_rank_once(tmp_path):
     """Every rank raised its own RuntimeError at the next save (a traceback per rank) and
     the writer's failure was printed by each rank that saw it, as a repr: now rank 0 alone
-    prints it when it happens, and at the next save every rank exits with rank 0's report
+    prints it once known (`report_failure`, while training goes on), and at the next save every rank exits with rank 0's report
     (naming the writer), printed once."""
     results = run_distributed(_dist_next_save_after_a_failed_writer, 2, str(tmp_path))
     (report0, prints0, out0), (report1, prints1, out1) = results
@@ -283,49 +285,100 @@ def test_an_abandoned_save_is_never_published(tmp_path):
 
 
 # --------------------------------------------------------------------------- trainer
-def _dist_final_save_fails_on_rank_1(rank, world_size, root, stop):
-    """A tp=2 run (both ranks write) with async saves at 2 and at its last iteration (4),
-    where rank 1's torch.save of iteration 4 fails: (report, prints) of the AgreedExit."""
+# How each run ends, the iteration whose save fails on rank 1 (the one the run ends
+# after) and the tracker left. A signal (--exit-signal-handler) reaches rank 1 only, and
+# --exit-duration-in-mins counts from rank 1's process start two minutes ago: rank 0 has
+# no local sign that the run ends after that save.
+_ENDINGS = {
+    "train-iters": (["--train-iters", "4"], 4, 2),
+    "exit-interval": (["--exit-interval", "4"], 4, 2),
+    "signal": (["--exit-signal-handler"], 4, 2),
+    "duration": (["--exit-duration-in-mins", "1"], 1, None),
+    "mid-run": (["--train-iters", "6"], 2, None),  # the run goes on: exits at the next save
+}
+
+
+def _dist_final_save_fails_on_rank_1(rank, world_size, root, ending):
+    """A tp=2 run (both ranks write) with async saves every 2 iterations that ends as
+    `ending` says, where rank 1's torch.save of the save the run ends after fails:
+    (report, prints, code) of the AgreedExit."""
+    import signal
+
+    from megatron import training
     from megatron.agreed_exit import AgreedExit
 
-    original = torch.save
+    flags, fail_at, _ = _ENDINGS[ending]
+    original, original_step = torch.save, training.train_step
 
     def full(obj, f, *args, **kwargs):
-        if isinstance(obj, dict) and obj.get("iteration") == 4:
+        if isinstance(obj, dict) and obj.get("iteration") == fail_at:
             raise OSError(28, "No space left on device")
         return original(obj, f, *args, **kwargs)
 
+    def step(tr, data, **kwargs):
+        out = original_step(tr, data, **kwargs)
+        if ending == "signal" and rank == 1 and tr.state.iteration + 1 == fail_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # after the step: its save comes first
+        if ending == "mid-run" and tr.state.iteration + 1 == fail_at + 1:
+            while not tr.async_saver.done():  # the failure is known before the next step
+                time.sleep(0.02)
+        return out
+
+    started = time.time() - (120.0 if rank == 1 else 0.0)
+    training.train_step = step
     if rank == 1:
         torch.save = full
     try:
         run_pretrain(["--tensor-model-parallel-size", "2", "--save", root, "--save-interval",
-                      "2", "--async-save", *stop], world_size, rank)
+                      "2", "--async-save", *flags], world_size, rank, started)
     except AgreedExit as exc:
         return exc.report, exc.prints, exc.code
     finally:
-        torch.save = original
+        torch.save, training.train_step = original, original_step
     return None, None, None
 
 
-@pytest.mark.parametrize("stop", [["--train-iters", "4"], ["--exit-interval", "4"]])
-def test_a_failed_final_async_save_exits_every_rank_with_one_report(tmp_path, capfd, stop):
-    """The save the run ends with (--train-iters, --exit-interval), waited for at the end:
-    each rank raised its own RuntimeError there (a traceback per rank). Now every rank
-    exits with rank 0's report (status 1, printed once, naming the writer), the tracker
-    keeps the previous checkpoint and rank 0 removes the partial directory."""
+@pytest.mark.parametrize("ending", sorted(set(_ENDINGS) - {"mid-run"}))
+def test_a_failed_final_async_save_exits_every_rank_with_one_report(tmp_path, capfd, ending):
+    """The save the run ends with (--train-iters, --exit-interval, a signal on another
+    rank, --exit-duration-in-mins), waited for at the end: each rank raised its own
+    RuntimeError there (a traceback per rank). Now every rank exits with rank 0's report
+    (status 1, printed once, naming the writer), the tracker keeps the previous checkpoint
+    and rank 0 removes the partial directory. Rank 0 judged locally whether the run ended
+    after that save and also printed the failure when it happened unless it knew: twice
+    after a signal that only another rank received, or a duration counted elsewhere."""
     root = str(tmp_path / "ck")
+    _, fail_at, kept = _ENDINGS[ending]
     (report0, prints0, code0), (report1, prints1, code1) = run_distributed(
-        _dist_final_save_fails_on_rank_1, 2, root, stop)
+        _dist_final_save_fails_on_rank_1, 2, root, ending)
     assert report0 == report1 and (prints0, prints1) == (True, False) and code1 == 1
     assert code0 == report0, "rank 0's exit prints the report (status 1)"
-    assert report0.startswith("error: the background save of the checkpoint at iteration 4")
+    assert report0.startswith(f"error: the background save of the checkpoint at iteration "
+                              f"{fail_at}")
     assert "the writer of mp_rank_01 failed" in report0 and "(rank 1)" in report0
     assert "No space left on device" in report0
     out = capfd.readouterr().out
-    assert "saving checkpoint at iteration       4" in out
+    assert f"saving checkpoint at iteration {fail_at:7d}" in out
     assert "ERROR: background save" not in out, "reported once, at exit"
-    assert read_tracker(root) == (2, False)
-    assert sorted(os.listdir(root)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert read_tracker(root) == (kept, False)
+    left = ["latest_checkpointed_iteration.txt", f"iter_{kept:07d}"] if kept else []
+    assert sorted(os.listdir(root)) == sorted(left)
+
+
+def test_a_failed_async_save_the_run_goes_on_after_is_printed_then_exits_at_the_next(
+        tmp_path, capfd):
+    """A save that fails while training goes on: rank 0 prints the failure once it is
+    known (before the next step), and the next save exits every rank with the report."""
+    root = str(tmp_path / "ck")
+    (report0, prints0, _), (report1, _, code1) = run_distributed(
+        _dist_final_save_fails_on_rank_1, 2, root, "mid-run")
+    assert report0 == report1 and prints0 and code1 == 1
+    assert report0.startswith("error: the background save of the checkpoint at iteration 2")
+    out = capfd.readouterr().out
+    assert out.count("ERROR: background save of the checkpoint at iteration 2") == 1, out
+    assert out.index("ERROR: background save") < out.index("saving checkpoint at iteration"
+                                                           "       4"), "before the next save"
+    assert read_tracker(root) == (None, False) and os.listdir(root) == []
 
 
 def _trainer_async_scenario(root, world_size=1, rank=0, extra=()):

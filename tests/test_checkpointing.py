@@ -2,6 +2,7 @@ import enum
 import os
 import random
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -567,3 +568,121 @@ def test_distributed_full_disk_on_one_rank_fails_every_rank(tmp_path):
     assert (cause0, cause1) == (None, "CheckpointWriteError"), "the failing rank chains its error"
     assert read_tracker(str(tmp_path)) == (2, False)
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
+# ---------------------------------------------------------------------- a save stopped midway
+def _interrupt_writes_of(monkeypatch, iteration, before=None):
+    """Ctrl-C (KeyboardInterrupt) in the file writes of `iteration`'s save; `before(path)`
+    runs first."""
+    from megatron import checkpointing
+
+    original = checkpointing._torch_save_synced
+
+    def interrupted(obj, path):
+        if isinstance(obj, dict) and obj.get("iteration") == iteration:
+            if before is not None:
+                before(path)
+            raise KeyboardInterrupt
+        original(obj, path)
+
+    monkeypatch.setattr(checkpointing, "_torch_save_synced", interrupted)
+
+
+def test_a_save_stopped_midway_removes_its_partial_directory(tmp_path, monkeypatch):
+    """Ctrl-C during a save's file writes left `iter_N.tmp/` until the next start warned
+    of it. Now the save removes the directory it made (its only writer has stopped: the
+    exception is this process's own), tells `on_stop`, and re-raises; the previous
+    checkpoint and the tracker are untouched."""
+    root, told = str(tmp_path), []
+    save_checkpoint(root, 2, _full_state(2, 0, 0), _ps1())
+    _interrupt_writes_of(monkeypatch, 4)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(root, 4, _full_state(4, 0, 0), _ps1(),
+                        on_stop=lambda d, removed: told.append((d, removed)))
+    assert told == [(os.path.join(root, "iter_0000004.tmp"), True)]
+    assert sorted(os.listdir(root)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert load_checkpoint(root, _ps1())[0] == 2
+
+
+def test_a_save_stopped_after_publishing_keeps_the_published_directory(tmp_path, monkeypatch):
+    """Ctrl-C after the rename, before the tracker: the published `iter_N/` stays (a load
+    takes the tracker's checkpoint), and nothing is reported as removed."""
+    from megatron import checkpointing
+
+    root, told = str(tmp_path), []
+    save_checkpoint(root, 2, _full_state(2, 0, 0), _ps1())
+    original = checkpointing._write_tracker
+
+    def interrupted(root_, iteration, release):
+        if iteration == 4:
+            raise KeyboardInterrupt
+        original(root_, iteration, release)
+
+    monkeypatch.setattr(checkpointing, "_write_tracker", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(root, 4, _full_state(4, 0, 0), _ps1(),
+                        on_stop=lambda d, removed: told.append((d, removed)))
+    assert told == []
+    assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000004",
+                                        "latest_checkpointed_iteration.txt"]
+    assert read_tracker(root) == (2, False)
+
+
+@pytest.mark.parametrize("other_writer", ["silent", "stopped"])
+def test_a_stopped_save_stays_while_another_writer_may_still_write(tmp_path, monkeypatch,
+                                                                    other_writer):
+    """Rank 0 of tp=2 (no process group: the other writer is simulated by its marker).
+    When the other writer never says it stopped (killed, or on a node the Ctrl-C did not
+    reach, still writing), the partial directory stays for the next start's warning;
+    once its marker is there, the directory goes."""
+    from megatron.async_save import mark_failed
+
+    root, told = str(tmp_path), []
+    ps = ParallelState.build(2, 0, tp_size=2)
+
+    def other(path):
+        if other_writer == "stopped":
+            mark_failed(os.path.dirname(os.path.dirname(path)), "mp_rank_01", "stopped")
+
+    _interrupt_writes_of(monkeypatch, 4, before=other)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(root, 4, _full_state(4, 0, 0), ps, stop_wait_s=0.3,
+                        on_stop=lambda d, removed: told.append(removed))
+    assert told == [other_writer == "stopped"]
+    assert os.path.isdir(tmp_path / "iter_0000004.tmp") == (other_writer == "silent")
+    assert read_tracker(root) == (None, False)
+
+
+def _dist_ctrl_c_in_a_save(rank, world_size, root):
+    """tp=2, both ranks write: Ctrl-C reaches rank 1 in its file writes and rank 0 after
+    its own (in the barrier after writing; simulated without that collective)."""
+    from megatron import checkpointing
+
+    ps = ParallelState.build(world_size, rank, tp_size=2)
+    save_checkpoint(root, 2, _full_state(2, ps.tp_rank, 0), ps)
+    told, original = [], (checkpointing._torch_save_synced, checkpointing._after_write)
+
+    def interrupted(*args, **kwargs):
+        time.sleep(0.5 if rank == 1 else 0.0)  # rank 0 waits for rank 1's marker
+        raise KeyboardInterrupt
+
+    if rank == 1:
+        checkpointing._torch_save_synced = interrupted
+    else:
+        checkpointing._after_write = interrupted
+    try:
+        save_checkpoint(root, 4, _full_state(4, ps.tp_rank, 0), ps,
+                        on_stop=lambda d, removed: told.append(removed))
+    except KeyboardInterrupt:
+        return told
+    finally:
+        checkpointing._torch_save_synced, checkpointing._after_write = original
+    return None
+
+
+def test_distributed_ctrl_c_in_a_save_removes_the_partial_directory_once(tmp_path):
+    """Rank 0 removes `iter_N.tmp/` (once) only after rank 1, still writing when Ctrl-C
+    came, has left its marker; the tracker keeps the previous checkpoint."""
+    assert run_distributed(_dist_ctrl_c_in_a_save, 2, str(tmp_path)) == [[True], []]
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert read_tracker(str(tmp_path)) == (2, False)

@@ -32,9 +32,12 @@ BASE = (
 ).split()
 
 
-def run_pretrain(extra: list, world_size: int = 1, rank: int = 0):
+def run_pretrain(extra: list, world_size: int = 1, rank: int = 0,
+                 process_start_time=None):
     """One run as a fresh process would do it (seeded, then pretrain()); returns
-    ({iteration: loss}, trainer). Losses are this rank's `train_step` results."""
+    ({iteration: loss}, trainer). Losses are this rank's `train_step` results.
+    `process_start_time`: what --exit-duration-in-mins counts from (default: the loop's
+    start)."""
     cfg = parse_and_validate(BASE + list(extra), world_size=world_size,
                              env={"RANK": str(rank)}, cuda_available=False)
     rt = initialize_distributed(cfg.parallel, rank, world_size, 0)
@@ -49,7 +52,7 @@ def run_pretrain(extra: list, world_size: int = 1, rank: int = 0):
 
     training.train_step = recording
     try:
-        tr = training.pretrain(cfg, rt)
+        tr = training.pretrain(cfg, rt, process_start_time)
     finally:
         training.train_step = original
     return losses, tr
