@@ -302,3 +302,41 @@ def test_check_command_with_data_flags_says_it_needs_the_files(capsys):
     assert code == 0 and note in out
     code, out, _ = _run(_preset("gpt3-125m", 8), capsys)
     assert code == 0 and note not in out
+
+
+def test_the_inputs_own_layout_flags_are_named_and_left_out_of_the_check(capsys):
+    """Layout flags on the planner's command line (a training command pasted whole) are the
+    planner's to choose: the report names them as replaced and its check command leaves them
+    out, so the check runs the plan's layout alone (the input's --sequence-parallel at the
+    plan's tp 1 was kept, and the valued flags appeared twice)."""
+    argv = SMALL + ["--gpus", "8", "--gpu-memory-gb", "80", "--top", "2",
+                    "--tensor-model-parallel-size=2", "--sequence-parallel",
+                    "--micro-batch-size", "4", "--recompute-granularity", "selective"]
+    code, out, _ = _run(argv, capsys)
+    assert code == 0
+    assert ("  in place of the command line's --tensor-model-parallel-size=2 "
+            "--sequence-parallel --micro-batch-size 4 --recompute-granularity selective "
+            "(the planner chooses the layout") in out
+    assert "remove from the --config file" not in out
+    check = shlex.split(out.split("check it:\n", 1)[1].splitlines()[0].split("=", 1)[1])[1:]
+    req = build_request(argv)
+    best = plan_layouts(req, progress=None).fitting[0]
+    assert check == check_command(req, best.layout)
+    tail = check[2:]
+    assert "--tensor-model-parallel-size=2" not in tail and "selective" not in tail
+    assert tail.count("--micro-batch-size") == 1
+    assert ("--sequence-parallel" in tail) == best.layout.sp
+    cfg = parse_and_validate(check[2:-1], world_size=8, env={}, cuda_available=True)
+    assert _layout_of(cfg) == best.layout
+
+
+def test_layout_switches_set_by_a_config_file_are_to_be_removed_there(tmp_path, capsys):
+    """A switch the plan does not use that came from a --config file is named for removal
+    there (the check command cannot turn a store_true flag off)."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("sequence-parallel: true\n")
+    code, out, _ = _run(SMALL + ["--config", str(cfg), "--gpus", "1", "--gpu-memory-gb", "80",
+                                 "--top", "1"], capsys)
+    assert code == 0 and "best: tp 1," in out  # one GPU: no SP
+    assert "  and remove from the --config file: --sequence-parallel\n" in out
+    assert "in place of the command line's" not in out

@@ -24,6 +24,11 @@ LAYOUT_SWITCHES = {
     "checkpoint_activations": "--checkpoint-activations",
     "distribute_saved_activations": "--distribute-saved-activations",
 }
+# Valued input flags the planner chooses: the check command leaves the input's out.
+LAYOUT_VALUED = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                 "--model-parallel-size", "--micro-batch-size", "--recompute-num-layers",
+                 "--num-layers-per-virtual-pipeline-stage", "--recompute-granularity",
+                 "--recompute-method")
 TABLE_HEADER = ["rank", "tp", "pp", "vp", "dp", "mbs", "SP", "distopt", "recompute",
                 "peak GiB", "bubble %", "rel. time"]
 
@@ -77,9 +82,30 @@ def inputs_to_remove(ns: argparse.Namespace, explicit: set, layout: Layout) -> L
             and not wanted.get(dest, False)]
 
 
+def split_layout_flags(argv: Sequence[str]) -> tuple:
+    """(argv without the layout flags the planner chooses, those flags as given): the
+    valued ones of LAYOUT_VALUED with their value (`--flag V` or `--flag=V`) and the
+    switches of LAYOUT_SWITCHES."""
+    switches = set(LAYOUT_SWITCHES.values())
+    kept: List[str] = []
+    taken: List[str] = []
+    i = 0
+    while i < len(argv):
+        flag = argv[i].split("=", 1)[0]
+        if flag in LAYOUT_VALUED and "=" not in argv[i] and i + 1 < len(argv):
+            taken += argv[i:i + 2]
+            i += 2
+            continue
+        (taken if flag in LAYOUT_VALUED or flag in switches else kept).append(argv[i])
+        i += 1
+    return kept, taken
+
+
 def check_command(req: Request, layout: Layout) -> List[str]:
-    """argv of the --dry-run that checks `layout` (run with WORLD_SIZE=--gpus)."""
-    return (["python", "pretrain_gpt.py"] + req.argv + layout.flags(req.ns.num_layers)
+    """argv of the --dry-run that checks `layout` (run with WORLD_SIZE=--gpus): the input
+    without its own layout flags, then the layout's."""
+    kept, _ = split_layout_flags(req.argv)
+    return (["python", "pretrain_gpt.py"] + kept + layout.flags(req.ns.num_layers)
             + req.placeholders + ["--dry-run"])
 
 
@@ -105,10 +131,15 @@ def format_plan(req: Request, result: PlanResult) -> str:
         "pretrain_gpt.py:",
         "  " + " ".join(best.layout.flags(m.num_layers)),
     ]
-    remove = inputs_to_remove(req.ns, req.explicit, best.layout)
+    _, given = split_layout_flags(req.argv)
+    if given:
+        lines.append(f"  in place of the command line's {' '.join(given)} (the planner "
+                     "chooses the layout; the check below leaves them out)")
+    given_flags = {g.split("=", 1)[0] for g in given}
+    remove = [f for f in inputs_to_remove(req.ns, req.explicit, best.layout)
+              if f not in given_flags]  # the rest came from a --config file
     if remove:
-        lines.append("  and remove from the input (command line or --config file): "
-                     + ", ".join(remove))
+        lines.append("  and remove from the --config file: " + ", ".join(remove))
     lines += [
         "check it:",
         f"  WORLD_SIZE={result.gpus} " + shlex.join(check_command(req, best.layout)),
