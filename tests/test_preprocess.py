@@ -150,6 +150,11 @@ def test_cli_errors_and_progress(tmp_path, bpe):
                        text=True)
     assert r.returncode == 0, r.stderr
     assert "docs/s" in r.stderr and "MB/s" in r.stderr and "ETA" in r.stderr
+    # an interval the document count is a multiple of: the last line is not printed twice
+    r = subprocess.run(base + ["--workers", "1", "--log-interval", str(len(DOCS) * 3)],
+                       capture_output=True, text=True)
+    counts = re.findall(r"^Processed (\d+) documents", r.stderr, re.M)
+    assert r.returncode == 0 and counts == [str(len(DOCS) * 3)], r.stderr
     r = subprocess.run(base + ["--workers", "3", "--partitions", "2"], capture_output=True,
                        text=True)
     assert r.returncode == 2 and "multiple of --partitions" in r.stderr

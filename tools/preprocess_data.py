@@ -300,6 +300,7 @@ class Progress:
         self.start = time.time()
         self.docs = self.bytes = self.skipped = 0
         self._next = interval
+        self._printed = -1  # the document count of the last line printed
 
     def update(self, docs: int, nbytes: int, skipped: int) -> None:
         self.docs += docs
@@ -307,7 +308,14 @@ class Progress:
         self.skipped += skipped
         if self.docs >= self._next:
             self._next = (self.docs // self.interval + 1) * self.interval
-            print(self.line(), file=sys.stderr, flush=True)
+            self.print_line()
+
+    def print_line(self, final: bool = False) -> None:
+        """Print the progress line; the final one only when it differs from the last."""
+        if final and self._printed == self.docs:
+            return
+        self._printed = self.docs
+        print(self.line(), file=sys.stderr, flush=True)
 
     def line(self) -> str:
         elapsed = max(time.time() - self.start, 1e-9)
@@ -443,7 +451,7 @@ def run(args: argparse.Namespace) -> dict:
     progress = Progress(reader, args.log_interval)
     try:
         found = encode_all(args, dtype, reader, writers, progress)
-        print(progress.line(), file=sys.stderr)
+        progress.print_line(final=True)
         if progress.skipped:
             print(f"Skipped {progress.skipped} bad lines; first ones:\n  "
                   + "\n  ".join(found["examples"]), file=sys.stderr)
