@@ -125,6 +125,49 @@ def test_checkpoint_tools_read_it(megatron_checkpoint, tmp_path):
     assert torch.equal(merged, original["model"][qkv])
 
 
+def strip_to_megatron_args(path: str, monkeypatch) -> None:
+    """Drop from a Megatron-form file's `args` what Megatron-LM 23.05 never stores: this
+    framework's extension flags and its own derived values (activation, micro-batches)."""
+    from megatron.arguments_common import _unpack
+    from megatron.arguments_table import EXTRA_GROUP
+
+    ours = {_unpack(row, "")[4] for row in EXTRA_GROUP[1]} | {"activation", "num_micro_batches"}
+    mod = _megatron_enum_module()
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "megatron.core.enums", mod)
+        with torch.serialization.safe_globals(megatron_globals()):
+            raw = torch.load(path, weights_only=True)
+        raw["args"] = argparse.Namespace(**{k: v for k, v in vars(raw["args"]).items()
+                                            if k not in ours})
+        raw["args"].model_type = mod.ModelType.encoder_or_decoder
+        torch.save(raw, path)
+
+
+def test_tools_rebuild_the_model_from_megatron_lms_own_args(tmp_path, monkeypatch, capsys):
+    """Megatron-LM 23.05's args lack this framework's flags (--normalization,
+    --group-query-attention, ...) and derived values (the activation): reshard, to-hf and
+    generate.py rebuild the model from them all the same, with Megatron-LM's fused (tanh)
+    GeLU. They stopped with "the checkpoint's args lack a value"."""
+    from megatron.hf_convert import load_full_checkpoint
+    from tools.generate import load_model
+
+    root = str(tmp_path / "ck")
+    run_pretrain(["--save", root, "--save-interval", str(K), "--exit-interval", str(K)])
+    path = checkpoint_name(root, K, 0, 0, 1)
+    original = torch.load(path, weights_only=True)
+    megatronize(path, monkeypatch)
+    strip_to_megatron_args(path, monkeypatch)
+    assert "normalization" not in load_checkpoint_file(path)["args"]
+    _, model_cfg, state, _ = load_full_checkpoint(root)
+    assert model_cfg.activation == original["args"]["activation"] == "openai_gelu"
+    assert model_cfg.normalization == "LayerNorm" and model_cfg.num_query_groups == 4
+    assert all(torch.equal(state[k], v) for k, v in original["model"].items())
+    model, _, iteration = load_model(root)
+    assert iteration == K and model.config.position_embedding_type == "learned_absolute"
+    out = checkpoint_convert.reshard(root, str(tmp_path / "tp2"), 2, 1)
+    assert out["files"] == 2
+
+
 class Gadget:
     """Not plain data: a checkpoint holding one must be refused, not unpickled."""
 
