@@ -242,25 +242,3 @@ __all__ = ["Mismatch", "SHAPE_ARGS", "OTHER_ARGS", "VOCAB_FILE_ARGS",
            "checkpoint_arg_mismatches", "check_checkpoint_args", "checkpoint_args_message",
            "data_order_warning", "seq_length_warning"]
 
-
-def complete_saved_args(args: Dict) -> Dict:
-    """A checkpoint's `args` with what Megatron-LM 23.05's own lack filled in, so that the
-    model can be rebuilt from them (`megatron.checkpoint_reshard.config_from_args`): this
-    framework's flags it never had take their defaults (which are Megatron-LM 23.05's
-    behaviour: LayerNorm, no query groups, rotary base 10000, ...), and the values that
-    validation derives (the position embedding type, the MLP activation, with its fused
-    tanh GeLU) are derived the same way. This framework's own args come back unchanged."""
-    from argparse import Namespace
-
-    from megatron.arguments import build_parser
-    from megatron.arguments_validate import activation_of
-
-    out = dict(args)
-    if "position_embedding_type" not in out and "add_position_embedding" in out:
-        out["position_embedding_type"] = position_embedding_type_for(
-            bool(out.get("use_rotary_position_embeddings")), bool(out["add_position_embedding"]))
-    for key, value in vars(build_parser().parse_args([])).items():
-        out.setdefault(key, value)
-    if "activation" not in out:
-        out["activation"] = activation_of(Namespace(**out))
-    return out

@@ -45,7 +45,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from megatron.checkpoint_dirs import model_file, model_rank_dirs
-from megatron.checkpoint_files import flat_model_state
+from megatron.checkpoint_files import complete_saved_args, flat_model_state
 from megatron.checkpointing import (
     iteration_dir_name,
     list_checkpoints,
@@ -553,7 +553,6 @@ def config_from_args(args: dict, **overrides):
     = dp = 1, no sequence parallelism, no compile, meta-friendly init) with `overrides`
     (e.g. padded_vocab_size) applied last. The padded vocabulary stays the checkpoint's."""
     from megatron.arguments import build_config
-    from megatron.checkpoint_args import complete_saved_args
 
     values = complete_saved_args(args)
     values.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from megatron.arguments_checkpoint import read_checkpoint_args
+from megatron.checkpoint_args import checkpoint_arg_mismatches
 from megatron.checkpoint_files import (
     ModelType,
     load_checkpoint_file,
@@ -145,9 +146,11 @@ def strip_to_megatron_args(path: str, monkeypatch) -> None:
 
 def test_tools_rebuild_the_model_from_megatron_lms_own_args(tmp_path, monkeypatch, capsys):
     """Megatron-LM 23.05's args lack this framework's flags (--normalization,
-    --group-query-attention, ...) and derived values (the activation): reshard, to-hf and
-    generate.py rebuild the model from them all the same, with Megatron-LM's fused (tanh)
-    GeLU. They stopped with "the checkpoint's args lack a value"."""
+    --group-query-attention, ...) and derived values (the activation): they are read as
+    Megatron-LM's behaviour (LayerNorm, no query groups, its fused tanh GeLU), so reshard,
+    to-hf and generate.py rebuild the model (they stopped with "the checkpoint's args lack
+    a value") and a run of another normalization or query groups is told which flag
+    differs (the check skipped them, then the strict load listed unexpected keys)."""
     from megatron.hf_convert import load_full_checkpoint
     from tools.generate import load_model
 
@@ -157,7 +160,16 @@ def test_tools_rebuild_the_model_from_megatron_lms_own_args(tmp_path, monkeypatc
     original = torch.load(path, weights_only=True)
     megatronize(path, monkeypatch)
     strip_to_megatron_args(path, monkeypatch)
-    assert "normalization" not in load_checkpoint_file(path)["args"]
+    with monkeypatch.context() as m, torch.serialization.safe_globals(megatron_globals()):
+        m.setitem(sys.modules, "megatron.core.enums", _megatron_enum_module())
+        assert "normalization" not in vars(torch.load(path, weights_only=True)["args"])
+    saved = load_checkpoint_file(path)["args"]
+    assert saved["normalization"] == "LayerNorm" and saved["activation"] == "openai_gelu"
+    run = dict(original["args"], normalization="RMSNorm", group_query_attention=True,
+               num_query_groups=2)
+    named = {m.name for m in checkpoint_arg_mismatches(saved, run)}
+    assert named == {"--normalization", "query groups (--group-query-attention "
+                                          "--num-query-groups)"}, "checked, not skipped"
     _, model_cfg, state, _ = load_full_checkpoint(root)
     assert model_cfg.activation == original["args"]["activation"] == "openai_gelu"
     assert model_cfg.normalization == "LayerNorm" and model_cfg.num_query_groups == 4
