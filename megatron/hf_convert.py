@@ -129,6 +129,8 @@ def refuse_switch_mlp(args: dict) -> None:
 
 def _to_hf(a) -> int:
     check_output(a.output, a.overwrite)
+    print(f"reading the checkpoint under {a.load} (its shards merged into one model) ...",
+          flush=True)
     args, model_cfg, state, iteration = load_full_checkpoint(a.load, a.iteration,
                                                              check_args=refuse_switch_mlp)
     family = detect_family(model_cfg) if a.family == "auto" else a.family
@@ -151,6 +153,7 @@ def _to_hf(a) -> int:
         config["bos_token_id"] = None  # only the end-of-document id is known
     gen = None if eod is None else {"eos_token_id": eod, "_from_model_config": True,
                                     **({"bos_token_id": eod} if family == "gpt2" else {})}
+    print(f"writing {len(hf_state)} tensors to {a.output} ...", flush=True)
     names = save_hf_checkpoint(a.output, hf_state, config, gen, int(a.max_shard_size_gb * 2**30))
     print(f"wrote {family} model ({len(hf_state)} tensors, vocab {vocab}, {dtype}) from "
           f"{a.load} iteration {iteration} to {a.output}: {', '.join(names)}, config.json")

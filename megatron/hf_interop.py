@@ -469,13 +469,11 @@ def save_hf_checkpoint(out_dir: str, state: Dict[str, torch.Tensor], config: dic
                        max_shard_bytes: int = 5 * 2**30) -> List[str]:
     """Write `state` as safetensors (`model.safetensors`, or `model-0000k-of-0000N` shards
     plus `model.safetensors.index.json` above `max_shard_bytes`) and `config.json`
-    (+ `generation_config.json`) into `out_dir`. Returns the weight file names."""
-    from safetensors.torch import save_file
-
+    (+ `generation_config.json`) into `out_dir`. Returns the weight file names. The weight
+    files are written under `.tmp` names first and replace an earlier export's only when
+    all are written: an interrupted or failed write removes its own and leaves the earlier
+    export as it was."""
     os.makedirs(out_dir, exist_ok=True)
-    for old in os.listdir(out_dir):  # weights of an earlier export (as save_pretrained does)
-        if old == SAFETENSORS_INDEX or _WEIGHT_FILE.fullmatch(old):
-            os.remove(os.path.join(out_dir, old))
     shards: List[Dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in sorted(state):
@@ -487,8 +485,7 @@ def save_hf_checkpoint(out_dir: str, state: Dict[str, torch.Tensor], config: dic
         size += nbytes
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
-    for name, shard in zip(names, shards):
-        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+    _write_weight_files(out_dir, dict(zip(names, shards)))
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
                  "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
@@ -500,6 +497,28 @@ def save_hf_checkpoint(out_dir: str, state: Dict[str, torch.Tensor], config: dic
     elif os.path.exists(generation_path):  # an earlier export's: not this model's
         os.remove(generation_path)
     return names
+
+
+def _write_weight_files(out_dir: str, files: Dict[str, Dict[str, torch.Tensor]]) -> None:
+    """Each {file name: tensors} as safetensors in `out_dir`, replacing the weight files of
+    an earlier export there (as save_pretrained does) once every new one is written."""
+    from safetensors.torch import save_file
+
+    written = []
+    try:
+        for name, shard in files.items():
+            written.append(os.path.join(out_dir, name + ".tmp"))
+            save_file(shard, written[-1], metadata={"format": "pt"})
+    except BaseException:
+        for path in written:
+            if os.path.exists(path):
+                os.remove(path)
+        raise
+    for old in os.listdir(out_dir):
+        if old == SAFETENSORS_INDEX or _WEIGHT_FILE.fullmatch(old):
+            os.remove(os.path.join(out_dir, old))
+    for path in written:
+        os.replace(path, path[:-len(".tmp")])
 
 
 def _write_json(path: str, data: dict) -> None:

@@ -391,3 +391,31 @@ def test_export_without_generation_config_removes_an_earlier_one(tmp_path):
     hf_interop.save_hf_checkpoint(str(tmp_path), state, {"a": 2})
     assert not (tmp_path / "generation_config.json").exists()
     assert json.loads((tmp_path / "config.json").read_text()) == {"a": 2}
+
+
+def test_interrupted_export_keeps_the_earlier_one(tmp_path, monkeypatch):
+    """to-hf --overwrite removed the earlier export's weights before writing the new ones:
+    Ctrl-C (or a full disk) in between left neither. The new files are written under .tmp
+    names and replace the old ones only when all are written; an interrupted write removes
+    its own."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    old = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    names = hf_interop.save_hf_checkpoint(str(tmp_path), old, {"v": 1}, max_shard_bytes=16)
+    assert names == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
+    real, calls = safetensors_torch.save_file, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors_torch, "save_file", interrupted)
+    new = {"a": torch.ones(4), "b": torch.ones(4)}
+    with pytest.raises(KeyboardInterrupt):
+        hf_interop.save_hf_checkpoint(str(tmp_path), new, {"v": 2}, max_shard_bytes=16)
+    assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == before
+    monkeypatch.setattr(safetensors_torch, "save_file", real)
+    assert hf_interop.save_hf_checkpoint(str(tmp_path), new, {"v": 2}) == ["model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]

@@ -238,7 +238,12 @@ def run(a: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    return run(build_parser().parse_args(argv))
+    a = build_parser().parse_args(argv)
+    try:
+        return run(a)
+    except KeyboardInterrupt:
+        print(checkpoint_convert.interrupted_message("checkpoint_util.py"), file=sys.stderr)
+        return checkpoint_convert.INTERRUPTED
 
 
 if __name__ == "__main__":
