@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import shutil
 import tempfile
 from typing import Callable, Dict, List, Optional
@@ -220,25 +221,28 @@ def _tokenizer_flags(a, in_dir: str, hf_vocab: int) -> List[str]:
 
 
 def config_from_hf(hf_cfg: dict, a, in_dir: str):
-    """(family, our validated `Config`) for the HF model at the requested tp/pp: the padded
-    vocabulary is HF's vocab_size rounded up as a run with that layout pads it."""
+    """(family, our validated `Config`, the model and tokenizer flags a run training from
+    the import passes) for the HF model at the requested tp/pp: the padded vocabulary is
+    HF's vocab_size rounded up as a run with that layout pads it."""
     from megatron.arguments import parse_and_validate
 
     family, flags = megatron_flags_from_hf(hf_cfg)
     max_pos = int(flags[flags.index("--max-position-embeddings") + 1])
     hf_vocab = int(hf_cfg["vocab_size"])
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
-    argv = flags + _tokenizer_flags(a, in_dir, hf_vocab) + [
-        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+    flags += _tokenizer_flags(a, in_dir, hf_vocab) + [
         "--make-vocab-size-divisible-by", str(a.make_vocab_size_divisible_by),
-        "--seq-length", str(a.seq_length or min(max_pos, 2048)), "--micro-batch-size", "1",
-        "--lr", "0", "--train-iters", "1", "--use-cpu-initialization"]
+        "--seq-length", str(a.seq_length or min(max_pos, 2048))]
     if hf_cfg.get("dtype", hf_cfg.get("torch_dtype")) in ("bfloat16", "float16"):
-        argv.append("--bf16" if hf_cfg.get("dtype", hf_cfg.get("torch_dtype")) == "bfloat16"
-                    else "--fp16")
+        flags.append("--bf16" if hf_cfg.get("dtype", hf_cfg.get("torch_dtype")) == "bfloat16"
+                     else "--fp16")
+    argv = flags + [  # (--log-interval 1: no warning about a 1-iteration run's log lines)
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+        "--micro-batch-size", "1", "--lr", "0", "--train-iters", "1", "--log-interval", "1",
+        "--use-cpu-initialization"]
     cfg = parse_and_validate(argv, world_size=tp * pp, env={}, cuda_available=False,
                              vocab_size_fn=lambda ns: hf_vocab)
-    return family, cfg
+    return family, cfg, flags
 
 
 def run_from_hf(a) -> int:
@@ -256,13 +260,14 @@ def _from_hf(a) -> int:
 
     check_save(a.save, a.overwrite)
     hf_cfg, hf_state = load_hf_checkpoint(a.input)
-    family, cfg = config_from_hf(hf_cfg, a, a.input)
+    family, cfg, flags = config_from_hf(hf_cfg, a, a.input)
     state = from_hf_state_dict(hf_state, cfg.model, family, int(hf_cfg["vocab_size"]))
     save_release_checkpoint(a.save, state, cfg, a.overwrite)
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
-    print(f"wrote {family} model from {a.input} to {a.save}/release (tp {tp}, pp {pp}, padded "
-          f"vocab {cfg.model.padded_vocab_size}); train from it with pretrain_gpt.py --load "
-          f"{a.save} and the same model flags")
+    print(f"wrote {family} model from {a.input} to {os.path.join(a.save, 'release')} (tp {tp}, "
+          f"pp {pp}, padded vocab {cfg.model.padded_vocab_size}); train from it with "
+          f"pretrain_gpt.py --load {shlex.quote(a.save)} --use-checkpoint-args, or with its "
+          f"model flags: {shlex.join(flags)}")
     return 0
 
 

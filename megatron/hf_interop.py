@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -527,14 +528,29 @@ def _write_json(path: str, data: dict) -> None:
         f.write("\n")
 
 
+def _missing_config_message(in_dir: str) -> str:
+    """Why --input `in_dir` holds no config.json, and the fix: a file given for its
+    directory, a Hub model name (from-hf reads local files only), or another directory."""
+    if os.path.isfile(in_dir):
+        parent = os.path.dirname(in_dir) or "."
+        return (f"--input {in_dir} is a file; pass the model directory that holds it and its "
+                f"config.json: --input {shlex.quote(parent)}")
+    if not os.path.exists(in_dir):
+        hub = "" if in_dir.startswith((".", "/", "~")) or in_dir.count("/") > 1 else (
+            f"; from-hf reads a local directory, not a Hugging Face Hub name: download it "
+            f"first (huggingface-cli download {in_dir} --local-dir DIR) and pass --input DIR")
+        return f"--input {in_dir} does not exist{hub}"
+    return (f"--input {in_dir}: no config.json there; give the directory that "
+            "save_pretrained wrote")
+
+
 def load_hf_checkpoint(in_dir: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
     """(config.json contents, state dict) of a Hugging Face model directory: the files of
     `model.safetensors.index.json`, else `model.safetensors`, else every `*.safetensors`,
     else `pytorch_model*.bin` (loaded with weights_only=True)."""
     cfg_path = os.path.join(in_dir, "config.json")
     if not os.path.isfile(cfg_path):
-        raise ValueError(f"--input {in_dir}: no config.json there; give the directory that "
-                         "save_pretrained wrote")
+        raise ValueError(_missing_config_message(in_dir))
     with open(cfg_path, encoding="utf-8") as f:
         cfg = json.load(f)
     index = os.path.join(in_dir, SAFETENSORS_INDEX)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -419,3 +420,43 @@ def test_interrupted_export_keeps_the_earlier_one(tmp_path, monkeypatch):
     monkeypatch.setattr(safetensors_torch, "save_file", real)
     assert hf_interop.save_hf_checkpoint(str(tmp_path), new, {"v": 2}) == ["model.safetensors"]
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+
+
+def test_from_hf_names_the_flags_to_train_from_the_import(tmp_path, capsys):
+    """from-hf said 'train from it with pretrain_gpt.py --load OUT and the same model
+    flags' without naming them (they come from config.json), and printed a WARNING about a
+    --log-interval nobody passed. It now names --use-checkpoint-args and the flags."""
+    _save_hf_model(tmp_path / "hf", "llama")
+    out = tmp_path / "my ck"
+    assert _cli("from-hf", "--input", tmp_path / "hf", "--save", out) == 0
+    printed = capsys.readouterr()
+    assert "WARNING" not in printed.err and "--log-interval" not in printed.err
+    last = printed.out.strip().splitlines()[-1]
+    assert f"pretrain_gpt.py --load '{out}' --use-checkpoint-args" in last
+    flags = shlex.split(last.split("model flags: ")[1])
+    _, model_flags = hf_interop.megatron_flags_from_hf(
+        json.loads((tmp_path / "hf" / "config.json").read_text()))
+    assert flags[:len(model_flags)] == model_flags
+    assert flags[len(model_flags):] == ["--tokenizer-type", "NullTokenizer", "--vocab-size",
+                                        str(VOCAB), "--make-vocab-size-divisible-by", "128",
+                                        "--seq-length", "16"]
+
+
+@pytest.mark.parametrize("given,words", [
+    ("gpt2", "does not exist; from-hf reads a local directory, not a Hugging Face Hub name: "
+             "download it first (huggingface-cli download gpt2 --local-dir DIR)"),
+    ("hf/config.json", "is a file; pass the model directory that holds it and its "
+                       "config.json: --input {tmp}/hf"),
+    ("empty", "no config.json there"),
+])
+def test_from_hf_input_mistakes_name_the_fix(tmp_path, monkeypatch, given, words):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    monkeypatch.chdir(tmp_path)
+    path = given if given == "gpt2" else str(tmp_path / given)
+    with pytest.raises(SystemExit) as err:
+        _cli("from-hf", "--input", path, "--save", tmp_path / "out")
+    assert f"error: --input {path}" in str(err.value)
+    assert words.format(tmp=tmp_path) in str(err.value)
+    assert not (tmp_path / "out").exists()
