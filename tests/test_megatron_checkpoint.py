@@ -345,3 +345,28 @@ def test_23_04_layout_model_is_read_by_the_tools(legacy_checkpoint, tmp_path, ca
     assert "23.04-layout distributed-optimizer checkpoint: its optimizer state" in \
         capsys.readouterr().out
     assert read_layout(str(tmp_path / "tp2" / f"iter_{K:07d}")) == Layout(2, 1, 1, None)
+
+
+def test_to_megatron_warns_of_what_megatron_lm_23_05_cannot_build(tmp_path, capsys):
+    """to-megatron wrote an RMSNorm / query-group model without a word, and Megatron-LM
+    23.05 (which has neither, and replaces a SwiGLU --ffn-hidden-size off its rule) then
+    refused the weights; the export still happens (later releases have the flags)."""
+    root, out = str(tmp_path / "ck"), str(tmp_path / "mlm")
+    run_pretrain(["--normalization", "RMSNorm", "--group-query-attention",
+                  "--num-query-groups", "2", "--save", root, "--save-interval", str(K),
+                  "--exit-interval", str(K)])
+    capsys.readouterr()
+    assert checkpoint_convert.main(["to-megatron", "--load", root, "--save", out]) == 0
+    err = capsys.readouterr().err
+    assert ("warning: Megatron-LM 23.05 cannot build this model: --normalization RMSNorm (it "
+            "has LayerNorm only); --group-query-attention --num-query-groups 2 (it has none)"
+            in err)
+    assert os.path.isfile(checkpoint_name(out, K, 0, 0, 1))
+    gaps = checkpoint_convert.megatron_23_05_gaps
+    assert gaps({"swiglu": True, "hidden_size": 4096, "ffn_hidden_size": 11008}) == [
+        "--swiglu with --ffn-hidden-size 11008 (under --swiglu it replaces the size with 10880)"]
+    assert gaps({"position_embedding_type": "rope", "rotary_base": 500000.0}) == [
+        "--rotary-base 500000.0 (its rotary base is 10000)"]
+    assert gaps({"normalization": "LayerNorm", "swiglu": True, "hidden_size": 96,
+                 "ffn_hidden_size": 256, "position_embedding_type": "rope",
+                 "rotary_base": 10000}) == []

@@ -437,7 +437,35 @@ def to_megatron(load: str, save: str, iteration: Optional[int] = None,
     return {"iteration": iteration, "files": files, "directory": final_dir}
 
 
+def megatron_23_05_gaps(args: dict) -> List[str]:
+    """What of the saved model Megatron-LM 23.05 cannot build (this framework's extension
+    flags, which later Megatron-LM releases spell the same way), or builds otherwise (its
+    --swiglu replaces a --ffn-hidden-size off its rule): each as a phrase; [] for none."""
+    gaps = []
+    if args.get("normalization", "LayerNorm") != "LayerNorm":
+        gaps.append(f"--normalization {args['normalization']} (it has LayerNorm only)")
+    if args.get("group_query_attention"):
+        gaps.append(f"--group-query-attention --num-query-groups {args.get('num_query_groups')} "
+                    "(it has none)")
+    rotary = args.get("position_embedding_type") in ("rope", "rope+learned")
+    if rotary and float(args.get("rotary_base") or 10000) != 10000:
+        gaps.append(f"--rotary-base {args['rotary_base']} (its rotary base is 10000)")
+    hidden, ffn = args.get("hidden_size"), args.get("ffn_hidden_size")
+    if args.get("swiglu") and hidden and ffn:
+        rule = int((4 * hidden * 2 / 3) / 64) * 64
+        if ffn != rule:
+            gaps.append(f"--swiglu with --ffn-hidden-size {ffn} (under --swiglu it replaces "
+                        f"the size with {rule})")
+    return gaps
+
+
 def run_to_megatron(a: argparse.Namespace) -> int:
+    iter_dir, _, _ = reshard_lib.locate_iteration(a.load, a.iteration)
+    gaps = megatron_23_05_gaps(reshard_lib.inspect_checkpoint(iter_dir)[2].get("args") or {})
+    if gaps:
+        print(f"warning: Megatron-LM 23.05 cannot build this model: {'; '.join(gaps)}. It "
+              "will refuse these weights; later Megatron-LM releases that have these flags "
+              "can load them", file=sys.stderr)
     out = to_megatron(a.load, a.save, a.iteration, a.overwrite)
     print(f"wrote iteration {out['iteration']} of {a.load} in Megatron-LM's form -> "
           f"{out['directory']}: {out['files']} files")
