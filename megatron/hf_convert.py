@@ -99,6 +99,40 @@ def _tokenizer_of(args: dict):
         return None
 
 
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def tokenizer_files(args: dict) -> Dict[str, str]:
+    """{name in the export: path} of the checkpoint's tokenizer files that a Hugging Face
+    tokenizer loads as they are: tokenizer.json (+ its tokenizer_config.json and
+    special_tokens_map.json) of HuggingFaceTokenizer, GPT-2's vocab.json / merges.txt,
+    GPTSentencePieceTokenizer's model as tokenizer.model. {} when one it needs is not
+    readable here, and for the other tokenizers (SentencePieceTokenizer adds ids of its
+    own, NullTokenizer has no file)."""
+    kind, model = args.get("tokenizer_type"), args.get("tokenizer_model")
+    found: Dict[str, Optional[str]] = {}
+    if kind == "HuggingFaceTokenizer" and model:
+        folder = model if os.path.isdir(model) else os.path.dirname(model)
+        found = {n: os.path.join(folder, n) for n in _HF_TOKENIZER_FILES}
+        if not os.path.isdir(model):
+            found["tokenizer.json"] = model
+    elif kind == "GPT2BPETokenizer":
+        found = {"vocab.json": args.get("vocab_file"), "merges.txt": args.get("merge_file")}
+    elif kind == "GPTSentencePieceTokenizer":
+        found = {"tokenizer.model": model}
+    readable = {n: p for n, p in found.items() if p and os.path.isfile(p)}
+    needed = {"tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model"} & set(found)
+    return readable if needed <= set(readable) else {}  # never half a tokenizer
+
+
+def _copy_tokenizer(args: dict, output: str) -> List[str]:
+    """Copy `tokenizer_files(args)` into `output`; the names written."""
+    files = tokenizer_files(args)
+    for name, path in files.items():
+        shutil.copyfile(path, os.path.join(output, name))
+    return sorted(files)
+
+
 def _eod_of(tok) -> Optional[int]:
     try:
         return None if tok is None else int(tok.eod)
@@ -156,8 +190,14 @@ def _to_hf(a) -> int:
                                     **({"bos_token_id": eod} if family == "gpt2" else {})}
     print(f"writing {len(hf_state)} tensors to {a.output} ...", flush=True)
     names = save_hf_checkpoint(a.output, hf_state, config, gen, int(a.max_shard_size_gb * 2**30))
+    copied = _copy_tokenizer(args, a.output)
     print(f"wrote {family} model ({len(hf_state)} tensors, vocab {vocab}, {dtype}) from "
-          f"{a.load} iteration {iteration} to {a.output}: {', '.join(names)}, config.json")
+          f"{a.load} iteration {iteration} to {a.output}: {', '.join(names + copied)}, "
+          "config.json")
+    if not copied:
+        print(f"note: no tokenizer files written (the checkpoint's {args.get('tokenizer_type')} "
+              "has none a Hugging Face tokenizer reads, or they are not readable here); add "
+              f"them to {a.output} for AutoTokenizer")
     if not a.verify:
         return 0
     return _verify(a, model_cfg, state, vocab, dtype)

@@ -460,3 +460,38 @@ def test_from_hf_input_mistakes_name_the_fix(tmp_path, monkeypatch, given, words
     assert f"error: --input {path}" in str(err.value)
     assert words.format(tmp=tmp_path) in str(err.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_to_hf_exports_the_tokenizer_files(tmp_path, capsys):
+    """Hugging Face -> from-hf -> to-hf kept the weights but not the tokenizer: the export
+    had no tokenizer.json, so AutoTokenizer could not load it. The checkpoint's tokenizer
+    files that a Hugging Face tokenizer reads as they are now come along."""
+    tf = _transformers()
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {w: i for i, w in enumerate(["<|endoftext|>", "[UNK]", "a", "b", "c"])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    hf, ck, out = tmp_path / "hf", tmp_path / "ck", tmp_path / "out"
+    tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=5, n_positions=16, n_embd=32, n_layer=1,
+                                     n_head=4, eos_token_id=0)).save_pretrained(str(hf))
+    tok.save(str(hf / "tokenizer.json"))
+    assert _cli("from-hf", "--input", hf, "--save", ck) == 0
+    assert _cli("to-hf", "--load", ck, "--output", out) == 0
+    assert "tokenizer.json, config.json" in capsys.readouterr().out
+    assert (out / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
+    assert tf.AutoTokenizer.from_pretrained(str(out))("a c b")["input_ids"] == [2, 4, 3]
+
+
+def test_tokenizer_files_by_tokenizer_type(tmp_path):
+    vocab, merges = tmp_path / "v.json", tmp_path / "m.txt"
+    vocab.write_text("{}")
+    merges.write_text("")
+    files = hf_convert.tokenizer_files({"tokenizer_type": "GPT2BPETokenizer",
+                                        "vocab_file": str(vocab), "merge_file": str(merges)})
+    assert files == {"vocab.json": str(vocab), "merges.txt": str(merges)}
+    moved = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "/elsewhere/vocab.json",
+             "merge_file": str(merges)}
+    assert hf_convert.tokenizer_files(moved) == {}, "never half a tokenizer"
+    for kind in ("NullTokenizer", "SentencePieceTokenizer"):  # nothing HF reads as it is
+        assert hf_convert.tokenizer_files({"tokenizer_type": kind,
+                                           "tokenizer_model": str(vocab)}) == {}
