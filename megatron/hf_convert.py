@@ -67,8 +67,9 @@ def add_to_hf_arguments(parser) -> None:
                         help="largest accepted max |logit difference| (fp32, CPU)")
     parser.add_argument("--overwrite", action="store_true",
                         help="allow an --output directory that is not empty: config.json, "
-                             "generation_config.json and the weight files are replaced (an "
-                             "earlier export's weight files removed), other files kept")
+                             "generation_config.json, the weight files and the tokenizer "
+                             "files written are replaced (an earlier export's weight files "
+                             "removed), other files kept")
 
 
 def check_output(output: str, overwrite: bool = False) -> None:
