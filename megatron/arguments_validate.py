@@ -215,20 +215,28 @@ def _resolve_model_shape(ns) -> None:
     if ns.apply_layernorm_1p and ns.normalization == "RMSNorm":
         raise ArgumentsError("--apply-layernorm-1p applies to LayerNorm; drop it or use "
                              "--normalization LayerNorm")
-    ns.activation = {"--swiglu": "swiglu", "--squared-relu": "squared_relu",
-                     "--openai-gelu": "openai_gelu"}.get(chosen[0] if chosen else "", "gelu")
     if not ns.add_bias_linear:
         ns.bias_gelu_fusion = False  # as Megatron-LM: nothing to fuse
-    if ns.activation == "gelu" and ns.bias_gelu_fusion:
-        # Megatron-LM's MLP with biases (its default) adds fc1's bias and applies the GeLU in
-        # one fused kernel, and that kernel computes the tanh form; without biases or with
-        # --no-bias-gelu-fusion it is torch's erf GeLU. Same here.
-        ns.activation = "openai_gelu"
+    ns.activation = activation_of(ns)
     if ns.gelu_kernel == "epilogue" and ns.activation not in ("gelu", "openai_gelu"):
         raise ArgumentsError(
             f"--gelu-kernel epilogue puts the MLP's GeLU into fc1's product: this run's "
             f"activation is {ns.activation}; drop the flag or use a GeLU activation")
     _resolve_position_embedding(ns)
+
+
+def activation_of(ns) -> str:
+    """The MLP activation Megatron-LM 23.05 runs for these switches (first of --swiglu,
+    --squared-relu, --openai-gelu; else GeLU). Its MLP with biases (its default) adds fc1's
+    bias and applies the GeLU in one fused kernel, and that kernel computes the tanh form
+    ("openai_gelu"); without biases or with --no-bias-gelu-fusion it is torch's erf GeLU.
+    Same here. Reads attributes only (a validated namespace, or a checkpoint's args)."""
+    for flag, name in (("swiglu", "swiglu"), ("squared_relu", "squared_relu"),
+                       ("openai_gelu", "openai_gelu")):
+        if getattr(ns, flag, False):
+            return name
+    fused = getattr(ns, "add_bias_linear", True) and getattr(ns, "bias_gelu_fusion", True)
+    return "openai_gelu" if fused else "gelu"
 
 
 def _resolve_query_groups(ns) -> None:

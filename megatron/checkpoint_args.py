@@ -241,3 +241,4 @@ def data_order_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional
 __all__ = ["Mismatch", "SHAPE_ARGS", "OTHER_ARGS", "VOCAB_FILE_ARGS",
            "checkpoint_arg_mismatches", "check_checkpoint_args", "checkpoint_args_message",
            "data_order_warning", "seq_length_warning"]
+

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 from typing import List, Optional, Tuple
 
@@ -195,16 +196,66 @@ def legacy_optimizer_message(path: str) -> str:
             "or --finetune to start from its weights at iteration 0")
 
 
+def _checkpoint_root_above(path: str) -> Optional[str]:
+    """The --load directory `path` lies inside when it is one checkpoint's iteration
+    directory, a rank directory in one, or a file in such a rank directory; else None."""
+    head, below = os.path.normpath(path), []
+    for _ in range(3):  # iter_X; iter_X/mp_rank_00; iter_X/mp_rank_00/model_optim_rng.pt
+        head, name = os.path.split(head)
+        if _ITER_DIR_RE.match(name):
+            if not below or _RANK_DIR_RE.match(below[0]):
+                return head or "."
+            return None
+        below.insert(0, name)
+    return None
+
+
+def _is_hf_model_dir(path: str) -> bool:
+    """A Hugging Face model directory (save_pretrained's config.json and weights)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return False
+    return any(n.endswith(".safetensors") or (n.startswith("pytorch_model") and n.endswith(".bin"))
+               for n in os.listdir(path))
+
+
+def misplaced_load_message(root: str, flag: str = "--load") -> Optional[str]:
+    """Why --load `root` (no tracker file there) is not a checkpoint directory though it
+    holds or is part of one, with the fix: an iteration directory, a rank directory or a
+    checkpoint file (the directory above the iteration directories is meant), another
+    file, or a Hugging Face model directory (to import first). None otherwise. `flag`
+    names the option in the message."""
+    above = _checkpoint_root_above(root)
+    name = os.path.basename(os.path.normpath(root))
+    if above is not None:
+        what = ("one checkpoint's iteration directory" if _ITER_DIR_RE.match(name)
+                else "a file inside a checkpoint" if os.path.isfile(root)
+                else "one rank's directory inside a checkpoint")
+        return (f"{flag} {root} is {what}; {flag} takes the directory above the iteration "
+                f"directories (the one --save wrote): {flag} {shlex.quote(above)}")
+    if os.path.isfile(root):
+        return (f"{flag} {root} is a file; {flag} takes the directory --save wrote (the one "
+                f"holding {TRACKER_FILENAME} and the iter_XXXXXXX directories)")
+    if os.path.isdir(root) and _is_hf_model_dir(root):
+        return (f"{flag} {root} is a Hugging Face model directory (config.json and weights), "
+                "not a checkpoint of this framework; import it first: python "
+                f"tools/checkpoint_convert.py from-hf --input {shlex.quote(root)} --save DIR, "
+                f"then {flag} DIR")
+    return None
+
+
 def missing_tracker_message(root: str) -> str:
     """Why there is no checkpoint to load under `root` (which has no tracker file), and the
     fix: the parent directory when `root` is itself an iteration directory, --iteration
-    when it holds iteration directories."""
+    when it holds iteration directories (`misplaced_load_message` for the other mistakes)."""
     name = os.path.basename(os.path.normpath(root))
     if _ITER_DIR_RE.match(name):
         parent = os.path.dirname(os.path.normpath(root)) or "."
         pick = "" if name == "release" else f" --iteration {int(name[len('iter_'):])}"
         return (f"--load {root} is one checkpoint's iteration directory; --load takes the "
-                f"directory above it: --load {parent}{pick}")
+                f"directory above it: --load {shlex.quote(parent)}{pick}")
+    misplaced = misplaced_load_message(root)
+    if misplaced is not None:
+        return misplaced
     found = list_checkpoints(root)
     where = f"no checkpoint under --load {root}: {tracker_path(root)} does not exist"
     if found:
@@ -213,15 +264,19 @@ def missing_tracker_message(root: str) -> str:
 
 
 def refuse_untracked_checkpoints(root: str) -> None:
-    """SystemExit when --load has no tracker file but is a checkpoint's iteration directory,
+    """SystemExit when --load has no tracker file but is part of a checkpoint (an iteration
+    directory, a rank directory, a checkpoint file), a file, a Hugging Face model directory,
     or holds iteration directories: starting from random there is almost surely not what
     was meant (and later saves would mix with those checkpoints)."""
     name = os.path.basename(os.path.normpath(root))
     if _ITER_DIR_RE.match(name) and os.path.isdir(root):
         parent = os.path.dirname(os.path.normpath(root)) or "."
         raise SystemExit(f"error: --load {root} is one checkpoint's iteration directory; "
-                         f"--load takes the directory above it: --load {parent} (its "
-                         f"{TRACKER_FILENAME} names the iteration to resume)")
+                         f"--load takes the directory above it: --load {shlex.quote(parent)} "
+                         f"(its {TRACKER_FILENAME} names the iteration to resume)")
+    misplaced = misplaced_load_message(root) if os.path.exists(root) else None
+    if misplaced is not None:
+        raise SystemExit(f"error: {misplaced}")
     if list_checkpoints(root):
         raise SystemExit(f"error: --load {root} has no {TRACKER_FILENAME} but holds "
                          f"checkpoints; {other_checkpoints_hint(root, '')}")

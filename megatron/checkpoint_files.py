@@ -9,7 +9,8 @@ are allowed on a second attempt (`MEGATRON_GLOBALS`); the enum is read into a st
 the same name, so Megatron need not be installed.
 
 `normalize_payload` then turns a Megatron-LM payload into the one this framework writes:
-`args` as a dict of plain values, the nested model state (`language_model` ->
+`args` as a dict of plain values (completed with the flags Megatron-LM 23.05 does not
+have, at the values that are its behaviour: `complete_saved_args`), the nested model state (`language_model` ->
 `embedding` / `encoder` / `output_layer`) as flat parameter names, and the counters that
 Megatron keeps in `args` (consumed samples) as `train_state`. A payload of this framework's
 own passes through unchanged. `megatron_payload` is the inverse, for
@@ -18,7 +19,9 @@ own passes through unchanged. `megatron_payload` is the inverse, for
 from __future__ import annotations
 
 import argparse
+import copy
 import enum
+import functools
 import pickle
 import re
 from typing import Dict, List
@@ -144,7 +147,7 @@ def normalize_payload(state):
             f"error: checkpoint version {version} stores the attention's query/key/value "
             f"rows in an older order; only versions >= {MIN_CHECKPOINT_VERSION} load here. "
             "Load and re-save it with Megatron-LM (any release from 2021 on) first.")
-    state["args"] = args_to_plain(state["args"])
+    state["args"] = complete_saved_args(args_to_plain(state["args"]))
     for key in [k for k in state if _is_model_key(k)]:
         state[key] = flat_model_state(state[key])
     if "iteration" not in state and "total_iters" in state:
@@ -152,6 +155,34 @@ def normalize_payload(state):
     if "train_state" not in state:
         state["train_state"] = _train_state_from_args(state, state["args"])
     return state
+
+
+def complete_saved_args(args: Dict) -> Dict:
+    """A checkpoint's `args` with what Megatron-LM 23.05's own lack filled in, so that the
+    model can be rebuilt from them (`megatron.checkpoint_reshard.config_from_args`): this
+    framework's flags it never had take their defaults (which are Megatron-LM 23.05's
+    behaviour: LayerNorm, no query groups, rotary base 10000, ...), and the values that
+    validation derives (the position embedding type, the MLP activation, with its fused
+    tanh GeLU) are derived the same way. This framework's own args come back unchanged."""
+    from megatron.arguments_validate import activation_of
+    from megatron.core.config import position_embedding_type_for
+
+    out = dict(args)
+    if "position_embedding_type" not in out and "add_position_embedding" in out:
+        out["position_embedding_type"] = position_embedding_type_for(
+            bool(out.get("use_rotary_position_embeddings")), bool(out["add_position_embedding"]))
+    for key, value in _flag_defaults().items():
+        out.setdefault(key, copy.deepcopy(value))
+    if "activation" not in out:
+        out["activation"] = activation_of(argparse.Namespace(**out))
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _flag_defaults() -> Dict[str, object]:
+    from megatron.arguments import build_parser
+
+    return args_to_plain(vars(build_parser().parse_args([])))
 
 
 # ---------------------------------------------------------------- to Megatron-LM's form
@@ -206,4 +237,4 @@ def megatron_payload(state: dict) -> dict:
 
 
 __all__ = ["ModelType", "MIN_CHECKPOINT_VERSION", "megatron_globals", "load_checkpoint_file",
-           "flat_model_state", "normalize_payload", "nest_model_state", "megatron_payload"]
+           "flat_model_state", "normalize_payload", "complete_saved_args", "nest_model_state", "megatron_payload"]

@@ -45,7 +45,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from megatron.checkpoint_dirs import model_file, model_rank_dirs
-from megatron.checkpoint_files import flat_model_state
+from megatron.checkpoint_files import complete_saved_args, flat_model_state
 from megatron.checkpointing import (
     iteration_dir_name,
     list_checkpoints,
@@ -55,7 +55,6 @@ from megatron.checkpointing import (
     read_tracker,
     tracker_path,
 )
-from megatron.core.config import position_embedding_type_for
 from megatron.core.optimizer.param_groups import default_no_weight_decay, get_param_groups
 from megatron.core.tensor_parallel.layers import shard_of_full_weight
 
@@ -555,15 +554,12 @@ def config_from_args(args: dict, **overrides):
     (e.g. padded_vocab_size) applied last. The padded vocabulary stays the checkpoint's."""
     from megatron.arguments import build_config
 
-    values = dict(args)
+    values = complete_saved_args(args)
     values.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                   data_parallel_size=1, world_size=1, sequence_parallel=False,
                   virtual_pipeline_model_parallel_size=None, compile_layers=False,
                   recompute_granularity=None, use_cpu_initialization=False, rank=0)
     values.update(overrides)
-    if "position_embedding_type" not in values and "add_position_embedding" in values:
-        values["position_embedding_type"] = position_embedding_type_for(  # a 23.05 writer
-            bool(values.get("use_rotary_position_embeddings")), bool(values["add_position_embedding"]))
     values["params_dtype"] = _DTYPES.get(str(values.get("params_dtype")), torch.float32)
     try:
         return build_config(argparse.Namespace(**values))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import shutil
 import tempfile
 from typing import Callable, Dict, List, Optional
@@ -66,8 +67,9 @@ def add_to_hf_arguments(parser) -> None:
                         help="largest accepted max |logit difference| (fp32, CPU)")
     parser.add_argument("--overwrite", action="store_true",
                         help="allow an --output directory that is not empty: config.json, "
-                             "generation_config.json and the weight files are replaced (an "
-                             "earlier export's weight files removed), other files kept")
+                             "generation_config.json, the weight files and the tokenizer "
+                             "files written are replaced (an earlier export's weight files "
+                             "removed), other files kept")
 
 
 def check_output(output: str, overwrite: bool = False) -> None:
@@ -96,6 +98,40 @@ def _tokenizer_of(args: dict):
                                vocab_extra_ids=args.get("vocab_extra_ids") or 0)
     except (ImportError, OSError, ValueError, TypeError):
         return None
+
+
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def tokenizer_files(args: dict) -> Dict[str, str]:
+    """{name in the export: path} of the checkpoint's tokenizer files that a Hugging Face
+    tokenizer loads as they are: tokenizer.json (+ its tokenizer_config.json and
+    special_tokens_map.json) of HuggingFaceTokenizer, GPT-2's vocab.json / merges.txt,
+    GPTSentencePieceTokenizer's model as tokenizer.model. {} when one it needs is not
+    readable here, and for the other tokenizers (SentencePieceTokenizer adds ids of its
+    own, NullTokenizer has no file)."""
+    kind, model = args.get("tokenizer_type"), args.get("tokenizer_model")
+    found: Dict[str, Optional[str]] = {}
+    if kind == "HuggingFaceTokenizer" and model:
+        folder = model if os.path.isdir(model) else os.path.dirname(model)
+        found = {n: os.path.join(folder, n) for n in _HF_TOKENIZER_FILES}
+        if not os.path.isdir(model):
+            found["tokenizer.json"] = model
+    elif kind == "GPT2BPETokenizer":
+        found = {"vocab.json": args.get("vocab_file"), "merges.txt": args.get("merge_file")}
+    elif kind == "GPTSentencePieceTokenizer":
+        found = {"tokenizer.model": model}
+    readable = {n: p for n, p in found.items() if p and os.path.isfile(p)}
+    needed = {"tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model"} & set(found)
+    return readable if needed <= set(readable) else {}  # never half a tokenizer
+
+
+def _copy_tokenizer(args: dict, output: str) -> List[str]:
+    """Copy `tokenizer_files(args)` into `output`; the names written."""
+    files = tokenizer_files(args)
+    for name, path in files.items():
+        shutil.copyfile(path, os.path.join(output, name))
+    return sorted(files)
 
 
 def _eod_of(tok) -> Optional[int]:
@@ -129,6 +165,8 @@ def refuse_switch_mlp(args: dict) -> None:
 
 def _to_hf(a) -> int:
     check_output(a.output, a.overwrite)
+    print(f"reading the checkpoint under {a.load} (its shards merged into one model) ...",
+          flush=True)
     args, model_cfg, state, iteration = load_full_checkpoint(a.load, a.iteration,
                                                              check_args=refuse_switch_mlp)
     family = detect_family(model_cfg) if a.family == "auto" else a.family
@@ -151,9 +189,16 @@ def _to_hf(a) -> int:
         config["bos_token_id"] = None  # only the end-of-document id is known
     gen = None if eod is None else {"eos_token_id": eod, "_from_model_config": True,
                                     **({"bos_token_id": eod} if family == "gpt2" else {})}
+    print(f"writing {len(hf_state)} tensors to {a.output} ...", flush=True)
     names = save_hf_checkpoint(a.output, hf_state, config, gen, int(a.max_shard_size_gb * 2**30))
+    copied = _copy_tokenizer(args, a.output)
     print(f"wrote {family} model ({len(hf_state)} tensors, vocab {vocab}, {dtype}) from "
-          f"{a.load} iteration {iteration} to {a.output}: {', '.join(names)}, config.json")
+          f"{a.load} iteration {iteration} to {a.output}: {', '.join(names + copied)}, "
+          "config.json")
+    if not copied:
+        print(f"note: no tokenizer files written (the checkpoint's {args.get('tokenizer_type')} "
+              "has none a Hugging Face tokenizer reads, or they are not readable here); add "
+              f"them to {a.output} for AutoTokenizer")
     if not a.verify:
         return 0
     return _verify(a, model_cfg, state, vocab, dtype)
@@ -217,25 +262,28 @@ def _tokenizer_flags(a, in_dir: str, hf_vocab: int) -> List[str]:
 
 
 def config_from_hf(hf_cfg: dict, a, in_dir: str):
-    """(family, our validated `Config`) for the HF model at the requested tp/pp: the padded
-    vocabulary is HF's vocab_size rounded up as a run with that layout pads it."""
+    """(family, our validated `Config`, the model and tokenizer flags a run training from
+    the import passes) for the HF model at the requested tp/pp: the padded vocabulary is
+    HF's vocab_size rounded up as a run with that layout pads it."""
     from megatron.arguments import parse_and_validate
 
     family, flags = megatron_flags_from_hf(hf_cfg)
     max_pos = int(flags[flags.index("--max-position-embeddings") + 1])
     hf_vocab = int(hf_cfg["vocab_size"])
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
-    argv = flags + _tokenizer_flags(a, in_dir, hf_vocab) + [
-        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+    flags += _tokenizer_flags(a, in_dir, hf_vocab) + [
         "--make-vocab-size-divisible-by", str(a.make_vocab_size_divisible_by),
-        "--seq-length", str(a.seq_length or min(max_pos, 2048)), "--micro-batch-size", "1",
-        "--lr", "0", "--train-iters", "1", "--use-cpu-initialization"]
+        "--seq-length", str(a.seq_length or min(max_pos, 2048))]
     if hf_cfg.get("dtype", hf_cfg.get("torch_dtype")) in ("bfloat16", "float16"):
-        argv.append("--bf16" if hf_cfg.get("dtype", hf_cfg.get("torch_dtype")) == "bfloat16"
-                    else "--fp16")
+        flags.append("--bf16" if hf_cfg.get("dtype", hf_cfg.get("torch_dtype")) == "bfloat16"
+                     else "--fp16")
+    argv = flags + [  # (--log-interval 1: no warning about a 1-iteration run's log lines)
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+        "--micro-batch-size", "1", "--lr", "0", "--train-iters", "1", "--log-interval", "1",
+        "--use-cpu-initialization"]
     cfg = parse_and_validate(argv, world_size=tp * pp, env={}, cuda_available=False,
                              vocab_size_fn=lambda ns: hf_vocab)
-    return family, cfg
+    return family, cfg, flags
 
 
 def run_from_hf(a) -> int:
@@ -253,13 +301,14 @@ def _from_hf(a) -> int:
 
     check_save(a.save, a.overwrite)
     hf_cfg, hf_state = load_hf_checkpoint(a.input)
-    family, cfg = config_from_hf(hf_cfg, a, a.input)
+    family, cfg, flags = config_from_hf(hf_cfg, a, a.input)
     state = from_hf_state_dict(hf_state, cfg.model, family, int(hf_cfg["vocab_size"]))
     save_release_checkpoint(a.save, state, cfg, a.overwrite)
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
-    print(f"wrote {family} model from {a.input} to {a.save}/release (tp {tp}, pp {pp}, padded "
-          f"vocab {cfg.model.padded_vocab_size}); train from it with pretrain_gpt.py --load "
-          f"{a.save} and the same model flags")
+    print(f"wrote {family} model from {a.input} to {os.path.join(a.save, 'release')} (tp {tp}, "
+          f"pp {pp}, padded vocab {cfg.model.padded_vocab_size}); train from it with "
+          f"pretrain_gpt.py --load {shlex.quote(a.save)} --use-checkpoint-args, or with its "
+          f"model flags: {shlex.join(flags)}")
     return 0
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -469,13 +470,11 @@ def save_hf_checkpoint(out_dir: str, state: Dict[str, torch.Tensor], config: dic
                        max_shard_bytes: int = 5 * 2**30) -> List[str]:
     """Write `state` as safetensors (`model.safetensors`, or `model-0000k-of-0000N` shards
     plus `model.safetensors.index.json` above `max_shard_bytes`) and `config.json`
-    (+ `generation_config.json`) into `out_dir`. Returns the weight file names."""
-    from safetensors.torch import save_file
-
+    (+ `generation_config.json`) into `out_dir`. Returns the weight file names. The weight
+    files are written under `.tmp` names first and replace an earlier export's only when
+    all are written: an interrupted or failed write removes its own and leaves the earlier
+    export as it was."""
     os.makedirs(out_dir, exist_ok=True)
-    for old in os.listdir(out_dir):  # weights of an earlier export (as save_pretrained does)
-        if old == SAFETENSORS_INDEX or _WEIGHT_FILE.fullmatch(old):
-            os.remove(os.path.join(out_dir, old))
     shards: List[Dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in sorted(state):
@@ -487,8 +486,7 @@ def save_hf_checkpoint(out_dir: str, state: Dict[str, torch.Tensor], config: dic
         size += nbytes
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
-    for name, shard in zip(names, shards):
-        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+    _write_weight_files(out_dir, dict(zip(names, shards)))
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
                  "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
@@ -502,10 +500,48 @@ def save_hf_checkpoint(out_dir: str, state: Dict[str, torch.Tensor], config: dic
     return names
 
 
+def _write_weight_files(out_dir: str, files: Dict[str, Dict[str, torch.Tensor]]) -> None:
+    """Each {file name: tensors} as safetensors in `out_dir`, replacing the weight files of
+    an earlier export there (as save_pretrained does) once every new one is written."""
+    from safetensors.torch import save_file
+
+    written = []
+    try:
+        for name, shard in files.items():
+            written.append(os.path.join(out_dir, name + ".tmp"))
+            save_file(shard, written[-1], metadata={"format": "pt"})
+    except BaseException:
+        for path in written:
+            if os.path.exists(path):
+                os.remove(path)
+        raise
+    for old in os.listdir(out_dir):
+        if old == SAFETENSORS_INDEX or _WEIGHT_FILE.fullmatch(old):
+            os.remove(os.path.join(out_dir, old))
+    for path in written:
+        os.replace(path, path[:-len(".tmp")])
+
+
 def _write_json(path: str, data: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+def _missing_config_message(in_dir: str) -> str:
+    """Why --input `in_dir` holds no config.json, and the fix: a file given for its
+    directory, a Hub model name (from-hf reads local files only), or another directory."""
+    if os.path.isfile(in_dir):
+        parent = os.path.dirname(in_dir) or "."
+        return (f"--input {in_dir} is a file; pass the model directory that holds it and its "
+                f"config.json: --input {shlex.quote(parent)}")
+    if not os.path.exists(in_dir):
+        hub = "" if in_dir.startswith((".", "/", "~")) or in_dir.count("/") > 1 else (
+            f"; from-hf reads a local directory, not a Hugging Face Hub name: download it "
+            f"first (huggingface-cli download {in_dir} --local-dir DIR) and pass --input DIR")
+        return f"--input {in_dir} does not exist{hub}"
+    return (f"--input {in_dir}: no config.json there; give the directory that "
+            "save_pretrained wrote")
 
 
 def load_hf_checkpoint(in_dir: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
@@ -514,8 +550,7 @@ def load_hf_checkpoint(in_dir: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
     else `pytorch_model*.bin` (loaded with weights_only=True)."""
     cfg_path = os.path.join(in_dir, "config.json")
     if not os.path.isfile(cfg_path):
-        raise ValueError(f"--input {in_dir}: no config.json there; give the directory that "
-                         "save_pretrained wrote")
+        raise ValueError(_missing_config_message(in_dir))
     with open(cfg_path, encoding="utf-8") as f:
         cfg = json.load(f)
     index = os.path.join(in_dir, SAFETENSORS_INDEX)

@@ -419,8 +419,8 @@ def load_trainer_checkpoint(tr) -> Optional[str]:
                      f"{tr.state.consumed_train_samples})")
     if not (ck.finetune or loaded.release) and _same_dir(ck.load, ck.save):
         tr.own_checkpoints.setdefault(loaded.iteration, "resumed from")
-    print_rank_0(f"  successfully loaded checkpoint from {ck.load} at iteration "
-                 f"{loaded.iteration}")
+    start = 0 if ck.finetune or loaded.release else loaded.iteration  # Megatron's line
+    print_rank_0(f"  successfully loaded checkpoint from {ck.load} at iteration {start}")
     return loaded.converted
 
 

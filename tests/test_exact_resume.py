@@ -135,10 +135,13 @@ def test_no_load_rng_gives_other_dropout_masks(plain_run):
     assert again == {i: ref0[i] for i in range(K + 1, N + 1)}
 
 
-def test_finetune_loads_weights_and_restarts_counters(plain_run):
+def test_finetune_loads_weights_and_restarts_counters(plain_run, capsys):
     ref, root = plain_run
+    capsys.readouterr()
     losses, tr = run_pretrain(["--load", root, "--finetune"])
     assert sorted(losses) == list(range(1, N + 1)), "--finetune starts at iteration 0"
+    out = capsys.readouterr().out  # Megatron-LM's line names the iteration the run starts at
+    assert f"  successfully loaded checkpoint from {root} at iteration 0\n" in out
     assert tr.state.consumed_train_samples == N * 8
     assert losses[1] != ref[1], "the weights are the checkpoint's, not a fresh init"
     assert losses[1] < ref[1]

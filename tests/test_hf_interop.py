@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -391,3 +392,106 @@ def test_export_without_generation_config_removes_an_earlier_one(tmp_path):
     hf_interop.save_hf_checkpoint(str(tmp_path), state, {"a": 2})
     assert not (tmp_path / "generation_config.json").exists()
     assert json.loads((tmp_path / "config.json").read_text()) == {"a": 2}
+
+
+def test_interrupted_export_keeps_the_earlier_one(tmp_path, monkeypatch):
+    """to-hf --overwrite removed the earlier export's weights before writing the new ones:
+    Ctrl-C (or a full disk) in between left neither. The new files are written under .tmp
+    names and replace the old ones only when all are written; an interrupted write removes
+    its own."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    old = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    names = hf_interop.save_hf_checkpoint(str(tmp_path), old, {"v": 1}, max_shard_bytes=16)
+    assert names == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
+    real, calls = safetensors_torch.save_file, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors_torch, "save_file", interrupted)
+    new = {"a": torch.ones(4), "b": torch.ones(4)}
+    with pytest.raises(KeyboardInterrupt):
+        hf_interop.save_hf_checkpoint(str(tmp_path), new, {"v": 2}, max_shard_bytes=16)
+    assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == before
+    monkeypatch.setattr(safetensors_torch, "save_file", real)
+    assert hf_interop.save_hf_checkpoint(str(tmp_path), new, {"v": 2}) == ["model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+
+
+def test_from_hf_names_the_flags_to_train_from_the_import(tmp_path, capsys):
+    """from-hf said 'train from it with pretrain_gpt.py --load OUT and the same model
+    flags' without naming them (they come from config.json), and printed a WARNING about a
+    --log-interval nobody passed. It now names --use-checkpoint-args and the flags."""
+    _save_hf_model(tmp_path / "hf", "llama")
+    out = tmp_path / "my ck"
+    assert _cli("from-hf", "--input", tmp_path / "hf", "--save", out) == 0
+    printed = capsys.readouterr()
+    assert "WARNING" not in printed.err and "--log-interval" not in printed.err
+    last = printed.out.strip().splitlines()[-1]
+    assert f"pretrain_gpt.py --load '{out}' --use-checkpoint-args" in last
+    flags = shlex.split(last.split("model flags: ")[1])
+    _, model_flags = hf_interop.megatron_flags_from_hf(
+        json.loads((tmp_path / "hf" / "config.json").read_text()))
+    assert flags[:len(model_flags)] == model_flags
+    assert flags[len(model_flags):] == ["--tokenizer-type", "NullTokenizer", "--vocab-size",
+                                        str(VOCAB), "--make-vocab-size-divisible-by", "128",
+                                        "--seq-length", "16"]
+
+
+@pytest.mark.parametrize("given,words", [
+    ("gpt2", "does not exist; from-hf reads a local directory, not a Hugging Face Hub name: "
+             "download it first (huggingface-cli download gpt2 --local-dir DIR)"),
+    ("hf/config.json", "is a file; pass the model directory that holds it and its "
+                       "config.json: --input {tmp}/hf"),
+    ("empty", "no config.json there"),
+])
+def test_from_hf_input_mistakes_name_the_fix(tmp_path, monkeypatch, given, words):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    monkeypatch.chdir(tmp_path)
+    path = given if given == "gpt2" else str(tmp_path / given)
+    with pytest.raises(SystemExit) as err:
+        _cli("from-hf", "--input", path, "--save", tmp_path / "out")
+    assert f"error: --input {path}" in str(err.value)
+    assert words.format(tmp=tmp_path) in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_to_hf_exports_the_tokenizer_files(tmp_path, capsys):
+    """Hugging Face -> from-hf -> to-hf kept the weights but not the tokenizer: the export
+    had no tokenizer.json, so AutoTokenizer could not load it. The checkpoint's tokenizer
+    files that a Hugging Face tokenizer reads as they are now come along."""
+    tf = _transformers()
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {w: i for i, w in enumerate(["<|endoftext|>", "[UNK]", "a", "b", "c"])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    hf, ck, out = tmp_path / "hf", tmp_path / "ck", tmp_path / "out"
+    tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=5, n_positions=16, n_embd=32, n_layer=1,
+                                     n_head=4, eos_token_id=0)).save_pretrained(str(hf))
+    tok.save(str(hf / "tokenizer.json"))
+    assert _cli("from-hf", "--input", hf, "--save", ck) == 0
+    assert _cli("to-hf", "--load", ck, "--output", out) == 0
+    assert "tokenizer.json, config.json" in capsys.readouterr().out
+    assert (out / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
+    assert tf.AutoTokenizer.from_pretrained(str(out))("a c b")["input_ids"] == [2, 4, 3]
+
+
+def test_tokenizer_files_by_tokenizer_type(tmp_path):
+    vocab, merges = tmp_path / "v.json", tmp_path / "m.txt"
+    vocab.write_text("{}")
+    merges.write_text("")
+    files = hf_convert.tokenizer_files({"tokenizer_type": "GPT2BPETokenizer",
+                                        "vocab_file": str(vocab), "merge_file": str(merges)})
+    assert files == {"vocab.json": str(vocab), "merges.txt": str(merges)}
+    moved = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "/elsewhere/vocab.json",
+             "merge_file": str(merges)}
+    assert hf_convert.tokenizer_files(moved) == {}, "never half a tokenizer"
+    for kind in ("NullTokenizer", "SentencePieceTokenizer"):  # nothing HF reads as it is
+        assert hf_convert.tokenizer_files({"tokenizer_type": kind,
+                                           "tokenizer_model": str(vocab)}) == {}

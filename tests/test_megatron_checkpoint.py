@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from megatron.arguments_checkpoint import read_checkpoint_args
+from megatron.checkpoint_args import checkpoint_arg_mismatches
 from megatron.checkpoint_files import (
     ModelType,
     load_checkpoint_file,
@@ -123,6 +124,60 @@ def test_checkpoint_tools_read_it(megatron_checkpoint, tmp_path):
     qkv = "language_model.encoder.layers.0.self_attention.query_key_value.weight"
     merged = torch.cat([s["model"][qkv] for s in shards], dim=0)
     assert torch.equal(merged, original["model"][qkv])
+
+
+def strip_to_megatron_args(path: str, monkeypatch) -> None:
+    """Drop from a Megatron-form file's `args` what Megatron-LM 23.05 never stores: this
+    framework's extension flags and its own derived values (activation, micro-batches)."""
+    from megatron.arguments_common import _unpack
+    from megatron.arguments_table import EXTRA_GROUP
+
+    ours = {_unpack(row, "")[4] for row in EXTRA_GROUP[1]} | {"activation", "num_micro_batches"}
+    mod = _megatron_enum_module()
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "megatron.core.enums", mod)
+        with torch.serialization.safe_globals(megatron_globals()):
+            raw = torch.load(path, weights_only=True)
+        raw["args"] = argparse.Namespace(**{k: v for k, v in vars(raw["args"]).items()
+                                            if k not in ours})
+        raw["args"].model_type = mod.ModelType.encoder_or_decoder
+        torch.save(raw, path)
+
+
+def test_tools_rebuild_the_model_from_megatron_lms_own_args(tmp_path, monkeypatch, capsys):
+    """Megatron-LM 23.05's args lack this framework's flags (--normalization,
+    --group-query-attention, ...) and derived values (the activation): they are read as
+    Megatron-LM's behaviour (LayerNorm, no query groups, its fused tanh GeLU), so reshard,
+    to-hf and generate.py rebuild the model (they stopped with "the checkpoint's args lack
+    a value") and a run of another normalization or query groups is told which flag
+    differs (the check skipped them, then the strict load listed unexpected keys)."""
+    from megatron.hf_convert import load_full_checkpoint
+    from tools.generate import load_model
+
+    root = str(tmp_path / "ck")
+    run_pretrain(["--save", root, "--save-interval", str(K), "--exit-interval", str(K)])
+    path = checkpoint_name(root, K, 0, 0, 1)
+    original = torch.load(path, weights_only=True)
+    megatronize(path, monkeypatch)
+    strip_to_megatron_args(path, monkeypatch)
+    with monkeypatch.context() as m, torch.serialization.safe_globals(megatron_globals()):
+        m.setitem(sys.modules, "megatron.core.enums", _megatron_enum_module())
+        assert "normalization" not in vars(torch.load(path, weights_only=True)["args"])
+    saved = load_checkpoint_file(path)["args"]
+    assert saved["normalization"] == "LayerNorm" and saved["activation"] == "openai_gelu"
+    run = dict(original["args"], normalization="RMSNorm", group_query_attention=True,
+               num_query_groups=2)
+    named = {m.name for m in checkpoint_arg_mismatches(saved, run)}
+    assert named == {"--normalization", "query groups (--group-query-attention "
+                                          "--num-query-groups)"}, "checked, not skipped"
+    _, model_cfg, state, _ = load_full_checkpoint(root)
+    assert model_cfg.activation == original["args"]["activation"] == "openai_gelu"
+    assert model_cfg.normalization == "LayerNorm" and model_cfg.num_query_groups == 4
+    assert all(torch.equal(state[k], v) for k, v in original["model"].items())
+    model, _, iteration = load_model(root)
+    assert iteration == K and model.config.position_embedding_type == "learned_absolute"
+    out = checkpoint_convert.reshard(root, str(tmp_path / "tp2"), 2, 1)
+    assert out["files"] == 2
 
 
 class Gadget:
@@ -290,3 +345,28 @@ def test_23_04_layout_model_is_read_by_the_tools(legacy_checkpoint, tmp_path, ca
     assert "23.04-layout distributed-optimizer checkpoint: its optimizer state" in \
         capsys.readouterr().out
     assert read_layout(str(tmp_path / "tp2" / f"iter_{K:07d}")) == Layout(2, 1, 1, None)
+
+
+def test_to_megatron_warns_of_what_megatron_lm_23_05_cannot_build(tmp_path, capsys):
+    """to-megatron wrote an RMSNorm / query-group model without a word, and Megatron-LM
+    23.05 (which has neither, and replaces a SwiGLU --ffn-hidden-size off its rule) then
+    refused the weights; the export still happens (later releases have the flags)."""
+    root, out = str(tmp_path / "ck"), str(tmp_path / "mlm")
+    run_pretrain(["--normalization", "RMSNorm", "--group-query-attention",
+                  "--num-query-groups", "2", "--save", root, "--save-interval", str(K),
+                  "--exit-interval", str(K)])
+    capsys.readouterr()
+    assert checkpoint_convert.main(["to-megatron", "--load", root, "--save", out]) == 0
+    err = capsys.readouterr().err
+    assert ("warning: Megatron-LM 23.05 cannot build this model: --normalization RMSNorm (it "
+            "has LayerNorm only); --group-query-attention --num-query-groups 2 (it has none)"
+            in err)
+    assert os.path.isfile(checkpoint_name(out, K, 0, 0, 1))
+    gaps = checkpoint_convert.megatron_23_05_gaps
+    assert gaps({"swiglu": True, "hidden_size": 4096, "ffn_hidden_size": 11008}) == [
+        "--swiglu with --ffn-hidden-size 11008 (under --swiglu it replaces the size with 10880)"]
+    assert gaps({"position_embedding_type": "rope", "rotary_base": 500000.0}) == [
+        "--rotary-base 500000.0 (its rotary base is 10000)"]
+    assert gaps({"normalization": "LayerNorm", "swiglu": True, "hidden_size": 96,
+                 "ffn_hidden_size": 256, "position_embedding_type": "rope",
+                 "rotary_base": 10000}) == []

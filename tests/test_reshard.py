@@ -245,6 +245,53 @@ def test_save_holding_a_checkpoint_is_refused_unless_overwrite(tmp_path, capsys)
         checkpoint_convert.check_save(str(dst / "latest_checkpointed_iteration.txt"))
 
 
+def _interrupt_on(module, name: str, call: int, monkeypatch):
+    """Make module.name raise KeyboardInterrupt (Ctrl-C) on its `call`-th call."""
+    real, calls = getattr(module, name), []
+
+    def fake(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, fake)
+
+
+def test_interrupted_conversion_leaves_no_partial_output(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during reshard / to-megatron (the 2nd rank file): the partial iter_N.tmp
+    is removed, and a --save the tool created with it; one line, status 130 (it was a
+    KeyboardInterrupt traceback and a partial directory of the model's size). Each finished
+    rank file is reported as it is written (a large model's conversion printed nothing
+    until the end)."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    cfg, rt, tr = _trainer(0, 1, "", save=str(src))
+    _steps(tr, data_iterator(cfg, rt, "train", 0), 1)
+    save_trainer_checkpoint(tr)
+    argv = ["reshard", "--load", str(src), "--save", str(dst),
+            "--target-tensor-model-parallel-size", "2"]
+    with monkeypatch.context() as m:
+        _interrupt_on(checkpoint_convert.torch, "save", 2, m)
+        assert checkpoint_convert.main(argv) == checkpoint_convert.INTERRUPTED
+    out = capsys.readouterr()
+    assert "[1/2] mp_rank_00 (" in out.out and "[2/2]" not in out.out
+    assert "reshard: interrupted; the partial output was removed" in out.err
+    assert not dst.exists()
+    assert checkpoint_convert.main(argv) == 0
+    assert "[2/2] mp_rank_01 (" in capsys.readouterr().out
+    with monkeypatch.context() as m:
+        _interrupt_on(checkpoint_convert.torch, "save", 2, m)
+        assert checkpoint_convert.main(argv + ["--overwrite",
+                                               "--target-pipeline-model-parallel-size", "2",
+                                               "--target-tensor-model-parallel-size", "1"]) == 130
+        _interrupt_on(checkpoint_convert, "load_checkpoint_file", 1, m)
+        assert checkpoint_convert.main(["to-megatron", "--load", str(src), "--save",
+                                        str(tmp_path / "mlm")]) == 130
+    assert sorted(os.listdir(dst)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    assert reshard.read_layout(str(dst / "iter_0000001")).tp == 2, "the earlier one is kept"
+    assert not (tmp_path / "mlm").exists()
+
+
 def test_target_layout_check_names_the_sizes_that_fit():
     args = {"num_attention_heads": 8, "group_query_attention": True, "num_query_groups": 2,
             "ffn_hidden_size": 96, "num_layers": 6, "standalone_embedding_stage": True}

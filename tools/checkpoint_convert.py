@@ -36,10 +36,12 @@ status).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import shutil
 import sys
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -256,6 +258,40 @@ def publish_checkpoint(save: str, tmp_dir: str, final_dir: str, iteration: int,
     os.replace(tracker + ".tmp", tracker)
 
 
+class Progress:
+    """One line per finished step of a conversion (`done(name)`: the count, the name and
+    the seconds so far), flushed, so that a conversion of a large model shows it is
+    moving; `title` is printed first."""
+
+    def __init__(self, total: int, title: str):
+        self.total, self.count, self.start = total, 0, time.monotonic()
+        print(f"{title} ...", flush=True)
+
+    def done(self, name: str) -> None:
+        self.count += 1
+        print(f"  [{self.count}/{self.total}] {name} ({time.monotonic() - self.start:.0f} s)",
+              flush=True)
+
+
+@contextlib.contextmanager
+def partial_output(save: str, tmp_dir: str):
+    """Yield `tmp_dir` (emptied) to write a checkpoint into; if the body fails or is
+    interrupted (Ctrl-C, a full disk), remove it, and `save` too when this call created
+    it and it is empty, so that no partial output stays behind (the next attempt starts
+    clean either way)."""
+    created = not os.path.exists(save)
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    os.makedirs(tmp_dir)
+    try:
+        yield tmp_dir
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(save)
+        raise
+
+
 def add_overwrite_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="allow a --save that already holds a checkpoint: a directory of the "
@@ -297,25 +333,26 @@ def reshard(load: str, save: str, tp: int, pp: int, layers_per_stage: Optional[i
     fp32_grads = bool(args.get("accumulate_allreduce_grads_in_fp32"))
     grad_dtype = (lambda prm: torch.float32) if fp32_grads else (lambda prm: prm.dtype)
     final_dir = os.path.join(save, iteration_dir_name(iteration, release))
-    tmp_dir = final_dir + ".tmp"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
     files = 0
-    for p in range(pp):
-        modules, offsets = _stage_modules(config, pp, p, vpp, args["standalone_embedding_stage"])
-        for t in range(tp):
-            plan = reshard_lib.plan_rank(modules, offsets, tp, t, (pp, p), module_tp_size=1,
-                                         grad_dtype_of=grad_dtype)
-            payload, distrib = reshard_lib.build_rank_payload(src, plan, kind, notes)
-            payload["args"] = args
-            rank_dir = os.path.join(tmp_dir, rank_dir_name(t, p, pp))
-            os.makedirs(rank_dir)
-            torch.save(payload, os.path.join(rank_dir, MODEL_FILENAME))
-            files += 1
-            if distrib is not None:
-                torch.save(distrib, os.path.join(rank_dir, reshard_lib.DISTRIB_FILENAME))
+    with partial_output(save, final_dir + ".tmp") as tmp_dir:
+        progress = Progress(tp * pp, f"writing {tp * pp} rank files to {tmp_dir}")
+        for p in range(pp):
+            modules, offsets = _stage_modules(config, pp, p, vpp,
+                                              args["standalone_embedding_stage"])
+            for t in range(tp):
+                plan = reshard_lib.plan_rank(modules, offsets, tp, t, (pp, p),
+                                             module_tp_size=1, grad_dtype_of=grad_dtype)
+                payload, distrib = reshard_lib.build_rank_payload(src, plan, kind, notes)
+                payload["args"] = args
+                rank_dir = os.path.join(tmp_dir, rank_dir_name(t, p, pp))
+                os.makedirs(rank_dir)
+                torch.save(payload, os.path.join(rank_dir, MODEL_FILENAME))
                 files += 1
-    os.makedirs(save, exist_ok=True)
-    publish_checkpoint(save, tmp_dir, final_dir, iteration, release)
+                if distrib is not None:
+                    torch.save(distrib, os.path.join(rank_dir, reshard_lib.DISTRIB_FILENAME))
+                    files += 1
+                progress.done(rank_dir_name(t, p, pp))
+        publish_checkpoint(save, tmp_dir, final_dir, iteration, release)
     target = reshard_lib.Layout(tp, pp, vpp, kind)
     return {"iteration": iteration, "source": src.layout, "target": target, "files": files,
             "notes": sorted(notes), "directory": final_dir}
@@ -379,29 +416,56 @@ def to_megatron(load: str, save: str, iteration: Optional[int] = None,
     check_save(save, overwrite)
     iter_dir, iteration, release = reshard_lib.locate_iteration(load, iteration)
     final_dir = os.path.join(save, iteration_dir_name(iteration, release))
-    tmp_dir = final_dir + ".tmp"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
     files = 0
-    for rank_dir in sorted(os.listdir(iter_dir)):
-        source = model_file(os.path.join(iter_dir, rank_dir))  # Megatron-LM 23.04's too
-        if not os.path.isfile(source):
-            continue
-        os.makedirs(os.path.join(tmp_dir, rank_dir))
-        state = load_checkpoint_file(source)
-        torch.save(megatron_payload(state), os.path.join(tmp_dir, rank_dir, MODEL_FILENAME))
-        files += 1
-        extra = os.path.join(iter_dir, rank_dir, reshard_lib.DISTRIB_FILENAME)
-        if os.path.isfile(extra):  # tensors keyed by ints and dtypes: the same in both
-            shutil.copy2(extra, os.path.join(tmp_dir, rank_dir))
-            files += 1
-    if not files:
+    rank_dirs = [d for d in sorted(os.listdir(iter_dir))  # Megatron-LM 23.04's model files too
+                 if os.path.isfile(model_file(os.path.join(iter_dir, d)))]
+    if not rank_dirs:
         raise SystemExit(f"error: {iter_dir} holds no mp_rank_*/{MODEL_FILENAME} files")
-    os.makedirs(save, exist_ok=True)
-    publish_checkpoint(save, tmp_dir, final_dir, iteration, release)
+    with partial_output(save, final_dir + ".tmp") as tmp_dir:
+        progress = Progress(len(rank_dirs), f"writing {len(rank_dirs)} rank files to {tmp_dir}")
+        for rank_dir in rank_dirs:
+            os.makedirs(os.path.join(tmp_dir, rank_dir))
+            state = load_checkpoint_file(model_file(os.path.join(iter_dir, rank_dir)))
+            torch.save(megatron_payload(state), os.path.join(tmp_dir, rank_dir, MODEL_FILENAME))
+            files += 1
+            extra = os.path.join(iter_dir, rank_dir, reshard_lib.DISTRIB_FILENAME)
+            if os.path.isfile(extra):  # tensors keyed by ints and dtypes: the same in both
+                shutil.copy2(extra, os.path.join(tmp_dir, rank_dir))
+                files += 1
+            progress.done(rank_dir)
+        publish_checkpoint(save, tmp_dir, final_dir, iteration, release)
     return {"iteration": iteration, "files": files, "directory": final_dir}
 
 
+def megatron_23_05_gaps(args: dict) -> List[str]:
+    """What of the saved model Megatron-LM 23.05 cannot build (this framework's extension
+    flags, which later Megatron-LM releases spell the same way), or builds otherwise (its
+    --swiglu replaces a --ffn-hidden-size off its rule): each as a phrase; [] for none."""
+    gaps = []
+    if args.get("normalization", "LayerNorm") != "LayerNorm":
+        gaps.append(f"--normalization {args['normalization']} (it has LayerNorm only)")
+    if args.get("group_query_attention"):
+        gaps.append(f"--group-query-attention --num-query-groups {args.get('num_query_groups')} "
+                    "(it has none)")
+    rotary = args.get("position_embedding_type") in ("rope", "rope+learned")
+    if rotary and float(args.get("rotary_base") or 10000) != 10000:
+        gaps.append(f"--rotary-base {args['rotary_base']} (its rotary base is 10000)")
+    hidden, ffn = args.get("hidden_size"), args.get("ffn_hidden_size")
+    if args.get("swiglu") and hidden and ffn:
+        rule = int((4 * hidden * 2 / 3) / 64) * 64
+        if ffn != rule:
+            gaps.append(f"--swiglu with --ffn-hidden-size {ffn} (under --swiglu it replaces "
+                        f"the size with {rule})")
+    return gaps
+
+
 def run_to_megatron(a: argparse.Namespace) -> int:
+    iter_dir, _, _ = reshard_lib.locate_iteration(a.load, a.iteration)
+    gaps = megatron_23_05_gaps(reshard_lib.inspect_checkpoint(iter_dir)[2].get("args") or {})
+    if gaps:
+        print(f"warning: Megatron-LM 23.05 cannot build this model: {'; '.join(gaps)}. It "
+              "will refuse these weights; later Megatron-LM releases that have these flags "
+              "can load them", file=sys.stderr)
     out = to_megatron(a.load, a.save, a.iteration, a.overwrite)
     print(f"wrote iteration {out['iteration']} of {a.load} in Megatron-LM's form -> "
           f"{out['directory']}: {out['files']} files")
@@ -428,9 +492,21 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
+
+
+def interrupted_message(tool: str) -> str:
+    return (f"{tool}: interrupted; the partial output was removed (the source checkpoint is "
+            "untouched): run the same command again")
+
+
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    return SUBCOMMANDS[a.command][1](a)
+    try:
+        return SUBCOMMANDS[a.command][1](a)
+    except KeyboardInterrupt:
+        print(interrupted_message(f"checkpoint_convert.py {a.command}"), file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

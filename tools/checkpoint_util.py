@@ -46,6 +46,7 @@ from megatron.checkpoint_dirs import (  # noqa: E402
     TRACKER_FILENAME,
     is_iteration_dir_name,
     list_checkpoints,
+    misplaced_load_message,
     tracker_path,
 )
 from tools import checkpoint_convert  # noqa: E402
@@ -144,6 +145,9 @@ def check_load_dir(load: str) -> None:
                          f"--load-dir takes the directory above it: --load-dir {parent} (the "
                          f"iteration its {TRACKER_FILENAME} names is read; for another one: "
                          f"{other(parent)})")
+    misplaced = misplaced_load_message(load, "--load-dir") if os.path.exists(load) else None
+    if misplaced is not None:
+        raise SystemExit(f"error: {misplaced}")
     found = list_checkpoints(load)
     if found:
         raise SystemExit(f"error: --load-dir {load} has no {TRACKER_FILENAME} (it names the "
@@ -234,7 +238,12 @@ def run(a: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    return run(build_parser().parse_args(argv))
+    a = build_parser().parse_args(argv)
+    try:
+        return run(a)
+    except KeyboardInterrupt:
+        print(checkpoint_convert.interrupted_message("checkpoint_util.py"), file=sys.stderr)
+        return checkpoint_convert.INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -1,0 +1,74 @@
+"""A --load that points somewhere inside a checkpoint, at a file, or at a Hugging Face model
+directory (megatron/checkpoint_dirs.misplaced_load_message): training, the zero-shot
+evaluation and every conversion tool stop with the directory to pass instead, quoted for
+the shell when it has a space. Training started from random weights for all but the
+iteration directory (Megatron-LM's missing-tracker warning), and the tools said only that
+no tracker file was there."""
+from __future__ import annotations
+
+import os
+import shlex
+
+import pytest
+import torch
+
+from megatron.checkpoint_dirs import (
+    checkpoint_name,
+    missing_tracker_message,
+    refuse_untracked_checkpoints,
+)
+from tools import checkpoint_util
+
+
+@pytest.fixture()
+def ckpt(tmp_path):
+    """A checkpoint directory with a space in its path (iteration 4, pp 2) and a Hugging
+    Face model directory."""
+    root = str(tmp_path / "my runs" / "gpt")
+    for pp_rank in (0, 1):
+        path = checkpoint_name(root, 4, 0, pp_rank, 2)
+        os.makedirs(os.path.dirname(path))
+        torch.save({"args": {}, "iteration": 4}, path)
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("4")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    return root, str(hf)
+
+
+def _refusal(path: str) -> str:
+    with pytest.raises(SystemExit) as err:
+        refuse_untracked_checkpoints(path)
+    assert missing_tracker_message(path) in str(err.value)
+    return str(err.value)
+
+
+def test_a_rank_directory_or_a_checkpoint_file_names_the_checkpoint_directory(ckpt):
+    root, _ = ckpt
+    rank_dir = os.path.dirname(checkpoint_name(root, 4, 0, 1, 2))
+    fix = f"--load {shlex.quote(root)}"
+    assert fix == f"--load '{root}'"
+    assert "is one rank's directory inside a checkpoint" in _refusal(rank_dir)
+    assert _refusal(rank_dir).endswith(fix)
+    message = _refusal(checkpoint_name(root, 4, 0, 0, 2))
+    assert "is a file inside a checkpoint" in message and message.endswith(fix)
+    iter_dir = os.path.dirname(rank_dir)
+    with pytest.raises(SystemExit, match="iteration directory"):
+        refuse_untracked_checkpoints(iter_dir)
+    assert missing_tracker_message(iter_dir).endswith(f"{fix} --iteration 4")
+
+
+def test_another_file_or_a_hugging_face_directory_is_refused(ckpt, tmp_path):
+    _, hf = ckpt
+    notes = tmp_path / "notes.txt"
+    notes.write_text("x")
+    assert "is a file; --load takes the directory --save wrote" in _refusal(str(notes))
+    message = _refusal(hf)
+    assert "is a Hugging Face model directory" in message
+    assert f"from-hf --input {hf} --save DIR" in message
+    refuse_untracked_checkpoints(str(tmp_path / "new"))  # a first launch: no error
+    with pytest.raises(SystemExit, match="--load-dir .* is a Hugging Face model directory"):
+        checkpoint_util.main(["--model-type", "GPT", "--load-dir", hf,
+                              "--save-dir", str(tmp_path / "out")])
