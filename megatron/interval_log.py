@@ -39,6 +39,7 @@ class StepRecord(NamedTuple):
     local_loss: Optional[torch.Tensor]  # this rank's own loss, to name a NaN's origin
     params_norm: Optional[torch.Tensor]  # --log-params-norm, where a log reports it
     memory: Optional[dict] = None  # --log-memory-to-tensorboard at a TensorBoard iteration
+    batch_size: int = 0  # this step's global batch (it changes with --rampup-batch-size)
 
 
 def params_norm_due(logging_config, iteration: int) -> bool:
@@ -117,7 +118,8 @@ class IntervalStats:
                 if params_norm_due(tr.config.logging, st.iteration) else None)
         self.records.append(StepRecord(st.iteration, st.consumed_train_samples, lr, loss,
                                        scale, grad_norm, ok, counted, tr.last_local_loss,
-                                       norm, memory_stats_due(tr, st.iteration)))
+                                       norm, memory_stats_due(tr, st.iteration),
+                                       tr.config.data.global_batch_size))
 
     def read_flags(self, st) -> None:
         """Read the update flags that fp16 replays left on the device (after a sync: no
@@ -193,7 +195,7 @@ def _write_records(tr, stats: IntervalStats, extras) -> Tuple[List[float], int, 
             # average, so `<timer>-time` has Megatron's x-axis (every
             # --tensorboard-log-interval iteration), not only the iterations that are
             # multiples of both intervals.
-            tr.tb.log_training(r.iteration, r.consumed, r.lr, cfg.data.global_batch_size,
+            tr.tb.log_training(r.iteration, r.consumed, r.lr, r.batch_size,
                                {"lm loss": loss_f}, to_float(r.scale), to_float(r.grad_norm),
                                to_float(extras.num_zeros.get(r.iteration)),
                                to_float(r.params_norm), tr.rt.ps.world_size,
@@ -214,15 +216,16 @@ def log_interval(tr, stats: IntervalStats, print_line: bool = True) -> None:
     good_losses, skipped, nans = _write_records(tr, stats, extras)
     if print_line:
         r = stats.records[-1]
-        tokens_per_gpu = (cfg.data.global_batch_size * cfg.data.seq_length * n / elapsed
-                          / tr.rt.ps.world_size)
+        # The interval's samples (under --rampup-batch-size its steps differ in size).
+        samples = sum(rec.batch_size for rec in stats.records)
+        tokens_per_gpu = samples * cfg.data.seq_length / elapsed / tr.rt.ps.world_size
         m = cfg.model
         tflops = tokens_per_gpu * flops_per_token(m.num_layers, m.hidden_size,
                                                   cfg.data.seq_length, m.padded_vocab_size,
                                                   m.num_experts) / 1e12
         print_rank_last(format_iteration_line(
             r.iteration, cfg.training.train_iters, r.consumed, elapsed * 1000.0 / n, r.lr,
-            cfg.data.global_batch_size,
+            r.batch_size,
             {"lm loss": sum(good_losses) / len(good_losses)} if good_losses else {},
             to_float(r.scale), to_float(r.grad_norm),
             to_float(extras.num_zeros.get(r.iteration)), to_float(r.params_norm),

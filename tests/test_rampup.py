@@ -140,3 +140,35 @@ def test_rampup_dp2_matches_single_process():
         torch.testing.assert_close(torch.tensor([x for _, _, x in got]),
                                    torch.tensor([x for _, _, x in ref]), rtol=1e-5, atol=0,
                                    msg=f"rank {rank}")
+
+
+def test_rampup_tensorboard_batch_size_and_throughput_per_step(tmp_path, capsys):
+    """Under --rampup-batch-size each TensorBoard `batch-size` point is its own step's batch,
+    and the line's tokens/s/GPU counts the interval's own samples: both took the batch size
+    at the log line for every step of the interval (iterations 7-9 of 6, 6 and 8 samples
+    were written as 8 each, and tokens/s/GPU read 24 samples for 20)."""
+    import re
+
+    import pretrain_gpt
+    from megatron.logging_utils import read_scalars
+
+    tb = str(tmp_path / "tb")
+    argv = BASE + ["--global-batch-size", "8", "--train-samples", "80", "--rampup-batch-size",
+                   "2", "2", "24", "--log-interval", "3", "--min-lr", "1e-4",
+                   "--tensorboard-dir", tb, "--log-batch-size-to-tensorboard"]
+    assert pretrain_gpt.main(argv) == 0
+    out = capsys.readouterr().out
+    scalars = read_scalars(tb)
+    sizes = [2, 2, 2, 2, 4, 4, 6, 6] + [8] * 6
+    assert scalars["batch-size"] == [(i + 1, size) for i, size in enumerate(sizes)]
+    # x = the samples consumed after the step: each point's value is that step's increase
+    assert scalars["batch-size vs samples"] == [(sum(sizes[:i + 1]), size)
+                                                for i, size in enumerate(sizes)]
+    lines = re.findall(r"consumed samples: +(\d+) \| elapsed time per iteration \(ms\): "
+                       r"([0-9.]+) \|.*tokens/s/GPU: (\d+) \|", out)
+    previous = 0
+    for samples, ms, tokens in lines:
+        interval = int(samples) - previous
+        previous = int(samples)
+        expected = interval * 16 / (3 * float(ms) / 1000.0)
+        assert int(tokens) == pytest.approx(expected, rel=0.05), (samples, ms, tokens)
