@@ -257,11 +257,22 @@ def _warn_at_loss_scale_floor(tr, stats: IntervalStats, scale: Optional[float],
     stats.floor_warned = note is not None
 
 
+def _hours_minutes_seconds(seconds: float) -> str:
+    """'HH:MM:SS' with as many hours as it takes ('52:00:00' for two days and four hours);
+    '?' when unknown."""
+    if not math.isfinite(seconds):
+        return "?"
+    minutes, sec = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours:02d}:{minutes:02d}:{sec:02d}"
+
+
 def progress_line(iteration: int, train_iters: int, elapsed_s: float, start_iteration: int) -> str:
-    """' progress: 40.0% (120/300) | elapsed 0:01:02 | ETA 0:01:30 |' from this run's pace."""
+    """' progress: 40.0% (120/300) | elapsed 00:01:02 | ETA 00:01:30 |' from this run's pace.
+    The hours are not taken modulo a day: a pretraining run's ETA is often days."""
     done = iteration - start_iteration
     left = max(train_iters - iteration, 0)
     eta = elapsed_s / done * left if done > 0 else float("nan")
-    fmt = lambda sec: "?" if not math.isfinite(sec) else time.strftime("%H:%M:%S", time.gmtime(sec))
+    fmt = _hours_minutes_seconds
     return (f" progress: {100.0 * iteration / max(train_iters, 1):.1f}% ({iteration}/{train_iters}) "
             f"| elapsed {fmt(elapsed_s)} | ETA {fmt(eta)} |")

@@ -31,3 +31,11 @@ def test_progress_line_eta():
     assert "40.0% (120/300)" in line and "elapsed 00:01:00" in line and "ETA 00:01:30" in line
     resumed = progress_line(120, 300, 10.0, 100)  # 20 iterations in 10 s since the resume
     assert "ETA 00:01:30" in resumed
+
+
+def test_progress_line_counts_hours_past_a_day():
+    """A multi-day run's elapsed time and ETA keep their days as hours: they were taken
+    modulo 24 hours (an ETA of 52 hours read 04:00:00)."""
+    line = progress_line(10, 1000, 3 * 3600.0 + 7, 0)  # 3 h for 10 of 1000 iterations
+    assert "elapsed 03:00:07" in line and "ETA 297:11:33" in line
+    assert "ETA ?" in progress_line(5, 10, 1.0, 5)

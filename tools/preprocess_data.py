@@ -321,11 +321,19 @@ class Progress:
         elapsed = max(time.time() - self.start, 1e-9)
         fraction = self.reader.raw_bytes_read() / max(self.reader.total_bytes, 1)
         eta = elapsed * (1 - fraction) / fraction if fraction > 0 else float("nan")
-        eta_text = time.strftime("%H:%M:%S", time.gmtime(eta)) if eta == eta else "?"
+        eta_text = _hours_minutes_seconds(eta) if eta == eta else "?"
         skipped = f", {self.skipped} bad lines skipped" if self.skipped else ""
         return (f"Processed {self.docs} documents ({self.docs / elapsed:.1f} docs/s, "
                 f"{self.bytes / elapsed / 1e6:.2f} MB/s), input {100 * fraction:.1f}% read, "
                 f"ETA {eta_text}{skipped}.")
+
+
+def _hours_minutes_seconds(seconds: float) -> str:
+    """'HH:MM:SS' with as many hours as it takes: a corpus of days is not shown modulo a day
+    (megatron/interval_log.py formats the training ETA alike; this tool imports no torch)."""
+    minutes, sec = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours:02d}:{minutes:02d}:{sec:02d}"
 
 
 def _pool(args: argparse.Namespace, dtype):
