@@ -19,7 +19,13 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from megatron import step_graph
-from megatron.logging_utils import flops_per_token, format_iteration_line, print_rank_last
+from megatron.logging_utils import (
+    flops_per_token,
+    format_iteration_line,
+    format_memory_line,
+    print_line,
+    print_rank_last,
+)
 from megatron.train_step import interval_extras, log_timers
 
 PEAK_FLOPS = 989e12  # H100/H200 dense bf16, the MFU denominator
@@ -80,6 +86,7 @@ class IntervalStats:
 
     def __init__(self):
         self.floor_warned = False  # see `loss_scale_floor_warning`
+        self.memory_reported = False  # see `report_memory_once`
         self.reset()
 
     def reset(self) -> None:
@@ -232,6 +239,7 @@ def log_interval(tr, stats: IntervalStats, print_line: bool = True) -> None:
             skipped, nans, tokens_per_gpu, tflops))
         print_rank_last(progress_line(r.iteration, cfg.training.train_iters,
                                       time.time() - tr.start_time, tr.start_iteration))
+        report_memory_once(tr, stats, r.iteration, r.lr)
         _warn_at_loss_scale_floor(tr, stats, to_float(r.scale), skipped)
         log_timers(tr, n)
         if tr.tb is not None:
@@ -244,6 +252,18 @@ def log_interval(tr, stats: IntervalStats, print_line: bool = True) -> None:
     if tr.tb is not None:
         tr.tb.flush()
     stats.reset()
+
+
+def report_memory_once(tr, stats: IntervalStats, iteration: int, lr: float) -> None:
+    """Megatron's `[Rank r] (after N iterations) memory (MB) | allocated: ... | max
+    reserved: ...` line, once per run: after the first iteration line whose learning rate
+    is above 0 (the optimizer state exists by then), from every data-parallel rank 0 (one
+    per tensor/pipeline position). CUDA only: the figures are the caching allocator's."""
+    if stats.memory_reported or lr <= 0.0 or tr.rt.device.type != "cuda":
+        return
+    stats.memory_reported = True
+    if tr.rt.ps.dp_rank == 0:
+        print_line(format_memory_line(tr.rt.ps.rank, iteration, tr.rt.device))
 
 
 def _warn_at_loss_scale_floor(tr, stats: IntervalStats, scale: Optional[float],

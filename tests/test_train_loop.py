@@ -339,6 +339,47 @@ def test_memory_scalars_at_every_tensorboard_iteration(tmp_path, capsys, monkeyp
     assert read_scalars(tb)["mem-allocated-bytes"] == [(2, 2000.0), (4, 4000.0), (6, 6000.0)]
 
 
+def test_memory_report_after_the_first_iteration_line(capsys, monkeypatch):
+    """Megatron's one-off `[Rank r] (after N iterations) memory (MB) | ...` line follows the
+    first iteration line with a learning rate above 0, from each data-parallel rank 0 (it
+    was never printed). CUDA only: on CPU the device and the allocator are faked."""
+    from megatron import interval_log
+
+    real = interval_log.report_memory_once
+    mib = 1024 * 1024
+
+    def as_on_cuda(tr, stats, iteration, lr):
+        rt = types.SimpleNamespace(device=torch.device("cuda"), ps=tr.rt.ps)
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "is_available", lambda: True)
+            for name, mb in (("memory_allocated", 3), ("max_memory_allocated", 5),
+                             ("memory_reserved", 8), ("max_memory_reserved", 13)):
+                m.setattr(torch.cuda, name, lambda device=None, mb=mb: mb * mib)
+            real(types.SimpleNamespace(rt=rt), stats, iteration, lr)
+
+    monkeypatch.setattr(interval_log, "report_memory_once", as_on_cuda)
+    out, _ = _pretrain(["--train-iters", "6", "--log-interval", "2", "--eval-iters", "0"],
+                       capsys)
+    lines = out.splitlines()
+    reports = [i for i, line in enumerate(lines) if "memory (MB)" in line]
+    assert [lines[i] for i in reports] == [
+        "[Rank 0] (after 2 iterations) memory (MB) | allocated: 3.0 | max allocated: 5.0 | "
+        "reserved: 8.0 | max reserved: 13.0"]
+    assert lines[reports[0] - 2].startswith(" iteration        2/")
+
+
+def test_memory_report_waits_for_a_learning_rate_and_needs_cuda(capsys):
+    from megatron.interval_log import IntervalStats, report_memory_once
+
+    ps = types.SimpleNamespace(dp_rank=0, rank=0)
+    stats = IntervalStats()
+    cpu = types.SimpleNamespace(rt=types.SimpleNamespace(device=torch.device("cpu"), ps=ps))
+    report_memory_once(cpu, stats, 2, 1e-3)
+    cuda = types.SimpleNamespace(rt=types.SimpleNamespace(device=torch.device("cuda"), ps=ps))
+    report_memory_once(cuda, stats, 2, 0.0)  # fp16 warm-up steps skipped: lr still 0
+    assert not stats.memory_reported and capsys.readouterr().out == ""
+
+
 def test_timer_scalars_at_every_tensorboard_iteration(tmp_path, capsys):
     """--log-timers-to-tensorboard writes `<timer>-time` at each --tensorboard-log-interval
     iteration, as Megatron does (they were written only at iterations that are multiples of
