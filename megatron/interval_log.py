@@ -93,6 +93,15 @@ class IntervalStats:
         self.records: List[StepRecord] = []
         self.start = self.clock()
         self.excluded = 0.0
+        self.rolled_back_nans = 0  # NaN iterations undone by a rollback (no record left)
+
+    def roll_back(self, iteration: int) -> None:
+        """--nan-loss-policy rollback reloaded the checkpoint of `iteration` after a NaN:
+        the records of the iterations it undid are dropped (they are trained again: the
+        line would average both attempts and TensorBoard get their steps twice), and the
+        NaN is counted on the next line as a skipped and a NaN iteration."""
+        self.records = [r for r in self.records if r.iteration <= iteration]
+        self.rolled_back_nans += 1
 
     def elapsed(self) -> float:
         return self.clock() - self.start - self.excluded
@@ -185,7 +194,7 @@ def _write_records(tr, stats: IntervalStats, extras) -> Tuple[List[float], int, 
     good_losses = []
     # The line counts skipped and NaN iterations of this interval, as Megatron's does (its
     # counters restart at every print); TrainState keeps the run's totals.
-    skipped = nans = 0
+    skipped = nans = stats.rolled_back_nans
     for r in stats.records:
         loss_f = to_float(r.loss)
         skipped += 0 if r.ok else 1
@@ -271,7 +280,7 @@ def _warn_at_loss_scale_floor(tr, stats: IntervalStats, scale: Optional[float],
     """Print `loss_scale_floor_warning` once per run of skipped intervals (again after a
     step has succeeded)."""
     note = loss_scale_floor_warning(getattr(tr.optimizer, "grad_scaler", None), scale,
-                                    skipped, len(stats.records))
+                                    skipped - stats.rolled_back_nans, len(stats.records))
     if note and not stats.floor_warned:
         print_rank_last(note)
     stats.floor_warned = note is not None

@@ -329,6 +329,7 @@ def _after_step(tr: Trainer, stats: IntervalStats, loss, ok: bool, grad_norm) ->
         print_rank_0(f" > {msg}: optimizer step skipped (--nan-loss-policy {policy})")
         if policy == "rollback":
             _rollback(tr, st.iteration)
+            stats.roll_back(tr.state.iteration)
             return False
         loss = torch.zeros(()) * float("nan")  # recorded, not averaged, not counted twice
         stats.add(tr, loss, ok, grad_norm, counted=True)

@@ -95,6 +95,31 @@ def test_rollback_policy_restores_the_checkpoint_and_skips_batches(tmp_path):
     assert all(torch.isfinite(p).all() for p in _params(tr).values())
 
 
+def test_rollback_leaves_one_point_per_step_and_counts_the_nan(tmp_path, capsys):
+    """After a rollback from iteration 7 to the checkpoint of 4 inside one log interval,
+    TensorBoard has each step once (the undone iterations 5 and 6 were written twice, the
+    second time at later samples), and the next line counts the NaN iteration (it said 0
+    skipped, 0 NaN) and averages the loss of the iterations trained again only."""
+    from megatron.logging_utils import TensorboardLogger, read_scalars
+
+    tr = _trainer(tmp_path, "rollback", iters=8, save_interval=4)
+    tb = str(tmp_path / "tb")
+    tr.config.logging = dataclasses.replace(tr.config.logging, log_interval=4,
+                                            tensorboard_dir=tb)
+    tr.tb = TensorboardLogger(tr.config.logging, is_writer_rank=True)
+    _poison_at(tr, {7})
+    train(tr, data_iterator(tr.config, tr.rt, "train", 0), None)
+    tr.tb.close()
+    gbs = tr.config.data.global_batch_size
+    scalars = read_scalars(tb)
+    assert [step for step, _ in scalars["lm loss"]] == list(range(1, 9))
+    # 5..8 again after the rollback, on the batches after the NaN's (samples 56 on)
+    assert [x for x, _ in scalars["lm loss vs samples"]] == [gbs * i for i in (1, 2, 3, 4,
+                                                                              8, 9, 10, 11)]
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith(" iteration        8")]
+    assert "number of skipped iterations:   1 | number of nan iterations:   1 |" in line[0]
+
+
 def test_rollback_gives_up_when_rollbacks_do_not_get_further(tmp_path, capsys):
     """A divergence (every step after iteration 2 NaN) used to roll back forever, with the
     iteration stuck and the data consumed. Three rollbacks that do not get past the
