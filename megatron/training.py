@@ -194,13 +194,17 @@ def data_iterator(config: Config, rt: Runtime, split: str, consumed: int,
 
 
 @torch.no_grad()
-def evaluate(tr: Trainer, data: Iterator[dict], count_valid_samples: bool = True) -> float:
+def evaluate(tr: Trainer, data: Iterator[dict], count_valid_samples: bool = True,
+             verbose: bool = False) -> float:
     """Mean loss over --eval-iters global batches (all ranks agree). `count_valid_samples`:
-    the batches are the validation set's (the test set's are not counted)."""
+    the batches are the validation set's (the test set's are not counted). `verbose` (the
+    final evaluation): Megatron's 'Evaluating iter i/N' every --log-interval batches."""
     cfg = tr.config
     tr.model.eval()
     total = torch.zeros((), device=tr.rt.device)
-    for _ in range(cfg.training.eval_iters):
+    for i in range(1, cfg.training.eval_iters + 1):
+        if verbose and i % cfg.logging.log_interval == 0:
+            print_rank_0(f"Evaluating iter {i}/{cfg.training.eval_iters}")
         total += forward_backward(tr, data, cfg.data.num_micro_batches, forward_only=True)
         if count_valid_samples:
             tr.state.consumed_valid_samples += cfg.data.global_batch_size
@@ -212,11 +216,11 @@ def evaluate(tr: Trainer, data: Iterator[dict], count_valid_samples: bool = True
 
 
 def run_evaluation(tr: Trainer, data, prefix: str, test_set: bool = False,
-                   write_tensorboard: bool = True) -> None:
+                   write_tensorboard: bool = True, verbose: bool = False) -> None:
     """Evaluate and print Megatron's validation block. Its TensorBoard scalars are
     `lm loss validation` for the test set too (Megatron writes every evaluation there)."""
     with tr.progress.stage("evaluation"):
-        loss = evaluate(tr, data, count_valid_samples=not test_set)
+        loss = evaluate(tr, data, count_valid_samples=not test_set, verbose=verbose)
     block = format_validation_block(prefix, {"lm loss": loss})
     print_rank_last(block)
     if tr.tb is not None and write_tensorboard:
@@ -234,7 +238,7 @@ def final_evaluation(tr: Trainer, valid_data, test_data) -> None:
         if data is not None:
             run_evaluation(tr, data, f"iteration {tr.state.iteration} on {draw}-sample draw "
                                      f"from {name} set", test_set=name == "test",
-                           write_tensorboard=write)
+                           write_tensorboard=write, verbose=True)
 
 
 # --------------------------------------------------------------------------- the loop

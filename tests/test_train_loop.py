@@ -244,6 +244,18 @@ def test_validation_then_test_set_at_the_end(tmp_path, capsys):
     assert steps == [2, 4, 4, 4]
 
 
+def test_final_evaluation_reports_its_progress(capsys):
+    """The final evaluation prints Megatron's 'Evaluating iter i/N' every --log-interval
+    batches (it runs --eval-iters batches of each set in silence otherwise); the
+    evaluations during training do not."""
+    out, _ = _pretrain(["--train-iters", "5", "--log-interval", "2", "--eval-iters", "4"],
+                       capsys)
+    tail = out[out.index("[after training is done]"):]
+    assert re.findall(r"^Evaluating iter (\d+)/(\d+)$", out, re.M) == [("2", "4"), ("4", "4")] * 2
+    assert tail.index("Evaluating iter 4/4") < tail.index("from validation set")
+    assert "validation loss at iteration 5 |" in out.split("[after training is done]")[0]
+
+
 @pytest.mark.parametrize("split,blocks", [("80,10,10", ["validation", "test"]),
                                           ("90,10,0", ["validation"])])
 def test_test_split_of_a_data_path(tmp_path, capsys, split, blocks):
