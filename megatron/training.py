@@ -266,10 +266,14 @@ def _should_exit(tr: Trainer, start_time: float) -> Optional[str]:
 
 
 def _report_nan(tr: Trainer, iteration: int, local: Optional[torch.Tensor]) -> str:
-    """Print which rank produced the non-finite loss; return the message for all ranks."""
-    if local is not None and not torch.isfinite(local).all():
-        print(f"[rank {tr.rt.ps.rank}] non-finite loss ({float(local)}) at iteration {iteration}",
-              flush=True)
+    """Print which data-parallel replica produced the non-finite loss (its last pipeline
+    stage's tensor-parallel rank 0: the replica's other ranks hold the same loss, and
+    printed it tp x pp times over); return the message for all ranks."""
+    ps = tr.rt.ps
+    if (local is not None and not torch.isfinite(local).all() and ps.tp_rank == 0
+            and ps.pp_rank == ps.pp_size - 1):
+        print(f"[rank {ps.rank}] non-finite loss ({float(local)}) at iteration {iteration}"
+              + (f" (data-parallel rank {ps.dp_rank})" if ps.dp_size > 1 else ""), flush=True)
     return f"NaN/Inf loss at iteration {iteration}"
 
 

@@ -62,6 +62,25 @@ def test_stop_policy_names_the_iteration(tmp_path, capsys):
     assert "number of nan iterations:   2" in out
 
 
+def test_nan_origin_is_printed_once_per_data_parallel_replica(capsys):
+    """Every tensor- and pipeline-parallel rank of a replica holds its loss (the pipeline
+    broadcasts it): only the last stage's tensor-parallel rank 0 names the replica, not
+    tp x pp ranks (64 identical lines per replica at tp 8, pp 8)."""
+    from types import SimpleNamespace
+
+    from megatron.training import _report_nan
+
+    nan = torch.tensor(float("nan"))
+    for tp_rank, pp_rank, printed in ((0, 1, True), (1, 1, False), (0, 0, False)):
+        ps = SimpleNamespace(rank=7, tp_rank=tp_rank, pp_rank=pp_rank, pp_size=2, dp_rank=1,
+                             dp_size=2)
+        msg = _report_nan(SimpleNamespace(rt=SimpleNamespace(ps=ps)), 3, nan)
+        assert msg == "NaN/Inf loss at iteration 3"
+        out = capsys.readouterr().out
+        assert out == ("[rank 7] non-finite loss (nan) at iteration 3 (data-parallel rank 1)\n"
+                       if printed else ""), (tp_rank, pp_rank)
+
+
 def test_skip_policy_skips_the_step_and_keeps_weights_finite(tmp_path, capsys):
     tr = _trainer(tmp_path, "skip", iters=6)
     _poison_at(tr, {3})
