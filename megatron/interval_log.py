@@ -82,7 +82,7 @@ class IntervalStats:
     in `paused()` (evaluation and checkpoint saves: Megatron stops its interval timer
     around them, so "elapsed time per iteration" is training time)."""
 
-    clock = staticmethod(time.time)  # seconds
+    clock = staticmethod(time.monotonic)  # seconds; a wall-clock step never shows
 
     def __init__(self):
         self.floor_warned = False  # see `loss_scale_floor_warning`

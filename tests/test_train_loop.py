@@ -500,3 +500,14 @@ def test_elapsed_time_per_iteration_leaves_out_evaluation_and_saves(tmp_path, ca
     assert len(times) == 2 and "validation loss at iteration 3 |" in out
     assert offset[0] >= 4000.0, "evaluations at 3, 6, 9 and saves at 4, 8 went by the clock"
     assert max(times) < 100_000, times
+
+
+def test_the_interval_clock_does_not_follow_wall_clock_steps():
+    """'elapsed time per iteration' and the throughput come from a monotonic clock: a
+    wall-clock step (NTP, a suspended VM) made one interval negative or spiked."""
+    import time
+
+    from megatron.interval_log import IntervalStats
+
+    assert IntervalStats.clock in (time.monotonic, time.perf_counter)
+    assert not time.get_clock_info("monotonic").adjustable
