@@ -377,7 +377,7 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
     """
     started = time.perf_counter() if started is None else started
     _check_save_iteration(iteration, release)
-    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root} (async)")
+    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root}")  # as a sync save
     agreed_wait(saver, ps.rank == 0, group)  # on rank 0 that includes publishing it
     final_dir = os.path.join(root, iteration_dir_name(iteration, release))
     tmp_dir = final_dir + ".tmp"
