@@ -61,6 +61,11 @@ def add_to_hf_arguments(parser) -> None:
     parser.add_argument("--dtype", choices=("auto",) + tuple(_DTYPES), default="auto",
                         help="weights dtype (auto: the checkpoint's --fp16/--bf16)")
     parser.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    parser.add_argument("--eos-token-id", type=int, default=None,
+                        help="config.json's eos_token_id (default: the checkpoint's "
+                             "tokenizer's end-of-document id)")
+    parser.add_argument("--bos-token-id", type=int, default=None,
+                        help="config.json's bos_token_id (default: gpt2 the eos id, llama none)")
     parser.add_argument("--verify", action="store_true",
                         help="load the export with transformers and compare logits with ours")
     parser.add_argument("--verify-tolerance", type=float, default=1e-3,
@@ -141,6 +146,28 @@ def _eod_of(tok) -> Optional[int]:
         return None
 
 
+def _special_ids(a, args: dict, tok, vocab: int, family: str) -> tuple:
+    """(eos, bos) ids for config.json: --eos-token-id / --bos-token-id, else the tokenizer's
+    end-of-document id (bos the same for gpt2, none for llama: only that one id is known).
+    An id outside the exported vocabulary is a ValueError naming the fix."""
+    eod = a.eos_token_id if a.eos_token_id is not None else _eod_of(tok)
+    bos = a.bos_token_id if a.bos_token_id is not None else (eod if family == "gpt2" else None)
+    for flag, value in (("--eos-token-id", eod), ("--bos-token-id", bos)):
+        if value is None or 0 <= value < vocab:
+            continue
+        if flag == "--eos-token-id" and a.eos_token_id is None:
+            raise ValueError(f"--true-vocab-size {vocab} leaves out the end-of-document id "
+                             f"{value} of the checkpoint's tokenizer ({tok.vocab_size} ids), "
+                             f"which config.json names as eos/bos; pass --true-vocab-size "
+                             f"{value + 1} or more")
+        raise ValueError(f"{flag} {value} is outside the exported vocabulary of {vocab} ids")
+    if a.eos_token_id is None and args.get("tokenizer_type") == "NullTokenizer" and eod is not None:
+        print(f"note: eos_token_id {eod} is NullTokenizer's end-of-document id (--vocab-size); "
+              "a model imported from Hugging Face without its tokenizer files had its own ids: "
+              "pass them as --eos-token-id N --bos-token-id N")
+    return eod, bos
+
+
 def run_to_hf(a) -> int:
     """`to-hf`: merge the checkpoint's shards, map to the HF family, write, optionally verify.
     Returns 0, or 1 when --verify finds logits further apart than --verify-tolerance;
@@ -177,18 +204,12 @@ def _to_hf(a) -> int:
               f"here; keeping all {vocab} padded vocabulary rows (set --true-vocab-size)")
     dtype = _DTYPES.get(a.dtype) or _DTYPES.get(
         {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(args.get("params_dtype")), "fp32"))
-    eod = _eod_of(tok)
-    if eod is not None and eod >= vocab:
-        raise ValueError(f"--true-vocab-size {vocab} leaves out the end-of-document id {eod} "
-                         f"of the checkpoint's tokenizer ({tok.vocab_size} ids), which "
-                         f"config.json names as eos/bos; pass --true-vocab-size {eod + 1} or "
-                         "more")
+    eod, bos = _special_ids(a, args, tok, vocab, family)
     hf_state = to_hf_state_dict(state, model_cfg, family, vocab, dtype)
     config = hf_config(model_cfg, family, vocab, dtype, eod, hf_state)
-    if family == "llama":
-        config["bos_token_id"] = None  # only the end-of-document id is known
+    config["bos_token_id"] = bos
     gen = None if eod is None else {"eos_token_id": eod, "_from_model_config": True,
-                                    **({"bos_token_id": eod} if family == "gpt2" else {})}
+                                    **({"bos_token_id": bos} if bos is not None else {})}
     print(f"writing {len(hf_state)} tensors to {a.output} ...", flush=True)
     names = save_hf_checkpoint(a.output, hf_state, config, gen, int(a.max_shard_size_gb * 2**30))
     copied = _copy_tokenizer(args, a.output)
@@ -305,11 +326,29 @@ def _from_hf(a) -> int:
     state = from_hf_state_dict(hf_state, cfg.model, family, int(hf_cfg["vocab_size"]))
     save_release_checkpoint(a.save, state, cfg, a.overwrite)
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
+    _note_lost_special_ids(hf_cfg, flags, a.input)
     print(f"wrote {family} model from {a.input} to {os.path.join(a.save, 'release')} (tp {tp}, "
           f"pp {pp}, padded vocab {cfg.model.padded_vocab_size}); train from it with "
           f"pretrain_gpt.py --load {shlex.quote(a.save)} --use-checkpoint-args, or with its "
           f"model flags: {shlex.join(flags)}")
     return 0
+
+
+def _note_lost_special_ids(hf_cfg: dict, flags: List[str], in_dir: str) -> None:
+    """A NullTokenizer import keeps one end-of-document id (--vocab-size); name the Hugging
+    Face config's own eos/bos ids when they differ, and the to-hf flags that restore them."""
+    if flags[flags.index("--tokenizer-type") + 1] != "NullTokenizer":
+        return
+    eod = int(flags[flags.index("--vocab-size") + 1])
+    ids = {k: hf_cfg.get(f"{k}_token_id") for k in ("eos", "bos")}
+    ids = {k: v for k, v in ids.items() if isinstance(v, int)}
+    if all(v == eod for v in ids.values()):
+        return
+    given = " ".join(f"--{k}-token-id {v}" for k, v in ids.items())
+    print(f"note: no tokenizer files in {in_dir}: the checkpoint records NullTokenizer, whose "
+          f"end-of-document id is {eod}, not the model's "
+          f"{', '.join(f'{k} {v}' for k, v in ids.items())}; pass to-hf {given} when exporting "
+          "it, and the model's tokenizer (--tokenizer-type, --tokenizer-model) to train from it")
 
 
 # ------------------------------------------- checkpoint access (merge / split of shards)

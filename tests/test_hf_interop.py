@@ -495,3 +495,30 @@ def test_tokenizer_files_by_tokenizer_type(tmp_path):
     for kind in ("NullTokenizer", "SentencePieceTokenizer"):  # nothing HF reads as it is
         assert hf_convert.tokenizer_files({"tokenizer_type": kind,
                                            "tokenizer_model": str(vocab)}) == {}
+
+
+def test_special_ids_of_an_import_without_tokenizer_files_are_named_and_restored(tmp_path,
+                                                                                  capsys):
+    """A Llama directory without tokenizer files imports as NullTokenizer, whose one
+    end-of-document id is --vocab-size; the model's own eos 2 / bos 1 were silently lost
+    (to-hf wrote eos = vocab - 1, so generation never stopped at the real eos). from-hf
+    names them with the to-hf flags, which put them back into config.json."""
+    _save_hf_model(tmp_path / "hf", "llama")  # LlamaConfig: bos 1, eos 2
+    assert _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "ck") == 0
+    out = capsys.readouterr().out
+    assert (f"note: no tokenizer files in {tmp_path / 'hf'}: the checkpoint records "
+            f"NullTokenizer, whose end-of-document id is {VOCAB}, not the model's eos 2, bos 1; "
+            "pass to-hf --eos-token-id 2 --bos-token-id 1 when exporting it") in out
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "plain") == 0
+    assert "pass them as --eos-token-id N --bos-token-id N" in capsys.readouterr().out
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "out",
+                "--eos-token-id", 2, "--bos-token-id", 1) == 0
+    assert "note: eos_token_id" not in capsys.readouterr().out
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    gen = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert (cfg["eos_token_id"], cfg["bos_token_id"]) == (2, 1)
+    assert (gen["eos_token_id"], gen["bos_token_id"]) == (2, 1)
+    with pytest.raises(SystemExit, match=rf"--eos-token-id {VOCAB + 5} is outside the "
+                                         rf"exported vocabulary of {VOCAB + 1} ids"):
+        _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "bad",
+             "--eos-token-id", VOCAB + 5)
