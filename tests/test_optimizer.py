@@ -2,6 +2,7 @@
 mixed-precision wrappers against plain torch AdamW, checkpoint round trips."""
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -404,6 +405,38 @@ def test_state_dict_round_trip_gives_identical_steps(dtype, tmp_path):
     for p, q in zip(opt.get_parameters(), opt2.get_parameters()):
         assert torch.equal(p, q)
     assert float(opt.get_loss_scale()) == float(opt2.get_loss_scale())
+
+
+@pytest.mark.parametrize("saved, loaded, scale, warning", [
+    # a constant --loss-scale saves {}: Megatron-LM's dynamic scaler met a KeyError there
+    (dict(loss_scale=128.0), dict(), 256.0, "constant --loss-scale; the dynamic loss scale "
+                                            "starts at --initial-loss-scale 256"),
+    (dict(dtype=torch.bfloat16), dict(), 256.0, "no loss scaler"),
+    (dict(), dict(dtype=torch.bfloat16), 1.0, "uses none"),
+    (dict(), dict(loss_scale=32.0), 32.0, None),  # the constant --loss-scale asked for
+    (dict(), dict(), 128.0, None),  # the saved dynamic scale: 256 halved by the overflow
+])
+def test_loss_scaler_kind_changed_on_resume(saved, loaded, scale, warning):
+    def build(kw):
+        kw = dict(kw)
+        dtype = kw.pop("dtype", torch.float16)
+        model = _Net(dtype)
+        return model, build_optimizer(_mixed_config(dtype, hysteresis=1, **kw), [model], SINGLE)
+
+    model, opt = build(saved)
+    _set_model_grads(model, 0, model.fc.weight.dtype, float(opt.get_loss_scale()))
+    model.fc.weight.grad[0, 0] = float("inf")
+    opt.step()
+    _, opt2 = build(loaded)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    messages = [str(w.message) for w in caught]
+    assert float(opt2.get_loss_scale()) == scale
+    if warning is None:
+        assert messages == []
+    else:
+        assert len(messages) == 1 and warning in messages[0], messages
 
 
 def test_reload_model_params_and_apex_style_state():

@@ -48,13 +48,12 @@ checkpoint saved with one dp_size loads with another (`load_parameter_state`).
 """
 from __future__ import annotations
 
-import warnings
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron.core.optimizer.grad_scaler import DynamicGradScaler, MegatronGradScaler
+from megatron.core.optimizer.grad_scaler import MegatronGradScaler, load_scaler_state
 from megatron.core.optimizer.inner_state import LOCAL_GROUP_KEYS, load_inner_state
 from megatron.core.optimizer.optimizer import (
     _COPIED_ATTRIBUTES,
@@ -349,11 +348,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 if key not in ("params", "step") and key not in LOCAL_GROUP_KEYS:
                     current[key] = value
         self._loaded_step = int(saved[0].get("step", 0)) if saved else 0
-        if "grad_scaler" not in state_dict:
-            if isinstance(self.grad_scaler, DynamicGradScaler):
-                warnings.warn("no grad scaler in the checkpoint; keeping the initial loss scale")
-        elif self.grad_scaler is not None:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        load_scaler_state(self.grad_scaler, state_dict)
 
     # --- checkpoint: the sharded part (distrib_optim.pt) ---------------------------------
     def _agreed_state_keys(self) -> List[str]:
