@@ -241,6 +241,18 @@ def test_dry_run_lists_every_schedule_mismatch(saved, capsys):
                        "--use-checkpoint-opt_param-scheduler")[0] == 0
 
 
+@pytest.mark.parametrize("name", ["full", "dist"])
+def test_dry_run_checks_the_optimizer_kind_and_hyperparameters(saved, capsys, name):
+    extra = f"--load {saved}/{name} " + (" ".join(DIST) if name == "dist" else "")
+    status, out = dry(capsys, extra + " --optimizer sgd")
+    assert status == 1 and (f"error: loading {saved}/{name}/iter_0000010: the checkpoint's "
+                            "optimizer state is --optimizer adam's but this run uses "
+                            "--optimizer sgd") in out
+    status, out = dry(capsys, extra + " --adam-beta2 0.95")
+    assert status == 0 and ("optimizer: --adam-beta1/--adam-beta2: using the command line's "
+                            "0.9 0.95, not the checkpoint's 0.9 0.999") in out
+
+
 def test_dry_run_global_batch_size_changes_the_schedule(saved, capsys):
     status, out = dry(capsys, f"--load {saved}/full --global-batch-size 4")
     assert status == 1

@@ -439,6 +439,44 @@ def test_loss_scaler_kind_changed_on_resume(saved, loaded, scale, warning):
         assert len(messages) == 1 and warning in messages[0], messages
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_resume_keeps_the_command_lines_adam_hyperparameters(dtype):
+    """torch's load_state_dict (apex's under Megatron-LM) restores the saved betas and eps:
+    a changed --adam-beta2 / --adam-eps was silently dropped on resume."""
+    def build(**kw):
+        model = _Net(dtype)
+        config = (_mixed_config(dtype, **kw) if dtype != torch.float32
+                  else OptimizerConfig(lr=1e-2, **kw))
+        return model, build_optimizer(config, [model], SINGLE)
+
+    model, opt = build()
+    _train(model, opt, dtype, 1, 0)
+    _, opt2 = build(adam_beta2=0.95, adam_eps=1e-6)
+    notes = opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert notes == ["--adam-beta1/--adam-beta2: using the command line's 0.9 0.95, not the "
+                     "checkpoint's 0.9 0.999",
+                     "--adam-eps: using the command line's 1e-06, not the checkpoint's 1e-08"]
+    for group in opt2.optimizer.param_groups:
+        assert group["betas"] == (0.9, 0.95) and group["eps"] == 1e-6
+    assert all("exp_avg" in s for s in opt2.optimizer.state.values())  # the state loaded
+    _, same = build()
+    assert same.load_state_dict(copy.deepcopy(opt.state_dict())) == []
+
+
+def test_resume_with_another_optimizer_kind_is_refused():
+    """An Adam checkpoint in an SGD run stopped in the first step with KeyError 'momentum'."""
+    model = _Net()
+    adam = build_optimizer(OptimizerConfig(lr=1e-2), [model], SINGLE)
+    _train(model, adam, torch.float32, 1, 0)
+    sgd = build_optimizer(OptimizerConfig(lr=1e-2, optimizer="sgd"), [model], SINGLE)
+    with pytest.raises(ValueError, match="optimizer state is --optimizer adam's but this run "
+                                         "uses --optimizer sgd: resume with --optimizer adam, "
+                                         "or pass --no-load-optim"):
+        sgd.load_state_dict(adam.state_dict())
+    with pytest.raises(ValueError, match="is --optimizer sgd's but this run uses --optimizer adam"):
+        adam.load_state_dict(sgd.state_dict())
+
+
 def test_reload_model_params_and_apex_style_state():
     model = _Net(torch.bfloat16)
     opt = build_optimizer(_mixed_config(torch.bfloat16), [model], SINGLE)

@@ -296,7 +296,10 @@ class MegatronOptimizer:
     def state_dict(self) -> Dict:
         raise NotImplementedError
 
-    def load_state_dict(self, state_dict: Dict) -> None:
+    def load_state_dict(self, state_dict: Dict) -> List[str]:
+        """Restore from `state_dict()`'s shape; returns one note per hyper-parameter
+        (--adam-beta1/2, --adam-eps, --sgd-momentum) on which this run's value replaces
+        the checkpoint's (inner_state.settle_groups), for the caller to print."""
         raise NotImplementedError
 
 
@@ -335,8 +338,8 @@ class FP32Optimizer(MegatronOptimizer):
         """The torch optimizer state dict itself (Megatron's fp32 checkpoint shape)."""
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state_dict: Dict) -> None:
-        load_inner_state(self.optimizer, state_dict)
+    def load_state_dict(self, state_dict: Dict) -> List[str]:
+        return load_inner_state(self.optimizer, state_dict)
 
 
 class MixedPrecisionOptimizer(MegatronOptimizer):
@@ -561,9 +564,9 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         return state_dict
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: Dict) -> None:
+    def load_state_dict(self, state_dict: Dict) -> List[str]:
         key = "optimizer" if "optimizer" in state_dict else "optimizer_state_dict"
-        load_inner_state(self.optimizer, state_dict[key])
+        notes = load_inner_state(self.optimizer, state_dict[key])
         load_scaler_state(self.grad_scaler, state_dict)
         key = "fp32_from_fp16_params" if "fp32_from_fp16_params" in state_dict else "fp32_from_fp16"
         saved_groups = state_dict[key]
@@ -576,3 +579,4 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         for current, saved in zip(self.fp32_from_float16_groups, saved_groups):
             for param, value in zip(current, saved):
                 param.copy_(value)
+        return notes
