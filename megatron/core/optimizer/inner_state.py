@@ -29,7 +29,7 @@ def settle_groups(saved_groups: List[Dict], current_groups: List[Dict]
     holds another optimizer kind's state (Adam's in an SGD run, or the reverse)."""
     groups, notes = [], {}
     for saved, current in zip(saved_groups, current_groups):
-        if _kind(saved) != _kind(current):
+        if "unknown" not in (_kind(saved), _kind(current)) and _kind(saved) != _kind(current):
             raise ValueError(
                 f"the checkpoint's optimizer state is --optimizer {_kind(saved)}'s but this "
                 f"run uses --optimizer {_kind(current)}: resume with --optimizer "
