@@ -291,8 +291,9 @@ def _resolve_precision(ns, explicit: Set[str]) -> None:
         raise ArgumentsError("--fp16 and --bf16 are exclusive; pass one")
     ns.params_dtype = torch.float16 if ns.fp16 else torch.bfloat16 if ns.bf16 else torch.float32
     if ns.bf16 and not ns.accumulate_allreduce_grads_in_fp32:
-        note("accumulate and all-reduce gradients in fp32 for bfloat16 data type")
+        note("accumulate and all-reduce gradients in fp32 for bfloat16 data type.")
         ns.accumulate_allreduce_grads_in_fp32 = True
+    note(f"using {ns.params_dtype} for parameters ...")  # Megatron-LM's line, log parsers read it
     if ns.fp16_lm_cross_entropy and not ns.fp16:
         raise ArgumentsError("--fp16-lm-cross-entropy needs --fp16")
     if ns.fp32_residual_connection and not (ns.fp16 or ns.bf16):
