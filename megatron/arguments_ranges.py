@@ -164,6 +164,10 @@ def warn_unread_tuning_flags(ns, explicit: Set[str]) -> None:
         _unread(ns, explicit, _ADAM_FLAGS, "this run uses --optimizer sgd")
     else:
         _unread(ns, explicit, ("sgd_momentum",), f"this run uses --optimizer {ns.optimizer}")
+    if ns.lr_decay_style == "constant":
+        _unread(ns, explicit, ("min_lr", "lr_decay_iters", "lr_decay_samples"),
+                "--lr-decay-style constant keeps --lr after the warmup (the decay length "
+                "only bounds the warmup)")
     if ns.weight_decay_incr_style != "constant":
         _unread(ns, explicit, ("weight_decay",),
                 f"with --weight-decay-incr-style {ns.weight_decay_incr_style} the weight decay "

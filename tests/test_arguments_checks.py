@@ -172,7 +172,11 @@ def test_a_loss_scale_without_fp16_or_bf16_is_warned(caplog):
      "--end-weight-decay 0.2", "--weight-decay 0.1 has no effect: with "
      "--weight-decay-incr-style linear the weight decay goes from --start-weight-decay to "
      "--end-weight-decay"),
+    ("--lr-decay-style constant --min-lr 1e-4 --lr-decay-iters 8",
+     "--min-lr 0.0001, --lr-decay-iters 8 have no effect: --lr-decay-style constant keeps "
+     "--lr after the warmup"),
     # what the run reads, and defaults spelled out, are not warned
+    ("--lr-decay-style cosine --min-lr 1e-4 --lr-decay-iters 8", None),
     ("--fp16 --initial-loss-scale 1024 --hysteresis 4 --adam-beta2 0.95 --weight-decay 0.1",
      None),
     ("--bf16 --initial-loss-scale 4294967296 --hysteresis 2 --optimizer sgd --adam-beta2 "
