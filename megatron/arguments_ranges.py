@@ -168,7 +168,25 @@ def warn_unread_tuning_flags(ns, explicit: Set[str]) -> None:
         _unread(ns, explicit, ("min_lr", "lr_decay_iters", "lr_decay_samples"),
                 "--lr-decay-style constant keeps --lr after the warmup (the decay length "
                 "only bounds the warmup)")
+    _warn_unread_scheduler_flags(ns)
     if ns.weight_decay_incr_style != "constant":
         _unread(ns, explicit, ("weight_decay",),
                 f"with --weight-decay-incr-style {ns.weight_decay_incr_style} the weight decay "
                 "goes from --start-weight-decay to --end-weight-decay")
+
+
+def _warn_unread_scheduler_flags(ns) -> None:
+    """--override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler settle the
+    schedule a checkpoint brings: a run that loads none (no --load, --finetune,
+    --no-load-optim) reads neither."""
+    given = [flag for flag, dest in (("--override-opt_param-scheduler",
+                                      "override_opt_param_scheduler"),
+                                     ("--use-checkpoint-opt_param-scheduler",
+                                      "use_checkpoint_opt_param_scheduler"))
+             if getattr(ns, dest, False)]
+    why = ("there is no --load" if not ns.load else "--finetune loads no schedule"
+           if ns.finetune else "--no-load-optim loads no schedule" if ns.no_load_optim
+           else None)
+    if given and why:
+        warn(f"{given[0]} has no effect: {why}, so the schedule comes from the command line "
+             "(Megatron-LM ignores it too)")

@@ -175,7 +175,14 @@ def test_a_loss_scale_without_fp16_or_bf16_is_warned(caplog):
     ("--lr-decay-style constant --min-lr 1e-4 --lr-decay-iters 8",
      "--min-lr 0.0001, --lr-decay-iters 8 have no effect: --lr-decay-style constant keeps "
      "--lr after the warmup"),
+    ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler has no "
+     "effect: there is no --load, so the schedule comes from the command line"),
+    ("--override-opt_param-scheduler --load x --finetune", "--override-opt_param-scheduler "
+     "has no effect: --finetune loads no schedule"),
+    ("--override-opt_param-scheduler --load x --no-load-optim", "--no-load-optim loads no "
+     "schedule"),
     # what the run reads, and defaults spelled out, are not warned
+    ("--override-opt_param-scheduler --load x", None),
     ("--lr-decay-style cosine --min-lr 1e-4 --lr-decay-iters 8", None),
     ("--fp16 --initial-loss-scale 1024 --hysteresis 4 --adam-beta2 0.95 --weight-decay 0.1",
      None),
