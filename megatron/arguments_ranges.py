@@ -6,13 +6,20 @@ here (--log-interval 0: ZeroDivisionError; --hidden-dropout 1.5: torch's Dropout
 --num-workers -1: the DataLoader); a value it reads as "off" stays valid (--eval-iters 0,
 --save-interval 0: only the final checkpoint, --exit-interval 0; here also
 --eval-interval 0: no evaluation during training); a value it reads as another setting is
-taken with a warning (--clip-grad -1: no clipping, like 0).
+taken with a warning (--clip-grad -1: no clipping, like 0). A tuning flag the run's other
+choices leave unread (--hysteresis with bf16, --adam-beta2 with --optimizer sgd) is warned.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Set, Tuple
 
-from megatron.arguments_common import ArgumentsError, flag_for_dest, warn
+from megatron.arguments_common import (
+    FLAG_SPECS,
+    ArgumentsError,
+    flag_for_dest,
+    spelled,
+    warn,
+)
 
 _Rule = Tuple[str, float, str, Optional[Callable]]
 FLOAT32_MAX = 3.4028234663852886e38
@@ -124,3 +131,62 @@ def check_value_ranges(ns) -> None:
     if _uses_dynamic_loss_scale(ns) and ns.min_loss_scale > ns.initial_loss_scale:
         raise ArgumentsError(f"--min-loss-scale {ns.min_loss_scale} must be <= "
                              f"--initial-loss-scale {ns.initial_loss_scale}")
+
+
+_DYNAMIC_SCALER_FLAGS = ("initial_loss_scale", "min_loss_scale", "loss_scale_window",
+                         "hysteresis")
+_ADAM_FLAGS = ("adam_beta1", "adam_beta2", "adam_eps")
+
+
+def _unread(ns, explicit: Set[str], dests, why: str) -> None:
+    """Warn of the flags in `dests` the user set to another value than the default that
+    this run never reads (Megatron-LM ignores them silently): `why` ends the sentence. A
+    default spelled out (scripts do) changes nothing either way."""
+    given = [spelled(ns, d) for d in dests
+             if d in explicit and getattr(ns, d) != FLAG_SPECS[flag_for_dest(d)].default]
+    if given:
+        verb = "has" if len(given) == 1 else "have"
+        warn(f"{', '.join(given)} {verb} no effect: {why} (Megatron-LM ignores "
+             f"{'it' if len(given) == 1 else 'them'} too)")
+
+
+def warn_unread_tuning_flags(ns, explicit: Set[str]) -> None:
+    """The loss-scaler, optimizer and weight-decay flags the run's other choices leave
+    unread, so that a tuned value that changes nothing is not taken for one that does."""
+    if not ns.fp16 or ns.loss_scale:
+        run = (f"the loss scale is the constant --loss-scale {ns.loss_scale:g}"
+               if ns.loss_scale and (ns.fp16 or ns.bf16)
+               else "bf16 trains without loss scaling" if ns.bf16
+               else "fp32 training scales no loss")
+        _unread(ns, explicit, _DYNAMIC_SCALER_FLAGS,
+                f"this run has no dynamic loss scale (--fp16 without --loss-scale): {run}")
+    if ns.optimizer == "sgd":
+        _unread(ns, explicit, _ADAM_FLAGS, "this run uses --optimizer sgd")
+    else:
+        _unread(ns, explicit, ("sgd_momentum",), f"this run uses --optimizer {ns.optimizer}")
+    if ns.lr_decay_style == "constant":
+        _unread(ns, explicit, ("min_lr", "lr_decay_iters", "lr_decay_samples"),
+                "--lr-decay-style constant keeps --lr after the warmup (the decay length "
+                "only bounds the warmup)")
+    _warn_unread_scheduler_flags(ns)
+    if ns.weight_decay_incr_style != "constant":
+        _unread(ns, explicit, ("weight_decay",),
+                f"with --weight-decay-incr-style {ns.weight_decay_incr_style} the weight decay "
+                "goes from --start-weight-decay to --end-weight-decay")
+
+
+def _warn_unread_scheduler_flags(ns) -> None:
+    """--override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler settle the
+    schedule a checkpoint brings: a run that loads none (no --load, --finetune,
+    --no-load-optim) reads neither."""
+    given = [flag for flag, dest in (("--override-opt_param-scheduler",
+                                      "override_opt_param_scheduler"),
+                                     ("--use-checkpoint-opt_param-scheduler",
+                                      "use_checkpoint_opt_param_scheduler"))
+             if getattr(ns, dest, False)]
+    why = ("there is no --load" if not ns.load else "--finetune loads no schedule"
+           if ns.finetune else "--no-load-optim loads no schedule" if ns.no_load_optim
+           else None)
+    if given and why:
+        warn(f"{given[0]} has no effect: {why}, so the schedule comes from the command line "
+             "(Megatron-LM ignores it too)")

@@ -21,7 +21,7 @@ import torch
 
 from megatron.arguments_common import ArgumentsError, machine_checks, note, warn
 from megatron.arguments_inputs import check_data_inputs, check_tokenizer_files, default_vocab_size
-from megatron.arguments_ranges import check_value_ranges
+from megatron.arguments_ranges import check_value_ranges, warn_unread_tuning_flags
 from megatron.arguments_schedule import check_run_length, resolve_iterations, schedule_steps
 from megatron.config import (
     CheckpointConfig,
@@ -291,8 +291,9 @@ def _resolve_precision(ns, explicit: Set[str]) -> None:
         raise ArgumentsError("--fp16 and --bf16 are exclusive; pass one")
     ns.params_dtype = torch.float16 if ns.fp16 else torch.bfloat16 if ns.bf16 else torch.float32
     if ns.bf16 and not ns.accumulate_allreduce_grads_in_fp32:
-        note("accumulate and all-reduce gradients in fp32 for bfloat16 data type")
+        note("accumulate and all-reduce gradients in fp32 for bfloat16 data type.")
         ns.accumulate_allreduce_grads_in_fp32 = True
+    note(f"using {ns.params_dtype} for parameters ...")  # Megatron-LM's line, log parsers read it
     if ns.fp16_lm_cross_entropy and not ns.fp16:
         raise ArgumentsError("--fp16-lm-cross-entropy needs --fp16")
     if ns.fp32_residual_connection and not (ns.fp16 or ns.bf16):
@@ -348,7 +349,8 @@ def _resolve_data_parallel(ns) -> None:
         ns.compile_layers = False
 
 
-def _resolve_optimizer(ns) -> None:
+def _resolve_optimizer(ns, explicit: Set[str]) -> None:
+    warn_unread_tuning_flags(ns, explicit)
     if ns.override_opt_param_scheduler and ns.use_checkpoint_opt_param_scheduler:
         raise ArgumentsError("--override-opt_param-scheduler (take the schedule from the command "
                              "line) and --use-checkpoint-opt_param-scheduler (take it from the "
@@ -514,7 +516,7 @@ def validate_args(
     _check_ffn_split(ns)
     _resolve_precision(ns, explicit)
     _resolve_data_parallel(ns)
-    _resolve_optimizer(ns)
+    _resolve_optimizer(ns, explicit)
     _resolve_recompute(ns)
     _resolve_runtime(ns, explicit, cuda_available)
     with machine_checks():  # CUDA present or not: may differ between nodes

@@ -211,6 +211,32 @@ def _schedule_check(config: Config, entry: dict, iter_dir: str) -> Preflight:
                      [f"error: loading {iter_dir}: {e}" for e in errors])
 
 
+def _saved_param_groups(entry) -> Optional[list]:
+    """The parameter groups of a checkpoint's "optimizer" entry (fp32: the torch state
+    dict; mixed precision and distributed: under its own "optimizer"), or None."""
+    inner = entry.get("optimizer", entry) if isinstance(entry, dict) else None
+    groups = inner.get("param_groups") if isinstance(inner, dict) else None
+    return groups if isinstance(groups, list) else None
+
+
+def _optimizer_check(config: Config, entry, iter_dir: str) -> Preflight:
+    """The saved optimizer kind against --optimizer, and the hyper-parameters the command
+    line changes (the real load's `settle_groups`, on the run's values)."""
+    from megatron.core.optimizer.inner_state import settle_groups
+
+    saved = _saved_param_groups(entry)
+    if not saved:
+        return Preflight([], [])
+    opt = config.optimizer
+    run = ({"betas": (opt.adam_beta1, opt.adam_beta2), "eps": opt.adam_eps}
+           if opt.optimizer == "adam" else {"momentum": opt.sgd_momentum})
+    try:
+        notes = settle_groups(saved, [run] * len(saved))[1]
+    except ValueError as exc:
+        return Preflight([], [f"error: loading {iter_dir}: {exc}"])
+    return Preflight([f"optimizer: {n}" for n in notes], [])
+
+
 def preflight_load(config: Config, evaluation: bool = False) -> Preflight:
     """What loading --load would do for this run, and every problem that would stop it
     (see the module doc). Nothing to say without --load. `evaluation`: the run only
@@ -247,6 +273,10 @@ def preflight_load(config: Config, evaluation: bool = False) -> Preflight:
     args_error = checkpoint_args_message(first.get("args"), config.args, iter_dir, ck.finetune)
     problems += [args_error] if args_error else []
     problems += states.problems
+    if states.with_optimizer:
+        optimizer = _optimizer_check(config, first.get("optimizer"), iter_dir)
+        lines += optimizer.lines
+        problems += optimizer.problems
     if states.with_optimizer and isinstance(first.get("opt_param_scheduler"), dict):
         schedule = _schedule_check(config, first["opt_param_scheduler"], iter_dir)
         lines += schedule.lines

@@ -375,7 +375,7 @@ def _load_optimizer(tr, loaded: _Loaded) -> None:
     the optimizer's groups differ, the distributed optimizer's file is missing)."""
     ck, state = tr.config.checkpoint, loaded.state
     try:
-        tr.optimizer.load_state_dict(state["optimizer"])
+        optimizer_notes = tr.optimizer.load_state_dict(state["optimizer"]) or []
     except ValueError as exc:
         raise SystemExit(f"error: loading {loaded.iter_dir}: {exc}") from None
     if hasattr(tr.optimizer, "load_parameter_state"):  # the distributed optimizer's shards
@@ -390,6 +390,8 @@ def _load_optimizer(tr, loaded: _Loaded) -> None:
         raise SystemExit(f"error: loading {loaded.iter_dir}: {exc}") from None
     for note in notes:  # a value one of the two scheduler flags settled
         print_rank_0(f" > learning-rate schedule: {note}")
+    for note in optimizer_notes:  # a hyper-parameter changed since the checkpoint
+        print_rank_0(f" > optimizer: {note}")
 
 
 def load_trainer_checkpoint(tr) -> Optional[str]:

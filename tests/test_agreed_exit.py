@@ -88,8 +88,8 @@ def checkpoint(tmp_path_factory):
 def test_schedule_mismatch_printed_once_every_rank_exits(checkpoint):
     codes, out = launch_two(BASE + ["--load", str(checkpoint), "--lr", "5e-4"])
     assert codes == [1, 1], (codes, out)
-    assert out.count("optimizer-parameter-scheduler value 'max_lr' from the checkpoint "
-                     "(0.001) differs from the command line (0.0005)") == 1, out
+    assert out.count("optimizer-parameter-scheduler value 'max_lr' (--lr) from the "
+                     "checkpoint (0.001) differs from the command line (0.0005)") == 1, out
     assert out.count("error:") == 1, out
     assert "(of 2)" not in out, out  # both ranks met it: no rank list
 

@@ -156,6 +156,49 @@ def test_a_loss_scale_without_fp16_or_bf16_is_warned(caplog):
             "no loss") in caplog.text
 
 
+@pytest.mark.parametrize("extra, expected", [
+    ("--bf16 --initial-loss-scale 1024 --hysteresis 4",
+     "--initial-loss-scale 1024.0, --hysteresis 4 have no effect: this run has no dynamic "
+     "loss scale (--fp16 without --loss-scale): bf16 trains without loss scaling"),
+    ("--fp16 --loss-scale 128 --min-loss-scale 2 --loss-scale-window 100",
+     "--min-loss-scale 2.0, --loss-scale-window 100.0 have no effect: this run has no "
+     "dynamic loss scale (--fp16 without --loss-scale): the loss scale is the constant "
+     "--loss-scale 128"),
+    ("--hysteresis 8", "fp32 training scales no loss (Megatron-LM ignores it too)"),
+    ("--optimizer sgd --adam-beta2 0.95 --adam-eps 1e-6",
+     "--adam-beta2 0.95, --adam-eps 1e-06 have no effect: this run uses --optimizer sgd"),
+    ("--sgd-momentum 0.5", "--sgd-momentum 0.5 has no effect: this run uses --optimizer adam"),
+    ("--weight-decay 0.1 --weight-decay-incr-style linear --start-weight-decay 0 "
+     "--end-weight-decay 0.2", "--weight-decay 0.1 has no effect: with "
+     "--weight-decay-incr-style linear the weight decay goes from --start-weight-decay to "
+     "--end-weight-decay"),
+    ("--lr-decay-style constant --min-lr 1e-4 --lr-decay-iters 8",
+     "--min-lr 0.0001, --lr-decay-iters 8 have no effect: --lr-decay-style constant keeps "
+     "--lr after the warmup"),
+    ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler has no "
+     "effect: there is no --load, so the schedule comes from the command line"),
+    ("--override-opt_param-scheduler --load x --finetune", "--override-opt_param-scheduler "
+     "has no effect: --finetune loads no schedule"),
+    ("--override-opt_param-scheduler --load x --no-load-optim", "--no-load-optim loads no "
+     "schedule"),
+    # what the run reads, and defaults spelled out, are not warned
+    ("--override-opt_param-scheduler --load x", None),
+    ("--lr-decay-style cosine --min-lr 1e-4 --lr-decay-iters 8", None),
+    ("--fp16 --initial-loss-scale 1024 --hysteresis 4 --adam-beta2 0.95 --weight-decay 0.1",
+     None),
+    ("--bf16 --initial-loss-scale 4294967296 --hysteresis 2 --optimizer sgd --adam-beta2 "
+     "0.999", None),
+])
+def test_tuning_flags_the_run_never_reads_are_warned(caplog, extra, expected):
+    """Megatron-LM ignores these silently: a bf16 run 'tuned' with --hysteresis, or an SGD
+    run with --adam-beta2, trains exactly as without them."""
+    run(extra)
+    if expected is None:
+        assert "has no effect" not in caplog.text
+    else:
+        assert expected in caplog.text
+
+
 def test_a_log_interval_longer_than_the_run_is_warned(caplog):
     """The iteration line comes at multiples of --log-interval (Megatron's rule): a 10-
     iteration run with the default 100 printed no loss at all, silently."""

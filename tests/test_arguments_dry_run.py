@@ -228,25 +228,40 @@ def test_dry_run_lists_every_schedule_mismatch(saved, capsys):
     status, out = dry(capsys, f"--load {saved}/full --lr 5e-4 --train-iters 40")
     assert status == 1 and "checkpoint problems (3; the real run stops at the first)" in out
     assert (f"error: loading {saved}/full/iter_0000010: optimizer-parameter-scheduler value "
-            "'max_lr' from the checkpoint (0.001) differs from the command line (0.0005); pass "
+            "'max_lr' (--lr) from the checkpoint (0.001) differs from the command line (0.0005); pass "
             "--override-opt_param-scheduler to use the command line or "
             "--use-checkpoint-opt_param-scheduler to use the checkpoint") in out
-    assert "'lr_decay_steps' (in samples: iterations x global batch size) from the " \
-           "checkpoint (20) differs from the command line (80)" in out
+    assert ("'lr_decay_steps' (--lr-decay-iters/-samples, else --train-iters/-samples; in "
+            "samples: iterations x global batch size) from the checkpoint (20) differs from "
+            "the command line (80)") in out
     assert out.rstrip().endswith("the run would stop when it loads the checkpoint")
     status, out = dry(capsys, f"--load {saved}/full --lr 5e-4 --override-opt_param-scheduler")
-    assert status == 0 and "learning-rate schedule: max_lr: using the command line's " \
+    assert status == 0 and "learning-rate schedule: max_lr (--lr): using the command line's " \
                            "0.0005, not the checkpoint's 0.001" in out
     assert dry(capsys, f"--load {saved}/full --lr 5e-4 "
                        "--use-checkpoint-opt_param-scheduler")[0] == 0
 
 
+@pytest.mark.parametrize("name", ["full", "dist"])
+def test_dry_run_checks_the_optimizer_kind_and_hyperparameters(saved, capsys, name):
+    extra = f"--load {saved}/{name} " + (" ".join(DIST) if name == "dist" else "")
+    status, out = dry(capsys, extra + " --optimizer sgd")
+    assert status == 1 and (f"error: loading {saved}/{name}/iter_0000010: the checkpoint's "
+                            "optimizer state is --optimizer adam's but this run uses "
+                            "--optimizer sgd") in out
+    status, out = dry(capsys, extra + " --adam-beta2 0.95")
+    assert status == 0 and ("optimizer: --adam-beta1/--adam-beta2: using the command line's "
+                            "0.9 0.95, not the checkpoint's 0.9 0.999") in out
+
+
 def test_dry_run_global_batch_size_changes_the_schedule(saved, capsys):
     status, out = dry(capsys, f"--load {saved}/full --global-batch-size 4")
     assert status == 1
-    for name in ("lr_decay_steps", "wd_incr_steps"):
-        assert (f"'{name}' (in samples: iterations x global batch size) from the checkpoint "
-                "(20) differs from the command line (40)") in out
+    for name, flags in (("lr_decay_steps", "--lr-decay-iters/-samples, else "
+                                           "--train-iters/-samples"),
+                        ("wd_incr_steps", "--train-iters/-samples")):
+        assert (f"'{name}' ({flags}; in samples: iterations x global batch size) from the "
+                "checkpoint (20) differs from the command line (40)") in out
 
 
 def test_dry_run_checkpoint_without_optimizer_or_rng(saved, capsys):

@@ -108,6 +108,19 @@ def test_global_batch_default_and_micro_batches(caplog):
     assert (cfg.parallel.dp_size, cfg.data.num_micro_batches) == (4, 4)
 
 
+@pytest.mark.parametrize("extra, lines", [
+    ("", ["using torch.float32 for parameters ..."]),
+    ("--fp16", ["using torch.float16 for parameters ..."]),
+    ("--bf16", ["accumulate and all-reduce gradients in fp32 for bfloat16 data type.",
+                "using torch.bfloat16 for parameters ..."]),
+])
+def test_parameter_dtype_lines_as_megatron_prints_them(caplog, extra, lines):
+    caplog.set_level(logging.INFO, logger="megatron.arguments")
+    run(extra)
+    printed = [r.getMessage() for r in caplog.records]
+    assert [m for m in printed if m in lines] == lines
+
+
 def test_sequence_parallel_with_tp1_is_disabled_with_warning(caplog):
     assert run("--sequence-parallel").model.sequence_parallel is False
     assert "--sequence-parallel needs --tensor-model-parallel-size > 1" in caplog.text

@@ -200,6 +200,30 @@ def test_checkpoint_saved_with_dp2_resumes_with_dp1_and_dp4(tmp_path):
                                msg="resumed with the plain optimizer")
 
 
+def _distributed_mlp_optimizer(**optim):
+    ps = ParallelState.build(1, 0)
+    ddp = DistributedDataParallel(_mlp(), ps, ParallelConfig(
+        dp_size=1, world_size=1, use_distributed_optimizer=True))
+    opt = build_optimizer(OptimizerConfig(lr=0.1, **optim), [ddp], ps)
+    assert isinstance(opt, DistributedOptimizer)
+    return opt
+
+
+def test_resume_keeps_the_command_lines_hyperparameters_and_refuses_another_kind():
+    """The saved groups' betas / eps replaced the command line's on load; an SGD run loading
+    an Adam checkpoint went on with Adam's group keys and no momentum buffer."""
+    saved = _distributed_mlp_optimizer().state_dict()
+    opt = _distributed_mlp_optimizer(adam_beta1=0.8, adam_eps=1e-5)
+    assert opt.load_state_dict(saved) == [
+        "--adam-beta1/--adam-beta2: using the command line's 0.8 0.999, not the "
+        "checkpoint's 0.9 0.999", "--adam-eps: using the command line's 1e-05, not the "
+        "checkpoint's 1e-08"]
+    assert all(g["betas"] == (0.8, 0.999) and g["eps"] == 1e-5
+               for g in opt.optimizer.param_groups)
+    with pytest.raises(ValueError, match="--optimizer adam's but this run uses --optimizer sgd"):
+        _distributed_mlp_optimizer(optimizer="sgd").load_state_dict(saved)
+
+
 # --------------------------------------------------------------------------- 4. overflow
 def _mlp():
     torch.manual_seed(0)

@@ -156,10 +156,10 @@ def test_check_state_dict_lists_every_difference_and_changes_nothing():
     sched = OptimizerParamScheduler(_optimizer(), _config(lr_decay_steps=2 * DECAY))
     notes, errors = sched.check_state_dict(sd)
     assert notes == [] and len(errors) == 2
-    assert errors[0].startswith("optimizer-parameter-scheduler value 'max_lr' from the "
-                                "checkpoint (0.002) differs from the command line (0.001)")
-    assert "'lr_decay_steps' (in samples: iterations x global batch size) from the " \
-           "checkpoint (1000) differs from the command line (2000)" in errors[1]
+    assert errors[0].startswith("optimizer-parameter-scheduler value 'max_lr' (--lr) from "
+                                "the checkpoint (0.002) differs from the command line (0.001)")
+    assert "'lr_decay_steps' (--lr-decay-iters/-samples, else --train-iters/-samples; in samples: " \
+           "iterations x global batch size) from the checkpoint (1000) differs from the command line (2000)" in errors[1]
     assert sched.max_lr == MAX_LR and sched.lr_decay_steps == 2 * DECAY
     with pytest.raises(ValueError) as err:  # the real load names both, changes nothing
         sched.load_state_dict(sd)
@@ -168,7 +168,7 @@ def test_check_state_dict_lists_every_difference_and_changes_nothing():
     assert sched.max_lr == MAX_LR and sched.lr_decay_steps == 2 * DECAY
     keep = OptimizerParamScheduler(_optimizer(), _config(override_opt_param_scheduler=True))
     assert keep.check_state_dict(sd) == ([
-        "max_lr: using the command line's 0.001, not the checkpoint's 0.002 "
+        "max_lr (--lr): using the command line's 0.001, not the checkpoint's 0.002 "
         "(--override-opt_param-scheduler)"], [])
     assert keep.max_lr == MAX_LR
     assert sched.check_state_dict({"max_lr": MAX_LR})[1] == [
@@ -195,12 +195,12 @@ def test_flags_report_the_values_they_settle():
     sd = old.state_dict()
     keep = OptimizerParamScheduler(_optimizer(), _config(override_opt_param_scheduler=True))
     assert keep.load_state_dict(sd) == [
-        "max_lr: using the command line's 0.001, not the checkpoint's 0.002 "
+        "max_lr (--lr): using the command line's 0.001, not the checkpoint's 0.002 "
         "(--override-opt_param-scheduler)"]
     take = OptimizerParamScheduler(
         _optimizer(), _config(use_checkpoint_opt_param_scheduler=True))
     assert take.load_state_dict(sd) == [
-        "max_lr: using the checkpoint's 0.002, not the command line's 0.001 "
+        "max_lr (--lr): using the checkpoint's 0.002, not the command line's 0.001 "
         "(--use-checkpoint-opt_param-scheduler)"]
     same = OptimizerParamScheduler(_optimizer(), _config(use_checkpoint_opt_param_scheduler=True))
     assert same.load_state_dict(OptimizerParamScheduler(_optimizer(), _config()).state_dict()) \
@@ -212,8 +212,9 @@ def test_step_mismatch_says_it_counts_samples():
     says what the numbers count."""
     sd = OptimizerParamScheduler(_optimizer(), _config()).state_dict()
     sched = OptimizerParamScheduler(_optimizer(), _config(lr_warmup_steps=2 * WARMUP))
-    with pytest.raises(ValueError, match=r"'lr_warmup_steps' \(in samples: iterations x global "
-                                         r"batch size\) from the checkpoint \(100\)"):
+    with pytest.raises(ValueError, match=r"'lr_warmup_steps' \(--lr-warmup-iters/-samples/-fraction; "
+                                         r"in samples: iterations x global batch "
+                                         r"size\) from the checkpoint \(100\)"):
         sched.load_state_dict(sd)
 
 

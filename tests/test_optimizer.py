@@ -2,6 +2,7 @@
 mixed-precision wrappers against plain torch AdamW, checkpoint round trips."""
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -404,6 +405,76 @@ def test_state_dict_round_trip_gives_identical_steps(dtype, tmp_path):
     for p, q in zip(opt.get_parameters(), opt2.get_parameters()):
         assert torch.equal(p, q)
     assert float(opt.get_loss_scale()) == float(opt2.get_loss_scale())
+
+
+@pytest.mark.parametrize("saved, loaded, scale, warning", [
+    # a constant --loss-scale saves {}: Megatron-LM's dynamic scaler met a KeyError there
+    (dict(loss_scale=128.0), dict(), 256.0, "constant --loss-scale; the dynamic loss scale "
+                                            "starts at --initial-loss-scale 256"),
+    (dict(dtype=torch.bfloat16), dict(), 256.0, "no loss scaler"),
+    (dict(), dict(dtype=torch.bfloat16), 1.0, "uses none"),
+    (dict(), dict(loss_scale=32.0), 32.0, None),  # the constant --loss-scale asked for
+    (dict(), dict(), 128.0, None),  # the saved dynamic scale: 256 halved by the overflow
+])
+def test_loss_scaler_kind_changed_on_resume(saved, loaded, scale, warning):
+    def build(kw):
+        kw = dict(kw)
+        dtype = kw.pop("dtype", torch.float16)
+        model = _Net(dtype)
+        return model, build_optimizer(_mixed_config(dtype, hysteresis=1, **kw), [model], SINGLE)
+
+    model, opt = build(saved)
+    _set_model_grads(model, 0, model.fc.weight.dtype, float(opt.get_loss_scale()))
+    model.fc.weight.grad[0, 0] = float("inf")
+    opt.step()
+    _, opt2 = build(loaded)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    messages = [str(w.message) for w in caught]
+    assert float(opt2.get_loss_scale()) == scale
+    if warning is None:
+        assert messages == []
+    else:
+        assert len(messages) == 1 and warning in messages[0], messages
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_resume_keeps_the_command_lines_adam_hyperparameters(dtype):
+    """torch's load_state_dict (apex's under Megatron-LM) restores the saved betas and eps:
+    a changed --adam-beta2 / --adam-eps was silently dropped on resume."""
+    def build(**kw):
+        model = _Net(dtype)
+        config = (_mixed_config(dtype, **kw) if dtype != torch.float32
+                  else OptimizerConfig(lr=1e-2, **kw))
+        return model, build_optimizer(config, [model], SINGLE)
+
+    model, opt = build()
+    _train(model, opt, dtype, 1, 0)
+    _, opt2 = build(adam_beta2=0.95, adam_eps=1e-6)
+    notes = opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert notes == ["--adam-beta1/--adam-beta2: using the command line's 0.9 0.95, not the "
+                     "checkpoint's 0.9 0.999",
+                     "--adam-eps: using the command line's 1e-06, not the checkpoint's 1e-08"]
+    for group in opt2.optimizer.param_groups:
+        assert group["betas"] == (0.9, 0.95) and group["eps"] == 1e-6
+    assert all("exp_avg" in s for s in opt2.optimizer.state.values())  # the state loaded
+    _, same = build()
+    assert same.load_state_dict(copy.deepcopy(opt.state_dict())) == []
+
+
+def test_resume_with_another_optimizer_kind_is_refused():
+    """An Adam checkpoint in an SGD run stopped in the first step with KeyError 'momentum'."""
+    model = _Net()
+    adam = build_optimizer(OptimizerConfig(lr=1e-2), [model], SINGLE)
+    _train(model, adam, torch.float32, 1, 0)
+    sgd = build_optimizer(OptimizerConfig(lr=1e-2, optimizer="sgd"), [model], SINGLE)
+    with pytest.raises(ValueError, match="optimizer state is --optimizer adam's but this run "
+                                         "uses --optimizer sgd: resume with --optimizer adam, "
+                                         "or pass --no-load-optim"):
+        sgd.load_state_dict(adam.state_dict())
+    with pytest.raises(ValueError, match="is --optimizer sgd's but this run uses --optimizer adam"):
+        adam.load_state_dict(sgd.state_dict())
 
 
 def test_reload_model_params_and_apex_style_state():

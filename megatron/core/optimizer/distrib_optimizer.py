@@ -48,14 +48,17 @@ checkpoint saved with one dp_size loads with another (`load_parameter_state`).
 """
 from __future__ import annotations
 
-import warnings
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron.core.optimizer.grad_scaler import DynamicGradScaler, MegatronGradScaler
-from megatron.core.optimizer.inner_state import LOCAL_GROUP_KEYS, load_inner_state
+from megatron.core.optimizer.grad_scaler import MegatronGradScaler, load_scaler_state
+from megatron.core.optimizer.inner_state import (
+    LOCAL_GROUP_KEYS,
+    load_inner_state,
+    settle_groups,
+)
 from megatron.core.optimizer.optimizer import (
     _COPIED_ATTRIBUTES,
     MixedPrecisionOptimizer,
@@ -330,9 +333,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             state_dict["grad_scaler"] = self.grad_scaler.state_dict()
         return state_dict
 
-    def load_state_dict(self, state_dict: Dict) -> None:
-        """Restore group hyper-parameters, the step count and the grad scaler; the shards
-        follow with `load_parameter_state()`."""
+    def load_state_dict(self, state_dict: Dict) -> List[str]:
+        """Restore group hyper-parameters (the command line's --adam-beta1/2, --adam-eps,
+        --sgd-momentum kept: the returned notes), the step count and the grad scaler; the
+        shards follow with `load_parameter_state()`."""
         inner = state_dict.get("optimizer")
         if not isinstance(inner, dict) or "state" in inner or "param_groups" not in inner:
             raise ValueError(
@@ -344,16 +348,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             raise ValueError(f"checkpoint has {len(saved)} optimizer parameter groups, this "
                              f"model has {len(self.optimizer.param_groups)}; the model or the "
                              f"weight-decay / lr-scaling rules differ from the saved run")
-        for current, group in zip(self.optimizer.param_groups, saved):
+        settled, notes = settle_groups(saved, self.optimizer.param_groups)
+        for current, group in zip(self.optimizer.param_groups, settled):
             for key, value in group.items():
                 if key not in ("params", "step") and key not in LOCAL_GROUP_KEYS:
                     current[key] = value
         self._loaded_step = int(saved[0].get("step", 0)) if saved else 0
-        if "grad_scaler" not in state_dict:
-            if isinstance(self.grad_scaler, DynamicGradScaler):
-                warnings.warn("no grad scaler in the checkpoint; keeping the initial loss scale")
-        elif self.grad_scaler is not None:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        load_scaler_state(self.grad_scaler, state_dict)
+        return notes
 
     # --- checkpoint: the sharded part (distrib_optim.pt) ---------------------------------
     def _agreed_state_keys(self) -> List[str]:

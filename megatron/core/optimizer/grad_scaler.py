@@ -9,6 +9,7 @@ device tensor (a step captured in a CUDA graph, which never reads it on the host
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, Optional, Union
 
 import torch
@@ -165,3 +166,27 @@ class DynamicGradScaler(MegatronGradScaler):
         self._scale.copy_(scale.reshape(()))
         self._growth.fill_(int(state_dict["growth_tracker"]))
         self._hyst.fill_(int(state_dict["hysteresis_tracker"]))
+
+
+def load_scaler_state(scaler: Optional[MegatronGradScaler], state_dict: Dict[str, Any]) -> None:
+    """Restore `scaler` from an optimizer checkpoint entry (its "grad_scaler", if any),
+    Megatron's rule: a saved state loads into a scaler of the run; a constant scaler keeps
+    its --loss-scale. Where the checkpoint's loss scaling is not the run's, a warning says
+    what the run uses instead: no scaler saved (bf16, fp32 or an older checkpoint) or a
+    constant --loss-scale's empty entry under a dynamic scaler -> the dynamic scale
+    starts at --initial-loss-scale (Megatron-LM stops with a KeyError on the latter); a
+    dynamic state under a run without a scaler (bf16) is ignored."""
+    saved = state_dict.get("grad_scaler")
+    if isinstance(scaler, DynamicGradScaler):
+        if not saved:
+            what = ("a constant --loss-scale" if saved is not None
+                    else "no loss scaler (bf16/fp32, or an older checkpoint)")
+            warnings.warn(f"the checkpoint was saved with {what}; the dynamic loss scale "
+                          f"starts at --initial-loss-scale {float(scaler.scale):g}")
+            return
+        scaler.load_state_dict(saved)
+    elif scaler is not None:
+        scaler.load_state_dict(saved or {})
+    elif saved:
+        warnings.warn("the checkpoint has a dynamic loss scaler but this run uses none "
+                      "(bf16); ignoring it")

@@ -2,29 +2,71 @@
 mixed-precision and distributed optimizers)."""
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, List, Tuple
 
 import torch
 
 # Implementation switches that belong to this process, not to the checkpoint.
 LOCAL_GROUP_KEYS = ("fused", "foreach", "capturable", "differentiable")
+# Hyper-parameters the command line sets: this run's values are kept over a checkpoint's
+# (torch's load_state_dict, like apex's under Megatron-LM, would silently restore the saved
+# ones). lr and weight_decay need no entry: the scheduler rewrites them at every step.
+RUN_GROUP_KEYS = {"betas": "--adam-beta1/--adam-beta2", "eps": "--adam-eps",
+                  "momentum": "--sgd-momentum"}
+# A group key that only one optimizer kind has, and that kind's --optimizer value.
+_KIND_KEYS = (("betas", "adam"), ("momentum", "sgd"))
 
 
-def load_inner_state(optimizer: torch.optim.Optimizer, state_dict: Dict) -> None:
+def _kind(group: Dict) -> str:
+    return next((kind for key, kind in _KIND_KEYS if key in group), "unknown")
+
+
+def settle_groups(saved_groups: List[Dict], current_groups: List[Dict]
+                  ) -> Tuple[List[Dict], List[str]]:
+    """The saved parameter groups with this process's implementation switches and
+    command-line hyper-parameters (`RUN_GROUP_KEYS`) put back, and one note per
+    hyper-parameter whose saved value this run replaces. ValueError when the checkpoint
+    holds another optimizer kind's state (Adam's in an SGD run, or the reverse)."""
+    groups, notes = [], {}
+    for saved, current in zip(saved_groups, current_groups):
+        if "unknown" not in (_kind(saved), _kind(current)) and _kind(saved) != _kind(current):
+            raise ValueError(
+                f"the checkpoint's optimizer state is --optimizer {_kind(saved)}'s but this "
+                f"run uses --optimizer {_kind(current)}: resume with --optimizer "
+                f"{_kind(saved)}, or pass --no-load-optim to start the {_kind(current)} "
+                "optimizer fresh from the loaded weights")
+        saved = dict(saved)
+        for key in LOCAL_GROUP_KEYS + tuple(RUN_GROUP_KEYS):
+            if key not in current:
+                continue
+            if key in RUN_GROUP_KEYS and key in saved and key not in notes \
+                    and _values(saved[key]) != _values(current[key]):
+                notes[key] = (f"{RUN_GROUP_KEYS[key]}: using the command line's "
+                              f"{_shown(current[key])}, not the checkpoint's "
+                              f"{_shown(saved[key])}")
+            saved[key] = current[key]
+        groups.append(saved)
+    return groups, list(notes.values())
+
+
+def _values(value) -> tuple:
+    return tuple(float(v) for v in value) if isinstance(value, (tuple, list)) else (float(value),)
+
+
+def _shown(value) -> str:
+    return " ".join(f"{v:g}" for v in _values(value))
+
+
+def load_inner_state(optimizer: torch.optim.Optimizer, state_dict: Dict) -> List[str]:
     """`optimizer.load_state_dict`, tolerating apex-style state (step kept in the group)
-    and keeping this process's implementation switches (fused/foreach)."""
+    and keeping this process's implementation switches (fused/foreach) and command-line
+    hyper-parameters (`settle_groups`, whose notes it returns)."""
     if "state" not in state_dict:
         raise ValueError(
             "the checkpoint's optimizer state holds no per-parameter state: it was saved with "
             "--use-distributed-optimizer (the state is in distrib_optim.pt); resume with that "
             "flag, or pass --no-load-optim to start the optimizer fresh from the loaded weights")
-    groups = []
-    for saved, current in zip(state_dict["param_groups"], optimizer.param_groups):
-        saved = dict(saved)
-        for key in LOCAL_GROUP_KEYS:
-            if key in current:
-                saved[key] = current[key]
-        groups.append(saved)
+    groups, notes = settle_groups(state_dict["param_groups"], optimizer.param_groups)
     state = {}
     for idx, param_state in state_dict["state"].items():
         param_state = dict(param_state)
@@ -33,6 +75,7 @@ def load_inner_state(optimizer: torch.optim.Optimizer, state_dict: Dict) -> None
             param_state["step"] = torch.tensor(float(group.get("step", 0)))
         state[idx] = param_state
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return notes
 
 
-__all__ = ["LOCAL_GROUP_KEYS", "load_inner_state"]
+__all__ = ["LOCAL_GROUP_KEYS", "RUN_GROUP_KEYS", "load_inner_state", "settle_groups"]

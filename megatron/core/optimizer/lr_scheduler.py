@@ -33,7 +33,27 @@ logger = logging.getLogger(__name__)
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 # What a difference in a *_steps value is counted in: changing --global-batch-size changes it.
-_SAMPLE_UNITS = " (in samples: iterations x global batch size)"
+_SAMPLE_UNITS = "in samples: iterations x global batch size"
+# The flags that set each checkpointed value, for messages (the key names are Megatron's).
+_FLAGS = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "lr_warmup_steps": "--lr-warmup-iters/-samples/-fraction",
+    "lr_decay_steps": "--lr-decay-iters/-samples, else --train-iters/-samples",
+    "lr_decay_style": "--lr-decay-style",
+    "start_wd": "--start-weight-decay, or --weight-decay",
+    "end_wd": "--end-weight-decay, or --weight-decay",
+    "wd_incr_steps": "--train-iters/-samples",
+    "wd_incr_style": "--weight-decay-incr-style",
+}
+
+
+def _described(name: str, quoted: bool = False) -> str:
+    """`name` (in quotes if asked) with the flags that set it and the unit of a *_steps
+    value."""
+    unit = f"; {_SAMPLE_UNITS}" if name.endswith("_steps") else ""
+    shown = repr(name) if quoted else name
+    return f"{shown} ({_FLAGS[name]}{unit})" if name in _FLAGS else shown
 
 # Keys an older Megatron checkpoint may use instead of the current ones.
 _LEGACY_KEYS = {
@@ -218,15 +238,14 @@ class OptimizerParamScheduler:
         the other side is described in `notes` (Megatron prints one line per value). A
         difference neither flag settles is a ValueError, or appended to `errors` when a
         list is given (the config's value is then kept)."""
-        unit = _SAMPLE_UNITS if name.endswith("_steps") else ""
         if self.override_opt_param_scheduler:
             if current != saved:
-                notes.append(f"{name}{unit}: using the command line's {current}, not the "
-                             f"checkpoint's {saved} (--override-opt_param-scheduler)")
+                notes.append(f"{_described(name)}: using the command line's {current}, not "
+                             f"the checkpoint's {saved} (--override-opt_param-scheduler)")
             return current
         if not self.use_checkpoint_opt_param_scheduler and current != saved:
             message = (
-                f"optimizer-parameter-scheduler value {name!r}{unit} from the checkpoint "
+                f"optimizer-parameter-scheduler value {_described(name, quoted=True)} from the checkpoint "
                 f"({saved}) differs from the command line ({current}); pass "
                 f"--override-opt_param-scheduler to use the command line or "
                 f"--use-checkpoint-opt_param-scheduler to use the checkpoint"
@@ -236,8 +255,8 @@ class OptimizerParamScheduler:
             errors.append(message)
             return current
         if current != saved:
-            notes.append(f"{name}{unit}: using the checkpoint's {saved}, not the command "
-                         f"line's {current} (--use-checkpoint-opt_param-scheduler)")
+            notes.append(f"{_described(name)}: using the checkpoint's {saved}, not the "
+                         f"command line's {current} (--use-checkpoint-opt_param-scheduler)")
         return saved
 
     def _keep_fractional_warmup(self, saved) -> bool:

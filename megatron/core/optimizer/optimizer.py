@@ -20,7 +20,6 @@ whole world and all-gathers the updated parameters over the data-parallel group.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -33,7 +32,7 @@ from megatron.core.optimizer.clip_grads import (
     get_grad_norm,
     get_params_norm,
 )
-from megatron.core.optimizer.grad_scaler import DynamicGradScaler, MegatronGradScaler
+from megatron.core.optimizer.grad_scaler import MegatronGradScaler, load_scaler_state
 from megatron.core.optimizer.inner_state import load_inner_state
 from megatron.core.optimizer.multi_tensor_adam import MultiTensorAdamW, supports
 from megatron.core.timing import TimerHook, timed
@@ -297,7 +296,10 @@ class MegatronOptimizer:
     def state_dict(self) -> Dict:
         raise NotImplementedError
 
-    def load_state_dict(self, state_dict: Dict) -> None:
+    def load_state_dict(self, state_dict: Dict) -> List[str]:
+        """Restore from `state_dict()`'s shape; returns one note per hyper-parameter
+        (--adam-beta1/2, --adam-eps, --sgd-momentum) on which this run's value replaces
+        the checkpoint's (inner_state.settle_groups), for the caller to print."""
         raise NotImplementedError
 
 
@@ -336,8 +338,8 @@ class FP32Optimizer(MegatronOptimizer):
         """The torch optimizer state dict itself (Megatron's fp32 checkpoint shape)."""
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state_dict: Dict) -> None:
-        load_inner_state(self.optimizer, state_dict)
+    def load_state_dict(self, state_dict: Dict) -> List[str]:
+        return load_inner_state(self.optimizer, state_dict)
 
 
 class MixedPrecisionOptimizer(MegatronOptimizer):
@@ -562,16 +564,10 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         return state_dict
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: Dict) -> None:
+    def load_state_dict(self, state_dict: Dict) -> List[str]:
         key = "optimizer" if "optimizer" in state_dict else "optimizer_state_dict"
-        load_inner_state(self.optimizer, state_dict[key])
-        if "grad_scaler" not in state_dict:
-            if isinstance(self.grad_scaler, DynamicGradScaler):
-                warnings.warn("no grad scaler in the checkpoint; keeping the initial loss scale")
-        elif self.grad_scaler is not None:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
-        elif state_dict["grad_scaler"]:
-            warnings.warn("the checkpoint has a grad scaler but this run uses none; ignoring it")
+        notes = load_inner_state(self.optimizer, state_dict[key])
+        load_scaler_state(self.grad_scaler, state_dict)
         key = "fp32_from_fp16_params" if "fp32_from_fp16_params" in state_dict else "fp32_from_fp16"
         saved_groups = state_dict[key]
         if [len(g) for g in saved_groups] != [len(g) for g in self.fp32_from_float16_groups]:
@@ -583,3 +579,4 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         for current, saved in zip(self.fp32_from_float16_groups, saved_groups):
             for param, value in zip(current, saved):
                 param.copy_(value)
+        return notes
