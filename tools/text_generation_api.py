@@ -26,9 +26,10 @@ A request is Megatron-LM's `PUT /api` JSON object:
                          300 / ln(tokens_to_generate), so that stays a finite number
 
 The answer is {"text": [prompt + generated text], "segments": [[token text, ...]]} (with a
-SentencePiece tokenizer the pieces as Megatron-LM gives them: '\u2581the') and,
-when asked, "logprobs": [[log p(token | tokens before it) for every token after the
-first]] (tokens_to_generate 0 with logprobs scores the prompts).
+SentencePiece tokenizer the pieces as Megatron-LM gives them: '\u2581the') and
+"logprobs": [[log p(token | tokens before it) for every token after the first]] when
+asked (tokens_to_generate 0 with logprobs scores the prompts), else null, as Megatron-LM's
+answer has it (a client reading answer["logprobs"] gets None, not a KeyError).
 
 The prompts of a request are generated together, as one batch, through tools/generate.py's
 `generate_batch` and its key/value cache: every prompt is prefilled up to the shortest one,
@@ -469,7 +470,7 @@ def token_segments(tokenizer, ids: List[int]) -> List[str]:
     return [tokenizer.detokenize([t]) for t in ids]
 
 
-def run_request(engine: Engine, req: GenerationRequest) -> Dict[str, list]:
+def run_request(engine: Engine, req: GenerationRequest) -> Dict[str, Optional[list]]:
     """The response object of a validated request (call it holding engine.lock).
     RequestError when a prompt does not tokenize or does not fit."""
     all_ids = [_prompt_ids(engine, i, p, req) for i, p in enumerate(req.prompts)]
@@ -478,8 +479,9 @@ def run_request(engine: Engine, req: GenerationRequest) -> Dict[str, list]:
         return _run_beams(engine, req, all_ids[0])
     tok = engine.tokenizer
     full = [ids + new for ids, new in zip(all_ids, _generate_all(engine, req, all_ids))]
-    out: Dict[str, list] = {"text": [tok.detokenize(ids) for ids in full],
-                            "segments": [token_segments(tok, ids) for ids in full]}
+    out: Dict[str, Optional[list]] = {"text": [tok.detokenize(ids) for ids in full],
+                                      "segments": [token_segments(tok, ids) for ids in full],
+                                      "logprobs": None}  # null unless asked, as Megatron's
     if req.logprobs and engine.use_kv_cache:
         out["logprobs"] = batch_token_logprobs(engine.model, full, engine.vocab_size)
     elif req.logprobs:  # --no-kv-cache, the reference: one forward per answer
