@@ -143,6 +143,11 @@ def test_sample_next_filters():
     p = torch.softmax(logits, 0)  # top-p 0.9: ids 1 and 2 hold 0.90 of the mass -> + id 0
     assert p[1] + p[2] < 0.9 < p[1] + p[2] + p[0]
     assert {generate.sample_next(logits, top_p=0.9, generator=g) for _ in range(300)} == {0, 1, 2}
+    for tiny in (1e-40, 5e-324):  # logits / temperature overflow: the argmax, no nan
+        assert {generate.sample_next(logits, temperature=tiny, generator=g) for _ in range(5)} \
+            == {1}
+        assert generate.sample_next(logits, temperature=tiny, top_p=0.5, top_k=2,
+                                    generator=g) == 1
 
 
 def _tp_pp_worker(rank, world_size, save_dir, extra):

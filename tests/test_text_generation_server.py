@@ -164,6 +164,16 @@ def test_logprobs_and_scoring(served):
     assert bos["segments"][0][0] == "100"  # NullTokenizer --vocab-size 100: EOD is id 100
 
 
+def test_a_tiny_temperature_is_greedy(served):
+    """temperature 5e-324 is a valid number > 0: the answer is the greedy one, not a 500
+    from logits / temperature overflowing into nan probabilities."""
+    url, _ = served
+    body = {"prompts": ["5 6 7", "1"], "tokens_to_generate": 6, "random_seed": 1}
+    greedy = _ok(url, dict(body, top_k=1))["text"]
+    for tiny in (1e-40, 5e-324):
+        assert _ok(url, dict(body, temperature=tiny))["text"] == greedy
+
+
 @pytest.mark.parametrize("body,message", [
     ({}, "prompts must be a list of 1 to 128 strings (got None)"),
     ({"prompts": []}, "prompts must be a list of 1 to 128 strings (got [])"),

@@ -80,6 +80,10 @@ from megatron.core.models.gpt.static_decode import MODES, StaticDecoder  # noqa:
 from tools.sampling_rules import TopP, forbid_after, top_p_at  # noqa: E402
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# sample_next: below this temperature the logits are shifted to a maximum of 0 before the
+# division (logits / 1e-4 stays finite in fp32 up to |logit| 3e34; the shift changes the
+# probabilities' rounding, so ordinary temperatures keep the plain division)
+_SHIFT_BELOW = 1e-4
 __all__ = ["build_decoder", "config_from_args", "load_model", "sample_next", "generate",
            "generate_batch", "main"]
 
@@ -116,10 +120,15 @@ def sample_next(logits: torch.Tensor, greedy: bool = False, temperature: float =
                 generator: Optional[torch.Generator] = None) -> int:
     """One token id from a [V] logits vector: argmax when greedy (or temperature 0), else a
     draw from softmax(logits / temperature) restricted to the top_k ids and to the smallest
-    set whose probability reaches top_p."""
+    set whose probability reaches top_p. A temperature so small that logits / temperature
+    would overflow (a request's 1e-320) divides the logits less their maximum: the same
+    distribution (the argmax and its ties), never inf - inf = nan."""
     if greedy or temperature == 0:
         return int(torch.argmax(logits))
-    logits = logits.float() / temperature
+    logits = logits.float()
+    if temperature < _SHIFT_BELOW:  # in fp64: 5e-324 is 0 as an fp32 scalar
+        logits = (logits - logits.max()).double()
+    logits = logits / temperature
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
