@@ -345,6 +345,34 @@ def test_other_paths_and_methods(served):
     assert err.value.code == 400 and "the body is not JSON" in err.value.read().decode()
 
 
+def test_a_client_that_leaves_is_one_log_line(served, capsys):
+    """A client that closes its connection before the answer (a timeout, Ctrl-C in the
+    CLI) gets a line in the server's log, not a BrokenPipeError traceback; the server
+    answers the next request."""
+    import socket
+    import struct
+    from urllib.parse import urlsplit
+
+    url, lines = served
+    where = urlsplit(url)
+    body = json.dumps({"prompts": ["5 6 7"] * 2, "tokens_to_generate": 8}).encode()
+    for _ in range(3):  # the reset reaches the server before its answer (not guaranteed)
+        n = len(lines)
+        with socket.create_connection((where.hostname, where.port)) as sock:
+            sock.sendall(b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                         b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        deadline = time.time() + 30  # closed with a reset; wait for the server's line
+        while time.time() < deadline and len(lines) == n:
+            time.sleep(0.05)
+        if lines[n:] and "closed the connection" in lines[-1]:
+            break
+    assert any("the client closed the connection before the answer" in x for x in lines[-1:]), \
+        lines[-3:]
+    assert "Traceback" not in capsys.readouterr().err
+    assert _ok(url, {"prompts": ["5"], "tokens_to_generate": 1})["text"]
+
+
 def test_cli_prints_the_text(served, monkeypatch, capsys):
     url = served[0]
     address = url.removeprefix("http://").removesuffix("/api")

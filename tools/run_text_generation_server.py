@@ -356,15 +356,22 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format, *args):  # noqa: A002 -- one line per request instead
         pass
 
-    def _reply(self, status: int, text: str, content_type: str = "text/plain") -> None:
+    def _reply(self, status: int, text: str, content_type: str = "text/plain") -> bool:
+        """Send the answer; False when the client has closed the connection (a timeout,
+        Ctrl-C in the CLI): nothing to answer, and no traceback on the server's log."""
         data = text.encode("utf-8")
-        self.send_response(status)
-        self.send_header("Content-Type", f"{content_type}; charset=utf-8")
-        self.send_header("Content-Length", str(len(data)))
-        if status == 405:
-            self.send_header("Allow", "PUT")
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", f"{content_type}; charset=utf-8")
+            self.send_header("Content-Length", str(len(data)))
+            if status == 405:
+                self.send_header("Allow", "PUT")
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+            return False
+        return True
 
     def _other(self) -> None:
         if urlsplit(self.path).path == "/api":
@@ -396,12 +403,17 @@ class _Handler(BaseHTTPRequestHandler):
             out = self.run(req)
         except RequestError as exc:
             self.log(f"PUT /api from {self.client_address[0]}: 400 {exc}")
-            return self._reply(400, str(exc))
+            self._reply(400, str(exc))
+            return
         except Exception as exc:  # a failed forward must not leave the client hanging
             traceback.print_exc()
-            return self._reply(500, f"generation failed: {type(exc).__name__}: {exc}")
-        self._reply(200, json.dumps(out), "application/json")
-        if not req.no_log:
+            self._reply(500, f"generation failed: {type(exc).__name__}: {exc}")
+            return
+        if not self._reply(200, json.dumps(out), "application/json"):
+            self.log(f"PUT /api from {self.client_address[0]}: the client closed the "
+                     f"connection before the answer ({time.perf_counter() - start:.2f} s); "
+                     "the answer was dropped")
+        elif not req.no_log:
             beams = "" if req.beam_width is None else f", beam width {req.beam_width}"
             self.log(f"PUT /api from {self.client_address[0]}: {len(req.prompts)} prompt(s), "
                      f"{req.tokens_to_generate} tokens to generate{beams}, "
