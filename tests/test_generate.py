@@ -290,6 +290,21 @@ def test_prompt_file_equals_one_prompt_at_a_time(tmp_path):
         generate.main(["--load", str(ckpt), "--prompt-file", str(tmp_path / "empty.txt")])
 
 
+def test_prompt_file_is_read_before_the_model(tmp_path, monkeypatch, capsys):
+    """A missing --prompt-file stops generate.py before the model loads (minutes for a big
+    one); under torchrun rank 0 prints it and the other ranks of the node exit in silence."""
+    monkeypatch.setattr(generate, "_load", lambda *a: pytest.fail("the model was loaded"))
+    argv = ["--load", str(tmp_path), "--prompt-file", str(tmp_path / "missing.txt")]
+    with pytest.raises(SystemExit, match="--prompt-file .*missing.txt: .*No such file"):
+        generate.main(argv, environ={})
+    for rank, printed in ((0, True), (1, False)):
+        with pytest.raises(SystemExit) as exc:
+            generate.main(argv, environ={"RANK": str(rank), "WORLD_SIZE": "2",
+                                         "LOCAL_RANK": str(rank)})
+        assert exc.value.code == 1
+        assert ("missing.txt" in capsys.readouterr().err) is printed, rank
+
+
 GPT2_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2"
 
 

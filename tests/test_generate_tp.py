@@ -136,6 +136,23 @@ def _generate_worker(rank, world_size, ckpt, flags):
     return buf.getvalue()
 
 
+def _bad_prompt_worker(rank, world_size, ckpt):
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
+    try:
+        generate.main(["--load", ckpt, "--tensor-model-parallel-size", "2", "--prompt",
+                       "hello"], environ=env)
+    except SystemExit as exc:
+        return exc.code
+    return None
+
+
+def test_a_bad_prompt_is_printed_once_at_tp2(ckpt_tp1):
+    """A prompt the tokenizer refuses fails alike on every rank after the load: rank 0
+    exits with the message (printed once), the other ranks with status 1 in silence."""
+    codes = run_distributed(_bad_prompt_worker, 2, ckpt_tp1)
+    assert "NullTokenizer expects space-separated integers" in codes[0] and codes[1] == 1
+
+
 def _train_worker(rank, world_size, save_dir, extra):
     _train(save_dir, extra, world_size=world_size, rank=rank, steps=2)
 

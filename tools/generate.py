@@ -8,7 +8,9 @@
 
 --prompt-file: one prompt per non-empty line, generated together as one batch through the
 key/value cache (`generate_batch`); prompt i (counting from 0) draws from --seed + i, so its
-answer equals `--prompt` with that seed, whatever the other lines are.
+answer equals `--prompt` with that seed, whatever the other lines are. The file is read
+before the model loads; a prompt the tokenizer refuses stops every rank, and under
+torchrun either is printed once (tools/generate_prompts.py).
 
 The model is rebuilt from the `args` stored in the checkpoint (through megatron.arguments'
 config builder) as ONE process: tensor-parallel shards are concatenated along each
@@ -63,7 +65,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron.agreed_exit import silent_ranks_wait  # noqa: E402
+from megatron.agreed_exit import exit_on_every_rank, silent_ranks_wait  # noqa: E402
 from megatron.checkpoint_reshard import (  # noqa: E402
     SourceCheckpoint,
     config_from_args,
@@ -77,6 +79,11 @@ from megatron.core.models.gpt.kv_cache import (  # noqa: E402
     gather_vocab,
 )
 from megatron.core.models.gpt.static_decode import MODES, StaticDecoder  # noqa: E402
+from tools.generate_prompts import (  # noqa: E402
+    all_prompt_ids,
+    file_prompts,
+    window_note,
+)
 from tools.sampling_rules import TopP, forbid_after, top_p_at  # noqa: E402
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -411,61 +418,6 @@ def build_decoder(model, mode: str, use_cache: bool = True,
         raise SystemExit(f"{prog}: error: {exc}") from None
 
 
-def _file_prompts(path: str) -> List[str]:
-    """The non-empty lines of --prompt-file (newline and trailing spaces dropped)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line.rstrip() for line in f]
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SystemExit(f"error: --prompt-file {path}: {exc}") from None
-    prompts = [line for line in lines if line.strip()]
-    if not prompts:
-        raise SystemExit(f"error: --prompt-file {path} has no prompt: write one per line")
-    return prompts
-
-
-def _prompt_ids(a, tokenizer, why_not: Optional[str]) -> List[int]:
-    if a.prompt_ids is not None:
-        try:
-            return [int(x) for x in a.prompt_ids.split(",") if x.strip()]
-        except ValueError:
-            raise SystemExit(f"error: --prompt-ids {a.prompt_ids!r}: expected comma-separated "
-                             "integers like 1,2,3") from None
-    if tokenizer is None:
-        raise SystemExit(f"error: --prompt needs the checkpoint's tokenizer, which cannot be "
-                         f"built: {why_not}; give its files (--vocab-file/--merge-file/"
-                         "--tokenizer-model) or use --prompt-ids")
-    try:
-        return tokenizer.tokenize(a.prompt)
-    except ValueError as exc:
-        raise SystemExit(f"error: --prompt {a.prompt[:60]!r}: {exc}; write the prompt as "
-                         "the tokenizer expects, or give ids with --prompt-ids") from None
-
-
-def _checked_ids(ids: List[int], vocab: int) -> List[int]:
-    """`ids` when the prompt is not empty and every id is a token of the vocabulary."""
-    if not ids:
-        raise SystemExit("error: the prompt is empty: give --prompt TEXT or --prompt-ids "
-                         "with at least one token")
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise SystemExit(f"error: prompt ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-    return ids
-
-
-def window_note(prompt_len: int, max_new_tokens: int, max_len: int) -> Optional[str]:
-    """The note that generation runs past the model's `max_len` positions, where the
-    context is cut to its last max_len tokens (None when it does not)."""
-    if max_new_tokens <= 0 or prompt_len + max_new_tokens - 1 <= max_len:
-        return None
-    if prompt_len > max_len:
-        return (f"the prompt has {prompt_len} tokens, more than the model's {max_len} "
-                f"positions (--max-position-embeddings): only its last {max_len} are seen")
-    return (f"the prompt's {prompt_len} tokens and {max_new_tokens} new ones pass the "
-            f"model's {max_len} positions (--max-position-embeddings): from new token "
-            f"{max_len - prompt_len + 2} on, each sees only the last {max_len} tokens")
-
-
 def _device(name: Optional[str]) -> torch.device:
     """--device as a torch.device (default: cuda when available); SystemExit when it names
     no device this machine has."""
@@ -505,25 +457,48 @@ def _load(a, environ) -> Tuple[torch.nn.Module, object, int, int]:
     return model, config, iteration, rank
 
 
+def _early_prompts(a, environ) -> Optional[List[str]]:
+    """--prompt-file's lines, read before the model loads (None without it): a missing or
+    empty file stops the run at once, printed once per node under torchrun."""
+    if a.prompt_file is None:
+        return None
+    from tools.generate_tp import launch_ranks
+
+    try:
+        return file_prompts(a.prompt_file)
+    except SystemExit as exc:
+        from megatron.arguments import exit_before_group
+
+        rank, world_size, _ = launch_ranks(environ)
+        if world_size == 1:
+            raise
+        raise exit_before_group(exc, rank, world_size, environ, machine=True) from None
+
+
 def main(argv=None, environ=None) -> int:
     """The command line; under torchrun (RANK / WORLD_SIZE in `environ`, default
     os.environ) every rank generates in lockstep and rank 0 prints."""
     a = parse_args(argv)
     environ = os.environ if environ is None else environ
+    texts = _early_prompts(a, environ)
     with silent_ranks_wait(environ):  # a load error the ranks agree on: rank 0 prints it
         model, config, iteration, rank = _load(a, environ)
-    tokenizer, why_not = build_tokenizer_from(config.args, a)
-    # the tokenizer's vocabulary, not the padded one (which depends on the layout); without
-    # a tokenizer the checkpoint's padded vocabulary (tp > 1 may pad it further)
-    vocab = (tokenizer.vocab_size if tokenizer is not None else
-             int(config.args.get("padded_vocab_size") or config.model.padded_vocab_size))
+        tokenizer, why_not = build_tokenizer_from(config.args, a)
+        # the tokenizer's vocabulary, not the padded one (which depends on the layout);
+        # without a tokenizer the checkpoint's padded vocabulary (tp > 1 may pad it further)
+        vocab = (tokenizer.vocab_size if tokenizer is not None else
+                 int(config.args.get("padded_vocab_size") or config.model.padded_vocab_size))
+        try:  # every rank meets the same prompt error: rank 0 prints it
+            prompts = all_prompt_ids(a, texts, tokenizer, why_not, vocab)
+        except SystemExit as exc:
+            raise exit_on_every_rank(str(exc.code)) from None
     eod = None if (a.no_stop_at_eod or tokenizer is None) else getattr(tokenizer, "eod", None)
     sampling = dict(greedy=a.greedy, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                     eod=eod, vocab_limit=vocab,
                     decoder=build_decoder(model, a.decode_cuda_graph, not a.no_kv_cache))
-    if a.prompt_file is not None:
-        return _main_file(a, model, iteration, rank, tokenizer, why_not, vocab, sampling)
-    ids = _checked_ids(_prompt_ids(a, tokenizer, why_not), vocab)
+    if texts is not None:
+        return _main_file(a, model, iteration, rank, tokenizer, texts, prompts, sampling)
+    ids = prompts[0]
     note = window_note(len(ids), a.max_new_tokens, config.model.max_position_embeddings)
     if note and rank == 0:
         print(f"note: {note}", file=sys.stderr)
@@ -546,18 +521,10 @@ def main(argv=None, environ=None) -> int:
     return 0
 
 
-def _main_file(a, model, iteration: int, rank: int, tokenizer, why_not, vocab: int,
-               sampling: dict) -> int:
+def _main_file(a, model, iteration: int, rank: int, tokenizer, texts: List[str],
+               prompts: List[List[int]], sampling: dict) -> int:
     """--prompt-file: every line's prompt, as one batch (one by one with --no-kv-cache);
     line i draws from --seed + i. Prints one block (--json: one line) per prompt."""
-    texts = _file_prompts(a.prompt_file)
-    prompts = []
-    for number, text in enumerate(texts, 1):
-        a.prompt = text
-        try:
-            prompts.append(_checked_ids(_prompt_ids(a, tokenizer, why_not), vocab))
-        except SystemExit as exc:
-            raise SystemExit(f"{exc} (--prompt-file {a.prompt_file}, prompt {number})") from None
     for i, ids in enumerate(prompts):
         note = window_note(len(ids), a.max_new_tokens, model.config.max_position_embeddings)
         if note and rank == 0:

@@ -1,0 +1,87 @@
+"""tools/generate.py's prompts: --prompt / --prompt-ids / --prompt-file as checked token
+ids, and the note for a sequence past the model's positions.
+
+Errors are SystemExit messages naming the flag and the fix. Under torchrun the caller
+reports them once: --prompt-file is read before the model loads (a missing file fails
+before minutes of loading; `megatron.arguments.exit_before_group`), and a prompt the
+tokenizer refuses fails alike on every rank after it (`megatron.agreed_exit`).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+
+def file_prompts(path: str) -> List[str]:
+    """The non-empty lines of --prompt-file (newline and trailing spaces dropped)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.rstrip() for line in f]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"error: --prompt-file {path}: {exc}") from None
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise SystemExit(f"error: --prompt-file {path} has no prompt: write one per line")
+    return prompts
+
+
+def prompt_ids(a, tokenizer, why_not: Optional[str]) -> List[int]:
+    """The ids of --prompt-ids, or of --prompt (a.prompt) through the tokenizer."""
+    if a.prompt_ids is not None:
+        try:
+            return [int(x) for x in a.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise SystemExit(f"error: --prompt-ids {a.prompt_ids!r}: expected comma-separated "
+                             "integers like 1,2,3") from None
+    if tokenizer is None:
+        raise SystemExit(f"error: --prompt needs the checkpoint's tokenizer, which cannot be "
+                         f"built: {why_not}; give its files (--vocab-file/--merge-file/"
+                         "--tokenizer-model) or use --prompt-ids")
+    try:
+        return tokenizer.tokenize(a.prompt)
+    except ValueError as exc:
+        raise SystemExit(f"error: --prompt {a.prompt[:60]!r}: {exc}; write the prompt as "
+                         "the tokenizer expects, or give ids with --prompt-ids") from None
+
+
+def checked_ids(ids: List[int], vocab: int) -> List[int]:
+    """`ids` when the prompt is not empty and every id is a token of the vocabulary."""
+    if not ids:
+        raise SystemExit("error: the prompt is empty: give --prompt TEXT or --prompt-ids "
+                         "with at least one token")
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise SystemExit(f"error: prompt ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    return ids
+
+
+def all_prompt_ids(a, texts: Optional[List[str]], tokenizer, why_not: Optional[str],
+                   vocab: int) -> List[List[int]]:
+    """The checked ids of every prompt: --prompt-file's lines (`texts`), else the one
+    --prompt / --prompt-ids. SystemExit naming the prompt (and its line) otherwise."""
+    if texts is None:
+        return [checked_ids(prompt_ids(a, tokenizer, why_not), vocab)]
+    out = []
+    for number, text in enumerate(texts, 1):
+        a.prompt = text
+        try:
+            out.append(checked_ids(prompt_ids(a, tokenizer, why_not), vocab))
+        except SystemExit as exc:
+            raise SystemExit(f"{exc} (--prompt-file {a.prompt_file}, prompt {number})") from None
+    return out
+
+
+def window_note(prompt_len: int, max_new_tokens: int, max_len: int) -> Optional[str]:
+    """The note that generation runs past the model's `max_len` positions, where the
+    context is cut to its last max_len tokens (None when it does not)."""
+    if max_new_tokens <= 0 or prompt_len + max_new_tokens - 1 <= max_len:
+        return None
+    if prompt_len > max_len:
+        return (f"the prompt has {prompt_len} tokens, more than the model's {max_len} "
+                f"positions (--max-position-embeddings): only its last {max_len} are seen")
+    return (f"the prompt's {prompt_len} tokens and {max_new_tokens} new ones pass the "
+            f"model's {max_len} positions (--max-position-embeddings): from new token "
+            f"{max_len - prompt_len + 2} on, each sees only the last {max_len} tokens")
+
+
+__all__ = ["all_prompt_ids", "checked_ids", "file_prompts",
+           "prompt_ids", "window_note"]
