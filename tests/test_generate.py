@@ -68,7 +68,8 @@ def test_greedy_equals_argmax_loop_and_sampling(tmp_path):
             logits = ref(torch.tensor([ids[-16:]]))[0, -1, :101]
             ids.append(int(logits.argmax()))
     assert out["generated_ids"] == ids[3:] and out["prompt_ids"] == [5, 6, 7]
-    assert out["generated_text"] == " ".join(map(str, ids[3:]))
+    # the text the new ids add to the prompt's "5 6 7": NullTokenizer's space included
+    assert out["generated_text"] == " " + " ".join(map(str, ids[3:]))
     assert _run_cli("--load", str(tmp_path), "--prompt", "5 6 7", "--max-new-tokens", "12",
                     "--greedy", "--no-stop-at-eod")["generated_ids"] == ids[3:]
     sampled = [_run_cli("--load", str(tmp_path), "--prompt-ids", "5,6,7", "--seed", str(s),
@@ -303,6 +304,25 @@ def test_prompt_file_is_read_before_the_model(tmp_path, monkeypatch, capsys):
                                          "LOCAL_RANK": str(rank)})
         assert exc.value.code == 1
         assert ("missing.txt" in capsys.readouterr().err) is printed, rank
+
+
+def test_continuation_text_joins_the_prompt(tmp_path):
+    """generated_text is what the new tokens add to the prompt's text: with SentencePiece a
+    continuation that starts a word keeps its space (decoded alone, '\u2581brown' loses
+    it), so prompt text + generated_text is the whole text."""
+    from megatron.tokenizer import build_tokenizer
+    from tests.test_tokenizer import _train_sentencepiece
+    from tools.generate_prompts import continuation_text
+
+    tok = build_tokenizer("GPTSentencePieceTokenizer",
+                          tokenizer_model=_train_sentencepiece(tmp_path))
+    head, tail = tok.tokenize("the quick"), tok.tokenize("the quick brown fox")
+    assert tail[:len(head)] == head
+    new = tail[len(head):]
+    assert tok.detokenize(new) == "brown fox"  # alone: the boundary is lost
+    assert continuation_text(tok, head, new) == " brown fox"
+    null = build_tokenizer("NullTokenizer", vocab_size=100)
+    assert continuation_text(null, [5, 6], [7, 8]) == " 7 8"
 
 
 GPT2_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2"

@@ -36,7 +36,10 @@ stderr says from which token on);
 the cached keys cannot slide with it (their positions would change), so from there on
 every token recomputes that window, with or without the cache. It stops after
 --max-new-tokens or at the end-of-document token (unless --no-stop-at-eod). Prints the
-prompt and generated ids and text (--json: one JSON line instead).
+prompt and generated ids and text (--json: one JSON line instead); the generated text is
+what the new tokens add to the prompt's text, so prompt text + generated text is the text
+of the whole sequence (a SentencePiece continuation keeps the space that starts its first
+word, NullTokenizer's the space before its first id).
 
 `generate_batch` (the text generation server's path) decodes several prompts together
 through one cache, one model call per position for all of them; per prompt it gives what
@@ -81,6 +84,7 @@ from megatron.core.models.gpt.kv_cache import (  # noqa: E402
 from megatron.core.models.gpt.static_decode import MODES, StaticDecoder  # noqa: E402
 from tools.generate_prompts import (  # noqa: E402
     all_prompt_ids,
+    continuation_text,
     file_prompts,
     window_note,
 )
@@ -505,7 +509,7 @@ def main(argv=None, environ=None) -> int:
     gen = torch.Generator().manual_seed(a.seed)
     new = generate(model, ids, a.max_new_tokens, generator=gen, use_cache=not a.no_kv_cache,
                    **sampling)
-    text = tokenizer.detokenize(new) if tokenizer is not None else None
+    text = continuation_text(tokenizer, ids, new) if tokenizer is not None else None
     if rank != 0:
         return 0
     if a.json:
@@ -538,7 +542,7 @@ def _main_file(a, model, iteration: int, rank: int, tokenizer, texts: List[str],
     if rank != 0:
         return 0
     for i, (ids, new) in enumerate(zip(prompts, news)):
-        text = tokenizer.detokenize(new) if tokenizer is not None else None
+        text = continuation_text(tokenizer, ids, new) if tokenizer is not None else None
         if a.json:
             print(json.dumps({"index": i, "iteration": iteration, "prompt_ids": ids,
                               "generated_ids": new, "generated_text": text}))

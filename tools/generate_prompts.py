@@ -1,5 +1,6 @@
-"""tools/generate.py's prompts: --prompt / --prompt-ids / --prompt-file as checked token
-ids, and the note for a sequence past the model's positions.
+"""tools/generate.py's prompts and answer text: --prompt / --prompt-ids / --prompt-file as
+checked token ids, the note for a sequence past the model's positions, and the text the
+new tokens add to the prompt.
 
 Errors are SystemExit messages naming the flag and the fix. Under torchrun the caller
 reports them once: --prompt-file is read before the model loads (a missing file fails
@@ -8,7 +9,7 @@ tokenizer refuses fails alike on every rank after it (`megatron.agreed_exit`).
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 
 def file_prompts(path: str) -> List[str]:
@@ -83,5 +84,16 @@ def window_note(prompt_len: int, max_new_tokens: int, max_len: int) -> Optional[
             f"{max_len - prompt_len + 2} on, each sees only the last {max_len} tokens")
 
 
-__all__ = ["all_prompt_ids", "checked_ids", "file_prompts",
+def continuation_text(tokenizer, prompt: Sequence[int], new: Sequence[int]) -> str:
+    """The text the `new` tokens add after the `prompt`'s: the whole sequence's text less
+    the prompt's, so that prompt text + this is the text of prompt + new. Decoded alone
+    the new tokens can lose what joins them to the prompt (a SentencePiece '\u2581the' at
+    the start drops its space; NullTokenizer's separating space). Where the prompt's text
+    is not the start of the whole (a --prompt-ids prompt that ends inside a UTF-8
+    character), the new tokens decoded alone."""
+    whole, head = tokenizer.detokenize(list(prompt) + list(new)), tokenizer.detokenize(prompt)
+    return whole[len(head):] if whole.startswith(head) else tokenizer.detokenize(new)
+
+
+__all__ = ["all_prompt_ids", "checked_ids", "continuation_text", "file_prompts",
            "prompt_ids", "window_note"]
