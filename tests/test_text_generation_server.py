@@ -386,6 +386,18 @@ def test_cli_prints_the_text(served, monkeypatch, capsys):
     assert "server error 400: prompts[0] ('hello'): NullTokenizer expects" in out
 
 
+def test_cli_takes_the_servers_url(served, monkeypatch, capsys):
+    """The address may be the URL curl is given (http://HOST:PORT/api), not only HOST:PORT:
+    the client PUTs to /api, not /api/api (a 404)."""
+    url = served[0]
+    for address in (url, url + "/", url.removesuffix("/api"), url.removeprefix("http://")):
+        assert text_generation_cli.api_url(address) == url, address
+        monkeypatch.setattr("sys.stdin", io.StringIO("5 6 7\n2\n"))
+        assert text_generation_cli.main([address]) == 0
+        out = capsys.readouterr().out
+        assert "server error" not in out and re.search(r"5 6 7( \d+){1,2}$", out, re.M), out
+
+
 def test_cli_unreachable_server(monkeypatch, capsys):
     import socket
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Talk to tools/run_text_generation_server.py from a terminal.
 
-    python tools/text_generation_cli.py localhost:5000
+    python tools/text_generation_cli.py localhost:5000     (or http://localhost:5000/api)
 
 Asks for a prompt and a number of tokens (empty: 64), PUTs them to http://HOST:PORT/api
 and prints the text the server returns (the prompt and its continuation), in a loop. End
@@ -32,6 +32,14 @@ def put(url: str, body: dict, timeout: Optional[float] = None) -> Tuple[int, str
         return err.code, err.read().decode("utf-8", errors="replace")
 
 
+def api_url(address: str) -> str:
+    """http://HOST:PORT/api for HOST:PORT, also when given as the server's URL
+    (http://HOST:PORT, or with /api: what curl is given; Megatron's client appended a
+    second /api, which the server answers with 404)."""
+    address = address.removeprefix("http://").rstrip("/")
+    return f"http://{address.removesuffix('/api').rstrip('/')}/api"
+
+
 def _ask_tokens() -> int:
     """The number of tokens to generate, asked again until it is an integer >= 0."""
     while True:
@@ -54,10 +62,10 @@ def _unreachable(url: str, exc: Exception) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("address", help="HOST:PORT of the server, e.g. localhost:5000")
+    ap.add_argument("address", help="HOST:PORT of the server, e.g. localhost:5000 (its "
+                                    "URL http://localhost:5000/api works too)")
     a = ap.parse_args(argv)
-    address = a.address.removeprefix("http://").rstrip("/")
-    url = f"http://{address}/api"
+    url = api_url(a.address)
     try:
         while True:
             prompt = input("Prompt: ")
