@@ -482,9 +482,17 @@ def _early_prompts(a, environ) -> Optional[List[str]]:
 def main(argv=None, environ=None) -> int:
     """The command line; under torchrun (RANK / WORLD_SIZE in `environ`, default
     os.environ) every rank generates in lockstep and rank 0 prints."""
+    from tools.generate_tp import process_group_closed
+
     a = parse_args(argv)
     environ = os.environ if environ is None else environ
     texts = _early_prompts(a, environ)
+    with process_group_closed():
+        return _run(a, environ, texts)
+
+
+def _run(a, environ, texts: Optional[List[str]]) -> int:
+    """main after the command line: load, check the prompts, generate, print."""
     with silent_ranks_wait(environ):  # a load error the ranks agree on: rank 0 prints it
         model, config, iteration, rank = _load(a, environ)
         tokenizer, why_not = build_tokenizer_from(config.args, a)

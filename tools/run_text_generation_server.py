@@ -445,7 +445,15 @@ def _interrupt(signum, frame):
 def main(argv=None, environ=None) -> int:
     """The command line; under torchrun (RANK / WORLD_SIZE in `environ`, default
     os.environ) rank 0 serves and the other ranks follow it (see the module docstring)."""
+    from tools.generate_tp import process_group_closed
+
     a, ns, explicit = parse_args(argv)
+    with process_group_closed():
+        return _serve(a, ns, explicit, environ, argv)
+
+
+def _serve(a, ns, explicit: Set[str], environ, argv) -> int:
+    """main after the command line: load, then serve (rank 0) or follow rank 0."""
     with silent_ranks_wait(os.environ if environ is None else environ):  # rank 0 prints
         engine, iteration = build_engine(a, ns, explicit, environ)  # a load error once
     rt = engine.runtime
