@@ -255,6 +255,9 @@ def test_a_tiny_temperature_is_greedy(served):
     ({"prompts": ["5 101"], "tokens_to_generate": 2}, "token ids [101] are outside the vocabulary [0, 101)"),
     ({"prompts": ["1 2 3"], "tokens_to_generate": 14},
      "has 3 tokens; with tokens_to_generate 14 that makes 17, over the model's 16 positions"),
+    ({"prompts": ["1 2 3"]},  # the field left out: its default is named as such
+     "has 3 tokens; with tokens_to_generate 64 (the default: the request has none) that "
+     "makes 67, over the model's 16 positions"),
 ])
 def test_bad_requests_are_400(served, body, message):
     status, text = put(served[0], body, timeout=60)

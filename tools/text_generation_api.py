@@ -137,6 +137,7 @@ class GenerationRequest:
     beam_width: Optional[int] = None  # None: sampling; else beam search over one prompt
     stop_token: int = STOP_TOKEN
     length_penalty: float = 1.0
+    default_tokens: bool = False  # tokens_to_generate was not in the request (64 taken)
 
 
 _PIECE_TOKENIZERS = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
@@ -307,6 +308,7 @@ def parse_request(body: Any) -> GenerationRequest:
                             "a number > 0 and <= 100"),
         top_k=top_k, top_p=top_p, **_top_p_decay(body, top_p),
         random_seed=_seed(body), **beam,
+        default_tokens="tokens_to_generate" not in body,
         **{name: body.get(name, False) for name in _BOOLS})
 
 
@@ -333,9 +335,10 @@ def _prompt_ids(engine: Engine, index: int, prompt: str, req: GenerationRequest)
                            f"[0, {engine.vocab_size})")
     total = len(ids) + req.tokens_to_generate
     if total > engine.max_len:
+        default = " (the default: the request has none)" if req.default_tokens else ""
         raise RequestError(f"{where} has {len(ids)} tokens; with tokens_to_generate "
-                           f"{req.tokens_to_generate} that makes {total}, over the model's "
-                           f"{engine.max_len} positions: shorten the prompt or lower "
+                           f"{req.tokens_to_generate}{default} that makes {total}, over the "
+                           f"model's {engine.max_len} positions: shorten the prompt or lower "
                            "tokens_to_generate")
     return ids
 
