@@ -41,14 +41,37 @@ def resolve_parallel(ns, world_size: int) -> None:
     if heads % tp:
         raise ArgumentsError(f"--num-attention-heads {heads} is not divisible by "
                              f"--tensor-model-parallel-size {tp}; use a tp size that divides {heads}")
-    if ns.num_layers % ns.transformer_pipeline_model_parallel_size:
-        raise ArgumentsError(
-            f"--num-layers {ns.num_layers} is not divisible by --pipeline-model-parallel-size "
-            f"{ns.transformer_pipeline_model_parallel_size}; every stage needs the same number "
-            "of layers")
+    _check_layer_split(ns)
     if ns.sequence_parallel and tp == 1:
         warn("--sequence-parallel needs --tensor-model-parallel-size > 1; disabled")
         ns.sequence_parallel = False
+
+
+
+def _nearby_multiples(value: int, step: int) -> str:
+    """'e.g. 30 or 32': the multiples of `step` next to `value` (the lower one when > 0)."""
+    low = value // step * step
+    return f"e.g. {low} or {low + step}" if low else f"e.g. {step}"
+
+
+def _check_layer_split(ns) -> None:
+    """Every stage that holds transformer layers gets the same number (Megatron-LM 23.05's
+    rule); with --standalone-embedding-stage the first stage holds none."""
+    stages, layers = ns.transformer_pipeline_model_parallel_size, ns.num_layers
+    if layers % stages == 0:
+        return
+    pp = ns.pipeline_model_parallel_size
+    where = (f"the {stages} pipeline stages that hold layers (--pipeline-model-parallel-size "
+             f"{pp} less the first, which --standalone-embedding-stage keeps for the "
+             "embedding)" if ns.standalone_embedding_stage
+             else f"--pipeline-model-parallel-size {pp}")
+    first = 1 if ns.standalone_embedding_stage else 0  # the stage without layers
+    best = max(d for d in range(1, stages) if layers % d == 0) if stages > 1 else 1
+    other = (f", or --pipeline-model-parallel-size {best + first}"
+             if best + first > 1 else "")
+    raise ArgumentsError(
+        f"--num-layers {layers} is not divisible by {where}; every stage needs the same "
+        f"number of layers: use --num-layers {_nearby_multiples(layers, stages)}{other}")
 
 
 def resolve_virtual_pipeline(ns) -> None:

@@ -83,6 +83,23 @@ def test_layers_divisible_by_pipeline_size():
         validate_args(ns, 2, explicit=explicit)
 
 
+@pytest.mark.parametrize("extra, world, parts", [
+    ("--num-layers 6 --pipeline-model-parallel-size 4", 4,
+     ["--num-layers 6 is not divisible by --pipeline-model-parallel-size 4",
+      "use --num-layers e.g. 4 or 8, or --pipeline-model-parallel-size 3"]),
+    # the stage count without layers is not a size the user typed: say where it comes from
+    ("--num-layers 4 --pipeline-model-parallel-size 4 --standalone-embedding-stage", 4,
+     ["--num-layers 4 is not divisible by the 3 pipeline stages that hold layers "
+      "(--pipeline-model-parallel-size 4 less the first",
+      "use --num-layers e.g. 3 or 6, or --pipeline-model-parallel-size 3"]),
+])
+def test_uneven_layer_split_names_the_stages_and_the_fix(extra, world, parts):
+    msg = error_of(extra, world_size=world, base=without("--num-layers"))
+    for part in parts:
+        assert part in msg, (part, msg)
+    assert "--pipeline-model-parallel-size 3;" not in msg
+
+
 def test_ffn_size_divisible_by_tensor_parallel_size():
     """--ffn-hidden-size 333 with tp 2 (dense or --num-experts) is refused at validation,
     not by a bare "333 is not divisible by 2" from every rank's model build."""
