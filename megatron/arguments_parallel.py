@@ -45,7 +45,14 @@ def resolve_parallel(ns, world_size: int) -> None:
     if ns.sequence_parallel and tp == 1:
         warn("--sequence-parallel needs --tensor-model-parallel-size > 1; disabled")
         ns.sequence_parallel = False
-
+    if ns.sequence_parallel and ns.seq_length % tp:
+        # each tensor-parallel rank holds seq_length / tp positions between the layers;
+        # Megatron-LM 23.05 fails on an assertion at the first forward on every rank
+        raise ArgumentsError(
+            f"--seq-length {ns.seq_length} is not divisible by --tensor-model-parallel-size "
+            f"{tp}: --sequence-parallel splits each sequence over the tensor-parallel ranks; "
+            f"use a --seq-length that is a multiple of {tp} "
+            f"({_nearby_multiples(ns.seq_length, tp)}) or drop --sequence-parallel")
 
 
 def _nearby_multiples(value: int, step: int) -> str:

@@ -100,6 +100,19 @@ def test_uneven_layer_split_names_the_stages_and_the_fix(extra, world, parts):
     assert "--pipeline-model-parallel-size 3;" not in msg
 
 
+def test_sequence_parallel_needs_a_sequence_tp_divides():
+    """Each tensor-parallel rank holds seq_length / tp positions under --sequence-parallel:
+    an odd split is refused before start-up (it was a ValueError traceback from every rank
+    at the first forward)."""
+    msg = error_of("--tensor-model-parallel-size 2 --sequence-parallel --seq-length 31",
+                   world_size=2)
+    assert ("--seq-length 31 is not divisible by --tensor-model-parallel-size 2" in msg
+            and "(e.g. 30 or 32) or drop --sequence-parallel" in msg)
+    assert run("--tensor-model-parallel-size 2 --seq-length 31", world_size=2)  # no sp
+    assert run("--tensor-model-parallel-size 2 --sequence-parallel --seq-length 30",
+               world_size=2).model.sequence_parallel
+
+
 def test_ffn_size_divisible_by_tensor_parallel_size():
     """--ffn-hidden-size 333 with tp 2 (dense or --num-experts) is refused at validation,
     not by a bare "333 is not divisible by 2" from every rank's model build."""
