@@ -5,7 +5,10 @@ names the values and the fix.
 """
 from __future__ import annotations
 
+from typing import Set
+
 from megatron.arguments_common import ArgumentsError, note, warn
+from megatron.arguments_ranges import warn_unread
 
 
 def resolve_parallel(ns, world_size: int) -> None:
@@ -120,8 +123,11 @@ def resolve_virtual_pipeline(ns) -> None:
     note(f"interleaved pipeline schedule: {vpp} virtual stages per pipeline rank")
 
 
-def resolve_recompute(ns) -> None:
-    """Megatron's recompute rules."""
+def resolve_recompute(ns, explicit: Set[str]) -> None:
+    """Megatron's recompute rules. --recompute-method / --recompute-num-layers without
+    --recompute-granularity full recompute nothing (Megatron ignores them silently; a
+    script that forgot the granularity would run out of memory believing it recomputes):
+    warned."""
     if ns.recompute_activations:
         if ns.recompute_granularity not in (None, "selective"):
             warn(f"--recompute-activations overrides --recompute-granularity "
@@ -133,6 +139,12 @@ def resolve_recompute(ns) -> None:
     if ns.recompute_granularity == "full" and ns.recompute_method is None:
         raise ArgumentsError("--recompute-granularity full needs --recompute-method uniform "
                              "(every layer) or block (the first --recompute-num-layers layers)")
+    if ns.recompute_granularity != "full":
+        run = ("--recompute-granularity selective recomputes the attention core only"
+               if ns.recompute_granularity == "selective" else
+               "nothing is recomputed without --recompute-granularity")
+        warn_unread(ns, explicit, ("recompute_method", "recompute_num_layers"),
+                    f"{run}; add --recompute-granularity full to recompute whole layers")
     if ns.distribute_saved_activations and (
             ns.tensor_model_parallel_size == 1 or ns.recompute_granularity != "full"
             or ns.recompute_method is None):

@@ -420,7 +420,7 @@ def validate_args(
     _resolve_precision(ns, explicit)
     _resolve_data_parallel(ns)
     _resolve_optimizer(ns, explicit)
-    resolve_recompute(ns)
+    resolve_recompute(ns, explicit)
     _resolve_runtime(ns, explicit, cuda_available)
     with machine_checks():  # CUDA present or not: may differ between nodes
         _check_gemm_algorithms(ns, cuda_available)
