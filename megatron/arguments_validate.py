@@ -174,9 +174,11 @@ def _resolve_query_groups(ns) -> None:
         raise ArgumentsError(f"--num-attention-heads {heads} is not divisible by "
                              f"--num-query-groups {groups}; use a group count that divides {heads}")
     if groups % tp:
+        fits = [g for g in range(tp, heads + 1, tp) if heads % g == 0]  # heads % tp == 0
         raise ArgumentsError(f"--num-query-groups {groups} is not divisible by "
                              f"--tensor-model-parallel-size {tp}; every tensor-parallel rank needs "
-                             "whole key/value groups")
+                             f"whole key/value groups: use --num-query-groups {fits[0]} (a "
+                             f"multiple of {tp} that divides --num-attention-heads {heads})")
 
 
 def _check_ffn_split(ns) -> None:
@@ -261,7 +263,7 @@ def _resolve_data_parallel(ns) -> None:
     if ns.DDP_impl == "torch" and ns.pipeline_model_parallel_size > 1:
         raise ArgumentsError(
             f"--pipeline-model-parallel-size {ns.pipeline_model_parallel_size} needs "
-            "--DDP-impl local (got torch)")
+            "--DDP-impl local (got torch), as in Megatron-LM; drop --DDP-impl torch")
     if ns.overlap_param_gather and not ns.use_distributed_optimizer:
         raise ArgumentsError("--overlap-param-gather needs --use-distributed-optimizer")
     if ns.overlap_param_gather and ns.compile_layers:

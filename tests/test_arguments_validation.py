@@ -50,7 +50,10 @@ GPT2_VOCAB = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data
     ("--group-query-attention --num-query-groups 3", 1, ["--num-attention-heads 4",
                                                           "--num-query-groups 3"]),
     ("--group-query-attention --num-query-groups 2 --tensor-model-parallel-size 4", 4,
-     ["--num-query-groups 2", "--tensor-model-parallel-size 4"]),
+     ["--num-query-groups 2", "--tensor-model-parallel-size 4", "use --num-query-groups 4 (a "
+      "multiple of 4 that divides --num-attention-heads 4)"]),
+    ("--DDP-impl torch --pipeline-model-parallel-size 2", 2,
+     ["--pipeline-model-parallel-size 2 needs --DDP-impl local", "drop --DDP-impl torch"]),
     ("--num-query-groups 2", 1, ["--num-query-groups 2 needs --group-query-attention"]),
     ("--bf16 --DDP-impl torch", 1, ["--DDP-impl local (got torch)"]),
     ("--fp16-lm-cross-entropy", 1, ["--fp16-lm-cross-entropy needs --fp16"]),
