@@ -428,10 +428,14 @@ def parse_and_validate(
             origins = apply_deprecated(ns, explicit)
             check_not_supported(ns, origins)
             if ns.use_checkpoint_args:  # model flags from the checkpoint, before validation
-                from megatron.arguments_checkpoint import apply_checkpoint_args
+                from megatron.arguments_checkpoint import (
+                    apply_checkpoint_args,
+                    fit_checkpoint_layout,
+                )
 
                 with machine_checks():
-                    apply_checkpoint_args(ns, explicit, warn)
+                    copied = apply_checkpoint_args(ns, explicit, warn)
+                fit_checkpoint_layout(ns, copied, world_size, warn)
             ns.rank, ns.world_size = rank, world_size
             if ns.local_rank is None and env.get("LOCAL_RANK"):
                 ns.local_rank = int(env["LOCAL_RANK"])

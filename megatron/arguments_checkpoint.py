@@ -100,3 +100,46 @@ def apply_checkpoint_args(ns: argparse.Namespace, explicit: Set[str],
         setattr(ns, dest, value)
         copied.append(dest)
     return copied
+
+
+_LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+           "num_layers_per_virtual_pipeline_stage")
+
+
+def _layout_flags(values: dict) -> str:
+    return " ".join(f"--{dest.replace('_', '-')} {values[dest]}" for dest in _LAYOUT
+                    if values.get(dest) is not None)
+
+
+def fit_checkpoint_layout(ns: argparse.Namespace, copied: List[str], world_size: int,
+                          warn: Callable[[str], None] = print) -> None:
+    """The parallel sizes `apply_checkpoint_args` copied (`copied`) in a world that cannot
+    hold them (a job resumed on fewer processes): clamped as Megatron-LM clamps the
+    command line's, in one warning that says they are the checkpoint's -- the clamp and
+    the errors after it named flags the user never typed. Virtual stages taken with the
+    checkpoint's pipeline size are dropped when that size changes (they split its stages).
+    The checkpoint is resharded to the layout the run uses. ArgumentsError when the
+    clamped sizes still do not divide the world size."""
+    taken = [dest for dest in _LAYOUT if dest in copied]
+    if world_size < 1 or not taken:
+        return
+    saved = {dest: getattr(ns, dest) for dest in _LAYOUT}
+    tp = min(ns.tensor_model_parallel_size, world_size)
+    pp = min(ns.pipeline_model_parallel_size, world_size // tp)
+    fits = (tp, pp) == (saved["tensor_model_parallel_size"], saved["pipeline_model_parallel_size"])
+    if fits and world_size % (tp * pp) == 0:
+        return
+    if world_size % (tp * pp):
+        raise ArgumentsError(
+            f"--use-checkpoint-args: the checkpoint's layout ({_layout_flags(saved)}) does not "
+            f"fit world size {world_size}; launch a multiple of {tp * pp} processes, or pass "
+            "--tensor-model-parallel-size and --pipeline-model-parallel-size for this world "
+            "size (the checkpoint is resharded on load)")
+    ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size = tp, pp
+    if pp != saved["pipeline_model_parallel_size"] and \
+            "num_layers_per_virtual_pipeline_stage" in taken:
+        ns.num_layers_per_virtual_pipeline_stage = None
+    warn(f"--use-checkpoint-args: the checkpoint's layout ({_layout_flags(saved)}) does not fit "
+         f"world size {world_size}; using {_layout_flags(vars(ns)) or 'no model parallelism'} "
+         "(clamped as Megatron-LM clamps the parallel sizes; the checkpoint is resharded on "
+         "load): pass the layout flags to choose another")

@@ -138,7 +138,7 @@ _DYNAMIC_SCALER_FLAGS = ("initial_loss_scale", "min_loss_scale", "loss_scale_win
 _ADAM_FLAGS = ("adam_beta1", "adam_beta2", "adam_eps")
 
 
-def _unread(ns, explicit: Set[str], dests, why: str) -> None:
+def warn_unread(ns, explicit: Set[str], dests, why: str) -> None:
     """Warn of the flags in `dests` the user set to another value than the default that
     this run never reads (Megatron-LM ignores them silently): `why` ends the sentence. A
     default spelled out (scripts do) changes nothing either way."""
@@ -158,19 +158,19 @@ def warn_unread_tuning_flags(ns, explicit: Set[str]) -> None:
                if ns.loss_scale and (ns.fp16 or ns.bf16)
                else "bf16 trains without loss scaling" if ns.bf16
                else "fp32 training scales no loss")
-        _unread(ns, explicit, _DYNAMIC_SCALER_FLAGS,
+        warn_unread(ns, explicit, _DYNAMIC_SCALER_FLAGS,
                 f"this run has no dynamic loss scale (--fp16 without --loss-scale): {run}")
     if ns.optimizer == "sgd":
-        _unread(ns, explicit, _ADAM_FLAGS, "this run uses --optimizer sgd")
+        warn_unread(ns, explicit, _ADAM_FLAGS, "this run uses --optimizer sgd")
     else:
-        _unread(ns, explicit, ("sgd_momentum",), f"this run uses --optimizer {ns.optimizer}")
+        warn_unread(ns, explicit, ("sgd_momentum",), f"this run uses --optimizer {ns.optimizer}")
     if ns.lr_decay_style == "constant":
-        _unread(ns, explicit, ("min_lr", "lr_decay_iters", "lr_decay_samples"),
+        warn_unread(ns, explicit, ("min_lr", "lr_decay_iters", "lr_decay_samples"),
                 "--lr-decay-style constant keeps --lr after the warmup (the decay length "
                 "only bounds the warmup)")
     _warn_unread_scheduler_flags(ns)
     if ns.weight_decay_incr_style != "constant":
-        _unread(ns, explicit, ("weight_decay",),
+        warn_unread(ns, explicit, ("weight_decay",),
                 f"with --weight-decay-incr-style {ns.weight_decay_incr_style} the weight decay "
                 "goes from --start-weight-decay to --end-weight-decay")
 

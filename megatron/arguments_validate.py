@@ -8,7 +8,7 @@ with --swiglu): never silently.
 
 Parts live beside it: single-value ranges (arguments_ranges.py), run length and lr
 schedule (arguments_schedule.py), data-path/split syntax and tokenizer files
-(arguments_inputs.py).
+(arguments_inputs.py), the parallel layout and recomputation (arguments_parallel.py).
 """
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ import torch
 
 from megatron.arguments_common import ArgumentsError, machine_checks, note, warn
 from megatron.arguments_inputs import check_data_inputs, check_tokenizer_files, default_vocab_size
+from megatron.arguments_parallel import (
+    resolve_parallel,
+    resolve_recompute,
+    resolve_virtual_pipeline,
+)
 from megatron.arguments_ranges import check_value_ranges, warn_unread_tuning_flags
 from megatron.arguments_schedule import check_run_length, resolve_iterations, schedule_steps
 from megatron.config import (
@@ -74,88 +79,6 @@ def _check_required(ns) -> None:
     if ns.seed <= 0:
         raise ArgumentsError(f"--seed {ns.seed} must be > 0 (Megatron-LM seeds rank r with "
                              "seed + 100 * pp_rank)")
-
-
-def _resolve_parallel(ns, world_size: int) -> None:
-    """tp/pp clamped to the world size as Megatron does (with a warning), dp derived,
-    then every divisibility rule of the grid."""
-    tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
-    if world_size < 1 or tp < 1 or pp < 1:
-        raise ArgumentsError(f"world size {world_size}, --tensor-model-parallel-size {tp} and "
-                             f"--pipeline-model-parallel-size {pp} must all be >= 1")
-    if tp > world_size:
-        warn(f"--tensor-model-parallel-size {tp} is larger than the world size {world_size}; "
-             f"using {world_size} (as Megatron-LM does)")
-        tp = ns.tensor_model_parallel_size = world_size
-    if pp > world_size // tp:
-        warn(f"--pipeline-model-parallel-size {pp} does not fit in world size {world_size} with "
-             f"tensor-parallel size {tp}; using {world_size // tp} (as Megatron-LM does)")
-        pp = ns.pipeline_model_parallel_size = world_size // tp
-    if world_size % (tp * pp):
-        raise ArgumentsError(
-            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} "
-            "processes or change the parallel sizes")
-    ns.world_size = world_size
-    ns.data_parallel_size = world_size // (tp * pp)
-    if ns.standalone_embedding_stage and pp < 2:
-        raise ArgumentsError(f"--standalone-embedding-stage needs --pipeline-model-parallel-size "
-                             f">= 2 (got {pp}): the first stage would hold no layers at all")
-    ns.transformer_pipeline_model_parallel_size = pp - 1 if ns.standalone_embedding_stage else pp
-    ns.virtual_pipeline_model_parallel_size = None
-    note(f"using world size: {world_size}, data-parallel-size: {ns.data_parallel_size}, "
-         f"tensor-model-parallel size: {tp}, pipeline-model-parallel size: {pp} ")
-    heads = ns.num_attention_heads
-    if heads % tp:
-        raise ArgumentsError(f"--num-attention-heads {heads} is not divisible by "
-                             f"--tensor-model-parallel-size {tp}; use a tp size that divides {heads}")
-    if ns.num_layers % ns.transformer_pipeline_model_parallel_size:
-        raise ArgumentsError(
-            f"--num-layers {ns.num_layers} is not divisible by --pipeline-model-parallel-size "
-            f"{ns.transformer_pipeline_model_parallel_size}; every stage needs the same number "
-            "of layers")
-    if ns.sequence_parallel and tp == 1:
-        warn("--sequence-parallel needs --tensor-model-parallel-size > 1; disabled")
-        ns.sequence_parallel = False
-
-
-def _resolve_virtual_pipeline(ns) -> None:
-    """Virtual stages for the interleaved schedule (Megatron: v = layers per stage // L),
-    after the micro-batch count is known. Megatron asks for pp > 2; our schedule also runs
-    pp == 2. --overlap-p2p-communication only matters with pp > 1."""
-    pp, per_vstage = ns.pipeline_model_parallel_size, ns.num_layers_per_virtual_pipeline_stage
-    if ns.overlap_p2p_comm and pp == 1:
-        warn("--overlap-p2p-communication has no effect without --pipeline-model-parallel-size > 1")
-    if per_vstage is None:
-        return
-    if pp < 2:
-        raise ArgumentsError(f"--num-layers-per-virtual-pipeline-stage {per_vstage} needs "
-                             f"--pipeline-model-parallel-size >= 2 (got {pp})")
-    if ns.standalone_embedding_stage:
-        raise ArgumentsError("--num-layers-per-virtual-pipeline-stage and "
-                             "--standalone-embedding-stage cannot be combined; drop one")
-    per_stage = ns.num_layers // pp
-    if per_vstage < 1 or per_stage % per_vstage:
-        raise ArgumentsError(
-            f"--num-layers-per-virtual-pipeline-stage {per_vstage} must divide the "
-            f"{per_stage} layers of each pipeline stage (--num-layers {ns.num_layers} / "
-            f"--pipeline-model-parallel-size {pp})")
-    if ns.num_micro_batches % pp:
-        raise ArgumentsError(
-            f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage) needs the "
-            f"number of micro-batches ({ns.num_micro_batches} = --global-batch-size "
-            f"{ns.global_batch_size} / (--micro-batch-size {ns.micro_batch_size} x "
-            f"data-parallel size {ns.data_parallel_size})) to be a multiple of "
-            f"--pipeline-model-parallel-size {pp}; use a global batch size that is a "
-            f"multiple of {ns.micro_batch_size * ns.data_parallel_size * pp}")
-    vpp = per_stage // per_vstage
-    if vpp == 1:
-        warn(f"--num-layers-per-virtual-pipeline-stage {per_vstage} equals the layers per "
-             "pipeline stage: one virtual stage per rank, using the non-interleaved 1F1B "
-             "schedule")
-        return
-    ns.virtual_pipeline_model_parallel_size = vpp
-    note(f"interleaved pipeline schedule: {vpp} virtual stages per pipeline rank")
 
 
 def _check_experts(ns) -> None:
@@ -251,9 +174,11 @@ def _resolve_query_groups(ns) -> None:
         raise ArgumentsError(f"--num-attention-heads {heads} is not divisible by "
                              f"--num-query-groups {groups}; use a group count that divides {heads}")
     if groups % tp:
+        fits = [g for g in range(tp, heads + 1, tp) if heads % g == 0]  # heads % tp == 0
         raise ArgumentsError(f"--num-query-groups {groups} is not divisible by "
                              f"--tensor-model-parallel-size {tp}; every tensor-parallel rank needs "
-                             "whole key/value groups")
+                             f"whole key/value groups: use --num-query-groups {fits[0]} (a "
+                             f"multiple of {tp} that divides --num-attention-heads {heads})")
 
 
 def _check_ffn_split(ns) -> None:
@@ -338,7 +263,7 @@ def _resolve_data_parallel(ns) -> None:
     if ns.DDP_impl == "torch" and ns.pipeline_model_parallel_size > 1:
         raise ArgumentsError(
             f"--pipeline-model-parallel-size {ns.pipeline_model_parallel_size} needs "
-            "--DDP-impl local (got torch)")
+            "--DDP-impl local (got torch), as in Megatron-LM; drop --DDP-impl torch")
     if ns.overlap_param_gather and not ns.use_distributed_optimizer:
         raise ArgumentsError("--overlap-param-gather needs --use-distributed-optimizer")
     if ns.overlap_param_gather and ns.compile_layers:
@@ -370,26 +295,6 @@ def _resolve_optimizer(ns, explicit: Set[str]) -> None:
     elif not 0 <= ns.start_weight_decay <= ns.end_weight_decay:
         raise ArgumentsError(f"--start-weight-decay {start} must be >= 0 and <= "
                              f"--end-weight-decay {end}")
-
-
-def _resolve_recompute(ns) -> None:
-    """Megatron's recompute rules."""
-    if ns.recompute_activations:
-        if ns.recompute_granularity not in (None, "selective"):
-            warn(f"--recompute-activations overrides --recompute-granularity "
-                 f"{ns.recompute_granularity} with selective (as Megatron-LM does)")
-        ns.recompute_granularity = "selective"
-    if ns.recompute_granularity == "selective" and ns.recompute_method is not None:
-        raise ArgumentsError(f"--recompute-method {ns.recompute_method} only applies to "
-                             "--recompute-granularity full")
-    if ns.recompute_granularity == "full" and ns.recompute_method is None:
-        raise ArgumentsError("--recompute-granularity full needs --recompute-method uniform "
-                             "(every layer) or block (the first --recompute-num-layers layers)")
-    if ns.distribute_saved_activations and (
-            ns.tensor_model_parallel_size == 1 or ns.recompute_granularity != "full"
-            or ns.recompute_method is None):
-        raise ArgumentsError("--distribute-saved-activations needs --tensor-model-parallel-size "
-                             "> 1, --recompute-granularity full and --recompute-method")
 
 
 def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
@@ -506,18 +411,18 @@ def validate_args(
     explicit = explicit or set()
     _check_required(ns)
     check_value_ranges(ns)
-    _resolve_parallel(ns, world_size)
+    resolve_parallel(ns, world_size)
     _check_experts(ns)
     _resolve_batch(ns)
     check_run_length(ns, origins)
-    _resolve_virtual_pipeline(ns)
+    resolve_virtual_pipeline(ns)
     resolve_iterations(ns)
     _resolve_model_shape(ns)
     _check_ffn_split(ns)
     _resolve_precision(ns, explicit)
     _resolve_data_parallel(ns)
     _resolve_optimizer(ns, explicit)
-    _resolve_recompute(ns)
+    resolve_recompute(ns, explicit)
     _resolve_runtime(ns, explicit, cuda_available)
     with machine_checks():  # CUDA present or not: may differ between nodes
         _check_gemm_algorithms(ns, cuda_available)

@@ -181,7 +181,16 @@ def test_a_loss_scale_without_fp16_or_bf16_is_warned(caplog):
      "has no effect: --finetune loads no schedule"),
     ("--override-opt_param-scheduler --load x --no-load-optim", "--no-load-optim loads no "
      "schedule"),
+    # a script that forgot --recompute-granularity full recomputes nothing
+    ("--recompute-method uniform", "--recompute-method uniform has no effect: nothing is "
+     "recomputed without --recompute-granularity; add --recompute-granularity full"),
+    ("--recompute-method block --recompute-num-layers 2", "--recompute-method block, "
+     "--recompute-num-layers 2 have no effect: nothing is recomputed"),
+    ("--recompute-activations --recompute-num-layers 2", "--recompute-num-layers 2 has no "
+     "effect: --recompute-granularity selective recomputes the attention core only"),
     # what the run reads, and defaults spelled out, are not warned
+    ("--recompute-granularity full --recompute-method block --recompute-num-layers 2", None),
+    ("--recompute-num-layers 1 --checkpoint-activations", None),
     ("--override-opt_param-scheduler --load x", None),
     ("--lr-decay-style cosine --min-lr 1e-4 --lr-decay-iters 8", None),
     ("--fp16 --initial-loss-scale 1024 --hysteresis 4 --adam-beta2 0.95 --weight-decay 0.1",

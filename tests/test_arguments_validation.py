@@ -50,7 +50,10 @@ GPT2_VOCAB = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data
     ("--group-query-attention --num-query-groups 3", 1, ["--num-attention-heads 4",
                                                           "--num-query-groups 3"]),
     ("--group-query-attention --num-query-groups 2 --tensor-model-parallel-size 4", 4,
-     ["--num-query-groups 2", "--tensor-model-parallel-size 4"]),
+     ["--num-query-groups 2", "--tensor-model-parallel-size 4", "use --num-query-groups 4 (a "
+      "multiple of 4 that divides --num-attention-heads 4)"]),
+    ("--DDP-impl torch --pipeline-model-parallel-size 2", 2,
+     ["--pipeline-model-parallel-size 2 needs --DDP-impl local", "drop --DDP-impl torch"]),
     ("--num-query-groups 2", 1, ["--num-query-groups 2 needs --group-query-attention"]),
     ("--bf16 --DDP-impl torch", 1, ["--DDP-impl local (got torch)"]),
     ("--fp16-lm-cross-entropy", 1, ["--fp16-lm-cross-entropy needs --fp16"]),
@@ -81,6 +84,36 @@ def test_layers_divisible_by_pipeline_size():
     with pytest.raises(ArgumentsError, match="--num-layers 3 is not divisible by "
                                              "--pipeline-model-parallel-size 2"):
         validate_args(ns, 2, explicit=explicit)
+
+
+@pytest.mark.parametrize("extra, world, parts", [
+    ("--num-layers 6 --pipeline-model-parallel-size 4", 4,
+     ["--num-layers 6 is not divisible by --pipeline-model-parallel-size 4",
+      "use --num-layers e.g. 4 or 8, or --pipeline-model-parallel-size 3"]),
+    # the stage count without layers is not a size the user typed: say where it comes from
+    ("--num-layers 4 --pipeline-model-parallel-size 4 --standalone-embedding-stage", 4,
+     ["--num-layers 4 is not divisible by the 3 pipeline stages that hold layers "
+      "(--pipeline-model-parallel-size 4 less the first",
+      "use --num-layers e.g. 3 or 6, or --pipeline-model-parallel-size 3"]),
+])
+def test_uneven_layer_split_names_the_stages_and_the_fix(extra, world, parts):
+    msg = error_of(extra, world_size=world, base=without("--num-layers"))
+    for part in parts:
+        assert part in msg, (part, msg)
+    assert "--pipeline-model-parallel-size 3;" not in msg
+
+
+def test_sequence_parallel_needs_a_sequence_tp_divides():
+    """Each tensor-parallel rank holds seq_length / tp positions under --sequence-parallel:
+    an odd split is refused before start-up (it was a ValueError traceback from every rank
+    at the first forward)."""
+    msg = error_of("--tensor-model-parallel-size 2 --sequence-parallel --seq-length 31",
+                   world_size=2)
+    assert ("--seq-length 31 is not divisible by --tensor-model-parallel-size 2" in msg
+            and "(e.g. 30 or 32) or drop --sequence-parallel" in msg)
+    assert run("--tensor-model-parallel-size 2 --seq-length 31", world_size=2)  # no sp
+    assert run("--tensor-model-parallel-size 2 --sequence-parallel --seq-length 30",
+               world_size=2).model.sequence_parallel
 
 
 def test_ffn_size_divisible_by_tensor_parallel_size():

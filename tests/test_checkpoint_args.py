@@ -128,3 +128,56 @@ def test_use_checkpoint_args_takes_every_checked_argument(monkeypatch, tmp_path)
     arguments_checkpoint.apply_checkpoint_args(ns, explicit, warn=print)
     assert [m.name for m in checkpoint_arg_mismatches(saved, vars(ns))] == []
     assert ns.num_experts == 4 and ns.vocab_extra_ids == 2
+
+
+@pytest.mark.parametrize("world, sizes, warned", [
+    (4, (2, 2, 1), None),  # the checkpoint's layout fits: taken as it is, in silence
+    (8, (2, 2, 1), None),  # data-parallel replicas of it
+    # fewer processes: clamped as Megatron-LM clamps, the virtual stages of the old
+    # pipeline size dropped, and one warning that says whose sizes they were
+    (2, (2, 1, None), "--use-checkpoint-args: the checkpoint's layout "
+     "(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+     "--num-layers-per-virtual-pipeline-stage 1) does not fit world size 2; using "
+     "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 (clamped"),
+    (1, (1, 1, None), "using --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1"),
+])
+def test_use_checkpoint_args_layout_on_another_world_size(monkeypatch, tmp_path, caplog,
+                                                          world, sizes, warned):
+    """A tp2 x pp2 checkpoint with virtual stages resumed on fewer processes with
+    --use-checkpoint-args: the clamp warning and an error about
+    --num-layers-per-virtual-pipeline-stage named flags the user never typed, and the
+    run stopped although the checkpoint reshards to any layout."""
+    from megatron import arguments_checkpoint
+    from tests.args_helpers import BASE, run, without
+
+    saved = {**SAVED, "num_layers": 4, "tensor_model_parallel_size": 2,
+             "pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1}
+    monkeypatch.setattr(arguments_checkpoint, "read_checkpoint_args", lambda load: saved)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")
+    base = without("--num-layers", BASE) + ["--load", str(tmp_path), "--use-checkpoint-args",
+                                            "--global-batch-size", "16"]
+    cfg = run(world_size=world, base=base)
+    p = cfg.parallel
+    assert (p.tp_size, p.pp_size, p.virtual_pp_size) == (
+        sizes[0], sizes[1], None if sizes[2] is None else 2)
+    if warned is None:
+        assert "does not fit" not in caplog.text
+    else:
+        assert warned in caplog.text and "--num-layers-per-virtual-pipeline-stage 1 needs" \
+            not in caplog.text
+
+
+def test_use_checkpoint_args_layout_that_cannot_divide_the_world(monkeypatch, tmp_path):
+    from megatron import arguments_checkpoint
+    from tests.args_helpers import error_of, run
+
+    saved = {**SAVED, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1}
+    monkeypatch.setattr(arguments_checkpoint, "read_checkpoint_args", lambda load: saved)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")
+    msg = error_of(["--load", str(tmp_path), "--use-checkpoint-args"], world_size=3)
+    assert msg.startswith("--use-checkpoint-args: the checkpoint's layout "
+                          "(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1) "
+                          "does not fit world size 3; launch a multiple of 2 processes"), msg
+    # with the layout given, any world size the flags divide
+    assert run(["--load", str(tmp_path), "--use-checkpoint-args",
+                "--tensor-model-parallel-size", "1"], world_size=3).parallel.dp_size == 3

@@ -198,3 +198,27 @@ def test_allreduce_sequence_parallel_grads():
         assert torch.equal(r["w"], torch.full((4,), 3.0))      # 1 + 2
         assert torch.equal(r["b"], torch.full((4,), 30.0))     # 10 + 20 (main_grad wins)
         assert torch.equal(r["other"], torch.full((4, 4), float(rank + 3)))  # untouched
+
+
+def _torch_ddp_worker(rank, world_size):
+    import warnings
+
+    ps = ParallelState.build(world_size, rank)
+    model = _mlp()
+    model.register_buffer("rank_local", torch.full((2,), float(rank)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp = DistributedDataParallel(model, ps, ParallelConfig(
+            dp_size=world_size, world_size=world_size, ddp_impl="torch"))
+        ddp(torch.randn(2, 6))
+    return {"warnings": [str(w.message) for w in caught],
+            "buffer": model.rank_local.tolist()}
+
+
+def test_torch_ddp_is_quiet_and_leaves_buffers_alone():
+    """--DDP-impl torch wraps torch's DDP with Megatron-LM's broadcast_buffers=False: no
+    buffer is synced, at init or in forward. torch 2.13 deprecates that argument with a
+    FutureWarning that every rank printed at start-up."""
+    for rank, r in enumerate(run_distributed(_torch_ddp_worker, 2)):
+        assert not [w for w in r["warnings"] if "broadcast_buffers" in w], r["warnings"]
+        assert r["buffer"] == [float(rank)] * 2

@@ -28,6 +28,7 @@ from megatron.arguments_table import (
 
 ROOT = Path(__file__).resolve().parents[1]
 VALIDATE = "megatron/arguments_validate.py"
+PARALLEL = "megatron/arguments_parallel.py"  # the layout and recompute rules
 SCHEDULE = "megatron/arguments_schedule.py"
 GPT = "megatron/core/models/gpt/gpt_model.py"
 LAYERS = "megatron/core/models/gpt/transformer.py"
@@ -86,7 +87,7 @@ IMPLEMENTED_BY = {
     "--batch-size": ("megatron/arguments.py", "batch_size"),  # deprecated -> micro batch
     "--global-batch-size": (STEP, "global_batch_size"),
     "--rampup-batch-size": ("megatron/microbatches.py", "rampup_batch_size"),
-    "--recompute-activations": (VALIDATE, "recompute_activations"),  # -> selective
+    "--recompute-activations": (PARALLEL, "recompute_activations"),  # -> selective
     "--recompute-granularity": (LAYERS, "recompute_granularity"),
     "--recompute-method": (LAYERS, "recompute_method"),
     "--recompute-num-layers": (LAYERS, "recompute_num_layers"),
@@ -152,7 +153,7 @@ IMPLEMENTED_BY = {
     "--pipeline-model-parallel-size": ("megatron/initialize.py", "parallel.pp_size"),
     "--model-parallel-size": ("megatron/arguments.py", "model_parallel_size"),  # deprecated
     "--num-layers-per-virtual-pipeline-stage":
-        (VALIDATE, "num_layers_per_virtual_pipeline_stage"),  # -> virtual_pp_size
+        (PARALLEL, "num_layers_per_virtual_pipeline_stage"),  # -> virtual_pp_size
     "--overlap-p2p-communication": (STEP, "overlap_p2p_comm"),
     "--distributed-backend": (VALIDATE, "distributed_backend"),  # nccl iff CUDA, warned
     "--distributed-timeout-minutes": ("megatron/initialize.py", "distributed_timeout_minutes"),

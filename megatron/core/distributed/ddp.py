@@ -45,6 +45,7 @@ averaged during the last backward; no grad buffers, `finish_grad_sync()` has not
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from contextlib import contextmanager, nullcontext
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -397,9 +398,14 @@ class DistributedDataParallel(torch.nn.Module):
         if self.dp_group is None or self.dp_size == 1:
             return
         device = next(self.module.parameters()).device
-        self.torch_ddp = torch.nn.parallel.DistributedDataParallel(
-            self.module, device_ids=[device] if device.type == "cuda" else None,
-            process_group=self.dp_group, broadcast_buffers=False)
+        with warnings.catch_warnings():
+            # newer torch deprecates broadcast_buffers (every rank warned); its successor's
+            # False still broadcasts buffers at init, Megatron-LM's False syncs none
+            warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated",
+                                    category=FutureWarning)
+            self.torch_ddp = torch.nn.parallel.DistributedDataParallel(
+                self.module, device_ids=[device] if device.type == "cuda" else None,
+                process_group=self.dp_group, broadcast_buffers=False)
 
     def forward(self, *args, **kwargs):
         if self.torch_ddp is not None:

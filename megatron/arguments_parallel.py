@@ -1,0 +1,152 @@
+"""The parallel layout's rules (Megatron-LM 23.05 `validate_args`, the parts about tensor,
+pipeline, virtual-pipeline and data-parallel sizes) and activation recomputation, for
+`arguments_validate.validate_args`. Each runs before any process group exists; a message
+names the values and the fix.
+"""
+from __future__ import annotations
+
+from typing import Set
+
+from megatron.arguments_common import ArgumentsError, note, warn
+from megatron.arguments_ranges import warn_unread
+
+
+def resolve_parallel(ns, world_size: int) -> None:
+    """tp/pp clamped to the world size as Megatron does (with a warning), dp derived,
+    then every divisibility rule of the grid."""
+    tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
+    if world_size < 1 or tp < 1 or pp < 1:
+        raise ArgumentsError(f"world size {world_size}, --tensor-model-parallel-size {tp} and "
+                             f"--pipeline-model-parallel-size {pp} must all be >= 1")
+    if tp > world_size:
+        warn(f"--tensor-model-parallel-size {tp} is larger than the world size {world_size}; "
+             f"using {world_size} (as Megatron-LM does)")
+        tp = ns.tensor_model_parallel_size = world_size
+    if pp > world_size // tp:
+        warn(f"--pipeline-model-parallel-size {pp} does not fit in world size {world_size} with "
+             f"tensor-parallel size {tp}; using {world_size // tp} (as Megatron-LM does)")
+        pp = ns.pipeline_model_parallel_size = world_size // tp
+    if world_size % (tp * pp):
+        raise ArgumentsError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} "
+            "processes or change the parallel sizes")
+    ns.world_size = world_size
+    ns.data_parallel_size = world_size // (tp * pp)
+    if ns.standalone_embedding_stage and pp < 2:
+        raise ArgumentsError(f"--standalone-embedding-stage needs --pipeline-model-parallel-size "
+                             f">= 2 (got {pp}): the first stage would hold no layers at all")
+    ns.transformer_pipeline_model_parallel_size = pp - 1 if ns.standalone_embedding_stage else pp
+    ns.virtual_pipeline_model_parallel_size = None
+    note(f"using world size: {world_size}, data-parallel-size: {ns.data_parallel_size}, "
+         f"tensor-model-parallel size: {tp}, pipeline-model-parallel size: {pp} ")
+    heads = ns.num_attention_heads
+    if heads % tp:
+        raise ArgumentsError(f"--num-attention-heads {heads} is not divisible by "
+                             f"--tensor-model-parallel-size {tp}; use a tp size that divides {heads}")
+    _check_layer_split(ns)
+    if ns.sequence_parallel and tp == 1:
+        warn("--sequence-parallel needs --tensor-model-parallel-size > 1; disabled")
+        ns.sequence_parallel = False
+    if ns.sequence_parallel and ns.seq_length % tp:
+        # each tensor-parallel rank holds seq_length / tp positions between the layers;
+        # Megatron-LM 23.05 fails on an assertion at the first forward on every rank
+        raise ArgumentsError(
+            f"--seq-length {ns.seq_length} is not divisible by --tensor-model-parallel-size "
+            f"{tp}: --sequence-parallel splits each sequence over the tensor-parallel ranks; "
+            f"use a --seq-length that is a multiple of {tp} "
+            f"({_nearby_multiples(ns.seq_length, tp)}) or drop --sequence-parallel")
+
+
+def _nearby_multiples(value: int, step: int) -> str:
+    """'e.g. 30 or 32': the multiples of `step` next to `value` (the lower one when > 0)."""
+    low = value // step * step
+    return f"e.g. {low} or {low + step}" if low else f"e.g. {step}"
+
+
+def _check_layer_split(ns) -> None:
+    """Every stage that holds transformer layers gets the same number (Megatron-LM 23.05's
+    rule); with --standalone-embedding-stage the first stage holds none."""
+    stages, layers = ns.transformer_pipeline_model_parallel_size, ns.num_layers
+    if layers % stages == 0:
+        return
+    pp = ns.pipeline_model_parallel_size
+    where = (f"the {stages} pipeline stages that hold layers (--pipeline-model-parallel-size "
+             f"{pp} less the first, which --standalone-embedding-stage keeps for the "
+             "embedding)" if ns.standalone_embedding_stage
+             else f"--pipeline-model-parallel-size {pp}")
+    first = 1 if ns.standalone_embedding_stage else 0  # the stage without layers
+    best = max(d for d in range(1, stages) if layers % d == 0) if stages > 1 else 1
+    other = (f", or --pipeline-model-parallel-size {best + first}"
+             if best + first > 1 else "")
+    raise ArgumentsError(
+        f"--num-layers {layers} is not divisible by {where}; every stage needs the same "
+        f"number of layers: use --num-layers {_nearby_multiples(layers, stages)}{other}")
+
+
+def resolve_virtual_pipeline(ns) -> None:
+    """Virtual stages for the interleaved schedule (Megatron: v = layers per stage // L),
+    after the micro-batch count is known. Megatron asks for pp > 2; our schedule also runs
+    pp == 2. --overlap-p2p-communication only matters with pp > 1."""
+    pp, per_vstage = ns.pipeline_model_parallel_size, ns.num_layers_per_virtual_pipeline_stage
+    if ns.overlap_p2p_comm and pp == 1:
+        warn("--overlap-p2p-communication has no effect without --pipeline-model-parallel-size > 1")
+    if per_vstage is None:
+        return
+    if pp < 2:
+        raise ArgumentsError(f"--num-layers-per-virtual-pipeline-stage {per_vstage} needs "
+                             f"--pipeline-model-parallel-size >= 2 (got {pp})")
+    if ns.standalone_embedding_stage:
+        raise ArgumentsError("--num-layers-per-virtual-pipeline-stage and "
+                             "--standalone-embedding-stage cannot be combined; drop one")
+    per_stage = ns.num_layers // pp
+    if per_vstage < 1 or per_stage % per_vstage:
+        raise ArgumentsError(
+            f"--num-layers-per-virtual-pipeline-stage {per_vstage} must divide the "
+            f"{per_stage} layers of each pipeline stage (--num-layers {ns.num_layers} / "
+            f"--pipeline-model-parallel-size {pp})")
+    if ns.num_micro_batches % pp:
+        raise ArgumentsError(
+            f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage) needs the "
+            f"number of micro-batches ({ns.num_micro_batches} = --global-batch-size "
+            f"{ns.global_batch_size} / (--micro-batch-size {ns.micro_batch_size} x "
+            f"data-parallel size {ns.data_parallel_size})) to be a multiple of "
+            f"--pipeline-model-parallel-size {pp}; use a global batch size that is a "
+            f"multiple of {ns.micro_batch_size * ns.data_parallel_size * pp}")
+    vpp = per_stage // per_vstage
+    if vpp == 1:
+        warn(f"--num-layers-per-virtual-pipeline-stage {per_vstage} equals the layers per "
+             "pipeline stage: one virtual stage per rank, using the non-interleaved 1F1B "
+             "schedule")
+        return
+    ns.virtual_pipeline_model_parallel_size = vpp
+    note(f"interleaved pipeline schedule: {vpp} virtual stages per pipeline rank")
+
+
+def resolve_recompute(ns, explicit: Set[str]) -> None:
+    """Megatron's recompute rules. --recompute-method / --recompute-num-layers without
+    --recompute-granularity full recompute nothing (Megatron ignores them silently; a
+    script that forgot the granularity would run out of memory believing it recomputes):
+    warned."""
+    if ns.recompute_activations:
+        if ns.recompute_granularity not in (None, "selective"):
+            warn(f"--recompute-activations overrides --recompute-granularity "
+                 f"{ns.recompute_granularity} with selective (as Megatron-LM does)")
+        ns.recompute_granularity = "selective"
+    if ns.recompute_granularity == "selective" and ns.recompute_method is not None:
+        raise ArgumentsError(f"--recompute-method {ns.recompute_method} only applies to "
+                             "--recompute-granularity full")
+    if ns.recompute_granularity == "full" and ns.recompute_method is None:
+        raise ArgumentsError("--recompute-granularity full needs --recompute-method uniform "
+                             "(every layer) or block (the first --recompute-num-layers layers)")
+    if ns.recompute_granularity != "full":
+        run = ("--recompute-granularity selective recomputes the attention core only"
+               if ns.recompute_granularity == "selective" else
+               "nothing is recomputed without --recompute-granularity")
+        warn_unread(ns, explicit, ("recompute_method", "recompute_num_layers"),
+                    f"{run}; add --recompute-granularity full to recompute whole layers")
+    if ns.distribute_saved_activations and (
+            ns.tensor_model_parallel_size == 1 or ns.recompute_granularity != "full"
+            or ns.recompute_method is None):
+        raise ArgumentsError("--distribute-saved-activations needs --tensor-model-parallel-size "
+                             "> 1, --recompute-granularity full and --recompute-method")
