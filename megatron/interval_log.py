@@ -20,9 +20,9 @@ import torch
 
 from megatron import step_graph
 from megatron.logging_utils import (
-    flops_per_token,
     format_iteration_line,
     format_memory_line,
+    model_flops_per_token,
     print_line,
     print_rank_last,
 )
@@ -236,9 +236,7 @@ def log_interval(tr, stats: IntervalStats, print_line: bool = True) -> None:
         samples = sum(rec.batch_size for rec in stats.records)
         tokens_per_gpu = samples * cfg.data.seq_length / elapsed / tr.rt.ps.world_size
         m = cfg.model
-        tflops = tokens_per_gpu * flops_per_token(m.num_layers, m.hidden_size,
-                                                  cfg.data.seq_length, m.padded_vocab_size,
-                                                  m.num_experts) / 1e12
+        tflops = tokens_per_gpu * model_flops_per_token(m, cfg.data.seq_length) / 1e12
         print_rank_last(format_iteration_line(
             r.iteration, cfg.training.train_iters, r.consumed, elapsed * 1000.0 / n, r.lr,
             r.batch_size,

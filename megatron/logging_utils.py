@@ -242,6 +242,29 @@ def flops_per_token(num_layers: int, hidden_size: int, seq_length: int, vocab_si
     return 72.0 * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h)) + router
 
 
+def layer_forward_flops(model, seq_length: int) -> float:
+    """Forward FLOPs per token of one transformer layer of `model` (a ModelConfig): the
+    q/k/v projection at its query-group width, the attention scores and values over the
+    whole sequence (as the formula of `flops_per_token` counts them), the output
+    projection, the MLP's two matrices (three with SwiGLU) at --ffn-hidden-size and a
+    --num-experts router."""
+    h, d, n = model.hidden_size, model.kv_channels, model.num_attention_heads
+    g = model.num_query_groups or n
+    mlp_mats = 3 if model.activation == "swiglu" else 2
+    return float(2 * h * (n + 2 * g) * d + 4 * seq_length * n * d + 2 * n * d * h
+                 + 2 * h * model.ffn_hidden_size * mlp_mats + 2 * h * (model.num_experts or 0))
+
+
+def model_flops_per_token(model, seq_length: int) -> float:
+    """Training FLOPs per token of `model` counted product by product (forward + backward
+    = 3 x forward, no activation recompute): its layers (`layer_forward_flops`) and the
+    logits layer. For a GPT with a 4h MLP, one query group per head and h = heads x
+    kv_channels it equals `flops_per_token`; for a Llama shape it is what the run does
+    (the plain formula misses the SwiGLU and query-group widths)."""
+    return 3.0 * (model.num_layers * layer_forward_flops(model, seq_length)
+                  + 2.0 * model.hidden_size * model.padded_vocab_size)
+
+
 def mfu(tokens_per_s_per_gpu: float, flops_per_token: float,
         peak_flops: float = PEAK_FLOPS_H100_BF16) -> float:
     """Model FLOPs utilisation: achieved FLOP/s per GPU over the peak (default H100 bf16 dense)."""
@@ -465,7 +488,7 @@ def read_texts(logdir: str) -> Dict[str, str]:
 
 
 __all__ = [
-    "print_rank_0", "print_rank_last", "Timer", "Timers", "flops_per_token", "mfu",
+    "print_rank_0", "print_rank_last", "Timer", "Timers", "flops_per_token", "model_flops_per_token", "mfu",
     "format_iteration_line", "format_validation_block", "format_memory_line",
     "TensorboardLogger", "read_scalars", "read_texts",
 ]

@@ -89,6 +89,31 @@ def test_flops_per_token_gpt2_small():
     assert got == pytest.approx(8.5445e8, rel=1e-4)
 
 
+def test_model_flops_count_each_product_and_equal_the_formula_for_gpt():
+    """The training line's and the planner's FLOPs: the issue's formula for a GPT (4h MLP,
+    no query groups), and for a Llama shape twice the multiply-adds of a plain count of
+    the products a token passes through (x3 for the backward)."""
+    from megatron.core.config import ModelConfig
+    from megatron.logging_utils import model_flops_per_token
+
+    gpt = ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16,
+                      padded_vocab_size=50304, seq_length=2048, max_position_embeddings=2048)
+    assert model_flops_per_token(gpt, 2048) == pytest.approx(
+        flops_per_token(24, 2048, 2048, 50304), rel=1e-12)
+    llama = ModelConfig(num_layers=16, hidden_size=2048, num_attention_heads=32,
+                        num_query_groups=8, ffn_hidden_size=5632, activation="swiglu",
+                        padded_vocab_size=32000, untie_embeddings_and_output_weights=True,
+                        seq_length=2048, max_position_embeddings=2048)
+    s, h, d = 2048, 2048, 64
+    macs = {"q": h * 32 * d, "k": h * 8 * d, "v": h * 8 * d, "scores": s * 32 * d,
+            "values": s * 32 * d, "proj": 32 * d * h, "gate": h * 5632, "up": h * 5632,
+            "down": 5632 * h}
+    reference = 3 * 2 * (16 * sum(macs.values()) + h * 32000)
+    assert model_flops_per_token(llama, s) == pytest.approx(reference, rel=1e-12)
+    # the plain formula over-counts this shape's attention and under-counts its MLP
+    assert flops_per_token(16, 2048, s, 32000) != pytest.approx(reference, rel=0.01)
+
+
 def test_mfu():
     assert mfu(1000.0, 989e9) == pytest.approx(1.0)
     assert mfu(2.0e5, 8.5e8, peak_flops=312e12) == pytest.approx(2.0e5 * 8.5e8 / 312e12)

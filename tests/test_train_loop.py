@@ -511,3 +511,30 @@ def test_the_interval_clock_does_not_follow_wall_clock_steps():
 
     assert IntervalStats.clock in (time.monotonic, time.perf_counter)
     assert not time.get_clock_info("monotonic").adjustable
+
+
+def test_the_iteration_lines_tflops_count_the_models_own_products(capsys, monkeypatch):
+    """TFLOP/s/GPU of a SwiGLU model with query groups and another --ffn-hidden-size is
+    tokens/s x the product-by-product count (model_flops_per_token), not the plain GPT
+    formula (about 6% off at a Llama-70B shape). A clock that barely moves makes both
+    printed rates large enough to compare to four digits."""
+    import megatron.interval_log as interval_log
+    from megatron.logging_utils import flops_per_token, model_flops_per_token
+
+    ticks = [0.0]
+
+    def clock():
+        ticks[0] += 1e-6
+        return ticks[0]
+
+    monkeypatch.setattr(interval_log.IntervalStats, "clock", staticmethod(clock))
+    out, tr = _pretrain(["--train-iters", "2", "--log-interval", "2", "--swiglu",
+                         "--group-query-attention", "--num-query-groups", "2",
+                         "--ffn-hidden-size", "128"], capsys)
+    line = [x for x in out.splitlines() if x.startswith(" iteration ")][-1]
+    tokens = float(re.search(r"tokens/s/GPU: (\d+)", line).group(1))
+    tflops = float(re.search(r"TFLOP/s/GPU: ([\d.]+)", line).group(1))
+    m, s = tr.config.model, tr.config.data.seq_length
+    assert tflops == pytest.approx(tokens * model_flops_per_token(m, s) / 1e12, rel=1e-3)
+    plain = flops_per_token(m.num_layers, m.hidden_size, s, m.padded_vocab_size)
+    assert abs(model_flops_per_token(m, s) / plain - 1) > 0.01  # the two counts differ here

@@ -12,11 +12,12 @@ pipeline rank (l / (p - 1) with --standalone-embedding-stage).
 
     step = (compute + tp_comm + p2p + overhead) * (1 + bubble) + dp_exposed
 
-compute     FLOPs per token (megatron.logging_utils.flops_per_token:
-            72 l h^2 (1 + s/6h + V/12lh)) x B s tokens / N / GPU_FLOPS. Full recompute
-            adds one more forward of the layers, 24 l h^2 (1 + s/6h) per token (the x4/3 of
-            the layers' part); selective recompute adds the attention core's forward,
-            4 l s h per token.
+compute     FLOPs per token (megatron.logging_utils.model_flops_per_token, product by
+            product: 72 l h^2 (1 + s/6h + V/12lh) for a GPT with a 4h MLP, more or less
+            with SwiGLU, query groups or another --ffn-hidden-size) x B s tokens / N /
+            GPU_FLOPS. Full recompute adds one more forward of the layers (24 l h^2
+            (1 + s/6h) per token for that GPT); selective recompute adds the attention
+            core's forward, 4 l s h per token.
 tp_comm     per layer and micro-batch 4 collectives of the activation (b s h e bytes): two
             all-reduces in forward, two in backward (6 with full recompute, whose second
             forward repeats them), each moving 2 (t-1)/t of it at NVLINK_BW. With sequence
@@ -47,7 +48,7 @@ from typing import NamedTuple
 
 from megatron.arguments_report import count_parameters
 from megatron.config import Config
-from megatron.logging_utils import flops_per_token
+from megatron.logging_utils import layer_forward_flops, model_flops_per_token
 
 # An H100-class cluster. Sustained matmul rate of one GPU, FLOP/s (bf16; about 40% of an
 # H100's dense peak).
@@ -91,12 +92,11 @@ def bubble_fraction(pp_size: int, num_micro_batches: int, virtual_pp_size: int =
 def training_flops_per_token(config: Config) -> float:
     """FLOPs per token of one step with the configuration's activation recompute."""
     m, s = config.model, config.data.seq_length
-    l, h = m.num_layers, m.hidden_size
-    flops = flops_per_token(l, h, s, m.padded_vocab_size, m.num_experts)
-    if m.recompute_granularity == "full":
-        flops += 24.0 * l * h * h * (1.0 + s / (6.0 * h))
-    elif m.recompute_granularity == "selective":
-        flops += 4.0 * l * s * h
+    flops = model_flops_per_token(m, s)
+    if m.recompute_granularity == "full":  # the layers' forward once more
+        flops += m.num_layers * layer_forward_flops(m, s)
+    elif m.recompute_granularity == "selective":  # the attention scores and values
+        flops += 4.0 * m.num_layers * s * m.num_attention_heads * m.kv_channels
     return flops
 
 
