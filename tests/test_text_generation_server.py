@@ -288,6 +288,19 @@ def test_megatron_defaults_are_accepted():
         parse_request({"prompts": ["5"], "all_probs": True})
 
 
+def test_internal_request_fields_are_not_json_fields():
+    """GenerationRequest's bookkeeping (default_tokens: tokens_to_generate left out) is no
+    field of the API: a body that sends it is refused by name, and the list of fields in
+    that message is Megatron's plus beam search's, without it."""
+    from tools.text_generation_api import RequestError, parse_request
+
+    with pytest.raises(RequestError) as err:
+        parse_request({"prompts": ["5"], "default_tokens": False})
+    assert str(err.value).startswith("unknown field(s) default_tokens; the fields are ")
+    assert str(err.value).endswith("beam_width, stop_token, length_penalty")
+    assert parse_request({"prompts": ["5"]}).default_tokens
+
+
 def test_beam_search_answer(ckpt, served):
     """PUT /api with beam_width: {"text", "segments", "scores"}, beam_width hypotheses
     best first, each the prompt and its beam (a beam that met the stop token, 34, which

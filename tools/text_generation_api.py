@@ -137,11 +137,13 @@ class GenerationRequest:
     beam_width: Optional[int] = None  # None: sampling; else beam search over one prompt
     stop_token: int = STOP_TOKEN
     length_penalty: float = 1.0
-    default_tokens: bool = False  # tokens_to_generate was not in the request (64 taken)
+    # not a JSON field (a client cannot send it): tokens_to_generate was left out, 64 taken
+    default_tokens: bool = dataclasses.field(default=False, metadata={"internal": True})
 
 
 _PIECE_TOKENIZERS = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
-_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationRequest))
+_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationRequest)
+                if not f.metadata.get("internal"))
 _BOOLS = ("logprobs", "add_BOS", "stop_on_eol", "stop_on_double_eol",
           "prevent_newline_after_colon", "no_log")
 
