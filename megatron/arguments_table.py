@@ -498,9 +498,10 @@ NO_EFFECT = {
     "--no-query-key-layer-scaling": "the scaling only kept fp16 attention scores from "
                                     "overflowing; scaled_dot_product_attention computes them "
                                     "in fp32, so it never changes the result",
-    "--inference-batch-times-seqlen-threshold": "text generation runs as one process "
-                                                "(tools/run_text_generation_server.py): no "
-                                                "pipeline micro-batching to tune",
+    "--inference-batch-times-seqlen-threshold": "text generation (tools/generate.py, "
+                                                "tools/run_text_generation_server.py) passes "
+                                                "each batch through the pipeline stages "
+                                                "whole: no micro-batching to tune",
     "--max-tokens-to-oom": "read by tools/run_text_generation_server.py only (it refuses "
                            "requests above it)",
     "--mmap-warmup": "page-cache warm-up only; the .bin/.idx files are memory-mapped and "
