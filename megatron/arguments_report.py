@@ -258,9 +258,9 @@ def checkpoint_lines(config: Config, evaluation: bool = False) -> Tuple[List[str
     load = config.checkpoint.load
     if not load:
         return [], False
-    if not os.path.isdir(load):
-        if config.checkpoint.exit_on_missing_checkpoint:
-            return [], False  # a missing input (above)
+    if not os.path.isdir(load) and config.checkpoint.exit_on_missing_checkpoint:
+        return [], False  # a missing input (above)
+    if not os.path.exists(load):  # (a file is refused by the preflight, as by the run)
         return [f"checkpoint (--load {load}): the directory does not exist; training would "
                 "start from scratch"], False
     found = preflight_load(config, evaluation)

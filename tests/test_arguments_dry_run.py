@@ -222,6 +222,21 @@ def test_dry_run_resumes_from_the_checkpoint(saved, capsys, tmp_path):
                            "iteration 0" in out
 
 
+def test_dry_run_refuses_a_load_file_as_the_run_does(saved, capsys, tmp_path):
+    """--load on a checkpoint file (or any other file) stops the run with the directory to
+    pass; the dry run said the directory did not exist and training would start from
+    scratch, with status 0."""
+    shard = f"{saved}/full/iter_0000010/mp_rank_00/model_optim_rng.pt"
+    status, out = dry(capsys, f"--load {shard}")
+    assert status == 1 and "would start from scratch" not in out
+    assert (f"error: --load {shard} is a file inside a checkpoint; --load takes the directory "
+            f"above the iteration directories (the one --save wrote): --load {saved}/full") in out
+    notes = tmp_path / "notes.txt"
+    notes.write_text("x")
+    status, out = dry(capsys, f"--load {notes}")
+    assert status == 1 and f"error: --load {notes} is a file; --load takes the directory" in out
+
+
 def test_dry_run_lists_every_schedule_mismatch(saved, capsys):
     """The real run stops at max_lr; the dry run names max_lr and the decay length (in
     samples: --train-iters changed it) with the flags that settle them."""
