@@ -32,6 +32,7 @@ def test_single_run_reports_throughput_and_mfu():
     assert "sm_clock_mhz" not in row  # sampled on CUDA only
     assert (row["precision"], row["skipped_steps"]) == ("fp32", 0)
     assert row["gemm_table_entries"] == 0  # --gemm-algorithms auto finds nothing on the CPU
+    assert "WARNING" not in out.stderr, out.stderr[-2000:]  # none about flags it passes itself
 
 
 def test_fp16_replaces_the_presets_bf16():

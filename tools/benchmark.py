@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--hidden-dropout", "0",
           "--attention-dropout", "0", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "2",
           "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0",
-          "--log-interval", "1000000", "--eval-iters", "0", "--seed", "1234"]
+          "--eval-iters", "0", "--seed", "1234"]
 
 PRESETS = {
     # name: (flags, default micro batch)
@@ -86,7 +86,8 @@ def build_argv(preset: str, steps: int, warmup: int, micro_batch: int, extra: li
         "--global-batch-size", str(micro_batch * lay["dp"] * num_micro),
         "--tensor-model-parallel-size", str(lay["tp"]),
         "--pipeline-model-parallel-size", str(lay["pp"]),
-        "--train-iters", str(total)] + (["--sequence-parallel"] if lay["tp"] > 1 else []) + extra
+        "--train-iters", str(total), "--log-interval", str(total),  # the timing loop logs
+    ] + (["--sequence-parallel"] if lay["tp"] > 1 else []) + extra
 
 
 KERNEL_CLASSES = (  # (category, regex over the kernel name), first match wins
