@@ -86,7 +86,7 @@ def build_argv(preset: str, steps: int, warmup: int, micro_batch: int, extra: li
         "--global-batch-size", str(micro_batch * lay["dp"] * num_micro),
         "--tensor-model-parallel-size", str(lay["tp"]),
         "--pipeline-model-parallel-size", str(lay["pp"]),
-        "--train-iters", str(total), "--log-interval", str(total),  # the timing loop logs
+        "--train-iters", str(total), "--log-interval", str(total),  # unused by the timing loop
     ] + (["--sequence-parallel"] if lay["tp"] > 1 else []) + extra
 
 
