@@ -213,9 +213,9 @@ def _to_hf(a) -> int:
     print(f"writing {len(hf_state)} tensors to {a.output} ...", flush=True)
     names = save_hf_checkpoint(a.output, hf_state, config, gen, int(a.max_shard_size_gb * 2**30))
     copied = _copy_tokenizer(args, a.output)
+    written = names + copied + ["config.json"] + (["generation_config.json"] if gen else [])
     print(f"wrote {family} model ({len(hf_state)} tensors, vocab {vocab}, {dtype}) from "
-          f"{a.load} iteration {iteration} to {a.output}: {', '.join(names + copied)}, "
-          "config.json")
+          f"{a.load} iteration {iteration} to {a.output}: {', '.join(written)}")
     if not copied:
         print(f"note: no tokenizer files written (the checkpoint's {args.get('tokenizer_type')} "
               "has none a Hugging Face tokenizer reads, or they are not readable here); add "

@@ -513,7 +513,9 @@ def test_special_ids_of_an_import_without_tokenizer_files_are_named_and_restored
     assert "pass them as --eos-token-id N --bos-token-id N" in capsys.readouterr().out
     assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "out",
                 "--eos-token-id", 2, "--bos-token-id", 1) == 0
-    assert "note: eos_token_id" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "note: eos_token_id" not in out
+    assert ": model.safetensors, config.json, generation_config.json\n" in out, out
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     gen = json.loads((tmp_path / "out" / "generation_config.json").read_text())
     assert (cfg["eos_token_id"], cfg["bos_token_id"]) == (2, 1)

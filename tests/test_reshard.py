@@ -237,6 +237,7 @@ def test_save_holding_a_checkpoint_is_refused_unless_overwrite(tmp_path, capsys)
                                     "--overwrite"]) == 0
     out = capsys.readouterr().out
     assert f"overwrite: replacing {dst / 'iter_0000001'}" in out and "said '20', now '1'" in out
+    assert "writing 1 rank file to " in out  # to-megatron of the tp 1 source
     assert (dst / "latest_checkpointed_iteration.txt").read_text() == "1"
     assert sorted(os.listdir(dst)) == ["iter_0000001", "iter_0000020",
                                        "latest_checkpointed_iteration.txt"]

@@ -29,10 +29,9 @@ converted iteration) unless --overwrite is given, for every subcommand that writ
 loads (`args` an argparse.Namespace, the model state nested under `language_model`); the
 files of `reshard` and of training load with `torch.load(..., weights_only=True)` instead.
 Checkpoints in Megatron-LM's form load here directly (`--load`, `reshard`).
-
-Subcommands are registered in SUBCOMMANDS: name -> (add_arguments(parser), run(args) -> exit
-status).
 """
+# Subcommands are registered in SUBCOMMANDS: name -> (add_arguments(parser), run(args) -> exit
+# status).
 from __future__ import annotations
 
 import argparse
@@ -335,7 +334,7 @@ def reshard(load: str, save: str, tp: int, pp: int, layers_per_stage: Optional[i
     final_dir = os.path.join(save, iteration_dir_name(iteration, release))
     files = 0
     with partial_output(save, final_dir + ".tmp") as tmp_dir:
-        progress = Progress(tp * pp, f"writing {tp * pp} rank files to {tmp_dir}")
+        progress = Progress(tp * pp, f"writing {_rank_files(tp * pp)} to {tmp_dir}")
         for p in range(pp):
             modules, offsets = _stage_modules(config, pp, p, vpp,
                                               args["standalone_embedding_stage"])
@@ -422,7 +421,7 @@ def to_megatron(load: str, save: str, iteration: Optional[int] = None,
     if not rank_dirs:
         raise SystemExit(f"error: {iter_dir} holds no mp_rank_*/{MODEL_FILENAME} files")
     with partial_output(save, final_dir + ".tmp") as tmp_dir:
-        progress = Progress(len(rank_dirs), f"writing {len(rank_dirs)} rank files to {tmp_dir}")
+        progress = Progress(len(rank_dirs), f"writing {_rank_files(len(rank_dirs))} to {tmp_dir}")
         for rank_dir in rank_dirs:
             os.makedirs(os.path.join(tmp_dir, rank_dir))
             state = load_checkpoint_file(model_file(os.path.join(iter_dir, rank_dir)))
@@ -474,6 +473,10 @@ def run_to_megatron(a: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------ dispatcher
 Subcommand = Tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+def _rank_files(n: int) -> str:
+    return "1 rank file" if n == 1 else f"{n} rank files"
+
+
 SUBCOMMANDS: Dict[str, Subcommand] = {
     "reshard": (add_reshard_arguments, run_reshard),
     "to-hf": (hf_convert.add_to_hf_arguments, hf_convert.run_to_hf),
