@@ -601,3 +601,76 @@ def test_without_sigint_a_lost_rank0_is_an_error(monkeypatch):
 
     with pytest.raises(RuntimeError, match="closed"):
         _follower(monkeypatch, [closed], lambda engine, req: None)
+
+
+class _Exited(Exception):
+    pass
+
+
+def _rank0_stop(monkeypatch, again, after_s):
+    """Lockstep.serve on a fake rank 0 interrupted while idle, whose server.shutdown gets
+    signal `again` `after_s` seconds after the first: (what broadcast, exit status or None)."""
+    from types import SimpleNamespace
+
+    sent = []
+
+    def exit_now(code):
+        raise _Exited(code)
+
+    class Server:
+        def serve_forever(self):
+            pass
+
+        def shutdown(self):
+            time.sleep(after_s)
+            os.kill(os.getpid(), again)  # Python runs the handler before returning
+
+        def server_close(self):
+            sent.append("closed")
+
+    class Interrupted:
+        def get(self, timeout):
+            raise KeyboardInterrupt  # Ctrl-C while idle
+
+        def empty(self):
+            return True
+
+    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group: sent.append(message))
+    monkeypatch.setattr(server_mod.os, "_exit", exit_now)
+    monkeypatch.setattr(server_mod.InterruptWatch, "FORWARDED_WITHIN_S", 0.2)
+    engine = SimpleNamespace(runtime=SimpleNamespace(control_group=None))
+    lockstep = server_mod.Lockstep(engine)
+    lockstep.pending = Interrupted()
+    previous = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    signal.signal(signal.SIGTERM, server_mod._interrupt)  # as main installs it
+    try:
+        lockstep.serve(Server())
+        status = None
+    except _Exited as exc:
+        status = exc.args[0]
+    except KeyboardInterrupt:  # out of main: a traceback
+        status = "KeyboardInterrupt"
+    finally:
+        for s, handler in zip((signal.SIGINT, signal.SIGTERM), previous):
+            signal.signal(s, handler)
+    return sent, status
+
+
+@pytest.mark.parametrize("again", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_ctrl_c_while_rank0_stops_exits_at_once(monkeypatch, capsys, again):
+    """Rank 0 under torchrun stops by telling the other ranks, then closing the server
+    (up to 0.5 s); a second Ctrl-C meanwhile (torchrun turns its own second one into
+    SIGTERM) printed a KeyboardInterrupt traceback: now one line and status 130."""
+    sent, status = _rank0_stop(monkeypatch, again, after_s=0.3)
+    assert status == 130
+    assert sent == [("stop", None)]  # the other ranks were told first
+    assert capsys.readouterr().out == (f"run_text_generation_server.py: interrupted again "
+                                       f"while stopping ({again.name}): exiting at once\n")
+
+
+def test_the_same_ctrl_c_forwarded_does_not_cut_the_stop_short(monkeypatch, capsys):
+    """A launcher may forward the terminal's Ctrl-C to a rank it reached already: that
+    SIGINT right after the first is ignored, and the stop completes."""
+    sent, status = _rank0_stop(monkeypatch, signal.SIGINT, after_s=0.0)
+    assert status is None and sent == [("stop", None), "closed"]
+    assert capsys.readouterr().out == ""

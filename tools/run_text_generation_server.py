@@ -28,9 +28,10 @@ request to the other ranks (a gloo group), all ranks generate it in lockstep (id
 full-vocabulary logits, same seeds, so the same tokens) and rank 0 answers. While idle,
 rank 0 broadcasts a heartbeat every 30 s, so the waiting ranks never reach the process
 group's timeout. When rank 0 stops (Ctrl-C, SIGTERM, a failure) it broadcasts a stop
-message and every rank exits; a rank 0 killed outright breaks the other ranks' broadcast,
-and they exit with an error. A world size other than tp x pp is refused (no data-parallel
-replicas), and so is --num-layers-per-virtual-pipeline-stage at pp > 1; at pp > 1 the
+message and every rank exits (Ctrl-C again while it stops, or torchrun's SIGTERM after its
+own second Ctrl-C: rank 0 exits at once with one line, status 130); a rank 0 killed
+outright breaks the other ranks' broadcast, and they exit with an error. A world size
+other than tp x pp is refused (no data-parallel replicas), and so is --num-layers-per-virtual-pipeline-stage at pp > 1; at pp > 1 the
 cached one-token step runs eagerly (no CUDA graph: the captured step is one stage's).
 The prompts of a request are generated together as one batch through a key/value cache
 (tools/generate.py generate_batch); on CUDA each one-token step of the batch is one replay
@@ -75,7 +76,11 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.agreed_exit import silent_ranks_wait  # noqa: E402
 from megatron.core.models.gpt.static_decode import MODES  # noqa: E402
-from megatron.interrupt import SigintHandler  # noqa: E402
+from megatron.interrupt import (  # noqa: E402
+    INTERRUPTED_STATUS,
+    InterruptWatch,
+    SigintHandler,
+)
 from tools.generate import (  # noqa: E402
     _device,
     build_decoder,
@@ -294,6 +299,40 @@ def follow_requests(engine: Engine) -> int:
                 sigint.busy = False
 
 
+class _StopSignals:
+    """`with _StopSignals():` while rank 0 stops (after Ctrl-C or SIGTERM). SIGINT within
+    `InterruptWatch.FORWARDED_WITHIN_S` of the start is the same Ctrl-C again (a launcher
+    forwarding it to a worker the terminal reached too) and is ignored; any later SIGINT
+    or SIGTERM (Ctrl-C pressed again; torchrun's SIGTERM after its own second Ctrl-C) ends
+    the process at once: one line, status 130, no traceback. os._exit, not SystemExit:
+    the process group is still open, and a gloo group left to the interpreter's exit can
+    abort the process after its output. Main thread only."""
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self._start, self._previous = time.monotonic(), {}
+
+    def _handle(self, signum, frame) -> None:
+        if (signum == signal.SIGINT and
+                time.monotonic() - self._start < InterruptWatch.FORWARDED_WITHIN_S):
+            return
+        print(f"{_PROG}: interrupted again while stopping ({signal.Signals(signum).name}): "
+              "exiting at once", flush=True)
+        sys.stderr.flush()
+        os._exit(INTERRUPTED_STATUS)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self._SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+
 class Lockstep:
     """Rank 0 under torchrun (tp x pp ranks): the HTTP threads `submit` requests; `serve`, on
     the main thread, broadcasts each to the other ranks and runs it (a heartbeat while
@@ -316,7 +355,8 @@ class Lockstep:
 
     def serve(self, server) -> None:
         """Serve `server` in a thread until KeyboardInterrupt (SIGINT; SIGTERM is turned
-        into one by main), then tell the other ranks to stop and close the server."""
+        into one by main), then tell the other ranks to stop and close the server (a
+        second signal meanwhile exits at once: _StopSignals)."""
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         try:
@@ -334,14 +374,18 @@ class Lockstep:
         except KeyboardInterrupt:
             pass
         finally:
-            try:
-                self.stop_others()
-            except RuntimeError as exc:  # a rank that failed cannot be told; close anyway
-                print(f"note: the other ranks could not be told to stop: {exc}", flush=True)
-            server.shutdown()
-            server.server_close()
-            while not self.pending.empty():
-                self.pending.get()[1].set_exception(RuntimeError("the server is stopping"))
+            with _StopSignals():  # Ctrl-C again: exit at once (server.shutdown takes 0.5 s)
+                self._stop(server)
+
+    def _stop(self, server) -> None:
+        try:
+            self.stop_others()
+        except RuntimeError as exc:  # a rank that failed cannot be told; close anyway
+            print(f"note: the other ranks could not be told to stop: {exc}", flush=True)
+        server.shutdown()
+        server.server_close()
+        while not self.pending.empty():
+            self.pending.get()[1].set_exception(RuntimeError("the server is stopping"))
 
 
 # ---------------------------------------------------------------------------------- HTTP
