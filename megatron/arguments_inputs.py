@@ -2,7 +2,9 @@
 
 * the syntax of `--data-path` (and `--train/valid/test-data-path`) and of `--split`, with
   the dataset builder's own parsers, so the rules and messages are the builder's;
-* the tokenizer's files: the flags its type needs are given and name existing files;
+* the tokenizer's files: the flags its type needs are given and name existing files (under
+  --dry-run a missing file is listed in the report instead, which then goes on with an
+  assumed vocabulary: `assumed_vocab_size`);
 * the tokenizer's vocabulary size for the tokenizers that need no library
   (`default_vocab_size`).
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Any, List, Mapping, Tuple
 
 from megatron.arguments_common import ArgumentsError, flag_for_dest, warn
 
@@ -67,28 +70,66 @@ def check_data_inputs(ns, explicit=frozenset()) -> None:
                  f"test) are read; {','.join(n.strip() for n in numbers[3:])} ignored")
 
 
+def _not_found(dest: str, path: str) -> str:
+    """'--flag PATH: file not found; check the path', a relative path also shown resolved
+    (the launch scripts run from the repository root, not from where they were started)."""
+    where = "" if os.path.isabs(path) else f" (looked for {os.path.abspath(path)})"
+    return f"{flag_for_dest(dest)} {path}: file not found{where}; check the path"
+
+
 def _check_file(dest: str, path: str) -> None:
-    """ArgumentsError naming the flag and the path when `path` does not exist; a relative
-    path is also shown resolved (the launch scripts run from the repository root, not from
-    where they were started)."""
+    """ArgumentsError naming the flag and the path when `path` does not exist."""
     if not os.path.exists(path):
-        where = "" if os.path.isabs(path) else f" (looked for {os.path.abspath(path)})"
-        raise ArgumentsError(f"{flag_for_dest(dest)} {path}: file not found{where}; check "
-                             "the path")
+        raise ArgumentsError(_not_found(dest, path))
 
 
-def check_tokenizer_files(ns) -> None:
+def _tokenizer_dests(args: Mapping[str, Any]) -> Tuple[str, ...]:
+    """The dests naming the files of the run's --tokenizer-type."""
+    if args.get("tokenizer_type") == "HuggingFaceTokenizer":
+        return ("tokenizer_model",) if args.get("tokenizer_model") is not None else ("vocab_file",)
+    return _TOKENIZER_FILES.get(args.get("tokenizer_type"), ())
+
+
+def absent_tokenizer_files(args: Mapping[str, Any]) -> List[str]:
+    """'--flag PATH: file not found; ...' for each file of the run's tokenizer that is
+    named but does not exist (`Config.args`, or vars() of the namespace)."""
+    return [_not_found(d, args[d]) for d in _tokenizer_dests(args)
+            if args.get(d) and not os.path.exists(args[d])]
+
+
+# --dry-run with tokenizer files missing goes on with a vocabulary of this size, said in its
+# report: GPT-2's (the usual gpt2-vocab.json), else LLaMA's SentencePiece one
+_ASSUMED_VOCAB = {"GPT2BPETokenizer": 50257}
+_ASSUMED_VOCAB_OTHERS = 32000
+
+
+def vocab_assumed(args: Mapping[str, Any]) -> bool:
+    """Whether `Config.args` hold an assumed vocabulary: a --dry-run whose tokenizer files
+    are missing (its report leaves the vocabulary out of what it checks)."""
+    return bool(args.get("dry_run")) and bool(absent_tokenizer_files(args))
+
+
+def assumed_vocab_size(args: Mapping[str, Any]) -> int:
+    """The vocabulary size (before padding) a --dry-run whose tokenizer files are missing
+    assumes for its parameter counts and memory estimate."""
+    return _ASSUMED_VOCAB.get(args.get("tokenizer_type"), _ASSUMED_VOCAB_OTHERS)
+
+
+def check_tokenizer_files(ns, files: bool = True) -> None:
     """The files of `--tokenizer-type` are named and exist: GPT2BPETokenizer --vocab-file
     and --merge-file, the SentencePiece types --tokenizer-model, HuggingFaceTokenizer
     --tokenizer-model (or --vocab-file). Megatron-LM asserts the same when it builds the
-    tokenizer; here it fails before anything starts, with exit status 2."""
+    tokenizer; here it fails before anything starts, with exit status 2. `files`: False
+    checks only that the flags are given (--dry-run lists the missing files in its
+    report: `absent_tokenizer_files`)."""
     kind = ns.tokenizer_type
     if kind == "HuggingFaceTokenizer":
-        dest = "tokenizer_model" if ns.tokenizer_model is not None else "vocab_file"
+        dest = _tokenizer_dests(vars(ns))[0]
         if getattr(ns, dest) is None:
             raise ArgumentsError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model "
                                  "(a tokenizer.json file or a directory holding one)")
-        _check_file(dest, getattr(ns, dest))
+        if files:
+            _check_file(dest, getattr(ns, dest))
         return
     dests = _TOKENIZER_FILES.get(kind, ())
     missing = [flag_for_dest(d) for d in dests if not getattr(ns, d)]
@@ -104,7 +145,7 @@ def check_tokenizer_files(ns) -> None:
         default = " (the default)" if kind == "GPT2BPETokenizer" else ""
         raise ArgumentsError(f"--tokenizer-type {kind}{default} needs {' and '.join(missing)}"
                              f"{hint}")
-    for dest in dests:
+    for dest in dests if files else ():
         _check_file(dest, getattr(ns, dest))
 
 

@@ -106,19 +106,12 @@ def missing_data_files(args: Mapping[str, Any]) -> List[str]:
 
 def find_missing_inputs(args: Mapping[str, Any]) -> List[str]:
     """Input files a run would need but that do not exist (`Config.args` as input):
-    `<prefix>.bin/.idx` of every data path, tokenizer files, a missing --load directory
+    `<prefix>.bin/.idx` of every data path, tokenizer files (the run stops at the first at
+    start-up; a dry run goes on with an assumed vocabulary), a missing --load directory
     when --exit-on-missing-checkpoint is set, and a run with no data source at all."""
-    missing = missing_data_files(args)
-    tokenizer = args.get("tokenizer_type")
-    files = {"GPT2BPETokenizer": ("vocab_file", "merge_file"),
-             "SentencePieceTokenizer": ("tokenizer_model",),
-             "GPTSentencePieceTokenizer": ("tokenizer_model",)}.get(tokenizer, ())
-    for flag in files:
-        path = args.get(flag)
-        if not path:
-            missing.append(f"--{flag.replace('_', '-')} is not set ({tokenizer} needs it)")
-        elif not os.path.isfile(path):
-            missing.append(f"{path} (--{flag.replace('_', '-')})")
+    from megatron.arguments_inputs import absent_tokenizer_files
+
+    missing = missing_data_files(args) + absent_tokenizer_files(args)
     load = args.get("load")
     if load and not os.path.isdir(load) and args.get("exit_on_missing_checkpoint"):
         missing.append(f"{load} (--load, with --exit-on-missing-checkpoint)")
@@ -138,12 +131,14 @@ def data_file_problems(config: Config) -> Tuple[List[str], List[str]]:
     token is read beyond that sample, no index is built."""
     import warnings
 
+    from megatron.arguments_inputs import vocab_assumed
     from megatron.core.datasets.gpt_dataset import check_splits
     from megatron.core.datasets.indexed_dataset import MMapIndexedDataset, check_token_ids
     from megatron.data_loading import split_sample_counts
 
     args, d = config.args, config.data
-    vocab, problems, seen = args.get("padded_vocab_size"), [], set()
+    vocab = None if vocab_assumed(args) else args.get("padded_vocab_size")
+    problems, seen = [], set()
     for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         for prefix in _data_prefixes(args.get(flag)):
             if prefix in seen or not MMapIndexedDataset.exists(prefix):
@@ -225,6 +220,8 @@ def _dry_run(config: Config, world_size: int) -> tuple:
 
 def setup_lines(config: Config, world_size: int) -> Tuple[str, List[str]]:
     """(the world-size line, the model and parameter-count lines) of a dry-run report."""
+    from megatron.arguments_inputs import assumed_vocab_size, vocab_assumed
+
     m, p, o = config.model, config.parallel, config.optimizer
     counts = count_parameters(m, p.tp_size, p.pp_size, p.standalone_embedding_stage)
     dtype = "bf16" if o.bf16 else "fp16" if o.fp16 else "fp32"
@@ -232,10 +229,14 @@ def setup_lines(config: Config, world_size: int) -> Tuple[str, List[str]]:
     per_rank = ", ".join(f"stage {s}: {_fmt(n)}" for s, n in enumerate(counts.per_stage))
     world = (f"  world size {world_size} = tensor {p.tp_size} x pipeline {p.pp_size} x data "
              f"{p.dp_size} (backend {config.args.get('distributed_backend')})")
+    padded = "padded"
+    if vocab_assumed(config.args):
+        padded += (f" from an assumed {assumed_vocab_size(config.args)} tokens: the tokenizer "
+                   "files are missing")
     return world, [
         f"  model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads"
         f"{groups}, ffn {m.ffn_hidden_size} ({m.activation}), {m.normalization}, positions "
-        f"{m.position_embedding_type}, vocab {m.padded_vocab_size} (padded), {dtype}"
+        f"{m.position_embedding_type}, vocab {m.padded_vocab_size} ({padded}), {dtype}"
         + (f", switch MLP of {m.num_experts} experts (top-1)" if m.num_experts else ""),
         f"  parameters: {_fmt(counts.total)} total; per rank ({per_rank})",
     ]

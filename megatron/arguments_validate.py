@@ -20,7 +20,13 @@ from typing import Any, Callable, Dict, Mapping, Optional, Set
 import torch
 
 from megatron.arguments_common import ArgumentsError, machine_checks, note, warn
-from megatron.arguments_inputs import check_data_inputs, check_tokenizer_files, default_vocab_size
+from megatron.arguments_inputs import (
+    absent_tokenizer_files,
+    assumed_vocab_size,
+    check_data_inputs,
+    check_tokenizer_files,
+    default_vocab_size,
+)
 from megatron.arguments_parallel import (
     resolve_parallel,
     resolve_recompute,
@@ -428,12 +434,13 @@ def validate_args(
         _check_gemm_algorithms(ns, cuda_available)
     check_data_inputs(ns, explicit)
     with machine_checks():  # files read: may differ between nodes
-        check_tokenizer_files(ns)
-        orig = (vocab_size_fn or default_vocab_size)(ns)
+        check_tokenizer_files(ns, files=not ns.dry_run)
+        assumed = ns.dry_run and absent_tokenizer_files(vars(ns))  # listed in the report
+        orig = assumed_vocab_size(vars(ns)) if assumed else (vocab_size_fn or default_vocab_size)(ns)
     ns.padded_vocab_size = pad_vocab_size(orig, ns.make_vocab_size_divisible_by,
                                           ns.tensor_model_parallel_size)
-    note(f" > padded vocab (size: {orig}) with {ns.padded_vocab_size - orig} dummy tokens "
-         f"(new size: {ns.padded_vocab_size})")
+    note(f" > padded vocab (size: {orig}{', assumed: tokenizer files missing' if assumed else ''})"
+         f" with {ns.padded_vocab_size - orig} dummy tokens (new size: {ns.padded_vocab_size})")
     schedule_steps(ns)  # checks warmup < decay before anything is built
     # Megatron's counters, 0 at the start (a checkpoint stores the live values), and its
     # fixed-sequence-length switch: in the namespace, so the arguments dump shows them.

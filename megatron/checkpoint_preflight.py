@@ -18,6 +18,7 @@ import os
 from types import SimpleNamespace
 from typing import List, NamedTuple, Optional, Tuple
 
+from megatron.arguments_inputs import vocab_assumed
 from megatron.checkpoint_args import (
     checkpoint_args_message,
     data_order_warning,
@@ -270,7 +271,10 @@ def preflight_load(config: Config, evaluation: bool = False) -> Preflight:
     # the rank itself, or by every rank when resharding (the saved kind is the first rank's)
     distrib = states.with_optimizer and saved.optimizer == "distributed"
     problems += _shard_problems(iter_dir, saved, first_path, distrib)
-    args_error = checkpoint_args_message(first.get("args"), config.args, iter_dir, ck.finetune)
+    run_args = config.args
+    if vocab_assumed(run_args):  # a dry run without the tokenizer files: no vocabulary to compare
+        run_args = {k: v for k, v in run_args.items() if k != "padded_vocab_size"}
+    args_error = checkpoint_args_message(first.get("args"), run_args, iter_dir, ck.finetune)
     problems += [args_error] if args_error else []
     problems += states.problems
     if states.with_optimizer:

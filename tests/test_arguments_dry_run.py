@@ -164,6 +164,55 @@ def test_dry_run_report_and_missing_inputs(tmp_path, capsys):
             f"prefix without .bin/.idx: pass {prefix})") in dry_run_report(cfg, 1)
 
 
+def test_dry_run_lists_missing_tokenizer_files_with_the_other_inputs(tmp_path, capsys):
+    """A tokenizer file that does not exist stopped the dry run at validation (status 2)
+    before its report: now the report lists every one beside the missing data files, goes
+    on with an assumed vocabulary (said in the model line) and exits 1. Without --dry-run
+    the run still stops at start-up naming the first file."""
+    gpt2 = f"--vocab-file {tmp_path}/vocab.json --merge-file {tmp_path}/merges.txt"
+    argv = without("--vocab-size", without("--tokenizer-type", without("--mock-data")))
+    cfg = run(f"{gpt2} --data-path {tmp_path}/corpus --dry-run", base=argv)
+    assert run_dry_run(cfg, 1) == 1
+    text = capsys.readouterr().out
+    missing = text[text.index("missing inputs:"):].splitlines()
+    assert missing[1:4] == [f"  {tmp_path}/corpus.bin and {tmp_path}/corpus.idx (--data-path)",
+                            f"  --vocab-file {tmp_path}/vocab.json: file not found; check the path",
+                            f"  --merge-file {tmp_path}/merges.txt: file not found; check the path"]
+    assert "vocab 50304 (padded from an assumed 50257 tokens: the tokenizer files are missing)" in text
+    sentencepiece = run(f"--tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "
+                        f"{tmp_path}/t.model --dry-run", base=without("--tokenizer-type"))
+    assert run_dry_run(sentencepiece, 1) == 1
+    assert f"  --tokenizer-model {tmp_path}/t.model: file not found" in capsys.readouterr().out
+    assert error_of(f"{gpt2} --data-path {tmp_path}/corpus", base=argv) == (
+        f"--vocab-file {tmp_path}/vocab.json: file not found; check the path")
+
+
+def test_dry_run_with_an_assumed_vocabulary_checks_no_vocabulary(capsys, tmp_path):
+    """The assumed vocabulary is no real one: the rows of a checkpoint saved with the
+    (now missing) tokenizer files and the data's token ids are not compared with it."""
+    from megatron.trainer_checkpoint import save_trainer_checkpoint
+    from tests.gpt_helpers import cli_trainer
+    from tests.test_gpt_dataset import make_corpus
+    from tests.test_tokenizer import write_bpe_files
+
+    vocab = {chr(c): i for i, c in enumerate(range(33, 127))}
+    vocab["<|endoftext|>"] = len(vocab)  # 95 tokens: 128 rows
+    gpt2 = " ".join(["--vocab-file", *write_bpe_files(tmp_path, vocab, [])[:1],
+                     "--merge-file", str(tmp_path / "merges.txt")])
+    argv = without("--vocab-size", without("--tokenizer-type"))
+    _, _, tr = cli_trainer(argv + f"{gpt2} --save {tmp_path}/ck --save-interval 5".split())
+    tr.state.iteration = 5
+    save_trainer_checkpoint(tr)
+    (tmp_path / "vocab.json").unlink()
+    wide, _ = make_corpus(tmp_path / "wide", [20] * 30, vocab=60000)  # beyond GPT-2's 50257
+    cfg = run(f"{gpt2} --data-path {wide} --load {tmp_path}/ck --dry-run",
+              base=without("--mock-data", argv))
+    assert run_dry_run(cfg, 1) == 1
+    text = capsys.readouterr().out
+    assert f"--vocab-file {tmp_path}/vocab.json: file not found" in text
+    assert "checkpoint problems" not in text and "would refuse" not in text, text
+
+
 # ------------------------------------------------ dry run: the checkpoint --load would read
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
