@@ -36,8 +36,8 @@ def check_data_inputs(ns, explicit=frozenset()) -> None:
     """`--data-path` lists: one prefix or `weight prefix` pairs with numeric weights (the
     builder's `parse_weighted_prefixes`); `--split`: numbers with a positive sum (the
     builder's `get_train_valid_test_split`), unless --train/valid/test-data-path replace
-    --data-path (then Megatron-LM ignores --split). What Megatron-LM ignores of the two
-    ways is warned: --train/valid/test-data-path beside --data-path, a --split given
+    --data-path (then Megatron-LM ignores --split). What Megatron-LM ignores is warned: a
+    member of a blend with weight 0, --train/valid/test-data-path beside --data-path, a --split given
     (`explicit`: the dests set on the command line) without --data-path, numbers of a
     --split past the third."""
     from megatron.core.datasets.blended import parse_weighted_prefixes
@@ -47,9 +47,17 @@ def check_data_inputs(ns, explicit=frozenset()) -> None:
         paths = getattr(ns, dest)
         if paths is not None:
             try:
-                parse_weighted_prefixes(paths)
+                prefixes, weights = parse_weighted_prefixes(paths)
             except ValueError as e:
                 raise ArgumentsError(f"{flag_for_dest(dest)}: {e}") from None
+            unused = [p for p, w in zip(prefixes, weights) if w == 0]
+            if unused:  # accepted in silence by Megatron-LM (its blending may pick one once)
+                one = len(unused) == 1
+                warn(f"{flag_for_dest(dest)}: weight 0 for {', '.join(unused)} (accepted, as "
+                     f"in Megatron-LM): the blend draws at most one sample from "
+                     f"{'it' if one else 'each'}; give {'it' if one else 'them'} a positive "
+                     f"weight to train on {'it' if one else 'them'}, or drop the "
+                     f"{'pair' if one else 'pairs'}")
     separate = [flag_for_dest(d) for d in _DATA_LISTS[1:] if getattr(ns, d)]
     if ns.data_path and separate:
         warn(f"{', '.join(separate)} ignored: --data-path is given, and its --split "

@@ -260,6 +260,23 @@ def test_what_megatron_ignores_of_the_two_data_flag_sets_is_warned(caplog):
     assert "ignored" not in caplog.text
 
 
+def test_a_blend_member_of_weight_0_is_warned_once(caplog):
+    """Megatron-LM accepts weight 0 in silence; its blending still draws one sample from
+    a first member of weight 0 (the tie at sample 1), so the warning says 'at most one'."""
+    cfg = run("--data-path 0 A 0.5 B 0.0 C 0.5 D", base=DATA)
+    assert cfg.data.data_path == ["0", "A", "0.5", "B", "0.0", "C", "0.5", "D"]
+    assert [r.getMessage() for r in caplog.records if "weight 0" in r.getMessage()] == [
+        "--data-path: weight 0 for A, C (accepted, as in Megatron-LM): the blend draws at most "
+        "one sample from each; give them a positive weight to train on them, or drop the pairs"]
+    caplog.clear()
+    run("--train-data-path 1 X 0 Y", base=DATA)
+    assert "--train-data-path: weight 0 for Y (accepted, as in Megatron-LM): the blend draws " \
+        "at most one sample from it" in caplog.text
+    caplog.clear()
+    run("--data-path 0.3 A 0.7 B", base=DATA)
+    assert "weight 0" not in caplog.text
+
+
 def test_split_numbers_past_the_third_are_warned(caplog):
     """Megatron-LM reads train, validation and test shares and drops the rest silently."""
     cfg = run("--data-path Z --split 80,10,5,5", base=DATA)
