@@ -122,6 +122,30 @@ def test_no_newline_after_colon(monkeypatch):
     assert not any(_follows(_ids(t), (a, b), 2) for t in out["text"])
 
 
+@dataclasses.dataclass
+class _LineTokenizer(_Tokenizer):
+    """_Tokenizer whose `newline` id decodes to "\\n"."""
+
+    def detokenize(self, ids):
+        return " ".join("\n" if i == self.newline else str(i) for i in ids)
+
+
+@pytest.mark.parametrize("field", ["stop_on_eol", "stop_on_double_eol"])
+def test_stop_on_eol_needs_a_newline_token(field):
+    """With a tokenizer that spells a newline, stop_on_eol ends the answer at it; with one
+    that has none (NullTokenizer's numbers) the request never stopped and said nothing:
+    now it is refused by name."""
+    body = {"prompts": ["4 9 1"], "tokens_to_generate": 6, "top_k": 1}
+    first = _ids(run_request(_engine(), parse_request(body))["text"][0])[3]
+    out = run_request(_engine(_LineTokenizer(newline=first)),
+                      parse_request(dict(body, stop_on_eol=True)))
+    assert out["text"] == ["4 9 1 \n"]
+    with pytest.raises(RequestError, match=f"^{field}: this tokenizer \\(_Tokenizer\\) has "
+                                           "no token holding a newline, so generation would "
+                                           "never stop at one; leave it false$"):
+        run_request(_engine(), parse_request(dict(body, **{field: True})))
+
+
 def test_beam_request_with_and_without_the_cache():
     """A beam request's answer: beam_width hypotheses, best first, text = prompt +
     generated, scores as tools/beam_search.py gives them; --no-kv-cache the same beams."""

@@ -220,6 +220,8 @@ def test_a_tiny_temperature_is_greedy(served):
      "prevent_newline_after_colon must be true or false (got 'yes')"),
     ({"prompts": ["5"], "prevent_newline_after_colon": True, "tokens_to_generate": 2},
      "prevent_newline_after_colon: this tokenizer cannot spell ':'"),  # NullTokenizer
+    ({"prompts": ["5"], "stop_on_eol": True, "tokens_to_generate": 2},  # would never stop
+     "stop_on_eol: this tokenizer (NullTokenizer) has no token holding a newline"),
     ({"prompts": ["5"], "beam_width": 0},
      "beam_width must be an integer >= 1, or null (no beam search) (got 0)"),
     ({"prompts": ["5"], "beam_width": 2.0}, "beam_width must be an integer >= 1"),

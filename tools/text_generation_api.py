@@ -15,7 +15,9 @@ A request is Megatron-LM's `PUT /api` JSON object:
     logprobs             bool, default false
     add_BOS              bool, default false: start each prompt with the end-of-document token
     stop_on_eol          bool, default false: stop after a token holding a newline
-    stop_on_double_eol   bool, default false: stop after a blank line
+    stop_on_double_eol   bool, default false: stop after a blank line (either is refused
+                         with a tokenizer that has no newline token, e.g. NullTokenizer:
+                         it would never stop)
     prevent_newline_after_colon
                          bool, default false: never draw "\\n" right after ":"
     no_log               bool, default false: no request line on the server's stdout
@@ -345,6 +347,30 @@ def _prompt_ids(engine: Engine, index: int, prompt: str, req: GenerationRequest)
     return ids
 
 
+def has_newline_token(tokenizer) -> bool:
+    """Whether the tokenizer spells a newline: a token of "\\n" decodes (alone) to text
+    holding one. NullTokenizer's ids are numbers and never do."""
+    try:
+        ids = tokenizer.tokenize("\n")
+    except ValueError:
+        return False
+    return any("\n" in tokenizer.detokenize([i]) for i in ids)
+
+
+def _stop(engine: Engine, req: GenerationRequest) -> Optional[Callable[[List[int]], bool]]:
+    """generate()'s `stop` for stop_on_eol / stop_on_double_eol, or None; RequestError
+    when the tokenizer has no newline token (the request would never stop at one)."""
+    field = ("stop_on_double_eol" if req.stop_on_double_eol else
+             "stop_on_eol" if req.stop_on_eol else None)
+    if field is None:
+        return None
+    if not has_newline_token(engine.tokenizer):
+        name = getattr(engine.tokenizer, "name", type(engine.tokenizer).__name__)
+        raise RequestError(f"{field}: this tokenizer ({name}) has no token holding a newline, "
+                           "so generation would never stop at one; leave it false")
+    return eol_stop(engine.tokenizer, double=req.stop_on_double_eol)
+
+
 def eol_stop(tokenizer, double: bool) -> Callable[[List[int]], bool]:
     """generate()'s `stop`: True after a token whose text holds a newline or, with
     `double`, after a blank line (a token holding two newlines, or a newline token that
@@ -400,9 +426,7 @@ def _generate_all(engine: Engine, req: GenerationRequest,
     """The new ids of every prompt: together as one batch through the key/value cache
     (tools/generate.py generate_batch), or, with --no-kv-cache, one prompt after another
     recomputing the context for every token (the reference; same seeding per prompt)."""
-    stop: Optional[Callable[[List[int]], bool]] = None
-    if req.stop_on_eol or req.stop_on_double_eol:
-        stop = eol_stop(engine.tokenizer, double=req.stop_on_double_eol)
+    stop = _stop(engine, req)
     top_p: Any = req.top_p if req.top_p > 0 else 1.0
     if req.top_p > 0 and req.top_p_decay > 0:  # one schedule, from the shortest prompt's end
         top_p = TopPSchedule(req.top_p, req.top_p_decay, req.top_p_bound,
@@ -496,6 +520,6 @@ def run_request(engine: Engine, req: GenerationRequest) -> Dict[str, Optional[li
 
 
 __all__ = ["MAX_PROMPTS", "NOT_SUPPORTED", "STOP_TOKEN", "Engine", "GenerationRequest",
-           "RequestError", "batch_token_logprobs", "eol_stop", "newline_after_colon",
-           "parse_request", "row_generators", "run_request", "token_logprobs",
+           "RequestError", "batch_token_logprobs", "eol_stop", "has_newline_token",
+           "newline_after_colon", "parse_request", "row_generators", "run_request", "token_logprobs",
            "token_segments"]
