@@ -137,10 +137,7 @@ def _resolve_model_shape(ns) -> None:
         raise ArgumentsError(f"--seq-length {ns.seq_length} is larger than "
                              f"--max-position-embeddings {ns.max_position_embeddings}; raise "
                              f"--max-position-embeddings to at least {ns.seq_length}")
-    chosen = [f for f, on in (("--swiglu", ns.swiglu), ("--squared-relu", ns.squared_relu),
-                              ("--openai-gelu", ns.openai_gelu)) if on]
-    if len(chosen) > 1:
-        warn(f"{' and '.join(chosen)} given; {chosen[0]} wins (Megatron-LM's precedence)")
+    _check_activation_switches(ns)
     if ns.apply_layernorm_1p and ns.normalization == "RMSNorm":
         raise ArgumentsError("--apply-layernorm-1p applies to LayerNorm; drop it or use "
                              "--normalization LayerNorm")
@@ -154,14 +151,30 @@ def _resolve_model_shape(ns) -> None:
     _resolve_position_embedding(ns)
 
 
+def _check_activation_switches(ns) -> None:
+    """Several activation switches: Megatron-LM 23.05's MLP takes the first of --openai-gelu,
+    --swiglu, --squared-relu (warned). --swiglu still doubles fc1's width there, so with
+    --openai-gelu its first forward pass fails on the shapes: refused here."""
+    if ns.swiglu and ns.openai_gelu:
+        raise ArgumentsError("--swiglu and --openai-gelu are exclusive: Megatron-LM 23.05 "
+                             "builds the SwiGLU's double-width fc1 but applies the tanh GeLU, "
+                             "and fails at the first forward pass; pass one")
+    chosen = [f for f, on in (("--openai-gelu", ns.openai_gelu), ("--swiglu", ns.swiglu),
+                              ("--squared-relu", ns.squared_relu)) if on]
+    if len(chosen) > 1:
+        warn(f"{' and '.join(chosen)} given; {chosen[0]} wins, {chosen[1]} is ignored "
+             "(Megatron-LM's precedence)")
+
+
 def activation_of(ns) -> str:
-    """The MLP activation Megatron-LM 23.05 runs for these switches (first of --swiglu,
-    --squared-relu, --openai-gelu; else GeLU). Its MLP with biases (its default) adds fc1's
-    bias and applies the GeLU in one fused kernel, and that kernel computes the tanh form
-    ("openai_gelu"); without biases or with --no-bias-gelu-fusion it is torch's erf GeLU.
-    Same here. Reads attributes only (a validated namespace, or a checkpoint's args)."""
-    for flag, name in (("swiglu", "swiglu"), ("squared_relu", "squared_relu"),
-                       ("openai_gelu", "openai_gelu")):
+    """The MLP activation Megatron-LM 23.05 runs for these switches (first of --openai-gelu,
+    --swiglu, --squared-relu, the order of its MLP; else GeLU). Its MLP with biases (its
+    default) adds fc1's bias and applies the GeLU in one fused kernel, and that kernel
+    computes the tanh form ("openai_gelu"); without biases or with --no-bias-gelu-fusion it
+    is torch's erf GeLU. Same here. Reads attributes only (a validated namespace, or a
+    checkpoint's args)."""
+    for flag, name in (("openai_gelu", "openai_gelu"), ("swiglu", "swiglu"),
+                       ("squared_relu", "squared_relu")):
         if getattr(ns, flag, False):
             return name
     fused = getattr(ns, "add_bias_linear", True) and getattr(ns, "bias_gelu_fusion", True)

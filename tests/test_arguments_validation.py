@@ -181,6 +181,21 @@ def test_swiglu_ffn_rule_and_user_value_kept(caplog):
     assert "--ffn-hidden-size 11008 kept; Megatron-LM 23.05 replaces it with 10880" in caplog.text
 
 
+def test_several_activation_switches_follow_megatrons_mlp_order(caplog):
+    """Megatron-LM 23.05's MLP takes the first of --openai-gelu, --swiglu, --squared-relu;
+    --swiglu with --openai-gelu builds a double-width fc1 for a GeLU and fails there."""
+    assert run("--squared-relu --openai-gelu").model.activation == "openai_gelu"
+    assert "--openai-gelu and --squared-relu given; --openai-gelu wins" in caplog.text
+    assert run("--squared-relu --swiglu").model.activation == "swiglu"
+    assert "--swiglu and --squared-relu given; --swiglu wins" in caplog.text
+    msg = error_of("--swiglu --openai-gelu")
+    assert "--swiglu and --openai-gelu are exclusive" in msg and "pass one" in msg
+    from megatron.checkpoint_files import complete_saved_args  # a Megatron checkpoint's args
+
+    saved = {"openai_gelu": True, "squared_relu": True, "swiglu": False}
+    assert complete_saved_args(saved)["activation"] == "openai_gelu"
+
+
 def test_bf16_forces_fp32_grad_accumulation():
     cfg = run("--bf16")
     assert cfg.parallel.accumulate_allreduce_grads_in_fp32 and cfg.model.params_dtype == torch.bfloat16
