@@ -361,13 +361,31 @@ def apply_deprecated(ns: argparse.Namespace, explicit: Set[str]) -> Dict[str, st
             _move(ns, explicit, "warmup", "lr_warmup_iters", int(ns.warmup))
             origins["lr_warmup_iters"] = "--warmup"
     if ns.checkpoint_activations:
-        warn("--checkpoint-activations is deprecated; using --recompute-granularity full "
-             "--recompute-method uniform")
+        _check_checkpoint_activations(ns, explicit)
         for dest, value in (("recompute_granularity", "full"), ("recompute_method", "uniform")):
             if dest not in explicit:
                 setattr(ns, dest, value)
                 origins[dest] = "--checkpoint-activations"
+        method = (f"with the given --recompute-method {ns.recompute_method}"
+                  if "recompute_method" in explicit else "--recompute-method uniform")
+        warn(f"--checkpoint-activations is deprecated; using --recompute-granularity full "
+             f"{method}")
     return origins
+
+
+def _check_checkpoint_activations(ns, explicit: Set[str]) -> None:
+    """--checkpoint-activations (full recompute of every layer) beside a modern flag that
+    asks for selective recompute: a conflict, as for the other deprecated flags."""
+    selective = ("--recompute-activations" if ns.recompute_activations else
+                 f"--recompute-granularity {ns.recompute_granularity}"
+                 if "recompute_granularity" in explicit
+                 and ns.recompute_granularity not in (None, "full") else None)
+    if selective is not None:
+        raise ArgumentsError(
+            f"--checkpoint-activations (deprecated: --recompute-granularity full "
+            f"--recompute-method uniform, every layer recomputed) conflicts with {selective} "
+            f"(selective recompute: the attention core only); drop the deprecated "
+            f"--checkpoint-activations")
 
 
 def check_not_supported(ns: argparse.Namespace, origins: Optional[Dict[str, str]] = None) -> None:

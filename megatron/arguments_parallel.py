@@ -134,6 +134,13 @@ def resolve_recompute(ns, explicit: Set[str]) -> None:
                  f"{ns.recompute_granularity} with selective (as Megatron-LM does)")
         ns.recompute_granularity = "selective"
     if ns.recompute_granularity == "selective" and ns.recompute_method is not None:
+        if ns.recompute_activations:  # the user may have typed --recompute-granularity full
+            raise ArgumentsError(
+                f"--recompute-method {ns.recompute_method} only applies to "
+                f"--recompute-granularity full, and --recompute-activations means "
+                f"--recompute-granularity selective (the attention core only; it overrides "
+                f"the flag, as in Megatron-LM): drop --recompute-method, or replace "
+                f"--recompute-activations by --recompute-granularity full")
         raise ArgumentsError(f"--recompute-method {ns.recompute_method} only applies to "
                              "--recompute-granularity full")
     if ns.recompute_granularity == "full" and ns.recompute_method is None:

@@ -171,6 +171,28 @@ def test_checkpoint_activations_maps_to_full_uniform_recompute(caplog):
     assert (cfg.model.recompute_granularity, cfg.model.recompute_method) == ("full", "uniform")
 
 
+def test_checkpoint_activations_beside_selective_recompute_names_the_conflict(caplog):
+    """--checkpoint-activations is full recompute: beside --recompute-activations or
+    --recompute-granularity selective the error named a --recompute-method uniform the
+    user never typed."""
+    for selective in ("--recompute-activations", "--recompute-granularity selective"):
+        msg = error_of(f"--checkpoint-activations {selective}")
+        assert "--checkpoint-activations (deprecated: --recompute-granularity full " in msg
+        assert f"conflicts with {selective} (selective recompute" in msg
+        assert "drop the deprecated --checkpoint-activations" in msg
+    cfg = run("--checkpoint-activations --recompute-method block")
+    assert (cfg.model.recompute_granularity, cfg.model.recompute_method) == ("full", "block")
+    assert ("--checkpoint-activations is deprecated; using --recompute-granularity full "
+            "with the given --recompute-method block") in caplog.text
+
+
+def test_recompute_activations_with_a_recompute_method_says_it_means_selective():
+    msg = error_of("--recompute-activations --recompute-granularity full "
+                   "--recompute-method uniform")
+    assert "--recompute-activations means --recompute-granularity selective" in msg
+    assert "replace --recompute-activations by --recompute-granularity full" in msg
+
+
 def test_recompute_flags_reach_the_model_config():
     cfg = run("--recompute-activations")
     assert cfg.model.recompute_granularity == "selective"
