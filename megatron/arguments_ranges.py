@@ -159,7 +159,7 @@ def warn_unread_tuning_flags(ns, explicit: Set[str]) -> None:
                else "bf16 trains without loss scaling" if ns.bf16
                else "fp32 training scales no loss")
         warn_unread(ns, explicit, _DYNAMIC_SCALER_FLAGS,
-                f"this run has no dynamic loss scale (--fp16 without --loss-scale): {run}")
+                f"{run}; only --fp16 without --loss-scale has a dynamic loss scale")
     if ns.optimizer == "sgd":
         warn_unread(ns, explicit, _ADAM_FLAGS, "this run uses --optimizer sgd")
     else:

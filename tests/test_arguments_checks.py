@@ -158,13 +158,14 @@ def test_a_loss_scale_without_fp16_or_bf16_is_warned(caplog):
 
 @pytest.mark.parametrize("extra, expected", [
     ("--bf16 --initial-loss-scale 1024 --hysteresis 4",
-     "--initial-loss-scale 1024.0, --hysteresis 4 have no effect: this run has no dynamic "
-     "loss scale (--fp16 without --loss-scale): bf16 trains without loss scaling"),
+     "--initial-loss-scale 1024.0, --hysteresis 4 have no effect: bf16 trains without loss "
+     "scaling; only --fp16 without --loss-scale has a dynamic loss scale"),
     ("--fp16 --loss-scale 128 --min-loss-scale 2 --loss-scale-window 100",
-     "--min-loss-scale 2.0, --loss-scale-window 100.0 have no effect: this run has no "
-     "dynamic loss scale (--fp16 without --loss-scale): the loss scale is the constant "
-     "--loss-scale 128"),
-    ("--hysteresis 8", "fp32 training scales no loss (Megatron-LM ignores it too)"),
+     "--min-loss-scale 2.0, --loss-scale-window 100.0 have no effect: the loss scale is the "
+     "constant --loss-scale 128; only --fp16 without --loss-scale has a dynamic loss scale "
+     "(Megatron-LM ignores them too)"),
+    ("--hysteresis 8", "--hysteresis 8 has no effect: fp32 training scales no loss; only "
+     "--fp16 without --loss-scale has a dynamic loss scale (Megatron-LM ignores it too)"),
     ("--optimizer sgd --adam-beta2 0.95 --adam-eps 1e-6",
      "--adam-beta2 0.95, --adam-eps 1e-06 have no effect: this run uses --optimizer sgd"),
     ("--sgd-momentum 0.5", "--sgd-momentum 0.5 has no effect: this run uses --optimizer adam"),
