@@ -157,6 +157,34 @@ def check_tokenizer_files(ns, files: bool = True) -> None:
         _check_file(dest, getattr(ns, dest))
 
 
+def warn_unread_tokenizer_flags(ns, explicit=frozenset()) -> None:
+    """The tokenizer flags that `--tokenizer-type` does not read, given anyway (Megatron-LM
+    ignores them silently): a script naming a tokenizer file it does not train with, e.g.
+    a SentencePiece --tokenizer-model under the default GPT2BPETokenizer. `explicit`: the
+    dests set on the command line or in --config."""
+    kind = ns.tokenizer_type
+    if ns.vocab_size is not None and kind != "NullTokenizer":
+        warn(f"--vocab-size {ns.vocab_size} is only read by NullTokenizer; the vocab size comes "
+             f"from {kind}")
+    if ns.vocab_extra_ids and kind in ("GPT2BPETokenizer", "NullTokenizer"):
+        warn(f"--vocab-extra-ids {ns.vocab_extra_ids} has no effect with {kind} "
+             "(as in Megatron-LM)")
+    reads = _tokenizer_dests(vars(ns))
+    unread = [d for d in ("vocab_file", "merge_file", "tokenizer_model")
+              if d not in reads and d in explicit and getattr(ns, d) is not None]
+    if not unread:
+        return
+    given = ", ".join(f"{flag_for_dest(d)} {getattr(ns, d)}" for d in unread)
+    it = "it" if len(unread) == 1 else "them"
+    source = (f"--vocab-size {ns.vocab_size}" if kind == "NullTokenizer" else
+              " and ".join(f"{flag_for_dest(d)} {getattr(ns, d)}" for d in reads))
+    default = (" (the default)" if kind == "GPT2BPETokenizer" and "tokenizer_type" not in explicit
+               else "")
+    warn(f"{given} {'is' if len(unread) == 1 else 'are'} not read by --tokenizer-type "
+         f"{kind}{default}, which takes its vocabulary from {source}; pass the "
+         f"--tokenizer-type that reads {it}, or drop {it} (Megatron-LM ignores {it} too)")
+
+
 def default_vocab_size(args: argparse.Namespace) -> int:
     """Tokenizer vocab size before padding, for the tokenizers that need no library:
     NullTokenizer: --vocab-size N -> N + 1 (id N is end-of-document);

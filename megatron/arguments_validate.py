@@ -26,6 +26,7 @@ from megatron.arguments_inputs import (
     check_data_inputs,
     check_tokenizer_files,
     default_vocab_size,
+    warn_unread_tokenizer_flags,
 )
 from megatron.arguments_parallel import (
     resolve_parallel,
@@ -359,12 +360,6 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
                              "per-document mask of --reset-attention-mask; use auto or efficient")
     if ns.tokenizer_type is None:
         ns.tokenizer_type = "GPT2BPETokenizer"
-    if ns.vocab_size is not None and ns.tokenizer_type != "NullTokenizer":
-        warn(f"--vocab-size {ns.vocab_size} is only read by NullTokenizer; the vocab size comes "
-             f"from {ns.tokenizer_type}")
-    if ns.vocab_extra_ids and ns.tokenizer_type in ("GPT2BPETokenizer", "NullTokenizer"):
-        warn(f"--vocab-extra-ids {ns.vocab_extra_ids} has no effect with {ns.tokenizer_type} "
-             "(as in Megatron-LM)")
 
 
 def _check_cuda_features(ns, cuda_available: bool) -> None:
@@ -450,6 +445,7 @@ def validate_args(
         check_tokenizer_files(ns, files=not ns.dry_run)
         assumed = ns.dry_run and absent_tokenizer_files(vars(ns))  # listed in the report
         orig = assumed_vocab_size(vars(ns)) if assumed else (vocab_size_fn or default_vocab_size)(ns)
+    warn_unread_tokenizer_flags(ns, explicit)
     ns.padded_vocab_size = pad_vocab_size(orig, ns.make_vocab_size_divisible_by,
                                           ns.tensor_model_parallel_size)
     note(f" > padded vocab (size: {orig}{', assumed: tokenizer files missing' if assumed else ''})"

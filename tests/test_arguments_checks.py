@@ -326,6 +326,29 @@ def test_a_missing_tokenizer_type_is_named_when_another_tokenizers_flag_is_given
                         "--tokenizer-type NullTokenizer")
 
 
+def test_tokenizer_files_the_tokenizer_type_does_not_read_are_warned(tmp_path, caplog):
+    """A SentencePiece --tokenizer-model under the default GPT-2 BPE (a script that forgot
+    --tokenizer-type) trained with the GPT-2 vocabulary in silence, as in Megatron-LM."""
+    vocab, merges, spm = (tmp_path / n for n in ("vocab.json", "merges.txt", "sp.model"))
+    for path in (vocab, merges, spm):
+        path.write_text("x")
+    files = f"--vocab-file {vocab} --merge-file {merges}"
+    run(f"{files} --tokenizer-model {spm}", base=TOKENIZER, vocab_size_fn=lambda a: 1)
+    assert (f"--tokenizer-model {spm} is not read by --tokenizer-type GPT2BPETokenizer (the "
+            f"default), which takes its vocabulary from --vocab-file {vocab} and --merge-file "
+            f"{merges}; pass the --tokenizer-type that reads it, or drop it (Megatron-LM "
+            "ignores it too)") in caplog.text
+    caplog.clear()
+    run(files)  # BASE: NullTokenizer --vocab-size 100
+    assert (f"--vocab-file {vocab}, --merge-file {merges} are not read by --tokenizer-type "
+            "NullTokenizer, which takes its vocabulary from --vocab-size 100") in caplog.text
+    caplog.clear()
+    run(f"--tokenizer-type GPTSentencePieceTokenizer --tokenizer-model {spm}", base=TOKENIZER,
+        vocab_size_fn=lambda a: 1)
+    run(f"{files} --tokenizer-type GPT2BPETokenizer", base=TOKENIZER, vocab_size_fn=lambda a: 1)
+    assert "not read by" not in caplog.text
+
+
 def test_a_tokenizer_that_cannot_be_built_exits_2(tmp_path, capsys):
     import pretrain_gpt
 
