@@ -16,7 +16,8 @@ MASTER_PORT=${MASTER_PORT:-6000}
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/gpt2_345m}      # --save and --load
 VOCAB_FILE=${VOCAB_FILE:-data/gpt2-vocab.json}
 MERGE_FILE=${MERGE_FILE:-data/gpt2-merges.txt}
-DATA_PATH=${DATA_PATH:-data/my-gpt2_text_document}           # prefix of the .bin/.idx pair
+DATA_PATH=${DATA_PATH:-data/my-gpt2_text_document}           # prefix of the .bin/.idx pair,
+                                                             # or a blend "w1 prefix1 w2 prefix2 ..."
 TENSORBOARD_DIR=${TENSORBOARD_DIR:-$CHECKPOINT_PATH/tensorboard}
 
 # Required by Megatron's overlapped tensor-parallel communication; the launcher sets it.
@@ -49,8 +50,9 @@ TRAINING_ARGS=(
     --clip-grad 1.0
     --bf16
 )
+read -ra DATA_PATH_WORDS <<<"$DATA_PATH"   # a blend: its words, as Megatron's $DATA_PATH
 DATA_ARGS=(
-    --data-path "$DATA_PATH"
+    --data-path "${DATA_PATH_WORDS[@]}"
     --vocab-file "$VOCAB_FILE"
     --merge-file "$MERGE_FILE"
     --split 949,50,1

@@ -179,6 +179,16 @@ def test_script_command_line_is_accepted(script, tmp_path):
         assert (world, cfg.parallel.dp_size) == (8, 8)
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_takes_a_blend_in_data_path(script, tmp_path):
+    """DATA_PATH="0.3 a 0.7 b" reaches --data-path as four words, as Megatron-LM's example
+    scripts pass their unquoted $DATA_PATH (it was one argument, a prefix that is no file)."""
+    blend = f"0.3 {tmp_path}/a_text_document 0.7 {tmp_path}/b_text_document"
+    _, _, argv = _launch_argv(script, tmp_path, {"DATA_PATH": blend})
+    start = argv.index("--data-path") + 1
+    assert argv[start:start + 5] == blend.split() + ["--vocab-file"]
+
+
 def test_quickstart_says_it_deletes_the_previous_run(tmp_path):
     """A rerun of scripts/quickstart.sh replaces checkpoints/ and tensorboard/ under OUT_DIR:
     it says so for each (python and torchrun are stand-ins; the data is already built)."""
