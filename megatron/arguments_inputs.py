@@ -46,6 +46,7 @@ def check_data_inputs(ns, explicit=frozenset()) -> None:
     for dest in _DATA_LISTS:
         paths = getattr(ns, dest)
         if paths is not None:
+            _check_quoted_blend(dest, paths)
             try:
                 prefixes, weights = parse_weighted_prefixes(paths)
             except ValueError as e:
@@ -76,6 +77,25 @@ def check_data_inputs(ns, explicit=frozenset()) -> None:
         if len(numbers) > 3:  # Megatron-LM drops the rest silently
             warn(f"--split '{ns.split}': only the first three numbers (train, validation, "
                  f"test) are read; {','.join(n.strip() for n in numbers[3:])} ignored")
+
+
+def _check_quoted_blend(dest: str, paths) -> None:
+    """One value that holds a whole blend ('0.3 a 0.7 b', from a quoted "$DATA_PATH" in a
+    script) would be read as a single prefix and reported missing (by Megatron-LM too, when
+    it opens it): refused, naming the fix, unless such a file exists."""
+    from megatron.core.datasets.blended import parse_weighted_prefixes
+
+    words = paths[0].split() if len(paths) == 1 else []
+    if len(words) < 2 or any(os.path.exists(paths[0] + ext) for ext in ("", ".idx")):
+        return
+    try:
+        parse_weighted_prefixes(words)
+    except ValueError:
+        return  # a prefix with a space in it
+    flag = flag_for_dest(dest)
+    raise ArgumentsError(f"{flag} '{paths[0]}' is one argument holding 'weight prefix' "
+                         f"pairs: pass its words as separate arguments ({flag} {paths[0]}), "
+                         f"e.g. an unquoted $DATA_PATH in a shell script")
 
 
 def _not_found(dest: str, path: str) -> str:

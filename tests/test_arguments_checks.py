@@ -241,6 +241,21 @@ def test_data_path_and_split_syntax_fail_in_validation(extra, expected):
     assert expected in error_of(extra, base=DATA)
 
 
+def test_a_blend_in_one_argument_names_the_fix(tmp_path):
+    """--data-path "$DATA_PATH" with DATA_PATH="0.3 a 0.7 b": one prefix '0.3 a 0.7 b'
+    that was reported missing at the data check, as a file."""
+    msg = error_of(["--data-path", "0.3 a 0.7 b"], base=DATA)
+    assert msg == ("--data-path '0.3 a 0.7 b' is one argument holding 'weight prefix' pairs: "
+                   "pass its words as separate arguments (--data-path 0.3 a 0.7 b), e.g. an "
+                   "unquoted $DATA_PATH in a shell script")
+    assert "--valid-data-path '1 v'" in error_of(["--valid-data-path", "1 v"], base=DATA)
+    # a prefix with a space in it, or a file of that name, is a prefix
+    assert run(["--data-path", "my corpus"], base=DATA).data.data_path == ["my corpus"]
+    odd = tmp_path / "1 x"
+    (tmp_path / "1 x.idx").touch()
+    assert run(["--data-path", str(odd)], base=DATA).data.data_path == [str(odd)]
+
+
 def test_split_is_not_checked_where_megatron_ignores_it(caplog):
     cfg = run("--train-data-path X --split a,b", base=DATA)
     assert cfg.data.train_data_path == ["X"]
