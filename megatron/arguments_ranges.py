@@ -150,6 +150,33 @@ def warn_unread(ns, explicit: Set[str], dests, why: str) -> None:
              f"{'it' if len(given) == 1 else 'them'} too)")
 
 
+# What only the TensorBoard writer reads (the writer exists with --tensorboard-dir only).
+_TENSORBOARD_DESTS = ("tensorboard_log_interval", "tensorboard_queue_size",
+                      "log_timers_to_tensorboard", "log_batch_size_to_tensorboard",
+                      "log_learning_rate_to_tensorboard", "log_loss_scale_to_tensorboard",
+                      "log_validation_ppl_to_tensorboard", "log_memory_to_tensorboard",
+                      "log_world_size_to_tensorboard")
+
+
+def warn_unread_tensorboard_flags(ns, explicit: Set[str]) -> None:
+    """The TensorBoard flags of a run without --tensorboard-dir (Megatron-LM ignores them
+    silently): a script that lost its --tensorboard-dir would train without the scalars it
+    asks for, and say nothing."""
+    if ns.tensorboard_dir is not None:
+        return
+    given = []
+    for dest in _TENSORBOARD_DESTS:
+        spec = FLAG_SPECS[flag_for_dest(dest)]
+        if dest in explicit and getattr(ns, dest) != spec.default:
+            switch = spec.kind in ("true", "false")
+            given.append(spec.flag if switch else f"{spec.flag} {getattr(ns, dest)}")
+    if given:
+        verb = "has" if len(given) == 1 else "have"
+        warn(f"{', '.join(given)} {verb} no effect without --tensorboard-dir (nothing is "
+             f"written to TensorBoard; Megatron-LM ignores {'it' if len(given) == 1 else 'them'} "
+             "too); add --tensorboard-dir DIR")
+
+
 def warn_unread_tuning_flags(ns, explicit: Set[str]) -> None:
     """The loss-scaler, optimizer and weight-decay flags the run's other choices leave
     unread, so that a tuned value that changes nothing is not taken for one that does."""

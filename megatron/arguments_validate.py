@@ -33,7 +33,11 @@ from megatron.arguments_parallel import (
     resolve_recompute,
     resolve_virtual_pipeline,
 )
-from megatron.arguments_ranges import check_value_ranges, warn_unread_tuning_flags
+from megatron.arguments_ranges import (
+    check_value_ranges,
+    warn_unread_tensorboard_flags,
+    warn_unread_tuning_flags,
+)
 from megatron.arguments_schedule import check_run_length, resolve_iterations, schedule_steps
 from megatron.config import (
     CheckpointConfig,
@@ -335,7 +339,8 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
              "loader reads consecutive samples)")
     if not ns.perform_initialization and ns.load is None:
         warn("--no-initialization without --load: the weights start as uninitialised memory")
-    if ns.log_memory_to_tensorboard and not cuda_available:
+    warn_unread_tensorboard_flags(ns, explicit)
+    if ns.log_memory_to_tensorboard and ns.tensorboard_dir is not None and not cuda_available:
         warn("--log-memory-to-tensorboard has no effect without CUDA (no allocator statistics)")
     backend = "nccl" if cuda_available else "gloo"
     if "distributed_backend" in explicit and ns.distributed_backend != backend:

@@ -189,7 +189,16 @@ def test_a_loss_scale_without_fp16_or_bf16_is_warned(caplog):
      "--recompute-num-layers 2 have no effect: nothing is recomputed"),
     ("--recompute-activations --recompute-num-layers 2", "--recompute-num-layers 2 has no "
      "effect: --recompute-granularity selective recomputes the attention core only"),
+    # a script that lost its --tensorboard-dir
+    ("--log-timers-to-tensorboard --tensorboard-log-interval 5 "
+     "--no-log-learnig-rate-to-tensorboard", "--tensorboard-log-interval 5, "
+     "--log-timers-to-tensorboard, --no-log-learnig-rate-to-tensorboard have no effect "
+     "without --tensorboard-dir (nothing is written to TensorBoard; Megatron-LM ignores them "
+     "too); add --tensorboard-dir DIR"),
     # what the run reads, and defaults spelled out, are not warned
+    ("--tensorboard-dir tb --log-timers-to-tensorboard --log-validation-ppl-to-tensorboard",
+     None),
+    ("--tensorboard-log-interval 1 --tensorboard-queue-size 1000", None),
     ("--recompute-granularity full --recompute-method block --recompute-num-layers 2", None),
     ("--recompute-num-layers 1 --checkpoint-activations", None),
     ("--override-opt_param-scheduler --load x", None),
