@@ -458,10 +458,14 @@ def print_datetime(event: str) -> None:
 
 def _build_data(tr: Trainer):
     """(train, valid, test) iterators; valid and test None without --eval-iters or data.
-    The test set is read from its start (as in Megatron). SystemExit, before any loader
-    starts, when the validation set cannot serve the evaluations left (a resume with
-    other evaluation flags: `validation_shortfall`)."""
+    The test set is read from its start, and so is the validation set with --skip-train
+    (as in Megatron: every checkpoint evaluated alone is scored on the same samples,
+    whatever its training consumed); a training run goes on from the checkpoint's
+    consumed_valid_samples. SystemExit, before any loader starts, when the validation set
+    cannot serve the evaluations left (a resume with other evaluation flags:
+    `validation_shortfall`)."""
     config, rt = tr.config, tr.rt
+    valid_start = 0 if config.training.skip_train else tr.state.consumed_valid_samples
     vocab = config.data.vocab_size or config.model.padded_vocab_size
     tokenizer = build_tokenizer_for(config)
     tr.eod = None if tokenizer is None else tokenizer.eod
@@ -470,15 +474,14 @@ def _build_data(tr: Trainer):
             config.training.eval_interval or config.training.skip_train):
         print_rank_0(f"WARNING: {no_validation_reason(config)}")
     if datasets["valid"] is not None:
-        shortfall = validation_shortfall(config, tr.state.iteration,
-                                         tr.state.consumed_valid_samples, len(datasets["valid"]))
+        shortfall = validation_shortfall(config, tr.state.iteration, valid_start,
+                                         len(datasets["valid"]))
         if shortfall:
             raise SystemExit(f"error: {shortfall}")
     train_data = data_iterator(config, rt, "train", tr.state.consumed_train_samples, datasets)
     valid_data = test_data = None
     if config.training.eval_iters > 0:
-        valid_data = data_iterator(config, rt, "valid", tr.state.consumed_valid_samples,
-                                   datasets)
+        valid_data = data_iterator(config, rt, "valid", valid_start, datasets)
         test_data = data_iterator(config, rt, "test", 0, datasets)
     return train_data, valid_data, test_data
 

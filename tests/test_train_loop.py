@@ -290,6 +290,32 @@ def test_skip_train_evaluates_both_sets_without_tensorboard(tmp_path, capsys):
     assert "lm loss validation" not in read_scalars(tb)
 
 
+def _validation_values(out: str) -> list:
+    return re.findall(r"validation loss at (.+?) \| lm loss value: (\S+)", out)
+
+
+def test_skip_train_reads_the_validation_set_from_its_start(tmp_path, capsys):
+    """--skip-train --load scores the first --eval-iters batches of the validation set,
+    as Megatron does, not those after the checkpoint's consumed_valid_samples: the same
+    weights give the same validation loss whatever evaluations their training ran."""
+    ck = str(tmp_path / "ck")
+    out, tr = _pretrain(["--train-iters", "4", "--eval-interval", "2", "--save", ck,
+                         "--save-interval", "4"], capsys)
+    in_training = _validation_values(out)  # iterations 2 and 4, then the final draw
+    assert [p for p, _ in in_training[:2]] == ["iteration 2", "iteration 4"]
+    path = os.path.join(ck, "iter_0000004", "mp_rank_00", "model_optim_rng.pt")
+    payload = torch.load(path, weights_only=True)
+    assert payload["train_state"]["consumed_valid_samples"] == 16
+    evaluated = []
+    for consumed in (16, 0):  # the same weights, another validation counter
+        payload["train_state"]["consumed_valid_samples"] = consumed
+        torch.save(payload, path)
+        out, _ = _pretrain(["--skip-train", "--load", ck], capsys)
+        evaluated.append(_validation_values(out)[0])
+    assert evaluated[0] == evaluated[1]
+    assert evaluated[0][1] != in_training[2][1], "the final draw read samples 16..23"
+
+
 def test_resume_with_fewer_eval_iters_than_the_validation_set_serves_stops_at_startup(
         tmp_path, capsys):
     """The validation set is sized from the current --eval-iters; consumed_valid_samples
