@@ -26,9 +26,9 @@ Optimizer payloads (megatron/core/optimizer):
                fp32 tensors, a chunk's parameters back to back in reverse module order.
 `idx` counts parameters in get_param_groups order over the rank's chunks (decayed
 parameters first, then biases and 1-D parameters), which is recomputed here from the
-saved state dicts. A vocabulary padded for another tp size is cut or zero-padded (the
-extra rows are padding tokens). RNG states are per rank: they are kept only when tp and pp
-are unchanged.
+saved state dicts. A vocabulary padded for another tp size is cut, or padded with copies
+of its last row (the extra rows are padding tokens; see `_fit_vocab`). RNG states are per
+rank: they are kept only when tp and pp are unchanged.
 
 Used by megatron/trainer_checkpoint.py (resharding on load), `tools/checkpoint_convert.py
 reshard` (offline), `tools/generate.py` and megatron/hf_convert.py (one-process model), and
@@ -408,10 +408,18 @@ def plan_rank(modules: Sequence[torch.nn.Module], layer_offsets: Sequence[int], 
                     buffers)
 
 
-def _fit_vocab(name: str, full: torch.Tensor, shape: Tuple[int, ...], notes: Set[str]):
-    """`full` cut or zero-padded along the vocabulary rows to `shape` (embedding and output
+def _fit_vocab(name: str, full: torch.Tensor, shape: Tuple[int, ...], notes: Set[str],
+               weights: bool = True):
+    """`full` cut or padded along the vocabulary rows to `shape` (embedding and output
     layer only: the rows past the tokenizer's vocabulary are padding). ValueError for any
-    other shape difference."""
+    other shape difference.
+
+    Added rows of `weights` (the model's, the optimizer's main copy) repeat the last row,
+    as Megatron-LM's tools/checkpoint_util.py pads: the padding rows enter the softmax of
+    the training and validation loss, and a zero row scores every hidden state 0, which
+    can outweigh a trained model's logits -- the loss would jump on a load at another tp
+    size. The last row is a trained padding row whenever the checkpoint had padding; its
+    logits were pushed down by training. Other tensors (Adam's moments) get zero rows."""
     if tuple(full.shape) == tuple(shape):
         return full
     if name in VOCAB_PARAMS and full.dim() == len(shape) and full.shape[1:] == shape[1:]:
@@ -419,15 +427,19 @@ def _fit_vocab(name: str, full: torch.Tensor, shape: Tuple[int, ...], notes: Set
         notes.add(f"padded vocabulary {full.shape[0]} -> {rows} rows")
         if full.shape[0] > rows:
             return full[:rows]
-        return torch.cat([full, full.new_zeros((rows - full.shape[0], *full.shape[1:]))])
+        extra = (rows - full.shape[0], *full.shape[1:])
+        fill = full[-1:].expand(extra) if weights else full.new_zeros(extra)
+        return torch.cat([full, fill])
     raise ValueError(f"parameter {name}: the checkpoint holds shape {tuple(full.shape)} but this "
                      f"model needs {tuple(shape)} (at tensor-parallel size 1); the model flags "
                      "differ from the saved run's (--use-checkpoint-args copies them)")
 
 
-def _cut(plan: RankPlan, name: str, full: torch.Tensor, notes: Set[str]) -> torch.Tensor:
-    """This rank's own copy of its tensor-parallel slice of a full tensor."""
-    full = _fit_vocab(name, full, plan.full_shapes[name], notes)
+def _cut(plan: RankPlan, name: str, full: torch.Tensor, notes: Set[str],
+         weights: bool = True) -> torch.Tensor:
+    """This rank's own copy of its tensor-parallel slice of a full tensor (`weights`:
+    a parameter, not an optimizer moment: see `_fit_vocab`)."""
+    full = _fit_vocab(name, full, plan.full_shapes[name], notes, weights)
     split = plan.partition[name]
     if split is None or plan.tp_size == 1:
         return full.clone()
@@ -480,7 +492,8 @@ def _optimizer_payload(src: SourceCheckpoint, plan: RankPlan, kind: str,
     for c, names in enumerate(plan.chunks):
         for local, name in names:
             full = src.optimizer_state(name, plan.partition[name])
-            per_param[c, local] = {k: _cut(plan, name, v, notes) for k, v in full.items()}
+            per_param[c, local] = {k: _cut(plan, name, v, notes, weights=k == "param")
+                                   for k, v in full.items()}
     keys = sorted({k for entry in per_param.values() for k in entry if k != "param"})
     for entry in per_param.values():  # a parameter without state (never stepped): zeros
         for k in keys:

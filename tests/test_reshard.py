@@ -359,10 +359,20 @@ def test_vocabulary_repadding_and_shape_errors(tmp_path_factory):
     emb = payload["model"][reshard.EMBEDDING]
     full = src.model(reshard.EMBEDDING, (0, 1))
     assert emb.shape == (96, 32)  # rank 1 of 2: rows 96..191 of the re-padded table
-    assert torch.equal(emb[:32], full[96:]) and not emb[32:].any()
+    # the added padding rows repeat the saved last row (a trained padding row), as
+    # Megatron-LM's checkpoint_util pads: zero rows would score every token 0 in the softmax
+    assert torch.equal(emb[:32], full[96:])
+    assert torch.equal(emb[32:], full[-1:].expand(64, -1)) and full[-1].any()
     assert notes == {"padded vocabulary 128 -> 192 rows"}
     state = payload["optimizer"]["state"]
-    assert any(v["exp_avg"].shape == (96, 32) for v in state.values())
+    moments = [v for v in state.values() if v["exp_avg"].shape == (96, 32)]
+    assert len(moments) == 1 and moments[0]["exp_avg"][:32].any()
+    assert not moments[0]["exp_avg"][32:].any() and not moments[0]["exp_avg_sq"][32:].any()
+    # the distributed optimizer's fp32 main copy is padded as the weights are
+    _, distrib = reshard.build_rank_payload(src, plan, "distributed", set())
+    flat = torch.cat([b["param"] for b in distrib[0].values()])
+    main = flat.unfold(0, emb.numel(), 1)  # every window of the embedding's size
+    assert any(torch.equal(w.view_as(emb), emb) for w in main[::32])
     wrong = reshard.config_from_args(src.args, hidden_size=64, ffn_hidden_size=256,
                                      kv_channels=16)
     plan = reshard.plan_rank([GPTModel(wrong.model, device="meta")], [0], 1, 0)

@@ -14,8 +14,8 @@ the target layout loads it directly (no resharding on load). The data-parallel s
 free: the distributed optimizer's `distrib_optim.pt` loads with any dp. The model shape
 comes from the `args` stored in the checkpoint; the precision stays the saved one. The
 vocabulary is re-padded for the target tp (`--make-vocab-size-divisible-by` x tp), the
-padding rows cut or zero-filled (a zero row's logit is 0, and the training loss counts
-padding rows, so a run resumed with more of them starts at a slightly higher loss: README,
+padding rows cut or added as copies of the last row (the training loss counts padding
+rows, so a run resumed with more of them starts at a slightly higher loss: README,
 "Checkpoints"). RNG states are per rank: they are kept when tp and pp do
 not change, else the resumed run starts fresh ones. The output is written to
 `OUT/iter_XXXXXXX.tmp/`, renamed into place, then the tracker file is written. An OUT

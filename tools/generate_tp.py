@@ -103,7 +103,8 @@ def check_generation_layout(prog: str, world_size: int, tp_size: int, pp_size: i
 def _padded_vocab(saved: dict, tp_size: int) -> int:
     """The checkpoint's padded vocabulary, padded further when the tensor-parallel size
     does not divide it into --make-vocab-size-divisible-by multiples (the loader fills the
-    extra rows with zeros; they are past the tokenizer's vocabulary, never sampled)."""
+    extra rows with copies of the last; they are past the tokenizer's vocabulary, never
+    sampled)."""
     padded = int(saved["padded_vocab_size"])
     multiple = int(saved.get("make_vocab_size_divisible_by") or 1) * tp_size
     return -(-padded // multiple) * multiple
