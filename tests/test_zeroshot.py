@@ -70,9 +70,15 @@ def test_wikitext_detokenizer():
 
 
 def test_detokenizer_by_path():
+    """Megatron-LM's choice: "ptb", then "wiki", then "lambada" anywhere in the path; the
+    LAMBADA one changes nothing."""
     assert detokenizer.get_detokenizer("data/wikitext-103/wiki.test.tokens")("a @-@ b") == "a-b"
+    # WikiText-103's own file name selects it outside a "wikitext" directory too
+    assert detokenizer.get_detokenizer("/data/eval/wiki.valid.tokens")("a @-@ b") == "a-b"
     assert detokenizer.get_detokenizer("ptb/test.txt")("do n't pay $ 1 N ") == "don't pay $11 "
-    assert detokenizer.get_detokenizer("lambada_test.jsonl")("\u201chi\u201d") == '"hi"'
+    assert detokenizer.get_detokenizer("ptb/wiki.txt")("do n't") == "don't"
+    curly = "\u201chi\u201d , he said"
+    assert detokenizer.get_detokenizer("lambada_test.jsonl")(curly) == curly
     assert detokenizer.get_detokenizer("other.txt")("a @-@ b") == "a @-@ b"
 
 
@@ -403,15 +409,17 @@ def test_load_without_a_checkpoint_is_refused(tmp_path, capsys):
 
 
 def test_valid_data_warnings(tmp_path):
-    """WikiText's tokenized text under a path without "wikitext" (scored as written), and
-    a JSON-lines file given to WIKITEXT103, each get a warning naming the file."""
+    """WikiText's tokenized text under a path that does not select the WikiText
+    detokenizer (scored as written), and a JSON-lines file given to WIKITEXT103, each get
+    a warning naming the file."""
     assert datasets.wikitext_warnings("data/wikitext-103/wiki.test.tokens", WIKI) == []
+    assert datasets.wikitext_warnings("data/wiki.test.tokens", WIKI) == []
     assert datasets.wikitext_warnings("plain.txt", "To be , or not to be .\n") == []
-    (msg,) = datasets.wikitext_warnings("data/wiki.test.tokens", " the well @-@ known \n")
-    assert "data/wiki.test.tokens" in msg and 'does not contain "wikitext"' in msg
+    (msg,) = datasets.wikitext_warnings("data/test.tokens", " the well @-@ known \n")
+    assert "data/test.tokens" in msg and "does not select the WikiText detokenizer" in msg
     (msg,) = datasets.wikitext_warnings("wikitext_lambada.jsonl", '\n{"text": "a b c"}\n')
     assert "looks like JSON lines" in msg and "--task LAMBADA" in msg
-    path = tmp_path / "wiki.tokens"  # tmp_path holds the test's name: no "wikitext"
+    path = tmp_path / "test.tokens"  # tmp_path holds the test's name: no "wiki"
     path.write_text(" a @-@ b c d \n")
     words = type("Words", (), {"eod": 0, "tokenize": staticmethod(str.split)})
     said = []

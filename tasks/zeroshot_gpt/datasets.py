@@ -21,7 +21,7 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from tasks.zeroshot_gpt.detokenizer import get_detokenizer
+from tasks.zeroshot_gpt.detokenizer import get_detokenizer, wikitext_detokenizer
 
 Sample = Tuple[List[int], List[int]]  # (tokens [seq + 1], loss mask [seq])
 
@@ -95,15 +95,17 @@ def read_text_file(path: str, what: str) -> str:
 
 def wikitext_warnings(path: str, text: str) -> List[str]:
     """Warnings for a WIKITEXT103 file that is probably not what was meant: WikiText's
-    tokenized text (" @-@ " etc.) under a path without "wikitext" (the detokenizer is
-    picked by path, so it is scored as written), or JSON lines (LAMBADA's format)."""
+    tokenized text (" @-@ " etc.) under a path that does not select the WikiText
+    detokenizer (the detokenizer is picked by path, so it is not detokenized as
+    WikiText), or JSON lines (LAMBADA's format)."""
     warnings = []
-    if "wikitext" not in path and any(t in text for t in (" @-@ ", " @,@ ", " @.@ ")):
+    wikitext = get_detokenizer(path) is wikitext_detokenizer
+    if not wikitext and any(t in text for t in (" @-@ ", " @,@ ", " @.@ ")):
         warnings.append(f"WARNING: --valid-data {path} holds WikiText's tokenized text (\" @-@ "
-                        "\") but its path does not contain \"wikitext\", which selects the "
-                        "WikiText detokenizer: the text is scored as written. Put the file "
-                        "under a path containing \"wikitext\" (e.g. wikitext-103/"
-                        "wiki.test.tokens) for Megatron-LM's numbers")
+                        "\") but its path does not select the WikiText detokenizer (a path "
+                        "containing \"wiki\" and no \"ptb\" does): it is not detokenized as "
+                        "WikiText. Name the file as WikiText-103 does (wiki.test.tokens) for "
+                        "Megatron-LM's numbers")
     first = text.lstrip().split("\n", 1)[0]
     try:
         record = json.loads(first)

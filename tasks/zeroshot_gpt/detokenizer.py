@@ -10,8 +10,13 @@ is a plain substring replacement, an `re` row a regular-expression substitution.
   numbers stay Megatron's.
 * PTB: " '" -> "'", spaces around newlines, " n't" -> "n't", the number placeholder " N "
   -> "1 ", "$ 1" -> "$1", "# 1" -> "#1".
-* LAMBADA: curly double quotes become straight ones.
-* Any other path: the text is left as it is (Megatron-LM has no detokenizer for it).
+* LAMBADA: the text as it is (Megatron-LM's LAMBADA detokenizer changes nothing).
+* Any other path: the text is left as it is (Megatron-LM has no detokenizer for it and
+  stops with a TypeError).
+
+The path is matched as Megatron-LM matches it: "ptb", then "wiki" (so WikiText-103's own
+file names, wiki.test.tokens / wiki.valid.tokens, select it wherever they lie), then
+"lambada", as substrings of the whole path.
 """
 from __future__ import annotations
 
@@ -65,10 +70,7 @@ PTB_RULES: Sequence[Rule] = (
     ("str", "# 1", "#1"),
 )
 
-LAMBADA_RULES: Sequence[Rule] = (
-    ("str", "\u201c", '"'),
-    ("str", "\u201d", '"'),
-)
+LAMBADA_RULES: Sequence[Rule] = ()
 
 
 def apply_rules(text: str, rules: Sequence[Rule]) -> str:
@@ -94,13 +96,13 @@ def lambada_detokenizer(text: str) -> str:
 
 
 # path substring -> detokenizer, first match wins
-_BY_PATH = (("ptb", ptb_detokenizer), ("wikitext", wikitext_detokenizer),
+_BY_PATH = (("ptb", ptb_detokenizer), ("wiki", wikitext_detokenizer),
             ("lambada", lambada_detokenizer))
 
 
 def get_detokenizer(path: str) -> Callable[[str], str]:
-    """The detokenizer for a file: by the first of "ptb", "wikitext", "lambada" found in
-    its path (case-sensitive, as Megatron-LM), else the identity."""
+    """The detokenizer for a file: by the first of "ptb", "wiki", "lambada" found in its
+    path (case-sensitive, as Megatron-LM), else the identity."""
     for key, fn in _BY_PATH:
         if key in path:
             return fn
