@@ -367,6 +367,11 @@ def test_errors(tmp_path, capsys):
     assert "--task is required" in _error_of(NULL, capsys)
     assert "--task LAMBADA needs --valid-data FILE" in _error_of(["--task", "LAMBADA"] + NULL,
                                                                 capsys)
+    # one report per file: a second file is refused (Megatron-LM asserts one), not dropped
+    assert ("--valid-data names 2 files (wiki.valid.tokens wiki.test.tokens); --task "
+            "WIKITEXT103 reports on one file: run tasks/main.py once per file") in _error_of(
+        ["--task", "WIKITEXT103", "--valid-data", "wiki.valid.tokens", "wiki.test.tokens"]
+        + NULL, capsys)
     missing = str(tmp_path / "wiki.tokens")
     assert f"--valid-data {missing}: file not found" in \
         _error_of(["--task", "WIKITEXT103", "--valid-data", missing] + NULL, capsys)

@@ -84,8 +84,8 @@ def _print_help() -> None:
 
 
 def check_task_args(ns: argparse.Namespace, warn=print) -> None:
-    """ArgumentsError for a missing or unknown --task or a missing --valid-data; a warning
-    for each flag that means nothing to a zero-shot evaluation."""
+    """ArgumentsError for a missing or unknown --task, or a --valid-data that names no file
+    or several; a warning for each flag that means nothing to a zero-shot evaluation."""
     if ns.task is None:
         raise ArgumentsError(f"--task is required: {' or '.join(TASKS)}")
     if ns.task not in TASKS:
@@ -98,9 +98,10 @@ def check_task_args(ns: argparse.Namespace, warn=print) -> None:
     if not ns.valid_data:
         what = "WikiText-103 text file" if ns.task == "WIKITEXT103" else "LAMBADA JSON-lines file"
         raise ArgumentsError(f"--task {ns.task} needs --valid-data FILE (the {what})")
-    if len(ns.valid_data) > 1:
-        warn(f"WARNING: --valid-data names {len(ns.valid_data)} files; only the first, "
-             f"{ns.valid_data[0]}, is evaluated (as in Megatron-LM)")
+    if len(ns.valid_data) > 1:  # Megatron-LM asserts one file
+        raise ArgumentsError(f"--valid-data names {len(ns.valid_data)} files "
+                             f"({' '.join(ns.valid_data)}); --task {ns.task} reports on one "
+                             "file: run tasks/main.py once per file")
     for dest, flag in NO_EFFECT.items():
         if getattr(ns, dest) not in (None, False):
             warn(f"WARNING: {flag} has no effect on a zero-shot evaluation")
