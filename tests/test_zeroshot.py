@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from megatron.tokenizer import build_tokenizer
 from tasks.zeroshot_gpt import datasets, detokenizer, evaluate
-from tests.dist_utils import run_distributed
+from tests.dist_utils import free_port, run_distributed
 from tests.test_tokenizer import TRAIN_TEXT, train_tiny_bpe, write_bpe_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -430,6 +430,25 @@ def test_valid_data_warnings(tmp_path):
     said = []
     data = datasets.build_wikitext_data(str(path), words, 4, 4, warn=said.append)
     assert data.num_tokenized_tokens == 5 and len(said) == 1 and str(path) in said[0]
+
+
+def test_file_warnings_printed_once_under_a_launcher(trained, tmp_path):
+    """The --valid-data and --overlapping-eval warnings come before the process group:
+    rank 0 prints them under torchrun (each rank printed its own copy)."""
+    path = tmp_path / "test.tokens"  # no "wiki": WikiText's text scored as written
+    path.write_text(WIKI)
+    argv = ["--task", "WIKITEXT103", "--valid-data", str(path), "--overlapping-eval", "40",
+            "--tensor-model-parallel-size", "2", "--micro-batch-size", "2", *MODEL,
+            *trained["tok_flags"]]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", "--master-port", str(free_port()),
+                           str(ROOT / "tasks" / "main.py"), *argv],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.count("WARNING: --overlapping-eval 40 is larger than --seq-length 16") == 1, out
+    assert out.count("does not select the WikiText detokenizer") == 1, out
+    assert out.count(" validation results on WIKITEXT103 | ") == 1, out
 
 
 def test_other_tasks_flags_and_overlapping_eval_below_one_warn():

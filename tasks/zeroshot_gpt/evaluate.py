@@ -253,20 +253,21 @@ def lambada_report(num_correct: float, num_examples: int) -> Tuple[dict, str]:
 
 
 # --------------------------------------------------------------------------- the run
-def build_data(task_ns, config, tokenizer) -> dict:
+def build_data(task_ns, config, tokenizer, say=print) -> dict:
     """The samples (and WIKITEXT103's counts) before any process group exists, so a bad
     file stops every rank alike. --overlapping-eval above --seq-length would skip tokens:
-    it is taken as --seq-length, with a warning."""
+    it is taken as --seq-length, with a warning. `say` prints the warnings (rank 0's
+    printer under a launcher: no process group tells the ranks apart yet)."""
     path, seq = task_ns.valid_data[0], config.data.seq_length
     if task_ns.task == "LAMBADA":
         return {"samples": build_lambada_data(path, tokenizer, seq, task_ns.strict_lambada)}
     stride = max(1, task_ns.overlapping_eval)
     if stride > seq:
-        print_rank_0(f"WARNING: --overlapping-eval {task_ns.overlapping_eval} is larger than "
-                     f"--seq-length {seq}: windows would skip tokens; using {seq} (windows "
-                     "without overlap)")
+        say(f"WARNING: --overlapping-eval {task_ns.overlapping_eval} is larger than "
+            f"--seq-length {seq}: windows would skip tokens; using {seq} (windows "
+            "without overlap)")
         stride = seq
-    data = build_wikitext_data(path, tokenizer, seq, stride, warn=print_rank_0)
+    data = build_wikitext_data(path, tokenizer, seq, stride, warn=say)
     return {"samples": data.samples, "num_original": data.num_original_tokens,
             "num_tokenized": data.num_tokenized_tokens}
 
@@ -346,9 +347,10 @@ def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: in
         _print_help()
         return None
     environ = {} if environ is None else environ
+    say = lambda m: rank == 0 and print(m, flush=True)  # rank 0 prints: no group yet
     try:
         task_ns, rest = split_args(argv)
-        check_task_args(task_ns, warn=lambda m: rank == 0 and print(m, flush=True))
+        check_task_args(task_ns, warn=say)
     except ArgumentsError as err:  # a mistake in the flags: rank 0 prints it
         if rank == 0:
             print(f"tasks/main.py: {err}", file=sys.stderr)
@@ -368,7 +370,7 @@ def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: in
     try:  # files read before any process group: printed once per node, not once per rank
         check_load_dir(config.checkpoint.load)
         tokenizer = build_tokenizer_for(config)
-        data = build_data(task_ns, config, tokenizer)
+        data = build_data(task_ns, config, tokenizer, say)
     except SystemExit as exc:
         raise exit_before_group(exc, rank, world_size,
                                 {**environ, "LOCAL_RANK": str(local_rank)}) from None
