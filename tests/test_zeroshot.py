@@ -392,6 +392,7 @@ def test_finetuning_flags_warn(tmp_path, capsys):
     res = evaluate.main(["--task", "LAMBADA", "--valid-data", str(tmp_path / "l.jsonl"),
                          "--epochs", "3", "--train-data", "a", "b", "--keep-last"] + NULL)
     out = capsys.readouterr().out
+    assert f"> building lambada dataset from {tmp_path / 'l.jsonl'} ...\n > found 1 samples." in out
     assert "--epochs has no effect" in out and "--train-data has no effect" in out
     assert "no --load: evaluating a randomly initialised model" in out
     assert res["num_examples"] == 1
@@ -449,6 +450,8 @@ def test_file_warnings_printed_once_under_a_launcher(trained, tmp_path):
     assert out.count("WARNING: --overlapping-eval 40 is larger than --seq-length 16") == 1, out
     assert out.count("does not select the WikiText detokenizer") == 1, out
     assert out.count(" validation results on WIKITEXT103 | ") == 1, out
+    # Megatron's line on the file read, with the counts of the token ratio
+    assert out.count(" > number of original tokens: 60, number of detokenized tokens: ") == 1
 
 
 def test_other_tasks_flags_and_overlapping_eval_below_one_warn():

@@ -256,11 +256,15 @@ def lambada_report(num_correct: float, num_examples: int) -> Tuple[dict, str]:
 def build_data(task_ns, config, tokenizer, say=print) -> dict:
     """The samples (and WIKITEXT103's counts) before any process group exists, so a bad
     file stops every rank alike. --overlapping-eval above --seq-length would skip tokens:
-    it is taken as --seq-length, with a warning. `say` prints the warnings (rank 0's
-    printer under a launcher: no process group tells the ranks apart yet)."""
+    it is taken as --seq-length, with a warning. `say` prints the warnings and Megatron's
+    lines on the data read (rank 0's printer under a launcher: no process group tells the
+    ranks apart yet)."""
     path, seq = task_ns.valid_data[0], config.data.seq_length
     if task_ns.task == "LAMBADA":
-        return {"samples": build_lambada_data(path, tokenizer, seq, task_ns.strict_lambada)}
+        say(f"> building lambada dataset from {path} ...")
+        samples = build_lambada_data(path, tokenizer, seq, task_ns.strict_lambada)
+        say(f" > found {len(samples)} samples.")
+        return {"samples": samples}
     stride = max(1, task_ns.overlapping_eval)
     if stride > seq:
         say(f"WARNING: --overlapping-eval {task_ns.overlapping_eval} is larger than "
@@ -268,6 +272,8 @@ def build_data(task_ns, config, tokenizer, say=print) -> dict:
             "without overlap)")
         stride = seq
     data = build_wikitext_data(path, tokenizer, seq, stride, warn=say)
+    say(f" > number of original tokens: {data.num_original_tokens}, number of detokenized "
+        f"tokens: {data.num_tokenized_tokens}")
     return {"samples": data.samples, "num_original": data.num_original_tokens,
             "num_tokenized": data.num_tokenized_tokens}
 
