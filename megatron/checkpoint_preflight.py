@@ -162,10 +162,9 @@ def _shard_problems(iter_dir: str, saved: Layout, first_path: str,
 
 
 def _resume_lines(ck: CheckpointConfig, iteration: int, release: bool, iter_dir: str,
-                  first: dict, states: LoadStates) -> List[str]:
-    """The iteration the run starts at and the states it loads."""
-    args = first.get("args") or {}
-    consumed = args.get("consumed_train_samples", 0)
+                  first: dict, states: LoadStates, consumed: int) -> List[str]:
+    """The iteration the run starts at (after `consumed` training samples) and the states
+    it loads."""
     if ck.finetune:
         return [f"finetune: weights only from {iter_dir}, iteration 0 (optimizer, "
                 "learning-rate schedule, RNG and sample counts start fresh)"]
@@ -260,7 +259,9 @@ def preflight_load(config: Config, evaluation: bool = False) -> Preflight:
         what = "the release checkpoint" if release else f"iteration {iteration}"
         lines.append(f"evaluates the weights of {what} ({iter_dir})")
     else:
-        lines += _resume_lines(ck, iteration, release, iter_dir, first, states)
+        consumed = (_consumed_train(config, iteration, first)[0] if not release else
+                    (first.get("args") or {}).get("consumed_train_samples", 0))
+        lines += _resume_lines(ck, iteration, release, iter_dir, first, states, consumed)
     lines += _layout_lines(saved, run, states, saved.tp * saved.pp)
     lines += [note.strip(" >") for note in states.notes]
     if not evaluation:
@@ -286,9 +287,26 @@ def preflight_load(config: Config, evaluation: bool = False) -> Preflight:
         lines += schedule.lines
         problems += schedule.problems
     if not (evaluation or release or ck.finetune):
+        lines += _assumed_counts_lines(config, iteration, first)
         budget = _sample_budget(config, iteration, first, states)
         lines += [budget] if budget else []
     return Preflight(lines, problems)
+
+
+def _consumed_train(config: Config, iteration: int, first: dict) -> Tuple[int, Optional[str]]:
+    """The training samples the resumed run takes as consumed, and the run's note when
+    the checkpoint counts none (trainer_checkpoint.assumed_counters)."""
+    from megatron.trainer_checkpoint import assumed_counters
+
+    counts = first.get("train_state") or first.get("args") or {}
+    train, _, note = assumed_counters(config, iteration,
+                                      int(counts.get("consumed_train_samples") or 0), 1)
+    return train, note
+
+
+def _assumed_counts_lines(config: Config, iteration: int, first: dict) -> List[str]:
+    _, note = _consumed_train(config, iteration, first)
+    return [note.strip(" >")] if note else []
 
 
 def _sample_budget(config: Config, iteration: int, first: dict,
@@ -297,7 +315,7 @@ def _sample_budget(config: Config, iteration: int, first: dict,
     trainer_checkpoint.sample_budget_message), from the checkpoint's counts."""
     from megatron.trainer_checkpoint import sample_budget_message
 
-    consumed = (first.get("args") or {}).get("consumed_train_samples", 0)
+    consumed, _ = _consumed_train(config, iteration, first)
     saved = first.get("opt_param_scheduler")
     goal = None
     if (states.with_optimizer and isinstance(saved, dict)

@@ -354,9 +354,37 @@ def _load_trainer_payload(tr) -> Optional[_Loaded]:
     return loaded._replace(state=payload, param_state=distrib, converted=text)
 
 
+def assumed_counters(config, iteration: int, consumed_train: int,
+                     consumed_valid: int) -> Tuple[int, int, Optional[str]]:
+    """Megatron-LM's rule for a checkpoint past iteration 0 whose consumed-sample counters
+    are 0 (an old one, or one a conversion tool wrote with the counters reset): iteration
+    x global batch training samples (the ramp-up's count with --rampup-batch-size) and,
+    for an iteration-based run, (iteration // --eval-interval) x --eval-iters x global
+    batch validation samples count as consumed, so the resumed run reads on from there.
+    Returns (train, valid, a note when the training count was assumed)."""
+    if iteration <= 0:
+        return consumed_train, consumed_valid, None
+    from megatron.microbatches import rampup_consumed_samples
+
+    t, d = config.training, config.data
+    gbs = d.target_global_batch_size or d.global_batch_size
+    note = None
+    if consumed_train == 0:
+        rampup = d.rampup_batch_size
+        consumed_train = (rampup_consumed_samples(iteration, tuple(rampup), gbs) if rampup
+                          else iteration * gbs)
+        note = (f" > the checkpoint at iteration {iteration} counts no consumed samples (an "
+                f"old or converted checkpoint): taking {consumed_train} training samples "
+                f"(its iterations x global batch {gbs}) as consumed, as Megatron-LM does")
+    if consumed_valid == 0 and t.eval_interval and not t.train_samples:
+        consumed_valid = (iteration // t.eval_interval) * t.eval_iters * gbs
+    return consumed_train, consumed_valid, note
+
+
 def _restore_counters(tr, loaded: _Loaded) -> None:
-    """Iteration and sample counters: all from the checkpoint on a resume; with --finetune
-    none; from a release checkpoint only the consumed samples (from its args, as Megatron)."""
+    """Iteration and sample counters: all from the checkpoint on a resume (counters it
+    lacks assumed as Megatron does: `assumed_counters`); with --finetune none; from a
+    release checkpoint only the consumed samples (from its args, as Megatron)."""
     if tr.config.checkpoint.finetune:
         return
     args = loaded.state.get("args") or {}
@@ -365,8 +393,13 @@ def _restore_counters(tr, loaded: _Loaded) -> None:
     if loaded.release:
         tr.state.load_state_dict(from_args)
         return
-    tr.state.load_state_dict(loaded.state.get("train_state",
-                                              {"iteration": loaded.iteration, **from_args}))
+    st = tr.state
+    st.load_state_dict(loaded.state.get("train_state",
+                                        {"iteration": loaded.iteration, **from_args}))
+    st.consumed_train_samples, st.consumed_valid_samples, note = assumed_counters(
+        tr.config, st.iteration, st.consumed_train_samples, st.consumed_valid_samples)
+    if note:
+        print_rank_0(note)
 
 
 def _load_optimizer(tr, loaded: _Loaded) -> None:

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import megatron.training as training
-from megatron.arguments import parse_and_validate
+from megatron.arguments import parse_and_validate, run_dry_run
 from megatron.checkpointing import read_tracker
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.initialize import initialize_distributed, set_random_seed
@@ -314,6 +314,36 @@ def test_skip_train_reads_the_validation_set_from_its_start(tmp_path, capsys):
         evaluated.append(_validation_values(out)[0])
     assert evaluated[0] == evaluated[1]
     assert evaluated[0][1] != in_training[2][1], "the final draw read samples 16..23"
+
+
+def test_a_checkpoint_without_sample_counts_resumes_where_megatron_does(tmp_path, capsys):
+    """A checkpoint past iteration 0 whose consumed-sample counters are 0 (an old or
+    converted one) resumes, as in Megatron, after iteration x global batch training samples
+    and (iteration // --eval-interval) x --eval-iters x global batch validation samples:
+    the run goes on as the uninterrupted one (it read both sets from sample 0 again)."""
+    ck = str(tmp_path / "ck")
+    run = ["--train-iters", "6", "--eval-interval", "2", "--log-interval", "2"]
+    whole, _ = _pretrain(run, capsys)
+    _pretrain(run + ["--save", ck, "--save-interval", "4", "--exit-interval", "4"], capsys)
+    path = os.path.join(ck, "iter_0000004", "mp_rank_00", "model_optim_rng.pt")
+    payload = torch.load(path, weights_only=True)
+    assert payload["train_state"]["consumed_train_samples"] == 16
+    payload["train_state"].update(consumed_train_samples=0, consumed_valid_samples=0)
+    payload["args"].update(consumed_train_samples=0, consumed_valid_samples=0)
+    torch.save(payload, path)
+    note = ("the checkpoint at iteration 4 counts no consumed samples (an old or converted "
+            "checkpoint): taking 16 training samples (its iterations x global batch 4) as "
+            "consumed, as Megatron-LM does")
+    cfg = parse_and_validate(MOCK + run + ["--load", ck], world_size=1, env={"RANK": "0"},
+                             cuda_available=False)
+    dry = capsys.readouterr().out if run_dry_run(cfg, 1) == 0 else ""
+    assert f"\n  {note}\n" in dry and "resumes from iteration 4 (" in dry
+    assert "), consumed samples 16\n" in dry
+    out, tr = _pretrain(run + ["--load", ck], capsys)
+    assert f" > {note}" in out
+    assert tr.state.consumed_train_samples == 24 and tr.state.consumed_valid_samples == 32
+    assert _validation_values(out) == _validation_values(whole)[2:]
+    assert re.findall(r" lm loss: (\S+)", out) == re.findall(r" lm loss: (\S+)", whole)[2:]
 
 
 def test_resume_with_fewer_eval_iters_than_the_validation_set_serves_stops_at_startup(
