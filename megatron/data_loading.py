@@ -1,8 +1,9 @@
 """Datasets and batch iterators for a run: mock or Megatron .bin/.idx data, samplers,
 a prefetching loader into pinned memory, and the tensors one micro-batch needs.
 
-Sample counts follow Megatron: train = train_iters * global batch; valid = test =
-(train_iters // eval_interval + 1) * eval_iters * global batch.
+Sample counts follow Megatron: train = train_iters * global batch; valid =
+(train_iters // eval_interval + 1) * eval_iters * global batch; test = eval_iters * global
+batch (one draw, at the end).
 """
 from __future__ import annotations
 
