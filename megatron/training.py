@@ -527,6 +527,10 @@ def _train_and_evaluate(tr: Trainer, train_data, valid_data, test_data) -> None:
             print_datetime("after training is done")
     else:
         print_rank_0("skipping training (--skip-train is on) ...")
+        if config.training.eval_iters <= 0:
+            print_rank_0("WARNING: --skip-train with --eval-iters 0: nothing is evaluated "
+                         "either, the run ends here; pass --eval-iters N to score N global "
+                         "batches of the validation and test sets")
     if tr.exit_reason is None and (config.training.skip_train or config.training.eval_interval):
         final_evaluation(tr, valid_data, test_data)
 

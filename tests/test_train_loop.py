@@ -288,6 +288,10 @@ def test_skip_train_evaluates_both_sets_without_tensorboard(tmp_path, capsys):
     assert _final_blocks(out) == [("0", "8", "validation"), ("0", "8", "test")]
     assert "skipping training (--skip-train is on) ..." in out
     assert "lm loss validation" not in read_scalars(tb)
+    # nothing to do at all (Megatron-LM ends as silently): said
+    out, _ = _pretrain(["--skip-train", "--eval-iters", "0"], capsys)
+    assert not _final_blocks(out)
+    assert "WARNING: --skip-train with --eval-iters 0: nothing is evaluated either" in out
 
 
 def _validation_values(out: str) -> list:
