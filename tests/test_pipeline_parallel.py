@@ -13,9 +13,14 @@
 3. Tied embeddings: the last stage's copy is broadcast from the first stage when built and
    stays equal to it through training.
 4. Checkpoint payload keys with virtual stages (model0, model1).
+5. Through torchrun: save and resume with pp 2 and tp 2 x pp 2 x virtual stages.
+6. pretrain_gpt.py's evaluation (--skip-train --load) of one checkpoint with dp 2, pp 2 and
+   tp 2 prints the single process's validation and test losses.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import weakref
 
@@ -24,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import trainer_checkpoint
+from megatron.arguments import parse_and_validate
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.gpt.stages import build_stage_models, stage_layout
 from megatron.core.parallel_state import ParallelState
@@ -35,8 +41,14 @@ from megatron.core.pipeline_parallel import (
 )
 from megatron.core.tensor_parallel.layers import shard_of_full_weight
 from megatron.core.tensor_parallel.random import RNGStatesTracker
-from megatron.initialize import Runtime, set_random_seed
-from megatron.training import build_trainer, data_iterator, forward_backward, train_step
+from megatron.initialize import Runtime, initialize_distributed, set_random_seed
+from megatron.training import (
+    build_trainer,
+    data_iterator,
+    forward_backward,
+    pretrain,
+    train_step,
+)
 from tests.dist_utils import run_distributed
 from tests.gpt_helpers import full_named_grads, tiny_config
 
@@ -315,3 +327,47 @@ def test_torchrun_pipeline_save_resume(tmp_path, nproc, layout, ranks, stop):
     resumed = torchrun(nproc, _e2e_args(layout) + ["--train-iters", "8", "--load", str(ckpt),
                                                "--save", str(ckpt), "--save-interval", "4"])
     assert losses_by_iteration(resumed) == {i: ref[i] for i in range(5, 9)}, resumed[-3000:]
+
+
+# --------------------------------------------------------------------------- 6. evaluation
+EVAL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--lr", "1e-2", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",  # 256 ids: no padding
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--use-cpu-initialization",
+        "--eval-iters", "3", "--log-interval", "1"]
+
+
+def _pretrain_gpt(rank, world_size, argv) -> str:
+    """pretrain() as pretrain_gpt.py runs it with `argv` on this rank; its stdout."""
+    cfg = parse_and_validate(EVAL + argv, world_size=world_size, env={"RANK": str(rank)},
+                             cuda_available=False)
+    rt = initialize_distributed(cfg.parallel, rank, world_size, 0)
+    set_random_seed(cfg.training.seed, rt)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        pretrain(cfg, rt)
+    return out.getvalue()
+
+
+def _evaluate_checkpoint(rank, world_size, load, layout):
+    """The validation and test losses printed by a --skip-train evaluation of `load`."""
+    out = _pretrain_gpt(rank, world_size, layout + ["--skip-train", "--load", load])
+    return re.findall(r"from (\w+) set \| lm loss value: (\S+)", out)
+
+
+def test_evaluation_of_a_checkpoint_matches_single_process_in_every_layout(tmp_path):
+    """The validation / test loss of one checkpoint (--skip-train --load): the mean over
+    --eval-iters global batches of the micro-batch means, reduced over the data-parallel
+    ranks and taken from the last pipeline stage, is the single process's to 1e-5 with
+    dp 2 (2 micro-batches per rank), pp 2 and tp 2."""
+    ck = str(tmp_path / "ck")
+    _pretrain_gpt(0, 1, ["--train-iters", "3", "--save", ck, "--save-interval", "3"])
+    ref = _evaluate_checkpoint(0, 1, ck, [])
+    assert [name for name, _ in ref] == ["validation", "test"]
+    for layout in ([], ["--pipeline-model-parallel-size", "2"],
+                   ["--tensor-model-parallel-size", "2"]):
+        got = run_distributed(_evaluate_checkpoint, 2, ck, layout)[-1]  # the last rank prints
+        assert [name for name, _ in got] == ["validation", "test"], layout
+        for (_, want), (_, value) in zip(ref, got):
+            assert float(value) == pytest.approx(float(want), rel=1e-5), layout
