@@ -1,8 +1,8 @@
 """Checkpoint directories under --load / --save: the tracker file (its path, reading it),
-the iteration directories there are, the rank directories and model files in one, and the
-messages that name them with the fix when a load cannot go ahead, a save fails (what stays
-in use, the free space) or a run would point the tracker back (megatron/checkpointing.py
-re-exports these).
+the iteration directories there are, the rank directories and model files in one, the
+start-up check that --save can be written, and the messages that name them with the fix
+when a load cannot go ahead, a save fails (what stays in use, the free space) or a run
+would point the tracker back (megatron/checkpointing.py re-exports these).
 
 Megatron-LM 23.04 with --use-distributed-optimizer wrote another layout: the model (and
 RNG states) in `mp_rank_XX[_YYY]/model_rng.pt`, and one optimizer file per data-parallel
@@ -17,7 +17,10 @@ import os
 import re
 import shlex
 import shutil
+import tempfile
 from typing import List, Optional, Tuple
+
+from megatron.agreed_exit import agree
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
@@ -86,6 +89,32 @@ def list_checkpoints(root: str) -> List[str]:
                   if _ITER_DIR_RE.match(d) and os.path.isdir(os.path.join(root, d)))
 
 
+def check_save_dir(root: str, ps, group=None) -> None:
+    """Startup check of --save: global rank 0 creates `root` and writes and removes a probe
+    file in it. Collective (`agree` over `group`, the run's CPU control group): when that
+    fails, every rank exits (rank 0 prints), naming the path and the error -- not after
+    training, at the first save."""
+    check_output_dir(root, "--save", ps, group)
+
+
+def check_output_dir(root: str, flag: str, ps, group=None,
+                     writer_rank: int = 0) -> None:
+    """`check_save_dir` for any output directory `flag` names, probed by the rank that
+    writes there (`writer_rank`; tensorboard's is the last). Collective."""
+    error = None
+    if ps.rank == writer_rank:
+        try:
+            os.makedirs(root, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".write_test.", dir=root)
+            os.close(fd)
+            os.remove(probe)
+        except OSError as exc:
+            error = (f"error: {flag} {root} cannot be used: could not create it "
+                     f"or write into it ({type(exc).__name__}: {exc}); pass a directory that "
+                     "can be created and written to")
+    agree(error, group)
+
+
 def unfinished_saves_warning(root: str) -> Optional[str]:
     """The warning for `iter_XXXXXXX.tmp` / `release.tmp` directories under --save `root`:
     saves a killed process never finished (megatron/checkpointing.py writes there, then
@@ -135,6 +164,26 @@ def previous_checkpoint_text(root: str) -> str:
         return f"there is no earlier checkpoint in {root}"
     return (f"the previous checkpoint {os.path.join(root, iteration_dir_name(iteration, release))}"
             f" is intact (the tracker still names it)")
+
+
+def unpublished_message(root: str, tmp_dir: str, iteration: int, exc: OSError) -> str:
+    """A save whose files are all in `tmp_dir` but could not be renamed into place."""
+    final_dir = tmp_dir[:-len(".tmp")]
+    return (f"the checkpoint at iteration {iteration} was written to {tmp_dir} but could not "
+            f"be moved into place as {final_dir} ({type(exc).__name__}: {exc}); "
+            f"{previous_checkpoint_text(root)}")
+
+
+def untracked_save_message(root: str, iteration: int, release: bool, exc: OSError) -> str:
+    """A save in place whose tracker could not be written (`exc`): the tracker names the
+    previous checkpoint, which a resume loads; how to name this one instead."""
+    final_dir = os.path.join(root, iteration_dir_name(iteration, release))
+    value = "release" if release else str(iteration)
+    return (f"the checkpoint at iteration {iteration} was written to {final_dir}, but "
+            f"{tracker_path(root)} could not be updated to name it ({type(exc).__name__}: "
+            f"{exc}); {free_space_text(root)}; {previous_checkpoint_text(root)}, and a resume "
+            f"loads that one. To resume from iteration {iteration} instead, free space and "
+            f"run `printf {value} > {tracker_path(root)}`")
 
 
 def free_space_text(path: str) -> str:
