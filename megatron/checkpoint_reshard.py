@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -524,9 +525,13 @@ def _flat_buffers(plan: RankPlan, per_param: Dict[ParamKey, Dict[str, torch.Tens
 
 
 # ----------------------------------------------------------------------- finding and args
-def locate_iteration(load: str, iteration: Optional[int] = None) -> Tuple[str, int, bool]:
+def locate_iteration(load: str, iteration: Optional[int] = None,
+                     note: Callable[[str], None] = print) -> Tuple[str, int, bool]:
     """(iteration directory, iteration, release) under `load`: the tracker's iteration
-    unless `iteration` is given. SystemExit naming the path when there is none."""
+    unless `iteration` is given. SystemExit naming the path when there is none. When only
+    its `.old` copy is there (a re-save or `reshard --overwrite` interrupted between moving
+    the old directory aside and the new one into place), that complete copy is the
+    directory, read where it is (`note` says so; a training run's --load renames it back)."""
     release, given = False, iteration is not None
     if iteration is None:
         try:
@@ -536,6 +541,11 @@ def locate_iteration(load: str, iteration: Optional[int] = None) -> Tuple[str, i
         if iteration is None:
             raise SystemExit(f"error: {missing_tracker_message(load)}")
     iter_dir = os.path.join(load, iteration_dir_name(iteration, release))
+    if not os.path.isdir(iter_dir) and os.path.isdir(iter_dir + ".old"):
+        note(f"note: {iter_dir} is missing but {iter_dir}.old is there (an interrupted save "
+             f"that was replacing it): reading that copy; `mv {shlex.quote(iter_dir)}.old "
+             f"{shlex.quote(iter_dir)}` puts it back (a training run with --load does it)")
+        return iter_dir + ".old", iteration, release
     if not os.path.isdir(iter_dir):
         source = "--iteration" if given else tracker_path(load)
         raise SystemExit(f"error: checkpoint directory {iter_dir} (from {source}) does not "

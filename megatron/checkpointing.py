@@ -150,7 +150,7 @@ def _torch_save_synced(obj, path: str) -> None:
         os.fsync(f.fileno())
 
 
-def _move_into_place(root: str, tmp_dir: str, final_dir: str) -> None:
+def move_into_place(root: str, tmp_dir: str, final_dir: str) -> None:
     """Rename `tmp_dir` to `final_dir`, replacing an older copy through `final_dir.old`.
     An `.old` without `final_dir` beside it is the only copy of an interrupted replace
     (`_recover_interrupted_replace` restores it): it goes only once `tmp_dir` is in place,
@@ -170,7 +170,7 @@ def _publish(root: str, tmp_dir: str, final_dir: str, iteration: int, release: b
     """Rank 0: move `tmp_dir` into place (replacing an older copy), then write the tracker.
     CheckpointWriteError (the OSError chained) saying what is on disk when either fails."""
     try:
-        _move_into_place(root, tmp_dir, final_dir)
+        move_into_place(root, tmp_dir, final_dir)
     except OSError as exc:
         raise CheckpointWriteError(unpublished_message(root, tmp_dir, iteration, exc)) from exc
     try:
@@ -591,7 +591,7 @@ __all__ = [
     "CHECKPOINT_VERSION", "TRACKER_FILENAME", "MODEL_FILENAME", "checkpoint_name",
     "iteration_dir_name", "rank_dir_name", "tracker_path", "read_tracker", "describe_layout",
     "CheckpointWriteError", "check_output_dir", "check_save_dir", "later_checkpoints_warning",
-    "save_checkpoint",
+    "save_checkpoint", "move_into_place",
     "save_checkpoint_async", "resolve_checkpoint",
     "load_checkpoint", "load_rank_file", "load_extra_file", "list_checkpoints", "read_checkpoint_file",
     "missing_tracker_message", "malformed_tracker_message", "exit_on_missing_message",

@@ -293,6 +293,60 @@ def test_interrupted_conversion_leaves_no_partial_output(tmp_path, capsys, monke
     assert not (tmp_path / "mlm").exists()
 
 
+def _remove_first_file_then_interrupt(monkeypatch):
+    """shutil.rmtree of an `.old` directory stops (Ctrl-C) after removing one file."""
+    real = shutil.rmtree
+
+    def fake(path, *args, **kwargs):
+        if str(path).endswith(".old"):
+            os.remove(next(os.path.join(top, f) for top, _, files in os.walk(path)
+                           for f in files))
+            raise KeyboardInterrupt
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", fake)
+
+
+def test_an_overwrite_interrupted_mid_replace_leaves_a_readable_checkpoint(tmp_path, capsys,
+                                                                           monkeypatch):
+    """reshard --overwrite stopped between moving iter_N aside and the new one into place
+    leaves iter_N.old, the only copy, under the tracker's iteration: the tools (and
+    --use-checkpoint-args) said the iteration directory did not exist while a training
+    --load restored it; they read it now, saying so. A later --overwrite stopped while
+    removing that .old removed it first, before the new copy was in place: nothing was
+    left."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    cfg, rt, tr = _trainer(0, 1, "", save=str(src))
+    _steps(tr, data_iterator(cfg, rt, "train", 0), 1)
+    save_trainer_checkpoint(tr)
+    argv = ["reshard", "--load", str(src), "--save", str(dst),
+            "--target-tensor-model-parallel-size", "2"]
+    assert checkpoint_convert.main(argv) == 0
+    with monkeypatch.context() as m:
+        _interrupt_on(os, "rename", 2, m)  # the 1st moves iter_1 aside, the 2nd the new one
+        assert checkpoint_convert.main(argv + ["--overwrite"]) == checkpoint_convert.INTERRUPTED
+    assert sorted(os.listdir(dst)) == ["iter_0000001.old", "latest_checkpointed_iteration.txt"]
+    capsys.readouterr()
+    again = str(tmp_path / "again")
+    assert checkpoint_convert.main(["reshard", "--load", str(dst), "--save", again,
+                                    "--target-tensor-model-parallel-size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert (f"note: {dst / 'iter_0000001'} is missing but {dst / 'iter_0000001'}.old is there "
+            "(an interrupted save that was replacing it): reading that copy; `mv ") in out
+    assert reshard.read_layout(os.path.join(again, "iter_0000001")).tp == 1
+    from megatron.arguments_checkpoint import read_checkpoint_args
+
+    assert read_checkpoint_args(str(dst))["tensor_model_parallel_size"] == 2
+    assert sorted(os.listdir(dst)) == ["iter_0000001.old", "latest_checkpointed_iteration.txt"]
+    with monkeypatch.context() as m:
+        _remove_first_file_then_interrupt(m)
+        assert checkpoint_convert.main(argv + ["--overwrite", "--target-pipeline-model-parallel"
+                                               "-size", "2", "--target-tensor-model-parallel-"
+                                               "size", "1"]) == checkpoint_convert.INTERRUPTED
+    layout = reshard.read_layout(reshard.locate_iteration(str(dst))[0])
+    assert (layout.tp, layout.pp) == (1, 2), "the new copy is in place"
+
+
 def test_target_layout_check_names_the_sizes_that_fit():
     args = {"num_attention_heads": 8, "group_query_attention": True, "num_query_groups": 2,
             "ffn_hidden_size": 96, "num_layers": 6, "standalone_embedding_stage": True}

@@ -56,6 +56,7 @@ from megatron.checkpointing import (  # noqa: E402
     TRACKER_FILENAME,
     iteration_dir_name,
     list_checkpoints,
+    move_into_place,
     rank_dir_name,
     tracker_path,
 )
@@ -239,13 +240,9 @@ def publish_checkpoint(save: str, tmp_dir: str, final_dir: str, iteration: int,
     """Move the written directory into place (replacing an older one, which only
     `check_save(..., overwrite=True)` lets through: each replacement is printed), tracker
     last."""
-    old_dir = final_dir + ".old"
-    shutil.rmtree(old_dir, ignore_errors=True)
     if os.path.exists(final_dir):
         print(f"overwrite: replacing {final_dir}")
-        os.rename(final_dir, old_dir)
-    os.rename(tmp_dir, final_dir)
-    shutil.rmtree(old_dir, ignore_errors=True)
+    move_into_place(save, tmp_dir, final_dir)  # an only-copy .old stays until it is in place
     tracker, value = tracker_path(save), "release" if release else str(iteration)
     if os.path.isfile(tracker):
         with open(tracker) as f:
