@@ -232,6 +232,43 @@ def model_rank_dirs(iter_dir: str) -> List[Tuple[str, int, int]]:
     return out
 
 
+def _saved_size(args: Optional[dict], key: str) -> int:
+    value = args.get(key) if isinstance(args, dict) else None
+    return value if isinstance(value, int) and value >= 1 else 1
+
+
+def complete_layout(iter_dir: str, args: Optional[dict] = None) -> Tuple[int, int]:
+    """(tp, pp) of a saved iteration from its `mp_rank_*` directories (`model_rank_dirs`).
+    SystemExit when there are none, or when some are missing: a gap in the tp x pp grid
+    they span (a 3-digit pipeline suffix means pp >= 2), or fewer than the sizes stored in
+    its `args` (the rank-0 file's) when every directory lies within those. Such a
+    checkpoint was copied in part (or each node wrote its own ranks to a disk of its own):
+    read as a smaller layout, it was resharded and failed on shapes, blaming the model
+    flags."""
+    found = model_rank_dirs(iter_dir)
+    if not found:
+        raise SystemExit(f"error: {iter_dir} holds no mp_rank_* directories (not a checkpoint)")
+    tp, pp = 1 + max(t for _, t, _ in found), 1 + max(p for _, _, p in found)
+    if any(_RANK_DIR_RE.match(name).group(2) for name, _, _ in found):
+        pp = max(pp, 2)
+    saved = (_saved_size(args, "tensor_model_parallel_size"),
+             _saved_size(args, "pipeline_model_parallel_size"))
+    have = {(t, p) for _, t, p in found}
+    if all(t < saved[0] and p < saved[1] for t, p in have):  # else they name another layout
+        tp, pp = max(tp, saved[0]), max(pp, saved[1])
+    missing = [rank_dir_name(t, p, pp) for p in range(pp) for t in range(tp) if (t, p) not in have]
+    if missing:
+        said = (f"; its arguments say tensor-model-parallel size {saved[0]} and "
+                f"pipeline-model-parallel size {saved[1]}" if (tp, pp) == saved else "")
+        raise SystemExit(
+            f"error: checkpoint {iter_dir} is incomplete: {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} missing (found "
+            f"{', '.join(name for name, _, _ in found)}{said}). It was copied in part, or its "
+            "ranks saved to disks of their own; copy the missing directories into it, or load "
+            f"another checkpoint: {other_checkpoints_hint(os.path.dirname(iter_dir), os.path.basename(iter_dir))}")
+    return tp, pp
+
+
 def legacy_optimizer_message(path: str) -> str:
     """Why the optimizer state of the Megatron-LM 23.04 checkpoint whose model file is
     `path` cannot be loaded, and the flags that load the rest."""

@@ -45,7 +45,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from megatron.checkpoint_dirs import model_file, model_rank_dirs
+from megatron.checkpoint_dirs import complete_layout, model_file
 from megatron.checkpoint_files import complete_saved_args, flat_model_state
 from megatron.checkpointing import (
     iteration_dir_name,
@@ -87,13 +87,11 @@ class Layout:
         return text + (f", {self.optimizer} optimizer" if self.optimizer else ", no optimizer")
 
 
-def scan_layout(iter_dir: str) -> Tuple[int, int]:
-    """(tp, pp) from the `mp_rank_*` directories of a saved iteration (`model_rank_dirs`);
-    SystemExit if none."""
-    found = model_rank_dirs(iter_dir)
-    if not found:
-        raise SystemExit(f"error: {iter_dir} holds no mp_rank_* directories (not a checkpoint)")
-    return 1 + max(t for _, t, _ in found), 1 + max(p for _, _, p in found)
+def scan_layout(iter_dir: str, args: Optional[dict] = None) -> Tuple[int, int]:
+    """(tp, pp) from the `mp_rank_*` directories of a saved iteration; SystemExit if there
+    are none or some are missing (`checkpoint_dirs.complete_layout`: `args` the stored
+    arguments, whose sizes it must hold)."""
+    return complete_layout(iter_dir, args)
 
 
 def optimizer_kind(opt_state, has_distrib_file: bool = False) -> Optional[str]:
@@ -136,6 +134,7 @@ def inspect_checkpoint(iter_dir: str) -> Tuple[Layout, str, dict]:
     if not os.path.isfile(path):
         raise SystemExit(f"error: checkpoint shard {path} is missing")
     state = load_shard(path)
+    tp, pp = scan_layout(iter_dir, state.get("args"))  # the sizes it was saved with
     has_distrib = os.path.isfile(os.path.join(first, DISTRIB_FILENAME))
     layout = Layout(tp, pp, max(len(_model_keys(state)), 1),
                     optimizer_kind(state.get("optimizer"), has_distrib))
@@ -217,6 +216,7 @@ class SourceCheckpoint:
                     self.param_files[t, p] = load_shard(extra)
         first = self.files[0, 0]
         self.args = first.get("args") if isinstance(first.get("args"), dict) else {}
+        scan_layout(iter_dir, self.args)  # none missing of the sizes it was saved with
         self.chunks = {k: [flatten_state(s[m]) for m in _model_keys(s)]
                        for k, s in self.files.items()}
         kind = optimizer_kind(first.get("optimizer"), bool(self.param_files))

@@ -145,6 +145,42 @@ def test_same_layout_loads_without_resharding(tmp_path_factory):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=RTOL, atol=0)
 
 
+def test_a_checkpoint_missing_rank_directories_is_named_incomplete(tmp_path_factory,
+                                                                    tmp_path):
+    """A tp-2 checkpoint copied without mp_rank_01 read as a tp-1 one: the load resharded
+    it and stopped on the first shape, telling the user the model flags differ; the tools
+    did the same. Its stored arguments say tp 2: the missing directory is named."""
+    root = str(tmp_path_factory.getbasetemp() / "src-2---tensor-model-parallel-size2")
+    _saved("--tensor-model-parallel-size 2", 2, root)
+    part = tmp_path / "part"
+    shutil.copytree(root, part)
+    iter_dir = part / "iter_0000002"
+    shutil.rmtree(iter_dir / "mp_rank_01")
+    expected = (f"error: checkpoint {iter_dir} is incomplete: mp_rank_01 is missing (found "
+                "mp_rank_00; its arguments say tensor-model-parallel size 2 and "
+                "pipeline-model-parallel size 1). It was copied in part")
+    with pytest.raises(SystemExit) as err:
+        reshard.inspect_checkpoint(str(iter_dir))
+    assert str(err.value.code).startswith(expected)
+    with pytest.raises(SystemExit) as err:
+        _run(_load_and_continue, 1, "", str(part))
+    assert str(err.value.code).startswith(expected)
+    with pytest.raises(SystemExit) as err:
+        checkpoint_convert.main(["to-hf", "--load", str(part), "--output", str(tmp_path / "hf")])
+    assert str(err.value.code).startswith(expected)
+    # a gap in the grid the directories span: pipeline stage 1 of 2 (none stored arguments)
+    gap = tmp_path / "gap" / "iter_0000005"
+    for name in ("mp_rank_00_000", "mp_rank_01_000", "mp_rank_01_001"):
+        (gap / name).mkdir(parents=True)
+    with pytest.raises(SystemExit, match=r"incomplete: mp_rank_00_001 is missing \(found "
+                                         r"mp_rank_00_000, mp_rank_01_000, mp_rank_01_001\)\."):
+        reshard.scan_layout(str(gap))
+    shutil.rmtree(gap / "mp_rank_01_001")  # the suffix means pp >= 2
+    with pytest.raises(SystemExit, match="incomplete: mp_rank_00_001, mp_rank_01_001 are "
+                                         "missing"):
+        reshard.scan_layout(str(gap))
+
+
 # ----------------------------------------------------------------------- 2. offline tool
 def test_offline_reshard_loads_without_conversion(tmp_path_factory, tmp_path, capsys):
     root = str(tmp_path_factory.getbasetemp() / "src-2---tensor-model-parallel-size2")
