@@ -260,13 +260,37 @@ def complete_layout(iter_dir: str, args: Optional[dict] = None) -> Tuple[int, in
     if missing:
         said = (f"; its arguments say tensor-model-parallel size {saved[0]} and "
                 f"pipeline-model-parallel size {saved[1]}" if (tp, pp) == saved else "")
-        raise SystemExit(
-            f"error: checkpoint {iter_dir} is incomplete: {', '.join(missing)} "
-            f"{'is' if len(missing) == 1 else 'are'} missing (found "
-            f"{', '.join(name for name, _, _ in found)}{said}). It was copied in part, or its "
-            "ranks saved to disks of their own; copy the missing directories into it, or load "
-            f"another checkpoint: {other_checkpoints_hint(os.path.dirname(iter_dir), os.path.basename(iter_dir))}")
+        raise SystemExit(incomplete_checkpoint_message(
+            iter_dir, missing, f"found {', '.join(name for name, _, _ in found)}{said}"))
     return tp, pp
+
+
+def incomplete_checkpoint_message(iter_dir: str, missing: List[str], found: str) -> str:
+    """The error for a checkpoint whose rank directories or files `missing` (relative to
+    `iter_dir`) are not there, `found` saying what is; the fix: the other checkpoints."""
+    root, name = os.path.dirname(iter_dir), os.path.basename(iter_dir)
+    return (f"error: checkpoint {iter_dir} is incomplete: {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} missing ({found}). It was copied in part, "
+            "or its ranks saved to disks of their own; copy what is missing into it, or load "
+            f"another checkpoint: {other_checkpoints_hint(root, name)}")
+
+
+def missing_rank_files_message(iter_dir: str, paths: List[str], tp_size: int,
+                               pp_size: int) -> str:
+    """The error for rank files `paths` missing from `iter_dir` for a run of `tp_size` x
+    `pp_size`: incomplete when its directories are that layout's, else the layout the
+    directories show, to run with or reshard to."""
+    paths = sorted(set(paths))
+    if {(t, p) for _, t, p in model_rank_dirs(iter_dir)} == {
+            (t, p) for t in range(tp_size) for p in range(pp_size)}:
+        return incomplete_checkpoint_message(
+            iter_dir, [os.path.relpath(p, iter_dir) for p in paths],
+            f"its layout is this run's: tensor-model-parallel size {tp_size}, "
+            f"pipeline-model-parallel size {pp_size}")
+    return (f"checkpoint file(s) missing: {', '.join(paths)}. This run uses "
+            f"tensor-model-parallel size {tp_size} and pipeline-model-parallel size "
+            f"{pp_size}; {describe_layout(iter_dir)}. Run with the checkpoint's sizes or "
+            "reshard the checkpoint.")
 
 
 def legacy_optimizer_message(path: str) -> str:

@@ -45,7 +45,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from megatron.checkpoint_dirs import complete_layout, model_file
+from megatron.checkpoint_dirs import complete_layout, incomplete_checkpoint_message, model_file
 from megatron.checkpoint_files import complete_saved_args, flat_model_state
 from megatron.checkpointing import (
     iteration_dir_name,
@@ -208,8 +208,9 @@ class SourceCheckpoint:
                 rank_dir = os.path.join(iter_dir, rank_dir_name(t, p, pp))
                 path = model_file(rank_dir)
                 if not os.path.isfile(path):
-                    raise SystemExit(f"error: checkpoint shard {path} is missing (the "
-                                     f"directories say tp {tp} x pp {pp})")
+                    raise SystemExit(incomplete_checkpoint_message(
+                        iter_dir, [os.path.relpath(path, iter_dir)],
+                        f"the directories say tp {tp} x pp {pp}"))
                 self.files[t, p] = load_shard(path)
                 extra = os.path.join(rank_dir, DISTRIB_FILENAME)
                 if os.path.isfile(extra):

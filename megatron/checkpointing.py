@@ -57,6 +57,7 @@ from megatron.checkpoint_dirs import (
     list_checkpoints,
     malformed_tracker_message,
     missing_iteration_dir_message,
+    missing_rank_files_message,
     missing_tracker_message,
     model_file,
     previous_checkpoint_text,
@@ -470,12 +471,7 @@ def _check_rank_files(root: str, iteration: int, release: bool, ps: ParallelStat
         c = ps.grid.coords(r)
         paths.append(checkpoint_name(root, iteration, c["tp"], c["pp"], ps.pp_size, release))
     iter_dir = os.path.join(root, iteration_dir_name(iteration, release))
-    raise exit_on_every_rank(
-        f"checkpoint file(s) missing: {', '.join(sorted(set(paths)))}. This run uses "
-        f"tensor-model-parallel size {ps.tp_size} and pipeline-model-parallel size "
-        f"{ps.pp_size}; {describe_layout(iter_dir)}. Run with the checkpoint's sizes or "
-        f"reshard the checkpoint."
-    )
+    raise exit_on_every_rank(missing_rank_files_message(iter_dir, paths, ps.tp_size, ps.pp_size))
 
 
 def _agreed_iteration(root: str, group=None) -> Tuple[int, bool]:

@@ -581,6 +581,31 @@ def test_distributed_missing_shard_exits_on_every_rank(tmp_path):
     assert "tensor-model-parallel size 2" in messages[0]
 
 
+def _dist_file_gone(rank, world_size, root):
+    import torch.distributed as dist
+
+    ps = ParallelState.build(world_size, rank, tp_size=2)
+    save_checkpoint(root, 2, _full_state(2, ps.tp_rank, 0), ps)
+    save_checkpoint(root, 4, _full_state(4, ps.tp_rank, 0), ps)
+    if rank == 0:
+        os.remove(checkpoint_name(root, 4, 1, 0, 1))
+    dist.barrier()
+    return _load_message(root, ps)
+
+
+def test_a_rank_file_gone_from_the_runs_own_layout_is_named_incomplete(tmp_path):
+    """The message told a tp-2 run to 'run with the checkpoint's sizes or reshard' a tp-2
+    checkpoint that had lost mp_rank_01's file: it names the checkpoint incomplete and the
+    one to fall back to."""
+    messages = run_distributed(_dist_file_gone, 2, str(tmp_path))
+    assert messages[0] == messages[1]
+    assert messages[0].startswith(f"error: checkpoint {tmp_path / 'iter_0000004'} is "
+                                  "incomplete: mp_rank_01/model_optim_rng.pt is missing (its "
+                                  "layout is this run's: tensor-model-parallel size 2")
+    assert "Run with the checkpoint's sizes" not in messages[0]
+    assert f"printf 2 > {tracker_path(str(tmp_path))}" in messages[0]
+
+
 def _dist_truncated_shard(rank, world_size, root):
     import torch.distributed as dist
 

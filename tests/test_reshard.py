@@ -168,6 +168,12 @@ def test_a_checkpoint_missing_rank_directories_is_named_incomplete(tmp_path_fact
     with pytest.raises(SystemExit) as err:
         checkpoint_convert.main(["to-hf", "--load", str(part), "--output", str(tmp_path / "hf")])
     assert str(err.value.code).startswith(expected)
+    (iter_dir / "mp_rank_01").mkdir()  # the directory is there, its file is not
+    with pytest.raises(SystemExit) as err:
+        _run(_load_and_continue, 1, "", str(part))
+    assert str(err.value.code).startswith(
+        f"error: checkpoint {iter_dir} is incomplete: mp_rank_01/model_optim_rng.pt is missing "
+        "(the directories say tp 2 x pp 1). It was copied in part")
     # a gap in the grid the directories span: pipeline stage 1 of 2 (none stored arguments)
     gap = tmp_path / "gap" / "iter_0000005"
     for name in ("mp_rank_00_000", "mp_rank_01_000", "mp_rank_01_001"):
