@@ -134,24 +134,30 @@ def unfinished_saves_warning(root: str) -> Optional[str]:
             "loads them, delete them to free the space")
 
 
-def later_checkpoints_warning(root: str, start_iteration: int) -> Optional[str]:
+def later_checkpoints_warning(root: str, start_iteration: int,
+                              finetune: bool = False) -> Optional[str]:
     """The warning for a run that starts at `start_iteration` while --save `root` already
     tracks a later checkpoint (no --load, --finetune, or --load of another directory): its
     saves replace the iteration directories they reach and point the tracker back, so the
-    later checkpoints drop out of a resume. None when there is nothing to lose (no tracker,
-    a release or malformed one, or one at or before `start_iteration`). Local, no
-    collective: call it on one rank."""
+    later checkpoints drop out of a resume. The fix to resume names dropping --finetune
+    when the run has it (a requeued fine-tuning job restarts at iteration 0 otherwise, even
+    from --load `root`). None when there is nothing to lose (no tracker, a release or
+    malformed one, or one at or before `start_iteration`). Local, no collective: call it on
+    one rank."""
     try:
         saved, release = read_tracker(root)
     except ValueError:
         return None
     if saved is None or release or saved <= start_iteration:
         return None
+    resume = f"pass --load {root}"
+    if finetune:
+        resume += " without --finetune (which restarts at iteration 0 from any --load)"
     return (f"WARNING: --save {root} already holds checkpoints up to iteration {saved} (its "
             f"{TRACKER_FILENAME}), and this run starts at iteration {start_iteration}: its "
             f"first save will point the tracker back, and its saves replace the iteration "
-            f"directories they reach. To resume instead, pass --load {root}; to keep both, "
-            "pass another --save directory")
+            f"directories they reach. To resume instead, {resume}; to keep both, pass "
+            "another --save directory")
 
 
 def previous_checkpoint_text(root: str) -> str:

@@ -89,6 +89,21 @@ def test_save_dir_with_later_checkpoints_warns_at_startup(tmp_path, capsys):
     assert "already holds checkpoints" not in out
 
 
+def test_a_requeued_finetune_is_told_to_drop_finetune_to_resume(tmp_path, capsys):
+    """A fine-tuning job requeued with its command line (--load BASE --finetune, or --load
+    = --save --finetune) restarts at iteration 0; the warning said 'pass --load SAVE',
+    which with --finetune kept restarts at 0 again."""
+    base, ck = str(tmp_path / "base"), str(tmp_path / "ck")
+    flags = ["--train-iters", "10", "--eval-iters", "0", "--save-interval", "2"]
+    _pretrain(flags + ["--save", base, "--exit-interval", "2"], capsys)
+    tune = flags + ["--save", ck, "--finetune", "--exit-interval", "4"]
+    _pretrain(tune + ["--load", base], capsys)
+    for load in (base, ck):
+        out, _ = _pretrain(tune + ["--load", load], capsys)
+        assert (f"To resume instead, pass --load {ck} without --finetune (which restarts at "
+                "iteration 0 from any --load); to keep both") in out, load
+
+
 def test_unfinished_saves_in_the_save_dir_are_reported_at_startup(tmp_path, capsys):
     """A save killed mid-write (SIGKILL after a preemption's grace time) leaves
     iter_N.tmp; a restart that never saves iteration N again would keep it for good."""
