@@ -115,23 +115,59 @@ def check_output_dir(root: str, flag: str, ps, group=None,
     agree(error, group)
 
 
+def _leftovers(root: str, suffix: str) -> List[str]:
+    """The `iter_XXXXXXX<suffix>` / `release<suffix>` directories under `root`, sorted."""
+    return sorted(d for d in os.listdir(root) if d.endswith(suffix)
+                  and _ITER_DIR_RE.match(d[:-len(suffix)]) and os.path.isdir(os.path.join(root, d)))
+
+
+def _gib(root: str, names: List[str]) -> str:
+    size = sum(os.path.getsize(os.path.join(top, f))
+               for d in names for top, _, files in os.walk(os.path.join(root, d)) for f in files)
+    return f"{size / 2**30:.2f} GiB"
+
+
 def unfinished_saves_warning(root: str) -> Optional[str]:
-    """The warning for `iter_XXXXXXX.tmp` / `release.tmp` directories under --save `root`:
-    saves a killed process never finished (megatron/checkpointing.py writes there, then
-    renames). Nothing loads them, and a later save removes one only when it saves that
-    same iteration again, so one left by a save at an off-interval iteration (a preemption
-    signal, --exit-duration-in-mins) stays for good. None when there are none."""
+    """The warning for what interrupted saves left under --save `root`, one line each:
+    `iter_XXXXXXX.tmp` / `release.tmp` directories, saves a killed process never finished
+    (megatron/checkpointing.py writes there, then renames): nothing loads them, and a later
+    save removes one only when it saves that same iteration again, so one left by a save at
+    an off-interval iteration (a preemption signal, --exit-duration-in-mins) stays for good;
+    `iter_XXXXXXX.old`, the copy a re-save of that iteration moved aside: beside the new
+    `iter_XXXXXXX` a leftover, without it the only copy (a --load of `root` restores it
+    when the tracker names it). None when there are none."""
     if not os.path.isdir(root):
         return None
-    stale = sorted(d for d in os.listdir(root) if d.endswith(".tmp")
-                   and _ITER_DIR_RE.match(d[:-len(".tmp")]) and os.path.isdir(os.path.join(root, d)))
-    if not stale:
+    lines = []
+    stale = _leftovers(root, ".tmp")
+    if stale:
+        lines.append(f"WARNING: --save {root} holds {', '.join(stale)}: unfinished checkpoint "
+                     f"save(s) of a process killed while writing ({_gib(root, stale)}); "
+                     "nothing loads them, delete them to free the space")
+    for old in _leftovers(root, ".old"):
+        new = old[:-len(".old")]
+        if os.path.isdir(os.path.join(root, new)):
+            lines.append(f"WARNING: --save {root} holds {old} ({_gib(root, [old])}): the "
+                         f"earlier copy of {new} that a save replaced before it was stopped; "
+                         f"{new} is the complete new one, delete {old} to free the space")
+        else:
+            keep = (f"a --load of {root} restores it (its tracker names it)"
+                    if _tracked_dir(root) == new else
+                    f"`mv {shlex.quote(os.path.join(root, old))} "
+                    f"{shlex.quote(os.path.join(root, new))}` keeps it")
+            lines.append(f"WARNING: --save {root} holds {old}, the only copy of {new} (a "
+                         f"save replacing it was stopped): {keep}; a save of that iteration "
+                         "replaces it")
+    return "\n".join(lines) or None
+
+
+def _tracked_dir(root: str) -> Optional[str]:
+    """The iteration directory name the tracker of `root` names, or None."""
+    try:
+        iteration, release = read_tracker(root)
+    except ValueError:
         return None
-    size = sum(os.path.getsize(os.path.join(top, f))
-               for d in stale for top, _, files in os.walk(os.path.join(root, d)) for f in files)
-    return (f"WARNING: --save {root} holds {', '.join(stale)}: unfinished checkpoint "
-            f"save(s) of a process killed while writing ({size / 2**30:.2f} GiB); nothing "
-            "loads them, delete them to free the space")
+    return None if iteration is None else iteration_dir_name(iteration, release)
 
 
 def later_checkpoints_warning(root: str, start_iteration: int,
