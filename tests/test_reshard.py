@@ -335,6 +335,33 @@ def test_interrupted_conversion_leaves_no_partial_output(tmp_path, capsys, monke
     assert not (tmp_path / "mlm").exists()
 
 
+def test_a_full_disk_during_a_conversion_is_one_message(tmp_path, monkeypatch):
+    """reshard writing into a full disk ended in an OSError traceback (its partial output
+    removed): one error line now, naming the directory and the free space, status 1."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    cfg, rt, tr = _trainer(0, 1, "", save=str(src))
+    _steps(tr, data_iterator(cfg, rt, "train", 0), 1)
+    save_trainer_checkpoint(tr)
+    real, calls = checkpoint_convert.torch.save, []
+
+    def full(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_convert.torch, "save", full)
+    with pytest.raises(SystemExit) as err:
+        checkpoint_convert.main(["reshard", "--load", str(src), "--save", str(dst),
+                                 "--target-tensor-model-parallel-size", "2"])
+    assert str(err.value.code).startswith(
+        f"error: writing {dst / 'iter_0000001.tmp'} failed (OSError: [Errno 28] No space left "
+        f"on device); its partial output was removed; ")
+    assert f"free on the file system of {tmp_path}. Free space or pass another --save" in \
+        str(err.value.code)
+    assert not dst.exists()
+
+
 def _remove_first_file_then_interrupt(monkeypatch):
     """shutil.rmtree of an `.old` directory stops (Ctrl-C) after removing one file."""
     real = shutil.rmtree

@@ -49,7 +49,11 @@ import torch  # noqa: E402
 
 from megatron import checkpoint_reshard as reshard_lib  # noqa: E402
 from megatron import hf_convert  # noqa: E402
-from megatron.checkpoint_dirs import is_legacy_model_file, model_file  # noqa: E402
+from megatron.checkpoint_dirs import (  # noqa: E402
+    free_space_text,
+    is_legacy_model_file,
+    model_file,
+)
 from megatron.checkpoint_files import load_checkpoint_file, megatron_payload  # noqa: E402
 from megatron.checkpointing import (  # noqa: E402
     MODEL_FILENAME,
@@ -274,17 +278,24 @@ def partial_output(save: str, tmp_dir: str):
     """Yield `tmp_dir` (emptied) to write a checkpoint into; if the body fails or is
     interrupted (Ctrl-C, a full disk), remove it, and `save` too when this call created
     it and it is empty, so that no partial output stays behind (the next attempt starts
-    clean either way)."""
+    clean either way). A write error (OSError) is then a SystemExit naming it and the
+    free space."""
     created = not os.path.exists(save)
     shutil.rmtree(tmp_dir, ignore_errors=True)
     os.makedirs(tmp_dir)
     try:
         yield tmp_dir
-    except BaseException:
+    except BaseException as exc:
+        writing = os.path.isdir(tmp_dir)  # (not yet moved into place)
         shutil.rmtree(tmp_dir, ignore_errors=True)
         if created:
             with contextlib.suppress(OSError):
                 os.rmdir(save)
+        if isinstance(exc, OSError) and writing:  # a full disk, a quota: no traceback
+            where = save if os.path.isdir(save) else os.path.dirname(os.path.abspath(save))
+            raise SystemExit(f"error: writing {tmp_dir} failed ({type(exc).__name__}: {exc}); "
+                             f"its partial output was removed; {free_space_text(where)}. Free "
+                             "space or pass another --save") from exc
         raise
 
 
