@@ -43,7 +43,7 @@ def read_checkpoint_args(load: str) -> dict:
     tools' `--iteration N` is not a pretrain_gpt.py flag)."""
     if not os.path.isfile(tracker_path(load)):
         refuse_untracked_checkpoints(load)
-    iter_dir, _, _ = locate_iteration(load)
+    iter_dir, _, _ = locate_iteration(load, note=lambda _: None)  # the load restores it
     _, pp = scan_layout(iter_dir)
     path = model_file(os.path.join(iter_dir, rank_dir_name(0, 0, pp)))
     args = load_shard(path).get("args") if os.path.isfile(path) else None

@@ -1,8 +1,8 @@
 """Checkpoint directories under --load / --save: the tracker file (its path, reading it),
-the iteration directories there are, the rank directories and model files in one, and the
-messages that name them with the fix when a load cannot go ahead, a save fails (what stays
-in use, the free space) or a run would point the tracker back (megatron/checkpointing.py
-re-exports these).
+the iteration directories there are, the rank directories and model files in one, the
+start-up check that --save can be written, and the messages that name them with the fix
+when a load cannot go ahead, a save fails (what stays in use, the free space) or a run
+would point the tracker back (megatron/checkpointing.py re-exports these).
 
 Megatron-LM 23.04 with --use-distributed-optimizer wrote another layout: the model (and
 RNG states) in `mp_rank_XX[_YYY]/model_rng.pt`, and one optimizer file per data-parallel
@@ -17,7 +17,10 @@ import os
 import re
 import shlex
 import shutil
+import tempfile
 from typing import List, Optional, Tuple
+
+from megatron.agreed_exit import agree
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
@@ -86,43 +89,111 @@ def list_checkpoints(root: str) -> List[str]:
                   if _ITER_DIR_RE.match(d) and os.path.isdir(os.path.join(root, d)))
 
 
+def check_save_dir(root: str, ps, group=None) -> None:
+    """Startup check of --save: global rank 0 creates `root` and writes and removes a probe
+    file in it. Collective (`agree` over `group`, the run's CPU control group): when that
+    fails, every rank exits (rank 0 prints), naming the path and the error -- not after
+    training, at the first save."""
+    check_output_dir(root, "--save", ps, group)
+
+
+def check_output_dir(root: str, flag: str, ps, group=None,
+                     writer_rank: int = 0) -> None:
+    """`check_save_dir` for any output directory `flag` names, probed by the rank that
+    writes there (`writer_rank`; tensorboard's is the last). Collective."""
+    error = None
+    if ps.rank == writer_rank:
+        try:
+            os.makedirs(root, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".write_test.", dir=root)
+            os.close(fd)
+            os.remove(probe)
+        except OSError as exc:
+            error = (f"error: {flag} {root} cannot be used: could not create it "
+                     f"or write into it ({type(exc).__name__}: {exc}); pass a directory that "
+                     "can be created and written to")
+    agree(error, group)
+
+
+def _leftovers(root: str, suffix: str) -> List[str]:
+    """The `iter_XXXXXXX<suffix>` / `release<suffix>` directories under `root`, sorted."""
+    return sorted(d for d in os.listdir(root) if d.endswith(suffix)
+                  and _ITER_DIR_RE.match(d[:-len(suffix)]) and os.path.isdir(os.path.join(root, d)))
+
+
+def _gib(root: str, names: List[str]) -> str:
+    size = sum(os.path.getsize(os.path.join(top, f))
+               for d in names for top, _, files in os.walk(os.path.join(root, d)) for f in files)
+    return f"{size / 2**30:.2f} GiB"
+
+
 def unfinished_saves_warning(root: str) -> Optional[str]:
-    """The warning for `iter_XXXXXXX.tmp` / `release.tmp` directories under --save `root`:
-    saves a killed process never finished (megatron/checkpointing.py writes there, then
-    renames). Nothing loads them, and a later save removes one only when it saves that
-    same iteration again, so one left by a save at an off-interval iteration (a preemption
-    signal, --exit-duration-in-mins) stays for good. None when there are none."""
+    """The warning for what interrupted saves left under --save `root`, one line each:
+    `iter_XXXXXXX.tmp` / `release.tmp` directories, saves a killed process never finished
+    (megatron/checkpointing.py writes there, then renames): nothing loads them, and a later
+    save removes one only when it saves that same iteration again, so one left by a save at
+    an off-interval iteration (a preemption signal, --exit-duration-in-mins) stays for good;
+    `iter_XXXXXXX.old`, the copy a re-save of that iteration moved aside: beside the new
+    `iter_XXXXXXX` a leftover, without it the only copy (a --load of `root` restores it
+    when the tracker names it). None when there are none."""
     if not os.path.isdir(root):
         return None
-    stale = sorted(d for d in os.listdir(root) if d.endswith(".tmp")
-                   and _ITER_DIR_RE.match(d[:-len(".tmp")]) and os.path.isdir(os.path.join(root, d)))
-    if not stale:
+    lines = []
+    stale = _leftovers(root, ".tmp")
+    if stale:
+        lines.append(f"WARNING: --save {root} holds {', '.join(stale)}: unfinished checkpoint "
+                     f"save(s) of a process killed while writing ({_gib(root, stale)}); "
+                     "nothing loads them, delete them to free the space")
+    for old in _leftovers(root, ".old"):
+        new = old[:-len(".old")]
+        if os.path.isdir(os.path.join(root, new)):
+            lines.append(f"WARNING: --save {root} holds {old} ({_gib(root, [old])}): the "
+                         f"earlier copy of {new} that a save replaced before it was stopped; "
+                         f"{new} is the complete new one, delete {old} to free the space")
+        else:
+            keep = (f"a --load of {root} restores it (its tracker names it)"
+                    if _tracked_dir(root) == new else
+                    f"`mv {shlex.quote(os.path.join(root, old))} "
+                    f"{shlex.quote(os.path.join(root, new))}` keeps it")
+            lines.append(f"WARNING: --save {root} holds {old}, the only copy of {new} (a "
+                         f"save replacing it was stopped): {keep}; a save of that iteration "
+                         "replaces it")
+    return "\n".join(lines) or None
+
+
+def _tracked_dir(root: str) -> Optional[str]:
+    """The iteration directory name the tracker of `root` names, or None."""
+    try:
+        iteration, release = read_tracker(root)
+    except ValueError:
         return None
-    size = sum(os.path.getsize(os.path.join(top, f))
-               for d in stale for top, _, files in os.walk(os.path.join(root, d)) for f in files)
-    return (f"WARNING: --save {root} holds {', '.join(stale)}: unfinished checkpoint "
-            f"save(s) of a process killed while writing ({size / 2**30:.2f} GiB); nothing "
-            "loads them, delete them to free the space")
+    return None if iteration is None else iteration_dir_name(iteration, release)
 
 
-def later_checkpoints_warning(root: str, start_iteration: int) -> Optional[str]:
+def later_checkpoints_warning(root: str, start_iteration: int,
+                              finetune: bool = False) -> Optional[str]:
     """The warning for a run that starts at `start_iteration` while --save `root` already
     tracks a later checkpoint (no --load, --finetune, or --load of another directory): its
     saves replace the iteration directories they reach and point the tracker back, so the
-    later checkpoints drop out of a resume. None when there is nothing to lose (no tracker,
-    a release or malformed one, or one at or before `start_iteration`). Local, no
-    collective: call it on one rank."""
+    later checkpoints drop out of a resume. The fix to resume names dropping --finetune
+    when the run has it (a requeued fine-tuning job restarts at iteration 0 otherwise, even
+    from --load `root`). None when there is nothing to lose (no tracker, a release or
+    malformed one, or one at or before `start_iteration`). Local, no collective: call it on
+    one rank."""
     try:
         saved, release = read_tracker(root)
     except ValueError:
         return None
     if saved is None or release or saved <= start_iteration:
         return None
+    resume = f"pass --load {root}"
+    if finetune:
+        resume += " without --finetune (which restarts at iteration 0 from any --load)"
     return (f"WARNING: --save {root} already holds checkpoints up to iteration {saved} (its "
             f"{TRACKER_FILENAME}), and this run starts at iteration {start_iteration}: its "
             f"first save will point the tracker back, and its saves replace the iteration "
-            f"directories they reach. To resume instead, pass --load {root}; to keep both, "
-            "pass another --save directory")
+            f"directories they reach. To resume instead, {resume}; to keep both, pass "
+            "another --save directory")
 
 
 def previous_checkpoint_text(root: str) -> str:
@@ -135,6 +206,26 @@ def previous_checkpoint_text(root: str) -> str:
         return f"there is no earlier checkpoint in {root}"
     return (f"the previous checkpoint {os.path.join(root, iteration_dir_name(iteration, release))}"
             f" is intact (the tracker still names it)")
+
+
+def unpublished_message(root: str, tmp_dir: str, iteration: int, exc: OSError) -> str:
+    """A save whose files are all in `tmp_dir` but could not be renamed into place."""
+    final_dir = tmp_dir[:-len(".tmp")]
+    return (f"the checkpoint at iteration {iteration} was written to {tmp_dir} but could not "
+            f"be moved into place as {final_dir} ({type(exc).__name__}: {exc}); "
+            f"{previous_checkpoint_text(root)}")
+
+
+def untracked_save_message(root: str, iteration: int, release: bool, exc: OSError) -> str:
+    """A save in place whose tracker could not be written (`exc`): the tracker names the
+    previous checkpoint, which a resume loads; how to name this one instead."""
+    final_dir = os.path.join(root, iteration_dir_name(iteration, release))
+    value = "release" if release else str(iteration)
+    return (f"the checkpoint at iteration {iteration} was written to {final_dir}, but "
+            f"{tracker_path(root)} could not be updated to name it ({type(exc).__name__}: "
+            f"{exc}); {free_space_text(root)}; {previous_checkpoint_text(root)}, and a resume "
+            f"loads that one. To resume from iteration {iteration} instead, free space and "
+            f"run `printf {value} > {tracker_path(root)}`")
 
 
 def free_space_text(path: str) -> str:
@@ -181,6 +272,67 @@ def model_rank_dirs(iter_dir: str) -> List[Tuple[str, int, int]]:
         if m and not _is_legacy_optimizer_dir(os.path.join(iter_dir, name)):
             out.append((name, int(m.group(1)), int(m.group(2) or 0)))
     return out
+
+
+def _saved_size(args: Optional[dict], key: str) -> int:
+    value = args.get(key) if isinstance(args, dict) else None
+    return value if isinstance(value, int) and value >= 1 else 1
+
+
+def complete_layout(iter_dir: str, args: Optional[dict] = None) -> Tuple[int, int]:
+    """(tp, pp) of a saved iteration from its `mp_rank_*` directories (`model_rank_dirs`).
+    SystemExit when there are none, or when some are missing: a gap in the tp x pp grid
+    they span (a 3-digit pipeline suffix means pp >= 2), or fewer than the sizes stored in
+    its `args` (the rank-0 file's) when every directory lies within those. Such a
+    checkpoint was copied in part (or each node wrote its own ranks to a disk of its own):
+    read as a smaller layout, it was resharded and failed on shapes, blaming the model
+    flags."""
+    found = model_rank_dirs(iter_dir)
+    if not found:
+        raise SystemExit(f"error: {iter_dir} holds no mp_rank_* directories (not a checkpoint)")
+    tp, pp = 1 + max(t for _, t, _ in found), 1 + max(p for _, _, p in found)
+    if any(_RANK_DIR_RE.match(name).group(2) for name, _, _ in found):
+        pp = max(pp, 2)
+    saved = (_saved_size(args, "tensor_model_parallel_size"),
+             _saved_size(args, "pipeline_model_parallel_size"))
+    have = {(t, p) for _, t, p in found}
+    if all(t < saved[0] and p < saved[1] for t, p in have):  # else they name another layout
+        tp, pp = max(tp, saved[0]), max(pp, saved[1])
+    missing = [rank_dir_name(t, p, pp) for p in range(pp) for t in range(tp) if (t, p) not in have]
+    if missing:
+        said = (f"; its arguments say tensor-model-parallel size {saved[0]} and "
+                f"pipeline-model-parallel size {saved[1]}" if (tp, pp) == saved else "")
+        raise SystemExit(incomplete_checkpoint_message(
+            iter_dir, missing, f"found {', '.join(name for name, _, _ in found)}{said}"))
+    return tp, pp
+
+
+def incomplete_checkpoint_message(iter_dir: str, missing: List[str], found: str) -> str:
+    """The error for a checkpoint whose rank directories or files `missing` (relative to
+    `iter_dir`) are not there, `found` saying what is; the fix: the other checkpoints."""
+    root, name = os.path.dirname(iter_dir), os.path.basename(iter_dir)
+    return (f"error: checkpoint {iter_dir} is incomplete: {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} missing ({found}). It was copied in part, "
+            "or its ranks saved to disks of their own; copy what is missing into it, or load "
+            f"another checkpoint: {other_checkpoints_hint(root, name)}")
+
+
+def missing_rank_files_message(iter_dir: str, paths: List[str], tp_size: int,
+                               pp_size: int) -> str:
+    """The error for rank files `paths` missing from `iter_dir` for a run of `tp_size` x
+    `pp_size`: incomplete when its directories are that layout's, else the layout the
+    directories show, to run with or reshard to."""
+    paths = sorted(set(paths))
+    if {(t, p) for _, t, p in model_rank_dirs(iter_dir)} == {
+            (t, p) for t in range(tp_size) for p in range(pp_size)}:
+        return incomplete_checkpoint_message(
+            iter_dir, [os.path.relpath(p, iter_dir) for p in paths],
+            f"its layout is this run's: tensor-model-parallel size {tp_size}, "
+            f"pipeline-model-parallel size {pp_size}")
+    return (f"checkpoint file(s) missing: {', '.join(paths)}. This run uses "
+            f"tensor-model-parallel size {tp_size} and pipeline-model-parallel size "
+            f"{pp_size}; {describe_layout(iter_dir)}. Run with the checkpoint's sizes or "
+            "reshard the checkpoint.")
 
 
 def legacy_optimizer_message(path: str) -> str:

@@ -25,6 +25,7 @@ from megatron.checkpoint_args import (
     seq_length_warning,
 )
 from megatron.checkpoint_dirs import (
+    incomplete_checkpoint_message,
     is_legacy_model_file,
     legacy_optimizer_message,
     model_file,
@@ -38,7 +39,6 @@ from megatron.checkpoint_reshard import (
     needs_resharding,
 )
 from megatron.checkpointing import (
-    describe_layout,
     exit_on_missing_message,
     iteration_dir_name,
     malformed_tracker_message,
@@ -155,9 +155,10 @@ def _shard_problems(iter_dir: str, saved: Layout, first_path: str,
                         load_shard(f)
                     except SystemExit as exc:
                         problems.append(str(exc.code))
-    if missing:
-        problems.insert(0, f"checkpoint file(s) missing: {', '.join(missing)}; "
-                           f"{describe_layout(iter_dir)}")
+    if missing:  # as the run says it (the directories themselves are complete: complete_layout)
+        problems.insert(0, incomplete_checkpoint_message(
+            iter_dir, [os.path.relpath(f, iter_dir) for f in missing],
+            f"the directories say tp {saved.tp} x pp {saved.pp}"))
     return problems
 
 

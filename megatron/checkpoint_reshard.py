@@ -39,12 +39,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from megatron.checkpoint_dirs import model_file, model_rank_dirs
+from megatron.checkpoint_dirs import complete_layout, incomplete_checkpoint_message, model_file
 from megatron.checkpoint_files import complete_saved_args, flat_model_state
 from megatron.checkpointing import (
     iteration_dir_name,
@@ -86,13 +87,11 @@ class Layout:
         return text + (f", {self.optimizer} optimizer" if self.optimizer else ", no optimizer")
 
 
-def scan_layout(iter_dir: str) -> Tuple[int, int]:
-    """(tp, pp) from the `mp_rank_*` directories of a saved iteration (`model_rank_dirs`);
-    SystemExit if none."""
-    found = model_rank_dirs(iter_dir)
-    if not found:
-        raise SystemExit(f"error: {iter_dir} holds no mp_rank_* directories (not a checkpoint)")
-    return 1 + max(t for _, t, _ in found), 1 + max(p for _, _, p in found)
+def scan_layout(iter_dir: str, args: Optional[dict] = None) -> Tuple[int, int]:
+    """(tp, pp) from the `mp_rank_*` directories of a saved iteration; SystemExit if there
+    are none or some are missing (`checkpoint_dirs.complete_layout`: `args` the stored
+    arguments, whose sizes it must hold)."""
+    return complete_layout(iter_dir, args)
 
 
 def optimizer_kind(opt_state, has_distrib_file: bool = False) -> Optional[str]:
@@ -135,6 +134,7 @@ def inspect_checkpoint(iter_dir: str) -> Tuple[Layout, str, dict]:
     if not os.path.isfile(path):
         raise SystemExit(f"error: checkpoint shard {path} is missing")
     state = load_shard(path)
+    tp, pp = scan_layout(iter_dir, state.get("args"))  # the sizes it was saved with
     has_distrib = os.path.isfile(os.path.join(first, DISTRIB_FILENAME))
     layout = Layout(tp, pp, max(len(_model_keys(state)), 1),
                     optimizer_kind(state.get("optimizer"), has_distrib))
@@ -208,14 +208,16 @@ class SourceCheckpoint:
                 rank_dir = os.path.join(iter_dir, rank_dir_name(t, p, pp))
                 path = model_file(rank_dir)
                 if not os.path.isfile(path):
-                    raise SystemExit(f"error: checkpoint shard {path} is missing (the "
-                                     f"directories say tp {tp} x pp {pp})")
+                    raise SystemExit(incomplete_checkpoint_message(
+                        iter_dir, [os.path.relpath(path, iter_dir)],
+                        f"the directories say tp {tp} x pp {pp}"))
                 self.files[t, p] = load_shard(path)
                 extra = os.path.join(rank_dir, DISTRIB_FILENAME)
                 if os.path.isfile(extra):
                     self.param_files[t, p] = load_shard(extra)
         first = self.files[0, 0]
         self.args = first.get("args") if isinstance(first.get("args"), dict) else {}
+        scan_layout(iter_dir, self.args)  # none missing of the sizes it was saved with
         self.chunks = {k: [flatten_state(s[m]) for m in _model_keys(s)]
                        for k, s in self.files.items()}
         kind = optimizer_kind(first.get("optimizer"), bool(self.param_files))
@@ -537,9 +539,13 @@ def _flat_buffers(plan: RankPlan, per_param: Dict[ParamKey, Dict[str, torch.Tens
 
 
 # ----------------------------------------------------------------------- finding and args
-def locate_iteration(load: str, iteration: Optional[int] = None) -> Tuple[str, int, bool]:
+def locate_iteration(load: str, iteration: Optional[int] = None,
+                     note: Callable[[str], None] = print) -> Tuple[str, int, bool]:
     """(iteration directory, iteration, release) under `load`: the tracker's iteration
-    unless `iteration` is given. SystemExit naming the path when there is none."""
+    unless `iteration` is given. SystemExit naming the path when there is none. When only
+    its `.old` copy is there (a re-save or `reshard --overwrite` interrupted between moving
+    the old directory aside and the new one into place), that complete copy is the
+    directory, read where it is (`note` says so; a training run's --load renames it back)."""
     release, given = False, iteration is not None
     if iteration is None:
         try:
@@ -549,6 +555,11 @@ def locate_iteration(load: str, iteration: Optional[int] = None) -> Tuple[str, i
         if iteration is None:
             raise SystemExit(f"error: {missing_tracker_message(load)}")
     iter_dir = os.path.join(load, iteration_dir_name(iteration, release))
+    if not os.path.isdir(iter_dir) and os.path.isdir(iter_dir + ".old"):
+        note(f"note: {iter_dir} is missing but {iter_dir}.old is there (an interrupted save "
+             f"that was replacing it): reading that copy; `mv {shlex.quote(iter_dir)}.old "
+             f"{shlex.quote(iter_dir)}` puts it back (a training run with --load does it)")
+        return iter_dir + ".old", iteration, release
     if not os.path.isdir(iter_dir):
         source = "--iteration" if given else tracker_path(load)
         raise SystemExit(f"error: checkpoint directory {iter_dir} (from {source}) does not "

@@ -23,10 +23,10 @@ checkpoint of another parallel layout on load, are in megatron/trainer_checkpoin
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
-import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -46,6 +46,8 @@ from megatron.async_save import (
 from megatron.checkpoint_dirs import (
     MODEL_FILENAME,
     TRACKER_FILENAME,
+    check_output_dir,
+    check_save_dir,
     checkpoint_name,
     describe_layout,
     exit_on_missing_message,
@@ -55,6 +57,7 @@ from megatron.checkpoint_dirs import (
     list_checkpoints,
     malformed_tracker_message,
     missing_iteration_dir_message,
+    missing_rank_files_message,
     missing_tracker_message,
     model_file,
     previous_checkpoint_text,
@@ -62,7 +65,9 @@ from megatron.checkpoint_dirs import (
     read_tracker,
     refuse_untracked_checkpoints,
     tracker_path,
+    unpublished_message,
     unreadable_file_message,
+    untracked_save_message,
 )
 from megatron.checkpoint_files import load_checkpoint_file
 from megatron.checkpoint_plain import args_to_plain, get_rng_state, set_rng_state
@@ -134,6 +139,11 @@ def _failing_ranks(ps: ParallelState, failed: bool) -> List[int]:
 
 # ---------------------------------------------------------------------------------------
 # Save
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written or published (disk full, quota, I/O error): the
+    tracker still names the previous checkpoint; the message says what is on disk."""
+
+
 def _torch_save_synced(obj, path: str) -> None:
     with open(path, "wb") as f:
         torch.save(obj, f)
@@ -141,44 +151,36 @@ def _torch_save_synced(obj, path: str) -> None:
         os.fsync(f.fileno())
 
 
-def _publish(root: str, tmp_dir: str, final_dir: str, iteration: int, release: bool) -> None:
-    """Rank 0: move `tmp_dir` into place (replacing an older copy), then write the tracker."""
+def move_into_place(root: str, tmp_dir: str, final_dir: str) -> None:
+    """Rename `tmp_dir` to `final_dir`, replacing an older copy through `final_dir.old`.
+    An `.old` without `final_dir` beside it is the only copy of an interrupted replace
+    (`_recover_interrupted_replace` restores it): it goes only once `tmp_dir` is in place,
+    so that no crash leaves neither."""
     old_dir = final_dir + ".old"
-    if os.path.exists(old_dir):
-        shutil.rmtree(old_dir)
     if os.path.exists(final_dir):
+        if os.path.exists(old_dir):
+            shutil.rmtree(old_dir)
         os.rename(final_dir, old_dir)
     os.rename(tmp_dir, final_dir)
     _fsync_dir(root)
     if os.path.exists(old_dir):
         shutil.rmtree(old_dir)
-    _write_tracker(root, iteration, release)
 
 
-def check_save_dir(root: str, ps: ParallelState, group=None) -> None:
-    """Startup check of --save: global rank 0 creates `root` and writes and removes a probe
-    file in it. Collective (`agree` over `group`, the run's CPU control group): when that
-    fails, every rank exits (rank 0 prints), naming the path and the error -- not after
-    training, at the first save."""
-    check_output_dir(root, "--save", ps, group)
-
-
-def check_output_dir(root: str, flag: str, ps: ParallelState, group=None,
-                     writer_rank: int = 0) -> None:
-    """`check_save_dir` for any output directory `flag` names, probed by the rank that
-    writes there (`writer_rank`; tensorboard's is the last). Collective."""
-    error = None
-    if ps.rank == writer_rank:
-        try:
-            os.makedirs(root, exist_ok=True)
-            fd, probe = tempfile.mkstemp(prefix=".write_test.", dir=root)
-            os.close(fd)
-            os.remove(probe)
-        except OSError as exc:
-            error = (f"error: {flag} {root} cannot be used: could not create it "
-                     f"or write into it ({type(exc).__name__}: {exc}); pass a directory that "
-                     "can be created and written to")
-    agree(error, group)
+def _publish(root: str, tmp_dir: str, final_dir: str, iteration: int, release: bool) -> None:
+    """Rank 0: move `tmp_dir` into place (replacing an older copy), then write the tracker.
+    CheckpointWriteError (the OSError chained) saying what is on disk when either fails."""
+    try:
+        move_into_place(root, tmp_dir, final_dir)
+    except OSError as exc:
+        raise CheckpointWriteError(unpublished_message(root, tmp_dir, iteration, exc)) from exc
+    try:
+        _write_tracker(root, iteration, release)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.remove(tracker_path(root) + ".tmp")
+        raise CheckpointWriteError(untracked_save_message(root, iteration, release, exc)) \
+            from exc
 
 
 def _check_save_iteration(iteration: int, release: bool) -> None:
@@ -208,11 +210,6 @@ def _rank_files(ps: ParallelState, state: Optional[Dict],
     if state is None:
         raise ValueError(f"data-parallel rank 0 (global rank {ps.rank}) must pass its state")
     return {MODEL_FILENAME: state, **(extra_files or {})}
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint file could not be written (disk full, quota, I/O error). Nothing was
-    published: the tracker still names the previous checkpoint."""
 
 
 def _write_rank_files(root: str, iteration: int, tmp_dir: str, ps: ParallelState,
@@ -255,13 +252,33 @@ def _after_write(root: str, iteration: int, tmp_dir: str, ps: ParallelState,
     if _world_size(group) == 1:
         if error is not None:
             shutil.rmtree(tmp_dir, ignore_errors=True)
-            raise error
+            raise SystemExit(f"error: {error}") from error  # a message, as with several ranks
         return
     try:
         agree(None if error is None else f"error: {error}", group)
     except AgreedExit as exc:
         if ps.rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise exc from error
+
+
+def _try_publish(root: str, tmp_dir: str, final_dir: str, iteration: int,
+                 release: bool) -> Optional[CheckpointWriteError]:
+    """Rank 0: `_publish`; its failure is returned, for `_agree_published`."""
+    try:
+        _publish(root, tmp_dir, final_dir, iteration, release)
+    except CheckpointWriteError as exc:
+        return exc
+    return None
+
+
+def _agree_published(error: Optional[CheckpointWriteError], group=None) -> None:
+    """The barrier after rank 0 published, as an agreement on its failure (`agree` over
+    `group`): every rank exits with rank 0's message (rank 0 alone raised, the others
+    waited in the barrier)."""
+    try:
+        agree(None if error is None else f"error: {error}", group)
+    except SystemExit as exc:
         raise exc from error
 
 
@@ -335,6 +352,7 @@ def save_checkpoint(root: str, iteration: int, state: Optional[Dict], ps: Parall
     final_dir = os.path.join(root, iteration_dir_name(iteration, release))
     tmp_dir = final_dir + ".tmp"
     writing, pending = ps.dp_rank == 0, _writer_dirs(ps)  # who may write into tmp_dir
+    publish_error = None
     _prepare_tmp_dir(root, tmp_dir, ps, barrier=False)
     try:
         _barrier()  # tmp_dir exists before anyone writes into it
@@ -345,11 +363,11 @@ def save_checkpoint(root: str, iteration: int, state: Optional[Dict], ps: Parall
         pending = []  # agreed: no writer is left
         if ps.rank == 0:
             remove_markers(tmp_dir, _writer_dirs(ps))
-            _publish(root, tmp_dir, final_dir, iteration, release)
+            publish_error = _try_publish(root, tmp_dir, final_dir, iteration, release)
     except BaseException:
         _stop_save(tmp_dir, ps, writing, pending, on_stop, stop_wait_s)
         raise
-    _barrier()  # the tracker names a complete checkpoint
+    _agree_published(publish_error, group)  # the tracker names a complete checkpoint
     seconds = time.perf_counter() - start
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
     print_rank_0(f"  checkpoint save time (blocking {seconds:.2f} s)")
@@ -453,12 +471,7 @@ def _check_rank_files(root: str, iteration: int, release: bool, ps: ParallelStat
         c = ps.grid.coords(r)
         paths.append(checkpoint_name(root, iteration, c["tp"], c["pp"], ps.pp_size, release))
     iter_dir = os.path.join(root, iteration_dir_name(iteration, release))
-    raise exit_on_every_rank(
-        f"checkpoint file(s) missing: {', '.join(sorted(set(paths)))}. This run uses "
-        f"tensor-model-parallel size {ps.tp_size} and pipeline-model-parallel size "
-        f"{ps.pp_size}; {describe_layout(iter_dir)}. Run with the checkpoint's sizes or "
-        f"reshard the checkpoint."
-    )
+    raise exit_on_every_rank(missing_rank_files_message(iter_dir, paths, ps.tp_size, ps.pp_size))
 
 
 def _agreed_iteration(root: str, group=None) -> Tuple[int, bool]:
@@ -574,7 +587,7 @@ __all__ = [
     "CHECKPOINT_VERSION", "TRACKER_FILENAME", "MODEL_FILENAME", "checkpoint_name",
     "iteration_dir_name", "rank_dir_name", "tracker_path", "read_tracker", "describe_layout",
     "CheckpointWriteError", "check_output_dir", "check_save_dir", "later_checkpoints_warning",
-    "save_checkpoint",
+    "save_checkpoint", "move_into_place",
     "save_checkpoint_async", "resolve_checkpoint",
     "load_checkpoint", "load_rank_file", "load_extra_file", "list_checkpoints", "read_checkpoint_file",
     "missing_tracker_message", "malformed_tracker_message", "exit_on_missing_message",

@@ -394,7 +394,9 @@ def save_release_checkpoint(save: str, state: Dict[str, torch.Tensor], cfg,
     try:
         path = checkpoint_name(root, 0, 0, 0, 1, release=True)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save({"args": args_to_plain(cfg.args), "checkpoint_version": CHECKPOINT_VERSION,
+        args = args_to_plain(cfg.args)  # sizes of this directory (reshard writes tp, pp)
+        args.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION,
                     "iteration": 0, "model": state}, path)
         with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write("release")

@@ -506,7 +506,8 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float]) -> 
         log.timers.log(["load-checkpoint"])
     if config.checkpoint.save and rt.ps.rank == 0:
         save = config.checkpoint.save
-        for warning in (checkpointing.later_checkpoints_warning(save, tr.state.iteration),
+        for warning in (checkpointing.later_checkpoints_warning(save, tr.state.iteration,
+                                                                config.checkpoint.finetune),
                         unfinished_saves_warning(save)):
             if warning:
                 print(warning, flush=True)

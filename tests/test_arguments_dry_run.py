@@ -383,7 +383,8 @@ def _damaged_copy(capsys, saved, name: str, tmp_path, rank_dir: str, file: str,
     assert status == 1 and f"error: cannot read checkpoint file {path}" in out
     path.unlink()
     status, out = dry(capsys, f"--load {root} {flags}")
-    assert status == 1 and f"checkpoint file(s) missing: {path}" in out
+    assert status == 1 and (f"error: checkpoint {root / 'iter_0000010'} is incomplete: "
+                            f"{rank_dir}/{file} is missing (the directories say tp ") in out
     return root
 
 

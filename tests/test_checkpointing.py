@@ -253,6 +253,35 @@ def test_crash_while_replacing_same_iteration_recovers_old_copy(tmp_path):
     _assert_tree_equal(loaded["model"], _model_state(0, 0, seed=1))
 
 
+def test_a_resave_over_an_interrupted_replace_never_leaves_no_complete_copy(tmp_path,
+                                                                             monkeypatch):
+    """iter_N.old without iter_N is the only copy of N. A save of N stopped while removing
+    it (Ctrl-C, here after its first file) removed it before moving the new copy into place,
+    and the stopped save's directory too: neither copy was left, and the load restored the
+    half-deleted .old."""
+    import shutil
+
+    root = str(tmp_path)
+    save_checkpoint(root, 10, _full_state(10, 0, 0, seed=1), _ps1())
+    os.rename(tmp_path / "iter_0000010", tmp_path / "iter_0000010.old")
+    original = shutil.rmtree
+
+    def interrupted(path, *args, **kwargs):
+        if str(path).endswith(".old"):
+            first = next(os.path.join(top, f) for top, _, files in os.walk(path) for f in files)
+            os.remove(first)
+            raise KeyboardInterrupt
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(root, 10, _full_state(10, 0, 0, seed=2), _ps1())
+    monkeypatch.undo()
+    iteration, loaded = load_checkpoint(root, _ps1())
+    assert iteration == 10
+    _assert_tree_equal(loaded["model"], _model_state(0, 0, seed=2))
+
+
 def test_release_checkpoint_loads_as_iteration_zero(tmp_path):
     save_checkpoint(str(tmp_path), 0, _full_state(0, 0, 0), _ps1(), release=True)
     assert Path(tracker_path(str(tmp_path))).read_text() == "release"
@@ -304,16 +333,17 @@ def test_full_disk_names_iteration_path_free_space_and_intact_checkpoint(tmp_pat
     root = str(tmp_path)
     save_checkpoint(root, 5, _full_state(5, 0, 0), _ps1())
     _disk_full(monkeypatch)
-    with pytest.raises(CheckpointWriteError) as err:
+    with pytest.raises(SystemExit) as err:  # one message, no traceback, as with several ranks
         save_checkpoint(root, 10, _full_state(10, 0, 0), _ps1())
-    msg = str(err.value)
+    msg = str(err.value.code)
     path = os.path.join(root, "iter_0000010.tmp", "mp_rank_00", "model_optim_rng.pt")
-    assert msg.startswith(f"the checkpoint at iteration 10 could not be written to {path} "
-                          "(RuntimeError: [enforce fail")
+    assert msg.startswith(f"error: the checkpoint at iteration 10 could not be written to "
+                          f"{path} (RuntimeError: [enforce fail")
     assert re.search(rf"; (\d+ bytes|\d+\.\d (KiB|MiB|GiB|TiB)) free on the file system of "
                      rf"{root}; ", msg)
     assert f"the previous checkpoint {os.path.join(root, 'iter_0000005')} is intact" in msg
-    assert isinstance(err.value.__cause__, RuntimeError), "the original error is chained"
+    assert isinstance(err.value.__cause__, CheckpointWriteError), "the error is chained"
+    assert isinstance(err.value.__cause__.__cause__, RuntimeError), "... and the original one"
     assert sorted(os.listdir(root)) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
     monkeypatch.undo()
     assert load_checkpoint(root, _ps1())[0] == 5
@@ -333,16 +363,72 @@ def test_out_of_memory_while_writing_is_not_called_a_full_disk(tmp_path, monkeyp
         raise MemoryError()
 
     monkeypatch.setattr(torch, "save", no_python_memory)
-    with pytest.raises(CheckpointWriteError, match="out of host memory while serialising"):
+    with pytest.raises(SystemExit, match="out of host memory while serialising"):
         save_checkpoint(root, 10, _full_state(10, 0, 0), _ps1())
     monkeypatch.setattr(torch, "save", no_memory)
-    with pytest.raises(CheckpointWriteError) as err:
+    with pytest.raises(SystemExit) as err:
         save_checkpoint(root, 10, _full_state(10, 0, 0), _ps1())
-    msg = str(err.value)
+    msg = str(err.value.code)
     assert "out of host memory while serialising it" in msg and "free on the" not in msg
     assert f"the previous checkpoint {os.path.join(root, 'iter_0000005')} is intact" in msg
     assert "--dry-run" in msg and "Free space" not in msg
     assert sorted(os.listdir(root)) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
+
+
+def _tracker_disk_full(monkeypatch, iteration):
+    """Writing the tracker of `iteration` fails as on a full disk, leaving its .tmp."""
+    from megatron import checkpointing
+
+    original = checkpointing._write_tracker
+
+    def full(root, it, release):
+        if it != iteration:
+            return original(root, it, release)
+        Path(tracker_path(root) + ".tmp").write_text("")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpointing, "_write_tracker", full)
+
+
+def _assert_tracker_failure_message(msg, root):
+    tracker = tracker_path(root)
+    assert msg.startswith(f"error: the checkpoint at iteration 4 was written to "
+                          f"{os.path.join(root, 'iter_0000004')}, but {tracker} could not be "
+                          "updated to name it (OSError: [Errno 28] No space left on device); ")
+    assert f"the previous checkpoint {os.path.join(root, 'iter_0000002')} is intact" in msg
+    assert f"free space and run `printf 4 > {tracker}`" in msg
+
+
+def test_a_tracker_that_cannot_be_written_exits_naming_both_checkpoints(tmp_path, monkeypatch):
+    """The last write of a save (the tracker) failing on a full disk was an OSError
+    traceback; the checkpoint directory is complete, the tracker names the previous one."""
+    root = str(tmp_path)
+    save_checkpoint(root, 2, _full_state(2, 0, 0), _ps1())
+    _tracker_disk_full(monkeypatch, 4)
+    with pytest.raises(SystemExit) as err:
+        save_checkpoint(root, 4, _full_state(4, 0, 0), _ps1())
+    _assert_tracker_failure_message(str(err.value.code), root)
+    assert isinstance(err.value.__cause__, CheckpointWriteError)
+    assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000004",
+                                        "latest_checkpointed_iteration.txt"], "no tracker .tmp"
+    monkeypatch.undo()
+    assert load_checkpoint(root, _ps1())[0] == 2
+    Path(tracker_path(root)).write_text("4")  # the fix the message gives
+    assert load_checkpoint(root, _ps1())[0] == 4
+
+
+def test_a_tracker_that_cannot_be_written_in_a_background_save(tmp_path, monkeypatch):
+    from megatron.async_save import AsyncSaver
+
+    root, saver = str(tmp_path), AsyncSaver()
+    save_checkpoint(root, 2, _full_state(2, 0, 0), _ps1())
+    _tracker_disk_full(monkeypatch, 4)
+    save_checkpoint_async(root, 4, _full_state(4, 0, 0), _ps1(), saver)
+    with pytest.raises(RuntimeError) as err:
+        saver.wait()
+    prefix = f"the background save of the checkpoint at iteration 4 to {root} failed: "
+    assert str(err.value).startswith(prefix)
+    _assert_tracker_failure_message("error: " + str(err.value)[len(prefix):], root)
 
 
 def test_full_disk_in_a_background_save(tmp_path, monkeypatch):
@@ -495,6 +581,31 @@ def test_distributed_missing_shard_exits_on_every_rank(tmp_path):
     assert "tensor-model-parallel size 2" in messages[0]
 
 
+def _dist_file_gone(rank, world_size, root):
+    import torch.distributed as dist
+
+    ps = ParallelState.build(world_size, rank, tp_size=2)
+    save_checkpoint(root, 2, _full_state(2, ps.tp_rank, 0), ps)
+    save_checkpoint(root, 4, _full_state(4, ps.tp_rank, 0), ps)
+    if rank == 0:
+        os.remove(checkpoint_name(root, 4, 1, 0, 1))
+    dist.barrier()
+    return _load_message(root, ps)
+
+
+def test_a_rank_file_gone_from_the_runs_own_layout_is_named_incomplete(tmp_path):
+    """The message told a tp-2 run to 'run with the checkpoint's sizes or reshard' a tp-2
+    checkpoint that had lost mp_rank_01's file: it names the checkpoint incomplete and the
+    one to fall back to."""
+    messages = run_distributed(_dist_file_gone, 2, str(tmp_path))
+    assert messages[0] == messages[1]
+    assert messages[0].startswith(f"error: checkpoint {tmp_path / 'iter_0000004'} is "
+                                  "incomplete: mp_rank_01/model_optim_rng.pt is missing (its "
+                                  "layout is this run's: tensor-model-parallel size 2")
+    assert "Run with the checkpoint's sizes" not in messages[0]
+    assert f"printf 2 > {tracker_path(str(tmp_path))}" in messages[0]
+
+
 def _dist_truncated_shard(rank, world_size, root):
     import torch.distributed as dist
 
@@ -551,6 +662,35 @@ def _dist_full_disk_on_one_rank(rank, world_size, root):
     finally:
         torch.save = real_save  # the test harness returns results with it
     return None
+
+
+def _dist_tracker_full(rank, world_size, root):
+    from megatron import checkpointing
+    from megatron.agreed_exit import AgreedExit
+
+    ps = ParallelState.build(world_size, rank, tp_size=2)
+    save_checkpoint(root, 2, _full_state(2, ps.tp_rank, 0), ps)
+
+    def full(root_, iteration, release):
+        raise OSError(28, "No space left on device")
+
+    checkpointing._write_tracker = full
+    try:
+        save_checkpoint(root, 4, _full_state(4, ps.tp_rank, 0), ps)
+    except AgreedExit as exc:
+        return exc.report, exc.prints
+    return None
+
+
+def test_distributed_tracker_write_failure_exits_every_rank_with_one_report(tmp_path):
+    """Rank 0 failing to write the tracker raised alone (a traceback) while the other
+    ranks waited in the barrier after it."""
+    (report0, prints0), (report1, prints1) = run_distributed(_dist_tracker_full, 2,
+                                                             str(tmp_path))
+    assert report0 == report1 and (prints0, prints1) == (True, False)
+    assert report0.startswith("rank 0 (of 2): error: the checkpoint at iteration 4 was "
+                              "written to")
+    assert read_tracker(str(tmp_path)) == (2, False)
 
 
 def test_distributed_full_disk_on_one_rank_fails_every_rank(tmp_path):

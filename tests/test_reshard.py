@@ -145,6 +145,48 @@ def test_same_layout_loads_without_resharding(tmp_path_factory):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=RTOL, atol=0)
 
 
+def test_a_checkpoint_missing_rank_directories_is_named_incomplete(tmp_path_factory,
+                                                                    tmp_path):
+    """A tp-2 checkpoint copied without mp_rank_01 read as a tp-1 one: the load resharded
+    it and stopped on the first shape, telling the user the model flags differ; the tools
+    did the same. Its stored arguments say tp 2: the missing directory is named."""
+    root = str(tmp_path_factory.getbasetemp() / "src-2---tensor-model-parallel-size2")
+    _saved("--tensor-model-parallel-size 2", 2, root)
+    part = tmp_path / "part"
+    shutil.copytree(root, part)
+    iter_dir = part / "iter_0000002"
+    shutil.rmtree(iter_dir / "mp_rank_01")
+    expected = (f"error: checkpoint {iter_dir} is incomplete: mp_rank_01 is missing (found "
+                "mp_rank_00; its arguments say tensor-model-parallel size 2 and "
+                "pipeline-model-parallel size 1). It was copied in part")
+    with pytest.raises(SystemExit) as err:
+        reshard.inspect_checkpoint(str(iter_dir))
+    assert str(err.value.code).startswith(expected)
+    with pytest.raises(SystemExit) as err:
+        _run(_load_and_continue, 1, "", str(part))
+    assert str(err.value.code).startswith(expected)
+    with pytest.raises(SystemExit) as err:
+        checkpoint_convert.main(["to-hf", "--load", str(part), "--output", str(tmp_path / "hf")])
+    assert str(err.value.code).startswith(expected)
+    (iter_dir / "mp_rank_01").mkdir()  # the directory is there, its file is not
+    with pytest.raises(SystemExit) as err:
+        _run(_load_and_continue, 1, "", str(part))
+    assert str(err.value.code).startswith(
+        f"error: checkpoint {iter_dir} is incomplete: mp_rank_01/model_optim_rng.pt is missing "
+        "(the directories say tp 2 x pp 1). It was copied in part")
+    # a gap in the grid the directories span: pipeline stage 1 of 2 (none stored arguments)
+    gap = tmp_path / "gap" / "iter_0000005"
+    for name in ("mp_rank_00_000", "mp_rank_01_000", "mp_rank_01_001"):
+        (gap / name).mkdir(parents=True)
+    with pytest.raises(SystemExit, match=r"incomplete: mp_rank_00_001 is missing \(found "
+                                         r"mp_rank_00_000, mp_rank_01_000, mp_rank_01_001\)\."):
+        reshard.scan_layout(str(gap))
+    shutil.rmtree(gap / "mp_rank_01_001")  # the suffix means pp >= 2
+    with pytest.raises(SystemExit, match="incomplete: mp_rank_00_001, mp_rank_01_001 are "
+                                         "missing"):
+        reshard.scan_layout(str(gap))
+
+
 # ----------------------------------------------------------------------- 2. offline tool
 def test_offline_reshard_loads_without_conversion(tmp_path_factory, tmp_path, capsys):
     root = str(tmp_path_factory.getbasetemp() / "src-2---tensor-model-parallel-size2")
@@ -291,6 +333,87 @@ def test_interrupted_conversion_leaves_no_partial_output(tmp_path, capsys, monke
     assert sorted(os.listdir(dst)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
     assert reshard.read_layout(str(dst / "iter_0000001")).tp == 2, "the earlier one is kept"
     assert not (tmp_path / "mlm").exists()
+
+
+def test_a_full_disk_during_a_conversion_is_one_message(tmp_path, monkeypatch):
+    """reshard writing into a full disk ended in an OSError traceback (its partial output
+    removed): one error line now, naming the directory and the free space, status 1."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    cfg, rt, tr = _trainer(0, 1, "", save=str(src))
+    _steps(tr, data_iterator(cfg, rt, "train", 0), 1)
+    save_trainer_checkpoint(tr)
+    real, calls = checkpoint_convert.torch.save, []
+
+    def full(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_convert.torch, "save", full)
+    with pytest.raises(SystemExit) as err:
+        checkpoint_convert.main(["reshard", "--load", str(src), "--save", str(dst),
+                                 "--target-tensor-model-parallel-size", "2"])
+    assert str(err.value.code).startswith(
+        f"error: writing {dst / 'iter_0000001.tmp'} failed (OSError: [Errno 28] No space left "
+        f"on device); its partial output was removed; ")
+    assert f"free on the file system of {tmp_path}. Free space or pass another --save" in \
+        str(err.value.code)
+    assert not dst.exists()
+
+
+def _remove_first_file_then_interrupt(monkeypatch):
+    """shutil.rmtree of an `.old` directory stops (Ctrl-C) after removing one file."""
+    real = shutil.rmtree
+
+    def fake(path, *args, **kwargs):
+        if str(path).endswith(".old"):
+            os.remove(next(os.path.join(top, f) for top, _, files in os.walk(path)
+                           for f in files))
+            raise KeyboardInterrupt
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", fake)
+
+
+def test_an_overwrite_interrupted_mid_replace_leaves_a_readable_checkpoint(tmp_path, capsys,
+                                                                           monkeypatch):
+    """reshard --overwrite stopped between moving iter_N aside and the new one into place
+    leaves iter_N.old, the only copy, under the tracker's iteration: the tools (and
+    --use-checkpoint-args) said the iteration directory did not exist while a training
+    --load restored it; they read it now, saying so. A later --overwrite stopped while
+    removing that .old removed it first, before the new copy was in place: nothing was
+    left."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    cfg, rt, tr = _trainer(0, 1, "", save=str(src))
+    _steps(tr, data_iterator(cfg, rt, "train", 0), 1)
+    save_trainer_checkpoint(tr)
+    argv = ["reshard", "--load", str(src), "--save", str(dst),
+            "--target-tensor-model-parallel-size", "2"]
+    assert checkpoint_convert.main(argv) == 0
+    with monkeypatch.context() as m:
+        _interrupt_on(os, "rename", 2, m)  # the 1st moves iter_1 aside, the 2nd the new one
+        assert checkpoint_convert.main(argv + ["--overwrite"]) == checkpoint_convert.INTERRUPTED
+    assert sorted(os.listdir(dst)) == ["iter_0000001.old", "latest_checkpointed_iteration.txt"]
+    capsys.readouterr()
+    again = str(tmp_path / "again")
+    assert checkpoint_convert.main(["reshard", "--load", str(dst), "--save", again,
+                                    "--target-tensor-model-parallel-size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert (f"note: {dst / 'iter_0000001'} is missing but {dst / 'iter_0000001'}.old is there "
+            "(an interrupted save that was replacing it): reading that copy; `mv ") in out
+    assert reshard.read_layout(os.path.join(again, "iter_0000001")).tp == 1
+    from megatron.arguments_checkpoint import read_checkpoint_args
+
+    assert read_checkpoint_args(str(dst))["tensor_model_parallel_size"] == 2
+    assert sorted(os.listdir(dst)) == ["iter_0000001.old", "latest_checkpointed_iteration.txt"]
+    with monkeypatch.context() as m:
+        _remove_first_file_then_interrupt(m)
+        assert checkpoint_convert.main(argv + ["--overwrite", "--target-pipeline-model-parallel"
+                                               "-size", "2", "--target-tensor-model-parallel-"
+                                               "size", "1"]) == checkpoint_convert.INTERRUPTED
+    layout = reshard.read_layout(reshard.locate_iteration(str(dst))[0])
+    assert (layout.tp, layout.pp) == (1, 2), "the new copy is in place"
 
 
 def test_target_layout_check_names_the_sizes_that_fit():

@@ -89,6 +89,21 @@ def test_save_dir_with_later_checkpoints_warns_at_startup(tmp_path, capsys):
     assert "already holds checkpoints" not in out
 
 
+def test_a_requeued_finetune_is_told_to_drop_finetune_to_resume(tmp_path, capsys):
+    """A fine-tuning job requeued with its command line (--load BASE --finetune, or --load
+    = --save --finetune) restarts at iteration 0; the warning said 'pass --load SAVE',
+    which with --finetune kept restarts at 0 again."""
+    base, ck = str(tmp_path / "base"), str(tmp_path / "ck")
+    flags = ["--train-iters", "10", "--eval-iters", "0", "--save-interval", "2"]
+    _pretrain(flags + ["--save", base, "--exit-interval", "2"], capsys)
+    tune = flags + ["--save", ck, "--finetune", "--exit-interval", "4"]
+    _pretrain(tune + ["--load", base], capsys)
+    for load in (base, ck):
+        out, _ = _pretrain(tune + ["--load", load], capsys)
+        assert (f"To resume instead, pass --load {ck} without --finetune (which restarts at "
+                "iteration 0 from any --load); to keep both") in out, load
+
+
 def test_unfinished_saves_in_the_save_dir_are_reported_at_startup(tmp_path, capsys):
     """A save killed mid-write (SIGKILL after a preemption's grace time) leaves
     iter_N.tmp; a restart that never saves iteration N again would keep it for good."""
@@ -105,6 +120,27 @@ def test_unfinished_saves_in_the_save_dir_are_reported_at_startup(tmp_path, caps
     shutil.rmtree(ck / "iter_0000003.tmp")
     out, _ = _pretrain(flags + ["--exit-interval", "6"], capsys)
     assert "unfinished checkpoint save" not in out
+
+
+def test_copies_an_interrupted_replace_left_in_the_save_dir_are_reported_at_startup(
+        tmp_path, capsys):
+    """iter_N.old is what a re-save of N moved aside: beside iter_N a leftover of the
+    checkpoint's size, without it the only copy of N. Nothing said so (only .tmp was
+    reported); the only copy of an iteration the tracker does not name stays unloaded."""
+    ck = tmp_path / "ck"
+    flags = ["--train-iters", "10", "--eval-iters", "0", "--save", str(ck), "--save-interval",
+             "2", "--load", str(ck)]
+    _pretrain(flags + ["--exit-interval", "4"], capsys)
+    shutil.copytree(ck / "iter_0000004", ck / "iter_0000004.old")  # stopped after the move
+    os.rename(ck / "iter_0000002", ck / "iter_0000002.old")  # stopped before it
+    out, _ = _pretrain(flags + ["--exit-interval", "6"], capsys)
+    assert (f"WARNING: --save {ck} holds iter_0000004.old (0.00 GiB): the earlier copy of "
+            "iter_0000004 that a save replaced before it was stopped; iter_0000004 is the "
+            "complete new one, delete iter_0000004.old to free the space") in out
+    assert (f"WARNING: --save {ck} holds iter_0000002.old, the only copy of iter_0000002 (a "
+            f"save replacing it was stopped): `mv {ck / 'iter_0000002.old'} "
+            f"{ck / 'iter_0000002'}` keeps it") in out
+    assert (ck / "iter_0000002.old").is_dir(), "never removed: the only copy"
 
 
 def test_megatron_event_lines_in_order(capsys):

@@ -49,13 +49,18 @@ import torch  # noqa: E402
 
 from megatron import checkpoint_reshard as reshard_lib  # noqa: E402
 from megatron import hf_convert  # noqa: E402
-from megatron.checkpoint_dirs import is_legacy_model_file, model_file  # noqa: E402
+from megatron.checkpoint_dirs import (  # noqa: E402
+    free_space_text,
+    is_legacy_model_file,
+    model_file,
+)
 from megatron.checkpoint_files import load_checkpoint_file, megatron_payload  # noqa: E402
 from megatron.checkpointing import (  # noqa: E402
     MODEL_FILENAME,
     TRACKER_FILENAME,
     iteration_dir_name,
     list_checkpoints,
+    move_into_place,
     rank_dir_name,
     tracker_path,
 )
@@ -239,13 +244,9 @@ def publish_checkpoint(save: str, tmp_dir: str, final_dir: str, iteration: int,
     """Move the written directory into place (replacing an older one, which only
     `check_save(..., overwrite=True)` lets through: each replacement is printed), tracker
     last."""
-    old_dir = final_dir + ".old"
-    shutil.rmtree(old_dir, ignore_errors=True)
     if os.path.exists(final_dir):
         print(f"overwrite: replacing {final_dir}")
-        os.rename(final_dir, old_dir)
-    os.rename(tmp_dir, final_dir)
-    shutil.rmtree(old_dir, ignore_errors=True)
+    move_into_place(save, tmp_dir, final_dir)  # an only-copy .old stays until it is in place
     tracker, value = tracker_path(save), "release" if release else str(iteration)
     if os.path.isfile(tracker):
         with open(tracker) as f:
@@ -277,17 +278,24 @@ def partial_output(save: str, tmp_dir: str):
     """Yield `tmp_dir` (emptied) to write a checkpoint into; if the body fails or is
     interrupted (Ctrl-C, a full disk), remove it, and `save` too when this call created
     it and it is empty, so that no partial output stays behind (the next attempt starts
-    clean either way)."""
+    clean either way). A write error (OSError) is then a SystemExit naming it and the
+    free space."""
     created = not os.path.exists(save)
     shutil.rmtree(tmp_dir, ignore_errors=True)
     os.makedirs(tmp_dir)
     try:
         yield tmp_dir
-    except BaseException:
+    except BaseException as exc:
+        writing = os.path.isdir(tmp_dir)  # (not yet moved into place)
         shutil.rmtree(tmp_dir, ignore_errors=True)
         if created:
             with contextlib.suppress(OSError):
                 os.rmdir(save)
+        if isinstance(exc, OSError) and writing:  # a full disk, a quota: no traceback
+            where = save if os.path.isdir(save) else os.path.dirname(os.path.abspath(save))
+            raise SystemExit(f"error: writing {tmp_dir} failed ({type(exc).__name__}: {exc}); "
+                             f"its partial output was removed; {free_space_text(where)}. Free "
+                             "space or pass another --save") from exc
         raise
 
 

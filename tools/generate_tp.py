@@ -137,7 +137,7 @@ def _saved_args(load: str, iteration: Optional[int]) -> Tuple[dict, int]:
     loader reads; SystemExit for another --iteration or a checkpoint without arguments."""
     from megatron.checkpoint_reshard import inspect_checkpoint, locate_iteration
 
-    iter_dir, latest, _ = locate_iteration(load)
+    iter_dir, latest, _ = locate_iteration(load, note=lambda _: None)  # the loader restores it
     if iteration is not None and iteration != latest:
         raise SystemExit(f"error: --iteration {iteration}: under torchrun the "
                          f"training loader reads the tracker's iteration ({latest}) of "
