@@ -61,6 +61,13 @@ def _suggested_flags(report: str) -> list:
     return [line.split()[0] for line in block.splitlines()[1:] if line.strip()]
 
 
+@pytest.fixture(autouse=True)
+def _on_the_cpu(monkeypatch):
+    """The injected errors and the report's host-memory lines are those of a CPU run: on a
+    machine with a GPU, the in-process runs are kept on the CPU (gloo) as on CI."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 def _main(argv) -> int:
     import pretrain_gpt
 
@@ -271,7 +278,8 @@ def test_torchrun_dp2_one_rank_out_of_memory_ends_the_job():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(Path(__file__).resolve()), "--oom-rank", "1", "--oom-iteration", "2", *flags]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # CUDA hidden: the two gloo ranks run on the CPU also on a machine with one GPU.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
