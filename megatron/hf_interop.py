@@ -27,7 +27,8 @@ c_attn columns are [all q heads; all k heads; all v heads]; Llama keeps q, k, v 
 SwiGLU fc1 rows are [gate; up]. Rotary: ours rotates the two halves of each head
 ("rotate half", angles cat(freqs, freqs)), which is Hugging Face Llama's convention, so
 q/k rows need no permutation. Our padded vocabulary rows are cut on export (to the
-tokenizer's size) and filled with zeros on import.
+tokenizer's size) and filled with copies of the last real row on import (as Megatron-LM's
+converters pad: see `_pad_rows`).
 """
 from __future__ import annotations
 
@@ -122,9 +123,15 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelConf
 
 
 def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """`w` grown to `rows` rows by repeating its last row, as Megatron-LM's converters pad.
+    Zero rows would give every padding id a logit of 0, far above a trained GPT-2's (its
+    logits are tens below zero): the padding ids would take nearly all the probability and
+    the imported model's loss would be wrong by that much."""
     if w.shape[0] > rows:
         raise ValueError(f"vocabulary of {w.shape[0]} rows does not fit the padded size {rows}")
-    return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])]) if w.shape[0] < rows else w
+    if w.shape[0] == rows:
+        return w
+    return torch.cat([w, w[-1:].expand(rows - w.shape[0], *w.shape[1:])])
 
 
 def _norm_weight(w: torch.Tensor, model: ModelConfig) -> torch.Tensor:
@@ -427,7 +434,7 @@ def check_hf_shapes(hf: Dict[str, torch.Tensor], model: ModelConfig, family: str
 def from_hf_state_dict(hf: Dict[str, torch.Tensor], model: ModelConfig, family: str,
                        vocab_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """A Hugging Face `family` state dict -> our full state dict for `model` (whose
-    `padded_vocab_size` decides the zero rows appended to the vocabulary). `vocab_size`
+    `padded_vocab_size` decides the rows appended to the vocabulary, copies of its last). `vocab_size`
     (config.json's; None: the embedding's rows) and `model` give every tensor's shape:
     ValueError naming the tensors that differ."""
     pre, final = ("transformer.", "transformer.ln_f.") if family == "gpt2" else ("model.", "model.norm.")
