@@ -359,8 +359,10 @@ def build_tokenizer_from(args: dict, a) -> Tuple[Optional[object], Optional[str]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron.cli_suggest import SuggestingParser
+
+    ap = SuggestingParser(description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--load", required=True, help="checkpoint directory (as --save wrote it)")
     ap.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
     src = ap.add_mutually_exclusive_group(required=True)

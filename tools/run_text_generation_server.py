@@ -114,7 +114,9 @@ HEARTBEAT_S = 30.0  # rank 0's idle broadcast under torchrun
 
 # -------------------------------------------------------------------------- command line
 def _server_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    from megatron.cli_suggest import SuggestingParser
+
+    ap = SuggestingParser(
         prog=_PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Every other flag is one of Megatron-LM's (see pretrain_gpt.py --help).")
     ap.add_argument("--port", type=int, default=5000, help="default 5000 (0: any free port)")
@@ -144,10 +146,12 @@ def parse_args(argv=None) -> Tuple[argparse.Namespace, argparse.Namespace, Set[s
     from megatron.arguments import ArgumentsError, apply_deprecated, check_not_supported
     from megatron.arguments import parse_args as parse_megatron
     from megatron.arguments_common import FLAG_SPECS
+    from megatron.cli_suggest import option_strings
 
-    a, rest = _server_parser().parse_known_args(argv)
+    server = _server_parser()
+    a, rest = server.parse_known_args(argv)
     try:
-        ns, explicit = parse_megatron(rest)
+        ns, explicit = parse_megatron(rest, extra_options=option_strings(server))
         # --max-tokens-to-oom is the server's (check_not_supported calls it idle elsewhere)
         max_tokens, ns.max_tokens_to_oom = ns.max_tokens_to_oom, FLAG_SPECS[_MAX_TOKENS].default
         check_not_supported(ns, apply_deprecated(ns, explicit))
