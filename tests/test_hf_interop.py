@@ -422,6 +422,31 @@ def test_interrupted_export_keeps_the_earlier_one(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_exported_weight_files_are_as_readable_as_config_json(tmp_path, monkeypatch, umask):
+    """safetensors >= 0.8 writes each file through a temporary file of mode 0600: an export
+    meant for others (a shared directory, a container run as another user) had
+    config.json readable and the weights not. Emulated here for any safetensors."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    real = safetensors_torch.save_file
+
+    def private(tensors, filename, **kwargs):
+        real(tensors, filename, **kwargs)
+        os.chmod(filename, 0o600)
+
+    monkeypatch.setattr(safetensors_torch, "save_file", private)
+    state = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    old = os.umask(umask)
+    try:
+        names = hf_interop.save_hf_checkpoint(str(tmp_path), state, {"v": 1},
+                                              max_shard_bytes=16)
+    finally:
+        os.umask(old)
+    expected = 0o666 & ~umask
+    assert oct(os.stat(tmp_path / "config.json").st_mode & 0o777) == oct(expected)
+    assert [oct(os.stat(tmp_path / n).st_mode & 0o777) for n in names] == [oct(expected)] * 2
+
+
 def test_from_hf_names_the_flags_to_train_from_the_import(tmp_path, capsys):
     """from-hf said 'train from it with pretrain_gpt.py --load OUT and the same model
     flags' without naming them (they come from config.json), and printed a WARNING about a
