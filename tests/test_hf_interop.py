@@ -507,6 +507,34 @@ def test_to_hf_exports_the_tokenizer_files(tmp_path, capsys):
     assert tf.AutoTokenizer.from_pretrained(str(out))("a c b")["input_ids"] == [2, 4, 3]
 
 
+def test_from_hf_advice_with_use_checkpoint_args_names_the_tokenizer_file(tmp_path, capsys):
+    """--use-checkpoint-args takes the tokenizer type from the checkpoint, not its files:
+    from-hf's 'train from it with pretrain_gpt.py --load OUT --use-checkpoint-args' stopped
+    at '--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model'. The advice now
+    carries the tokenizer file, and the command it gives validates."""
+    tf = _transformers()
+    tokenizers = pytest.importorskip("tokenizers")
+    from megatron.arguments import parse_and_validate
+    from pretrain_gpt import tokenizer_vocab_size
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {w: i for i, w in enumerate(["<|endoftext|>", "[UNK]", "a", "b", "c"])}, unk_token="[UNK]"))
+    hf, ck = tmp_path / "hf", tmp_path / "ck"
+    tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=5, n_positions=16, n_embd=32, n_layer=1,
+                                     n_head=4, eos_token_id=0)).save_pretrained(str(hf))
+    tok.save(str(hf / "tokenizer.json"))
+    assert _cli("from-hf", "--input", hf, "--save", ck) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    advice = shlex.split(last.split("train from it with ")[1].split(", or with")[0])
+    assert advice[:4] == ["pretrain_gpt.py", "--load", str(ck), "--use-checkpoint-args"]
+    assert advice[4] == "--tokenizer-model" and len(advice) == 6
+    cfg = parse_and_validate(advice[1:] + ["--micro-batch-size", "1", "--lr", "1e-4",
+                                           "--train-iters", "1", "--mock-data"],
+                             world_size=1, env={}, cuda_available=False,
+                             vocab_size_fn=tokenizer_vocab_size)
+    assert cfg.args["tokenizer_type"] == "HuggingFaceTokenizer"
+
+
 def test_tokenizer_files_by_tokenizer_type(tmp_path):
     vocab, merges = tmp_path / "v.json", tmp_path / "m.txt"
     vocab.write_text("{}")
