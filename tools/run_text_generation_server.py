@@ -188,20 +188,16 @@ def _load(a, ns, environ):
     """(model, Config, iteration, Runtime or None): the whole model in this process, or
     under torchrun this rank's share of a tensor x pipeline layout (tools/generate_tp.py).
     SystemExit for a layout the server does not run."""
-    from tools.generate_tp import check_generation_layout, launch_ranks, load_model_tp
+    from tools.generate_tp import checked_launch, load_model_tp
 
-    rank, world_size, local_rank = launch_ranks(environ)
     tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
-    check_generation_layout(_PROG, world_size, tp, pp,
-                            ns.num_layers_per_virtual_pipeline_stage)
+    rank, world_size, local_rank = checked_launch(
+        _PROG, environ, tp, pp, ns.num_layers_per_virtual_pipeline_stage, a.device)
     dtype = torch.float16 if ns.fp16 else torch.bfloat16 if ns.bf16 else None
     if world_size == 1:
         device = _device(a.device)
         dtype = dtype or (None if device.type == "cuda" else torch.float32)
         return (*load_model(ns.load, a.iteration, device, dtype), None)
-    if a.device is not None:
-        raise SystemExit(f"{_PROG}: error: --device {a.device}: under torchrun each rank uses "
-                         "cuda:LOCAL_RANK (the CPU without CUDA); leave --device out")
     if dtype is None and not torch.cuda.is_available():
         dtype = torch.float32
     return load_model_tp(ns.load, tp, rank, local_rank, environ, a.iteration, dtype,
