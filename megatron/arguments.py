@@ -30,7 +30,7 @@ import os
 import shlex
 import sys
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Set, Tuple
 
 from megatron.arguments_common import (
     FLAG_SPECS,
@@ -68,6 +68,7 @@ from megatron.arguments_validate import (
     pad_vocab_size,
     validate_args,
 )
+from megatron.cli_suggest import option_strings, unknown_arguments_message
 from megatron.config import Config
 
 __all__ = [
@@ -291,28 +292,21 @@ def _check_removed(argv: Sequence[str]) -> None:
                                  f"use {REMOVED[name]}")
 
 
-def _unknown_error(unknown: List[str], parser: argparse.ArgumentParser) -> ArgumentsError:
-    options = [o for a in parser._actions for o in a.option_strings]
-    parts = []
-    for token in unknown:
-        name = token.split("=", 1)[0]
-        close = difflib.get_close_matches(name, options, n=1) if name.startswith("-") else []
-        parts.append(f"{token} (did you mean {close[0]}?)" if close else token)
-    return ArgumentsError("unrecognized arguments: " + " ".join(parts))
-
-
-def parse_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, Set[str]]:
+def parse_args(argv: Sequence[str], extra_options: Sequence[str] = ()
+               ) -> Tuple[argparse.Namespace, Set[str]]:
     """argv (+ the `--config` YAML underneath it) -> (namespace, dests set explicitly).
 
     Command-line flags override the YAML file; a dest counts as explicit when the command
-    line or the YAML file set it.
+    line or the YAML file set it. An unknown flag is an error naming the closest of
+    Megatron's flags and `extra_options` (a tool's own flags, parsed before).
     """
     argv = list(argv)
     _check_removed(argv)
     probe = build_parser(suppress_defaults=True)
     given, unknown = probe.parse_known_args(argv)
     if unknown:
-        raise _unknown_error(unknown, probe)
+        options = option_strings(probe) + list(extra_options)
+        raise ArgumentsError(unknown_arguments_message(unknown, options))
     parser = build_parser()
     yaml_values: Dict[str, Any] = {}
     if getattr(given, "config", None):

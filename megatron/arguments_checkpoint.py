@@ -99,7 +99,32 @@ def apply_checkpoint_args(ns: argparse.Namespace, explicit: Set[str],
             continue
         setattr(ns, dest, value)
         copied.append(dest)
+    if "tokenizer_type" in copied:
+        _check_tokenizer_files_given(ns, saved)
     return copied
+
+
+def _check_tokenizer_files_given(ns: argparse.Namespace, saved: dict) -> None:
+    """The checkpoint's --tokenizer-type, taken by --use-checkpoint-args, comes without its
+    files (Megatron-LM copies no paths either: the checkpoint may come from another
+    machine). When they are not given, the error says so and names the files the
+    checkpoint was saved with (the user never typed the --tokenizer-type it names)."""
+    from megatron.arguments_common import flag_for_dest
+    from megatron.arguments_inputs import tokenizer_file_dests
+
+    missing = [d for d in tokenizer_file_dests(vars(ns)) if not getattr(ns, d)]
+    if not missing:
+        return
+    if ns.tokenizer_type == "HuggingFaceTokenizer":
+        missing = ["tokenizer_model"]  # or --vocab-file: a tokenizer.json either way
+    was = [f"{flag_for_dest(d)} {saved[d]}" for d in ("vocab_file", "merge_file",
+                                                       "tokenizer_model") if saved.get(d)]
+    raise ArgumentsError(
+        f"--use-checkpoint-args takes the checkpoint's --tokenizer-type {ns.tokenizer_type} "
+        f"but not its files, and {' and '.join(flag_for_dest(d) for d in missing)} "
+        f"{'is' if len(missing) == 1 else 'are'} not given; pass "
+        f"{'it' if len(missing) == 1 else 'them'}"
+        + (f" (the checkpoint was saved with {' '.join(was)})" if was else ""))
 
 
 _LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size",

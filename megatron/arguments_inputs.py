@@ -111,7 +111,7 @@ def _check_file(dest: str, path: str) -> None:
         raise ArgumentsError(_not_found(dest, path))
 
 
-def _tokenizer_dests(args: Mapping[str, Any]) -> Tuple[str, ...]:
+def tokenizer_file_dests(args: Mapping[str, Any]) -> Tuple[str, ...]:
     """The dests naming the files of the run's --tokenizer-type."""
     if args.get("tokenizer_type") == "HuggingFaceTokenizer":
         return ("tokenizer_model",) if args.get("tokenizer_model") is not None else ("vocab_file",)
@@ -121,7 +121,7 @@ def _tokenizer_dests(args: Mapping[str, Any]) -> Tuple[str, ...]:
 def absent_tokenizer_files(args: Mapping[str, Any]) -> List[str]:
     """'--flag PATH: file not found; ...' for each file of the run's tokenizer that is
     named but does not exist (`Config.args`, or vars() of the namespace)."""
-    return [_not_found(d, args[d]) for d in _tokenizer_dests(args)
+    return [_not_found(d, args[d]) for d in tokenizer_file_dests(args)
             if args.get(d) and not os.path.exists(args[d])]
 
 
@@ -152,7 +152,7 @@ def check_tokenizer_files(ns, files: bool = True) -> None:
     report: `absent_tokenizer_files`)."""
     kind = ns.tokenizer_type
     if kind == "HuggingFaceTokenizer":
-        dest = _tokenizer_dests(vars(ns))[0]
+        dest = tokenizer_file_dests(vars(ns))[0]
         if getattr(ns, dest) is None:
             raise ArgumentsError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model "
                                  "(a tokenizer.json file or a directory holding one)")
@@ -189,7 +189,7 @@ def warn_unread_tokenizer_flags(ns, explicit=frozenset()) -> None:
     if ns.vocab_extra_ids and kind in ("GPT2BPETokenizer", "NullTokenizer"):
         warn(f"--vocab-extra-ids {ns.vocab_extra_ids} has no effect with {kind} "
              "(as in Megatron-LM)")
-    reads = _tokenizer_dests(vars(ns))
+    reads = tokenizer_file_dests(vars(ns))
     unread = [d for d in ("vocab_file", "merge_file", "tokenizer_model")
               if d not in reads and d in explicit and getattr(ns, d) is not None]
     if not unread:

@@ -5,6 +5,8 @@ names the values and the fix.
 """
 from __future__ import annotations
 
+import os
+import sys
 from typing import Set
 
 from megatron.arguments_common import ArgumentsError, note, warn
@@ -18,13 +20,16 @@ def resolve_parallel(ns, world_size: int) -> None:
     if world_size < 1 or tp < 1 or pp < 1:
         raise ArgumentsError(f"world size {world_size}, --tensor-model-parallel-size {tp} and "
                              f"--pipeline-model-parallel-size {pp} must all be >= 1")
+    need = tp * pp  # the processes one model copy of the given sizes takes
     if tp > world_size:
         warn(f"--tensor-model-parallel-size {tp} is larger than the world size {world_size}; "
-             f"using {world_size} (as Megatron-LM does)")
+             f"using {world_size} (as Megatron-LM does){_launch_hint(need, world_size)}")
         tp = ns.tensor_model_parallel_size = world_size
+        need = world_size  # one hint is enough
     if pp > world_size // tp:
         warn(f"--pipeline-model-parallel-size {pp} does not fit in world size {world_size} with "
-             f"tensor-parallel size {tp}; using {world_size // tp} (as Megatron-LM does)")
+             f"tensor-parallel size {tp}; using {world_size // tp} (as Megatron-LM does)"
+             f"{_launch_hint(need, world_size)}")
         pp = ns.pipeline_model_parallel_size = world_size // tp
     if world_size % (tp * pp):
         raise ArgumentsError(
@@ -62,6 +67,17 @@ def _nearby_multiples(value: int, step: int) -> str:
     """'e.g. 30 or 32': the multiples of `step` next to `value` (the lower one when > 0)."""
     low = value // step * step
     return f"e.g. {low} or {low + step}" if low else f"e.g. {step}"
+
+
+def _launch_hint(need: int, world_size: int) -> str:
+    """How to get the `need` processes that the given parallel sizes ask for (a script run
+    with plain python, or a torchrun with too small --nproc-per-node, trains on as is)."""
+    if need <= world_size:
+        return ""
+    alone = ", this run is a single one" if world_size == 1 else ""
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "pretrain_gpt.py"
+    return (f"; the given sizes need {need} processes (or a multiple){alone}: launch them, e.g. "
+            f"torchrun --nproc-per-node {need} {prog} ...")
 
 
 def _check_layer_split(ns) -> None:

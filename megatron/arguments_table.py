@@ -347,8 +347,9 @@ EXTRA_HELP = {
                        "norms (short start-up, grads ready layer by layer for "
                        "--overlap-grad-reduce); block: the stage's whole layer stack as one "
                        "graph (same speed, about 3x the compile time); auto (default): layer",
-    "--attention-backend": "scaled_dot_product_attention kernel: auto (torch's choice), flash, "
-                           "cudnn or efficient (CUDA), math (reference)",
+    "--attention-backend": "scaled_dot_product_attention kernel: auto (torch's choice), flash "
+                           "(on the CPU only without attention dropout), cudnn or efficient "
+                           "(CUDA), math (reference)",
     "--cross-entropy-kernel": "output layer + cross entropy: auto (default: one Triton pass "
                               "per token computes the loss and overwrites the logits with "
                               "their gradient, in any dtype, where Triton runs on the "

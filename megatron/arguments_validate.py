@@ -394,6 +394,35 @@ def _check_cuda_features(ns, cuda_available: bool) -> None:
     if ns.attention_backend in ("cudnn", "efficient") and not cuda_available:
         raise ArgumentsError(f"--attention-backend {ns.attention_backend} needs CUDA; use auto, "
                              "flash or math on the CPU")
+    if not ns.skip_train:
+        _check_kernel_choices(ns, torch.device("cuda" if cuda_available else "cpu"))
+
+
+def _check_kernel_choices(ns, device: torch.device) -> None:
+    """The kernels a training run insists on (--attention-backend flash, --adam-kernel
+    triton, --cross-entropy-kernel triton) where it cannot use them: refused here, with the
+    fix, instead of a traceback from every rank at the first training step."""
+    if ns.attention_backend == "flash" and device.type == "cpu" and ns.attention_dropout > 0:
+        raise ArgumentsError(
+            f"--attention-backend flash: the CPU's flash kernel has no dropout, and "
+            f"--attention-dropout is {ns.attention_dropout}; use --attention-dropout 0, or "
+            "--attention-backend auto or math")
+    if ns.adam_kernel == "triton":
+        from megatron.core.optimizer.multi_tensor_adam import triton_available
+
+        reason = (f"it steps AdamW, not --optimizer {ns.optimizer}" if ns.optimizer != "adam"
+                  else None if triton_available(device)
+                  else "Triton cannot run here (it needs CUDA and the triton package)")
+        if reason:
+            raise ArgumentsError(f"--adam-kernel triton cannot be used: {reason}; use "
+                                 "--adam-kernel auto or torch")
+    if ns.cross_entropy_kernel == "triton":
+        from megatron.core.fused_cross_entropy import use_fused
+
+        reason = use_fused("triton", device, ns.fp16_lm_cross_entropy)
+        if reason:
+            raise ArgumentsError(f"--cross-entropy-kernel triton cannot be used: {reason}; "
+                                 "use --cross-entropy-kernel auto or torch")
 
 
 def _check_gemm_algorithms(ns, cuda_available: bool) -> None:

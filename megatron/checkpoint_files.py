@@ -83,6 +83,22 @@ def _torch_load(path: str, mmap: bool):
 _UNSUPPORTED_RE = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 
 
+def _old_torch_message(path: str) -> str:
+    return (f"error: checkpoint file {path} was written by Megatron-LM; reading it without "
+            f"running pickled code takes torch >= 2.6 (torch.serialization.safe_globals with "
+            f"(object, name) pairs), and this is torch {torch.__version__}: upgrade torch "
+            "(requirements.txt)")
+
+
+def _megatron_allowlist(path: str):
+    """torch.serialization.safe_globals(megatron_globals()); SystemExit naming the torch
+    version where this torch has no such context (2.4)."""
+    allow = getattr(torch.serialization, "safe_globals", None)
+    if allow is None:
+        raise SystemExit(_old_torch_message(path))
+    return allow(megatron_globals())
+
+
 def load_checkpoint_file(path: str, mmap: bool = False):
     """One checkpoint file (model_optim_rng.pt, distrib_optim.pt), weights_only, read
     memory-mapped when `mmap` and the file allows. A file written by Megatron-LM is read
@@ -95,8 +111,12 @@ def load_checkpoint_file(path: str, mmap: bool = False):
         if _UNSUPPORTED_RE.search(str(exc)) is None:
             raise
     try:
-        with torch.serialization.safe_globals(megatron_globals()):
+        with _megatron_allowlist(path):
             state = _torch_load(path, mmap)
+    except AttributeError as exc:  # torch 2.5: the allowlist takes no (object, name) pairs
+        if "'tuple' object" not in str(exc):
+            raise
+        raise SystemExit(_old_torch_message(path)) from None
     except pickle.UnpicklingError as exc:
         found = _UNSUPPORTED_RE.search(str(exc))
         what = found.group(1) if found else str(exc).splitlines()[0]

@@ -307,6 +307,9 @@ def config_from_hf(hf_cfg: dict, a, in_dir: str):
     return family, cfg, flags
 
 
+_TOKENIZER_FILE_FLAGS = ("--vocab-file", "--merge-file", "--tokenizer-model")
+
+
 def run_from_hf(a) -> int:
     """`from-hf`: read the HF model, map it to our full state dict, write a 'release'
     checkpoint split for --tensor/--pipeline-model-parallel-size. Returns 0; SystemExit
@@ -327,10 +330,13 @@ def _from_hf(a) -> int:
     save_release_checkpoint(a.save, state, cfg, a.overwrite)
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
     _note_lost_special_ids(hf_cfg, flags, a.input)
+    # --use-checkpoint-args takes the tokenizer type, not its files: those go with it
+    files = [w for i, flag in enumerate(flags[:-1]) if flag in _TOKENIZER_FILE_FLAGS
+             for w in (flag, flags[i + 1])]
     print(f"wrote {family} model from {a.input} to {os.path.join(a.save, 'release')} (tp {tp}, "
           f"pp {pp}, padded vocab {cfg.model.padded_vocab_size}); train from it with "
-          f"pretrain_gpt.py --load {shlex.quote(a.save)} --use-checkpoint-args, or with its "
-          f"model flags: {shlex.join(flags)}")
+          f"pretrain_gpt.py --load {shlex.join([a.save, '--use-checkpoint-args', *files])}, "
+          f"or with its model flags: {shlex.join(flags)}")
     return 0
 
 

@@ -522,11 +522,22 @@ def _write_weight_files(out_dir: str, files: Dict[str, Dict[str, torch.Tensor]])
             if os.path.exists(path):
                 os.remove(path)
         raise
+    mode = _new_file_mode()
+    for path in written:  # safetensors >= 0.8 writes through a temporary file of mode 0600
+        os.chmod(path, mode)
     for old in os.listdir(out_dir):
         if old == SAFETENSORS_INDEX or _WEIGHT_FILE.fullmatch(old):
             os.remove(os.path.join(out_dir, old))
     for path in written:
         os.replace(path, path[:-len(".tmp")])
+
+
+def _new_file_mode() -> int:
+    """The mode open() gives a new file under this process's umask (0644 under 022), as
+    config.json has: weight files readable only by their writer could not be shared."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _write_json(path: str, data: dict) -> None:

@@ -44,6 +44,7 @@ from megatron.interval_log import (  # noqa: F401 (progress_line re-exported)
 from megatron.logging_utils import (
     TensorboardLogger,
     format_validation_block,
+    print_line,
     print_rank_0,
     print_rank_last,
 )
@@ -124,8 +125,9 @@ def build_model(config: Config, rt: Runtime, for_training: bool = True) -> Model
     for model in models:
         model.to(rt.device)
     n_params = sum(p.numel() for model in models for p in model.parameters())
-    print(f" > number of parameters on (tensor, pipeline) model parallel rank "
-          f"({rt.ps.tp_rank}, {rt.ps.pp_rank}): {n_params}", flush=True) if rt.ps.dp_rank == 0 else None
+    if rt.ps.dp_rank == 0:  # one write per line: the ranks share torchrun's output
+        print_line(f" > number of parameters on (tensor, pipeline) model parallel rank "
+                   f"({rt.ps.tp_rank}, {rt.ps.pp_rank}): {n_params}")
     sync_tied_embeddings(models, rt.ps)
     if not for_training:
         return ModelChunks(models)

@@ -423,3 +423,38 @@ def test_rollback_nan_policy_needs_save():
     assert run("--nan-loss-policy rollback --save x --save-interval 2").training \
         .nan_loss_policy == "rollback"
     assert run("--nan-loss-policy skip").training.nan_loss_policy == "skip"
+
+
+# -------------------------------------------------- kernels this machine cannot run
+def test_kernels_the_cpu_cannot_run_are_refused_before_training(monkeypatch):
+    """--attention-backend flash with attention dropout, --adam-kernel triton and
+    --cross-entropy-kernel triton on a CPU machine passed validation, then every rank
+    stopped at the first step with a traceback ('No available kernel', 'ValueError:
+    --adam-kernel triton cannot be used')."""
+    from megatron.core import fused_cross_entropy
+    from megatron.core.optimizer import multi_tensor_adam
+
+    monkeypatch.setattr(multi_tensor_adam, "INTERPRET_ON_CPU", False)
+    monkeypatch.setattr(fused_cross_entropy, "INTERPRET_ON_CPU", False)
+    msg = error_of("--attention-backend flash")
+    assert msg == ("--attention-backend flash: the CPU's flash kernel has no dropout, and "
+                   "--attention-dropout is 0.1; use --attention-dropout 0, or "
+                   "--attention-backend auto or math")
+    assert run("--attention-backend flash --attention-dropout 0")
+    assert error_of("--adam-kernel triton") == (
+        "--adam-kernel triton cannot be used: Triton cannot run here (it needs CUDA and the "
+        "triton package); use --adam-kernel auto or torch")
+    assert "it steps AdamW, not --optimizer sgd" in error_of("--adam-kernel triton "
+                                                             "--optimizer sgd")
+    assert error_of("--cross-entropy-kernel triton") == (
+        "--cross-entropy-kernel triton cannot be used: Triton cannot run on this device; use "
+        "--cross-entropy-kernel auto or torch")
+    # evaluation only (--skip-train, tasks/main.py): no dropout, no optimizer step
+    assert run(without("--train-iters") + ["--skip-train", "--attention-backend", "flash",
+                                           "--adam-kernel", "triton"], base=[])
+    # where Triton runs (its CPU interpreter in tests) the kernels are accepted
+    if multi_tensor_adam.triton is None:
+        return
+    monkeypatch.setattr(multi_tensor_adam, "INTERPRET_ON_CPU", True)
+    monkeypatch.setattr(fused_cross_entropy, "INTERPRET_ON_CPU", True)
+    assert run("--adam-kernel triton --cross-entropy-kernel triton")

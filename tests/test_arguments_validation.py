@@ -128,8 +128,18 @@ def test_ffn_size_divisible_by_tensor_parallel_size():
 
 
 def test_tp_larger_than_world_is_clamped_with_warning(caplog):
+    """Clamped as in Megatron-LM; the warning says how to launch the processes the sizes
+    need (a script run with plain python instead of torchrun trains on alone)."""
     assert run("--tensor-model-parallel-size 2", world_size=1).parallel.tp_size == 1
     assert "--tensor-model-parallel-size 2 is larger than the world size 1" in caplog.text
+    assert ("the given sizes need 2 processes (or a multiple), this run is a single one: "
+            "launch them, e.g. torchrun --nproc-per-node 2 ") in caplog.text
+    caplog.clear()
+    cfg = run("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", world_size=2)
+    assert (cfg.parallel.tp_size, cfg.parallel.pp_size) == (2, 1)
+    assert caplog.text.count("the given sizes need") == 1
+    assert "need 4 processes (or a multiple): launch them, e.g. torchrun --nproc-per-node 4 " \
+        in caplog.text
 
 
 def test_global_batch_default_and_micro_batches(caplog):

@@ -124,10 +124,42 @@ def test_use_checkpoint_args_takes_every_checked_argument(monkeypatch, tmp_path)
     monkeypatch.setattr(arguments_checkpoint, "read_checkpoint_args", lambda load: saved)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")  # a checkpoint is there
     ns, explicit = parse_args(["--load", str(tmp_path), "--use-checkpoint-args",
-                               "--vocab-file", "vocab.json"])
+                               "--vocab-file", "vocab.json", "--merge-file", "merges.txt"])
     arguments_checkpoint.apply_checkpoint_args(ns, explicit, warn=print)
     assert [m.name for m in checkpoint_arg_mismatches(saved, vars(ns))] == []
     assert ns.num_experts == 4 and ns.vocab_extra_ids == 2
+
+
+@pytest.mark.parametrize("kind, saved_files, given, message", [
+    ("SentencePieceTokenizer", {"tokenizer_model": "data/spm.model"}, [],
+     "--tokenizer-model is not given; pass it (the checkpoint was saved with "
+     "--tokenizer-model data/spm.model)"),
+    ("GPT2BPETokenizer", {"vocab_file": "v.json", "merge_file": "m.txt"}, [],
+     "--vocab-file and --merge-file are not given; pass them (the checkpoint was saved with "
+     "--vocab-file v.json --merge-file m.txt)"),
+    ("GPT2BPETokenizer", {}, ["--vocab-file", "v.json"], "--merge-file is not given; pass it"),
+    ("SentencePieceTokenizer", {}, ["--tokenizer-model", "spm.model"], None),
+])
+def test_use_checkpoint_args_names_the_tokenizer_files_it_does_not_take(
+        monkeypatch, tmp_path, kind, saved_files, given, message):
+    """--use-checkpoint-args takes the checkpoint's --tokenizer-type, not its files (as
+    Megatron-LM): the run then stopped with '--tokenizer-type SentencePieceTokenizer needs
+    --tokenizer-model', a tokenizer the user never named (e.g. following from-hf's advice
+    'train from it with pretrain_gpt.py --load DIR --use-checkpoint-args')."""
+    from megatron import arguments_checkpoint
+    from megatron.arguments import ArgumentsError, parse_args
+
+    saved = {**SAVED, "tokenizer_type": kind, **saved_files}
+    monkeypatch.setattr(arguments_checkpoint, "read_checkpoint_args", lambda load: saved)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")
+    ns, explicit = parse_args(["--load", str(tmp_path), "--use-checkpoint-args", *given])
+    if message is None:
+        arguments_checkpoint.apply_checkpoint_args(ns, explicit, warn=print)
+        return
+    with pytest.raises(ArgumentsError) as err:
+        arguments_checkpoint.apply_checkpoint_args(ns, explicit, warn=print)
+    assert err.value.message == (f"--use-checkpoint-args takes the checkpoint's "
+                                 f"--tokenizer-type {kind} but not its files, and {message}")
 
 
 @pytest.mark.parametrize("world, sizes, warned", [

@@ -322,10 +322,27 @@ def test_layouts_generation_does_not_run(ckpt_tp1):
     with pytest.raises(SystemExit, match="world size 1 with --tensor-model-parallel-size 2"):
         generate.main(["--load", ckpt_tp1, "--prompt", "5", "--tensor-model-parallel-size",
                        "2"], environ={})
-    env = {"RANK": "0", "WORLD_SIZE": "2"}
-    with pytest.raises(SystemExit, match="world size 2 with --tensor-model-parallel-size 2 x "
-                                         "--pipeline-model-parallel-size 2 = 4"):
-        server_mod.main(["--load", ckpt_tp1, "--pipeline-model-parallel-size", "2",
-                         "--tensor-model-parallel-size", "2"], environ=env)
-    with pytest.raises(SystemExit, match="world size 2 with --tensor-model-parallel-size 1"):
-        server_mod.main(["--load", ckpt_tp1], environ=env)
+
+
+def test_layout_mistakes_under_torchrun_print_once(ckpt_tp1, capsys):
+    """Under torchrun a layout generation does not run, or --device, was printed by every
+    rank (the same error twice on 2 processes); now rank 0 prints it, as pretrain_gpt.py
+    prints a flag error, and every rank exits with status 1."""
+    for rank in (0, 1):
+        env = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)}
+        for main, argv, words in (
+                (server_mod.main, ["--pipeline-model-parallel-size", "2",
+                                   "--tensor-model-parallel-size", "2"],
+                 "error: world size 2 with --tensor-model-parallel-size 2 x "
+                 "--pipeline-model-parallel-size 2 = 4"),
+                (server_mod.main, [], "error: world size 2 with --tensor-model-parallel-size 1"),
+                (generate.main, ["--prompt", "5"],
+                 "error: world size 2 with --tensor-model-parallel-size 1"),
+                (generate.main, ["--prompt", "5", "--tensor-model-parallel-size", "2",
+                                 "--device", "cpu"],
+                 "error: --device cpu: under torchrun each rank uses cuda:LOCAL_RANK")):
+            with pytest.raises(SystemExit) as exc:
+                main(["--load", ckpt_tp1, *argv], environ=env)
+            assert exc.value.code == 1
+            err = capsys.readouterr().err
+            assert (words in err) == (rank == 0) and err.count("error:") == (rank == 0), err

@@ -423,6 +423,31 @@ def test_interrupted_export_keeps_the_earlier_one(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_exported_weight_files_are_as_readable_as_config_json(tmp_path, monkeypatch, umask):
+    """safetensors >= 0.8 writes each file through a temporary file of mode 0600: an export
+    meant for others (a shared directory, a container run as another user) had
+    config.json readable and the weights not. Emulated here for any safetensors."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    real = safetensors_torch.save_file
+
+    def private(tensors, filename, **kwargs):
+        real(tensors, filename, **kwargs)
+        os.chmod(filename, 0o600)
+
+    monkeypatch.setattr(safetensors_torch, "save_file", private)
+    state = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    old = os.umask(umask)
+    try:
+        names = hf_interop.save_hf_checkpoint(str(tmp_path), state, {"v": 1},
+                                              max_shard_bytes=16)
+    finally:
+        os.umask(old)
+    expected = 0o666 & ~umask
+    assert oct(os.stat(tmp_path / "config.json").st_mode & 0o777) == oct(expected)
+    assert [oct(os.stat(tmp_path / n).st_mode & 0o777) for n in names] == [oct(expected)] * 2
+
+
 def test_from_hf_names_the_flags_to_train_from_the_import(tmp_path, capsys):
     """from-hf said 'train from it with pretrain_gpt.py --load OUT and the same model
     flags' without naming them (they come from config.json), and printed a WARNING about a
@@ -481,6 +506,34 @@ def test_to_hf_exports_the_tokenizer_files(tmp_path, capsys):
     assert "tokenizer.json, config.json" in capsys.readouterr().out
     assert (out / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
     assert tf.AutoTokenizer.from_pretrained(str(out))("a c b")["input_ids"] == [2, 4, 3]
+
+
+def test_from_hf_advice_with_use_checkpoint_args_names_the_tokenizer_file(tmp_path, capsys):
+    """--use-checkpoint-args takes the tokenizer type from the checkpoint, not its files:
+    from-hf's 'train from it with pretrain_gpt.py --load OUT --use-checkpoint-args' stopped
+    at '--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model'. The advice now
+    carries the tokenizer file, and the command it gives validates."""
+    tf = _transformers()
+    tokenizers = pytest.importorskip("tokenizers")
+    from megatron.arguments import parse_and_validate
+    from pretrain_gpt import tokenizer_vocab_size
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {w: i for i, w in enumerate(["<|endoftext|>", "[UNK]", "a", "b", "c"])}, unk_token="[UNK]"))
+    hf, ck = tmp_path / "hf", tmp_path / "ck"
+    tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=5, n_positions=16, n_embd=32, n_layer=1,
+                                     n_head=4, eos_token_id=0)).save_pretrained(str(hf))
+    tok.save(str(hf / "tokenizer.json"))
+    assert _cli("from-hf", "--input", hf, "--save", ck) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    advice = shlex.split(last.split("train from it with ")[1].split(", or with")[0])
+    assert advice[:4] == ["pretrain_gpt.py", "--load", str(ck), "--use-checkpoint-args"]
+    assert advice[4] == "--tokenizer-model" and len(advice) == 6
+    cfg = parse_and_validate(advice[1:] + ["--micro-batch-size", "1", "--lr", "1e-4",
+                                           "--train-iters", "1", "--mock-data"],
+                             world_size=1, env={}, cuda_available=False,
+                             vocab_size_fn=tokenizer_vocab_size)
+    assert cfg.args["tokenizer_type"] == "HuggingFaceTokenizer"
 
 
 def test_tokenizer_files_by_tokenizer_type(tmp_path):

@@ -195,6 +195,22 @@ def test_other_pickled_objects_are_refused(tmp_path):
         load_checkpoint_file(path)
 
 
+def test_a_torch_without_safe_globals_names_the_version_it_needs(tmp_path, monkeypatch):
+    """torch 2.4 (what requirements.txt allowed, and the Dockerfile's base image had) has
+    no torch.serialization.safe_globals: reading a Megatron-LM checkpoint stopped with an
+    AttributeError traceback from every rank."""
+    path = str(tmp_path / "model_optim_rng.pt")
+    torch.save({"args": argparse.Namespace(num_layers=2), "checkpoint_version": 3.0}, path)
+    monkeypatch.delattr(torch.serialization, "safe_globals")
+    with pytest.raises(SystemExit) as exc:
+        load_checkpoint_file(path)
+    assert str(exc.value.code) == (
+        f"error: checkpoint file {path} was written by Megatron-LM; reading it without "
+        "running pickled code takes torch >= 2.6 (torch.serialization.safe_globals with "
+        f"(object, name) pairs), and this is torch {torch.__version__}: upgrade torch "
+        "(requirements.txt)")
+
+
 def test_an_old_qkv_ordering_is_refused(tmp_path):
     path = str(tmp_path / "model_optim_rng.pt")
     torch.save({"args": argparse.Namespace(num_layers=2), "checkpoint_version": 1.0,

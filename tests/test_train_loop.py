@@ -61,6 +61,38 @@ def _final_blocks(out: str) -> list:
                       out)
 
 
+class _Writes:
+    """A stdout recording each write call (unbuffered, each is one write to the shared
+    output: torchrun's ranks can interleave between two of them)."""
+
+    def __init__(self) -> None:
+        self.writes = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_parameter_count_line_is_one_write(monkeypatch):
+    """Every tensor/pipeline rank prints its parameter count: written as text, then
+    newline, two ranks' lines ran together on one line under torchrun."""
+    import sys
+
+    cfg = parse_and_validate(MOCK + ["--train-iters", "1"], world_size=1, env={"RANK": "0"},
+                             cuda_available=False)
+    rt = initialize_distributed(cfg.parallel, 0, 1, 0)
+    stream = _Writes()
+    monkeypatch.setattr(sys, "stdout", stream)
+    training.build_model(cfg, rt)
+    lines = [w for w in stream.writes if "number of parameters" in w]
+    assert len(lines) == 1 and re.fullmatch(
+        r" > number of parameters on \(tensor, pipeline\) model parallel rank \(0, 0\): "
+        r"\d+\n", lines[0]), stream.writes
+
+
 # --------------------------------------------------------------------------- exits
 def test_exit_interval_saves_prints_and_ends_the_program(tmp_path, capsys):
     ck = str(tmp_path / "ck")

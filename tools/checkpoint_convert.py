@@ -494,8 +494,10 @@ SUBCOMMANDS: Dict[str, Subcommand] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron.cli_suggest import SuggestingParser
+
+    ap = SuggestingParser(description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (add_arguments, _) in SUBCOMMANDS.items():
         summary = (add_arguments.__doc__ or name).strip().splitlines()[0]

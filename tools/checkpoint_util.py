@@ -56,8 +56,10 @@ PLUGIN = "megatron"  # the only --loader / --saver: Megatron's checkpoint layout
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron.cli_suggest import SuggestingParser
+
+    ap = SuggestingParser(description=__doc__, allow_abbrev=False,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-type", required=True, choices=["GPT", "BERT"],
                     help="GPT (this framework is GPT only; BERT is refused)")
     ap.add_argument("--loader", default=PLUGIN, help="only 'megatron': Megatron-LM's layout, "

@@ -398,8 +398,10 @@ def _srun_tasks(env: Dict[str, str]) -> Optional[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron.cli_suggest import SuggestingParser
+
+    ap = SuggestingParser(description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--timeout", type=float, default=60.0,
                     help="seconds to wait for the other ranks at each step (default 60)")
     ap.add_argument("--size-mb", type=float, default=None,

@@ -359,8 +359,10 @@ def build_tokenizer_from(args: dict, a) -> Tuple[Optional[object], Optional[str]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron.cli_suggest import SuggestingParser
+
+    ap = SuggestingParser(description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--load", required=True, help="checkpoint directory (as --save wrote it)")
     ap.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
     src = ap.add_mutually_exclusive_group(required=True)
@@ -441,19 +443,16 @@ def _load(a, environ) -> Tuple[torch.nn.Module, object, int, int]:
     with --tensor-model-parallel-size T and --pipeline-model-parallel-size P (T x P ==
     world size) this rank's share (tools/generate_tp.py). SystemExit for a layout
     generation does not run."""
-    from tools.generate_tp import check_generation_layout, launch_ranks, load_model_tp
+    from tools.generate_tp import checked_launch, load_model_tp
 
-    rank, world_size, local_rank = launch_ranks(environ)
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
-    check_generation_layout("generate.py", world_size, tp, pp)
+    rank, world_size, local_rank = checked_launch("generate.py", environ, tp, pp,
+                                                  device=a.device)
     dtype = _DTYPES[a.dtype] if a.dtype else None
     if world_size == 1:
         device = _device(a.device)
         dtype = dtype or (None if device.type == "cuda" else torch.float32)
         return (*load_model(a.load, a.iteration, device, dtype), 0)
-    if a.device is not None:
-        raise SystemExit(f"error: --device {a.device}: under torchrun each rank uses "
-                         "cuda:LOCAL_RANK (the CPU without CUDA); leave --device out")
     if dtype is None and not torch.cuda.is_available():
         dtype = torch.float32
     model, config, iteration, _ = load_model_tp(a.load, tp, rank, local_rank, environ,

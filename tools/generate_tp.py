@@ -100,6 +100,29 @@ def check_generation_layout(prog: str, world_size: int, tp_size: int, pp_size: i
             f"with these sizes, or sizes whose product is {world_size}")
 
 
+def checked_launch(prog: str, environ: Mapping[str, str], tp_size: int, pp_size: int,
+                   vpp_layers: Optional[int] = None,
+                   device: Optional[str] = None) -> Tuple[int, int, int]:
+    """`launch_ranks(environ)` once the layout is one generation runs
+    (`check_generation_layout`) and, under torchrun, no --device is given. A mistake in
+    these flags is printed by rank 0 alone (the others wait for it under a launcher), as
+    pretrain_gpt.py prints a flag error: each rank printed it."""
+    from megatron.arguments import exit_before_group
+
+    rank, world_size, local_rank = launch_ranks(environ)
+    try:
+        check_generation_layout(prog, world_size, tp_size, pp_size, vpp_layers)
+        if world_size > 1 and device is not None:
+            raise SystemExit(f"{prog}: error: --device {device}: under torchrun each rank uses "
+                             "cuda:LOCAL_RANK (the CPU without CUDA); leave --device out")
+    except SystemExit as exc:
+        if world_size == 1:
+            raise
+        message = SystemExit(str(exc.code).removeprefix(f"{prog}: "))
+        raise exit_before_group(message, rank, world_size, environ, machine=False) from None
+    return rank, world_size, local_rank
+
+
 def _padded_vocab(saved: dict, tp_size: int) -> int:
     """The checkpoint's padded vocabulary, padded further when the tensor-parallel size
     does not divide it into --make-vocab-size-divisible-by multiples (the loader fills the
@@ -206,5 +229,5 @@ def load_model_tp(load: str, tp_size: int, rank: int, local_rank: int,
     return model, config, iteration, rt
 
 
-__all__ = ["check_generation_layout", "launch_ranks", "load_model_tp",
+__all__ = ["check_generation_layout", "checked_launch", "launch_ranks", "load_model_tp",
            "process_group_closed", "tp_config"]

@@ -7,7 +7,6 @@ must share one dtype; the `.bin` files are copied and the doc_idx entries shifte
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -99,7 +98,9 @@ def merge(prefixes, output_prefix: str) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    from megatron.cli_suggest import SuggestingParser
+
+    parser = SuggestingParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--input", nargs="+", required=True,
                         help="dataset prefixes, or directories holding .bin/.idx pairs")
     parser.add_argument("--output-prefix", required=True)

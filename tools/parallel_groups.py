@@ -35,7 +35,9 @@ EDGE_STYLES = {
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags use Megatron's names; --tp/--pp/--ep are short aliases."""
-    p = argparse.ArgumentParser(
+    from megatron.cli_suggest import SuggestingParser
+
+    p = SuggestingParser(
         description="Print the rank layout and communication groups of a parallel layout."
     )
     p.add_argument("--world-size", type=int, required=True, help="number of processes")

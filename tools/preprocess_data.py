@@ -59,8 +59,10 @@ INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".gz", ".jsonl.zst
 
 def get_args(argv=None) -> argparse.Namespace:
     """Megatron 23.05's preprocess_data.py flags, plus --skip-bad-lines."""
-    p = argparse.ArgumentParser(description="Preprocess JSON lines into Megatron datasets",
-                                allow_abbrev=False)
+    from megatron.cli_suggest import SuggestingParser
+
+    p = SuggestingParser(description="Preprocess JSON lines into Megatron datasets",
+                         allow_abbrev=False)
     g = p.add_argument_group("input data")
     g.add_argument("--input", type=str, required=True,
                    help="JSONL file (.gz/.zst ok), directory of them, or glob pattern")

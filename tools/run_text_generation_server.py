@@ -114,7 +114,9 @@ HEARTBEAT_S = 30.0  # rank 0's idle broadcast under torchrun
 
 # -------------------------------------------------------------------------- command line
 def _server_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    from megatron.cli_suggest import SuggestingParser
+
+    ap = SuggestingParser(
         prog=_PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Every other flag is one of Megatron-LM's (see pretrain_gpt.py --help).")
     ap.add_argument("--port", type=int, default=5000, help="default 5000 (0: any free port)")
@@ -144,10 +146,12 @@ def parse_args(argv=None) -> Tuple[argparse.Namespace, argparse.Namespace, Set[s
     from megatron.arguments import ArgumentsError, apply_deprecated, check_not_supported
     from megatron.arguments import parse_args as parse_megatron
     from megatron.arguments_common import FLAG_SPECS
+    from megatron.cli_suggest import option_strings
 
-    a, rest = _server_parser().parse_known_args(argv)
+    server = _server_parser()
+    a, rest = server.parse_known_args(argv)
     try:
-        ns, explicit = parse_megatron(rest)
+        ns, explicit = parse_megatron(rest, extra_options=option_strings(server))
         # --max-tokens-to-oom is the server's (check_not_supported calls it idle elsewhere)
         max_tokens, ns.max_tokens_to_oom = ns.max_tokens_to_oom, FLAG_SPECS[_MAX_TOKENS].default
         check_not_supported(ns, apply_deprecated(ns, explicit))
@@ -184,20 +188,16 @@ def _load(a, ns, environ):
     """(model, Config, iteration, Runtime or None): the whole model in this process, or
     under torchrun this rank's share of a tensor x pipeline layout (tools/generate_tp.py).
     SystemExit for a layout the server does not run."""
-    from tools.generate_tp import check_generation_layout, launch_ranks, load_model_tp
+    from tools.generate_tp import checked_launch, load_model_tp
 
-    rank, world_size, local_rank = launch_ranks(environ)
     tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
-    check_generation_layout(_PROG, world_size, tp, pp,
-                            ns.num_layers_per_virtual_pipeline_stage)
+    rank, world_size, local_rank = checked_launch(
+        _PROG, environ, tp, pp, ns.num_layers_per_virtual_pipeline_stage, a.device)
     dtype = torch.float16 if ns.fp16 else torch.bfloat16 if ns.bf16 else None
     if world_size == 1:
         device = _device(a.device)
         dtype = dtype or (None if device.type == "cuda" else torch.float32)
         return (*load_model(ns.load, a.iteration, device, dtype), None)
-    if a.device is not None:
-        raise SystemExit(f"{_PROG}: error: --device {a.device}: under torchrun each rank uses "
-                         "cuda:LOCAL_RANK (the CPU without CUDA); leave --device out")
     if dtype is None and not torch.cuda.is_available():
         dtype = torch.float32
     return load_model_tp(ns.load, tp, rank, local_rank, environ, a.iteration, dtype,

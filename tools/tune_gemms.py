@@ -24,7 +24,6 @@ micro batch, sequence length and parallel layout.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import sys
@@ -165,8 +164,10 @@ def _as_algo(algo: bytes):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],  # first paragraph
-                                 epilog="flags after -- are pretrain_gpt.py's")
+    from megatron.cli_suggest import SuggestingParser
+
+    ap = SuggestingParser(description=__doc__.split("\n\n")[0],  # first paragraph
+                          epilog="flags after -- are pretrain_gpt.py's")
     ap.add_argument("--out", help="table to write (JSON)")
     ap.add_argument("--preset", help="a tools/benchmark.py preset instead of flags after --")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")

@@ -1,0 +1,88 @@
+"""'did you mean --flag?' for every command line of the project.
+
+argparse answers a mistyped flag with 'unrecognized arguments: --max-new-tokns' (Python
+before 3.14 suggests nothing for an option name), or, when the flag was a required one,
+with 'the following arguments are required: --output' that never names the typo.
+`SuggestingParser` adds the closest known flag to both; `unknown_arguments_message` is the
+same text for parsers that collect unknown arguments themselves (megatron/arguments.py).
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from typing import Iterable, List, Optional, Sequence
+
+
+def option_strings(parser: argparse.ArgumentParser) -> List[str]:
+    """Every flag `parser` knows, its sub-commands' included."""
+    options = []
+    for action in parser._actions:
+        options += action.option_strings
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                options += option_strings(sub)
+    return list(dict.fromkeys(options))
+
+
+def close_flag(token: str, options: Iterable[str]) -> Optional[str]:
+    """The known flag closest to `token` (`--flag` or `--flag=value`), or None."""
+    name = token.split("=", 1)[0]
+    if not name.startswith("-"):
+        return None
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return close[0] if close else None
+
+
+def unknown_arguments_message(unknown: Sequence[str], options: Iterable[str]) -> str:
+    """'unrecognized arguments: --num-layer (did you mean --num-layers?) 2'."""
+    options = list(options)
+    parts = []
+    for token in unknown:
+        close = close_flag(token, options)
+        parts.append(f"{token} (did you mean {close}?)" if close else token)
+    return "unrecognized arguments: " + " ".join(parts)
+
+
+def _unknown_flags(argv: Sequence[str], parser: argparse.ArgumentParser) -> List[str]:
+    """The tokens of `argv` that look like flags `parser` does not know (nor abbreviates)."""
+    options = option_strings(parser)
+    unknown = []
+    for token in argv:
+        if token == "--":
+            break
+        name = token.split("=", 1)[0]
+        if not name.startswith("--") or name in options:
+            continue
+        if parser.allow_abbrev and any(o.startswith(name) for o in options):
+            continue
+        unknown.append(token)
+    return unknown
+
+
+class SuggestingParser(argparse.ArgumentParser):
+    """argparse.ArgumentParser whose errors name the closest flag of each unknown one:
+    'unrecognized arguments: --promt (did you mean --prompt?) x', and a missing required
+    flag beside a misspelling of it ('... required: --output; --ouptut is not a flag: did
+    you mean --output?'). Sub-commands (add_subparsers) get the same class."""
+
+    _argv: Sequence[str] = ()
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def parse_args(self, args=None, namespace=None):
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(unknown_arguments_message(extras, option_strings(self)))
+        return ns
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        if "required" in message:
+            options = option_strings(self)
+            for token in _unknown_flags(self._argv, self):
+                close = close_flag(token, options)
+                if close:
+                    message += f"; {token.split('=', 1)[0]} is not a flag: did you mean {close}?"
+        super().error(message)

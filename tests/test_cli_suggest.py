@@ -1,0 +1,71 @@
+"""A mistyped flag is answered with the closest known one, in every tool's command line
+(megatron/cli_suggest.py), not only pretrain_gpt.py's: argparse alone says
+'unrecognized arguments', or names a required flag without the typo beside it."""
+from __future__ import annotations
+
+import pytest
+
+from megatron.cli_suggest import SuggestingParser
+
+
+def _error(capsys, parse, argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        parse(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_unknown_flag_names_the_close_one(capsys):
+    p = SuggestingParser(prog="tool.py", allow_abbrev=False)
+    p.add_argument("--append-eod", action="store_true")
+    p.add_argument("--workers", type=int)
+    err = _error(capsys, p.parse_args, ["--append-eos", "--workers", "2", "--zzz"])
+    assert err == ("tool.py: error: unrecognized arguments: --append-eos (did you mean "
+                   "--append-eod?) --zzz")
+
+
+def test_missing_required_flag_names_its_misspelling(capsys):
+    p = SuggestingParser(prog="tool.py")
+    p.add_argument("--load", required=True)
+    p.add_argument("--output", required=True)
+    err = _error(capsys, p.parse_args, ["--load", "x", "--ouptut=y"])
+    assert err == ("tool.py: error: the following arguments are required: --output; "
+                   "--ouptut is not a flag: did you mean --output?")
+    # an abbreviation argparse accepts is no typo
+    err = _error(capsys, p.parse_args, ["--lo", "x"])
+    assert err == "tool.py: error: the following arguments are required: --output"
+
+
+def test_sub_commands_suggest_their_own_flags(capsys):
+    from tools.checkpoint_convert import build_parser
+
+    err = _error(capsys, build_parser().parse_args,
+                 ["to-hf", "--load", "c", "--ouptut", "o"])
+    assert err.endswith("required: --output; --ouptut is not a flag: did you mean --output?")
+    err = _error(capsys, build_parser().parse_args,
+                 ["to-hf", "--load", "c", "--output", "o", "--verfy"])
+    assert err.endswith("unrecognized arguments: --verfy (did you mean --verify?)")
+
+
+def test_tools_suggest(capsys):
+    from tools import generate, preprocess_data
+
+    err = _error(capsys, generate.parse_args, ["--load", "c", "--prompt", "x",
+                                               "--max-new-tokns", "5"])
+    assert "--max-new-tokns (did you mean --max-new-tokens?) 5" in err
+    err = _error(capsys, generate.parse_args, ["--load", "c", "--promt", "x"])
+    assert err.endswith("--promt is not a flag: did you mean --prompt?")
+    err = _error(capsys, preprocess_data.main, ["--input", "a.jsonl", "--output-prefix", "o",
+                                                "--tokenizer-type", "NullTokenizer",
+                                                "--workers", "1", "--append-eos"])
+    assert "--append-eos (did you mean --append-eod?)" in err
+
+
+def test_server_suggests_its_own_flags_too():
+    """The server's unknown flags reach Megatron's parser, which suggested only Megatron's
+    flags: --prot got 'did you mean --profile?'."""
+    from tools.run_text_generation_server import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--load", "c", "--prot", "5001"])
+    assert "--prot (did you mean --port?) 5001" in str(exc.value.code)

@@ -1,0 +1,56 @@
+"""requirements.txt, the README's install line and the Dockerfile agree: the torch floor
+(what megatron/checkpoint_files.py needs to read Megatron-LM's checkpoints), a base image
+that ships such a torch, no required apex / Transformer Engine, and no run outputs copied
+into the image."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# NVIDIA's PyTorch container release -> the torch it ships (its release notes): 24.05 had
+# 2.4.0a0, 25.01 a 2.6.0a0 pre-release, 25.02 on 2.7.0a0 builds and later.
+FIRST_NGC_WITH_TORCH_2_6 = (25, 2)
+
+
+def _requirement_lines(name: str):
+    lines = (ROOT / name).read_text().splitlines()
+    return [ln.split("#")[0].strip() for ln in lines if ln.split("#")[0].strip()]
+
+
+def _torch_floor() -> tuple:
+    (spec,) = [ln for ln in _requirement_lines("requirements.txt") if ln.startswith("torch")]
+    found = re.fullmatch(r"torch>=(\d+)\.(\d+)", spec)
+    assert found, spec
+    return int(found.group(1)), int(found.group(2))
+
+
+def test_torch_floor_reads_megatron_lm_checkpoints_and_the_readme_says_it():
+    """The Megatron-LM checkpoint reader needs torch.serialization.safe_globals with
+    (object, name) pairs: torch 2.6 (requirements.txt said 2.4)."""
+    assert _torch_floor() >= (2, 6)
+    major, minor = _torch_floor()
+    assert f"a CUDA build of torch >= {major}.{minor}" in (ROOT / "README.md").read_text()
+
+
+def test_no_apex_or_transformer_engine_required():
+    names = [re.split(r"[<>=!;\[ ]", ln)[0].lower().replace("_", "-")
+             for f in ("requirements.txt", "requirements-dev.txt") for ln in _requirement_lines(f)]
+    assert not {"apex", "transformer-engine"} & set(names), names
+
+
+def test_dockerfile_base_image_ships_the_torch_floor():
+    text = (ROOT / "Dockerfile").read_text()
+    found = re.search(r"^FROM nvcr\.io/nvidia/pytorch:(\d\d)\.(\d\d)-py3$", text, re.M)
+    assert found, "the base image is NVIDIA's PyTorch container"
+    assert (int(found.group(1)), int(found.group(2))) >= FIRST_NGC_WITH_TORCH_2_6
+    # the image's torch is kept: requirements.txt is installed without its torch line
+    assert "grep -v '^torch' requirements.txt" in text
+
+
+def test_dockerignore_keeps_run_outputs_and_git_out_of_the_image():
+    """`COPY . .` after scripts/quickstart.sh copied its runs/ (checkpoints, corpus) and
+    .git into the image."""
+    ignored = set(_requirement_lines(".dockerignore"))
+    assert {".git", "runs/", "checkpoints/"} <= ignored
