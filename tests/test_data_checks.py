@@ -63,6 +63,43 @@ def test_token_ids_beyond_the_padded_vocabulary(tmp_path):
     check_token_ids(MMapIndexedDataset(prefix), 65536)  # uint16 always fits: no scan
 
 
+def test_an_id_outside_the_scanned_windows_stops_at_its_sample(tmp_path, monkeypatch):
+    """The opening scan reads a bounded sample of each .bin; an id outside it used to reach
+    the embedding (IndexError on CPU, a device-side assert on CUDA, a silent zero row with
+    tensor parallelism). Every sample read is checked: an error naming the file, the id
+    and the sequence, in the data loader."""
+    import megatron.core.datasets.gpt_dataset as gpt_dataset
+
+    prefix, docs = make_corpus(tmp_path / "c", [20] * 30, vocab=100)
+    with open(prefix + ".bin", "r+b") as f:  # sequence 17, token 5 -> id 5000
+        f.seek((17 * 20 + 5) * 2)
+        f.write(np.array([5000], dtype=np.uint16).tobytes())
+    monkeypatch.setattr(gpt_dataset, "check_token_ids", lambda *a, **k: None)  # not sampled
+    train = _build(_config(data_path=[prefix], split="100,0,0"))["train"]
+    bad = [i for i in range(len(train)) if 17 * 20 + 5 in _positions(train, i)]
+    assert bad
+    with pytest.raises(ValueError, match=rf"{prefix}\.bin: token id 5000 in sample {bad[0]} of "
+                                         r"the train dataset \(sequence\(s\) [0-9, ]*17"
+                                         r"[0-9, ]*\) is outside the padded vocabulary of 128"):
+        train[bad[0]]
+    good = next(i for i in range(len(train)) if i not in bad)
+    assert train[good]["text"].max() < 100
+
+
+def _positions(ds, i):
+    """Token positions in the .bin (in tokens) that sample `i` of `ds` reads."""
+    j = int(ds.shuffle_idx[i])
+    (doc_f, off_f), (doc_l, off_l) = ds.sample_idx[j], ds.sample_idx[j + 1]
+    sizes, out = ds.indexed_dataset.sizes, set()
+    for d in range(int(doc_f), int(doc_l) + 1):
+        seq = int(ds.doc_idx[d])
+        start = int(sizes[:seq].sum())
+        lo = int(off_f) if d == doc_f else 0
+        hi = int(off_l) + 1 if d == doc_l else int(sizes[seq])
+        out.update(range(start + lo, start + hi))
+    return out
+
+
 def test_token_id_scan_is_bounded(tmp_path):
     b = IndexedDatasetBuilder(str(tmp_path / "big.bin"), np.int32)
     ids = np.zeros(1 << 20, dtype=np.int32)  # 4 MiB

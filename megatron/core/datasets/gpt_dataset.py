@@ -241,7 +241,7 @@ class GPTDataset:
     def __init__(self, name: str, data_prefix: str, documents: np.ndarray,
                  indexed_dataset: MMapIndexedDataset, num_samples: int, seq_length: int,
                  seed: int, split_string: str, cache_dir: Optional[str] = None,
-                 may_build: bool = True):
+                 may_build: bool = True, vocab_size: Optional[int] = None):
         documents = np.asarray(documents, dtype=np.int32)
         n_seq = len(indexed_dataset.sizes)
         if n_seq == 0:
@@ -254,6 +254,7 @@ class GPTDataset:
         self.data_prefix = data_prefix
         self.indexed_dataset = indexed_dataset
         self.seq_length = seq_length
+        self.vocab_size = vocab_size
         self.desc = describe(data_prefix, name, num_samples, seq_length, seed, split_string)
         self.desc_hash = hashlib.md5(self.desc.encode("utf-8")).hexdigest()
         sizes = indexed_dataset.sizes
@@ -300,7 +301,23 @@ class GPTDataset:
             parts = [get(int(self.doc_idx[doc_f]), offset=off_f)]
             parts += [get(int(self.doc_idx[i])) for i in range(doc_f + 1, doc_l)]
             parts.append(get(int(self.doc_idx[doc_l]), length=off_l + 1))
-        return {"text": np.concatenate(parts).astype(np.int64)}
+        text = np.concatenate(parts).astype(np.int64)
+        if self.vocab_size is not None and (text.max() >= self.vocab_size or text.min() < 0):
+            self._bad_token(idx, text, doc_f, doc_l)
+        return {"text": text}
+
+    def _bad_token(self, idx: int, text: np.ndarray, doc_f: int, doc_l: int) -> None:
+        """ValueError for sample `idx` holding an id outside [0, vocab_size): the opening
+        check samples only part of each `.bin`, and such an id would index past the
+        embedding (a CUDA device-side assert, or with tensor parallelism a silent zero row)."""
+        bad = int(text.max()) if text.max() >= self.vocab_size else int(text.min())
+        docs = sorted({int(self.doc_idx[d]) for d in range(doc_f, doc_l + 1)})
+        raise ValueError(
+            f"{self.data_prefix}.bin: token id {bad} in sample {idx} of the {self.name} dataset "
+            f"(sequence(s) {', '.join(map(str, docs))}) is outside the padded vocabulary of "
+            f"{self.vocab_size} ids: the data was tokenized with another vocabulary than this "
+            "run's. Pass the --tokenizer-type and --vocab-file (or --vocab-size) it was "
+            "preprocessed with")
 
 
 class _Builder:
@@ -333,7 +350,7 @@ class _Builder:
         try:
             ds = GPTDataset(name, prefix, documents, self.indexed(prefix), num_samples,
                             self.seq_length, self.seed, self.split, self.cache_dir,
-                            self.may_build and not checking_only)
+                            self.may_build and not checking_only, self.vocab_size)
         except StaleIndexCacheError as e:
             self.stale.append(e)
             return None
@@ -509,7 +526,8 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
     A non-builder rank that finds a file missing raises ValueError.
 
     `vocab_size` (the model's padded vocabulary) has every opened `.bin` checked for ids
-    outside it (`check_token_ids`: a bounded sample). `log` (e.g. a rank-0 print) receives,
+    outside it (`check_token_ids`: a bounded sample), and every sample read (a ValueError
+    naming the file and the sequences, instead of an embedding lookup past the table). `log` (e.g. a rank-0 print) receives,
     on the builder rank, each blend's requested and achieved ratios. With `train` samples
     asked for (n_train > 0) a train split without documents is an error.
     """
