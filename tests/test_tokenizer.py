@@ -155,6 +155,27 @@ def test_tiny_bpe_matches_reference(tmp_path, shuffle_ids):
     assert all(ref.bpe(t) == [t] for t in vocab if t != "<|endoftext|>")
 
 
+def test_bpe_detokenizes_every_vocabulary_id(tmp_path):
+    """vocab.json entries that are neither a byte nor a merge result (tokens added for
+    chat or padding, e.g. `<|pad|>`) are never produced by the encoder, but a model can
+    sample them (generation draws from the whole vocabulary): they decode to their text,
+    as GPT-2's decoder does, instead of a KeyError. An id outside the vocabulary is a
+    ValueError naming it."""
+    vocab, merges = train_tiny_bpe(TRAIN_TEXT, 300, False)
+    vocab = {**vocab, "<|pad|>": len(vocab), "Ġ<|im_start|>": len(vocab) + 1,
+             "<▁sep>": len(vocab) + 2}  # the last: a character outside the byte map
+    tok = build_tokenizer("GPT2BPETokenizer", *write_bpe_files(tmp_path, vocab, merges))
+    assert tok.vocab_size == len(vocab)
+    text = "the quick fox"
+    ids = tok.tokenize(text) + [vocab["<|pad|>"], vocab["Ġ<|im_start|>"],
+                                vocab["<▁sep>"], tok.eod]
+    assert tok.detokenize(ids) == text + "<|pad|> <|im_start|><▁sep><|endoftext|>"
+    assert all(isinstance(tok.detokenize([i]), str) for i in range(tok.vocab_size))
+    with pytest.raises(ValueError, match=rf"token id {len(vocab)} is not in the "
+                                         rf"GPT2BPETokenizer's vocabulary \({len(vocab)} ids\)"):
+        tok.detokenize([5, len(vocab)])
+
+
 @pytest.mark.skipif(not HAVE_GPT2, reason="../shared/data/gpt2 not present")
 def test_gpt2_matches_reference():
     tok = build_tokenizer("GPT2BPETokenizer", vocab_file=str(GPT2_DIR / "gpt2-vocab.json"),

@@ -100,6 +100,20 @@ def _mergeable_ranks(vocab: Dict[str, int], merges: List[Tuple[str, str]], vocab
     return ranks, ids
 
 
+def _id_to_bytes(vocab: Dict[str, int], ids: Dict[bytes, int]) -> Dict[int, bytes]:
+    """Every vocabulary id -> its bytes: the bytes and merge results as merged, and the
+    other entries (`<|endoftext|>`, tokens added to vocab.json such as `<|pad|>`, which the
+    encoder never emits but a model can) spelled through the byte map as GPT-2's decoder
+    does, their plain UTF-8 where a character is outside it."""
+    byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
+    out = {i: t for t, i in ids.items()}
+    for token, i in vocab.items():
+        if i not in out:
+            out[i] = (bytes(byte_decoder[ch] for ch in token)
+                      if all(ch in byte_decoder for ch in token) else token.encode("utf-8"))
+    return out
+
+
 class GPT2BPETokenizer:
     """GPT-2 BPE tokenizer (Megatron's `GPT2BPETokenizer`); `vocab_size` is len(vocab.json)."""
 
@@ -131,8 +145,7 @@ class GPT2BPETokenizer:
         self._encoding = tiktoken.Encoding(
             name=f"gpt2-local-{self._vocab_size}", pat_str=GPT2_PATTERN,
             mergeable_ranks=ranks, special_tokens={EOD_TEXT: special_rank})
-        self._id_to_bytes = {i: t for t, i in ids.items()}
-        self._id_to_bytes[self._eod] = EOD_TEXT.encode()
+        self._id_to_bytes = _id_to_bytes(vocab, ids)
 
     @property
     def vocab_size(self) -> int:
@@ -155,5 +168,9 @@ class GPT2BPETokenizer:
         return self.tokenize_array(text).tolist()
 
     def detokenize(self, ids) -> str:
-        data = b"".join(self._id_to_bytes[int(i)] for i in ids)
+        try:
+            data = b"".join(self._id_to_bytes[int(i)] for i in ids)
+        except KeyError as e:
+            raise ValueError(f"token id {e.args[0]} is not in the GPT2BPETokenizer's vocabulary "
+                             f"({self._vocab_size} ids)") from None
         return data.decode("utf-8", errors="replace")
