@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -261,6 +262,36 @@ def test_user_errors(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").unlink()
     with pytest.raises(SystemExit, match="it holds iter_0000001: pass --iteration N"):
         generate.main(["--load", str(tmp_path), "--prompt", "1"])
+
+
+def test_a_tokenizer_that_does_not_fit_the_checkpoint(tmp_path, capsys):
+    """Tokenizer files given again (--vocab-file/--merge-file) that are not the model's:
+    more ids than the model's vocabulary rows used to end in an IndexError inside the
+    embedding (a device-side assert on CUDA); now the tokenizer is refused with the
+    reason, and --prompt-ids still generate. Fewer ids that pad to another size than
+    the model's at any tensor-parallel size: used, with a warning naming both sizes."""
+    from tests.test_tokenizer import TRAIN_TEXT, train_tiny_bpe, write_bpe_files
+
+    vocab, merges = write_bpe_files(tmp_path, *train_tiny_bpe(TRAIN_TEXT, 300, False))
+    bpe = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]
+    small, large = tmp_path / "small", tmp_path / "large"
+    _train(small, steps=1)  # NullTokenizer --vocab-size 100: 128 rows
+    with pytest.raises(SystemExit, match=r"--prompt needs the checkpoint's tokenizer, which "
+                                         r"cannot be built: tokenizer GPT2BPETokenizer: the "
+                                         r"tokenizer has 557 ids, more than the 128 "
+                                         r"vocabulary rows of the checkpoint's model.*trained "
+                                         r"with --tokenizer-type NullTokenizer, --vocab-size 100"):
+        generate.main(["--load", str(small), "--prompt", "the fox", *bpe])
+    out = _run_cli("--load", str(small), "--prompt-ids", "5,6", "--max-new-tokens", "2", *bpe)
+    assert len(out["generated_ids"]) == 2 and out["generated_text"] is None
+    _train(large, "--vocab-size 10000", steps=1)  # 10112 rows: 79 x 128
+    capsys.readouterr()
+    out = _run_cli("--load", str(large), "--prompt", "the fox", "--max-new-tokens", "2", *bpe)
+    assert isinstance(out["generated_text"], str)
+    assert re.search(r"WARNING: tokenizer GPT2BPETokenizer: the tokenizer's 557 ids do not pad "
+                     r"to the 10112 rows of the checkpoint's model at any tensor-parallel size "
+                     r"up to 64 \(--make-vocab-size-divisible-by 128; at tp 1: 640\)",
+                     capsys.readouterr().err)
 
 
 def test_prompt_file_equals_one_prompt_at_a_time(tmp_path):

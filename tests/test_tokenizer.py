@@ -221,6 +221,24 @@ def test_null_tokenizer_and_padding():
     assert pad_vocab_size(256, 128, 2) == 256
 
 
+def test_checkpoint_vocab_mismatch():
+    """A tokenizer fits a checkpoint when some tensor-parallel size pads it to the model's
+    rows (the saved tp is not trusted: loaders overwrite it); more ids than rows is fatal."""
+    from megatron.tokenizer.tokenizer import checkpoint_vocab_mismatch
+
+    tp2 = {"padded_vocab_size": 50432, "make_vocab_size_divisible_by": 128,
+           "tensor_model_parallel_size": 1, "tokenizer_type": "GPT2BPETokenizer",
+           "vocab_file": "gpt2-vocab.json"}
+    assert checkpoint_vocab_mismatch(50257, tp2) is None  # GPT-2 trained at tp 2
+    assert checkpoint_vocab_mismatch(50257, {}) is None
+    fatal, why = checkpoint_vocab_mismatch(50433, tp2)
+    assert fatal and why.startswith("the tokenizer has 50433 ids, more than the 50432 ")
+    assert why.endswith("trained with --tokenizer-type GPT2BPETokenizer, --vocab-file "
+                        "gpt2-vocab.json")
+    fatal, why = checkpoint_vocab_mismatch(32000, tp2)  # a LLaMA SentencePiece model
+    assert not fatal and "32000 ids do not pad to the 50432 rows" in why
+
+
 def _train_sentencepiece(tmp_path: Path, **extra) -> str:
     spm = pytest.importorskip("sentencepiece")
     lines = [line for line in TRAIN_TEXT.split("\n") if line.strip()] * 5

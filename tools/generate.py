@@ -341,21 +341,32 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
 
 
 # -------------------------------------------------------------------------------- CLI
-def build_tokenizer_from(args: dict, a) -> Tuple[Optional[object], Optional[str]]:
-    """(tokenizer, None) or (None, why not), from the checkpoint's args and CLI overrides."""
+def build_tokenizer_from(args: dict, a, show: bool = True
+                         ) -> Tuple[Optional[object], Optional[str]]:
+    """(tokenizer, None) or (None, why not), from the checkpoint's args and CLI overrides.
+    A tokenizer with more ids than the model has vocabulary rows (other files than the
+    model's) is refused; one that pads to another size than the model's is used with a
+    warning on stderr (`show`: this rank prints it)."""
     kind = a.tokenizer_type or args.get("tokenizer_type")
     try:
         from megatron.tokenizer import build_tokenizer
+        from megatron.tokenizer.tokenizer import checkpoint_vocab_mismatch
     except ImportError as exc:
         return None, f"megatron.tokenizer is not available ({exc})"
     try:
-        return build_tokenizer(kind, vocab_file=a.vocab_file or args.get("vocab_file"),
-                               merge_file=a.merge_file or args.get("merge_file"),
-                               tokenizer_model=a.tokenizer_model or args.get("tokenizer_model"),
-                               vocab_size=args.get("vocab_size"),
-                               vocab_extra_ids=args.get("vocab_extra_ids") or 0), None
+        tok = build_tokenizer(kind, vocab_file=a.vocab_file or args.get("vocab_file"),
+                              merge_file=a.merge_file or args.get("merge_file"),
+                              tokenizer_model=a.tokenizer_model or args.get("tokenizer_model"),
+                              vocab_size=args.get("vocab_size"),
+                              vocab_extra_ids=args.get("vocab_extra_ids") or 0)
     except (ValueError, OSError) as exc:
         return None, f"tokenizer {kind}: {exc}"
+    mismatch = checkpoint_vocab_mismatch(tok.vocab_size, args)
+    if mismatch is not None and mismatch[0]:
+        return None, f"tokenizer {kind}: {mismatch[1]}"
+    if mismatch is not None and show:
+        print(f"WARNING: tokenizer {kind}: {mismatch[1]}", file=sys.stderr, flush=True)
+    return tok, None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -494,7 +505,7 @@ def _run(a, environ, texts: Optional[List[str]]) -> int:
     """main after the command line: load, check the prompts, generate, print."""
     with silent_ranks_wait(environ):  # a load error the ranks agree on: rank 0 prints it
         model, config, iteration, rank = _load(a, environ)
-        tokenizer, why_not = build_tokenizer_from(config.args, a)
+        tokenizer, why_not = build_tokenizer_from(config.args, a, show=rank == 0)
         # the tokenizer's vocabulary, not the padded one (which depends on the layout);
         # without a tokenizer the checkpoint's padded vocabulary (tp > 1 may pad it further)
         vocab = (tokenizer.vocab_size if tokenizer is not None else

@@ -217,7 +217,7 @@ def build_engine(a, ns, explicit: Set[str], environ=None) -> Tuple[Engine, int]:
     if idle and lead:
         print(f"note: no effect on the server: {', '.join(idle)} (the model comes from the "
               "checkpoint; each request sets its own sampling)")
-    tokenizer, why_not = build_tokenizer_from(config.args, ns)
+    tokenizer, why_not = build_tokenizer_from(config.args, ns, show=lead)
     if tokenizer is None:
         raise SystemExit(f"{_PROG}: error: the server needs the checkpoint's tokenizer, which "
                          f"cannot be built: {why_not}; give --tokenizer-type and its files "

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import List, Optional
+from typing import List, Mapping, Optional, Tuple
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
                    "HuggingFaceTokenizer", "NullTokenizer")
@@ -94,3 +94,33 @@ def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp_size: 
     if multiple < 1:
         raise ValueError(f"--make-vocab-size-divisible-by x tp must be >= 1, got {multiple}")
     return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def checkpoint_vocab_mismatch(vocab_size: int, saved: Mapping) -> Optional[Tuple[bool, str]]:
+    """Whether a tokenizer of `vocab_size` ids can be the one a checkpoint's model (its
+    saved `args`) was trained with, judged by the padded vocabulary: None when it can;
+    else (fatal, why). Fatal when the tokenizer has more ids than the model has rows (an
+    id past them would index outside the embedding). Otherwise the model runs, but when
+    no tensor-parallel size up to 64 pads `vocab_size` to the model's rows the tokenizer
+    is not the training one (the saved `tensor_model_parallel_size` is not used: loaders
+    overwrite it with the layout they load into)."""
+    padded = saved.get("padded_vocab_size")
+    if padded is None:
+        return None
+    padded = int(padded)
+    named = ", ".join(f"--{k.replace('_', '-')} {saved[k]}" for k in
+                      ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model",
+                       "vocab_size") if saved.get(k) is not None)
+    trained = f"; the checkpoint was trained with {named}" if named else ""
+    if vocab_size > padded:
+        return True, (f"the tokenizer has {vocab_size} ids, more than the {padded} vocabulary "
+                      f"rows of the checkpoint's model: it is not the tokenizer the model was "
+                      f"trained with{trained}")
+    divisible = int(saved.get("make_vocab_size_divisible_by") or 128)
+    if any(pad_vocab_size(vocab_size, divisible, tp) == padded for tp in range(1, 65)):
+        return None
+    return False, (f"the tokenizer's {vocab_size} ids do not pad to the {padded} rows of the "
+                   f"checkpoint's model at any tensor-parallel size up to 64 "
+                   f"(--make-vocab-size-divisible-by {divisible}; at tp 1: "
+                   f"{pad_vocab_size(vocab_size, divisible, 1)}): check that it is the "
+                   f"tokenizer the model was trained with{trained}")
