@@ -66,6 +66,12 @@ def add_to_hf_arguments(parser) -> None:
                              "tokenizer's end-of-document id)")
     parser.add_argument("--bos-token-id", type=int, default=None,
                         help="config.json's bos_token_id (default: gpt2 the eos id, llama none)")
+    parser.add_argument("--tokenizer-type", default=None,
+                        help="default: the checkpoint's; with the three below, its tokenizer "
+                             "given again when the files recorded in it moved")
+    parser.add_argument("--vocab-file", default=None, help="default: the checkpoint's")
+    parser.add_argument("--merge-file", default=None, help="default: the checkpoint's")
+    parser.add_argument("--tokenizer-model", default=None, help="default: the checkpoint's")
     parser.add_argument("--verify", action="store_true",
                         help="load the export with transformers and compare logits with ours")
     parser.add_argument("--verify-tolerance", type=float, default=1e-3,
@@ -91,18 +97,39 @@ def check_output(output: str, overwrite: bool = False) -> None:
                          "directory, or add --overwrite to replace them")
 
 
-def _tokenizer_of(args: dict):
-    """The checkpoint's tokenizer, or None when it cannot be built here."""
+_TOKENIZER_DESTS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
+
+
+def _tokenizer_args(args: dict, a) -> dict:
+    """The checkpoint's args with the tokenizer flags given to to-hf in place of the
+    recorded ones (files moved since training, or a run on another machine)."""
+    given = {k: getattr(a, k, None) for k in _TOKENIZER_DESTS}
+    return {**args, **{k: v for k, v in given.items() if v is not None}}
+
+
+def _tokenizer_of(args: dict, saved: dict):
+    """(the tokenizer of `args`, None), or (None, why) when it cannot be built here.
+    ValueError for one with more ids than the vocabulary rows of the model whose
+    checkpoint args are `saved` (not the files it was trained with)."""
+    from megatron.tokenizer.tokenizer import checkpoint_vocab_mismatch
+
     try:
         from megatron.tokenizer import build_tokenizer
 
-        return build_tokenizer(args.get("tokenizer_type"), vocab_file=args.get("vocab_file"),
-                               merge_file=args.get("merge_file"),
-                               tokenizer_model=args.get("tokenizer_model"),
-                               vocab_size=args.get("vocab_size"),
-                               vocab_extra_ids=args.get("vocab_extra_ids") or 0)
-    except (ImportError, OSError, ValueError, TypeError):
-        return None
+        tok = build_tokenizer(args.get("tokenizer_type"), vocab_file=args.get("vocab_file"),
+                              merge_file=args.get("merge_file"),
+                              tokenizer_model=args.get("tokenizer_model"),
+                              vocab_size=args.get("vocab_size"),
+                              vocab_extra_ids=args.get("vocab_extra_ids") or 0)
+    except (ImportError, OSError, ValueError, TypeError) as e:
+        return None, str(e)
+    mismatch = checkpoint_vocab_mismatch(tok.vocab_size, saved)
+    if mismatch is not None and mismatch[0]:
+        raise ValueError(f"{mismatch[1]}; pass those files with --vocab-file/--merge-file/"
+                         "--tokenizer-model")
+    if mismatch is not None:
+        print(f"WARNING: {mismatch[1]}")
+    return tok, None
 
 
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -197,11 +224,13 @@ def _to_hf(a) -> int:
     args, model_cfg, state, iteration = load_full_checkpoint(a.load, a.iteration,
                                                              check_args=refuse_switch_mlp)
     family = detect_family(model_cfg) if a.family == "auto" else a.family
-    tok = _tokenizer_of(args)
+    tok, why = _tokenizer_of(_tokenizer_args(args, a), args)
+    args = _tokenizer_args(args, a)
     vocab = a.true_vocab_size or (tok.vocab_size if tok is not None else model_cfg.padded_vocab_size)
     if tok is None and a.true_vocab_size is None:
         print(f"note: the checkpoint's tokenizer ({args.get('tokenizer_type')}) cannot be built "
-              f"here; keeping all {vocab} padded vocabulary rows (set --true-vocab-size)")
+              f"here ({why}); keeping all {vocab} padded vocabulary rows: give its files "
+              "again (--vocab-file/--merge-file/--tokenizer-model), or set --true-vocab-size")
     dtype = _DTYPES.get(a.dtype) or _DTYPES.get(
         {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(args.get("params_dtype")), "fp32"))
     eod, bos = _special_ids(a, args, tok, vocab, family)

@@ -536,6 +536,41 @@ def test_from_hf_advice_with_use_checkpoint_args_names_the_tokenizer_file(tmp_pa
     assert cfg.args["tokenizer_type"] == "HuggingFaceTokenizer"
 
 
+def test_to_hf_takes_tokenizer_files_that_moved(tmp_path, capsys):
+    """The tokenizer files a checkpoint records may be gone where it is exported (another
+    machine, a renamed directory): the export then kept every padded row, had no eos id
+    and no tokenizer files, and to-hf had no way to name the files. --vocab-file/
+    --merge-file/--tokenizer-model (and --tokenizer-type) give them again; files with
+    more ids than the model's rows are refused."""
+    from tests.test_tokenizer import TRAIN_TEXT, train_tiny_bpe, write_bpe_files
+
+    vocab, merges = train_tiny_bpe(TRAIN_TEXT, 300, False)  # 557 ids: 640 rows
+    (tmp_path / "tok").mkdir()
+    write_bpe_files(tmp_path / "tok", vocab, merges)
+    _train(tmp_path / "ck", f"--tokenizer-type GPT2BPETokenizer --vocab-file {tmp_path}/tok/"
+                            f"vocab.json --merge-file {tmp_path}/tok/merges.txt", steps=1)
+    (tmp_path / "tok").rename(tmp_path / "moved")
+    capsys.readouterr()
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "a") == 0
+    assert "keeping all 640 padded vocabulary rows: give its files again (--vocab-file/" \
+        in capsys.readouterr().out
+    moved = ["--vocab-file", tmp_path / "moved/vocab.json",
+             "--merge-file", tmp_path / "moved/merges.txt"]
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "b", *moved) == 0
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert config["vocab_size"] == len(vocab) and config["eos_token_id"] == vocab["<|endoftext|>"]
+    assert (tmp_path / "b" / "merges.txt").read_bytes() == \
+        (tmp_path / "moved" / "merges.txt").read_bytes()
+    (tmp_path / "big").mkdir()
+    big = {**vocab, **{f"<|x{i}|>": len(vocab) + i for i in range(100)}}  # 657 ids
+    vocab_file, merge_file = write_bpe_files(tmp_path / "big", big, merges)
+    with pytest.raises(SystemExit, match=r"error: the tokenizer has 657 ids, more than the 640 "
+                                         r"vocabulary rows .*trained with --tokenizer-type "
+                                         r"GPT2BPETokenizer, --vocab-file .*/tok/vocab.json"):
+        _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "c",
+             "--vocab-file", vocab_file, "--merge-file", merge_file)
+
+
 def test_tokenizer_files_by_tokenizer_type(tmp_path):
     vocab, merges = tmp_path / "v.json", tmp_path / "m.txt"
     vocab.write_text("{}")
