@@ -42,8 +42,10 @@ def _check_srun_tasks(env) -> None:
 
 def tokenizer_vocab_size(args) -> int:
     """Unpadded vocabulary size of the run's tokenizer (built from its local files). A
-    tokenizer that cannot be built is a configuration error (exit status 2)."""
+    tokenizer that cannot be built, or lacks the end-of-document id that a flag needs, is
+    a configuration error (exit status 2)."""
     from megatron.arguments_common import ArgumentsError
+    from megatron.arguments_inputs import check_eod_flags
     from megatron.tokenizer import build_tokenizer
 
     try:
@@ -52,6 +54,7 @@ def tokenizer_vocab_size(args) -> int:
                               vocab_size=args.vocab_size, vocab_extra_ids=args.vocab_extra_ids)
     except (OSError, ValueError, RuntimeError) as e:
         raise ArgumentsError(f"cannot build the {args.tokenizer_type}: {e}") from None
+    check_eod_flags(args, tok)
     return tok.vocab_size
 
 

@@ -205,6 +205,32 @@ def warn_unread_tokenizer_flags(ns, explicit=frozenset()) -> None:
          f"--tokenizer-type that reads {it}, or drop {it} (Megatron-LM ignores {it} too)")
 
 
+_EOD_FLAGS = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+
+
+def check_eod_flags(ns, tokenizer) -> None:
+    """--reset-position-ids, --reset-attention-mask and --eod-mask-loss act at the
+    tokenizer's end-of-document id: ArgumentsError, naming the flags, when it has none in
+    its vocabulary (a tokenizer.json without an EOS token stopped the run with a traceback
+    after the model was built; a SentencePiece model trained with eos_id -1 made the flags
+    do nothing, as in Megatron-LM)."""
+    from megatron.tokenizer import eod_or_none
+
+    given = [flag_for_dest(d) for d in _EOD_FLAGS if getattr(ns, d, False)]
+    if not given or eod_or_none(tokenizer) is not None:
+        return
+    try:
+        why = f"its end-of-document id is {tokenizer.eod}"
+    except ValueError as e:
+        why = str(e)
+    verb = "act" if len(given) > 1 else "acts"
+    raise ArgumentsError(f"{' and '.join(given)} {verb} at the end-of-document token, and the "
+                         f"{ns.tokenizer_type} has none in its {tokenizer.vocab_size} ids "
+                         f"({why}): drop {' and '.join(given)}, or use a tokenizer with one"
+                         + (" (SentencePieceTokenizer adds <EOD> to the same model)"
+                            if ns.tokenizer_type == "GPTSentencePieceTokenizer" else ""))
+
+
 def default_vocab_size(args: argparse.Namespace) -> int:
     """Tokenizer vocab size before padding, for the tokenizers that need no library:
     NullTokenizer: --vocab-size N -> N + 1 (id N is end-of-document);

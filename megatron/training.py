@@ -52,6 +52,7 @@ from megatron.memory_history import MemoryHistory
 from megatron.oom_report import OomReport
 from megatron.profiling import StepProfiler
 from megatron.signals import SignalHandler
+from megatron.tokenizer import eod_or_none
 from megatron.train_step import (  # noqa: F401 (forward_backward re-exported)
     StepLog,
     forward_backward,
@@ -470,7 +471,7 @@ def _build_data(tr: Trainer):
     valid_start = 0 if config.training.skip_train else tr.state.consumed_valid_samples
     vocab = config.data.vocab_size or config.model.padded_vocab_size
     tokenizer = build_tokenizer_for(config)
-    tr.eod = None if tokenizer is None else tokenizer.eod
+    tr.eod = eod_or_none(tokenizer)
     datasets = build_datasets(config, rt.ps.rank, vocab, rt.control_group)
     if datasets["valid"] is None and config.training.eval_iters > 0 and (
             config.training.eval_interval or config.training.skip_train):

@@ -309,3 +309,52 @@ def test_huggingface_tokenizer(tmp_path):
     with pytest.raises(ValueError, match="no such file"):
         build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "missing.json"))
     assert os.path.isfile(tmp_path / "tokenizer.json")
+
+
+def _hf_without_eos(tmp_path: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    hf = Tokenizer(models.BPE(unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.train_from_iterator([TRAIN_TEXT] * 3, trainer=trainers.BpeTrainer(
+        vocab_size=150, special_tokens=["<unk>"]))
+    (tmp_path / "hf").mkdir()
+    hf.save(str(tmp_path / "hf" / "tokenizer.json"))
+    return tmp_path / "hf"
+
+
+RUN = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+       "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+       "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "1", "--mock-data",
+       "--eval-iters", "0", "--log-interval", "1", "--use-cpu-initialization"]
+
+
+def test_tokenizers_without_an_end_of_document_id(tmp_path):
+    """A tokenizer.json without an EOS token, a SentencePiece model trained with eos_id
+    -1: `eod_or_none` says None (generation and the server then never stop at one).
+    Training with such a tokenizer runs (it stopped with a traceback once the model was
+    built, reading `.eod` for nothing); the flags that act at the EOD id are refused."""
+    pytest.importorskip("tokenizers")
+    import pretrain_gpt
+    from megatron.arguments import ArgumentsError, parse_and_validate
+    from megatron.tokenizer import eod_or_none
+
+    hf = _hf_without_eos(tmp_path)
+    sp = _train_sentencepiece(tmp_path, bos_id=-1, eos_id=-1)
+    hf_tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(hf))
+    sp_tok = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=sp)
+    assert sp_tok.eod == -1 and eod_or_none(sp_tok) is None and eod_or_none(hf_tok) is None
+    assert eod_or_none(build_tokenizer("NullTokenizer", vocab_size=7)) == 7
+    assert eod_or_none(build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp)) == \
+        sp_tok.vocab_size + 2  # <EOD> after <CLS>, <SEP>
+    hf_run = RUN + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(hf)]
+    assert pretrain_gpt.main(hf_run) == 0
+    for tokenizer, why in ((hf_run, "no end-of-document token found"),
+                           (RUN + ["--tokenizer-type", "GPTSentencePieceTokenizer",
+                                   "--tokenizer-model", sp], "its end-of-document id is -1")):
+        for flags, verb in ((["--eod-mask-loss"], "acts"),
+                            (["--reset-position-ids", "--reset-attention-mask"], "act")):
+            with pytest.raises(ArgumentsError, match=rf"{' and '.join(flags)} {verb} at the "
+                                                     rf"end-of-document token, .*{why}"):
+                parse_and_validate(tokenizer + flags, world_size=1,
+                                   vocab_size_fn=pretrain_gpt.tokenizer_vocab_size)

@@ -82,6 +82,7 @@ from megatron.core.models.gpt.kv_cache import (  # noqa: E402
     gather_vocab,
 )
 from megatron.core.models.gpt.static_decode import MODES, StaticDecoder  # noqa: E402
+from megatron.tokenizer import eod_or_none  # noqa: E402
 from tools.generate_prompts import (  # noqa: E402
     all_prompt_ids,
     continuation_text,
@@ -514,7 +515,7 @@ def _run(a, environ, texts: Optional[List[str]]) -> int:
             prompts = all_prompt_ids(a, texts, tokenizer, why_not, vocab)
         except SystemExit as exc:
             raise exit_on_every_rank(str(exc.code)) from None
-    eod = None if (a.no_stop_at_eod or tokenizer is None) else getattr(tokenizer, "eod", None)
+    eod = None if a.no_stop_at_eod else eod_or_none(tokenizer)
     sampling = dict(greedy=a.greedy, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                     eod=eod, vocab_limit=vocab,
                     decoder=build_decoder(model, a.decode_cuda_graph, not a.no_kv_cache))

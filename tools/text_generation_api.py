@@ -96,6 +96,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from megatron.core.models.gpt.kv_cache import gather_vocab
+from megatron.tokenizer import eod_or_none
 from tools.beam_search import beam_search
 from tools.generate import generate, generate_batch
 from tools.sampling_rules import TopPSchedule
@@ -325,7 +326,7 @@ def _prompt_ids(engine: Engine, index: int, prompt: str, req: GenerationRequest)
     except ValueError as exc:
         raise RequestError(f"{where}: {exc}") from None
     if req.add_BOS:
-        eod = getattr(engine.tokenizer, "eod", None)
+        eod = eod_or_none(engine.tokenizer)
         if eod is None:
             raise RequestError("add_BOS needs an end-of-document token, and this tokenizer "
                                "has none: leave add_BOS false")
@@ -432,7 +433,7 @@ def _generate_all(engine: Engine, req: GenerationRequest,
         top_p = TopPSchedule(req.top_p, req.top_p_decay, req.top_p_bound,
                              min(len(ids) for ids in all_ids))
     kw = dict(greedy=req.top_k == 1, temperature=req.temperature, top_k=req.top_k,
-              top_p=top_p, eod=getattr(engine.tokenizer, "eod", None),
+              top_p=top_p, eod=eod_or_none(engine.tokenizer),
               vocab_limit=engine.vocab_size, stop=stop, forbid=_forbid(engine, req))
     gens = row_generators(engine, req, len(all_ids))
     if engine.use_kv_cache:

@@ -11,7 +11,8 @@ from megatron.tokenizer.tokenizer import (
                                           TOKENIZER_TYPES,
                                           NullTokenizer,
                                           build_tokenizer,
+                                          eod_or_none,
                                           pad_vocab_size,
 )
 
-__all__ = ["TOKENIZER_TYPES", "NullTokenizer", "build_tokenizer", "pad_vocab_size"]
+__all__ = ["TOKENIZER_TYPES", "NullTokenizer", "build_tokenizer", "eod_or_none", "pad_vocab_size"]

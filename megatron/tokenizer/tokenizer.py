@@ -88,6 +88,19 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None,
                      f"{', '.join(TOKENIZER_TYPES)}")
 
 
+def eod_or_none(tokenizer) -> Optional[int]:
+    """The tokenizer's end-of-document id, or None when it has none inside its vocabulary:
+    a tokenizer.json without an EOS token (its `eod` raises), a SentencePiece model
+    trained with eos_id -1 (GPTSentencePieceTokenizer's `eod` is then -1)."""
+    if tokenizer is None:
+        return None
+    try:
+        eod = int(tokenizer.eod)
+    except (AttributeError, ValueError, TypeError):
+        return None
+    return eod if 0 <= eod < tokenizer.vocab_size else None
+
+
 def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp_size: int) -> int:
     """Smallest multiple of `make_vocab_size_divisible_by * tp_size` >= `vocab_size`."""
     multiple = make_vocab_size_divisible_by * tp_size
