@@ -358,3 +358,28 @@ def test_tokenizers_without_an_end_of_document_id(tmp_path):
                                                      rf"end-of-document token, .*{why}"):
                 parse_and_validate(tokenizer + flags, world_size=1,
                                    vocab_size_fn=pretrain_gpt.tokenizer_vocab_size)
+
+
+def test_tokenizer_model_directory_names_the_file_to_pass(tmp_path):
+    """--tokenizer-model DIR (a Hugging Face model directory, say): the SentencePiece types
+    said 'not a SentencePiece model (... Is a directory)'; now the model file in it is
+    named, or the tokenizer type that reads what it holds. HuggingFaceTokenizer on a
+    directory with only tokenizer.model names the SentencePiece type."""
+    model = Path(_train_sentencepiece(tmp_path))
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "tokenizer.model").write_bytes(model.read_bytes())
+    for kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+        with pytest.raises(ValueError, match=rf"--tokenizer-model {llama} is a directory; pass "
+                                             rf"the model file in it: {llama}/tokenizer\.model$"):
+            build_tokenizer(kind, tokenizer_model=str(llama))
+    with pytest.raises(ValueError, match=rf"{llama} holds a SentencePiece tokenizer\.model: pass "
+                                         r"--tokenizer-type GPTSentencePieceTokenizer "
+                                         rf"--tokenizer-model {llama}/tokenizer\.model"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(llama))
+    pytest.importorskip("tokenizers")
+    hf = _hf_without_eos(tmp_path)
+    with pytest.raises(ValueError, match=r"is a directory; it holds a Hugging Face "
+                                         r"tokenizer\.json: pass --tokenizer-type "
+                                         r"HuggingFaceTokenizer"):
+        build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=str(hf))

@@ -34,8 +34,12 @@ class HuggingFaceTokenizer:
 
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
+            sp_model = os.path.join(path, "tokenizer.model")
+            hint = (f"; {path} holds a SentencePiece tokenizer.model: pass --tokenizer-type "
+                    f"GPTSentencePieceTokenizer --tokenizer-model {sp_model}"
+                    if os.path.isdir(path) and os.path.isfile(sp_model) else "")
             raise ValueError(f"HuggingFaceTokenizer: {file} not found; pass a tokenizer.json "
-                             "file or a directory holding one")
+                             f"file or a directory holding one{hint}")
         try:
             self._tok = Tokenizer.from_file(file)
         except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception

@@ -11,6 +11,7 @@ model's eos id.
 from __future__ import annotations
 
 import functools
+import os
 import re
 from typing import Dict, List
 
@@ -20,6 +21,19 @@ def _load_model(model_file: str):
     one (the `.vocab` listing written beside the `.model`, a Hugging Face file, ...)."""
     import sentencepiece
 
+    if os.path.isdir(model_file):
+        found = sorted(n for n in os.listdir(model_file) if n.endswith(".model"))
+        if len(found) == 1:
+            inside = f"pass the model file in it: {os.path.join(model_file, found[0])}"
+        elif found:
+            inside = f"pass one of the model files in it: {', '.join(found)}"
+        elif os.path.isfile(os.path.join(model_file, "tokenizer.json")):
+            inside = ("it holds a Hugging Face tokenizer.json: pass --tokenizer-type "
+                      "HuggingFaceTokenizer")
+        else:
+            inside = ("it holds no .model file: pass the <prefix>.model file SentencePiece "
+                      "training wrote")
+        raise ValueError(f"--tokenizer-model {model_file} is a directory; {inside}")
     try:
         return sentencepiece.SentencePieceProcessor(model_file=model_file)
     except (RuntimeError, OSError) as e:
