@@ -186,7 +186,7 @@ def warn_unread_tokenizer_flags(ns, explicit=frozenset()) -> None:
     if ns.vocab_size is not None and kind != "NullTokenizer":
         warn(f"--vocab-size {ns.vocab_size} is only read by NullTokenizer; the vocab size comes "
              f"from {kind}")
-    if ns.vocab_extra_ids and kind in ("GPT2BPETokenizer", "NullTokenizer"):
+    if ns.vocab_extra_ids and kind != "SentencePieceTokenizer":
         warn(f"--vocab-extra-ids {ns.vocab_extra_ids} has no effect with {kind} "
              "(as in Megatron-LM)")
     reads = tokenizer_file_dests(vars(ns))

@@ -383,3 +383,24 @@ def test_tokenizer_model_directory_names_the_file_to_pass(tmp_path):
                                          r"tokenizer\.json: pass --tokenizer-type "
                                          r"HuggingFaceTokenizer"):
         build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=str(hf))
+
+
+def test_vocab_extra_ids_only_extend_sentencepiece_tokenizer(tmp_path, caplog):
+    """--vocab-extra-ids adds <extra_id_i> to SentencePieceTokenizer only (Megatron's
+    GPTSentencePieceTokenizer passes 0): with the others it is warned as without effect
+    (it was for GPT2BPETokenizer and NullTokenizer only)."""
+    import pretrain_gpt
+    from megatron.arguments import parse_and_validate
+
+    model = _train_sentencepiece(tmp_path)
+    rows = {}
+    for kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+        caplog.clear()
+        cfg = parse_and_validate(RUN + ["--tokenizer-type", kind, "--tokenizer-model", model,
+                                        "--vocab-extra-ids", "30",
+                                        "--make-vocab-size-divisible-by", "1"],
+                                 world_size=1, vocab_size_fn=pretrain_gpt.tokenizer_vocab_size)
+        rows[kind] = cfg.model.padded_vocab_size
+        warned = f"--vocab-extra-ids 30 has no effect with {kind}" in caplog.text
+        assert warned == (kind == "GPTSentencePieceTokenizer"), kind
+    assert rows == {"SentencePieceTokenizer": 120 + 5 + 30, "GPTSentencePieceTokenizer": 120}
