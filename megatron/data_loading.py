@@ -102,11 +102,12 @@ def check_data_files(config: Config, group=None) -> None:
 
 
 def build_datasets(config: Config, rank: int, vocab_size: int,
-                   group=None) -> Dict[str, object]:
+                   group=None, tokenizer_vocab_size: Optional[int] = None) -> Dict[str, object]:
     """split -> dataset (or None). Collective when distributed: global rank 0 builds the
     index caches while the others wait, then everyone loads them. Token ids are checked
     (a bounded sample) against the padded vocabulary; blend ratios are printed on rank 0;
-    a run that trains needs train documents. Any data problem ends the run on every rank
+    a run that trains needs train documents; sampled ids past `tokenizer_vocab_size` (the
+    run's tokenizer's, unpadded) are warned. Any data problem ends the run on every rank
     together (`agreed_data_error` over `group`, the run's control group), printed once:
     `error: could not build the datasets: ...`."""
     d = config.data
@@ -129,7 +130,8 @@ def build_datasets(config: Config, rank: int, vocab_size: int,
                 d.data_path, d.split, counts, d.seq_length, d.seed, d.data_cache_path,
                 d.train_data_path, d.valid_data_path, d.test_data_path,
                 is_builder_rank=rank == 0, barrier=barrier,
-                vocab_size=config.model.padded_vocab_size, log=print_rank_0)
+                vocab_size=config.model.padded_vocab_size, log=print_rank_0,
+                tokenizer_vocab_size=tokenizer_vocab_size)
     except (ValueError, FileNotFoundError) as e:
         error = (isinstance(e, MissingIndexCacheError), str(e))
     agreed_data_error(error, group)

@@ -472,7 +472,8 @@ def _build_data(tr: Trainer):
     vocab = config.data.vocab_size or config.model.padded_vocab_size
     tokenizer = build_tokenizer_for(config)
     tr.eod = eod_or_none(tokenizer)
-    datasets = build_datasets(config, rt.ps.rank, vocab, rt.control_group)
+    datasets = build_datasets(config, rt.ps.rank, vocab, rt.control_group,
+                              None if tokenizer is None else tokenizer.vocab_size)
     if datasets["valid"] is None and config.training.eval_iters > 0 and (
             config.training.eval_interval or config.training.skip_train):
         print_rank_0(f"WARNING: {no_validation_reason(config)}")

@@ -3,6 +3,7 @@ for, token ids fit the padded vocabulary, and blends report their achieved ratio
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -61,6 +62,29 @@ def test_token_ids_beyond_the_padded_vocabulary(tmp_path):
     fits, _ = make_corpus(tmp_path / "ok", [20] * 30, vocab=128)
     assert _build(_config(data_path=[fits]))["train"] is not None
     check_token_ids(MMapIndexedDataset(prefix), 65536)  # uint16 always fits: no scan
+
+
+def test_ids_past_the_tokenizer_in_the_padding_rows_are_warned(tmp_path, capsys):
+    """Ids in [tokenizer vocab, padded vocab) fit the model but are padding rows the run's
+    tokenizer never produces: the data was made with another tokenizer (e.g.
+    SentencePieceTokenizer's <EOD>, appended after the pieces, under
+    GPTSentencePieceTokenizer). Megatron-LM trains on it in silence; here a warning names
+    the file. Data within the tokenizer's ids: no warning."""
+    import pretrain_gpt
+
+    wide, _ = make_corpus(tmp_path / "wide", [20] * 30, vocab=120)  # ids up to 119
+    fits, _ = make_corpus(tmp_path / "fits", [20] * 30, vocab=101)
+    argv = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+            "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "1", "--eval-iters",
+            "0", "--log-interval", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+            "100", "--split", "100,0,0", "--data-path"]  # 101 ids, 128 rows
+    assert pretrain_gpt.main(argv + [wide]) == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"WARNING: {wide}\.bin: token id 1[01]\d in it is past the 101 ids of "
+                     r"this run's tokenizer \(a padding row of the model's 128", out), out
+    assert pretrain_gpt.main(argv + [fits]) == 0
+    assert "past the 101 ids" not in capsys.readouterr().out
 
 
 def test_an_id_outside_the_scanned_windows_stops_at_its_sample(tmp_path, monkeypatch):

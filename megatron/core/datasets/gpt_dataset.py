@@ -325,10 +325,12 @@ class _Builder:
 
     def __init__(self, split: str, seq_length: int, seed: int, cache_dir: Optional[str],
                  may_build: bool, vocab_size: Optional[int] = None,
-                 log: Optional[Callable[[str], None]] = None):
+                 log: Optional[Callable[[str], None]] = None,
+                 tokenizer_vocab_size: Optional[int] = None):
         self.split, self.seq_length, self.seed = split, seq_length, seed
         self.cache_dir, self.may_build = cache_dir, may_build
         self.vocab_size, self.log = vocab_size, log
+        self.tokenizer_vocab_size = tokenizer_vocab_size
         self._opened: Dict[str, MMapIndexedDataset] = {}
         # datasets whose index cache is stale: collected, raised together by `_build_all`
         self.stale: List[StaleIndexCacheError] = []
@@ -338,7 +340,8 @@ class _Builder:
         if prefix not in self._opened:
             dataset = MMapIndexedDataset(prefix)
             if self.vocab_size is not None:
-                check_token_ids(dataset, self.vocab_size)
+                check_token_ids(dataset, self.vocab_size,
+                                tokenizer_vocab_size=self.tokenizer_vocab_size)
             self._opened[prefix] = dataset
         return self._opened[prefix]
 
@@ -513,7 +516,8 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
                                     is_builder_rank: bool = True,
                                     barrier: Optional[Callable[[], None]] = None,
                                     vocab_size: Optional[int] = None,
-                                    log: Optional[Callable[[str], None]] = None) -> tuple:
+                                    log: Optional[Callable[[str], None]] = None,
+                                    tokenizer_vocab_size: Optional[int] = None) -> tuple:
     """(train, valid, test) datasets, each GPTDataset, BlendedDataset or None.
 
     `data_prefix` is `--data-path`: one prefix (split by `split`) or `w1 p1 w2 p2 ...`
@@ -527,7 +531,9 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
 
     `vocab_size` (the model's padded vocabulary) has every opened `.bin` checked for ids
     outside it (`check_token_ids`: a bounded sample), and every sample read (a ValueError
-    naming the file and the sequences, instead of an embedding lookup past the table). `log` (e.g. a rank-0 print) receives,
+    naming the file and the sequences, instead of an embedding lookup past the table).
+    `tokenizer_vocab_size` (the run's tokenizer's, unpadded): a sampled id in the padding
+    rows past it is warned (data made with another tokenizer). `log` (e.g. a rank-0 print) receives,
     on the builder rank, each blend's requested and achieved ratios. With `train` samples
     asked for (n_train > 0) a train split without documents is an error.
     """
@@ -540,7 +546,8 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
     if is_builder_rank:
         try:
             result = _build_all(_Builder(split, seq_length, seed, cache_dir, True,
-                                         vocab_size, log), data_prefix, num_samples, paths)
+                                         vocab_size, log, tokenizer_vocab_size),
+                                data_prefix, num_samples, paths)
         except Exception as e:  # reach the barrier anyway so the other ranks do not hang
             error = e
     if barrier is not None:

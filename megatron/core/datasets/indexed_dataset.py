@@ -396,21 +396,35 @@ class MMapIndexedDataset:
 
 
 def check_token_ids(dataset: MMapIndexedDataset, vocab_size: int,
-                    max_bytes: int = TOKEN_SCAN_BYTES) -> None:
+                    max_bytes: int = TOKEN_SCAN_BYTES,
+                    tokenizer_vocab_size: Optional[int] = None) -> None:
     """Raise ValueError when `dataset` holds an id outside [0, vocab_size) (the model's
     padded vocabulary), naming the file, the id and the size. Free when the dtype cannot
     hold such an id; otherwise a bounded sample (`max_bytes`, 1 MiB by default: the whole
     file when smaller) is scanned, so a large dataset costs milliseconds and a bad id
-    outside the sample is missed."""
+    outside the sample is missed. An id in [tokenizer_vocab_size, vocab_size) -- a padding
+    row, which the run's tokenizer never produces -- is a warning: the model runs, but the
+    data was made with another tokenizer (SentencePieceTokenizer's <EOD> under
+    GPTSentencePieceTokenizer, say)."""
+    limit = vocab_size if tokenizer_vocab_size is None else min(vocab_size, tokenizer_vocab_size)
     info = np.iinfo(dataset.dtype) if dataset.dtype.kind in "iu" else None
-    if info is not None and info.min >= 0 and info.max < vocab_size:
+    if info is not None and info.min >= 0 and info.max < limit:
         return
     lo, hi, scanned = dataset.token_id_range(max_bytes)
-    if lo >= 0 and hi < vocab_size:
-        return
-    bad = hi if hi >= vocab_size else lo
     whole = scanned >= dataset.bin_nbytes
     where = "in it" if whole else f"in the {scanned / 2**20:.1f} MiB of it sampled"
+    if lo >= 0 and hi < limit:
+        return
+    if lo >= 0 and hi < vocab_size:
+        warnings.warn(f"{data_file_path(dataset.prefix)}: token id {hi} {where} is past the "
+                      f"{tokenizer_vocab_size} ids of this run's tokenizer (a padding row of "
+                      f"the model's {vocab_size}, which the tokenizer never produces): the data "
+                      "was likely preprocessed with another tokenizer, e.g. "
+                      "SentencePieceTokenizer (which appends <EOD> and other ids after the "
+                      "model's pieces) where the run uses GPTSentencePieceTokenizer. Pass the "
+                      "--tokenizer-type and files it was preprocessed with")
+        return
+    bad = hi if hi >= vocab_size else lo
     raise ValueError(f"{data_file_path(dataset.prefix)}: token id {bad} {where} is outside the "
                      f"padded vocabulary of {vocab_size} ids: the data was tokenized with "
                      "another vocabulary than this run's. Pass the --tokenizer-type and "
