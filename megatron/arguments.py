@@ -42,6 +42,7 @@ from megatron.arguments_common import (
     prints_error,
     warn,
 )
+from megatron.arguments_help import flag_help, group_description, metavar
 from megatron.arguments_report import (
     count_parameters,
     dry_run_report,
@@ -52,9 +53,7 @@ from megatron.arguments_report import (
 from megatron.arguments_table import (
     ALIASES,
     ALLOWED_IN_REJECTED_GROUPS,
-    DEPRECATED_HELP,
     EXTRA_GROUP,
-    EXTRA_HELP,
     MEGATRON_DESCRIPTION,
     MEGATRON_GROUPS,
     NO_EFFECT,
@@ -104,6 +103,12 @@ def _int_or_float(text: str):
         return float(text)
 
 
+# --help's first line: the 250 flags' usage block would fill 300 lines before the groups.
+USAGE = "%(prog)s [-h] [--config FILE] [--FLAG [VALUE ...] ...]"
+EPILOG = ("Deprecated, removed, refused and ignored flags, and where this framework reads a "
+          "flag differently from Megatron-LM 23.05: MIGRATING.md.")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with short errors: no 240-flag usage block, a pointer to --help instead."""
 
@@ -127,11 +132,9 @@ def _add_flag(group, spec: FlagSpec, suppress_defaults: bool) -> None:
         kw["type"] = _KIND_TYPES[kind]
     if spec.choices is not None:
         kw["choices"] = list(spec.choices)
-    text = EXTRA_HELP.get(spec.flag) or DEPRECATED_HELP.get(spec.flag)
-    if text is None and spec.flag in NOT_SUPPORTED:
-        text = "not supported: " + NOT_SUPPORTED[spec.flag]
-    if text is not None:
-        kw["help"] = text
+    if metavar(spec) is not None:
+        kw["metavar"] = metavar(spec)
+    kw["help"] = flag_help(spec)
     group.add_argument(spec.flag, *ALIASES.get(spec.flag, ()), **kw)
 
 
@@ -140,9 +143,10 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
 
     With `suppress_defaults` no default is set, so a parse returns only the flags given.
     """
-    parser = _Parser(description=MEGATRON_DESCRIPTION, allow_abbrev=False)
+    parser = _Parser(description=MEGATRON_DESCRIPTION, allow_abbrev=False, usage=USAGE,
+                     epilog=EPILOG)
     for title, _ in MEGATRON_GROUPS + (EXTRA_GROUP,):
-        group = parser.add_argument_group(title=title)
+        group = parser.add_argument_group(title=title, description=group_description(title))
         for spec in FLAG_SPECS.values():
             if spec.group == title:
                 _add_flag(group, spec, suppress_defaults)

@@ -333,9 +333,6 @@ EXTRA_HELP = {
                  "memory estimate and missing input files, and with --load what the load "
                  "would do, then exit (status 1 when something would fail)",
     "--mock-data": "train on random tokens instead of --data-path",
-    "--no-data-sharding": "with --dataloader-type cyclic: each epoch one permutation of the "
-                          "whole dataset dealt to the data-parallel ranks in turn (default: "
-                          "each rank shuffles its own contiguous bucket)",
     "--compile": "torch.compile each transformer layer (default: on when CUDA is available)",
     "--no-compile": "never torch.compile the transformer layers",
     "--compile-mode": "torch.compile mode of the layers (reduce-overhead adds CUDA graphs)",
@@ -367,10 +364,6 @@ EXTRA_HELP = {
                      "torch ops elsewhere); torch = torch's tanh GeLU. epilogue with the erf "
                      "GeLU computes the tanh form instead (for a model meant to have it, "
                      "prefer --openai-gelu, which checkpoints and exports record)",
-    "--no-bias-gelu-fusion": "with biases and the default GeLU, Megatron-LM's MLP adds fc1's "
-                             "bias and applies the GeLU in one fused kernel that computes the "
-                             "tanh form, and so does this one (see --gelu-kernel); this flag "
-                             "asks for torch's erf GeLU instead",
     "--cuda-graph-step": "record the whole training step (forward, backward, optimizer) as one "
                          "CUDA graph and replay it from the third step: auto (default: when "
                          "the run allows it -- one GPU, no dropout, the Triton AdamW kernel; "
@@ -407,17 +400,10 @@ EXTRA_HELP = {
     "--gradient-accumulation-fusion": "grads accumulate into main_grad inside the layers: "
                                       "weight grads in the GEMM, norm and bias grads in "
                                       "the backward (default)",
-    "--expert-model-parallel-size": "expert-model-parallel size (not supported: with "
-                                    "--num-experts the experts are replicated, as in "
-                                    "Megatron-LM 23.05)",
+    "--expert-model-parallel-size": "ranks the experts of --num-experts would be split over "
+                                    "(a later Megatron-LM flag)",
     "--gpu-memory-gb": "memory of one GPU for the --dry-run memory check (default: what the "
                        "local GPU has; no check without a GPU)",
-    "--pipeline-model-parallel-size": "number of pipeline stages (layers split evenly)",
-    "--num-layers-per-virtual-pipeline-stage": "layers per virtual stage: the interleaved 1F1B "
-                                               "schedule (micro-batches must be a multiple of "
-                                               "the pipeline size)",
-    "--overlap-p2p-communication": "do not wait for pipeline sends before the next compute",
-    "--standalone-embedding-stage": "the first pipeline stage holds only the embedding",
     "--profile": "record a torch profiler trace (tensorboard-readable, under --tensorboard-dir "
                  "or ./profile) for iterations [--profile-step-start, --profile-step-end); on "
                  "GPU the steps also carry NVTX ranges for nsys",
@@ -535,5 +521,6 @@ DEPRECATED_HELP = {
     "--warmup": "deprecated: a value < 1 is --lr-warmup-fraction, otherwise --lr-warmup-iters",
     "--checkpoint-activations": "deprecated: use --recompute-granularity full "
                                 "--recompute-method uniform",
-    "--distributed-backend": "accepted; the backend is nccl when CUDA is available, else gloo",
+    "--distributed-backend": "accepted for compatibility, the value ignored: the backend is "
+                             "nccl when CUDA is available, else gloo (another value is warned)",
 }
