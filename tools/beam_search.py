@@ -40,6 +40,12 @@ every rank, so every stage keeps the same beams and reorders its own layers' cac
 """
 from __future__ import annotations
 
+# A library module, not a command: run as a script, it says which command to use.
+if __name__ == "__main__":
+    raise SystemExit("tools/beam_search.py is a library module (beam search of the text "
+                     "generation server); run python tools/run_text_generation_server.py --help "
+                     "and send a request with beam_width")
+
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch

@@ -3,6 +3,11 @@ away (`python tools/parallel_groups.py ... | head`): no BrokenPipeError tracebac
 status 141 (128 + SIGPIPE), as a shell tool killed by the closed pipe reports."""
 from __future__ import annotations
 
+# A library module, not a command: run as a script, it says which command to use.
+if __name__ == "__main__":
+    raise SystemExit("tools/cli_exit.py is a library module (the exit helper of the tools); run "
+                     "the tool itself, e.g. python tools/parallel_groups.py --help")
+
 import os
 import sys
 from typing import Callable, NoReturn, Optional

@@ -9,6 +9,11 @@ tokenizer refuses fails alike on every rank after it (`megatron.agreed_exit`).
 """
 from __future__ import annotations
 
+# A library module, not a command: run as a script, it says which command to use.
+if __name__ == "__main__":
+    raise SystemExit("tools/generate_prompts.py is a library module (the prompts of "
+                     "tools/generate.py); run python tools/generate.py --help")
+
 from typing import List, Optional, Sequence
 
 

@@ -32,6 +32,11 @@ the checkpoint's layers.
 """
 from __future__ import annotations
 
+# A library module, not a command: run as a script, it says which command to use.
+if __name__ == "__main__":
+    raise SystemExit("tools/generate_tp.py is a library module (parallel text generation under "
+                     "torchrun); run python tools/generate.py --help")
+
 import contextlib
 import dataclasses
 import sys

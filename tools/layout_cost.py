@@ -44,6 +44,11 @@ intra-node and one inter-node bandwidth.
 """
 from __future__ import annotations
 
+# A library module, not a command: run as a script, it says which command to use.
+if __name__ == "__main__":
+    raise SystemExit("tools/layout_cost.py is a library module (the cost model of the layout "
+                     "planner); run python tools/plan_layout.py --help")
+
 from typing import NamedTuple
 
 from megatron.arguments_report import count_parameters

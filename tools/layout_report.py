@@ -2,6 +2,11 @@
 messages when no layout passes the validation or none fits."""
 from __future__ import annotations
 
+# A library module, not a command: run as a script, it says which command to use.
+if __name__ == "__main__":
+    raise SystemExit("tools/layout_report.py is a library module (the report of the layout "
+                     "planner); run python tools/plan_layout.py --help")
+
 import argparse
 import math
 import shlex

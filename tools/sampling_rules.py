@@ -6,6 +6,11 @@ the server (tools/text_generation_api.py) builds them from a request.
 """
 from __future__ import annotations
 
+# A library module, not a command: run as a script, it says which command to use.
+if __name__ == "__main__":
+    raise SystemExit("tools/sampling_rules.py is a library module (sampling rules of text "
+                     "generation); run python tools/generate.py --help")
+
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch

@@ -88,6 +88,12 @@ by name.
 """
 from __future__ import annotations
 
+# A library module, not a command: run as a script, it says which command to use.
+if __name__ == "__main__":
+    raise SystemExit("tools/text_generation_api.py is a library module (the request handling of "
+                     "the text generation server); run python "
+                     "tools/run_text_generation_server.py --help")
+
 import dataclasses
 import math
 import threading
