@@ -3,9 +3,9 @@
     config = parse_and_validate(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", 1)))
 
 Steps, each its own function:
-  1. `parse_args`: argparse over the flag table (`arguments_table.py`), values from
-     `--config FILE.yaml` underneath the command line, removed old flags rejected by name,
-     unknown flags answered with the closest known one.
+  1. `parse_args`: argparse over the flag table (`arguments_table.py`; the --help texts in
+     `arguments_help.py`), values from `--config FILE.yaml` underneath the command line,
+     removed old flags rejected by name, unknown flags answered with the closest known one.
   2. `apply_deprecated`: `--model-parallel-size`, `--batch-size`, `--warmup`,
      `--checkpoint-activations` mapped to their replacements with a warning.
   3. `check_not_supported`: every flag of another model family or of a feature not built,

@@ -217,9 +217,10 @@ _MIXED_PRECISION = {
                     "scaling with --fp16",
     "--initial-loss-scale": "the dynamic loss scale at the start (default 2^32)",
     "--min-loss-scale": "the dynamic loss scale never drops below this",
-    "--loss-scale-window": "iterations without overflow before the dynamic loss scale "
-                           "doubles",
-    "--hysteresis": "overflowing iterations tolerated before the dynamic loss scale halves",
+    "--loss-scale-window": "consecutive iterations without overflow after which the dynamic "
+                           "loss scale doubles",
+    "--hysteresis": "the dynamic loss scale halves at the N-th overflow since it last grew, "
+                    "and at every overflow after that",
     "--fp32-residual-connection": "keep the residual stream in fp32 under --fp16/--bf16",
     "--no-query-key-layer-scaling": "Megatron-LM: no extra per-layer scaling of fp16 "
                                     "attention scores",

@@ -327,6 +327,7 @@ EXTRA_GROUP = ("extensions (not in Megatron-LM 23.05)", (
     ("--memory-snapshot-path", "str", "snapshot.pickle"),
 ))
 
+# --help texts of the extension flags (those of Megatron-LM's flags: arguments_help.py).
 EXTRA_HELP = {
     "--config": "YAML file of flag: value pairs; command-line flags override it",
     "--dry-run": "validate for $WORLD_SIZE ranks, print the layout, parameter counts, a "
