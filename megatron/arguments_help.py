@@ -308,7 +308,7 @@ _DATA = {
                     "tokenizer.json when --tokenizer-model is not given",
     "--merge-file": "GPT-2 BPE merges file (GPT2BPETokenizer)",
     "--vocab-extra-ids": "extra <extra_id_N> tokens appended to SentencePieceTokenizer's "
-                         "vocabulary; the other tokenizers ignore it",
+                         "vocabulary; no effect with the other tokenizers (warned)",
     "--seq-length": "tokens per training sample (required; at most "
                     "--max-position-embeddings)",
     "--encoder-seq-length": "the same as --seq-length (pass one of them)",
@@ -329,10 +329,13 @@ _DATA = {
     "--tokenizer-model": "SentencePiece model file, or for HuggingFaceTokenizer a "
                          "tokenizer.json (or the directory holding it)",
     "--data-impl": "Megatron-LM: the format of the .bin/.idx files",
-    "--reset-position-ids": "position ids restart at 0 after each end-of-document token",
-    "--reset-attention-mask": "tokens attend only to earlier tokens of their own document "
-                              "(an explicit mask: slower attention)",
-    "--eod-mask-loss": "no loss on the prediction made at an end-of-document token",
+    "--reset-position-ids": "position ids restart at 0 after each end-of-document token "
+                            "(a tokenizer without one is refused)",
+    "--reset-attention-mask": "tokens attend only to earlier tokens of their own document, "
+                              "cut at the end-of-document tokens (an explicit mask: slower "
+                              "attention)",
+    "--eod-mask-loss": "no loss on the prediction made at an end-of-document token (a "
+                       "tokenizer without one is refused)",
 }
 
 _AUTORESUME = {
