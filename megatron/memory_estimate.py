@@ -77,6 +77,7 @@ import dataclasses
 from typing import Dict, List, Optional
 
 from megatron.config import Config, ModelConfig
+from megatron.core.models.gpt.rotary import rotary_dim
 
 GiB = 2**30
 # CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers: on the GPU, but not in
@@ -200,7 +201,8 @@ def _head_bytes(config: Config, first: bool, last: bool) -> Dict[str, float]:
     sbh_div = s * b * m.hidden_size / (tp if p.sequence_parallel else 1)
     out = {"embedding": 0.0, "final_norm": 0.0, "logits": 0.0, "rotary_table": 0.0}
     if m.use_rotary_position_embeddings:  # cos and sin, fp32 [2, s, rotary dim]
-        out["rotary_table"] = 2 * 4 * s * int(m.kv_channels * m.rotary_percent)
+        width = 2 * -(-rotary_dim(m.kv_channels, m.rotary_percent) // 2)
+        out["rotary_table"] = 2 * 4 * s * width
     if first and m.hidden_dropout > 0:
         out["embedding"] = sbh_div  # dropout mask
     if last:

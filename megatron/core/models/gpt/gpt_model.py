@@ -25,7 +25,7 @@ from megatron.core.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 
-from .rotary import rotary_table
+from .rotary import rotary_dim, rotary_table
 from .transformer import TransformerBlock, init_methods
 
 _COMPILED_CE = None
@@ -202,7 +202,7 @@ class GPTModel(nn.Module):
             self.output_weight_cast = CastTo()
         self.rotary_dim = None
         if config.use_rotary_position_embeddings:
-            self.rotary_dim = int(config.kv_channels * config.rotary_percent)
+            self.rotary_dim = rotary_dim(config.kv_channels, config.rotary_percent)
         self._rotary_cache = None
 
     def set_input_tensor(self, hidden_sbh: Optional[torch.Tensor]) -> None:
@@ -219,7 +219,7 @@ class GPTModel(nn.Module):
     def _rotary(self, seq_length: int, device) -> Optional[torch.Tensor]:
         if self.rotary_dim is None:
             return None
-        cache = self._rotary_cache  # [2, s, 1, 1, rotary_dim]: cos and sin
+        cache = self._rotary_cache  # [2, s, 1, 1, rotated channels]: cos and sin
         if cache is None or cache.shape[1] < seq_length or cache.device != device:
             cache = rotary_table(max(seq_length, self.config.seq_length), self.rotary_dim,
                                  self.config.rotary_base, device)
