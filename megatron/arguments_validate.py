@@ -220,14 +220,15 @@ def _resolve_position_embedding(ns) -> None:
     """--position-embedding-type from Megatron-LM 23.05's two switches when not given:
     --use-rotary-position-embeddings alone gives rope+learned (both, as Megatron builds),
     with --no-position-embedding rope. A type given explicitly must agree with the switches
-    the user set; rope takes --use-rotary-position-embeddings as a synonym (later Megatron's
-    meaning: rotary only)."""
+    the user set; rope (later Megatron's meaning: rotary only) also takes
+    --use-rotary-position-embeddings, and --no-position-embedding (later Megatron-LM
+    scripts pass `--position-embedding-type rope --no-position-embedding`)."""
     rotary, learned = ns.use_rotary_position_embeddings, ns.add_position_embedding
     legacy = position_embedding_type_for(rotary, learned)
     kind = ns.position_embedding_type
     if kind is None:
         ns.position_embedding_type = legacy
-    elif kind != legacy and (rotary or not learned) and not (kind == "rope" and rotary):
+    elif kind != legacy and (rotary or not learned) and kind != "rope":
         raise ArgumentsError(f"--position-embedding-type {kind} contradicts the legacy flags "
                              f"(which give {legacy}); pass one")
     ns.use_rotary_position_embeddings = ns.position_embedding_type in ("rope", "rope+learned")

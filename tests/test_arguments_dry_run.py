@@ -42,7 +42,8 @@ def test_param_count_variants_by_hand():
 def test_rotary_alone_adds_learned_positions_as_megatron(caplog):
     """Megatron-LM 23.05: --use-rotary-position-embeddings without --no-position-embedding
     builds both the learned position table and rotary attention (no warning here); with
-    --no-position-embedding, or as --position-embedding-type rope, rotary only."""
+    --no-position-embedding, or as --position-embedding-type rope, rotary only (also with
+    --no-position-embedding, as later Megatron-LM scripts spell it)."""
     both = run("--use-rotary-position-embeddings")
     m = both.model
     assert (m.position_embedding_type, m.add_position_embedding,
@@ -51,12 +52,17 @@ def test_rotary_alone_adds_learned_positions_as_megatron(caplog):
     assert "position" not in caplog.text
     for extra in ("--use-rotary-position-embeddings --no-position-embedding",
                   "--position-embedding-type rope",
-                  "--position-embedding-type rope --use-rotary-position-embeddings"):
+                  "--position-embedding-type rope --use-rotary-position-embeddings",
+                  "--position-embedding-type rope --no-position-embedding",
+                  "--position-embedding-type rope --use-rotary-position-embeddings "
+                  "--no-position-embedding"):
         rope = run(extra)
         assert rope.model.position_embedding_type == "rope", extra
         assert not rope.args["add_position_embedding"], extra
     assert "contradicts the legacy flags (which give rope+learned)" in error_of(
         "--position-embedding-type learned_absolute --use-rotary-position-embeddings")
+    assert "contradicts the legacy flags (which give none)" in error_of(
+        "--position-embedding-type learned_absolute --no-position-embedding")
     # --dry-run's count: the learned table (max positions x hidden) on top of rotary only
     assert count_parameters(m).total == count_parameters(rope.model).total + 32 * 64
     from megatron.core.models.gpt.gpt_model import GPTModel
