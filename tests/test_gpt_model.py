@@ -3,6 +3,8 @@ model-shaping setting against a plain-torch reference of Megatron-LM 23.05, and 
 initialisation statistics."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -125,3 +127,58 @@ def test_forward_matches_megatron_reference(case):
     got = model(tokens, position_ids=pos, labels=labels, attention_mask=mask)
     ref = reference_forward(model.state_dict(), cfg, tokens, labels, pos, mask)
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-5)
+
+
+def expected_init(name: str, shape, cfg) -> tuple:
+    """Megatron-LM 23.05's initial distribution of a parameter, as ("const", value) or
+    ("normal", std) or ("uniform", bound) (Xavier uniform: bound from the full weight's
+    fans, whatever the tensor-parallel size)."""
+    if name.endswith(("layernorm.bias", ".bias")):
+        return "const", 0.0
+    if name.endswith("layernorm.weight"):
+        return "const", 0.0 if cfg.apply_layernorm_1p else 1.0
+    if cfg.init_method_xavier_uniform:
+        return "uniform", math.sqrt(6.0 / (shape[0] + shape[1]))
+    if name.endswith(("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")):
+        return "normal", cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+    return "normal", cfg.init_method_std
+
+
+def check_init(name: str, w: torch.Tensor, cfg) -> None:
+    """w (the full weight) drawn from `expected_init`: std within 4%, mean within 4
+    standard errors, a uniform's extremes inside and near its bound."""
+    kind, value = expected_init(name, w.shape, cfg)
+    if kind == "const":
+        assert torch.equal(w, torch.full_like(w, value)), name
+        return
+    std = value if kind == "normal" else value / math.sqrt(3.0)
+    assert abs(w.std().item() / std - 1) < 0.04, (name, w.std().item(), std)
+    assert abs(w.mean().item()) < 4 * std / math.sqrt(w.numel()), name
+    if kind == "uniform":
+        assert 0.98 * value < w.abs().max().item() <= value, (name, value)
+
+
+INIT_CASES = [dict(), dict(init_method_std=0.006, apply_layernorm_1p=True,
+                           untie_embeddings_and_output_weights=True),
+              dict(init_method_xavier_uniform=True, untie_embeddings_and_output_weights=True),
+              dict(activation="swiglu", ffn_hidden_size=320, kv_channels=24)]
+INIT_SHAPE = dict(num_layers=6, hidden_size=128, num_attention_heads=4, padded_vocab_size=512,
+                  seq_length=16, max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("cpu_init", [True, False])
+@pytest.mark.parametrize("kw", INIT_CASES)
+def test_initial_weights_follow_megatron(kw, cpu_init):
+    """Every parameter group starts as Megatron-LM 23.05 draws it (fixed seed): weights
+    N(0, --init-method-std^2), the attention and MLP output projections
+    N(0, (std / sqrt(2 * num_layers))^2), biases 0, norm weights 1 (0 stored with
+    --apply-layernorm-1p); with --init-method-xavier-uniform U(-a, a) of each weight's
+    fans. Both initialisation paths (--use-cpu-initialization, and the shard drawn in
+    place)."""
+    cfg = ModelConfig(**INIT_SHAPE, **kw, use_cpu_initialization=cpu_init)
+    tracker = RNGStatesTracker()
+    model_parallel_seed(1234, 0, tracker)
+    torch.manual_seed(1234)
+    model = GPTModel(cfg, rng_tracker=tracker)
+    for name, p in model.named_parameters():
+        check_init(name, p.detach(), cfg)

@@ -1,4 +1,5 @@
-"""The whole GPT training step under TP, SP and DP equals the single-process run.
+"""The whole GPT training step under TP, SP and DP equals the single-process run; the
+model-shaping settings and the initial weights at tp=2 follow Megatron-LM 23.05.
 
 Each layout trains the same tiny model (built with --use-cpu-initialization, so every TP
 size starts from the TP=1 weights) for a few iterations on the same mock samples. Losses of
@@ -11,12 +12,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron.core.config import ModelConfig
+from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.parallel_state import ParallelState
-from megatron.core.tensor_parallel.random import RNGStatesTracker
+from megatron.core.tensor_parallel.layers import shard_of_full_weight
+from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_seed
 from megatron.initialize import Runtime, set_random_seed
 from megatron.training import build_trainer, data_iterator, train_step
 from tests.dist_utils import run_distributed
-from tests.gpt_helpers import full_named_grads, tiny_config
+from tests.gpt_helpers import full_named_grads, full_tensor, tiny_config
+from tests.gpt_reference import case_batch, case_config, perturb_, reference_forward
+from tests.test_gpt_model import INIT_CASES, INIT_SHAPE, check_init
 
 LLAMA = dict(normalization="RMSNorm", activation="swiglu", ffn_hidden_size=48,
              position_embedding_type="rope", num_query_groups=2, add_bias_linear=False,
@@ -79,3 +85,69 @@ def test_rope_plus_learned_matches_single_process():
     assert "language_model.embedding.position_embeddings.weight" in ref["grads"]
     for rank, got in enumerate(run_distributed(_train, 2, 2, True, kw)):
         _compare(ref, got, f"rope+learned tp=2 sp rank={rank}")
+
+
+# ------------------------------------------ model-shaping settings under tensor parallelism
+TP2_CASES = ["tanh_gelu", "swiglu", "post_layernorm_residual", "layernorm_1p_eps", "untied",
+             "rope_odd_dim", "kv_channels", "query_groups", "documents", "documents_rope"]
+
+
+def _forward_cases(rank, world_size, sp):
+    """Each case's per-token losses at tp=2 (sequence parallel or not), the weights the
+    TP=1 model's, perturbed, then sharded; with the reference's for the same weights."""
+    tp = torch.distributed.new_group(list(range(world_size)))
+    out = {}
+    for case in TP2_CASES:
+        fields, reset = case_config(case)
+        torch.manual_seed(0)
+        full = GPTModel(ModelConfig(**fields))
+        perturb_(full)
+        model = GPTModel(ModelConfig(**fields, sequence_parallel=sp), tp_group=tp)
+        sd = full.state_dict()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                w = sd[name]
+                if getattr(p, "tensor_model_parallel", False):
+                    w = shard_of_full_weight(w, p.partition_dim, p.partition_stride, rank,
+                                             world_size)
+                p.copy_(w)
+        tokens, labels, pos, mask = case_batch(reset)
+        got = model(tokens, position_ids=pos, labels=labels, attention_mask=mask)
+        out[case] = (got.detach().double(),
+                     reference_forward(sd, full.config, tokens, labels, pos, mask))
+    return out
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_settings_match_megatron_reference_at_tp2(sp):
+    """tp=2, with and without sequence parallelism: the per-token losses of each setting
+    equal the reference's (atol 2e-5), on both ranks."""
+    for rank, results in enumerate(run_distributed(_forward_cases, 2, sp)):
+        for case, (got, ref) in results.items():
+            torch.testing.assert_close(got, ref, rtol=0, atol=2e-5,
+                                       msg=f"{case} sp={sp} rank={rank}")
+
+
+def _initial_weights(rank, world_size, kw, cpu_init):
+    tp = torch.distributed.new_group(list(range(world_size)))
+    cfg = ModelConfig(**INIT_SHAPE, **kw, use_cpu_initialization=cpu_init)
+    tracker = RNGStatesTracker()
+    model_parallel_seed(1234, rank, tracker)
+    torch.manual_seed(1234)
+    model = GPTModel(cfg, tp_group=tp, rng_tracker=tracker)
+    return {name: full_tensor(p, p, tp) for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("cpu_init", [True, False])
+@pytest.mark.parametrize("kw", INIT_CASES)
+def test_initial_weights_at_tp2(kw, cpu_init):
+    """At tp=2 the assembled weights follow the TP=1 distributions of every group
+    (test_gpt_model.expected_init: the same std, and Xavier's bound from the full weight's
+    fans, not the shard's), whether each shard is drawn in place (then the shards differ,
+    as Megatron's per-rank model-parallel seeds draw them) or cut from the full CPU draw.
+    Both ranks assemble the same weights (replicated ones drawn alike)."""
+    cfg = ModelConfig(**INIT_SHAPE, **kw)
+    ranks = run_distributed(_initial_weights, 2, kw, cpu_init)
+    for name, w in ranks[0].items():
+        assert torch.equal(w, ranks[1][name]), name
+        check_init(name, w, cfg)

@@ -97,6 +97,18 @@ def scaled_init_method_normal(std: float, num_layers: int) -> InitMethod:
     return init_method_normal(std / math.sqrt(2.0 * num_layers))
 
 
+class XavierUniform:
+    """Xavier (Glorot) uniform init: U(-a, a), a = sqrt(6 / (fan_in + fan_out)), the fans of
+    the FULL weight [fan_out, fan_in]. Called on a tensor-parallel shard, pass the full
+    weight's shape (`_init_weight` does): a shard's own fans would widen the bound with the
+    tensor-parallel size (Megatron-LM's in-place shard init does that)."""
+
+    def __call__(self, tensor: torch.Tensor, full_shape: Optional[Tuple[int, int]] = None):
+        fan_out, fan_in = full_shape if full_shape is not None else tensor.shape
+        bound = math.sqrt(6.0 / (fan_in + fan_out))
+        return nn.init.uniform_(tensor, -bound, bound)
+
+
 def _resolve_device(device, use_cpu_initialization: bool) -> torch.device:
     if device is not None:
         return torch.device(device)
@@ -152,7 +164,10 @@ def _init_weight(
                 f"{weight.device}; build the tracker with device={weight.device.type!r}"
             )
         with tracker.fork():
-            init_method(weight)
+            if isinstance(init_method, XavierUniform):
+                init_method(weight, full_shape)
+            else:
+                init_method(weight)
 
 
 # --- the linear with overlapped backward communication -----------------------------------

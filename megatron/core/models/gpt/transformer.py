@@ -32,7 +32,7 @@ from megatron.core.tensor_parallel import (
     init_method_normal,
     scaled_init_method_normal,
 )
-from megatron.core.tensor_parallel.layers import _resolve_device
+from megatron.core.tensor_parallel.layers import XavierUniform, _resolve_device
 from megatron.core.tensor_parallel.mappings import TRACED_COLLECTIVES
 from megatron.core.tensor_parallel.random import checkpoint as recompute_checkpoint
 from megatron.core.tensor_parallel.random import checkpoint_distributed_input
@@ -55,12 +55,12 @@ def init_methods(config: ModelConfig):
 
     Default: N(0, std^2) for every weight, N(0, (std / sqrt(2 * num_layers))^2) for the
     output projections of attention and MLP. `--init-method-xavier-uniform`: Xavier
-    uniform for both. `--no-initialization`: weights are left as allocated (to be
+    uniform for both (bounds from the full weights' fans at any tensor-parallel size). `--no-initialization`: weights are left as allocated (to be
     overwritten by a checkpoint). Norm weights and biases always start at 1 / 0."""
     if not config.perform_initialization:
         return _no_init, _no_init
     if config.init_method_xavier_uniform:
-        return nn.init.xavier_uniform_, nn.init.xavier_uniform_
+        return XavierUniform(), XavierUniform()
     return (init_method_normal(config.init_method_std),
             scaled_init_method_normal(config.init_method_std, config.num_layers))
 
