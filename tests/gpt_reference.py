@@ -21,7 +21,7 @@ Activations: "gelu" erf, "openai_gelu" the tanh form written out, "squared_relu"
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -94,23 +94,28 @@ def _attention(x, sd, name, cfg, layer_number, mask_bss):
     return _linear(ctx, sd, name + ".dense")
 
 
-def _layer(x, sd, i, cfg, mask_bss):
+def _layer(x, sd, i, cfg, mask_bss, drop):
     name = f"{PREFIX}encoder.layers.{i}"
     ln = _norm(x, sd, name + ".input_layernorm", cfg)
     out = _attention(ln, sd, name + ".self_attention", cfg, i + 1, mask_bss)
-    x = (ln if cfg.apply_residual_connection_post_layernorm else x) + out
+    x = (ln if cfg.apply_residual_connection_post_layernorm else x) + drop(out)
     ln = _norm(x, sd, name + ".post_attention_layernorm", cfg)
     h = _activation(_linear(ln, sd, name + ".mlp.dense_h_to_4h"), cfg.activation)
     out = _linear(h, sd, name + ".mlp.dense_4h_to_h")
-    return (ln if cfg.apply_residual_connection_post_layernorm else x) + out
+    return (ln if cfg.apply_residual_connection_post_layernorm else x) + drop(out)
 
 
 def reference_forward(sd: Dict[str, torch.Tensor], cfg, tokens: torch.Tensor,
                       labels: Optional[torch.Tensor] = None,
                       position_ids: Optional[torch.Tensor] = None,
-                      attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      attention_mask: Optional[torch.Tensor] = None,
+                      hidden_dropout: Optional[Callable] = None) -> torch.Tensor:
     """Per-token losses [b, s] with `labels`, else logits [b, s, V]. attention_mask: bool
-    [b, 1, s, s], True = masked (None: causal); position_ids [b, s] (None: 0..s-1)."""
+    [b, 1, s, s], True = masked (None: causal); position_ids [b, s] (None: 0..s-1).
+    `hidden_dropout` (default: none, eval mode) is applied where Megatron's hidden dropout
+    sits: on the embeddings' sum, and on each attention and MLP output (its bias added)
+    before the residual add."""
+    drop = hidden_dropout or (lambda t: t)
     sd = {k: v.detach().double() for k, v in sd.items()}
     b, s = tokens.shape
     word = sd[PREFIX + "embedding.word_embeddings.weight"]
@@ -118,13 +123,13 @@ def reference_forward(sd: Dict[str, torch.Tensor], cfg, tokens: torch.Tensor,
     if cfg.add_position_embedding:
         pos = torch.arange(s)[None].expand(b, s) if position_ids is None else position_ids
         x = x + sd[PREFIX + "embedding.position_embeddings.weight"][pos]
-    x = x.transpose(0, 1)
+    x = drop(x.transpose(0, 1))
     if attention_mask is None:
         mask = torch.ones(s, s, dtype=torch.bool).triu(1)[None].expand(b, s, s)
     else:
         mask = attention_mask[:, 0]
     for i in range(cfg.num_layers):
-        x = _layer(x, sd, i, cfg, mask)
+        x = _layer(x, sd, i, cfg, mask, drop)
     x = _norm(x, sd, PREFIX + "encoder.final_layernorm", cfg)
     out_w = sd.get(PREFIX + "output_layer.weight", word)
     logits = (x @ out_w.t()).transpose(0, 1)  # [b, s, V]

@@ -7,12 +7,20 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megatron.core.config import ModelConfig
 from megatron.core.datasets.utils import get_ltor_masks_and_position_ids
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_seed
-from tests.gpt_reference import CASES, case_batch, case_config, perturb_, reference_forward
+from tests.gpt_reference import (
+    BASE,
+    CASES,
+    case_batch,
+    case_config,
+    perturb_,
+    reference_forward,
+)
 
 
 def _model(seed=0, **kw) -> GPTModel:
@@ -182,3 +190,42 @@ def test_initial_weights_follow_megatron(kw, cpu_init):
     model = GPTModel(cfg, rng_tracker=tracker)
     for name, p in model.named_parameters():
         check_init(name, p.detach(), cfg)
+
+
+@pytest.mark.parametrize("post_ln", [False, True])
+def test_dropout_placement_matches_megatron(monkeypatch, post_ln):
+    """Training mode, dropout made a fixed scaling (x 0.37) to see where it acts: hidden
+    dropout on the embeddings' sum and on each attention and MLP output before its residual
+    add (5 calls for 2 layers), as in Megatron-LM 23.05; the attention dropout is the
+    attention kernel's own, on the softmax probabilities, with --attention-dropout."""
+    calls, probs_dropout = [], []
+    sdpa = F.scaled_dot_product_attention
+
+    def fixed_dropout(x, p=0.5, training=True, inplace=False):
+        calls.append((p, training))
+        return x * 0.37 if training else x
+
+    def recording_sdpa(*args, dropout_p=0.0, **kw):
+        probs_dropout.append(dropout_p)
+        return sdpa(*args, **kw)  # the probabilities kept: the scaling is checked above
+
+    monkeypatch.setattr(F, "dropout", fixed_dropout)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    cfg = ModelConfig(**{**BASE, "hidden_dropout": 0.2, "attention_dropout": 0.3,
+                         "apply_residual_connection_post_layernorm": post_ln})
+    torch.manual_seed(0)
+    model = GPTModel(cfg)
+    perturb_(model)
+    tokens, labels, _, _ = case_batch(False)
+    got = model(tokens, labels=labels)
+    assert calls == [(0.2, True)] * 5 and probs_dropout == [0.3, 0.3]
+    ref = reference_forward(model.state_dict(), cfg, tokens, labels,
+                            hidden_dropout=lambda t: t * 0.37)
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-5)
+    calls.clear()
+    probs_dropout.clear()
+    model.eval()
+    torch.testing.assert_close(model(tokens, labels=labels).double(),
+                               reference_forward(model.state_dict(), cfg, tokens, labels),
+                               rtol=0, atol=2e-5)
+    assert probs_dropout == [0.0, 0.0] and all(not training for _, training in calls)
