@@ -31,7 +31,7 @@ def rotary_frequencies(seq_length: int, rotary_dim: int, base: float = 10000.0,
 def rotary_table(seq_length: int, rotary_dim: int, base: float = 10000.0,
                  device=None) -> torch.Tensor:
     """cos and sin of the angles, [2, s, 1, 1, 2 * ceil(rotary_dim / 2)] fp32: what the
-    rotation reads. Computed once per model, so the kernels read two small tables instead of evaluating
-    cos and sin for every element (benchmarks/rope_probe.py)."""
+    rotation reads. Computed once per model, so the kernels read two small tables instead
+    of evaluating cos and sin for every element (benchmarks/rope_probe.py)."""
     freqs = rotary_frequencies(seq_length, rotary_dim, base, device)
     return torch.stack((freqs.cos(), freqs.sin()))

@@ -55,8 +55,9 @@ def init_methods(config: ModelConfig):
 
     Default: N(0, std^2) for every weight, N(0, (std / sqrt(2 * num_layers))^2) for the
     output projections of attention and MLP. `--init-method-xavier-uniform`: Xavier
-    uniform for both (bounds from the full weights' fans at any tensor-parallel size). `--no-initialization`: weights are left as allocated (to be
-    overwritten by a checkpoint). Norm weights and biases always start at 1 / 0."""
+    uniform for both (bounds from the full weights' fans at any tensor-parallel size).
+    `--no-initialization`: weights are left as allocated (to be overwritten by a
+    checkpoint). Norm weights and biases always start at 1 / 0."""
     if not config.perform_initialization:
         return _no_init, _no_init
     if config.init_method_xavier_uniform:
