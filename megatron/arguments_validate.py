@@ -154,10 +154,6 @@ def _resolve_model_shape(ns) -> None:
             f"--gelu-kernel epilogue puts the MLP's GeLU into fc1's product: this run's "
             f"activation is {ns.activation}; drop the flag or use a GeLU activation")
     _resolve_position_embedding(ns)
-    if ns.init_method_xavier_uniform:
-        warn("--init-method-xavier-uniform: every weight matrix starts Xavier-uniform here; "
-             "Megatron-LM 23.05's GPT ignores it (only its vision models read it) and draws "
-             "N(0, --init-method-std^2); drop the flag for Megatron's initialisation")
 
 
 def _check_activation_switches(ns) -> None:

@@ -272,18 +272,6 @@ def test_model_config_mapping():
     assert run("--openai-gelu").model.activation == "openai_gelu"
 
 
-def test_xavier_uniform_is_warned_as_not_megatrons_gpt_init(caplog):
-    """Megatron-LM 23.05's GPT builds its initialisers from --init-method-std alone (only its
-    vision models read --init-method-xavier-uniform): the flag, which changes the model
-    here, says so once; without it nothing is said."""
-    assert run("--init-method-xavier-uniform").model.init_method_xavier_uniform
-    assert caplog.text.count("--init-method-xavier-uniform") == 1
-    assert "Megatron-LM 23.05's GPT ignores it" in caplog.text
-    caplog.clear()
-    assert not run("").model.init_method_xavier_uniform
-    assert "xavier" not in caplog.text
-
-
 def test_schedule_lengths_in_samples():
     o = run("--global-batch-size 8 --lr-decay-iters 6 --lr-warmup-iters 2").optimizer
     assert (o.lr_warmup_steps, o.lr_decay_steps, o.wd_incr_steps) == (16, 48, 80)
