@@ -26,6 +26,12 @@ with a warning and a fresh index is built into (or loaded from) the cache dir.
 Files are written to temporary names and renamed into place, so an interrupted build never
 leaves a truncated file under a cache name; a truncated or corrupt file found anyway is
 reported by name, with the fix (delete it to rebuild).
+
+The arrays are plain integers, and are read as such: a file that numpy would unpickle
+(which can run any code -- a dataset directory shared with its `index-cache/`, or a
+`--data-cache-path` others can write, may hold any file under a cache name) is refused by
+name. Megatron-LM reads them with `allow_pickle=True`; its own files hold no objects, so
+either tool still reads the other's.
 """
 from __future__ import annotations
 
@@ -53,10 +59,17 @@ def cache_paths(directory: str, desc_hash: str) -> Dict[str, str]:
 
 def load_npy(path: str, siblings: str) -> np.ndarray:
     """`path` memory-mapped; an unreadable file raises ValueError naming it and the fix
-    (delete it and `siblings`, the other files of its cache set, to rebuild)."""
+    (delete it and `siblings`, the other files of its cache set, to rebuild). Never
+    unpickles: a file of pickled objects is refused (see the module docstring)."""
     try:
-        return np.load(path, allow_pickle=True, mmap_mode="r")
+        return np.load(path, allow_pickle=False, mmap_mode="r")
     except (ValueError, OSError, EOFError) as e:
+        if "pickle" in str(e) or "Python objects" in str(e):
+            raise ValueError(f"index cache file {path} is not an array of integers (numpy "
+                             "would unpickle it, which can run any code, so it is not "
+                             "loaded): neither Megatron-LM nor this framework wrote it; "
+                             f"delete it and its siblings ({siblings}) to rebuild the index, "
+                             "and check who can write to that directory") from None
         raise ValueError(f"index cache file {path} is unreadable ({e}): truncated or corrupt, "
                          f"e.g. by an interrupted write; delete it and its siblings ({siblings}) "
                          "to rebuild the index") from None
@@ -86,7 +99,7 @@ def _save(path: str, write: Callable) -> None:
 
 def save_npy(path: str, array: np.ndarray) -> None:
     """np.save `array` to `path` through a temporary file renamed into place."""
-    _save(path, lambda f: np.save(f, array, allow_pickle=True))
+    _save(path, lambda f: np.save(f, array, allow_pickle=False))
 
 
 def save_text(path: str, text: str) -> None:
