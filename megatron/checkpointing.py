@@ -69,7 +69,7 @@ from megatron.checkpoint_dirs import (
     unreadable_file_message,
     untracked_save_message,
 )
-from megatron.checkpoint_files import load_checkpoint_file
+from megatron.checkpoint_files import load_checkpoint_file, torch_reason
 from megatron.checkpoint_plain import args_to_plain, get_rng_state, set_rng_state
 from megatron.core.parallel_state import ParallelState
 from megatron.logging_utils import print_rank_0
@@ -441,6 +441,9 @@ def read_checkpoint_file(path: str, mmap: bool = False):
     (`unreadable_file_message`)."""
     try:
         return load_checkpoint_file(path, mmap=mmap)
+    except pickle.UnpicklingError as exc:  # torch's text would advise weights_only=False
+        reason = pickle.UnpicklingError(torch_reason(exc))
+        raise SystemExit(unreadable_file_message(path, reason)) from exc
     except READ_ERRORS as exc:
         raise SystemExit(unreadable_file_message(path, exc)) from exc
 
