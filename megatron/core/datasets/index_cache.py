@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import secrets
 import time
 import warnings
 from typing import Callable, Dict, List, Optional, Tuple
@@ -84,11 +85,26 @@ def _listing(paths: Dict[str, str]) -> str:
     return ", ".join(paths[k] for k in ("desc",) + ARRAY_KEYS)
 
 
+def _create_new(path: str) -> Tuple[int, str]:
+    """(descriptor, name) of a new file beside `path` with a fresh random name, created
+    exclusively (O_EXCL: never a file or link already there) with the mode the umask gives
+    any new file (0644 under 022: the other users of a shared cache can read it)."""
+    for _ in range(100):
+        tmp = f"{path}.{secrets.token_hex(6)}.tmp"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {path}")
+
+
 def _save(path: str, write: Callable) -> None:
-    """Write `path` through a temporary file beside it, renamed into place when complete."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    """Write `path` through a temporary file beside it (`_create_new`: never one that
+    another job on shared storage, or a container with the same process ids, is writing),
+    renamed into place when complete."""
+    fd, tmp = _create_new(path)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             write(f)
         os.replace(tmp, path)
     except BaseException:
