@@ -80,7 +80,38 @@ def _torch_load(path: str, mmap: bool):
         return torch.load(path, map_location="cpu", weights_only=True)  # legacy format
 
 
+# torch's weights_only refusals of a pickled global: one that is not allow-listed
+# ("Unsupported global: GLOBAL argparse.Namespace was not an allowed global by default")
+# and one of a module never allowed ("Trying to load unsupported GLOBAL posix.system whose
+# module posix is blocked": sys, os, posix, nt -- what a payload that runs commands pickles)
 _UNSUPPORTED_RE = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+_BLOCKED_RE = re.compile(r"unsupported GLOBAL ([\w.]+) whose module [\w.]+ is blocked")
+_TORCH_BOILERPLATE = ("Weights only load failed", "Check the documentation",
+                      "Please file an issue", "WeightsUnpickler error")
+
+
+def torch_reason(exc: pickle.UnpicklingError) -> str:
+    """torch's reason for refusing a weights_only load, without its advice around it
+    (which is to load the file with weights_only=False: to run whatever it pickles)."""
+    lines = [line.strip() for line in str(exc).splitlines()
+             if line.strip() and not line.strip().startswith(_TORCH_BOILERPLATE)]
+    return lines[0] if lines else str(exc)
+
+
+def refused_object(exc: pickle.UnpicklingError) -> str:
+    """What a weights_only load refused: the pickled global's name ('posix.system'), else
+    'object (torch's reason)'."""
+    found = _UNSUPPORTED_RE.search(str(exc)) or _BLOCKED_RE.search(str(exc))
+    return found.group(1) if found else f"object ({torch_reason(exc)})"
+
+
+def _not_plain_data(path: str, exc: pickle.UnpicklingError) -> SystemExit:
+    return SystemExit(
+        f"error: checkpoint file {path} holds a pickled {refused_object(exc)}, which is not "
+        "plain data; checkpoint files are read without running pickled code (tensors, plain "
+        "Python data and, from Megatron-LM, its argparse.Namespace, ModelType and numpy "
+        "RNG state), and unpickling this object could run any code. Re-save the file "
+        "without that object, or do not use a file whose origin you do not trust.")
 
 
 def _old_torch_message(path: str) -> str:
@@ -108,6 +139,8 @@ def load_checkpoint_file(path: str, mmap: bool = False):
     try:
         return normalize_payload(_torch_load(path, mmap))
     except pickle.UnpicklingError as exc:
+        if _BLOCKED_RE.search(str(exc)):  # never allowed: no second attempt
+            raise _not_plain_data(path, exc) from None
         if _UNSUPPORTED_RE.search(str(exc)) is None:
             raise
     try:
@@ -118,13 +151,7 @@ def load_checkpoint_file(path: str, mmap: bool = False):
             raise
         raise SystemExit(_old_torch_message(path)) from None
     except pickle.UnpicklingError as exc:
-        found = _UNSUPPORTED_RE.search(str(exc))
-        what = found.group(1) if found else str(exc).splitlines()[0]
-        raise SystemExit(
-            f"error: checkpoint file {path} holds a pickled {what}, which is not plain "
-            "data; checkpoint files are read without running pickled code (tensors, plain "
-            "Python data and, from Megatron-LM, its argparse.Namespace, ModelType and numpy "
-            "RNG state). Re-save the file without that object.") from None
+        raise _not_plain_data(path, exc) from None
     return normalize_payload(state)
 
 
@@ -257,4 +284,5 @@ def megatron_payload(state: dict) -> dict:
 
 
 __all__ = ["ModelType", "MIN_CHECKPOINT_VERSION", "megatron_globals", "load_checkpoint_file",
+           "refused_object", "torch_reason",
            "flat_model_state", "normalize_payload", "complete_saved_args", "nest_model_state", "megatron_payload"]

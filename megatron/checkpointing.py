@@ -69,7 +69,7 @@ from megatron.checkpoint_dirs import (
     unreadable_file_message,
     untracked_save_message,
 )
-from megatron.checkpoint_files import load_checkpoint_file
+from megatron.checkpoint_files import load_checkpoint_file, torch_reason
 from megatron.checkpoint_plain import args_to_plain, get_rng_state, set_rng_state
 from megatron.core.parallel_state import ParallelState
 from megatron.logging_utils import print_rank_0
@@ -151,20 +151,35 @@ def _torch_save_synced(obj, path: str) -> None:
         os.fsync(f.fileno())
 
 
+def remove_dir(path: str, shown: Optional[str] = None) -> None:
+    """Remove the directory `path`; a symbolic link there (an iteration directory moved to
+    other storage and linked back) is removed as a link: what it points to is left as it
+    was, with a note naming `shown` (default `path`) and the target (shutil.rmtree refuses
+    links, which failed the save)."""
+    if os.path.islink(path):
+        print(f"note: {shown or path} is a link to {os.path.realpath(path)}: the link is "
+              "removed, the directory it points to is left as it was", flush=True)
+        os.unlink(path)
+    else:
+        shutil.rmtree(path)
+
+
 def move_into_place(root: str, tmp_dir: str, final_dir: str) -> None:
     """Rename `tmp_dir` to `final_dir`, replacing an older copy through `final_dir.old`.
     An `.old` without `final_dir` beside it is the only copy of an interrupted replace
     (`_recover_interrupted_replace` restores it): it goes only once `tmp_dir` is in place,
-    so that no crash leaves neither."""
+    so that no crash leaves neither. A link in place of the older copy goes as a link
+    (`remove_dir`)."""
     old_dir = final_dir + ".old"
-    if os.path.exists(final_dir):
-        if os.path.exists(old_dir):
-            shutil.rmtree(old_dir)
+    replaced_link = os.path.islink(final_dir)
+    if os.path.lexists(final_dir):
+        if os.path.lexists(old_dir):
+            remove_dir(old_dir)
         os.rename(final_dir, old_dir)
     os.rename(tmp_dir, final_dir)
     _fsync_dir(root)
-    if os.path.exists(old_dir):
-        shutil.rmtree(old_dir)
+    if os.path.lexists(old_dir):
+        remove_dir(old_dir, shown=final_dir if replaced_link else None)
 
 
 def _publish(root: str, tmp_dir: str, final_dir: str, iteration: int, release: bool) -> None:
@@ -195,8 +210,8 @@ def _prepare_tmp_dir(root: str, tmp_dir: str, ps: ParallelState, barrier: bool =
     anyone writes into it."""
     if ps.rank == 0:
         os.makedirs(root, exist_ok=True)
-        if os.path.exists(tmp_dir):
-            shutil.rmtree(tmp_dir)
+        if os.path.lexists(tmp_dir):
+            remove_dir(tmp_dir)
         os.makedirs(tmp_dir)
     if barrier:
         _barrier()
@@ -441,6 +456,9 @@ def read_checkpoint_file(path: str, mmap: bool = False):
     (`unreadable_file_message`)."""
     try:
         return load_checkpoint_file(path, mmap=mmap)
+    except pickle.UnpicklingError as exc:  # torch's text would advise weights_only=False
+        reason = pickle.UnpicklingError(torch_reason(exc))
+        raise SystemExit(unreadable_file_message(path, reason)) from exc
     except READ_ERRORS as exc:
         raise SystemExit(unreadable_file_message(path, exc)) from exc
 

@@ -34,12 +34,14 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shlex
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron.checkpoint_files import refused_object
 from megatron.core.config import ModelConfig
 
 FAMILIES = ("gpt2", "llama")
@@ -590,5 +592,18 @@ def load_hf_checkpoint(in_dir: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
     if not files:
         raise ValueError(f"--input {in_dir}: no *.safetensors or pytorch_model*.bin weights")
     for name in files:
-        state.update(torch.load(os.path.join(in_dir, name), map_location="cpu", weights_only=True))
+        state.update(_load_bin(os.path.join(in_dir, name)))
     return cfg, state
+
+
+def _load_bin(path: str) -> Dict[str, torch.Tensor]:
+    """A `pytorch_model*.bin`, weights_only; ValueError naming the file and what it pickles
+    beside tensors (torch's own message would advise weights_only=False, which runs it)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ValueError(
+            f"--input {path} holds a pickled {refused_object(exc)}, not only tensors; weight "
+            "files are read without running pickled code (unpickling this could run any "
+            "code), so it is not loaded. Use the model's *.safetensors files, or a "
+            "pytorch_model.bin that holds tensors only") from None

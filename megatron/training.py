@@ -51,6 +51,7 @@ from megatron.logging_utils import (
 from megatron.memory_history import MemoryHistory
 from megatron.oom_report import OomReport
 from megatron.profiling import StepProfiler
+from megatron.save_lock import lock_save_dir
 from megatron.signals import SignalHandler
 from megatron.tokenizer import eod_or_none
 from megatron.train_step import (  # noqa: F401 (forward_backward re-exported)
@@ -565,17 +566,18 @@ def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
     if config.logging.tensorboard_dir:  # the last rank writes it: a message, not a traceback
         checkpointing.check_output_dir(config.logging.tensorboard_dir, "--tensorboard-dir",
                                        rt.ps, rt.control_group, rt.ps.world_size - 1)
-    tr = _setup(config, rt, process_start_time)
-    oom.trainer = progress.trainer = tr  # the reports name the iteration from here on
-    tr.progress = progress
-    tr.memory_history = oom.memory_history
-    loaders = ()
-    try:
-        loaders = _start(tr)
-        progress.phase = "training"
-        _train_and_evaluate(tr, *loaders)
-    finally:  # also on an error or a stop (SystemExit): nothing outlives this call
-        _teardown(tr, loaders)
+    with lock_save_dir(config.checkpoint.save, rt.ps, rt.control_group):  # one run per --save
+        tr = _setup(config, rt, process_start_time)
+        oom.trainer = progress.trainer = tr  # the reports name the iteration from here on
+        tr.progress = progress
+        tr.memory_history = oom.memory_history
+        loaders = ()
+        try:
+            loaders = _start(tr)
+            progress.phase = "training"
+            _train_and_evaluate(tr, *loaders)
+        finally:  # also on an error or a stop (SystemExit): nothing outlives this call
+            _teardown(tr, loaders)
     sys.stdout.flush()
     return tr
 

@@ -216,6 +216,29 @@ def test_resave_same_iteration_replaces(tmp_path):
     assert sorted(os.listdir(root)) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
 
 
+@pytest.mark.parametrize("linked", ["iter_0000005", "iter_0000005.tmp", "iter_0000005.old"])
+def test_a_linked_directory_in_the_way_goes_as_a_link(tmp_path, capsys, linked):
+    """An iteration directory moved to other storage and linked back, then saved again
+    (a resume from an earlier checkpoint reaching it): shutil.rmtree refused the link
+    after the new directory was in place, so the save failed with 'could not be moved into
+    place' and no tracker; a linked `.tmp`/`.old` failed it too. The link goes, what it
+    points to stays as it was, and the tracker names the new save."""
+    cold = tmp_path / "cold" / "iter_0000005"
+    (cold / "mp_rank_00").mkdir(parents=True)
+    (cold / "mp_rank_00" / "model_optim_rng.pt").write_text("not this save's")
+    root = tmp_path / "ck"
+    root.mkdir()
+    os.symlink(cold, root / linked)
+    save_checkpoint(str(root), 5, _full_state(5, 0, 0, seed=2), _ps1())
+    assert (cold / "mp_rank_00" / "model_optim_rng.pt").read_text() == "not this save's"
+    assert sorted(os.listdir(root)) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
+    assert not os.path.islink(root / "iter_0000005") and read_tracker(str(root)) == (5, False)
+    _, loaded = load_checkpoint(str(root), _ps1())
+    _assert_tree_equal(loaded["model"], _model_state(0, 0, seed=2))
+    assert f"note: {root / linked} is a link to {cold}: the link is removed" in \
+        capsys.readouterr().out
+
+
 def test_crash_before_rename_keeps_previous_checkpoint(tmp_path):
     root = str(tmp_path)
     save_checkpoint(root, 10, _full_state(10, 0, 0, seed=1), _ps1())

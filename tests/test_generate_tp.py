@@ -27,6 +27,7 @@ from megatron.core.tensor_parallel import shard_of_full_weight
 from tests.dist_utils import free_port, run_distributed
 from tests.test_generate import _run_cli, _train
 from tests.test_kv_cache import MAX_POS, _model, _tokens
+from tests.test_text_generation_server import _put_bytes
 from tools import generate
 from tools import run_text_generation_server as server_mod
 from tools.beam_search import beam_search
@@ -296,6 +297,9 @@ def test_server_on_two_ranks(ckpt_tp1, tmp_path):
             assert g == pytest.approx(w, abs=1e-5)
         status, text = put(url, {"prompts": ["5 999"]}, timeout=60)  # 400, ranks in step
         assert status == 400 and "outside the vocabulary" in text
+        assert put(url, body, timeout=60)[1] == json.dumps(got)
+        nested = b'{"prompts": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+        assert _put_bytes(url, nested)[0] == 400  # refused on rank 0: nothing broadcast
         assert put(url, body, timeout=60)[1] == json.dumps(got)
         for extra in ({"prompts": ["5 6 7"], "beam_width": 3, "tokens_to_generate": 6},
                       {"temperature": 1.5, "top_p": 0.9, "top_p_decay": 0.5,

@@ -176,3 +176,28 @@ def test_truncated_blend_cache_file_is_named(tmp_path):
         f.truncate(os.path.getsize(path) - 8)
     with pytest.raises(ValueError, match=rf"index cache file {path} is unreadable"):
         build_train_valid_test_datasets(*args)
+
+
+def test_cache_files_go_through_fresh_temporary_names(tmp_path):
+    """Each file was written through `<file>.tmp<pid>`, opened without O_EXCL: a link there
+    (planted in a shared data directory) had the build write through it into its target,
+    and two jobs on shared storage with equal process ids (containers) wrote one file. Now
+    a fresh name is created exclusively, and the files get the umask's mode (readable by
+    the other users of a shared cache)."""
+    (tmp_path / "data").mkdir()
+    prefix, _ = make_corpus(tmp_path / "data" / "c", [20] * 30)
+    train, _, _ = build_train_valid_test_datasets([prefix], SPLIT, [10, 2, 1], 8, 1)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not the cache's")
+    for path in train.cache_paths.values():
+        os.remove(path)
+        os.symlink(victim, f"{path}.tmp{os.getpid()}")
+    umask = os.umask(0o022)
+    try:
+        again, _, _ = build_train_valid_test_datasets([prefix], SPLIT, [10, 2, 1], 8, 1)
+    finally:
+        os.umask(umask)
+    assert victim.read_text() == "not the cache's"
+    assert np.array_equal(again.doc_idx, train.doc_idx)
+    for path in again.cache_paths.values():
+        assert not os.path.islink(path) and os.stat(path).st_mode & 0o777 == 0o644, path

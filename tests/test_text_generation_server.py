@@ -363,6 +363,50 @@ def test_other_paths_and_methods(served):
     assert err.value.code == 400 and "the body is not JSON" in err.value.read().decode()
 
 
+def _put_bytes(url, data: bytes):
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, method="PUT"),
+                                    timeout=60) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+@pytest.mark.parametrize("data, message", [
+    (b'{"prompts": ' + b"[" * 100000 + b"]" * 100000 + b"}",
+     "the body is not JSON this server reads: nested too deeply"),
+    (b'{"prompts": ["5"], "random_seed": ' + b"7" * 5000 + b"}",
+     "the body is not JSON: Exceeds the limit (4300 digits)"),
+], ids=["nested", "long-integer"])
+def test_bodies_json_cannot_read_are_400(served, capsys, data, message):
+    """A body nested 100000 deep (RecursionError) or holding an integer of 5000 digits
+    (ValueError) was answered 500 'generation failed', with a traceback on the server."""
+    status, text = _put_bytes(served[0], data)
+    assert status == 400 and message in text, text
+    assert "Traceback" not in capsys.readouterr().err
+    assert _ok(served[0], {"prompts": ["5"], "tokens_to_generate": 1})["text"]
+
+
+def test_a_client_that_stalls_mid_body_is_let_go(served, monkeypatch):
+    """A client that announces a longer body than it sends held its server thread (and
+    socket) for good: the connection is now closed after the handler's timeout."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url, lines = served
+    monkeypatch.setattr(server_mod._Handler, "timeout", 0.5)
+    where = urlsplit(url)
+    with socket.create_connection((where.hostname, where.port)) as sock:
+        sock.sendall(b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")
+        sock.settimeout(30)
+        assert sock.recv(100) == b"", "closed by the server"
+    assert "no byte of the body for 0.5 s; the connection was closed" in lines[-1]
+    assert _ok(url, {"prompts": ["5"], "tokens_to_generate": 1})["text"]
+
+
 def test_a_client_that_leaves_is_one_log_line(served, capsys):
     """A client that closes its connection before the answer (a timeout, Ctrl-C in the
     CLI) gets a line in the server's log, not a BrokenPipeError traceback; the server

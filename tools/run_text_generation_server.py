@@ -48,7 +48,8 @@ fields: sampling with top_p decay and prevent_newline_after_colon, beam search w
 stop_token and length_penalty). Requests run one at a time; each prints one line to stdout. Bad requests get HTTP
 400 with a plain-text message, other paths 404, other methods on /api 405. (Megatron-LM
 answers most bad requests with HTTP 200 and the message as the body; a client that tells
-success from failure by the status works with both.)
+success from failure by the status works with both.) A body is at most 16 MiB; a
+connection that sends nothing, or takes nothing of its answer, for 120 s is closed.
 
 --host defaults to 127.0.0.1, not Megatron's 0.0.0.0: the API has no authentication, so
 reaching it from other machines is opt-in (--host 0.0.0.0).
@@ -110,6 +111,7 @@ _MAX_TOKENS = "--max-tokens-to-oom"
 _USED_DESTS = ("load", "vocab_file", "merge_file", "tokenizer_model", "fp16", "bf16", "seed",
                "max_tokens_to_oom", "tensor_model_parallel_size", "pipeline_model_parallel_size")
 HEARTBEAT_S = 30.0  # rank 0's idle broadcast under torchrun
+CLIENT_TIMEOUT_S = 120.0  # a connection silent for this long is closed
 
 
 # -------------------------------------------------------------------------- command line
@@ -389,6 +391,10 @@ class Lockstep:
 
 
 # ---------------------------------------------------------------------------------- HTTP
+class _Stalled(Exception):
+    """The client sent no byte of its announced body for `_Handler.timeout` seconds."""
+
+
 class _Handler(BaseHTTPRequestHandler):
     """PUT /api; the engine, the log function and `run` (request -> response) are class
     attributes (see build_server)."""
@@ -396,6 +402,9 @@ class _Handler(BaseHTTPRequestHandler):
     engine: Engine
     log: Callable[[str], None]
     run: Callable
+    # seconds a connection may send nothing (request line, headers, body) or take nothing
+    # of the answer: a stalled client otherwise holds its thread and socket for good
+    timeout = CLIENT_TIMEOUT_S
 
     def log_message(self, format, *args):  # noqa: A002 -- one line per request instead
         pass
@@ -412,7 +421,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self.send_header("Allow", "PUT")
             self.end_headers()
             self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
             self.close_connection = True
             return False
         return True
@@ -434,8 +443,18 @@ class _Handler(BaseHTTPRequestHandler):
         if not 0 <= length <= _MAX_BODY:
             raise RequestError(f"the body must be at most {_MAX_BODY} bytes (got {length})")
         try:
-            return json.loads(self.rfile.read(length).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            data = self.rfile.read(length)
+        except TimeoutError:  # `timeout` seconds without a byte
+            raise _Stalled from None
+        if len(data) < length:
+            raise RequestError(f"the body ended after {len(data)} of the {length} bytes its "
+                               "Content-Length announced")
+        try:
+            return json.loads(data.decode("utf-8"))
+        except RecursionError:  # json's parser recurses once per nesting level
+            raise RequestError("the body is not JSON this server reads: nested too "
+                               "deeply") from None
+        except ValueError as exc:  # not UTF-8, not JSON, an integer of > 4300 digits
             raise RequestError(f"the body is not JSON: {exc}") from None
 
     def do_PUT(self) -> None:
@@ -445,6 +464,11 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             req = parse_request(self._body())
             out = self.run(req)
+        except _Stalled:  # a client that stalls mid-body: let its thread go
+            self.log(f"PUT /api from {self.client_address[0]}: no byte of the body for "
+                     f"{self.timeout:g} s; the connection was closed")
+            self.close_connection = True
+            return
         except RequestError as exc:
             self.log(f"PUT /api from {self.client_address[0]}: 400 {exc}")
             self._reply(400, str(exc))

@@ -26,12 +26,19 @@ with a warning and a fresh index is built into (or loaded from) the cache dir.
 Files are written to temporary names and renamed into place, so an interrupted build never
 leaves a truncated file under a cache name; a truncated or corrupt file found anyway is
 reported by name, with the fix (delete it to rebuild).
+
+The arrays are plain integers, and are read as such: a file that numpy would unpickle
+(which can run any code -- a dataset directory shared with its `index-cache/`, or a
+`--data-cache-path` others can write, may hold any file under a cache name) is refused by
+name. Megatron-LM reads them with `allow_pickle=True`; its own files hold no objects, so
+either tool still reads the other's.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+import secrets
 import time
 import warnings
 from typing import Callable, Dict, List, Optional, Tuple
@@ -53,10 +60,17 @@ def cache_paths(directory: str, desc_hash: str) -> Dict[str, str]:
 
 def load_npy(path: str, siblings: str) -> np.ndarray:
     """`path` memory-mapped; an unreadable file raises ValueError naming it and the fix
-    (delete it and `siblings`, the other files of its cache set, to rebuild)."""
+    (delete it and `siblings`, the other files of its cache set, to rebuild). Never
+    unpickles: a file of pickled objects is refused (see the module docstring)."""
     try:
-        return np.load(path, allow_pickle=True, mmap_mode="r")
+        return np.load(path, allow_pickle=False, mmap_mode="r")
     except (ValueError, OSError, EOFError) as e:
+        if "pickle" in str(e) or "Python objects" in str(e):
+            raise ValueError(f"index cache file {path} is not an array of integers (numpy "
+                             "would unpickle it, which can run any code, so it is not "
+                             "loaded): neither Megatron-LM nor this framework wrote it; "
+                             f"delete it and its siblings ({siblings}) to rebuild the index, "
+                             "and check who can write to that directory") from None
         raise ValueError(f"index cache file {path} is unreadable ({e}): truncated or corrupt, "
                          f"e.g. by an interrupted write; delete it and its siblings ({siblings}) "
                          "to rebuild the index") from None
@@ -71,11 +85,26 @@ def _listing(paths: Dict[str, str]) -> str:
     return ", ".join(paths[k] for k in ("desc",) + ARRAY_KEYS)
 
 
+def _create_new(path: str) -> Tuple[int, str]:
+    """(descriptor, name) of a new file beside `path` with a fresh random name, created
+    exclusively (O_EXCL: never a file or link already there) with the mode the umask gives
+    any new file (0644 under 022: the other users of a shared cache can read it)."""
+    for _ in range(100):
+        tmp = f"{path}.{secrets.token_hex(6)}.tmp"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {path}")
+
+
 def _save(path: str, write: Callable) -> None:
-    """Write `path` through a temporary file beside it, renamed into place when complete."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    """Write `path` through a temporary file beside it (`_create_new`: never one that
+    another job on shared storage, or a container with the same process ids, is writing),
+    renamed into place when complete."""
+    fd, tmp = _create_new(path)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             write(f)
         os.replace(tmp, path)
     except BaseException:
@@ -86,7 +115,7 @@ def _save(path: str, write: Callable) -> None:
 
 def save_npy(path: str, array: np.ndarray) -> None:
     """np.save `array` to `path` through a temporary file renamed into place."""
-    _save(path, lambda f: np.save(f, array, allow_pickle=True))
+    _save(path, lambda f: np.save(f, array, allow_pickle=False))
 
 
 def save_text(path: str, text: str) -> None:
