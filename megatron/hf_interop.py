@@ -86,9 +86,9 @@ def family_problems(model: ModelConfig, family: str) -> List[str]:
     else:
         if model.normalization != "RMSNorm":
             problems.append(f"normalization {model.normalization} (Llama uses RMSNorm)")
-        if (model.position_embedding_type != "rope" and not both) or model.rotary_percent != 1.0:
+        if (model.position_embedding_type != "rope" and not both) or model.rotary_percent < 1.0:
             problems.append(f"position embedding {model.position_embedding_type} with rotary "
-                            f"percent {model.rotary_percent} (Llama rotates whole heads)")
+                            f"percent {model.rotary_percent} (Llama rotates whole heads; a percent of 1 or more does too)")
         if not model.swiglu:
             problems.append(f"activation {model.activation} (Llama uses SwiGLU)")
         if model.hidden_size % model.num_attention_heads:

@@ -613,3 +613,18 @@ def test_special_ids_of_an_import_without_tokenizer_files_are_named_and_restored
                                          rf"exported vocabulary of {VOCAB + 1} ids"):
         _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "bad",
              "--eos-token-id", VOCAB + 5)
+
+
+def test_llama_export_takes_a_rotary_percent_of_one_or_more():
+    """--rotary-percent 1 or above rotates whole heads (as in Megatron-LM), which is Llama's
+    rotary; below 1 is refused."""
+    base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+            "--max-position-embeddings 32 --micro-batch-size 2 --train-iters 1 --lr 1e-4 "
+            "--tokenizer-type NullTokenizer --vocab-size 100 --mock-data --normalization RMSNorm "
+            "--swiglu --position-embedding-type rope --no-position-embedding "
+            "--untie-embeddings-and-output-weights --disable-bias-linear")
+    for percent, ok in (("1.0", True), ("1.5", True), ("0.5", False)):
+        cfg = parse_and_validate(shlex.split(f"{base} --rotary-percent {percent}"), world_size=1,
+                                 env={"RANK": "0"}, cuda_available=False)
+        problems = hf_interop.family_problems(cfg.model, "llama")
+        assert not any("rotary" in p for p in problems) if ok else problems, (percent, problems)
