@@ -19,6 +19,7 @@ from megatron.data_loading import (
     make_iterator,
     validation_shortfall,
 )
+from tests.dist_utils import run_distributed
 from tests.gpt_helpers import tiny_config
 
 
@@ -290,3 +291,195 @@ def test_the_validation_split_fix_names_a_split_that_gives_each_dataset_a_docume
     assert validation_split_fix([one]).startswith(f"{one} holds one document, which --split "
                                                   "cannot share")
     assert "--train-data-path and --valid-data-path" in validation_split_fix([one])
+
+
+# ---------------------------------------------------------------- Megatron's order, end to end
+
+from tests import megatron_data_reference as mref  # noqa: E402
+
+_RUN = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --max-position-embeddings 32 "
+        "--lr 1e-3 --tokenizer-type NullTokenizer --vocab-size 1000 --num-workers 0").split()
+
+
+@pytest.mark.parametrize("flags", [
+    "--train-iters 100 --global-batch-size 8 --micro-batch-size 2 --eval-interval 30 --eval-iters 5",
+    "--train-iters 7 --global-batch-size 12 --micro-batch-size 3 --eval-interval 1000",
+    "--train-samples 1000 --global-batch-size 16 --micro-batch-size 4 --eval-interval 20 "
+    "--eval-iters 3",
+    "--train-samples 200 --global-batch-size 16 --micro-batch-size 2 --eval-interval 5 "
+    "--eval-iters 2 --rampup-batch-size 4 4 60",
+    "--train-samples 50 --global-batch-size 16 --micro-batch-size 1 --eval-interval 2 "
+    "--eval-iters 1 --rampup-batch-size 2 2 70",
+])
+def test_split_sample_counts_are_megatrons(flags):
+    """train = --train-samples or train_iters x GBS; valid = (train_iters // eval_interval
+    + 1) x eval_iters x GBS; test = eval_iters x GBS, with train_iters of a sample-based
+    run counted through the ramp-up and GBS the final --global-batch-size."""
+    from megatron.arguments import parse_and_validate
+    from megatron.data_loading import split_sample_counts
+
+    cfg = parse_and_validate(_RUN + ["--mock-data", "--seq-length", "16"] + flags.split(),
+                             world_size=2, env={}, cuda_available=False)
+    f = flags.split()
+    value = {k: f[f.index(k) + 1] for k in ("--global-batch-size", "--eval-interval")}
+    gbs, interval = int(value["--global-batch-size"]), int(value["--eval-interval"])
+    eval_iters = int(f[f.index("--eval-iters") + 1]) if "--eval-iters" in f else 100
+    samples = int(f[f.index("--train-samples") + 1]) if "--train-samples" in f else None
+    iters = int(f[f.index("--train-iters") + 1]) if "--train-iters" in f else None
+    ramp = [int(x) for x in f[f.index("--rampup-batch-size") + 1:][:3]] \
+        if "--rampup-batch-size" in f else None
+    train_iters = mref.train_iters_of(iters, samples, gbs, ramp)
+    assert cfg.training.train_iters == train_iters
+    assert split_sample_counts(cfg) == mref.split_num_samples(train_iters, samples, gbs,
+                                                              interval, eval_iters)
+
+
+def _corpora(tmp_path, blend: bool):
+    """One corpus (--data-path A) or three with uneven weights; prefix -> documents."""
+    from tests.test_gpt_dataset import make_corpus
+
+    sizes = {"a": [7, 30, 2, 11, 1, 45] * 100}
+    if blend:
+        sizes.update(b=[40, 3, 9] * 170, c=[5, 17] * 260)  # >= 500: a test document each
+    corpora = {}
+    for i, (name, doc_sizes) in enumerate(sizes.items()):
+        prefix, docs = make_corpus(tmp_path / name, doc_sizes, seed=20 + i)
+        corpora[prefix] = docs
+    prefixes = list(corpora)
+    path = [prefixes[0]] if not blend else ["3", prefixes[0], "1", prefixes[1], "0.5",
+                                            prefixes[2]]
+    return corpora, path
+
+
+def _reference_windows(cfg, corpora, path, rank, **run):
+    """(split, [mbs, seq + 1] tokens) of each micro-batch rank `rank` reads, Megatron's way."""
+    d, t = cfg.data, cfg.training
+    gbs = d.target_global_batch_size or d.global_batch_size
+    counts = mref.split_num_samples(t.train_iters, t.train_samples, gbs, t.eval_interval,
+                                    t.eval_iters)
+    ref = dict(zip(("train", "valid", "test"),
+                   mref.reference_datasets(corpora, path, d.split, counts, d.seq_length,
+                                           d.seed)))
+    reads = mref.run_reads(t.train_iters, gbs, d.micro_batch_size, cfg.parallel.dp_size, rank,
+                           t.eval_interval, t.eval_iters, d.rampup_batch_size, **run)
+    return [(split, np.stack([ref[split][i] for i in ids])) for split, ids in reads
+            if ref[split] is not None]  # no test documents: no test draw
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+@pytest.mark.parametrize("blend", [False, True])
+def test_each_data_parallel_rank_reads_megatrons_windows(tmp_path, dp, blend):
+    """build_datasets + make_iterator per data-parallel rank, from 0 and resumed at a
+    consumed_samples count, give each rank Megatron's token windows micro-batch by
+    micro-batch (mbs 2, --split 969,30,1 / 98,2,0)."""
+    from megatron.arguments import parse_and_validate
+    from megatron.data_loading import build_datasets
+
+    corpora, path = _corpora(tmp_path, blend)
+    split = "98,2,0" if blend else "969,30,1"
+    cfg = parse_and_validate(_RUN + ["--data-path", *path, "--split", split, "--seq-length",
+                                     "16", "--micro-batch-size", "2", "--global-batch-size",
+                                     str(4 * dp), "--train-iters", "12", "--eval-interval", "4",
+                                     "--eval-iters", "2", "--seed", "77"],
+                             world_size=dp, env={}, cuda_available=False)
+    datasets = build_datasets(cfg, 0, cfg.model.padded_vocab_size)
+    gbs = 4 * dp
+    for rank in range(dp):
+        want = _reference_windows(cfg, corpora, path, rank)
+        for split_name, consumed in (("train", 0), ("train", 5 * gbs), ("valid", 0),
+                                     ("valid", 2 * gbs), ("test", 0)):
+            expected = [w for s, w in want if s == split_name]
+            skip = consumed // (2 * dp)  # micro-batches of this rank before `consumed`
+            if datasets[split_name] is None:  # --split 98,2,0: no test documents
+                assert not expected and split_name == "test"
+                continue
+            it = make_iterator(cfg, datasets[split_name], consumed, rank, dp, pin=False)
+            try:
+                for m, window in enumerate(expected[skip:skip + 12]):
+                    np.testing.assert_array_equal(next(it)["text"].numpy(), window,
+                                                  err_msg=f"{split_name} from {consumed}, "
+                                                          f"rank {rank}/{dp}, micro-batch {m}")
+            finally:
+                it.close()
+
+
+def _recorded_run(rank, world_size, argv):
+    """Every micro-batch's tokens a pretrain() run reads on this rank, in order."""
+    import megatron.train_step as train_step_module
+    import megatron.training as training
+    from megatron.arguments import parse_and_validate
+    from megatron.initialize import initialize_distributed, set_random_seed
+
+    cfg = parse_and_validate(argv, world_size=world_size, env={"RANK": str(rank)},
+                             cuda_available=False)
+    rt = initialize_distributed(cfg.parallel, rank, world_size, 0)
+    set_random_seed(cfg.training.seed, rt)
+    reads, original = [], train_step_module.get_batch
+
+    def recording(micro, *args, **kwargs):
+        reads.append(micro["text"].numpy().copy())
+        return original(micro, *args, **kwargs)
+
+    train_step_module.get_batch = recording
+    try:
+        training.pretrain(cfg, rt)
+    finally:
+        train_step_module.get_batch = original
+    return reads
+
+
+def _compare_reads(got, want, what):
+    assert len(got) == len(want), f"{what}: {len(got)} micro-batches read, Megatron reads {len(want)}"
+    for m, (tokens, (split, window)) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(tokens, window, err_msg=f"{what}: micro-batch {m} ({split})")
+
+
+def _order_argv(path, save, extra):
+    return _RUN + ["--data-path", *path, "--seq-length", "16", "--micro-batch-size", "2",
+                   "--seed", "5", "--eval-interval", "2", "--eval-iters", "2",
+                   "--log-interval", "1000", "--save", save, "--save-interval", "1000",
+                   *extra]
+
+
+def _resume_in_two(rank, world_size, argv_first, argv_second):
+    return (_recorded_run(rank, world_size, argv_first),
+            _recorded_run(rank, world_size, argv_second))
+
+
+@pytest.mark.parametrize("extra", [
+    ["--split", "969,30,1", "--global-batch-size", "8", "--train-iters", "6"],
+    ["--split", "98,2,0", "--global-batch-size", "8", "--train-samples", "60",
+     "--rampup-batch-size", "2", "2", "20"],
+], ids=["iterations", "rampup"])
+def test_training_reads_megatrons_samples_and_resumes_there(tmp_path, extra):
+    """pretrain() reads, micro-batch by micro-batch, Megatron's sequence: the training
+    steps, an --eval-iters validation draw every --eval-interval steps at the current batch
+    size, the final validation and test draws; stopped by --exit-interval 3 and resumed
+    with --load, the two runs read that same sequence (single process, a 3-way blend)."""
+    from megatron.arguments import parse_and_validate
+
+    corpora, path = _corpora(tmp_path, blend=True)
+    save = str(tmp_path / "ckpt")
+    argv = _order_argv(path, save, extra)
+    cfg = parse_and_validate(argv, world_size=1, env={}, cuda_available=False)
+    want = _reference_windows(cfg, corpora, path, 0)
+    first = _recorded_run(0, 1, argv + ["--exit-interval", "3"])
+    second = _recorded_run(0, 1, argv + ["--load", save])
+    _compare_reads(first + second, want, "stopped at 3, resumed")
+
+
+def test_two_data_parallel_ranks_read_megatrons_samples(tmp_path):
+    """The same with 2 data-parallel processes (one corpus, --split 969,30,1), resumed."""
+    from megatron.arguments import parse_and_validate
+
+    corpora, path = _corpora(tmp_path, blend=False)
+    save = str(tmp_path / "ckpt")
+    argv = _order_argv(path, save, ["--split", "969,30,1", "--global-batch-size", "8",
+                                    "--train-iters", "5"])
+    cfg = parse_and_validate(argv, world_size=2, env={}, cuda_available=False)
+    runs = run_distributed(_resume_in_two, 2, argv + ["--exit-interval", "2"],
+                           argv + ["--load", save])
+    for rank, (first, second) in enumerate(runs):
+        _compare_reads(first + second, _reference_windows(cfg, corpora, path, rank),
+                       f"rank {rank}")
+

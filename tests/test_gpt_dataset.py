@@ -384,3 +384,100 @@ def test_datasets_pickle(tmp_path):
     clone = pickle.loads(pickle.dumps(train))
     for i in range(len(train)):
         np.testing.assert_array_equal(clone[i]["text"], train[i]["text"])
+
+
+# ---------------------------------------------------------------- whole builder vs reference
+
+from tests import megatron_data_reference as mref  # noqa: E402
+
+SHAPES = {  # name: (document sizes per prefix, --data-path, --split, samples per split, seq)
+    # documents of 1-3 tokens, many epochs; --split 98,2,0 leaves test empty
+    "tiny-docs": ({"a": [1, 2, 3, 1, 1, 2] * 20}, ["a"], "98,2,0", [400, 40, 0], 16),
+    # documents longer than a sample, one epoch
+    "long-docs": ({"a": [50, 130, 77, 200, 64] * 4}, ["a"], "969, 30, 1", [60, 4, 1], 8),
+    # 1000 tokens of train documents, S=10: 100 samples a second epoch needs 1, apart
+    "last-epoch-apart": ({"a": [10] * 100}, ["a"], "1", [100, 0, 0], 10),
+    # ... needs 80 of the 99 an epoch gives (>= 0.8 x 99 = 79): shuffled with the others
+    "last-epoch-together": ({"a": [10] * 100}, ["a"], "1", [179, 0, 0], 10),
+    # ... needs 78 (< 79): apart
+    "last-epoch-apart-78": ({"a": [10] * 100}, ["a"], "1", [177, 0, 0], 10),
+    # three datasets, uneven weights (3 : 1 : 0.25), every split of 969,30,1 populated
+    "blend-3": ({"a": [7, 30, 2, 11] * 150, "b": [40, 3] * 300, "c": [5] * 700},
+                ["3", "a", "1", "b", "0.25", "c"], "969,30,1", [900, 120, 40], 12),
+    # two datasets, weights that do not sum to 1, --split 98,2,0
+    "blend-2": ({"a": [9, 14, 3] * 40, "b": [21, 2, 8, 1] * 30}, ["0.7", "a", "0.6", "b"],
+                "98,2,0", [300, 60, 0], 8),
+}
+
+
+def test_split_boundaries_match_the_reference_for_every_size():
+    """Every document count up to 2000 (shares landing on .5 round half to even)."""
+    for split in ("969,30,1", "969, 30, 1", "98,2,0", "1,1", "1/1/1", "3", "949,50,1",
+                  "80,10,10,5", "0.5,0.25,0.25", "2,3"):
+        for n in range(1, 2001):
+            assert get_train_valid_test_split(split, n) == mref.split_bounds(split, n), (split, n)
+
+
+def _build_shape(tmp_path, shape):
+    sizes, data_path, split, counts, seq = SHAPES[shape]
+    corpora, prefixes = {}, {}
+    for i, (name, doc_sizes) in enumerate(sizes.items()):
+        prefix, docs = make_corpus(tmp_path / name, doc_sizes, seed=10 + i)
+        corpora[prefix], prefixes[name] = docs, prefix
+    path = [prefixes.get(x, x) for x in data_path]
+    ours = build_train_valid_test_datasets(path, split, counts, seq, 1234,
+                                           str(tmp_path / "cache"))
+    return ours, mref.reference_datasets(corpora, path, split, counts, seq, 1234)
+
+
+def _assert_same_gpt(got, want, what):
+    np.testing.assert_array_equal(np.asarray(got.doc_idx), want.doc_idx, err_msg=what)
+    np.testing.assert_array_equal(np.asarray(got.sample_idx), want.sample_idx, err_msg=what)
+    np.testing.assert_array_equal(np.asarray(got.shuffle_idx), want.shuffle_idx, err_msg=what)
+    assert (got.doc_idx.dtype, got.sample_idx.dtype, got.shuffle_idx.dtype) == (
+        want.doc_idx.dtype, want.sample_idx.dtype, want.shuffle_idx.dtype), what
+    assert got.desc == want.desc and got.desc_hash == mref.cache_name(want.desc), what
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_builder_matches_the_megatron_reference(tmp_path, shape):
+    """Each split's doc_idx, sample_idx, shuffle_idx (values and dtypes), descriptions, the
+    blend's dataset_index / dataset_sample_index and sizes (ceil(n * w * 1.005) per member),
+    and every sample's tokens, against tests/megatron_data_reference.py."""
+    ours, ref = _build_shape(tmp_path, shape)
+    for split, got, want in zip(("train", "valid", "test"), ours, ref):
+        what = f"{shape} {split}"
+        assert (got is None) == (want is None), what
+        if want is None:
+            continue
+        assert len(got) == len(want), what
+        if isinstance(want, mref.RefBlend):
+            assert isinstance(got, BlendedDataset) and len(got.datasets) == len(want.members)
+            np.testing.assert_array_equal(got.weights, want.weights, err_msg=what)
+            np.testing.assert_array_equal(got.dataset_index, want.dataset_index, err_msg=what)
+            np.testing.assert_array_equal(got.dataset_sample_index, want.dataset_sample_index,
+                                          err_msg=what)
+            assert got.dataset_index.dtype == np.uint8 and got.dataset_sample_index.dtype == np.int64
+            for g, w in zip(got.datasets, want.members):
+                _assert_same_gpt(g, w, what)
+        else:
+            _assert_same_gpt(got, want, what)
+        for i in range(len(want)):
+            np.testing.assert_array_equal(got[i]["text"], want[i], err_msg=f"{what} sample {i}")
+
+
+def test_reference_shapes_cover_what_they_claim(tmp_path):
+    """The shapes above reach the cases they are named for (a guard on the test itself)."""
+    ref = {}
+    for shape in ("tiny-docs", "long-docs", "last-epoch-apart", "last-epoch-together",
+                  "last-epoch-apart-78"):
+        (tmp_path / shape).mkdir()
+        ref[shape] = _build_shape(tmp_path / shape, shape)[1]
+    assert len(ref["tiny-docs"][0].doc_idx) > 10 * 117 and ref["tiny-docs"][2] is None
+    assert len(ref["long-docs"][0].doc_idx) == 19  # one epoch of the 19 train documents
+    for name, apart in (("last-epoch-apart", True), ("last-epoch-together", False),
+                        ("last-epoch-apart-78", True)):
+        shuffle = ref[name][0].shuffle_idx
+        assert len(shuffle) == 199
+        assert (sorted(shuffle[:99]) == list(range(99))) == apart, name
+

@@ -9,6 +9,7 @@ import pytest
 
 from megatron.core.datasets import gpt_dataset as gd
 from megatron.core.datasets.gpt_dataset import build_train_valid_test_datasets
+from tests import megatron_data_reference as mref
 from tests.test_gpt_dataset import CASES, make_corpus, ref_indices
 
 SPLIT = "969, 30, 1"
@@ -201,3 +202,79 @@ def test_cache_files_go_through_fresh_temporary_names(tmp_path):
     assert np.array_equal(again.doc_idx, train.doc_idx)
     for path in again.cache_paths.values():
         assert not os.path.islink(path) and os.stat(path).st_mode & 0o777 == 0o644, path
+
+
+def _three_corpora(tmp_path):
+    (tmp_path / "data").mkdir()
+    corpora = {}
+    for i, sizes in enumerate(([9, 40, 3] * 200, [12, 5] * 260, [70] * 510)):
+        prefix, docs = make_corpus(tmp_path / "data" / f"c{i}", sizes, seed=i)
+        corpora[prefix] = docs
+    p = list(corpora)
+    return corpora, ["5", p[0], "2", p[1], "1", p[2]]
+
+
+def test_cache_files_are_megatrons_names_and_arrays(tmp_path):
+    """The files a build writes: for each split of each blended dataset
+    md5(description).{dsc,_doc_idx.npy,_sample_idx.npy,_shuffle_idx.npy} and for each
+    blend md5(its description).{dsc,_index.npy,_sample_index.npy}, all in --data-cache-path
+    (the last directory looked in), nothing in <data dir>/index-cache/; each .npy holds the
+    reference's array (dtype, shape, values) and loads as Megatron loads it."""
+    corpora, path = _three_corpora(tmp_path)
+    cache = tmp_path / "cache"
+    counts = [500, 60, 20]
+    build_train_valid_test_datasets(path, "969,30,1", counts, 16, 31, str(cache))
+    ref = mref.reference_datasets(corpora, path, "969,30,1", counts, 16, 31)
+    expected = set()
+    for blend in ref:
+        for member in blend.members:
+            h = mref.cache_name(member.desc)
+            expected |= {h + ".dsc", h + "_doc_idx.npy", h + "_sample_idx.npy",
+                         h + "_shuffle_idx.npy"}
+            where = cache
+            assert (where / f"{h}.dsc").read_text() == member.desc
+            for suffix, want in (("_doc_idx.npy", member.doc_idx),
+                                 ("_sample_idx.npy", member.sample_idx),
+                                 ("_shuffle_idx.npy", member.shuffle_idx)):
+                got = np.load(where / (h + suffix), allow_pickle=True, mmap_mode="r")
+                assert got.dtype == want.dtype and got.shape == want.shape, suffix
+                np.testing.assert_array_equal(got, want)
+        h = mref.cache_name(blend.desc)
+        assert (cache / f"{h}.dsc").read_text() == blend.desc
+        index = np.load(cache / f"{h}_index.npy", allow_pickle=True)
+        sample_index = np.load(cache / f"{h}_sample_index.npy", allow_pickle=True)
+        assert index.dtype == np.uint8 and sample_index.dtype == np.int64
+        np.testing.assert_array_equal(index, blend.dataset_index)
+        np.testing.assert_array_equal(sample_index, blend.dataset_sample_index)
+        expected |= {h + ".dsc", h + "_index.npy", h + "_sample_index.npy"}
+    assert set(_cache_files(cache)) == expected
+    assert not (tmp_path / "data" / "index-cache").exists()
+
+
+def test_a_megatron_written_cache_is_used_as_it_is(tmp_path, monkeypatch):
+    """Index files Megatron wrote (np.save with allow_pickle=True, under its names) in
+    <data dir>/index-cache/ are loaded, not rebuilt, and give the reference's samples."""
+    corpora, path = _three_corpora(tmp_path)
+    prefix = path[1]
+    counts = [300, 30, 10]
+    ref = mref.reference_datasets(corpora, [prefix], "98,2,0", counts, 32, 9)
+    where = tmp_path / "data" / "index-cache"
+    where.mkdir()
+    for member in ref[:2]:
+        h = mref.cache_name(member.desc)
+        (where / f"{h}.dsc").write_text(member.desc)
+        for suffix, array in (("_doc_idx.npy", member.doc_idx),
+                              ("_sample_idx.npy", member.sample_idx),
+                              ("_shuffle_idx.npy", member.shuffle_idx)):
+            np.save(where / (h + suffix), array, allow_pickle=True)
+
+    def rebuilt(*args, **kwargs):
+        raise AssertionError("the index was rebuilt, not loaded")
+
+    monkeypatch.setattr(gd, "build_index_arrays", rebuilt)
+    ours = build_train_valid_test_datasets([prefix], "98,2,0", counts, 32, 9)
+    assert ours[2] is None and ref[2] is None
+    for got, want in zip(ours[:2], ref[:2]):
+        assert got.cache_paths["doc"].startswith(str(where))
+        assert [got[i]["text"].tolist() for i in range(len(got))] == \
+            [want[i].tolist() for i in range(len(want))]
