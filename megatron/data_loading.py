@@ -46,7 +46,10 @@ def build_tokenizer_for(config: Config):
 
 
 def split_sample_counts(config: Config) -> List[int]:
-    t, gbs = config.training, config.data.global_batch_size
+    """[train, valid, test] samples asked of the dataset builder (the module docstring's
+    rule), in batches of the final --global-batch-size also during a ramp-up."""
+    t, d = config.training, config.data
+    gbs = d.target_global_batch_size or d.global_batch_size
     train = (t.train_samples or t.train_iters * gbs) if not t.skip_train else 0
     evals = ((t.train_iters or 0) // t.eval_interval + 1) * t.eval_iters * gbs if t.eval_interval else t.eval_iters * gbs
     return [train, evals, t.eval_iters * gbs]

@@ -48,6 +48,7 @@ from megatron.checkpointing import (
 from megatron.core.models.gpt.stages import stage_layout
 from megatron.core.optimizer.lr_scheduler import mismatch_message
 from megatron.logging_utils import print_rank_0
+from megatron.microbatches import update_micro_batches
 from megatron.oom_report import out_of_memory_kind
 from megatron.step_graph import settle
 
@@ -384,22 +385,26 @@ def assumed_counters(config, iteration: int, consumed_train: int,
 def _restore_counters(tr, loaded: _Loaded) -> None:
     """Iteration and sample counters: all from the checkpoint on a resume (counters it
     lacks assumed as Megatron does: `assumed_counters`); with --finetune none; from a
-    release checkpoint only the consumed samples (from its args, as Megatron)."""
+    release checkpoint only the consumed samples (from its args, as Megatron). With
+    --rampup-batch-size the current global batch then follows the consumed samples, as
+    Megatron's load sets its micro-batch count: an evaluation before any step (--skip-train)
+    draws batches of the size the ramp had reached."""
     if tr.config.checkpoint.finetune:
         return
     args = loaded.state.get("args") or {}
     from_args = {"consumed_train_samples": args.get("consumed_train_samples", 0),
                  "consumed_valid_samples": args.get("consumed_valid_samples", 0)}
-    if loaded.release:
-        tr.state.load_state_dict(from_args)
-        return
     st = tr.state
-    st.load_state_dict(loaded.state.get("train_state",
-                                        {"iteration": loaded.iteration, **from_args}))
-    st.consumed_train_samples, st.consumed_valid_samples, note = assumed_counters(
-        tr.config, st.iteration, st.consumed_train_samples, st.consumed_valid_samples)
-    if note:
-        print_rank_0(note)
+    if loaded.release:
+        st.load_state_dict(from_args)
+    else:
+        st.load_state_dict(loaded.state.get("train_state",
+                                            {"iteration": loaded.iteration, **from_args}))
+        st.consumed_train_samples, st.consumed_valid_samples, note = assumed_counters(
+            tr.config, st.iteration, st.consumed_train_samples, st.consumed_valid_samples)
+        if note:
+            print_rank_0(note)
+    update_micro_batches(tr.config.data, st.consumed_train_samples, tr.rt.ps.dp_size)
 
 
 def _load_optimizer(tr, loaded: _Loaded) -> None:

@@ -483,3 +483,23 @@ def test_two_data_parallel_ranks_read_megatrons_samples(tmp_path):
         _compare_reads(first + second, _reference_windows(cfg, corpora, path, rank),
                        f"rank {rank}")
 
+
+def test_skip_train_evaluates_a_ramp_up_checkpoint_at_its_batch_size(tmp_path):
+    """--skip-train --load of a checkpoint saved during the batch-size ramp-up draws
+    --eval-iters global batches of the size the ramp had reached (Megatron's checkpoint
+    load sets the micro-batch count from its consumed samples), not the final
+    --global-batch-size: validation and test from their first sample."""
+    from megatron.arguments import parse_and_validate
+
+    corpora, path = _corpora(tmp_path, blend=False)
+    save = str(tmp_path / "ckpt")
+    argv = _order_argv(path, save, ["--split", "969,30,1", "--global-batch-size", "8",
+                                    "--train-samples", "60", "--rampup-batch-size", "2", "2",
+                                    "30"])
+    _recorded_run(0, 1, argv + ["--exit-interval", "5"])  # 2+2+2+4+4 = 14 samples
+    evaluated = _recorded_run(0, 1, argv + ["--load", save, "--skip-train"])
+    cfg = parse_and_validate(argv, world_size=1, env={}, cuda_available=False)
+    want = _reference_windows(cfg, corpora, path, 0, start_iteration=5, consumed_train=14,
+                              skip_train=True)
+    assert [w.shape[0] for _, w in want] == [2] * 8  # 2 draws x 2 iterations x 2 micro-batches
+    _compare_reads(evaluated, want, "--skip-train at iteration 5")
