@@ -227,6 +227,27 @@ def reference_datasets(corpora: Dict[str, List[np.ndarray]], data_path: Sequence
     return out
 
 
+def reference_separate_datasets(corpora: Dict[str, List[np.ndarray]], paths: Sequence,
+                                split: str, num_samples: Sequence[int], seq_length: int,
+                                seed: int) -> list:
+    """[train, valid, test] for --train/valid/test-data-path `paths` (each None, one
+    prefix or `w1 p1 ...`): all documents of each file, --split only in the description."""
+    out = []
+    for name, path, n in zip(("train", "valid", "test"), paths, num_samples):
+        if path is None:
+            out.append(None)
+            continue
+        if len(path) == 1:
+            prefixes, weights, per = [path[0]], [1.0], [int(n)]
+        else:
+            prefixes, weights = blend_weights(path)
+            per = member_num_samples(int(n), weights)
+        members = [RefGPT(corpora[p], p, name, 0, len(corpora[p]), c, seq_length, seed, split)
+                   for p, c in zip(prefixes, per)]
+        out.append(members[0] if len(path) == 1 else RefBlend(members, weights, sum(per)))
+    return out
+
+
 # ---------------------------------------------------------------- loaders
 
 

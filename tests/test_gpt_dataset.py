@@ -405,6 +405,8 @@ SHAPES = {  # name: (document sizes per prefix, --data-path, --split, samples pe
     "blend-3": ({"a": [7, 30, 2, 11] * 150, "b": [40, 3] * 300, "c": [5] * 700},
                 ["3", "a", "1", "b", "0.25", "c"], "969,30,1", [900, 120, 40], 12),
     # two datasets, weights that do not sum to 1, --split 98,2,0
+    # a blend of one (`--data-path 1 a`): ceil(n x 1.005) samples, wrapped as a blend
+    "blend-1": ({"a": [13, 4, 25] * 30}, ["1", "a"], "90,10,0", [200, 20, 0], 8),
     "blend-2": ({"a": [9, 14, 3] * 40, "b": [21, 2, 8, 1] * 30}, ["0.7", "a", "0.6", "b"],
                 "98,2,0", [300, 60, 0], 8),
 }
@@ -481,3 +483,27 @@ def test_reference_shapes_cover_what_they_claim(tmp_path):
         assert len(shuffle) == 199
         assert (sorted(shuffle[:99]) == list(range(99))) == apart, name
 
+
+
+def test_separate_data_paths_match_the_megatron_reference(tmp_path):
+    """--train-data-path (a weighted pair), --valid-data-path (one file), no test path:
+    every document of each file, the --split string only in the descriptions."""
+    corpora, prefixes = {}, []
+    for i, sizes in enumerate(([9, 31, 4] * 30, [17, 2] * 40, [6, 50, 11] * 10)):
+        prefix, docs = make_corpus(tmp_path / f"c{i}", sizes, seed=40 + i)
+        corpora[prefix] = docs
+        prefixes.append(prefix)
+    paths = (["0.8", prefixes[0], "0.4", prefixes[1]], [prefixes[2]], None)
+    counts = [250, 30, 10]
+    ours = build_train_valid_test_datasets(None, "969, 30, 1", counts, 16, 99,
+                                           str(tmp_path / "cache"), *paths)
+    ref = mref.reference_separate_datasets(corpora, paths, "969, 30, 1", counts, 16, 99)
+    assert ours[2] is None and ref[2] is None
+    np.testing.assert_array_equal(ours[0].dataset_index, ref[0].dataset_index)
+    np.testing.assert_array_equal(ours[0].dataset_sample_index, ref[0].dataset_sample_index)
+    for got, want in list(zip(ours[0].datasets, ref[0].members)) + [(ours[1], ref[1])]:
+        _assert_same_gpt(got, want, got.desc)
+    for got, want in zip(ours[:2], ref[:2]):
+        assert len(got) == len(want)
+        for i in range(len(want)):
+            np.testing.assert_array_equal(got[i]["text"], want[i])
