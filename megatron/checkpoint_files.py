@@ -24,7 +24,7 @@ import enum
 import functools
 import pickle
 import re
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -259,11 +259,53 @@ def _dtype_from_name(value):
     return value
 
 
+def _group_step(group: dict, per_param: Optional[dict]) -> Optional[int]:
+    """The Adam step count of one saved group: its parameters' (torch keeps one per
+    parameter), else the group's own (apex's, and the distributed optimizer's)."""
+    if per_param is not None:
+        steps = [int(per_param[i]["step"]) for i in group.get("params", ())
+                 if "step" in per_param.get(i, {})]
+        if steps:
+            return max(steps)
+    return int(group["step"]) if "step" in group else None
+
+
+def apex_optimizer_state(opt: dict) -> dict:
+    """An `optimizer` checkpoint entry (fp32, mixed or distributed: see
+    megatron/checkpoint_reshard.py) with what Megatron-LM 23.05's Adam, apex FusedAdam,
+    reads from each parameter group: "bias_correction" (a KeyError without it) and the
+    step count as "step" (apex does not read torch's per-parameter step; without the
+    group's its bias correction would start again from step 1). SGD groups are left as
+    they are. The input is not modified."""
+    opt = dict(opt)
+    key = None if "state" in opt else next(
+        (k for k in ("optimizer", "optimizer_state_dict") if isinstance(opt.get(k), dict)), None)
+    inner = dict(opt if key is None else opt[key])
+    if not isinstance(inner.get("param_groups"), list):
+        return opt
+    per_param = inner.get("state")
+    groups = []
+    for group in inner["param_groups"]:
+        group = dict(group)
+        if "betas" in group:
+            step = _group_step(group, per_param)
+            group.setdefault("bias_correction", True)
+            if step:
+                group["step"] = step
+        groups.append(group)
+    inner["param_groups"] = groups
+    if key is None:
+        return inner
+    opt[key] = inner
+    return opt
+
+
 def megatron_payload(state: dict) -> dict:
     """This framework's model_optim_rng.pt payload as Megatron-LM 23.05 writes it: `args`
     an argparse.Namespace (dtype names as torch dtypes, the consumed-sample counters from
     `train_state`), the model state nested, the numpy RNG state with a numpy array, no
-    `train_state`. Everything it pickles loads without this framework installed."""
+    `train_state`, the optimizer's groups as apex reads them (`apex_optimizer_state`).
+    Everything it pickles loads without this framework installed."""
     out = {k: v for k, v in state.items() if k != "train_state"}
     args = {k: _dtype_from_name(v) for k, v in (state.get("args") or {}).items()}
     counters = state.get("train_state", {})
@@ -273,6 +315,8 @@ def megatron_payload(state: dict) -> dict:
     out["args"] = argparse.Namespace(**args)
     for key in [k for k in out if _is_model_key(k)]:
         out[key] = nest_model_state(out[key])
+    if isinstance(out.get("optimizer"), dict):
+        out["optimizer"] = apex_optimizer_state(out["optimizer"])
     if "rng_state" in out:
         out["rng_state"] = [dict(rng) for rng in out["rng_state"]]
         for rng in out["rng_state"]:
@@ -285,4 +329,5 @@ def megatron_payload(state: dict) -> dict:
 
 __all__ = ["ModelType", "MIN_CHECKPOINT_VERSION", "megatron_globals", "load_checkpoint_file",
            "refused_object", "torch_reason",
-           "flat_model_state", "normalize_payload", "complete_saved_args", "nest_model_state", "megatron_payload"]
+           "flat_model_state", "normalize_payload", "complete_saved_args", "nest_model_state", "megatron_payload",
+           "apex_optimizer_state"]

@@ -161,3 +161,95 @@ def adamw_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
     v = beta2 * v + (1 - beta2) * g * g
     update = (m / (1 - beta1 ** step)) / ((v / (1 - beta2 ** step)).sqrt() + eps) + wd * p
     return p - lr * update
+
+
+# ------------------------------------------------- what Megatron-LM 23.05 does on load
+class ApexFusedAdam(torch.optim.Optimizer):
+    """apex.optimizers.FusedAdam (adam_w_mode) as Megatron-LM 23.05 runs it, in Python:
+    the step count lives in each parameter group (`group["step"]`, 1 when absent) and the
+    update reads `group["bias_correction"]`; per-parameter state is exp_avg, exp_avg_sq."""
+
+    def __init__(self, params, lr: float, weight_decay: float, betas=(0.9, 0.999),
+                 eps: float = 1e-8) -> None:
+        super().__init__(params, dict(lr=lr, bias_correction=True, betas=betas, eps=eps,
+                                      weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            bias_correction = 1 if group["bias_correction"] else 0
+            beta1, beta2 = group["betas"]
+            group["step"] = group["step"] + 1 if "step" in group else 1
+            t = group["step"]
+            for p in group["params"]:
+                state = self.state[p]
+                if len(state) == 0:
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                c1 = 1 - beta1 ** t if bias_correction else 1.0
+                c2 = 1 - beta2 ** t if bias_correction else 1.0
+                update = (m / c1) / ((v / c2).sqrt() + group["eps"])
+                p.sub_(group["lr"] * (update + group["weight_decay"] * p))
+
+
+def megatron_param_groups(params: Dict[str, torch.Tensor]) -> List[dict]:
+    """Megatron-LM 23.05's get_param_groups over named parameters (module order)."""
+    decayed = [p for n, p in params.items() if not no_weight_decay(n, p)]
+    plain = [p for n, p in params.items() if no_weight_decay(n, p)]
+    return [g for g in ({"params": decayed, "wd_mult": 1.0, "lr_mult": 1.0},
+                        {"params": plain, "wd_mult": 0.0, "lr_mult": 1.0}) if g["params"]]
+
+
+def megatron_load_indexed(entry: dict, params: Dict[str, torch.Tensor]) -> ApexFusedAdam:
+    """Float16OptimizerWithFloat16Params.load_state_dict (or FP32Optimizer's) on fp32
+    main parameters `params` (name -> tensor, module order), as Megatron-LM 23.05 runs it."""
+    opt = ApexFusedAdam(megatron_param_groups(params), lr=0.0, weight_decay=0.0)
+    if "fp32_from_fp16_params" not in entry:  # fp32: the state dict itself
+        opt.load_state_dict(entry)
+        return opt
+    opt.load_state_dict(entry["optimizer"])
+    with torch.no_grad():
+        for group, saved in zip(opt.param_groups, entry["fp32_from_fp16_params"]):
+            for current, value in zip(group["params"], saved):
+                current.copy_(value)
+    return opt
+
+
+def megatron_load_distributed(entry: dict, distrib: dict, params: Dict[str, torch.Tensor],
+                              dp_size: int) -> ApexFusedAdam:
+    """DistributedOptimizer.load_state_dict + load_parameter_state of Megatron-LM 23.05
+    at data-parallel size `dp_size`, gathered back into one process: the groups without
+    "params" go through torch's load_state_dict; DP rank 0 cuts each flat tensor of
+    distrib_optim.pt into dp_size pieces of its padded grad buffer's shard size (a
+    scatter: every piece must have that size) and each rank copies its parameters' parts."""
+    opt = ApexFusedAdam(megatron_param_groups(params), lr=0.0, weight_decay=0.0)
+    inner = opt.state_dict()
+    groups = [{**g, "params": inner["param_groups"][i]["params"]}
+              for i, g in enumerate(entry["optimizer"]["param_groups"])]
+    state = {i: {"exp_avg": torch.empty(0), "exp_avg_sq": torch.empty(0)}
+             for g in groups for i in g["params"]}
+    opt.load_state_dict({"state": state, "param_groups": groups})
+    ((_, flats),) = distrib[0].items()
+    numel = sum(p.numel() for p in params.values())
+    padded = dp_size * int(math.ceil(numel / dp_size))
+    local = padded // dp_size
+    for key, world in flats.items():
+        pieces = [world[i:i + local] for i in range(0, padded, local)]
+        if any(piece.numel() != local for piece in pieces):
+            raise RuntimeError(f"scatter of {key}: pieces of {[p.numel() for p in pieces]} "
+                               f"elements, dp {dp_size} needs {local} each")
+        whole = torch.cat(pieces)
+        end = numel
+        for p in params.values():  # the grad buffer: the first parameter at the end
+            start = end - p.numel()
+            value = whole[start:end].view(p.shape)
+            with torch.no_grad():
+                if key == "param":
+                    p.copy_(value)
+                else:
+                    opt.state[p][key] = value.clone()
+            end = start
+    return opt

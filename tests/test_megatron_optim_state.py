@@ -320,3 +320,64 @@ def test_pp2_checkpoint_with_the_tied_embedding_copy(tmp_path, kind, run_flags):
         named = [((to_global[name], offset), *rest) for (name, offset), *rest in r["records"]]
         checked += _check_named(named, values)
     assert checked == _numel(values) + values[TIED]["param"].numel()
+
+
+# ------------------------------------------------------ back: what to-megatron writes
+def _exported(root: str, out: str):
+    """to-megatron of `root`'s iteration K; (raw rank-0 payload, its distrib_optim.pt or
+    None), read as Megatron-LM does (plain torch.load, argparse and numpy allowed)."""
+    from megatron.checkpoint_files import ModelType, megatron_globals
+    from tools.checkpoint_convert import to_megatron
+
+    to_megatron(root, out)
+    path = checkpoint_name(out, K, 0, 0, 1)
+    with torch.serialization.safe_globals([g for g in megatron_globals()
+                                           if g[0] is not ModelType]):
+        raw = torch.load(path, weights_only=True)
+        extra = os.path.join(os.path.dirname(path), "distrib_optim.pt")
+        distrib = torch.load(extra, weights_only=True) if os.path.isfile(extra) else None
+    return raw, distrib
+
+
+def _megatron_params(raw: dict) -> dict:
+    """fp32 copies of the exported weights, by name in Megatron-LM's module order."""
+    lm = raw["model"]["language_model"]
+    out = {f"embedding.{k}": v["weight"] for k, v in lm["embedding"].items()}
+    out.update({f"encoder.{k}": v for k, v in lm["encoder"].items()})
+    return {k: v.detach().float().clone() for k, v in out.items()}
+
+
+def _step_as_megatron(opt, expected_step: int) -> None:
+    """One apex step with zero gradients; it must count from the saved step."""
+    before = {p: (p.clone(), {k: v.clone() for k, v in opt.state[p].items()})
+              for g in opt.param_groups for p in g["params"]}
+    for p in before:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for group in opt.param_groups:
+        assert group["step"] == expected_step, "the step count restarted"
+        for p in group["params"]:
+            p0, state = before[p]
+            want = ref.adamw_step(p0, p.grad, state["exp_avg"], state["exp_avg_sq"],
+                                  expected_step, group["lr"], group["weight_decay"],
+                                  *group["betas"], group["eps"])
+            torch.testing.assert_close(p.double(), want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_to_megatron_optimizer_state_loads_in_megatron_lm(tmp_path, precision):
+    """Megatron-LM 23.05 loads the export's optimizer into apex FusedAdam, whose step reads
+    each group's "bias_correction" and "step" (torch's per-parameter step is not read):
+    without them it stopped with KeyError 'bias_correction', and its bias correction would
+    have restarted at step 1."""
+    extra = [] if precision == "fp32" else [f"--{precision}"]
+    root = str(tmp_path / "ck")
+    run_pretrain(extra + ["--save", root, "--save-interval", str(K), "--exit-interval", str(K)])
+    raw, _ = _exported(root, str(tmp_path / "mlm"))
+    params = _megatron_params(raw)
+    opt = ref.megatron_load_indexed(raw["optimizer"], params)
+    original = torch.load(checkpoint_name(root, K, 0, 0, 1), weights_only=True)["optimizer"]
+    inner = original.get("optimizer", original)
+    for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):
+        assert torch.equal(opt.state[p]["exp_avg"], inner["state"][i]["exp_avg"])
+    _step_as_megatron(opt, K + 1)

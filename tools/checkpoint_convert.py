@@ -54,7 +54,10 @@ from megatron.checkpoint_dirs import (  # noqa: E402
     is_legacy_model_file,
     model_file,
 )
-from megatron.checkpoint_files import load_checkpoint_file, megatron_payload  # noqa: E402
+from megatron.checkpoint_files import (  # noqa: E402
+    load_checkpoint_file,
+    megatron_payload,
+)
 from megatron.checkpointing import (  # noqa: E402
     MODEL_FILENAME,
     TRACKER_FILENAME,
@@ -414,7 +417,9 @@ def add_to_megatron_arguments(p: argparse.ArgumentParser) -> None:
 def to_megatron(load: str, save: str, iteration: Optional[int] = None,
                 overwrite: bool = False) -> dict:
     """Write the checkpoint under `load` to `save` as Megatron-LM writes it (same layout;
-    `args` an argparse.Namespace, nested model state: megatron/checkpoint_files.py).
+    `args` an argparse.Namespace, nested model state, the optimizer's groups as apex
+    FusedAdam reads them:
+    megatron/checkpoint_files.py).
     Megatron-LM loads such files with a plain `torch.load`; this framework loads them too.
     A checkpoint already in `save` is refused unless `overwrite`. Returns {iteration,
     files, directory}."""
