@@ -300,6 +300,26 @@ def apex_optimizer_state(opt: dict) -> dict:
     return opt
 
 
+# Data-parallel sizes up to this one can load a distrib_optim.pt `megatron_distrib_payload`
+# wrote (elements of padding it appends to every flat tensor, plus one).
+MEGATRON_MAX_DP = 16384
+
+
+def megatron_distrib_payload(state: dict) -> dict:
+    """A distrib_optim.pt payload that Megatron-LM 23.05 loads with any data-parallel size
+    up to MEGATRON_MAX_DP. Megatron-LM scatters each flat tensor in dp pieces of its own
+    padded grad-buffer shard (the buffer rounded up to a multiple of its dp), so a tensor
+    padded for another dp (this framework pads to the saving run's; `reshard` not at all)
+    can be too short for it ("dp 3 needs 10027 each"); zeros are appended (padding is never
+    read). The input is not modified."""
+    out = {}
+    for chunk, by_dtype in state.items():
+        out[chunk] = {dtype: {key: torch.cat([flat, flat.new_zeros(MEGATRON_MAX_DP - 1)])
+                              for key, flat in flats.items()}
+                      for dtype, flats in by_dtype.items()}
+    return out
+
+
 def megatron_payload(state: dict) -> dict:
     """This framework's model_optim_rng.pt payload as Megatron-LM 23.05 writes it: `args`
     an argparse.Namespace (dtype names as torch dtypes, the consumed-sample counters from
@@ -330,4 +350,4 @@ def megatron_payload(state: dict) -> dict:
 __all__ = ["ModelType", "MIN_CHECKPOINT_VERSION", "megatron_globals", "load_checkpoint_file",
            "refused_object", "torch_reason",
            "flat_model_state", "normalize_payload", "complete_saved_args", "nest_model_state", "megatron_payload",
-           "apex_optimizer_state"]
+           "apex_optimizer_state", "megatron_distrib_payload", "MEGATRON_MAX_DP"]

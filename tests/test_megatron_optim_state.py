@@ -381,3 +381,17 @@ def test_to_megatron_optimizer_state_loads_in_megatron_lm(tmp_path, precision):
     for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):
         assert torch.equal(opt.state[p]["exp_avg"], inner["state"][i]["exp_avg"])
     _step_as_megatron(opt, K + 1)
+
+
+@pytest.mark.parametrize("megatron_dp", [1, 2, 3, 8])
+def test_to_megatron_distributed_optimizer_loads_at_any_dp(tmp_path, megatron_dp):
+    """distrib_optim.pt of a dp 1 run, exported: Megatron-LM 23.05 scatters its flat tensors
+    in pieces of its own padded grad buffer's shard size, so they must be long enough for
+    the data-parallel size it resumes with."""
+    root = str(tmp_path / "ck")
+    run_pretrain(["--bf16", "--use-distributed-optimizer", "--save", root, "--save-interval",
+                  str(K), "--exit-interval", str(K)])
+    raw, distrib = _exported(root, str(tmp_path / "mlm"))
+    params = _megatron_params(raw)
+    opt = ref.megatron_load_distributed(raw["optimizer"], distrib, params, megatron_dp)
+    _step_as_megatron(opt, K + 1)

@@ -56,6 +56,7 @@ from megatron.checkpoint_dirs import (  # noqa: E402
 )
 from megatron.checkpoint_files import (  # noqa: E402
     load_checkpoint_file,
+    megatron_distrib_payload,
     megatron_payload,
 )
 from megatron.checkpointing import (  # noqa: E402
@@ -418,7 +419,7 @@ def to_megatron(load: str, save: str, iteration: Optional[int] = None,
                 overwrite: bool = False) -> dict:
     """Write the checkpoint under `load` to `save` as Megatron-LM writes it (same layout;
     `args` an argparse.Namespace, nested model state, the optimizer's groups as apex
-    FusedAdam reads them:
+    FusedAdam reads them, distrib_optim.pt padded for any data-parallel size:
     megatron/checkpoint_files.py).
     Megatron-LM loads such files with a plain `torch.load`; this framework loads them too.
     A checkpoint already in `save` is refused unless `overwrite`. Returns {iteration,
@@ -442,7 +443,8 @@ def to_megatron(load: str, save: str, iteration: Optional[int] = None,
             files += 1
             extra = os.path.join(iter_dir, rank_dir, reshard_lib.DISTRIB_FILENAME)
             if os.path.isfile(extra):  # tensors keyed by ints and dtypes: the same in both
-                shutil.copy2(extra, os.path.join(tmp_dir, rank_dir))
+                torch.save(megatron_distrib_payload(load_checkpoint_file(extra)),
+                           os.path.join(tmp_dir, rank_dir, reshard_lib.DISTRIB_FILENAME))
                 files += 1
             progress.done(rank_dir)
         publish_checkpoint(save, tmp_dir, final_dir, iteration, release)
