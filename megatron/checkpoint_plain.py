@@ -10,7 +10,7 @@ import dataclasses
 import enum
 import random
 from pathlib import PurePath
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 import torch
@@ -48,11 +48,19 @@ def get_rng_state(tracker=None) -> Dict[str, object]:
     }
 
 
-def set_rng_state(state: Dict[str, object], tracker=None) -> None:
+def _generator_kind(num_bytes: int) -> str:
+    return {16: "CUDA", 5056: "CPU"}.get(num_bytes, f"{num_bytes}-byte")
+
+
+def set_rng_state(state: Dict[str, object], tracker=None) -> Optional[str]:
     """Restore states saved by `get_rng_state` (numpy arrays are accepted as well).
 
-    The tracker (anything with `set_states()`) is restored when the saved states are not
-    empty; a CUDA state is restored only when CUDA is available.
+    The tracker (anything with `get_states()` / `set_states()`) is restored when the saved
+    states are not empty and are states of its generator's kind: a checkpoint saved on
+    GPUs (Megatron-LM's) holds CUDA generator states, which a CPU run's generator cannot
+    take (nor a GPU run a CPU run's); those streams then keep their seeded states, and the
+    returned note says so (None otherwise). A CUDA state is restored only when CUDA is
+    available.
     """
     rs = state["random_rng_state"]
     random.setstate((rs[0], tuple(rs[1]), rs[2]))
@@ -62,8 +70,21 @@ def set_rng_state(state: Dict[str, object], tracker=None) -> None:
     if cuda_state is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(cuda_state)
     tracker_states = state.get("rng_tracker_states")
-    if tracker is not None and tracker_states:
-        tracker.set_states(tracker_states)
+    if tracker is None or not tracker_states:
+        return None
+    current = {name: s.numel() for name, s in tracker.get_states().items()}
+    other = {name: s.numel() for name, s in tracker_states.items()
+             if name in current and s.numel() != current[name]}
+    if other:
+        saved, run = _generator_kind(next(iter(other.values()))), _generator_kind(
+            current[next(iter(other))])
+        return (f"the checkpoint's tensor-parallel RNG streams ({', '.join(sorted(other))}) "
+                f"are {saved} generator states, which this run's {run} generator cannot "
+                "take: they start from --seed (dropout inside tensor-parallel regions draws "
+                "other masks than the saving run would have); the other RNG states are "
+                "restored")
+    tracker.set_states(tracker_states)
+    return None
 
 
 # ---------------------------------------------------------------------------------------

@@ -476,7 +476,9 @@ def _restore_states(tr, loaded: _Loaded) -> Optional[str]:
         elif tr.optimizer is not None:  # None: an evaluation-only trainer (no main params)
             tr.optimizer.reload_model_params()
         if loaded.with_rng and "rng_state" in loaded.state:  # not kept when tp or pp changed
-            set_rng_state(loaded.state["rng_state"][0], tr.rt.rng_tracker)
+            note = set_rng_state(loaded.state["rng_state"][0], tr.rt.rng_tracker)
+            if note:
+                print_rank_0(f" > {note}")
     except SystemExit as exc:
         return exit_message(exc)
     return None

@@ -229,6 +229,9 @@ def test_the_export_has_megatron_lms_shape(tmp_path):
         [sys.executable, os.path.join(REPO, "tools", "checkpoint_convert.py"), "to-megatron",
          "--load", root, "--save", out], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert ("warning: the checkpoint's RNG states were saved by a CPU run; Megatron-LM "
+            "restores CUDA generator states and stops on these: load the export with "
+            "--no-load-rng" in done.stderr)
     path = checkpoint_name(out, K, 0, 0, 1)
     with open(os.path.join(out, "latest_checkpointed_iteration.txt")) as f:
         assert f.read() == str(K)
@@ -386,3 +389,41 @@ def test_to_megatron_warns_of_what_megatron_lm_23_05_cannot_build(tmp_path, caps
     assert gaps({"normalization": "LayerNorm", "swiglu": True, "hidden_size": 96,
                  "ffn_hidden_size": 256, "position_embedding_type": "rope",
                  "rotary_base": 10000}) == []
+
+
+def test_a_gpu_checkpoints_rng_streams_on_a_cpu_run(tmp_path, monkeypatch, capsys):
+    """Megatron-LM saves the tensor-parallel RNG streams (`rng_tracker_states`) and
+    `cuda_rng_state` as CUDA generator states (16 bytes). A CPU run (debugging a GPU
+    checkpoint) set them into its CPU generator and stopped at the first attention dropout
+    ("Expected a CPUGeneratorImplState of size 5056 but found ... 16"); now those streams
+    start from --seed, a note says so, and the other RNG states are restored. A GPU run
+    given a CPU run's streams is told the same (`set_rng_state`)."""
+    from megatron.checkpoint_plain import get_rng_state, set_rng_state
+    from megatron.core.tensor_parallel.random import RNGStatesTracker
+
+    root = str(tmp_path / "ck")
+    run_pretrain(["--save", root, "--save-interval", str(K), "--exit-interval", str(K)])
+    path = checkpoint_name(root, K, 0, 0, 1)
+    megatronize(path, monkeypatch)
+    mod = _megatron_enum_module()
+    with monkeypatch.context() as m, torch.serialization.safe_globals(megatron_globals()):
+        m.setitem(sys.modules, "megatron.core.enums", mod)
+        raw = torch.load(path, weights_only=True)
+        cuda_state = torch.arange(16, dtype=torch.uint8)
+        raw["rng_state"][0]["cuda_rng_state"] = cuda_state
+        raw["rng_state"][0]["rng_tracker_states"] = {"model-parallel-rng": cuda_state}
+        raw["args"].model_type = mod.ModelType.encoder_or_decoder
+        torch.save(raw, path)
+    capsys.readouterr()
+    resumed, _ = run_pretrain(["--load", root])
+    assert sorted(resumed) == list(range(K + 1, N + 1))
+    assert ("the checkpoint's tensor-parallel RNG streams (model-parallel-rng) are CUDA "
+            "generator states, which this run's CPU generator cannot take: they start from "
+            "--seed" in capsys.readouterr().out)
+    cuda_run = RNGStatesTracker("cpu")
+    cuda_run.states = {"model-parallel-rng": cuda_state}  # a GPU run's tracker
+    saved = get_rng_state(RNGStatesTracker("cpu"))
+    saved["rng_tracker_states"] = {"model-parallel-rng": torch.get_rng_state()}
+    note = set_rng_state(saved, cuda_run)
+    assert "are CPU generator states, which this run's CUDA generator cannot take" in note
+    assert torch.equal(cuda_run.states["model-parallel-rng"], cuda_state)

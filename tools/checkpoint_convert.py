@@ -475,11 +475,17 @@ def megatron_23_05_gaps(args: dict) -> List[str]:
 
 def run_to_megatron(a: argparse.Namespace) -> int:
     iter_dir, _, _ = reshard_lib.locate_iteration(a.load, a.iteration)
-    gaps = megatron_23_05_gaps(reshard_lib.inspect_checkpoint(iter_dir)[2].get("args") or {})
+    first = reshard_lib.inspect_checkpoint(iter_dir)[2]
+    gaps = megatron_23_05_gaps(first.get("args") or {})
     if gaps:
         print(f"warning: Megatron-LM 23.05 cannot build this model: {'; '.join(gaps)}. It "
               "will refuse these weights; later Megatron-LM releases that have these flags "
               "can load them", file=sys.stderr)
+    rng = (first.get("rng_state") or [{}])[0]
+    if rng and rng.get("cuda_rng_state") is None:
+        print("warning: the checkpoint's RNG states were saved by a CPU run; Megatron-LM "
+              "restores CUDA generator states and stops on these: load the export with "
+              "--no-load-rng (or --finetune)", file=sys.stderr)
     out = to_megatron(a.load, a.save, a.iteration, a.overwrite)
     print(f"wrote iteration {out['iteration']} of {a.load} in Megatron-LM's form -> "
           f"{out['directory']}: {out['files']} files")
