@@ -196,7 +196,10 @@ class SourceCheckpoint:
     `model(name, partition)` and `optimizer_state(name, partition)` merge the tensor-
     parallel shards of one global parameter. Attributes: `layout`, `args` (the saved
     arguments, {} when absent), `names` (global names in one-process module order),
-    `files[(tp_rank, pp_rank)]` (the raw payloads), `step`, `grad_scaler`.
+    `files[(tp_rank, pp_rank)]` (the raw payloads), `step`, `grad_scaler`. The optimizer
+    state is read when first asked for (`optimizer_state`, `step`, ...), so a checkpoint
+    whose optimizer state cannot be mapped (its files missing, another group split) still
+    gives its model (--no-load-optim, --finetune, the tools).
     """
 
     def __init__(self, iter_dir: str) -> None:
@@ -224,11 +227,23 @@ class SourceCheckpoint:
         self.layout = Layout(tp, pp, max(len(self.chunks[0, 0]), 1), kind)
         self._index()
         self._rank_optim: Dict[Tuple[int, int], Dict[ParamKey, Dict[str, torch.Tensor]]] = {}
-        self.step: Optional[int] = None
-        self.grad_scaler = None
-        self.group_hypers: Dict[Tuple[float, float], dict] = {}
-        if kind is not None:
-            self._read_optimizer_common()
+        self._common: Optional[Tuple[Optional[int], object, Dict[Tuple[float, float], dict]]] \
+            = None
+
+    @property
+    def step(self) -> Optional[int]:
+        """The optimizer's step count (None: no optimizer state, or no step taken)."""
+        return self._optimizer_common()[0]
+
+    @property
+    def grad_scaler(self):
+        """The saved loss-scaler state (None: none saved)."""
+        return self._optimizer_common()[1]
+
+    @property
+    def group_hypers(self) -> Dict[Tuple[float, float], dict]:
+        """Saved group hyper-parameters by (wd_mult, lr_mult)."""
+        return self._optimizer_common()[2]
 
     def _index(self) -> None:
         """Global names, in module order, and where each one lives: (pp rank, chunk, local)."""
@@ -283,22 +298,26 @@ class SourceCheckpoint:
             return opt["param_groups"]
         return opt.get("optimizer", opt.get("optimizer_state_dict"))["param_groups"]
 
-    def _read_optimizer_common(self) -> None:
-        """Step count, grad scaler and group hyper-parameters (by wd_mult, lr_mult)."""
-        steps = []
-        for (t, p) in self.files:
-            for group in self._groups_of(t, p):
-                hyper = {k: v for k, v in group.items() if k not in ("params", "step")}
-                self.group_hypers.setdefault(_group_key(group), hyper)
-                if "step" in group:
-                    steps.append(int(group["step"]))
-            for entry in self._optimizer_of(t, p).values():
-                if "step" in entry:
-                    steps.append(int(entry["step"]))
-        self.step = max(steps) if steps else None
-        opt = self.files[0, 0]["optimizer"]
-        if self.layout.optimizer != "fp32":
-            self.grad_scaler = opt.get("grad_scaler")
+    def _optimizer_common(self):
+        """(step count, grad scaler, group hyper-parameters by (wd_mult, lr_mult)), read
+        from every rank's optimizer state on first use; (None, None, {}) without one."""
+        if self._common is not None:
+            return self._common
+        steps, hypers, scaler = [], {}, None
+        if self.layout.optimizer is not None:
+            for (t, p) in self.files:
+                for group in self._groups_of(t, p):
+                    hyper = {k: v for k, v in group.items() if k not in ("params", "step")}
+                    hypers.setdefault(_group_key(group), hyper)
+                    if "step" in group:
+                        steps.append(int(group["step"]))
+                for entry in self._optimizer_of(t, p).values():
+                    if "step" in entry:
+                        steps.append(int(entry["step"]))
+            if self.layout.optimizer != "fp32":
+                scaler = self.files[0, 0]["optimizer"].get("grad_scaler")
+        self._common = (max(steps) if steps else None, scaler, hypers)
+        return self._common
 
     def _optimizer_of(self, t: int, p: int) -> Dict[ParamKey, Dict[str, torch.Tensor]]:
         """(chunk, local name) -> {"param", state keys, maybe "step"} of source rank (t, p)."""
@@ -329,6 +348,15 @@ class SourceCheckpoint:
                 entry = dict(inner["state"].get(idx, {}))
                 main = next(halves) if weight.dtype in _HALF else weight
                 entry["param"] = main
+                shapes = {k: tuple(v.shape) for k, v in entry.items()
+                          if isinstance(v, torch.Tensor) and v.dim() > 0}
+                if any(shape != tuple(weight.shape) for shape in shapes.values()):
+                    raise ValueError(
+                        f"{self.iter_dir} rank (tp {t}, pp {p}): the optimizer state "
+                        f"{shapes} matched by position to {key[1]} does not have its shape "
+                        f"{tuple(weight.shape)}: its groups hold other parameters than "
+                        "Megatron's weight-decay split (custom weight-decay or lr-scaling "
+                        "rules?); load it with its own layout, or with --no-load-optim")
                 out[key] = entry
         return out
 

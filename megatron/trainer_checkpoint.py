@@ -254,11 +254,11 @@ def reshard_for_trainer(tr, iter_dir: str, with_optimizer: bool
     No communication: every rank memory-maps all shards and builds only the full tensors
     of the parameters it holds. Returns (model_optim_rng payload, distrib_optim payload or
     None, a one-line description of the conversion)."""
-    src = SourceCheckpoint(iter_dir)
     plan = plan_trainer_rank(tr)
     notes: Set[str] = set()
     kind = live_optimizer_kind(tr.optimizer) if with_optimizer else None
     try:
+        src = SourceCheckpoint(iter_dir)
         payload, distrib = build_rank_payload(src, plan, kind, notes)
     except ValueError as exc:  # shapes or parameters the checkpoint's args did not tell
         raise SystemExit(f"error: cannot reshard {iter_dir} for this run: {exc}") from None

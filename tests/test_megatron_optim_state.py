@@ -322,6 +322,62 @@ def test_pp2_checkpoint_with_the_tied_embedding_copy(tmp_path, kind, run_flags):
     assert checked == _numel(values) + values[TIED]["param"].numel()
 
 
+# ------------------------------------------------- optimizer states that do not fit
+_MEGATRON_RULE = ref.no_weight_decay
+
+
+def _biases_only(name, tensor):  # norms' weights decayed too: other group sizes
+    return name.endswith(".bias")
+
+
+def _swapped(name, tensor):  # the same group sizes, two parameters trading groups
+    if name.endswith("position_embeddings.weight"):
+        return True
+    return _MEGATRON_RULE(name, tensor) and not name.endswith("final_layernorm.bias")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("rule,message", [
+    (_biases_only, r"groups of (sizes )?\[15, 13\].*\[10, 18\]"),
+    (_swapped, r"optimizer state .*(shape|matched by position)")])
+def test_another_weight_decay_split_is_refused_and_loads_without_the_optimizer(
+        tmp_path, monkeypatch, tp, rule, message):
+    """A checkpoint whose parameter groups split the parameters otherwise than Megatron-LM
+    23.05's rule (biases and 1-D parameters skip weight decay) cannot have its state
+    matched by position: an error naming the group sizes, or the moment whose shape
+    differs, and --no-load-optim (torch's bare "doesn't match the size of optimizer's
+    group", or a traceback from inside the step, before). --no-load-optim then loads it,
+    also when resharded (tp 2 -> 1: it stopped with the same error, as a traceback)."""
+    src = _source(str(tmp_path / "src"), ["--bf16"])
+    out = str(tmp_path / "mlm")
+    with monkeypatch.context() as m:
+        m.setattr(ref, "no_weight_decay", rule)
+        write_megatron(src, out, tp=tp)
+    with pytest.raises(SystemExit, match=message) as exc:
+        run_pretrain(["--bf16", "--load", out])
+    assert "pass --no-load-optim" in str(exc.value) or "or with --no-load-optim" in str(exc.value)
+    losses, tr = run_pretrain(["--bf16", "--load", out, "--no-load-optim"])
+    assert sorted(losses) == [K + 1, K + 2, K + 3] and tr.state.consumed_train_samples == 48
+
+
+@pytest.mark.parametrize("flag", ["--no-load-optim", "--finetune"])
+def test_a_distributed_checkpoint_without_its_distrib_optim_files(tmp_path, flag):
+    """model_optim_rng.pt files of a --use-distributed-optimizer checkpoint without their
+    distrib_optim.pt (dropped to share the weights), loaded at another tp: --no-load-optim
+    and --finetune load the model (they stopped with "distrib_optim.pt ... is missing; load
+    with --no-load-optim"); a load of the optimizer says what is missing."""
+    src = _source(str(tmp_path / "src"), ["--bf16"])
+    out = str(tmp_path / "mlm")
+    write_megatron(src, out, tp=2, kind="distributed", dp=2)
+    for t in range(2):
+        os.remove(os.path.join(os.path.dirname(checkpoint_name(out, K, t, 0, 1)),
+                               "distrib_optim.pt"))
+    with pytest.raises(SystemExit, match=r"distrib_optim.pt of rank \(tp 0, pp 0\) is missing"):
+        run_pretrain(["--bf16", "--load", out])
+    losses, tr = run_pretrain(["--bf16", "--load", out, flag])
+    assert tr.state.iteration == 6 and len(losses) == (3 if flag == "--no-load-optim" else 6)
+
+
 # ------------------------------------------------------ back: what to-megatron writes
 def _exported(root: str, out: str):
     """to-megatron of `root`'s iteration K; (raw rank-0 payload, its distrib_optim.pt or

@@ -57,6 +57,35 @@ def _shown(value) -> str:
     return " ".join(f"{v:g}" for v in _values(value))
 
 
+_MISMATCH_FIX = ("the checkpoint was saved with another split of the parameters into groups "
+                 "(which skip weight decay, which get an lr multiplier) or another model; "
+                 "pass --no-load-optim to start the optimizer fresh from the loaded weights")
+
+
+def check_saved_layout(saved_groups: List[Dict], saved_state: Dict,
+                       current_groups: List[Dict]) -> None:
+    """ValueError unless the saved groups hold as many parameters as this optimizer's, and
+    every saved per-parameter tensor (Adam's moments, ...) has its parameter's shape: the
+    state is matched to the parameters by position (torch's load_state_dict checks only
+    the group sizes, and a moment of another shape fails later inside the step, or
+    broadcasts)."""
+    saved = [len(g["params"]) for g in saved_groups]
+    current = [len(g["params"]) for g in current_groups]
+    if saved != current:
+        raise ValueError(
+            f"the checkpoint's optimizer has parameter groups of {saved} parameters, this run's "
+            f"of {current} (weight-decayed parameters first, then biases and 1-D ones): "
+            + _MISMATCH_FIX)
+    for g, (saved_group, group) in enumerate(zip(saved_groups, current_groups)):
+        for i, (idx, param) in enumerate(zip(saved_group["params"], group["params"])):
+            for key, value in saved_state.get(idx, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+                    raise ValueError(
+                        f"the checkpoint's optimizer state {key!r} of parameter {i} in group "
+                        f"{g} has shape {tuple(value.shape)}, this run's parameter there has "
+                        f"{tuple(param.shape)}: " + _MISMATCH_FIX)
+
+
 def load_inner_state(optimizer: torch.optim.Optimizer, state_dict: Dict) -> List[str]:
     """`optimizer.load_state_dict`, tolerating apex-style state (step kept in the group)
     and keeping this process's implementation switches (fused/foreach) and command-line
@@ -66,6 +95,7 @@ def load_inner_state(optimizer: torch.optim.Optimizer, state_dict: Dict) -> List
             "the checkpoint's optimizer state holds no per-parameter state: it was saved with "
             "--use-distributed-optimizer (the state is in distrib_optim.pt); resume with that "
             "flag, or pass --no-load-optim to start the optimizer fresh from the loaded weights")
+    check_saved_layout(state_dict["param_groups"], state_dict["state"], optimizer.param_groups)
     groups, notes = settle_groups(state_dict["param_groups"], optimizer.param_groups)
     state = {}
     for idx, param_state in state_dict["state"].items():
@@ -78,4 +108,5 @@ def load_inner_state(optimizer: torch.optim.Optimizer, state_dict: Dict) -> List
     return notes
 
 
-__all__ = ["LOCAL_GROUP_KEYS", "RUN_GROUP_KEYS", "load_inner_state", "settle_groups"]
+__all__ = ["LOCAL_GROUP_KEYS", "RUN_GROUP_KEYS", "check_saved_layout", "load_inner_state",
+           "settle_groups"]

@@ -578,5 +578,10 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
             )
         for current, saved in zip(self.fp32_from_float16_groups, saved_groups):
             for param, value in zip(current, saved):
+                if value.shape != param.shape:  # copy_ would broadcast a smaller one
+                    raise ValueError(
+                        f"checkpoint fp32 main param of shape {tuple(value.shape)} for a "
+                        f"parameter of shape {tuple(param.shape)}; the model or its "
+                        "parameter groups differ from the ones that were saved")
                 param.copy_(value)
         return notes
