@@ -106,8 +106,37 @@ def trainer_state_dict(tr) -> dict:
         state["optimizer"] = tr.optimizer.state_dict()
         state["opt_param_scheduler"] = tr.scheduler.state_dict()
     if not cfg.checkpoint.no_save_rng:
-        state["rng_state"] = [get_rng_state(tr.rt.rng_tracker)]
+        state["rng_state"] = _rng_states(tr)
     return state
+
+
+def _rng_states(tr) -> list:
+    """Megatron's `rng_state` list: this rank's states, or with --data-parallel-random-init
+    at dp > 1 those of every data-parallel rank in DP-rank order (each replica draws its own
+    dropout masks; a resume gives each its own back). Collective over the DP group then."""
+    own = get_rng_state(tr.rt.rng_tracker)
+    ps = tr.rt.ps
+    if not (tr.config.training.data_parallel_random_init and ps.dp_size > 1):
+        return [own]
+    states = [None] * ps.dp_size
+    torch.distributed.all_gather_object(states, own, group=ps.dp_group)
+    return states
+
+
+def _saved_rng_state(tr, states: list) -> Tuple[Optional[dict], Optional[str]]:
+    """(this rank's entry of a checkpoint's `rng_state` list, a note): Megatron's rule, the
+    entry of this DP rank with --data-parallel-random-init, else the first. A list without
+    this DP rank's entry (saved at a smaller dp, or without the flag) leaves this rank's
+    seeded states (Megatron stops with an IndexError)."""
+    if not tr.config.training.data_parallel_random_init:
+        return states[0], None
+    ps = tr.rt.ps
+    note = None
+    if len(states) < ps.dp_size:  # the same on every rank: printed once
+        note = (f"--data-parallel-random-init: the checkpoint holds the RNG states of "
+                f"{len(states)} data-parallel rank(s), this run has {ps.dp_size}; ranks from "
+                f"{len(states)} on keep their seeded states")
+    return (states[ps.dp_rank] if ps.dp_rank < len(states) else None), note
 
 
 def save_trainer_checkpoint(tr) -> float:
@@ -476,9 +505,11 @@ def _restore_states(tr, loaded: _Loaded) -> Optional[str]:
         elif tr.optimizer is not None:  # None: an evaluation-only trainer (no main params)
             tr.optimizer.reload_model_params()
         if loaded.with_rng and "rng_state" in loaded.state:  # not kept when tp or pp changed
-            note = set_rng_state(loaded.state["rng_state"][0], tr.rt.rng_tracker)
-            if note:
-                print_rank_0(f" > {note}")
+            rng, note = _saved_rng_state(tr, loaded.state["rng_state"])
+            other_device = set_rng_state(rng, tr.rt.rng_tracker) if rng is not None else None
+            for text in (note, other_device):
+                if text:
+                    print_rank_0(f" > {text}")
     except SystemExit as exc:
         return exit_message(exc)
     return None

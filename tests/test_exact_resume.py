@@ -41,7 +41,7 @@ def run_pretrain(extra: list, world_size: int = 1, rank: int = 0,
     cfg = parse_and_validate(BASE + list(extra), world_size=world_size,
                              env={"RANK": str(rank)}, cuda_available=False)
     rt = initialize_distributed(cfg.parallel, rank, world_size, 0)
-    set_random_seed(cfg.training.seed, rt)
+    set_random_seed(cfg.training.seed, rt, cfg.training.data_parallel_random_init)
     losses = {}
     original = training.train_step
 
@@ -90,14 +90,23 @@ def test_single_process_resume_is_bit_exact(tmp_path, name, extra):
 @pytest.mark.parametrize("name,extra", [
     ("tp2_sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("distopt_dp2", ["--use-distributed-optimizer"]),
+    ("dp2_random_init", ["--data-parallel-random-init"]),
 ])
 def test_two_rank_resume_is_bit_exact(tmp_path, name, extra):
+    """With --data-parallel-random-init each data-parallel replica draws its own dropout
+    masks: the checkpoint holds every DP rank's RNG states (Megatron's `rng_state` list)
+    and each rank resumes from its own (all took DP rank 0's, so rank 1's masks changed)."""
     results = run_distributed(_dist_scenario, 2, str(tmp_path / "ck"), extra)
     for rank, (ref, first, resumed) in enumerate(results):
         _assert_exact(ref, first, resumed, f"{name} rank {rank}")
+    rank_dir = os.path.dirname(checkpoint_name(str(tmp_path / "ck"), K, 0, 0, 1))
     if name == "distopt_dp2":
-        rank_dir = os.path.dirname(checkpoint_name(str(tmp_path / "ck"), K, 0, 0, 1))
         assert sorted(os.listdir(rank_dir)) == ["distrib_optim.pt", "model_optim_rng.pt"]
+    if name == "dp2_random_init":
+        rng = torch.load(os.path.join(rank_dir, "model_optim_rng.pt"),
+                         weights_only=True)["rng_state"]
+        assert len(rng) == 2 and not torch.equal(rng[0]["torch_rng_state"],
+                                                 rng[1]["torch_rng_state"])
 
 
 # --------------------------------------------------------------------------- load flags
@@ -275,3 +284,25 @@ def test_model_mismatch_without_saved_args_exits_cleanly(tmp_path, plain_run):
     torch.save(state, path)
     with pytest.raises(SystemExit, match=r"(?s)does not fit this run's: .*size mismatch"):
         run_pretrain(["--load", bare, "--hidden-size", "64"])
+
+
+def test_rng_state_list_shorter_than_the_data_parallel_size():
+    """--data-parallel-random-init resumed from a checkpoint holding fewer DP ranks' RNG
+    states (saved at a smaller dp, or without the flag): ranks without an entry keep their
+    seeded states, a note says so (Megatron-LM stops with an IndexError)."""
+    from types import SimpleNamespace
+
+    from megatron.trainer_checkpoint import _saved_rng_state
+
+    def trainer(flag, dp_rank, dp_size=2):
+        return SimpleNamespace(config=SimpleNamespace(training=SimpleNamespace(
+            data_parallel_random_init=flag)), rt=SimpleNamespace(ps=SimpleNamespace(
+                dp_rank=dp_rank, dp_size=dp_size)))
+
+    states = [{"which": 0}, {"which": 1}]
+    assert _saved_rng_state(trainer(True, 1), states) == (states[1], None)
+    assert _saved_rng_state(trainer(False, 1), states) == (states[0], None)
+    note = ("--data-parallel-random-init: the checkpoint holds the RNG states of 1 "
+            "data-parallel rank(s), this run has 2; ranks from 1 on keep their seeded states")
+    assert _saved_rng_state(trainer(True, 0), states[:1]) == (states[0], note)
+    assert _saved_rng_state(trainer(True, 1), states[:1]) == (None, note)
