@@ -24,8 +24,8 @@ from tests import megatron_optim_reference as ref
 from tests.dist_utils import run_distributed
 from tests.test_exact_resume import K, run_pretrain
 
-HYPER = {"lr": 0.0, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
-STEP = 5  # Adam steps taken: fewer than the K iterations (skipped fp16 steps), as can be
+HYPER = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+STEP = 5  # Adam steps taken: not the K iterations (skipped fp16 steps make them differ)
 NUM_STEPS = 20  # the scheduler's position in samples (not K x global batch)
 SCALER = {"scale": torch.tensor(4096.0), "growth_tracker": 7, "hysteresis_tracker": 1}
 
@@ -213,10 +213,15 @@ def one_step(root: str, extra: list, monkeypatch, world_size: int = 1, rank: int
 
 
 # -------------------------------------------------------------------------- the tests
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_one_step_from_a_megatron_optimizer_state(tmp_path, monkeypatch, precision):
+@pytest.mark.parametrize("precision,ddp", [("fp32", "local"), ("bf16", "local"),
+                                           ("fp16", "local"), ("fp32", "torch"),
+                                           ("fp16", "torch")])
+def test_one_step_from_a_megatron_optimizer_state(tmp_path, monkeypatch, precision, ddp):
+    """Megatron-LM writes the same checkpoint under --DDP-impl local and torch (it unwraps
+    either); a run of either loads it (bf16 needs local, as in Megatron-LM)."""
     extra = [] if precision == "fp32" else [f"--{precision}"]
     src = _source(str(tmp_path / "src"), extra)
+    extra += ["--DDP-impl", ddp]
     out = str(tmp_path / "mlm")
     scaler = {k: v.clone() if torch.is_tensor(v) else v for k, v in SCALER.items()} \
         if precision == "fp16" else None
