@@ -22,9 +22,12 @@ failure the launcher reports first is rank 0's, which printed.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import torch.distributed as dist
+
+from megatron.watchdog import watching
 
 
 class AgreedExit(SystemExit):
@@ -94,14 +97,20 @@ def agree(error: Optional[str], group=None, value: Any = None) -> List[Any]:
 
     Collective: one all_gather_object of (error, value) over `group` (the run's CPU
     control group, or None for the default group), which every rank must call at the same
-    point, whether its own check passed or not."""
+    point, whether its own check passed or not. Watched (megatron/watchdog.py `watching`,
+    under the caller's name): a rank that never comes is named after
+    --distributed-timeout-minutes."""
     where = _world(group)
     if where is None:
         if error is not None:
             raise SystemExit(error)
         return [value]
     gathered: List[Any] = [None] * where[1]
-    dist.all_gather_object(gathered, (error, value), group=group)
+    caller = sys._getframe(1)
+    name = (f"agreement of the ranks in {caller.f_globals.get('__name__', '?')}."
+            f"{caller.f_code.co_name}")
+    with watching(name, group):
+        dist.all_gather_object(gathered, (error, value), group=group)
     report = agreed_report([e for e, _ in gathered])
     if report is not None:
         raise AgreedExit(report, *where)

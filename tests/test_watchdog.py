@@ -2,8 +2,10 @@
 2 real gloo processes where rank 1 sleeps past the timeout end with rank 1 named."""
 from __future__ import annotations
 
-import multiprocessing
+import contextlib
 import os
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -84,43 +86,148 @@ def test_real_collectives_on_the_default_store():
         assert name == "CollectiveWatchdog" and out == [1.0, 3.0, 5.0]
 
 
-def _hang_child(rank: int, port: int, log: str) -> None:
-    """One rank of the hang test (a forked process, stdout/stderr into `log`): rank 1
-    sleeps before the all-reduce for longer than the watchdog's 2-second timeout."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    sys.stdout = open(1, "w", closefd=False)  # pytest's capture objects are not fds 1 and 2
-    sys.stderr = open(2, "w", closefd=False)
-    torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    wd = build_watchdog(2.0)
-    if rank == 1:
-        time.sleep(60)
-    t = torch.ones(4)
-    with wd.watch("all-reduce of gradients (dp group)"):
-        dist.all_reduce(t)
-    print("finished", flush=True)
-    os._exit(0)
+# Two real processes (fresh interpreters, as under torchrun): rank 1 sleeps outside any
+# watched block, rank 0 waits for it in a watched all-reduce with a 2-second timeout.
+HANG_SCRIPT = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+import torch, torch.distributed as dist
+from megatron.watchdog import CollectiveWatchdog
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+store = dist.distributed_c10d._get_default_store()
+wd = CollectiveWatchdog(store, rank, 2, 2.0, poll_s=0.5, describe=lambda: "at iteration 7")
+if rank == 1:
+    time.sleep(60)  # stuck: in data loading, a file system call, ...
+t = torch.ones(4)
+with wd.watch("all-reduce of gradients (dp group)"):
+    dist.all_reduce(t)
+print("finished", flush=True)
+"""
 
 
-def test_sleeping_rank_is_named_and_the_run_ends(tmp_path):
-    ctx = multiprocessing.get_context("fork")
-    port = free_port()
-    logs = [str(tmp_path / f"rank{r}.log") for r in range(2)]
-    procs = [ctx.Process(target=_hang_child, args=(r, port, logs[r])) for r in range(2)]
-    for p in procs:
-        p.start()
+def test_sleeping_rank_is_named_and_every_rank_ends_saying_where_it_is(tmp_path):
+    """Rank 0's watchdog names rank 1; rank 1, stuck outside any collective, sees rank
+    0's report in the store and ends too, showing where its main thread is (before, it
+    slept on: on another node, its launcher saw nothing wrong). Both exit with 124, and
+    rank 0's collective failing as rank 1 leaves adds nothing to rank 0's output."""
+    script = tmp_path / "hang.py"
+    script.write_text(HANG_SCRIPT.format(root=str(Path(__file__).resolve().parents[1])))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    started = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
     try:
-        procs[0].join(timeout=45)
+        outs = [p.communicate(timeout=40)[0] for p in procs]
     finally:
-        procs[1].kill()
-        procs[1].join()
-        if procs[0].is_alive():
-            procs[0].kill()
-    out = Path(logs[0]).read_text()
-    assert procs[0].exitcode == EXIT_CODE, out
+        for p in procs:
+            p.kill()
+    assert time.monotonic() - started < 30
+    assert [p.returncode for p in procs] == [EXIT_CODE, EXIT_CODE], outs
     assert ("[watchdog rank 0] collective all-reduce of gradients (dp group) did not complete "
-            "within 2 s; ranks that did not arrive: [1]") in out
-    assert "finished" not in out
+            "within 2 s at iteration 7; ranks that did not arrive: [1]") in outs[0]
+    assert "rank 0's main thread is here" in outs[0] and "dist.all_reduce(t)" in outs[0]
+    assert "finished" not in outs[0] and "Traceback" not in outs[0], outs[0]
+    assert ("[watchdog rank 1] stopping at iteration 7, in no watched collective, because "
+            "another rank's watchdog fired:\n  [watchdog rank 0] collective all-reduce") \
+        in outs[1], outs[1]
+    assert "rank 1's main thread is here" in outs[1] and "time.sleep(60)" in outs[1], outs[1]
+
+
+def test_a_fired_watchdog_stops_the_other_ranks():
+    """Another rank's report in the store stops this rank within `poll_s`, in or out of a
+    watched block, with its own place in the message."""
+    store = dist.HashStore()
+    first, fired_first = _watchdog(store, rank=0, timeout=0.3)
+    fired = []
+    other = CollectiveWatchdog(store, 2, 3, 30.0, on_timeout=fired.append, poll_s=0.1,
+                               describe=lambda: "during the evaluation at iteration 5")
+    with first.watch("barrier"):
+        time.sleep(1.0)  # first's deadline passes; `other` is in no block
+    first.close()
+    other.close()
+    assert len(fired_first) == 1 and len(fired) == 1
+    assert fired[0].startswith(
+        "[watchdog rank 2] stopping during the evaluation at iteration 5, in no watched "
+        "collective, because another rank's watchdog fired:\n  [watchdog rank 0] collective "
+        "barrier did not complete within 0.3 s; ranks that did not arrive: [1, 2]\n"
+        "  rank 2's main thread is here (innermost last):"), fired[0]
+    assert "time.sleep(1.0)" in fired[0]  # this test's own line: where the main thread is
+
+
+def test_one_full_report_for_one_hang():
+    """Ranks 0 and 2 both wait for rank 1: the first whose deadline passes gives the whole
+    report (rank 1's count, its own stack), the other its first line only; a third rank
+    waiting in a watched block when the report comes says so in one line (no stack)."""
+    store = dist.HashStore()
+    fired = []
+    wds = [CollectiveWatchdog(store, r, 4, t, on_timeout=fired.append, poll_s=0.1)
+           for r, t in ((0, 0.3), (2, 0.4), (3, 30.0))]
+    with contextlib.ExitStack() as blocks:
+        for wd in wds:
+            blocks.enter_context(wd.watch("grads", ranks=[0, 1, 2, 3]))
+        time.sleep(1.0)
+    for wd in wds:
+        wd.close()
+    assert len(fired) == 3, fired
+    full, short, follower = (next(m for m in fired if m.startswith(f"[watchdog rank {r}]"))
+                             for r in (0, 2, 3))
+    assert full.startswith("[watchdog rank 0] collective grads did not complete within 0.3 s; "
+                           "ranks that did not arrive: [1]\n  rank 1 reached 'grads' 0 times")
+    assert "rank 0's main thread is here" in full
+    assert short == ("[watchdog rank 2] collective grads did not complete within 0.4 s; ranks "
+                     "that did not arrive: [1] (another rank's watchdog reported it first)")
+    assert follower == ("[watchdog rank 3] stopping, waiting in 'grads' (arrived there), "
+                        "because another rank's watchdog fired:\n  [watchdog rank 0] "
+                        "collective grads did not complete within 0.3 s; ranks that did not "
+                        "arrive: [1]")
+
+
+class _GoneStore:
+    """A store whose host has ended: every call fails, as a TCPStore client's does."""
+
+    def check(self, *args):
+        raise RuntimeError("Connection closed by peer")
+
+    set = get = check
+
+
+def test_a_rank_outside_any_collective_ends_when_the_store_is_gone():
+    """The job's store (torchrun's agent on the first node, or rank 0) gone for the
+    grace period (here the 0.4-s timeout) ends a rank stuck outside any collective."""
+    fired = []
+    wd = CollectiveWatchdog(_GoneStore(), 1, 2, 0.4, on_timeout=fired.append, poll_s=0.1)
+    time.sleep(1.0)
+    wd.close()
+    assert len(fired) == 1
+    assert re.match(
+        r"\[watchdog rank 1\] stopping, in no watched collective, because the job has ended "
+        r"elsewhere:\n  the job's rendezvous store has not answered for \d+ s \(Connection "
+        r"closed by peer\): the process that hosts it \(torchrun's agent on the first node, or "
+        r"rank 0\) has ended", fired[0]), fired[0]
+    assert "rank 1's main thread is here" in fired[0]
+
+
+def _watched_points(rank, world_size):
+    from megatron.agreed_exit import agree
+    from megatron.watchdog import watching
+
+    store = dist.distributed_c10d._get_default_store()
+    wd = build_watchdog(30.0)
+    agree(None)  # the ranks' agreements are watched under their caller's name
+    with watching("validation loss all-reduce", dist.new_group([0, 1])):
+        pass
+    keys = [f"collective-watchdog/agreement of the ranks in {__name__}._watched_points/rank{rank}",
+            f"collective-watchdog/validation loss all-reduce/rank{rank}"]
+    counts = tuple(store.get(k) if store.check([k]) else None for k in keys)  # get() would wait
+    wd.close()
+    with watching("after close"):  # no watchdog: nothing is written
+        pass
+    return counts, store.check(["collective-watchdog/after close/rank0"])
+
+
+def test_agreements_and_named_points_use_the_process_watchdog():
+    for counts, after_close in run_distributed(_watched_points, 2):
+        assert counts == (b"1", b"1") and after_close is False
