@@ -74,6 +74,7 @@ from megatron.checkpoint_plain import args_to_plain, get_rng_state, set_rng_stat
 from megatron.core.parallel_state import ParallelState
 from megatron.logging_utils import print_rank_0
 from megatron.oom_report import out_of_memory_kind
+from megatron.watchdog import watching
 
 CHECKPOINT_VERSION = 3.0
 
@@ -112,9 +113,10 @@ def _dist_ready() -> bool:
 
 
 def _barrier() -> None:
-    """World barrier when torch.distributed is initialised."""
+    """World barrier when torch.distributed is initialised (watched: megatron/watchdog.py)."""
     if _dist_ready():
-        dist.barrier()
+        with watching("checkpoint barrier"):
+            dist.barrier()
 
 
 def _all_reduce_max(values: List[int]) -> List[int]:
@@ -125,7 +127,8 @@ def _all_reduce_max(values: List[int]) -> List[int]:
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     t = torch.tensor(values, dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    with watching("checkpoint flags all-reduce"):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [int(v) for v in t.cpu().tolist()]
 
 

@@ -124,7 +124,7 @@ def build_datasets(config: Config, rank: int, vocab_size: int,
     print_rank_0(" > datasets target sizes (minimum size):")
     for name, n in zip(("train", "validation", "test"), counts):
         print_rank_0(f"    {name}: {n}")
-    barrier = dist.barrier if dist.is_initialized() else None
+    barrier = _watched_barrier if dist.is_initialized() else None
     datasets, error = None, None
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -140,6 +140,14 @@ def build_datasets(config: Config, rank: int, vocab_size: int,
     agreed_data_error(error, group)
     _report_warnings(caught)
     return dict(zip(SPLITS, datasets))
+
+
+def _watched_barrier() -> None:
+    """The world barrier after global rank 0 built the index files (watched)."""
+    from megatron.watchdog import watching
+
+    with watching("barrier after the dataset index build"):
+        dist.barrier()
 
 
 def agreed_data_error(error: Optional[tuple], group=None) -> None:

@@ -83,7 +83,8 @@ class InterruptWatch(SigintHandler):
 
 class RunProgress:
     """Where a run is, for the interrupt line: its phase ("start-up" until the data
-    loaders are built, then "training", "evaluation" or "saving" the checkpoint) and the
+    loaders are built -- "loading" while it reads --load --, then "training",
+    "evaluation" or "saving" the checkpoint) and the
     trainer once built (its iteration, its background saver). `stage(phase)` sets the
     phase for a block and puts the previous one back only when the block ends normally,
     so an interrupt leaves the phase it came in."""
@@ -102,6 +103,11 @@ class RunProgress:
         previous, self.phase = self.phase, phase
         yield
         self.phase = previous
+
+    def where(self) -> str:
+        """'during start-up', 'while loading the checkpoint', 'at iteration N', 'during
+        the evaluation at iteration N', 'while saving the checkpoint of iteration N'."""
+        return _where(self).strip()
 
     def save_stopped(self, tmp_dir: str, removed: bool) -> None:
         """A synchronous save stopped midway (`checkpointing.save_checkpoint`'s `on_stop`,
@@ -125,6 +131,8 @@ def _where(progress: Optional[RunProgress]) -> str:
     if progress is None:
         return ""
     it = progress.iteration
+    if progress.phase == "loading":
+        return " while loading the checkpoint"
     if progress.phase == "start-up" or it is None:
         return " during start-up"
     return {"evaluation": f" during the evaluation at iteration {it}",

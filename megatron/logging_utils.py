@@ -88,7 +88,10 @@ class Timer:
 
     def _now(self, barrier: bool) -> float:
         if barrier and _dist_ready():
-            dist.barrier()  # collective over the world: every rank must start/stop it
+            from megatron.watchdog import watching
+
+            with watching(f"barrier of timer {self.name}"):
+                dist.barrier()  # collective over the world: every rank must start/stop it
         if self._sync_cuda:
             torch.cuda.synchronize()  # queued kernels belong to the timed region
         return time.perf_counter()

@@ -31,7 +31,10 @@ class SignalHandler:
         `group` should be a CPU (gloo) group so the check never waits on the GPU."""
         code = torch.tensor([self.received or 0], dtype=torch.int32)
         if dist.is_initialized():
-            dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group)
+            from megatron.watchdog import watching
+
+            with watching("exit-signal check", group):
+                dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group)
         value = int(code.item())
         return signal.Signals(value).name if value else None
 

@@ -60,7 +60,7 @@ from megatron.train_step import (  # noqa: F401 (forward_backward re-exported)
     step_log,
     train_step,
 )
-from megatron.watchdog import build_watchdog
+from megatron.watchdog import build_watchdog, watching
 
 
 @dataclass
@@ -214,7 +214,9 @@ def evaluate(tr: Trainer, data: Iterator[dict], count_valid_samples: bool = True
             tr.state.consumed_valid_samples += cfg.data.global_batch_size
     tr.model.train()
     if tr.rt.ps.dp_group is not None:
-        dist.all_reduce(total, group=tr.rt.ps.dp_group)
+        with watching("validation loss all-reduce (data-parallel group)", tr.rt.ps.dp_group):
+            dist.all_reduce(total, group=tr.rt.ps.dp_group)
+            total = total.cpu()  # NCCL: the wait for the reduction is here
         total /= tr.rt.ps.dp_size
     return total.item() / max(cfg.training.eval_iters, 1)
 
@@ -261,7 +263,8 @@ def _should_exit(tr: Trainer, start_time: float) -> Optional[str]:
         # The longest-running rank decides, and the message gives its time.
         minutes = torch.tensor([(time.time() - start_time) / 60.0], dtype=torch.float64)
         if dist.is_initialized():
-            dist.all_reduce(minutes, op=dist.ReduceOp.MAX, group=tr.rt.control_group)
+            with watching("--exit-duration-in-mins check", tr.rt.control_group):
+                dist.all_reduce(minutes, op=dist.ReduceOp.MAX, group=tr.rt.control_group)
         if minutes.item() > t.exit_duration_in_mins:
             return f"[exiting program after {minutes.item()} minutes]"
     if t.exit_interval and it % t.exit_interval == 0:
@@ -406,7 +409,8 @@ def _exit_program(tr: Trainer, stats: IntervalStats, reason: str, saved_at) -> N
         print_rank_0("WARNING: exiting without a checkpoint: --save is not set")
     trainer_checkpoint.wait_for_async_save(tr)
     if dist.is_initialized():
-        dist.barrier(group=tr.rt.control_group)
+        with watching("barrier before the exit", tr.rt.control_group):
+            dist.barrier(group=tr.rt.control_group)
     _datetime_line(reason)
 
 
@@ -491,23 +495,27 @@ def _build_data(tr: Trainer):
     return train_data, valid_data, test_data
 
 
-def _setup(config: Config, rt: Runtime, process_start_time: Optional[float]) -> Trainer:
+def _setup(config: Config, rt: Runtime, process_start_time: Optional[float],
+           progress: RunProgress) -> Trainer:
     """Model, optimizer, scheduler, --load: Megatron's `model-and-optimizer-setup` timer
-    (with `load-checkpoint` inside it, printed when it happens)."""
+    (with `load-checkpoint` inside it, printed when it happens). The watchdog's reports
+    say where `progress` is."""
     log = StepLog(config, rt.device)
     log.timers("model-and-optimizer-setup", 0).start(barrier=True)
     tr = build_trainer(config, rt)
-    tr.step_log, tr.process_start_time = log, process_start_time
+    tr.step_log, tr.process_start_time, tr.progress = log, process_start_time, progress
     tr.watchdog = build_watchdog(config.parallel.distributed_timeout_minutes * 60)
+    tr.watchdog.describe = progress.where
     if config.training.exit_signal_handler:
         tr.signals = SignalHandler()
         if not config.checkpoint.save:
             print_rank_0("WARNING: --exit-signal-handler without --save: on SIGTERM/SIGUSR1 "
                          "the run will exit without saving a checkpoint")
     if config.checkpoint.load:
-        log.timers("load-checkpoint", 0).start(barrier=True)
-        trainer_checkpoint.load_trainer_checkpoint(tr)
-        log.timers("load-checkpoint").stop(barrier=True)
+        with progress.stage("loading"):
+            log.timers("load-checkpoint", 0).start(barrier=True)
+            trainer_checkpoint.load_trainer_checkpoint(tr)
+            log.timers("load-checkpoint").stop(barrier=True)
         log.timers.log(["load-checkpoint"])
     if config.checkpoint.save and rt.ps.rank == 0:
         save = config.checkpoint.save
@@ -567,9 +575,8 @@ def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
         checkpointing.check_output_dir(config.logging.tensorboard_dir, "--tensorboard-dir",
                                        rt.ps, rt.control_group, rt.ps.world_size - 1)
     with lock_save_dir(config.checkpoint.save, rt.ps, rt.control_group):  # one run per --save
-        tr = _setup(config, rt, process_start_time)
+        tr = _setup(config, rt, process_start_time, progress)
         oom.trainer = progress.trainer = tr  # the reports name the iteration from here on
-        tr.progress = progress
         tr.memory_history = oom.memory_history
         loaders = ()
         try:
