@@ -85,8 +85,8 @@ def main(argv=None) -> int:
 def _train(config, ranks: tuple, start: float, progress, watch) -> int:
     """Initialise the process group, then pretrain; the exit status (0, or an
     out-of-memory exit's). The process group is left as it is after an out-of-memory
-    error or an interrupt: its teardown may wait for ranks still in a collective (the
-    launcher ends those)."""
+    error, an interrupt or another rank's failure (megatron/rank_failure.py: one line):
+    its teardown may wait for ranks still in a collective (the launcher ends those)."""
     import torch.distributed as dist
 
     from megatron.agreed_exit import silent_ranks_wait
@@ -95,6 +95,7 @@ def _train(config, ranks: tuple, start: float, progress, watch) -> int:
     from megatron.initialize import initialize_entry_point, set_random_seed
     from megatron.logging_utils import print_rank_0
     from megatron.oom_report import OutOfMemoryExit
+    from megatron.rank_failure import record_failure, stopped_by_peer
     from megatron.training import pretrain, print_datetime
 
     rank, world, local_rank = ranks
@@ -112,9 +113,15 @@ def _train(config, ranks: tuple, start: float, progress, watch) -> int:
             pretrain(config, rt, process_start_time=start, progress=progress)  # exits too
         except OutOfMemoryExit as e:  # reported already
             leave_group = True
+            record_failure(rank, "out of memory (its report is in its output)", progress.where())
             return e.code
         except BaseException as e:
             leave_group = watch.explains(e)
+            lost = None if leave_group else stopped_by_peer(e, rank, progress.where(),
+                                                            config.checkpoint.save)
+            if lost is not None:  # one line naming the rank that stopped, no traceback
+                leave_group = True
+                raise lost from None
             raise
         finally:
             if dist.is_initialized() and not leave_group:

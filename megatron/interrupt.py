@@ -147,8 +147,6 @@ def interrupt_message(progress: Optional[RunProgress], save: Optional[str],
     -- naming the checkpoint a relaunch resumes from (read from the tracker now: call it
     after the writers can no longer publish). `abandoned`: the background save in flight
     that was abandoned (`RunProgress.abandon_save`)."""
-    from megatron.checkpointing import iteration_dir_name, read_tracker
-
     text = f"interrupted{_where(progress)} (SIGINT, e.g. Ctrl-C): stopped without saving"
     if abandoned:
         text += f" (the background save of {abandoned} was abandoned)"
@@ -158,21 +156,39 @@ def interrupt_message(progress: Optional[RunProgress], save: Optional[str],
         text += (f" (its partial {name}/ was removed)" if removed else
                  f" (its partial {name}/ stays: a writer may still be running; delete it "
                  "once the job has ended)")
-    if not save:
-        return text + " (no --save)"
-    try:
-        saved, release = read_tracker(save)
-    except (OSError, ValueError):
-        saved, release = None, False
-    if saved is None:
-        return text + f"; --save {save} holds no checkpoint yet"
+    saved, release = _tracked(save)
     if progress is not None and progress.phase == "saving" and not release \
-            and saved == progress.iteration:  # interrupted after the tracker was written
+            and saved is not None and saved == progress.iteration:  # after the tracker
         text = text.replace("stopped without saving", "stopped after saving it")
+    return text + last_checkpoint_text(save)
+
+
+def _tracked(save: Optional[str]) -> Tuple[Optional[int], bool]:
+    """The tracker of `save`: (iteration, release), (None, False) when there is none."""
+    from megatron.checkpointing import read_tracker
+
+    if not save:
+        return None, False
+    try:
+        return read_tracker(save)
+    except (OSError, ValueError):
+        return None, False
+
+
+def last_checkpoint_text(save: Optional[str]) -> str:
+    """What a run that stopped can resume from, read from --save's tracker now: '; the
+    last checkpoint is SAVE/iter_N: relaunch with --load SAVE to resume from it', '; --save
+    SAVE holds no checkpoint yet', or ' (no --save)'."""
+    from megatron.checkpointing import iteration_dir_name
+
+    if not save:
+        return " (no --save)"
+    saved, release = _tracked(save)
+    if saved is None:
+        return f"; --save {save} holds no checkpoint yet"
     name = iteration_dir_name(saved, release)
-    return (text + f"; the last checkpoint is {save}/{name}: relaunch with --load {save} "
-            "to resume from it")
+    return f"; the last checkpoint is {save}/{name}: relaunch with --load {save} to resume from it"
 
 
 __all__ = ["INTERRUPTED_STATUS", "InterruptWatch", "RunProgress", "SigintHandler",
-           "interrupt_message"]
+           "interrupt_message", "last_checkpoint_text"]

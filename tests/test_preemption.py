@@ -365,6 +365,20 @@ def test_the_ctrl_c_line_says_what_became_of_a_stopped_saves_directory(tmp_path,
                          f"{root} to resume from it")
 
 
+def test_the_checkpoint_load_is_a_phase_of_its_own():
+    """Reading --load is named as such (by the Ctrl-C line and the watchdog's reports),
+    not 'during start-up'."""
+    from megatron.interrupt import RunProgress, interrupt_message
+
+    progress = RunProgress()
+    with progress.stage("loading"):
+        assert progress.where() == "while loading the checkpoint"
+        assert interrupt_message(progress, None) == (
+            "interrupted while loading the checkpoint (SIGINT, e.g. Ctrl-C): stopped without "
+            "saving (no --save)")
+    assert progress.where() == "during start-up"
+
+
 # Runs pretrain_gpt.py with the {call}th call of {module}.{name} slowed by 30 s (printing
 # "test: slowing" first, so that the test knows when to press Ctrl-C), and records the
 # process's exit status in {status_dir}/rank<RANK> (os._exit included).

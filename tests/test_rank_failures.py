@@ -15,8 +15,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from megatron.checkpointing import read_tracker
+from megatron.rank_failure import (
+    describe_failure,
+    first_failure,
+    peer_failure,
+    peer_failure_message,
+    record_failure,
+)
 from megatron.watchdog import EXIT_CODE
 from tests.dist_utils import free_port
 from tests.test_preemption import MODEL
@@ -63,7 +71,8 @@ sys.argv[0] = {script!r}
 try:
     runpy.run_path({script!r}, run_name="__main__")
 except SystemExit as exc:
-    open(status_file, "w").write(str(exc.code))
+    code = exc.code if isinstance(exc.code, int) else 1 if exc.code else 0
+    open(status_file, "w").write(str(code))
     raise
 except BaseException:
     open(status_file, "w").write("1")
@@ -72,26 +81,36 @@ except BaseException:
 
 
 def run_with_fault(tmp_path, module: str, name: str, action: str, args: list, call: int = 1,
-                   rank: int = 1, minutes: float = 0.05, timeout: float = 60) -> tuple:
-    """pretrain_gpt.py under torchrun (2 ranks) with `module.name`'s `call`-th call on
-    `rank` replaced by `action` (sleep, raise, kill) and the collective timeout shortened
-    to `minutes`. (output, {rank: exit status}, seconds until torchrun ended)."""
+                   rank: int = 1, minutes: float = 0.05, timeout: float = 60,
+                   nodes: int = 1) -> tuple:
+    """pretrain_gpt.py under torchrun (2 ranks; with `nodes` 2, one torchrun per rank, as
+    on two machines) with `module.name`'s `call`-th call on `rank` replaced by `action`
+    (sleep, raise, kill) and the collective timeout shortened to `minutes`. (output of
+    each torchrun, {rank: exit status}, seconds until the last torchrun ended)."""
     status_dir = tmp_path / "status"
     status_dir.mkdir()
     wrapper = tmp_path / "fault.py"
     wrapper.write_text(FAULT_WRAPPER.format(
         root=str(ROOT), minutes=minutes, module=module, name=name, call=call, rank=rank,
         action=action, status_dir=str(status_dir), script=str(ROOT / "pretrain_gpt.py")))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(wrapper),
-           *MODEL, *args]
+    port = free_port()
+    cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+             "--node-rank", str(node), "--nproc-per-node", str(2 // nodes), "--master-addr",
+             "127.0.0.1", "--master-port", str(port), str(wrapper), *MODEL, *args]
+            for node in range(nodes)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     started = time.monotonic()
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=timeout)
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for cmd in cmds]
+    try:
+        outs = [p.communicate(timeout=max(1.0, started + timeout - time.monotonic()))[0]
+                for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     seconds = time.monotonic() - started
     statuses = {int(p.name[4:]): int(p.read_text()) for p in status_dir.iterdir()}
-    return run.stdout + run.stderr, statuses, seconds
+    return (outs[0] if nodes == 1 else outs), statuses, seconds
 
 
 # name: (module, function, call, extra args, what the watchdog's first line says)
@@ -136,3 +155,85 @@ def test_a_rank_stuck_outside_the_gradient_reduction_is_named_in_bounded_time(tm
     assert not re.search(r'File ".*(/megatron/|pretrain_gpt)', log), log[-4000:]  # no traceback
     if phase == "save":
         assert read_tracker(str(ckpt)) == (2, False)
+
+
+# --------------------------------------------------------------------------- a rank stops
+@pytest.mark.slow
+@pytest.mark.parametrize("action", ["raise", "kill"])
+def test_the_other_node_names_the_rank_that_stopped_in_one_line(tmp_path, action):
+    """Rank 1, on a second node, fails in the evaluation at iteration 4 (an exception, or
+    SIGKILL). Rank 0's evaluation reduction then fails with gloo's 'Connection closed (or
+    reset) by peer'; it printed that error's traceback, naming neither rank 1 nor the phase. Now it
+    prints one line: where the run was, the rank that stopped first and its error (or that
+    none reported one: killed), and the checkpoint to resume from; status 1."""
+    ckpt = tmp_path / "ck"
+    args = ["--train-iters", "20", "--eval-interval", "4", "--eval-iters", "1",
+            "--save", str(ckpt), "--save-interval", "2"]
+    (node0, node1), statuses, seconds = run_with_fault(
+        tmp_path, "megatron.training", "evaluate", action, args, nodes=2)
+    assert seconds < 40
+    lines = [line for line in node0.splitlines() if line.startswith("[rank 0]")]
+    assert len(lines) == 1, node0[-4000:]
+    head = "[rank 0] stopped during the evaluation at iteration 4: a collective failed ("
+    assert lines[0].startswith(head), lines
+    if action == "raise":
+        assert ("because rank 1 stopped first, during the evaluation at iteration 4, with "
+                "RuntimeError: injected failure in evaluate -- its traceback is in its "
+                "output") in lines[0]
+        assert "RuntimeError: injected failure in evaluate" in node1  # rank 1's traceback
+        assert statuses == {0: 1, 1: 1}
+    else:
+        assert "none reported an error: it was killed" in lines[0]
+        assert statuses == {0: 1}
+    # the evaluation at 4 comes before the save at 4
+    assert lines[0].endswith(f"; the last checkpoint is {ckpt}/iter_0000002: relaunch with "
+                             f"--load {ckpt} to resume from it")
+    assert not re.search(r'File ".*(/megatron/|pretrain_gpt)', node0), node0[-4000:]
+    assert read_tracker(str(ckpt)) == (2, False)
+
+
+# --------------------------------------------------------------------------- the pieces
+def test_peer_failure_recognises_the_backends_words():
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553]"
+                        " Connection closed by peer [127.0.0.1]:41095. This is typically "
+                        "caused by a remote worker crashing. Check the logs of the remote "
+                        "worker before reporting an error. GLHF!")
+    assert peer_failure(gloo) == "Connection closed by peer [127.0.0.1]:41095"
+    timeout = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+                           "Timed out waiting 66000ms for recv operation to complete")
+    assert peer_failure(timeout) == "Timed out waiting 66000ms for recv operation to complete"
+    assert peer_failure(dist.DistBackendError("NCCL communicator was aborted on rank 3")) \
+        == "NCCL communicator was aborted on rank 3"
+    assert peer_failure(RuntimeError("shape mismatch")) is None  # this rank's own error
+    assert peer_failure(ValueError("Connection closed by peer")) is None
+
+
+def test_a_survivor_names_the_first_recorded_failure():
+    store = dist.HashStore()
+    assert first_failure(store, wait_s=0.1) is None
+    record_failure(1, "RuntimeError: CUDA error: an illegal memory access", "at iteration 7",
+                   store=store)
+    record_failure(3, "RuntimeError: later", "at iteration 7", store=store)
+    first = first_failure(store)
+    assert first == ("rank 1 stopped first, at iteration 7, with RuntimeError: CUDA error: an "
+                     "illegal memory access")
+    line = peer_failure_message(0, "Connection reset by peer", "at iteration 7", first,
+                                "; the last checkpoint is /ck/iter_0000006: ...")
+    assert line == ("[rank 0] stopped at iteration 7: a collective failed (Connection reset by "
+                    "peer) because rank 1 stopped first, at iteration 7, with RuntimeError: "
+                    "CUDA error: an illegal memory access -- its traceback is in its output; "
+                    "the last checkpoint is /ck/iter_0000006: ...")
+    timed_out = peer_failure_message(2, "Timed out waiting 66000ms", "", None, " (no --save)")
+    assert timed_out == ("[rank 2] stopped: a collective timed out (Timed out waiting 66000ms): "
+                         "another rank did not take part in time (stuck, or in another "
+                         "collective; its own output says where) (no --save)")
+
+
+def test_what_is_recorded_and_what_is_not():
+    from megatron.agreed_exit import AgreedExit
+
+    assert describe_failure(RuntimeError("boom\nmore")) == "RuntimeError: boom"
+    assert describe_failure(SystemExit("error: bad file")) == "error: bad file"
+    assert describe_failure(SystemExit(3)) == "exit status 3"
+    assert describe_failure(SystemExit(0)) is None
+    assert describe_failure(AgreedExit("error: every rank", 1, 2)) is None

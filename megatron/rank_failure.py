@@ -1,0 +1,183 @@
+"""When one rank stops, the others say so in one line, naming it, instead of a traceback each.
+
+A rank that fails (an exception, an out-of-memory error, SIGKILL, a lost node) leaves the
+others in their next collective, which fails with the backend's error: gloo's "Connection
+closed by peer" or "Connection reset by peer", a timeout, an NCCL error. Each of those
+ranks used to print a long traceback of that error, naming neither the rank that stopped
+nor what the run was doing, and burying the one traceback that matters.
+
+`record_failure` leaves the failing rank's error under FAILURES_KEY in the job's store (the
+rendezvous TCPStore: torchrun's agent hosts it, so it outlives the rank) before its
+connections close. A rank whose collective failed for lack of a peer (`peer_failure`)
+prints `peer_failure_message` instead of a traceback, e.g.
+
+    [rank 0] stopped while saving the checkpoint of iteration 6: a collective failed
+    (Connection reset by peer [10.0.0.2]:3490) because rank 1 stopped first, while saving
+    the checkpoint of iteration 6, with RuntimeError: disk quota exceeded -- its traceback
+    is in its output; the last checkpoint is /ckpt/iter_0000003: relaunch with --load
+    /ckpt to resume from it
+
+and exits with status 1. A rank killed outright records nothing: the line then says that
+none reported an error and where the launcher names it. The store calls run in a helper
+thread with a short deadline: a store that does not answer (its host gone) costs seconds,
+never the collective timeout.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+FAILURES_KEY = "megatron-rank-failures"
+STORE_DEADLINE_S = 3.0  # a store call that takes longer is given up
+WAIT_FOR_RECORD_S = 1.0  # how long a survivor waits for the failing rank's record
+
+# What the backends say when a collective fails for lack of a peer (lower case).
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "timed out waiting", "communicator was aborted", "nccl error",
+              "watchdog caught collective operation timeout")
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(cc|cpp|hpp|h):\d+\]\s*")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def peer_failure(exc: BaseException) -> Optional[str]:
+    """The backend's words when `exc` is a collective failing because another rank
+    stopped or hangs (a torch.distributed DistError, or a RuntimeError from gloo/NCCL
+    saying so): its first line without the source location and gloo's advice; else None."""
+    if not isinstance(exc, RuntimeError):
+        return None
+    line = _first_line(exc)
+    if not (isinstance(exc, dist.DistError) or any(m in line.lower() for m in _PEER_GONE)):
+        return None
+    line = _SOURCE_PREFIX.sub("", line)
+    return line.split(". This is typically caused")[0].rstrip(". ")
+
+
+def _with_deadline(call: Callable[[], object], deadline_s: float = STORE_DEADLINE_S):
+    """`call()` in a helper thread; its result, or None when it failed or took longer
+    than `deadline_s` (the thread is left to finish on its own: a daemon)."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append(call())
+        except Exception:
+            pass
+
+    thread = threading.Thread(target=run, daemon=True, name="rank-failure-store")
+    thread.start()
+    thread.join(deadline_s)
+    return box[0] if box else None
+
+
+def _default_store():
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+def describe_failure(exc: BaseException) -> Optional[str]:
+    """What `record_failure` says of `exc`, or None for an exit that is no failure of this
+    rank alone (status 0, or an `AgreedExit` every rank raised together)."""
+    from megatron.agreed_exit import AgreedExit
+
+    if isinstance(exc, AgreedExit):
+        return None
+    if isinstance(exc, SystemExit):
+        if exc.code is None or exc.code == 0:
+            return None
+        return _first_line(exc) if not isinstance(exc.code, int) else f"exit status {exc.code}"
+    return f"{type(exc).__name__}: {_first_line(exc)}"
+
+
+def record_failure(rank: int, what: str, where: str = "", store=None) -> None:
+    """Leave this rank's failure in the job's store (default: the default group's), for
+    the other ranks' `peer_failure_message`. Best effort, within STORE_DEADLINE_S."""
+    store = store if store is not None else _default_store()
+    if store is None:
+        return
+    line = f"{rank}\t{where}\t{what}"
+
+    def record() -> None:
+        index = int(store.add(f"{FAILURES_KEY}/count", 1))
+        store.set(f"{FAILURES_KEY}/{index}", line)
+
+    _with_deadline(record)
+
+
+def first_failure(store=None, wait_s: float = WAIT_FOR_RECORD_S) -> Optional[str]:
+    """The first failure another rank recorded ("rank R stopped first, <where>: <error>"),
+    waiting up to `wait_s` for one to come; else the line of a watchdog that fired; None
+    when neither."""
+    from megatron.watchdog import ABORT_KEY
+
+    store = store if store is not None else _default_store()
+    if store is None:
+        return None
+
+    def read() -> Optional[str]:
+        import time
+
+        until = time.monotonic() + wait_s
+        while True:
+            if store.check([f"{FAILURES_KEY}/1"]):
+                rank, where, what = store.get(f"{FAILURES_KEY}/1").decode(
+                    errors="replace").split("\t", 2)
+                return f"rank {rank} stopped first{', ' + where if where else ''}, with {what}"
+            if store.check([ABORT_KEY]):
+                return store.get(ABORT_KEY).decode(errors="replace")
+            if time.monotonic() >= until:
+                return None
+            time.sleep(0.1)
+
+    return _with_deadline(read, wait_s + STORE_DEADLINE_S)
+
+
+def peer_failure_message(rank: int, reason: str, where: str, first: Optional[str],
+                         resume: str) -> str:
+    """The line of a rank whose collective failed (`reason`: `peer_failure`'s words)
+    `where` the run was, naming the rank that stopped first (`first`: `first_failure`),
+    then `resume` (megatron.interrupt.last_checkpoint_text)."""
+    timed_out = "timed out" in reason.lower()
+    text = (f"[rank {rank}] stopped{' ' + where if where else ''}: a collective "
+            f"{'timed out' if timed_out else 'failed'} ({reason})")
+    if first is not None and first.startswith("[watchdog rank"):
+        text += f" after another rank's watchdog fired: {first}"
+    elif first is not None:
+        text += f" because {first} -- its traceback is in its output"
+    elif timed_out:
+        text += (": another rank did not take part in time (stuck, or in another collective; "
+                 "its own output says where)")
+    else:
+        text += (" because another rank stopped first, and none reported an error: it was "
+                 "killed (SIGKILL, the out-of-memory killer) or lost with its node; the "
+                 "launcher names it (torchrun: 'Root Cause' on that rank's node)")
+    return text + resume
+
+
+def stopped_by_peer(exc: BaseException, rank: int, where: str,
+                    save: Optional[str]) -> Optional[SystemExit]:
+    """For an entry point's `except`: the SystemExit (status 1) carrying
+    `peer_failure_message` when `exc` is a collective failing because another rank
+    stopped (the process group is broken: do not destroy it); else None, after recording
+    `exc` as this rank's own failure for the others (`record_failure`)."""
+    from megatron.interrupt import last_checkpoint_text
+
+    reason = peer_failure(exc)
+    if reason is None:
+        what = describe_failure(exc)
+        if what is not None:
+            record_failure(rank, what, where)
+        return None
+    return SystemExit(peer_failure_message(rank, reason, where, first_failure(),
+                                           last_checkpoint_text(save)))
+
+
+__all__ = ["describe_failure", "first_failure", "peer_failure", "peer_failure_message",
+           "record_failure", "stopped_by_peer"]
