@@ -83,16 +83,17 @@ def main(argv=None) -> int:
 
 
 def _train(config, ranks: tuple, start: float, progress, watch) -> int:
-    """Initialise the process group, then pretrain; the exit status (0, or an
-    out-of-memory exit's). The process group is left as it is after an out-of-memory
-    error, an interrupt or another rank's failure (megatron/rank_failure.py: one line):
-    its teardown may wait for ranks still in a collective (the launcher ends those)."""
+    """Initialise the process group, then pretrain; the exit status (0, or an OOM exit's).
+    The group is left as it is after an out-of-memory error, an interrupt or another
+    rank's failure (megatron/rank_failure.py: one line): its teardown may wait for ranks
+    still in a collective (the launcher ends those)."""
     import torch.distributed as dist
 
     from megatron.agreed_exit import silent_ranks_wait
     from megatron.arguments import format_args_dump
     from megatron.data_loading import check_data_files
     from megatron.initialize import initialize_entry_point, set_random_seed
+    from megatron.interrupt import last_checkpoint_text
     from megatron.logging_utils import print_rank_0
     from megatron.oom_report import OutOfMemoryExit
     from megatron.rank_failure import record_failure, stopped_by_peer
@@ -117,8 +118,8 @@ def _train(config, ranks: tuple, start: float, progress, watch) -> int:
             return e.code
         except BaseException as e:
             leave_group = watch.explains(e)
-            lost = None if leave_group else stopped_by_peer(e, rank, progress.where(),
-                                                            config.checkpoint.save)
+            lost = None if leave_group else stopped_by_peer(
+                e, rank, progress.where(), last_checkpoint_text(config.checkpoint.save))
             if lost is not None:  # one line naming the rank that stopped, no traceback
                 leave_group = True
                 raise lost from None

@@ -84,10 +84,10 @@ def _default_store():
 
 def describe_failure(exc: BaseException) -> Optional[str]:
     """What `record_failure` says of `exc`, or None for an exit that is no failure of this
-    rank alone (status 0, or an `AgreedExit` every rank raised together)."""
+    rank alone (status 0, an `AgreedExit` every rank raised together, Ctrl-C)."""
     from megatron.agreed_exit import AgreedExit
 
-    if isinstance(exc, AgreedExit):
+    if isinstance(exc, (AgreedExit, KeyboardInterrupt)):
         return None
     if isinstance(exc, SystemExit):
         if exc.code is None or exc.code == 0:
@@ -156,27 +156,26 @@ def peer_failure_message(rank: int, reason: str, where: str, first: Optional[str
                  "its own output says where)")
     else:
         text += (" because another rank stopped first, and none reported an error: it was "
-                 "killed (SIGKILL, the out-of-memory killer) or lost with its node; the "
-                 "launcher names it (torchrun: 'Root Cause' on that rank's node)")
+                 "killed (SIGKILL, the out-of-memory killer), lost with its node, or left "
+                 "without an error; the launcher names it (torchrun: 'Root Cause' on that "
+                 "rank's node)")
     return text + resume
 
 
 def stopped_by_peer(exc: BaseException, rank: int, where: str,
-                    save: Optional[str]) -> Optional[SystemExit]:
+                    resume: str = "") -> Optional[SystemExit]:
     """For an entry point's `except`: the SystemExit (status 1) carrying
-    `peer_failure_message` when `exc` is a collective failing because another rank
-    stopped (the process group is broken: do not destroy it); else None, after recording
-    `exc` as this rank's own failure for the others (`record_failure`)."""
-    from megatron.interrupt import last_checkpoint_text
-
+    `peer_failure_message` (ending with `resume`) when `exc` is a collective failing
+    because another rank stopped (the process group is broken: do not destroy it); else
+    None, after recording `exc` as this rank's own failure for the others
+    (`record_failure`)."""
     reason = peer_failure(exc)
     if reason is None:
         what = describe_failure(exc)
         if what is not None:
             record_failure(rank, what, where)
         return None
-    return SystemExit(peer_failure_message(rank, reason, where, first_failure(),
-                                           last_checkpoint_text(save)))
+    return SystemExit(peer_failure_message(rank, reason, where, first_failure(), resume))
 
 
 __all__ = ["describe_failure", "first_failure", "peer_failure", "peer_failure_message",

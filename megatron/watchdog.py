@@ -32,8 +32,8 @@ status: a rank waiting inside a watched block says so in one line; a rank in no 
 block -- the one that never arrived: stuck in data loading, in a file system call, in
 another collective -- also prints where its main thread is, instead of waiting for the
 launcher's SIGTERM (which, on another node, never comes). A rank whose store stops
-answering for STORE_GRACE_S (the process hosting it has ended, and with it the job)
-exits the same way.
+answering (the process hosting it has ended, and with it the job) exits the same way
+STORE_GRACE_S later, unless it closed its watchdog meanwhile (its run ended normally).
 
 `watching(name, group)` watches a block with the watchdog `build_watchdog` started in this
 process (a hung collective ends the whole process, so there is one per process, like a
@@ -61,7 +61,7 @@ KEY_PREFIX = "collective-watchdog"
 ABORT_KEY = f"{KEY_PREFIX}/abort"  # the first line of the report of the rank that fired
 FIRED_KEY = f"{KEY_PREFIX}/fired"  # how many ranks' deadlines passed: the first reports
 POLL_S = 5.0  # how often each rank looks for ABORT_KEY
-STORE_GRACE_S = 60.0  # a store that stays unreachable this long: the job is over
+STORE_GRACE_S = 60.0  # after the store failed: time to close the watchdog normally
 STACK_FRAMES = 4  # innermost frames of the main thread a report shows
 
 
@@ -214,28 +214,28 @@ class CollectiveWatchdog:
 
     def _poll(self) -> Tuple[Optional[str], float]:
         """(why to stop, or None; seconds to the next poll). Why: another rank's
-        ABORT_KEY line, or that the store has not answered for STORE_GRACE_S (the process
+        ABORT_KEY line, or that the store failed (its connection closed: the process
         hosting it -- torchrun's agent on the first node, or rank 0 -- has ended, so the
-        job is over: a rank stuck outside a collective would otherwise wait for ever on a
-        node whose launcher sees nothing wrong). After a first failure the store is asked
-        once more at the end of the grace period only (torch logs each failed call)."""
-        try:
-            found = self.store.check([ABORT_KEY])
-            line = self.store.get(ABORT_KEY).decode(errors="replace") if found else None
-        except Exception as exc:
-            now = time.monotonic()
-            if self._store_lost is None:
-                self._store_lost = (now, exc)
-            since, first = self._store_lost
-            grace = min(STORE_GRACE_S, self.timeout_s)
-            if now - since < grace:
-                return None, since + grace - now
-            return (f"the job's rendezvous store has not answered for {now - since:.0f} s "
-                    f"({str(first).splitlines()[0] if str(first) else type(first).__name__}): "
-                    "the process that hosts it (torchrun's agent on the first node, or rank "
-                    "0) has ended, so the rest of the job is gone"), self.poll_s
-        self._store_lost = None
-        return line, self.poll_s
+        job is over) and this watchdog was not closed within the grace period after
+        (min(STORE_GRACE_S, timeout_s): a rank ending normally closes it at once). A rank
+        stuck outside any collective would otherwise wait for ever on a node whose
+        launcher sees nothing wrong. The store is not asked again once it failed: a
+        client whose server has gone may wait for its own timeout on the next call."""
+        if self._store_lost is None:
+            try:
+                found = self.store.check([ABORT_KEY])
+                line = self.store.get(ABORT_KEY).decode(errors="replace") if found else None
+                return line, self.poll_s
+            except Exception as exc:
+                self._store_lost = (time.monotonic(), exc)
+        since, first = self._store_lost
+        left = since + min(STORE_GRACE_S, self.timeout_s) - time.monotonic()
+        if left > 0:
+            return None, left
+        return (f"the job's rendezvous store stopped answering "
+                f"({str(first).splitlines()[0] if str(first) else type(first).__name__}): "
+                "the process that hosts it (torchrun's agent on the first node, or rank 0) "
+                "has ended, so the rest of the job is gone"), self.poll_s
 
     def _leave_abort(self, line: str) -> None:
         """Ask every other rank's watchdog to stop (best effort: the store may be gone)."""
@@ -348,6 +348,12 @@ def watching(name: str, group=None):
     return wd.watch(name, ranks=ranks)
 
 
+def close_current() -> None:
+    """Close the watchdog `build_watchdog` started in this process, if any."""
+    if _current is not None:
+        _current.close()
+
+
 def build_watchdog(timeout_s: float, store=None):
     """A `CollectiveWatchdog` on the default process group's store (torch.distributed must
     be initialised), or a `NullWatchdog` when it is not or the world has one rank.
@@ -367,5 +373,5 @@ def build_watchdog(timeout_s: float, store=None):
     return _current
 
 
-__all__ = ["ABORT_KEY", "CollectiveWatchdog", "NullWatchdog", "build_watchdog", "EXIT_CODE",
-           "watching"]
+__all__ = ["ABORT_KEY", "CollectiveWatchdog", "NullWatchdog", "build_watchdog", "close_current",
+           "EXIT_CODE", "watching"]

@@ -237,3 +237,87 @@ def test_what_is_recorded_and_what_is_not():
     assert describe_failure(SystemExit(3)) == "exit status 3"
     assert describe_failure(SystemExit(0)) is None
     assert describe_failure(AgreedExit("error: every rank", 1, 2)) is None
+
+
+# --------------------------------------------------------------------------- generation
+# tools/generate.py on two nodes (one torchrun each) at tensor-parallel size 2; rank 1's
+# {call}th all-reduce (mid-decoding) raises or sleeps. The process group's timeout is cut
+# to 3 s and the watchdog's grace after a lost store to 2 s.
+GENERATE_FAULT = """
+import datetime, os, runpy, sys, time
+sys.path.insert(0, {root!r})
+import torch.distributed as dist
+import megatron.initialize as initialize
+import megatron.watchdog as watchdog
+watchdog.STORE_GRACE_S = 2.0
+initialize.datetime = type("D", (), dict(timedelta=lambda **k: datetime.timedelta(seconds=3)))
+original, calls = dist.all_reduce, [0]
+
+def faulty(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == {call} and os.environ["RANK"] == "1":
+        print("test: {action} rank 1 mid-decoding", flush=True)
+        if {action!r} == "sleep":
+            time.sleep(300)
+        raise RuntimeError("injected failure mid-decoding")
+    return original(*args, **kwargs)
+
+dist.all_reduce = faulty
+script = os.path.join({root!r}, "tools", "generate.py")
+sys.argv = [script] + sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def small_ckpt(tmp_path_factory):
+    from tests.test_generate import _train
+
+    path = tmp_path_factory.mktemp("ck")
+    _train(path, "--make-vocab-size-divisible-by 32", steps=1)
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("action", ["raise", "sleep"])
+def test_generate_on_two_nodes_when_rank_1_fails_or_hangs(tmp_path, small_ckpt, action):
+    """Rank 1 raises: rank 0 printed gloo's 'Connection closed by peer' traceback; now one
+    line naming rank 1 and its error. Rank 1 hangs: rank 0 ends at the collective timeout
+    (now one line) and, with it, node 0's torchrun and the job's store; rank 1 slept on
+    for ever on its node. Now its watchdog sees the store gone and ends it (status 124),
+    printing where it was stuck."""
+    wrapper = tmp_path / "generate_fault.py"
+    wrapper.write_text(GENERATE_FAULT.format(root=str(ROOT), call=30, action=action))
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+             str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+             "--master-port", str(port), str(wrapper), "--load", small_ckpt,
+             "--tensor-model-parallel-size", "2", "--prompt", "5 6 7", "--max-new-tokens",
+             "10", "--greedy", "--no-stop-at-eod"] for node in (0, 1)]
+    started = time.monotonic()
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for cmd in cmds]
+    try:
+        node0, node1 = (p.communicate(timeout=max(1.0, started + 60 - time.monotonic()))[0]
+                        for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+    assert time.monotonic() - started < 45
+    assert "test: " + action in node1, node1[-3000:]
+    lines = [line for line in node0.splitlines() if line.startswith("[rank 0]")]
+    assert len(lines) == 1, node0[-4000:]
+    assert not re.search(r'File ".*(/megatron/|/tools/)', node0), node0[-4000:]
+    if action == "raise":
+        assert lines[0].startswith("[rank 0] stopped during generation: a collective failed (")
+        assert lines[0].endswith("because rank 1 stopped first, during generation, with "
+                                 "RuntimeError: injected failure mid-decoding -- its "
+                                 "traceback is in its output"), lines
+        return
+    assert lines[0].startswith("[rank 0] stopped during generation: a collective timed out (")
+    assert ("[watchdog rank 1] stopping, in no watched collective, because the job has ended "
+            "elsewhere:\n  the job's rendezvous store stopped answering") in node1, node1[-3000:]
+    stuck = node1[node1.index("rank 1's main thread is here"):]
+    assert "time.sleep(300)" in stuck, node1[-3000:]
+    assert "exitcode  : 124" in node1

@@ -720,3 +720,51 @@ def test_the_same_ctrl_c_forwarded_does_not_cut_the_stop_short(monkeypatch, caps
     sent, status = _rank0_stop(monkeypatch, signal.SIGINT, after_s=0.0)
     assert status is None and sent == [("stop", None), "closed"]
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("error, stops", [
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                  "waiting 66000ms for recv operation to complete"), True),
+    (OverflowError("Numerical result out of range"), False)])
+def test_rank0_stops_serving_when_another_rank_broke_a_request(monkeypatch, error, stops):
+    """A request whose collective another rank broke (gone, or stuck past the timeout) is
+    answered 500 and ends rank 0's serving, without the stop broadcast a stuck rank would
+    never take (rank 0 waited a second timeout there): the ranks are out of step, and
+    before, every later request waited for the whole timeout again. A request failing
+    alike on every rank (a 500) leaves the server serving."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    sent, done = [], Future()
+    requests = iter([("r", done)])
+
+    class Pending:
+        def get(self, timeout):
+            for item in requests:
+                return item
+            raise KeyboardInterrupt  # Ctrl-C once the request was served
+
+        def empty(self):
+            return True
+
+    class Server:
+        def serve_forever(self):
+            pass
+
+        shutdown = server_close = serve_forever
+
+    def run(engine, req):
+        raise error
+
+    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group: sent.append(message))
+    monkeypatch.setattr(server_mod, "run_request", run)
+    lockstep = server_mod.Lockstep(SimpleNamespace(runtime=SimpleNamespace(control_group=None)))
+    lockstep.pending = Pending()
+    if stops:
+        with pytest.raises(RuntimeError, match="Timed out"):
+            lockstep.serve(Server())
+        assert sent == [("request", "r")]
+    else:
+        lockstep.serve(Server())
+        assert sent == [("request", "r"), ("stop", None)]
+    assert done.exception() is error  # the handler answers 500

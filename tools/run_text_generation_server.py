@@ -30,7 +30,10 @@ rank 0 broadcasts a heartbeat every 30 s, so the waiting ranks never reach the p
 group's timeout. When rank 0 stops (Ctrl-C, SIGTERM, a failure) it broadcasts a stop
 message and every rank exits (Ctrl-C again while it stops, or torchrun's SIGTERM after its
 own second Ctrl-C: rank 0 exits at once with one line, status 130); a rank 0 killed
-outright breaks the other ranks' broadcast, and they exit with an error. A world size
+outright breaks the other ranks' broadcast, and they exit with one line naming it. A
+request whose collective another rank broke (gone, or stuck past the process group's
+timeout) is answered 500 and stops rank 0 with one line (megatron/rank_failure.py); a
+rank stuck meanwhile ends when the job's store has gone (megatron/watchdog.py). A world size
 other than tp x pp is refused (no data-parallel replicas), and so is --num-layers-per-virtual-pipeline-stage at pp > 1; at pp > 1 the
 cached one-token step runs eagerly (no CUDA graph: the captured step is one stage's).
 The prompts of a request are generated together as one batch through a key/value cache
@@ -82,6 +85,7 @@ from megatron.interrupt import (  # noqa: E402
     InterruptWatch,
     SigintHandler,
 )
+from megatron.rank_failure import peer_failure  # noqa: E402
 from tools.generate import (  # noqa: E402
     _device,
     build_decoder,
@@ -345,6 +349,7 @@ class Lockstep:
         self.heartbeat_s = HEARTBEAT_S if heartbeat_s is None else heartbeat_s
         self.group = control_group(engine)
         self.pending: "queue.Queue" = queue.Queue()
+        self.broken = False  # another rank broke a collective: the others cannot be told
 
     def submit(self, req):
         """The response of `req` (an HTTP thread waits here); its exception re-raised."""
@@ -358,7 +363,11 @@ class Lockstep:
     def serve(self, server) -> None:
         """Serve `server` in a thread until KeyboardInterrupt (SIGINT; SIGTERM is turned
         into one by main), then tell the other ranks to stop and close the server (a
-        second signal meanwhile exits at once: _StopSignals)."""
+        second signal meanwhile exits at once: _StopSignals). A request whose collective
+        another rank broke (gone, or stuck past the timeout) is answered 500 and ends the
+        serving the same way, then the process with one line naming that rank (main's
+        process_group_closed): the ranks are out of step, and a stuck rank would make
+        every later request wait for the timeout again."""
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         try:
@@ -373,15 +382,21 @@ class Lockstep:
                     done.set_result(run_request(self.engine, req))
                 except Exception as exc:  # the handler answers 400 / 500
                     done.set_exception(exc)
+                    if peer_failure(exc) is not None:  # out of step: each request would
+                        raise  # wait for the collective timeout again; stop serving
         except KeyboardInterrupt:
             pass
+        except Exception as exc:
+            self.broken = peer_failure(exc) is not None
+            raise
         finally:
             with _StopSignals():  # Ctrl-C again: exit at once (server.shutdown takes 0.5 s)
                 self._stop(server)
 
     def _stop(self, server) -> None:
         try:
-            self.stop_others()
+            if not self.broken:  # else a stuck rank's broadcast would wait for the timeout
+                self.stop_others()
         except RuntimeError as exc:  # a rank that failed cannot be told; close anyway
             print(f"note: the other ranks could not be told to stop: {exc}", flush=True)
         server.shutdown()
@@ -516,7 +531,7 @@ def main(argv=None, environ=None) -> int:
     from tools.generate_tp import process_group_closed
 
     a, ns, explicit = parse_args(argv)
-    with process_group_closed():
+    with process_group_closed("while serving"):
         return _serve(a, ns, explicit, environ, argv)
 
 
