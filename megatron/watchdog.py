@@ -70,7 +70,7 @@ class CollectiveWatchdog:
 
     Args:
         store: a torch.distributed Store every rank shares (e.g. the default group's
-            TCPStore, see `build_watchdog`); only set/check/get are used.
+            TCPStore, see `build_watchdog`); only set/check/get/add are used.
         rank, world_size: this process's global rank and the world size.
         timeout_s: how long one watched block may run.
         on_timeout: called with the message instead of printing it and ending the process
