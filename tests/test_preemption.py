@@ -379,6 +379,29 @@ def test_the_checkpoint_load_is_a_phase_of_its_own():
     assert progress.where() == "during start-up"
 
 
+# The end of a wrapper script: runs {script} as __main__ and writes the process's exit
+# status (os._exit, SystemExit or an exception: 1) to {status_dir}/rank<RANK>.
+RUN_RECORDING_STATUS = """
+status_file = os.path.join({status_dir!r}, "rank" + os.environ["RANK"])
+os_exit = os._exit
+
+def recording_exit(code):
+    open(status_file, "w").write(str(code))
+    os_exit(code)
+
+os._exit = recording_exit
+sys.argv[0] = {script!r}
+try:
+    runpy.run_path({script!r}, run_name="__main__")
+except SystemExit as exc:
+    code = exc.code if isinstance(exc.code, int) else 1 if exc.code else 0
+    open(status_file, "w").write(str(code))
+    raise
+except BaseException:
+    open(status_file, "w").write("1")
+    raise
+"""
+
 # Runs pretrain_gpt.py with the {call}th call of {module}.{name} slowed by 30 s (printing
 # "test: slowing" first, so that the test knows when to press Ctrl-C), and records the
 # process's exit status in {status_dir}/rank<RANK> (os._exit included).
@@ -396,21 +419,7 @@ def slowed(*args, **kwargs):
     return original(*args, **kwargs)
 
 setattr(module, {name!r}, slowed)
-status_file = os.path.join({status_dir!r}, "rank" + os.environ["RANK"])
-os_exit = os._exit
-
-def recording_exit(code):
-    open(status_file, "w").write(str(code))
-    os_exit(code)
-
-os._exit = recording_exit
-sys.argv[0] = {script!r}
-try:
-    runpy.run_path({script!r}, run_name="__main__")
-except SystemExit as exc:
-    open(status_file, "w").write(str(exc.code))
-    raise
-"""
+""" + RUN_RECORDING_STATUS
 
 CTRL_C_PHASES = {  # phase: (module, function, call slowed, ranks slowed, extra args, line)
     "start-up": ("megatron.initialize", "initialize_entry_point", 1, 2, [],

@@ -27,7 +27,7 @@ from megatron.rank_failure import (
 )
 from megatron.watchdog import EXIT_CODE
 from tests.dist_utils import free_port
-from tests.test_preemption import MODEL
+from tests.test_preemption import MODEL, RUN_RECORDING_STATUS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,25 +59,7 @@ def faulty(*args, **kwargs):
     return original(*args, **kwargs)
 
 setattr(module, {name!r}, faulty)
-status_file = os.path.join({status_dir!r}, "rank" + os.environ["RANK"])
-os_exit = os._exit
-
-def recording_exit(code):
-    open(status_file, "w").write(str(code))
-    os_exit(code)
-
-os._exit = recording_exit
-sys.argv[0] = {script!r}
-try:
-    runpy.run_path({script!r}, run_name="__main__")
-except SystemExit as exc:
-    code = exc.code if isinstance(exc.code, int) else 1 if exc.code else 0
-    open(status_file, "w").write(str(code))
-    raise
-except BaseException:
-    open(status_file, "w").write("1")
-    raise
-"""
+""" + RUN_RECORDING_STATUS
 
 
 def run_with_fault(tmp_path, module: str, name: str, action: str, args: list, call: int = 1,
