@@ -31,6 +31,7 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.initialize import initialize_distributed, set_random_seed
 from megatron.logging_utils import read_scalars
 from tests.test_gpt_dataset import make_corpus
+from tests.test_logging_utils import _CountingStream
 
 BASE = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -61,21 +62,6 @@ def _final_blocks(out: str) -> list:
                       out)
 
 
-class _Writes:
-    """A stdout recording each write call (unbuffered, each is one write to the shared
-    output: torchrun's ranks can interleave between two of them)."""
-
-    def __init__(self) -> None:
-        self.writes = []
-
-    def write(self, text: str) -> int:
-        self.writes.append(text)
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-
 def test_parameter_count_line_is_one_write(monkeypatch):
     """Every tensor/pipeline rank prints its parameter count: written as text, then
     newline, two ranks' lines ran together on one line under torchrun."""
@@ -84,7 +70,7 @@ def test_parameter_count_line_is_one_write(monkeypatch):
     cfg = parse_and_validate(MOCK + ["--train-iters", "1"], world_size=1, env={"RANK": "0"},
                              cuda_available=False)
     rt = initialize_distributed(cfg.parallel, 0, 1, 0)
-    stream = _Writes()
+    stream = _CountingStream()
     monkeypatch.setattr(sys, "stdout", stream)
     training.build_model(cfg, rt)
     lines = [w for w in stream.writes if "number of parameters" in w]
