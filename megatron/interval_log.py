@@ -79,8 +79,9 @@ def to_float(x) -> Optional[float]:
 
 class IntervalStats:
     """The records and the wall time since the last console line, less the time spent
-    in `paused()` (evaluation and checkpoint saves: Megatron stops its interval timer
-    around them, so "elapsed time per iteration" is training time)."""
+    in `paused()` (evaluation and checkpoint saves, so that "elapsed time per iteration"
+    is training time, as in Megatron-LM releases after 23.05, which stop the interval
+    timer around them; 23.05 counts them in)."""
 
     clock = staticmethod(time.monotonic)  # seconds; a wall-clock step never shows
 

@@ -217,9 +217,10 @@ class Timers:
                 lines += [f"     rank {r:2d}: {t:.2f}" for r, t in enumerate(col.tolist()) if t > 0]
         if not lines:
             return None
-        header = {"minmax": "(min, max) time across ranks (ms):",
-                  "max": "max time across ranks (ms):", "all": "times across ranks (ms):"}
-        return "\n".join([header[self.log_option]] + lines)
+        # Megatron heads the `max` block with the min/max header too: parsers key on it.
+        header = ("times across ranks (ms):" if self.log_option == "all"
+                  else "(min, max) time across ranks (ms):")
+        return "\n".join([header] + lines)
 
     def log(self, names: Optional[Sequence[str]] = None, normalizer: float = 1.0,
             group=None, reset: bool = True) -> None:

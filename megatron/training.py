@@ -416,8 +416,9 @@ def _exit_program(tr: Trainer, stats: IntervalStats, reason: str, saved_at) -> N
 
 def train(tr: Trainer, train_data, valid_data) -> Optional[str]:
     """The training loop, from the trainer's iteration to --train-iters. Returns None when
-    it got there (a final checkpoint saved with --save, unless the run loaded that state
-    from the same directory and trained nothing), or Megatron's exit line when an
+    it got there (`[after training is done]` printed, then a final checkpoint saved with
+    --save, unless the run loaded that state from the same directory and trained
+    nothing), or Megatron's exit line when an
     exit condition (--exit-signal-handler, --exit-duration-in-mins, --exit-interval)
     stopped it: the caller then ends the program without the final evaluation."""
     cfg, st = tr.config, tr.state
@@ -448,6 +449,7 @@ def train(tr: Trainer, train_data, valid_data) -> Optional[str]:
             return reason
     _close_interval(tr, stats)
     step_graph.settle(tr)
+    print_datetime("after training is done")  # before the final save, as in Megatron
     if cfg.checkpoint.save and st.iteration > 0 and saved_at != st.iteration:
         _save(tr, stats, timed=False)
     trainer_checkpoint.wait_for_async_save(tr)
@@ -537,8 +539,6 @@ def _train_and_evaluate(tr: Trainer, train_data, valid_data, test_data) -> None:
         print_rank_0("training ...")
         print_datetime("before the start of training step")
         tr.exit_reason = train(tr, train_data, valid_data)
-        if tr.exit_reason is None:
-            print_datetime("after training is done")
     else:
         print_rank_0("skipping training (--skip-train is on) ...")
         if config.training.eval_iters <= 0:

@@ -176,6 +176,19 @@ def test_megatron_event_lines_in_order(capsys):
     assert out.index("time to initialize megatron (seconds): ") < out.index("[after megatron")
 
 
+def test_training_is_done_before_the_final_save(tmp_path, capsys):
+    """Megatron prints `[after training is done]` when the loop ends, then saves the
+    final checkpoint, then evaluates: the datetime line marks the end of the training
+    steps, not of the save."""
+    ck = str(tmp_path / "ck")
+    out, _ = _pretrain(["--train-iters", "3", "--log-interval", "1", "--save", ck,
+                        "--save-interval", "2"], capsys)
+    done = out.index("[after training is done]")
+    assert out.index("saving checkpoint at iteration       2") < done
+    assert done < out.index("saving checkpoint at iteration       3") < out.index(
+        "from validation set")
+
+
 def test_sigterm_ends_the_program_with_status_0(tmp_path, capsys, monkeypatch):
     import pretrain_gpt
 
