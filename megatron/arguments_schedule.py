@@ -84,7 +84,7 @@ def resolve_iterations(ns) -> None:
     ns.train_iters = ns.train_samples // gbs
     if rampup is not None:
         ns.train_iters = rampup_train_iters(ns.train_samples, rampup, gbs)
-        if ns.train_samples <= rampup[2]:
+        if ns.train_samples <= rampup[2] and rampup[0] < gbs:  # START == gbs: no ramp
             consumed = rampup_consumed_samples(ns.train_iters, rampup, gbs)
             warn(f"--rampup-batch-size {' '.join(map(str, rampup))} ramps up over {rampup[2]} "
                  f"samples but --train-samples is {ns.train_samples}: the run ends during the "

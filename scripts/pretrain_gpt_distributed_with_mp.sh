@@ -23,7 +23,8 @@ DATA_PATH=${DATA_PATH:-data/my-gpt2_text_document}           # prefix of the .bi
                                                              # or a blend "w1 prefix1 w2 prefix2 ..."
 TENSORBOARD_DIR=${TENSORBOARD_DIR:-$CHECKPOINT_PATH/tensorboard}
 
-# Required by Megatron's overlapped tensor-parallel communication; the launcher sets it.
+# Megatron-LM requires it (here the overlap of tensor-parallel communication relies on it);
+# neither python nor torchrun sets it, so this script does.
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 
 DISTRIBUTED_ARGS=(

@@ -90,6 +90,12 @@ def test_a_rampup_starting_at_the_global_batch_is_warned(caplog):
     parse_and_validate(BASE + ["--global-batch-size", "8", "--train-samples", "80",
                                "--rampup-batch-size", "2", "2", "24"])
     assert "never ramps up" not in caplog.text
+    # a run shorter than the (empty) ramp: its batch is the global batch throughout, so
+    # no warning says the run ends "before the global batch reaches" it
+    caplog.clear()
+    parse_and_validate(BASE + ["--global-batch-size", "8", "--train-samples", "16",
+                               "--rampup-batch-size", "8", "2", "24"])
+    assert "never ramps up" in caplog.text and "during the ramp-up" not in caplog.text
 
 
 def test_rampup_run_from_the_cli(capsys):

@@ -516,6 +516,39 @@ def test_dry_run_checks_what_the_evaluation_reads(trained, capsys, tmp_path):
     assert out.rstrip().endswith("the evaluation would stop when it loads the checkpoint")
 
 
+def test_dry_run_reads_the_valid_data_as_the_evaluation_does(trained, capsys, tmp_path):
+    """A --valid-data file that exists but that the evaluation would stop on (a LAMBADA
+    line that is not JSON, a passage longer than --seq-length + 1 tokens) fails the dry
+    run with the evaluation's own message, status 1; a good file reports its samples."""
+    argv = ["--task", "LAMBADA", "--load", trained["ckpt"], "--micro-batch-size", "2",
+            *MODEL, *trained["tok_flags"]]
+    good = tmp_path / "lambada_good.jsonl"
+    good.write_text(json.dumps({"text": "the quick brown fox"}) + "\n"
+                    + json.dumps({"text": "jumps over the lazy dog"}) + "\n")
+    status, out = _dry(argv + ["--valid-data", str(good)], capsys)
+    assert status == 0, out
+    assert f"--valid-data {good}: 2 LAMBADA passages" in out
+
+    long = tmp_path / "lambada_long.jsonl"
+    long.write_text(json.dumps({"text": "the quick brown fox"}) + "\n"
+                    + json.dumps({"text": " ".join(["fox"] * 40)}) + "\n")
+    status, out = _dry(argv + ["--valid-data", str(long)], capsys)
+    assert status == 1, out
+    assert f"--valid-data {long} line 2:" in out and "more than --seq-length 16 + 1" in out
+
+    bad = tmp_path / "lambada_bad.jsonl"
+    bad.write_text("not json\n")
+    status, out = _dry(argv + ["--valid-data", str(bad)], capsys)
+    assert status == 1 and f"--valid-data {bad} line 1: not JSON" in out
+
+    wiki = trained["dir"] / "wikitext_sample.tokens"
+    status, out = _dry(["--task", "WIKITEXT103", "--valid-data", str(wiki), "--load",
+                        trained["ckpt"], "--micro-batch-size", "2", *MODEL,
+                        *trained["tok_flags"]], capsys)
+    assert status == 0, out
+    assert f"--valid-data {wiki}: " in out and " windows of 16 tokens" in out
+
+
 def test_evaluation_memory_estimate_is_forward_only():
     """Weights alone as model state (16-bit with --bf16), one layer's activations, the
     last stage's logits: below the training estimate of the same configuration."""

@@ -1,8 +1,10 @@
 """`tasks/main.py ... --dry-run`: what a zero-shot evaluation would do, checked without
 launching it -- the layout and model, a forward-only memory estimate, every input file
-(the --valid-data file, tokenizer files) and the checkpoint under --load as the
-evaluation reads it (the weights only: no optimizer, learning-rate schedule or RNG state
-is needed). Exit status 1 when the evaluation would stop on any of them."""
+(tokenizer files; the --valid-data file read, tokenized and cut into samples as the
+evaluation does, so a malformed LAMBADA line or a passage longer than --seq-length + 1
+fails here too) and the checkpoint under --load as the evaluation reads it (the weights
+only: no optimizer, learning-rate schedule or RNG state is needed). Exit status 1 when
+the evaluation would stop on any of them."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,9 +36,35 @@ def evaluation_dry_run(task_ns, config: Config, world_size: int) -> int:
     if not os.path.isfile(path):
         missing.insert(0, f"{path} (--valid-data)")
     lines += missing_input_lines(missing)
+    data_lines, data_fails = ([], False) if missing else _data_lines(task_ns, config)
     load_lines, load_fails = _load_lines(config)
-    print("\n".join(lines + load_lines), flush=True)
-    return 1 if missing or load_fails else 0
+    print("\n".join(lines + data_lines + load_lines), flush=True)
+    return 1 if missing or data_fails or load_fails else 0
+
+
+def _data_lines(task_ns, config: Config) -> Tuple[List[str], bool]:
+    """(the --valid-data lines, whether the evaluation would stop on the file): the file
+    read as the evaluation reads it (`evaluate.build_data`, the same tokenizer), with its
+    warnings and what it holds, or the error it stops on. Only once every input file was
+    found (the tokenizer's among them)."""
+    from megatron.data_loading import build_tokenizer_for
+    from tasks.zeroshot_gpt.evaluate import build_data
+
+    path = task_ns.valid_data[0]
+    said: List[str] = []
+    try:
+        data = build_data(task_ns, config, build_tokenizer_for(config), say=said.append)
+    except SystemExit as exc:
+        data, error = None, str(exc.code)
+    lines = [f"  {line}" for line in said if line.startswith("WARNING")]
+    if data is None:
+        return lines + ["--valid-data problem (the evaluation would stop here):",
+                        f"  {error}"], True
+    count = len(data["samples"])
+    if task_ns.task == "LAMBADA":
+        return [f"--valid-data {path}: {count} LAMBADA passages"] + lines, False
+    return [f"--valid-data {path}: {data['num_tokenized']} tokens ({data['num_original']} "
+            f"words), {count} windows of {config.data.seq_length} tokens"] + lines, False
 
 
 def _task_line(task_ns, config: Config) -> str:
