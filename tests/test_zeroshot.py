@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from megatron.tokenizer import build_tokenizer
 from tasks.zeroshot_gpt import datasets, detokenizer, evaluate
-from tests.dist_utils import free_port, run_distributed
+from tests.dist_utils import cpu_env, free_port, run_distributed
 from tests.test_tokenizer import TRAIN_TEXT, train_tiny_bpe, write_bpe_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -334,7 +334,7 @@ def test_cli_prints_megatrons_report(single, trained):
     block and the progress lines, with the in-process numbers."""
     argv = [a if a != "--micro-batch-size" else "--batch-size" for a in single["runs"]["wiki"]]
     proc = subprocess.run([sys.executable, str(ROOT / "tasks" / "main.py"), *argv],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     wiki = single["got"]["wiki"]
@@ -444,7 +444,7 @@ def test_file_warnings_printed_once_under_a_launcher(trained, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                            "2", "--master-port", str(free_port()),
                            str(ROOT / "tasks" / "main.py"), *argv],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert out.count("WARNING: --overlapping-eval 40 is larger than --seq-length 16") == 1, out
