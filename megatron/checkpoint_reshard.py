@@ -70,6 +70,16 @@ Partition = Optional[Tuple[int, int]]  # (partition_dim, partition_stride); None
 ParamKey = Tuple[int, str]  # (chunk index, local name)
 
 
+class OptimizerStateError(ValueError):
+    """A checkpoint's optimizer state cannot be matched to the model's parameters.
+    `problem` says why; str() adds the fix for a training run's load (the offline tools
+    name their own: they write the model without it)."""
+
+    def __init__(self, problem: str):
+        super().__init__(f"{problem}; load it with its own layout, or with --no-load-optim")
+        self.problem = problem
+
+
 # ------------------------------------------------------------------------------ layouts
 @dataclass(frozen=True)
 class Layout:
@@ -334,11 +344,10 @@ class SourceCheckpoint:
         inner = opt.get("optimizer", opt.get("optimizer_state_dict")) if mixed else opt
         order, saved = param_group_order(chunks), inner["param_groups"]
         if [len(g) for g in order] != [len(g["params"]) for g in saved]:
-            raise ValueError(
+            raise OptimizerStateError(
                 f"{self.iter_dir} rank (tp {t}, pp {p}): optimizer groups of sizes "
                 f"{[len(g['params']) for g in saved]} do not match the model's parameters "
-                f"{[len(g) for g in order]} (custom weight-decay or lr-scaling rules?); "
-                "load it with its own layout, or with --no-load-optim")
+                f"{[len(g) for g in order]} (custom weight-decay or lr-scaling rules?)")
         mains = (opt.get("fp32_from_fp16_params", opt.get("fp32_from_fp16")) if mixed else None)
         out = {}
         for g, (keys, group) in enumerate(zip(order, saved)):
@@ -351,12 +360,12 @@ class SourceCheckpoint:
                 shapes = {k: tuple(v.shape) for k, v in entry.items()
                           if isinstance(v, torch.Tensor) and v.dim() > 0}
                 if any(shape != tuple(weight.shape) for shape in shapes.values()):
-                    raise ValueError(
+                    raise OptimizerStateError(
                         f"{self.iter_dir} rank (tp {t}, pp {p}): the optimizer state "
                         f"{shapes} matched by position to {key[1]} does not have its shape "
                         f"{tuple(weight.shape)}: its groups hold other parameters than "
                         "Megatron's weight-decay split (custom weight-decay or lr-scaling "
-                        "rules?); load it with its own layout, or with --no-load-optim")
+                        "rules?)")
                 out[key] = entry
         return out
 
@@ -371,8 +380,9 @@ class SourceCheckpoint:
             for local, weight in reversed(list(sd.items())):
                 dtype = next(iter(offsets)) if len(offsets) == 1 else weight.dtype
                 if dtype not in offsets:
-                    raise ValueError(f"{DISTRIB_FILENAME} of rank (tp {t}, pp {p}) chunk {c} has "
-                                     f"no {dtype} buffer for {local}")
+                    raise OptimizerStateError(f"{self.iter_dir}: {DISTRIB_FILENAME} of rank "
+                                              f"(tp {t}, pp {p}) chunk {c} has no {dtype} "
+                                              f"buffer for {local}")
                 start, n = offsets[dtype], weight.numel()
                 out[c, local] = {k: v[start:start + n].view(weight.shape)
                                  for k, v in flats_by_dtype[dtype].items()}
@@ -481,7 +491,7 @@ def _hyper(src: SourceCheckpoint, key: Tuple[float, float]) -> dict:
     if key in src.group_hypers:
         return dict(src.group_hypers[key])
     if not src.group_hypers:
-        raise ValueError(f"{src.iter_dir}: the optimizer state has no parameter groups")
+        raise OptimizerStateError(f"{src.iter_dir}: the optimizer state has no parameter groups")
     hyper = dict(next(iter(src.group_hypers.values())))
     hyper["wd_mult"], hyper["lr_mult"] = key
     return hyper
