@@ -49,6 +49,7 @@ from megatron.logging_utils import (
     print_rank_last,
 )
 from megatron.memory_history import MemoryHistory
+from megatron.microbatches import update_micro_batches
 from megatron.oom_report import OomReport
 from megatron.profiling import StepProfiler
 from megatron.save_lock import lock_save_dir
@@ -236,9 +237,12 @@ def run_evaluation(tr: Trainer, data, prefix: str, test_set: bool = False,
 def final_evaluation(tr: Trainer, valid_data, test_data) -> None:
     """After the loop reached --train-iters (or with --skip-train, at the loaded
     iteration): the validation set, then the test set, each an --eval-iters draw.
-    --skip-train writes no TensorBoard scalars."""
+    --skip-train writes no TensorBoard scalars. The label's draw is Megatron's: --eval-iters
+    x --global-batch-size, the final size also where --rampup-batch-size evaluates at a
+    smaller current one."""
     cfg = tr.config
-    draw = cfg.training.eval_iters * cfg.data.global_batch_size
+    draw = cfg.training.eval_iters * (cfg.data.target_global_batch_size
+                                      or cfg.data.global_batch_size)
     write = not cfg.training.skip_train
     for data, name in ((valid_data, "validation"), (test_data, "test")):
         if data is not None:
@@ -519,6 +523,9 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float],
             trainer_checkpoint.load_trainer_checkpoint(tr)
             log.timers("load-checkpoint").stop(barrier=True)
         log.timers.log(["load-checkpoint"])
+    # Under --rampup-batch-size the batch of the consumed samples (the ramp's START without
+    # a checkpoint), as Megatron's calculator starts: what --skip-train evaluates with.
+    update_micro_batches(config.data, tr.state.consumed_train_samples, rt.ps.dp_size)
     if config.checkpoint.save and rt.ps.rank == 0:
         save = config.checkpoint.save
         for warning in (checkpointing.later_checkpoints_warning(save, tr.state.iteration,
