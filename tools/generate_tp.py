@@ -177,9 +177,10 @@ def load_model_tp(load: str, tp_size: int, rank: int, local_rank: int,
     training loader, resharded from any saved layout. Collective over the world. The
     loader's messages go to stderr (stdout stays the tool's)."""
     from megatron.core.models.gpt.pipeline_decode import PipelineGPT
+    from megatron.gemm_choice import activate_gemm_algorithms
     from megatron.initialize import initialize_entry_point, set_random_seed
     from megatron.trainer_checkpoint import load_trainer_checkpoint
-    from megatron.training import Trainer, activate_gemm_algorithms, build_model
+    from megatron.training import Trainer, build_model
     from megatron.watchdog import build_watchdog
 
     world_size = tp_size * pp_size
