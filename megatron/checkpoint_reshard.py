@@ -30,6 +30,9 @@ saved state dicts. A vocabulary padded for another tp size is cut, or padded wit
 of its last row (the extra rows are padding tokens; see `_fit_vocab`). RNG states are per
 rank: they are kept only when tp and pp are unchanged.
 
+The layout of a saved iteration (tp, pp, chunks, optimizer kind) is read by
+megatron/checkpoint_layout.py, whose functions are re-exported here.
+
 Used by megatron/trainer_checkpoint.py (resharding on load), `tools/checkpoint_convert.py
 reshard` (offline), `tools/generate.py` and megatron/hf_convert.py (one-process model), and
 megatron/arguments_checkpoint.py (`--use-checkpoint-args`).
@@ -45,21 +48,31 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from megatron.checkpoint_dirs import complete_layout, incomplete_checkpoint_message, model_file
+from megatron.checkpoint_dirs import incomplete_checkpoint_message, model_file
 from megatron.checkpoint_files import complete_saved_args, flat_model_state
+from megatron.checkpoint_layout import (  # noqa: F401 (the layout functions re-exported)
+    DISTRIB_FILENAME,
+    Layout,
+    inspect_checkpoint,
+    live_optimizer_kind,
+    load_shard,
+    model_keys,
+    needs_resharding,
+    optimizer_kind,
+    read_layout,
+    scan_layout,
+)
 from megatron.checkpointing import (
     iteration_dir_name,
     list_checkpoints,
     missing_tracker_message,
     rank_dir_name,
-    read_checkpoint_file,
     read_tracker,
     tracker_path,
 )
 from megatron.core.optimizer.param_groups import default_no_weight_decay, get_param_groups
 from megatron.core.tensor_parallel.layers import shard_of_full_weight
 
-DISTRIB_FILENAME = "distrib_optim.pt"
 EMBEDDING = "language_model.embedding.word_embeddings.weight"
 TIED_COPY = "word_embeddings_for_head.weight"
 VOCAB_PARAMS = (EMBEDDING, "language_model.output_layer.weight")
@@ -70,88 +83,14 @@ Partition = Optional[Tuple[int, int]]  # (partition_dim, partition_stride); None
 ParamKey = Tuple[int, str]  # (chunk index, local name)
 
 
-# ------------------------------------------------------------------------------ layouts
-@dataclass(frozen=True)
-class Layout:
-    """Parallel layout of a checkpoint or a run."""
+class OptimizerStateError(ValueError):
+    """A checkpoint's optimizer state cannot be matched to the model's parameters.
+    `problem` says why; str() adds the fix for a training run's load (the offline tools
+    name their own: they write the model without it)."""
 
-    tp: int
-    pp: int
-    vpp: int = 1  # model chunks per pipeline rank
-    optimizer: Optional[str] = None  # "fp32" | "mixed" | "distributed" | None (none saved)
-
-    def describe(self) -> str:
-        text = f"tp {self.tp}, pp {self.pp}"
-        if self.vpp > 1:
-            text += f", {self.vpp} virtual stages"
-        return text + (f", {self.optimizer} optimizer" if self.optimizer else ", no optimizer")
-
-
-def scan_layout(iter_dir: str, args: Optional[dict] = None) -> Tuple[int, int]:
-    """(tp, pp) from the `mp_rank_*` directories of a saved iteration; SystemExit if there
-    are none or some are missing (`checkpoint_dirs.complete_layout`: `args` the stored
-    arguments, whose sizes it must hold)."""
-    return complete_layout(iter_dir, args)
-
-
-def optimizer_kind(opt_state, has_distrib_file: bool = False) -> Optional[str]:
-    """Which wrapper wrote an `optimizer` payload (see the module doc); None when absent."""
-    if opt_state is None:
-        return None
-    if "state" in opt_state:
-        return "fp32"
-    inner = opt_state.get("optimizer", opt_state.get("optimizer_state_dict"))
-    if isinstance(inner, dict) and "state" in inner:
-        return "mixed"
-    return "distributed" if has_distrib_file or isinstance(inner, dict) else None
-
-
-def live_optimizer_kind(optimizer) -> str:
-    """The payload kind a live Megatron optimizer wrapper reads and writes."""
-    if hasattr(optimizer, "load_parameter_state"):
-        return "distributed"
-    return "mixed" if hasattr(optimizer, "fp32_from_float16_groups") else "fp32"
-
-
-def load_shard(path: str):
-    """weights_only load, memory-mapped (tensors are read when used) when the file allows;
-    SystemExit naming the file when it cannot be read (truncated, damaged)."""
-    return read_checkpoint_file(path, mmap=True)
-
-
-def _model_keys(state: dict) -> List[str]:
-    if "model" in state:
-        return ["model"]
-    return sorted((k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
-
-
-def inspect_checkpoint(iter_dir: str) -> Tuple[Layout, str, dict]:
-    """(the layout a saved iteration was written with, the path of its first rank's file,
-    that file's payload memory-mapped: only its structure and plain data are read)."""
-    tp, pp = scan_layout(iter_dir)
-    first = os.path.join(iter_dir, rank_dir_name(0, 0, pp))
-    path = model_file(first)
-    if not os.path.isfile(path):
-        raise SystemExit(f"error: checkpoint shard {path} is missing")
-    state = load_shard(path)
-    tp, pp = scan_layout(iter_dir, state.get("args"))  # the sizes it was saved with
-    has_distrib = os.path.isfile(os.path.join(first, DISTRIB_FILENAME))
-    layout = Layout(tp, pp, max(len(_model_keys(state)), 1),
-                    optimizer_kind(state.get("optimizer"), has_distrib))
-    return layout, path, state
-
-
-def read_layout(iter_dir: str) -> Layout:
-    """The layout a saved iteration was written with (see `inspect_checkpoint`)."""
-    return inspect_checkpoint(iter_dir)[0]
-
-
-def needs_resharding(saved: Layout, run: Layout, with_optimizer: bool) -> bool:
-    """True when tp, pp or the chunks per rank differ, or (when the optimizer state is to be
-    loaded) the optimizer payload kind differs. A dp change alone needs nothing."""
-    if (saved.tp, saved.pp, saved.vpp) != (run.tp, run.pp, run.vpp):
-        return True
-    return with_optimizer and saved.optimizer is not None and saved.optimizer != run.optimizer
+    def __init__(self, problem: str):
+        super().__init__(f"{problem}; load it with its own layout, or with --no-load-optim")
+        self.problem = problem
 
 
 # -------------------------------------------------------------------------- tensor math
@@ -221,7 +160,7 @@ class SourceCheckpoint:
         first = self.files[0, 0]
         self.args = first.get("args") if isinstance(first.get("args"), dict) else {}
         scan_layout(iter_dir, self.args)  # none missing of the sizes it was saved with
-        self.chunks = {k: [flatten_state(s[m]) for m in _model_keys(s)]
+        self.chunks = {k: [flatten_state(s[m]) for m in model_keys(s)]
                        for k, s in self.files.items()}
         kind = optimizer_kind(first.get("optimizer"), bool(self.param_files))
         self.layout = Layout(tp, pp, max(len(self.chunks[0, 0]), 1), kind)
@@ -334,11 +273,10 @@ class SourceCheckpoint:
         inner = opt.get("optimizer", opt.get("optimizer_state_dict")) if mixed else opt
         order, saved = param_group_order(chunks), inner["param_groups"]
         if [len(g) for g in order] != [len(g["params"]) for g in saved]:
-            raise ValueError(
+            raise OptimizerStateError(
                 f"{self.iter_dir} rank (tp {t}, pp {p}): optimizer groups of sizes "
                 f"{[len(g['params']) for g in saved]} do not match the model's parameters "
-                f"{[len(g) for g in order]} (custom weight-decay or lr-scaling rules?); "
-                "load it with its own layout, or with --no-load-optim")
+                f"{[len(g) for g in order]} (custom weight-decay or lr-scaling rules?)")
         mains = (opt.get("fp32_from_fp16_params", opt.get("fp32_from_fp16")) if mixed else None)
         out = {}
         for g, (keys, group) in enumerate(zip(order, saved)):
@@ -351,12 +289,12 @@ class SourceCheckpoint:
                 shapes = {k: tuple(v.shape) for k, v in entry.items()
                           if isinstance(v, torch.Tensor) and v.dim() > 0}
                 if any(shape != tuple(weight.shape) for shape in shapes.values()):
-                    raise ValueError(
+                    raise OptimizerStateError(
                         f"{self.iter_dir} rank (tp {t}, pp {p}): the optimizer state "
                         f"{shapes} matched by position to {key[1]} does not have its shape "
                         f"{tuple(weight.shape)}: its groups hold other parameters than "
                         "Megatron's weight-decay split (custom weight-decay or lr-scaling "
-                        "rules?); load it with its own layout, or with --no-load-optim")
+                        "rules?)")
                 out[key] = entry
         return out
 
@@ -371,8 +309,9 @@ class SourceCheckpoint:
             for local, weight in reversed(list(sd.items())):
                 dtype = next(iter(offsets)) if len(offsets) == 1 else weight.dtype
                 if dtype not in offsets:
-                    raise ValueError(f"{DISTRIB_FILENAME} of rank (tp {t}, pp {p}) chunk {c} has "
-                                     f"no {dtype} buffer for {local}")
+                    raise OptimizerStateError(f"{self.iter_dir}: {DISTRIB_FILENAME} of rank "
+                                              f"(tp {t}, pp {p}) chunk {c} has no {dtype} "
+                                              f"buffer for {local}")
                 start, n = offsets[dtype], weight.numel()
                 out[c, local] = {k: v[start:start + n].view(weight.shape)
                                  for k, v in flats_by_dtype[dtype].items()}
@@ -481,7 +420,7 @@ def _hyper(src: SourceCheckpoint, key: Tuple[float, float]) -> dict:
     if key in src.group_hypers:
         return dict(src.group_hypers[key])
     if not src.group_hypers:
-        raise ValueError(f"{src.iter_dir}: the optimizer state has no parameter groups")
+        raise OptimizerStateError(f"{src.iter_dir}: the optimizer state has no parameter groups")
     hyper = dict(next(iter(src.group_hypers.values())))
     hyper["wd_mult"], hyper["lr_mult"] = key
     return hyper
@@ -502,7 +441,7 @@ def build_rank_payload(src: SourceCheckpoint, plan: RankPlan, optimizer: Optiona
         models.append({local: _cut(plan, name, src.model(name, plan.partition[name]), notes)
                        .to(plan.dtypes[c, local]) for local, name in names})
     first = src.files[0, 0]
-    skip = set(_model_keys(first)) | {"optimizer", "rng_state"}
+    skip = set(model_keys(first)) | {"optimizer", "rng_state"}
     payload = {k: v for k, v in first.items() if k not in skip}
     payload.update({"model": models[0]} if len(models) == 1 else
                    {f"model{i}": m for i, m in enumerate(models)})

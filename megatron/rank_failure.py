@@ -18,15 +18,18 @@ prints `peer_failure_message` instead of a traceback, e.g.
     /ckpt to resume from it
 
 and exits with status 1. A rank killed outright records nothing: the line then says that
-none reported an error and where the launcher names it. The store calls run in a helper
+none reported an error and where the launcher names it. pretrain_gpt.py calls
+`stopped_by_peer` itself; the other torchrun entry points (tools/generate.py, the text
+server, tasks/main.py) run inside `process_group_closed`. The store calls run in a helper
 thread with a short deadline: a store that does not answer (its host gone) costs seconds,
 never the collective timeout.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -178,5 +181,41 @@ def stopped_by_peer(exc: BaseException, rank: int, where: str,
     return SystemExit(peer_failure_message(rank, reason, where, first_failure(), resume))
 
 
+@contextlib.contextmanager
+def process_group_closed(where: str = "during generation") -> Iterator[None]:
+    """Around a torchrun entry point's run (generation, the text server, zero-shot
+    evaluation): destroy the default process group the run made (not one its caller had
+    made) when the run returns or every rank exits together (an AgreedExit). A gloo group
+    left to the interpreter's exit can abort the process after its output ('terminate
+    called without an active exception', SIGABRT: about one generate.py run in six at tp 2
+    on 2 CPU cores), and torchrun then reports the run as failed. After another failure,
+    where a rank may be gone, the group is left as it is; when that failure is a
+    collective another rank broke, one line says so `where` the run was and names that
+    rank (status 1, `stopped_by_peer`), instead of a traceback; this rank's own failure is
+    recorded for the others' lines. The watchdog the run started (`build_watchdog`), if
+    any, is closed."""
+    from megatron.agreed_exit import AgreedExit
+    from megatron.watchdog import close_current
+
+    made_here, closes = not dist.is_initialized(), False
+    try:
+        yield
+        closes = True
+    except AgreedExit:
+        closes = True
+        raise
+    except BaseException as exc:
+        lost = None
+        if made_here and dist.is_initialized():
+            lost = stopped_by_peer(exc, dist.get_rank(), where)
+        if lost is not None:
+            raise lost from None
+        raise
+    finally:
+        close_current()
+        if closes and made_here and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 __all__ = ["describe_failure", "first_failure", "peer_failure", "peer_failure_message",
-           "record_failure", "stopped_by_peer"]
+           "process_group_closed", "record_failure", "stopped_by_peer"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from megatron.data_loading import (
     no_validation_reason,
     validation_shortfall,
 )
+from megatron.gemm_choice import activate_gemm_algorithms
 from megatron.initialize import Runtime
 from megatron.interrupt import RunProgress
 from megatron.interval_log import (  # noqa: F401 (progress_line re-exported)
@@ -49,6 +49,7 @@ from megatron.logging_utils import (
     print_rank_last,
 )
 from megatron.memory_history import MemoryHistory
+from megatron.microbatches import update_micro_batches
 from megatron.oom_report import OomReport
 from megatron.profiling import StepProfiler
 from megatron.save_lock import lock_save_dir
@@ -136,47 +137,6 @@ def build_model(config: Config, rt: Runtime, for_training: bool = True) -> Model
     return ModelChunks(DistributedDataParallel(m, rt.ps, config.parallel) for m in models)
 
 
-GEMM_TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemm_tables")
-
-
-def activate_gemm_algorithms(config: Config, rt: Runtime) -> None:
-    """`--gemm-algorithms`: auto (the default) -> the tables shipped in megatron/gemm_tables
-    that were measured on this GPU model with this cuBLASLt version (none on the CPU or
-    elsewhere: torch's products); FILE -> that table (one measured on another GPU model or
-    cuBLASLt version is refused, naming both); none -> torch's products. A table a
-    previous trainer of this process used is dropped first."""
-    from megatron.core.tensor_parallel import gemm_algos
-
-    choice = config.args.get("gemm_algorithms") or "none"
-    gemm_algos.activate({}, rt.device)
-    if choice == "none" or (choice == "auto" and rt.device.type != "cuda"):
-        return
-    device_name = torch.cuda.get_device_name(rt.device)
-    if choice != "auto":
-        table = gemm_algos.load_table(choice, device_name, gemm_algos.cublaslt().version)
-        gemm_algos.activate(table, rt.device)
-        print_rank_0(f"> --gemm-algorithms {choice}: {len(table)} product shapes use the "
-                     "measured cuBLASLt algorithm")
-        return
-    try:
-        version = gemm_algos.cublaslt().version
-    except (OSError, RuntimeError, AttributeError) as e:  # no libcublasLt, or an old one
-        print_rank_0(f"> --gemm-algorithms auto: cuBLASLt cannot be called here ({e}); "
-                     "torch's products")
-        return
-    table, used = gemm_algos.shipped_tables(GEMM_TABLES, device_name, version)
-    gemm_algos.activate(table, rt.device)
-    if used:
-        print_rank_0(f"> --gemm-algorithms auto: products of the {len(table)} shapes in "
-                     f"{', '.join(os.path.basename(u) for u in used)} (measured on "
-                     f"{device_name}) use the measured cuBLASLt algorithm, all others "
-                     "torch's (--gemm-algorithms none: torch's for all)")
-    else:
-        print_rank_0(f"> --gemm-algorithms auto: no table shipped for {device_name} with "
-                     f"cuBLASLt {version}; torch's products (measure your own: "
-                     "python tools/tune_gemms.py --out FILE -- <your flags>)")
-
-
 def build_trainer(config: Config, rt: Runtime) -> Trainer:
     activate_gemm_algorithms(config, rt)
     model = build_model(config, rt)
@@ -236,9 +196,12 @@ def run_evaluation(tr: Trainer, data, prefix: str, test_set: bool = False,
 def final_evaluation(tr: Trainer, valid_data, test_data) -> None:
     """After the loop reached --train-iters (or with --skip-train, at the loaded
     iteration): the validation set, then the test set, each an --eval-iters draw.
-    --skip-train writes no TensorBoard scalars."""
+    --skip-train writes no TensorBoard scalars. The label's draw is Megatron's: --eval-iters
+    x --global-batch-size, the final size also where --rampup-batch-size evaluates at a
+    smaller current one."""
     cfg = tr.config
-    draw = cfg.training.eval_iters * cfg.data.global_batch_size
+    draw = cfg.training.eval_iters * (cfg.data.target_global_batch_size
+                                      or cfg.data.global_batch_size)
     write = not cfg.training.skip_train
     for data, name in ((valid_data, "validation"), (test_data, "test")):
         if data is not None:
@@ -519,6 +482,9 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float],
             trainer_checkpoint.load_trainer_checkpoint(tr)
             log.timers("load-checkpoint").stop(barrier=True)
         log.timers.log(["load-checkpoint"])
+    # Under --rampup-batch-size the batch of the consumed samples (the ramp's START without
+    # a checkpoint), as Megatron's calculator starts: what --skip-train evaluates with.
+    update_micro_batches(config.data, tr.state.consumed_train_samples, rt.ps.dp_size)
     if config.checkpoint.save and rt.ps.rank == 0:
         save = config.checkpoint.save
         for warning in (checkpointing.later_checkpoints_warning(save, tr.state.iteration,

@@ -16,20 +16,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> int:
-    import torch.distributed as dist
-
+    """The command line. Errors the ranks agree on: rank 0 prints them. A rank whose
+    collective failed because another rank stopped prints one line naming that rank
+    (megatron/rank_failure.py) instead of the backend's traceback; the process group is
+    destroyed unless a rank may be gone."""
     from megatron.agreed_exit import silent_ranks_wait
+    from megatron.rank_failure import process_group_closed
     from pretrain_gpt import _launcher_env
     from tasks.zeroshot_gpt.evaluate import main as evaluate_main
 
     rank, world, local_rank = _launcher_env()
-    with silent_ranks_wait(os.environ):  # errors the ranks agree on: rank 0 prints them
-        try:
-            evaluate_main(sys.argv[1:] if argv is None else argv, rank, world, local_rank,
-                          os.environ)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+    with process_group_closed("during the zero-shot evaluation"), silent_ranks_wait(os.environ):
+        evaluate_main(sys.argv[1:] if argv is None else argv, rank, world, local_rank,
+                      os.environ)
     return 0
 
 

@@ -11,6 +11,9 @@ test module):
 
 Each rank's return value is saved with torch.save and read back, so tensors and plain
 containers come back. An exception on any rank fails the call with that rank's traceback.
+
+Tests that start processes themselves (torchrun, pretrain_gpt.py, a tool that starts
+ranks) give them `cpu_env()` as their environment.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ import socket
 import tempfile
 import time
 import traceback
+from pathlib import Path
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -54,6 +59,22 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cpu_env(base: Optional[Mapping[str, str]] = None, **extra: str) -> dict:
+    """The environment of a process a CPU test starts: `base` (default os.environ) with
+    CUDA hidden, so that its ranks run on the CPU with gloo also on a machine with a GPU
+    (there two ranks would pick NCCL and need a GPU each, and one rank would leave the
+    CPU numerics the test checks), one OpenMP thread per process (the ranks share a few
+    cores) and the repository on PYTHONPATH (for wrapper scripts outside it); then
+    `extra`. A test of the GPU path (marked cuda) builds its own."""
+    env = dict(os.environ if base is None else base)
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.update(extra)
+    return env
 
 
 def _entry(rank, world_size, port, outdir, fn, args):

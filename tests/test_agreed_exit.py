@@ -21,7 +21,7 @@ from megatron.agreed_exit import (
     rank_ranges,
     silent_ranks_wait,
 )
-from tests.dist_utils import free_port, run_distributed
+from tests.dist_utils import cpu_env, free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -35,7 +35,7 @@ TIMEOUT_S = 180  # a rank left waiting in a collective would hang far longer
 
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in arguments.LAUNCHER_ENV}
-    return dict(env, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+    return cpu_env(env, **extra)
 
 
 def launch_two(args):

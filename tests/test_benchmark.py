@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist_utils import cpu_env
+
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = str(ROOT / "tools" / "benchmark.py")
 
@@ -50,12 +52,14 @@ def test_fp16_replaces_the_presets_bf16():
 def test_scaling_mode_prints_efficiency_table():
     argv = [sys.executable, TOOL, "--preset", "tiny", "--device", "cpu", "--steps", "2",
             "--warmup", "1", "--scaling", "tp1,tp2pp2", "--", "--num-workers", "0"]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env=cpu_env())
     if out.returncode != 0 and "terminate called without an active exception" in out.stderr:
         # Once in ~15 CI runs one of the 4 gloo ranks aborted inside the C++ runtime at
         # start-up (SIGABRT, no Python error) on the 2-core machine; what this test checks
         # is the table, so a run killed that way is repeated once. Any Python error fails.
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                             env=cpu_env())
     assert out.returncode == 0, out.stderr[-3000:]
     table = out.stdout.splitlines()[-3:]
     assert table[0].split() == ["layout", "GPUs", "tokens/s/GPU", "MFU", "efficiency"]

@@ -15,6 +15,7 @@ from megatron.core.datasets.indexed_dataset import (
     check_token_ids,
 )
 from megatron.data_loading import build_datasets
+from tests.dist_utils import cpu_env
 from tests.gpt_helpers import tiny_config
 from tests.test_gpt_dataset import make_corpus
 
@@ -188,7 +189,8 @@ def test_missing_data_files_stop_the_run_before_the_model_is_built(tmp_path):
             "--tokenizer-type NullTokenizer --vocab-size 100 --no-compile --data-path "
             f"1 c 1 {tmp_path}/absent 1 {prefix}").split()
     proc = subprocess.run([sys.executable, os.path.join(repo, "pretrain_gpt.py"), *argv],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, env=cpu_env(), capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "number of parameters" not in proc.stdout  # no model was built
     assert ("error: data files not found: c.bin and c.idx (--data-path: preprocess_data.py "

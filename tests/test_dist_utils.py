@@ -1,7 +1,11 @@
+import os
+import re
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import ROOT, cpu_env, run_distributed
 
 
 def _allreduce(rank, world_size):
@@ -13,3 +17,24 @@ def _allreduce(rank, world_size):
 def test_run_distributed_collects_every_rank():
     out = run_distributed(_allreduce, 2)
     assert [float(t) for t in out] == [3.0, 3.0]
+
+
+def test_cpu_env_hides_cuda_from_the_child():
+    """On a machine with one GPU the two ranks of a torchrun a test starts picked NCCL
+    (and local rank 1 had no GPU): the child environment hides CUDA."""
+    base = {"CUDA_VISIBLE_DEVICES": "0", "PATH": "/bin", "PYTHONPATH": "/elsewhere"}
+    env = cpu_env(base, RANK="1")
+    assert env == {"CUDA_VISIBLE_DEVICES": "", "PATH": "/bin", "PYTHONPATH": str(ROOT),
+                   "OMP_NUM_THREADS": "1", "RANK": "1"}
+    assert base["CUDA_VISIBLE_DEVICES"] == "0"  # the caller's mapping is left as it was
+    assert cpu_env()["PATH"] == os.environ.get("PATH")  # default: this process's environment
+    assert cpu_env(OMP_NUM_THREADS="2")["OMP_NUM_THREADS"] == "2"  # extras win
+
+
+def test_every_launching_test_module_uses_cpu_env():
+    """A test module that starts torchrun (or pretrain_gpt.py / tasks/main.py as processes)
+    gives them cpu_env(): a copy of os.environ would let them see the GPU."""
+    launch = re.compile(r'"torch\.distributed\.run"|"(pretrain_gpt|main)\.py"\)?, \*')
+    missing = [p.name for p in sorted(Path(__file__).parent.glob("test_*.py"))
+               if launch.search(p.read_text()) and "cpu_env(" not in p.read_text()]
+    assert not missing, missing

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import free_port
+from tests.dist_utils import cpu_env, free_port
 from tools import doctor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +138,8 @@ def test_under_torchrun(hang):
            str(ROOT / "tools" / "doctor.py"), "--timeout", "3", "--size-mb", "1"]
     if hang:
         cmd += ["--simulate-hang-rank", "1"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True,
+                          timeout=120)
     if hang:
         assert proc.returncode != 0
         assert "rank(s) [1] did not answer within 3 s" in proc.stdout

@@ -3,7 +3,6 @@ tensorboard events back, stop at a checkpoint, resume, and get the same losses a
 uninterrupted run (bit-identical printed values: fp32 on CPU is deterministic)."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import free_port
+from tests.dist_utils import cpu_env, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,9 +29,7 @@ def torchrun(nproc: int, args: list, env_extra=None) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(ROOT / "pretrain_gpt.py"), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    env.update(env_extra or {})
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env(**(env_extra or {})), capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     return out

@@ -133,7 +133,7 @@ def test_shipped_tables_merge_the_matching_ones_and_pass_over_the_rest(tmp_path)
 def test_the_shipped_tables_load():
     """Every table in megatron/gemm_tables is readable and well formed, under the GPU
     model and cuBLASLt version it names."""
-    from megatron.training import GEMM_TABLES
+    from megatron.gemm_choice import GEMM_TABLES
 
     names = sorted(n for n in os.listdir(GEMM_TABLES) if n.endswith(".json"))
     assert names, GEMM_TABLES
@@ -153,7 +153,7 @@ def test_auto_on_the_cpu_and_none_leave_torch_products():
     table an earlier trainer of the process left active."""
     from types import SimpleNamespace
 
-    from megatron.training import activate_gemm_algorithms
+    from megatron.gemm_choice import activate_gemm_algorithms
 
     rt = SimpleNamespace(device=torch.device("cpu"))
     for choice in ("auto", "none", None):
@@ -167,7 +167,7 @@ def test_auto_on_the_cpu_and_none_leave_torch_products():
 def test_auto_on_cuda_activates_the_shipped_entries_of_this_gpu():
     from types import SimpleNamespace
 
-    from megatron.training import GEMM_TABLES, activate_gemm_algorithms
+    from megatron.gemm_choice import GEMM_TABLES, activate_gemm_algorithms
 
     device = torch.device("cuda", torch.cuda.current_device())
     want, _ = gemm_algos.shipped_tables(GEMM_TABLES, torch.cuda.get_device_name(device),

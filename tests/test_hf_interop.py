@@ -20,7 +20,7 @@ import torch
 
 from megatron import hf_convert, hf_interop
 from megatron.arguments import parse_and_validate
-from tests.dist_utils import run_distributed
+from tests.dist_utils import cpu_env, run_distributed
 from tests.gpt_helpers import cli_trainer, train_steps
 from tools import checkpoint_convert
 
@@ -374,8 +374,7 @@ def test_pretrain_gpt_cli_trains_from_an_imported_model(tmp_path):
     cmd = [sys.executable, str(root / "pretrain_gpt.py"), *flags, *TINY.split(),
            "--load", str(tmp_path / "ck"), "--save", str(tmp_path / "out"), "--save-interval", "2",
            "--train-iters", "2", "--log-interval", "1", "--eval-iters", "0"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=root, env=cpu_env(), capture_output=True, text=True, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "successfully loaded checkpoint" in out and "at iteration 0" in out

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron.logging_utils import format_iteration_line
+from tests.dist_utils import cpu_env
 from tools import layout_parity as lp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,7 +162,7 @@ def test_layouts_match_one_process_on_cpu_and_a_bad_layout_fails(tmp_path):
            "tp1,tp2,pp2vp2,dp2+distopt+overlap,tp3", "--iters", "3", "--one-gpu",
            "--out-dir", str(tmp_path), "--"] + TINY
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env=cpu_env())
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr[-3000:]  # tp3 cannot split 4 heads
     rows = {line.split()[0]: line for line in out.splitlines()[1:-1]}

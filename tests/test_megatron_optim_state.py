@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -362,6 +364,43 @@ def test_another_weight_decay_split_is_refused_and_loads_without_the_optimizer(
         run_pretrain(["--bf16", "--load", out])
     assert "pass --no-load-optim" in str(exc.value) or "or with --no-load-optim" in str(exc.value)
     losses, tr = run_pretrain(["--bf16", "--load", out, "--no-load-optim"])
+    assert sorted(losses) == [K + 1, K + 2, K + 3] and tr.state.consumed_train_samples == 48
+
+
+def test_the_offline_reshard_of_such_a_checkpoint_names_the_flag_that_leaves_it_out(
+        tmp_path, monkeypatch):
+    """tools/checkpoint_convert.py reshard of a checkpoint whose optimizer state cannot be
+    matched to the parameters ended in a ValueError traceback: now one line naming the
+    problem and --no-load-optim, status 1, no output left behind. With --no-load-optim
+    (checkpoint_util.py takes it too) the model is written without the optimizer state and
+    a run loading it with --no-load-optim trains on."""
+    src = _source(str(tmp_path / "src"), ["--bf16"])
+    out, resharded = str(tmp_path / "mlm"), str(tmp_path / "tp1")
+    with monkeypatch.context() as m:
+        m.setattr(ref, "no_weight_decay", _swapped)
+        write_megatron(src, out, tp=2)
+    tool = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools", "checkpoint_convert.py")
+    proc = subprocess.run([sys.executable, tool, "reshard", "--load", out, "--save", resharded,
+                           "--target-tensor-model-parallel-size", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(
+        f"error: cannot reshard the optimizer state: {out}/iter_{K:07d} rank (tp 0, pp 0): "
+        "the optimizer state {"), proc.stderr
+    assert proc.stderr.endswith("pass --no-load-optim to write the model weights without the "
+                                "optimizer state (a run loading the output passes "
+                                "--no-load-optim too)\n"), proc.stderr
+    assert not os.path.exists(resharded)
+    from tools import checkpoint_util
+
+    assert checkpoint_util.main(["--model-type", "GPT", "--load-dir", out, "--save-dir",
+                                 resharded, "--target-tensor-parallel-size", "1",
+                                 "--no-load-optim"]) == 0
+    payload = torch.load(checkpoint_name(resharded, K, 0, 0, 1), weights_only=True)
+    assert "optimizer" not in payload and "opt_param_scheduler" in payload
+    with pytest.raises(SystemExit, match="holds no optimizer state"):
+        run_pretrain(["--bf16", "--load", resharded])
+    losses, tr = run_pretrain(["--bf16", "--load", resharded, "--no-load-optim"])
     assert sorted(losses) == [K + 1, K + 2, K + 3] and tr.state.consumed_train_samples == 48
 
 

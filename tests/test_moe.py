@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.random import RNGStatesTracker
 from megatron.initialize import Runtime, set_random_seed
 from megatron.training import build_trainer, data_iterator, train_step
-from tests.dist_utils import run_distributed
+from tests.dist_utils import cpu_env, run_distributed
 from tests.gpt_helpers import full_named_grads, full_tensor
 from tests.test_pipeline_parallel import (
     LAYERS,
@@ -390,9 +389,8 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 
 def _pretrain(*args) -> dict:
     """pretrain_gpt.py as one process; {iteration: printed lm loss}."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *MODEL, *map(str, args)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     found = re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", out)

@@ -25,7 +25,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.parallel_state import ParallelState
 from megatron.initialize import initialize_distributed, set_random_seed
 from megatron.oom_report import EXIT_CODE, OomReport, OutOfMemoryExit
-from tests.dist_utils import free_port
+from tests.dist_utils import cpu_env, free_port
 from tests.test_train_loop import MOCK
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,9 +278,7 @@ def test_torchrun_dp2_one_rank_out_of_memory_ends_the_job():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(Path(__file__).resolve()), "--oom-rank", "1", "--oom-iteration", "2", *flags]
-    # CUDA hidden: the two gloo ranks run on the CPU also on a machine with one GPU.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert "[rank 1] out of GPU memory in iteration 2 (forward)" in out, out[-3000:]

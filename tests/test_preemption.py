@@ -31,7 +31,7 @@ from megatron import checkpointing
 from megatron.checkpointing import checkpoint_name, load_checkpoint, read_tracker
 from megatron.core.parallel_state import ParallelState
 from megatron.initialize import AgentStore, agent_store_from_env, attempt_store
-from tests.dist_utils import free_port
+from tests.dist_utils import cpu_env, free_port
 from tests.test_exact_resume import run_pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,7 +158,7 @@ def _torchrun_cmd(nproc: int, script: str, args: list, launcher_args=()) -> list
 
 
 def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    return cpu_env(PYTHONUNBUFFERED="1")
 
 
 def _run(cmd: list, timeout: int = 90, env_extra=None) -> subprocess.CompletedProcess:

@@ -178,3 +178,39 @@ def test_rampup_tensorboard_batch_size_and_throughput_per_step(tmp_path, capsys)
         previous = int(samples)
         expected = interval * 16 / (3 * float(ms) / 1000.0)
         assert int(tokens) == pytest.approx(expected, rel=0.05), (samples, ms, tokens)
+
+
+def _ramped_pretrain(extra):
+    """pretrain() on 20 samples ramped 2 2 24 to --global-batch-size 8 (7 steps: 2, 2, 2, 2,
+    4, 4, 6 samples) with 2 evaluation iterations at the end: (trainer, output)."""
+    import contextlib
+    import io
+
+    from megatron import training
+    from megatron.initialize import initialize_distributed
+
+    argv = BASE[:-2] + ["--eval-iters", "2", "--global-batch-size", "8", "--train-samples", "20",
+                        "--rampup-batch-size", "2", "2", "24"] + extra
+    cfg = parse_and_validate(argv, world_size=1, env={"RANK": "0"}, cuda_available=False)
+    rt = initialize_distributed(cfg.parallel, 0, 1, 0)
+    set_random_seed(cfg.training.seed, rt)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        tr = training.pretrain(cfg, rt)
+    return tr, out.getvalue()
+
+
+@pytest.mark.parametrize("skip_train", [False, True])
+def test_final_evaluation_under_rampup_is_megatrons(skip_train):
+    """Megatron-LM labels the final evaluation --eval-iters x --global-batch-size (the final
+    size) and evaluates with the current batch: the last step's after training; with
+    --skip-train and nothing loaded, the ramp's START (its batch calculator starts at 0
+    consumed samples). The label said the current size (12 samples after a run ending in
+    the ramp) and --skip-train evaluated at the final size (16 samples)."""
+    tr, out = _ramped_pretrain(["--skip-train"] if skip_train else [])
+    iteration = 0 if skip_train else 7
+    for name in ("validation", "test"):
+        assert f" validation loss at iteration {iteration} on 16-sample draw from {name} set" \
+            in out, out
+    # the validation draw: 2 iterations of the last step's 6 samples, or of START's 2
+    assert tr.state.consumed_valid_samples == (4 if skip_train else 12)

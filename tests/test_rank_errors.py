@@ -3,7 +3,6 @@ rank exits with status 2), while an error that depends on the machine (a missing
 CUDA) is printed by the first process of each node that meets it."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ import pytest
 from megatron import arguments
 from megatron.arguments import parse_and_validate
 from megatron.arguments_common import ArgumentsError, prints_error
-from tests.dist_utils import free_port
+from tests.dist_utils import cpu_env, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -29,8 +28,7 @@ def launch(args, ranks, world_size=None, end_others=True):
     reaches the process group. Returns ({RANK: return code} in the order the processes ended, combined output)."""
     procs = {}
     for env_extra in ranks:
-        env = dict(os.environ, WORLD_SIZE=str(world_size or len(ranks)), PYTHONPATH=str(ROOT),
-                   OMP_NUM_THREADS="1", **env_extra)
+        env = cpu_env(WORLD_SIZE=str(world_size or len(ranks)), **env_extra)
         procs[env_extra["RANK"]] = subprocess.Popen(
             [sys.executable, str(ROOT / "pretrain_gpt.py"), *args], cwd=ROOT, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -135,8 +133,7 @@ def test_under_torchrun_the_error_is_printed_once():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(ROOT / "pretrain_gpt.py"), *BASE, "--seq-lenght", "64"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     assert out.count("unrecognized arguments: --seq-lenght") == 1, out

@@ -7,7 +7,6 @@ process records its exit status (os._exit included).
 """
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from megatron.rank_failure import (
     record_failure,
 )
 from megatron.watchdog import EXIT_CODE
-from tests.dist_utils import free_port
+from tests.dist_utils import cpu_env, free_port
 from tests.test_preemption import MODEL, RUN_RECORDING_STATUS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +79,7 @@ def run_with_fault(tmp_path, module: str, name: str, action: str, args: list, ca
              "--node-rank", str(node), "--nproc-per-node", str(2 // nodes), "--master-addr",
              "127.0.0.1", "--master-port", str(port), str(wrapper), *MODEL, *args]
             for node in range(nodes)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env = cpu_env(PYTHONUNBUFFERED="1")
     started = time.monotonic()
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for cmd in cmds]
@@ -271,7 +270,7 @@ def test_generate_on_two_nodes_when_rank_1_fails_or_hangs(tmp_path, small_ckpt, 
     wrapper = tmp_path / "generate_fault.py"
     wrapper.write_text(GENERATE_FAULT.format(root=str(ROOT), call=30, action=action))
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env = cpu_env(PYTHONUNBUFFERED="1")
     cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
              str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
              "--master-port", str(port), str(wrapper), "--load", small_ckpt,

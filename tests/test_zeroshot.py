@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from megatron.tokenizer import build_tokenizer
 from tasks.zeroshot_gpt import datasets, detokenizer, evaluate
-from tests.dist_utils import free_port, run_distributed
+from tests.dist_utils import cpu_env, free_port, run_distributed
 from tests.test_tokenizer import TRAIN_TEXT, train_tiny_bpe, write_bpe_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -334,7 +334,7 @@ def test_cli_prints_megatrons_report(single, trained):
     block and the progress lines, with the in-process numbers."""
     argv = [a if a != "--micro-batch-size" else "--batch-size" for a in single["runs"]["wiki"]]
     proc = subprocess.run([sys.executable, str(ROOT / "tasks" / "main.py"), *argv],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     wiki = single["got"]["wiki"]
@@ -444,7 +444,7 @@ def test_file_warnings_printed_once_under_a_launcher(trained, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                            "2", "--master-port", str(free_port()),
                            str(ROOT / "tasks" / "main.py"), *argv],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert out.count("WARNING: --overlapping-eval 40 is larger than --seq-length 16") == 1, out
@@ -452,6 +452,51 @@ def test_file_warnings_printed_once_under_a_launcher(trained, tmp_path):
     assert out.count(" validation results on WIKITEXT103 | ") == 1, out
     # Megatron's line on the file read, with the counts of the token ratio
     assert out.count(" > number of original tokens: 60, number of detokenized tokens: ") == 1
+
+
+# tasks/main.py with rank 1's 10th all-reduce (mid-evaluation, at tp 2) raising.
+FAULT_WRAPPER = """
+import os, runpy, sys
+sys.path.insert(0, {root!r})
+import torch.distributed as dist
+original, calls = dist.all_reduce, [0]
+
+def faulty(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 10 and os.environ["RANK"] == "1":
+        raise RuntimeError("injected failure mid-evaluation")
+    return original(*args, **kwargs)
+
+dist.all_reduce = faulty
+sys.argv = [{script!r}] + sys.argv[1:]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def test_a_rank_that_fails_is_named_in_one_line_by_the_others(trained, tmp_path):
+    """Rank 1 fails mid-evaluation: rank 0's collective then failed with gloo's
+    'Connection closed by peer' traceback; now it prints one line naming rank 1 and its
+    error (megatron/rank_failure.py, as pretrain_gpt.py and tools/generate.py do)."""
+    wrapper = tmp_path / "fault.py"
+    wrapper.write_text(FAULT_WRAPPER.format(root=str(ROOT),
+                                            script=str(ROOT / "tasks" / "main.py")))
+    argv = ["--task", "WIKITEXT103", "--valid-data", str(trained["dir"] / "wikitext_sample.tokens"),
+            "--tensor-model-parallel-size", "2", "--micro-batch-size", "2", "--load",
+            trained["ckpt"], *MODEL, *trained["tok_flags"]]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", "--master-port", str(free_port()), str(wrapper), *argv],
+                          cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "RuntimeError: injected failure mid-evaluation" in out  # rank 1's own traceback
+    assert "[rank0]:" not in out, out[-3000:]  # no traceback of rank 0
+    lines = [line for line in out.splitlines() if line.startswith("[rank 0]")]
+    assert len(lines) == 1, out[-3000:]
+    assert lines[0].startswith("[rank 0] stopped during the zero-shot evaluation: a collective "
+                               "failed ("), lines
+    assert lines[0].endswith("because rank 1 stopped first, during the zero-shot evaluation, "
+                             "with RuntimeError: injected failure mid-evaluation -- its "
+                             "traceback is in its output"), lines
 
 
 def test_other_tasks_flags_and_overlapping_eval_below_one_warn():

@@ -5,6 +5,7 @@
         --target-tensor-model-parallel-size 2 --target-pipeline-model-parallel-size 2 \\
         [--target-num-layers-per-virtual-pipeline-stage K] [--iteration I] \\
         [--target-use-distributed-optimizer | --target-no-distributed-optimizer]
+        [--no-load-optim]
 
 A target size left out keeps the saved one. `reshard` rewrites a checkpoint saved by
 pretrain_gpt.py with any (tp, pp, virtual
@@ -17,7 +18,9 @@ vocabulary is re-padded for the target tp (`--make-vocab-size-divisible-by` x tp
 padding rows cut or added as copies of the last row (the training loss counts padding
 rows, so a run resumed with more of them starts at a slightly higher loss: README,
 "Checkpoints"). RNG states are per rank: they are kept when tp and pp do
-not change, else the resumed run starts fresh ones. The output is written to
+not change, else the resumed run starts fresh ones. An optimizer state that cannot be
+matched to the parameters (groups split by other weight-decay rules) stops the reshard
+with one line; --no-load-optim leaves the optimizer state out. The output is written to
 `OUT/iter_XXXXXXX.tmp/`, renamed into place, then the tracker file is written. An OUT
 that already holds a checkpoint is refused (a resume from it would go back to the
 converted iteration) unless --overwrite is given, for every subcommand that writes one;
@@ -91,6 +94,7 @@ def add_reshard_arguments(p: argparse.ArgumentParser) -> None:
                      help="write the optimizer for --use-distributed-optimizer")
     opt.add_argument("--target-no-distributed-optimizer", dest="target_distributed",
                      action="store_false", help="write it for the plain optimizer")
+    add_no_load_optim_argument(p)
     add_overwrite_argument(p)
 
 
@@ -309,14 +313,30 @@ def add_overwrite_argument(p: argparse.ArgumentParser) -> None:
                         "same iteration is replaced and the tracker points at the new one")
 
 
+def add_no_load_optim_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-load-optim", action="store_true",
+                   help="leave the optimizer state out: the output holds the model weights, "
+                        "scheduler and counters (for a checkpoint whose optimizer state "
+                        "cannot be resharded); a run loading it passes --no-load-optim too")
+
+
+# A checkpoint's problem the reshard cannot get past, and how to get the model out anyway.
+NO_OPTIMIZER_FIX = ("pass --no-load-optim to write the model weights without the optimizer "
+                    "state (a run loading the output passes --no-load-optim too)")
+
+
 def reshard(load: str, save: str, tp: int, pp: int, layers_per_stage: Optional[int] = None,
             iteration: Optional[int] = None, distributed: Optional[bool] = None,
-            overwrite: bool = False, orig_vocab_size: Optional[int] = None) -> dict:
+            overwrite: bool = False, orig_vocab_size: Optional[int] = None,
+            with_optimizer: bool = True) -> dict:
     """Write the checkpoint under `load` (tracker's iteration unless given) to `save` with
     the target layout; `distributed` None keeps the saved optimizer kind; a checkpoint
     already in `save` is refused unless `overwrite` (`check_save`); `orig_vocab_size`, the
-    vocabulary size before padding, overrides the tokenizer's for the re-padding. Returns
-    a summary {iteration, source, target, files, notes, directory}."""
+    vocabulary size before padding, overrides the tokenizer's for the re-padding; without
+    `with_optimizer` the output holds no optimizer state. Returns a summary {iteration,
+    source, target, files, notes, directory}. SystemExit naming the problem (and for an
+    optimizer state that cannot be mapped, NO_OPTIMIZER_FIX) when the checkpoint cannot
+    be resharded."""
     if os.path.realpath(save) == os.path.realpath(load):
         raise SystemExit("error: --save must differ from --load (the source stays untouched)")
     check_save(save, overwrite)
@@ -338,35 +358,51 @@ def reshard(load: str, save: str, tp: int, pp: int, layers_per_stage: Optional[i
     args = target_args(src.args, tp, pp, vpp, layers_per_stage, distributed, orig_vocab_size)
     config = reshard_lib.config_from_args(args, padded_vocab_size=args["padded_vocab_size"])
     kind = None
-    if src.layout.optimizer is not None:
+    if src.layout.optimizer is not None and with_optimizer:
         mixed = args.get("fp16") or args.get("bf16")
         kind = "distributed" if distributed else "mixed" if mixed else "fp32"
-    fp32_grads = bool(args.get("accumulate_allreduce_grads_in_fp32"))
-    grad_dtype = (lambda prm: torch.float32) if fp32_grads else (lambda prm: prm.dtype)
+    elif src.layout.optimizer is not None:
+        notes.add("--no-load-optim: the optimizer state was left out; a run loading the "
+                  "output passes --no-load-optim too and starts a fresh optimizer")
     final_dir = os.path.join(save, iteration_dir_name(iteration, release))
-    files = 0
-    with partial_output(save, final_dir + ".tmp") as tmp_dir:
-        progress = Progress(tp * pp, f"writing {_rank_files(tp * pp)} to {tmp_dir}")
-        for p in range(pp):
-            modules, offsets = _stage_modules(config, pp, p, vpp,
-                                              args["standalone_embedding_stage"])
-            for t in range(tp):
-                plan = reshard_lib.plan_rank(modules, offsets, tp, t, (pp, p),
-                                             module_tp_size=1, grad_dtype_of=grad_dtype)
-                payload, distrib = reshard_lib.build_rank_payload(src, plan, kind, notes)
-                payload["args"] = args
-                rank_dir = os.path.join(tmp_dir, rank_dir_name(t, p, pp))
-                os.makedirs(rank_dir)
-                torch.save(payload, os.path.join(rank_dir, MODEL_FILENAME))
-                files += 1
-                if distrib is not None:
-                    torch.save(distrib, os.path.join(rank_dir, reshard_lib.DISTRIB_FILENAME))
-                    files += 1
-                progress.done(rank_dir_name(t, p, pp))
-        publish_checkpoint(save, tmp_dir, final_dir, iteration, release)
+    try:
+        with partial_output(save, final_dir + ".tmp") as tmp_dir:
+            files = _write_ranks(src, tmp_dir, config, args, (tp, pp, vpp), kind, notes)
+            publish_checkpoint(save, tmp_dir, final_dir, iteration, release)
+    except reshard_lib.OptimizerStateError as exc:
+        raise SystemExit(f"error: cannot reshard the optimizer state: {exc.problem}; "
+                         f"{NO_OPTIMIZER_FIX}") from None
+    except ValueError as exc:  # shapes or parameters the checkpoint's args did not tell
+        raise SystemExit(f"error: cannot reshard {iter_dir}: {exc}") from None
     target = reshard_lib.Layout(tp, pp, vpp, kind)
     return {"iteration": iteration, "source": src.layout, "target": target, "files": files,
             "notes": sorted(notes), "directory": final_dir}
+
+
+def _write_ranks(src, tmp_dir: str, config, args: dict, layout: Tuple[int, int, int],
+                 kind: Optional[str], notes: set) -> int:
+    """Every target rank's files of the (tp, pp, vpp) `layout` under `tmp_dir` (the
+    optimizer in `kind`, None: none); returns how many files were written."""
+    tp, pp, vpp = layout
+    fp32_grads = bool(args.get("accumulate_allreduce_grads_in_fp32"))
+    grad_dtype = (lambda prm: torch.float32) if fp32_grads else (lambda prm: prm.dtype)
+    files, progress = 0, Progress(tp * pp, f"writing {_rank_files(tp * pp)} to {tmp_dir}")
+    for p in range(pp):
+        modules, offsets = _stage_modules(config, pp, p, vpp, args["standalone_embedding_stage"])
+        for t in range(tp):
+            plan = reshard_lib.plan_rank(modules, offsets, tp, t, (pp, p),
+                                         module_tp_size=1, grad_dtype_of=grad_dtype)
+            payload, distrib = reshard_lib.build_rank_payload(src, plan, kind, notes)
+            payload["args"] = args
+            rank_dir = os.path.join(tmp_dir, rank_dir_name(t, p, pp))
+            os.makedirs(rank_dir)
+            torch.save(payload, os.path.join(rank_dir, MODEL_FILENAME))
+            files += 1
+            if distrib is not None:
+                torch.save(distrib, os.path.join(rank_dir, reshard_lib.DISTRIB_FILENAME))
+                files += 1
+            progress.done(rank_dir_name(t, p, pp))
+    return files
 
 
 def _default_targets(a: argparse.Namespace) -> None:
@@ -393,7 +429,7 @@ def run_reshard(a: argparse.Namespace) -> int:
     out = reshard(a.load, a.save, a.target_tensor_model_parallel_size,
                   a.target_pipeline_model_parallel_size,
                   a.target_num_layers_per_virtual_pipeline_stage, a.iteration,
-                  a.target_distributed, a.overwrite)
+                  a.target_distributed, a.overwrite, with_optimizer=not a.no_load_optim)
     print_reshard_summary(a.load, out)
     return 0
 

@@ -12,7 +12,9 @@ checkpoint under IN (the one its tracker file names):
 - OUT gets the model AND the optimizer state (fp32 main weights, Adam moments, step, loss
   scaler), the scheduler, the iteration and the consumed-sample counters: strictly more than
   Megatron's saver, which writes the model weights only. A run that should start with a
-  fresh optimizer loads OUT with --no-load-optim. RNG states are kept when tp and pp do not
+  fresh optimizer loads OUT with --no-load-optim; --no-load-optim here leaves the optimizer
+  state out of OUT, as Megatron's saver does (for a checkpoint whose optimizer state
+  cannot be resharded: its groups split by other weight-decay rules). RNG states are kept when tp and pp do not
   change. OUT has no virtual pipeline stages, as Megatron's saver writes none
   (`checkpoint_convert.py reshard --target-num-layers-per-virtual-pipeline-stage` for
   those).
@@ -82,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "else the vocabulary is re-padded from it")
     ap.add_argument("--vocab-file", default=None, help="a GPT-2 vocab.json whose number of "
                     "entries is the --true-vocab-size")
+    checkpoint_convert.add_no_load_optim_argument(ap)
     ap.add_argument("--megatron-path", default=None, help="accepted and ignored (nothing is "
                     "imported from Megatron-LM)")
     ap.add_argument("--max-queue-size", type=int, default=None,
@@ -234,7 +237,8 @@ def run(a: argparse.Namespace) -> int:
         print(f"note: the checkpoint has {saved.vpp} virtual pipeline stages per rank; the "
               "output has none, as Megatron's saver writes")
     out = checkpoint_convert.reshard(a.load_dir, a.save_dir, tp, pp,
-                                     orig_vocab_size=orig_vocab_size)
+                                     orig_vocab_size=orig_vocab_size,
+                                     with_optimizer=not a.no_load_optim)
     checkpoint_convert.print_reshard_summary(a.load_dir, out)
     return 0
 

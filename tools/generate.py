@@ -493,7 +493,7 @@ def _early_prompts(a, environ) -> Optional[List[str]]:
 def main(argv=None, environ=None) -> int:
     """The command line; under torchrun (RANK / WORLD_SIZE in `environ`, default
     os.environ) every rank generates in lockstep and rank 0 prints."""
-    from tools.generate_tp import process_group_closed
+    from megatron.rank_failure import process_group_closed
 
     a = parse_args(argv)
     environ = os.environ if environ is None else environ

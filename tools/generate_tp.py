@@ -40,10 +40,9 @@ if __name__ == "__main__":
 import contextlib
 import dataclasses
 import sys
-from typing import Iterator, Mapping, MutableMapping, Optional, Tuple
+from typing import Mapping, MutableMapping, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 
 def launch_ranks(environ: Mapping[str, str]) -> Tuple[int, int, int]:
@@ -57,42 +56,6 @@ def launch_ranks(environ: Mapping[str, str]) -> Tuple[int, int, int]:
                              "(torchrun sets it; start under torchrun or unset it)") from None
 
     return number("RANK", 0), number("WORLD_SIZE", 1), number("LOCAL_RANK", 0)
-
-
-@contextlib.contextmanager
-def process_group_closed(where: str = "during generation") -> Iterator[None]:
-    """Around a torchrun entry point's run: destroy the default process group the run made
-    (not one its caller had made) when the run returns or every rank exits together (an
-    AgreedExit). A gloo group left to the interpreter's exit can abort the process after
-    its output ('terminate called without an active exception', SIGABRT: about one
-    generate.py run in six at tp 2 on 2 CPU cores), and torchrun then reports the run as
-    failed. After another failure, where a rank may be gone, the group is left as it is;
-    when that failure is a collective another rank broke, one line says so `where` the
-    run was and names that rank (status 1, megatron/rank_failure.py), instead of a
-    traceback; this rank's own failure is recorded for the others' lines. The watchdog
-    `load_model_tp` started is closed."""
-    from megatron.agreed_exit import AgreedExit
-    from megatron.rank_failure import stopped_by_peer
-    from megatron.watchdog import close_current
-
-    made_here, closes = not dist.is_initialized(), False
-    try:
-        yield
-        closes = True
-    except AgreedExit:
-        closes = True
-        raise
-    except BaseException as exc:
-        lost = None
-        if made_here and dist.is_initialized():
-            lost = stopped_by_peer(exc, dist.get_rank(), where)
-        if lost is not None:
-            raise lost from None
-        raise
-    finally:
-        close_current()
-        if closes and made_here and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def check_generation_layout(prog: str, world_size: int, tp_size: int, pp_size: int,
@@ -214,9 +177,10 @@ def load_model_tp(load: str, tp_size: int, rank: int, local_rank: int,
     training loader, resharded from any saved layout. Collective over the world. The
     loader's messages go to stderr (stdout stays the tool's)."""
     from megatron.core.models.gpt.pipeline_decode import PipelineGPT
+    from megatron.gemm_choice import activate_gemm_algorithms
     from megatron.initialize import initialize_entry_point, set_random_seed
     from megatron.trainer_checkpoint import load_trainer_checkpoint
-    from megatron.training import Trainer, activate_gemm_algorithms, build_model
+    from megatron.training import Trainer, build_model
     from megatron.watchdog import build_watchdog
 
     world_size = tp_size * pp_size
@@ -242,7 +206,7 @@ def load_model_tp(load: str, tp_size: int, rank: int, local_rank: int,
         tr = Trainer(config, rt, build_model(config, rt, for_training=False), optimizer=None,
                      scheduler=None)
         # ends this rank when the job has ended elsewhere (its store gone) or another
-        # rank's watchdog fired; closed by process_group_closed
+        # rank's watchdog fired; closed by megatron.rank_failure.process_group_closed
         build_watchdog(config.parallel.distributed_timeout_minutes * 60)
         load_trainer_checkpoint(tr)
     model = tr.model.module
@@ -253,4 +217,4 @@ def load_model_tp(load: str, tp_size: int, rank: int, local_rank: int,
 
 
 __all__ = ["check_generation_layout", "checked_launch", "launch_ranks", "load_model_tp",
-           "process_group_closed", "tp_config"]
+           "tp_config"]

@@ -528,7 +528,7 @@ def _interrupt(signum, frame):
 def main(argv=None, environ=None) -> int:
     """The command line; under torchrun (RANK / WORLD_SIZE in `environ`, default
     os.environ) rank 0 serves and the other ranks follow it (see the module docstring)."""
-    from tools.generate_tp import process_group_closed
+    from megatron.rank_failure import process_group_closed
 
     a, ns, explicit = parse_args(argv)
     with process_group_closed("while serving"):

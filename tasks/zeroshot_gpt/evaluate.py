@@ -302,8 +302,9 @@ def build_evaluator(config, rt, eod: int):
     gradient buffers, no optimizer) and the weights of --load (its optimizer and RNG
     states are not read). Without --load the weights are the seeded initialisation, with
     a warning (Megatron-LM evaluates that too)."""
+    from megatron.gemm_choice import activate_gemm_algorithms
     from megatron.trainer_checkpoint import load_trainer_checkpoint
-    from megatron.training import Trainer, activate_gemm_algorithms, build_model
+    from megatron.training import Trainer, build_model
 
     activate_gemm_algorithms(config, rt)
     config = dataclasses.replace(config, checkpoint=dataclasses.replace(
