@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -65,6 +66,23 @@ def test_scaling_mode_prints_efficiency_table():
     assert table[0].split() == ["layout", "GPUs", "tokens/s/GPU", "MFU", "efficiency"]
     assert [r.split()[:2] for r in table[1:]] == [["tp1pp1dp1", "1"], ["tp2pp2dp1", "4"]]
     assert table[1].split()[-1] == "100.0%"
+
+
+def test_device_cpu_hides_cuda_from_the_run_and_its_ranks(monkeypatch):
+    """--device cpu: the start-up picks NCCL and the GPU whenever CUDA is visible, so the
+    tool hides it (CUDA_VISIBLE_DEVICES="") before torch looks, for --scaling's torchrun
+    ranks too (they inherit the environment)."""
+    bench = _benchmark_module()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    seen = {}
+
+    def fake_scaling(a, device):
+        seen["device"], seen["visible"] = device, os.environ.get("CUDA_VISIBLE_DEVICES")
+        return 0
+
+    monkeypatch.setattr(bench, "scaling", fake_scaling)
+    assert bench.main(["--preset", "tiny", "--device", "cpu", "--scaling", "tp1"]) == 0
+    assert seen == {"device": "cpu", "visible": ""}
 
 
 def test_layouts_parse_and_bad_ones_name_the_fix():

@@ -500,8 +500,16 @@ def main(argv=None) -> int:
                          "on this host, e.g. tp1,dp2,dp4,tp2dp2; prints the efficiency table")
     ap.add_argument("extra", nargs="*", help="extra pretrain_gpt.py flags (after --)")
     a = ap.parse_args(argv)
+    if a.device == "cpu":
+        # the whole run on the CPU (gloo between ranks, --scaling's included) even where a
+        # GPU is visible: the start-up picks NCCL and the GPU whenever CUDA is available
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
 
+    if a.device == "cpu" and torch.cuda.is_available():
+        raise SystemExit("error: --device cpu: CUDA was initialised before tools/benchmark.py "
+                         "started; run it as a command of its own (or with "
+                         "CUDA_VISIBLE_DEVICES=\"\")")
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but no CUDA device is available")
