@@ -181,6 +181,32 @@ def test_sample_based_resume_at_another_global_batch_warns_and_names_the_fix(tmp
     assert "WARNING: --train-samples" not in capsys.readouterr().out
 
 
+def test_longer_train_samples_at_the_same_batch_keeping_the_schedule_is_not_warned(
+        tmp_path, capsys):
+    """--train-samples 28 -> 40 at the same global batch with
+    --use-checkpoint-opt_param-scheduler (train on at the checkpoint's final lr): Megatron's
+    count is exact, the run ends at 40. The warning took the checkpoint's 28 for the goal
+    and told to pass --train-samples 28 (ending the run where it was meant to go on)."""
+    root = str(tmp_path / "ck")
+    run_pretrain(["--seq-length", "16", "--train-samples", "28", "--save", root,
+                  "--save-interval", "3", "--exit-interval", "3"])
+    longer = ["--seq-length", "16", "--train-samples", "40", "--load", root,
+              "--use-checkpoint-opt_param-scheduler"]
+    capsys.readouterr()
+    assert run_dry_run(config(longer), 1) == 0
+    assert "WARNING: --train-samples" not in capsys.readouterr().out
+    tr = run_pretrain(longer)
+    assert "WARNING: --train-samples" not in capsys.readouterr().out
+    assert (tr.state.iteration, tr.state.consumed_train_samples) == (10, 40)
+    assert tr.scheduler.lr_decay_steps == 28 and tr.scheduler.get_lr() == 0.0  # --min-lr 0
+    # a --train-samples the checkpoint already passed: 'nothing to train', and no claim of
+    # another batch size
+    run_pretrain(["--seq-length", "16", "--train-samples", "8", "--load", root,
+                  "--override-opt_param-scheduler"])
+    out = capsys.readouterr().out
+    assert "already reaches --train-samples 8" in out and "WARNING: --train-samples" not in out
+
+
 # ------------------------------------------------------------ nothing left to train
 
 
