@@ -238,7 +238,77 @@ def data_order_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional
             "is allowed, to resume the saved order rerun with the checkpoint's values")
 
 
+
+def _saved_train_request(saved: Dict) -> Optional[int]:
+    """The training samples the saving run asked of its data (Megatron's rule:
+    --train-samples, else --train-iters x --global-batch-size); None when unknown."""
+    samples = _plain(saved, "train_samples")
+    if samples not in (_ABSENT, None, 0):
+        return int(samples)
+    iters, gbs = _plain(saved, "train_iters"), _plain(saved, "global_batch_size")
+    if iters in (_ABSENT, None) or gbs in (_ABSENT, None):
+        return None
+    return int(iters) * int(gbs)
+
+
+def _layout_text(layout) -> str:
+    epochs, apart = layout
+    return f"{epochs} epoch(s)" + (", the last shuffled apart" if apart else "")
+
+
+def train_order_warning(saved: Optional[Dict], run: Dict, train, asked: int,
+                        consumed: int) -> Optional[str]:
+    """One WARNING line when a resume reads its train data in another order only because it
+    asks the data for another number of samples (`asked`: a longer --train-iters or
+    --train-samples, another --global-batch-size) than the run that saved the checkpoint
+    (its stored arguments `saved`): a dataset's index then spans another number of epochs
+    (or shuffles its last one apart or not), so all its samples are shuffled anew, as
+    Megatron-LM does silently, and the `consumed` count points into the new order.
+    `train` is the run's train dataset (a GPTDataset or a blend of them). None when the
+    order is kept, for mock data, or when the seed, split, sequence length or data paths
+    changed too (their own warnings say so)."""
+    from megatron.core.datasets.blended import parse_weighted_prefixes, per_dataset_num_samples
+    from megatron.core.datasets.gpt_dataset import index_layout, same_layout_range
+
+    if not isinstance(saved, dict) or consumed <= 0 or train is None:
+        return None
+    same = ("seed", "split", "seq_length", "data_path", "train_data_path", "mock_data")
+    if any(_plain(saved, k) is _ABSENT or _plain(saved, k) != _plain(run, k) for k in same):
+        return None
+    then = _saved_train_request(saved)
+    path = _plain(run, "data_path") or _plain(run, "train_data_path")
+    members = list(getattr(train, "datasets", [train]))
+    if not then or then == asked or not path or not hasattr(members[0], "tokens_per_epoch"):
+        return None
+    counts = per_dataset_num_samples(then, parse_weighted_prefixes(path)[1]) \
+        if len(members) > 1 else [then]
+    changed = []
+    for ds, count in zip(members, counts):
+        before = index_layout(ds.tokens_per_epoch, ds.seq_length, count)
+        after = index_layout(ds.tokens_per_epoch, ds.seq_length, ds.num_samples)
+        if before != after:
+            changed.append(f"{ds.data_prefix} (now {_layout_text(after)}; "
+                           f"{_layout_text(before)} before)")
+    if not changed:
+        return None
+    text = (f"WARNING: this run asks its train data for {asked} samples, the run that saved "
+            f"the checkpoint for {then} (--train-iters x --global-batch-size, or "
+            f"--train-samples), so the train index of {', '.join(changed)} changes: its "
+            f"samples are shuffled in another order, some of the {consumed} consumed so far come "
+            "again and others never (Megatron-LM reshuffles the same way, silently); "
+            "continuing is allowed")
+    if len(members) == 1:
+        lo, hi = same_layout_range(members[0].tokens_per_epoch, members[0].seq_length, then)
+        gbs = _plain(run, "global_batch_size")
+        if _plain(run, "train_samples") or not isinstance(gbs, int) or gbs <= 0:
+            text += f"; --train-samples {max(lo, 1)} to {hi} keeps the saved order"
+        elif max(1, -(-lo // gbs)) <= hi // gbs:
+            text += (f"; --train-iters {max(1, -(-lo // gbs))} to {hi // gbs} keeps the saved "
+                     f"order at global batch size {gbs}")
+    return text
+
+
 __all__ = ["Mismatch", "SHAPE_ARGS", "OTHER_ARGS", "VOCAB_FILE_ARGS",
            "checkpoint_arg_mismatches", "check_checkpoint_args", "checkpoint_args_message",
-           "data_order_warning", "seq_length_warning"]
+           "data_order_warning", "seq_length_warning", "train_order_warning"]
 

@@ -371,6 +371,7 @@ def _load_trainer_payload(tr) -> Optional[_Loaded]:
     checked, problem = _check_first_file(tr, iter_dir, release)
     agree(problem, group)
     saved, first, states = checked
+    tr.checkpoint_args = first.get("args")  # for the resume's train-order check
     for warning in (seq_length_warning(first.get("args"), tr.config.args, iter_dir),
                     data_order_warning(first.get("args"), tr.config.args, iter_dir)):
         if warning is not None and tr.optimizer is not None:  # not for evaluation-only

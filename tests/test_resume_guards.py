@@ -117,6 +117,42 @@ def test_resume_with_another_seed_warns_also_in_dry_run(tmp_path, capsys):
     assert "--split '90,5,5' differs from the checkpoint's '969, 30, 1'" in capsys.readouterr().out
 
 
+def test_a_longer_run_whose_data_needs_more_epochs_warns_of_the_new_order(tmp_path, capsys):
+    """The train index is sized by --train-iters x --global-batch-size (Megatron-LM's rule):
+    a resume that asks the data for more epochs than the saving run did shuffles all its
+    samples anew -- silently in Megatron-LM -- and the consumed count points into the new
+    order. Said once, with the --train-iters that keep the order; nothing when they do."""
+    import numpy as np
+
+    from megatron.core.datasets.gpt_dataset import build_index_arrays
+    from tests.test_gpt_dataset import make_corpus
+
+    prefix, _ = make_corpus(tmp_path / "corpus", [40] * 20, vocab=100)  # train: 19 documents
+    data = ["--data-path", prefix, "--seq-length", "16"]  # 760 tokens: 47 samples an epoch
+    root, base = str(tmp_path / "ck"), [a for a in BASE if a != "--mock-data"]
+    run_pretrain(data + ["--train-iters", "3", "--save", root, "--save-interval", "2",
+                         "--exit-interval", "2"], base)  # asks 12 samples: one epoch
+    capsys.readouterr()
+    resume = data + ["--load", root, "--override-opt_param-scheduler", "--exit-interval", "3"]
+    run_pretrain(resume + ["--train-iters", "40"], base)
+    out = capsys.readouterr().out
+    assert out.count("WARNING: this run asks its train data for 160 samples, the run that "
+                     "saved the checkpoint for 12 ") == 1, out
+    assert (f"the train index of {prefix} (now 4 epoch(s), the last shuffled apart; 1 "
+            "epoch(s) before) changes: its samples are shuffled in another order, some of the "
+            "8 consumed so far come again and others never") in out
+    assert "--train-iters 1 to 11 keeps the saved order at global batch size 4" in out
+    run_pretrain(resume + ["--train-iters", "11"], base)
+    assert "WARNING: this run asks" not in capsys.readouterr().out
+    # what the warning says of Megatron-LM's index: 44 samples, the order of 12; 160, another
+    sizes, documents = np.full(20, 40, dtype=np.int32), np.arange(19, dtype=np.int32)
+    saved = build_index_arrays(documents, sizes, 12, 16, 1234)
+    assert all(np.array_equal(a, b) for a, b in
+               zip(saved, build_index_arrays(documents, sizes, 44, 16, 1234)))
+    assert not np.array_equal(saved[2][:12], build_index_arrays(documents, sizes, 160, 16,
+                                                               1234)[2][:12])
+
+
 # ------------------------------------------------------------------- --skip-train
 
 
