@@ -15,6 +15,7 @@ both values and the fix.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Dict, List, NamedTuple, Optional
 
 from megatron.arguments_common import FLAG_SPECS, flag_for_dest
@@ -207,22 +208,36 @@ def _split_shares(split) -> Optional[List[float]]:
     return [x / total for x in numbers] if total > 0 else None
 
 
+def _blend(data_path) -> object:
+    """--data-path as (normalised path, weight) pairs, so '1 a 1 b' == '0.5 a 0.5 b'; the
+    list as given when it does not parse."""
+    from megatron.core.datasets.blended import parse_weighted_prefixes
+
+    try:
+        prefixes, weights = parse_weighted_prefixes(list(data_path))
+    except (TypeError, ValueError):
+        return data_path
+    return [(os.path.normpath(p), round(w, 9)) for p, w in zip(prefixes, weights)]
+
+
 def data_order_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional[str]:
     """One WARNING line when a resume reads its --data-path in another order than the run
     that saved `where`: another --seed reshuffles the samples (the consumed count then
     points into a different order: some samples come again, others never), another --split
     moves documents between the train, validation and test ranges (the validation loss may
     then be measured on trained-on documents). Megatron-LM resumes silently; going on may
-    be meant, so it is not an error. None for --finetune, mock data or no change."""
+    be meant, so it is not an error. Another --data-path (other files or weights) is read
+    from the consumed count on as well, as in Megatron-LM. None for --finetune, mock data
+    or no change."""
     if not isinstance(saved, dict) or run.get("finetune") or not run.get("data_path"):
         return None
     if _plain(saved, "mock_data") is True or not _plain(saved, "data_path"):
         return None
     changes, effects = [], []
+    consumed = _plain(saved, "consumed_train_samples")
     seed_before, seed_now = _plain(saved, "seed"), _plain(run, "seed")
     if seed_before is not _ABSENT and seed_now is not _ABSENT and seed_before != seed_now:
         changes.append(f"--seed {seed_now} differs from the checkpoint's {seed_before}")
-        consumed = _plain(saved, "consumed_train_samples")
         done = "" if consumed is _ABSENT else f" of the {consumed} consumed so far"
         effects.append(f"the samples are shuffled in another order, so some{done} will come "
                        "again and others never")
@@ -232,11 +247,18 @@ def data_order_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional
         changes.append(f"--split '{split_now}' differs from the checkpoint's '{split_before}'")
         effects.append("documents move between the train, validation and test ranges (the "
                        "validation loss may be measured on documents already trained on)")
+    paths_before, paths_now = _plain(saved, "data_path"), _plain(run, "data_path")
+    if _blend(paths_before) != _blend(paths_now):
+        start = "the count consumed so far" if consumed is _ABSENT else f"sample {consumed}"
+        changes.append(f"--data-path {' '.join(map(str, paths_now))} differs from the "
+                       f"checkpoint's {' '.join(map(str, paths_before))}")
+        effects.append(f"the new data is read from its {start} on, so samples of a dataset "
+                       "added or weighted up are skipped and of one weighted down some come "
+                       "again (if the files only moved, nothing changes)")
     if not changes:
         return None
     return (f"WARNING: {' and '.join(changes)} ({where}): {'; '.join(effects)}; continuing "
             "is allowed, to resume the saved order rerun with the checkpoint's values")
-
 
 
 def _saved_train_request(saved: Dict) -> Optional[int]:

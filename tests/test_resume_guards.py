@@ -96,6 +96,16 @@ def test_data_order_warning_text():
     assert "and --split '90,5,5' differs from the checkpoint's '969, 30, 1'" in both
     assert "validation loss may be measured on documents already trained on" in both
     assert "\n" not in both
+    # another blend: read from the consumed count on (Megatron-LM's rule), said; the same
+    # blend written otherwise is not
+    assert data_order_warning({**saved, "data_path": ["1", "a", "1", "b"]},
+                              {**run, "data_path": ["0.5", "./a", "0.5", "b"]}, "w") is None
+    blend = data_order_warning(saved, {**run, "data_path": ["0.5", "d", "0.5", "e"]}, "w/i")
+    assert blend == ("WARNING: --data-path 0.5 d 0.5 e differs from the checkpoint's d (w/i): "
+                     "the new data is read from its sample 40 on, so samples of a dataset added "
+                     "or weighted up are skipped and of one weighted down some come again (if "
+                     "the files only moved, nothing changes); continuing is allowed, to resume "
+                     "the saved order rerun with the checkpoint's values")
 
 
 def test_resume_with_another_seed_warns_also_in_dry_run(tmp_path, capsys):
