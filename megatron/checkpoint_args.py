@@ -179,7 +179,8 @@ def seq_length_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional
     `where` was saved with, else None. Megatron-LM accepts the change silently, and going on
     at a new length is legitimate (its learned position table has --max-position-embeddings
     rows, checked above), but a mistyped value should not go unseen. With learned positions
-    a longer sequence uses rows the saving run did not train."""
+    a longer sequence uses rows the saving run did not train. A --data-path is read in
+    another order then (the index is built for the sample length)."""
     if not isinstance(saved, dict):
         return None
     before, now = _plain(saved, "seq_length"), _plain(run, "seq_length")
@@ -192,6 +193,10 @@ def seq_length_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional
                  "run that saved it")
     elif positions == "rope":
         text += "; rotary positions have no trained table to outgrow"
+    if run.get("data_path") and not run.get("finetune") and not run.get("mock_data"):
+        text += ("; the --data-path documents are cut into samples of the new length and "
+                 "shuffled anew, so of the text consumed so far some comes again and some "
+                 "never (as in Megatron-LM)")
     return text + (f"; continuing at the new length is allowed, if it was mistyped rerun with "
                    f"--seq-length {before}")
 

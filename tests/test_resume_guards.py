@@ -55,6 +55,11 @@ def test_seq_length_warning_text():
     assert "position embeddings" not in shorter
     rope = {"seq_length": 16, "position_embedding_type": "rope"}
     assert "rotary positions" in seq_length_warning(saved, rope, "d")
+    assert "shuffled anew" not in longer  # mock data: no index to rebuild
+    data = seq_length_warning(saved, {**saved, "seq_length": 16, "data_path": ["p"]}, "d")
+    assert ("; the --data-path documents are cut into samples of the new length and shuffled "
+            "anew, so of the text consumed so far some comes again and some never (as in "
+            "Megatron-LM); continuing") in data
 
 
 def test_resume_with_other_seq_length_warns(tmp_path, capsys):
