@@ -292,12 +292,12 @@ def train_order_warning(saved: Optional[Dict], run: Dict, train, asked: int,
     (or shuffles its last one apart or not), so all its samples are shuffled anew, as
     Megatron-LM does silently, and the `consumed` count points into the new order.
     `train` is the run's train dataset (a GPTDataset or a blend of them). None when the
-    order is kept, for mock data, or when the seed, split, sequence length or data paths
-    changed too (their own warnings say so)."""
+    order is kept, for mock data, an evaluation only (--skip-train), or when the seed,
+    split, sequence length or data paths changed too (their own warnings say so)."""
     from megatron.core.datasets.blended import parse_weighted_prefixes, per_dataset_num_samples
     from megatron.core.datasets.gpt_dataset import index_layout, same_layout_range
 
-    if not isinstance(saved, dict) or consumed <= 0 or train is None:
+    if not isinstance(saved, dict) or consumed <= 0 or train is None or run.get("skip_train"):
         return None
     same = ("seed", "split", "seq_length", "data_path", "train_data_path", "mock_data")
     if any(_plain(saved, k) is _ABSENT or _plain(saved, k) != _plain(run, k) for k in same):

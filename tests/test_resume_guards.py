@@ -168,6 +168,34 @@ def test_a_longer_run_whose_data_needs_more_epochs_warns_of_the_new_order(tmp_pa
                                                                1234)[2][:12])
 
 
+def test_train_order_warning_rules():
+    """Which resumes `train_order_warning` speaks for: a blend names each member whose
+    layout changes (its share of the request, ceil(n * w * 1.005)); nothing for an
+    evaluation only, another seed (its own warning), or the request the checkpoint made."""
+    from types import SimpleNamespace
+
+    from megatron.checkpoint_args import train_order_warning
+
+    def member(prefix, tokens, asked):
+        return SimpleNamespace(data_prefix=prefix, tokens_per_epoch=tokens, seq_length=16,
+                               num_samples=asked)
+
+    args = {"seed": 1, "split": "969, 30, 1", "seq_length": 16, "mock_data": False,
+            "train_data_path": None, "data_path": ["0.5", "big", "0.5", "small"],
+            "train_iters": 3, "global_batch_size": 4, "train_samples": None}
+    run = {**args, "train_iters": 40}  # asks 160: each member ceil(160 * 0.5 * 1.005) = 81
+    blend = SimpleNamespace(datasets=[member("big", 16000, 81), member("small", 800, 81)])
+    text = train_order_warning(args, run, blend, 160, 8)
+    assert ("the train index of small (now 2 epoch(s), the last shuffled apart; 1 epoch(s) "
+            "before) changes") in text and "big" not in text
+    assert "keeps the saved order" not in text  # no simple bound for a blend
+    assert train_order_warning(args, {**run, "skip_train": True}, blend, 160, 8) is None
+    assert train_order_warning(args, {**run, "seed": 2}, blend, 160, 8) is None
+    assert train_order_warning(args, run, blend, 160, 0) is None  # nothing consumed yet
+    same = SimpleNamespace(datasets=[member("big", 16000, 7), member("small", 800, 7)])
+    assert train_order_warning(args, args, same, 12, 8) is None
+
+
 # ------------------------------------------------------------------- --skip-train
 
 
