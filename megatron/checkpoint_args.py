@@ -15,6 +15,7 @@ both values and the fix.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Dict, List, NamedTuple, Optional
 
 from megatron.arguments_common import FLAG_SPECS, flag_for_dest
@@ -178,7 +179,8 @@ def seq_length_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional
     `where` was saved with, else None. Megatron-LM accepts the change silently, and going on
     at a new length is legitimate (its learned position table has --max-position-embeddings
     rows, checked above), but a mistyped value should not go unseen. With learned positions
-    a longer sequence uses rows the saving run did not train."""
+    a longer sequence uses rows the saving run did not train. A --data-path is read in
+    another order then (the index is built for the sample length)."""
     if not isinstance(saved, dict):
         return None
     before, now = _plain(saved, "seq_length"), _plain(run, "seq_length")
@@ -191,6 +193,10 @@ def seq_length_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional
                  "run that saved it")
     elif positions == "rope":
         text += "; rotary positions have no trained table to outgrow"
+    if run.get("data_path") and not run.get("finetune") and not run.get("mock_data"):
+        text += ("; the --data-path documents are cut into samples of the new length and "
+                 "shuffled anew, so of the text consumed so far some comes again and some "
+                 "never (as in Megatron-LM)")
     return text + (f"; continuing at the new length is allowed, if it was mistyped rerun with "
                    f"--seq-length {before}")
 
@@ -207,22 +213,36 @@ def _split_shares(split) -> Optional[List[float]]:
     return [x / total for x in numbers] if total > 0 else None
 
 
+def _blend(data_path) -> object:
+    """--data-path as (normalised path, weight) pairs, so '1 a 1 b' == '0.5 a 0.5 b'; the
+    list as given when it does not parse."""
+    from megatron.core.datasets.blended import parse_weighted_prefixes
+
+    try:
+        prefixes, weights = parse_weighted_prefixes(list(data_path))
+    except (TypeError, ValueError):
+        return data_path
+    return [(os.path.normpath(p), round(w, 9)) for p, w in zip(prefixes, weights)]
+
+
 def data_order_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional[str]:
     """One WARNING line when a resume reads its --data-path in another order than the run
     that saved `where`: another --seed reshuffles the samples (the consumed count then
     points into a different order: some samples come again, others never), another --split
     moves documents between the train, validation and test ranges (the validation loss may
     then be measured on trained-on documents). Megatron-LM resumes silently; going on may
-    be meant, so it is not an error. None for --finetune, mock data or no change."""
+    be meant, so it is not an error. Another --data-path (other files or weights) is read
+    from the consumed count on as well, as in Megatron-LM. None for --finetune, mock data
+    or no change."""
     if not isinstance(saved, dict) or run.get("finetune") or not run.get("data_path"):
         return None
     if _plain(saved, "mock_data") is True or not _plain(saved, "data_path"):
         return None
     changes, effects = [], []
+    consumed = _plain(saved, "consumed_train_samples")
     seed_before, seed_now = _plain(saved, "seed"), _plain(run, "seed")
     if seed_before is not _ABSENT and seed_now is not _ABSENT and seed_before != seed_now:
         changes.append(f"--seed {seed_now} differs from the checkpoint's {seed_before}")
-        consumed = _plain(saved, "consumed_train_samples")
         done = "" if consumed is _ABSENT else f" of the {consumed} consumed so far"
         effects.append(f"the samples are shuffled in another order, so some{done} will come "
                        "again and others never")
@@ -232,13 +252,90 @@ def data_order_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional
         changes.append(f"--split '{split_now}' differs from the checkpoint's '{split_before}'")
         effects.append("documents move between the train, validation and test ranges (the "
                        "validation loss may be measured on documents already trained on)")
+    paths_before, paths_now = _plain(saved, "data_path"), _plain(run, "data_path")
+    if _blend(paths_before) != _blend(paths_now):
+        start = "the count consumed so far" if consumed is _ABSENT else f"sample {consumed}"
+        changes.append(f"--data-path {' '.join(map(str, paths_now))} differs from the "
+                       f"checkpoint's {' '.join(map(str, paths_before))}")
+        effects.append(f"the new data is read from its {start} on, so samples of a dataset "
+                       "added or weighted up are skipped and of one weighted down some come "
+                       "again (if the files only moved, nothing changes)")
     if not changes:
         return None
     return (f"WARNING: {' and '.join(changes)} ({where}): {'; '.join(effects)}; continuing "
             "is allowed, to resume the saved order rerun with the checkpoint's values")
 
 
+def _saved_train_request(saved: Dict) -> Optional[int]:
+    """The training samples the saving run asked of its data (Megatron's rule:
+    --train-samples, else --train-iters x --global-batch-size); None when unknown."""
+    samples = _plain(saved, "train_samples")
+    if samples not in (_ABSENT, None, 0):
+        return int(samples)
+    iters, gbs = _plain(saved, "train_iters"), _plain(saved, "global_batch_size")
+    if iters in (_ABSENT, None) or gbs in (_ABSENT, None):
+        return None
+    return int(iters) * int(gbs)
+
+
+def _layout_text(layout) -> str:
+    epochs, apart = layout
+    return f"{epochs} epoch(s)" + (", the last shuffled apart" if apart else "")
+
+
+def train_order_warning(saved: Optional[Dict], run: Dict, train, asked: int,
+                        consumed: int) -> Optional[str]:
+    """One WARNING line when a resume reads its train data in another order only because it
+    asks the data for another number of samples (`asked`: a longer --train-iters or
+    --train-samples, another --global-batch-size) than the run that saved the checkpoint
+    (its stored arguments `saved`): a dataset's index then spans another number of epochs
+    (or shuffles its last one apart or not), so all its samples are shuffled anew, as
+    Megatron-LM does silently, and the `consumed` count points into the new order.
+    `train` is the run's train dataset (a GPTDataset or a blend of them). None when the
+    order is kept, for mock data, an evaluation only (--skip-train), or when the seed,
+    split, sequence length or data paths changed too (their own warnings say so)."""
+    from megatron.core.datasets.blended import parse_weighted_prefixes, per_dataset_num_samples
+    from megatron.core.datasets.gpt_dataset import index_layout, same_layout_range
+
+    if not isinstance(saved, dict) or consumed <= 0 or train is None or run.get("skip_train"):
+        return None
+    same = ("seed", "split", "seq_length", "data_path", "train_data_path", "mock_data")
+    if any(_plain(saved, k) is _ABSENT or _plain(saved, k) != _plain(run, k) for k in same):
+        return None
+    then = _saved_train_request(saved)
+    path = _plain(run, "data_path") or _plain(run, "train_data_path")
+    members = list(getattr(train, "datasets", [train]))
+    if not then or then == asked or not path or not hasattr(members[0], "tokens_per_epoch"):
+        return None
+    counts = per_dataset_num_samples(then, parse_weighted_prefixes(path)[1]) \
+        if len(members) > 1 else [then]
+    changed = []
+    for ds, count in zip(members, counts):
+        before = index_layout(ds.tokens_per_epoch, ds.seq_length, count)
+        after = index_layout(ds.tokens_per_epoch, ds.seq_length, ds.num_samples)
+        if before != after:
+            changed.append(f"{ds.data_prefix} (now {_layout_text(after)}; "
+                           f"{_layout_text(before)} before)")
+    if not changed:
+        return None
+    text = (f"WARNING: this run asks its train data for {asked} samples, the run that saved "
+            f"the checkpoint for {then} (--train-iters x --global-batch-size, or "
+            f"--train-samples), so the train index of {', '.join(changed)} changes: its "
+            f"samples are shuffled in another order, some of the {consumed} consumed so far come "
+            "again and others never (Megatron-LM reshuffles the same way, silently); "
+            "continuing is allowed")
+    if len(members) == 1:
+        lo, hi = same_layout_range(members[0].tokens_per_epoch, members[0].seq_length, then)
+        gbs = _plain(run, "global_batch_size")
+        if _plain(run, "train_samples") or not isinstance(gbs, int) or gbs <= 0:
+            text += f"; --train-samples {max(lo, 1)} to {hi} keeps the saved order"
+        elif max(1, -(-lo // gbs)) <= hi // gbs:
+            text += (f"; --train-iters {max(1, -(-lo // gbs))} to {hi // gbs} keeps the saved "
+                     f"order at global batch size {gbs}")
+    return text
+
+
 __all__ = ["Mismatch", "SHAPE_ARGS", "OTHER_ARGS", "VOCAB_FILE_ARGS",
            "checkpoint_arg_mismatches", "check_checkpoint_args", "checkpoint_args_message",
-           "data_order_warning", "seq_length_warning"]
+           "data_order_warning", "seq_length_warning", "train_order_warning"]
 

@@ -193,10 +193,13 @@ def wait_for_async_save(tr) -> None:
 
 
 def sample_budget_warning(tr) -> Optional[str]:
-    """`sample_budget_message` for the trainer's resumed state: the goal is --train-samples,
-    or under --use-checkpoint-opt_param-scheduler the checkpoint's run length (the
-    schedule's weight-decay length)."""
-    goal = getattr(tr.scheduler, "wd_incr_steps", None)
+    """`sample_budget_message` for the trainer's resumed state. Under
+    --use-checkpoint-opt_param-scheduler the checkpoint's run length (the schedule's
+    weight-decay length, kept from the checkpoint) is a goal too: the --train-samples the
+    warning suggests reaches it."""
+    goal = None
+    if tr.config.optimizer.use_checkpoint_opt_param_scheduler:
+        goal = getattr(tr.scheduler, "wd_incr_steps", None)
     return sample_budget_message(tr.config, tr.state.iteration,
                                  tr.state.consumed_train_samples, goal)
 
@@ -204,21 +207,25 @@ def sample_budget_warning(tr) -> Optional[str]:
 def sample_budget_message(config, iteration: int, consumed: int,
                           goal: Optional[int] = None) -> Optional[str]:
     """A WARNING when a sample-based run resumed at another global batch size will not end
-    at --train-samples (or `goal`, the run length in samples when it is not). Its
-    iterations are Megatron-LM's count, train_samples // global batch, as if every batch
-    had had this size; the checkpoint's `consumed` samples came in `iteration` batches of
-    another size, so the run stops short (or has nothing to train) or goes past it. None
-    for iteration-based runs, a ramp-up, a start from iteration 0, or a difference below
-    one batch (the partial last batch Megatron drops)."""
+    at --train-samples (nor at `goal`, the checkpoint's run length in samples under
+    --use-checkpoint-opt_param-scheduler). Its iterations are Megatron-LM's count,
+    train_samples // global batch, as if every batch had had this size; the checkpoint's
+    `consumed` samples came in `iteration` batches of another size, so the run stops short
+    (or has nothing to train) or goes past it. None for iteration-based runs, a ramp-up, a
+    start from iteration 0, a checkpoint whose batches had this size (consumed = iteration
+    x global batch: the count is exact), or a difference below one batch (the partial last
+    batch Megatron drops)."""
     t, d = config.training, config.data
     if not t.train_samples or d.rampup_batch_size or iteration == 0:
         return None
     gbs = d.global_batch_size
+    if consumed == iteration * gbs:
+        return None
     more = max(0, t.train_iters - iteration)
     ends_at = consumed + more * gbs
-    goal = goal or t.train_samples
-    if abs(ends_at - goal) < gbs:
+    if any(g and abs(ends_at - g) < gbs for g in (t.train_samples, goal)):
         return None
+    goal = t.train_samples
     remaining = max(0, goal - consumed)
     fix = (iteration + remaining // gbs) * gbs
     return (f"WARNING: --train-samples {t.train_samples} at global batch size {gbs} makes "
@@ -364,6 +371,7 @@ def _load_trainer_payload(tr) -> Optional[_Loaded]:
     checked, problem = _check_first_file(tr, iter_dir, release)
     agree(problem, group)
     saved, first, states = checked
+    tr.checkpoint_args = first.get("args")  # for the resume's train-order check
     for warning in (seq_length_warning(first.get("args"), tr.config.args, iter_dir),
                     data_order_warning(first.get("args"), tr.config.args, iter_dir)):
         if warning is not None and tr.optimizer is not None:  # not for evaluation-only

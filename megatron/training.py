@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import checkpointing, step_graph, trainer_checkpoint
+from megatron.checkpoint_args import train_order_warning
 from megatron.checkpoint_dirs import unfinished_saves_warning
 from megatron.config import Config
 from megatron.core.distributed import DistributedDataParallel
@@ -30,6 +31,7 @@ from megatron.data_loading import (
     close_iterators,
     make_iterator,
     no_validation_reason,
+    split_sample_counts,
     validation_shortfall,
 )
 from megatron.gemm_choice import activate_gemm_algorithms
@@ -114,6 +116,7 @@ class Trainer:
     exit_reason: Optional[str] = None  # the exit line when an exit condition ended the run
     memory_history: object = None  # megatron.memory_history.MemoryHistory (pretrain's)
     progress: RunProgress = field(default_factory=RunProgress)  # the phase, for Ctrl-C
+    checkpoint_args: Optional[dict] = None  # the arguments stored in the loaded checkpoint
 
 
 # --------------------------------------------------------------------------- building
@@ -452,6 +455,10 @@ def _build_data(tr: Trainer):
                                          len(datasets["valid"]))
         if shortfall:
             raise SystemExit(f"error: {shortfall}")
+    order = train_order_warning(tr.checkpoint_args, config.args, datasets["train"],
+                                split_sample_counts(config)[0], tr.state.consumed_train_samples)
+    if order:
+        print_rank_0(order)
     train_data = data_iterator(config, rt, "train", tr.state.consumed_train_samples, datasets)
     valid_data = test_data = None
     if config.training.eval_iters > 0:

@@ -507,3 +507,18 @@ def test_separate_data_paths_match_the_megatron_reference(tmp_path):
         assert len(got) == len(want)
         for i in range(len(want)):
             np.testing.assert_array_equal(got[i]["text"], want[i])
+
+
+def test_same_layout_range_bounds_the_counts_with_one_index_layout():
+    """`same_layout_range` (a resume's 'keeps the saved order' advice) against every count:
+    all inside share the layout of the count asked about, the neighbours outside do not."""
+    from megatron.core.datasets.gpt_dataset import index_layout, same_layout_range
+
+    for tokens, seq in [(100, 7), (57, 16), (640, 16), (16, 16), (17, 16), (5, 16)]:
+        for n in range(0, 8 * max(tokens // seq, 1) + 40):
+            lo, hi = same_layout_range(tokens, seq, n)
+            layout = index_layout(tokens, seq, n)
+            assert lo <= n <= hi
+            assert all(index_layout(tokens, seq, m) == layout for m in range(lo, hi + 1))
+            assert index_layout(tokens, seq, hi + 1) != layout
+            assert lo == 0 or index_layout(tokens, seq, lo - 1) != layout

@@ -55,6 +55,11 @@ def test_seq_length_warning_text():
     assert "position embeddings" not in shorter
     rope = {"seq_length": 16, "position_embedding_type": "rope"}
     assert "rotary positions" in seq_length_warning(saved, rope, "d")
+    assert "shuffled anew" not in longer  # mock data: no index to rebuild
+    data = seq_length_warning(saved, {**saved, "seq_length": 16, "data_path": ["p"]}, "d")
+    assert ("; the --data-path documents are cut into samples of the new length and shuffled "
+            "anew, so of the text consumed so far some comes again and some never (as in "
+            "Megatron-LM); continuing") in data
 
 
 def test_resume_with_other_seq_length_warns(tmp_path, capsys):
@@ -96,6 +101,16 @@ def test_data_order_warning_text():
     assert "and --split '90,5,5' differs from the checkpoint's '969, 30, 1'" in both
     assert "validation loss may be measured on documents already trained on" in both
     assert "\n" not in both
+    # another blend: read from the consumed count on (Megatron-LM's rule), said; the same
+    # blend written otherwise is not
+    assert data_order_warning({**saved, "data_path": ["1", "a", "1", "b"]},
+                              {**run, "data_path": ["0.5", "./a", "0.5", "b"]}, "w") is None
+    blend = data_order_warning(saved, {**run, "data_path": ["0.5", "d", "0.5", "e"]}, "w/i")
+    assert blend == ("WARNING: --data-path 0.5 d 0.5 e differs from the checkpoint's d (w/i): "
+                     "the new data is read from its sample 40 on, so samples of a dataset added "
+                     "or weighted up are skipped and of one weighted down some come again (if "
+                     "the files only moved, nothing changes); continuing is allowed, to resume "
+                     "the saved order rerun with the checkpoint's values")
 
 
 def test_resume_with_another_seed_warns_also_in_dry_run(tmp_path, capsys):
@@ -115,6 +130,70 @@ def test_resume_with_another_seed_warns_also_in_dry_run(tmp_path, capsys):
     assert "differs from the checkpoint" not in capsys.readouterr().out
     assert run_dry_run(config(data + ["--load", root, "--split", "90,5,5"], base), 1) == 0
     assert "--split '90,5,5' differs from the checkpoint's '969, 30, 1'" in capsys.readouterr().out
+
+
+def test_a_longer_run_whose_data_needs_more_epochs_warns_of_the_new_order(tmp_path, capsys):
+    """The train index is sized by --train-iters x --global-batch-size (Megatron-LM's rule):
+    a resume that asks the data for more epochs than the saving run did shuffles all its
+    samples anew -- silently in Megatron-LM -- and the consumed count points into the new
+    order. Said once, with the --train-iters that keep the order; nothing when they do."""
+    import numpy as np
+
+    from megatron.core.datasets.gpt_dataset import build_index_arrays
+    from tests.test_gpt_dataset import make_corpus
+
+    prefix, _ = make_corpus(tmp_path / "corpus", [40] * 20, vocab=100)  # train: 19 documents
+    data = ["--data-path", prefix, "--seq-length", "16"]  # 760 tokens: 47 samples an epoch
+    root, base = str(tmp_path / "ck"), [a for a in BASE if a != "--mock-data"]
+    run_pretrain(data + ["--train-iters", "3", "--save", root, "--save-interval", "2",
+                         "--exit-interval", "2"], base)  # asks 12 samples: one epoch
+    capsys.readouterr()
+    resume = data + ["--load", root, "--override-opt_param-scheduler", "--exit-interval", "3"]
+    run_pretrain(resume + ["--train-iters", "40"], base)
+    out = capsys.readouterr().out
+    assert out.count("WARNING: this run asks its train data for 160 samples, the run that "
+                     "saved the checkpoint for 12 ") == 1, out
+    assert (f"the train index of {prefix} (now 4 epoch(s), the last shuffled apart; 1 "
+            "epoch(s) before) changes: its samples are shuffled in another order, some of the "
+            "8 consumed so far come again and others never") in out
+    assert "--train-iters 1 to 11 keeps the saved order at global batch size 4" in out
+    run_pretrain(resume + ["--train-iters", "11"], base)
+    assert "WARNING: this run asks" not in capsys.readouterr().out
+    # what the warning says of Megatron-LM's index: 44 samples, the order of 12; 160, another
+    sizes, documents = np.full(20, 40, dtype=np.int32), np.arange(19, dtype=np.int32)
+    saved = build_index_arrays(documents, sizes, 12, 16, 1234)
+    assert all(np.array_equal(a, b) for a, b in
+               zip(saved, build_index_arrays(documents, sizes, 44, 16, 1234)))
+    assert not np.array_equal(saved[2][:12], build_index_arrays(documents, sizes, 160, 16,
+                                                               1234)[2][:12])
+
+
+def test_train_order_warning_rules():
+    """Which resumes `train_order_warning` speaks for: a blend names each member whose
+    layout changes (its share of the request, ceil(n * w * 1.005)); nothing for an
+    evaluation only, another seed (its own warning), or the request the checkpoint made."""
+    from types import SimpleNamespace
+
+    from megatron.checkpoint_args import train_order_warning
+
+    def member(prefix, tokens, asked):
+        return SimpleNamespace(data_prefix=prefix, tokens_per_epoch=tokens, seq_length=16,
+                               num_samples=asked)
+
+    args = {"seed": 1, "split": "969, 30, 1", "seq_length": 16, "mock_data": False,
+            "train_data_path": None, "data_path": ["0.5", "big", "0.5", "small"],
+            "train_iters": 3, "global_batch_size": 4, "train_samples": None}
+    run = {**args, "train_iters": 40}  # asks 160: each member ceil(160 * 0.5 * 1.005) = 81
+    blend = SimpleNamespace(datasets=[member("big", 16000, 81), member("small", 800, 81)])
+    text = train_order_warning(args, run, blend, 160, 8)
+    assert ("the train index of small (now 2 epoch(s), the last shuffled apart; 1 epoch(s) "
+            "before) changes") in text and "big" not in text
+    assert "keeps the saved order" not in text  # no simple bound for a blend
+    assert train_order_warning(args, {**run, "skip_train": True}, blend, 160, 8) is None
+    assert train_order_warning(args, {**run, "seed": 2}, blend, 160, 8) is None
+    assert train_order_warning(args, run, blend, 160, 0) is None  # nothing consumed yet
+    same = SimpleNamespace(datasets=[member("big", 16000, 7), member("small", 800, 7)])
+    assert train_order_warning(args, args, same, 12, 8) is None
 
 
 # ------------------------------------------------------------------- --skip-train
@@ -179,6 +258,32 @@ def test_sample_based_resume_at_another_global_batch_warns_and_names_the_fix(tmp
     assert "WARNING: --train-samples" not in capsys.readouterr().out
     run_pretrain(samples + ["--load", root])  # the same batch size: nothing to say
     assert "WARNING: --train-samples" not in capsys.readouterr().out
+
+
+def test_longer_train_samples_at_the_same_batch_keeping_the_schedule_is_not_warned(
+        tmp_path, capsys):
+    """--train-samples 28 -> 40 at the same global batch with
+    --use-checkpoint-opt_param-scheduler (train on at the checkpoint's final lr): Megatron's
+    count is exact, the run ends at 40. The warning took the checkpoint's 28 for the goal
+    and told to pass --train-samples 28 (ending the run where it was meant to go on)."""
+    root = str(tmp_path / "ck")
+    run_pretrain(["--seq-length", "16", "--train-samples", "28", "--save", root,
+                  "--save-interval", "3", "--exit-interval", "3"])
+    longer = ["--seq-length", "16", "--train-samples", "40", "--load", root,
+              "--use-checkpoint-opt_param-scheduler"]
+    capsys.readouterr()
+    assert run_dry_run(config(longer), 1) == 0
+    assert "WARNING: --train-samples" not in capsys.readouterr().out
+    tr = run_pretrain(longer)
+    assert "WARNING: --train-samples" not in capsys.readouterr().out
+    assert (tr.state.iteration, tr.state.consumed_train_samples) == (10, 40)
+    assert tr.scheduler.lr_decay_steps == 28 and tr.scheduler.get_lr() == 0.0  # --min-lr 0
+    # a --train-samples the checkpoint already passed: 'nothing to train', and no claim of
+    # another batch size
+    run_pretrain(["--seq-length", "16", "--train-samples", "8", "--load", root,
+                  "--override-opt_param-scheduler"])
+    out = capsys.readouterr().out
+    assert "already reaches --train-samples 8" in out and "WARNING: --train-samples" not in out
 
 
 # ------------------------------------------------------------ nothing left to train

@@ -84,6 +84,26 @@ def separate_last_epoch(tokens_per_epoch: int, seq_length: int, num_samples: int
     return last < int(LAST_EPOCH_FRACTION * per_epoch)
 
 
+def index_layout(tokens_per_epoch: int, seq_length: int, num_samples: int) -> Tuple[int, bool]:
+    """(epochs, last epoch shuffled apart) of the index over `num_samples` samples. The three
+    index arrays depend on these besides the documents, lengths and seed: two sample counts
+    with the same layout read the samples in the same order, others in another order."""
+    epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
+    return epochs, separate_last_epoch(tokens_per_epoch, seq_length, num_samples, epochs)
+
+
+def same_layout_range(tokens_per_epoch: int, seq_length: int,
+                      num_samples: int) -> Tuple[int, int]:
+    """[lo, hi]: the sample counts whose index has the layout of `num_samples`'s."""
+    t, s = tokens_per_epoch, seq_length
+    epochs, separate = index_layout(t, s, num_samples)
+    lo, hi = -(-(epochs - 1) * t // s), (epochs * t - 1) // s
+    if epochs > 1:  # the last epoch is apart below `cut` samples
+        cut = ((epochs - 1) * t - 1) // s + int(LAST_EPOCH_FRACTION * ((t - 1) // s))
+        lo, hi = (lo, min(hi, cut - 1)) if separate else (max(lo, cut), hi)
+    return lo, hi
+
+
 def build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
                   separate_last: bool) -> np.ndarray:
     """Documents repeated per epoch and shuffled (int32); last epoch apart if asked."""
@@ -258,9 +278,11 @@ class GPTDataset:
         self.desc = describe(data_prefix, name, num_samples, seq_length, seed, split_string)
         self.desc_hash = hashlib.md5(self.desc.encode("utf-8")).hexdigest()
         sizes = indexed_dataset.sizes
+        self.num_samples = num_samples  # as asked: with `tokens_per_epoch`, its `index_layout`
+        self.tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
         what = (f"the {name} dataset of {data_prefix} (documents {documents.min()}.."
                 f"{documents.max()})")
-        if int(sizes[documents].sum(dtype=np.int64)) == 0:
+        if self.tokens_per_epoch == 0:
             raise ValueError(f"{what}: all its documents are empty (0 tokens); preprocess "
                              "non-empty text or adjust --split")
 
