@@ -16,6 +16,7 @@ clean namespace in the same server; groups made later by new_group inherit the p
 from __future__ import annotations
 
 import datetime
+import os
 import random
 import warnings
 from dataclasses import dataclass
@@ -195,6 +196,26 @@ def local_gpu(rank: int, local_rank: int, env: Mapping[str, str], num_gpus: int)
     return rank % num_gpus
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def one_line_project_warnings() -> None:
+    """The library's own warnings (`warnings.warn` in megatron/, e.g. a checkpoint's loss
+    scaler that is not the run's) print as one `WARNING: <message>` line, as the flag
+    warnings do, instead of Python's `<file>:<line>: UserWarning: <message>` followed by
+    the source line of the call; other packages' warnings keep Python's format."""
+    default = getattr(warnings.formatwarning, "project_default", warnings.formatwarning)
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        if (issubclass(category, UserWarning)
+                and os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep)):
+            return f"WARNING: {message}\n"
+        return default(message, category, filename, lineno, line)
+
+    formatwarning.project_default = default
+    warnings.formatwarning = formatwarning
+
+
 def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank: int,
                            world_size: int, local_rank: int,
                            environ: MutableMapping[str, str]) -> Runtime:
@@ -203,6 +224,7 @@ def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank
     when it makes its first cuBLAS handle, so before anything runs on the GPU), initialise
     (under torchrun --max-restarts, each attempt keeps out of the keys of the previous
     one), then check one GEMM on the GPU when cuBLAS was left without a workspace."""
+    one_line_project_warnings()
     no_workspace = cublas_workspace_env(cublas_workspace, environ)
     environ.update(no_workspace)
     if no_workspace:

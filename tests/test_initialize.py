@@ -83,3 +83,27 @@ def test_gpu_without_local_rank_is_rank_modulo_the_gpus_as_in_megatron(monkeypat
     with pytest.raises(Stop) as stop:
         init.initialize_entry_point(ParallelConfig(), "torch", 6, 8, 0, {"RANK": "6"})
     assert stop.value.args == (2,)
+
+
+def test_project_warnings_print_as_one_line_and_others_keep_pythons_format(monkeypatch):
+    """A library warning (here: a checkpoint without a loss scaler loaded by an fp16 run)
+    prints as `WARNING: <message>`, not as `<file>:<line>: UserWarning: ...` plus the
+    source line of the call; another package's warning keeps Python's format."""
+    import warnings
+
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler, load_scaler_state
+    from megatron.initialize import one_line_project_warnings
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    one_line_project_warnings()
+    one_line_project_warnings()  # twice (a second entry point in one process): same format
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_scaler_state(DynamicGradScaler(initial_scale=2.0 ** 16, min_scale=1.0), {})
+    (w,) = caught
+    text = warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line)
+    assert text == ("WARNING: the checkpoint was saved with no loss scaler (bf16/fp32, or an "
+                    "older checkpoint); the dynamic loss scale starts at --initial-loss-scale "
+                    "65536\n")
+    other = warnings.formatwarning("x", UserWarning, "/elsewhere/pkg/mod.py", 3)
+    assert other.startswith("/elsewhere/pkg/mod.py:3: UserWarning: x")
