@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -497,6 +499,55 @@ def test_a_rank_that_fails_is_named_in_one_line_by_the_others(trained, tmp_path)
     assert lines[0].endswith("because rank 1 stopped first, during the zero-shot evaluation, "
                              "with RuntimeError: injected failure mid-evaluation -- its "
                              "traceback is in its output"), lines
+
+
+# tasks/main.py at dp 2 with rank 1 stuck in its first evaluation batch and the collective
+# timeout shortened to seconds.
+HANG_WRAPPER = """
+import dataclasses, os, runpy, sys, time
+sys.path.insert(0, {root!r})
+import megatron.arguments as arguments
+import megatron.train_step as train_step
+_parse, _run = arguments.parse_and_validate, train_step.run_schedule
+
+def parse_and_validate(*args, **kwargs):
+    config = _parse(*args, **kwargs)
+    config.parallel = dataclasses.replace(config.parallel, distributed_timeout_minutes=0.05)
+    return config
+
+def run_schedule(*args, **kwargs):
+    if os.environ["RANK"] == "1":
+        time.sleep(300)
+    return _run(*args, **kwargs)
+
+arguments.parse_and_validate, train_step.run_schedule = parse_and_validate, run_schedule
+sys.argv = [{script!r}] + sys.argv[1:]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_stuck_rank_is_named_and_every_rank_ends(trained, tmp_path):
+    """Rank 1 hangs mid-evaluation while rank 0 waits in the data-parallel sum: rank 0
+    waited for the process group's own timeout (--distributed-timeout-minutes + 1) and
+    died with a backend error naming no rank; now its watchdog names rank 1 after
+    --distributed-timeout-minutes and both ranks end with the watchdog's status."""
+    wrapper = tmp_path / "hang.py"
+    wrapper.write_text(HANG_WRAPPER.format(root=str(ROOT),
+                                           script=str(ROOT / "tasks" / "main.py")))
+    argv = ["--task", "WIKITEXT103", "--valid-data", str(trained["dir"] / "wikitext_sample.tokens"),
+            "--micro-batch-size", "2", "--load", trained["ckpt"], *MODEL, *trained["tok_flags"]]
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", "--master-port", str(free_port()), str(wrapper), *argv],
+                          cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert re.search(r"\[watchdog rank 0\] collective evaluation sum all-reduce \(data-parallel "
+                     r"group\) did not complete within 3 s during the zero-shot evaluation; "
+                     r"ranks that did not arrive: \[1\]", out), out[-3000:]
+    assert "time.sleep(300)" in out  # rank 1 says where it is stuck
+    assert time.monotonic() - started < 60
 
 
 def test_other_tasks_flags_and_overlapping_eval_below_one_warn():

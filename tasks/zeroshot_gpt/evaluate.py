@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from megatron.arguments_common import ArgumentsError
 from megatron.logging_utils import print_rank_0, print_rank_last
+from megatron.watchdog import build_watchdog, watching
 from tasks.zeroshot_gpt.datasets import (
     Sample,
     build_lambada_data,
@@ -221,7 +222,8 @@ def evaluate_metric(tr, samples: Sequence[Sample], metric, pad_id: int) -> float
                 print_rank_0(f"> working on iteration: {i}")
         total += run_schedule(tr, iter(run), len(run), forward_only=True, metric=metric).double()
     if ps.dp_group is not None:
-        dist.all_reduce(total, group=ps.dp_group)
+        with watching("evaluation sum all-reduce (data-parallel group)", ps.dp_group):
+            dist.all_reduce(total, group=ps.dp_group)
     return float(total)
 
 
@@ -383,9 +385,16 @@ def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: in
                                 {**environ, "LOCAL_RANK": str(local_rank)}) from None
     rt = initialize_entry_point(config.parallel, config.args["cublas_workspace"], rank,
                                 world_size, local_rank, environ)
+    # a rank stuck (or gone) while the others wait in a watched collective: one report
+    # naming it after --distributed-timeout-minutes, and every rank ends
+    watchdog = build_watchdog(config.parallel.distributed_timeout_minutes * 60)
+    watchdog.describe = lambda: "during the zero-shot evaluation"
     if rank == 0:
         print(format_args_dump({**config.args, **vars(task_ns)}), flush=True)
     set_random_seed(config.training.seed, rt, config.training.data_parallel_random_init)
-    res = evaluate_task(task_ns, config, rt, tokenizer, data)
+    try:
+        res = evaluate_task(task_ns, config, rt, tokenizer, data)
+    finally:
+        watchdog.close()
     print_rank_0("done :-)")
     return res
