@@ -163,10 +163,14 @@ class BlendedDataset:
             logger.info("building blending indices for %d datasets into %s", len(self.datasets),
                         cache_dir)
             index, sample_index = build_blending_indices(self.weights, self.size)
-            os.makedirs(cache_dir, exist_ok=True)
-            save_npy(paths[1], index)
-            save_npy(paths[2], sample_index)
-            save_text(paths[0], self.desc)
+            try:
+                os.makedirs(cache_dir, exist_ok=True)
+                save_npy(paths[1], index)
+                save_npy(paths[2], sample_index)
+                save_text(paths[0], self.desc)
+            except OSError as e:  # the GPT indexes may all have been found elsewhere
+                raise ValueError(f"cannot write the blending index cache to {cache_dir} ({e}); "
+                                 "pass a writable --data-cache-path") from e
         siblings = ", ".join(paths)
         return load_npy(paths[1], siblings), load_npy(paths[2], siblings)
 
