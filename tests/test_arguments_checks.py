@@ -240,7 +240,7 @@ DATA = without("--mock-data", base=B)
 
 @pytest.mark.parametrize("extra, expected", [
     ("--data-path Z --split a,b", "--split 'a,b': expected numbers like '969,30,1'"),
-    ("--data-path Z --split 0,0,0", "--split '0,0,0': weights must be >= 0 with a positive sum"),
+    ("--data-path Z --split 0,0,0", "--split '0,0,0': weights must be finite numbers >= 0 with a positive sum"),
     ("--data-path X X", "--data-path: data path ['X', 'X']: weights must be numbers"),
     ("--data-path 0.5 X 0.5", "--data-path: data path ['0.5', 'X', '0.5'] must be one "
                               "prefix or pairs 'weight prefix weight prefix ...'"),

@@ -180,6 +180,19 @@ def test_split_bad_values():
         get_train_valid_test_split("a,b", 10)
     with pytest.raises(ValueError, match="positive sum"):
         get_train_valid_test_split("0,0,0", 10)
+    for split in ("nan,1,1", "inf,1,1", "1,inf"):  # float() takes them; round() did not
+        with pytest.raises(ValueError, match=rf"--split '{split}': weights must be finite"):
+            get_train_valid_test_split(split, 10)
+
+
+@pytest.mark.parametrize("weight", ["nan", "inf", "-inf"])
+def test_data_path_weights_must_be_finite(weight):
+    """A weight of nan or inf stopped the dataset builder with 'cannot convert float NaN to
+    integer', naming neither --data-path nor the weight."""
+    from megatron.core.datasets.blended import parse_weighted_prefixes
+
+    with pytest.raises(ValueError, match="data path weights .* must be finite numbers"):
+        parse_weighted_prefixes([weight, "a", "1", "b"])
 
 
 def test_builder_logs_the_split_and_the_epochs_of_each_dataset(tmp_path):

@@ -45,8 +45,9 @@ def parse_weighted_prefixes(data_prefix: Sequence[str]) -> Tuple[List[str], List
     total = 0.0
     for w in weights:
         total += w
-    if total <= 0.0 or min(weights) < 0:
-        raise ValueError(f"data path weights {weights} must be >= 0 with a positive sum")
+    if not math.isfinite(total) or total <= 0.0 or min(weights) < 0:
+        raise ValueError(f"data path weights {weights} must be finite numbers >= 0 with a "
+                         "positive sum")
     return prefixes, [w / total for w in weights]
 
 

@@ -22,6 +22,7 @@ seconds).
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -52,8 +53,9 @@ def get_train_valid_test_split(split_string: str, size: int) -> List[int]:
         raise ValueError(f"--split {split_string!r}: expected numbers like '969,30,1'") from e
     splits = (splits + [0.0, 0.0, 0.0])[:3]
     total = sum(splits)
-    if total <= 0.0 or min(splits) < 0:
-        raise ValueError(f"--split {split_string!r}: weights must be >= 0 with a positive sum")
+    if not math.isfinite(total) or total <= 0.0 or min(splits) < 0:
+        raise ValueError(f"--split {split_string!r}: weights must be finite numbers >= 0 with a "
+                         "positive sum, e.g. '969,30,1'")
     splits = [s / total for s in splits]
     index = [0]
     for i, s in enumerate(splits):
