@@ -302,6 +302,28 @@ def test_a_blend_member_of_weight_0_is_warned_once(caplog):
     assert "weight 0" not in caplog.text
 
 
+def test_a_dataset_given_twice_in_a_blend_is_warned(caplog, tmp_path, monkeypatch):
+    """The copies of one dataset share its index, so they draw the same samples in the
+    same order: each sample is trained on twice. Spellings of one file count as one (a
+    relative path, a link); another dataset does not."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.bin").write_bytes(b"")
+    (tmp_path / "link.bin").symlink_to(tmp_path / "a.bin")
+    run(f"--data-path 1 a 0.5 b 2 {tmp_path}/a", base=DATA)
+    assert (f"--data-path: {tmp_path}/a and a are one dataset given 2 times (weights 1, 2): "
+            "each copy is indexed from the same documents with the same --seed, so the "
+            "copies draw the same samples in the same order") in caplog.text
+    assert "with the weights summed (3) to draw distinct samples instead" in caplog.text
+    caplog.clear()
+    run("--train-data-path 1 link 1 a 1 b", base=DATA)
+    assert "--train-data-path: a and link are one dataset given 2 times" in caplog.text
+    caplog.clear()
+    run("--data-path 1 a 1 b", base=DATA)
+    run("--data-path a", base=DATA)
+    assert "given" not in caplog.text
+
+
 def test_split_numbers_past_the_third_are_warned(caplog):
     """Megatron-LM reads train, validation and test shares and drops the rest silently."""
     cfg = run("--data-path Z --split 80,10,5,5", base=DATA)
