@@ -173,6 +173,18 @@ def test_blend_with_a_member_too_small_for_a_split(tmp_path):
     assert len(datasets["train"]) > 0 and datasets["test"] is None
 
 
+def test_a_blend_member_without_documents_is_named_with_the_fix(tmp_path):
+    """One shard of a blend that holds no document (its input was empty): no --split can
+    help, so the error says to leave it out (it said to raise that share of --split)."""
+    big, _ = make_corpus(tmp_path / "big", [20] * 200, seed=1, vocab=100)
+    empty, _ = make_corpus(tmp_path / "empty", [], seed=2, vocab=100)
+    with pytest.raises(SystemExit, match=rf"--data-path: {empty} holds no non-empty document "
+                                         r"\(0 sequences in the .idx\), so no --split can give "
+                                         r"the blend its weight there; leave it out of "
+                                         "--data-path"):
+        _build(_config(data_path=["0.5", big, "0.5", empty], split="90,8,2"))
+
+
 def test_missing_data_files_stop_the_run_before_the_model_is_built(tmp_path):
     """pretrain_gpt.py with a --data-path whose files are absent stops right after start-up
     with every missing file, the relative path resolved and preprocess_data.py's name when

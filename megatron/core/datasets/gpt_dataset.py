@@ -474,6 +474,13 @@ def _check_blend_splits(builder: _Builder, data_prefix, num_samples) -> None:
         return
     prefixes = parse_weighted_prefixes(data_prefix)[0]
     docs = {p: len(builder.indexed(p).sizes) for p in prefixes}
+    hollow = [p for p in prefixes if docs[p] == 0]
+    if hollow and len(hollow) < len(prefixes) and any(n > 0 for n in num_samples):
+        verb = "holds" if len(hollow) == 1 else "hold"
+        raise ValueError(f"--data-path: {', '.join(hollow)} {verb}"
+                         " no non-empty document (0 sequences in the .idx), so no --split can "
+                         "give the blend its weight there; leave it out of --data-path, or "
+                         "preprocess it again from input with text under --json-keys")
     bounds = {p: get_train_valid_test_split(builder.split, n) for p, n in docs.items()}
     for k, name in enumerate(("train", "valid", "test")):
         empty = [p for p in prefixes if bounds[p][k + 1] == bounds[p][k]]
