@@ -156,6 +156,21 @@ def test_blend_prints_achieved_ratios(tmp_path, capsys):
     assert "--data-path (valid)" in out
 
 
+def test_the_dataset_phase_prints_megatrons_lines(tmp_path, capsys):
+    """Megatron-LM's lines around the dataset build, target sizes aligned as it aligns
+    them (log parsers and side-by-side comparisons of the two tools' logs rely on them)."""
+    prefix, _ = make_corpus(tmp_path / "c", [20] * 30, vocab=100)
+    _build(_config(data_path=[prefix], split="90,10,0"))
+    out = capsys.readouterr().out
+    assert out.startswith("> building train, validation, and test datasets ...\n"
+                          " > datasets target sizes (minimum size):\n"
+                          "    train:      6\n"
+                          "    validation: 4\n"
+                          "    test:       2\n"
+                          "> building train, validation, and test datasets for GPT ...\n"), out
+    assert out.endswith("> finished creating GPT datasets ...\n"), out
+
+
 def test_blend_with_a_member_too_small_for_a_split(tmp_path):
     """--split 90,8,2 gives a 10-document dataset no test document. Evaluating, the
     blend cannot weight it: an error naming that dataset and its size (it said 'a blended

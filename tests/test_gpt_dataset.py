@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -206,10 +207,41 @@ def test_builder_logs_the_split_and_the_epochs_of_each_dataset(tmp_path):
                          "    train: document indices in [0, 27) total of 27 documents",
                          "    validation: document indices in [27, 30) total of 3 documents",
                          "    test: document indices in [30, 30) total of 0 documents"]
+    assert lines[4] == " > building the missing dataset indices on global rank 0 ..."
     epochs = len(train.doc_idx) // 27
-    assert epochs > 1 and lines[4] == (f"    train dataset of {prefix}: {len(train)} samples of 8 "
-                                       f"tokens, {epochs} epoch(s) over 27 documents")
-    assert lines[5].startswith(f"    validation dataset of {prefix}: ") and len(lines) == 6
+    cache = tmp_path / "cache"  # the last place looked at
+    assert epochs > 1 and re.fullmatch(
+        rf"    train dataset of {prefix}: {len(train)} samples of 8 tokens, {epochs} epoch\(s\) "
+        rf"over 27 documents \(index built into {cache} in \d+\.\d\d s\)", lines[5]), lines[5]
+    assert lines[6].startswith(f"    validation dataset of {prefix}: ") and len(lines) == 7
+
+
+def test_builder_logs_what_it_builds_reads_and_how_long_a_blend_took(tmp_path):
+    """With other ranks waiting, the builder rank says once that it builds (they print
+    nothing meanwhile); each dataset line says where its index was read from or built
+    into; a blend built prints Megatron-LM's line before and its elapsed time after (a
+    blend of many datasets over many samples takes minutes)."""
+    a, _ = make_corpus(tmp_path / "a", [20] * 30, seed=1)
+    b, _ = make_corpus(tmp_path / "b", [30] * 30, seed=2)
+    cache = tmp_path / "cache"
+    args = (["1", a, "3", b], "90,10,0", [50, 5, 0], 8, 1234, str(cache))
+    lines = []
+    build_train_valid_test_datasets(*args, barrier=lambda: None, log=lines.append)
+    announce = (" > building the missing dataset indices on global rank 0; the other ranks "
+                "wait for it ...")
+    assert lines.count(announce) == 1 and lines.index(announce) < lines.index(
+        next(x for x in lines if x.startswith("    train dataset of")))
+    assert sum(f"(index built into {cache} in " in x for x in lines) == 4
+    blend = lines.index("> building indices for blendable datasets ... (--data-path (train): 2 "
+                        "datasets, 51 samples)")
+    assert lines[blend + 1] == " > blended dataset for --data-path (train): 51 samples; sample " \
+        "ratios:"
+    assert re.fullmatch(r"> elapsed time for building blendable dataset indices: \d+\.\d\d "
+                        r"\(sec\)", lines[blend + 4]), lines[blend + 4]
+    lines.clear()  # again: every index read, nothing built, nothing announced
+    build_train_valid_test_datasets(*args, barrier=lambda: None, log=lines.append)
+    assert sum(f"(index read from {cache})" in x for x in lines) == 4
+    assert not [x for x in lines if "building" in x or "built" in x or "elapsed" in x]
 
 
 def test_cache_names_reuse_and_lookup(tmp_path, monkeypatch):

@@ -11,10 +11,10 @@ place); they depend only on the weights and the size, both named in the descript
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
 import os
-from typing import List, Optional, Sequence, Tuple
+import time
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -25,8 +25,6 @@ from megatron.core.datasets.index_cache import (
     save_npy,
     save_text,
 )
-
-logger = logging.getLogger(__name__)
 
 
 def parse_weighted_prefixes(data_prefix: Sequence[str]) -> Tuple[List[str], List[float]]:
@@ -130,7 +128,10 @@ class BlendedDataset:
     """Samples of several datasets interleaved by weight; items carry `dataset_idx`."""
 
     def __init__(self, datasets: List, weights: Sequence[float], size: int,
-                 cache_dir: Optional[str] = None, may_build: bool = True):
+                 cache_dir: Optional[str] = None, may_build: bool = True,
+                 on_build: Optional[Callable[[], None]] = None):
+        """`on_build` is called before the indices are built (not when a cache is used);
+        `build_s` is then the seconds the build took, else None."""
         if len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         self.datasets = datasets
@@ -146,12 +147,21 @@ class BlendedDataset:
         desc += f"Weights: {weights}\n"
         desc += f"Size: {size}\n"
         self.desc = desc
+        self.build_s: Optional[float] = None
+        self._on_build = on_build
         if cache_dir:
             self.dataset_index, self.dataset_sample_index = self._cached(cache_dir, may_build)
         else:
-            self.dataset_index, self.dataset_sample_index = build_blending_indices(weights,
-                                                                                   self.size)
+            self.dataset_index, self.dataset_sample_index = self._build()
         self._check_members()
+
+    def _build(self) -> Tuple[np.ndarray, np.ndarray]:
+        if self._on_build is not None:
+            self._on_build()
+        start = time.time()
+        arrays = build_blending_indices(self.weights, self.size)
+        self.build_s = time.time() - start
+        return arrays
 
     def _cached(self, cache_dir: str, may_build: bool) -> Tuple[np.ndarray, np.ndarray]:
         h = hashlib.md5(self.desc.encode("utf-8")).hexdigest()
@@ -161,9 +171,7 @@ class BlendedDataset:
             if not may_build:
                 raise MissingIndexCacheError(missing_on_this_rank(f"blending index {paths[1]}",
                                                                   cache_dir))
-            logger.info("building blending indices for %d datasets into %s", len(self.datasets),
-                        cache_dir)
-            index, sample_index = build_blending_indices(self.weights, self.size)
+            index, sample_index = self._build()
             try:
                 os.makedirs(cache_dir, exist_ok=True)
                 save_npy(paths[1], index)

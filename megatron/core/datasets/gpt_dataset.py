@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -263,7 +265,10 @@ class GPTDataset:
     def __init__(self, name: str, data_prefix: str, documents: np.ndarray,
                  indexed_dataset: MMapIndexedDataset, num_samples: int, seq_length: int,
                  seed: int, split_string: str, cache_dir: Optional[str] = None,
-                 may_build: bool = True, vocab_size: Optional[int] = None):
+                 may_build: bool = True, vocab_size: Optional[int] = None,
+                 on_build: Optional[Callable[[], None]] = None):
+        """`on_build` is called before the index is built (not when a cache is used);
+        `index_build_s` is then the seconds the build took, else None."""
         documents = np.asarray(documents, dtype=np.int32)
         n_seq = len(indexed_dataset.sizes)
         if n_seq == 0:
@@ -288,8 +293,15 @@ class GPTDataset:
             raise ValueError(f"{what}: all its documents are empty (0 tokens); preprocess "
                              "non-empty text or adjust --split")
 
+        self.index_build_s = None
+
         def build():
-            return build_index_arrays(documents, sizes, num_samples, seq_length, seed)
+            if on_build is not None:
+                on_build()
+            start = time.time()
+            arrays = build_index_arrays(documents, sizes, num_samples, seq_length, seed)
+            self.index_build_s = time.time() - start
+            return arrays
 
         def check(arrays):
             return index_mismatch(arrays, documents, sizes, num_samples, seq_length)
@@ -350,10 +362,11 @@ class _Builder:
     def __init__(self, split: str, seq_length: int, seed: int, cache_dir: Optional[str],
                  may_build: bool, vocab_size: Optional[int] = None,
                  log: Optional[Callable[[str], None]] = None,
-                 tokenizer_vocab_size: Optional[int] = None):
+                 tokenizer_vocab_size: Optional[int] = None, others_wait: bool = False):
         self.split, self.seq_length, self.seed = split, seq_length, seed
         self.cache_dir, self.may_build = cache_dir, may_build
         self.vocab_size, self.log = vocab_size, log
+        self.others_wait, self._announced = others_wait, False
         self.tokenizer_vocab_size = tokenizer_vocab_size
         self._opened: Dict[str, MMapIndexedDataset] = {}
         # datasets whose index cache is stale: collected, raised together by `_build_all`
@@ -369,6 +382,14 @@ class _Builder:
             self._opened[prefix] = dataset
         return self._opened[prefix]
 
+    def _announce_build(self) -> None:
+        """Say once, before the first index is built, that this rank builds (and that the
+        others wait: they print nothing until it is done)."""
+        if self.log is not None and not self._announced:
+            waiting = "; the other ranks wait for it" if self.others_wait else ""
+            self.log(f" > building the missing dataset indices on global rank 0{waiting} ...")
+        self._announced = True
+
     def dataset(self, name: str, prefix: str, documents: np.ndarray, num_samples: int):
         """The GPTDataset, or None when its index cache is stale (kept in `self.stale`).
         After a stale one, the caches of the others are only looked at (and checked), none
@@ -377,7 +398,8 @@ class _Builder:
         try:
             ds = GPTDataset(name, prefix, documents, self.indexed(prefix), num_samples,
                             self.seq_length, self.seed, self.split, self.cache_dir,
-                            self.may_build and not checking_only, self.vocab_size)
+                            self.may_build and not checking_only, self.vocab_size,
+                            on_build=self._announce_build)
         except StaleIndexCacheError as e:
             self.stale.append(e)
             return None
@@ -388,8 +410,11 @@ class _Builder:
         if self.log is not None:  # how often the documents repeat: an epoch count
             epochs = len(ds.doc_idx) // max(len(documents), 1)
             shown = "validation" if name == "valid" else name
+            where = os.path.dirname(ds.cache_paths["desc"])
+            index = (f"index built into {where} in {ds.index_build_s:.2f} s"
+                     if ds.index_build_s is not None else f"index read from {where}")
             self.log(f"    {shown} dataset of {prefix}: {len(ds)} samples of {self.seq_length} "
-                     f"tokens, {epochs} epoch(s) over {len(documents)} documents")
+                     f"tokens, {epochs} epoch(s) over {len(documents)} documents ({index})")
         return ds
 
     def split_datasets(self, prefix: str, num_samples: Sequence[int]) -> list:
@@ -417,11 +442,20 @@ class _Builder:
             return None  # a member's cache is stale: `_build_all` raises that
         if any(d is None for d in datasets):  # (check_splits found it first)
             raise ValueError(f"{what}: a blended dataset has no document in this split")
-        blend = BlendedDataset(datasets, weights, size, self.cache_dir, self.may_build)
+        def announce():
+            if self.log is not None:  # Megatron-LM's line, then what it is building
+                self.log(f"> building indices for blendable datasets ... ({what}: "
+                         f"{len(datasets)} datasets, {size} samples)")
+
+        blend = BlendedDataset(datasets, weights, size, self.cache_dir, self.may_build,
+                               on_build=announce)
         if self.log is not None:
             self.log(f" > blended dataset for {what}: {size} samples; sample ratios:")
             for d, (w, achieved) in enumerate(zip(blend.weights, blend.achieved_weights())):
                 self.log(f"   dataset {d}, input: {w:g}, achieved: {achieved:g}")
+            if blend.build_s is not None:
+                self.log(f"> elapsed time for building blendable dataset indices: "
+                         f"{blend.build_s:.2f} (sec)")
         return blend
 
     def whole(self, name: str, data_path: Sequence[str], num_samples: int):
@@ -577,7 +611,8 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
     if is_builder_rank:
         try:
             result = _build_all(_Builder(split, seq_length, seed, cache_dir, True,
-                                         vocab_size, log, tokenizer_vocab_size),
+                                         vocab_size, log, tokenizer_vocab_size,
+                                         others_wait=barrier is not None),
                                 data_prefix, num_samples, paths)
         except Exception as e:  # reach the barrier anyway so the other ranks do not hang
             error = e
