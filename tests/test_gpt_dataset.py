@@ -444,6 +444,30 @@ def test_builder_rank_and_barrier(tmp_path):
                                         is_builder_rank=False)
 
 
+def test_blends_kept_in_memory_are_built_after_the_barrier(tmp_path):
+    """Without a cache dir a blend's indices live in each rank's memory, so every rank
+    builds them: the builder rank builds its own after the barrier, beside the others (it
+    built them before, and the others waited for that: twice the time of one build).
+    A blend written to the cache dir is built before the barrier, and read by the others."""
+    a, _ = make_corpus(tmp_path / "a", [20] * 30, seed=1)
+    b, _ = make_corpus(tmp_path / "b", [30] * 30, seed=2)
+    path, counts = ["1", a, "3", b], [50, 5, 0]
+    for cache, after in ((None, True), (str(tmp_path / "cache"), False)):
+        lines = []
+        train, valid, _ = build_train_valid_test_datasets(
+            path, "90,10,0", counts, 8, 1234, cache, barrier=lambda: lines.append("BARRIER"),
+            log=lines.append)
+        blends = [i for i, x in enumerate(lines) if x.startswith("> building indices for blend")]
+        assert len(blends) == 2 and (min(blends) > lines.index("BARRIER")) == after, lines
+        assert len([x for x in lines if x.startswith("    train dataset of")]) == 2, lines
+        assert len([x for x in lines if x.startswith(" > dataset split of")]) == 2, lines
+        alone = build_train_valid_test_datasets(path, "90,10,0", counts, 8, 1234, cache)
+        for got, want in ((train, alone[0]), (valid, alone[1])):
+            np.testing.assert_array_equal(got.dataset_index, want.dataset_index)
+            assert [got[i]["text"].tolist() for i in range(len(got))] == \
+                [want[i]["text"].tolist() for i in range(len(want))]
+
+
 @pytest.mark.slow
 def test_ten_billion_token_index_is_fast(tmp_path):
     """5M documents of 2000 tokens, seq 2048: the whole index in well under 10 s."""

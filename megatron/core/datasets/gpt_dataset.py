@@ -39,6 +39,7 @@ from megatron.core.datasets.index_cache import (
 from megatron.core.datasets.indexed_dataset import MMapIndexedDataset, check_token_ids
 
 LAST_EPOCH_FRACTION = 0.80
+LONG_BLEND_S = 10.0  # a blend build this long without a cache dir is pointed at one
 
 
 def get_train_valid_test_split(split_string: str, size: int) -> List[int]:
@@ -357,7 +358,11 @@ class GPTDataset:
 
 
 class _Builder:
-    """Opens each prefix once and builds single or blended datasets."""
+    """Opens each prefix once and builds single or blended datasets (each GPT dataset once:
+    a second pass reuses them). With `defer_blends`, blends without a cache dir are left
+    out (None): they live in memory only, so every rank builds its own, and the builder
+    rank builds them in a second pass after the barrier, beside the others rather than
+    before them."""
 
     def __init__(self, split: str, seq_length: int, seed: int, cache_dir: Optional[str],
                  may_build: bool, vocab_size: Optional[int] = None,
@@ -367,6 +372,9 @@ class _Builder:
         self.cache_dir, self.may_build = cache_dir, may_build
         self.vocab_size, self.log = vocab_size, log
         self.others_wait, self._announced = others_wait, False
+        self.defer_blends = False
+        self._datasets: Dict[tuple, GPTDataset] = {}
+        self._split_logged: set = set()
         self.tokenizer_vocab_size = tokenizer_vocab_size
         self._opened: Dict[str, MMapIndexedDataset] = {}
         # datasets whose index cache is stale: collected, raised together by `_build_all`
@@ -394,6 +402,9 @@ class _Builder:
         """The GPTDataset, or None when its index cache is stale (kept in `self.stale`).
         After a stale one, the caches of the others are only looked at (and checked), none
         is built: the run stops, with every stale cache named (`_build_all`)."""
+        key = (name, prefix, int(documents[0]), len(documents), num_samples)
+        if key in self._datasets:
+            return self._datasets[key]
         checking_only = bool(self.stale)
         try:
             ds = GPTDataset(name, prefix, documents, self.indexed(prefix), num_samples,
@@ -415,12 +426,14 @@ class _Builder:
                      if ds.index_build_s is not None else f"index read from {where}")
             self.log(f"    {shown} dataset of {prefix}: {len(ds)} samples of {self.seq_length} "
                      f"tokens, {epochs} epoch(s) over {len(documents)} documents ({index})")
+        self._datasets[key] = ds
         return ds
 
     def split_datasets(self, prefix: str, num_samples: Sequence[int]) -> list:
         """train/valid/test GPTDatasets over the split ranges of one prefix (None if empty)."""
         bounds = get_train_valid_test_split(self.split, len(self.indexed(prefix).sizes))
-        if self.log is not None:
+        if self.log is not None and prefix not in self._split_logged:
+            self._split_logged.add(prefix)
             self.log(f" > dataset split of {prefix} ({bounds[3]} documents, --split "
                      f"{self.split!r}):")
             for i, name in enumerate(("train", "validation", "test")):
@@ -442,6 +455,9 @@ class _Builder:
             return None  # a member's cache is stale: `_build_all` raises that
         if any(d is None for d in datasets):  # (check_splits found it first)
             raise ValueError(f"{what}: a blended dataset has no document in this split")
+        if self.defer_blends and not self.cache_dir:
+            return None
+
         def announce():
             if self.log is not None:  # Megatron-LM's line, then what it is building
                 self.log(f"> building indices for blendable datasets ... ({what}: "
@@ -456,6 +472,9 @@ class _Builder:
             if blend.build_s is not None:
                 self.log(f"> elapsed time for building blendable dataset indices: "
                          f"{blend.build_s:.2f} (sec)")
+            if (blend.build_s or 0.0) >= LONG_BLEND_S and not self.cache_dir:
+                self.log(" > (every rank builds these again at each start: pass "
+                         "--data-cache-path to keep them, so that later runs read them)")
         return blend
 
     def whole(self, name: str, data_path: Sequence[str], num_samples: int):
@@ -607,19 +626,22 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
                          "--test-data-path (or --mock-data)")
     num_samples = [int(n) for n in train_valid_test_num_samples]
     paths = (train_data_path, valid_data_path, test_data_path)
-    result, error = None, None
+    result, error, builder = None, None, None
     if is_builder_rank:
+        builder = _Builder(split, seq_length, seed, cache_dir, True, vocab_size, log,
+                           tokenizer_vocab_size, others_wait=barrier is not None)
+        builder.defer_blends = barrier is not None  # in-memory blends: built by all at once
         try:
-            result = _build_all(_Builder(split, seq_length, seed, cache_dir, True,
-                                         vocab_size, log, tokenizer_vocab_size,
-                                         others_wait=barrier is not None),
-                                data_prefix, num_samples, paths)
+            result = _build_all(builder, data_prefix, num_samples, paths)
         except Exception as e:  # reach the barrier anyway so the other ranks do not hang
             error = e
     if barrier is not None:
         barrier()
     if error is not None:
         raise error
+    if builder is not None and builder.defer_blends:
+        builder.defer_blends = False
+        result = _build_all(builder, data_prefix, num_samples, paths)
     if result is None:
         result = _build_all(_Builder(split, seq_length, seed, cache_dir, False, vocab_size),
                             data_prefix, num_samples, paths)
