@@ -318,7 +318,20 @@ class MMapIndexedDataset:
         kind = "truncated" if bin_size < expected else "oversized"
         raise ValueError(f"{bin_path}: {kind} data file: {bin_size} bytes, the index "
                          f"({len(self._sizes)} sequences, {n_tokens} tokens of "
-                         f"{self._dtype.name}) implies {expected}")
+                         f"{self._dtype.name}) implies {expected}"
+                         f"{self._other_dtype_hint(bin_size, n_tokens)}")
+
+    def _other_dtype_hint(self, bin_size: int, n_tokens: int) -> str:
+        """'; ...' when the .bin holds exactly the index's tokens in another dtype: an .idx
+        of other data (preprocessed for a vocabulary on the other side of 65500 ids: uint16
+        against int32), not a damaged .bin."""
+        fits = sorted({np.dtype(d).name for d in DTYPE_CODES.values()
+                       if n_tokens and np.dtype(d).itemsize * n_tokens == bin_size})
+        if not fits:
+            return ""
+        return (f"; it holds exactly that many tokens of {' or '.join(fits)}: the .idx "
+                f"(dtype {self._dtype.name}) was likely written for other data, e.g. "
+                "preprocessed with another tokenizer; use the .idx written with this .bin")
 
     @property
     def dtype(self) -> np.dtype:
