@@ -348,6 +348,53 @@ def test_blending_many_datasets_is_not_a_loop_over_them():
     assert ours < 0.5 * loop, (ours, loop)
 
 
+@pytest.mark.parametrize("num", [3, 200])
+def test_samples_needed_per_dataset(monkeypatch, num):
+    """1 + the largest sample taken from each dataset, 0 for one never picked, across
+    blocks; what the blend checks its members against."""
+    from megatron.core.datasets import blended
+
+    monkeypatch.setattr(blended, "_FLUSH", 251)
+    rng = np.random.default_rng(num)
+    index = rng.integers(0, num - 1, 7000).astype(np.uint8)  # the last one never picked
+    sample = rng.integers(0, 10**6, 7000)
+    want = [int(sample[index == d].max()) + 1 if (index == d).any() else 0 for d in range(num)]
+    assert blended.samples_needed(index, sample, num).tolist() == want
+
+
+def test_a_blend_member_too_small_for_its_picks_is_named(tmp_path):
+    a, _ = make_corpus(tmp_path / "a", [30] * 40, seed=1)
+    b, _ = make_corpus(tmp_path / "b", [17] * 60, seed=2)
+    train, _, _ = build_train_valid_test_datasets(["0.3", a, "0.7", b], "1", [100, 0, 0], 16, 7)
+    members = train.datasets
+    size = int(len(members[1]) / 0.7) + 20  # b's 70%: more than it has
+    assert 0.3 * size < len(members[0])
+    with pytest.raises(ValueError, match=rf"blended dataset 1 has {len(members[1])} samples but "
+                                         r"the blend needs \d+"):
+        BlendedDataset(members, [0.3, 0.7], size)
+
+
+def test_checking_a_blend_of_many_datasets_is_one_pass():
+    """The members' sample counts come from one pass over the blend (it made one per
+    dataset: minutes on every rank for a large blend of hundreds of shards)."""
+    import time
+
+    from megatron.core.datasets import blended
+
+    size, num = 4_000_000, 200
+    rng = np.random.default_rng(0)
+    index = rng.integers(0, num, size).astype(np.uint8)
+    sample = rng.integers(0, 10**6, size)
+    start = time.perf_counter()
+    blended.samples_needed(index, sample, num)
+    ours = time.perf_counter() - start
+    start = time.perf_counter()
+    for d in range(num):
+        int(sample[index == d].max())
+    per_dataset = time.perf_counter() - start
+    assert ours < 0.5 * per_dataset, (ours, per_dataset)
+
+
 def test_blended_datasets(tmp_path):
     a, _ = make_corpus(tmp_path / "a", [30] * 40, seed=1)
     b, _ = make_corpus(tmp_path / "b", [17] * 60, seed=2)
