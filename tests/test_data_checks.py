@@ -200,6 +200,14 @@ def test_a_blend_member_without_documents_is_named_with_the_fix(tmp_path):
         _build(_config(data_path=["0.5", big, "0.5", empty], split="90,8,2"))
 
 
+def test_a_train_data_path_member_without_documents_is_named(tmp_path):
+    big, _ = make_corpus(tmp_path / "big", [20] * 200, seed=1, vocab=100)
+    empty, _ = make_corpus(tmp_path / "empty", [], seed=2, vocab=100)
+    with pytest.raises(SystemExit, match=rf"{empty}: holds no non-empty documents "
+                                         r"\(0 sequences\)"):
+        _build(_config(train_data_path=["0.5", big, "0.5", empty], valid_data_path=[big]))
+
+
 def test_missing_data_files_stop_the_run_before_the_model_is_built(tmp_path):
     """pretrain_gpt.py with a --data-path whose files are absent stops right after start-up
     with every missing file, the relative path resolved and preprocess_data.py's name when

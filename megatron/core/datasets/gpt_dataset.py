@@ -402,7 +402,8 @@ class _Builder:
         """The GPTDataset, or None when its index cache is stale (kept in `self.stale`).
         After a stale one, the caches of the others are only looked at (and checked), none
         is built: the run stops, with every stale cache named (`_build_all`)."""
-        key = (name, prefix, int(documents[0]), len(documents), num_samples)
+        key = (name, prefix, int(documents[0]) if len(documents) else -1, len(documents),
+               num_samples)
         if key in self._datasets:
             return self._datasets[key]
         checking_only = bool(self.stale)
