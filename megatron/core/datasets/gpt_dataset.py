@@ -612,7 +612,8 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
     Multi-process use: every rank calls this with the same arguments; the builder rank
     (global rank 0) builds missing cache files first, then all ranks meet in `barrier()`
     (e.g. `torch.distributed.barrier`; one call per rank), then the others load the files.
-    A non-builder rank that finds a file missing raises ValueError.
+    A non-builder rank that finds a file missing raises ValueError. Blends without a cache
+    dir are kept in memory: every rank builds its own after the barrier.
 
     `vocab_size` (the model's padded vocabulary) has every opened `.bin` checked for ids
     outside it (`check_token_ids`: a bounded sample), and every sample read (a ValueError
