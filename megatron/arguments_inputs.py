@@ -59,6 +59,7 @@ def check_data_inputs(ns, explicit=frozenset()) -> None:
                      f"{'it' if one else 'each'}; give {'it' if one else 'them'} a positive "
                      f"weight to train on {'it' if one else 'them'}, or drop the "
                      f"{'pair' if one else 'pairs'}")
+            _warn_repeated_members(dest, paths, prefixes)
     separate = [flag_for_dest(d) for d in _DATA_LISTS[1:] if getattr(ns, d)]
     if ns.data_path and separate:
         warn(f"{', '.join(separate)} ignored: --data-path is given, and its --split "
@@ -77,6 +78,36 @@ def check_data_inputs(ns, explicit=frozenset()) -> None:
         if len(numbers) > 3:  # Megatron-LM drops the rest silently
             warn(f"--split '{ns.split}': only the first three numbers (train, validation, "
                  f"test) are read; {','.join(n.strip() for n in numbers[3:])} ignored")
+
+
+def _same_file_key(prefix: str) -> str:
+    """What makes two spellings of a dataset prefix one dataset: the resolved `.bin` (links
+    and relative paths followed), or the normalised path when it does not exist."""
+    data = prefix + ".bin"
+    return os.path.realpath(data) if os.path.exists(data) else os.path.abspath(prefix)
+
+
+def _warn_repeated_members(dest: str, paths, prefixes: List[str]) -> None:
+    """A dataset named twice in a blend (by the same or another spelling): the copies'
+    indexes are built from the same documents with the same seed (the name does not enter
+    them), so they draw the same samples in the same order and each sample comes twice --
+    with equal weights in neighbouring positions of the blend, often one micro-batch.
+    Megatron-LM does the same, silently; summing the weights draws distinct samples."""
+    if len(paths) < 2:
+        return
+    groups: dict = {}
+    for i, prefix in enumerate(prefixes):
+        groups.setdefault(_same_file_key(prefix), []).append(i)
+    for members in (m for m in groups.values() if len(m) > 1):
+        names = sorted({prefixes[i] for i in members})
+        raw = [paths[2 * i] for i in members]
+        total = sum(float(w) for w in raw)
+        warn(f"{flag_for_dest(dest)}: {' and '.join(names)} {'is' if len(names) == 1 else 'are'} "
+             f"one dataset given {len(members)} times (weights {', '.join(raw)}): each copy "
+             "is indexed from the same documents with the same --seed, so the copies draw the "
+             "same samples in the same order and each is trained on once per copy (with equal "
+             "weights in neighbouring samples of the blend), as in Megatron-LM; give it once "
+             f"with the weights summed ({total:g}) to draw distinct samples instead")
 
 
 def _check_quoted_blend(dest: str, paths) -> None:

@@ -121,9 +121,11 @@ def build_datasets(config: Config, rank: int, vocab_size: int,
     from megatron.core.datasets.index_cache import MissingIndexCacheError
 
     counts = split_sample_counts(config)
+    print_rank_0("> building train, validation, and test datasets ...")  # Megatron-LM's lines
     print_rank_0(" > datasets target sizes (minimum size):")
     for name, n in zip(("train", "validation", "test"), counts):
-        print_rank_0(f"    {name}: {n}")
+        print_rank_0(f"    {name + ':':<11} {n}")
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
     barrier = _watched_barrier if dist.is_initialized() else None
     datasets, error = None, None
     try:
@@ -139,6 +141,7 @@ def build_datasets(config: Config, rank: int, vocab_size: int,
         error = (isinstance(e, MissingIndexCacheError), str(e))
     agreed_data_error(error, group)
     _report_warnings(caught)
+    print_rank_0("> finished creating GPT datasets ...")
     return dict(zip(SPLITS, datasets))
 
 

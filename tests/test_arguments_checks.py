@@ -240,7 +240,7 @@ DATA = without("--mock-data", base=B)
 
 @pytest.mark.parametrize("extra, expected", [
     ("--data-path Z --split a,b", "--split 'a,b': expected numbers like '969,30,1'"),
-    ("--data-path Z --split 0,0,0", "--split '0,0,0': weights must be >= 0 with a positive sum"),
+    ("--data-path Z --split 0,0,0", "--split '0,0,0': weights must be finite numbers >= 0 with a positive sum"),
     ("--data-path X X", "--data-path: data path ['X', 'X']: weights must be numbers"),
     ("--data-path 0.5 X 0.5", "--data-path: data path ['0.5', 'X', '0.5'] must be one "
                               "prefix or pairs 'weight prefix weight prefix ...'"),
@@ -300,6 +300,28 @@ def test_a_blend_member_of_weight_0_is_warned_once(caplog):
     caplog.clear()
     run("--data-path 0.3 A 0.7 B", base=DATA)
     assert "weight 0" not in caplog.text
+
+
+def test_a_dataset_given_twice_in_a_blend_is_warned(caplog, tmp_path, monkeypatch):
+    """The copies of one dataset share its index, so they draw the same samples in the
+    same order: each sample is trained on twice. Spellings of one file count as one (a
+    relative path, a link); another dataset does not."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.bin").write_bytes(b"")
+    (tmp_path / "link.bin").symlink_to(tmp_path / "a.bin")
+    run(f"--data-path 1 a 0.5 b 2 {tmp_path}/a", base=DATA)
+    assert (f"--data-path: {tmp_path}/a and a are one dataset given 2 times (weights 1, 2): "
+            "each copy is indexed from the same documents with the same --seed, so the "
+            "copies draw the same samples in the same order") in caplog.text
+    assert "with the weights summed (3) to draw distinct samples instead" in caplog.text
+    caplog.clear()
+    run("--train-data-path 1 link 1 a 1 b", base=DATA)
+    assert "--train-data-path: a and link are one dataset given 2 times" in caplog.text
+    caplog.clear()
+    run("--data-path 1 a 1 b", base=DATA)
+    run("--data-path a", base=DATA)
+    assert "given" not in caplog.text
 
 
 def test_split_numbers_past_the_third_are_warned(caplog):

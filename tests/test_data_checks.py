@@ -156,6 +156,21 @@ def test_blend_prints_achieved_ratios(tmp_path, capsys):
     assert "--data-path (valid)" in out
 
 
+def test_the_dataset_phase_prints_megatrons_lines(tmp_path, capsys):
+    """Megatron-LM's lines around the dataset build, target sizes aligned as it aligns
+    them (log parsers and side-by-side comparisons of the two tools' logs rely on them)."""
+    prefix, _ = make_corpus(tmp_path / "c", [20] * 30, vocab=100)
+    _build(_config(data_path=[prefix], split="90,10,0"))
+    out = capsys.readouterr().out
+    assert out.startswith("> building train, validation, and test datasets ...\n"
+                          " > datasets target sizes (minimum size):\n"
+                          "    train:      6\n"
+                          "    validation: 4\n"
+                          "    test:       2\n"
+                          "> building train, validation, and test datasets for GPT ...\n"), out
+    assert out.endswith("> finished creating GPT datasets ...\n"), out
+
+
 def test_blend_with_a_member_too_small_for_a_split(tmp_path):
     """--split 90,8,2 gives a 10-document dataset no test document. Evaluating, the
     blend cannot weight it: an error naming that dataset and its size (it said 'a blended
@@ -171,6 +186,26 @@ def test_blend_with_a_member_too_small_for_a_split(tmp_path):
     cfg.training = dataclasses.replace(cfg.training, eval_iters=0)
     datasets = _build(cfg)
     assert len(datasets["train"]) > 0 and datasets["test"] is None
+
+
+def test_a_blend_member_without_documents_is_named_with_the_fix(tmp_path):
+    """One shard of a blend that holds no document (its input was empty): no --split can
+    help, so the error says to leave it out (it said to raise that share of --split)."""
+    big, _ = make_corpus(tmp_path / "big", [20] * 200, seed=1, vocab=100)
+    empty, _ = make_corpus(tmp_path / "empty", [], seed=2, vocab=100)
+    with pytest.raises(SystemExit, match=rf"--data-path: {empty} holds no non-empty document "
+                                         r"\(0 sequences in the .idx\), so no --split can give "
+                                         r"the blend its weight there; leave it out of "
+                                         "--data-path"):
+        _build(_config(data_path=["0.5", big, "0.5", empty], split="90,8,2"))
+
+
+def test_a_train_data_path_member_without_documents_is_named(tmp_path):
+    big, _ = make_corpus(tmp_path / "big", [20] * 200, seed=1, vocab=100)
+    empty, _ = make_corpus(tmp_path / "empty", [], seed=2, vocab=100)
+    with pytest.raises(SystemExit, match=rf"{empty}: holds no non-empty documents "
+                                         r"\(0 sequences\)"):
+        _build(_config(train_data_path=["0.5", big, "0.5", empty], valid_data_path=[big]))
 
 
 def test_missing_data_files_stop_the_run_before_the_model_is_built(tmp_path):

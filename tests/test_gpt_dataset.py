@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -180,6 +181,19 @@ def test_split_bad_values():
         get_train_valid_test_split("a,b", 10)
     with pytest.raises(ValueError, match="positive sum"):
         get_train_valid_test_split("0,0,0", 10)
+    for split in ("nan,1,1", "inf,1,1", "1,inf"):  # float() takes them; round() did not
+        with pytest.raises(ValueError, match=rf"--split '{split}': weights must be finite"):
+            get_train_valid_test_split(split, 10)
+
+
+@pytest.mark.parametrize("weight", ["nan", "inf", "-inf"])
+def test_data_path_weights_must_be_finite(weight):
+    """A weight of nan or inf stopped the dataset builder with 'cannot convert float NaN to
+    integer', naming neither --data-path nor the weight."""
+    from megatron.core.datasets.blended import parse_weighted_prefixes
+
+    with pytest.raises(ValueError, match="data path weights .* must be finite numbers"):
+        parse_weighted_prefixes([weight, "a", "1", "b"])
 
 
 def test_builder_logs_the_split_and_the_epochs_of_each_dataset(tmp_path):
@@ -193,10 +207,41 @@ def test_builder_logs_the_split_and_the_epochs_of_each_dataset(tmp_path):
                          "    train: document indices in [0, 27) total of 27 documents",
                          "    validation: document indices in [27, 30) total of 3 documents",
                          "    test: document indices in [30, 30) total of 0 documents"]
+    assert lines[4] == " > building the missing dataset indices on global rank 0 ..."
     epochs = len(train.doc_idx) // 27
-    assert epochs > 1 and lines[4] == (f"    train dataset of {prefix}: {len(train)} samples of 8 "
-                                       f"tokens, {epochs} epoch(s) over 27 documents")
-    assert lines[5].startswith(f"    validation dataset of {prefix}: ") and len(lines) == 6
+    cache = tmp_path / "cache"  # the last place looked at
+    assert epochs > 1 and re.fullmatch(
+        rf"    train dataset of {prefix}: {len(train)} samples of 8 tokens, {epochs} epoch\(s\) "
+        rf"over 27 documents \(index built into {cache} in \d+\.\d\d s\)", lines[5]), lines[5]
+    assert lines[6].startswith(f"    validation dataset of {prefix}: ") and len(lines) == 7
+
+
+def test_builder_logs_what_it_builds_reads_and_how_long_a_blend_took(tmp_path):
+    """With other ranks waiting, the builder rank says once that it builds (they print
+    nothing meanwhile); each dataset line says where its index was read from or built
+    into; a blend built prints Megatron-LM's line before and its elapsed time after (a
+    blend of many datasets over many samples takes minutes)."""
+    a, _ = make_corpus(tmp_path / "a", [20] * 30, seed=1)
+    b, _ = make_corpus(tmp_path / "b", [30] * 30, seed=2)
+    cache = tmp_path / "cache"
+    args = (["1", a, "3", b], "90,10,0", [50, 5, 0], 8, 1234, str(cache))
+    lines = []
+    build_train_valid_test_datasets(*args, barrier=lambda: None, log=lines.append)
+    announce = (" > building the missing dataset indices on global rank 0; the other ranks "
+                "wait for it ...")
+    assert lines.count(announce) == 1 and lines.index(announce) < lines.index(
+        next(x for x in lines if x.startswith("    train dataset of")))
+    assert sum(f"(index built into {cache} in " in x for x in lines) == 4
+    blend = lines.index("> building indices for blendable datasets ... (--data-path (train): 2 "
+                        "datasets, 51 samples)")
+    assert lines[blend + 1] == " > blended dataset for --data-path (train): 51 samples; sample " \
+        "ratios:"
+    assert re.fullmatch(r"> elapsed time for building blendable dataset indices: \d+\.\d\d "
+                        r"\(sec\)", lines[blend + 4]), lines[blend + 4]
+    lines.clear()  # again: every index read, nothing built, nothing announced
+    build_train_valid_test_datasets(*args, barrier=lambda: None, log=lines.append)
+    assert sum(f"(index read from {cache})" in x for x in lines) == 4
+    assert not [x for x in lines if "building" in x or "built" in x or "elapsed" in x]
 
 
 def test_cache_names_reuse_and_lookup(tmp_path, monkeypatch):
@@ -257,6 +302,97 @@ def test_blending_two_datasets_large_random():
         r_index, r_sample = ref_blending(list(w), 20000)
         np.testing.assert_array_equal(index, r_index)
         np.testing.assert_array_equal(sample, r_sample)
+
+
+@pytest.mark.parametrize("num", [40, 61, 254])
+def test_blending_many_datasets_matches_reference(monkeypatch, num):
+    """From NUMPY_STEP_MIN datasets one numpy argmax per sample: exact, ties included
+    (integer weights repeat; a weight 0), across the flushes into the output arrays."""
+    from megatron.core.datasets import blended
+
+    monkeypatch.setattr(blended, "_FLUSH", 997)
+    w = np.random.default_rng(num).integers(0, 6, num).astype(np.float64)
+    w[0] = 0.0
+    w /= w.sum()
+    size = 5000
+    index, sample = build_blending_indices(w, size)
+    r_index, r_sample = ref_blending(list(w), size)
+    np.testing.assert_array_equal(index, r_index)
+    np.testing.assert_array_equal(sample, r_sample)
+    assert index.dtype == np.uint8 and sample.dtype == np.int64
+
+
+def test_blending_many_datasets_is_not_a_loop_over_them():
+    """A blend of 200 datasets costs about what one of 50 does (a Python loop over the
+    datasets per sample grew with their number: minutes more for a large corpus of many
+    shards). Measured against that loop on the same input, best of two."""
+    import time
+
+    from megatron.core.datasets import blended
+
+    w = np.random.default_rng(3).random(200)
+    w /= w.sum()
+    size = 60000
+
+    def best(fn):
+        times = []
+        for _ in range(2):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    loop = best(lambda: blended._blending_loop(w, size, np.zeros(200, dtype=np.int64), 0,
+                                               np.zeros(size, np.uint8), np.zeros(size, np.int64)))
+    ours = best(lambda: build_blending_indices(w, size))
+    assert ours < 0.5 * loop, (ours, loop)
+
+
+@pytest.mark.parametrize("num", [3, 200])
+def test_samples_needed_per_dataset(monkeypatch, num):
+    """1 + the largest sample taken from each dataset, 0 for one never picked, across
+    blocks; what the blend checks its members against."""
+    from megatron.core.datasets import blended
+
+    monkeypatch.setattr(blended, "_FLUSH", 251)
+    rng = np.random.default_rng(num)
+    index = rng.integers(0, num - 1, 7000).astype(np.uint8)  # the last one never picked
+    sample = rng.integers(0, 10**6, 7000)
+    want = [int(sample[index == d].max()) + 1 if (index == d).any() else 0 for d in range(num)]
+    assert blended.samples_needed(index, sample, num).tolist() == want
+
+
+def test_a_blend_member_too_small_for_its_picks_is_named(tmp_path):
+    a, _ = make_corpus(tmp_path / "a", [30] * 40, seed=1)
+    b, _ = make_corpus(tmp_path / "b", [17] * 60, seed=2)
+    train, _, _ = build_train_valid_test_datasets(["0.3", a, "0.7", b], "1", [100, 0, 0], 16, 7)
+    members = train.datasets
+    size = int(len(members[1]) / 0.7) + 20  # b's 70%: more than it has
+    assert 0.3 * size < len(members[0])
+    with pytest.raises(ValueError, match=rf"blended dataset 1 has {len(members[1])} samples but "
+                                         r"the blend needs \d+"):
+        BlendedDataset(members, [0.3, 0.7], size)
+
+
+def test_checking_a_blend_of_many_datasets_is_one_pass():
+    """The members' sample counts come from one pass over the blend (it made one per
+    dataset: minutes on every rank for a large blend of hundreds of shards)."""
+    import time
+
+    from megatron.core.datasets import blended
+
+    size, num = 4_000_000, 200
+    rng = np.random.default_rng(0)
+    index = rng.integers(0, num, size).astype(np.uint8)
+    sample = rng.integers(0, 10**6, size)
+    start = time.perf_counter()
+    blended.samples_needed(index, sample, num)
+    ours = time.perf_counter() - start
+    start = time.perf_counter()
+    for d in range(num):
+        int(sample[index == d].max())
+    per_dataset = time.perf_counter() - start
+    assert ours < 0.5 * per_dataset, (ours, per_dataset)
 
 
 def test_blended_datasets(tmp_path):
@@ -353,6 +489,30 @@ def test_builder_rank_and_barrier(tmp_path):
     with pytest.raises(ValueError, match="missing on this rank after the builder rank .* every node sees"):
         build_train_valid_test_datasets([prefix], "1", [26, 0, 0], 8, 3, cache,
                                         is_builder_rank=False)
+
+
+def test_blends_kept_in_memory_are_built_after_the_barrier(tmp_path):
+    """Without a cache dir a blend's indices live in each rank's memory, so every rank
+    builds them: the builder rank builds its own after the barrier, beside the others (it
+    built them before, and the others waited for that: twice the time of one build).
+    A blend written to the cache dir is built before the barrier, and read by the others."""
+    a, _ = make_corpus(tmp_path / "a", [20] * 30, seed=1)
+    b, _ = make_corpus(tmp_path / "b", [30] * 30, seed=2)
+    path, counts = ["1", a, "3", b], [50, 5, 0]
+    for cache, after in ((None, True), (str(tmp_path / "cache"), False)):
+        lines = []
+        train, valid, _ = build_train_valid_test_datasets(
+            path, "90,10,0", counts, 8, 1234, cache, barrier=lambda: lines.append("BARRIER"),
+            log=lines.append)
+        blends = [i for i, x in enumerate(lines) if x.startswith("> building indices for blend")]
+        assert len(blends) == 2 and (min(blends) > lines.index("BARRIER")) == after, lines
+        assert len([x for x in lines if x.startswith("    train dataset of")]) == 2, lines
+        assert len([x for x in lines if x.startswith(" > dataset split of")]) == 2, lines
+        alone = build_train_valid_test_datasets(path, "90,10,0", counts, 8, 1234, cache)
+        for got, want in ((train, alone[0]), (valid, alone[1])):
+            np.testing.assert_array_equal(got.dataset_index, want.dataset_index)
+            assert [got[i]["text"].tolist() for i in range(len(got))] == \
+                [want[i]["text"].tolist() for i in range(len(want))]
 
 
 @pytest.mark.slow

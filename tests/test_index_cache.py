@@ -278,3 +278,20 @@ def test_a_megatron_written_cache_is_used_as_it_is(tmp_path, monkeypatch):
         assert got.cache_paths["doc"].startswith(str(where))
         assert [got[i]["text"].tolist() for i in range(len(got))] == \
             [want[i].tolist() for i in range(len(want))]
+
+
+def test_an_unwritable_cache_dir_for_the_blend_is_named(tmp_path):
+    """The members' indexes found in `index-cache/` beside the data, the blend's to be
+    written into a --data-cache-path that cannot be created: a ValueError naming the
+    directory and the fix (it was an OSError traceback, which the run did not report as a
+    data error)."""
+    (tmp_path / "data").mkdir()
+    a, _ = make_corpus(tmp_path / "data" / "a", [30] * 40, seed=1)
+    b, _ = make_corpus(tmp_path / "data" / "b", [17] * 60, seed=2)
+    path, split, counts = ["0.3", a, "0.7", b], "90,10,0", [200, 20, 0]
+    build_train_valid_test_datasets(path, split, counts, 16, 7)  # into data/index-cache
+    (tmp_path / "file").write_text("")
+    cache = str(tmp_path / "file" / "cache")  # under a regular file: never a directory
+    with pytest.raises(ValueError, match=rf"cannot write the blending index cache to {cache} "
+                                         r"\(.*\); pass a writable --data-cache-path"):
+        build_train_valid_test_datasets(path, split, counts, 16, 7, cache)

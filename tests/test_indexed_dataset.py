@@ -13,6 +13,7 @@ from megatron.core.datasets.indexed_dataset import (
     IndexedDatasetBuilder,
     MMapIndexedDataset,
     best_dtype,
+    write_index,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,6 +145,21 @@ def test_corrupt_files_raise(tmp_path, name, idx, bin_, message):
     with pytest.raises(ValueError, match=message) as info:
         MMapIndexedDataset(prefix)
     assert name in str(info.value)  # the message names the file
+
+
+def test_an_idx_of_another_dtype_is_named_as_such(tmp_path):
+    """The worked example's uint16 .bin under an .idx that says int32 (the dtype the tools
+    pick for a vocabulary of 65500 ids or more): the message says which dtype the .bin
+    fits, not only 'truncated' (which sent users to copy the .bin again)."""
+    prefix = str(tmp_path / "mixed")
+    (tmp_path / "mixed.bin").write_bytes(EXAMPLE_BIN)
+    write_index(prefix + ".idx", np.int32, np.array([3, 2]), np.array([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"mixed.bin: truncated data file: 10 bytes, the index "
+                                         r"\(2 sequences, 5 tokens of int32\) implies 20; it "
+                                         r"holds exactly that many tokens of int16 or uint16: "
+                                         r"the .idx says int32, another dtype than the .bin "
+                                         r"was written in"):
+        MMapIndexedDataset(prefix)
 
 
 def _legacy_idx(code=8, element_size=2, sizes=(3, 2), doc_idx=(0, 1, 2), dims=None):

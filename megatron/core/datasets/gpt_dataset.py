@@ -22,6 +22,9 @@ seconds).
 from __future__ import annotations
 
 import hashlib
+import math
+import os
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -36,6 +39,7 @@ from megatron.core.datasets.index_cache import (
 from megatron.core.datasets.indexed_dataset import MMapIndexedDataset, check_token_ids
 
 LAST_EPOCH_FRACTION = 0.80
+LONG_BLEND_S = 10.0  # a blend build this long without a cache dir is pointed at one
 
 
 def get_train_valid_test_split(split_string: str, size: int) -> List[int]:
@@ -52,8 +56,9 @@ def get_train_valid_test_split(split_string: str, size: int) -> List[int]:
         raise ValueError(f"--split {split_string!r}: expected numbers like '969,30,1'") from e
     splits = (splits + [0.0, 0.0, 0.0])[:3]
     total = sum(splits)
-    if total <= 0.0 or min(splits) < 0:
-        raise ValueError(f"--split {split_string!r}: weights must be >= 0 with a positive sum")
+    if not math.isfinite(total) or total <= 0.0 or min(splits) < 0:
+        raise ValueError(f"--split {split_string!r}: weights must be finite numbers >= 0 with a "
+                         "positive sum, e.g. '969,30,1'")
     splits = [s / total for s in splits]
     index = [0]
     for i, s in enumerate(splits):
@@ -261,7 +266,10 @@ class GPTDataset:
     def __init__(self, name: str, data_prefix: str, documents: np.ndarray,
                  indexed_dataset: MMapIndexedDataset, num_samples: int, seq_length: int,
                  seed: int, split_string: str, cache_dir: Optional[str] = None,
-                 may_build: bool = True, vocab_size: Optional[int] = None):
+                 may_build: bool = True, vocab_size: Optional[int] = None,
+                 on_build: Optional[Callable[[], None]] = None):
+        """`on_build` is called before the index is built (not when a cache is used);
+        `index_build_s` is then the seconds the build took, else None."""
         documents = np.asarray(documents, dtype=np.int32)
         n_seq = len(indexed_dataset.sizes)
         if n_seq == 0:
@@ -286,8 +294,15 @@ class GPTDataset:
             raise ValueError(f"{what}: all its documents are empty (0 tokens); preprocess "
                              "non-empty text or adjust --split")
 
+        self.index_build_s = None
+
         def build():
-            return build_index_arrays(documents, sizes, num_samples, seq_length, seed)
+            if on_build is not None:
+                on_build()
+            start = time.time()
+            arrays = build_index_arrays(documents, sizes, num_samples, seq_length, seed)
+            self.index_build_s = time.time() - start
+            return arrays
 
         def check(arrays):
             return index_mismatch(arrays, documents, sizes, num_samples, seq_length)
@@ -343,15 +358,23 @@ class GPTDataset:
 
 
 class _Builder:
-    """Opens each prefix once and builds single or blended datasets."""
+    """Opens each prefix once and builds single or blended datasets (each GPT dataset once:
+    a second pass reuses them). With `defer_blends`, blends without a cache dir are left
+    out (None): they live in memory only, so every rank builds its own, and the builder
+    rank builds them in a second pass after the barrier, beside the others rather than
+    before them."""
 
     def __init__(self, split: str, seq_length: int, seed: int, cache_dir: Optional[str],
                  may_build: bool, vocab_size: Optional[int] = None,
                  log: Optional[Callable[[str], None]] = None,
-                 tokenizer_vocab_size: Optional[int] = None):
+                 tokenizer_vocab_size: Optional[int] = None, others_wait: bool = False):
         self.split, self.seq_length, self.seed = split, seq_length, seed
         self.cache_dir, self.may_build = cache_dir, may_build
         self.vocab_size, self.log = vocab_size, log
+        self.others_wait, self._announced = others_wait, False
+        self.defer_blends = False
+        self._datasets: Dict[tuple, GPTDataset] = {}
+        self._split_logged: set = set()
         self.tokenizer_vocab_size = tokenizer_vocab_size
         self._opened: Dict[str, MMapIndexedDataset] = {}
         # datasets whose index cache is stale: collected, raised together by `_build_all`
@@ -367,15 +390,28 @@ class _Builder:
             self._opened[prefix] = dataset
         return self._opened[prefix]
 
+    def _announce_build(self) -> None:
+        """Say once, before the first index is built, that this rank builds (and that the
+        others wait: they print nothing until it is done)."""
+        if self.log is not None and not self._announced:
+            waiting = "; the other ranks wait for it" if self.others_wait else ""
+            self.log(f" > building the missing dataset indices on global rank 0{waiting} ...")
+        self._announced = True
+
     def dataset(self, name: str, prefix: str, documents: np.ndarray, num_samples: int):
         """The GPTDataset, or None when its index cache is stale (kept in `self.stale`).
         After a stale one, the caches of the others are only looked at (and checked), none
         is built: the run stops, with every stale cache named (`_build_all`)."""
+        key = (name, prefix, int(documents[0]) if len(documents) else -1, len(documents),
+               num_samples)
+        if key in self._datasets:
+            return self._datasets[key]
         checking_only = bool(self.stale)
         try:
             ds = GPTDataset(name, prefix, documents, self.indexed(prefix), num_samples,
                             self.seq_length, self.seed, self.split, self.cache_dir,
-                            self.may_build and not checking_only, self.vocab_size)
+                            self.may_build and not checking_only, self.vocab_size,
+                            on_build=self._announce_build)
         except StaleIndexCacheError as e:
             self.stale.append(e)
             return None
@@ -386,14 +422,19 @@ class _Builder:
         if self.log is not None:  # how often the documents repeat: an epoch count
             epochs = len(ds.doc_idx) // max(len(documents), 1)
             shown = "validation" if name == "valid" else name
+            where = os.path.dirname(ds.cache_paths["desc"])
+            index = (f"index built into {where} in {ds.index_build_s:.2f} s"
+                     if ds.index_build_s is not None else f"index read from {where}")
             self.log(f"    {shown} dataset of {prefix}: {len(ds)} samples of {self.seq_length} "
-                     f"tokens, {epochs} epoch(s) over {len(documents)} documents")
+                     f"tokens, {epochs} epoch(s) over {len(documents)} documents ({index})")
+        self._datasets[key] = ds
         return ds
 
     def split_datasets(self, prefix: str, num_samples: Sequence[int]) -> list:
         """train/valid/test GPTDatasets over the split ranges of one prefix (None if empty)."""
         bounds = get_train_valid_test_split(self.split, len(self.indexed(prefix).sizes))
-        if self.log is not None:
+        if self.log is not None and prefix not in self._split_logged:
+            self._split_logged.add(prefix)
             self.log(f" > dataset split of {prefix} ({bounds[3]} documents, --split "
                      f"{self.split!r}):")
             for i, name in enumerate(("train", "validation", "test")):
@@ -415,11 +456,26 @@ class _Builder:
             return None  # a member's cache is stale: `_build_all` raises that
         if any(d is None for d in datasets):  # (check_splits found it first)
             raise ValueError(f"{what}: a blended dataset has no document in this split")
-        blend = BlendedDataset(datasets, weights, size, self.cache_dir, self.may_build)
+        if self.defer_blends and not self.cache_dir:
+            return None
+
+        def announce():
+            if self.log is not None:  # Megatron-LM's line, then what it is building
+                self.log(f"> building indices for blendable datasets ... ({what}: "
+                         f"{len(datasets)} datasets, {size} samples)")
+
+        blend = BlendedDataset(datasets, weights, size, self.cache_dir, self.may_build,
+                               on_build=announce)
         if self.log is not None:
             self.log(f" > blended dataset for {what}: {size} samples; sample ratios:")
             for d, (w, achieved) in enumerate(zip(blend.weights, blend.achieved_weights())):
                 self.log(f"   dataset {d}, input: {w:g}, achieved: {achieved:g}")
+            if blend.build_s is not None:
+                self.log(f"> elapsed time for building blendable dataset indices: "
+                         f"{blend.build_s:.2f} (sec)")
+            if (blend.build_s or 0.0) >= LONG_BLEND_S and not self.cache_dir:
+                self.log(" > (every rank builds these again at each start: pass "
+                         "--data-cache-path to keep them, so that later runs read them)")
         return blend
 
     def whole(self, name: str, data_path: Sequence[str], num_samples: int):
@@ -472,6 +528,13 @@ def _check_blend_splits(builder: _Builder, data_prefix, num_samples) -> None:
         return
     prefixes = parse_weighted_prefixes(data_prefix)[0]
     docs = {p: len(builder.indexed(p).sizes) for p in prefixes}
+    hollow = [p for p in prefixes if docs[p] == 0]
+    if hollow and len(hollow) < len(prefixes) and any(n > 0 for n in num_samples):
+        verb = "holds" if len(hollow) == 1 else "hold"
+        raise ValueError(f"--data-path: {', '.join(hollow)} {verb}"
+                         " no non-empty document (0 sequences in the .idx), so no --split can "
+                         "give the blend its weight there; leave it out of --data-path, or "
+                         "preprocess it again from input with text under --json-keys")
     bounds = {p: get_train_valid_test_split(builder.split, n) for p, n in docs.items()}
     for k, name in enumerate(("train", "valid", "test")):
         empty = [p for p in prefixes if bounds[p][k + 1] == bounds[p][k]]
@@ -549,7 +612,8 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
     Multi-process use: every rank calls this with the same arguments; the builder rank
     (global rank 0) builds missing cache files first, then all ranks meet in `barrier()`
     (e.g. `torch.distributed.barrier`; one call per rank), then the others load the files.
-    A non-builder rank that finds a file missing raises ValueError.
+    A non-builder rank that finds a file missing raises ValueError. Blends without a cache
+    dir are kept in memory: every rank builds its own after the barrier.
 
     `vocab_size` (the model's padded vocabulary) has every opened `.bin` checked for ids
     outside it (`check_token_ids`: a bounded sample), and every sample read (a ValueError
@@ -564,18 +628,22 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
                          "--test-data-path (or --mock-data)")
     num_samples = [int(n) for n in train_valid_test_num_samples]
     paths = (train_data_path, valid_data_path, test_data_path)
-    result, error = None, None
+    result, error, builder = None, None, None
     if is_builder_rank:
+        builder = _Builder(split, seq_length, seed, cache_dir, True, vocab_size, log,
+                           tokenizer_vocab_size, others_wait=barrier is not None)
+        builder.defer_blends = barrier is not None  # in-memory blends: built by all at once
         try:
-            result = _build_all(_Builder(split, seq_length, seed, cache_dir, True,
-                                         vocab_size, log, tokenizer_vocab_size),
-                                data_prefix, num_samples, paths)
+            result = _build_all(builder, data_prefix, num_samples, paths)
         except Exception as e:  # reach the barrier anyway so the other ranks do not hang
             error = e
     if barrier is not None:
         barrier()
     if error is not None:
         raise error
+    if builder is not None and builder.defer_blends:
+        builder.defer_blends = False
+        result = _build_all(builder, data_prefix, num_samples, paths)
     if result is None:
         result = _build_all(_Builder(split, seq_length, seed, cache_dir, False, vocab_size),
                             data_prefix, num_samples, paths)

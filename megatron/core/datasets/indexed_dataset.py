@@ -318,7 +318,21 @@ class MMapIndexedDataset:
         kind = "truncated" if bin_size < expected else "oversized"
         raise ValueError(f"{bin_path}: {kind} data file: {bin_size} bytes, the index "
                          f"({len(self._sizes)} sequences, {n_tokens} tokens of "
-                         f"{self._dtype.name}) implies {expected}")
+                         f"{self._dtype.name}) implies {expected}"
+                         f"{self._other_dtype_hint(bin_size, n_tokens)}")
+
+    def _other_dtype_hint(self, bin_size: int, n_tokens: int) -> str:
+        """'; ...' when the .bin holds exactly the index's tokens in another dtype: the
+        .idx names another dtype than the .bin was written in (the builders pick uint16 or
+        int32 from the vocabulary size), not a damaged .bin."""
+        fits = sorted({np.dtype(d).name for d in DTYPE_CODES.values()
+                       if n_tokens and np.dtype(d).itemsize * n_tokens == bin_size})
+        if not fits:
+            return ""
+        return (f"; it holds exactly that many tokens of {' or '.join(fits)}: the .idx says "
+                f"{self._dtype.name}, another dtype than the .bin was written in (the tools "
+                "pick uint16 or int32 from the vocabulary size); use the .idx written with "
+                "this .bin")
 
     @property
     def dtype(self) -> np.dtype:
