@@ -60,10 +60,10 @@ def resolve_parallel(ns, world_size: int) -> None:
             f"--seq-length {ns.seq_length} is not divisible by --tensor-model-parallel-size "
             f"{tp}: --sequence-parallel splits each sequence over the tensor-parallel ranks; "
             f"use a --seq-length that is a multiple of {tp} "
-            f"({_nearby_multiples(ns.seq_length, tp)}) or drop --sequence-parallel")
+            f"({nearby_multiples(ns.seq_length, tp)}) or drop --sequence-parallel")
 
 
-def _nearby_multiples(value: int, step: int) -> str:
+def nearby_multiples(value: int, step: int) -> str:
     """'e.g. 30 or 32': the multiples of `step` next to `value` (the lower one when > 0)."""
     low = value // step * step
     return f"e.g. {low} or {low + step}" if low else f"e.g. {step}"
@@ -97,7 +97,7 @@ def _check_layer_split(ns) -> None:
              if best + first > 1 else "")
     raise ArgumentsError(
         f"--num-layers {layers} is not divisible by {where}; every stage needs the same "
-        f"number of layers: use --num-layers {_nearby_multiples(layers, stages)}{other}")
+        f"number of layers: use --num-layers {nearby_multiples(layers, stages)}{other}")
 
 
 def resolve_virtual_pipeline(ns) -> None:

@@ -123,8 +123,29 @@ def test_ffn_size_divisible_by_tensor_parallel_size():
         msg = error_of("--ffn-hidden-size 333 --tensor-model-parallel-size 2" + extra,
                        world_size=2)
         assert ("--ffn-hidden-size 333 is not divisible by --tensor-model-parallel-size 2"
-                in msg and "(e.g. 332)" in msg)
+                in msg and "(e.g. 332 or 334)" in msg)
     assert run("--ffn-hidden-size 334 --tensor-model-parallel-size 2", world_size=2)
+    # an ffn size below tp: the suggestion is a size the split can use, not 0
+    assert "(e.g. 3)" in error_of("--ffn-hidden-size 2 --tensor-model-parallel-size 3 "
+                                  "--num-attention-heads 3 --hidden-size 48", world_size=3)
+
+
+@pytest.mark.parametrize("extra, derived, sizes", [
+    ("--hidden-size 48 --num-attention-heads 6 --swiglu",
+     "128 (--swiglu's int(4 x --hidden-size 48 x 2/3 / 64) x 64; no --ffn-hidden-size given)",
+     "(e.g. 126 or 129)"),
+    ("--hidden-size 40 --num-attention-heads 6 --kv-channels 8",
+     "160 (4 x --hidden-size 40; no --ffn-hidden-size given)", "(e.g. 159 or 162)"),
+])
+def test_derived_ffn_size_that_tp_cannot_split_is_named_as_derived(extra, derived, sizes):
+    """Without --ffn-hidden-size the width comes from --hidden-size (or --swiglu's rule):
+    the message says so instead of naming a --ffn-hidden-size the user never typed, and
+    the fix is to pass one."""
+    msg = error_of(extra + " --tensor-model-parallel-size 3", world_size=3)
+    assert f"the MLP width {derived} is not divisible by --tensor-model-parallel-size 3" in msg
+    assert f"pass --ffn-hidden-size with a multiple of 3 {sizes}" in msg
+    assert "--ffn-hidden-size 1" not in msg
+    assert run(extra + " --tensor-model-parallel-size 3 --ffn-hidden-size 126", world_size=3)
 
 
 def test_tp_larger_than_world_is_clamped_with_warning(caplog):
