@@ -103,6 +103,36 @@ def test_uneven_layer_split_names_the_stages_and_the_fix(extra, world, parts):
     assert "--pipeline-model-parallel-size 3;" not in msg
 
 
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_layers_per_virtual_stage_below_one_is_named_as_such(value):
+    """Not 'must divide the 2 layers of each pipeline stage': no count below 1 is a stage."""
+    msg = error_of(f"--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage "
+                   f"{value} --num-layers 4 --global-batch-size 8", world_size=2,
+                   base=without("--num-layers"))
+    assert msg == (f"--num-layers-per-virtual-pipeline-stage {value} must be >= 1 (transformer "
+                   "layers in each virtual pipeline stage)")
+
+
+def test_recompute_num_layers_megatron_cannot_run_with(caplog):
+    """Megatron-LM's uniform recompute loops over groups of --recompute-num-layers layers and
+    never ends below 1: refused. Block with N <= 0 recomputes no layer there (and here),
+    although the run asked for full recompute: warned. A count that does not divide the
+    layers of a stage is valid here (see MIGRATING.md)."""
+    full = "--recompute-granularity full --recompute-method"
+    for n in ("0", "-2"):
+        msg = error_of(f"{full} uniform --recompute-num-layers {n}")
+        assert (f"--recompute-num-layers {n} must be >= 1 with --recompute-method uniform"
+                in msg and "pass 1 or leave the flag out" in msg)
+        run(f"{full} block --recompute-num-layers {n}")
+        assert (f"--recompute-method block --recompute-num-layers {n} recomputes no layer"
+                in caplog.text)
+        caplog.clear()
+    for method in ("uniform", "block"):  # 3 of the 2 layers of each stage
+        run(f"{full} {method} --recompute-num-layers 3 --pipeline-model-parallel-size 2 "
+            "--num-layers 4", world_size=2, base=without("--num-layers"))
+    assert "recomputes no layer" not in caplog.text
+
+
 def test_sequence_parallel_needs_a_sequence_tp_divides():
     """Each tensor-parallel rank holds seq_length / tp positions under --sequence-parallel:
     an odd split is refused before start-up (it was a ValueError traceback from every rank
