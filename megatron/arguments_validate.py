@@ -186,13 +186,15 @@ def _resolve_query_groups(ns) -> None:
             raise ArgumentsError(f"--num-query-groups {ns.num_query_groups} needs "
                                  "--group-query-attention")
         return
-    groups = ns.num_query_groups = 1 if ns.num_query_groups is None else ns.num_query_groups
+    default = ns.num_query_groups is None  # one group: a message says it was not typed
+    groups = ns.num_query_groups = 1 if default else ns.num_query_groups
     if groups < 1 or heads % groups:
         raise ArgumentsError(f"--num-attention-heads {heads} is not divisible by "
                              f"--num-query-groups {groups}; use a group count that divides {heads}")
     if groups % tp:
         fits = [g for g in range(tp, heads + 1, tp) if heads % g == 0]  # heads % tp == 0
-        raise ArgumentsError(f"--num-query-groups {groups} is not divisible by "
+        named = " (the default with --group-query-attention)" if default else ""
+        raise ArgumentsError(f"--num-query-groups {groups}{named} is not divisible by "
                              f"--tensor-model-parallel-size {tp}; every tensor-parallel rank needs "
                              f"whole key/value groups: use --num-query-groups {fits[0]} (a "
                              f"multiple of {tp} that divides --num-attention-heads {heads})")

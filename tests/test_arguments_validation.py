@@ -52,6 +52,9 @@ GPT2_VOCAB = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data
     ("--group-query-attention --num-query-groups 2 --tensor-model-parallel-size 4", 4,
      ["--num-query-groups 2", "--tensor-model-parallel-size 4", "use --num-query-groups 4 (a "
       "multiple of 4 that divides --num-attention-heads 4)"]),
+    ("--group-query-attention --tensor-model-parallel-size 2", 2,
+     ["--num-query-groups 1 (the default with --group-query-attention) is not divisible by "
+      "--tensor-model-parallel-size 2", "use --num-query-groups 2"]),
     ("--DDP-impl torch --pipeline-model-parallel-size 2", 2,
      ["--pipeline-model-parallel-size 2 needs --DDP-impl local", "drop --DDP-impl torch"]),
     ("--num-query-groups 2", 1, ["--num-query-groups 2 needs --group-query-attention"]),
