@@ -60,10 +60,10 @@ def resolve_parallel(ns, world_size: int) -> None:
             f"--seq-length {ns.seq_length} is not divisible by --tensor-model-parallel-size "
             f"{tp}: --sequence-parallel splits each sequence over the tensor-parallel ranks; "
             f"use a --seq-length that is a multiple of {tp} "
-            f"({_nearby_multiples(ns.seq_length, tp)}) or drop --sequence-parallel")
+            f"({nearby_multiples(ns.seq_length, tp)}) or drop --sequence-parallel")
 
 
-def _nearby_multiples(value: int, step: int) -> str:
+def nearby_multiples(value: int, step: int) -> str:
     """'e.g. 30 or 32': the multiples of `step` next to `value` (the lower one when > 0)."""
     low = value // step * step
     return f"e.g. {low} or {low + step}" if low else f"e.g. {step}"
@@ -97,7 +97,7 @@ def _check_layer_split(ns) -> None:
              if best + first > 1 else "")
     raise ArgumentsError(
         f"--num-layers {layers} is not divisible by {where}; every stage needs the same "
-        f"number of layers: use --num-layers {_nearby_multiples(layers, stages)}{other}")
+        f"number of layers: use --num-layers {nearby_multiples(layers, stages)}{other}")
 
 
 def resolve_virtual_pipeline(ns) -> None:
@@ -109,6 +109,9 @@ def resolve_virtual_pipeline(ns) -> None:
         warn("--overlap-p2p-communication has no effect without --pipeline-model-parallel-size > 1")
     if per_vstage is None:
         return
+    if per_vstage < 1:
+        raise ArgumentsError(f"--num-layers-per-virtual-pipeline-stage {per_vstage} must be >= 1 "
+                             "(transformer layers in each virtual pipeline stage)")
     if pp < 2:
         raise ArgumentsError(f"--num-layers-per-virtual-pipeline-stage {per_vstage} needs "
                              f"--pipeline-model-parallel-size >= 2 (got {pp})")
@@ -116,7 +119,7 @@ def resolve_virtual_pipeline(ns) -> None:
         raise ArgumentsError("--num-layers-per-virtual-pipeline-stage and "
                              "--standalone-embedding-stage cannot be combined; drop one")
     per_stage = ns.num_layers // pp
-    if per_vstage < 1 or per_stage % per_vstage:
+    if per_stage % per_vstage:
         raise ArgumentsError(
             f"--num-layers-per-virtual-pipeline-stage {per_vstage} must divide the "
             f"{per_stage} layers of each pipeline stage (--num-layers {ns.num_layers} / "
@@ -137,6 +140,23 @@ def resolve_virtual_pipeline(ns) -> None:
         return
     ns.virtual_pipeline_model_parallel_size = vpp
     note(f"interleaved pipeline schedule: {vpp} virtual stages per pipeline rank")
+
+
+def _check_recompute_num_layers(ns) -> None:
+    """Megatron-LM's uniform method recomputes groups of --recompute-num-layers layers, and
+    its loop over the groups never ends below 1 (here each layer is recomputed alone: the
+    value is not read, but a script with it would hang there). Block recomputes the first N
+    layers of each (virtual) stage: N <= 0 recomputes none, as in Megatron-LM: warned."""
+    n, method = ns.recompute_num_layers, ns.recompute_method
+    if method == "uniform" and n < 1:
+        raise ArgumentsError(
+            f"--recompute-num-layers {n} must be >= 1 with --recompute-method uniform (layers "
+            f"per recomputed group; Megatron-LM's loop over the groups never ends with {n}); "
+            "pass 1 or leave the flag out")
+    if method == "block" and n < 1:
+        warn(f"--recompute-granularity full --recompute-method block --recompute-num-layers {n} "
+             "recomputes no layer (as in Megatron-LM); pass the number of layers of each "
+             "pipeline stage to recompute, or drop the recompute flags")
 
 
 def resolve_recompute(ns, explicit: Set[str]) -> None:
@@ -162,6 +182,8 @@ def resolve_recompute(ns, explicit: Set[str]) -> None:
     if ns.recompute_granularity == "full" and ns.recompute_method is None:
         raise ArgumentsError("--recompute-granularity full needs --recompute-method uniform "
                              "(every layer) or block (the first --recompute-num-layers layers)")
+    if ns.recompute_granularity == "full":
+        _check_recompute_num_layers(ns)
     if ns.recompute_granularity != "full":
         run = ("--recompute-granularity selective recomputes the attention core only"
                if ns.recompute_granularity == "selective" else

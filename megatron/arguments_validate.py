@@ -29,6 +29,7 @@ from megatron.arguments_inputs import (
     warn_unread_tokenizer_flags,
 )
 from megatron.arguments_parallel import (
+    nearby_multiples,
     resolve_parallel,
     resolve_recompute,
     resolve_virtual_pipeline,
@@ -123,15 +124,7 @@ def _resolve_batch(ns) -> None:
 def _resolve_model_shape(ns) -> None:
     """ffn size (SwiGLU rule), kv channels, GQA groups, lengths, activation, positions."""
     h, heads = ns.hidden_size, ns.num_attention_heads
-    if ns.swiglu:
-        rule = int((4 * h * 2 / 3) / 64) * 64
-        if ns.ffn_hidden_size is None:
-            ns.ffn_hidden_size = rule
-        elif ns.ffn_hidden_size != rule:
-            warn(f"--ffn-hidden-size {ns.ffn_hidden_size} kept; Megatron-LM 23.05 replaces it "
-                 f"with {rule} under --swiglu (int(4*hidden*2/3/64)*64)")
-    elif ns.ffn_hidden_size is None:
-        ns.ffn_hidden_size = 4 * h
+    _resolve_ffn(ns)
     if ns.kv_channels is None:
         if h % heads:
             raise ArgumentsError(f"--hidden-size {h} is not divisible by --num-attention-heads "
@@ -193,27 +186,50 @@ def _resolve_query_groups(ns) -> None:
             raise ArgumentsError(f"--num-query-groups {ns.num_query_groups} needs "
                                  "--group-query-attention")
         return
-    groups = ns.num_query_groups = 1 if ns.num_query_groups is None else ns.num_query_groups
+    default = ns.num_query_groups is None  # one group: a message says it was not typed
+    groups = ns.num_query_groups = 1 if default else ns.num_query_groups
     if groups < 1 or heads % groups:
         raise ArgumentsError(f"--num-attention-heads {heads} is not divisible by "
                              f"--num-query-groups {groups}; use a group count that divides {heads}")
     if groups % tp:
         fits = [g for g in range(tp, heads + 1, tp) if heads % g == 0]  # heads % tp == 0
-        raise ArgumentsError(f"--num-query-groups {groups} is not divisible by "
+        named = " (the default with --group-query-attention)" if default else ""
+        raise ArgumentsError(f"--num-query-groups {groups}{named} is not divisible by "
                              f"--tensor-model-parallel-size {tp}; every tensor-parallel rank needs "
                              f"whole key/value groups: use --num-query-groups {fits[0]} (a "
                              f"multiple of {tp} that divides --num-attention-heads {heads})")
 
 
-def _check_ffn_split(ns) -> None:
-    """The MLP's (each expert's) fc1 columns and fc2 rows are split over the tensor-parallel
-    ranks: the ffn size must divide by tp (else the model build fails on every rank)."""
-    tp, ffn = ns.tensor_model_parallel_size, ns.ffn_hidden_size
-    if ffn % tp:
+def _resolve_ffn(ns) -> None:
+    """The MLP width: --ffn-hidden-size, else --swiglu's rule or 4 x hidden. Its (each
+    expert's) fc1 columns and fc2 rows are split over the tensor-parallel ranks, so it must
+    divide by tp (else the model build fails on every rank). A derived width is named as
+    such: the user typed no --ffn-hidden-size, and passing one is the fix."""
+    h, tp, derived = ns.hidden_size, ns.tensor_model_parallel_size, None
+    if ns.swiglu:
+        rule = int((4 * h * 2 / 3) / 64) * 64
+        if ns.ffn_hidden_size is None:
+            ns.ffn_hidden_size = rule
+            derived = f"--swiglu's int(4 x --hidden-size {h} x 2/3 / 64) x 64"
+        elif ns.ffn_hidden_size != rule:
+            warn(f"--ffn-hidden-size {ns.ffn_hidden_size} kept; Megatron-LM 23.05 replaces it "
+                 f"with {rule} under --swiglu (int(4*hidden*2/3/64)*64)")
+    elif ns.ffn_hidden_size is None:
+        ns.ffn_hidden_size = 4 * h
+        derived = f"4 x --hidden-size {h}"
+    ffn = ns.ffn_hidden_size
+    if ffn % tp == 0:
+        return
+    sizes = nearby_multiples(ffn, tp)
+    if derived is None:
         raise ArgumentsError(f"--ffn-hidden-size {ffn} is not divisible by "
                              f"--tensor-model-parallel-size {tp}: each tensor-parallel rank "
                              f"holds ffn/tp columns of the MLP; use an ffn size that is a "
-                             f"multiple of {tp} (e.g. {ffn - ffn % tp}) or another tp size")
+                             f"multiple of {tp} ({sizes}) or another tp size")
+    raise ArgumentsError(f"the MLP width {ffn} ({derived}; no --ffn-hidden-size given) is not "
+                         f"divisible by --tensor-model-parallel-size {tp}: each tensor-parallel "
+                         f"rank holds ffn/tp columns of the MLP; pass --ffn-hidden-size with a "
+                         f"multiple of {tp} ({sizes}) or use another tp size")
 
 
 def _resolve_position_embedding(ns) -> None:
@@ -467,7 +483,6 @@ def validate_args(
     resolve_virtual_pipeline(ns)
     resolve_iterations(ns)
     _resolve_model_shape(ns)
-    _check_ffn_split(ns)
     _resolve_precision(ns, explicit)
     _resolve_data_parallel(ns)
     _resolve_optimizer(ns, explicit)

@@ -52,6 +52,9 @@ GPT2_VOCAB = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data
     ("--group-query-attention --num-query-groups 2 --tensor-model-parallel-size 4", 4,
      ["--num-query-groups 2", "--tensor-model-parallel-size 4", "use --num-query-groups 4 (a "
       "multiple of 4 that divides --num-attention-heads 4)"]),
+    ("--group-query-attention --tensor-model-parallel-size 2", 2,
+     ["--num-query-groups 1 (the default with --group-query-attention) is not divisible by "
+      "--tensor-model-parallel-size 2", "use --num-query-groups 2"]),
     ("--DDP-impl torch --pipeline-model-parallel-size 2", 2,
      ["--pipeline-model-parallel-size 2 needs --DDP-impl local", "drop --DDP-impl torch"]),
     ("--num-query-groups 2", 1, ["--num-query-groups 2 needs --group-query-attention"]),
@@ -103,6 +106,36 @@ def test_uneven_layer_split_names_the_stages_and_the_fix(extra, world, parts):
     assert "--pipeline-model-parallel-size 3;" not in msg
 
 
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_layers_per_virtual_stage_below_one_is_named_as_such(value):
+    """Not 'must divide the 2 layers of each pipeline stage': no count below 1 is a stage."""
+    msg = error_of(f"--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage "
+                   f"{value} --num-layers 4 --global-batch-size 8", world_size=2,
+                   base=without("--num-layers"))
+    assert msg == (f"--num-layers-per-virtual-pipeline-stage {value} must be >= 1 (transformer "
+                   "layers in each virtual pipeline stage)")
+
+
+def test_recompute_num_layers_megatron_cannot_run_with(caplog):
+    """Megatron-LM's uniform recompute loops over groups of --recompute-num-layers layers and
+    never ends below 1: refused. Block with N <= 0 recomputes no layer there (and here),
+    although the run asked for full recompute: warned. A count that does not divide the
+    layers of a stage is valid here (see MIGRATING.md)."""
+    full = "--recompute-granularity full --recompute-method"
+    for n in ("0", "-2"):
+        msg = error_of(f"{full} uniform --recompute-num-layers {n}")
+        assert (f"--recompute-num-layers {n} must be >= 1 with --recompute-method uniform"
+                in msg and "pass 1 or leave the flag out" in msg)
+        run(f"{full} block --recompute-num-layers {n}")
+        assert (f"--recompute-method block --recompute-num-layers {n} recomputes no layer"
+                in caplog.text)
+        caplog.clear()
+    for method in ("uniform", "block"):  # 3 of the 2 layers of each stage
+        run(f"{full} {method} --recompute-num-layers 3 --pipeline-model-parallel-size 2 "
+            "--num-layers 4", world_size=2, base=without("--num-layers"))
+    assert "recomputes no layer" not in caplog.text
+
+
 def test_sequence_parallel_needs_a_sequence_tp_divides():
     """Each tensor-parallel rank holds seq_length / tp positions under --sequence-parallel:
     an odd split is refused before start-up (it was a ValueError traceback from every rank
@@ -123,8 +156,29 @@ def test_ffn_size_divisible_by_tensor_parallel_size():
         msg = error_of("--ffn-hidden-size 333 --tensor-model-parallel-size 2" + extra,
                        world_size=2)
         assert ("--ffn-hidden-size 333 is not divisible by --tensor-model-parallel-size 2"
-                in msg and "(e.g. 332)" in msg)
+                in msg and "(e.g. 332 or 334)" in msg)
     assert run("--ffn-hidden-size 334 --tensor-model-parallel-size 2", world_size=2)
+    # an ffn size below tp: the suggestion is a size the split can use, not 0
+    assert "(e.g. 3)" in error_of("--ffn-hidden-size 2 --tensor-model-parallel-size 3 "
+                                  "--num-attention-heads 3 --hidden-size 48", world_size=3)
+
+
+@pytest.mark.parametrize("extra, derived, sizes", [
+    ("--hidden-size 48 --num-attention-heads 6 --swiglu",
+     "128 (--swiglu's int(4 x --hidden-size 48 x 2/3 / 64) x 64; no --ffn-hidden-size given)",
+     "(e.g. 126 or 129)"),
+    ("--hidden-size 40 --num-attention-heads 6 --kv-channels 8",
+     "160 (4 x --hidden-size 40; no --ffn-hidden-size given)", "(e.g. 159 or 162)"),
+])
+def test_derived_ffn_size_that_tp_cannot_split_is_named_as_derived(extra, derived, sizes):
+    """Without --ffn-hidden-size the width comes from --hidden-size (or --swiglu's rule):
+    the message says so instead of naming a --ffn-hidden-size the user never typed, and
+    the fix is to pass one."""
+    msg = error_of(extra + " --tensor-model-parallel-size 3", world_size=3)
+    assert f"the MLP width {derived} is not divisible by --tensor-model-parallel-size 3" in msg
+    assert f"pass --ffn-hidden-size with a multiple of 3 {sizes}" in msg
+    assert "--ffn-hidden-size 1" not in msg
+    assert run(extra + " --tensor-model-parallel-size 3 --ffn-hidden-size 126", world_size=3)
 
 
 def test_tp_larger_than_world_is_clamped_with_warning(caplog):
