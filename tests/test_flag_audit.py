@@ -222,7 +222,7 @@ IMPLEMENTED_BY = {
     "--cublas-workspace": ("pretrain_gpt.py", "cublas_workspace"),
     "--cross-entropy-kernel": ("megatron/core/models/gpt/gpt_model.py", "cross_entropy_kernel"),
     "--gelu-kernel": ("megatron/core/models/gpt/transformer.py", "gelu_kernel"),
-    "--gemm-algorithms": ("megatron/training.py", "gemm_algorithms"),
+    "--gemm-algorithms": ("megatron/gemm_choice.py", "gemm_algorithms"),
     "--normalization": (NORMS, "normalization"),
     "--group-query-attention": (VALIDATE, "group_query_attention"),  # -> num_query_groups
     "--num-query-groups": (LAYERS, "num_query_groups"),
