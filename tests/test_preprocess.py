@@ -248,6 +248,12 @@ def test_tokenizer_argument_errors_exit_cleanly(tmp_path, bpe):
          rf"--vocab-file {merge_file}: not a JSON vocabulary .*swapped"),
         (gpt2 + ["--vocab-file", vocab_file, "--merge-file", vocab_file],
          rf"--merge-file {vocab_file}:1: expected two symbols .*swapped"),
+        # a directory was '[Errno 21] Is a directory', without the flag
+        (gpt2 + ["--vocab-file", str(Path(vocab_file).parent), "--merge-file", merge_file],
+         rf"--vocab-file {Path(vocab_file).parent} is a directory; pass the vocab\.json file "
+         rf"in it: {vocab_file}$"),
+        (gpt2 + ["--vocab-file", vocab_file, "--merge-file", str(tmp_path)],
+         rf"--merge-file {tmp_path} is a directory; pass the merges\.txt file in it$"),
         (["--tokenizer-type", "NullTokenizer", "--vocab-size", "abc"],
          r"--vocab-size 'abc' is not an integer"),
         (["--tokenizer-type", "NullTokenizer", "--vocab-size", "-5"],
