@@ -3,13 +3,14 @@ files, pipes, byte-order marks, values of the wrong JSON type, failing writes, C
 SIGTERM. (The well-formed paths are in test_preprocess.py.)"""
 from __future__ import annotations
 
+import gzip
 import json
 import re
 from pathlib import Path
 
 import pytest
 
-from tests.test_preprocess import DOCS, run_tool
+from tests.test_preprocess import DOCS, check_outputs, run_tool
 from tests.test_tokenizer import TRAIN_TEXT, train_tiny_bpe, write_bpe_files
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,6 +21,45 @@ LINES = "".join(json.dumps(d) + "\n" for d in DOCS * 40).encode()
 def bpe(tmp_path_factory):
     vocab, merges = train_tiny_bpe(TRAIN_TEXT, 200)
     return write_bpe_files(tmp_path_factory.mktemp("bpe"), vocab, merges)
+
+
+def test_truncated_or_mislabelled_compressed_inputs_stop_naming_the_file(tmp_path, bpe):
+    """A .gz cut short ended with an EOFError traceback from the pool; a cut .zst ended
+    quietly, its cut-off last line reported as bad JSON (or, with --skip-bad-lines, the
+    rest of the file lost without a word); a plain file named .gz: a BadGzipFile
+    traceback."""
+    zstandard = pytest.importorskip("zstandard")
+    lines = LINES * 60  # several chunks: the cut comes after some were read
+    whole = len(lines.split(b"\n")) - 1
+    packed = gzip.compress(lines)
+    (tmp_path / "cut.jsonl.gz").write_bytes(packed[:len(packed) // 2])
+    packed = zstandard.ZstdCompressor().compress(lines)
+    (tmp_path / "cut.jsonl.zst").write_bytes(packed[:len(packed) // 2])
+    (tmp_path / "plain.jsonl.gz").write_bytes(LINES)
+    cases = [("cut.jsonl.gz", r"gzip input after line (\d+) \(EOFError: Compressed file ended"),
+             ("cut.jsonl.zst", r"zstd input after line (\d+) \(EOFError: the zstd data ends "
+                               r"inside a frame\)"),
+             ("plain.jsonl.gz", r"gzip input \(BadGzipFile: .*, or not gzip data at all "
+                                r"\(a plain \.jsonl named \.gz\? rename it\)")]
+    for name, message in cases:
+        with pytest.raises(SystemExit) as e:
+            run_tool(bpe, tmp_path / name, tmp_path / "out", "--skip-bad-lines", workers=2)
+        text = str(e.value.code)
+        found = re.search(
+            rf"^error: {tmp_path / name}: cannot read the {message}", text)
+        assert found, text
+        assert "truncated or corrupt" in text and "nothing was written" in text
+        if found.groups():
+            assert 0 < int(found.group(1)) < whole
+    assert not list(tmp_path.glob("out*"))
+    # several frames, with a skippable frame between them, read as one stream
+    skippable = (0x184D2A50).to_bytes(4, "little") + (3).to_bytes(4, "little") + b"pad"
+    half = LINES.index(b"\n", len(LINES) // 2) + 1
+    compress = zstandard.ZstdCompressor().compress
+    (tmp_path / "frames.jsonl.zst").write_bytes(compress(LINES[:half]) + skippable
+                                                + compress(LINES[half:]))
+    run_tool(bpe, tmp_path / "frames.jsonl.zst", tmp_path / "out")
+    check_outputs(bpe, tmp_path / "out", DOCS * 40, append_eod=False)
 
 
 def test_values_of_the_wrong_type_are_named_as_json(tmp_path, bpe, capsys):

@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 import time
+import zlib
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -144,6 +145,49 @@ def input_files(pattern: str) -> list:
     return files
 
 
+class InputError(Exception):
+    """An input file that cannot be read to its end (truncated or corrupt compressed data,
+    a read error); raised by the Reader inside the pool's feeder thread, which hands it to
+    the main process in input order (so it is reported after the lines before it)."""
+
+
+class _ZstdFrames:
+    """The decompressed bytes of a zstd file, frame after frame (and skippable frames).
+    zstandard's stream_reader ends quietly where a truncated file stops mid-frame, so the
+    cut-off last line looked like bad JSON (or, with --skip-bad-lines, the loss went
+    unnoticed); here the input ending inside a frame raises EOFError."""
+
+    def __init__(self, raw):
+        import zstandard
+
+        self._raw, self._error = raw, zstandard.ZstdError
+        self._new = zstandard.ZstdDecompressor().decompressobj
+        self._obj, self._fed = self._new(), False
+        self._out = bytearray()
+
+    def read(self, size: int) -> bytes:
+        while len(self._out) < size:
+            rest = b""
+            if self._obj.eof:  # a frame ended: what follows it starts the next one
+                rest, self._obj, self._fed = self._obj.unused_data, self._new(), False
+            block = rest or self._raw.read(1 << 16)
+            if not block:
+                if self._fed and not self._obj.eof:
+                    raise EOFError("the zstd data ends inside a frame")
+                break
+            self._fed = True
+            try:
+                self._out += self._obj.decompress(block)
+            except self._error as e:
+                raise OSError(f"corrupt zstd data ({e})") from None
+        data = bytes(self._out[:size])
+        del self._out[:size]
+        return data
+
+    def close(self) -> None:
+        self._out = bytearray()
+
+
 def _open(path: str):
     """(decompressed binary stream, raw file) for plain, gzip or zstd files."""
     raw = open(path, "rb")
@@ -152,10 +196,21 @@ def _open(path: str):
 
         return gzip.GzipFile(fileobj=raw, mode="rb"), raw
     if path.endswith(".zst"):
-        import zstandard
-
-        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True), raw
+        return _ZstdFrames(raw), raw
     return raw, raw
+
+
+def _read_error(path: str, line_no: int, error: BaseException) -> InputError:
+    """The error for a read of `path` that failed after `line_no - 1` complete lines."""
+    kind = "gzip" if path.endswith(".gz") else "zstd" if path.endswith(".zst") else ""
+    where = f" after line {line_no - 1}" if line_no > 1 else ""
+    plain = (f", or not {kind} data at all (a plain .jsonl named .{path.rsplit('.', 1)[1]}? "
+             "rename it)" if kind and line_no == 1 and not isinstance(error, EOFError) else "")
+    return InputError(
+        f"{path}: cannot read the {kind + ' ' if kind else ''}input{where} "
+        f"({type(error).__name__}: {error}): the file is truncated or corrupt (an interrupted "
+        f"download or copy?){plain}. Re-download or re-compress it, or move it out of "
+        "--input; nothing was written")
 
 
 class Reader:
@@ -203,7 +258,10 @@ class Reader:
     def _chunks(self, path: str, stream):
         line_no, pending = 1, []  # pending: bytes read after the last newline
         while True:
-            block = stream.read(CHUNK_BYTES)
+            try:
+                block = stream.read(CHUNK_BYTES)
+            except (EOFError, OSError, zlib.error) as e:
+                raise _read_error(path, line_no, e) from None
             if not block:
                 data = b"".join(pending)
                 if data and self._take_slot():
@@ -419,6 +477,8 @@ def encode_all(args: argparse.Namespace, dtype, reader: Reader, writers: Writers
                 examples += result["bad"][:max(0, 5 - len(examples))]
                 not_json += result["not_json"]
                 progress.update(result["docs"], result["bytes"], len(result["bad"]))
+        except InputError as e:
+            raise SystemExit(f"error: {e}") from None
         finally:
             reader.stop()
     return {"examples": examples, "not_json": not_json}
