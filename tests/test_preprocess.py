@@ -427,7 +427,8 @@ def test_data_tokenized_with_a_huggingface_tokenizer_trains_with_it(tmp_path, ca
 
 def test_progress_eta_counts_hours_past_a_day(monkeypatch):
     """A corpus that takes days shows its ETA in hours (it was taken modulo 24 hours)."""
-    reader = type("Reader", (), {"total_bytes": 100, "raw_bytes_read": lambda self: 1})()
+    reader = type("Reader", (), {"total_bytes": 100, "sized": True,
+                                 "raw_bytes_read": lambda self: 1})()
     progress = preprocess_data.Progress(reader, 1000)
     monkeypatch.setattr(preprocess_data.time, "time", lambda: progress.start + 3600.0)
     assert "ETA 99:00:00." in progress.line()  # 1% read in an hour

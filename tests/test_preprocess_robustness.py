@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
+import threading
 from pathlib import Path
 
 import pytest
 
-from tests.test_preprocess import DOCS, check_outputs, run_tool
+from megatron.tokenizer import document_encoder
+from tests.test_preprocess import DOCS, check_outputs, run_tool, write_jsonl
 from tests.test_tokenizer import TRAIN_TEXT, train_tiny_bpe, write_bpe_files
+from tools import preprocess_data
 
 REPO = Path(__file__).resolve().parents[1]
 LINES = "".join(json.dumps(d) + "\n" for d in DOCS * 40).encode()
@@ -62,6 +66,50 @@ def test_truncated_or_mislabelled_compressed_inputs_stop_naming_the_file(tmp_pat
     check_outputs(bpe, tmp_path / "out", DOCS * 40, append_eod=False)
 
 
+def _feed_fifo(path: Path, data: bytes, keep_open: threading.Event = None):
+    def feed():
+        try:
+            with open(path, "wb") as f:
+                f.write(data)
+                f.flush()
+                if keep_open is not None:
+                    keep_open.wait(60)
+        except BrokenPipeError:  # the reader stopped first
+            pass
+
+    thread = threading.Thread(target=feed, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_pipe_is_an_input(tmp_path, bpe, capsys):
+    """--input <(zstdcat corpus.zst) or /dev/stdin, which Megatron's tool reads, was 'no
+    input files found': only regular files counted."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    feeder = _feed_fifo(fifo, LINES)
+    run_tool(bpe, fifo, tmp_path / "out", "--log-interval", "1")
+    feeder.join(5)
+    check_outputs(bpe, tmp_path / "out", DOCS * 40, append_eod=False)
+    err = capsys.readouterr().err
+    assert "size unknown (a pipe)" in err
+    assert "Processed 200 documents (" in err and "% read" not in err  # no share, no ETA
+
+
+@pytest.mark.parametrize("fast_json", [True, False])
+def test_byte_order_marks_and_crlf_line_ends_are_read(tmp_path, bpe, monkeypatch, fast_json):
+    """Files from Windows editors (a UTF-8 BOM, also where files were concatenated; CRLF
+    line ends) read as their text, whether or not orjson is installed (it rejects a BOM
+    and the line falls back to json, which takes it)."""
+    bom = b"\xef\xbb\xbf"
+    body = LINES.replace(b"\n", b"\r\n").split(b"\n", 1)
+    (tmp_path / "bom.jsonl").write_bytes(bom + body[0] + b"\n" + bom + body[1])
+    if not fast_json:
+        monkeypatch.setattr(document_encoder, "orjson", None)
+    run_tool(bpe, tmp_path / "bom.jsonl", tmp_path / "out")
+    check_outputs(bpe, tmp_path / "out", DOCS * 40, append_eod=False)
+
+
 def test_values_of_the_wrong_type_are_named_as_json(tmp_path, bpe, capsys):
     """The messages said 'holds NoneType' / 'holds list' (Python's names, and not which
     item of a list was wrong); a JSON array file now names the conversion."""
@@ -82,3 +130,23 @@ def test_values_of_the_wrong_type_are_named_as_json(tmp_path, bpe, capsys):
     with pytest.raises(SystemExit, match=r"pretty\.json:1: invalid JSON .*this looks like a "
                                          r"JSON file"):
         run_tool(bpe, tmp_path / "pretty.json", tmp_path / "out")
+
+
+def test_summary_and_progress_units(tmp_path, bpe, capsys, monkeypatch):
+    """The last lines say how many tokens each dataset holds; MB/s counts MB of 2**20 bytes
+    as Megatron's tool does (it was 10**6)."""
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS)
+    counts = run_tool(bpe, src, tmp_path / "out")
+    err = capsys.readouterr().err
+    for key in ("text", "title"):
+        tokens = counts["tokens"][key]
+        assert tokens > 0
+        assert f"Wrote {tmp_path}/out_{key}_document.bin/.idx: 5 documents, {tokens} tokens" in err
+    assert (tmp_path / "out_text_document.bin").stat().st_size == 2 * counts["tokens"]["text"]
+    reader = type("Reader", (), {"total_bytes": 100, "sized": True,
+                                 "raw_bytes_read": lambda self: 50})()
+    progress = preprocess_data.Progress(reader, 1000)
+    progress.docs, progress.bytes = 10, 3 * 2**20
+    monkeypatch.setattr(preprocess_data.time, "time", lambda: progress.start + 2.0)
+    assert progress.line() == ("Processed 10 documents (5.0 docs/s, 1.50 MB/s), input 50.0% "
+                               "read, ETA 00:00:02.")

@@ -5,7 +5,8 @@
         --merge-file gpt2-merges.txt --append-eod --workers 2
 
 writes `my-gpt2_text_document.bin/.idx`. `--input` is a JSONL file (plain, `.gz` or
-`.zst`), a directory of such files (read in sorted order) or a glob pattern. The input
+`.zst`), a directory of such files (read in sorted order), a glob pattern or a pipe
+(`<(zstdcat corpus.zst)`, `/dev/stdin`). The input
 is streamed: chunks of lines go to `--workers` processes (each builds its tokenizer once)
 and at most a few chunks per worker are in flight, so memory stays bounded. The `.bin` is
 byte-identical to Megatron-LM 23.05's tool for the same input and tokenizer; unlike it,
@@ -135,7 +136,7 @@ def input_files(pattern: str) -> list:
     if os.path.isdir(pattern):
         names = sorted(n for n in os.listdir(pattern) if n.endswith(INPUT_SUFFIXES))
         files = [os.path.join(pattern, n) for n in names]
-    elif os.path.isfile(pattern):
+    elif os.path.exists(pattern):  # a file, or a pipe: --input <(zstdcat a.zst), /dev/stdin
         files = [pattern]
     else:
         files = sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
@@ -219,7 +220,9 @@ class Reader:
 
     def __init__(self, files: list, max_in_flight: int):
         self.files = files
-        self.total_bytes = sum(os.path.getsize(f) for f in files)
+        # a pipe has no size: then the progress lines show no share read and no ETA
+        self.sized = all(os.path.isfile(f) for f in files)
+        self.total_bytes = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
         self.done_bytes = 0
         self._current = None
         self._max_in_flight = max_in_flight
@@ -251,7 +254,7 @@ class Reader:
                 yield from self._chunks(path, stream)
             finally:
                 self._current = None
-                self.done_bytes += os.path.getsize(path)
+                self.done_bytes += os.path.getsize(path) if os.path.isfile(path) else 0
                 stream.close()
                 raw.close()
 
@@ -378,14 +381,18 @@ class Progress:
         print(self.line(), file=sys.stderr, flush=True)
 
     def line(self) -> str:
+        """Megatron's 'Processed N documents (x docs/s, y MB/s)' (MB = 2**20 bytes, as its
+        tool counts), then the share of the input read and the ETA (none for a pipe)."""
         elapsed = max(time.time() - self.start, 1e-9)
-        fraction = self.reader.raw_bytes_read() / max(self.reader.total_bytes, 1)
-        eta = elapsed * (1 - fraction) / fraction if fraction > 0 else float("nan")
-        eta_text = _hours_minutes_seconds(eta) if eta == eta else "?"
+        where = ""
+        if self.reader.sized:
+            fraction = self.reader.raw_bytes_read() / max(self.reader.total_bytes, 1)
+            eta = elapsed * (1 - fraction) / fraction if fraction > 0 else float("nan")
+            eta_text = _hours_minutes_seconds(eta) if eta == eta else "?"
+            where = f", input {100 * fraction:.1f}% read, ETA {eta_text}"
         skipped = f", {self.skipped} bad lines skipped" if self.skipped else ""
         return (f"Processed {self.docs} documents ({self.docs / elapsed:.1f} docs/s, "
-                f"{self.bytes / elapsed / 1e6:.2f} MB/s), input {100 * fraction:.1f}% read, "
-                f"ETA {eta_text}{skipped}.")
+                f"{self.bytes / elapsed / 2**20:.2f} MB/s){where}{skipped}.")
 
 
 def _hours_minutes_seconds(seconds: float) -> str:
@@ -504,7 +511,8 @@ def check_documents(files: list, progress: Progress, not_json: int) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Preprocess per `args`; returns counts {'documents', 'bytes', 'skipped', 'seconds'}.
+    """Preprocess per `args`; returns counts {'documents', 'bytes', 'skipped', 'tokens' (per
+    key), 'seconds'}.
 
     Output goes to temporary files renamed into place at the end (see `Writers`): a run
     that fails, or reads no document, leaves any existing dataset at the prefix intact."""
@@ -512,11 +520,11 @@ def run(args: argparse.Namespace) -> dict:
     tokenizer = build_tokenizer_or_exit(args)
     dtype = best_dtype(tokenizer.vocab_size)
     init_worker(options_from_args(args, dtype))  # forked workers inherit this encoder
-    print(f"Input: {len(files)} file(s), {sum(os.path.getsize(f) for f in files) / 1e6:.1f} MB; "
-          f"tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size}), dtype "
-          f"{np.dtype(dtype).name}", file=sys.stderr)
-    make_output_dir(args.output_prefix)
     reader = Reader(files, max_in_flight=4 * args.workers)
+    size = f"{reader.total_bytes / 1e6:.1f} MB" if reader.sized else "size unknown (a pipe)"
+    print(f"Input: {len(files)} file(s), {size}; tokenizer {tokenizer.name} (vocab "
+          f"{tokenizer.vocab_size}), dtype {np.dtype(dtype).name}", file=sys.stderr)
+    make_output_dir(args.output_prefix)
     writers = Writers(args, dtype)
     progress = Progress(reader, args.log_interval)
     try:
@@ -531,13 +539,15 @@ def run(args: argparse.Namespace) -> dict:
         writers.abort()
         raise
     for key in args.json_keys:
-        print(f"Wrote {writers.prefixes[key]}.bin/.idx", file=sys.stderr)
+        print(f"Wrote {writers.prefixes[key]}.bin/.idx: {progress.docs} documents, "
+              f"{writers.num_tokens[key]} tokens", file=sys.stderr)
         if writers.num_tokens[key] == 0:
             print(f"warning: {writers.prefixes[key]} holds no tokens: the {progress.docs} "
                   f"documents' {key!r} values are all empty; training cannot use it",
                   file=sys.stderr)
     return {"documents": progress.docs, "bytes": progress.bytes, "skipped": progress.skipped,
-            "seconds": time.time() - progress.start}
+            "tokens": dict(writers.num_tokens), "seconds": time.time() - progress.start}
+
 
 
 def main(argv=None) -> None:
