@@ -3,6 +3,7 @@ files, pipes, byte-order marks, values of the wrong JSON type, failing writes, C
 SIGTERM. (The well-formed paths are in test_preprocess.py.)"""
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import os
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from megatron.tokenizer import document_encoder
 from tests.test_preprocess import DOCS, check_outputs, run_tool, write_jsonl
 from tests.test_tokenizer import TRAIN_TEXT, train_tiny_bpe, write_bpe_files
@@ -130,6 +132,38 @@ def test_values_of_the_wrong_type_are_named_as_json(tmp_path, bpe, capsys):
     with pytest.raises(SystemExit, match=r"pretty\.json:1: invalid JSON .*this looks like a "
                                          r"JSON file"):
         run_tool(bpe, tmp_path / "pretty.json", tmp_path / "out")
+
+
+def test_a_failed_write_names_the_output_and_the_fix(tmp_path, bpe, monkeypatch):
+    """A full disk or a read-only directory ended the run with an OSError traceback."""
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS)
+    run_tool(bpe, src, tmp_path / "out")
+    before = sorted((p.name, p.read_bytes()) for p in tmp_path.glob("out*"))
+
+    def full(self, tokens):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(IndexedDatasetBuilder, "_write", full)
+    with pytest.raises(SystemExit, match=rf"^error: cannot write the dataset at --output-prefix "
+                                         rf"{tmp_path / 'out'}: No space left on device; free "
+                                         r"space there, or pass an --output-prefix on a disk "
+                                         r"with room .*an earlier dataset there is unchanged$"):
+        run_tool(bpe, src, tmp_path / "out", "--partitions", "2", workers=2)
+    assert sorted((p.name, p.read_bytes()) for p in tmp_path.glob("out*")) == before
+    monkeypatch.undo()
+    real_open = open
+
+    def read_only(path, mode="r", *args, **kwargs):
+        if "w" in mode and str(path).startswith(str(tmp_path / "ro")):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", read_only)
+    with pytest.raises(SystemExit, match=rf"Permission denied \({tmp_path / 'ro'}_text_document"
+                                         r"\.tmp\d+\.bin\); pass an --output-prefix in a "
+                                         r"directory you can write to"):
+        run_tool(bpe, src, tmp_path / "ro")
+    assert not list(tmp_path.glob("ro*"))
 
 
 def test_summary_and_progress_units(tmp_path, bpe, capsys, monkeypatch):

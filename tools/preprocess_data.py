@@ -28,6 +28,8 @@ there is no intermediate `_ss` file and one run does it all.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import glob
 import os
 import sys
@@ -282,6 +284,31 @@ class Reader:
             line_no += data.count(b"\n")
 
 
+def output_error(output_prefix: str, error: OSError) -> SystemExit:
+    """The exit for a failed write of the dataset at `output_prefix` (a full disk, a
+    read-only directory, ...): the system's reason, the file when known, and the fix."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = ("free space there, or pass an --output-prefix on a disk with room (the .bin "
+               "takes 2 bytes a token with a vocabulary under 65500 ids, else 4)")
+    elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "pass an --output-prefix in a directory you can write to"
+    else:
+        fix = "check that directory, or pass another --output-prefix"
+    where = f" ({error.filename})" if error.filename else ""
+    return SystemExit(f"error: cannot write the dataset at --output-prefix {output_prefix}: "
+                      f"{error.strerror or error}{where}; {fix}. The partial files were "
+                      "removed; an earlier dataset there is unchanged")
+
+
+@contextlib.contextmanager
+def writing(output_prefix: str):
+    """Turn an OSError of the block into `output_error`'s exit."""
+    try:
+        yield
+    except OSError as e:
+        raise output_error(output_prefix, e) from None
+
+
 class Writers:
     """One builder per key (and per partition); documents dealt round-robin to partitions.
 
@@ -299,19 +326,30 @@ class Writers:
                               for k in self.keys}
         if self.partitions == 1:
             self.part_prefixes = {k: [self.tmp_prefixes[k]] for k in self.keys}
-        self.dtype = dtype
+        self.output_prefix, self.dtype = args.output_prefix, dtype
         self.num_docs = 0
         self.num_tokens = {k: 0 for k in self.keys}
         self.builders = {k: [] for k in self.keys}
         try:
-            for k in self.keys:
-                for p in self.part_prefixes[k]:
-                    self.builders[k].append(IndexedDatasetBuilder(data_file_path(p), dtype))
+            with writing(self.output_prefix):
+                for k in self.keys:
+                    for p in self.part_prefixes[k]:
+                        self.builders[k].append(IndexedDatasetBuilder(data_file_path(p), dtype))
         except BaseException:
             self.abort()
             raise
 
     def add(self, per_key: dict, num_docs: int) -> None:
+        """Append one chunk's documents (a failed write ends the run, naming the fix)."""
+        with writing(self.output_prefix):
+            self._add(per_key, num_docs)
+
+    def finalize(self) -> None:
+        """Write every index, merge partitions, then move the files into place."""
+        with writing(self.output_prefix):
+            self._finalize()
+
+    def _add(self, per_key: dict, num_docs: int) -> None:
         for key, (tokens, sizes, seqs, toks_per_doc) in per_key.items():
             tokens = np.frombuffer(tokens, dtype=self.dtype)
             self.num_tokens[key] += len(tokens)
@@ -326,8 +364,7 @@ class Writers:
                                   seqs[part == i])
         self.num_docs += num_docs
 
-    def finalize(self) -> None:
-        """Write every index, merge partitions, then move the files into place."""
+    def _finalize(self) -> None:
         for key in self.keys:
             for prefix, builder in zip(self.part_prefixes[key], self.builders[key]):
                 builder.finalize(index_file_path(prefix))
