@@ -8,6 +8,9 @@ import gzip
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -164,6 +167,42 @@ def test_a_failed_write_names_the_output_and_the_fix(tmp_path, bpe, monkeypatch)
                                          r"directory you can write to"):
         run_tool(bpe, src, tmp_path / "ro")
     assert not list(tmp_path.glob("ro*"))
+
+
+@pytest.mark.parametrize("signum,to_group,status,how", [
+    (signal.SIGINT, True, 130, "(Ctrl-C)"), (signal.SIGTERM, False, 143, "by SIGTERM")])
+def test_ctrl_c_or_sigterm_mid_run_removes_the_partial_files(tmp_path, bpe, signum, to_group,
+                                                             status, how):
+    """Ctrl-C printed KeyboardInterrupt tracebacks (the main process's and the workers');
+    SIGTERM left the partial .bin behind and the workers printed BrokenPipe tracebacks."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    release = threading.Event()
+    feeder = _feed_fifo(fifo, LINES * 200, keep_open=release)  # > one chunk, then waits
+    cmd = [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(fifo),
+           "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "GPT2BPETokenizer",
+           "--vocab-file", bpe[0], "--merge-file", bpe[1], "--workers", "2",
+           "--log-interval", "1"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        seen = []
+        for line in proc.stderr:  # mid-run: documents written, the input still open
+            seen.append(line)
+            if line.startswith("Processed"):
+                break
+        assert list(tmp_path.glob("out_text_document.tmp*.bin")), "".join(seen)
+        (os.killpg if to_group else os.kill)(proc.pid, signum)
+        release.set()  # the producer of the pipe goes away with the group
+        err = "".join(seen) + proc.stderr.read()
+        assert proc.wait(30) == status, err
+    finally:
+        release.set()
+        if proc.poll() is None:
+            proc.kill()
+        feeder.join(5)
+    assert f"preprocess_data.py: interrupted {how}; no dataset was written" in err
+    assert "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
 
 
 def test_summary_and_progress_units(tmp_path, bpe, capsys, monkeypatch):

@@ -14,8 +14,9 @@ with `--append-eod` each document's size counts its EOD token, and every key's `
 written. A malformed line (bad JSON, bytes that are not UTF-8, missing key, value neither
 text nor a list of text, text the tokenizer cannot encode) stops the run with its file and
 line number, or is skipped and counted with `--skip-bad-lines`. Blank lines are ignored.
-A run that reads no document is an error. Output goes to temporary files beside the
-targets, renamed into place when complete, so a failed run leaves an existing dataset
+A run that reads no document is an error, and so is a truncated or corrupt compressed
+file. Output goes to temporary files beside the targets, renamed into place when
+complete, so a failed or interrupted (Ctrl-C, SIGTERM) run leaves an existing dataset
 intact; a missing output directory is created. Megatron-LM 23.04's `--chunk-size` is
 accepted and ignored, with a warning.
 
@@ -32,6 +33,7 @@ import contextlib
 import errno
 import glob
 import os
+import signal
 import sys
 import threading
 import time
@@ -444,8 +446,17 @@ def _pool(args: argparse.Namespace, dtype):
     import multiprocessing as mp
 
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    return ctx.Pool(args.workers, initializer=init_worker,
+    return ctx.Pool(args.workers, initializer=_init_pool_worker,
                     initargs=(options_from_args(args, dtype),))
+
+
+def _init_pool_worker(opts) -> None:
+    """Pool initializer. Ctrl-C reaches the whole foreground process group, but only the
+    main process acts on it (it terminates the pool and removes the partial files): a
+    worker ignores SIGINT, and dies quietly on the pool's SIGTERM."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    init_worker(opts)
 
 
 def build_tokenizer_or_exit(args: argparse.Namespace):
@@ -586,10 +597,31 @@ def run(args: argparse.Namespace) -> dict:
             "tokens": dict(writers.num_tokens), "seconds": time.time() - progress.start}
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's time limit, `kill`), handled like Ctrl-C."""
 
-def main(argv=None) -> None:
-    run(get_args(argv))
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
+def main(argv=None) -> int:
+    """Run the tool; Ctrl-C or SIGTERM ends it with status 130 or 143 and one line (the
+    partial files are removed, an earlier dataset at the prefix is left as it was)."""
+    args = get_args(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        run(args)
+    except KeyboardInterrupt as e:
+        how = "by SIGTERM" if isinstance(e, Terminated) else "(Ctrl-C)"
+        print(f"preprocess_data.py: interrupted {how}; no dataset was written and the partial "
+              f"files were removed (an earlier dataset at --output-prefix {args.output_prefix} "
+              "is unchanged): run the same command again", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
