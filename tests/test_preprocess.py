@@ -248,6 +248,12 @@ def test_tokenizer_argument_errors_exit_cleanly(tmp_path, bpe):
          rf"--vocab-file {merge_file}: not a JSON vocabulary .*swapped"),
         (gpt2 + ["--vocab-file", vocab_file, "--merge-file", vocab_file],
          rf"--merge-file {vocab_file}:1: expected two symbols .*swapped"),
+        # a directory was '[Errno 21] Is a directory', without the flag
+        (gpt2 + ["--vocab-file", str(Path(vocab_file).parent), "--merge-file", merge_file],
+         rf"--vocab-file {Path(vocab_file).parent} is a directory; pass the vocab\.json file "
+         rf"in it: {vocab_file}$"),
+        (gpt2 + ["--vocab-file", vocab_file, "--merge-file", str(tmp_path)],
+         rf"--merge-file {tmp_path} is a directory; pass the merges\.txt file in it$"),
         (["--tokenizer-type", "NullTokenizer", "--vocab-size", "abc"],
          r"--vocab-size 'abc' is not an integer"),
         (["--tokenizer-type", "NullTokenizer", "--vocab-size", "-5"],
@@ -421,7 +427,8 @@ def test_data_tokenized_with_a_huggingface_tokenizer_trains_with_it(tmp_path, ca
 
 def test_progress_eta_counts_hours_past_a_day(monkeypatch):
     """A corpus that takes days shows its ETA in hours (it was taken modulo 24 hours)."""
-    reader = type("Reader", (), {"total_bytes": 100, "raw_bytes_read": lambda self: 1})()
+    reader = type("Reader", (), {"total_bytes": 100, "sized": True,
+                                 "raw_bytes_read": lambda self: 1})()
     progress = preprocess_data.Progress(reader, 1000)
     monkeypatch.setattr(preprocess_data.time, "time", lambda: progress.start + 3600.0)
     assert "ETA 99:00:00." in progress.line()  # 1% read in an hour

@@ -19,7 +19,12 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     index_file_path,
     missing_dataset_hint,
 )
-from tools.preprocess_data import make_output_dir, output_prefix_problem  # noqa: E402
+from tools.preprocess_data import (  # noqa: E402
+    make_output_dir,
+    output_error,
+    output_prefix_problem,
+    writing,
+)
 
 
 def directory_prefixes(directory: str) -> list:
@@ -82,19 +87,29 @@ def merge(prefixes, output_prefix: str) -> None:
         raise SystemExit(f"--output-prefix {output_prefix} is also an input")
     make_output_dir(output_prefix)
     tmp = f"{output_prefix}.tmp{os.getpid()}"
-    builder = IndexedDatasetBuilder(data_file_path(tmp), dtypes[prefixes[0]])
+    with writing(output_prefix):
+        builder = IndexedDatasetBuilder(data_file_path(tmp), dtypes[prefixes[0]])
     try:
         for prefix in prefixes:
             builder.merge_file_(prefix)
         builder.finalize(index_file_path(tmp))
         for path in (data_file_path, index_file_path):  # .idx last
             os.replace(path(tmp), path(output_prefix))
-    except BaseException:
+    except BaseException as e:
         builder.close()
         for path in (data_file_path(tmp), index_file_path(tmp)):
             if os.path.exists(path):
                 os.remove(path)
+        if isinstance(e, OSError) and not _names_an_input(e, prefixes):
+            raise output_error(output_prefix, e) from None
         raise
+
+
+def _names_an_input(error: OSError, prefixes) -> bool:
+    """Whether `error` is about reading one of the inputs rather than writing the output."""
+    inputs = {os.path.abspath(path(p)) for p in prefixes
+              for path in (data_file_path, index_file_path)}
+    return bool(error.filename) and os.path.abspath(error.filename) in inputs
 
 
 def main(argv=None) -> None:

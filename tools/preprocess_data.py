@@ -5,7 +5,8 @@
         --merge-file gpt2-merges.txt --append-eod --workers 2
 
 writes `my-gpt2_text_document.bin/.idx`. `--input` is a JSONL file (plain, `.gz` or
-`.zst`), a directory of such files (read in sorted order) or a glob pattern. The input
+`.zst`), a directory of such files (read in sorted order), a glob pattern or a pipe
+(`<(zstdcat corpus.zst)`, `/dev/stdin`). The input
 is streamed: chunks of lines go to `--workers` processes (each builds its tokenizer once)
 and at most a few chunks per worker are in flight, so memory stays bounded. The `.bin` is
 byte-identical to Megatron-LM 23.05's tool for the same input and tokenizer; unlike it,
@@ -13,8 +14,9 @@ with `--append-eod` each document's size counts its EOD token, and every key's `
 written. A malformed line (bad JSON, bytes that are not UTF-8, missing key, value neither
 text nor a list of text, text the tokenizer cannot encode) stops the run with its file and
 line number, or is skipped and counted with `--skip-bad-lines`. Blank lines are ignored.
-A run that reads no document is an error. Output goes to temporary files beside the
-targets, renamed into place when complete, so a failed run leaves an existing dataset
+A run that reads no document is an error, and so is a truncated or corrupt compressed
+file. Output goes to temporary files beside the targets, renamed into place when
+complete, so a failed or interrupted (Ctrl-C, SIGTERM) run leaves an existing dataset
 intact; a missing output directory is created. Megatron-LM 23.04's `--chunk-size` is
 accepted and ignored, with a warning.
 
@@ -27,11 +29,15 @@ there is no intermediate `_ss` file and one run does it all.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import glob
 import os
+import signal
 import sys
 import threading
 import time
+import zlib
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -134,7 +140,7 @@ def input_files(pattern: str) -> list:
     if os.path.isdir(pattern):
         names = sorted(n for n in os.listdir(pattern) if n.endswith(INPUT_SUFFIXES))
         files = [os.path.join(pattern, n) for n in names]
-    elif os.path.isfile(pattern):
+    elif os.path.exists(pattern):  # a file, or a pipe: --input <(zstdcat a.zst), /dev/stdin
         files = [pattern]
     else:
         files = sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
@@ -142,6 +148,49 @@ def input_files(pattern: str) -> list:
         raise SystemExit(f"--input {pattern}: no input files found (expected a .jsonl/.gz/.zst "
                          "file, a directory of them or a glob pattern)")
     return files
+
+
+class InputError(Exception):
+    """An input file that cannot be read to its end (truncated or corrupt compressed data,
+    a read error); raised by the Reader inside the pool's feeder thread, which hands it to
+    the main process in input order (so it is reported after the lines before it)."""
+
+
+class _ZstdFrames:
+    """The decompressed bytes of a zstd file, frame after frame (and skippable frames).
+    zstandard's stream_reader ends quietly where a truncated file stops mid-frame, so the
+    cut-off last line looked like bad JSON (or, with --skip-bad-lines, the loss went
+    unnoticed); here the input ending inside a frame raises EOFError."""
+
+    def __init__(self, raw):
+        import zstandard
+
+        self._raw, self._error = raw, zstandard.ZstdError
+        self._new = zstandard.ZstdDecompressor().decompressobj
+        self._obj, self._fed = self._new(), False
+        self._out = bytearray()
+
+    def read(self, size: int) -> bytes:
+        while len(self._out) < size:
+            rest = b""
+            if self._obj.eof:  # a frame ended: what follows it starts the next one
+                rest, self._obj, self._fed = self._obj.unused_data, self._new(), False
+            block = rest or self._raw.read(1 << 16)
+            if not block:
+                if self._fed and not self._obj.eof:
+                    raise EOFError("the zstd data ends inside a frame")
+                break
+            self._fed = True
+            try:
+                self._out += self._obj.decompress(block)
+            except self._error as e:
+                raise OSError(f"corrupt zstd data ({e})") from None
+        data = bytes(self._out[:size])
+        del self._out[:size]
+        return data
+
+    def close(self) -> None:
+        self._out = bytearray()
 
 
 def _open(path: str):
@@ -152,10 +201,21 @@ def _open(path: str):
 
         return gzip.GzipFile(fileobj=raw, mode="rb"), raw
     if path.endswith(".zst"):
-        import zstandard
-
-        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True), raw
+        return _ZstdFrames(raw), raw
     return raw, raw
+
+
+def _read_error(path: str, line_no: int, error: BaseException) -> InputError:
+    """The error for a read of `path` that failed after `line_no - 1` complete lines."""
+    kind = "gzip" if path.endswith(".gz") else "zstd" if path.endswith(".zst") else ""
+    where = f" after line {line_no - 1}" if line_no > 1 else ""
+    plain = (f", or not {kind} data at all (a plain .jsonl named .{path.rsplit('.', 1)[1]}? "
+             "rename it)" if kind and line_no == 1 and not isinstance(error, EOFError) else "")
+    return InputError(
+        f"{path}: cannot read the {kind + ' ' if kind else ''}input{where} "
+        f"({type(error).__name__}: {error}): the file is truncated or corrupt (an interrupted "
+        f"download or copy?){plain}. Re-download or re-compress it, or move it out of "
+        "--input; nothing was written")
 
 
 class Reader:
@@ -164,7 +224,9 @@ class Reader:
 
     def __init__(self, files: list, max_in_flight: int):
         self.files = files
-        self.total_bytes = sum(os.path.getsize(f) for f in files)
+        # a pipe has no size: then the progress lines show no share read and no ETA
+        self.sized = all(os.path.isfile(f) for f in files)
+        self.total_bytes = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
         self.done_bytes = 0
         self._current = None
         self._max_in_flight = max_in_flight
@@ -196,14 +258,17 @@ class Reader:
                 yield from self._chunks(path, stream)
             finally:
                 self._current = None
-                self.done_bytes += os.path.getsize(path)
+                self.done_bytes += os.path.getsize(path) if os.path.isfile(path) else 0
                 stream.close()
                 raw.close()
 
     def _chunks(self, path: str, stream):
         line_no, pending = 1, []  # pending: bytes read after the last newline
         while True:
-            block = stream.read(CHUNK_BYTES)
+            try:
+                block = stream.read(CHUNK_BYTES)
+            except (EOFError, OSError, zlib.error) as e:
+                raise _read_error(path, line_no, e) from None
             if not block:
                 data = b"".join(pending)
                 if data and self._take_slot():
@@ -219,6 +284,31 @@ class Reader:
                 return
             yield path, line_no, data
             line_no += data.count(b"\n")
+
+
+def output_error(output_prefix: str, error: OSError) -> SystemExit:
+    """The exit for a failed write of the dataset at `output_prefix` (a full disk, a
+    read-only directory, ...): the system's reason, the file when known, and the fix."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = ("free space there, or pass an --output-prefix on a disk with room (the .bin "
+               "takes 2 bytes a token with a vocabulary under 65500 ids, else 4)")
+    elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "pass an --output-prefix in a directory you can write to"
+    else:
+        fix = "check that directory, or pass another --output-prefix"
+    where = f" ({error.filename})" if error.filename else ""
+    return SystemExit(f"error: cannot write the dataset at --output-prefix {output_prefix}: "
+                      f"{error.strerror or error}{where}; {fix}. The partial files were "
+                      "removed; an earlier dataset there is unchanged")
+
+
+@contextlib.contextmanager
+def writing(output_prefix: str):
+    """Turn an OSError of the block into `output_error`'s exit."""
+    try:
+        yield
+    except OSError as e:
+        raise output_error(output_prefix, e) from None
 
 
 class Writers:
@@ -238,19 +328,30 @@ class Writers:
                               for k in self.keys}
         if self.partitions == 1:
             self.part_prefixes = {k: [self.tmp_prefixes[k]] for k in self.keys}
-        self.dtype = dtype
+        self.output_prefix, self.dtype = args.output_prefix, dtype
         self.num_docs = 0
         self.num_tokens = {k: 0 for k in self.keys}
         self.builders = {k: [] for k in self.keys}
         try:
-            for k in self.keys:
-                for p in self.part_prefixes[k]:
-                    self.builders[k].append(IndexedDatasetBuilder(data_file_path(p), dtype))
+            with writing(self.output_prefix):
+                for k in self.keys:
+                    for p in self.part_prefixes[k]:
+                        self.builders[k].append(IndexedDatasetBuilder(data_file_path(p), dtype))
         except BaseException:
             self.abort()
             raise
 
     def add(self, per_key: dict, num_docs: int) -> None:
+        """Append one chunk's documents (a failed write ends the run, naming the fix)."""
+        with writing(self.output_prefix):
+            self._add(per_key, num_docs)
+
+    def finalize(self) -> None:
+        """Write every index, merge partitions, then move the files into place."""
+        with writing(self.output_prefix):
+            self._finalize()
+
+    def _add(self, per_key: dict, num_docs: int) -> None:
         for key, (tokens, sizes, seqs, toks_per_doc) in per_key.items():
             tokens = np.frombuffer(tokens, dtype=self.dtype)
             self.num_tokens[key] += len(tokens)
@@ -265,8 +366,7 @@ class Writers:
                                   seqs[part == i])
         self.num_docs += num_docs
 
-    def finalize(self) -> None:
-        """Write every index, merge partitions, then move the files into place."""
+    def _finalize(self) -> None:
         for key in self.keys:
             for prefix, builder in zip(self.part_prefixes[key], self.builders[key]):
                 builder.finalize(index_file_path(prefix))
@@ -320,14 +420,18 @@ class Progress:
         print(self.line(), file=sys.stderr, flush=True)
 
     def line(self) -> str:
+        """Megatron's 'Processed N documents (x docs/s, y MB/s)' (MB = 2**20 bytes, as its
+        tool counts), then the share of the input read and the ETA (none for a pipe)."""
         elapsed = max(time.time() - self.start, 1e-9)
-        fraction = self.reader.raw_bytes_read() / max(self.reader.total_bytes, 1)
-        eta = elapsed * (1 - fraction) / fraction if fraction > 0 else float("nan")
-        eta_text = _hours_minutes_seconds(eta) if eta == eta else "?"
+        where = ""
+        if self.reader.sized:
+            fraction = self.reader.raw_bytes_read() / max(self.reader.total_bytes, 1)
+            eta = elapsed * (1 - fraction) / fraction if fraction > 0 else float("nan")
+            eta_text = _hours_minutes_seconds(eta) if eta == eta else "?"
+            where = f", input {100 * fraction:.1f}% read, ETA {eta_text}"
         skipped = f", {self.skipped} bad lines skipped" if self.skipped else ""
         return (f"Processed {self.docs} documents ({self.docs / elapsed:.1f} docs/s, "
-                f"{self.bytes / elapsed / 1e6:.2f} MB/s), input {100 * fraction:.1f}% read, "
-                f"ETA {eta_text}{skipped}.")
+                f"{self.bytes / elapsed / 2**20:.2f} MB/s){where}{skipped}.")
 
 
 def _hours_minutes_seconds(seconds: float) -> str:
@@ -342,8 +446,17 @@ def _pool(args: argparse.Namespace, dtype):
     import multiprocessing as mp
 
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    return ctx.Pool(args.workers, initializer=init_worker,
+    return ctx.Pool(args.workers, initializer=_init_pool_worker,
                     initargs=(options_from_args(args, dtype),))
+
+
+def _init_pool_worker(opts) -> None:
+    """Pool initializer. Ctrl-C reaches the whole foreground process group, but only the
+    main process acts on it (it terminates the pool and removes the partial files): a
+    worker ignores SIGINT, and dies quietly on the pool's SIGTERM."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    init_worker(opts)
 
 
 def build_tokenizer_or_exit(args: argparse.Namespace):
@@ -419,6 +532,8 @@ def encode_all(args: argparse.Namespace, dtype, reader: Reader, writers: Writers
                 examples += result["bad"][:max(0, 5 - len(examples))]
                 not_json += result["not_json"]
                 progress.update(result["docs"], result["bytes"], len(result["bad"]))
+        except InputError as e:
+            raise SystemExit(f"error: {e}") from None
         finally:
             reader.stop()
     return {"examples": examples, "not_json": not_json}
@@ -444,7 +559,8 @@ def check_documents(files: list, progress: Progress, not_json: int) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Preprocess per `args`; returns counts {'documents', 'bytes', 'skipped', 'seconds'}.
+    """Preprocess per `args`; returns counts {'documents', 'bytes', 'skipped', 'tokens' (per
+    key), 'seconds'}.
 
     Output goes to temporary files renamed into place at the end (see `Writers`): a run
     that fails, or reads no document, leaves any existing dataset at the prefix intact."""
@@ -452,11 +568,11 @@ def run(args: argparse.Namespace) -> dict:
     tokenizer = build_tokenizer_or_exit(args)
     dtype = best_dtype(tokenizer.vocab_size)
     init_worker(options_from_args(args, dtype))  # forked workers inherit this encoder
-    print(f"Input: {len(files)} file(s), {sum(os.path.getsize(f) for f in files) / 1e6:.1f} MB; "
-          f"tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size}), dtype "
-          f"{np.dtype(dtype).name}", file=sys.stderr)
-    make_output_dir(args.output_prefix)
     reader = Reader(files, max_in_flight=4 * args.workers)
+    size = f"{reader.total_bytes / 1e6:.1f} MB" if reader.sized else "size unknown (a pipe)"
+    print(f"Input: {len(files)} file(s), {size}; tokenizer {tokenizer.name} (vocab "
+          f"{tokenizer.vocab_size}), dtype {np.dtype(dtype).name}", file=sys.stderr)
+    make_output_dir(args.output_prefix)
     writers = Writers(args, dtype)
     progress = Progress(reader, args.log_interval)
     try:
@@ -471,18 +587,41 @@ def run(args: argparse.Namespace) -> dict:
         writers.abort()
         raise
     for key in args.json_keys:
-        print(f"Wrote {writers.prefixes[key]}.bin/.idx", file=sys.stderr)
+        print(f"Wrote {writers.prefixes[key]}.bin/.idx: {progress.docs} documents, "
+              f"{writers.num_tokens[key]} tokens", file=sys.stderr)
         if writers.num_tokens[key] == 0:
             print(f"warning: {writers.prefixes[key]} holds no tokens: the {progress.docs} "
                   f"documents' {key!r} values are all empty; training cannot use it",
                   file=sys.stderr)
     return {"documents": progress.docs, "bytes": progress.bytes, "skipped": progress.skipped,
-            "seconds": time.time() - progress.start}
+            "tokens": dict(writers.num_tokens), "seconds": time.time() - progress.start}
 
 
-def main(argv=None) -> None:
-    run(get_args(argv))
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's time limit, `kill`), handled like Ctrl-C."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
+def main(argv=None) -> int:
+    """Run the tool; Ctrl-C or SIGTERM ends it with status 130 or 143 and one line (the
+    partial files are removed, an earlier dataset at the prefix is left as it was)."""
+    args = get_args(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        run(args)
+    except KeyboardInterrupt as e:
+        how = "by SIGTERM" if isinstance(e, Terminated) else "(Ctrl-C)"
+        print(f"preprocess_data.py: interrupted {how}; no dataset was written and the partial "
+              f"files were removed (an earlier dataset at --output-prefix {args.output_prefix} "
+              "is unchanged): run the same command again", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

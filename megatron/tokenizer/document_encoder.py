@@ -180,6 +180,28 @@ def _not_utf8_message(e: UnicodeDecodeError) -> str:
             "Latin-1 text: iconv -f latin1 -t utf-8 IN.jsonl > OUT.jsonl")
 
 
+def _json_type(value) -> str:
+    """`value`'s JSON type as a user reads it in the file ('null', 'a number', ...)."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    for kind, name in ((str, "text"), (int, "a number"), (float, "a number"),
+                       (list, "a list"), (dict, "an object")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
+def _json_file_hint(line: bytes) -> str:
+    """The fix for a .json file (one array, or objects spread over lines) given where JSON
+    lines are read: what exporters such as pandas' to_json() write by default."""
+    start = line.lstrip()[:1]
+    if start not in (b"[", b"{") or (start == b"{" and line.strip() != b"{"):
+        return ""
+    return ("; this looks like a JSON file (an array, or objects over several lines): "
+            "convert it to one object per line, e.g. jq -c '.[]' IN.json > OUT.jsonl (for "
+            "an array; jq -c . for objects)")
+
+
 class ChunkEncoder:
     """Holds one tokenizer; `encode(chunk)` returns a picklable result dict."""
 
@@ -204,9 +226,13 @@ class ChunkEncoder:
             step = 1_000_000  # punkt is run on 1M-character pieces, as Megatron does
             return [s for i in range(0, len(value), step)
                     for s in self.splitter.tokenize(value[i:i + step])]
-        if isinstance(value, list) and all(isinstance(s, str) for s in value):
-            return value
-        raise BadLine(f"key {key!r} holds {type(value).__name__}, expected text or a list of text")
+        if isinstance(value, list):
+            wrong = next((i for i, s in enumerate(value) if not isinstance(s, str)), None)
+            if wrong is None:
+                return value
+            raise BadLine(f"key {key!r} holds a list whose item {wrong} is "
+                          f"{_json_type(value[wrong])}, expected text or a list of text")
+        raise BadLine(f"key {key!r} holds {_json_type(value)}, expected text or a list of text")
 
     def _parse(self, line: bytes) -> dict:
         doc = None
@@ -222,9 +248,10 @@ class ChunkEncoder:
                 raise NotUTF8(_not_utf8_message(e)) from None
             except ValueError as e:
                 raise NotJSON(f"invalid JSON ({e}); the input is JSON lines: one object such "
-                              'as {"text": "..."} per line') from None
+                              'as {"text": "..."} per line' + _json_file_hint(line)) from None
         if not isinstance(doc, dict):
-            raise BadLine(f"expected a JSON object, got {type(doc).__name__}")
+            raise BadLine(f"expected a JSON object, got {_json_type(doc)}"
+                          + (_json_file_hint(line) if isinstance(doc, list) else ""))
         missing = [k for k in self.opts.json_keys if k not in doc]
         if missing:
             raise BadLine(f"missing key(s) {missing}; present: {sorted(doc)[:10]}; --json-keys "

@@ -44,11 +44,19 @@ class NullTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
-def _need(value: Optional[str], flag: str, tokenizer_type: str) -> str:
+def _need(value: Optional[str], flag: str, tokenizer_type: str,
+          file: Optional[Tuple[str, str]] = None) -> str:
+    """`value` of `flag`, which must exist. `file` = (what, name part): the flag takes a
+    file, so a directory is refused, naming the file in it whose name has that part."""
     if value is None:
         raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag}: pass {flag} PATH")
     if not os.path.exists(value):
         raise ValueError(f"{flag} {value}: no such file or directory; check the path")
+    if file is not None and os.path.isdir(value):
+        found = sorted(n for n in os.listdir(value) if file[1] in n)
+        inside = (f": {os.path.join(value, found[0])}" if len(found) == 1
+                  else f", one of {', '.join(found)}" if found else "")
+        raise ValueError(f"{flag} {value} is a directory; pass the {file[0]} in it{inside}")
     return value
 
 
@@ -62,8 +70,9 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None,
     """
     if tokenizer_type == "GPT2BPETokenizer":
         from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
-        return GPT2BPETokenizer(_need(vocab_file, "--vocab-file", tokenizer_type),
-                                _need(merge_file, "--merge-file", tokenizer_type))
+        return GPT2BPETokenizer(
+            _need(vocab_file, "--vocab-file", tokenizer_type, ("vocab.json file", "vocab")),
+            _need(merge_file, "--merge-file", tokenizer_type, ("merges.txt file", "merges")))
     if tokenizer_type == "SentencePieceTokenizer":
         from megatron.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
         return SentencePieceTokenizer(_need(tokenizer_model, "--tokenizer-model", tokenizer_type),

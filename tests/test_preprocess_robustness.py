@@ -1,0 +1,225 @@
+"""tools/preprocess_data.py on messy inputs and hostile surroundings: truncated compressed
+files, pipes, byte-order marks, values of the wrong JSON type, failing writes, Ctrl-C and
+SIGTERM. (The well-formed paths are in test_preprocess.py.)"""
+from __future__ import annotations
+
+import errno
+import gzip
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from megatron.tokenizer import document_encoder
+from tests.test_preprocess import DOCS, check_outputs, run_tool, write_jsonl
+from tests.test_tokenizer import TRAIN_TEXT, train_tiny_bpe, write_bpe_files
+from tools import preprocess_data
+
+REPO = Path(__file__).resolve().parents[1]
+LINES = "".join(json.dumps(d) + "\n" for d in DOCS * 40).encode()
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    vocab, merges = train_tiny_bpe(TRAIN_TEXT, 200)
+    return write_bpe_files(tmp_path_factory.mktemp("bpe"), vocab, merges)
+
+
+def test_truncated_or_mislabelled_compressed_inputs_stop_naming_the_file(tmp_path, bpe):
+    """A .gz cut short ended with an EOFError traceback from the pool; a cut .zst ended
+    quietly, its cut-off last line reported as bad JSON (or, with --skip-bad-lines, the
+    rest of the file lost without a word); a plain file named .gz: a BadGzipFile
+    traceback."""
+    zstandard = pytest.importorskip("zstandard")
+    lines = LINES * 60  # several chunks: the cut comes after some were read
+    whole = len(lines.split(b"\n")) - 1
+    packed = gzip.compress(lines)
+    (tmp_path / "cut.jsonl.gz").write_bytes(packed[:len(packed) // 2])
+    packed = zstandard.ZstdCompressor().compress(lines)
+    (tmp_path / "cut.jsonl.zst").write_bytes(packed[:len(packed) // 2])
+    (tmp_path / "plain.jsonl.gz").write_bytes(LINES)
+    cases = [("cut.jsonl.gz", r"gzip input after line (\d+) \(EOFError: Compressed file ended"),
+             ("cut.jsonl.zst", r"zstd input after line (\d+) \(EOFError: the zstd data ends "
+                               r"inside a frame\)"),
+             ("plain.jsonl.gz", r"gzip input \(BadGzipFile: .*, or not gzip data at all "
+                                r"\(a plain \.jsonl named \.gz\? rename it\)")]
+    for name, message in cases:
+        with pytest.raises(SystemExit) as e:
+            run_tool(bpe, tmp_path / name, tmp_path / "out", "--skip-bad-lines", workers=2)
+        text = str(e.value.code)
+        found = re.search(
+            rf"^error: {tmp_path / name}: cannot read the {message}", text)
+        assert found, text
+        assert "truncated or corrupt" in text and "nothing was written" in text
+        if found.groups():
+            assert 0 < int(found.group(1)) < whole
+    assert not list(tmp_path.glob("out*"))
+    # several frames, with a skippable frame between them, read as one stream
+    skippable = (0x184D2A50).to_bytes(4, "little") + (3).to_bytes(4, "little") + b"pad"
+    half = LINES.index(b"\n", len(LINES) // 2) + 1
+    compress = zstandard.ZstdCompressor().compress
+    (tmp_path / "frames.jsonl.zst").write_bytes(compress(LINES[:half]) + skippable
+                                                + compress(LINES[half:]))
+    run_tool(bpe, tmp_path / "frames.jsonl.zst", tmp_path / "out")
+    check_outputs(bpe, tmp_path / "out", DOCS * 40, append_eod=False)
+
+
+def _feed_fifo(path: Path, data: bytes, keep_open: threading.Event = None):
+    def feed():
+        try:
+            with open(path, "wb") as f:
+                f.write(data)
+                f.flush()
+                if keep_open is not None:
+                    keep_open.wait(60)
+        except BrokenPipeError:  # the reader stopped first
+            pass
+
+    thread = threading.Thread(target=feed, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_pipe_is_an_input(tmp_path, bpe, capsys):
+    """--input <(zstdcat corpus.zst) or /dev/stdin, which Megatron's tool reads, was 'no
+    input files found': only regular files counted."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    feeder = _feed_fifo(fifo, LINES)
+    run_tool(bpe, fifo, tmp_path / "out", "--log-interval", "1")
+    feeder.join(5)
+    check_outputs(bpe, tmp_path / "out", DOCS * 40, append_eod=False)
+    err = capsys.readouterr().err
+    assert "size unknown (a pipe)" in err
+    assert "Processed 200 documents (" in err and "% read" not in err  # no share, no ETA
+
+
+@pytest.mark.parametrize("fast_json", [True, False])
+def test_byte_order_marks_and_crlf_line_ends_are_read(tmp_path, bpe, monkeypatch, fast_json):
+    """Files from Windows editors (a UTF-8 BOM, also where files were concatenated; CRLF
+    line ends) read as their text, whether or not orjson is installed (it rejects a BOM
+    and the line falls back to json, which takes it)."""
+    bom = b"\xef\xbb\xbf"
+    body = LINES.replace(b"\n", b"\r\n").split(b"\n", 1)
+    (tmp_path / "bom.jsonl").write_bytes(bom + body[0] + b"\n" + bom + body[1])
+    if not fast_json:
+        monkeypatch.setattr(document_encoder, "orjson", None)
+    run_tool(bpe, tmp_path / "bom.jsonl", tmp_path / "out")
+    check_outputs(bpe, tmp_path / "out", DOCS * 40, append_eod=False)
+
+
+def test_values_of_the_wrong_type_are_named_as_json(tmp_path, bpe, capsys):
+    """The messages said 'holds NoneType' / 'holds list' (Python's names, and not which
+    item of a list was wrong); a JSON array file now names the conversion."""
+    lines = [{"text": None, "title": "t"}, {"text": ["a", 7], "title": "t"},
+             {"text": {"a": "b"}, "title": "t"}, {"text": "ok", "title": False},
+             {"text": "ok", "title": "t"}]
+    src = tmp_path / "types.jsonl"
+    src.write_text("".join(json.dumps(d) + "\n" for d in lines) + json.dumps(lines) + "\n")
+    run_tool(bpe, src, tmp_path / "out", "--skip-bad-lines")
+    err = capsys.readouterr().err
+    for line_no, what in ((1, "key 'text' holds null,"),
+                          (2, "key 'text' holds a list whose item 1 is a number,"),
+                          (3, "key 'text' holds an object,"), (4, "key 'title' holds false,"),
+                          (6, "expected a JSON object, got a list; this looks like a JSON "
+                              "file .*jq -c '\\.\\[\\]' IN\\.json > OUT\\.jsonl")):
+        assert re.search(rf"types\.jsonl:{line_no}: {what}", err), err
+    (tmp_path / "pretty.json").write_text(json.dumps([{"text": "a"}], indent=2))
+    with pytest.raises(SystemExit, match=r"pretty\.json:1: invalid JSON .*this looks like a "
+                                         r"JSON file"):
+        run_tool(bpe, tmp_path / "pretty.json", tmp_path / "out")
+
+
+def test_a_failed_write_names_the_output_and_the_fix(tmp_path, bpe, monkeypatch):
+    """A full disk or a read-only directory ended the run with an OSError traceback."""
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS)
+    run_tool(bpe, src, tmp_path / "out")
+    before = sorted((p.name, p.read_bytes()) for p in tmp_path.glob("out*"))
+
+    def full(self, tokens):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(IndexedDatasetBuilder, "_write", full)
+    with pytest.raises(SystemExit, match=rf"^error: cannot write the dataset at --output-prefix "
+                                         rf"{tmp_path / 'out'}: No space left on device; free "
+                                         r"space there, or pass an --output-prefix on a disk "
+                                         r"with room .*an earlier dataset there is unchanged$"):
+        run_tool(bpe, src, tmp_path / "out", "--partitions", "2", workers=2)
+    assert sorted((p.name, p.read_bytes()) for p in tmp_path.glob("out*")) == before
+    monkeypatch.undo()
+    real_open = open
+
+    def read_only(path, mode="r", *args, **kwargs):
+        if "w" in mode and str(path).startswith(str(tmp_path / "ro")):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", read_only)
+    with pytest.raises(SystemExit, match=rf"Permission denied \({tmp_path / 'ro'}_text_document"
+                                         r"\.tmp\d+\.bin\); pass an --output-prefix in a "
+                                         r"directory you can write to"):
+        run_tool(bpe, src, tmp_path / "ro")
+    assert not list(tmp_path.glob("ro*"))
+
+
+@pytest.mark.parametrize("signum,to_group,status,how", [
+    (signal.SIGINT, True, 130, "(Ctrl-C)"), (signal.SIGTERM, False, 143, "by SIGTERM")])
+def test_ctrl_c_or_sigterm_mid_run_removes_the_partial_files(tmp_path, bpe, signum, to_group,
+                                                             status, how):
+    """Ctrl-C printed KeyboardInterrupt tracebacks (the main process's and the workers');
+    SIGTERM left the partial .bin behind and the workers printed BrokenPipe tracebacks."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    release = threading.Event()
+    feeder = _feed_fifo(fifo, LINES * 200, keep_open=release)  # > one chunk, then waits
+    cmd = [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(fifo),
+           "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "GPT2BPETokenizer",
+           "--vocab-file", bpe[0], "--merge-file", bpe[1], "--workers", "2",
+           "--log-interval", "1"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        seen = []
+        for line in proc.stderr:  # mid-run: documents written, the input still open
+            seen.append(line)
+            if line.startswith("Processed"):
+                break
+        assert list(tmp_path.glob("out_text_document.tmp*.bin")), "".join(seen)
+        (os.killpg if to_group else os.kill)(proc.pid, signum)
+        release.set()  # the producer of the pipe goes away with the group
+        err = "".join(seen) + proc.stderr.read()
+        assert proc.wait(30) == status, err
+    finally:
+        release.set()
+        if proc.poll() is None:
+            proc.kill()
+        feeder.join(5)
+    assert f"preprocess_data.py: interrupted {how}; no dataset was written" in err
+    assert "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
+
+
+def test_summary_and_progress_units(tmp_path, bpe, capsys, monkeypatch):
+    """The last lines say how many tokens each dataset holds; MB/s counts MB of 2**20 bytes
+    as Megatron's tool does (it was 10**6)."""
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS)
+    counts = run_tool(bpe, src, tmp_path / "out")
+    err = capsys.readouterr().err
+    for key in ("text", "title"):
+        tokens = counts["tokens"][key]
+        assert tokens > 0
+        assert f"Wrote {tmp_path}/out_{key}_document.bin/.idx: 5 documents, {tokens} tokens" in err
+    assert (tmp_path / "out_text_document.bin").stat().st_size == 2 * counts["tokens"]["text"]
+    reader = type("Reader", (), {"total_bytes": 100, "sized": True,
+                                 "raw_bytes_read": lambda self: 50})()
+    progress = preprocess_data.Progress(reader, 1000)
+    progress.docs, progress.bytes = 10, 3 * 2**20
+    monkeypatch.setattr(preprocess_data.time, "time", lambda: progress.start + 2.0)
+    assert progress.line() == ("Processed 10 documents (5.0 docs/s, 1.50 MB/s), input 50.0% "
+                               "read, ETA 00:00:02.")
