@@ -15,7 +15,7 @@ import pytest
 from megatron.core.datasets.indexed_dataset import MMapIndexedDataset
 from megatron.tokenizer import build_tokenizer
 from tests.test_tokenizer import TRAIN_TEXT, train_tiny_bpe, write_bpe_files
-from tools import preprocess_data
+from tools import preprocess_data, preprocess_input
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -220,7 +220,7 @@ def test_null_tokenizer_ids_beyond_vocab_size_name_the_flag(tmp_path):
 
 
 def test_small_chunks_keep_line_numbers(tmp_path, bpe, monkeypatch):
-    monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 37)  # lines straddle many chunks
+    monkeypatch.setattr(preprocess_input, "CHUNK_BYTES", 37)  # lines straddle many chunks
     docs = DOCS * 4
     lines = [json.dumps(d) for d in docs] + ["{oops"] + [json.dumps(DOCS[0])]
     src = tmp_path / "in.jsonl"
@@ -354,7 +354,7 @@ def test_failed_run_keeps_the_existing_dataset(tmp_path, bpe, partitions, monkey
     src = write_jsonl(tmp_path / "in.jsonl", DOCS)
     run_tool(bpe, src, tmp_path / "out", "--append-eod")
     before = sorted((p.name, p.read_bytes()) for p in tmp_path.glob("out*"))
-    monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 64)  # documents written, then the error
+    monkeypatch.setattr(preprocess_input, "CHUNK_BYTES", 64)  # documents written, then the error
     bad = write_jsonl(tmp_path / "bad.jsonl", DOCS * 3)
     with open(bad, "a") as f:
         f.write("{oops\n")

@@ -24,7 +24,7 @@ from megatron.core.datasets.indexed_dataset import MMapIndexedDataset  # noqa: E
 from megatron.tokenizer import build_tokenizer  # noqa: E402
 from megatron.tokenizer.document_encoder import _sentence_splitter  # noqa: E402
 from tests.test_tokenizer import TRAIN_TEXT, train_tiny_bpe, write_bpe_files  # noqa: E402
-from tools import preprocess_data  # noqa: E402
+from tools import preprocess_data, preprocess_input  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ABBREVIATIONS = ["dr", "mr", "e.g", "u.s"]
@@ -137,7 +137,7 @@ def test_sentences_become_sequences(tmp_path, bpe, punkt_path, keep_newlines, ap
 
 
 def test_workers_give_identical_files(tmp_path, bpe, punkt_path, monkeypatch):
-    monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 300)  # many chunks per worker
+    monkeypatch.setattr(preprocess_input, "CHUNK_BYTES", 300)  # many chunks per worker
     rng = random.Random(0)
     texts = [" ".join(rng.choice(CASES)[0] for _ in range(rng.randint(0, 4))) for _ in range(60)]
     src = write_docs(tmp_path / "in.jsonl", texts)
