@@ -57,6 +57,7 @@ from megatron.arguments_table import (
     MEGATRON_DESCRIPTION,
     MEGATRON_GROUPS,
     NO_EFFECT,
+    NO_EFFECT_QUIET_VALUES,
     NOT_SUPPORTED,
     NOT_SUPPORTED_GROUPS,
     REMOVED,
@@ -400,7 +401,8 @@ def check_not_supported(ns: argparse.Namespace, origins: Optional[Dict[str, str]
         if reason is not None and value != spec.default:
             via = f" (set by {origins[spec.dest]})" if spec.dest in origins else ""
             problems.append(f"{spec.flag}: {reason}{via}")
-        elif spec.flag in NO_EFFECT and value != spec.default:
+        elif (spec.flag in NO_EFFECT and value != spec.default
+              and value not in NO_EFFECT_QUIET_VALUES.get(spec.flag, ())):
             warn(f"{spec.flag} has no effect here: {NO_EFFECT[spec.flag]}")
     if problems:
         raise ArgumentsError("flags not supported by this framework:\n  " + "\n  ".join(problems))

@@ -496,6 +496,10 @@ NO_EFFECT = {
                      "paged in on first use",
 }
 
+# NO_EFFECT values that name what is done anyway: not warned (every Megatron-LM 23.05
+# script passes --data-impl mmap, and mmap files are what is read).
+NO_EFFECT_QUIET_VALUES = {"--data-impl": ("mmap",)}
+
 # Flags from older Megatron-LM releases that 23.05 no longer knows: error with the modern
 # spelling.
 REMOVED = {
