@@ -6,7 +6,8 @@ argmax expert's output, fc2 bias included, times its probability).
    included) of one step equal the reference's, at tensor-parallel size 1 and 2, in
    training and in evaluation mode (Megatron-LM 23.05 routes alike in both), with the
    grouped-GEMM and the loop dispatch. Tolerance: fp32 against fp64, atol 2e-5 on losses,
-   max abs diff <= 1e-5 * (1 + max|g|) on gradients.
+   max abs diff <= 1e-5 * (1 + max|g|) on gradients. The core refuses sequence
+   parallelism with experts (the grouped dispatch gave wrong losses, the loop a crash).
 """
 from __future__ import annotations
 
@@ -103,3 +104,13 @@ def test_losses_and_grads_equal_the_reference_at_tp2():
         for (case, mode, dispatch), got in results.items():
             _check(got, want[case], f"tp2 rank {rank} {case} {mode} {dispatch}")
 
+
+
+def test_the_core_refuses_sequence_parallelism_with_experts():
+    """The grouped dispatch summed partial products of different tokens across ranks
+    (wrong losses), the loop's all-gather of unequal token counts crashed gloo: the switch
+    MLP is refused outright, as the command line refuses the flags together."""
+    fields, _ = case_config("experts", sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"sequence_parallel=True cannot be used with "
+                                         r"num_experts=4: .*set sequence_parallel=False"):
+        GPTModel(ModelConfig(**fields))
