@@ -14,7 +14,8 @@ argmax expert's output, fc2 bias included, times its probability).
    shapes of this framework's TP2 save exported by `to-megatron`; it loads into a TP2 and
    (resharded) a TP1 run with the reference's losses; `checkpoint_convert.py reshard`
    merges it into the full weights exactly; tools/generate.py (with and without the KV
-   cache) greedily decodes what the reference decodes.
+   cache) greedily decodes what the reference decodes. `to-megatron` warns that
+   Megatron-LM 23.05 cannot run experts without biases.
 """
 from __future__ import annotations
 
@@ -302,3 +303,25 @@ def test_a_megatron_lm_tp2_checkpoint_loads_with_the_reference_losses(tmp_path, 
         got_ids = json.loads(capsys.readouterr().out)["generated_ids"]
         assert got_ids == ids[0, 5:].tolist(), cache
 
+
+
+@pytest.mark.parametrize("extra,warned", [([], False), (["--disable-bias-linear"], True),
+                                          (["--swiglu", "--disable-bias-linear"], True)])
+def test_to_megatron_warns_that_23_05_cannot_run_experts_without_biases(tmp_path, capsys,
+                                                                        extra, warned):
+    """Megatron-LM 23.05's switch MLP expands every expert's fc2 bias: with
+    --disable-bias-linear it loads the export and stops at its first forward. The export
+    is still written."""
+    from tools import checkpoint_convert
+
+    root, out = str(tmp_path / "ours"), str(tmp_path / "mega")
+    _save_ours(0, 1, root, extra)
+    capsys.readouterr()
+    assert checkpoint_convert.main(["to-megatron", "--load", root, "--save", out]) == 0
+    err = capsys.readouterr().err
+    message = ("warning: Megatron-LM 23.05 cannot run this model (--num-experts 4 with "
+               "--disable-bias-linear: its switch MLP scales each expert's fc2 bias and stops "
+               "at the first forward without one)")
+    assert (message in err) == warned, err
+    assert os.path.isfile(os.path.join(out, f"iter_{ITERATION:07d}", "mp_rank_00",
+                                       "model_optim_rng.pt"))
