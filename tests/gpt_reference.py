@@ -11,7 +11,11 @@ no code shared with `megatron/`:
   whole head, or int(d * rotary_percent) channels below 1, one more when that is odd) -> scores / sqrt(d), or / (sqrt(d) * layer) then * layer with query-key
   layer scaling -> masked fill -10000 -> softmax -> context -> dense (+ bias) -> residual
   (the norm's output with --apply-residual-connection-post-layernorm, else the input);
-  then the same around the MLP: fc1 (+ bias) -> activation -> fc2 (+ bias);
+  then the same around the MLP: fc1 (+ bias) -> activation -> fc2 (+ bias), or with
+  `num_experts` E Megatron-LM 23.05's SwitchMLP: router = nn.Linear(h, E) with bias,
+  probs = softmax over E, each token sent to its argmax expert (the same in training and
+  evaluation: no Sinkhorn, no capacity, no auxiliary loss) and that expert's MLP output,
+  its fc2 bias included, scaled by the chosen probability;
 * final norm, then logits against the word embeddings (or the untied output layer) and
   cross entropy.
 
@@ -94,14 +98,30 @@ def _attention(x, sd, name, cfg, layer_number, mask_bss):
     return _linear(ctx, sd, name + ".dense")
 
 
+def _mlp(x, sd, name, cfg):
+    h = _activation(_linear(x, sd, name + ".dense_h_to_4h"), cfg.activation)
+    return _linear(h, sd, name + ".dense_4h_to_h")
+
+
+def _switch_mlp(x, sd, name, cfg):
+    """Every expert on every token, then per token the argmax expert's output (fc2 bias
+    included) times its softmax probability, selected by a one-hot mask (an unchosen
+    expert's output is multiplied by 0: it gets no gradient from that token)."""
+    probs = torch.softmax(_linear(x, sd, name + ".router"), dim=-1)  # [s, b, E]
+    prob, chosen = probs.max(dim=-1)
+    out = torch.zeros_like(x)
+    for e in range(cfg.num_experts):
+        out = out + (chosen == e)[..., None] * _mlp(x, sd, f"{name}.experts.{e}", cfg)
+    return out * prob[..., None]
+
+
 def _layer(x, sd, i, cfg, mask_bss, drop):
     name = f"{PREFIX}encoder.layers.{i}"
     ln = _norm(x, sd, name + ".input_layernorm", cfg)
     out = _attention(ln, sd, name + ".self_attention", cfg, i + 1, mask_bss)
     x = (ln if cfg.apply_residual_connection_post_layernorm else x) + drop(out)
     ln = _norm(x, sd, name + ".post_attention_layernorm", cfg)
-    h = _activation(_linear(ln, sd, name + ".mlp.dense_h_to_4h"), cfg.activation)
-    out = _linear(h, sd, name + ".mlp.dense_4h_to_h")
+    out = (_switch_mlp if cfg.num_experts else _mlp)(ln, sd, name + ".mlp", cfg)
     return (ln if cfg.apply_residual_connection_post_layernorm else x) + drop(out)
 
 
@@ -114,9 +134,10 @@ def reference_forward(sd: Dict[str, torch.Tensor], cfg, tokens: torch.Tensor,
     [b, 1, s, s], True = masked (None: causal); position_ids [b, s] (None: 0..s-1).
     `hidden_dropout` (default: none, eval mode) is applied where Megatron's hidden dropout
     sits: on the embeddings' sum, and on each attention and MLP output (its bias added)
-    before the residual add."""
+    before the residual add. The weights are taken in fp64 as given: fp64 leaves that
+    require grad give the reference's gradients."""
     drop = hidden_dropout or (lambda t: t)
-    sd = {k: v.detach().double() for k, v in sd.items()}
+    sd = {k: v.double() for k, v in sd.items()}
     b, s = tokens.shape
     word = sd[PREFIX + "embedding.word_embeddings.weight"]
     x = word[tokens]
@@ -164,6 +185,9 @@ CASES = {
     "qk_layer_scaling": dict(apply_query_key_layer_scaling=True, num_layers=3),
     "documents": dict(reset=True),  # --reset-position-ids --reset-attention-mask
     "documents_rope": dict(reset=True, position_embedding_type="rope"),
+    "experts": dict(num_experts=4),  # --num-experts 4
+    "experts_swiglu": dict(num_experts=3, activation="swiglu", ffn_hidden_size=48,
+                           add_bias_linear=False),
 }
 EOD = 63
 

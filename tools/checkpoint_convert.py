@@ -509,6 +509,17 @@ def megatron_23_05_gaps(args: dict) -> List[str]:
     return gaps
 
 
+def megatron_23_05_run_gap(args: dict) -> Optional[str]:
+    """Why Megatron-LM 23.05 builds the saved model and loads its weights but cannot run
+    it, or None: its switch MLP expands every expert's fc2 bias, which
+    --disable-bias-linear leaves out (an AttributeError at the first forward)."""
+    experts = args.get("num_experts")
+    if experts and args.get("add_bias_linear") is False:
+        return (f"--num-experts {experts} with --disable-bias-linear: its switch MLP scales "
+                "each expert's fc2 bias and stops at the first forward without one")
+    return None
+
+
 def run_to_megatron(a: argparse.Namespace) -> int:
     iter_dir, _, _ = reshard_lib.locate_iteration(a.load, a.iteration)
     first = reshard_lib.inspect_checkpoint(iter_dir)[2]
@@ -517,6 +528,9 @@ def run_to_megatron(a: argparse.Namespace) -> int:
         print(f"warning: Megatron-LM 23.05 cannot build this model: {'; '.join(gaps)}. It "
               "will refuse these weights; later Megatron-LM releases that have these flags "
               "can load them", file=sys.stderr)
+    run_gap = megatron_23_05_run_gap(first.get("args") or {})
+    if run_gap:
+        print(f"warning: Megatron-LM 23.05 cannot run this model ({run_gap})", file=sys.stderr)
     rng = (first.get("rng_state") or [{}])[0]
     if rng and rng.get("cuda_rng_state") is None:
         print("warning: the checkpoint's RNG states were saved by a CPU run; Megatron-LM "

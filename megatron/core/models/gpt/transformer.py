@@ -182,7 +182,7 @@ class SwitchMLP(nn.Module):
     x: probs = softmax(router(x)) in the activation dtype, (p, e) = their max, and the
     output is p * expert_e(x), with expert e's fc2 bias times p returned separately (as
     the dense MLP returns its bias, for the layer's bias-dropout-add). No load-balancing
-    loss, no capacity limit, no expert parallelism.
+    loss, no capacity limit, no expert parallelism, no sequence parallelism (refused).
 
     Two dispatches of the same function. Grouped (grouped_experts.py), where
     torch._grouped_mm runs for the experts' dtype, device and widths (probed once for
@@ -200,6 +200,12 @@ class SwitchMLP(nn.Module):
 
     def __init__(self, config: ModelConfig, tp_group=None, device=None, rng_tracker=None):
         super().__init__()
+        if config.sequence_parallel:
+            raise ValueError(
+                f"sequence_parallel=True cannot be used with num_experts={config.num_experts}:"
+                " each tensor-parallel rank would route its own slice of the sequence while "
+                "the experts' split products need the same tokens on every rank (Megatron-LM "
+                "23.05's switch MLP has the same limit); set sequence_parallel=False")
         self.router = build_router(config, device)
         self.experts = nn.ModuleList(ParallelMLP(config, tp_group, device, rng_tracker)
                                      for _ in range(config.num_experts))
