@@ -72,8 +72,13 @@ def test_device_cpu_hides_cuda_from_the_run_and_its_ranks(monkeypatch):
     """--device cpu: the start-up picks NCCL and the GPU whenever CUDA is visible, so the
     tool hides it (CUDA_VISIBLE_DEVICES="") before torch looks, for --scaling's torchrun
     ranks too (they inherit the environment)."""
+    import torch
+
     bench = _benchmark_module()
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # restored afterwards
+    # torch's own answer is not asked: on a GPU machine it would start the driver with no
+    # visible device for the rest of this test process
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     seen = {}
 
     def fake_scaling(a, device):
