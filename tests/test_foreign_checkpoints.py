@@ -14,13 +14,18 @@ and tests/test_checkpointing.py's.
 """
 from __future__ import annotations
 
+import argparse
+import enum
 import os
 import subprocess
+import sys
+import types
 
 import pytest
 import torch
 
 from megatron.checkpoint_dirs import missing_tracker_message, refuse_untracked_checkpoints
+from megatron.checkpoint_files import load_checkpoint_file
 from megatron.checkpoint_reshard import inspect_checkpoint, locate_iteration
 from megatron.checkpointing import load_checkpoint, save_checkpoint
 from megatron.core.parallel_state import ParallelState
@@ -95,6 +100,51 @@ def test_megatron_core_distributed_checkpoint(tmp_path, backend):
     assert "is a file of a checkpoint: " in _refusal(iter_dir / "common.pt")
 
 
+@pytest.mark.parametrize("moe", [False, True])
+def test_megatron_core_names_in_the_2305_layout(tmp_path, moe):
+    root = fc.mcore_legacy(tmp_path / "ck", moe=moe)
+    path = root / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+    with pytest.raises(SystemExit) as err:
+        load_checkpoint_file(str(path))
+    text = str(err.value)
+    assert text.startswith(f"error: checkpoint file {path} holds a Megatron-Core GPTModel "
+                           "(parameter names such as "), text
+    assert "Missing key" not in text and len(text) < 1000, text
+    if moe:
+        assert "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight" in text
+        assert text.endswith("have no counterpart here (MIGRATING.md, Known gaps), so its "
+                             "weights cannot be used here")
+    else:
+        assert "decoder.layers.0.self_attention.linear_qkv.weight" in text
+        assert f"{FROM_HF} HF_DIR --save DIR" in text
+    from tools.generate import load_model
+
+    for read in (lambda: load_model(str(root)), lambda: load_checkpoint(str(root), _ps1())):
+        with pytest.raises(SystemExit) as again:
+            read()
+        assert str(again.value) == text
+
+
+def test_a_training_run_names_megatron_core_names_not_every_key(tmp_path, capsys):
+    import pretrain_gpt
+    from tests.test_flag_audit import TINY
+
+    root = fc.mcore_legacy(tmp_path / "ck")
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(TINY + ["--train-iters", "1", "--load", str(root)])
+    text = str(err.value)
+    assert "holds a Megatron-Core GPTModel" in text and "Unexpected key" not in text, text
+    assert "Run with the model flags" not in text
+
+
+def test_later_legacy_norm_names(tmp_path):
+    names = [n.replace("input_layernorm", "input_norm") for n in fc._layer_names_2305(1)]
+    root = fc.megatron_layout(tmp_path / "ck", {n: torch.zeros(2) for n in names})
+    with pytest.raises(SystemExit, match="whose norms are named input_norm / "
+                                         r"post_attention_norm / final_norm \(language_model"):
+        inspect_checkpoint(str(root / "iter_0000002"))
+
+
 @pytest.mark.parametrize("kind", ["ckpt", "tp2", "dist", "nemo2", "file"])
 def test_nemo_models(tmp_path, kind):
     if kind == "file":
@@ -159,6 +209,24 @@ def test_a_rank_file_alone_and_the_recipe_it_is_given(tmp_path):
     subprocess.run(recipe.replace("DIR", str(new)), shell=True, check=True)
     iteration, state = load_checkpoint(str(new), _ps1())
     assert iteration == 0 and torch.equal(state["model"]["w"], torch.ones(2))
+
+
+def test_a_class_of_a_later_megatron_lm_is_named_as_such(tmp_path, monkeypatch):
+    """A later release pickles classes 23.05 never did (its AttnBackend enum in `args`): not
+    unpickled, and named as a later release's instead of as code that could run."""
+    mod = types.ModuleType("megatron.core.transformer.enums")
+    mod.AttnBackend = enum.Enum("AttnBackend", [("auto", 5)],
+                                module="megatron.core.transformer.enums")
+    path = tmp_path / "model_optim_rng.pt"
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "megatron.core.transformer.enums", mod)
+        torch.save({"args": argparse.Namespace(attention_backend=mod.AttnBackend.auto),
+                    "checkpoint_version": 3.0, "model": {}}, path)
+    with pytest.raises(SystemExit) as err:
+        load_checkpoint_file(str(path))
+    text = str(err.value)
+    assert "holds a pickled megatron.core.transformer.enums.AttnBackend" in text, text
+    assert "written by a later release" in text and "could run any code" not in text
 
 
 def test_an_empty_directory_still_starts_from_scratch_in_training(tmp_path, capsys):
