@@ -21,6 +21,12 @@ import tempfile
 from typing import List, Optional, Tuple
 
 from megatron.agreed_exit import agree
+from megatron.checkpoint_foreign import (
+    deepspeed_message,
+    dist_backend,
+    dist_checkpoint_message,
+    foreign_format_message,
+)
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
@@ -289,7 +295,7 @@ def complete_layout(iter_dir: str, args: Optional[dict] = None) -> Tuple[int, in
     flags."""
     found = model_rank_dirs(iter_dir)
     if not found:
-        raise SystemExit(f"error: {iter_dir} holds no mp_rank_* directories (not a checkpoint)")
+        raise SystemExit(no_rank_dirs_message(iter_dir))
     tp, pp = 1 + max(t for _, t, _ in found), 1 + max(p for _, _, p in found)
     if any(_RANK_DIR_RE.match(name).group(2) for name, _, _ in found):
         pp = max(pp, 2)
@@ -305,6 +311,16 @@ def complete_layout(iter_dir: str, args: Optional[dict] = None) -> Tuple[int, in
         raise SystemExit(incomplete_checkpoint_message(
             iter_dir, missing, f"found {', '.join(name for name, _, _ in found)}{said}"))
     return tp, pp
+
+
+def no_rank_dirs_message(iter_dir: str) -> str:
+    """The error for a checkpoint's iteration directory without rank directories: what it
+    is when another program wrote it (a Megatron-Core distributed checkpoint), else that it
+    is not a checkpoint."""
+    dist = dist_checkpoint_message(iter_dir)
+    if dist is not None:
+        return f"error: {dist}"
+    return f"error: {iter_dir} holds no mp_rank_* directories (not a checkpoint)"
 
 
 def incomplete_checkpoint_message(iter_dir: str, missing: List[str], found: str) -> str:
@@ -323,6 +339,8 @@ def missing_rank_files_message(iter_dir: str, paths: List[str], tp_size: int,
     `pp_size`: incomplete when its directories are that layout's, else the layout the
     directories show, to run with or reshard to."""
     paths = sorted(set(paths))
+    if dist_backend(iter_dir) is not None and not model_rank_dirs(iter_dir):
+        return no_rank_dirs_message(iter_dir)
     if {(t, p) for _, t, p in model_rank_dirs(iter_dir)} == {
             (t, p) for t in range(tp_size) for p in range(pp_size)}:
         return incomplete_checkpoint_message(
@@ -362,21 +380,17 @@ def _checkpoint_root_above(path: str) -> Optional[str]:
     return None
 
 
-def _is_hf_model_dir(path: str) -> bool:
-    """A Hugging Face model directory (save_pretrained's config.json and weights)."""
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        return False
-    return any(n.endswith(".safetensors") or (n.startswith("pytorch_model") and n.endswith(".bin"))
-               for n in os.listdir(path))
-
-
 def misplaced_load_message(root: str, flag: str = "--load") -> Optional[str]:
     """Why --load `root` (no tracker file there) is not a checkpoint directory though it
     holds or is part of one, with the fix: an iteration directory, a rank directory or a
     checkpoint file (the directory above the iteration directories is meant), another
-    file, or a Hugging Face model directory (to import first). None otherwise. `flag`
-    names the option in the message."""
+    program's checkpoint or model (megatron/checkpoint_foreign.py: the command that
+    converts it), another file. None otherwise. `flag` names the option in the message."""
     above = _checkpoint_root_above(root)
+    foreign = foreign_format_message(root, flag) if above is None or os.path.isdir(root) \
+        else None
+    if foreign is not None:
+        return foreign
     name = os.path.basename(os.path.normpath(root))
     if above is not None:
         what = ("one checkpoint's iteration directory" if _ITER_DIR_RE.match(name)
@@ -387,11 +401,6 @@ def misplaced_load_message(root: str, flag: str = "--load") -> Optional[str]:
     if os.path.isfile(root):
         return (f"{flag} {root} is a file; {flag} takes the directory --save wrote (the one "
                 f"holding {TRACKER_FILENAME} and the iter_XXXXXXX directories)")
-    if os.path.isdir(root) and _is_hf_model_dir(root):
-        return (f"{flag} {root} is a Hugging Face model directory (config.json and weights), "
-                "not a checkpoint of this framework; import it first: python "
-                f"tools/checkpoint_convert.py from-hf --input {shlex.quote(root)} --save DIR, "
-                f"then {flag} DIR")
     return None
 
 
@@ -400,7 +409,7 @@ def missing_tracker_message(root: str) -> str:
     fix: the parent directory when `root` is itself an iteration directory, --iteration
     when it holds iteration directories (`misplaced_load_message` for the other mistakes)."""
     name = os.path.basename(os.path.normpath(root))
-    if _ITER_DIR_RE.match(name):
+    if _ITER_DIR_RE.match(name) and dist_backend(root) is None:
         parent = os.path.dirname(os.path.normpath(root)) or "."
         pick = "" if name == "release" else f" --iteration {int(name[len('iter_'):])}"
         return (f"--load {root} is one checkpoint's iteration directory; --load takes the "
@@ -417,11 +426,12 @@ def missing_tracker_message(root: str) -> str:
 
 def refuse_untracked_checkpoints(root: str) -> None:
     """SystemExit when --load has no tracker file but is part of a checkpoint (an iteration
-    directory, a rank directory, a checkpoint file), a file, a Hugging Face model directory,
-    or holds iteration directories: starting from random there is almost surely not what
-    was meant (and later saves would mix with those checkpoints)."""
+    directory, a rank directory, a checkpoint file), a file, another program's checkpoint or
+    model (`misplaced_load_message`), or holds iteration directories: starting from random
+    there is almost surely not what was meant (and later saves would mix with those
+    checkpoints)."""
     name = os.path.basename(os.path.normpath(root))
-    if _ITER_DIR_RE.match(name) and os.path.isdir(root):
+    if _ITER_DIR_RE.match(name) and os.path.isdir(root) and dist_backend(root) is None:
         parent = os.path.dirname(os.path.normpath(root)) or "."
         raise SystemExit(f"error: --load {root} is one checkpoint's iteration directory; "
                          f"--load takes the directory above it: --load {shlex.quote(parent)} "
@@ -486,6 +496,10 @@ def missing_iteration_dir_message(root: str, iteration: int, release: bool) -> s
     """The error for a tracker naming an iteration directory that does not exist."""
     name = iteration_dir_name(iteration, release)
     value = "release" if release else iteration
+    deepspeed = deepspeed_message(root)
+    if deepspeed is not None:  # Megatron-DeepSpeed writes a tracker beside global_stepN/
+        return (f"error: {tracker_path(root)} names {value}, but there is no "
+                f"{os.path.join(root, name)}: {deepspeed}")
     return (f"error: {tracker_path(root)} names {value}, but the checkpoint directory "
             f"{os.path.join(root, name)} does not exist; fix the tracker file: "
             f"{other_checkpoints_hint(root, name)}")

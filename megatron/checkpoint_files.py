@@ -29,6 +29,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
+from megatron.checkpoint_foreign import later_megatron_fix, later_megatron_names_message
 from megatron.checkpoint_plain import args_to_plain
 
 # Checkpoint versions whose QKV rows are per-head [q|k|v] blocks (Megatron-LM reorders
@@ -86,6 +87,8 @@ def _torch_load(path: str, mmap: bool):
 # module posix is blocked": sys, os, posix, nt -- what a payload that runs commands pickles)
 _UNSUPPORTED_RE = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 _BLOCKED_RE = re.compile(r"unsupported GLOBAL ([\w.]+) whose module [\w.]+ is blocked")
+# pickled globals that only later Megatron-LM releases put in a checkpoint file
+_LATER_MEGATRON_GLOBALS = ("megatron.", "transformer_engine.", "_io.BytesIO")
 _TORCH_BOILERPLATE = ("Weights only load failed", "Check the documentation",
                       "Please file an issue", "WeightsUnpickler error")
 
@@ -106,12 +109,20 @@ def refused_object(exc: pickle.UnpicklingError) -> str:
 
 
 def _not_plain_data(path: str, exc: pickle.UnpicklingError) -> SystemExit:
+    name = refused_object(exc)
+    text = (f"error: checkpoint file {path} holds a pickled {name}, which is not plain data; "
+            "checkpoint files are read without running pickled code (tensors, plain Python "
+            "data and, from Megatron-LM 23.05, its argparse.Namespace, ModelType and numpy "
+            "RNG state)")
+    if name.startswith(_LATER_MEGATRON_GLOBALS):
+        return SystemExit(
+            f"{text}, and {name} is not in Megatron-LM 23.05's checkpoints: the file was "
+            "written by a later release (Megatron-Core; _io.BytesIO is Transformer Engine's "
+            "_extra_state), whose checkpoints this framework does not read. To use its "
+            f"weights, {later_megatron_fix(None)}")
     return SystemExit(
-        f"error: checkpoint file {path} holds a pickled {refused_object(exc)}, which is not "
-        "plain data; checkpoint files are read without running pickled code (tensors, plain "
-        "Python data and, from Megatron-LM, its argparse.Namespace, ModelType and numpy "
-        "RNG state), and unpickling this object could run any code. Re-save the file "
-        "without that object, or do not use a file whose origin you do not trust.")
+        f"{text}, and unpickling this object could run any code. Re-save the file without "
+        "that object, or do not use a file whose origin you do not trust.")
 
 
 def _old_torch_message(path: str) -> str:
@@ -137,7 +148,7 @@ def load_checkpoint_file(path: str, mmap: bool = False):
 
     SystemExit naming the file and the object when it pickles anything else."""
     try:
-        return normalize_payload(_torch_load(path, mmap))
+        return _refuse_later_names(path, normalize_payload(_torch_load(path, mmap)))
     except pickle.UnpicklingError as exc:
         if _BLOCKED_RE.search(str(exc)):  # never allowed: no second attempt
             raise _not_plain_data(path, exc) from None
@@ -152,7 +163,20 @@ def load_checkpoint_file(path: str, mmap: bool = False):
         raise SystemExit(_old_torch_message(path)) from None
     except pickle.UnpicklingError as exc:
         raise _not_plain_data(path, exc) from None
-    return normalize_payload(state)
+    return _refuse_later_names(path, normalize_payload(state))
+
+
+def _refuse_later_names(path: str, state):
+    """`state`, unless its model has the parameter names of a Megatron-LM release after
+    23.05 (Megatron-Core's, later MoE's, the later legacy model's norms): SystemExit naming
+    them and the way to the weights (megatron/checkpoint_foreign.py)."""
+    if isinstance(state, dict):
+        for key in [k for k in state if isinstance(k, str) and _is_model_key(k)
+                    and isinstance(state[k], dict)]:
+            message = later_megatron_names_message(path, state[key])
+            if message is not None:
+                raise SystemExit(message)
+    return state
 
 
 def flat_model_state(tree: dict, prefix: str = "") -> Dict[str, object]:

@@ -48,8 +48,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from megatron.checkpoint_dirs import incomplete_checkpoint_message, model_file
+from megatron.checkpoint_dirs import (
+    incomplete_checkpoint_message,
+    missing_iteration_dir_message,
+    model_file,
+)
 from megatron.checkpoint_files import complete_saved_args, flat_model_state
+from megatron.checkpoint_foreign import deepspeed_message
 from megatron.checkpoint_layout import (  # noqa: F401 (the layout functions re-exported)
     DISTRIB_FILENAME,
     Layout,
@@ -528,6 +533,9 @@ def locate_iteration(load: str, iteration: Optional[int] = None,
              f"{shlex.quote(iter_dir)}` puts it back (a training run with --load does it)")
         return iter_dir + ".old", iteration, release
     if not os.path.isdir(iter_dir):
+        deepspeed = deepspeed_message(load)
+        if deepspeed is not None:  # Megatron-DeepSpeed's tracker names its global_stepN/
+            raise SystemExit(missing_iteration_dir_message(load, iteration, release))
         source = "--iteration" if given else tracker_path(load)
         raise SystemExit(f"error: checkpoint directory {iter_dir} (from {source}) does not "
                          f"exist; the checkpoints under {load}: "

@@ -56,6 +56,7 @@ from megatron.checkpoint_dirs import (  # noqa: E402
     free_space_text,
     is_legacy_model_file,
     model_file,
+    no_rank_dirs_message,
 )
 from megatron.checkpoint_files import (  # noqa: E402
     load_checkpoint_file,
@@ -469,7 +470,7 @@ def to_megatron(load: str, save: str, iteration: Optional[int] = None,
     rank_dirs = [d for d in sorted(os.listdir(iter_dir))  # Megatron-LM 23.04's model files too
                  if os.path.isfile(model_file(os.path.join(iter_dir, d)))]
     if not rank_dirs:
-        raise SystemExit(f"error: {iter_dir} holds no mp_rank_*/{MODEL_FILENAME} files")
+        raise SystemExit(no_rank_dirs_message(iter_dir))
     with partial_output(save, final_dir + ".tmp") as tmp_dir:
         progress = Progress(len(rank_dirs), f"writing {_rank_files(len(rank_dirs))} to {tmp_dir}")
         for rank_dir in rank_dirs:

@@ -51,6 +51,7 @@ from megatron.checkpoint_dirs import (  # noqa: E402
     misplaced_load_message,
     tracker_path,
 )
+from megatron.checkpoint_foreign import dist_backend  # noqa: E402
 from tools import checkpoint_convert  # noqa: E402
 
 FLAGS = ("--target-tensor-parallel-size", "--target-pipeline-parallel-size")
@@ -144,7 +145,8 @@ def check_load_dir(load: str) -> None:
     def other(root: str) -> str:
         return f"python tools/checkpoint_convert.py reshard --load {root} --iteration N ..."
 
-    if is_iteration_dir_name(os.path.basename(os.path.normpath(load))):
+    if is_iteration_dir_name(os.path.basename(os.path.normpath(load))) and \
+            dist_backend(load) is None:
         parent = os.path.dirname(os.path.normpath(load)) or "."
         raise SystemExit(f"error: --load-dir {load} is one checkpoint's iteration directory; "
                          f"--load-dir takes the directory above it: --load-dir {parent} (the "
