@@ -68,15 +68,17 @@ def full_named_grads(model: torch.nn.Module, tp_group) -> dict:
     return out
 
 
-def cli_trainer(argv, world_size: int = 1, rank: int = 0):
-    """(config, runtime, trainer) built from pretrain_gpt.py flags on CPU, seeded as
-    pretrain_gpt.py seeds; inside run_distributed the process group already exists."""
+def cli_trainer(argv, world_size: int = 1, rank: int = 0, cuda_available: bool = False):
+    """(config, runtime, trainer) built from pretrain_gpt.py flags, validated as for the CPU
+    unless `cuda_available` (a test that means the GPU where there is one: its CUDA-only
+    choices are then checked against CUDA), seeded as pretrain_gpt.py seeds; inside
+    run_distributed the process group already exists."""
     from megatron.arguments import parse_and_validate
     from megatron.initialize import initialize_distributed, set_random_seed
     from megatron.training import build_trainer
 
     cfg = parse_and_validate(list(argv), world_size=world_size, env={"RANK": str(rank)},
-                             cuda_available=False)
+                             cuda_available=cuda_available)
     rt = initialize_distributed(cfg.parallel, rank, world_size, 0)
     set_random_seed(cfg.training.seed, rt)
     return cfg, rt, build_trainer(cfg, rt)

@@ -160,7 +160,10 @@ ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 def _trainer(kernel: str, extra=(), argv=ARGV):
     from megatron.training import data_iterator
 
-    cfg, rt, tr = cli_trainer(list(argv) + ["--adam-kernel", kernel, *extra])
+    # on a GPU machine the trainer runs on CUDA: --adam-kernel triton is validated for it
+    # (validated for the CPU, the kernel was refused there)
+    cfg, rt, tr = cli_trainer(list(argv) + ["--adam-kernel", kernel, "--no-compile", *extra],
+                              cuda_available=torch.cuda.is_available())
     return tr, data_iterator(cfg, rt, "train", 0)
 
 
