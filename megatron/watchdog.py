@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import sys
 import threading
@@ -130,6 +131,7 @@ class CollectiveWatchdog:
         self._active: List[_Block] = []  # innermost last
         self._phases: List[str] = []  # `phase` blocks, innermost last
         self._cond = threading.Condition()
+        self._wake_at = -math.inf  # when the monitor, asleep, wakes up (-inf: it is awake)
         self._closed = False
         self._store_lost: Optional[tuple] = None  # (since, error) while the store fails
         self._fired = False  # this rank's own deadline passed
@@ -164,15 +166,18 @@ class CollectiveWatchdog:
             checked.append((point, count, tuple(range(self.world_size)) if members is None
                             else tuple(members)))
         entry = _Block(time.monotonic() + self.timeout_s, name, tuple(checked), progress)
+        # The monitor is woken only when this deadline comes before its own wake-up (the
+        # first block after a quiet spell, with a timeout shorter than `poll_s`): a wake-up
+        # per block would cost a thread switch each, and leaving a block never needs one.
         with self._cond:
             self._active.append(entry)
-            self._cond.notify()
+            if entry.deadline < self._wake_at:
+                self._cond.notify()
         try:
             yield
         finally:
             with self._cond:
                 self._active.remove(entry)
-                self._cond.notify()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -274,8 +279,9 @@ class CollectiveWatchdog:
                     return entry
                 if now >= next_poll:
                     return None
-                self._cond.wait((next_poll if entry is None else
-                                 min(entry.deadline, next_poll)) - now)
+                self._wake_at = next_poll if entry is None else min(entry.deadline, next_poll)
+                self._cond.wait(self._wake_at - now)
+                self._wake_at = -math.inf  # awake: reads `_active` before it sleeps again
         return None
 
     def _poll(self) -> Tuple[Optional[str], float]:
