@@ -19,15 +19,19 @@ from megatron.core.models.gpt.stages import allreduce_tied_embedding_grads
 from megatron.core.pipeline_parallel import (
     P2PCommunicator,
     ScheduleExecutor,
+    action_phase,
     build_schedule,
     tensor_shape,
+    transfer_name,
     unwrap,
 )
+from megatron.core.pipeline_parallel.schedules import COMM, WAIT
 from megatron.core.timing import timed
 from megatron.data_loading import get_batch
 from megatron.logging_utils import Timer, Timers
 from megatron.microbatches import update_micro_batches
 from megatron.step_graph import runner_for
+from megatron.watchdog import CollectiveWatchdog, issued_collectives
 
 # Megatron's timers that this step runs, in the order of its timer block (Megatron's
 # order, which mixes the levels). Level 1: forward-backward, the gradient reductions,
@@ -196,6 +200,37 @@ def model_chunks(tr) -> list:
     return list(tr.model) if isinstance(tr.model, torch.nn.ModuleList) else [tr.model]
 
 
+def _action_watch(tr, num_chunks: int):
+    """The executor's hook that puts the schedule under the watchdog (megatron/watchdog.py;
+    None without one), one action at a time: a wait for a batch of pipeline transfers is
+    a watched block whose check-ins are its transfers, each with the rank at its other
+    end; with tp > 1 a forward or backward is one watched over the tensor-parallel group
+    (the collectives inside its layers), whose overrun compares how many collectives each
+    member issued; at tp 1 it only records the phase (no store write: no one waits for
+    this rank inside it). Posting transfers waits for no one."""
+    wd = getattr(tr, "watchdog", None)
+    if not isinstance(wd, CollectiveWatchdog):
+        return None
+    ps = tr.rt.ps
+    pp_ranks, tp_ranks = ps.ranks("pp"), ps.ranks("tp")
+    progress = issued_collectives(ps.tp_group) if ps.tp_size > 1 else None
+    none = contextlib.nullcontext()
+
+    def watch(a):
+        if a.kind == COMM:
+            return none
+        phase = action_phase(a, ps.pp_rank, ps.pp_size, num_chunks)
+        if a.kind == WAIT:
+            return wd.watch(phase, points=[
+                (transfer_name(op, ps.pp_rank, ps.pp_size, num_chunks),
+                 (wd.rank, pp_ranks[op.peer])) for op in a.ops])
+        if ps.tp_size > 1:
+            return wd.watch(phase, ranks=tp_ranks, progress=progress)
+        return wd.phase(phase)
+
+    return watch
+
+
 def run_schedule(tr, data: Iterator[dict], num_micro: int, forward_only: bool = False,
                  metric=None) -> torch.Tensor:
     """Run the micro-batches through this rank's pipeline schedule (plain gradient
@@ -217,13 +252,15 @@ def run_schedule(tr, data: Iterator[dict], num_micro: int, forward_only: bool = 
         _p2p_communicator(tr), ps.pp_rank, ps.pp_size, num_micro,
         scale_loss=scale_loss, forward_only=forward_only, device=tr.rt.device,
         # level-2 timers only; evaluation is not timed
-        timers=None if forward_only else step_log(tr).core_timers(2))
+        timers=None if forward_only else step_log(tr).core_timers(2),
+        watch=_action_watch(tr, len(chunks)))
     result = executor.run(plan)
     total = result.loss_sum
     if total is None:
         total = torch.zeros((), dtype=torch.float32, device=tr.rt.device)
     if ps.pp_size > 1:
-        dist.broadcast(total, src=ps.ranks("pp")[-1], group=ps.pp_group)
+        with _watch(tr, "loss broadcast (pipeline group)", "pp"):
+            dist.broadcast(total, src=ps.ranks("pp")[-1], group=ps.pp_group)
     return total
 
 

@@ -24,6 +24,21 @@ list means every rank arrived and the collective itself is stuck (network, NCCL,
 that issued collectives in different orders) -- or a rank is stuck inside a watched block
 before its collective: its own report says where.
 
+Inside a block that holds several collectives (a micro-batch's forward with its
+tensor-parallel all-reduces) every rank arrives, and a rank stuck between two of them
+looks like the ones waiting for it. A block given `progress` (`issued_collectives(group)`:
+how many collectives this rank has issued on the group, as the backend counts them) tells
+them apart when it overruns: each member leaves its count in the store, and those behind
+the others are the ranks that did not arrive (the rank behind prints where its main
+thread is). When every member has issued as many, none is reported: they are all
+computing (the first micro-batch compiles the layers, which can outlast the timeout), and
+the block gets another `timeout_s` -- or they all wait in one collective that is itself
+stuck, which the process group's own timeout ends. A block's check-ins may also be several `points` with their own ranks: the
+pipeline schedule's wait for a batch of transfers checks in once per transfer, with the
+rank at its other end (megatron/train_step.py puts the schedule's actions under the
+watchdog through the executor's hook). `phase(name)` records what this rank is doing
+without a check-in (no store write): a rank stopped in no watched block says it was there.
+
 Only the first rank whose deadline passes (FIRED_KEY, an atomic count in the store) prints
 that report, with where its main thread waits; the others waiting for the same ranks print
 its first line only. The first one also leaves that line under ABORT_KEY in the store.
@@ -49,6 +64,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import sys
 import threading
@@ -63,6 +79,22 @@ FIRED_KEY = f"{KEY_PREFIX}/fired"  # how many ranks' deadlines passed: the first
 POLL_S = 5.0  # how often each rank looks for ABORT_KEY
 STORE_GRACE_S = 60.0  # after the store failed: time to close the watchdog normally
 STACK_FRAMES = 4  # innermost frames of the main thread a report shows
+EXCHANGE_S = 30.0  # an overrun block's wait for the other members' collective counts
+
+
+class _Block:
+    """A watched block: its deadline, its name (for the message), its check-ins --
+    (point, this rank's count there, the ranks that must reach it) -- how many
+    collectives this rank has issued on its group (see `watch`) and how many times its
+    deadline has passed (`rounds`: it is moved on while every member has issued as many)."""
+
+    __slots__ = ("deadline", "name", "points", "progress", "rounds")
+
+    def __init__(self, deadline: float, name: str,
+                 points: Tuple[Tuple[str, int, Tuple[int, ...]], ...],
+                 progress: Optional[Callable[[], Optional[int]]]) -> None:
+        self.deadline, self.name, self.points = deadline, name, points
+        self.progress, self.rounds = progress, 0
 
 
 class CollectiveWatchdog:
@@ -96,8 +128,10 @@ class CollectiveWatchdog:
         self._on_timeout = on_timeout or self._print_and_exit
         self._stream = stream
         self._counts: dict = {}
-        self._active: List[tuple] = []  # (deadline, name, count, ranks), innermost last
+        self._active: List[_Block] = []  # innermost last
+        self._phases: List[str] = []  # `phase` blocks, innermost last
         self._cond = threading.Condition()
+        self._wake_at = -math.inf  # when the monitor, asleep, wakes up (-inf: it is awake)
         self._closed = False
         self._store_lost: Optional[tuple] = None  # (since, error) while the store fails
         self._fired = False  # this rank's own deadline passed
@@ -107,24 +141,54 @@ class CollectiveWatchdog:
 
     # --- the API training uses --------------------------------------------------------
     @contextlib.contextmanager
-    def watch(self, name: str, ranks: Optional[Sequence[int]] = None) -> Iterator[None]:
+    def watch(self, name: str, ranks: Optional[Sequence[int]] = None, *,
+              points: Optional[Sequence[Tuple[str, Optional[Sequence[int]]]]] = None,
+              progress: Optional[Callable[[], Optional[int]]] = None) -> Iterator[None]:
         """Run the block under the watchdog. `name` says what the block waits for (it
         appears in the message); `ranks` are the global ranks of the group that must all
-        reach it (default: the whole world)."""
-        count = self._counts.get(name, 0) + 1
-        self._counts[name] = count
-        self.store.set(self._key(name, self.rank), str(count))
-        members = list(range(self.world_size)) if ranks is None else list(ranks)
-        entry = (time.monotonic() + self.timeout_s, name, count, members)
+        reach it (default: the whole world).
+
+        `points`: where the block's check-ins go when they are not (`name`, `ranks`):
+        (point, ranks that must reach it) pairs, one check-in each -- e.g. the transfers
+        of one batch of pipeline sends and receives, each with the rank at its other end
+        (the two ends' batches differ; each transfer has one name at both). A rank is
+        missing when it has reached one of them fewer times than this rank.
+        `progress`: how many collectives this rank has issued on the block's group so far
+        (`issued_collectives`); read only when the block overruns with every rank
+        arrived, and compared with what the other members, in the same block, leave in
+        the store: those behind did not reach the collective the others wait in (a rank
+        stuck in the computation between two collectives of the block)."""
+        checked = []
+        for point, members in points or ((name, ranks),):
+            count = self._counts.get(point, 0) + 1
+            self._counts[point] = count
+            self.store.set(self._key(point, self.rank), str(count))
+            checked.append((point, count, tuple(range(self.world_size)) if members is None
+                            else tuple(members)))
+        entry = _Block(time.monotonic() + self.timeout_s, name, tuple(checked), progress)
+        # The monitor is woken only when this deadline comes before its own wake-up (the
+        # first block after a quiet spell, with a timeout shorter than `poll_s`): a wake-up
+        # per block would cost a thread switch each, and leaving a block never needs one.
         with self._cond:
             self._active.append(entry)
-            self._cond.notify()
+            if entry.deadline < self._wake_at:
+                self._cond.notify()
         try:
             yield
         finally:
             with self._cond:
                 self._active.remove(entry)
-                self._cond.notify()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Record `name` as what this rank is doing during the block, with no check-in
+        and no deadline (nothing in the store): a stop message that finds this rank in no
+        watched block says it was there ('in micro-batch 3 forward (pipeline stage 1)')."""
+        self._phases.append(name)
+        try:
+            yield
+        finally:
+            self._phases.pop()
 
     def missing_ranks(self, name: str, count: int, ranks: Sequence[int]) -> List[int]:
         """Members of `ranks` that have reached `name` fewer than `count` times."""
@@ -168,8 +232,12 @@ class CollectiveWatchdog:
             if self._closed:
                 return
             if expired is not None:
-                _, name, count, ranks = expired
-                message = self.timeout_message(name, count, ranks)
+                report = self.overrun_report(expired)
+                if report is None:  # every member computing, none behind: not stuck yet
+                    with self._cond:
+                        expired.deadline = time.monotonic() + self.timeout_s
+                    continue
+                message, named = report
                 self._fired, first = True, self._first_to_fire()
                 if first:
                     self._leave_abort(message.splitlines()[0])
@@ -177,13 +245,16 @@ class CollectiveWatchdog:
                 else:  # the same hang: the first rank's report has the details
                     message = (message.splitlines()[0] +
                                " (another rank's watchdog reported it first)")
+                    if self.rank in named:  # this rank is the one stuck: say where
+                        message += "\n" + self.main_thread_stack()
                 break
             abort, wait_s = self._poll()
             next_poll = time.monotonic() + wait_s
             if abort is not None:
                 with self._cond:
-                    inside = self._active[-1][1] if self._active else None
-                message = self.abort_message(abort, inside)
+                    inside = self._active[-1].name if self._active else None
+                message = self.abort_message(abort, inside,
+                                             self._phases[-1] if self._phases else None)
                 if inside is None:  # not waiting for the others: maybe the one stuck
                     message += "\n" + self.main_thread_stack()
                 break
@@ -197,19 +268,20 @@ class CollectiveWatchdog:
         except Exception:
             return True
 
-    def _wait_for_event(self, next_poll: float) -> Optional[tuple]:
+    def _wait_for_event(self, next_poll: float) -> Optional[_Block]:
         """Sleep until the watchdog closes (None), a block's deadline passes (its entry)
         or `next_poll` comes (None)."""
         with self._cond:
             while not self._closed:
                 now = time.monotonic()
-                entry = min(self._active, key=lambda e: e[0]) if self._active else None
-                if entry is not None and entry[0] <= now:
+                entry = min(self._active, key=lambda e: e.deadline) if self._active else None
+                if entry is not None and entry.deadline <= now:
                     return entry
                 if now >= next_poll:
                     return None
-                self._cond.wait((next_poll if entry is None else min(entry[0], next_poll))
-                                - now)
+                self._wake_at = next_poll if entry is None else min(entry.deadline, next_poll)
+                self._cond.wait(self._wake_at - now)
+                self._wake_at = -math.inf  # awake: reads `_active` before it sleeps again
         return None
 
     def _poll(self) -> Tuple[Optional[str], float]:
@@ -252,11 +324,13 @@ class CollectiveWatchdog:
         except Exception:  # the report matters more than this detail
             return ""
 
-    def abort_message(self, abort: str, inside: Optional[str]) -> str:
+    def abort_message(self, abort: str, inside: Optional[str],
+                      phase: Optional[str] = None) -> str:
         """The message of a stop `_poll` found a reason for (`abort`: another rank's
-        watchdog line, or the lost store's)."""
+        watchdog line, or the lost store's); `inside`: the innermost watched block,
+        `phase`: the innermost `phase` block."""
         where = (f"waiting in '{inside}' (arrived there)" if inside is not None else
-                 "in no watched collective")
+                 f"{'in ' + phase + ', ' if phase else ''}in no watched collective")
         doing = self._doing()
         why = ("another rank's watchdog fired" if abort.startswith("[watchdog rank")
                else "the job has ended elsewhere")
@@ -277,25 +351,82 @@ class CollectiveWatchdog:
 
     def timeout_message(self, name: str, count: int, ranks: Sequence[int]) -> str:
         """The message for `name` (reached `count` times here) not completing in time."""
+        return self.overrun_report(_Block(0.0, name, ((name, count, tuple(ranks)),), None))[0]
+
+    def overrun_report(self, block: _Block) -> Optional[Tuple[str, List[int]]]:
+        """(the message for `block` not completing in time, the ranks it names); None
+        when it has `progress` and every member, inside it, has issued as many
+        collectives: they are all computing (a first micro-batch that compiles the
+        layers can outlast the timeout) -- or all wait in one collective that is itself
+        stuck, which the process group's own timeout ends."""
         try:
-            missing = self.missing_ranks(name, count, ranks)
+            late = [(point, count, r) for point, count, ranks in block.points
+                    for r in self.missing_ranks(point, count, ranks)]
+            lines = [f"  rank {r} reached '{point}' {self._reached(point, r)} times; this rank "
+                     f"is at its call number {count}" for point, count, r in late]
         except Exception as exc:  # the store itself is gone (rank 0 died)
-            return (f"[watchdog rank {self.rank}] collective {name} did not complete within "
-                    f"{self.timeout_s:g} s; the rendezvous store cannot be read ({exc}), so the "
-                    "ranks that did not arrive are unknown (rank 0, which hosts it, may be dead)")
+            return (f"[watchdog rank {self.rank}] collective {block.name} did not complete "
+                    f"within {self.timeout_s:g} s; the rendezvous store cannot be read ({exc}), "
+                    "so the ranks that did not arrive are unknown (rank 0, which hosts it, may "
+                    "be dead)"), []
+        missing = sorted({r for _, _, r in late})
+        if not missing and block.progress is not None:
+            behind = self._behind(block)
+            if behind is None:
+                return None
+            missing, lines = behind
         doing = self._doing()
-        lines = [f"[watchdog rank {self.rank}] collective {name} did not complete within "
-                 f"{self.timeout_s:g} s{' ' + doing if doing else ''}; ranks that did not "
-                 f"arrive: {missing}"]
-        for r in missing:
-            lines.append(f"  rank {r} reached '{name}' {self._reached(name, r)} times; "
-                         f"this rank is at its call number {count}")
+        head = (f"[watchdog rank {self.rank}] collective {block.name} did not complete within "
+                f"{self.timeout_s:g} s{' ' + doing if doing else ''}; ranks that did not "
+                f"arrive: {missing}")
         if not missing:
-            lines.append("  every rank arrived: the collective itself is stuck (network or NCCL "
-                         "trouble, or ranks issuing collectives in different orders), or a "
-                         "rank is stuck inside the block before its collective (its own "
+            lines.append("  every rank arrived: the collective itself is stuck (network or "
+                         "NCCL trouble, or ranks issuing collectives in different orders), or "
+                         "a rank is stuck inside the block before its collective (its own "
                          "report says where)")
-        return "\n".join(lines)
+        return "\n".join([head] + lines), missing
+
+    def _behind(self, block: _Block) -> Optional[Tuple[List[int], List[str]]]:
+        """Every member reached `block`: compare how many collectives each has issued on
+        its group (`block.progress`). This rank leaves its number in the store and waits
+        (up to EXCHANGE_S, or the timeout) for the other members' -- each leaves its own
+        when its deadline in the same block passes, at about the same time since they
+        entered it together. Returns (the members behind the others, lines saying so),
+        or None when every member answered with the same number."""
+        point, count, members = block.points[0]
+        block.rounds += 1
+        tag = f"{count} {block.rounds}"  # this call of the block, this deadline
+        try:
+            mine = block.progress()
+            if mine is None:
+                return [], []
+            key = f"{KEY_PREFIX}/progress/{point}/rank"
+            self.store.set(f"{key}{self.rank}", f"{tag} {mine}")
+            issued = {self.rank: int(mine)}
+            give_up = time.monotonic() + min(EXCHANGE_S, self.timeout_s)
+            while len(issued) < len(members) and time.monotonic() < give_up and not self._closed:
+                time.sleep(0.05)
+                for r in members:
+                    if r not in issued and self.store.check([f"{key}{r}"]):
+                        their_tag, _, n = self.store.get(f"{key}{r}").decode().rpartition(" ")
+                        if their_tag == tag:
+                            issued[r] = int(n)
+        except Exception:  # no number here or no store: the plain report
+            return [], []
+        most = max(issued.values())
+        silent = [r for r in members if r not in issued]
+        if not silent and min(issued.values()) == most:
+            return None
+        behind = sorted(r for r, n in issued.items() if n < most)
+        ahead = _ranks_text(sorted(r for r, n in issued.items() if n == most))
+        lines = [f"  every rank entered it, but rank {r} has issued {issued[r]} collectives on "
+                 f"its group and {ahead} {most}: rank {r} did not reach the collective the "
+                 "others wait in" for r in behind]
+        if silent:
+            lines.append(f"  {_ranks_text(silent)} did not say from inside the block how many "
+                         "collectives it issued (it may have left it: with asynchronous "
+                         "collectives, NCCL's, a rank goes on once it has issued them)")
+        return behind, lines
 
     def _print_and_exit(self, message: str) -> None:
         """Print the report and end the process with EXIT_CODE. A rank whose own deadline
@@ -316,13 +447,21 @@ class CollectiveWatchdog:
         os._exit(EXIT_CODE)
 
 
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
 class NullWatchdog:
     """Same API, does nothing (a single process has no one to wait for)."""
 
     describe = None
 
     @contextlib.contextmanager
-    def watch(self, name: str, ranks: Optional[Sequence[int]] = None) -> Iterator[None]:
+    def watch(self, name: str, ranks: Optional[Sequence[int]] = None, **kwargs) -> Iterator[None]:
+        yield
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
         yield
 
     def close(self) -> None:
@@ -346,6 +485,25 @@ def watching(name: str, group=None):
 
         ranks = dist.get_process_group_ranks(group)
     return wd.watch(name, ranks=ranks)
+
+
+def issued_collectives(group) -> Optional[Callable[[], Optional[int]]]:
+    """A `progress` for `watch`: how many collectives and point-to-point transfers this
+    rank has issued on `group` so far, as the backend counts them (a private
+    torch.distributed call that gloo and NCCL groups answer; counted when issued, so a
+    rank waiting in a collective has counted it and a rank stuck before it has not).
+    None when the group has no such count."""
+    count = getattr(group, "_get_sequence_number_for_group", None)
+    if count is None:
+        return None
+
+    def issued() -> Optional[int]:
+        try:
+            return int(count())
+        except Exception:  # a backend without the count
+            return None
+
+    return issued
 
 
 def close_current() -> None:
@@ -374,4 +532,4 @@ def build_watchdog(timeout_s: float, store=None):
 
 
 __all__ = ["ABORT_KEY", "CollectiveWatchdog", "NullWatchdog", "build_watchdog", "close_current",
-           "EXIT_CODE", "watching"]
+           "EXIT_CODE", "issued_collectives", "watching"]

@@ -3,6 +3,8 @@
 1. The executor alone, on a toy stack of linear stages: losses and gradients equal the
    sequential model's, and 1F1B holds at most pp micro-batches of activations (counted
    as live output tensors, not read off the plan).
+   Its watch hook is called around every action, in plan order (a single process, its
+   neighbours stood in for).
 2. The whole GPT training step with PP=2, PP=4, interleaved PP=2 x 2 virtual stages,
    TP=2 x PP=2 x DP=2 (8 processes, sequence parallel) and a standalone embedding stage:
    every stage starts from the single-process model's weights (sharded by TP, layers
@@ -20,9 +22,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import re
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -39,6 +43,7 @@ from megatron.core.pipeline_parallel import (
     ScheduleExecutor,
     build_schedule,
 )
+from megatron.core.pipeline_parallel.schedules import BACKWARD, COMM, FORWARD, WAIT
 from megatron.core.tensor_parallel.layers import shard_of_full_weight
 from megatron.core.tensor_parallel.random import RNGStatesTracker
 from megatron.initialize import Runtime, initialize_distributed, set_random_seed
@@ -112,6 +117,67 @@ def test_executor_matches_sequential_model(pp, vpp, m, overlap):
             torch.testing.assert_close(g, ref_grads[stage], rtol=1e-5, atol=1e-7)
         if vpp == 1:  # 1F1B: rank r holds min(pp - r, m) <= pp micro-batches
             assert res["peak"] == res["in_flight"] == min(pp - rank, m) <= pp, (rank, res)
+
+
+class _StandInNeighbours:
+    """A P2PCommunicator's stand-in for one rank run alone: each receive gets ones, each
+    send is dropped; posts and waits are recorded in `events`."""
+
+    def __init__(self, events: list) -> None:
+        self.events = events
+
+    def post(self, ops, sends):
+        self.events.append(("post", tuple(ops)))
+        got = {(op.kind, op.microbatch, op.chunk): torch.ones(SHAPE) for op in ops
+               if op.kind.startswith("recv")}
+        return SimpleNamespace(wait=lambda: self.events.append(("wait", tuple(ops))) or got)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_watch_hook_is_called_around_every_action(rank):
+    """Interleaved 1F1B with deferred waits (pp 2 x 2 chunks): each action runs inside the
+    context the hook returns for it, in plan order; a wait is given with its batch's
+    transfers. Without a hook nothing is called and the result is the same."""
+    pp, vpp, m = 2, 2, 4
+    plan = build_schedule(pp, m, vpp, False, True)[rank]
+    events = []
+
+    @contextlib.contextmanager
+    def watch(action):
+        events.append(("enter", action))
+        yield
+        events.append(("exit", action))
+
+    def forward_step(c, mb, x):
+        events.append(("forward", mb, c))
+        stage = c * pp + rank
+        out = torch.tanh(chunks[c](_toy_input(mb) if stage == 0 else x))
+        out.register_hook(lambda g: events.append(("backward", mb, c)))
+        return out.pow(2).mean() if stage == pp * vpp - 1 else out
+
+    results = []
+    for hook in (watch, None):
+        chunks = [_toy_stage(c * pp + rank) for c in range(vpp)]
+        executor = ScheduleExecutor(chunks, forward_step, _StandInNeighbours(events), rank,
+                                    pp, m, watch=hook)
+        results.append((executor.run(plan), [ch.weight.grad for ch in chunks]))
+        if hook is watch:
+            watched, events[:] = list(events), []
+    expected, batches = [], {}
+    for a in plan:
+        if a.kind == COMM:
+            batches[a.batch] = a.ops
+        shown = dataclasses.replace(a, ops=batches[a.batch]) if a.kind == WAIT else a
+        inner = {FORWARD: ("forward", a.microbatch, a.chunk),
+                 BACKWARD: ("backward", a.microbatch, a.chunk),
+                 COMM: ("post", a.ops), WAIT: ("wait", batches.get(a.batch))}[a.kind]
+        expected += [("enter", shown), inner, ("exit", shown)]
+    assert watched == expected
+    assert not any(e[0] in ("enter", "exit") for e in events)  # no hook: nothing called
+    (with_hook, grads), (without, plain_grads) = results
+    assert with_hook.max_in_flight == without.max_in_flight
+    for g, h in zip(grads, plain_grads):
+        torch.testing.assert_close(g, h, rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------- 2. GPT parity

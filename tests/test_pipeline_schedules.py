@@ -2,15 +2,17 @@
 against each other by `simulate` (a send completes only once its receive is posted, each
 rank's batches complete in posting order), which fails on a deadlock, on a message
 received as something else than was sent, on a compute before its input arrived, and on
-missing forwards/backwards. Also the stage layout (which layers live where)."""
+missing forwards/backwards. Also the stage layout (which layers live where), and the
+names the watchdog's messages give actions and transfers."""
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import pytest
 
 from megatron.core.models.gpt.stages import stage_layout
-from megatron.core.pipeline_parallel import tensor_shape
+from megatron.core.pipeline_parallel import action_phase, tensor_shape, transfer_name
 from megatron.core.pipeline_parallel.schedules import (
     BACKWARD,
     COMM,
@@ -196,3 +198,29 @@ def test_tensor_shape():
     assert tensor_shape(16, 2, 32, tp_size=4, sequence_parallel=True) == (4, 2, 32)
     with pytest.raises(ValueError, match="not divisible"):
         tensor_shape(10, 2, 32, tp_size=4, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(2, 1, 4), (4, 1, 6), (4, 2, 8), (3, 3, 6)])
+def test_a_transfer_has_one_name_at_both_ends(pp, vpp, m):
+    """The watchdog checks each rank in under the names of the transfers it posts, and
+    compares the two ends: every name a sender posts, its receiver posts, as often."""
+    sends, recvs = Counter(), Counter()
+    for rank, plan in enumerate(build_schedule(pp, m, vpp, False, False)):
+        for a in plan:
+            for op in a.ops:
+                side = sends if op.kind.startswith("send") else recvs
+                side[transfer_name(op, rank, pp, vpp)] += 1
+    assert sends == recvs and len(sends) == 2 * m * (pp * vpp - 1)
+    assert set(sends.values()) == {1}
+
+
+def test_action_phases_name_the_micro_batch_and_the_stage():
+    plan = build_schedule(2, 4, 1, False, False)
+    assert action_phase(plan[1][2], 1, 2) == "micro-batch 0 forward (pipeline stage 1)"
+    batch = plan[0][4]  # rank 0 sends micro-batch 1's activation, gets micro-batch 0's grad
+    assert action_phase(batch, 0, 2) == (
+        "pipeline transfers (micro-batch 1 activation from pipeline stage 0 to 1, "
+        "micro-batch 0 gradient from pipeline stage 1 to 0)")
+    assert action_phase(Action(BACKWARD, 3, 0), 0, 1) == "micro-batch 3 backward"
+    assert action_phase(Action(FORWARD, 2, 1), 0, 2, 2) == \
+        "micro-batch 2 forward (virtual pipeline stage 2)"

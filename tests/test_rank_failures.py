@@ -138,6 +138,68 @@ def test_a_rank_stuck_outside_the_gradient_reduction_is_named_in_bounded_time(tm
         assert read_tracker(str(ckpt)) == (2, False)
 
 
+# A rank sleeps inside one micro-batch of the schedule: (args, function, its call that
+# sleeps, the rank). pp2: rank 1 in its attention (`sdpa_backend`, every layer's forward;
+# one layer per stage, 4 calls an iteration) in iteration 3's micro-batch 2; tp2: rank 1
+# in iteration 2's micro-batch 1, at its second layer (8 calls an iteration); pp2, last
+# backward: rank 0 in iteration 3's micro-batch 3 backward, its last action.
+IN_SCHEDULE = {
+    "pp2": (["--pipeline-model-parallel-size", "2"],
+            "megatron.core.models.gpt.transformer", "sdpa_backend", 11, 1),
+    "tp2": (["--tensor-model-parallel-size", "2"],
+            "megatron.core.models.gpt.transformer", "sdpa_backend", 12, 1),
+    "pp2, last backward": (["--pipeline-model-parallel-size", "2"],
+                           "torch.autograd", "backward", 12, 0),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(IN_SCHEDULE))
+def test_a_rank_stuck_in_a_micro_batch_is_named_in_bounded_time(tmp_path, case):
+    """A rank hangs inside a micro-batch's forward or backward. pp2: rank 0 (stage 0)
+    waits for its transfers with stage 1; tp2: rank 0 waits in the tensor-parallel
+    all-reduce after the attention, inside the same forward; last backward: rank 1 (the
+    last stage) waits in the broadcast of the loss. None of these waits was watched: the
+    waiting rank died at the process group's timeout (+1 minute) with gloo's error naming
+    no rank, and on another node nothing ended the stuck one. Now a watchdog line names
+    the stuck rank and the phase after --distributed-timeout-minutes (3 s here); the
+    stuck rank says where it is; every process ends with 124 and no traceback."""
+    args, module, name, call, rank = IN_SCHEDULE[case]
+    log, statuses, seconds = run_with_fault(tmp_path, module, name, "sleep",
+                                            args + ["--train-iters", "20"], call=call, rank=rank)
+    stuck = log[log.index(f"rank {rank}'s main thread is here"):]
+    assert "time.sleep(300)" in stuck.split("\n\n")[0], log[-4000:]
+    if case == "tp2":
+        for r in (0, 1):  # both deadlines pass; the first to report gives the details
+            assert re.search(rf"\[watchdog rank {r}\] collective micro-batch 1 forward did not "
+                             r"complete within 3 s at iteration 1; ranks that did not arrive: "
+                             r"\[1\]", log), log[-4000:]
+        counts = re.search(r"every rank entered it, but rank 1 has issued (\d+) collectives on "
+                           r"its group and rank 0 (\d+): rank 1 did not reach the collective "
+                           r"the others wait in", log)
+        assert counts and int(counts[2]) == int(counts[1]) + 1, log[-4000:]
+    else:
+        waiting, phase, report = (
+            (0, "micro-batch 2 forward (pipeline stage 1)",
+             r"collective pipeline transfers \(micro-batch 3 activation from pipeline stage 0 "
+             r"to 1, micro-batch 2 gradient from pipeline stage 1 to 0\) did not complete within "
+             r"3 s at iteration 2; ranks that did not arrive: \[1\]\n  rank 1 reached "
+             r"'micro-batch 3 activation from pipeline stage 0 to 1' 2 times; this rank is at "
+             r"its call number 3") if case == "pp2" else
+            (1, "micro-batch 3 backward (pipeline stage 0)",
+             r"collective loss broadcast \(pipeline group\) did not complete within 3 s at "
+             r"iteration 2; ranks that did not arrive: \[0\]"))
+        assert re.search(rf"\[watchdog rank {waiting}\] {report}", log), log[-4000:]
+        assert (f"[watchdog rank {rank}] stopping at iteration 2, in {phase}, in no watched "
+                "collective, because another rank's watchdog fired:") in log, log[-4000:]
+    # the first to report waits for the others to see it; torchrun may end it first (SIGTERM)
+    assert statuses and set(statuses.values()) == {EXIT_CODE}, statuses
+    if case != "tp2":  # the stuck rank ends as soon as it sees the report
+        assert statuses[rank] == EXIT_CODE, statuses
+    assert seconds < 45
+    assert not re.search(r'File ".*(/megatron/|pretrain_gpt)', log), log[-4000:]  # no traceback
+
+
 # --------------------------------------------------------------------------- a rank stops
 @pytest.mark.slow
 @pytest.mark.parametrize("action", ["raise", "kill"])

@@ -13,7 +13,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron.watchdog import EXIT_CODE, CollectiveWatchdog, NullWatchdog, build_watchdog
+from megatron.watchdog import (
+    ABORT_KEY,
+    EXIT_CODE,
+    CollectiveWatchdog,
+    NullWatchdog,
+    build_watchdog,
+)
 from tests.dist_utils import free_port, run_distributed
 
 
@@ -236,3 +242,116 @@ def _watched_points(rank, world_size):
 def test_agreements_and_named_points_use_the_process_watchdog():
     for counts, after_close in run_distributed(_watched_points, 2):
         assert counts == (b"1", b"1") and after_close is False
+
+
+# --------------------------------------------------------------------------- inside a step
+def test_a_block_of_several_transfers_names_the_peer_of_the_one_not_posted():
+    """A wait for a batch of pipeline transfers checks in once per transfer, each with
+    the rank at its other end: rank 2 posted its side of the activation, rank 1 never
+    posted the gradient's."""
+    store = dist.HashStore()
+    store.set("collective-watchdog/mb 2 activation, 0 to 2/rank2", "1")
+    wd, fired = _watchdog(store, rank=0, world=3)
+    with wd.watch("pipeline transfers (mb 2 activation, mb 1 gradient)",
+                  points=[("mb 2 activation, 0 to 2", (0, 2)), ("mb 1 gradient, 1 to 0", (0, 1))]):
+        time.sleep(1.0)
+    wd.close()
+    assert len(fired) == 1
+    assert fired[0].startswith(
+        "[watchdog rank 0] collective pipeline transfers (mb 2 activation, mb 1 gradient) did "
+        "not complete within 0.3 s; ranks that did not arrive: [1]\n"
+        "  rank 1 reached 'mb 1 gradient, 1 to 0' 0 times; this rank is at its call number 1\n"
+        "  rank 0's main thread is here"), fired[0]
+    keys = ["collective-watchdog/mb 2 activation, 0 to 2/rank0",
+            "collective-watchdog/mb 1 gradient, 1 to 0/rank0"]
+    assert [store.get(k) for k in keys] == [b"1", b"1"]  # this rank checked in at both
+
+
+def _both_overrun(issued, timeout=0.3, seconds=1.5, when=None):
+    """Ranks 0 and 1 (of 2) both inside 'micro-batch 3 forward' for `seconds`; rank r has
+    issued issued[r] collectives on the group (`when`: called halfway, may change them).
+    Returns each rank's message."""
+    store = dist.HashStore()
+    fired = {}
+    wds = [CollectiveWatchdog(store, r, 2, timeout, poll_s=10.0,
+                              on_timeout=lambda m, r=r: fired.setdefault(r, m))
+           for r in (0, 1)]
+    with contextlib.ExitStack() as blocks:
+        for r, wd in enumerate(wds):
+            blocks.enter_context(wd.watch("micro-batch 3 forward", ranks=[0, 1],
+                                          progress=lambda r=r: issued[r]))
+        time.sleep(seconds / 2)
+        if when is not None:
+            when()
+        time.sleep(seconds / 2)
+    for wd in wds:
+        wd.close()
+    return fired
+
+
+def test_a_rank_stuck_between_two_collectives_of_a_block_is_named():
+    """Both ranks entered the forward; rank 0 waits in its 42nd collective of the group,
+    rank 1 is stuck before it (41 issued). Both reports name rank 1; rank 1's says where
+    its main thread is, whichever rank reported first."""
+    fired = _both_overrun({0: 42, 1: 41})
+    assert sorted(fired) == [0, 1]
+    for r in (0, 1):
+        assert fired[r].startswith(f"[watchdog rank {r}] collective micro-batch 3 forward did "
+                                   "not complete within 0.3 s; ranks that did not arrive: [1]")
+    full = next(m for m in fired.values() if "reported it first" not in m.splitlines()[0])
+    assert ("  every rank entered it, but rank 1 has issued 41 collectives on its group and "
+            "rank 0 42: rank 1 did not reach the collective the others wait in") in full
+    assert "rank 1's main thread is here" in fired[1]
+
+
+def test_a_block_where_every_rank_computes_is_given_more_time():
+    """Equal counts past the deadline: both ranks are computing (compiling the layers on
+    the first micro-batch can outlast the timeout), nothing fires; once rank 0 issues a
+    collective rank 1 does not, a later deadline names rank 1."""
+    issued = {0: 42, 1: 42}
+    assert _both_overrun(issued) == {}
+    fired = _both_overrun(issued, seconds=2.0, when=lambda: issued.update({0: 43}))
+    assert sorted(fired) == [0, 1]
+    for r in (0, 1):
+        assert "ranks that did not arrive: [1]" in fired[r].splitlines()[0]
+
+
+def test_a_stopped_rank_says_which_phase_it_was_in():
+    """`phase` writes nothing to the store; a rank that another's report stops while in
+    one names it, and where its main thread is."""
+    store = dist.HashStore()
+    fired = []
+    wd = CollectiveWatchdog(store, 1, 2, 30.0, on_timeout=fired.append, poll_s=0.1)
+    with wd.phase("micro-batch 2 forward (pipeline stage 1)"):
+        assert store.num_keys() == 0
+        store.set(ABORT_KEY, "[watchdog rank 0] collective transfers did not complete")
+        time.sleep(0.5)
+    wd.close()
+    assert len(fired) == 1
+    assert fired[0].startswith(
+        "[watchdog rank 1] stopping, in micro-batch 2 forward (pipeline stage 1), in no watched "
+        "collective, because another rank's watchdog fired:\n  [watchdog rank 0] collective "
+        "transfers did not complete\n  rank 1's main thread is here"), fired[0]
+
+
+def test_nested_blocks_still_report_the_one_that_overran():
+    """Short action blocks inside a longer watched block (the way a step's blocks nest):
+    none fires while each is short, even though together they outlast the timeout; once
+    they are done, the outer block overrunning is reported with its own missing rank."""
+    store = dist.HashStore()
+    wd, fired = _watchdog(store, rank=0, world=2, timeout=0.5)
+    for _ in range(8):  # 0.8 s of short blocks, none past 0.5 s
+        with wd.phase("micro-batch 1 forward"), wd.watch("transfer", ranks=[0]):
+            time.sleep(0.1)
+    assert fired == []
+    with wd.watch("gradient reduction", ranks=[0, 1]):  # rank 1 never comes
+        for i in range(1, 4):
+            store.set("collective-watchdog/micro-batch 0 activation/rank1", str(i))
+            with wd.watch("transfers", points=[("micro-batch 0 activation", (0, 1))]):
+                pass
+        time.sleep(1.0)
+    wd.close()
+    assert len(fired) == 1
+    assert fired[0].startswith("[watchdog rank 0] collective gradient reduction did not "
+                               "complete within 0.5 s; ranks that did not arrive: [1]\n  rank 1 "
+                               "reached 'gradient reduction' 0 times"), fired[0]

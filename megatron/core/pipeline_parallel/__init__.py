@@ -1,7 +1,12 @@
 """Pipeline parallelism: schedules as data (`schedules.py`), point-to-point transfers
 (`p2p.py`), the executor that runs one rank's plan (`executor.py`) and the container of a
 rank's model chunks (`model_chunks.py`). See README.md."""
-from megatron.core.pipeline_parallel.executor import ScheduleExecutor, ScheduleResult
+from megatron.core.pipeline_parallel.executor import (
+    ScheduleExecutor,
+    ScheduleResult,
+    action_phase,
+    transfer_name,
+)
 from megatron.core.pipeline_parallel.model_chunks import ModelChunks, unwrap
 from megatron.core.pipeline_parallel.p2p import P2PCommunicator, PendingBatch, tensor_shape
 from megatron.core.pipeline_parallel.schedules import (
@@ -18,6 +23,7 @@ from megatron.core.pipeline_parallel.schedules import (
 
 __all__ = [
     "Action",
+    "action_phase",
     "ModelChunks",
     "P2P",
     "P2PCommunicator",
@@ -32,5 +38,6 @@ __all__ = [
     "schedule_name",
     "simulate",
     "tensor_shape",
+    "transfer_name",
     "unwrap",
 ]
