@@ -279,17 +279,24 @@ def test_cache_names_reuse_and_lookup(tmp_path, monkeypatch):
         build_train_valid_test_datasets([prefix], "969,30,1", [10, 2, 1], 8, 1234, str(cache))
 
 
+def _assert_blend_matches_reference(w, size: int) -> np.ndarray:
+    """build_blending_indices(w, size) equals the reference greedy element for element,
+    with Megatron's dtypes; the dataset index returned."""
+    index, sample = build_blending_indices(w, size)
+    r_index, r_sample = ref_blending(list(w), size)
+    np.testing.assert_array_equal(index, r_index)
+    np.testing.assert_array_equal(sample, r_sample)
+    assert index.dtype == np.uint8 and sample.dtype == np.int64
+    return index
+
+
 @pytest.mark.parametrize("weights", [[0.5, 0.5], [0.3, 0.7], [0.123, 0.877], [1.0, 3.0],
                                      [0.2, 0.3, 0.5], [5, 1, 1, 2, 3]])
 def test_blending_indices_match_reference(weights):
     w = np.array(weights, dtype=np.float64)
     w /= w.sum()
     size = 3000
-    index, sample = build_blending_indices(w, size)
-    r_index, r_sample = ref_blending(list(w), size)
-    np.testing.assert_array_equal(index, r_index)
-    np.testing.assert_array_equal(sample, r_sample)
-    assert index.dtype == np.uint8 and sample.dtype == np.int64
+    index = _assert_blend_matches_reference(w, size)
     np.testing.assert_allclose(np.bincount(index, minlength=len(w)) / size, w, atol=2 / size)
 
 
@@ -298,10 +305,7 @@ def test_blending_two_datasets_large_random():
     for _ in range(5):
         w = rng.random(2)
         w /= w.sum()
-        index, sample = build_blending_indices(w, 20000)
-        r_index, r_sample = ref_blending(list(w), 20000)
-        np.testing.assert_array_equal(index, r_index)
-        np.testing.assert_array_equal(sample, r_sample)
+        _assert_blend_matches_reference(w, 20000)
 
 
 @pytest.mark.parametrize("num", [40, 61, 254])
@@ -314,12 +318,7 @@ def test_blending_many_datasets_matches_reference(monkeypatch, num):
     w = np.random.default_rng(num).integers(0, 6, num).astype(np.float64)
     w[0] = 0.0
     w /= w.sum()
-    size = 5000
-    index, sample = build_blending_indices(w, size)
-    r_index, r_sample = ref_blending(list(w), size)
-    np.testing.assert_array_equal(index, r_index)
-    np.testing.assert_array_equal(sample, r_sample)
-    assert index.dtype == np.uint8 and sample.dtype == np.int64
+    _assert_blend_matches_reference(w, 5000)
 
 
 def test_blending_many_datasets_is_not_a_loop_over_them():
