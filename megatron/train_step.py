@@ -206,8 +206,9 @@ def _action_watch(tr, num_chunks: int):
     a watched block whose check-ins are its transfers, each with the rank at its other
     end; with tp > 1 a forward or backward is one watched over the tensor-parallel group
     (the collectives inside its layers), whose overrun compares how many collectives each
-    member issued; at tp 1 it only records the phase (no store write: no one waits for
-    this rank inside it). Posting transfers waits for no one."""
+    member issued; at tp 1 it only records the phase (no check-in: no one waits for this
+    rank inside it). Posting transfers waits for no one. A check-in is an in-memory
+    count (the watchdog's monitor thread publishes them): no store call per action."""
     wd = getattr(tr, "watchdog", None)
     if not isinstance(wd, CollectiveWatchdog):
         return None

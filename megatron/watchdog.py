@@ -9,10 +9,16 @@ culprit. `CollectiveWatchdog` makes that message useful:
     with wd.watch("all-reduce of gradients (dp group)", ranks=ps.ranks("dp")):
         model.finish_grad_sync()
 
-On entering `watch(name, ranks)` a rank checks in: it writes how many times it has reached
-`name` under its own key of the job's TCPStore (one key per rank and name, overwritten, so
-the store does not grow with the steps). A daemon thread notices when the block runs past
-`timeout_s`, reads the check-ins of the group's `ranks` and prints, on this rank's stderr,
+On entering `watch(name, ranks)` a rank checks in: it counts, in memory, how many times it
+has reached `name` (a dictionary write: the hot path never calls the store). Its monitor
+thread -- a daemon thread, which runs while the main thread waits in a collective (the
+backends release the GIL there) or sleeps -- publishes them every `publish_s` seconds
+(min(poll_s, timeout_s / 4)), only when they changed: one `multi_set` of one key per group
+of ranks this rank checked in with (the counts of that group's names), overwritten, so the
+store does not grow with the steps and a rank writes to it O(1) times per interval however
+many blocks it runs. The monitor notices when a block runs past `timeout_s`, publishes
+this rank's check-ins, gives the others' monitors `publish_s` + SETTLE_S to publish
+theirs, reads those of the group's `ranks` and prints, on this rank's stderr,
 
     [watchdog rank 0] collective all-reduce of gradients (dp group) did not complete within
     120 s; ranks that did not arrive: [1]
@@ -37,7 +43,8 @@ stuck, which the process group's own timeout ends. A block's check-ins may also 
 pipeline schedule's wait for a batch of transfers checks in once per transfer, with the
 rank at its other end (megatron/train_step.py puts the schedule's actions under the
 watchdog through the executor's hook). `phase(name)` records what this rank is doing
-without a check-in (no store write): a rank stopped in no watched block says it was there.
+without a check-in (nothing to publish): a rank stopped in no watched block says it was
+there.
 
 Only the first rank whose deadline passes (FIRED_KEY, an atomic count in the store) prints
 that report, with where its main thread waits; the others waiting for the same ranks print
@@ -64,19 +71,23 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
+import hashlib
+import json
 import math
 import os
 import sys
 import threading
 import time
 import traceback
-from typing import Callable, Iterator, List, Optional, Sequence, TextIO, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
 
 EXIT_CODE = 124  # as coreutils `timeout`
 KEY_PREFIX = "collective-watchdog"
 ABORT_KEY = f"{KEY_PREFIX}/abort"  # the first line of the report of the rank that fired
 FIRED_KEY = f"{KEY_PREFIX}/fired"  # how many ranks' deadlines passed: the first reports
 POLL_S = 5.0  # how often each rank looks for ABORT_KEY
+SETTLE_S = 0.2  # after publish_s: time for the other ranks' monitors to publish theirs
 STORE_GRACE_S = 60.0  # after the store failed: time to close the watchdog normally
 STACK_FRAMES = 4  # innermost frames of the main thread a report shows
 EXCHANGE_S = 30.0  # an overrun block's wait for the other members' collective counts
@@ -111,12 +122,16 @@ class CollectiveWatchdog:
         stream: where the default handler prints (default sys.stderr).
         poll_s: how often to look for another rank's ABORT_KEY.
         describe: returns what the run is doing ("at iteration 12"), for the messages.
+        publish_s: how often the monitor publishes this rank's new check-ins (default
+            min(poll_s, timeout_s / 4): every rank's are in the store soon enough for a
+            report, and the store gets one write per rank and interval).
     """
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float, *,
                  on_timeout: Optional[Callable[[str], None]] = None,
                  stream: Optional[TextIO] = None, poll_s: float = POLL_S,
-                 describe: Optional[Callable[[], str]] = None) -> None:
+                 describe: Optional[Callable[[], str]] = None,
+                 publish_s: Optional[float] = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"watchdog timeout must be > 0 seconds, got {timeout_s}")
         self.store = store
@@ -124,10 +139,15 @@ class CollectiveWatchdog:
         self.world_size = world_size
         self.timeout_s = float(timeout_s)
         self.poll_s = float(poll_s)
+        self.publish_s = min(self.poll_s, self.timeout_s / 4) if publish_s is None \
+            else float(publish_s)
         self.describe = describe
         self._on_timeout = on_timeout or self._print_and_exit
         self._stream = stream
-        self._counts: dict = {}
+        self._counts: dict = {}  # point -> how many times this rank reached it
+        self._world = tuple(range(world_size))
+        self._checkins: Dict[str, Dict[str, int]] = {}  # group key -> {point: count}
+        self._changed: set = set()  # group keys with check-ins not yet published
         self._active: List[_Block] = []  # innermost last
         self._phases: List[str] = []  # `phase` blocks, innermost last
         self._cond = threading.Condition()
@@ -162,14 +182,17 @@ class CollectiveWatchdog:
         for point, members in points or ((name, ranks),):
             count = self._counts.get(point, 0) + 1
             self._counts[point] = count
-            self.store.set(self._key(point, self.rank), str(count))
-            checked.append((point, count, tuple(range(self.world_size)) if members is None
-                            else tuple(members)))
+            checked.append((point, count, self._world if members is None else tuple(members)))
         entry = _Block(time.monotonic() + self.timeout_s, name, tuple(checked), progress)
-        # The monitor is woken only when this deadline comes before its own wake-up (the
-        # first block after a quiet spell, with a timeout shorter than `poll_s`): a wake-up
-        # per block would cost a thread switch each, and leaving a block never needs one.
+        # No store call here: the monitor publishes the check-ins (see `publish`). It is
+        # woken only when this deadline comes before its own wake-up (the first block
+        # after a quiet spell, with a timeout shorter than `publish_s`): a wake-up per
+        # block would cost a thread switch each, and leaving a block never needs one.
         with self._cond:
+            for point, count, members in checked:
+                group = _checkin_key(_group_id(members), self.rank)
+                self._checkins.setdefault(group, {})[point] = count
+                self._changed.add(group)
             self._active.append(entry)
             if entry.deadline < self._wake_at:
                 self._cond.notify()
@@ -190,9 +213,35 @@ class CollectiveWatchdog:
         finally:
             self._phases.pop()
 
-    def missing_ranks(self, name: str, count: int, ranks: Sequence[int]) -> List[int]:
-        """Members of `ranks` that have reached `name` fewer than `count` times."""
-        return [r for r in ranks if self._reached(name, r) < count]
+    def publish(self) -> None:
+        """Write this rank's check-ins of the groups it checked in with since the last
+        call to the store: one `multi_set`, of one key per such group, holding the counts
+        of the group's names; nothing when no check-in came. The monitor calls it every
+        `publish_s` seconds and when a block overruns. After a store failure it does
+        nothing (`_poll` then ends the rank, see there)."""
+        if self._store_lost is not None:
+            return
+        with self._cond:
+            changed = {key: dict(self._checkins[key]) for key in self._changed}
+            self._changed.clear()
+        if not changed:
+            return
+        keys, values = list(changed), [json.dumps(c) for c in changed.values()]
+        try:
+            if hasattr(self.store, "multi_set"):
+                self.store.multi_set(keys, values)
+            else:
+                for key, value in zip(keys, values):
+                    self.store.set(key, value)
+        except Exception as exc:
+            self._store_lost = (time.monotonic(), exc)
+
+    def missing_ranks(self, name: str, count: int, ranks: Sequence[int],
+                      read: Optional[dict] = None) -> List[int]:
+        """Members of `ranks` that have reached `name` (checked in with `ranks`) fewer
+        than `count` times, as published (`read`: the keys read so far, reused)."""
+        ranks = tuple(ranks)
+        return [r for r in ranks if self._reached(name, r, ranks, read) < count]
 
     def close(self) -> None:
         """Stop the monitor thread (the watchdog does nothing afterwards); `watching` no
@@ -212,53 +261,80 @@ class CollectiveWatchdog:
         self.close()
 
     # --- internals ----------------------------------------------------------------------
-    @staticmethod
-    def _key(name: str, rank: int) -> str:
-        return f"{KEY_PREFIX}/{name}/rank{rank}"
-
-    def _reached(self, name: str, rank: int) -> int:
-        key = self._key(name, rank)
-        if not self.store.check([key]):  # never reached: get() would block
-            return 0
-        return int(self.store.get(key))
+    def _reached(self, name: str, rank: int, ranks: Tuple[int, ...],
+                 read: Optional[dict] = None) -> int:
+        """How many times `rank` reached `name` (checked in with `ranks`): this rank's
+        own count, else what that rank published."""
+        if rank == self.rank:
+            return self._counts.get(name, 0)
+        read = {} if read is None else read
+        if (rank, ranks) not in read:
+            read[rank, ranks] = published_checkins(self.store, rank, ranks)
+        return int(read[rank, ranks].get(name, 0))
 
     def _monitor(self) -> None:
-        """Wait for the earliest deadline of the active blocks, looking for another
-        rank's ABORT_KEY every `poll_s` seconds (outside the lock: the main thread must
-        never wait for a store call to enter or leave a block); report either once."""
-        next_poll = time.monotonic() + self.poll_s
+        """Wait for the earliest deadline of the active blocks, publishing this rank's
+        check-ins every `publish_s` seconds and looking for another rank's ABORT_KEY
+        every `poll_s` seconds (outside the lock: the main thread must never wait for a
+        store call to enter or leave a block); report an overrun or a stop."""
+        now = time.monotonic()
+        next_poll, next_publish = now + self.poll_s, now + self.publish_s
         while True:
-            expired = self._wait_for_event(next_poll)
+            expired = self._wait_for_event(min(next_poll, next_publish))
             if self._closed:
                 return
             if expired is not None:
-                report = self.overrun_report(expired)
-                if report is None:  # every member computing, none behind: not stuck yet
-                    with self._cond:
-                        expired.deadline = time.monotonic() + self.timeout_s
+                message = self._overrun_message(expired)
+                if message is None:
                     continue
-                message, named = report
-                self._fired, first = True, self._first_to_fire()
-                if first:
-                    self._leave_abort(message.splitlines()[0])
-                    message += "\n" + self.main_thread_stack()
-                else:  # the same hang: the first rank's report has the details
-                    message = (message.splitlines()[0] +
-                               " (another rank's watchdog reported it first)")
-                    if self.rank in named:  # this rank is the one stuck: say where
-                        message += "\n" + self.main_thread_stack()
                 break
-            abort, wait_s = self._poll()
-            next_poll = time.monotonic() + wait_s
-            if abort is not None:
-                with self._cond:
-                    inside = self._active[-1].name if self._active else None
-                message = self.abort_message(abort, inside,
-                                             self._phases[-1] if self._phases else None)
-                if inside is None:  # not waiting for the others: maybe the one stuck
-                    message += "\n" + self.main_thread_stack()
-                break
+            now = time.monotonic()
+            if now >= next_publish:
+                self.publish()
+                next_publish = now + self.publish_s
+            if now >= next_poll:
+                abort, wait_s = self._poll()
+                next_poll = time.monotonic() + wait_s
+                if abort is not None:
+                    message = self._stop_message(abort)
+                    break
         self._on_timeout(message)
+
+    def _overrun_message(self, block: _Block) -> Optional[str]:
+        """The report of `block`, past its deadline; None when there is none to give:
+        the block ended or the watchdog closed while the other ranks' monitors were
+        given time to publish, or every member is computing (the block gets another
+        `timeout_s`). Only the first rank to fire gives the full report."""
+        self.publish()
+        with self._cond:  # check-ins from before the deadline are all published after it
+            self._cond.wait_for(lambda: self._closed, self.publish_s + SETTLE_S)
+            if self._closed or block not in self._active:
+                return None
+        report = self.overrun_report(block)
+        if report is None:  # every member computing, none behind: not stuck yet
+            with self._cond:
+                block.deadline = time.monotonic() + self.timeout_s
+            return None
+        message, named = report
+        self._fired, first = True, self._first_to_fire()
+        if first:
+            self._leave_abort(message.splitlines()[0])
+            return message + "\n" + self.main_thread_stack()
+        # the same hang: the first rank's report has the details
+        message = message.splitlines()[0] + " (another rank's watchdog reported it first)"
+        if self.rank in named:  # this rank is the one stuck: say where
+            message += "\n" + self.main_thread_stack()
+        return message
+
+    def _stop_message(self, abort: str) -> str:
+        """The message of a stop `_poll` found a reason for, with where the main thread
+        is when it waits in no watched block."""
+        with self._cond:
+            inside = self._active[-1].name if self._active else None
+        message = self.abort_message(abort, inside, self._phases[-1] if self._phases else None)
+        if inside is None:  # not waiting for the others: maybe the one stuck
+            message += "\n" + self.main_thread_stack()
+        return message
 
     def _first_to_fire(self) -> bool:
         """Whether no other rank's deadline passed before this one's (an atomic count in
@@ -359,17 +435,19 @@ class CollectiveWatchdog:
         collectives: they are all computing (a first micro-batch that compiles the
         layers can outlast the timeout) -- or all wait in one collective that is itself
         stuck, which the process group's own timeout ends."""
+        read: dict = {}
         try:
-            late = [(point, count, r) for point, count, ranks in block.points
-                    for r in self.missing_ranks(point, count, ranks)]
-            lines = [f"  rank {r} reached '{point}' {self._reached(point, r)} times; this rank "
-                     f"is at its call number {count}" for point, count, r in late]
+            late = [(point, count, ranks, r) for point, count, ranks in block.points
+                    for r in self.missing_ranks(point, count, ranks, read)]
+            lines = [f"  rank {r} reached '{point}' {self._reached(point, r, ranks, read)} "
+                     f"times; this rank is at its call number {count}"
+                     for point, count, ranks, r in late]
         except Exception as exc:  # the store itself is gone (rank 0 died)
             return (f"[watchdog rank {self.rank}] collective {block.name} did not complete "
                     f"within {self.timeout_s:g} s; the rendezvous store cannot be read ({exc}), "
                     "so the ranks that did not arrive are unknown (rank 0, which hosts it, may "
                     "be dead)"), []
-        missing = sorted({r for _, _, r in late})
+        missing = sorted({r for *_, r in late})
         if not missing and block.progress is not None:
             behind = self._behind(block)
             if behind is None:
@@ -445,6 +523,27 @@ class CollectiveWatchdog:
                 os.dup2(devnull, fd)
             time.sleep(self.poll_s + 1)
         os._exit(EXIT_CODE)
+
+
+def published_checkins(store, rank: int, ranks: Sequence[int]) -> Dict[str, int]:
+    """What `rank`'s watchdog last published of its check-ins with the group `ranks`
+    ({name: how many times it reached it}; {} before it published any)."""
+    key = _checkin_key(_group_id(tuple(ranks)), rank)
+    if not store.check([key]):  # get() would wait for it
+        return {}
+    return json.loads(store.get(key))
+
+
+def _checkin_key(group: str, rank: int) -> str:
+    return f"{KEY_PREFIX}/checkins/{group}/rank{rank}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _group_id(ranks: Tuple[int, ...]) -> str:
+    """A short name of the set of `ranks`, the same in every member (a transfer's two
+    ends list its ranks in opposite orders)."""
+    text = ",".join(map(str, sorted(set(ranks))))
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:
@@ -532,4 +631,4 @@ def build_watchdog(timeout_s: float, store=None):
 
 
 __all__ = ["ABORT_KEY", "CollectiveWatchdog", "NullWatchdog", "build_watchdog", "close_current",
-           "EXIT_CODE", "issued_collectives", "watching"]
+           "EXIT_CODE", "issued_collectives", "published_checkins", "watching"]

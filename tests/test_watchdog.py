@@ -1,5 +1,6 @@
 """megatron/watchdog.py: a watched block that overruns names the ranks that never arrived;
-2 real gloo processes where rank 1 sleeps past the timeout end with rank 1 named."""
+2 real gloo processes where rank 1 sleeps past the timeout end with rank 1 named; the
+check-ins reach the store through the monitor thread, a few writes per interval."""
 from __future__ import annotations
 
 import contextlib
@@ -8,17 +9,24 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
+from megatron.core.parallel_state import ParallelState
+from megatron.core.pipeline_parallel import build_schedule, transfer_name
+from megatron.core.pipeline_parallel.schedules import COMM, WAIT
+from megatron.train_step import _action_watch
 from megatron.watchdog import (
     ABORT_KEY,
     EXIT_CODE,
     CollectiveWatchdog,
     NullWatchdog,
     build_watchdog,
+    published_checkins,
 )
 from tests.dist_utils import free_port, run_distributed
 
@@ -28,9 +36,19 @@ def _watchdog(store, rank=0, world=3, timeout=0.3):
     return CollectiveWatchdog(store, rank, world, timeout, on_timeout=fired.append), fired
 
 
+def _checked_in(store, rank, world, name, times=1, **watch):
+    """Another rank's watchdog enters and leaves `name` `times` times, and publishes."""
+    wd = CollectiveWatchdog(store, rank, world, 60.0, on_timeout=print)
+    for _ in range(times):
+        with wd.watch(name, **watch):
+            pass
+    wd.publish()
+    wd.close()
+
+
 def test_overrun_names_the_ranks_that_did_not_arrive():
     store = dist.HashStore()
-    store.set("collective-watchdog/all-reduce/rank1", "1")  # rank 1 arrived, rank 2 did not
+    _checked_in(store, 1, 3, "all-reduce")  # rank 1 arrived, rank 2 did not
     wd, fired = _watchdog(store)
     with wd.watch("all-reduce"):
         time.sleep(1.0)
@@ -47,9 +65,9 @@ def test_counts_per_name_and_group_members():
     for _ in range(3):
         with wd.watch("grads", ranks=[0, 2]):
             pass
-    store.set("collective-watchdog/grads/rank2", "2")
+    _checked_in(store, 2, 3, "grads", times=2, ranks=[0, 2])
     assert wd.missing_ranks("grads", 3, [0, 2]) == [2]  # rank 2 is one call behind
-    store.set("collective-watchdog/grads/rank2", "3")
+    _checked_in(store, 2, 3, "grads", times=3, ranks=[0, 2])
     assert wd.missing_ranks("grads", 3, [0, 2]) == []
     msg = wd.timeout_message("grads", 3, [0, 2])
     assert "ranks that did not arrive: []" in msg and "every rank arrived" in msg
@@ -230,18 +248,20 @@ def _watched_points(rank, world_size):
     agree(None)  # the ranks' agreements are watched under their caller's name
     with watching("validation loss all-reduce", dist.new_group([0, 1])):
         pass
-    keys = [f"collective-watchdog/agreement of the ranks in {__name__}._watched_points/rank{rank}",
-            f"collective-watchdog/validation loss all-reduce/rank{rank}"]
-    counts = tuple(store.get(k) if store.check([k]) else None for k in keys)  # get() would wait
+    wd.publish()
+    names = [f"agreement of the ranks in {__name__}._watched_points",
+             "validation loss all-reduce"]
+    counts = tuple(published_checkins(store, rank, [0, 1]).get(n) for n in names)
     wd.close()
+    keys = store.num_keys()
     with watching("after close"):  # no watchdog: nothing is written
         pass
-    return counts, store.check(["collective-watchdog/after close/rank0"])
+    return counts, store.num_keys() - keys
 
 
 def test_agreements_and_named_points_use_the_process_watchdog():
     for counts, after_close in run_distributed(_watched_points, 2):
-        assert counts == (b"1", b"1") and after_close is False
+        assert counts == (1, 1) and after_close == 0
 
 
 # --------------------------------------------------------------------------- inside a step
@@ -250,7 +270,7 @@ def test_a_block_of_several_transfers_names_the_peer_of_the_one_not_posted():
     the rank at its other end: rank 2 posted its side of the activation, rank 1 never
     posted the gradient's."""
     store = dist.HashStore()
-    store.set("collective-watchdog/mb 2 activation, 0 to 2/rank2", "1")
+    _checked_in(store, 2, 3, "wait", points=[("mb 2 activation, 0 to 2", (2, 0))])
     wd, fired = _watchdog(store, rank=0, world=3)
     with wd.watch("pipeline transfers (mb 2 activation, mb 1 gradient)",
                   points=[("mb 2 activation, 0 to 2", (0, 2)), ("mb 1 gradient, 1 to 0", (0, 1))]):
@@ -262,9 +282,9 @@ def test_a_block_of_several_transfers_names_the_peer_of_the_one_not_posted():
         "not complete within 0.3 s; ranks that did not arrive: [1]\n"
         "  rank 1 reached 'mb 1 gradient, 1 to 0' 0 times; this rank is at its call number 1\n"
         "  rank 0's main thread is here"), fired[0]
-    keys = ["collective-watchdog/mb 2 activation, 0 to 2/rank0",
-            "collective-watchdog/mb 1 gradient, 1 to 0/rank0"]
-    assert [store.get(k) for k in keys] == [b"1", b"1"]  # this rank checked in at both
+    # this rank checked in at both (published when its block overran)
+    assert published_checkins(store, 0, (0, 2)) == {"mb 2 activation, 0 to 2": 1}
+    assert published_checkins(store, 0, (0, 1)) == {"mb 1 gradient, 1 to 0": 1}
 
 
 def _both_overrun(issued, timeout=0.3, seconds=1.5, when=None):
@@ -345,8 +365,9 @@ def test_nested_blocks_still_report_the_one_that_overran():
             time.sleep(0.1)
     assert fired == []
     with wd.watch("gradient reduction", ranks=[0, 1]):  # rank 1 never comes
-        for i in range(1, 4):
-            store.set("collective-watchdog/micro-batch 0 activation/rank1", str(i))
+        _checked_in(store, 1, 2, "transfers", times=3,
+                    points=[("micro-batch 0 activation", (1, 0))])
+        for _ in range(3):
             with wd.watch("transfers", points=[("micro-batch 0 activation", (0, 1))]):
                 pass
         time.sleep(1.0)
@@ -355,3 +376,117 @@ def test_nested_blocks_still_report_the_one_that_overran():
     assert fired[0].startswith("[watchdog rank 0] collective gradient reduction did not "
                                "complete within 0.5 s; ranks that did not arrive: [1]\n  rank 1 "
                                "reached 'gradient reduction' 0 times"), fired[0]
+
+
+# --------------------------------------------------------------------------- store traffic
+class _CountingStore:
+    """A HashStore that counts the calls that write to it."""
+
+    def __init__(self):
+        self._store, self.writes = dist.HashStore(), 0
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def set(self, key, value):
+        self.writes += 1
+        self._store.set(key, value)
+
+    def multi_set(self, keys, values):
+        self.writes += 1
+        self._store.multi_set(keys, values)
+
+    def add(self, key, value):
+        self.writes += 1
+        return self._store.add(key, value)
+
+
+def _watched_step(wd, hook, plan, ps) -> int:
+    """One training step's watched blocks on this rank, as train_step enters them: the
+    schedule's actions through the executor's hook (a wait with its batch's transfers),
+    the loss broadcast, the gradient reduction. Returns how many blocks checked in."""
+    pending, blocks = {}, 0
+    for a in plan:
+        if a.kind == COMM:
+            pending[a.batch] = a.ops
+        with hook(replace(a, ops=pending.pop(a.batch)) if a.kind == WAIT else a):
+            blocks += a.kind != COMM
+    for name, kind in (("loss broadcast (pipeline group)", "pp"),
+                       ("gradient reduction (data-parallel group)", "dp")):
+        with wd.watch(name, ranks=ps.ranks(kind)):
+            blocks += 1
+    return blocks
+
+
+def test_store_writes_follow_the_publications_not_the_blocks():
+    """Rank 0 of a pp2 tp2 layout with 32 micro-batches enters 99 watched blocks a step
+    (each forward and backward over the tensor-parallel group, each wait for transfers,
+    the loss broadcast, the gradient reduction). Each wrote its check-ins to the store
+    (one per transfer): 130 writes a step from every rank, all to the job's one store
+    server. Now
+    the monitor publishes what changed once per `publish_s`: the writes are bounded by
+    the intervals elapsed, whatever the number of blocks, and what it published is
+    current."""
+    store = _CountingStore()
+    wd = CollectiveWatchdog(store, 0, 4, 30.0, poll_s=0.1, on_timeout=print)
+    ps = ParallelState.build(world_size=4, rank=0, tp_size=2, pp_size=2, create_groups=False)
+    hook = _action_watch(SimpleNamespace(watchdog=wd, rt=SimpleNamespace(ps=ps)), 1)
+    plan = build_schedule(2, 32, 1, False, False)[0]
+    started, blocks = time.monotonic(), 0
+    for _ in range(20):
+        blocks += _watched_step(wd, hook, plan, ps)
+        time.sleep(0.03)
+    intervals = (time.monotonic() - started) / wd.publish_s
+    wd.close()
+    assert wd.publish_s == 0.1 and blocks == 20 * 99
+    assert 1 <= store.writes <= intervals + 2, (store.writes, intervals, blocks)
+    wd.publish()  # the check-ins of the last interval
+    send = next(op for a in plan for op in a.ops if op.microbatch == 31)
+    assert published_checkins(store, 0, ps.ranks("pp"))[transfer_name(send, 0, 2)] == 20
+    assert published_checkins(store, 0, ps.ranks("tp"))[
+        "micro-batch 31 backward (pipeline stage 0)"] == 20
+
+
+def _published_while_waiting(rank, world_size):
+    """Rank 1 checks in and waits in a gloo all-reduce, which rank 0 joins only once it
+    has read rank 1's check-in from the store: published by rank 1's monitor thread while
+    its main thread waited in the collective."""
+    store = dist.distributed_c10d._get_default_store()
+    wd = CollectiveWatchdog(store, rank, world_size, 30.0, poll_s=0.2)
+    seen = None
+    if rank == 0:
+        give_up = time.monotonic() + 20
+        while not published_checkins(store, 1, [0, 1]) and time.monotonic() < give_up:
+            time.sleep(0.05)
+        seen = published_checkins(store, 1, [0, 1])
+    t = torch.ones(1)
+    with wd.watch("all-reduce", ranks=[0, 1]):
+        dist.all_reduce(t)
+    wd.close()
+    return seen, t.item()
+
+
+def test_a_rank_waiting_in_a_collective_still_publishes_its_check_in():
+    seen, total = run_distributed(_published_while_waiting, 2)[0]
+    assert seen == {"all-reduce": 1} and total == 2.0
+
+
+def test_a_check_in_just_before_the_deadline_counts_as_arrived():
+    """Rank 1 enters the block shortly before rank 0's deadline, after its monitor's last
+    publication, and stays inside. Rank 0 reads the check-ins only once every monitor
+    has had time to publish (`publish_s` + SETTLE_S after the deadline): rank 1 arrived,
+    no rank is named (read at the deadline, rank 1 looked missing)."""
+    store = dist.HashStore()
+    fired = []
+    wd1 = CollectiveWatchdog(store, 1, 2, 2.0, poll_s=10.0, on_timeout=fired.append)
+    time.sleep(0.25)  # rank 1 publishes at 0.5, 1.0, ... s; rank 0's deadline is at 2.25 s
+    wd0 = CollectiveWatchdog(store, 0, 2, 2.0, poll_s=10.0, on_timeout=fired.append)
+    with wd0.watch("grads", ranks=[0, 1]):
+        time.sleep(1.85)
+        with wd1.watch("grads", ranks=[0, 1]):  # at 2.1 s, published at 2.5 s
+            time.sleep(1.0)
+    wd0.close()
+    wd1.close()
+    assert wd0.publish_s == 0.5 and len(fired) == 1, fired
+    assert fired[0].startswith("[watchdog rank 0] collective grads did not complete within "
+                               "2 s; ranks that did not arrive: []\n  every rank arrived"), fired[0]
