@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import checkpointing, step_graph, trainer_checkpoint
-from megatron.checkpoint_args import train_order_warning
+from megatron.checkpoint_args import train_order_warning, valid_order_warning
 from megatron.checkpoint_dirs import unfinished_saves_warning
 from megatron.config import Config
 from megatron.core.distributed import DistributedDataParallel
@@ -455,10 +455,13 @@ def _build_data(tr: Trainer):
                                          len(datasets["valid"]))
         if shortfall:
             raise SystemExit(f"error: {shortfall}")
-    order = train_order_warning(tr.checkpoint_args, config.args, datasets["train"],
-                                split_sample_counts(config)[0], tr.state.consumed_train_samples)
-    if order:
-        print_rank_0(order)
+    asked = split_sample_counts(config)
+    for order in (train_order_warning(tr.checkpoint_args, config.args, datasets["train"],
+                                      asked[0], tr.state.consumed_train_samples),
+                  valid_order_warning(tr.checkpoint_args, config.args, datasets["valid"],
+                                      asked[1], valid_start)):
+        if order:
+            print_rank_0(order)
     train_data = data_iterator(config, rt, "train", tr.state.consumed_train_samples, datasets)
     valid_data = test_data = None
     if config.training.eval_iters > 0:
