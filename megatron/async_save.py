@@ -21,7 +21,8 @@ system), so nothing has to be agreed at a later iteration or at exit, and a rank
 ahead or exits first cannot deadlock anyone. A process waits for its own thread at its next
 save and at exit (`AsyncSaver.wait`; the thread is not a daemon, so the interpreter waits
 for it as well). A process killed while writing leaves the `.tmp` directory behind and the
-tracker untouched: the previous checkpoint stays the one that is loaded.
+tracker untouched: the previous checkpoint stays the one that is loaded (the next run on
+that --save removes the directory: checkpoint_dirs.unfinished_saves_report).
 
 A failure is reported once: the wait at the next save or at the end of the run exits
 every rank with it (`agreed_wait`); while training goes on before that, the training

@@ -283,6 +283,41 @@ def _layout_text(layout) -> str:
     return f"{epochs} epoch(s)" + (", the last shuffled apart" if apart else "")
 
 
+def _changed_indexes(members: list, path, then: int) -> List[str]:
+    """'<prefix> (now <layout>; <layout> before)' for each member dataset (of a split read
+    from `path`) whose index has another layout at `then`, the saving run's request, than
+    at its own num_samples (a blend asks ceil(n * w * 1.005) of each member)."""
+    from megatron.core.datasets.blended import parse_weighted_prefixes, per_dataset_num_samples
+    from megatron.core.datasets.gpt_dataset import index_layout
+
+    counts = per_dataset_num_samples(then, parse_weighted_prefixes(path)[1]) \
+        if len(members) > 1 else [then]
+    changed = []
+    for ds, count in zip(members, counts):
+        before = index_layout(ds.tokens_per_epoch, ds.seq_length, count)
+        after = index_layout(ds.tokens_per_epoch, ds.seq_length, ds.num_samples)
+        if before != after:
+            changed.append(f"{ds.data_prefix} (now {_layout_text(after)}; "
+                           f"{_layout_text(before)} before)")
+    return changed
+
+
+def _split_members(saved, run: Dict, split, consumed: int, own_path: str):
+    """(member datasets, data path) of a split whose order a resume may change, or None:
+    nothing consumed, mock data, an evaluation only (--skip-train), or the seed, split,
+    sequence length or data paths changed too (their own warnings say so)."""
+    if not isinstance(saved, dict) or consumed <= 0 or split is None or run.get("skip_train"):
+        return None
+    same = ("seed", "split", "seq_length", "data_path", own_path, "mock_data")
+    if any(_plain(saved, k) is _ABSENT or _plain(saved, k) != _plain(run, k) for k in same):
+        return None
+    path = _plain(run, "data_path") or _plain(run, own_path)
+    members = list(getattr(split, "datasets", [split]))
+    if not path or not hasattr(members[0], "tokens_per_epoch"):
+        return None
+    return members, path
+
+
 def train_order_warning(saved: Optional[Dict], run: Dict, train, asked: int,
                         consumed: int) -> Optional[str]:
     """One WARNING line when a resume reads its train data in another order only because it
@@ -294,28 +329,14 @@ def train_order_warning(saved: Optional[Dict], run: Dict, train, asked: int,
     `train` is the run's train dataset (a GPTDataset or a blend of them). None when the
     order is kept, for mock data, an evaluation only (--skip-train), or when the seed,
     split, sequence length or data paths changed too (their own warnings say so)."""
-    from megatron.core.datasets.blended import parse_weighted_prefixes, per_dataset_num_samples
-    from megatron.core.datasets.gpt_dataset import index_layout, same_layout_range
+    from megatron.core.datasets.gpt_dataset import same_layout_range
 
-    if not isinstance(saved, dict) or consumed <= 0 or train is None or run.get("skip_train"):
+    found = _split_members(saved, run, train, consumed, "train_data_path")
+    then = _saved_train_request(saved) if found else None
+    if not then or then == asked:
         return None
-    same = ("seed", "split", "seq_length", "data_path", "train_data_path", "mock_data")
-    if any(_plain(saved, k) is _ABSENT or _plain(saved, k) != _plain(run, k) for k in same):
-        return None
-    then = _saved_train_request(saved)
-    path = _plain(run, "data_path") or _plain(run, "train_data_path")
-    members = list(getattr(train, "datasets", [train]))
-    if not then or then == asked or not path or not hasattr(members[0], "tokens_per_epoch"):
-        return None
-    counts = per_dataset_num_samples(then, parse_weighted_prefixes(path)[1]) \
-        if len(members) > 1 else [then]
-    changed = []
-    for ds, count in zip(members, counts):
-        before = index_layout(ds.tokens_per_epoch, ds.seq_length, count)
-        after = index_layout(ds.tokens_per_epoch, ds.seq_length, ds.num_samples)
-        if before != after:
-            changed.append(f"{ds.data_prefix} (now {_layout_text(after)}; "
-                           f"{_layout_text(before)} before)")
+    members, path = found
+    changed = _changed_indexes(members, path, then)
     if not changed:
         return None
     text = (f"WARNING: this run asks its train data for {asked} samples, the run that saved "
@@ -335,7 +356,51 @@ def train_order_warning(saved: Optional[Dict], run: Dict, train, asked: int,
     return text
 
 
+def _saved_valid_request(saved: Dict) -> Optional[int]:
+    """The validation samples the saving run asked of its data (Megatron's rule:
+    (--train-iters // --eval-interval + 1) x --eval-iters x --global-batch-size); None
+    when unknown."""
+    values = [_plain(saved, k) for k in ("train_iters", "eval_interval", "eval_iters",
+                                         "global_batch_size")]
+    if any(v is _ABSENT or v is None for v in values[1:]):
+        return None
+    iters, interval, evals, gbs = values
+    if iters is _ABSENT or not interval:
+        return None
+    return ((int(iters or 0) // int(interval)) + 1) * int(evals) * int(gbs)
+
+
+def valid_order_warning(saved: Optional[Dict], run: Dict, valid, asked: int,
+                        consumed: int) -> Optional[str]:
+    """One WARNING line when a resume reads its validation data in another order only
+    because it asks the data for another number of samples (`asked`: Megatron sizes the
+    validation set by (--train-iters // --eval-interval + 1) x --eval-iters x global batch,
+    so a longer --train-iters asks more) than the run that saved the checkpoint: a
+    dataset's index then spans another number of epochs, so its samples are shuffled anew,
+    as Megatron-LM does silently, and the checkpoint's `consumed` validation count points
+    into the new order. `valid` is the run's validation dataset. None in the cases of
+    `train_order_warning`, and with --skip-train (the set is read from its start). The
+    test set (--eval-iters x global batch, read from its start) does not depend on
+    --train-iters."""
+    found = _split_members(saved, run, valid, consumed, "valid_data_path")
+    then = _saved_valid_request(saved) if found else None
+    if not then or then == asked:
+        return None
+    changed = _changed_indexes(*found, then)
+    if not changed:
+        return None
+    return (f"WARNING: this run asks its validation data for {asked} samples, the run that "
+            f"saved the checkpoint for {then} ((--train-iters // --eval-interval + 1) x "
+            f"--eval-iters x --global-batch-size), so the validation index of "
+            f"{', '.join(changed)} changes: its samples are shuffled in another order, so the "
+            f"evaluations from here on read other samples than the saving run would have, some "
+            f"of the {consumed} evaluated so far again (Megatron-LM reshuffles the same way, "
+            "silently); continuing is allowed, to keep the order resume with the checkpoint's "
+            "--train-iters, --eval-interval and --eval-iters")
+
+
 __all__ = ["Mismatch", "SHAPE_ARGS", "OTHER_ARGS", "VOCAB_FILE_ARGS",
            "checkpoint_arg_mismatches", "check_checkpoint_args", "checkpoint_args_message",
-           "data_order_warning", "seq_length_warning", "train_order_warning"]
+           "data_order_warning", "seq_length_warning", "train_order_warning",
+           "valid_order_warning"]
 

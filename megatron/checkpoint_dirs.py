@@ -133,23 +133,54 @@ def _gib(root: str, names: List[str]) -> str:
     return f"{size / 2**30:.2f} GiB"
 
 
-def unfinished_saves_warning(root: str) -> Optional[str]:
-    """The warning for what interrupted saves left under --save `root`, one line each:
+def _remove_unfinished(root: str, stale: List[str], size: str) -> str:
+    """Remove the `stale` .tmp directories under `root`: the line that says so, or the
+    warning naming those that could not be removed."""
+    failed = []
+    for name in stale:
+        path = os.path.join(root, name)
+        try:
+            if os.path.islink(path):  # the link, not what it points to
+                os.unlink(path)
+            else:
+                shutil.rmtree(path)
+        except OSError as exc:
+            failed.append(f"{name} ({type(exc).__name__}: {exc})")
+    if failed:
+        return (f"WARNING: --save {root} holds unfinished checkpoint save(s) of a run that no "
+                f"longer runs that could not be removed: {', '.join(failed)}; nothing loads "
+                "them, delete them to free the space")
+    return (f"removed {', '.join(stale)} from --save {root} ({size}): unfinished checkpoint "
+            "save(s) of an earlier run, stopped while writing them or before moving them into "
+            "place; nothing loads them, and this run holds the directory's save lock, so no "
+            "other run is writing them")
+
+
+def unfinished_saves_report(root: str, locked: bool) -> Optional[str]:
+    """What interrupted saves left under --save `root`, one line each:
     `iter_XXXXXXX.tmp` / `release.tmp` directories, saves a killed process never finished
     (megatron/checkpointing.py writes there, then renames): nothing loads them, and a later
-    save removes one only when it saves that same iteration again, so one left by a save at
-    an off-interval iteration (a preemption signal, --exit-duration-in-mins) stays for good;
-    `iter_XXXXXXX.old`, the copy a re-save of that iteration moved aside: beside the new
-    `iter_XXXXXXX` a leftover, without it the only copy (a --load of `root` restores it
-    when the tracker names it). None when there are none."""
+    save would remove one only when it saves that same iteration again, so one left by a
+    save at an off-interval iteration (a preemption signal, --exit-duration-in-mins) stayed
+    for good. With `locked` (this process holds the --save lock of megatron/save_lock.py,
+    and has not begun saving: no other run writes there) they are removed, and the line
+    says so; without (a file system without locks) another run may be writing them, so
+    they are only warned of. Also `iter_XXXXXXX.old`, the copy a re-save of that iteration
+    moved aside: beside the new `iter_XXXXXXX` a leftover, without it the only copy (a
+    --load of `root` restores it when the tracker names it); never removed. None when
+    there is nothing."""
     if not os.path.isdir(root):
         return None
     lines = []
     stale = _leftovers(root, ".tmp")
-    if stale:
+    if stale and locked:
+        lines.append(_remove_unfinished(root, stale, _gib(root, stale)))
+    elif stale:
         lines.append(f"WARNING: --save {root} holds {', '.join(stale)}: unfinished checkpoint "
                      f"save(s) of a process killed while writing ({_gib(root, stale)}); "
-                     "nothing loads them, delete them to free the space")
+                     "nothing loads them, but --save's file system does not lock files, so "
+                     "another run may be writing them: delete them to free the space once "
+                     "no other run uses the directory")
     for old in _leftovers(root, ".old"):
         new = old[:-len(".old")]
         if os.path.isdir(os.path.join(root, new)):

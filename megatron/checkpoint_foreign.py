@@ -20,6 +20,10 @@ names its pickle holds (listed by `pickletools`, which parses a pickle without r
   zero_pp_rank_*_optim_states.pt), also as Megatron-DeepSpeed writes it: with a Megatron
   tracker file naming N and no iter_N directory;
 - nanoGPT's ckpt.pt (model, model_args, iter_num), as a file or in its out/ directory;
+- a PyTorch Lightning checkpoint (*.ckpt: state_dict, pytorch-lightning_version, epoch,
+  global_step, ...), as a file, in a directory or its checkpoints/ subdirectory; the
+  LightningModule's state_dict names tell GPT-2-shaped (Hugging Face GPT2LMHeadModel or
+  nanoGPT) and Llama-shaped (Hugging Face LlamaForCausalLM) models apart from others;
 - one rank's model_optim_rng.pt copied out of its checkpoint directory.
 
 Library code: no torch, reads nothing it does not need (a JSON file, a directory listing,
@@ -48,6 +52,10 @@ _MCORE_PARTS = (".linear_qkv.", ".linear_proj.", ".linear_fc1.", ".linear_fc2.",
                 ".pre_mlp_layernorm.")
 _LATER_MOE_PART = ".local_experts."
 _LATER_NORM_PARTS = (".input_norm.", ".post_attention_norm.", ".final_norm.")
+# PyTorch Lightning's checkpoint dict (Trainer.save_checkpoint / ModelCheckpoint)
+_LIGHTNING_KEYS = {"state_dict", "pytorch-lightning_version"}
+_GPT2_NAME_RE = re.compile(r"^(.*)transformer\.h\.\d+\.attn\.c_attn\.weight$")
+_LLAMA_NAME_RE = re.compile(r"^(.*)layers\.\d+\.self_attn\.q_proj\.weight$")
 
 
 def from_hf_command(src: str, flag: Optional[str]) -> str:
@@ -243,12 +251,58 @@ def _nanogpt_message(path: str, subject: str, flag: str) -> Optional[str]:
             f"biases where bias=False) and import that: {from_hf_command('HF_DIR', flag)}")
 
 
+def _lightning_file(path: str) -> Optional[str]:
+    """The Lightning checkpoint file `path` is or holds (itself, or a *.ckpt in it or in
+    its checkpoints/ subdirectory: last.ckpt first); None when there is none. One file's
+    pickle is parsed at most."""
+    if os.path.isfile(path):
+        names = pickled_names(path)
+        return path if names and _LIGHTNING_KEYS <= names else None
+    for where in (path, os.path.join(path, "checkpoints")):
+        files = [n for n in _listing(where) if n.endswith(".ckpt")
+                 and os.path.isfile(os.path.join(where, n))]
+        if files:
+            first = "last.ckpt" if "last.ckpt" in files else files[0]
+            return _lightning_file(os.path.join(where, first))
+    return None
+
+
+def _lightning_model_advice(names: Set[str], flag: str) -> str:
+    """What the LightningModule's state_dict `names` look like, and the way to its weights
+    that comes closest: from-hf after saving the model as a Hugging Face model."""
+    gpt2 = sorted(n for n in names if _GPT2_NAME_RE.match(n))
+    llama = sorted(n for n in names if _LLAMA_NAME_RE.match(n))
+    then = from_hf_command("HF_DIR", flag)
+    if gpt2:
+        return (f"its state_dict has GPT-2-shaped names ({gpt2[0]}, as Hugging Face's "
+                "GPT2LMHeadModel and nanoGPT name them): the closest converter is from-hf; "
+                "save the wrapped model as a Hugging Face GPT-2 model (save_pretrained of a "
+                "GPT2LMHeadModel; a nanoGPT GPT into a GPT2LMHeadModel, its attn.c_attn, "
+                f"attn.c_proj, mlp.c_fc and mlp.c_proj weights transposed) and import it: {then}")
+    if llama:
+        return (f"its state_dict has Llama-shaped names ({llama[0]}, as Hugging Face's "
+                "LlamaForCausalLM names them): the closest converter is from-hf; save the "
+                f"wrapped model with save_pretrained and import it: {then}")
+    return ("its state_dict's names are of no model a converter here reads; to use its "
+            f"weights, save the model as a Hugging Face GPT-2 or Llama model and import it: {then}")
+
+
+def _lightning_message(path: str, subject: str, flag: str) -> Optional[str]:
+    ckpt = _lightning_file(path)
+    if ckpt is None:
+        return None
+    where = "" if ckpt == path else f"{os.path.relpath(ckpt, path)}: "
+    return (f"{subject} is a PyTorch Lightning checkpoint ({where}state_dict, "
+            "pytorch-lightning_version, epoch, global_step), not a Megatron-LM one, and no "
+            f"converter here reads it; {_lightning_model_advice(pickled_names(ckpt) or set(), flag)}")
+
+
 def _directory_message(path: str, flag: str) -> Optional[str]:
     subject = f"{flag} {path}"
     dist = dist_checkpoint_message(path, subject, flag)
     if dist is not None:
         return dist
-    for probe in (_nemo_message, _hf_dir_message, _nanogpt_message):
+    for probe in (_nemo_message, _hf_dir_message, _nanogpt_message, _lightning_message):
         found = probe(path, subject, flag)
         if found is not None:
             return found
@@ -311,6 +365,8 @@ def _file_message(path: str, flag: str) -> Optional[str]:
     names = pickled_names(path) or set()
     if {"model_args", "iter_num"} <= names:
         return _nanogpt_message(path, subject, flag)
+    if _LIGHTNING_KEYS <= names:
+        return _lightning_message(path, subject, flag)
     if "checkpoint_version" in names:
         return _rank_file_message(path, subject, flag)
     return None

@@ -548,9 +548,14 @@ def _write_json(path: str, data: dict) -> None:
         f.write("\n")
 
 
+_EXPECTED = ("a Hugging Face model directory as save_pretrained writes it (config.json "
+             "and model.safetensors or pytorch_model.bin, or their shards and *.index.json)")
+
+
 def _missing_config_message(in_dir: str) -> str:
     """Why --input `in_dir` holds no config.json, and the fix: a file given for its
-    directory, a Hub model name (from-hf reads local files only), or another directory."""
+    directory, a Hub model name (from-hf reads local files only), a checkpoint of
+    Megatron's layout, or another directory."""
     if os.path.isfile(in_dir):
         parent = os.path.dirname(in_dir) or "."
         return (f"--input {in_dir} is a file; pass the model directory that holds it and its "
@@ -560,39 +565,90 @@ def _missing_config_message(in_dir: str) -> str:
             f"; from-hf reads a local directory, not a Hugging Face Hub name: download it "
             f"first (huggingface-cli download {in_dir} --local-dir DIR) and pass --input DIR")
         return f"--input {in_dir} does not exist{hub}"
-    return (f"--input {in_dir}: no config.json there; give the directory that "
-            "save_pretrained wrote")
+    if os.path.isfile(os.path.join(in_dir, "latest_checkpointed_iteration.txt")):
+        return (f"--input {in_dir}: no config.json there; it is a checkpoint in Megatron-LM's "
+                "layout (latest_checkpointed_iteration.txt), which needs no import: pass it to "
+                "--load as it is (to-hf exports it to Hugging Face)")
+    return f"--input {in_dir}: no config.json there; from-hf reads {_EXPECTED}"
 
 
-def load_hf_checkpoint(in_dir: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
-    """(config.json contents, state dict) of a Hugging Face model directory: the files of
-    `model.safetensors.index.json`, else `model.safetensors`, else every `*.safetensors`,
-    else `pytorch_model*.bin` (loaded with weights_only=True)."""
+def read_hf_config(in_dir: str) -> dict:
+    """config.json of the Hugging Face model directory `in_dir`, checked before any weight
+    is read: it exists, parses, and names a model_type from-hf converts. ValueError naming
+    the directory, what is missing and what is expected."""
     cfg_path = os.path.join(in_dir, "config.json")
     if not os.path.isfile(cfg_path):
         raise ValueError(_missing_config_message(in_dir))
-    with open(cfg_path, encoding="utf-8") as f:
-        cfg = json.load(f)
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"--input {in_dir}: config.json does not parse as JSON ({exc}); "
+                         f"from-hf reads {_EXPECTED}") from None
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        raise ValueError(f"--input {in_dir}: config.json has no model_type, so it is not a "
+                         f"model's config; from-hf reads {_EXPECTED}, of a "
+                         f"{' or '.join(FAMILIES)} model")
+    try:
+        _hf_family(cfg)
+    except ValueError as exc:
+        raise ValueError(f"--input {in_dir}: {exc}") from None
+    return cfg
+
+
+def _hf_weight_files(in_dir: str) -> Tuple[List[str], bool]:
+    """(the weight files to read, whether they are safetensors): those of
+    `model.safetensors.index.json`, else `model.safetensors`, else every `*.safetensors`,
+    else `pytorch_model*.bin`. ValueError when there are none, or the index names files
+    that are not there."""
     index = os.path.join(in_dir, SAFETENSORS_INDEX)
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(in_dir, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        files = sorted(n for n in os.listdir(in_dir) if n.endswith(".safetensors"))
-    state: Dict[str, torch.Tensor] = {}
+        try:
+            with open(index, encoding="utf-8") as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"--input {in_dir}: {SAFETENSORS_INDEX} is not a shard index "
+                             f"(its weight_map: {exc!r}); download it again") from None
+        missing = [n for n in files if not os.path.isfile(os.path.join(in_dir, n))]
+        if missing:
+            raise ValueError(f"--input {in_dir}: {SAFETENSORS_INDEX} names "
+                             f"{len(missing)} file(s) that are not there ({', '.join(missing[:3])}"
+                             f"{', ...' if len(missing) > 3 else ''}); download every shard of "
+                             "the model into the directory")
+        return files, True
+    if os.path.isfile(os.path.join(in_dir, "model.safetensors")):
+        return ["model.safetensors"], True
+    files = sorted(n for n in os.listdir(in_dir) if n.endswith(".safetensors"))
     if files:
-        from safetensors.torch import load_file
-
-        for name in files:
-            state.update(load_file(os.path.join(in_dir, name)))
-        return cfg, state
+        return files, True
     files = sorted(n for n in os.listdir(in_dir) if n.startswith("pytorch_model") and n.endswith(".bin"))
     if not files:
-        raise ValueError(f"--input {in_dir}: no *.safetensors or pytorch_model*.bin weights")
+        raise ValueError(f"--input {in_dir}: config.json but no weights (no *.safetensors or "
+                         f"pytorch_model*.bin); from-hf reads {_EXPECTED}")
+    return files, False
+
+
+def load_hf_checkpoint(in_dir: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    """(config.json contents, state dict) of a Hugging Face model directory: config.json
+    checked first (`read_hf_config`), then the files of `_hf_weight_files` (a .bin loaded
+    with weights_only=True). ValueError with one line for a directory that is not a model
+    from-hf converts, or an unreadable weights file."""
+    cfg = read_hf_config(in_dir)
+    files, safetensors = _hf_weight_files(in_dir)
+    state: Dict[str, torch.Tensor] = {}
+    if not safetensors:
+        for name in files:
+            state.update(_load_bin(os.path.join(in_dir, name)))
+        return cfg, state
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     for name in files:
-        state.update(_load_bin(os.path.join(in_dir, name)))
+        try:
+            state.update(load_file(os.path.join(in_dir, name)))
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"--input {in_dir}: {name} is not a readable safetensors file "
+                             f"({exc}); download it again") from None
     return cfg, state
 
 

@@ -15,7 +15,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import allreduce_sequence_parallel_grads
-from megatron.core.models.gpt.stages import allreduce_tied_embedding_grads
+from megatron.core.models.gpt.stages import (
+    allreduce_tied_embedding_grads,
+    tied_embedding_weights,
+)
 from megatron.core.pipeline_parallel import (
     P2PCommunicator,
     ScheduleExecutor,
@@ -273,12 +276,27 @@ def forward_backward(tr, data: Iterator[dict], num_micro: int,
     return run_schedule(tr, data, num_micro, forward_only) / num_micro
 
 
-def _watch(tr, name: str, group_kind: str):
-    """Name the ranks that never arrive if this collective hangs (see megatron/watchdog)."""
+def _watch(tr, name: str, group_kind: str, progress: bool = False):
+    """Name the ranks that never arrive if this collective hangs (see megatron/watchdog).
+    `progress`: when every member arrived, compare the collectives each issued on the
+    group, naming one stuck in the block before its collective."""
     wd = getattr(tr, "watchdog", None)
     if wd is None:
         return contextlib.nullcontext()
-    return wd.watch(name, ranks=tr.rt.ps.ranks(group_kind))
+    if not progress:
+        return wd.watch(name, ranks=tr.rt.ps.ranks(group_kind))
+    issued = issued_collectives(tr.rt.ps.group(group_kind))
+    return wd.watch(name, ranks=tr.rt.ps.ranks(group_kind), progress=issued)
+
+
+def _watch_tied_embedding(tr):
+    """The watched block of the tied word-embedding all-reduce on the ranks that take part
+    (pp > 1, tied weights: the first and last stage); nothing elsewhere."""
+    ps = tr.rt.ps
+    if ps.embedding_group is None or not tied_embedding_weights(model_chunks(tr), ps):
+        return contextlib.nullcontext()
+    return _watch(tr, "tied word-embedding gradient all-reduce (embedding group: first and "
+                  "last pipeline stage)", "embedding", progress=True)
 
 
 def loss_is_finite_everywhere(loss: torch.Tensor) -> bool:
@@ -323,7 +341,7 @@ def _finish_grads(tr, timers) -> None:
             else "grads-all-reduce")
     with _watch(tr, "gradient reduction (data-parallel group)", "dp"), timed(timers, name):
         tr.model.finish_grad_sync()
-    with timed(timers, "embedding-grads-all-reduce"):
+    with _watch_tied_embedding(tr), timed(timers, "embedding-grads-all-reduce"):
         allreduce_tied_embedding_grads(model_chunks(tr), ps)  # pp > 1: first + last stage
     with timed(timers, "layernorm-grads-all-reduce"):  # timed always, as by Megatron-LM
         if tr.config.model.sequence_parallel:

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megatron import checkpointing, step_graph, trainer_checkpoint
-from megatron.checkpoint_args import train_order_warning
-from megatron.checkpoint_dirs import unfinished_saves_warning
+from megatron.checkpoint_args import train_order_warning, valid_order_warning
+from megatron.checkpoint_dirs import unfinished_saves_report
 from megatron.config import Config
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.models.gpt.stages import build_stage_models, sync_tied_embeddings
@@ -455,10 +455,13 @@ def _build_data(tr: Trainer):
                                          len(datasets["valid"]))
         if shortfall:
             raise SystemExit(f"error: {shortfall}")
-    order = train_order_warning(tr.checkpoint_args, config.args, datasets["train"],
-                                split_sample_counts(config)[0], tr.state.consumed_train_samples)
-    if order:
-        print_rank_0(order)
+    asked = split_sample_counts(config)
+    for order in (train_order_warning(tr.checkpoint_args, config.args, datasets["train"],
+                                      asked[0], tr.state.consumed_train_samples),
+                  valid_order_warning(tr.checkpoint_args, config.args, datasets["valid"],
+                                      asked[1], valid_start)):
+        if order:
+            print_rank_0(order)
     train_data = data_iterator(config, rt, "train", tr.state.consumed_train_samples, datasets)
     valid_data = test_data = None
     if config.training.eval_iters > 0:
@@ -468,10 +471,11 @@ def _build_data(tr: Trainer):
 
 
 def _setup(config: Config, rt: Runtime, process_start_time: Optional[float],
-           progress: RunProgress) -> Trainer:
+           progress: RunProgress, save_locked: bool = False) -> Trainer:
     """Model, optimizer, scheduler, --load: Megatron's `model-and-optimizer-setup` timer
     (with `load-checkpoint` inside it, printed when it happens). The watchdog's reports
-    say where `progress` is."""
+    say where `progress` is. `save_locked`: this process holds --save's lock, so the
+    unfinished saves found there are no other run's, and are removed."""
     log = StepLog(config, rt.device)
     log.timers("model-and-optimizer-setup", 0).start(barrier=True)
     tr = build_trainer(config, rt)
@@ -496,7 +500,7 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float],
         save = config.checkpoint.save
         for warning in (checkpointing.later_checkpoints_warning(save, tr.state.iteration,
                                                                 config.checkpoint.finetune),
-                        unfinished_saves_warning(save)):
+                        unfinished_saves_report(save, save_locked)):
             if warning:
                 print(warning, flush=True)
     log.timers("model-and-optimizer-setup").stop()
@@ -547,8 +551,9 @@ def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
     if config.logging.tensorboard_dir:  # the last rank writes it: a message, not a traceback
         checkpointing.check_output_dir(config.logging.tensorboard_dir, "--tensorboard-dir",
                                        rt.ps, rt.control_group, rt.ps.world_size - 1)
-    with lock_save_dir(config.checkpoint.save, rt.ps, rt.control_group):  # one run per --save
-        tr = _setup(config, rt, process_start_time, progress)
+    # one run per --save: the lock is held by global rank 0
+    with lock_save_dir(config.checkpoint.save, rt.ps, rt.control_group) as save_lock:
+        tr = _setup(config, rt, process_start_time, progress, save_lock.held)
         oom.trainer = progress.trainer = tr  # the reports name the iteration from here on
         tr.memory_history = oom.memory_history
         loaders = ()

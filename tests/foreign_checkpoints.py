@@ -15,6 +15,8 @@ names of its format and a few entries with its real key names; the tensors are t
                     zero_pp_rank_*_mp_rank_00_optim_states.pt, zero_to_fp32.py (and the
                     tracker file Megatron-DeepSpeed writes beside them)
     nanogpt_dir     nanoGPT's out/ckpt.pt (model, optimizer, model_args, iter_num, config)
+    lightning_dir   PyTorch Lightning's lightning_logs/version_0/ (hparams.yaml,
+                    checkpoints/epoch=E-step=S.ckpt) around a GPT-2-, Llama- or other model
 """
 from __future__ import annotations
 
@@ -217,4 +219,22 @@ def nanogpt_dir(root: Path) -> Path:
                 "iter_num": 2000, "best_val_loss": torch.tensor(1.5),
                 "config": {"dataset": "shakespeare_char", "batch_size": 12}},
                _mk(root) / "ckpt.pt")
+    return root
+
+
+def lightning_dir(root: Path, model: str = "gpt2") -> Path:
+    """Lightning's lightning_logs/version_0/ (`root`) as ModelCheckpoint leaves it, the
+    LightningModule holding `model` (gpt2: Hugging Face GPT2LMHeadModel, llama:
+    LlamaForCausalLM, other: a plain module) as `self.model`."""
+    names = {"gpt2": ["model.transformer.wte.weight", "model.transformer.h.0.attn.c_attn.weight"],
+             "llama": ["model.model.embed_tokens.weight",
+                       "model.model.layers.0.self_attn.q_proj.weight"],
+             "other": ["model.encoder.0.weight", "model.head.weight"]}[model]
+    _write(root / "hparams.yaml", "lr: 0.001\n")
+    torch.save({"epoch": 3, "global_step": 1200, "pytorch-lightning_version": "2.2.1",
+                "state_dict": {n: torch.zeros(4, 4) for n in names}, "loops": {},
+                "callbacks": {"ModelCheckpoint{'monitor': None}": {}},
+                "optimizer_states": [{"state": {}, "param_groups": []}], "lr_schedulers": [],
+                "hparams_name": "kwargs", "hyper_parameters": {"lr": 1e-3}},
+               _mk(root / "checkpoints") / "epoch=3-step=1200.ckpt")
     return root

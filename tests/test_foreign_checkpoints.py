@@ -195,6 +195,30 @@ def test_nanogpt(tmp_path):
     assert "is a nanoGPT checkpoint (model, model_args" in _refusal(out / "ckpt.pt")
 
 
+@pytest.mark.parametrize("model", ["gpt2", "llama", "other"])
+def test_pytorch_lightning_checkpoints(tmp_path, model):
+    """A Lightning *.ckpt (found through its pickle's key names, never unpickled), alone, in
+    checkpoints/ or in the version directory: training started from random weights on the
+    directories, and the file was 'a file'."""
+    version = fc.lightning_dir(tmp_path / "version_0", model)
+    ckpt = version / "checkpoints" / "epoch=3-step=1200.ckpt"
+    what = ("is a PyTorch Lightning checkpoint ({}state_dict, pytorch-lightning_version, "
+            "epoch, global_step), not a Megatron-LM one, and no converter here reads it; ")
+    for path, where in ((ckpt, ""), (ckpt.parent, "epoch=3-step=1200.ckpt: "),
+                        (version, "checkpoints/epoch=3-step=1200.ckpt: ")):
+        text = _refusal(path)
+        assert f"--load {path} {what.format(where)}" in text, text
+        assert text.endswith(f"{FROM_HF} HF_DIR --save DIR (GPT-2 and Llama models), then "
+                             "--load DIR")
+    shape = {"gpt2": "GPT-2-shaped names (model.transformer.h.0.attn.c_attn.weight, as Hugging "
+                     "Face's GPT2LMHeadModel and nanoGPT name them): the closest converter is "
+                     "from-hf",
+             "llama": "Llama-shaped names (model.model.layers.0.self_attn.q_proj.weight, as "
+                      "Hugging Face's LlamaForCausalLM names them)",
+             "other": "names are of no model a converter here reads"}[model]
+    assert shape in text, text
+
+
 def test_a_rank_file_alone_and_the_recipe_it_is_given(tmp_path):
     """One model_optim_rng.pt copied out of its checkpoint: the message's commands make a
     directory that loads (as a release checkpoint: its weights, iteration 0)."""

@@ -487,6 +487,51 @@ def test_from_hf_input_mistakes_name_the_fix(tmp_path, monkeypatch, given, words
     assert not (tmp_path / "out").exists()
 
 
+GPT2_CONFIG = '{"model_type": "gpt2", "vocab_size": 10, "n_layer": 1}'
+EXPECTED = ("from-hf reads a Hugging Face model directory as save_pretrained writes it "
+            "(config.json and model.safetensors or pytorch_model.bin")
+
+
+@pytest.mark.parametrize("files,words", [
+    ({}, "no config.json there; " + EXPECTED),
+    ({"latest_checkpointed_iteration.txt": "2"}, "no config.json there; it is a checkpoint in "
+     "Megatron-LM's layout (latest_checkpointed_iteration.txt), which needs no import: pass "
+     "it to --load as it is"),
+    ({"config.json": "{not json"}, "config.json does not parse as JSON ("),
+    ({"config.json": '{"vocab_size": 10}'}, "config.json has no model_type, so it is not a "
+     "model's config; " + EXPECTED),
+    # the model_type is checked before any weight file is read (this one is no safetensors)
+    ({"config.json": '{"model_type": "bert"}', "model.safetensors": ""},
+     "config.json model_type 'bert' is not supported; from-hf reads gpt2 and llama models"),
+    ({"config.json": GPT2_CONFIG}, "config.json but no weights (no *.safetensors or "
+     "pytorch_model*.bin); " + EXPECTED),
+    ({"config.json": GPT2_CONFIG, "model.safetensors": ""},
+     "model.safetensors is not a readable safetensors file (Error while deserializing header"),
+    ({"config.json": GPT2_CONFIG, "model.safetensors.index.json":
+      '{"weight_map": {"a": "model-00001-of-00002.safetensors"}}'},
+     "model.safetensors.index.json names 1 file(s) that are not there "
+     "(model-00001-of-00002.safetensors); download every shard"),
+    ({"config.json": GPT2_CONFIG, "model.safetensors.index.json": "{}"},
+     "model.safetensors.index.json is not a shard index"),
+])
+def test_from_hf_on_a_directory_that_is_not_a_model_says_what_is_missing(tmp_path, files,
+                                                                          words):
+    """One line naming the directory, what is missing and what is expected; before, an
+    unsupported model_type was found after every weight was read and did not name the
+    directory, bad JSON gave only the parser's words, and an unreadable or missing weights
+    file a traceback."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, text in files.items():
+        (src / name).write_text(text)
+    with pytest.raises(SystemExit) as err:
+        _cli("from-hf", "--input", src, "--save", tmp_path / "out")
+    text = str(err.value)
+    assert text.startswith(f"error: --input {src}: ") and "\n" not in text, text
+    assert words in text, text
+    assert not (tmp_path / "out").exists()
+
+
 def test_to_hf_exports_the_tokenizer_files(tmp_path, capsys):
     """Hugging Face -> from-hf -> to-hf kept the weights but not the tokenizer: the export
     had no tokenizer.json, so AutoTokenizer could not load it. The checkpoint's tokenizer

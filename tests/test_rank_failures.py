@@ -138,6 +138,31 @@ def test_a_rank_stuck_outside_the_gradient_reduction_is_named_in_bounded_time(tm
         assert read_tracker(str(ckpt)) == (2, False)
 
 
+@pytest.mark.slow
+def test_a_rank_stuck_in_the_tied_embedding_all_reduce_is_named_in_bounded_time(tmp_path):
+    """pp2 with tied word embeddings: after the gradient reduction the first and last
+    stage sum their embedding gradients (the embedding group). Rank 1 (the last stage)
+    stops in its second one, inside the step, before issuing it. That all-reduce was not
+    watched: rank 0 waited in it until the process group's own timeout (+1 minute) and
+    died with gloo's error naming no rank. Now rank 0's watchdog names rank 1 and the
+    phase after --distributed-timeout-minutes, comparing the collectives each member
+    issued (both entered the block), and every process ends with 124, no traceback."""
+    log, statuses, seconds = run_with_fault(
+        tmp_path, "megatron.core.models.gpt.stages", "allreduce_embedding_grads", "sleep",
+        ["--pipeline-model-parallel-size", "2", "--train-iters", "20"], call=2)
+    stuck = log[log.index("rank 1's main thread is here"):]
+    assert "time.sleep(300)" in stuck.split("\n\n")[0], log[-4000:]
+    assert re.search(r"\[watchdog rank 0\] collective tied word-embedding gradient "
+                     r"all-reduce \(embedding group: first and last pipeline stage\) did not "
+                     r"complete within 3 s at iteration 1; ranks that did not arrive: \[1\]",
+                     log), log[-4000:]
+    assert re.search(r"rank 1 has issued \d+ collectives on its group and rank 0 \d+: rank 1 "
+                     r"did not reach the collective the others wait in", log), log[-4000:]
+    assert statuses and set(statuses.values()) == {EXIT_CODE}, statuses
+    assert seconds < 45
+    assert not re.search(r'File ".*(/megatron/|pretrain_gpt)', log), log[-4000:]
+
+
 # A rank sleeps inside one micro-batch of the schedule: (args, function, its call that
 # sleeps, the rank). pp2: rank 1 in its attention (`sdpa_backend`, every layer's forward;
 # one layer per stage, 4 calls an iteration) in iteration 3's micro-batch 2; tp2: rank 1

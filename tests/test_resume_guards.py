@@ -168,6 +168,43 @@ def test_a_longer_run_whose_data_needs_more_epochs_warns_of_the_new_order(tmp_pa
                                                                1234)[2][:12])
 
 
+def test_a_longer_run_warns_that_its_validation_set_is_shuffled_anew(tmp_path, capsys):
+    """The validation set is sized by (--train-iters // --eval-interval + 1) x --eval-iters
+    x global batch (Megatron-LM's rule): 16 samples at --train-iters 3, 164 at 40, which
+    spans 7 epochs of the validation documents instead of 1, so the index is shuffled
+    anew and consumed_valid_samples (8) points into the new order. Said once; the test set
+    (--eval-iters x global batch) does not depend on --train-iters."""
+    import numpy as np
+
+    from megatron.core.datasets.gpt_dataset import build_index_arrays
+    from megatron.data_loading import split_sample_counts
+    from tests.test_gpt_dataset import make_corpus
+
+    prefix, _ = make_corpus(tmp_path / "corpus", [40] * 20, vocab=100)
+    data = ["--data-path", prefix, "--seq-length", "16", "--split", "50,50,0"]
+    base = [a for a in BASE if a != "--mock-data"][:-4] + ["--eval-iters", "1",
+                                                          "--eval-interval", "1"]
+    root = str(tmp_path / "ck")
+    run_pretrain(data + ["--train-iters", "3", "--save", root, "--save-interval", "2",
+                         "--exit-interval", "2"], base)
+    capsys.readouterr()
+    resume = data + ["--load", root, "--override-opt_param-scheduler", "--exit-interval", "3"]
+    run_pretrain(resume + ["--train-iters", "40"], base)
+    out = capsys.readouterr().out
+    assert out.count("WARNING: this run asks its validation data for 164 samples, the run "
+                     "that saved the checkpoint for 16 ") == 1, out
+    assert (f"the validation index of {prefix} (now 7 epoch(s), the last shuffled apart; 1 "
+            "epoch(s) before) changes: its samples are shuffled in another order") in out
+    assert "some of the 8 evaluated so far again" in out
+    run_pretrain(resume + ["--train-iters", "3"], base)
+    assert "its validation data" not in capsys.readouterr().out
+    sizes, documents = np.full(20, 40, dtype=np.int32), np.arange(10, 20, dtype=np.int32)
+    assert not np.array_equal(build_index_arrays(documents, sizes, 16, 16, 1234)[2][:16],
+                              build_index_arrays(documents, sizes, 164, 16, 1234)[2][:16])
+    counts = [split_sample_counts(config(data + ["--train-iters", n], base)) for n in "3 40".split()]
+    assert counts[0][1] != counts[1][1] and counts[0][2] == counts[1][2] == 4
+
+
 def test_train_order_warning_rules():
     """Which resumes `train_order_warning` speaks for: a blend names each member whose
     layout changes (its share of the request, ceil(n * w * 1.005)); nothing for an

@@ -56,10 +56,12 @@ def test_a_killed_run_leaves_no_stale_lock(tmp_path):
 
 def test_a_second_run_on_the_same_save_stops_before_touching_it(tmp_path):
     """The first run (here: its lock, held by this process) owns --save; the second stops
-    before it builds anything, and the first's checkpoint and tracker stay as they were."""
+    before it builds anything, and the first's checkpoint, tracker and the save it may be
+    writing (iter_N.tmp) stay as they were; a run after the first ended removes that."""
     args = ["--seq-length", "8", "--train-iters", "4", "--save", str(tmp_path),
             "--save-interval", "2"]
     run_pretrain(args + ["--exit-interval", "2"])
+    os.makedirs(tmp_path / "iter_0000003.tmp" / "mp_rank_00")  # the first run may write it
     before = sorted(os.listdir(tmp_path))
     mtime = os.path.getmtime(tmp_path / "iter_0000002")
     with SaveDirLock(str(tmp_path)) as first:
@@ -70,8 +72,10 @@ def test_a_second_run_on_the_same_save_stops_before_touching_it(tmp_path):
         assert sorted(os.listdir(tmp_path)) == sorted(before + [LOCK_NAME])
     assert read_tracker(str(tmp_path)) == (2, False)
     assert os.path.getmtime(tmp_path / "iter_0000002") == mtime
+    assert os.path.isdir(tmp_path / "iter_0000003.tmp"), "another run's save is not removed"
     tr = run_pretrain(args + ["--load", str(tmp_path)])
     assert tr.state.iteration == 4 and not os.path.exists(tmp_path / LOCK_NAME)
+    assert not os.path.exists(tmp_path / "iter_0000003.tmp"), "once the first run is gone"
 
 
 def _two_ranks(rank, world_size, root):

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
 import re
@@ -122,21 +123,47 @@ def test_a_requeued_finetune_is_told_to_drop_finetune_to_resume(tmp_path, capsys
                 "iteration 0 from any --load); to keep both") in out, load
 
 
-def test_unfinished_saves_in_the_save_dir_are_reported_at_startup(tmp_path, capsys):
-    """A save killed mid-write (SIGKILL after a preemption's grace time) leaves
-    iter_N.tmp; a restart that never saves iteration N again would keep it for good."""
+def test_unfinished_saves_in_the_save_dir_are_removed_at_startup(tmp_path, capsys,
+                                                                  monkeypatch):
+    """A save killed mid-write (SIGKILL after a preemption's grace time, an async save's
+    writer dying) leaves iter_N.tmp; a restart that never saves iteration N again kept it
+    for good, with a warning at every start. The run holds --save's lock (no other run
+    writes there), so it removes it with one line; where the file system cannot lock, it
+    only warns (another run may be writing it). A live run holding the lock:
+    tests/test_save_lock.py."""
+    from megatron import save_lock
+
     ck = tmp_path / "ck"
     flags = ["--train-iters", "10", "--eval-iters", "0", "--save", str(ck), "--save-interval",
              "2", "--load", str(ck)]
     _pretrain(flags + ["--exit-interval", "2"], capsys)
-    (ck / "iter_0000003.tmp" / "mp_rank_00").mkdir(parents=True)
-    (ck / "iter_0000003.tmp" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"x" * 1024)
-    out, _ = _pretrain(flags + ["--exit-interval", "4"], capsys)
+
+    def stale(name):
+        (ck / name / "mp_rank_00").mkdir(parents=True)
+        (ck / name / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"x" * 1024)
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    stale("iter_0000003.tmp")
+    with monkeypatch.context() as m:  # no locks: kept
+        m.setattr(save_lock.fcntl, "flock", no_locks)
+        out, _ = _pretrain(flags + ["--exit-interval", "4"], capsys)
     assert (f"WARNING: --save {ck} holds iter_0000003.tmp: unfinished checkpoint save(s) of a "
-            "process killed while writing (0.00 GiB); nothing loads them") in out
-    assert read_tracker(str(ck)) == (4, False)
-    shutil.rmtree(ck / "iter_0000003.tmp")
+            "process killed while writing (0.00 GiB); nothing loads them, but --save's file "
+            "system does not lock files, so another run may be writing them") in out
+    assert (ck / "iter_0000003.tmp").is_dir() and read_tracker(str(ck)) == (4, False)
+    stale("release.tmp")
     out, _ = _pretrain(flags + ["--exit-interval", "6"], capsys)
+    removed = [line for line in out.splitlines() if line.startswith("removed ")]
+    assert removed == [f"removed iter_0000003.tmp, release.tmp from --save {ck} (0.00 GiB): "
+                       "unfinished checkpoint save(s) of an earlier run, stopped while writing "
+                       "them or before moving them into place; nothing loads them, and this "
+                       "run holds the directory's save lock, so no other run is writing them"]
+    assert "WARNING: --save" not in out
+    assert sorted(os.listdir(ck)) == ["iter_0000002", "iter_0000004", "iter_0000006",
+                                      "latest_checkpointed_iteration.txt"]
+    out, _ = _pretrain(flags + ["--exit-interval", "8"], capsys)
     assert "unfinished checkpoint save" not in out
 
 

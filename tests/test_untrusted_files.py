@@ -119,7 +119,7 @@ def test_a_raw_pickle_is_not_called_damaged_with_torchs_advice(tmp_path, marker)
 def test_hugging_face_bin_weights_refuse_pickled_code(tmp_path, marker, kind):
     hf = tmp_path / "hf"
     hf.mkdir()
-    (hf / "config.json").write_text("{}")
+    (hf / "config.json").write_text('{"model_type": "gpt2"}')
     torch.save({"w": torch.zeros(2), "x": kind(marker)}, hf / "pytorch_model.bin")
     with pytest.raises(ValueError, match=r"pytorch_model\.bin holds a pickled .*not only "
                                          r"tensors.*not loaded"):
