@@ -25,6 +25,7 @@ import hashlib
 import math
 import os
 import time
+import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -32,6 +33,7 @@ import numpy as np
 from megatron.core.datasets.index_cache import (
     MissingIndexCacheError,
     StaleIndexCacheError,
+    cache_directories,
     find_or_build_cache,
     load_arrays,
     stale_caches_error,
@@ -39,7 +41,6 @@ from megatron.core.datasets.index_cache import (
 from megatron.core.datasets.indexed_dataset import MMapIndexedDataset, check_token_ids
 
 LAST_EPOCH_FRACTION = 0.80
-LONG_BLEND_S = 10.0  # a blend build this long without a cache dir is pointed at one
 
 
 def get_train_valid_test_split(split_string: str, size: int) -> List[int]:
@@ -358,11 +359,11 @@ class GPTDataset:
 
 
 class _Builder:
-    """Opens each prefix once and builds single or blended datasets (each GPT dataset once:
-    a second pass reuses them). With `defer_blends`, blends without a cache dir are left
-    out (None): they live in memory only, so every rank builds its own, and the builder
-    rank builds them in a second pass after the barrier, beside the others rather than
-    before them."""
+    """Opens each prefix once and builds single or blended datasets (each dataset once: a
+    second pass reuses them). With `defer_blends`, blends kept in memory (not cached, see
+    `_blend_cache`) are left out (None): every rank builds its own, and the builder rank
+    builds them in a second pass after the barrier, beside the others rather than before
+    them."""
 
     def __init__(self, split: str, seq_length: int, seed: int, cache_dir: Optional[str],
                  may_build: bool, vocab_size: Optional[int] = None,
@@ -374,6 +375,8 @@ class _Builder:
         self.others_wait, self._announced = others_wait, False
         self.defer_blends = False
         self._datasets: Dict[tuple, GPTDataset] = {}
+        self._blends: Dict[tuple, object] = {}
+        self._unwritable: set = set()  # blend cache directories found unwritable
         self._split_logged: set = set()
         self.tokenizer_vocab_size = tokenizer_vocab_size
         self._opened: Dict[str, MMapIndexedDataset] = {}
@@ -456,7 +459,10 @@ class _Builder:
             return None  # a member's cache is stale: `_build_all` raises that
         if any(d is None for d in datasets):  # (check_splits found it first)
             raise ValueError(f"{what}: a blended dataset has no document in this split")
-        if self.defer_blends and not self.cache_dir:
+        if (what, size) in self._blends:
+            return self._blends[(what, size)]
+        cache = self._blend_cache(datasets, weights, size)
+        if self.defer_blends and cache is None:
             return None
 
         def announce():
@@ -464,8 +470,8 @@ class _Builder:
                 self.log(f"> building indices for blendable datasets ... ({what}: "
                          f"{len(datasets)} datasets, {size} samples)")
 
-        blend = BlendedDataset(datasets, weights, size, self.cache_dir, self.may_build,
-                               on_build=announce)
+        blend = BlendedDataset(datasets, weights, size, cache, self.may_build,
+                               on_build=announce, log=self.log)
         if self.log is not None:
             self.log(f" > blended dataset for {what}: {size} samples; sample ratios:")
             for d, (w, achieved) in enumerate(zip(blend.weights, blend.achieved_weights())):
@@ -473,10 +479,37 @@ class _Builder:
             if blend.build_s is not None:
                 self.log(f"> elapsed time for building blendable dataset indices: "
                          f"{blend.build_s:.2f} (sec)")
-            if (blend.build_s or 0.0) >= LONG_BLEND_S and not self.cache_dir:
-                self.log(" > (every rank builds these again at each start: pass "
-                         "--data-cache-path to keep them, so that later runs read them)")
+            if blend.cache_paths is not None:
+                done = "written to" if blend.build_s is not None else "read from"
+                files = blend.cache_paths["key"][:-len(".dsc")] + "{.dsc,_index.npy,_sample_index.npy}"
+                self.log(f" > blendable dataset indices {done} {files}")
+        self._blends[(what, size)] = blend
         return blend
+
+    def _blend_cache(self, datasets: list, weights: Sequence[float], size: int):
+        """The blend's index cache (None: its indices are kept in memory), in the
+        directories of its first member's GPT index (`cache_directories`). Without a
+        cache dir a blend under BLEND_CACHE_MIN_SAMPLES is not cached (it builds in about
+        a second). The builder rank tries a write first: where the cache cannot be
+        written it warns once, and every rank builds the blends in memory."""
+        from megatron.core.datasets.blended import BLEND_CACHE_MIN_SAMPLES, blend_index_cache
+
+        if size == 0 or (size < BLEND_CACHE_MIN_SAMPLES and not self.cache_dir):
+            return None
+        cache = blend_index_cache(cache_directories(datasets[0].data_prefix, self.cache_dir),
+                                  weights, size)
+        if not self.may_build:  # reads the builder's set, or builds in memory as it did
+            return cache
+        if cache.directory in self._unwritable:
+            return None
+        why = None if cache.present() else cache.unwritable()
+        if why is None:
+            return cache
+        warnings.warn(f"cannot write the blending index cache to {cache.directory} ({why}): "
+                      "the blends are built again at every start, on every rank; pass a "
+                      "writable --data-cache-path to keep them", stacklevel=2)
+        self._unwritable.add(cache.directory)
+        return None
 
     def whole(self, name: str, data_path: Sequence[str], num_samples: int):
         """One dataset using all documents of `data_path` (one prefix or a weighted list)."""
@@ -612,8 +645,9 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
     Multi-process use: every rank calls this with the same arguments; the builder rank
     (global rank 0) builds missing cache files first, then all ranks meet in `barrier()`
     (e.g. `torch.distributed.barrier`; one call per rank), then the others load the files.
-    A non-builder rank that finds a file missing raises ValueError. Blends without a cache
-    dir are kept in memory: every rank builds its own after the barrier.
+    A non-builder rank that finds a GPT index file missing raises ValueError. A blend's
+    indices are cached beside the first member's GPT index (`_Builder._blend_cache`); one
+    kept in memory (small, or its cache unwritable) is built by every rank after the barrier.
 
     `vocab_size` (the model's padded vocabulary) has every opened `.bin` checked for ids
     outside it (`check_token_ids`: a bounded sample), and every sample read (a ValueError
