@@ -5,9 +5,9 @@ Sample s of the blend comes from the dataset d that maximises
 does; `count_d` (before the increment) is the sample taken from dataset d. This module
 computes the same two arrays without a compiled helper: two datasets use a vectorised
 predict-and-verify scheme (exact, verified step by step in numpy), a few a plain loop over
-the datasets per sample, and from `NUMPY_STEP_MIN` datasets one numpy argmax per sample
-(about a microsecond whatever their number: 50 datasets over 100 million samples take a
-few minutes, hundreds no longer). The build is sequential by nature (each pick depends on
+the datasets per sample, and from `NUMPY_STEP_MIN` datasets one numpy subtract and argmax
+per sample (0.6-1 microsecond whatever their number: 50 datasets over 100 million samples
+take one to two minutes, hundreds no longer). The build is sequential by nature (each pick depends on
 all earlier ones), which is why a blend's indices are cached where the members' GPT indexes
 are (blend_cache.py), and why a long build reports its progress.
 """
@@ -84,31 +84,48 @@ def _blending_loop(weights: np.ndarray, size: int, counts: np.ndarray, start: in
             progress(min(size, begin + _LOOP_CHUNK))
 
 
-NUMPY_STEP_MIN = 40  # datasets from which one numpy argmax per sample beats a Python loop
+NUMPY_STEP_MIN = 24  # datasets from which one numpy argmax per sample beats a Python loop
 _FLUSH = 1 << 20  # samples picked between writes into the output arrays
+_STEP_BLOCK = 4096  # samples whose products are computed at once by `_blending_numpy_steps`
+
+
+def _occurrence_numbers(picks: np.ndarray, before: np.ndarray) -> np.ndarray:
+    """int64 [len(picks)]: for each pick of dataset d, how many picks of d came before
+    it (`before[d]` of them before this block)."""
+    order = np.argsort(picks, kind="stable")  # radix sort of uint8: each dataset's in order
+    ranked = picks[order]
+    first = np.searchsorted(ranked, ranked, side="left")  # where each dataset's run starts
+    numbers = np.empty(len(picks), dtype=np.int64)
+    numbers[order] = np.arange(len(picks)) - first + before[ranked]
+    return numbers
 
 
 def _blending_numpy_steps(weights: np.ndarray, size: int, dataset_index: np.ndarray,
                           sample_index: np.ndarray, progress: Progress = None) -> None:
-    """The greedy with one numpy argmax per sample: the same float64 products and
-    differences as `_blending_loop` (counts are exact integers in float64), and argmax
-    returns the first maximum, so ties go to the lowest dataset as there."""
+    """The greedy with one numpy subtract and argmax per sample: the float64 products
+    w_d * max(s, 1) come from one outer product per block of samples, the differences with
+    the counts (exact integers in float64) are the same as `_blending_loop`'s, and argmax
+    returns the first maximum, so ties go to the lowest dataset as there. Each pick's
+    sample index (the count before it) is numbered afterwards, per block."""
     w = np.asarray(weights, dtype=np.float64)
     counts = np.zeros(len(w), dtype=np.float64)
+    add_one = memoryview(counts)  # item access without making numpy scalars (faster)
     err = np.empty(len(w), dtype=np.float64)
-    multiply, subtract, argmax = np.multiply, np.subtract, np.ndarray.argmax
+    subtract = np.subtract
     for start in range(0, size, _FLUSH):
         stop = min(size, start + _FLUSH)
-        picks, taken = [], []
-        for s in range(start, stop):
-            multiply(w, s if s > 1 else 1.0, out=err)
-            subtract(err, counts, out=err)
-            d = int(argmax(err))
-            picks.append(d)
-            taken.append(counts[d])
-            counts[d] += 1.0
-        dataset_index[start:stop] = picks
-        sample_index[start:stop] = taken
+        before = counts.astype(np.int64)
+        picks: List[int] = []
+        append = picks.append
+        for block in range(start, stop, _STEP_BLOCK):
+            steps = np.arange(block, min(stop, block + _STEP_BLOCK), dtype=np.float64)
+            for row in np.multiply.outer(np.maximum(steps, 1.0), w):  # [block, datasets]
+                d = subtract(row, counts, out=err).argmax()
+                append(d)
+                add_one[d] += 1.0
+        chunk = np.array(picks, dtype=np.uint8)
+        dataset_index[start:stop] = chunk
+        sample_index[start:stop] = _occurrence_numbers(chunk, before)
         if progress is not None:
             progress(stop)
 
