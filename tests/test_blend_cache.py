@@ -100,7 +100,7 @@ def test_weights_that_print_alike_get_their_own_blend(tmp_path):
     assert len(_blend_files(cache)) == 6
 
 
-def _builds_once(rank, world_size, path, cache):
+def _builds_once(rank, world_size, path, cache, barrier_timeout_s):
     import torch.distributed as dist
 
     from megatron.core.datasets import blended as module
@@ -112,7 +112,8 @@ def _builds_once(rank, world_size, path, cache):
     lines = []
     train, valid, _ = build_train_valid_test_datasets(
         path, SPLIT, [200, 20, 0], 16, 7, cache, is_builder_rank=rank == 0,
-        barrier=dist.barrier, log=lines.append if rank == 0 else None)
+        barrier=dist.barrier, log=lines.append if rank == 0 else None,
+        barrier_timeout_s=barrier_timeout_s)
     return {"builds": builds, "index": train.dataset_index.tobytes(),
             "paths": train.cache_paths, "memmap": isinstance(train.dataset_index, np.memmap),
             "valid": valid.dataset_index.tobytes(), "lines": lines}
@@ -127,7 +128,7 @@ def test_two_ranks_build_a_cached_blend_once(tmp_path, with_cache_dir):
     one it stays in memory, built by both ranks."""
     a, b, c = _corpora(tmp_path)
     cache = str(tmp_path / "cache") if with_cache_dir else None
-    out = run_distributed(_builds_once, 2, ["0.2", a, "0.5", b, "0.3", c], cache)
+    out = run_distributed(_builds_once, 2, ["0.2", a, "0.5", b, "0.3", c], cache, 600.0)
     size = len(np.frombuffer(out[0]["index"], dtype=np.uint8))
     small = len(np.frombuffer(out[0]["valid"], dtype=np.uint8))
     assert sorted(out[0]["builds"]) == sorted([size, small])
@@ -138,6 +139,28 @@ def test_two_ranks_build_a_cached_blend_once(tmp_path, with_cache_dir):
     assert out[1]["paths"]["key"].startswith(where)
     ratios = [x for x in out[0]["lines"] if x.startswith(" > blended dataset for")]
     assert len(ratios) == 2 and len(set(ratios)) == 2, out[0]["lines"]
+
+
+def test_a_blend_too_long_to_wait_for_is_built_by_every_rank_and_written_once(tmp_path):
+    """A blend whose build would outlast half the barrier's timeout (the other ranks'
+    collective would time out waiting for global rank 0) is built by every rank after
+    the barrier (rank 1 reads rank 0's files if they are there by then), rank 0 writing
+    it; the next start reads it on both ranks."""
+    a, b, c = _corpora(tmp_path)
+    path = ["0.2", a, "0.5", b, "0.3", c]
+    first = run_distributed(_builds_once, 2, path, None, 1e-4)
+    size = len(np.frombuffer(first[0]["index"], dtype=np.uint8))
+    assert size in first[0]["builds"] and first[0]["paths"] is not None
+    # rank 1 built its own, or read rank 0's files when they were already written
+    assert (size in first[1]["builds"]) == (first[1]["paths"] is None)
+    assert first[0]["index"] == first[1]["index"]
+    assert (" > --data-path (train): about 0 s to blend 203 samples, longer than the other ranks "
+            "may wait (half of --distributed-timeout-minutes): every rank builds them after "
+            "the barrier; global rank 0 writes them to "
+            f"{tmp_path / 'data' / 'index-cache'} for later runs") in first[0]["lines"]
+    again = run_distributed(_builds_once, 2, path, None, 1e-4)
+    assert size not in again[0]["builds"] and size not in again[1]["builds"]
+    assert again[1]["paths"] == first[0]["paths"] and again[1]["index"] == first[0]["index"]
 
 
 def test_progress_comes_in_blocks_for_every_builder(monkeypatch):
@@ -205,3 +228,24 @@ def test_a_blend_built_in_memory_is_unchanged(tmp_path):
     assert blend.cache_paths is None and blend.build_s is not None
     assert blend.dataset_index.tobytes() == \
         build_blending_indices(normalised_weights([1, 3]), 1000)[0].tobytes()
+
+
+def test_the_driver_gives_the_builder_the_barrier_timeout(tmp_path, monkeypatch):
+    """build_datasets passes --distributed-timeout-minutes on: how long the other ranks'
+    barrier waits for global rank 0's builds."""
+    import dataclasses
+
+    from megatron.core.datasets import gpt_dataset
+    from megatron.data_loading import build_datasets
+    from tests.gpt_helpers import tiny_config
+
+    a, _, _ = _corpora(tmp_path)
+    seen = {}
+    monkeypatch.setattr(gpt_dataset, "build_train_valid_test_datasets",
+                        lambda *args, **kwargs: seen.update(kwargs) or (None, None, None))
+    config = tiny_config()
+    config = dataclasses.replace(
+        config, data=dataclasses.replace(config.data, mock_data=False, data_path=[a]),
+        parallel=dataclasses.replace(config.parallel, distributed_timeout_minutes=7))
+    build_datasets(config, 0, 128)
+    assert seen["barrier_timeout_s"] == 420.0

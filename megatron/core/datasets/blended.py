@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron.core.datasets.blend_cache import BlendIndexCache
-from megatron.core.datasets.index_cache import load_npy
+from megatron.core.datasets.index_cache import cache_directories, load_npy
 
 # Bump when build_blending_indices' output changes: it is part of the cache key, so caches
 # written by an earlier builder are not read.
@@ -213,6 +213,13 @@ class ProgressLine:
                  f"{left:.0f} s left")
 
 
+def estimated_build_s(num_datasets: int, size: int) -> float:
+    """A generous estimate of the seconds `build_blending_indices` takes (a busy CPU)."""
+    if num_datasets <= 1:
+        return 0.0
+    return size * (0.3e-6 if num_datasets == 2 else 2e-6)
+
+
 def normalised_weights(weights: Sequence[float]) -> np.ndarray:
     """float64 weights divided by their sum, as the blend uses them."""
     weights = np.array(weights, dtype=np.float64)
@@ -246,6 +253,63 @@ def samples_needed(dataset_index: np.ndarray, sample_index: np.ndarray,
         most = np.maximum.reduceat(taken[order], starts)
         need[present] = np.maximum(need[present], most + 1)
     return need
+
+
+class BlendPlan:
+    """Which blends of a run are cached where (`cache`), and which of them the builder
+    rank builds before the barrier while the others wait (`before_barrier`)."""
+
+    def __init__(self, cache_dir: Optional[str], may_build: bool,
+                 log: Optional[Callable[[str], None]] = None,
+                 budget_s: Optional[float] = None):
+        """`budget_s`: seconds of building the other ranks may wait for in all (None: any)."""
+        self.cache_dir, self.may_build, self.log = cache_dir, may_build, log
+        self.budget_s = budget_s
+        self._unwritable: set = set()  # cache directories found unwritable
+
+    def cache(self, first_prefix: str, weights: Sequence[float],
+              size: int) -> Optional[BlendIndexCache]:
+        """The blend's index cache (None: kept in memory), in the directories of its first
+        member's GPT index (`cache_directories`). Without a cache dir a blend under
+        BLEND_CACHE_MIN_SAMPLES is not cached (it builds in about a second). The builder
+        rank tries a write first: where none can be written it warns once, and every rank
+        builds the blends in memory."""
+        if size == 0 or (size < BLEND_CACHE_MIN_SAMPLES and not self.cache_dir):
+            return None
+        cache = blend_index_cache(cache_directories(first_prefix, self.cache_dir), weights, size)
+        if not self.may_build:  # reads the builder's set, or builds in memory as it did
+            return cache
+        if cache.directory in self._unwritable:
+            return None
+        why = None if cache.present() else cache.unwritable()
+        if why is None:
+            return cache
+        warnings.warn(f"cannot write the blending index cache to {cache.directory} ({why}): "
+                      "the blends are built again at every start, on every rank; pass a "
+                      "writable --data-cache-path to keep them", stacklevel=2)
+        self._unwritable.add(cache.directory)
+        return None
+
+    def before_barrier(self, cache: Optional[BlendIndexCache], num_datasets: int,
+                       what: str) -> bool:
+        """Whether the builder rank builds this blend before the barrier, the others
+        waiting to read it: a cached one whose (estimated) build fits what is left of
+        `budget_s`. A longer one is built by every rank after the barrier (the others
+        would time out waiting), the builder writing it for later runs."""
+        if cache is None:
+            return False
+        if self.budget_s is None or cache.present():
+            return True
+        cost = estimated_build_s(num_datasets, cache.size)
+        if cost <= self.budget_s:
+            self.budget_s -= cost
+            return True
+        if self.log is not None:
+            self.log(f" > {what}: about {cost:.0f} s to blend {cache.size} samples, longer than "
+                     "the other ranks may wait (half of --distributed-timeout-minutes): every "
+                     "rank builds them after the barrier; global rank 0 writes them to "
+                     f"{cache.directory} for later runs")
+        return False
 
 
 class BlendedDataset:

@@ -25,7 +25,6 @@ import hashlib
 import math
 import os
 import time
-import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -33,7 +32,6 @@ import numpy as np
 from megatron.core.datasets.index_cache import (
     MissingIndexCacheError,
     StaleIndexCacheError,
-    cache_directories,
     find_or_build_cache,
     load_arrays,
     stale_caches_error,
@@ -360,10 +358,10 @@ class GPTDataset:
 
 class _Builder:
     """Opens each prefix once and builds single or blended datasets (each dataset once: a
-    second pass reuses them). With `defer_blends`, blends kept in memory (not cached, see
-    `_blend_cache`) are left out (None): every rank builds its own, and the builder rank
-    builds them in a second pass after the barrier, beside the others rather than before
-    them."""
+    second pass reuses them). With `defer_blends`, blends that `blend_plan` keeps from
+    before the barrier (in memory, or too long to wait for) are left out (None): every rank
+    builds its own, and the builder rank builds them in a second pass after the barrier,
+    beside the others rather than before them."""
 
     def __init__(self, split: str, seq_length: int, seed: int, cache_dir: Optional[str],
                  may_build: bool, vocab_size: Optional[int] = None,
@@ -374,9 +372,11 @@ class _Builder:
         self.vocab_size, self.log = vocab_size, log
         self.others_wait, self._announced = others_wait, False
         self.defer_blends = False
+        from megatron.core.datasets.blended import BlendPlan
+
+        self.blend_plan = BlendPlan(cache_dir, may_build, log)
         self._datasets: Dict[tuple, GPTDataset] = {}
         self._blends: Dict[tuple, object] = {}
-        self._unwritable: set = set()  # blend cache directories found unwritable
         self._split_logged: set = set()
         self.tokenizer_vocab_size = tokenizer_vocab_size
         self._opened: Dict[str, MMapIndexedDataset] = {}
@@ -461,8 +461,9 @@ class _Builder:
             raise ValueError(f"{what}: a blended dataset has no document in this split")
         if (what, size) in self._blends:
             return self._blends[(what, size)]
-        cache = self._blend_cache(datasets, weights, size)
-        if self.defer_blends and cache is None:
+        cache = self.blend_plan.cache(datasets[0].data_prefix, weights, size)
+        if self.defer_blends and not self.blend_plan.before_barrier(cache, len(datasets),
+                                                                    what):
             return None
 
         def announce():
@@ -485,31 +486,6 @@ class _Builder:
                 self.log(f" > blendable dataset indices {done} {files}")
         self._blends[(what, size)] = blend
         return blend
-
-    def _blend_cache(self, datasets: list, weights: Sequence[float], size: int):
-        """The blend's index cache (None: its indices are kept in memory), in the
-        directories of its first member's GPT index (`cache_directories`). Without a
-        cache dir a blend under BLEND_CACHE_MIN_SAMPLES is not cached (it builds in about
-        a second). The builder rank tries a write first: where the cache cannot be
-        written it warns once, and every rank builds the blends in memory."""
-        from megatron.core.datasets.blended import BLEND_CACHE_MIN_SAMPLES, blend_index_cache
-
-        if size == 0 or (size < BLEND_CACHE_MIN_SAMPLES and not self.cache_dir):
-            return None
-        cache = blend_index_cache(cache_directories(datasets[0].data_prefix, self.cache_dir),
-                                  weights, size)
-        if not self.may_build:  # reads the builder's set, or builds in memory as it did
-            return cache
-        if cache.directory in self._unwritable:
-            return None
-        why = None if cache.present() else cache.unwritable()
-        if why is None:
-            return cache
-        warnings.warn(f"cannot write the blending index cache to {cache.directory} ({why}): "
-                      "the blends are built again at every start, on every rank; pass a "
-                      "writable --data-cache-path to keep them", stacklevel=2)
-        self._unwritable.add(cache.directory)
-        return None
 
     def whole(self, name: str, data_path: Sequence[str], num_samples: int):
         """One dataset using all documents of `data_path` (one prefix or a weighted list)."""
@@ -635,7 +611,8 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
                                     barrier: Optional[Callable[[], None]] = None,
                                     vocab_size: Optional[int] = None,
                                     log: Optional[Callable[[str], None]] = None,
-                                    tokenizer_vocab_size: Optional[int] = None) -> tuple:
+                                    tokenizer_vocab_size: Optional[int] = None,
+                                    barrier_timeout_s: Optional[float] = None) -> tuple:
     """(train, valid, test) datasets, each GPTDataset, BlendedDataset or None.
 
     `data_prefix` is `--data-path`: one prefix (split by `split`) or `w1 p1 w2 p2 ...`
@@ -646,8 +623,10 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
     (global rank 0) builds missing cache files first, then all ranks meet in `barrier()`
     (e.g. `torch.distributed.barrier`; one call per rank), then the others load the files.
     A non-builder rank that finds a GPT index file missing raises ValueError. A blend's
-    indices are cached beside the first member's GPT index (`_Builder._blend_cache`); one
-    kept in memory (small, or its cache unwritable) is built by every rank after the barrier.
+    indices are cached beside the first member's GPT index (`blended.BlendPlan`); one
+    kept in memory (small, or its cache unwritable) is built by every rank after the barrier,
+    and so is one whose build would take more than half of `barrier_timeout_s` (how long
+    `barrier()` waits; those blends together), the builder rank writing it for later runs.
 
     `vocab_size` (the model's padded vocabulary) has every opened `.bin` checked for ids
     outside it (`check_token_ids`: a bounded sample), and every sample read (a ValueError
@@ -667,6 +646,8 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
         builder = _Builder(split, seq_length, seed, cache_dir, True, vocab_size, log,
                            tokenizer_vocab_size, others_wait=barrier is not None)
         builder.defer_blends = barrier is not None  # in-memory blends: built by all at once
+        if barrier_timeout_s is not None:
+            builder.blend_plan.budget_s = barrier_timeout_s / 2
         try:
             result = _build_all(builder, data_prefix, num_samples, paths)
         except Exception as e:  # reach the barrier anyway so the other ranks do not hang
