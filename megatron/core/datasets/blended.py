@@ -7,9 +7,9 @@ computes the same two arrays without a compiled helper: two datasets use a vecto
 predict-and-verify scheme (exact, verified step by step in numpy), a few a plain loop over
 the datasets per sample, and from `NUMPY_STEP_MIN` datasets one numpy subtract and argmax
 per sample (0.6-1 microsecond whatever their number: 50 datasets over 100 million samples
-take one to two minutes, hundreds no longer). The build is sequential by nature (each pick depends on
-all earlier ones), which is why a blend's indices are cached where the members' GPT indexes
-are (blend_cache.py), and why a long build reports its progress.
+take one to two minutes, hundreds no longer). The build is sequential by nature (each pick
+depends on all earlier ones), which is why a blend's indices are cached where the members'
+GPT indexes are (blend_cache.py), and why a long build reports its progress.
 """
 from __future__ import annotations
 

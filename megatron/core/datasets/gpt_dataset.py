@@ -29,6 +29,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megatron.core.datasets.blended import BlendPlan
 from megatron.core.datasets.index_cache import (
     MissingIndexCacheError,
     StaleIndexCacheError,
@@ -372,8 +373,6 @@ class _Builder:
         self.vocab_size, self.log = vocab_size, log
         self.others_wait, self._announced = others_wait, False
         self.defer_blends = False
-        from megatron.core.datasets.blended import BlendPlan
-
         self.blend_plan = BlendPlan(cache_dir, may_build, log)
         self._datasets: Dict[tuple, GPTDataset] = {}
         self._blends: Dict[tuple, object] = {}
@@ -482,8 +481,9 @@ class _Builder:
                          f"{blend.build_s:.2f} (sec)")
             if blend.cache_paths is not None:
                 done = "written to" if blend.build_s is not None else "read from"
-                files = blend.cache_paths["key"][:-len(".dsc")] + "{.dsc,_index.npy,_sample_index.npy}"
-                self.log(f" > blendable dataset indices {done} {files}")
+                files = blend.cache_paths["key"][:-len(".dsc")]
+                self.log(f" > blendable dataset indices {done} "
+                         f"{files}{{.dsc,_index.npy,_sample_index.npy}}")
         self._blends[(what, size)] = blend
         return blend
 
