@@ -136,7 +136,8 @@ def build_datasets(config: Config, rank: int, vocab_size: int,
                 d.train_data_path, d.valid_data_path, d.test_data_path,
                 is_builder_rank=rank == 0, barrier=barrier,
                 vocab_size=config.model.padded_vocab_size, log=print_rank_0,
-                tokenizer_vocab_size=tokenizer_vocab_size)
+                tokenizer_vocab_size=tokenizer_vocab_size,
+                barrier_timeout_s=60.0 * config.parallel.distributed_timeout_minutes)
     except (ValueError, FileNotFoundError) as e:
         error = (isinstance(e, MissingIndexCacheError), str(e))
     agreed_data_error(error, group)

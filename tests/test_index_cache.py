@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from megatron.core.datasets import gpt_dataset as gd
+from megatron.core.datasets.blend_cache import blend_cache_paths, blend_key
+from megatron.core.datasets.blended import BLENDING_INDEX_VERSION
 from megatron.core.datasets.gpt_dataset import build_train_valid_test_datasets
 from tests import megatron_data_reference as mref
 from tests.test_gpt_dataset import CASES, make_corpus, ref_indices
@@ -164,19 +166,38 @@ def test_stale_index_under_two_ranks(tmp_path):
     assert len(names) == 8 and not [n for n in names if ".tmp" in n]  # train and valid
 
 
-def test_truncated_blend_cache_file_is_named(tmp_path):
+@pytest.mark.parametrize("damage", ["truncate", "extend", "key"])
+def test_a_damaged_blend_cache_is_warned_about_and_rebuilt(tmp_path, damage):
+    """A blend cache file cut short (an interrupted copy), grown, or a key file of another
+    blend is not loaded (a truncated .npy stopped the run; a grown one would have been read
+    as it was): one warning naming the file, then the blend is built and written again,
+    the same arrays as the first build."""
     a, _ = make_corpus(tmp_path / "a", [30] * 40, seed=1)
     b, _ = make_corpus(tmp_path / "b", [17] * 60, seed=2)
     cache = tmp_path / "cache"
     args = (["0.3", a, "0.7", b], "90,10,0", [200, 20, 0], 16, 7, str(cache))
-    build_train_valid_test_datasets(*args)
-    names = _cache_files(cache)
-    assert not [n for n in names if ".tmp" in n]
-    path = str(cache / next(n for n in names if n.endswith("_sample_index.npy")))
+    first = build_train_valid_test_datasets(*args)[0]
+    want = (np.array(first.dataset_index), np.array(first.dataset_sample_index))
+    assert not [n for n in _cache_files(cache) if ".tmp" in n]
+    paths = first.cache_paths
+    path = paths["key"] if damage == "key" else paths["sample_index"]
     with open(path, "r+b") as f:
-        f.truncate(os.path.getsize(path) - 8)
-    with pytest.raises(ValueError, match=rf"index cache file {path} is unreadable"):
-        build_train_valid_test_datasets(*args)
+        if damage == "truncate":
+            f.truncate(os.path.getsize(path) - 8)
+        elif damage == "extend":
+            f.seek(0, os.SEEK_END)
+            f.write(b"\0" * 8)
+        else:
+            f.write(b"Blending indices\nBuilder version 0\n")
+    with pytest.warns(UserWarning, match=rf"ignoring the blending index cache in {cache} "
+                                         rf"\({path}: .*\); building the blend again") as got:
+        again = build_train_valid_test_datasets(*args)[0]
+    assert len([w for w in got if "blending index cache" in str(w.message)]) == 1
+    assert again.build_s is not None and again.cache_paths == paths
+    np.testing.assert_array_equal(again.dataset_index, want[0])
+    np.testing.assert_array_equal(again.dataset_sample_index, want[1])
+    third = build_train_valid_test_datasets(*args)[0]  # the rebuilt set is read
+    assert third.build_s is None and np.array_equal(third.dataset_sample_index, want[1])
 
 
 def test_cache_files_go_through_fresh_temporary_names(tmp_path):
@@ -216,9 +237,10 @@ def _three_corpora(tmp_path):
 
 def test_cache_files_are_megatrons_names_and_arrays(tmp_path):
     """The files a build writes: for each split of each blended dataset
-    md5(description).{dsc,_doc_idx.npy,_sample_idx.npy,_shuffle_idx.npy} and for each
-    blend md5(its description).{dsc,_index.npy,_sample_index.npy}, all in --data-cache-path
-    (the last directory looked in), nothing in <data dir>/index-cache/; each .npy holds the
+    md5(description).{dsc,_doc_idx.npy,_sample_idx.npy,_shuffle_idx.npy} (Megatron's) and
+    for each blend blend-K.{dsc,_index.npy,_sample_index.npy} (ours: K names the exact
+    weights, the size and the builder's version), all in --data-cache-path (the last
+    directory looked in), nothing in <data dir>/index-cache/; each .npy holds the
     reference's array (dtype, shape, values) and loads as Megatron loads it."""
     corpora, path = _three_corpora(tmp_path)
     cache = tmp_path / "cache"
@@ -239,14 +261,15 @@ def test_cache_files_are_megatrons_names_and_arrays(tmp_path):
                 got = np.load(where / (h + suffix), allow_pickle=True, mmap_mode="r")
                 assert got.dtype == want.dtype and got.shape == want.shape, suffix
                 np.testing.assert_array_equal(got, want)
-        h = mref.cache_name(blend.desc)
-        assert (cache / f"{h}.dsc").read_text() == blend.desc
-        index = np.load(cache / f"{h}_index.npy", allow_pickle=True)
-        sample_index = np.load(cache / f"{h}_sample_index.npy", allow_pickle=True)
+        key = blend_key(blend.weights, blend.size, BLENDING_INDEX_VERSION)
+        paths = blend_cache_paths(str(cache), key)
+        assert open(paths["key"]).read() == key
+        index = np.load(paths["index"], allow_pickle=True)
+        sample_index = np.load(paths["sample_index"], allow_pickle=True)
         assert index.dtype == np.uint8 and sample_index.dtype == np.int64
         np.testing.assert_array_equal(index, blend.dataset_index)
         np.testing.assert_array_equal(sample_index, blend.dataset_sample_index)
-        expected |= {h + ".dsc", h + "_index.npy", h + "_sample_index.npy"}
+        expected |= {os.path.basename(p) for p in paths.values()}
     assert set(_cache_files(cache)) == expected
     assert not (tmp_path / "data" / "index-cache").exists()
 
@@ -280,18 +303,24 @@ def test_a_megatron_written_cache_is_used_as_it_is(tmp_path, monkeypatch):
             [want[i].tolist() for i in range(len(want))]
 
 
-def test_an_unwritable_cache_dir_for_the_blend_is_named(tmp_path):
+def test_an_unwritable_cache_dir_for_the_blend_is_warned_and_built_in_memory(tmp_path):
     """The members' indexes found in `index-cache/` beside the data, the blend's to be
-    written into a --data-cache-path that cannot be created: a ValueError naming the
-    directory and the fix (it was an OSError traceback, which the run did not report as a
-    data error)."""
+    written into a --data-cache-path that cannot be created: one warning naming the
+    directory and the fix (for the train and the validation blend), and the blends are
+    built in memory (the run stopped with a ValueError, though a blend needs no file)."""
     (tmp_path / "data").mkdir()
     a, _ = make_corpus(tmp_path / "data" / "a", [30] * 40, seed=1)
     b, _ = make_corpus(tmp_path / "data" / "b", [17] * 60, seed=2)
     path, split, counts = ["0.3", a, "0.7", b], "90,10,0", [200, 20, 0]
-    build_train_valid_test_datasets(path, split, counts, 16, 7)  # into data/index-cache
+    want = build_train_valid_test_datasets(path, split, counts, 16, 7)[0]  # data/index-cache
     (tmp_path / "file").write_text("")
     cache = str(tmp_path / "file" / "cache")  # under a regular file: never a directory
-    with pytest.raises(ValueError, match=rf"cannot write the blending index cache to {cache} "
-                                         r"\(.*\); pass a writable --data-cache-path"):
-        build_train_valid_test_datasets(path, split, counts, 16, 7, cache)
+    with pytest.warns(UserWarning) as got:
+        train = build_train_valid_test_datasets(path, split, counts, 16, 7, cache)[0]
+    assert [str(w.message) for w in got] == [
+        f"cannot write the blending index cache to {cache} ([Errno 20] Not a directory: "
+        f"'{cache}'): the blends are built again at every start, on every rank; pass a "
+        "writable --data-cache-path to keep them"]
+    assert train.cache_paths is None and train.build_s is not None
+    np.testing.assert_array_equal(train.dataset_index, want.dataset_index)
+    np.testing.assert_array_equal(train.dataset_sample_index, want.dataset_sample_index)

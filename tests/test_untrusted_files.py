@@ -170,16 +170,27 @@ def test_index_cache_files_are_never_unpickled(tmp_path, marker, kind, key):
         build_train_valid_test_datasets([prefix], "98,2,0", [10, 2, 0], 8, 1)
 
 
-def test_blend_cache_files_are_never_unpickled(tmp_path, marker):
+@pytest.mark.parametrize("form", ["pickle", "object_array"])
+def test_blend_cache_files_are_never_unpickled(tmp_path, marker, form):
+    """A blend's cache is a function of its key alone: a file under its name that is not
+    its integers (here a pickle, or an .npy of objects) is passed over with a warning, never
+    unpickled, and the blend written again in its place."""
     a, _ = make_corpus(tmp_path / "a", [30] * 40, seed=1)
     b, _ = make_corpus(tmp_path / "b", [17] * 60, seed=2)
     cache = tmp_path / "cache"
     args = (["0.3", a, "0.7", b], "90,10,0", [200, 20, 0], 16, 7, str(cache))
-    build_train_valid_test_datasets(*args)
-    name = next(n for n in os.listdir(cache) if n.endswith("_index.npy"))
-    _replace_with_pickle(str(cache / name), RunsCommand(marker))
-    with pytest.raises(ValueError, match=rf"{cache / name} is not an array of integers"):
-        build_train_valid_test_datasets(*args)
+    train = build_train_valid_test_datasets(*args)[0]
+    want = np.array(train.dataset_index)
+    path = train.cache_paths["index"]
+    if form == "pickle":
+        _replace_with_pickle(path, RunsCommand(marker))
+    else:
+        np.save(path, np.array([RunsCommand(marker), 1], dtype=object), allow_pickle=True)
+    why = "not a .npy array file" if form == "pickle" else "holds Python objects"
+    with pytest.warns(UserWarning, match=rf"ignoring the blending index cache .*{path}: {why}"):
+        again = build_train_valid_test_datasets(*args)[0]
+    np.testing.assert_array_equal(again.dataset_index, want)
+    np.testing.assert_array_equal(np.load(path, allow_pickle=False), want)
 
 
 def test_an_object_array_in_the_cache_is_refused(tmp_path, marker):

@@ -5,30 +5,32 @@ Sample s of the blend comes from the dataset d that maximises
 does; `count_d` (before the increment) is the sample taken from dataset d. This module
 computes the same two arrays without a compiled helper: two datasets use a vectorised
 predict-and-verify scheme (exact, verified step by step in numpy), a few a plain loop over
-the datasets per sample, and from `NUMPY_STEP_MIN` datasets one numpy argmax per sample
-(about a microsecond whatever their number: 50 datasets over 100 million samples take a
-few minutes, hundreds no longer). The build is sequential by nature (each pick depends on
-all earlier ones), which is why a blend's indices are worth caching (`--data-cache-path`).
-With a cache dir the two arrays are cached (written under temporary names, renamed into
-place); they depend only on the weights and the size, both named in the description.
+the datasets per sample, and from `NUMPY_STEP_MIN` datasets one numpy subtract and argmax
+per sample (0.6-1 microsecond whatever their number: 50 datasets over 100 million samples
+take one to two minutes, hundreds no longer). The build is sequential by nature (each pick
+depends on all earlier ones), which is why a blend's indices are cached where the members'
+GPT indexes are (blend_cache.py), and why a long build reports its progress.
 """
 from __future__ import annotations
 
-import hashlib
 import math
-import os
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+import warnings
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron.core.datasets.index_cache import (
-    MissingIndexCacheError,
-    load_npy,
-    missing_on_this_rank,
-    save_npy,
-    save_text,
-)
+from megatron.core.datasets.blend_cache import BlendIndexCache
+from megatron.core.datasets.index_cache import cache_directories, load_npy
+
+# Bump when build_blending_indices' output changes: it is part of the cache key, so caches
+# written by an earlier builder are not read.
+BLENDING_INDEX_VERSION = 1
+# Blends from this size on are cached beside the data without --data-cache-path (with it,
+# all are): a smaller one builds in about a second, not worth files in the data directory.
+BLEND_CACHE_MIN_SAMPLES = 1_000_000
+PROGRESS_INTERVAL_S = 10.0  # at most one progress line this often while a blend is built
+Progress = Optional[Callable[[int], None]]  # called with the samples built so far
 
 
 def parse_weighted_prefixes(data_prefix: Sequence[str]) -> Tuple[List[str], List[float]]:
@@ -58,48 +60,74 @@ def per_dataset_num_samples(num_samples: int, weights: Sequence[float]) -> List[
     return [int(math.ceil(num_samples * w * 1.005)) for w in weights]
 
 
+_LOOP_CHUNK = 1 << 16  # samples of the per-sample loop between progress calls
+
+
 def _blending_loop(weights: np.ndarray, size: int, counts: np.ndarray, start: int,
-                   dataset_index: np.ndarray, sample_index: np.ndarray) -> None:
+                   dataset_index: np.ndarray, sample_index: np.ndarray,
+                   progress: Progress = None) -> None:
     w = [float(x) for x in weights]
     c = [int(x) for x in counts]
     num = len(w)
-    for s in range(start, size):
-        sd = float(s) if s > 1 else 1.0
-        best, best_err = 0, w[0] * sd - c[0]
-        for d in range(1, num):
-            err = w[d] * sd - c[d]
-            if err > best_err:
-                best, best_err = d, err
-        dataset_index[s] = best
-        sample_index[s] = c[best]
-        c[best] += 1
+    for begin in range(start, size, _LOOP_CHUNK):
+        for s in range(begin, min(size, begin + _LOOP_CHUNK)):
+            sd = float(s) if s > 1 else 1.0
+            best, best_err = 0, w[0] * sd - c[0]
+            for d in range(1, num):
+                err = w[d] * sd - c[d]
+                if err > best_err:
+                    best, best_err = d, err
+            dataset_index[s] = best
+            sample_index[s] = c[best]
+            c[best] += 1
+        if progress is not None:
+            progress(min(size, begin + _LOOP_CHUNK))
 
 
-NUMPY_STEP_MIN = 40  # datasets from which one numpy argmax per sample beats a Python loop
+NUMPY_STEP_MIN = 24  # datasets from which one numpy argmax per sample beats a Python loop
 _FLUSH = 1 << 20  # samples picked between writes into the output arrays
+_STEP_BLOCK = 4096  # samples whose products are computed at once by `_blending_numpy_steps`
+
+
+def _occurrence_numbers(picks: np.ndarray, before: np.ndarray) -> np.ndarray:
+    """int64 [len(picks)]: for each pick of dataset d, how many picks of d came before
+    it (`before[d]` of them before this block)."""
+    order = np.argsort(picks, kind="stable")  # radix sort of uint8: each dataset's in order
+    ranked = picks[order]
+    first = np.searchsorted(ranked, ranked, side="left")  # where each dataset's run starts
+    numbers = np.empty(len(picks), dtype=np.int64)
+    numbers[order] = np.arange(len(picks)) - first + before[ranked]
+    return numbers
 
 
 def _blending_numpy_steps(weights: np.ndarray, size: int, dataset_index: np.ndarray,
-                          sample_index: np.ndarray) -> None:
-    """The greedy with one numpy argmax per sample: the same float64 products and
-    differences as `_blending_loop` (counts are exact integers in float64), and argmax
-    returns the first maximum, so ties go to the lowest dataset as there."""
+                          sample_index: np.ndarray, progress: Progress = None) -> None:
+    """The greedy with one numpy subtract and argmax per sample: the float64 products
+    w_d * max(s, 1) come from one outer product per block of samples, the differences with
+    the counts (exact integers in float64) are the same as `_blending_loop`'s, and argmax
+    returns the first maximum, so ties go to the lowest dataset as there. Each pick's
+    sample index (the count before it) is numbered afterwards, per block."""
     w = np.asarray(weights, dtype=np.float64)
     counts = np.zeros(len(w), dtype=np.float64)
+    add_one = memoryview(counts)  # item access without making numpy scalars (faster)
     err = np.empty(len(w), dtype=np.float64)
-    multiply, subtract, argmax = np.multiply, np.subtract, np.ndarray.argmax
+    subtract = np.subtract
     for start in range(0, size, _FLUSH):
         stop = min(size, start + _FLUSH)
-        picks, taken = [], []
-        for s in range(start, stop):
-            multiply(w, s if s > 1 else 1.0, out=err)
-            subtract(err, counts, out=err)
-            d = int(argmax(err))
-            picks.append(d)
-            taken.append(counts[d])
-            counts[d] += 1.0
-        dataset_index[start:stop] = picks
-        sample_index[start:stop] = taken
+        before = counts.astype(np.int64)
+        picks: List[int] = []
+        append = picks.append
+        for block in range(start, stop, _STEP_BLOCK):
+            steps = np.arange(block, min(stop, block + _STEP_BLOCK), dtype=np.float64)
+            for row in np.multiply.outer(np.maximum(steps, 1.0), w):  # [block, datasets]
+                d = subtract(row, counts, out=err).argmax()
+                append(d)
+                add_one[d] += 1.0
+        chunk = np.array(picks, dtype=np.uint8)
+        dataset_index[start:stop] = chunk
+        sample_index[start:stop] = _occurrence_numbers(chunk, before)
+        if progress is not None:
+            progress(stop)
 
 
 def _predict(weights: np.ndarray, counts: np.ndarray, length: int) -> np.ndarray:
@@ -116,7 +144,7 @@ def _predict(weights: np.ndarray, counts: np.ndarray, length: int) -> np.ndarray
 
 
 def _blending_vectorised(weights: np.ndarray, size: int, dataset_index: np.ndarray,
-                         sample_index: np.ndarray) -> None:
+                         sample_index: np.ndarray, progress: Progress = None) -> None:
     num = len(weights)
     counts = np.zeros(num, dtype=np.int64)
     s, block = 0, 1024
@@ -136,10 +164,15 @@ def _blending_vectorised(weights: np.ndarray, size: int, dataset_index: np.ndarr
         counts += np.bincount(picks, minlength=num)
         s += good
         block = min(block * 2, 1 << 20) if len(wrong) == 0 else max(1024, block // 2)
+        if progress is not None:
+            progress(s)
 
 
-def build_blending_indices(weights: Sequence[float], size: int) -> Tuple[np.ndarray, np.ndarray]:
-    """(dataset_index uint8 [size], dataset_sample_index int64 [size]) of Megatron's greedy."""
+def build_blending_indices(weights: Sequence[float], size: int,
+                           progress: Progress = None) -> Tuple[np.ndarray, np.ndarray]:
+    """(dataset_index uint8 [size], dataset_sample_index int64 [size]) of Megatron's greedy.
+    `progress(done)` is called every block of samples built (at most about a second
+    apart at a microsecond per sample)."""
     weights = np.asarray(weights, dtype=np.float64)
     if len(weights) >= 255:
         raise ValueError(f"at most 254 blended datasets are supported, got {len(weights)}")
@@ -148,13 +181,59 @@ def build_blending_indices(weights: Sequence[float], size: int) -> Tuple[np.ndar
     if len(weights) == 1:
         sample_index[:] = np.arange(size)
     elif len(weights) == 2:
-        _blending_vectorised(weights, size, dataset_index, sample_index)
+        _blending_vectorised(weights, size, dataset_index, sample_index, progress)
     elif len(weights) >= NUMPY_STEP_MIN:
-        _blending_numpy_steps(weights, size, dataset_index, sample_index)
+        _blending_numpy_steps(weights, size, dataset_index, sample_index, progress)
     else:
         _blending_loop(weights, size, np.zeros(len(weights), dtype=np.int64), 0,
-                       dataset_index, sample_index)
+                       dataset_index, sample_index, progress)
     return dataset_index, sample_index
+
+
+class ProgressLine:
+    """A `progress` for `build_blending_indices` that gives `log` one line at most every
+    `interval_s` seconds: samples built of all, the rate and the time left."""
+
+    def __init__(self, log: Callable[[str], None], size: int,
+                 interval_s: Optional[float] = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.log, self.size, self.clock = log, size, clock
+        self.interval_s = PROGRESS_INTERVAL_S if interval_s is None else interval_s
+        self.start = self.last = clock()
+
+    def __call__(self, done: int) -> None:
+        now = self.clock()
+        if now - self.last < self.interval_s or done >= self.size:
+            return
+        self.last = now
+        rate = done / max(now - self.start, 1e-9)
+        left = (self.size - done) / max(rate, 1e-9)
+        self.log(f"    blending indices: {done} of {self.size} samples "
+                 f"({100.0 * done / self.size:.0f}%), {rate / 1e6:.2f} M samples/s, about "
+                 f"{left:.0f} s left")
+
+
+def estimated_build_s(num_datasets: int, size: int) -> float:
+    """A generous estimate of the seconds `build_blending_indices` takes (a busy CPU)."""
+    if num_datasets <= 1:
+        return 0.0
+    return size * (0.3e-6 if num_datasets == 2 else 2e-6)
+
+
+def normalised_weights(weights: Sequence[float]) -> np.ndarray:
+    """float64 weights divided by their sum, as the blend uses them."""
+    weights = np.array(weights, dtype=np.float64)
+    if weights.sum() <= 0:
+        raise ValueError(f"blending weights {weights} must have a positive sum")
+    return weights / weights.sum()
+
+
+def blend_index_cache(directories: Sequence[str], weights: Sequence[float],
+                      size: int) -> BlendIndexCache:
+    """The cache of the blend of `size` samples over `weights` (normalised here) in
+    `directories` (read in order, written to the last)."""
+    return BlendIndexCache(directories, normalised_weights(weights), size,
+                           BLENDING_INDEX_VERSION)
 
 
 def samples_needed(dataset_index: np.ndarray, sample_index: np.ndarray,
@@ -176,23 +255,81 @@ def samples_needed(dataset_index: np.ndarray, sample_index: np.ndarray,
     return need
 
 
+class BlendPlan:
+    """Which blends of a run are cached where (`cache`), and which of them the builder
+    rank builds before the barrier while the others wait (`before_barrier`)."""
+
+    def __init__(self, cache_dir: Optional[str], may_build: bool,
+                 log: Optional[Callable[[str], None]] = None,
+                 budget_s: Optional[float] = None):
+        """`budget_s`: seconds of building the other ranks may wait for in all (None: any)."""
+        self.cache_dir, self.may_build, self.log = cache_dir, may_build, log
+        self.budget_s = budget_s
+        self._unwritable: set = set()  # cache directories found unwritable
+
+    def cache(self, first_prefix: str, weights: Sequence[float],
+              size: int) -> Optional[BlendIndexCache]:
+        """The blend's index cache (None: kept in memory), in the directories of its first
+        member's GPT index (`cache_directories`). Without a cache dir a blend under
+        BLEND_CACHE_MIN_SAMPLES is not cached (it builds in about a second). The builder
+        rank tries a write first: where none can be written it warns once, and every rank
+        builds the blends in memory."""
+        if size == 0 or (size < BLEND_CACHE_MIN_SAMPLES and not self.cache_dir):
+            return None
+        cache = blend_index_cache(cache_directories(first_prefix, self.cache_dir), weights, size)
+        if not self.may_build:  # reads the builder's set, or builds in memory as it did
+            return cache
+        if cache.directory in self._unwritable:
+            return None
+        why = None if cache.present() else cache.unwritable()
+        if why is None:
+            return cache
+        warnings.warn(f"cannot write the blending index cache to {cache.directory} ({why}): "
+                      "the blends are built again at every start, on every rank; pass a "
+                      "writable --data-cache-path to keep them", stacklevel=2)
+        self._unwritable.add(cache.directory)
+        return None
+
+    def before_barrier(self, cache: Optional[BlendIndexCache], num_datasets: int,
+                       what: str) -> bool:
+        """Whether the builder rank builds this blend before the barrier, the others
+        waiting to read it: a cached one whose (estimated) build fits what is left of
+        `budget_s`. A longer one is built by every rank after the barrier (the others
+        would time out waiting), the builder writing it for later runs."""
+        if cache is None:
+            return False
+        if self.budget_s is None or cache.present():
+            return True
+        cost = estimated_build_s(num_datasets, cache.size)
+        if cost <= self.budget_s:
+            self.budget_s -= cost
+            return True
+        if self.log is not None:
+            self.log(f" > {what}: about {cost:.0f} s to blend {cache.size} samples, longer than "
+                     "the other ranks may wait (half of --distributed-timeout-minutes): every "
+                     "rank builds them after the barrier; global rank 0 writes them to "
+                     f"{cache.directory} for later runs")
+        return False
+
+
 class BlendedDataset:
     """Samples of several datasets interleaved by weight; items carry `dataset_idx`."""
 
     def __init__(self, datasets: List, weights: Sequence[float], size: int,
-                 cache_dir: Optional[str] = None, may_build: bool = True,
-                 on_build: Optional[Callable[[], None]] = None):
-        """`on_build` is called before the indices are built (not when a cache is used);
-        `build_s` is then the seconds the build took, else None."""
+                 cache: Optional[BlendIndexCache] = None, may_build: bool = True,
+                 on_build: Optional[Callable[[], None]] = None,
+                 log: Optional[Callable[[str], None]] = None):
+        """With `cache` (`blend_index_cache` of these weights and size) the indices are
+        read from it, or built and (when `may_build`) written to it; a cache that cannot
+        be written is warned about and the indices kept in memory. Without, they are
+        built and kept in memory. `on_build` is called before the indices are built (not
+        when a cache is read); `build_s` is then the seconds the build took, else None.
+        `log` receives a progress line at most every PROGRESS_INTERVAL_S of a build."""
         if len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         self.datasets = datasets
         self.size = int(size)
-        weights = np.array(weights, dtype=np.float64)
-        if weights.sum() <= 0:
-            raise ValueError(f"blending weights {weights} must have a positive sum")
-        weights /= weights.sum()
-        self.weights = weights
+        self.weights = weights = normalised_weights(weights)
         desc = "Blendable dataset\n\nDatasets:\n"
         for dataset in datasets:
             desc += dataset.desc + "\n\n"
@@ -200,9 +337,10 @@ class BlendedDataset:
         desc += f"Size: {size}\n"
         self.desc = desc
         self.build_s: Optional[float] = None
-        self._on_build = on_build
-        if cache_dir:
-            self.dataset_index, self.dataset_sample_index = self._cached(cache_dir, may_build)
+        self.cache_paths: Optional[Dict[str, str]] = None  # the cache set read or written
+        self._on_build, self._log = on_build, log
+        if cache is not None:
+            self.dataset_index, self.dataset_sample_index = self._cached(cache, may_build)
         else:
             self.dataset_index, self.dataset_sample_index = self._build()
         self._check_members()
@@ -211,29 +349,44 @@ class BlendedDataset:
         if self._on_build is not None:
             self._on_build()
         start = time.time()
-        arrays = build_blending_indices(self.weights, self.size)
+        progress = ProgressLine(self._log, self.size) if self._log is not None else None
+        arrays = build_blending_indices(self.weights, self.size, progress)
         self.build_s = time.time() - start
         return arrays
 
-    def _cached(self, cache_dir: str, may_build: bool) -> Tuple[np.ndarray, np.ndarray]:
-        h = hashlib.md5(self.desc.encode("utf-8")).hexdigest()
-        paths = [os.path.join(cache_dir, h + suffix)
-                 for suffix in (".dsc", "_index.npy", "_sample_index.npy")]
-        if not (os.path.isfile(paths[1]) and os.path.isfile(paths[2])):
-            if not may_build:
-                raise MissingIndexCacheError(missing_on_this_rank(f"blending index {paths[1]}",
-                                                                  cache_dir))
-            index, sample_index = self._build()
+    def _cached(self, cache: BlendIndexCache, may_build: bool) -> Tuple[np.ndarray, np.ndarray]:
+        assert cache.size == self.size and np.array_equal(cache.weights, self.weights)
+        found = cache.find()
+        if found is None:
+            arrays = self._build()
+            if not may_build:  # the builder rank could not write it: built like it
+                return arrays
             try:
-                os.makedirs(cache_dir, exist_ok=True)
-                save_npy(paths[1], index)
-                save_npy(paths[2], sample_index)
-                save_text(paths[0], self.desc)
-            except OSError as e:  # the GPT indexes may all have been found elsewhere
-                raise ValueError(f"cannot write the blending index cache to {cache_dir} ({e}); "
-                                 "pass a writable --data-cache-path") from e
-        siblings = ", ".join(paths)
-        return load_npy(paths[1], siblings), load_npy(paths[2], siblings)
+                paths = cache.save(arrays)
+            except OSError as e:
+                warnings.warn(f"cannot write the blending index cache to {cache.directory} "
+                              f"({e}): its {self.size} samples are built again at every start; "
+                              "pass a writable --data-cache-path to keep them", stacklevel=3)
+                return arrays
+            loaded = cache.load(paths)  # memory-mapped: the built copy is freed
+            if loaded is None:
+                return arrays
+            found = paths, loaded
+        self.cache_paths, arrays = found
+        return arrays
+
+    def __getstate__(self) -> dict:  # pickled for spawned loader workers: map the files again
+        state = dict(self.__dict__, _on_build=None, _log=None)
+        if self.cache_paths is not None:
+            del state["dataset_index"], state["dataset_sample_index"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if "dataset_index" not in state:
+            listing = ", ".join(self.cache_paths.values())
+            self.dataset_index = load_npy(self.cache_paths["index"], listing)
+            self.dataset_sample_index = load_npy(self.cache_paths["sample_index"], listing)
 
     def _check_members(self) -> None:
         """Every member has the samples the blend takes from it (a cached blend may come

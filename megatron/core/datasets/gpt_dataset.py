@@ -29,6 +29,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megatron.core.datasets.blended import BlendPlan
 from megatron.core.datasets.index_cache import (
     MissingIndexCacheError,
     StaleIndexCacheError,
@@ -39,7 +40,6 @@ from megatron.core.datasets.index_cache import (
 from megatron.core.datasets.indexed_dataset import MMapIndexedDataset, check_token_ids
 
 LAST_EPOCH_FRACTION = 0.80
-LONG_BLEND_S = 10.0  # a blend build this long without a cache dir is pointed at one
 
 
 def get_train_valid_test_split(split_string: str, size: int) -> List[int]:
@@ -358,11 +358,11 @@ class GPTDataset:
 
 
 class _Builder:
-    """Opens each prefix once and builds single or blended datasets (each GPT dataset once:
-    a second pass reuses them). With `defer_blends`, blends without a cache dir are left
-    out (None): they live in memory only, so every rank builds its own, and the builder
-    rank builds them in a second pass after the barrier, beside the others rather than
-    before them."""
+    """Opens each prefix once and builds single or blended datasets (each dataset once: a
+    second pass reuses them). With `defer_blends`, blends that `blend_plan` keeps from
+    before the barrier (in memory, or too long to wait for) are left out (None): every rank
+    builds its own, and the builder rank builds them in a second pass after the barrier,
+    beside the others rather than before them."""
 
     def __init__(self, split: str, seq_length: int, seed: int, cache_dir: Optional[str],
                  may_build: bool, vocab_size: Optional[int] = None,
@@ -373,7 +373,9 @@ class _Builder:
         self.vocab_size, self.log = vocab_size, log
         self.others_wait, self._announced = others_wait, False
         self.defer_blends = False
+        self.blend_plan = BlendPlan(cache_dir, may_build, log)
         self._datasets: Dict[tuple, GPTDataset] = {}
+        self._blends: Dict[tuple, object] = {}
         self._split_logged: set = set()
         self.tokenizer_vocab_size = tokenizer_vocab_size
         self._opened: Dict[str, MMapIndexedDataset] = {}
@@ -456,7 +458,11 @@ class _Builder:
             return None  # a member's cache is stale: `_build_all` raises that
         if any(d is None for d in datasets):  # (check_splits found it first)
             raise ValueError(f"{what}: a blended dataset has no document in this split")
-        if self.defer_blends and not self.cache_dir:
+        if (what, size) in self._blends:
+            return self._blends[(what, size)]
+        cache = self.blend_plan.cache(datasets[0].data_prefix, weights, size)
+        if self.defer_blends and not self.blend_plan.before_barrier(cache, len(datasets),
+                                                                    what):
             return None
 
         def announce():
@@ -464,8 +470,8 @@ class _Builder:
                 self.log(f"> building indices for blendable datasets ... ({what}: "
                          f"{len(datasets)} datasets, {size} samples)")
 
-        blend = BlendedDataset(datasets, weights, size, self.cache_dir, self.may_build,
-                               on_build=announce)
+        blend = BlendedDataset(datasets, weights, size, cache, self.may_build,
+                               on_build=announce, log=self.log)
         if self.log is not None:
             self.log(f" > blended dataset for {what}: {size} samples; sample ratios:")
             for d, (w, achieved) in enumerate(zip(blend.weights, blend.achieved_weights())):
@@ -473,9 +479,12 @@ class _Builder:
             if blend.build_s is not None:
                 self.log(f"> elapsed time for building blendable dataset indices: "
                          f"{blend.build_s:.2f} (sec)")
-            if (blend.build_s or 0.0) >= LONG_BLEND_S and not self.cache_dir:
-                self.log(" > (every rank builds these again at each start: pass "
-                         "--data-cache-path to keep them, so that later runs read them)")
+            if blend.cache_paths is not None:
+                done = "written to" if blend.build_s is not None else "read from"
+                files = blend.cache_paths["key"][:-len(".dsc")]
+                self.log(f" > blendable dataset indices {done} "
+                         f"{files}{{.dsc,_index.npy,_sample_index.npy}}")
+        self._blends[(what, size)] = blend
         return blend
 
     def whole(self, name: str, data_path: Sequence[str], num_samples: int):
@@ -602,7 +611,8 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
                                     barrier: Optional[Callable[[], None]] = None,
                                     vocab_size: Optional[int] = None,
                                     log: Optional[Callable[[str], None]] = None,
-                                    tokenizer_vocab_size: Optional[int] = None) -> tuple:
+                                    tokenizer_vocab_size: Optional[int] = None,
+                                    barrier_timeout_s: Optional[float] = None) -> tuple:
     """(train, valid, test) datasets, each GPTDataset, BlendedDataset or None.
 
     `data_prefix` is `--data-path`: one prefix (split by `split`) or `w1 p1 w2 p2 ...`
@@ -612,8 +622,11 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
     Multi-process use: every rank calls this with the same arguments; the builder rank
     (global rank 0) builds missing cache files first, then all ranks meet in `barrier()`
     (e.g. `torch.distributed.barrier`; one call per rank), then the others load the files.
-    A non-builder rank that finds a file missing raises ValueError. Blends without a cache
-    dir are kept in memory: every rank builds its own after the barrier.
+    A non-builder rank that finds a GPT index file missing raises ValueError. A blend's
+    indices are cached beside the first member's GPT index (`blended.BlendPlan`); one
+    kept in memory (small, or its cache unwritable) is built by every rank after the barrier,
+    and so is one whose build would take more than half of `barrier_timeout_s` (how long
+    `barrier()` waits; those blends together), the builder rank writing it for later runs.
 
     `vocab_size` (the model's padded vocabulary) has every opened `.bin` checked for ids
     outside it (`check_token_ids`: a bounded sample), and every sample read (a ValueError
@@ -633,6 +646,8 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
         builder = _Builder(split, seq_length, seed, cache_dir, True, vocab_size, log,
                            tokenizer_vocab_size, others_wait=barrier is not None)
         builder.defer_blends = barrier is not None  # in-memory blends: built by all at once
+        if barrier_timeout_s is not None:
+            builder.blend_plan.budget_s = barrier_timeout_s / 2
         try:
             result = _build_all(builder, data_prefix, num_samples, paths)
         except Exception as e:  # reach the barrier anyway so the other ranks do not hang

@@ -182,6 +182,56 @@ def stale_caches_error(errors: List[StaleIndexCacheError]) -> ValueError:
                       f"\nFix: {_STALE_FIX.replace('them', 'all these files', 1)}")
 
 
+def cache_directories(data_prefix: str, cache_dir: Optional[str]) -> List[str]:
+    """Where the caches of the data at `data_prefix` are looked for, in order:
+    `<dirname(prefix)>/index-cache/`, then `cache_dir` when given (and another directory).
+    A missing cache is built into the last of them."""
+    directories = [os.path.join(os.path.dirname(data_prefix), "index-cache")]
+    if cache_dir is not None and os.path.abspath(cache_dir) != os.path.abspath(directories[0]):
+        directories.append(cache_dir)
+    return directories
+
+
+def unwritable(directory: str) -> Optional[str]:
+    """Why no cache file can be written into `directory` (created if missing), or None:
+    a file is created there (exclusively, under a fresh name) and removed again."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = _create_new(os.path.join(directory, "write-test"))
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        return str(e)
+    return None
+
+
+def npy_problem(path: str, dtype: np.dtype, length: int) -> Optional[str]:
+    """Why `path` is not a complete `.npy` file of `length` values of `dtype` (missing,
+    not the .npy format, pickled objects, another dtype or shape, shorter or longer than
+    its header says), or None. Reads the header only; never unpickles."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, got = np.lib.format.read_array_header_1_0(f)
+            else:
+                shape, fortran, got = np.lib.format.read_array_header_2_0(f)
+            header = f.tell()
+            actual = os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, ValueError, EOFError) as e:
+        return f"not a .npy array file ({e})"
+    if got.hasobject:
+        return "holds Python objects (numpy would unpickle them), not integers"
+    if got != np.dtype(dtype) or tuple(shape) != (length,) or fortran:
+        return f"holds {got} {tuple(shape)}, not {np.dtype(dtype)} ({length},)"
+    expected = header + length * got.itemsize
+    if actual != expected:
+        return f"{actual} bytes where its header needs {expected}: truncated or corrupt"
+    return None
+
+
 def find_or_build_cache(desc: str, data_prefix: str, cache_dir: Optional[str],
                         build: Callable[[], Arrays], may_build: bool,
                         check: Callable[[Arrays], Optional[str]], what: str
@@ -191,9 +241,7 @@ def find_or_build_cache(desc: str, data_prefix: str, cache_dir: Optional[str],
     looked at. `may_build` False (a non-builder rank) raises instead of building. See the
     module docstring for what happens to sets that `check` rejects."""
     desc_hash = hashlib.md5(desc.encode("utf-8")).hexdigest()
-    directories = [os.path.join(os.path.dirname(data_prefix), "index-cache")]
-    if cache_dir is not None and os.path.abspath(cache_dir) != os.path.abspath(directories[0]):
-        directories.append(cache_dir)
+    directories = cache_directories(data_prefix, cache_dir)
     stale: List[Tuple[Dict[str, str], str]] = []
     for directory in directories:
         paths = cache_paths(directory, desc_hash)
