@@ -244,15 +244,21 @@ class CollectiveWatchdog:
         return [r for r in ranks if self._reached(name, r, ranks, read) < count]
 
     def close(self) -> None:
-        """Stop the monitor thread (the watchdog does nothing afterwards); `watching` no
-        longer uses it."""
+        """Stop the monitor thread (the watchdog does nothing afterwards) and publish the
+        check-ins it had not published yet; `watching` no longer uses it. Without that
+        last publication a peer still inside a block this rank went through (a
+        broadcast's receiver after its source finished, a collective that is itself
+        stuck) would read this rank's count from before it and name it as not arrived."""
         global _current
         if _current is self:
             _current = None
         with self._cond:
+            if self._closed:
+                return
             self._closed = True
             self._cond.notify()
         self._thread.join()
+        self.publish()  # nothing when no check-in is new or the store failed
 
     def __enter__(self) -> "CollectiveWatchdog":
         return self

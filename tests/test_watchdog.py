@@ -437,10 +437,10 @@ def test_store_writes_follow_the_publications_not_the_blocks():
         blocks += _watched_step(wd, hook, plan, ps)
         time.sleep(0.03)
     intervals = (time.monotonic() - started) / wd.publish_s
-    wd.close()
+    writes = store.writes
+    wd.close()  # publishes the check-ins of the last interval
     assert wd.publish_s == 0.1 and blocks == 20 * 99
-    assert 1 <= store.writes <= intervals + 2, (store.writes, intervals, blocks)
-    wd.publish()  # the check-ins of the last interval
+    assert 1 <= writes <= intervals + 2, (writes, intervals, blocks)
     send = next(op for a in plan for op in a.ops if op.microbatch == 31)
     assert published_checkins(store, 0, ps.ranks("pp"))[transfer_name(send, 0, 2)] == 20
     assert published_checkins(store, 0, ps.ranks("tp"))[
@@ -490,3 +490,32 @@ def test_a_check_in_just_before_the_deadline_counts_as_arrived():
     assert wd0.publish_s == 0.5 and len(fired) == 1, fired
     assert fired[0].startswith("[watchdog rank 0] collective grads did not complete within "
                                "2 s; ranks that did not arrive: []\n  every rank arrived"), fired[0]
+
+
+def test_a_rank_that_closes_its_watchdog_has_published_its_last_check_ins():
+    """Rank 1 goes through its last block (the source of a broadcast leaves it before the
+    receivers have the data) and its run ends: it closes its watchdog within its publish
+    interval. Rank 0 stays inside that block past its deadline (its receive is stuck).
+    Rank 1 arrived: no rank is named. Before, close() published nothing: rank 0 read
+    rank 1's count from its monitor's last publication and named it as not arrived."""
+    store = dist.HashStore()
+    fired = []
+    wd1 = CollectiveWatchdog(store, 1, 2, 30.0, poll_s=0.2, on_timeout=fired.append)
+    wd0 = CollectiveWatchdog(store, 0, 2, 0.5, poll_s=10.0, on_timeout=fired.append)
+    for wd in (wd0, wd1):  # earlier steps
+        for _ in range(3):
+            with wd.watch("loss broadcast", ranks=[0, 1]):
+                pass
+    time.sleep(0.5)  # rank 1's monitor published them
+    assert published_checkins(store, 1, [0, 1]) == {"loss broadcast": 3}
+    with wd1.watch("loss broadcast", ranks=[0, 1]):
+        pass
+    wd1.close()  # the run ended on rank 1, within its publish interval
+    with wd0.watch("loss broadcast", ranks=[0, 1]):
+        time.sleep(1.5)
+    wd0.close()
+    assert len(fired) == 1, fired
+    assert fired[0].startswith("[watchdog rank 0] collective loss broadcast did not complete "
+                               "within 0.5 s; ranks that did not arrive: []\n  every rank "
+                               "arrived"), fired[0]
+    assert published_checkins(store, 1, [0, 1]) == {"loss broadcast": 4}
