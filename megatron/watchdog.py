@@ -60,7 +60,8 @@ STORE_GRACE_S later, unless it closed its watchdog meanwhile (its run ended norm
 `watching(name, group)` watches a block with the watchdog `build_watchdog` started in this
 process (a hung collective ends the whole process, so there is one per process, like a
 signal handler), and does nothing when there is none: the ranks' agreements
-(megatron/agreed_exit.py), the checkpoint barriers and the evaluation's reduction use it.
+(megatron/agreed_exit.py), the checkpoint barriers and a save's gathers, the timers'
+barriers and the gather of their readings, and the evaluation's reduction use it.
 
 Works with gloo and NCCL: the check-ins go through the store, not the backend. With NCCL
 the collectives are asynchronous, so watch a point that waits for them (e.g. the gradient
@@ -580,7 +581,8 @@ def watching(name: str, group=None):
     """`watch(name, ranks of group)` on the watchdog `build_watchdog` started in this
     process (`group`: a torch.distributed group, None for the world), else a block that
     does nothing. Every member of `group` must pass through the same names in the same
-    order (as through its collectives)."""
+    order (as through its collectives). Nothing either when `group` is this rank alone
+    (its collectives wait for no one)."""
     wd = _current
     if wd is None:
         return contextlib.nullcontext()
@@ -589,6 +591,8 @@ def watching(name: str, group=None):
         import torch.distributed as dist
 
         ranks = dist.get_process_group_ranks(group)
+        if len(ranks) == 1:
+            return contextlib.nullcontext()
     return wd.watch(name, ranks=ranks)
 
 
