@@ -519,3 +519,29 @@ def test_a_rank_that_closes_its_watchdog_has_published_its_last_check_ins():
                                "within 0.5 s; ranks that did not arrive: []\n  every rank "
                                "arrived"), fired[0]
     assert published_checkins(store, 1, [0, 1]) == {"loss broadcast": 4}
+
+
+def _late_timer_gather(rank, world_size):
+    from megatron.logging_utils import Timers
+
+    wd = build_watchdog(1.0)
+    fired = []
+    wd._on_timeout = fired.append  # report, do not end the process
+    timers = Timers(1)
+    timers("forward-backward", 1).start()
+    if rank == 1:
+        time.sleep(3.0)  # stuck before the log line
+    timers("forward-backward", 1).stop()
+    timers.max_times(["forward-backward"])
+    wd.close()
+    return fired
+
+
+def test_the_gather_of_the_timers_readings_is_watched():
+    """At a log interval the ranks all-gather their timer readings (and a save's timer,
+    at every save). Rank 1 comes late: rank 0's watchdog names it and the phase (before,
+    the gather was not watched: rank 0 waited for the process group's own timeout)."""
+    fired = run_distributed(_late_timer_gather, 2)[0]
+    assert fired and fired[0].startswith(
+        "[watchdog rank 0] collective all-gather of the timers' readings (all ranks) did not "
+        "complete within 1 s; ranks that did not arrive: [1]"), fired
