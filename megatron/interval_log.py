@@ -26,7 +26,7 @@ from megatron.logging_utils import (
     print_line,
     print_rank_last,
 )
-from megatron.train_step import interval_extras, log_timers
+from megatron.train_step import interval_extras, log_timers, watch_optimizer
 
 PEAK_FLOPS = 989e12  # H100/H200 dense bf16, the MFU denominator
 
@@ -131,8 +131,10 @@ class IntervalStats:
             lr = (lr, tr.scheduler.get_lr(tr.scheduler.num_steps
                                           - tr.config.data.global_batch_size))
         st = tr.state
-        norm = (tr.optimizer.get_params_norm()
-                if params_norm_due(tr.config.logging, st.iteration) else None)
+        norm = None
+        if params_norm_due(tr.config.logging, st.iteration):
+            with watch_optimizer(tr, "parameter norm all-reduce (--log-params-norm)"):
+                norm = tr.optimizer.get_params_norm()
         self.records.append(StepRecord(st.iteration, st.consumed_train_samples, lr, loss,
                                        scale, grad_norm, ok, counted, tr.last_local_loss,
                                        norm, memory_stats_due(tr, st.iteration),

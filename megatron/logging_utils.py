@@ -170,11 +170,14 @@ class Timers:
                  for n in names]
         if not _dist_ready():
             return torch.tensor([local], dtype=torch.float64)
+        from megatron.watchdog import watching
+
         device = _collective_device(group)
         mine = torch.tensor(local, dtype=torch.float64, device=device)
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, mine, group=group)
-        return torch.stack(parts).cpu()
+        with watching("all-gather of the timers' readings (all ranks)", group):
+            dist.all_gather(parts, mine, group=group)
+            return torch.stack(parts).cpu()  # NCCL: the wait for the gather is here
 
     def max_times(self, names: Sequence[str], normalizer: float = 1.0, reset: bool = False,
                   group=None) -> Dict[str, float]:

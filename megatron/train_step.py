@@ -5,6 +5,13 @@ grad all-reduces -> optimizer step (may skip) -> lr step.
 `tr` is the `Trainer` of `megatron.training` (config, runtime, model, optimizer, scheduler).
 What the step leaves for the log line -- Megatron's timers (`--timing-log-level`) and the
 zero counts of the gradients (`--log-num-zeros-in-grad`) -- lives in `step_log(tr)`.
+
+Every collective of the step runs in a block of the run's watchdog (megatron/watchdog.py),
+so that a rank that never gets there, or stops inside the block before its collective, is
+named with the phase: the schedule's actions (`_action_watch`), the loss broadcast, the
+gradient reduction, the tied-embedding and sequence-parallel all-reduces, the loss average,
+the NaN check and the optimizer step (one block for its reductions). A block is an
+in-memory check-in; nothing is added per layer.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ from megatron.core.models.gpt.stages import (
     allreduce_tied_embedding_grads,
     tied_embedding_weights,
 )
+from megatron.core.optimizer import DistributedOptimizer
 from megatron.core.pipeline_parallel import (
     P2PCommunicator,
     ScheduleExecutor,
@@ -86,6 +94,8 @@ class StepLog:
         self.num_zeros: Dict[int, torch.Tensor] = {}
         self.replicas_synced = False
         self._barriered: Dict[str, _BarrierStart] = {}
+        self.group_ranks: Dict[object, tuple] = {}  # process group -> its ranks (watch_group)
+        self.optimizer_step_name: Optional[str] = None  # the watchdog's name of the step
 
     def core_timers(self, lowest_level: int):
         """The timer hook (megatron/core/timing.py) for core code whose timers are at
@@ -289,6 +299,57 @@ def _watch(tr, name: str, group_kind: str, progress: bool = False):
     return wd.watch(name, ranks=tr.rt.ps.ranks(group_kind), progress=issued)
 
 
+def watch_group(tr, name: str, group):
+    """`_watch` with progress over the process group `group` (None: the world), whose
+    ranks are looked up once a run; nothing without a watchdog or when the group is this
+    rank alone (no one to wait for)."""
+    wd = getattr(tr, "watchdog", None)
+    if not isinstance(wd, CollectiveWatchdog):  # none, or a single process's
+        return contextlib.nullcontext()
+    group = dist.group.WORLD if group is None else group
+    cache = step_log(tr).group_ranks
+    ranks = cache.get(group)
+    if ranks is None:
+        ranks = cache[group] = tuple(dist.get_process_group_ranks(group))
+    if len(ranks) == 1:
+        return contextlib.nullcontext()
+    return wd.watch(name, ranks=ranks, progress=issued_collectives(group))
+
+
+def _optimizer_step_name(opt) -> str:
+    """What the optimizer step waits for, for the watchdog's report: 'optimizer step
+    (found-inf and grad-norm all-reduces over the model-parallel group)'; with the
+    distributed optimizer the reductions are over all ranks and the updated parameters
+    are all-gathered over the data-parallel group."""
+    distributed = isinstance(opt, DistributedOptimizer)
+    what = [w for w, on in (("found-inf", getattr(opt, "grad_scaler", None) is not None),
+                            ("grad-norm", opt.clip_grad > 0.0),
+                            ("zero-count", opt.log_num_zeros_in_grad)) if on]
+    parts = []
+    if what:
+        parts.append(f"{' and '.join(what)} all-reduce{'s' if len(what) > 1 else ''} over "
+                     f"{'all ranks' if distributed else 'the model-parallel group'}")
+    if distributed and opt.dp_group is not None:
+        parts.append("parameter all-gather over the data-parallel group")
+    return f"optimizer step ({', '.join(parts) or 'no collective'})"
+
+
+def watch_optimizer(tr, name: Optional[str] = None):
+    """The watched block of a collective over the optimizer's reduction group (the
+    model-parallel group; all ranks with the distributed optimizer): by default its
+    step, named by `_optimizer_step_name`. Nothing when that group is this rank alone."""
+    opt = tr.optimizer
+    if name is None:
+        log = step_log(tr)
+        if log.optimizer_step_name is None:
+            log.optimizer_step_name = _optimizer_step_name(opt)
+        name = log.optimizer_step_name
+    group = getattr(opt, "mp_group", None)
+    if group is None:
+        return contextlib.nullcontext()
+    return watch_group(tr, name, group)
+
+
 def _watch_tied_embedding(tr):
     """The watched block of the tied word-embedding all-reduce on the ranks that take part
     (pp > 1, tied weights: the first and last stage); nothing elsewhere."""
@@ -325,9 +386,11 @@ def _sync_replicas(tr) -> None:
     log.replicas_synced = True
     if tr.state.iteration != 0 or tr.rt.ps.dp_group is None:
         return
-    for chunk in model_chunks(tr):
-        if hasattr(chunk, "broadcast_params"):  # the DistributedDataParallel wrapper
-            chunk.broadcast_params()
+    with watch_group(tr, "--data-parallel-random-init broadcast of the weights "
+                     "(data-parallel group)", tr.rt.ps.dp_group):
+        for chunk in model_chunks(tr):
+            if hasattr(chunk, "broadcast_params"):  # the DistributedDataParallel wrapper
+                chunk.broadcast_params()
     tr.optimizer.reload_model_params()
 
 
@@ -345,7 +408,19 @@ def _finish_grads(tr, timers) -> None:
         allreduce_tied_embedding_grads(model_chunks(tr), ps)  # pp > 1: first + last stage
     with timed(timers, "layernorm-grads-all-reduce"):  # timed always, as by Megatron-LM
         if tr.config.model.sequence_parallel:
-            allreduce_sequence_parallel_grads(tr.model, ps.tp_group)
+            with watch_group(tr, "sequence-parallel layer-norm and bias gradient all-reduce "
+                             "(tensor-parallel group)", ps.tp_group):
+                allreduce_sequence_parallel_grads(tr.model, ps.tp_group)
+
+
+def _average_loss(tr, loss: torch.Tensor) -> None:
+    """The loss averaged over the data-parallel replicas, in place (all-reduce SUM over
+    the data-parallel group, then / dp_size); nothing at dp 1."""
+    ps = tr.rt.ps
+    if ps.dp_group is not None:
+        with watch_group(tr, "loss average (data-parallel group)", ps.dp_group):
+            dist.all_reduce(loss, group=ps.dp_group)
+        loss /= ps.dp_size
 
 
 def _step_body(tr, data: Iterator[dict], skip_nonfinite: bool = False):
@@ -362,14 +437,16 @@ def _step_body(tr, data: Iterator[dict], skip_nonfinite: bool = False):
     _empty_cache(tr.rt.device, cfg.training.empty_unused_memory_level >= 1)
     _finish_grads(tr, log.core_timers(1))
     tr.last_local_loss = loss.detach().clone()  # this rank's own loss, to name a NaN's origin
-    if tr.rt.ps.dp_group is not None:
-        dist.all_reduce(loss, group=tr.rt.ps.dp_group)
-        loss /= tr.rt.ps.dp_size
-    if skip_nonfinite and not loss_is_finite_everywhere(loss):
-        return loss, False, None, None
+    _average_loss(tr, loss)
+    if skip_nonfinite:
+        with watch_group(tr, "NaN/Inf loss check (all ranks)", None):
+            finite = loss_is_finite_everywhere(loss)
+        if not finite:
+            return loss, False, None, None
     timer = log.timers("optimizer", 1)
     timer.start(barrier=log.barrier)
-    ok, grad_norm, num_zeros = tr.optimizer.step(timers=log.core_timers(1))
+    with watch_optimizer(tr):
+        ok, grad_norm, num_zeros = tr.optimizer.step(timers=log.core_timers(1))
     timer.stop()
     _empty_cache(tr.rt.device, cfg.training.empty_unused_memory_level >= 2)
     return loss, ok, grad_norm, num_zeros

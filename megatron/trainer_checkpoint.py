@@ -8,6 +8,7 @@ checkpoint saved with another parallel layout (megatron/checkpoint_reshard.py).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -51,6 +52,7 @@ from megatron.logging_utils import print_rank_0
 from megatron.microbatches import update_micro_batches
 from megatron.oom_report import out_of_memory_kind
 from megatron.step_graph import settle
+from megatron.watchdog import watching
 
 
 def _chunk_models(model) -> list:
@@ -119,7 +121,8 @@ def _rng_states(tr) -> list:
     if not (tr.config.training.data_parallel_random_init and ps.dp_size > 1):
         return [own]
     states = [None] * ps.dp_size
-    torch.distributed.all_gather_object(states, own, group=ps.dp_group)
+    with watching("all-gather of the RNG states (data-parallel group)", ps.dp_group):
+        torch.distributed.all_gather_object(states, own, group=ps.dp_group)
     return states
 
 
@@ -153,7 +156,10 @@ def save_trainer_checkpoint(tr) -> float:
     ck = tr.config.checkpoint
     extra = None
     if not ck.no_save_optim and hasattr(tr.optimizer, "get_parameter_state"):
-        param_state = tr.optimizer.get_parameter_state()  # distributed optimizer: gather over DP
+        gathered = tr.rt.ps.dp_group is not None  # else: no collective
+        with watching("gather of the distributed optimizer's state (data-parallel group)",
+                      tr.rt.ps.dp_group) if gathered else contextlib.nullcontext():
+            param_state = tr.optimizer.get_parameter_state()
         extra = None if param_state is None else {"distrib_optim.pt": param_state}
     state = trainer_state_dict(tr)  # references to live tensors: cheap; copied if async
     tr.own_checkpoints[tr.state.iteration] = "saved"

@@ -60,7 +60,8 @@ STORE_GRACE_S later, unless it closed its watchdog meanwhile (its run ended norm
 `watching(name, group)` watches a block with the watchdog `build_watchdog` started in this
 process (a hung collective ends the whole process, so there is one per process, like a
 signal handler), and does nothing when there is none: the ranks' agreements
-(megatron/agreed_exit.py), the checkpoint barriers and the evaluation's reduction use it.
+(megatron/agreed_exit.py), the checkpoint barriers and a save's gathers, the timers'
+barriers and the gather of their readings, and the evaluation's reduction use it.
 
 Works with gloo and NCCL: the check-ins go through the store, not the backend. With NCCL
 the collectives are asynchronous, so watch a point that waits for them (e.g. the gradient
@@ -244,15 +245,21 @@ class CollectiveWatchdog:
         return [r for r in ranks if self._reached(name, r, ranks, read) < count]
 
     def close(self) -> None:
-        """Stop the monitor thread (the watchdog does nothing afterwards); `watching` no
-        longer uses it."""
+        """Stop the monitor thread (the watchdog does nothing afterwards) and publish the
+        check-ins it had not published yet; `watching` no longer uses it. Without that
+        last publication a peer still inside a block this rank went through (a
+        broadcast's receiver after its source finished, a collective that is itself
+        stuck) would read this rank's count from before it and name it as not arrived."""
         global _current
         if _current is self:
             _current = None
         with self._cond:
+            if self._closed:
+                return
             self._closed = True
             self._cond.notify()
         self._thread.join()
+        self.publish()  # nothing when no check-in is new or the store failed
 
     def __enter__(self) -> "CollectiveWatchdog":
         return self
@@ -574,7 +581,8 @@ def watching(name: str, group=None):
     """`watch(name, ranks of group)` on the watchdog `build_watchdog` started in this
     process (`group`: a torch.distributed group, None for the world), else a block that
     does nothing. Every member of `group` must pass through the same names in the same
-    order (as through its collectives)."""
+    order (as through its collectives). Nothing either when `group` is this rank alone
+    (its collectives wait for no one)."""
     wd = _current
     if wd is None:
         return contextlib.nullcontext()
@@ -583,6 +591,8 @@ def watching(name: str, group=None):
         import torch.distributed as dist
 
         ranks = dist.get_process_group_ranks(group)
+        if len(ranks) == 1:
+            return contextlib.nullcontext()
     return wd.watch(name, ranks=ranks)
 
 

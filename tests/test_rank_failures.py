@@ -225,6 +225,60 @@ def test_a_rank_stuck_in_a_micro_batch_is_named_in_bounded_time(tmp_path, case):
     assert not re.search(r'File ".*(/megatron/|pretrain_gpt)', log), log[-4000:]  # no traceback
 
 
+# After the gradient reduction: (args, module, function, its call that sleeps on rank 1,
+# the watchdog's first line on rank 0, whether rank 1 sleeps inside the watched block).
+# dp2 distributed optimizer: rank 1 in its 3rd grad norm (one an iteration, iteration 3),
+# inside the optimizer step, before the norm's all-reduce over all ranks. dp2: rank 1
+# before its 2nd loss average. tp2 sequence parallel: rank 1 in its 2nd layer-norm/bias
+# gradient all-reduce, inside the block before its collective.
+AFTER_GRADS = {
+    "grad norm": (["--use-distributed-optimizer"],
+                  "megatron.core.optimizer.clip_grads", "_global_norm", 3,
+                  r"collective optimizer step \(grad-norm all-reduce over all ranks, parameter "
+                  r"all-gather over the data-parallel group\) did not complete within 3 s at "
+                  r"iteration 2; ranks that did not arrive: \[1\]", True),
+    "loss average": ([], "megatron.train_step", "_average_loss", 2,
+                     r"collective loss average \(data-parallel group\) did not complete within "
+                     r"3 s at iteration 1; ranks that did not arrive: \[1\]\n  rank 1 reached "
+                     r"'loss average \(data-parallel group\)' 1 times; this rank is at its "
+                     r"call number 2", False),
+    "sequence parallel": (["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                          "megatron.train_step", "allreduce_sequence_parallel_grads", 2,
+                          r"collective sequence-parallel layer-norm and bias gradient "
+                          r"all-reduce \(tensor-parallel group\) did not complete within 3 s at "
+                          r"iteration 1; ranks that did not arrive: \[1\]", True),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(AFTER_GRADS))
+def test_a_rank_stuck_after_the_gradient_reduction_is_named_in_bounded_time(tmp_path, case):
+    """Rank 1 hangs after the gradient reduction: in the optimizer step before its
+    grad-norm all-reduce, before the loss average, or in the sequence-parallel gradient
+    all-reduce. None of these was watched: rank 0 waited in the collective until the
+    process group's own timeout (--distributed-timeout-minutes + 1 minute, past this
+    test's limit) and died with gloo's error naming no rank. Now rank 0's watchdog names
+    rank 1 and the phase after --distributed-timeout-minutes (3 s here) -- by the
+    collectives each issued when rank 1 entered the block --, rank 1 says where it is
+    stuck, and every process ends with 124, no traceback."""
+    args, module, name, call, first_line, inside = AFTER_GRADS[case]
+    log, statuses, seconds = run_with_fault(tmp_path, module, name, "sleep",
+                                            args + ["--train-iters", "20"], call=call)
+    assert re.search(r"\[watchdog rank 0\] " + first_line, log), log[-4000:]
+    if inside:
+        assert re.search(r"rank 1 has issued \d+ collectives on its group and rank 0 \d+: "
+                         r"rank 1 did not reach the collective the others wait in", log), \
+            log[-4000:]
+    else:
+        assert re.search(r"\[watchdog rank 1\] stopping at iteration 1, in no watched "
+                         r"collective, because another rank's watchdog fired:", log), log[-4000:]
+    stuck = log[log.index("rank 1's main thread is here"):]
+    assert "time.sleep(300)" in stuck.split("\n\n")[0], log[-4000:]
+    assert statuses and set(statuses.values()) == {EXIT_CODE}, statuses
+    assert seconds < 45
+    assert not re.search(r'File ".*(/megatron/|pretrain_gpt)', log), log[-4000:]
+
+
 # --------------------------------------------------------------------------- a rank stops
 @pytest.mark.slow
 @pytest.mark.parametrize("action", ["raise", "kill"])

@@ -437,10 +437,10 @@ def test_store_writes_follow_the_publications_not_the_blocks():
         blocks += _watched_step(wd, hook, plan, ps)
         time.sleep(0.03)
     intervals = (time.monotonic() - started) / wd.publish_s
-    wd.close()
+    writes = store.writes
+    wd.close()  # publishes the check-ins of the last interval
     assert wd.publish_s == 0.1 and blocks == 20 * 99
-    assert 1 <= store.writes <= intervals + 2, (store.writes, intervals, blocks)
-    wd.publish()  # the check-ins of the last interval
+    assert 1 <= writes <= intervals + 2, (writes, intervals, blocks)
     send = next(op for a in plan for op in a.ops if op.microbatch == 31)
     assert published_checkins(store, 0, ps.ranks("pp"))[transfer_name(send, 0, 2)] == 20
     assert published_checkins(store, 0, ps.ranks("tp"))[
@@ -490,3 +490,58 @@ def test_a_check_in_just_before_the_deadline_counts_as_arrived():
     assert wd0.publish_s == 0.5 and len(fired) == 1, fired
     assert fired[0].startswith("[watchdog rank 0] collective grads did not complete within "
                                "2 s; ranks that did not arrive: []\n  every rank arrived"), fired[0]
+
+
+def test_a_rank_that_closes_its_watchdog_has_published_its_last_check_ins():
+    """Rank 1 goes through its last block (the source of a broadcast leaves it before the
+    receivers have the data) and its run ends: it closes its watchdog within its publish
+    interval. Rank 0 stays inside that block past its deadline (its receive is stuck).
+    Rank 1 arrived: no rank is named. Before, close() published nothing: rank 0 read
+    rank 1's count from its monitor's last publication and named it as not arrived."""
+    store = dist.HashStore()
+    fired = []
+    wd1 = CollectiveWatchdog(store, 1, 2, 30.0, poll_s=0.2, on_timeout=fired.append)
+    wd0 = CollectiveWatchdog(store, 0, 2, 0.5, poll_s=10.0, on_timeout=fired.append)
+    for wd in (wd0, wd1):  # earlier steps
+        for _ in range(3):
+            with wd.watch("loss broadcast", ranks=[0, 1]):
+                pass
+    time.sleep(0.5)  # rank 1's monitor published them
+    assert published_checkins(store, 1, [0, 1]) == {"loss broadcast": 3}
+    with wd1.watch("loss broadcast", ranks=[0, 1]):
+        pass
+    wd1.close()  # the run ended on rank 1, within its publish interval
+    with wd0.watch("loss broadcast", ranks=[0, 1]):
+        time.sleep(1.5)
+    wd0.close()
+    assert len(fired) == 1, fired
+    assert fired[0].startswith("[watchdog rank 0] collective loss broadcast did not complete "
+                               "within 0.5 s; ranks that did not arrive: []\n  every rank "
+                               "arrived"), fired[0]
+    assert published_checkins(store, 1, [0, 1]) == {"loss broadcast": 4}
+
+
+def _late_timer_gather(rank, world_size):
+    from megatron.logging_utils import Timers
+
+    wd = build_watchdog(1.0)
+    fired = []
+    wd._on_timeout = fired.append  # report, do not end the process
+    timers = Timers(1)
+    timers("forward-backward", 1).start()
+    if rank == 1:
+        time.sleep(3.0)  # stuck before the log line
+    timers("forward-backward", 1).stop()
+    timers.max_times(["forward-backward"])
+    wd.close()
+    return fired
+
+
+def test_the_gather_of_the_timers_readings_is_watched():
+    """At a log interval the ranks all-gather their timer readings (and a save's timer,
+    at every save). Rank 1 comes late: rank 0's watchdog names it and the phase (before,
+    the gather was not watched: rank 0 waited for the process group's own timeout)."""
+    fired = run_distributed(_late_timer_gather, 2)[0]
+    assert fired and fired[0].startswith(
+        "[watchdog rank 0] collective all-gather of the timers' readings (all ranks) did not "
+        "complete within 1 s; ranks that did not arrive: [1]"), fired
