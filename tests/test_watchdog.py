@@ -253,10 +253,13 @@ def _watched_points(rank, world_size):
              "validation loss all-reduce"]
     counts = tuple(published_checkins(store, rank, [0, 1]).get(n) for n in names)
     wd.close()
+    dist.barrier()  # the other rank's close() publishes too: count after both have closed
     keys = store.num_keys()
     with watching("after close"):  # no watchdog: nothing is written
         pass
-    return counts, store.num_keys() - keys
+    after = store.num_keys() - keys
+    dist.barrier()
+    return counts, after
 
 
 def test_agreements_and_named_points_use_the_process_watchdog():
