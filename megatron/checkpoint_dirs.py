@@ -18,6 +18,7 @@ import re
 import shlex
 import shutil
 import tempfile
+import time
 from typing import List, Optional, Tuple
 
 from megatron.agreed_exit import agree
@@ -133,7 +134,7 @@ def _gib(root: str, names: List[str]) -> str:
     return f"{size / 2**30:.2f} GiB"
 
 
-def _remove_unfinished(root: str, stale: List[str], size: str) -> str:
+def _remove_unfinished(root: str, stale: List[str], size: str, idle_s: float) -> str:
     """Remove the `stale` .tmp directories under `root`: the line that says so, or the
     warning naming those that could not be removed."""
     failed = []
@@ -152,11 +153,36 @@ def _remove_unfinished(root: str, stale: List[str], size: str) -> str:
                 "them, delete them to free the space")
     return (f"removed {', '.join(stale)} from --save {root} ({size}): unfinished checkpoint "
             "save(s) of an earlier run, stopped while writing them or before moving them into "
-            "place; nothing loads them, and this run holds the directory's save lock, so no "
-            "other run is writing them")
+            f"place; nothing loads them, this run holds the directory's save lock and nothing "
+            f"was written to them for {idle_s:.0f} s, so no other run is writing them")
 
 
-def unfinished_saves_report(root: str, locked: bool) -> Optional[str]:
+UNFINISHED_IDLE_S = 600.0  # a .tmp written to more recently may be a live save
+
+
+def _idle_s(path: str, now: float) -> float:
+    """Seconds since anything at or under `path` was last modified (links not followed)."""
+    newest = os.lstat(path).st_mtime
+    for top, dirs, files in os.walk(path):
+        for name in dirs + files:
+            try:
+                newest = max(newest, os.lstat(os.path.join(top, name)).st_mtime)
+            except OSError:  # removed meanwhile: someone is at work there
+                return 0.0
+    return now - newest
+
+
+def _live_saves_warning(root: str, recent: List[Tuple[str, float]], idle_s: float) -> str:
+    listing = ", ".join(f"{name}, written to {max(age, 0.0):.0f} s ago" for name, age in recent)
+    return (f"WARNING: --save {root} holds {listing}: the unfinished save of another run, or "
+            "one still being written by a run on another node (a file system that keeps "
+            "locks per node, e.g. NFS mounted nolock or local_lock, lets two runs hold the "
+            f"save lock); left in place, removed after {idle_s:.0f} s without a write by a "
+            "later start. Delete it once no other run uses the directory")
+
+
+def unfinished_saves_report(root: str, locked: bool,
+                            idle_s: float = UNFINISHED_IDLE_S) -> Optional[str]:
     """What interrupted saves left under --save `root`, one line each:
     `iter_XXXXXXX.tmp` / `release.tmp` directories, saves a killed process never finished
     (megatron/checkpointing.py writes there, then renames): nothing loads them, and a later
@@ -165,7 +191,9 @@ def unfinished_saves_report(root: str, locked: bool) -> Optional[str]:
     for good. With `locked` (this process holds the --save lock of megatron/save_lock.py,
     and has not begun saving: no other run writes there) they are removed, and the line
     says so; without (a file system without locks) another run may be writing them, so
-    they are only warned of. Also `iter_XXXXXXX.old`, the copy a re-save of that iteration
+    they are only warned of. Even with it, one written to in the last `idle_s` seconds
+    is only warned of: a file system whose locks are per node lets a run on another node
+    hold the lock too, and that one may be writing it. Also `iter_XXXXXXX.old`, the copy a re-save of that iteration
     moved aside: beside the new `iter_XXXXXXX` a leftover, without it the only copy (a
     --load of `root` restores it when the tracker names it); never removed. None when
     there is nothing."""
@@ -174,7 +202,14 @@ def unfinished_saves_report(root: str, locked: bool) -> Optional[str]:
     lines = []
     stale = _leftovers(root, ".tmp")
     if stale and locked:
-        lines.append(_remove_unfinished(root, stale, _gib(root, stale)))
+        now = time.time()
+        ages = [(name, _idle_s(os.path.join(root, name), now)) for name in stale]
+        recent = [(name, age) for name, age in ages if age < idle_s]
+        stale = [name for name, age in ages if age >= idle_s]
+        if recent:
+            lines.append(_live_saves_warning(root, recent, idle_s))
+        if stale:
+            lines.append(_remove_unfinished(root, stale, _gib(root, stale), idle_s))
     elif stale:
         lines.append(f"WARNING: --save {root} holds {', '.join(stale)}: unfinished checkpoint "
                      f"save(s) of a process killed while writing ({_gib(root, stale)}); "

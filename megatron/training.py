@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megatron import checkpointing, step_graph, trainer_checkpoint
 from megatron.checkpoint_args import train_order_warning, valid_order_warning
-from megatron.checkpoint_dirs import unfinished_saves_report
+from megatron.checkpoint_dirs import UNFINISHED_IDLE_S, unfinished_saves_report
 from megatron.config import Config
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.models.gpt.stages import build_stage_models, sync_tied_embeddings
@@ -475,7 +475,8 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float],
     """Model, optimizer, scheduler, --load: Megatron's `model-and-optimizer-setup` timer
     (with `load-checkpoint` inside it, printed when it happens). The watchdog's reports
     say where `progress` is. `save_locked`: this process holds --save's lock, so the
-    unfinished saves found there are no other run's, and are removed."""
+    unfinished saves found there that nothing wrote to lately are no other run's, and
+    are removed."""
     log = StepLog(config, rt.device)
     log.timers("model-and-optimizer-setup", 0).start(barrier=True)
     tr = build_trainer(config, rt)
@@ -500,7 +501,9 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float],
         save = config.checkpoint.save
         for warning in (checkpointing.later_checkpoints_warning(save, tr.state.iteration,
                                                                 config.checkpoint.finetune),
-                        unfinished_saves_report(save, save_locked)):
+                        unfinished_saves_report(save, save_locked, max(
+                            UNFINISHED_IDLE_S,
+                            60 * config.parallel.distributed_timeout_minutes))):
             if warning:
                 print(warning, flush=True)
     log.timers("model-and-optimizer-setup").stop()

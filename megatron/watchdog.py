@@ -338,7 +338,8 @@ class CollectiveWatchdog:
         is when it waits in no watched block."""
         with self._cond:
             inside = self._active[-1].name if self._active else None
-        message = self.abort_message(abort, inside, self._phases[-1] if self._phases else None)
+        phases = self._phases[-1:]  # one read: the main thread may leave its phase meanwhile
+        message = self.abort_message(abort, inside, phases[0] if phases else None)
         if inside is None:  # not waiting for the others: maybe the one stuck
             message += "\n" + self.main_thread_stack()
         return message

@@ -8,12 +8,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from megatron import save_lock
-from megatron.checkpoint_dirs import read_tracker
+from megatron.checkpoint_dirs import read_tracker, unfinished_saves_report
 from megatron.save_lock import LOCK_NAME, SaveDirLock, lock_save_dir
 from tests.test_resume_guards import run_pretrain
 
@@ -73,6 +74,7 @@ def test_a_second_run_on_the_same_save_stops_before_touching_it(tmp_path):
     assert read_tracker(str(tmp_path)) == (2, False)
     assert os.path.getmtime(tmp_path / "iter_0000002") == mtime
     assert os.path.isdir(tmp_path / "iter_0000003.tmp"), "another run's save is not removed"
+    _backdate(tmp_path / "iter_0000003.tmp", 601)  # the first run stopped writing it
     tr = run_pretrain(args + ["--load", str(tmp_path)])
     assert tr.state.iteration == 4 and not os.path.exists(tmp_path / LOCK_NAME)
     assert not os.path.exists(tmp_path / "iter_0000003.tmp"), "once the first run is gone"
@@ -120,3 +122,35 @@ def test_a_symlink_in_place_of_the_lock_file_is_not_followed(tmp_path):
         lock_save_dir(str(tmp_path / "ck"), RANK0)
     assert target.read_text() == "keep me"
 
+
+
+def _backdate(path, seconds):
+    """Set the modification time of `path` and everything under it `seconds` back."""
+    when = time.time() - seconds
+    for top, dirs, files in os.walk(path):
+        for name in dirs + files:
+            os.utime(os.path.join(top, name), (when, when))
+    os.utime(path, (when, when))
+
+
+def test_a_held_lock_removes_only_unfinished_saves_nobody_touched_lately(tmp_path):
+    """A lock that the file system keeps per node (NFS mounted `nolock` or
+    `local_lock=flock`, Lustre's `localflock`) is taken by a second job on another node
+    too: holding it does not prove that no other run writes --save. A .tmp that anything
+    under it was written to lately may be a live save of such a run (removing it would
+    fail that save, or let it publish a checkpoint with files missing); it stays, with a
+    warning saying why, and a start once it has been idle long enough removes it."""
+    live = tmp_path / "iter_0000003.tmp"
+    (live / "mp_rank_00").mkdir(parents=True)
+    _backdate(live, 7200)
+    (live / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"x")  # written just now
+    report = unfinished_saves_report(str(tmp_path), locked=True, idle_s=600)
+    assert live.is_dir(), "a save written to seconds ago is not removed"
+    assert report.startswith(f"WARNING: --save {tmp_path} holds iter_0000003.tmp, written to "
+                             "0 s ago: the unfinished save of another run, or one still being "
+                             "written by a run on another node")
+    assert "removed after 600 s without a write" in report
+    _backdate(live, 601)
+    report = unfinished_saves_report(str(tmp_path), locked=True, idle_s=600)
+    assert not live.exists() and report.startswith(f"removed iter_0000003.tmp from --save "
+                                                   f"{tmp_path}")

@@ -33,6 +33,7 @@ from megatron.initialize import initialize_distributed, set_random_seed
 from megatron.logging_utils import read_scalars
 from tests.test_gpt_dataset import make_corpus
 from tests.test_logging_utils import _CountingStream
+from tests.test_save_lock import _backdate
 
 BASE = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -154,12 +155,15 @@ def test_unfinished_saves_in_the_save_dir_are_removed_at_startup(tmp_path, capsy
             "system does not lock files, so another run may be writing them") in out
     assert (ck / "iter_0000003.tmp").is_dir() and read_tracker(str(ck)) == (4, False)
     stale("release.tmp")
+    for name in ("iter_0000003.tmp", "release.tmp"):  # nothing written lately: see
+        _backdate(ck / name, 601)  # tests/test_save_lock.py for one written to lately
     out, _ = _pretrain(flags + ["--exit-interval", "6"], capsys)
     removed = [line for line in out.splitlines() if line.startswith("removed ")]
     assert removed == [f"removed iter_0000003.tmp, release.tmp from --save {ck} (0.00 GiB): "
                        "unfinished checkpoint save(s) of an earlier run, stopped while writing "
-                       "them or before moving them into place; nothing loads them, and this "
-                       "run holds the directory's save lock, so no other run is writing them"]
+                       "them or before moving them into place; nothing loads them, this run "
+                       "holds the directory's save lock and nothing was written to them for "
+                       "600 s, so no other run is writing them"]
     assert "WARNING: --save" not in out
     assert sorted(os.listdir(ck)) == ["iter_0000002", "iter_0000004", "iter_0000006",
                                       "latest_checkpointed_iteration.txt"]

@@ -357,6 +357,30 @@ def test_a_stopped_rank_says_which_phase_it_was_in():
         "transfers did not complete\n  rank 1's main thread is here"), fired[0]
 
 
+class _LeftWhileLooked(list):
+    """A phase stack whose last phase the main thread leaves right after the monitor saw
+    it was not empty (the race between the check and the read, made certain)."""
+
+    def __bool__(self):
+        answer = len(self) > 0
+        if answer:
+            self.pop()
+        return answer
+
+
+def test_a_phase_left_while_the_stop_message_is_written_does_not_kill_the_monitor():
+    """The monitor thread reads the main thread's phase stack without a lock: a check for
+    a phase, then the read of the last one, which the main thread may have popped in
+    between -- an IndexError in the monitor, which then ends without stopping the rank
+    another rank's watchdog asked to stop."""
+    wd, fired = _watchdog(dist.HashStore(), timeout=30.0)
+    wd._phases = _LeftWhileLooked(["micro-batch 2 forward (pipeline stage 1)"])
+    message = wd._stop_message("[watchdog rank 0] collective x did not complete")
+    wd.close()
+    assert message.startswith("[watchdog rank 0] stopping, in ") and \
+        "in no watched collective, because another rank's watchdog fired" in message, message
+
+
 def test_nested_blocks_still_report_the_one_that_overran():
     """Short action blocks inside a longer watched block (the way a step's blocks nest):
     none fires while each is short, even though together they outlast the timeout; once
