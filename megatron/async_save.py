@@ -317,7 +317,7 @@ def agreed_wait(saver: Optional[AsyncSaver], is_rank_0: bool, group=None) -> Non
     temporary directory: every rank joined its own writer before the agreement, so none
     can still write there. In a single process the failure's SystemExit.
 
-    Collective: one `agree` (all_gather_object) over `group`, which every rank must call
+    Collective: one `agree` over `group`, which every rank must call
     at the same point, with a saver or not."""
     error = None
     try:

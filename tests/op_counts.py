@@ -178,6 +178,40 @@ class OpCounter:
         return {"store": store, "collectives": dict(self.collectives)}
 
 
+class FsCounter:
+    """Counts os.listdir / os.scandir / os.stat calls (os.path.isfile and isdir stat) on
+    paths under `root` in this process, by function, while installed."""
+
+    NAMES = ("listdir", "scandir", "stat")
+
+    def __init__(self, root: str) -> None:
+        import os
+
+        self.root = os.path.abspath(root)
+        self.counts: collections.Counter = collections.Counter()
+        self._originals = {name: getattr(os, name) for name in self.NAMES}
+        for name, fn in self._originals.items():
+            setattr(os, name, self._counted(name, fn))
+
+    def _counted(self, name: str, fn):
+        import os
+
+        @functools.wraps(fn)
+        def call(path=".", *args, **kwargs):
+            if isinstance(path, (str, os.PathLike)) and \
+                    os.path.abspath(os.fspath(path)).startswith(self.root):
+                self.counts[name] += 1
+            return fn(path, *args, **kwargs)
+
+        return call
+
+    def uninstall(self) -> None:
+        import os
+
+        for name, fn in self._originals.items():
+            setattr(os, name, fn)
+
+
 def _group_size(name: str, args, kwargs) -> Optional[int]:
     if name == "new_group":
         ranks = kwargs.get("ranks", args[0] if args else None)
@@ -195,3 +229,59 @@ def total(counts: dict, op: Optional[str] = None, kind: Optional[str] = None) ->
     """Sum of `counts` entries (keys (op, kind)) matching `op` and `kind` (None: any)."""
     return sum(n for (o, k), n in counts.items()
                if (op is None or o == op) and (kind is None or k == kind))
+
+
+# A tiny model on mock data for whole runs of pretrain_gpt.py (`count_pretrain_runs`);
+# the run adds --global-batch-size (one sample per data-parallel rank and micro-batch).
+TINY_RUN = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+            "--lr", "1e-3", "--lr-decay-iters", "100", "--override-opt_param-scheduler",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64",
+            "--eval-iters", "0", "--log-interval", "1000"]
+
+
+def count_pretrain_runs(rank: int, world_size: int, store_port: int, runs: dict,
+                        fs_root: Optional[str] = None) -> dict:
+    """A run_distributed worker: `pretrain_gpt.main(TINY_RUN + argv)` for each (name, argv)
+    of `runs` in turn, in this process, on one counting default group (the runs leave it
+    in place); returns {name: OpCounter.report() of that run}, with its "files" (FsCounter
+    counts under `fs_root`) when given."""
+    import contextlib
+    import io
+    import os
+
+    import pretrain_gpt
+
+    counter = OpCounter.install(store_port)
+    destroy = dist.destroy_process_group
+    dist.destroy_process_group = lambda *args, **kwargs: None  # the next run reuses it
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    out = {}
+    try:
+        for name, argv in runs.items():
+            dist.barrier()
+            counter.reset()
+            files = FsCounter(fs_root) if fs_root is not None else None
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    status = pretrain_gpt.main(TINY_RUN + list(argv))
+            finally:
+                if files is not None:
+                    files.uninstall()
+            if status != 0:
+                raise RuntimeError(f"run {name} ended with status {status}")
+            out[name] = counter.report()
+            if files is not None:
+                out[name]["files"] = dict(files.counts)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group = destroy
+        counter.uninstall()
+    return out
+
+
+def difference(a: dict, b: dict, times: int = 1) -> dict:
+    """Counts of `a` minus `times` x those of `b` (the non-zero ones)."""
+    keys = set(a) | set(b)
+    return {k: a.get(k, 0) - times * b.get(k, 0) for k in keys
+            if a.get(k, 0) - times * b.get(k, 0)}

@@ -8,6 +8,7 @@ per-step exit checks, and the checkpoint agreements.
 """
 from __future__ import annotations
 
+import pytest
 import torch.distributed as dist
 
 from megatron.core.parallel_state import ParallelState
@@ -93,3 +94,75 @@ def test_lazy_gloo_keeps_a_users_choice():
 
     assert gloo_lazy_init_env({}) == {"TORCH_GLOO_LAZY_INIT": "1"}
     assert gloo_lazy_init_env({"TORCH_GLOO_LAZY_INIT": "0"}) == {}
+
+
+# --------------------------------------------------------- tree reduction over the world
+def _max_worker(rank, world_size):
+    from megatron.agreed_exit import max_over_ranks
+
+    sub = dist.new_group([1, 3, 4])
+    counter = OpCounter.collectives_only()
+    try:
+        world = max_over_ranks([rank, -rank, rank % 2, 7.5])
+        mine = counter.report()["collectives"]
+        part = max_over_ranks([10 - rank], sub) if rank in (1, 3, 4) else None
+    finally:
+        counter.uninstall()
+    return world, mine, part
+
+
+def test_max_over_ranks_reduces_over_a_tree():
+    """Element-wise MAX on every rank (5 ranks: a tree that is not full; a group whose
+    ranks are not 0..n-1), with at most ceil(log2 5) = 3 point-to-point messages and one
+    broadcast per rank: no ring all-reduce."""
+    results = run_distributed(_max_worker, 5)
+    for rank, (world, calls, part) in enumerate(results):
+        assert world == [4.0, 0.0, 1.0, 7.5], rank
+        p2p = sum(n for (name, _), n in calls.items() if name in ("send", "recv"))
+        assert 1 <= p2p <= 3 and calls[("broadcast", 5)] == 1, (rank, calls)
+        assert set(name for name, _ in calls) <= {"send", "recv", "broadcast"}, calls
+        assert part == ([9.0] if rank in (1, 3, 4) else None)
+
+
+# ------------------------------------------------- the training loop's world collectives
+RING = ("all_reduce", "all_gather_object")  # a ring on gloo: 2(N-1) messages in a row
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(tmp_path_factory):
+    """Counts of whole pretrain_gpt.py runs on 4 ranks, tp 2 (the data-parallel and
+    tensor-parallel groups have 2 ranks, so a collective over 4 is one over the world),
+    with --exit-signal-handler and --exit-duration-in-mins: 2 and 4 steps, 4 steps with
+    2 saves, and a load of the last one; file system calls under the checkpoint root."""
+    from tests.dist_utils import free_port
+    from tests.op_counts import count_pretrain_runs
+
+    root = tmp_path_factory.mktemp("scale")
+    save = str(root / "ck")
+    flags = ["--tensor-model-parallel-size", "2", "--global-batch-size", "2",
+             "--exit-signal-handler", "--exit-duration-in-mins", "1000"]
+    runs = {"two steps": flags + ["--train-iters", "2"],
+            "four steps": flags + ["--train-iters", "4"],
+            "two saves": flags + ["--train-iters", "4", "--save", save, "--save-interval", "2"],
+            "load": flags + ["--train-iters", "6", "--load", save]}
+    return run_distributed(count_pretrain_runs, 4, free_port(), runs, save)
+
+
+def test_steps_saves_and_loads_make_no_ring_collective_over_the_world(four_rank_runs):
+    """With --exit-signal-handler and --exit-duration-in-mins each iteration made two
+    all-reduces over the world (gloo's are rings: 2(N-1) messages one after another, a
+    second or so per iteration at thousands of GPUs), and each agreement of the saves and
+    the load an all_gather_object (a ring too). Now one tree reduction per iteration
+    (`max_over_ranks`) and per agreement."""
+    from tests.op_counts import difference
+
+    for rank, counts in enumerate(four_rank_runs):
+        calls = {name: c["collectives"] for name, c in counts.items()}
+        per_two_steps = difference(calls["four steps"], calls["two steps"])
+        saves = difference(calls["two saves"], calls["four steps"])
+        for what, got in (("two steps", per_two_steps), ("two saves", saves),
+                          ("load", calls["load"])):
+            rings = {k: n for k, n in got.items() if k[0] in RING and k[1] == 4}
+            assert not rings, (rank, what, got)
+        assert per_two_steps[("broadcast", 4)] == 2, per_two_steps  # one exit check a step
+
