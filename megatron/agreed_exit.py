@@ -131,6 +131,19 @@ def max_over_ranks(values: Sequence[float], group=None) -> List[float]:
     return mine.tolist()
 
 
+def from_rank_0(value: Any, group=None) -> Any:
+    """Rank 0's `value` (a picklable object; the others pass anything, e.g. None) on every
+    rank of `group` (None: the default group); `value` in a single process. Collective:
+    a broadcast_object_list (gloo's broadcast is a binomial tree: O(log N) latency)."""
+    if _world(group) is None:
+        return value
+    box = [value]
+    src = dist.get_process_group_ranks(group)[0] if group is not None else 0
+    with watching("object from rank 0", group):
+        dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
 def agree(error: Optional[str], group=None, value: Any = None) -> List[Any]:
     """Every rank's `value` (a list indexed by rank) when no rank of `group` has an error;
     else every rank raises the same `AgreedExit` (see `agreed_report`), which rank 0
@@ -189,4 +202,4 @@ def silent_ranks_wait(env: Mapping[str, str]) -> Iterator[None]:
 
 
 __all__ = ["AgreedExit", "agree", "agreed_report", "exit_message", "exit_on_every_rank",
-           "max_over_ranks", "rank_ranges", "silent_ranks_wait"]
+           "from_rank_0", "max_over_ranks", "rank_ranges", "silent_ranks_wait"]

@@ -166,3 +166,16 @@ def test_steps_saves_and_loads_make_no_ring_collective_over_the_world(four_rank_
             assert not rings, (rank, what, got)
         assert per_two_steps[("broadcast", 4)] == 2, per_two_steps  # one exit check a step
 
+
+def test_only_rank_0_inspects_the_checkpoint_it_loads(four_rank_runs):
+    """The load's check of the first rank's file (its layout, arguments, states) ran on
+    every rank: each listed the iteration directory twice, stat-ed two files per
+    (tp, pp) directory twice and read the same file -- at thousands of ranks, a storm of
+    requests on one directory of the shared file system. Now rank 0 checks and tells the
+    others: they look at their own file only."""
+    files = [counts["load"]["files"] for counts in four_rank_runs]
+    assert files[0].get("listdir", 0) >= 1, files[0]
+    for rank in (1, 2, 3):
+        assert files[rank].get("listdir", 0) == 0, (rank, files[rank])
+        assert files[rank].get("stat", 0) < files[0]["stat"], files
+
