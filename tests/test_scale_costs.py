@@ -179,3 +179,26 @@ def test_only_rank_0_inspects_the_checkpoint_it_loads(four_rank_runs):
         assert files[rank].get("listdir", 0) == 0, (rank, files[rank])
         assert files[rank].get("stat", 0) < files[0]["stat"], files
 
+
+# ----------------------------------------------------------- the shared file system
+def test_rank_0_looks_for_the_writers_markers_less_often_as_a_save_goes_on(tmp_path):
+    """--async-save: global rank 0 waits for a marker of each writer (tensor x pipeline of
+    them) in the checkpoint directory. It looked every 20 ms for as long as the writers
+    took -- minutes at scale, thousands of metadata requests a second on the shared
+    file system; now the pauses grow to MAX_POLL_S: about ten looks in the first second."""
+    import threading
+
+    from megatron.async_save import mark_done, wait_for_markers
+    from tests.op_counts import FsCounter
+
+    writers = [f"mp_rank_{t:02d}_{p:03d}" for t in range(4) for p in range(2)]
+    done = threading.Timer(1.0, lambda: [mark_done(str(tmp_path), d) for d in writers])
+    files = FsCounter(str(tmp_path))
+    done.start()
+    try:
+        wait_for_markers(str(tmp_path), writers, timeout_s=30)
+    finally:
+        files.uninstall()
+        done.join()
+    looks = files.counts["stat"] / len(writers)  # one stat per writer and look, at most
+    assert 1 <= looks <= 15, files.counts
