@@ -23,7 +23,7 @@ The agreements and the training loop's per-step exit checks run over the world o
 group (the run's CPU control group), whose all-reduce and all-gather are rings: 2(N-1)
 messages one after another even for one number, a second or so at thousands of ranks.
 `max_over_ranks` reduces over a binomial tree instead (about 2 log2(N) messages in a row,
-at most log2(N) + 1 sent or received by a rank), and `agree` gathers the messages only
+at most about that many sent or received by a rank), and `agree` gathers the messages only
 when some rank has one.
 """
 from __future__ import annotations

@@ -139,9 +139,9 @@ def resolve_checkpoint(root: Optional[str], ps: ParallelState, exit_on_missing: 
 
     Collective: agreements (megatron/agreed_exit.py) over `group` (the run's CPU control
     group; None: the default group) on the trackers' iterations, and after rank 0 has
-    restored an interrupted re-save of that iteration, an all-reduce of a flag (the
-    directory exists); without a tracker an agreement on the untracked-checkpoint check. A failure exits on every rank,
-    printed once (megatron/agreed_exit.py)."""
+    restored an interrupted re-save of that iteration, a flag reduction (the directory
+    exists); without a tracker an agreement on the untracked-checkpoint check. A failure
+    exits on every rank, printed once (megatron/agreed_exit.py)."""
     agreed, release = (-1, False) if root is None else _agreed_iteration(root, group)
     if agreed < 0:
         tracker = tracker_path(root) if root is not None else "(no --load directory given)"
