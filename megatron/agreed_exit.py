@@ -18,6 +18,13 @@ collective results it already has (a flag all-reduce) needs no further collectiv
 Entry points run under `silent_ranks_wait`: a rank that does not print waits under a
 launcher before it exits, as for an argument error (megatron/arguments.py), so that the
 failure the launcher reports first is rank 0's, which printed.
+
+The agreements and the training loop's per-step exit checks run over the world on a gloo
+group (the run's CPU control group), whose all-reduce and all-gather are rings: 2(N-1)
+messages one after another even for one number, a second or so at thousands of ranks.
+`max_over_ranks` reduces over a binomial tree instead (about 2 log2(N) messages in a row,
+at most about that many sent or received by a rank), and `agree` gathers the messages only
+when some rank has one.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import contextlib
 import sys
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 from megatron.watchdog import watching
@@ -89,16 +97,64 @@ def agreed_report(errors: Sequence[Optional[str]]) -> Optional[str]:
     return "\n".join(lines) if lines else None
 
 
+def max_over_ranks(values: Sequence[float], group=None) -> List[float]:
+    """Element-wise MAX of `values` (numbers a float64 holds exactly: flags, counts,
+    minutes) over the ranks of `group` (None: the default group); `values` in a single
+    process. Every rank of `group` must call it at the same point with as many values.
+
+    Collective, O(log N) messages and latency per rank: on gloo a binomial-tree reduce to
+    the group's first rank (point-to-point) and a broadcast (gloo's is a binomial tree
+    too), where gloo's all-reduce is a ring of 2(N-1) messages in a row; on NCCL one
+    all-reduce."""
+    where = _world(group)
+    if where is None:
+        return [float(v) for v in values]
+    me, size = where
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+    mine = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    if nccl:
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+        return mine.tolist()
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(size)
+    theirs = torch.empty_like(mine)
+    step = 1
+    while step < size:  # children at me + 1, + 2, + 4, ... below the step I send at
+        if me % (2 * step):
+            dist.send(mine, dst=ranks[me - step], group=group)
+            break
+        if me + step < size:
+            dist.recv(theirs, src=ranks[me + step], group=group)
+            torch.maximum(mine, theirs, out=mine)
+        step *= 2
+    dist.broadcast(mine, src=ranks[0], group=group)
+    return mine.tolist()
+
+
+def from_rank_0(value: Any, group=None) -> Any:
+    """Rank 0's `value` (a picklable object; the others pass anything, e.g. None) on every
+    rank of `group` (None: the default group); `value` in a single process. Collective:
+    a broadcast_object_list (gloo's broadcast is a binomial tree: O(log N) latency)."""
+    if _world(group) is None:
+        return value
+    box = [value]
+    src = dist.get_process_group_ranks(group)[0] if group is not None else 0
+    with watching("object from rank 0", group):
+        dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
 def agree(error: Optional[str], group=None, value: Any = None) -> List[Any]:
     """Every rank's `value` (a list indexed by rank) when no rank of `group` has an error;
     else every rank raises the same `AgreedExit` (see `agreed_report`), which rank 0
     prints. `error`: this rank's message, or None. In a single process: [value], or
     SystemExit(error).
 
-    Collective: one all_gather_object of (error, value) over `group` (the run's CPU
-    control group, or None for the default group), which every rank must call at the same
-    point, whether its own check passed or not. Watched (megatron/watchdog.py `watching`,
-    under the caller's name): a rank that never comes is named after
+    Collective over `group` (the run's CPU control group, or None for the default group),
+    which every rank must call at the same point, whether its own check passed or not:
+    `max_over_ranks` of two flags (an error, a value), then, only when some rank has
+    either, an all_gather_object of (error, value). Watched (megatron/watchdog.py
+    `watching`, under the caller's name): a rank that never comes is named after
     --distributed-timeout-minutes."""
     where = _world(group)
     if where is None:
@@ -110,6 +166,9 @@ def agree(error: Optional[str], group=None, value: Any = None) -> List[Any]:
     name = (f"agreement of the ranks in {caller.f_globals.get('__name__', '?')}."
             f"{caller.f_code.co_name}")
     with watching(name, group):
+        flags = max_over_ranks([error is not None, value is not None], group)
+        if not any(flags):
+            return gathered  # every rank's value is None
         dist.all_gather_object(gathered, (error, value), group=group)
     report = agreed_report([e for e, _ in gathered])
     if report is not None:
@@ -143,4 +202,4 @@ def silent_ranks_wait(env: Mapping[str, str]) -> Iterator[None]:
 
 
 __all__ = ["AgreedExit", "agree", "agreed_report", "exit_message", "exit_on_every_rank",
-           "rank_ranges", "silent_ranks_wait"]
+           "from_rank_0", "max_over_ranks", "rank_ranges", "silent_ranks_wait"]

@@ -155,10 +155,17 @@ def _failure(tmp_dir: str, rank_dir: str) -> Optional[str]:
         return f"(its failure message could not be read: {exc})"
 
 
+# The longest pause between two looks at the markers: a look stats two files per writer
+# still writing (tensor x pipeline writers) on the shared file system, and a save can run
+# for minutes; every 20 ms that was thousands of metadata requests a second from rank 0.
+MAX_POLL_S = 0.5
+
+
 def wait_for_markers(tmp_dir: str, rank_dirs: Iterable[str], timeout_s: float,
                      poll_s: float = 0.02,
                      stop: Optional[Callable[[], bool]] = None) -> None:
-    """Block until every marker of `rank_dirs` exists in `tmp_dir`.
+    """Block until every marker of `rank_dirs` exists in `tmp_dir`, looking after
+    `poll_s` seconds, then half as long again each time, up to MAX_POLL_S.
 
     Raises RuntimeError with the writer's message as soon as one of them left a failure
     marker, and TimeoutError naming the missing ones after `timeout_s` seconds (a writer
@@ -183,6 +190,7 @@ def wait_for_markers(tmp_dir: str, rank_dirs: Iterable[str], timeout_s: float,
                 f"in {tmp_dir}: a rank died while writing, or the ranks do not share this "
                 f"directory; {unpublished}")
         time.sleep(poll_s)
+        poll_s = min(poll_s * 1.5, max(poll_s, MAX_POLL_S))
 
 
 def writers_stopped(tmp_dir: str, rank_dirs: Iterable[str], timeout_s: float,
@@ -317,7 +325,7 @@ def agreed_wait(saver: Optional[AsyncSaver], is_rank_0: bool, group=None) -> Non
     temporary directory: every rank joined its own writer before the agreement, so none
     can still write there. In a single process the failure's SystemExit.
 
-    Collective: one `agree` (all_gather_object) over `group`, which every rank must call
+    Collective: one `agree` over `group`, which every rank must call
     at the same point, with a saver or not."""
     error = None
     try:

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.agreed_exit import agree, exit_on_every_rank
+from megatron.agreed_exit import agree, exit_on_every_rank, max_over_ranks
 from megatron.checkpoint_dirs import (
     checkpoint_name,
     exit_on_missing_message,
@@ -52,8 +52,13 @@ def _all_reduce_max(values: List[int]) -> List[int]:
 
 
 def _failing_ranks(ps: ParallelState, failed: bool) -> List[int]:
-    """The global ranks for which `failed` is true (all-reduce MAX of a flag vector over the
-    world, so that every rank takes the same decision); [0] or [] in a single process."""
+    """The global ranks for which `failed` is true (`max_over_ranks` of the flag over the
+    world, so that every rank takes the same decision, then, when some rank failed, an
+    all-reduce MAX of a vector of one flag per rank to name them); [0] or [] in a single
+    process."""
+    with watching("checkpoint flag (any rank failed)"):
+        if not max_over_ranks([failed])[0]:
+            return []
     flags = [0] * ps.world_size
     flags[ps.rank] = int(failed)
     return [r for r, f in enumerate(_all_reduce_max(flags)) if f]
@@ -93,7 +98,7 @@ def _check_rank_files(root: str, iteration: int, release: bool, ps: ParallelStat
     """This rank's file path (`model_file`: Megatron-LM 23.04's model_rng.pt when that is
     the one there); SystemExit on every rank if any rank's file is missing.
 
-    Collective: all-reduce MAX of a per-rank "missing" flag vector over the world.
+    Collective over the world: `_failing_ranks`.
     """
     path = model_file(os.path.dirname(
         checkpoint_name(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size, release)))
@@ -109,17 +114,17 @@ def _check_rank_files(root: str, iteration: int, release: bool, ps: ParallelStat
 
 
 def _agreed_iteration(root: str, group=None) -> Tuple[int, bool]:
-    """(iteration, release) from the tracker, the MAX over ranks (`agree`: a gather over
-    `group`); -1 if none. Every rank exits when a rank's tracker file is malformed."""
+    """(iteration, release) from the tracker, the MAX over ranks (`max_over_ranks` over
+    `group`, after an `agree`); -1 if none. Every rank exits when a rank's tracker file
+    is malformed."""
     error, iteration, release = None, None, False
     try:
         iteration, release = read_tracker(root)
     except ValueError as exc:
         error = malformed_tracker_message(root, exc)
     local = -1 if iteration is None else iteration
-    found = agree(error, group, (local, release))
-    agreed = max(i for i, _ in found)
-    any_release = any(r for _, r in found)
+    agree(error, group)
+    agreed, any_release = (int(v) for v in max_over_ranks([local, release], group))
     if local != agreed and dist.is_available() and dist.is_initialized():
         print(f"WARNING: on rank {dist.get_rank()} found iteration {local} in {tracker_path(root)}"
               f" while max iteration across the ranks is {agreed}, replacing it with max "
@@ -132,11 +137,11 @@ def resolve_checkpoint(root: Optional[str], ps: ParallelState, exit_on_missing: 
     """(iteration, release) of the latest checkpoint under `root`, agreed by all ranks, or
     None when there is no tracker file (a warning; an exit when `exit_on_missing`).
 
-    Collective: a gather of the trackers' iterations over `group` (the run's CPU control
-    group; None: the default group), another after rank 0 has restored an interrupted
-    re-save of that iteration, an all-reduce of a flag (the directory exists); without a
-    tracker a gather of the untracked-checkpoint check. A failure exits on every rank,
-    printed once (megatron/agreed_exit.py)."""
+    Collective: agreements (megatron/agreed_exit.py) over `group` (the run's CPU control
+    group; None: the default group) on the trackers' iterations, and after rank 0 has
+    restored an interrupted re-save of that iteration, a flag reduction (the directory
+    exists); without a tracker an agreement on the untracked-checkpoint check. A failure
+    exits on every rank, printed once (megatron/agreed_exit.py)."""
     agreed, release = (-1, False) if root is None else _agreed_iteration(root, group)
     if agreed < 0:
         tracker = tracker_path(root) if root is not None else "(no --load directory given)"

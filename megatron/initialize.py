@@ -88,6 +88,20 @@ def srun_tasks_without_launcher(env: Mapping[str, str], script: str = "pretrain_
             f"node> --master-port <port> {script} ... (scripts/slurm/pretrain_gpt.sbatch does)")
 
 
+# gloo connects the pairs of ranks a group's collectives use when they first talk (torch
+# >= 2.8; an older torch ignores it), not every pair when the group is made: a group over
+# N ranks otherwise costs each rank N - 1 sockets and about 2N rendezvous-store requests
+# at start-up (2N^2 in all on one store server: minutes at thousands of GPUs), and gloo's
+# collectives talk to 2 (ring) or log2(N) (broadcast, barrier) peers.
+GLOO_LAZY_INIT = {"TORCH_GLOO_LAZY_INIT": "1"}
+
+
+def gloo_lazy_init_env(env: Mapping[str, str]) -> dict:
+    """What the entry point adds to its environment before any process group exists:
+    GLOO_LAZY_INIT, unless `env` names TORCH_GLOO_LAZY_INIT itself (a user's choice)."""
+    return {} if "TORCH_GLOO_LAZY_INIT" in env else dict(GLOO_LAZY_INIT)
+
+
 CUBLAS_NO_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}
 # a user who names any of these chose cuBLAS's workspace (or cuBLASLt, which needs one)
 CUBLAS_USER_CHOICES = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE",
@@ -179,11 +193,16 @@ def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
         ep_size=parallel.ep_size, virtual_pp_size=parallel.virtual_pp_size,
         sequence_parallel=parallel.sequence_parallel, timeout=timeout,
     )
-    control_group = None
-    if world_size > 1 and backend != "gloo":
-        control_group = dist.new_group(backend="gloo", timeout=timeout)
     return Runtime(ps=ps, device=device, rng_tracker=RNGStatesTracker(device), backend=backend,
-                   control_group=control_group)
+                   control_group=build_control_group(backend, world_size, timeout))
+
+
+def build_control_group(backend: str, world_size: int, timeout: datetime.timedelta):
+    """The CPU (gloo) group over the world for host-side flags and agreements when the
+    default group is not gloo; None otherwise (the default group serves). Collective."""
+    if world_size > 1 and backend != "gloo":
+        return dist.new_group(backend="gloo", timeout=timeout)
+    return None
 
 
 def local_gpu(rank: int, local_rank: int, env: Mapping[str, str], num_gpus: int) -> int:
@@ -221,10 +240,12 @@ def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank
                            environ: MutableMapping[str, str]) -> Runtime:
     """The entry points' start (pretrain_gpt.py, tools/benchmark.py): export what
     `--cublas-workspace` asks for into `environ` (the process environment, read by torch
-    when it makes its first cuBLAS handle, so before anything runs on the GPU), initialise
+    when it makes its first cuBLAS handle, so before anything runs on the GPU) and
+    `gloo_lazy_init_env` (read when each gloo group is made), initialise
     (under torchrun --max-restarts, each attempt keeps out of the keys of the previous
     one), then check one GEMM on the GPU when cuBLAS was left without a workspace."""
     one_line_project_warnings()
+    environ.update(gloo_lazy_init_env(environ))
     no_workspace = cublas_workspace_env(cublas_workspace, environ)
     environ.update(no_workspace)
     if no_workspace:

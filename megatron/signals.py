@@ -9,7 +9,6 @@ from __future__ import annotations
 import signal
 from typing import Iterable, Optional
 
-import torch
 import torch.distributed as dist
 
 
@@ -29,15 +28,20 @@ class SignalHandler:
         """Name of a signal received by any rank (collective over `group`), else None.
 
         `group` should be a CPU (gloo) group so the check never waits on the GPU."""
-        code = torch.tensor([self.received or 0], dtype=torch.int32)
+        code = self.received or 0
         if dist.is_initialized():
+            from megatron.agreed_exit import max_over_ranks
             from megatron.watchdog import watching
 
             with watching("exit-signal check", group):
-                dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group)
-        value = int(code.item())
-        return signal.Signals(value).name if value else None
+                code = max_over_ranks([code], group)[0]
+        return signal_name(code)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def signal_name(code: float) -> Optional[str]:
+    """'SIGTERM' for its number (a float from `max_over_ranks` too); None for 0."""
+    return signal.Signals(int(code)).name if code else None

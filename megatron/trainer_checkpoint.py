@@ -16,7 +16,7 @@ from typing import Dict, NamedTuple, Optional, Set, Tuple
 
 import torch
 
-from megatron.agreed_exit import agree, exit_message
+from megatron.agreed_exit import agree, exit_message, exit_on_every_rank, from_rank_0
 from megatron.async_save import AsyncSaver, agreed_wait
 from megatron.checkpoint_args import (
     checkpoint_args_message,
@@ -357,16 +357,37 @@ def _check_first_file(tr, iter_dir: str, release: bool
     return (None, problem) if problem else ((saved, first, states), None)
 
 
+def _first_file_checked_once(tr, iter_dir: str, release: bool
+                             ) -> Tuple[Optional[Tuple[Layout, Optional[dict], LoadStates]],
+                                        Optional[str]]:
+    """`_check_first_file` on global rank 0, its result -- the first file's arguments
+    instead of its payload -- sent to every rank (`from_rank_0` over the control group):
+    every rank listing the iteration directory and reading that file was thousands of
+    reads of one file and of its directory on the shared file system at once."""
+    result = None
+    if tr.rt.ps.rank == 0:
+        try:
+            checked, problem = _check_first_file(tr, iter_dir, release)
+        except Exception as exc:  # rank 0 alone would stop: the others would wait for it
+            checked, problem = None, (f"error: cannot check the first rank's file of "
+                                       f"{iter_dir}: {type(exc).__name__}: {exc}")
+        if checked is not None:
+            saved, first, states = checked
+            checked = (saved, first.get("args"), states)
+        result = (checked, problem)
+    return from_rank_0(result, _control_group(tr))
+
+
 def _load_trainer_payload(tr) -> Optional[_Loaded]:
     """This rank's payload from --load, checked against the run; None without a checkpoint.
 
-    The first rank's file (memory-mapped) is checked first on every rank
-    (`_check_first_file`), and the ranks agree on the result. When the checkpoint's tp,
+    The first rank's file (memory-mapped) is checked first, on global rank 0, which tells
+    the others (`_first_file_checked_once`). When the checkpoint's tp,
     pp or chunks per rank differ from the run's -- or, with the optimizer state to load, its
     optimizer kind (distributed or not, fp32 or mixed) -- every rank reads all shards and
     takes its slice (megatron.checkpoint_reshard); a failure there is left in
     `_Loaded.error` for `load_trainer_checkpoint`'s agreement. Collective: the tracker
-    gather and barrier, the gather of the first file's check; the missing- and
+    agreement and barrier, rank 0's check of the first file sent to all; the missing- and
     unreadable-file checks otherwise. A failure exits every rank, printed once."""
     ck, ps, group = tr.config.checkpoint, tr.rt.ps, _control_group(tr)
     found = resolve_checkpoint(ck.load, ps, ck.exit_on_missing_checkpoint, group)
@@ -374,12 +395,13 @@ def _load_trainer_payload(tr) -> Optional[_Loaded]:
         return None
     iteration, release = found
     iter_dir = os.path.join(ck.load, iteration_dir_name(iteration, release))
-    checked, problem = _check_first_file(tr, iter_dir, release)
-    agree(problem, group)
-    saved, first, states = checked
-    tr.checkpoint_args = first.get("args")  # for the resume's train-order check
-    for warning in (seq_length_warning(first.get("args"), tr.config.args, iter_dir),
-                    data_order_warning(first.get("args"), tr.config.args, iter_dir)):
+    checked, problem = _first_file_checked_once(tr, iter_dir, release)
+    if problem is not None:
+        raise exit_on_every_rank(problem, group)  # every rank has rank 0's problem
+    saved, first_args, states = checked
+    tr.checkpoint_args = first_args  # for the resume's train-order check
+    for warning in (seq_length_warning(first_args, tr.config.args, iter_dir),
+                    data_order_warning(first_args, tr.config.args, iter_dir)):
         if warning is not None and tr.optimizer is not None:  # not for evaluation-only
             print_rank_0(warning)
     for note in states.notes:

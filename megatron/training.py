@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import checkpointing, step_graph, trainer_checkpoint
+from megatron.agreed_exit import max_over_ranks
 from megatron.checkpoint_args import train_order_warning, valid_order_warning
 from megatron.checkpoint_dirs import UNFINISHED_IDLE_S, unfinished_saves_report
 from megatron.config import Config
@@ -55,7 +56,7 @@ from megatron.microbatches import update_micro_batches
 from megatron.oom_report import OomReport
 from megatron.profiling import StepProfiler
 from megatron.save_lock import lock_save_dir
-from megatron.signals import SignalHandler
+from megatron.signals import SignalHandler, signal_name
 from megatron.tokenizer import eod_or_none
 from megatron.train_step import (  # noqa: F401 (forward_backward re-exported)
     StepLog,
@@ -215,27 +216,37 @@ def final_evaluation(tr: Trainer, valid_data, test_data) -> None:
 
 # --------------------------------------------------------------------------- the loop
 def _should_exit(tr: Trainer, start_time: float) -> Optional[str]:
-    """Megatron's exit line when an exit condition holds (the same on all ranks: the
-    checks are collectives over the control group), else None. In Megatron's order:
-    a signal received by any rank (--exit-signal-handler), --exit-duration-in-mins since
-    `start_time` (the process start) on the longest-running rank, --exit-interval."""
+    """Megatron's exit line when an exit condition holds (the same on all ranks: one
+    `max_over_ranks` over the control group per iteration decides the first two), else
+    None. In Megatron's order: a signal received by any rank (--exit-signal-handler),
+    --exit-duration-in-mins since `start_time` (the process start) on the longest-running
+    rank, --exit-interval."""
     t = tr.config.training
     it = tr.state.iteration
-    if tr.signals is not None:
-        name = tr.signals.any_rank_received(tr.rt.control_group)
-        if name:
-            return f"[exiting program after receiving {name}.]"
-    if t.exit_duration_in_mins:
-        # The longest-running rank decides, and the message gives its time.
-        minutes = torch.tensor([(time.time() - start_time) / 60.0], dtype=torch.float64)
-        if dist.is_initialized():
-            with watching("--exit-duration-in-mins check", tr.rt.control_group):
-                dist.all_reduce(minutes, op=dist.ReduceOp.MAX, group=tr.rt.control_group)
-        if minutes.item() > t.exit_duration_in_mins:
-            return f"[exiting program after {minutes.item()} minutes]"
+    signal_code, minutes = _exit_checks(tr, start_time)
+    if signal_code:
+        return f"[exiting program after receiving {signal_name(signal_code)}.]"
+    if t.exit_duration_in_mins and minutes > t.exit_duration_in_mins:
+        # the longest-running rank decides, and the message gives its time
+        return f"[exiting program after {minutes} minutes]"
     if t.exit_interval and it % t.exit_interval == 0:
         return f"[exiting program at iteration {it}]"
     return None
+
+
+def _exit_checks(tr: Trainer, start_time: float) -> Tuple[float, float]:
+    """(the largest signal number any rank received, 0 for none or without
+    --exit-signal-handler; the longest time any rank has run, in minutes, 0 without
+    --exit-duration-in-mins): one reduction over the control group when either flag is
+    on, whose cost grows as log2 of the world size (megatron/agreed_exit.py)."""
+    t = tr.config.training
+    if tr.signals is None and not t.exit_duration_in_mins:
+        return 0.0, 0.0
+    local = [(tr.signals.received or 0) if tr.signals is not None else 0,
+             (time.time() - start_time) / 60.0 if t.exit_duration_in_mins else 0.0]
+    with watching("exit checks (signal, --exit-duration-in-mins)", tr.rt.control_group):
+        signal_code, minutes = max_over_ranks(local, tr.rt.control_group)
+    return signal_code, minutes
 
 
 def _report_nan(tr: Trainer, iteration: int, local: Optional[torch.Tensor]) -> str:

@@ -281,29 +281,32 @@ def _groups_worker(rank, world_size):
         ps.get_data_parallel_world_size(),
         _sum_over(ps.get_tensor_model_parallel_group(), rank),
         _sum_over(ps.get_pipeline_model_parallel_group(), rank),
+        # Megatron's accessors keep their groups of one: ported code passes them to torch
+        _sum_over(ps.get_data_parallel_group(), rank),
     )
     return out
 
 
 def test_process_groups_all_reduce_expected_ranks():
     results = run_distributed(_groups_worker, 4)
-    # tp=2, pp=2 (dp=1): tp [0,1] [2,3]; dp singletons; pp = embedding = [0,2] [1,3]
+    # tp=2, pp=2 (dp=1): tp [0,1] [2,3]; dp of one rank: None; pp = embedding = [0,2] [1,3]
     expected = {
-        "tp": [1, 1, 5, 5], "dp": [0, 1, 2, 3], "pp": [2, 4, 2, 4],
-        "mp": [6, 6, 6, 6], "embedding": [2, 4, 2, 4],
+        "tp": [1, 1, 5, 5], "pp": [2, 4, 2, 4], "mp": [6, 6, 6, 6], "embedding": [2, 4, 2, 4],
     }
     for kind, sums in expected.items():
         assert [res[(2, 2, 1)][kind] for res in results] == sums, kind
+    assert all("dp" not in res[(2, 2, 1)] for res in results)
     for layout in _DIST_LAYOUTS:
         grid = RankGrid(4, *layout)
         for rank, res in enumerate(results):
             for kind in _SUM_KINDS:
                 members = grid.group_of(kind, rank)
-                assert (kind in res[layout]) == bool(members), (layout, kind, rank)
-                if members:
+                # a group of one rank is None (nothing to communicate)
+                assert (kind in res[layout]) == (len(members) > 1), (layout, kind, rank)
+                if len(members) > 1:
                     assert res[layout][kind] == sum(members), (layout, kind, rank)
     assert [res["accessors"] for res in results] == [
-        (0, 0, 1, 1, 2), (1, 0, 1, 1, 4), (0, 1, 1, 5, 2), (1, 1, 1, 5, 4),
+        (0, 0, 1, 1, 2, 0), (1, 0, 1, 1, 4, 1), (0, 1, 1, 5, 2, 2), (1, 1, 1, 5, 4, 3),
     ]
 
 

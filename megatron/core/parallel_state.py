@@ -11,6 +11,15 @@ one and no initialised process group every group is `None`, and the communicatio
 functions in `tensor_parallel.mappings` treat `None` as "nothing to communicate", so the
 same model code runs as a plain single-process model.
 
+A group of one rank is `None` in a larger world too (tp 1: no tensor-parallel group; pp 1:
+no pipeline or embedding group): `dist.new_group` must be called by every rank for every
+group, and with NCCL on a device-bound default group each call is a communicator split
+over the whole world, so the world-size many one-rank groups of a data-parallel layout cost
+O(world) world-wide collectives per rank at start-up (O(world^2) in all). The
+expert-data-parallel groups are the data-parallel ones when ep is 1. The Megatron-style
+`initialize_model_parallel` below still makes the one-rank groups: code ported from
+Megatron passes its groups to torch.distributed, where `None` means the whole world.
+
 Thin Megatron-style accessors (`initialize_model_parallel`, `get_tensor_model_parallel_rank`,
 ...) are at the bottom for people porting code; new code passes the object around.
 """
@@ -122,8 +131,9 @@ class RankGrid:
 class ParallelState:
     """One rank's view of the grid: its coordinates and its process groups.
 
-    A group attribute is `None` when the world has one process or torch.distributed is
-    not initialised; library code treats `None` as a group of size one.
+    A group attribute is `None` when the world has one process, torch.distributed is
+    not initialised, or the group has one rank; library code treats `None` as a group of
+    size one.
     """
 
     grid: RankGrid
@@ -144,10 +154,13 @@ class ParallelState:
         sequence_parallel: bool = False,
         create_groups: Optional[bool] = None,
         timeout=None,
+        one_rank_groups: bool = False,
     ) -> "ParallelState":
         """Build the state; create torch process groups when distributed is initialised.
 
         Every rank must call this with the same sizes (group creation is collective).
+        Groups of one rank are left `None` (a group of one: nothing to communicate)
+        unless `one_rank_groups` (see the module docstring).
         """
         if sequence_parallel and tp_size == 1:
             raise ValueError("Sequence parallelism requires tensor parallelism")
@@ -156,13 +169,22 @@ class ParallelState:
         if create_groups is None:
             create_groups = dist.is_available() and dist.is_initialized() and world_size > 1
         if create_groups:
-            state._create_groups(timeout)
+            state._create_groups(timeout, one_rank_groups)
         return state
 
-    def _create_groups(self, timeout) -> None:
+    def _create_groups(self, timeout, one_rank_groups: bool = False) -> None:
+        """One `dist.new_group` per group of more than one rank (every rank calls each:
+        it is collective), or of any size with `one_rank_groups`. The expert-data-parallel
+        groups of ep 1 are the data-parallel groups, reused."""
         kwargs = {"timeout": timeout} if timeout is not None else {}
         for kind in GROUP_KINDS:
+            if kind == "dp_modulo_ep" and self.ep_size == 1:
+                if "dp" in self._groups:
+                    self._groups[kind] = self._groups["dp"]
+                continue
             for ranks in self.grid.groups(kind):
+                if len(ranks) == 1 and not one_rank_groups:
+                    continue
                 group = dist.new_group(ranks, **kwargs)  # collective: every rank calls it
                 if self.rank in ranks:
                     self._groups[kind] = group
@@ -293,7 +315,7 @@ def initialize_model_parallel(
     _STATE = ParallelState.build(
         world, rank, tensor_model_parallel_size, pipeline_model_parallel_size,
         expert_model_parallel_size, virtual_pipeline_model_parallel_size,
-        sequence_parallel_enabled,
+        sequence_parallel_enabled, one_rank_groups=True,
     )
     return _STATE
 
