@@ -10,7 +10,9 @@ Every collective of the step runs in a block of the run's watchdog (megatron/wat
 so that a rank that never gets there, or stops inside the block before its collective, is
 named with the phase: the schedule's actions (`_action_watch`), the loss broadcast, the
 gradient reduction, the tied-embedding and sequence-parallel all-reduces, the loss average,
-the NaN check and the optimizer step (one block for its reductions). A block is an
+the NaN check and the optimizer step (one block for its reductions and, with the
+distributed optimizer, its parameter all-gather; with --overlap-param-gather the wait for
+that all-gather, per bucket, in the next forward: `watch_param_sync`). A block is an
 in-memory check-in; nothing is added per layer.
 """
 from __future__ import annotations
@@ -359,6 +361,27 @@ def watch_optimizer(tr, name: Optional[str] = None):
     if group is None:
         return contextlib.nullcontext()
     return watch_group(tr, name, group, also)
+
+
+PARAM_SYNC_WAIT = ("parameter all-gather of the optimizer step, waited for in the forward "
+                   "(data-parallel group, --overlap-param-gather)")
+
+
+def watch_param_sync(tr) -> None:
+    """With --overlap-param-gather the distributed optimizer's step only launches its
+    parameter all-gather; the next forward waits for it, in no watched block at tp 1 (a
+    rank that never launched it left the others waiting there until the process group's
+    timeout). Puts each such wait (one per bucket and step, only where one is in
+    flight) under the watchdog, over the data-parallel group. Nothing without a
+    watchdog, the overlap or data parallelism."""
+    wd, dp_group = getattr(tr, "watchdog", None), tr.rt.ps.dp_group
+    if (not isinstance(wd, CollectiveWatchdog) or dp_group is None
+            or not tr.config.parallel.overlap_param_gather):
+        return
+    ranks = tuple(tr.rt.ps.ranks("dp"))
+    for chunk in model_chunks(tr):
+        if hasattr(chunk, "watch_param_sync"):  # the DistributedDataParallel wrapper
+            chunk.watch_param_sync(lambda: wd.watch(PARAM_SYNC_WAIT, ranks=ranks))
 
 
 def _watch_tied_embedding(tr):

@@ -82,6 +82,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -334,18 +335,19 @@ class CollectiveWatchdog:
             return message + "\n" + self.main_thread_stack()
         # the same hang: the first rank's report has the details
         message = message.splitlines()[0] + " (another rank's watchdog reported it first)"
-        if self.rank in named:  # this rank is the one stuck: say where
+        if self.rank in named or self.rank in _named_in(self._abort_line()):
+            # this rank is the one stuck (the first report may name it in another block)
             message += "\n" + self.main_thread_stack()
         return message
 
     def _stop_message(self, abort: str) -> str:
         """The message of a stop `_poll` found a reason for, with where the main thread
-        is when it waits in no watched block."""
+        is when it waits in no watched block or the report names this rank."""
         with self._cond:
             inside = self._active[-1].name if self._active else None
         phases = self._phases[-1:]  # one read: the main thread may leave its phase meanwhile
         message = self.abort_message(abort, inside, phases[0] if phases else None)
-        if inside is None:  # not waiting for the others: maybe the one stuck
+        if inside is None or self.rank in _named_in(abort):  # maybe the one stuck
             message += "\n" + self.main_thread_stack()
         return message
 
@@ -397,6 +399,18 @@ class CollectiveWatchdog:
                 f"({str(first).splitlines()[0] if str(first) else type(first).__name__}): "
                 "the process that hosts it (torchrun's agent on the first node, or rank 0) "
                 "has ended, so the rest of the job is gone"), self.poll_s
+
+    def _abort_line(self) -> str:
+        """The first report's line under ABORT_KEY ('' when not there yet, or no store):
+        the rank that fired first leaves it right after counting itself in FIRED_KEY."""
+        for _ in range(10):
+            try:
+                if self.store.check([ABORT_KEY]):
+                    return self.store.get(ABORT_KEY).decode(errors="replace")
+            except Exception:
+                return ""
+            time.sleep(0.05)
+        return ""
 
     def _leave_abort(self, line: str) -> None:
         """Ask every other rank's watchdog to stop (best effort: the store may be gone)."""
@@ -610,6 +624,13 @@ def _behind_in_groups(issued: Dict[int, List[list]]) -> Tuple[List[int], List[st
                          f"collectives on {label} and {ahead} {most}: rank {r} did not reach "
                          "the collective the others wait in")
     return sorted(behind), lines
+
+
+def _named_in(line: str) -> List[int]:
+    """The ranks a report's first line names as not arrived ([] for none, or another
+    line)."""
+    found = re.search(r"ranks that did not arrive: \[([\d, ]*)\]", line)
+    return [int(r) for r in found[1].split(",") if r.strip()] if found else []
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:

@@ -295,6 +295,31 @@ def test_a_rank_stuck_after_the_gradient_reduction_is_named_in_bounded_time(tmp_
     assert not re.search(r'File ".*(/megatron/|pretrain_gpt)', log), log[-4000:]
 
 
+@pytest.mark.slow
+def test_a_rank_stuck_before_the_overlapped_parameter_all_gather_is_named(tmp_path):
+    """dp2, distributed optimizer, --overlap-param-gather: rank 1 stops in its 2nd step
+    after the grad-norm all-reduce, before it launches the parameter all-gather. Rank 0
+    launched its own and left the step; the next forward waits for it (at tp 1 in no
+    watched block): rank 0 waited until the process group's own timeout (+1 minute) and
+    died with gloo's error naming no rank. Now that wait is watched: rank 0 names rank 1
+    after --distributed-timeout-minutes, rank 1 says where it is, every process ends with
+    124, no traceback."""
+    log, statuses, seconds = run_with_fault(
+        tmp_path, "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer._start_param_gather", "sleep",
+        ["--use-distributed-optimizer", "--overlap-param-gather", "--log-interval", "100",
+         "--train-iters", "20"], call=2)
+    assert re.search(r"\[watchdog rank 0\] collective parameter all-gather of the optimizer "
+                     r"step, waited for in the forward \(data-parallel group, "
+                     r"--overlap-param-gather\) did not complete within 3 s at iteration 2; "
+                     r"ranks that did not arrive: \[1\]", log), log[-4000:]
+    stuck = log[log.index("rank 1's main thread is here"):]
+    assert "time.sleep(300)" in stuck.split("\n\n")[0], log[-4000:]
+    assert statuses and set(statuses.values()) == {EXIT_CODE}, statuses
+    assert seconds < 45
+    assert not re.search(r'File ".*(/megatron/|pretrain_gpt)', log), log[-4000:]
+
+
 # --------------------------------------------------------------------------- a rank stops
 @pytest.mark.slow
 @pytest.mark.parametrize("action", ["raise", "kill"])
