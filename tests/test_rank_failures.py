@@ -299,11 +299,12 @@ def test_a_rank_stuck_after_the_gradient_reduction_is_named_in_bounded_time(tmp_
 def test_a_rank_stuck_before_the_overlapped_parameter_all_gather_is_named(tmp_path):
     """dp2, distributed optimizer, --overlap-param-gather: rank 1 stops in its 2nd step
     after the grad-norm all-reduce, before it launches the parameter all-gather. Rank 0
-    launched its own and left the step; the next forward waits for it (at tp 1 in no
-    watched block): rank 0 waited until the process group's own timeout (+1 minute) and
-    died with gloo's error naming no rank. Now that wait is watched: rank 0 names rank 1
-    after --distributed-timeout-minutes, rank 1 says where it is, every process ends with
-    124, no traceback."""
+    launched its own and left the step; the next forward waits for it, at tp 1 in no
+    watched block. Before, only rank 1's own overrun of the step ended the run, naming no
+    rank (rank 0 had left the step), and rank 0 said it was in no watched collective. Now
+    that wait is watched: rank 0 names rank 1 after --distributed-timeout-minutes, rank 1
+    (named, inside its step's block) says where it is, every process ends with 124, no
+    traceback."""
     log, statuses, seconds = run_with_fault(
         tmp_path, "megatron.core.optimizer.distrib_optimizer",
         "DistributedOptimizer._start_param_gather", "sleep",
