@@ -437,6 +437,30 @@ def test_a_stopped_rank_says_which_phase_it_was_in():
         "transfers did not complete\n  rank 1's main thread is here"), fired[0]
 
 
+def test_a_rank_the_report_names_says_where_it_is_from_inside_a_watched_block():
+    """Rank 1 is stuck inside the optimizer step's block (after its norm, before its
+    parameter all-gather); rank 0's report, from the next forward's wait for that
+    all-gather, names it. Rank 1's stop message said only that it waited inside its block;
+    now it shows where its main thread is. A rank the report does not name still says
+    only where it waits."""
+    messages = {}
+    for named in ("[1]", "[0]"):
+        store = dist.HashStore()
+        fired = []
+        wd = CollectiveWatchdog(store, 1, 2, 30.0, on_timeout=fired.append, poll_s=0.1)
+        with wd.watch("optimizer step", ranks=[0, 1]):
+            store.set(ABORT_KEY, "[watchdog rank 0] collective parameter all-gather wait did "
+                                 f"not complete within 3 s; ranks that did not arrive: {named}")
+            time.sleep(0.5)
+        wd.close()
+        assert len(fired) == 1 and fired[0].startswith(
+            "[watchdog rank 1] stopping, waiting in 'optimizer step' (arrived there), because "
+            "another rank's watchdog fired:"), fired
+        messages[named] = fired[0]
+    assert "rank 1's main thread is here" in messages["[1]"]
+    assert "main thread" not in messages["[0]"]
+
+
 class _LeftWhileLooked(list):
     """A phase stack whose last phase the main thread leaves right after the monitor saw
     it was not empty (the race between the check and the read, made certain)."""
