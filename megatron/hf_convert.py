@@ -417,11 +417,22 @@ def save_release_checkpoint(save: str, state: Dict[str, torch.Tensor], cfg,
     saying "release" (a run loads it at iteration 0 with a fresh optimizer). It is written
     at tp = pp = 1 into a temporary directory beside `save`, then moved into place (tp = pp
     = 1) or split by `tools/checkpoint_convert.py reshard`. A checkpoint already in `save`
-    is refused unless `overwrite` (SystemExit naming it)."""
-    from megatron.checkpointing import CHECKPOINT_VERSION, args_to_plain, checkpoint_name
-    from tools.checkpoint_convert import check_save, publish_checkpoint, reshard
+    is refused unless `overwrite` (SystemExit naming it). `save`'s lock is held meanwhile
+    (tools/checkpoint_convert.py `save_locked`: a run or another conversion writing there
+    is refused)."""
+    from tools.checkpoint_convert import check_save, save_locked
 
-    check_save(save, overwrite)
+    with save_locked(save, "from-hf"):
+        check_save(save, overwrite)
+        _write_release_checkpoint(save, state, cfg, overwrite)
+
+
+def _write_release_checkpoint(save: str, state: Dict[str, torch.Tensor], cfg,
+                              overwrite: bool) -> None:
+    """`save_release_checkpoint` once `save` is locked and checked."""
+    from megatron.checkpointing import CHECKPOINT_VERSION, args_to_plain, checkpoint_name
+    from tools.checkpoint_convert import publish_checkpoint, reshard
+
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
     parent = os.path.dirname(os.path.abspath(save))
     os.makedirs(parent, exist_ok=True)

@@ -7,8 +7,12 @@ shared tracker at each other's checkpoints, so that a resume continues the other
 training. Megatron-LM has no guard against it.
 
 While `pretrain()` runs, global rank 0 holds an exclusive `flock` on `<save>/.save.lock`
-(holding its host, process id and start time). A second run that finds it held stops at
-start-up, every rank with one message naming the holder; the kernel releases the lock when
+(holding what holds it, its host, process id and start time). A second run that finds it
+held stops at start-up, every rank with one message naming the holder. The conversions
+of tools/checkpoint_convert.py that write a checkpoint (reshard, to-megatron, from-hf)
+take the same lock on their --save while they write: one of them and a run saving into
+that directory (or two of them) would otherwise remove or replace each other's
+`iter_N.tmp/`. The kernel releases the lock when
 its process ends, however it ends, so a killed run leaves no stale lock (at most the file,
 which the next run takes over). The file is removed when the run ends. Where the file
 system implements no `flock` (some Lustre and NFS mounts), the run goes on unguarded, with
@@ -30,14 +34,17 @@ except ImportError:  # pragma: no cover - not POSIX
     fcntl = None
 
 LOCK_NAME = ".save.lock"
+TRAINING = "training run"  # what holds the lock, unless told otherwise
 
 
 class SaveDirLock:
-    """The lock of one `--save` directory, held by this process (`held`) or not."""
+    """The lock of one `--save` directory, held by this process (`held`) or not; `holder`
+    says what this process is, for the message of another that finds it held."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, holder: str = TRAINING) -> None:
         self.path = os.path.join(root, LOCK_NAME)
         self.root = root
+        self.holder = holder
         self.fd: Optional[int] = None
         self.unsupported: Optional[str] = None  # why the file system cannot lock
 
@@ -64,8 +71,9 @@ class SaveDirLock:
             if self._is_current(fd):
                 self.fd = fd
                 os.ftruncate(fd, 0)
-                os.write(fd, f"host {socket.gethostname()}, process {os.getpid()}, since "
-                             f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+                os.write(fd, f"{self.holder}, host {socket.gethostname()}, process "
+                             f"{os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+                             .encode())
                 return None
             os.close(fd)
         return self._in_use_message()
@@ -83,8 +91,10 @@ class SaveDirLock:
                 holder = f.read().strip()
         except OSError:
             holder = ""
-        return (f"error: --save {self.root} is in use by another training run "
-                f"({holder or 'its details not yet written'}; {self.path} is locked): two runs "
+        what, found, where = holder.partition(", host ")  # an older file: "host ..." only
+        what, where = (what, "host " + where) if found else (TRAINING, holder)
+        return (f"error: --save {self.root} is in use by another {what} "
+                f"({where or 'its details not yet written'}; {self.path} is locked): two runs "
                 "saving into one directory replace each other's checkpoints and point its "
                 "tracker at each other's. Stop that run, or pass another --save")
 

@@ -10,13 +10,15 @@ Every collective of the step runs in a block of the run's watchdog (megatron/wat
 so that a rank that never gets there, or stops inside the block before its collective, is
 named with the phase: the schedule's actions (`_action_watch`), the loss broadcast, the
 gradient reduction, the tied-embedding and sequence-parallel all-reduces, the loss average,
-the NaN check and the optimizer step (one block for its reductions). A block is an
+the NaN check and the optimizer step (one block for its reductions and, with the
+distributed optimizer, its parameter all-gather; with --overlap-param-gather the wait for
+that all-gather, per bucket, in the next forward: `watch_param_sync`). A block is an
 in-memory check-in; nothing is added per layer.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, NamedTuple, Optional
+from typing import Dict, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -42,7 +44,7 @@ from megatron.data_loading import get_batch
 from megatron.logging_utils import Timer, Timers
 from megatron.microbatches import update_micro_batches
 from megatron.step_graph import runner_for
-from megatron.watchdog import CollectiveWatchdog, issued_collectives
+from megatron.watchdog import CollectiveWatchdog, issued_collectives, issued_collectives_on
 
 # Megatron's timers that this step runs, in the order of its timer block (Megatron's
 # order, which mixes the levels). Level 1: forward-backward, the gradient reductions,
@@ -299,10 +301,11 @@ def _watch(tr, name: str, group_kind: str, progress: bool = False):
     return wd.watch(name, ranks=tr.rt.ps.ranks(group_kind), progress=issued)
 
 
-def watch_group(tr, name: str, group):
+def watch_group(tr, name: str, group, also: Tuple[Tuple[str, object], ...] = ()):
     """`_watch` with progress over the process group `group` (None: the world), whose
     ranks are looked up once a run; nothing without a watchdog or when the group is this
-    rank alone (no one to wait for)."""
+    rank alone (no one to wait for). `also`: (label, group) pairs of the other groups the
+    block issues collectives on; progress then counts per group (`issued_collectives_on`)."""
     wd = getattr(tr, "watchdog", None)
     if not isinstance(wd, CollectiveWatchdog):  # none, or a single process's
         return contextlib.nullcontext()
@@ -313,7 +316,11 @@ def watch_group(tr, name: str, group):
         ranks = cache[group] = tuple(dist.get_process_group_ranks(group))
     if len(ranks) == 1:
         return contextlib.nullcontext()
-    return wd.watch(name, ranks=ranks, progress=issued_collectives(group))
+    progress = issued_collectives(group)
+    if also:
+        label = "all ranks" if len(ranks) == dist.get_world_size() else "its group"
+        progress = issued_collectives_on(((label, group),) + also)
+    return wd.watch(name, ranks=ranks, progress=progress)
 
 
 def _optimizer_step_name(opt) -> str:
@@ -337,17 +344,44 @@ def _optimizer_step_name(opt) -> str:
 def watch_optimizer(tr, name: Optional[str] = None):
     """The watched block of a collective over the optimizer's reduction group (the
     model-parallel group; all ranks with the distributed optimizer): by default its
-    step, named by `_optimizer_step_name`. Nothing when that group is this rank alone."""
+    step, named by `_optimizer_step_name`, whose progress also counts the distributed
+    optimizer's parameter all-gather over the data-parallel group (a rank stuck between
+    the norm's all-reduce and that all-gather is level with the others on the first).
+    Nothing when the reduction group is this rank alone."""
     opt = tr.optimizer
+    also: Tuple[Tuple[str, object], ...] = ()
     if name is None:
         log = step_log(tr)
         if log.optimizer_step_name is None:
             log.optimizer_step_name = _optimizer_step_name(opt)
         name = log.optimizer_step_name
+        if isinstance(opt, DistributedOptimizer) and opt.dp_group is not None:
+            also = (("the data-parallel group", opt.dp_group),)
     group = getattr(opt, "mp_group", None)
     if group is None:
         return contextlib.nullcontext()
-    return watch_group(tr, name, group)
+    return watch_group(tr, name, group, also)
+
+
+PARAM_SYNC_WAIT = ("parameter all-gather of the optimizer step, waited for in the forward "
+                   "(data-parallel group, --overlap-param-gather)")
+
+
+def watch_param_sync(tr) -> None:
+    """With --overlap-param-gather the distributed optimizer's step only launches its
+    parameter all-gather; the next forward waits for it, in no watched block at tp 1 (a
+    rank that never launched it left the others waiting there until the process group's
+    timeout). Puts each such wait (one per bucket and step, only where one is in
+    flight) under the watchdog, over the data-parallel group. Nothing without a
+    watchdog, the overlap or data parallelism."""
+    wd, dp_group = getattr(tr, "watchdog", None), tr.rt.ps.dp_group
+    if (not isinstance(wd, CollectiveWatchdog) or dp_group is None
+            or not tr.config.parallel.overlap_param_gather):
+        return
+    ranks = tuple(tr.rt.ps.ranks("dp"))
+    for chunk in model_chunks(tr):
+        if hasattr(chunk, "watch_param_sync"):  # the DistributedDataParallel wrapper
+            chunk.watch_param_sync(lambda: wd.watch(PARAM_SYNC_WAIT, ranks=ranks))
 
 
 def _watch_tied_embedding(tr):

@@ -63,6 +63,7 @@ from megatron.train_step import (  # noqa: F401 (forward_backward re-exported)
     forward_backward,
     step_log,
     train_step,
+    watch_param_sync,
 )
 from megatron.watchdog import build_watchdog, watching
 
@@ -494,6 +495,7 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float],
     tr.step_log, tr.process_start_time, tr.progress = log, process_start_time, progress
     tr.watchdog = build_watchdog(config.parallel.distributed_timeout_minutes * 60)
     tr.watchdog.describe = progress.where
+    watch_param_sync(tr)
     if config.training.exit_signal_handler:
         tr.signals = SignalHandler()
         if not config.checkpoint.save:

@@ -39,7 +39,12 @@ the others are the ranks that did not arrive (the rank behind prints where its m
 thread is). When every member has issued as many, none is reported: they are all
 computing (the first micro-batch compiles the layers, which can outlast the timeout), and
 the block gets another `timeout_s` -- or they all wait in one collective that is itself
-stuck, which the process group's own timeout ends. A block's check-ins may also be several `points` with their own ranks: the
+stuck, which the process group's own timeout ends. A block whose collectives run on
+several groups counts per group (`issued_collectives_on`: the distributed optimizer's
+step reduces over all ranks, then all-gathers over the data-parallel group), and a rank
+behind the other members of any of them is named. While it reports, the monitor goes on
+publishing this rank's check-ins, and gives up when the block ends meanwhile (it was
+slow, not stuck). A block's check-ins may also be several `points` with their own ranks: the
 pipeline schedule's wait for a batch of transfers checks in once per transfer, with the
 rank at its other end (megatron/train_step.py puts the schedule's actions under the
 watchdog through the executor's hook). `phase(name)` records what this rank is doing
@@ -77,11 +82,12 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import threading
 import time
 import traceback
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple, Union
 
 EXIT_CODE = 124  # as coreutils `timeout`
 KEY_PREFIX = "collective-watchdog"
@@ -92,6 +98,9 @@ SETTLE_S = 0.2  # after publish_s: time for the other ranks' monitors to publish
 STORE_GRACE_S = 60.0  # after the store failed: time to close the watchdog normally
 STACK_FRAMES = 4  # innermost frames of the main thread a report shows
 EXCHANGE_S = 30.0  # an overrun block's wait for the other members' collective counts
+# A block's `progress`: how many collectives this rank issued on its group (an int), or on
+# each of several groups (`issued_collectives_on`); None when unknown.
+Progress = Callable[[], Optional[Union[int, list]]]
 
 
 class _Block:
@@ -104,7 +113,7 @@ class _Block:
 
     def __init__(self, deadline: float, name: str,
                  points: Tuple[Tuple[str, int, Tuple[int, ...]], ...],
-                 progress: Optional[Callable[[], Optional[int]]]) -> None:
+                 progress: Optional[Progress]) -> None:
         self.deadline, self.name, self.points = deadline, name, points
         self.progress, self.rounds = progress, 0
 
@@ -156,6 +165,7 @@ class CollectiveWatchdog:
         self._closed = False
         self._store_lost: Optional[tuple] = None  # (since, error) while the store fails
         self._fired = False  # this rank's own deadline passed
+        self._next_publish = time.monotonic() + self.publish_s  # the monitor's next publish
         self._thread = threading.Thread(target=self._monitor, name="collective-watchdog",
                                         daemon=True)
         self._thread.start()
@@ -164,7 +174,7 @@ class CollectiveWatchdog:
     @contextlib.contextmanager
     def watch(self, name: str, ranks: Optional[Sequence[int]] = None, *,
               points: Optional[Sequence[Tuple[str, Optional[Sequence[int]]]]] = None,
-              progress: Optional[Callable[[], Optional[int]]] = None) -> Iterator[None]:
+              progress: Optional[Progress] = None) -> Iterator[None]:
         """Run the block under the watchdog. `name` says what the block waits for (it
         appears in the message); `ranks` are the global ranks of the group that must all
         reach it (default: the whole world).
@@ -175,10 +185,11 @@ class CollectiveWatchdog:
         (the two ends' batches differ; each transfer has one name at both). A rank is
         missing when it has reached one of them fewer times than this rank.
         `progress`: how many collectives this rank has issued on the block's group so far
-        (`issued_collectives`); read only when the block overruns with every rank
+        (`issued_collectives`), or on each of the groups the block issues collectives on
+        (`issued_collectives_on`); read only when the block overruns with every rank
         arrived, and compared with what the other members, in the same block, leave in
-        the store: those behind did not reach the collective the others wait in (a rank
-        stuck in the computation between two collectives of the block)."""
+        the store: those behind on a group did not reach the collective the others wait
+        in (a rank stuck in the computation between two collectives of the block)."""
         checked = []
         for point, members in points or ((name, ranks),):
             count = self._counts.get(point, 0) + 1
@@ -284,10 +295,9 @@ class CollectiveWatchdog:
         check-ins every `publish_s` seconds and looking for another rank's ABORT_KEY
         every `poll_s` seconds (outside the lock: the main thread must never wait for a
         store call to enter or leave a block); report an overrun or a stop."""
-        now = time.monotonic()
-        next_poll, next_publish = now + self.poll_s, now + self.publish_s
+        next_poll = time.monotonic() + self.poll_s
         while True:
-            expired = self._wait_for_event(min(next_poll, next_publish))
+            expired = self._wait_for_event(min(next_poll, self._next_publish))
             if self._closed:
                 return
             if expired is not None:
@@ -295,11 +305,8 @@ class CollectiveWatchdog:
                 if message is None:
                     continue
                 break
-            now = time.monotonic()
-            if now >= next_publish:
-                self.publish()
-                next_publish = now + self.publish_s
-            if now >= next_poll:
+            self._publish_if_due()
+            if time.monotonic() >= next_poll:
                 abort, wait_s = self._poll()
                 next_poll = time.monotonic() + wait_s
                 if abort is not None:
@@ -313,10 +320,9 @@ class CollectiveWatchdog:
         given time to publish, or every member is computing (the block gets another
         `timeout_s`). Only the first rank to fire gives the full report."""
         self.publish()
-        with self._cond:  # check-ins from before the deadline are all published after it
-            self._cond.wait_for(lambda: self._closed, self.publish_s + SETTLE_S)
-            if self._closed or block not in self._active:
-                return None
+        # check-ins from before the deadline are all published after this wait
+        if not self._still_in(block, self.publish_s + SETTLE_S):
+            return None
         report = self.overrun_report(block)
         if report is None:  # every member computing, none behind: not stuck yet
             with self._cond:
@@ -329,18 +335,19 @@ class CollectiveWatchdog:
             return message + "\n" + self.main_thread_stack()
         # the same hang: the first rank's report has the details
         message = message.splitlines()[0] + " (another rank's watchdog reported it first)"
-        if self.rank in named:  # this rank is the one stuck: say where
+        if self.rank in named or self.rank in _named_in(self._abort_line()):
+            # this rank is the one stuck (the first report may name it in another block)
             message += "\n" + self.main_thread_stack()
         return message
 
     def _stop_message(self, abort: str) -> str:
         """The message of a stop `_poll` found a reason for, with where the main thread
-        is when it waits in no watched block."""
+        is when it waits in no watched block or the report names this rank."""
         with self._cond:
             inside = self._active[-1].name if self._active else None
         phases = self._phases[-1:]  # one read: the main thread may leave its phase meanwhile
         message = self.abort_message(abort, inside, phases[0] if phases else None)
-        if inside is None:  # not waiting for the others: maybe the one stuck
+        if inside is None or self.rank in _named_in(abort):  # maybe the one stuck
             message += "\n" + self.main_thread_stack()
         return message
 
@@ -392,6 +399,18 @@ class CollectiveWatchdog:
                 f"({str(first).splitlines()[0] if str(first) else type(first).__name__}): "
                 "the process that hosts it (torchrun's agent on the first node, or rank 0) "
                 "has ended, so the rest of the job is gone"), self.poll_s
+
+    def _abort_line(self) -> str:
+        """The first report's line under ABORT_KEY ('' when not there yet, or no store):
+        the rank that fired first leaves it right after counting itself in FIRED_KEY."""
+        for _ in range(10):
+            try:
+                if self.store.check([ABORT_KEY]):
+                    return self.store.get(ABORT_KEY).decode(errors="replace")
+            except Exception:
+                return ""
+            time.sleep(0.05)
+        return ""
 
     def _leave_abort(self, line: str) -> None:
         """Ask every other rank's watchdog to stop (best effort: the store may be gone)."""
@@ -474,45 +493,69 @@ class CollectiveWatchdog:
 
     def _behind(self, block: _Block) -> Optional[Tuple[List[int], List[str]]]:
         """Every member reached `block`: compare how many collectives each has issued on
-        its group (`block.progress`). This rank leaves its number in the store and waits
-        (up to EXCHANGE_S, or the timeout) for the other members' -- each leaves its own
-        when its deadline in the same block passes, at about the same time since they
-        entered it together. Returns (the members behind the others, lines saying so),
-        or None when every member answered with the same number."""
+        each group of the block (`block.progress`: one count, or one per group, see
+        `issued_collectives_on`). This rank leaves its counts in the store and waits (up
+        to EXCHANGE_S, or the timeout, while the block lasts) for the other members' --
+        each leaves its own when its deadline in the same block passes, at about the same
+        time since they entered it together --, publishing its check-ins meanwhile.
+        Returns (the members behind the others of one of their groups, lines saying so),
+        or None when every member answered with the same counts per group, or this rank
+        left the block meanwhile (it was slow, not stuck)."""
         point, count, members = block.points[0]
         block.rounds += 1
         tag = f"{count} {block.rounds}"  # this call of the block, this deadline
         try:
-            mine = block.progress()
+            mine = _issued_by_group(block.progress())
             if mine is None:
                 return [], []
             key = f"{KEY_PREFIX}/progress/{point}/rank"
-            self.store.set(f"{key}{self.rank}", f"{tag} {mine}")
-            issued = {self.rank: int(mine)}
+            self.store.set(f"{key}{self.rank}", json.dumps([tag, mine]))
+            issued = {self.rank: mine}
             give_up = time.monotonic() + min(EXCHANGE_S, self.timeout_s)
-            while len(issued) < len(members) and time.monotonic() < give_up and not self._closed:
-                time.sleep(0.05)
+            while len(issued) < len(members) and time.monotonic() < give_up:
+                if not self._still_in(block, 0.05):
+                    return None
                 for r in members:
                     if r not in issued and self.store.check([f"{key}{r}"]):
-                        their_tag, _, n = self.store.get(f"{key}{r}").decode().rpartition(" ")
+                        their_tag, counts = json.loads(self.store.get(f"{key}{r}"))
                         if their_tag == tag:
-                            issued[r] = int(n)
+                            issued[r] = counts
         except Exception:  # no number here or no store: the plain report
             return [], []
-        most = max(issued.values())
+        behind, lines = _behind_in_groups(issued)
         silent = [r for r in members if r not in issued]
-        if not silent and min(issued.values()) == most:
+        if not silent and not behind:
             return None
-        behind = sorted(r for r, n in issued.items() if n < most)
-        ahead = _ranks_text(sorted(r for r, n in issued.items() if n == most))
-        lines = [f"  every rank entered it, but rank {r} has issued {issued[r]} collectives on "
-                 f"its group and {ahead} {most}: rank {r} did not reach the collective the "
-                 "others wait in" for r in behind]
         if silent:
             lines.append(f"  {_ranks_text(silent)} did not say from inside the block how many "
                          "collectives it issued (it may have left it: with asynchronous "
                          "collectives, NCCL's, a rank goes on once it has issued them)")
         return behind, lines
+
+    def _still_in(self, block: _Block, seconds: float) -> bool:
+        """Wait `seconds` (publishing this rank's check-ins every `publish_s`: another
+        rank's report may read them meanwhile); whether `block` is still running and the
+        watchdog open. Used by the monitor while it reports an overrun."""
+        end = time.monotonic() + seconds
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                left = end - now
+                if left > 0:
+                    self._cond.wait_for(lambda: self._closed,
+                                        max(0.0, min(left, self._next_publish - now)))
+                if self._closed or block not in self._active:
+                    return False
+            self._publish_if_due()
+            if time.monotonic() >= end:
+                return True
+
+    def _publish_if_due(self) -> None:
+        """`publish` when `publish_s` has passed since the monitor last did."""
+        now = time.monotonic()
+        if now >= self._next_publish:
+            self.publish()
+            self._next_publish = now + self.publish_s
 
     def _print_and_exit(self, message: str) -> None:
         """Print the report and end the process with EXIT_CODE. A rank whose own deadline
@@ -552,6 +595,42 @@ def _group_id(ranks: Tuple[int, ...]) -> str:
     ends list its ranks in opposite orders)."""
     text = ",".join(map(str, sorted(set(ranks))))
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def _issued_by_group(progress) -> Optional[List[list]]:
+    """A block's `progress()` as [label, group id, count] triples: one count (the block's
+    one group, "its group") or those of `issued_collectives_on`; None for no count."""
+    if progress is None or isinstance(progress, list):
+        return progress or None
+    return [["its group", "", int(progress)]]
+
+
+def _behind_in_groups(issued: Dict[int, List[list]]) -> Tuple[List[int], List[str]]:
+    """The ranks that issued fewer collectives on one of their groups than another member
+    of that group ({rank: its [label, group id, count] triples}), and lines saying so.
+    Counts are compared only within a group: two data-parallel groups of different
+    pipeline stages issue different numbers of collectives."""
+    groups: Dict[str, Tuple[str, Dict[int, int]]] = {}
+    for rank, counts in issued.items():
+        for label, group, n in counts:
+            groups.setdefault(group, (label, {}))[1][rank] = int(n)
+    behind, lines = set(), []
+    for label, got in groups.values():
+        most = max(got.values())
+        ahead = _ranks_text(sorted(r for r, n in got.items() if n == most))
+        for r in sorted(r for r, n in got.items() if n < most):
+            behind.add(r)
+            lines.append(f"  every rank entered it, but rank {r} has issued {got[r]} "
+                         f"collectives on {label} and {ahead} {most}: rank {r} did not reach "
+                         "the collective the others wait in")
+    return sorted(behind), lines
+
+
+def _named_in(line: str) -> List[int]:
+    """The ranks a report's first line names as not arrived ([] for none, or another
+    line)."""
+    found = re.search(r"ranks that did not arrive: \[([\d, ]*)\]", line)
+    return [int(r) for r in found[1].split(",") if r.strip()] if found else []
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:
@@ -616,6 +695,30 @@ def issued_collectives(group) -> Optional[Callable[[], Optional[int]]]:
     return issued
 
 
+def issued_collectives_on(groups: Sequence[Tuple[str, object]]) -> Callable[[], Optional[list]]:
+    """A `progress` for a block whose collectives run on several groups (the distributed
+    optimizer's step: its norm over all ranks, its parameter all-gather over the
+    data-parallel group), from (label for the report, process group) pairs: the counts
+    of `issued_collectives` per group, each compared only with the other members of the
+    same group (a rank stuck between a collective of one group and one of another is
+    level with the others on the first). The groups' ranks are read only when the block
+    overruns."""
+    def issued() -> Optional[list]:
+        import torch.distributed as dist
+
+        out = []
+        for label, group in groups:
+            count = issued_collectives(group)
+            n = count() if count is not None else None
+            if n is not None:
+                ranks = tuple(dist.get_process_group_ranks(group))
+                # the label too: two groups may have the same ranks (all ranks, dp at tp=pp=1)
+                out.append([label, f"{label} {_group_id(ranks)}", n])
+        return out or None
+
+    return issued
+
+
 def close_current() -> None:
     """Close the watchdog `build_watchdog` started in this process, if any."""
     if _current is not None:
@@ -642,4 +745,5 @@ def build_watchdog(timeout_s: float, store=None):
 
 
 __all__ = ["ABORT_KEY", "CollectiveWatchdog", "NullWatchdog", "build_watchdog", "close_current",
-           "EXIT_CODE", "issued_collectives", "published_checkins", "watching"]
+           "EXIT_CODE", "issued_collectives", "issued_collectives_on", "published_checkins",
+           "watching"]

@@ -327,6 +327,29 @@ def test_from_hf_refuses_a_save_holding_a_checkpoint(tmp_path, capsys):
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".from-hf-")]
 
 
+def test_from_hf_into_a_directory_a_run_saves_into_is_refused(tmp_path):
+    """A training run holds its --save's lock (megatron/save_lock.py); from-hf into that
+    directory, at tp 1 (moved into place) or tp 2 (resharded into it), wrote its release
+    checkpoint and pointed the run's tracker at it. Now it stops with one line naming
+    the run, leaving the directory as it was; the lock is taken once (the reshard it runs
+    is inside it)."""
+    from megatron.save_lock import LOCK_NAME, SaveDirLock
+
+    _save_hf_model(tmp_path / "hf", "llama")
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    with SaveDirLock(str(ck)) as run:
+        assert run.acquire() is None
+        for layout in ([], ["--tensor-model-parallel-size", 2]):
+            with pytest.raises(SystemExit, match=rf"^error: --save {ck} is in use by another "
+                               r"training run \(host "):
+                _cli("from-hf", "--input", tmp_path / "hf", "--save", ck, *layout)
+            assert os.listdir(ck) == [LOCK_NAME]
+    assert _cli("from-hf", "--input", tmp_path / "hf", "--save", ck,
+                "--tensor-model-parallel-size", 2) == 0
+    assert sorted(os.listdir(ck)) == ["latest_checkpointed_iteration.txt", "release"]
+
+
 def test_to_hf_refuses_a_vocabulary_without_the_eod_id(tmp_path):
     """NullTokenizer --vocab-size 100: ids 0..99 and the end-of-document id 100. Keeping
     100 rows would write eos/bos 100 outside the exported vocabulary: refused, nothing

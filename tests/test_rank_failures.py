@@ -43,8 +43,11 @@ def parse_and_validate(*args, **kwargs):
     return config
 
 arguments.parse_and_validate = parse_and_validate
-module = importlib.import_module({module!r})
-original, calls = getattr(module, {name!r}), [0]
+owner = importlib.import_module({module!r})
+*path, attr = {name!r}.split(".")  # a function of the module, or a method of its class
+for part in path:
+    owner = getattr(owner, part)
+original, calls = getattr(owner, attr), [0]
 
 def faulty(*args, **kwargs):
     calls[0] += 1
@@ -57,7 +60,7 @@ def faulty(*args, **kwargs):
         raise RuntimeError("injected failure in {name}")
     return original(*args, **kwargs)
 
-setattr(module, {name!r}, faulty)
+setattr(owner, attr, faulty)
 """ + RUN_RECORDING_STATUS
 
 
@@ -228,7 +231,9 @@ def test_a_rank_stuck_in_a_micro_batch_is_named_in_bounded_time(tmp_path, case):
 # After the gradient reduction: (args, module, function, its call that sleeps on rank 1,
 # the watchdog's first line on rank 0, whether rank 1 sleeps inside the watched block).
 # dp2 distributed optimizer: rank 1 in its 3rd grad norm (one an iteration, iteration 3),
-# inside the optimizer step, before the norm's all-reduce over all ranks. dp2: rank 1
+# inside the optimizer step, before the norm's all-reduce over all ranks; or in its 2nd
+# step after that all-reduce, before the parameter all-gather over the data-parallel
+# group (level with rank 0 on all ranks' group, behind on the data-parallel one). dp2: rank 1
 # before its 2nd loss average. tp2 sequence parallel: rank 1 in its 2nd layer-norm/bias
 # gradient all-reduce, inside the block before its collective.
 AFTER_GRADS = {
@@ -237,6 +242,13 @@ AFTER_GRADS = {
                   r"collective optimizer step \(grad-norm all-reduce over all ranks, parameter "
                   r"all-gather over the data-parallel group\) did not complete within 3 s at "
                   r"iteration 2; ranks that did not arrive: \[1\]", True),
+    "parameter all-gather": (["--use-distributed-optimizer"],
+                             "megatron.core.optimizer.distrib_optimizer",
+                             "DistributedOptimizer._start_param_gather", 2,
+                             r"collective optimizer step \(grad-norm all-reduce over all ranks, "
+                             r"parameter all-gather over the data-parallel group\) did not "
+                             r"complete within 3 s at iteration 1; ranks that did not arrive: "
+                             r"\[1\]", True),
     "loss average": ([], "megatron.train_step", "_average_loss", 2,
                      r"collective loss average \(data-parallel group\) did not complete within "
                      r"3 s at iteration 1; ranks that did not arrive: \[1\]\n  rank 1 reached "
@@ -254,9 +266,11 @@ AFTER_GRADS = {
 @pytest.mark.parametrize("case", list(AFTER_GRADS))
 def test_a_rank_stuck_after_the_gradient_reduction_is_named_in_bounded_time(tmp_path, case):
     """Rank 1 hangs after the gradient reduction: in the optimizer step before its
-    grad-norm all-reduce, before the loss average, or in the sequence-parallel gradient
-    all-reduce. None of these was watched: rank 0 waited in the collective until the
-    process group's own timeout (--distributed-timeout-minutes + 1 minute, past this
+    grad-norm all-reduce, or after it before the parameter all-gather (watched, but
+    counted on all ranks' group only, where rank 1 was level: the block's deadline was
+    moved on until the process group's timeout), before the loss average, or in the
+    sequence-parallel gradient all-reduce. Before, rank 0 waited in the collective until
+    the process group's own timeout (--distributed-timeout-minutes + 1 minute, past this
     test's limit) and died with gloo's error naming no rank. Now rank 0's watchdog names
     rank 1 and the phase after --distributed-timeout-minutes (3 s here) -- by the
     collectives each issued when rank 1 entered the block --, rank 1 says where it is
@@ -266,12 +280,40 @@ def test_a_rank_stuck_after_the_gradient_reduction_is_named_in_bounded_time(tmp_
                                             args + ["--train-iters", "20"], call=call)
     assert re.search(r"\[watchdog rank 0\] " + first_line, log), log[-4000:]
     if inside:
-        assert re.search(r"rank 1 has issued \d+ collectives on its group and rank 0 \d+: "
+        group = {"grad norm": "all ranks",  # the distributed optimizer's groups are named
+                 "parameter all-gather": "the data-parallel group"}.get(case, "its group")
+        assert re.search(rf"rank 1 has issued \d+ collectives on {group} and rank 0 \d+: "
                          r"rank 1 did not reach the collective the others wait in", log), \
             log[-4000:]
     else:
         assert re.search(r"\[watchdog rank 1\] stopping at iteration 1, in no watched "
                          r"collective, because another rank's watchdog fired:", log), log[-4000:]
+    stuck = log[log.index("rank 1's main thread is here"):]
+    assert "time.sleep(300)" in stuck.split("\n\n")[0], log[-4000:]
+    assert statuses and set(statuses.values()) == {EXIT_CODE}, statuses
+    assert seconds < 45
+    assert not re.search(r'File ".*(/megatron/|pretrain_gpt)', log), log[-4000:]
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_before_the_overlapped_parameter_all_gather_is_named(tmp_path):
+    """dp2, distributed optimizer, --overlap-param-gather: rank 1 stops in its 2nd step
+    after the grad-norm all-reduce, before it launches the parameter all-gather. Rank 0
+    launched its own and left the step; the next forward waits for it, at tp 1 in no
+    watched block. Before, only rank 1's own overrun of the step ended the run, naming no
+    rank (rank 0 had left the step), and rank 0 said it was in no watched collective. Now
+    that wait is watched: rank 0 names rank 1 after --distributed-timeout-minutes, rank 1
+    (named, inside its step's block) says where it is, every process ends with 124, no
+    traceback."""
+    log, statuses, seconds = run_with_fault(
+        tmp_path, "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer._start_param_gather", "sleep",
+        ["--use-distributed-optimizer", "--overlap-param-gather", "--log-interval", "100",
+         "--train-iters", "20"], call=2)
+    assert re.search(r"\[watchdog rank 0\] collective parameter all-gather of the optimizer "
+                     r"step, waited for in the forward \(data-parallel group, "
+                     r"--overlap-param-gather\) did not complete within 3 s at iteration 2; "
+                     r"ranks that did not arrive: \[1\]", log), log[-4000:]
     stuck = log[log.index("rank 1's main thread is here"):]
     assert "time.sleep(300)" in stuck.split("\n\n")[0], log[-4000:]
     assert statuses and set(statuses.values()) == {EXIT_CODE}, statuses

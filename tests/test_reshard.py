@@ -32,6 +32,8 @@ from megatron.training import build_trainer, data_iterator, train_step
 from tests.dist_utils import run_distributed
 from tools import checkpoint_convert
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 # vocab 127 + EOD = 128 rows: padded to 128 at tp 1 and tp 2 alike (multiples of 64 x tp)
 BASE = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 8 --lr 1e-2 "
@@ -360,6 +362,81 @@ def test_a_full_disk_during_a_conversion_is_one_message(tmp_path, monkeypatch):
     assert f"free on the file system of {tmp_path}. Free space or pass another --save" in \
         str(err.value.code)
     assert not dst.exists()
+
+
+def _one_step_checkpoint(src):
+    cfg, rt, tr = _trainer(0, 1, "", save=str(src))
+    _steps(tr, data_iterator(cfg, rt, "train", 0), 1)
+    save_trainer_checkpoint(tr)
+
+
+def test_a_conversion_into_a_directory_a_run_saves_into_is_refused(tmp_path):
+    """A training run holds its --save's lock (megatron/save_lock.py) and is writing
+    iter_0000001.tmp there. reshard / to-megatron / from-hf into that directory took no
+    lock: the conversion emptied that iter_0000001.tmp for its own output, then moved its
+    own iter_0000001 into place and pointed the tracker at it. Now each stops with one
+    line naming the run that holds the directory, and leaves it as it was."""
+    from megatron.save_lock import LOCK_NAME, SaveDirLock
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _one_step_checkpoint(src)
+    (dst / "iter_0000001.tmp" / "mp_rank_00").mkdir(parents=True)
+    (dst / "iter_0000001.tmp" / "mp_rank_00" / "model_optim_rng.pt").write_text("the run's")
+    with SaveDirLock(str(dst)) as run:
+        assert run.acquire() is None
+        for argv in (["reshard", "--target-tensor-model-parallel-size", "2"],
+                     ["to-megatron"]):
+            with pytest.raises(SystemExit) as err:
+                checkpoint_convert.main(argv + ["--load", str(src), "--save", str(dst)])
+            assert str(err.value.code).startswith(
+                f"error: --save {dst} is in use by another training run (host "
+                f"{os.uname().nodename}, process {os.getpid()}, since "), err.value.code
+            assert sorted(os.listdir(dst)) == [LOCK_NAME, "iter_0000001.tmp"]
+            assert (dst / "iter_0000001.tmp" / "mp_rank_00" /
+                    "model_optim_rng.pt").read_text() == "the run's"
+    assert checkpoint_convert.main(["to-megatron", "--load", str(src), "--save",
+                                    str(dst)]) == 0, "once the run has ended"
+    assert sorted(os.listdir(dst)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+
+
+def test_two_conversions_into_one_directory(tmp_path, monkeypatch):
+    """While a reshard writes into OUT, a second conversion into OUT (another process)
+    and a training run saving there stop with one line naming the reshard; the reshard
+    completes, and its lock is gone afterwards."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from megatron.save_lock import LOCK_NAME, lock_save_dir
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _one_step_checkpoint(src)
+    seen = []
+    done = checkpoint_convert.Progress.done
+
+    def meanwhile(progress, name):
+        if not seen:
+            second = subprocess.run(
+                [sys.executable, os.path.join(REPO, "tools", "checkpoint_convert.py"),
+                 "to-megatron", "--load", str(src), "--save", str(dst)],
+                cwd=REPO, capture_output=True, text=True, timeout=120)
+            seen.append((second.returncode, second.stderr.strip().splitlines()))
+            with pytest.raises(SystemExit) as err:
+                lock_save_dir(str(dst), SimpleNamespace(rank=0))
+            seen.append(str(err.value.code))
+        done(progress, name)
+
+    monkeypatch.setattr(checkpoint_convert.Progress, "done", meanwhile)
+    assert checkpoint_convert.main(["reshard", "--load", str(src), "--save", str(dst),
+                                    "--target-tensor-model-parallel-size", "2"]) == 0
+    (status, lines), run = seen
+    holder = (f"error: --save {dst} is in use by another run of tools/checkpoint_convert.py "
+              f"reshard (host {os.uname().nodename}, process {os.getpid()}, since ")
+    assert status == 1 and lines[-1].startswith(holder), lines  # after to-megatron's warnings
+    assert run.startswith(holder), run
+    assert sorted(os.listdir(dst)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    assert not os.path.exists(dst / LOCK_NAME)
+    assert reshard.read_layout(str(dst / "iter_0000001")).tp == 2
 
 
 def _remove_first_file_then_interrupt(monkeypatch):

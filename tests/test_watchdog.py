@@ -339,6 +339,86 @@ def test_a_block_where_every_rank_computes_is_given_more_time():
         assert "ranks that did not arrive: [1]" in fired[r].splitlines()[0]
 
 
+def _all_overrun(issued, world, timeout=0.3, seconds=1.5):
+    """Every rank of `world` inside 'optimizer step' (ranks: all) for `seconds`; rank r's
+    progress is issued[r] ([label, group, count] triples, as `issued_collectives_on`
+    gives them). Returns each rank's message."""
+    store = dist.HashStore()
+    fired = {}
+    wds = [CollectiveWatchdog(store, r, world, timeout, poll_s=10.0,
+                              on_timeout=lambda m, r=r: fired.setdefault(r, m))
+           for r in range(world)]
+    with contextlib.ExitStack() as blocks:
+        for r, wd in enumerate(wds):
+            blocks.enter_context(wd.watch("optimizer step", progress=lambda r=r: issued[r]))
+        time.sleep(seconds)
+    for wd in wds:
+        wd.close()
+    return fired
+
+
+def test_a_rank_level_on_one_group_and_behind_on_another_is_named():
+    """The distributed optimizer's step: a grad-norm all-reduce over all ranks, then the
+    parameter all-gather over the data-parallel group. Rank 1 is stuck between them: level
+    with rank 0 on all ranks' group, one behind on the data-parallel group. Counted on one
+    group only, both looked level and the block was given more time, until the process
+    group's own timeout ended the run; counted per group, rank 1 is named."""
+    fired = _all_overrun({0: [["all ranks", "w", 5], ["the data-parallel group", "d", 8]],
+                          1: [["all ranks", "w", 5], ["the data-parallel group", "d", 7]]}, 2)
+    assert sorted(fired) == [0, 1]
+    full = next(m for m in fired.values() if "reported it first" not in m.splitlines()[0])
+    assert "ranks that did not arrive: [1]" in full.splitlines()[0], full
+    assert ("  every rank entered it, but rank 1 has issued 7 collectives on the data-parallel "
+            "group and rank 0 8: rank 1 did not reach the collective the others wait in") in full
+
+
+def test_counts_are_compared_only_within_each_group():
+    """pp2 dp2: the two pipeline stages' data-parallel groups (0, 2) and (1, 3) issue
+    different numbers of collectives (a stage's own buckets); every rank computing, level
+    within its groups: no rank is named, the block gets more time."""
+    dp = {0: ("d02", 10), 2: ("d02", 10), 1: ("d13", 7), 3: ("d13", 7)}
+    issued = {r: [["all ranks", "w", 4], ["the data-parallel group", *dp[r]]] for r in range(4)}
+    assert _all_overrun(issued, 4) == {}
+
+
+def test_a_block_that_ends_while_its_overrun_is_examined_is_not_reported():
+    """Rank 0 overruns a block it is slow in (not stuck); rank 1 already left it (with
+    asynchronous collectives a rank goes on once it issued its own), so rank 0 waits up to
+    the timeout for a count rank 1 never gives. Rank 0's block ends meanwhile. Before, the
+    wait went on and then reported the block that had ended -- ending a healthy run --
+    and rank 0's check-ins of the next block stayed unpublished throughout (another rank's
+    report would have read them stale). Now the wait stops when the block ends, no report."""
+    store = dist.HashStore()
+    _checked_in(store, 1, 2, "micro-batch 1 forward", ranks=[0, 1])  # and left it
+    wd0, fired = _watchdog(store, rank=0, world=2, timeout=1.0)
+    with wd0.watch("micro-batch 1 forward", ranks=[0, 1], progress=lambda: 41):
+        time.sleep(1.8)  # its deadline passed at 1.0 s, the counts' wait ends at 2.45 s
+    with wd0.watch("micro-batch 1 backward", ranks=[0, 1]):
+        time.sleep(1.2)
+    wd0.close()
+    assert fired == [], fired
+
+
+def test_check_ins_are_published_while_an_overrun_is_examined():
+    """Rank 0's block overruns and its monitor waits (up to the timeout) for rank 1's
+    count, which never comes; meanwhile rank 0's main thread enters a block nested in it.
+    That check-in is published within the interval (before, only once the monitor had
+    finished examining the overrun: a peer's report could read the older count and name
+    rank 0 as not arrived)."""
+    store = dist.HashStore()
+    _checked_in(store, 1, 2, "optimizer step", ranks=[0, 1])  # and left it
+    wd0, fired = _watchdog(store, rank=0, world=2, timeout=2.0)
+    with wd0.watch("optimizer step", ranks=[0, 1], progress=lambda: 5):
+        time.sleep(3.0)  # deadline at 2 s, counts read at 2.7 s, waited for until 4.7 s
+        with wd0.watch("parameter all-gather wait", ranks=[0, 1]):
+            time.sleep(1.0)
+            seen = published_checkins(store, 0, [0, 1])
+        time.sleep(1.5)
+    wd0.close()
+    assert seen.get("parameter all-gather wait") == 1, seen
+    assert len(fired) == 1 and "ranks that did not arrive: []" in fired[0], fired
+
+
 def test_a_stopped_rank_says_which_phase_it_was_in():
     """`phase` writes nothing to the store; a rank that another's report stops while in
     one names it, and where its main thread is."""
@@ -355,6 +435,30 @@ def test_a_stopped_rank_says_which_phase_it_was_in():
         "[watchdog rank 1] stopping, in micro-batch 2 forward (pipeline stage 1), in no watched "
         "collective, because another rank's watchdog fired:\n  [watchdog rank 0] collective "
         "transfers did not complete\n  rank 1's main thread is here"), fired[0]
+
+
+def test_a_rank_the_report_names_says_where_it_is_from_inside_a_watched_block():
+    """Rank 1 is stuck inside the optimizer step's block (after its norm, before its
+    parameter all-gather); rank 0's report, from the next forward's wait for that
+    all-gather, names it. Rank 1's stop message said only that it waited inside its block;
+    now it shows where its main thread is. A rank the report does not name still says
+    only where it waits."""
+    messages = {}
+    for named in ("[1]", "[0]"):
+        store = dist.HashStore()
+        fired = []
+        wd = CollectiveWatchdog(store, 1, 2, 30.0, on_timeout=fired.append, poll_s=0.1)
+        with wd.watch("optimizer step", ranks=[0, 1]):
+            store.set(ABORT_KEY, "[watchdog rank 0] collective parameter all-gather wait did "
+                                 f"not complete within 3 s; ranks that did not arrive: {named}")
+            time.sleep(0.5)
+        wd.close()
+        assert len(fired) == 1 and fired[0].startswith(
+            "[watchdog rank 1] stopping, waiting in 'optimizer step' (arrived there), because "
+            "another rank's watchdog fired:"), fired
+        messages[named] = fired[0]
+    assert "rank 1's main thread is here" in messages["[1]"]
+    assert "main thread" not in messages["[0]"]
 
 
 class _LeftWhileLooked(list):

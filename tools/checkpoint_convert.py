@@ -24,7 +24,10 @@ with one line; --no-load-optim leaves the optimizer state out. The output is wri
 `OUT/iter_XXXXXXX.tmp/`, renamed into place, then the tracker file is written. An OUT
 that already holds a checkpoint is refused (a resume from it would go back to the
 converted iteration) unless --overwrite is given, for every subcommand that writes one;
-`to-hf` likewise refuses an --output directory that is not empty.
+`to-hf` likewise refuses an --output directory that is not empty. While it writes, a
+subcommand holds --save's lock (megatron/save_lock.py), as a training run holds its own:
+a run saving into OUT, or another conversion into it, makes it stop with one line naming
+that holder (and a run started meanwhile stops naming the conversion).
 
     python tools/checkpoint_convert.py to-megatron --load CKPT --save OUT [--iteration I]
 
@@ -72,6 +75,7 @@ from megatron.checkpointing import (  # noqa: E402
     rank_dir_name,
     tracker_path,
 )
+from megatron.save_lock import SaveDirLock  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- reshard
@@ -232,6 +236,45 @@ def held_checkpoints(save: str) -> List[str]:
     return found
 
 
+# the real paths of the --save directories this process holds -> whether it created them
+_LOCKED: Dict[str, bool] = {}
+
+
+@contextlib.contextmanager
+def save_locked(save: str, tool: str):
+    """Hold `save`'s lock (megatron/save_lock.py: the one a training run holds on its
+    --save) while a conversion writes into it; SystemExit naming the holder when another
+    process holds it -- a run saving there, or another conversion: either would remove or
+    replace this one's iter_N.tmp, or this one theirs. `save` is created for the lock and
+    removed at the end when this call created it and it is still empty. Held already (a
+    from-hf that reshards into its --save), it is not taken again."""
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise SystemExit(f"error: --save {save} is a file; pass a directory")
+    key = os.path.realpath(save)
+    if key in _LOCKED:
+        yield
+        return
+    created = not os.path.exists(save)
+    os.makedirs(save, exist_ok=True)
+    lock = SaveDirLock(save, holder=f"run of tools/checkpoint_convert.py {tool}")
+    try:
+        error = lock.acquire()
+        if error is not None:
+            raise SystemExit(error)
+        if lock.unsupported:
+            print(f"note: --save {save}: its file system does not lock files "
+                  f"({lock.unsupported}), so a run writing the same directory would not be "
+                  "detected", flush=True)
+        _LOCKED[key] = created
+        yield
+    finally:
+        _LOCKED.pop(key, None)
+        lock.release()
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(save)  # only when empty
+
+
 def check_save(save: str, overwrite: bool = False) -> None:
     """Before any work: SystemExit when `save` is a file, or already holds a checkpoint (a
     tracker file, iter_*/release directories) and not `overwrite`. Writing there would
@@ -289,7 +332,7 @@ def partial_output(save: str, tmp_dir: str):
     it and it is empty, so that no partial output stays behind (the next attempt starts
     clean either way). A write error (OSError) is then a SystemExit naming it and the
     free space."""
-    created = not os.path.exists(save)
+    created = not os.path.exists(save) or _LOCKED.get(os.path.realpath(save), False)
     shutil.rmtree(tmp_dir, ignore_errors=True)
     os.makedirs(tmp_dir)
     try:
@@ -301,7 +344,8 @@ def partial_output(save: str, tmp_dir: str):
             with contextlib.suppress(OSError):
                 os.rmdir(save)
         if isinstance(exc, OSError) and writing:  # a full disk, a quota: no traceback
-            where = save if os.path.isdir(save) else os.path.dirname(os.path.abspath(save))
+            where = (save if os.path.isdir(save) and not created
+                     else os.path.dirname(os.path.abspath(save)))
             raise SystemExit(f"error: writing {tmp_dir} failed ({type(exc).__name__}: {exc}); "
                              f"its partial output was removed; {free_space_text(where)}. Free "
                              "space or pass another --save") from exc
@@ -337,10 +381,19 @@ def reshard(load: str, save: str, tp: int, pp: int, layers_per_stage: Optional[i
     `with_optimizer` the output holds no optimizer state. Returns a summary {iteration,
     source, target, files, notes, directory}. SystemExit naming the problem (and for an
     optimizer state that cannot be mapped, NO_OPTIMIZER_FIX) when the checkpoint cannot
-    be resharded."""
+    be resharded. `save`'s lock is held meanwhile (`save_locked`)."""
     if os.path.realpath(save) == os.path.realpath(load):
         raise SystemExit("error: --save must differ from --load (the source stays untouched)")
-    check_save(save, overwrite)
+    with save_locked(save, "reshard"):
+        check_save(save, overwrite)
+        return _reshard(load, save, tp, pp, layers_per_stage, iteration, distributed,
+                        orig_vocab_size, with_optimizer)
+
+
+def _reshard(load: str, save: str, tp: int, pp: int, layers_per_stage: Optional[int],
+             iteration: Optional[int], distributed: Optional[bool],
+             orig_vocab_size: Optional[int], with_optimizer: bool) -> dict:
+    """`reshard` once `save` is locked and checked."""
     iter_dir, iteration, release = reshard_lib.locate_iteration(load, iteration)
     src = reshard_lib.SourceCheckpoint(iter_dir)
     if not src.args:
@@ -460,10 +513,16 @@ def to_megatron(load: str, save: str, iteration: Optional[int] = None,
     megatron/checkpoint_files.py).
     Megatron-LM loads such files with a plain `torch.load`; this framework loads them too.
     A checkpoint already in `save` is refused unless `overwrite`. Returns {iteration,
-    files, directory}."""
+    files, directory}. `save`'s lock is held meanwhile (`save_locked`)."""
     if os.path.realpath(save) == os.path.realpath(load):
         raise SystemExit("error: --save must differ from --load (the source stays untouched)")
-    check_save(save, overwrite)
+    with save_locked(save, "to-megatron"):
+        check_save(save, overwrite)
+        return _to_megatron(load, save, iteration)
+
+
+def _to_megatron(load: str, save: str, iteration: Optional[int]) -> dict:
+    """`to_megatron` once `save` is locked and checked."""
     iter_dir, iteration, release = reshard_lib.locate_iteration(load, iteration)
     final_dir = os.path.join(save, iteration_dir_name(iteration, release))
     files = 0

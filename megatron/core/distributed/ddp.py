@@ -48,7 +48,17 @@ from __future__ import annotations
 import warnings
 import weakref
 from contextlib import contextmanager, nullcontext
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import (
+    Callable,
+    ContextManager,
+    Dict,
+    Iterable,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 import torch
 import torch.distributed as dist
@@ -109,6 +119,9 @@ class Bucket:
         self.distributed = distributed
         self.param_data: Optional[torch.Tensor] = None
         self.overlap_param_gather = False  # set by the DDP wrapper that owns the bucket
+        # a context-manager factory each wait for a parameter all-gather in flight runs in
+        # (`DistributedDataParallel.watch_param_sync`); None: waits unwatched
+        self.param_sync_watch: Optional[Callable[[], ContextManager]] = None
         numel = grad_data.numel()
         if distributed:
             assert numel % dp_size == 0, "distributed bucket not padded to the dp size"
@@ -201,9 +214,11 @@ class Bucket:
             self._param_handle = None
 
     def finish_param_sync(self) -> None:
-        """Wait for this bucket's parameter all-gather, if one is in flight."""
+        """Wait for this bucket's parameter all-gather, if one is in flight (inside
+        `param_sync_watch()` when set)."""
         if self._param_handle is not None:
-            self._param_handle.wait()
+            with self.param_sync_watch() if self.param_sync_watch is not None else nullcontext():
+                self._param_handle.wait()
             self._param_handle = None
 
     @property
@@ -482,6 +497,14 @@ class DistributedDataParallel(torch.nn.Module):
         """Wait for every parameter all-gather still in flight (a no-op otherwise)."""
         for bucket in self.buckets:
             bucket.finish_param_sync()
+
+    def watch_param_sync(self, watch: Optional[Callable[[], ContextManager]]) -> None:
+        """Run every wait for a parameter all-gather in flight (`overlap_param_gather`: in
+        the next forward's pre-hooks, or wherever `finish_param_sync` comes first) inside
+        `watch()`, e.g. the driver's watchdog block naming a rank that never launched its
+        all-gather; one block per bucket waited for, none when nothing is in flight."""
+        for bucket in self.buckets:
+            bucket.param_sync_watch = watch
 
     def _register_param_sync_hooks(self) -> None:
         """Forward pre-hooks that wait for the buckets of a module's own parameters and
