@@ -34,8 +34,8 @@ Inside a block that holds several collectives (a micro-batch's forward with its
 tensor-parallel all-reduces) every rank arrives, and a rank stuck between two of them
 looks like the ones waiting for it. A block given `progress` (`issued_collectives(group)`:
 how many collectives this rank has issued on the group, as the backend counts them) tells
-them apart when it overruns: each member leaves its count in the store, and those behind
-the others are the ranks that did not arrive (the rank behind prints where its main
+them apart when it overruns: each member leaves its count in the store, and those the
+reporting member finds behind the others are the ranks that did not arrive (the rank behind prints where its main
 thread is). When every member has issued as many, none is reported: they are all
 computing (the first micro-batch compiles the layers, which can outlast the timeout), and
 the block gets another `timeout_s` -- or they all wait in one collective that is itself
@@ -51,9 +51,16 @@ watchdog through the executor's hook). `phase(name)` records what this rank is d
 without a check-in (nothing to publish): a rank stopped in no watched block says it was
 there.
 
-Only the first rank whose deadline passes (FIRED_KEY, an atomic count in the store) prints
-that report, with where its main thread waits; the others waiting for the same ranks print
-its first line only. The first one also leaves that line under ABORT_KEY in the store.
+The ranks waiting in one collective over the whole world overrun together: were each to
+read every member's check-ins, the store would answer N^2 requests and, at thousands of
+ranks, the report would come after the backend's own timeout. So one member per overrun
+reads them -- the first to count itself in the overrun's key (an atomic count in the
+store, per block, call and deadline) -- and leaves its verdict there: the report's first
+line, or that every member computes (the block gets another `timeout_s`); the other
+members wait for it, a few store requests each, and report alone if none comes (the
+reporting rank died) within EXCHANGE_S + VERDICT_WAIT_S. Only the first rank whose report
+comes (FIRED_KEY, an atomic count in the store) prints that report, with where its main
+thread waits; the others print its first line only. The first one also leaves that line under ABORT_KEY in the store.
 Every other rank's watchdog looks for it every `poll_s` seconds and exits with the same
 status: a rank waiting inside a watched block says so in one line; a rank in no watched
 block -- the one that never arrived: stuck in data loading, in a file system call, in
@@ -96,6 +103,8 @@ FIRED_KEY = f"{KEY_PREFIX}/fired"  # how many ranks' deadlines passed: the first
 POLL_S = 5.0  # how often each rank looks for ABORT_KEY
 SETTLE_S = 0.2  # after publish_s: time for the other ranks' monitors to publish theirs
 STORE_GRACE_S = 60.0  # after the store failed: time to close the watchdog normally
+VERDICT_WAIT_S = 30.0  # a waiting member's wait for the report, beyond the reporter's own
+AGAIN = "again"  # the verdict on an overrun where every member is computing
 STACK_FRAMES = 4  # innermost frames of the main thread a report shows
 EXCHANGE_S = 30.0  # an overrun block's wait for the other members' collective counts
 # A block's `progress`: how many collectives this rank issued on its group (an int), or on
@@ -318,27 +327,97 @@ class CollectiveWatchdog:
         """The report of `block`, past its deadline; None when there is none to give:
         the block ended or the watchdog closed while the other ranks' monitors were
         given time to publish, or every member is computing (the block gets another
-        `timeout_s`). Only the first rank to fire gives the full report."""
+        `timeout_s`). One member per overrun -- the first to count itself in the
+        overrun's key, an atomic count in the store -- reads the others' check-ins and
+        leaves its verdict there; the others wait for that verdict (one key each,
+        however many ranks) instead of each reading every member's. Only the first
+        rank to fire in the whole job (FIRED_KEY) gives the full report."""
         self.publish()
         # check-ins from before the deadline are all published after this wait
         if not self._still_in(block, self.publish_s + SETTLE_S):
             return None
+        block.rounds += 1
+        key = self._overrun_key(block)
+        if self._count_in(f"{key}/reporter"):
+            return self._report_overrun(block, key)
+        verdict = self._await_verdict(block, key)
+        if verdict is None:  # the block ended meanwhile: slow, not stuck
+            return None
+        if verdict == "":  # no verdict in time (the reporting rank died): report alone
+            return self._report_overrun(block, key)
+        if verdict == AGAIN:  # every member computing: not stuck yet
+            with self._cond:
+                block.deadline = time.monotonic() + self.timeout_s
+            return None
+        self._fired = True
+        return self._second_report(block, _named_in(verdict))
+
+    def _report_overrun(self, block: _Block, key: str) -> Optional[str]:
+        """`_overrun_message` of the member that reads the others' check-ins; its verdict
+        (the report's first line, or AGAIN) goes under `key`/verdict for the others."""
         report = self.overrun_report(block)
         if report is None:  # every member computing, none behind: not stuck yet
+            self._leave(f"{key}/verdict", AGAIN)
             with self._cond:
                 block.deadline = time.monotonic() + self.timeout_s
             return None
         message, named = report
+        self._leave(f"{key}/verdict", message.splitlines()[0])
         self._fired, first = True, self._first_to_fire()
         if first:
-            self._leave_abort(message.splitlines()[0])
+            self._leave(ABORT_KEY, message.splitlines()[0])
             return message + "\n" + self.main_thread_stack()
-        # the same hang: the first rank's report has the details
-        message = message.splitlines()[0] + " (another rank's watchdog reported it first)"
+        return self._second_report(block, named)
+
+    def _second_report(self, block: _Block, named: List[int]) -> str:
+        """The first line of the report on `block` naming `named`, of a rank whose report
+        came after another's (which has the details); with where this rank's main
+        thread is when it is the one stuck (the first report may name it in another
+        block)."""
+        message = self._report_head(block, named) + " (another rank's watchdog reported it first)"
         if self.rank in named or self.rank in _named_in(self._abort_line()):
-            # this rank is the one stuck (the first report may name it in another block)
             message += "\n" + self.main_thread_stack()
         return message
+
+    def _overrun_key(self, block: _Block) -> str:
+        """The store key of this deadline of `block`, the same in every member waiting in
+        it: its first check-in's group, name and call number, and the deadline's round."""
+        point, count, members = block.points[0]
+        return f"{KEY_PREFIX}/overrun/{_group_id(members)}/{point}/{count}/{block.rounds}"
+
+    def _count_in(self, key: str) -> bool:
+        """Whether this rank is the first to count itself in `key` (an atomic count in the
+        store; True when the store cannot be read: each rank then reports alone)."""
+        try:
+            return int(self.store.add(key, 1)) == 1
+        except Exception:
+            return True
+
+    def _await_verdict(self, block: _Block, key: str) -> Optional[str]:
+        """The verdict the reporting member of this overrun leaves under `key`/verdict (a
+        report's first line, or AGAIN); None when `block` ends or the watchdog closes
+        first; '' when none comes within the reporter's longest wait (min(EXCHANGE_S,
+        timeout_s)) and VERDICT_WAIT_S more, or the store fails. Leaves this rank's
+        collective counts first, for a block with `progress`; looks for the verdict
+        less and less often (up to once a second), publishing meanwhile."""
+        if block.progress is not None:
+            try:
+                self._leave_progress(block)
+            except Exception:  # no count here, or no store: the reporter names none
+                pass
+        give_up = time.monotonic() + min(EXCHANGE_S, self.timeout_s) + VERDICT_WAIT_S
+        pause = 0.05
+        while True:
+            try:
+                if self.store.check([f"{key}/verdict"]):
+                    return self.store.get(f"{key}/verdict").decode(errors="replace")
+            except Exception:
+                return ""
+            if time.monotonic() >= give_up:
+                return ""
+            if not self._still_in(block, pause):
+                return None
+            pause = min(2 * pause, 1.0)
 
     def _stop_message(self, abort: str) -> str:
         """The message of a stop `_poll` found a reason for, with where the main thread
@@ -352,12 +431,8 @@ class CollectiveWatchdog:
         return message
 
     def _first_to_fire(self) -> bool:
-        """Whether no other rank's deadline passed before this one's (an atomic count in
-        the store; True when the store cannot be read)."""
-        try:
-            return int(self.store.add(FIRED_KEY, 1)) == 1
-        except Exception:
-            return True
+        """Whether no other rank's report came before this one's (FIRED_KEY)."""
+        return self._count_in(FIRED_KEY)
 
     def _wait_for_event(self, next_poll: float) -> Optional[_Block]:
         """Sleep until the watchdog closes (None), a block's deadline passes (its entry)
@@ -412,10 +487,11 @@ class CollectiveWatchdog:
             time.sleep(0.05)
         return ""
 
-    def _leave_abort(self, line: str) -> None:
-        """Ask every other rank's watchdog to stop (best effort: the store may be gone)."""
+    def _leave(self, key: str, line: str) -> None:
+        """Leave `line` under `key` for the other ranks' watchdogs (best effort: the
+        store may be gone)."""
         try:
-            self.store.set(ABORT_KEY, line)
+            self.store.set(key, line)
         except Exception:
             pass
 
@@ -480,10 +556,7 @@ class CollectiveWatchdog:
             if behind is None:
                 return None
             missing, lines = behind
-        doing = self._doing()
-        head = (f"[watchdog rank {self.rank}] collective {block.name} did not complete within "
-                f"{self.timeout_s:g} s{' ' + doing if doing else ''}; ranks that did not "
-                f"arrive: {missing}")
+        head = self._report_head(block, missing)
         if not missing:
             lines.append("  every rank arrived: the collective itself is stuck (network or "
                          "NCCL trouble, or ranks issuing collectives in different orders), or "
@@ -491,25 +564,28 @@ class CollectiveWatchdog:
                          "report says where)")
         return "\n".join([head] + lines), missing
 
+    def _report_head(self, block: _Block, missing: List[int]) -> str:
+        doing = self._doing()
+        return (f"[watchdog rank {self.rank}] collective {block.name} did not complete within "
+                f"{self.timeout_s:g} s{' ' + doing if doing else ''}; ranks that did not "
+                f"arrive: {missing}")
+
     def _behind(self, block: _Block) -> Optional[Tuple[List[int], List[str]]]:
         """Every member reached `block`: compare how many collectives each has issued on
         each group of the block (`block.progress`: one count, or one per group, see
-        `issued_collectives_on`). This rank leaves its counts in the store and waits (up
-        to EXCHANGE_S, or the timeout, while the block lasts) for the other members' --
-        each leaves its own when its deadline in the same block passes, at about the same
-        time since they entered it together --, publishing its check-ins meanwhile.
-        Returns (the members behind the others of one of their groups, lines saying so),
-        or None when every member answered with the same counts per group, or this rank
-        left the block meanwhile (it was slow, not stuck)."""
-        point, count, members = block.points[0]
-        block.rounds += 1
-        tag = f"{count} {block.rounds}"  # this call of the block, this deadline
+        `issued_collectives_on`). This rank, the one reporting the overrun, leaves its
+        counts in the store and waits (up to EXCHANGE_S, or the timeout, while the block
+        lasts) for the other members' -- each leaves its own when its deadline in the
+        same block passes, at about the same time since they entered it together --,
+        publishing its check-ins meanwhile. Returns (the members behind the others of one
+        of their groups, lines saying so), or None when every member answered with the
+        same counts per group, or this rank left the block meanwhile (it was slow, not
+        stuck)."""
+        members = block.points[0][2]
         try:
-            mine = _issued_by_group(block.progress())
+            key, tag, mine = self._leave_progress(block)
             if mine is None:
                 return [], []
-            key = f"{KEY_PREFIX}/progress/{point}/rank"
-            self.store.set(f"{key}{self.rank}", json.dumps([tag, mine]))
             issued = {self.rank: mine}
             give_up = time.monotonic() + min(EXCHANGE_S, self.timeout_s)
             while len(issued) < len(members) and time.monotonic() < give_up:
@@ -531,6 +607,19 @@ class CollectiveWatchdog:
                          "collectives it issued (it may have left it: with asynchronous "
                          "collectives, NCCL's, a rank goes on once it has issued them)")
         return behind, lines
+
+    def _leave_progress(self, block: _Block) -> Tuple[str, str, Optional[List[list]]]:
+        """Leave how many collectives this rank issued on the groups of `block` (its
+        `progress`) under its key for this deadline of the block; (the members' key
+        prefix, this deadline's tag, the counts: None for none). Raises when the store
+        or `progress` fails."""
+        point, count = block.points[0][:2]
+        tag = f"{count} {block.rounds}"  # this call of the block, this deadline
+        mine = _issued_by_group(block.progress())
+        key = f"{KEY_PREFIX}/progress/{point}/rank"
+        if mine is not None:
+            self.store.set(f"{key}{self.rank}", json.dumps([tag, mine]))
+        return key, tag, mine
 
     def _still_in(self, block: _Block, seconds: float) -> bool:
         """Wait `seconds` (publishing this rank's check-ins every `publish_s`: another
