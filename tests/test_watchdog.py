@@ -682,9 +682,9 @@ def test_a_rank_whose_overrun_gets_no_verdict_reports_alone(monkeypatch):
     """One member per overrun reads the others' check-ins and leaves a verdict; the others
     wait for it. When it never comes (the reporting rank died meanwhile), a waiting rank
     reports on its own after a bounded wait instead of waiting for ever."""
-    import megatron.watchdog as watchdog
+    import megatron.watchdog_report as watchdog_report
 
-    monkeypatch.setattr(watchdog, "VERDICT_WAIT_S", 0.3)
+    monkeypatch.setattr(watchdog_report, "VERDICT_WAIT_S", 0.3)
     store = dist.HashStore()
     _checked_in(store, 1, 3, "grads")  # rank 1 arrived, rank 2 did not
     wd, fired = _watchdog(store, rank=0, world=3, timeout=0.3)
