@@ -216,19 +216,27 @@ def _overrun_store_reads(world: int) -> int:
     reaches, all with the same timeout (their deadlines pass together, as in a collective
     they entered together); the store reads all their watchdogs make until each has
     reported."""
-    store = CountingStore(dist.HashStore())
-    fired = []
-    wds = [CollectiveWatchdog(store, r, world, 0.3, poll_s=10.0, on_timeout=fired.append)
-           for r in range(world - 1)]
-    with contextlib.ExitStack() as blocks:
-        for wd in wds:
-            blocks.enter_context(wd.watch("all-reduce of gradients"))
-        time.sleep(1.5)
-    for wd in wds:
-        wd.close()
+    fired, reads = _overrun(world, range(world - 1), {})
     assert len(fired) == world - 1, fired
     assert all(f"ranks that did not arrive: [{world - 1}]" in m.splitlines()[0] for m in fired)
-    return sum(n for (op, _), n in store.counts.items() if op in READS)
+    return reads
+
+
+def _overrun(world, ranks, progress):
+    """The watchdogs of `ranks` (of `world`) inside 'all-reduce of gradients' (over the
+    world, `progress[r]`: rank r's collective count, if any) past their 0.3-s timeout:
+    (their reports, the store reads they made)."""
+    store = CountingStore(dist.HashStore())
+    fired = []
+    wds = {r: CollectiveWatchdog(store, r, world, 0.3, poll_s=10.0, on_timeout=fired.append)
+           for r in ranks}
+    with contextlib.ExitStack() as blocks:
+        for r, wd in wds.items():
+            blocks.enter_context(wd.watch("all-reduce of gradients", progress=progress.get(r)))
+        time.sleep(1.5)
+    for wd in wds.values():
+        wd.close()
+    return fired, sum(n for (op, _), n in store.counts.items() if op in READS)
 
 
 def test_an_overrun_over_the_world_reads_the_store_o_n_times():
@@ -239,3 +247,15 @@ def test_an_overrun_over_the_world_reads_the_store_o_n_times():
     for world in (4, 8):
         reads = _overrun_store_reads(world)
         assert reads <= 10 * world, (world, reads)
+
+
+def test_a_rank_behind_in_a_block_over_the_world_is_found_in_o_n_store_reads():
+    """Every rank entered the block; the last issued one collective fewer. Every member
+    read every other's collective count, N^2 requests in all; now the reporting member
+    alone does."""
+    for world in (4, 8):
+        counts = {r: (lambda r=r: 41 if r == world - 1 else 42) for r in range(world)}
+        fired, reads = _overrun(world, range(world), counts)
+        assert len(fired) == world, fired
+        assert all(f"ranks that did not arrive: [{world - 1}]" in m.splitlines()[0] for m in fired)
+        assert reads <= 12 * world, (world, reads)
