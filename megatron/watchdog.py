@@ -34,8 +34,8 @@ Inside a block that holds several collectives (a micro-batch's forward with its
 tensor-parallel all-reduces) every rank arrives, and a rank stuck between two of them
 looks like the ones waiting for it. A block given `progress` (`issued_collectives(group)`:
 how many collectives this rank has issued on the group, as the backend counts them) tells
-them apart when it overruns: each member leaves its count in the store, and those behind
-the others are the ranks that did not arrive (the rank behind prints where its main
+them apart when it overruns: each member leaves its count in the store, and those the
+reporting member finds behind the others are the ranks that did not arrive (the rank behind prints where its main
 thread is). When every member has issued as many, none is reported: they are all
 computing (the first micro-batch compiles the layers, which can outlast the timeout), and
 the block gets another `timeout_s` -- or they all wait in one collective that is itself
@@ -51,9 +51,16 @@ watchdog through the executor's hook). `phase(name)` records what this rank is d
 without a check-in (nothing to publish): a rank stopped in no watched block says it was
 there.
 
-Only the first rank whose deadline passes (FIRED_KEY, an atomic count in the store) prints
-that report, with where its main thread waits; the others waiting for the same ranks print
-its first line only. The first one also leaves that line under ABORT_KEY in the store.
+The ranks waiting in one collective over the whole world overrun together: were each to
+read every member's check-ins, the store would answer N^2 requests and, at thousands of
+ranks, the report would come after the backend's own timeout. So one member per overrun
+reads them -- the first to count itself in the overrun's key (an atomic count in the
+store, per block, call and deadline) -- and leaves its verdict there: the report's first
+line, or that every member computes (the block gets another `timeout_s`); the other
+members wait for it, a few store requests each, and report alone if none comes (the
+reporting rank died) within EXCHANGE_S + VERDICT_WAIT_S. Only the first rank whose report
+comes (FIRED_KEY, an atomic count in the store) prints that report, with where its main
+thread waits; the others print its first line only. The first one also leaves that line under ABORT_KEY in the store.
 Every other rank's watchdog looks for it every `poll_s` seconds and exits with the same
 status: a rank waiting inside a watched block says so in one line; a rank in no watched
 block -- the one that never arrived: stuck in data loading, in a file system call, in
@@ -68,6 +75,10 @@ signal handler), and does nothing when there is none: the ranks' agreements
 (megatron/agreed_exit.py), the checkpoint barriers and a save's gathers, the timers'
 barriers and the gather of their readings, and the evaluation's reduction use it.
 
+The overrun's reading and writing of the store and the report's text live in
+megatron/watchdog_report.py (`OverrunReports`, which `CollectiveWatchdog` extends); its
+names are importable from here as before.
+
 Works with gloo and NCCL: the check-ins go through the store, not the backend. With NCCL
 the collectives are asynchronous, so watch a point that waits for them (e.g. the gradient
 sync's wait, or the host read of the loss), not the kernel launch. Every member of a group
@@ -77,48 +88,40 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
-import hashlib
 import json
 import math
 import os
-import re
 import sys
 import threading
 import time
-import traceback
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
+
+from megatron.watchdog_report import (  # noqa: F401 -- re-exported: the watchdog's API
+    ABORT_KEY,
+    AGAIN,
+    EXCHANGE_S,
+    FIRED_KEY,
+    KEY_PREFIX,
+    SETTLE_S,
+    STACK_FRAMES,
+    VERDICT_WAIT_S,
+    OverrunReports,
+    Progress,
+    _Block,
+    _checkin_key,
+    _group_id,
+    _named_in,
+    issued_collectives,
+    issued_collectives_on,
+    published_checkins,
+)
 
 EXIT_CODE = 124  # as coreutils `timeout`
-KEY_PREFIX = "collective-watchdog"
-ABORT_KEY = f"{KEY_PREFIX}/abort"  # the first line of the report of the rank that fired
-FIRED_KEY = f"{KEY_PREFIX}/fired"  # how many ranks' deadlines passed: the first reports
 POLL_S = 5.0  # how often each rank looks for ABORT_KEY
-SETTLE_S = 0.2  # after publish_s: time for the other ranks' monitors to publish theirs
 STORE_GRACE_S = 60.0  # after the store failed: time to close the watchdog normally
-STACK_FRAMES = 4  # innermost frames of the main thread a report shows
-EXCHANGE_S = 30.0  # an overrun block's wait for the other members' collective counts
-# A block's `progress`: how many collectives this rank issued on its group (an int), or on
-# each of several groups (`issued_collectives_on`); None when unknown.
-Progress = Callable[[], Optional[Union[int, list]]]
 
 
-class _Block:
-    """A watched block: its deadline, its name (for the message), its check-ins --
-    (point, this rank's count there, the ranks that must reach it) -- how many
-    collectives this rank has issued on its group (see `watch`) and how many times its
-    deadline has passed (`rounds`: it is moved on while every member has issued as many)."""
-
-    __slots__ = ("deadline", "name", "points", "progress", "rounds")
-
-    def __init__(self, deadline: float, name: str,
-                 points: Tuple[Tuple[str, int, Tuple[int, ...]], ...],
-                 progress: Optional[Progress]) -> None:
-        self.deadline, self.name, self.points = deadline, name, points
-        self.progress, self.rounds = progress, 0
-
-
-class CollectiveWatchdog:
+class CollectiveWatchdog(OverrunReports):
     """Watches blocks of code that run collectives; see the module docstring.
 
     Args:
@@ -248,13 +251,6 @@ class CollectiveWatchdog:
         except Exception as exc:
             self._store_lost = (time.monotonic(), exc)
 
-    def missing_ranks(self, name: str, count: int, ranks: Sequence[int],
-                      read: Optional[dict] = None) -> List[int]:
-        """Members of `ranks` that have reached `name` (checked in with `ranks`) fewer
-        than `count` times, as published (`read`: the keys read so far, reused)."""
-        ranks = tuple(ranks)
-        return [r for r in ranks if self._reached(name, r, ranks, read) < count]
-
     def close(self) -> None:
         """Stop the monitor thread (the watchdog does nothing afterwards) and publish the
         check-ins it had not published yet; `watching` no longer uses it. Without that
@@ -279,17 +275,6 @@ class CollectiveWatchdog:
         self.close()
 
     # --- internals ----------------------------------------------------------------------
-    def _reached(self, name: str, rank: int, ranks: Tuple[int, ...],
-                 read: Optional[dict] = None) -> int:
-        """How many times `rank` reached `name` (checked in with `ranks`): this rank's
-        own count, else what that rank published."""
-        if rank == self.rank:
-            return self._counts.get(name, 0)
-        read = {} if read is None else read
-        if (rank, ranks) not in read:
-            read[rank, ranks] = published_checkins(self.store, rank, ranks)
-        return int(read[rank, ranks].get(name, 0))
-
     def _monitor(self) -> None:
         """Wait for the earliest deadline of the active blocks, publishing this rank's
         check-ins every `publish_s` seconds and looking for another rank's ABORT_KEY
@@ -314,32 +299,6 @@ class CollectiveWatchdog:
                     break
         self._on_timeout(message)
 
-    def _overrun_message(self, block: _Block) -> Optional[str]:
-        """The report of `block`, past its deadline; None when there is none to give:
-        the block ended or the watchdog closed while the other ranks' monitors were
-        given time to publish, or every member is computing (the block gets another
-        `timeout_s`). Only the first rank to fire gives the full report."""
-        self.publish()
-        # check-ins from before the deadline are all published after this wait
-        if not self._still_in(block, self.publish_s + SETTLE_S):
-            return None
-        report = self.overrun_report(block)
-        if report is None:  # every member computing, none behind: not stuck yet
-            with self._cond:
-                block.deadline = time.monotonic() + self.timeout_s
-            return None
-        message, named = report
-        self._fired, first = True, self._first_to_fire()
-        if first:
-            self._leave_abort(message.splitlines()[0])
-            return message + "\n" + self.main_thread_stack()
-        # the same hang: the first rank's report has the details
-        message = message.splitlines()[0] + " (another rank's watchdog reported it first)"
-        if self.rank in named or self.rank in _named_in(self._abort_line()):
-            # this rank is the one stuck (the first report may name it in another block)
-            message += "\n" + self.main_thread_stack()
-        return message
-
     def _stop_message(self, abort: str) -> str:
         """The message of a stop `_poll` found a reason for, with where the main thread
         is when it waits in no watched block or the report names this rank."""
@@ -350,14 +309,6 @@ class CollectiveWatchdog:
         if inside is None or self.rank in _named_in(abort):  # maybe the one stuck
             message += "\n" + self.main_thread_stack()
         return message
-
-    def _first_to_fire(self) -> bool:
-        """Whether no other rank's deadline passed before this one's (an atomic count in
-        the store; True when the store cannot be read)."""
-        try:
-            return int(self.store.add(FIRED_KEY, 1)) == 1
-        except Exception:
-            return True
 
     def _wait_for_event(self, next_poll: float) -> Optional[_Block]:
         """Sleep until the watchdog closes (None), a block's deadline passes (its entry)
@@ -400,33 +351,6 @@ class CollectiveWatchdog:
                 "the process that hosts it (torchrun's agent on the first node, or rank 0) "
                 "has ended, so the rest of the job is gone"), self.poll_s
 
-    def _abort_line(self) -> str:
-        """The first report's line under ABORT_KEY ('' when not there yet, or no store):
-        the rank that fired first leaves it right after counting itself in FIRED_KEY."""
-        for _ in range(10):
-            try:
-                if self.store.check([ABORT_KEY]):
-                    return self.store.get(ABORT_KEY).decode(errors="replace")
-            except Exception:
-                return ""
-            time.sleep(0.05)
-        return ""
-
-    def _leave_abort(self, line: str) -> None:
-        """Ask every other rank's watchdog to stop (best effort: the store may be gone)."""
-        try:
-            self.store.set(ABORT_KEY, line)
-        except Exception:
-            pass
-
-    def _doing(self) -> str:
-        if self.describe is None:
-            return ""
-        try:
-            return self.describe()
-        except Exception:  # the report matters more than this detail
-            return ""
-
     def abort_message(self, abort: str, inside: Optional[str],
                       phase: Optional[str] = None) -> str:
         """The message of a stop `_poll` found a reason for (`abort`: another rank's
@@ -439,98 +363,6 @@ class CollectiveWatchdog:
                else "the job has ended elsewhere")
         return (f"[watchdog rank {self.rank}] stopping{' ' + doing if doing else ''}, "
                 f"{where}, because {why}:\n  {abort}")
-
-    def main_thread_stack(self) -> str:
-        """Where the main thread is: its innermost STACK_FRAMES frames, innermost last."""
-        frame = sys._current_frames().get(threading.main_thread().ident)
-        if frame is None:
-            return f"  rank {self.rank}'s main thread: unknown"
-        frames = traceback.extract_stack(frame)[-STACK_FRAMES:]
-        lines = [f"  rank {self.rank}'s main thread is here (innermost last):"]
-        for f in frames:
-            lines.append(f"    {f.filename}:{f.lineno} in {f.name}" +
-                         (f": {f.line.strip()}" if f.line else ""))
-        return "\n".join(lines)
-
-    def timeout_message(self, name: str, count: int, ranks: Sequence[int]) -> str:
-        """The message for `name` (reached `count` times here) not completing in time."""
-        return self.overrun_report(_Block(0.0, name, ((name, count, tuple(ranks)),), None))[0]
-
-    def overrun_report(self, block: _Block) -> Optional[Tuple[str, List[int]]]:
-        """(the message for `block` not completing in time, the ranks it names); None
-        when it has `progress` and every member, inside it, has issued as many
-        collectives: they are all computing (a first micro-batch that compiles the
-        layers can outlast the timeout) -- or all wait in one collective that is itself
-        stuck, which the process group's own timeout ends."""
-        read: dict = {}
-        try:
-            late = [(point, count, ranks, r) for point, count, ranks in block.points
-                    for r in self.missing_ranks(point, count, ranks, read)]
-            lines = [f"  rank {r} reached '{point}' {self._reached(point, r, ranks, read)} "
-                     f"times; this rank is at its call number {count}"
-                     for point, count, ranks, r in late]
-        except Exception as exc:  # the store itself is gone (rank 0 died)
-            return (f"[watchdog rank {self.rank}] collective {block.name} did not complete "
-                    f"within {self.timeout_s:g} s; the rendezvous store cannot be read ({exc}), "
-                    "so the ranks that did not arrive are unknown (rank 0, which hosts it, may "
-                    "be dead)"), []
-        missing = sorted({r for *_, r in late})
-        if not missing and block.progress is not None:
-            behind = self._behind(block)
-            if behind is None:
-                return None
-            missing, lines = behind
-        doing = self._doing()
-        head = (f"[watchdog rank {self.rank}] collective {block.name} did not complete within "
-                f"{self.timeout_s:g} s{' ' + doing if doing else ''}; ranks that did not "
-                f"arrive: {missing}")
-        if not missing:
-            lines.append("  every rank arrived: the collective itself is stuck (network or "
-                         "NCCL trouble, or ranks issuing collectives in different orders), or "
-                         "a rank is stuck inside the block before its collective (its own "
-                         "report says where)")
-        return "\n".join([head] + lines), missing
-
-    def _behind(self, block: _Block) -> Optional[Tuple[List[int], List[str]]]:
-        """Every member reached `block`: compare how many collectives each has issued on
-        each group of the block (`block.progress`: one count, or one per group, see
-        `issued_collectives_on`). This rank leaves its counts in the store and waits (up
-        to EXCHANGE_S, or the timeout, while the block lasts) for the other members' --
-        each leaves its own when its deadline in the same block passes, at about the same
-        time since they entered it together --, publishing its check-ins meanwhile.
-        Returns (the members behind the others of one of their groups, lines saying so),
-        or None when every member answered with the same counts per group, or this rank
-        left the block meanwhile (it was slow, not stuck)."""
-        point, count, members = block.points[0]
-        block.rounds += 1
-        tag = f"{count} {block.rounds}"  # this call of the block, this deadline
-        try:
-            mine = _issued_by_group(block.progress())
-            if mine is None:
-                return [], []
-            key = f"{KEY_PREFIX}/progress/{point}/rank"
-            self.store.set(f"{key}{self.rank}", json.dumps([tag, mine]))
-            issued = {self.rank: mine}
-            give_up = time.monotonic() + min(EXCHANGE_S, self.timeout_s)
-            while len(issued) < len(members) and time.monotonic() < give_up:
-                if not self._still_in(block, 0.05):
-                    return None
-                for r in members:
-                    if r not in issued and self.store.check([f"{key}{r}"]):
-                        their_tag, counts = json.loads(self.store.get(f"{key}{r}"))
-                        if their_tag == tag:
-                            issued[r] = counts
-        except Exception:  # no number here or no store: the plain report
-            return [], []
-        behind, lines = _behind_in_groups(issued)
-        silent = [r for r in members if r not in issued]
-        if not silent and not behind:
-            return None
-        if silent:
-            lines.append(f"  {_ranks_text(silent)} did not say from inside the block how many "
-                         "collectives it issued (it may have left it: with asynchronous "
-                         "collectives, NCCL's, a rank goes on once it has issued them)")
-        return behind, lines
 
     def _still_in(self, block: _Block, seconds: float) -> bool:
         """Wait `seconds` (publishing this rank's check-ins every `publish_s`: another
@@ -576,67 +408,6 @@ class CollectiveWatchdog:
         os._exit(EXIT_CODE)
 
 
-def published_checkins(store, rank: int, ranks: Sequence[int]) -> Dict[str, int]:
-    """What `rank`'s watchdog last published of its check-ins with the group `ranks`
-    ({name: how many times it reached it}; {} before it published any)."""
-    key = _checkin_key(_group_id(tuple(ranks)), rank)
-    if not store.check([key]):  # get() would wait for it
-        return {}
-    return json.loads(store.get(key))
-
-
-def _checkin_key(group: str, rank: int) -> str:
-    return f"{KEY_PREFIX}/checkins/{group}/rank{rank}"
-
-
-@functools.lru_cache(maxsize=1024)
-def _group_id(ranks: Tuple[int, ...]) -> str:
-    """A short name of the set of `ranks`, the same in every member (a transfer's two
-    ends list its ranks in opposite orders)."""
-    text = ",".join(map(str, sorted(set(ranks))))
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-
-
-def _issued_by_group(progress) -> Optional[List[list]]:
-    """A block's `progress()` as [label, group id, count] triples: one count (the block's
-    one group, "its group") or those of `issued_collectives_on`; None for no count."""
-    if progress is None or isinstance(progress, list):
-        return progress or None
-    return [["its group", "", int(progress)]]
-
-
-def _behind_in_groups(issued: Dict[int, List[list]]) -> Tuple[List[int], List[str]]:
-    """The ranks that issued fewer collectives on one of their groups than another member
-    of that group ({rank: its [label, group id, count] triples}), and lines saying so.
-    Counts are compared only within a group: two data-parallel groups of different
-    pipeline stages issue different numbers of collectives."""
-    groups: Dict[str, Tuple[str, Dict[int, int]]] = {}
-    for rank, counts in issued.items():
-        for label, group, n in counts:
-            groups.setdefault(group, (label, {}))[1][rank] = int(n)
-    behind, lines = set(), []
-    for label, got in groups.values():
-        most = max(got.values())
-        ahead = _ranks_text(sorted(r for r, n in got.items() if n == most))
-        for r in sorted(r for r, n in got.items() if n < most):
-            behind.add(r)
-            lines.append(f"  every rank entered it, but rank {r} has issued {got[r]} "
-                         f"collectives on {label} and {ahead} {most}: rank {r} did not reach "
-                         "the collective the others wait in")
-    return sorted(behind), lines
-
-
-def _named_in(line: str) -> List[int]:
-    """The ranks a report's first line names as not arrived ([] for none, or another
-    line)."""
-    found = re.search(r"ranks that did not arrive: \[([\d, ]*)\]", line)
-    return [int(r) for r in found[1].split(",") if r.strip()] if found else []
-
-
-def _ranks_text(ranks: Sequence[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-
-
 class NullWatchdog:
     """Same API, does nothing (a single process has no one to wait for)."""
 
@@ -674,49 +445,6 @@ def watching(name: str, group=None):
         if len(ranks) == 1:
             return contextlib.nullcontext()
     return wd.watch(name, ranks=ranks)
-
-
-def issued_collectives(group) -> Optional[Callable[[], Optional[int]]]:
-    """A `progress` for `watch`: how many collectives and point-to-point transfers this
-    rank has issued on `group` so far, as the backend counts them (a private
-    torch.distributed call that gloo and NCCL groups answer; counted when issued, so a
-    rank waiting in a collective has counted it and a rank stuck before it has not).
-    None when the group has no such count."""
-    count = getattr(group, "_get_sequence_number_for_group", None)
-    if count is None:
-        return None
-
-    def issued() -> Optional[int]:
-        try:
-            return int(count())
-        except Exception:  # a backend without the count
-            return None
-
-    return issued
-
-
-def issued_collectives_on(groups: Sequence[Tuple[str, object]]) -> Callable[[], Optional[list]]:
-    """A `progress` for a block whose collectives run on several groups (the distributed
-    optimizer's step: its norm over all ranks, its parameter all-gather over the
-    data-parallel group), from (label for the report, process group) pairs: the counts
-    of `issued_collectives` per group, each compared only with the other members of the
-    same group (a rank stuck between a collective of one group and one of another is
-    level with the others on the first). The groups' ranks are read only when the block
-    overruns."""
-    def issued() -> Optional[list]:
-        import torch.distributed as dist
-
-        out = []
-        for label, group in groups:
-            count = issued_collectives(group)
-            n = count() if count is not None else None
-            if n is not None:
-                ranks = tuple(dist.get_process_group_ranks(group))
-                # the label too: two groups may have the same ranks (all ranks, dp at tp=pp=1)
-                out.append([label, f"{label} {_group_id(ranks)}", n])
-        return out or None
-
-    return issued
 
 
 def close_current() -> None:

@@ -8,12 +8,16 @@ per-step exit checks, and the checkpoint agreements.
 """
 from __future__ import annotations
 
+import contextlib
+import time
+
 import pytest
 import torch.distributed as dist
 
 from megatron.core.parallel_state import ParallelState
+from megatron.watchdog import CollectiveWatchdog
 from tests.dist_utils import run_distributed
-from tests.op_counts import OpCounter
+from tests.op_counts import CountingStore, OpCounter
 
 
 def _new_groups(counter: OpCounter) -> int:
@@ -202,3 +206,56 @@ def test_rank_0_looks_for_the_writers_markers_less_often_as_a_save_goes_on(tmp_p
         done.join()
     looks = files.counts["stat"] / len(writers)  # one stat per writer and look, at most
     assert 1 <= looks <= 15, files.counts
+
+
+READS = ("check", "get", "multi_get", "add", "wait")
+
+
+def _overrun_store_reads(world: int) -> int:
+    """Every rank but the last waits in a block over the whole world that the last never
+    reaches, all with the same timeout (their deadlines pass together, as in a collective
+    they entered together); the store reads all their watchdogs make until each has
+    reported."""
+    fired, reads = _overrun(world, range(world - 1), {})
+    assert len(fired) == world - 1, fired
+    assert all(f"ranks that did not arrive: [{world - 1}]" in m.splitlines()[0] for m in fired)
+    return reads
+
+
+def _overrun(world, ranks, progress):
+    """The watchdogs of `ranks` (of `world`) inside 'all-reduce of gradients' (over the
+    world, `progress[r]`: rank r's collective count, if any) past their 0.3-s timeout:
+    (their reports, the store reads they made)."""
+    store = CountingStore(dist.HashStore())
+    fired = []
+    wds = {r: CollectiveWatchdog(store, r, world, 0.3, poll_s=10.0, on_timeout=fired.append)
+           for r in ranks}
+    with contextlib.ExitStack() as blocks:
+        for r, wd in wds.items():
+            blocks.enter_context(wd.watch("all-reduce of gradients", progress=progress.get(r)))
+        time.sleep(1.5)
+    for wd in wds.values():
+        wd.close()
+    return fired, sum(n for (op, _), n in store.counts.items() if op in READS)
+
+
+def test_an_overrun_over_the_world_reads_the_store_o_n_times():
+    """A hang in a collective over the whole world: every waiting rank read every rank's
+    check-ins, N^2 store requests in all (at 8,000 ranks the report came after the
+    backend's own timeout). Now one rank per overrun reads them and the others wait for
+    its verdict: a few requests per rank."""
+    for world in (4, 8):
+        reads = _overrun_store_reads(world)
+        assert reads <= 10 * world, (world, reads)
+
+
+def test_a_rank_behind_in_a_block_over_the_world_is_found_in_o_n_store_reads():
+    """Every rank entered the block; the last issued one collective fewer. Every member
+    read every other's collective count, N^2 requests in all; now the reporting member
+    alone does."""
+    for world in (4, 8):
+        counts = {r: (lambda r=r: 41 if r == world - 1 else 42) for r in range(world)}
+        fired, reads = _overrun(world, range(world), counts)
+        assert len(fired) == world, fired
+        assert all(f"ranks that did not arrive: [{world - 1}]" in m.splitlines()[0] for m in fired)
+        assert reads <= 12 * world, (world, reads)

@@ -676,3 +676,33 @@ def test_the_gather_of_the_timers_readings_is_watched():
     assert fired and fired[0].startswith(
         "[watchdog rank 0] collective all-gather of the timers' readings (all ranks) did not "
         "complete within 1 s; ranks that did not arrive: [1]"), fired
+
+
+def test_a_rank_whose_overrun_gets_no_verdict_reports_alone(monkeypatch):
+    """One member per overrun reads the others' check-ins and leaves a verdict; the others
+    wait for it. When it never comes (the reporting rank died meanwhile), a waiting rank
+    reports on its own after a bounded wait instead of waiting for ever."""
+    import megatron.watchdog_report as watchdog_report
+
+    monkeypatch.setattr(watchdog_report, "VERDICT_WAIT_S", 0.3)
+    store = dist.HashStore()
+    _checked_in(store, 1, 3, "grads")  # rank 1 arrived, rank 2 did not
+    wd, fired = _watchdog(store, rank=0, world=3, timeout=0.3)
+    for rounds in range(1, 10):  # another rank reports on each of the block's deadlines
+        store.add(f"{wd._overrun_key(_block_of('grads', 1, (0, 1, 2), rounds))}/reporter", 1)
+    with wd.watch("grads"):
+        time.sleep(1.8)
+    wd.close()
+    assert len(fired) == 1, fired
+    assert fired[0].startswith("[watchdog rank 0] collective grads did not complete within "
+                               "0.3 s; ranks that did not arrive: [2]\n"), fired[0]
+
+
+def _block_of(name, count, ranks, rounds):
+    """A watched block's record at its deadline number `rounds` (as `_overrun_key` sees
+    it)."""
+    from megatron.watchdog import _Block
+
+    block = _Block(0.0, name, ((name, count, ranks),), None)
+    block.rounds = rounds
+    return block
