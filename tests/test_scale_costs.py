@@ -90,7 +90,10 @@ def test_start_up_store_requests_do_not_grow_with_the_world_size():
     from tests.dist_utils import free_port
 
     per_world = {n: run_distributed(_start_up_worker, n, free_port()) for n in (2, 4)}
-    assert len(set(per_world[2] + per_world[4])) == 1, per_world
+    # 3 requests per rank at either size on a quiet machine; torch's store-based barrier
+    # polls the store while it waits, so a loaded machine adds a few: a bound, not an
+    # equality (the full mesh made 28 per rank at N = 2 and 36 at N = 4)
+    assert max(per_world[2] + per_world[4]) <= 12, per_world
 
 
 def test_lazy_gloo_keeps_a_users_choice():
