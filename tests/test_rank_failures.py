@@ -141,6 +141,16 @@ def test_a_rank_stuck_outside_the_gradient_reduction_is_named_in_bounded_time(tm
         assert read_tracker(str(ckpt)) == (2, False)
 
 
+def _assert_rank_1_shown_and_all_ended(log, statuses, seconds):
+    """Rank 1's stack shows where it sleeps, every process ended with the watchdog's
+    status within 45 s, and no traceback from the project's code."""
+    stuck = log[log.index("rank 1's main thread is here"):]
+    assert "time.sleep(300)" in stuck.split("\n\n")[0], log[-4000:]
+    assert statuses and set(statuses.values()) == {EXIT_CODE}, statuses
+    assert seconds < 45
+    assert not re.search(r'File ".*(/megatron/|pretrain_gpt)', log), log[-4000:]
+
+
 @pytest.mark.slow
 def test_a_rank_stuck_in_the_tied_embedding_all_reduce_is_named_in_bounded_time(tmp_path):
     """pp2 with tied word embeddings: after the gradient reduction the first and last
@@ -288,11 +298,7 @@ def test_a_rank_stuck_after_the_gradient_reduction_is_named_in_bounded_time(tmp_
     else:
         assert re.search(r"\[watchdog rank 1\] stopping at iteration 1, in no watched "
                          r"collective, because another rank's watchdog fired:", log), log[-4000:]
-    stuck = log[log.index("rank 1's main thread is here"):]
-    assert "time.sleep(300)" in stuck.split("\n\n")[0], log[-4000:]
-    assert statuses and set(statuses.values()) == {EXIT_CODE}, statuses
-    assert seconds < 45
-    assert not re.search(r'File ".*(/megatron/|pretrain_gpt)', log), log[-4000:]
+    _assert_rank_1_shown_and_all_ended(log, statuses, seconds)
 
 
 @pytest.mark.slow
@@ -314,11 +320,7 @@ def test_a_rank_stuck_before_the_overlapped_parameter_all_gather_is_named(tmp_pa
                      r"step, waited for in the forward \(data-parallel group, "
                      r"--overlap-param-gather\) did not complete within 3 s at iteration 2; "
                      r"ranks that did not arrive: \[1\]", log), log[-4000:]
-    stuck = log[log.index("rank 1's main thread is here"):]
-    assert "time.sleep(300)" in stuck.split("\n\n")[0], log[-4000:]
-    assert statuses and set(statuses.values()) == {EXIT_CODE}, statuses
-    assert seconds < 45
-    assert not re.search(r'File ".*(/megatron/|pretrain_gpt)', log), log[-4000:]
+    _assert_rank_1_shown_and_all_ended(log, statuses, seconds)
 
 
 # --------------------------------------------------------------------------- a rank stops
