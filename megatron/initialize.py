@@ -40,6 +40,15 @@ class Runtime:
     rng_tracker: RNGStatesTracker
     backend: str
     control_group: object = None  # CPU (gloo) group over the world for host-side flags
+    local_rank: int = 0  # the process's rank on its node (the launcher's LOCAL_RANK)
+
+    @property
+    def speaks_for_node(self) -> bool:
+        """Whether this process prints what every process of a node would print alike
+        (another rank's failure echoed, a stop): global rank 0 and each node's first
+        process; at thousands of ranks the others' copies would bury the one line that
+        matters."""
+        return self.ps.rank == 0 or self.local_rank == 0
 
 
 @dataclass(frozen=True)
@@ -194,7 +203,8 @@ def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
         sequence_parallel=parallel.sequence_parallel, timeout=timeout,
     )
     return Runtime(ps=ps, device=device, rng_tracker=RNGStatesTracker(device), backend=backend,
-                   control_group=build_control_group(backend, world_size, timeout))
+                   control_group=build_control_group(backend, world_size, timeout),
+                   local_rank=local_rank)
 
 
 def build_control_group(backend: str, world_size: int, timeout: datetime.timedelta):

@@ -496,7 +496,8 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float],
     log.timers("model-and-optimizer-setup", 0).start(barrier=True)
     tr = build_trainer(config, rt)
     tr.step_log, tr.process_start_time, tr.progress = log, process_start_time, progress
-    tr.watchdog = build_watchdog(config.parallel.distributed_timeout_minutes * 60)
+    tr.watchdog = build_watchdog(config.parallel.distributed_timeout_minutes * 60,
+                                 announces=rt.speaks_for_node)
     tr.watchdog.describe = progress.where
     watch_param_sync(tr)
     if config.training.exit_signal_handler:
