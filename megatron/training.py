@@ -253,10 +253,9 @@ def _exit_checks(tr: Trainer, start_time: float) -> Tuple[float, float]:
 
 
 def _report_nan(tr: Trainer, iteration: int, local: Optional[torch.Tensor]) -> str:
-    """Print once (global rank 0) which data-parallel replicas produced the non-finite
-    loss (a collective: every rank calls it at the same point); return the message for
-    all ranks. Each replica used to print its own line: thousands of them when the model
-    diverges everywhere."""
+    """Print once (rank 0) which data-parallel replicas produced the non-finite loss, not
+    one line per replica (a collective: every rank calls it at the same point); return
+    the message for all ranks."""
     line = nonfinite_origin_line(nonfinite_origins(tr, local), iteration)
     if line is not None and tr.rt.ps.rank == 0:
         print(line, flush=True)

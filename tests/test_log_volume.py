@@ -3,14 +3,15 @@ say the same thing: at 1,000-8,000 ranks each such line is thousands of lines of
 log, and the one that matters is lost among them.
 
 Fast: the pieces -- the first rank to report a failure (a count in the job's store), an
-error every rank raises alike printed by one, the out-of-memory report of the ranks after
+error every rank raises alike printed by one (warnings alike: tests/test_initialize.py), the out-of-memory report of the ranks after
 the first one line each, a peer's failure and the watchdog's echoes left to the ranks that
 speak for a node.
 
 Slow (torchrun, gloo): the lines the ranks print (torchrun's --redirects: each rank's
 stdout and stderr in files of their own, without the launcher's lines) at world size 1 or 2
 against 4, for start-up to a normal exit and for failures: the same error on every rank,
-one rank failing, NaN losses everywhere, every rank out of memory, a stalled rank.
+one rank failing, NaN losses everywhere, every rank out of memory, a stalled rank; and a
+warning every rank gives.
 torchrun's own summary (some lines per failed rank) is the launcher's and is not counted.
 """
 from __future__ import annotations
@@ -121,8 +122,9 @@ def test_watchdog_echoes_are_left_to_the_ranks_that_announce():
 
 
 # --------------------------------------------------------------------------- torchrun
-# Runs pretrain_gpt.py with megatron.training.{name} failing from its {call}-th call on on
-# the ranks in {ranks} (None: every rank): "raise" a RuntimeError, "sleep" (a stalled rank;
+# Runs pretrain_gpt.py with megatron.training.{name} failing from its {call}-th call on
+# the ranks in {ranks} (None: every rank): "raise" a RuntimeError, "warn" (a UserWarning,
+# and no failure), "sleep" (a stalled rank;
 # the collective timeout is shortened to seconds), or make the model's forward raise
 # torch's out-of-memory error ("oom") or return NaN losses ("nan") in that call.
 WRAPPER = """
@@ -150,6 +152,9 @@ def faulty(*args, **kwargs):
         time.sleep(120)
     if armed[0] and {action!r} == "raise":
         raise RuntimeError("injected failure in {name}")
+    if armed[0] and {action!r} == "warn":
+        import warnings
+        warnings.warn("injected warning in {name}")
     return original(*args, **kwargs)
 
 def failing_forward(self, *args, **kwargs):
@@ -174,7 +179,7 @@ FAILURES = {  # name: (megatron.training's function, from its call, ranks, actio
 
 
 def _wrapper(tmp_path: Path, failure: str, world_size: int) -> Path:
-    name, call, ranks, action, _ = FAILURES[failure]
+    name, call, ranks, action, _ = FAILURES.get(failure, ("train_step", 2, None, failure, []))
     ranks = [world_size - 1] if ranks == "last" else ranks
     script = tmp_path / f"wrapper_{world_size}.py"
     script.write_text(WRAPPER.format(root=str(ROOT), name=name, call=call, ranks=ranks,
@@ -216,6 +221,14 @@ def test_start_up_to_a_normal_exit_prints_as_much_on_4_ranks_as_on_1(tmp_path):
     assert status1 == status4 == 0, (one, four)
     assert "validation loss at iteration 4" in "".join(four)
     assert _lines(four) == _lines(one), (one, four)
+
+
+@pytest.mark.slow
+def test_a_warning_every_rank_gives_shows_once(tmp_path):
+    status, outs = rank_outputs(tmp_path, 4, ["--train-iters", "3"],
+                                _wrapper(tmp_path, "warn", 4))
+    assert status == 0, outs
+    assert "".join(outs).count("UserWarning: injected warning in train_step") == 1, outs
 
 
 @pytest.mark.slow
