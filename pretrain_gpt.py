@@ -85,8 +85,8 @@ def main(argv=None) -> int:
 def _train(config, ranks: tuple, start: float, progress, watch) -> int:
     """Initialise the process group, then pretrain; the exit status (0, or an OOM exit's).
     The group is left as it is after an out-of-memory error, an interrupt or another
-    rank's failure (megatron/rank_failure.py: one line, from rank 0 and each node's first
-    process): its teardown may wait for ranks still in a collective (the launcher ends
+    rank's failure (megatron/rank_failure.py: one line, from the first such rank of each
+    host): its teardown may wait for ranks still in a collective (the launcher ends
     those). An error another rank has printed already is not printed again."""
     import torch.distributed as dist
 

@@ -24,11 +24,12 @@ figures,
     [rank 5] out of GPU memory in iteration 3 (forward), as rank 1 (its report says what
     may help); cuda:5: allocated 70.10 GiB, reserved 75.30 GiB, ...
 
-instead of the same report again (thousands of copies at scale). Nothing here is a collective, so a rank that runs out of memory while
-the others wait for it in one still gets to its report and its exit; the launcher (torchrun)
-then ends the others. The phase comes from the traceback's frames (free on the hot path):
-the outermost frame listed in `_PHASES` names it, and inside a training step the outermost
-of `_STEP_PARTS` says which part.
+instead of the same report again (thousands of copies at scale), then waits under a
+launcher for the first one to print. Nothing here is a collective, so a rank that runs out
+of memory while the others wait for it in one still gets to its report and its exit; the
+launcher (torchrun) then ends the others. The phase comes from the traceback's frames
+(free on the hot path): the outermost frame listed in `_PHASES` names it, and inside a
+training step the outermost of `_STEP_PARTS` says which part.
 
 Library code sets no environment variables: `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:
 True` is only suggested (for the launch environment) when much of what the allocator holds

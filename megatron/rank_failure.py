@@ -19,10 +19,11 @@ prints `peer_failure_message` instead of a traceback, e.g.
 
 and exits with status 1. A rank killed outright records nothing: the line then says that
 none reported an error and where the launcher names it. pretrain_gpt.py calls
-`stopped_by_peer` itself, and prints that line on global rank 0 and the first process of
-each node only (the others exit with the same status in silence: at a thousand ranks it
-was a thousand copies of one line); the other torchrun entry points (tools/generate.py,
-the text server, tasks/main.py) run inside `process_group_closed`.
+`stopped_by_peer` itself; the other torchrun entry points (tools/generate.py, the text
+server, tasks/main.py) run inside `process_group_closed`. The line is printed by the first
+rank of each host that meets it (a count in the store; when the store is gone with its
+host, by rank 0 and each node's first process), the others exit with the same status in
+silence: at a thousand ranks it was a thousand copies of one line.
 
 A failure every rank meets alike (an error raised with the same message everywhere, an
 out-of-memory error on every GPU) is printed by the first rank that reports it
@@ -36,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
+import socket
 import threading
 from typing import Callable, Iterator, Mapping, Optional
 
@@ -151,16 +153,22 @@ def first_failure(store=None, wait_s: float = WAIT_FOR_RECORD_S) -> Optional[str
     return _with_deadline(read, wait_s + STORE_DEADLINE_S)
 
 
+def _report_count(topic: str, store) -> tuple:
+    """(the store key of `topic`, how many reports of it there are with this one: 1 for
+    the first; None when the store does not answer within STORE_DEADLINE_S)."""
+    key = f"{REPORTS_KEY}/{hashlib.sha1(topic.encode()).hexdigest()}"
+    if store is None:
+        return key, None
+    return key, _with_deadline(lambda: int(store.add(f"{key}/count", 1)))
+
+
 def first_to_report(topic: str, rank: int, store=None) -> Optional[int]:
     """None when this rank is the first to report `topic` (an atomic count in the job's
     store, default the default group's), or when the store cannot tell (no group, no
     answer within STORE_DEADLINE_S): then it reports. Else the rank that was first (-1
     when it has not said yet)."""
     store = store if store is not None else _default_store()
-    if store is None:
-        return None
-    key = f"{REPORTS_KEY}/{hashlib.sha1(topic.encode()).hexdigest()}"
-    count = _with_deadline(lambda: int(store.add(f"{key}/count", 1)))
+    key, count = _report_count(topic, store)
     if count is None or count == 1:
         if count == 1:
             _with_deadline(lambda: store.set(f"{key}/rank", str(rank)))
@@ -240,17 +248,19 @@ def stopped_by_peer(exc: BaseException, rank: int, where: str,
                     resume: str = "", prints: bool = True) -> Optional[SystemExit]:
     """For an entry point's `except`: the SystemExit (status 1) carrying
     `peer_failure_message` (ending with `resume`) when `exc` is a collective failing
-    because another rank stopped (the process group is broken: do not destroy it) --
-    without a message unless `prints` (the line is the same on every rank: the entry
-    point has rank 0 and each node's first process print it); else None, after recording
-    `exc` as this rank's own failure for the others (`record_failure`)."""
+    because another rank stopped (the process group is broken: do not destroy it) -- the
+    line is the same on every rank, so only the first such rank of each host (a count in
+    the job's store) carries it, the others' exit has no message; when the store does not
+    answer (it was on the host that was lost), the ranks that `prints`. Else None, after
+    recording `exc` as this rank's own failure for the others (`record_failure`)."""
     reason = peer_failure(exc)
     if reason is None:
         what = describe_failure(exc)
         if what is not None:
             record_failure(rank, what, where)
         return None
-    if not prints:
+    _, count = _report_count(f"stopped by a peer\t{socket.gethostname()}", _default_store())
+    if not (prints if count is None else count == 1):
         return SystemExit(1)
     return SystemExit(peer_failure_message(rank, reason, where, first_failure(), resume))
 

@@ -62,11 +62,29 @@ def test_an_error_every_rank_raises_alike_is_left_to_the_first():
     assert repeated_failure(SystemExit("error: y"), 0, 1, {}, store) is None
 
 
-def test_a_peer_failure_is_one_line_from_the_ranks_that_speak_for_a_node():
+def test_a_peer_failure_is_one_line_from_the_first_rank_of_each_host(monkeypatch):
+    """The ranks whose collective another rank broke: the first of this host says so
+    (a count in the job's store), the next exits with status 1 and no message; without
+    an answer from the store (lost with the host that held it), `prints` decides (rank 0
+    and each node's first process)."""
+    from megatron import rank_failure
+
     gone = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer "
                         "[127.0.0.1]:4242")
-    silent = stopped_by_peer(gone, 5, "at iteration 3", prints=False)
-    assert isinstance(silent, SystemExit) and silent.code == 1
+    store = dist.HashStore()
+    monkeypatch.setattr(rank_failure, "_default_store", lambda: store)
+    monkeypatch.setattr(rank_failure, "first_failure", lambda: "rank 3 stopped first, "
+                        "with RuntimeError: injected")
+    first = stopped_by_peer(gone, 5, "at iteration 3", prints=False)
+    assert str(first.code).startswith("[rank 5] stopped at iteration 3: a collective failed "
+                                      "(Connection closed by peer [127.0.0.1]:4242) because "
+                                      "rank 3 stopped first"), first.code
+    second = stopped_by_peer(gone, 0, "at iteration 3", prints=True)
+    assert isinstance(second, SystemExit) and second.code == 1
+    monkeypatch.setattr(rank_failure, "_default_store", lambda: None)
+    assert stopped_by_peer(gone, 6, "at iteration 3", prints=False).code == 1
+    assert str(stopped_by_peer(gone, 0, "at iteration 3", prints=True).code).startswith(
+        "[rank 0] stopped")
 
 
 def _ps(rank, world_size=8):
