@@ -85,18 +85,19 @@ def main(argv=None) -> int:
 def _train(config, ranks: tuple, start: float, progress, watch) -> int:
     """Initialise the process group, then pretrain; the exit status (0, or an OOM exit's).
     The group is left as it is after an out-of-memory error, an interrupt or another
-    rank's failure (megatron/rank_failure.py: one line): its teardown may wait for ranks
-    still in a collective (the launcher ends those)."""
+    rank's failure (megatron/rank_failure.py: one line, from the first such rank of each
+    host): its teardown may wait for ranks still in a collective (the launcher ends
+    those). An error another rank has printed already is not printed again."""
     import torch.distributed as dist
 
     from megatron.agreed_exit import silent_ranks_wait
-    from megatron.arguments import format_args_dump
+    from megatron.arguments import format_args_dump, wait_for_printing_rank
     from megatron.data_loading import check_data_files
     from megatron.initialize import initialize_entry_point, set_random_seed
     from megatron.interrupt import last_checkpoint_text
     from megatron.logging_utils import print_rank_0
     from megatron.oom_report import OutOfMemoryExit
-    from megatron.rank_failure import record_failure, stopped_by_peer
+    from megatron.rank_failure import record_failure, repeated_failure, stopped_by_peer
     from megatron.training import pretrain, print_datetime
 
     rank, world, local_rank = ranks
@@ -115,14 +116,20 @@ def _train(config, ranks: tuple, start: float, progress, watch) -> int:
         except OutOfMemoryExit as e:  # reported already
             leave_group = True
             record_failure(rank, "out of memory (its report is in its output)", progress.where())
+            if e.first is not None:  # the whole report is another rank's: let it print
+                wait_for_printing_rank(world, os.environ)
             return e.code
         except BaseException as e:
             leave_group = watch.explains(e)
             lost = None if leave_group else stopped_by_peer(
-                e, rank, progress.where(), last_checkpoint_text(config.checkpoint.save))
+                e, rank, progress.where(), last_checkpoint_text(config.checkpoint.save),
+                prints=rt.speaks_for_node)
             if lost is not None:  # one line naming the rank that stopped, no traceback
                 leave_group = True
                 raise lost from None
+            again = None if leave_group else repeated_failure(e, rank, world, os.environ)
+            if again is not None:  # another rank printed this same error
+                raise again from None
             raise
         finally:
             if dist.is_initialized() and not leave_group:

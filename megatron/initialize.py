@@ -40,6 +40,15 @@ class Runtime:
     rng_tracker: RNGStatesTracker
     backend: str
     control_group: object = None  # CPU (gloo) group over the world for host-side flags
+    local_rank: int = 0  # the process's rank on its node (the launcher's LOCAL_RANK)
+
+    @property
+    def speaks_for_node(self) -> bool:
+        """Whether this process prints what every process of a node would print alike
+        (another rank's failure echoed, a stop): global rank 0 and each node's first
+        process; at thousands of ranks the others' copies would bury the one line that
+        matters."""
+        return self.ps.rank == 0 or self.local_rank == 0
 
 
 @dataclass(frozen=True)
@@ -194,7 +203,8 @@ def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
         sequence_parallel=parallel.sequence_parallel, timeout=timeout,
     )
     return Runtime(ps=ps, device=device, rng_tracker=RNGStatesTracker(device), backend=backend,
-                   control_group=build_control_group(backend, world_size, timeout))
+                   control_group=build_control_group(backend, world_size, timeout),
+                   local_rank=local_rank)
 
 
 def build_control_group(backend: str, world_size: int, timeout: datetime.timedelta):
@@ -235,6 +245,28 @@ def one_line_project_warnings() -> None:
     warnings.formatwarning = formatwarning
 
 
+def warnings_once_per_job(rank: int) -> None:
+    """A warning every rank gives alike (a checkpoint's loss scaler that is not the run's,
+    a library's deprecation notice that every rank's call triggers) is shown by the first
+    rank to give it (`first_to_report`: a count in the job's store), not once per rank:
+    at thousands of ranks each was thousands of lines. A warning whose text differs per
+    rank shows on each; Python's filters still decide whether one shows at all. Only in
+    this process: a forked one (a data-loader worker) shares the store's connection, and
+    shows its warnings itself. Without a process group every warning shows."""
+    from megatron.rank_failure import first_to_report
+
+    show = getattr(warnings.showwarning, "process_default", warnings.showwarning)
+    pid = os.getpid()
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        text = warnings.formatwarning(message, category, filename, lineno, line)
+        if os.getpid() != pid or first_to_report("warning\t" + text, rank) is None:
+            show(message, category, filename, lineno, file, line)
+
+    showwarning.process_default = show
+    warnings.showwarning = showwarning
+
+
 def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank: int,
                            world_size: int, local_rank: int,
                            environ: MutableMapping[str, str]) -> Runtime:
@@ -243,7 +275,9 @@ def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank
     when it makes its first cuBLAS handle, so before anything runs on the GPU) and
     `gloo_lazy_init_env` (read when each gloo group is made), initialise
     (under torchrun --max-restarts, each attempt keeps out of the keys of the previous
-    one), then check one GEMM on the GPU when cuBLAS was left without a workspace."""
+    one), then check one GEMM on the GPU when cuBLAS was left without a workspace. With
+    several processes, a warning every rank gives alike shows once from then on
+    (`warnings_once_per_job`)."""
     one_line_project_warnings()
     environ.update(gloo_lazy_init_env(environ))
     no_workspace = cublas_workspace_env(cublas_workspace, environ)
@@ -256,6 +290,8 @@ def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank
         local_rank = local_gpu(rank, local_rank, environ, torch.cuda.device_count())
     rt = initialize_distributed(parallel, rank, world_size, local_rank,
                                 agent_store=agent_store_from_env(environ))
+    if world_size > 1:
+        warnings_once_per_job(rank)
     if no_workspace and rt.device.type == "cuda":
         check_gemm_without_workspace(rt.device)
     return rt

@@ -17,8 +17,10 @@ import time
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from megatron import step_graph
+from megatron.agreed_exit import rank_ranges
 from megatron.logging_utils import (
     format_iteration_line,
     format_memory_line,
@@ -27,6 +29,7 @@ from megatron.logging_utils import (
     print_rank_last,
 )
 from megatron.train_step import interval_extras, log_timers, watch_optimizer
+from megatron.watchdog import watching
 
 PEAK_FLOPS = 989e12  # H100/H200 dense bf16, the MFU denominator
 
@@ -306,3 +309,48 @@ def progress_line(iteration: int, train_iters: int, elapsed_s: float, start_iter
     fmt = _hours_minutes_seconds
     return (f" progress: {100.0 * iteration / max(train_iters, 1):.1f}% ({iteration}/{train_iters}) "
             f"| elapsed {fmt(elapsed_s)} | ETA {fmt(eta)} |")
+
+
+# --------------------------------------------------------------------------- NaN origins
+_NONFINITE = ("nan", "inf", "-inf")  # code 1, 2, 3 in `nonfinite_origins`; 0: finite
+
+
+def nonfinite_origins(tr, local: Optional[torch.Tensor]) -> torch.Tensor:
+    """Which data-parallel replicas' own losses were non-finite: a float per replica (0
+    finite, else 1 + its index in _NONFINITE), from each replica's last pipeline stage's
+    tensor-parallel rank 0 (the replica's other ranks hold the same loss). Collective:
+    one MAX all-reduce over the run's control group, which every rank calls at the same
+    point (the loss averaged over the replicas is non-finite on all of them)."""
+    ps = tr.rt.ps
+    kinds = torch.zeros(ps.dp_size)
+    if (local is not None and not torch.isfinite(local).all() and ps.tp_rank == 0
+            and ps.pp_rank == ps.pp_size - 1):
+        value = float(local)
+        kinds[ps.dp_rank] = 1 + _NONFINITE.index(
+            "nan" if math.isnan(value) else "inf" if value > 0 else "-inf")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        with watching("non-finite loss origins", tr.rt.control_group):
+            dist.all_reduce(kinds, op=dist.ReduceOp.MAX, group=tr.rt.control_group)
+    return kinds
+
+
+def nonfinite_origin_line(kinds: torch.Tensor, iteration: int) -> Optional[str]:
+    """The line naming the replicas of `nonfinite_origins`, e.g. 'non-finite loss (nan)
+    at iteration 3 on data-parallel ranks 0-2, 5 (of 8)'; None when no replica's own loss
+    was (their average overflowed)."""
+    dp_size = len(kinds)
+    found = {}
+    for dp_rank, code in enumerate(kinds.tolist()):
+        if code:
+            found.setdefault(_NONFINITE[int(code) - 1], []).append(dp_rank)
+    if not found:
+        return None
+    if dp_size == 1:
+        return f"non-finite loss ({next(iter(found))}) at iteration {iteration}"
+    where = [f"{rank_ranges(ranks).replace('rank', 'data-parallel rank', 1)}"
+             for ranks in found.values()]
+    if len(found) == 1:
+        return (f"non-finite loss ({next(iter(found))}) at iteration {iteration} on "
+                f"{where[0]} (of {dp_size})")
+    parts = ", ".join(f"{kind} on {w}" for kind, w in zip(found, where))
+    return f"non-finite loss at iteration {iteration}: {parts} (of {dp_size})"

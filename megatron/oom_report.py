@@ -16,11 +16,20 @@ allocate memory", the gloo path) reaches it, the rank that hit it prints to stde
       traceback (most recent call last): one line per frame
 
 and the process ends with status EXIT_CODE (1) through `OutOfMemoryExit`, a SystemExit:
-no second traceback. Nothing here is a collective, so a rank that runs out of memory while
-the others wait for it in one still gets to its report and its exit; the launcher (torchrun)
-then ends the others. The phase comes from the traceback's frames (free on the hot path):
-the outermost frame listed in `_PHASES` names it, and inside a training step the outermost
-of `_STEP_PARTS` says which part.
+no second traceback. Only the first rank of the job to run out prints the whole report
+(`first_to_report`, a count in the job's store): when every GPU runs out, as happens
+when the layout does not fit, each other rank prints one line with its own phase and
+figures,
+
+    [rank 5] out of GPU memory in iteration 3 (forward), as rank 1 (its report says what
+    may help); cuda:5: allocated 70.10 GiB, reserved 75.30 GiB, ...
+
+instead of the same report again (thousands of copies at scale), then waits under a
+launcher for the first one to print. Nothing here is a collective, so a rank that runs out
+of memory while the others wait for it in one still gets to its report and its exit; the
+launcher (torchrun) then ends the others. The phase comes from the traceback's frames
+(free on the hot path): the outermost frame listed in `_PHASES` names it, and inside a
+training step the outermost of `_STEP_PARTS` says which part.
 
 Library code sets no environment variables: `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:
 True` is only suggested (for the launch environment) when much of what the allocator holds
@@ -37,6 +46,7 @@ from typing import Dict, List, Optional, TextIO
 import torch
 
 from megatron.memory_estimate import GiB, format_memory_report
+from megatron.rank_failure import first_to_report
 
 EXIT_CODE = 1  # an ordinary failure; the watchdog's 124 and flag errors' 2 mean other things
 CPU_ALLOC_FAILURE = "DefaultCPUAllocator: can't allocate memory"
@@ -52,7 +62,11 @@ _HOST_FIGURES = (("rss", "resident"), ("peak_rss", "peak resident"), ("total", "
 
 
 class OutOfMemoryExit(SystemExit):
-    """The out-of-memory report has been printed; end the process with its `code`."""
+    """The out-of-memory report has been printed; end the process with its `code`.
+    `first`: the rank that printed the whole report when this one printed its line only
+    (-1: unknown), else None."""
+
+    first: Optional[int] = None
 
 
 def out_of_memory_kind(exc: BaseException) -> Optional[str]:
@@ -278,6 +292,15 @@ def _usable(figures: dict) -> Optional[int]:
     return min(found) if found else None
 
 
+def format_repeat(ps, device: torch.device, kind: str, phase: str, first: int) -> str:
+    """The one line of a rank that ran out of memory after rank `first` (-1: unknown)
+    printed the whole report: this rank's phase and figures."""
+    figure_lines, _ = _figure_lines(kind, device)
+    who = f"rank {first}" if first >= 0 else "another rank"
+    return (f"[rank {ps.rank}] out of {'GPU' if kind == 'device' else 'host'} memory in "
+            f"{phase}, as {who} (its report says what may help); {figure_lines[0]}")
+
+
 def format_report(config, ps, device: torch.device, exc: BaseException, kind: str,
                   phase: str) -> str:
     """The whole report for `exc` (see the module docstring); never raises on its figures
@@ -322,9 +345,12 @@ class OomReport:
         if kind is None:
             return False
         state = getattr(self.trainer, "state", None)
+        ps = self.rt.ps
+        first = first_to_report("out of memory", ps.rank) if ps.world_size > 1 else None
         try:
             phase = describe_phase(tb, None if state is None else state.iteration)
-            report = format_report(self.config, self.rt.ps, self.rt.device, exc, kind, phase)
+            report = (format_report(self.config, ps, self.rt.device, exc, kind, phase)
+                      if first is None else format_repeat(ps, self.rt.device, kind, phase, first))
         except Exception as e:  # noqa: BLE001 - never hide the error behind the report's own
             report = (f"out of memory: {exc}\n  (the out-of-memory report failed: {e!r})\n  "
                       + "\n  ".join(_compact_traceback(tb)))
@@ -334,8 +360,10 @@ class OomReport:
         stream = self.stream or sys.stderr
         sys.stdout.flush()
         print(report, file=stream, flush=True)
-        raise OutOfMemoryExit(EXIT_CODE) from exc
+        ending = OutOfMemoryExit(EXIT_CODE)
+        ending.first = first
+        raise ending from exc
 
 
-__all__ = ["EXIT_CODE", "OomReport", "OutOfMemoryExit", "describe_phase", "format_report",
-           "out_of_memory_kind", "suggestions"]
+__all__ = ["EXIT_CODE", "OomReport", "OutOfMemoryExit", "describe_phase", "format_repeat",
+           "format_report", "out_of_memory_kind", "suggestions"]

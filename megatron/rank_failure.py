@@ -20,20 +20,31 @@ prints `peer_failure_message` instead of a traceback, e.g.
 and exits with status 1. A rank killed outright records nothing: the line then says that
 none reported an error and where the launcher names it. pretrain_gpt.py calls
 `stopped_by_peer` itself; the other torchrun entry points (tools/generate.py, the text
-server, tasks/main.py) run inside `process_group_closed`. The store calls run in a helper
+server, tasks/main.py) run inside `process_group_closed`. The line is printed by the first
+rank of each host that meets it (a count in the store; when the store is gone with its
+host, by rank 0 and each node's first process), the others exit with the same status in
+silence: at a thousand ranks it was a thousand copies of one line.
+
+A failure every rank meets alike (an error raised with the same message everywhere, an
+out-of-memory error on every GPU) is printed by the first rank that reports it
+(`first_to_report`: an atomic count in the store): `repeated_failure` silences the same
+error on the other ranks, which leave with status 1. The store calls run in a helper
 thread with a short deadline: a store that does not answer (its host gone) costs seconds,
-never the collective timeout.
+never the collective timeout; without an answer every rank prints, as before.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import re
+import socket
 import threading
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch.distributed as dist
 
 FAILURES_KEY = "megatron-rank-failures"
+REPORTS_KEY = "megatron-first-reports"  # + /<topic>/count, /<topic>/rank
 STORE_DEADLINE_S = 3.0  # a store call that takes longer is given up
 WAIT_FOR_RECORD_S = 1.0  # how long a survivor waits for the failing rank's record
 
@@ -142,6 +153,74 @@ def first_failure(store=None, wait_s: float = WAIT_FOR_RECORD_S) -> Optional[str
     return _with_deadline(read, wait_s + STORE_DEADLINE_S)
 
 
+def _report_count(topic: str, store) -> tuple:
+    """(the store key of `topic`, how many reports of it there are with this one: 1 for
+    the first; None when the store does not answer within STORE_DEADLINE_S)."""
+    key = f"{REPORTS_KEY}/{hashlib.sha1(topic.encode()).hexdigest()}"
+    if store is None:
+        return key, None
+    return key, _with_deadline(lambda: int(store.add(f"{key}/count", 1)))
+
+
+def first_to_report(topic: str, rank: int, store=None) -> Optional[int]:
+    """None when this rank is the first to report `topic` (an atomic count in the job's
+    store, default the default group's), or when the store cannot tell (no group, no
+    answer within STORE_DEADLINE_S): then it reports. Else the rank that was first (-1
+    when it has not said yet)."""
+    store = store if store is not None else _default_store()
+    key, count = _report_count(topic, store)
+    if count is None or count == 1:
+        if count == 1:
+            _with_deadline(lambda: store.set(f"{key}/rank", str(rank)))
+        return None
+
+    def first() -> int:
+        import time
+
+        until = time.monotonic() + WAIT_FOR_RECORD_S  # the first one sets it right after
+        while not store.check([f"{key}/rank"]):
+            if time.monotonic() >= until:
+                return -1
+            time.sleep(0.05)
+        return int(store.get(f"{key}/rank"))
+
+    found = _with_deadline(first)
+    return -1 if found is None else found
+
+
+def _failure_text(exc: BaseException) -> Optional[str]:
+    """What an uncaught `exc` shows after its traceback (a SystemExit: its message), or
+    None when it shows nothing or is reported elsewhere (a status, an `AgreedExit`, an
+    out-of-memory exit, Ctrl-C)."""
+    from megatron.agreed_exit import AgreedExit
+    from megatron.oom_report import OutOfMemoryExit
+
+    if isinstance(exc, (AgreedExit, OutOfMemoryExit, KeyboardInterrupt)):
+        return None
+    if isinstance(exc, SystemExit):
+        return None if exc.code is None or isinstance(exc.code, int) else str(exc.code)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def repeated_failure(exc: BaseException, rank: int, world_size: int,
+                     env: Mapping[str, str], store=None) -> Optional[SystemExit]:
+    """For an entry point's `except`, after the process group exists: SystemExit(1) to
+    raise instead of `exc` when another rank already reported the same error (the same
+    message, and for an exception the same type: e.g. a check every rank makes alike);
+    this rank then waits for that rank to print under a launcher
+    (`wait_for_printing_rank`) and leaves in silence. None when `exc` is to be raised as
+    it is: this rank is the first, or its error is its own, or not one that prints."""
+    text = _failure_text(exc)
+    if text is None or world_size <= 1:
+        return None
+    if first_to_report("failure\t" + text, rank, store) is None:
+        return None
+    from megatron.arguments import wait_for_printing_rank
+
+    wait_for_printing_rank(world_size, env)
+    return SystemExit(1)
+
+
 def peer_failure_message(rank: int, reason: str, where: str, first: Optional[str],
                          resume: str) -> str:
     """The line of a rank whose collective failed (`reason`: `peer_failure`'s words)
@@ -166,18 +245,23 @@ def peer_failure_message(rank: int, reason: str, where: str, first: Optional[str
 
 
 def stopped_by_peer(exc: BaseException, rank: int, where: str,
-                    resume: str = "") -> Optional[SystemExit]:
+                    resume: str = "", prints: bool = True) -> Optional[SystemExit]:
     """For an entry point's `except`: the SystemExit (status 1) carrying
     `peer_failure_message` (ending with `resume`) when `exc` is a collective failing
-    because another rank stopped (the process group is broken: do not destroy it); else
-    None, after recording `exc` as this rank's own failure for the others
-    (`record_failure`)."""
+    because another rank stopped (the process group is broken: do not destroy it) -- the
+    line is the same on every rank, so only the first such rank of each host (a count in
+    the job's store) carries it, the others' exit has no message; when the store does not
+    answer (it was on the host that was lost), the ranks that `prints`. Else None, after
+    recording `exc` as this rank's own failure for the others (`record_failure`)."""
     reason = peer_failure(exc)
     if reason is None:
         what = describe_failure(exc)
         if what is not None:
             record_failure(rank, what, where)
         return None
+    _, count = _report_count(f"stopped by a peer\t{socket.gethostname()}", _default_store())
+    if not (prints if count is None else count == 1):
+        return SystemExit(1)
     return SystemExit(peer_failure_message(rank, reason, where, first_failure(), resume))
 
 
@@ -217,5 +301,6 @@ def process_group_closed(where: str = "during generation") -> Iterator[None]:
             dist.destroy_process_group()
 
 
-__all__ = ["describe_failure", "first_failure", "peer_failure", "peer_failure_message",
-           "process_group_closed", "record_failure", "stopped_by_peer"]
+__all__ = ["describe_failure", "first_failure", "first_to_report", "peer_failure",
+           "peer_failure_message", "process_group_closed", "record_failure",
+           "repeated_failure", "stopped_by_peer"]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import checkpointing, step_graph, trainer_checkpoint
-from megatron.agreed_exit import max_over_ranks
+from megatron.agreed_exit import exit_on_every_rank, max_over_ranks
 from megatron.checkpoint_args import train_order_warning, valid_order_warning
 from megatron.checkpoint_dirs import UNFINISHED_IDLE_S, unfinished_saves_report
 from megatron.config import Config
@@ -41,6 +41,8 @@ from megatron.interrupt import RunProgress
 from megatron.interval_log import (  # noqa: F401 (progress_line re-exported)
     IntervalStats,
     log_interval,
+    nonfinite_origin_line,
+    nonfinite_origins,
     progress_line,
     to_float,
 )
@@ -251,14 +253,12 @@ def _exit_checks(tr: Trainer, start_time: float) -> Tuple[float, float]:
 
 
 def _report_nan(tr: Trainer, iteration: int, local: Optional[torch.Tensor]) -> str:
-    """Print which data-parallel replica produced the non-finite loss (its last pipeline
-    stage's tensor-parallel rank 0: the replica's other ranks hold the same loss, and
-    printed it tp x pp times over); return the message for all ranks."""
-    ps = tr.rt.ps
-    if (local is not None and not torch.isfinite(local).all() and ps.tp_rank == 0
-            and ps.pp_rank == ps.pp_size - 1):
-        print(f"[rank {ps.rank}] non-finite loss ({float(local)}) at iteration {iteration}"
-              + (f" (data-parallel rank {ps.dp_rank})" if ps.dp_size > 1 else ""), flush=True)
+    """Print once (rank 0) which data-parallel replicas produced the non-finite loss, not
+    one line per replica (a collective: every rank calls it at the same point); return
+    the message for all ranks."""
+    line = nonfinite_origin_line(nonfinite_origins(tr, local), iteration)
+    if line is not None and tr.rt.ps.rank == 0:
+        print(line, flush=True)
     return f"NaN/Inf loss at iteration {iteration}"
 
 
@@ -269,8 +269,9 @@ def _check_pending_nan(tr: Trainer, stats: IntervalStats) -> None:
         if not math.isfinite(to_float(r.loss)):
             msg = _report_nan(tr, r.iteration, r.local_loss)
             log_interval(tr, stats)
-            raise SystemExit(f"error: {msg}; stopping (--nan-loss-policy stop). Resume from "
-                             f"the last checkpoint, or use --nan-loss-policy skip|rollback")
+            raise exit_on_every_rank(  # printed once (rank 0)
+                f"error: {msg}; stopping (--nan-loss-policy stop). Resume from the last "
+                "checkpoint, or use --nan-loss-policy skip|rollback", tr.rt.control_group)
 
 
 # --nan-loss-policy rollback gives up after this many rollbacks in a row that do not get
@@ -287,11 +288,12 @@ def _rollback(tr: Trainer, iteration: int) -> None:
     streak = streak + 1 if iteration <= furthest else 1
     tr.rollback_streak = (max(furthest, iteration), streak)
     if streak > MAX_ROLLBACKS_WITHOUT_PROGRESS:
-        raise SystemExit(
+        raise exit_on_every_rank(
             f"error: NaN/Inf loss at iteration {iteration} again: {streak - 1} rollbacks to "
             f"the checkpoint at iteration {target} in a row have not got past iteration "
             f"{max(furthest, iteration)}, so this is not one bad batch. Stopping; lower --lr "
-            "(or raise the warmup), check the data, or resume from an earlier checkpoint")
+            "(or raise the warmup), check the data, or resume from an earlier checkpoint",
+            tr.rt.control_group)
     keep = (tr.state.consumed_train_samples, tr.state.consumed_valid_samples,
             tr.state.skipped_iters, tr.state.nan_iters)
     saved = tr.config.checkpoint
@@ -466,7 +468,7 @@ def _build_data(tr: Trainer):
         shortfall = validation_shortfall(config, tr.state.iteration, valid_start,
                                          len(datasets["valid"]))
         if shortfall:
-            raise SystemExit(f"error: {shortfall}")
+            raise exit_on_every_rank(f"error: {shortfall}", rt.control_group)  # rank 0 prints
     asked = split_sample_counts(config)
     for order in (train_order_warning(tr.checkpoint_args, config.args, datasets["train"],
                                       asked[0], tr.state.consumed_train_samples),
@@ -493,7 +495,8 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float],
     log.timers("model-and-optimizer-setup", 0).start(barrier=True)
     tr = build_trainer(config, rt)
     tr.step_log, tr.process_start_time, tr.progress = log, process_start_time, progress
-    tr.watchdog = build_watchdog(config.parallel.distributed_timeout_minutes * 60)
+    tr.watchdog = build_watchdog(config.parallel.distributed_timeout_minutes * 60,
+                                 announces=rt.speaks_for_node)
     tr.watchdog.describe = progress.where
     watch_param_sync(tr)
     if config.training.exit_signal_handler:

@@ -65,7 +65,11 @@ Every other rank's watchdog looks for it every `poll_s` seconds and exits with t
 status: a rank waiting inside a watched block says so in one line; a rank in no watched
 block -- the one that never arrived: stuck in data loading, in a file system call, in
 another collective -- also prints where its main thread is, instead of waiting for the
-launcher's SIGTERM (which, on another node, never comes). A rank whose store stops
+launcher's SIGTERM (which, on another node, never comes). Those one-line echoes of the
+first report are the same on every rank: a watchdog built with `announces=False` (the
+training run gives it to every process but global rank 0 and each node's first) leaves
+them out and exits in silence; what only this rank can say (where a rank named as missing,
+or one in no watched block, is stuck) it always prints. A rank whose store stops
 answering (the process hosting it has ended, and with it the job) exits the same way
 STORE_GRACE_S later, unless it closed its watchdog meanwhile (its run ended normally).
 
@@ -138,13 +142,16 @@ class CollectiveWatchdog(OverrunReports):
         publish_s: how often the monitor publishes this rank's new check-ins (default
             min(poll_s, timeout_s / 4): every rank's are in the store soon enough for a
             report, and the store gets one write per rank and interval).
+        announces: whether this rank prints the lines every rank would print alike
+            (another rank's report came first; this rank waited in a watched block);
+            without, `on_timeout` gets "" for them.
     """
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float, *,
                  on_timeout: Optional[Callable[[str], None]] = None,
                  stream: Optional[TextIO] = None, poll_s: float = POLL_S,
                  describe: Optional[Callable[[], str]] = None,
-                 publish_s: Optional[float] = None) -> None:
+                 publish_s: Optional[float] = None, announces: bool = True) -> None:
         if timeout_s <= 0:
             raise ValueError(f"watchdog timeout must be > 0 seconds, got {timeout_s}")
         self.store = store
@@ -155,6 +162,7 @@ class CollectiveWatchdog(OverrunReports):
         self.publish_s = min(self.poll_s, self.timeout_s / 4) if publish_s is None \
             else float(publish_s)
         self.describe = describe
+        self.announces = announces
         self._on_timeout = on_timeout or self._print_and_exit
         self._stream = stream
         self._counts: dict = {}  # point -> how many times this rank reached it
@@ -304,9 +312,12 @@ class CollectiveWatchdog(OverrunReports):
         is when it waits in no watched block or the report names this rank."""
         with self._cond:
             inside = self._active[-1].name if self._active else None
+        named = self.rank in _named_in(abort)
+        if inside is not None and not named and not self.announces:  # waited, as the others
+            return ""
         phases = self._phases[-1:]  # one read: the main thread may leave its phase meanwhile
         message = self.abort_message(abort, inside, phases[0] if phases else None)
-        if inside is None or self.rank in _named_in(abort):  # maybe the one stuck
+        if inside is None or named:  # maybe the one stuck
             message += "\n" + self.main_thread_stack()
         return message
 
@@ -397,7 +408,8 @@ class CollectiveWatchdog(OverrunReports):
         in its collective: its output is silenced (the report is this rank's last word)
         and an interpreter exit still ends with EXIT_CODE."""
         stream = self._stream or sys.stderr
-        print(message, file=stream, flush=True)
+        if message:  # "": a rank that does not announce what the others say
+            print(message, file=stream, flush=True)
         sys.stdout.flush()
         if self._fired:
             atexit.register(os._exit, EXIT_CODE)
@@ -453,9 +465,10 @@ def close_current() -> None:
         _current.close()
 
 
-def build_watchdog(timeout_s: float, store=None):
+def build_watchdog(timeout_s: float, store=None, announces: bool = True):
     """A `CollectiveWatchdog` on the default process group's store (torch.distributed must
     be initialised), or a `NullWatchdog` when it is not or the world has one rank.
+    `announces`: see `CollectiveWatchdog`.
 
     Give the process group a slightly longer timeout than `timeout_s` (e.g. + 60 s), so
     the watchdog's message comes before the backend's own timeout error. The watchdog
@@ -468,7 +481,8 @@ def build_watchdog(timeout_s: float, store=None):
         return NullWatchdog()
     if store is None:
         store = dist.distributed_c10d._get_default_store()
-    _current = CollectiveWatchdog(store, dist.get_rank(), dist.get_world_size(), timeout_s)
+    _current = CollectiveWatchdog(store, dist.get_rank(), dist.get_world_size(), timeout_s,
+                                  announces=announces)
     return _current
 
 

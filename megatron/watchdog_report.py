@@ -55,8 +55,8 @@ class _Block:
 
 class OverrunReports:
     """A `CollectiveWatchdog`'s overrun reports. Uses the watchdog's store, rank,
-    timeout_s, publish_s, describe, _counts (this rank's check-ins), _cond (guarding
-    the blocks' deadlines), _fired, publish() and _still_in(block, seconds)."""
+    timeout_s, publish_s, describe, announces, _counts (this rank's check-ins), _cond
+    (guarding the blocks' deadlines), _fired, publish() and _still_in(block, seconds)."""
 
     def missing_ranks(self, name: str, count: int, ranks: Sequence[int],
                       read: Optional[dict] = None) -> List[int]:
@@ -126,11 +126,12 @@ class OverrunReports:
         """The first line of the report on `block` naming `named`, of a rank whose report
         came after another's (which has the details); with where this rank's main
         thread is when it is the one stuck (the first report may name it in another
-        block)."""
+        block). "" for a rank that does not announce the lines every rank would print
+        alike (`CollectiveWatchdog`'s `announces`)."""
         message = self._report_head(block, named) + " (another rank's watchdog reported it first)"
         if self.rank in named or self.rank in _named_in(self._abort_line()):
-            message += "\n" + self.main_thread_stack()
-        return message
+            return message + "\n" + self.main_thread_stack()
+        return message if self.announces else ""  # the same line on every waiting rank
 
     def _overrun_key(self, block: _Block) -> str:
         """The store key of this deadline of `block`, the same in every member waiting in

@@ -85,6 +85,30 @@ def test_gpu_without_local_rank_is_rank_modulo_the_gpus_as_in_megatron(monkeypat
     assert stop.value.args == (2,)
 
 
+def test_a_warning_every_rank_gives_alike_shows_once(monkeypatch):
+    """The first rank to give a warning shows it (a count in the job's store, here one
+    HashStore standing for it); the same text from another rank does not show, another
+    text does. Every rank of a run that loads an fp16 checkpoint into a bf16 run printed
+    the loss-scaler warning: thousands of copies at scale."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from megatron import rank_failure
+    from megatron.initialize import warnings_once_per_job
+
+    store, shown = dist.HashStore(), []
+    monkeypatch.setattr(rank_failure, "_default_store", lambda: store)
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *args: shown.append(str(message)))
+    warnings_once_per_job(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        for message in ("the checkpoint has a dynamic loss scaler", "the checkpoint has a "
+                        "dynamic loss scaler", "another warning"):  # the second: another rank
+            warnings.warn(message)
+    assert shown == ["the checkpoint has a dynamic loss scaler", "another warning"]
+
+
 def test_project_warnings_print_as_one_line_and_others_keep_pythons_format(monkeypatch):
     """A library warning (here: a checkpoint without a loss scaler loaded by an fp16 run)
     prints as `WARNING: <message>`, not as `<file>:<line>: UserWarning: ...` plus the

@@ -57,28 +57,41 @@ def test_stop_policy_names_the_iteration(tmp_path, capsys):
     with pytest.raises(SystemExit, match="NaN/Inf loss at iteration 3"):
         train(tr, data_iterator(tr.config, tr.rt, "train", 0), None)
     out = capsys.readouterr().out
-    assert "[rank 0] non-finite loss (nan) at iteration 3" in out
+    assert "non-finite loss (nan) at iteration 3\n" in out
     # detected at the log interval (iteration 4): iterations 3 and 4 both had NaN losses
     assert "number of nan iterations:   2" in out
 
 
-def test_nan_origin_is_printed_once_per_data_parallel_replica(capsys):
+def test_nan_origin_comes_from_one_rank_per_data_parallel_replica():
     """Every tensor- and pipeline-parallel rank of a replica holds its loss (the pipeline
-    broadcasts it): only the last stage's tensor-parallel rank 0 names the replica, not
-    tp x pp ranks (64 identical lines per replica at tp 8, pp 8)."""
+    broadcasts it): only the last stage's tensor-parallel rank 0 speaks for the replica
+    (not tp x pp ranks: 64 per replica at tp 8, pp 8)."""
     from types import SimpleNamespace
 
-    from megatron.training import _report_nan
+    from megatron.interval_log import nonfinite_origins
 
-    nan = torch.tensor(float("nan"))
-    for tp_rank, pp_rank, printed in ((0, 1, True), (1, 1, False), (0, 0, False)):
+    for tp_rank, pp_rank, counted in ((0, 1, True), (1, 1, False), (0, 0, False)):
         ps = SimpleNamespace(rank=7, tp_rank=tp_rank, pp_rank=pp_rank, pp_size=2, dp_rank=1,
                              dp_size=2)
-        msg = _report_nan(SimpleNamespace(rt=SimpleNamespace(ps=ps)), 3, nan)
-        assert msg == "NaN/Inf loss at iteration 3"
-        out = capsys.readouterr().out
-        assert out == ("[rank 7] non-finite loss (nan) at iteration 3 (data-parallel rank 1)\n"
-                       if printed else ""), (tp_rank, pp_rank)
+        kinds = nonfinite_origins(SimpleNamespace(rt=SimpleNamespace(ps=ps)),
+                                  torch.tensor(float("nan")))
+        assert kinds.tolist() == ([0.0, 1.0] if counted else [0.0, 0.0]), (tp_rank, pp_rank)
+
+
+def test_nan_origins_are_one_line_for_all_replicas():
+    """Rank 0 names every replica whose own loss was non-finite in one line, by kind (a
+    model that diverges everywhere printed one line per replica, thousands at scale)."""
+    from megatron.interval_log import nonfinite_origin_line
+
+    assert nonfinite_origin_line(torch.tensor([1.0]), 3) == "non-finite loss (nan) at iteration 3"
+    assert nonfinite_origin_line(torch.tensor([1.0] * 8), 3) == (
+        "non-finite loss (nan) at iteration 3 on data-parallel ranks 0-7 (of 8)")
+    assert nonfinite_origin_line(torch.tensor([0.0, 2.0]), 5) == (
+        "non-finite loss (inf) at iteration 5 on data-parallel rank 1 (of 2)")
+    assert nonfinite_origin_line(torch.tensor([1.0, 0.0, 1.0, 1.0, 2.0, 0.0, 0.0, 3.0]), 3) == (
+        "non-finite loss at iteration 3: nan on data-parallel ranks 0, 2-3, inf on "
+        "data-parallel rank 4, -inf on data-parallel rank 7 (of 8)")
+    assert nonfinite_origin_line(torch.tensor([0.0, 0.0]), 3) is None  # the average overflowed
 
 
 def test_skip_policy_skips_the_step_and_keeps_weights_finite(tmp_path, capsys):
