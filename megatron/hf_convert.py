@@ -14,14 +14,13 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megatron.core.config import ModelConfig
+from megatron.hf_files import load_hf_checkpoint, save_hf_checkpoint
 from megatron.hf_interop import (
     FAMILIES,
     detect_family,
     from_hf_state_dict,
     hf_config,
-    load_hf_checkpoint,
     megatron_flags_from_hf,
-    save_hf_checkpoint,
     to_hf_state_dict,
 )
 

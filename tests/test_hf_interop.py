@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron import hf_convert, hf_interop
+from megatron import hf_convert, hf_files, hf_interop
 from megatron.arguments import parse_and_validate
 from tests.dist_utils import cpu_env, run_distributed
 from tests.gpt_helpers import cli_trainer, train_steps
@@ -149,7 +149,7 @@ def test_ours_to_hf_to_ours_without_transformers(tmp_path, monkeypatch):
         assert torch.equal(got, value), key
     # weights saved from the base model (no "transformer." prefix, with mask buffers) map
     # the same; a tensor the mapping does not use is an error, not silently dropped
-    _, hf = hf_interop.load_hf_checkpoint(str(tmp_path / "hf"))
+    _, hf = hf_files.load_hf_checkpoint(str(tmp_path / "hf"))
     base = {k.removeprefix("transformer."): v for k, v in hf.items()}
     base["h.0.attn.bias"] = torch.ones(1, 1, 16, 16)
     assert hf_interop.from_hf_state_dict(base, model, "gpt2").keys() == back.keys()
@@ -177,7 +177,7 @@ def test_from_hf_refuses_weights_that_do_not_match_config_json(tmp_path, family,
     state = hf_interop.to_hf_state_dict(ours, model, family, VOCAB + 1)
     config = {**hf_interop.hf_config(model, family, VOCAB + 1, torch.float32, state=state),
               **edit}
-    hf_interop.save_hf_checkpoint(str(tmp_path / "hf"), state, config)
+    hf_files.save_hf_checkpoint(str(tmp_path / "hf"), state, config)
     with pytest.raises(SystemExit, match=re.escape(named)) as exc:
         _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "ck")
     assert "give the config.json saved with these weights" in str(exc.value)
@@ -270,8 +270,8 @@ def test_hf_to_ours_tp2_to_hf_is_exact(tmp_path, family, pp):
                 "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", pp) == 0
     assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "out",
                 "--verify", "--verify-tolerance", TOL) == 0
-    cfg_in, sd_in = hf_interop.load_hf_checkpoint(str(tmp_path / "hf"))
-    cfg_out, sd_out = hf_interop.load_hf_checkpoint(str(tmp_path / "out"))
+    cfg_in, sd_in = hf_files.load_hf_checkpoint(str(tmp_path / "hf"))
+    cfg_out, sd_out = hf_files.load_hf_checkpoint(str(tmp_path / "out"))
     assert sd_in.keys() == sd_out.keys()
     for key, value in sd_in.items():
         assert torch.equal(sd_out[key], value), key
@@ -410,9 +410,9 @@ def test_export_without_generation_config_removes_an_earlier_one(tmp_path):
     end-of-document id) must not stay beside the new one's weights."""
     pytest.importorskip("safetensors")
     state = {"w": torch.zeros(2)}
-    hf_interop.save_hf_checkpoint(str(tmp_path), state, {"a": 1}, {"eos_token_id": 7})
+    hf_files.save_hf_checkpoint(str(tmp_path), state, {"a": 1}, {"eos_token_id": 7})
     assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == 7
-    hf_interop.save_hf_checkpoint(str(tmp_path), state, {"a": 2})
+    hf_files.save_hf_checkpoint(str(tmp_path), state, {"a": 2})
     assert not (tmp_path / "generation_config.json").exists()
     assert json.loads((tmp_path / "config.json").read_text()) == {"a": 2}
 
@@ -424,7 +424,7 @@ def test_interrupted_export_keeps_the_earlier_one(tmp_path, monkeypatch):
     its own."""
     safetensors_torch = pytest.importorskip("safetensors.torch")
     old = {"a": torch.zeros(4), "b": torch.zeros(4)}
-    names = hf_interop.save_hf_checkpoint(str(tmp_path), old, {"v": 1}, max_shard_bytes=16)
+    names = hf_files.save_hf_checkpoint(str(tmp_path), old, {"v": 1}, max_shard_bytes=16)
     assert names == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
     real, calls = safetensors_torch.save_file, []
@@ -438,10 +438,10 @@ def test_interrupted_export_keeps_the_earlier_one(tmp_path, monkeypatch):
     monkeypatch.setattr(safetensors_torch, "save_file", interrupted)
     new = {"a": torch.ones(4), "b": torch.ones(4)}
     with pytest.raises(KeyboardInterrupt):
-        hf_interop.save_hf_checkpoint(str(tmp_path), new, {"v": 2}, max_shard_bytes=16)
+        hf_files.save_hf_checkpoint(str(tmp_path), new, {"v": 2}, max_shard_bytes=16)
     assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == before
     monkeypatch.setattr(safetensors_torch, "save_file", real)
-    assert hf_interop.save_hf_checkpoint(str(tmp_path), new, {"v": 2}) == ["model.safetensors"]
+    assert hf_files.save_hf_checkpoint(str(tmp_path), new, {"v": 2}) == ["model.safetensors"]
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
 
 
@@ -461,7 +461,7 @@ def test_exported_weight_files_are_as_readable_as_config_json(tmp_path, monkeypa
     state = {"a": torch.zeros(4), "b": torch.zeros(4)}
     old = os.umask(umask)
     try:
-        names = hf_interop.save_hf_checkpoint(str(tmp_path), state, {"v": 1},
+        names = hf_files.save_hf_checkpoint(str(tmp_path), state, {"v": 1},
                                               max_shard_bytes=16)
     finally:
         os.umask(old)

@@ -17,7 +17,7 @@ import torch
 from megatron.checkpoint_files import load_checkpoint_file
 from megatron.checkpointing import read_checkpoint_file
 from megatron.core.datasets.gpt_dataset import build_train_valid_test_datasets
-from megatron.hf_interop import load_hf_checkpoint
+from megatron.hf_files import load_hf_checkpoint
 from tests.test_gpt_dataset import make_corpus
 
 

@@ -1,0 +1,215 @@
+"""Hugging Face model directories on disk: writing an export (safetensors, sharded above a
+size, with its index, config.json and generation_config.json; an earlier export's weight
+files replaced only once every new one is written) and reading one for import (config.json
+checked before any weight is read, then safetensors or weights-only `pytorch_model*.bin`).
+The state-dict mappings themselves are in megatron/hf_interop.py."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shlex
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megatron.checkpoint_files import refused_object
+from megatron.hf_interop import FAMILIES, hf_family
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+_WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+
+
+def save_hf_checkpoint(out_dir: str, state: Dict[str, torch.Tensor], config: dict,
+                       generation_config: Optional[dict] = None,
+                       max_shard_bytes: int = 5 * 2**30) -> List[str]:
+    """Write `state` as safetensors (`model.safetensors`, or `model-0000k-of-0000N` shards
+    plus `model.safetensors.index.json` above `max_shard_bytes`) and `config.json`
+    (+ `generation_config.json`) into `out_dir`. Returns the weight file names. The weight
+    files are written under `.tmp` names first and replace an earlier export's only when
+    all are written: an interrupted or failed write removes its own and leaves the earlier
+    export as it was."""
+    os.makedirs(out_dir, exist_ok=True)
+    shards: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(state):
+        nbytes = state[name].numel() * state[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = state[name]
+        size += nbytes
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    _write_weight_files(out_dir, dict(zip(names, shards)))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+        _write_json(os.path.join(out_dir, SAFETENSORS_INDEX), index)
+    _write_json(os.path.join(out_dir, "config.json"), config)
+    generation_path = os.path.join(out_dir, "generation_config.json")
+    if generation_config is not None:
+        _write_json(generation_path, generation_config)
+    elif os.path.exists(generation_path):  # an earlier export's: not this model's
+        os.remove(generation_path)
+    return names
+
+
+def _write_weight_files(out_dir: str, files: Dict[str, Dict[str, torch.Tensor]]) -> None:
+    """Each {file name: tensors} as safetensors in `out_dir`, replacing the weight files of
+    an earlier export there (as save_pretrained does) once every new one is written."""
+    from safetensors.torch import save_file
+
+    written = []
+    try:
+        for name, shard in files.items():
+            written.append(os.path.join(out_dir, name + ".tmp"))
+            save_file(shard, written[-1], metadata={"format": "pt"})
+    except BaseException:
+        for path in written:
+            if os.path.exists(path):
+                os.remove(path)
+        raise
+    mode = _new_file_mode()
+    for path in written:  # safetensors >= 0.8 writes through a temporary file of mode 0600
+        os.chmod(path, mode)
+    for old in os.listdir(out_dir):
+        if old == SAFETENSORS_INDEX or _WEIGHT_FILE.fullmatch(old):
+            os.remove(os.path.join(out_dir, old))
+    for path in written:
+        os.replace(path, path[:-len(".tmp")])
+
+
+def _new_file_mode() -> int:
+    """The mode open() gives a new file under this process's umask (0644 under 022), as
+    config.json has: weight files readable only by their writer could not be shared."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _write_json(path: str, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+_EXPECTED = ("a Hugging Face model directory as save_pretrained writes it (config.json "
+             "and model.safetensors or pytorch_model.bin, or their shards and *.index.json)")
+
+
+def _missing_config_message(in_dir: str) -> str:
+    """Why --input `in_dir` holds no config.json, and the fix: a file given for its
+    directory, a Hub model name (from-hf reads local files only), a checkpoint of
+    Megatron's layout, or another directory."""
+    if os.path.isfile(in_dir):
+        parent = os.path.dirname(in_dir) or "."
+        return (f"--input {in_dir} is a file; pass the model directory that holds it and its "
+                f"config.json: --input {shlex.quote(parent)}")
+    if not os.path.exists(in_dir):
+        hub = "" if in_dir.startswith((".", "/", "~")) or in_dir.count("/") > 1 else (
+            f"; from-hf reads a local directory, not a Hugging Face Hub name: download it "
+            f"first (huggingface-cli download {in_dir} --local-dir DIR) and pass --input DIR")
+        return f"--input {in_dir} does not exist{hub}"
+    if os.path.isfile(os.path.join(in_dir, "latest_checkpointed_iteration.txt")):
+        return (f"--input {in_dir}: no config.json there; it is a checkpoint in Megatron-LM's "
+                "layout (latest_checkpointed_iteration.txt), which needs no import: pass it to "
+                "--load as it is (to-hf exports it to Hugging Face)")
+    return f"--input {in_dir}: no config.json there; from-hf reads {_EXPECTED}"
+
+
+def read_hf_config(in_dir: str) -> dict:
+    """config.json of the Hugging Face model directory `in_dir`, checked before any weight
+    is read: it exists, parses, and names a model_type from-hf converts. ValueError naming
+    the directory, what is missing and what is expected."""
+    cfg_path = os.path.join(in_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ValueError(_missing_config_message(in_dir))
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"--input {in_dir}: config.json does not parse as JSON ({exc}); "
+                         f"from-hf reads {_EXPECTED}") from None
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        raise ValueError(f"--input {in_dir}: config.json has no model_type, so it is not a "
+                         f"model's config; from-hf reads {_EXPECTED}, of a "
+                         f"{' or '.join(FAMILIES)} model")
+    try:
+        hf_family(cfg)
+    except ValueError as exc:
+        raise ValueError(f"--input {in_dir}: {exc}") from None
+    return cfg
+
+
+def _hf_weight_files(in_dir: str) -> Tuple[List[str], bool]:
+    """(the weight files to read, whether they are safetensors): those of
+    `model.safetensors.index.json`, else `model.safetensors`, else every `*.safetensors`,
+    else `pytorch_model*.bin`. ValueError when there are none, or the index names files
+    that are not there."""
+    index = os.path.join(in_dir, SAFETENSORS_INDEX)
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"--input {in_dir}: {SAFETENSORS_INDEX} is not a shard index "
+                             f"(its weight_map: {exc!r}); download it again") from None
+        missing = [n for n in files if not os.path.isfile(os.path.join(in_dir, n))]
+        if missing:
+            raise ValueError(f"--input {in_dir}: {SAFETENSORS_INDEX} names "
+                             f"{len(missing)} file(s) that are not there ({', '.join(missing[:3])}"
+                             f"{', ...' if len(missing) > 3 else ''}); download every shard of "
+                             "the model into the directory")
+        return files, True
+    if os.path.isfile(os.path.join(in_dir, "model.safetensors")):
+        return ["model.safetensors"], True
+    files = sorted(n for n in os.listdir(in_dir) if n.endswith(".safetensors"))
+    if files:
+        return files, True
+    files = sorted(n for n in os.listdir(in_dir) if n.startswith("pytorch_model") and n.endswith(".bin"))
+    if not files:
+        raise ValueError(f"--input {in_dir}: config.json but no weights (no *.safetensors or "
+                         f"pytorch_model*.bin); from-hf reads {_EXPECTED}")
+    return files, False
+
+
+def load_hf_checkpoint(in_dir: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    """(config.json contents, state dict) of a Hugging Face model directory: config.json
+    checked first (`read_hf_config`), then the files of `_hf_weight_files` (a .bin loaded
+    with weights_only=True). ValueError with one line for a directory that is not a model
+    from-hf converts, or an unreadable weights file."""
+    cfg = read_hf_config(in_dir)
+    files, safetensors = _hf_weight_files(in_dir)
+    state: Dict[str, torch.Tensor] = {}
+    if not safetensors:
+        for name in files:
+            state.update(_load_bin(os.path.join(in_dir, name)))
+        return cfg, state
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    for name in files:
+        try:
+            state.update(load_file(os.path.join(in_dir, name)))
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"--input {in_dir}: {name} is not a readable safetensors file "
+                             f"({exc}); download it again") from None
+    return cfg, state
+
+
+def _load_bin(path: str) -> Dict[str, torch.Tensor]:
+    """A `pytorch_model*.bin`, weights_only; ValueError naming the file and what it pickles
+    beside tensors (torch's own message would advise weights_only=False, which runs it)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ValueError(
+            f"--input {path} holds a pickled {refused_object(exc)}, not only tensors; weight "
+            "files are read without running pickled code (unpickling this could run any "
+            "code), so it is not loaded. Use the model's *.safetensors files, or a "
+            "pytorch_model.bin that holds tensors only") from None
+
+
+__all__ = ["SAFETENSORS_INDEX", "load_hf_checkpoint", "read_hf_config", "save_hf_checkpoint"]
