@@ -1,0 +1,87 @@
+"""Start-up reads of shared files, counted per rank on a few gloo processes.
+
+At thousands of ranks on a shared file system (Lustre, GPFS), a read that every rank
+repeats is a read the whole job makes N times. Rank 0 samples each `.bin` for its token
+ids (up to 1 MiB) and the others get the id ranges in one broadcast; each rank builds the
+run's tokenizer (vocab + merges, a sentencepiece model) once, not once for the argument
+checks and again for the data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from tests.dist_utils import free_port, run_distributed
+from tests.gpt_helpers import tiny_config
+
+
+def _write(prefix: str, vocab: int, docs: int = 12, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    for _ in range(docs):
+        builder.add_item(rng.integers(0, vocab, 40))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def _counting(cls, name: str, counts: dict, key: str) -> None:
+    """Wrap `cls.name` (in this process) to count its calls in `counts[key]`."""
+    real = getattr(cls, name)
+
+    def counted(*args, **kwargs):
+        counts[key] = counts.get(key, 0) + 1
+        return real(*args, **kwargs)
+
+    setattr(cls, name, counted)
+
+
+def _build_worker(rank, world_size, data_path, cache):
+    """build_datasets over `data_path`: (token_id_range calls on this rank, what it raised)."""
+    import torch.distributed as dist
+
+    from megatron.core.datasets.indexed_dataset import MMapIndexedDataset
+    from megatron.data_loading import build_datasets
+
+    counts: dict = {}
+    _counting(MMapIndexedDataset, "token_id_range", counts, "scans")
+    config = tiny_config(world_size=world_size, mbs=1, gbs=world_size)  # padded vocab 128
+    data = dataclasses.replace(config.data, mock_data=False, data_path=data_path, split="1",
+                               data_cache_path=cache)
+    config = dataclasses.replace(config, data=data)
+    group = dist.new_group(backend="gloo")
+    try:
+        build_datasets(config, rank, 128, group)
+    except SystemExit as e:
+        return {"scans": counts.get("scans", 0), "code": e.code,
+                "report": getattr(e, "report", None)}
+    return {"scans": counts.get("scans", 0), "code": None, "report": None}
+
+
+def test_each_bin_is_sampled_once_per_run_not_once_per_rank(tmp_path):
+    """Three datasets on four ranks: 3 scans on rank 0, none elsewhere (it was 3 on every
+    rank: 100 datasets x 4096 ranks read 400 GiB of samples)."""
+    prefixes = [_write(str(tmp_path / f"d{i}"), vocab=128, seed=i) for i in range(3)]
+    blend = [x for p in prefixes for x in ("1", p)]
+    results = run_distributed(_build_worker, 4, blend, str(tmp_path / "cache"))
+    assert [r["code"] for r in results] == [None] * 4, results
+    assert [r["scans"] for r in results] == [3, 0, 0, 0], results
+
+
+def test_an_id_past_the_vocabulary_stops_every_rank_with_one_report(tmp_path):
+    """The verdict comes from rank 0's sample on every rank: the same error on each (no
+    rank list), printed once (by rank 0), with the file, the id and the fix."""
+    good = _write(str(tmp_path / "good"), vocab=128)
+    bad = _write(str(tmp_path / "bad"), vocab=1000, seed=1)
+    results = run_distributed(_build_worker, 2, ["1", good, "1", bad], str(tmp_path / "cache"))
+    report = results[0]["report"]
+    assert results[0]["code"] == report and results[1]["code"] == 1, results
+    assert results[1]["report"] == report
+    assert report.startswith(f"error: could not build the datasets: {bad}.bin: token id "), report
+    assert "is outside the padded vocabulary of 128 ids" in report and "--vocab-size" in report
+    assert report.count("error:") == 1, report
+    assert [r["scans"] for r in results] == [2, 0], results
+
