@@ -85,3 +85,59 @@ def test_an_id_past_the_vocabulary_stops_every_rank_with_one_report(tmp_path):
     assert report.count("error:") == 1, report
     assert [r["scans"] for r in results] == [2, 0], results
 
+
+RUN = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+       "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+       "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "1", "--eval-iters", "0",
+       "--num-workers", "0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+       "--split", "1", "--use-cpu-initialization"]
+
+
+def _main_worker(rank, world_size, port, data_path, cache):
+    """pretrain_gpt.main on this rank: (its status, tokenizer builds, .bin samples)."""
+    import torch.distributed as dist
+
+    import megatron.tokenizer
+    import pretrain_gpt
+    from megatron.core.datasets.indexed_dataset import MMapIndexedDataset
+
+    dist.destroy_process_group()  # run_distributed's: start as the entry point does
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_PORT=str(port))
+    counts: dict = {}
+    _counting(megatron.tokenizer, "build_tokenizer", counts, "tokenizers")
+    _counting(MMapIndexedDataset, "token_id_range", counts, "scans")
+    status = pretrain_gpt.main(RUN + ["--data-path", data_path, "--data-cache-path", cache])
+    return {"status": status, "tokenizers": counts.get("tokenizers", 0),
+            "scans": counts.get("scans", 0)}
+
+
+def test_pretrain_start_up_builds_the_tokenizer_once_and_samples_once(tmp_path):
+    """pretrain_gpt.py on two ranks: one tokenizer build per rank (it was two: the argument
+    checks' and the data's), one `.bin` sample in the run (it was one per rank)."""
+    prefix = _write(str(tmp_path / "corpus"), vocab=100)
+    results = run_distributed(_main_worker, 2, free_port(), prefix, str(tmp_path / "cache"))
+    assert [r["status"] for r in results] == [0, 0], results
+    assert [r["tokenizers"] for r in results] == [1, 1], results
+    assert [r["scans"] for r in results] == [1, 0], results
+
+
+def test_zero_shot_evaluation_builds_the_tokenizer_once(tmp_path, monkeypatch):
+    """tasks/main.py builds the tokenizer for the argument checks and used to build it again
+    for the data (per rank: a single process shows the count)."""
+    import megatron.tokenizer
+    from tasks.zeroshot_gpt import evaluate
+    from tests.test_zeroshot import NULL
+
+    counts: dict = {}
+    real = megatron.tokenizer.build_tokenizer
+
+    def counted(*args, **kwargs):
+        counts["tokenizers"] = counts.get("tokenizers", 0) + 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(megatron.tokenizer, "build_tokenizer", counted)
+    (tmp_path / "l.jsonl").write_text('{"text": "1 2 3"}\n')
+    res = evaluate.main(["--task", "LAMBADA", "--valid-data", str(tmp_path / "l.jsonl")] + NULL)
+    assert res["num_examples"] == 1
+    assert counts == {"tokenizers": 1}
