@@ -462,8 +462,8 @@ def _build_data(tr: Trainer):
     tr.eod = eod_or_none(tokenizer)
     datasets = build_datasets(config, rt.ps.rank, vocab, rt.control_group,
                               None if tokenizer is None else tokenizer.vocab_size)
-    if datasets["valid"] is None and config.training.eval_iters > 0 and (
-            config.training.eval_interval or config.training.skip_train):
+    if datasets["valid"] is None and config.training.eval_iters > 0 and rt.ps.rank == 0 and (
+            config.training.eval_interval or config.training.skip_train):  # it opens the data
         print_rank_0(f"WARNING: {no_validation_reason(config)}")
     if datasets["valid"] is not None:
         shortfall = validation_shortfall(config, tr.state.iteration, valid_start,

@@ -93,8 +93,9 @@ RUN = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
        "--split", "1", "--use-cpu-initialization"]
 
 
-def _main_worker(rank, world_size, port, data_path, cache):
-    """pretrain_gpt.main on this rank: (its status, tokenizer builds, .bin samples)."""
+def _main_worker(rank, world_size, port, data_path, cache, flags=()):
+    """pretrain_gpt.main on this rank: (its status, tokenizer builds, .bin samples,
+    datasets opened)."""
     import torch.distributed as dist
 
     import megatron.tokenizer
@@ -107,9 +108,10 @@ def _main_worker(rank, world_size, port, data_path, cache):
     counts: dict = {}
     _counting(megatron.tokenizer, "build_tokenizer", counts, "tokenizers")
     _counting(MMapIndexedDataset, "token_id_range", counts, "scans")
-    status = pretrain_gpt.main(RUN + ["--data-path", data_path, "--data-cache-path", cache])
-    return {"status": status, "tokenizers": counts.get("tokenizers", 0),
-            "scans": counts.get("scans", 0)}
+    _counting(MMapIndexedDataset, "__init__", counts, "opens")
+    status = pretrain_gpt.main(RUN + ["--data-path", data_path, "--data-cache-path", cache,
+                                      *flags])
+    return {"status": status, **{k: counts.get(k, 0) for k in ("tokenizers", "scans", "opens")}}
 
 
 def test_pretrain_start_up_builds_the_tokenizer_once_and_samples_once(tmp_path):
@@ -120,6 +122,18 @@ def test_pretrain_start_up_builds_the_tokenizer_once_and_samples_once(tmp_path):
     assert [r["status"] for r in results] == [0, 0], results
     assert [r["tokenizers"] for r in results] == [1, 1], results
     assert [r["scans"] for r in results] == [1, 0], results
+    assert [r["opens"] for r in results] == [1, 1], results
+
+
+def test_the_no_validation_warning_opens_the_datasets_on_rank_0_only(tmp_path):
+    """--eval-iters with a --split that gives validation no document: the warning's fix
+    names the smallest dataset's document count, which rank 0 (the one that prints it)
+    reads; every rank used to open every dataset again for a line it did not print."""
+    prefix = _write(str(tmp_path / "corpus"), vocab=100)
+    results = run_distributed(_main_worker, 2, free_port(), prefix, str(tmp_path / "cache"),
+                              ["--eval-iters", "1", "--eval-interval", "1"])
+    assert [r["status"] for r in results] == [0, 0], results
+    assert [r["opens"] for r in results] == [2, 1], results
 
 
 def test_zero_shot_evaluation_builds_the_tokenizer_once(tmp_path, monkeypatch):
