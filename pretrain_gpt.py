@@ -41,9 +41,27 @@ def _check_srun_tasks(env) -> None:
 
 
 def tokenizer_vocab_size(args) -> int:
-    """Unpadded vocabulary size of the run's tokenizer (built from its local files). A
-    tokenizer that cannot be built, or lacks the end-of-document id that a flag needs, is
-    a configuration error (exit status 2)."""
+    """Unpadded vocabulary size of the run's tokenizer (`run_tokenizer`)."""
+    return run_tokenizer(args).vocab_size
+
+
+class KeptTokenizer:
+    """A `vocab_size_fn` for parse_and_validate that keeps the tokenizer it builds
+    (`.tokenizer`; None until called) for the run's data: each rank reads the tokenizer's
+    files (vocab and merges, a sentencepiece model) from the shared file system once."""
+
+    def __init__(self):
+        self.tokenizer = None
+
+    def __call__(self, args) -> int:
+        self.tokenizer = run_tokenizer(args)
+        return self.tokenizer.vocab_size
+
+
+def run_tokenizer(args):
+    """The run's tokenizer (built from its local files). A tokenizer that cannot be built,
+    or lacks the end-of-document id that a flag needs, is a configuration error (exit
+    status 2)."""
     from megatron.arguments_common import ArgumentsError
     from megatron.arguments_inputs import check_eod_flags
     from megatron.tokenizer import build_tokenizer
@@ -55,7 +73,7 @@ def tokenizer_vocab_size(args) -> int:
     except (OSError, ValueError, RuntimeError) as e:
         raise ArgumentsError(f"cannot build the {args.tokenizer_type}: {e}") from None
     check_eod_flags(args, tok)
-    return tok.vocab_size
+    return tok
 
 
 def main(argv=None) -> int:
@@ -69,11 +87,13 @@ def main(argv=None) -> int:
 
             _check_srun_tasks(os.environ)
             rank, world, local_rank = _launcher_env()
+            kept = KeptTokenizer()
             config = parse_and_validate(sys.argv[1:] if argv is None else argv,
-                                        world_size=world, vocab_size_fn=tokenizer_vocab_size)
+                                        world_size=world, vocab_size_fn=kept)
             if config.args.get("dry_run"):  # under torchrun: one report per node
                 return run_dry_run(config, world, show=rank == 0 or local_rank == 0)
-            return _train(config, (rank, world, local_rank), start, progress, watch)
+            return _train(config, (rank, world, local_rank), start, progress, watch,
+                          kept.tokenizer)
         except BaseException as e:
             if not watch.explains(e):
                 raise
@@ -82,8 +102,9 @@ def main(argv=None) -> int:
     return _interrupted(config, rank == 0 or local_rank == 0, progress)
 
 
-def _train(config, ranks: tuple, start: float, progress, watch) -> int:
-    """Initialise the process group, then pretrain; the exit status (0, or an OOM exit's).
+def _train(config, ranks: tuple, start: float, progress, watch, tokenizer=None) -> int:
+    """Initialise the process group, then pretrain (with `tokenizer`, the one the argument
+    checks built; None: pretrain builds it); the exit status (0, or an OOM exit's).
     The group is left as it is after an out-of-memory error, an interrupt or another
     rank's failure (megatron/rank_failure.py: one line, from the first such rank of each
     host): its teardown may wait for ranks still in a collective (the launcher ends
@@ -112,7 +133,8 @@ def _train(config, ranks: tuple, start: float, progress, watch) -> int:
     with silent_ranks_wait(os.environ):  # rank 0 prints errors
         try:
             check_data_files(config, rt.control_group)  # before the model is built
-            pretrain(config, rt, process_start_time=start, progress=progress)  # exits too
+            pretrain(config, rt, process_start_time=start, progress=progress,  # exits too
+                     tokenizer=tokenizer)
         except OutOfMemoryExit as e:  # reported already
             leave_group = True
             record_failure(rank, "out of memory (its report is in its output)", progress.where())

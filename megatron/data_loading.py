@@ -108,7 +108,8 @@ def build_datasets(config: Config, rank: int, vocab_size: int,
                    group=None, tokenizer_vocab_size: Optional[int] = None) -> Dict[str, object]:
     """split -> dataset (or None). Collective when distributed: global rank 0 builds the
     index caches while the others wait, then everyone loads them. Token ids are checked
-    (a bounded sample) against the padded vocabulary; blend ratios are printed on rank 0;
+    (a bounded sample) against the padded vocabulary: rank 0 reads the sample of each
+    `.bin` and broadcasts the id ranges over `group`, every rank judges them; blend ratios are printed on rank 0;
     a run that trains needs train documents; sampled ids past `tokenizer_vocab_size` (the
     run's tokenizer's, unpadded) are warned. Any data problem ends the run on every rank
     together (`agreed_data_error` over `group`, the run's control group), printed once:
@@ -117,6 +118,7 @@ def build_datasets(config: Config, rank: int, vocab_size: int,
     if d.mock_data:
         return {s: MockGPTDataset(vocab_size, d.seq_length, d.seed, split_index=i)
                 for i, s in enumerate(SPLITS)}
+    from megatron.agreed_exit import from_rank_0
     from megatron.core.datasets.gpt_dataset import build_train_valid_test_datasets
     from megatron.core.datasets.index_cache import MissingIndexCacheError
 
@@ -127,6 +129,7 @@ def build_datasets(config: Config, rank: int, vocab_size: int,
         print_rank_0(f"    {name + ':':<11} {n}")
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     barrier = _watched_barrier if dist.is_initialized() else None
+    share = None if barrier is None else (lambda value: from_rank_0(value, group))
     datasets, error = None, None
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -137,7 +140,8 @@ def build_datasets(config: Config, rank: int, vocab_size: int,
                 is_builder_rank=rank == 0, barrier=barrier,
                 vocab_size=config.model.padded_vocab_size, log=print_rank_0,
                 tokenizer_vocab_size=tokenizer_vocab_size,
-                barrier_timeout_s=60.0 * config.parallel.distributed_timeout_minutes)
+                barrier_timeout_s=60.0 * config.parallel.distributed_timeout_minutes,
+                share=share)
     except (ValueError, FileNotFoundError) as e:
         error = (isinstance(e, MissingIndexCacheError), str(e))
     agreed_data_error(error, group)

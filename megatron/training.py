@@ -102,6 +102,7 @@ class Trainer:
     tb: Optional[TensorboardLogger] = None
     signals: Optional[SignalHandler] = None
     eod: Optional[int] = None  # end-of-document token, for the reset/eod-mask flags
+    tokenizer: object = None  # the run's, when the entry point built it (else built for the data)
     start_time: float = field(default_factory=time.time)
     start_iteration: int = 0
     watchdog: object = None
@@ -457,12 +458,12 @@ def _build_data(tr: Trainer):
     config, rt = tr.config, tr.rt
     valid_start = 0 if config.training.skip_train else tr.state.consumed_valid_samples
     vocab = config.data.vocab_size or config.model.padded_vocab_size
-    tokenizer = build_tokenizer_for(config)
+    tokenizer = tr.tokenizer if tr.tokenizer is not None else build_tokenizer_for(config)
     tr.eod = eod_or_none(tokenizer)
     datasets = build_datasets(config, rt.ps.rank, vocab, rt.control_group,
                               None if tokenizer is None else tokenizer.vocab_size)
-    if datasets["valid"] is None and config.training.eval_iters > 0 and (
-            config.training.eval_interval or config.training.skip_train):
+    if datasets["valid"] is None and config.training.eval_iters > 0 and rt.ps.rank == 0 and (
+            config.training.eval_interval or config.training.skip_train):  # it opens the data
         print_rank_0(f"WARNING: {no_validation_reason(config)}")
     if datasets["valid"] is not None:
         shortfall = validation_shortfall(config, tr.state.iteration, valid_start,
@@ -546,25 +547,27 @@ def _train_and_evaluate(tr: Trainer, train_data, valid_data, test_data) -> None:
 
 
 def pretrain(config: Config, rt: Runtime, process_start_time: Optional[float] = None,
-             progress: Optional[RunProgress] = None) -> Trainer:
+             progress: Optional[RunProgress] = None, tokenizer=None) -> Trainer:
     """Build model, optimizer and data; load; train; evaluate at the end (validation,
     then test). An exit condition ends it after the loop's checkpoint, without the final
     evaluation (`tr.exit_reason` says which). `process_start_time`: what
     --exit-duration-in-mins counts from (default: the start of the loop). An
     out-of-memory error on this rank prints what to do and raises `OutOfMemoryExit`
     (status 1; megatron/oom_report.py). `progress` follows the run's phase and trainer
-    (for the Ctrl-C line of pretrain_gpt.py)."""
+    (for the Ctrl-C line of pretrain_gpt.py). `tokenizer`: the run's, when the caller has
+    built it already (its files are read once per rank); None: built from `config.data`."""
     history = MemoryHistory.from_config(config, rt.ps.rank, rt.ps.world_size)
     try:  # (stopped after the report: an out-of-memory error writes the history first)
         with OomReport(config, rt, memory_history=history) as oom:
             history.start()  # before the model is built: its allocations are in it
-            return _pretrain(config, rt, process_start_time, oom, progress or RunProgress())
+            return _pretrain(config, rt, process_start_time, oom, progress or RunProgress(),
+                             tokenizer)
     finally:
         history.stop()
 
 
 def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
-              oom: OomReport, progress: RunProgress) -> Trainer:
+              oom: OomReport, progress: RunProgress, tokenizer=None) -> Trainer:
     if config.checkpoint.save:
         checkpointing.check_save_dir(config.checkpoint.save, rt.ps, rt.control_group)  # not after training
     if config.logging.tensorboard_dir:  # the last rank writes it: a message, not a traceback
@@ -574,6 +577,7 @@ def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
     with lock_save_dir(config.checkpoint.save, rt.ps, rt.control_group) as save_lock:
         tr = _setup(config, rt, process_start_time, progress, save_lock.held)
         oom.trainer = progress.trainer = tr  # the reports name the iteration from here on
+        tr.tokenizer = tokenizer
         tr.memory_history = oom.memory_history
         loaders = ()
         try:

@@ -350,7 +350,7 @@ def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: in
     )
     from megatron.data_loading import build_tokenizer_for
     from megatron.initialize import initialize_entry_point, set_random_seed
-    from pretrain_gpt import tokenizer_vocab_size
+    from pretrain_gpt import KeptTokenizer
 
     if "-h" in argv or "--help" in argv:
         _print_help()
@@ -366,9 +366,10 @@ def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: in
         else:
             wait_for_printing_rank(world_size, environ)
         raise
+    kept = KeptTokenizer()  # its files read once per rank
     config = parse_and_validate(rest, world_size=world_size,
                                 env={"RANK": str(rank), "LOCAL_RANK": str(local_rank)},
-                                vocab_size_fn=tokenizer_vocab_size)
+                                vocab_size_fn=kept)
     if config.args.get("dry_run"):
         from tasks.zeroshot_gpt.dry_run import evaluation_dry_run
 
@@ -378,7 +379,7 @@ def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: in
         return None
     try:  # files read before any process group: printed once per node, not once per rank
         check_load_dir(config.checkpoint.load)
-        tokenizer = build_tokenizer_for(config)
+        tokenizer = kept.tokenizer if kept.tokenizer is not None else build_tokenizer_for(config)
         data = build_data(task_ns, config, tokenizer, say)
     except SystemExit as exc:
         raise exit_before_group(exc, rank, world_size,

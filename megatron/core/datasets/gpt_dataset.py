@@ -25,7 +25,7 @@ import hashlib
 import math
 import os
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -37,7 +37,11 @@ from megatron.core.datasets.index_cache import (
     load_arrays,
     stale_caches_error,
 )
-from megatron.core.datasets.indexed_dataset import MMapIndexedDataset, check_token_ids
+from megatron.core.datasets.indexed_dataset import (
+    MMapIndexedDataset,
+    check_token_ids,
+    needs_id_scan,
+)
 
 LAST_EPOCH_FRACTION = 0.80
 
@@ -379,16 +383,23 @@ class _Builder:
         self._split_logged: set = set()
         self.tokenizer_vocab_size = tokenizer_vocab_size
         self._opened: Dict[str, MMapIndexedDataset] = {}
+        # prefix -> token_id_range of its .bin: filled by the scans, or given (another rank's)
+        self.token_ranges: Dict[str, Tuple[int, int, int]] = {}
         # datasets whose index cache is stale: collected, raised together by `_build_all`
         self.stale: List[StaleIndexCacheError] = []
 
     def indexed(self, prefix: str) -> MMapIndexedDataset:
-        """The dataset at `prefix`, opened once; its ids checked against `vocab_size`."""
+        """The dataset at `prefix`, opened once; its ids checked against `vocab_size` (its
+        `.bin` scanned unless `token_ranges` has its range)."""
         if prefix not in self._opened:
             dataset = MMapIndexedDataset(prefix)
             if self.vocab_size is not None:
+                if prefix not in self.token_ranges and needs_id_scan(
+                        dataset.dtype, self.vocab_size, self.tokenizer_vocab_size):
+                    self.token_ranges[prefix] = dataset.token_id_range()  # kept if it fails
                 check_token_ids(dataset, self.vocab_size,
-                                tokenizer_vocab_size=self.tokenizer_vocab_size)
+                                tokenizer_vocab_size=self.tokenizer_vocab_size,
+                                id_range=self.token_ranges.get(prefix))
             self._opened[prefix] = dataset
         return self._opened[prefix]
 
@@ -612,7 +623,8 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
                                     vocab_size: Optional[int] = None,
                                     log: Optional[Callable[[str], None]] = None,
                                     tokenizer_vocab_size: Optional[int] = None,
-                                    barrier_timeout_s: Optional[float] = None) -> tuple:
+                                    barrier_timeout_s: Optional[float] = None,
+                                    share: Optional[Callable[[Any], Any]] = None) -> tuple:
     """(train, valid, test) datasets, each GPTDataset, BlendedDataset or None.
 
     `data_prefix` is `--data-path`: one prefix (split by `split`) or `w1 p1 w2 p2 ...`
@@ -632,7 +644,11 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
     outside it (`check_token_ids`: a bounded sample), and every sample read (a ValueError
     naming the file and the sequences, instead of an embedding lookup past the table).
     `tokenizer_vocab_size` (the run's tokenizer's, unpadded): a sampled id in the padding
-    rows past it is warned (data made with another tokenizer). `log` (e.g. a rank-0 print) receives,
+    rows past it is warned (data made with another tokenizer). `share(value)` (with
+    `barrier`; collective, e.g. a broadcast from global rank 0) returns the builder rank's
+    `value` on every rank: it hands the others the id ranges the builder sampled, so that
+    each `.bin` is scanned once per run, not once per rank, and every rank reaches the
+    same verdict. `log` (e.g. a rank-0 print) receives,
     on the builder rank, each blend's requested and achieved ratios. With `train` samples
     asked for (n_train > 0) a train split without documents is an error.
     """
@@ -654,12 +670,16 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
             error = e
     if barrier is not None:
         barrier()
+    token_ranges = builder.token_ranges if builder is not None else {}
+    if share is not None:
+        token_ranges = share(token_ranges)
     if error is not None:
         raise error
     if builder is not None and builder.defer_blends:
         builder.defer_blends = False
         result = _build_all(builder, data_prefix, num_samples, paths)
     if result is None:
-        result = _build_all(_Builder(split, seq_length, seed, cache_dir, False, vocab_size),
-                            data_prefix, num_samples, paths)
+        builder = _Builder(split, seq_length, seed, cache_dir, False, vocab_size)
+        builder.token_ranges.update(token_ranges or {})
+        result = _build_all(builder, data_prefix, num_samples, paths)
     return result

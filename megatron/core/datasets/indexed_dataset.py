@@ -37,7 +37,7 @@ import numpy as np
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = 34  # 9 magic + 8 version + 1 dtype code + 8 N + 8 K
-TOKEN_SCAN_BYTES = 1 << 20  # bytes of a .bin sampled by check_token_ids (every rank, every file)
+TOKEN_SCAN_BYTES = 1 << 20  # bytes of a .bin sampled by check_token_ids (once per file and run)
 DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
                6: np.float64, 7: np.float32, 8: np.uint16}
 LEGACY_MAGIC = b"TNTIDX\x00\x00"
@@ -409,9 +409,19 @@ class MMapIndexedDataset:
         return os.path.isfile(index_file_path(prefix)) and os.path.isfile(data_file_path(prefix))
 
 
+def needs_id_scan(dtype: np.dtype, vocab_size: int,
+                  tokenizer_vocab_size: Optional[int] = None) -> bool:
+    """Whether `check_token_ids` must read ids of a `.bin` of `dtype`: False when every
+    value the dtype holds is an id below both sizes (uint16 under a 65536-id vocabulary)."""
+    limit = vocab_size if tokenizer_vocab_size is None else min(vocab_size, tokenizer_vocab_size)
+    info = np.iinfo(dtype) if np.dtype(dtype).kind in "iu" else None
+    return not (info is not None and info.min >= 0 and info.max < limit)
+
+
 def check_token_ids(dataset: MMapIndexedDataset, vocab_size: int,
                     max_bytes: int = TOKEN_SCAN_BYTES,
-                    tokenizer_vocab_size: Optional[int] = None) -> None:
+                    tokenizer_vocab_size: Optional[int] = None,
+                    id_range: Optional[Tuple[int, int, int]] = None) -> None:
     """Raise ValueError when `dataset` holds an id outside [0, vocab_size) (the model's
     padded vocabulary), naming the file, the id and the size. Free when the dtype cannot
     hold such an id; otherwise a bounded sample (`max_bytes`, 1 MiB by default: the whole
@@ -419,12 +429,16 @@ def check_token_ids(dataset: MMapIndexedDataset, vocab_size: int,
     outside the sample is missed. An id in [tokenizer_vocab_size, vocab_size) -- a padding
     row, which the run's tokenizer never produces -- is a warning: the model runs, but the
     data was made with another tokenizer (SentencePieceTokenizer's <EOD> under
-    GPTSentencePieceTokenizer, say)."""
-    limit = vocab_size if tokenizer_vocab_size is None else min(vocab_size, tokenizer_vocab_size)
-    info = np.iinfo(dataset.dtype) if dataset.dtype.kind in "iu" else None
-    if info is not None and info.min >= 0 and info.max < limit:
+    GPTSentencePieceTokenizer, say).
+
+    `id_range`: the dataset's `token_id_range(max_bytes)` when it is known already (one
+    rank's scan of the file, handed to the others), so that nothing is read here."""
+    if not needs_id_scan(dataset.dtype, vocab_size, tokenizer_vocab_size):
         return
-    lo, hi, scanned = dataset.token_id_range(max_bytes)
+    limit = vocab_size if tokenizer_vocab_size is None else min(vocab_size, tokenizer_vocab_size)
+    if id_range is None:
+        id_range = dataset.token_id_range(max_bytes)
+    lo, hi, scanned = id_range
     whole = scanned >= dataset.bin_nbytes
     where = "in it" if whole else f"in the {scanned / 2**20:.1f} MiB of it sampled"
     if lo >= 0 and hi < limit:

@@ -1,0 +1,157 @@
+"""Start-up reads of shared files, counted per rank on a few gloo processes.
+
+At thousands of ranks on a shared file system (Lustre, GPFS), a read that every rank
+repeats is a read the whole job makes N times. Rank 0 samples each `.bin` for its token
+ids (up to 1 MiB) and the others get the id ranges in one broadcast; each rank builds the
+run's tokenizer (vocab + merges, a sentencepiece model) once, not once for the argument
+checks and again for the data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from tests.dist_utils import free_port, run_distributed
+from tests.gpt_helpers import tiny_config
+
+
+def _write(prefix: str, vocab: int, docs: int = 12, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    for _ in range(docs):
+        builder.add_item(rng.integers(0, vocab, 40))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def _counting(cls, name: str, counts: dict, key: str) -> None:
+    """Wrap `cls.name` (in this process) to count its calls in `counts[key]`."""
+    real = getattr(cls, name)
+
+    def counted(*args, **kwargs):
+        counts[key] = counts.get(key, 0) + 1
+        return real(*args, **kwargs)
+
+    setattr(cls, name, counted)
+
+
+def _build_worker(rank, world_size, data_path, cache):
+    """build_datasets over `data_path`: (token_id_range calls on this rank, what it raised)."""
+    import torch.distributed as dist
+
+    from megatron.core.datasets.indexed_dataset import MMapIndexedDataset
+    from megatron.data_loading import build_datasets
+
+    counts: dict = {}
+    _counting(MMapIndexedDataset, "token_id_range", counts, "scans")
+    config = tiny_config(world_size=world_size, mbs=1, gbs=world_size)  # padded vocab 128
+    data = dataclasses.replace(config.data, mock_data=False, data_path=data_path, split="1",
+                               data_cache_path=cache)
+    config = dataclasses.replace(config, data=data)
+    group = dist.new_group(backend="gloo")
+    try:
+        build_datasets(config, rank, 128, group)
+    except SystemExit as e:
+        return {"scans": counts.get("scans", 0), "code": e.code,
+                "report": getattr(e, "report", None)}
+    return {"scans": counts.get("scans", 0), "code": None, "report": None}
+
+
+def test_each_bin_is_sampled_once_per_run_not_once_per_rank(tmp_path):
+    """Three datasets on four ranks: 3 scans on rank 0, none elsewhere (it was 3 on every
+    rank: 100 datasets x 4096 ranks read 400 GiB of samples)."""
+    prefixes = [_write(str(tmp_path / f"d{i}"), vocab=128, seed=i) for i in range(3)]
+    blend = [x for p in prefixes for x in ("1", p)]
+    results = run_distributed(_build_worker, 4, blend, str(tmp_path / "cache"))
+    assert [r["code"] for r in results] == [None] * 4, results
+    assert [r["scans"] for r in results] == [3, 0, 0, 0], results
+
+
+def test_an_id_past_the_vocabulary_stops_every_rank_with_one_report(tmp_path):
+    """The verdict comes from rank 0's sample on every rank: the same error on each (no
+    rank list), printed once (by rank 0), with the file, the id and the fix."""
+    good = _write(str(tmp_path / "good"), vocab=128)
+    bad = _write(str(tmp_path / "bad"), vocab=1000, seed=1)
+    results = run_distributed(_build_worker, 2, ["1", good, "1", bad], str(tmp_path / "cache"))
+    report = results[0]["report"]
+    assert results[0]["code"] == report and results[1]["code"] == 1, results
+    assert results[1]["report"] == report
+    assert report.startswith(f"error: could not build the datasets: {bad}.bin: token id "), report
+    assert "is outside the padded vocabulary of 128 ids" in report and "--vocab-size" in report
+    assert report.count("error:") == 1, report
+    assert [r["scans"] for r in results] == [2, 0], results
+
+
+RUN = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+       "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+       "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "1", "--eval-iters", "0",
+       "--num-workers", "0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+       "--split", "1", "--use-cpu-initialization"]
+
+
+def _main_worker(rank, world_size, port, data_path, cache, flags=()):
+    """pretrain_gpt.main on this rank: (its status, tokenizer builds, .bin samples,
+    datasets opened)."""
+    import torch.distributed as dist
+
+    import megatron.tokenizer
+    import pretrain_gpt
+    from megatron.core.datasets.indexed_dataset import MMapIndexedDataset
+
+    dist.destroy_process_group()  # run_distributed's: start as the entry point does
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_PORT=str(port))
+    counts: dict = {}
+    _counting(megatron.tokenizer, "build_tokenizer", counts, "tokenizers")
+    _counting(MMapIndexedDataset, "token_id_range", counts, "scans")
+    _counting(MMapIndexedDataset, "__init__", counts, "opens")
+    status = pretrain_gpt.main(RUN + ["--data-path", data_path, "--data-cache-path", cache,
+                                      *flags])
+    return {"status": status, **{k: counts.get(k, 0) for k in ("tokenizers", "scans", "opens")}}
+
+
+def test_pretrain_start_up_builds_the_tokenizer_once_and_samples_once(tmp_path):
+    """pretrain_gpt.py on two ranks: one tokenizer build per rank (it was two: the argument
+    checks' and the data's), one `.bin` sample in the run (it was one per rank)."""
+    prefix = _write(str(tmp_path / "corpus"), vocab=100)
+    results = run_distributed(_main_worker, 2, free_port(), prefix, str(tmp_path / "cache"))
+    assert [r["status"] for r in results] == [0, 0], results
+    assert [r["tokenizers"] for r in results] == [1, 1], results
+    assert [r["scans"] for r in results] == [1, 0], results
+    assert [r["opens"] for r in results] == [1, 1], results
+
+
+def test_the_no_validation_warning_opens_the_datasets_on_rank_0_only(tmp_path):
+    """--eval-iters with a --split that gives validation no document: the warning's fix
+    names the smallest dataset's document count, which rank 0 (the one that prints it)
+    reads; every rank used to open every dataset again for a line it did not print."""
+    prefix = _write(str(tmp_path / "corpus"), vocab=100)
+    results = run_distributed(_main_worker, 2, free_port(), prefix, str(tmp_path / "cache"),
+                              ["--eval-iters", "1", "--eval-interval", "1"])
+    assert [r["status"] for r in results] == [0, 0], results
+    assert [r["opens"] for r in results] == [2, 1], results
+
+
+def test_zero_shot_evaluation_builds_the_tokenizer_once(tmp_path, monkeypatch):
+    """tasks/main.py builds the tokenizer for the argument checks and used to build it again
+    for the data (per rank: a single process shows the count)."""
+    import megatron.tokenizer
+    from tasks.zeroshot_gpt import evaluate
+    from tests.test_zeroshot import NULL
+
+    counts: dict = {}
+    real = megatron.tokenizer.build_tokenizer
+
+    def counted(*args, **kwargs):
+        counts["tokenizers"] = counts.get("tokenizers", 0) + 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(megatron.tokenizer, "build_tokenizer", counted)
+    (tmp_path / "l.jsonl").write_text('{"text": "1 2 3"}\n')
+    res = evaluate.main(["--task", "LAMBADA", "--valid-data", str(tmp_path / "l.jsonl")] + NULL)
+    assert res["num_examples"] == 1
+    assert counts == {"tokenizers": 1}
