@@ -130,7 +130,8 @@ class CollectiveWatchdog(OverrunReports):
 
     Args:
         store: a torch.distributed Store every rank shares (e.g. the default group's
-            TCPStore, see `build_watchdog`); only set/check/get/add are used.
+            TCPStore, see `build_watchdog`); set/check/get/add are used, and
+            multi_set/multi_get where the store has them.
         rank, world_size: this process's global rank and the world size.
         timeout_s: how long one watched block may run.
         on_timeout: called with the message instead of printing it and ending the process

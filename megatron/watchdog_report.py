@@ -33,6 +33,8 @@ VERDICT_WAIT_S = 30.0  # a waiting member's wait for the report, beyond the repo
 AGAIN = "again"  # the verdict on an overrun where every member is computing
 STACK_FRAMES = 4  # innermost frames of the main thread a report shows
 EXCHANGE_S = 30.0  # an overrun block's wait for the other members' collective counts
+FIRST_LOOK_S = 0.1  # the reporting member's first look for those counts; then twice as
+MAX_LOOK_S = 1.0  # long each time, up to this (one request per look, whatever the group)
 # A block's `progress`: how many collectives this rank issued on its group (an int), or on
 # each of several groups (`issued_collectives_on`); None when unknown.
 Progress = Callable[[], Optional[Union[int, list]]]
@@ -229,6 +231,7 @@ class OverrunReports:
         stuck, which the process group's own timeout ends."""
         read: dict = {}
         try:
+            self._read_checkins(block, read)
             late = [(point, count, ranks, r) for point, count, ranks in block.points
                     for r in self.missing_ranks(point, count, ranks, read)]
             lines = [f"  rank {r} reached '{point}' {self._reached(point, r, ranks, read)} "
@@ -252,6 +255,17 @@ class OverrunReports:
                          "a rank is stuck inside the block before its collective (its own "
                          "report says where)")
         return "\n".join([head] + lines), missing
+
+    def _read_checkins(self, block: _Block, read: dict) -> None:
+        """Read the other members' published check-ins of each group of `block` into
+        `read` (as `_reached` keeps them) with one `check` and one `multi_get` per group;
+        a group where one has published none is left to `_reached` (one rank at a time)."""
+        for members in {ranks for _, _, ranks in block.points}:
+            others = [r for r in members if r != self.rank]
+            keys = [_checkin_key(_group_id(members), r) for r in others]
+            if keys and self.store.check(keys):
+                for r, raw in zip(others, _get_all(self.store, keys)):
+                    read[r, members] = json.loads(raw)
 
     def _report_head(self, block: _Block, missing: List[int]) -> str:
         doing = self._doing()
@@ -277,14 +291,16 @@ class OverrunReports:
                 return [], []
             issued = {self.rank: mine}
             give_up = time.monotonic() + min(EXCHANGE_S, self.timeout_s)
-            while len(issued) < len(members) and time.monotonic() < give_up:
-                if not self._still_in(block, 0.05):
+            pause = FIRST_LOOK_S
+            while len(issued) < len(members):
+                if not self._still_in(block, min(pause, max(0.0, give_up - time.monotonic()))):
                     return None
-                for r in members:
-                    if r not in issued and self.store.check([f"{key}{r}"]):
-                        their_tag, counts = json.loads(self.store.get(f"{key}{r}"))
-                        if their_tag == tag:
-                            issued[r] = counts
+                last = time.monotonic() >= give_up
+                self._read_progress(key, tag, [r for r in members if r not in issued],
+                                    issued, last)
+                if last:
+                    break
+                pause = min(2 * pause, MAX_LOOK_S)
         except Exception:  # no number here or no store: the plain report
             return [], []
         behind, lines = _behind_in_groups(issued)
@@ -296,6 +312,25 @@ class OverrunReports:
                          "collectives it issued (it may have left it: with asynchronous "
                          "collectives, NCCL's, a rank goes on once it has issued them)")
         return behind, lines
+
+    def _read_progress(self, key: str, tag: str, waiting: List[int],
+                       issued: Dict[int, List[list]], last: bool) -> None:
+        """One look for the counts of the members `waiting` (their keys under `key`):
+        one `check` of all their keys and, when all are there, one `multi_get`; the
+        counts left for this deadline (`tag`) go into `issued`. Their keys may hold an
+        earlier overrun's counts (a tag that differs): those members are looked for
+        again. `last`: the wait ends, read whichever keys are there (one check each)."""
+        keys = [f"{key}{r}" for r in waiting]
+        if self.store.check(keys):
+            present = waiting
+        elif last:
+            present = [r for r, k in zip(waiting, keys) if self.store.check([k])]
+        else:
+            return
+        for r, raw in zip(present, _get_all(self.store, [f"{key}{r}" for r in present])):
+            their_tag, counts = json.loads(raw)
+            if their_tag == tag:
+                issued[r] = counts
 
     def _leave_progress(self, block: _Block) -> Tuple[str, str, Optional[List[list]]]:
         """Leave how many collectives this rank issued on the groups of `block` (its
@@ -318,6 +353,15 @@ def published_checkins(store, rank: int, ranks: Sequence[int]) -> Dict[str, int]
     if not store.check([key]):  # get() would wait for it
         return {}
     return json.loads(store.get(key))
+
+
+def _get_all(store, keys: List[str]) -> list:
+    """The values of `keys`, all in the store: one `multi_get` where the store has it."""
+    if not keys:
+        return []
+    if hasattr(store, "multi_get"):
+        return store.multi_get(keys)
+    return [store.get(k) for k in keys]
 
 
 def _checkin_key(group: str, rank: int) -> str:
