@@ -280,10 +280,10 @@ class OverrunReports:
         counts in the store and waits (up to EXCHANGE_S, or the timeout, while the block
         lasts) for the other members' -- each leaves its own when its deadline in the
         same block passes, at about the same time since they entered it together --,
-        publishing its check-ins meanwhile. Returns (the members behind the others of one
-        of their groups, lines saying so), or None when every member answered with the
-        same counts per group, or this rank left the block meanwhile (it was slow, not
-        stuck)."""
+        publishing its check-ins meanwhile and looking for theirs with one store request
+        a look (`_read_progress`). Returns (the members behind the others of one of their
+        groups, lines saying so), or None when every member answered with the same counts
+        per group, or this rank left the block meanwhile (it was slow, not stuck)."""
         members = block.points[0][2]
         try:
             key, tag, mine = self._leave_progress(block)
