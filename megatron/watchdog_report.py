@@ -5,8 +5,10 @@ The store holds, under KEY_PREFIX: each rank's published check-ins (one key per 
 group of ranks, `published_checkins`); per overrun of a block (its group, first check-in,
 call number and deadline round), the count electing the one member that reads the
 others' check-ins and the verdict it leaves for the rest (the report's first line, or
-AGAIN when every member computes); each member's collective counts for a block with
-`progress`; FIRED_KEY, counting the ranks whose report came (the first gives the full
+AGAIN when every member computes), and how many members are done with it (the last
+removes the three keys, so overruns that recover do not pile up in the store); each
+member's collective counts for a block with `progress` (one key per name and rank,
+overwritten); FIRED_KEY, counting the ranks whose report came (the first gives the full
 report); ABORT_KEY, the first report's first line, which stops every other rank.
 
 `OverrunReports` is the part of `CollectiveWatchdog` that writes and reads these keys when
@@ -97,10 +99,12 @@ class OverrunReports:
             return self._report_overrun(block, key)
         verdict = self._await_verdict(block, key)
         if verdict is None:  # the block ended meanwhile: slow, not stuck
+            self._done_with(block, key)
             return None
         if verdict == "":  # no verdict in time (the reporting rank died): report alone
             return self._report_overrun(block, key)
         if verdict == AGAIN:  # every member computing: not stuck yet
+            self._done_with(block, key)
             with self._cond:
                 block.deadline = time.monotonic() + self.timeout_s
             return None
@@ -113,6 +117,7 @@ class OverrunReports:
         report = self.overrun_report(block)
         if report is None:  # every member computing, none behind: not stuck yet
             self._leave(f"{key}/verdict", AGAIN)
+            self._done_with(block, key)
             with self._cond:
                 block.deadline = time.monotonic() + self.timeout_s
             return None
@@ -140,6 +145,21 @@ class OverrunReports:
         it: its first check-in's group, name and call number, and the deadline's round."""
         point, count, members = block.points[0]
         return f"{KEY_PREFIX}/overrun/{_group_id(members)}/{point}/{count}/{block.rounds}"
+
+    def _done_with(self, block: _Block, key: str) -> None:
+        """This rank will not read or write the keys of the overrun `key` of `block` again
+        (the run goes on: the verdict gave it more time, or it left the block): count it
+        done there; the last of the block's members to be done removes the overrun's
+        keys. Every member must have counted itself in (each does once per overrun, and
+        before it counts done), so no one creates them anew. An overrun where not every
+        member's deadline passed -- the block ended first for some, then its reporter
+        left it too -- leaves its few keys (best effort, as every store call here)."""
+        try:
+            if int(self.store.add(f"{key}/done", 1)) == len(block.points[0][2]):
+                for part in ("reporter", "verdict", "done"):
+                    self.store.delete_key(f"{key}/{part}")
+        except Exception:  # no store, or one without delete_key: the keys stay
+            pass
 
     def _count_in(self, key: str) -> bool:
         """Whether this rank is the first to count itself in `key` (an atomic count in the

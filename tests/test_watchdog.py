@@ -339,6 +339,55 @@ def test_a_block_where_every_rank_computes_is_given_more_time():
         assert "ranks that did not arrive: [1]" in fired[r].splitlines()[0]
 
 
+class _KeyLog:
+    """A HashStore that remembers every key written to it (set, add, multi_set)."""
+
+    def __init__(self):
+        self._store, self.written = dist.HashStore(), set()
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def set(self, key, value):
+        self.written.add(key)
+        self._store.set(key, value)
+
+    def multi_set(self, keys, values):
+        self.written.update(keys)
+        self._store.multi_set(keys, values)
+
+    def add(self, key, value):
+        self.written.add(key)
+        return self._store.add(key, value)
+
+    def left(self, part):
+        """The keys written that contain `part` and are still in the store."""
+        return sorted(k for k in self.written if part in k and self._store.check([k]))
+
+
+def test_the_keys_of_an_overrun_that_recovers_are_removed():
+    """Three ranks compute past the deadline in three calls of a block (equal collective
+    counts: every overrun ends with more time, none fires). Each overrun left its election
+    count and its verdict in the store for good: a long run with many slow blocks that
+    recover filled the job's store. Now the last member done with an overrun's verdict
+    removes its keys."""
+    store, world = _KeyLog(), 3
+    fired = []
+    wds = [CollectiveWatchdog(store, r, world, 0.3, poll_s=10.0, on_timeout=fired.append)
+           for r in range(world)]
+    for _ in range(3):
+        with contextlib.ExitStack() as blocks:
+            for wd in wds:
+                blocks.enter_context(wd.watch("micro-batch 0 forward", progress=lambda: 7))
+            time.sleep(1.0)
+    for wd in wds:
+        wd.close()
+    assert fired == []
+    overruns = {k.rsplit("/", 1)[0] for k in store.written if "/overrun/" in k}
+    assert len(overruns) >= 3, sorted(store.written)  # at least one per call
+    assert store.left("/overrun/") == []
+
+
 def _all_overrun(issued, world, timeout=0.3, seconds=1.5):
     """Every rank of `world` inside 'optimizer step' (ranks: all) for `seconds`; rank r's
     progress is issued[r] ([label, group, count] triples, as `issued_collectives_on`
