@@ -309,7 +309,7 @@ class OverrunReports:
             key, tag, mine = self._leave_progress(block)
             if mine is None:
                 return [], []
-            issued = {self.rank: mine}
+            issued, nested = {self.rank: mine}, {self.rank: self._nested_in(block)}
             give_up = time.monotonic() + min(EXCHANGE_S, self.timeout_s)
             pause = FIRST_LOOK_S
             while len(issued) < len(members):
@@ -317,13 +317,16 @@ class OverrunReports:
                     return None
                 last = time.monotonic() >= give_up
                 self._read_progress(key, tag, [r for r in members if r not in issued],
-                                    issued, last)
+                                    issued, nested, last)
                 if last:
                     break
                 pause = min(2 * pause, MAX_LOOK_S)
         except Exception:  # no number here or no store: the plain report
             return [], []
-        behind, lines = _behind_in_groups(issued)
+        # a member behind because it waits in a watched block nested in this one is left
+        # to that block's overrun (it comes first: that block began later), which names
+        # the rank it waits for; this block then gets more time
+        behind, lines = _behind_in_groups(issued, nested)
         silent = [r for r in members if r not in issued]
         if not silent and not behind:
             return None
@@ -334,10 +337,12 @@ class OverrunReports:
         return behind, lines
 
     def _read_progress(self, key: str, tag: str, waiting: List[int],
-                       issued: Dict[int, List[list]], last: bool) -> None:
+                       issued: Dict[int, List[list]], nested: Dict[int, Optional[str]],
+                       last: bool) -> None:
         """One look for the counts of the members `waiting` (their keys under `key`):
         one `check` of all their keys and, when all are there, one `multi_get`; the
-        counts left for this deadline (`tag`) go into `issued`. Their keys may hold an
+        counts left for this deadline (`tag`) go into `issued`, the watched block each
+        waits in inside this one (or None) into `nested`. Their keys may hold an
         earlier overrun's counts (a tag that differs): those members are looked for
         again. `last`: the wait ends, read whichever keys are there (one check each)."""
         keys = [f"{key}{r}" for r in waiting]
@@ -348,22 +353,31 @@ class OverrunReports:
         else:
             return
         for r, raw in zip(present, _get_all(self.store, [f"{key}{r}" for r in present])):
-            their_tag, counts = json.loads(raw)
+            their_tag, counts, *inside = json.loads(raw)
             if their_tag == tag:
-                issued[r] = counts
+                issued[r], nested[r] = counts, (inside or [None])[0]
 
     def _leave_progress(self, block: _Block) -> Tuple[str, str, Optional[List[list]]]:
         """Leave how many collectives this rank issued on the groups of `block` (its
-        `progress`) under its key for this deadline of the block; (the members' key
-        prefix, this deadline's tag, the counts: None for none). Raises when the store
-        or `progress` fails."""
+        `progress`), and the watched block it waits in inside `block` if any, under its
+        key for this deadline of the block; (the members' key prefix, this deadline's
+        tag, the counts: None for none). Raises when the store or `progress` fails."""
         point, count = block.points[0][:2]
         tag = f"{count} {block.rounds}"  # this call of the block, this deadline
         mine = _issued_by_group(block.progress())
         key = f"{KEY_PREFIX}/progress/{point}/rank"
         if mine is not None:
-            self.store.set(f"{key}{self.rank}", json.dumps([tag, mine]))
+            self.store.set(f"{key}{self.rank}",
+                           json.dumps([tag, mine, self._nested_in(block)]))
         return key, tag, mine
+
+    def _nested_in(self, block: _Block) -> Optional[str]:
+        """The name of the innermost watched block this rank runs inside `block` (the
+        forward's wait for --overlap-param-gather's all-gather), None when none."""
+        with self._cond:
+            active = list(self._active)
+        inner = active[active.index(block) + 1:] if block in active else []
+        return inner[-1].name if inner else None
 
 
 def published_checkins(store, rank: int, ranks: Sequence[int]) -> Dict[str, int]:
@@ -404,11 +418,15 @@ def _issued_by_group(progress) -> Optional[List[list]]:
     return [["its group", "", int(progress)]]
 
 
-def _behind_in_groups(issued: Dict[int, List[list]]) -> Tuple[List[int], List[str]]:
+def _behind_in_groups(issued: Dict[int, List[list]],
+                      nested: Optional[Dict[int, Optional[str]]] = None
+                      ) -> Tuple[List[int], List[str]]:
     """The ranks that issued fewer collectives on one of their groups than another member
-    of that group ({rank: its [label, group id, count] triples}), and lines saying so.
+    of that group ({rank: its [label, group id, count] triples}), and lines saying so;
+    not those waiting in a nested watched block (`nested`: {rank: its name, or None}).
     Counts are compared only within a group: two data-parallel groups of different
     pipeline stages issue different numbers of collectives."""
+    nested = nested or {}
     groups: Dict[str, Tuple[str, Dict[int, int]]] = {}
     for rank, counts in issued.items():
         for label, group, n in counts:
@@ -417,7 +435,7 @@ def _behind_in_groups(issued: Dict[int, List[list]]) -> Tuple[List[int], List[st
     for label, got in groups.values():
         most = max(got.values())
         ahead = _ranks_text(sorted(r for r, n in got.items() if n == most))
-        for r in sorted(r for r, n in got.items() if n < most):
+        for r in sorted(r for r, n in got.items() if n < most and not nested.get(r)):
             behind.add(r)
             lines.append(f"  every rank entered it, but rank {r} has issued {got[r]} "
                          f"collectives on {label} and {ahead} {most}: rank {r} did not reach "

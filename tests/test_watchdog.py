@@ -327,6 +327,37 @@ def test_a_rank_stuck_between_two_collectives_of_a_block_is_named():
     assert "rank 1's main thread is here" in fired[1]
 
 
+def test_a_rank_behind_because_it_waits_in_a_nested_watched_block_is_not_named():
+    """tp2 dp2, --overlap-param-gather: rank 3 stops before it launches its parameter
+    all-gather; its data-parallel partner, rank 1, waits for that all-gather in its next
+    forward (a watched block over (1, 3) nested in the forward's, over the tensor-parallel
+    group (0, 1)), so rank 1 has issued one tensor-parallel collective fewer than rank 0.
+    The forward's overrun named rank 1, which was only waiting for rank 3. Now a member
+    behind that waits in a nested watched block is left to that block's overrun: it names
+    rank 3, and rank 0 stops on that report."""
+    store = dist.HashStore()
+    fired = {}
+    wds = {r: CollectiveWatchdog(store, r, 4, 0.5, poll_s=0.2,
+                                 on_timeout=lambda m, r=r: fired.setdefault(r, m))
+           for r in (0, 1)}
+    issued = {0: 42, 1: 41}
+    with contextlib.ExitStack() as blocks:
+        for r, wd in wds.items():
+            blocks.enter_context(wd.watch("micro-batch 0 forward", ranks=[0, 1],
+                                          progress=lambda r=r: issued[r]))
+        time.sleep(0.3)  # rank 1's pre-hook waits for the all-gather rank 3 never launched
+        blocks.enter_context(wds[1].watch("parameter all-gather wait", ranks=[1, 3]))
+        time.sleep(2.0)
+    for wd in wds.values():
+        wd.close()
+    assert sorted(fired) == [0, 1], fired
+    assert fired[1].startswith("[watchdog rank 1] collective parameter all-gather wait did "
+                               "not complete within 0.5 s; ranks that did not arrive: [3]"), \
+        fired[1]
+    assert "ranks that did not arrive: [3]" in fired[0], fired[0]
+    assert "arrive: [1]" not in fired[0] + fired[1]
+
+
 def test_a_block_where_every_rank_computes_is_given_more_time():
     """Equal counts past the deadline: both ranks are computing (compiling the layers on
     the first micro-batch can outlast the timeout), nothing fires; once rank 0 issues a
