@@ -323,6 +323,8 @@ class CollectiveWatchdog(OverrunReports):
             return ""
         phases = self._phases[-1:]  # one read: the main thread may leave its phase meanwhile
         message = self.abort_message(abort, inside, phases[0] if phases else None)
+        if named:  # the others wait for this rank (maybe from another block)
+            message += "\n  it names this rank: the others wait for it"
         if inside is None or named:  # maybe the one stuck
             message += "\n" + self.main_thread_stack()
         return message

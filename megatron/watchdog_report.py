@@ -134,10 +134,19 @@ class OverrunReports:
         came after another's (which has the details); with where this rank's main
         thread is when it is the one stuck (the first report may name it in another
         block). "" for a rank that does not announce the lines every rank would print
-        alike (`CollectiveWatchdog`'s `announces`)."""
+        alike (`CollectiveWatchdog`'s `announces`). A rank stuck in `block` after the
+        others left it (their collectives were asynchronous) finds none missing there;
+        when the first report names it, it says so and quotes that report."""
         message = self._report_head(block, named) + " (another rank's watchdog reported it first)"
-        if self.rank in named or self.rank in _named_in(self._abort_line()):
+        if self.rank in named:
             return message + "\n" + self.main_thread_stack()
+        first = self._abort_line()
+        if self.rank in _named_in(first):  # the others waited for this rank elsewhere
+            doing = self._doing()
+            return (f"[watchdog rank {self.rank}] collective {block.name} did not complete "
+                    f"within {self.timeout_s:g} s{' ' + doing if doing else ''}; the first "
+                    f"report names this rank as the one the others wait for:\n  {first}\n"
+                    + self.main_thread_stack())
         return message if self.announces else ""  # the same line on every waiting rank
 
     def _overrun_key(self, block: _Block) -> str:

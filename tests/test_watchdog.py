@@ -23,6 +23,7 @@ from megatron.train_step import _action_watch
 from megatron.watchdog import (
     ABORT_KEY,
     EXIT_CODE,
+    FIRED_KEY,
     CollectiveWatchdog,
     NullWatchdog,
     build_watchdog,
@@ -177,6 +178,7 @@ def test_a_fired_watchdog_stops_the_other_ranks():
         "[watchdog rank 2] stopping during the evaluation at iteration 5, in no watched "
         "collective, because another rank's watchdog fired:\n  [watchdog rank 0] collective "
         "barrier did not complete within 0.3 s; ranks that did not arrive: [1, 2]\n"
+        "  it names this rank: the others wait for it\n"
         "  rank 2's main thread is here (innermost last):"), fired[0]
     assert "time.sleep(1.0)" in fired[0]  # this test's own line: where the main thread is
 
@@ -538,7 +540,32 @@ def test_a_rank_the_report_names_says_where_it_is_from_inside_a_watched_block():
             "another rank's watchdog fired:"), fired
         messages[named] = fired[0]
     assert "rank 1's main thread is here" in messages["[1]"]
-    assert "main thread" not in messages["[0]"]
+    assert "\n  it names this rank: the others wait for it\n" in messages["[1]"]
+    assert "main thread" not in messages["[0]"] and "names this rank" not in messages["[0]"]
+
+
+def test_the_stuck_ranks_own_report_says_the_first_report_names_it():
+    """Rank 1 is stuck inside the optimizer step; rank 0 left it (its all-gather is
+    asynchronous) and rank 0's report, from where it waits next, came first and named
+    rank 1. Rank 1's own overrun finds every member arrived and rank 0 silent: its report
+    said 'ranks that did not arrive: []', as if no rank were to blame. Now it says that
+    the first report names this rank, quotes it, and shows where its main thread is."""
+    store = dist.HashStore()
+    _checked_in(store, 0, 2, "optimizer step", ranks=[0, 1])  # and left it
+    first = ("[watchdog rank 0] collective parameter all-gather wait did not complete "
+             "within 0.3 s; ranks that did not arrive: [1]")
+    store.add(FIRED_KEY, 1)
+    store.set(ABORT_KEY, first)
+    fired = []
+    wd = CollectiveWatchdog(store, 1, 2, 0.3, poll_s=10.0, on_timeout=fired.append)
+    with wd.watch("optimizer step", ranks=[0, 1], progress=lambda: 5):
+        time.sleep(1.5)
+    wd.close()
+    assert len(fired) == 1, fired
+    assert fired[0].startswith(
+        "[watchdog rank 1] collective optimizer step did not complete within 0.3 s; the first "
+        "report names this rank as the one the others wait for:\n  " + first + "\n"
+        "  rank 1's main thread is here"), fired[0]
 
 
 class _LeftWhileLooked(list):
