@@ -182,6 +182,7 @@ class CollectiveWatchdog(OverrunReports):
         self._closed = False
         self._store_lost: Optional[tuple] = None  # (since, error) while the store fails
         self._fired = False  # this rank's own deadline passed
+        self._lingers = False  # stopping for a report that names other ranks
         self._next_publish = time.monotonic() + self.publish_s  # the monitor's next publish
         self._thread = threading.Thread(target=self._monitor, name="collective-watchdog",
                                         daemon=True)
@@ -310,6 +311,9 @@ class CollectiveWatchdog(OverrunReports):
                 next_poll = time.monotonic() + wait_s
                 if abort is not None:
                     message = self._stop_message(abort)
+                    # the rank the report names prints its stack once it sees it (within
+                    # poll_s): leaving now would have the launcher end that rank first
+                    self._lingers = self.rank not in _named_in(abort)
                     break
         self._on_timeout(message)
 
@@ -412,14 +416,16 @@ class CollectiveWatchdog(OverrunReports):
         """Print the report and end the process with EXIT_CODE. A rank whose own deadline
         passed first waits `poll_s` + 1 s, so that every other rank sees its ABORT_KEY
         while the store is up (it may live in this node's launcher, which ends with this
-        process). Meanwhile the ranks that see it exit, and this rank's main thread fails
-        in its collective: its output is silenced (the report is this rank's last word)
-        and an interpreter exit still ends with EXIT_CODE."""
+        process); so does a rank stopping for a report that names others, so that the
+        named ranks print where they are before the launcher, seeing this one exit, ends
+        them. Meanwhile the main thread fails in its collective: its output is silenced
+        (the report is this rank's last word) and an interpreter exit still ends with
+        EXIT_CODE."""
         stream = self._stream or sys.stderr
         if message:  # "": a rank that does not announce what the others say
             print(message, file=stream, flush=True)
         sys.stdout.flush()
-        if self._fired:
+        if self._fired or self._lingers:
             atexit.register(os._exit, EXIT_CODE)
             devnull = os.open(os.devnull, os.O_WRONLY)
             for fd in (1, 2):

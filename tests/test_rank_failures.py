@@ -337,7 +337,9 @@ def test_at_tp_2_the_rank_upstream_of_the_overlapped_parameter_all_gather_is_nam
          "--train-iters", "20", "--tensor-model-parallel-size", "2"], call=2, rank=3, world=4)
     named = re.findall(r"ranks that did not arrive: \[([\d, ]*)\]", log)
     assert named and set(named) == {"3"}, log[-6000:]
-    # torchrun ends the others (SIGTERM) once a rank that did not report first exits
+    # the ranks the report does not name wait for rank 3 to say where it is
+    stuck = log[log.index("rank 3's main thread is here"):]
+    assert "time.sleep(300)" in stuck.split("\n\n")[0], log[-4000:]
     assert statuses and set(statuses.values()) == {EXIT_CODE}, statuses
     assert seconds < 45
     assert not re.search(r'File ".*(/megatron/|pretrain_gpt)', log), log[-4000:]
