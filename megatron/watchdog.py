@@ -42,7 +42,12 @@ the block gets another `timeout_s` -- or they all wait in one collective that is
 stuck, which the process group's own timeout ends. A block whose collectives run on
 several groups counts per group (`issued_collectives_on`: the distributed optimizer's
 step reduces over all ranks, then all-gathers over the data-parallel group), and a rank
-behind the other members of any of them is named. While it reports, the monitor goes on
+behind the other members of any of them is named -- unless it waits in a watched block
+nested in this one (at tp > 1, the forward's wait for --overlap-param-gather's
+all-gather, over the data-parallel group): that block began later, so its own overrun
+comes first and names the rank it waits for, and this block gets another `timeout_s`
+(watched blocks wrap the wait for their collective, so such a rank is not the one stuck
+computing). While it reports, the monitor goes on
 publishing this rank's check-ins, and gives up when the block ends meanwhile (it was
 slow, not stuck). A block's check-ins may also be several `points` with their own ranks: the
 pipeline schedule's wait for a batch of transfers checks in once per transfer, with the
@@ -130,7 +135,8 @@ class CollectiveWatchdog(OverrunReports):
 
     Args:
         store: a torch.distributed Store every rank shares (e.g. the default group's
-            TCPStore, see `build_watchdog`); only set/check/get/add are used.
+            TCPStore, see `build_watchdog`); set/check/get/add are used, and
+            multi_set/multi_get where the store has them.
         rank, world_size: this process's global rank and the world size.
         timeout_s: how long one watched block may run.
         on_timeout: called with the message instead of printing it and ending the process
@@ -176,6 +182,7 @@ class CollectiveWatchdog(OverrunReports):
         self._closed = False
         self._store_lost: Optional[tuple] = None  # (since, error) while the store fails
         self._fired = False  # this rank's own deadline passed
+        self._lingers = False  # stopping for a report that names other ranks
         self._next_publish = time.monotonic() + self.publish_s  # the monitor's next publish
         self._thread = threading.Thread(target=self._monitor, name="collective-watchdog",
                                         daemon=True)
@@ -304,6 +311,9 @@ class CollectiveWatchdog(OverrunReports):
                 next_poll = time.monotonic() + wait_s
                 if abort is not None:
                     message = self._stop_message(abort)
+                    # the rank the report names prints its stack once it sees it (within
+                    # poll_s): leaving now would have the launcher end that rank first
+                    self._lingers = self.rank not in _named_in(abort)
                     break
         self._on_timeout(message)
 
@@ -317,6 +327,8 @@ class CollectiveWatchdog(OverrunReports):
             return ""
         phases = self._phases[-1:]  # one read: the main thread may leave its phase meanwhile
         message = self.abort_message(abort, inside, phases[0] if phases else None)
+        if named:  # the others wait for this rank (maybe from another block)
+            message += "\n  it names this rank: the others wait for it"
         if inside is None or named:  # maybe the one stuck
             message += "\n" + self.main_thread_stack()
         return message
@@ -404,14 +416,16 @@ class CollectiveWatchdog(OverrunReports):
         """Print the report and end the process with EXIT_CODE. A rank whose own deadline
         passed first waits `poll_s` + 1 s, so that every other rank sees its ABORT_KEY
         while the store is up (it may live in this node's launcher, which ends with this
-        process). Meanwhile the ranks that see it exit, and this rank's main thread fails
-        in its collective: its output is silenced (the report is this rank's last word)
-        and an interpreter exit still ends with EXIT_CODE."""
+        process); so does a rank stopping for a report that names others, so that the
+        named ranks print where they are before the launcher, seeing this one exit, ends
+        them. Meanwhile the main thread fails in its collective: its output is silenced
+        (the report is this rank's last word) and an interpreter exit still ends with
+        EXIT_CODE."""
         stream = self._stream or sys.stderr
         if message:  # "": a rank that does not announce what the others say
             print(message, file=stream, flush=True)
         sys.stdout.flush()
-        if self._fired:
+        if self._fired or self._lingers:
             atexit.register(os._exit, EXIT_CODE)
             devnull = os.open(os.devnull, os.O_WRONLY)
             for fd in (1, 2):

@@ -5,8 +5,10 @@ The store holds, under KEY_PREFIX: each rank's published check-ins (one key per 
 group of ranks, `published_checkins`); per overrun of a block (its group, first check-in,
 call number and deadline round), the count electing the one member that reads the
 others' check-ins and the verdict it leaves for the rest (the report's first line, or
-AGAIN when every member computes); each member's collective counts for a block with
-`progress`; FIRED_KEY, counting the ranks whose report came (the first gives the full
+AGAIN when every member computes), and how many members are done with it (the last
+removes the three keys, so overruns that recover do not pile up in the store); each
+member's collective counts for a block with `progress` (one key per name and rank,
+overwritten); FIRED_KEY, counting the ranks whose report came (the first gives the full
 report); ABORT_KEY, the first report's first line, which stops every other rank.
 
 `OverrunReports` is the part of `CollectiveWatchdog` that writes and reads these keys when
@@ -33,6 +35,8 @@ VERDICT_WAIT_S = 30.0  # a waiting member's wait for the report, beyond the repo
 AGAIN = "again"  # the verdict on an overrun where every member is computing
 STACK_FRAMES = 4  # innermost frames of the main thread a report shows
 EXCHANGE_S = 30.0  # an overrun block's wait for the other members' collective counts
+FIRST_LOOK_S = 0.1  # the reporting member's first look for those counts; then twice as
+MAX_LOOK_S = 1.0  # long each time, up to this (one request per look, whatever the group)
 # A block's `progress`: how many collectives this rank issued on its group (an int), or on
 # each of several groups (`issued_collectives_on`); None when unknown.
 Progress = Callable[[], Optional[Union[int, list]]]
@@ -95,10 +99,12 @@ class OverrunReports:
             return self._report_overrun(block, key)
         verdict = self._await_verdict(block, key)
         if verdict is None:  # the block ended meanwhile: slow, not stuck
+            self._done_with(block, key)
             return None
         if verdict == "":  # no verdict in time (the reporting rank died): report alone
             return self._report_overrun(block, key)
         if verdict == AGAIN:  # every member computing: not stuck yet
+            self._done_with(block, key)
             with self._cond:
                 block.deadline = time.monotonic() + self.timeout_s
             return None
@@ -111,6 +117,7 @@ class OverrunReports:
         report = self.overrun_report(block)
         if report is None:  # every member computing, none behind: not stuck yet
             self._leave(f"{key}/verdict", AGAIN)
+            self._done_with(block, key)
             with self._cond:
                 block.deadline = time.monotonic() + self.timeout_s
             return None
@@ -127,10 +134,19 @@ class OverrunReports:
         came after another's (which has the details); with where this rank's main
         thread is when it is the one stuck (the first report may name it in another
         block). "" for a rank that does not announce the lines every rank would print
-        alike (`CollectiveWatchdog`'s `announces`)."""
+        alike (`CollectiveWatchdog`'s `announces`). A rank stuck in `block` after the
+        others left it (their collectives were asynchronous) finds none missing there;
+        when the first report names it, it says so and quotes that report."""
         message = self._report_head(block, named) + " (another rank's watchdog reported it first)"
-        if self.rank in named or self.rank in _named_in(self._abort_line()):
+        if self.rank in named:
             return message + "\n" + self.main_thread_stack()
+        first = self._abort_line()
+        if self.rank in _named_in(first):  # the others waited for this rank elsewhere
+            doing = self._doing()
+            return (f"[watchdog rank {self.rank}] collective {block.name} did not complete "
+                    f"within {self.timeout_s:g} s{' ' + doing if doing else ''}; the first "
+                    f"report names this rank as the one the others wait for:\n  {first}\n"
+                    + self.main_thread_stack())
         return message if self.announces else ""  # the same line on every waiting rank
 
     def _overrun_key(self, block: _Block) -> str:
@@ -138,6 +154,21 @@ class OverrunReports:
         it: its first check-in's group, name and call number, and the deadline's round."""
         point, count, members = block.points[0]
         return f"{KEY_PREFIX}/overrun/{_group_id(members)}/{point}/{count}/{block.rounds}"
+
+    def _done_with(self, block: _Block, key: str) -> None:
+        """This rank will not read or write the keys of the overrun `key` of `block` again
+        (the run goes on: the verdict gave it more time, or it left the block): count it
+        done there; the last of the block's members to be done removes the overrun's
+        keys. Every member must have counted itself in (each does once per overrun, and
+        before it counts done), so no one creates them anew. An overrun where not every
+        member's deadline passed -- the block ended first for some, then its reporter
+        left it too -- leaves its few keys (best effort, as every store call here)."""
+        try:
+            if int(self.store.add(f"{key}/done", 1)) == len(block.points[0][2]):
+                for part in ("reporter", "verdict", "done"):
+                    self.store.delete_key(f"{key}/{part}")
+        except Exception:  # no store, or one without delete_key: the keys stay
+            pass
 
     def _count_in(self, key: str) -> bool:
         """Whether this rank is the first to count itself in `key` (an atomic count in the
@@ -229,6 +260,7 @@ class OverrunReports:
         stuck, which the process group's own timeout ends."""
         read: dict = {}
         try:
+            self._read_checkins(block, read)
             late = [(point, count, ranks, r) for point, count, ranks in block.points
                     for r in self.missing_ranks(point, count, ranks, read)]
             lines = [f"  rank {r} reached '{point}' {self._reached(point, r, ranks, read)} "
@@ -253,6 +285,17 @@ class OverrunReports:
                          "report says where)")
         return "\n".join([head] + lines), missing
 
+    def _read_checkins(self, block: _Block, read: dict) -> None:
+        """Read the other members' published check-ins of each group of `block` into
+        `read` (as `_reached` keeps them) with one `check` and one `multi_get` per group;
+        a group where one has published none is left to `_reached` (one rank at a time)."""
+        for members in {ranks for _, _, ranks in block.points}:
+            others = [r for r in members if r != self.rank]
+            keys = [_checkin_key(_group_id(members), r) for r in others]
+            if keys and self.store.check(keys):
+                for r, raw in zip(others, _get_all(self.store, keys)):
+                    read[r, members] = json.loads(raw)
+
     def _report_head(self, block: _Block, missing: List[int]) -> str:
         doing = self._doing()
         return (f"[watchdog rank {self.rank}] collective {block.name} did not complete within "
@@ -266,28 +309,33 @@ class OverrunReports:
         counts in the store and waits (up to EXCHANGE_S, or the timeout, while the block
         lasts) for the other members' -- each leaves its own when its deadline in the
         same block passes, at about the same time since they entered it together --,
-        publishing its check-ins meanwhile. Returns (the members behind the others of one
-        of their groups, lines saying so), or None when every member answered with the
-        same counts per group, or this rank left the block meanwhile (it was slow, not
-        stuck)."""
+        publishing its check-ins meanwhile and looking for theirs with one store request
+        a look (`_read_progress`). Returns (the members behind the others of one of their
+        groups, lines saying so), or None when every member answered with the same counts
+        per group, or this rank left the block meanwhile (it was slow, not stuck)."""
         members = block.points[0][2]
         try:
             key, tag, mine = self._leave_progress(block)
             if mine is None:
                 return [], []
-            issued = {self.rank: mine}
+            issued, nested = {self.rank: mine}, {self.rank: self._nested_in(block)}
             give_up = time.monotonic() + min(EXCHANGE_S, self.timeout_s)
-            while len(issued) < len(members) and time.monotonic() < give_up:
-                if not self._still_in(block, 0.05):
+            pause = FIRST_LOOK_S
+            while len(issued) < len(members):
+                if not self._still_in(block, min(pause, max(0.0, give_up - time.monotonic()))):
                     return None
-                for r in members:
-                    if r not in issued and self.store.check([f"{key}{r}"]):
-                        their_tag, counts = json.loads(self.store.get(f"{key}{r}"))
-                        if their_tag == tag:
-                            issued[r] = counts
+                last = time.monotonic() >= give_up
+                self._read_progress(key, tag, [r for r in members if r not in issued],
+                                    issued, nested, last)
+                if last:
+                    break
+                pause = min(2 * pause, MAX_LOOK_S)
         except Exception:  # no number here or no store: the plain report
             return [], []
-        behind, lines = _behind_in_groups(issued)
+        # a member behind because it waits in a watched block nested in this one is left
+        # to that block's overrun (it comes first: that block began later), which names
+        # the rank it waits for; this block then gets more time
+        behind, lines = _behind_in_groups(issued, nested)
         silent = [r for r in members if r not in issued]
         if not silent and not behind:
             return None
@@ -297,18 +345,48 @@ class OverrunReports:
                          "collectives, NCCL's, a rank goes on once it has issued them)")
         return behind, lines
 
+    def _read_progress(self, key: str, tag: str, waiting: List[int],
+                       issued: Dict[int, List[list]], nested: Dict[int, Optional[str]],
+                       last: bool) -> None:
+        """One look for the counts of the members `waiting` (their keys under `key`):
+        one `check` of all their keys and, when all are there, one `multi_get`; the
+        counts left for this deadline (`tag`) go into `issued`, the watched block each
+        waits in inside this one (or None) into `nested`. Their keys may hold an
+        earlier overrun's counts (a tag that differs): those members are looked for
+        again. `last`: the wait ends, read whichever keys are there (one check each)."""
+        keys = [f"{key}{r}" for r in waiting]
+        if self.store.check(keys):
+            present = waiting
+        elif last:
+            present = [r for r, k in zip(waiting, keys) if self.store.check([k])]
+        else:
+            return
+        for r, raw in zip(present, _get_all(self.store, [f"{key}{r}" for r in present])):
+            their_tag, counts, *inside = json.loads(raw)
+            if their_tag == tag:
+                issued[r], nested[r] = counts, (inside or [None])[0]
+
     def _leave_progress(self, block: _Block) -> Tuple[str, str, Optional[List[list]]]:
         """Leave how many collectives this rank issued on the groups of `block` (its
-        `progress`) under its key for this deadline of the block; (the members' key
-        prefix, this deadline's tag, the counts: None for none). Raises when the store
-        or `progress` fails."""
+        `progress`), and the watched block it waits in inside `block` if any, under its
+        key for this deadline of the block; (the members' key prefix, this deadline's
+        tag, the counts: None for none). Raises when the store or `progress` fails."""
         point, count = block.points[0][:2]
         tag = f"{count} {block.rounds}"  # this call of the block, this deadline
         mine = _issued_by_group(block.progress())
         key = f"{KEY_PREFIX}/progress/{point}/rank"
         if mine is not None:
-            self.store.set(f"{key}{self.rank}", json.dumps([tag, mine]))
+            self.store.set(f"{key}{self.rank}",
+                           json.dumps([tag, mine, self._nested_in(block)]))
         return key, tag, mine
+
+    def _nested_in(self, block: _Block) -> Optional[str]:
+        """The name of the innermost watched block this rank runs inside `block` (the
+        forward's wait for --overlap-param-gather's all-gather), None when none."""
+        with self._cond:
+            active = list(self._active)
+        inner = active[active.index(block) + 1:] if block in active else []
+        return inner[-1].name if inner else None
 
 
 def published_checkins(store, rank: int, ranks: Sequence[int]) -> Dict[str, int]:
@@ -318,6 +396,15 @@ def published_checkins(store, rank: int, ranks: Sequence[int]) -> Dict[str, int]
     if not store.check([key]):  # get() would wait for it
         return {}
     return json.loads(store.get(key))
+
+
+def _get_all(store, keys: List[str]) -> list:
+    """The values of `keys`, all in the store: one `multi_get` where the store has it."""
+    if not keys:
+        return []
+    if hasattr(store, "multi_get"):
+        return store.multi_get(keys)
+    return [store.get(k) for k in keys]
 
 
 def _checkin_key(group: str, rank: int) -> str:
@@ -340,11 +427,15 @@ def _issued_by_group(progress) -> Optional[List[list]]:
     return [["its group", "", int(progress)]]
 
 
-def _behind_in_groups(issued: Dict[int, List[list]]) -> Tuple[List[int], List[str]]:
+def _behind_in_groups(issued: Dict[int, List[list]],
+                      nested: Optional[Dict[int, Optional[str]]] = None
+                      ) -> Tuple[List[int], List[str]]:
     """The ranks that issued fewer collectives on one of their groups than another member
-    of that group ({rank: its [label, group id, count] triples}), and lines saying so.
+    of that group ({rank: its [label, group id, count] triples}), and lines saying so;
+    not those waiting in a nested watched block (`nested`: {rank: its name, or None}).
     Counts are compared only within a group: two data-parallel groups of different
     pipeline stages issue different numbers of collectives."""
+    nested = nested or {}
     groups: Dict[str, Tuple[str, Dict[int, int]]] = {}
     for rank, counts in issued.items():
         for label, group, n in counts:
@@ -353,7 +444,7 @@ def _behind_in_groups(issued: Dict[int, List[list]]) -> Tuple[List[int], List[st
     for label, got in groups.values():
         most = max(got.values())
         ahead = _ranks_text(sorted(r for r, n in got.items() if n == most))
-        for r in sorted(r for r, n in got.items() if n < most):
+        for r in sorted(r for r, n in got.items() if n < most and not nested.get(r)):
             behind.add(r)
             lines.append(f"  every rank entered it, but rank {r} has issued {got[r]} "
                          f"collectives on {label} and {ahead} {most}: rank {r} did not reach "

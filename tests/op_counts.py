@@ -33,17 +33,21 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into
 
 class CountingStore(dist.Store):
     """A Store that forwards every call to `inner` and counts it by (operation, key kind):
-    the key up to its first '/' or ':' (digits dropped), e.g. 'collective-watchdog'."""
+    the key up to its first '/' or ':' (digits dropped), e.g. 'collective-watchdog'
+    (`counts`: one per key a call names), and by operation (`requests`: one per call, as
+    the store's server sees them: a `multi_get` of 8 keys is one request)."""
 
     def __init__(self, inner) -> None:
         super().__init__()
         self.inner = inner
         self.counts: collections.Counter = collections.Counter()
+        self.requests: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
 
     def _count(self, op: str, keys) -> None:
         keys = [keys] if isinstance(keys, str) else list(keys or [""])
         with self._lock:
+            self.requests[op] += 1
             for key in keys:
                 self.counts[op, key_kind(key)] += 1
 

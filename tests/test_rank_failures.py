@@ -66,9 +66,9 @@ setattr(owner, attr, faulty)
 
 def run_with_fault(tmp_path, module: str, name: str, action: str, args: list, call: int = 1,
                    rank: int = 1, minutes: float = 0.05, timeout: float = 60,
-                   nodes: int = 1) -> tuple:
-    """pretrain_gpt.py under torchrun (2 ranks; with `nodes` 2, one torchrun per rank, as
-    on two machines) with `module.name`'s `call`-th call on `rank` replaced by `action`
+                   nodes: int = 1, world: int = 2) -> tuple:
+    """pretrain_gpt.py under torchrun (`world` ranks; with `nodes` 2, half on each, as on
+    two machines) with `module.name`'s `call`-th call on `rank` replaced by `action`
     (sleep, raise, kill) and the collective timeout shortened to `minutes`. (output of
     each torchrun, {rank: exit status}, seconds until the last torchrun ended)."""
     status_dir = tmp_path / "status"
@@ -79,7 +79,7 @@ def run_with_fault(tmp_path, module: str, name: str, action: str, args: list, ca
         action=action, status_dir=str(status_dir), script=str(ROOT / "pretrain_gpt.py")))
     port = free_port()
     cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
-             "--node-rank", str(node), "--nproc-per-node", str(2 // nodes), "--master-addr",
+             "--node-rank", str(node), "--nproc-per-node", str(world // nodes), "--master-addr",
              "127.0.0.1", "--master-port", str(port), str(wrapper), *MODEL, *args]
             for node in range(nodes)]
     env = cpu_env(PYTHONUNBUFFERED="1")
@@ -321,6 +321,28 @@ def test_a_rank_stuck_before_the_overlapped_parameter_all_gather_is_named(tmp_pa
                      r"--overlap-param-gather\) did not complete within 3 s at iteration 2; "
                      r"ranks that did not arrive: \[1\]", log), log[-4000:]
     _assert_rank_1_shown_and_all_ended(log, statuses, seconds)
+
+
+@pytest.mark.slow
+def test_at_tp_2_the_rank_upstream_of_the_overlapped_parameter_all_gather_is_named(tmp_path):
+    """tp2 dp2 (4 ranks), the same stop on rank 3. Its data-parallel partner, rank 1,
+    waits for the all-gather in its next forward, a block nested in the forward's (over
+    the tensor-parallel group (0, 1)), so rank 1 has issued one tensor-parallel collective
+    fewer than rank 0: the forward's overrun named rank 1. Now a rank behind that waits
+    in a nested watched block is left to that block's overrun: every report names rank 3."""
+    log, statuses, seconds = run_with_fault(
+        tmp_path, "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer._start_param_gather", "sleep",
+        ["--use-distributed-optimizer", "--overlap-param-gather", "--log-interval", "100",
+         "--train-iters", "20", "--tensor-model-parallel-size", "2"], call=2, rank=3, world=4)
+    named = re.findall(r"ranks that did not arrive: \[([\d, ]*)\]", log)
+    assert named and set(named) == {"3"}, log[-6000:]
+    # the ranks the report does not name wait for rank 3 to say where it is
+    stuck = log[log.index("rank 3's main thread is here"):]
+    assert "time.sleep(300)" in stuck.split("\n\n")[0], log[-4000:]
+    assert statuses and set(statuses.values()) == {EXIT_CODE}, statuses
+    assert seconds < 45
+    assert not re.search(r'File ".*(/megatron/|pretrain_gpt)', log), log[-4000:]
 
 
 # --------------------------------------------------------------------------- a rank stops

@@ -262,3 +262,42 @@ def test_a_rank_behind_in_a_block_over_the_world_is_found_in_o_n_store_reads():
         assert len(fired) == world, fired
         assert all(f"ranks that did not arrive: [{world - 1}]" in m.splitlines()[0] for m in fired)
         assert reads <= 12 * world, (world, reads)
+
+
+def _staggered_overrun(world: int, late_s: float):
+    """Rank 0 enters 'optimizer step' (over the world, progress: 42 collectives) at once,
+    ranks 1.. of `world` `late_s` later (the last with 41: behind), all with a 1-s timeout;
+    rank 0's deadline passes first: it reads the others' check-ins and waits for their
+    counts, which come once their own deadlines pass. Returns (the reports, each rank's
+    store requests by operation)."""
+    inner = dist.HashStore()
+    stores = [CountingStore(inner) for _ in range(world)]
+    fired = []
+    wds = [CollectiveWatchdog(stores[r], r, world, 1.0, poll_s=10.0, on_timeout=fired.append)
+           for r in range(world)]
+    with contextlib.ExitStack() as blocks:
+        for r, wd in enumerate(wds):
+            if r == 1:
+                time.sleep(late_s)
+            issued = 41 if r == world - 1 else 42
+            blocks.enter_context(wd.watch("optimizer step", progress=lambda n=issued: n))
+        time.sleep(2.5)
+    for wd in wds:
+        wd.close()
+    return fired, [s.requests for s in stores]
+
+
+def test_the_reporting_rank_polls_the_late_counts_with_one_request_per_look():
+    """While the reporting member waited for the other members' collective counts, it
+    looked for each missing one's key, one request per key, every 0.05 s, and it read
+    each member's check-ins with two requests: with 7 members half a second late, 93
+    requests from one rank to the job's one store server (at thousands of ranks,
+    thousands per look). Now one `check` of all the missing keys per look, looks less and
+    less often, and one `multi_get` once they are all there; the check-ins likewise."""
+    world = 8
+    fired, requests = _staggered_overrun(world, late_s=0.5)
+    assert len(fired) == world, fired
+    assert all(f"ranks that did not arrive: [{world - 1}]" in m.splitlines()[0] for m in fired)
+    # rank 0, whose deadline passed half a second before the others', reported
+    reads = [sum(n for op, n in requests[r].items() if op in READS) for r in range(world)]
+    assert max(reads) <= 15, requests

@@ -23,6 +23,7 @@ from megatron.train_step import _action_watch
 from megatron.watchdog import (
     ABORT_KEY,
     EXIT_CODE,
+    FIRED_KEY,
     CollectiveWatchdog,
     NullWatchdog,
     build_watchdog,
@@ -177,6 +178,7 @@ def test_a_fired_watchdog_stops_the_other_ranks():
         "[watchdog rank 2] stopping during the evaluation at iteration 5, in no watched "
         "collective, because another rank's watchdog fired:\n  [watchdog rank 0] collective "
         "barrier did not complete within 0.3 s; ranks that did not arrive: [1, 2]\n"
+        "  it names this rank: the others wait for it\n"
         "  rank 2's main thread is here (innermost last):"), fired[0]
     assert "time.sleep(1.0)" in fired[0]  # this test's own line: where the main thread is
 
@@ -327,6 +329,37 @@ def test_a_rank_stuck_between_two_collectives_of_a_block_is_named():
     assert "rank 1's main thread is here" in fired[1]
 
 
+def test_a_rank_behind_because_it_waits_in_a_nested_watched_block_is_not_named():
+    """tp2 dp2, --overlap-param-gather: rank 3 stops before it launches its parameter
+    all-gather; its data-parallel partner, rank 1, waits for that all-gather in its next
+    forward (a watched block over (1, 3) nested in the forward's, over the tensor-parallel
+    group (0, 1)), so rank 1 has issued one tensor-parallel collective fewer than rank 0.
+    The forward's overrun named rank 1, which was only waiting for rank 3. Now a member
+    behind that waits in a nested watched block is left to that block's overrun: it names
+    rank 3, and rank 0 stops on that report."""
+    store = dist.HashStore()
+    fired = {}
+    wds = {r: CollectiveWatchdog(store, r, 4, 0.5, poll_s=0.2,
+                                 on_timeout=lambda m, r=r: fired.setdefault(r, m))
+           for r in (0, 1)}
+    issued = {0: 42, 1: 41}
+    with contextlib.ExitStack() as blocks:
+        for r, wd in wds.items():
+            blocks.enter_context(wd.watch("micro-batch 0 forward", ranks=[0, 1],
+                                          progress=lambda r=r: issued[r]))
+        time.sleep(0.3)  # rank 1's pre-hook waits for the all-gather rank 3 never launched
+        blocks.enter_context(wds[1].watch("parameter all-gather wait", ranks=[1, 3]))
+        time.sleep(2.0)
+    for wd in wds.values():
+        wd.close()
+    assert sorted(fired) == [0, 1], fired
+    assert fired[1].startswith("[watchdog rank 1] collective parameter all-gather wait did "
+                               "not complete within 0.5 s; ranks that did not arrive: [3]"), \
+        fired[1]
+    assert "ranks that did not arrive: [3]" in fired[0], fired[0]
+    assert "arrive: [1]" not in fired[0] + fired[1]
+
+
 def test_a_block_where_every_rank_computes_is_given_more_time():
     """Equal counts past the deadline: both ranks are computing (compiling the layers on
     the first micro-batch can outlast the timeout), nothing fires; once rank 0 issues a
@@ -337,6 +370,55 @@ def test_a_block_where_every_rank_computes_is_given_more_time():
     assert sorted(fired) == [0, 1]
     for r in (0, 1):
         assert "ranks that did not arrive: [1]" in fired[r].splitlines()[0]
+
+
+class _KeyLog:
+    """A HashStore that remembers every key written to it (set, add, multi_set)."""
+
+    def __init__(self):
+        self._store, self.written = dist.HashStore(), set()
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def set(self, key, value):
+        self.written.add(key)
+        self._store.set(key, value)
+
+    def multi_set(self, keys, values):
+        self.written.update(keys)
+        self._store.multi_set(keys, values)
+
+    def add(self, key, value):
+        self.written.add(key)
+        return self._store.add(key, value)
+
+    def left(self, part):
+        """The keys written that contain `part` and are still in the store."""
+        return sorted(k for k in self.written if part in k and self._store.check([k]))
+
+
+def test_the_keys_of_an_overrun_that_recovers_are_removed():
+    """Three ranks compute past the deadline in three calls of a block (equal collective
+    counts: every overrun ends with more time, none fires). Each overrun left its election
+    count and its verdict in the store for good: a long run with many slow blocks that
+    recover filled the job's store. Now the last member done with an overrun's verdict
+    removes its keys."""
+    store, world = _KeyLog(), 3
+    fired = []
+    wds = [CollectiveWatchdog(store, r, world, 0.3, poll_s=10.0, on_timeout=fired.append)
+           for r in range(world)]
+    for _ in range(3):
+        with contextlib.ExitStack() as blocks:
+            for wd in wds:
+                blocks.enter_context(wd.watch("micro-batch 0 forward", progress=lambda: 7))
+            time.sleep(1.0)
+    for wd in wds:
+        wd.close()
+    assert fired == []
+    overruns = {k.rsplit("/", 1)[0] for k in store.written if "/overrun/" in k}
+    assert len(overruns) >= 3, sorted(store.written)  # at least one per call
+    assert store.left("/overrun/") == []
 
 
 def _all_overrun(issued, world, timeout=0.3, seconds=1.5):
@@ -458,7 +540,32 @@ def test_a_rank_the_report_names_says_where_it_is_from_inside_a_watched_block():
             "another rank's watchdog fired:"), fired
         messages[named] = fired[0]
     assert "rank 1's main thread is here" in messages["[1]"]
-    assert "main thread" not in messages["[0]"]
+    assert "\n  it names this rank: the others wait for it\n" in messages["[1]"]
+    assert "main thread" not in messages["[0]"] and "names this rank" not in messages["[0]"]
+
+
+def test_the_stuck_ranks_own_report_says_the_first_report_names_it():
+    """Rank 1 is stuck inside the optimizer step; rank 0 left it (its all-gather is
+    asynchronous) and rank 0's report, from where it waits next, came first and named
+    rank 1. Rank 1's own overrun finds every member arrived and rank 0 silent: its report
+    said 'ranks that did not arrive: []', as if no rank were to blame. Now it says that
+    the first report names this rank, quotes it, and shows where its main thread is."""
+    store = dist.HashStore()
+    _checked_in(store, 0, 2, "optimizer step", ranks=[0, 1])  # and left it
+    first = ("[watchdog rank 0] collective parameter all-gather wait did not complete "
+             "within 0.3 s; ranks that did not arrive: [1]")
+    store.add(FIRED_KEY, 1)
+    store.set(ABORT_KEY, first)
+    fired = []
+    wd = CollectiveWatchdog(store, 1, 2, 0.3, poll_s=10.0, on_timeout=fired.append)
+    with wd.watch("optimizer step", ranks=[0, 1], progress=lambda: 5):
+        time.sleep(1.5)
+    wd.close()
+    assert len(fired) == 1, fired
+    assert fired[0].startswith(
+        "[watchdog rank 1] collective optimizer step did not complete within 0.3 s; the first "
+        "report names this rank as the one the others wait for:\n  " + first + "\n"
+        "  rank 1's main thread is here"), fired[0]
 
 
 class _LeftWhileLooked(list):
