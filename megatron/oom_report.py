@@ -89,7 +89,7 @@ def out_of_memory_kind(exc: BaseException) -> Optional[str]:
 _PHASES = (  # (file, function, what the rank was doing); {it}: iterations done
     ("megatron/training.py", "build_model", "building the model"),
     ("megatron/core/optimizer/build.py", "build_optimizer", "building the optimizer"),
-    ("megatron/training.py", "_rollback", "rolling back after iteration {it}"),
+    ("megatron/nan_policy.py", "rollback", "rolling back after iteration {it}"),
     ("megatron/trainer_checkpoint.py", "load_trainer_checkpoint", "loading the checkpoint"),
     ("megatron/training.py", "_build_data", "building the data loaders"),
     ("megatron/training.py", "final_evaluation", "the final evaluation at iteration {it}"),

@@ -7,7 +7,6 @@ data-parallel gradient reduction -> optimizer step (may skip) -> lr step.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 import time
@@ -41,8 +40,6 @@ from megatron.interrupt import RunProgress
 from megatron.interval_log import (  # noqa: F401 (progress_line re-exported)
     IntervalStats,
     log_interval,
-    nonfinite_origin_line,
-    nonfinite_origins,
     progress_line,
     to_float,
 )
@@ -55,6 +52,7 @@ from megatron.logging_utils import (
 )
 from megatron.memory_history import MemoryHistory
 from megatron.microbatches import update_micro_batches
+from megatron.nan_policy import check_pending_nan, report_nan, rollback
 from megatron.oom_report import OomReport
 from megatron.profiling import StepProfiler
 from megatron.save_lock import lock_save_dir
@@ -253,64 +251,6 @@ def _exit_checks(tr: Trainer, start_time: float) -> Tuple[float, float]:
     return signal_code, minutes
 
 
-def _report_nan(tr: Trainer, iteration: int, local: Optional[torch.Tensor]) -> str:
-    """Print once (rank 0) which data-parallel replicas produced the non-finite loss, not
-    one line per replica (a collective: every rank calls it at the same point); return
-    the message for all ranks."""
-    line = nonfinite_origin_line(nonfinite_origins(tr, local), iteration)
-    if line is not None and tr.rt.ps.rank == 0:
-        print(line, flush=True)
-    return f"NaN/Inf loss at iteration {iteration}"
-
-
-def _check_pending_nan(tr: Trainer, stats: IntervalStats) -> None:
-    """Policy 'stop': losses are checked at log intervals and before saves (no per-step
-    host sync); a non-finite one stops the run naming its iteration."""
-    for r in stats.records:
-        if not math.isfinite(to_float(r.loss)):
-            msg = _report_nan(tr, r.iteration, r.local_loss)
-            log_interval(tr, stats)
-            raise exit_on_every_rank(  # printed once (rank 0)
-                f"error: {msg}; stopping (--nan-loss-policy stop). Resume from the last "
-                "checkpoint, or use --nan-loss-policy skip|rollback", tr.rt.control_group)
-
-
-# --nan-loss-policy rollback gives up after this many rollbacks in a row that do not get
-# past the iteration where the previous NaN appeared (a divergence, not one bad batch).
-MAX_ROLLBACKS_WITHOUT_PROGRESS = 3
-
-
-def _rollback(tr: Trainer, iteration: int) -> None:
-    """Reload the last checkpoint of --save, when this run saved it or resumed from it
-    (`trainer_checkpoint.rollback_iteration`); keep the data position, so the batches since
-    that checkpoint (the offending one included) are skipped."""
-    target, origin = trainer_checkpoint.rollback_iteration(tr, iteration)
-    furthest, streak = tr.rollback_streak
-    streak = streak + 1 if iteration <= furthest else 1
-    tr.rollback_streak = (max(furthest, iteration), streak)
-    if streak > MAX_ROLLBACKS_WITHOUT_PROGRESS:
-        raise exit_on_every_rank(
-            f"error: NaN/Inf loss at iteration {iteration} again: {streak - 1} rollbacks to "
-            f"the checkpoint at iteration {target} in a row have not got past iteration "
-            f"{max(furthest, iteration)}, so this is not one bad batch. Stopping; lower --lr "
-            "(or raise the warmup), check the data, or resume from an earlier checkpoint",
-            tr.rt.control_group)
-    keep = (tr.state.consumed_train_samples, tr.state.consumed_valid_samples,
-            tr.state.skipped_iters, tr.state.nan_iters)
-    saved = tr.config.checkpoint
-    tr.config.checkpoint = dataclasses.replace(saved, load=saved.save, finetune=False,
-                                               no_load_optim=saved.no_save_optim,
-                                               no_load_rng=saved.no_save_rng)
-    try:
-        trainer_checkpoint.load_trainer_checkpoint(tr)
-    finally:
-        tr.config.checkpoint = saved
-    (tr.state.consumed_train_samples, tr.state.consumed_valid_samples,
-     tr.state.skipped_iters, tr.state.nan_iters) = keep
-    print_rank_0(f" > rolled back from iteration {iteration} to {tr.state.iteration} ({origin}); "
-                 f"continuing at sample {tr.state.consumed_train_samples}")
-
-
 def _after_step(tr: Trainer, stats: IntervalStats, loss, ok: bool, grad_norm) -> bool:
     """Count the step; apply the NaN policy. Returns False when the step was rolled back."""
     cfg, st = tr.config, tr.state
@@ -321,10 +261,10 @@ def _after_step(tr: Trainer, stats: IntervalStats, loss, ok: bool, grad_norm) ->
     policy = cfg.training.nan_loss_policy
     if policy != "stop" and not ok and not math.isfinite(to_float(loss)):
         st.nan_iters += 1
-        msg = _report_nan(tr, st.iteration, tr.last_local_loss)
+        msg = report_nan(tr, st.iteration, tr.last_local_loss)
         print_rank_0(f" > {msg}: optimizer step skipped (--nan-loss-policy {policy})")
         if policy == "rollback":
-            _rollback(tr, st.iteration)
+            rollback(tr, st.iteration)
             stats.roll_back(tr.state.iteration)
             return False
         loss = torch.zeros(()) * float("nan")  # recorded, not averaged, not counted twice
@@ -339,7 +279,7 @@ def _periodic(tr: Trainer, stats: IntervalStats, valid_data) -> bool:
     cfg, st = tr.config, tr.state
     if st.iteration % cfg.logging.log_interval == 0:
         if cfg.training.nan_loss_policy == "stop":
-            _check_pending_nan(tr, stats)
+            check_pending_nan(tr, stats)
         log_interval(tr, stats)
     t = cfg.training
     if t.eval_interval and st.iteration % t.eval_interval == 0 and valid_data is not None:
@@ -357,7 +297,7 @@ def _save(tr: Trainer, stats: IntervalStats, timed: bool = True) -> None:
     """Save a checkpoint. `timed`: Megatron's level-0 `save-checkpoint` timer (barriers
     around it) and its timer block, as for the saves inside the loop."""
     if tr.config.training.nan_loss_policy == "stop":
-        _check_pending_nan(tr, stats)  # never checkpoint weights a NaN step produced
+        check_pending_nan(tr, stats)  # never checkpoint weights a NaN step produced
     with tr.progress.stage("saving"):
         if not timed:
             trainer_checkpoint.save_trainer_checkpoint(tr)
@@ -374,7 +314,7 @@ def _close_interval(tr: Trainer, stats: IntervalStats) -> None:
     TensorBoard without an iteration line (Megatron prints one only every
     --log-interval iterations)."""
     if tr.config.training.nan_loss_policy == "stop":
-        _check_pending_nan(tr, stats)
+        check_pending_nan(tr, stats)
     if stats.records:
         log_interval(tr, stats, print_line=False)
 

@@ -1,0 +1,89 @@
+"""--nan-loss-policy: what the training loop does with a non-finite loss. `stop` (the
+default) checks the losses at log intervals and before saves (no host sync per step) and
+ends the run on every rank, printed once; `rollback` reloads the last checkpoint of --save
+and skips the batches since it, giving up after MAX_ROLLBACKS_WITHOUT_PROGRESS rollbacks
+in a row that do not get further; either way rank 0 names the data-parallel replicas
+whose own loss was non-finite in one line (`report_nan`). `skip` is the loop's: the step
+is not applied."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from megatron import trainer_checkpoint
+from megatron.agreed_exit import exit_on_every_rank
+from megatron.interval_log import (
+    IntervalStats,
+    log_interval,
+    nonfinite_origin_line,
+    nonfinite_origins,
+    to_float,
+)
+from megatron.logging_utils import print_rank_0
+
+if TYPE_CHECKING:
+    from megatron.training import Trainer
+
+
+def report_nan(tr: Trainer, iteration: int, local: Optional[torch.Tensor]) -> str:
+    """Print once (rank 0) which data-parallel replicas produced the non-finite loss, not
+    one line per replica (a collective: every rank calls it at the same point); return
+    the message for all ranks."""
+    line = nonfinite_origin_line(nonfinite_origins(tr, local), iteration)
+    if line is not None and tr.rt.ps.rank == 0:
+        print(line, flush=True)
+    return f"NaN/Inf loss at iteration {iteration}"
+
+
+def check_pending_nan(tr: Trainer, stats: IntervalStats) -> None:
+    """Policy 'stop': losses are checked at log intervals and before saves (no per-step
+    host sync); a non-finite one stops the run naming its iteration."""
+    for r in stats.records:
+        if not math.isfinite(to_float(r.loss)):
+            msg = report_nan(tr, r.iteration, r.local_loss)
+            log_interval(tr, stats)
+            raise exit_on_every_rank(  # printed once (rank 0)
+                f"error: {msg}; stopping (--nan-loss-policy stop). Resume from the last "
+                "checkpoint, or use --nan-loss-policy skip|rollback", tr.rt.control_group)
+
+
+# --nan-loss-policy rollback gives up after this many rollbacks in a row that do not get
+# past the iteration where the previous NaN appeared (a divergence, not one bad batch).
+MAX_ROLLBACKS_WITHOUT_PROGRESS = 3
+
+
+def rollback(tr: Trainer, iteration: int) -> None:
+    """Reload the last checkpoint of --save, when this run saved it or resumed from it
+    (`trainer_checkpoint.rollback_iteration`); keep the data position, so the batches since
+    that checkpoint (the offending one included) are skipped."""
+    target, origin = trainer_checkpoint.rollback_iteration(tr, iteration)
+    furthest, streak = tr.rollback_streak
+    streak = streak + 1 if iteration <= furthest else 1
+    tr.rollback_streak = (max(furthest, iteration), streak)
+    if streak > MAX_ROLLBACKS_WITHOUT_PROGRESS:
+        raise exit_on_every_rank(
+            f"error: NaN/Inf loss at iteration {iteration} again: {streak - 1} rollbacks to "
+            f"the checkpoint at iteration {target} in a row have not got past iteration "
+            f"{max(furthest, iteration)}, so this is not one bad batch. Stopping; lower --lr "
+            "(or raise the warmup), check the data, or resume from an earlier checkpoint",
+            tr.rt.control_group)
+    keep = (tr.state.consumed_train_samples, tr.state.consumed_valid_samples,
+            tr.state.skipped_iters, tr.state.nan_iters)
+    saved = tr.config.checkpoint
+    tr.config.checkpoint = dataclasses.replace(saved, load=saved.save, finetune=False,
+                                               no_load_optim=saved.no_save_optim,
+                                               no_load_rng=saved.no_save_rng)
+    try:
+        trainer_checkpoint.load_trainer_checkpoint(tr)
+    finally:
+        tr.config.checkpoint = saved
+    (tr.state.consumed_train_samples, tr.state.consumed_valid_samples,
+     tr.state.skipped_iters, tr.state.nan_iters) = keep
+    print_rank_0(f" > rolled back from iteration {iteration} to {tr.state.iteration} ({origin}); "
+                 f"continuing at sample {tr.state.consumed_train_samples}")
+
+
+__all__ = ["MAX_ROLLBACKS_WITHOUT_PROGRESS", "check_pending_nan", "report_nan", "rollback"]
