@@ -334,3 +334,16 @@ def test_host_report_names_the_limit_below_the_hosts_memory(tmp_path, monkeypatc
     text = oom_report.format_report(cfg, _fake_rt("cpu").ps, torch.device("cpu"), exc, "host",
                                     "iteration 1 (forward)")
     assert "cgroup memory limit 3.00 GiB" in text and "(this process's limit: 3.00 GiB)" in text
+
+
+def test_every_phase_in_the_tables_names_a_function_that_exists():
+    """The phase comes from (file, function) pairs: one that a refactor moved or renamed
+    would never match again and the report would say 'the training loop' instead."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    for where, name, _ in oom_report._PHASES + oom_report._STEP_PARTS:
+        files = sorted((root / where).rglob("*.py")) if where.endswith("/") else [root / where]
+        defined = {node.name for f in files for node in ast.walk(ast.parse(f.read_text()))
+                   if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        assert name in defined, f"{where}: no function {name} (oom_report's phase tables)"
