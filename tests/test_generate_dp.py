@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 
 import pytest
 
 from tests.dist_utils import run_distributed
-from tests.test_generate_tp import ckpt_tp1  # noqa: F401
+from tests.test_generate_tp import ckpt_tp1, two_rank_server  # noqa: F401
 from tools import generate
+from tools import run_text_generation_server as server_mod
 from tools.generate_tp import check_generation_layout, replica_block
 
 
@@ -124,3 +126,41 @@ def test_a_replica_waits_for_a_slower_one_past_the_group_timeout(ckpt_tp1, tmp_p
     alone = _cli(0, 1, ckpt_tp1, ("--prompt-file", str(prompts), "--greedy",
                                   "--max-new-tokens", "4"))
     assert out == [alone, ""] and len(alone.splitlines()) == 3
+
+
+# -------------------------------------------------------------------------- server
+def _serve_dp2_worker(rank, world_size, ckpt, port, pid_dir):
+    """A server rank at tp 1 x dp 2 (as tests/test_generate_tp.py's _serve_worker); its
+    stdout goes to pid_dir/log<R>, a mark per request it ran to pid_dir/ran<R>."""
+    from tools.text_generation_api import run_request
+
+    def counted(engine, req):
+        with open(os.path.join(pid_dir, f"ran{rank}"), "a") as f:
+            f.write("1")
+        return run_request(engine, req)
+
+    with open(os.path.join(pid_dir, f"rank{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    server_mod.run_request, server_mod.HEARTBEAT_S = counted, 0.2
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
+    with open(os.path.join(pid_dir, f"log{rank}"), "w") as log:
+        with contextlib.redirect_stdout(log):
+            return server_mod.main(["--load", ckpt, "--port", str(port)], environ=env)
+
+
+def test_server_at_dp2_serves_from_replica_0(ckpt_tp1, tmp_path):  # noqa: F811
+    from tools.text_generation_api import parse_request, run_request
+    from tools.text_generation_cli import put
+
+    body = {"prompts": ["5 6 7", "9 8 7 6 5"], "tokens_to_generate": 8,
+            "temperature": 1.5, "random_seed": 3}
+    with two_rank_server(_serve_dp2_worker, ckpt_tp1, tmp_path) as url:
+        status, text = put(url, body, timeout=60)
+    assert status == 200, text
+    a, ns, explicit = server_mod.parse_args(["--load", ckpt_tp1])
+    engine, _ = server_mod.build_engine(a, ns, explicit, environ={})
+    assert json.loads(text)["text"] == run_request(engine, parse_request(body))["text"]
+    assert not (tmp_path / "ran1").exists()  # replica 1 ran nothing
+    assert len((tmp_path / "ran0").read_text()) >= 2  # the readiness probe, then the body
+    log = (tmp_path / "log0").read_text()
+    assert "2 data-parallel replicas" in log and "launch 2 servers of 1 rank(s)" in log
