@@ -536,11 +536,12 @@ def build_server(engine: Engine, host: str, port: int, log: Callable[[str], None
 def _idle_replicas_note(ps) -> str:
     """The start-up line of a world with data-parallel replicas: all but rank 0's idle."""
     n, size = ps.dp_size, ps.tp_size * ps.pp_size
-    return (f"note: world size {ps.world_size} holds {n} data-parallel replicas of the "
-            f"{ps.tp_size} x {ps.pp_size} model; requests run one at a time on rank 0's "
-            f"replica and the other {n - 1} wait idle until the server stops. To serve "
-            f"{n} requests at once, launch {n} servers of {size} rank(s) each (torchrun "
-            f"--nproc-per-node {size}, each with its own devices, --master-port and --port)")
+    return (f"note: world size {ps.world_size} holds {n} data-parallel replicas of the model "
+            f"({ps.tp_size} tensor x {ps.pp_size} pipeline ranks each); requests run one at "
+            f"a time on rank 0's replica, and the other replicas wait idle until the server "
+            f"stops. To serve {n} requests at once, launch {n} servers of {size} rank(s) "
+            f"each (torchrun --nproc-per-node {size}, each with its own devices, "
+            "--master-port and --port)")
 
 
 def _interrupt(signum, frame):
