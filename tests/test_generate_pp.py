@@ -214,10 +214,11 @@ def test_layouts_generation_does_not_run(ckpts, capsys):
     check_generation_layout("x", 2, 1, 2)
     check_generation_layout("x", 8, 2, 4)
     check_generation_layout("x", 1, 1, 1, vpp_layers=2)  # no effect at pp 1
-    with pytest.raises(SystemExit, match="world size 4 with --tensor-model-parallel-size 1 x "
-                                         "--pipeline-model-parallel-size 2 = 2: .*no "
-                                         "data-parallel replicas.*--nproc-per-node 2"):
-        check_generation_layout("x", 4, 1, 2)
+    check_generation_layout("x", 4, 1, 2)  # 2 data-parallel replicas
+    with pytest.raises(SystemExit, match="world size 3 with --tensor-model-parallel-size 1 x "
+                                         "--pipeline-model-parallel-size 2 = 2: the world "
+                                         "size must be a multiple of 2.*--nproc-per-node 2"):
+        check_generation_layout("x", 3, 1, 2)
     with pytest.raises(SystemExit, match="--num-layers-per-virtual-pipeline-stage 1: "
                                          "generation runs one model chunk per pipeline stage"):
         check_generation_layout("x", 2, 1, 2, vpp_layers=1)

@@ -6,7 +6,8 @@ one-process greedy text under torchrun-style ranks at tp 2; beam search gives tp
 hypotheses, the same on both ranks, with and without the cache; the server on 2 ranks
 answers as one process (text; log-probs and beam scores within 1e-5; beam and top_p decay
 requests too), and stopping rank 0 ends rank 1; the layouts generation does not run are
-refused by name (pipeline layouts: tests/test_generate_pp.py)."""
+refused by name (pipeline layouts: tests/test_generate_pp.py; data-parallel replicas:
+tests/test_generate_dp.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -319,10 +320,11 @@ def test_layouts_generation_does_not_run(ckpt_tp1):
     """The tp-only layouts (pp > 1: tests/test_generate_pp.py)."""
     check_generation_layout("x", 1, 1, 1)
     check_generation_layout("x", 4, 4, 1)
-    with pytest.raises(SystemExit, match="world size 4 with --tensor-model-parallel-size 2 x "
-                                         "--pipeline-model-parallel-size 1 = 2: .*no "
-                                         "data-parallel replicas"):
-        check_generation_layout("x", 4, 2, 1)
+    check_generation_layout("x", 4, 2, 1)  # 2 data-parallel replicas: tests/test_generate_dp.py
+    with pytest.raises(SystemExit, match="world size 6 with --tensor-model-parallel-size 4 x "
+                                         "--pipeline-model-parallel-size 1 = 4: the world "
+                                         "size must be a multiple of 4"):
+        check_generation_layout("x", 6, 4, 1)
     with pytest.raises(SystemExit, match="world size 1 with --tensor-model-parallel-size 2"):
         generate.main(["--load", ckpt_tp1, "--prompt", "5", "--tensor-model-parallel-size",
                        "2"], environ={})
@@ -339,9 +341,10 @@ def test_layout_mistakes_under_torchrun_print_once(ckpt_tp1, capsys):
                                    "--tensor-model-parallel-size", "2"],
                  "error: world size 2 with --tensor-model-parallel-size 2 x "
                  "--pipeline-model-parallel-size 2 = 4"),
-                (server_mod.main, [], "error: world size 2 with --tensor-model-parallel-size 1"),
-                (generate.main, ["--prompt", "5"],
-                 "error: world size 2 with --tensor-model-parallel-size 1"),
+                (server_mod.main, ["--tensor-model-parallel-size", "4"],
+                 "error: world size 2 with --tensor-model-parallel-size 4"),
+                (generate.main, ["--prompt", "5", "--tensor-model-parallel-size", "4"],
+                 "error: world size 2 with --tensor-model-parallel-size 4"),
                 (generate.main, ["--prompt", "5", "--tensor-model-parallel-size", "2",
                                  "--device", "cpu"],
                  "error: --device cpu: under torchrun each rank uses cuda:LOCAL_RANK")):

@@ -591,7 +591,7 @@ def test_a_follower_survives_a_failed_request(monkeypatch, capsys):
     monkeypatch.setattr(server_mod, "_broadcast", lambda message, group: next(messages))
     monkeypatch.setattr(server_mod, "run_request", run)
     engine = SimpleNamespace(runtime=SimpleNamespace(control_group=None,
-                                                     ps=SimpleNamespace(rank=1)))
+                                                     ps=SimpleNamespace(rank=1, dp_rank=0)))
     assert server_mod.follow_requests(engine) == 2
     assert ran == ["bad", "good"]
     assert "rank 1: the request failed too (OverflowError" in capsys.readouterr().out
@@ -606,7 +606,7 @@ def _follower(monkeypatch, messages, run):
     monkeypatch.setattr(server_mod, "_broadcast", lambda message, group: next(feed)())
     monkeypatch.setattr(server_mod, "run_request", run)
     engine = SimpleNamespace(runtime=SimpleNamespace(control_group=None,
-                                                     ps=SimpleNamespace(rank=1)))
+                                                     ps=SimpleNamespace(rank=1, dp_rank=0)))
     return server_mod.follow_requests(engine)
 
 

@@ -52,7 +52,15 @@ each rank's 1/T tensor-parallel shard of its pipeline stage's layers and loads t
 checkpoint through the training loader, resharded from any saved layout
 (tools/generate_tp.py); the ranks decode in lockstep (the tokens pass the stages in
 order, the last stage's logits reach every rank) with identical full-vocabulary logits
-and rank 0 prints. A world size other than T x P is refused, and so is
+and rank 0 prints. A world size of D x T x P runs D data-parallel replicas of that
+layout (as Megatron-LM accepts any world size): the lines of --prompt-file are split
+over the replicas in contiguous blocks (5 lines over 2: lines 0-2 and 3-4; a replica
+without a line waits), each replica decodes its block as one batch, and rank 0 gathers
+the answers and prints them in the file's order. They are the answers of one replica:
+greedy ids the same, and sampled ids too, since line i draws from --seed + i whichever
+replica runs it (up to the float rounding that batching allows, as for `generate_batch`:
+a batch of other rows may round a logit differently). A single --prompt runs on replica
+0. A world size that is not a multiple of T x P is refused, and so is
 --decode-cuda-graph on at P > 1 (auto runs the eager cached step there).
 """
 from __future__ import annotations
@@ -89,6 +97,7 @@ from tools.generate_prompts import (  # noqa: E402
     file_prompts,
     window_note,
 )
+from tools.generate_tp import Replicas  # noqa: E402
 from tools.sampling_rules import TopP, forbid_after, top_p_at  # noqa: E402
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -407,10 +416,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--tensor-model-parallel-size", type=int, default=1,
                     help="under torchrun: the number of processes (ranks) the model is "
-                         "split over, equal to --nproc-per-node x nodes")
+                         "split over; world size (--nproc-per-node x nodes) = tensor x "
+                         "pipeline size x data-parallel replicas")
     ap.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                     help="under torchrun: the number of pipeline stages the layers are "
-                         "split over (world size = tensor x pipeline size)")
+                         "split over (each further tensor x pipeline size processes are "
+                         "one more data-parallel replica, given its share of the prompts)")
     a = ap.parse_args(argv)
     if a.max_new_tokens < 0 or a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
         ap.error("need --max-new-tokens >= 0, --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
@@ -450,11 +461,12 @@ def _device(name: Optional[str]) -> torch.device:
     return device
 
 
-def _load(a, environ) -> Tuple[torch.nn.Module, object, int, int]:
-    """(model, Config, iteration, rank): the whole model in this process, or under torchrun
-    with --tensor-model-parallel-size T and --pipeline-model-parallel-size P (T x P ==
-    world size) this rank's share (tools/generate_tp.py). SystemExit for a layout
-    generation does not run."""
+def _load(a, environ) -> Tuple[torch.nn.Module, object, int, object]:
+    """(model, Config, iteration, Runtime or None): the whole model in this process, or
+    under torchrun with --tensor-model-parallel-size T and --pipeline-model-parallel-size
+    P (world size = T x P x D, D data-parallel replicas) this rank's share of its
+    replica's model (tools/generate_tp.py). SystemExit for a layout generation does not
+    run."""
     from tools.generate_tp import checked_launch, load_model_tp
 
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
@@ -464,12 +476,11 @@ def _load(a, environ) -> Tuple[torch.nn.Module, object, int, int]:
     if world_size == 1:
         device = _device(a.device)
         dtype = dtype or (None if device.type == "cuda" else torch.float32)
-        return (*load_model(a.load, a.iteration, device, dtype), 0)
+        return (*load_model(a.load, a.iteration, device, dtype), None)
     if dtype is None and not torch.cuda.is_available():
         dtype = torch.float32
-    model, config, iteration, _ = load_model_tp(a.load, tp, rank, local_rank, environ,
-                                                a.iteration, dtype, pp_size=pp)
-    return model, config, iteration, rank
+    return load_model_tp(a.load, tp, rank, local_rank, environ, a.iteration, dtype,
+                         pp_size=pp, dp_size=world_size // (tp * pp))
 
 
 def _early_prompts(a, environ) -> Optional[List[str]]:
@@ -492,7 +503,8 @@ def _early_prompts(a, environ) -> Optional[List[str]]:
 
 def main(argv=None, environ=None) -> int:
     """The command line; under torchrun (RANK / WORLD_SIZE in `environ`, default
-    os.environ) every rank generates in lockstep and rank 0 prints."""
+    os.environ) the ranks of each replica generate in lockstep, the replicas their share
+    of the prompts, and rank 0 prints."""
     from megatron.rank_failure import process_group_closed
 
     a = parse_args(argv)
@@ -505,7 +517,8 @@ def main(argv=None, environ=None) -> int:
 def _run(a, environ, texts: Optional[List[str]]) -> int:
     """main after the command line: load, check the prompts, generate, print."""
     with silent_ranks_wait(environ):  # a load error the ranks agree on: rank 0 prints it
-        model, config, iteration, rank = _load(a, environ)
+        model, config, iteration, rt = _load(a, environ)
+        rank = 0 if rt is None else rt.ps.rank
         tokenizer, why_not = build_tokenizer_from(config.args, a, show=rank == 0)
         # the tokenizer's vocabulary, not the padded one (which depends on the layout);
         # without a tokenizer the checkpoint's padded vocabulary (tp > 1 may pad it further)
@@ -515,22 +528,27 @@ def _run(a, environ, texts: Optional[List[str]]) -> int:
             prompts = all_prompt_ids(a, texts, tokenizer, why_not, vocab)
         except SystemExit as exc:
             raise exit_on_every_rank(str(exc.code)) from None
+    replicas = Replicas(rt)
     eod = None if a.no_stop_at_eod else eod_or_none(tokenizer)
     sampling = dict(greedy=a.greedy, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                     eod=eod, vocab_limit=vocab,
                     decoder=build_decoder(model, a.decode_cuda_graph, not a.no_kv_cache))
     if texts is not None:
-        return _main_file(a, model, iteration, rank, tokenizer, texts, prompts, sampling)
+        return _main_file(a, model, iteration, replicas, tokenizer, texts, prompts, sampling)
     ids = prompts[0]
     note = window_note(len(ids), a.max_new_tokens, config.model.max_position_embeddings)
     if note and rank == 0:
         print(f"note: {note}", file=sys.stderr)
-    gen = torch.Generator().manual_seed(a.seed)
-    new = generate(model, ids, a.max_new_tokens, generator=gen, use_cache=not a.no_kv_cache,
-                   **sampling)
-    text = continuation_text(tokenizer, ids, new) if tokenizer is not None else None
+    mine = {}
+    if replicas.block(1):  # replica 0; the others wait for it
+        gen = torch.Generator().manual_seed(a.seed)
+        mine[0] = generate(model, ids, a.max_new_tokens, generator=gen,
+                           use_cache=not a.no_kv_cache, **sampling)
+    answers = replicas.gather(mine)
     if rank != 0:
         return 0
+    new = answers[0]
+    text = continuation_text(tokenizer, ids, new) if tokenizer is not None else None
     if a.json:
         print(json.dumps({"iteration": iteration, "prompt_ids": ids, "generated_ids": new,
                           "generated_text": text}))
@@ -544,23 +562,32 @@ def _run(a, environ, texts: Optional[List[str]]) -> int:
     return 0
 
 
-def _main_file(a, model, iteration: int, rank: int, tokenizer, texts: List[str],
+def _main_file(a, model, iteration: int, replicas: Replicas, tokenizer, texts: List[str],
                prompts: List[List[int]], sampling: dict) -> int:
     """--prompt-file: every line's prompt, as one batch (one by one with --no-kv-cache);
-    line i draws from --seed + i. Prints one block (--json: one line) per prompt."""
+    line i draws from --seed + i. With data-parallel replicas each generates its block of
+    the lines (tools/generate_tp.py Replicas) and rank 0 gathers the answers. Prints one
+    block (--json: one line) per prompt, in the file's order."""
+    rank = replicas.rank
     for i, ids in enumerate(prompts):
         note = window_note(len(ids), a.max_new_tokens, model.config.max_position_embeddings)
         if note and rank == 0:
             print(f"note: [{i}] {note}", file=sys.stderr)
-    gens = [torch.Generator().manual_seed((a.seed + i) % 2**64) for i in range(len(prompts))]
-    if a.no_kv_cache:
+    block = replicas.block(len(prompts))
+    gens = [torch.Generator().manual_seed((a.seed + i) % 2**64) for i in block]
+    mine = [prompts[i] for i in block]
+    if not mine:  # more replicas than prompts
+        news = []
+    elif a.no_kv_cache:
         news = [generate(model, ids, a.max_new_tokens, generator=g, use_cache=False, **sampling)
-                for ids, g in zip(prompts, gens)]
+                for ids, g in zip(mine, gens)]
     else:
-        news = generate_batch(model, prompts, a.max_new_tokens, generators=gens, **sampling)
+        news = generate_batch(model, mine, a.max_new_tokens, generators=gens, **sampling)
+    answers = replicas.gather(dict(zip(block, news)))
     if rank != 0:
         return 0
-    for i, (ids, new) in enumerate(zip(prompts, news)):
+    for i, ids in enumerate(prompts):
+        new = answers[i]
         text = continuation_text(tokenizer, ids, new) if tokenizer is not None else None
         if a.json:
             print(json.dumps({"index": i, "iteration": iteration, "prompt_ids": ids,

@@ -5,7 +5,7 @@
         --tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 ...
 
 With world size W = T x P > 1 (--tensor-model-parallel-size T, --pipeline-model-parallel-size
-P) every rank builds its share of the model as training builds it for that layout -- the
+P; data-parallel replicas below) every rank builds its share of the model as training builds it for that layout -- the
 1/T tensor-parallel shard of its pipeline stage's layers, one chunk per stage (no virtual
 stages, no standalone embedding stage, no sequence parallelism; gloo on the CPU, NCCL with
 one GPU per rank) -- and loads the checkpoint through the training loader
@@ -26,9 +26,15 @@ tokens identical, fp32 logits within 1e-5; tests/test_generate_pp.py). The CUDA-
 step (--decode-cuda-graph) is one stage's whole forward, so at P > 1 the eager cached step
 runs (`on` is refused, naming why).
 
-Refused, naming the values and the fix: a world size other than T x P (no data-parallel
-replicas), --num-layers-per-virtual-pipeline-stage at P > 1, and a P that does not divide
-the checkpoint's layers.
+A world size W = D x T x P holds D data-parallel replicas of that layout (ranks grouped as
+in training: tensor-parallel ranks adjacent, then replicas, then stages), each loading the
+whole model. The replicas never talk while decoding: generate.py gives each its block of
+the prompts (`replica_block`) and gathers the answers on rank 0 (`Replicas`); the
+server answers from rank 0's replica and the others idle.
+
+Refused, naming the values and the fix: a world size that is not a multiple of T x P,
+--num-layers-per-virtual-pipeline-stage at P > 1, and a P that does not divide the
+checkpoint's layers.
 """
 from __future__ import annotations
 
@@ -39,8 +45,9 @@ if __name__ == "__main__":
 
 import contextlib
 import dataclasses
+import datetime
 import sys
-from typing import Mapping, MutableMapping, Optional, Tuple
+from typing import Any, Dict, Mapping, MutableMapping, Optional, Tuple
 
 import torch
 
@@ -61,8 +68,8 @@ def launch_ranks(environ: Mapping[str, str]) -> Tuple[int, int, int]:
 def check_generation_layout(prog: str, world_size: int, tp_size: int, pp_size: int,
                             vpp_layers: Optional[int] = None) -> None:
     """SystemExit naming the values and the fix unless the layout is one generation runs:
-    world size == tensor-parallel size x pipeline-parallel size (1 x 1 is the one-process
-    path), one model chunk per pipeline stage (at pp > 1 `vpp_layers`, the
+    world size a multiple of tensor-parallel size x pipeline-parallel size (the multiple:
+    data-parallel replicas; 1 x 1 x 1 is the one-process path), one model chunk per pipeline stage (at pp > 1 `vpp_layers`, the
     --num-layers-per-virtual-pipeline-stage given, must be None; at pp 1 it has no effect)."""
     if tp_size < 1 or pp_size < 1:
         raise SystemExit(f"{prog}: error: --tensor-model-parallel-size {tp_size} and "
@@ -73,13 +80,70 @@ def check_generation_layout(prog: str, world_size: int, tp_size: int, pp_size: i
             f"generation runs one model chunk per pipeline stage (a token crosses the "
             f"stages once; interleaving only helps the training schedule). Leave the flag "
             f"out: a checkpoint saved with virtual stages is resharded on load")
-    if world_size != tp_size * pp_size:
+    if world_size % (tp_size * pp_size):
         raise SystemExit(
             f"{prog}: error: world size {world_size} with --tensor-model-parallel-size "
             f"{tp_size} x --pipeline-model-parallel-size {pp_size} = {tp_size * pp_size}: "
-            f"generation needs every process in one copy of the model (no data-parallel "
-            f"replicas); run torchrun --nproc-per-node {tp_size * pp_size} (over all nodes) "
-            f"with these sizes, or sizes whose product is {world_size}")
+            f"the world size must be a multiple of {tp_size * pp_size} (each further "
+            f"{tp_size * pp_size} processes are one more data-parallel replica of the "
+            f"model); run torchrun --nproc-per-node {tp_size * pp_size} (over all nodes), a "
+            f"multiple of it, or sizes whose product divides {world_size}")
+
+
+def replica_block(num_items: int, dp_rank: int, dp_size: int) -> range:
+    """The indices of `num_items` items that data-parallel replica `dp_rank` of `dp_size`
+    takes: contiguous blocks in order, the first num_items % dp_size replicas one item
+    more (5 over 2: [0, 3) and [3, 5); 1 over 2: [0, 1) and nothing)."""
+    base, extra = divmod(num_items, dp_size)
+    start = dp_rank * base + min(dp_rank, extra)
+    return range(start, start + base + (dp_rank < extra))
+
+
+# The replicas' answers meet on rank 0 once every replica is done. A replica may finish its
+# block far sooner than another (its rows end at the end-of-document token, the other's run
+# to --max-new-tokens; a single --prompt leaves all but replica 0 idle), and the wait must
+# not end at the process group's timeout (--distributed-timeout-minutes): the gather has a
+# group of its own with this timeout. A replica that fails ends the job as ever (torchrun;
+# a rank gone breaks the gather at once).
+ANSWERS_WAIT = datetime.timedelta(days=7)
+
+
+class Replicas:
+    """This rank's place among the data-parallel replicas of a generation run: `index` of
+    `count` (0 of 1 in one process or at dp 1), `rank` the global rank. Built by every rank
+    at the same point (at dp > 1 it makes the gloo group over the world, timeout
+    ANSWERS_WAIT, that `gather` uses: collective)."""
+
+    def __init__(self, rt) -> None:
+        self.rank = 0 if rt is None else rt.ps.rank
+        self.index, self.count = (0, 1) if rt is None else (rt.ps.dp_rank, rt.ps.dp_size)
+        # every rank of a replica holds the same answers: its first one sends them
+        self.sends = rt is None or (rt.ps.tp_rank == 0 and rt.ps.pp_rank == 0)
+        self.group = None
+        if self.count > 1:
+            import torch.distributed as dist
+
+            self.group = dist.new_group(backend="gloo", timeout=ANSWERS_WAIT)
+
+    def block(self, num_items: int) -> range:
+        """The indices of `num_items` prompts this replica generates (`replica_block`)."""
+        return replica_block(num_items, self.index, self.count)
+
+    def gather(self, answers: Dict[int, Any]) -> Dict[int, Any]:
+        """The `answers` (prompt index -> answer) of every replica merged on global rank 0,
+        {} on the other ranks; this rank's own at dp 1. A gather of Python objects over
+        `group`: every rank waits here until the last replica is done."""
+        if self.group is None:
+            return dict(answers)
+        import torch.distributed as dist
+
+        parts = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
+        dist.gather_object(dict(answers) if self.sends else {}, parts, dst=0,
+                           group=self.group)
+        merged: Dict[int, Any] = {}
+        for part in parts or ():
+            merged.update(part)
+        return merged
 
 
 def checked_launch(prog: str, environ: Mapping[str, str], tp_size: int, pp_size: int,
@@ -116,17 +180,19 @@ def _padded_vocab(saved: dict, tp_size: int) -> int:
 
 
 def tp_config(saved: dict, load: str, rank: int, tp_size: int,
-              dtype: Optional[torch.dtype], pp_size: int = 1):
-    """The Config of tensor-parallel size `tp_size` and pipeline size `pp_size` (dp 1, one
-    chunk per stage, no standalone embedding stage) for the checkpoint whose stored
-    arguments are `saved`, to be loaded from `load` without optimizer or RNG.
+              dtype: Optional[torch.dtype], pp_size: int = 1, dp_size: int = 1):
+    """The Config of tensor-parallel size `tp_size`, pipeline size `pp_size` and
+    `dp_size` data-parallel replicas (one chunk per stage, no standalone embedding stage)
+    for the checkpoint whose stored arguments are `saved`, to be loaded from `load`
+    without optimizer or RNG.
     config.model has this layout's padded vocabulary; config.args keeps the checkpoint's
     (the ids a prompt may hold when there is no tokenizer)."""
     from megatron.checkpoint_reshard import config_from_args
 
     config = config_from_args(
         saved, tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
-        world_size=tp_size * pp_size, rank=rank, standalone_embedding_stage=False,
+        world_size=tp_size * pp_size * dp_size, data_parallel_size=dp_size,
+        rank=rank, standalone_embedding_stage=False,
         padded_vocab_size=_padded_vocab(saved, tp_size), load=load, no_load_optim=True,
         no_load_rng=True, finetune=False, exit_on_missing_checkpoint=True,
         perform_initialization=False, async_save=False, save=None)
@@ -166,12 +232,14 @@ def _check_stages(saved: dict, pp_size: int) -> None:
 
 def load_model_tp(load: str, tp_size: int, rank: int, local_rank: int,
                   environ: MutableMapping[str, str], iteration: Optional[int] = None,
-                  dtype: Optional[torch.dtype] = None, pp_size: int = 1):
+                  dtype: Optional[torch.dtype] = None, pp_size: int = 1,
+                  dp_size: int = 1):
     """(this rank's model share in eval mode, Config, iteration, Runtime) for
-    tensor-parallel size `tp_size` x pipeline size `pp_size` == the world size: the
-    GPTModel shard at pp 1, else this rank's stage wrapped as a PipelineGPT
-    (megatron/core/models/gpt/pipeline_decode.py), which the decoding code calls as the
-    whole model. Initialises torch.distributed (gloo on the CPU, NCCL with CUDA; a process
+    tensor-parallel size `tp_size` x pipeline size `pp_size` x `dp_size` data-parallel
+    replicas == the world size (each replica a whole copy of the model; `rt.ps.dp_rank`
+    says which this rank is in): the GPTModel shard at pp 1, else this rank's stage
+    wrapped as a PipelineGPT (megatron/core/models/gpt/pipeline_decode.py), which the
+    decoding code calls as the whole model. Initialises torch.distributed (gloo on the CPU, NCCL with CUDA; a process
     group that already exists is used), builds the share as training does
     (`build_model(for_training=False)`) and loads --load's latest checkpoint through the
     training loader, resharded from any saved layout. Collective over the world. The
@@ -183,7 +251,7 @@ def load_model_tp(load: str, tp_size: int, rank: int, local_rank: int,
     from megatron.training import Trainer, build_model
     from megatron.watchdog import build_watchdog
 
-    world_size = tp_size * pp_size
+    world_size = tp_size * pp_size * dp_size
     try:  # before any process group: printed once per node, not once per rank
         saved, iteration = _saved_args(load, iteration)
         _check_stages(saved, pp_size)
@@ -193,7 +261,7 @@ def load_model_tp(load: str, tp_size: int, rank: int, local_rank: int,
         raise exit_before_group(exc, rank, world_size,
                                 {**environ, "LOCAL_RANK": str(local_rank)},
                                 machine=True) from None
-    config = tp_config(saved, load, rank, tp_size, dtype, pp_size)
+    config = tp_config(saved, load, rank, tp_size, dtype, pp_size, dp_size)
     with contextlib.redirect_stdout(sys.stderr):
         rt = initialize_entry_point(config.parallel, str(saved.get("cublas_workspace") or
                                                          "none"),
@@ -216,5 +284,5 @@ def load_model_tp(load: str, tp_size: int, rank: int, local_rank: int,
     return model, config, iteration, rt
 
 
-__all__ = ["check_generation_layout", "checked_launch", "launch_ranks", "load_model_tp",
-           "tp_config"]
+__all__ = ["Replicas", "check_generation_layout", "checked_launch", "launch_ranks",
+           "load_model_tp", "replica_block", "tp_config"]

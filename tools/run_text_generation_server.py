@@ -33,9 +33,17 @@ own second Ctrl-C: rank 0 exits at once with one line, status 130); a rank 0 kil
 outright breaks the other ranks' broadcast, and they exit with one line naming it. A
 request whose collective another rank broke (gone, or stuck past the process group's
 timeout) is answered 500 and stops rank 0 with one line (megatron/rank_failure.py); a
-rank stuck meanwhile ends when the job's store has gone (megatron/watchdog.py). A world size
-other than tp x pp is refused (no data-parallel replicas), and so is --num-layers-per-virtual-pipeline-stage at pp > 1; at pp > 1 the
-cached one-token step runs eagerly (no CUDA graph: the captured step is one stage's).
+rank stuck meanwhile ends when the job's store has gone (megatron/watchdog.py).
+
+A world size of D x tp x pp (`torchrun --nproc-per-node 8 ... --tensor-model-parallel-size
+2`: D = 4) is accepted, as Megatron-LM accepts it, but only rank 0's data-parallel replica
+serves: the other replicas load the model and then wait idle (they take rank 0's
+heartbeat and stop message, so they end with it and the failure handling above holds for
+them), and one start-up line says so. Requests run one at a time whatever the world
+size; to serve D at once launch D servers of tp x pp ranks each (own devices,
+--master-port and --port). A world size that is not a multiple of tp x pp is refused,
+and so is --num-layers-per-virtual-pipeline-stage at pp > 1; at pp > 1 the cached
+one-token step runs eagerly (no CUDA graph: the captured step is one stage's).
 The prompts of a request are generated together as one batch through a key/value cache
 (tools/generate.py generate_batch); on CUDA each one-token step of the batch is one replay
 of a CUDA graph (--decode-cuda-graph auto, the default; captured at the first request of a
@@ -207,7 +215,7 @@ def _load(a, ns, environ):
     if dtype is None and not torch.cuda.is_available():
         dtype = torch.float32
     return load_model_tp(ns.load, tp, rank, local_rank, environ, a.iteration, dtype,
-                         pp_size=pp)
+                         pp_size=pp, dp_size=world_size // (tp * pp))
 
 
 def build_engine(a, ns, explicit: Set[str], environ=None) -> Tuple[Engine, int]:
@@ -276,8 +284,12 @@ def follow_requests(engine: Engine) -> int:
     checks fails alike on every rank (rank 0 answers 400), before any collective; one that
     fails in generation (rank 0 answers 500 and goes on serving) fails here too, and this
     rank goes on following (a rank that left would stop the whole server). Ctrl-C ends it
-    without a traceback (see _FollowerSigint); so does rank 0 leaving after one."""
+    without a traceback (see _FollowerSigint); so does rank 0 leaving after one. A rank of
+    another data-parallel replica than rank 0's takes every message too (the heartbeat
+    keeps it from the process group's timeout, the stop ends it) but runs no request:
+    rank 0's replica serves alone."""
     group, served = control_group(engine), 0
+    idle = engine.runtime.ps.dp_rank != 0
     with _FollowerSigint() as sigint:
         while True:
             try:
@@ -288,7 +300,7 @@ def follow_requests(engine: Engine) -> int:
                 raise
             if kind == _STOP:
                 return served
-            if kind != _REQUEST:
+            if kind != _REQUEST or idle:
                 continue
             served += 1
             sigint.busy = True
@@ -521,6 +533,17 @@ def build_server(engine: Engine, host: str, port: int, log: Callable[[str], None
     return ThreadingHTTPServer((host, port), handler)
 
 
+def _idle_replicas_note(ps) -> str:
+    """The start-up line of a world with data-parallel replicas: all but rank 0's idle."""
+    n, size = ps.dp_size, ps.tp_size * ps.pp_size
+    return (f"note: world size {ps.world_size} holds {n} data-parallel replicas of the model "
+            f"({ps.tp_size} tensor x {ps.pp_size} pipeline ranks each); requests run one at "
+            f"a time on rank 0's replica, and the other replicas wait idle until the server "
+            f"stops. To serve {n} requests at once, launch {n} servers of {size} rank(s) "
+            f"each (torchrun --nproc-per-node {size}, each with its own devices, "
+            "--master-port and --port)")
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -557,6 +580,8 @@ def _serve(a, ns, explicit: Set[str], environ, argv) -> int:
                                     f"over {rt.ps.pp_size} ranks")
     print(f"serving {ns.load} (iteration {iteration}{layout}) at http://{host}:{port}/api "
           "(PUT); Ctrl-C stops", flush=True)
+    if rt is not None and rt.ps.dp_size > 1:
+        print(_idle_replicas_note(rt.ps), flush=True)
     if a.host == LOCAL_ONLY and not any(x == "--host" or x.startswith("--host=")
                                         for x in (argv if argv is not None else sys.argv[1:])):
         print(f"note: listening on {LOCAL_ONLY} only (Megatron-LM listens on 0.0.0.0); pass "

@@ -1,0 +1,166 @@
+"""Data-parallel replicas in text generation (world size = tp x pp x dp). generate.py
+splits a --prompt-file's prompts over the replicas in contiguous blocks and rank 0
+prints the one-process answers in the file's order: greedy and seeded sampled ids equal
+(line i draws from --seed + i whichever replica runs it), with and without the cache,
+for 5 prompts over 2 replicas (3 + 2) and for fewer prompts than replicas; at tp 1 x dp 2
+and tp 2 x dp 2. The server at dp 2 answers from rank 0's replica as one process would,
+the other replica idles, and every rank exits 0 when rank 0 stops."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+
+import pytest
+
+from tests.dist_utils import run_distributed
+from tests.test_generate_tp import ckpt_tp1, two_rank_server  # noqa: F401
+from tools import generate
+from tools import run_text_generation_server as server_mod
+from tools.generate_tp import check_generation_layout, replica_block
+
+
+def test_replica_blocks_cover_the_prompts_in_order():
+    assert [list(replica_block(5, r, 2)) for r in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [list(replica_block(1, r, 3)) for r in range(3)] == [[0], [], []]
+    assert [list(replica_block(7, r, 3)) for r in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert list(replica_block(4, 0, 1)) == [0, 1, 2, 3]
+
+
+def test_world_must_be_a_multiple_of_the_model():
+    check_generation_layout("x", 4, 2, 1)  # 2 replicas
+    check_generation_layout("x", 8, 2, 2)
+    with pytest.raises(SystemExit, match="world size 6 with --tensor-model-parallel-size 2 x "
+                                         "--pipeline-model-parallel-size 2 = 4: the world "
+                                         "size must be a multiple of 4.*--nproc-per-node 4"):
+        check_generation_layout("x", 6, 2, 2)
+
+
+def _runs(tmp_path):
+    five, one = tmp_path / "five.txt", tmp_path / "one.txt"
+    five.write_text("5 6 7\n9\n1 2 3 4 5 6\n8 8\n3 1 4 1 5\n")
+    one.write_text("2 7 1 8\n")
+    tail = ("--max-new-tokens", "6", "--no-stop-at-eod")
+    sampled = ("--temperature", "1.5", "--seed", "3", *tail)
+    return [("--prompt-file", str(five), "--greedy", *tail),
+            ("--prompt-file", str(five), *sampled),
+            ("--prompt-file", str(five), "--no-kv-cache", *sampled),
+            ("--prompt-file", str(one), *sampled),
+            ("--prompt", "5 6 7", *sampled)]
+
+
+def _cli(rank, world_size, ckpt, flags):
+    buf = io.StringIO()
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
+    with contextlib.redirect_stdout(buf):
+        assert generate.main(["--load", ckpt, "--json", *flags], environ=env) == 0
+    return buf.getvalue()
+
+
+def _dp_worker(rank, world_size, ckpt, tp, runs):
+    """Each run's printout on this rank, and the batch sizes this rank decoded."""
+    rows, batch = [], generate.generate_batch
+
+    def counted(model, prompts, *args, **kwargs):
+        rows.append(len(prompts))
+        return batch(model, prompts, *args, **kwargs)
+
+    generate.generate_batch = counted
+    flags = ("--tensor-model-parallel-size", str(tp))
+    return {"out": [_cli(rank, world_size, ckpt, (*flags, *f)) for f in runs], "rows": rows}
+
+
+def _check(results, ckpt, runs):
+    for flags, printed in zip(runs, results[0]["out"]):
+        alone = [json.loads(line) for line in _cli(0, 1, ckpt, flags).splitlines()]
+        assert [json.loads(line) for line in printed.splitlines()] == alone, flags
+    assert all(r["out"] == [""] * len(runs) for r in results[1:])  # rank 0 prints
+    tp = len(results) // 2
+    # 5 prompts: 3 on replica 0, 2 on replica 1 (twice: greedy, sampled); 1 prompt: replica 0
+    assert [r["rows"] for r in results] == [[3, 3, 1]] * tp + [[2, 2]] * tp
+
+
+def test_tp1_dp2_generates_as_one_process(ckpt_tp1, tmp_path):  # noqa: F811
+    runs = _runs(tmp_path)
+    _check(run_distributed(_dp_worker, 2, ckpt_tp1, 1, runs), ckpt_tp1, runs)
+
+
+@pytest.mark.slow
+def test_tp2_dp2_generates_as_one_process(ckpt_tp1, tmp_path):  # noqa: F811
+    runs = _runs(tmp_path)
+    _check(run_distributed(_dp_worker, 4, ckpt_tp1, 2, runs), ckpt_tp1, runs)
+
+
+def _slow_replica_worker(rank, world_size, ckpt, prompt_file):
+    """generate.py at dp 2 in a process group whose timeout (3 s) is shorter than replica
+    1's block takes (6 s more than replica 0's): rank 0 waits for it."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=3))
+    batch = generate.generate_batch
+
+    def slow(model, prompts, *args, **kwargs):
+        if rank == 1:
+            time.sleep(6)
+        return batch(model, prompts, *args, **kwargs)
+
+    generate.generate_batch = slow
+    return _cli(rank, world_size, ckpt, ("--prompt-file", prompt_file, "--greedy",
+                                         "--max-new-tokens", "4"))
+
+
+def test_a_replica_waits_for_a_slower_one_past_the_group_timeout(ckpt_tp1, tmp_path):  # noqa: F811
+    """The answers are gathered in a group of their own (tools/generate_tp.py
+    ANSWERS_WAIT): over the process group, whose timeout is --distributed-timeout-minutes,
+    a replica that finished its block first failed once another replica's block took
+    longer than that."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("5 6 7\n9\n1 2 3\n")
+    out = run_distributed(_slow_replica_worker, 2, ckpt_tp1, str(prompts))
+    alone = _cli(0, 1, ckpt_tp1, ("--prompt-file", str(prompts), "--greedy",
+                                  "--max-new-tokens", "4"))
+    assert out == [alone, ""] and len(alone.splitlines()) == 3
+
+
+# -------------------------------------------------------------------------- server
+def _serve_dp2_worker(rank, world_size, ckpt, port, pid_dir):
+    """A server rank at tp 1 x dp 2 (as tests/test_generate_tp.py's _serve_worker); its
+    stdout goes to pid_dir/log<R>, a mark per request it ran to pid_dir/ran<R>."""
+    from tools.text_generation_api import run_request
+
+    def counted(engine, req):
+        with open(os.path.join(pid_dir, f"ran{rank}"), "a") as f:
+            f.write("1")
+        return run_request(engine, req)
+
+    with open(os.path.join(pid_dir, f"rank{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    server_mod.run_request, server_mod.HEARTBEAT_S = counted, 0.2
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
+    with open(os.path.join(pid_dir, f"log{rank}"), "w") as log:
+        with contextlib.redirect_stdout(log):
+            return server_mod.main(["--load", ckpt, "--port", str(port)], environ=env)
+
+
+def test_server_at_dp2_serves_from_replica_0(ckpt_tp1, tmp_path):  # noqa: F811
+    from tools.text_generation_api import parse_request, run_request
+    from tools.text_generation_cli import put
+
+    body = {"prompts": ["5 6 7", "9 8 7 6 5"], "tokens_to_generate": 8,
+            "temperature": 1.5, "random_seed": 3}
+    with two_rank_server(_serve_dp2_worker, ckpt_tp1, tmp_path) as url:
+        status, text = put(url, body, timeout=60)
+    assert status == 200, text
+    a, ns, explicit = server_mod.parse_args(["--load", ckpt_tp1])
+    engine, _ = server_mod.build_engine(a, ns, explicit, environ={})
+    assert json.loads(text)["text"] == run_request(engine, parse_request(body))["text"]
+    assert not (tmp_path / "ran1").exists()  # replica 1 ran nothing
+    assert len((tmp_path / "ran0").read_text()) >= 2  # the readiness probe, then the body
+    log = (tmp_path / "log0").read_text()
+    assert "2 data-parallel replicas" in log and "launch 2 servers of 1 rank(s)" in log
