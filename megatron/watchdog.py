@@ -126,7 +126,7 @@ from megatron.watchdog_report import (  # noqa: F401 -- re-exported: the watchdo
 )
 
 EXIT_CODE = 124  # as coreutils `timeout`
-POLL_S = 5.0  # how often each rank looks for ABORT_KEY
+POLL_S = 5.0  # how often each rank looks for ABORT_KEY, at most (see CollectiveWatchdog)
 STORE_GRACE_S = 60.0  # after the store failed: time to close the watchdog normally
 
 
@@ -143,7 +143,10 @@ class CollectiveWatchdog(OverrunReports):
             (for tests and embedding); default: print to `stream`, flush, os._exit(EXIT_CODE).
             Also called with the message of a stop another rank's watchdog asked for.
         stream: where the default handler prints (default sys.stderr).
-        poll_s: how often to look for another rank's ABORT_KEY.
+        poll_s: how often to look for another rank's ABORT_KEY (default
+            min(POLL_S, timeout_s / 4): with a timeout of seconds, the other ranks stop
+            within a fraction of it after a report, not POLL_S later; the reporting rank
+            waits `poll_s` + 1 s for them before it exits).
         describe: returns what the run is doing ("at iteration 12"), for the messages.
         publish_s: how often the monitor publishes this rank's new check-ins (default
             min(poll_s, timeout_s / 4): every rank's are in the store soon enough for a
@@ -155,7 +158,7 @@ class CollectiveWatchdog(OverrunReports):
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float, *,
                  on_timeout: Optional[Callable[[str], None]] = None,
-                 stream: Optional[TextIO] = None, poll_s: float = POLL_S,
+                 stream: Optional[TextIO] = None, poll_s: Optional[float] = None,
                  describe: Optional[Callable[[], str]] = None,
                  publish_s: Optional[float] = None, announces: bool = True) -> None:
         if timeout_s <= 0:
@@ -164,7 +167,7 @@ class CollectiveWatchdog(OverrunReports):
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = float(timeout_s)
-        self.poll_s = float(poll_s)
+        self.poll_s = min(POLL_S, self.timeout_s / 4) if poll_s is None else float(poll_s)
         self.publish_s = min(self.poll_s, self.timeout_s / 4) if publish_s is None \
             else float(publish_s)
         self.describe = describe
