@@ -145,8 +145,7 @@ class CollectiveWatchdog(OverrunReports):
         stream: where the default handler prints (default sys.stderr).
         poll_s: how often to look for another rank's ABORT_KEY (default
             min(POLL_S, timeout_s / 4): with a timeout of seconds, the other ranks stop
-            within a fraction of it after a report, not POLL_S later; the reporting rank
-            waits `poll_s` + 1 s for them before it exits).
+            within a fraction of it after a report, not POLL_S later).
         describe: returns what the run is doing ("at iteration 12"), for the messages.
         publish_s: how often the monitor publishes this rank's new check-ins (default
             min(poll_s, timeout_s / 4): every rank's are in the store soon enough for a
@@ -417,13 +416,14 @@ class CollectiveWatchdog(OverrunReports):
 
     def _print_and_exit(self, message: str) -> None:
         """Print the report and end the process with EXIT_CODE. A rank whose own deadline
-        passed first waits `poll_s` + 1 s, so that every other rank sees its ABORT_KEY
-        while the store is up (it may live in this node's launcher, which ends with this
-        process); so does a rank stopping for a report that names others, so that the
-        named ranks print where they are before the launcher, seeing this one exit, ends
-        them. Meanwhile the main thread fails in its collective: its output is silenced
-        (the report is this rank's last word) and an interpreter exit still ends with
-        EXIT_CODE."""
+        passed first waits max(POLL_S, `poll_s`) + 1 s, so that every other rank sees its
+        ABORT_KEY while the store is up (it may live in this node's launcher, which ends
+        with this process), also one whose monitor is busy with its own overrun meanwhile;
+        so does a rank stopping for a report that names others, so that the named ranks
+        print where they are before the launcher, seeing this one exit, ends them (a
+        launcher ends this rank sooner once the others have exited). Meanwhile the main
+        thread fails in its collective: its output is silenced (the report is this rank's
+        last word) and an interpreter exit still ends with EXIT_CODE."""
         stream = self._stream or sys.stderr
         if message:  # "": a rank that does not announce what the others say
             print(message, file=stream, flush=True)
@@ -433,7 +433,7 @@ class CollectiveWatchdog(OverrunReports):
             devnull = os.open(os.devnull, os.O_WRONLY)
             for fd in (1, 2):
                 os.dup2(devnull, fd)
-            time.sleep(self.poll_s + 1)
+            time.sleep(max(POLL_S, self.poll_s) + 1)
         os._exit(EXIT_CODE)
 
 
