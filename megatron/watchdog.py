@@ -126,7 +126,7 @@ from megatron.watchdog_report import (  # noqa: F401 -- re-exported: the watchdo
 )
 
 EXIT_CODE = 124  # as coreutils `timeout`
-POLL_S = 5.0  # how often each rank looks for ABORT_KEY
+POLL_S = 5.0  # how often each rank looks for ABORT_KEY, at most (see CollectiveWatchdog)
 STORE_GRACE_S = 60.0  # after the store failed: time to close the watchdog normally
 
 
@@ -143,7 +143,9 @@ class CollectiveWatchdog(OverrunReports):
             (for tests and embedding); default: print to `stream`, flush, os._exit(EXIT_CODE).
             Also called with the message of a stop another rank's watchdog asked for.
         stream: where the default handler prints (default sys.stderr).
-        poll_s: how often to look for another rank's ABORT_KEY.
+        poll_s: how often to look for another rank's ABORT_KEY (default
+            min(POLL_S, timeout_s / 4): with a timeout of seconds, the other ranks stop
+            within a fraction of it after a report, not POLL_S later).
         describe: returns what the run is doing ("at iteration 12"), for the messages.
         publish_s: how often the monitor publishes this rank's new check-ins (default
             min(poll_s, timeout_s / 4): every rank's are in the store soon enough for a
@@ -155,7 +157,7 @@ class CollectiveWatchdog(OverrunReports):
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float, *,
                  on_timeout: Optional[Callable[[str], None]] = None,
-                 stream: Optional[TextIO] = None, poll_s: float = POLL_S,
+                 stream: Optional[TextIO] = None, poll_s: Optional[float] = None,
                  describe: Optional[Callable[[], str]] = None,
                  publish_s: Optional[float] = None, announces: bool = True) -> None:
         if timeout_s <= 0:
@@ -164,7 +166,7 @@ class CollectiveWatchdog(OverrunReports):
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = float(timeout_s)
-        self.poll_s = float(poll_s)
+        self.poll_s = min(POLL_S, self.timeout_s / 4) if poll_s is None else float(poll_s)
         self.publish_s = min(self.poll_s, self.timeout_s / 4) if publish_s is None \
             else float(publish_s)
         self.describe = describe
@@ -414,13 +416,14 @@ class CollectiveWatchdog(OverrunReports):
 
     def _print_and_exit(self, message: str) -> None:
         """Print the report and end the process with EXIT_CODE. A rank whose own deadline
-        passed first waits `poll_s` + 1 s, so that every other rank sees its ABORT_KEY
-        while the store is up (it may live in this node's launcher, which ends with this
-        process); so does a rank stopping for a report that names others, so that the
-        named ranks print where they are before the launcher, seeing this one exit, ends
-        them. Meanwhile the main thread fails in its collective: its output is silenced
-        (the report is this rank's last word) and an interpreter exit still ends with
-        EXIT_CODE."""
+        passed first waits max(POLL_S, `poll_s`) + 1 s, so that every other rank sees its
+        ABORT_KEY while the store is up (it may live in this node's launcher, which ends
+        with this process), also one whose monitor is busy with its own overrun meanwhile;
+        so does a rank stopping for a report that names others, so that the named ranks
+        print where they are before the launcher, seeing this one exit, ends them (a
+        launcher ends this rank sooner once the others have exited). Meanwhile the main
+        thread fails in its collective: its output is silenced (the report is this rank's
+        last word) and an interpreter exit still ends with EXIT_CODE."""
         stream = self._stream or sys.stderr
         if message:  # "": a rank that does not announce what the others say
             print(message, file=stream, flush=True)
@@ -430,7 +433,7 @@ class CollectiveWatchdog(OverrunReports):
             devnull = os.open(os.devnull, os.O_WRONLY)
             for fd in (1, 2):
                 os.dup2(devnull, fd)
-            time.sleep(self.poll_s + 1)
+            time.sleep(max(POLL_S, self.poll_s) + 1)
         os._exit(EXIT_CODE)
 
 

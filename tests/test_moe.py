@@ -208,6 +208,32 @@ def test_compiled_layers_leave_the_switch_mlp_eager_with_the_same_results():
             assert torch.allclose(grads[name], g, atol=1e-5, rtol=1e-4), (scope, name)
 
 
+DENSE_THEN_SWITCH = """
+import sys
+import torch
+from megatron.core.config import ModelConfig
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.models.gpt.transformer import SwitchMLP
+kw = dict(num_layers=1, hidden_size=16, num_attention_heads=2, padded_vocab_size=32,
+          seq_length=8, max_position_embeddings=8)
+GPTModel(ModelConfig(**kw), device="cpu")(torch.zeros(1, 8, dtype=torch.long))
+print("dense:", "torch._dynamo" in sys.modules)
+GPTModel(ModelConfig(num_experts=2, **kw), device="cpu")
+print("switch:", getattr(SwitchMLP.forward, "_torchdynamo_disable", False))
+"""
+
+
+def test_switch_mlp_is_kept_eager_without_slowing_a_dense_model_start_up():
+    """SwitchMLP.forward is excluded from torch.compile once a switch MLP is built, not when
+    the module is imported: torch.compiler.disable imports torch._dynamo, about a second of
+    the start-up of every process that builds a model (generation, conversion), dense ones
+    included."""
+    out = subprocess.run([sys.executable, "-c", DENSE_THEN_SWITCH], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT, env=cpu_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["dense:", "False", "switch:", "True"], out.stdout
+
+
 # ----------------------------------------------------------------------------- 2. parity
 def _parity_worker(rank, world, tp, pp, model_kw, parallel, iters=3):
     """Train `iters` steps from the single-process model's initial weights."""

@@ -39,7 +39,7 @@ hidden-size: 64
 num-attention-heads: 4
 seq-length: 32
 max-position-embeddings: 32
-micro-batch-size: 2
+micro-batch-size: 4
 global-batch-size: 8
 lr: 1.0e-3
 min-lr: 1.0e-4

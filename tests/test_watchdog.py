@@ -183,6 +183,24 @@ def test_a_fired_watchdog_stops_the_other_ranks():
     assert "time.sleep(1.0)" in fired[0]  # this test's own line: where the main thread is
 
 
+def test_a_short_timeout_stops_the_other_ranks_within_a_fraction_of_it():
+    """The ranks look for another rank's report every min(POLL_S, timeout / 4) seconds:
+    with a timeout of 2 s this rank stops within about 0.5 s of the report, no longer
+    POLL_S (5 s) later; a minutes-long timeout keeps POLL_S."""
+    store = dist.HashStore()
+    assert CollectiveWatchdog(store, 0, 2, 600.0, on_timeout=print).poll_s == 5.0
+    fired = []
+    wd = CollectiveWatchdog(store, 1, 2, 2.0, on_timeout=fired.append)
+    store.set(ABORT_KEY, "[watchdog rank 0] collective x did not complete within 2 s; "
+                         "ranks that did not arrive: [1]")
+    reported = time.monotonic()
+    while not fired and time.monotonic() < reported + 2.0:
+        time.sleep(0.02)
+    wd.close()
+    assert fired and fired[0].startswith("[watchdog rank 1] stopping, in no watched "
+                                         "collective, because another rank's watchdog fired")
+
+
 def test_one_full_report_for_one_hang():
     """Ranks 0 and 2 both wait for rank 1: the first whose deadline passes gives the whole
     report (rank 1's count, its own stack), the other its first line only; a third rank

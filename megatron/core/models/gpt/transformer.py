@@ -200,6 +200,7 @@ class SwitchMLP(nn.Module):
 
     def __init__(self, config: ModelConfig, tp_group=None, device=None, rng_tracker=None):
         super().__init__()
+        _keep_switch_mlp_eager()
         if config.sequence_parallel:
             raise ValueError(
                 f"sequence_parallel=True cannot be used with num_experts={config.num_experts}:"
@@ -230,7 +231,6 @@ class SwitchMLP(nn.Module):
         return self.grouped_dispatch() and grouped_experts.sync_free(weight.device,
                                                                      weight.dtype)
 
-    @torch.compiler.disable
     def forward(self, x_sbh: torch.Tensor):
         s, b, h = x_sbh.shape
         probs_sbe = torch.softmax(self.router(x_sbh), dim=-1)
@@ -276,6 +276,15 @@ class SwitchMLP(nn.Module):
             x_th, expert_t.index_select(0, order_t), fc1_w, fc1_b if biased else None, fc2_w,
             self.experts[0].activation, self.tp_group)
         return out_th, grouped_experts.expert_rows(expert_t, fc2_b) if biased else None
+
+
+def _keep_switch_mlp_eager() -> None:
+    """Mark SwitchMLP.forward as never compiled (torch.compiler.disable), once, when the
+    first switch MLP is built: before any torch.compile can meet one. Not at class
+    definition: torch.compiler.disable imports torch._dynamo, about a second of every
+    process's start-up, dense models included."""
+    if not getattr(SwitchMLP.forward, "_torchdynamo_disable", False):
+        SwitchMLP.forward = torch.compiler.disable(SwitchMLP.forward)
 
 
 class ParallelAttention(nn.Module):
