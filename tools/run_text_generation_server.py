@@ -554,7 +554,7 @@ def main(argv=None, environ=None) -> int:
     from megatron.rank_failure import process_group_closed
 
     a, ns, explicit = parse_args(argv)
-    with process_group_closed("while serving"):
+    with process_group_closed("while serving", os.environ if environ is None else environ):
         return _serve(a, ns, explicit, environ, argv)
 
 
