@@ -145,7 +145,7 @@ def _train(config, ranks: tuple, start: float, progress, watch, tokenizer=None) 
             leave_group = watch.explains(e)
             lost = None if leave_group else stopped_by_peer(
                 e, rank, progress.where(), last_checkpoint_text(config.checkpoint.save),
-                prints=rt.speaks_for_node)
+                prints=rt.speaks_for_node, env=os.environ)
             if lost is not None:  # one line naming the rank that stopped, no traceback
                 leave_group = True
                 raise lost from None

@@ -244,15 +244,23 @@ def peer_failure_message(rank: int, reason: str, where: str, first: Optional[str
     return text + resume
 
 
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def stopped_by_peer(exc: BaseException, rank: int, where: str,
-                    resume: str = "", prints: bool = True) -> Optional[SystemExit]:
+                    resume: str = "", prints: bool = True,
+                    env: Optional[Mapping[str, str]] = None) -> Optional[SystemExit]:
     """For an entry point's `except`: the SystemExit (status 1) carrying
     `peer_failure_message` (ending with `resume`) when `exc` is a collective failing
     because another rank stopped (the process group is broken: do not destroy it) -- the
     line is the same on every rank, so only the first such rank of each host (a count in
     the job's store) carries it, the others' exit has no message; when the store does not
-    answer (it was on the host that was lost), the ranks that `prints`. Else None, after
-    recording `exc` as this rank's own failure for the others (`record_failure`)."""
+    answer (it was on the host that was lost), the ranks that `prints`. A rank leaving
+    the line to another waits for it under a launcher (`env`: the process environment;
+    `wait_for_printing_rank`): exiting at once, it would have the launcher end the rank
+    that prints first. Else None, after recording `exc` as this rank's own failure for
+    the others (`record_failure`)."""
     reason = peer_failure(exc)
     if reason is None:
         what = describe_failure(exc)
@@ -261,12 +269,17 @@ def stopped_by_peer(exc: BaseException, rank: int, where: str,
         return None
     _, count = _report_count(f"stopped by a peer\t{socket.gethostname()}", _default_store())
     if not (prints if count is None else count == 1):
+        if env is not None:
+            from megatron.arguments import wait_for_printing_rank
+
+            wait_for_printing_rank(_world_size(), env)
         return SystemExit(1)
     return SystemExit(peer_failure_message(rank, reason, where, first_failure(), resume))
 
 
 @contextlib.contextmanager
-def process_group_closed(where: str = "during generation") -> Iterator[None]:
+def process_group_closed(where: str = "during generation",
+                         env: Optional[Mapping[str, str]] = None) -> Iterator[None]:
     """Around a torchrun entry point's run (generation, the text server, zero-shot
     evaluation): destroy the default process group the run made (not one its caller had
     made) when the run returns or every rank exits together (an AgreedExit). A gloo group
@@ -275,8 +288,9 @@ def process_group_closed(where: str = "during generation") -> Iterator[None]:
     on 2 CPU cores), and torchrun then reports the run as failed. After another failure,
     where a rank may be gone, the group is left as it is; when that failure is a
     collective another rank broke, one line says so `where` the run was and names that
-    rank (status 1, `stopped_by_peer`), instead of a traceback; this rank's own failure is
-    recorded for the others' lines. The watchdog the run started (`build_watchdog`), if
+    rank (status 1, `stopped_by_peer`; `env`, the process environment, lets a rank that
+    leaves that line to another wait for it under a launcher), instead of a traceback;
+    this rank's own failure is recorded for the others' lines. The watchdog the run started (`build_watchdog`), if
     any, is closed."""
     from megatron.agreed_exit import AgreedExit
     from megatron.watchdog import close_current
@@ -291,7 +305,7 @@ def process_group_closed(where: str = "during generation") -> Iterator[None]:
     except BaseException as exc:
         lost = None
         if made_here and dist.is_initialized():
-            lost = stopped_by_peer(exc, dist.get_rank(), where)
+            lost = stopped_by_peer(exc, dist.get_rank(), where, env=env)
         if lost is not None:
             raise lost from None
         raise

@@ -26,7 +26,8 @@ def main(argv=None) -> int:
     from tasks.zeroshot_gpt.evaluate import main as evaluate_main
 
     rank, world, local_rank = _launcher_env()
-    with process_group_closed("during the zero-shot evaluation"), silent_ranks_wait(os.environ):
+    with process_group_closed("during the zero-shot evaluation", os.environ), \
+            silent_ranks_wait(os.environ):
         evaluate_main(sys.argv[1:] if argv is None else argv, rank, world, local_rank,
                       os.environ)
     return 0

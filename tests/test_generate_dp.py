@@ -164,3 +164,43 @@ def test_server_at_dp2_serves_from_replica_0(ckpt_tp1, tmp_path):  # noqa: F811
     assert len((tmp_path / "ran0").read_text()) >= 2  # the readiness probe, then the body
     log = (tmp_path / "log0").read_text()
     assert "2 data-parallel replicas" in log and "launch 2 servers of 1 rank(s)" in log
+
+
+def _serve_dp2_short_timeout_worker(rank, world_size, ckpt, port, pid_dir):
+    """`_serve_dp2_worker` in a process group whose timeout (3 s) is shorter than the
+    two-prompt request takes on rank 0 (5 s more)."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    # the group's timeout shortened in place (a new group on the same port may meet the
+    # other rank still on the old one's store)
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=3))
+    from tools import text_generation_api
+
+    run = text_generation_api.run_request
+
+    def slow(engine, req):
+        if len(req.prompts) == 2:
+            time.sleep(5)
+        return run(engine, req)
+
+    text_generation_api.run_request = slow  # what _serve_dp2_worker's count calls
+    return _serve_dp2_worker(rank, world_size, ckpt, port, pid_dir)
+
+
+def test_an_idle_replica_outlasts_a_request_longer_than_the_group_timeout(
+        ckpt_tp1, tmp_path):  # noqa: F811
+    """Replica 1 waits for rank 0's next message while replica 0 runs a request; over the
+    process group (timeout --distributed-timeout-minutes) that wait failed once a request
+    took longer, and the idle rank's failure ended the server."""
+    from tools.text_generation_cli import put
+
+    body = {"prompts": ["5 6 7", "9 8 7 6 5"], "tokens_to_generate": 4, "top_k": 1}
+    with two_rank_server(_serve_dp2_short_timeout_worker, ckpt_tp1, tmp_path) as url:
+        status, text = put(url, body, timeout=60)
+        assert status == 200, text
+        status, text = put(url, {"prompts": ["5 6 7"], "tokens_to_generate": 2}, timeout=60)
+        assert status == 200, text
+    assert not (tmp_path / "ran1").exists()

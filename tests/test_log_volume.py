@@ -87,6 +87,28 @@ def test_a_peer_failure_is_one_line_from_the_first_rank_of_each_host(monkeypatch
         "[rank 0] stopped")
 
 
+def test_a_rank_leaving_the_peer_line_to_another_waits_for_it_under_a_launcher(monkeypatch):
+    """The silent ranks exited at once, and the launcher, seeing them fail, ended the rank
+    that was to print (it waits up to a second for the failed rank's record; torchrun
+    looks every 0.1 s): a host whose ranks met the failure could print nothing. They now
+    wait under a launcher, as the ranks leaving an error to another do."""
+    import megatron.arguments
+    from megatron import rank_failure
+
+    gone = RuntimeError("Connection closed by peer [127.0.0.1]:4242")
+    store, waits = dist.HashStore(), []
+    monkeypatch.setattr(rank_failure, "_default_store", lambda: store)
+    monkeypatch.setattr(rank_failure, "first_failure", lambda: None)
+    monkeypatch.setattr(rank_failure, "_world_size", lambda: 4)
+    monkeypatch.setattr(megatron.arguments, "wait_for_printing_rank",
+                        lambda world, env: waits.append((world, dict(env))))
+    env = {"TORCHELASTIC_RUN_ID": "job"}
+    assert str(stopped_by_peer(gone, 1, "at iteration 3", env=env).code).startswith("[rank 1]")
+    assert waits == []  # the rank that prints does not wait
+    assert stopped_by_peer(gone, 0, "at iteration 3", env=env).code == 1
+    assert waits == [(4, env)]
+
+
 def _ps(rank, world_size=8):
     return SimpleNamespace(rank=rank, world_size=world_size, tp_rank=0, tp_size=1, pp_rank=0,
                            pp_size=1, dp_rank=rank, dp_size=world_size)

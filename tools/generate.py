@@ -510,7 +510,7 @@ def main(argv=None, environ=None) -> int:
     a = parse_args(argv)
     environ = os.environ if environ is None else environ
     texts = _early_prompts(a, environ)
-    with process_group_closed():
+    with process_group_closed(env=environ):
         return _run(a, environ, texts)
 
 

@@ -38,8 +38,8 @@ rank stuck meanwhile ends when the job's store has gone (megatron/watchdog.py).
 A world size of D x tp x pp (`torchrun --nproc-per-node 8 ... --tensor-model-parallel-size
 2`: D = 4) is accepted, as Megatron-LM accepts it, but only rank 0's data-parallel replica
 serves: the other replicas load the model and then wait idle (they take rank 0's
-heartbeat and stop message, so they end with it and the failure handling above holds for
-them), and one start-up line says so. Requests run one at a time whatever the world
+messages, on a gloo group whose timeout outlasts any request, and its stop, so they end
+with it and the failure handling above holds for them), and one start-up line says so. Requests run one at a time whatever the world
 size; to serve D at once launch D servers of tp x pp ranks each (own devices,
 --master-port and --port). A world size that is not a multiple of tp x pp is refused,
 and so is --num-layers-per-virtual-pipeline-stage at pp > 1; at pp > 1 the cached
@@ -242,6 +242,12 @@ def build_engine(a, ns, explicit: Set[str], environ=None) -> Tuple[Engine, int]:
                     use_kv_cache=not a.no_kv_cache, runtime=rt,
                     decoder=build_decoder(model, a.decode_cuda_graph, not a.no_kv_cache,
                                           _PROG))
+    if rt is not None and rt.ps.dp_size > 1:
+        from tools.generate_tp import ANSWERS_WAIT
+
+        # an idle replica waits for rank 0's next message while replica 0 runs a request
+        # (no heartbeat then), which may take longer than --distributed-timeout-minutes
+        engine.message_group = dist.new_group(backend="gloo", timeout=ANSWERS_WAIT)
     return engine, iteration
 
 
@@ -258,8 +264,10 @@ def _broadcast(message, group):
 
 def control_group(engine: Engine):
     """The gloo group the request messages travel on: the runtime's CPU group beside
-    NCCL, else the default (gloo) group."""
-    return engine.runtime.control_group
+    NCCL, else the default (gloo) group; with data-parallel replicas a gloo group over the
+    world of its own (`Engine.message_group`), whose timeout outlasts any request."""
+    group = getattr(engine, "message_group", None)
+    return engine.runtime.control_group if group is None else group
 
 
 class _FollowerSigint(SigintHandler):
@@ -285,8 +293,8 @@ def follow_requests(engine: Engine) -> int:
     fails in generation (rank 0 answers 500 and goes on serving) fails here too, and this
     rank goes on following (a rank that left would stop the whole server). Ctrl-C ends it
     without a traceback (see _FollowerSigint); so does rank 0 leaving after one. A rank of
-    another data-parallel replica than rank 0's takes every message too (the heartbeat
-    keeps it from the process group's timeout, the stop ends it) but runs no request:
+    another data-parallel replica than rank 0's takes every message too (on a group whose
+    timeout outlasts any request, `control_group`; the stop ends it) but runs no request:
     rank 0's replica serves alone."""
     group, served = control_group(engine), 0
     idle = engine.runtime.ps.dp_rank != 0
@@ -554,7 +562,7 @@ def main(argv=None, environ=None) -> int:
     from megatron.rank_failure import process_group_closed
 
     a, ns, explicit = parse_args(argv)
-    with process_group_closed("while serving"):
+    with process_group_closed("while serving", os.environ if environ is None else environ):
         return _serve(a, ns, explicit, environ, argv)
 
 

@@ -175,6 +175,7 @@ class Engine:
     use_kv_cache: bool = True  # False (--no-kv-cache): recompute the context per token
     runtime: Any = None  # under torchrun: the tp x pp Runtime (tools/generate_tp.py)
     decoder: Any = None  # a StaticDecoder (--decode-cuda-graph), reused across requests
+    message_group: Any = None  # with data-parallel replicas: the server's message group
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
