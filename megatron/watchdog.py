@@ -44,10 +44,10 @@ several groups counts per group (`issued_collectives_on`: the distributed optimi
 step reduces over all ranks, then all-gathers over the data-parallel group), and a rank
 behind the other members of any of them is named -- unless it waits in a watched block
 nested in this one (at tp > 1, the forward's wait for --overlap-param-gather's
-all-gather, over the data-parallel group): that block began later, so its own overrun
-comes first and names the rank it waits for, and this block gets another `timeout_s`
-(watched blocks wrap the wait for their collective, so such a rank is not the one stuck
-computing). While it reports, the monitor goes on
+all-gather, over the data-parallel group): this block gets another `timeout_s`, and the
+nested block's overrun, which comes due meanwhile (it began later), names the rank it
+waits for (watched blocks wrap the wait for their collective, so such a rank is not the
+one stuck computing). While it reports, the monitor goes on
 publishing this rank's check-ins, and gives up when the block ends meanwhile (it was
 slow, not stuck). A block's check-ins may also be several `points` with their own ranks: the
 pipeline schedule's wait for a batch of transfers checks in once per transfer, with the

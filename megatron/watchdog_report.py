@@ -333,8 +333,8 @@ class OverrunReports:
         except Exception:  # no number here or no store: the plain report
             return [], []
         # a member behind because it waits in a watched block nested in this one is left
-        # to that block's overrun (it comes first: that block began later), which names
-        # the rank it waits for; this block then gets more time
+        # to that block's overrun, which names the rank it waits for: this block gets
+        # more time, and the nested one (it began later) comes due meanwhile
         behind, lines = _behind_in_groups(issued, nested)
         silent = [r for r in members if r not in issued]
         if not silent and not behind:
