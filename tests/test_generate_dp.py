@@ -3,8 +3,8 @@ splits a --prompt-file's prompts over the replicas in contiguous blocks and rank
 prints the one-process answers in the file's order: greedy and seeded sampled ids equal
 (line i draws from --seed + i whichever replica runs it), with and without the cache,
 for 5 prompts over 2 replicas (3 + 2) and for fewer prompts than replicas; at tp 1 x dp 2
-and tp 2 x dp 2. The server at dp 2 answers from rank 0's replica as one process would,
-the other replica idles, and every rank exits 0 when rank 0 stops."""
+and tp 2 x dp 2. The server at dp 2 answers a request that comes while replica 0 is busy
+from replica 1, as one process would, and every rank exits 0 when rank 0 stops."""
 from __future__ import annotations
 
 import contextlib
@@ -129,14 +129,22 @@ def test_a_replica_waits_for_a_slower_one_past_the_group_timeout(ckpt_tp1, tmp_p
 
 
 # -------------------------------------------------------------------------- server
+_SLOW = "9 8 7 6 5"  # a prompt the replicas take 4 s longer to answer
+
+
 def _serve_dp2_worker(rank, world_size, ckpt, port, pid_dir):
     """A server rank at tp 1 x dp 2 (as tests/test_generate_tp.py's _serve_worker); its
-    stdout goes to pid_dir/log<R>, a mark per request it ran to pid_dir/ran<R>."""
+    stdout goes to pid_dir/log<R>, the first prompt of each request it ran, one a line, to
+    pid_dir/ran<R> (before it runs it)."""
+    import time
+
     from tools.text_generation_api import run_request
 
     def counted(engine, req):
         with open(os.path.join(pid_dir, f"ran{rank}"), "a") as f:
-            f.write("1")
+            f.write(req.prompts[0] + "\n")
+        if req.prompts[0] == _SLOW:
+            time.sleep(4)
         return run_request(engine, req)
 
     with open(os.path.join(pid_dir, f"rank{rank}"), "w") as f:
@@ -148,22 +156,46 @@ def _serve_dp2_worker(rank, world_size, ckpt, port, pid_dir):
             return server_mod.main(["--load", ckpt, "--port", str(port)], environ=env)
 
 
-def test_server_at_dp2_serves_from_replica_0(ckpt_tp1, tmp_path):  # noqa: F811
+def test_server_at_dp2_answers_side_by_side(ckpt_tp1, tmp_path):  # noqa: F811
+    """A request arriving while replica 0 runs a slow one is run by replica 1 and answered
+    first; both answers (the second unseeded: its base seed is the server's third draw,
+    after the readiness probe's and the first's) are a one-process server's for the same
+    requests in the same order. Then Ctrl-C on rank 0 ends both ranks with 0."""
+    import threading
+    import time
+
     from tools.text_generation_api import parse_request, run_request
     from tools.text_generation_cli import put
 
-    body = {"prompts": ["5 6 7", "9 8 7 6 5"], "tokens_to_generate": 8,
-            "temperature": 1.5, "random_seed": 3}
+    slow = {"prompts": [_SLOW, "5 6 7"], "tokens_to_generate": 8, "temperature": 1.5}
+    quick = {"prompts": ["3 1 4"], "tokens_to_generate": 6}
+    answers, order = {}, []
+
+    def ask(name, body):
+        answers[name] = put(url, body, timeout=60)
+        order.append(name)
+
     with two_rank_server(_serve_dp2_worker, ckpt_tp1, tmp_path) as url:
-        status, text = put(url, body, timeout=60)
-    assert status == 200, text
+        first = threading.Thread(target=ask, args=("slow", slow))
+        first.start()
+        ran0 = tmp_path / "ran0"
+        while _SLOW not in ran0.read_text():  # replica 0 has taken it
+            time.sleep(0.05)
+        ask("quick", quick)
+        first.join(60)
+    assert order == ["quick", "slow"]
+    assert (tmp_path / "ran0").read_text() == f"1\n{_SLOW}\n"  # the probe, the slow one
+    assert (tmp_path / "ran1").read_text() == "3 1 4\n"
     a, ns, explicit = server_mod.parse_args(["--load", ckpt_tp1])
     engine, _ = server_mod.build_engine(a, ns, explicit, environ={})
-    assert json.loads(text)["text"] == run_request(engine, parse_request(body))["text"]
-    assert not (tmp_path / "ran1").exists()  # replica 1 ran nothing
-    assert len((tmp_path / "ran0").read_text()) >= 2  # the readiness probe, then the body
+    want = [run_request(engine, parse_request(body))
+            for body in ({"prompts": ["1"], "tokens_to_generate": 1}, slow, quick)]
+    for name, w in zip(("slow", "quick"), want[1:]):
+        status, text = answers[name]
+        assert status == 200, text
+        assert json.loads(text)["text"] == w["text"], name
     log = (tmp_path / "log0").read_text()
-    assert "2 data-parallel replicas" in log and "launch 2 servers of 1 rank(s)" in log
+    assert "2 data-parallel replicas" in log and "up to 2 requests run at once" in log
 
 
 def _serve_dp2_short_timeout_worker(rank, world_size, ckpt, port, pid_dir):

@@ -588,7 +588,7 @@ def test_a_follower_survives_a_failed_request(monkeypatch, capsys):
         if req == "bad":
             raise OverflowError("Numerical result out of range")
 
-    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group: next(messages))
+    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group, src=0: next(messages))
     monkeypatch.setattr(server_mod, "run_request", run)
     engine = SimpleNamespace(runtime=SimpleNamespace(control_group=None,
                                                      ps=SimpleNamespace(rank=1, dp_rank=0)))
@@ -603,7 +603,7 @@ def _follower(monkeypatch, messages, run):
     from types import SimpleNamespace
 
     feed = iter(messages)
-    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group: next(feed)())
+    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group, src=0: next(feed)())
     monkeypatch.setattr(server_mod, "run_request", run)
     engine = SimpleNamespace(runtime=SimpleNamespace(control_group=None,
                                                      ps=SimpleNamespace(rank=1, dp_rank=0)))
@@ -681,7 +681,7 @@ def _rank0_stop(monkeypatch, again, after_s):
         def empty(self):
             return True
 
-    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group: sent.append(message))
+    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group, src=0: sent.append(message))
     monkeypatch.setattr(server_mod.os, "_exit", exit_now)
     monkeypatch.setattr(server_mod.InterruptWatch, "FORWARDED_WITHIN_S", 0.2)
     engine = SimpleNamespace(runtime=SimpleNamespace(control_group=None))
@@ -756,7 +756,7 @@ def test_rank0_stops_serving_when_another_rank_broke_a_request(monkeypatch, erro
     def run(engine, req):
         raise error
 
-    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group: sent.append(message))
+    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group, src=0: sent.append(message))
     monkeypatch.setattr(server_mod, "run_request", run)
     lockstep = server_mod.Lockstep(SimpleNamespace(runtime=SimpleNamespace(control_group=None)))
     lockstep.pending = Pending()

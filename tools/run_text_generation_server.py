@@ -103,6 +103,7 @@ from tools.generate import (  # noqa: E402
 from tools.text_generation_api import (  # noqa: E402
     Engine,
     RequestError,
+    fixed_seed,
     parse_request,
     run_request,
 )
@@ -242,12 +243,6 @@ def build_engine(a, ns, explicit: Set[str], environ=None) -> Tuple[Engine, int]:
                     use_kv_cache=not a.no_kv_cache, runtime=rt,
                     decoder=build_decoder(model, a.decode_cuda_graph, not a.no_kv_cache,
                                           _PROG))
-    if rt is not None and rt.ps.dp_size > 1:
-        from tools.generate_tp import ANSWERS_WAIT
-
-        # an idle replica waits for rank 0's next message while replica 0 runs a request
-        # (no heartbeat then), which may take longer than --distributed-timeout-minutes
-        engine.message_group = dist.new_group(backend="gloo", timeout=ANSWERS_WAIT)
     return engine, iteration
 
 
@@ -255,19 +250,17 @@ def build_engine(a, ns, explicit: Set[str], environ=None) -> Tuple[Engine, int]:
 _IDLE, _REQUEST, _STOP = "idle", "request", "stop"
 
 
-def _broadcast(message, group):
-    """`message` from rank 0 to every rank of `group` (gloo); what rank 0 sent."""
+def _broadcast(message, group, src: int = 0):
+    """`message` from global rank `src` to every rank of `group` (gloo); what `src` sent."""
     box = [message]
-    dist.broadcast_object_list(box, src=0, group=group)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
 def control_group(engine: Engine):
-    """The gloo group the request messages travel on: the runtime's CPU group beside
-    NCCL, else the default (gloo) group; with data-parallel replicas a gloo group over the
-    world of its own (`Engine.message_group`), whose timeout outlasts any request."""
-    group = getattr(engine, "message_group", None)
-    return engine.runtime.control_group if group is None else group
+    """The gloo group the request messages travel on at dp 1: the runtime's CPU group
+    beside NCCL, else the default (gloo) group (at dp > 1: ServingGroups)."""
+    return engine.runtime.control_group
 
 
 class _FollowerSigint(SigintHandler):
@@ -286,29 +279,27 @@ class _FollowerSigint(SigintHandler):
             raise KeyboardInterrupt
 
 
-def follow_requests(engine: Engine) -> int:
-    """A rank other than 0: generate each request rank 0 broadcasts, in lockstep with it,
-    until rank 0 broadcasts stop; returns the number of requests. A request that fails its
-    checks fails alike on every rank (rank 0 answers 400), before any collective; one that
-    fails in generation (rank 0 answers 500 and goes on serving) fails here too, and this
-    rank goes on following (a rank that left would stop the whole server). Ctrl-C ends it
-    without a traceback (see _FollowerSigint); so does rank 0 leaving after one. A rank of
-    another data-parallel replica than rank 0's takes every message too (on a group whose
-    timeout outlasts any request, `control_group`; the stop ends it) but runs no request:
-    rank 0's replica serves alone."""
-    group, served = control_group(engine), 0
-    idle = engine.runtime.ps.dp_rank != 0
+def follow_requests(engine: Engine, group=None, src: int = 0) -> int:
+    """A rank other than its replica's leader (global rank `src`; 0 at dp 1): generate each
+    request the leader broadcasts over `group` (default: control_group), in lockstep with
+    it, until the leader broadcasts stop; returns the number of requests. A request that
+    fails its checks fails alike on every rank (rank 0 answers 400), before any collective;
+    one that fails in generation (rank 0 answers 500 and goes on serving) fails here too,
+    and this rank goes on following (a rank that left would stop the whole server). Ctrl-C
+    ends it without a traceback (see _FollowerSigint); so does the leader leaving after
+    one."""
+    group, served = control_group(engine) if group is None else group, 0
     with _FollowerSigint() as sigint:
         while True:
             try:
-                kind, req = _broadcast(None, group)
-            except RuntimeError:  # rank 0 left: after Ctrl-C that is the stop
+                kind, req = _broadcast(None, group, src)
+            except RuntimeError:  # the leader left: after Ctrl-C that is the stop
                 if sigint.received:
                     return served
                 raise
             if kind == _STOP:
                 return served
-            if kind != _REQUEST or idle:
+            if kind != _REQUEST:
                 continue
             served += 1
             sigint.busy = True
@@ -359,17 +350,31 @@ class _StopSignals:
         self._previous = {}
 
 
+class _Lost:
+    """Lockstep.pending's item that ends serving: another replica's failure `exc`."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
 class Lockstep:
     """Rank 0 under torchrun (tp x pp ranks): the HTTP threads `submit` requests; `serve`, on
     the main thread, broadcasts each to the other ranks and runs it (a heartbeat while
     idle), and broadcasts stop when it ends."""
 
-    def __init__(self, engine: Engine, heartbeat_s: Optional[float] = None) -> None:
+    def __init__(self, engine: Engine, heartbeat_s: Optional[float] = None,
+                 group=None) -> None:
         self.engine = engine
         self.heartbeat_s = HEARTBEAT_S if heartbeat_s is None else heartbeat_s
-        self.group = control_group(engine)
+        self.group = control_group(engine) if group is None else group  # rank 0's replica
         self.pending: "queue.Queue" = queue.Queue()
         self.broken = False  # another rank broke a collective: the others cannot be told
+        self.lost: Optional[BaseException] = None  # another replica's failure (`fail`)
+        self.stop_replicas: Callable[[], None] = lambda: None  # the other replicas' stop
+
+    def fail(self, exc: BaseException) -> None:
+        """Stop serving because another replica broke (`serve` raises `exc`); any thread."""
+        self.pending.put((_Lost(exc), None))
 
     def submit(self, req):
         """The response of `req` (an HTTP thread waits here); its exception re-raised."""
@@ -397,6 +402,9 @@ class Lockstep:
                 except queue.Empty:
                     _broadcast((_IDLE, None), self.group)
                     continue
+                if isinstance(req, _Lost):
+                    self.lost = req.exc
+                    raise req.exc
                 _broadcast((_REQUEST, req), self.group)
                 try:
                     done.set_result(run_request(self.engine, req))
@@ -407,7 +415,7 @@ class Lockstep:
         except KeyboardInterrupt:
             pass
         except Exception as exc:
-            self.broken = peer_failure(exc) is not None
+            self.broken = peer_failure(exc) is not None and exc is not self.lost
             raise
         finally:
             with _StopSignals():  # Ctrl-C again: exit at once (server.shutdown takes 0.5 s)
@@ -421,8 +429,150 @@ class Lockstep:
             print(f"note: the other ranks could not be told to stop: {exc}", flush=True)
         server.shutdown()
         server.server_close()
+        self.stop_replicas()
         while not self.pending.empty():
-            self.pending.get()[1].set_exception(RuntimeError("the server is stopping"))
+            done = self.pending.get()[1]
+            if done is not None:
+                done.set_exception(RuntimeError("the server is stopping"))
+
+
+# ------------------------------------------------------------- data-parallel replicas
+class ServingGroups:
+    """Where this rank's request messages travel (tools/generate_tp.py's rank order): its
+    replica's tp x pp ranks (`replica`, from the replica's `leader`, its tp 0 / pp 0 rank)
+    and, on rank 0 and the other replicas' leaders, the pair group [0, leader] of each
+    replica d > 0 (`links[d]`: requests there, answers back). At dp 1 the replica group is
+    control_group and there are no links. The groups are gloo with ANSWERS_WAIT's timeout:
+    a replica waits for its next request, and rank 0 for a replica's answer, as long as it
+    takes (a rank that is gone breaks them at once). Collective: every rank builds them."""
+
+    def __init__(self, engine: Engine) -> None:
+        from tools.generate_tp import ANSWERS_WAIT
+
+        ps = engine.runtime.ps
+        self.leaders = [ps.grid.rank_of(0, d, 0) for d in range(ps.dp_size)]
+        self.leader, self.links = self.leaders[ps.dp_rank], {}
+        self.replica = control_group(engine)
+        if ps.dp_size == 1:
+            return
+        for d in range(ps.dp_size):  # every rank makes every group, in the same order
+            ranks = sorted(ps.grid.rank_of(t, d, p) for t in range(ps.tp_size)
+                           for p in range(ps.pp_size))
+            group = dist.new_group(ranks, backend="gloo", timeout=ANSWERS_WAIT)
+            if d == ps.dp_rank:
+                self.replica = group
+        for d in range(1, ps.dp_size):
+            group = dist.new_group([0, self.leaders[d]], backend="gloo", timeout=ANSWERS_WAIT)
+            if ps.rank in (0, self.leaders[d]):
+                self.links[d] = group
+
+
+def _answer_of(run: Callable[[], dict]) -> Tuple[tuple, Optional[BaseException]]:
+    """(what a replica's leader sends rank 0, the exception that stops it): ("ok",
+    response), or ("error", RequestError?, text, broke) where broke says another rank of
+    the replica broke the request's collective (the replica is out of step)."""
+    try:
+        return ("ok", run()), None
+    except (RequestError, Exception) as exc:
+        broke = peer_failure(exc) is not None
+        text = str(exc) if isinstance(exc, RequestError) else f"{type(exc).__name__}: {exc}"
+        return ("error", isinstance(exc, RequestError), text, broke), exc if broke else None
+
+
+def lead_replica(engine: Engine, groups: ServingGroups) -> int:
+    """The leader of replica d > 0: take each request rank 0 sends over links[d],
+    broadcast it to the replica's other ranks (follow_requests), generate it with them and
+    send rank 0 the answer, until rank 0 sends stop (passed on to the replica); returns
+    the number of requests. Ctrl-C as on a follower (_FollowerSigint). A request another
+    rank of the replica broke is answered, then this rank stops (process_group_closed's
+    line): rank 0 stops serving on that answer."""
+    link, me, served = groups.links[engine.runtime.ps.dp_rank], groups.leader, 0
+    with _FollowerSigint() as sigint:
+        while True:
+            try:
+                kind, req = _broadcast(None, link)
+            except RuntimeError:  # rank 0 left: after Ctrl-C that is the stop
+                if sigint.received:
+                    return served
+                raise
+            _broadcast((kind, req), groups.replica, me)
+            if kind == _STOP:
+                return served
+            served, sigint.busy = served + 1, True
+            try:
+                answer, broke = _answer_of(lambda: run_request(engine, req))
+            except KeyboardInterrupt:  # Ctrl-C mid-request: rank 0 stopped too
+                return served
+            finally:
+                sigint.busy = False
+            _broadcast(answer, link, me)
+            if broke is not None:
+                raise broke
+
+
+class Dispatcher:
+    """Rank 0 at dp > 1: `submit` (an HTTP thread) runs a request on an idle replica,
+    replica 0 (`lockstep`, on the main thread) when it is idle, else the lowest other
+    one (sent over its link; this thread waits for the answer), else waits for one. The
+    request is checked and its unseeded draw made here first (fixed_seed), in arrival
+    order: any replica answers it as a one-replica server would have."""
+
+    def __init__(self, lockstep: Lockstep, groups: ServingGroups) -> None:
+        self.lockstep, self.groups = lockstep, groups
+        self.idle, self.gone = set(range(len(groups.leaders))), set()
+        self.stopping, self.cond, self.seeds = False, threading.Condition(), threading.Lock()
+        lockstep.stop_replicas = self.stop_replicas
+
+    def submit(self, req):
+        with self.seeds:
+            req = fixed_seed(self.lockstep.engine, req)  # RequestError: 400, not dispatched
+        with self.cond:
+            self.cond.wait_for(lambda: self.idle or self.stopping)
+            if self.stopping:
+                raise RuntimeError("the server is stopping")
+            d = min(self.idle)
+            self.idle.remove(d)
+        try:
+            return self.lockstep.submit(req) if d == 0 else self._remote(d, req)
+        finally:
+            with self.cond:
+                self.idle.add(d)
+                self.cond.notify_all()
+
+    def _remote(self, d: int, req):
+        link = self.groups.links[d]
+        try:
+            _broadcast((_REQUEST, req), link)
+            answer = _broadcast(None, link, self.groups.leaders[d])
+        except RuntimeError as exc:  # the leader is gone: stop serving (the job ends)
+            self.gone.add(d)
+            self.lockstep.fail(exc)
+            raise
+        if answer[0] == "ok":
+            return answer[1]
+        _, bad_request, text, broke = answer
+        if bad_request:
+            raise RequestError(text)
+        error = RuntimeError(f"replica {d} (rank {self.groups.leaders[d]}): {text}")
+        if broke:  # its leader stops; so does rank 0
+            self.gone.add(d)
+            self.lockstep.fail(error)
+        raise error
+
+    def stop_replicas(self) -> None:
+        """Once serving ends (main thread): let the other replicas' running requests finish,
+        then tell each leader to stop."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.idle >= set(self.groups.links))
+        for d, link in self.groups.links.items():
+            if d in self.gone:
+                continue
+            try:
+                _broadcast((_STOP, None), link)
+            except RuntimeError as exc:
+                print(f"note: replica {d} could not be told to stop: {exc}", flush=True)
 
 
 # ---------------------------------------------------------------------------------- HTTP
@@ -541,15 +691,11 @@ def build_server(engine: Engine, host: str, port: int, log: Callable[[str], None
     return ThreadingHTTPServer((host, port), handler)
 
 
-def _idle_replicas_note(ps) -> str:
-    """The start-up line of a world with data-parallel replicas: all but rank 0's idle."""
-    n, size = ps.dp_size, ps.tp_size * ps.pp_size
-    return (f"note: world size {ps.world_size} holds {n} data-parallel replicas of the model "
-            f"({ps.tp_size} tensor x {ps.pp_size} pipeline ranks each); requests run one at "
-            f"a time on rank 0's replica, and the other replicas wait idle until the server "
-            f"stops. To serve {n} requests at once, launch {n} servers of {size} rank(s) "
-            f"each (torchrun --nproc-per-node {size}, each with its own devices, "
-            "--master-port and --port)")
+def _replicas_note(ps) -> str:
+    """The start-up line of a world with data-parallel replicas."""
+    return (f"note: world size {ps.world_size} holds {ps.dp_size} data-parallel replicas of "
+            f"the model ({ps.tp_size} tensor x {ps.pp_size} pipeline ranks each): up to "
+            f"{ps.dp_size} requests run at once, one per replica")
 
 
 def _interrupt(signum, frame):
@@ -571,16 +717,23 @@ def _serve(a, ns, explicit: Set[str], environ, argv) -> int:
     with silent_ranks_wait(os.environ if environ is None else environ):  # rank 0 prints
         engine, iteration = build_engine(a, ns, explicit, environ)  # a load error once
     rt = engine.runtime
+    groups = None if rt is None else ServingGroups(engine)
     if rt is not None and rt.ps.rank != 0:
-        follow_requests(engine)
+        if rt.ps.rank == groups.leader:
+            lead_replica(engine, groups)
+        else:
+            follow_requests(engine, groups.replica, groups.leader)
         return 0
-    lockstep = None if rt is None else Lockstep(engine)
+    lockstep = None if rt is None else Lockstep(engine, group=groups.replica)
+    run = None if lockstep is None else lockstep.submit
+    if rt is not None and rt.ps.dp_size > 1:
+        run = Dispatcher(lockstep, groups).submit
     try:
-        server = build_server(engine, a.host, a.port,
-                              run=None if lockstep is None else lockstep.submit)
+        server = build_server(engine, a.host, a.port, run=run)
     except OSError as exc:
         if lockstep is not None:
             lockstep.stop_others()
+            lockstep.stop_replicas()
         raise SystemExit(f"{_PROG}: error: cannot listen on {a.host}:{a.port}: {exc}; pick "
                          "another --port") from None
     host, port = server.server_address[:2]
@@ -589,7 +742,7 @@ def _serve(a, ns, explicit: Set[str], environ, argv) -> int:
     print(f"serving {ns.load} (iteration {iteration}{layout}) at http://{host}:{port}/api "
           "(PUT); Ctrl-C stops", flush=True)
     if rt is not None and rt.ps.dp_size > 1:
-        print(_idle_replicas_note(rt.ps), flush=True)
+        print(_replicas_note(rt.ps), flush=True)
     if a.host == LOCAL_ONLY and not any(x == "--host" or x.startswith("--host=")
                                         for x in (argv if argv is not None else sys.argv[1:])):
         print(f"note: listening on {LOCAL_ONLY} only (Megatron-LM listens on 0.0.0.0); pass "
