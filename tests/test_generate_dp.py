@@ -236,3 +236,46 @@ def test_an_idle_replica_outlasts_a_request_longer_than_the_group_timeout(
         status, text = put(url, {"prompts": ["5 6 7"], "tokens_to_generate": 2}, timeout=60)
         assert status == 200, text
     assert not (tmp_path / "ran1").exists()
+
+
+def _replica_1_dies_worker(rank, world_size, ckpt, port, out_dir):
+    """A tp 1 x dp 2 server whose replica 1 (rank 1) dies once it leads its replica (os._exit:
+    gone at once, as a killed process, without the harness stopping rank 0 for it); rank 0
+    writes how its server ended to out_dir/rank0 (Ctrl-C after 60 s if it still serves)."""
+    import signal
+    import threading
+    import time
+
+    if rank == 1:
+        server_mod.lead_replica = lambda engine, groups: os._exit(0)
+    server_mod.HEARTBEAT_S = 0.2
+    timer = threading.Timer(60, os.kill, (os.getpid(), signal.SIGINT))
+    timer.daemon = True
+    timer.start()
+    start, env = time.monotonic(), {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)}
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            ended = f"returned {server_mod.main(['--load', ckpt, '--port', str(port)], environ=env)}"
+    except SystemExit as exc:
+        ended = f"SystemExit {exc.code}"
+    except BaseException as exc:  # noqa: B036 -- reported to the test
+        ended = f"{type(exc).__name__}: {exc}"
+    timer.cancel()
+    with open(os.path.join(out_dir, "rank0"), "w") as f:
+        f.write(f"{ended}\nafter {time.monotonic() - start:.0f} s")
+    return 0
+
+
+def test_server_at_dp2_ends_when_another_replicas_rank_dies(ckpt_tp1, tmp_path):  # noqa: F811
+    """Rank 0 sends each idle replica its heartbeat too: a replica whose rank dies while no
+    request runs ends the server (one line naming the rank) instead of leaving rank 0
+    serving with a replica it would dispatch the next request to."""
+    from tests.dist_utils import free_port
+
+    with pytest.raises(Exception):  # noqa: B017 -- rank 1 left no result
+        run_distributed(_replica_1_dies_worker, 2, ckpt_tp1, free_port(), str(tmp_path))
+    ended, after = (tmp_path / "rank0").read_text().splitlines()
+    # under torchrun process_group_closed turns this into one line naming rank 1 (here the
+    # test made the process group: megatron/rank_failure.py leaves its failure as it is)
+    assert ended.startswith("RuntimeError") and "Connection closed by peer" in ended, ended
+    assert int(after.split()[1]) < 30

@@ -370,7 +370,9 @@ class Lockstep:
         self.pending: "queue.Queue" = queue.Queue()
         self.broken = False  # another rank broke a collective: the others cannot be told
         self.lost: Optional[BaseException] = None  # another replica's failure (`fail`)
-        self.stop_replicas: Callable[[], None] = lambda: None  # the other replicas' stop
+        # the other replicas (Dispatcher): their heartbeat while idle, their stop
+        self.heartbeat_replicas: Callable[[], None] = lambda: None
+        self.stop_replicas: Callable[[], None] = lambda: None
 
     def fail(self, exc: BaseException) -> None:
         """Stop serving because another replica broke (`serve` raises `exc`); any thread."""
@@ -401,6 +403,7 @@ class Lockstep:
                     req, done = self.pending.get(timeout=self.heartbeat_s)
                 except queue.Empty:
                     _broadcast((_IDLE, None), self.group)
+                    self.heartbeat_replicas()
                     continue
                 if isinstance(req, _Lost):
                     self.lost = req.exc
@@ -498,6 +501,8 @@ def lead_replica(engine: Engine, groups: ServingGroups) -> int:
             _broadcast((kind, req), groups.replica, me)
             if kind == _STOP:
                 return served
+            if kind != _REQUEST:
+                continue
             served, sigint.busy = served + 1, True
             try:
                 answer, broke = _answer_of(lambda: run_request(engine, req))
@@ -522,22 +527,53 @@ class Dispatcher:
         self.idle, self.gone = set(range(len(groups.leaders))), set()
         self.stopping, self.cond, self.seeds = False, threading.Condition(), threading.Lock()
         lockstep.stop_replicas = self.stop_replicas
+        lockstep.heartbeat_replicas = self.heartbeat
+
+    def _take(self, d: Optional[int] = None) -> Optional[int]:
+        """An idle replica, marked busy: `d` if idle (else None), or else the lowest idle
+        one, waiting for one (RuntimeError once stopping)."""
+        with self.cond:
+            if d is not None:
+                if d not in self.idle:
+                    return None
+            else:
+                self.cond.wait_for(lambda: self.idle or self.stopping)
+                if self.stopping:
+                    raise RuntimeError("the server is stopping")
+                d = min(self.idle)
+            self.idle.remove(d)
+            return d
+
+    def _give(self, d: int) -> None:
+        with self.cond:
+            self.idle.add(d)
+            self.cond.notify_all()
+
+    def heartbeat(self) -> None:
+        """(main thread, while replica 0 is idle) an idle message to each idle replica's
+        leader, passed on to its ranks: a replica whose rank is gone is found while no
+        request runs (RuntimeError: serving stops). A busy replica is skipped: its
+        answer, or its broken link, will tell."""
+        for d, link in self.groups.links.items():
+            if self._take(d) is None:
+                continue
+            try:
+                _broadcast((_IDLE, None), link)
+            except RuntimeError as exc:
+                self.gone.add(d)
+                self.lockstep.lost = exc
+                raise
+            finally:
+                self._give(d)
 
     def submit(self, req):
         with self.seeds:
             req = fixed_seed(self.lockstep.engine, req)  # RequestError: 400, not dispatched
-        with self.cond:
-            self.cond.wait_for(lambda: self.idle or self.stopping)
-            if self.stopping:
-                raise RuntimeError("the server is stopping")
-            d = min(self.idle)
-            self.idle.remove(d)
+        d = self._take()
         try:
             return self.lockstep.submit(req) if d == 0 else self._remote(d, req)
         finally:
-            with self.cond:
-                self.idle.add(d)
-                self.cond.notify_all()
+            self._give(d)
 
     def _remote(self, d: int, req):
         link = self.groups.links[d]
