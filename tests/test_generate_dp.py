@@ -160,7 +160,8 @@ def test_server_at_dp2_answers_side_by_side(ckpt_tp1, tmp_path):  # noqa: F811
     """A request arriving while replica 0 runs a slow one is run by replica 1 and answered
     first; both answers (the second unseeded: its base seed is the server's third draw,
     after the readiness probe's and the first's) are a one-process server's for the same
-    requests in the same order. Then Ctrl-C on rank 0 ends both ranks with 0."""
+    requests in the same order. A request that fails its checks is answered 400 by rank 0
+    and run by no replica. Then Ctrl-C on rank 0 ends both ranks with 0."""
     import threading
     import time
 
@@ -183,6 +184,8 @@ def test_server_at_dp2_answers_side_by_side(ckpt_tp1, tmp_path):  # noqa: F811
             time.sleep(0.05)
         ask("quick", quick)
         first.join(60)
+        bad = put(url, {"prompts": ["5 999"]}, timeout=60)  # refused on rank 0: not sent
+    assert bad[0] == 400 and "outside the vocabulary" in bad[1], bad
     assert order == ["quick", "slow"]
     assert (tmp_path / "ran0").read_text() == f"1\n{_SLOW}\n"  # the probe, the slow one
     assert (tmp_path / "ran1").read_text() == "3 1 4\n"
@@ -255,7 +258,8 @@ def _replica_1_dies_worker(rank, world_size, ckpt, port, out_dir):
     start, env = time.monotonic(), {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)}
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            ended = f"returned {server_mod.main(['--load', ckpt, '--port', str(port)], environ=env)}"
+            status = server_mod.main(["--load", ckpt, "--port", str(port)], environ=env)
+        ended = f"returned {status}"
     except SystemExit as exc:
         ended = f"SystemExit {exc.code}"
     except BaseException as exc:  # noqa: B036 -- reported to the test

@@ -681,7 +681,8 @@ def _rank0_stop(monkeypatch, again, after_s):
         def empty(self):
             return True
 
-    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group, src=0: sent.append(message))
+    monkeypatch.setattr(server_mod, "_broadcast",
+                        lambda message, group, src=0: sent.append(message))
     monkeypatch.setattr(server_mod.os, "_exit", exit_now)
     monkeypatch.setattr(server_mod.InterruptWatch, "FORWARDED_WITHIN_S", 0.2)
     engine = SimpleNamespace(runtime=SimpleNamespace(control_group=None))
@@ -756,7 +757,8 @@ def test_rank0_stops_serving_when_another_rank_broke_a_request(monkeypatch, erro
     def run(engine, req):
         raise error
 
-    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group, src=0: sent.append(message))
+    monkeypatch.setattr(server_mod, "_broadcast",
+                        lambda message, group, src=0: sent.append(message))
     monkeypatch.setattr(server_mod, "run_request", run)
     lockstep = server_mod.Lockstep(SimpleNamespace(runtime=SimpleNamespace(control_group=None)))
     lockstep.pending = Pending()

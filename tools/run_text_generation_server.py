@@ -36,14 +36,21 @@ timeout) is answered 500 and stops rank 0 with one line (megatron/rank_failure.p
 rank stuck meanwhile ends when the job's store has gone (megatron/watchdog.py).
 
 A world size of D x tp x pp (`torchrun --nproc-per-node 8 ... --tensor-model-parallel-size
-2`: D = 4) is accepted, as Megatron-LM accepts it, but only rank 0's data-parallel replica
-serves: the other replicas load the model and then wait idle (they take rank 0's
-messages, on a gloo group whose timeout outlasts any request, and its stop, so they end
-with it and the failure handling above holds for them), and one start-up line says so. Requests run one at a time whatever the world
-size; to serve D at once launch D servers of tp x pp ranks each (own devices,
---master-port and --port). A world size that is not a multiple of tp x pp is refused,
-and so is --num-layers-per-virtual-pipeline-stage at pp > 1; at pp > 1 the cached
-one-token step runs eagerly (no CUDA graph: the captured step is one stage's).
+2`: D = 4) holds D data-parallel replicas of the model, which answer up to D requests side
+by side (Megatron-LM accepts the world size and runs one request at a time); one start-up
+line says so. Rank 0 keeps the HTTP threads and checks each request (the 400s above,
+--max-tokens-to-oom) and, for an unseeded one, draws its base seed, in arrival order; then
+the request goes to an idle replica, rank 0's own first (`Dispatcher`), so each answer is
+the one a one-replica server gives for the same requests. Each replica's leader (its tp 0
+/ pp 0 rank) takes its requests from rank 0 over a gloo group of the two, broadcasts each
+to its replica's ranks as rank 0 does to its own, and sends the answer back; these groups
+wait as long as a request takes (tools/generate_tp.py ANSWERS_WAIT: `ServingGroups`).
+While idle, rank 0's heartbeat reaches every idle replica, so a rank that died there ends
+the server as one of rank 0's replica does; a replica whose request broke answers 500 and
+ends it too. When rank 0 stops, the requests other replicas run are finished and
+answered, then every replica is told to stop. A world size that is not a multiple of tp x
+pp is refused, and so is --num-layers-per-virtual-pipeline-stage at pp > 1; at pp > 1 the
+cached one-token step runs eagerly (no CUDA graph: the captured step is one stage's).
 The prompts of a request are generated together as one batch through a key/value cache
 (tools/generate.py generate_batch); on CUDA each one-token step of the batch is one replay
 of a CUDA graph (--decode-cuda-graph auto, the default; captured at the first request of a
@@ -56,7 +63,8 @@ batch of B rows); --no-kv-cache recomputes every beam per token.
 
 The request and response are described in tools/text_generation_api.py (Megatron's PUT /api
 fields: sampling with top_p decay and prevent_newline_after_colon, beam search with
-stop_token and length_penalty). Requests run one at a time; each prints one line to stdout. Bad requests get HTTP
+stop_token and length_penalty). Requests run one at a time (one per data-parallel
+replica); each prints one line to stdout. Bad requests get HTTP
 400 with a plain-text message, other paths 404, other methods on /api 405. (Megatron-LM
 answers most bad requests with HTTP 200 and the message as the body; a client that tells
 success from failure by the status works with both.) A body is at most 16 MiB; a
@@ -358,9 +366,10 @@ class _Lost:
 
 
 class Lockstep:
-    """Rank 0 under torchrun (tp x pp ranks): the HTTP threads `submit` requests; `serve`, on
-    the main thread, broadcasts each to the other ranks and runs it (a heartbeat while
-    idle), and broadcasts stop when it ends."""
+    """Rank 0 under torchrun: the HTTP threads (at dp > 1 the Dispatcher) `submit` requests;
+    `serve`, on the main thread, broadcasts each to the other ranks of rank 0's replica
+    (`group`) and runs it (a heartbeat while idle, to the other replicas too), and
+    broadcasts stop when it ends (then stops the other replicas)."""
 
     def __init__(self, engine: Engine, heartbeat_s: Optional[float] = None,
                  group=None) -> None:
@@ -713,7 +722,7 @@ def build_server(engine: Engine, host: str, port: int, log: Callable[[str], None
                  run: Optional[Callable] = None) -> ThreadingHTTPServer:
     """A bound (not yet serving) HTTP server for `engine`; port 0 takes a free port.
     `run(request)` answers a request (default: run_request holding engine.lock; under
-    tensor parallelism Lockstep.submit)."""
+    torchrun Lockstep.submit, at dp > 1 Dispatcher.submit)."""
     def log_line(text: str) -> None:
         log(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}")
         sys.stdout.flush()
@@ -740,7 +749,8 @@ def _interrupt(signum, frame):
 
 def main(argv=None, environ=None) -> int:
     """The command line; under torchrun (RANK / WORLD_SIZE in `environ`, default
-    os.environ) rank 0 serves and the other ranks follow it (see the module docstring)."""
+    os.environ) rank 0 serves, each other replica's leader takes its requests, and the
+    other ranks follow their replica's leader (see the module docstring)."""
     from megatron.rank_failure import process_group_closed
 
     a, ns, explicit = parse_args(argv)
@@ -749,7 +759,8 @@ def main(argv=None, environ=None) -> int:
 
 
 def _serve(a, ns, explicit: Set[str], environ, argv) -> int:
-    """main after the command line: load, then serve (rank 0) or follow rank 0."""
+    """main after the command line: load, then serve (rank 0), lead a replica or follow
+    its leader."""
     with silent_ranks_wait(os.environ if environ is None else environ):  # rank 0 prints
         engine, iteration = build_engine(a, ns, explicit, environ)  # a load error once
     rt = engine.runtime

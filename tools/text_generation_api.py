@@ -540,6 +540,6 @@ def run_request(engine: Engine, req: GenerationRequest) -> Dict[str, Optional[li
 
 
 __all__ = ["MAX_PROMPTS", "NOT_SUPPORTED", "STOP_TOKEN", "Engine", "GenerationRequest",
-           "RequestError", "batch_token_logprobs", "eol_stop", "fixed_seed", "has_newline_token",
-           "newline_after_colon", "parse_request", "row_generators", "run_request", "token_logprobs",
+           "RequestError", "batch_token_logprobs", "eol_stop", "fixed_seed",
+           "has_newline_token", "newline_after_colon", "parse_request", "row_generators", "run_request", "token_logprobs",
            "token_segments"]
