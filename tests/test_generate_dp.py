@@ -133,7 +133,8 @@ _SLOW = "9 8 7 6 5"  # a prompt the replicas take 4 s longer to answer
 
 
 def _serve_dp2_worker(rank, world_size, ckpt, port, pid_dir):
-    """A server rank at tp 1 x dp 2 (as tests/test_generate_tp.py's _serve_worker); its
+    """A server rank at tp (world size / 2) x dp 2 (as tests/test_generate_tp.py's
+    _serve_worker); its
     stdout goes to pid_dir/log<R>, the first prompt of each request it ran, one a line, to
     pid_dir/ran<R> (before it runs it)."""
     import time
@@ -153,10 +154,13 @@ def _serve_dp2_worker(rank, world_size, ckpt, port, pid_dir):
     env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
     with open(os.path.join(pid_dir, f"log{rank}"), "w") as log:
         with contextlib.redirect_stdout(log):
-            return server_mod.main(["--load", ckpt, "--port", str(port)], environ=env)
+            return server_mod.main(["--load", ckpt, "--port", str(port),
+                                    "--tensor-model-parallel-size", str(world_size // 2)],
+                                   environ=env)
 
 
-def test_server_at_dp2_answers_side_by_side(ckpt_tp1, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_server_at_dp2_answers_side_by_side(ckpt_tp1, tmp_path, tp):  # noqa: F811
     """A request arriving while replica 0 runs a slow one is run by replica 1 and answered
     first; both answers (the second unseeded: its base seed is the server's third draw,
     after the readiness probe's and the first's) are a one-process server's for the same
@@ -176,7 +180,7 @@ def test_server_at_dp2_answers_side_by_side(ckpt_tp1, tmp_path):  # noqa: F811
         answers[name] = put(url, body, timeout=60)
         order.append(name)
 
-    with two_rank_server(_serve_dp2_worker, ckpt_tp1, tmp_path) as url:
+    with two_rank_server(_serve_dp2_worker, ckpt_tp1, tmp_path, world_size=2 * tp) as url:
         first = threading.Thread(target=ask, args=("slow", slow))
         first.start()
         ran0 = tmp_path / "ran0"
@@ -187,8 +191,9 @@ def test_server_at_dp2_answers_side_by_side(ckpt_tp1, tmp_path):  # noqa: F811
         bad = put(url, {"prompts": ["5 999"]}, timeout=60)  # refused on rank 0: not sent
     assert bad[0] == 400 and "outside the vocabulary" in bad[1], bad
     assert order == ["quick", "slow"]
-    assert (tmp_path / "ran0").read_text() == f"1\n{_SLOW}\n"  # the probe, the slow one
-    assert (tmp_path / "ran1").read_text() == "3 1 4\n"
+    for rank in range(2 * tp):  # replica 0: the probe, the slow one; replica 1: the other
+        want = f"1\n{_SLOW}\n" if rank < tp else "3 1 4\n"
+        assert (tmp_path / f"ran{rank}").read_text() == want, rank
     a, ns, explicit = server_mod.parse_args(["--load", ckpt_tp1])
     engine, _ = server_mod.build_engine(a, ns, explicit, environ={})
     want = [run_request(engine, parse_request(body))
