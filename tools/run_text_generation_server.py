@@ -485,7 +485,7 @@ def _answer_of(run: Callable[[], dict]) -> Tuple[tuple, Optional[BaseException]]
     the replica broke the request's collective (the replica is out of step)."""
     try:
         return ("ok", run()), None
-    except (RequestError, Exception) as exc:
+    except Exception as exc:
         broke = peer_failure(exc) is not None
         text = str(exc) if isinstance(exc, RequestError) else f"{type(exc).__name__}: {exc}"
         return ("error", isinstance(exc, RequestError), text, broke), exc if broke else None
