@@ -225,7 +225,7 @@ def _pid(pid_dir, rank: int) -> int:
         return int(f.read())
 
 
-def _wait_for_server(url, deadline, ranks: threading.Thread, pid_dir):
+def _wait_for_server(url, deadline, ranks: threading.Thread, pid_dir, world_size=2):
     """Poll until the server answers. The first request waits until both ranks have
     started (written their pid files): the ranks are forked from another thread of this
     process, and a child forked while this thread is inside an import (urlopen imports
@@ -233,7 +233,7 @@ def _wait_for_server(url, deadline, ranks: threading.Thread, pid_dir):
     from tools.text_generation_cli import put
 
     while (time.monotonic() < deadline and ranks.is_alive() and not all(
-            os.path.exists(os.path.join(pid_dir, f"rank{r}")) for r in (0, 1))):
+            os.path.exists(os.path.join(pid_dir, f"rank{r}")) for r in range(world_size))):
         time.sleep(0.1)
     while time.monotonic() < deadline and ranks.is_alive():
         try:
@@ -244,16 +244,16 @@ def _wait_for_server(url, deadline, ranks: threading.Thread, pid_dir):
 
 
 @contextlib.contextmanager
-def two_rank_server(worker, ckpt: str, tmp_path):
-    """The server of `worker(rank, world, ckpt, port, tmp)` on 2 ranks in a background
-    thread; yields its URL once it answers. On the way out Ctrl-C goes to rank 0, whose
-    stop rank 1 must follow within 60 s (else both are killed and the test fails); then
-    both ranks must have returned 0 and nothing raised."""
+def two_rank_server(worker, ckpt: str, tmp_path, world_size: int = 2):
+    """The server of `worker(rank, world, ckpt, port, tmp)` on 2 ranks (or `world_size`)
+    in a background thread; yields its URL once it answers. On the way out Ctrl-C goes to
+    rank 0, whose stop the other ranks must follow within 60 s (else all are killed and the
+    test fails); then every rank must have returned 0 and nothing raised."""
     port, results, errors = free_port(), [], []
 
     def run():
         try:
-            results.extend(run_distributed(worker, 2, ckpt, port, str(tmp_path)))
+            results.extend(run_distributed(worker, world_size, ckpt, port, str(tmp_path)))
         except Exception as exc:  # reported below
             errors.append(exc)
 
@@ -262,7 +262,8 @@ def two_rank_server(worker, ckpt: str, tmp_path):
     url = f"http://127.0.0.1:{port}/api"
     try:
         try:
-            ready = _wait_for_server(url, time.monotonic() + 120, thread, str(tmp_path))
+            ready = _wait_for_server(url, time.monotonic() + 120, thread, str(tmp_path),
+                                     world_size)
         except TimeoutError as exc:  # name what the ranks raised
             raise TimeoutError(f"{exc}; the ranks' errors: {errors}") from None
         assert ready[0] == 200, (ready, errors)
@@ -272,12 +273,12 @@ def two_rank_server(worker, ckpt: str, tmp_path):
             os.kill(_pid(tmp_path, 0), signal.SIGINT)
         thread.join(60)
     if thread.is_alive():  # do not leave the ranks behind
-        for rank in (0, 1):
+        for rank in range(world_size):
             with contextlib.suppress(OSError):
                 os.kill(_pid(tmp_path, rank), signal.SIGKILL)
-        pytest.fail("rank 1 did not stop within 60 s after rank 0 was interrupted")
+        pytest.fail("the other ranks did not stop within 60 s after rank 0 was interrupted")
     assert not errors, errors
-    assert results == [0, 0]
+    assert results == [0] * world_size
 
 
 def test_server_on_two_ranks(ckpt_tp1, tmp_path):

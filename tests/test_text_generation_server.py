@@ -588,7 +588,7 @@ def test_a_follower_survives_a_failed_request(monkeypatch, capsys):
         if req == "bad":
             raise OverflowError("Numerical result out of range")
 
-    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group: next(messages))
+    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group, src=0: next(messages))
     monkeypatch.setattr(server_mod, "run_request", run)
     engine = SimpleNamespace(runtime=SimpleNamespace(control_group=None,
                                                      ps=SimpleNamespace(rank=1, dp_rank=0)))
@@ -603,7 +603,7 @@ def _follower(monkeypatch, messages, run):
     from types import SimpleNamespace
 
     feed = iter(messages)
-    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group: next(feed)())
+    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group, src=0: next(feed)())
     monkeypatch.setattr(server_mod, "run_request", run)
     engine = SimpleNamespace(runtime=SimpleNamespace(control_group=None,
                                                      ps=SimpleNamespace(rank=1, dp_rank=0)))
@@ -681,7 +681,8 @@ def _rank0_stop(monkeypatch, again, after_s):
         def empty(self):
             return True
 
-    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group: sent.append(message))
+    monkeypatch.setattr(server_mod, "_broadcast",
+                        lambda message, group, src=0: sent.append(message))
     monkeypatch.setattr(server_mod.os, "_exit", exit_now)
     monkeypatch.setattr(server_mod.InterruptWatch, "FORWARDED_WITHIN_S", 0.2)
     engine = SimpleNamespace(runtime=SimpleNamespace(control_group=None))
@@ -756,7 +757,8 @@ def test_rank0_stops_serving_when_another_rank_broke_a_request(monkeypatch, erro
     def run(engine, req):
         raise error
 
-    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group: sent.append(message))
+    monkeypatch.setattr(server_mod, "_broadcast",
+                        lambda message, group, src=0: sent.append(message))
     monkeypatch.setattr(server_mod, "run_request", run)
     lockstep = server_mod.Lockstep(SimpleNamespace(runtime=SimpleNamespace(control_group=None)))
     lockstep.pending = Pending()
@@ -768,3 +770,81 @@ def test_rank0_stops_serving_when_another_rank_broke_a_request(monkeypatch, erro
         lockstep.serve(Server())
         assert sent == [("request", "r"), ("stop", None)]
     assert done.exception() is error  # the handler answers 500
+
+
+def _dispatcher(monkeypatch, answer):
+    """A Dispatcher over a fake replica 1 whose leader answers `answer`: (what was
+    broadcast, the Lockstep, the Dispatcher)."""
+    from types import SimpleNamespace
+
+    sent = []
+
+    def broadcast(message, group, src=0):
+        sent.append((message, group, src))
+        return answer if message is None else message
+
+    monkeypatch.setattr(server_mod, "_broadcast", broadcast)
+    monkeypatch.setattr(server_mod, "fixed_seed", lambda engine, req: req)
+    lockstep = server_mod.Lockstep(SimpleNamespace(runtime=SimpleNamespace(control_group=None)))
+    groups = SimpleNamespace(leaders=[0, 4], links={1: "link1"})
+    dispatcher = server_mod.Dispatcher(lockstep, groups)
+    dispatcher.idle.discard(0)  # replica 0 busy: the request goes to replica 1
+    return sent, lockstep, dispatcher
+
+
+@pytest.mark.parametrize("answer, error, stops", [
+    (("ok", {"text": ["x"]}), None, False),
+    (("error", True, "prompts[0] is empty", False), server_mod.RequestError, False),
+    (("error", False, "OverflowError: out of range", False), RuntimeError, False),
+    (("error", False, "RuntimeError: Connection closed by peer", True), RuntimeError, True)])
+def test_another_replicas_answer_reaches_the_client(monkeypatch, answer, error, stops):
+    """At dp > 1 a request run by another replica is answered as rank 0's replica answers
+    it: the response, 400 for a request that fails its checks there, 500 otherwise; a
+    request whose collective another rank of that replica broke also stops the server."""
+    sent, lockstep, dispatcher = _dispatcher(monkeypatch, answer)
+    if error is None:
+        assert dispatcher.submit("req") == {"text": ["x"]}
+    else:
+        with pytest.raises(error, match=re.escape(answer[2])):
+            dispatcher.submit("req")
+    assert sent == [(("request", "req"), "link1", 0), (None, "link1", 4)]
+    assert dispatcher.idle == {1}  # free for the next request
+    assert (not lockstep.pending.empty()) == stops and (1 in dispatcher.gone) == stops
+    dispatcher.stop_replicas()  # a replica that broke cannot be told
+    assert sent[2:] == ([] if stops else [(("stop", None), "link1", 0)])
+
+
+def test_a_replica_leader_passes_requests_on_and_answers(monkeypatch):
+    """Another replica's leader (rank 4 here) passes rank 0's messages on to its replica
+    and sends back each answer; a request another rank of its replica broke is answered,
+    then the leader stops (raises) as a rank of rank 0's replica would."""
+    from types import SimpleNamespace
+
+    feed = iter([("idle", None), ("request", "ok"), ("request", "bad"), ("request", "lost"),
+                 ("stop", None)])
+    sent = []
+
+    def broadcast(message, group, src=0):
+        sent.append((message, group, src))
+        return next(feed) if message is None else message
+
+    def run(engine, req):
+        if req == "bad":
+            raise server_mod.RequestError("prompts[0] is empty")
+        if req == "lost":
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:8093")
+        return {"text": [req]}
+
+    monkeypatch.setattr(server_mod, "_broadcast", broadcast)
+    monkeypatch.setattr(server_mod, "run_request", run)
+    engine = SimpleNamespace(runtime=SimpleNamespace(ps=SimpleNamespace(dp_rank=1)))
+    groups = SimpleNamespace(links={1: "link"}, leader=4, replica="replica")
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        server_mod.lead_replica(engine, groups)
+    passed_on = [m for m, g, src in sent if g == "replica" and src == 4]
+    answers = [m for m, g, src in sent if g == "link" and src == 4]
+    assert passed_on == [("idle", None), ("request", "ok"), ("request", "bad"),
+                         ("request", "lost")]
+    assert answers == [("ok", {"text": ["ok"]}), ("error", True, "prompts[0] is empty", False),
+                       ("error", False, "RuntimeError: Connection closed by peer "
+                        "[127.0.0.1]:8093", True)]

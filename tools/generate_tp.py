@@ -30,7 +30,8 @@ A world size W = D x T x P holds D data-parallel replicas of that layout (ranks 
 in training: tensor-parallel ranks adjacent, then replicas, then stages), each loading the
 whole model. The replicas never talk while decoding: generate.py gives each its block of
 the prompts (`replica_block`) and gathers the answers on rank 0 (`Replicas`); the
-server answers from rank 0's replica and the others idle.
+server sends each request to an idle replica (tools/run_text_generation_server.py
+`Dispatcher`).
 
 Refused, naming the values and the fix: a world size that is not a multiple of T x P,
 --num-layers-per-virtual-pipeline-stage at P > 1, and a P that does not divide the

@@ -36,14 +36,21 @@ timeout) is answered 500 and stops rank 0 with one line (megatron/rank_failure.p
 rank stuck meanwhile ends when the job's store has gone (megatron/watchdog.py).
 
 A world size of D x tp x pp (`torchrun --nproc-per-node 8 ... --tensor-model-parallel-size
-2`: D = 4) is accepted, as Megatron-LM accepts it, but only rank 0's data-parallel replica
-serves: the other replicas load the model and then wait idle (they take rank 0's
-messages, on a gloo group whose timeout outlasts any request, and its stop, so they end
-with it and the failure handling above holds for them), and one start-up line says so. Requests run one at a time whatever the world
-size; to serve D at once launch D servers of tp x pp ranks each (own devices,
---master-port and --port). A world size that is not a multiple of tp x pp is refused,
-and so is --num-layers-per-virtual-pipeline-stage at pp > 1; at pp > 1 the cached
-one-token step runs eagerly (no CUDA graph: the captured step is one stage's).
+2`: D = 4) holds D data-parallel replicas of the model, which answer up to D requests side
+by side (Megatron-LM accepts the world size and runs one request at a time); one start-up
+line says so. Rank 0 keeps the HTTP threads and checks each request (the 400s above,
+--max-tokens-to-oom) and, for an unseeded one, draws its base seed, in arrival order; then
+the request goes to an idle replica, rank 0's own first (`Dispatcher`), so each answer is
+the one a one-replica server gives for the same requests. Each replica's leader (its tp 0
+/ pp 0 rank) takes its requests from rank 0 over a gloo group of the two, broadcasts each
+to its replica's ranks as rank 0 does to its own, and sends the answer back; these groups
+wait as long as a request takes (tools/generate_tp.py ANSWERS_WAIT: `ServingGroups`).
+While idle, rank 0's heartbeat reaches every idle replica, so a rank that died there ends
+the server as one of rank 0's replica does; a replica whose request broke answers 500 and
+ends it too. When rank 0 stops, the requests other replicas run are finished and
+answered, then every replica is told to stop. A world size that is not a multiple of tp x
+pp is refused, and so is --num-layers-per-virtual-pipeline-stage at pp > 1; at pp > 1 the
+cached one-token step runs eagerly (no CUDA graph: the captured step is one stage's).
 The prompts of a request are generated together as one batch through a key/value cache
 (tools/generate.py generate_batch); on CUDA each one-token step of the batch is one replay
 of a CUDA graph (--decode-cuda-graph auto, the default; captured at the first request of a
@@ -56,7 +63,8 @@ batch of B rows); --no-kv-cache recomputes every beam per token.
 
 The request and response are described in tools/text_generation_api.py (Megatron's PUT /api
 fields: sampling with top_p decay and prevent_newline_after_colon, beam search with
-stop_token and length_penalty). Requests run one at a time; each prints one line to stdout. Bad requests get HTTP
+stop_token and length_penalty). Requests run one at a time (one per data-parallel
+replica); each prints one line to stdout. Bad requests get HTTP
 400 with a plain-text message, other paths 404, other methods on /api 405. (Megatron-LM
 answers most bad requests with HTTP 200 and the message as the body; a client that tells
 success from failure by the status works with both.) A body is at most 16 MiB; a
@@ -103,6 +111,7 @@ from tools.generate import (  # noqa: E402
 from tools.text_generation_api import (  # noqa: E402
     Engine,
     RequestError,
+    fixed_seed,
     parse_request,
     run_request,
 )
@@ -242,12 +251,6 @@ def build_engine(a, ns, explicit: Set[str], environ=None) -> Tuple[Engine, int]:
                     use_kv_cache=not a.no_kv_cache, runtime=rt,
                     decoder=build_decoder(model, a.decode_cuda_graph, not a.no_kv_cache,
                                           _PROG))
-    if rt is not None and rt.ps.dp_size > 1:
-        from tools.generate_tp import ANSWERS_WAIT
-
-        # an idle replica waits for rank 0's next message while replica 0 runs a request
-        # (no heartbeat then), which may take longer than --distributed-timeout-minutes
-        engine.message_group = dist.new_group(backend="gloo", timeout=ANSWERS_WAIT)
     return engine, iteration
 
 
@@ -255,19 +258,17 @@ def build_engine(a, ns, explicit: Set[str], environ=None) -> Tuple[Engine, int]:
 _IDLE, _REQUEST, _STOP = "idle", "request", "stop"
 
 
-def _broadcast(message, group):
-    """`message` from rank 0 to every rank of `group` (gloo); what rank 0 sent."""
+def _broadcast(message, group, src: int = 0):
+    """`message` from global rank `src` to every rank of `group` (gloo); what `src` sent."""
     box = [message]
-    dist.broadcast_object_list(box, src=0, group=group)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
 def control_group(engine: Engine):
-    """The gloo group the request messages travel on: the runtime's CPU group beside
-    NCCL, else the default (gloo) group; with data-parallel replicas a gloo group over the
-    world of its own (`Engine.message_group`), whose timeout outlasts any request."""
-    group = getattr(engine, "message_group", None)
-    return engine.runtime.control_group if group is None else group
+    """The gloo group the request messages travel on at dp 1: the runtime's CPU group
+    beside NCCL, else the default (gloo) group (at dp > 1: ServingGroups)."""
+    return engine.runtime.control_group
 
 
 class _FollowerSigint(SigintHandler):
@@ -286,29 +287,27 @@ class _FollowerSigint(SigintHandler):
             raise KeyboardInterrupt
 
 
-def follow_requests(engine: Engine) -> int:
-    """A rank other than 0: generate each request rank 0 broadcasts, in lockstep with it,
-    until rank 0 broadcasts stop; returns the number of requests. A request that fails its
-    checks fails alike on every rank (rank 0 answers 400), before any collective; one that
-    fails in generation (rank 0 answers 500 and goes on serving) fails here too, and this
-    rank goes on following (a rank that left would stop the whole server). Ctrl-C ends it
-    without a traceback (see _FollowerSigint); so does rank 0 leaving after one. A rank of
-    another data-parallel replica than rank 0's takes every message too (on a group whose
-    timeout outlasts any request, `control_group`; the stop ends it) but runs no request:
-    rank 0's replica serves alone."""
-    group, served = control_group(engine), 0
-    idle = engine.runtime.ps.dp_rank != 0
+def follow_requests(engine: Engine, group=None, src: int = 0) -> int:
+    """A rank other than its replica's leader (global rank `src`; 0 at dp 1): generate each
+    request the leader broadcasts over `group` (default: control_group), in lockstep with
+    it, until the leader broadcasts stop; returns the number of requests. A request that
+    fails its checks fails alike on every rank (rank 0 answers 400), before any collective;
+    one that fails in generation (rank 0 answers 500 and goes on serving) fails here too,
+    and this rank goes on following (a rank that left would stop the whole server). Ctrl-C
+    ends it without a traceback (see _FollowerSigint); so does the leader leaving after
+    one."""
+    group, served = control_group(engine) if group is None else group, 0
     with _FollowerSigint() as sigint:
         while True:
             try:
-                kind, req = _broadcast(None, group)
-            except RuntimeError:  # rank 0 left: after Ctrl-C that is the stop
+                kind, req = _broadcast(None, group, src)
+            except RuntimeError:  # the leader left: after Ctrl-C that is the stop
                 if sigint.received:
                     return served
                 raise
             if kind == _STOP:
                 return served
-            if kind != _REQUEST or idle:
+            if kind != _REQUEST:
                 continue
             served += 1
             sigint.busy = True
@@ -359,17 +358,34 @@ class _StopSignals:
         self._previous = {}
 
 
-class Lockstep:
-    """Rank 0 under torchrun (tp x pp ranks): the HTTP threads `submit` requests; `serve`, on
-    the main thread, broadcasts each to the other ranks and runs it (a heartbeat while
-    idle), and broadcasts stop when it ends."""
+class _Lost:
+    """Lockstep.pending's item that ends serving: another replica's failure `exc`."""
 
-    def __init__(self, engine: Engine, heartbeat_s: Optional[float] = None) -> None:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class Lockstep:
+    """Rank 0 under torchrun: the HTTP threads (at dp > 1 the Dispatcher) `submit` requests;
+    `serve`, on the main thread, broadcasts each to the other ranks of rank 0's replica
+    (`group`) and runs it (a heartbeat while idle, to the other replicas too), and
+    broadcasts stop when it ends (then stops the other replicas)."""
+
+    def __init__(self, engine: Engine, heartbeat_s: Optional[float] = None,
+                 group=None) -> None:
         self.engine = engine
         self.heartbeat_s = HEARTBEAT_S if heartbeat_s is None else heartbeat_s
-        self.group = control_group(engine)
+        self.group = control_group(engine) if group is None else group  # rank 0's replica
         self.pending: "queue.Queue" = queue.Queue()
         self.broken = False  # another rank broke a collective: the others cannot be told
+        self.lost: Optional[BaseException] = None  # another replica's failure (`fail`)
+        # the other replicas (Dispatcher): their heartbeat while idle, their stop
+        self.heartbeat_replicas: Callable[[], None] = lambda: None
+        self.stop_replicas: Callable[[], None] = lambda: None
+
+    def fail(self, exc: BaseException) -> None:
+        """Stop serving because another replica broke (`serve` raises `exc`); any thread."""
+        self.pending.put((_Lost(exc), None))
 
     def submit(self, req):
         """The response of `req` (an HTTP thread waits here); its exception re-raised."""
@@ -396,7 +412,11 @@ class Lockstep:
                     req, done = self.pending.get(timeout=self.heartbeat_s)
                 except queue.Empty:
                     _broadcast((_IDLE, None), self.group)
+                    self.heartbeat_replicas()
                     continue
+                if isinstance(req, _Lost):
+                    self.lost = req.exc
+                    raise req.exc
                 _broadcast((_REQUEST, req), self.group)
                 try:
                     done.set_result(run_request(self.engine, req))
@@ -407,7 +427,7 @@ class Lockstep:
         except KeyboardInterrupt:
             pass
         except Exception as exc:
-            self.broken = peer_failure(exc) is not None
+            self.broken = peer_failure(exc) is not None and exc is not self.lost
             raise
         finally:
             with _StopSignals():  # Ctrl-C again: exit at once (server.shutdown takes 0.5 s)
@@ -421,8 +441,183 @@ class Lockstep:
             print(f"note: the other ranks could not be told to stop: {exc}", flush=True)
         server.shutdown()
         server.server_close()
+        self.stop_replicas()
         while not self.pending.empty():
-            self.pending.get()[1].set_exception(RuntimeError("the server is stopping"))
+            done = self.pending.get()[1]
+            if done is not None:
+                done.set_exception(RuntimeError("the server is stopping"))
+
+
+# ------------------------------------------------------------- data-parallel replicas
+class ServingGroups:
+    """Where this rank's request messages travel (tools/generate_tp.py's rank order): its
+    replica's tp x pp ranks (`replica`, from the replica's `leader`, its tp 0 / pp 0 rank)
+    and, on rank 0 and the other replicas' leaders, the pair group [0, leader] of each
+    replica d > 0 (`links[d]`: requests there, answers back). At dp 1 the replica group is
+    control_group and there are no links. The groups are gloo with ANSWERS_WAIT's timeout:
+    a replica waits for its next request, and rank 0 for a replica's answer, as long as it
+    takes (a rank that is gone breaks them at once). Collective: every rank builds them."""
+
+    def __init__(self, engine: Engine) -> None:
+        from tools.generate_tp import ANSWERS_WAIT
+
+        ps = engine.runtime.ps
+        self.leaders = [ps.grid.rank_of(0, d, 0) for d in range(ps.dp_size)]
+        self.leader, self.links = self.leaders[ps.dp_rank], {}
+        self.replica = control_group(engine)
+        if ps.dp_size == 1:
+            return
+        for d in range(ps.dp_size):  # every rank makes every group, in the same order
+            ranks = sorted(ps.grid.rank_of(t, d, p) for t in range(ps.tp_size)
+                           for p in range(ps.pp_size))
+            group = dist.new_group(ranks, backend="gloo", timeout=ANSWERS_WAIT)
+            if d == ps.dp_rank:
+                self.replica = group
+        for d in range(1, ps.dp_size):
+            group = dist.new_group([0, self.leaders[d]], backend="gloo", timeout=ANSWERS_WAIT)
+            if ps.rank in (0, self.leaders[d]):
+                self.links[d] = group
+
+
+def _answer_of(run: Callable[[], dict]) -> Tuple[tuple, Optional[BaseException]]:
+    """(what a replica's leader sends rank 0, the exception that stops it): ("ok",
+    response), or ("error", RequestError?, text, broke) where broke says another rank of
+    the replica broke the request's collective (the replica is out of step)."""
+    try:
+        return ("ok", run()), None
+    except Exception as exc:
+        broke = peer_failure(exc) is not None
+        text = str(exc) if isinstance(exc, RequestError) else f"{type(exc).__name__}: {exc}"
+        return ("error", isinstance(exc, RequestError), text, broke), exc if broke else None
+
+
+def lead_replica(engine: Engine, groups: ServingGroups) -> int:
+    """The leader of replica d > 0: take each request rank 0 sends over links[d],
+    broadcast it to the replica's other ranks (follow_requests), generate it with them and
+    send rank 0 the answer, until rank 0 sends stop (passed on to the replica); returns
+    the number of requests. Ctrl-C as on a follower (_FollowerSigint). A request another
+    rank of the replica broke is answered, then this rank stops (process_group_closed's
+    line): rank 0 stops serving on that answer."""
+    link, me, served = groups.links[engine.runtime.ps.dp_rank], groups.leader, 0
+    with _FollowerSigint() as sigint:
+        while True:
+            try:
+                kind, req = _broadcast(None, link)
+            except RuntimeError:  # rank 0 left: after Ctrl-C that is the stop
+                if sigint.received:
+                    return served
+                raise
+            _broadcast((kind, req), groups.replica, me)
+            if kind == _STOP:
+                return served
+            if kind != _REQUEST:
+                continue
+            served, sigint.busy = served + 1, True
+            try:
+                answer, broke = _answer_of(lambda: run_request(engine, req))
+            except KeyboardInterrupt:  # Ctrl-C mid-request: rank 0 stopped too
+                return served
+            finally:
+                sigint.busy = False
+            _broadcast(answer, link, me)
+            if broke is not None:
+                raise broke
+
+
+class Dispatcher:
+    """Rank 0 at dp > 1: `submit` (an HTTP thread) runs a request on an idle replica,
+    replica 0 (`lockstep`, on the main thread) when it is idle, else the lowest other
+    one (sent over its link; this thread waits for the answer), else waits for one. The
+    request is checked and its unseeded draw made here first (fixed_seed), in arrival
+    order: any replica answers it as a one-replica server would have."""
+
+    def __init__(self, lockstep: Lockstep, groups: ServingGroups) -> None:
+        self.lockstep, self.groups = lockstep, groups
+        self.idle, self.gone = set(range(len(groups.leaders))), set()
+        self.stopping, self.cond, self.seeds = False, threading.Condition(), threading.Lock()
+        lockstep.stop_replicas = self.stop_replicas
+        lockstep.heartbeat_replicas = self.heartbeat
+
+    def _take(self, d: Optional[int] = None) -> Optional[int]:
+        """An idle replica, marked busy: `d` if idle (else None), or else the lowest idle
+        one, waiting for one (RuntimeError once stopping)."""
+        with self.cond:
+            if d is not None:
+                if d not in self.idle:
+                    return None
+            else:
+                self.cond.wait_for(lambda: self.idle or self.stopping)
+                if self.stopping:
+                    raise RuntimeError("the server is stopping")
+                d = min(self.idle)
+            self.idle.remove(d)
+            return d
+
+    def _give(self, d: int) -> None:
+        with self.cond:
+            self.idle.add(d)
+            self.cond.notify_all()
+
+    def heartbeat(self) -> None:
+        """(main thread, while replica 0 is idle) an idle message to each idle replica's
+        leader, passed on to its ranks: a replica whose rank is gone is found while no
+        request runs (RuntimeError: serving stops). A busy replica is skipped: its
+        answer, or its broken link, will tell."""
+        for d, link in self.groups.links.items():
+            if self._take(d) is None:
+                continue
+            try:
+                _broadcast((_IDLE, None), link)
+            except RuntimeError as exc:
+                self.gone.add(d)
+                self.lockstep.lost = exc
+                raise
+            finally:
+                self._give(d)
+
+    def submit(self, req):
+        with self.seeds:
+            req = fixed_seed(self.lockstep.engine, req)  # RequestError: 400, not dispatched
+        d = self._take()
+        try:
+            return self.lockstep.submit(req) if d == 0 else self._remote(d, req)
+        finally:
+            self._give(d)
+
+    def _remote(self, d: int, req):
+        link = self.groups.links[d]
+        try:
+            _broadcast((_REQUEST, req), link)
+            answer = _broadcast(None, link, self.groups.leaders[d])
+        except RuntimeError as exc:  # the leader is gone: stop serving (the job ends)
+            self.gone.add(d)
+            self.lockstep.fail(exc)
+            raise
+        if answer[0] == "ok":
+            return answer[1]
+        _, bad_request, text, broke = answer
+        if bad_request:
+            raise RequestError(text)
+        error = RuntimeError(f"replica {d} (rank {self.groups.leaders[d]}): {text}")
+        if broke:  # its leader stops; so does rank 0
+            self.gone.add(d)
+            self.lockstep.fail(error)
+        raise error
+
+    def stop_replicas(self) -> None:
+        """Once serving ends (main thread): let the other replicas' running requests finish,
+        then tell each leader to stop."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.idle >= set(self.groups.links))
+        for d, link in self.groups.links.items():
+            if d in self.gone:
+                continue
+            try:
+                _broadcast((_STOP, None), link)
+            except RuntimeError as exc:
+                print(f"note: replica {d} could not be told to stop: {exc}", flush=True)
 
 
 # ---------------------------------------------------------------------------------- HTTP
@@ -527,7 +722,7 @@ def build_server(engine: Engine, host: str, port: int, log: Callable[[str], None
                  run: Optional[Callable] = None) -> ThreadingHTTPServer:
     """A bound (not yet serving) HTTP server for `engine`; port 0 takes a free port.
     `run(request)` answers a request (default: run_request holding engine.lock; under
-    tensor parallelism Lockstep.submit)."""
+    torchrun Lockstep.submit, at dp > 1 Dispatcher.submit)."""
     def log_line(text: str) -> None:
         log(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}")
         sys.stdout.flush()
@@ -541,15 +736,11 @@ def build_server(engine: Engine, host: str, port: int, log: Callable[[str], None
     return ThreadingHTTPServer((host, port), handler)
 
 
-def _idle_replicas_note(ps) -> str:
-    """The start-up line of a world with data-parallel replicas: all but rank 0's idle."""
-    n, size = ps.dp_size, ps.tp_size * ps.pp_size
-    return (f"note: world size {ps.world_size} holds {n} data-parallel replicas of the model "
-            f"({ps.tp_size} tensor x {ps.pp_size} pipeline ranks each); requests run one at "
-            f"a time on rank 0's replica, and the other replicas wait idle until the server "
-            f"stops. To serve {n} requests at once, launch {n} servers of {size} rank(s) "
-            f"each (torchrun --nproc-per-node {size}, each with its own devices, "
-            "--master-port and --port)")
+def _replicas_note(ps) -> str:
+    """The start-up line of a world with data-parallel replicas."""
+    return (f"note: world size {ps.world_size} holds {ps.dp_size} data-parallel replicas of "
+            f"the model ({ps.tp_size} tensor x {ps.pp_size} pipeline ranks each): up to "
+            f"{ps.dp_size} requests run at once, one per replica")
 
 
 def _interrupt(signum, frame):
@@ -558,7 +749,8 @@ def _interrupt(signum, frame):
 
 def main(argv=None, environ=None) -> int:
     """The command line; under torchrun (RANK / WORLD_SIZE in `environ`, default
-    os.environ) rank 0 serves and the other ranks follow it (see the module docstring)."""
+    os.environ) rank 0 serves, each other replica's leader takes its requests, and the
+    other ranks follow their replica's leader (see the module docstring)."""
     from megatron.rank_failure import process_group_closed
 
     a, ns, explicit = parse_args(argv)
@@ -567,20 +759,28 @@ def main(argv=None, environ=None) -> int:
 
 
 def _serve(a, ns, explicit: Set[str], environ, argv) -> int:
-    """main after the command line: load, then serve (rank 0) or follow rank 0."""
+    """main after the command line: load, then serve (rank 0), lead a replica or follow
+    its leader."""
     with silent_ranks_wait(os.environ if environ is None else environ):  # rank 0 prints
         engine, iteration = build_engine(a, ns, explicit, environ)  # a load error once
     rt = engine.runtime
+    groups = None if rt is None else ServingGroups(engine)
     if rt is not None and rt.ps.rank != 0:
-        follow_requests(engine)
+        if rt.ps.rank == groups.leader:
+            lead_replica(engine, groups)
+        else:
+            follow_requests(engine, groups.replica, groups.leader)
         return 0
-    lockstep = None if rt is None else Lockstep(engine)
+    lockstep = None if rt is None else Lockstep(engine, group=groups.replica)
+    run = None if lockstep is None else lockstep.submit
+    if rt is not None and rt.ps.dp_size > 1:
+        run = Dispatcher(lockstep, groups).submit
     try:
-        server = build_server(engine, a.host, a.port,
-                              run=None if lockstep is None else lockstep.submit)
+        server = build_server(engine, a.host, a.port, run=run)
     except OSError as exc:
         if lockstep is not None:
             lockstep.stop_others()
+            lockstep.stop_replicas()
         raise SystemExit(f"{_PROG}: error: cannot listen on {a.host}:{a.port}: {exc}; pick "
                          "another --port") from None
     host, port = server.server_address[:2]
@@ -589,7 +789,7 @@ def _serve(a, ns, explicit: Set[str], environ, argv) -> int:
     print(f"serving {ns.load} (iteration {iteration}{layout}) at http://{host}:{port}/api "
           "(PUT); Ctrl-C stops", flush=True)
     if rt is not None and rt.ps.dp_size > 1:
-        print(_idle_replicas_note(rt.ps), flush=True)
+        print(_replicas_note(rt.ps), flush=True)
     if a.host == LOCAL_ONLY and not any(x == "--host" or x.startswith("--host=")
                                         for x in (argv if argv is not None else sys.argv[1:])):
         print(f"note: listening on {LOCAL_ONLY} only (Megatron-LM listens on 0.0.0.0); pass "

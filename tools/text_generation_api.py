@@ -175,7 +175,6 @@ class Engine:
     use_kv_cache: bool = True  # False (--no-kv-cache): recompute the context per token
     runtime: Any = None  # under torchrun: the tp x pp Runtime (tools/generate_tp.py)
     decoder: Any = None  # a StaticDecoder (--decode-cuda-graph), reused across requests
-    message_group: Any = None  # with data-parallel replicas: the server's message group
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -507,6 +506,19 @@ def token_segments(tokenizer, ids: List[int]) -> List[str]:
     return [tokenizer.detokenize([t]) for t in ids]
 
 
+def fixed_seed(engine: Engine, req: GenerationRequest) -> GenerationRequest:
+    """`req` checked as run_request checks it (RequestError: its prompts do not tokenize or
+    pass --max-tokens-to-oom) and, when it would draw its base seed from the server's
+    generator, with that draw made now as its random_seed: run anywhere afterwards (another
+    data-parallel replica), it answers as run_request would have answered it now."""
+    all_ids = [_prompt_ids(engine, i, p, req) for i, p in enumerate(req.prompts)]
+    _check_size(engine, req, all_ids)
+    if req.beam_width is not None or req.random_seed >= 0:
+        return req
+    seed = int(torch.randint(0, 2 ** 62, (1,), generator=engine.generator))
+    return dataclasses.replace(req, random_seed=seed)
+
+
 def run_request(engine: Engine, req: GenerationRequest) -> Dict[str, Optional[list]]:
     """The response object of a validated request (call it holding engine.lock).
     RequestError when a prompt does not tokenize or does not fit."""
@@ -528,6 +540,6 @@ def run_request(engine: Engine, req: GenerationRequest) -> Dict[str, Optional[li
 
 
 __all__ = ["MAX_PROMPTS", "NOT_SUPPORTED", "STOP_TOKEN", "Engine", "GenerationRequest",
-           "RequestError", "batch_token_logprobs", "eol_stop", "has_newline_token",
-           "newline_after_colon", "parse_request", "row_generators", "run_request", "token_logprobs",
+           "RequestError", "batch_token_logprobs", "eol_stop", "fixed_seed",
+           "has_newline_token", "newline_after_colon", "parse_request", "row_generators", "run_request", "token_logprobs",
            "token_segments"]
