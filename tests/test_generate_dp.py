@@ -18,6 +18,7 @@ from tests.dist_utils import run_distributed
 from tests.test_generate_tp import ckpt_tp1, two_rank_server  # noqa: F401
 from tools import generate
 from tools import run_text_generation_server as server_mod
+from tools import text_generation_ranks as ranks_mod
 from tools.generate_tp import check_generation_layout, replica_block
 
 
@@ -150,7 +151,7 @@ def _serve_dp2_worker(rank, world_size, ckpt, port, pid_dir):
 
     with open(os.path.join(pid_dir, f"rank{rank}"), "w") as f:
         f.write(str(os.getpid()))
-    server_mod.run_request, server_mod.HEARTBEAT_S = counted, 0.2
+    ranks_mod.run_request, ranks_mod.HEARTBEAT_S = counted, 0.2
     env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
     with open(os.path.join(pid_dir, f"log{rank}"), "w") as log:
         with contextlib.redirect_stdout(log):
@@ -256,7 +257,7 @@ def _replica_1_dies_worker(rank, world_size, ckpt, port, out_dir):
 
     if rank == 1:
         server_mod.lead_replica = lambda engine, groups: os._exit(0)
-    server_mod.HEARTBEAT_S = 0.2
+    ranks_mod.HEARTBEAT_S = 0.2
     timer = threading.Timer(60, os.kill, (os.getpid(), signal.SIGINT))
     timer.daemon = True
     timer.start()

@@ -31,6 +31,7 @@ from tests.test_kv_cache import MAX_POS, _model, _tokens
 from tests.test_text_generation_server import _put_bytes
 from tools import generate
 from tools import run_text_generation_server as server_mod
+from tools import text_generation_ranks as ranks_mod
 from tools.beam_search import beam_search
 from tools.generate_tp import check_generation_layout
 
@@ -215,7 +216,7 @@ def _serve_worker(rank, world_size, ckpt, port, pid_dir,
     with open(os.path.join(pid_dir, f"rank{rank}"), "w") as f:
         f.write(str(os.getpid()))
     env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
-    server_mod.HEARTBEAT_S = 0.2  # idle messages between the requests too
+    ranks_mod.HEARTBEAT_S = 0.2  # idle messages between the requests too
     with contextlib.redirect_stdout(io.StringIO()):
         return server_mod.main(["--load", ckpt, *layout, "--port", str(port)], environ=env)
 

@@ -18,6 +18,7 @@ import pytest
 from tests.test_generate import _run_cli, _train
 from tools import run_text_generation_server as server_mod
 from tools import text_generation_cli
+from tools import text_generation_ranks as ranks_mod
 from tools.text_generation_api import eol_stop
 from tools.text_generation_cli import put
 
@@ -588,8 +589,8 @@ def test_a_follower_survives_a_failed_request(monkeypatch, capsys):
         if req == "bad":
             raise OverflowError("Numerical result out of range")
 
-    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group, src=0: next(messages))
-    monkeypatch.setattr(server_mod, "run_request", run)
+    monkeypatch.setattr(ranks_mod, "_broadcast", lambda message, group, src=0: next(messages))
+    monkeypatch.setattr(ranks_mod, "run_request", run)
     engine = SimpleNamespace(runtime=SimpleNamespace(control_group=None,
                                                      ps=SimpleNamespace(rank=1, dp_rank=0)))
     assert server_mod.follow_requests(engine) == 2
@@ -603,8 +604,8 @@ def _follower(monkeypatch, messages, run):
     from types import SimpleNamespace
 
     feed = iter(messages)
-    monkeypatch.setattr(server_mod, "_broadcast", lambda message, group, src=0: next(feed)())
-    monkeypatch.setattr(server_mod, "run_request", run)
+    monkeypatch.setattr(ranks_mod, "_broadcast", lambda message, group, src=0: next(feed)())
+    monkeypatch.setattr(ranks_mod, "run_request", run)
     engine = SimpleNamespace(runtime=SimpleNamespace(control_group=None,
                                                      ps=SimpleNamespace(rank=1, dp_rank=0)))
     return server_mod.follow_requests(engine)
@@ -681,10 +682,10 @@ def _rank0_stop(monkeypatch, again, after_s):
         def empty(self):
             return True
 
-    monkeypatch.setattr(server_mod, "_broadcast",
+    monkeypatch.setattr(ranks_mod, "_broadcast",
                         lambda message, group, src=0: sent.append(message))
     monkeypatch.setattr(server_mod.os, "_exit", exit_now)
-    monkeypatch.setattr(server_mod.InterruptWatch, "FORWARDED_WITHIN_S", 0.2)
+    monkeypatch.setattr(ranks_mod.InterruptWatch, "FORWARDED_WITHIN_S", 0.2)
     engine = SimpleNamespace(runtime=SimpleNamespace(control_group=None))
     lockstep = server_mod.Lockstep(engine)
     lockstep.pending = Interrupted()
@@ -757,9 +758,9 @@ def test_rank0_stops_serving_when_another_rank_broke_a_request(monkeypatch, erro
     def run(engine, req):
         raise error
 
-    monkeypatch.setattr(server_mod, "_broadcast",
+    monkeypatch.setattr(ranks_mod, "_broadcast",
                         lambda message, group, src=0: sent.append(message))
-    monkeypatch.setattr(server_mod, "run_request", run)
+    monkeypatch.setattr(ranks_mod, "run_request", run)
     lockstep = server_mod.Lockstep(SimpleNamespace(runtime=SimpleNamespace(control_group=None)))
     lockstep.pending = Pending()
     if stops:
@@ -783,8 +784,8 @@ def _dispatcher(monkeypatch, answer):
         sent.append((message, group, src))
         return answer if message is None else message
 
-    monkeypatch.setattr(server_mod, "_broadcast", broadcast)
-    monkeypatch.setattr(server_mod, "fixed_seed", lambda engine, req: req)
+    monkeypatch.setattr(ranks_mod, "_broadcast", broadcast)
+    monkeypatch.setattr(ranks_mod, "fixed_seed", lambda engine, req: req)
     lockstep = server_mod.Lockstep(SimpleNamespace(runtime=SimpleNamespace(control_group=None)))
     groups = SimpleNamespace(leaders=[0, 4], links={1: "link1"})
     dispatcher = server_mod.Dispatcher(lockstep, groups)
@@ -835,8 +836,8 @@ def test_a_replica_leader_passes_requests_on_and_answers(monkeypatch):
             raise RuntimeError("Connection closed by peer [127.0.0.1]:8093")
         return {"text": [req]}
 
-    monkeypatch.setattr(server_mod, "_broadcast", broadcast)
-    monkeypatch.setattr(server_mod, "run_request", run)
+    monkeypatch.setattr(ranks_mod, "_broadcast", broadcast)
+    monkeypatch.setattr(ranks_mod, "run_request", run)
     engine = SimpleNamespace(runtime=SimpleNamespace(ps=SimpleNamespace(dp_rank=1)))
     groups = SimpleNamespace(links={1: "link"}, leader=4, replica="replica")
     with pytest.raises(RuntimeError, match="Connection closed"):

@@ -44,7 +44,8 @@ the request goes to an idle replica, rank 0's own first (`Dispatcher`), so each 
 the one a one-replica server gives for the same requests. Each replica's leader (its tp 0
 / pp 0 rank) takes its requests from rank 0 over a gloo group of the two, broadcasts each
 to its replica's ranks as rank 0 does to its own, and sends the answer back; these groups
-wait as long as a request takes (tools/generate_tp.py ANSWERS_WAIT: `ServingGroups`).
+wait as long as a request takes (tools/generate_tp.py ANSWERS_WAIT; the ranks' side, `Lockstep`,
+`Dispatcher`, `ServingGroups` and the followers, is tools/text_generation_ranks.py).
 While idle, rank 0's heartbeat reaches every idle replica, so a rank that died there ends
 the server as one of rank 0's replica does; a replica whose request broke answers 500 and
 ends it too. When rank 0 stops, the requests other replicas run are finished and
@@ -78,13 +79,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import signal
 import sys
-import threading
 import time
 import traceback
-from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, List, Optional, Set, Tuple
 from urllib.parse import urlsplit
@@ -92,16 +90,9 @@ from urllib.parse import urlsplit
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 from megatron.agreed_exit import silent_ranks_wait  # noqa: E402
 from megatron.core.models.gpt.static_decode import MODES  # noqa: E402
-from megatron.interrupt import (  # noqa: E402
-    INTERRUPTED_STATUS,
-    InterruptWatch,
-    SigintHandler,
-)
-from megatron.rank_failure import peer_failure  # noqa: E402
 from tools.generate import (  # noqa: E402
     _device,
     build_decoder,
@@ -111,9 +102,15 @@ from tools.generate import (  # noqa: E402
 from tools.text_generation_api import (  # noqa: E402
     Engine,
     RequestError,
-    fixed_seed,
     parse_request,
     run_request,
+)
+from tools.text_generation_ranks import (  # noqa: E402
+    Dispatcher,
+    Lockstep,
+    ServingGroups,
+    follow_requests,
+    lead_replica,
 )
 
 _PROG = "run_text_generation_server.py"
@@ -131,7 +128,6 @@ _MAX_TOKENS = "--max-tokens-to-oom"
 # flags the server uses
 _USED_DESTS = ("load", "vocab_file", "merge_file", "tokenizer_model", "fp16", "bf16", "seed",
                "max_tokens_to_oom", "tensor_model_parallel_size", "pipeline_model_parallel_size")
-HEARTBEAT_S = 30.0  # rank 0's idle broadcast under torchrun
 CLIENT_TIMEOUT_S = 120.0  # a connection silent for this long is closed
 
 
@@ -252,372 +248,6 @@ def build_engine(a, ns, explicit: Set[str], environ=None) -> Tuple[Engine, int]:
                     decoder=build_decoder(model, a.decode_cuda_graph, not a.no_kv_cache,
                                           _PROG))
     return engine, iteration
-
-
-# ------------------------------------------------------- tensor / pipeline parallelism
-_IDLE, _REQUEST, _STOP = "idle", "request", "stop"
-
-
-def _broadcast(message, group, src: int = 0):
-    """`message` from global rank `src` to every rank of `group` (gloo); what `src` sent."""
-    box = [message]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
-
-
-def control_group(engine: Engine):
-    """The gloo group the request messages travel on at dp 1: the runtime's CPU group
-    beside NCCL, else the default (gloo) group (at dp > 1: ServingGroups)."""
-    return engine.runtime.control_group
-
-
-class _FollowerSigint(SigintHandler):
-    """SIGINT on a rank that follows rank 0 (a terminal's Ctrl-C reaches every rank of the
-    job): while it waits for rank 0's next message it is only noted -- rank 0, interrupted
-    too, broadcasts stop and every rank ends quietly; during a request it raises
-    KeyboardInterrupt (rank 0 stopped mid-request and will not finish it). Installed in
-    the main thread only."""
-
-    def __init__(self) -> None:
-        self.received, self.busy = False, False
-
-    def _handle(self, signum, frame) -> None:
-        self.received = True
-        if self.busy:
-            raise KeyboardInterrupt
-
-
-def follow_requests(engine: Engine, group=None, src: int = 0) -> int:
-    """A rank other than its replica's leader (global rank `src`; 0 at dp 1): generate each
-    request the leader broadcasts over `group` (default: control_group), in lockstep with
-    it, until the leader broadcasts stop; returns the number of requests. A request that
-    fails its checks fails alike on every rank (rank 0 answers 400), before any collective;
-    one that fails in generation (rank 0 answers 500 and goes on serving) fails here too,
-    and this rank goes on following (a rank that left would stop the whole server). Ctrl-C
-    ends it without a traceback (see _FollowerSigint); so does the leader leaving after
-    one."""
-    group, served = control_group(engine) if group is None else group, 0
-    with _FollowerSigint() as sigint:
-        while True:
-            try:
-                kind, req = _broadcast(None, group, src)
-            except RuntimeError:  # the leader left: after Ctrl-C that is the stop
-                if sigint.received:
-                    return served
-                raise
-            if kind == _STOP:
-                return served
-            if kind != _REQUEST:
-                continue
-            served += 1
-            sigint.busy = True
-            try:
-                run_request(engine, req)
-            except RequestError:
-                pass
-            except KeyboardInterrupt:  # Ctrl-C mid-request: rank 0 stopped too
-                return served
-            except Exception as exc:  # rank 0 prints the traceback and answers 500
-                print(f"rank {engine.runtime.ps.rank}: the request failed too ("
-                      f"{type(exc).__name__}: {exc}); following the next one", flush=True)
-            finally:
-                sigint.busy = False
-
-
-class _StopSignals:
-    """`with _StopSignals():` while rank 0 stops (after Ctrl-C or SIGTERM). SIGINT within
-    `InterruptWatch.FORWARDED_WITHIN_S` of the start is the same Ctrl-C again (a launcher
-    forwarding it to a worker the terminal reached too) and is ignored; any later SIGINT
-    or SIGTERM (Ctrl-C pressed again; torchrun's SIGTERM after its own second Ctrl-C) ends
-    the process at once: one line, status 130, no traceback. os._exit, not SystemExit:
-    the process group is still open, and a gloo group left to the interpreter's exit can
-    abort the process after its output. Main thread only."""
-
-    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self._start, self._previous = time.monotonic(), {}
-
-    def _handle(self, signum, frame) -> None:
-        if (signum == signal.SIGINT and
-                time.monotonic() - self._start < InterruptWatch.FORWARDED_WITHIN_S):
-            return
-        print(f"{_PROG}: interrupted again while stopping ({signal.Signals(signum).name}): "
-              "exiting at once", flush=True)
-        sys.stderr.flush()
-        os._exit(INTERRUPTED_STATUS)
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in self._SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous = {}
-
-
-class _Lost:
-    """Lockstep.pending's item that ends serving: another replica's failure `exc`."""
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
-class Lockstep:
-    """Rank 0 under torchrun: the HTTP threads (at dp > 1 the Dispatcher) `submit` requests;
-    `serve`, on the main thread, broadcasts each to the other ranks of rank 0's replica
-    (`group`) and runs it (a heartbeat while idle, to the other replicas too), and
-    broadcasts stop when it ends (then stops the other replicas)."""
-
-    def __init__(self, engine: Engine, heartbeat_s: Optional[float] = None,
-                 group=None) -> None:
-        self.engine = engine
-        self.heartbeat_s = HEARTBEAT_S if heartbeat_s is None else heartbeat_s
-        self.group = control_group(engine) if group is None else group  # rank 0's replica
-        self.pending: "queue.Queue" = queue.Queue()
-        self.broken = False  # another rank broke a collective: the others cannot be told
-        self.lost: Optional[BaseException] = None  # another replica's failure (`fail`)
-        # the other replicas (Dispatcher): their heartbeat while idle, their stop
-        self.heartbeat_replicas: Callable[[], None] = lambda: None
-        self.stop_replicas: Callable[[], None] = lambda: None
-
-    def fail(self, exc: BaseException) -> None:
-        """Stop serving because another replica broke (`serve` raises `exc`); any thread."""
-        self.pending.put((_Lost(exc), None))
-
-    def submit(self, req):
-        """The response of `req` (an HTTP thread waits here); its exception re-raised."""
-        done: Future = Future()
-        self.pending.put((req, done))
-        return done.result()
-
-    def stop_others(self) -> None:
-        _broadcast((_STOP, None), self.group)
-
-    def serve(self, server) -> None:
-        """Serve `server` in a thread until KeyboardInterrupt (SIGINT; SIGTERM is turned
-        into one by main), then tell the other ranks to stop and close the server (a
-        second signal meanwhile exits at once: _StopSignals). A request whose collective
-        another rank broke (gone, or stuck past the timeout) is answered 500 and ends the
-        serving the same way, then the process with one line naming that rank (main's
-        process_group_closed): the ranks are out of step, and a stuck rank would make
-        every later request wait for the timeout again."""
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
-        try:
-            while True:
-                try:
-                    req, done = self.pending.get(timeout=self.heartbeat_s)
-                except queue.Empty:
-                    _broadcast((_IDLE, None), self.group)
-                    self.heartbeat_replicas()
-                    continue
-                if isinstance(req, _Lost):
-                    self.lost = req.exc
-                    raise req.exc
-                _broadcast((_REQUEST, req), self.group)
-                try:
-                    done.set_result(run_request(self.engine, req))
-                except Exception as exc:  # the handler answers 400 / 500
-                    done.set_exception(exc)
-                    if peer_failure(exc) is not None:  # out of step: each request would
-                        raise  # wait for the collective timeout again; stop serving
-        except KeyboardInterrupt:
-            pass
-        except Exception as exc:
-            self.broken = peer_failure(exc) is not None and exc is not self.lost
-            raise
-        finally:
-            with _StopSignals():  # Ctrl-C again: exit at once (server.shutdown takes 0.5 s)
-                self._stop(server)
-
-    def _stop(self, server) -> None:
-        try:
-            if not self.broken:  # else a stuck rank's broadcast would wait for the timeout
-                self.stop_others()
-        except RuntimeError as exc:  # a rank that failed cannot be told; close anyway
-            print(f"note: the other ranks could not be told to stop: {exc}", flush=True)
-        server.shutdown()
-        server.server_close()
-        self.stop_replicas()
-        while not self.pending.empty():
-            done = self.pending.get()[1]
-            if done is not None:
-                done.set_exception(RuntimeError("the server is stopping"))
-
-
-# ------------------------------------------------------------- data-parallel replicas
-class ServingGroups:
-    """Where this rank's request messages travel (tools/generate_tp.py's rank order): its
-    replica's tp x pp ranks (`replica`, from the replica's `leader`, its tp 0 / pp 0 rank)
-    and, on rank 0 and the other replicas' leaders, the pair group [0, leader] of each
-    replica d > 0 (`links[d]`: requests there, answers back). At dp 1 the replica group is
-    control_group and there are no links. The groups are gloo with ANSWERS_WAIT's timeout:
-    a replica waits for its next request, and rank 0 for a replica's answer, as long as it
-    takes (a rank that is gone breaks them at once). Collective: every rank builds them."""
-
-    def __init__(self, engine: Engine) -> None:
-        from tools.generate_tp import ANSWERS_WAIT
-
-        ps = engine.runtime.ps
-        self.leaders = [ps.grid.rank_of(0, d, 0) for d in range(ps.dp_size)]
-        self.leader, self.links = self.leaders[ps.dp_rank], {}
-        self.replica = control_group(engine)
-        if ps.dp_size == 1:
-            return
-        for d in range(ps.dp_size):  # every rank makes every group, in the same order
-            ranks = sorted(ps.grid.rank_of(t, d, p) for t in range(ps.tp_size)
-                           for p in range(ps.pp_size))
-            group = dist.new_group(ranks, backend="gloo", timeout=ANSWERS_WAIT)
-            if d == ps.dp_rank:
-                self.replica = group
-        for d in range(1, ps.dp_size):
-            group = dist.new_group([0, self.leaders[d]], backend="gloo", timeout=ANSWERS_WAIT)
-            if ps.rank in (0, self.leaders[d]):
-                self.links[d] = group
-
-
-def _answer_of(run: Callable[[], dict]) -> Tuple[tuple, Optional[BaseException]]:
-    """(what a replica's leader sends rank 0, the exception that stops it): ("ok",
-    response), or ("error", RequestError?, text, broke) where broke says another rank of
-    the replica broke the request's collective (the replica is out of step)."""
-    try:
-        return ("ok", run()), None
-    except Exception as exc:
-        broke = peer_failure(exc) is not None
-        text = str(exc) if isinstance(exc, RequestError) else f"{type(exc).__name__}: {exc}"
-        return ("error", isinstance(exc, RequestError), text, broke), exc if broke else None
-
-
-def lead_replica(engine: Engine, groups: ServingGroups) -> int:
-    """The leader of replica d > 0: take each request rank 0 sends over links[d],
-    broadcast it to the replica's other ranks (follow_requests), generate it with them and
-    send rank 0 the answer, until rank 0 sends stop (passed on to the replica); returns
-    the number of requests. Ctrl-C as on a follower (_FollowerSigint). A request another
-    rank of the replica broke is answered, then this rank stops (process_group_closed's
-    line): rank 0 stops serving on that answer."""
-    link, me, served = groups.links[engine.runtime.ps.dp_rank], groups.leader, 0
-    with _FollowerSigint() as sigint:
-        while True:
-            try:
-                kind, req = _broadcast(None, link)
-            except RuntimeError:  # rank 0 left: after Ctrl-C that is the stop
-                if sigint.received:
-                    return served
-                raise
-            _broadcast((kind, req), groups.replica, me)
-            if kind == _STOP:
-                return served
-            if kind != _REQUEST:
-                continue
-            served, sigint.busy = served + 1, True
-            try:
-                answer, broke = _answer_of(lambda: run_request(engine, req))
-            except KeyboardInterrupt:  # Ctrl-C mid-request: rank 0 stopped too
-                return served
-            finally:
-                sigint.busy = False
-            _broadcast(answer, link, me)
-            if broke is not None:
-                raise broke
-
-
-class Dispatcher:
-    """Rank 0 at dp > 1: `submit` (an HTTP thread) runs a request on an idle replica,
-    replica 0 (`lockstep`, on the main thread) when it is idle, else the lowest other
-    one (sent over its link; this thread waits for the answer), else waits for one. The
-    request is checked and its unseeded draw made here first (fixed_seed), in arrival
-    order: any replica answers it as a one-replica server would have."""
-
-    def __init__(self, lockstep: Lockstep, groups: ServingGroups) -> None:
-        self.lockstep, self.groups = lockstep, groups
-        self.idle, self.gone = set(range(len(groups.leaders))), set()
-        self.stopping, self.cond, self.seeds = False, threading.Condition(), threading.Lock()
-        lockstep.stop_replicas = self.stop_replicas
-        lockstep.heartbeat_replicas = self.heartbeat
-
-    def _take(self, d: Optional[int] = None) -> Optional[int]:
-        """An idle replica, marked busy: `d` if idle (else None), or else the lowest idle
-        one, waiting for one (RuntimeError once stopping)."""
-        with self.cond:
-            if d is not None:
-                if d not in self.idle:
-                    return None
-            else:
-                self.cond.wait_for(lambda: self.idle or self.stopping)
-                if self.stopping:
-                    raise RuntimeError("the server is stopping")
-                d = min(self.idle)
-            self.idle.remove(d)
-            return d
-
-    def _give(self, d: int) -> None:
-        with self.cond:
-            self.idle.add(d)
-            self.cond.notify_all()
-
-    def heartbeat(self) -> None:
-        """(main thread, while replica 0 is idle) an idle message to each idle replica's
-        leader, passed on to its ranks: a replica whose rank is gone is found while no
-        request runs (RuntimeError: serving stops). A busy replica is skipped: its
-        answer, or its broken link, will tell."""
-        for d, link in self.groups.links.items():
-            if self._take(d) is None:
-                continue
-            try:
-                _broadcast((_IDLE, None), link)
-            except RuntimeError as exc:
-                self.gone.add(d)
-                self.lockstep.lost = exc
-                raise
-            finally:
-                self._give(d)
-
-    def submit(self, req):
-        with self.seeds:
-            req = fixed_seed(self.lockstep.engine, req)  # RequestError: 400, not dispatched
-        d = self._take()
-        try:
-            return self.lockstep.submit(req) if d == 0 else self._remote(d, req)
-        finally:
-            self._give(d)
-
-    def _remote(self, d: int, req):
-        link = self.groups.links[d]
-        try:
-            _broadcast((_REQUEST, req), link)
-            answer = _broadcast(None, link, self.groups.leaders[d])
-        except RuntimeError as exc:  # the leader is gone: stop serving (the job ends)
-            self.gone.add(d)
-            self.lockstep.fail(exc)
-            raise
-        if answer[0] == "ok":
-            return answer[1]
-        _, bad_request, text, broke = answer
-        if bad_request:
-            raise RequestError(text)
-        error = RuntimeError(f"replica {d} (rank {self.groups.leaders[d]}): {text}")
-        if broke:  # its leader stops; so does rank 0
-            self.gone.add(d)
-            self.lockstep.fail(error)
-        raise error
-
-    def stop_replicas(self) -> None:
-        """Once serving ends (main thread): let the other replicas' running requests finish,
-        then tell each leader to stop."""
-        with self.cond:
-            self.stopping = True
-            self.cond.notify_all()
-            self.cond.wait_for(lambda: self.idle >= set(self.groups.links))
-        for d, link in self.groups.links.items():
-            if d in self.gone:
-                continue
-            try:
-                _broadcast((_STOP, None), link)
-            except RuntimeError as exc:
-                print(f"note: replica {d} could not be told to stop: {exc}", flush=True)
 
 
 # ---------------------------------------------------------------------------------- HTTP
