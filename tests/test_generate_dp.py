@@ -94,19 +94,19 @@ def test_tp2_dp2_generates_as_one_process(ckpt_tp1, tmp_path):  # noqa: F811
 
 
 def _slow_replica_worker(rank, world_size, ckpt, prompt_file):
-    """generate.py at dp 2 in a process group whose timeout (3 s) is shorter than replica
-    1's block takes (6 s more than replica 0's): rank 0 waits for it."""
+    """generate.py at dp 2 in a process group whose timeout (3 s, from the first batch on:
+    loading the model is not the part under test, and on a loaded machine its collectives
+    may wait longer) is shorter than replica 1's block takes (6 s more than replica 0's):
+    rank 0 waits for it."""
     import datetime
     import time
 
     import torch.distributed as dist
 
-    dist.destroy_process_group()
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=3))
     batch = generate.generate_batch
 
     def slow(model, prompts, *args, **kwargs):
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=3))
         if rank == 1:
             time.sleep(6)
         return batch(model, prompts, *args, **kwargs)
@@ -208,16 +208,24 @@ def test_server_at_dp2_answers_side_by_side(ckpt_tp1, tmp_path, tp):  # noqa: F8
 
 
 def _serve_dp2_short_timeout_worker(rank, world_size, ckpt, port, pid_dir):
-    """`_serve_dp2_worker` in a process group whose timeout (3 s) is shorter than the
+    """`_serve_dp2_worker` in a process group whose timeout (3 s once the model is loaded:
+    on a loaded machine the loading collectives may wait longer) is shorter than the
     two-prompt request takes on rank 0 (5 s more)."""
     import datetime
     import time
 
     import torch.distributed as dist
 
-    # the group's timeout shortened in place (a new group on the same port may meet the
-    # other rank still on the old one's store)
-    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=3))
+    build = server_mod.build_engine
+
+    def build_then_shorten(*args, **kwargs):
+        # the group's timeout shortened in place (a new group on the same port may meet
+        # the other rank still on the old one's store)
+        built = build(*args, **kwargs)
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=3))
+        return built
+
+    server_mod.build_engine = build_then_shorten
     from tools import text_generation_api
 
     run = text_generation_api.run_request
