@@ -263,6 +263,9 @@ def _replica_1_dies_worker(rank, world_size, ckpt, port, out_dir):
     import threading
     import time
 
+    # gloo connecting each pair at its first message, as under torchrun (the entry points
+    # export it; the harness made the process group without)
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     if rank == 1:
         server_mod.lead_replica = lambda engine, groups: os._exit(0)
     ranks_mod.HEARTBEAT_S = 0.2

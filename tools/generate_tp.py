@@ -125,6 +125,11 @@ class Replicas:
             import torch.distributed as dist
 
             self.group = dist.new_group(backend="gloo", timeout=ANSWERS_WAIT)
+            # the pairs `gather` uses, connected while every rank is here: gloo connects a
+            # pair at its first message (TORCH_GLOO_LAZY_INIT) and would wait up to
+            # ANSWERS_WAIT for a replica that died meanwhile instead of failing at once
+            dist.gather_object(None, [None] * dist.get_world_size() if self.rank == 0 else None,
+                               dst=0, group=self.group)
 
     def block(self, num_items: int) -> range:
         """The indices of `num_items` prompts this replica generates (`replica_block`)."""

@@ -8,6 +8,12 @@ answer back (`ServingGroups`, `lead_replica`). Every message is a Python object 
 over a gloo group (`_broadcast`)."""
 from __future__ import annotations
 
+# A library module, not a command: run as a script, it says which command to use.
+if __name__ == "__main__":
+    raise SystemExit("tools/text_generation_ranks.py is a library module (the text generation "
+                     "server's ranks under torchrun); run python "
+                     "tools/run_text_generation_server.py --help")
+
 import os
 import queue
 import signal
@@ -250,6 +256,13 @@ class ServingGroups:
             group = dist.new_group([0, self.leaders[d]], backend="gloo", timeout=ANSWERS_WAIT)
             if ps.rank in (0, self.leaders[d]):
                 self.links[d] = group
+        # connected now, while every rank is here: gloo connects a pair at its first
+        # message (TORCH_GLOO_LAZY_INIT, which the entry points export) and waits up to the
+        # group's timeout for a peer that never comes, so a rank that died idle would have
+        # held rank 0's next message for ANSWERS_WAIT instead of breaking it at once
+        _broadcast(None, self.replica, self.leader)
+        for link in self.links.values():  # rank 0: in replica order; a leader: its own
+            _broadcast(None, link)
 
 
 def _answer_of(run: Callable[[], dict]) -> Tuple[tuple, Optional[BaseException]]:
