@@ -15,6 +15,7 @@ import os
 import pytest
 
 from tests.dist_utils import run_distributed
+from tests.test_generate_pp import _cli
 from tests.test_generate_tp import ckpt_tp1, two_rank_server  # noqa: F401
 from tools import generate
 from tools import run_text_generation_server as server_mod
@@ -49,14 +50,6 @@ def _runs(tmp_path):
             ("--prompt-file", str(five), "--no-kv-cache", *sampled),
             ("--prompt-file", str(one), *sampled),
             ("--prompt", "5 6 7", *sampled)]
-
-
-def _cli(rank, world_size, ckpt, flags):
-    buf = io.StringIO()
-    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
-    with contextlib.redirect_stdout(buf):
-        assert generate.main(["--load", ckpt, "--json", *flags], environ=env) == 0
-    return buf.getvalue()
 
 
 def _dp_worker(rank, world_size, ckpt, tp, runs):
