@@ -380,13 +380,22 @@ def test_the_checkpoint_load_is_a_phase_of_its_own():
 
 
 # The end of a wrapper script: runs {script} as __main__ and writes the process's exit
-# status (os._exit, SystemExit or an exception: 1) to {status_dir}/rank<RANK>.
+# status (os._exit, SystemExit or an exception: 1) to {status_dir}/rank<RANK>. Each record
+# goes to a file of its own thread first and is renamed into place: a watchdog thread's
+# os._exit while the main thread records its SystemExit once left an empty file behind.
 RUN_RECORDING_STATUS = """
+import threading
 status_file = os.path.join({status_dir!r}, "rank" + os.environ["RANK"])
 os_exit = os._exit
 
+def record_status(code):
+    own = "%s.%d.tmp" % (status_file, threading.get_ident())
+    with open(own, "w") as f:
+        f.write(str(code))
+    os.replace(own, status_file)
+
 def recording_exit(code):
-    open(status_file, "w").write(str(code))
+    record_status(code)
     os_exit(code)
 
 os._exit = recording_exit
@@ -394,13 +403,20 @@ sys.argv[0] = {script!r}
 try:
     runpy.run_path({script!r}, run_name="__main__")
 except SystemExit as exc:
-    code = exc.code if isinstance(exc.code, int) else 1 if exc.code else 0
-    open(status_file, "w").write(str(code))
+    record_status(exc.code if isinstance(exc.code, int) else 1 if exc.code else 0)
     raise
 except BaseException:
-    open(status_file, "w").write("1")
+    record_status(1)
     raise
 """
+
+
+def read_statuses(status_dir: Path) -> dict:
+    """{rank: exit status} from the files RUN_RECORDING_STATUS wrote (a record whose
+    process was killed before its rename is left out)."""
+    return {int(p.name[4:]): int(p.read_text()) for p in status_dir.iterdir()
+            if not p.name.endswith(".tmp")}
+
 
 # Runs pretrain_gpt.py with the {call}th call of {module}.{name} slowed by 30 s (printing
 # "test: slowing" first, so that the test knows when to press Ctrl-C), and records the
@@ -464,7 +480,7 @@ def _interrupt_in(tmp_path, phase: str) -> tuple:
                     *extra]
     log = _signal_when(args, lambda text: text.count("test: slowing") == slowed, signal.SIGINT,
                        group=True, script=wrapper, delay=0.5)  # the terminal's Ctrl-C
-    statuses = {int(p.name[4:]): int(p.read_text()) for p in status_dir.iterdir()}
+    statuses = read_statuses(status_dir)
     return log, statuses, ckpt
 
 

@@ -26,7 +26,7 @@ from megatron.rank_failure import (
 )
 from megatron.watchdog import EXIT_CODE
 from tests.dist_utils import cpu_env, free_port
-from tests.test_preemption import MODEL, RUN_RECORDING_STATUS
+from tests.test_preemption import MODEL, RUN_RECORDING_STATUS, read_statuses
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,7 +93,7 @@ def run_with_fault(tmp_path, module: str, name: str, action: str, args: list, ca
         for p in procs:
             p.kill()
     seconds = time.monotonic() - started
-    statuses = {int(p.name[4:]): int(p.read_text()) for p in status_dir.iterdir()}
+    statuses = read_statuses(status_dir)
     return (outs[0] if nodes == 1 else outs), statuses, seconds
 
 
