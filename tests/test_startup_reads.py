@@ -96,11 +96,12 @@ RUN = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
 
 def _main_worker(rank, world_size, port, data_path, cache, flags=()):
     """pretrain_gpt.main on this rank: (its status, tokenizer builds, .bin samples,
-    datasets opened)."""
+    datasets opened, checkpoint arguments read)."""
     import torch.distributed as dist
 
     import megatron.tokenizer
     import pretrain_gpt
+    from megatron import arguments_checkpoint
     from megatron.core.datasets.indexed_dataset import MMapIndexedDataset
 
     dist.destroy_process_group()  # run_distributed's: start as the entry point does
@@ -110,9 +111,11 @@ def _main_worker(rank, world_size, port, data_path, cache, flags=()):
     _counting(megatron.tokenizer, "build_tokenizer", counts, "tokenizers")
     _counting(MMapIndexedDataset, "token_id_range", counts, "scans")
     _counting(MMapIndexedDataset, "__init__", counts, "opens")
+    _counting(arguments_checkpoint, "read_checkpoint_args", counts, "checkpoint_args")
     status = pretrain_gpt.main(RUN + ["--data-path", data_path, "--data-cache-path", cache,
                                       *flags])
-    return {"status": status, **{k: counts.get(k, 0) for k in ("tokenizers", "scans", "opens")}}
+    return {"status": status, **{k: counts.get(k, 0) for k in ("tokenizers", "scans", "opens",
+                                                               "checkpoint_args")}}
 
 
 def test_pretrain_start_up_builds_the_tokenizer_once_and_samples_once(tmp_path):
@@ -135,6 +138,21 @@ def test_the_no_validation_warning_opens_the_datasets_on_rank_0_only(tmp_path):
                               ["--eval-iters", "1", "--eval-interval", "1"])
     assert [r["status"] for r in results] == [0, 0], results
     assert [r["opens"] for r in results] == [2, 1], results
+
+
+def test_pretrain_resumed_with_checkpoint_args_reads_them_on_rank_0(tmp_path):
+    """pretrain_gpt.py on two ranks saves, then resumes with --use-checkpoint-args: rank 0
+    reads the checkpoint's arguments, rank 1 gets them through the rendezvous store, and
+    the process group is made through that same store (rank 0 hosts one, not two)."""
+    prefix = _write(str(tmp_path / "corpus"), vocab=100)
+    ckpt, cache = str(tmp_path / "ckpt"), str(tmp_path / "cache")
+    saved = run_distributed(_main_worker, 2, free_port(), prefix, cache,
+                            ["--save", ckpt, "--save-interval", "1"])
+    assert [r["status"] for r in saved] == [0, 0], saved
+    resumed = run_distributed(_main_worker, 2, free_port(), prefix, cache,
+                              ["--load", ckpt, "--use-checkpoint-args"])
+    assert [r["status"] for r in resumed] == [0, 0], resumed
+    assert [r["checkpoint_args"] for r in resumed] == [1, 0], resumed
 
 
 def test_zero_shot_evaluation_builds_the_tokenizer_once(tmp_path, monkeypatch):
