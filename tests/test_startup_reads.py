@@ -4,7 +4,9 @@ At thousands of ranks on a shared file system (Lustre, GPFS), a read that every 
 repeats is a read the whole job makes N times. Rank 0 samples each `.bin` for its token
 ids (up to 1 MiB) and the others get the id ranges in one broadcast; each rank builds the
 run's tokenizer (vocab + merges, a sentencepiece model) once, not once for the argument
-checks and again for the data.
+checks and again for the data; with --use-checkpoint-args rank 0 reads the checkpoint's
+arguments (tracker, iteration directory, model file) and the others get them, or its
+error, through the rendezvous store.
 """
 from __future__ import annotations
 
