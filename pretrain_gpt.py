@@ -86,14 +86,17 @@ def main(argv=None) -> int:
             from megatron.arguments import parse_and_validate, run_dry_run
 
             _check_srun_tasks(os.environ)
+            from megatron.startup_store import JobStore
+
             rank, world, local_rank = _launcher_env()
             kept = KeptTokenizer()
+            job = JobStore(os.environ, rank, world)  # rank 0 reads for all before the group
             config = parse_and_validate(sys.argv[1:] if argv is None else argv,
-                                        world_size=world, vocab_size_fn=kept)
+                                        world_size=world, vocab_size_fn=kept, job_store=job)
             if config.args.get("dry_run"):  # under torchrun: one report per node
                 return run_dry_run(config, world, show=rank == 0 or local_rank == 0)
             return _train(config, (rank, world, local_rank), start, progress, watch,
-                          kept.tokenizer)
+                          kept.tokenizer, job.store)
         except BaseException as e:
             if not watch.explains(e):
                 raise
@@ -102,9 +105,11 @@ def main(argv=None) -> int:
     return _interrupted(config, rank == 0 or local_rank == 0, progress)
 
 
-def _train(config, ranks: tuple, start: float, progress, watch, tokenizer=None) -> int:
-    """Initialise the process group, then pretrain (with `tokenizer`, the one the argument
-    checks built; None: pretrain builds it); the exit status (0, or an OOM exit's).
+def _train(config, ranks: tuple, start: float, progress, watch, tokenizer=None,
+           store=None) -> int:
+    """Initialise the process group (through `store`, the job's store when the argument
+    checks connected it), then pretrain (with `tokenizer`, the one the argument checks
+    built; None: pretrain builds it); the exit status (0, or an OOM exit's).
     The group is left as it is after an out-of-memory error, an interrupt or another
     rank's failure (megatron/rank_failure.py: one line, from the first such rank of each
     host): its teardown may wait for ranks still in a collective (the launcher ends
@@ -123,7 +128,7 @@ def _train(config, ranks: tuple, start: float, progress, watch, tokenizer=None) 
 
     rank, world, local_rank = ranks
     rt = initialize_entry_point(config.parallel, config.args["cublas_workspace"], rank, world,
-                                local_rank, os.environ)
+                                local_rank, os.environ, store=store)
     if rank == 0:
         print(format_args_dump(config.args), flush=True)
     set_random_seed(config.training.seed, rt, config.training.data_parallel_random_init)

@@ -424,6 +424,7 @@ def parse_and_validate(
     *,
     cuda_available: Optional[bool] = None,
     vocab_size_fn: Optional[Callable[[argparse.Namespace], int]] = None,
+    job_store=None,
 ) -> Config:
     """argv -> validated `Config`, before any process group exists.
 
@@ -431,6 +432,9 @@ def parse_and_validate(
     `cuda_available` (default torch.cuda.is_available()) picks the backend and the compile
     default. `vocab_size_fn(args) -> int` returns the tokenizer's vocab size before padding
     (default: `default_vocab_size`, which knows GPT2BPETokenizer and NullTokenizer).
+    `job_store` (a megatron.startup_store.JobStore, from the launcher's environment): with
+    --use-checkpoint-args rank 0 alone reads the checkpoint and the other ranks get its
+    arguments, or its error, through the job's store; without it every rank reads them.
     Raises `ArgumentsError` (exit status 2) after printing `<prog>: error: ...` to stderr:
     on rank 0 only for a mistake in the flags; see `prints_error`.
     """
@@ -447,12 +451,11 @@ def parse_and_validate(
             check_not_supported(ns, origins)
             if ns.use_checkpoint_args:  # model flags from the checkpoint, before validation
                 from megatron.arguments_checkpoint import (
-                    apply_checkpoint_args,
                     fit_checkpoint_layout,
+                    take_checkpoint_args,
                 )
 
-                with machine_checks():
-                    copied = apply_checkpoint_args(ns, explicit, warn)
+                copied = take_checkpoint_args(ns, explicit, warn, job_store)
                 fit_checkpoint_layout(ns, copied, world_size, warn)
             ns.rank, ns.world_size = rank, world_size
             if ns.local_rank is None and env.get("LOCAL_RANK"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Callable, List, Set
+from typing import Callable, List, Optional, Set
 
 from megatron.arguments_common import ArgumentsError
 from megatron.checkpoint_dirs import model_file, refuse_untracked_checkpoints, tracker_path
@@ -52,6 +52,17 @@ def read_checkpoint_args(load: str) -> dict:
     return args
 
 
+def saved_checkpoint_args(load: str) -> Optional[dict]:
+    """`read_checkpoint_args(load)`, or None when `load` holds no checkpoint yet (no
+    tracker file, nothing that looks like a checkpoint). ArgumentsError for the rest."""
+    if not os.path.isfile(tracker_path(load)) and not _untracked(load):
+        return None
+    try:
+        return read_checkpoint_args(load)
+    except SystemExit as exc:
+        raise ArgumentsError(str(exc.code).removeprefix("error: ")) from None
+
+
 def _untracked(load: str) -> bool:
     """Whether `load`, without a tracker file, still looks like a checkpoint (an iteration
     directory, or one holding them): `read_checkpoint_args` refuses those with the fix."""
@@ -63,26 +74,26 @@ def _untracked(load: str) -> bool:
 
 
 def apply_checkpoint_args(ns: argparse.Namespace, explicit: Set[str],
-                          warn: Callable[[str], None] = print) -> List[str]:
+                          warn: Callable[[str], None] = print,
+                          read: Optional[Callable[[str], Optional[dict]]] = None) -> List[str]:
     """`--use-checkpoint-args`: copy the model flags stored in the checkpoint under
     `ns.load` into `ns` wherever the command line (or YAML) left them unset (`explicit`
     lists the dests that were set). Call before validation. Returns the dests copied.
+    `read(load)` gives the stored arguments (default `saved_checkpoint_args`: this process
+    reads them; `take_checkpoint_args` passes one that rank 0 answers for all).
     No checkpoint under --load yet (no tracker, no iteration directory): a warning, nothing
     copied, as Megatron-LM does. ArgumentsError without --load, for iteration directories
     without a tracker, or a checkpoint without stored arguments."""
     if not ns.load:
         raise ArgumentsError("--use-checkpoint-args needs --load DIR (the checkpoint whose "
                              "arguments to use)")
-    if not os.path.isfile(tracker_path(ns.load)) and not _untracked(ns.load):
+    saved = (read or saved_checkpoint_args)(ns.load)
+    if saved is None:
         # the first launch of a job that resumes from --load = --save (Megatron-LM goes on
         # with the command line's flags too)
         warn(f"--use-checkpoint-args: no checkpoint under --load {ns.load} yet, so the model "
              "flags are the command line's")
         return []
-    try:
-        saved = read_checkpoint_args(ns.load)
-    except SystemExit as exc:
-        raise ArgumentsError(str(exc.code).removeprefix("error: ")) from None
     copied = []
     for dest in _FILL_IF_UNSET + _ARCHITECTURE:
         if dest not in saved or not hasattr(ns, dest):
@@ -102,6 +113,40 @@ def apply_checkpoint_args(ns: argparse.Namespace, explicit: Set[str],
     if "tokenizer_type" in copied:
         _check_tokenizer_files_given(ns, saved)
     return copied
+
+
+def take_checkpoint_args(ns: argparse.Namespace, explicit: Set[str],
+                         warn: Callable[[str], None], job=None) -> List[str]:
+    """`apply_checkpoint_args` for parse_and_validate. With `job` (the launch's
+    megatron.startup_store.JobStore) global rank 0 alone reads the checkpoint -- its
+    tracker, its directory, its rank-0 model file -- and the other ranks get the
+    arguments, or its error, through the job's store: one read of those shared files per
+    job, not one per rank, and an error every rank raises alike (rank 0 prints it).
+    Without one (a single process, a tool) this process reads them, and its errors are
+    this machine's (`machine_checks`)."""
+    from megatron.arguments_common import machine_checks
+
+    if job is None or job.world_size <= 1 or not ns.load:
+        with machine_checks():
+            return apply_checkpoint_args(ns, explicit, warn)
+    import datetime
+
+    from megatron.startup_store import from_rank_0
+
+    # as initialize_distributed's: the process group's, a minute longer
+    timeout = datetime.timedelta(minutes=ns.distributed_timeout_minutes, seconds=60)
+
+    def read(load: str) -> Optional[dict]:
+        try:
+            return from_rank_0(job, "checkpoint_args", lambda: saved_checkpoint_args(load),
+                               timeout, f"the checkpoint arguments under --load {load}")
+        except ArgumentsError:
+            raise
+        except SystemExit as exc:  # no answer from rank 0: this rank's own trouble
+            with machine_checks():
+                raise ArgumentsError(str(exc.code).removeprefix("error: ")) from None
+
+    return apply_checkpoint_args(ns, explicit, warn, read=read)
 
 
 def _check_tokenizer_files_given(ns: argparse.Namespace, saved: dict) -> None:

@@ -174,12 +174,16 @@ def check_local_rank(local_rank: int, num_gpus: int) -> None:
 
 
 def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
-                           local_rank: int, agent_store: AgentStore | None = None) -> Runtime:
+                           local_rank: int, agent_store: AgentStore | None = None,
+                           store=None) -> Runtime:
     """Init torch.distributed (when world_size > 1), pick the device, build ParallelState.
 
-    With `agent_store` (see agent_store_from_env) the default group rendezvouses through
-    torchrun's store under a per-attempt prefix; without it, torch's env:// init as usual.
-    A process group the caller already made with gloo is kept, and the run stays on CPU.
+    `store`: the job's rendezvous store, connected before (megatron/startup_store.py's
+    JobStore, for reads rank 0 made for every rank), which the default group then uses.
+    Else with `agent_store` (see agent_store_from_env) the default group rendezvouses
+    through torchrun's store under a per-attempt prefix; without it, torch's env:// init
+    as usual. A process group the caller already made with gloo is kept, and the run
+    stays on CPU.
     """
     backend = choose_backend()
     if dist.is_initialized() and dist.get_backend() == "gloo":
@@ -194,7 +198,10 @@ def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
     timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes, seconds=60)
     if world_size > 1 and not dist.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}
-        if agent_store is not None:
+        if store is not None:
+            store.set_timeout(timeout)  # as env:// sets it
+            kwargs["store"] = store
+        elif agent_store is not None:
             kwargs["store"] = attempt_store(agent_store, world_size, timeout)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     ps = ParallelState.build(
@@ -269,15 +276,16 @@ def warnings_once_per_job(rank: int) -> None:
 
 def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank: int,
                            world_size: int, local_rank: int,
-                           environ: MutableMapping[str, str]) -> Runtime:
+                           environ: MutableMapping[str, str], store=None) -> Runtime:
     """The entry points' start (pretrain_gpt.py, tools/benchmark.py): export what
     `--cublas-workspace` asks for into `environ` (the process environment, read by torch
     when it makes its first cuBLAS handle, so before anything runs on the GPU) and
     `gloo_lazy_init_env` (read when each gloo group is made), initialise
     (under torchrun --max-restarts, each attempt keeps out of the keys of the previous
-    one), then check one GEMM on the GPU when cuBLAS was left without a workspace. With
-    several processes, a warning every rank gives alike shows once from then on
-    (`warnings_once_per_job`)."""
+    one; `store`: the job's store when the entry point connected it already, see
+    `initialize_distributed`), then check one GEMM on the GPU when cuBLAS was left without
+    a workspace. With several processes, a warning every rank gives alike shows once from
+    then on (`warnings_once_per_job`)."""
     one_line_project_warnings()
     environ.update(gloo_lazy_init_env(environ))
     no_workspace = cublas_workspace_env(cublas_workspace, environ)
@@ -289,7 +297,7 @@ def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank
     if torch.cuda.is_available():
         local_rank = local_gpu(rank, local_rank, environ, torch.cuda.device_count())
     rt = initialize_distributed(parallel, rank, world_size, local_rank,
-                                agent_store=agent_store_from_env(environ))
+                                agent_store=agent_store_from_env(environ), store=store)
     if world_size > 1:
         warnings_once_per_job(rank)
     if no_workspace and rt.device.type == "cuda":

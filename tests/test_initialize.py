@@ -74,7 +74,7 @@ def test_gpu_without_local_rank_is_rank_modulo_the_gpus_as_in_megatron(monkeypat
     class Stop(Exception):
         """raised where initialisation would touch the (absent) GPU"""
 
-    def initialize_distributed(parallel, rank, world_size, local_rank, agent_store):
+    def initialize_distributed(parallel, rank, world_size, local_rank, agent_store, store):
         raise Stop(local_rank)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

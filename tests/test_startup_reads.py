@@ -4,7 +4,9 @@ At thousands of ranks on a shared file system (Lustre, GPFS), a read that every 
 repeats is a read the whole job makes N times. Rank 0 samples each `.bin` for its token
 ids (up to 1 MiB) and the others get the id ranges in one broadcast; each rank builds the
 run's tokenizer (vocab + merges, a sentencepiece model) once, not once for the argument
-checks and again for the data.
+checks and again for the data; with --use-checkpoint-args rank 0 reads the checkpoint's
+arguments (tracker, iteration directory, model file) and the others get them, or its
+error, through the rendezvous store.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import dataclasses
 import os
 
 import numpy as np
+import pytest
 
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from tests.dist_utils import free_port, run_distributed
@@ -95,11 +98,12 @@ RUN = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
 
 def _main_worker(rank, world_size, port, data_path, cache, flags=()):
     """pretrain_gpt.main on this rank: (its status, tokenizer builds, .bin samples,
-    datasets opened)."""
+    datasets opened, checkpoint arguments read)."""
     import torch.distributed as dist
 
     import megatron.tokenizer
     import pretrain_gpt
+    from megatron import arguments_checkpoint
     from megatron.core.datasets.indexed_dataset import MMapIndexedDataset
 
     dist.destroy_process_group()  # run_distributed's: start as the entry point does
@@ -109,9 +113,11 @@ def _main_worker(rank, world_size, port, data_path, cache, flags=()):
     _counting(megatron.tokenizer, "build_tokenizer", counts, "tokenizers")
     _counting(MMapIndexedDataset, "token_id_range", counts, "scans")
     _counting(MMapIndexedDataset, "__init__", counts, "opens")
+    _counting(arguments_checkpoint, "read_checkpoint_args", counts, "checkpoint_args")
     status = pretrain_gpt.main(RUN + ["--data-path", data_path, "--data-cache-path", cache,
                                       *flags])
-    return {"status": status, **{k: counts.get(k, 0) for k in ("tokenizers", "scans", "opens")}}
+    return {"status": status, **{k: counts.get(k, 0) for k in ("tokenizers", "scans", "opens",
+                                                               "checkpoint_args")}}
 
 
 def test_pretrain_start_up_builds_the_tokenizer_once_and_samples_once(tmp_path):
@@ -136,6 +142,21 @@ def test_the_no_validation_warning_opens_the_datasets_on_rank_0_only(tmp_path):
     assert [r["opens"] for r in results] == [2, 1], results
 
 
+def test_pretrain_resumed_with_checkpoint_args_reads_them_on_rank_0(tmp_path):
+    """pretrain_gpt.py on two ranks saves, then resumes with --use-checkpoint-args: rank 0
+    reads the checkpoint's arguments, rank 1 gets them through the rendezvous store, and
+    the process group is made through that same store (rank 0 hosts one, not two)."""
+    prefix = _write(str(tmp_path / "corpus"), vocab=100)
+    ckpt, cache = str(tmp_path / "ckpt"), str(tmp_path / "cache")
+    saved = run_distributed(_main_worker, 2, free_port(), prefix, cache,
+                            ["--save", ckpt, "--save-interval", "1"])
+    assert [r["status"] for r in saved] == [0, 0], saved
+    resumed = run_distributed(_main_worker, 2, free_port(), prefix, cache,
+                              ["--load", ckpt, "--use-checkpoint-args"])
+    assert [r["status"] for r in resumed] == [0, 0], resumed
+    assert [r["checkpoint_args"] for r in resumed] == [1, 0], resumed
+
+
 def test_zero_shot_evaluation_builds_the_tokenizer_once(tmp_path, monkeypatch):
     """tasks/main.py builds the tokenizer for the argument checks and used to build it again
     for the data (per rank: a single process shows the count)."""
@@ -155,3 +176,124 @@ def test_zero_shot_evaluation_builds_the_tokenizer_once(tmp_path, monkeypatch):
     res = evaluate.main(["--task", "LAMBADA", "--valid-data", str(tmp_path / "l.jsonl")] + NULL)
     assert res["num_examples"] == 1
     assert counts == {"tokenizers": 1}
+
+
+# --use-checkpoint-args reads the checkpoint before any process group exists: its tracker,
+# a listing of the iteration directory, rank 0's model file. Rank 0 reads them and the
+# others get the arguments (or the error) through the rendezvous store.
+
+SAVED_ARGS = {"num_layers": 3, "hidden_size": 48, "num_attention_heads": 6,
+              "ffn_hidden_size": 96, "seq_length": 16, "max_position_embeddings": 16,
+              "tokenizer_type": "NullTokenizer", "vocab_size": 100, "swiglu": True,
+              "add_bias_linear": False, "normalization": "RMSNorm",
+              "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
+CKPT_RUN = ["--micro-batch-size", "1", "--global-batch-size", "12", "--lr", "1e-3",
+            "--train-iters", "1", "--mock-data", "--use-checkpoint-args"]
+
+
+def _checkpoint(root, payload) -> str:
+    """A checkpoint directory at iteration 10 whose rank-0 file holds `payload` (bytes: a
+    damaged file)."""
+    import torch
+
+    rank_dir = root / "iter_0000010" / "mp_rank_00"
+    rank_dir.mkdir(parents=True)
+    if isinstance(payload, bytes):
+        (rank_dir / "model_optim_rng.pt").write_bytes(payload)
+    else:
+        torch.save(payload, rank_dir / "model_optim_rng.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text("10")
+    return str(root)
+
+
+def _count_reads_under(root: str, counts: dict) -> None:
+    """Count, in this process, the files opened and the directories listed under `root`
+    (Python's audit events: torch.load's open included)."""
+    import sys
+
+    def hook(event, args):
+        if event in ("open", "os.listdir", "os.scandir") and args and \
+                isinstance(args[0], str) and args[0].startswith(root):
+            key = "opens" if event == "open" else "listings"
+            counts[key] = counts.get(key, 0) + 1
+
+    sys.addaudithook(hook)
+
+
+def _parse_worker(rank, world_size, port, load, delay_s=0.0):
+    """parse_and_validate --use-checkpoint-args on this rank before any process group, as
+    pretrain_gpt.py does, then the process group through the same store: (the model
+    config, the checkpoint reads, the error raised and what this rank printed)."""
+    import contextlib
+    import io
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron.arguments import parse_and_validate
+    from megatron.initialize import initialize_distributed
+    from megatron.startup_store import JobStore
+
+    dist.destroy_process_group()  # run_distributed's: start as the entry point does
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    counts: dict = {}
+    _count_reads_under(load, counts)
+    job, stderr = JobStore(env, rank, world_size), io.StringIO()
+    time.sleep(delay_s if rank else 0.0)
+    try:
+        with contextlib.redirect_stderr(stderr):
+            config = parse_and_validate(CKPT_RUN + ["--load", load], world_size=world_size,
+                                        env=env, cuda_available=False, job_store=job)
+    except SystemExit as e:
+        return {"error": getattr(e, "message", e.code), "status": e.code,
+                "printed": stderr.getvalue(), **counts}
+    initialize_distributed(config.parallel, rank, world_size, 0, store=job.store)
+    total = torch.ones(1)
+    dist.all_reduce(total)  # the group made through the store works
+    dist.destroy_process_group()
+    return {"model": config.model, "error": None, "total": int(total), **counts}
+
+
+def test_checkpoint_args_are_read_by_rank_0_only(tmp_path):
+    """Three ranks: rank 0 opens the tracker and the model file and lists the iteration
+    directory, the others read nothing under --load (each read all of it), and every
+    rank's model configuration is the one a single process parses."""
+    from megatron.arguments import parse_and_validate
+
+    load = _checkpoint(tmp_path / "ckpt", {"args": SAVED_ARGS, "iteration": 10})
+    alone = parse_and_validate(CKPT_RUN + ["--load", load], env={}, cuda_available=False)
+    assert (alone.model.num_layers, alone.model.hidden_size) == (3, 48)  # the checkpoint's
+    results = run_distributed(_parse_worker, 3, free_port(), load)
+    assert [r["error"] for r in results] == [None] * 3, results
+    assert [r["model"] for r in results] == [alone.model] * 3
+    assert [r["total"] for r in results] == [3] * 3
+    assert results[0]["opens"] >= 2 and results[0]["listings"] >= 1, results
+    assert [(r.get("opens", 0), r.get("listings", 0)) for r in results[1:]] == [(0, 0)] * 2
+
+
+@pytest.mark.parametrize("payload, message", [
+    (b"not a checkpoint", "model_optim_rng.pt"),  # damaged
+    ({"iteration": 10}, "holds no arguments"),
+])
+def test_a_bad_checkpoint_stops_every_rank_with_one_message(tmp_path, payload, message):
+    """Rank 0 cannot read the checkpoint: every rank exits (status 2) with rank 0's error,
+    which rank 0 alone prints -- no rank waits for an answer that never comes."""
+    load = _checkpoint(tmp_path / "ckpt", payload)
+    results = run_distributed(_parse_worker, 2, free_port(), load)
+    assert [r["status"] for r in results] == [2, 2], results
+    assert results[0]["error"] == results[1]["error"] and message in results[0]["error"]
+    assert results[0]["printed"].count("error:") == 1, results
+    assert results[0]["error"] in results[0]["printed"] and results[1]["printed"] == ""
+    assert results[1].get("opens", 0) == 0, results
+
+
+def test_rank_0_that_hosts_the_store_waits_until_every_rank_has_its_answer(tmp_path):
+    """An env:// launch: the store lives in rank 0's process, which exits right after its
+    error. A rank that comes to read later still gets the error (it got 'the answer did
+    not come', printed by every such rank)."""
+    load = _checkpoint(tmp_path / "ckpt", {"iteration": 10})
+    results = run_distributed(_parse_worker, 2, free_port(), load, 2.0)
+    assert [r["status"] for r in results] == [2, 2], results
+    assert results[1]["error"] == results[0]["error"] and results[1]["printed"] == ""

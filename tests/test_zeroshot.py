@@ -306,7 +306,12 @@ def test_several_micro_batches_per_schedule_run(single, capsys):
 
 
 def _layout_worker(rank, world_size, runs, layout):
-    return {name: evaluate.main(argv + layout, rank, world_size) for name, argv in runs.items()}
+    from megatron import arguments_checkpoint
+
+    real, reads = arguments_checkpoint.read_checkpoint_args, []
+    arguments_checkpoint.read_checkpoint_args = lambda load: reads.append(load) or real(load)
+    out = {name: evaluate.main(argv + layout, rank, world_size) for name, argv in runs.items()}
+    return {**out, "checkpoint_reads": len(reads)}
 
 
 @pytest.mark.parametrize("layout", [
@@ -324,6 +329,8 @@ def test_parallel_layouts_match_single_process(single, layout):
         runs = {k: [a for i, a in enumerate(v) if a not in shape and v[i - 1] not in shape]
                 for k, v in runs.items()}
     results = run_distributed(_layout_worker, 2, runs, layout)
+    if layout == ["--use-checkpoint-args"]:  # read by rank 0, handed to rank 1
+        assert [r["checkpoint_reads"] for r in results] == [len(runs), 0]
     for res in results:  # every rank returns the all-reduced numbers
         assert res["wiki"]["avg_loss"] == pytest.approx(single["got"]["wiki"]["avg_loss"], rel=REL)
         assert res["strict"] == single["got"]["strict"]

@@ -350,6 +350,7 @@ def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: in
     )
     from megatron.data_loading import build_tokenizer_for
     from megatron.initialize import initialize_entry_point, set_random_seed
+    from megatron.startup_store import JobStore
     from pretrain_gpt import KeptTokenizer
 
     if "-h" in argv or "--help" in argv:
@@ -367,9 +368,10 @@ def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: in
             wait_for_printing_rank(world_size, environ)
         raise
     kept = KeptTokenizer()  # its files read once per rank
+    job = JobStore(environ, rank, world_size)  # --use-checkpoint-args: rank 0 reads for all
     config = parse_and_validate(rest, world_size=world_size,
                                 env={"RANK": str(rank), "LOCAL_RANK": str(local_rank)},
-                                vocab_size_fn=kept)
+                                vocab_size_fn=kept, job_store=job)
     if config.args.get("dry_run"):
         from tasks.zeroshot_gpt.dry_run import evaluation_dry_run
 
@@ -385,7 +387,7 @@ def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: in
         raise exit_before_group(exc, rank, world_size,
                                 {**environ, "LOCAL_RANK": str(local_rank)}) from None
     rt = initialize_entry_point(config.parallel, config.args["cublas_workspace"], rank,
-                                world_size, local_rank, environ)
+                                world_size, local_rank, environ, store=job.store)
     # a rank stuck (or gone) while the others wait in a watched collective: one report
     # naming it after --distributed-timeout-minutes, and every rank ends
     watchdog = build_watchdog(config.parallel.distributed_timeout_minutes * 60)

@@ -1,0 +1,142 @@
+"""The job's rendezvous store before the process group, and reads rank 0 makes for all.
+
+What an entry point reads before `init_process_group` (the checkpoint's arguments for
+`--use-checkpoint-args`: its tracker file, a listing of its iteration directory, rank 0's
+model file) was read by every rank: at thousands of ranks on a shared file system
+(Lustre, GPFS), thousands of reads of the same files at once. The rendezvous store
+already exists then, or is about to: torchrun's agent hosts one for the whole job, and an
+env:// launch (MASTER_ADDR, MASTER_PORT) has rank 0 host it. `JobStore` connects to it
+early, and `from_rank_0` has rank 0 read and leave the result (or its error) under a key
+that the other ranks wait for. The same store is handed to `init_process_group` after
+(megatron/initialize.py), so rank 0 hosts one server, not two on one port. A rank 0 that
+hosts the store waits until every rank has read its answer: it may exit right after (its
+error, a dry run), and the store would go with it.
+
+Entry points read the launcher's environment and pass it in; nothing here reads os.environ.
+"""
+from __future__ import annotations
+
+import datetime
+import io
+from typing import Callable, Mapping, Optional, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from megatron.initialize import agent_store_from_env, attempt_store
+
+T = TypeVar("T")
+
+KEY_PREFIX = "megatron/startup/"  # under the attempt's prefix with torchrun's agent store
+
+
+class JobStore:
+    """The rendezvous store of a launch of `world_size` processes, connected on first use
+    (`connect`) and kept for the process group (`store`: None until then). torchrun's
+    agent store under this restart attempt's prefix (as `initialize_distributed` uses
+    it); else, with MASTER_ADDR and MASTER_PORT, the TCPStore that rank 0 hosts (as
+    env:// would make it); the default group's store once a group exists; else none (a
+    single process, or a launch that names no store: each rank reads for itself)."""
+
+    def __init__(self, env: Mapping[str, str], rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self._env = dict(env)
+        self.store = None
+        self.hosts = False  # whether this process hosts the store (rank 0 of an env:// launch)
+
+    def connect(self, timeout: datetime.timedelta):
+        """The store (connecting to it, or hosting it on rank 0, the first time); None when
+        there is none to connect to."""
+        if self.store is not None or self.world_size <= 1:
+            return self.store
+        if dist.is_initialized():
+            return dist.distributed_c10d._get_default_store()
+        agent = agent_store_from_env(self._env)
+        if agent is not None:
+            self.store = attempt_store(agent, self.world_size, timeout)
+        elif self._env.get("MASTER_ADDR") and self._env.get("MASTER_PORT"):
+            # multi_tenant: env:// (had it run too) would share this server, not start another
+            self.store = dist.TCPStore(self._env["MASTER_ADDR"], int(self._env["MASTER_PORT"]),
+                                       self.world_size, is_master=self.rank == 0,
+                                       timeout=timeout, multi_tenant=True)
+            self.hosts = self.rank == 0
+        return self.store
+
+
+def _encode(kind: str, value) -> bytes:
+    buffer = io.BytesIO()
+    torch.save({"kind": kind, "value": value}, buffer)
+    return buffer.getvalue()
+
+
+def _decode(data: bytes) -> dict:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _publish_outcome(store, key: str, read: Callable[[], T]) -> T:
+    """Rank 0: `read()`, and its result or its error under `key` (then raised here too)."""
+    from megatron.arguments_common import ArgumentsError
+
+    try:
+        value = read()
+    except ArgumentsError as err:
+        store.set(key, _encode("arguments", err.message))
+        raise
+    except SystemExit as exc:
+        store.set(key, _encode("exit", exc.code if isinstance(exc.code, (int, str)) else 1))
+        raise
+    except BaseException as exc:
+        store.set(key, _encode("failed", f"{type(exc).__name__}: {exc}"))
+        raise
+    store.set(key, _encode("value", value))
+    return value
+
+
+def from_rank_0(job: Optional[JobStore], name: str, read: Callable[[], T],
+                timeout: datetime.timedelta, what: str) -> T:
+    """`read()` on global rank 0 only; every other rank gets its result through the job's
+    store, or raises the same error: an ArgumentsError of the same message (not marked
+    `machine`: one rank read, so rank 0 alone prints it), a SystemExit of the same code.
+    The result must survive torch.save / torch.load(weights_only=True) (plain data, as a
+    checkpoint's `args`). Without a store (`job` None, one process, no rendezvous
+    address) each rank calls `read()` itself. `what` names the read in the error of a
+    rank whose answer never came (rank 0 gone before it wrote one)."""
+    store = job.connect(timeout) if job is not None else None
+    if store is None:
+        return read()
+    # the n-th such read of this rank pairs with rank 0's n-th (a store that outlives one
+    # read: a process group's, made before)
+    key = f"{KEY_PREFIX}{name}/{store.add(f'{KEY_PREFIX}{name}/reads/{job.rank}', 1)}"
+    if job.rank == 0:
+        try:
+            return _publish_outcome(store, key, read)
+        finally:
+            if job.hosts:  # the store ends with this process: not before every rank read
+                store.wait([key + "/all_read"])
+    try:
+        outcome = _decode(store.get(key))
+        if store.add(key + "/read", 1) == job.world_size - 1:
+            store.set(key + "/all_read", b"")
+    except (RuntimeError, OSError) as exc:  # DistStoreError, a closed connection
+        raise SystemExit(f"error: rank 0 reads {what} for every rank, and its answer did "
+                         f"not come ({str(exc).splitlines()[0] if str(exc) else exc!r}); "
+                         "rank 0's output says why") from None
+    return _outcome(outcome)
+
+
+def _outcome(outcome: dict):
+    """What rank 0's `_publish_outcome` left: the value, or its error raised here."""
+    from megatron.arguments_common import ArgumentsError
+
+    kind, value = outcome["kind"], outcome["value"]
+    if kind == "value":
+        return value
+    if kind == "arguments":
+        raise ArgumentsError(value)
+    if kind == "exit":
+        raise SystemExit(value)
+    raise SystemExit(f"error: rank 0 failed reading for every rank ({value}); rank 0's "
+                     "output has its traceback")
+
+
+__all__ = ["JobStore", "from_rank_0"]
