@@ -642,7 +642,9 @@ def test_use_checkpoint_args_fills_model_flags(tmp_path_factory, tmp_path, caplo
 
 # ------------------------------------------------------------------ 4. the CLI (torchrun)
 @pytest.mark.slow
-def test_torchrun_tp2_checkpoint_resumes_on_one_process_with_checkpoint_args(tmp_path):
+def test_torchrun_tp2_checkpoint_resumes_at_dp2_with_checkpoint_args(tmp_path):
+    """Saved at tp2, resumed at dp2 under torchrun with --use-checkpoint-args: rank 0 reads
+    the arguments for both ranks through torchrun's store (megatron/startup_store.py)."""
     from tests.test_end_to_end import losses_by_iteration, torchrun
 
     ckpt = tmp_path / "ckpt"
@@ -657,7 +659,7 @@ def test_torchrun_tp2_checkpoint_resumes_on_one_process_with_checkpoint_args(tmp
     ref = losses_by_iteration(full)
     assert sorted(ref) == list(range(1, 7)), full[-3000:]
     (ckpt / "latest_checkpointed_iteration.txt").write_text("3")  # resume from iteration 3
-    resumed = torchrun(1, [*run, "--use-checkpoint-args", "--tensor-model-parallel-size", "1",
+    resumed = torchrun(2, [*run, "--use-checkpoint-args", "--tensor-model-parallel-size", "1",
                            "--load", str(ckpt)])
     assert "resharded" in resumed and "saved with tp 2, pp 1" in resumed, resumed[-3000:]
     got = losses_by_iteration(resumed)
