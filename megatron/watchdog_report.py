@@ -60,7 +60,8 @@ class _Block:
 class OverrunReports:
     """A `CollectiveWatchdog`'s overrun reports. Uses the watchdog's store, rank,
     timeout_s, publish_s, describe, announces, _counts (this rank's check-ins), _cond
-    (guarding the blocks' deadlines), _fired, publish() and _still_in(block, seconds)."""
+    (guarding the blocks' deadlines), _fired, _stopping (a reason to stop found while an
+    overrun is examined), publish() and _still_in(block, seconds)."""
 
     def missing_ranks(self, name: str, count: int, ranks: Sequence[int],
                       read: Optional[dict] = None) -> List[int]:
@@ -115,6 +116,8 @@ class OverrunReports:
         """`_overrun_message` of the member that reads the others' check-ins; its verdict
         (the report's first line, or AGAIN) goes under `key`/verdict for the others."""
         report = self.overrun_report(block)
+        if report is None and self._stopping is not None:  # another rank's report came
+            return None
         if report is None:  # every member computing, none behind: not stuck yet
             self._leave(f"{key}/verdict", AGAIN)
             self._done_with(block, key)

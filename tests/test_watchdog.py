@@ -586,6 +586,34 @@ def test_the_stuck_ranks_own_report_says_the_first_report_names_it():
         "  rank 1's main thread is here"), fired[0]
 
 
+def test_a_rank_examining_its_own_overrun_stops_at_its_next_look_for_a_report():
+    """Rank 1 is stuck inside the optimizer step, which rank 0 has left. Its deadline
+    passes first and its monitor waits (up to the timeout) for rank 0's collective count,
+    which never comes; meanwhile rank 0's report naming rank 1 arrives. Rank 1 looked for
+    it only once that wait was over; now it stops at its next look (poll_s), saying the
+    report names it and where its main thread is."""
+    store = dist.HashStore()
+    _checked_in(store, 0, 2, "optimizer step", ranks=[0, 1])  # and left it
+    first = ("[watchdog rank 0] collective parameter all-gather wait did not complete "
+             "within 2 s; ranks that did not arrive: [1]")
+    fired = []
+    wd = CollectiveWatchdog(store, 1, 2, 2.0, poll_s=0.1, on_timeout=fired.append)
+    with wd.watch("optimizer step", ranks=[0, 1], progress=lambda: 5):
+        time.sleep(2.6)  # deadline at 2 s; rank 0's count waited for from 2.3 s to 4.3 s
+        store.add(FIRED_KEY, 1)
+        store.set(ABORT_KEY, first)
+        reported = time.monotonic()
+        while not fired and time.monotonic() < reported + 3.0:
+            time.sleep(0.02)
+        stopped_after = time.monotonic() - reported
+    wd.close()
+    assert len(fired) == 1 and stopped_after < 1.0, (stopped_after, fired)
+    assert fired[0].startswith(
+        "[watchdog rank 1] stopping, waiting in 'optimizer step' (arrived there), because "
+        "another rank's watchdog fired:\n  " + first + "\n  it names this rank: the others "
+        "wait for it\n  rank 1's main thread is here"), fired[0]
+
+
 class _LeftWhileLooked(list):
     """A phase stack whose last phase the main thread leaves right after the monitor saw
     it was not empty (the race between the check and the read, made certain)."""
