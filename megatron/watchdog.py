@@ -187,6 +187,7 @@ class CollectiveWatchdog(OverrunReports):
         self._store_lost: Optional[tuple] = None  # (since, error) while the store fails
         self._fired = False  # this rank's own deadline passed
         self._stopping: Optional[str] = None  # why to stop, as `_poll` found it
+        self._left_overruns: list = []  # overruns whose keys may outlive them, see sweep
         self._lingers = False  # stopping for a report that names other ranks
         self._next_publish = time.monotonic() + self.publish_s  # the monitor's next publish
         self._next_poll = time.monotonic() + self.poll_s  # and its next look for a stop
@@ -324,11 +325,13 @@ class CollectiveWatchdog(OverrunReports):
     def _poll_if_due(self) -> None:
         """`_poll` when `poll_s` has passed since the monitor last did (sooner after
         the store failed: when its grace period ends); its reason to stop, if any, goes
-        to `_stopping`."""
+        to `_stopping`. Then removes the overrun keys no member needs any more."""
         if time.monotonic() < self._next_poll:
             return
         self._stopping, wait_s = self._poll()
         self._next_poll = time.monotonic() + wait_s
+        if self._stopping is None and self._store_lost is None:
+            self.sweep_overruns()
 
     def _stop_message(self, abort: str) -> str:
         """The message of a stop `_poll` found a reason for, with where the main thread

@@ -439,6 +439,27 @@ def test_the_keys_of_an_overrun_that_recovers_are_removed():
     assert store.left("/overrun/") == []
 
 
+def test_the_keys_of_an_overrun_some_members_never_reached_are_removed():
+    """Rank 0's deadline passes in a block rank 1, with a longer timeout, is in too; rank
+    0 counts itself in as the reporter and the block ends while it waits for rank 1's
+    count. Rank 1 never overran, never counted itself done: the overrun's keys stayed for
+    good. Now rank 0 removes them once both ranks have gone on to the next call."""
+    store, fired = _KeyLog(), []
+    wd0 = CollectiveWatchdog(store, 0, 2, 0.3, poll_s=0.1, on_timeout=fired.append)
+    wd1 = CollectiveWatchdog(store, 1, 2, 60.0, publish_s=0.1, on_timeout=fired.append)
+    with wd0.watch("grads", progress=lambda: 3), wd1.watch("grads", progress=lambda: 3):
+        time.sleep(0.8)  # deadline 0.3 s, counted in at ~0.6 s, waits for rank 1's count
+    assert store.left("/overrun/"), sorted(store.written)  # rank 1 may still need them
+    for wd in (wd0, wd1):
+        with wd.watch("grads"):
+            pass
+    time.sleep(0.6)  # both publish the next call; rank 0 looks again
+    assert store.left("/overrun/") == []
+    wd0.close()
+    wd1.close()
+    assert fired == []
+
+
 def _all_overrun(issued, world, timeout=0.3, seconds=1.5):
     """Every rank of `world` inside 'optimizer step' (ranks: all) for `seconds`; rank r's
     progress is issued[r] ([label, group, count] triples, as `issued_collectives_on`
