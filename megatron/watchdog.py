@@ -78,7 +78,7 @@ and each node's first) leaves them out and exits in silence; what only this rank
 (where a rank named as missing, or one in no watched block, is stuck) it always prints. A
 rank whose store stops answering (the process hosting it has ended, and with it the job)
 exits the same way STORE_GRACE_S later, unless it closed its watchdog meanwhile (its run
-ended normally).
+ended normally), and at once: no rank could read a report there any more.
 
 `watching(name, group)` watches a block with the watchdog `build_watchdog` started in this
 process (a hung collective ends the whole process, so there is one per process, like a
@@ -188,7 +188,7 @@ class CollectiveWatchdog(OverrunReports):
         self._fired = False  # this rank's own deadline passed
         self._stopping: Optional[str] = None  # why to stop, as `_poll` found it
         self._left_overruns: list = []  # overruns whose keys may outlive them, see sweep
-        self._lingers = False  # stopping for a report that names other ranks
+        self._lingers = False  # stopping for a report (in the store) that names others
         self._next_publish = time.monotonic() + self.publish_s  # the monitor's next publish
         self._next_poll = time.monotonic() + self.poll_s  # and its next look for a stop
         self._thread = threading.Thread(target=self._monitor, name="collective-watchdog",
@@ -317,8 +317,10 @@ class CollectiveWatchdog(OverrunReports):
             if self._stopping is not None:
                 message = self._stop_message(self._stopping)
                 # the rank the report names prints its stack once it sees it (within
-                # poll_s): leaving now would have the launcher end that rank first
-                self._lingers = self.rank not in _named_in(self._stopping)
+                # poll_s): leaving now would have the launcher end that rank first; no
+                # one is named, and no one would see it, when the store is gone
+                self._lingers = (self._store_lost is None
+                                 and self.rank not in _named_in(self._stopping))
                 break
         self._on_timeout(message)
 
@@ -440,7 +442,8 @@ class CollectiveWatchdog(OverrunReports):
         with this process), also one whose monitor is busy with its own overrun meanwhile;
         so does a rank stopping for a report that names others, so that the named ranks
         print where they are before the launcher, seeing this one exit, ends them (a
-        launcher ends this rank sooner once the others have exited). Meanwhile the main
+        launcher ends this rank sooner once the others have exited); not a rank stopping
+        because the store is gone (no rank can read a report there). Meanwhile the main
         thread fails in its collective: its output is silenced (the report is this rank's
         last word) and an interpreter exit still ends with EXIT_CODE."""
         stream = self._stream or sys.stderr
