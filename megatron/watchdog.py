@@ -66,17 +66,19 @@ members wait for it, a few store requests each, and report alone if none comes (
 reporting rank died) within EXCHANGE_S + VERDICT_WAIT_S. Only the first rank whose report
 comes (FIRED_KEY, an atomic count in the store) prints that report, with where its main
 thread waits; the others print its first line only. The first one also leaves that line under ABORT_KEY in the store.
-Every other rank's watchdog looks for it every `poll_s` seconds and exits with the same
-status: a rank waiting inside a watched block says so in one line; a rank in no watched
-block -- the one that never arrived: stuck in data loading, in a file system call, in
-another collective -- also prints where its main thread is, instead of waiting for the
-launcher's SIGTERM (which, on another node, never comes). Those one-line echoes of the
-first report are the same on every rank: a watchdog built with `announces=False` (the
-training run gives it to every process but global rank 0 and each node's first) leaves
-them out and exits in silence; what only this rank can say (where a rank named as missing,
-or one in no watched block, is stuck) it always prints. A rank whose store stops
-answering (the process hosting it has ended, and with it the job) exits the same way
-STORE_GRACE_S later, unless it closed its watchdog meanwhile (its run ended normally).
+Every other rank's watchdog looks for it every `poll_s` seconds (also while it examines an
+overrun of its own: a rank stuck in a block the others have left learns at its next look
+that their report names it) and exits with the same status: a rank waiting inside a watched
+block says so in one line; a rank in no watched block -- the one that never arrived: stuck
+in data loading, in a file system call, in another collective -- also prints where its main
+thread is, instead of waiting for the launcher's SIGTERM (which, on another node, never
+comes). Those one-line echoes of the first report are the same on every rank: a watchdog
+built with `announces=False` (the training run gives it to every process but global rank 0
+and each node's first) leaves them out and exits in silence; what only this rank can say
+(where a rank named as missing, or one in no watched block, is stuck) it always prints. A
+rank whose store stops answering (the process hosting it has ended, and with it the job)
+exits the same way STORE_GRACE_S later, unless it closed its watchdog meanwhile (its run
+ended normally), and at once: no rank could read a report there any more.
 
 `watching(name, group)` watches a block with the watchdog `build_watchdog` started in this
 process (a hung collective ends the whole process, so there is one per process, like a
@@ -184,8 +186,11 @@ class CollectiveWatchdog(OverrunReports):
         self._closed = False
         self._store_lost: Optional[tuple] = None  # (since, error) while the store fails
         self._fired = False  # this rank's own deadline passed
-        self._lingers = False  # stopping for a report that names other ranks
+        self._stopping: Optional[str] = None  # why to stop, as `_poll` found it
+        self._left_overruns: list = []  # overruns whose keys may outlive them, see sweep
+        self._lingers = False  # stopping for a report (in the store) that names others
         self._next_publish = time.monotonic() + self.publish_s  # the monitor's next publish
+        self._next_poll = time.monotonic() + self.poll_s  # and its next look for a stop
         self._thread = threading.Thread(target=self._monitor, name="collective-watchdog",
                                         daemon=True)
         self._thread.start()
@@ -294,30 +299,41 @@ class CollectiveWatchdog(OverrunReports):
     # --- internals ----------------------------------------------------------------------
     def _monitor(self) -> None:
         """Wait for the earliest deadline of the active blocks, publishing this rank's
-        check-ins every `publish_s` seconds and looking for another rank's ABORT_KEY
-        every `poll_s` seconds (outside the lock: the main thread must never wait for a
+        check-ins every `publish_s` seconds and looking for a reason to stop (another
+        rank's ABORT_KEY, or the store gone) every `poll_s` seconds, also while it
+        examines an overrun (outside the lock: the main thread must never wait for a
         store call to enter or leave a block); report an overrun or a stop."""
-        next_poll = time.monotonic() + self.poll_s
         while True:
-            expired = self._wait_for_event(min(next_poll, self._next_publish))
+            expired = self._wait_for_event(min(self._next_poll, self._next_publish))
             if self._closed:
                 return
             if expired is not None:
                 message = self._overrun_message(expired)
-                if message is None:
-                    continue
-                break
-            self._publish_if_due()
-            if time.monotonic() >= next_poll:
-                abort, wait_s = self._poll()
-                next_poll = time.monotonic() + wait_s
-                if abort is not None:
-                    message = self._stop_message(abort)
-                    # the rank the report names prints its stack once it sees it (within
-                    # poll_s): leaving now would have the launcher end that rank first
-                    self._lingers = self.rank not in _named_in(abort)
+                if message is not None:
                     break
+            else:
+                self._publish_if_due()
+                self._poll_if_due()
+            if self._stopping is not None:
+                message = self._stop_message(self._stopping)
+                # the rank the report names prints its stack once it sees it (within
+                # poll_s): leaving now would have the launcher end that rank first; no
+                # one is named, and no one would see it, when the store is gone
+                self._lingers = (self._store_lost is None
+                                 and self.rank not in _named_in(self._stopping))
+                break
         self._on_timeout(message)
+
+    def _poll_if_due(self) -> None:
+        """`_poll` when `poll_s` has passed since the monitor last did (sooner after
+        the store failed: when its grace period ends); its reason to stop, if any, goes
+        to `_stopping`. Then removes the overrun keys no member needs any more."""
+        if time.monotonic() < self._next_poll:
+            return
+        self._stopping, wait_s = self._poll()
+        self._next_poll = time.monotonic() + wait_s
+        if self._stopping is None and self._store_lost is None:
+            self.sweep_overruns()
 
     def _stop_message(self, abort: str) -> str:
         """The message of a stop `_poll` found a reason for, with where the main thread
@@ -391,19 +407,24 @@ class CollectiveWatchdog(OverrunReports):
 
     def _still_in(self, block: _Block, seconds: float) -> bool:
         """Wait `seconds` (publishing this rank's check-ins every `publish_s`: another
-        rank's report may read them meanwhile); whether `block` is still running and the
-        watchdog open. Used by the monitor while it reports an overrun."""
+        rank's report may read them meanwhile, and looking for a reason to stop every
+        `poll_s`: the first report may come meanwhile, and name this rank); whether
+        `block` is still running, the watchdog open and no reason to stop found. Used by
+        the monitor while it reports an overrun."""
         end = time.monotonic() + seconds
         while True:
             with self._cond:
                 now = time.monotonic()
                 left = end - now
                 if left > 0:
-                    self._cond.wait_for(lambda: self._closed,
-                                        max(0.0, min(left, self._next_publish - now)))
+                    self._cond.wait_for(lambda: self._closed, max(0.0, min(
+                        left, self._next_publish - now, self._next_poll - now)))
                 if self._closed or block not in self._active:
                     return False
             self._publish_if_due()
+            self._poll_if_due()
+            if self._stopping is not None:
+                return False
             if time.monotonic() >= end:
                 return True
 
@@ -421,7 +442,8 @@ class CollectiveWatchdog(OverrunReports):
         with this process), also one whose monitor is busy with its own overrun meanwhile;
         so does a rank stopping for a report that names others, so that the named ranks
         print where they are before the launcher, seeing this one exit, ends them (a
-        launcher ends this rank sooner once the others have exited). Meanwhile the main
+        launcher ends this rank sooner once the others have exited); not a rank stopping
+        because the store is gone (no rank can read a report there). Meanwhile the main
         thread fails in its collective: its output is silenced (the report is this rank's
         last word) and an interpreter exit still ends with EXIT_CODE."""
         stream = self._stream or sys.stderr

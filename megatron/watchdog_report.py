@@ -6,7 +6,9 @@ group of ranks, `published_checkins`); per overrun of a block (its group, first 
 call number and deadline round), the count electing the one member that reads the
 others' check-ins and the verdict it leaves for the rest (the report's first line, or
 AGAIN when every member computes), and how many members are done with it (the last
-removes the three keys, so overruns that recover do not pile up in the store); each
+removes the three keys, so overruns that recover do not pile up in the store; when a
+member's block ended before its deadline, the first one done removes them once every
+member has gone on to a later call of the block); each
 member's collective counts for a block with `progress` (one key per name and rank,
 overwritten); FIRED_KEY, counting the ranks whose report came (the first gives the full
 report); ABORT_KEY, the first report's first line, which stops every other rank.
@@ -60,7 +62,9 @@ class _Block:
 class OverrunReports:
     """A `CollectiveWatchdog`'s overrun reports. Uses the watchdog's store, rank,
     timeout_s, publish_s, describe, announces, _counts (this rank's check-ins), _cond
-    (guarding the blocks' deadlines), _fired, publish() and _still_in(block, seconds)."""
+    (guarding the blocks' deadlines), _fired, _stopping (a reason to stop found while an
+    overrun is examined), _left_overruns (for `sweep_overruns`), publish() and
+    _still_in(block, seconds)."""
 
     def missing_ranks(self, name: str, count: int, ranks: Sequence[int],
                       read: Optional[dict] = None) -> List[int]:
@@ -115,6 +119,8 @@ class OverrunReports:
         """`_overrun_message` of the member that reads the others' check-ins; its verdict
         (the report's first line, or AGAIN) goes under `key`/verdict for the others."""
         report = self.overrun_report(block)
+        if report is None and self._stopping is not None:  # another rank's report came
+            return None
         if report is None:  # every member computing, none behind: not stuck yet
             self._leave(f"{key}/verdict", AGAIN)
             self._done_with(block, key)
@@ -160,15 +166,43 @@ class OverrunReports:
         (the run goes on: the verdict gave it more time, or it left the block): count it
         done there; the last of the block's members to be done removes the overrun's
         keys. Every member must have counted itself in (each does once per overrun, and
-        before it counts done), so no one creates them anew. An overrun where not every
-        member's deadline passed -- the block ended first for some, then its reporter
-        left it too -- leaves its few keys (best effort, as every store call here)."""
+        before it counts done), so no one creates them anew. A member whose block ends
+        before its deadline passes never counts done: the first member done leaves the
+        overrun to `sweep_overruns` (best effort, as every store call here)."""
+        point, count, members = block.points[0]
         try:
-            if int(self.store.add(f"{key}/done", 1)) == len(block.points[0][2]):
-                for part in ("reporter", "verdict", "done"):
-                    self.store.delete_key(f"{key}/{part}")
+            done = int(self.store.add(f"{key}/done", 1))
+            if done == len(members):
+                self._remove_overrun(key)
+            elif done == 1:
+                self._left_overruns.append((key, point, count, members))
         except Exception:  # no store, or one without delete_key: the keys stay
             pass
+
+    def sweep_overruns(self) -> None:
+        """Remove the keys of the overruns this rank was the first member done with, once
+        no member needs them: every member has gone on to a later call of the block (its
+        published count there is higher), so its deadline in that call can no longer
+        pass. Those the last member done removed are forgotten. A few store requests per
+        such overrun, while it lasts; the monitor calls it every `poll_s`."""
+        for left in list(self._left_overruns):
+            key, point, count, members = left
+            try:
+                if self.store.check([f"{key}/done"]):
+                    read: dict = {}
+                    self._read_checkins(_Block(0.0, "", ((point, count, members),), None), read)
+                    if len(read) < len(members) - 1 or \
+                            self.missing_ranks(point, count + 1, members, read):
+                        continue  # a member may still be in that call of the block
+                    self._remove_overrun(key)
+            except Exception:  # no store, or one without delete_key: the keys stay
+                pass
+            self._left_overruns.remove(left)
+
+    def _remove_overrun(self, key: str) -> None:
+        """Remove the keys of the overrun `key` (its election count, verdict, done count)."""
+        for part in ("reporter", "verdict", "done"):
+            self.store.delete_key(f"{key}/{part}")
 
     def _count_in(self, key: str) -> bool:
         """Whether this rank is the first to count itself in `key` (an atomic count in the

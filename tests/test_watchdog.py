@@ -259,6 +259,39 @@ def test_a_rank_outside_any_collective_ends_when_the_store_is_gone():
     assert "rank 1's main thread is here" in fired[0]
 
 
+GONE_STORE_SCRIPT = """
+import sys, time
+sys.path.insert(0, {root!r})
+from megatron.watchdog import CollectiveWatchdog
+
+class GoneStore:
+    def check(self, *args):
+        raise RuntimeError("Connection closed by peer")
+
+    set = get = check
+
+wd = CollectiveWatchdog(GoneStore(), 1, 2, 0.4, poll_s=0.1)
+time.sleep(30)  # stuck outside any collective
+"""
+
+
+def test_a_rank_stopping_because_the_store_is_gone_exits_at_once(tmp_path):
+    """A rank stopping for a report that names other ranks waits poll_s + 1 s so that the
+    named ranks read it; a rank stopping because the store is gone waited as long (6 s
+    here), for nothing: no rank can read anything there any more. Now it prints its
+    message and exits with EXIT_CODE at once."""
+    script = tmp_path / "gone.py"
+    script.write_text(GONE_STORE_SCRIPT.format(root=str(Path(__file__).resolve().parents[1])))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=30)
+    took = time.monotonic() - started
+    assert done.returncode == EXIT_CODE, done.stderr
+    assert "because the job has ended elsewhere:\n  the job's rendezvous store stopped " \
+        "answering" in done.stderr, done.stderr
+    assert took < 4.0, took  # 0.4 s of grace, then at once (before: 6 s more)
+
+
 def _watched_points(rank, world_size):
     from megatron.agreed_exit import agree
     from megatron.watchdog import watching
@@ -439,6 +472,27 @@ def test_the_keys_of_an_overrun_that_recovers_are_removed():
     assert store.left("/overrun/") == []
 
 
+def test_the_keys_of_an_overrun_some_members_never_reached_are_removed():
+    """Rank 0's deadline passes in a block rank 1, with a longer timeout, is in too; rank
+    0 counts itself in as the reporter and the block ends while it waits for rank 1's
+    count. Rank 1 never overran, never counted itself done: the overrun's keys stayed for
+    good. Now rank 0 removes them once both ranks have gone on to the next call."""
+    store, fired = _KeyLog(), []
+    wd0 = CollectiveWatchdog(store, 0, 2, 0.3, poll_s=0.1, on_timeout=fired.append)
+    wd1 = CollectiveWatchdog(store, 1, 2, 60.0, publish_s=0.1, on_timeout=fired.append)
+    with wd0.watch("grads", progress=lambda: 3), wd1.watch("grads", progress=lambda: 3):
+        time.sleep(0.8)  # deadline 0.3 s, counted in at ~0.6 s, waits for rank 1's count
+    assert store.left("/overrun/"), sorted(store.written)  # rank 1 may still need them
+    for wd in (wd0, wd1):
+        with wd.watch("grads"):
+            pass
+    time.sleep(0.6)  # both publish the next call; rank 0 looks again
+    assert store.left("/overrun/") == []
+    wd0.close()
+    wd1.close()
+    assert fired == []
+
+
 def _all_overrun(issued, world, timeout=0.3, seconds=1.5):
     """Every rank of `world` inside 'optimizer step' (ranks: all) for `seconds`; rank r's
     progress is issued[r] ([label, group, count] triples, as `issued_collectives_on`
@@ -584,6 +638,34 @@ def test_the_stuck_ranks_own_report_says_the_first_report_names_it():
         "[watchdog rank 1] collective optimizer step did not complete within 0.3 s; the first "
         "report names this rank as the one the others wait for:\n  " + first + "\n"
         "  rank 1's main thread is here"), fired[0]
+
+
+def test_a_rank_examining_its_own_overrun_stops_at_its_next_look_for_a_report():
+    """Rank 1 is stuck inside the optimizer step, which rank 0 has left. Its deadline
+    passes first and its monitor waits (up to the timeout) for rank 0's collective count,
+    which never comes; meanwhile rank 0's report naming rank 1 arrives. Rank 1 looked for
+    it only once that wait was over; now it stops at its next look (poll_s), saying the
+    report names it and where its main thread is."""
+    store = dist.HashStore()
+    _checked_in(store, 0, 2, "optimizer step", ranks=[0, 1])  # and left it
+    first = ("[watchdog rank 0] collective parameter all-gather wait did not complete "
+             "within 2 s; ranks that did not arrive: [1]")
+    fired = []
+    wd = CollectiveWatchdog(store, 1, 2, 2.0, poll_s=0.1, on_timeout=fired.append)
+    with wd.watch("optimizer step", ranks=[0, 1], progress=lambda: 5):
+        time.sleep(2.6)  # deadline at 2 s; rank 0's count waited for from 2.3 s to 4.3 s
+        store.add(FIRED_KEY, 1)
+        store.set(ABORT_KEY, first)
+        reported = time.monotonic()
+        while not fired and time.monotonic() < reported + 3.0:
+            time.sleep(0.02)
+        stopped_after = time.monotonic() - reported
+    wd.close()
+    assert len(fired) == 1 and stopped_after < 1.0, (stopped_after, fired)
+    assert fired[0].startswith(
+        "[watchdog rank 1] stopping, waiting in 'optimizer step' (arrived there), because "
+        "another rank's watchdog fired:\n  " + first + "\n  it names this rank: the others "
+        "wait for it\n  rank 1's main thread is here"), fired[0]
 
 
 class _LeftWhileLooked(list):
