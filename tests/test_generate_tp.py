@@ -7,7 +7,8 @@ hypotheses, the same on both ranks, with and without the cache; the server on 2 
 answers as one process (text; log-probs and beam scores within 1e-5; beam and top_p decay
 requests too), and stopping rank 0 ends rank 1; the layouts generation does not run are
 refused by name (pipeline layouts: tests/test_generate_pp.py; data-parallel replicas:
-tests/test_generate_dp.py)."""
+tests/test_generate_dp.py); before the process group rank 0 alone reads the checkpoint's
+arguments, and a wrong --iteration or a damaged checkpoint is its one message."""
 from __future__ import annotations
 
 import contextlib
