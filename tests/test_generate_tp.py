@@ -7,7 +7,8 @@ hypotheses, the same on both ranks, with and without the cache; the server on 2 
 answers as one process (text; log-probs and beam scores within 1e-5; beam and top_p decay
 requests too), and stopping rank 0 ends rank 1; the layouts generation does not run are
 refused by name (pipeline layouts: tests/test_generate_pp.py; data-parallel replicas:
-tests/test_generate_dp.py)."""
+tests/test_generate_dp.py); before the process group rank 0 alone reads the checkpoint's
+arguments, and a wrong --iteration or a damaged checkpoint is its one message."""
 from __future__ import annotations
 
 import contextlib
@@ -175,6 +176,75 @@ def test_generate_closes_the_group_it_made(ckpt_tp1):
     ('terminate called without an active exception') after the output, and torchrun
     reported the run as failed."""
     assert run_distributed(_own_group_worker, 2, ckpt_tp1) == [False, False]
+
+
+def _startup_worker(rank, world_size, runs, local_ranks):
+    """generate.py at tp 2 as torchrun starts it (no process group before main, the
+    rendezvous address in its environment, LOCAL_RANK `local_ranks[rank]`), once per
+    (checkpoint, flags, port) of `runs`: for each, (its exit status, what it printed to
+    stderr, the files opened and directories listed under the checkpoint before the
+    process group existed)."""
+    import sys
+
+    dist.destroy_process_group()  # run_distributed's: start as the entry point does
+    state: dict = {}
+
+    def hook(event, args):
+        if event in ("open", "os.listdir", "os.scandir") and args and \
+                isinstance(args[0], str) and args[0].startswith(state["root"]) and \
+                not dist.is_initialized():
+            state["reads"] += 1
+
+    sys.addaudithook(hook)
+    results = []
+    for ckpt, flags, port in runs:
+        state.update(root=ckpt, reads=0)
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+               "LOCAL_RANK": str(local_ranks[rank]), "MASTER_PORT": str(port)}
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+                status = generate.main(["--load", ckpt, "--tensor-model-parallel-size", "2",
+                                        *flags], environ=env)
+        except SystemExit as exc:
+            status = exc.code
+        results.append({"status": status, "stderr": err.getvalue(), "reads": state["reads"]})
+    return results
+
+
+def test_rank_0_alone_reads_the_checkpoint_arguments_before_the_group(ckpt_tp1):
+    """generate.py on two ranks: before the process group, rank 0 reads the tracker and
+    its model file for both, and rank 1 gets the arguments through the rendezvous store
+    (each rank read them: at thousands of ranks, thousands of reads of the same files),
+    which then makes the group (the generation runs)."""
+    [(first,), (second,)] = run_distributed(_startup_worker, 2,
+                                            [(ckpt_tp1, FLAGS[:4], free_port())], (0, 1))
+    assert (first["status"], second["status"]) == (0, 0), (first, second)
+    assert first["reads"] >= 3 and second["reads"] == 0, (first, second)
+
+
+def test_a_bad_checkpoint_or_iteration_is_one_message_for_every_rank(ckpt_tp1, tmp_path):
+    """Two ranks on two nodes (LOCAL_RANK 0 each): a wrong --iteration or a damaged
+    rank-0 model file is rank 0's read, printed by rank 0 alone (each node printed it,
+    naming its rank and host), and every rank exits with status 1 without reading."""
+    import shutil
+
+    damaged = str(tmp_path / "damaged")
+    shutil.copytree(ckpt_tp1, damaged)
+    with open(os.path.join(damaged, "latest_checkpointed_iteration.txt")) as f:
+        latest = int(f.read())
+    model_file = os.path.join(damaged, f"iter_{latest:07d}", "mp_rank_00", "model_optim_rng.pt")
+    with open(model_file, "wb") as f:
+        f.write(b"not a checkpoint")
+    runs = [(ckpt_tp1, ("--iteration", str(latest + 5), *FLAGS[:2]), free_port()),
+            (damaged, FLAGS[:2], free_port())]
+    ranks = run_distributed(_startup_worker, 2, runs, (0, 0))
+    words = (f"error: --iteration {latest + 5}: under torchrun the training loader reads "
+             f"the tracker's iteration ({latest})", model_file)
+    for (first, second), word in zip(zip(*ranks), words):
+        assert (first["status"], second["status"]) == (1, 1), (first, second)
+        assert word in first["stderr"] and first["stderr"].count("error:") == 1, first
+        assert second["stderr"] == "" and second["reads"] == 0, second
 
 
 def _train_worker(rank, world_size, save_dir, extra):

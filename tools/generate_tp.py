@@ -11,7 +11,10 @@ stages, no standalone embedding stage, no sequence parallelism; gloo on the CPU,
 one GPU per rank) -- and loads the checkpoint through the training loader
 (megatron/trainer_checkpoint.py: a checkpoint saved with any tp x pp layout is resharded on
 load; the optimizer and RNG states are not read). The model's shape comes from the
-checkpoint's stored arguments, as in the one-process path (tools/generate.py load_model).
+checkpoint's stored arguments, as in the one-process path (tools/generate.py load_model):
+global rank 0 reads them (the tracker, rank 0's model file) before the process group
+exists and the other ranks get them, or its error, through the launch's rendezvous store
+(megatron/startup_store.py), which then makes the group.
 
 The ranks then decode in lockstep, all with the same tokens. Within a stage the attention
 and MLP modules all-reduce as in training and the logits are all-gathered over the
@@ -227,6 +230,42 @@ def _saved_args(load: str, iteration: Optional[int]) -> Tuple[dict, int]:
     return args, latest
 
 
+# The wait for rank 0's read before the checkpoint's own --distributed-timeout-minutes is
+# known: Megatron's default (10), a minute longer, as initialize_distributed's.
+STARTUP_WAIT = datetime.timedelta(minutes=10, seconds=60)
+
+
+def _shared_saved_args(job, load: str, iteration: Optional[int],
+                       pp_size: int) -> Tuple[dict, int]:
+    """`_saved_args` checked for `pp_size` stages, read by global rank 0 alone when the
+    launch has a rendezvous store (`job`, a megatron.startup_store.JobStore): the other
+    ranks get the arguments, or rank 0's error as an ArgumentsError of the same message,
+    through the store -- one read of the tracker and the rank-0 model file per job, not
+    one per rank. Without a store this process reads, and its SystemExit is its own, as
+    is the one of a rank whose answer never came."""
+    from megatron.arguments_common import ArgumentsError
+    from megatron.startup_store import from_rank_0
+
+    def read() -> Tuple[dict, int]:
+        saved, latest = _saved_args(load, iteration)
+        _check_stages(saved, pp_size)
+        return saved, latest
+
+    if job.connect(STARTUP_WAIT) is None:
+        return read()
+
+    def read_for_all() -> Tuple[dict, int]:
+        try:
+            return read()
+        except SystemExit as exc:  # sent to every rank as the same error
+            if not isinstance(exc.code, str):
+                raise
+            raise ArgumentsError(exc.code.removeprefix("error: ")) from None
+
+    return from_rank_0(job, "generation_args", read_for_all, STARTUP_WAIT,
+                       f"the checkpoint arguments under --load {load}")
+
+
 def _check_stages(saved: dict, pp_size: int) -> None:
     """SystemExit when the checkpoint's layers do not split evenly over `pp_size` stages."""
     layers = int(saved.get("num_layers") or 0)
@@ -245,33 +284,38 @@ def load_model_tp(load: str, tp_size: int, rank: int, local_rank: int,
     replicas == the world size (each replica a whole copy of the model; `rt.ps.dp_rank`
     says which this rank is in): the GPTModel shard at pp 1, else this rank's stage
     wrapped as a PipelineGPT (megatron/core/models/gpt/pipeline_decode.py), which the
-    decoding code calls as the whole model. Initialises torch.distributed (gloo on the CPU, NCCL with CUDA; a process
+    decoding code calls as the whole model. Global rank 0 reads the checkpoint's stored
+    arguments for every rank (`_shared_saved_args`); then initialises torch.distributed
+    (gloo on the CPU, NCCL with CUDA; through the store that answer came in; a process
     group that already exists is used), builds the share as training does
     (`build_model(for_training=False)`) and loads --load's latest checkpoint through the
     training loader, resharded from any saved layout. Collective over the world. The
     loader's messages go to stderr (stdout stays the tool's)."""
+    from megatron.arguments import exit_before_group
+    from megatron.arguments_common import ArgumentsError
     from megatron.core.models.gpt.pipeline_decode import PipelineGPT
     from megatron.gemm_choice import activate_gemm_algorithms
     from megatron.initialize import initialize_entry_point, set_random_seed
+    from megatron.startup_store import JobStore
     from megatron.trainer_checkpoint import load_trainer_checkpoint
     from megatron.training import Trainer, build_model
     from megatron.watchdog import build_watchdog
 
     world_size = tp_size * pp_size * dp_size
-    try:  # before any process group: printed once per node, not once per rank
-        saved, iteration = _saved_args(load, iteration)
-        _check_stages(saved, pp_size)
-    except SystemExit as exc:
-        from megatron.arguments import exit_before_group
-
-        raise exit_before_group(exc, rank, world_size,
-                                {**environ, "LOCAL_RANK": str(local_rank)},
-                                machine=True) from None
+    job = JobStore(environ, rank, world_size)  # rank 0 reads for all before the group
+    env = {**environ, "LOCAL_RANK": str(local_rank)}
+    try:
+        saved, iteration = _shared_saved_args(job, load, iteration, pp_size)
+    except ArgumentsError as err:  # rank 0's, the same on every rank: rank 0 prints it
+        raise exit_before_group(SystemExit(str(err)), rank, world_size, env,
+                                machine=False) from None
+    except SystemExit as exc:  # this process's own read: printed once per node
+        raise exit_before_group(exc, rank, world_size, env, machine=True) from None
     config = tp_config(saved, load, rank, tp_size, dtype, pp_size, dp_size)
     with contextlib.redirect_stdout(sys.stderr):
-        rt = initialize_entry_point(config.parallel, str(saved.get("cublas_workspace") or
-                                                         "none"),
-                                    rank, world_size, local_rank, environ)
+        workspace = str(saved.get("cublas_workspace") or "none")
+        rt = initialize_entry_point(config.parallel, workspace, rank, world_size, local_rank,
+                                    environ, store=job.store)  # the store rank 0 answered in
         set_random_seed(config.training.seed, rt)
         # training seeds each stage apart (seed + 100 x pipeline rank); decoding draws alike
         # on every rank, so torch's global generator (a caller's generator=None) agrees too
