@@ -32,7 +32,6 @@ from megatron.rank_failure import first_to_report, repeated_failure, stopped_by_
 from megatron.watchdog import CollectiveWatchdog
 from tests.dist_utils import cpu_env, free_port
 from tests.test_preemption import MODEL
-from tests.test_rank_failures import LINGER_POLL_S
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,20 +164,17 @@ def test_watchdog_echoes_are_left_to_the_ranks_that_announce():
 # --------------------------------------------------------------------------- torchrun
 # Runs pretrain_gpt.py with megatron.training.{name} failing from its {call}-th call on
 # the ranks in {ranks} (None: every rank): "raise" a RuntimeError, "warn" (a UserWarning,
-# and no failure), "sleep" (a stalled rank; the collective timeout is shortened to seconds,
-# and with it the watchdog's wait before a reporting rank exits: LINGER_POLL_S, see
-# tests/test_rank_failures.py), or make the model's forward raise torch's out-of-memory
-# error ("oom") or return NaN losses ("nan") in that call.
+# and no failure), "sleep" (a stalled rank;
+# the collective timeout is shortened to seconds), or make the model's forward raise
+# torch's out-of-memory error ("oom") or return NaN losses ("nan") in that call.
 WRAPPER = """
 import dataclasses, os, runpy, sys, time
 import torch
 sys.path.insert(0, {root!r})
 import megatron.arguments as arguments
 import megatron.training as training
-import megatron.watchdog as watchdog
 from megatron.core.models.gpt.gpt_model import GPTModel
 _parse = arguments.parse_and_validate
-watchdog.POLL_S = {poll_s!r}
 
 def parse_and_validate(*args, **kwargs):
     config = _parse(*args, **kwargs)
@@ -227,8 +223,7 @@ def _wrapper(tmp_path: Path, failure: str, world_size: int) -> Path:
     ranks = [world_size - 1] if ranks == "last" else ranks
     script = tmp_path / f"wrapper_{world_size}.py"
     script.write_text(WRAPPER.format(root=str(ROOT), name=name, call=call, ranks=ranks,
-                                     action=action, script=str(ROOT / "pretrain_gpt.py"),
-                                     poll_s=LINGER_POLL_S))
+                                     action=action, script=str(ROOT / "pretrain_gpt.py")))
     return script
 
 
