@@ -27,3 +27,18 @@ def triton_interpreter(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("CPU-interpreter test; the CUDA test covers this machine")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """Each test leaves os.environ as it found it. The entry points export settings into
+    the process environment (pretrain_gpt.main: TORCH_GLOO_LAZY_INIT, the cuBLAS
+    workspace); run in the test process, they stayed for every later test and the
+    processes it starts, so a test passed or failed by what ran before it."""
+    saved = dict(os.environ)
+    yield
+    for name in set(os.environ) - set(saved):
+        del os.environ[name]
+    for name, value in saved.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value

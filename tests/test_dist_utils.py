@@ -2,10 +2,13 @@ import os
 import re
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from tests.dist_utils import ROOT, cpu_env, run_distributed
+
+SESSION_LAZY_INIT = os.environ.get("TORCH_GLOO_LAZY_INIT")  # as the tests started
 
 
 def _allreduce(rank, world_size):
@@ -38,3 +41,19 @@ def test_every_launching_test_module_uses_cpu_env():
     missing = [p.name for p in sorted(Path(__file__).parent.glob("test_*.py"))
                if launch.search(p.read_text()) and "cpu_env(" not in p.read_text()]
     assert not missing, missing
+
+
+def test_an_entry_point_run_in_the_test_process_exports_its_settings():
+    """The first half of the next test: what pretrain_gpt.main does to os.environ."""
+    from megatron.initialize import gloo_lazy_init_env
+
+    if SESSION_LAZY_INIT is not None:
+        pytest.skip("TORCH_GLOO_LAZY_INIT is set where the tests run")
+    os.environ.update(gloo_lazy_init_env(os.environ))
+    assert os.environ["TORCH_GLOO_LAZY_INIT"] == "1"
+
+
+def test_the_next_test_starts_without_them():
+    """(Runs after the previous test.) The environment a test leaves is not the next
+    one's: tests/conftest.py restores os.environ after each test."""
+    assert os.environ.get("TORCH_GLOO_LAZY_INIT") == SESSION_LAZY_INIT

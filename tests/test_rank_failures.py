@@ -1,9 +1,10 @@
 """One rank stuck or gone under torchrun (2 gloo processes): how long until every process
 has ended, what each prints, its exit status, and what stays under --save.
 
-A wrapper runs pretrain_gpt.py with --distributed-timeout-minutes shortened to seconds and
-one call on one rank replaced: it sleeps (stuck), raises, or SIGKILLs its process. Every
-process records its exit status (os._exit included).
+A wrapper runs pretrain_gpt.py with --distributed-timeout-minutes shortened to seconds (and
+with it the watchdog's wait before a reporting rank exits) and one call on one rank
+replaced: it sleeps (stuck), raises, or SIGKILLs its process. Every process records its
+exit status (os._exit included).
 """
 from __future__ import annotations
 
@@ -30,10 +31,16 @@ from tests.test_preemption import MODEL, RUN_RECORDING_STATUS, read_statuses
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# A rank whose watchdog fired lingers max(POLL_S, its poll interval) + 1 s before it exits
+# (so that the others see its report). With the 3-s collective timeout here every rank
+# polls each 0.75 s, so the production POLL_S (5 s) only makes each run 3 s longer.
+LINGER_POLL_S = 2.0
+
 FAULT_WRAPPER = """
 import dataclasses, importlib, os, runpy, signal, sys, time
 sys.path.insert(0, {root!r})
 import megatron.arguments as arguments
+import megatron.watchdog as watchdog
 _parse = arguments.parse_and_validate
 
 def parse_and_validate(*args, **kwargs):
@@ -43,6 +50,7 @@ def parse_and_validate(*args, **kwargs):
     return config
 
 arguments.parse_and_validate = parse_and_validate
+watchdog.POLL_S = {poll_s!r}
 owner = importlib.import_module({module!r})
 *path, attr = {name!r}.split(".")  # a function of the module, or a method of its class
 for part in path:
@@ -76,7 +84,8 @@ def run_with_fault(tmp_path, module: str, name: str, action: str, args: list, ca
     wrapper = tmp_path / "fault.py"
     wrapper.write_text(FAULT_WRAPPER.format(
         root=str(ROOT), minutes=minutes, module=module, name=name, call=call, rank=rank,
-        action=action, status_dir=str(status_dir), script=str(ROOT / "pretrain_gpt.py")))
+        action=action, status_dir=str(status_dir), script=str(ROOT / "pretrain_gpt.py"),
+        poll_s=LINGER_POLL_S))
     port = free_port()
     cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
              "--node-rank", str(node), "--nproc-per-node", str(world // nodes), "--master-addr",
@@ -438,6 +447,7 @@ import torch.distributed as dist
 import megatron.initialize as initialize
 import megatron.watchdog as watchdog
 watchdog.STORE_GRACE_S = 2.0
+watchdog.POLL_S = {poll_s!r}
 initialize.datetime = type("D", (), dict(timedelta=lambda **k: datetime.timedelta(seconds=3)))
 original, calls = dist.all_reduce, [0]
 
@@ -475,7 +485,8 @@ def test_generate_on_two_nodes_when_rank_1_fails_or_hangs(tmp_path, small_ckpt, 
     for ever on its node. Now its watchdog sees the store gone and ends it (status 124),
     printing where it was stuck."""
     wrapper = tmp_path / "generate_fault.py"
-    wrapper.write_text(GENERATE_FAULT.format(root=str(ROOT), call=30, action=action))
+    wrapper.write_text(GENERATE_FAULT.format(root=str(ROOT), call=30, action=action,
+                                             poll_s=LINGER_POLL_S))
     port = free_port()
     env = cpu_env(PYTHONUNBUFFERED="1")
     cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
