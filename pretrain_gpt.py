@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     progress, config = RunProgress(), None  # Ctrl-C: one line instead of every rank's traceback
     with InterruptWatch() as watch:
         try:
-            from megatron.arguments import parse_and_validate, run_dry_run
+            from megatron.arguments import parse_and_validate
 
             _check_srun_tasks(os.environ)
             from megatron.startup_store import JobStore
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
             config = parse_and_validate(sys.argv[1:] if argv is None else argv,
                                         world_size=world, vocab_size_fn=kept, job_store=job)
             if config.args.get("dry_run"):  # under torchrun: one report per node
-                return run_dry_run(config, world, show=rank == 0 or local_rank == 0)
+                return _dry_run(config, job, local_rank)
             return _train(config, (rank, world, local_rank), start, progress, watch,
                           kept.tokenizer, job.store)
         except BaseException as e:
@@ -103,6 +103,24 @@ def main(argv=None) -> int:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process is ending
     rank, _, local_rank = _launcher_env()
     return _interrupted(config, rank == 0 or local_rank == 0, progress)
+
+
+def _dry_run(config, job, local_rank: int) -> int:
+    """The --dry-run report's exit status on every rank. Each node's first process makes
+    the checks (its files, the checkpoint under --load, the data samples) and prints the
+    report; the node's other processes take its status through the job's store instead of
+    reading the same files again in silence (each makes the checks when there is none)."""
+    import datetime
+
+    from megatron.arguments import run_dry_run
+    from megatron.startup_store import from_node_first
+
+    show = job.rank == 0 or local_rank == 0
+    timeout = datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes,
+                                 seconds=60)
+    return from_node_first(job, local_rank, "dry_run",
+                           lambda: run_dry_run(config, job.world_size, show=show),
+                           timeout, "the dry run's inputs")
 
 
 def _train(config, ranks: tuple, start: float, progress, watch, tokenizer=None,

@@ -10,7 +10,9 @@ early, and `from_rank_0` has rank 0 read and leave the result (or its error) und
 that the other ranks wait for. The same store is handed to `init_process_group` after
 (megatron/initialize.py), so rank 0 hosts one server, not two on one port. A rank 0 that
 hosts the store waits until every rank has read its answer: it may exit right after (its
-error, a dry run), and the store would go with it.
+error, a dry run), and the store would go with it. `from_node_first` does the same per
+node for checks of the machine's own files (`--dry-run`'s): each node's first process
+reads, the node's other processes take its answer.
 
 Entry points read the launcher's environment and pass it in; nothing here reads os.environ.
 """
@@ -124,8 +126,49 @@ def from_rank_0(job: Optional[JobStore], name: str, read: Callable[[], T],
     return _outcome(outcome)
 
 
-def _outcome(outcome: dict):
-    """What rank 0's `_publish_outcome` left: the value, or its error raised here."""
+def from_node_first(job: Optional[JobStore], local_rank: int, name: str,
+                    read: Callable[[], T], timeout: datetime.timedelta, what: str) -> T:
+    """`read()` on each node's first process (LOCAL_RANK 0) only; the node's other
+    processes get its result, or raise its error, through the job's store (as
+    `from_rank_0`): for what depends on the machine (its files, its GPU), checked once
+    per node, not once per process. torchrun numbers a node's processes in a row, so the
+    node's first is global rank `rank - local_rank`. Without a store each process calls
+    `read()` itself. Once per process and job (a `name` read twice would get the first
+    answer). A rank 0 that hosts the store waits until every process has its answer."""
+    store = job.connect(timeout) if job is not None else None
+    if store is None:
+        return read()
+    first = job.rank - local_rank
+    key = f"{KEY_PREFIX}{name}/node_of_{first}"
+    try:
+        if local_rank == 0:
+            return _publish_outcome(store, key, read)
+        try:
+            outcome = _decode(store.get(key))
+        except (RuntimeError, OSError) as exc:  # DistStoreError, a closed connection
+            raise SystemExit(f"error: rank {first} reads {what} for the processes of its "
+                             "node, and its answer did not come "
+                             f"({str(exc).splitlines()[0] if str(exc) else exc!r}); rank "
+                             f"{first}'s output says why") from None
+        return _outcome(outcome, first)
+    finally:
+        _all_done(job, store, f"{KEY_PREFIX}{name}")
+
+
+def _all_done(job: JobStore, store, prefix: str) -> None:
+    """Count this process done with `prefix`'s answers; the process that hosts the store
+    waits for every one (the store ends with it). A store gone: nothing to wait for."""
+    try:
+        if store.add(prefix + "/done", 1) == job.world_size:
+            store.set(prefix + "/all_done", b"")
+        if job.hosts:
+            store.wait([prefix + "/all_done"])
+    except (RuntimeError, OSError):
+        pass
+
+
+def _outcome(outcome: dict, source: int = 0):
+    """What rank `source`'s `_publish_outcome` left: the value, or its error raised here."""
     from megatron.arguments_common import ArgumentsError
 
     kind, value = outcome["kind"], outcome["value"]
@@ -135,8 +178,8 @@ def _outcome(outcome: dict):
         raise ArgumentsError(value)
     if kind == "exit":
         raise SystemExit(value)
-    raise SystemExit(f"error: rank 0 failed reading for every rank ({value}); rank 0's "
-                     "output has its traceback")
+    raise SystemExit(f"error: rank {source} failed reading for other ranks ({value}); "
+                     f"rank {source}'s output has its traceback")
 
 
-__all__ = ["JobStore", "from_rank_0"]
+__all__ = ["JobStore", "from_node_first", "from_rank_0"]

@@ -53,16 +53,40 @@ def test_one_step_records_every_linear_product_with_its_count(entry_env):
     assert dict(counts) == _expected_shapes(1)
 
 
-def _tp_record_worker(rank, world):
-    argv = build_argv("tiny", 4, 0, PRESETS["tiny"][1], [], layout={"tp": world, "pp": 1, "dp": 1})
-    return dict(tune_gemms.record_shapes(argv, "cpu", rank, world))
+def _tp_record_worker(rank, world, port, load):
+    """record_shapes with --use-checkpoint-args as torchrun starts it (no process group
+    yet, the launch's store at MASTER_PORT): (its counts, its file reads under `load`)."""
+    import torch.distributed as dist
+
+    from tests.test_startup_reads import _count_reads_under
+
+    dist.destroy_process_group()  # run_distributed's: start as the tool does
+    os.environ["MASTER_PORT"] = str(port)
+    reads: dict = {}
+    _count_reads_under(load, reads)
+    argv = build_argv("tiny", 4, 0, PRESETS["tiny"][1], ["--load", load, "--use-checkpoint-args"],
+                      layout={"tp": world, "pp": 1, "dp": 1})
+    return dict(tune_gemms.record_shapes(argv, "cpu", rank, world)), reads
 
 
-def test_each_tensor_parallel_rank_records_its_slices():
+def test_each_tensor_parallel_rank_records_its_slices(tmp_path):
     """Under TP 2 with sequence parallelism (inputs all-gathered before the products),
-    each rank records the products of its slices."""
-    for counts in run_distributed(_tp_record_worker, 2):
+    each rank records the products of its slices. With --use-checkpoint-args rank 0
+    alone reads the checkpoint's arguments (each rank read them), and the process group
+    is made through the store that handed them over."""
+    from tests.dist_utils import free_port
+    from tests.test_startup_reads import _checkpoint
+
+    saved = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
+             "max_position_embeddings": 64, "tokenizer_type": "NullTokenizer",
+             "vocab_size": 511, "tensor_model_parallel_size": 2,
+             "pipeline_model_parallel_size": 1}
+    load = _checkpoint(tmp_path / "ckpt", {"args": saved, "iteration": 10})
+    results = run_distributed(_tp_record_worker, 2, free_port(), load)
+    for counts, _ in results:
         assert counts == _expected_shapes(2)
+    assert results[0][1].get("opens", 0) >= 2, results[0][1]  # tracker, model file
+    assert results[1][1] == {}, results[1][1]
 
 
 def test_record_only_prints_the_shapes(capsys, entry_env):

@@ -297,3 +297,59 @@ def test_rank_0_that_hosts_the_store_waits_until_every_rank_has_its_answer(tmp_p
     results = run_distributed(_parse_worker, 2, free_port(), load, 2.0)
     assert [r["status"] for r in results] == [2, 2], results
     assert results[1]["error"] == results[0]["error"] and results[1]["printed"] == ""
+
+
+def _dry_run_worker(rank, world_size, port, root, load, data_prefix, valid):
+    """pretrain_gpt.main, then tasks/main.py's evaluation, with --dry-run on this rank of
+    one node (LOCAL_RANK = RANK), no process group: per entry point (its exit status, what
+    it printed, its file reads under `root`)."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    import pretrain_gpt
+    from tasks.zeroshot_gpt import evaluate
+    from tests.test_zeroshot import NULL
+
+    dist.destroy_process_group()  # run_distributed's: start as the entry point does
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+           "MASTER_PORT": str(port)}
+    os.environ.update(env)
+    runs = {"pretrain": lambda: pretrain_gpt.main(
+                RUN + ["--data-path", data_prefix, "--load", load, "--dry-run"]),
+            "evaluate": lambda: evaluate.main(
+                ["--task", "LAMBADA", "--valid-data", valid, "--load", load, "--dry-run"]
+                + NULL, rank, world_size, rank, {**os.environ})}
+    results = {}
+    for name, run in runs.items():
+        counts, out = {}, io.StringIO()
+        _count_reads_under(root, counts)  # hooks stay: count from here on
+        try:
+            with contextlib.redirect_stdout(out):
+                status = run()
+        except SystemExit as e:
+            status = e.code
+        results[name] = {"status": status or 0, "printed": out.getvalue(), **counts}
+    return results
+
+
+def test_dry_run_reads_once_per_node(tmp_path):
+    """--dry-run on two ranks of one node: the first makes the checks (the checkpoint's
+    tracker and rank 0 file, the data's index and sample, the --valid-data file) and
+    prints the report; the second reads none of it (it read them all in silence) and
+    exits with the report's status (1: the model file is damaged), for pretrain_gpt.py
+    and for tasks/main.py."""
+    root = tmp_path / "shared"
+    load = _checkpoint(root / "ckpt", b"not a checkpoint")
+    prefix = _write(str(root / "corpus"), vocab=100)
+    valid = root / "lambada.jsonl"
+    valid.write_text('{"text": "1 2 3"}\n')
+    results = run_distributed(_dry_run_worker, 2, free_port(), str(root), load, prefix,
+                              str(valid))
+    for name in ("pretrain", "evaluate"):
+        first, other = results[0][name], results[1][name]
+        assert (first["status"], other["status"]) == (1, 1), (name, results)
+        assert "model_optim_rng.pt" in first["printed"] and other["printed"] == "", results
+        assert first.get("opens", 0) >= 3, (name, first)
+        assert (other.get("opens", 0), other.get("listings", 0)) == (0, 0), (name, other)

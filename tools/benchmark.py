@@ -363,15 +363,18 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     from megatron.initialize import initialize_entry_point, set_random_seed
     from megatron.logging_utils import flops_per_token
     from megatron.memory_estimate import estimate_memory
+    from megatron.startup_store import JobStore
     from megatron.training import build_trainer, data_iterator, train_step
 
     use_cuda = device == "cuda"
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    job = JobStore(os.environ, rank, world)  # --use-checkpoint-args: rank 0 reads for all
     config = parse_and_validate(build_argv(preset, steps, warmup, micro_batch, extra, layout),
-                                world_size=world, env={"RANK": str(rank)}, cuda_available=use_cuda)
+                                world_size=world, env={"RANK": str(rank)}, cuda_available=use_cuda,
+                                job_store=job)
     rt = initialize_entry_point(config.parallel, config.args["cublas_workspace"], rank, world,
-                                local_rank, os.environ)
+                                local_rank, os.environ, store=job.store)
     set_random_seed(config.training.seed, rt)
     tr = build_trainer(config, rt)
     data = data_iterator(config, rt, "train", 0)

@@ -37,18 +37,23 @@ EPILOGUE_TOLERANCE = 1e-2  # against an fp32 reference: one bf16 rounding is 2**
 
 def record_shapes(argv: list, device: str, rank: int = 0, world: int = 1, local_rank: int = 0):
     """Counter{Shape: calls} of one eager training step with `argv`, on this rank (under
-    torchrun every rank records its own: tensor-parallel slices, pipeline stages)."""
+    torchrun every rank records its own: tensor-parallel slices, pipeline stages). With
+    --use-checkpoint-args rank 0 reads the checkpoint's arguments for every rank through
+    the launch's rendezvous store, which then makes the process group (pretrain_gpt.py's
+    start)."""
     from megatron.arguments import parse_and_validate
     from megatron.core.tensor_parallel import gemm_algos
     from megatron.initialize import initialize_entry_point, set_random_seed
+    from megatron.startup_store import JobStore
     from megatron.training import build_trainer, data_iterator, train_step
 
     argv = argv + ["--no-compile", "--cuda-graph-step", "off"]
+    job = JobStore(os.environ, rank, world)
     config = parse_and_validate(argv, world_size=world, env={"RANK": str(rank)},
-                                cuda_available=device == "cuda")
+                                cuda_available=device == "cuda", job_store=job)
     config.args["gemm_algorithms"] = None  # record torch's products, whatever argv says
     rt = initialize_entry_point(config.parallel, config.args["cublas_workspace"], rank, world,
-                                local_rank, os.environ)
+                                local_rank, os.environ, store=job.store)
     set_random_seed(config.training.seed, rt)
     tr = build_trainer(config, rt)
     data = data_iterator(config, rt, "train", 0)

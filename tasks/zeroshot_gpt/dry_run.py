@@ -17,8 +17,9 @@ from megatron.config import Config
 _TRAINING_DATA = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 
 
-def evaluation_dry_run(task_ns, config: Config, world_size: int) -> int:
-    """Print the report; return the exit status (1: the evaluation would stop)."""
+def evaluation_dry_run(task_ns, config: Config, world_size: int, show: bool = True) -> int:
+    """Print the report (unless not `show`); return the exit status (1: the evaluation
+    would stop)."""
     from megatron.arguments_report import (
         find_missing_inputs,
         memory_lines,
@@ -38,8 +39,28 @@ def evaluation_dry_run(task_ns, config: Config, world_size: int) -> int:
     lines += missing_input_lines(missing)
     data_lines, data_fails = ([], False) if missing else _data_lines(task_ns, config)
     load_lines, load_fails = _load_lines(config)
-    print("\n".join(lines + data_lines + load_lines), flush=True)
+    if show:
+        print("\n".join(lines + data_lines + load_lines), flush=True)
     return 1 if missing or data_fails or load_fails else 0
+
+
+def node_dry_run(task_ns, config: Config, job, local_rank: int) -> int:
+    """`evaluation_dry_run`'s status on every rank: each node's first process makes the
+    checks and prints the report (rank 0 and one per node, not one per process), the
+    node's other processes take its status through the job's store (a
+    megatron.startup_store.JobStore) instead of reading the same files again; each makes
+    the checks in silence when the launch has no store."""
+    import datetime
+
+    from megatron.startup_store import from_node_first
+
+    show = job.rank == 0 or local_rank == 0
+    timeout = datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes,
+                                 seconds=60)
+    return from_node_first(
+        job, local_rank, "evaluation_dry_run",
+        lambda: evaluation_dry_run(task_ns, config, job.world_size, show=show), timeout,
+        "the dry run's inputs")
 
 
 def _data_lines(task_ns, config: Config) -> Tuple[List[str], bool]:

@@ -373,9 +373,9 @@ def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: in
                                 env={"RANK": str(rank), "LOCAL_RANK": str(local_rank)},
                                 vocab_size_fn=kept, job_store=job)
     if config.args.get("dry_run"):
-        from tasks.zeroshot_gpt.dry_run import evaluation_dry_run
+        from tasks.zeroshot_gpt.dry_run import node_dry_run
 
-        status = evaluation_dry_run(task_ns, config, world_size)
+        status = node_dry_run(task_ns, config, job, local_rank)
         if status:
             raise SystemExit(status)
         return None
