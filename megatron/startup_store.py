@@ -37,8 +37,11 @@ class JobStore:
     (`connect`) and kept for the process group (`store`: None until then). torchrun's
     agent store under this restart attempt's prefix (as `initialize_distributed` uses
     it); else, with MASTER_ADDR and MASTER_PORT, the TCPStore that rank 0 hosts (as
-    env:// would make it); the default group's store once a group exists; else none (a
-    single process, or a launch that names no store: each rank reads for itself)."""
+    env:// would make it) -- where the launcher named this process's RANK too, as env://
+    needs: one process that checks a layout for $WORLD_SIZE ranks (`--dry-run`, RANK
+    unset) would host it and wait for ranks that never come; the default group's store
+    once a group exists; else none (a single process, or a launch that names no store:
+    each rank reads for itself)."""
 
     def __init__(self, env: Mapping[str, str], rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
@@ -56,7 +59,8 @@ class JobStore:
         agent = agent_store_from_env(self._env)
         if agent is not None:
             self.store = attempt_store(agent, self.world_size, timeout)
-        elif self._env.get("MASTER_ADDR") and self._env.get("MASTER_PORT"):
+        elif self._env.get("MASTER_ADDR") and self._env.get("MASTER_PORT") and \
+                self._env.get("RANK", "") != "":
             # multi_tenant: env:// (had it run too) would share this server, not start another
             self.store = dist.TCPStore(self._env["MASTER_ADDR"], int(self._env["MASTER_PORT"]),
                                        self.world_size, is_master=self.rank == 0,

@@ -353,3 +353,19 @@ def test_dry_run_reads_once_per_node(tmp_path):
         assert "model_optim_rng.pt" in first["printed"] and other["printed"] == "", results
         assert first.get("opens", 0) >= 3, (name, first)
         assert (other.get("opens", 0), other.get("listings", 0)) == (0, 0), (name, other)
+
+
+def test_one_process_checking_a_layout_for_several_ranks_hosts_no_store():
+    """`WORLD_SIZE=2 pretrain_gpt.py --dry-run` checks a layout in one process (RANK
+    unset); with MASTER_ADDR / MASTER_PORT in its environment (a batch script exports
+    them) it hosted the store and waited --distributed-timeout-minutes + 1 min for a rank
+    1 that never comes (the dry run's per-node answer, --use-checkpoint-args). Without
+    the launcher's RANK there is no store: the process reads for itself."""
+    import datetime
+
+    from megatron.startup_store import JobStore
+
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    job = JobStore(env, 0, 2)
+    assert job.connect(datetime.timedelta(seconds=3)) is None
+    assert (job.store, job.hosts) == (None, False)
