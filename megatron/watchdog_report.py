@@ -39,6 +39,10 @@ STACK_FRAMES = 4  # innermost frames of the main thread a report shows
 EXCHANGE_S = 30.0  # an overrun block's wait for the other members' collective counts
 FIRST_LOOK_S = 0.1  # the reporting member's first look for those counts; then twice as
 MAX_LOOK_S = 1.0  # long each time, up to this (one request per look, whatever the group)
+# sweep_overruns' looks at an overrun some members left before their deadline: then its
+# few keys stay (a block that never runs again, or a member that never goes on to its
+# next call, would have one rank read every member's check-ins each poll_s for good)
+SWEEP_LOOKS = 12
 # A block's `progress`: how many collectives this rank issued on its group (an int), or on
 # each of several groups (`issued_collectives_on`); None when unknown.
 Progress = Callable[[], Optional[Union[int, list]]]
@@ -175,7 +179,7 @@ class OverrunReports:
             if done == len(members):
                 self._remove_overrun(key)
             elif done == 1:
-                self._left_overruns.append((key, point, count, members))
+                self._left_overruns.append([key, point, count, members, SWEEP_LOOKS])
         except Exception:  # no store, or one without delete_key: the keys stay
             pass
 
@@ -183,18 +187,22 @@ class OverrunReports:
         """Remove the keys of the overruns this rank was the first member done with, once
         no member needs them: every member has gone on to a later call of the block (its
         published count there is higher), so its deadline in that call can no longer
-        pass. Those the last member done removed are forgotten. A few store requests per
-        such overrun, while it lasts; the monitor calls it every `poll_s`."""
+        pass. Those the last member done removed are forgotten, and so are those still
+        needed after SWEEP_LOOKS looks (their keys stay). A few store requests per such
+        overrun and look; the monitor calls it every `poll_s`."""
         for left in list(self._left_overruns):
-            key, point, count, members = left
+            key, point, count, members, looks = left
             try:
                 if self.store.check([f"{key}/done"]):
                     read: dict = {}
                     self._read_checkins(_Block(0.0, "", ((point, count, members),), None), read)
-                    if len(read) < len(members) - 1 or \
-                            self.missing_ranks(point, count + 1, members, read):
+                    needed = (len(read) < len(members) - 1 or
+                              self.missing_ranks(point, count + 1, members, read))
+                    if needed and looks > 1:
+                        left[4] -= 1
                         continue  # a member may still be in that call of the block
-                    self._remove_overrun(key)
+                    if not needed:
+                        self._remove_overrun(key)
             except Exception:  # no store, or one without delete_key: the keys stay
                 pass
             self._left_overruns.remove(left)

@@ -493,6 +493,41 @@ def test_the_keys_of_an_overrun_some_members_never_reached_are_removed():
     assert fired == []
 
 
+class _CheckCount(_KeyLog):
+    """A _KeyLog that counts `check` calls on overrun keys (the sweep's first request per
+    look; the monitor's look for a report checks another key)."""
+
+    def __init__(self):
+        super().__init__()
+        self.checks = 0
+
+    def check(self, keys):
+        self.checks += any("/overrun/" in k for k in keys)
+        return self._store.check(keys)
+
+
+def test_the_sweep_gives_up_on_an_overrun_a_member_never_goes_on_from(monkeypatch):
+    """As above, but rank 1 never enters the block again (a block that runs once): rank
+    0's sweep read both ranks' check-ins every poll_s for the rest of the run. Now it
+    looks SWEEP_LOOKS times (5 here), then leaves the few keys be and stops looking."""
+    import megatron.watchdog_report as report
+
+    monkeypatch.setattr(report, "SWEEP_LOOKS", 5)
+    store, fired = _CheckCount(), []
+    wd0 = CollectiveWatchdog(store, 0, 2, 0.3, poll_s=0.05, on_timeout=fired.append)
+    wd1 = CollectiveWatchdog(store, 1, 2, 60.0, publish_s=0.1, on_timeout=fired.append)
+    with wd0.watch("grads", progress=lambda: 3), wd1.watch("grads", progress=lambda: 3):
+        time.sleep(0.8)  # as above: rank 0 counted in, the block ends before rank 1's count
+    time.sleep(0.05 * 5 + 1.0)  # every look rank 0's sweep makes, and more
+    checks = store.checks
+    time.sleep(0.5)
+    assert 0 < checks and store.checks == checks, (checks, store.checks)  # it stopped
+    assert store.left("/overrun/")  # rank 1 may still need them: left in place
+    wd0.close()
+    wd1.close()
+    assert fired == []
+
+
 def _all_overrun(issued, world, timeout=0.3, seconds=1.5):
     """Every rank of `world` inside 'optimizer step' (ranks: all) for `seconds`; rank r's
     progress is issued[r] ([label, group, count] triples, as `issued_collectives_on`
