@@ -218,6 +218,11 @@ def _resolve_ffn(ns) -> None:
         ns.ffn_hidden_size = 4 * h
         derived = f"4 x --hidden-size {h}"
     ffn = ns.ffn_hidden_size
+    if ffn < 1:  # only the --swiglu rule gives 0 (a given width is range-checked)
+        raise ArgumentsError(f"the MLP width 0 ({derived}; no --ffn-hidden-size given) leaves "
+                             f"the MLP empty: the rule needs --hidden-size 24 or more; pass "
+                             f"--ffn-hidden-size (e.g. {max(tp, 4 * h * 2 // 3 // tp * tp)}) "
+                             "or a larger --hidden-size")
     if ffn % tp == 0:
         return
     sizes = nearby_multiples(ffn, tp)

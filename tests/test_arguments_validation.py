@@ -181,6 +181,17 @@ def test_derived_ffn_size_that_tp_cannot_split_is_named_as_derived(extra, derive
     assert run(extra + " --tensor-model-parallel-size 3 --ffn-hidden-size 126", world_size=3)
 
 
+def test_swiglu_rule_that_gives_an_empty_mlp_is_refused():
+    """--swiglu's int(4 x hidden x 2/3 / 64) x 64 is 0 below --hidden-size 24: the run
+    crashed in the backward pass with a reshape error; now validation names the rule and
+    the fix, and a given --ffn-hidden-size runs."""
+    msg = error_of("--hidden-size 16 --num-attention-heads 2 --swiglu")
+    assert ("the MLP width 0 (--swiglu's int(4 x --hidden-size 16 x 2/3 / 64) x 64; no "
+            "--ffn-hidden-size given) leaves the MLP empty" in msg), msg
+    assert "pass --ffn-hidden-size (e.g. 42)" in msg
+    assert run("--hidden-size 16 --num-attention-heads 2 --swiglu --ffn-hidden-size 42")
+
+
 def test_tp_larger_than_world_is_clamped_with_warning(caplog):
     """Clamped as in Megatron-LM; the warning says how to launch the processes the sizes
     need (a script run with plain python instead of torchrun trains on alone)."""
