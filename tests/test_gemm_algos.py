@@ -61,7 +61,7 @@ def _tp_record_worker(rank, world, port, load):
     from tests.test_startup_reads import _count_reads_under
 
     dist.destroy_process_group()  # run_distributed's: start as the tool does
-    os.environ["MASTER_PORT"] = str(port)
+    os.environ.update(MASTER_PORT=str(port), RANK=str(rank))  # as torchrun sets them
     reads: dict = {}
     _count_reads_under(load, reads)
     argv = build_argv("tiny", 4, 0, PRESETS["tiny"][1], ["--load", load, "--use-checkpoint-args"],
