@@ -113,6 +113,7 @@ from megatron.watchdog_report import (  # noqa: F401 -- re-exported: the watchdo
     EXCHANGE_S,
     FIRED_KEY,
     KEY_PREFIX,
+    SEEN_KEY,
     SETTLE_S,
     STACK_FRAMES,
     VERDICT_WAIT_S,
@@ -130,6 +131,8 @@ from megatron.watchdog_report import (  # noqa: F401 -- re-exported: the watchdo
 EXIT_CODE = 124  # as coreutils `timeout`
 POLL_S = 5.0  # how often each rank looks for ABORT_KEY, at most (see CollectiveWatchdog)
 STORE_GRACE_S = 60.0  # after the store failed: time to close the watchdog normally
+EXIT_LOOK_S = 0.1  # a rank waiting to exit looks at SEEN_KEY this often (the first
+MAX_EXIT_LOOK_S = 0.5  # reporter); the others twice as long each time, up to this
 
 
 class CollectiveWatchdog(OverrunReports):
@@ -186,6 +189,7 @@ class CollectiveWatchdog(OverrunReports):
         self._closed = False
         self._store_lost: Optional[tuple] = None  # (since, error) while the store fails
         self._fired = False  # this rank's own deadline passed
+        self._reported_first = False  # and its report came first: it left ABORT_KEY
         self._stopping: Optional[str] = None  # why to stop, as `_poll` found it
         self._left_overruns: list = []  # overruns whose keys may outlive them, see sweep
         self._lingers = False  # stopping for a report (in the store) that names others
@@ -437,26 +441,53 @@ class CollectiveWatchdog(OverrunReports):
 
     def _print_and_exit(self, message: str) -> None:
         """Print the report and end the process with EXIT_CODE. A rank whose own deadline
-        passed first waits max(POLL_S, `poll_s`) + 1 s, so that every other rank sees its
-        ABORT_KEY while the store is up (it may live in this node's launcher, which ends
-        with this process), also one whose monitor is busy with its own overrun meanwhile;
-        so does a rank stopping for a report that names others, so that the named ranks
-        print where they are before the launcher, seeing this one exit, ends them (a
-        launcher ends this rank sooner once the others have exited); not a rank stopping
-        because the store is gone (no rank can read a report there). Meanwhile the main
+        passed waits until every rank has printed its stop message (counted in SEEN_KEY,
+        see `_last_word`), at most max(POLL_S, `poll_s`) + 1 s (a rank that died never
+        counts), so that every other rank sees its ABORT_KEY while the store is up (it
+        may live in this node's launcher, which ends with this process), also one whose
+        monitor is busy with its own overrun meanwhile; so does a rank stopping for a
+        report that names others, so that the named ranks print where they are before
+        the launcher, seeing this one exit, ends them (a launcher ends this rank sooner
+        once the others have exited); not a rank stopping because the store is gone (no
+        rank can read a report there), and none once the store fails. Meanwhile the main
         thread fails in its collective: its output is silenced (the report is this rank's
         last word) and an interpreter exit still ends with EXIT_CODE."""
         stream = self._stream or sys.stderr
         if message:  # "": a rank that does not announce what the others say
             print(message, file=stream, flush=True)
         sys.stdout.flush()
-        if self._fired or self._lingers:
+        waits = self._fired or self._lingers
+        if waits:
             atexit.register(os._exit, EXIT_CODE)
             devnull = os.open(os.devnull, os.O_WRONLY)
             for fd in (1, 2):
                 os.dup2(devnull, fd)
-            time.sleep(max(POLL_S, self.poll_s) + 1)
+        if self._store_lost is None:
+            said = threading.Event()
+            threading.Thread(target=self._last_word, args=(waits, said), daemon=True,
+                             name="collective-watchdog-exit").start()
+            said.wait(max(POLL_S, self.poll_s) + 1)
         os._exit(EXIT_CODE)
+
+    def _last_word(self, waits: bool, said: threading.Event) -> None:
+        """Count this rank in SEEN_KEY (its stop message is printed: a rank the report
+        names has shown where it is); with `waits`, then look at the count until every
+        rank is in (every other rank has seen the report), every EXIT_LOOK_S for the rank
+        that reported first, less and less often for the others (a few store requests
+        each, however many ranks wait). Sets `said` when done, or at once when the store
+        fails; `_print_and_exit` waits for it at most its old fixed wait (a store that
+        stops answering cannot hold the exit longer)."""
+        try:
+            seen = int(self.store.add(SEEN_KEY, 1))
+            pause = EXIT_LOOK_S
+            while waits and seen < self.world_size:
+                time.sleep(pause)
+                seen = int(self.store.add(SEEN_KEY, 0))
+                if not self._reported_first:
+                    pause = min(2 * pause, MAX_EXIT_LOOK_S)
+        except Exception:  # the store is gone: no one can read the report there any more
+            pass
+        said.set()
 
 
 class NullWatchdog:

@@ -11,7 +11,9 @@ member's block ended before its deadline, the first one done removes them once e
 member has gone on to a later call of the block); each
 member's collective counts for a block with `progress` (one key per name and rank,
 overwritten); FIRED_KEY, counting the ranks whose report came (the first gives the full
-report); ABORT_KEY, the first report's first line, which stops every other rank.
+report); ABORT_KEY, the first report's first line, which stops every other rank; SEEN_KEY,
+counting the ranks that have printed their stop message (the last word of each, after a
+report), which the ranks that wait before they exit look for.
 
 `OverrunReports` is the part of `CollectiveWatchdog` that writes and reads these keys when
 a block overruns; the watchdog itself keeps the check-ins, the monitor thread and the
@@ -32,6 +34,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 KEY_PREFIX = "collective-watchdog"
 ABORT_KEY = f"{KEY_PREFIX}/abort"  # the first line of the report of the rank that fired
 FIRED_KEY = f"{KEY_PREFIX}/fired"  # how many ranks' deadlines passed: the first reports
+SEEN_KEY = f"{KEY_PREFIX}/seen"  # how many ranks have printed their stop message
 SETTLE_S = 0.2  # after publish_s: time for the other ranks' monitors to publish theirs
 VERDICT_WAIT_S = 30.0  # a waiting member's wait for the report, beyond the reporter's own
 AGAIN = "again"  # the verdict on an overrun where every member is computing
@@ -66,9 +69,9 @@ class _Block:
 class OverrunReports:
     """A `CollectiveWatchdog`'s overrun reports. Uses the watchdog's store, rank,
     timeout_s, publish_s, describe, announces, _counts (this rank's check-ins), _cond
-    (guarding the blocks' deadlines), _fired, _stopping (a reason to stop found while an
-    overrun is examined), _left_overruns (for `sweep_overruns`), publish() and
-    _still_in(block, seconds)."""
+    (guarding the blocks' deadlines), _fired, _reported_first (this rank left ABORT_KEY),
+    _stopping (a reason to stop found while an overrun is examined), _left_overruns (for
+    `sweep_overruns`), publish() and _still_in(block, seconds)."""
 
     def missing_ranks(self, name: str, count: int, ranks: Sequence[int],
                       read: Optional[dict] = None) -> List[int]:
@@ -135,6 +138,7 @@ class OverrunReports:
         self._leave(f"{key}/verdict", message.splitlines()[0])
         self._fired, first = True, self._first_to_fire()
         if first:
+            self._reported_first = True
             self._leave(ABORT_KEY, message.splitlines()[0])
             return message + "\n" + self.main_thread_stack()
         return self._second_report(block, named)

@@ -31,9 +31,10 @@ from tests.test_preemption import MODEL, RUN_RECORDING_STATUS, read_statuses
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# A rank whose watchdog fired lingers max(POLL_S, its poll interval) + 1 s before it exits
-# (so that the others see its report). With the 3-s collective timeout here every rank
-# polls each 0.75 s, so the production POLL_S (5 s) only makes each run 3 s longer.
+# A rank whose watchdog fired lingers until every rank has printed its stop message (so
+# that the others see its report), at most max(POLL_S, its poll interval) + 1 s: that
+# longest wait (a rank that never prints) is 3 s here, not the production POLL_S's 6 s.
+# With the 3-s collective timeout here every rank polls each 0.75 s either way.
 LINGER_POLL_S = 2.0
 
 FAULT_WRAPPER = """
