@@ -113,21 +113,7 @@ def from_rank_0(job: Optional[JobStore], name: str, read: Callable[[], T],
     # the n-th such read of this rank pairs with rank 0's n-th (a store that outlives one
     # read: a process group's, made before)
     key = f"{KEY_PREFIX}{name}/{store.add(f'{KEY_PREFIX}{name}/reads/{job.rank}', 1)}"
-    if job.rank == 0:
-        try:
-            return _publish_outcome(store, key, read)
-        finally:
-            if job.hosts:  # the store ends with this process: not before every rank read
-                store.wait([key + "/all_read"])
-    try:
-        outcome = _decode(store.get(key))
-        if store.add(key + "/read", 1) == job.world_size - 1:
-            store.set(key + "/all_read", b"")
-    except (RuntimeError, OSError) as exc:  # DistStoreError, a closed connection
-        raise SystemExit(f"error: rank 0 reads {what} for every rank, and its answer did "
-                         f"not come ({str(exc).splitlines()[0] if str(exc) else exc!r}); "
-                         "rank 0's output says why") from None
-    return _outcome(outcome)
+    return _exchange(job, store, key, key, 0, read, f"{what} for every rank")
 
 
 def from_node_first(job: Optional[JobStore], local_rank: int, name: str,
@@ -143,20 +129,29 @@ def from_node_first(job: Optional[JobStore], local_rank: int, name: str,
     if store is None:
         return read()
     first = job.rank - local_rank
-    key = f"{KEY_PREFIX}{name}/node_of_{first}"
+    # every process of the job counts done under one name (the nodes' keys differ)
+    return _exchange(job, store, f"{KEY_PREFIX}{name}/node_of_{first}", f"{KEY_PREFIX}{name}",
+                     first, read, f"{what} for the processes of its node")
+
+
+def _exchange(job: JobStore, store, key: str, done: str, source: int,
+              read: Callable[[], T], what: str) -> T:
+    """`read()` on global rank `source`, its outcome left under `key`; the other ranks
+    that take `key` get it from there (`_outcome`). Every rank of the job then counts
+    itself done under `done` (`_all_done`: a rank 0 that hosts the store waits for all,
+    and a failing wait there never hides its own error)."""
     try:
-        if local_rank == 0:
+        if job.rank == source:
             return _publish_outcome(store, key, read)
         try:
             outcome = _decode(store.get(key))
         except (RuntimeError, OSError) as exc:  # DistStoreError, a closed connection
-            raise SystemExit(f"error: rank {first} reads {what} for the processes of its "
-                             "node, and its answer did not come "
-                             f"({str(exc).splitlines()[0] if str(exc) else exc!r}); rank "
-                             f"{first}'s output says why") from None
-        return _outcome(outcome, first)
+            raise SystemExit(f"error: rank {source} reads {what}, and its answer did not "
+                             f"come ({str(exc).splitlines()[0] if str(exc) else exc!r}); "
+                             f"rank {source}'s output says why") from None
+        return _outcome(outcome, source)
     finally:
-        _all_done(job, store, f"{KEY_PREFIX}{name}")
+        _all_done(job, store, done)
 
 
 def _all_done(job: JobStore, store, prefix: str) -> None:
