@@ -1,17 +1,11 @@
 """Process-group set-up, device choice and seeds for one training process.
 
 The entry point reads the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, and under
-torchrun the agent's store and restart count) and passes the values in; nothing below reads
+torchrun the agent's store) and passes the values in; nothing below reads
 os.environ.
 
-Why the agent store needs a prefix per attempt: torchrun's default (static) rendezvous keeps
-one TCPStore server, on --master-addr:--master-port, for the whole job, and tells its workers
-(TORCHELASTIC_USE_AGENT_STORE=True) to connect to it as clients. torch's env:// init then uses
-that store as it is, so after `--max-restarts` relaunches the workers, the keys written by the
-first attempt's process groups (gloo peer addresses, new_group barrier counters) are still
-there: the new ranks read them at once and dial the dead ports of the killed processes.
-Prefixing every key with the attempt number (TORCHELASTIC_RESTART_COUNT) gives each attempt a
-clean namespace in the same server; groups made later by new_group inherit the prefix.
+Under torchrun the workers share the agent's store for the whole job; each start of the job
+keeps its keys under a namespace of its own (megatron/restart_epoch.py says why and how).
 """
 from __future__ import annotations
 
@@ -29,6 +23,7 @@ import torch.distributed as dist
 from megatron.core.config import ParallelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_seed
+from megatron.restart_epoch import agree_on_epoch, epoch_prefix
 
 
 @dataclass
@@ -53,11 +48,10 @@ class Runtime:
 
 @dataclass(frozen=True)
 class AgentStore:
-    """torchrun's TCPStore server, shared by every restart attempt of one job."""
+    """torchrun's TCPStore server, shared by every start of one job (restarts included)."""
 
     host: str
     port: int
-    attempt: int  # TORCHELASTIC_RESTART_COUNT: 0 for the first launch, +1 per restart
 
 
 def agent_store_from_env(env: Mapping[str, str]) -> AgentStore | None:
@@ -67,12 +61,11 @@ def agent_store_from_env(env: Mapping[str, str]) -> AgentStore | None:
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     try:
-        return AgentStore(host=env["MASTER_ADDR"], port=int(env["MASTER_PORT"]),
-                          attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        return AgentStore(host=env["MASTER_ADDR"], port=int(env["MASTER_PORT"]))
     except (KeyError, ValueError) as e:
         raise ValueError(
-            "TORCHELASTIC_USE_AGENT_STORE=True needs MASTER_ADDR, an integer MASTER_PORT and "
-            f"TORCHELASTIC_RESTART_COUNT in the environment ({e!r}); launch with torchrun, "
+            "TORCHELASTIC_USE_AGENT_STORE=True needs MASTER_ADDR and an integer MASTER_PORT "
+            f"in the environment ({e!r}); launch with torchrun, "
             "or unset TORCHELASTIC_USE_AGENT_STORE") from None
 
 
@@ -148,12 +141,15 @@ def check_gemm_without_workspace(device: torch.device, mm=torch.mm) -> None:
                          "torch") from e
 
 
-def attempt_store(agent: AgentStore, world_size: int, timeout: datetime.timedelta):
-    """A client of the agent's TCPStore whose keys all live under this restart attempt's
-    prefix, so nothing a previous attempt wrote is ever read."""
+def attempt_store(agent: AgentStore, rank: int, world_size: int,
+                  timeout: datetime.timedelta):
+    """A client of the agent's TCPStore whose keys all live under the namespace that every
+    process of this start of the job agrees on (collective), so nothing an earlier start
+    wrote is ever read."""
     client = dist.TCPStore(agent.host, agent.port, world_size, is_master=False,
                            timeout=timeout)
-    return dist.PrefixStore(f"megatron/attempt_{agent.attempt}/", client)
+    return dist.PrefixStore(epoch_prefix(agree_on_epoch(client, rank, world_size, timeout)),
+                            client)
 
 
 def choose_backend() -> str:
@@ -181,9 +177,9 @@ def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
     `store`: the job's rendezvous store, connected before (megatron/startup_store.py's
     JobStore, for reads rank 0 made for every rank), which the default group then uses.
     Else with `agent_store` (see agent_store_from_env) the default group rendezvouses
-    through torchrun's store under a per-attempt prefix; without it, torch's env:// init
-    as usual. A process group the caller already made with gloo is kept, and the run
-    stays on CPU.
+    through torchrun's store under the namespace of this start of the job; without it,
+    torch's env:// init as usual. A process group the caller already made with gloo is
+    kept, and the run stays on CPU.
     """
     backend = choose_backend()
     if dist.is_initialized() and dist.get_backend() == "gloo":
@@ -202,7 +198,7 @@ def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
             store.set_timeout(timeout)  # as env:// sets it
             kwargs["store"] = store
         elif agent_store is not None:
-            kwargs["store"] = attempt_store(agent_store, world_size, timeout)
+            kwargs["store"] = attempt_store(agent_store, rank, world_size, timeout)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     ps = ParallelState.build(
         world_size=world_size, rank=rank, tp_size=parallel.tp_size, pp_size=parallel.pp_size,
@@ -281,8 +277,7 @@ def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank
     `--cublas-workspace` asks for into `environ` (the process environment, read by torch
     when it makes its first cuBLAS handle, so before anything runs on the GPU) and
     `gloo_lazy_init_env` (read when each gloo group is made), initialise
-    (under torchrun --max-restarts, each attempt keeps out of the keys of the previous
-    one; `store`: the job's store when the entry point connected it already, see
+    (under torchrun, each start of the job keeps out of the keys of earlier ones; `store`: the job's store when the entry point connected it already, see
     `initialize_distributed`), then check one GEMM on the GPU when cuBLAS was left without
     a workspace. With several processes, a warning every rank gives alike shows once from
     then on (`warnings_once_per_job`)."""

@@ -29,13 +29,13 @@ from megatron.initialize import agent_store_from_env, attempt_store
 
 T = TypeVar("T")
 
-KEY_PREFIX = "megatron/startup/"  # under the attempt's prefix with torchrun's agent store
+KEY_PREFIX = "megatron/startup/"  # under the start's namespace in torchrun's agent store
 
 
 class JobStore:
     """The rendezvous store of a launch of `world_size` processes, connected on first use
     (`connect`) and kept for the process group (`store`: None until then). torchrun's
-    agent store under this restart attempt's prefix (as `initialize_distributed` uses
+    agent store under this start's namespace (as `initialize_distributed` uses
     it); else, with MASTER_ADDR and MASTER_PORT, the TCPStore that rank 0 hosts (as
     env:// would make it) -- where the launcher named this process's RANK too, as env://
     needs: one process that checks a layout for $WORLD_SIZE ranks (`--dry-run`, RANK
@@ -58,7 +58,7 @@ class JobStore:
             return dist.distributed_c10d._get_default_store()
         agent = agent_store_from_env(self._env)
         if agent is not None:
-            self.store = attempt_store(agent, self.world_size, timeout)
+            self.store = attempt_store(agent, self.rank, self.world_size, timeout)
         elif self._env.get("MASTER_ADDR") and self._env.get("MASTER_PORT") and \
                 self._env.get("RANK", "") != "":
             # multi_tenant: env:// (had it run too) would share this server, not start another

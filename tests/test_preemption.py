@@ -12,7 +12,6 @@ with --load = --save resumes by itself with nothing lost beyond the last checkpo
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import functools
 import multiprocessing
@@ -98,7 +97,7 @@ def test_killed_mid_save_keeps_previous_checkpoint_and_restart_resumes(tmp_path,
 
 
 # --------------------------------------------------------------------------- agent store
-def test_agent_store_keeps_each_restart_attempt_apart():
+def test_agent_store_keeps_each_start_apart():
     env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "0", "TORCHELASTIC_RESTART_COUNT": "1"}
     assert agent_store_from_env({"MASTER_ADDR": "h", "MASTER_PORT": "1"}) is None  # srun etc.
@@ -109,10 +108,10 @@ def test_agent_store_keeps_each_restart_attempt_apart():
     timeout = datetime.timedelta(seconds=5)
     server = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
     agent = agent_store_from_env(dict(env, MASTER_PORT=str(server.port)))
-    assert agent == AgentStore("127.0.0.1", server.port, attempt=1)
-    first = attempt_store(dataclasses.replace(agent, attempt=0), 2, timeout)
+    assert agent == AgentStore("127.0.0.1", server.port)
+    first = attempt_store(agent, 0, 1, timeout)
     first.set("default_pg/0//cpu/rank_1", "a dead process's address")
-    second = attempt_store(agent, 2, timeout)
+    second = attempt_store(agent, 0, 1, timeout)  # the same count of restarts
     assert not second.check(["default_pg/0//cpu/rank_1"])  # the restart never reads it
     second.set("k", "v")
     assert first.check(["k"]) is False and second.get("k") == b"v"
@@ -138,8 +137,11 @@ import megatron.training as training
 _train_step = training.train_step
 
 def train_step(tr, data, **kwargs):
+    # once per job (a marker file): after a c10d restart rank {kill_rank} may be on the
+    # node whose restart count stayed 0
     if (tr.state.iteration == {kill_at} and os.environ["RANK"] == "{kill_rank}"
-            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+            and not os.path.exists({marker!r})):
+        open({marker!r}, "w").close()
         print("test: SIGKILL to rank {kill_rank} during iteration", tr.state.iteration + 1,
               flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -238,15 +240,33 @@ def _uninterrupted_losses(train_iters: int) -> dict:
 
 
 # How torchrun finds its peers. "static" is plain `torchrun --master-addr A --master-port P`,
-# what Megatron users type: one agent TCPStore serves every restart attempt, so the workers
-# must keep each attempt's keys apart (megatron.initialize.attempt_store). "c10d" shares its
-# rendezvous store with the workers the same way; "c10d-own-store" opts out of the sharing,
-# and torch's own env:// init (rank 0 hosts a fresh store per attempt) is what runs.
+# what Megatron users type: one agent TCPStore serves every restart, so the workers must
+# keep each start's keys apart (megatron/restart_epoch.py). "c10d-2-nodes" shares its
+# rendezvous store with the workers the same way, with two agents of one process each
+# (two "nodes"): only the node of the killed rank counts the restart, the other restarts
+# its worker for the new membership with its count unchanged -- the restart counts differ
+# between nodes. "c10d-own-store" opts out of the sharing, and torch's own env:// init
+# (rank 0 hosts a fresh store per start) is what runs.
 RENDEZVOUS = {
     "static": ([], {}),
-    "c10d": (["--rdzv-backend", "c10d"], {}),
+    "c10d-2-nodes": (["--rdzv-backend", "c10d"], {}),
     "c10d-own-store": (["--rdzv-backend", "c10d"], {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
 }
+
+
+def _run_nodes(cmds: list, env_extra: dict, log_path: Path, timeout: int = 90) -> tuple:
+    """Run the launch commands of one job's nodes side by side, their processes writing to
+    one file in the order they print: (worst exit status, the output)."""
+    with open(log_path, "a") as log:
+        procs = [subprocess.Popen(c, cwd=ROOT, env=dict(_env(), **env_extra), text=True,
+                                  stdout=log, stderr=subprocess.STDOUT) for c in cmds]
+        try:
+            for p in procs:
+                p.wait(timeout=timeout)
+        finally:
+            for p in procs:
+                p.kill() if p.poll() is None else None
+    return max(abs(p.returncode) for p in procs), log_path.read_text()
 
 
 @pytest.mark.slow
@@ -258,20 +278,22 @@ def test_sigkill_one_rank_then_torchrun_restart_resumes_without_loss(tmp_path, r
     ckpt = tmp_path / "ck"
     wrapper = tmp_path / "train_then_die.py"
     wrapper.write_text(KILLING_WRAPPER.format(root=str(ROOT), kill_at=6, kill_rank=1,
-                                              script=str(ROOT / "pretrain_gpt.py")))
+                                              script=str(ROOT / "pretrain_gpt.py"),
+                                              marker=str(tmp_path / "killed")))
     rdzv_args, env_extra = RENDEZVOUS[rendezvous]
-    cmd = _torchrun_cmd(2, str(wrapper), MODEL + [
+    nodes = 2 if rendezvous == "c10d-2-nodes" else 1
+    cmd = _torchrun_cmd(2 // nodes, str(wrapper), MODEL + [
         "--train-iters", "10", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "4"],
         launcher_args=["--max-restarts", "1", "--monitor-interval", "0.2", *rdzv_args])
     if rdzv_args:  # c10d: its endpoint in place of --master-addr/--master-port
         at = cmd.index("--master-addr")
-        cmd[at:at + 4] = ["--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
-    run = _run(cmd, env_extra=env_extra)
-    log = run.stdout + run.stderr
-    assert run.returncode == 0, log[-4000:]
+        cmd[at:at + 4] = ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "job",
+                          "--nnodes", str(nodes)]
+    status, log = _run_nodes([cmd] * nodes, env_extra, tmp_path / "job.log")
+    assert status == 0, log[-4000:]
     assert "test: SIGKILL to rank 1 during iteration 7" in log
     assert re.search(r"loading checkpoint from \S+ at iteration 4", log), log[-4000:]
-    printed = _losses(run.stdout)
+    printed = _losses(log)
     first_attempt = [i for i, _ in printed[:6]]
     assert first_attempt == [1, 2, 3, 4, 5, 6], printed
     assert [i for i, _ in printed[6:]] == list(range(5, 11)), "resumed at the checkpoint of 4"

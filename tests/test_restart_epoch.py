@@ -1,0 +1,96 @@
+"""megatron/restart_epoch.py: the processes of one start of a job agree on a namespace in
+torchrun's agent store whatever earlier starts left in it (threads stand for processes)."""
+import datetime
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from megatron.restart_epoch import ROOT, agree_on_epoch, epoch_prefix
+
+
+def _server(seconds=10):
+    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True,
+                         timeout=datetime.timedelta(seconds=seconds))
+
+
+def _client(server, seconds=10):
+    return dist.TCPStore("127.0.0.1", server.port, 1, is_master=False,
+                         timeout=datetime.timedelta(seconds=seconds))
+
+
+def _start(server, ranks, world_size, seconds=10, delay=None):
+    """agree_on_epoch on each of `ranks` in its own thread with its own client; rank r
+    starts after delay[r] seconds. {rank: epoch or the exception raised}."""
+    out = {}
+    delay = delay or {}
+
+    def run(rank):
+        time.sleep(delay.get(rank, 0))
+        try:
+            out[rank] = agree_on_epoch(_client(server, seconds), rank, world_size,
+                                       datetime.timedelta(seconds=seconds))
+        except Exception as exc:  # noqa: BLE001 -- the test looks at it
+            out[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=seconds * 3)
+    return out
+
+
+def test_every_start_agrees_on_a_new_epoch():
+    server = _server()
+    first = _start(server, range(4), 4)
+    assert len(set(first.values())) == 1 and isinstance(first[0], int), first
+    second = _start(server, range(4), 4, delay={0: 0.3})  # rank 0 last this time
+    assert len(set(second.values())) == 1 and isinstance(second[0], int), second
+    assert second[0] != first[0]
+    # what the first start wrote under its namespace is not under the second's
+    dist.PrefixStore(epoch_prefix(first[0]), _client(server)).set("default_pg/0", "old")
+    assert not dist.PrefixStore(epoch_prefix(second[0]), _client(server)).check(["default_pg/0"])
+
+
+def test_a_start_agrees_whatever_the_previous_one_left():
+    """The previous start ended in the middle of its agreement: rank 2 died before it
+    counted its start (its counter is behind the others'), rank 1 counted and was answered
+    but never acknowledged, rank 3 is still waiting for an answer from a rank 0 that died.
+    Restart counts are not involved: every process of the new start agrees on one epoch,
+    a new one."""
+    server = _server()
+    old = _start(server, range(4), 4)[0]
+    store = _client(server)
+    for rank in (0, 1, 3):
+        store.add(f"{ROOT}incarnation/{rank}", 1)
+    stale = store.add(f"{ROOT}epoch", 1)
+    store.set(f"{ROOT}answer/1/{store.add(f'{ROOT}incarnation/1', 0)}", str(stale))
+    new = _start(server, range(4), 4, delay={2: 0.2})
+    assert len(set(new.values())) == 1 and isinstance(new[0], int), new
+    assert new[0] not in (old, stale)
+
+
+def test_rank_0_names_the_ranks_that_never_join():
+    server = _server()
+    began = time.monotonic()
+    out = _start(server, [0, 1], 4, seconds=2)
+    assert isinstance(out[0], RuntimeError), out
+    assert "2 of the 4 ranks" in str(out[0]) and "ranks 2, 3" in str(out[0])
+    assert time.monotonic() - began < 12
+
+
+def test_a_rank_whose_rank_0_never_comes_says_so():
+    server = _server()
+    out = _start(server, [1], 2, seconds=1)
+    assert isinstance(out[1], RuntimeError) and "rank 1 waited" in str(out[1]), out
+    assert "rank 0's process did not start" in str(out[1])
+
+
+@pytest.mark.parametrize("world_size", [2, 16])
+def test_many_ranks_in_any_order(world_size):
+    server = _server()
+    delay = {r: (r * 7 % 5) / 20 for r in range(world_size)}
+    out = _start(server, range(world_size), world_size, delay=delay)
+    assert len(out) == world_size and len(set(out.values())) == 1, out
