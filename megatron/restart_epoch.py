@@ -82,23 +82,52 @@ def _missing_message(pending: list, world_size: int, timeout: datetime.timedelta
 
 
 def _other_rank(store, rank: int, timeout: datetime.timedelta) -> int:
-    start = _started(store, rank)
+    epochs = int(store.add(f"{ROOT}epoch", 0))  # rank 0s that took an epoch before this start
+    key = f"{ROOT}answer/{rank}/{_started(store, rank)}"
     try:
-        epoch = int(store.get(f"{ROOT}answer/{rank}/{start}"))
+        store.wait([key], timeout)
     except Exception as exc:  # the store's wait timed out (DistStoreError) or it is gone
-        raise RuntimeError(
-            f"rank {rank} waited {timeout} for rank 0 to admit it to this start of the job "
-            f"({type(exc).__name__}: {exc}); rank 0's process did not start or stopped "
-            "before. Check its node and its torchrun log.") from exc
+        if not _rank_0_came_since(store, epochs):
+            raise RuntimeError(_no_answer_message(rank, timeout, exc, False)) from exc
+        # A rank 0 that came after this rank answers once every rank has counted its start
+        # (it may wait for a late one) and gives up `timeout` after it came, naming the
+        # late ranks: within one more `timeout`. Leaving sooner would end the job (the
+        # launcher stops every rank once one fails) with this rank blaming rank 0.
+        try:
+            store.wait([key], timeout)
+        except Exception as again:
+            raise RuntimeError(_no_answer_message(rank, 2 * timeout, again, True)) from again
+    epoch = int(store.get(key))
     store.append(f"{ROOT}acked/{epoch}", f"{rank} ")
     return epoch
+
+
+def _rank_0_came_since(store, epochs: int) -> bool:
+    """Whether a rank 0 took an epoch since the job-wide counter read `epochs`."""
+    try:
+        return int(store.add(f"{ROOT}epoch", 0)) > epochs
+    except Exception:  # the store is gone
+        return False
+
+
+def _no_answer_message(rank: int, waited: datetime.timedelta, exc: Exception,
+                       rank_0_came: bool) -> str:
+    head = (f"rank {rank} waited {waited} for rank 0 to admit it to this start of the job "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); ")
+    if not rank_0_came:
+        return head + ("rank 0's process did not start or stopped before. Check its node "
+                       "and its torchrun log.")
+    return head + ("rank 0 started meanwhile but did not answer: it waits for ranks that "
+                   "did not join (its error names them), or it stopped. Check rank 0's "
+                   "output and its torchrun log.")
 
 
 def agree_on_epoch(store, rank: int, world_size: int, timeout: datetime.timedelta) -> int:
     """The epoch number every process of this start of the job gets (collective over the
     `world_size` ranks; `store`: torchrun's agent store, which outlives the processes).
-    Rank 0 waits at most `timeout` for the others, which wait for rank 0 with the store's
-    own timeout; either raises naming who never came."""
+    Rank 0 waits at most `timeout` for the others; they wait `timeout` for rank 0, or
+    twice that when rank 0 came after them (it answers once every rank has come, and its
+    error names the ranks that did not); either raises naming who never came."""
     if rank == 0:
         return _rank_0(store, world_size, timeout)
     return _other_rank(store, rank, timeout)
