@@ -36,6 +36,7 @@ import time
 
 ROOT = "megatron/handshake/"
 POLL_S = (0.02, 0.5)  # rank 0's first and longest wait between looks at the starts
+ACK_S = 30.0  # rank 0's wait past its deadline for the ranks it answered just before
 
 
 def _started(store, rank: int) -> int:
@@ -48,6 +49,7 @@ def _rank_0(store, world_size: int, timeout: datetime.timedelta, clock=time.mono
     acked_key = f"{ROOT}acked/{epoch}"
     store.set(acked_key, "")
     answered: dict = {}
+    answered_at = -float("inf")  # when rank 0 last answered (a late rank's ack may follow)
     deadline = clock() + timeout.total_seconds()
     wait = POLL_S[0]
     while True:
@@ -55,7 +57,7 @@ def _rank_0(store, world_size: int, timeout: datetime.timedelta, clock=time.mono
         pending = [r for r in range(1, world_size) if r not in acked]
         if not pending:
             return epoch
-        if clock() > deadline:
+        if clock() > deadline and clock() > answered_at + ACK_S:
             raise RuntimeError(_missing_message(pending, world_size, timeout))
         keys = [f"{ROOT}incarnation/{r}" for r in pending]
         try:  # a rank's first start: its counter does not exist yet, the read waits for it
@@ -68,6 +70,7 @@ def _rank_0(store, world_size: int, timeout: datetime.timedelta, clock=time.mono
         if new:
             store.multi_set([f"{ROOT}answer/{r}/{n}" for r, n in new], [str(epoch)] * len(new))
             answered.update(new)
+            answered_at = clock()
             wait = POLL_S[0]
         else:
             wait = min(wait * 2, POLL_S[1])
@@ -125,7 +128,8 @@ def _no_answer_message(rank: int, waited: datetime.timedelta, exc: Exception,
 def agree_on_epoch(store, rank: int, world_size: int, timeout: datetime.timedelta) -> int:
     """The epoch number every process of this start of the job gets (collective over the
     `world_size` ranks; `store`: torchrun's agent store, which outlives the processes).
-    Rank 0 waits at most `timeout` for the others; they wait `timeout` for rank 0, or
+    Rank 0 waits at most `timeout` for the others (and ACK_S more for the acknowledgements
+    of ranks it answered just before: they came in time); they wait `timeout` for rank 0, or
     twice that when rank 0 came after them (it answers once every rank has come, and its
     error names the ranks that did not); either raises naming who never came."""
     if rank == 0:

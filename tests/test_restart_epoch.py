@@ -130,3 +130,31 @@ def test_a_rank_0_that_waits_for_a_missing_rank_fails_first_and_names_it():
     assert "(ranks 2)" in str(out[0]), out
     assert ended[0] < ended[1], (ended, out)
     assert "rank 0 started meanwhile" in str(out[1]) and "did not start" not in str(out[1])
+
+
+def test_rank_0_waits_for_the_acknowledgement_of_a_rank_it_answered_at_its_deadline():
+    """Rank 1 counts its start just before rank 0's wait runs out; rank 0 answers it,
+    and its acknowledgement comes after the deadline (thousands of ranks append theirs
+    to one key): rank 0 takes it, where it reported rank 1 as never having joined. An
+    answered rank whose acknowledgement never comes is reported ACK_S later."""
+    from megatron import restart_epoch
+
+    for acks in (True, False):
+        store = dist.HashStore()
+        store.add(f"{ROOT}incarnation/1", 1)  # rank 1 came, and waits for its answer
+        now = [0.0]
+
+        def sleep(seconds, store=store, now=now, acks=acks):
+            now[0] += 11.0  # the first sleep outlasts the 10-s deadline
+            epoch = store.add(f"{ROOT}epoch", 0)
+            if acks and now[0] > 20 and store.check([f"{ROOT}answer/1/1"]):
+                store.append(f"{ROOT}acked/{epoch}", "1 ")
+
+        run = lambda: restart_epoch._rank_0(  # noqa: E731
+            store, 2, datetime.timedelta(seconds=10), clock=lambda: now[0], sleep=sleep)
+        if acks:
+            assert run() == 1
+        else:
+            with pytest.raises(RuntimeError, match=r"\(ranks 1\)"):
+                run()
+            assert now[0] > restart_epoch.ACK_S
