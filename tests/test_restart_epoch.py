@@ -96,20 +96,20 @@ def test_many_ranks_in_any_order(world_size):
     assert len(out) == world_size and len(set(out.values())) == 1, out
 
 
-def test_a_rank_outwaits_a_rank_0_that_waits_for_a_late_rank():
-    """Rank 1 comes first, rank 0 0.6 s later, rank 2 0.3 s after rank 1's own wait
-    (2 s) ran out but within rank 0's: every rank joins. Rank 0 answers only once every
-    rank has counted its start, and rank 1 left when its wait ran out, blaming rank 0
-    ("did not start"): the launcher then ended the job on that message."""
+def test_a_rank_that_came_before_a_late_rank_is_not_the_one_to_fail():
+    """Rank 1 comes first, rank 0 0.6 s later, rank 2 0.2 s after rank 1's own wait
+    (3 s) would have run out, but within rank 0's: every rank joins. Rank 0 answered only
+    once every rank had counted its start, and rank 1 left when its wait ran out, blaming
+    rank 0 ("did not start"): the launcher then ended the job on that message."""
     server = _server()
-    out = _start(server, range(3), 3, seconds=2, delay={0: 0.6, 2: 2.3})
+    out = _start(server, range(3), 3, seconds=3, delay={0: 0.6, 2: 3.2})
     assert len(set(out.values())) == 1 and isinstance(out[0], int), out
 
 
 def test_a_rank_0_that_waits_for_a_missing_rank_fails_first_and_names_it():
-    """Rank 2 never comes: rank 0 names it when its wait runs out; rank 1, which came
-    before rank 0, is still waiting then (the launcher ends it on rank 0's error), and
-    its own message, later, says rank 0 started rather than that it did not."""
+    """Rank 2 never comes: rank 0 names it when its wait runs out, while rank 1, which
+    came before rank 0 and was answered, still waits for rank 0 to see every rank join
+    (the launcher ends it on rank 0's error); its own message, later, says it joined."""
     server = _server()
     ended = {}
     out = {}
@@ -122,14 +122,20 @@ def test_a_rank_0_that_waits_for_a_missing_rank_fails_first_and_names_it():
             out[rank] = exc
         ended[rank] = time.monotonic()
 
+    from megatron import restart_epoch
     threads = [threading.Thread(target=timed, args=(r, d)) for r, d in ((1, 0.0), (0, 0.6))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=20)
+    saved = restart_epoch.ACK_S, restart_epoch.FORMED_S
+    restart_epoch.ACK_S, restart_epoch.FORMED_S = 0.5, 1.0
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        restart_epoch.ACK_S, restart_epoch.FORMED_S = saved
     assert "(ranks 2)" in str(out[0]), out
     assert ended[0] < ended[1], (ended, out)
-    assert "rank 0 started meanwhile" in str(out[1]) and "did not start" not in str(out[1])
+    assert "rank 1 joined this start" in str(out[1]) and "did not start" not in str(out[1])
 
 
 def test_rank_0_waits_for_the_acknowledgement_of_a_rank_it_answered_at_its_deadline():
