@@ -94,3 +94,73 @@ def test_many_ranks_in_any_order(world_size):
     delay = {r: (r * 7 % 5) / 20 for r in range(world_size)}
     out = _start(server, range(world_size), world_size, delay=delay)
     assert len(out) == world_size and len(set(out.values())) == 1, out
+
+
+def test_a_rank_that_came_before_a_late_rank_is_not_the_one_to_fail():
+    """Rank 1 comes first, rank 0 0.6 s later, rank 2 0.2 s after rank 1's own wait
+    (3 s) would have run out, but within rank 0's: every rank joins. Rank 0 answered only
+    once every rank had counted its start, and rank 1 left when its wait ran out, blaming
+    rank 0 ("did not start"): the launcher then ended the job on that message."""
+    server = _server()
+    out = _start(server, range(3), 3, seconds=3, delay={0: 0.6, 2: 3.2})
+    assert len(set(out.values())) == 1 and isinstance(out[0], int), out
+
+
+def test_a_rank_0_that_waits_for_a_missing_rank_fails_first_and_names_it():
+    """Rank 2 never comes: rank 0 names it when its wait runs out, while rank 1, which
+    came before rank 0 and was answered, still waits for rank 0 to see every rank join
+    (the launcher ends it on rank 0's error); its own message, later, says it joined."""
+    server = _server()
+    ended = {}
+    out = {}
+
+    def timed(rank, delay):
+        time.sleep(delay)
+        try:
+            out[rank] = agree_on_epoch(_client(server, 2), rank, 3, datetime.timedelta(seconds=2))
+        except RuntimeError as exc:
+            out[rank] = exc
+        ended[rank] = time.monotonic()
+
+    from megatron import restart_epoch
+    threads = [threading.Thread(target=timed, args=(r, d)) for r, d in ((1, 0.0), (0, 0.6))]
+    saved = restart_epoch.ACK_S, restart_epoch.FORMED_S
+    restart_epoch.ACK_S, restart_epoch.FORMED_S = 0.5, 1.0
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        restart_epoch.ACK_S, restart_epoch.FORMED_S = saved
+    assert "(ranks 2)" in str(out[0]), out
+    assert ended[0] < ended[1], (ended, out)
+    assert "rank 1 joined this start" in str(out[1]) and "did not start" not in str(out[1])
+
+
+def test_rank_0_waits_for_the_acknowledgement_of_a_rank_it_answered_at_its_deadline():
+    """Rank 1 counts its start just before rank 0's wait runs out; rank 0 answers it,
+    and its acknowledgement comes after the deadline (thousands of ranks append theirs
+    to one key): rank 0 takes it, where it reported rank 1 as never having joined. An
+    answered rank whose acknowledgement never comes is reported ACK_S later."""
+    from megatron import restart_epoch
+
+    for acks in (True, False):
+        store = dist.HashStore()
+        store.add(f"{ROOT}incarnation/1", 1)  # rank 1 came, and waits for its answer
+        now = [0.0]
+
+        def sleep(seconds, store=store, now=now, acks=acks):
+            now[0] += 11.0  # the first sleep outlasts the 10-s deadline
+            epoch = store.add(f"{ROOT}epoch", 0)
+            if acks and now[0] > 20 and store.check([f"{ROOT}answer/1/1"]):
+                store.append(f"{ROOT}acked/{epoch}", "1 ")
+
+        run = lambda: restart_epoch._rank_0(  # noqa: E731
+            store, 2, datetime.timedelta(seconds=10), clock=lambda: now[0], sleep=sleep)
+        if acks:
+            assert run() == 1
+        else:
+            with pytest.raises(RuntimeError, match=r"\(ranks 1\)"):
+                run()
+            assert now[0] > restart_epoch.ACK_S
