@@ -61,6 +61,7 @@ def _rank_0(store, world_size: int, timeout: datetime.timedelta, clock=time.mono
         pending = [r for r in range(1, world_size) if r not in acked]
         if not pending:
             store.set(f"{ROOT}formed/{epoch}", "")
+            store.delete_key(acked_key)  # a job restarted often keeps one key per start
             return epoch
         for r in pending:  # a rank's first start: its counter is made at 0 (no start has 0)
             if r not in counted:
@@ -100,6 +101,7 @@ def _other_rank(store, rank: int, timeout: datetime.timedelta) -> int:
             f"({_first_line(exc)}); rank 0's process did not start or stopped before. "
             "Check its node and its torchrun log.") from exc
     epoch = int(store.get(f"{ROOT}answer/{rank}/{start}"))
+    store.delete_key(f"{ROOT}answer/{rank}/{start}")
     store.append(f"{ROOT}acked/{epoch}", f"{rank} ")
     # Rank 0 says when every rank has joined, or fails first, naming those that did not
     # (its wait began before this rank's answer): the launcher then ends this process.

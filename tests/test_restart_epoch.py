@@ -7,6 +7,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from megatron import restart_epoch
 from megatron.restart_epoch import ROOT, agree_on_epoch, epoch_prefix
 
 
@@ -49,6 +50,11 @@ def test_every_start_agrees_on_a_new_epoch():
     second = _start(server, range(4), 4, delay={0: 0.3})  # rank 0 last this time
     assert len(set(second.values())) == 1 and isinstance(second[0], int), second
     assert second[0] != first[0]
+    # a start leaves one key of its agreement (formed/<epoch>) besides the start counters
+    store = _client(server)
+    assert not store.check([f"{ROOT}acked/{second[0]}"])
+    assert not any(store.check([f"{ROOT}answer/{r}/2"]) for r in range(1, 4))
+    assert store.check([f"{ROOT}formed/{second[0]}"])
     # what the first start wrote under its namespace is not under the second's
     dist.PrefixStore(epoch_prefix(first[0]), _client(server)).set("default_pg/0", "old")
     assert not dist.PrefixStore(epoch_prefix(second[0]), _client(server)).check(["default_pg/0"])
@@ -72,7 +78,9 @@ def test_a_start_agrees_whatever_the_previous_one_left():
     assert new[0] not in (old, stale)
 
 
-def test_rank_0_names_the_ranks_that_never_join():
+def test_rank_0_names_the_ranks_that_never_join(monkeypatch):
+    monkeypatch.setattr(restart_epoch, "ACK_S", 0.5)  # rank 1's wait after rank 0's
+    monkeypatch.setattr(restart_epoch, "FORMED_S", 0.5)
     server = _server()
     began = time.monotonic()
     out = _start(server, [0, 1], 4, seconds=2)
@@ -106,7 +114,7 @@ def test_a_rank_that_came_before_a_late_rank_is_not_the_one_to_fail():
     assert len(set(out.values())) == 1 and isinstance(out[0], int), out
 
 
-def test_a_rank_0_that_waits_for_a_missing_rank_fails_first_and_names_it():
+def test_a_rank_0_that_waits_for_a_missing_rank_fails_first_and_names_it(monkeypatch):
     """Rank 2 never comes: rank 0 names it when its wait runs out, while rank 1, which
     came before rank 0 and was answered, still waits for rank 0 to see every rank join
     (the launcher ends it on rank 0's error); its own message, later, says it joined."""
@@ -122,17 +130,13 @@ def test_a_rank_0_that_waits_for_a_missing_rank_fails_first_and_names_it():
             out[rank] = exc
         ended[rank] = time.monotonic()
 
-    from megatron import restart_epoch
+    monkeypatch.setattr(restart_epoch, "ACK_S", 0.5)
+    monkeypatch.setattr(restart_epoch, "FORMED_S", 1.0)
     threads = [threading.Thread(target=timed, args=(r, d)) for r, d in ((1, 0.0), (0, 0.6))]
-    saved = restart_epoch.ACK_S, restart_epoch.FORMED_S
-    restart_epoch.ACK_S, restart_epoch.FORMED_S = 0.5, 1.0
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
-    finally:
-        restart_epoch.ACK_S, restart_epoch.FORMED_S = saved
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
     assert "(ranks 2)" in str(out[0]), out
     assert ended[0] < ended[1], (ended, out)
     assert "rank 1 joined this start" in str(out[1]) and "did not start" not in str(out[1])
@@ -143,8 +147,6 @@ def test_rank_0_waits_for_the_acknowledgement_of_a_rank_it_answered_at_its_deadl
     and its acknowledgement comes after the deadline (thousands of ranks append theirs
     to one key): rank 0 takes it, where it reported rank 1 as never having joined. An
     answered rank whose acknowledgement never comes is reported ACK_S later."""
-    from megatron import restart_epoch
-
     for acks in (True, False):
         store = dist.HashStore()
         store.add(f"{ROOT}incarnation/1", 1)  # rank 1 came, and waits for its answer
