@@ -109,21 +109,28 @@ def train_shortfall(config: Config, iteration: int, consumed: int,
         return None
     gbs = d.target_global_batch_size or d.global_batch_size
     rampup = tuple(d.rampup_batch_size) if d.rampup_batch_size else None
-    end = consumed
-    for it in range(iteration, t.train_iters):
+    end, it = consumed, iteration
+    while it < t.train_iters:
         step = current_global_batch_size(end, rampup, gbs) if rampup else gbs
+        if step == gbs:  # the same size from here on: the rest in one sum
+            if end + (t.train_iters - it) * gbs <= num_samples:
+                return None
+            it += max(num_samples - end, 0) // gbs
+            break
         if end + step > num_samples:
-            return (f"the train set has {num_samples} samples and {consumed} are already "
-                    f"consumed (consumed_train_samples at iteration {iteration}, "
-                    f"{consumed / max(iteration, 1):g} a step); the {t.train_iters - iteration} "
-                    f"iteration(s) left to --train-iters {t.train_iters} at global batch size "
-                    f"{gbs} would run out of data at iteration {it + 1}. The set is sized "
-                    "from --train-iters x --global-batch-size (or --train-samples) as given "
-                    "now, and fewer samples a step leave it smaller than what the "
-                    "checkpoint read: resume with the --global-batch-size the checkpoint was "
-                    "trained with")
-        end += step
-    return None
+            break
+        end, it = end + step, it + 1
+    else:
+        return None
+    return (f"the train set has {num_samples} samples and {consumed} are already "
+            f"consumed (consumed_train_samples at iteration {iteration}, "
+            f"{consumed / max(iteration, 1):g} a step); the {t.train_iters - iteration} "
+            f"iteration(s) left to --train-iters {t.train_iters} at global batch size "
+            f"{gbs} would run out of data at iteration {it + 1}. The set is sized "
+            "from --train-iters x --global-batch-size (or --train-samples) as given "
+            "now, and fewer samples a step leave it smaller than what the "
+            "checkpoint read: resume with the --global-batch-size the checkpoint was "
+            "trained with")
 
 
 def check_data_files(config: Config, group=None) -> None:
