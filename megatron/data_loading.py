@@ -89,6 +89,50 @@ def validation_shortfall(config: Config, iteration: int, consumed: int,
             "trained with, or pass --eval-iters 0 to train without validation")
 
 
+def train_shortfall(config: Config, iteration: int, consumed: int,
+                    num_samples: int) -> Optional[str]:
+    """Why the train set cannot serve the iterations left to a run starting at `iteration`
+    with `consumed` training samples behind it (None when it can).
+
+    The set is sized from --train-iters x --global-batch-size (or --train-samples) as given
+    now, while `consumed` comes from the checkpoint: an iteration-based run resumed at a
+    smaller --global-batch-size than it was trained with asks its data for fewer samples
+    than it has read already plus the steps left (a blend holds barely more than it asks).
+    Megatron-LM stops on an assertion when nothing is left, else with a bare StopIteration
+    at the step that runs out, possibly hours in. Said before training instead. With
+    --rampup-batch-size each step takes the ramp's size of its consumed count. The `cyclic`
+    loader starts another epoch instead of running out."""
+    from megatron.microbatches import current_global_batch_size
+
+    t, d = config.training, config.data
+    if t.skip_train or d.dataloader_type == "cyclic" or iteration >= (t.train_iters or 0):
+        return None
+    gbs = d.target_global_batch_size or d.global_batch_size
+    rampup = tuple(d.rampup_batch_size) if d.rampup_batch_size else None
+    end, it = consumed, iteration
+    while it < t.train_iters:
+        step = current_global_batch_size(end, rampup, gbs) if rampup else gbs
+        if step == gbs:  # the same size from here on: the rest in one sum
+            if end + (t.train_iters - it) * gbs <= num_samples:
+                return None
+            it += max(num_samples - end, 0) // gbs
+            break
+        if end + step > num_samples:
+            break
+        end, it = end + step, it + 1
+    else:
+        return None
+    return (f"the train set has {num_samples} samples and {consumed} are already "
+            f"consumed (consumed_train_samples at iteration {iteration}, "
+            f"{consumed / max(iteration, 1):g} a step); the {t.train_iters - iteration} "
+            f"iteration(s) left to --train-iters {t.train_iters} at global batch size "
+            f"{gbs} would run out of data at iteration {it + 1}. The set is sized "
+            "from --train-iters x --global-batch-size (or --train-samples) as given "
+            "now, and fewer samples a step leave it smaller than what the "
+            "checkpoint read: resume with the --global-batch-size the checkpoint was "
+            "trained with")
+
+
 def check_data_files(config: Config, group=None) -> None:
     """Every `.bin/.idx` of the data paths exists, checked by every rank before the model
     is built (the dataset builder meets a missing one only after the model, optimizer and

@@ -32,6 +32,7 @@ from megatron.data_loading import (
     make_iterator,
     no_validation_reason,
     split_sample_counts,
+    train_shortfall,
     validation_shortfall,
 )
 from megatron.gemm_choice import activate_gemm_algorithms
@@ -408,6 +409,11 @@ def _build_data(tr: Trainer):
     if datasets["valid"] is not None:
         shortfall = validation_shortfall(config, tr.state.iteration, valid_start,
                                          len(datasets["valid"]))
+        if shortfall:
+            raise exit_on_every_rank(f"error: {shortfall}", rt.control_group)  # rank 0 prints
+    if datasets["train"] is not None:
+        shortfall = train_shortfall(config, tr.state.iteration, tr.state.consumed_train_samples,
+                                    len(datasets["train"]))
         if shortfall:
             raise exit_on_every_rank(f"error: {shortfall}", rt.control_group)  # rank 0 prints
     asked = split_sample_counts(config)

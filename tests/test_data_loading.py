@@ -17,6 +17,7 @@ from megatron.data_loading import (
     PrefetchIterator,
     get_batch,
     make_iterator,
+    train_shortfall,
     validation_shortfall,
 )
 from tests.dist_utils import run_distributed
@@ -187,6 +188,61 @@ def test_validation_shortfall_counts_the_evaluations_left():
     assert "the 1 evaluation(s) left" in validation_shortfall(
         _eval_config(100, 10, 2, skip_train=True), 100, 176, 191)
     assert validation_shortfall(_eval_config(100, 10, 0), 0, 10**6, 0) is None
+
+
+def test_train_shortfall_counts_the_steps_left():
+    """Sized for 100 iterations x 8 = 800 samples, resumed at iteration 60 after 60 x 16
+    samples (a larger global batch before): nothing left, the first step runs out; after
+    60 x 8 it fits exactly, one sample less and the last step runs out."""
+    cfg = _eval_config(100, 10, 2)
+    assert train_shortfall(cfg, 0, 0, 800) is None
+    assert train_shortfall(cfg, 60, 480, 800) is None
+    assert "would run out of data at iteration 100" in train_shortfall(cfg, 60, 480, 799)
+    out = train_shortfall(cfg, 60, 960, 805)
+    assert out.startswith("the train set has 805 samples and 960 are already consumed "
+                          "(consumed_train_samples at iteration 60, 16 a step)")
+    assert "would run out of data at iteration 61" in out
+    assert "resume with the --global-batch-size the checkpoint was trained with" in out
+    assert train_shortfall(cfg, 100, 10**6, 800) is None  # nothing left to train
+    cyclic = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataloader_type="cyclic"))
+    assert train_shortfall(cyclic, 60, 960, 805) is None  # wraps into another epoch
+    skip = _eval_config(100, 10, 2, skip_train=True)
+    assert train_shortfall(skip, 60, 960, 805) is None
+
+
+def test_train_shortfall_follows_the_rampup():
+    """Under --rampup-batch-size 2 2 20 (final 8) the steps take 2, 2, ..., 8 samples:
+    the count a fresh run reads is exactly what it needs."""
+    from megatron.microbatches import rampup_consumed_samples
+
+    cfg = _eval_config(30, 10, 2)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(
+        cfg.data, rampup_batch_size=[2, 2, 20], target_global_batch_size=8))
+    need = rampup_consumed_samples(30, (2, 2, 20), 8)
+    assert need < 30 * 8
+    assert train_shortfall(cfg, 0, 0, need) is None
+    assert "at iteration 30" in train_shortfall(cfg, 0, 0, need - 1)
+    done = rampup_consumed_samples(5, (2, 2, 20), 8)
+    assert train_shortfall(cfg, 5, done, need) is None
+
+
+def test_resume_at_a_smaller_global_batch_that_runs_out_of_train_data_stops_first(
+        tmp_path, capsys):
+    """A blend holds barely more samples than asked: stopped at iteration 8 with a global
+    batch of 16 (128 samples read) and resumed at 8 (the data sized 10 x 8 x 1.005), the
+    first step would run out (Megatron: an assertion, or a bare StopIteration later). The
+    run stops before training, naming the counts and the fix."""
+    corpora, path = _corpora(tmp_path, blend=True)
+    save = str(tmp_path / "ckpt")
+    flags = ["--split", "98,2,0", "--train-iters", "10", "--eval-iters", "0"]
+    _recorded_run(0, 1, _order_argv(path, save, flags + ["--global-batch-size", "16",
+                                                         "--exit-interval", "8"]))
+    with pytest.raises(SystemExit) as stop:
+        _recorded_run(0, 1, _order_argv(path, save, flags + [
+            "--global-batch-size", "8", "--load", save, "--override-opt_param-scheduler"]))
+    out = capsys.readouterr()
+    assert ("error: the train set has 81 samples and 128 are already consumed"
+            in f"{stop.value.code}{out.out}{out.err}")
 
 
 def test_validation_shortfall_ignores_the_cyclic_loader():

@@ -118,8 +118,49 @@ def test_index_of_data_preprocessed_again_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"does not match it .*Stale files"):
         build_train_valid_test_datasets([prefix], SPLIT, [50, 5, 5], 16, 7)
     make_corpus(tmp_path / "c", [31] * 200, seed=3)  # as many documents, other sizes
-    with pytest.raises(ValueError, match=r"does not match it"):
+    with pytest.raises(ValueError, match=r"do(es)? not match"):
         build_train_valid_test_datasets([prefix], SPLIT, [50, 5, 5], 16, 7)
+
+
+def test_index_of_data_whose_sizes_moved_by_a_token_is_refused(tmp_path):
+    """Preprocessed again with one document a token longer and the next a token shorter
+    (same documents, same tokens: every count and bound of the old index still fits), the
+    old sample_idx would cut a sample of S+2 tokens and one of S: refused, as the row that
+    no longer starts at token i*S. The same sizes with other token ids keep the index (it
+    depends on the sizes only): a fresh build would give the same arrays."""
+    sizes = [int(x) for x in np.random.default_rng(0).integers(5, 60, 100)]
+    prefix, _ = make_corpus(tmp_path / "c", sizes, seed=1)
+    build_train_valid_test_datasets([prefix], "98,2,0", [50, 5, 0], 16, 1234)
+    make_corpus(tmp_path / "c", sizes, seed=2)  # other ids, same sizes: reused
+    train, _, _ = build_train_valid_test_datasets([prefix], "98,2,0", [50, 5, 0], 16, 1234)
+    assert train.index_build_s is None
+    assert {len(train[i]["text"]) for i in range(len(train))} == {17}
+    moved = list(sizes)
+    moved[0] += 1
+    moved[1] -= 1
+    make_corpus(tmp_path / "c", moved, seed=2)
+    with pytest.raises(ValueError, match=r"train dataset .*sample_idx row \d+ does not start "
+                                         r"at token \d+ of the documents' current sizes"):
+        build_train_valid_test_datasets([prefix], "98,2,0", [50, 5, 0], 16, 1234)
+
+
+@pytest.mark.parametrize("chunk", [2, 5, 1 << 22])
+def test_the_sample_start_check_in_blocks(monkeypatch, chunk):
+    """The start-token check gives the same verdicts whatever the block size (empty
+    documents, several epochs): Megatron's arrays pass, a row moved by a token fails."""
+    monkeypatch.setattr(gd, "_CHUNK", chunk)
+    for sizes, num_samples, seq_length, seed in CASES:
+        sizes = np.array(sizes, dtype=np.int32)
+        documents = np.arange(len(sizes), dtype=np.int32)
+        doc_idx, sample_idx, _ = ref_indices(documents, sizes, num_samples, seq_length,
+                                             seed)[:3]
+        assert gd._sample_starts_mismatch(sample_idx, doc_idx, sizes, seq_length) is None
+        shifted = np.array(sample_idx)
+        row = len(shifted) // 2
+        shifted[row, 1] += 1 if shifted[row, 1] == 0 else -1
+        assert gd._sample_starts_mismatch(shifted, doc_idx, sizes, seq_length) == (
+            f"sample_idx row {row} does not start at token {row * seq_length} of the "
+            "documents' current sizes")
 
 
 def test_truncated_cache_file_is_named(tmp_path):

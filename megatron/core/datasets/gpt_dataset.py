@@ -233,17 +233,53 @@ def _sample_idx_mismatch(sample_idx: np.ndarray, doc_idx: np.ndarray,
     return None
 
 
+def _sample_starts_mismatch(sample_idx: np.ndarray, doc_idx: np.ndarray, sizes: np.ndarray,
+                            seq_length: int) -> Optional[str]:
+    """Whether row i of sample_idx is where token i*S of the document stream (the sizes of
+    doc_idx's documents, concatenated) lies: inside a document (offset < its size), row 0
+    at (0, 0). Catches data preprocessed again with the same documents and nearly the same
+    tokens, whose stale rows would cut samples of other lengths or overlapping ones. Runs
+    along doc_idx and sample_idx (positions already checked to be ordered) in blocks of
+    `_CHUNK` entries: memory bounded whatever the index size."""
+    row, buf, k, carry = 0, np.empty((0, 2), dtype=np.int64), 0, 0
+    for first, part in _chunks(doc_idx):
+        lengths = sizes[part].astype(np.int64)
+        ends = carry + np.cumsum(lengths)
+        stop = first + len(part)
+        while True:
+            if k == len(buf):
+                buf, k = np.asarray(sample_idx[row:row + _CHUNK], dtype=np.int64), 0
+                if len(buf) == 0:
+                    break
+            take = int(np.searchsorted(buf[k:, 0], stop, side="left"))
+            if take:
+                p, off = buf[k:k + take, 0] - first, buf[k:k + take, 1]
+                want = np.arange(row, row + take, dtype=np.int64) * seq_length
+                ok = (ends[p] - lengths[p] + off == want) & (off >= 0) & (off < lengths[p])
+                if row == 0:  # Megatron's helper starts at (0, 0) even before an empty document
+                    ok[0] = buf[k, 0] == 0 and buf[k, 1] == 0
+                if not ok.all():
+                    bad = row + int(np.argmin(ok))
+                    return (f"sample_idx row {bad} does not start at token {bad * seq_length} "
+                            "of the documents' current sizes")
+                row, k = row + take, k + take
+            if k < len(buf):
+                break
+        carry = int(ends[-1]) if len(ends) else carry
+    return None
+
+
 def index_mismatch(arrays: Tuple[np.ndarray, np.ndarray, np.ndarray], documents: np.ndarray,
                    sizes: np.ndarray, num_samples: int, seq_length: int) -> Optional[str]:
     """Why cached (doc_idx, sample_idx, shuffle_idx) cannot be the index of `documents`
     (None when they can). Checked: doc_idx has E entries per document (E the epochs these
     documents need), all within the documents' range, with their sum and sum of squares;
-    sample_idx has (E*T-1)//S + 1 rows whose positions lie in doc_idx, in order, and whose
-    offsets lie inside their documents; shuffle_idx stays within (E*T-1)//S. One pass over
-    the arrays in blocks of `_CHUNK` rows (memory bounded whatever the index size): this
-    catches an index built for another document range or for data since preprocessed
-    again. It is no proof: an index whose counts and bounds all fit (data re-tokenized to
-    nearly the same sizes) is accepted."""
+    sample_idx has (E*T-1)//S + 1 rows whose positions lie in doc_idx, in order, and row i
+    lies at token i*S of doc_idx's documents at their current sizes; shuffle_idx stays
+    within (E*T-1)//S. Passes over the arrays in blocks of `_CHUNK` rows (memory bounded
+    whatever the index size): this catches an index built for another document range or
+    for data since preprocessed again to other sizes, even by a token. Data whose sizes did
+    not change keeps its index (the arrays depend on the sizes only)."""
     doc_idx, sample_idx, shuffle_idx = arrays
     sizes = np.asarray(sizes)
     tokens = int(sizes[documents].sum(dtype=np.int64))
@@ -255,7 +291,8 @@ def index_mismatch(arrays: Tuple[np.ndarray, np.ndarray, np.ndarray], documents:
     if sample_idx.shape != (total + 1, 2):
         return (f"sample_idx has shape {sample_idx.shape}, not ({total + 1}, 2) for "
                 f"{tokens} tokens x {epochs} epochs in samples of {seq_length}")
-    problem = _sample_idx_mismatch(sample_idx, doc_idx, sizes)
+    problem = (_sample_idx_mismatch(sample_idx, doc_idx, sizes)
+               or _sample_starts_mismatch(sample_idx, doc_idx, sizes, seq_length))
     if problem:
         return problem
     if shuffle_idx.shape != (total,) or any(int(part.max()) >= total
