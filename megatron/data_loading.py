@@ -233,6 +233,59 @@ def no_validation_reason(config: Config) -> str:
             "--eval-iters 0 to train without validation")
 
 
+EOD_SAMPLE_DOCS = 64  # documents whose last token `missing_eod_warning` reads, per prefix
+
+
+def _documents_end_with(prefix: str, eod: int) -> bool:
+    """Whether any of up to EOD_SAMPLE_DOCS documents of `prefix`, spread over the file,
+    ends with `eod` (a document's last token is the last of its last sequence: with
+    --split-sentences a document holds several). An empty file or document counts as
+    ending with it (nothing to say)."""
+    from megatron.core.datasets.indexed_dataset import MMapIndexedDataset
+
+    data = MMapIndexedDataset(prefix)
+    ends = np.asarray(data.doc_idx[1:], dtype=np.int64) - 1  # each document's last sequence
+    ends = ends[ends >= 0]
+    if len(ends) == 0:
+        return True
+    picks = np.unique(np.linspace(0, len(ends) - 1, min(EOD_SAMPLE_DOCS, len(ends))).astype(int))
+    for last in ends[picks]:
+        size = int(data.sizes[last])
+        if size == 0 or int(data.get(int(last), size - 1, 1)[0]) == eod:
+            return True
+    return False
+
+
+def missing_eod_warning(config: Config, eod: Optional[int]) -> Optional[str]:
+    """A WARNING line when --eod-mask-loss, --reset-position-ids or --reset-attention-mask
+    is given and none of the sampled documents of a data file ends with the tokenizer's
+    end-of-document id `eod`: the data was preprocessed without --append-eod, so the
+    flags act on nothing (as in Megatron-LM, which says nothing). Reads the last token of
+    up to EOD_SAMPLE_DOCS documents per file (rank 0 calls it; --mock-data is skipped)."""
+    from megatron.core.datasets.blended import parse_weighted_prefixes
+
+    d = config.data
+    flags = [f for f, on in (("--eod-mask-loss", d.eod_mask_loss),
+                             ("--reset-position-ids", d.reset_position_ids),
+                             ("--reset-attention-mask", d.reset_attention_mask)) if on]
+    if not flags or eod is None or d.mock_data:
+        return None
+    prefixes = []
+    for paths in (d.data_path, d.train_data_path, d.valid_data_path, d.test_data_path):
+        for prefix in (parse_weighted_prefixes(paths)[0] if paths else []):
+            if prefix not in prefixes:
+                prefixes.append(prefix)
+    without = [p for p in prefixes if not _documents_end_with(p, eod)]
+    if not without:
+        return None
+    one = len(flags) == 1
+    return (f"WARNING: {' and '.join(flags)} {'acts' if one else 'act'} at the "
+            f"end-of-document token (id {eod}), and no sampled document of "
+            f"{', '.join(without)} ends with it: the data was likely preprocessed without "
+            f"--append-eod, so {'it changes' if one else 'they change'} nothing. Preprocess "
+            f"with tools/preprocess_data.py --append-eod, or drop {'it' if one else 'them'}")
+
+
 def validation_split_fix(data_path) -> str:
     """The fix for a --data-path whose --split gives validation no document, from the
     document count of its smallest dataset n: `--split n-1,1,0` gives each dataset at least

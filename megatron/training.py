@@ -30,6 +30,7 @@ from megatron.data_loading import (
     build_tokenizer_for,
     close_iterators,
     make_iterator,
+    missing_eod_warning,
     no_validation_reason,
     split_sample_counts,
     train_shortfall,
@@ -403,6 +404,9 @@ def _build_data(tr: Trainer):
     tr.eod = eod_or_none(tokenizer)
     datasets = build_datasets(config, rt.ps.rank, vocab, rt.control_group,
                               None if tokenizer is None else tokenizer.vocab_size)
+    eod_warning = missing_eod_warning(config, tr.eod) if rt.ps.rank == 0 else None
+    if eod_warning:
+        print_rank_0(eod_warning)
     if datasets["valid"] is None and config.training.eval_iters > 0 and rt.ps.rank == 0 and (
             config.training.eval_interval or config.training.skip_train):  # it opens the data
         print_rank_0(f"WARNING: {no_validation_reason(config)}")

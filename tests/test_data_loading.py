@@ -559,3 +559,44 @@ def test_skip_train_evaluates_a_ramp_up_checkpoint_at_its_batch_size(tmp_path):
                               skip_train=True)
     assert [w.shape[0] for _, w in want] == [2] * 8  # 2 draws x 2 iterations x 2 micro-batches
     _compare_reads(evaluated, want, "--skip-train at iteration 5")
+
+
+def _documents(prefix, docs):
+    """.bin/.idx at `prefix` with one document per item of `docs`, each a list of
+    sentences (lists of token ids)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    for sentences in docs:
+        for sentence in sentences:
+            builder.add_item(torch.tensor(sentence))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def test_eod_flags_on_data_without_end_of_document_tokens_are_warned(tmp_path):
+    """--eod-mask-loss on data preprocessed without --append-eod acts on nothing (Megatron
+    says nothing): a WARNING names the file and the fix. Data whose documents end with the
+    id -- also when a document holds several sentences and only its last one has it --
+    and runs without the flags get none."""
+    from megatron.data_loading import missing_eod_warning
+
+    eod = 99
+    plain = _documents(str(tmp_path / "plain"), [[[5, 6, 7]], [[8, 9]]] * 40)
+    marked = _documents(str(tmp_path / "marked"),
+                        [[[5, 6], [7, 8, eod]], [[8, 9, eod]]] * 40)  # sentences: EOD at the end
+    cfg = tiny_config(mbs=2, gbs=8, iters=10)
+
+    def with_data(paths, **flags):
+        data = dataclasses.replace(cfg.data, mock_data=False, data_path=paths, **flags)
+        return dataclasses.replace(cfg, data=data)
+
+    out = missing_eod_warning(with_data(["1", plain, "1", marked], eod_mask_loss=True), eod)
+    assert out.startswith("WARNING: --eod-mask-loss acts at the end-of-document token (id 99)")
+    assert plain in out and marked not in out and "--append-eod" in out
+    both = with_data([plain], reset_position_ids=True, reset_attention_mask=True)
+    assert "--reset-position-ids and --reset-attention-mask act" in missing_eod_warning(both, eod)
+    assert missing_eod_warning(with_data([marked], eod_mask_loss=True), eod) is None
+    assert missing_eod_warning(with_data([plain]), eod) is None  # no EOD flag
+    assert missing_eod_warning(with_data([plain], eod_mask_loss=True), None) is None
