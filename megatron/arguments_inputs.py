@@ -236,7 +236,8 @@ def warn_unread_tokenizer_flags(ns, explicit=frozenset()) -> None:
          f"--tokenizer-type that reads {it}, or drop {it} (Megatron-LM ignores {it} too)")
 
 
-_EOD_FLAGS = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+EOD_FLAGS = (  # the flags that act at the end-of-document id (also megatron/data_loading.py)
+    "reset_position_ids", "reset_attention_mask", "eod_mask_loss")
 
 
 def check_eod_flags(ns, tokenizer) -> None:
@@ -247,7 +248,7 @@ def check_eod_flags(ns, tokenizer) -> None:
     do nothing, as in Megatron-LM)."""
     from megatron.tokenizer import eod_or_none
 
-    given = [flag_for_dest(d) for d in _EOD_FLAGS if getattr(ns, d, False)]
+    given = [flag_for_dest(d) for d in EOD_FLAGS if getattr(ns, d, False)]
     if not given or eod_or_none(tokenizer) is not None:
         return
     try:

@@ -262,12 +262,12 @@ def missing_eod_warning(config: Config, eod: Optional[int]) -> Optional[str]:
     end-of-document id `eod`: the data was preprocessed without --append-eod, so the
     flags act on nothing (as in Megatron-LM, which says nothing). Reads the last token of
     up to EOD_SAMPLE_DOCS documents per file (rank 0 calls it; --mock-data is skipped)."""
+    from megatron.arguments_common import flag_for_dest
+    from megatron.arguments_inputs import EOD_FLAGS
     from megatron.core.datasets.blended import parse_weighted_prefixes
 
     d = config.data
-    flags = [f for f, on in (("--eod-mask-loss", d.eod_mask_loss),
-                             ("--reset-position-ids", d.reset_position_ids),
-                             ("--reset-attention-mask", d.reset_attention_mask)) if on]
+    flags = [flag_for_dest(dest) for dest in EOD_FLAGS if getattr(d, dest)]
     if not flags or eod is None or d.mock_data:
         return None
     prefixes = []
