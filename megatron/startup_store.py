@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import socket
 from typing import Callable, Mapping, Optional, TypeVar
 
 import torch
@@ -113,43 +114,49 @@ def from_rank_0(job: Optional[JobStore], name: str, read: Callable[[], T],
     # the n-th such read of this rank pairs with rank 0's n-th (a store that outlives one
     # read: a process group's, made before)
     key = f"{KEY_PREFIX}{name}/{store.add(f'{KEY_PREFIX}{name}/reads/{job.rank}', 1)}"
-    return _exchange(job, store, key, key, 0, read, f"{what} for every rank")
+    return _exchange(job, store, key, key, job.rank == 0, "rank 0", read,
+                     f"{what} for every rank")
 
 
 def from_node_first(job: Optional[JobStore], local_rank: int, name: str,
-                    read: Callable[[], T], timeout: datetime.timedelta, what: str) -> T:
+                    read: Callable[[], T], timeout: datetime.timedelta, what: str,
+                    node: Optional[str] = None) -> T:
     """`read()` on each node's first process (LOCAL_RANK 0) only; the node's other
     processes get its result, or raise its error, through the job's store (as
     `from_rank_0`): for what depends on the machine (its files, its GPU), checked once
-    per node, not once per process. torchrun numbers a node's processes in a row, so the
-    node's first is global rank `rank - local_rank`. Without a store each process calls
-    `read()` itself. Once per process and job (a `name` read twice would get the first
-    answer). A rank 0 that hosts the store waits until every process has its answer."""
+    per node, not once per process. A node is its host name (`node`, default
+    socket.gethostname()): the processes of a node need not hold consecutive ranks (an
+    `srun --distribution=cyclic` launch deals ranks round-robin over the nodes). Without
+    a store each process calls `read()` itself. Once per process and job (a `name` read
+    twice would get the first answer). A rank 0 that hosts the store waits until every
+    process has its answer."""
     store = job.connect(timeout) if job is not None else None
     if store is None:
         return read()
-    first = job.rank - local_rank
+    node = node if node is not None else socket.gethostname()
     # every process of the job counts done under one name (the nodes' keys differ)
-    return _exchange(job, store, f"{KEY_PREFIX}{name}/node_of_{first}", f"{KEY_PREFIX}{name}",
-                     first, read, f"{what} for the processes of its node")
+    return _exchange(job, store, f"{KEY_PREFIX}{name}/node/{node}", f"{KEY_PREFIX}{name}",
+                     local_rank == 0, f"the first process (LOCAL_RANK 0) of node {node}",
+                     read, f"{what} for the processes of its node")
 
 
-def _exchange(job: JobStore, store, key: str, done: str, source: int,
+def _exchange(job: JobStore, store, key: str, done: str, source: bool, named: str,
               read: Callable[[], T], what: str) -> T:
-    """`read()` on global rank `source`, its outcome left under `key`; the other ranks
-    that take `key` get it from there (`_outcome`). Every rank of the job then counts
-    itself done under `done` (`_all_done`: a rank 0 that hosts the store waits for all,
-    and a failing wait there never hides its own error)."""
+    """`read()` where `source` (this process is the one that reads, `named` in errors),
+    its outcome left under `key`; the other processes that take `key` get it from there
+    (`_outcome`). Every rank of the job then counts itself done under `done`
+    (`_all_done`: a rank 0 that hosts the store waits for all, and a failing wait there
+    never hides its own error)."""
     try:
-        if job.rank == source:
+        if source:
             return _publish_outcome(store, key, read)
         try:
             outcome = _decode(store.get(key))
         except (RuntimeError, OSError) as exc:  # DistStoreError, a closed connection
-            raise SystemExit(f"error: rank {source} reads {what}, and its answer did not "
+            raise SystemExit(f"error: {named} reads {what}, and its answer did not "
                              f"come ({str(exc).splitlines()[0] if str(exc) else exc!r}); "
-                             f"rank {source}'s output says why") from None
-        return _outcome(outcome, source)
+                             f"the output of {named} says why") from None
+        return _outcome(outcome, named)
     finally:
         _all_done(job, store, done)
 
@@ -166,8 +173,8 @@ def _all_done(job: JobStore, store, prefix: str) -> None:
         pass
 
 
-def _outcome(outcome: dict, source: int = 0):
-    """What rank `source`'s `_publish_outcome` left: the value, or its error raised here."""
+def _outcome(outcome: dict, named: str = "rank 0"):
+    """What `named`'s `_publish_outcome` left: the value, or its error raised here."""
     from megatron.arguments_common import ArgumentsError
 
     kind, value = outcome["kind"], outcome["value"]
@@ -177,8 +184,8 @@ def _outcome(outcome: dict, source: int = 0):
         raise ArgumentsError(value)
     if kind == "exit":
         raise SystemExit(value)
-    raise SystemExit(f"error: rank {source} failed reading for other ranks ({value}); "
-                     f"rank {source}'s output has its traceback")
+    raise SystemExit(f"error: {named} failed reading for other ranks ({value}); "
+                     f"the output of {named} has its traceback")
 
 
 __all__ = ["JobStore", "from_node_first", "from_rank_0"]

@@ -369,3 +369,69 @@ def test_one_process_checking_a_layout_for_several_ranks_hosts_no_store():
     job = JobStore(env, 0, 2)
     assert job.connect(datetime.timedelta(seconds=3)) is None
     assert (job.store, job.hosts) == (None, False)
+
+
+def test_node_first_read_follows_host_names_not_consecutive_ranks():
+    """Four processes on two nodes dealt round-robin (`srun --distribution=cyclic`:
+    node0 holds ranks 0 and 2, node1 ranks 1 and 3; LOCAL_RANK 0 is rank 0 and rank 1):
+    each node's LOCAL_RANK 0 reads once, the node's other process gets that node's
+    answer. Keyed by `rank - local_rank`, rank 3 waited for a rank 2 that never reads."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from megatron.startup_store import JobStore, from_node_first
+
+    port, timeout = free_port(), datetime.timedelta(seconds=20)
+    host = dist.TCPStore("127.0.0.1", port, 4, is_master=True, timeout=timeout,
+                         wait_for_workers=False)
+    layout = {0: ("node0", 0), 1: ("node1", 0), 2: ("node0", 1), 3: ("node1", 1)}
+    results, reads = {}, []
+
+    def run(rank: int) -> None:
+        node, local_rank = layout[rank]
+        job = JobStore({}, rank, 4)
+        job.store = host if rank == 0 else dist.TCPStore(
+            "127.0.0.1", port, 4, is_master=False, timeout=timeout)
+
+        def read():
+            reads.append(rank)
+            return f"checked on {node} by rank {rank}"
+        try:
+            results[rank] = from_node_first(job, local_rank, "check", read, timeout,
+                                            "the checks", node=node)
+        except BaseException as exc:  # noqa: BLE001 -- the test reports it
+            results[rank] = repr(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(reads) == [0, 1], reads
+    assert results == {0: "checked on node0 by rank 0", 2: "checked on node0 by rank 0",
+                       1: "checked on node1 by rank 1", 3: "checked on node1 by rank 1"}
+
+
+def test_a_node_first_read_that_fails_names_that_nodes_process(tmp_path):
+    """The node's other processes raise the first process's error, naming its node."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron.startup_store import JobStore, from_node_first
+
+    port, timeout = free_port(), datetime.timedelta(seconds=5)
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=timeout,
+                          wait_for_workers=False)
+    first, other = JobStore({}, 0, 2), JobStore({}, 1, 2)
+    first.store = other.store = store
+
+    def broken():
+        raise ValueError("disk on fire")
+    with pytest.raises(ValueError):
+        from_node_first(first, 0, "check", broken, timeout, "the checks", node="gpu07")
+    with pytest.raises(SystemExit, match="first process .LOCAL_RANK 0. of node gpu07 "
+                                         "failed reading .*disk on fire"):
+        from_node_first(other, 1, "check", lambda: 1, timeout, "the checks", node="gpu07")
