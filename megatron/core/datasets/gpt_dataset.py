@@ -68,6 +68,15 @@ def get_train_valid_test_split(split_string: str, size: int) -> List[int]:
     for i, s in enumerate(splits):
         index.append(index[i] + int(round(s * float(size))))
     diff = index[-1] - size
+    if diff > index[1]:  # train rounds to 0, valid and test both round .5 up
+        shares = [index[i + 1] - index[i] for i in range(3)]
+        raise ValueError(
+            f"--split {split_string!r} over {size} documents rounds to "
+            f"{' + '.join(map(str, shares))} = {index[-1]} documents, more than there are, "
+            f"and train has none to give back (Megatron-LM's first boundary would be "
+            f"{index[1] - diff}: it stops on an assertion); give train a share, or valid and "
+            f"test shares that add up to {size} documents, e.g. --split 0,{shares[1]},"
+            f"{size - shares[1]}")
     for i in range(1, len(index)):
         index[i] -= diff
     assert index[-1] == size
@@ -602,6 +611,15 @@ def _check_train_data(builder: _Builder, data_prefix, train_path, num_train: int
                              "969,30,1, or pass --skip-train to only evaluate")
 
 
+def _check_split_bounds(builder: _Builder, data_prefix) -> None:
+    """--split cuts every --data-path prefix (`get_train_valid_test_split` raises its
+    ValueError), checked whatever the run reads: a run that only evaluates cuts them too."""
+    from megatron.core.datasets.blended import parse_weighted_prefixes
+
+    for prefix in parse_weighted_prefixes(data_prefix)[0] if data_prefix else []:
+        get_train_valid_test_split(builder.split, len(builder.indexed(prefix).sizes))
+
+
 def _check_blend_splits(builder: _Builder, data_prefix, num_samples) -> None:
     """A --data-path blend needs every weighted dataset in each split the run reads (n_k >
     0: a split asked for no samples is not blended): name each dataset --split leaves
@@ -636,11 +654,12 @@ def check_splits(data_prefix: Optional[Sequence[str]], split: str,
                  train_valid_test_num_samples: Sequence[int],
                  train_data_path: Optional[Sequence[str]] = None) -> None:
     """The document checks the dataset builder makes before it builds anything (ValueError
-    with its message): a run that trains has train documents, a --data-path blend has
-    documents of every weighted dataset in each split it reads. For `--dry-run`: opens
-    the indexes only."""
+    with its message): --split cuts every --data-path prefix, a run that trains has train
+    documents, a --data-path blend has documents of every weighted dataset in each split
+    it reads. For `--dry-run`: opens the indexes only."""
     builder = _Builder(split, 1, 1, None, False)
     num_samples = [int(n) for n in train_valid_test_num_samples]
+    _check_split_bounds(builder, data_prefix)
     _check_train_data(builder, data_prefix, train_data_path, num_samples[0])
     _check_blend_splits(builder, data_prefix, num_samples)
 
@@ -656,6 +675,7 @@ def _build_all(builder: _Builder, data_prefix, num_samples, paths) -> tuple:
 def _build_datasets(builder: _Builder, data_prefix, num_samples, paths) -> tuple:
     from megatron.core.datasets.blended import parse_weighted_prefixes, per_dataset_num_samples
 
+    _check_split_bounds(builder, data_prefix)
     _check_train_data(builder, data_prefix, paths[0], num_samples[0])
     _check_blend_splits(builder, data_prefix, num_samples)
     if data_prefix:
