@@ -149,6 +149,14 @@ def test_dry_run_reports_splits_the_run_would_refuse_or_never_evaluate(tmp_path)
     text = dry_run_report(cfg, 1)
     assert "WARNING: --split '100,0,0' leaves the validation split no documents" in text
     assert run_dry_run(cfg, 1) == 0
+    # Only evaluating, over 3 documents that --split 0,1,1 cannot cut (the report stopped
+    # on the ValueError of the never-evaluates check)
+    three, _ = make_corpus(tmp_path / "three", [20] * 3, vocab=100)
+    cfg = run(f"--dry-run --data-path {three} --split 0,1,1 --skip-train --eval-iters 1",
+              base=data)
+    assert ("data the run would refuse:\n  --split '0,1,1' over 3 documents rounds to 0 + 2 + "
+            "2 = 4 documents") in dry_run_report(cfg, 1)
+    assert run_dry_run(cfg, 1) == 1
 
 
 def test_dry_run_report_and_missing_inputs(tmp_path, capsys):

@@ -186,6 +186,32 @@ def test_split_bad_values():
             get_train_valid_test_split(split, 10)
 
 
+def test_a_split_whose_rounding_leaves_train_below_zero_is_named(tmp_path):
+    """--split 0,1,1 over 3 documents: valid and test each round 1.5 up to 2, one document
+    too many, and train has none to give back. Megatron's arithmetic puts the first
+    boundary at -1 (validation would start at document -1, the last one, which test reads
+    too; its dataset stops on an assertion): a one-line error naming the --split and a
+    split that works, also from the builder (it said only that documents must be a subset
+    of [0, 3)), and from the dry run's check of a run that only evaluates."""
+    assert mref.split_bounds("0,1,1", 3) == [0, -1, 1, 3]
+    message = ("--split '0,1,1' over 3 documents rounds to 0 + 2 + 2 = 4 documents, more than "
+               "there are, and train has none to give back (Megatron-LM's first boundary would "
+               "be -1: it stops on an assertion); give train a share, or valid and test shares "
+               "that add up to 3 documents, e.g. --split 0,2,1")
+    with pytest.raises(ValueError) as info:
+        get_train_valid_test_split("0,1,1", 3)
+    assert str(info.value) == message
+    assert get_train_valid_test_split("0,2,1", 3) == [0, 0, 2, 3]
+    prefix, _ = make_corpus(tmp_path / "c", [20] * 3)
+    for counts in ([0, 4, 4], [4, 4, 4]):
+        with pytest.raises(ValueError) as info:
+            build_train_valid_test_datasets([prefix], "0,1,1", counts, 8, 1)
+        assert str(info.value) == message
+        with pytest.raises(ValueError) as info:
+            gd.check_splits([prefix], "0,1,1", counts)
+        assert str(info.value) == message
+
+
 @pytest.mark.parametrize("weight", ["nan", "inf", "-inf"])
 def test_data_path_weights_must_be_finite(weight):
     """A weight of nan or inf stopped the dataset builder with 'cannot convert float NaN to

@@ -365,3 +365,63 @@ def test_an_unwritable_cache_dir_for_the_blend_is_warned_and_built_in_memory(tmp
     assert train.cache_paths is None and train.build_s is not None
     np.testing.assert_array_equal(train.dataset_index, want.dataset_index)
     np.testing.assert_array_equal(train.dataset_sample_index, want.dataset_sample_index)
+
+
+@pytest.mark.parametrize("chunk", [3, 1 << 22])
+@pytest.mark.parametrize("case", [1, 2])  # one permutation; the last epoch shuffled apart
+def test_a_shuffle_idx_that_is_not_megatrons_permutation_is_refused(monkeypatch, chunk, case):
+    """A shuffle_idx with a sample twice and another not at all (same length, same bounds)
+    would have training read one sample twice an epoch and skip another, silently: refused
+    in any block size. With the last epoch shuffled apart (Megatron permutes the first E-1
+    epochs' samples and the last epoch's separately), one whose halves trade a sample is a
+    permutation of the whole but not Megatron's: refused too."""
+    monkeypatch.setattr(gd, "_CHUNK", chunk)
+    sizes, num_samples, seq_length, seed = CASES[case]
+    sizes = np.array(sizes, dtype=np.int32)
+    documents = np.arange(len(sizes), dtype=np.int32)
+    doc_idx, sample_idx, shuffle_idx, _, separate = ref_indices(documents, sizes, num_samples,
+                                                                seq_length, seed)
+
+    def mismatch(shuffle):
+        return gd.index_mismatch((doc_idx, sample_idx, shuffle), documents, sizes, num_samples,
+                                 seq_length)
+
+    assert mismatch(shuffle_idx) is None
+    twice = np.array(shuffle_idx)
+    twice[-1] = twice[-2]
+    assert mismatch(twice).endswith(": it never reads 1 of them and reads others more than "
+                                    "once (damaged, or written by another tool)")
+    assert separate == (case == 2)
+    if separate:
+        traded = np.array(shuffle_idx)
+        traded[[0, -1]] = traded[[-1, 0]]
+        assert sorted(traded) == list(range(len(traded)))
+        first = len(sample_idx) - 1 - 10  # the last epoch's 10 samples
+        assert mismatch(traded).startswith(
+            f"shuffle_idx is not a permutation of samples 0..{first - 1} then one of "
+            f"{first}..{len(traded) - 1} (the last epoch shuffled apart): its entries 0..")
+
+
+def test_a_damaged_shuffle_idx_in_the_cache_is_not_used(tmp_path):
+    """A cached shuffle_idx repeating a sample takes the path of any mismatching set:
+    beside the data with no cache dir, an error naming the files and the fix (never
+    overwritten); with a cache dir, a warning and a fresh index there."""
+    (tmp_path / "data").mkdir()
+    prefix, _ = make_corpus(tmp_path / "data" / "c", [20] * 30)
+    train, _, _ = build_train_valid_test_datasets([prefix], SPLIT, [10, 2, 1], 8, 1234)
+    good = np.array(train.shuffle_idx)
+    damaged = good.copy()
+    damaged[0] = damaged[1]
+    np.save(train.cache_paths["shuffle"], damaged)
+    with pytest.raises(ValueError, match=r"the train dataset of .*does not match it \(.*"
+                                         r"index-cache: shuffle_idx is not a permutation of the "
+                                         r"\d+ samples: it never reads 1 of them.*Stale files: "
+                                         r".*_shuffle_idx\.npy.*Fix: delete them to rebuild"):
+        build_train_valid_test_datasets([prefix], SPLIT, [10, 2, 1], 8, 1234)
+    np.testing.assert_array_equal(np.load(train.cache_paths["shuffle"]), damaged)
+    with pytest.warns(UserWarning, match=r"ignoring the index cache .*shuffle_idx is not a "
+                                         r"permutation"):
+        fresh, _, _ = build_train_valid_test_datasets([prefix], SPLIT, [10, 2, 1], 8, 1234,
+                                                      str(tmp_path / "cache"))
+    assert fresh.index_build_s is not None and "cache" in fresh.cache_paths["shuffle"]
+    np.testing.assert_array_equal(np.asarray(fresh.shuffle_idx), good)

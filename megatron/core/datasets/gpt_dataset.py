@@ -68,6 +68,15 @@ def get_train_valid_test_split(split_string: str, size: int) -> List[int]:
     for i, s in enumerate(splits):
         index.append(index[i] + int(round(s * float(size))))
     diff = index[-1] - size
+    if diff > index[1]:  # train rounds to 0, valid and test both round .5 up
+        shares = [index[i + 1] - index[i] for i in range(3)]
+        raise ValueError(
+            f"--split {split_string!r} over {size} documents rounds to "
+            f"{' + '.join(map(str, shares))} = {index[-1]} documents, more than there are, "
+            f"and train has none to give back (Megatron-LM's first boundary would be "
+            f"{index[1] - diff}: it stops on an assertion); give train a share, or valid and "
+            f"test shares that add up to {size} documents, e.g. --split 0,{shares[1]},"
+            f"{size - shares[1]}")
     for i in range(1, len(index)):
         index[i] -= diff
     assert index[-1] == size
@@ -269,17 +278,46 @@ def _sample_starts_mismatch(sample_idx: np.ndarray, doc_idx: np.ndarray, sizes: 
     return None
 
 
+def _shuffle_idx_mismatch(shuffle_idx: np.ndarray, total: int, first: int) -> Optional[str]:
+    """Whether shuffle_idx is Megatron's: a permutation of samples [0, first) followed by
+    one of [first, total) (the last epoch shuffled apart; `first == total`: one
+    permutation). A set with a sample twice would read it twice an epoch and skip
+    another, silently. Each block of `_CHUNK` entries is checked against its range and
+    marked in a map of one byte per sample (100 MB, about 1 s, for 100M samples)."""
+    if shuffle_idx.shape != (total,):
+        return f"shuffle_idx has shape {shuffle_idx.shape}, not ({total},)"
+    want = (f"a permutation of the {total} samples" if first == total else
+            f"a permutation of samples 0..{first - 1} then one of {first}..{total - 1} (the "
+            "last epoch shuffled apart)")
+    seen = np.zeros(total, dtype=bool)
+    for lo, hi in ((0, first), (first, total)):
+        for start, part in _chunks(shuffle_idx[lo:hi]):
+            if int(part.min()) < lo or int(part.max()) >= hi:
+                return (f"shuffle_idx is not {want}: its entries {lo + start}.."
+                        f"{lo + start + len(part) - 1} hold samples {int(part.min())}.."
+                        f"{int(part.max())}")
+            seen[part.astype(np.intp)] = True  # (as intp: twice as fast as uint32)
+    missing = total - int(np.count_nonzero(seen))
+    if missing:
+        return (f"shuffle_idx is not {want}: it never reads {missing} of them and reads "
+                "others more than once (damaged, or written by another tool)")
+    return None
+
+
 def index_mismatch(arrays: Tuple[np.ndarray, np.ndarray, np.ndarray], documents: np.ndarray,
                    sizes: np.ndarray, num_samples: int, seq_length: int) -> Optional[str]:
     """Why cached (doc_idx, sample_idx, shuffle_idx) cannot be the index of `documents`
     (None when they can). Checked: doc_idx has E entries per document (E the epochs these
     documents need), all within the documents' range, with their sum and sum of squares;
     sample_idx has (E*T-1)//S + 1 rows whose positions lie in doc_idx, in order, and row i
-    lies at token i*S of doc_idx's documents at their current sizes; shuffle_idx stays
-    within (E*T-1)//S. Passes over the arrays in blocks of `_CHUNK` rows (memory bounded
-    whatever the index size): this catches an index built for another document range or
-    for data since preprocessed again to other sizes, even by a token. Data whose sizes did
-    not change keeps its index (the arrays depend on the sizes only)."""
+    lies at token i*S of doc_idx's documents at their current sizes; shuffle_idx is a
+    permutation of the (E*T-1)//S samples (of the first E-1 epochs' samples, then of the
+    last epoch's, when that is shuffled apart). Passes over the arrays in blocks of
+    `_CHUNK` rows (memory bounded whatever the index size, but for one byte per sample
+    to mark those shuffle_idx holds): this catches an index built for another document
+    range or for data since preprocessed again to other sizes, even by a token, and a
+    damaged shuffle_idx. Data whose sizes did not change keeps its index (the arrays
+    depend on the sizes only)."""
     doc_idx, sample_idx, shuffle_idx = arrays
     sizes = np.asarray(sizes)
     tokens = int(sizes[documents].sum(dtype=np.int64))
@@ -295,10 +333,9 @@ def index_mismatch(arrays: Tuple[np.ndarray, np.ndarray, np.ndarray], documents:
                or _sample_starts_mismatch(sample_idx, doc_idx, sizes, seq_length))
     if problem:
         return problem
-    if shuffle_idx.shape != (total,) or any(int(part.max()) >= total
-                                            for _, part in _chunks(shuffle_idx)):
-        return f"shuffle_idx is not a permutation of {total} samples"
-    return None
+    separate = separate_last_epoch(tokens, seq_length, num_samples, epochs)
+    first = ((epochs - 1) * tokens - 1) // seq_length if separate else total
+    return _shuffle_idx_mismatch(shuffle_idx, total, first)
 
 
 class GPTDataset:
@@ -574,6 +611,15 @@ def _check_train_data(builder: _Builder, data_prefix, train_path, num_train: int
                              "969,30,1, or pass --skip-train to only evaluate")
 
 
+def _check_split_bounds(builder: _Builder, data_prefix) -> None:
+    """--split cuts every --data-path prefix (`get_train_valid_test_split` raises its
+    ValueError), checked whatever the run reads: a run that only evaluates cuts them too."""
+    from megatron.core.datasets.blended import parse_weighted_prefixes
+
+    for prefix in parse_weighted_prefixes(data_prefix)[0] if data_prefix else []:
+        get_train_valid_test_split(builder.split, len(builder.indexed(prefix).sizes))
+
+
 def _check_blend_splits(builder: _Builder, data_prefix, num_samples) -> None:
     """A --data-path blend needs every weighted dataset in each split the run reads (n_k >
     0: a split asked for no samples is not blended): name each dataset --split leaves
@@ -608,11 +654,12 @@ def check_splits(data_prefix: Optional[Sequence[str]], split: str,
                  train_valid_test_num_samples: Sequence[int],
                  train_data_path: Optional[Sequence[str]] = None) -> None:
     """The document checks the dataset builder makes before it builds anything (ValueError
-    with its message): a run that trains has train documents, a --data-path blend has
-    documents of every weighted dataset in each split it reads. For `--dry-run`: opens
-    the indexes only."""
+    with its message): --split cuts every --data-path prefix, a run that trains has train
+    documents, a --data-path blend has documents of every weighted dataset in each split
+    it reads. For `--dry-run`: opens the indexes only."""
     builder = _Builder(split, 1, 1, None, False)
     num_samples = [int(n) for n in train_valid_test_num_samples]
+    _check_split_bounds(builder, data_prefix)
     _check_train_data(builder, data_prefix, train_data_path, num_samples[0])
     _check_blend_splits(builder, data_prefix, num_samples)
 
@@ -628,6 +675,7 @@ def _build_all(builder: _Builder, data_prefix, num_samples, paths) -> tuple:
 def _build_datasets(builder: _Builder, data_prefix, num_samples, paths) -> tuple:
     from megatron.core.datasets.blended import parse_weighted_prefixes, per_dataset_num_samples
 
+    _check_split_bounds(builder, data_prefix)
     _check_train_data(builder, data_prefix, paths[0], num_samples[0])
     _check_blend_splits(builder, data_prefix, num_samples)
     if data_prefix:
