@@ -133,7 +133,7 @@ def save_cache(paths: Dict[str, str], desc: str, arrays: Arrays) -> None:
 
 _STALE_WHY = ("built for other data under the same name: the prefix was preprocessed again, "
               "or it was used with --train/valid/test-data-path and now with --data-path and "
-              "--split (Megatron names both indexes alike)")
+              "--split (Megatron names both indexes alike); or its files are damaged")
 _STALE_FIX = ("delete them to rebuild, or pass --data-cache-path with another directory to "
               "build a separate index there")
 
