@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megatron.core.config import ModelConfig
 from megatron.core.models.gpt.gpt_model import GPTModel
@@ -18,6 +19,7 @@ from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.layers import shard_of_full_weight
 from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_seed
 from megatron.initialize import Runtime, set_random_seed
+from megatron.train_step import forward_backward
 from megatron.training import build_trainer, data_iterator, train_step
 from tests.dist_utils import run_distributed
 from tests.gpt_helpers import full_named_grads, full_tensor, tiny_config
@@ -70,6 +72,59 @@ def test_llama_style_gpt_tp2_sp_matches_single_process():
     ref = _reference(LLAMA)
     for rank, got in enumerate(run_distributed(_train, 2, 2, True, LLAMA)):
         _compare(ref, got, f"llama-style tp=2 sp rank={rank}")
+
+
+def _dropout_draws(rank, world_size, sp):
+    """One training forward/backward at tp 2 with dropout on: each hidden dropout's mask
+    (F.dropout: embeddings, then attention and MLP outputs of each layer) and the generator
+    state each attention dropout (inside scaled_dot_product_attention) draws from."""
+    cfg = tiny_config(world_size=2, tp=2, sp=sp, hidden_dropout=0.5, attention_dropout=0.5)
+    ps = ParallelState.build(2, rank, tp_size=2, sequence_parallel=sp)
+    rt = Runtime(ps=ps, device=torch.device("cpu"), rng_tracker=RNGStatesTracker(), backend="gloo")
+    set_random_seed(cfg.training.seed, rt)
+    tr = build_trainer(cfg, rt)
+    hidden, attention = [], []
+    dropout, sdpa = F.dropout, F.scaled_dot_product_attention
+
+    def recording_dropout(x, p=0.5, training=True, inplace=False):
+        out = dropout(x, p, training, inplace)
+        hidden.append(out == 0)
+        return out
+
+    def recording_sdpa(*args, dropout_p=0.0, **kw):
+        if dropout_p > 0:
+            attention.append(torch.get_rng_state())
+        return sdpa(*args, dropout_p=dropout_p, **kw)
+
+    F.dropout, F.scaled_dot_product_attention = recording_dropout, recording_sdpa
+    try:
+        forward_backward(tr, data_iterator(cfg, rt, "train", 0), 1)
+    finally:
+        F.dropout, F.scaled_dot_product_attention = dropout, sdpa
+    return hidden, attention
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_dropout_streams_across_tp_ranks_follow_megatron(sp):
+    """Megatron's seeding: the default generator gets --seed on every TP rank, the
+    tensor-parallel tracker seed + 2718 + tp_rank. Attention dropout (each rank holds other
+    heads) draws from the tracker: other masks per rank; its first draw is from the
+    freshly seeded stream (the weights are built with --use-cpu-initialization).
+    Hidden dropout on the replicated [s, b, h] stream draws from the default generator:
+    the same masks on both ranks -- unless sequence parallelism splits the stream over
+    the ranks, when it draws from the tracker too (Megatron forks around the layers and
+    the embedding dropout): other masks per rank."""
+    (hidden0, attn0), (hidden1, attn1) = run_distributed(_dropout_draws, 2, sp)
+    assert len(hidden0) == len(hidden1) == 5 and len(attn0) == len(attn1) == 2
+    for i, (a, b) in enumerate(zip(hidden0, hidden1)):
+        assert torch.equal(a, b) != sp, f"hidden dropout {i} (sequence parallel: {sp})"
+        assert 0.3 < a.float().mean() < 0.7
+    for i, (a, b) in enumerate(zip(attn0, attn1)):
+        assert not torch.equal(a, b), f"attention dropout {i} drew the same stream on both ranks"
+    if not sp:  # the embedding dropout used the default generator: attention drew first
+        for rank, states in enumerate((attn0, attn1)):
+            fresh = torch.Generator().manual_seed(1234 + 2718 + rank).get_state()
+            assert torch.equal(states[0], fresh), f"rank {rank}: not seed + 2718 + tp_rank"
 
 
 def test_loss_decreases_single_process():
