@@ -116,6 +116,21 @@ def test_layers_per_virtual_stage_below_one_is_named_as_such(value):
                    "layers in each virtual pipeline stage)")
 
 
+def test_interleaved_schedule_needs_micro_batches_a_multiple_of_pp():
+    """Megatron's interleaved schedule raises a RuntimeError mid-run when the micro-batch
+    count is not a multiple of the pipeline size: refused at startup with the count, how it
+    came about and a global batch size that works; a multiple is accepted."""
+    flags = ("--pipeline-model-parallel-size 4 --num-layers 8 "
+             "--num-layers-per-virtual-pipeline-stage 1 --global-batch-size {}")
+    msg = error_of(flags.format(12), world_size=4, base=without("--num-layers"))
+    assert msg == ("the interleaved schedule (--num-layers-per-virtual-pipeline-stage) needs the "
+                   "number of micro-batches (6 = --global-batch-size 12 / (--micro-batch-size 2 "
+                   "x data-parallel size 1)) to be a multiple of --pipeline-model-parallel-size "
+                   "4; use a global batch size that is a multiple of 8")
+    cfg = run(flags.format(16), world_size=4, base=without("--num-layers"))
+    assert (cfg.parallel.virtual_pp_size, cfg.data.num_micro_batches) == (2, 8)
+
+
 def test_recompute_num_layers_megatron_cannot_run_with(caplog):
     """Megatron-LM's uniform recompute loops over groups of --recompute-num-layers layers and
     never ends below 1: refused. Block with N <= 0 recomputes no layer there (and here),

@@ -15,8 +15,13 @@ from torch._dynamo.utils import counters
 from megatron.arguments import ArgumentsError, parse_and_validate
 from megatron.core.config import ModelConfig
 from megatron.core.models.gpt.gpt_model import GPTModel
-from megatron.core.models.gpt.transformer import TransformerBlock
+from megatron.core.models.gpt.transformer import (
+    ParallelAttention,
+    TransformerBlock,
+    compile_layers,
+)
 from megatron.core.tensor_parallel.mappings import TRACED_COLLECTIVES
+from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_seed
 from tests.dist_utils import run_distributed
 from tests.gpt_helpers import cli_trainer, train_steps
 from tests.test_attention_backend import BASE
@@ -110,6 +115,38 @@ def test_layer_scope_adds_norm_grads_into_main_grad_inside_the_graph():
     for name, g in eager.items():
         assert g.abs().sum() > 0, name
         assert torch.allclose(compiled[name], g, atol=1e-5, rtol=1e-4), name
+
+
+def test_selective_recompute_in_a_compiled_layer_backpropagates_the_forward_dropout_mask():
+    """Selective recompute inside a compiled layer (the default on GPUs) with attention
+    dropout: the backward differentiates the attention probabilities the forward used.
+    Without biases the output is linear in the value rows W_v of the QKV weight (the
+    queries and keys do not depend on them): out = dense(dropout(softmax(q k^T)) x W_v^T),
+    so <out, G> = <W_v, W_v.grad> exactly when the backward's mask is the forward's. The
+    tracker's fork, taken inside the checkpoint, made torch.compile's recompute draw
+    another mask: the two sides differed by the size of the sum itself."""
+    torch._dynamo.reset()
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, padded_vocab_size=128,
+                      seq_length=16, max_position_embeddings=16, use_cpu_initialization=True,
+                      hidden_dropout=0.0, attention_dropout=0.5, add_bias_linear=False,
+                      recompute_granularity="selective")
+    tracker = model_parallel_seed(1234, 0, RNGStatesTracker("cpu"))
+    torch.manual_seed(0)
+    attn = ParallelAttention(cfg, rng_tracker=tracker, device="cpu")
+    run = compile_layers(attn)
+    gen = torch.Generator().manual_seed(3)
+    x, grad = torch.randn(16, 2, 32, generator=gen), torch.randn(16, 2, 32, generator=gen)
+    outs = []
+    for _ in range(2):  # the second call runs the compiled code without recompiling
+        attn.zero_grad(set_to_none=True)
+        out, _ = run(x)
+        (out * grad).sum().backward()
+        w = attn.query_key_value.weight  # rows per head: q (8), k (8), v (8)
+        value_rows = torch.arange(w.shape[0]) % 24 >= 16
+        torch.testing.assert_close((w * w.grad)[value_rows].sum(), (out.detach() * grad).sum(),
+                                   rtol=1e-5, atol=1e-4)
+        outs.append(out.detach())
+    assert not torch.equal(*outs), "each call draws new masks"
 
 
 def test_block_scope_compiles_one_graph_for_the_stack():

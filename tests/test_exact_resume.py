@@ -88,14 +88,21 @@ def test_single_process_resume_is_bit_exact(tmp_path, name, extra):
 
 
 @pytest.mark.parametrize("name,extra", [
+    ("tp2", ["--tensor-model-parallel-size", "2"]),
     ("tp2_sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("pp2", ["--pipeline-model-parallel-size", "2"]),
+    ("pp2_vpp2", ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                  "--num-layers-per-virtual-pipeline-stage", "1"]),
     ("distopt_dp2", ["--use-distributed-optimizer"]),
     ("dp2_random_init", ["--data-parallel-random-init"]),
 ])
 def test_two_rank_resume_is_bit_exact(tmp_path, name, extra):
-    """With --data-parallel-random-init each data-parallel replica draws its own dropout
-    masks: the checkpoint holds every DP rank's RNG states (Megatron's `rng_state` list)
-    and each rank resumes from its own (all took DP rank 0's, so rank 1's masks changed)."""
+    """Each tensor- and pipeline-parallel rank resumes its own RNG streams (the tracker's
+    differ per TP rank, the default generator's per pipeline stage) and each virtual
+    pipeline chunk its own weights. With --data-parallel-random-init each data-parallel
+    replica draws its own dropout masks: the checkpoint holds every DP rank's RNG states
+    (Megatron's `rng_state` list) and each rank resumes from its own (all took DP rank 0's,
+    so rank 1's masks changed)."""
     results = run_distributed(_dist_scenario, 2, str(tmp_path / "ck"), extra)
     for rank, (ref, first, resumed) in enumerate(results):
         _assert_exact(ref, first, resumed, f"{name} rank {rank}")

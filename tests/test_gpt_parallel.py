@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megatron.core.config import ModelConfig
 from megatron.core.models.gpt.gpt_model import GPTModel
@@ -18,6 +19,7 @@ from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.layers import shard_of_full_weight
 from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_seed
 from megatron.initialize import Runtime, set_random_seed
+from megatron.train_step import forward_backward
 from megatron.training import build_trainer, data_iterator, train_step
 from tests.dist_utils import run_distributed
 from tests.gpt_helpers import full_named_grads, full_tensor, tiny_config
@@ -70,6 +72,105 @@ def test_llama_style_gpt_tp2_sp_matches_single_process():
     ref = _reference(LLAMA)
     for rank, got in enumerate(run_distributed(_train, 2, 2, True, LLAMA)):
         _compare(ref, got, f"llama-style tp=2 sp rank={rank}")
+
+
+def _dropout_draws(rank, world_size, sp):
+    """One training forward/backward at tp 2 with dropout on: each hidden dropout's mask
+    (F.dropout: embeddings, then attention and MLP outputs of each layer) and the generator
+    state each attention dropout (inside scaled_dot_product_attention) draws from."""
+    cfg = tiny_config(world_size=2, tp=2, sp=sp, hidden_dropout=0.5, attention_dropout=0.5)
+    ps = ParallelState.build(2, rank, tp_size=2, sequence_parallel=sp)
+    rt = Runtime(ps=ps, device=torch.device("cpu"), rng_tracker=RNGStatesTracker(), backend="gloo")
+    set_random_seed(cfg.training.seed, rt)
+    tr = build_trainer(cfg, rt)
+    hidden, attention = [], []
+    dropout, sdpa = F.dropout, F.scaled_dot_product_attention
+
+    def recording_dropout(x, p=0.5, training=True, inplace=False):
+        out = dropout(x, p, training, inplace)
+        hidden.append(out == 0)
+        return out
+
+    def recording_sdpa(*args, dropout_p=0.0, **kw):
+        if dropout_p > 0:
+            attention.append(torch.get_rng_state())
+        return sdpa(*args, dropout_p=dropout_p, **kw)
+
+    F.dropout, F.scaled_dot_product_attention = recording_dropout, recording_sdpa
+    try:
+        forward_backward(tr, data_iterator(cfg, rt, "train", 0), 1)
+    finally:
+        F.dropout, F.scaled_dot_product_attention = dropout, sdpa
+    return hidden, attention
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_dropout_streams_across_tp_ranks_follow_megatron(sp):
+    """Megatron's seeding: the default generator gets --seed on every TP rank, the
+    tensor-parallel tracker seed + 2718 + tp_rank. Attention dropout (each rank holds other
+    heads) draws from the tracker: other masks per rank; its first draw is from the
+    freshly seeded stream (the weights are built with --use-cpu-initialization).
+    Hidden dropout on the replicated [s, b, h] stream draws from the default generator:
+    the same masks on both ranks -- unless sequence parallelism splits the stream over
+    the ranks, when it draws from the tracker too (Megatron forks around the layers and
+    the embedding dropout): other masks per rank."""
+    (hidden0, attn0), (hidden1, attn1) = run_distributed(_dropout_draws, 2, sp)
+    assert len(hidden0) == len(hidden1) == 5 and len(attn0) == len(attn1) == 2
+    for i, (a, b) in enumerate(zip(hidden0, hidden1)):
+        assert torch.equal(a, b) != sp, f"hidden dropout {i} (sequence parallel: {sp})"
+        assert 0.3 < a.float().mean() < 0.7
+    for i, (a, b) in enumerate(zip(attn0, attn1)):
+        assert not torch.equal(a, b), f"attention dropout {i} drew the same stream on both ranks"
+    if not sp:  # the embedding dropout used the default generator: attention drew first
+        for rank, states in enumerate((attn0, attn1)):
+            fresh = torch.Generator().manual_seed(1234 + 2718 + rank).get_state()
+            assert torch.equal(states[0], fresh), f"rank {rank}: not seed + 2718 + tp_rank"
+
+
+RECOMPUTE = {
+    "full-uniform": {"recompute_granularity": "full", "recompute_method": "uniform"},
+    "full-block": {"recompute_granularity": "full", "recompute_method": "block",
+                   "recompute_num_layers": 1},
+    "selective": {"recompute_granularity": "selective"},
+}
+
+
+def _recompute_runs(rank, world_size, tp, pp, sp, vpp):
+    """Two training steps with dropout on, without recompute and with each kind: this
+    rank's losses and full gradients (a virtual-pipeline chunk's names prefixed by it)."""
+    out = {}
+    for name, kw in {"none": {}, **RECOMPUTE}.items():
+        cfg = tiny_config(world_size=world_size, tp=tp, pp=pp, sp=sp, iters=2, num_layers=4,
+                          hidden_dropout=0.2, attention_dropout=0.2, **kw)
+        cfg.parallel.virtual_pp_size = vpp
+        ps = ParallelState.build(world_size, rank, tp_size=tp, pp_size=pp,
+                                 virtual_pp_size=vpp, sequence_parallel=sp)
+        rt = Runtime(ps=ps, device=torch.device("cpu"), rng_tracker=RNGStatesTracker(),
+                     backend="gloo")
+        set_random_seed(cfg.training.seed, rt)
+        tr = build_trainer(cfg, rt)
+        data = data_iterator(cfg, rt, "train", 0)
+        losses = [float(train_step(tr, data)[0]) for _ in range(2)]
+        grads = {f"{c}.{n}": g for c, m in enumerate(tr.model.unwrapped())
+                 for n, g in full_named_grads(m, ps.tp_group).items()}
+        out[name] = {"losses": losses, "grads": grads}
+    return out
+
+
+@pytest.mark.parametrize("tp,pp,sp,vpp", [(2, 1, False, None), (2, 1, True, None),
+                                          (1, 2, False, 2)], ids=["tp2", "tp2-sp", "pp2-vpp2"])
+def test_recompute_with_dropout_is_bit_identical_in_parallel_layouts(tp, pp, sp, vpp):
+    """Full (uniform, block) and selective recompute replay every dropout mask -- the
+    default generator's and the tensor-parallel tracker's, also when the pipeline
+    schedule runs other micro-batches' forwards between a forward and its backward:
+    losses and gradients on every rank equal the run without recompute, bit for bit."""
+    for rank, got in enumerate(run_distributed(_recompute_runs, 2, tp, pp, sp, vpp)):
+        ref = got["none"]
+        for name in RECOMPUTE:
+            assert got[name]["losses"] == ref["losses"], (rank, name)
+            assert set(got[name]["grads"]) == set(ref["grads"])
+            for param, g in ref["grads"].items():
+                assert torch.equal(got[name]["grads"][param], g), (rank, name, param)
 
 
 def test_loss_decreases_single_process():

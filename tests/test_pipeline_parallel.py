@@ -184,8 +184,9 @@ def test_the_watch_hook_is_called_around_every_action(rank):
 LAYERS = 4
 
 
-def _cfg(world, tp, pp, sp, vpp=None, model_kw=None, **parallel):
-    cfg = tiny_config(world_size=world, tp=tp, pp=pp, sp=sp, num_layers=LAYERS, **(model_kw or {}))
+def _cfg(world, tp, pp, sp, vpp=None, model_kw=None, gbs=8, **parallel):
+    cfg = tiny_config(world_size=world, tp=tp, pp=pp, sp=sp, gbs=gbs, num_layers=LAYERS,
+                      **(model_kw or {}))
     cfg.parallel.virtual_pp_size = vpp
     for k, v in parallel.items():
         setattr(cfg.parallel, k, v)
@@ -230,10 +231,11 @@ def _embedding_pair(tr, ps):
     return [None if t is None else t.detach().clone() for t in (first, last)]
 
 
-def _train(rank, world_size, tp, pp, sp, vpp, model_kw, parallel, iters=3):
+def _train(rank, world_size, tp, pp, sp, vpp, model_kw, parallel, iters=3, gbs=8):
+    """`gbs` / (micro batch 2 x dp) micro-batches per step."""
     torch.manual_seed(0)
     full = _reference_weights(model_kw)
-    cfg = _cfg(world_size, tp, pp, sp, vpp, model_kw, **parallel)
+    cfg = _cfg(world_size, tp, pp, sp, vpp, model_kw, gbs, **parallel)
     ps = ParallelState.build(world_size, rank, tp_size=tp, pp_size=pp, virtual_pp_size=vpp,
                              sequence_parallel=sp)
     rt = Runtime(ps=ps, device=torch.device("cpu"), rng_tracker=RNGStatesTracker(), backend="gloo")
@@ -292,10 +294,10 @@ def _check_pipeline(ref, results, pp, what, tied=True):
 REFERENCE = {}
 
 
-def _reference(model_kw=None):
-    key = repr(model_kw)
+def _reference(model_kw=None, gbs=8):
+    key = (repr(model_kw), gbs)
     if key not in REFERENCE:
-        REFERENCE[key] = _train(0, 1, 1, 1, False, None, model_kw, {})
+        REFERENCE[key] = _train(0, 1, 1, 1, False, None, model_kw, {}, gbs=gbs)
     return REFERENCE[key]
 
 
@@ -319,6 +321,28 @@ def test_untied_llama_style_interleaved_matches_single_process():
     ref = _reference(llama)
     results = run_distributed(_train, 4, 2, 2, True, 2, llama, {})
     _check_pipeline(ref, results, 2, "llama tp=2 pp=2 vpp=2", tied=False)
+
+
+UNTIED = {"untie_embeddings_and_output_weights": True}
+
+
+@pytest.mark.parametrize("world,pp,vpp,gbs,model_kw", [
+    (2, 2, 2, 4, None),
+    (2, 2, 2, 12, UNTIED),
+    (4, 4, None, 6, None),
+    (4, 4, None, 6, UNTIED),
+], ids=["pp2-vpp2-m2", "pp2-vpp2-m6-untied", "pp4-m3", "pp4-m3-untied"])
+def test_micro_batch_counts_off_the_common_case_match_single_process(world, pp, vpp, gbs,
+                                                                     model_kw):
+    """The schedules' edge cases: interleaved with as many micro-batches as stages (all
+    forwards in the warm-up) and with three times as many; 1F1B with fewer micro-batches
+    than stages, not a multiple of them (the warm-up is cut short). Tied and untied
+    output weights: losses, validation loss and grads equal the single-process run with
+    the same micro-batches, and the tied copies stay equal."""
+    ref = _reference(model_kw, gbs)
+    results = run_distributed(_train, world, 1, pp, False, vpp, model_kw, {}, 3, gbs)
+    _check_pipeline(ref, results, pp, f"pp={pp} vpp={vpp} micro-batches={gbs // 2}",
+                    tied=model_kw is None)
 
 
 # --------------------------------------------------------------------------- 4. checkpoints

@@ -199,7 +199,9 @@ def checkpoint(function, *args, tracker: Optional[RNGStatesTracker] = None):
     if torch.compiler.is_compiling():
         # Inside a compiled region (selective recompute in a compiled layer) torch.compile
         # traces the checkpoint itself and replays random ops from its own seeds; a
-        # context_fn is not supported there.
+        # context_fn is not supported there. `function` must not fork the tracker: a
+        # generator state set inside the traced checkpoint is not replayed, and the
+        # recompute draws other dropout masks. Fork around the checkpoint instead.
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
     def context_fn():

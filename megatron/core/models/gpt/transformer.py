@@ -332,10 +332,19 @@ class ParallelAttention(nn.Module):
         q, k, v = torch.split(x, [per_group * self.d, self.d, self.d], dim=-1)
         return q.reshape(s, b, self.n, self.d), k, v  # k, v: [s, b, g, d]
 
+    def _dropout_rng(self):
+        """The model-parallel RNG stream while attention dropout is on (each TP rank holds
+        other heads, so draws other masks). Forked around the selective-recompute
+        checkpoint, not inside it: torch's checkpoint then replays the forked generator
+        state (eager: the state it saved; compiled: its functionalized RNG). A fork inside
+        a compiled checkpoint made the recompute draw another mask than the forward."""
+        if self.rng_tracker and self.training and self.config.attention_dropout > 0:
+            return self.rng_tracker.fork()
+        return contextlib.nullcontext()
+
     def _core_attention(self, q_bnsd, k_bgsd, v_bgsd, attention_mask=None):
         dropout_p = self.config.attention_dropout if self.training else 0.0
-        fork = self.rng_tracker.fork() if (self.rng_tracker and dropout_p > 0) else contextlib.nullcontext()
-        with fork, sdpa_backend(self.config.attention_backend):
+        with sdpa_backend(self.config.attention_backend):
             k_bgsd, v_bgsd, gqa = self.grouped_kv(q_bnsd, k_bgsd, v_bgsd, attention_mask)
             # attention_mask: [b, 1, s, s] bool, True = masked (Megatron's convention);
             # SDPA's boolean mask means the opposite. None = plain causal (fast kernels).
@@ -381,11 +390,12 @@ class ParallelAttention(nn.Module):
         else:  # split and rotate in one operator (megatron/core/fused_rotary.py)
             q, k, v = split_and_rotate(qkv, rotary_table, self.g, self.n // self.g, self.d)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n|g, s, d]
-        if self.selective_recompute and self.training:
-            ctx = recompute_checkpoint(self._core_attention, q, k, v, attention_mask,
-                                       tracker=self.rng_tracker)
-        else:
-            ctx = self._core_attention(q, k, v, attention_mask)
+        with self._dropout_rng():
+            if self.selective_recompute and self.training:
+                ctx = recompute_checkpoint(self._core_attention, q, k, v, attention_mask,
+                                           tracker=self.rng_tracker)
+            else:
+                ctx = self._core_attention(q, k, v, attention_mask)
         s, b = qkv.shape[0], qkv.shape[1]  # full sequence: SP inputs were gathered by the QKV linear
         ctx_sbx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.n * self.d)
         return self.dense(ctx_sbx)  # (out [s,b,h], bias or None)
