@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -155,6 +157,66 @@ def test_default_tolerances_by_precision():
     assert lp.default_tolerance(["--bf16"]) == (0.01, 0.05)
     assert lp.default_tolerance([]) == (1e-4, 0.01)
 
+
+
+def _alive(procs):
+    return [p.pid for p in procs if p.poll() is None]
+
+
+def test_wait_all_stops_its_ranks_when_interrupted():
+    """An exception while the tool waits (Ctrl-C, or SIGTERM turned into SystemExit) stops
+    the ranks it started instead of leaving them running without it."""
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+             for _ in range(2)]
+    old = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(KeyboardInterrupt):
+            lp._wait_all(procs, time.time() + 60)
+        assert _alive(procs) == []
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _processes_naming(text: str):
+    """pids of the processes whose command line holds `text` (Linux /proc)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc to find the ranks")
+def test_sigterm_stops_the_ranks_too(tmp_path):
+    """`timeout N python tools/layout_parity.py ...` (benchmarks/layout_parity_one_gpu.sh)
+    ends the tool with SIGTERM: its ranks end with it, not left holding the GPU."""
+    out = tmp_path / "out"
+    tool = subprocess.Popen([sys.executable, str(ROOT / "tools" / "layout_parity.py"),
+                             "--layouts", "tp1", "--iters", "1", "--out-dir", str(out),
+                             "--"] + TINY, env=cpu_env(), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while not (out / "seed" / "rank0.log").exists() and time.time() < deadline:
+            time.sleep(0.1)
+        assert _processes_naming(str(out)), "the seed run's rank did not start"
+        tool.send_signal(signal.SIGTERM)
+        assert tool.wait(timeout=30) != 0
+        time.sleep(0.5)
+        assert _processes_naming(str(out)) == []
+    finally:
+        tool.kill()
+        for pid in _processes_naming(str(out)):
+            os.kill(pid, signal.SIGKILL)
 
 @pytest.mark.slow
 def test_layouts_match_one_process_on_cpu_and_a_bad_layout_fails(tmp_path):

@@ -54,6 +54,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -194,8 +195,22 @@ RANK0_GRACE_S = 15.0
 
 def _wait_all(procs: List[subprocess.Popen], deadline: float) -> Tuple[int, Optional[int]]:
     """Wait for every rank; when one fails or time runs out, stop the others (they would
-    wait in a collective until the backend's timeout), rank 0 after `RANK0_GRACE_S`.
+    wait in a collective until the backend's timeout), rank 0 after `RANK0_GRACE_S`. An
+    exception meanwhile (Ctrl-C, SIGTERM: `main`) stops every rank before it propagates.
     (status, first failed rank)."""
+    try:
+        return _wait_ranks(procs, deadline)
+    except BaseException:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+        raise
+
+
+def _wait_ranks(procs: List[subprocess.Popen], deadline: float) -> Tuple[int, Optional[int]]:
+    """`_wait_all` without the clean-up on an exception."""
     while True:
         codes = [p.poll() for p in procs]
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
@@ -479,5 +494,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     return status
 
 
+def _exit_on_sigterm(signum, _frame) -> None:
+    """SIGTERM (`timeout`, a job's end) as SystemExit, so that `_wait_all` stops the ranks
+    instead of leaving them running (and holding the GPU) without the tool."""
+    raise SystemExit(128 + signum)
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     sys.exit(main())

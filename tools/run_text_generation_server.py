@@ -17,7 +17,7 @@ CUDA, fp32 on CPU); unseeded requests draw from a generator seeded by --seed.
 
 A model too big for one GPU is served tensor- and pipeline-parallel, as Megatron serves it:
 
-    torchrun --nproc-per-node 8 tools/run_text_generation_server.py --load CKPT \
+    torchrun --nproc-per-node 8 tools/run_text_generation_server.py --load CKPT \\
         --tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 [--tokenizer flags]
 
 Every rank holds a 1/4 shard of its pipeline stage's layers, loaded through the training

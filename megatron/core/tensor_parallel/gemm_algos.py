@@ -2,19 +2,20 @@
 (`--gemm-algorithms`, CUDA only: by default the tables shipped for this GPU model and
 cuBLASLt version, `shipped_tables`; or a FILE of your own; or none).
 
-torch asks cuBLAS for one algorithm per product shape, and its heuristic ranks by speed
-on an idle chip. Inside a training step an H200 sits at its power limit, where other
+torch asks cuBLAS for one algorithm per product shape, and its heuristic ranks by speed on
+an idle chip. Inside a training step an H200 sits at its power limit, where other
 candidates of the same heuristic can do more work per joule: for gpt-1.3b's fc1 forward
-product one runs at 691 TFLOP/s against 646 for the first choice, held back to back at
-the limit (benchmarks/cublaslt_algo_probe.py, benchmarks/RESULTS.md). tools/tune_gemms.py
-records the shapes one training step multiplies (`recording()`), times every candidate
-for each against torch's own product at the power limit, and writes a table of the
-shapes where a candidate wins by more than 1%. With a table active (`activate`), the
-linear layers' forward, input-grad (dgrad) and weight-grad (wgrad, into the fp32 main
-grad) products of those shapes call cuBLASLt -- the library torch loaded, through ctypes,
-on the current stream, so CUDA graphs capture them -- with the recorded algorithm; every
-other product stays torch's. The forward and dgrad calls are an operator of our own
-(`megatron::lt_matmul`), opaque to torch.compile like torch's own products.
+product one runs at 691 TFLOP/s against 646 for the first choice, held back to back at the
+limit (benchmarks/RESULTS.md; the probe that measured it was folded into
+tools/tune_gemms.py). tools/tune_gemms.py records the shapes one training step multiplies
+(`recording()`), times every candidate for each against torch's own product at the power
+limit, and writes a table of the shapes where a candidate wins by more than 1%. With a
+table active (`activate`), the linear layers' forward, input-grad (dgrad) and weight-grad
+(wgrad, into the fp32 main grad) products of those shapes call cuBLASLt -- the library
+torch loaded, through ctypes, on the current stream, so CUDA graphs capture them -- with
+the recorded algorithm; every other product stays torch's. The forward and dgrad calls are
+an operator of our own (`megatron::lt_matmul`), opaque to torch.compile like torch's own
+products.
 
 A table is tied to the GPU model and the cuBLASLt version it was measured with;
 `load_table` refuses it elsewhere, `shipped_tables` passes it over. A table only names
