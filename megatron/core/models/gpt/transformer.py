@@ -98,6 +98,30 @@ def sdpa_backend(name: str):
     return sdpa_kernel([getattr(SDPBackend, _SDPA_BACKENDS[name])])
 
 
+class GradLikeOutput(torch.autograd.Function):
+    """Identity whose backward hands on the gradient in the output's own strides (copied
+    when it comes in others). For the attention's output: torch's cuDNN attention backward
+    (seen on torch 2.11, CUDA 13, H100) caches its plan without the grad output's strides,
+    so after one call whose grad output came in one layout, a call of the same shapes
+    whose grad output came in another (a compiled layer's and an eager one's in one
+    process: torch.compile picks the layout) computed wrong q/k/v gradients in silence --
+    relative error ~1 with dropout 0, the wrong dropout mask with dropout. With the
+    output's strides every call gives cuDNN one layout, the one it is built for."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor) -> torch.Tensor:
+        ctx.layout = (out.shape, out.stride())
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        shape, strides = ctx.layout
+        if grad.stride() == strides:
+            return grad
+        return torch.empty_strided(shape, strides, dtype=grad.dtype,
+                                   device=grad.device).copy_(grad)
+
+
 def _linear_kwargs(config: ModelConfig, tp_group, device, rng_tracker=None) -> dict:
     return {
         "tp_group": tp_group,
@@ -348,11 +372,12 @@ class ParallelAttention(nn.Module):
             k_bgsd, v_bgsd, gqa = self.grouped_kv(q_bnsd, k_bgsd, v_bgsd, attention_mask)
             # attention_mask: [b, 1, s, s] bool, True = masked (Megatron's convention);
             # SDPA's boolean mask means the opposite. None = plain causal (fast kernels).
-            return F.scaled_dot_product_attention(
+            out = F.scaled_dot_product_attention(
                 q_bnsd, k_bgsd, v_bgsd, attn_mask=None if attention_mask is None else ~attention_mask,
                 is_causal=attention_mask is None, dropout_p=dropout_p,
                 scale=1.0 / math.sqrt(self.d), **gqa,
             )
+        return GradLikeOutput.apply(out) if out.is_cuda else out
 
     def grouped_kv(self, q_bnsd, k_bgsd, v_bgsd, attention_mask):
         """(k, v, extra SDPA kwargs) for the query heads: the groups as they are with
