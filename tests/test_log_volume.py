@@ -252,21 +252,30 @@ def _lines(outs: list) -> int:
     return sum(len(out.splitlines()) for out in outs)
 
 
-@pytest.mark.slow
-def test_start_up_to_a_normal_exit_prints_as_much_on_4_ranks_as_on_1(tmp_path):
+@pytest.fixture(scope="module")
+def normal_runs(tmp_path_factory) -> dict:
+    """Runs to a normal exit (evaluations, saves) on 1 and on 4 ranks, every rank giving
+    the same UserWarning from its second step on; one pair of launches serves both tests
+    below. {world size: (exit status, [each rank's output])}."""
+    tmp_path = tmp_path_factory.mktemp("normal_exit")
     args = ["--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1",
             "--save-interval", "2"]
-    status1, one = rank_outputs(tmp_path, 1, args + ["--save", str(tmp_path / "ckpt1")])
-    status4, four = rank_outputs(tmp_path, 4, args + ["--save", str(tmp_path / "ckpt4")])
+    return {world: rank_outputs(tmp_path, world, [*args, "--save", str(tmp_path / f"ck{world}")],
+                                _wrapper(tmp_path, "warn", world))
+            for world in (1, 4)}
+
+
+@pytest.mark.slow
+def test_start_up_to_a_normal_exit_prints_as_much_on_4_ranks_as_on_1(normal_runs):
+    (status1, one), (status4, four) = normal_runs[1], normal_runs[4]
     assert status1 == status4 == 0, (one, four)
     assert "validation loss at iteration 4" in "".join(four)
     assert _lines(four) == _lines(one), (one, four)
 
 
 @pytest.mark.slow
-def test_a_warning_every_rank_gives_shows_once(tmp_path):
-    status, outs = rank_outputs(tmp_path, 4, ["--train-iters", "3"],
-                                _wrapper(tmp_path, "warn", 4))
+def test_a_warning_every_rank_gives_shows_once(normal_runs):
+    status, outs = normal_runs[4]
     assert status == 0, outs
     assert "".join(outs).count("UserWarning: injected warning in train_step") == 1, outs
 
