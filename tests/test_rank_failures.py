@@ -4,7 +4,8 @@ has ended, what each prints, its exit status, and what stays under --save.
 A wrapper runs pretrain_gpt.py with --distributed-timeout-minutes shortened to seconds (and
 with it the watchdog's wait before a reporting rank exits) and one call on one rank
 replaced: it sleeps (stuck), raises, or SIGKILLs its process. Every process records its
-exit status (os._exit included).
+exit status (os._exit included). The watchdog gets that short timeout once training
+begins; through start-up it waits STARTUP_TIMEOUT_S (see there).
 """
 from __future__ import annotations
 
@@ -37,6 +38,15 @@ ROOT = Path(__file__).resolve().parents[1]
 # With the 3-s collective timeout here every rank polls each 0.75 s either way.
 LINGER_POLL_S = 2.0
 
+# The watchdog's timeout until training begins (the wrapper's `train`). Start-up's
+# watched collectives (the timers' barriers, the data set-up's) wait for ranks that
+# import, build the model and set up at their own pace: on a loaded machine they arrive
+# seconds apart, and the 3-s timeout fired there ("barrier of timer
+# train/valid/test-data-iterators-setup did not complete within 3 s during start-up").
+# No fault here comes before training. Below the process group's timeout (the
+# collective timeout + 60 s): a start-up hang still ends with the watchdog's report.
+STARTUP_TIMEOUT_S = 30.0
+
 FAULT_WRAPPER = """
 import dataclasses, importlib, os, runpy, signal, sys, time
 sys.path.insert(0, {root!r})
@@ -52,6 +62,20 @@ def parse_and_validate(*args, **kwargs):
 
 arguments.parse_and_validate = parse_and_validate
 watchdog.POLL_S = {poll_s!r}
+import megatron.training as training
+_build_watchdog, _train = training.build_watchdog, training.train
+
+def build_watchdog(timeout_s, *args, **kwargs):
+    # built with the short timeout: it polls and publishes as often from the start
+    wd = _build_watchdog(timeout_s, *args, **kwargs)
+    wd.timeout_s = {startup_s!r}  # a watched block's deadline is set from it as it begins
+    return wd
+
+def train(tr, *args, **kwargs):
+    tr.watchdog.timeout_s = 60 * {minutes!r}
+    return _train(tr, *args, **kwargs)
+
+training.build_watchdog, training.train = build_watchdog, train
 owner = importlib.import_module({module!r})
 *path, attr = {name!r}.split(".")  # a function of the module, or a method of its class
 for part in path:
@@ -86,7 +110,7 @@ def run_with_fault(tmp_path, module: str, name: str, action: str, args: list, ca
     wrapper.write_text(FAULT_WRAPPER.format(
         root=str(ROOT), minutes=minutes, module=module, name=name, call=call, rank=rank,
         action=action, status_dir=str(status_dir), script=str(ROOT / "pretrain_gpt.py"),
-        poll_s=LINGER_POLL_S))
+        poll_s=LINGER_POLL_S, startup_s=STARTUP_TIMEOUT_S))
     port = free_port()
     cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
              "--node-rank", str(node), "--nproc-per-node", str(world // nodes), "--master-addr",
