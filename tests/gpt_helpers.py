@@ -93,3 +93,18 @@ def train_steps(tr, data, steps: int) -> list:
         losses.append(float(train_step(tr, data)[0]))
         tr.state.iteration += 1
     return losses
+
+
+def gloo_trainer_losses(cfg, ps, steps: int = 2):
+    """(trainer, losses of `steps` train steps) on the CPU over gloo for the layout `ps`
+    (a ParallelState of this rank), seeded as training seeds, reading the train data."""
+    from megatron.core.tensor_parallel.random import RNGStatesTracker
+    from megatron.initialize import Runtime, set_random_seed
+    from megatron.training import build_trainer, data_iterator, train_step
+
+    rt = Runtime(ps=ps, device=torch.device("cpu"), rng_tracker=RNGStatesTracker(),
+                 backend="gloo")
+    set_random_seed(cfg.training.seed, rt)
+    tr = build_trainer(cfg, rt)
+    data = data_iterator(cfg, rt, "train", 0)
+    return tr, [float(train_step(tr, data)[0]) for _ in range(steps)]

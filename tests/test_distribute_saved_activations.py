@@ -13,12 +13,9 @@ import pytest
 import torch
 
 from megatron.core.parallel_state import ParallelState
-from megatron.core.tensor_parallel.random import RNGStatesTracker
-from megatron.initialize import Runtime, set_random_seed
 from megatron.memory_estimate import activation_bytes
-from megatron.training import build_trainer, data_iterator, train_step
 from tests.dist_utils import run_distributed
-from tests.gpt_helpers import full_named_grads, tiny_config
+from tests.gpt_helpers import full_named_grads, gloo_trainer_losses, tiny_config
 from tests.test_arguments import error_of, run
 from tests.test_memory_estimate import _case_config, _expected_saved, _saved_bytes
 
@@ -39,12 +36,7 @@ def _train_tp2(rank, world_size):
         cfg = tiny_config(world_size=2, tp=2, iters=2, hidden_dropout=0.2,
                           attention_dropout=0.2, seq_length=15, **kw)  # s*b*h odd: padding
         ps = ParallelState.build(2, rank, tp_size=2)
-        rt = Runtime(ps=ps, device=torch.device("cpu"), rng_tracker=RNGStatesTracker(),
-                     backend="gloo")
-        set_random_seed(cfg.training.seed, rt)
-        tr = build_trainer(cfg, rt)
-        data = data_iterator(cfg, rt, "train", 0)
-        losses = [float(train_step(tr, data)[0]) for _ in range(2)]
+        tr, losses = gloo_trainer_losses(cfg, ps)
         out[name] = {"losses": losses, "grads": full_named_grads(tr.model.module, ps.tp_group)}
     return out
 

@@ -22,7 +22,7 @@ from megatron.initialize import Runtime, set_random_seed
 from megatron.train_step import forward_backward
 from megatron.training import build_trainer, data_iterator, train_step
 from tests.dist_utils import run_distributed
-from tests.gpt_helpers import full_named_grads, full_tensor, tiny_config
+from tests.gpt_helpers import full_named_grads, full_tensor, gloo_trainer_losses, tiny_config
 from tests.gpt_reference import case_batch, case_config, perturb_, reference_forward
 from tests.test_gpt_model import INIT_CASES, INIT_SHAPE, check_init
 
@@ -145,12 +145,7 @@ def _recompute_runs(rank, world_size, tp, pp, sp, vpp):
         cfg.parallel.virtual_pp_size = vpp
         ps = ParallelState.build(world_size, rank, tp_size=tp, pp_size=pp,
                                  virtual_pp_size=vpp, sequence_parallel=sp)
-        rt = Runtime(ps=ps, device=torch.device("cpu"), rng_tracker=RNGStatesTracker(),
-                     backend="gloo")
-        set_random_seed(cfg.training.seed, rt)
-        tr = build_trainer(cfg, rt)
-        data = data_iterator(cfg, rt, "train", 0)
-        losses = [float(train_step(tr, data)[0]) for _ in range(2)]
+        tr, losses = gloo_trainer_losses(cfg, ps)
         grads = {f"{c}.{n}": g for c, m in enumerate(tr.model.unwrapped())
                  for n, g in full_named_grads(m, ps.tp_group).items()}
         out[name] = {"losses": losses, "grads": grads}
