@@ -486,7 +486,7 @@ def test_what_is_recorded_and_what_is_not():
 # --------------------------------------------------------------------------- generation
 # tools/generate.py on two nodes (one torchrun each) at tensor-parallel size 2; rank 1's
 # {call}th all-reduce (mid-decoding) raises or sleeps. The process group's timeout (what
-# ends rank 0 here: generation has no watched collectives) is STARTUP_TIMEOUT_S through
+# ends rank 0 here: decoding has no watched collectives) is STARTUP_TIMEOUT_S through
 # start-up, as the watchdog's in the training cases (its collectives: the groups' set-up,
 # the checkpoint load's), and 3 s once the model is loaded; the watchdog's grace after a
 # lost store is cut to 2 s.
