@@ -22,6 +22,10 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tools import child_processes  # noqa: E402
+
 PRESETS = ("gpt2-124m", "gpt-1.3b", "tiny")  # tiny: --device cpu, a smoke run
 
 
@@ -39,7 +43,7 @@ def commands(preset: str, steps: int, warmup: int, gelu: str, device: str = "cud
 def run_json(cmd: list, log_path: str, timeout: float) -> dict:
     """Run one trainer; its last stdout line that parses as JSON, or {} on failure."""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = child_processes.run(cmd, capture_output=True, text=True, timeout=timeout)
         out, err, rc = proc.stdout, proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
         out, err, rc = exc.stdout or "", f"timed out after {timeout:.0f} s", "timeout"
@@ -98,4 +102,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    child_processes.sigterm_as_exit()  # SIGTERM ends the running trainer too
     sys.exit(main())

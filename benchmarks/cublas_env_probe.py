@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools import child_processes  # noqa: E402
 
 SETTINGS = {
     "torch default": {},
@@ -56,8 +58,8 @@ def main() -> int:
         env = {k: v for k, v in os.environ.items()
                if k not in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")}
         env.update(extra)
-        proc = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True,
-                              env=env)
+        proc = child_processes.run([sys.executable, "-c", CHILD], capture_output=True,
+                                   text=True, env=env)
         lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
         rows[label] = json.loads(lines[-1]) if lines else {"child": proc.stderr[-300:]}
     for label, res in rows.items():
@@ -68,4 +70,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    child_processes.sigterm_as_exit()  # SIGTERM ends the probe's child too
     sys.exit(main())

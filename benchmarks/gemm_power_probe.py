@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools import child_processes  # noqa: E402
 from tools.benchmark import ChipMonitor, chip_id  # noqa: E402
 
 T, H, F = 16384, 2048, 8192  # tokens per micro-batch, hidden, ffn hidden (gpt-1.3b)
@@ -74,8 +76,6 @@ def cases():
 
 def tunableop_log(path: str) -> None:
     """Tune the fc1 forward product once with TunableOp's verbose log in `path`."""
-    import subprocess
-
     code = ("import torch; x=torch.randn(%d,%d,device='cuda',dtype=torch.bfloat16); "
             "w=torch.randn(%d,%d,device='cuda',dtype=torch.bfloat16); "
             "[torch.mm(x,w.t()) for _ in range(3)]; torch.cuda.synchronize(); "
@@ -85,8 +85,8 @@ def tunableop_log(path: str) -> None:
                PYTORCH_TUNABLEOP_FILENAME=os.path.join(os.path.dirname(path) or ".",
                                                        "tunableop%d.csv"))
     with open(path, "w") as f:
-        subprocess.run([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT,
-                       env=env, timeout=300, check=False)
+        child_processes.run([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT,
+                            env=env, timeout=300)
     print(f"TunableOp log: {path}")
 
 
@@ -112,4 +112,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    child_processes.sigterm_as_exit()  # SIGTERM ends the TunableOp child and the sampler too
     main()

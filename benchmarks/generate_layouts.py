@@ -23,6 +23,7 @@ from typing import Dict, List
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from tools import child_processes  # noqa: E402
 from tools.layout_parity import free_port, rank_env  # noqa: E402
 
 MODEL = ("--num-layers 4 --hidden-size 128 --num-attention-heads 8 --seq-length 64 "
@@ -46,19 +47,22 @@ def train(ckpt: str, device: str) -> None:
             "--save", ckpt, "--save-interval", "20"]
     if device == "cpu":
         argv.append("--no-compile")
-    subprocess.run(argv, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    child_processes.run(argv, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
 
 
 def generate(ckpt: str, case: List[str], layout: Dict[str, int], device: str,
              one_gpu: bool, timeout_s: float) -> str:
-    """Rank 0's --json line for `case` at `layout` ({'tp': ., 'pp': .})."""
+    """Rank 0's --json line for `case` at `layout` ({'tp': ., 'pp': .}), else what went
+    wrong. A run past `timeout_s` is stopped, every rank of it."""
     flags = [os.path.join(ROOT, "tools", "generate.py"), "--load", ckpt, "--json",
              "--dtype", "fp32", *case]
     world = layout["tp"] * layout["pp"]
     if world == 1:  # ranks started below use cuda:LOCAL_RANK, or the CPU without CUDA
-        out = subprocess.run([sys.executable, *flags, "--device", device], cwd=ROOT,
-                             capture_output=True,
-                             text=True, timeout=timeout_s)
+        try:
+            out = child_processes.run([sys.executable, *flags, "--device", device], cwd=ROOT,
+                                      capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return f"timed out after {timeout_s:g} s (--timeout)"
         return out.stdout.strip() if out.returncode == 0 else f"exit {out.returncode}: {out.stderr[-400:]}"
     flags += ["--tensor-model-parallel-size", str(layout["tp"]),
               "--pipeline-model-parallel-size", str(layout["pp"])]
@@ -67,7 +71,11 @@ def generate(ckpt: str, case: List[str], layout: Dict[str, int], device: str,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               env=rank_env(r, world, port, one_gpu, tag))
              for r in range(world)]
-    outs = [p.communicate(timeout=timeout_s) for p in procs]
+    try:
+        with child_processes.stopping(procs):  # the other ranks too, not only the late one
+            outs = [p.communicate(timeout=timeout_s) for p in procs]
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout_s:g} s (--timeout)"
     if any(p.returncode for p in procs):
         return "; ".join(f"rank {r} exit {p.returncode}: {outs[r][1][-300:]}"
                          for r, p in enumerate(procs) if p.returncode)
@@ -113,4 +121,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    child_processes.sigterm_as_exit()  # SIGTERM ends the ranks too
     sys.exit(main())

@@ -14,11 +14,13 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tools import child_processes  # noqa: E402
 
 
 def parse(path: str) -> list:
@@ -43,7 +45,7 @@ def run_one(label, preset, env, flags, extra, tree, out_dir) -> dict:
         key, _, value = item.partition("=")
         run_env[key] = value
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=run_env)
+    proc = child_processes.run(cmd, capture_output=True, text=True, env=run_env)
     with open(os.path.join(out_dir, "runs.log"), "a") as f:
         f.write(f"\n===== {label}\n" + " ".join(cmd) + f"\nenv: {env}\nexit {proc.returncode} in {time.time() - t0:.0f} s\n")
         f.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
@@ -82,4 +84,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    child_processes.sigterm_as_exit()  # SIGTERM ends the running benchmark too
     sys.exit(main())

@@ -54,13 +54,20 @@ def read_checkpoint_args(load: str) -> dict:
 
 def saved_checkpoint_args(load: str) -> Optional[dict]:
     """`read_checkpoint_args(load)`, or None when `load` holds no checkpoint yet (no
-    tracker file, nothing that looks like a checkpoint). ArgumentsError for the rest."""
-    if not os.path.isfile(tracker_path(load)) and not _untracked(load):
-        return None
+    tracker file, nothing that looks like a checkpoint). ArgumentsError for the rest, a
+    file or directory the file system refuses (OSError: permissions, a stale mount)
+    included: under a launcher rank 0 reads for every rank, and each must end alike."""
     try:
+        if not os.path.isfile(tracker_path(load)) and not _untracked(load):
+            return None
         return read_checkpoint_args(load)
     except SystemExit as exc:
         raise ArgumentsError(str(exc.code).removeprefix("error: ")) from None
+    except OSError as exc:
+        raise ArgumentsError(
+            f"--use-checkpoint-args cannot read the checkpoint under --load {load} "
+            f"({type(exc).__name__}: {exc}); make its files readable to this user on every "
+            f"node, or pass --load a copy that is") from None
 
 
 def _untracked(load: str) -> bool:

@@ -189,7 +189,9 @@ MEGATRON_GROUPS = (
             "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer",
             "HuggingFaceTokenizer")),  # the last: an extension (a local tokenizer.json)
         ("--tokenizer-model", "str", None),
-        ("--data-impl", "str", "infer", ("mmap", "infer")),
+        # lazy, cached: Megatron-LM 23.04's (23.05 refuses them), accepted with NO_EFFECT's
+        # warning: every value reads the format from the index's magic
+        ("--data-impl", "str", "infer", ("mmap", "infer", "lazy", "cached")),
         ("--reset-position-ids", "true", False),
         ("--reset-attention-mask", "true", False),
         ("--eod-mask-loss", "true", False),
@@ -497,7 +499,8 @@ NO_EFFECT = {
 }
 
 # NO_EFFECT values that name what is done anyway: not warned (every Megatron-LM 23.05
-# script passes --data-impl mmap, and mmap files are what is read).
+# script passes --data-impl mmap, and mmap files are what is read; the default, infer, is
+# never warned either).
 NO_EFFECT_QUIET_VALUES = {"--data-impl": ("mmap",)}
 
 # Flags from older Megatron-LM releases that 23.05 no longer knows: error with the modern

@@ -78,7 +78,8 @@ def test_sample_of_defaults_matches_megatron():
 
 
 # Choices this framework adds to a Megatron flag (README/MIGRATING name them).
-EXTENSION_CHOICES = {"--tokenizer-type": ("HuggingFaceTokenizer",)}
+EXTENSION_CHOICES = {"--tokenizer-type": ("HuggingFaceTokenizer",),
+                     "--data-impl": ("lazy", "cached")}
 
 
 def _json_flags():
@@ -290,6 +291,16 @@ def test_no_effect_flags_warn(caplog):
     assert "--no-masked-softmax-fusion has no effect here" in caplog.text
     # every Megatron-LM 23.05 script passes --data-impl mmap: what is read anyway, no warning
     assert "--data-impl" not in caplog.text
+
+
+@pytest.mark.parametrize("value, warned", [("lazy", True), ("cached", True),
+                                           ("infer", False), ("mmap", False)])
+def test_data_impl_values_of_older_scripts_warn_once(caplog, value, warned):
+    """Megatron-LM 23.04's lazy and cached (23.05 refuses them) name how legacy TNTIDX
+    files were read; the format is read from each index's magic here, so they run, with
+    one warning. mmap and infer name what happens anyway: no warning."""
+    run(f"--data-impl {value}")
+    assert caplog.text.count("--data-impl has no effect here") == int(warned)
 
 
 # ------------------------------------------------------------------------------ YAML

@@ -13,10 +13,12 @@ import re
 from pathlib import Path
 from typing import Dict, Set
 
+from megatron.arguments_common import FLAG_SPECS
 from megatron.arguments_table import (
     DEPRECATED_HELP,
     EXTRA_GROUP,
     NO_EFFECT,
+    NO_EFFECT_QUIET_VALUES,
     NOT_SUPPORTED,
     NOT_SUPPORTED_GROUPS,
     REMOVED,
@@ -76,6 +78,18 @@ def section_mismatches(text: str) -> Dict[str, str]:
 
 def test_flag_tables_match_arguments_table():
     assert section_mismatches(DOC.read_text(encoding="utf-8")) == {}
+
+
+def test_every_flag_accepted_without_effect_has_a_value_that_warns():
+    """The section's heading promises one warning each: a flag whose every accepted value
+    is its default or a quiet one (NO_EFFECT_QUIET_VALUES) could never give it."""
+    silent = []
+    for flag in NO_EFFECT:
+        spec = FLAG_SPECS[flag]
+        if spec.choices is not None and not set(spec.choices) - {spec.default} - set(
+                NO_EFFECT_QUIET_VALUES.get(flag, ())):
+            silent.append(flag)
+    assert silent == []
 
 
 def test_removed_rows_give_the_tables_modern_spelling():

@@ -5,7 +5,8 @@ A wrapper runs pretrain_gpt.py with --distributed-timeout-minutes shortened to s
 with it the watchdog's wait before a reporting rank exits) and one call on one rank
 replaced: it sleeps (stuck), raises, or SIGKILLs its process. Every process records its
 exit status (os._exit included). The watchdog gets that short timeout once training
-begins; through start-up it waits STARTUP_TIMEOUT_S (see there).
+begins (generation: the process group, once the model is loaded); through start-up it
+waits STARTUP_TIMEOUT_S (see there).
 """
 from __future__ import annotations
 
@@ -38,13 +39,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # With the 3-s collective timeout here every rank polls each 0.75 s either way.
 LINGER_POLL_S = 2.0
 
-# The watchdog's timeout until training begins (the wrapper's `train`). Start-up's
-# watched collectives (the timers' barriers, the data set-up's) wait for ranks that
-# import, build the model and set up at their own pace: on a loaded machine they arrive
-# seconds apart, and the 3-s timeout fired there ("barrier of timer
-# train/valid/test-data-iterators-setup did not complete within 3 s during start-up").
-# No fault here comes before training. Below the process group's timeout (the
-# collective timeout + 60 s): a start-up hang still ends with the watchdog's report.
+# The watchdog's timeout until training begins (the wrapper's `train`), and the process
+# group's until the generation cases' model is loaded (GENERATE_FAULT). Start-up's
+# collectives (the timers' barriers, the data set-up's, the checkpoint load's) wait for
+# ranks that import, build the model and set up at their own pace: on a loaded machine
+# they arrive seconds apart, and the 3-s timeout fired there ("barrier of timer
+# train/valid/test-data-iterators-setup did not complete within 3 s during start-up"; a
+# rank 1 that builds its model 5 s late has the generation's rank 0 report "a collective
+# timed out"). No fault here comes before training or generation. In training, below the
+# process group's timeout (the collective timeout + 60 s): a start-up hang still ends with
+# the watchdog's report.
 STARTUP_TIMEOUT_S = 30.0
 
 FAULT_WRAPPER = """
@@ -481,17 +485,31 @@ def test_what_is_recorded_and_what_is_not():
 
 # --------------------------------------------------------------------------- generation
 # tools/generate.py on two nodes (one torchrun each) at tensor-parallel size 2; rank 1's
-# {call}th all-reduce (mid-decoding) raises or sleeps. The process group's timeout is cut
-# to 3 s and the watchdog's grace after a lost store to 2 s.
+# {call}th all-reduce (mid-decoding) raises or sleeps. The process group's timeout (what
+# ends rank 0 here: decoding has no watched collectives) is STARTUP_TIMEOUT_S through
+# start-up, as the watchdog's in the training cases (its collectives: the groups' set-up,
+# the checkpoint load's), and 3 s once the model is loaded; the watchdog's grace after a
+# lost store is cut to 2 s.
 GENERATE_FAULT = """
 import datetime, os, runpy, sys, time
 sys.path.insert(0, {root!r})
 import torch.distributed as dist
 import megatron.initialize as initialize
 import megatron.watchdog as watchdog
+import tools.generate_tp as generate_tp
 watchdog.STORE_GRACE_S = 2.0
 watchdog.POLL_S = {poll_s!r}
-initialize.datetime = type("D", (), dict(timedelta=lambda **k: datetime.timedelta(seconds=3)))
+initialize.datetime = type("D", (), dict(
+    timedelta=lambda **k: datetime.timedelta(seconds={startup_s!r})))
+_load = generate_tp.load_model_tp
+
+def load_model_tp(*args, **kwargs):
+    loaded = _load(*args, **kwargs)
+    for group in list(dist.distributed_c10d._world.pg_map):
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=3), group)
+    return loaded
+
+generate_tp.load_model_tp = load_model_tp
 original, calls = dist.all_reduce, [0]
 
 def faulty(*args, **kwargs):
@@ -529,7 +547,7 @@ def test_generate_on_two_nodes_when_rank_1_fails_or_hangs(tmp_path, small_ckpt, 
     printing where it was stuck."""
     wrapper = tmp_path / "generate_fault.py"
     wrapper.write_text(GENERATE_FAULT.format(root=str(ROOT), call=30, action=action,
-                                             poll_s=LINGER_POLL_S))
+                                             poll_s=LINGER_POLL_S, startup_s=STARTUP_TIMEOUT_S))
     port = free_port()
     env = cpu_env(PYTHONUNBUFFERED="1")
     cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",

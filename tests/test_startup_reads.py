@@ -299,6 +299,41 @@ def test_rank_0_that_hosts_the_store_waits_until_every_rank_has_its_answer(tmp_p
     assert results[1]["error"] == results[0]["error"] and results[1]["printed"] == ""
 
 
+def test_an_unreadable_checkpoint_ends_every_rank_alike(tmp_path, monkeypatch, capsys):
+    """The iteration directory cannot be listed (PermissionError: another user's files):
+    rank 0 and the rank that takes its answer through the store both end as an argument
+    error does -- status 2, one line naming the directory and the fix, printed by rank 0
+    alone (rank 0 raised the PermissionError: a traceback, status 1, while the others
+    exited 2). In process: two JobStores sharing one HashStore stand for the launch."""
+    import torch.distributed as dist
+
+    from megatron.arguments import parse_and_validate
+    from megatron.startup_store import JobStore
+
+    load = _checkpoint(tmp_path / "ckpt", {"args": SAVED_ARGS, "iteration": 10})
+    listdir = os.listdir
+
+    def denied(path="."):
+        if str(path).startswith(os.path.join(load, "iter_")):
+            raise PermissionError(13, "Permission denied", str(path))
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", denied)
+    store, ended = dist.HashStore(), []
+    for rank in (0, 1):
+        job = JobStore({}, rank, 2)
+        job.store = store
+        with pytest.raises(SystemExit) as exc:
+            parse_and_validate(CKPT_RUN + ["--load", load], world_size=2,
+                               env={"RANK": str(rank)}, cuda_available=False, job_store=job)
+        ended.append((exc.type.__name__, exc.value.code, str(exc.value)))
+    assert [e[:2] for e in ended] == [("ArgumentsError", 2)] * 2, ended
+    assert ended[0][2] == ended[1][2] and "\n" not in ended[0][2], ended
+    assert "Permission denied" in ended[0][2] and "iter_0000010" in ended[0][2], ended
+    assert "--use-checkpoint-args" in ended[0][2], ended
+    assert capsys.readouterr().err.count("error:") == 1
+
+
 def _dry_run_worker(rank, world_size, port, root, load, data_prefix, valid):
     """pretrain_gpt.main, then tasks/main.py's evaluation, with --dry-run on this rank of
     one node (LOCAL_RANK = RANK), no process group: per entry point (its exit status, what

@@ -31,6 +31,8 @@ from typing import Optional  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tools import child_processes  # noqa: E402
+
 COMMON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--hidden-dropout", "0",
           "--attention-dropout", "0", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "2",
           "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0",
@@ -457,7 +459,9 @@ def scaling(a, device: str) -> int:
                "--device", device] + (["--micro-batch-size", str(a.micro_batch_size)]
                                       if a.micro_batch_size else []) + ["--"] + a.extra
         env = dict(os.environ, NCCL_NVLS_ENABLE="0", CUDA_DEVICE_MAX_CONNECTIONS="1")
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        # an exception here (Ctrl-C, SIGTERM: `main`) stops torchrun with SIGTERM, which
+        # it passes on to its workers (SIGKILL would leave them running)
+        proc = child_processes.run(cmd, capture_output=True, text=True, env=env)
         lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
         if proc.returncode != 0 or not lines:
             print(f"{text}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", file=sys.stderr)
@@ -530,4 +534,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        # SIGTERM to this process alone (`kill`, a job's end) ends --scaling's torchrun and
+        # the nvidia-smi sampler with it; torchrun's workers keep the default (torchrun
+        # signals each worker's whole process group, the sampler included)
+        child_processes.sigterm_as_exit()
     sys.exit(main())

@@ -54,7 +54,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -65,6 +64,10 @@ from typing import Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, ROOT)
+
+from tools.child_processes import sigterm_as_exit, stop, stopping  # noqa: E402
 
 # 8 layers and 8 heads: up to tp8, and pp4 with two virtual stages per rank. A global batch
 # of 16 micro-batches of 2 fits every dp up to 8, and interleaving with pp up to 4.
@@ -196,17 +199,10 @@ RANK0_GRACE_S = 15.0
 def _wait_all(procs: List[subprocess.Popen], deadline: float) -> Tuple[int, Optional[int]]:
     """Wait for every rank; when one fails or time runs out, stop the others (they would
     wait in a collective until the backend's timeout), rank 0 after `RANK0_GRACE_S`. An
-    exception meanwhile (Ctrl-C, SIGTERM: `main`) stops every rank before it propagates.
+    exception meanwhile (Ctrl-C, SIGTERM: `sigterm_as_exit`) stops every rank before it propagates.
     (status, first failed rank)."""
-    try:
+    with stopping(procs, grace_s=0):
         return _wait_ranks(procs, deadline)
-    except BaseException:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait()
-        raise
 
 
 def _wait_ranks(procs: List[subprocess.Popen], deadline: float) -> Tuple[int, Optional[int]]:
@@ -220,11 +216,7 @@ def _wait_ranks(procs: List[subprocess.Popen], deadline: float) -> Tuple[int, Op
             except subprocess.TimeoutExpired:
                 pass
         if failed or time.time() > deadline:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            for p in procs:
-                p.wait()
+            stop(procs, grace_s=0)
             return (codes[failed[0]], failed[0]) if failed else (124, None)  # 124: timeout
         if all(c == 0 for c in codes):
             return 0, None
@@ -494,12 +486,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     return status
 
 
-def _exit_on_sigterm(signum, _frame) -> None:
-    """SIGTERM (`timeout`, a job's end) as SystemExit, so that `_wait_all` stops the ranks
-    instead of leaving them running (and holding the GPU) without the tool."""
-    raise SystemExit(128 + signum)
-
-
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    sigterm_as_exit()  # SIGTERM (`timeout`, a job's end): `_wait_all` stops the ranks first
     sys.exit(main())
