@@ -49,8 +49,8 @@ def test_compiled_layers_with_recompute_and_dropout(name):
 @pytest.mark.parametrize("name", ["gpt2/compiled/selective", "llama/selective"])
 def test_compiled_selective_recompute_with_attention_dropout_on_cuda(name):
     """The fused attention kernels' dropout under compiled selective recompute: before
-    ParallelAttention._recompute_core, directional error 1.2 (gpt2) and 0.37 (llama) on an
-    H100/H200 in fp32 (the memory-efficient kernel), 1e-4 after."""
+    ParallelAttention._recompute_core, directional error 2.5 (gpt2) and 1.8 (llama) on an
+    H100 in fp32 (the memory-efficient kernel, torch 2.11), 1e-4 and 4e-5 after."""
     row = audit_case(case(name), torch.device("cuda"))
     assert row.ok, f"{row.name}: {row.check} error {row.error:.2e} ({row.detail})"
 
