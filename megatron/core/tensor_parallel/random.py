@@ -201,7 +201,9 @@ def checkpoint(function, *args, tracker: Optional[RNGStatesTracker] = None):
         # traces the checkpoint itself and replays random ops from its own seeds; a
         # context_fn is not supported there. `function` must not fork the tracker: a
         # generator state set inside the traced checkpoint is not replayed, and the
-        # recompute draws other dropout masks. Fork around the checkpoint instead.
+        # recompute draws other dropout masks. Fork around the checkpoint instead. Nor may
+        # it hold a fused CUDA attention kernel with dropout, whose own RNG is not replayed
+        # (ParallelAttention._recompute_core).
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
     def context_fn():

@@ -366,6 +366,18 @@ class ParallelAttention(nn.Module):
             return self.rng_tracker.fork()
         return contextlib.nullcontext()
 
+    def _recompute_core(self) -> bool:
+        """Selective recompute of the attention core (training only), except in a compiled
+        layer with attention dropout: there torch.compile recomputes the fused CUDA
+        attention kernels (memory-efficient, flash, cuDNN) in backward, which draw their
+        dropout mask again from their own RNG, so the backward differentiated another mask
+        than the forward applied (gradient audit, H100 fp32: directional error ~1; the math
+        kernel's dropout is replayed). Those kernels keep no s x s probabilities: without
+        the recompute a layer keeps the kernel's [b, n, s, d] output and log-sum-exp."""
+        if not (self.selective_recompute and self.training):
+            return False
+        return not (torch.compiler.is_compiling() and self.config.attention_dropout > 0)
+
     def _core_attention(self, q_bnsd, k_bgsd, v_bgsd, attention_mask=None):
         dropout_p = self.config.attention_dropout if self.training else 0.0
         with sdpa_backend(self.config.attention_backend):
@@ -416,7 +428,7 @@ class ParallelAttention(nn.Module):
             q, k, v = split_and_rotate(qkv, rotary_table, self.g, self.n // self.g, self.d)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n|g, s, d]
         with self._dropout_rng():
-            if self.selective_recompute and self.training:
+            if self._recompute_core():
                 ctx = recompute_checkpoint(self._core_attention, q, k, v, attention_mask,
                                            tracker=self.rng_tracker)
             else:
