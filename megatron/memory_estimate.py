@@ -52,7 +52,8 @@ used here, each checked against the tensors this model's layers actually save
                    expert, the experts' outputs before the scaling (see
                    `switch_mlp_bytes`); the experts' own tensors are the mlp term (every
                    token passes one expert), the E experts' weights are all in P
-  selective recompute: the attention core keeps only Q and the unrepeated K, V.
+  selective recompute: the attention core keeps only Q and the unrepeated K, V (compiled
+                 layers with --attention-dropout > 0 recompute nothing: as without).
   full recompute: each layer keeps only its input (e*sbh, / t with sequence parallelism),
   plus one layer's full set while it is rebuilt in backward; method block N: N layers.
 Outside the layers: the embedding dropout mask (sbh), the final norm's input and output
@@ -179,7 +180,8 @@ def activation_bytes(config: Config, num_layers: int, flash_attention: bool = Tr
     s, b, tp, sp = d.seq_length, d.micro_batch_size, p.tp_size, p.sequence_parallel
     e = _act_bytes(config)
     full = sum(layer_activation_terms(m, s, b, tp, sp, e, flash_attention).values())
-    if m.recompute_granularity == "selective":
+    # compiled layers keep a dropout attention core out of the selective checkpoint
+    if m.recompute_granularity == "selective" and not (m.compile_layers and m.attention_dropout > 0):
         return num_layers * _selective_layer_bytes(m, s, b, tp, sp, e)
     if m.recompute_granularity == "full":
         n_recomputed = num_layers

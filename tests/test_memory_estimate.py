@@ -199,6 +199,21 @@ def test_full_recompute_keeps_layer_inputs_only():
     assert got == pytest.approx(_expected_saved(cfg, 2) - one_layer, rel=1e-9)
 
 
+def test_compiled_selective_recompute_with_attention_dropout_saves_what_no_recompute_does():
+    """Compiled layers leave a dropout attention core out of the selective checkpoint
+    (ParallelAttention._recompute_core): the estimate counts the layer as without recompute."""
+    plain = cli("--bf16 --attention-dropout 0.1")
+    sel = cli("--bf16 --attention-dropout 0.1 --recompute-activations")
+    for cfg in (plain, sel):
+        cfg.model.compile_layers = True
+    assert activation_bytes(sel, 4) == activation_bytes(plain, 4)
+    sel.model.attention_dropout = 0.0
+    plain.model.attention_dropout = 0.0
+    assert activation_bytes(sel, 4) < activation_bytes(plain, 4)
+    sel.model.attention_dropout, sel.model.compile_layers = 0.1, False
+    assert activation_bytes(sel, 4) < activation_bytes(plain, 4)
+
+
 def _tp_worker(rank, world_size, sp):
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.parallel_state import ParallelState
