@@ -118,6 +118,12 @@ LAYOUTS: Tuple[LayoutCase, ...] = (
 )
 
 
+# --quick of benchmarks/grad_audit.py --layouts: tensor, sequence, pipeline (interleaved,
+# tied) and data parallelism (sharded), recompute with dropout, a switch MLP; 4 ranks once
+LAYOUT_QUICK = ("tp2-sp/selective", "tp2/full-uniform", "tp2/moe-2-experts", "pp2-vp2",
+                "dp2-distopt", "tp2-sp-pp2-vp2")
+
+
 def layout(name: str) -> LayoutCase:
     return next(c for c in LAYOUTS if c.name == name)
 
