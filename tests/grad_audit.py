@@ -179,28 +179,32 @@ def fp32_matmuls():
 
 
 # --------------------------------------------------------------------------- the step
-def _model_param_of(opt) -> Dict[torch.Tensor, torch.Tensor]:
-    """The optimizer's stepped parameter -> the model parameter it stands for: itself
+def _model_param_of(opt) -> Dict[torch.Tensor, Tuple[torch.Tensor, Optional[int]]]:
+    """The optimizer's stepped parameter -> (the model parameter it stands for, where its
+    elements start in that parameter's flat view, or None for the whole of it): itself
     (fp32), the 16-bit model parameter of an fp32 main copy, or the model parameter of a
-    distributed-optimizer shard (whole at dp 1)."""
+    distributed-optimizer shard (with dp > 1 often a part of it)."""
     shards = getattr(opt, "shards", None)
     if shards is not None:
         out = {}
         for shard in shards:
+            lo = shard.bucket.shard_range[0]
             for e in shard.entries:
-                assert e.main.numel() == e.param.numel(), "a partial shard (dp > 1)"
-                out[e.main] = e.param
+                start = shard.bucket.param_ranges[e.param][0]
+                whole = e.main.numel() == e.param.numel()
+                out[e.main] = (e.param, None if whole else e.start + lo - start)
         return out
     pairs = getattr(opt, "_model_main_pairs", None)
     out = {main: model for model, main in pairs()} if pairs is not None else {}
-    return {p: out.get(p, p) for p in opt.get_parameters()}
+    return {p: (out.get(p, p), None) for p in opt.get_parameters()}
 
 
 @contextlib.contextmanager
 def capture_update(opt):
     """Within: the optimizer's update copies the gradients it would apply instead, into
     the dict yielded (model parameter -> fp32 gradient, divided by the scale the update
-    would divide by). Covers torch's step (reads `param.grad` of the stepped parameters)
+    would divide by; with the distributed optimizer at dp > 1, zeros outside this rank's
+    shard). Covers torch's step (reads `param.grad` of the stepped parameters)
     and the Triton AdamW kernel (reads the grad buffers, divides by the loss scale)."""
     model_of, grads = _model_param_of(opt), {}
     inner, multi = opt.optimizer, opt._multi_tensor()
@@ -209,8 +213,12 @@ def capture_update(opt):
         g = torch.zeros_like(param, dtype=torch.float32) if grad is None else grad.float()
         if scale is not None:
             g = g / scale
-        model = model_of[param]
-        grads[model] = g.detach().clone().view(model.shape)
+        model, offset = model_of[param]
+        if offset is None:
+            grads[model] = g.detach().clone().view(model.shape)
+            return
+        whole = grads.setdefault(model, torch.zeros_like(model, dtype=torch.float32))
+        whole.view(-1)[offset:offset + g.numel()] = g.detach().reshape(-1)
 
     def torch_step(closure=None):
         for group in inner.param_groups:
@@ -235,6 +243,17 @@ def capture_update(opt):
             del multi.step
 
 
+def _finish_param_sync(tr) -> None:
+    """Wait for the distributed optimizer's parameter all-gather of the step when it is
+    left in flight for the next forward (--overlap-param-gather): else it lands after
+    the audit has set the next point's parameters, and writes the last point's back."""
+    from megatron.train_step import model_chunks
+
+    for chunk in model_chunks(tr):
+        if hasattr(chunk, "finish_param_sync"):
+            chunk.finish_param_sync()
+
+
 def step_loss_and_grads(cfg, rt, tr, batches, max_tries: int = 40
                         ) -> Tuple[float, Dict[torch.Tensor, torch.Tensor]]:
     """(the loss `train_step` reports, the gradient its update would apply), the
@@ -247,6 +266,7 @@ def step_loss_and_grads(cfg, rt, tr, batches, max_tries: int = 40
         set_random_seed(cfg.training.seed, rt)
         with capture_update(tr.optimizer) as grads:
             loss, ok, _, _ = train_step(tr, iter(batches))
+        _finish_param_sync(tr)
         if ok and grads:
             return float(loss), grads
     raise RuntimeError(f"no step of {max_tries} reached the update (loss scale overflow)")
