@@ -6,9 +6,9 @@ loss scale), the gradient the optimizer would apply against the derivative of th
 the step reports (tests/grad_audit.py says how). One row per configuration; exit status
 1 when any row fails.
 
-    PYTHONPATH=. python benchmarks/grad_audit.py                  # CUDA if present
-    PYTHONPATH=. python benchmarks/grad_audit.py --device cpu --quick
-    PYTHONPATH=. python benchmarks/grad_audit.py --cases compiled  # names containing it
+    python benchmarks/grad_audit.py                  # CUDA if present
+    python benchmarks/grad_audit.py --device cpu --quick
+    python benchmarks/grad_audit.py --cases compiled  # names containing it
 
 Rows without --compile/--no-compile in their name run with the device's default (compiled
 on CUDA). Everything runs in one process, on one device, in fp32 with TF32 off (the
@@ -23,8 +23,8 @@ the layouts after the failed one): with CUDA every rank on GPU 0, NCCL between t
 rank its own NCCL_HOSTID, as tools/layout_parity.py --one-gpu), else gloo on the CPU
 (2 cores: the 17 layouts in 45 s).
 
-    PYTHONPATH=. python benchmarks/grad_audit.py --layouts           # the GPU if present
-    PYTHONPATH=. python benchmarks/grad_audit.py --layouts --quick --device cpu
+    python benchmarks/grad_audit.py --layouts           # the GPU if present
+    python benchmarks/grad_audit.py --layouts --quick --device cpu
 """
 from __future__ import annotations
 
@@ -44,10 +44,12 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import ROOT, free_port
-from tests.grad_audit import CASES, QUICK, AuditRow, audit_case
-from tests.grad_audit_parallel import LAYOUT_QUICK, LAYOUTS, audit_layout, layout
-from tools.child_processes import sigterm_as_exit, stop, stopping
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.dist_utils import ROOT, free_port  # noqa: E402
+from tests.grad_audit import CASES, QUICK, AuditRow, audit_case  # noqa: E402
+from tests.grad_audit_parallel import LAYOUT_QUICK, LAYOUTS, audit_layout, layout  # noqa: E402
+from tools.child_processes import sigterm_as_exit, stop, stopping  # noqa: E402
 from tools.layout_parity import rank_env
 
 

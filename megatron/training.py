@@ -22,7 +22,11 @@ from megatron.checkpoint_args import train_order_warning, valid_order_warning
 from megatron.checkpoint_dirs import UNFINISHED_IDLE_S, unfinished_saves_report
 from megatron.config import Config
 from megatron.core.distributed import DistributedDataParallel
-from megatron.core.models.gpt.stages import build_stage_models, sync_tied_embeddings
+from megatron.core.models.gpt.stages import (
+    build_stage_models,
+    sync_tied_embeddings,
+    tied_embedding_weights,
+)
 from megatron.core.optimizer import OptimizerParamScheduler, build_optimizer
 from megatron.core.pipeline_parallel import ModelChunks
 from megatron.data_loading import (
@@ -142,6 +146,11 @@ def build_model(config: Config, rt: Runtime, for_training: bool = True) -> Model
     sync_tied_embeddings(models, rt.ps)
     if not for_training:
         return ModelChunks(models)
+    for weight in tied_embedding_weights(models, rt.ps):
+        # a bucket of its own, sharded alike on both ends: with the distributed optimizer
+        # its grads are summed over the embedding group right after the reduce-scatter
+        # (unmarked, each step first rebuilt the whole reduced grad: one more all-reduce)
+        weight.shared_embedding = True
     return ModelChunks(DistributedDataParallel(m, rt.ps, config.parallel) for m in models)
 
 
