@@ -3,12 +3,15 @@
 and print their ratio per pair (one device call).
 
     python benchmarks/baseline_pairs.py --preset gpt-1.3b [--rounds 2] [--steps 24]
-        [--warmup 3] [--gelu erf,tanh] [--out DIR]
+        [--warmup 3] [--gelu erf,tanh] [--no-compile] [--out DIR]
 
 Each round runs, for every GeLU form in --gelu, `benchmarks/baseline_gpt.py` and then
 `tools/benchmark.py` with the same preset, steps and warm-up: erf is both trainers'
 default, tanh is `--gelu tanh` against `-- --openai-gelu` (GPT-2's form; this framework
-then computes it in cuBLASLt's epilogues). Alternating the two trainers spreads the
+then computes it in cuBLASLt's epilogues). `--no-compile` runs both eager
+(`baseline_gpt.py --no-compile`, `tools/benchmark.py -- --no-compile`): on the CPU, where
+this framework does not compile its layers by default, the baseline's torch.compile then
+no longer dominates a smoke run. Alternating the two trainers spreads the
 machine's clock drift over both. A row is printed as each pair finishes, then the mean
 ratio per GeLU form; every command's JSON line and stderr go to DIR/pairs.log.
 """
@@ -29,14 +32,17 @@ from tools import child_processes  # noqa: E402
 PRESETS = ("gpt2-124m", "gpt-1.3b", "tiny")  # tiny: --device cpu, a smoke run
 
 
-def commands(preset: str, steps: int, warmup: int, gelu: str, device: str = "cuda") -> tuple:
+def commands(preset: str, steps: int, warmup: int, gelu: str, device: str = "cuda",
+             compile_model: bool = True) -> tuple:
     common = ["--preset", preset, "--steps", str(steps), "--warmup", str(warmup),
               "--device", device]
     base = [sys.executable, os.path.join(ROOT, "benchmarks", "baseline_gpt.py"), *common,
-            "--gelu", gelu]
+            "--gelu", gelu] + ([] if compile_model else ["--no-compile"])
     ours = [sys.executable, os.path.join(ROOT, "tools", "benchmark.py"), *common]
-    if gelu == "tanh":
-        ours += ["--", "--openai-gelu"]
+    extra = (["--openai-gelu"] if gelu == "tanh" else []) + ([] if compile_model
+                                                             else ["--no-compile"])
+    if extra:
+        ours += ["--", *extra]
     return base, ours
 
 
@@ -68,6 +74,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--gelu", default="erf,tanh", help="comma-separated: erf, tanh")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--no-compile", action="store_true",
+                    help="both trainers eager (neither torch.compiles its model)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per trainer run")
     ap.add_argument("--out", default="runs/baseline_pairs")
     a = ap.parse_args()
@@ -84,7 +92,8 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|")
     for r in range(1, a.rounds + 1):
         for g in forms:
-            base_cmd, ours_cmd = commands(a.preset, a.steps, a.warmup, g, a.device)
+            base_cmd, ours_cmd = commands(a.preset, a.steps, a.warmup, g, a.device,
+                                          not a.no_compile)
             base, ours = run_json(base_cmd, log, a.timeout), run_json(ours_cmd, log, a.timeout)
             if not base or not ours:
                 print(f"| {r} | {g} | {base.get('tokens_per_s', 'failed')} | "

@@ -70,10 +70,13 @@ def test_gelu_tanh_reaches_the_model():
 
 def test_baseline_pairs_alternates_both_trainers_and_prints_ratios(tmp_path):
     """benchmarks/baseline_pairs.py on the CPU: one round of erf and tanh pairs, each a
-    baseline run and a tools/benchmark.py run, the tanh pair with --openai-gelu."""
+    baseline run and a tools/benchmark.py run, the tanh pair with --openai-gelu; both
+    eager (--no-compile: the baseline's cold torch.compile on the CPU took most of this
+    test's time, ~20 s a run)."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "baseline_pairs.py"),
                            "--preset", "tiny", "--device", "cpu", "--rounds", "1",
-                           "--steps", "2", "--warmup", "1", "--out", str(tmp_path)],
+                           "--steps", "2", "--warmup", "1", "--no-compile",
+                           "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()
@@ -86,6 +89,8 @@ def test_baseline_pairs_alternates_both_trainers_and_prints_ratios(tmp_path):
     log = (tmp_path / "pairs.log").read_text()
     assert log.count("baseline_gpt.py") == 2 and log.count("benchmark.py --preset") == 2
     assert "--gelu tanh" in log and "-- --openai-gelu" in log
+    commands = [line for line in log.splitlines() if line.startswith("$ ")]
+    assert len(commands) == 4 and all("--no-compile" in c for c in commands), commands
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "baseline_pairs.py"),
                           "--gelu", "relu"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--gelu 'relu'" in bad.stderr
