@@ -22,6 +22,11 @@ import threading
 import time
 from typing import Iterator, List
 
+# A library module, not a command: run as a script, it says which command to use.
+if __name__ == "__main__":
+    raise SystemExit("tools/child_processes.py is a library module (the clean-up of the child "
+                     "processes other tools start); run python tools/benchmark.py --help")
+
 # how long a child gets to end after SIGTERM before SIGKILL: torchrun waits up to 30 s for
 # its workers after forwarding it
 GRACE_S = 40.0
