@@ -121,8 +121,11 @@ def check_value_ranges(ns) -> None:
              "when --clip-grad > 0); pass --clip-grad 0 to say so")
         ns.clip_grad = 0.0
     if ns.loss_scale and not (ns.fp16 or ns.bf16):
-        warn(f"--loss-scale {ns.loss_scale:g} has no effect without --fp16 or --bf16: fp32 "
-             "training scales no loss (Megatron-LM ignores it too); drop it or add --fp16")
+        how = ("the distributed optimizer scales the loss and unscales the gradients again, "
+               "as Megatron-LM's does" if ns.use_distributed_optimizer else
+               "fp32 training scales no loss (Megatron-LM ignores it too)")
+        warn(f"--loss-scale {ns.loss_scale:g} has no effect without --fp16 or --bf16: {how}; "
+             "drop it or add --fp16")
     window = ns.loss_scale_window
     if _uses_dynamic_loss_scale(ns) and window != int(window):  # a float flag, as Megatron's
         raise ArgumentsError(f"--loss-scale-window {window} must be a whole number of "

@@ -154,6 +154,10 @@ def test_a_loss_scale_without_fp16_or_bf16_is_warned(caplog):
     run("--loss-scale 128")
     assert ("--loss-scale 128 has no effect without --fp16 or --bf16: fp32 training scales "
             "no loss") in caplog.text
+    caplog.clear()
+    run("--loss-scale 128 --use-distributed-optimizer")
+    assert ("--loss-scale 128 has no effect without --fp16 or --bf16: the distributed "
+            "optimizer scales the loss and unscales the gradients again") in caplog.text
 
 
 @pytest.mark.parametrize("extra, expected", [
