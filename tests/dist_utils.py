@@ -40,12 +40,39 @@ def _ephemeral_start() -> int:
         return 32768  # Linux's default
 
 
+# Ports handed out in the last RESERVED_S seconds, by any test process on this machine (a
+# file per port): a port is released between free_port() and the listener's bind, and
+# tests running side by side (pytest -n) must not pick the same one in that window.
+PORT_DIR = Path(tempfile.gettempdir()) / "megatron-test-ports"
+RESERVED_S = 120.0
+
+
+def _reserve(port: int) -> bool:
+    """Claim `port` for this caller unless another claimed it within RESERVED_S."""
+    PORT_DIR.mkdir(exist_ok=True)
+    path = PORT_DIR / str(port)
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        try:
+            if time.time() - path.stat().st_mtime < RESERVED_S:
+                return False
+            os.utime(path)  # an old claim: take it over
+            return True
+        except FileNotFoundError:
+            return False
+    except OSError:  # an unwritable temporary directory: no claims
+        return True
+
+
 def free_port() -> int:
     """A free port for a test's listener (a rendezvous store, an HTTP server), picked
     below the kernel's ephemeral range: a port from bind(0) is released before the
     listener binds it, and in between the sockets of other processes (gloo's pairs, any
     client) may be handed the same ephemeral port ('Address already in use', seen in CI).
-    Ports below the range are only taken by explicit binds. bind(0) if none is free."""
+    Ports below the range are only taken by explicit binds -- and by other tests, which
+    the claim (`_reserve`) keeps apart. bind(0) if none is free."""
     top = _ephemeral_start()
     rng = random.Random()  # not the global generator: tests seed that
     for _ in range(64):
@@ -55,6 +82,7 @@ def free_port() -> int:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+        if _reserve(port):
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

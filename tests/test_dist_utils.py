@@ -1,5 +1,6 @@
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,23 @@ def test_the_next_test_starts_without_them():
     """(Runs after the previous test.) The environment a test leaves is not the next
     one's: tests/conftest.py restores os.environ after each test."""
     assert os.environ.get("TORCH_GLOO_LAZY_INIT") == SESSION_LAZY_INIT
+
+
+def test_a_port_handed_out_is_not_handed_out_again_while_claimed(tmp_path, monkeypatch):
+    """free_port() claims what it returns for RESERVED_S (tests side by side, pytest -n,
+    would otherwise both pick a port released before its listener binds it); a claim
+    older than that is taken over."""
+    from tests import dist_utils
+
+    monkeypatch.setattr(dist_utils, "PORT_DIR", tmp_path)
+    port = dist_utils.free_port()
+    assert (tmp_path / str(port)).exists()
+    assert not dist_utils._reserve(port)  # another process asking within RESERVED_S
+    old = time.time() - dist_utils.RESERVED_S - 1
+    os.utime(tmp_path / str(port), (old, old))
+    assert dist_utils._reserve(port)  # a stale claim is taken over
+    assert not dist_utils._reserve(port)
+    monkeypatch.setattr(dist_utils, "_reserve", lambda p: p != port)
+    monkeypatch.setattr(dist_utils.random.Random, "randrange", lambda self, a, b: port)
+    other = dist_utils.free_port()  # every pick claimed: bind(0) after 64 tries
+    assert other != port
