@@ -67,12 +67,19 @@ def _train_and_die_in_save(root: str, extra: list, crash_point: str) -> None:
     os._exit(0)  # not reached: the save of iteration 4 kills the process
 
 
+@functools.lru_cache(maxsize=None)
+def _uninterrupted_in_process() -> dict:
+    """{iteration: loss} of one in-process run that nothing interrupts: the reference of
+    the four cases below (the same flags and seed each time, so one run serves them)."""
+    return run_pretrain([])[0]
+
+
 @pytest.mark.parametrize("crash_point", ["mid_file", "before_tracker"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_killed_mid_save_keeps_previous_checkpoint_and_restart_resumes(tmp_path, mode,
                                                                       crash_point):
     extra = ["--async-save"] if mode == "async" else []
-    ref, _ = run_pretrain([])
+    ref = _uninterrupted_in_process()
     root = str(tmp_path / "ck")
     child = multiprocessing.get_context("fork").Process(
         target=_train_and_die_in_save, args=(root, extra, crash_point))
@@ -174,13 +181,16 @@ def _losses(log: str) -> list:
             re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", log)]
 
 
-def _check_checkpoint(root: Path, iteration: int) -> None:
-    """The tracker names `iteration`; its files are complete and load weights_only."""
+def _check_checkpoint(root: Path, iteration: int, tp_size: int = 1) -> None:
+    """The tracker names `iteration`; its files (one per tensor-parallel rank) are
+    complete and load weights_only."""
     assert read_tracker(str(root)) == (iteration, False)
     assert not [p for p in os.listdir(root) if p.endswith((".tmp", ".old"))]
-    state = torch.load(checkpoint_name(str(root), iteration, 0, 0, 1), weights_only=True)
-    assert state["iteration"] == iteration
-    assert state["train_state"]["consumed_train_samples"] == iteration * 8
+    for tp_rank in range(tp_size):
+        state = torch.load(checkpoint_name(str(root), iteration, tp_rank, 0, 1),
+                           weights_only=True)
+        assert state["iteration"] == iteration
+        assert state["train_state"]["consumed_train_samples"] == iteration * 8
 
 
 def _signal_when(args: list, when, sig: int, group: bool = False, script=None,
@@ -515,9 +525,10 @@ def test_ctrl_c_in_each_phase_prints_one_accurate_line_and_keeps_the_checkpoint(
     KeyboardInterrupt traceback, and an interrupted background save could still be
     published after rank 0 had named the previous checkpoint. Now rank 0 prints one line
     saying where the run was, every worker exits with status 130, the tracker names a
-    complete checkpoint (the interrupted save is never published) and --load resumes.
-    An interrupted sync save (one writer or two) left its `iter_N.tmp/` until the next
-    start warned of it: now rank 0 removes it once every writer has stopped, and says so."""
+    complete checkpoint (the interrupted save is never published) and --load resumes past
+    what an abandoned background save leaves. An interrupted sync save (one writer or two)
+    left its `iter_N.tmp/` until the next start warned of it: now rank 0 removes it once
+    every writer has stopped, and says so."""
     log, statuses, ckpt = _interrupt_in(tmp_path, phase)
     assert "test: slowing" in log, log[-4000:]
     found = re.findall(r"^interrupted .*$", log, re.M)
@@ -531,8 +542,13 @@ def test_ctrl_c_in_each_phase_prints_one_accurate_line_and_keeps_the_checkpoint(
     assert found[0].endswith(f"/iter_0000003: relaunch with --load {ckpt} to resume from it")
     assert read_tracker(str(ckpt)) == (3, False)
     assert not os.path.exists(ckpt / "iter_0000006"), "the interrupted save is not published"
-    if phase.startswith("sync save"):
+    if phase != "async save":
+        # nothing left of the interruption: the directory is what an uninterrupted run's
+        # save of 3 leaves, and --load from that is what test_sigkill_... runs
         assert sorted(os.listdir(ckpt)) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+        _check_checkpoint(ckpt, 3, tp_size=2 if "two writers" in phase else 1)
+        return
+    # the abandoned background save leaves its iter_0000006.tmp/: the next start copes
     resumed = _run(_torchrun_cmd(2, str(ROOT / "pretrain_gpt.py"), MODEL + [
         "--train-iters", "4", "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "4",
         "--override-opt_param-scheduler"]))
