@@ -192,7 +192,7 @@ class CollectiveWatchdog(OverrunReports):
         self._reported_first = False  # and its report came first: it left ABORT_KEY
         self._stopping: Optional[str] = None  # why to stop, as `_poll` found it
         self._left_overruns: list = []  # overruns whose keys may outlive them, see sweep
-        self._lingers = False  # stopping for a report (in the store) that names others
+        self._lingers = False  # stopping for a report in the store (naming this rank or others)
         self._next_publish = time.monotonic() + self.publish_s  # the monitor's next publish
         self._next_poll = time.monotonic() + self.poll_s  # and its next look for a stop
         self._thread = threading.Thread(target=self._monitor, name="collective-watchdog",
@@ -321,10 +321,12 @@ class CollectiveWatchdog(OverrunReports):
             if self._stopping is not None:
                 message = self._stop_message(self._stopping)
                 # the rank the report names prints its stack once it sees it (within
-                # poll_s): leaving now would have the launcher end that rank first; no
-                # one is named, and no one would see it, when the store is gone
-                self._lingers = (self._store_lost is None
-                                 and self.rank not in _named_in(self._stopping))
+                # poll_s): leaving now would have the launcher end that rank first; and
+                # the named rank itself waits too: its exit would break the collective
+                # another rank still waits in, which would fail there (status 1, a
+                # "connection closed" line) before its own look at the store found the
+                # report. No one would see anything when the store is gone.
+                self._lingers = self._store_lost is None
                 break
         self._on_timeout(message)
 
@@ -448,8 +450,10 @@ class CollectiveWatchdog(OverrunReports):
         monitor is busy with its own overrun meanwhile; so does a rank stopping for a
         report that names others, so that the named ranks print where they are before
         the launcher, seeing this one exit, ends them (a launcher ends this rank sooner
-        once the others have exited); not a rank stopping because the store is gone (no
-        rank can read a report there), and none once the store fails. Meanwhile the main
+        once the others have exited), and a rank the report names, so that its exit does
+        not fail a rank still in a collective with it before that rank has seen the
+        report; not a rank stopping because the store is gone (no rank can read a report
+        there), and none once the store fails. Meanwhile the main
         thread fails in its collective: its output is silenced (the report is this rank's
         last word) and an interpreter exit still ends with EXIT_CODE."""
         stream = self._stream or sys.stderr

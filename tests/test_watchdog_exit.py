@@ -1,5 +1,5 @@
 """megatron/watchdog.py's exit after a report: the ranks that wait before they exit (the
-ones whose deadline passed, and those stopping for a report that names others) leave as
+ones whose deadline passed, and those stopping for a report, the ranks it names too) leave as
 soon as every rank has printed its stop message, at most max(POLL_S, poll_s) + 1 s, and
 at once when the store fails. In one process: os._exit, the silencing of the output and
 atexit are stood in for, and each rank's exit is timed."""
@@ -116,6 +116,25 @@ def test_a_rank_stopping_for_a_report_on_others_exits_once_the_named_rank_printe
     assert ended[1] <= ended[2] < ended[1] + 1.0, ended  # before: at 6.1 s
     assert other.out.getvalue().startswith("[watchdog rank 2] stopping, in no watched "
                                            "collective, because another rank's watchdog fired")
+    assert "rank 1's main thread is here" in named.out.getvalue()
+
+
+def test_the_named_rank_exits_only_once_every_rank_has_printed(monkeypatch):
+    """Rank 0 reported rank 1; rank 1 sees the report at once, rank 2 a second later.
+    Rank 1 exited as soon as it had printed where it is: under tp2 dp2 its exit broke the
+    collective a rank still waited in, which then failed there (status 1) before its own
+    look at the store found the report. Now the named rank waits like the others."""
+    store = dist.HashStore()
+    store.set(ABORT_KEY, REPORT)
+    store.add(SEEN_KEY, 1)
+    with _exits(monkeypatch) as exits:
+        started = time.monotonic()
+        named, late = _rank(store, 1), _rank(store, 2, poll_s=1.0)
+        ended = {wd.rank: exits.when(wd) - started for wd in (named, late)}
+        named.close()
+        late.close()
+    assert ended[2] <= ended[1] < ended[2] + 1.5, ended  # before: rank 1 at ~0.1 s
+    assert store.add(SEEN_KEY, 0) == 3
     assert "rank 1's main thread is here" in named.out.getvalue()
 
 
