@@ -29,6 +29,14 @@ def triton_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
+def _restore_environment(saved: dict) -> None:
+    for name in set(os.environ) - set(saved):
+        del os.environ[name]
+    for name, value in saved.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+
+
 @pytest.fixture(autouse=True)
 def environment_restored():
     """Each test leaves os.environ as it found it. The entry points export settings into
@@ -37,8 +45,14 @@ def environment_restored():
     processes it starts, so a test passed or failed by what ran before it."""
     saved = dict(os.environ)
     yield
-    for name in set(os.environ) - set(saved):
-        del os.environ[name]
-    for name, value in saved.items():
-        if os.environ.get(name) != value:
-            os.environ[name] = value
+    _restore_environment(saved)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def module_environment_restored():
+    """The same for each test module: a module-scoped fixture that runs an entry point
+    (set up before `environment_restored` saves anything) left its settings to the
+    modules after it (seen with pytest -n, where modules run in another order)."""
+    saved = dict(os.environ)
+    yield
+    _restore_environment(saved)

@@ -78,3 +78,26 @@ def test_a_port_handed_out_is_not_handed_out_again_while_claimed(tmp_path, monke
     monkeypatch.setattr(dist_utils.random.Random, "randrange", lambda self, a, b: port)
     other = dist_utils.free_port()  # every pick claimed: bind(0) after 64 tries
     assert other != port
+
+
+def test_a_module_fixture_leaves_the_environment_to_no_later_module(tmp_path):
+    """A module-scoped fixture is set up before the per-test restore saves os.environ:
+    what it exported (an entry point run in-process) stayed for the modules after it.
+    tests/conftest.py restores the environment after each module too."""
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copy(Path(__file__).parent / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_a.py").write_text(
+        "import os, pytest\n"
+        "@pytest.fixture(scope='module')\n"
+        "def exported():\n    os.environ['MEGATRON_TEST_LEAK'] = '1'\n\n"
+        "def test_a(exported):\n    assert os.environ['MEGATRON_TEST_LEAK'] == '1'\n")
+    (tmp_path / "test_b.py").write_text(
+        "import os\n"
+        "def test_b():\n    assert 'MEGATRON_TEST_LEAK' not in os.environ\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-p", "no:xdist", "test_a.py", "test_b.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-3000:]
