@@ -205,6 +205,38 @@ def test_ctrl_c_or_sigterm_mid_run_removes_the_partial_files(tmp_path, bpe, sign
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
 
 
+def test_stopping_the_pool_ends_when_a_killed_worker_held_the_result_queue(monkeypatch):
+    """A worker killed by Pool.terminate() while it put its result leaves the result
+    queue's lock held: terminate() then waited for it forever (a SIGTERM mid-run hung
+    preprocess_data.py with its workers already dead; seen in CI). The lock held here
+    stands in for that worker. `_stop_pool` ends within its timeout, the workers gone."""
+    import multiprocessing as mp
+    import time
+
+    def stuck_pool():
+        pool = mp.get_context("fork").Pool(2)
+        assert pool._outqueue._wlock.acquire(timeout=5)  # as the killed worker left it
+        return pool
+
+    pool = stuck_pool()
+    plain = threading.Thread(target=pool.terminate, daemon=True)
+    plain.start()
+    plain.join(2.0)
+    assert plain.is_alive(), "terminate() no longer hangs here: the scenario is not shown"
+    pool._outqueue._wlock.release()  # let that one finish
+    plain.join(10)
+
+    pool = stuck_pool()
+    workers = list(pool._pool)
+    started = time.monotonic()
+    preprocess_data._stop_pool(pool, timeout=1.0)
+    assert time.monotonic() - started < 5.0
+    for worker in workers:
+        worker.join(5)
+        assert worker.exitcode is not None
+    pool._outqueue._wlock.release()
+
+
 def test_summary_and_progress_units(tmp_path, bpe, capsys, monkeypatch):
     """The last lines say how many tokens each dataset holds; MB/s counts MB of 2**20 bytes
     as Megatron's tool does (it was 10**6)."""

@@ -34,6 +34,7 @@ import errno
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -297,6 +298,27 @@ def _pool(args: argparse.Namespace, dtype):
                     initargs=(options_from_args(args, dtype),))
 
 
+# How long stopping the pool may take: terminate() kills the workers first, then joins the
+# pool's threads -- forever when a worker was killed while it held the result queue's lock
+# (putting its result), which the task thread and terminate() itself then wait for.
+POOL_STOP_S = 5.0
+
+
+def _stop_pool(pool, timeout: float = POOL_STOP_S) -> None:
+    """`pool.terminate()`, waited for at most `timeout` seconds (see POOL_STOP_S); then
+    the workers it has not ended yet are killed. A pool thread left waiting is a daemon
+    and ends with the process."""
+    workers = list(getattr(pool, "_pool", []))  # the Pool's worker processes
+    stopper = threading.Thread(target=pool.terminate, daemon=True, name="pool-stop")
+    stopper.start()
+    stopper.join(timeout)
+    if stopper.is_alive():
+        for worker in workers:
+            if worker.exitcode is None:
+                worker.kill()
+                worker.join(timeout)
+
+
 def _init_pool_worker(opts) -> None:
     """Pool initializer. Ctrl-C reaches the whole foreground process group, but only the
     main process acts on it (it terminates the pool and removes the partial files): a
@@ -367,22 +389,23 @@ def encode_all(args: argparse.Namespace, dtype, reader: Reader, writers: Writers
     """Feed the input through the worker pool into `writers`; returns
     {'examples': first bad lines, 'not_json': bad lines that were not JSON at all}."""
     examples, not_json = [], 0
-    with _pool(args, dtype) as pool:
-        try:
-            for result in pool.imap(encode_chunk, reader, chunksize=1):
-                reader.slots.release()
-                if "error" in result:
-                    hint = ("\n(pass --skip-bad-lines to skip and count malformed lines)"
-                            if result.get("skippable", True) else "")
-                    raise SystemExit(f"error: {result['error']}{hint}")
-                writers.add(result["keys"], result["docs"])
-                examples += result["bad"][:max(0, 5 - len(examples))]
-                not_json += result["not_json"]
-                progress.update(result["docs"], result["bytes"], len(result["bad"]))
-        except InputError as e:
-            raise SystemExit(f"error: {e}") from None
-        finally:
-            reader.stop()
+    pool = _pool(args, dtype)
+    try:
+        for result in pool.imap(encode_chunk, reader, chunksize=1):
+            reader.slots.release()
+            if "error" in result:
+                hint = ("\n(pass --skip-bad-lines to skip and count malformed lines)"
+                        if result.get("skippable", True) else "")
+                raise SystemExit(f"error: {result['error']}{hint}")
+            writers.add(result["keys"], result["docs"])
+            examples += result["bad"][:max(0, 5 - len(examples))]
+            not_json += result["not_json"]
+            progress.update(result["docs"], result["bytes"], len(result["bad"]))
+    except InputError as e:
+        raise SystemExit(f"error: {e}") from None
+    finally:
+        reader.stop()
+        _stop_pool(pool)
     return {"examples": examples, "not_json": not_json}
 
 
