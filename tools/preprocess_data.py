@@ -298,9 +298,10 @@ def _pool(args: argparse.Namespace, dtype):
                     initargs=(options_from_args(args, dtype),))
 
 
-# How long stopping the pool may take: terminate() kills the workers first, then joins the
-# pool's threads -- forever when a worker was killed while it held the result queue's lock
-# (putting its result), which the task thread and terminate() itself then wait for.
+# How long stopping the pool may take: terminate() and the pool's task thread each put a
+# sentinel on the result queue, and wait forever for its lock when a worker was killed
+# while it held it (putting its result) -- terminate() then before or after it kills the
+# other workers.
 POOL_STOP_S = 5.0
 
 
