@@ -84,7 +84,9 @@ def test_the_reporter_exits_once_every_rank_has_printed(monkeypatch):
         for wd in (reporter, second, stuck):
             wd.close()
     assert ended[0] < 2.5 and ended[2] < 2.5, ended  # before: at 6.6 and 11.7 s
-    assert ended[0] >= ended[1], ended  # the reporter waited for the rank it names
+    # the reporter and the rank it names both wait for every stop message, then leave
+    # within a look (MAX_EXIT_LOOK_S) of each other
+    assert abs(ended[0] - ended[1]) < 1.0, ended
     assert store.add(SEEN_KEY, 0) == 3
     assert reporter.out.getvalue().startswith(REPORT + "\n  rank 1 reached 'grads' 0 times")
     assert "rank 0's main thread is here" in reporter.out.getvalue()
