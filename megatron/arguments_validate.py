@@ -354,6 +354,13 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
                              "or use --nan-loss-policy skip")
     if ns.mock_data and (ns.data_path or ns.train_data_path):
         raise ArgumentsError("--mock-data and --data-path/--train-data-path are exclusive")
+    if ns.mock_data and (ns.valid_data_path or ns.test_data_path):
+        # Mock data replaces every split: the files would be silently left unread.
+        given = "/".join(f for f, v in (("--valid-data-path", ns.valid_data_path),
+                                        ("--test-data-path", ns.test_data_path)) if v)
+        raise ArgumentsError(f"--mock-data and {given} are exclusive: --mock-data gives every "
+                             "split (train, validation, test) random tokens; drop "
+                             f"{given}, or drop --mock-data and pass --train-data-path")
     if ns.dataloader_type is None:
         ns.dataloader_type = "single"
     if not ns.data_sharding and ns.dataloader_type != "cyclic":

@@ -62,6 +62,10 @@ GPT2_VOCAB = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data
     ("--fp16-lm-cross-entropy", 1, ["--fp16-lm-cross-entropy needs --fp16"]),
     ("--weight-decay-incr-style linear", 1, ["needs both --start-weight-decay"]),
     ("--mock-data --data-path x", 1, ["--mock-data and --data-path"]),
+    ("--valid-data-path v", 1, ["--mock-data and --valid-data-path are exclusive",
+                                "drop --valid-data-path"]),
+    ("--test-data-path t --valid-data-path v", 1, [
+        "--mock-data and --valid-data-path/--test-data-path are exclusive"]),
 ])
 def test_validation_errors_name_values_and_fix(extra, world, parts):
     msg = error_of(extra, world_size=world)
