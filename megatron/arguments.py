@@ -249,6 +249,10 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
     return values
 
 
+# The three ways to give the learning-rate warmup; a run takes one (arguments_schedule.py).
+_WARMUP = ("lr_warmup_fraction", "lr_warmup_iters", "lr_warmup_samples")
+
+
 # A run counts its length and schedule in iterations or in samples (arguments_schedule.py):
 # the dests of each way.
 _RUN_LENGTH = {
@@ -272,7 +276,9 @@ def _run_length_from_command_line(yaml_values: Dict[str, Any], command_line: Dic
         if not dropped:
             return yaml_values
         names = ", ".join(f"--{d.replace('_', '-')} {_shown(yaml_values[d])}" for d in dropped)
-        unset = [f"--{d.replace('_', '-')}" for d in own[1:3] if d not in command_line]
+        warmup_given = any(d in command_line for d in _WARMUP)
+        unset = [f"--{d.replace('_', '-')}" for d in own[1:3]
+                 if d not in command_line and not (warmup_given and d in _WARMUP)]
         hint = (f"; pass {' / '.join(unset)} to set the schedule in these units (default: "
                 "decay over the whole run, no warmup)" if unset else "")
         warn(f"--{given.replace('_', '-')} {command_line[given]} on the command line replaces "
@@ -280,6 +286,23 @@ def _run_length_from_command_line(yaml_values: Dict[str, Any], command_line: Dic
              f"ignored{hint}")
         return {k: v for k, v in yaml_values.items() if k not in dropped}
     return yaml_values
+
+
+def _warmup_from_command_line(yaml_values: Dict[str, Any], command_line: Dict[str, Any],
+                              path: str) -> Dict[str, Any]:
+    """A warmup given on the command line overrides a --config file's warmup spelled
+    another way (a preset's `lr-warmup-samples` plus `--lr-warmup-fraction 0.01`): the
+    file's is dropped with a warning. It was an error naming two exclusive flags, one of
+    them the file's, that no command-line flag could take back."""
+    given = [d for d in _WARMUP if d in command_line]
+    dropped = [d for d in _WARMUP if d in yaml_values and d not in command_line]
+    if not given or not dropped:
+        return yaml_values
+    names = ", ".join(f"--{d.replace('_', '-')} {_shown(yaml_values[d])}" for d in dropped)
+    flag = given[0].replace("_", "-")
+    warn(f"--{flag} {command_line[given[0]]} on the command line replaces the warmup of "
+         f"--config {path}: its {names} ignored")
+    return {k: v for k, v in yaml_values.items() if k not in dropped}
 
 
 def _shown(value: Any) -> str:
@@ -318,6 +341,7 @@ def parse_args(argv: Sequence[str], extra_options: Sequence[str] = ()
         with machine_checks():  # the file may be missing on some node
             yaml_values = load_yaml_config(given.config, parser)
         yaml_values = _run_length_from_command_line(yaml_values, vars(given), given.config)
+        yaml_values = _warmup_from_command_line(yaml_values, vars(given), given.config)
         parser.set_defaults(**yaml_values)
     ns = parser.parse_args(argv)
     return ns, set(vars(given)) | set(yaml_values)

@@ -350,6 +350,25 @@ def test_command_line_run_length_replaces_a_preset_counted_the_other_way(tmp_pat
     assert "replaces the run length" not in caplog.text
 
 
+def test_command_line_warmup_replaces_a_preset_warmup_spelled_another_way(tmp_path, caplog):
+    """A preset's lr-warmup-samples (the gpt3-* ones) plus --lr-warmup-fraction on the
+    command line: the command line wins, with a warning (it was an error naming the two
+    exclusive flags, one of them the file's, that no command-line flag could take back)."""
+    samples = _yaml(tmp_path, "train-samples: 4000\nlr-warmup-samples: 100\n")
+    cfg = run(f"--config {samples} --lr-warmup-fraction 0.01", base=without("--train-iters"))
+    assert cfg.args["lr_warmup_fraction"] == 0.01 and cfg.args["lr_warmup_samples"] == 0
+    assert (f"--lr-warmup-fraction 0.01 on the command line replaces the warmup of --config "
+            f"{samples}: its --lr-warmup-samples 100 ignored") in caplog.text
+    iters = tmp_path / "iters.yaml"
+    iters.write_text("train-iters: 50\nlr-warmup-fraction: 0.1\n")
+    cfg = run(f"--config {iters} --lr-warmup-iters 5", base=without("--train-iters"))
+    assert cfg.args["lr_warmup_iters"] == 5 and cfg.args["lr_warmup_fraction"] is None
+    caplog.clear()
+    cfg = run(f"--config {samples} --train-iters 9 --lr-warmup-fraction 0.1",
+              base=without("--train-iters"))  # no hint to pass a warmup: one is given
+    assert "pass --lr-decay-iters to set the schedule" in caplog.text
+
+
 def test_yaml_list_flag_given_as_one_line_is_split_into_words(tmp_path):
     """'rampup-batch-size: 4 4 16' and 'data-path: 0.3 a 0.7 b' (the command line's
     spelling) are read as the words: they were one value ('--rampup-batch-size 4 4 16:
