@@ -62,6 +62,7 @@ _AT_LEAST: Tuple[_Rule, ...] = (
     ("hidden_dropout", 0, "a probability", None),
     ("attention_dropout", 0, "a probability", None),
     ("kv_channels", 1, "width of one attention head", None),
+    ("rotary_percent", 0, "share of each head's channels that rotary embeddings rotate", None),
     ("ffn_hidden_size", 1, "width of the MLP", None),
     ("num_experts", 1, "experts per switch MLP; leave it unset for the dense MLP", None),
     ("vocab_size", 1, "NullTokenizer's token ids", lambda ns: ns.tokenizer_type == "NullTokenizer"),

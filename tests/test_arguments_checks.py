@@ -115,6 +115,9 @@ def test_rampup_longer_than_the_run_is_allowed_with_a_warning(caplog):
     ("--adam-beta2 1.0", "--adam-beta2 1.0 must be < 1"),
     ("--loss-scale -8", "--loss-scale -8.0 must be >= 0"),
     ("--vocab-size 0", "--vocab-size 0 must be >= 1 (NullTokenizer's token ids)"),
+    # the rotary table's torch.arange raised a traceback at model build
+    ("--use-rotary-position-embeddings --rotary-percent -0.5", "--rotary-percent -0.5 must be "
+                                                               ">= 0"),
     ("--fp16 --hysteresis 0", "--hysteresis 0 must be >= 1"),
     ("--fp16 --loss-scale-window 0", "--loss-scale-window 0.0 must be >= 1"),
     ("--fp16 --min-loss-scale 0", "--min-loss-scale 0.0 must be > 0"),
