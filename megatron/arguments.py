@@ -212,8 +212,8 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
 
     Keys are flag names with or without dashes, '-' or '_' alike (`tensor-model-parallel-size`,
     `tensor_model_parallel_size`); switches take true/false; list flags take YAML lists or the command line's words on
-    one line (`data-path: 0.3 a 0.7 b`).
-    Unknown keys are an error naming the closest flag.
+    one line (`data-path: 0.3 a 0.7 b`); a null value (`load: ~`, `load:`) leaves the flag
+    at its default. Unknown keys are an error naming the closest flag.
     """
     import yaml
 
@@ -245,6 +245,8 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise ArgumentsError(f"--config {path}: unknown key '{key}'{hint}")
         action = index[norm]
+        if value is None:  # `load: ~`, `tensorboard-dir:`: YAML's null is no value, not 'None'
+            continue
         values[action.dest] = _yaml_value(str(key), action, value, path)
     return values
 

@@ -369,6 +369,16 @@ def test_command_line_warmup_replaces_a_preset_warmup_spelled_another_way(tmp_pa
     assert "pass --lr-decay-iters to set the schedule" in caplog.text
 
 
+def test_yaml_null_value_leaves_the_flag_at_its_default(tmp_path):
+    """`load: ~` or an empty value is YAML's null: the flag keeps its default. It was the
+    string 'None' (a --load and a --tensorboard-dir named ./None) or an error ('expects
+    int, got None', 'is a switch')."""
+    path = _yaml(tmp_path, "load: ~\ntensorboard-dir:\nlr-decay-iters: null\nfp16: null\n")
+    cfg = run(f"--config {path}")
+    assert cfg.args["load"] is None and cfg.args["tensorboard_dir"] is None
+    assert cfg.args["lr_decay_iters"] == cfg.args["train_iters"] and not cfg.args["fp16"]
+
+
 def test_yaml_list_flag_given_as_one_line_is_split_into_words(tmp_path):
     """'rampup-batch-size: 4 4 16' and 'data-path: 0.3 a 0.7 b' (the command line's
     spelling) are read as the words: they were one value ('--rampup-batch-size 4 4 16:
