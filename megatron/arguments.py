@@ -251,8 +251,9 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
     return values
 
 
-# The three ways to give the learning-rate warmup; a run takes one (arguments_schedule.py).
-_WARMUP = ("lr_warmup_fraction", "lr_warmup_iters", "lr_warmup_samples")
+# The ways to give the learning-rate warmup; a run takes one (arguments_schedule.py).
+# `warmup` is the deprecated --warmup (a fraction or iterations, apply_deprecated).
+_WARMUP = ("lr_warmup_fraction", "lr_warmup_iters", "lr_warmup_samples", "warmup")
 
 
 # A run counts its length and schedule in iterations or in samples (arguments_schedule.py):

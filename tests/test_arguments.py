@@ -367,6 +367,8 @@ def test_command_line_warmup_replaces_a_preset_warmup_spelled_another_way(tmp_pa
     cfg = run(f"--config {samples} --train-iters 9 --lr-warmup-fraction 0.1",
               base=without("--train-iters"))  # no hint to pass a warmup: one is given
     assert "pass --lr-decay-iters to set the schedule" in caplog.text
+    cfg = run(f"--config {samples} --warmup 0.05", base=without("--train-iters"))  # deprecated
+    assert cfg.args["lr_warmup_fraction"] == 0.05 and cfg.args["lr_warmup_samples"] == 0
 
 
 def test_yaml_null_value_leaves_the_flag_at_its_default(tmp_path):
