@@ -241,6 +241,28 @@ def test_a_damaged_blend_cache_is_warned_about_and_rebuilt(tmp_path, damage):
     assert third.build_s is None and np.array_equal(third.dataset_sample_index, want[1])
 
 
+def test_a_blend_cache_another_run_is_still_writing_is_built_without_a_warning(tmp_path):
+    """Two runs sharing a cache dir: one has renamed its arrays into place but not yet its
+    key file (written last, so a set without it is incomplete, not damaged). The other
+    builds the blend itself and writes it, as when nothing is there; it used to warn that
+    it ignored a damaged cache ('No such file or directory')."""
+    import warnings
+
+    a, _ = make_corpus(tmp_path / "a", [30] * 40, seed=1)
+    b, _ = make_corpus(tmp_path / "b", [17] * 60, seed=2)
+    cache = tmp_path / "cache"
+    args = (["0.3", a, "0.7", b], "90,10,0", [200, 20, 0], 16, 7, str(cache))
+    first = build_train_valid_test_datasets(*args)[0]
+    want = np.array(first.dataset_sample_index)
+    os.remove(first.cache_paths["key"])  # the other run's arrays are there, its key not yet
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = build_train_valid_test_datasets(*args)[0]
+    assert again.build_s is not None and again.cache_paths == first.cache_paths
+    np.testing.assert_array_equal(again.dataset_sample_index, want)
+    assert os.path.isfile(first.cache_paths["key"])
+
+
 def test_cache_files_go_through_fresh_temporary_names(tmp_path):
     """Each file was written through `<file>.tmp<pid>`, opened without O_EXCL: a link there
     (planted in a shared data directory) had the build write through it into its target,

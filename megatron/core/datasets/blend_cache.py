@@ -90,9 +90,11 @@ class BlendIndexCache:
 
     def find(self) -> Optional[Tuple[Dict[str, str], BlendArrays]]:
         """(paths, memory-mapped arrays) of the first usable set, else None. A set that
-        is there but unusable is warned about and passed over."""
+        is there but unusable is warned about and passed over. One without its key file
+        (written last) is incomplete, not damaged: another run sharing the directory is
+        writing it now (or a write stopped between renames); passed over silently."""
         for paths in self.sets:
-            if not any(os.path.exists(p) for p in paths.values()):
+            if not os.path.exists(paths["key"]):
                 continue
             why = self.problem(paths)
             if why is None:
