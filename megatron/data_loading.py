@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import megatron.core.datasets
 from megatron.config import Config
+from megatron.core.datasets.gpt_dataset import BadTokenError
 from megatron.core.datasets.mock import MockGPTDataset
 from megatron.core.datasets.samplers import PretrainingSampler
 from megatron.core.datasets.utils import get_ltor_masks_and_position_ids
@@ -420,6 +421,8 @@ class PrefetchIterator:
         item = self.q.get()
         if isinstance(item, StopIteration):
             raise StopIteration
+        if isinstance(item, BadTokenError):
+            raise _bad_token_exit(item) from None
         if isinstance(item, BaseException):
             raise item
         return item
@@ -435,6 +438,17 @@ class PrefetchIterator:
             print(f"WARNING: the data reader thread did not stop within "
                   f"{self.join_timeout_s:g} s (a sample read is stuck, e.g. on a stalled "
                   "file system); leaving it behind", file=sys.stderr, flush=True)
+
+
+def _bad_token_exit(error: BadTokenError) -> SystemExit:
+    """The run's exit for a sample whose token id is outside the vocabulary: its message
+    (file, id, sample, sequences and the fix) on one line, without the reader's traceback.
+    A DataLoader worker's error comes back with the worker's traceback quoted before it."""
+    text = str(error)
+    marker = f"{BadTokenError.__name__}: "
+    if "Original Traceback" in text and marker in text:
+        text = text.rsplit(marker, 1)[1]
+    return SystemExit(f"error: {text.strip()}")
 
 
 def _shutdown_workers(holder: list) -> None:
@@ -468,7 +482,10 @@ class _WorkerIterator:
     def __next__(self):
         if not self._holder:
             raise StopIteration  # closed
-        return next(self._holder[0])
+        try:
+            return next(self._holder[0])
+        except BadTokenError as e:
+            raise _bad_token_exit(e) from None
 
     def close(self) -> None:
         self._at_exit()  # runs the shutdown once and unregisters it

@@ -111,6 +111,35 @@ def test_an_id_outside_the_scanned_windows_stops_at_its_sample(tmp_path, monkeyp
     assert train[good]["text"].max() < 100
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_id_outside_the_scanned_windows_ends_the_run_with_one_line(tmp_path, monkeypatch,
+                                                                       workers):
+    """The same id met by a training run's loader (a reader thread, or --num-workers
+    processes) ends it with the one-line error, not the reader's and the loop's tracebacks
+    (twice over, with the worker's traceback quoted in the message, with --num-workers)."""
+    import megatron.core.datasets.gpt_dataset as gpt_dataset
+    from megatron.data_loading import make_iterator
+
+    prefix, _ = make_corpus(tmp_path / "c", [20] * 30, vocab=100)
+    with open(prefix + ".bin", "r+b") as f:  # sequence 17, token 5 -> id 5000
+        f.seek((17 * 20 + 5) * 2)
+        f.write(np.array([5000], dtype=np.uint16).tobytes())
+    monkeypatch.setattr(gpt_dataset, "check_token_ids", lambda *a, **k: None)  # not sampled
+    cfg = _config(data_path=[prefix], split="100,0,0", num_workers=workers)
+    train = _build(cfg)["train"]
+    it = make_iterator(cfg, train, 0, 0, 1, pin=False)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            for _ in range(len(train)):
+                next(it)
+    finally:
+        it.close()
+    message = str(stop.value.code)
+    assert re.fullmatch(rf"error: {prefix}\.bin: token id 5000 in sample \d+ of the train "
+                        r"dataset \(sequence\(s\) [0-9, ]*17[0-9, ]*\) is outside the padded "
+                        r"vocabulary of 128 ids: .* preprocessed with", message), message
+
+
 def _positions(ds, i):
     """Token positions in the .bin (in tokens) that sample `i` of `ds` reads."""
     j = int(ds.shuffle_idx[i])

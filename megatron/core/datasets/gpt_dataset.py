@@ -46,6 +46,10 @@ from megatron.core.datasets.indexed_dataset import (
 LAST_EPOCH_FRACTION = 0.80
 
 
+class BadTokenError(ValueError):
+    """A sample read holds a token id outside the model's padded vocabulary."""
+
+
 def get_train_valid_test_split(split_string: str, size: int) -> List[int]:
     """Boundaries [0, b1, b2, size] of the train/valid/test document ranges (Megatron's rule:
     weights normalised, each range rounded with Python's round, the excess taken back)."""
@@ -422,12 +426,12 @@ class GPTDataset:
         return {"text": text}
 
     def _bad_token(self, idx: int, text: np.ndarray, doc_f: int, doc_l: int) -> None:
-        """ValueError for sample `idx` holding an id outside [0, vocab_size): the opening
+        """BadTokenError for sample `idx` holding an id outside [0, vocab_size): the opening
         check samples only part of each `.bin`, and such an id would index past the
         embedding (a CUDA device-side assert, or with tensor parallelism a silent zero row)."""
         bad = int(text.max()) if text.max() >= self.vocab_size else int(text.min())
         docs = sorted({int(self.doc_idx[d]) for d in range(doc_f, doc_l + 1)})
-        raise ValueError(
+        raise BadTokenError(
             f"{self.data_prefix}.bin: token id {bad} in sample {idx} of the {self.name} dataset "
             f"(sequence(s) {', '.join(map(str, docs))}) is outside the padded vocabulary of "
             f"{self.vocab_size} ids: the data was tokenized with another vocabulary than this "
