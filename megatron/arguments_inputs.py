@@ -113,17 +113,23 @@ def _warn_repeated_members(dest: str, paths, prefixes: List[str]) -> None:
 def _check_quoted_blend(dest: str, paths) -> None:
     """One value that holds a whole blend ('0.3 a 0.7 b', from a quoted "$DATA_PATH" in a
     script) would be read as a single prefix and reported missing (by Megatron-LM too, when
-    it opens it): refused, naming the fix, unless such a file exists."""
+    it opens it): refused, naming the fix, unless such a file exists. So is one holding
+    prefixes of existing datasets without weights ('a b')."""
     from megatron.core.datasets.blended import parse_weighted_prefixes
 
     words = paths[0].split() if len(paths) == 1 else []
     if len(words) < 2 or any(os.path.exists(paths[0] + ext) for ext in ("", ".idx")):
         return
+    flag = flag_for_dest(dest)
     try:
         parse_weighted_prefixes(words)
     except ValueError:
+        if all(os.path.exists(w + ".idx") for w in words):  # 'a b': datasets without weights
+            pairs = " ".join(f"1 {w}" for w in words)
+            raise ArgumentsError(f"{flag} '{paths[0]}' is one argument holding {len(words)} "
+                                 f"dataset prefixes: a blend takes 'weight prefix' pairs as "
+                                 f"separate arguments, e.g. {flag} {pairs}") from None
         return  # a prefix with a space in it
-    flag = flag_for_dest(dest)
     raise ArgumentsError(f"{flag} '{paths[0]}' is one argument holding 'weight prefix' "
                          f"pairs: pass its words as separate arguments ({flag} {paths[0]}), "
                          f"e.g. an unquoted $DATA_PATH in a shell script")

@@ -270,6 +270,13 @@ def test_a_blend_in_one_argument_names_the_fix(tmp_path):
     odd = tmp_path / "1 x"
     (tmp_path / "1 x.idx").touch()
     assert run(["--data-path", str(odd)], base=DATA).data.data_path == [str(odd)]
+    a, b = tmp_path / "a", tmp_path / "b"  # "$A $B": two datasets, no weights
+    (tmp_path / "a.idx").touch()
+    assert run(["--data-path", f"{a} {tmp_path / 'c'}"], base=DATA).data.data_path  # no c.idx
+    (tmp_path / "b.idx").touch()
+    assert error_of(["--data-path", f"{a} {b}"], base=DATA) == (
+        f"--data-path '{a} {b}' is one argument holding 2 dataset prefixes: a blend takes "
+        f"'weight prefix' pairs as separate arguments, e.g. --data-path 1 {a} 1 {b}")
 
 
 def test_split_is_not_checked_where_megatron_ignores_it(caplog):
