@@ -364,6 +364,31 @@ def test_a_full_disk_during_a_conversion_is_one_message(tmp_path, monkeypatch):
     assert not dst.exists()
 
 
+@pytest.mark.parametrize("command", ["reshard", "to-megatron"])
+def test_torch_saves_own_full_disk_error_is_one_message(tmp_path, monkeypatch, command):
+    """On a real full disk torch.save raises a RuntimeError ("unexpected pos ..."), not an
+    OSError: reshard (checkpoint_util.py's too) and to-megatron ended in that traceback.
+    Now the one error line, naming the file, with the partial output removed."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _one_step_checkpoint(src)
+
+    def full(obj, f, *args, **kwargs):
+        with open(f, "wb") as out:
+            out.write(b"PK partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 10")
+
+    monkeypatch.setattr(checkpoint_convert.torch, "save", full)
+    extra = ["--target-tensor-model-parallel-size", "2"] if command == "reshard" else []
+    with pytest.raises(SystemExit) as err:
+        checkpoint_convert.main([command, "--load", str(src), "--save", str(dst), *extra])
+    tmp_dir = dst / "iter_0000001.tmp"
+    assert str(err.value.code).startswith(
+        f"error: writing {tmp_dir} failed (OSError: could not write {tmp_dir / 'mp_rank_00'}"
+        f"/{MODEL_FILENAME}: [enforce fail at inline_container.cc:672] . unexpected pos 64 "
+        "vs 10); its partial output was removed; ")
+    assert not dst.exists()
+
+
 def _one_step_checkpoint(src):
     cfg, rt, tr = _trainer(0, 1, "", save=str(src))
     _steps(tr, data_iterator(cfg, rt, "train", 0), 1)

@@ -325,6 +325,17 @@ class Progress:
               flush=True)
 
 
+def save_file(obj, path: str) -> None:
+    """torch.save(obj, path). torch.save reports a file it cannot finish writing (a full
+    disk, a quota) as a RuntimeError ("unexpected pos 20480 vs 20374", "iostream error"),
+    not an OSError: raised here as the OSError it is, naming the file, which
+    `partial_output` turns into its one line with the free space."""
+    try:
+        torch.save(obj, path)
+    except RuntimeError as exc:
+        raise OSError(f"could not write {path}: {exc}") from exc
+
+
 @contextlib.contextmanager
 def partial_output(save: str, tmp_dir: str):
     """Yield `tmp_dir` (emptied) to write a checkpoint into; if the body fails or is
@@ -450,10 +461,10 @@ def _write_ranks(src, tmp_dir: str, config, args: dict, layout: Tuple[int, int, 
             payload["args"] = args
             rank_dir = os.path.join(tmp_dir, rank_dir_name(t, p, pp))
             os.makedirs(rank_dir)
-            torch.save(payload, os.path.join(rank_dir, MODEL_FILENAME))
+            save_file(payload, os.path.join(rank_dir, MODEL_FILENAME))
             files += 1
             if distrib is not None:
-                torch.save(distrib, os.path.join(rank_dir, reshard_lib.DISTRIB_FILENAME))
+                save_file(distrib, os.path.join(rank_dir, reshard_lib.DISTRIB_FILENAME))
                 files += 1
             progress.done(rank_dir_name(t, p, pp))
     return files
@@ -535,12 +546,12 @@ def _to_megatron(load: str, save: str, iteration: Optional[int]) -> dict:
         for rank_dir in rank_dirs:
             os.makedirs(os.path.join(tmp_dir, rank_dir))
             state = load_checkpoint_file(model_file(os.path.join(iter_dir, rank_dir)))
-            torch.save(megatron_payload(state), os.path.join(tmp_dir, rank_dir, MODEL_FILENAME))
+            save_file(megatron_payload(state), os.path.join(tmp_dir, rank_dir, MODEL_FILENAME))
             files += 1
             extra = os.path.join(iter_dir, rank_dir, reshard_lib.DISTRIB_FILENAME)
             if os.path.isfile(extra):  # tensors keyed by ints and dtypes: the same in both
-                torch.save(megatron_distrib_payload(load_checkpoint_file(extra)),
-                           os.path.join(tmp_dir, rank_dir, reshard_lib.DISTRIB_FILENAME))
+                save_file(megatron_distrib_payload(load_checkpoint_file(extra)),
+                          os.path.join(tmp_dir, rank_dir, reshard_lib.DISTRIB_FILENAME))
                 files += 1
             progress.done(rank_dir)
         publish_checkpoint(save, tmp_dir, final_dir, iteration, release)
