@@ -239,8 +239,15 @@ def _to_hf(a) -> int:
     gen = None if eod is None else {"eos_token_id": eod, "_from_model_config": True,
                                     **({"bos_token_id": bos} if bos is not None else {})}
     print(f"writing {len(hf_state)} tensors to {a.output} ...", flush=True)
-    names = save_hf_checkpoint(a.output, hf_state, config, gen, int(a.max_shard_size_gb * 2**30))
-    copied = _copy_tokenizer(args, a.output)
+    try:
+        names = save_hf_checkpoint(a.output, hf_state, config, gen,
+                                   int(a.max_shard_size_gb * 2**30))
+        copied = _copy_tokenizer(args, a.output)
+    except OSError as exc:  # a full disk: one line (the new weight files are removed)
+        from megatron.checkpoint_dirs import free_space_text
+        raise SystemExit(f"error: writing to --output {a.output} failed ({type(exc).__name__}: "
+                         f"{exc}); {free_space_text(a.output)}. Free space or pass another "
+                         "--output") from exc
     written = names + copied + ["config.json"] + (["generation_config.json"] if gen else [])
     print(f"wrote {family} model ({len(hf_state)} tensors, vocab {vocab}, {dtype}) from "
           f"{a.load} iteration {iteration} to {a.output}: {', '.join(written)}")
@@ -429,8 +436,9 @@ def save_release_checkpoint(save: str, state: Dict[str, torch.Tensor], cfg,
 def _write_release_checkpoint(save: str, state: Dict[str, torch.Tensor], cfg,
                               overwrite: bool) -> None:
     """`save_release_checkpoint` once `save` is locked and checked."""
+    from megatron.checkpoint_dirs import free_space_text
     from megatron.checkpointing import CHECKPOINT_VERSION, args_to_plain, checkpoint_name
-    from tools.checkpoint_convert import publish_checkpoint, reshard
+    from tools.checkpoint_convert import publish_checkpoint, reshard, save_file
 
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
     parent = os.path.dirname(os.path.abspath(save))
@@ -441,10 +449,16 @@ def _write_release_checkpoint(save: str, state: Dict[str, torch.Tensor], cfg,
         os.makedirs(os.path.dirname(path), exist_ok=True)
         args = args_to_plain(cfg.args)  # sizes of this directory (reshard writes tp, pp)
         args.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-        torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION,
-                    "iteration": 0, "model": state}, path)
-        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write("release")
+        try:  # a full disk: one line (the temporary directory goes in `finally`)
+            save_file({"args": args, "checkpoint_version": CHECKPOINT_VERSION,
+                       "iteration": 0, "model": state}, path)
+            with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write("release")
+        except OSError as exc:
+            raise SystemExit(f"error: writing the imported model to {root} (a temporary "
+                             f"directory beside --save) failed ({type(exc).__name__}: {exc}); "
+                             f"it was removed; {free_space_text(parent)}. Free space or pass "
+                             "another --save") from exc
         if tp == pp == 1:
             os.makedirs(save, exist_ok=True)
             publish_checkpoint(save, os.path.join(root, "release"),

@@ -58,14 +58,19 @@ def save_hf_checkpoint(out_dir: str, state: Dict[str, torch.Tensor], config: dic
 
 def _write_weight_files(out_dir: str, files: Dict[str, Dict[str, torch.Tensor]]) -> None:
     """Each {file name: tensors} as safetensors in `out_dir`, replacing the weight files of
-    an earlier export there (as save_pretrained does) once every new one is written."""
+    an earlier export there (as save_pretrained does) once every new one is written. A file
+    that cannot be written (safetensors' error too) is an OSError, the new files removed."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     written = []
     try:
         for name, shard in files.items():
             written.append(os.path.join(out_dir, name + ".tmp"))
-            save_file(shard, written[-1], metadata={"format": "pt"})
+            try:
+                save_file(shard, written[-1], metadata={"format": "pt"})
+            except SafetensorError as exc:  # a full disk: the I/O error it is
+                raise OSError(f"could not write {written[-1]}: {exc}") from exc
     except BaseException:
         for path in written:
             if os.path.exists(path):

@@ -386,6 +386,42 @@ def test_to_hf_refuses_a_non_empty_output_unless_overwrite(tmp_path):
         _cli("to-hf", "--load", tmp_path / "ck", "--output", out / "README.md", "--overwrite")
 
 
+def test_a_full_disk_during_to_hf_or_from_hf_is_one_message(tmp_path, monkeypatch):
+    """On a full disk safetensors raises its SafetensorError and torch.save a RuntimeError
+    ("unexpected pos ..."): to-hf and from-hf ended in those tracebacks. Now one error line
+    each, naming the file and the free space, with nothing partial left behind."""
+    safetensors = pytest.importorskip("safetensors")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    _train(tmp_path / "ck", "", steps=1)
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "hf") == 0
+
+    def no_space(tensors, filename, **kwargs):
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on "
+                                          "device (os error 28)")
+
+    with monkeypatch.context() as m:
+        m.setattr(safetensors_torch, "save_file", no_space)
+        with pytest.raises(SystemExit) as err:
+            _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "out")
+    assert str(err.value.code).startswith(
+        f"error: writing to --output {tmp_path / 'out'} failed (OSError: could not write "
+        f"{tmp_path / 'out' / 'model.safetensors.tmp'}: Error while serializing: I/O error: "
+        "No space left on device (os error 28)); ")
+    assert str(err.value.code).endswith(". Free space or pass another --output")
+    assert os.listdir(tmp_path / "out") == []
+
+    def full(obj, f, *args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 10")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(SystemExit) as err:
+        _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "imported")
+    assert str(err.value.code).startswith("error: writing the imported model to ")
+    assert "unexpected pos 64 vs 10); it was removed; " in str(err.value.code)
+    assert not (tmp_path / "imported").exists()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".from-hf-")]
+
+
 def test_pretrain_gpt_cli_trains_from_an_imported_model(tmp_path):
     """`pretrain_gpt.py --load` of a from-hf 'release' checkpoint: loads at iteration 0 with
     a fresh optimizer, trains, saves iteration 2."""
