@@ -131,6 +131,20 @@ class CheckpointWriteError(RuntimeError):
     tracker still names the previous checkpoint; the message says what is on disk."""
 
 
+def interrupt_behind(exc: BaseException) -> Optional[BaseException]:
+    """The KeyboardInterrupt (Ctrl-C) that `exc` was raised while handling, else None:
+    torch.save into an open file, stopped by Ctrl-C midway, fails closing its zip archive
+    ("unexpected pos 704 vs 598", a RuntimeError), which hides the interrupt; a write
+    error it is not (and no free-space advice fits it)."""
+    seen, inner = set(), exc.__context__
+    while inner is not None and id(inner) not in seen:
+        if isinstance(inner, KeyboardInterrupt):
+            return inner
+        seen.add(id(inner))
+        inner = inner.__context__
+    return None
+
+
 def _torch_save_synced(obj, path: str) -> None:
     with open(path, "wb") as f:
         torch.save(obj, f)
@@ -229,6 +243,9 @@ def _write_rank_files(root: str, iteration: int, tmp_dir: str, ps: ParallelState
             _torch_save_synced(obj, path)
         _fsync_dir(rank_dir)
     except (OSError, RuntimeError, MemoryError) as exc:
+        interrupt = interrupt_behind(exc)
+        if interrupt is not None:  # Ctrl-C: the save stops as an interrupted one
+            raise interrupt from None
         if out_of_memory_kind(exc):  # not the disk: no free-space advice
             raise CheckpointWriteError(
                 f"the checkpoint at iteration {iteration} could not be written to {path}: "

@@ -767,6 +767,33 @@ def test_a_save_stopped_midway_removes_its_partial_directory(tmp_path, monkeypat
     assert load_checkpoint(root, _ps1())[0] == 2
 
 
+def _ctrl_c_inside_torch_save(obj, f, *args, **kwargs):
+    """What torch.save into an open file does when Ctrl-C comes midway: its zip writer,
+    closed on the way out, raises a RuntimeError over the KeyboardInterrupt."""
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs "
+                           "598") from None  # `from None` keeps the context, as torch's does
+
+
+def test_ctrl_c_inside_torch_save_stops_the_save_as_an_interrupt(tmp_path, monkeypatch):
+    """Ctrl-C inside torch.save (a real one, on a 2-rank tp run) surfaced as torch's
+    RuntimeError: the save was reported as a write failure ("could not be written ...
+    Free space or pass another --save", status 1, not the interrupt line) and a rank hung
+    until torchrun killed it. The KeyboardInterrupt behind it now stops the save as
+    Ctrl-C does: partial directory removed, `on_stop` told, the tracker untouched."""
+    root, told = str(tmp_path), []
+    save_checkpoint(root, 2, _full_state(2, 0, 0), _ps1())
+    monkeypatch.setattr(torch, "save", _ctrl_c_inside_torch_save)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(root, 4, _full_state(4, 0, 0), _ps1(),
+                        on_stop=lambda d, removed: told.append((d, removed)))
+    assert told == [(os.path.join(root, "iter_0000004.tmp"), True)]
+    assert sorted(os.listdir(root)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert read_tracker(root) == (2, False)
+
+
 def test_a_save_stopped_after_publishing_keeps_the_published_directory(tmp_path, monkeypatch):
     """Ctrl-C after the rename, before the tracker: the published `iter_N/` stays (a load
     takes the tracker's checkpoint), and nothing is reported as removed."""

@@ -389,6 +389,22 @@ def test_torch_saves_own_full_disk_error_is_one_message(tmp_path, monkeypatch, c
     assert not dst.exists()
 
 
+def test_ctrl_c_inside_torch_save_is_the_interrupt_not_a_full_disk(tmp_path, monkeypatch,
+                                                                   capsys):
+    """torch.save stopped by Ctrl-C midway raises a RuntimeError over the
+    KeyboardInterrupt: a conversion reports the interrupt (status 130), not a write
+    failure with free-space advice."""
+    from tests.test_checkpointing import _ctrl_c_inside_torch_save
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _one_step_checkpoint(src)
+    monkeypatch.setattr(checkpoint_convert.torch, "save", _ctrl_c_inside_torch_save)
+    assert checkpoint_convert.main(["reshard", "--load", str(src), "--save", str(dst),
+                                    "--target-tensor-model-parallel-size", "2"]) == 130
+    assert "reshard: interrupted; the partial output was removed" in capsys.readouterr().err
+    assert not dst.exists()
+
+
 def _one_step_checkpoint(src):
     cfg, rt, tr = _trainer(0, 1, "", save=str(src))
     _steps(tr, data_iterator(cfg, rt, "train", 0), 1)

@@ -69,6 +69,7 @@ from megatron.checkpoint_files import (  # noqa: E402
 from megatron.checkpointing import (  # noqa: E402
     MODEL_FILENAME,
     TRACKER_FILENAME,
+    interrupt_behind,
     iteration_dir_name,
     list_checkpoints,
     move_into_place,
@@ -333,6 +334,9 @@ def save_file(obj, path: str) -> None:
     try:
         torch.save(obj, path)
     except RuntimeError as exc:
+        interrupt = interrupt_behind(exc)
+        if interrupt is not None:  # Ctrl-C midway: reported as the interrupt it is
+            raise interrupt from None
         raise OSError(f"could not write {path}: {exc}") from exc
 
 
