@@ -20,6 +20,7 @@ from megatron.agreed_exit import agree, exit_on_every_rank, max_over_ranks
 from megatron.checkpoint_dirs import (
     checkpoint_name,
     exit_on_missing_message,
+    incomplete_checkpoint_message,
     iteration_dir_name,
     malformed_tracker_message,
     missing_iteration_dir_message,
@@ -214,11 +215,17 @@ def load_checkpoint(root: str, ps: ParallelState, exit_on_missing: bool = False,
 
 def load_extra_file(root: str, iteration: int, ps: ParallelState, name: str,
                     release: bool = False):
-    """Load a file saved with `extra_files` next to this rank's model_optim_rng.pt."""
+    """Load a file saved with `extra_files` next to this rank's model_optim_rng.pt (the
+    distributed optimizer's distrib_optim.pt, this rank's optimizer state); SystemExit
+    naming the checkpoint as incomplete, and --no-load-optim, when it is missing."""
     path = os.path.join(os.path.dirname(
         checkpoint_name(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size, release)), name)
     if not os.path.isfile(path):
-        raise SystemExit(f"checkpoint file {path} not found")
+        iter_dir = os.path.join(root, iteration_dir_name(iteration, release))
+        raise SystemExit(incomplete_checkpoint_message(
+            iter_dir, [os.path.relpath(path, iter_dir)],
+            f"{name} holds the optimizer state; --no-load-optim loads the checkpoint without "
+            "it, with a fresh optimizer"))
     return read_checkpoint_file(path)
 
 

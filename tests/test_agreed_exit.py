@@ -119,14 +119,19 @@ def test_one_rank_unreadable_shard_named_once_no_rank_hangs(checkpoint, tmp_path
 
 def test_one_rank_missing_optimizer_shard_fails_after_weights_every_rank_exits(
         checkpoint, tmp_path):
-    """A failure in the last step (restoring the states) on one rank only."""
+    """A failure in the last step (restoring the states) on one rank only. The message
+    was `checkpoint file ... not found`, without `error:` or a fix; it now names the
+    checkpoint as incomplete, as the dry run does, and --no-load-optim."""
     damaged = tmp_path / "ck"
     shutil.copytree(checkpoint, damaged)
     missing = damaged / "iter_0000004" / "mp_rank_01" / "distrib_optim.pt"
     missing.unlink()
     codes, out = launch_two(BASE + ["--load", str(damaged)])
     assert codes == [1, 1], (codes, out)
-    assert out.count(f"rank 1 (of 2): checkpoint file {missing} not found") == 1, out
+    assert out.count(f"rank 1 (of 2): error: checkpoint {damaged / 'iter_0000004'} is "
+                     "incomplete: mp_rank_01/distrib_optim.pt is missing (distrib_optim.pt "
+                     "holds the optimizer state; --no-load-optim loads the checkpoint without "
+                     "it, with a fresh optimizer). It was copied in part") == 1, out
 
 
 def test_single_process_prints_the_message_as_before(checkpoint):
