@@ -245,8 +245,10 @@ def _to_hf(a) -> int:
         copied = _copy_tokenizer(args, a.output)
     except OSError as exc:  # a full disk: one line (the new weight files are removed)
         from megatron.checkpoint_dirs import free_space_text
+        where = a.output if os.path.isdir(a.output) else os.path.dirname(
+            os.path.abspath(a.output))
         raise SystemExit(f"error: writing to --output {a.output} failed ({type(exc).__name__}: "
-                         f"{exc}); {free_space_text(a.output)}. Free space or pass another "
+                         f"{exc}); {free_space_text(where)}. Free space or pass another "
                          "--output") from exc
     written = names + copied + ["config.json"] + (["generation_config.json"] if gen else [])
     print(f"wrote {family} model ({len(hf_state)} tensors, vocab {vocab}, {dtype}) from "

@@ -389,6 +389,47 @@ def test_torch_saves_own_full_disk_error_is_one_message(tmp_path, monkeypatch, c
     assert not dst.exists()
 
 
+def test_a_read_only_save_is_one_message(tmp_path, monkeypatch):
+    """--save on a read-only file system (a mount of the shared checkpoint store): a new
+    directory that cannot be made, or an existing one where the lock file cannot be
+    written, ended reshard / checkpoint_util.py / from-hf / to-megatron in an OSError
+    traceback. Now one line naming --save and the error (as a training run's check)."""
+    import errno
+
+    from megatron import save_lock
+
+    src, dst = tmp_path / "src", tmp_path / "ro" / "out"
+    _one_step_checkpoint(src)
+    real = os.makedirs
+
+    def read_only(path, *args, **kwargs):
+        if str(path).startswith(str(tmp_path / "ro")):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real(path, *args, **kwargs)
+
+    argv = ["reshard", "--load", str(src), "--save", str(dst),
+            "--target-tensor-model-parallel-size", "2"]
+    with monkeypatch.context() as m:
+        m.setattr(os, "makedirs", read_only)
+        with pytest.raises(SystemExit) as err:
+            checkpoint_convert.main(argv)
+    assert str(err.value.code) == (
+        f"error: --save {dst} cannot be used: could not create it (OSError: [Errno 30] "
+        f"Read-only file system: '{dst}'); pass a directory that can be created and written to")
+    dst.mkdir(parents=True)
+
+    def no_lock_file(self):
+        raise OSError(errno.EROFS, "Read-only file system", self.path)
+
+    monkeypatch.setattr(save_lock.SaveDirLock, "acquire", no_lock_file)
+    with pytest.raises(SystemExit) as err:
+        checkpoint_convert.main(argv)
+    assert str(err.value.code).startswith(
+        f"error: --save {dst} cannot be used: could not write its lock file (OSError: "
+        "[Errno 30] Read-only file system: ")
+    assert os.listdir(dst) == []
+
+
 def test_ctrl_c_inside_torch_save_is_the_interrupt_not_a_full_disk(tmp_path, monkeypatch,
                                                                    capsys):
     """torch.save stopped by Ctrl-C midway raises a RuntimeError over the

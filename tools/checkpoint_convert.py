@@ -256,10 +256,19 @@ def save_locked(save: str, tool: str):
         yield
         return
     created = not os.path.exists(save)
-    os.makedirs(save, exist_ok=True)
+    try:
+        os.makedirs(save, exist_ok=True)
+    except OSError as exc:  # a read-only file system, no permission: no traceback
+        raise SystemExit(f"error: --save {save} cannot be used: could not create it "
+                         f"({type(exc).__name__}: {exc}); pass a directory that can be "
+                         "created and written to") from None
     lock = SaveDirLock(save, holder=f"run of tools/checkpoint_convert.py {tool}")
     try:
-        error = lock.acquire()
+        try:
+            error = lock.acquire()
+        except OSError as exc:  # a read-only --save that exists
+            error = (f"error: --save {save} cannot be used: could not write its lock file "
+                     f"({type(exc).__name__}: {exc}); pass a directory that can be written to")
         if error is not None:
             raise SystemExit(error)
         if lock.unsupported:
