@@ -250,8 +250,11 @@ def log_interval(tr, stats: IntervalStats, print_line: bool = True) -> None:
             to_float(r.scale), to_float(r.grad_norm),
             to_float(extras.num_zeros.get(r.iteration)), to_float(r.params_norm),
             skipped, nans, tokens_per_gpu, tflops))
-        print_rank_last(progress_line(r.iteration, cfg.training.train_iters,
-                                      time.time() - tr.start_time, tr.start_iteration))
+        ramp = cfg.data.rampup_batch_size and cfg.training.train_samples
+        print_rank_last(progress_line(
+            r.iteration, cfg.training.train_iters, time.time() - tr.start_time,
+            tr.start_iteration,
+            (tr.start_consumed, r.consumed, cfg.training.train_samples) if ramp else None))
         report_memory_once(tr, stats, r.iteration, r.lr)
         _warn_at_loss_scale_floor(tr, stats, to_float(r.scale), skipped)
         log_timers(tr, n)
@@ -300,11 +303,17 @@ def _hours_minutes_seconds(seconds: float) -> str:
     return f"{hours:02d}:{minutes:02d}:{sec:02d}"
 
 
-def progress_line(iteration: int, train_iters: int, elapsed_s: float, start_iteration: int) -> str:
+def progress_line(iteration: int, train_iters: int, elapsed_s: float, start_iteration: int,
+                  samples: Optional[Tuple[int, int, int]] = None) -> str:
     """' progress: 40.0% (120/300) | elapsed 00:01:02 | ETA 00:01:30 |' from this run's pace.
-    The hours are not taken modulo a day: a pretraining run's ETA is often days."""
+    The hours are not taken modulo a day: a pretraining run's ETA is often days. `samples`
+    (consumed when the loop started, consumed now, --train-samples) paces the ETA by samples
+    instead of iterations: under --rampup-batch-size the early steps are smaller and
+    quicker, and an iteration pace read the time left too short."""
     done = iteration - start_iteration
     left = max(train_iters - iteration, 0)
+    if samples is not None:
+        done, left = samples[1] - samples[0], max(samples[2] - samples[1], 0)
     eta = elapsed_s / done * left if done > 0 else float("nan")
     fmt = _hours_minutes_seconds
     return (f" progress: {100.0 * iteration / max(train_iters, 1):.1f}% ({iteration}/{train_iters}) "

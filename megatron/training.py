@@ -109,6 +109,7 @@ class Trainer:
     tokenizer: object = None  # the run's, when the entry point built it (else built for the data)
     start_time: float = field(default_factory=time.time)
     start_iteration: int = 0
+    start_consumed: int = 0  # consumed training samples when this run's loop started
     watchdog: object = None
     last_local_loss: Optional[torch.Tensor] = None
     async_saver: object = None  # megatron.async_save.AsyncSaver once --async-save has saved
@@ -359,6 +360,7 @@ def train(tr: Trainer, train_data, valid_data) -> Optional[str]:
     saved_at = None
     check_each_step = cfg.training.nan_loss_policy != "stop"
     tr.start_time, tr.start_iteration = time.time(), st.iteration
+    tr.start_consumed = st.consumed_train_samples
     process_start = tr.process_start_time or tr.start_time
     profiler = StepProfiler.from_args(cfg.args, tr.rt.ps.rank, cfg.logging.tensorboard_dir)
     if trainer_checkpoint.nothing_to_train(tr):  # the loaded state is in --save already

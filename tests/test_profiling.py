@@ -33,6 +33,17 @@ def test_progress_line_eta():
     assert "ETA 00:01:30" in resumed
 
 
+def test_progress_line_paces_a_batch_size_ramp_by_samples():
+    """Under --rampup-batch-size: 100 of 400 iterations, the first 100 with a quarter of
+    the final batch, took 60 s: 3 more minutes at that iteration pace, 12 at the sample
+    pace (each later step is four times the samples)."""
+    ramp = progress_line(100, 400, 60.0, 0, samples=(0, 800, 800 + 300 * 32))
+    assert "25.0% (100/400)" in ramp and "ETA 00:12:00" in ramp
+    assert "ETA 00:03:00" in progress_line(100, 400, 60.0, 0)
+    resumed = progress_line(110, 400, 15.0, 100, samples=(800, 1120, 800 + 300 * 32))
+    assert "ETA 00:07:15" in resumed  # 320 samples in 15 s, 9,280 left
+
+
 def test_progress_line_counts_hours_past_a_day():
     """A multi-day run's elapsed time and ETA keep their days as hours: they were taken
     modulo 24 hours (an ETA of 52 hours read 04:00:00)."""

@@ -98,9 +98,12 @@ def test_a_rampup_starting_at_the_global_batch_is_warned(caplog):
     assert "never ramps up" in caplog.text and "during the ramp-up" not in caplog.text
 
 
-def test_rampup_run_from_the_cli(capsys):
+def test_rampup_run_from_the_cli(capsys, monkeypatch):
     import pretrain_gpt
+    from megatron import interval_log
 
+    paced = []  # the progress line's ETA is paced by samples under a ramp
+    monkeypatch.setattr(interval_log, "progress_line", lambda *a: paced.append(a[4]) or "")
     argv = BASE + ["--global-batch-size", "8", "--train-samples", "80", "--rampup-batch-size",
                    "2", "2", "24", "--log-interval", "1", "--min-lr", "1e-4"]
     assert pretrain_gpt.main(argv) == 0
@@ -114,6 +117,7 @@ def test_rampup_run_from_the_cli(capsys):
     consumed = [int(field(x, "consumed samples")) for x in lines]
     assert sizes == [2, 2, 2, 2, 4, 4, 6, 6] + [8] * 6
     assert consumed == [sum(sizes[:i + 1]) for i in range(14)] and consumed[-1] == 76
+    assert paced == [(0, n, 80) for n in consumed]
     # linear decay over 80 samples, stepped by the current batch: lr after n samples
     for line, n in zip(lines, consumed):
         assert field(line, "learning rate") == pytest.approx(1e-4 + 9e-4 * (1 - n / 80),
