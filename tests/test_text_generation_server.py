@@ -773,6 +773,36 @@ def test_rank0_stops_serving_when_another_rank_broke_a_request(monkeypatch, erro
     assert done.exception() is error  # the handler answers 500
 
 
+def test_ctrl_c_during_a_request_answers_it_and_rank0_stops(monkeypatch):
+    """Ctrl-C reaching rank 0 under torchrun while it generates a request: the request's
+    client gets a 500 and serving ends. Before, the request was never answered: its HTTP
+    thread waited for ever, server_close waited for that thread, and rank 0 hung until
+    torchrun killed it (SIGKILL after 30 s; the client got an empty reply)."""
+    from types import SimpleNamespace
+
+    sent, started = [], threading.Event()
+
+    def run(engine, req):
+        started.set()
+        raise KeyboardInterrupt  # the signal arrives mid-generation
+
+    monkeypatch.setattr(ranks_mod, "_broadcast",
+                        lambda message, group, src=0: sent.append(message))
+    monkeypatch.setattr(ranks_mod, "run_request", run)
+    engine = SimpleNamespace(runtime=SimpleNamespace(control_group=None))
+    lockstep = server_mod.Lockstep(engine)
+    server = server_mod.build_server(engine, "127.0.0.1", 0, log=lambda line: None,
+                                     run=lockstep.submit)
+    url = f"http://127.0.0.1:{server.server_address[1]}/api"
+    serving = threading.Thread(target=lockstep.serve, args=(server,), daemon=True)
+    serving.start()
+    status, text = put(url, {"prompts": ["Hello"], "tokens_to_generate": 2}, timeout=20)
+    serving.join(timeout=20)
+    assert started.is_set() and not serving.is_alive()
+    assert status == 500 and "stopped" in text
+    assert sent[-1] == ("stop", None)  # the other ranks were told
+
+
 def _dispatcher(monkeypatch, answer):
     """A Dispatcher over a fake replica 1 whose leader answers `answer`: (what was
     broadcast, the Lockstep, the Dispatcher)."""

@@ -199,6 +199,11 @@ class Lockstep:
                 _broadcast((_REQUEST, req), self.group)
                 try:
                     done.set_result(run_request(self.engine, req))
+                except KeyboardInterrupt:  # Ctrl-C mid-request: answer it (500), then stop;
+                    # unanswered, its HTTP thread waited for ever and server_close with it
+                    done.set_exception(RuntimeError("the server was stopped (Ctrl-C or "
+                                                    "SIGTERM) during this request"))
+                    raise
                 except Exception as exc:  # the handler answers 400 / 500
                     done.set_exception(exc)
                     if peer_failure(exc) is not None:  # out of step: each request would
