@@ -633,13 +633,63 @@ def test_ctrl_c_ends_a_waiting_follower_quietly(monkeypatch, rank0_after_sigint)
     assert signal.getsignal(signal.SIGINT) is previous  # restored
 
 
-def test_ctrl_c_during_a_request_ends_the_follower(monkeypatch):
-    def run(engine, req):
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(1)  # the handler raises here
-        raise AssertionError("SIGINT during a request did not interrupt it")
+def test_ctrl_c_during_a_request_lets_the_follower_finish_it(monkeypatch):
+    """Ctrl-C mid-request: the follower finishes the request (rank 0 is inside its
+    collectives too) and ends at rank 0's stop. Before, it left mid-request, and a rank 0
+    waiting in one of the request's collectives never got to broadcast the stop: both
+    hung until torchrun's SIGKILL."""
+    finished = []
 
-    assert _follower(monkeypatch, [lambda: ("request", "r")], run) == 1
+    def run(engine, req):
+        os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler before returning
+        time.sleep(0.1)
+        finished.append(req)
+
+    messages = [lambda: ("request", "r"), lambda: ("stop", None)]
+    assert _follower(monkeypatch, messages, run) == 1
+    assert finished == ["r"]
+
+
+def test_ctrl_c_during_a_request_on_rank0_answers_it_then_stops(monkeypatch, capsys):
+    """Rank 0 interrupted mid-request finishes it (its client gets the answer; the other
+    ranks finish it too), then tells them to stop."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    sent, done = [], Future()
+    requests = iter([("r", done)])
+
+    class Pending:
+        def get(self, timeout):
+            for item in requests:
+                return item
+            raise AssertionError("serving went on after Ctrl-C")
+
+        def empty(self):
+            return True
+
+    class Server:
+        def serve_forever(self):
+            pass
+
+        shutdown = server_close = serve_forever
+
+    def run(engine, req):
+        os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler before returning
+        time.sleep(0.1)
+        return {"text": ["answer"]}
+
+    monkeypatch.setattr(ranks_mod, "_broadcast",
+                        lambda message, group, src=0: sent.append(message))
+    monkeypatch.setattr(ranks_mod, "run_request", run)
+    lockstep = server_mod.Lockstep(SimpleNamespace(runtime=SimpleNamespace(control_group=None)))
+    lockstep.pending = Pending()
+    previous = signal.getsignal(signal.SIGINT)
+    lockstep.serve(Server())
+    assert signal.getsignal(signal.SIGINT) is previous
+    assert done.result(timeout=0) == {"text": ["answer"]}
+    assert sent == [("request", "r"), ("stop", None)]
+    assert "stopping once the running request is answered" in capsys.readouterr().out
 
 
 def test_without_sigint_a_lost_rank0_is_an_error(monkeypatch):

@@ -52,18 +52,49 @@ def control_group(engine: Engine):
 
 class _FollowerSigint(SigintHandler):
     """SIGINT on a rank that follows rank 0 (a terminal's Ctrl-C reaches every rank of the
-    job): while it waits for rank 0's next message it is only noted -- rank 0, interrupted
-    too, broadcasts stop and every rank ends quietly; during a request it raises
-    KeyboardInterrupt (rank 0 stopped mid-request and will not finish it). Installed in
-    the main thread only."""
+    job) is only noted: rank 0, interrupted too, finishes the running request (the ranks
+    are inside its collectives: a rank leaving one mid-request left the others waiting in
+    it until torchrun's SIGKILL), then broadcasts stop, and every rank ends quietly.
+    Installed in the main thread only."""
 
     def __init__(self) -> None:
-        self.received, self.busy = False, False
+        self.received = False
 
     def _handle(self, signum, frame) -> None:
         self.received = True
-        if self.busy:
-            raise KeyboardInterrupt
+
+
+class _DeferSignals:
+    """`with _DeferSignals() as deferred:` around the request rank 0 runs: SIGINT or
+    SIGTERM there is noted (`deferred.received`) and serving stops once the request is
+    answered, as the other ranks finish it too; a second one, not the same Ctrl-C
+    forwarded by the launcher, exits at once as _StopSignals does. Main thread only."""
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received, self._first, self._previous = False, 0.0, {}
+
+    def _handle(self, signum, frame) -> None:
+        if not self.received:
+            self.received, self._first = True, time.monotonic()
+            print(f"{_PROG}: stopping once the running request is answered (Ctrl-C again "
+                  "to exit at once)", flush=True)
+            return
+        if signum == signal.SIGINT and \
+                time.monotonic() - self._first < InterruptWatch.FORWARDED_WITHIN_S:
+            return
+        _StopSignals.exit_now(signum)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self._SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
 
 
 def follow_requests(engine: Engine, group=None, src: int = 0) -> int:
@@ -89,18 +120,13 @@ def follow_requests(engine: Engine, group=None, src: int = 0) -> int:
             if kind != _REQUEST:
                 continue
             served += 1
-            sigint.busy = True
             try:
                 run_request(engine, req)
             except RequestError:
                 pass
-            except KeyboardInterrupt:  # Ctrl-C mid-request: rank 0 stopped too
-                return served
             except Exception as exc:  # rank 0 prints the traceback and answers 500
                 print(f"rank {engine.runtime.ps.rank}: the request failed too ("
                       f"{type(exc).__name__}: {exc}); following the next one", flush=True)
-            finally:
-                sigint.busy = False
 
 
 class _StopSignals:
@@ -121,6 +147,10 @@ class _StopSignals:
         if (signum == signal.SIGINT and
                 time.monotonic() - self._start < InterruptWatch.FORWARDED_WITHIN_S):
             return
+        self.exit_now(signum)
+
+    @staticmethod
+    def exit_now(signum) -> None:
         print(f"{_PROG}: interrupted again while stopping ({signal.Signals(signum).name}): "
               "exiting at once", flush=True)
         sys.stderr.flush()
@@ -161,6 +191,7 @@ class Lockstep:
         # the other replicas (Dispatcher): their heartbeat while idle, their stop
         self.heartbeat_replicas: Callable[[], None] = lambda: None
         self.stop_replicas: Callable[[], None] = lambda: None
+        self.current: Optional[Future] = None  # the future of the request serve runs
 
     def fail(self, exc: BaseException) -> None:
         """Stop serving because another replica broke (`serve` raises `exc`); any thread."""
@@ -196,18 +227,12 @@ class Lockstep:
                 if isinstance(req, _Lost):
                     self.lost = req.exc
                     raise req.exc
-                _broadcast((_REQUEST, req), self.group)
-                try:
-                    done.set_result(run_request(self.engine, req))
-                except KeyboardInterrupt:  # Ctrl-C mid-request: answer it (500), then stop;
-                    # unanswered, its HTTP thread waited for ever and server_close with it
-                    done.set_exception(RuntimeError("the server was stopped (Ctrl-C or "
-                                                    "SIGTERM) during this request"))
-                    raise
-                except Exception as exc:  # the handler answers 400 / 500
-                    done.set_exception(exc)
-                    if peer_failure(exc) is not None:  # out of step: each request would
-                        raise  # wait for the collective timeout again; stop serving
+                self.current = done
+                with _DeferSignals() as deferred:  # Ctrl-C: stop after this request
+                    _broadcast((_REQUEST, req), self.group)
+                    self._run(req, done)
+                if deferred.received:
+                    raise KeyboardInterrupt
         except KeyboardInterrupt:
             pass
         except Exception as exc:
@@ -217,7 +242,22 @@ class Lockstep:
             with _StopSignals():  # Ctrl-C again: exit at once (server.shutdown takes 0.5 s)
                 self._stop(server)
 
+    def _run(self, req, done: Future) -> None:
+        """Run `req` and set its future (the HTTP thread answers it); a failure that put
+        the ranks out of step is raised (see serve)."""
+        try:
+            done.set_result(run_request(self.engine, req))
+        except Exception as exc:  # the handler answers 400 / 500
+            done.set_exception(exc)
+            if peer_failure(exc) is not None:  # out of step: each request would
+                raise  # wait for the collective timeout again; stop serving
+
     def _stop(self, server) -> None:
+        if self.current is not None and not self.current.done():  # interrupted in it (off
+            # the main thread, or before its deferral): answer it (500), else its HTTP
+            # thread waits for ever, and server_close with it
+            self.current.set_exception(RuntimeError("the server was stopped (Ctrl-C or "
+                                                    "SIGTERM) during this request"))
         try:
             if not self.broken:  # else a stuck rank's broadcast would wait for the timeout
                 self.stop_others()
@@ -303,13 +343,8 @@ def lead_replica(engine: Engine, groups: ServingGroups) -> int:
                 return served
             if kind != _REQUEST:
                 continue
-            served, sigint.busy = served + 1, True
-            try:
-                answer, broke = _answer_of(lambda: run_request(engine, req))
-            except KeyboardInterrupt:  # Ctrl-C mid-request: rank 0 stopped too
-                return served
-            finally:
-                sigint.busy = False
+            served += 1
+            answer, broke = _answer_of(lambda: run_request(engine, req))
             _broadcast(answer, link, me)
             if broke is not None:
                 raise broke
