@@ -853,6 +853,36 @@ def test_ctrl_c_during_a_request_answers_it_and_rank0_stops(monkeypatch):
     assert sent[-1] == ("stop", None)  # the other ranks were told
 
 
+def test_closing_the_server_waits_for_the_request_being_answered():
+    """Ctrl-C of the one-process server while it generates: closing waits for that
+    request's answer. Before, server_close did not wait for the (daemon) handler thread:
+    the client got an empty reply and the interpreter's exit aborted the generating
+    thread ('terminate called without an active exception')."""
+    from types import SimpleNamespace
+
+    started, finished, answers = threading.Event(), [], []
+
+    def run(req):
+        started.set()
+        time.sleep(0.5)
+        finished.append(req.prompts)
+        return {"text": ["answer"], "segments": [["answer"]], "logprobs": None}
+
+    server = server_mod.build_server(SimpleNamespace(), "127.0.0.1", 0, log=lambda line: None,
+                                     run=run)
+    url = f"http://127.0.0.1:{server.server_address[1]}/api"
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = threading.Thread(target=lambda: answers.append(put(url, {"prompts": ["Hi"]})),
+                              daemon=True)
+    client.start()
+    assert started.wait(20)
+    server.shutdown()  # what Ctrl-C does to serve_forever
+    server.server_close()
+    assert finished == [["Hi"]]  # the request ran to its end before the close returned
+    client.join(20)
+    assert answers and answers[0][0] == 200
+
+
 def _dispatcher(monkeypatch, answer):
     """A Dispatcher over a fake replica 1 whose leader answers `answer`: (what was
     broadcast, the Lockstep, the Dispatcher)."""

@@ -28,7 +28,8 @@ request to the other ranks (a gloo group), all ranks generate it in lockstep (id
 full-vocabulary logits, same seeds, so the same tokens) and rank 0 answers. While idle,
 rank 0 broadcasts a heartbeat every 30 s, so the waiting ranks never reach the process
 group's timeout. When rank 0 stops (Ctrl-C, SIGTERM, a failure) it broadcasts a stop
-message and every rank exits (Ctrl-C again while it stops, or torchrun's SIGTERM after its
+message (after Ctrl-C or SIGTERM mid-request, once every rank has finished that request
+and it is answered; one process, too, answers its running requests) and every rank exits (Ctrl-C again while it stops, or torchrun's SIGTERM after its
 own second Ctrl-C: rank 0 exits at once with one line, status 130); a rank 0 killed
 outright breaks the other ranks' broadcast, and they exit with one line naming it. A
 request whose collective another rank broke (gone, or stuck past the process group's
@@ -77,10 +78,12 @@ reaching it from other machines is opt-in (--host 0.0.0.0).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -109,6 +112,7 @@ from tools.text_generation_ranks import (  # noqa: E402
     Dispatcher,
     Lockstep,
     ServingGroups,
+    _StopSignals,
     follow_requests,
     lead_replica,
 )
@@ -318,6 +322,10 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestError(f"the body is not JSON: {exc}") from None
 
     def do_PUT(self) -> None:
+        with self.server.answering():
+            self._put()
+
+    def _put(self) -> None:
         if urlsplit(self.path).path != "/api":
             return self._other()
         start, req = time.perf_counter(), None
@@ -348,6 +356,33 @@ class _Handler(BaseHTTPRequestHandler):
                      f"{time.perf_counter() - start:.2f} s")
 
 
+class _Server(ThreadingHTTPServer):
+    """ThreadingHTTPServer whose server_close waits for the PUTs being answered. Its
+    handler threads are daemons, which server_close does not join: Ctrl-C during a
+    request dropped the answer (an empty reply) and the interpreter's exit aborted the
+    thread still generating ('terminate called without an active exception')."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._puts, self._done = 0, threading.Condition()
+
+    @contextlib.contextmanager
+    def answering(self):
+        with self._done:
+            self._puts += 1
+        try:
+            yield
+        finally:
+            with self._done:
+                self._puts -= 1
+                self._done.notify_all()
+
+    def server_close(self) -> None:
+        super().server_close()
+        with self._done:
+            self._done.wait_for(lambda: self._puts == 0)
+
+
 def build_server(engine: Engine, host: str, port: int, log: Callable[[str], None] = print,
                  run: Optional[Callable] = None) -> ThreadingHTTPServer:
     """A bound (not yet serving) HTTP server for `engine`; port 0 takes a free port.
@@ -363,7 +398,7 @@ def build_server(engine: Engine, host: str, port: int, log: Callable[[str], None
 
     handler = type("Handler", (_Handler,), {"engine": engine, "log": staticmethod(log_line),
                                             "run": staticmethod(run or run_locked)})
-    return ThreadingHTTPServer((host, port), handler)
+    return _Server((host, port), handler)
 
 
 def _replicas_note(ps) -> str:
@@ -434,7 +469,8 @@ def _serve(a, ns, explicit: Set[str], environ, argv) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        server.server_close()
+        with _StopSignals():  # Ctrl-C again while a request finishes: exit at once
+            server.server_close()
     return 0
 
 
