@@ -135,6 +135,12 @@ def check_value_ranges(ns) -> None:
     if _uses_dynamic_loss_scale(ns) and ns.min_loss_scale > ns.initial_loss_scale:
         raise ArgumentsError(f"--min-loss-scale {ns.min_loss_scale} must be <= "
                              f"--initial-loss-scale {ns.initial_loss_scale}")
+    if ns.profile and ns.profile_step_end <= ns.profile_step_start:
+        # Found out at the first training step otherwise, after the model and data are built.
+        raise ArgumentsError(f"--profile-step-end {ns.profile_step_end} must be greater than "
+                             f"--profile-step-start {ns.profile_step_start} (the profiler "
+                             "records iterations [start, end)); pass e.g. --profile-step-end "
+                             f"{ns.profile_step_start + 2}")
 
 
 _DYNAMIC_SCALER_FLAGS = ("initial_loss_scale", "min_loss_scale", "loss_scale_window",

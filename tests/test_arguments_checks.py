@@ -131,6 +131,9 @@ def test_rampup_longer_than_the_run_is_allowed_with_a_warning(caplog):
     ("--override-opt_param-scheduler --use-checkpoint-opt_param-scheduler",
      "--override-opt_param-scheduler (take the schedule from the command line) and "
      "--use-checkpoint-opt_param-scheduler"),
+    # raised a ValueError traceback at the first training step, after the whole setup
+    ("--profile --profile-step-start 5 --profile-step-end 5", "--profile-step-end 5 must be "
+                                                              "greater than --profile-step-start 5"),
 ])
 def test_values_no_run_can_use_fail_in_validation(extra, expected):
     base = without("--train-iters") if "--train-iters" in extra else B
@@ -144,6 +147,7 @@ def test_values_megatron_reads_as_off_stay_valid():
     assert run("--fp16 --loss-scale-window 500.0").optimizer.loss_scale_window == 500
     assert cfg.training.eval_iters == 0 and cfg.checkpoint.save_interval == 0
     assert run("--train-iters 0 --skip-train", base=without("--train-iters")).training.skip_train
+    assert run("--profile-step-start 5 --profile-step-end 5").args["profile_step_end"] == 5
 
 
 def test_negative_clip_grad_means_no_clipping_as_in_megatron(caplog):
