@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,22 @@ def test_port_check_free_and_in_use():
                                            "WORLD_SIZE": "2", "RANK": "1"}, wait_s=0.3)
     assert "is not reachable from this node" in problems[0]
     assert doctor.check_port("no-such-host.invalid", 1)[0] == "unresolvable"
+
+
+def test_bad_rendezvous_settings_fail_with_their_value():
+    """A MASTER_PORT that is no port number raised a ValueError traceback, and a MASTER_ADDR
+    that does not resolve passed ("all checks passed") though no launch can use it."""
+    for port in ("abc", "70000", "0"):
+        _, problems = doctor.rendezvous_lines({"MASTER_PORT": port})
+        assert problems == [f"MASTER_PORT='{port}' is not a TCP port number (1-65535); set "
+                            "e.g. MASTER_PORT=29500"]
+    for env in ({}, {"WORLD_SIZE": "2", "RANK": "1"}):
+        start = time.monotonic()
+        _, problems = doctor.rendezvous_lines(dict(env, MASTER_ADDR="no-such-host.invalid",
+                                                   MASTER_PORT=str(free_port())), wait_s=30)
+        assert time.monotonic() - start < 20  # a name that does not resolve is not waited for
+        assert len(problems) == 1 and problems[0].startswith(
+            "MASTER_ADDR=no-such-host.invalid: cannot resolve no-such-host.invalid")
 
 
 def test_check_in_names_the_missing_rank_either_way():

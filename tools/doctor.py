@@ -165,15 +165,24 @@ def rendezvous_lines(env: Dict[str, str], wait_s: float = 0.0) -> Tuple[List[str
     """(report lines, problems) for MASTER_ADDR:MASTER_PORT. Where the store must be up, it
     is polled for up to `wait_s` seconds (rank 0 may still be starting)."""
     addr = env.get("MASTER_ADDR", "localhost")
-    port = int(env.get("MASTER_PORT", DEFAULT_PORT) or DEFAULT_PORT)
+    raw_port = (env.get("MASTER_PORT") or str(DEFAULT_PORT)).strip()
+    if not raw_port.isdigit() or not 1 <= int(raw_port) <= 65535:
+        # a launch with it fails too (torchrun: invalid int; the store: out of range)
+        return [f"{addr}:{raw_port} not checked"], [
+            f"MASTER_PORT={raw_port!r} is not a TCP port number (1-65535); set e.g. "
+            f"MASTER_PORT={DEFAULT_PORT}"]
+    port = int(raw_port)
     expect = _expects_listening(env)
     deadline = time.monotonic() + wait_s
     state, why = check_port(addr, port)
-    while expect and state != "listening" and time.monotonic() < deadline:
+    while expect and state not in ("listening", "unresolvable") and time.monotonic() < deadline:
         time.sleep(0.2)
         state, why = check_port(addr, port)
     problems = []
-    if expect and state != "listening":
+    if state == "unresolvable":  # every rank must reach the store by this name
+        problems.append(f"MASTER_ADDR={addr}: {why}; set it to the first node's hostname "
+                        "or IP address, as this node resolves it")
+    elif expect and state != "listening":
         problems.append(f"the rendezvous store {addr}:{port} is not reachable from this node "
                         f"({state}); check MASTER_ADDR/--master-addr and the firewall")
     if expect is False and state == "listening":
