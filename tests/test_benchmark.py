@@ -38,6 +38,35 @@ def test_single_run_reports_throughput_and_mfu():
     assert "WARNING" not in out.stderr, out.stderr[-2000:]  # none about flags it passes itself
 
 
+def test_counts_no_run_can_use_are_refused(capsys):
+    """--steps 0 divided by zero after building the model (a traceback), --micro-batch-size 0
+    fell back to the preset's micro batch in silence."""
+    bm = _benchmark_module()
+    for argv, message in ((["--steps", "0"], "--steps 0 must be >= 1"),
+                          (["--warmup", "-1"], "--warmup -1 must be >= 0"),
+                          (["--micro-batch-size", "0"], "--micro-batch-size 0 must be >= 1")):
+        with pytest.raises(SystemExit) as exc:
+            bm.main(["--preset", "tiny", "--device", "cpu"] + argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_run_without_warmup_steps():
+    """--warmup 0 (and runs of 1-2 iterations): the presets' 2 learning-rate warm-up
+    iterations outlasted the run (a validation error naming flags the user never gave),
+    and the missing first warm-up step's time was a TypeError."""
+    bm = _benchmark_module()
+    from megatron.arguments import parse_and_validate
+
+    for steps, warmup in ((1, 0), (2, 0), (1, 1)):
+        parse_and_validate(bm.build_argv("tiny", steps, warmup, 4, []), cuda_available=False)
+    out = subprocess.run([sys.executable, TOOL, "--preset", "tiny", "--device", "cpu",
+                          "--steps", "1", "--warmup", "0", "--", "--num-workers", "0"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = json.loads([x for x in out.stdout.splitlines() if x.startswith("{")][-1])
+    assert row["steps"] == 1 and row["time_to_first_step_s"] is None and row["step_ms"] > 0
+
+
 def test_fp16_replaces_the_presets_bf16():
     """`-- --fp16` on a bf16 preset runs it in fp16 (the two flags are exclusive)."""
     from megatron.arguments import parse_and_validate

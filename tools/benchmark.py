@@ -83,7 +83,10 @@ def build_argv(preset: str, steps: int, warmup: int, micro_batch: int, extra: li
     lay = layout or {"tp": 1, "pp": 1, "dp": 1}
     num_micro = 2 * lay["pp"] if lay["pp"] > 1 else 1
     total = steps + warmup
-    return flags + COMMON + [
+    # COMMON's 2 warm-up iterations must end before the decay (the run's length) does
+    common = [str(min(2, total - 1)) if prev == "--lr-warmup-iters" else f
+              for prev, f in zip([None] + COMMON, COMMON)]
+    return flags + common + [
         "--micro-batch-size", str(micro_batch),
         "--global-batch-size", str(micro_batch * lay["dp"] * num_micro),
         "--tensor-model-parallel-size", str(lay["tp"]),
@@ -428,7 +431,8 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
         "step_ms": round(elapsed / steps * 1000, 2), "tokens_per_s": round(tokens_per_s),
         "tflops": round(tokens_per_s * fpt / 1e12, 1), "mfu": round(tokens_per_s * fpt / 989e12, 4),
         "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if use_cuda else None,
-        "time_to_first_step_s": round(t_first, 1), "time_to_build_s": round(t_built, 1),
+        "time_to_first_step_s": None if t_first is None else round(t_first, 1),  # --warmup 0
+        "time_to_build_s": round(t_built, 1),
         "loss": round(float(loss), 4),
         "precision": "fp16" if config.args["fp16"] else "bf16" if config.args["bf16"] else "fp32",
         "skipped_steps": skipped,
@@ -476,6 +480,18 @@ def scaling(a, device: str) -> int:
     return 0
 
 
+def _check_counts(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """ap.error (exit 2) for a count no run can use, before anything is built: --steps 0
+    divided by zero after the warm-up, and --micro-batch-size 0 fell back to the preset's."""
+    for flag, value, low in (("--steps", a.steps, 1), ("--warmup", a.warmup, 0),
+                             ("--micro-batch-size", a.micro_batch_size, 1),
+                             ("--profile-steps", a.profile_steps, 0),
+                             ("--sync-debug", a.sync_debug, 0),
+                             ("--chip-sample-ms", a.chip_sample_ms, 0)):
+        if value is not None and value < low:
+            ap.error(f"{flag} {value} must be >= {low}")
+
+
 def main(argv=None) -> int:
     from megatron.cli_suggest import SuggestingParser
 
@@ -507,6 +523,7 @@ def main(argv=None) -> int:
                          "on this host, e.g. tp1,dp2,dp4,tp2dp2; prints the efficiency table")
     ap.add_argument("extra", nargs="*", help="extra pretrain_gpt.py flags (after --)")
     a = ap.parse_args(argv)
+    _check_counts(ap, a)
     if a.device == "cpu":
         # the whole run on the CPU (gloo between ranks, --scaling's included) even where a
         # GPU is visible: the start-up picks NCCL and the GPU whenever CUDA is available
@@ -522,7 +539,7 @@ def main(argv=None) -> int:
         raise SystemExit("error: --device cuda but no CUDA device is available")
     if a.scaling:
         return scaling(a, device)
-    mbs = a.micro_batch_size or PRESETS[a.preset][1]
+    mbs = PRESETS[a.preset][1] if a.micro_batch_size is None else a.micro_batch_size
     layout = parse_layout(a.layout) if a.layout else None
     warmup = timed_warmup(a.warmup, device, a.extra, int(os.environ.get("WORLD_SIZE", 1)))
     result = run(a.preset, a.steps, warmup, mbs, a.extra, device, a.profile_steps, layout,
