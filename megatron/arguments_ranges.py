@@ -139,7 +139,7 @@ def check_value_ranges(ns) -> None:
         # Found out at the first training step otherwise, after the model and data are built.
         raise ArgumentsError(f"--profile-step-end {ns.profile_step_end} must be greater than "
                              f"--profile-step-start {ns.profile_step_start} (the profiler "
-                             "records iterations [start, end)); pass e.g. --profile-step-end "
+                             "records iterations start + 1 to end); pass e.g. --profile-step-end "
                              f"{ns.profile_step_start + 2}")
 
 

@@ -408,10 +408,10 @@ EXTRA_HELP = {
     "--gpu-memory-gb": "memory of one GPU for the --dry-run memory check (default: what the "
                        "local GPU has; no check without a GPU)",
     "--profile": "record a torch profiler trace (tensorboard-readable, under --tensorboard-dir "
-                 "or ./profile) for iterations [--profile-step-start, --profile-step-end); on "
-                 "GPU the steps also carry NVTX ranges for nsys",
-    "--profile-step-start": "first profiled iteration",
-    "--profile-step-end": "profiling stops before this iteration",
+                 "or ./profile) for iterations --profile-step-start + 1 to --profile-step-end "
+                 "(as Megatron-LM); on GPU the steps also carry NVTX ranges for nsys",
+    "--profile-step-start": "iterations done when profiling starts (0: from the first)",
+    "--profile-step-end": "iterations done when profiling stops",
     "--profile-ranks": "global ranks that write a trace",
     "--record-memory-history": "record the CUDA caching allocator's history on every rank "
                                "(for https://pytorch.org/memory_viz): the last rank writes a "

@@ -15,7 +15,9 @@ import torch
 
 
 class StepProfiler:
-    """Starts profiling at `start` and stops before `end` (iterations, 1-based)."""
+    """Profiles the iterations after the first `start` up to and including iteration `end`
+    (1-based, as the log numbers them): Megatron-LM 23.05 starts profiling when `start`
+    iterations are done (0: from the first) and stops when `end` are."""
 
     def __init__(self, enabled: bool, start: int, end: int, out_dir: str):
         if enabled and end <= start:
@@ -33,7 +35,7 @@ class StepProfiler:
                    int(args.get("profile_step_end", 12)), out)
 
     def before_step(self, iteration: int) -> None:
-        if not self.enabled or iteration != self.start:
+        if not self.enabled or iteration != self.start + 1:
             return
         acts = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
@@ -55,7 +57,7 @@ class StepProfiler:
         if self.prof is None:
             return
         self.prof.step()
-        if iteration + 1 >= self.end:
+        if iteration >= self.end:
             if self.cuda:
                 torch.cuda.synchronize()
                 torch.cuda.cudart().cudaProfilerStop()

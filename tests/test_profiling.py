@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -19,6 +20,30 @@ def test_profile_window_writes_a_trace(tmp_path, capsys):
     traces = [f for _, _, files in os.walk(tmp_path / "tb" / "profile") for f in files]
     assert any(f.endswith(".pt.trace.json") or ".pt.trace.json" in f for f in traces), traces
     assert "profiler trace written under" in capsys.readouterr().out
+
+
+def _profiled_iterations(trace_dir) -> set:
+    names = set()
+    for root, _, files in os.walk(trace_dir):
+        for f in files:
+            with open(os.path.join(root, f)) as fh:
+                names |= {e.get("name") for e in json.load(fh)["traceEvents"]}
+    return {n for n in names if n and n.startswith("iteration ")}
+
+
+@pytest.mark.parametrize("start, end, expected", [
+    (2, 4, {"iteration 3", "iteration 4"}),
+    (0, 1, {"iteration 1"}),  # wrote no trace at all: iteration 0 never runs
+])
+def test_profile_window_is_megatrons(tmp_path, start, end, expected):
+    """Megatron-LM 23.05 starts profiling once --profile-step-start iterations are done and
+    stops once --profile-step-end are: the log's iterations start + 1 to end."""
+    tr = _trainer(tmp_path, iters=5)
+    tr.config.logging = dataclasses.replace(tr.config.logging, tensorboard_dir=str(tmp_path / "tb"))
+    tr.config.args.update(profile=True, profile_step_start=start, profile_step_end=end,
+                          profile_ranks=[0])
+    train(tr, data_iterator(tr.config, tr.rt, "train", 0), None)
+    assert _profiled_iterations(tmp_path / "tb" / "profile") == expected
 
 
 def test_profile_window_must_be_ordered():
