@@ -7,15 +7,17 @@ batch (one draw, at the end).
 """
 from __future__ import annotations
 
+import functools
 import multiprocessing.util
 import os
 import queue
 import signal
 import sys
 import threading
+import time
 import warnings
 import weakref
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -470,11 +472,47 @@ class _WorkerIterator:
     exit handler runs before it terminates children (a forked process leaves through
     os._exit and never runs atexit)."""
 
-    def __init__(self, loader):
-        self._holder = [iter(loader)]
+    # How long the first batch waits for every worker to have started (its worker_init_fn
+    # run) before the workers are started again.
+    START_S = 60.0
+
+    def __init__(self, make_loader: Callable[[Callable[[int], None]], object], workers: int):
+        self._make_loader, self._workers = make_loader, workers
+        self._holder = [self._start()]
         self._at_exit = weakref.finalize(self, _shutdown_workers, self._holder)
         self._finalizer = multiprocessing.util.Finalize(self, _shutdown_workers,
                                                         args=(self._holder,), exitpriority=100)
+        self._checked = False
+
+    def _start(self):
+        """A new DataLoader iterator whose workers each mark `_started` once they run."""
+        self._started = multiprocessing.RawArray("b", self._workers)
+        return iter(self._make_loader(functools.partial(_worker_started, self._started)))
+
+    def _check_started(self, attempts: int = 3) -> None:
+        """A worker forked while another thread of this process held the interpreter's
+        thread-list lock never gets past the fork (CPython 3.11 takes that lock again in
+        the child; gloo's threads take it briefly to touch Python objects): the first
+        batch then waited for it for ever (seen once in a CI run, a tp2-pp2 resume). Give
+        the workers START_S to start, else start them again (the sampler restarts from the
+        same consumed samples: the same batches)."""
+        for _ in range(attempts):
+            deadline = time.monotonic() + self.START_S
+            while not all(self._started) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if all(self._started):
+                return
+            workers = getattr(self._holder[0], "_workers", [])
+            stuck = [w for w, ok in zip(workers, self._started) if not ok]
+            print(f"warning: data loader worker process(es) {[w.pid for w in stuck]} did "
+                  f"not start within {self.START_S:g} s (a fork that hung); starting the "
+                  "workers again", file=sys.stderr, flush=True)
+            _shutdown_workers(self._holder)  # its SIGTERM may not reach a hung fork
+            for w in stuck:
+                if w.is_alive():
+                    w.kill()
+                    w.join(5.0)
+            self._holder.append(self._start())
 
     def __iter__(self):
         return self
@@ -482,6 +520,9 @@ class _WorkerIterator:
     def __next__(self):
         if not self._holder:
             raise StopIteration  # closed
+        if not self._checked:
+            self._check_started()
+            self._checked = True
         try:
             return next(self._holder[0])
         except BadTokenError as e:
@@ -508,6 +549,13 @@ def _ignore_preemption_signals(_worker_id: int) -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
+def _worker_started(started, worker_id: int) -> None:
+    """A loader worker's init: ignore the preemption signals, mark itself started."""
+    _ignore_preemption_signals(worker_id)
+    if started is not None:
+        started[worker_id] = 1
+
+
 def make_iterator(config: Config, dataset, consumed: int, dp_rank: int, dp_size: int,
                   pin: bool) -> Optional[Iterator[dict]]:
     """Micro-batches of this DP rank starting at `consumed` samples (None without data).
@@ -527,12 +575,10 @@ def make_iterator(config: Config, dataset, consumed: int, dp_rank: int, dp_size:
         return PrefetchIterator(dataset, sampler, pin)
     # Own generator: creating the loader must not draw from the (checkpointed) default RNG,
     # or a resumed run would see different dropout masks than an uninterrupted one.
-    loader = torch.utils.data.DataLoader(
+    return _WorkerIterator(lambda init: torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=d.num_workers, pin_memory=pin,
         collate_fn=_collate, persistent_workers=True, prefetch_factor=4,
-        worker_init_fn=_ignore_preemption_signals,
-        generator=torch.Generator().manual_seed(d.seed))
-    return _WorkerIterator(loader)
+        worker_init_fn=init, generator=torch.Generator().manual_seed(d.seed)), d.num_workers)
 
 
 def get_batch(micro: dict, device: torch.device, eod: Optional[int], flags) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import multiprocessing
+import os
 import threading
 import time
 
@@ -117,6 +118,43 @@ def test_dropped_iterator_stops_its_reader(workers):
         time.sleep(0.05)
     assert set(multiprocessing.active_children()) <= children
     assert thread is None or not thread.is_alive()
+
+
+def _hang_first_worker_once(flag, started, worker_id):
+    """A worker init that hangs for ever the first time worker 0 starts (`flag` absent)."""
+    from megatron import data_loading
+
+    if worker_id == 0 and not os.path.exists(flag):
+        open(flag, "w").close()
+        time.sleep(3600)
+    data_loading._ignore_preemption_signals(worker_id)
+    started[worker_id] = 1
+
+
+def test_a_worker_that_never_starts_is_started_again(tmp_path, monkeypatch, capsys):
+    """A loader worker hung in its fork (a CPython 3.11 lock taken by another thread at
+    the fork) made the first batch wait for ever. After START_S the workers start again,
+    and the batches are those of a loader that started at once."""
+    import functools
+
+    from megatron import data_loading
+
+    cfg = tiny_config(mbs=2, gbs=4)
+    cfg.data = dataclasses.replace(cfg.data, num_workers=2, seq_length=8)
+    plain = make_iterator(cfg, _Seq(), consumed=4, dp_rank=1, dp_size=2, pin=False)
+    expected = [next(plain)["text"].tolist() for _ in range(6)]
+    plain.close()
+    monkeypatch.setattr(data_loading._WorkerIterator, "START_S", 1.0)
+    monkeypatch.setattr(data_loading, "_worker_started", functools.partial(
+        _hang_first_worker_once, str(tmp_path / "hung")))
+    it = make_iterator(cfg, _Seq(), consumed=4, dp_rank=1, dp_size=2, pin=False)
+    start = time.monotonic()
+    assert [next(it)["text"].tolist() for _ in range(6)] == expected
+    assert time.monotonic() - start < 30
+    it.close()
+    assert (tmp_path / "hung").exists()
+    assert "did not start within 1 s (a fork that hung); starting the workers again" in \
+        capsys.readouterr().err
 
 
 def test_closed_worker_iterator_ends():
