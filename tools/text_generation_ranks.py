@@ -64,39 +64,6 @@ class _FollowerSigint(SigintHandler):
         self.received = True
 
 
-class _DeferSignals:
-    """`with _DeferSignals() as deferred:` around the request rank 0 runs: SIGINT or
-    SIGTERM there is noted (`deferred.received`) and serving stops once the request is
-    answered, as the other ranks finish it too; a second one, not the same Ctrl-C
-    forwarded by the launcher, exits at once as _StopSignals does. Main thread only."""
-
-    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.received, self._first, self._previous = False, 0.0, {}
-
-    def _handle(self, signum, frame) -> None:
-        if not self.received:
-            self.received, self._first = True, time.monotonic()
-            print(f"{_PROG}: stopping once the running request is answered (Ctrl-C again "
-                  "to exit at once)", flush=True)
-            return
-        if signum == signal.SIGINT and \
-                time.monotonic() - self._first < InterruptWatch.FORWARDED_WITHIN_S:
-            return
-        _StopSignals.exit_now(signum)
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in self._SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous = {}
-
-
 def follow_requests(engine: Engine, group=None, src: int = 0) -> int:
     """A rank other than its replica's leader (global rank `src`; 0 at dp 1): generate each
     request the leader broadcasts over `group` (default: control_group), in lockstep with
@@ -165,6 +132,28 @@ class _StopSignals:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
+
+
+class _DeferSignals(_StopSignals):
+    """`with _DeferSignals() as deferred:` around the request rank 0 runs: SIGINT or
+    SIGTERM there is noted (`deferred.received`) and serving stops once the request is
+    answered, as the other ranks finish it too; a second one, not the same Ctrl-C
+    forwarded by the launcher, exits at once as _StopSignals does (its __enter__/__exit__
+    install and restore the handlers). Main thread only."""
+
+    def __init__(self) -> None:
+        self.received, self._first, self._previous = False, 0.0, {}
+
+    def _handle(self, signum, frame) -> None:
+        if not self.received:
+            self.received, self._first = True, time.monotonic()
+            print(f"{_PROG}: stopping once the running request is answered (Ctrl-C again "
+                  "to exit at once)", flush=True)
+            return
+        if signum == signal.SIGINT and \
+                time.monotonic() - self._first < InterruptWatch.FORWARDED_WITHIN_S:
+            return
+        _StopSignals.exit_now(signum)
 
 
 class _Lost:
