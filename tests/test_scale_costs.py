@@ -78,7 +78,11 @@ def _start_up_worker(rank, world_size, port):
         initialize.build_control_group("nccl", world_size, datetime.timedelta(seconds=120))
     finally:
         dist.init_process_group = real_init
-    return total(stores[0].counts)
+    requests = total(stores[0].counts)
+    # rank 0 holds the store: it must not exit while another rank's lazy group set-up
+    # still writes to it ('Broken pipe' on that rank, seen under load)
+    dist.barrier()
+    return requests
 
 
 def test_start_up_store_requests_do_not_grow_with_the_world_size():
