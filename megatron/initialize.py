@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron.core.config import ParallelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_seed
+from megatron.launcher_watch import watch_launcher
 from megatron.restart_epoch import agree_on_epoch, epoch_prefix
 
 
@@ -276,12 +277,14 @@ def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank
     """The entry points' start (pretrain_gpt.py, tools/benchmark.py): export what
     `--cublas-workspace` asks for into `environ` (the process environment, read by torch
     when it makes its first cuBLAS handle, so before anything runs on the GPU) and
-    `gloo_lazy_init_env` (read when each gloo group is made), initialise
+    `gloo_lazy_init_env` (read when each gloo group is made), watch the launcher (a rank
+    whose torchrun is killed stops, megatron/launcher_watch.py), initialise
     (under torchrun, each start of the job keeps out of the keys of earlier ones; `store`: the job's store when the entry point connected it already, see
     `initialize_distributed`), then check one GEMM on the GPU when cuBLAS was left without
     a workspace. With several processes, a warning every rank gives alike shows once from
     then on (`warnings_once_per_job`)."""
     one_line_project_warnings()
+    watch_launcher(environ, rank)
     environ.update(gloo_lazy_init_env(environ))
     no_workspace = cublas_workspace_env(cublas_workspace, environ)
     environ.update(no_workspace)
