@@ -125,6 +125,29 @@ def _vocab_rows_item(saved: dict, run: dict) -> Optional[Mismatch]:
                          fix=" ".join(words) + " (the checkpoint's tokenizer)")
 
 
+def _activation(args: dict):
+    """The MLP's activation as Megatron-LM 23.05's MLP picks it (first of --openai-gelu,
+    --swiglu, --squared-relu, else GeLU); the tanh and erf GeLU forms count as one."""
+    if "squared_relu" not in args:
+        return _ABSENT
+    for key in ("openai_gelu", "swiglu", "squared_relu"):
+        if args.get(key):
+            return "gelu" if key == "openai_gelu" else key
+    return "gelu"
+
+
+def _activation_item(saved: dict, run: dict) -> Optional[Mismatch]:
+    """Same shapes, another function: a GeLU checkpoint resumed with --squared-relu (or the
+    reverse). A --swiglu difference is reported as --swiglu (it changes fc1's shape)."""
+    a, b = _activation(saved), _activation(run)
+    if a is _ABSENT or b is _ABSENT or a == b or "swiglu" in (a, b):
+        return None
+    fix = "no --squared-relu" if a == "gelu" else "--squared-relu"
+    if a == "squared_relu" and run.get("openai_gelu"):
+        fix += " and no --openai-gelu"
+    return Mismatch("MLP activation (--squared-relu, else GeLU)", a, b, fix)
+
+
 _SHAPE_ITEMS: List[Callable[[dict, dict], Optional[Mismatch]]] = [
     _groups_item, _position_item, _max_positions_item, _vocab_rows_item]
 
@@ -136,6 +159,7 @@ def checkpoint_arg_mismatches(saved: Dict, run: Dict, finetune: bool = False) ->
     found += [item(saved, run) for item in _SHAPE_ITEMS]
     if not finetune:
         found += [_compare(saved, run, dest) for dest in OTHER_ARGS]
+        found.append(_activation_item(saved, run))
         if run.get("vocab_file"):
             found += [_compare(saved, run, dest) for dest in VOCAB_FILE_ARGS]
     unique: Dict[str, Mismatch] = {}

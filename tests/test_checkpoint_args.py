@@ -59,6 +59,23 @@ def test_query_groups_compare_by_layout():
                                                                      "--kv-channels"]
 
 
+def test_activation_is_checked_unless_finetune():
+    gelu = {"squared_relu": False, "openai_gelu": False, "swiglu": False}
+    relu2 = {**gelu, "squared_relu": True}
+    name = "MLP activation (--squared-relu, else GeLU)"
+    assert _names(relu2, saved_changes=gelu) == [name]
+    assert _names(gelu, saved_changes=relu2) == [name]
+    assert _names(relu2, finetune=True, saved_changes=gelu) == []
+    # --openai-gelu is the tanh form of the same GeLU; it also wins over --squared-relu
+    assert _names({**gelu, "openai_gelu": True}, saved_changes=gelu) == []
+    assert _names({**relu2, "openai_gelu": True}, saved_changes=gelu) == []
+    # --swiglu changes fc1's shape: reported once, as --swiglu
+    assert _names({**gelu, "swiglu": True}, saved_changes=relu2) == ["--swiglu"]
+    with pytest.raises(SystemExit, match=r"(?s)checkpoint gelu, this run squared_relu.*"
+                                         r"no --squared-relu"):
+        check_checkpoint_args({**SAVED, **gelu}, {**SAVED, **relu2}, "ck/iter_0000010")
+
+
 def test_rope_ignores_max_positions_unless_vocab_file_given():
     rope = {"position_embedding_type": "rope", "add_position_embedding": False,
             "use_rotary_position_embeddings": True}
