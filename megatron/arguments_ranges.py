@@ -188,7 +188,7 @@ def warn_unread_tensorboard_flags(ns, explicit: Set[str]) -> None:
 
 
 def warn_unread_tuning_flags(ns, explicit: Set[str]) -> None:
-    """The loss-scaler, optimizer and weight-decay flags the run's other choices leave
+    """The loss-scaler, optimizer, weight-decay and rotary flags the run's other choices leave
     unread, so that a tuned value that changes nothing is not taken for one that does."""
     if not ns.fp16 or ns.loss_scale:
         run = (f"the loss scale is the constant --loss-scale {ns.loss_scale:g}"
@@ -206,6 +206,11 @@ def warn_unread_tuning_flags(ns, explicit: Set[str]) -> None:
                 "--lr-decay-style constant keeps --lr after the warmup (the decay length "
                 "only bounds the warmup)")
     _warn_unread_scheduler_flags(ns)
+    if not ns.use_rotary_position_embeddings:  # resolved by the model-shape rules
+        warn_unread(ns, explicit, ("rotary_percent", "rotary_base"),
+                    f"the positions are {ns.position_embedding_type}, without rotary "
+                    "embeddings; add --use-rotary-position-embeddings (or "
+                    "--position-embedding-type rope) to rotate")
     if ns.weight_decay_incr_style != "constant":
         warn_unread(ns, explicit, ("weight_decay",),
                 f"with --weight-decay-incr-style {ns.weight_decay_incr_style} the weight decay "

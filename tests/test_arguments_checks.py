@@ -193,6 +193,14 @@ def test_a_loss_scale_without_fp16_or_bf16_is_warned(caplog):
      "has no effect: --finetune loads no schedule"),
     ("--override-opt_param-scheduler --load x --no-load-optim", "--no-load-optim loads no "
      "schedule"),
+    # a script that forgot its rotary switch trains learned positions only
+    ("--rotary-percent 0.5 --rotary-base 500000", "--rotary-percent 0.5, --rotary-base "
+     "500000.0 have no effect: the positions are learned_absolute, without rotary embeddings; "
+     "add --use-rotary-position-embeddings (or --position-embedding-type rope) to rotate"),
+    ("--no-position-embedding --rotary-percent 0.5", "--rotary-percent 0.5 has no effect: "
+     "the positions are none"),
+    ("--use-rotary-position-embeddings --rotary-percent 0.5 --rotary-base 500000", None),
+    ("--position-embedding-type rope --rotary-percent 0.5", None),
     # a script that forgot --recompute-granularity full recomputes nothing
     ("--recompute-method uniform", "--recompute-method uniform has no effect: nothing is "
      "recomputed without --recompute-granularity; add --recompute-granularity full"),
