@@ -449,6 +449,13 @@ def test_cli_prints_the_text(served, monkeypatch, capsys):
     assert "server error 400: prompts[0] ('hello'): NullTokenizer expects" in out
 
 
+def test_cli_keeps_an_https_url():
+    """(It made http://https://host/api.)"""
+    assert text_generation_cli.api_url("https://gen.example:443/api/") == (
+        "https://gen.example:443/api")
+    assert text_generation_cli.api_url("https://gen.example") == "https://gen.example/api"
+
+
 def test_cli_takes_the_servers_url(served, monkeypatch, capsys):
     """The address may be the URL curl is given (http://HOST:PORT/api), not only HOST:PORT:
     the client PUTs to /api, not /api/api (a 404)."""

@@ -35,9 +35,11 @@ def put(url: str, body: dict, timeout: Optional[float] = None) -> Tuple[int, str
 def api_url(address: str) -> str:
     """http://HOST:PORT/api for HOST:PORT, also when given as the server's URL
     (http://HOST:PORT, or with /api: what curl is given; Megatron's client appended a
-    second /api, which the server answers with 404)."""
-    address = address.removeprefix("http://").rstrip("/")
-    return f"http://{address.removesuffix('/api').rstrip('/')}/api"
+    second /api, which the server answers with 404). An https:// URL (the server behind a
+    TLS proxy) keeps its scheme."""
+    scheme = "https" if address.startswith("https://") else "http"
+    address = address.removeprefix(f"{scheme}://").rstrip("/")
+    return f"{scheme}://{address.removesuffix('/api').rstrip('/')}/api"
 
 
 def _ask_tokens() -> int:
