@@ -192,3 +192,15 @@ def test_srun_tasks_without_torchrun_fail_once(monkeypatch, capsys):
     monkeypatch.setenv("SLURM_PROCID", "1")
     assert doctor.main([]) == 1
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("var,value", [("WORLD_SIZE", "two"), ("RANK", "-1"),
+                                       ("LOCAL_WORLD_SIZE", "0"), ("LOCAL_RANK", "1.5")])
+def test_a_launcher_variable_that_is_no_number_fails_with_its_value(var, value, monkeypatch,
+                                                                      capsys):
+    """(A ValueError traceback from int().)"""
+    monkeypatch.setenv(var, value)
+    assert doctor.main([]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL: {var}='{value}' is not a whole number" in out
+    assert out.endswith("result: some checks FAILED\n")
