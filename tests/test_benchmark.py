@@ -126,6 +126,21 @@ def test_layouts_parse_and_bad_ones_name_the_fix():
     assert parse_layout("dp4") == {"tp": 1, "pp": 1, "dp": 4}
     with pytest.raises(SystemExit, match="bad layout 'tp2x'.*tp2pp2dp2"):
         parse_layout("tp2x")
+    with pytest.raises(SystemExit, match="bad layout 'tp0'"):
+        parse_layout("tp0")
+
+
+def test_a_layout_for_another_world_size_is_refused(monkeypatch, capsys):
+    """`--layout tp2` in a plain one-process run timed tp1 (the sizes cut to the world size,
+    as Megatron-LM does), under its own name in the JSON only."""
+    bench = _benchmark_module()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit, match=r"--layout tp2 needs 2 processes \(tp x pp x dp\); "
+                                         r"this run has 1 .*torchrun --nproc-per-node 2"):
+        bench.main(["--preset", "tiny", "--device", "cpu", "--layout", "tp2"])
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit, match="--layout tp2pp1 needs 2 processes"):
+        bench.check_layout_world("tp2pp1", bench.parse_layout("tp2pp1"), 4)
 
 
 def test_bias_presets_are_the_gpt_shapes_with_megatron_default_biases():

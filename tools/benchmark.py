@@ -68,9 +68,20 @@ def parse_layout(text: str) -> dict:
     sizes = {"tp": 1, "pp": 1, "dp": 1}
     for key, value in re.findall(r"(tp|pp|dp)(\d+)", text):
         sizes[key] = int(value)
-    if not re.fullmatch(r"((tp|pp|dp)\d+)+", text):
+    if not re.fullmatch(r"((tp|pp|dp)\d+)+", text) or 0 in sizes.values():
         raise SystemExit(f"error: bad layout {text!r}; write e.g. tp2, dp4, tp2pp2dp2")
     return sizes
+
+
+def check_layout_world(text: str, layout: dict, world: int) -> None:
+    """A layout needs tp*pp*dp processes: with fewer, tensor and pipeline sizes would be
+    cut to the world size (as Megatron-LM does) and the run would time another layout."""
+    need = layout["tp"] * layout["pp"] * layout["dp"]
+    if need != world:
+        raise SystemExit(
+            f"error: --layout {text} needs {need} processes (tp x pp x dp); this run has "
+            f"{world} (WORLD_SIZE). Start it with torchrun --nproc-per-node {need} "
+            f"tools/benchmark.py ..., or let --scaling {text} start torchrun")
 
 
 def build_argv(preset: str, steps: int, warmup: int, micro_batch: int, extra: list,
@@ -541,6 +552,8 @@ def main(argv=None) -> int:
         return scaling(a, device)
     mbs = PRESETS[a.preset][1] if a.micro_batch_size is None else a.micro_batch_size
     layout = parse_layout(a.layout) if a.layout else None
+    if layout is not None:
+        check_layout_world(a.layout, layout, int(os.environ.get("WORLD_SIZE", 1)))
     warmup = timed_warmup(a.warmup, device, a.extra, int(os.environ.get("WORLD_SIZE", 1)))
     result = run(a.preset, a.steps, warmup, mbs, a.extra, device, a.profile_steps, layout,
                  a.sync_debug, a.profile_sort, a.profile_rows, a.profile_launches,
