@@ -361,6 +361,9 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
         raise ArgumentsError(f"--mock-data and {given} are exclusive: --mock-data gives every "
                              "split (train, validation, test) random tokens; drop "
                              f"{given}, or drop --mock-data and pass --train-data-path")
+    if ns.mock_data and "split" in explicit:
+        warn(f"--split {ns.split} has no effect: --mock-data gives each split (train, "
+             "validation, test) random tokens of its own, whatever the shares")
     if ns.dataloader_type is None:
         ns.dataloader_type = "single"
     if not ns.data_sharding and ns.dataloader_type != "cyclic":

@@ -506,3 +506,14 @@ def test_kernels_the_cpu_cannot_run_are_refused_before_training(monkeypatch):
     monkeypatch.setattr(multi_tensor_adam, "INTERPRET_ON_CPU", True)
     monkeypatch.setattr(fused_cross_entropy, "INTERPRET_ON_CPU", True)
     assert run("--adam-kernel triton --cross-entropy-kernel triton")
+
+
+def test_a_split_with_mock_data_is_warned(caplog):
+    """`--split 100,0,0` to train without validation did nothing with --mock-data: every
+    split is random tokens of its own."""
+    run("--split 100,0,0")  # B: --mock-data
+    assert ("--split 100,0,0 has no effect: --mock-data gives each split (train, validation, "
+            "test) random tokens of its own") in caplog.text
+    caplog.clear()
+    run("")
+    assert "--split" not in caplog.text
