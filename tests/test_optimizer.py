@@ -69,6 +69,24 @@ def test_scaler_state_dict_round_trip(tmp_path):
     assert float(c.scale) == 8.0 and c.state_dict() == {}
 
 
+def test_scaler_resumed_at_smaller_window_and_hysteresis_uses_them():
+    """A checkpoint of 4 clean steps under --loss-scale-window 1000 --hysteresis 3, resumed
+    with --loss-scale-window 2 --hysteresis 1: the scale grows at the next clean step and
+    every 2 after (not never: the saved count is already past the new window), and after
+    that the first overflow backs off."""
+    s = DynamicGradScaler(1024.0, min_scale=1.0, growth_interval=1000, hysteresis=3)
+    for _ in range(4):
+        s.update(False)
+    t = DynamicGradScaler(1024.0, min_scale=1.0, growth_interval=2, hysteresis=1)
+    t.load_state_dict(s.state_dict())
+    assert (t.growth_tracker, t.hysteresis_tracker) == (1, 1)
+    trace = []
+    for found_inf in [False, False, False, True]:
+        t.update(found_inf)
+        trace.append(float(t.scale))
+    assert trace == [2048.0, 2048.0, 4096.0, 2048.0]
+
+
 @pytest.mark.parametrize("kw", [
     dict(initial_scale=0.0, min_scale=1.0), dict(initial_scale=4.0, min_scale=8.0),
     dict(initial_scale=4.0, min_scale=1.0, growth_factor=1.0),

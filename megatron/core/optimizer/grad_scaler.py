@@ -162,10 +162,15 @@ class DynamicGradScaler(MegatronGradScaler):
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """The saved scale and trackers, each tracker capped by this run's settings: a
+        resume at a smaller --loss-scale-window than the clean steps already counted grows
+        the scale at its next clean step (Megatron-LM's `==` test never fires again until an
+        overflow resets the count: the new window was silently ignored), and one at a
+        smaller --hysteresis tolerates at most that many overflows."""
         scale = torch.as_tensor(state_dict["scale"], dtype=torch.float32)
         self._scale.copy_(scale.reshape(()))
-        self._growth.fill_(int(state_dict["growth_tracker"]))
-        self._hyst.fill_(int(state_dict["hysteresis_tracker"]))
+        self._growth.fill_(min(int(state_dict["growth_tracker"]), self.growth_interval - 1))
+        self._hyst.fill_(min(int(state_dict["hysteresis_tracker"]), self.hysteresis))
 
 
 def load_scaler_state(scaler: Optional[MegatronGradScaler], state_dict: Dict[str, Any]) -> None:
