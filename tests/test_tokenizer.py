@@ -210,6 +210,14 @@ def test_gpt2_bad_files(tmp_path):
         build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file="/nonexistent")
     with pytest.raises(ValueError, match="not supported: it has no end-of-document token"):
         build_tokenizer("BertWordPieceCase", vocab_file=vocab_file)
+    good = tmp_path / "good"
+    good.mkdir()
+    vocab_file, _ = write_bpe_files(good, *train_tiny_bpe("abc abc abd", 3))
+    binary = tmp_path / "sp.model"  # a SentencePiece model given as the merges file
+    binary.write_bytes(b"\n\x80\x0bsome piece\x12\xff")  # was a bare UnicodeDecodeError
+    with pytest.raises(ValueError, match=f"--merge-file {binary}: not a text merges file .*"
+                                         "were the two swapped"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=str(binary))
 
 
 def test_null_tokenizer_and_padding():

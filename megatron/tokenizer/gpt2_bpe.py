@@ -47,16 +47,20 @@ def bytes_to_unicode() -> Dict[int, str]:
 def read_merges(merge_file: str) -> List[Tuple[str, str]]:
     """Merge pairs in rank order; the `#version` header line and blank lines are skipped."""
     merges = []
-    with open(merge_file, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.rstrip("\n")
-            if not line or (lineno == 1 and line.startswith("#version")):
-                continue
-            parts = line.split()
-            if len(parts) != 2:
-                raise ValueError(f"--merge-file {merge_file}:{lineno}: expected two symbols per "
-                                 f"merge line, got {line[:60]!r}; {SWAPPED_HINT}")
-            merges.append((parts[0], parts[1]))
+    try:
+        with open(merge_file, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except UnicodeDecodeError as e:  # a binary file: a SentencePiece model, a .gz, ...
+        raise ValueError(f"--merge-file {merge_file}: not a text merges file ({e}); "
+                         f"{SWAPPED_HINT}") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line or (lineno == 1 and line.startswith("#version")):
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            raise ValueError(f"--merge-file {merge_file}:{lineno}: expected two symbols per "
+                             f"merge line, got {line[:60]!r}; {SWAPPED_HINT}")
+        merges.append((parts[0], parts[1]))
     return merges
 
 
