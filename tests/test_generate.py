@@ -294,6 +294,36 @@ def test_a_tokenizer_that_does_not_fit_the_checkpoint(tmp_path, capsys):
                      capsys.readouterr().err)
 
 
+def test_tokenizer_flags_other_than_the_checkpoints_are_warned(tmp_path, capsys):
+    """--tokenizer-type or a tokenizer file that is not the checkpoint's, with as many ids
+    (padded to the same rows): generation ran in silence with other ids and another
+    end-of-document id. Now a WARNING names the flag, both values and the fix; the
+    checkpoint's own file given again, or a copy of it (moved files), is not warned."""
+    from tests.test_tokenizer import TRAIN_TEXT, train_tiny_bpe, write_bpe_files
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    vocab, merges = write_bpe_files(tmp_path / "a", *train_tiny_bpe(TRAIN_TEXT, 300, False))
+    other, _ = write_bpe_files(tmp_path / "b", *train_tiny_bpe(TRAIN_TEXT, 300, True))
+    copy = tmp_path / "copy.json"
+    copy.write_bytes(Path(vocab).read_bytes())
+    ckpt = tmp_path / "ckpt"
+    _train(ckpt, f"--tokenizer-type GPT2BPETokenizer --vocab-file {vocab} "
+                 f"--merge-file {merges}", steps=1)
+    run = ("--load", str(ckpt), "--prompt", "the fox", "--max-new-tokens", "1")
+    capsys.readouterr()
+    _run_cli(*run, "--vocab-file", vocab)
+    _run_cli(*run, "--vocab-file", str(copy))
+    assert "WARNING" not in capsys.readouterr().err
+    _run_cli(*run, "--vocab-file", other)
+    assert (f"WARNING: --vocab-file {other} differs from the file the checkpoint was trained "
+            f"with, {vocab}; leave --vocab-file out to use that one") in capsys.readouterr().err
+    _run_cli("--load", str(ckpt), "--prompt", "5 6", "--max-new-tokens", "1",
+             "--tokenizer-type", "NullTokenizer")
+    assert ("WARNING: --tokenizer-type NullTokenizer is not the checkpoint's GPT2BPETokenizer"
+            in capsys.readouterr().err)
+
+
 def test_prompt_file_equals_one_prompt_at_a_time(tmp_path):
     """--prompt-file: each line's answer equals --prompt with --seed + its index, sampled
     (batched through the cache, and one by one with --no-kv-cache); a bad line is named."""

@@ -18,7 +18,9 @@ parameter's partition dimension (blocks of a strided parameter, the SwiGLU [gate
 interleaved back; the fused QKV weight is laid out per query group, so a plain
 concatenation restores it) and pipeline stages (and virtual stages) are put back in layer
 order. Text prompts need the checkpoint's tokenizer (its files can be given again with
---vocab-file/--merge-file/--tokenizer-model); NullTokenizer text is space-separated ids.
+--vocab-file/--merge-file/--tokenizer-model; other files than the saved ones, where those
+still exist, or another --tokenizer-type are warned); NullTokenizer text is space-separated
+ids.
 Tokens are drawn from the tokenizer's vocabulary only, so a --seed gives the same text
 whatever layout padded the vocabulary (without a tokenizer: the padded vocabulary).
 
@@ -355,12 +357,16 @@ def build_tokenizer_from(args: dict, a, show: bool = True
                          ) -> Tuple[Optional[object], Optional[str]]:
     """(tokenizer, None) or (None, why not), from the checkpoint's args and CLI overrides.
     A tokenizer with more ids than the model has vocabulary rows (other files than the
-    model's) is refused; one that pads to another size than the model's is used with a
+    model's) is refused; one that pads to another size than the model's, another
+    --tokenizer-type or files whose contents differ from the saved paths' is used with a
     warning on stderr (`show`: this rank prints it)."""
     kind = a.tokenizer_type or args.get("tokenizer_type")
     try:
         from megatron.tokenizer import build_tokenizer
-        from megatron.tokenizer.tokenizer import checkpoint_vocab_mismatch
+        from megatron.tokenizer.tokenizer import (
+            checkpoint_tokenizer_overrides,
+            checkpoint_vocab_mismatch,
+        )
     except ImportError as exc:
         return None, f"megatron.tokenizer is not available ({exc})"
     try:
@@ -376,6 +382,10 @@ def build_tokenizer_from(args: dict, a, show: bool = True
         return None, f"tokenizer {kind}: {mismatch[1]}"
     if mismatch is not None and show:
         print(f"WARNING: tokenizer {kind}: {mismatch[1]}", file=sys.stderr, flush=True)
+    given = {d: getattr(a, d, None) for d in ("tokenizer_type", "vocab_file", "merge_file",
+                                              "tokenizer_model")}
+    for note in checkpoint_tokenizer_overrides(args, given) if show else ():
+        print(f"WARNING: {note}", file=sys.stderr, flush=True)
     return tok, None
 
 

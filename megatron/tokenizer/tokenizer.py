@@ -146,3 +146,34 @@ def checkpoint_vocab_mismatch(vocab_size: int, saved: Mapping) -> Optional[Tuple
                    f"(--make-vocab-size-divisible-by {divisible}; at tp 1: "
                    f"{pad_vocab_size(vocab_size, divisible, 1)}): check that it is the "
                    f"tokenizer the model was trained with{trained}")
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        if os.path.samefile(a, b):
+            return True
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            return fa.read() == fb.read()
+    except OSError:
+        return True  # the saved file is gone or unreadable: nothing to compare against
+
+
+def checkpoint_tokenizer_overrides(saved: Mapping, given: Mapping) -> List[str]:
+    """Why the tokenizer flags `given` (dest -> value, None: not given) are likely not the
+    ones the checkpoint's model (its saved `args`) was trained with, one line each: another
+    --tokenizer-type, or a tokenizer file whose contents differ from the saved path's
+    file where that still exists (files moved since training are given again: fine)."""
+    notes = []
+    kind, was = given.get("tokenizer_type"), saved.get("tokenizer_type")
+    if kind is not None and was is not None and kind != was:
+        notes.append(f"--tokenizer-type {kind} is not the checkpoint's {was}: the ids (and "
+                     f"the end-of-document id) may differ from training's; leave "
+                     f"--tokenizer-type out to use the checkpoint's")
+    for dest in ("vocab_file", "merge_file", "tokenizer_model"):
+        path, old = given.get(dest), saved.get(dest)
+        if path is None or old is None or not os.path.isfile(path) or _same_file(path, old):
+            continue
+        flag = "--" + dest.replace("_", "-")
+        notes.append(f"{flag} {path} differs from the file the checkpoint was trained with, "
+                     f"{old}; leave {flag} out to use that one")
+    return notes
