@@ -223,7 +223,12 @@ def _to_hf(a) -> int:
     args, model_cfg, state, iteration = load_full_checkpoint(a.load, a.iteration,
                                                              check_args=refuse_switch_mlp)
     family = detect_family(model_cfg) if a.family == "auto" else a.family
+    from megatron.tokenizer.tokenizer import checkpoint_tokenizer_overrides
+
     tok, why = _tokenizer_of(_tokenizer_args(args, a), args)
+    for note in checkpoint_tokenizer_overrides(args, {k: getattr(a, k, None)
+                                                      for k in _TOKENIZER_DESTS}):
+        print(f"WARNING: {note}")  # the export would cut the rows to another vocabulary
     args = _tokenizer_args(args, a)
     vocab = a.true_vocab_size or (tok.vocab_size if tok is not None else model_cfg.padded_vocab_size)
     if tok is None and a.true_vocab_size is None:

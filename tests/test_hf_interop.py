@@ -674,6 +674,31 @@ def test_to_hf_takes_tokenizer_files_that_moved(tmp_path, capsys):
              "--vocab-file", vocab_file, "--merge-file", merge_file)
 
 
+def test_to_hf_warns_of_tokenizer_files_other_than_the_checkpoints(tmp_path, capsys):
+    """Other tokenizer files than the ones the checkpoint was trained with (which still
+    exist) were taken in silence, and the export cut the embedding to their vocabulary
+    and took their eos id. Now a WARNING names the flag and both files."""
+    from tests.test_tokenizer import TRAIN_TEXT, train_tiny_bpe, write_bpe_files
+
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "other").mkdir()
+    vocab, merges = write_bpe_files(tmp_path / "tok", *train_tiny_bpe(TRAIN_TEXT, 300, False))
+    other, other_merges = write_bpe_files(tmp_path / "other",
+                                          *train_tiny_bpe(TRAIN_TEXT, 250, False))
+    _train(tmp_path / "ck", f"--tokenizer-type GPT2BPETokenizer --vocab-file {vocab} "
+                            f"--merge-file {merges}", steps=1)
+    capsys.readouterr()
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "a",
+                "--vocab-file", vocab) == 0
+    assert "WARNING" not in capsys.readouterr().out
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "b",
+                "--vocab-file", other, "--merge-file", other_merges) == 0
+    out = capsys.readouterr().out
+    assert (f"WARNING: --vocab-file {other} differs from the file the checkpoint was trained "
+            f"with, {vocab}; leave --vocab-file out") in out
+    assert "vocab 507," in out  # the rows cut to the other tokenizer's 507 ids
+
+
 def test_tokenizer_files_by_tokenizer_type(tmp_path):
     vocab, merges = tmp_path / "v.json", tmp_path / "m.txt"
     vocab.write_text("{}")
