@@ -249,6 +249,25 @@ def _blend(data_path) -> object:
     return [(os.path.normpath(p), round(w, 9)) for p, w in zip(prefixes, weights)]
 
 
+def tokenizer_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional[str]:
+    """One WARNING line when this run's tokenizer is likely not the one the checkpoint in
+    `where` was trained with although its vocabulary pads to the same rows (Megatron-LM
+    compares the tokenizer only with a --vocab-file, and never its files): another
+    --tokenizer-type, or a tokenizer file whose contents differ from the file at the path
+    the checkpoint records, where that still exists. Else None."""
+    from megatron.tokenizer.tokenizer import checkpoint_tokenizer_overrides
+
+    if not isinstance(saved, dict) or run.get("finetune"):
+        return None
+    notes = checkpoint_tokenizer_overrides(saved, run, advice=False)
+    if not notes:
+        return None
+    return (f"WARNING: this run's tokenizer is likely not the one the checkpoint in {where} "
+            f"was trained with: {'; '.join(notes)}; training goes on with other token ids "
+            "than the model learned (Megatron-LM does not check): resume with the "
+            "checkpoint's tokenizer flags unless the change is deliberate")
+
+
 def data_order_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional[str]:
     """One WARNING line when a resume reads its --data-path in another order than the run
     that saved `where`: another --seed reshuffles the samples (the consumed count then
@@ -425,6 +444,7 @@ def valid_order_warning(saved: Optional[Dict], run: Dict, valid, asked: int,
 
 __all__ = ["Mismatch", "SHAPE_ARGS", "OTHER_ARGS", "VOCAB_FILE_ARGS",
            "checkpoint_arg_mismatches", "check_checkpoint_args", "checkpoint_args_message",
-           "data_order_warning", "seq_length_warning", "train_order_warning",
+           "data_order_warning", "seq_length_warning", "tokenizer_warning",
+           "train_order_warning",
            "valid_order_warning"]
 

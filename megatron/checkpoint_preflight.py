@@ -23,6 +23,7 @@ from megatron.checkpoint_args import (
     checkpoint_args_message,
     data_order_warning,
     seq_length_warning,
+    tokenizer_warning,
 )
 from megatron.checkpoint_dirs import (
     incomplete_checkpoint_message,
@@ -267,7 +268,8 @@ def preflight_load(config: Config, evaluation: bool = False) -> Preflight:
     lines += [note.strip(" >") for note in states.notes]
     if not evaluation:
         for warning in (seq_length_warning(first.get("args"), config.args, iter_dir),
-                        data_order_warning(first.get("args"), config.args, iter_dir)):
+                        data_order_warning(first.get("args"), config.args, iter_dir),
+                        tokenizer_warning(first.get("args"), config.args, iter_dir)):
             lines += [warning] if warning else []
     # the saved distributed optimizer's state is in each rank's distrib_optim.pt: read by
     # the rank itself, or by every rank when resharding (the saved kind is the first rank's)

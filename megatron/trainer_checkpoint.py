@@ -22,6 +22,7 @@ from megatron.checkpoint_args import (
     checkpoint_args_message,
     data_order_warning,
     seq_length_warning,
+    tokenizer_warning,
 )
 from megatron.checkpoint_preflight import LoadStates, states_to_load
 from megatron.checkpoint_reshard import (
@@ -401,7 +402,8 @@ def _load_trainer_payload(tr) -> Optional[_Loaded]:
     saved, first_args, states = checked
     tr.checkpoint_args = first_args  # for the resume's train-order check
     for warning in (seq_length_warning(first_args, tr.config.args, iter_dir),
-                    data_order_warning(first_args, tr.config.args, iter_dir)):
+                    data_order_warning(first_args, tr.config.args, iter_dir),
+                    tokenizer_warning(first_args, tr.config.args, iter_dir)):
         if warning is not None and tr.optimizer is not None:  # not for evaluation-only
             print_rank_0(warning)
     for note in states.notes:

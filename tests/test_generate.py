@@ -317,7 +317,7 @@ def test_tokenizer_flags_other_than_the_checkpoints_are_warned(tmp_path, capsys)
     assert "WARNING" not in capsys.readouterr().err
     _run_cli(*run, "--vocab-file", other)
     assert (f"WARNING: --vocab-file {other} differs from the file the checkpoint was trained "
-            f"with, {vocab}; leave --vocab-file out to use that one") in capsys.readouterr().err
+            f"with, {vocab}; leave --vocab-file out to use the checkpoint's") in capsys.readouterr().err
     _run_cli("--load", str(ckpt), "--prompt", "5 6", "--max-new-tokens", "1",
              "--tokenizer-type", "NullTokenizer")
     assert ("WARNING: --tokenizer-type NullTokenizer is not the checkpoint's GPT2BPETokenizer"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import megatron.training as training
 from megatron.arguments import parse_and_validate, run_dry_run
-from megatron.checkpoint_args import data_order_warning, seq_length_warning
+from megatron.checkpoint_args import data_order_warning, seq_length_warning, tokenizer_warning
 from megatron.initialize import initialize_distributed, set_random_seed
 
 BASE = (
@@ -80,6 +80,70 @@ def test_dry_run_load_prints_the_seq_length_warning(tmp_path, capsys):
     out = capsys.readouterr().out
     assert status == 0, out
     assert "WARNING: --seq-length 8 differs from the checkpoint's 16" in out, out
+
+
+# ------------------------------------------------------------------- the tokenizer
+
+
+def test_tokenizer_warning_text(tmp_path):
+    """Another tokenizer whose vocabulary pads to the checkpoint's rows resumed in silence
+    (Megatron-LM compares --tokenizer-type only with a --vocab-file, never the files)."""
+    trained, other, copy = tmp_path / "sp.model", tmp_path / "other.model", tmp_path / "c"
+    trained.write_bytes(b"model one")
+    other.write_bytes(b"model two")
+    copy.write_bytes(b"model one")
+    saved = {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": str(trained)}
+    assert tokenizer_warning(saved, dict(saved), "d") is None
+    assert tokenizer_warning(saved, {**saved, "tokenizer_model": str(copy)}, "d") is None
+    gone = {**saved, "tokenizer_model": str(tmp_path / "moved-away.model")}
+    assert tokenizer_warning(gone, {**saved, "tokenizer_model": str(other)}, "d") is None
+    assert tokenizer_warning({}, saved, "d") is None  # an older writer: nothing to compare
+    text = tokenizer_warning(saved, {**saved, "tokenizer_model": str(other)}, "d/iter_2")
+    assert text.startswith("WARNING: this run's tokenizer is likely not the one the "
+                           f"checkpoint in d/iter_2 was trained with: --tokenizer-model "
+                           f"{other} differs from the file the checkpoint was trained with, "
+                           f"{trained}; training goes on")
+    kind = tokenizer_warning(saved, {**saved, "tokenizer_type": "GPTSentencePieceTokenizer"},
+                             "d")
+    assert ("--tokenizer-type GPTSentencePieceTokenizer is not the checkpoint's "
+            "SentencePieceTokenizer") in kind
+    assert tokenizer_warning(saved, {**saved, "tokenizer_model": str(other),
+                                     "finetune": True}, "d") is None
+
+
+def test_resume_with_another_sentencepiece_model_warns_also_in_dry_run(tmp_path, capsys):
+    from pretrain_gpt import tokenizer_vocab_size
+    from tests.test_tokenizer import _train_sentencepiece
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    one = _train_sentencepiece(tmp_path / "a")
+    two = _train_sentencepiece(tmp_path / "b", max_sentencepiece_length=2)  # 128 rows too
+    sp = ["--tokenizer-type", "SentencePieceTokenizer", "--seq-length", "8"]
+    base = [a for a in BASE if a not in ("NullTokenizer", "--vocab-size", "100")] + sp
+    base.remove("--tokenizer-type")
+
+    def sp_config(extra):
+        return parse_and_validate(base + extra, world_size=1, env={"RANK": "0"},
+                                  cuda_available=False, vocab_size_fn=tokenizer_vocab_size)
+
+    def sp_run(extra):
+        cfg = sp_config(extra)
+        rt = initialize_distributed(cfg.parallel, 0, 1, 0)
+        set_random_seed(cfg.training.seed, rt)
+        return training.pretrain(cfg, rt)
+
+    sp_run(["--tokenizer-model", one, "--train-iters", "3", "--save", str(tmp_path),
+            "--save-interval", "2", "--exit-interval", "2"])
+    capsys.readouterr()
+    resume = ["--tokenizer-model", two, "--train-iters", "3", "--load", str(tmp_path)]
+    assert sp_run(resume).state.iteration == 3
+    out = capsys.readouterr().out
+    assert out.count(f"WARNING: this run's tokenizer is likely not the one the checkpoint in "
+                     f"{tmp_path}/iter_0000002 was trained with: --tokenizer-model {two} "
+                     f"differs from the file the checkpoint was trained with, {one};") == 1, out
+    assert run_dry_run(sp_config(resume), 1) == 0
+    assert f"--tokenizer-model {two} differs" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------ --seed / --split

@@ -158,22 +158,24 @@ def _same_file(a: str, b: str) -> bool:
         return True  # the saved file is gone or unreadable: nothing to compare against
 
 
-def checkpoint_tokenizer_overrides(saved: Mapping, given: Mapping) -> List[str]:
+def checkpoint_tokenizer_overrides(saved: Mapping, given: Mapping,
+                                   advice: bool = True) -> List[str]:
     """Why the tokenizer flags `given` (dest -> value, None: not given) are likely not the
     ones the checkpoint's model (its saved `args`) was trained with, one line each: another
     --tokenizer-type, or a tokenizer file whose contents differ from the saved path's
-    file where that still exists (files moved since training are given again: fine)."""
+    file where that still exists (files moved since training are given again: fine).
+    `advice`: each line ends with "; leave FLAG out to use the checkpoint's"."""
     notes = []
     kind, was = given.get("tokenizer_type"), saved.get("tokenizer_type")
     if kind is not None and was is not None and kind != was:
         notes.append(f"--tokenizer-type {kind} is not the checkpoint's {was}: the ids (and "
-                     f"the end-of-document id) may differ from training's; leave "
-                     f"--tokenizer-type out to use the checkpoint's")
+                     f"the end-of-document id) may differ from training's"
+                     + ("; leave --tokenizer-type out to use the checkpoint's" * advice))
     for dest in ("vocab_file", "merge_file", "tokenizer_model"):
         path, old = given.get(dest), saved.get(dest)
         if path is None or old is None or not os.path.isfile(path) or _same_file(path, old):
             continue
         flag = "--" + dest.replace("_", "-")
         notes.append(f"{flag} {path} differs from the file the checkpoint was trained with, "
-                     f"{old}; leave {flag} out to use that one")
+                     f"{old}" + (f"; leave {flag} out to use the checkpoint's" * advice))
     return notes
