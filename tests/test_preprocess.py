@@ -217,6 +217,11 @@ def test_null_tokenizer_ids_beyond_vocab_size_name_the_flag(tmp_path):
                                          r"up to 100\)$") as err:
         preprocess_data.run(preprocess_data.get_args(argv))
     assert "--skip-bad-lines" not in str(err.value.code), "skipping lines is not the fix"
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "1 -2 494"}])  # said: a larger size
+    with pytest.raises(SystemExit, match=r"in\.jsonl:1: key 'text': token id -2 outside the "
+                                         r"vocabulary \[0, 101\); token ids are integers "
+                                         r">= 0$"):
+        preprocess_data.run(preprocess_data.get_args(argv))
 
 
 def test_small_chunks_keep_line_numbers(tmp_path, bpe, monkeypatch):

@@ -273,9 +273,10 @@ class ChunkEncoder:
         for ids in encoded:  # NullTokenizer takes any integer: keep the dtype from wrapping
             if ids.min() < 0 or ids.max() >= vocab:
                 bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-                fix = (f"; pass a --vocab-size larger than the text's largest id (this one "
-                       f"allows ids up to {vocab - 1})" if self.tokenizer.name == "NullTokenizer"
-                       else "")
+                fix = ("" if self.tokenizer.name != "NullTokenizer" else
+                       "; token ids are integers >= 0" if bad < 0 else
+                       f"; pass a --vocab-size larger than the text's largest id (this one "
+                       f"allows ids up to {vocab - 1})")
                 raise OutOfVocabulary(f"key {key!r}: token id {bad} outside the vocabulary "
                                       f"[0, {vocab}){fix}")
         return encoded
