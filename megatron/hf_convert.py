@@ -462,6 +462,7 @@ def _write_release_checkpoint(save: str, state: Dict[str, torch.Tensor], cfg,
             with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
                 f.write("release")
         except OSError as exc:
+            shutil.rmtree(root, ignore_errors=True)  # before the free space is measured
             raise SystemExit(f"error: writing the imported model to {root} (a temporary "
                              f"directory beside --save) failed ({type(exc).__name__}: {exc}); "
                              f"it was removed; {free_space_text(parent)}. Free space or pass "

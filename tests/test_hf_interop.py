@@ -413,9 +413,16 @@ def test_a_full_disk_during_to_hf_or_from_hf_is_one_message(tmp_path, monkeypatc
     def full(obj, f, *args, **kwargs):
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 10")
 
+    from megatron import checkpoint_dirs
+
+    measured = []  # the free space is measured once the partial output is gone
+    real_free = checkpoint_dirs.free_space_text
+    monkeypatch.setattr(checkpoint_dirs, "free_space_text", lambda path: measured.append(
+        [p for p in os.listdir(path) if p.startswith(".from-hf-")]) or real_free(path))
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(SystemExit) as err:
         _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "imported")
+    assert measured == [[]]
     assert str(err.value.code).startswith("error: writing the imported model to ")
     assert "unexpected pos 64 vs 10); it was removed; " in str(err.value.code)
     assert not (tmp_path / "imported").exists()
