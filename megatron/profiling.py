@@ -58,10 +58,37 @@ class StepProfiler:
             return
         self.prof.step()
         if iteration >= self.end:
-            if self.cuda:
-                torch.cuda.synchronize()
-                torch.cuda.cudart().cudaProfilerStop()
-            self.prof.__exit__(None, None, None)
-            self.prof = None
-            self.enabled = False
-            print(f" > profiler trace written under {self.out_dir}", flush=True)
+            self.finish()
+
+    def finish(self) -> None:
+        """Write the trace of the window so far (the run stopped inside it: its end, an
+        exit condition) and stop profiling."""
+        if self.prof is None:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+        self.prof.__exit__(None, None, None)
+        self.prof = None
+        self.enabled = False
+        print(f" > profiler trace written under {self.out_dir}", flush=True)
+
+    def window_note(self, first: int, last: int) -> Optional[str]:
+        """What the window (iterations start+1..end) does in a run of iterations
+        first..last: None when it lies inside, else a WARNING line (no trace at all, or one
+        cut at the run's end)."""
+        if not self.enabled:
+            return None
+        window = f"--profile window (iterations {self.start + 1}-{self.end})"
+        if self.start + 1 < first:
+            return (f"WARNING: the {window} starts before this run's first iteration {first} "
+                    f"(resumed from iteration {first - 1}): no trace will be written; pass "
+                    f"--profile-step-start {first - 1} or more")
+        if self.start + 1 > last:
+            return (f"WARNING: the {window} starts after this run's last iteration {last}: "
+                    f"no trace will be written; pass --profile-step-start {first - 1} (and "
+                    f"--profile-step-end at most {last}) or a longer run")
+        if self.end > last:
+            return (f"WARNING: the {window} ends after this run's last iteration {last}: the "
+                    f"trace covers iterations {self.start + 1}-{last}")
+        return None

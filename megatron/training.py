@@ -363,6 +363,9 @@ def train(tr: Trainer, train_data, valid_data) -> Optional[str]:
     tr.start_consumed = st.consumed_train_samples
     process_start = tr.process_start_time or tr.start_time
     profiler = StepProfiler.from_args(cfg.args, tr.rt.ps.rank, cfg.logging.tensorboard_dir)
+    note = profiler.window_note(st.iteration + 1, cfg.training.train_iters)
+    if note:
+        print(note, flush=True)  # on the profiled ranks
     if trainer_checkpoint.nothing_to_train(tr):  # the loaded state is in --save already
         saved_at = st.iteration
     while st.iteration < cfg.training.train_iters:
@@ -379,8 +382,10 @@ def train(tr: Trainer, train_data, valid_data) -> Optional[str]:
             saved_at = st.iteration
         reason = _should_exit(tr, process_start)
         if reason:
+            profiler.finish()
             _exit_program(tr, stats, reason, saved_at)
             return reason
+    profiler.finish()
     _close_interval(tr, stats)
     step_graph.settle(tr)
     print_datetime("after training is done")  # before the final save, as in Megatron
