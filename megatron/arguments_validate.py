@@ -13,9 +13,10 @@ schedule (arguments_schedule.py), data-path/split syntax and tokenizer files
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from dataclasses import fields
-from typing import Any, Callable, Dict, Mapping, Optional, Set
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Set
 
 import torch
 
@@ -390,13 +391,28 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
         raise ArgumentsError("--compile-scope block compiles the layer stack as one graph, which "
                              "full activation recompute splits per layer; use --compile-scope "
                              "layer with --recompute-granularity full")
-    with machine_checks():  # CUDA present or not: may differ between nodes
+    with machine_checks(), _planned_elsewhere(ns, cuda_available):  # CUDA may differ by node
         _check_cuda_features(ns, cuda_available)
     if ns.attention_backend in ("flash", "cudnn") and ns.reset_attention_mask:
         raise ArgumentsError(f"--attention-backend {ns.attention_backend} has no kernel for the "
                              "per-document mask of --reset-attention-mask; use auto or efficient")
     if ns.tokenizer_type is None:
         ns.tokenizer_type = "GPT2BPETokenizer"
+
+
+@contextlib.contextmanager
+def _planned_elsewhere(ns, cuda_available: bool) -> Iterator[None]:
+    """A --dry-run on a machine without CUDA (a GPU job planned on a login node) notes the
+    refusal of a CUDA-only choice (--record-memory-history, --cuda-graph-step on, a CUDA
+    kernel or attention backend, --gemm-algorithms FILE) instead of failing on it: the run
+    checks it again on its GPUs."""
+    try:
+        yield
+    except ArgumentsError as err:
+        if cuda_available or not ns.dry_run:
+            raise
+        warn(f"not checked on this machine, which has no CUDA (the run checks it on its "
+             f"GPUs): {err.message}")
 
 
 def _check_cuda_features(ns, cuda_available: bool) -> None:
@@ -503,7 +519,7 @@ def validate_args(
     _resolve_optimizer(ns, explicit)
     resolve_recompute(ns, explicit)
     _resolve_runtime(ns, explicit, cuda_available)
-    with machine_checks():  # CUDA present or not: may differ between nodes
+    with machine_checks(), _planned_elsewhere(ns, cuda_available):  # CUDA may differ by node
         _check_gemm_algorithms(ns, cuda_available)
     check_data_inputs(ns, explicit)
     with machine_checks():  # files read: may differ between nodes

@@ -517,3 +517,16 @@ def test_a_split_with_mock_data_is_warned(caplog):
     caplog.clear()
     run("")
     assert "--split" not in caplog.text
+
+
+@pytest.mark.parametrize("flags", ["--record-memory-history", "--cuda-graph-step on",
+                                   "--attention-backend cudnn", "--adam-kernel triton",
+                                   "--gemm-algorithms table.json"])
+def test_a_dry_run_without_cuda_notes_cuda_only_choices(caplog, flags):
+    """A GPU job planned with --dry-run on a login node (no CUDA) was refused for its
+    CUDA-only flags; the run itself (on its GPUs) still refuses them where CUDA is absent."""
+    assert "CUDA" in error_of(flags)
+    caplog.clear()
+    run(flags + " --dry-run")
+    assert "not checked on this machine, which has no CUDA (the run checks it on its GPUs): --" \
+        in caplog.text
