@@ -60,12 +60,27 @@ _watching = False
 def _watch(parent: int, rank: int, poll_s: float, grace_s: float) -> None:
     while os.getppid() == parent:
         time.sleep(poll_s)
-    print(f"error: rank {rank}: its launcher (torchrun, pid {parent}) has ended without "
-          f"stopping it (killed?); the rank stops as torchrun would have stopped it: "
-          f"SIGTERM now (with --exit-signal-handler: a save at the iteration reached), "
-          f"the end of the process {grace_s:.0f} s later", file=sys.stderr, flush=True)
+    _say(f"error: rank {rank}: its launcher (torchrun, pid {parent}) has ended without "
+         f"stopping it (killed?); the rank stops as torchrun would have stopped it: "
+         f"SIGTERM now (with --exit-signal-handler: a save at the iteration reached), "
+         f"the end of the process {grace_s:.0f} s later")
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(grace_s)
-    print(f"error: rank {rank}: still running {grace_s:.0f} s after SIGTERM; ending it",
-          file=sys.stderr, flush=True)
+    _say(f"error: rank {rank}: still running {grace_s:.0f} s after SIGTERM; ending it")
     os._exit(128 + signal.SIGKILL)
+
+
+def _say(line: str) -> None:
+    """Print to stderr, which may have gone with the launcher (a pipe nobody reads): then
+    the process's output goes to /dev/null from here on, so that the prints of a save
+    after SIGTERM do not fail it."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            os.close(devnull)
+        except OSError:
+            pass

@@ -165,3 +165,29 @@ def test_kill_9_of_torchrun_stops_the_ranks_and_they_save(tmp_path):
     assert "[exiting program after receiving SIGTERM.]" in text, text[-3000:]
     saved = int(re.findall(r"successfully saved checkpoint at iteration\s+(\d+)", text)[-1])
     assert read_tracker(str(ckpt)) == (saved, False) and saved >= 3
+
+
+def test_a_launcher_that_took_stderr_with_it_still_ends_the_rank(tmp_path):
+    """The rank's stderr is often a pipe the launcher (or a terminal it held) read: gone
+    with it, the line cannot be printed -- the rank must stop all the same."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody reads: a write fails with EPIPE
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER.replace('stderr=open(sys.argv[3], "w")',
+                                                "stderr=int(sys.argv[3]), pass_fds=[int(sys.argv[3])]"),
+         WATCHED, "default", str(write_end)],
+        cwd=ROOT, env=cpu_env(), stdout=subprocess.PIPE, text=True, pass_fds=[write_end])
+    os.close(write_end)
+    child = int(launcher.stdout.readline())
+    try:
+        assert launcher.stdout.readline().strip() == "watching"
+        launcher.kill()
+        launcher.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child)
+    finally:
+        launcher.kill()
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
