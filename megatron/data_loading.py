@@ -162,8 +162,9 @@ def build_datasets(config: Config, rank: int, vocab_size: int,
     together (`agreed_data_error` over `group`, the run's control group), printed once:
     `error: could not build the datasets: ...`."""
     d = config.data
-    if d.mock_data:
-        return {s: MockGPTDataset(vocab_size, d.seq_length, d.seed, split_index=i)
+    if d.mock_data:  # the tokenizer's ids (not the padding rows, which depend on the layout)
+        size = tokenizer_vocab_size if tokenizer_vocab_size and not d.vocab_size else vocab_size
+        return {s: MockGPTDataset(size, d.seq_length, d.seed, split_index=i)
                 for i, s in enumerate(SPLITS)}
     from megatron.agreed_exit import from_rank_0
     from megatron.core.datasets.gpt_dataset import build_train_valid_test_datasets

@@ -638,3 +638,25 @@ def test_eod_flags_on_data_without_end_of_document_tokens_are_warned(tmp_path):
     assert missing_eod_warning(with_data([marked], eod_mask_loss=True), eod) is None
     assert missing_eod_warning(with_data([plain]), eod) is None  # no EOD flag
     assert missing_eod_warning(with_data([plain], eod_mask_loss=True), None) is None
+
+
+def test_mock_data_draws_the_tokenizers_ids_not_the_padding_rows():
+    """With a tokenizer's files (no --vocab-size) mock samples were drawn over the padded
+    vocabulary: ids no tokenizer decodes, and other samples at each tensor-parallel size
+    (the padding depends on it), though every layout is to see the same samples."""
+    import dataclasses
+
+    from megatron.arguments import parse_and_validate
+    from megatron.data_loading import build_datasets
+
+    cfg = parse_and_validate(_RUN + ["--mock-data", "--seq-length", "16", "--train-iters", "2",
+                                     "--micro-batch-size", "1"],
+                             world_size=1, env={}, cuda_available=False)
+    files = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, vocab_size=None))
+    at_tp = [build_datasets(files, 0, padded, tokenizer_vocab_size=1001)["train"]
+             for padded in (1024, 1152)]
+    samples = [torch.stack([ds[i]["text"] for i in range(64)]) for ds in at_tp]
+    assert torch.equal(samples[0], samples[1]) and int(samples[0].max()) < 1001
+    assert int(samples[0].max()) > 900  # drawn over the whole vocabulary
+    null = build_datasets(cfg, 0, 1000, tokenizer_vocab_size=1001)["train"]  # --vocab-size
+    assert null.vocab_size == 1000
