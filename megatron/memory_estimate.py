@@ -55,7 +55,9 @@ used here, each checked against the tensors this model's layers actually save
   selective recompute: the attention core keeps only Q and the unrepeated K, V (compiled
                  layers with --attention-dropout > 0 recompute nothing: as without).
   full recompute: each layer keeps only its input (e*sbh, / t with sequence parallelism),
-  plus one layer's full set while it is rebuilt in backward; method block N: N layers.
+  plus one layer's full set while it is rebuilt in backward (once per stage, not per
+  micro-batch in flight: one micro-batch's backward runs at a time); method block N: N
+  layers.
 Outside the layers: the embedding dropout mask (sbh), the final norm's input and output
 (2*e*sbh), with rotary embeddings the cos/sin table all layers share (fp32 [2, s, rotary
 dim], small), and `logits`: the fp32 logits and their shifted copy inside the vocab-parallel
@@ -175,14 +177,21 @@ def _selective_layer_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, e:
 
 
 def activation_bytes(config: Config, num_layers: int, flash_attention: bool = True) -> float:
-    """Activations `num_layers` layers save for ONE micro-batch, with the recompute setting."""
+    """Activations `num_layers` layers save for ONE micro-batch, with the recompute setting
+    (with full recompute: plus the one layer rebuilt in backward)."""
+    return sum(_saved_and_rebuilt(config, num_layers, flash_attention))
+
+
+def _saved_and_rebuilt(config: Config, num_layers: int, flash_attention: bool):
+    """(bytes saved for one micro-batch, bytes of the one layer a full recompute rebuilds in
+    backward): the rebuild happens for one micro-batch at a time, however many are in flight."""
     m, p, d = config.model, config.parallel, config.data
     s, b, tp, sp = d.seq_length, d.micro_batch_size, p.tp_size, p.sequence_parallel
     e = _act_bytes(config)
     full = sum(layer_activation_terms(m, s, b, tp, sp, e, flash_attention).values())
     # compiled layers keep a dropout attention core out of the selective checkpoint
     if m.recompute_granularity == "selective" and not (m.compile_layers and m.attention_dropout > 0):
-        return num_layers * _selective_layer_bytes(m, s, b, tp, sp, e)
+        return num_layers * _selective_layer_bytes(m, s, b, tp, sp, e), 0.0
     if m.recompute_granularity == "full":
         n_recomputed = num_layers
         if m.recompute_method == "block":
@@ -192,8 +201,8 @@ def activation_bytes(config: Config, num_layers: int, flash_attention: bool = Tr
         split = sp or m.distribute_saved_activations
         layer_input = e * s * b * m.hidden_size / (tp if split else 1)
         rebuilt = full if n_recomputed else 0
-        return n_recomputed * layer_input + (num_layers - n_recomputed) * full + rebuilt
-    return num_layers * full
+        return n_recomputed * layer_input + (num_layers - n_recomputed) * full, rebuilt
+    return num_layers * full, 0.0
 
 
 def _head_bytes(config: Config, first: bool, last: bool) -> Dict[str, float]:
@@ -258,8 +267,9 @@ def estimate_stage_memory(config: Config, stage: int = 0, *,
     layers = sum(s.num_layers for s in stage_layout(
         m.num_layers, p.pp_size, stage, standalone_embedding_stage=p.standalone_embedding_stage))
     head = _head_bytes(config, stage == 0, stage == p.pp_size - 1)
-    acts = in_flight * (activation_bytes(config, layers, flash_attention)
-                        + head["embedding"] + head["final_norm"]) + head["rotary_table"]
+    saved, rebuilt = _saved_and_rebuilt(config, layers, flash_attention)
+    acts = (in_flight * (saved + head["embedding"] + head["final_norm"]) + rebuilt
+            + head["rotary_table"])
     est = {
         "weights": n_params * per["weights"],
         "gradients": n_params * per["gradients"],

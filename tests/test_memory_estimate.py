@@ -264,3 +264,19 @@ def test_dry_run_prints_breakdown_and_warns(capsys):
     if not torch.cuda.is_available():  # default: the local GPU, no check on CPU
         assert "WARNING" not in dry_run_report(cli("--bf16 --micro-batch-size 64 "
                                                    "--global-batch-size 512"), 8)
+
+
+def test_full_recompute_rebuilds_one_layer_per_stage_not_per_micro_batch_in_flight():
+    """Backward rebuilds one layer of one micro-batch at a time: on pipeline stage 0, which
+    keeps pp micro-batches in flight, that layer's activations count once. Counted per
+    micro-batch, recomputing one layer of a stage (block 1) was estimated above no recompute."""
+    cfg = cli("--bf16")
+    cfg.parallel.pp_size, cfg.parallel.dp_size = 4, 2
+    none = estimate_stage_memory(cfg, 0)["activations"]
+    one = activation_bytes(cfg, 1)
+    block = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, recompute_granularity="full", recompute_method="block", recompute_num_layers=1))
+    got = estimate_stage_memory(block, 0)["activations"]
+    assert got < none
+    layer_input = 2048 * 4 * cfg.model.hidden_size * 2
+    assert got == round(none - 4 * (one - layer_input) + one)
