@@ -190,8 +190,27 @@ def resolve_recompute(ns, explicit: Set[str]) -> None:
                "nothing is recomputed without --recompute-granularity")
         warn_unread(ns, explicit, ("recompute_method", "recompute_num_layers"),
                     f"{run}; add --recompute-granularity full to recompute whole layers")
-    if ns.distribute_saved_activations and (
-            ns.tensor_model_parallel_size == 1 or ns.recompute_granularity != "full"
-            or ns.recompute_method is None):
-        raise ArgumentsError("--distribute-saved-activations needs --tensor-model-parallel-size "
-                             "> 1, --recompute-granularity full and --recompute-method")
+    if ns.distribute_saved_activations:
+        _check_distribute_saved_activations(ns)
+
+
+def _check_distribute_saved_activations(ns) -> None:
+    """Megatron's asserts, with what this run has instead; with sequence parallelism the
+    layer inputs are split over the TP ranks already and the flag changes nothing (Megatron
+    ignores it there in silence): warned."""
+    have = []
+    if ns.tensor_model_parallel_size == 1:
+        have.append("--tensor-model-parallel-size 1")
+    if ns.recompute_granularity != "full":
+        have.append("--recompute-granularity selective (from --recompute-activations)"
+                    if ns.recompute_activations else
+                    f"--recompute-granularity {ns.recompute_granularity or '(not set)'}")
+    if have:
+        raise ArgumentsError(
+            "--distribute-saved-activations needs --tensor-model-parallel-size > 1, "
+            "--recompute-granularity full and --recompute-method uniform|block; this run "
+            f"has {' and '.join(have)}: fix those, or drop --distribute-saved-activations")
+    if ns.sequence_parallel:
+        warn("--distribute-saved-activations has no effect with --sequence-parallel: each "
+             "tensor-parallel rank keeps only its part of the recomputed layers' inputs "
+             "already (Megatron-LM ignores it there too); drop one of the two flags")

@@ -86,3 +86,20 @@ def test_cli_needs_tensor_parallel_and_full_recompute():
               "--tensor-model-parallel-size 2", world_size=2)
     assert cfg.model.distribute_saved_activations
     assert cfg.model.recompute_method == "block"
+
+
+def test_cli_error_names_what_the_run_has_instead():
+    msg = error_of("--distribute-saved-activations --recompute-activations "
+                   "--tensor-model-parallel-size 2", world_size=2)
+    assert ("this run has --recompute-granularity selective (from --recompute-activations)"
+            in msg), msg
+    assert "--tensor-model-parallel-size 1" not in msg
+    msg = error_of("--distribute-saved-activations --recompute-granularity full "
+                   "--recompute-method uniform")
+    assert "this run has --tensor-model-parallel-size 1:" in msg, msg
+
+
+def test_cli_warns_that_sequence_parallel_leaves_it_nothing_to_do(caplog):
+    run("--distribute-saved-activations --recompute-granularity full --recompute-method "
+        "uniform --tensor-model-parallel-size 2 --sequence-parallel", world_size=2)
+    assert "--distribute-saved-activations has no effect with --sequence-parallel" in caplog.text
