@@ -103,3 +103,26 @@ def test_cli_warns_that_sequence_parallel_leaves_it_nothing_to_do(caplog):
     run("--distribute-saved-activations --recompute-granularity full --recompute-method "
         "uniform --tensor-model-parallel-size 2 --sequence-parallel", world_size=2)
     assert "--distribute-saved-activations has no effect with --sequence-parallel" in caplog.text
+
+
+def _warnings_worker(rank, world_size):
+    import warnings
+
+    from megatron.core.tensor_parallel.random import checkpoint_distributed_input
+
+    ps = ParallelState.build(2, rank, tp_size=2)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint_distributed_input(layer, x, group=ps.tp_group).sum().backward()
+    return [str(w.message) for w in caught], x.grad
+
+
+def test_backward_all_gather_raises_no_deprecation_warning():
+    """torch 2.13 deprecates all_gather_into_tensor: every rank printed a FutureWarning
+    into the training log at the first backward with --distribute-saved-activations."""
+    for messages, grad in run_distributed(_warnings_worker, 2):
+        assert not [m for m in messages if "deprecated" in m], messages
+        assert grad is not None

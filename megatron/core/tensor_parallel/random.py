@@ -29,6 +29,10 @@ from typing import Dict, Optional
 import torch
 import torch.utils.checkpoint
 
+# torch >= 2.13 renamed the single-tensor all-gather (the old name warns FutureWarning).
+_all_gather_single = (getattr(torch.distributed, "all_gather_single", None)
+                      or torch.distributed.all_gather_into_tensor)
+
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 # Offset between the default seed and the tensor-parallel seed (Megatron's constant).
 TP_SEED_OFFSET = 2718
@@ -230,7 +234,7 @@ def _gather_slices(piece: torch.Tensor, group, shape: torch.Size) -> torch.Tenso
     """Inverse of `_my_slice`: all-gather the slices over the group into a tensor of `shape`."""
     tp = torch.distributed.get_world_size(group)
     full = piece.new_empty(piece.numel() * tp)
-    torch.distributed.all_gather_into_tensor(full, piece, group=group)
+    _all_gather_single(full, piece, group=group)
     return full[:shape.numel()].view(shape)
 
 
