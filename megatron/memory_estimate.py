@@ -57,7 +57,7 @@ used here, each checked against the tensors this model's layers actually save
   full recompute: each layer keeps only its input (e*sbh, / t with sequence parallelism),
   plus one layer's full set while it is rebuilt in backward (once per stage, not per
   micro-batch in flight: one micro-batch's backward runs at a time); method block N: N
-  layers.
+  layers of each (virtual) pipeline stage.
 Outside the layers: the embedding dropout mask (sbh), the final norm's input and output
 (2*e*sbh), with rotary embeddings the cos/sin table all layers share (fp32 [2, s, rotary
 dim], small), and `logits`: the fp32 logits and their shifted copy inside the vocab-parallel
@@ -182,9 +182,11 @@ def activation_bytes(config: Config, num_layers: int, flash_attention: bool = Tr
     return sum(_saved_and_rebuilt(config, num_layers, flash_attention))
 
 
-def _saved_and_rebuilt(config: Config, num_layers: int, flash_attention: bool):
+def _saved_and_rebuilt(config: Config, num_layers: int, flash_attention: bool, chunks: int = 1):
     """(bytes saved for one micro-batch, bytes of the one layer a full recompute rebuilds in
-    backward): the rebuild happens for one micro-batch at a time, however many are in flight."""
+    backward): the rebuild happens for one micro-batch at a time, however many are in flight.
+    `chunks`: the virtual pipeline stages the layers form; --recompute-method block counts
+    its layers in each of them (every chunk is a transformer block of its own)."""
     m, p, d = config.model, config.parallel, config.data
     s, b, tp, sp = d.seq_length, d.micro_batch_size, p.tp_size, p.sequence_parallel
     e = _act_bytes(config)
@@ -195,7 +197,7 @@ def _saved_and_rebuilt(config: Config, num_layers: int, flash_attention: bool):
     if m.recompute_granularity == "full":
         n_recomputed = num_layers
         if m.recompute_method == "block":
-            n_recomputed = min(m.recompute_num_layers, num_layers)
+            n_recomputed = chunks * min(m.recompute_num_layers, num_layers // chunks)
         # the layer input is kept per recomputed layer: split over TP with sequence
         # parallelism or --distribute-saved-activations, whole otherwise
         split = sp or m.distribute_saved_activations
@@ -267,7 +269,8 @@ def estimate_stage_memory(config: Config, stage: int = 0, *,
     layers = sum(s.num_layers for s in stage_layout(
         m.num_layers, p.pp_size, stage, standalone_embedding_stage=p.standalone_embedding_stage))
     head = _head_bytes(config, stage == 0, stage == p.pp_size - 1)
-    saved, rebuilt = _saved_and_rebuilt(config, layers, flash_attention)
+    saved, rebuilt = _saved_and_rebuilt(config, layers, flash_attention,
+                                        chunks=p.virtual_pp_size or 1)
     acts = (in_flight * (saved + head["embedding"] + head["final_norm"]) + rebuilt
             + head["rotary_table"])
     est = {

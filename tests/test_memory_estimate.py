@@ -280,3 +280,19 @@ def test_full_recompute_rebuilds_one_layer_per_stage_not_per_micro_batch_in_flig
     assert got < none
     layer_input = 2048 * 4 * cfg.model.hidden_size * 2
     assert got == round(none - 4 * (one - layer_input) + one)
+
+
+def test_block_recompute_counts_its_layers_in_every_virtual_pipeline_stage():
+    """Each virtual stage is a transformer block of its own that recomputes its first
+    --recompute-num-layers layers: block N with N = the layers of a virtual stage is a
+    full recompute (the estimate counted N layers for the whole pipeline rank)."""
+    layers = 24 // 2 // 3
+    block = cli(f"--bf16 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage "
+                f"{layers} --recompute-granularity full --recompute-method block "
+                f"--recompute-num-layers {layers}")
+    uniform = cli("--bf16 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage "
+                  f"{layers} --recompute-granularity full --recompute-method uniform")
+    assert block.parallel.virtual_pp_size == 3
+    for stage in (0, 1):
+        assert (estimate_stage_memory(block, stage)["activations"]
+                == estimate_stage_memory(uniform, stage)["activations"])
