@@ -386,7 +386,10 @@ def no_rank_dirs_message(iter_dir: str) -> str:
     dist = dist_checkpoint_message(iter_dir)
     if dist is not None:
         return f"error: {dist}"
-    return f"error: {iter_dir} holds no mp_rank_* directories (not a checkpoint)"
+    root, name = os.path.split(os.path.normpath(iter_dir))
+    return (f"error: {iter_dir} holds no mp_rank_* directories (not a checkpoint: emptied, "
+            f"or copied in part); load another checkpoint: "
+            f"{other_checkpoints_hint(root or '.', name)}")
 
 
 def incomplete_checkpoint_message(iter_dir: str, missing: List[str], found: str) -> str:

@@ -72,3 +72,20 @@ def test_another_file_or_a_hugging_face_directory_is_refused(ckpt, tmp_path):
     with pytest.raises(SystemExit, match="--load-dir .* is a Hugging Face model directory"):
         checkpoint_util.main(["--model-type", "GPT", "--load-dir", hf,
                               "--save-dir", str(tmp_path / "out")])
+
+
+def test_an_iteration_directory_without_rank_directories_names_the_other_checkpoints(ckpt):
+    """The tracker names an iteration whose mp_rank_* directories are gone (emptied, a
+    partial copy): the error names the checkpoints that remain and the tracker line that
+    resumes from one (it said only "not a checkpoint")."""
+    from megatron.checkpoint_dirs import complete_layout
+
+    root, _ = ckpt
+    empty = os.path.join(root, "iter_0000008")
+    os.makedirs(empty)
+    with pytest.raises(SystemExit) as err:
+        complete_layout(empty)
+    message = str(err.value)
+    assert f"{empty} holds no mp_rank_* directories" in message
+    assert "the checkpoints under" in message and "iter_0000004" in message
+    assert "printf 4 >" in message
