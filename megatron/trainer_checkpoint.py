@@ -24,6 +24,7 @@ from megatron.checkpoint_args import (
     seq_length_warning,
     tokenizer_warning,
 )
+from megatron.checkpoint_dirs import other_checkpoints_hint
 from megatron.checkpoint_preflight import LoadStates, states_to_load
 from megatron.checkpoint_reshard import (
     Layout,
@@ -70,14 +71,22 @@ def model_state_dicts(model) -> dict:
     return {f"model{i}": c.state_dict() for i, c in enumerate(chunks)}
 
 
-def load_model_state_dicts(model, state: dict) -> None:
+def load_model_state_dicts(model, state: dict, iter_dir: Optional[str] = None) -> None:
     """Load the keys written by `model_state_dicts` (strict); SystemExit when the
-    checkpoint's number of virtual pipeline chunks or its tensors differ from this run's."""
+    checkpoint (`iter_dir`, where known) holds no weights, or when its number of virtual
+    pipeline chunks or its tensors differ from this run's."""
     chunks = _chunk_models(model)
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     missing = [k for k in keys if k not in state]
     if missing:
         found = sorted(k for k in state if k == "model" or re.fullmatch(r"model\d+", k))
+        if not found:
+            root, name = os.path.split(os.path.normpath(iter_dir or "."))
+            raise SystemExit(
+                f"error: checkpoint {iter_dir or ''} holds no model weights (no 'model' entry; "
+                f"its entries: {', '.join(sorted(map(str, state))) or 'none'}): it was not "
+                "written by a training run, or was saved without the model. Load another "
+                f"checkpoint: {other_checkpoints_hint(root or '.', name)}")
         raise SystemExit(
             f"checkpoint has model entries {found} but this run has {len(chunks)} model "
             f"chunk(s) per pipeline rank (needs {keys}); run with the checkpoint's "
@@ -536,7 +545,7 @@ def _restore_states(tr, loaded: _Loaded) -> Optional[str]:
     message of this rank's failure (a checkpoint that does not fit), else None. Local:
     the caller's agreement decides for every rank."""
     try:
-        load_model_state_dicts(tr.model, loaded.state)
+        load_model_state_dicts(tr.model, loaded.state, loaded.iter_dir)
         _restore_counters(tr, loaded)
         if loaded.with_optimizer:
             _load_optimizer(tr, loaded)

@@ -423,3 +423,27 @@ def test_resume_at_train_iters_into_another_directory_still_saves(tmp_path, caps
     out = capsys.readouterr().out
     assert "already reaches --train-iters 2: nothing to train\n" in out, out
     assert (tmp_path / "b" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+# ------------------------------------------------------------------- a file without weights
+
+
+def test_resume_from_a_file_without_model_weights_names_it_and_the_other_checkpoints(
+        tmp_path):
+    """A model_optim_rng.pt without its 'model' entry was blamed on
+    --num-layers-per-virtual-pipeline-stage (`has model entries []`), naming no file."""
+    import pytest
+    import torch
+
+    run_pretrain(["--seq-length", "16", "--train-iters", "4", "--save", str(tmp_path),
+                  "--save-interval", "2"])
+    path = tmp_path / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    del state["model"]
+    torch.save(state, path)
+    with pytest.raises(SystemExit) as err:
+        run_pretrain(["--seq-length", "16", "--train-iters", "4", "--load", str(tmp_path)])
+    message = str(err.value)
+    assert f"checkpoint {tmp_path}/iter_0000004 holds no model weights" in message, message
+    assert "virtual-pipeline" not in message
+    assert f"printf 2 > {tmp_path}/latest_checkpointed_iteration.txt" in message, message
