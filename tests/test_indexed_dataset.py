@@ -324,3 +324,16 @@ def test_gpt_samples_from_a_legacy_index_equal_the_mmap_ones(tmp_path):
                                                       [20, 2, 0], 16, 1234, None)
         out[name] = [train[i]["text"].tolist() for i in range(len(train))]
     assert out["l"] == out["m"] and len(out["m"]) >= 20
+
+
+def test_a_truncated_or_oversized_bin_names_the_fix(tmp_path):
+    """A .bin cut short (an interrupted copy) or grown (rewritten by another preprocessing
+    run) said only the sizes; the message says to copy both files again or preprocess."""
+    for name, bin_ in (("short", EXAMPLE_BIN[:-2]), ("long", EXAMPLE_BIN + b"\x00" * 3)):
+        prefix = _corrupt(tmp_path, name, None, bin_)
+        with pytest.raises(ValueError) as info:
+            MMapIndexedDataset(prefix)
+        message = str(info.value)
+        assert f"{name}.bin: " in message
+        assert message.endswith("copy both files again, or rerun tools/preprocess_data.py "
+                                "for this prefix"), message

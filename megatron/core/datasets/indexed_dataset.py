@@ -319,7 +319,11 @@ class MMapIndexedDataset:
         raise ValueError(f"{bin_path}: {kind} data file: {bin_size} bytes, the index "
                          f"({len(self._sizes)} sequences, {n_tokens} tokens of "
                          f"{self._dtype.name}) implies {expected}"
-                         f"{self._other_dtype_hint(bin_size, n_tokens)}")
+                         f"{self._other_dtype_hint(bin_size, n_tokens) or self._REWRITE_HINT}")
+
+    _REWRITE_HINT = ("; the .bin and .idx are not one preprocessing run's output (a copy "
+                     "cut short, or one of them written again): copy both files again, or "
+                     "rerun tools/preprocess_data.py for this prefix")
 
     def _other_dtype_hint(self, bin_size: int, n_tokens: int) -> str:
         """'; ...' when the .bin holds exactly the index's tokens in another dtype: the
