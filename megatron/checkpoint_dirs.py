@@ -454,7 +454,8 @@ def misplaced_load_message(root: str, flag: str = "--load") -> Optional[str]:
     holds or is part of one, with the fix: an iteration directory, a rank directory or a
     checkpoint file (the directory above the iteration directories is meant), another
     program's checkpoint or model (megatron/checkpoint_foreign.py: the command that
-    converts it), another file. None otherwise. `flag` names the option in the message."""
+    converts it), another file, the parent of a checkpoint directory. None otherwise.
+    `flag` names the option in the message."""
     above = _checkpoint_root_above(root)
     foreign = foreign_format_message(root, flag) if above is None or os.path.isdir(root) \
         else None
@@ -470,6 +471,12 @@ def misplaced_load_message(root: str, flag: str = "--load") -> Optional[str]:
     if os.path.isfile(root):
         return (f"{flag} {root} is a file; {flag} takes the directory --save wrote (the one "
                 f"holding {TRACKER_FILENAME} and the iter_XXXXXXX directories)")
+    below = _tracked_subdirectories(root)
+    if below:
+        return (f"{flag} {root} has no {TRACKER_FILENAME}, but {', '.join(below)} below it "
+                f"{'has' if len(below) == 1 else 'have'} one; {flag} takes the directory "
+                f"--save wrote: {flag} {shlex.quote(below[-1])} (or another {flag} to start "
+                "from scratch)")
     return None
 
 
@@ -496,7 +503,8 @@ def missing_tracker_message(root: str) -> str:
 def refuse_untracked_checkpoints(root: str) -> None:
     """SystemExit when --load has no tracker file but is part of a checkpoint (an iteration
     directory, a rank directory, a checkpoint file), a file, another program's checkpoint or
-    model (`misplaced_load_message`), or holds iteration directories: starting from random
+    model (`misplaced_load_message`), or holds iteration directories or a subdirectory with
+    a tracker (--load named the checkpoint directory's parent): starting from random
     there is almost surely not what was meant (and later saves would mix with those
     checkpoints)."""
     name = os.path.basename(os.path.normpath(root))
@@ -511,6 +519,15 @@ def refuse_untracked_checkpoints(root: str) -> None:
     if list_checkpoints(root):
         raise SystemExit(f"error: --load {root} has no {TRACKER_FILENAME} but holds "
                          f"checkpoints; {other_checkpoints_hint(root, '')}")
+
+
+def _tracked_subdirectories(root: str) -> List[str]:
+    """The direct subdirectories of `root` that hold a tracker file (checkpoint directories
+    one level down: --load named their parent)."""
+    if not os.path.isdir(root):
+        return []
+    return [os.path.join(root, d) for d in sorted(os.listdir(root))
+            if os.path.isfile(os.path.join(root, d, TRACKER_FILENAME))]
 
 
 def other_checkpoints_hint(root: str, skip: str) -> str:

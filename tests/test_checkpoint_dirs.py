@@ -89,3 +89,19 @@ def test_an_iteration_directory_without_rank_directories_names_the_other_checkpo
     assert f"{empty} holds no mp_rank_* directories" in message
     assert "the checkpoints under" in message and "iter_0000004" in message
     assert "printf 4 >" in message
+
+
+def test_the_parent_of_a_checkpoint_directory_names_the_directory_below(ckpt, tmp_path):
+    """--load one level too high (the directory holding the run's checkpoint directory)
+    started from random weights with Megatron-LM's missing-tracker warning; a new or empty
+    directory, or one holding other things, still starts from scratch."""
+    root, _ = ckpt
+    parent = os.path.dirname(root)
+    message = _refusal(parent)
+    assert f"{root} below it has one" in message
+    assert message.endswith(f"--load {shlex.quote(root)} (or another --load to start from "
+                            "scratch)"), message
+    other = tmp_path / "fresh"
+    (other / "logs").mkdir(parents=True)
+    refuse_untracked_checkpoints(str(other))  # nothing to refuse
+    refuse_untracked_checkpoints(str(tmp_path / "new"))
