@@ -415,6 +415,9 @@ def _load_trainer_payload(tr) -> Optional[_Loaded]:
                     tokenizer_warning(first_args, tr.config.args, iter_dir)):
         if warning is not None and tr.optimizer is not None:  # not for evaluation-only
             print_rank_0(warning)
+    if not isinstance(first_args, dict):  # Megatron-LM says so too
+        print_rank_0(f" > the checkpoint in {iter_dir} stores no arguments: this run's model "
+                     "flags are not checked against it (tensor shapes still are)")
     for note in states.notes:
         print_rank_0(note)
     loaded = _Loaded(0 if release else iteration, release, {}, None, None,

@@ -447,3 +447,20 @@ def test_resume_from_a_file_without_model_weights_names_it_and_the_other_checkpo
     assert f"checkpoint {tmp_path}/iter_0000004 holds no model weights" in message, message
     assert "virtual-pipeline" not in message
     assert f"printf 2 > {tmp_path}/latest_checkpointed_iteration.txt" in message, message
+
+
+def test_a_checkpoint_without_its_arguments_says_they_are_not_checked(tmp_path, capsys):
+    """(Resumed in silence: no word that the model flags went unchecked.)"""
+    import torch
+
+    run_pretrain(["--seq-length", "16", "--train-iters", "2", "--save", str(tmp_path),
+                  "--save-interval", "2"])
+    path = tmp_path / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    del state["args"]
+    torch.save(state, path)
+    capsys.readouterr()
+    run_pretrain(["--seq-length", "16", "--train-iters", "3", "--load", str(tmp_path),
+                  "--override-opt_param-scheduler"])
+    assert (f" > the checkpoint in {tmp_path}/iter_0000002 stores no arguments: this run's "
+            "model flags are not checked against it") in capsys.readouterr().out
