@@ -156,21 +156,34 @@ def log_timers(tr, iterations: int) -> None:
 
 # --------------------------------------------------------------------------- one step
 class _MicroBatchFeed:
-    """Micro-batches for the chunk that needs data on this rank (the first and/or last
-    pipeline stage), read from the iterator in order, one per micro-batch."""
+    """Micro-batches for the chunks that need data on this rank (the first and/or last
+    pipeline stage; with --reset-attention-mask every chunk, as each layer needs the
+    per-document mask), read from the iterator in order, one per micro-batch, and held
+    until each of the `users` chunks of this rank that needs it has had it."""
 
     def __init__(self, data: Iterator[dict], device: torch.device, eod, flags,
                  timers: Timers) -> None:
         self.data, self.device, self.next = data, device, 0
         self.eod, self.flags = eod, flags
         self.timer = timers("batch-generator", 2)
+        self.users, self.held = 1, {}
+
+    def needed_by(self, module) -> bool:
+        return module.pre_process or module.post_process or self.flags.reset_attention_mask
 
     def get(self, microbatch: int) -> dict:
+        if microbatch in self.held:  # a later chunk of this rank: the batch already read
+            batch, left = self.held.pop(microbatch)
+            if left > 1:
+                self.held[microbatch] = (batch, left - 1)
+            return batch
         assert microbatch == self.next, f"micro-batch {microbatch} asked, {self.next} due"
         self.next += 1
         self.timer.start()
         batch = get_batch(next(self.data), self.device, self.eod, self.flags)
         self.timer.stop()
+        if self.users > 1:
+            self.held[microbatch] = (batch, self.users - 1)
         return batch
 
 
@@ -179,12 +192,13 @@ def _forward_step(chunks, feed: _MicroBatchFeed, metric=None):
     activation, or on the last stage the micro-batch loss (masked mean, fp32) -- or, with
     a `metric` (see `run_schedule`), what the metric makes of the output."""
     modules = [unwrap(c) for c in chunks]
+    feed.users = sum(map(feed.needed_by, modules))
     wants_logits = metric is not None and metric.needs_logits
 
     def step(c: int, microbatch: int, input_sbh):
         model, module = chunks[c], modules[c]
         b = dict.fromkeys(("tokens", "labels", "loss_mask", "position_ids", "attention_mask"))
-        if module.pre_process or module.post_process:
+        if feed.needed_by(module):
             b = feed.get(microbatch)
         module.set_input_tensor(input_sbh)
         out = model(b["tokens"], position_ids=b["position_ids"],

@@ -345,6 +345,51 @@ def test_micro_batch_counts_off_the_common_case_match_single_process(world, pp, 
                     tied=model_kw is None)
 
 
+EOD = 5  # planted end-of-document id of the document-flag runs below
+
+
+def _with_documents(data):
+    """The mock micro-batches with EOD planted at fixed positions: several documents per
+    sample, so --reset-attention-mask changes what every layer attends to."""
+    for micro in data:
+        text = micro["text"].clone()
+        text[:, 4] = text[:, 9] = text[:, 10] = EOD
+        yield {**micro, "text": text}
+
+
+def _train_documents(rank, world_size, pp, vpp):
+    """Losses of 2 steps and a validation loss with --reset-attention-mask
+    --reset-position-ids --eod-mask-loss from the single-process model's weights."""
+    full = _reference_weights(None)
+    cfg = _cfg(world_size, 1, pp, False, vpp)
+    cfg.data.reset_attention_mask = cfg.data.reset_position_ids = True
+    cfg.data.eod_mask_loss = True
+    ps = ParallelState.build(world_size, rank, pp_size=pp, virtual_pp_size=vpp)
+    rt = Runtime(ps=ps, device=torch.device("cpu"), rng_tracker=RNGStatesTracker(), backend="gloo")
+    set_random_seed(cfg.training.seed, rt)
+    tr = build_trainer(cfg, rt)
+    tr.eod = EOD
+    specs = stage_layout(LAYERS, pp, ps.pp_rank, vpp, False)
+    _load_reference(tr, ps, full, [s.layer_offset for s in specs])
+    data = _with_documents(data_iterator(cfg, rt, "train", 0))
+    losses = [float(train_step(tr, data)[0]) for _ in range(2)]
+    with torch.no_grad():  # the forward-only schedule of evaluation
+        valid = forward_backward(tr, _with_documents(data_iterator(cfg, rt, "valid", 0)),
+                                 cfg.data.num_micro_batches, forward_only=True)
+    return losses + [float(valid)]
+
+
+@pytest.mark.parametrize("world,pp,vpp", [(4, 4, None), (2, 2, 2)], ids=["pp4", "pp2-vpp2"])
+def test_reset_attention_mask_reaches_the_middle_stages(world, pp, vpp):
+    """Megatron-LM gives every pipeline stage the batch's per-document attention mask;
+    a middle stage (no embedding, no loss) attending across documents trains on other
+    losses than the single process."""
+    ref = run_distributed(_train_documents, 1, 1, None)[0]
+    for rank, got in enumerate(run_distributed(_train_documents, world, pp, vpp)):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0,
+                                   msg=f"pp={pp} vpp={vpp} rank={rank}: losses differ")
+
+
 # --------------------------------------------------------------------------- 4. checkpoints
 def test_virtual_chunks_save_as_model0_model1():
     cfg = _cfg(2, 1, 2, False, vpp=2)
