@@ -395,7 +395,8 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
         _check_cuda_features(ns, cuda_available)
     if ns.attention_backend in ("flash", "cudnn") and ns.reset_attention_mask:
         raise ArgumentsError(f"--attention-backend {ns.attention_backend} has no kernel for the "
-                             "per-document mask of --reset-attention-mask; use auto or efficient")
+                             "per-document mask of --reset-attention-mask; use auto or "
+                             f"{'efficient' if cuda_available else 'math'}")
     if ns.tokenizer_type is None:
         ns.tokenizer_type = "GPT2BPETokenizer"
 

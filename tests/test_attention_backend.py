@@ -53,6 +53,9 @@ def test_flash_refused_with_per_document_mask():
     with pytest.raises(ArgumentsError, match="--reset-attention-mask; use auto or efficient"):
         parse_and_validate(BASE + ["--attention-backend", "flash", "--reset-attention-mask"],
                            cuda_available=True)
+    with pytest.raises(ArgumentsError, match="--reset-attention-mask; use auto or math$"):
+        parse_and_validate(BASE + ["--attention-backend", "flash", "--reset-attention-mask",
+                                   "--attention-dropout", "0"], cuda_available=False)
 
 
 def _gqa_attention(native: bool, device="cpu", dtype=torch.float32, backend="auto"):
