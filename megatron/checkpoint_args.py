@@ -276,15 +276,19 @@ def data_order_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional
     then be measured on trained-on documents). Megatron-LM resumes silently; going on may
     be meant, so it is not an error. Another --data-path (other files or weights) is read
     from the consumed count on as well, as in Megatron-LM. None for --finetune, mock data
-    or no change."""
+    or no change. --skip-train reads no training data (and the validation and test sets
+    from their start): only the --split change, which can put trained-on documents in the
+    evaluated ranges, is said."""
     if not isinstance(saved, dict) or run.get("finetune") or not run.get("data_path"):
         return None
     if _plain(saved, "mock_data") is True or not _plain(saved, "data_path"):
         return None
     changes, effects = [], []
+    trains = not run.get("skip_train")
     consumed = _plain(saved, "consumed_train_samples")
     seed_before, seed_now = _plain(saved, "seed"), _plain(run, "seed")
-    if seed_before is not _ABSENT and seed_now is not _ABSENT and seed_before != seed_now:
+    if (trains and seed_before is not _ABSENT and seed_now is not _ABSENT
+            and seed_before != seed_now):
         changes.append(f"--seed {seed_now} differs from the checkpoint's {seed_before}")
         done = "" if consumed is _ABSENT else f" of the {consumed} consumed so far"
         effects.append(f"the samples are shuffled in another order, so some{done} will come "
@@ -296,7 +300,7 @@ def data_order_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional
         effects.append("documents move between the train, validation and test ranges (the "
                        "validation loss may be measured on documents already trained on)")
     paths_before, paths_now = _plain(saved, "data_path"), _plain(run, "data_path")
-    if _blend(paths_before) != _blend(paths_now):
+    if trains and _blend(paths_before) != _blend(paths_now):
         start = "the count consumed so far" if consumed is _ABSENT else f"sample {consumed}"
         changes.append(f"--data-path {' '.join(map(str, paths_now))} differs from the "
                        f"checkpoint's {' '.join(map(str, paths_before))}")

@@ -149,6 +149,22 @@ def test_resume_with_another_sentencepiece_model_warns_also_in_dry_run(tmp_path,
 # ------------------------------------------------------------ --seed / --split
 
 
+
+def test_data_order_warning_skip_train_says_only_the_split():
+    """--skip-train --load evaluates a checkpoint, often on other data or another seed: it
+    reads no training data, so 'the new data is read from its sample N on' (and the seed's
+    reshuffle of the consumed samples) would be false; a --split change still is said (the
+    evaluated ranges may hold trained-on documents)."""
+    saved = {"seed": 1234, "split": "969, 30, 1", "data_path": ["d"], "mock_data": False,
+             "consumed_train_samples": 40}
+    run = {**saved, "finetune": False, "skip_train": True}
+    assert data_order_warning(saved, {**run, "data_path": ["0.5", "d", "0.5", "e"]}, "w") is None
+    assert data_order_warning(saved, {**run, "seed": 7}, "w") is None
+    split = data_order_warning(saved, {**run, "seed": 7, "split": "90,5,5",
+                                       "data_path": ["e"]}, "w")
+    assert split.startswith("WARNING: --split '90,5,5' differs from the checkpoint's")
+    assert "--seed" not in split and "--data-path" not in split
+
 def test_data_order_warning_text():
     saved = {"seed": 1234, "split": "969, 30, 1", "data_path": ["d"], "mock_data": False,
              "consumed_train_samples": 40}
