@@ -442,6 +442,18 @@ def test_resume_at_train_iters_into_another_directory_still_saves(tmp_path, caps
 
 
 # ------------------------------------------------------------------- a file without weights
+def _saved_without(root: Path, iters: int, entry: str) -> None:
+    """A run of `iters` iterations saved at the last (and every 2nd) into `root`, then
+    `entry` removed from its last model file."""
+    import torch
+
+    run_pretrain(["--seq-length", "16", "--train-iters", str(iters), "--save", str(root),
+                  "--save-interval", "2"])
+    path = root / f"iter_{iters:07d}" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    del state[entry]
+    torch.save(state, path)
+
 
 
 def test_resume_from_a_file_without_model_weights_names_it_and_the_other_checkpoints(
@@ -449,14 +461,8 @@ def test_resume_from_a_file_without_model_weights_names_it_and_the_other_checkpo
     """A model_optim_rng.pt without its 'model' entry was blamed on
     --num-layers-per-virtual-pipeline-stage (`has model entries []`), naming no file."""
     import pytest
-    import torch
 
-    run_pretrain(["--seq-length", "16", "--train-iters", "4", "--save", str(tmp_path),
-                  "--save-interval", "2"])
-    path = tmp_path / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt"
-    state = torch.load(path, weights_only=False)
-    del state["model"]
-    torch.save(state, path)
+    _saved_without(tmp_path, 4, "model")
     with pytest.raises(SystemExit) as err:
         run_pretrain(["--seq-length", "16", "--train-iters", "4", "--load", str(tmp_path)])
     message = str(err.value)
@@ -467,14 +473,7 @@ def test_resume_from_a_file_without_model_weights_names_it_and_the_other_checkpo
 
 def test_a_checkpoint_without_its_arguments_says_they_are_not_checked(tmp_path, capsys):
     """(Resumed in silence: no word that the model flags went unchecked.)"""
-    import torch
-
-    run_pretrain(["--seq-length", "16", "--train-iters", "2", "--save", str(tmp_path),
-                  "--save-interval", "2"])
-    path = tmp_path / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
-    state = torch.load(path, weights_only=False)
-    del state["args"]
-    torch.save(state, path)
+    _saved_without(tmp_path, 2, "args")
     capsys.readouterr()
     run_pretrain(["--seq-length", "16", "--train-iters", "3", "--load", str(tmp_path),
                   "--override-opt_param-scheduler"])
