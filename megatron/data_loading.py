@@ -7,7 +7,9 @@ batch (one draw, at the end).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import multiprocessing.util
 import os
 import queue
@@ -488,7 +490,8 @@ class _WorkerIterator:
     def _start(self):
         """A new DataLoader iterator whose workers each mark `_started` once they run."""
         self._started = multiprocessing.RawArray("b", self._workers)
-        return iter(self._make_loader(functools.partial(_worker_started, self._started)))
+        with frozen_for_fork():
+            return iter(self._make_loader(functools.partial(_worker_started, self._started)))
 
     def _check_started(self, attempts: int = 3) -> None:
         """A worker forked while another thread of this process held the interpreter's
@@ -541,6 +544,20 @@ def close_iterators(iterators) -> None:
     for it in iterators:
         if it is not None:
             it.close()
+
+
+@contextlib.contextmanager
+def frozen_for_fork() -> Iterator[None]:
+    """Fork inside: the objects of this process are moved to the collector's permanent
+    generation while the children are forked, so that a child never collects what it
+    inherited. A garbage TCPStore server inherited that way, collected in the child,
+    joins its daemon thread -- which exists in the parent only -- for ever (a forked test
+    rank hung so in a CI run). It also spares the pages the collector would touch."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _ignore_preemption_signals(_worker_id: int) -> None:

@@ -195,11 +195,14 @@ START_RETRIES = 1
 
 
 def _run_once(fn, world_size: int, args, outdir: str):
+    from megatron.data_loading import frozen_for_fork
+
     port = free_port()
-    ctx = mp.start_processes(
-        _entry, args=(world_size, port, outdir, fn, args), nprocs=world_size,
-        join=False, start_method=_start_method(),
-    )
+    with frozen_for_fork():  # a rank must not collect this process's garbage (a TCPStore)
+        ctx = mp.start_processes(
+            _entry, args=(world_size, port, outdir, fn, args), nprocs=world_size,
+            join=False, start_method=_start_method(),
+        )
     try:
         _join_all(ctx, time.monotonic() + RUN_TIMEOUT_S,
                   f"run_distributed({getattr(fn, '__name__', fn)}, {world_size})")

@@ -136,3 +136,31 @@ def test_a_rank_lost_in_the_function_is_reported_not_retried(tmp_path, monkeypat
     with pytest.raises(RuntimeError, match="rank 1 --- was ended by SIGKILL"):
         run_distributed(_rank, 2, str(tmp_path / "log"))
     assert sorted((tmp_path / "log").read_text().split()) == ["0", "1"]
+
+
+def _collect(rank, world_size):
+    import gc
+
+    gc.collect()
+    return rank
+
+
+def test_a_rank_never_collects_what_it_inherited(monkeypatch):
+    """A TCPStore server left as garbage in the test process (a reference cycle), inherited
+    by a forked rank and collected there, joined its daemon thread -- which exists in the
+    parent only -- for ever (a CI run hung so). Forks happen with the objects frozen."""
+    import gc
+
+    from tests import dist_utils
+
+    monkeypatch.setattr(dist_utils, "RUN_TIMEOUT_S", 90)
+    gc.disable()  # the garbage stays until the fork, as an old generation's would
+    try:
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+        cycle = [store]
+        cycle.append(cycle)
+        del store, cycle
+        assert run_distributed(_collect, 2) == [0, 1]
+    finally:
+        gc.enable()
+        gc.collect()
