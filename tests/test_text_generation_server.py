@@ -657,6 +657,31 @@ def test_ctrl_c_during_a_request_lets_the_follower_finish_it(monkeypatch):
     assert finished == ["r"]
 
 
+class _OneRequest:
+    """A pending-request queue holding `requests`; once they are taken, `get` raises
+    `after`."""
+
+    def __init__(self, requests, after: BaseException):
+        self.requests, self.after = requests, after
+
+    def get(self, timeout):
+        for item in self.requests:
+            return item
+        raise self.after
+
+    def empty(self):
+        return True
+
+
+class _IdleServer:
+    """An HTTP server stand-in that serves nothing and stops at once."""
+
+    def serve_forever(self):
+        pass
+
+    shutdown = server_close = serve_forever
+
+
 def test_ctrl_c_during_a_request_on_rank0_answers_it_then_stops(monkeypatch, capsys):
     """Rank 0 interrupted mid-request finishes it (its client gets the answer; the other
     ranks finish it too), then tells them to stop."""
@@ -665,21 +690,6 @@ def test_ctrl_c_during_a_request_on_rank0_answers_it_then_stops(monkeypatch, cap
 
     sent, done = [], Future()
     requests = iter([("r", done)])
-
-    class Pending:
-        def get(self, timeout):
-            for item in requests:
-                return item
-            raise AssertionError("serving went on after Ctrl-C")
-
-        def empty(self):
-            return True
-
-    class Server:
-        def serve_forever(self):
-            pass
-
-        shutdown = server_close = serve_forever
 
     def run(engine, req):
         os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler before returning
@@ -690,9 +700,9 @@ def test_ctrl_c_during_a_request_on_rank0_answers_it_then_stops(monkeypatch, cap
                         lambda message, group, src=0: sent.append(message))
     monkeypatch.setattr(ranks_mod, "run_request", run)
     lockstep = server_mod.Lockstep(SimpleNamespace(runtime=SimpleNamespace(control_group=None)))
-    lockstep.pending = Pending()
+    lockstep.pending = _OneRequest(requests, AssertionError("serving went on after Ctrl-C"))
     previous = signal.getsignal(signal.SIGINT)
-    lockstep.serve(Server())
+    lockstep.serve(_IdleServer())
     assert signal.getsignal(signal.SIGINT) is previous
     assert done.result(timeout=0) == {"text": ["answer"]}
     assert sent == [("request", "r"), ("stop", None)]
@@ -797,21 +807,6 @@ def test_rank0_stops_serving_when_another_rank_broke_a_request(monkeypatch, erro
     sent, done = [], Future()
     requests = iter([("r", done)])
 
-    class Pending:
-        def get(self, timeout):
-            for item in requests:
-                return item
-            raise KeyboardInterrupt  # Ctrl-C once the request was served
-
-        def empty(self):
-            return True
-
-    class Server:
-        def serve_forever(self):
-            pass
-
-        shutdown = server_close = serve_forever
-
     def run(engine, req):
         raise error
 
@@ -819,13 +814,13 @@ def test_rank0_stops_serving_when_another_rank_broke_a_request(monkeypatch, erro
                         lambda message, group, src=0: sent.append(message))
     monkeypatch.setattr(ranks_mod, "run_request", run)
     lockstep = server_mod.Lockstep(SimpleNamespace(runtime=SimpleNamespace(control_group=None)))
-    lockstep.pending = Pending()
+    lockstep.pending = _OneRequest(requests, KeyboardInterrupt())  # Ctrl-C once served
     if stops:
         with pytest.raises(RuntimeError, match="Timed out"):
-            lockstep.serve(Server())
+            lockstep.serve(_IdleServer())
         assert sent == [("request", "r")]
     else:
-        lockstep.serve(Server())
+        lockstep.serve(_IdleServer())
         assert sent == [("request", "r"), ("stop", None)]
     assert done.exception() is error  # the handler answers 500
 
