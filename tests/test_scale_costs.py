@@ -79,10 +79,23 @@ def _start_up_worker(rank, world_size, port):
     finally:
         dist.init_process_group = real_init
     requests = total(stores[0].counts)
-    # rank 0 holds the store: it must not exit while another rank's lazy group set-up
-    # still writes to it ('Broken pipe' on that rank, seen under load)
+    # rank 0 holds the store: it must not exit while another rank still uses it (a lazy
+    # gloo connection's address look-up: 'Broken pipe' or 'Failed to recv' on that rank,
+    # seen under load, also after a barrier that rank 0 had left). Every other rank
+    # counts itself done on the store after its last collective; rank 0 waits for them.
     dist.barrier()
+    _wait_for_all_done(stores[0].inner, rank, world_size)
     return requests
+
+
+def _wait_for_all_done(store, rank: int, world_size: int) -> None:
+    if rank != 0:
+        store.add("test-ranks-done", 1)
+        return
+    deadline = time.monotonic() + 120
+    while store.add("test-ranks-done", 0) < world_size - 1:
+        assert time.monotonic() < deadline, "the other ranks never finished"
+        time.sleep(0.05)
 
 
 def test_start_up_store_requests_do_not_grow_with_the_world_size():
