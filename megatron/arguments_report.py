@@ -214,8 +214,61 @@ def _dry_run(config: Config, world_size: int) -> tuple:
     if bad_data:
         lines += ["data the run would refuse:"] + [f"  {item}" for item in bad_data]
     lines += data_warnings
+    bad_dirs, dir_warnings = output_dir_problems(config)
+    if bad_dirs:
+        lines += ["output directories the run would refuse:"] + [f"  {p}" for p in bad_dirs]
+    lines += dir_warnings
     load_lines, load_fails = checkpoint_lines(config)
-    return "\n".join(lines + load_lines), bool(missing or bad_data) or load_fails
+    return "\n".join(lines + load_lines), bool(missing or bad_data or bad_dirs) or load_fails
+
+
+def unusable_dir(path: str) -> Optional[str]:
+    """Why the directory `path` could not be created or written into by this user (an
+    existing file, a file on the way to it, a parent without write permission, a
+    read-only file system), or None. Creates nothing: the run's start-up probe
+    (`check_output_dir`) creates the directory and writes a file there."""
+    top = os.path.abspath(path)
+    if os.path.exists(top):
+        if not os.path.isdir(top):
+            return "it is an existing file, not a directory"
+        return None if os.access(top, os.W_OK | os.X_OK) else "this user cannot write into it"
+    parent = os.path.dirname(top)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is a file, not a directory, so it cannot be created"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"this user cannot create it in {parent} (no write permission or read-only)"
+    return None
+
+
+def output_dir_problems(config: Config) -> Tuple[List[str], List[str]]:
+    """(problems, warnings): --save and --tensorboard-dir, which the run probes at
+    start-up and refuses when it cannot create or write them, and --data-cache-path,
+    where the run builds the dataset index caches it does not find beside the data
+    (`<data dir>/index-cache/`): refused when that directory is absent, since the caches
+    must then be built there; only a warning when it exists (they may be in it)."""
+    fix = "pass a directory that can be created and written to"
+    problems, warned = [], []
+    for flag, path in (("--save", config.checkpoint.save),
+                       ("--tensorboard-dir", config.logging.tensorboard_dir)):
+        why = unusable_dir(path) if path else None
+        if why:
+            problems.append(f"{flag} {path} cannot be used: {why}; {fix}")
+    d = config.data
+    why = unusable_dir(d.data_cache_path) if d.data_cache_path and not d.mock_data else None
+    if why:
+        text = (f"--data-cache-path {d.data_cache_path} cannot be used: {why}; the run stops "
+                f"when it has to build a dataset index cache there; {fix}")
+        prefixes = [p for flag in ("data_path", "train_data_path", "valid_data_path",
+                                   "test_data_path") for p in _data_prefixes(config.args.get(flag))]
+        beside = [os.path.join(os.path.dirname(p), "index-cache") for p in prefixes]
+        if all(os.path.isdir(b) for b in beside):
+            warned.append(f"WARNING: {text} (unless {', '.join(sorted(set(beside)))} holds "
+                          "them all)")
+        else:
+            problems.append(text)
+    return problems, warned
 
 
 def setup_lines(config: Config, world_size: int) -> Tuple[str, List[str]]:

@@ -159,6 +159,47 @@ def test_dry_run_reports_splits_the_run_would_refuse_or_never_evaluate(tmp_path)
     assert run_dry_run(cfg, 1) == 1
 
 
+def test_dry_run_reports_output_directories_the_run_would_refuse(tmp_path, monkeypatch):
+    """--save and --tensorboard-dir that cannot be created or written (an existing file, a
+    file on the way, a parent without write permission), and a --data-cache-path where
+    the index caches must be built: the dry run said nothing and exited 0, the run then
+    refused at start-up (or at its dataset build). Nothing is created by the check."""
+    import os
+
+    from tests.test_gpt_dataset import make_corpus
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    cfg = run(f"--dry-run --save {afile}/ck --save-interval 5 --tensorboard-dir {afile}")
+    text = dry_run_report(cfg, 1)
+    assert (f"output directories the run would refuse:\n  --save {afile}/ck cannot be used: "
+            f"{afile} is a file, not a directory, so it cannot be created; pass a directory "
+            "that can be created and written to") in text
+    assert f"--tensorboard-dir {afile} cannot be used: it is an existing file" in text
+    assert run_dry_run(cfg, 1) == 1
+    ok = run(f"--dry-run --save {tmp_path}/a/b --save-interval 5 --tensorboard-dir {tmp_path}/tb")
+    assert "refuse" not in dry_run_report(ok, 1) and run_dry_run(ok, 1) == 0
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "tb")
+    real_access = os.access  # a read-only parent (the tests may run as root)
+    monkeypatch.setattr(os, "access", lambda p, m: str(p) != str(tmp_path / "ro")
+                        and real_access(p, m))
+    (tmp_path / "ro").mkdir()
+    cfg = run(f"--dry-run --save {tmp_path}/ro/ck --save-interval 5")
+    assert f"this user cannot create it in {tmp_path}/ro" in dry_run_report(cfg, 1)
+    data = without("--mock-data")
+    (tmp_path / "data").mkdir()
+    prefix, _ = make_corpus(tmp_path / "data" / "corpus", [20] * 30, vocab=100)
+    cfg = run(f"--dry-run --data-path {prefix} --data-cache-path {afile}/cache", base=data)
+    assert f"--data-cache-path {afile}/cache cannot be used" in dry_run_report(cfg, 1)
+    assert run_dry_run(cfg, 1) == 1
+    (tmp_path / "data" / "index-cache").mkdir()  # the caches may be there: a warning
+    text = dry_run_report(cfg, 1)
+    assert f"WARNING: --data-cache-path {afile}/cache cannot be used" in text
+    assert run_dry_run(cfg, 1) == 0
+    mock = run(f"--dry-run --data-cache-path {afile}/cache")  # mock data: never used
+    assert "data-cache-path" not in dry_run_report(mock, 1)
+
+
 def test_dry_run_report_and_missing_inputs(tmp_path, capsys):
     cfg = run("--dry-run", world_size=2)
     text = dry_run_report(cfg, 2)
