@@ -30,6 +30,7 @@ from megatron.checkpoint_dirs import (
     is_legacy_model_file,
     legacy_optimizer_message,
     model_file,
+    other_checkpoints_hint,
     refuse_untracked_checkpoints,
 )
 from megatron.checkpoint_reshard import (
@@ -37,6 +38,7 @@ from megatron.checkpoint_reshard import (
     Layout,
     inspect_checkpoint,
     load_shard,
+    model_keys,
     needs_resharding,
 )
 from megatron.checkpointing import (
@@ -94,6 +96,16 @@ def states_to_load(ck: CheckpointConfig, release: bool, first: dict, path: str,
             notes.append(f" > {path} holds no RNG states (resharded to another layout): RNG "
                          "states start fresh")
     return LoadStates(with_optimizer, with_rng, problems, notes)
+
+
+def no_weights_message(iter_dir: Optional[str], state: dict) -> str:
+    """The error of a load whose file `state` (of `iter_dir`, where known) holds no model
+    entry ("model", or "model0", "model1", ... with virtual pipeline stages)."""
+    root, name = os.path.split(os.path.normpath(iter_dir or "."))
+    return (f"error: checkpoint {iter_dir or ''} holds no model weights (no 'model' entry; "
+            f"its entries: {', '.join(sorted(map(str, state))) or 'none'}): it was not "
+            "written by a training run, or was saved without the model. Load another "
+            f"checkpoint: {other_checkpoints_hint(root or '.', name)}")
 
 
 class Preflight(NamedTuple):
@@ -255,6 +267,8 @@ def preflight_load(config: Config, evaluation: bool = False) -> Preflight:
         saved, first_path, first = inspect_checkpoint(iter_dir)
     except SystemExit as exc:
         return Preflight(lines, problems + [str(exc.code)])
+    if not model_keys(first):  # every load reads the weights (also --finetune, a release)
+        problems.append(no_weights_message(iter_dir, first))
     states = states_to_load(ck, release, first, first_path, config.training.skip_train)
     run = run_layout(config)
     if evaluation:

@@ -24,8 +24,7 @@ from megatron.checkpoint_args import (
     seq_length_warning,
     tokenizer_warning,
 )
-from megatron.checkpoint_dirs import other_checkpoints_hint
-from megatron.checkpoint_preflight import LoadStates, states_to_load
+from megatron.checkpoint_preflight import LoadStates, no_weights_message, states_to_load
 from megatron.checkpoint_reshard import (
     Layout,
     RankPlan,
@@ -81,12 +80,7 @@ def load_model_state_dicts(model, state: dict, iter_dir: Optional[str] = None) -
     if missing:
         found = sorted(k for k in state if k == "model" or re.fullmatch(r"model\d+", k))
         if not found:
-            root, name = os.path.split(os.path.normpath(iter_dir or "."))
-            raise SystemExit(
-                f"error: checkpoint {iter_dir or ''} holds no model weights (no 'model' entry; "
-                f"its entries: {', '.join(sorted(map(str, state))) or 'none'}): it was not "
-                "written by a training run, or was saved without the model. Load another "
-                f"checkpoint: {other_checkpoints_hint(root or '.', name)}")
+            raise SystemExit(no_weights_message(iter_dir, state))
         raise SystemExit(
             f"checkpoint has model entries {found} but this run has {len(chunks)} model "
             f"chunk(s) per pipeline rank (needs {keys}); run with the checkpoint's "

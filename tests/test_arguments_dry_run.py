@@ -469,3 +469,23 @@ def test_dry_run_resharding_checks_every_distrib_optim_file(saved, capsys, tmp_p
                          "distrib_optim.pt", " ".join(DIST))
     # without the optimizer state, distrib_optim.pt is not read
     assert dry(capsys, f"--load {root} {' '.join(DIST)} --no-load-optim")[0] == 0
+
+
+def test_dry_run_refuses_a_checkpoint_without_model_weights(saved, capsys, tmp_path):
+    """A model_optim_rng.pt without its 'model' entry passed the dry run (status 0, "loads:
+    model weights"); the run then stopped at the load. Read from the file's structure
+    (memory-mapped), with the run's message; --finetune reads the weights too."""
+    from megatron.checkpoint_files import load_checkpoint_file
+
+    root = tmp_path / "nomodel"
+    shutil.copytree(saved / "full", root)
+    path = root / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt"
+    state = load_checkpoint_file(str(path))
+    del state["model"]
+    torch.save(state, path)
+    for extra in ("", " --finetune"):
+        status, out = dry(capsys, f"--load {root}{extra}")
+        assert status == 1, out
+        assert (f"error: checkpoint {root}/iter_0000010 holds no model weights (no 'model' "
+                "entry; its entries: args, ") in out
+    assert dry(capsys, f"--load {saved}/full")[0] == 0
