@@ -148,6 +148,18 @@ def _activation_item(saved: dict, run: dict) -> Optional[Mismatch]:
     return Mismatch("MLP activation (--squared-relu, else GeLU)", a, b, fix)
 
 
+_ROTARY_ARGS = ("rotary_percent", "rotary_base")
+
+
+def _uses_rotary(args: dict) -> bool:
+    """Whether rotary positions read --rotary-percent / --rotary-base (a writer that does
+    not say counts as one that does). Compared only when both models use them: a run or
+    checkpoint without rotary positions never reads them, and a position type that
+    differs is reported as --position-embedding-type."""
+    kind = _position_type(args)
+    return kind is _ABSENT or "rope" in kind
+
+
 _SHAPE_ITEMS: List[Callable[[dict, dict], Optional[Mismatch]]] = [
     _groups_item, _position_item, _max_positions_item, _vocab_rows_item]
 
@@ -158,7 +170,8 @@ def checkpoint_arg_mismatches(saved: Dict, run: Dict, finetune: bool = False) ->
     found = [_compare(saved, run, dest) for dest in SHAPE_ARGS]
     found += [item(saved, run) for item in _SHAPE_ITEMS]
     if not finetune:
-        found += [_compare(saved, run, dest) for dest in OTHER_ARGS]
+        found += [_compare(saved, run, dest) for dest in OTHER_ARGS
+                  if dest not in _ROTARY_ARGS or (_uses_rotary(saved) and _uses_rotary(run))]
         found.append(_activation_item(saved, run))
         if run.get("vocab_file"):
             found += [_compare(saved, run, dest) for dest in VOCAB_FILE_ARGS]

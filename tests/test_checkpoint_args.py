@@ -86,14 +86,31 @@ def test_rope_ignores_max_positions_unless_vocab_file_given():
 
 
 def test_other_arguments_are_skipped_with_finetune():
-    changes = {"vocab_size": 300, "rotary_base": 500000.0}
-    assert _names(changes) == ["--vocab-size", "--rotary-base"]
-    assert _names(changes, finetune=True) == []
+    rope = {"position_embedding_type": "rope", "add_position_embedding": False,
+            "use_rotary_position_embeddings": True}
+    changes = {**rope, "vocab_size": 300, "rotary_base": 500000.0}
+    assert _names(changes, saved_changes=rope) == ["--vocab-size", "--rotary-base"]
+    assert _names(changes, finetune=True, saved_changes=rope) == []
     # Megatron's --vocab-file items
     changes = {"vocab_file": "v.json", "make_vocab_size_divisible_by": 64,
                "tokenizer_type": "GPT2BPETokenizer", "tensor_model_parallel_size": 2}
     assert _names(changes) == ["--make-vocab-size-divisible-by", "--tokenizer-type"]
     assert _names({**changes, "vocab_file": None}) == []
+
+
+@pytest.mark.parametrize("run_type", ["learned_absolute", "none", "rope"])
+def test_rotary_flags_are_compared_only_when_both_models_rotate(run_type):
+    """A checkpoint trained without rotary positions, resumed with a --rotary-percent /
+    --rotary-base the model never reads (left in a launch script), was refused for those
+    flags; a rope run on it is refused for its position type alone."""
+    saved = {**SAVED, "position_embedding_type": "none", "add_position_embedding": False}
+    run = {**saved, "position_embedding_type": run_type, "rotary_percent": 0.5,
+           "rotary_base": 500.0}
+    expected = [] if run_type == "none" else ["--position-embedding-type"]
+    assert [m.name for m in checkpoint_arg_mismatches(saved, run)] == expected
+    assert _names({"rotary_percent": 0.5, "rotary_base": 500.0}) == []  # both learned
+    both = {"position_embedding_type": "rope+learned", "use_rotary_position_embeddings": True}
+    assert _names({**both, "rotary_percent": 0.5}, saved_changes=both) == ["--rotary-percent"]
 
 
 def test_keys_an_older_checkpoint_lacks_are_skipped():
