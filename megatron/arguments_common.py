@@ -134,6 +134,18 @@ def flag_for_dest(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
+# flags Megatron-LM 23.05 reads as another one's other name (no deprecation): a message
+# names the one the user typed
+ALIASES = {"num_layers": "--encoder-num-layers", "seq_length": "--encoder-seq-length"}
+
+
+def typed_flag(dest: str, origins: Optional[Mapping[str, str]] = None) -> str:
+    """`dest`'s flag as the user typed it: its alias (`ALIASES`) when `origins` says the
+    alias set it, else its own flag."""
+    old = (origins or {}).get(dest)
+    return old if old is not None and old == ALIASES.get(dest) else flag_for_dest(dest)
+
+
 def spelled(ns, dest: str, origins: Optional[Mapping[str, str]] = None) -> str:
     """`dest`'s flag and value as the user typed them, for messages: '--lr-warmup-iters 3',
     or '--warmup 3 (deprecated; read as --lr-warmup-iters 3)' when a deprecated flag set it
@@ -142,6 +154,8 @@ def spelled(ns, dest: str, origins: Optional[Mapping[str, str]] = None) -> str:
     old = (origins or {}).get(dest)
     if old is None:
         return text
+    if old == ALIASES.get(dest):
+        return f"{old} {getattr(ns, dest)}"
     old_value = getattr(ns, old.lstrip("-").replace("-", "_"), None)
     typed = old if old_value is None or old_value is True else f"{old} {old_value}"
     return f"{typed} (deprecated; read as {text})"

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Set
+from typing import Mapping, Optional, Set
 
-from megatron.arguments_common import ArgumentsError, note, warn
+from megatron.arguments_common import ArgumentsError, note, spelled, typed_flag, warn
 from megatron.arguments_ranges import warn_unread
 
 
-def resolve_parallel(ns, world_size: int) -> None:
+def resolve_parallel(ns, world_size: int, origins: Optional[Mapping[str, str]] = None) -> None:
     """tp/pp clamped to the world size as Megatron does (with a warning), dp derived,
-    then every divisibility rule of the grid."""
+    then every divisibility rule of the grid (`origins`: the flags' aliases the user gave,
+    as `validate_args` records them)."""
     tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
     if world_size < 1 or tp < 1 or pp < 1:
         raise ArgumentsError(f"world size {world_size}, --tensor-model-parallel-size {tp} and "
@@ -49,7 +50,7 @@ def resolve_parallel(ns, world_size: int) -> None:
     if heads % tp:
         raise ArgumentsError(f"--num-attention-heads {heads} is not divisible by "
                              f"--tensor-model-parallel-size {tp}; use a tp size that divides {heads}")
-    _check_layer_split(ns)
+    _check_layer_split(ns, origins)
     if ns.sequence_parallel and tp == 1:
         warn("--sequence-parallel needs --tensor-model-parallel-size > 1; disabled")
         ns.sequence_parallel = False
@@ -57,9 +58,10 @@ def resolve_parallel(ns, world_size: int) -> None:
         # each tensor-parallel rank holds seq_length / tp positions between the layers;
         # Megatron-LM 23.05 fails on an assertion at the first forward on every rank
         raise ArgumentsError(
-            f"--seq-length {ns.seq_length} is not divisible by --tensor-model-parallel-size "
-            f"{tp}: --sequence-parallel splits each sequence over the tensor-parallel ranks; "
-            f"use a --seq-length that is a multiple of {tp} "
+            f"{spelled(ns, 'seq_length', origins)} is not divisible by "
+            f"--tensor-model-parallel-size {tp}: --sequence-parallel splits each sequence over "
+            f"the tensor-parallel ranks; use a {typed_flag('seq_length', origins)} that is a "
+            f"multiple of {tp} "
             f"({nearby_multiples(ns.seq_length, tp)}) or drop --sequence-parallel")
 
 
@@ -80,7 +82,7 @@ def _launch_hint(need: int, world_size: int) -> str:
             f"torchrun --nproc-per-node {need} {prog} ...")
 
 
-def _check_layer_split(ns) -> None:
+def _check_layer_split(ns, origins: Optional[Mapping[str, str]] = None) -> None:
     """Every stage that holds transformer layers gets the same number (Megatron-LM 23.05's
     rule); with --standalone-embedding-stage the first stage holds none."""
     stages, layers = ns.transformer_pipeline_model_parallel_size, ns.num_layers
@@ -96,8 +98,9 @@ def _check_layer_split(ns) -> None:
     other = (f", or --pipeline-model-parallel-size {best + first}"
              if best + first > 1 else "")
     raise ArgumentsError(
-        f"--num-layers {layers} is not divisible by {where}; every stage needs the same "
-        f"number of layers: use --num-layers {nearby_multiples(layers, stages)}{other}")
+        f"{spelled(ns, 'num_layers', origins)} is not divisible by {where}; every stage needs "
+        f"the same number of layers: use {typed_flag('num_layers', origins)} "
+        f"{nearby_multiples(layers, stages)}{other}")
 
 
 def resolve_virtual_pipeline(ns) -> None:

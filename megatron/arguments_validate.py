@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Set
 
 import torch
 
-from megatron.arguments_common import ArgumentsError, machine_checks, note, warn
+from megatron.arguments_common import ALIASES, ArgumentsError, machine_checks, note, spelled, warn
 from megatron.arguments_inputs import (
     absent_tokenizer_files,
     assumed_vocab_size,
@@ -68,14 +68,15 @@ def pad_vocab_size(orig_vocab_size: int, divisible_by: int, tp_size: int) -> int
     return -(-orig_vocab_size // multiple) * multiple
 
 
-def _check_required(ns) -> None:
+def _check_required(ns, origins: Dict[str, str]) -> None:
     """Megatron's required flags, all missing ones in one message; mirrors num_layers /
-    encoder_num_layers and seq_length / encoder_seq_length."""
+    encoder_num_layers and seq_length / encoder_seq_length (`origins`: an alias given)."""
     for main, mirror in (("num_layers", "encoder_num_layers"), ("seq_length", "encoder_seq_length")):
         a, b = getattr(ns, main), getattr(ns, mirror)
         if a is not None and b is not None:
             raise ArgumentsError(f"--{main.replace('_', '-')} {a} and --{mirror.replace('_', '-')} "
                                  f"{b} name the same thing; pass only --{main.replace('_', '-')}")
+        origins.update({main: ALIASES[main]} if a is None and b is not None else {})
         setattr(ns, main, a if a is not None else b)
         setattr(ns, mirror, getattr(ns, main))
     names = ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -88,7 +89,7 @@ def _check_required(ns) -> None:
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "max_position_embeddings", "micro_batch_size"):
         if getattr(ns, name) <= 0:
-            raise ArgumentsError(f"--{name.replace('_', '-')} {getattr(ns, name)} must be > 0")
+            raise ArgumentsError(f"{spelled(ns, name, origins)} must be > 0")
     if ns.seed <= 0:
         raise ArgumentsError(f"--seed {ns.seed} must be > 0 (Megatron-LM seeds rank r with "
                              "seed + 100 * pp_rank)")
@@ -122,7 +123,7 @@ def _resolve_batch(ns) -> None:
         note(f"setting number of micro-batches to constant {ns.num_micro_batches}")
 
 
-def _resolve_model_shape(ns) -> None:
+def _resolve_model_shape(ns, origins: Optional[Mapping[str, str]] = None) -> None:
     """ffn size (SwiGLU rule), kv channels, GQA groups, lengths, activation, positions."""
     h, heads = ns.hidden_size, ns.num_attention_heads
     _resolve_ffn(ns)
@@ -133,7 +134,7 @@ def _resolve_model_shape(ns) -> None:
         ns.kv_channels = h // heads
     _resolve_query_groups(ns)
     if ns.seq_length > ns.max_position_embeddings:
-        raise ArgumentsError(f"--seq-length {ns.seq_length} is larger than "
+        raise ArgumentsError(f"{spelled(ns, 'seq_length', origins)} is larger than "
                              f"--max-position-embeddings {ns.max_position_embeddings}; raise "
                              f"--max-position-embeddings to at least {ns.seq_length}")
     _check_activation_switches(ns)
@@ -506,15 +507,16 @@ def validate_args(
     dest to the deprecated flag that set it (`arguments.apply_deprecated`), for messages.
     Raises `ArgumentsError` naming the values and the fix."""
     explicit = explicit or set()
-    _check_required(ns)
+    origins = dict(origins or {})
+    _check_required(ns, origins)
     check_value_ranges(ns)
-    resolve_parallel(ns, world_size)
+    resolve_parallel(ns, world_size, origins)
     _check_experts(ns)
     _resolve_batch(ns)
     check_run_length(ns, origins)
     resolve_virtual_pipeline(ns)
     resolve_iterations(ns)
-    _resolve_model_shape(ns)
+    _resolve_model_shape(ns, origins)
     _resolve_precision(ns, explicit)
     _resolve_data_parallel(ns)
     _resolve_optimizer(ns, explicit)

@@ -80,6 +80,30 @@ def test_missing_required_flags_listed_together():
     assert run("--skip-train", base=without("--train-iters")).training.skip_train
 
 
+def test_errors_name_the_alias_the_user_gave():
+    """--encoder-seq-length / --encoder-num-layers (Megatron-LM 23.05's other names of
+    --seq-length / --num-layers) were reported as --seq-length / --num-layers, a flag the
+    command line does not have."""
+    seq = without("--seq-length")
+    assert error_of("--encoder-seq-length 64", base=seq) == (
+        "--encoder-seq-length 64 is larger than --max-position-embeddings 32; raise "
+        "--max-position-embeddings to at least 64")
+    assert error_of("--encoder-seq-length 0", base=seq) == "--encoder-seq-length 0 must be > 0"
+    message = error_of("--encoder-seq-length 31 --sequence-parallel "
+                       "--tensor-model-parallel-size 2", world_size=2, base=seq)
+    assert message.startswith("--encoder-seq-length 31 is not divisible by "
+                              "--tensor-model-parallel-size 2"), message
+    assert "use a --encoder-seq-length that is a multiple of 2 (e.g. 30 or 32)" in message
+    layers = without("--num-layers")
+    message = error_of("--encoder-num-layers 3 --pipeline-model-parallel-size 2", world_size=2,
+                       base=layers)
+    assert message.startswith("--encoder-num-layers 3 is not divisible by "
+                              "--pipeline-model-parallel-size 2"), message
+    assert "use --encoder-num-layers e.g. 2 or 4" in message
+    assert error_of("--seq-length 64").startswith("--seq-length 64 is larger than")
+    assert run("--encoder-seq-length 16", base=seq).args["seq_length"] == 16
+
+
 def test_sample_based_rules():
     base = without("--train-iters")
     assert "--lr-warmup-iters 2" in error_of("--train-samples 100 --lr-warmup-iters 2", base=base)
