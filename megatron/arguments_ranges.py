@@ -168,23 +168,50 @@ _TENSORBOARD_DESTS = ("tensorboard_log_interval", "tensorboard_queue_size",
                       "log_world_size_to_tensorboard")
 
 
+def _given(ns, explicit: Set[str], dests) -> list:
+    """The flags of `dests` the user set to another value than the default, as typed
+    (a switch by its name alone)."""
+    given = []
+    for dest in dests:
+        spec = FLAG_SPECS[flag_for_dest(dest)]
+        if dest in explicit and getattr(ns, dest) != spec.default:
+            switch = spec.kind in ("true", "false")
+            given.append(spec.flag if switch else f"{spec.flag} {getattr(ns, dest)}")
+    return given
+
+
 def warn_unread_tensorboard_flags(ns, explicit: Set[str]) -> None:
     """The TensorBoard flags of a run without --tensorboard-dir (Megatron-LM ignores them
     silently): a script that lost its --tensorboard-dir would train without the scalars it
     asks for, and say nothing."""
     if ns.tensorboard_dir is not None:
         return
-    given = []
-    for dest in _TENSORBOARD_DESTS:
-        spec = FLAG_SPECS[flag_for_dest(dest)]
-        if dest in explicit and getattr(ns, dest) != spec.default:
-            switch = spec.kind in ("true", "false")
-            given.append(spec.flag if switch else f"{spec.flag} {getattr(ns, dest)}")
+    given = _given(ns, explicit, _TENSORBOARD_DESTS)
     if given:
         verb = "has" if len(given) == 1 else "have"
         warn(f"{', '.join(given)} {verb} no effect without --tensorboard-dir (nothing is "
              f"written to TensorBoard; Megatron-LM ignores {'it' if len(given) == 1 else 'them'} "
              "too); add --tensorboard-dir DIR")
+
+
+# What only saving reads (with --save), and what only loading reads (with --load).
+_SAVE_DESTS = ("save_interval", "no_save_optim", "no_save_rng", "async_save")
+_LOAD_DESTS = ("finetune", "no_load_optim", "no_load_rng", "exit_on_missing_checkpoint")
+
+
+def warn_unread_checkpoint_flags(ns, explicit: Set[str]) -> None:
+    """The save flags of a run without --save and the load flags of a run without --load
+    (Megatron-LM ignores them silently): a script that lost its --save would train for days
+    and write no checkpoint; one that lost its --load (with --exit-on-missing-checkpoint,
+    meant to stop a resume that finds nothing) would start from scratch, and say nothing."""
+    for dests, flag, what in ((_SAVE_DESTS, "--save", "no checkpoint is written"),
+                              (_LOAD_DESTS, "--load", "the run starts from freshly "
+                                                      "initialised weights, loading nothing")):
+        given = _given(ns, explicit, dests) if getattr(ns, flag[2:]) is None else []
+        if given:
+            one = len(given) == 1
+            warn(f"{', '.join(given)} {'has' if one else 'have'} no effect without {flag} "
+                 f"({what}); add {flag} DIR")
 
 
 def warn_unread_tuning_flags(ns, explicit: Set[str]) -> None:

@@ -214,6 +214,16 @@ def test_a_loss_scale_without_fp16_or_bf16_is_warned(caplog):
      "--log-timers-to-tensorboard, --no-log-learnig-rate-to-tensorboard have no effect "
      "without --tensorboard-dir (nothing is written to TensorBoard; Megatron-LM ignores them "
      "too); add --tensorboard-dir DIR"),
+    # a script that lost its --save writes no checkpoint; one that lost its --load starts
+    # from scratch, --exit-on-missing-checkpoint or not
+    ("--save-interval 5 --no-save-optim --async-save", "--save-interval 5, --no-save-optim, "
+     "--async-save have no effect without --save (no checkpoint is written); add --save DIR"),
+    ("--exit-on-missing-checkpoint --finetune", "--finetune, --exit-on-missing-checkpoint "
+     "have no effect without --load (the run starts from freshly initialised weights, "
+     "loading nothing); add --load DIR"),
+    ("--no-load-rng", "--no-load-rng has no effect without --load"),
+    ("--save s --save-interval 5 --no-save-rng --load s --no-load-optim "
+     "--exit-on-missing-checkpoint", None),
     # what the run reads, and defaults spelled out, are not warned
     ("--tensorboard-dir tb --log-timers-to-tensorboard --log-validation-ppl-to-tensorboard",
      None),
