@@ -309,6 +309,8 @@ def _resolve_data_parallel(ns) -> None:
     (_check_grad_buffers) and pipeline parallelism need the local DDP;
     --overlap-param-gather needs the distributed optimizer."""
     _check_grad_buffers(ns)
+    if ns.DDP_impl == "torch":  # as Megatron-LM (its arguments dump shows it): no local DDP
+        ns.use_contiguous_buffers_in_local_ddp = False
     if ns.DDP_impl == "torch" and ns.pipeline_model_parallel_size > 1:
         raise ArgumentsError(
             f"--pipeline-model-parallel-size {ns.pipeline_model_parallel_size} needs "

@@ -472,6 +472,13 @@ def test_dump_shows_megatrons_counters_and_fixed_lengths():
     assert "  variable_seq_lengths " + "." * 28 + " False" in dump
 
 
+def test_dump_shows_torch_ddp_without_contiguous_buffers():
+    """Megatron-LM's validate_args turns use_contiguous_buffers_in_local_ddp off for
+    --DDP-impl torch (there is no local DDP to keep buffers), before the arguments dump."""
+    assert run("--DDP-impl torch").args["use_contiguous_buffers_in_local_ddp"] is False
+    assert run().args["use_contiguous_buffers_in_local_ddp"] is True
+
+
 def test_rollback_nan_policy_needs_save():
     """Without --save a rollback has nothing to reload: refused before training, not at the
     first NaN."""
