@@ -195,6 +195,26 @@ def test_megatron_23_04_chunk_size_is_accepted_and_ignored(tmp_path):
     assert [s.tolist() for s in ds] == [[1, 2, 3], [4]]
 
 
+def test_flags_the_tokenizer_does_not_read_are_warned(tmp_path, bpe, capsys):
+    """Megatron-LM ignores them silently: a SentencePiece --tokenizer-model under
+    GPT2BPETokenizer wrote GPT-2 ids without a word."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "hello world"}])
+    preprocess_data.get_args(_argv(src, tmp_path / "a", "--tokenizer-type", "GPT2BPETokenizer",
+                                   "--vocab-file", bpe[0], "--merge-file", bpe[1],
+                                   "--tokenizer-model", "sp.model", "--vocab-size", "1000",
+                                   "--lang", "german"))
+    err = capsys.readouterr().err
+    assert ("warning: --tokenizer-model sp.model ignored: --tokenizer-type GPT2BPETokenizer "
+            "does not read it") in err
+    assert "warning: --vocab-size 1000 ignored" in err
+    assert "warning: --lang german has no effect without --split-sentences" in err
+    preprocess_data.get_args(_argv(src, tmp_path / "b", "--tokenizer-type", "NullTokenizer",
+                                   "--vocab-size", "1000"))
+    preprocess_data.get_args(_argv(src, tmp_path / "c", "--tokenizer-type", "GPT2BPETokenizer",
+                                   "--vocab-file", bpe[0], "--merge-file", bpe[1]))
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_null_tokenizer(tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2 3"}, {"text": "70000 4"}])
     argv = ["--input", str(src), "--output-prefix", str(tmp_path / "n"), "--tokenizer-type",

@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from megatron.arguments_inputs import tokenizer_file_dests  # noqa: E402
 from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     IndexedDatasetBuilder,
     best_dtype,
@@ -60,6 +61,8 @@ from tools.preprocess_input import (  # noqa: E402
     Reader,
     input_files,
 )
+
+_VOCAB_SIZE_DEFAULT = 786  # Megatron-LM's default for --vocab-size (read by NullTokenizer only)
 
 
 def get_args(argv=None) -> argparse.Namespace:
@@ -87,7 +90,7 @@ def get_args(argv=None) -> argparse.Namespace:
     g.add_argument("--tokenizer-model", type=str, default=None)
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
-    g.add_argument("--vocab-size", default=786, help="NullTokenizer only")
+    g.add_argument("--vocab-size", default=_VOCAB_SIZE_DEFAULT, help="NullTokenizer only")
     g.add_argument("--append-eod", action="store_true",
                    help="append the end-of-document token to each non-empty document")
     g.add_argument("--lang", type=str, default="english", help="NLTK punkt language")
@@ -131,6 +134,25 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         check_split_sentences(args.lang)
     elif args.keep_newlines:
         print("warning: --keep-newlines has no effect without --split-sentences",
+              file=sys.stderr)
+    _warn_unread(args)
+
+
+def _warn_unread(args: argparse.Namespace) -> None:
+    """The flags the chosen --tokenizer-type (or the absence of --split-sentences) never
+    reads, given anyway (Megatron-LM ignores them silently): a --tokenizer-model under
+    GPT2BPETokenizer writes GPT-2 ids, not the SentencePiece ids it names."""
+    reads = tokenizer_file_dests(vars(args))
+    unread = [f"--{d.replace('_', '-')} {getattr(args, d)}"
+              for d in ("vocab_file", "merge_file", "tokenizer_model")
+              if d not in reads and getattr(args, d) is not None]
+    if args.tokenizer_type != "NullTokenizer" and str(args.vocab_size) != str(_VOCAB_SIZE_DEFAULT):
+        unread.append(f"--vocab-size {args.vocab_size}")
+    for flag in unread:
+        print(f"warning: {flag} ignored: --tokenizer-type {args.tokenizer_type} does not read "
+              "it; pass the --tokenizer-type that reads it, or drop it", file=sys.stderr)
+    if not args.split_sentences and args.lang != "english":
+        print(f"warning: --lang {args.lang} has no effect without --split-sentences",
               file=sys.stderr)
 
 
