@@ -561,6 +561,37 @@ def test_main_notes_the_local_only_default(ckpt, capsys, monkeypatch, host_flags
             "--host 0.0.0.0" in out) == noted
 
 
+def test_sigterm_stops_the_one_process_server_as_ctrl_c(ckpt, monkeypatch):
+    """SIGTERM (kill, an orchestrator draining the server) stops the one-process server as
+    Ctrl-C does: serving ends and server_close answers the running requests. Before, its
+    default action ended the process at once: a request in flight got a connection reset."""
+    closed = []
+
+    class Server:
+        server_address = ("127.0.0.1", 5999)
+
+        def serve_forever(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # the signal ends this
+            raise AssertionError("SIGTERM did not stop serving")
+
+        def server_close(self):
+            closed.append(True)
+
+    def not_the_servers(signum, frame):  # pytest's process must survive without the fix
+        pass
+
+    monkeypatch.setattr(server_mod, "build_server", lambda *a, **k: Server())
+    monkeypatch.delenv("RANK", raising=False)
+    previous = signal.signal(signal.SIGTERM, not_the_servers)
+    try:
+        assert server_mod.main(["--load", ckpt, "--host", "127.0.0.1"]) == 0
+        assert closed == [True]
+        assert signal.getsignal(signal.SIGTERM) is not_the_servers  # put back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @pytest.mark.parametrize("penalty, tokens, ok", [
     (2000, 5, False), (-2000, 5, False), (2000, 1, True), (40, 1024, True),
     (44, 1024, False), (1.0, 64, True), (0.0, 64, True)])

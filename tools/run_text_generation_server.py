@@ -460,18 +460,23 @@ def _serve(a, ns, explicit: Set[str], environ, argv) -> int:
         print(f"note: listening on {LOCAL_ONLY} only (Megatron-LM listens on 0.0.0.0); pass "
               "--host 0.0.0.0 to serve other machines (the API has no authentication)",
               flush=True)
-    if lockstep is not None:
-        signal.signal(signal.SIGTERM, _interrupt)  # stop the other ranks on SIGTERM too
-        lockstep.serve(server)
-        return 0
+    # SIGTERM (a launcher's or orchestrator's stop) as Ctrl-C: the running requests are
+    # answered first (its default action dropped them: the client's connection reset)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        if lockstep is not None:
+            lockstep.serve(server)
+            return 0
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            with _StopSignals():  # Ctrl-C again while a request finishes: exit at once
+                server.server_close()
+        return 0
     finally:
-        with _StopSignals():  # Ctrl-C again while a request finishes: exit at once
-            server.server_close()
-    return 0
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
