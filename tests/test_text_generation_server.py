@@ -671,20 +671,30 @@ def test_ctrl_c_ends_a_waiting_follower_quietly(monkeypatch, rank0_after_sigint)
     assert signal.getsignal(signal.SIGINT) is previous  # restored
 
 
-def test_ctrl_c_during_a_request_lets_the_follower_finish_it(monkeypatch):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_during_a_request_lets_the_follower_finish_it(monkeypatch, signum):
     """Ctrl-C mid-request: the follower finishes the request (rank 0 is inside its
     collectives too) and ends at rank 0's stop. Before, it left mid-request, and a rank 0
     waiting in one of the request's collectives never got to broadcast the stop: both
-    hung until torchrun's SIGKILL."""
+    hung until torchrun's SIGKILL. SIGTERM alike (torchrun sends it to every rank when it
+    is stopped): before, the follower died at once and the request in flight got a 500."""
     finished = []
 
     def run(engine, req):
-        os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler before returning
+        os.kill(os.getpid(), signum)  # Python runs the handler before returning
         time.sleep(0.1)
         finished.append(req)
 
-    messages = [lambda: ("request", "r"), lambda: ("stop", None)]
-    assert _follower(monkeypatch, messages, run) == 1
+    def not_the_followers(signum, frame):  # pytest's process must survive without the fix
+        finished.append("signal reached the test's handler")
+
+    previous = signal.signal(signal.SIGTERM, not_the_followers)
+    try:
+        messages = [lambda: ("request", "r"), lambda: ("stop", None)]
+        assert _follower(monkeypatch, messages, run) == 1
+        assert signal.getsignal(signal.SIGTERM) is not_the_followers  # put back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     assert finished == ["r"]
 
 

@@ -51,17 +51,32 @@ def control_group(engine: Engine):
 
 
 class _FollowerSigint(SigintHandler):
-    """SIGINT on a rank that follows rank 0 (a terminal's Ctrl-C reaches every rank of the
-    job) is only noted: rank 0, interrupted too, finishes the running request (the ranks
-    are inside its collectives: a rank leaving one mid-request left the others waiting in
-    it until torchrun's SIGKILL), then broadcasts stop, and every rank ends quietly.
-    Installed in the main thread only."""
+    """SIGINT or SIGTERM on a rank that follows rank 0 (a terminal's Ctrl-C reaches every
+    rank of the job; torchrun passes its SIGTERM on to every rank) is only noted: rank 0,
+    interrupted too, finishes the running request (the ranks are inside its collectives:
+    a rank leaving one mid-request left the others waiting in it until torchrun's SIGKILL,
+    or, on SIGTERM, broke the request: a 500), then broadcasts stop, and every rank ends
+    quietly. Installed in the main thread only."""
+
+    _previous_term = None
 
     def __init__(self) -> None:
         self.received = False
 
     def _handle(self, signum, frame) -> None:
         self.received = True
+
+    def __enter__(self):
+        super().__enter__()
+        if threading.current_thread() is threading.main_thread():
+            self._previous_term = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous_term is not None:
+            signal.signal(signal.SIGTERM, self._previous_term)
+            self._previous_term = None
+        super().__exit__(*exc)
 
 
 def follow_requests(engine: Engine, group=None, src: int = 0) -> int:
