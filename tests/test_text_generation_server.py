@@ -391,6 +391,17 @@ def test_bodies_json_cannot_read_are_400(served, capsys, data, message):
     assert _ok(served[0], {"prompts": ["5"], "tokens_to_generate": 1})["text"]
 
 
+def test_a_body_over_the_limit_is_a_400_the_client_reads(served):
+    """A body over 16 MiB is answered 400 naming the limit; before, the server closed the
+    connection with the body unread, and the client, still sending it, got a broken pipe
+    (no answer)."""
+    data = json.dumps({"prompts": ["5 " * (9 * 1024 * 1024)]}).encode()
+    status, text = _put_bytes(served[0], data)
+    assert status == 400 and f"the body must be at most {16 * 1024 * 1024} bytes (got " \
+        f"{len(data)})" in text, text
+    assert _ok(served[0], {"prompts": ["5"], "tokens_to_generate": 1})["text"]
+
+
 def test_a_client_that_stalls_mid_body_is_let_go(served, monkeypatch):
     """A client that announces a longer body than it sends held its server thread (and
     socket) for good: the connection is now closed after the handler's timeout."""

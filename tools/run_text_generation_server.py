@@ -120,6 +120,7 @@ from tools.text_generation_ranks import (  # noqa: E402
 _PROG = "run_text_generation_server.py"
 LOCAL_ONLY = "127.0.0.1"  # the default --host
 _MAX_BODY = 16 * 1024 * 1024
+_DISCARD_S = 10.0  # how long a refused (too long) body is read and dropped
 # flags of the model's shape: compared with the checkpoint when given
 _SHAPE_DESTS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                 "kv_channels", "swiglu", "untie_embeddings_and_output_weights",
@@ -298,6 +299,21 @@ class _Handler(BaseHTTPRequestHandler):
 
     do_GET = do_POST = do_DELETE = do_PATCH = _other
 
+    def _discard(self, length: int) -> None:
+        """Read and drop a refused body, for up to _DISCARD_S seconds: a client sends all
+        of it before it reads the answer, and a server that closed with it unread reset
+        the connection (the client saw a broken pipe instead of the 400)."""
+        self.close_connection = True
+        end = time.monotonic() + _DISCARD_S
+        while length > 0 and time.monotonic() < end:
+            try:
+                chunk = self.rfile.read1(min(length, 1 << 20))
+            except OSError:  # TimeoutError too
+                return
+            if not chunk:
+                return
+            length -= len(chunk)
+
     def _body(self):
         try:
             length = int(self.headers.get("Content-Length", ""))
@@ -305,6 +321,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestError("the request needs a Content-Length header and a JSON "
                                "body") from None
         if not 0 <= length <= _MAX_BODY:
+            self._discard(length)
             raise RequestError(f"the body must be at most {_MAX_BODY} bytes (got {length})")
         try:
             data = self.rfile.read(length)
