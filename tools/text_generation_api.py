@@ -115,6 +115,8 @@ STOP_TOKEN = 50256  # Megatron's default stop_token: GPT-2's end of document
 # fields not implemented here, with the value that asks for nothing: all_probs, which
 # clients written for older Megatron-LM servers still send (false)
 NOT_SUPPORTED = {"all_probs": False}
+# fields of older Megatron-LM servers, with the ones that replaced them
+_RENAMED = {"sentences": "prompts", "max_len": "tokens_to_generate"}
 # the sampling fields beam search does not read, with their defaults (refused otherwise)
 _NOT_FOR_BEAMS = {"temperature": 1.0, "top_k": 0, "top_p": 0.0, "top_p_decay": 0.0,
                   "top_p_bound": 0.0, "random_seed": -1, "stop_on_eol": False,
@@ -205,6 +207,10 @@ def _check_fields(body: Any) -> None:
     if not isinstance(body, dict):
         raise RequestError('the body must be a JSON object such as {"prompts": ["Hello"], '
                            '"tokens_to_generate": 32}')
+    for name, use in _RENAMED.items():
+        if name in body:
+            raise RequestError(f"{name} is no longer a field (renamed by Megatron-LM): "
+                               f"send {use} instead")
     unknown = sorted(set(body) - set(_FIELDS) - set(NOT_SUPPORTED))
     if unknown:
         raise RequestError(f"unknown field(s) {', '.join(unknown)}; the fields are "
