@@ -358,10 +358,12 @@ def test_other_paths_and_methods(served):
     url = served[0]
     status, text = put(url.replace("/api", "/generate"), {"prompts": ["5"]})
     assert status == 404 and "the endpoint is PUT /api" in text
-    for method in ("GET", "POST"):
+    for method in ("GET", "POST", "HEAD", "OPTIONS"):
         with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(urllib.request.Request(url, data=b"{}", method=method))
-        assert err.value.code == 405 and err.value.headers["Allow"] == "PUT"
+            data = None if method == "HEAD" else b"{}"
+            urllib.request.urlopen(urllib.request.Request(url, data=data, method=method))
+        assert err.value.code == 405 and err.value.headers["Allow"] == "PUT", method
+        assert (err.value.read() == b"") == (method == "HEAD"), method
     req = urllib.request.Request(url, data=b"{not json", method="PUT")
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req)

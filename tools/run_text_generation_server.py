@@ -285,7 +285,8 @@ class _Handler(BaseHTTPRequestHandler):
             if status == 405:
                 self.send_header("Allow", "PUT")
             self.end_headers()
-            self.wfile.write(data)
+            if self.command != "HEAD":  # a HEAD answer has the headers only
+                self.wfile.write(data)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             self.close_connection = True
             return False
@@ -297,7 +298,9 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._reply(404, f"no such path {urlsplit(self.path).path}: the endpoint is PUT /api")
 
-    do_GET = do_POST = do_DELETE = do_PATCH = _other
+    # every other method (a load balancer's HEAD or OPTIONS probe included) gets the 405
+    # on /api and the 404 elsewhere (BaseHTTPRequestHandler answered 501 and a page)
+    do_GET = do_POST = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _other
 
     def _discard(self, length: int) -> None:
         """Read and drop a refused body, for up to _DISCARD_S seconds: a client sends all
