@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 
@@ -57,8 +57,11 @@ MAX_ROLLBACKS_WITHOUT_PROGRESS = 3
 
 def rollback(tr: Trainer, iteration: int) -> None:
     """Reload the last checkpoint of --save, when this run saved it or resumed from it
-    (`trainer_checkpoint.rollback_iteration`); keep the data position, so the batches since
-    that checkpoint (the offending one included) are skipped."""
+    (`trainer_checkpoint.rollback_iteration`); keep the training data position, so the
+    batches since that checkpoint (the offending one included) are skipped. The validation
+    position is the checkpoint's (`ValidationData.rewind`): an evaluation re-run after the
+    rollback reads the samples it reads after a plain resume from that checkpoint (kept,
+    the re-runs read past what the set is sized for: a StopIteration at the last one)."""
     target, origin = trainer_checkpoint.rollback_iteration(tr, iteration)
     furthest, streak = tr.rollback_streak
     streak = streak + 1 if iteration <= furthest else 1
@@ -70,8 +73,7 @@ def rollback(tr: Trainer, iteration: int) -> None:
             f"{max(furthest, iteration)}, so this is not one bad batch. Stopping; lower --lr "
             "(or raise the warmup), check the data, or resume from an earlier checkpoint",
             tr.rt.control_group)
-    keep = (tr.state.consumed_train_samples, tr.state.consumed_valid_samples,
-            tr.state.skipped_iters, tr.state.nan_iters)
+    keep = (tr.state.consumed_train_samples, tr.state.skipped_iters, tr.state.nan_iters)
     saved = tr.config.checkpoint
     tr.config.checkpoint = dataclasses.replace(saved, load=saved.save, finetune=False,
                                                no_load_optim=saved.no_save_optim,
@@ -80,10 +82,36 @@ def rollback(tr: Trainer, iteration: int) -> None:
         trainer_checkpoint.load_trainer_checkpoint(tr)
     finally:
         tr.config.checkpoint = saved
-    (tr.state.consumed_train_samples, tr.state.consumed_valid_samples,
-     tr.state.skipped_iters, tr.state.nan_iters) = keep
+    tr.state.consumed_train_samples, tr.state.skipped_iters, tr.state.nan_iters = keep
     print_rank_0(f" > rolled back from iteration {iteration} to {tr.state.iteration} ({origin}); "
                  f"continuing at sample {tr.state.consumed_train_samples}")
 
 
-__all__ = ["MAX_ROLLBACKS_WITHOUT_PROGRESS", "check_pending_nan", "report_nan", "rollback"]
+class ValidationData:
+    """The validation iterator of a run (`make(consumed)` builds one that starts at that
+    many samples), which a rollback rewinds to the checkpoint's consumed_valid_samples.
+    Other attributes are the current iterator's."""
+
+    def __init__(self, make: Callable[[int], Iterator[dict]], consumed: int):
+        self._make = make
+        self._it = make(consumed)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        return next(self._it)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["_it"], name)
+
+    def rewind(self, consumed: int) -> None:
+        self._it.close()
+        self._it = self._make(consumed)
+
+    def close(self) -> None:
+        self._it.close()
+
+
+__all__ = ["MAX_ROLLBACKS_WITHOUT_PROGRESS", "ValidationData", "check_pending_nan",
+           "report_nan", "rollback"]

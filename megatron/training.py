@@ -58,7 +58,7 @@ from megatron.logging_utils import (
 )
 from megatron.memory_history import MemoryHistory
 from megatron.microbatches import update_micro_batches
-from megatron.nan_policy import check_pending_nan, report_nan, rollback
+from megatron.nan_policy import ValidationData, check_pending_nan, report_nan, rollback
 from megatron.oom_report import OomReport
 from megatron.profiling import StepProfiler
 from megatron.save_lock import lock_save_dir
@@ -374,7 +374,9 @@ def train(tr: Trainer, train_data, valid_data) -> Optional[str]:
         with profiler.step_range(st.iteration + 1):
             loss, ok, grad_norm, _ = train_step(tr, train_data, skip_nonfinite=check_each_step)
         profiler.after_step(st.iteration + 1)
-        if not _after_step(tr, stats, loss, ok, grad_norm):
+        if not _after_step(tr, stats, loss, ok, grad_norm):  # rolled back
+            if isinstance(valid_data, ValidationData):
+                valid_data.rewind(st.consumed_valid_samples)  # the checkpoint's
             continue
         if tr.memory_history is not None:
             tr.memory_history.after_iteration(st.iteration)
@@ -446,7 +448,8 @@ def _build_data(tr: Trainer):
     train_data = data_iterator(config, rt, "train", tr.state.consumed_train_samples, datasets)
     valid_data = test_data = None
     if config.training.eval_iters > 0:
-        valid_data = data_iterator(config, rt, "valid", valid_start, datasets)
+        valid_data = None if datasets["valid"] is None else ValidationData(
+            lambda consumed: data_iterator(config, rt, "valid", consumed, datasets), valid_start)
         test_data = data_iterator(config, rt, "test", 0, datasets)
     return train_data, valid_data, test_data
 

@@ -205,3 +205,67 @@ def test_sigusr1_saves_and_exits(tmp_path, capsys):
     assert tr.state.iteration == 4, "the signal arrived during iteration 4"
     assert checkpointing.read_tracker(str(tmp_path / "ckpt")) == (4, False)
     assert "[exiting program after receiving SIGUSR1.]" in capsys.readouterr().out
+
+
+def test_rollback_rewinds_the_validation_data_to_the_checkpoint(tmp_path):
+    """A validation set of exactly the samples Megatron sizes it for ((8 // 2 + 1) x 2 x 8
+    = 80): after a rollback from iteration 7 to the checkpoint of 4, the evaluation at 6
+    is re-run on the samples it read before (those a plain resume from 4 reads), and the
+    final evaluation still has its samples. The validation position was kept: the re-runs
+    read on, and the final evaluation ended in a bare StopIteration."""
+    import megatron.train_step as train_step_module
+    import megatron.training as training
+    from megatron.arguments import parse_and_validate
+    from megatron.initialize import initialize_distributed
+    from tests.test_gpt_dataset import make_corpus
+
+    paths = [make_corpus(tmp_path / name, sizes, vocab=100)[0] for name, sizes in
+             (("train", [50] * 40), ("valid", [80 * 16 + 1]), ("test", [16 * 16 + 1]))]
+    argv = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+            "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 8 "
+            "--lr 1e-3 --tokenizer-type NullTokenizer --vocab-size 100 "
+            "--use-cpu-initialization --num-workers 0 --log-interval 2 --eval-iters 2 "
+            "--eval-interval 2 --train-iters 8 --save-interval 4 --nan-loss-policy "
+            "rollback").split() + ["--save", str(tmp_path / "ckpt"), "--train-data-path",
+                                   paths[0], "--valid-data-path", paths[1],
+                                   "--test-data-path", paths[2]]
+    cfg = parse_and_validate(argv, world_size=1, env={}, cuda_available=False)
+    rt = initialize_distributed(cfg.parallel, 0, 1, 0)
+    set_random_seed(cfg.training.seed, rt)
+    reads, evaluations = [], []
+    original_batch, original_build = train_step_module.get_batch, training.build_trainer
+
+    def recording(micro, *args, **kwargs):
+        reads.append(micro["text"][:, 0].tolist())
+        return original_batch(micro, *args, **kwargs)
+
+    def build(*args):
+        tr = original_build(*args)
+        module, forward = tr.model.module, tr.model.module.forward
+
+        def poisoned(*a, **k):  # the first time training step 7 runs
+            out = forward(*a, **k)
+            return out * float("nan") if module.training and tr.state.iteration == 6 \
+                and not tr.state.nan_iters else out
+
+        module.forward = poisoned
+        original_eval = tr.model.eval
+
+        def evaluating():
+            evaluations.append((tr.state.iteration, len(reads)))
+            return original_eval()
+
+        tr.model.eval = evaluating
+        return tr
+
+    train_step_module.get_batch, training.build_trainer = recording, build
+    try:
+        tr = training.pretrain(cfg, rt)
+    finally:
+        train_step_module.get_batch, training.build_trainer = original_batch, original_build
+    draws = {}
+    for it, start in evaluations:  # 4 micro-batches an evaluation
+        draws.setdefault(it, []).append(reads[start:start + 4])
+    assert sorted(draws) == [2, 4, 6, 8] and len(draws[6]) == 2 and len(draws[8]) == 3
+    assert draws[6][0] == draws[6][1], "the re-run evaluation reads the same samples"
+    assert tr.state.iteration == 8 and tr.state.consumed_valid_samples == 80
