@@ -85,6 +85,41 @@ def rollback(tr: Trainer, iteration: int) -> None:
     tr.state.consumed_train_samples, tr.state.skipped_iters, tr.state.nan_iters = keep
     print_rank_0(f" > rolled back from iteration {iteration} to {tr.state.iteration} ({origin}); "
                  f"continuing at sample {tr.state.consumed_train_samples}")
+    last = last_served_iteration(tr)
+    if last is not None and last < tr.config.training.train_iters:
+        print_rank_0(f"WARNING: {_data_end(tr, last)}; the run will save a checkpoint and stop "
+                     "there")
+
+
+def last_served_iteration(tr: Trainer) -> Optional[int]:
+    """The last iteration the train set can serve from the consumed samples (None: no
+    limit known, or the `cyclic` loader, which starts another epoch). Only a rollback,
+    which skips the batches since its checkpoint, gets there before --train-iters: the
+    set is sized for --train-iters x --global-batch-size (a blend holds barely more)."""
+    size, d = tr.train_set_size, tr.config.data
+    if size is None or d.dataloader_type == "cyclic":
+        return None
+    left = max(size - tr.state.consumed_train_samples, 0)
+    return tr.state.iteration + left // d.global_batch_size
+
+
+def _data_end(tr: Trainer, last: int) -> str:
+    return (f"the train set has {tr.train_set_size} samples, sized for --train-iters "
+            f"{tr.config.training.train_iters}, and the rollbacks skipped the batches since "
+            f"their checkpoints (consumed_train_samples {tr.state.consumed_train_samples} at "
+            f"iteration {tr.state.iteration}): it serves iterations up to {last}")
+
+
+def train_data_used_up(tr: Trainer) -> Optional[str]:
+    """The error when the next iteration would read past the train set (after rollbacks,
+    see `last_served_iteration`), else None. The same on every rank: no collective."""
+    last = last_served_iteration(tr)
+    if last is None or tr.state.iteration < last or last >= tr.config.training.train_iters:
+        return None
+    return (f"error: {_data_end(tr, last)}, not --train-iters "
+            f"{tr.config.training.train_iters}. Stopping at iteration {last} with a checkpoint "
+            "in --save. To train on, resume with --load and a larger --train-iters (or "
+            "--train-samples); --dataloader-type cyclic starts another epoch instead")
 
 
 class ValidationData:
@@ -114,4 +149,4 @@ class ValidationData:
 
 
 __all__ = ["MAX_ROLLBACKS_WITHOUT_PROGRESS", "ValidationData", "check_pending_nan",
-           "report_nan", "rollback"]
+           "last_served_iteration", "report_nan", "rollback", "train_data_used_up"]

@@ -16,7 +16,7 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron import checkpointing, step_graph, trainer_checkpoint
+from megatron import checkpointing, nan_policy, step_graph, trainer_checkpoint
 from megatron.agreed_exit import exit_on_every_rank, max_over_ranks
 from megatron.checkpoint_args import train_order_warning, valid_order_warning
 from megatron.checkpoint_dirs import UNFINISHED_IDLE_S, unfinished_saves_report
@@ -58,7 +58,7 @@ from megatron.logging_utils import (
 )
 from megatron.memory_history import MemoryHistory
 from megatron.microbatches import update_micro_batches
-from megatron.nan_policy import ValidationData, check_pending_nan, report_nan, rollback
+from megatron.nan_policy import check_pending_nan, report_nan, rollback
 from megatron.oom_report import OomReport
 from megatron.profiling import StepProfiler
 from megatron.save_lock import lock_save_dir
@@ -127,6 +127,7 @@ class Trainer:
     memory_history: object = None  # megatron.memory_history.MemoryHistory (pretrain's)
     progress: RunProgress = field(default_factory=RunProgress)  # the phase, for Ctrl-C
     checkpoint_args: Optional[dict] = None  # the arguments stored in the loaded checkpoint
+    train_set_size: Optional[int] = None  # samples in the train set, once it is built
 
 
 # --------------------------------------------------------------------------- building
@@ -369,13 +370,19 @@ def train(tr: Trainer, train_data, valid_data) -> Optional[str]:
     if trainer_checkpoint.nothing_to_train(tr):  # the loaded state is in --save already
         saved_at = st.iteration
     while st.iteration < cfg.training.train_iters:
+        used_up = nan_policy.train_data_used_up(tr)  # after rollbacks: the set would run out
+        if used_up:
+            profiler.finish()
+            _exit_program(tr, stats, f"[exiting program at iteration {st.iteration}: the "
+                                     "train set is used up]", saved_at)
+            raise exit_on_every_rank(used_up, tr.rt.control_group)
         trainer_checkpoint.report_async_failure(tr)  # the run goes on past that save
         profiler.before_step(st.iteration + 1)
         with profiler.step_range(st.iteration + 1):
             loss, ok, grad_norm, _ = train_step(tr, train_data, skip_nonfinite=check_each_step)
         profiler.after_step(st.iteration + 1)
         if not _after_step(tr, stats, loss, ok, grad_norm):  # rolled back
-            if isinstance(valid_data, ValidationData):
+            if isinstance(valid_data, nan_policy.ValidationData):
                 valid_data.rewind(st.consumed_valid_samples)  # the checkpoint's
             continue
         if tr.memory_history is not None:
@@ -445,10 +452,12 @@ def _build_data(tr: Trainer):
                                       asked[1], valid_start)):
         if order:
             print_rank_0(order)
+    if datasets["train"] is not None:
+        tr.train_set_size = len(datasets["train"])
     train_data = data_iterator(config, rt, "train", tr.state.consumed_train_samples, datasets)
     valid_data = test_data = None
     if config.training.eval_iters > 0:
-        valid_data = None if datasets["valid"] is None else ValidationData(
+        valid_data = None if datasets["valid"] is None else nan_policy.ValidationData(
             lambda consumed: data_iterator(config, rt, "valid", consumed, datasets), valid_start)
         test_data = data_iterator(config, rt, "test", 0, datasets)
     return train_data, valid_data, test_data

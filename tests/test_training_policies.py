@@ -207,12 +207,11 @@ def test_sigusr1_saves_and_exits(tmp_path, capsys):
     assert "[exiting program after receiving SIGUSR1.]" in capsys.readouterr().out
 
 
-def test_rollback_rewinds_the_validation_data_to_the_checkpoint(tmp_path):
-    """A validation set of exactly the samples Megatron sizes it for ((8 // 2 + 1) x 2 x 8
-    = 80): after a rollback from iteration 7 to the checkpoint of 4, the evaluation at 6
-    is re-run on the samples it read before (those a plain resume from 4 reads), and the
-    final evaluation still has its samples. The validation position was kept: the re-runs
-    read on, and the final evaluation ended in a bare StopIteration."""
+def _rollback_run(tmp_path, train_sizes, reads, evaluations):
+    """pretrain() on small .bin/.idx sets (a validation set of exactly the 80 samples
+    Megatron sizes it for: (8 // 2 + 1) x 2 x 8), NaN at the first run of iteration 7,
+    --save-interval 4; the first token of each micro-batch read goes to `reads`, and
+    (iteration, len(reads)) at each evaluation's start to `evaluations`."""
     import megatron.train_step as train_step_module
     import megatron.training as training
     from megatron.arguments import parse_and_validate
@@ -220,7 +219,7 @@ def test_rollback_rewinds_the_validation_data_to_the_checkpoint(tmp_path):
     from tests.test_gpt_dataset import make_corpus
 
     paths = [make_corpus(tmp_path / name, sizes, vocab=100)[0] for name, sizes in
-             (("train", [50] * 40), ("valid", [80 * 16 + 1]), ("test", [16 * 16 + 1]))]
+             (("train", train_sizes), ("valid", [80 * 16 + 1]), ("test", [16 * 16 + 1]))]
     argv = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
             "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 8 "
             "--lr 1e-3 --tokenizer-type NullTokenizer --vocab-size 100 "
@@ -232,7 +231,6 @@ def test_rollback_rewinds_the_validation_data_to_the_checkpoint(tmp_path):
     cfg = parse_and_validate(argv, world_size=1, env={}, cuda_available=False)
     rt = initialize_distributed(cfg.parallel, 0, 1, 0)
     set_random_seed(cfg.training.seed, rt)
-    reads, evaluations = [], []
     original_batch, original_build = train_step_module.get_batch, training.build_trainer
 
     def recording(micro, *args, **kwargs):
@@ -248,8 +246,7 @@ def test_rollback_rewinds_the_validation_data_to_the_checkpoint(tmp_path):
             return out * float("nan") if module.training and tr.state.iteration == 6 \
                 and not tr.state.nan_iters else out
 
-        module.forward = poisoned
-        original_eval = tr.model.eval
+        module.forward, original_eval = poisoned, tr.model.eval
 
         def evaluating():
             evaluations.append((tr.state.iteration, len(reads)))
@@ -260,12 +257,39 @@ def test_rollback_rewinds_the_validation_data_to_the_checkpoint(tmp_path):
 
     train_step_module.get_batch, training.build_trainer = recording, build
     try:
-        tr = training.pretrain(cfg, rt)
+        return training.pretrain(cfg, rt)
     finally:
         train_step_module.get_batch, training.build_trainer = original_batch, original_build
+
+
+def test_rollback_rewinds_the_validation_data_to_the_checkpoint(tmp_path):
+    """After a rollback from iteration 7 to the checkpoint of 4, the evaluation at 6 is
+    re-run on the samples it read before (those a plain resume from 4 reads), and the final
+    evaluation still has its samples. The validation position was kept: the re-runs read
+    on, and the final evaluation ended in a bare StopIteration."""
+    reads, evaluations = [], []
+    tr = _rollback_run(tmp_path, [50] * 40, reads, evaluations)
     draws = {}
     for it, start in evaluations:  # 4 micro-batches an evaluation
         draws.setdefault(it, []).append(reads[start:start + 4])
     assert sorted(draws) == [2, 4, 6, 8] and len(draws[6]) == 2 and len(draws[8]) == 3
     assert draws[6][0] == draws[6][1], "the re-run evaluation reads the same samples"
     assert tr.state.iteration == 8 and tr.state.consumed_valid_samples == 80
+
+
+def test_rollback_stops_with_a_checkpoint_where_the_train_set_runs_out(tmp_path, capsys):
+    """A train set of exactly --train-iters x --global-batch-size samples (as a blend is):
+    the rollback from 7 to 4 skips 3 batches, so the set serves iterations up to 5 only.
+    Said at the rollback; at 5 the run saves and stops naming the numbers. It ended in a
+    bare StopIteration at iteration 6, after the last periodic checkpoint."""
+    with pytest.raises(SystemExit) as stop:
+        _rollback_run(tmp_path, [64 * 16 + 1], [], [])
+    message = str(stop.value.code)
+    assert message.startswith("error: the train set has 64 samples, sized for --train-iters 8, "
+                              "and the rollbacks skipped"), message
+    assert "serves iterations up to 5, not --train-iters 8" in message and "--load" in message
+    assert checkpointing.read_tracker(str(tmp_path / "ckpt")) == (5, False)
+    out = capsys.readouterr().out
+    assert "(consumed_train_samples 56 at iteration 4): it serves iterations up to 5; the run " \
+           "will save a checkpoint and stop there" in out
+    assert "[exiting program at iteration 5: the train set is used up]" in out
