@@ -133,9 +133,10 @@ def train_shortfall(config: Config, iteration: int, consumed: int,
             f"iteration(s) left to --train-iters {t.train_iters} at global batch size "
             f"{gbs} would run out of data at iteration {it + 1}. The set is sized "
             "from --train-iters x --global-batch-size (or --train-samples) as given "
-            "now, and fewer samples a step leave it smaller than what the "
-            "checkpoint read: resume with the --global-batch-size the checkpoint was "
-            "trained with")
+            "now, and the checkpoint read more a step: resume with the "
+            "--global-batch-size the checkpoint was trained with, or, where a "
+            "--nan-loss-policy rollback skipped batches (counted as read), with a larger "
+            "--train-iters (or --train-samples)")
 
 
 def check_data_files(config: Config, group=None) -> None:

@@ -241,6 +241,10 @@ def test_train_shortfall_counts_the_steps_left():
                           "(consumed_train_samples at iteration 60, 16 a step)")
     assert "would run out of data at iteration 61" in out
     assert "resume with the --global-batch-size the checkpoint was trained with" in out
+    # the same batch, more samples read: a rollback skipped batches (the advice was the
+    # batch size alone, the same already)
+    assert "where a --nan-loss-policy rollback skipped batches (counted as read), with a " \
+           "larger --train-iters (or --train-samples)" in train_shortfall(cfg, 60, 500, 800)
     assert train_shortfall(cfg, 100, 10**6, 800) is None  # nothing left to train
     cyclic = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataloader_type="cyclic"))
     assert train_shortfall(cyclic, 60, 960, 805) is None  # wraps into another epoch
