@@ -339,9 +339,13 @@ def save_file(obj, path: str) -> None:
     """torch.save(obj, path). torch.save reports a file it cannot finish writing (a full
     disk, a quota) as a RuntimeError ("unexpected pos 20480 vs 20374", "iostream error"),
     not an OSError: raised here as the OSError it is, naming the file, which
-    `partial_output` turns into its one line with the free space."""
+    `partial_output` turns into its one line with the free space. The file is opened here
+    so that it is closed when the write fails: torch.save given the path keeps its file
+    open in the failed writer, which the error's traceback holds, so the space of the
+    removed partial output stayed in use and the message said 0 bytes free."""
     try:
-        torch.save(obj, path)
+        with open(path, "wb") as f:
+            torch.save(obj, f)
     except RuntimeError as exc:
         interrupt = interrupt_behind(exc)
         if interrupt is not None:  # Ctrl-C midway: reported as the interrupt it is
