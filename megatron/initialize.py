@@ -91,6 +91,29 @@ def srun_tasks_without_launcher(env: Mapping[str, str], script: str = "pretrain_
             f"node> --master-port <port> {script} ... (scripts/slurm/pretrain_gpt.sbatch does)")
 
 
+def env_rendezvous_error(exc: BaseException, env: Mapping[str, str], rank: int,
+                         world_size: int) -> str | None:
+    """The error to print instead of `exc`'s traceback when torch's env:// rendezvous (a
+    launch that sets RANK and WORLD_SIZE itself, as an srun wrapper does) failed for want
+    of MASTER_ADDR / MASTER_PORT, or because rank 0 could not host its store on a port
+    in use; None for any other failure."""
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
+    if isinstance(exc, ValueError) and missing:
+        return (f"error: RANK={rank} and WORLD_SIZE={world_size} are set but "
+                f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: every "
+                "rank needs MASTER_ADDR (the host of rank 0; under Slurm: $(scontrol show "
+                "hostnames $SLURM_JOB_NODELIST | head -n 1)) and MASTER_PORT (a free port, "
+                "the same on every rank) in its environment; or launch with torchrun, "
+                "which sets them")
+    if isinstance(exc, dist.DistNetworkError) and "EADDRINUSE" in str(exc):
+        port, addr = env.get("MASTER_PORT", "?"), env.get("MASTER_ADDR", "?")
+        return (f"error: rank {rank} cannot host the rendezvous store on MASTER_PORT={port} "
+                f"(MASTER_ADDR={addr}): the port is in use on this host (another job, or "
+                "an earlier run still ending); set MASTER_PORT to a free port, the same on "
+                "every rank, and start every rank again")
+    return None
+
+
 # gloo connects the pairs of ranks a group's collectives use when they first talk (torch
 # >= 2.8; an older torch ignores it), not every pair when the group is made: a group over
 # N ranks otherwise costs each rank N - 1 sockets and about 2N rendezvous-store requests
@@ -294,8 +317,14 @@ def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank
         warnings.filterwarnings("ignore", message="Requested unified CUBLASLT workspace size")
     if torch.cuda.is_available():
         local_rank = local_gpu(rank, local_rank, environ, torch.cuda.device_count())
-    rt = initialize_distributed(parallel, rank, world_size, local_rank,
-                                agent_store=agent_store_from_env(environ), store=store)
+    try:
+        rt = initialize_distributed(parallel, rank, world_size, local_rank,
+                                    agent_store=agent_store_from_env(environ), store=store)
+    except (ValueError, dist.DistNetworkError) as e:
+        message = env_rendezvous_error(e, environ, rank, world_size)
+        if message is None:
+            raise
+        raise SystemExit(message) from None
     if world_size > 1:
         warnings_once_per_job(rank)
     if no_workspace and rt.device.type == "cuda":

@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from megatron.initialize import agent_store_from_env, attempt_store
+from megatron.initialize import agent_store_from_env, attempt_store, env_rendezvous_error
 
 T = TypeVar("T")
 
@@ -63,9 +63,15 @@ class JobStore:
         elif self._env.get("MASTER_ADDR") and self._env.get("MASTER_PORT") and \
                 self._env.get("RANK", "") != "":
             # multi_tenant: env:// (had it run too) would share this server, not start another
-            self.store = dist.TCPStore(self._env["MASTER_ADDR"], int(self._env["MASTER_PORT"]),
-                                       self.world_size, is_master=self.rank == 0,
-                                       timeout=timeout, multi_tenant=True)
+            try:
+                self.store = dist.TCPStore(
+                    self._env["MASTER_ADDR"], int(self._env["MASTER_PORT"]), self.world_size,
+                    is_master=self.rank == 0, timeout=timeout, multi_tenant=True)
+            except dist.DistNetworkError as e:  # rank 0: a port in use
+                message = env_rendezvous_error(e, self._env, self.rank, self.world_size)
+                if message is None:
+                    raise
+                raise SystemExit(message) from None
             self.hosts = self.rank == 0
         return self.store
 

@@ -131,3 +131,48 @@ def test_project_warnings_print_as_one_line_and_others_keep_pythons_format(monke
                     "65536\n")
     other = warnings.formatwarning("x", UserWarning, "/elsewhere/pkg/mod.py", 3)
     assert other.startswith("/elsewhere/pkg/mod.py:3: UserWarning: x")
+
+
+# ------------------------------------------- env:// launch (RANK / WORLD_SIZE, no torchrun)
+
+
+def test_an_env_launch_without_master_addr_stops_with_the_fix(monkeypatch):
+    """An srun wrapper that exports RANK / WORLD_SIZE but not MASTER_ADDR / MASTER_PORT:
+    one line naming the missing variables and what to set, not torch's traceback."""
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    for name, value in env.items():  # torch's env:// reads the process environment
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as stop:
+        init.initialize_entry_point(ParallelConfig(), "torch", 0, 2, 0, env)
+    message = str(stop.value.code)
+    assert message.startswith("error: RANK=0 and WORLD_SIZE=2 are set but MASTER_ADDR is not")
+    assert "scontrol show hostnames" in message and "torchrun" in message
+
+
+@pytest.fixture
+def busy_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_rank_0_on_a_port_in_use_stops_with_the_fix(busy_port, monkeypatch):
+    """Rank 0 hosts the env:// store: a MASTER_PORT in use is one line naming the port
+    and the fix, at init and in the early store of the start-up reads."""
+    from megatron.startup_store import JobStore
+
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(busy_port)}
+    for name, value in env.items():  # torch's env:// reads the process environment
+        monkeypatch.setenv(name, value)
+    expected = rf"rank 0 cannot host the rendezvous store on MASTER_PORT={busy_port} .*free port"
+    with pytest.raises(SystemExit, match=expected):
+        init.initialize_entry_point(ParallelConfig(), "torch", 0, 2, 0, env)
+    import datetime
+
+    with pytest.raises(SystemExit, match=expected):
+        JobStore(env, 0, 2).connect(datetime.timedelta(seconds=5))
