@@ -40,6 +40,22 @@ def _check_srun_tasks(env) -> None:
                                 env, machine=False)
 
 
+def _check_same_arguments(config, job) -> None:
+    """A rank whose settings are not rank 0's (a node started with another command line)
+    stops before the process group: printed by each such node's first process."""
+    import datetime
+
+    from megatron.arguments import exit_before_group
+    from megatron.startup_store import check_same_arguments
+
+    timeout = datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes,
+                                 seconds=60)
+    try:
+        check_same_arguments(job, config.args, timeout)
+    except SystemExit as e:
+        raise exit_before_group(e, job.rank, job.world_size, os.environ) from None
+
+
 def tokenizer_vocab_size(args) -> int:
     """Unpadded vocabulary size of the run's tokenizer (`run_tokenizer`)."""
     return run_tokenizer(args).vocab_size
@@ -93,6 +109,7 @@ def main(argv=None) -> int:
             job = JobStore(os.environ, rank, world)  # rank 0 reads for all before the group
             config = parse_and_validate(sys.argv[1:] if argv is None else argv,
                                         world_size=world, vocab_size_fn=kept, job_store=job)
+            _check_same_arguments(config, job)
             if config.args.get("dry_run"):  # under torchrun: one report per node
                 return _dry_run(config, job, local_rank)
             return _train(config, (rank, world, local_rank), start, progress, watch,

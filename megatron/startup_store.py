@@ -76,6 +76,51 @@ class JobStore:
         return self.store
 
 
+PER_RANK_ARGS = ("rank", "local_rank")  # the settings that differ between ranks of one run
+
+
+def check_same_arguments(job: Optional[JobStore], args: Mapping, timeout: datetime.timedelta,
+                         shown: int = 5) -> None:
+    """SystemExit on a rank whose validated arguments (`args`, less PER_RANK_ARGS) are not
+    rank 0's: a node started with another command line (its --train-iters, its layout)
+    would otherwise fail later in a mismatched collective (gloo's `Received data size
+    doesn't match expected size`, or a hang). The message names up to `shown` settings,
+    with this rank's value and rank 0's. Rank 0 reads its own; without a store, nothing
+    to compare."""
+    mine = {key: value for key, value in args.items() if key not in PER_RANK_ARGS}
+    theirs = from_rank_0(job, "arguments", lambda: mine, timeout, "its arguments")
+    if job is None or job.store is None:
+        return
+    differ = sorted(key for key in mine.keys() | theirs.keys()
+                    if repr(mine.get(key)) != repr(theirs.get(key)))
+    others = _count_over_ranks(job, KEY_PREFIX + "arguments/differ", bool(differ))
+    if others and not differ:  # every rank stops, not only those that differ
+        raise SystemExit(f"error: {others} rank(s) were started with settings other than "
+                         "rank 0's (the first process of each such node prints which); every "
+                         "node of the job must run the same command line (flags and --config "
+                         "file): start them again with the same one")
+    if not differ:
+        return
+    listed = "; ".join(f"--{key.replace('_', '-')}: {mine.get(key)!r} here, "
+                       f"{theirs.get(key)!r} on rank 0" for key in differ[:shown])
+    more = f" (and {len(differ) - shown} more)" if len(differ) > shown else ""
+    raise SystemExit(f"error: rank {job.rank} was started with settings other than rank 0's: "
+                     f"{listed}{more}; every node of the job must run the same command line "
+                     "(flags and --config file): start them again with the same one")
+
+
+def _count_over_ranks(job: JobStore, prefix: str, mine: bool) -> int:
+    """How many ranks of the job count `mine` true, once every rank has counted (a wait
+    for all of them in the job's store)."""
+    store = job.store
+    if mine:
+        store.add(prefix + "/count", 1)
+    if store.add(prefix + "/ranks", 1) == job.world_size:
+        store.set(prefix + "/all", b"")
+    store.wait([prefix + "/all"])
+    return store.add(prefix + "/count", 0)
+
+
 def _encode(kind: str, value) -> bytes:
     buffer = io.BytesIO()
     torch.save({"kind": kind, "value": value}, buffer)
@@ -194,4 +239,4 @@ def _outcome(outcome: dict, named: str = "rank 0"):
                      f"the output of {named} has its traceback")
 
 
-__all__ = ["JobStore", "from_node_first", "from_rank_0"]
+__all__ = ["JobStore", "check_same_arguments", "from_node_first", "from_rank_0"]

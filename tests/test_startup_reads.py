@@ -470,3 +470,49 @@ def test_a_node_first_read_that_fails_names_that_nodes_process(tmp_path):
     with pytest.raises(SystemExit, match="first process .LOCAL_RANK 0. of node gpu07 "
                                          "failed reading .*disk on fire"):
         from_node_first(other, 1, "check", lambda: 1, timeout, "the checks", node="gpu07")
+
+
+def _check_arguments_in_threads(ranks_args: list) -> list:
+    """check_same_arguments on each rank (a thread) of one job sharing one store: the
+    SystemExit message of each rank, or None."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from megatron.startup_store import JobStore, check_same_arguments
+
+    store, out = dist.HashStore(), [None] * len(ranks_args)
+
+    def rank_main(rank):
+        job = JobStore({}, rank, len(ranks_args))
+        job.store = store
+        try:
+            check_same_arguments(job, ranks_args[rank], datetime.timedelta(seconds=20))
+        except SystemExit as e:
+            out[rank] = str(e.code)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(len(ranks_args))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return out
+
+
+def test_a_node_started_with_another_command_line_stops_every_rank_with_the_settings():
+    """A second node started with another --train-iters: its ranks name the settings that
+    differ from rank 0's, rank 0's node says how many ranks differ; before, the nodes
+    trained until a collective mismatched (gloo's 'Received data size doesn't match
+    expected size', an abort)."""
+    same = {"train_iters": 6, "lr": 1e-3, "rank": 0, "local_rank": 0}
+    assert _check_arguments_in_threads(
+        [dict(same, rank=r, local_rank=r % 2) for r in range(3)]) == [None] * 3
+    other = dict(same, train_iters=8, local_rank=0)
+    out = _check_arguments_in_threads([same, dict(same, rank=1, local_rank=1),
+                                       dict(other, rank=2), dict(other, rank=3, local_rank=1)])
+    assert out[0] == out[1] and out[0].startswith("error: 2 rank(s) were started with settings "
+                                                  "other than rank 0's")
+    assert out[2].startswith("error: rank 2 was started with settings other than rank 0's: "
+                             "--train-iters: 8 here, 6 on rank 0; every node")
+    assert out[3].startswith("error: rank 3 ")
