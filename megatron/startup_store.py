@@ -93,32 +93,32 @@ def check_same_arguments(job: Optional[JobStore], args: Mapping, timeout: dateti
         return
     differ = sorted(key for key in mine.keys() | theirs.keys()
                     if repr(mine.get(key)) != repr(theirs.get(key)))
-    others = _count_over_ranks(job, KEY_PREFIX + "arguments/differ", bool(differ))
-    if others and not differ:  # every rank stops, not only those that differ
-        raise SystemExit(f"error: {others} rank(s) were started with settings other than "
-                         "rank 0's (the first process of each such node prints which); every "
-                         "node of the job must run the same command line (flags and --config "
-                         "file): start them again with the same one")
-    if not differ:
-        return
     listed = "; ".join(f"--{key.replace('_', '-')}: {mine.get(key)!r} here, "
                        f"{theirs.get(key)!r} on rank 0" for key in differ[:shown])
     more = f" (and {len(differ) - shown} more)" if len(differ) > shown else ""
-    raise SystemExit(f"error: rank {job.rank} was started with settings other than rank 0's: "
-                     f"{listed}{more}; every node of the job must run the same command line "
-                     "(flags and --config file): start them again with the same one")
+    mine_text = f"rank {job.rank} was started with settings other than rank 0's: {listed}{more}"
+    fix = ("every node of the job must run the same command line (flags and --config file): "
+           "start them again with the same one")
+    others, first = _count_over_ranks(job, KEY_PREFIX + "arguments/differ",
+                                      mine_text if differ else None)
+    if differ:
+        raise SystemExit(f"error: {mine_text}; {fix}")
+    if others:  # every rank stops, not only those that differ
+        raise SystemExit(f"error: {others} rank(s) were started with settings other than "
+                         f"rank 0's, the first to count: {first}; {fix}")
 
 
-def _count_over_ranks(job: JobStore, prefix: str, mine: bool) -> int:
-    """How many ranks of the job count `mine` true, once every rank has counted (a wait
-    for all of them in the job's store)."""
+def _count_over_ranks(job: JobStore, prefix: str, mine: Optional[str]) -> tuple:
+    """(how many ranks of the job gave a text `mine`, the first such text or None), once
+    every rank has counted (a wait for all of them in the job's store)."""
     store = job.store
-    if mine:
-        store.add(prefix + "/count", 1)
+    if mine is not None and store.add(prefix + "/count", 1) == 1:
+        store.set(prefix + "/first", mine.encode())
     if store.add(prefix + "/ranks", 1) == job.world_size:
         store.set(prefix + "/all", b"")
     store.wait([prefix + "/all"])
-    return store.add(prefix + "/count", 0)
+    count = store.add(prefix + "/count", 0)
+    return count, store.get(prefix + "/first").decode() if count else None
 
 
 def _encode(kind: str, value) -> bytes:

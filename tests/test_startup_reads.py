@@ -512,7 +512,9 @@ def test_a_node_started_with_another_command_line_stops_every_rank_with_the_sett
     out = _check_arguments_in_threads([same, dict(same, rank=1, local_rank=1),
                                        dict(other, rank=2), dict(other, rank=3, local_rank=1)])
     assert out[0] == out[1] and out[0].startswith("error: 2 rank(s) were started with settings "
-                                                  "other than rank 0's")
+                                                  "other than rank 0's, the first to count: "
+                                                  "rank ")
+    assert "--train-iters: 8 here, 6 on rank 0; every node" in out[0]
     assert out[2].startswith("error: rank 2 was started with settings other than rank 0's: "
                              "--train-iters: 8 here, 6 on rank 0; every node")
     assert out[3].startswith("error: rank 3 ")
