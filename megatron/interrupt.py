@@ -34,24 +34,25 @@ INTERRUPTED_STATUS = 128 + signal.SIGINT
 
 
 class SigintHandler:
-    """Base of a `with` block that handles SIGINT by `self._handle(signum, frame)` in the
-    main thread (and puts the previous handler back after); outside the main thread (a
-    library call) it installs nothing."""
+    """Base of a `with` block that handles SIGINT (and the other `signals` of a subclass) by
+    `self._handle(signum, frame)` in the main thread, and puts the previous handlers back
+    after; outside the main thread (a library call) it installs nothing."""
 
-    _previous = None
+    signals: Tuple[int, ...] = (signal.SIGINT,)
+    _previous: Optional[dict] = None
 
     def _handle(self, signum, frame) -> None:
         raise NotImplementedError
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.signals}
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for sig, handler in (self._previous or {}).items():
+            signal.signal(sig, handler)
+        self._previous = None
 
 
 class InterruptWatch(SigintHandler):

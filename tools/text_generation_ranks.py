@@ -58,25 +58,13 @@ class _FollowerSigint(SigintHandler):
     or, on SIGTERM, broke the request: a 500), then broadcasts stop, and every rank ends
     quietly. Installed in the main thread only."""
 
-    _previous_term = None
+    signals = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.received = False
 
     def _handle(self, signum, frame) -> None:
         self.received = True
-
-    def __enter__(self):
-        super().__enter__()
-        if threading.current_thread() is threading.main_thread():
-            self._previous_term = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous_term is not None:
-            signal.signal(signal.SIGTERM, self._previous_term)
-            self._previous_term = None
-        super().__exit__(*exc)
 
 
 def follow_requests(engine: Engine, group=None, src: int = 0) -> int:
@@ -111,7 +99,7 @@ def follow_requests(engine: Engine, group=None, src: int = 0) -> int:
                       f"{type(exc).__name__}: {exc}); following the next one", flush=True)
 
 
-class _StopSignals:
+class _StopSignals(SigintHandler):
     """`with _StopSignals():` while rank 0 stops (after Ctrl-C or SIGTERM). SIGINT within
     `InterruptWatch.FORWARDED_WITHIN_S` of the start is the same Ctrl-C again (a launcher
     forwarding it to a worker the terminal reached too) and is ignored; any later SIGINT
@@ -120,10 +108,10 @@ class _StopSignals:
     the process group is still open, and a gloo group left to the interpreter's exit can
     abort the process after its output. Main thread only."""
 
-    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    signals = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
-        self._start, self._previous = time.monotonic(), {}
+        self._start = time.monotonic()
 
     def _handle(self, signum, frame) -> None:
         if (signum == signal.SIGINT and
@@ -138,15 +126,6 @@ class _StopSignals:
         sys.stderr.flush()
         os._exit(INTERRUPTED_STATUS)
 
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in self._SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous = {}
 
 
 class _DeferSignals(_StopSignals):
@@ -157,7 +136,7 @@ class _DeferSignals(_StopSignals):
     install and restore the handlers). Main thread only."""
 
     def __init__(self) -> None:
-        self.received, self._first, self._previous = False, 0.0, {}
+        self.received, self._first = False, 0.0
 
     def _handle(self, signum, frame) -> None:
         if not self.received:
