@@ -291,21 +291,35 @@ def _run_length_from_command_line(yaml_values: Dict[str, Any], command_line: Dic
     return yaml_values
 
 
-def _warmup_from_command_line(yaml_values: Dict[str, Any], command_line: Dict[str, Any],
-                              path: str) -> Dict[str, Any]:
-    """A warmup given on the command line overrides a --config file's warmup spelled
-    another way (a preset's `lr-warmup-samples` plus `--lr-warmup-fraction 0.01`): the
-    file's is dropped with a warning. It was an error naming two exclusive flags, one of
-    them the file's, that no command-line flag could take back."""
-    given = [d for d in _WARMUP if d in command_line]
-    dropped = [d for d in _WARMUP if d in yaml_values and d not in command_line]
-    if not given or not dropped:
-        return yaml_values
-    names = ", ".join(f"--{d.replace('_', '-')} {_shown(yaml_values[d])}" for d in dropped)
-    flag = given[0].replace("_", "-")
-    warn(f"--{flag} {command_line[given[0]]} on the command line replaces the warmup of "
-         f"--config {path}: its {names} ignored")
-    return {k: v for k, v in yaml_values.items() if k not in dropped}
+# Exclusive choices a command-line flag makes in place of a --config file's (what, dests):
+# the warmup, the precision (a bf16 preset plus --fp16 on a GPU without bf16), the data (a
+# config naming data-path plus --mock-data to try it out, or the other way round).
+_EXCLUSIVE = (("the warmup", _WARMUP), ("the precision", ("fp16", "bf16")),
+              ("the data", ("mock_data", "data_path", "train_data_path")))
+
+
+def _choices_from_command_line(yaml_values: Dict[str, Any], command_line: Dict[str, Any],
+                               path: str) -> Dict[str, Any]:
+    """A choice given on the command line overrides a --config file's exclusive one (a
+    preset's `lr-warmup-samples` plus `--lr-warmup-fraction 0.01`, its `bf16: true` plus
+    `--fp16`): the file's is dropped with a warning. It was an error naming two exclusive
+    flags, one of them the file's, that no command-line flag could take back."""
+    for what, dests in _EXCLUSIVE:
+        given = [d for d in dests if d in command_line]
+        dropped = [d for d in dests if d not in command_line
+                   and yaml_values.get(d, False) is not False]
+        if not given or not dropped:
+            continue
+        names = ", ".join(_flag_shown(d, yaml_values[d]) for d in dropped)
+        warn(f"{_flag_shown(given[0], command_line[given[0]])} on the command line replaces "
+             f"{what} of --config {path}: its {names} ignored")
+        yaml_values = {k: v for k, v in yaml_values.items() if k not in dropped}
+    return yaml_values
+
+
+def _flag_shown(dest: str, value: Any) -> str:
+    flag = "--" + dest.replace("_", "-")
+    return flag if value is True else f"{flag} {_shown(value)}"
 
 
 def _shown(value: Any) -> str:
@@ -344,7 +358,7 @@ def parse_args(argv: Sequence[str], extra_options: Sequence[str] = ()
         with machine_checks():  # the file may be missing on some node
             yaml_values = load_yaml_config(given.config, parser)
         yaml_values = _run_length_from_command_line(yaml_values, vars(given), given.config)
-        yaml_values = _warmup_from_command_line(yaml_values, vars(given), given.config)
+        yaml_values = _choices_from_command_line(yaml_values, vars(given), given.config)
         parser.set_defaults(**yaml_values)
     ns = parser.parse_args(argv)
     return ns, set(vars(given)) | set(yaml_values)

@@ -371,6 +371,27 @@ def test_command_line_warmup_replaces_a_preset_warmup_spelled_another_way(tmp_pa
     assert cfg.args["lr_warmup_fraction"] == 0.05 and cfg.args["lr_warmup_samples"] == 0
 
 
+def test_command_line_precision_and_data_replace_the_configs(tmp_path, caplog):
+    """A bf16 preset plus --fp16 (a GPU without bf16), a config naming data-path plus
+    --mock-data (to try it out): the command line wins, with a warning. Both were an error
+    ('--fp16 and --bf16 are exclusive; pass one') that no command-line flag could take back."""
+    preset = _yaml(tmp_path, "bf16: true\nfp16: false\ndata-path: [a_text_document]\n")
+    cfg = run(f"--config {preset} --fp16")
+    assert cfg.optimizer.fp16 and not cfg.optimizer.bf16 and cfg.data.data_path is None
+    assert (f"--fp16 on the command line replaces the precision of --config {preset}: its "
+            "--bf16 ignored") in caplog.text
+    assert (f"--mock-data on the command line replaces the data of --config {preset}: its "
+            "--data-path a_text_document ignored") in caplog.text
+    mock = _yaml(tmp_path, "fp16: true\nmock-data: true\n")
+    cfg = run(f"--config {mock} --bf16 --data-path b_text_document --dry-run",
+              base=without("--mock-data"))
+    assert cfg.optimizer.bf16 and not cfg.optimizer.fp16
+    assert cfg.data.data_path == ["b_text_document"] and not cfg.args["mock_data"]
+    caplog.clear()
+    run(f"--config {_yaml(tmp_path, 'fp16: false')} --bf16")  # nothing of the file's dropped
+    assert "replaces" not in caplog.text
+
+
 def test_yaml_null_value_leaves_the_flag_at_its_default(tmp_path):
     """`load: ~` or an empty value is YAML's null: the flag keeps its default. It was the
     string 'None' (a --load and a --tensorboard-dir named ./None) or an error ('expects
