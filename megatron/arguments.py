@@ -174,6 +174,9 @@ def _yaml_value(key: str, action: argparse.Action, value: Any, path: str) -> Any
     """Convert one YAML value the way argparse would convert the same text."""
     where = f"--config {path}: key '{key}'"
     if action.nargs == 0:  # store_true / store_false
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            raise ArgumentsError(f"{where} is a switch and {value!r} is a quoted string; write "
+                                 f"{key}: {value.strip().lower()} (no quotes)")
         if not isinstance(value, bool):
             raise ArgumentsError(f"{where} is a switch; give true or false, not {value!r}")
         if value:
@@ -189,7 +192,10 @@ def _yaml_value(key: str, action: argparse.Action, value: Any, path: str) -> Any
                                  "give a YAML list") from None
     items = value if isinstance(value, list) else [value]
     if action.nargs is None and isinstance(value, list):
-        raise ArgumentsError(f"{where} takes one value, got the list {value!r}")
+        # a text value such as --split's '969,30,1' is its words joined by commas
+        hint = (f"; write {key}: {','.join(map(str, value))}"
+                if action.type in (None, str) and value else "")
+        raise ArgumentsError(f"{where} takes one value, got the list {value!r}{hint}")
     out = []
     for item in items:
         if action.type is bool and isinstance(item, bool):

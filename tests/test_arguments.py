@@ -434,6 +434,10 @@ def test_yaml_unknown_key_suggests_closest_flag(tmp_path):
     ("num-layers: 2.5", "expects int"), ("bf16: yes please", "is a switch"),
     ("optimizer: lamb", "'lamb' is not one of adam, sgd"), ("checkpoint-method: uniform",
                                                               "--recompute-method"),
+    # a quoted boolean said 'give true or false, not 'false''; a list for --split, no fix
+    ('bf16: "false"', "key 'bf16' is a switch and 'false' is a quoted string; write bf16: "
+                      "false (no quotes)"),
+    ("split: [969, 30, 1]", "got the list [969, 30, 1]; write split: 969,30,1"),
 ])
 def test_yaml_bad_values(tmp_path, text, expected):
     assert expected in error_of(f"--config {_yaml(tmp_path, text)}")
