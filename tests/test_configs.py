@@ -66,8 +66,10 @@ def test_llama_presets():
     small = _load(ROOT / "configs" / "llama-1b.yaml").model
     assert (small.normalization, small.activation, small.position_embedding_type) == \
         ("RMSNorm", "swiglu", "rope")
-    assert small.num_query_groups == 8 and small.untie_embeddings_and_output_weights
-    assert not small.add_bias_linear
+    # Llama 3.2 1B ties its output layer to the embeddings (tie_word_embeddings), rope 5e5
+    assert small.num_query_groups == 8 and not small.untie_embeddings_and_output_weights
+    assert small.rotary_base == 500000 and small.layernorm_epsilon == 1e-5
+    assert not small.add_bias_linear and small.ffn_hidden_size == 8192
     big = _load(ROOT / "configs" / "llama-7b.yaml")
     assert big.model.num_query_groups == big.model.num_attention_heads == 32
     assert big.model.ffn_hidden_size == 11008 and big.data.seq_length == 4096
