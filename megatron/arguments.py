@@ -170,8 +170,10 @@ def _option_index(parser: argparse.ArgumentParser) -> Dict[str, argparse.Action]
     }
 
 
-def _yaml_value(key: str, action: argparse.Action, value: Any, path: str) -> Any:
-    """Convert one YAML value the way argparse would convert the same text."""
+def _yaml_value(key: str, action: argparse.Action, value: Any, path: str,
+                tri_state: bool = False) -> Any:
+    """Convert one YAML value the way argparse would convert the same text. `tri_state`:
+    the switch's dest defaults to None (auto) and an opposite switch sets it False."""
     where = f"--config {path}: key '{key}'"
     if action.nargs == 0:  # store_true / store_false
         if isinstance(value, str) and value.strip().lower() in ("true", "false"):
@@ -181,6 +183,8 @@ def _yaml_value(key: str, action: argparse.Action, value: Any, path: str) -> Any
             raise ArgumentsError(f"{where} is a switch; give true or false, not {value!r}")
         if value:
             return action.const
+        if tri_state and action.const is True:  # 'compile: false' is --no-compile, not auto
+            return False
         return None if action.default is None else (not action.const)
     if action.nargs in ("*", "+") and isinstance(value, str):
         # 'data-path: 0.3 a 0.7 b', 'rampup-batch-size: 32 32 1000': the words, as on the
@@ -237,6 +241,8 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
     if not isinstance(data, dict):
         raise ArgumentsError(f"--config {path}: expected a mapping of flag: value pairs")
     index = _option_index(parser)
+    # dests that a store_false switch sets False and that default to None: --compile's
+    opposite = {a.dest for a in parser._actions if a.nargs == 0 and a.const is False}
     removed = {_norm_key(k): v for k, v in REMOVED.items()}
     values: Dict[str, Any] = {}
     for key, value in data.items():
@@ -253,7 +259,8 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
         action = index[norm]
         if value is None:  # `load: ~`, `tensorboard-dir:`: YAML's null is no value, not 'None'
             continue
-        values[action.dest] = _yaml_value(str(key), action, value, path)
+        tri_state = action.default is None and action.dest in opposite
+        values[action.dest] = _yaml_value(str(key), action, value, path, tri_state)
     return values
 
 

@@ -402,6 +402,17 @@ def test_yaml_null_value_leaves_the_flag_at_its_default(tmp_path):
     assert cfg.args["lr_decay_iters"] == cfg.args["train_iters"] and not cfg.args["fp16"]
 
 
+def test_yaml_compile_false_turns_compilation_off(tmp_path):
+    """`compile: false` is --no-compile: it was read as 'not given', so a GPU run compiled
+    the layers (the default with CUDA) although the file said false."""
+    off = run(f"--config {_yaml(tmp_path, 'compile: false')}", cuda_available=True)
+    assert off.args["compile_layers"] is False
+    auto = run(f"--config {_yaml(tmp_path, 'no-compile: false')}", cuda_available=True)
+    assert auto.args["compile_layers"] is True  # not forced off: the default, on with CUDA
+    assert run(f"--config {_yaml(tmp_path, 'no-save-optim: false')}").args["no_save_optim"] \
+        is None
+
+
 def test_yaml_list_flag_given_as_one_line_is_split_into_words(tmp_path):
     """'rampup-batch-size: 4 4 16' and 'data-path: 0.3 a 0.7 b' (the command line's
     spelling) are read as the words: they were one value ('--rampup-batch-size 4 4 16:
