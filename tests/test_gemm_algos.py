@@ -462,3 +462,15 @@ def test_tuner_writes_a_table_training_accepts(tmp_path, restore_table, entry_en
     recorded = tune_gemms.record_shapes(argv, "cuda")
     assert set(table) <= set(recorded)
     assert all(len(a) == ctypes.sizeof(ctypes.c_uint64 * 8) for a in table.values())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_tuning_without_cuda_is_refused_before_the_step(capsys):
+    """On a machine without CUDA (a login node) the tuner stops at once with a message
+    that names --device cpu, instead of building the model, running a step and failing
+    with torch's 'not compiled with CUDA' traceback."""
+    for argv in (["--out", "gemms.json", "--preset", "tiny"],
+                 ["--record-only", "--preset", "tiny"]):
+        with pytest.raises(SystemExit, match="CUDA is not available here.*--device cpu"):
+            tune_gemms.main(argv)
+    assert "| product |" not in capsys.readouterr().out  # no step ran

@@ -200,6 +200,12 @@ def main(argv=None) -> int:
     if not args.record_only and (args.out is None or args.device != "cuda"):
         raise SystemExit("error: tuning needs --out FILE and CUDA (--record-only lists the "
                          "shapes on any device)")
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"error: --device cuda, but CUDA is not available here (torch "
+                         f"{torch.__version__}); tune on the GPU machine of the run, or list "
+                         "the shapes here with --record-only --device cpu")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     counts = record_shapes(flags, args.device, rank, world, int(os.environ.get("LOCAL_RANK", 0)))
     args.quiet = rank != 0  # under torchrun rank 0 prints and writes the table
