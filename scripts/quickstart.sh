@@ -8,7 +8,8 @@
 # Outputs go under ${OUT_DIR:-runs/quickstart}; NPROC (2) and TRAIN_ITERS (300) may be set
 # too, and extra flags go to pretrain_gpt.py. A few minutes on 2 CPU cores. Every run
 # starts afresh: it deletes the checkpoints/ and tensorboard/ of the previous run under
-# OUT_DIR (saying so; the corpus and tokenizer in data/ are kept and reused).
+# OUT_DIR (saying so; the corpus and tokenizer in data/ are kept and reused), except a
+# `--dry-run`, which only checks the command and touches nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT_DIR:-runs/quickstart}
@@ -17,7 +18,9 @@ TRAIN_ITERS=${TRAIN_ITERS:-300}
 # 20 warmup iterations; a tenth of a shorter run (the warmup must end before the decay does)
 WARMUP_ITERS=$(( TRAIN_ITERS / 10 < 20 ? TRAIN_ITERS / 10 : 20 ))
 DATA=$OUT_DIR/data
-for previous in "$OUT_DIR/checkpoints" "$OUT_DIR/tensorboard"; do
+DRY_RUN=0
+for flag in "$@"; do [ "$flag" = "--dry-run" ] && DRY_RUN=1; done
+[ "$DRY_RUN" = 1 ] || for previous in "$OUT_DIR/checkpoints" "$OUT_DIR/tensorboard"; do
   if [ -e "$previous" ]; then
     echo "note: deleting the previous run's $previous (a quickstart starts afresh; use" \
          "another OUT_DIR to keep it)"
@@ -56,6 +59,7 @@ python -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_
     --save "$OUT_DIR/checkpoints" --save-interval 100 \
     --tensorboard-dir "$OUT_DIR/tensorboard" \
     --use-cpu-initialization --seed 1234 "$@"
+[ "$DRY_RUN" = 1 ] && exit 0
 echo
 echo "tensorboard logs: $OUT_DIR/tensorboard   (tensorboard --logdir $OUT_DIR/tensorboard)"
 echo "checkpoints:      $OUT_DIR/checkpoints   (latest: $(cat "$OUT_DIR/checkpoints/latest_checkpointed_iteration.txt"))"

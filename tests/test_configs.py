@@ -191,9 +191,12 @@ def test_script_takes_a_blend_in_data_path(script, tmp_path):
     assert argv[start:start + 5] == blend.split() + ["--vocab-file"]
 
 
-def test_quickstart_says_it_deletes_the_previous_run(tmp_path):
+@pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
+def test_quickstart_says_it_deletes_the_previous_run(tmp_path, dry_run):
     """A rerun of scripts/quickstart.sh replaces checkpoints/ and tensorboard/ under OUT_DIR:
-    it says so for each (python and torchrun are stand-ins; the data is already built)."""
+    it says so for each (python and torchrun are stand-ins; the data is already built). A
+    `--dry-run` (passed on to pretrain_gpt.py) deletes nothing and prints no closing lines
+    about checkpoints it did not write (it deleted the previous run's, then `cat` failed)."""
     bindir, out_dir = tmp_path / "bin", tmp_path / "out"
     bindir.mkdir()
     (bindir / "python").write_text('#!/usr/bin/env bash\n[ "$1" = "-c" ] && echo 0\nexit 0\n')
@@ -203,9 +206,15 @@ def test_quickstart_says_it_deletes_the_previous_run(tmp_path):
     (out_dir / "data" / "stdlib_text_document.idx").touch()
     (out_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("300")
     env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", OUT_DIR=str(out_dir))
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "quickstart.sh")], env=env,
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "quickstart.sh")]
+                          + (["--dry-run"] if dry_run else []), env=env,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+    if dry_run:
+        assert "deleting" not in proc.stdout and "checkpoints:" not in proc.stdout
+        assert (out_dir / "checkpoints" / "latest_checkpointed_iteration.txt").exists()
+        assert (out_dir / "tensorboard").exists()
+        return
     for sub in ("checkpoints", "tensorboard"):
         assert f"note: deleting the previous run's {out_dir / sub} " in proc.stdout
         assert not (out_dir / sub).exists()
