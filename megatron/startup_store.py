@@ -114,9 +114,7 @@ def _count_over_ranks(job: JobStore, prefix: str, mine: Optional[str]) -> tuple:
     store = job.store
     if mine is not None and store.add(prefix + "/count", 1) == 1:
         store.set(prefix + "/first", mine.encode())
-    if store.add(prefix + "/ranks", 1) == job.world_size:
-        store.set(prefix + "/all", b"")
-    store.wait([prefix + "/all"])
+    _all_done(job, store, prefix, everyone=True)
     count = store.add(prefix + "/count", 0)
     return count, store.get(prefix + "/first").decode() if count else None
 
@@ -212,13 +210,14 @@ def _exchange(job: JobStore, store, key: str, done: str, source: bool, named: st
         _all_done(job, store, done)
 
 
-def _all_done(job: JobStore, store, prefix: str) -> None:
+def _all_done(job: JobStore, store, prefix: str, everyone: bool = False) -> None:
     """Count this process done with `prefix`'s answers; the process that hosts the store
-    waits for every one (the store ends with it). A store gone: nothing to wait for."""
+    waits for every one (the store ends with it), or, with `everyone`, every process
+    does. A store gone: nothing to wait for."""
     try:
         if store.add(prefix + "/done", 1) == job.world_size:
             store.set(prefix + "/all_done", b"")
-        if job.hosts:
+        if job.hosts or everyone:
             store.wait([prefix + "/all_done"])
     except (RuntimeError, OSError):
         pass
