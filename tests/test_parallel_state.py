@@ -254,6 +254,18 @@ def test_initialize_rejects_tp_larger_than_single_process_world(fresh_state):
         ps.initialize_model_parallel(tensor_model_parallel_size=2)
 
 
+def test_initialize_takes_megatron_positional_order(fresh_state):
+    # Megatron-LM 23.05's initialize passes (tp, pp, virtual pp, split rank) positionally
+    state = ps.initialize_model_parallel(1, 1, None, None)
+    assert state.ep_size == 1 and ps.get_tensor_model_parallel_world_size() == 1
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1, None, pipeline_model_parallel_split_rank=None)
+    ps.destroy_model_parallel()
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_split_rank=1 .*pass None"):
+        ps.initialize_model_parallel(1, 1, None, 1)
+    assert not ps.model_parallel_is_initialized()
+
+
 # --------------------------------------------------------------- 4 gloo processes
 _DIST_LAYOUTS = [(2, 2, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]
 _SUM_KINDS = ("tp", "dp", "pp", "mp", "embedding", "ep", "dp_modulo_ep")

@@ -301,12 +301,21 @@ def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
+    pipeline_model_parallel_split_rank: Optional[int] = None,
     expert_model_parallel_size: int = 1,
     sequence_parallel_enabled: bool = False,
 ) -> ParallelState:
     """Build the ParallelState for this process (torch.distributed must be initialised
-    when the world has more than one process) and remember it for the accessors."""
+    when the world has more than one process) and remember it for the accessors.
+
+    The first four parameters are Megatron's, in its order (its own initialize passes them
+    positionally); `pipeline_model_parallel_split_rank` splits an encoder-decoder pipeline,
+    so only None is accepted here."""
     global _STATE
+    if pipeline_model_parallel_split_rank is not None:
+        raise ValueError(
+            f"pipeline_model_parallel_split_rank={pipeline_model_parallel_split_rank} splits an "
+            "encoder-decoder pipeline; the models here are decoder-only: pass None")
     if sequence_parallel_enabled and tensor_model_parallel_size == 1:
         raise ValueError("Sequence parallelism requires tensor parallelism")
     initialized = dist.is_available() and dist.is_initialized()
