@@ -278,8 +278,14 @@ def _check_fusion_and_attributes(rank, world, group):
                                   skip_bias_add=True, skip_weight_param_allocation=True,
                                   use_cpu_initialization=True)
     y, bias = col(X, weight=layer.weight)
-    with pytest.raises(ValueError, match=f"{2 * world + 1} is not divisible by {world}"):
-        tp.RowParallelLinear(2 * world + 1, 4, tp_group=group, init_method=INIT, device="cpu")
+    odd = 2 * world + 1  # each message names the layer, the argument, both sizes
+    with pytest.raises(ValueError, match=f"^RowParallelLinear: input_size={odd} is not "
+                       f"divisible by the tensor-parallel size {world}; choose"):
+        tp.RowParallelLinear(odd, 4, tp_group=group, init_method=INIT, device="cpu")
+    with pytest.raises(ValueError, match=f"^ColumnParallelLinear: output_size={odd} .* {world}"):
+        tp.ColumnParallelLinear(4, odd, tp_group=group, init_method=INIT, device="cpu")
+    with pytest.raises(ValueError, match=f"^VocabParallelEmbedding: num_embeddings={odd} "):
+        tp.VocabParallelEmbedding(odd, 4, tp_group=group, init_method=INIT, device="cpu")
     assert bias is col.bias
     _close(y, F.linear(X, layer.weight), "column with passed weight")
 

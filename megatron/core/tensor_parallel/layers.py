@@ -43,7 +43,6 @@ from .mappings import (
     start_all_reduce,
 )
 from .random import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker
-from .utils import divide
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -319,6 +318,16 @@ def linear_with_grad_accumulation_and_async_allreduce(
     )
 
 
+def _per_partition(size: int, world: int, layer: str, name: str) -> int:
+    """`size // world` for a dimension split over TP; a ValueError naming the layer, the
+    argument and both values otherwise (`divide`'s message names neither)."""
+    if size % world:
+        raise ValueError(
+            f"{layer}: {name}={size} is not divisible by the tensor-parallel size {world}; "
+            f"choose a {name} that is a multiple of {world} or another tensor-parallel size")
+    return size // world
+
+
 def _new_param(shape, dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
 
@@ -353,7 +362,8 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_group = tp_group
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
         world, rank = group_size(tp_group), group_rank(tp_group)
-        self.num_embeddings_per_partition = divide(num_embeddings, world)
+        self.num_embeddings_per_partition = _per_partition(
+            num_embeddings, world, "VocabParallelEmbedding", "num_embeddings")
         self.vocab_start_index = rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
         device = _resolve_device(device, use_cpu_initialization)
@@ -409,7 +419,8 @@ class ColumnParallelLinear(nn.Module):
                              "sequence_parallel=True; gather in the caller instead")
         world = group_size(tp_group)
         self.input_size, self.output_size = input_size, output_size
-        self.output_size_per_partition = divide(output_size, world)
+        self.output_size_per_partition = _per_partition(
+            output_size, world, "ColumnParallelLinear", "output_size")
         self.tp_group = tp_group
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
@@ -506,7 +517,8 @@ class RowParallelLinear(nn.Module):
             raise ValueError("RowParallelLinear: sequence_parallel=True requires "
                              "input_is_parallel=True")
         self.input_size, self.output_size = input_size, output_size
-        self.input_size_per_partition = divide(input_size, world)
+        self.input_size_per_partition = _per_partition(
+            input_size, world, "RowParallelLinear", "input_size")
         self.tp_group = tp_group
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
