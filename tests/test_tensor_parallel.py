@@ -453,6 +453,24 @@ def test_checkpoint_single_process_matches_plain():
         assert torch.equal(a, b)
 
 
+def test_checkpoint_accepts_megatron_distribute_saved_activations_form():
+    # Megatron-LM 23.05: checkpoint(function, distribute_saved_activations, *args)
+    torch.manual_seed(SEED)
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    y = tp.checkpoint(lambda a, m: lin(a) * m, False, x, mask,
+                      tracker=tp.RNGStatesTracker("cpu"))
+    y.sum().backward()
+    grad = x.grad.clone()
+    x.grad = None
+    (lin(x) * mask).sum().backward()
+    assert torch.equal(grad, x.grad)
+    with pytest.raises(ValueError, match="distribute_saved_activations.*"
+                       "checkpoint_distributed_input"):
+        tp.checkpoint(lambda a: lin(a), True, x, tracker=tp.RNGStatesTracker("cpu"))
+
+
 # --------------------------------------------------------------------------------------
 # utils
 # --------------------------------------------------------------------------------------

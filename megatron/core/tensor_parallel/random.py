@@ -198,7 +198,18 @@ def checkpoint(function, *args, tracker: Optional[RNGStatesTracker] = None):
     the same masks. Any collectives inside `function` run again during backward, in the
     same order on every rank. Uses torch's non-reentrant checkpoint, so parameters get
     grads even when no input requires grad.
+
+    Megatron's form `checkpoint(function, distribute_saved_activations, *args)` (a bool
+    after the function) is accepted for ported code: False is dropped; True is refused
+    (it needs the tensor-parallel group: use `checkpoint_distributed_input`).
     """
+    if args and isinstance(args[0], bool):
+        if args[0]:
+            raise ValueError(
+                "checkpoint(function, True, *args) is Megatron's distribute_saved_activations "
+                "form, which needs the tensor-parallel group: call checkpoint_distributed_input("
+                "function, x, *rest, group=tp_group) instead")
+        args = args[1:]
     tracker = get_rng_tracker() if tracker is None else tracker
     if torch.compiler.is_compiling():
         # Inside a compiled region (selective recompute in a compiled layer) torch.compile
