@@ -252,6 +252,10 @@ def test_accessors_single_process(fresh_state):
 def test_initialize_rejects_tp_larger_than_single_process_world(fresh_state):
     with pytest.raises(ValueError, match=r"world size \(1\)"):
         ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    # the likely cause named: torchrun started several processes, none joined the group
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=2 needs several "
+                       r"processes, but torch.distributed is not initialised.*init_process"):
+        ps.initialize_model_parallel(1, 2)
 
 
 def test_initialize_takes_megatron_positional_order(fresh_state):

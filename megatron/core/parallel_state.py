@@ -319,6 +319,12 @@ def initialize_model_parallel(
     if sequence_parallel_enabled and tensor_model_parallel_size == 1:
         raise ValueError("Sequence parallelism requires tensor parallelism")
     initialized = dist.is_available() and dist.is_initialized()
+    if not initialized and tensor_model_parallel_size * pipeline_model_parallel_size > 1:
+        raise ValueError(
+            f"tensor_model_parallel_size={tensor_model_parallel_size} x "
+            f"pipeline_model_parallel_size={pipeline_model_parallel_size} needs several "
+            "processes, but torch.distributed is not initialised, so the world size (1) is this "
+            "process alone: call torch.distributed.init_process_group() first (under torchrun)")
     world = dist.get_world_size() if initialized else 1
     rank = dist.get_rank() if initialized else 0
     _STATE = ParallelState.build(
