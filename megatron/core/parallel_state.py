@@ -141,6 +141,14 @@ class ParallelState:
     virtual_pp_size: Optional[int] = None
     sequence_parallel: bool = False
     _groups: Dict[str, object] = field(default_factory=dict, repr=False)
+    # Which virtual pipeline chunk this rank is running now (Megatron's global of that
+    # name): 0 after build when virtual_pp_size is set, else None. Set by ported code
+    # through `set_virtual_pipeline_model_parallel_rank`.
+    virtual_pp_rank: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.virtual_pp_size is not None and self.virtual_pp_rank is None:
+            self.virtual_pp_rank = 0
 
     @classmethod
     def build(
@@ -394,9 +402,73 @@ def get_embedding_group():
     return get_parallel_state().embedding_group
 
 
-def is_pipeline_first_stage() -> bool:
-    return get_parallel_state().is_first_stage
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of the first rank of this process's tensor-parallel group (the source
+    of broadcasts over that group)."""
+    return get_parallel_state().ranks("tp")[0]
 
 
-def is_pipeline_last_stage() -> bool:
-    return get_parallel_state().is_last_stage
+def get_data_parallel_src_rank() -> int:
+    """Global rank of the first rank of this process's data-parallel group."""
+    return get_parallel_state().ranks("dp")[0]
+
+
+def get_pipeline_model_parallel_first_rank() -> int:
+    """Global rank of the first stage of this process's pipeline group."""
+    return get_parallel_state().ranks("pp")[0]
+
+
+def get_pipeline_model_parallel_last_rank() -> int:
+    """Global rank of the last stage of this process's pipeline group."""
+    return get_parallel_state().ranks("pp")[-1]
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    """Global rank of the next stage; the last stage's next is the first (wraps around)."""
+    return get_parallel_state().pp_next_rank
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    """Global rank of the previous stage; the first stage's previous is the last (wraps)."""
+    return get_parallel_state().pp_prev_rank
+
+
+def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
+    """The virtual pipeline chunk this rank runs now: 0 after initialisation with a
+    virtual size, None without one."""
+    return get_parallel_state().virtual_pp_rank
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
+    """Set the virtual pipeline chunk this rank runs now (read by `is_pipeline_*_stage`)."""
+    state = get_parallel_state()
+    size = state.virtual_pp_size
+    if size is not None and rank is not None and not 0 <= rank < size:
+        raise ValueError(
+            f"virtual pipeline rank {rank} is outside 0..{size - 1} "
+            f"(virtual_pipeline_model_parallel_size={size})")
+    state.virtual_pp_rank = rank
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
+    """Virtual pipeline chunks per rank (None: no interleaved schedule)."""
+    return get_parallel_state().virtual_pp_size
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
+    """True on the first pipeline stage; with a virtual size, only while running chunk 0
+    unless `ignore_virtual`."""
+    state = get_parallel_state()
+    if not ignore_virtual and state.virtual_pp_size is not None and state.virtual_pp_rank != 0:
+        return False
+    return state.is_first_stage
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
+    """True on the last pipeline stage; with a virtual size, only while running the last
+    chunk unless `ignore_virtual`."""
+    state = get_parallel_state()
+    size = state.virtual_pp_size
+    if not ignore_virtual and size is not None and state.virtual_pp_rank != size - 1:
+        return False
+    return state.is_last_stage

@@ -39,6 +39,7 @@ from .random import (
     checkpoint,
     get_cuda_rng_tracker,
     get_rng_tracker,
+    model_parallel_cuda_manual_seed,
     model_parallel_seed,
     set_rng_tracker,
 )
@@ -66,7 +67,8 @@ __all__ = [
     # loss
     "vocab_parallel_cross_entropy", "vocab_parallel_argmax", "mask_vocab_padding",
     # random
-    "RNGStatesTracker", "MODEL_PARALLEL_RNG", "model_parallel_seed", "get_rng_tracker",
+    "RNGStatesTracker", "MODEL_PARALLEL_RNG", "model_parallel_seed",
+    "model_parallel_cuda_manual_seed", "get_rng_tracker",
     "get_cuda_rng_tracker", "set_rng_tracker", "checkpoint",
     # utils
     "divide", "split_tensor_along_last_dim", "assert_tensor_equal_across_parallel_ranks",

@@ -29,6 +29,8 @@ from typing import Dict, Optional
 import torch
 import torch.utils.checkpoint
 
+from .. import parallel_state
+
 # torch >= 2.13 renamed the single-tensor all-gather (the old name warns FutureWarning).
 _all_gather_single = (getattr(torch.distributed, "all_gather_single", None)
                       or torch.distributed.all_gather_into_tensor)
@@ -167,6 +169,22 @@ def model_parallel_seed(
     tracker = get_rng_tracker() if tracker is None else tracker
     tracker.reset()
     torch.manual_seed(seed)
+    tracker.add(MODEL_PARALLEL_RNG, seed + TP_SEED_OFFSET + tp_rank)
+    return tracker
+
+
+def model_parallel_cuda_manual_seed(seed: int) -> RNGStatesTracker:
+    """Megatron's name, for ported code: seed the default tracker from the remembered
+    parallel state (`parallel_state.initialize_model_parallel` first).
+
+    The tracker's device default generator (CPU or the current CUDA device, the one
+    Megatron seeds) gets `seed`, the same on every TP rank; the tracker is reset and its
+    "model-parallel-rng" stream gets `seed + 2718 + tp_rank`. Works on a CPU tracker too.
+    """
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tracker = get_rng_tracker()
+    tracker.reset()
+    _manual_seed(tracker.device, seed)
     tracker.add(MODEL_PARALLEL_RNG, seed + TP_SEED_OFFSET + tp_rank)
     return tracker
 
