@@ -28,7 +28,13 @@ from megatron.logging_utils import (
     print_line,
     print_rank_last,
 )
-from megatron.train_step import interval_extras, log_timers, watch_optimizer
+from megatron.train_step import (
+    IntervalExtras,
+    interval_extras,
+    log_timers,
+    step_log,
+    watch_optimizer,
+)
 from megatron.watchdog import watching
 
 PEAK_FLOPS = 989e12  # H100/H200 dense bf16, the MFU denominator
@@ -223,6 +229,38 @@ def _write_records(tr, stats: IntervalStats, extras) -> Tuple[List[float], int, 
                                to_float(r.params_norm), tr.rt.ps.world_size,
                                memory, extras.timers)
     return good_losses, skipped, nans
+
+
+@contextlib.contextmanager
+def points_kept_on_stop(tr):
+    """Around the loop, giving its `IntervalStats`: when an error or a Ctrl-C stops it, the
+    steps since the last iteration line still go to TensorBoard (Megatron writes each step
+    as it ends; here they wait for the next line, up to --log-interval - 1 of them). No
+    collective (a peer may be gone), and no wait for the device: on CUDA only when its
+    queued work is done (a collective whose peer left would never finish)."""
+    stats = IntervalStats()
+    try:
+        yield stats
+    except BaseException:
+        if tr.tb is not None and tr.tb.enabled and stats.records:
+            _write_pending(tr, stats)
+        raise
+
+
+def _write_pending(tr, stats: IntervalStats) -> None:
+    why = "the device is still busy"
+    try:
+        if tr.rt.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+            if not done.query():
+                raise RuntimeError(why)
+        stats.read_flags(tr.state)
+        _write_records(tr, stats, IntervalExtras(step_log(tr).num_zeros, None, None))
+        stats.reset()
+    except Exception as exc:  # the run's own error is the one to report
+        print(f"note: the last {len(stats.records)} iteration(s) were not written to "
+              f"TensorBoard ({exc})", flush=True)
 
 
 def log_interval(tr, stats: IntervalStats, print_line: bool = True) -> None:

@@ -46,6 +46,7 @@ from megatron.interrupt import RunProgress
 from megatron.interval_log import (  # noqa: F401 (progress_line re-exported)
     IntervalStats,
     log_interval,
+    points_kept_on_stop,
     progress_line,
     to_float,
 )
@@ -352,11 +353,10 @@ def train(tr: Trainer, train_data, valid_data) -> Optional[str]:
     """The training loop, from the trainer's iteration to --train-iters. Returns None when
     it got there (`[after training is done]` printed, then a final checkpoint saved with
     --save, unless the run loaded that state from the same directory and trained
-    nothing), or Megatron's exit line when an
-    exit condition (--exit-signal-handler, --exit-duration-in-mins, --exit-interval)
-    stopped it: the caller then ends the program without the final evaluation."""
+    nothing), or Megatron's exit line when an exit condition (--exit-signal-handler,
+    --exit-duration-in-mins, --exit-interval) stopped it: the caller then ends the program
+    without the final evaluation. An error or Ctrl-C still writes the last steps' points."""
     cfg, st = tr.config, tr.state
-    stats = IntervalStats()
     tr.model.train()
     saved_at = None
     check_each_step = cfg.training.nan_loss_policy != "stop"
@@ -369,31 +369,32 @@ def train(tr: Trainer, train_data, valid_data) -> Optional[str]:
         print(note, flush=True)  # on the profiled ranks
     if trainer_checkpoint.nothing_to_train(tr):  # the loaded state is in --save already
         saved_at = st.iteration
-    while st.iteration < cfg.training.train_iters:
-        used_up = nan_policy.train_data_used_up(tr)  # after rollbacks: the set would run out
-        if used_up:
-            profiler.finish()
-            _exit_program(tr, stats, f"[exiting program at iteration {st.iteration}: the "
-                                     "train set is used up]", saved_at)
-            raise exit_on_every_rank(used_up, tr.rt.control_group)
-        trainer_checkpoint.report_async_failure(tr)  # the run goes on past that save
-        profiler.before_step(st.iteration + 1)
-        with profiler.step_range(st.iteration + 1):
-            loss, ok, grad_norm, _ = train_step(tr, train_data, skip_nonfinite=check_each_step)
-        profiler.after_step(st.iteration + 1)
-        if not _after_step(tr, stats, loss, ok, grad_norm):  # rolled back
-            if isinstance(valid_data, nan_policy.ValidationData):
-                valid_data.rewind(st.consumed_valid_samples)  # the checkpoint's
-            continue
-        if tr.memory_history is not None:
-            tr.memory_history.after_iteration(st.iteration)
-        if _periodic(tr, stats, valid_data):
-            saved_at = st.iteration
-        reason = _should_exit(tr, process_start)
-        if reason:
-            profiler.finish()
-            _exit_program(tr, stats, reason, saved_at)
-            return reason
+    with points_kept_on_stop(tr) as stats:
+        while st.iteration < cfg.training.train_iters:
+            used_up = nan_policy.train_data_used_up(tr)  # after rollbacks: the set would run out
+            if used_up:
+                profiler.finish()
+                _exit_program(tr, stats, f"[exiting program at iteration {st.iteration}: the "
+                                         "train set is used up]", saved_at)
+                raise exit_on_every_rank(used_up, tr.rt.control_group)
+            trainer_checkpoint.report_async_failure(tr)  # the run goes on past that save
+            profiler.before_step(st.iteration + 1)
+            with profiler.step_range(st.iteration + 1):
+                loss, ok, grad_norm, _ = train_step(tr, train_data, skip_nonfinite=check_each_step)
+            profiler.after_step(st.iteration + 1)
+            if not _after_step(tr, stats, loss, ok, grad_norm):  # rolled back
+                if isinstance(valid_data, nan_policy.ValidationData):
+                    valid_data.rewind(st.consumed_valid_samples)  # the checkpoint's
+                continue
+            if tr.memory_history is not None:
+                tr.memory_history.after_iteration(st.iteration)
+            if _periodic(tr, stats, valid_data):
+                saved_at = st.iteration
+            reason = _should_exit(tr, process_start)
+            if reason:
+                profiler.finish()
+                _exit_program(tr, stats, reason, saved_at)
+                return reason
     profiler.finish()
     _close_interval(tr, stats)
     step_graph.settle(tr)

@@ -696,3 +696,28 @@ def test_the_iteration_lines_tflops_count_the_models_own_products(capsys, monkey
     assert tflops == pytest.approx(tokens * model_flops_per_token(m, s) / 1e12, rel=1e-3)
     plain = flops_per_token(m.num_layers, m.hidden_size, s, m.padded_vocab_size)
     assert abs(model_flops_per_token(m, s) / plain - 1) > 0.01  # the two counts differ here
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_a_run_stopped_by_ctrl_c_or_an_error_keeps_its_last_tensorboard_points(
+        tmp_path, capsys, monkeypatch, error):
+    """The steps since the last iteration line wait on the device for the next one: a
+    Ctrl-C or an error at iteration 7 of a --log-interval 4 run lost the points of 5 and
+    6 (up to --log-interval - 1 iterations; Megatron writes each step as it ends)."""
+    calls = []
+    original = training.train_step
+
+    def stopping(tr, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 7:
+            raise error("stopped at iteration 7")
+        return original(tr, *args, **kwargs)
+
+    monkeypatch.setattr(training, "train_step", stopping)
+    tb = str(tmp_path / "tb")
+    with pytest.raises(error, match="stopped at iteration 7"):
+        _pretrain(["--train-iters", "10", "--log-interval", "4", "--eval-iters", "0",
+                   "--tensorboard-dir", tb, "--tensorboard-log-interval", "1"], capsys)
+    scalars = read_scalars(tb)
+    assert [s for s, _ in scalars["lm loss"]] == [1, 2, 3, 4, 5, 6]
+    assert [s for s, _ in scalars["learning-rate vs samples"]] == [4, 8, 12, 16, 20, 24]
