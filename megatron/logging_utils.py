@@ -395,12 +395,16 @@ class TensorboardLogger:
         if self.writer is not None:
             self.writer.add_text(tag, text, global_step=iteration)
 
-    def log_args(self, args_dict: Dict[str, object], iteration: int) -> None:
-        """One text entry per argument: tag = argument name, text = str(value)."""
+    def log_args(self, args_dict: Dict[str, object], iteration: int,
+                 live: Optional[Dict[str, object]] = None) -> None:
+        """One text entry per argument: tag = argument name, text = str(value). `live`:
+        the run's counters (TrainState), which replace the parsed values of the arguments
+        of the same name (Megatron's load sets a resumed run's consumed_*_samples in args)."""
         if self.writer is None:
             return
+        live = live or {}
         for name, value in args_dict.items():
-            self.writer.add_text(name, str(value), global_step=iteration)
+            self.writer.add_text(name, str(live.get(name, value)), global_step=iteration)
 
     def log_training(
         self, iteration: int, consumed_samples: int, lr: float, batch_size: int,

@@ -573,7 +573,7 @@ def _start(tr: Trainer) -> tuple:
     """TensorBoard's argument and layout texts, then the data iterators."""
     config, rt, timers = tr.config, tr.rt, tr.step_log.timers
     if tr.tb is not None:
-        tr.tb.log_args(config.args, tr.state.iteration)
+        tr.tb.log_args(config.args, tr.state.iteration, tr.state.state_dict())
         ps = rt.ps
         tr.tb.log_text("parallel layout", f"world {ps.world_size} = tensor {ps.tp_size} x "
                        f"pipeline {ps.pp_size} x data {ps.dp_size}; sequence parallel "

@@ -721,3 +721,19 @@ def test_a_run_stopped_by_ctrl_c_or_an_error_keeps_its_last_tensorboard_points(
     scalars = read_scalars(tb)
     assert [s for s, _ in scalars["lm loss"]] == [1, 2, 3, 4, 5, 6]
     assert [s for s, _ in scalars["learning-rate vs samples"]] == [4, 8, 12, 16, 20, 24]
+
+
+def test_a_resumed_runs_arguments_text_shows_the_loaded_sample_counters(tmp_path, capsys):
+    """Megatron's load puts the checkpoint's consumed_train/valid_samples into args before
+    the arguments go to TensorBoard's text tab; a resumed run showed the parsed 0."""
+    from megatron.logging_utils import read_texts
+
+    ckpt, tb = str(tmp_path / "ckpt"), str(tmp_path / "tb")
+    flags = ["--train-iters", "8", "--eval-interval", "3", "--eval-iters", "1", "--save", ckpt,
+             "--load", ckpt, "--save-interval", "100"]
+    _pretrain(flags + ["--exit-interval", "4"], capsys)
+    _pretrain(flags + ["--tensorboard-dir", tb], capsys)
+    texts = read_texts(tb)
+    assert texts["consumed_train_samples"] == "16"  # 4 iterations of 4 samples
+    assert texts["consumed_valid_samples"] == "4"  # one evaluation (at 3) of one batch
+    assert texts["num_layers"] == "2"
