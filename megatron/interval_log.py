@@ -104,6 +104,7 @@ class IntervalStats:
         self.start = self.clock()
         self.excluded = 0.0
         self.rolled_back_nans = 0  # NaN iterations undone by a rollback (no record left)
+        self.written = False  # the records are in TensorBoard (the line may still fail)
 
     def roll_back(self, iteration: int) -> None:
         """--nan-loss-policy rollback reloaded the checkpoint of `iteration` after a NaN:
@@ -242,7 +243,7 @@ def points_kept_on_stop(tr):
     try:
         yield stats
     except BaseException:
-        if tr.tb is not None and tr.tb.enabled and stats.records:
+        if tr.tb is not None and tr.tb.enabled and stats.records and not stats.written:
             _write_pending(tr, stats)
         raise
 
@@ -274,6 +275,7 @@ def log_interval(tr, stats: IntervalStats, print_line: bool = True) -> None:
     n = max(len(stats.records), 1)
     extras = interval_extras(tr, n)
     good_losses, skipped, nans = _write_records(tr, stats, extras)
+    stats.written = True
     if print_line:
         r = stats.records[-1]
         # The interval's samples (under --rampup-batch-size its steps differ in size).

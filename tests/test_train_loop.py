@@ -737,3 +737,20 @@ def test_a_resumed_runs_arguments_text_shows_the_loaded_sample_counters(tmp_path
     assert texts["consumed_train_samples"] == "16"  # 4 iterations of 4 samples
     assert texts["consumed_valid_samples"] == "4"  # one evaluation (at 3) of one batch
     assert texts["num_layers"] == "2"
+
+
+def test_an_error_after_the_points_of_a_line_are_written_does_not_write_them_twice(
+        tmp_path, capsys, monkeypatch):
+    """A line's points go to TensorBoard before its timer block (a collective, the likely
+    place to fail when a peer is gone): the steps are not written again on the way out."""
+    from megatron import interval_log
+
+    def failing(tr, iterations):
+        raise RuntimeError("the timers' all-gather failed")
+
+    monkeypatch.setattr(interval_log, "log_timers", failing)
+    tb = str(tmp_path / "tb")
+    with pytest.raises(RuntimeError, match="all-gather failed"):
+        _pretrain(["--train-iters", "10", "--log-interval", "4", "--eval-iters", "0",
+                   "--tensorboard-dir", tb], capsys)
+    assert [s for s, _ in read_scalars(tb)["lm loss"]] == [1, 2, 3, 4]
