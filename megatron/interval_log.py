@@ -237,8 +237,8 @@ def points_kept_on_stop(tr):
     """Around the loop, giving its `IntervalStats`: when an error or a Ctrl-C stops it, the
     steps since the last iteration line still go to TensorBoard (Megatron writes each step
     as it ends; here they wait for the next line, up to --log-interval - 1 of them). No
-    collective (a peer may be gone), and no wait for the device: on CUDA only when its
-    queued work is done (a collective whose peer left would never finish)."""
+    collective (a peer may be gone), and no unbounded wait for the device: on CUDA only
+    once its queued work is done (a collective whose peer left would never finish)."""
     stats = IntervalStats()
     try:
         yield stats
@@ -248,14 +248,15 @@ def points_kept_on_stop(tr):
         raise
 
 
-def _write_pending(tr, stats: IntervalStats) -> None:
-    why = "the device is still busy"
+def _write_pending(tr, stats: IntervalStats, wait_s: float = 10.0) -> None:
     try:
-        if tr.rt.device.type == "cuda":
-            done = torch.cuda.Event()
+        if tr.rt.device.type == "cuda":  # the host is often a step ahead: a short wait
+            done, deadline = torch.cuda.Event(), time.monotonic() + wait_s
             done.record()
-            if not done.query():
-                raise RuntimeError(why)
+            while not done.query():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the device was still busy after {wait_s:g} s")
+                time.sleep(0.01)
         stats.read_flags(tr.state)
         _write_records(tr, stats, IntervalExtras(step_log(tr).num_zeros, None, None))
         stats.reset()
