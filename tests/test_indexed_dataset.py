@@ -13,6 +13,7 @@ from megatron.core.datasets.indexed_dataset import (
     IndexedDatasetBuilder,
     MMapIndexedDataset,
     best_dtype,
+    missing_dataset_hint,
     write_index,
 )
 
@@ -337,3 +338,14 @@ def test_a_truncated_or_oversized_bin_names_the_fix(tmp_path):
         assert f"{name}.bin: " in message
         assert message.endswith("copy both files again, or rerun tools/preprocess_data.py "
                                 "for this prefix"), message
+
+
+def test_prefix_with_a_trailing_dot_or_slash_suggests_dropping_it(tmp_path):
+    """Shell completion of `corpus_text_document.<TAB>` stops at the '.' shared by .bin and
+    .idx; that prefix (or one with a trailing '/') names the dataset without it."""
+    write(tmp_path / "w", [[[1, 2]]])
+    for typo in ("w.", "w/"):
+        with pytest.raises(ValueError, match=rf"no such file .*trailing '\.' or '/'.*: "
+                                             rf"pass {tmp_path / 'w'}$"):
+            MMapIndexedDataset(f"{tmp_path}/{typo}")
+    assert missing_dataset_hint(str(tmp_path / "nothing.")) == ""

@@ -225,11 +225,16 @@ def _read_legacy_index(idx_path: str, buf) -> tuple:
 
 def missing_dataset_hint(prefix: str) -> str:
     """'; <the fix>' for a dataset prefix whose `.bin` or `.idx` is missing, or '': the
-    prefix given with its .bin/.idx suffix, preprocess_data.py's --output-prefix given
-    instead of the `<output-prefix>_<key>_document` it wrote, or a `.bin` without its `.idx`
-    (which both tools write last)."""
+    prefix given with its .bin/.idx suffix or a trailing '.' or '/' (shell completion),
+    preprocess_data.py's --output-prefix given instead of the
+    `<output-prefix>_<key>_document` it wrote, or a `.bin` without its `.idx` (which both
+    tools write last)."""
     if prefix.endswith((".bin", ".idx")):
         return f"; a dataset is named by its prefix without .bin/.idx: pass {prefix[:-4]}"
+    trimmed = prefix.rstrip("./")
+    if trimmed and trimmed != prefix and MMapIndexedDataset.exists(trimmed):
+        return (f"; {trimmed}.bin/.idx exist: a dataset is named by its prefix without a "
+                f"trailing '.' or '/' (shell completion stops at '{trimmed}.'): pass {trimmed}")
     if os.path.isfile(data_file_path(prefix)) and not os.path.isfile(index_file_path(prefix)):
         return ("; the .bin is there but not its .idx, which preprocess_data.py and "
                 "merge_datasets.py write last: that run did not finish, or the copy is "
