@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from megatron.checkpoint_dirs import complete_layout, model_file
+from megatron.checkpoint_dirs import complete_layout, incomplete_checkpoint_message, model_file
 from megatron.checkpointing import rank_dir_name, read_checkpoint_file
 
 DISTRIB_FILENAME = "distrib_optim.pt"
@@ -82,7 +82,10 @@ def inspect_checkpoint(iter_dir: str) -> Tuple[Layout, str, dict]:
     first = os.path.join(iter_dir, rank_dir_name(0, 0, pp))
     path = model_file(first)
     if not os.path.isfile(path):
-        raise SystemExit(f"error: checkpoint shard {path} is missing")
+        raise SystemExit(incomplete_checkpoint_message(
+            iter_dir, [os.path.relpath(path, iter_dir)],
+            f"its directories are those of tensor-model-parallel size {tp}, "
+            f"pipeline-model-parallel size {pp}"))
     state = load_shard(path)
     tp, pp = scan_layout(iter_dir, state.get("args"))  # the sizes it was saved with
     has_distrib = os.path.isfile(os.path.join(first, DISTRIB_FILENAME))

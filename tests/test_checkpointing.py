@@ -186,6 +186,23 @@ def test_truncated_shard_names_the_file_and_the_earlier_checkpoint(tmp_path):
             load()
 
 
+def test_a_missing_first_shard_names_the_checkpoint_incomplete_and_the_earlier_one(tmp_path):
+    """A save killed after making mp_rank_00/ but before writing its file: the layout
+    check (the trainer's and the tools') said only 'checkpoint shard ... is missing'."""
+    from megatron.checkpoint_reshard import inspect_checkpoint
+
+    root = str(tmp_path)
+    for it in (5, 10):
+        save_checkpoint(root, it, _full_state(it, 0, 0), _ps1())
+    os.remove(checkpoint_name(root, 10, 0, 0, 1))
+    with pytest.raises(SystemExit) as err:
+        inspect_checkpoint(str(tmp_path / "iter_0000010"))
+    msg = str(err.value.code)
+    assert msg.startswith(f"error: checkpoint {tmp_path / 'iter_0000010'} is incomplete: "
+                          "mp_rank_00/model_optim_rng.pt is missing")
+    assert f"printf 5 > {tracker_path(root)}" in msg
+
+
 # --- single-process save/load ----------------------------------------------------------
 def test_round_trip_single_process(tmp_path, capsys):
     root = str(tmp_path / "ck")
