@@ -217,6 +217,35 @@ def _yaml_value(key: str, action: argparse.Action, value: Any, path: str,
     return out if action.nargs in ("*", "+") else out[0]
 
 
+def _read_yaml(path: str) -> Any:
+    """The document of a YAML file; ArgumentsError naming the file and the fix when it is
+    not UTF-8 text, not YAML (a tab: the spaces to use), or a mapping naming a flag twice
+    (YAML keeps the last silently)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+            f.seek(0)
+            node = yaml.compose(f, yaml.SafeLoader)
+    except UnicodeDecodeError as exc:
+        raise ArgumentsError(f"--config {path}: not a UTF-8 text file (it holds byte "
+                             f"{exc.object[exc.start]:#04x}); a config is a YAML text file "
+                             "of flag: value lines") from None
+    except yaml.YAMLError as exc:
+        tab = "; replace the tab with spaces (YAML allows no tabs there)" if "'\\t'" in str(
+            exc) else ""
+        raise ArgumentsError(f"--config {path}: not valid YAML ({exc}){tab}") from None
+    lines: Dict[str, int] = {}
+    for key, _ in node.value if isinstance(node, yaml.MappingNode) else ():
+        line = lines.setdefault(_norm_key(key.value), key.start_mark.line + 1)
+        if line != key.start_mark.line + 1:
+            raise ArgumentsError(f"--config {path}: key '{key.value}' on line "
+                                 f"{key.start_mark.line + 1} names the flag of line {line} "
+                                 "again; keep one of them")
+    return data
+
+
 def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, Any]:
     """Read `--config FILE.yaml` into {dest: value}.
 
@@ -225,17 +254,11 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
     one line (`data-path: 0.3 a 0.7 b`); a null value (`load: ~`, `load:`) leaves the flag
     at its default. Unknown keys are an error naming the closest flag.
     """
-    import yaml
-
     if not os.path.isfile(path):
         # a relative path, resolved: the launch scripts run from the repository root
         where = "" if os.path.isabs(path) else f" (looked for {os.path.abspath(path)})"
         raise ArgumentsError(f"--config {path}: file not found{where}")
-    with open(path) as f:
-        try:
-            data = yaml.safe_load(f)
-        except yaml.YAMLError as exc:
-            raise ArgumentsError(f"--config {path}: not valid YAML ({exc})") from None
+    data = _read_yaml(path)
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -435,6 +435,25 @@ def test_missing_relative_config_names_where_it_was_looked_for(tmp_path, monkeyp
     assert error_of(f"--config {tmp_path}/a.yaml") == f"--config {tmp_path}/a.yaml: file not found"
 
 
+def test_yaml_damaged_or_mistyped_config_names_the_fix(tmp_path):
+    """A config saved as UTF-16 (or any binary file) ended in a UnicodeDecodeError
+    traceback; a tab was reported without saying what to do; a flag named twice (or as
+    num-layers and num_layers) silently took the last value."""
+    path = tmp_path / "bad.yaml"
+    path.write_bytes("num-layers: 2\n".encode("utf-16"))
+    assert error_of(f"--config {path}") == (
+        f"--config {path}: not a UTF-8 text file (it holds byte 0xff); a config is a YAML "
+        "text file of flag: value lines")
+    msg = error_of(f"--config {_yaml(tmp_path, 'num-layers: 2' + chr(10) + chr(9) + 'x: 1')}")
+    assert msg.endswith("line 2, column 1); replace the tab with spaces (YAML allows no tabs "
+                        "there)")
+    for second in ("num-layers", "num_layers"):
+        path = _yaml(tmp_path, f"num-layers: 2\nhidden-size: 64\n{second}: 4\n")
+        assert error_of(f"--config {path}") == (
+            f"--config {path}: key '{second}' on line 3 names the flag of line 1 again; keep "
+            "one of them")
+
+
 def test_yaml_unknown_key_suggests_closest_flag(tmp_path):
     msg = error_of(f"--config {_yaml(tmp_path, 'tensor-model-paralel-size: 2')}")
     assert "unknown key 'tensor-model-paralel-size'" in msg
