@@ -84,8 +84,7 @@ def inspect_checkpoint(iter_dir: str) -> Tuple[Layout, str, dict]:
     if not os.path.isfile(path):
         raise SystemExit(incomplete_checkpoint_message(
             iter_dir, [os.path.relpath(path, iter_dir)],
-            f"its directories are those of tensor-model-parallel size {tp}, "
-            f"pipeline-model-parallel size {pp}"))
+            f"the directories say tp {tp} x pp {pp}"))
     state = load_shard(path)
     tp, pp = scan_layout(iter_dir, state.get("args"))  # the sizes it was saved with
     has_distrib = os.path.isfile(os.path.join(first, DISTRIB_FILENAME))
