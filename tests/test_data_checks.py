@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -86,6 +87,24 @@ def test_ids_past_the_tokenizer_in_the_padding_rows_are_warned(tmp_path, capsys)
                      r"this run's tokenizer \(a padding row of the model's 128", out), out
     assert pretrain_gpt.main(argv + [fits]) == 0
     assert "past the 101 ids" not in capsys.readouterr().out
+
+
+def test_a_dtype_narrower_than_the_tokenizer_is_warned(tmp_path):
+    """A uint16 .bin under a tokenizer of more than 65536 ids: the tools write int32 for
+    such a vocabulary, so the data was tokenized with a smaller one (a GPT-2 corpus under
+    a 100k-id tokenizer, say). Every id it holds is valid here: it trained in silence."""
+    prefix, _ = make_corpus(tmp_path / "c", [20] * 30, vocab=1000)
+    data = MMapIndexedDataset(prefix)
+    assert data.dtype == np.uint16
+    with pytest.warns(UserWarning, match=rf"^{prefix}\.bin: its ids are uint16 \(at most "
+                                         r"65535\) but this run's tokenizer has 100001 ids; .*"
+                                         r"Pass the --tokenizer-type and files it was "
+                                         r"preprocessed with"):
+        check_token_ids(data, 100096, tokenizer_vocab_size=100001)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_token_ids(data, 65536, tokenizer_vocab_size=65536)  # every id fits uint16
+        check_token_ids(data, 100096)  # no tokenizer size given: nothing to compare
 
 
 def test_an_id_outside_the_scanned_windows_stops_at_its_sample(tmp_path, monkeypatch):

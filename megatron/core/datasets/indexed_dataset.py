@@ -427,6 +427,26 @@ def needs_id_scan(dtype: np.dtype, vocab_size: int,
     return not (info is not None and info.min >= 0 and info.max < limit)
 
 
+def _warn_dtype_narrower_than_tokenizer(dataset: MMapIndexedDataset,
+                                        tokenizer_vocab_size: Optional[int]) -> None:
+    """Warn when the `.bin`'s integer dtype cannot hold every id of the run's tokenizer
+    (uint16 under a vocabulary of more than 65536 ids): no tool writes that for such a
+    tokenizer (they pick int32 from 65500 ids), so the data was tokenized with a smaller
+    vocabulary than this run's, and every id it holds is valid here: no scan can tell."""
+    dtype = np.dtype(dataset.dtype)
+    if tokenizer_vocab_size is None or dtype.kind not in "iu":
+        return
+    top = int(np.iinfo(dtype).max)
+    if top >= tokenizer_vocab_size - 1:
+        return
+    warnings.warn(f"{data_file_path(dataset.prefix)}: its ids are {dtype.name} (at most {top}) "
+                  f"but this run's tokenizer has {tokenizer_vocab_size} ids; "
+                  "preprocess_data.py writes int32 for a vocabulary of 65500 ids or more, so "
+                  "the data was tokenized with another, smaller vocabulary (or its ids were "
+                  "cut to fit). Pass the --tokenizer-type and files it was preprocessed with, "
+                  "or preprocess it again with this run's tokenizer")
+
+
 def check_token_ids(dataset: MMapIndexedDataset, vocab_size: int,
                     max_bytes: int = TOKEN_SCAN_BYTES,
                     tokenizer_vocab_size: Optional[int] = None,
@@ -442,6 +462,7 @@ def check_token_ids(dataset: MMapIndexedDataset, vocab_size: int,
 
     `id_range`: the dataset's `token_id_range(max_bytes)` when it is known already (one
     rank's scan of the file, handed to the others), so that nothing is read here."""
+    _warn_dtype_narrower_than_tokenizer(dataset, tokenizer_vocab_size)
     if not needs_id_scan(dataset.dtype, vocab_size, tokenizer_vocab_size):
         return
     limit = vocab_size if tokenizer_vocab_size is None else min(vocab_size, tokenizer_vocab_size)
