@@ -50,6 +50,7 @@ import torch
 
 from megatron.checkpoint_dirs import (
     incomplete_checkpoint_message,
+    malformed_tracker_message,
     missing_iteration_dir_message,
     model_file,
 )
@@ -523,7 +524,7 @@ def locate_iteration(load: str, iteration: Optional[int] = None,
         try:
             iteration, release = read_tracker(load)
         except ValueError as exc:
-            raise SystemExit(f"error: {exc}") from None
+            raise SystemExit(malformed_tracker_message(load, exc)) from None
         if iteration is None:
             raise SystemExit(f"error: {missing_tracker_message(load)}")
     iter_dir = os.path.join(load, iteration_dir_name(iteration, release))

@@ -129,15 +129,19 @@ def test_malformed_tracker_names_file_and_content(tmp_path, content):
     assert tracker_path(str(tmp_path)) in msg and repr(content) in msg
     save_checkpoint(str(tmp_path / "ck"), 5, _full_state(5, 0, 0), _ps1())
     Path(tracker_path(str(tmp_path / "ck"))).write_text(content)
-    with pytest.raises(SystemExit) as err:  # loading: a clean exit, not a traceback
-        load_checkpoint(str(tmp_path / "ck"), _ps1())
-    assert str(err.value).startswith(f"error: malformed checkpoint tracker file "
-                                     f"{tracker_path(str(tmp_path / 'ck'))}: content "
-                                     f"{content!r}")
-    assert str(err.value).endswith(f"the checkpoints under {tmp_path / 'ck'} are iter_0000005: "
-                                   f"to resume from one, write its iteration into "
-                                   f"{tracker_path(str(tmp_path / 'ck'))} (e.g. `printf 5 > "
-                                   f"{tracker_path(str(tmp_path / 'ck'))}`)")
+    from megatron.checkpoint_reshard import locate_iteration  # the tools' way in
+
+    for load in (lambda: load_checkpoint(str(tmp_path / "ck"), _ps1()),
+                 lambda: locate_iteration(str(tmp_path / "ck"))):
+        with pytest.raises(SystemExit) as err:  # a clean exit, not a traceback
+            load()
+        assert str(err.value).startswith(f"error: malformed checkpoint tracker file "
+                                         f"{tracker_path(str(tmp_path / 'ck'))}: content "
+                                         f"{content!r}")
+        assert str(err.value).endswith(f"the checkpoints under {tmp_path / 'ck'} are "
+                                       "iter_0000005: to resume from one, write its iteration into "
+                                       f"{tracker_path(str(tmp_path / 'ck'))} (e.g. `printf 5 > "
+                                       f"{tracker_path(str(tmp_path / 'ck'))}`)")
 
 
 def test_tracker_naming_a_missing_iteration_lists_the_existing_ones(tmp_path):
