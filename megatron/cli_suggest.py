@@ -30,7 +30,11 @@ def close_flag(token: str, options: Iterable[str]) -> Optional[str]:
     name = token.split("=", 1)[0]
     if not name.startswith("-"):
         return None
-    close = difflib.get_close_matches(name, list(options), n=1)
+    # Help is never the fix for a mistyped flag, and a `--name` typo is another `--name`
+    # (`--hf` is nearer to `-h` than to `--input` by letters alone).
+    options = [o for o in options if o not in ("-h", "--help")
+               and (o.startswith("--") or not name.startswith("--"))]
+    close = difflib.get_close_matches(name, options, n=1)
     return close[0] if close else None
 
 
@@ -83,6 +87,6 @@ class SuggestingParser(argparse.ArgumentParser):
             options = option_strings(self)
             for token in _unknown_flags(self._argv, self):
                 close = close_flag(token, options)
-                if close:
-                    message += f"; {token.split('=', 1)[0]} is not a flag: did you mean {close}?"
+                hint = f": did you mean {close}?" if close else ""
+                message += f"; {token.split('=', 1)[0]} is not a flag{hint}"
         super().error(message)

@@ -69,3 +69,13 @@ def test_server_suggests_its_own_flags_too():
     with pytest.raises(SystemExit) as exc:
         parse_args(["--load", "c", "--prot", "5001"])
     assert "--prot (did you mean --port?) 5001" in str(exc.value.code)
+
+
+def test_a_long_flag_typo_is_never_answered_with_help(capsys):
+    p = SuggestingParser(prog="tool.py")
+    p.add_argument("--input", required=True)
+    p.add_argument("-x", "--exclude")
+    err = _error(capsys, p.parse_args, ["--hf", "d"])
+    assert err.endswith("required: --input; --hf is not a flag")  # was 'did you mean -h?'
+    err = _error(capsys, p.parse_args, ["--input", "d", "--hepl"])
+    assert "did you mean" not in err
