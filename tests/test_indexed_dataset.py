@@ -273,6 +273,35 @@ def test_a_failed_merge_keeps_the_earlier_output(tmp_path, monkeypatch):
         "a.bin", "a.idx", "b.bin", "b.idx", "out.bin", "out.idx"]
 
 
+def test_two_merges_with_one_process_id_into_one_output_keep_their_files_apart(
+        tmp_path, monkeypatch):
+    """Two merges in containers (same process id) on shared storage, into the same
+    --output-prefix, shared one `.tmp<pid>.bin`: the later one failed and its writes
+    corrupted the other's output."""
+    import os
+
+    from tools import merge_datasets
+
+    write(tmp_path / "a", [[[1, 2]]])
+    write(tmp_path / "b", [[[3]]])
+    out = str(tmp_path / "out")
+    monkeypatch.setattr(os, "getpid", lambda: 4242)
+    real = IndexedDatasetBuilder.merge_file_
+    calls = []
+
+    def other_merge_meanwhile(self, prefix):
+        calls.append(prefix)
+        if len(calls) == 1:
+            merge_datasets.merge([str(tmp_path / "b")], out)
+        real(self, prefix)
+
+    monkeypatch.setattr(IndexedDatasetBuilder, "merge_file_", other_merge_meanwhile)
+    merge_datasets.merge([str(tmp_path / "a")], out)
+    assert [s.tolist() for s in MMapIndexedDataset(out)] == [[1, 2]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "a.bin", "a.idx", "b.bin", "b.idx", "out.bin", "out.idx"]
+
+
 def test_prefix_with_a_suffix_suggests_dropping_it(tmp_path):
     write(tmp_path / "w", [[[1, 2]]])
     with pytest.raises(ValueError, match=rf"w\.bin\.idx: no such file .*without \.bin/\.idx: "

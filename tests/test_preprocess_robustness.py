@@ -3,6 +3,7 @@ files, pipes, byte-order marks, values of the wrong JSON type, failing writes, C
 SIGTERM. (The well-formed paths are in test_preprocess.py.)"""
 from __future__ import annotations
 
+import argparse
 import errno
 import gzip
 import json
@@ -14,9 +15,10 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, MMapIndexedDataset
 from megatron.tokenizer import document_encoder
 from tests.test_preprocess import DOCS, check_outputs, run_tool, write_jsonl
 from tests.test_tokenizer import TRAIN_TEXT, train_tiny_bpe, write_bpe_files
@@ -163,7 +165,7 @@ def test_a_failed_write_names_the_output_and_the_fix(tmp_path, bpe, monkeypatch)
 
     monkeypatch.setattr("builtins.open", read_only)
     with pytest.raises(SystemExit, match=rf"Permission denied \({tmp_path / 'ro'}_text_document"
-                                         r"\.tmp\d+\.bin\); pass an --output-prefix in a "
+                                         r"\.tmp\d+-[0-9a-f]+\.bin\); pass an --output-prefix in a "
                                          r"directory you can write to"):
         run_tool(bpe, src, tmp_path / "ro")
     assert not list(tmp_path.glob("ro*"))
@@ -255,3 +257,31 @@ def test_summary_and_progress_units(tmp_path, bpe, capsys, monkeypatch):
     monkeypatch.setattr(preprocess_data.time, "time", lambda: progress.start + 2.0)
     assert progress.line() == ("Processed 10 documents (5.0 docs/s, 1.50 MB/s), input 50.0% "
                                "read, ETA 00:00:02.")
+
+
+def test_two_runs_with_one_process_id_writing_one_prefix_keep_their_files_apart(tmp_path,
+                                                                               monkeypatch):
+    """Two runs in containers (same process id) on shared storage, writing the same
+    --output-prefix, wrote one `.tmp<pid>.bin` together: one reported success over a
+    corrupt dataset, the other failed claiming the earlier dataset was unchanged."""
+    monkeypatch.setattr(os, "getpid", lambda: 4242)
+    args = argparse.Namespace(json_keys=["text"], partitions=1, split_sentences=False,
+                              output_prefix=str(tmp_path / "out"))
+
+    def chunk(tokens):
+        toks = np.array(tokens, dtype=np.uint16)
+        size = np.array([len(tokens)], dtype=np.int64)
+        return {"text": (toks.tobytes(), size, np.ones(1, dtype=np.int64), size)}
+
+    first = preprocess_data.Writers(args, np.uint16)
+    second = preprocess_data.Writers(args, np.uint16)
+    first.add(chunk([1, 2, 3]), 1)
+    second.add(chunk([7, 8]), 1)
+    first.finalize()
+    assert [list(d) for d in MMapIndexedDataset(str(tmp_path / "out_text_document"))] == \
+        [[1, 2, 3]]
+    second.finalize()
+    assert [list(d) for d in MMapIndexedDataset(str(tmp_path / "out_text_document"))] == \
+        [[7, 8]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out_text_document.bin",
+                                                          "out_text_document.idx"]

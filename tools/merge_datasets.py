@@ -8,6 +8,7 @@ must share one dtype; the `.bin` files are copied and the doc_idx entries shifte
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -74,7 +75,8 @@ def open_inputs(prefixes) -> dict:
 def merge(prefixes, output_prefix: str) -> None:
     """Write `output_prefix.bin/.idx` = the datasets at `prefixes` one after another.
 
-    The files are written as `<output_prefix>.tmp<pid>.bin/.idx` and renamed into place
+    The files are written as `<output_prefix>.tmp<pid>-<random>.bin/.idx` (never another
+    merge's, even one in a container with the same process id) and renamed into place
     (the .bin, then the .idx) only when complete: a failed merge leaves an earlier dataset
     at `output_prefix` as it was."""
     dtypes = open_inputs(prefixes)
@@ -86,7 +88,7 @@ def merge(prefixes, output_prefix: str) -> None:
     if any(os.path.abspath(p) == out for p in prefixes):
         raise SystemExit(f"--output-prefix {output_prefix} is also an input")
     make_output_dir(output_prefix)
-    tmp = f"{output_prefix}.tmp{os.getpid()}"
+    tmp = f"{output_prefix}.tmp{os.getpid()}-{secrets.token_hex(4)}"
     with writing(output_prefix):
         builder = IndexedDatasetBuilder(data_file_path(tmp), dtypes[prefixes[0]])
     try:

@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import errno
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -184,7 +185,9 @@ def writing(output_prefix: str):
 class Writers:
     """One builder per key (and per partition); documents dealt round-robin to partitions.
 
-    Everything is written to temporary files beside the targets (`<prefix>.tmp<pid>.*`);
+    Everything is written to temporary files beside the targets (`<prefix>.tmp<pid>-<random>.*`:
+    another run writing the same prefix from a container with the same process id, on shared
+    storage, gets other names);
     `finalize()` renames them into place only when complete, each `.bin` before its `.idx`,
     and `abort()` removes them, so a failed run leaves an existing dataset untouched.
     """
@@ -193,7 +196,8 @@ class Writers:
         self.keys, self.partitions = args.json_keys, args.partitions
         level = "sentence" if args.split_sentences else "document"
         self.prefixes = {k: f"{args.output_prefix}_{k}_{level}" for k in self.keys}
-        self.tmp_prefixes = {k: f"{p}.tmp{os.getpid()}" for k, p in self.prefixes.items()}
+        tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.tmp_prefixes = {k: f"{p}.tmp{tag}" for k, p in self.prefixes.items()}
         self.part_prefixes = {k: [f"{self.tmp_prefixes[k]}_{i}" for i in range(self.partitions)]
                               for k in self.keys}
         if self.partitions == 1:
