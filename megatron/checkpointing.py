@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import time
 from typing import Callable, Dict, List, Optional
@@ -100,14 +101,24 @@ def _fsync_dir(path: str) -> None:
 
 
 def _write_tracker(root: str, iteration: int, release: bool) -> None:
-    """Write the tracker atomically: temporary file, fsync, os.replace."""
+    """Write the tracker atomically: temporary file, fsync, os.replace. The temporary file
+    has a fresh name, created exclusively (never one another writer of `root` is writing:
+    where the file system cannot lock --save, a second run's save truncated the shared
+    `.tmp` after the first had moved it into place, and readers found the tracker empty),
+    with the mode the umask gives any new file (others sharing the checkpoint can read it)."""
     path = tracker_path(root)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write("release" if release else str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = f"{path}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write("release" if release else str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     _fsync_dir(root)
 
 

@@ -897,3 +897,26 @@ def test_distributed_ctrl_c_in_a_save_removes_the_partial_directory_once(tmp_pat
     assert run_distributed(_dist_ctrl_c_in_a_save, 2, str(tmp_path)) == [[True], []]
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
     assert read_tracker(str(tmp_path)) == (2, False)
+
+
+def test_two_tracker_writes_at_once_keep_their_temporary_files_apart(tmp_path, monkeypatch):
+    """Two runs saving into one --save where the file system cannot lock it: both wrote
+    `latest_checkpointed_iteration.txt.tmp`; the second truncated it after the first had
+    moved it into place (a reader found the tracker empty) and then failed to find it."""
+    from megatron import checkpointing
+
+    root = str(tmp_path)
+    real_fsync, seen = os.fsync, []
+
+    def other_run_meanwhile(fd):
+        real_fsync(fd)
+        if not seen:
+            seen.append(True)
+            checkpointing._write_tracker(root, 6, False)  # the other run, start to end
+            seen.append(read_tracker(root))
+
+    monkeypatch.setattr(os, "fsync", other_run_meanwhile)
+    checkpointing._write_tracker(root, 4, False)
+    assert seen[1:] == [(6, False)]
+    assert read_tracker(root) == (4, False)
+    assert os.listdir(root) == ["latest_checkpointed_iteration.txt"]
