@@ -100,7 +100,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_tracker(root: str, iteration: int, release: bool) -> None:
+def write_tracker(root: str, iteration: int, release: bool) -> None:
     """Write the tracker atomically: temporary file, fsync, os.replace. The temporary file
     has a fresh name, created exclusively (never one another writer of `root` is writing:
     where the file system cannot lock --save, a second run's save truncated the shared
@@ -202,10 +202,8 @@ def _publish(root: str, tmp_dir: str, final_dir: str, iteration: int, release: b
     except OSError as exc:
         raise CheckpointWriteError(unpublished_message(root, tmp_dir, iteration, exc)) from exc
     try:
-        _write_tracker(root, iteration, release)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.remove(tracker_path(root) + ".tmp")
+        write_tracker(root, iteration, release)
+    except OSError as exc:  # its temporary file is gone already
         raise CheckpointWriteError(untracked_save_message(root, iteration, release, exc)) \
             from exc
 

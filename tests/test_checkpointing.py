@@ -420,18 +420,26 @@ def test_out_of_memory_while_writing_is_not_called_a_full_disk(tmp_path, monkeyp
 
 
 def _tracker_disk_full(monkeypatch, iteration):
-    """Writing the tracker of `iteration` fails as on a full disk, leaving its .tmp."""
+    """Writing the tracker of `iteration` fails as on a full disk, after its temporary
+    file was created (the write's own clean-up must remove it)."""
     from megatron import checkpointing
 
-    original = checkpointing._write_tracker
+    original = checkpointing.write_tracker
 
     def full(root, it, release):
         if it != iteration:
             return original(root, it, release)
-        Path(tracker_path(root) + ".tmp").write_text("")
-        raise OSError(28, "No space left on device")
+        real_fsync = os.fsync
 
-    monkeypatch.setattr(checkpointing, "_write_tracker", full)
+        def no_space(fd):
+            raise OSError(28, "No space left on device")
+        os.fsync = no_space
+        try:
+            return original(root, it, release)
+        finally:
+            os.fsync = real_fsync
+
+    monkeypatch.setattr(checkpointing, "write_tracker", full)
 
 
 def _assert_tracker_failure_message(msg, root):
@@ -718,7 +726,7 @@ def _dist_tracker_full(rank, world_size, root):
     def full(root_, iteration, release):
         raise OSError(28, "No space left on device")
 
-    checkpointing._write_tracker = full
+    checkpointing.write_tracker = full
     try:
         save_checkpoint(root, 4, _full_state(4, ps.tp_rank, 0), ps)
     except AgreedExit as exc:
@@ -822,14 +830,14 @@ def test_a_save_stopped_after_publishing_keeps_the_published_directory(tmp_path,
 
     root, told = str(tmp_path), []
     save_checkpoint(root, 2, _full_state(2, 0, 0), _ps1())
-    original = checkpointing._write_tracker
+    original = checkpointing.write_tracker
 
     def interrupted(root_, iteration, release):
         if iteration == 4:
             raise KeyboardInterrupt
         original(root_, iteration, release)
 
-    monkeypatch.setattr(checkpointing, "_write_tracker", interrupted)
+    monkeypatch.setattr(checkpointing, "write_tracker", interrupted)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(root, 4, _full_state(4, 0, 0), _ps1(),
                         on_stop=lambda d, removed: told.append((d, removed)))
@@ -912,11 +920,11 @@ def test_two_tracker_writes_at_once_keep_their_temporary_files_apart(tmp_path, m
         real_fsync(fd)
         if not seen:
             seen.append(True)
-            checkpointing._write_tracker(root, 6, False)  # the other run, start to end
+            checkpointing.write_tracker(root, 6, False)  # the other run, start to end
             seen.append(read_tracker(root))
 
     monkeypatch.setattr(os, "fsync", other_run_meanwhile)
-    checkpointing._write_tracker(root, 4, False)
+    checkpointing.write_tracker(root, 4, False)
     assert seen[1:] == [(6, False)]
     assert read_tracker(root) == (4, False)
     assert os.listdir(root) == ["latest_checkpointed_iteration.txt"]

@@ -55,14 +55,14 @@ def _train_and_die_in_save(root: str, extra: list, crash_point: str) -> None:
 
         torch.save = dying_save
     else:  # every file renamed into place, the tracker not yet rewritten
-        original = checkpointing._write_tracker
+        original = checkpointing.write_tracker
 
         def dying_tracker(root_, iteration, release):
             if iteration == 4:
                 os._exit(CRASH_EXIT_CODE)
             return original(root_, iteration, release)
 
-        checkpointing._write_tracker = dying_tracker
+        checkpointing.write_tracker = dying_tracker
     run_pretrain(extra + ["--save", root, "--save-interval", "2"])
     os._exit(0)  # not reached: the save of iteration 4 kills the process
 

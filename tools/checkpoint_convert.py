@@ -75,6 +75,7 @@ from megatron.checkpointing import (  # noqa: E402
     move_into_place,
     rank_dir_name,
     tracker_path,
+    write_tracker,
 )
 from megatron.save_lock import SaveDirLock  # noqa: E402
 
@@ -315,9 +316,7 @@ def publish_checkpoint(save: str, tmp_dir: str, final_dir: str, iteration: int,
             before = f.read().strip()
         if before != value:
             print(f"overwrite: {tracker} said {before!r}, now {value!r}")
-    with open(tracker + ".tmp", "w") as f:
-        f.write(value)
-    os.replace(tracker + ".tmp", tracker)
+    write_tracker(save, iteration, release)  # fsynced, through its own temporary name
 
 
 class Progress:
