@@ -285,3 +285,23 @@ def test_two_runs_with_one_process_id_writing_one_prefix_keep_their_files_apart(
         [[7, 8]]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out_text_document.bin",
                                                           "out_text_document.idx"]
+
+
+def test_output_names_of_255_bytes_are_written(tmp_path, bpe, capsys):
+    """An --output-prefix whose files' names take the file system's 255 bytes failed with
+    'File name too long' on the temporary `<prefix>.tmp<pid>.bin` written first (the
+    final names fit); merge_datasets.py likewise. A name that cannot fit names the fix."""
+    from tools import merge_datasets
+
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS)
+    prefix = tmp_path / ("é" * 118)  # + "_title_document.bin": 255 bytes
+    run_tool(bpe, src, prefix, "--partitions", "2", workers=2)
+    assert Path(f"{prefix}_title_document.idx").is_file()
+    run_tool(bpe, src, prefix)
+    check_outputs(bpe, prefix, DOCS, append_eod=False)
+    merged = str(tmp_path / ("é" * 125 + "m"))  # + ".bin": 255 bytes
+    merge_datasets.merge([f"{prefix}_text_document"], merged)
+    assert Path(merged + ".bin").read_bytes() == Path(f"{prefix}_text_document.bin").read_bytes()
+    with pytest.raises(SystemExit, match=r"File name too long .*; pass a shorter --output-prefix"):
+        merge_datasets.merge([f"{prefix}_text_document"], merged + "x")
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]

@@ -8,7 +8,6 @@ must share one dtype; the `.bin` files are copied and the doc_idx entries shifte
 from __future__ import annotations
 
 import os
-import secrets
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,6 +23,7 @@ from tools.preprocess_data import (  # noqa: E402
     make_output_dir,
     output_error,
     output_prefix_problem,
+    temporary_prefix,
     writing,
 )
 
@@ -88,7 +88,7 @@ def merge(prefixes, output_prefix: str) -> None:
     if any(os.path.abspath(p) == out for p in prefixes):
         raise SystemExit(f"--output-prefix {output_prefix} is also an input")
     make_output_dir(output_prefix)
-    tmp = f"{output_prefix}.tmp{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = temporary_prefix(output_prefix)
     with writing(output_prefix):
         builder = IndexedDatasetBuilder(data_file_path(tmp), dtypes[prefixes[0]])
     try:

@@ -165,12 +165,28 @@ def output_error(output_prefix: str, error: OSError) -> SystemExit:
                "takes 2 bytes a token with a vocabulary under 65500 ids, else 4)")
     elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         fix = "pass an --output-prefix in a directory you can write to"
+    elif error.errno == errno.ENAMETOOLONG:
+        fix = "pass a shorter --output-prefix (a file name holds at most 255 bytes)"
     else:
         fix = "check that directory, or pass another --output-prefix"
     where = f" ({error.filename})" if error.filename else ""
     return SystemExit(f"error: cannot write the dataset at --output-prefix {output_prefix}: "
                       f"{error.strerror or error}{where}; {fix}. The partial files were "
                       "removed; an earlier dataset there is unchanged")
+
+
+def temporary_prefix(prefix: str, suffix: str = ".bin") -> str:
+    """`<prefix>.tmp<pid>-<random>`, where the dataset at `prefix` is written before it is
+    renamed into place (random: two runs in containers may share a process id);
+    `<dir>/.tmp<pid>-<random>` when that file name (ending in `suffix`) would pass the
+    file system's limit (255 bytes) while the final name does not."""
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = f"{prefix}.tmp{tag}"
+    fits = [len(os.fsencode(os.path.basename(name))) <= 255
+            for name in (tmp + suffix, prefix + ".bin")]
+    if fits[0] or not fits[1]:  # a final name too long fails at once, on this name
+        return tmp
+    return os.path.join(os.path.dirname(prefix), f".tmp{tag}")
 
 
 @contextlib.contextmanager
@@ -196,8 +212,8 @@ class Writers:
         self.keys, self.partitions = args.json_keys, args.partitions
         level = "sentence" if args.split_sentences else "document"
         self.prefixes = {k: f"{args.output_prefix}_{k}_{level}" for k in self.keys}
-        tag = f"{os.getpid()}-{secrets.token_hex(4)}"
-        self.tmp_prefixes = {k: f"{p}.tmp{tag}" for k, p in self.prefixes.items()}
+        last = f"_{self.partitions - 1}.bin" if self.partitions > 1 else ".bin"
+        self.tmp_prefixes = {k: temporary_prefix(p, last) for k, p in self.prefixes.items()}
         self.part_prefixes = {k: [f"{self.tmp_prefixes[k]}_{i}" for i in range(self.partitions)]
                               for k in self.keys}
         if self.partitions == 1:
