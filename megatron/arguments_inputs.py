@@ -135,11 +135,37 @@ def _check_quoted_blend(dest: str, paths) -> None:
                          f"e.g. an unquoted $DATA_PATH in a shell script")
 
 
+def unexpanded_home(path: str) -> str:
+    """For a `path` beginning with '~' (a quoted ~, `--flag=~/x`, a --config value: nothing
+    expanded it, as nothing does in Megatron-LM either), the fix to append to a message
+    about it: '; ~ is not your home directory here: ...'; else ''."""
+    if not path.startswith("~"):
+        return ""
+    home = os.path.expanduser(path)
+    spelled = f"{home}" if home != path else "$HOME" + path[1:]
+    return (f"; '~' was not expanded to a home directory (the shell does that only for an "
+            f"unquoted ~ starting a word, not in --flag=~/... or a --config file): write "
+            f"{spelled}, or ./{path} for a directory really named '~'")
+
+
+def check_output_paths(ns) -> None:
+    """The output directories (--save, --tensorboard-dir, --data-cache-path): one starting
+    with an unexpanded '~' would be created as a directory named '~' in the working
+    directory, unless that exists already."""
+    for dest in ("save", "tensorboard_dir", "data_cache_path"):
+        path = getattr(ns, dest, None)
+        hint = unexpanded_home(path) if path else ""
+        if hint and not os.path.lexists(path.split(os.sep)[0]):
+            raise ArgumentsError(f"{flag_for_dest(dest)} {path}: the run would create a "
+                                 f"directory named '~' in {os.getcwd()}{hint}")
+
+
 def _not_found(dest: str, path: str) -> str:
     """'--flag PATH: file not found; check the path', a relative path also shown resolved
     (the launch scripts run from the repository root, not from where they were started)."""
     where = "" if os.path.isabs(path) else f" (looked for {os.path.abspath(path)})"
-    return f"{flag_for_dest(dest)} {path}: file not found{where}; check the path"
+    fix = unexpanded_home(path) or "; check the path"
+    return f"{flag_for_dest(dest)} {path}: file not found{where}{fix}"
 
 
 def _check_file(dest: str, path: str) -> None:

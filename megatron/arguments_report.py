@@ -90,6 +90,7 @@ def missing_data_files(args: Mapping[str, Any]) -> List[str]:
     not exist, each with its flag and the fix when there is one ('x.bin' given, the
     --output-prefix, a .bin without its .idx); a relative one also resolved from the
     working directory (the launch scripts run from the repository root)."""
+    from megatron.arguments_inputs import unexpanded_home
     from megatron.core.datasets.indexed_dataset import missing_dataset_hint
 
     missing = []
@@ -99,6 +100,7 @@ def missing_data_files(args: Mapping[str, Any]) -> List[str]:
             if not absent:
                 continue
             where = "" if os.path.isabs(prefix) else f"; looked for {os.path.abspath(prefix)}.*"
+            where += unexpanded_home(prefix)
             hint = missing_dataset_hint(prefix).replace("; ", ": ", 1)
             missing.append(f"{' and '.join(absent)} (--{flag.replace('_', '-')}{hint}{where})")
     return missing

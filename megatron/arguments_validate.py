@@ -25,6 +25,7 @@ from megatron.arguments_inputs import (
     absent_tokenizer_files,
     assumed_vocab_size,
     check_data_inputs,
+    check_output_paths,
     check_tokenizer_files,
     default_vocab_size,
     warn_unread_tokenizer_flags,
@@ -529,6 +530,7 @@ def validate_args(
     with machine_checks(), _planned_elsewhere(ns, cuda_available):  # CUDA may differ by node
         _check_gemm_algorithms(ns, cuda_available)
     check_data_inputs(ns, explicit)
+    check_output_paths(ns)
     with machine_checks():  # files read: may differ between nodes
         check_tokenizer_files(ns, files=not ns.dry_run)
         assumed = ns.dry_run and absent_tokenizer_files(vars(ns))  # listed in the report

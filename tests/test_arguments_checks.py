@@ -376,6 +376,31 @@ def test_split_numbers_past_the_third_are_warned(caplog):
 TOKENIZER = without("--tokenizer-type", "--vocab-size")
 
 
+def test_an_unexpanded_tilde_is_named_with_the_fix(tmp_path, monkeypatch):
+    """`--save "~/ckpt"` (quoted, `--save=~/ckpt`, a --config value) made a directory named
+    '~' in the working directory; a missing input named '~/...' said only 'check the path'."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", "/home/me")
+    fix = ("'~' was not expanded to a home directory (the shell does that only for an "
+           "unquoted ~ starting a word, not in --flag=~/... or a --config file): write "
+           "/home/me/ckpt, or ./~/ckpt for a directory really named '~'")
+    for flag in ("--save=~/ckpt --save-interval 5", "--tensorboard-dir ~/ckpt",
+                 "--data-cache-path ~/ckpt"):
+        assert error_of(flag) == (f"{flag.split()[0].split('=')[0]} ~/ckpt: the run would "
+                                  f"create a directory named '~' in {tmp_path}; {fix}")
+    (tmp_path / "config.yaml").write_text("save: ~/ckpt\nsave-interval: 5\n")
+    assert fix in error_of("--config config.yaml")
+    assert not (tmp_path / "~").exists()
+    (tmp_path / "~").mkdir()  # a directory really named '~' is used
+    assert run("--save ~/ckpt --save-interval 5").checkpoint.save == "~/ckpt"
+    msg = error_of("--vocab-file ~/ckpt --merge-file ~/m", base=TOKENIZER + ["--tokenizer-type",
+                   "GPT2BPETokenizer"], vocab_size_fn=lambda a: 1)
+    assert msg == f"--vocab-file ~/ckpt: file not found (looked for {tmp_path}/~/ckpt); {fix}"
+    from megatron.arguments_report import missing_data_files
+    assert missing_data_files({"data_path": ["~/ckpt"]})[0].endswith(
+        f"looked for {tmp_path}/~/ckpt.*; {fix})")
+
+
 def test_missing_tokenizer_files_fail_in_validation(tmp_path):
     merges = tmp_path / "merges.txt"
     merges.write_text("#version: 0.2\n")

@@ -501,6 +501,18 @@ def test_save_rejects_iteration_zero(tmp_path):
         save_checkpoint(str(tmp_path), 0, {}, _ps1())
 
 
+def test_a_load_path_with_an_unexpanded_tilde_is_named(tmp_path, capsys, monkeypatch):
+    """`--load "~/ckpt"` (quoted) started from random with only Megatron's warning; it now
+    also says that '~' was not expanded, and how to write the path."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", "/home/me")
+    assert load_checkpoint("~/ckpt", _ps1()) is None
+    out = capsys.readouterr().out
+    assert "WARNING: could not find the metadata file ~/ckpt/latest_checkpointed_iteration.txt" in out
+    assert "(--load ~/ckpt; '~' was not expanded to a home directory" in out
+    assert "write /home/me/ckpt" in out
+
+
 def test_missing_checkpoint_behaviours(tmp_path, capsys):
     assert load_checkpoint(str(tmp_path / "nothing"), _ps1()) is None
     assert "WARNING: could not find the metadata file" in capsys.readouterr().out
