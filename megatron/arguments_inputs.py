@@ -129,6 +129,14 @@ def _check_quoted_blend(dest: str, paths) -> None:
             raise ArgumentsError(f"{flag} '{paths[0]}' is one argument holding {len(words)} "
                                  f"dataset prefixes: a blend takes 'weight prefix' pairs as "
                                  f"separate arguments, e.g. {flag} {pairs}") from None
+        if _is_number(words[0]):  # '0.5 /my data/a 0.5 b': pairs, a prefix with spaces
+            raise ArgumentsError(
+                f"{flag} '{paths[0]}' is one argument that starts with a weight: a blend "
+                f"takes 'weight prefix' pairs as separate arguments, and a prefix holding "
+                f"spaces cannot be told apart from its neighbours in one argument: quote "
+                f"each such prefix on its own ({flag} 0.5 '/my data/a' 0.5 b), or list the "
+                f"pairs under {flag[2:]}: in a --config YAML file (read as one prefix, it "
+                f"names no .bin/.idx either)") from None
         return  # a prefix with a space in it
     raise ArgumentsError(f"{flag} '{paths[0]}' is one argument holding 'weight prefix' "
                          f"pairs: pass its words as separate arguments ({flag} {paths[0]}), "
@@ -158,6 +166,14 @@ def check_output_paths(ns) -> None:
         if hint and not os.path.lexists(path.split(os.sep)[0]):
             raise ArgumentsError(f"{flag_for_dest(dest)} {path}: the run would create a "
                                  f"directory named '~' in {os.getcwd()}{hint}")
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
 
 
 def _not_found(dest: str, path: str) -> str:

@@ -301,6 +301,22 @@ def test_a_blend_in_one_argument_names_the_fix(tmp_path):
         f"'weight prefix' pairs as separate arguments, e.g. --data-path 1 {a} 1 {b}")
 
 
+def test_a_quoted_blend_of_prefixes_with_spaces_names_the_fix(tmp_path):
+    """--data-path "0.5 /my data/a 0.5 /my data/b" (prefixes holding spaces, in one quoted
+    argument) was taken as one prefix and reported as missing files '0.5 /my data/a ...'."""
+    blend = f"0.5 {tmp_path}/my data/a 0.5 {tmp_path}/my data/b"
+    assert error_of(["--data-path", blend], base=DATA) == (
+        f"--data-path '{blend}' is one argument that starts with a weight: a blend takes "
+        "'weight prefix' pairs as separate arguments, and a prefix holding spaces cannot be "
+        "told apart from its neighbours in one argument: quote each such prefix on its own "
+        "(--data-path 0.5 '/my data/a' 0.5 b), or list the pairs under data-path: in a "
+        "--config YAML file (read as one prefix, it names no .bin/.idx either)")
+    pairs = ["0.5", f"{tmp_path}/my data/a", "0.5", f"{tmp_path}/my data/b"]
+    assert run(["--data-path", *pairs], base=DATA).data.data_path == pairs
+    (tmp_path / "c.yaml").write_text("data-path:\n" + "".join(f"  - '{p}'\n" for p in pairs))
+    assert run(["--config", str(tmp_path / "c.yaml")], base=DATA).data.data_path == pairs
+
+
 def test_split_is_not_checked_where_megatron_ignores_it(caplog):
     cfg = run("--train-data-path X --split a,b", base=DATA)
     assert cfg.data.train_data_path == ["X"]
