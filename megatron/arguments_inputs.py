@@ -156,16 +156,23 @@ def unexpanded_home(path: str) -> str:
             f"{spelled}, or ./{path} for a directory really named '~'")
 
 
+def home_not_expanded(flag: str, path: str) -> str:
+    """For an output directory `path` starting with an unexpanded '~', which would be
+    created as a directory named '~' in the working directory (unless that exists), the
+    error naming the fix; else ''."""
+    hint = unexpanded_home(path) if path else ""
+    if not hint or os.path.lexists(path.split(os.sep)[0]):
+        return ""
+    return f"{flag} {path}: would create a directory named '~' in {os.getcwd()}{hint}"
+
+
 def check_output_paths(ns) -> None:
-    """The output directories (--save, --tensorboard-dir, --data-cache-path): one starting
-    with an unexpanded '~' would be created as a directory named '~' in the working
-    directory, unless that exists already."""
+    """The output directories (--save, --tensorboard-dir, --data-cache-path):
+    `home_not_expanded`."""
     for dest in ("save", "tensorboard_dir", "data_cache_path"):
-        path = getattr(ns, dest, None)
-        hint = unexpanded_home(path) if path else ""
-        if hint and not os.path.lexists(path.split(os.sep)[0]):
-            raise ArgumentsError(f"{flag_for_dest(dest)} {path}: the run would create a "
-                                 f"directory named '~' in {os.getcwd()}{hint}")
+        error = home_not_expanded(flag_for_dest(dest), getattr(ns, dest, None))
+        if error:
+            raise ArgumentsError(error)
 
 
 def _is_number(word: str) -> bool:

@@ -402,7 +402,7 @@ def test_an_unexpanded_tilde_is_named_with_the_fix(tmp_path, monkeypatch):
            "/home/me/ckpt, or ./~/ckpt for a directory really named '~'")
     for flag in ("--save=~/ckpt --save-interval 5", "--tensorboard-dir ~/ckpt",
                  "--data-cache-path ~/ckpt"):
-        assert error_of(flag) == (f"{flag.split()[0].split('=')[0]} ~/ckpt: the run would "
+        assert error_of(flag) == (f"{flag.split()[0].split('=')[0]} ~/ckpt: would "
                                   f"create a directory named '~' in {tmp_path}; {fix}")
     (tmp_path / "config.yaml").write_text("save: ~/ckpt\nsave-interval: 5\n")
     assert fix in error_of("--config config.yaml")

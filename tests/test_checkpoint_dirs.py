@@ -45,6 +45,16 @@ def _refusal(path: str) -> str:
     return str(err.value)
 
 
+def test_a_missing_load_with_an_unexpanded_tilde_names_the_fix(tmp_path, monkeypatch):
+    """tools/generate.py --load "~/ckpt" (quoted) said only that nothing is there."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", "/home/me")
+    assert missing_tracker_message("~/ckpt").endswith(
+        "holds no iter_XXXXXXX or release directory; '~' was not expanded to a home directory "
+        "(the shell does that only for an unquoted ~ starting a word, not in --flag=~/... or "
+        "a --config file): write /home/me/ckpt, or ./~/ckpt for a directory really named '~'")
+
+
 def test_a_rank_directory_or_a_checkpoint_file_names_the_checkpoint_directory(ckpt):
     root, _ = ckpt
     rank_dir = os.path.dirname(checkpoint_name(root, 4, 0, 1, 2))

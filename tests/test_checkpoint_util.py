@@ -165,6 +165,23 @@ def test_save_dir_holding_a_checkpoint_is_refused(source, tmp_path):
         _util(root, out / "latest_checkpointed_iteration.txt")
 
 
+def test_a_save_dir_with_an_unexpanded_tilde_is_refused(source, tmp_path, monkeypatch):
+    """--save-dir "~/out" (quoted) and checkpoint_convert.py --save "~/out" wrote the
+    checkpoint into a directory named '~' in the working directory."""
+    root, _ = source
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", "/home/me")
+    for call, flag in ((lambda out: _util(root, out), "--save-dir"),
+                       (lambda out: checkpoint_convert.main(["reshard", "--load", root,
+                                                             "--save", out, "--target-tensor-model-"
+                                                             "parallel-size", "2"]), "--save")):
+        with pytest.raises(SystemExit, match=rf"^error: {flag} ~/out: would create a directory "
+                           rf"named '~' in {tmp_path}; '~' was not expanded .*: write "
+                           r"/home/me/out, or ./~/out for a directory really named '~'$"):
+            call("~/out")
+        assert not (tmp_path / "~").exists()
+
+
 def test_true_vocab_size_repads_when_the_tokenizer_is_not_known(tmp_path):
     """A checkpoint saved at tp 2 (130 tokens padded to 256 with 64 x tp) whose vocab file
     has moved: to tp 1, the saved padded size alone gives 256 rows, the true size 192."""
@@ -237,4 +254,7 @@ def test_load_dir_without_tracker_gets_a_fix_in_this_command_lines_flags(source,
         _util(untracked, tmp_path / "out")
     with pytest.raises(SystemExit, match="no checkpoint under --load-dir "):
         _util(tmp_path / "none", tmp_path / "out")
+    with pytest.raises(SystemExit, match=r"holds no iter_XXXXXXX or release directory; '~' "
+                       r"was not expanded to a home directory .*: write \S*/ckpt, or ./~/ckpt"):
+        _util("~/ckpt", tmp_path / "out")  # a quoted ~
     assert not os.path.exists(tmp_path / "out")

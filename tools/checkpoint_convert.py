@@ -55,6 +55,7 @@ import torch  # noqa: E402
 
 from megatron import checkpoint_reshard as reshard_lib  # noqa: E402
 from megatron import hf_convert  # noqa: E402
+from megatron.arguments_inputs import home_not_expanded  # noqa: E402
 from megatron.checkpoint_dirs import (  # noqa: E402
     free_space_text,
     is_legacy_model_file,
@@ -252,6 +253,8 @@ def save_locked(save: str, tool: str):
     from-hf that reshards into its --save), it is not taken again."""
     if os.path.exists(save) and not os.path.isdir(save):
         raise SystemExit(f"error: --save {save} is a file; pass a directory")
+    if home_not_expanded("--save", save):
+        raise SystemExit(f"error: {home_not_expanded('--save', save)}")
     key = os.path.realpath(save)
     if key in _LOCKED:
         yield

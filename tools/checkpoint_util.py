@@ -128,6 +128,10 @@ def check_save_dir(load: str, save: str) -> None:
                          "choose another --save-dir")
     if os.path.exists(save) and not os.path.isdir(save):
         raise SystemExit(f"error: --save-dir {save} is a file; pass a directory")
+    from megatron.arguments_inputs import home_not_expanded
+
+    if home_not_expanded("--save-dir", save):
+        raise SystemExit(f"error: {home_not_expanded('--save-dir', save)}")
     found = checkpoint_convert.held_checkpoints(save)
     if found:
         raise SystemExit(f"error: --save-dir {save} already holds a checkpoint: "
@@ -160,8 +164,11 @@ def check_load_dir(load: str) -> None:
         raise SystemExit(f"error: --load-dir {load} has no {TRACKER_FILENAME} (it names the "
                          f"iteration to read) but holds {', '.join(found)}; write the iteration "
                          f"into {tracker_path(load)} or pick one with: {other(load)}")
+    from megatron.arguments_inputs import unexpanded_home
+
+    tilde = unexpanded_home(load) if not os.path.exists(load) else ""
     raise SystemExit(f"error: no checkpoint under --load-dir {load}: {tracker_path(load)} does "
-                     f"not exist and {load} holds no iter_XXXXXXX or release directory")
+                     f"not exist and {load} holds no iter_XXXXXXX or release directory{tilde}")
 
 
 def _vocab_file_size(path: str) -> int:
