@@ -50,7 +50,7 @@ def check_data_inputs(ns, explicit=frozenset()) -> None:
             try:
                 prefixes, weights = parse_weighted_prefixes(paths)
             except ValueError as e:
-                raise ArgumentsError(f"{flag_for_dest(dest)}: {e}") from None
+                raise ArgumentsError(f"{flag_for_dest(dest)}: {e}{_split_prefix(paths)}") from None
             unused = [p for p, w in zip(prefixes, weights) if w == 0]
             if unused:  # accepted in silence by Megatron-LM (its blending may pick one once)
                 one = len(unused) == 1
@@ -108,6 +108,22 @@ def _warn_repeated_members(dest: str, paths, prefixes: List[str]) -> None:
              "same samples in the same order and each is trained on once per copy (with equal "
              "weights in neighbouring samples of the blend), as in Megatron-LM; give it once "
              f"with the weights summed ({total:g}) to draw distinct samples instead")
+
+
+def _split_prefix(words) -> str:
+    """For `words` some consecutive of which join with spaces into an existing dataset
+    prefix (one holding spaces, split into words by an unquoted $DATA_PATH or a launch
+    script), the fix to append to the parse error; else ''."""
+    for i in range(len(words)):
+        for j in range(i + 2, len(words) + 1):
+            prefix = " ".join(words[i:j])
+            if os.path.isfile(prefix + ".idx"):
+                return (f"; the words {words[i:j]} are the dataset prefix '{prefix}', which "
+                        f"holds spaces and was split into words (an unquoted $DATA_PATH, or a "
+                        f"launch script that splits DATA_PATH): pass it as one quoted "
+                        f"argument, list it under data-path: in a --config YAML file, or use "
+                        f"a symlink to it whose path has no spaces")
+    return ""
 
 
 def _check_quoted_blend(dest: str, paths) -> None:

@@ -317,6 +317,24 @@ def test_a_quoted_blend_of_prefixes_with_spaces_names_the_fix(tmp_path):
     assert run(["--config", str(tmp_path / "c.yaml")], base=DATA).data.data_path == pairs
 
 
+def test_a_prefix_with_spaces_split_into_words_is_named(tmp_path):
+    """DATA_PATH="/my data/x" split into words (an unquoted $DATA_PATH, or
+    scripts/pretrain_gpt.sh) ended with only 'weights must be numbers'."""
+    (tmp_path / "my data é").mkdir()
+    prefix = f"{tmp_path}/my data é/x y"
+    (tmp_path / "my data é" / "x y.idx").touch()
+    words = prefix.split()
+    msg = error_of(["--data-path", *words], base=DATA)
+    assert msg.startswith("--data-path: data path [") and "weights must be numbers" in msg
+    assert msg.endswith(f"; the words {words} are the dataset prefix '{prefix}', which holds "
+                        "spaces and was split into words (an unquoted $DATA_PATH, or a launch "
+                        "script that splits DATA_PATH): pass it as one quoted argument, list "
+                        "it under data-path: in a --config YAML file, or use a symlink to it "
+                        "whose path has no spaces")
+    assert run(["--data-path", prefix], base=DATA).data.data_path == [prefix]
+    assert "the words" not in error_of(["--data-path", "1", "a", "b"], base=DATA)
+
+
 def test_split_is_not_checked_where_megatron_ignores_it(caplog):
     cfg = run("--train-data-path X --split a,b", base=DATA)
     assert cfg.data.train_data_path == ["X"]
