@@ -9,7 +9,8 @@
 # too, and extra flags go to pretrain_gpt.py. A few minutes on 2 CPU cores. Every run
 # starts afresh: it deletes the checkpoints/ and tensorboard/ of the previous run under
 # OUT_DIR (saying so; the corpus and tokenizer in data/ are kept and reused), except a
-# `--dry-run`, which only checks the command and touches nothing.
+# `--dry-run`, which deletes nothing and trains nothing: it builds data/ when missing (the
+# check reads the dataset and tokenizer), then prints what the run would do.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT_DIR:-runs/quickstart}
