@@ -113,3 +113,15 @@ def test_checker_notices_a_drift():
         SECTIONS["Refused"].discard("--made-up-flag")
     moved = text.replace("| group: `retro` |", "| group: `retroo` |")
     assert "group:retro" in section_mismatches(moved)["Refused"]
+
+
+def test_recompute_method_with_selective_is_documented_as_refused():
+    """The tuning-flags bullet of section 2 lists what is only warned; --recompute-method
+    with --recompute-granularity selective is refused (Megatron-LM 23.05 asserts), so the
+    doc must say so rather than count it among the warned flags."""
+    from tests.args_helpers import error_of
+
+    message = error_of("--recompute-granularity selective --recompute-method uniform")
+    assert "only applies to --recompute-granularity full" in message
+    text = " ".join(DOC.read_text(encoding="utf-8").split())
+    assert ("`--recompute-method` with `selective` is an error, as Megatron asserts" in text)
