@@ -95,6 +95,41 @@ def test_loader_yields_collated_batches_in_order(workers):
     assert first["text"][:, 0].tolist() == [6, 7] and second["text"][:, 0].tolist() == [10, 11]
 
 
+@pytest.mark.parametrize("mock", [False, True])
+def test_worker_batches_cross_without_shared_memory_handles(mock):
+    """A loader worker's micro-batch reaches the training process by value through its
+    pipe: what the workers' collate function returns holds no tensor (each would cross
+    as a shared-memory file descriptor, a connection to the worker's resource sharer for
+    every micro-batch: a host cost of each step). The batches are those of the in-process
+    reader, tensors of the same dtypes."""
+    from megatron.core.datasets.mock import MockGPTDataset
+
+    batches, collate_fns = {}, []
+    real_loader = torch.utils.data.DataLoader
+
+    def loader(*args, **kwargs):
+        collate_fns.append(kwargs["collate_fn"])
+        return real_loader(*args, **kwargs)
+
+    for workers in (0, 2):
+        cfg = tiny_config(mbs=2, gbs=4)
+        cfg.data = dataclasses.replace(cfg.data, num_workers=workers, seq_length=8)
+        dataset = MockGPTDataset(255, 8, 1) if mock else _Seq()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.utils.data, "DataLoader", loader)
+            it = make_iterator(cfg, dataset, consumed=4, dp_rank=1, dp_size=2, pin=False)
+        batches[workers] = [next(it) for _ in range(3)]
+        it.close()
+    sent = collate_fns[0]([dataset[0], dataset[1]])
+    assert not any(torch.is_tensor(v) for v in vars(sent).get("values", {"": 0}).values())
+    assert not torch.is_tensor(getattr(sent, "get", lambda k: None)("text"))
+    for plain, got in zip(batches[0], batches[2]):
+        assert got.keys() == plain.keys()
+        for key, value in plain.items():
+            assert torch.is_tensor(got[key]) and got[key].dtype == value.dtype
+            assert torch.equal(got[key], value)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_dropped_iterator_stops_its_reader(workers):
     """An iterator dropped without close() (a library caller, a test) stops its worker
