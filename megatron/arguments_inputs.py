@@ -172,6 +172,12 @@ def unexpanded_home(path: str) -> str:
             f"{spelled}, or ./{path} for a directory really named '~'")
 
 
+def missing_home_hint(path: str) -> str:
+    """`unexpanded_home` for a `path` that does not exist (a missing --load, say); ''
+    when it exists (a directory really named '~')."""
+    return "" if os.path.exists(path) else unexpanded_home(path)
+
+
 def home_not_expanded(flag: str, path: str) -> str:
     """For an output directory `path` starting with an unexpanded '~', which would be
     created as a directory named '~' in the working directory (unless that exists), the

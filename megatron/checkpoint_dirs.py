@@ -497,10 +497,10 @@ def missing_tracker_message(root: str) -> str:
     where = f"no checkpoint under --load {root}: {tracker_path(root)} does not exist"
     if found:
         return f"{where}; it holds {', '.join(found)}: pass --iteration N to pick one"
-    from megatron.arguments_inputs import unexpanded_home
+    from megatron.arguments_inputs import missing_home_hint
 
     return (f"{where} and {root} holds no iter_XXXXXXX or release directory"
-            f"{unexpanded_home(root) if not os.path.exists(root) else ''}")
+            f"{missing_home_hint(root)}")
 
 
 def refuse_untracked_checkpoints(root: str) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.agreed_exit import agree, exit_on_every_rank, max_over_ranks
-from megatron.arguments_inputs import unexpanded_home
+from megatron.arguments_inputs import missing_home_hint
 from megatron.checkpoint_dirs import (
     checkpoint_name,
     exit_on_missing_message,
@@ -158,8 +158,9 @@ def resolve_checkpoint(root: Optional[str], ps: ParallelState, exit_on_missing: 
             agree(error, group)
         print_rank_0(f"WARNING: could not find the metadata file {tracker}")
         print_rank_0("    will not load any checkpoints and will start from random")
-        if root is not None and unexpanded_home(root) and not os.path.exists(root):
-            print_rank_0(f"    (--load {root}{unexpanded_home(root)})")
+        hint = missing_home_hint(root) if root is not None else ""
+        if hint:
+            print_rank_0(f"    (--load {root}{hint})")
         return None
     error = None
     if ps.rank == 0:

@@ -253,8 +253,9 @@ def save_locked(save: str, tool: str):
     from-hf that reshards into its --save), it is not taken again."""
     if os.path.exists(save) and not os.path.isdir(save):
         raise SystemExit(f"error: --save {save} is a file; pass a directory")
-    if home_not_expanded("--save", save):
-        raise SystemExit(f"error: {home_not_expanded('--save', save)}")
+    tilde = home_not_expanded("--save", save)
+    if tilde:
+        raise SystemExit(f"error: {tilde}")
     key = os.path.realpath(save)
     if key in _LOCKED:
         yield

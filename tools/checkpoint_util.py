@@ -130,8 +130,9 @@ def check_save_dir(load: str, save: str) -> None:
         raise SystemExit(f"error: --save-dir {save} is a file; pass a directory")
     from megatron.arguments_inputs import home_not_expanded
 
-    if home_not_expanded("--save-dir", save):
-        raise SystemExit(f"error: {home_not_expanded('--save-dir', save)}")
+    tilde = home_not_expanded("--save-dir", save)
+    if tilde:
+        raise SystemExit(f"error: {tilde}")
     found = checkpoint_convert.held_checkpoints(save)
     if found:
         raise SystemExit(f"error: --save-dir {save} already holds a checkpoint: "
@@ -164,9 +165,9 @@ def check_load_dir(load: str) -> None:
         raise SystemExit(f"error: --load-dir {load} has no {TRACKER_FILENAME} (it names the "
                          f"iteration to read) but holds {', '.join(found)}; write the iteration "
                          f"into {tracker_path(load)} or pick one with: {other(load)}")
-    from megatron.arguments_inputs import unexpanded_home
+    from megatron.arguments_inputs import missing_home_hint
 
-    tilde = unexpanded_home(load) if not os.path.exists(load) else ""
+    tilde = missing_home_hint(load)
     raise SystemExit(f"error: no checkpoint under --load-dir {load}: {tracker_path(load)} does "
                      f"not exist and {load} holds no iter_XXXXXXX or release directory{tilde}")
 
