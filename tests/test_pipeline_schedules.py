@@ -150,6 +150,14 @@ def test_interleaved_needs_microbatches_multiple_of_pp():
         compute_slots(1, 0, 4, 2)
 
 
+@pytest.mark.parametrize("pp", [0, -1])
+def test_pipeline_size_below_one_is_refused_not_an_empty_plan(pp):
+    # Ported code calling build_schedule(0, M) got () back: no rank, nothing trained.
+    with pytest.raises(ValueError, match=rf"pipeline-model-parallel size {pp} must be >= 1"):
+        build_schedule(pp, 4)
+    assert len(build_schedule(1, 4)) == 1
+
+
 def test_overlap_defers_waits_only_for_send_only_batches():
     plain = build_schedule(4, 8, 1, False, False)[0]
     overlapped = build_schedule(4, 8, 1, False, True)[0]

@@ -193,6 +193,9 @@ def build_schedule(pp_size: int, num_microbatches: int, vpp_size: int = 1,
                    ) -> Tuple[Tuple[Action, ...], ...]:
     """The plan of every pipeline rank (index = pipeline rank). Cached: it is data."""
     vpp_size = vpp_size or 1
+    if pp_size < 1:  # no rank would check it: an empty plan would train nothing
+        raise ValueError(f"pipeline-model-parallel size {pp_size} must be >= 1 "
+                         "(1: no pipelining)")
     return tuple(
         tuple(add_communication(
             compute_slots(pp_size, r, num_microbatches, vpp_size, forward_only),
