@@ -169,14 +169,31 @@ def test_single_process_accessors(fresh_state):
     assert ps.is_pipeline_first_stage() and ps.is_pipeline_last_stage(ignore_virtual=False)
 
 
-def test_virtual_rank_outside_the_virtual_size_is_refused(fresh_state):
-    ps.initialize_model_parallel(1, 1, 3)
+def test_virtual_stages_without_a_pipeline_are_refused(fresh_state):
+    # Megatron-LM 23.05 raises for pipeline sizes <= 2; here 2 works, 1 is refused (it
+    # was accepted, and is_pipeline_last_stage() was then False on the only stage).
+    with pytest.raises(ValueError, match=r"virtual_pipeline_model_parallel_size=2 needs "
+                                         r"pipeline_model_parallel_size >= 2 \(got 1\)"):
+        ps.initialize_model_parallel(1, 1, 2)
+    with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size=0 must be >= 1"):
+        ps.initialize_model_parallel(1, 1, 0)
+    assert not ps.model_parallel_is_initialized()
+    ps.initialize_model_parallel(1, 1, 1)  # one chunk: the only stage is first and last
+    assert ps.is_pipeline_first_stage() and ps.is_pipeline_last_stage()
+
+
+def test_virtual_rank_outside_the_virtual_size_is_refused(fresh_state, monkeypatch):
+    # pipeline rank 0 of 2, set without processes (initialize_model_parallel needs them)
+    monkeypatch.setattr(ps, "_STATE", ps.ParallelState.build(
+        2, 0, pp_size=2, virtual_pp_size=3, create_groups=False))
     assert ps.get_virtual_pipeline_model_parallel_world_size() == 3
     with pytest.raises(ValueError, match=r"virtual pipeline rank 3 is outside 0\.\.2"):
         ps.set_virtual_pipeline_model_parallel_rank(3)
     ps.set_virtual_pipeline_model_parallel_rank(2)
-    assert not ps.is_pipeline_first_stage() and ps.is_pipeline_last_stage()
+    assert not ps.is_pipeline_first_stage() and not ps.is_pipeline_last_stage()
     assert ps.is_pipeline_first_stage(ignore_virtual=True)
+    ps.set_virtual_pipeline_model_parallel_rank(0)
+    assert ps.is_pipeline_first_stage()
 
 
 def test_manual_seed_single_process_matches_model_parallel_seed(fresh_state, monkeypatch):

@@ -326,6 +326,7 @@ def initialize_model_parallel(
             "encoder-decoder pipeline; the models here are decoder-only: pass None")
     if sequence_parallel_enabled and tensor_model_parallel_size == 1:
         raise ValueError("Sequence parallelism requires tensor parallelism")
+    _check_virtual_size(virtual_pipeline_model_parallel_size, pipeline_model_parallel_size)
     initialized = dist.is_available() and dist.is_initialized()
     if not initialized and tensor_model_parallel_size * pipeline_model_parallel_size > 1:
         raise ValueError(
@@ -341,6 +342,21 @@ def initialize_model_parallel(
         sequence_parallel_enabled, one_rank_groups=True,
     )
     return _STATE
+
+
+def _check_virtual_size(vpp: Optional[int], pp: int) -> None:
+    """Virtual stages interleave the chunks of several pipeline ranks: with one stage there
+    is nothing to interleave (and `is_pipeline_last_stage()` would be False on the only
+    stage). Megatron-LM 23.05 wants pp > 2 here; the schedules here run pp == 2 too."""
+    if vpp is None or vpp == 1:
+        return
+    if vpp < 1:
+        raise ValueError(f"virtual_pipeline_model_parallel_size={vpp} must be >= 1, or None "
+                         "for no interleaved schedule")
+    if pp < 2:
+        raise ValueError(
+            f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size "
+            f">= 2 (got {pp}): pass None (no interleaved schedule) or a larger pipeline size")
 
 
 def get_parallel_state() -> ParallelState:
