@@ -8,6 +8,7 @@ from .cross_entropy import (
     vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
 )
+from .data import broadcast_data
 from .layers import (
     ColumnParallelLinear,
     LinearWithGradAccumulationAndAsyncCommunication,
@@ -23,14 +24,21 @@ from .layers import (
     shard_of_full_weight,
 )
 from .mappings import (
+    copy_to_tensor_model_parallel_region,
     copy_to_tp,
+    gather_from_sequence_parallel_region,
     gather_from_sp,
+    gather_from_tensor_model_parallel_region,
     gather_from_tp,
     group_rank,
     group_size,
+    reduce_from_tensor_model_parallel_region,
     reduce_from_tp,
+    reduce_scatter_to_sequence_parallel_region,
     reduce_scatter_to_sp,
+    scatter_to_sequence_parallel_region,
     scatter_to_sp,
+    scatter_to_tensor_model_parallel_region,
     scatter_to_tp,
 )
 from .random import (
@@ -47,7 +55,9 @@ from .utils import (
     VocabUtility,
     assert_tensor_equal_across_parallel_ranks,
     divide,
+    gather_split_1d_tensor,
     split_tensor_along_last_dim,
+    split_tensor_into_1d_equal_chunks,
     vocab_range_from_global_vocab_size,
     vocab_range_from_per_partition_vocab_size,
 )
@@ -56,6 +66,12 @@ __all__ = [
     # mappings
     "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "scatter_to_sp",
     "gather_from_sp", "reduce_scatter_to_sp", "group_size", "group_rank",
+    # Megatron-LM 23.05's names (read the group set by initialize_model_parallel)
+    "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
+    "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
+    "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region", "broadcast_data",
+    "split_tensor_into_1d_equal_chunks", "gather_split_1d_tensor",
     # layers
     "VocabParallelEmbedding", "ColumnParallelLinear", "RowParallelLinear",
     "LinearWithGradAccumulationAndAsyncCommunication",

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import parallel_state
+
 # torch >= 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -316,3 +318,45 @@ def reduce_scatter_to_sp(x: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) == 1:
         return x
     return _ReduceScatterToSP.apply(x, group)
+
+
+# --- Megatron-LM 23.05's names, for ported code -----------------------------------------
+# Each reads the tensor-parallel group remembered by `parallel_state.initialize_model_parallel`
+# (call that first) and does what the function above it names does; library code passes
+# its group to those functions instead.
+def copy_to_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+    """`copy_to_tp` over the tensor-parallel group."""
+    return copy_to_tp(input_, parallel_state.get_tensor_model_parallel_group())
+
+
+def reduce_from_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+    """`reduce_from_tp` over the tensor-parallel group."""
+    return reduce_from_tp(input_, parallel_state.get_tensor_model_parallel_group())
+
+
+def scatter_to_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+    """`scatter_to_tp` over the tensor-parallel group."""
+    return scatter_to_tp(input_, parallel_state.get_tensor_model_parallel_group())
+
+
+def gather_from_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+    """`gather_from_tp` over the tensor-parallel group."""
+    return gather_from_tp(input_, parallel_state.get_tensor_model_parallel_group())
+
+
+def scatter_to_sequence_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+    """`scatter_to_sp` over the tensor-parallel group."""
+    return scatter_to_sp(input_, parallel_state.get_tensor_model_parallel_group())
+
+
+def gather_from_sequence_parallel_region(
+    input_: torch.Tensor, tensor_parallel_output_grad: bool = True
+) -> torch.Tensor:
+    """`gather_from_sp` over the tensor-parallel group."""
+    return gather_from_sp(input_, parallel_state.get_tensor_model_parallel_group(),
+                          tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+    """`reduce_scatter_to_sp` over the tensor-parallel group."""
+    return reduce_scatter_to_sp(input_, parallel_state.get_tensor_model_parallel_group())

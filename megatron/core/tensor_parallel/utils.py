@@ -6,6 +6,9 @@ from typing import List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import parallel_state
+from .mappings import all_gather_dim0, group_rank, group_size
+
 
 def divide(numerator: int, denominator: int) -> int:
     """`numerator // denominator`, raising ValueError when it does not divide exactly."""
@@ -97,3 +100,27 @@ def assert_tensor_equal_across_parallel_ranks(tensor: torch.Tensor, group) -> No
             f"tensor differs across parallel ranks: ranks {differing} differ from rank "
             f"{ranks[0]} (group ranks {ranks})"
         )
+
+
+def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, new_buffer: bool = False
+                                      ) -> torch.Tensor:
+    """Megatron's name, for ported code: this tensor-parallel rank's equal part of the
+    flattened `tensor` (a view; a copy with `new_buffer`). Reads the group remembered by
+    `parallel_state.initialize_model_parallel`."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    world = group_size(group)
+    if tensor.numel() % world:
+        raise ValueError(f"split_tensor_into_1d_equal_chunks: {tensor.numel()} elements "
+                         f"(shape {tuple(tensor.shape)}) do not split into {world} equal "
+                         f"parts (tensor-parallel size); pad the tensor to a multiple of {world}")
+    part = tensor.numel() // world
+    start = part * group_rank(group)
+    chunk = tensor.reshape(-1)[start:start + part]
+    return chunk.clone() if new_buffer else chunk
+
+
+def gather_split_1d_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """Megatron's name, for ported code: the flat tensor whose parts
+    `split_tensor_into_1d_equal_chunks` gave each tensor-parallel rank (all-gather)."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    return all_gather_dim0(tensor.reshape(-1), group)
