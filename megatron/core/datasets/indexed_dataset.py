@@ -251,7 +251,9 @@ def missing_dataset_hint(prefix: str) -> str:
 class MMapIndexedDataset:
     """Read-only view of `<prefix>.bin/.idx`; `ds[i]` is sequence i as a numpy view."""
 
-    def __init__(self, prefix: str):
+    def __init__(self, prefix: str, skip_warmup: bool = False):
+        # skip_warmup: Megatron-LM 23.05's argument, accepted as is: nothing is read ahead
+        # here (pages of the maps are read when used), so there is nothing to skip.
         self._prefix = prefix
         idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
         for path in (idx_path, bin_path):
