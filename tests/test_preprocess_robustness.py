@@ -305,3 +305,41 @@ def test_output_names_of_255_bytes_are_written(tmp_path, bpe, capsys):
     with pytest.raises(SystemExit, match=r"File name too long .*; pass a shorter --output-prefix"):
         merge_datasets.merge([f"{prefix}_text_document"], merged + "x")
     assert not [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]
+
+
+_KILL_ONE_WORKER = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+from megatron.tokenizer import document_encoder
+plain = document_encoder.ChunkEncoder.encode
+def encode(self, chunk):
+    if b"KILLME" in chunk[2]:  # as the out-of-memory killer ends a worker on a huge document
+        os.kill(os.getpid(), signal.SIGKILL)
+    return plain(self, chunk)
+document_encoder.ChunkEncoder.encode = encode
+from tools import preprocess_data
+sys.exit(preprocess_data.main(sys.argv[1:]))
+"""
+
+
+def test_a_worker_killed_mid_run_ends_the_run_naming_it(tmp_path, bpe):
+    """A worker killed mid-run (the out-of-memory killer on a huge document) hung the tool
+    forever: Pool replaces the worker but never answers the task it held."""
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(LINES + b'{"text": "KILLME", "title": "x"}\n' + LINES)
+    cmd = [sys.executable, "-c", _KILL_ONE_WORKER.format(repo=str(REPO)), "--input", str(src),
+           "--output-prefix", str(tmp_path / "out"), "--json-keys", "text", "title",
+           "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", bpe[0],
+           "--merge-file", bpe[1], "--workers", "2"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 1, err
+    assert "error: a worker process was killed by SIGKILL (usually the kernel's out-of-memory " \
+           "killer: see dmesg) while encoding the input" in err, err
+    assert "Rerun with fewer --workers (now 2;" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]

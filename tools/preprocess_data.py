@@ -362,6 +362,54 @@ def _stop_pool(pool, timeout: float = POOL_STOP_S) -> None:
                 worker.join(timeout)
 
 
+# How long the main process waits for the next result before it checks that no worker
+# has died (a task lost with its worker is never answered: Pool.imap would wait forever).
+WORKER_CHECK_S = 1.0
+
+
+class WorkerDied(Exception):
+    """A pool worker ended mid-run (the kernel's out-of-memory killer, a crash): the chunk
+    it held is lost and its result never comes."""
+
+
+def _results(pool, reader: Reader, check_s: float = WORKER_CHECK_S):
+    """`pool.imap(encode_chunk, reader)` in input order, raising WorkerDied (with the dead
+    worker's exit code) when a worker ends: Pool replaces a dead worker, but not its task."""
+    import multiprocessing as mp
+
+    workers = list(getattr(pool, "_pool", []))
+    pids = {w.pid for w in workers}
+    results = pool.imap(encode_chunk, reader, chunksize=1)
+    while True:
+        try:
+            result = results.next(timeout=check_s)
+        except StopIteration:
+            return
+        except mp.TimeoutError:
+            dead = [w.exitcode for w in workers if w.exitcode is not None]
+            if dead or {w.pid for w in getattr(pool, "_pool", [])} - pids:
+                raise WorkerDied(dead[0] if dead else None) from None
+            continue
+        yield result
+
+
+def _worker_died_message(code, docs: int, workers: int) -> str:
+    """The error for WorkerDied: how the worker ended, and the fix."""
+    if code is not None and code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+        if code == -signal.SIGKILL:
+            how += " (usually the kernel's out-of-memory killer: see dmesg)"
+    else:
+        how = f"exited with status {code}" if code is not None else "ended"
+    return (f"error: a worker process {how} while encoding the input ({docs} documents "
+            "done), so a chunk of it was lost; no dataset was written and the partial files "
+            f"were removed. Rerun with fewer --workers (now {workers}; a worker needs a few times "
+            "the size of the largest document in memory) or on a machine with more memory")
+
+
 def _init_pool_worker(opts) -> None:
     """Pool initializer. Ctrl-C reaches the whole foreground process group, but only the
     main process acts on it (it terminates the pool and removes the partial files): a
@@ -434,7 +482,7 @@ def encode_all(args: argparse.Namespace, dtype, reader: Reader, writers: Writers
     examples, not_json = [], 0
     pool = _pool(args, dtype)
     try:
-        for result in pool.imap(encode_chunk, reader, chunksize=1):
+        for result in _results(pool, reader):
             reader.slots.release()
             if "error" in result:
                 hint = ("\n(pass --skip-bad-lines to skip and count malformed lines)"
@@ -446,6 +494,8 @@ def encode_all(args: argparse.Namespace, dtype, reader: Reader, writers: Writers
             progress.update(result["docs"], result["bytes"], len(result["bad"]))
     except InputError as e:
         raise SystemExit(f"error: {e}") from None
+    except WorkerDied as e:
+        raise SystemExit(_worker_died_message(e.args[0], progress.docs, args.workers)) from None
     finally:
         reader.stop()
         _stop_pool(pool)
