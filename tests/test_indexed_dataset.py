@@ -245,6 +245,24 @@ def test_merge_tool_output_directory_and_bad_inputs(tmp_path):
     assert f"error: --input {tmp_path / 'b'}: {tmp_path / 'b.bin'}: truncated" in r.stderr
 
 
+def test_merging_again_into_the_input_directory_names_the_fix(tmp_path):
+    """`--input shards --output-prefix shards/merged` run twice: the first merge's output
+    is an input of the second; the refusal named no fix (and had no 'error:')."""
+    (tmp_path / "shards").mkdir()
+    write(tmp_path / "shards" / "a", [[[1, 2]]])
+    write(tmp_path / "shards" / "b", [[[3]]])
+    out = tmp_path / "shards" / "merged"
+    tool = [sys.executable, str(REPO / "tools" / "merge_datasets.py"), "--input",
+            str(tmp_path / "shards"), "--output-prefix", str(out)]
+    subprocess.run(tool, check=True, capture_output=True)
+    before = (tmp_path / "shards" / "merged.bin").read_bytes()
+    r = subprocess.run(tool, capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"error: --output-prefix {out} is also an input" in r.stderr, r.stderr
+    assert "pass an --output-prefix outside the inputs, or move that .bin/.idx away" in r.stderr
+    assert (tmp_path / "shards" / "merged.bin").read_bytes() == before
+
+
 def test_a_failed_merge_keeps_the_earlier_output(tmp_path, monkeypatch):
     """A full disk ended the merge with an OSError traceback; now one line names the output
     and the fix (the earlier output is kept either way)."""

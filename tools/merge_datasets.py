@@ -85,8 +85,12 @@ def merge(prefixes, output_prefix: str) -> None:
         raise SystemExit(f"cannot merge datasets of different dtypes ({listing}); "
                          "re-tokenize them with one tokenizer")
     out = os.path.abspath(output_prefix)
-    if any(os.path.abspath(p) == out for p in prefixes):
-        raise SystemExit(f"--output-prefix {output_prefix} is also an input")
+    if any(os.path.abspath(p) == out for p in prefixes):  # e.g. a merge run again into
+        # its input directory: the earlier output is listed as an input
+        raise SystemExit(f"error: --output-prefix {output_prefix} is also an input: "
+                         f"{output_prefix}.bin/.idx is one of the datasets to merge (an "
+                         "earlier merge's output in the --input directory?); pass an "
+                         "--output-prefix outside the inputs, or move that .bin/.idx away")
     make_output_dir(output_prefix)
     tmp = temporary_prefix(output_prefix)
     with writing(output_prefix):
