@@ -447,3 +447,57 @@ def test_a_damaged_shuffle_idx_in_the_cache_is_not_used(tmp_path):
                                                       str(tmp_path / "cache"))
     assert fresh.index_build_s is not None and "cache" in fresh.cache_paths["shuffle"]
     np.testing.assert_array_equal(np.asarray(fresh.shuffle_idx), good)
+
+
+def test_a_run_building_the_same_cache_name_at_the_same_time_keeps_its_index(tmp_path,
+                                                                               monkeypatch):
+    """--data-path X (train split: documents 0..28) and --train-data-path X (all 30) name
+    their train indexes alike. Both start, find nothing and build; the second to finish
+    replaced the first one's files, and the first one's loader workers (which reopen the
+    files by name) then trained on the other run's index -- the validation document 29
+    included -- and the builder reloaded its set unchecked. Now a file already there is
+    kept, and the set is checked after the build: the later run stops, naming it."""
+    (tmp_path / "data").mkdir()
+    prefix, _ = make_corpus(tmp_path / "data" / "c", [20] * 30)
+    cache = str(tmp_path / "cache")
+    build = gd.build_index_arrays
+    first = {}
+
+    def while_building(*args, **kwargs):  # the split run starts and finishes meanwhile
+        monkeypatch.setattr(gd, "build_index_arrays", build)
+        first["train"] = build_train_valid_test_datasets([prefix], SPLIT, [10, 2, 1], 8, 1234,
+                                                         cache)[0]
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(gd, "build_index_arrays", while_building)
+    with pytest.raises(ValueError, match=r"the train dataset of .*\(documents 0\.\.29\) does "
+                                         r"not match it .*written by another run using this "
+                                         r"cache name while this one built its index"):
+        build_train_valid_test_datasets(None, SPLIT, [10, 2, 1], 8, 1234, cache,
+                                        train_data_path=[prefix])
+    train = first["train"]
+    train._load()  # as a loader worker does
+    assert int(np.max(train.doc_idx)) == 28
+    assert not [n for n in _cache_files(cache) if n.endswith(".tmp")]
+
+
+def test_runs_building_one_index_at_the_same_time_share_it(tmp_path, monkeypatch):
+    """Two jobs of one configuration (a slurm array) build the same index at once: the
+    later one keeps the files the earlier one wrote and uses them (they are equal)."""
+    prefix, _ = make_corpus(tmp_path / "c", [20] * 30)
+    cache = str(tmp_path / "cache")
+    build = gd.build_index_arrays
+    first = {}
+
+    def while_building(*args, **kwargs):
+        monkeypatch.setattr(gd, "build_index_arrays", build)
+        train = build_train_valid_test_datasets([prefix], SPLIT, [10, 2, 1], 8, 1, cache)[0]
+        first["train"] = train
+        first["inodes"] = {k: os.stat(p).st_ino for k, p in train.cache_paths.items()}
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(gd, "build_index_arrays", while_building)
+    second = build_train_valid_test_datasets([prefix], SPLIT, [10, 2, 1], 8, 1, cache)[0]
+    assert {k: os.stat(p).st_ino for k, p in second.cache_paths.items()} == first["inodes"]
+    assert np.array_equal(second.shuffle_idx, first["train"].shuffle_idx)
+    assert not [n for n in _cache_files(cache) if n.endswith(".tmp")]

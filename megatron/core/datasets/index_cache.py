@@ -23,9 +23,13 @@ collects these errors over all datasets and raises one: `stale_caches_error`). A
 mismatching set in `index-cache/` next to the data, with a cache dir given, is skipped
 with a warning and a fresh index is built into (or loaded from) the cache dir.
 
-Files are written to temporary names and renamed into place, so an interrupted build never
+Files are written to temporary names and moved into place, so an interrupted build never
 leaves a truncated file under a cache name; a truncated or corrupt file found anyway is
-reported by name, with the fix (delete it to rebuild).
+reported by name, with the fix (delete it to rebuild). Two runs that find no set and build
+one at the same time never replace each other's files either: a file another run put under
+a name first is kept, and the set is checked after the build like any set found (equal
+settings build equal files: the later run uses the earlier one's; other documents under the
+same name: the later run stops with the stale-cache error).
 
 The arrays are plain integers, and are read as such: a file that numpy would unpickle
 (which can run any code -- a dataset directory shared with its `index-cache/`, or a
@@ -98,19 +102,35 @@ def _create_new(path: str) -> Tuple[int, str]:
     raise FileExistsError(f"no free temporary name beside {path}")
 
 
-def _save(path: str, write: Callable) -> None:
+def _save(path: str, write: Callable, replace: bool = True) -> None:
     """Write `path` through a temporary file beside it (`_create_new`: never one that
     another job on shared storage, or a container with the same process ids, is writing),
-    renamed into place when complete."""
+    renamed into place when complete. `replace` False leaves a file already at `path` as
+    it is (another run's, which its loader workers reopen by name): the temporary file is
+    linked into place, which fails when the name is taken, then removed."""
     fd, tmp = _create_new(path)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
-        os.replace(tmp, path)
-    except BaseException:
+        if replace:
+            os.replace(tmp, path)
+        else:
+            _place_new(tmp, path)
+    finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise
+
+
+def _place_new(tmp: str, path: str) -> None:
+    """Link `tmp` as `path` unless a file is there already (then nothing); a file system
+    without hard links gets a rename when the name is free."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    except OSError:
+        if not os.path.lexists(path):
+            os.replace(tmp, path)
 
 
 def save_npy(path: str, array: np.ndarray) -> None:
@@ -124,11 +144,13 @@ def save_text(path: str, text: str) -> None:
 
 
 def save_cache(paths: Dict[str, str], desc: str, arrays: Arrays) -> None:
-    """Write the three arrays (np.save format), then the description."""
+    """Write the three arrays (np.save format), then the description. A file another run
+    wrote under one of these names meanwhile is kept, not replaced (`_save`): the caller
+    loads and checks the set it finds after this."""
     os.makedirs(os.path.dirname(paths["desc"]) or ".", exist_ok=True)
     for key, array in zip(ARRAY_KEYS, arrays):
-        save_npy(paths[key], array)
-    save_text(paths["desc"], desc)
+        _save(paths[key], lambda f, a=array: np.save(f, a, allow_pickle=False), replace=False)
+    _save(paths["desc"], lambda f: f.write(desc.encode("utf-8")), replace=False)
 
 
 _STALE_WHY = ("built for other data under the same name: the prefix was preprocessed again, "
@@ -268,7 +290,12 @@ def find_or_build_cache(desc: str, data_prefix: str, cache_dir: Optional[str],
         raise ValueError(f"cannot write the dataset index cache to {directories[-1]} ({e}); "
                          "pass a writable --data-cache-path") from e
     logger.info("built index %s in %.2f s", desc_hash, time.time() - start)
-    return target, load_arrays(target)
+    arrays = load_arrays(target)
+    reason = check(arrays)  # another run may have written this name while this one built
+    if reason is not None:
+        raise StaleIndexCacheError([(target, f"{reason}; written by another run using this "
+                                     "cache name while this one built its index")], what)
+    return target, arrays
 
 
 def _warn_skipped(stale: List[Tuple[Dict[str, str], str]], what: str,
