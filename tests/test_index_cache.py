@@ -501,3 +501,28 @@ def test_runs_building_one_index_at_the_same_time_share_it(tmp_path, monkeypatch
     assert {k: os.stat(p).st_ino for k, p in second.cache_paths.items()} == first["inodes"]
     assert np.array_equal(second.shuffle_idx, first["train"].shuffle_idx)
     assert not [n for n in _cache_files(cache) if n.endswith(".tmp")]
+
+
+def test_temporary_files_of_a_killed_build_are_removed_by_a_later_build(tmp_path):
+    """A build killed while writing (SIGKILL, the OOM killer) leaves its temporary file,
+    as large as the array; every later build writes under a fresh name, so the files
+    piled up for good. A later build removes those untouched for ten minutes;
+    a younger one (another run's live write) and other files stay."""
+    prefix, _ = make_corpus(tmp_path / "c", [20] * 30)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    h = "0123456789abcdef0123456789abcdef"
+    killed = [f"{h}_shuffle_idx.npy.0123456789ab.tmp", f"{h}.dsc.ba9876543210.tmp",
+              f"blend-{h}_index.npy.aaaaaaaaaaaa.tmp"]
+    live, other = f"{h}_doc_idx.npy.bbbbbbbbbbbb.tmp", "notes.tmp"
+    old = os.path.getmtime(prefix + ".bin") - 86400  # a day
+    for name in killed + [live, other]:
+        (cache / name).write_bytes(b"\x93NUMPY" + bytes(1000))
+        if name != live:
+            os.utime(cache / name, (old, old))
+    with pytest.warns(UserWarning, match=r"removed 3 temporary file\(s\) of index builds "
+                                         r"killed while writing from .*cache"):
+        build_train_valid_test_datasets([prefix], SPLIT, [10, 2, 1], 8, 1, str(cache))
+    left = _cache_files(cache)
+    assert not set(killed) & set(left)
+    assert live in left and other in left

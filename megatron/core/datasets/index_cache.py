@@ -29,7 +29,9 @@ reported by name, with the fix (delete it to rebuild). Two runs that find no set
 one at the same time never replace each other's files either: a file another run put under
 a name first is kept, and the set is checked after the build like any set found (equal
 settings build equal files: the later run uses the earlier one's; other documents under the
-same name: the later run stops with the stale-cache error).
+same name: the later run stops with the stale-cache error). A build killed while writing
+(SIGKILL) leaves its temporary file; the next run that may build into that directory
+removes such files once `ABANDONED_TMP_IDLE_S` untouched (`remove_abandoned_tmp`).
 
 The arrays are plain integers, and are read as such: a file that numpy would unpickle
 (which can run any code -- a dataset directory shared with its `index-cache/`, or a
@@ -42,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import secrets
 import time
 import warnings
@@ -254,6 +257,46 @@ def npy_problem(path: str, dtype: np.dtype, length: int) -> Optional[str]:
     return None
 
 
+# A temporary file of this module's (`_create_new`) untouched for this long belongs to a
+# writer that was killed (SIGKILL, the OOM killer): one that lives writes it without pause.
+ABANDONED_TMP_IDLE_S = 600.0
+_TMP_NAME = re.compile(r"([0-9a-f]{32}(\.dsc|_(doc|sample|shuffle)_idx\.npy)|blend-[0-9a-f]{32}"
+                       r"(\.dsc|_index\.npy|_sample_index\.npy)|write-test)\.[0-9a-f]{12}\.tmp")
+_swept: set = set()  # directories `remove_abandoned_tmp` has looked at in this process
+
+
+def remove_abandoned_tmp(directory: str, idle_s: float = ABANDONED_TMP_IDLE_S) -> List[str]:
+    """Remove the temporary cache files in `directory` that a killed build left (nothing
+    else removes them: each later build writes under a fresh name), those not written to
+    for `idle_s` seconds; a younger one may be another run's live write, and stays. Once
+    per directory and process; the names removed (a warning says so, with their size)."""
+    key = os.path.abspath(directory)
+    if key in _swept:
+        return []
+    _swept.add(key)
+    try:
+        names = [n for n in os.listdir(directory) if _TMP_NAME.fullmatch(n)]
+    except OSError:
+        return []
+    removed, size, now = [], 0, time.time()
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            st = os.stat(path)
+            if now - st.st_mtime < idle_s:
+                continue
+            os.remove(path)
+        except OSError:
+            continue
+        removed.append(name)
+        size += st.st_size
+    if removed:
+        warnings.warn(f"removed {len(removed)} temporary file(s) of index builds killed while "
+                      f"writing from {directory} ({size / 2**20:.1f} MiB, untouched for "
+                      f"{idle_s:.0f} s or more): {', '.join(sorted(removed))}", stacklevel=3)
+    return removed
+
+
 def find_or_build_cache(desc: str, data_prefix: str, cache_dir: Optional[str],
                         build: Callable[[], Arrays], may_build: bool,
                         check: Callable[[Arrays], Optional[str]], what: str
@@ -264,6 +307,8 @@ def find_or_build_cache(desc: str, data_prefix: str, cache_dir: Optional[str],
     module docstring for what happens to sets that `check` rejects."""
     desc_hash = hashlib.md5(desc.encode("utf-8")).hexdigest()
     directories = cache_directories(data_prefix, cache_dir)
+    if may_build:
+        remove_abandoned_tmp(directories[-1])
     stale: List[Tuple[Dict[str, str], str]] = []
     for directory in directories:
         paths = cache_paths(directory, desc_hash)
