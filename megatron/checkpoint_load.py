@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -35,6 +36,7 @@ from megatron.checkpoint_dirs import (
 from megatron.checkpoint_files import load_checkpoint_file, torch_reason
 from megatron.core.parallel_state import ParallelState
 from megatron.logging_utils import print_rank_0
+from megatron.save_lock import SaveDirLock, held_by_this_process
 from megatron.watchdog import watching
 
 
@@ -86,14 +88,52 @@ def read_checkpoint_file(path: str, mmap: bool = False):
         raise SystemExit(unreadable_file_message(path, exc)) from exc
 
 
-def _recover_interrupted_replace(root: str, iteration: int, release: bool) -> None:
+REPLACE_WAIT_S = 30.0  # how long a load waits for another run's save to finish a replace
+
+
+def _recover_interrupted_replace(root: str, iteration: int, release: bool) -> Optional[str]:
     """Rank 0: undo a re-save of the same iteration that died between moving the old
-    directory aside and renaming the new one into place (the tracker names it)."""
+    directory aside and renaming the new one into place (the tracker names it); the error
+    message when it cannot. Only while no other process holds `root`'s save lock
+    (megatron/save_lock.py): a run saving there now may be between those two renames,
+    and moving its `.old` back made its save fail; the load waits for it instead."""
     final_dir = os.path.join(root, iteration_dir_name(iteration, release))
-    if not os.path.exists(final_dir) and os.path.isdir(final_dir + ".old"):
+    if os.path.exists(final_dir) or not os.path.isdir(final_dir + ".old"):
+        return None
+    lock = SaveDirLock(root, holder="load of its checkpoint")
+    try:
+        busy = None if held_by_this_process(root) else lock.acquire()
+    except OSError:  # a directory this run cannot write to: the rename below says so
+        busy = None
+    try:
+        if busy is not None:
+            return _wait_for_replace(final_dir, busy)
         print(f"WARNING: restoring {final_dir} from {final_dir}.old (an interrupted save)",
               flush=True)
         os.rename(final_dir + ".old", final_dir)
+    except OSError as exc:
+        if not os.path.isdir(final_dir):  # (else another process restored it meanwhile)
+            return (f"error: cannot restore {final_dir} from its .old copy (an interrupted "
+                    f"save): {exc}")
+    finally:
+        lock.release()
+    return None
+
+
+def _wait_for_replace(final_dir: str, busy: str) -> Optional[str]:
+    """Wait up to REPLACE_WAIT_S for the run holding the save lock (`busy`: the lock's
+    message) to move its new `final_dir` into place; the error message when it does not."""
+    deadline = time.monotonic() + REPLACE_WAIT_S
+    while time.monotonic() < deadline:
+        if os.path.isdir(final_dir):
+            return None
+        time.sleep(0.1)
+    holder = busy.partition(" is in use by another ")[2].partition(": two runs")[0]
+    return (f"error: {final_dir} is missing and {final_dir}.old is there, while another "
+            f"{holder or 'run'} saves into {os.path.dirname(final_dir)}: it is replacing "
+            f"that checkpoint, and did not finish within {REPLACE_WAIT_S:.0f} s. Load again "
+            "once its save has finished (it moves the new copy into place), or stop that "
+            "run; nothing was changed")
 
 
 def _check_rank_files(root: str, iteration: int, release: bool, ps: ParallelState) -> str:
@@ -162,13 +202,7 @@ def resolve_checkpoint(root: Optional[str], ps: ParallelState, exit_on_missing: 
         if hint:
             print_rank_0(f"    (--load {root}{hint})")
         return None
-    error = None
-    if ps.rank == 0:
-        try:
-            _recover_interrupted_replace(root, agreed, release)
-        except OSError as exc:
-            error = (f"error: cannot restore {os.path.join(root, iteration_dir_name(agreed, release))}"
-                     f" from its .old copy (an interrupted save): {exc}")
+    error = _recover_interrupted_replace(root, agreed, release) if ps.rank == 0 else None
     agree(error, group)  # also the barrier: the restored directory is there for everyone
     _check_iteration_dir(root, agreed, release, ps)
     return agreed, release

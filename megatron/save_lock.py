@@ -35,6 +35,13 @@ except ImportError:  # pragma: no cover - not POSIX
 
 LOCK_NAME = ".save.lock"
 TRAINING = "training run"  # what holds the lock, unless told otherwise
+_held_here: set = set()  # real paths of the directories whose lock this process holds
+
+
+def held_by_this_process(root: str) -> bool:
+    """Whether this process holds the lock of `root` (a second `acquire` of it here would
+    find it held: flock locks belong to the open file, not to the process)."""
+    return os.path.realpath(root) in _held_here
 
 
 class SaveDirLock:
@@ -70,6 +77,7 @@ class SaveDirLock:
                 return None
             if self._is_current(fd):
                 self.fd = fd
+                _held_here.add(os.path.realpath(self.root))
                 os.ftruncate(fd, 0)
                 os.write(fd, f"{self.holder}, host {socket.gethostname()}, process "
                              f"{os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
@@ -109,6 +117,7 @@ class SaveDirLock:
             pass
         os.close(self.fd)
         self.fd = None
+        _held_here.discard(os.path.realpath(self.root))
 
     def __enter__(self) -> "SaveDirLock":
         return self
@@ -143,4 +152,4 @@ def lock_save_dir(root: Optional[str], ps, group=None) -> SaveDirLock:
     return lock
 
 
-__all__ = ["LOCK_NAME", "SaveDirLock", "lock_save_dir"]
+__all__ = ["LOCK_NAME", "SaveDirLock", "held_by_this_process", "lock_save_dir"]

@@ -297,6 +297,93 @@ def test_crash_while_replacing_same_iteration_recovers_old_copy(tmp_path):
     _assert_tree_equal(loaded["model"], _model_state(0, 0, seed=1))
 
 
+def _lock_as_another_process(root):
+    """Hold `root`'s save lock through a descriptor of its own (flock locks belong to the
+    open file: this process's loads find it held, as they would another run's)."""
+    import fcntl
+
+    fd = os.open(os.path.join(root, ".save.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, b"training run, host h, process 4242, since 2026-01-01 00:00:00\n")
+    return fd
+
+
+def test_a_load_waits_for_a_running_save_that_is_replacing_the_checkpoint(tmp_path):
+    """A --load-only job (evaluation, generation) started while the run saving into that
+    directory re-saves iteration 10, between its two renames (iter_10 -> iter_10.old, then
+    iter_10.tmp -> iter_10): the load moved iter_10.old back, the run's own rename then
+    failed ('Directory not empty') and its save with it. Now, the save lock held by
+    another process, the load waits for the new copy and leaves the directory alone."""
+    import threading
+
+    root = str(tmp_path)
+    save_checkpoint(root, 10, _full_state(10, 0, 0, seed=1), _ps1())
+    save_checkpoint(root, 20, _full_state(10, 0, 0, seed=2), _ps1())
+    Path(tracker_path(root)).write_text("10")
+    os.rename(tmp_path / "iter_0000010", tmp_path / "iter_0000010.old")
+    os.rename(tmp_path / "iter_0000020", tmp_path / "iter_0000010.tmp")  # the new copy
+    fd = _lock_as_another_process(root)
+    renamed = []
+
+    def writer():  # the running save, a moment later
+        time.sleep(0.5)
+        try:
+            os.rename(tmp_path / "iter_0000010.tmp", tmp_path / "iter_0000010")
+            renamed.append(True)
+        except OSError as exc:
+            renamed.append(exc)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        iteration, loaded = load_checkpoint(root, _ps1())
+    finally:
+        thread.join()
+        os.close(fd)
+    assert renamed == [True]
+    assert iteration == 10
+    _assert_tree_equal(loaded["model"], _model_state(0, 0, seed=2))
+
+
+def test_a_load_does_not_restore_the_old_copy_while_another_run_holds_the_lock(
+        tmp_path, monkeypatch):
+    from megatron import checkpoint_load
+
+    monkeypatch.setattr(checkpoint_load, "REPLACE_WAIT_S", 0.3, raising=False)
+    root = str(tmp_path)
+    save_checkpoint(root, 10, _full_state(10, 0, 0, seed=1), _ps1())
+    os.rename(tmp_path / "iter_0000010", tmp_path / "iter_0000010.old")
+    fd = _lock_as_another_process(root)
+    try:
+        with pytest.raises(SystemExit) as info:
+            load_checkpoint(root, _ps1())
+    finally:
+        os.close(fd)
+    text = str(info.value.code)
+    assert text.startswith(f"error: {tmp_path / 'iter_0000010'} is missing and "
+                           f"{tmp_path / 'iter_0000010'}.old is there, while another training "
+                           "run (host h, process 4242")
+    assert "did not finish within 0 s. Load again once its save has finished" in text
+    assert sorted(os.listdir(tmp_path)) == [".save.lock", "iter_0000010.old",
+                                            "latest_checkpointed_iteration.txt"]
+    # Once that run is gone (its lock released), the load restores the copy.
+    iteration, loaded = load_checkpoint(root, _ps1())
+    _assert_tree_equal(loaded["model"], _model_state(0, 0, seed=1))
+
+
+def test_a_run_holding_its_own_save_lock_restores_the_old_copy(tmp_path):
+    from megatron.save_lock import SaveDirLock
+
+    root = str(tmp_path)
+    save_checkpoint(root, 10, _full_state(10, 0, 0, seed=1), _ps1())
+    os.rename(tmp_path / "iter_0000010", tmp_path / "iter_0000010.old")
+    with SaveDirLock(root) as lock:
+        assert lock.acquire() is None
+        iteration, loaded = load_checkpoint(root, _ps1())
+        assert lock.held
+    assert iteration == 10 and not os.path.exists(tmp_path / "iter_0000010.old")
+
+
 def test_a_resave_over_an_interrupted_replace_never_leaves_no_complete_copy(tmp_path,
                                                                              monkeypatch):
     """iter_N.old without iter_N is the only copy of N. A save of N stopped while removing
