@@ -493,7 +493,7 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float],
     # Under --rampup-batch-size the batch of the consumed samples (the ramp's START without
     # a checkpoint), as Megatron's calculator starts: what --skip-train evaluates with.
     update_micro_batches(config.data, tr.state.consumed_train_samples, rt.ps.dp_size)
-    if config.checkpoint.save and rt.ps.rank == 0:
+    if config.checkpoint.save and rt.ps.rank == 0 and not config.training.skip_train:
         save = config.checkpoint.save
         for warning in (checkpointing.later_checkpoints_warning(save, tr.state.iteration,
                                                                 config.checkpoint.finetune),
@@ -552,8 +552,10 @@ def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
     if config.logging.tensorboard_dir:  # the last rank writes it: a message, not a traceback
         checkpointing.check_output_dir(config.logging.tensorboard_dir, "--tensorboard-dir",
                                        rt.ps, rt.control_group, rt.ps.world_size - 1)
-    # one run per --save: the lock is held by global rank 0
-    with lock_save_dir(config.checkpoint.save, rt.ps, rt.control_group) as save_lock:
+    # one run per --save: the lock is held by global rank 0. --skip-train saves nothing, so
+    # it evaluates a --save that a training run is writing now (the same command line).
+    saves = None if config.training.skip_train else config.checkpoint.save
+    with lock_save_dir(saves, rt.ps, rt.control_group) as save_lock:
         tr = _setup(config, rt, process_start_time, progress, save_lock.held)
         oom.trainer = progress.trainer = tr  # the reports name the iteration from here on
         tr.tokenizer = tokenizer

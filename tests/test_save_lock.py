@@ -80,6 +80,28 @@ def test_a_second_run_on_the_same_save_stops_before_touching_it(tmp_path):
     assert not os.path.exists(tmp_path / "iter_0000003.tmp"), "once the first run is gone"
 
 
+def test_an_evaluation_of_a_running_runs_save_is_not_refused(tmp_path, capsys):
+    """The training command line plus --skip-train (evaluation only: it saves nothing)
+    while that training runs: it was refused as a second run saving into --save. It
+    evaluates the latest checkpoint, and leaves the running run's files alone."""
+    args = ["--seq-length", "8", "--train-iters", "4", "--save", str(tmp_path),
+            "--save-interval", "2"]
+    run_pretrain(args + ["--exit-interval", "2"])
+    os.makedirs(tmp_path / "iter_0000004.tmp" / "mp_rank_00")  # the running run's save
+    _backdate(tmp_path / "iter_0000004.tmp", 3600)
+    capsys.readouterr()
+    with SaveDirLock(str(tmp_path)) as first:
+        assert first.acquire() is None
+        tr = run_pretrain(args + ["--load", str(tmp_path), "--skip-train", "--eval-iters", "1"])
+        assert first.held and os.path.exists(tmp_path / LOCK_NAME)
+    assert tr.state.iteration == 2
+    out = capsys.readouterr().out
+    assert "validation loss at iteration 2 on 4-sample draw from validation set" in out
+    assert "iter_0000004.tmp" not in out
+    assert os.path.isdir(tmp_path / "iter_0000004.tmp")
+    assert read_tracker(str(tmp_path)) == (2, False)
+
+
 def _two_ranks(rank, world_size, root):
     import torch.distributed as dist
 
