@@ -128,6 +128,19 @@ def test_skipped_iterations_compare_by_their_skip():
     assert lp.verdict(none, (0.01, 0.05)).startswith("FAIL: no iteration updated the weights")
 
 
+def test_a_table_line_for_runs_whose_last_iteration_was_skipped():
+    """--fp16 with the dynamic loss scale skips the first iterations (scale 2**32): a short
+    run ends on a skipped step, whose loss is None; the table prints it, no TypeError."""
+    skipped = {2: (None, None), 3: (None, None)}
+    ref = {"layout": lp.parse_layout("tp1"), "curve": skipped, "error": None, "seconds": 1.0,
+           "padded_vocab": 512}
+    line, ok = lp.row_line(ref, ref, [2, 3], (0.01, 0.05))
+    assert ok and "nan" in line and line.endswith("reference")
+    row = dict(ref, layout=lp.parse_layout("tp2"), curve=dict(skipped))
+    line, ok = lp.row_line(row, ref, [2, 3], (0.01, 0.05))
+    assert not ok and "no iteration updated the weights" in line
+
+
 def test_compare_forgives_one_printed_grad_norm_unit():
     ref = {2: (5.0, 0.010), 3: (5.0, 0.010)}
     got = {2: (5.0, 0.011), 3: (5.0, 0.011)}  # 10% apart, but one unit of the printed 0.010

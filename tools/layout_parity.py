@@ -388,7 +388,8 @@ def row_line(row: dict, ref: dict, iterations: List[int],
              tolerance: Tuple[float, float]) -> Tuple[str, bool]:
     """(the table line of one layout, whether it passed)."""
     lay, curve = row["layout"], row["curve"]
-    last = curve.get(iterations[-1], (float("nan"), None))[0]
+    last = curve.get(iterations[-1], (None, None))[0]
+    last = float("nan") if last is None else last  # no line, or a skipped step
     cmp = None
     if row["error"]:
         result = f"FAIL: {row['error']}"
