@@ -253,6 +253,31 @@ def test_offline_reshard_keeps_a_target_size_left_out(tmp_path_factory, tmp_path
     assert reshard.read_layout(os.path.join(out, "iter_0000002")).tp == 1
 
 
+def test_offline_reshard_holds_one_target_rank_in_memory_at_a_time(tmp_path_factory, tmp_path,
+                                                                    monkeypatch):
+    """A big model is resharded on a node with little more RAM than the checkpoint: the
+    payload of a target rank written must be freed before the next rank's is built."""
+    import gc
+    import weakref
+
+    root = str(tmp_path_factory.getbasetemp() / "src-2---tensor-model-parallel-size2")
+    _saved("--tensor-model-parallel-size 2", 2, root)
+    build, alive, built = reshard.build_rank_payload, [], []
+
+    def tracked(*args, **kwargs):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in built))
+        payload, distrib = build(*args, **kwargs)
+        built.append(weakref.ref(next(iter(payload["model"].values()))))
+        return payload, distrib
+
+    monkeypatch.setattr(reshard, "build_rank_payload", tracked)
+    assert checkpoint_convert.main(["reshard", "--load", root, "--save", str(tmp_path / "o"),
+                                    "--target-tensor-model-parallel-size", "2",
+                                    "--target-pipeline-model-parallel-size", "2"]) == 0
+    assert alive == [0, 0, 0, 0]
+
+
 def test_save_holding_a_checkpoint_is_refused_unless_overwrite(tmp_path, capsys):
     """reshard / to-megatron into a --save that holds newer iterations would point its
     tracker back at the converted one: refused, nothing written; --overwrite replaces the

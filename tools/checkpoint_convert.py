@@ -477,17 +477,24 @@ def _write_ranks(src, tmp_dir: str, config, args: dict, layout: Tuple[int, int, 
         for t in range(tp):
             plan = reshard_lib.plan_rank(modules, offsets, tp, t, (pp, p),
                                          module_tp_size=1, grad_dtype_of=grad_dtype)
-            payload, distrib = reshard_lib.build_rank_payload(src, plan, kind, notes)
-            payload["args"] = args
             rank_dir = os.path.join(tmp_dir, rank_dir_name(t, p, pp))
-            os.makedirs(rank_dir)
-            save_file(payload, os.path.join(rank_dir, MODEL_FILENAME))
-            files += 1
-            if distrib is not None:
-                save_file(distrib, os.path.join(rank_dir, reshard_lib.DISTRIB_FILENAME))
-                files += 1
+            files += _write_rank(src, plan, kind, notes, args, rank_dir)
             progress.done(rank_dir_name(t, p, pp))
     return files
+
+
+def _write_rank(src, plan, kind: Optional[str], notes: set, args: dict, rank_dir: str) -> int:
+    """One target rank's files under `rank_dir`; returns how many were written. Its
+    payload is freed on return, before the next rank's is built: one rank's tensors in
+    memory at a time, not two."""
+    payload, distrib = reshard_lib.build_rank_payload(src, plan, kind, notes)
+    payload["args"] = args
+    os.makedirs(rank_dir)
+    save_file(payload, os.path.join(rank_dir, MODEL_FILENAME))
+    if distrib is None:
+        return 1
+    save_file(distrib, os.path.join(rank_dir, reshard_lib.DISTRIB_FILENAME))
+    return 2
 
 
 def _default_targets(a: argparse.Namespace) -> None:
