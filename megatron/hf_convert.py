@@ -239,6 +239,8 @@ def _to_hf(a) -> int:
         {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(args.get("params_dtype")), "fp32"))
     eod, bos = _special_ids(a, args, tok, vocab, family)
     hf_state = to_hf_state_dict(state, model_cfg, family, vocab, dtype)
+    if not a.verify:  # hf_state holds copies: the merged model is not needed while writing
+        state = None
     config = hf_config(model_cfg, family, vocab, dtype, eod, hf_state)
     config["bos_token_id"] = bos
     gen = None if eod is None else {"eos_token_id": eod, "_from_model_config": True,

@@ -365,6 +365,31 @@ def test_to_hf_refuses_a_vocabulary_without_the_eod_id(tmp_path):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 100
 
 
+def test_to_hf_frees_the_merged_model_before_writing(tmp_path, monkeypatch):
+    """Without --verify the merged checkpoint state is dropped once the Hugging Face copies
+    exist: writing (safetensors serialises a further copy) does not hold three models."""
+    import gc
+    import weakref
+
+    _train(tmp_path / "ck", "", steps=1)
+    load, save, refs, alive = hf_convert.load_full_checkpoint, hf_convert.save_hf_checkpoint, [], []
+
+    def loading(*args, **kwargs):
+        out = load(*args, **kwargs)
+        refs.append(weakref.ref(next(iter(out[2].values()))))
+        return out
+
+    def saving(*args, **kwargs):
+        gc.collect()
+        alive.append(refs[0]() is not None)
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(hf_convert, "load_full_checkpoint", loading)
+    monkeypatch.setattr(hf_convert, "save_hf_checkpoint", saving)
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "hf") == 0
+    assert alive == [False]
+
+
 def test_to_hf_refuses_a_non_empty_output_unless_overwrite(tmp_path):
     """An --output holding files (another model, an earlier export) is refused before
     anything is read or written; --overwrite replaces the export's files, keeps others."""
