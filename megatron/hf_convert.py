@@ -368,9 +368,12 @@ def _from_hf(a) -> int:
     from tools.checkpoint_convert import check_save
 
     check_save(a.save, a.overwrite)
+    print(f"reading the Hugging Face model in {a.input} ...", flush=True)
     hf_cfg, hf_state = load_hf_checkpoint(a.input)
     family, cfg, flags = config_from_hf(hf_cfg, a, a.input)
     state = from_hf_state_dict(hf_state, cfg.model, family, int(hf_cfg["vocab_size"]))
+    hf_state = None  # `state` holds what the checkpoint needs
+    print(f"writing {len(state)} tensors to {a.save} ...", flush=True)
     save_release_checkpoint(a.save, state, cfg, a.overwrite)
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
     _note_lost_special_ids(hf_cfg, flags, a.input)

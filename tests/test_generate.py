@@ -56,7 +56,7 @@ def _run_cli(*argv) -> dict:
     return json.loads(buf.getvalue())
 
 
-def test_greedy_equals_argmax_loop_and_sampling(tmp_path):
+def test_greedy_equals_argmax_loop_and_sampling(tmp_path, capsys):
     tr, loss, batches = _train(tmp_path)
     model, config, iteration = generate.load_model(str(tmp_path))
     assert iteration == 3 and config.model.activation == "openai_gelu"  # biases: tanh form
@@ -69,6 +69,8 @@ def test_greedy_equals_argmax_loop_and_sampling(tmp_path):
             logits = ref(torch.tensor([ids[-16:]]))[0, -1, :101]
             ids.append(int(logits.argmax()))
     assert out["generated_ids"] == ids[3:] and out["prompt_ids"] == [5, 6, 7]
+    # the load of a large model takes minutes: announced first, on stderr (not --json's)
+    assert f"loading the checkpoint under {tmp_path} ..." in capsys.readouterr().err
     # the text the new ids add to the prompt's "5 6 7": NullTokenizer's space included
     assert out["generated_text"] == " " + " ".join(map(str, ids[3:]))
     assert _run_cli("--load", str(tmp_path), "--prompt", "5 6 7", "--max-new-tokens", "12",

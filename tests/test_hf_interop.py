@@ -322,6 +322,9 @@ def test_from_hf_refuses_a_save_holding_a_checkpoint(tmp_path, capsys):
                     "--overwrite") == 0
     out = capsys.readouterr().out
     assert "said '1', now 'release'" in out and f"replacing {tmp_path / 'ck' / 'release'}" in out
+    # the steps of a large import take minutes each: each is announced
+    assert f"reading the Hugging Face model in {tmp_path / 'hf'} ..." in out
+    assert f"tensors to {tmp_path / 'ck'} ..." in out
     assert sorted(os.listdir(tmp_path / "ck")) == ["iter_0000001",
                                                    "latest_checkpointed_iteration.txt", "release"]
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".from-hf-")]

@@ -483,6 +483,8 @@ def _load(a, environ) -> Tuple[torch.nn.Module, object, int, object]:
     rank, world_size, local_rank = checked_launch("generate.py", environ, tp, pp,
                                                   device=a.device)
     dtype = _DTYPES[a.dtype] if a.dtype else None
+    if rank == 0:  # reading a large checkpoint takes minutes: say so (stderr: --json's stdout)
+        print(f"loading the checkpoint under {a.load} ...", file=sys.stderr, flush=True)
     if world_size == 1:
         device = _device(a.device)
         dtype = dtype or (None if device.type == "cuda" else torch.float32)
