@@ -421,6 +421,15 @@ def _cut(plan: RankPlan, name: str, full: torch.Tensor, notes: Set[str],
     return shard_of_full_weight(full, split[0], split[1], plan.tp_rank, plan.tp_size)
 
 
+def _shard_shape(plan: RankPlan, name: str) -> Tuple[int, ...]:
+    """The shape of this rank's slice of parameter `name` (what `_cut` returns)."""
+    shape = list(plan.full_shapes[name])
+    split = plan.partition[name]
+    if split is not None and plan.tp_size > 1:
+        shape[split[0]] //= plan.tp_size
+    return tuple(shape)
+
+
 def _hyper(src: SourceCheckpoint, key: Tuple[float, float]) -> dict:
     """Saved hyper-parameters of the optimizer group with (wd_mult, lr_mult) `key`."""
     if key in src.group_hypers:
@@ -464,15 +473,19 @@ def build_rank_payload(src: SourceCheckpoint, plan: RankPlan, optimizer: Optiona
 def _optimizer_payload(src: SourceCheckpoint, plan: RankPlan, kind: str,
                        notes: Set[str]) -> Tuple[dict, Optional[dict]]:
     per_param: Dict[ParamKey, Dict[str, torch.Tensor]] = {}
+    shapes: Dict[ParamKey, Tuple[int, ...]] = {}
     for c, names in enumerate(plan.chunks):
         for local, name in names:
             full = src.optimizer_state(name, plan.partition[name])
+            if kind == "fp32":  # the model weights are the main weights: no copy of them
+                full.pop("param", None)
             per_param[c, local] = {k: _cut(plan, name, v, notes, weights=k == "param")
                                    for k, v in full.items()}
+            shapes[c, local] = _shard_shape(plan, name)
     keys = sorted({k for entry in per_param.values() for k in entry if k != "param"})
-    for entry in per_param.values():  # a parameter without state (never stepped): zeros
+    for key, entry in per_param.items():  # a parameter without state (never stepped): zeros
         for k in keys:
-            entry.setdefault(k, torch.zeros_like(entry["param"]))
+            entry.setdefault(k, torch.zeros(shapes[key], dtype=torch.float32))
     hypers = [_hyper(src, key) for key, _ in plan.groups]
     step = src.step or 0
     scaler = {} if src.grad_scaler is None or kind == "fp32" else {"grad_scaler": src.grad_scaler}

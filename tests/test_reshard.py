@@ -278,6 +278,26 @@ def test_offline_reshard_holds_one_target_rank_in_memory_at_a_time(tmp_path_fact
     assert alive == [0, 0, 0, 0]
 
 
+def test_fp32_reshard_makes_no_unused_copy_of_the_weights(tmp_path_factory, tmp_path,
+                                                         monkeypatch):
+    """An fp32 optimizer's main weights are the model weights: a target rank's payload cuts
+    each weight once (for the model), not a second time as a main weight nobody saves."""
+    root = str(tmp_path_factory.getbasetemp() / "src-2---tensor-model-parallel-size2")
+    _saved("--tensor-model-parallel-size 2", 2, root)
+    cut, weight_cuts, state_cuts = reshard._cut, [], []
+
+    def counting(plan, name, full, notes, weights=True):
+        (weight_cuts if weights else state_cuts).append(name)
+        return cut(plan, name, full, notes, weights)
+
+    monkeypatch.setattr(reshard, "_cut", counting)
+    assert checkpoint_convert.main(["reshard", "--load", root, "--save", str(tmp_path / "o"),
+                                    "--target-tensor-model-parallel-size", "1"]) == 0
+    assert reshard.read_layout(str(tmp_path / "o" / "iter_0000002")).optimizer == "fp32"
+    assert len(state_cuts) == 2 * len(weight_cuts) > 0  # exp_avg, exp_avg_sq; weights once
+    _check_weights_only(str(tmp_path / "o"))
+
+
 def test_save_holding_a_checkpoint_is_refused_unless_overwrite(tmp_path, capsys):
     """reshard / to-megatron into a --save that holds newer iterations would point its
     tracker back at the converted one: refused, nothing written; --overwrite replaces the
