@@ -396,6 +396,19 @@ def test_bodies_json_cannot_read_are_400(served, capsys, data, message):
     assert _ok(served[0], {"prompts": ["5"], "tokens_to_generate": 1})["text"]
 
 
+def test_a_refused_request_cannot_forge_log_lines(served):
+    """A field name holding a newline was written to the server's log as it came, so a
+    client could add lines of its choosing (a fake request line); a huge refused value
+    was logged whole. The log line is now one line, escaped and bounded."""
+    url, lines = served
+    fake = "2026-01-01 00:00:00 PUT /api from 10.0.0.1: 1 prompt(s)"
+    status, text = put(url, {"prompts": ["5"], f"x\n{fake}": 1}, timeout=60)
+    assert status == 400 and "unknown field(s)" in text
+    assert "\n" not in lines[-1] and f"x\\n{fake}" in lines[-1], lines[-1]
+    status, _ = put(url, {"prompts": ["5"], "temperature": "t" * 100000}, timeout=60)
+    assert status == 400 and len(lines[-1]) < 1000 and "characters)" in lines[-1]
+
+
 def test_a_body_over_the_limit_is_a_400_the_client_reads(served):
     """A body over 16 MiB is answered 400 naming the limit; before, the server closed the
     connection with the body unread, and the client, still sending it, got a broken pipe

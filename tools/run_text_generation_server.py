@@ -134,6 +134,7 @@ _MAX_TOKENS = "--max-tokens-to-oom"
 _USED_DESTS = ("load", "vocab_file", "merge_file", "tokenizer_model", "fp16", "bf16", "seed",
                "max_tokens_to_oom", "tensor_model_parallel_size", "pipeline_model_parallel_size")
 CLIENT_TIMEOUT_S = 120.0  # a connection silent for this long is closed
+_MAX_LOGGED = 500  # characters of a refusal's message on the server's log
 
 
 # -------------------------------------------------------------------------- command line
@@ -256,6 +257,15 @@ def build_engine(a, ns, explicit: Set[str], environ=None) -> Tuple[Engine, int]:
 
 
 # ---------------------------------------------------------------------------------- HTTP
+def log_safe(text: str) -> str:
+    """`text` as one log line: control characters (a newline in a field name the client
+    chose) escaped, so a request cannot forge lines of the log, and at most _MAX_LOGGED
+    characters (the message of a refused 16 MiB value is for the client, not the log)."""
+    if len(text) > _MAX_LOGGED:
+        text = f"{text[:_MAX_LOGGED]}... ({len(text)} characters)"
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class _Stalled(Exception):
     """The client sent no byte of its announced body for `_Handler.timeout` seconds."""
 
@@ -358,7 +368,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         except RequestError as exc:
-            self.log(f"PUT /api from {self.client_address[0]}: 400 {exc}")
+            self.log(f"PUT /api from {self.client_address[0]}: 400 {log_safe(str(exc))}")
             self._reply(400, str(exc))
             return
         except Exception as exc:  # a failed forward must not leave the client hanging
