@@ -152,7 +152,8 @@ def _hf_weight_files(in_dir: str) -> Tuple[List[str], bool]:
     """(the weight files to read, whether they are safetensors): those of
     `model.safetensors.index.json`, else `model.safetensors`, else every `*.safetensors`,
     else `pytorch_model*.bin`. ValueError when there are none, or the index names files
-    that are not there."""
+    that are not there or not inside `in_dir` (a crafted index naming ../ or /abs paths
+    would import other files than the model's)."""
     index = os.path.join(in_dir, SAFETENSORS_INDEX)
     if os.path.isfile(index):
         try:
@@ -161,6 +162,12 @@ def _hf_weight_files(in_dir: str) -> Tuple[List[str], bool]:
         except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"--input {in_dir}: {SAFETENSORS_INDEX} is not a shard index "
                              f"(its weight_map: {exc!r}); download it again") from None
+        outside = [n for n in files if not _shard_name_inside(n)]
+        if outside:
+            raise ValueError(f"--input {in_dir}: {SAFETENSORS_INDEX} names "
+                             f"{_shown_names(outside)} as shard file(s); a shard is named by a "
+                             "file name inside the model directory (not a number, nor a path "
+                             "that leaves it): download the model's index again")
         missing = [n for n in files if not os.path.isfile(os.path.join(in_dir, n))]
         if missing:
             raise ValueError(f"--input {in_dir}: {SAFETENSORS_INDEX} names "
@@ -178,6 +185,18 @@ def _hf_weight_files(in_dir: str) -> Tuple[List[str], bool]:
         raise ValueError(f"--input {in_dir}: config.json but no weights (no *.safetensors or "
                          f"pytorch_model*.bin); from-hf reads {_EXPECTED}")
     return files, False
+
+
+def _shard_name_inside(name) -> bool:
+    """Whether a weight_map value is a relative path that stays inside the directory."""
+    if not isinstance(name, str) or not name or os.path.isabs(name) or "\0" in name:
+        return False
+    return ".." not in os.path.normpath(name).split(os.sep)
+
+
+def _shown_names(names: list) -> str:
+    more = f", ... ({len(names)} in all)" if len(names) > 3 else ""
+    return ", ".join(repr(n) for n in names[:3]) + more
 
 
 def load_hf_checkpoint(in_dir: str) -> Tuple[dict, Dict[str, torch.Tensor]]:

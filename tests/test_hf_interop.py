@@ -607,6 +607,17 @@ EXPECTED = ("from-hf reads a Hugging Face model directory as save_pretrained wri
      "(model-00001-of-00002.safetensors); download every shard"),
     ({"config.json": GPT2_CONFIG, "model.safetensors.index.json": "{}"},
      "model.safetensors.index.json is not a shard index"),
+    # a damaged or crafted index: a number (a TypeError traceback before), or a path out
+    # of the directory (another model's weights, or any file, silently read before)
+    ({"config.json": GPT2_CONFIG, "model.safetensors.index.json": '{"weight_map": {"a": 1}}'},
+     "model.safetensors.index.json names 1 as shard file(s); a shard is named by a file "
+     "name inside the model directory"),
+    ({"config.json": GPT2_CONFIG, "model.safetensors.index.json":
+      '{"weight_map": {"a": "../other/model.safetensors"}}', "../other/model.safetensors": ""},
+     "model.safetensors.index.json names '../other/model.safetensors' as shard file(s)"),
+    ({"config.json": GPT2_CONFIG, "model.safetensors.index.json":
+      '{"weight_map": {"a": "/etc/passwd", "b": "ok.safetensors"}}', "ok.safetensors": ""},
+     "model.safetensors.index.json names '/etc/passwd' as shard file(s)"),
 ])
 def test_from_hf_on_a_directory_that_is_not_a_model_says_what_is_missing(tmp_path, files,
                                                                           words):
@@ -617,6 +628,7 @@ def test_from_hf_on_a_directory_that_is_not_a_model_says_what_is_missing(tmp_pat
     src = tmp_path / "src"
     src.mkdir()
     for name, text in files.items():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
         (src / name).write_text(text)
     with pytest.raises(SystemExit) as err:
         _cli("from-hf", "--input", src, "--save", tmp_path / "out")
