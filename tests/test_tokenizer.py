@@ -319,6 +319,21 @@ def test_huggingface_tokenizer(tmp_path):
     assert os.path.isfile(tmp_path / "tokenizer.json")
 
 
+@pytest.mark.parametrize("text, words", [
+    ('["</s>"]', "holds a list, not a JSON object"),
+    ('{"eos_token": ', "does not parse as JSON (Expecting value"),
+])
+def test_a_damaged_tokenizer_config_is_named(tmp_path, text, words):
+    """A tokenizer_config.json beside tokenizer.json that is not a JSON object was an
+    AttributeError traceback (a list) or the parser's words without the file's name."""
+    path = _hf_without_eos(tmp_path)
+    (path / "tokenizer_config.json").write_text(text)
+    with pytest.raises(ValueError) as err:
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(path))
+    assert f"{path / 'tokenizer_config.json'} {words}" in str(err.value), str(err.value)
+    assert "replace it with the model's own, or remove it" in str(err.value)
+
+
 def _hf_without_eos(tmp_path: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 

@@ -17,8 +17,17 @@ def _config_eos(directory: str) -> Optional[str]:
     path = os.path.join(directory, "tokenizer_config.json")
     if not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        eos = json.load(f).get("eos_token")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except ValueError as e:  # not JSON, not UTF-8
+        config = e
+    if not isinstance(config, dict):
+        what = f"does not parse as JSON ({config})" if isinstance(config, ValueError) else \
+            f"holds a {type(config).__name__}, not a JSON object"
+        raise ValueError(f"{path} {what}; it is read for its eos_token (the end-of-document "
+                         "token): replace it with the model's own, or remove it")
+    eos = config.get("eos_token")
     if isinstance(eos, dict):
         eos = eos.get("content")
     return eos if isinstance(eos, str) else None
