@@ -102,6 +102,27 @@ def test_out_of_memory_writes_the_ranks_snapshot_and_names_it(recorder, tmp_path
     assert events[-1] == ("record", None)
 
 
+def test_the_temporary_file_is_never_one_already_there(monkeypatch, tmp_path):
+    """The snapshot went through `<path>.tmp<pid>`, a name anyone could predict: a link
+    placed there beforehand (another user of a shared directory) had the snapshot written
+    onto the file it points to. The temporary file is now created exclusively under a
+    random name, and the link's target is left alone."""
+    def dump(path):
+        with open(path, "w") as f:
+            f.write("snapshot")
+
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dump)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    path = tmp_path / "snap.pickle"
+    os.symlink(victim, f"{path}.tmp{os.getpid()}")
+    assert MemoryHistory(str(path), 0, 1, 10).write(str(path)) == str(path)
+    assert victim.read_text() == "precious"
+    assert not os.path.islink(path) and path.read_text() == "snapshot"
+    assert sorted(os.listdir(tmp_path)) == sorted([path.name, victim.name,
+                                                   f"{path.name}.tmp{os.getpid()}"])
+
+
 def test_a_failed_snapshot_does_not_hide_the_out_of_memory_report(monkeypatch, tmp_path):
     def failing_dump(path):
         raise RuntimeError("disk full")
