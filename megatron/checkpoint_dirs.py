@@ -60,6 +60,9 @@ def checkpoint_name(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_si
                         rank_dir_name(tp_rank, pp_rank, pp_size), MODEL_FILENAME)
 
 
+_TRACKER_MAX_BYTES = 4096  # an iteration number or 'release' (and white space)
+
+
 def read_tracker(root: str) -> Tuple[Optional[int], bool]:
     """Parse `latest_checkpointed_iteration.txt`.
 
@@ -70,8 +73,11 @@ def read_tracker(root: str) -> Tuple[Optional[int], bool]:
     path = tracker_path(root)
     if not os.path.isfile(path):
         return None, False
-    with open(path, "r") as f:
-        content = f.read()
+    with open(path, "rb") as f:  # not UTF-8, or a large file copied over it: named below
+        raw = f.read(_TRACKER_MAX_BYTES + 1)
+    content = raw.decode("utf-8", errors="replace")
+    if len(raw) > _TRACKER_MAX_BYTES:
+        content = f"{content[:200]}... (over {_TRACKER_MAX_BYTES} bytes)"
     text = content.strip()
     if text == "release":
         return 0, True

@@ -120,6 +120,22 @@ def test_later_checkpoints_warning_only_when_a_later_iteration_is_tracked(tmp_pa
     assert "up to iteration 40" in later_checkpoints_warning(root, 20)
 
 
+@pytest.mark.parametrize("data, shown", [
+    (b"\xff\xfe1", "'\ufffd\ufffd1'"),
+    (b"7" * 10**6, "'" + "7" * 200 + "... (over 4096 bytes)'"),
+], ids=["not-utf8", "huge"])
+def test_a_binary_or_huge_tracker_is_named_briefly(tmp_path, data, shown):
+    """A tracker that is not UTF-8 was a bare codec error that did not name the file; a
+    large file copied over it was read whole and printed in the message."""
+    Path(tracker_path(str(tmp_path))).write_bytes(data)
+    with pytest.raises(ValueError) as err:
+        read_tracker(str(tmp_path))
+    msg = str(err.value)
+    assert msg.startswith(f"malformed checkpoint tracker file {tracker_path(str(tmp_path))}: "
+                          f"content {shown}; expected"), msg[:400]
+    assert len(msg) < 1000
+
+
 @pytest.mark.parametrize("content", ["abc", "", "0", "-3", "12.5"])
 def test_malformed_tracker_names_file_and_content(tmp_path, content):
     Path(tracker_path(str(tmp_path))).write_text(content)
