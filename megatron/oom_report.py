@@ -185,7 +185,7 @@ def host_memory_limits() -> Dict[str, int]:
                 text = f.read().strip()
         except OSError:
             continue
-        if text.isdigit() and int(text) < os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"):
+        if text.isascii() and text.isdigit() and int(text) < os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"):
             out["cgroup_limit"] = int(text)  # v1's "no limit" is a huge number, v2's "max"
         break
     return out

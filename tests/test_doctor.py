@@ -66,7 +66,7 @@ def test_port_check_free_and_in_use():
 def test_bad_rendezvous_settings_fail_with_their_value():
     """A MASTER_PORT that is no port number raised a ValueError traceback, and a MASTER_ADDR
     that does not resolve passed ("all checks passed") though no launch can use it."""
-    for port in ("abc", "70000", "0"):
+    for port in ("abc", "70000", "0", "²"):  # "²".isdigit(), but not an int
         _, problems = doctor.rendezvous_lines({"MASTER_PORT": port})
         assert problems == [f"MASTER_PORT='{port}' is not a TCP port number (1-65535); set "
                             "e.g. MASTER_PORT=29500"]

@@ -468,13 +468,14 @@ def test_a_client_that_leaves_is_one_log_line(served, capsys):
 def test_cli_prints_the_text(served, monkeypatch, capsys):
     url = served[0]
     address = url.removeprefix("http://").removesuffix("/api")
-    monkeypatch.setattr("sys.stdin", io.StringIO("5 6 7\n10\nhello\nx\n2\n"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("5 6 7\n10\nhello\nx\n²\n2\n"))
     assert text_generation_cli.main([address]) == 0
     out = capsys.readouterr().out
     # unseeded sampling (it may stop at EOD): the prompt and 1 to 10 more ids; the input()
     # prompts share the line when stdin is not a terminal
     assert re.search(r"(^|: )5 6 7( \d+){1,10}$", out, re.M), out
     assert "'x' is not a whole number" in out
+    assert "'²' is not a whole number" in out  # a digit to str.isdigit(), not to int()
     assert "server error 400: prompts[0] ('hello'): NullTokenizer expects" in out
 
 

@@ -132,7 +132,7 @@ def launcher_variable_problems(env: Dict[str, str]) -> List[str]:
     for var, least in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1),
                        ("LOCAL_WORLD_SIZE", 1)):
         value = env.get(var, "").strip()
-        if value and not (value.isdigit() and int(value) >= least):
+        if value and not (value.isascii() and value.isdigit() and int(value) >= least):
             out.append(f"{var}={env[var]!r} is not a whole number >= {least}: the launcher "
                        f"(torchrun, srun, a script) sets it; unset it or fix the script "
                        "that sets it")
@@ -180,7 +180,7 @@ def rendezvous_lines(env: Dict[str, str], wait_s: float = 0.0) -> Tuple[List[str
     is polled for up to `wait_s` seconds (rank 0 may still be starting)."""
     addr = env.get("MASTER_ADDR", "localhost")
     raw_port = (env.get("MASTER_PORT") or str(DEFAULT_PORT)).strip()
-    if not raw_port.isdigit() or not 1 <= int(raw_port) <= 65535:
+    if not (raw_port.isascii() and raw_port.isdigit()) or not 1 <= int(raw_port) <= 65535:
         # a launch with it fails too (torchrun: invalid int; the store: out of range)
         return [f"{addr}:{raw_port} not checked"], [
             f"MASTER_PORT={raw_port!r} is not a TCP port number (1-65535); set e.g. "

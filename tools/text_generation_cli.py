@@ -48,7 +48,7 @@ def _ask_tokens() -> int:
         text = input(f"Tokens to generate [{DEFAULT_TOKENS}]: ").strip()
         if not text:
             return DEFAULT_TOKENS
-        if text.isdigit():
+        if text.isascii() and text.isdigit():  # "²" is a digit, not an int
             return int(text)
         print(f"  {text!r} is not a whole number >= 0")
 
