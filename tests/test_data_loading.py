@@ -130,6 +130,28 @@ def test_worker_batches_cross_without_shared_memory_handles(mock):
             assert torch.equal(got[key], value)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned memory)")
+def test_pinned_worker_batches_are_the_in_process_readers():
+    """On CUDA the loader pins: the DataLoader's pin thread calls the worker batch's
+    `pin_memory()`; what comes out is pinned tensors equal to the in-process reader's."""
+    from megatron.core.datasets.mock import MockGPTDataset
+
+    batches = {}
+    for workers in (0, 2):
+        cfg = tiny_config(mbs=2, gbs=4)
+        cfg.data = dataclasses.replace(cfg.data, num_workers=workers, seq_length=8)
+        it = make_iterator(cfg, MockGPTDataset(255, 8, 1), consumed=4, dp_rank=1, dp_size=2,
+                           pin=True)
+        batches[workers] = [next(it) for _ in range(6)]
+        it.close()
+    for plain, got in zip(batches[0], batches[2]):
+        assert got.keys() == plain.keys()
+        for key, value in plain.items():
+            assert got[key].is_pinned() and value.is_pinned(), key
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_dropped_iterator_stops_its_reader(workers):
     """An iterator dropped without close() (a library caller, a test) stops its worker
