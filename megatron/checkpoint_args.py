@@ -178,8 +178,23 @@ def checkpoint_arg_mismatches(saved: Dict, run: Dict, finetune: bool = False) ->
     unique: Dict[str, Mismatch] = {}
     for item in found:
         if item is not None:
-            unique.setdefault(item.name, item)
+            unique.setdefault(item.name, _positions_fix(item, saved, run))
     return list(unique.values())
+
+
+def _positions_fix(item: Mismatch, saved: dict, run: dict) -> Mismatch:
+    """A --max-position-embeddings mismatch whose fix (the checkpoint's value) is shorter
+    than this run's --seq-length: that fix alone is refused by the argument check, so it
+    names the sequence length it needs too, and for rotary positions (no table: Megatron
+    compares the value only without --finetune) that --finetune loads the weights."""
+    longest = max(run.get("seq_length") or 0, run.get("decoder_seq_length") or 0)
+    if item.name != flag_for_dest("max_position_embeddings") or \
+            not isinstance(item.saved, int) or longest <= item.saved:
+        return item
+    fix = f"{item.fix} with --seq-length at most {item.saved}"
+    if _position_type(run) == "rope":
+        fix += f", or --finetune to train these rotary weights at --seq-length {longest}"
+    return item._replace(fix=fix)
 
 
 def check_checkpoint_args(saved: Optional[Dict], run: Dict, where: str,

@@ -247,3 +247,24 @@ def test_use_checkpoint_args_layout_that_cannot_divide_the_world(monkeypatch, tm
     # with the layout given, any world size the flags divide
     assert run(["--load", str(tmp_path), "--use-checkpoint-args",
                 "--tensor-model-parallel-size", "1"], world_size=3).parallel.dp_size == 3
+
+
+def test_max_positions_fix_names_the_sequence_length_it_needs():
+    """A run at --seq-length 128 --max-position-embeddings 128 from a 64-position checkpoint:
+    the fix '--max-position-embeddings 64' alone is refused by the argument check (64 is
+    below --seq-length 128), so it names the length too; with rotary positions (compared
+    only without --finetune, as Megatron does with --vocab-file) it names --finetune."""
+    longer = {"seq_length": 128, "max_position_embeddings": 128}
+    with pytest.raises(SystemExit) as err:
+        check_checkpoint_args(SAVED, {**SAVED, **longer}, "ck/iter_0000010", finetune=True)
+    assert "(--max-position-embeddings 64 with --seq-length at most 64)" in str(err.value)
+    rope = {"position_embedding_type": "rope", "add_position_embedding": False,
+            "use_rotary_position_embeddings": True}
+    with pytest.raises(SystemExit) as err:
+        check_checkpoint_args({**SAVED, **rope}, {**SAVED, **rope, **longer,
+                                                  "vocab_file": "v.json"}, "ck/iter_0000010")
+    assert ("(--max-position-embeddings 64 with --seq-length at most 64, or --finetune to train "
+            "these rotary weights at --seq-length 128)" in str(err.value))
+    # at the checkpoint's length or shorter the checkpoint's value is the whole fix
+    [item] = checkpoint_arg_mismatches(SAVED, {**SAVED, "max_position_embeddings": 128}, True)
+    assert item.fix == "--max-position-embeddings 64"
