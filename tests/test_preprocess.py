@@ -4,6 +4,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -181,6 +182,47 @@ def test_a_json_key_given_twice_is_a_usage_error(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "--json-keys text title text: text given twice" in r.stderr
     assert not list(tmp_path.glob("n_*"))
+
+
+def _case_folding_exists(real_exists):
+    """os.path.exists as a case-insensitive file system (macOS's APFS) answers it."""
+    def exists(path):
+        head, name = os.path.split(str(path))
+        try:
+            return any(n.casefold() == name.casefold() for n in os.listdir(head or "."))
+        except OSError:
+            return real_exists(path)
+    return exists
+
+
+def test_the_case_probe_sees_how_the_file_system_compares_names(tmp_path, monkeypatch):
+    from tools.case_names import case_clashes, ignores_case
+
+    assert case_clashes(["text", "title", "Text", "TEXT"]) == [["text", "Text", "TEXT"]]
+    assert not ignores_case(str(tmp_path / "not" / "made"))  # Linux: case-sensitive
+    monkeypatch.setattr(os.path, "exists", _case_folding_exists(os.path.exists))
+    assert ignores_case(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []  # the probe file is removed
+
+
+def test_json_keys_differing_only_by_case_on_a_case_insensitive_file_system(
+        tmp_path, monkeypatch, capsys):
+    """On macOS `--json-keys text Text` wrote both datasets to one file: the Text key's
+    replaced the text key's, and both were reported written."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2 3", "Text": "4"}])
+    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "out" / "n"),
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--workers", "1",
+            "--json-keys", "text", "Text"]
+    preprocess_data.get_args(argv)  # a case-sensitive file system: two datasets, as Megatron
+    monkeypatch.setattr(os.path, "exists", _case_folding_exists(os.path.exists))
+    with pytest.raises(SystemExit) as e:
+        preprocess_data.get_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--json-keys text Text: text and Text differ only by case" in err
+    assert f"{tmp_path / 'out' / 'n'}_text_document.bin/.idx and its Text twin" in err
+    assert "separate runs with different --output-prefix" in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_megatron_23_04_chunk_size_is_accepted_and_ignored(tmp_path):

@@ -57,6 +57,7 @@ from megatron.tokenizer.document_encoder import (  # noqa: E402
     init_worker,
     options_from_args,
 )
+from tools.case_names import case_clashes, ignores_case  # noqa: E402
 from tools.preprocess_input import (  # noqa: E402
     InputError,
     Reader,
@@ -128,6 +129,7 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     if repeated:  # each key writes <output-prefix>_<key>_<level>.bin/.idx
         parser.error(f"--json-keys {' '.join(args.json_keys)}: {', '.join(repeated)} given "
                      "twice; each key writes its own dataset: name each key once")
+    _check_case_clashes(parser, args)
     if args.chunk_size is not None:
         print(f"warning: --chunk-size {args.chunk_size} ignored: Megatron-LM 23.04's flag; "
               "the input is handed to the workers in chunks of bytes", file=sys.stderr)
@@ -447,6 +449,21 @@ def check_eod(tokenizer, args: argparse.Namespace) -> None:
                      f"token ({why}); drop --append-eod, or use a tokenizer that has one"
                      + (" (SentencePieceTokenizer adds <EOD> to the same model)"
                         if args.tokenizer_type == "GPTSentencePieceTokenizer" else ""))
+
+
+def _check_case_clashes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Keys that differ only by case write one dataset where the file system ignores case
+    (macOS): the second key's files replaced the first's, and both were reported written."""
+    clashes = case_clashes(args.json_keys)
+    directory = os.path.dirname(os.path.abspath(args.output_prefix))
+    if clashes and ignores_case(directory):
+        a, b = clashes[0][:2]
+        level = "sentence" if args.split_sentences else "document"
+        parser.error(f"--json-keys {' '.join(args.json_keys)}: {a} and {b} differ only by "
+                     f"case, and the file system of {directory} ignores case (as macOS's "
+                     f"does): {args.output_prefix}_{a}_{level}.bin/.idx and its {b} twin "
+                     "would be one file, the second key's dataset replacing the first's. "
+                     "Preprocess those keys in separate runs with different --output-prefix")
 
 
 def output_prefix_problem(output_prefix: str, written: str) -> Optional[str]:
