@@ -237,6 +237,17 @@ def test_synthetic_layouts_merge_back_exactly(tmp_path, tp, pp, vpp):
         assert torch.equal(model.state_dict()[key], value), key
 
 
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has an MPS device")
+def test_a_device_this_machine_lacks_is_an_error_not_a_traceback():
+    """`--device mps` (a Mac user's guess; or a CPU-only torch build) ended in torch's
+    RuntimeError traceback from deep inside loading the model."""
+    for name in ("mps", "mps:0"):
+        with pytest.raises(SystemExit, match=rf"--device {name}: this machine has no usable "
+                                             r"mps device \(.+\); use --device cpu"):
+            generate._device(name)
+    assert generate._device("cpu") == torch.device("cpu")
+
+
 def test_user_errors(tmp_path):
     with pytest.raises(SystemExit, match="no checkpoint under --load"):
         generate.load_model(str(tmp_path))

@@ -468,6 +468,14 @@ def _device(name: Optional[str]) -> torch.device:
         raise SystemExit(f"error: --device {name}: this machine has "
                          f"{torch.cuda.device_count()} usable CUDA device(s) (torch "
                          f"{torch.__version__}); use --device cpu or leave --device out")
+    if device.type not in ("cpu", "cuda"):  # mps, xpu...: torch raises at the first tensor
+        try:
+            torch.empty(1, device=device)
+        except Exception as exc:  # RuntimeError, NotImplementedError, AssertionError
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0]
+            raise SystemExit(f"error: --device {name}: this machine has no usable "
+                             f"{device.type} device ({why}); use --device cpu or leave "
+                             "--device out") from None
     return device
 
 
