@@ -598,3 +598,14 @@ def missing_iteration_dir_message(root: str, iteration: int, release: bool) -> s
     return (f"error: {tracker_path(root)} names {value}, but the checkpoint directory "
             f"{os.path.join(root, name)} does not exist; fix the tracker file: "
             f"{other_checkpoints_hint(root, name)}")
+
+
+def same_dir(a: Optional[str], b: Optional[str]) -> bool:
+    """Whether `a` and `b` name one directory: one real path, or (both existing) one file
+    under two spellings -- a case-insensitive file system's (macOS), a bind mount's."""
+    if not (a and b):
+        return False
+    try:
+        return os.path.realpath(a) == os.path.realpath(b) or os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False

@@ -24,6 +24,7 @@ from megatron.checkpoint_args import (
     seq_length_warning,
     tokenizer_warning,
 )
+from megatron.checkpoint_dirs import same_dir
 from megatron.checkpoint_preflight import LoadStates, no_weights_message, states_to_load
 from megatron.checkpoint_reshard import (
     Layout,
@@ -265,11 +266,11 @@ def nothing_to_train(tr) -> bool:
     goal = (f"--train-samples {t.train_samples} ({t.train_iters} iterations)" if t.train_samples
             else f"--train-iters {t.train_iters}")
     text = f"checkpoint at iteration {it} already reaches {goal}: nothing to train"
-    same_dir = _same_dir(ck.load, ck.save)
-    if same_dir:
+    same = same_dir(ck.load, ck.save)
+    if same:
         text += f"; not saving it again (--save {ck.save} holds it)"
     print_rank_0(text)
-    return same_dir
+    return same
 
 
 # ---------------------------------------------------------------------- resharding on load
@@ -530,7 +531,7 @@ def load_trainer_checkpoint(tr) -> Optional[str]:
         print_rank_0(f" > loaded weights from {ck.load} ({what}: iteration 0, optimizer, "
                      f"scheduler and RNG start fresh; consumed samples "
                      f"{tr.state.consumed_train_samples})")
-    if not (ck.finetune or loaded.release) and _same_dir(ck.load, ck.save):
+    if not (ck.finetune or loaded.release) and same_dir(ck.load, ck.save):
         tr.own_checkpoints.setdefault(loaded.iteration, "resumed from")
     start = 0 if ck.finetune or loaded.release else loaded.iteration  # Megatron's line
     print_rank_0(f"  successfully loaded checkpoint from {ck.load} at iteration {start}")
@@ -557,10 +558,6 @@ def _restore_states(tr, loaded: _Loaded) -> Optional[str]:
     except SystemExit as exc:
         return exit_message(exc)
     return None
-
-
-def _same_dir(a: Optional[str], b: Optional[str]) -> bool:
-    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
 
 
 def rollback_iteration(tr, iteration: int) -> Tuple[int, str]:

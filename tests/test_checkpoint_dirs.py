@@ -115,3 +115,36 @@ def test_the_parent_of_a_checkpoint_directory_names_the_directory_below(ckpt, tm
     (other / "logs").mkdir(parents=True)
     refuse_untracked_checkpoints(str(other))  # nothing to refuse
     refuse_untracked_checkpoints(str(tmp_path / "new"))
+
+
+def test_save_spelled_in_other_case_is_still_the_load_directory(tmp_path, monkeypatch):
+    """On macOS (a case-insensitive file system) `--load runs/ckpt --save runs/CKPT` is one
+    directory: the conversions compared the paths' text, and said only that --save holds a
+    checkpoint, so that the --overwrite they suggested replaced the source."""
+    from megatron.checkpoint_dirs import same_dir
+    from tools import checkpoint_convert
+
+    load, save = tmp_path / "ckpt", tmp_path / "CKPT"
+    load.mkdir()
+    (load / "latest_checkpointed_iteration.txt").write_text("4")
+    real_stat = os.stat
+
+    def case_insensitive_stat(path, *args, **kwargs):  # as APFS finds CKPT
+        text = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else path
+        if isinstance(text, str) and text.startswith(str(save)):
+            path = str(load) + text[len(str(save)):]
+        return real_stat(path, *args, **kwargs)
+
+    assert not same_dir(str(load), str(save))  # this case-sensitive file system
+    monkeypatch.setattr(os, "stat", case_insensitive_stat)
+    assert same_dir(str(load), str(save)) and same_dir(str(load), str(load) + "/")
+    assert not same_dir(str(load), str(tmp_path / "new")) and not same_dir(None, str(load))
+    with pytest.raises(SystemExit, match=f"--save must differ from --load .*: {save} and "
+                                         f"{load} name one directory"):
+        checkpoint_convert.reshard(str(load), str(save), 1, 1, overwrite=True)
+    with pytest.raises(SystemExit, match="--save must differ from --load"):
+        checkpoint_convert.to_megatron(str(load), str(save), overwrite=True)
+    with pytest.raises(SystemExit, match=f"--save-dir {save} is --load-dir"):
+        checkpoint_util.check_save_dir(str(load), str(save))
+    assert os.listdir(tmp_path) == ["ckpt"]  # nothing written
+    assert os.listdir(load) == ["latest_checkpointed_iteration.txt"]

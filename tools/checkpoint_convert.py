@@ -61,6 +61,7 @@ from megatron.checkpoint_dirs import (  # noqa: E402
     is_legacy_model_file,
     model_file,
     no_rank_dirs_message,
+    same_dir,
 )
 from megatron.checkpoint_files import (  # noqa: E402
     load_checkpoint_file,
@@ -413,8 +414,9 @@ def reshard(load: str, save: str, tp: int, pp: int, layers_per_stage: Optional[i
     source, target, files, notes, directory}. SystemExit naming the problem (and for an
     optimizer state that cannot be mapped, NO_OPTIMIZER_FIX) when the checkpoint cannot
     be resharded. `save`'s lock is held meanwhile (`save_locked`)."""
-    if os.path.realpath(save) == os.path.realpath(load):
-        raise SystemExit("error: --save must differ from --load (the source stays untouched)")
+    if same_dir(save, load):
+        raise SystemExit(f"error: --save must differ from --load (the source stays untouched): "
+                         f"{save} and {load} name one directory")
     with save_locked(save, "reshard"):
         check_save(save, overwrite)
         return _reshard(load, save, tp, pp, layers_per_stage, iteration, distributed,
@@ -552,8 +554,9 @@ def to_megatron(load: str, save: str, iteration: Optional[int] = None,
     Megatron-LM loads such files with a plain `torch.load`; this framework loads them too.
     A checkpoint already in `save` is refused unless `overwrite`. Returns {iteration,
     files, directory}. `save`'s lock is held meanwhile (`save_locked`)."""
-    if os.path.realpath(save) == os.path.realpath(load):
-        raise SystemExit("error: --save must differ from --load (the source stays untouched)")
+    if same_dir(save, load):
+        raise SystemExit(f"error: --save must differ from --load (the source stays untouched): "
+                         f"{save} and {load} name one directory")
     with save_locked(save, "to-megatron"):
         check_save(save, overwrite)
         return _to_megatron(load, save, iteration)

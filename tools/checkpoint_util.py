@@ -49,6 +49,7 @@ from megatron.checkpoint_dirs import (  # noqa: E402
     is_iteration_dir_name,
     list_checkpoints,
     misplaced_load_message,
+    same_dir,
     tracker_path,
 )
 from megatron.checkpoint_foreign import dist_backend  # noqa: E402
@@ -123,7 +124,7 @@ def ignored_notes(a: argparse.Namespace) -> List[str]:
 
 def check_save_dir(load: str, save: str) -> None:
     """SystemExit when --save-dir is --load-dir, a file, or already holds a checkpoint."""
-    if os.path.realpath(save) == os.path.realpath(load):
+    if same_dir(save, load):
         raise SystemExit(f"error: --save-dir {save} is --load-dir; the source stays untouched: "
                          "choose another --save-dir")
     if os.path.exists(save) and not os.path.isdir(save):
