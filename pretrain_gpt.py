@@ -31,7 +31,7 @@ def _check_srun_tasks(env) -> None:
     """Several srun tasks without torchrun's variables: one error, printed by task 0 (the
     others wait for it under Slurm, then exit with status 1)."""
     from megatron.arguments import exit_before_group
-    from megatron.initialize import srun_tasks_without_launcher
+    from megatron.srun_tasks import srun_tasks_without_launcher
 
     message = srun_tasks_without_launcher(env)
     if message is not None:

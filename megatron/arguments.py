@@ -519,11 +519,11 @@ def parse_and_validate(
     rank = int(env.get("RANK", 0) or 0)
     if rank != 0 and any(a in ("-h", "--help") for a in argv):
         raise SystemExit(0)  # the help, once per launch: rank 0 prints it
-    if cuda_available is None:
-        cuda_available = _cuda_available()
     try:
         with messages_for_rank(rank):
-            ns, explicit = parse_args(argv)
+            ns, explicit = parse_args(argv)  # --help and a mistyped flag: before torch
+            if cuda_available is None:
+                cuda_available = _cuda_available()
             origins = apply_deprecated(ns, explicit)
             check_not_supported(ns, origins)
             if ns.use_checkpoint_args:  # model flags from the checkpoint, before validation

@@ -16,9 +16,7 @@ import argparse
 import contextlib
 import os
 from dataclasses import fields
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Set
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Mapping, Optional, Set
 
 from megatron.arguments_common import ALIASES, ArgumentsError, machine_checks, note, spelled, warn
 from megatron.arguments_inputs import (
@@ -54,6 +52,9 @@ from megatron.config import (
     TrainingConfig,
 )
 from megatron.core.config import position_embedding_type_for
+
+if TYPE_CHECKING:  # imported where used: `--help` and a mistyped flag need no torch
+    import torch
 
 # Attributes Megatron deletes after mapping them; they never reach Config.args.
 _DELETED = ("batch_size", "warmup", "model_parallel_size", "checkpoint_activations",
@@ -264,6 +265,8 @@ def _resolve_position_embedding(ns) -> None:
 def _resolve_precision(ns, explicit: Set[str]) -> None:
     if ns.fp16 and ns.bf16:
         raise ArgumentsError("--fp16 and --bf16 are exclusive; pass one")
+    import torch
+
     ns.params_dtype = torch.float16 if ns.fp16 else torch.bfloat16 if ns.bf16 else torch.float32
     if ns.bf16 and not ns.accumulate_allreduce_grads_in_fp32:
         note("accumulate and all-reduce gradients in fp32 for bfloat16 data type.")
@@ -450,6 +453,8 @@ def _check_cuda_features(ns, cuda_available: bool) -> None:
         raise ArgumentsError(f"--attention-backend {ns.attention_backend} needs CUDA; use auto, "
                              "flash or math on the CPU")
     if not ns.skip_train:
+        import torch
+
         _check_kernel_choices(ns, torch.device("cuda" if cuda_available else "cpu"))
 
 
@@ -576,6 +581,8 @@ def _fill(cls, values: Dict[str, Any]):
 
 
 def _plain(value: Any) -> Any:
+    import torch
+
     if isinstance(value, torch.dtype):
         return str(value)
     if isinstance(value, (list, tuple)):

@@ -25,6 +25,7 @@ from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_seed
 from megatron.launcher_watch import watch_launcher
 from megatron.restart_epoch import agree_on_epoch, epoch_prefix
+from megatron.srun_tasks import srun_tasks_without_launcher  # noqa: F401 (its old home)
 
 
 @dataclass
@@ -68,27 +69,6 @@ def agent_store_from_env(env: Mapping[str, str]) -> AgentStore | None:
             "TORCHELASTIC_USE_AGENT_STORE=True needs MASTER_ADDR and an integer MASTER_PORT "
             f"in the environment ({e!r}); launch with torchrun, "
             "or unset TORCHELASTIC_USE_AGENT_STORE") from None
-
-
-def srun_tasks_without_launcher(env: Mapping[str, str], script: str = "pretrain_gpt.py",
-                                alone: str = "would train alone as a one-process run, all "
-                                             "of them writing the same --save") -> str | None:
-    """The error for a process that `srun` started as one of several tasks of a step
-    (SLURM_STEP_NUM_TASKS > 1) without torchrun's variables (RANK, WORLD_SIZE): each task
-    `alone` ...; else None. Slurm sets SLURM_STEP_NUM_TASKS for the tasks of an `srun`
-    step only (a batch script's own shell, one process, is not one)."""
-    try:
-        tasks = int(env.get("SLURM_STEP_NUM_TASKS", "") or 1)
-    except ValueError:
-        return None
-    if tasks <= 1 or env.get("RANK") or env.get("WORLD_SIZE"):
-        return None
-    return (f"error: this process is task {env.get('SLURM_PROCID', '?')} of the {tasks} that "
-            f"srun started (SLURM_STEP_NUM_TASKS={tasks}), but RANK and WORLD_SIZE are not "
-            f"set: each task {alone}. Start one torchrun per node instead: srun "
-            "--ntasks-per-node=1 python -m torch.distributed.run --nnodes $SLURM_NNODES "
-            "--node-rank $SLURM_NODEID --nproc-per-node <GPUs per node> --master-addr <first "
-            f"node> --master-port <port> {script} ... (scripts/slurm/pretrain_gpt.sbatch does)")
 
 
 def env_rendezvous_error(exc: BaseException, env: Mapping[str, str], rank: int,

@@ -23,11 +23,6 @@ import io
 import socket
 from typing import Callable, Mapping, Optional, TypeVar
 
-import torch
-import torch.distributed as dist
-
-from megatron.initialize import agent_store_from_env, attempt_store, env_rendezvous_error
-
 T = TypeVar("T")
 
 KEY_PREFIX = "megatron/startup/"  # under the start's namespace in torchrun's agent store
@@ -55,6 +50,10 @@ class JobStore:
         there is none to connect to."""
         if self.store is not None or self.world_size <= 1:
             return self.store
+        import torch.distributed as dist  # here, not on import: `--help` needs no torch
+
+        from megatron.initialize import agent_store_from_env, attempt_store, env_rendezvous_error
+
         if dist.is_initialized():
             return dist.distributed_c10d._get_default_store()
         agent = agent_store_from_env(self._env)
@@ -120,12 +119,16 @@ def _count_over_ranks(job: JobStore, prefix: str, mine: Optional[str]) -> tuple:
 
 
 def _encode(kind: str, value) -> bytes:
+    import torch
+
     buffer = io.BytesIO()
     torch.save({"kind": kind, "value": value}, buffer)
     return buffer.getvalue()
 
 
 def _decode(data: bytes) -> dict:
+    import torch
+
     return torch.load(io.BytesIO(data), weights_only=True)
 
 

@@ -412,7 +412,7 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def _srun_tasks(env: Dict[str, str]) -> Optional[str]:
     """megatron.initialize's error for srun tasks started without torchrun, in doctor's
     words (the communication checks need torchrun's variables, as training does)."""
-    from megatron.initialize import srun_tasks_without_launcher
+    from megatron.srun_tasks import srun_tasks_without_launcher
 
     message = srun_tasks_without_launcher(
         env, "tools/doctor.py", "checks alone, so no communication is tested (pretrain_gpt.py "

@@ -8,9 +8,10 @@ concept (`tp_size`, `pp_size`, `dp_size`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a config is made, not for `--help`
+    import torch
 
 
 @dataclass
@@ -51,7 +52,7 @@ class ModelConfig:
     # overwrites them).
     perform_initialization: bool = True
     use_cpu_initialization: bool = False
-    params_dtype: torch.dtype = torch.float32
+    params_dtype: Optional[torch.dtype] = None  # None -> torch.float32
     fp32_residual_connection: bool = False
     apply_query_key_layer_scaling: bool = False
     attention_softmax_in_fp32: bool = False
@@ -92,6 +93,10 @@ class ModelConfig:
     gelu_kernel: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.params_dtype is None:
+            import torch
+
+            self.params_dtype = torch.float32
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.kv_channels is None:
@@ -187,6 +192,8 @@ class OptimizerConfig:
 
     @property
     def params_dtype(self) -> torch.dtype:
+        import torch
+
         if self.fp16:
             return torch.float16
         if self.bf16:
