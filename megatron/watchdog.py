@@ -23,7 +23,8 @@ theirs, reads those of the group's `ranks` and prints, on this rank's stderr,
     [watchdog rank 0] collective all-reduce of gradients (dp group) did not complete within
     120 s; ranks that did not arrive: [1]
 
-followed by the last point each missing rank did reach, what the run was doing
+followed by the last point each missing rank did reach (as it last published: a rank
+stopped since may have got further), what the run was doing
 (`describe`, e.g. "at iteration 12") and where this rank's main thread waits, then ends
 the process with `os._exit(EXIT_CODE)` (a hung collective cannot be unwound). An empty
 list means every rank arrived and the collective itself is stuck (network, NCCL, or ranks

@@ -309,8 +309,12 @@ class OverrunReports:
             self._read_checkins(block, read)
             late = [(point, count, ranks, r) for point, count, ranks in block.points
                     for r in self.missing_ranks(point, count, ranks, read)]
+            # A rank publishes its check-ins every publish_s: one stuck since (SIGSTOP, a
+            # dead node) may have reached the point more often than its last publication.
             lines = [f"  rank {r} reached '{point}' {self._reached(point, r, ranks, read)} "
-                     f"times; this rank is at its call number {count}"
+                     f"times by its last published check-ins (published every "
+                     f"{self.publish_s:g} s, so it may have got further); this rank is at its "
+                     f"call number {count}"
                      for point, count, ranks, r in late]
         except Exception as exc:  # the store itself is gone (rank 0 died)
             return (f"[watchdog rank {self.rank}] collective {block.name} did not complete "

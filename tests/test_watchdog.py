@@ -47,6 +47,25 @@ def _checked_in(store, rank, world, name, times=1, **watch):
     wd.close()
 
 
+def test_a_missing_ranks_count_is_given_as_of_its_last_publication():
+    """A rank stopped (SIGSTOP, a dead node) since it last published its check-ins may
+    have reached the point more often: the report must not state the published count as
+    where it is (after 2 quick iterations its count was still 0 in the store)."""
+    store = dist.HashStore()
+    _checked_in(store, 1, 2, "grads", times=1, ranks=[0, 1])  # its 2nd was never published
+    wd, fired = _watchdog(store, rank=0, world=2)
+    for _ in range(2):
+        with wd.watch("grads", ranks=[0, 1]):
+            pass
+    with wd.watch("grads", ranks=[0, 1]):
+        time.sleep(1.0)
+    wd.close()
+    assert len(fired) == 1
+    assert ("  rank 1 reached 'grads' 1 times by its last published check-ins (published "
+            "every 0.075 s, so it may have got further); this rank is at its call number 3"
+            ) in fired[0], fired[0]
+
+
 def test_overrun_names_the_ranks_that_did_not_arrive():
     store = dist.HashStore()
     _checked_in(store, 1, 3, "all-reduce")  # rank 1 arrived, rank 2 did not
@@ -336,7 +355,9 @@ def test_a_block_of_several_transfers_names_the_peer_of_the_one_not_posted():
     assert fired[0].startswith(
         "[watchdog rank 0] collective pipeline transfers (mb 2 activation, mb 1 gradient) did "
         "not complete within 0.3 s; ranks that did not arrive: [1]\n"
-        "  rank 1 reached 'mb 1 gradient, 1 to 0' 0 times; this rank is at its call number 1\n"
+        "  rank 1 reached 'mb 1 gradient, 1 to 0' 0 times by its last published check-ins "
+        "(published every 0.075 s, so it may have got further); this rank is at its call "
+        "number 1\n"
         "  rank 0's main thread is here"), fired[0]
     # this rank checked in at both (published when its block overran)
     assert published_checkins(store, 0, (0, 2)) == {"mb 2 activation, 0 to 2": 1}
