@@ -4,7 +4,9 @@ Megatron-LM 23.05, when loading without --finetune, asserts that num_layers, hid
 num_attention_heads and add_position_embedding equal the checkpoint's, and with --vocab-file
 also max_position_embeddings, make_vocab_size_divisible_by, padded_vocab_size and
 tokenizer_type (and the tp / pp sizes). This framework reshards on load, so the parallel
-sizes may differ -- and a vocabulary padded for another tp size is re-padded -- but it checks
+sizes may differ -- and a vocabulary padded for another tp size is re-padded, and with
+--vocab-file --make-vocab-size-divisible-by may differ where the run at another tp size pads
+to the checkpoint's rows (the README's way to keep one padded size) -- but it checks
 every argument that gives a weight its shape or says how it is read: the same QKV rows mean
 other things with other heads or query groups. Those are checked with --finetune as well;
 the other items are skipped with --finetune, as Megatron skips its whole check.
@@ -125,6 +127,16 @@ def _vocab_rows_item(saved: dict, run: dict) -> Optional[Mismatch]:
                          fix=" ".join(words) + " (the checkpoint's tokenizer)")
 
 
+def _same_rows(saved: dict, run: dict) -> bool:
+    """Whether a run at another tp size pads the vocabulary to the checkpoint's rows (as
+    --make-vocab-size-divisible-by 256 at tp 1 and 128 at tp 2 do): the divisor then only
+    chose that size, and the weights load unpadded. At the same tp size Megatron's check of
+    the divisor stands."""
+    tp, rows = "tensor_model_parallel_size", "padded_vocab_size"
+    return _ABSENT not in (_plain(saved, tp), _plain(saved, rows)) and \
+        _plain(saved, tp) != _plain(run, tp) and _plain(saved, rows) == _plain(run, rows)
+
+
 def _activation(args: dict):
     """The MLP's activation as Megatron-LM 23.05's MLP picks it (first of --openai-gelu,
     --swiglu, --squared-relu, else GeLU); the tanh and erf GeLU forms count as one."""
@@ -174,7 +186,8 @@ def checkpoint_arg_mismatches(saved: Dict, run: Dict, finetune: bool = False) ->
                   if dest not in _ROTARY_ARGS or (_uses_rotary(saved) and _uses_rotary(run))]
         found.append(_activation_item(saved, run))
         if run.get("vocab_file"):
-            found += [_compare(saved, run, dest) for dest in VOCAB_FILE_ARGS]
+            found += [_compare(saved, run, dest) for dest in VOCAB_FILE_ARGS
+                      if dest != "make_vocab_size_divisible_by" or not _same_rows(saved, run)]
     unique: Dict[str, Mismatch] = {}
     for item in found:
         if item is not None:

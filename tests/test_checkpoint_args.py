@@ -92,10 +92,25 @@ def test_other_arguments_are_skipped_with_finetune():
     assert _names(changes, saved_changes=rope) == ["--vocab-size", "--rotary-base"]
     assert _names(changes, finetune=True, saved_changes=rope) == []
     # Megatron's --vocab-file items
-    changes = {"vocab_file": "v.json", "make_vocab_size_divisible_by": 64,
-               "tokenizer_type": "GPT2BPETokenizer", "tensor_model_parallel_size": 2}
+    changes = {"vocab_file": "v.json", "make_vocab_size_divisible_by": 256,
+               "tokenizer_type": "GPT2BPETokenizer", "tensor_model_parallel_size": 2,
+               "padded_vocab_size": 512}
     assert _names(changes) == ["--make-vocab-size-divisible-by", "--tokenizer-type"]
     assert _names({**changes, "vocab_file": None}) == []
+
+
+def test_vocab_divisor_may_change_with_tp_where_the_padded_rows_stay():
+    """README: parity across tp sizes starts from one padded size -- 128 at tp 1 pads 384
+    rows, and so does 64 at tp 2. With --vocab-file (Megatron's divisor check) that load
+    was refused, and its fix (the checkpoint's 128) re-pads to 512 rows at tp 2."""
+    same_rows = {"vocab_file": "v.json", "make_vocab_size_divisible_by": 64,
+                 "tensor_model_parallel_size": 2, "padded_vocab_size": 384}
+    assert _names(same_rows) == []
+    # at the same tp size, or where the rows differ, Megatron's check stands
+    assert _names({**same_rows, "tensor_model_parallel_size": 1}) == [
+        "--make-vocab-size-divisible-by"]
+    assert _names({**same_rows, "padded_vocab_size": 448}) == [
+        "--make-vocab-size-divisible-by"]
 
 
 @pytest.mark.parametrize("run_type", ["learned_absolute", "none", "rope"])
