@@ -216,6 +216,11 @@ class SourceCheckpoint:
         parts = [self.chunks[t, p][c][local] for t in range(self.layout.tp)]
         return merge_tp(parts, *partition) if partition else parts[0]
 
+    def model_dtype(self, name: str) -> torch.dtype:
+        """The dtype the checkpoint holds model parameter `name` in."""
+        p, c, local = self._locate(name)
+        return self.chunks[0, p][c][local].dtype
+
     def optimizer_state(self, name: str, partition: Partition) -> Dict[str, torch.Tensor]:
         """{"param": full fp32 main weight, <state key>: full fp32 tensor} of `name`; the
         state keys are those the optimizer had created (none before the first step)."""
@@ -466,17 +471,23 @@ def build_rank_payload(src: SourceCheckpoint, plan: RankPlan, optimizer: Optiona
             payload["rng_state"] = rng
     distrib = None
     if optimizer is not None and src.layout.optimizer is not None:
-        payload["optimizer"], distrib = _optimizer_payload(src, plan, optimizer, notes)
+        payload["optimizer"], distrib = _optimizer_payload(src, plan, optimizer, notes, models)
     return payload, distrib
 
 
-def _optimizer_payload(src: SourceCheckpoint, plan: RankPlan, kind: str,
-                       notes: Set[str]) -> Tuple[dict, Optional[dict]]:
+def _optimizer_payload(src: SourceCheckpoint, plan: RankPlan, kind: str, notes: Set[str],
+                       models: List[dict]) -> Tuple[dict, Optional[dict]]:
+    """The optimizer payloads; an fp32 parameter of `models` whose checkpoint weight was
+    bf16/fp16 takes the saved fp32 main weight instead (what the optimizer state belongs
+    to: a run that drops --bf16 goes on from the weights, not their rounded copy)."""
     per_param: Dict[ParamKey, Dict[str, torch.Tensor]] = {}
     shapes: Dict[ParamKey, Tuple[int, ...]] = {}
     for c, names in enumerate(plan.chunks):
         for local, name in names:
             full = src.optimizer_state(name, plan.partition[name])
+            if "param" in full and plan.dtypes[c, local] == torch.float32 and \
+                    src.model_dtype(name) in _HALF:
+                models[c][local] = _cut(plan, name, full["param"], notes)
             if kind == "fp32":  # the model weights are the main weights: no copy of them
                 full.pop("param", None)
             per_param[c, local] = {k: _cut(plan, name, v, notes, weights=k == "param")

@@ -827,3 +827,17 @@ def test_torchrun_tp2_checkpoint_resumes_at_dp2_with_checkpoint_args(tmp_path):
     assert sorted(got) == [4, 5, 6], resumed[-3000:]
     for i in (4, 5, 6):
         assert float(got[i]) == pytest.approx(float(ref[i]), rel=RTOL), (i, got, ref)
+
+
+def test_a_bf16_checkpoint_loaded_without_bf16_takes_the_fp32_main_weights(tmp_path_factory):
+    """Dropping --bf16 on resume (e.g. to rule precision out while debugging) reshards the
+    mixed optimizer to the fp32 one: the model goes on from the saved fp32 main weights, the
+    ones its Adam moments belong to -- it used to load their bf16-rounded copy silently."""
+    root = str(tmp_path_factory.getbasetemp() / "src-bf16-to-fp32")
+    _saved("--bf16", 1, root)
+    cfg, rt, tr = _trainer(0, 1, "", load=root)
+    assert "resharded" in load_trainer_checkpoint(tr)
+    src = reshard.SourceCheckpoint(os.path.join(root, "iter_0000002"))
+    for name, param in tr.model.unwrapped()[0].named_parameters():
+        assert param.dtype == torch.float32
+        assert torch.equal(param.detach(), src.optimizer_state(name, None)["param"]), name
