@@ -654,6 +654,34 @@ def test_an_overwrite_interrupted_mid_replace_leaves_a_readable_checkpoint(tmp_p
     assert (layout.tp, layout.pp) == (1, 2), "the new copy is in place"
 
 
+def test_the_old_copy_note_is_printed_once_per_command(tmp_path, capsys):
+    """README: the tools read an `iter_N.old` left by a killed re-save where it is, with a
+    note line. reshard (a target size left out), checkpoint_util.py and to-megatron looked
+    the iteration up twice and printed the note twice."""
+    from tools import checkpoint_util
+
+    src = tmp_path / "src"
+    cfg, rt, tr = _trainer(0, 1, "", save=str(src))
+    _steps(tr, data_iterator(cfg, rt, "train", 0), 1)
+    save_trainer_checkpoint(tr)
+    os.rename(src / "iter_0000001", src / "iter_0000001.old")
+    note = f"note: {src / 'iter_0000001'} is missing but"
+    commands = [
+        lambda out: checkpoint_convert.main(["reshard", "--load", str(src), "--save", out,
+                                             "--target-tensor-model-parallel-size", "1"]),
+        lambda out: checkpoint_convert.main(["reshard", "--load", str(src), "--save", out,
+                                             "--target-pipeline-model-parallel-size", "1"]),
+        lambda out: checkpoint_convert.main(["to-megatron", "--load", str(src), "--save", out]),
+        lambda out: checkpoint_util.main(["--model-type", "GPT", "--load-dir", str(src),
+                                          "--save-dir", out]),
+    ]
+    capsys.readouterr()
+    for i, command in enumerate(commands):
+        assert command(str(tmp_path / f"out{i}")) == 0
+        captured = capsys.readouterr()
+        assert (captured.out + captured.err).count(note) == 1, (i, captured.out)
+
+
 def test_target_layout_check_names_the_sizes_that_fit():
     args = {"num_attention_heads": 8, "group_query_attention": True, "num_query_groups": 2,
             "ffn_hidden_size": 96, "num_layers": 6, "standalone_embedding_stage": True}

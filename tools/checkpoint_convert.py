@@ -505,7 +505,8 @@ def _default_targets(a: argparse.Namespace) -> None:
         raise SystemExit("error: give --target-tensor-model-parallel-size and/or "
                          "--target-pipeline-model-parallel-size (one left out keeps the "
                          "saved size)")
-    iter_dir, _, _ = reshard_lib.locate_iteration(a.load, a.iteration)
+    # reshard() looks it up again and prints the note about an `.old` copy: once
+    iter_dir, _, _ = reshard_lib.locate_iteration(a.load, a.iteration, note=lambda _: None)
     saved = reshard_lib.SourceCheckpoint(iter_dir).layout
     if a.target_tensor_model_parallel_size is None:
         a.target_tensor_model_parallel_size = saved.tp
@@ -622,7 +623,8 @@ def megatron_23_05_run_gap(args: dict) -> Optional[str]:
 
 
 def run_to_megatron(a: argparse.Namespace) -> int:
-    iter_dir, _, _ = reshard_lib.locate_iteration(a.load, a.iteration)
+    # to_megatron() looks it up again and prints the note about an `.old` copy: once
+    iter_dir, _, _ = reshard_lib.locate_iteration(a.load, a.iteration, note=lambda _: None)
     first = reshard_lib.inspect_checkpoint(iter_dir)[2]
     gaps = megatron_23_05_gaps(first.get("args") or {})
     if gaps:

@@ -234,7 +234,8 @@ def run(a: argparse.Namespace) -> int:
         print(f"note: {note}")
     check_save_dir(a.load_dir, a.save_dir)
     check_load_dir(a.load_dir)
-    iter_dir, _, _ = reshard_lib.locate_iteration(a.load_dir)
+    # the reshard looks it up again and prints the note about an `.old` copy: once
+    iter_dir, _, _ = reshard_lib.locate_iteration(a.load_dir, note=lambda _: None)
     saved, path, first = reshard_lib.inspect_checkpoint(iter_dir)
     args = first.get("args")
     if not isinstance(args, dict) or not args:
