@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from types import SimpleNamespace
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from megatron.arguments_inputs import vocab_assumed
 from megatron.checkpoint_args import (
@@ -342,3 +342,19 @@ def _sample_budget(config: Config, iteration: int, first: dict,
 
 
 __all__ = ["LoadStates", "states_to_load", "Preflight", "run_layout", "preflight_load"]
+
+
+def rounded_weights_note(saved: Optional[Dict], run: Dict, ck, with_optimizer: bool
+                         ) -> Optional[str]:
+    """The note for an fp32 run that loads a bf16/fp16 checkpoint without its optimizer
+    state (--no-load-optim, --finetune): the weights are the 16-bit copies, as in
+    Megatron-LM; the fp32 main weights are left out with that state."""
+    saved = saved or {}
+    half = "bf16" if saved.get("bf16") else "fp16" if saved.get("fp16") else None
+    if half is None or run.get("bf16") or run.get("fp16") or with_optimizer or \
+            saved.get("no_save_optim") or not (ck.finetune or ck.no_load_optim):
+        return None
+    flag = "--finetune" if ck.finetune else "--no-load-optim"
+    return (f" > the model takes the checkpoint's {half} weights (this run is fp32): its fp32 "
+            f"main weights are optimizer state, which {flag} leaves out; load without "
+            f"{flag} to go on from them")

@@ -25,7 +25,12 @@ from megatron.checkpoint_args import (
     tokenizer_warning,
 )
 from megatron.checkpoint_dirs import same_dir
-from megatron.checkpoint_preflight import LoadStates, no_weights_message, states_to_load
+from megatron.checkpoint_preflight import (
+    LoadStates,
+    no_weights_message,
+    rounded_weights_note,
+    states_to_load,
+)
 from megatron.checkpoint_reshard import (
     Layout,
     RankPlan,
@@ -526,6 +531,10 @@ def load_trainer_checkpoint(tr) -> Optional[str]:
                      "schedule start fresh; the schedule counts samples from 0 again "
                      f"(warmup first) while the run goes on from iteration "
                      f"{loaded.iteration}, as in Megatron-LM")
+    note = rounded_weights_note(loaded.state.get("args"), tr.config.args, ck,
+                                loaded.with_optimizer)
+    if tr.optimizer is not None and note:
+        print_rank_0(note)
     if ck.finetune or loaded.release:
         what = "--finetune" if ck.finetune else "a release checkpoint"
         print_rank_0(f" > loaded weights from {ck.load} ({what}: iteration 0, optimizer, "

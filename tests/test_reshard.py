@@ -869,3 +869,23 @@ def test_a_bf16_checkpoint_loaded_without_bf16_takes_the_fp32_main_weights(tmp_p
     for name, param in tr.model.unwrapped()[0].named_parameters():
         assert param.dtype == torch.float32
         assert torch.equal(param.detach(), src.optimizer_state(name, None)["param"]), name
+
+
+@pytest.mark.parametrize("flag", ["--no-load-optim", "--finetune"])
+def test_a_bf16_checkpoint_loaded_at_fp32_without_its_optimizer_says_the_weights_are_rounded(
+        tmp_path_factory, capsys, flag):
+    """Without the optimizer state (--no-load-optim, --finetune) an fp32 run loads the
+    checkpoint's bf16 weights, as Megatron-LM does: their fp32 main weights are optimizer
+    state. That rounding was silent (the next loss moved by ~1e-6 relative); a note says
+    so and how to go on from the fp32 weights."""
+    root = str(tmp_path_factory.getbasetemp() / "src-bf16-to-fp32")
+    _saved("--bf16", 1, root)
+    capsys.readouterr()
+    cfg, rt, tr = _trainer(0, 1, flag, load=root)
+    load_trainer_checkpoint(tr)
+    out = capsys.readouterr().out
+    assert (" > the model takes the checkpoint's bf16 weights (this run is fp32): its fp32 "
+            f"main weights are optimizer state, which {flag} leaves out") in out, out
+    cfg, rt, tr = _trainer(0, 1, "--bf16 " + flag, load=root)  # no rounding: no note
+    load_trainer_checkpoint(tr)
+    assert "main weights are optimizer state" not in capsys.readouterr().out
