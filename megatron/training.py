@@ -340,7 +340,7 @@ def _exit_program(tr: Trainer, stats: IntervalStats, reason: str, saved_at) -> N
     _close_interval(tr, stats)
     if cfg.checkpoint.save and saved_at != st.iteration:
         _save(tr, stats)
-    elif reason.startswith("[exiting program after receiving"):  # no --save
+    elif not cfg.checkpoint.save and reason.startswith("[exiting program after receiving"):
         print_rank_0("WARNING: exiting without a checkpoint: --save is not set")
     trainer_checkpoint.wait_for_async_save(tr)
     if dist.is_initialized():

@@ -207,6 +207,33 @@ def test_sigusr1_saves_and_exits(tmp_path, capsys):
     assert "[exiting program after receiving SIGUSR1.]" in capsys.readouterr().out
 
 
+def test_a_signal_at_a_save_iteration_exits_without_the_no_save_warning(tmp_path, capsys):
+    """The signal arrives during iteration 4, which --save-interval 4 saves anyway: the
+    exit takes that checkpoint. It used to add 'exiting without a checkpoint: --save is
+    not set' although --save was set and iteration 4 was saved."""
+    tr = _trainer(tmp_path, iters=20, save_interval=4)
+    tr.signals = SignalHandler()
+    try:
+        calls = _poison_at(tr, set())
+        original = tr.model.module.forward
+
+        def forward(*args, **kwargs):
+            if calls["n"] == 3 * tr.config.data.num_micro_batches:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return original(*args, **kwargs)
+
+        tr.model.module.forward = forward
+        train(tr, data_iterator(tr.config, tr.rt, "train", 0), None)
+    finally:
+        tr.signals.restore()
+    out = capsys.readouterr().out
+    assert tr.state.iteration == 4
+    assert checkpointing.read_tracker(str(tmp_path / "ckpt")) == (4, False)
+    assert out.count("successfully saved checkpoint at iteration") == 1, out
+    assert "[exiting program after receiving SIGUSR1.]" in out
+    assert "--save is not set" not in out, out
+
+
 def _rollback_run(tmp_path, train_sizes, reads, evaluations):
     """pretrain() on small .bin/.idx sets (a validation set of exactly the 80 samples
     Megatron sizes it for: (8 // 2 + 1) x 2 x 8), NaN at the first run of iteration 7,
