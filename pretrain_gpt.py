@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     start = time.time()
     from megatron.interrupt import InterruptWatch, RunProgress
 
-    progress, config = RunProgress(), None  # Ctrl-C: one line instead of every rank's traceback
+    progress, config, signals = RunProgress(), None, None  # Ctrl-C: one line, not tracebacks
     with InterruptWatch() as watch:
         try:
             from megatron.arguments import parse_and_validate
@@ -109,17 +109,32 @@ def main(argv=None) -> int:
             job = JobStore(os.environ, rank, world)  # rank 0 reads for all before the group
             config = parse_and_validate(sys.argv[1:] if argv is None else argv,
                                         world_size=world, vocab_size_fn=kept, job_store=job)
+            signals = _exit_signal_handler(config)
             _check_same_arguments(config, job)
             if config.args.get("dry_run"):  # under torchrun: one report per node
                 return _dry_run(config, job, local_rank)
             return _train(config, (rank, world, local_rank), start, progress, watch,
-                          kept.tokenizer, job.store)
+                          kept.tokenizer, job.store, signals)
         except BaseException as e:
             if not watch.explains(e):
                 raise
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process is ending
+        finally:
+            if signals is not None:  # an in-process caller gets its own handlers back
+                signals.restore()
     rank, _, local_rank = _launcher_env()
     return _interrupted(config, rank == 0 or local_rank == 0, progress)
+
+
+def _exit_signal_handler(config):
+    """With --exit-signal-handler, the SIGTERM/SIGUSR1 handler, installed once the
+    arguments are read (where Megatron installs its own): a signal during the rest of
+    the start-up (rendezvous, data, model, --load) is noted, and the first iteration
+    saves and exits, instead of the signal ending the process. Kept until `main`
+    returns. None without the flag."""
+    from megatron.signals import SignalHandler
+
+    return SignalHandler() if config.training.exit_signal_handler else None
 
 
 def _dry_run(config, job, local_rank: int) -> int:
@@ -141,14 +156,15 @@ def _dry_run(config, job, local_rank: int) -> int:
 
 
 def _train(config, ranks: tuple, start: float, progress, watch, tokenizer=None,
-           store=None) -> int:
+           store=None, signals=None) -> int:
     """Initialise the process group (through `store`, the job's store when the argument
     checks connected it), then pretrain (with `tokenizer`, the one the argument checks
     built; None: pretrain builds it); the exit status (0, or an OOM exit's).
     The group is left as it is after an out-of-memory error, an interrupt or another
     rank's failure (megatron/rank_failure.py: one line, from the first such rank of each
     host): its teardown may wait for ranks still in a collective (the launcher ends
-    those). An error another rank has printed already is not printed again."""
+    those). An error another rank has printed already is not printed again. `signals`:
+    the --exit-signal-handler handler installed at start-up (None without the flag)."""
     import torch.distributed as dist
 
     from megatron.agreed_exit import silent_ranks_wait
@@ -174,7 +190,7 @@ def _train(config, ranks: tuple, start: float, progress, watch, tokenizer=None,
         try:
             check_data_files(config, rt.control_group)  # before the model is built
             pretrain(config, rt, process_start_time=start, progress=progress,  # exits too
-                     tokenizer=tokenizer)
+                     tokenizer=tokenizer, signals=signals)
         except OutOfMemoryExit as e:  # reported already
             leave_group = True
             record_failure(rank, "out of memory (its report is in its output)", progress.where())

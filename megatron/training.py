@@ -465,12 +465,14 @@ def _build_data(tr: Trainer):
 
 
 def _setup(config: Config, rt: Runtime, process_start_time: Optional[float],
-           progress: RunProgress, save_locked: bool = False) -> Trainer:
+           progress: RunProgress, save_locked: bool = False,
+           signals: Optional[SignalHandler] = None) -> Trainer:
     """Model, optimizer, scheduler, --load: Megatron's `model-and-optimizer-setup` timer
     (with `load-checkpoint` inside it, printed when it happens). The watchdog's reports
     say where `progress` is. `save_locked`: this process holds --save's lock, so the
     unfinished saves found there that nothing wrote to lately are no other run's, and
-    are removed."""
+    are removed. `signals`: the caller's --exit-signal-handler handler (None: one is
+    installed here)."""
     log = StepLog(config, rt.device)
     log.timers("model-and-optimizer-setup", 0).start(barrier=True)
     tr = build_trainer(config, rt)
@@ -480,7 +482,7 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float],
     tr.watchdog.describe = progress.where
     watch_param_sync(tr)
     if config.training.exit_signal_handler:
-        tr.signals = SignalHandler()
+        tr.signals = signals if signals is not None else SignalHandler()
         if not config.checkpoint.save:
             print_rank_0("WARNING: --exit-signal-handler without --save: on SIGTERM/SIGUSR1 "
                          "the run will exit without saving a checkpoint")
@@ -526,7 +528,8 @@ def _train_and_evaluate(tr: Trainer, train_data, valid_data, test_data) -> None:
 
 
 def pretrain(config: Config, rt: Runtime, process_start_time: Optional[float] = None,
-             progress: Optional[RunProgress] = None, tokenizer=None) -> Trainer:
+             progress: Optional[RunProgress] = None, tokenizer=None,
+             signals: Optional[SignalHandler] = None) -> Trainer:
     """Build model, optimizer and data; load; train; evaluate at the end (validation,
     then test). An exit condition ends it after the loop's checkpoint, without the final
     evaluation (`tr.exit_reason` says which). `process_start_time`: what
@@ -540,13 +543,14 @@ def pretrain(config: Config, rt: Runtime, process_start_time: Optional[float] = 
         with OomReport(config, rt, memory_history=history) as oom:
             history.start()  # before the model is built: its allocations are in it
             return _pretrain(config, rt, process_start_time, oom, progress or RunProgress(),
-                             tokenizer)
+                             tokenizer, signals)
     finally:
         history.stop()
 
 
 def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
-              oom: OomReport, progress: RunProgress, tokenizer=None) -> Trainer:
+              oom: OomReport, progress: RunProgress, tokenizer=None,
+              signals: Optional[SignalHandler] = None) -> Trainer:
     if config.checkpoint.save:
         checkpointing.check_save_dir(config.checkpoint.save, rt.ps, rt.control_group)  # not after training
     if config.logging.tensorboard_dir:  # the last rank writes it: a message, not a traceback
@@ -556,7 +560,7 @@ def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
     # it evaluates a --save that a training run is writing now (the same command line).
     saves = None if config.training.skip_train else config.checkpoint.save
     with lock_save_dir(saves, rt.ps, rt.control_group) as save_lock:
-        tr = _setup(config, rt, process_start_time, progress, save_lock.held)
+        tr = _setup(config, rt, process_start_time, progress, save_lock.held, signals)
         oom.trainer = progress.trainer = tr  # the reports name the iteration from here on
         tr.tokenizer = tokenizer
         tr.memory_history = oom.memory_history
@@ -566,7 +570,7 @@ def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
             progress.phase = "training"
             _train_and_evaluate(tr, *loaders)
         finally:  # also on an error or a stop (SystemExit): nothing outlives this call
-            _teardown(tr, loaders)
+            _teardown(tr, loaders, restore_signals=signals is None)
     sys.stdout.flush()
     return tr
 
@@ -589,13 +593,13 @@ def _start(tr: Trainer) -> tuple:
     return loaders
 
 
-def _teardown(tr: Trainer, loaders) -> None:
+def _teardown(tr: Trainer, loaders, restore_signals: bool = True) -> None:
     """Stop what the run started: the loaders' threads / worker processes (they would
-    outlive this call, and the next one's), the signal handlers, the TensorBoard writer
-    (its last events reach the file even when the run stopped on an error) and the
-    watchdog."""
+    outlive this call, and the next one's), the signal handlers (unless the caller
+    installed them: `restore_signals` False), the TensorBoard writer (its last events
+    reach the file even when the run stopped on an error) and the watchdog."""
     close_iterators(loaders)
-    if tr.signals is not None:
+    if tr.signals is not None and restore_signals:
         tr.signals.restore()
     if tr.tb is not None:
         tr.tb.close()

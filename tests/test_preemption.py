@@ -240,6 +240,51 @@ def test_sigterm_to_torchrun_saves_at_the_iteration_reached(tmp_path, mode):
         assert re.search(r"\(blocking [0-9.]+ s, writing [0-9.]+ s in the background\)", log)
 
 
+# Runs pretrain_gpt.py (one process) and sends {sig} to it when {module}.{name} starts: a
+# phase of the start-up reached without any timing.
+SIGNAL_IN_PHASE_WRAPPER = """
+import importlib, os, runpy, signal, sys
+sys.path.insert(0, {root!r})
+module = importlib.import_module({module!r})
+original = getattr(module, {name!r})
+
+def signalled(*args, **kwargs):
+    print("test: {sig} during {name}", flush=True)
+    os.kill(os.getpid(), signal.{sig})
+    return original(*args, **kwargs)
+
+setattr(module, {name!r}, signalled)
+sys.argv[0] = {script!r}
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("sig, module, name", [
+    ("SIGUSR1", "megatron.initialize", "initialize_entry_point"),  # the rendezvous
+    ("SIGTERM", "megatron.training", "build_trainer"),  # the model build
+])
+def test_a_signal_during_start_up_is_noted_and_the_first_iteration_saves(tmp_path, sig,
+                                                                         module, name):
+    """With --exit-signal-handler the handler is installed once the arguments are read,
+    as Megatron's is: a signal while the process group or the model is being set up is
+    noted, and the run saves and exits at its first iteration check (status 0). The
+    handler used to come only after the model was built: the signal killed the process
+    (status 128 + signal number) with nothing saved."""
+    ckpt = tmp_path / "ck"
+    wrapper = tmp_path / "signal_in_phase.py"
+    wrapper.write_text(SIGNAL_IN_PHASE_WRAPPER.format(
+        root=str(ROOT), module=module, name=name, sig=sig, script=str(ROOT / "pretrain_gpt.py")))
+    done = _run([sys.executable, str(wrapper)] + MODEL + [
+        "--train-iters", "100000", "--save", str(ckpt), "--save-interval", "1000",
+        "--exit-signal-handler"])
+    log = done.stdout + done.stderr
+    assert f"test: {sig} during {name}" in log, log[-4000:]
+    assert done.returncode == 0, log[-4000:]
+    assert f"[exiting program after receiving {sig}.]" in done.stdout, log[-4000:]
+    assert [i for i, _ in _losses(done.stdout)] == [1]
+    _check_checkpoint(ckpt, 1)
+
+
 @functools.lru_cache(maxsize=None)
 def _uninterrupted_losses(train_iters: int) -> dict:
     """{iteration: printed lm loss} of a torchrun run that nothing interrupts."""
