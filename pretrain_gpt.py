@@ -109,7 +109,8 @@ def main(argv=None) -> int:
             job = JobStore(os.environ, rank, world)  # rank 0 reads for all before the group
             config = parse_and_validate(sys.argv[1:] if argv is None else argv,
                                         world_size=world, vocab_size_fn=kept, job_store=job)
-            signals = _exit_signal_handler(config)
+            # (not for --dry-run: a SIGTERM sent to stop it must stop it)
+            signals = None if config.args.get("dry_run") else _exit_signal_handler(config)
             _check_same_arguments(config, job)
             if config.args.get("dry_run"):  # under torchrun: one report per node
                 return _dry_run(config, job, local_rank)

@@ -604,3 +604,17 @@ def test_ctrl_c_in_each_phase_prints_one_accurate_line_and_keeps_the_checkpoint(
     assert re.search(r"loading checkpoint from \S+ at iteration 3", resumed.stdout)
     assert [i for i, _ in _losses(resumed.stdout)] == [4]
     assert read_tracker(str(ckpt)) == (4, False)
+
+
+def test_a_dry_run_leaves_sigterm_to_stop_it(monkeypatch):
+    """--exit-signal-handler's handler comes once the arguments are read, but not for
+    --dry-run: a SIGTERM sent to stop a dry run stops it (it would be noted and ignored)."""
+    import pretrain_gpt
+
+    seen = []
+    monkeypatch.setattr(pretrain_gpt, "_dry_run",
+                        lambda *a: seen.append(signal.getsignal(signal.SIGTERM)) or 0)
+    before = signal.getsignal(signal.SIGTERM)
+    assert pretrain_gpt.main(MODEL + ["--train-iters", "10", "--exit-signal-handler",
+                                      "--dry-run"]) == 0
+    assert seen == [before]
