@@ -35,6 +35,13 @@ def close_flag(token: str, options: Iterable[str]) -> Optional[str]:
     options = [o for o in options if o not in ("-h", "--help")
                and (o.startswith("--") or not name.startswith("--"))]
     close = difflib.get_close_matches(name, options, n=1)
+    if close and difflib.SequenceMatcher(None, name, close[0]).ratio() >= 0.9:
+        return close[0]  # a letter off: `--num-layer`, `--gpu` (not `--gpu-memory-gb`)
+    # A flag that begins with the typed name's words: `--exit-signal` (a later Megatron
+    # flag) is `--exit-signal-handler`, not `--exit-interval` (nearer by letters alone).
+    longer = sorted((o for o in options if o.startswith(name + "-")), key=len)
+    if longer:
+        return longer[0]
     return close[0] if close else None
 
 

@@ -79,3 +79,16 @@ def test_a_long_flag_typo_is_never_answered_with_help(capsys):
     assert err.endswith("required: --input; --hf is not a flag")  # was 'did you mean -h?'
     err = _error(capsys, p.parse_args, ["--input", "d", "--hepl"])
     assert "did you mean" not in err
+
+
+def test_a_flag_that_begins_with_the_typed_words_is_suggested(capsys):
+    """`--exit-signal` (a later Megatron flag) was answered with `--exit-interval`
+    (nearer by letters alone) though `--exit-signal-handler` begins with it; a flag one
+    letter off still wins over a longer one (`--gpu`: `--gpus`, not `--gpu-memory-gb`)."""
+    p = SuggestingParser(prog="tool.py", allow_abbrev=False)
+    for flag in ("--exit-interval", "--exit-signal-handler", "--gpus", "--gpu-memory-gb"):
+        p.add_argument(flag)
+    err = _error(capsys, p.parse_args, ["--exit-signal", "SIGUSR1"])
+    assert "--exit-signal (did you mean --exit-signal-handler?)" in err
+    err = _error(capsys, p.parse_args, ["--gpu", "8"])
+    assert "--gpu (did you mean --gpus?)" in err
