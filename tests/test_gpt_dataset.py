@@ -153,6 +153,63 @@ def test_index_matches_reference(tmp_path, sizes, num_samples, seq_length, seed)
         ds[len(ds)]
 
 
+@pytest.mark.parametrize("sizes,num_samples,seq_length,seed", CASES)
+def test_sample_idx_in_chunks_matches_reference(monkeypatch, sizes, num_samples, seq_length,
+                                                seed):
+    """Samples located a few at a time (chunk boundaries everywhere) give Megatron's rows."""
+    monkeypatch.setattr(gd, "_SAMPLE_CHUNK", 3)
+    ds_sizes = np.array(sizes, dtype=np.int32)
+    documents = np.arange(len(sizes), dtype=np.int32)
+    _, sample_idx, _ = gd.build_index_arrays(documents, ds_sizes, num_samples, seq_length, seed)
+    r_doc, r_sample, *_ = ref_indices(documents, ds_sizes, num_samples, seq_length, seed)
+    np.testing.assert_array_equal(sample_idx, r_sample)
+    assert sample_idx.dtype == np.int32
+
+
+def test_sample_idx_random_cases_match_reference(monkeypatch):
+    """Random sizes (empty documents too), lengths and chunk sizes: Megatron's rows."""
+    rng = np.random.default_rng(7)
+    for _ in range(60):
+        sizes = rng.integers(0, 30, int(rng.integers(1, 40))).astype(np.int32)
+        if not sizes.any():
+            continue
+        seq_length, num_samples = int(rng.integers(1, 40)), int(rng.integers(1, 80))
+        tokens = int(sizes.sum())
+        epochs = gd.num_epochs_needed(tokens, seq_length, num_samples)
+        doc_idx = np.tile(np.arange(len(sizes), dtype=np.int32), epochs)
+        rng.shuffle(doc_idx)
+        monkeypatch.setattr(gd, "_SAMPLE_CHUNK", int(rng.integers(1, 12)))
+        np.testing.assert_array_equal(
+            gd.build_sample_idx(sizes, doc_idx, seq_length, epochs, tokens),
+            ref_sample_idx(sizes, doc_idx, seq_length, epochs, tokens))
+
+
+def test_sample_idx_memory_is_the_result_plus_a_chunk(monkeypatch):
+    """Building sample_idx holds the result (8 bytes a sample) and the work of one chunk of
+    doc_idx: not several int64 arrays as long as the samples and the documents (48 bytes a
+    sample and 16 a doc_idx entry: more than 30 GB for 500M samples)."""
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(1, 40, 200_000).astype(np.int32)
+    doc_idx = rng.permutation(len(sizes)).astype(np.int32)
+    tokens = int(sizes.sum(dtype=np.int64))
+    seq_length = 2  # many samples per document: the samples dominate
+    monkeypatch.setattr(gd, "_SAMPLE_CHUNK", 1 << 14)  # (4M in use: more than these docs)
+    tracemalloc.start()
+    try:
+        sample_idx = gd.build_sample_idx(sizes, doc_idx, seq_length, 1, tokens)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    samples = len(sample_idx)
+    assert samples == (tokens - 1) // seq_length + 1
+    chunk = gd._SAMPLE_CHUNK
+    chunk_work = 6 * 8 * chunk + 3 * 8 * chunk * 40 // seq_length  # docs, then their samples
+    assert peak <= 8 * samples + chunk_work + (1 << 20), peak
+    assert peak < 16 * samples, (peak, samples)
+
+
 def test_epochs_and_last_epoch_rule():
     assert gd.num_epochs_needed(100, 10, 9) == 1 and gd.num_epochs_needed(100, 10, 10) == 2
     for t, s, n in [(100, 10, 10), (100, 10, 17), (997, 7, 5000), (64, 64, 3)]:

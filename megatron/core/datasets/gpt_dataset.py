@@ -138,23 +138,37 @@ def build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomS
     return np.concatenate((first, last))
 
 
+_SAMPLE_CHUNK = 1 << 22  # doc_idx entries whose samples build_sample_idx places per pass
+
+
 def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int,
                      num_epochs: int, tokens_per_epoch: int) -> np.ndarray:
     """[(E*T-1)//S + 1, 2] int32 (doc_idx position, offset) where each sample starts.
 
     Sample i starts at token i*S of the concatenated document stream; that token lies in
-    the first document whose cumulative end exceeds it (so a boundary on a document's
-    last token stays in that document, and empty documents are skipped).
+    the document that spans it (so a boundary on a document's last token stays in that
+    document, and empty documents are skipped). One sequential pass along doc_idx,
+    `_SAMPLE_CHUNK` documents at a time: the document from token `start` to `end` holds
+    the samples ceil(start/S) .. ceil(end/S)-1, written as runs (np.repeat) -- no binary
+    search per sample, and no array besides the result longer than a chunk.
     """
     num_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
-    lengths = np.asarray(sizes)[doc_idx].astype(np.int64)
-    ends = np.cumsum(lengths)
-    positions = np.arange(num_samples + 1, dtype=np.int64) * seq_length
-    which = np.searchsorted(ends, positions, side="right")
-    offsets = positions - (ends[which] - lengths[which])
     sample_idx = np.empty((num_samples + 1, 2), dtype=np.int32)
-    sample_idx[:, 0] = which
-    sample_idx[:, 1] = offsets
+    sizes = np.asarray(sizes)
+    carry = 0  # tokens before this chunk's documents
+    for k0 in range(0, len(doc_idx), _SAMPLE_CHUNK):
+        lengths = sizes[doc_idx[k0:k0 + _SAMPLE_CHUNK]].astype(np.int64)
+        ends = np.cumsum(lengths)
+        ends += carry
+        starts = ends - lengths
+        carry = int(ends[-1])
+        first = -(-starts // seq_length)  # first sample starting at or after each start
+        counts = -(-ends // seq_length) - first  # samples starting inside each document
+        i0, n = int(first[0]), int(counts.sum())
+        rows = sample_idx[i0:i0 + n]
+        rows[:, 0] = np.repeat(np.arange(k0, k0 + len(lengths), dtype=np.int64), counts)
+        rows[:, 1] = (np.arange(i0, i0 + n, dtype=np.int64) * seq_length
+                      - np.repeat(starts, counts))
     sample_idx[0] = (0, 0)  # Megatron's helper starts at (0, 0) even before empty documents
     return sample_idx
 
