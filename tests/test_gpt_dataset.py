@@ -210,6 +210,32 @@ def test_sample_idx_memory_is_the_result_plus_a_chunk(monkeypatch):
     assert peak < 16 * samples, (peak, samples)
 
 
+def test_doc_and_shuffle_idx_shuffle_the_last_epoch_apart_in_place():
+    """With the last epoch apart, doc_idx and shuffle_idx are the two shuffles of
+    Megatron's concatenation, built without a second copy of the array."""
+    import tracemalloc
+
+    documents = np.arange(100_000, dtype=np.int32)
+    rng, ref_rng = np.random.RandomState(5), np.random.RandomState(5)
+    tracemalloc.start()
+    try:
+        doc_idx = gd.build_doc_idx(documents, 3, rng, True)
+        doc_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        shuffle_idx = gd.build_shuffle_idx(250_000, 300_000, rng)
+        shuffle_peak = tracemalloc.get_traced_memory()[1] - doc_idx.nbytes
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(doc_idx, ref_doc_idx(list(documents), 3, ref_rng, True))
+    first, last = np.arange(250_000, dtype=np.uint32), np.arange(250_000, 300_000,
+                                                                 dtype=np.uint32)
+    ref_rng.shuffle(first)
+    ref_rng.shuffle(last)
+    np.testing.assert_array_equal(shuffle_idx, np.concatenate((first, last)))
+    assert doc_peak < 1.2 * doc_idx.nbytes + documents.nbytes, doc_peak
+    assert shuffle_peak < 1.2 * shuffle_idx.nbytes, shuffle_peak
+
+
 def test_index_built_and_checked_over_aligned_sizes(tmp_path, monkeypatch):
     """The mapped .idx holds sizes at byte 34 (unaligned: numpy gathers from it 2-3x
     slower); building and checking the index gather them once per doc_idx entry, from an

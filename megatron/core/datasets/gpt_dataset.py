@@ -128,14 +128,15 @@ def same_layout_range(tokens_per_epoch: int, seq_length: int,
 
 def build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
                   separate_last: bool) -> np.ndarray:
-    """Documents repeated per epoch and shuffled (int32); last epoch apart if asked."""
-    if not separate_last or num_epochs == 1:
-        doc_idx = np.tile(np.asarray(documents, dtype=np.int32), num_epochs)
-        rng.shuffle(doc_idx)
-        return doc_idx
-    first = build_doc_idx(documents, num_epochs - 1, rng, False)
-    last = build_doc_idx(documents, 1, rng, False)
-    return np.concatenate((first, last))
+    """Documents repeated per epoch and shuffled (int32); last epoch apart if asked (the
+    first E-1 epochs and the last are shuffled in place in the one array, no copy)."""
+    documents = np.asarray(documents, dtype=np.int32)
+    doc_idx = np.tile(documents, num_epochs)
+    split = len(doc_idx) - len(documents) if separate_last and num_epochs > 1 else len(doc_idx)
+    rng.shuffle(doc_idx[:split])
+    if split < len(doc_idx):
+        rng.shuffle(doc_idx[split:])
+    return doc_idx
 
 
 _SAMPLE_CHUNK = 1 << 22  # doc_idx entries whose samples build_sample_idx places per pass
@@ -175,15 +176,14 @@ def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int,
 
 def build_shuffle_idx(num_samples: int, total_size: int,
                       rng: np.random.RandomState) -> np.ndarray:
-    """Permutation of [0, num_samples) then, shuffled apart, of [num_samples, total_size)."""
+    """Permutation of [0, num_samples) then, shuffled apart, of [num_samples, total_size).
+    Both parts are shuffled in place in the one array (no concatenated copy)."""
     dtype = np.int64 if total_size >= np.iinfo(np.uint32).max - 1 else np.uint32
-    first = np.arange(num_samples, dtype=dtype)
-    rng.shuffle(first)
-    if num_samples == total_size:
-        return first
-    last = np.arange(num_samples, total_size, dtype=dtype)
-    rng.shuffle(last)
-    return np.concatenate((first, last))
+    shuffle_idx = np.arange(total_size, dtype=dtype)
+    rng.shuffle(shuffle_idx[:num_samples])
+    if num_samples < total_size:
+        rng.shuffle(shuffle_idx[num_samples:])
+    return shuffle_idx
 
 
 def build_index_arrays(documents: np.ndarray, sizes: np.ndarray, num_samples: int,
