@@ -310,20 +310,86 @@ def add_from_hf_arguments(parser) -> None:
                              "directory is replaced and the tracker says 'release')")
 
 
+# from-hf's tokenizer when --tokenizer-type is not given: the first whose files --input
+# holds (to-hf writes each of them), else NullTokenizer. {file name: the flag recording it}
+_IMPORTED_TOKENIZERS = (
+    ("HuggingFaceTokenizer", {"tokenizer.json": "--tokenizer-model"}),
+    ("GPT2BPETokenizer", {"vocab.json": "--vocab-file", "merges.txt": "--merge-file"}),
+    ("GPTSentencePieceTokenizer", {"tokenizer.model": "--tokenizer-model"}),
+)
+_TOKENIZER_FILES_OF = dict(_IMPORTED_TOKENIZERS,
+                           SentencePieceTokenizer={"tokenizer.model": "--tokenizer-model"})
+TOKENIZER_DIR = "tokenizer"  # under from-hf's --save: the copies the checkpoint records
+
+
+def _tokenizer_kind(a, in_dir: str) -> str:
+    if a.tokenizer_type is not None:
+        return a.tokenizer_type
+    for kind, files in _IMPORTED_TOKENIZERS:
+        if all(os.path.isfile(os.path.join(in_dir, n)) for n in files):
+            return kind
+    return "NullTokenizer"
+
+
+def imported_tokenizer_files(a, in_dir: str, kind: str) -> Dict[str, str]:
+    """{file name: path in `in_dir`} of the `kind` tokenizer's files from-hf copies into
+    <save>/tokenizer/ (the Hugging Face directory may be deleted once imported): those
+    not given with --vocab-file/--merge-file/--tokenizer-model, with tokenizer.json its
+    tokenizer_config.json and special_tokens_map.json (the end-of-document token)."""
+    given = {"--vocab-file": a.vocab_file, "--merge-file": a.merge_file,
+             "--tokenizer-model": a.tokenizer_model}
+    files = _TOKENIZER_FILES_OF.get(kind, {})
+    names = [n for n, flag in files.items() if given[flag] is None]
+    if "tokenizer.json" in names:
+        names += [n for n in _HF_TOKENIZER_FILES if n != "tokenizer.json"]
+    found = {n: os.path.join(in_dir, n) for n in names}
+    return {n: p for n, p in found.items() if os.path.isfile(p)}
+
+
 def _tokenizer_flags(a, in_dir: str, hf_vocab: int) -> List[str]:
-    kind = a.tokenizer_type
-    if kind is None:
-        has_file = os.path.isfile(os.path.join(in_dir, "tokenizer.json"))
-        kind = "HuggingFaceTokenizer" if has_file else "NullTokenizer"
+    """The tokenizer flags of the import, naming the files in `in_dir` (moved to the
+    checkpoint's copies by `_record_tokenizer_copies` once validated)."""
+    kind = _tokenizer_kind(a, in_dir)
     flags = ["--tokenizer-type", kind]
     if kind == "NullTokenizer":
         flags += ["--vocab-size", str(hf_vocab - 1)]
-    model = a.tokenizer_model or (os.path.abspath(in_dir) if kind == "HuggingFaceTokenizer" else None)
-    for flag, value in (("--vocab-file", a.vocab_file), ("--merge-file", a.merge_file),
-                        ("--tokenizer-model", model)):
+    given = {"--vocab-file": a.vocab_file, "--merge-file": a.merge_file,
+             "--tokenizer-model": a.tokenizer_model}
+    for name, path in imported_tokenizer_files(a, in_dir, kind).items():
+        flag = _TOKENIZER_FILES_OF[kind].get(name)
+        if flag is not None:  # a HuggingFaceTokenizer is recorded as its directory
+            given[flag] = os.path.abspath(in_dir if name == "tokenizer.json" else path)
+    for flag, value in given.items():
         if value is not None:
             flags += [flag, value]
     return flags
+
+
+def _record_tokenizer_copies(a, cfg, flags: List[str]) -> Dict[str, str]:
+    """Point the checkpoint's args and `flags` at <save>/tokenizer/ for each file taken
+    from --input; {source: destination} of the copies to make."""
+    kind = flags[flags.index("--tokenizer-type") + 1]
+    files = imported_tokenizer_files(a, a.input, kind)
+    target = os.path.join(os.path.abspath(a.save), TOKENIZER_DIR)
+    for name in files:
+        flag = _TOKENIZER_FILES_OF[kind].get(name)
+        if flag is None:
+            continue
+        i = flags.index(flag) + 1
+        flags[i] = target if name == "tokenizer.json" else os.path.join(target, name)
+        cfg.args[flag[2:].replace("-", "_")] = flags[i]
+    return {path: os.path.join(target, name) for name, path in files.items()}
+
+
+def _copy_imported_tokenizer(copies: Dict[str, str]) -> None:
+    try:
+        for source, dest in copies.items():
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            shutil.copyfile(source, dest)
+    except OSError as exc:
+        raise SystemExit(f"error: copying the tokenizer files into {os.path.dirname(dest)} "
+                         f"failed ({type(exc).__name__}: {exc}); free space or pass another "
+                         "--save") from exc
 
 
 def config_from_hf(hf_cfg: dict, a, in_dir: str):
@@ -371,9 +437,11 @@ def _from_hf(a) -> int:
     print(f"reading the Hugging Face model in {a.input} ...", flush=True)
     hf_cfg, hf_state = load_hf_checkpoint(a.input)
     family, cfg, flags = config_from_hf(hf_cfg, a, a.input)
+    copies = _record_tokenizer_copies(a, cfg, flags)
     state = from_hf_state_dict(hf_state, cfg.model, family, int(hf_cfg["vocab_size"]))
     hf_state = None  # `state` holds what the checkpoint needs
     print(f"writing {len(state)} tensors to {a.save} ...", flush=True)
+    _copy_imported_tokenizer(copies)  # before the checkpoint that records them
     save_release_checkpoint(a.save, state, cfg, a.overwrite)
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
     _note_lost_special_ids(hf_cfg, flags, a.input)
