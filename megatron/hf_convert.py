@@ -302,9 +302,14 @@ def add_from_hf_arguments(parser) -> None:
                         help="recorded in the checkpoint's args (default: min(max positions, 2048))")
     parser.add_argument("--tokenizer-type", default=None, help="recorded in the checkpoint's "
                         "args (default: HuggingFaceTokenizer when --input holds tokenizer.json, "
-                        "else NullTokenizer with --vocab-size = HF vocab_size - 1)")
+                        "else GPT2BPETokenizer when it holds vocab.json and merges.txt, else "
+                        "GPTSentencePieceTokenizer when it holds tokenizer.model, else "
+                        "NullTokenizer with --vocab-size = HF vocab_size - 1). The tokenizer "
+                        "files taken from --input are copied into SAVE/tokenizer/ and recorded "
+                        "there, so --input may be deleted afterwards")
     for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
-        parser.add_argument(flag, default=None)
+        parser.add_argument(flag, default=None, help="recorded as given (default: the "
+                            "copy of --input's file, for the tokenizer type's files)")
     parser.add_argument("--overwrite", action="store_true",
                         help="allow a --save that already holds a checkpoint (its release "
                              "directory is replaced and the tracker says 'release')")

@@ -68,17 +68,19 @@ def full_named_grads(model: torch.nn.Module, tp_group) -> dict:
     return out
 
 
-def cli_trainer(argv, world_size: int = 1, rank: int = 0, cuda_available: bool = False):
+def cli_trainer(argv, world_size: int = 1, rank: int = 0, cuda_available: bool = False,
+                vocab_size_fn=None):
     """(config, runtime, trainer) built from pretrain_gpt.py flags, validated as for the CPU
     unless `cuda_available` (a test that means the GPU where there is one: its CUDA-only
     choices are then checked against CUDA), seeded as pretrain_gpt.py seeds; inside
-    run_distributed the process group already exists."""
+    run_distributed the process group already exists. `vocab_size_fn`: as
+    parse_and_validate's (pretrain_gpt.tokenizer_vocab_size for SentencePiece models)."""
     from megatron.arguments import parse_and_validate
     from megatron.initialize import initialize_distributed, set_random_seed
     from megatron.training import build_trainer
 
     cfg = parse_and_validate(list(argv), world_size=world_size, env={"RANK": str(rank)},
-                             cuda_available=cuda_available)
+                             cuda_available=cuda_available, vocab_size_fn=vocab_size_fn)
     rt = initialize_distributed(cfg.parallel, rank, world_size, 0)
     set_random_seed(cfg.training.seed, rt)
     return cfg, rt, build_trainer(cfg, rt)

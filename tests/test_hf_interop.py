@@ -63,14 +63,14 @@ def _ours_logits(model, tokens=TOKENS) -> torch.Tensor:
         return model(tokens).float()
 
 
-def _train(save_dir, extra, world_size=1, rank=0, steps=2, load=None):
+def _train(save_dir, extra, world_size=1, rank=0, steps=2, load=None, vocab_size_fn=None):
     """Train a tiny model `steps` steps (optionally from --load, loaded as pretrain() does),
     save it; returns (trainer, losses, logits of TOKENS before training)."""
     from megatron.trainer_checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
     from megatron.training import data_iterator
 
     argv = f"{TINY} --save {save_dir} {extra}".split() + (["--load", str(load)] if load else [])
-    cfg, rt, tr = cli_trainer(argv, world_size, rank)
+    cfg, rt, tr = cli_trainer(argv, world_size, rank, vocab_size_fn=vocab_size_fn)
     if load:
         load_trainer_checkpoint(tr)
     before = _ours_logits(tr.model.module)
@@ -679,6 +679,9 @@ def test_from_hf_advice_with_use_checkpoint_args_names_the_tokenizer_file(tmp_pa
     advice = shlex.split(last.split("train from it with ")[1].split(", or with")[0])
     assert advice[:4] == ["pretrain_gpt.py", "--load", str(ck), "--use-checkpoint-args"]
     assert advice[4] == "--tokenizer-model" and len(advice) == 6
+    assert advice[5] == str(ck / "tokenizer"), "a copy in the checkpoint, not in --input"
+    assert (ck / "tokenizer" / "tokenizer.json").read_bytes() == \
+        (hf / "tokenizer.json").read_bytes()
     cfg = parse_and_validate(advice[1:] + ["--micro-batch-size", "1", "--lr", "1e-4",
                                            "--train-iters", "1", "--mock-data"],
                              world_size=1, env={}, cuda_available=False,
@@ -803,3 +806,61 @@ def test_llama_export_takes_a_rotary_percent_of_one_or_more():
                                  env={"RANK": "0"}, cuda_available=False)
         problems = hf_interop.family_problems(cfg.model, "llama")
         assert not any("rotary" in p for p in problems) if ok else problems, (percent, problems)
+
+
+def _generated(ck, prompt: str) -> dict:
+    """`tools/generate.py --load CK --prompt PROMPT --greedy --json` run in-process."""
+    import contextlib
+    import io
+
+    from tools import generate
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert generate.main(["--load", str(ck), "--prompt", prompt, "--greedy",
+                              "--max-new-tokens", "6", "--no-stop-at-eod", "--json"]) == 0
+    out = json.loads(buf.getvalue().strip().splitlines()[-1])
+    return {k: out[k] for k in ("prompt_ids", "generated_ids", "generated_text")}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_round_trip_keeps_the_tokenizer_after_the_hf_directory_is_gone(tmp_path, family,
+                                                                        capsys):
+    """to-hf of a GPT2BPETokenizer (GPTSentencePieceTokenizer) checkpoint writes
+    vocab.json + merges.txt (tokenizer.model) and no tokenizer.json; from-hf recorded
+    NullTokenizer, so the import lost the tokenizer: generate.py refused text prompts and
+    the advice's flags trained without it. Now the import records the same tokenizer type,
+    its files copied into the checkpoint's tokenizer/ (the HF directory may be deleted),
+    and generates the same text as the original checkpoint."""
+    from megatron.checkpoint_reshard import SourceCheckpoint, locate_iteration
+
+    if family == "gpt2":
+        gpt2 = "/work/shared/data/gpt2"
+        if not os.path.isfile(f"{gpt2}/gpt2-vocab.json"):
+            pytest.skip("the GPT-2 vocabulary files are not here")
+        tok = (f"--tokenizer-type GPT2BPETokenizer --vocab-file {gpt2}/gpt2-vocab.json "
+               f"--merge-file {gpt2}/gpt2-merges.txt")
+        kind, names = "GPT2BPETokenizer", {"vocab_file": "vocab.json", "merge_file": "merges.txt"}
+    else:
+        from tests.test_tokenizer import _train_sentencepiece
+
+        tok = (f"--tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "
+               f"{_train_sentencepiece(tmp_path)}")
+        kind, names = "GPTSentencePieceTokenizer", {"tokenizer_model": "tokenizer.model"}
+    flags = f"{LLAMA} --bf16" if family == "llama" else ""
+    from pretrain_gpt import tokenizer_vocab_size
+
+    _train(tmp_path / "ck", f"{tok} {flags}", steps=1, vocab_size_fn=tokenizer_vocab_size)
+    hf, imp = tmp_path / "hf", tmp_path / "imp"
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", hf) == 0
+    assert _cli("from-hf", "--input", hf, "--save", imp) == 0
+    advice = capsys.readouterr().out.strip().splitlines()[-1]
+    hf.rename(tmp_path / "deleted")  # a shared export is often removed once imported
+    iter_dir = locate_iteration(str(imp), None)[0]
+    args = SourceCheckpoint(iter_dir).args
+    assert args["tokenizer_type"] == kind
+    for dest, name in names.items():
+        assert args[dest] == str(imp / "tokenizer" / name)
+        assert f"--{dest.replace('_', '-')} {imp / 'tokenizer' / name}" in advice
+    prompt = "First Citizen: we know"
+    assert _generated(imp, prompt) == _generated(tmp_path / "ck", prompt)
