@@ -327,12 +327,37 @@ _TOKENIZER_FILES_OF = dict(_IMPORTED_TOKENIZERS,
 TOKENIZER_DIR = "tokenizer"  # under from-hf's --save: the copies the checkpoint records
 
 
-def _tokenizer_kind(a, in_dir: str) -> str:
+def _unusable(kind: str, paths: Dict[str, str], hf_vocab: int) -> Optional[str]:
+    """Why the `kind` tokenizer of these files cannot be the model's, or None (checked
+    for GPT2BPETokenizer and GPTSentencePieceTokenizer: another BPE's vocab.json has no
+    <|endoftext|>, and another model's files more ids than its vocabulary)."""
+    from megatron.tokenizer import build_tokenizer
+
+    if kind == "HuggingFaceTokenizer":
+        return None  # recorded as found (its end-of-document token is looked up at use)
+    try:
+        tok = build_tokenizer(kind, vocab_file=paths.get("vocab.json"),
+                              merge_file=paths.get("merges.txt"),
+                              tokenizer_model=paths.get("tokenizer.model"))
+    except (ImportError, OSError, ValueError) as exc:
+        return str(exc)
+    if tok.vocab_size > hf_vocab:
+        return f"{tok.vocab_size} ids, more than the model's vocab_size {hf_vocab}"
+    return None
+
+
+def _tokenizer_kind(a, in_dir: str, hf_vocab: int) -> str:
     if a.tokenizer_type is not None:
         return a.tokenizer_type
     for kind, files in _IMPORTED_TOKENIZERS:
-        if all(os.path.isfile(os.path.join(in_dir, n)) for n in files):
+        paths = {n: os.path.join(in_dir, n) for n in files}
+        if not all(os.path.isfile(p) for p in paths.values()):
+            continue
+        why = _unusable(kind, paths, hf_vocab)
+        if why is None:
             return kind
+        print(f"note: {' and '.join(files)} in {in_dir} not taken as {kind} ({why}); pass "
+              "--tokenizer-type and its files to record the model's tokenizer")
     return "NullTokenizer"
 
 
@@ -354,7 +379,7 @@ def imported_tokenizer_files(a, in_dir: str, kind: str) -> Dict[str, str]:
 def _tokenizer_flags(a, in_dir: str, hf_vocab: int) -> List[str]:
     """The tokenizer flags of the import, naming the files in `in_dir` (moved to the
     checkpoint's copies by `_record_tokenizer_copies` once validated)."""
-    kind = _tokenizer_kind(a, in_dir)
+    kind = _tokenizer_kind(a, in_dir, hf_vocab)
     flags = ["--tokenizer-type", kind]
     if kind == "NullTokenizer":
         flags += ["--vocab-size", str(hf_vocab - 1)]

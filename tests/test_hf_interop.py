@@ -864,3 +864,27 @@ def test_round_trip_keeps_the_tokenizer_after_the_hf_directory_is_gone(tmp_path,
         assert f"--{dest.replace('_', '-')} {imp / 'tokenizer' / name}" in advice
     prompt = "First Citizen: we know"
     assert _generated(imp, prompt) == _generated(tmp_path / "ck", prompt)
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda vocab: vocab.pop("<|endoftext|>"), "<|endoftext|> is missing"),
+    (lambda vocab: None, "ids, more than the model's vocab_size 101"),
+])
+def test_from_hf_leaves_bpe_files_that_are_not_the_models_tokenizer(tmp_path, capsys, edit,
+                                                                     words):
+    """vocab.json + merges.txt of another BPE (no <|endoftext|>: GPT2BPETokenizer could not
+    be built for training) or with more ids than the model has are not recorded as its
+    GPT2BPETokenizer: NullTokenizer, and a note saying why."""
+    from megatron.checkpoint_reshard import SourceCheckpoint, locate_iteration
+    from tests.test_tokenizer import TRAIN_TEXT, train_tiny_bpe, write_bpe_files
+
+    _save_hf_model(tmp_path / "hf", "gpt2")
+    vocab, merges = train_tiny_bpe(TRAIN_TEXT, 10, False)
+    edit(vocab)
+    write_bpe_files(tmp_path / "hf", vocab, merges)
+    assert _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "ck") == 0
+    out = capsys.readouterr().out
+    assert "vocab.json and merges.txt in" in out and words in out
+    args = SourceCheckpoint(locate_iteration(str(tmp_path / "ck"), None)[0]).args
+    assert args["tokenizer_type"] == "NullTokenizer" and args["vocab_size"] == VOCAB
+    assert not (tmp_path / "ck" / "tokenizer").exists()
