@@ -2,6 +2,10 @@
 default APFS volumes, Windows) they name one file, and the second write replaces the first."""
 from __future__ import annotations
 
+if __name__ == "__main__":
+    raise SystemExit("tools/case_names.py is a library module (output names that differ only "
+                     "by case); run python tools/preprocess_data.py --help")
+
 import os
 import tempfile
 from typing import Iterable, List
