@@ -187,17 +187,70 @@ def build_shuffle_idx(num_samples: int, total_size: int,
 
 
 def build_index_arrays(documents: np.ndarray, sizes: np.ndarray, num_samples: int,
-                       seq_length: int, seed: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(doc_idx, sample_idx, shuffle_idx) exactly as Megatron 23.05 builds them."""
+                       seq_length: int, seed: int,
+                       progress: Optional[Callable[[str], None]] = None
+                       ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(doc_idx, sample_idx, shuffle_idx) exactly as Megatron 23.05 builds them.
+    `progress(phase)` is called as each array is done ("doc_idx", "sample_idx",
+    "shuffle_idx")."""
     tokens_per_epoch = int(np.asarray(sizes)[documents].sum(dtype=np.int64))
     num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
     separate = separate_last_epoch(tokens_per_epoch, seq_length, num_samples, num_epochs)
+    done = progress if progress is not None else (lambda phase: None)
     rng = np.random.RandomState(seed=seed)
     doc_idx = build_doc_idx(documents, num_epochs, rng, separate)
+    done("doc_idx")
     sample_idx = build_sample_idx(sizes, doc_idx, seq_length, num_epochs, tokens_per_epoch)
+    done("sample_idx")
     total = sample_idx.shape[0] - 1
     first = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length if separate else total
-    return doc_idx, sample_idx, build_shuffle_idx(first, total, rng)
+    shuffle_idx = build_shuffle_idx(first, total, rng)
+    done("shuffle_idx")
+    return doc_idx, sample_idx, shuffle_idx
+
+
+# An index of at least this many doc_idx entries and samples together (a few seconds of
+# building, minutes at hundreds of millions) is announced, and each of its three arrays
+# logged as it is done, with the time the rest should take.
+BUILD_LOG_MIN_ENTRIES = 1 << 24
+
+
+class IndexBuildLog:
+    """The lines a large GPT index build gives `log` (see BUILD_LOG_MIN_ENTRIES): what is
+    built (`start`), then, as a `progress` for `build_index_arrays`, each array done with
+    the time taken and an estimate of the time left (shuffling an entry and placing the
+    samples of one cost about alike; measured on the doc_idx shuffle)."""
+
+    def __init__(self, log: Callable[[str], None], what: str, documents: int, tokens: int,
+                 num_samples: int, seq_length: int, clock: Callable[[], float] = time.monotonic):
+        self.log, self.what, self.clock = log, what, clock
+        self.epochs, self.separate = index_layout(tokens, seq_length, num_samples)
+        self.documents, self.num_samples, self.seq_length = documents, num_samples, seq_length
+        self.entries = self.epochs * documents
+        self.rows = (self.epochs * tokens - 1) // seq_length
+        self.start = self.last = clock()
+        self.per_entry = 0.0
+
+    def announce(self) -> None:
+        apart = ", the last shuffled apart" if self.separate else ""
+        self.log(f"    building the index of {self.what}: {self.num_samples} samples of "
+                 f"{self.seq_length} tokens asked, {self.rows} cut from {self.epochs} "
+                 f"epoch(s) over {self.documents} documents{apart} ...")
+        self.start = self.last = self.clock()
+
+    def __call__(self, phase: str) -> None:
+        now = self.clock()
+        took, self.last = now - self.last, now
+        if phase == "doc_idx":
+            self.per_entry = took / max(self.entries, 1)
+            count, left = f"{self.entries} entries", 0.8 * self.entries + self.rows
+        elif phase == "sample_idx":
+            count, left = f"{self.rows + 1} rows", self.rows
+        else:
+            count, left = f"{self.rows} samples", 0
+        rest = f", about {self.per_entry * left:.0f} s left" if left else "; writing the files"
+        self.log(f"      {phase}: {count} in {took:.1f} s ({now - self.start:.0f} s so far)"
+                 f"{rest}")
 
 
 def describe(data_prefix: str, name: str, num_samples: int, seq_length: int, seed: int,
@@ -363,9 +416,11 @@ class GPTDataset:
                  indexed_dataset: MMapIndexedDataset, num_samples: int, seq_length: int,
                  seed: int, split_string: str, cache_dir: Optional[str] = None,
                  may_build: bool = True, vocab_size: Optional[int] = None,
-                 on_build: Optional[Callable[[], None]] = None):
+                 on_build: Optional[Callable[[], None]] = None,
+                 log: Optional[Callable[[str], None]] = None):
         """`on_build` is called before the index is built (not when a cache is used);
-        `index_build_s` is then the seconds the build took, else None."""
+        `index_build_s` is then the seconds the build took, else None. `log` receives
+        the lines of a large build (`IndexBuildLog`)."""
         documents = np.asarray(documents, dtype=np.int32)
         n_seq = len(indexed_dataset.sizes)
         if n_seq == 0:
@@ -398,8 +453,19 @@ class GPTDataset:
         def build():
             if on_build is not None:
                 on_build()
+            progress = None
+            if log is not None:
+                shown = "validation" if name == "valid" else name
+                progress = IndexBuildLog(log, f"the {shown} dataset of {data_prefix}",
+                                         len(documents), self.tokens_per_epoch, num_samples,
+                                         seq_length)
+                if progress.entries + progress.rows < BUILD_LOG_MIN_ENTRIES:
+                    progress = None
+                else:
+                    progress.announce()
             start = time.time()
-            arrays = build_index_arrays(documents, sizes, num_samples, seq_length, seed)
+            arrays = build_index_arrays(documents, sizes, num_samples, seq_length, seed,
+                                        progress)
             self.index_build_s = time.time() - start
             return arrays
 
@@ -519,7 +585,7 @@ class _Builder:
             ds = GPTDataset(name, prefix, documents, self.indexed(prefix), num_samples,
                             self.seq_length, self.seed, self.split, self.cache_dir,
                             self.may_build and not checking_only, self.vocab_size,
-                            on_build=self._announce_build)
+                            on_build=self._announce_build, log=self.log)
         except StaleIndexCacheError as e:
             self.stale.append(e)
             return None
