@@ -179,9 +179,12 @@ def build_datasets(config: Config, rank: int, vocab_size: int,
     for name, n in zip(("train", "validation", "test"), counts):
         print_rank_0(f"    {name + ':':<11} {n}")
     print_rank_0("> building train, validation, and test datasets for GPT ...")
-    barrier = _watched_barrier if dist.is_initialized() else None
+    wait = _index_build_wait(config, rank)
+    barrier = wait.barrier if wait is not None else None
     share = None if barrier is None else (lambda value: from_rank_0(value, group))
     datasets, error = None, None
+    if wait is not None and rank == 0:
+        wait.start()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("default")
@@ -195,10 +198,26 @@ def build_datasets(config: Config, rank: int, vocab_size: int,
                 share=share)
     except (ValueError, FileNotFoundError) as e:
         error = (isinstance(e, MissingIndexCacheError), str(e))
+    finally:
+        if wait is not None:
+            wait.stop()
     agreed_data_error(error, group)
     _report_warnings(caught)
     print_rank_0("> finished creating GPT datasets ...")
     return dict(zip(SPLITS, datasets))
+
+
+def _index_build_wait(config: Config, rank: int):
+    """The wait of the other ranks for global rank 0's index build (`IndexBuildWait`: not
+    bounded by the collective timeout while rank 0's heartbeat comes), None without a
+    process group of several ranks."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    from megatron.index_build_wait import IndexBuildWait
+
+    store = dist.distributed_c10d._get_default_store()
+    return IndexBuildWait(store, rank, 60.0 * config.parallel.distributed_timeout_minutes,
+                          _watched_barrier)
 
 
 def _watched_barrier() -> None:
