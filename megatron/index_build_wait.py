@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 KEY_PREFIX = "megatron/dataset-index-build/"
 HEARTBEAT_S = 2.0  # how often the builder rank publishes its heartbeat
-POLL_S = 0.5  # how often a waiting rank looks at the store
+POLL_S = 2.0  # how often a waiting rank looks at the store (3 requests: thousands of ranks)
 
 
 class IndexBuildWait:
