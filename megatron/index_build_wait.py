@@ -79,7 +79,8 @@ class IndexBuildWait:
         from megatron.rank_failure import FAILURES_KEY
 
         beats, since = -1, time.monotonic()
-        while True:
+        delay = min(0.05, self.poll_s)  # a cached index is done at once: look soon, then
+        while True:                      # back off to poll_s (few requests while it builds)
             try:
                 if self.store.check([self.done_key]):
                     return
@@ -100,7 +101,8 @@ class IndexBuildWait:
                     f"its heartbeat stopped {now - since:.0f} s ago (bound: "
                     "--distributed-timeout-minutes): it was killed (SIGKILL, the out-of-memory "
                     "killer), lost with its node, or hangs"))
-            time.sleep(self.poll_s)
+            time.sleep(delay)
+            delay = min(2 * delay, self.poll_s)
 
     def _gone(self, why: str) -> str:
         return (f"error: [rank {self.rank}] stopped waiting for global rank 0 to build the "

@@ -156,3 +156,21 @@ def test_a_failure_rank_0_recorded_ends_the_wait():
     store.set(f"{FAILURES_KEY}/1", "0\t\tValueError: bad")
     with pytest.raises(SystemExit, match="a rank recorded a failure"):
         IndexBuildWait(store, 1, 60.0, lambda: None).barrier()
+
+
+def test_a_waiting_rank_looks_soon_then_backs_off(monkeypatch):
+    """A cached index is done at once: the first look comes after 50 ms, not a whole
+    poll interval (2 s more start-up on every rank but 0), then the wait backs off."""
+    import torch.distributed as dist
+
+    store, sleeps = dist.HashStore(), []
+    wait = IndexBuildWait(store, 1, 60.0, lambda: None, poll_s=2.0)
+
+    def sleep(s):
+        sleeps.append(s)
+        if len(sleeps) == 8:
+            store.set(wait.done_key, b"1")
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    wait.barrier()
+    assert sleeps == [0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0]
