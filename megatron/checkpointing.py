@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import shutil
 import time
 from typing import Callable, Dict, List, Optional
@@ -77,6 +76,7 @@ from megatron.checkpoint_load import (  # re-exported: the load side
     resolve_checkpoint,
 )
 from megatron.checkpoint_plain import args_to_plain, get_rng_state, set_rng_state
+from megatron.core.datasets.index_cache import create_new_beside
 from megatron.core.parallel_state import ParallelState
 from megatron.logging_utils import print_rank_0
 from megatron.oom_report import out_of_memory_kind
@@ -107,8 +107,7 @@ def write_tracker(root: str, iteration: int, release: bool) -> None:
     `.tmp` after the first had moved it into place, and readers found the tracker empty),
     with the mode the umask gives any new file (others sharing the checkpoint can read it)."""
     path = tracker_path(root)
-    tmp = f"{path}.{secrets.token_hex(6)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    fd, tmp = create_new_beside(path)
     try:
         with os.fdopen(fd, "w") as f:
             f.write("release" if release else str(iteration))

@@ -17,10 +17,11 @@ runs. It needs CUDA (the flag is refused without it).
 from __future__ import annotations
 
 import os
-import secrets
 from typing import Optional
 
 import torch
+
+from megatron.core.datasets.index_cache import create_new_beside
 
 MAX_ENTRIES = 100_000  # allocation events kept per process
 VIEWER = "https://pytorch.org/memory_viz"
@@ -30,21 +31,6 @@ def oom_snapshot_path(path: str, rank: int) -> str:
     """Where rank `rank` writes its snapshot when it runs out of memory."""
     root, ext = os.path.splitext(path)
     return f"{root}_oom_rank{rank}{ext or '.pickle'}"
-
-
-def _new_temporary(path: str) -> str:
-    """A new empty file beside `path` under a fresh random name, created exclusively (never
-    a file or link already there: a predictable `<path>.tmp<pid>` in a shared directory
-    such as /tmp let another user's link there redirect the snapshot onto any file the run
-    can write), with the mode the umask gives any new file."""
-    for _ in range(100):
-        tmp = f"{path}.tmp{secrets.token_hex(6)}"
-        try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-            return tmp
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"no free temporary name beside {path}")
 
 
 class MemoryHistory:
@@ -80,7 +66,10 @@ class MemoryHistory:
         """The snapshot of the history so far, written to `path` (through a temporary file
         renamed into place)."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = _new_temporary(path)
+        # a fresh name, created exclusively: a predictable `<path>.tmp<pid>` in a shared
+        # directory such as /tmp let another user's link there redirect the snapshot
+        fd, tmp = create_new_beside(path)
+        os.close(fd)
         try:
             torch.cuda.memory._dump_snapshot(tmp)
             os.replace(tmp, path)

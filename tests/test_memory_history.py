@@ -78,7 +78,7 @@ def test_training_writes_the_snapshot_every_log_interval(recorder, tmp_path, cap
     assert events[0] == ("record", "all") and events[1] == ("model", None)
     assert events[-1] == ("record", None)  # stopped at the end
     dumps = [e[1] for e in events if e[0] == "dump"]
-    assert len(dumps) == 3 and all(d.startswith(path + ".tmp") for d in dumps)
+    assert len(dumps) == 3 and all(d.startswith(path + ".") and d.endswith(".tmp") for d in dumps)
     assert os.listdir(tmp_path) == ["snap.pickle"]  # renamed into place, nothing left over
     assert open(path).read() == "snapshot 3"
     assert out.count(f" > memory snapshot of rank 0 written to {path} (replaced every 2 "

@@ -92,7 +92,7 @@ def _listing(paths: Dict[str, str]) -> str:
     return ", ".join(paths[k] for k in ("desc",) + ARRAY_KEYS)
 
 
-def _create_new(path: str) -> Tuple[int, str]:
+def create_new_beside(path: str) -> Tuple[int, str]:
     """(descriptor, name) of a new file beside `path` with a fresh random name, created
     exclusively (O_EXCL: never a file or link already there) with the mode the umask gives
     any new file (0644 under 022: the other users of a shared cache can read it)."""
@@ -106,12 +106,12 @@ def _create_new(path: str) -> Tuple[int, str]:
 
 
 def _save(path: str, write: Callable, replace: bool = True) -> None:
-    """Write `path` through a temporary file beside it (`_create_new`: never one that
+    """Write `path` through a temporary file beside it (`create_new_beside`: never one that
     another job on shared storage, or a container with the same process ids, is writing),
     renamed into place when complete. `replace` False leaves a file already at `path` as
     it is (another run's, which its loader workers reopen by name): the temporary file is
     linked into place, which fails when the name is taken, then removed."""
-    fd, tmp = _create_new(path)
+    fd, tmp = create_new_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -222,7 +222,7 @@ def unwritable(directory: str) -> Optional[str]:
     a file is created there (exclusively, under a fresh name) and removed again."""
     try:
         os.makedirs(directory, exist_ok=True)
-        fd, tmp = _create_new(os.path.join(directory, "write-test"))
+        fd, tmp = create_new_beside(os.path.join(directory, "write-test"))
         os.close(fd)
         os.remove(tmp)
     except OSError as e:
@@ -257,7 +257,7 @@ def npy_problem(path: str, dtype: np.dtype, length: int) -> Optional[str]:
     return None
 
 
-# A temporary file of this module's (`_create_new`) untouched for this long belongs to a
+# A temporary file of this module's (`create_new_beside`) untouched for this long belongs to a
 # writer that was killed (SIGKILL, the OOM killer): one that lives writes it without pause.
 ABANDONED_TMP_IDLE_S = 600.0
 _TMP_NAME = re.compile(r"([0-9a-f]{32}(\.dsc|_(doc|sample|shuffle)_idx\.npy)|blend-[0-9a-f]{32}"
