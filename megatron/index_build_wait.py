@@ -76,7 +76,7 @@ class IndexBuildWait:
 
     def wait(self) -> None:
         """Until the builder's done key is set; SystemExit when it cannot come."""
-        from megatron.rank_failure import FAILURES_KEY
+        from megatron.rank_failure import FAILURES_KEY, first_line
 
         beats, since = -1, time.monotonic()
         delay = min(0.05, self.poll_s)  # a cached index is done at once: look soon, then
@@ -88,7 +88,7 @@ class IndexBuildWait:
                 count = int(self.store.add(self.beat_key, 0))
             except Exception as exc:  # DistStoreError, a closed connection
                 raise SystemExit(self._gone(f"the job's store stopped answering ("
-                                            f"{_first_line(exc)}): global rank 0 hosted it "
+                                            f"{first_line(exc)}): global rank 0 hosted it "
                                             "and has stopped")) from None
             if failed:
                 raise SystemExit(self._gone("a rank recorded a failure (global rank 0's "
@@ -109,7 +109,3 @@ class IndexBuildWait:
                 f"dataset index files: {why}; global rank 0's output says why. A healthy "
                 "build is waited for however long it takes")
 
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__

@@ -55,7 +55,7 @@ _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken p
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(cc|cpp|hpp|h):\d+\]\s*")
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 
@@ -66,7 +66,7 @@ def peer_failure(exc: BaseException) -> Optional[str]:
     saying so): its first line without the source location and gloo's advice; else None."""
     if not isinstance(exc, RuntimeError):
         return None
-    line = _first_line(exc)
+    line = first_line(exc)
     if not (isinstance(exc, dist.DistError) or any(m in line.lower() for m in _PEER_GONE)):
         return None
     line = _SOURCE_PREFIX.sub("", line)
@@ -106,8 +106,8 @@ def describe_failure(exc: BaseException) -> Optional[str]:
     if isinstance(exc, SystemExit):
         if exc.code is None or exc.code == 0:
             return None
-        return _first_line(exc) if not isinstance(exc.code, int) else f"exit status {exc.code}"
-    return f"{type(exc).__name__}: {_first_line(exc)}"
+        return first_line(exc) if not isinstance(exc.code, int) else f"exit status {exc.code}"
+    return f"{type(exc).__name__}: {first_line(exc)}"
 
 
 def record_failure(rank: int, what: str, where: str = "", store=None) -> None:
