@@ -320,10 +320,7 @@ def initialize_model_parallel(
     positionally); `pipeline_model_parallel_split_rank` splits an encoder-decoder pipeline,
     so only None is accepted here."""
     global _STATE
-    if pipeline_model_parallel_split_rank is not None:
-        raise ValueError(
-            f"pipeline_model_parallel_split_rank={pipeline_model_parallel_split_rank} splits an "
-            "encoder-decoder pipeline; the models here are decoder-only: pass None")
+    _check_split_rank(pipeline_model_parallel_split_rank)
     if sequence_parallel_enabled and tensor_model_parallel_size == 1:
         raise ValueError("Sequence parallelism requires tensor parallelism")
     _check_virtual_size(virtual_pipeline_model_parallel_size, pipeline_model_parallel_size)
@@ -342,6 +339,13 @@ def initialize_model_parallel(
         sequence_parallel_enabled, one_rank_groups=True,
     )
     return _STATE
+
+
+def _check_split_rank(split: Optional[int]) -> None:
+    if split is not None:
+        raise ValueError(
+            f"pipeline_model_parallel_split_rank={split} splits an encoder-decoder pipeline; "
+            "the models here are decoder-only: pass None")
 
 
 def _check_virtual_size(vpp: Optional[int], pp: int) -> None:
@@ -366,8 +370,17 @@ def get_parallel_state() -> ParallelState:
 
 
 def destroy_model_parallel() -> None:
-    global _STATE
+    """Forget the state, the global memory buffer and any value set by the
+    `set_{tensor,pipeline}_model_parallel_{world_size,rank}` setters."""
+    global _STATE, _MEMORY_BUFFER
     _STATE = None
+    _MEMORY_BUFFER = None
+    _OVERRIDES.clear()
+
+
+def is_unitialized() -> bool:
+    """Megatron-LM's (misspelt) name: True before `initialize_model_parallel`."""
+    return _STATE is None
 
 
 def model_parallel_is_initialized() -> bool:
@@ -375,11 +388,13 @@ def model_parallel_is_initialized() -> bool:
 
 
 def get_tensor_model_parallel_rank() -> int:
-    return get_parallel_state().tp_rank
+    value = _OVERRIDES.get("tp_rank")
+    return get_parallel_state().tp_rank if value is None else value
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    return get_parallel_state().tp_size
+    value = _OVERRIDES.get("tp_size")
+    return get_parallel_state().tp_size if value is None else value
 
 
 def get_tensor_model_parallel_group():
@@ -387,11 +402,13 @@ def get_tensor_model_parallel_group():
 
 
 def get_pipeline_model_parallel_rank() -> int:
-    return get_parallel_state().pp_rank
+    value = _OVERRIDES.get("pp_rank")
+    return get_parallel_state().pp_rank if value is None else value
 
 
 def get_pipeline_model_parallel_world_size() -> int:
-    return get_parallel_state().pp_size
+    value = _OVERRIDES.get("pp_size")
+    return get_parallel_state().pp_size if value is None else value
 
 
 def get_pipeline_model_parallel_group():
@@ -415,7 +432,117 @@ def get_model_parallel_group():
 
 
 def get_embedding_group():
-    return get_parallel_state().embedding_group
+    """The group of the first and last pipeline stage (tied word embeddings). Raises on a
+    rank outside it, where torch.distributed would read None as the whole world."""
+    return _member_group("embedding", "is_rank_in_embedding_group()")
+
+
+def get_position_embedding_group():
+    """The group of the first pipeline stage (position embeddings); raises elsewhere."""
+    return _member_group("position_embedding", "is_rank_in_position_embedding_group()")
+
+
+def _member_group(kind: str, check: str):
+    state = get_parallel_state()
+    if state.world_size > 1 and state.group(kind) is None:
+        pp = state.ranks("pp")
+        members = sorted({pp[0], pp[-1]}) if kind == "embedding" else [pp[0]]
+        raise RuntimeError(
+            f"rank {state.rank} is not in the {kind.replace('_', ' ')} group (of its pipeline "
+            f"group {pp} only ranks {members} are): only call get_{kind}_group() where "
+            f"{check} is True")
+    return state.group(kind)
+
+
+def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
+    """True on the first and last pipeline stage (every rank when pp is 1). With a virtual
+    size and not `ignore_virtual`: only while running the first chunk on the first stage,
+    or the last chunk on the last stage."""
+    state = get_parallel_state()
+    ranks = state.ranks("embedding")
+    if state.rank not in ranks:
+        return False
+    if ignore_virtual:
+        return True
+    if state.rank == ranks[0]:
+        return is_pipeline_first_stage(ignore_virtual=False)
+    if state.rank == ranks[-1]:
+        return is_pipeline_last_stage(ignore_virtual=False)
+    return True
+
+
+def is_rank_in_position_embedding_group() -> bool:
+    """True on the first pipeline stage."""
+    state = get_parallel_state()
+    return state.rank in state.ranks("position_embedding")
+
+
+def get_pipeline_model_parallel_split_rank() -> Optional[int]:
+    """Always None: no encoder-decoder split (see `initialize_model_parallel`)."""
+    return None
+
+
+def set_pipeline_model_parallel_split_rank(rank: Optional[int]) -> None:
+    _check_split_rank(rank)
+
+
+def is_pipeline_stage_before_split(rank: Optional[int] = None) -> bool:
+    """True: without a split every stage counts as before it (Megatron's answer)."""
+    return True
+
+
+def is_pipeline_stage_after_split(rank: Optional[int] = None) -> bool:
+    """True: without a split every stage counts as after it (Megatron's answer)."""
+    return True
+
+
+def is_pipeline_stage_at_split() -> bool:
+    """Megatron's `before_split(rank) and after_split(rank + 1)`: True without a split."""
+    return True
+
+
+# Values set by `set_{tensor,pipeline}_model_parallel_{world_size,rank}`: read before the
+# state, and usable without it (Megatron's checkpoint tools build one rank's model this way).
+_OVERRIDES: Dict[str, Optional[int]] = {}
+
+
+def _set_override(key: str, name: str, value: Optional[int]) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < (1 if key.endswith("size") else 0)):
+        raise ValueError(f"{name}({value!r}): expected an int >= "
+                         f"{1 if key.endswith('size') else 0}, or None to unset")
+    _OVERRIDES[key] = value
+
+
+def set_tensor_model_parallel_world_size(world_size: Optional[int]) -> None:
+    _set_override("tp_size", "set_tensor_model_parallel_world_size", world_size)
+
+
+def set_tensor_model_parallel_rank(rank: Optional[int]) -> None:
+    _set_override("tp_rank", "set_tensor_model_parallel_rank", rank)
+
+
+def set_pipeline_model_parallel_world_size(world_size: Optional[int]) -> None:
+    _set_override("pp_size", "set_pipeline_model_parallel_world_size", world_size)
+
+
+def set_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
+    _set_override("pp_rank", "set_pipeline_model_parallel_rank", rank)
+
+
+_MEMORY_BUFFER = None
+
+
+def get_global_memory_buffer():
+    """Megatron's GlobalMemoryBuffer: `get_tensor(shape, dtype, name)` hands out a view of
+    one reused tensor per (name, dtype). Made at the first call after initialisation."""
+    global _MEMORY_BUFFER
+    get_parallel_state()  # raises before initialisation, as Megatron's assertion
+    if _MEMORY_BUFFER is None:
+        from megatron.core.utils import GlobalMemoryBuffer
+
+        _MEMORY_BUFFER = GlobalMemoryBuffer()
+    return _MEMORY_BUFFER
 
 
 def get_tensor_model_parallel_src_rank() -> int:
@@ -474,17 +601,22 @@ def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
 def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
     """True on the first pipeline stage; with a virtual size, only while running chunk 0
     unless `ignore_virtual`."""
-    state = get_parallel_state()
-    if not ignore_virtual and state.virtual_pp_size is not None and state.virtual_pp_rank != 0:
+    size, vrank = _virtual()
+    if not ignore_virtual and size is not None and vrank != 0:
         return False
-    return state.is_first_stage
+    return get_pipeline_model_parallel_rank() == 0
 
 
 def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
     """True on the last pipeline stage; with a virtual size, only while running the last
     chunk unless `ignore_virtual`."""
-    state = get_parallel_state()
-    size = state.virtual_pp_size
-    if not ignore_virtual and size is not None and state.virtual_pp_rank != size - 1:
+    size, vrank = _virtual()
+    if not ignore_virtual and size is not None and vrank != size - 1:
         return False
-    return state.is_last_stage
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def _virtual():
+    """(virtual size, virtual rank); (None, None) before initialisation, where the pipeline
+    setters alone may describe the stage."""
+    return (None, None) if _STATE is None else (_STATE.virtual_pp_size, _STATE.virtual_pp_rank)
