@@ -486,18 +486,17 @@ def set_pipeline_model_parallel_split_rank(rank: Optional[int]) -> None:
     _check_split_rank(rank)
 
 
+# Without a split every stage is before it, after it and (Megatron's `before_split(rank)
+# and after_split(rank + 1)`) at it: Megatron's answers when the split rank is None.
 def is_pipeline_stage_before_split(rank: Optional[int] = None) -> bool:
-    """True: without a split every stage counts as before it (Megatron's answer)."""
     return True
 
 
 def is_pipeline_stage_after_split(rank: Optional[int] = None) -> bool:
-    """True: without a split every stage counts as after it (Megatron's answer)."""
     return True
 
 
 def is_pipeline_stage_at_split() -> bool:
-    """Megatron's `before_split(rank) and after_split(rank + 1)`: True without a split."""
     return True
 
 
