@@ -103,3 +103,15 @@ def test_plain_cross_entropy_matches_vocab_parallel_single_process():
     b.sum().backward()
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ga.float(), logits.grad.float(), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("smoothing", [0.1, 0])
+def test_megatron_positional_label_smoothing_is_named(smoothing):
+    # Megatron-LM's vocab_parallel_cross_entropy(logits, target, label_smoothing): here the
+    # third argument is the group, and a number there crashed inside torch.distributed.
+    logits, target = torch.randn(2, 5), torch.tensor([1, 2])
+    with pytest.raises(TypeError, match=rf"pass label_smoothing={smoothing!r} by name"):
+        vocab_parallel_cross_entropy(logits, target, smoothing)
+    ref = F.cross_entropy(logits, target, reduction="none", label_smoothing=smoothing)
+    got = vocab_parallel_cross_entropy(logits, target, label_smoothing=smoothing)
+    torch.testing.assert_close(got, ref)

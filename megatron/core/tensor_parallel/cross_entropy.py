@@ -98,6 +98,12 @@ def vocab_parallel_cross_entropy(
     Collectives: forward 3 all-reduces (4 with label smoothing); backward none.
     The full vocabulary is never gathered.
     """
+    if isinstance(group, (int, float)):  # Megatron's third positional is label_smoothing
+        raise TypeError(
+            f"vocab_parallel_cross_entropy(logits, target, {group!r}): the third argument is "
+            "the tensor-parallel group here (Megatron-LM's is label_smoothing): pass "
+            f"label_smoothing={group!r} by name, and group=get_tensor_model_parallel_group() "
+            "when the logits are split over tensor-parallel ranks")
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if vocab_parallel_logits.shape[:-1] != target.shape:
