@@ -4,6 +4,7 @@ one finite value per scored token, every bad request is a 400 naming the field, 
 CLI prints the server's text."""
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -434,6 +435,76 @@ def test_a_client_that_stalls_mid_body_is_let_go(served, monkeypatch):
         sock.settimeout(30)
         assert sock.recv(100) == b"", "closed by the server"
     assert "no byte of the body for 0.5 s; the connection was closed" in lines[-1]
+    assert _ok(url, {"prompts": ["5"], "tokens_to_generate": 1})["text"]
+
+
+def _trickle(url, head: bytes, pause: float, limit: float) -> bytes:
+    """Send `head` one byte every `pause` seconds (a slowloris client) until the server
+    answers or closes the connection, or `limit` seconds pass; what the server sent."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    got, end = b"", time.monotonic() + limit
+    with socket.create_connection((where.hostname, where.port)) as sock:
+        sock.settimeout(pause)
+        for byte in head * 100:
+            if time.monotonic() > end:
+                break
+            try:
+                sock.sendall(bytes([byte]))
+                got = sock.recv(1000)
+                break  # an answer, or b"": closed
+            except TimeoutError:
+                pass
+            except OSError:  # a reset once the server has closed
+                break
+        sock.settimeout(5)
+        with contextlib.suppress(OSError):
+            while got and (more := sock.recv(1000)):
+                got += more
+    return got
+
+
+def test_a_client_that_trickles_its_headers_is_let_go(served, monkeypatch):
+    """A client sending its headers one byte at a time, each within the idle timeout,
+    held its thread (and socket) for as long as it liked: the request line and headers
+    must now come within `header_timeout` of connecting, else a 408 and the connection
+    is closed."""
+    url, lines = served
+    monkeypatch.setattr(server_mod._Handler, "timeout", 0.5)
+    monkeypatch.setattr(server_mod._Handler, "header_timeout", 1.0, raising=False)
+    head = b"PUT /api HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: " + b"a" * 200
+    got = _trickle(url, head, 0.1, limit=15)
+    assert got.startswith(b"HTTP/1.0 408 ") and b"within 1 s of connecting" in got, got
+    assert "no whole request line and headers within 1 s; answered 408" in lines[-1]
+    assert _ok(url, {"prompts": ["5"], "tokens_to_generate": 1})["text"]
+
+
+def test_a_client_that_trickles_its_body_is_let_go(served, monkeypatch):
+    """The same for a body sent one byte at a time: it must come within `body_timeout`."""
+    url, lines = served
+    monkeypatch.setattr(server_mod._Handler, "timeout", 0.5)
+    monkeypatch.setattr(server_mod._Handler, "body_timeout", 1.0, raising=False)
+    head = b"PUT /api HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 300\r\n\r\n"
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    with socket.create_connection((where.hostname, where.port)) as sock:
+        sock.sendall(head)
+        end, closed = time.monotonic() + 15, False
+        sock.settimeout(0.1)
+        while time.monotonic() < end and not closed:
+            try:
+                sock.sendall(b" ")
+                closed = sock.recv(100) == b""
+            except TimeoutError:
+                pass
+            except OSError:
+                closed = True
+    assert closed, "the server kept the connection"
+    assert "not all of the body within 1 s; the connection was closed" in lines[-1]
     assert _ok(url, {"prompts": ["5"], "tokens_to_generate": 1})["text"]
 
 

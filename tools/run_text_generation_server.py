@@ -70,7 +70,9 @@ replica); each prints one line to stdout. Bad requests get HTTP
 400 with a plain-text message, other paths 404, other methods on /api 405. (Megatron-LM
 answers most bad requests with HTTP 200 and the message as the body; a client that tells
 success from failure by the status works with both.) A body is at most 16 MiB; a
-connection that sends nothing, or takes nothing of its answer, for 120 s is closed.
+connection that sends nothing, or takes nothing of its answer, for 120 s is closed, and so
+is one whose request line and headers take over 20 s (answered 408) or whose body takes
+over 60 s (tools/http_guards.py).
 
 --host defaults to 127.0.0.1, not Megatron's 0.0.0.0: the API has no authentication, so
 reaching it from other machines is opt-in (--host 0.0.0.0).
@@ -79,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import signal
@@ -96,6 +99,7 @@ import torch  # noqa: E402
 
 from megatron.agreed_exit import silent_ranks_wait  # noqa: E402
 from megatron.core.models.gpt.static_decode import MODES  # noqa: E402
+from tools import http_guards  # noqa: E402
 from tools.generate import (  # noqa: E402
     _device,
     build_decoder,
@@ -267,7 +271,8 @@ def log_safe(text: str) -> str:
 
 
 class _Stalled(Exception):
-    """The client sent no byte of its announced body for `_Handler.timeout` seconds."""
+    """The client sent no byte of its announced body for `_Handler.timeout` seconds, or
+    not all of it within `_Handler.body_timeout` (the message says which)."""
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -280,6 +285,33 @@ class _Handler(BaseHTTPRequestHandler):
     # seconds a connection may send nothing (request line, headers, body) or take nothing
     # of the answer: a stalled client otherwise holds its thread and socket for good
     timeout = CLIENT_TIMEOUT_S
+    # seconds for the request line and headers (from the connection's start) and for the
+    # body (from the headers): one byte now and then no longer keeps a thread for ever
+    header_timeout = http_guards.HEADER_TIMEOUT_S
+    body_timeout = http_guards.BODY_TIMEOUT_S
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # the socket's file, replaced by one that keeps the deadlines
+        self._reader = http_guards.DeadlineReader(self.connection, self.timeout)
+        self._reader.deadline = time.monotonic() + self.header_timeout
+        self.rfile = io.BufferedReader(self._reader)
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()  # TimeoutError while the headers come
+        self._head_read = True
+        return ok
+
+    def handle_one_request(self) -> None:
+        self._head_read = False
+        super().handle_one_request()  # a read past its deadline closes the connection
+        if self._reader.expired and not self._head_read:
+            self.log(f"connection from {self.client_address[0]}: no whole request line and "
+                     f"headers within {self.header_timeout:g} s; answered 408 and closed")
+            with contextlib.suppress(OSError):
+                self.wfile.write(http_guards.canned(
+                    408, "Request Timeout", f"the request line and headers must arrive "
+                    f"within {self.header_timeout:g} s of connecting"))
 
     def log_message(self, format, *args):  # noqa: A002 -- one line per request instead
         pass
@@ -317,7 +349,7 @@ class _Handler(BaseHTTPRequestHandler):
         of it before it reads the answer, and a server that closed with it unread reset
         the connection (the client saw a broken pipe instead of the 400)."""
         self.close_connection = True
-        end = time.monotonic() + _DISCARD_S
+        end = self._reader.deadline = time.monotonic() + _DISCARD_S
         while length > 0 and time.monotonic() < end:
             try:
                 chunk = self.rfile.read1(min(length, 1 << 20))
@@ -336,10 +368,13 @@ class _Handler(BaseHTTPRequestHandler):
         if not 0 <= length <= _MAX_BODY:
             self._discard(length)
             raise RequestError(f"the body must be at most {_MAX_BODY} bytes (got {length})")
+        self._reader.deadline = time.monotonic() + self.body_timeout
         try:
             data = self.rfile.read(length)
-        except TimeoutError:  # `timeout` seconds without a byte
-            raise _Stalled from None
+        except TimeoutError:  # `timeout` seconds without a byte, or past the deadline
+            raise _Stalled(f"not all of the body within {self.body_timeout:g} s"
+                           if self._reader.expired else
+                           f"no byte of the body for {self.timeout:g} s") from None
         if len(data) < length:
             raise RequestError(f"the body ended after {len(data)} of the {length} bytes its "
                                "Content-Length announced")
@@ -362,9 +397,9 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             req = parse_request(self._body())
             out = self.run(req)
-        except _Stalled:  # a client that stalls mid-body: let its thread go
-            self.log(f"PUT /api from {self.client_address[0]}: no byte of the body for "
-                     f"{self.timeout:g} s; the connection was closed")
+        except _Stalled as exc:  # a client that stalls mid-body: let its thread go
+            self.log(f"PUT /api from {self.client_address[0]}: {exc}; the connection was "
+                     "closed")
             self.close_connection = True
             return
         except RequestError as exc:
