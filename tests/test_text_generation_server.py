@@ -508,6 +508,36 @@ def test_a_client_that_trickles_its_body_is_let_go(served, monkeypatch):
     assert _ok(url, {"prompts": ["5"], "tokens_to_generate": 1})["text"]
 
 
+def test_connections_beyond_the_limit_are_503(ckpt):
+    """Idle connections (a client that opens many, or slow ones) each held a thread with
+    no limit, so a flood of them exhausted the node's threads and memory: beyond
+    max_connections open at once a connection is now answered 503 at once, one log line
+    says so, and a freed connection serves again."""
+    import socket
+
+    lines = []
+    server = server_mod.build_server(_engine(ckpt), "127.0.0.1", 0, log=lines.append)
+    server.max_connections = 2
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/api"
+    body = {"prompts": ["5"], "tokens_to_generate": 1}
+    try:
+        idle = [socket.create_connection(server.server_address[:2]) for _ in range(2)]
+        time.sleep(0.5)  # both accepted
+        status, text = put(url, body, timeout=30)
+        assert status == 503 and "2 connections open, its limit" in text, (status, text)
+        assert "answered 503: 2 connections are open, the limit (1 refused" in lines[-1]
+        for sock in idle:
+            sock.close()
+        deadline = time.monotonic() + 10
+        while put(url, body, timeout=30)[0] == 503 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the handler threads see the closes
+        assert _ok(url, body)["text"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_client_that_leaves_is_one_log_line(served, capsys):
     """A client that closes its connection before the answer (a timeout, Ctrl-C in the
     CLI) gets a line in the server's log, not a BrokenPipeError traceback; the server

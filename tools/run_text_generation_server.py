@@ -72,7 +72,8 @@ answers most bad requests with HTTP 200 and the message as the body; a client th
 success from failure by the status works with both.) A body is at most 16 MiB; a
 connection that sends nothing, or takes nothing of its answer, for 120 s is closed, and so
 is one whose request line and headers take over 20 s (answered 408) or whose body takes
-over 60 s (tools/http_guards.py).
+over 60 s (tools/http_guards.py). At most 64 connections are served at once; another is
+answered 503 at once (one log line per 10 s of them).
 
 --host defaults to 127.0.0.1, not Megatron's 0.0.0.0: the API has no authentication, so
 reaching it from other machines is opt-in (--host 0.0.0.0).
@@ -427,9 +428,48 @@ class _Server(ThreadingHTTPServer):
     request dropped the answer (an empty reply) and the interpreter's exit aborted the
     thread still generating ('terminate called without an active exception')."""
 
+    max_connections = http_guards.MAX_CONNECTIONS  # more at once are answered 503
+    log: Callable[[str], None] = staticmethod(print)
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._puts, self._done = 0, threading.Condition()
+        self._open, self._refused, self._noted = 0, 0, 0.0
+
+    def process_request(self, request, client_address) -> None:
+        """A thread for the connection, or, with max_connections open (idle or slow
+        clients, a flood), a 503 at once: a thread each held every one of them."""
+        with self._done:
+            full = self._open >= self.max_connections
+            self._open += not full
+        if full:
+            return self._refuse(request, client_address)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._closed_one()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._closed_one()
+
+    def _closed_one(self) -> None:
+        with self._done:
+            self._open -= 1
+
+    def _refuse(self, request, client_address) -> None:
+        self._refused += 1
+        if time.monotonic() - self._noted > 10:  # one line per 10 s of a flood
+            self._noted = time.monotonic()
+            self.log(f"connection from {client_address[0]} answered 503: {self.max_connections}"
+                     f" connections are open, the limit ({self._refused} refused so far)")
+        http_guards.refuse(request, http_guards.canned(
+            503, "Service Unavailable", f"the server has {self.max_connections} connections "
+            "open, its limit: try again when a request has been answered"))
+        self.shutdown_request(request)
 
     @contextlib.contextmanager
     def answering(self):
@@ -449,10 +489,12 @@ class _Server(ThreadingHTTPServer):
 
 
 def build_server(engine: Engine, host: str, port: int, log: Callable[[str], None] = print,
-                 run: Optional[Callable] = None) -> ThreadingHTTPServer:
+                 run: Optional[Callable] = None,
+                 max_connections: int = http_guards.MAX_CONNECTIONS) -> ThreadingHTTPServer:
     """A bound (not yet serving) HTTP server for `engine`; port 0 takes a free port.
     `run(request)` answers a request (default: run_request holding engine.lock; under
-    torchrun Lockstep.submit, at dp > 1 Dispatcher.submit)."""
+    torchrun Lockstep.submit, at dp > 1 Dispatcher.submit); beyond `max_connections` open
+    at once a connection is answered 503."""
     def log_line(text: str) -> None:
         log(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}")
         sys.stdout.flush()
@@ -463,7 +505,9 @@ def build_server(engine: Engine, host: str, port: int, log: Callable[[str], None
 
     handler = type("Handler", (_Handler,), {"engine": engine, "log": staticmethod(log_line),
                                             "run": staticmethod(run or run_locked)})
-    return _Server((host, port), handler)
+    server = _Server((host, port), handler)
+    server.max_connections, server.log = max_connections, log_line
+    return server
 
 
 def _replicas_note(ps) -> str:
