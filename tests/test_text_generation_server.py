@@ -431,7 +431,7 @@ def test_a_client_that_stalls_mid_body_is_let_go(served, monkeypatch):
     monkeypatch.setattr(server_mod._Handler, "timeout", 0.5)
     where = urlsplit(url)
     with socket.create_connection((where.hostname, where.port)) as sock:
-        sock.sendall(b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")
+        sock.sendall(b"PUT /api HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{\"pro")
         sock.settimeout(30)
         assert sock.recv(100) == b"", "closed by the server"
     assert "no byte of the body for 0.5 s; the connection was closed" in lines[-1]
@@ -538,6 +538,56 @@ def test_connections_beyond_the_limit_are_503(ckpt):
         server.server_close()
 
 
+def _put_host(url, host):
+    """(status, text) of a PUT with Host header `host` (None: none, as HTTP/1.0 clients)."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
+    body = json.dumps({"prompts": ["5"], "tokens_to_generate": 1})
+    conn.putrequest("PUT", "/api", skip_host=True)
+    if host is not None:
+        conn.putheader("Host", host)
+    conn.putheader("Content-Length", str(len(body)))
+    conn.endheaders(body.encode())
+    answer = conn.getresponse()
+    try:
+        return answer.status, answer.read().decode()
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("host", [None, "localhost", "LOCALHOST:8000", "127.0.0.1",
+                                  "127.0.0.1:5000", "[::1]", "[::1]:5000", "localhost.",
+                                  "127.0.0.2:80"])
+def test_local_names_reach_a_loopback_server(served, host):
+    assert _put_host(served[0], host)[0] == 200
+
+
+@pytest.mark.parametrize("host", ["attacker.example", "attacker.example:5000",
+                                  "localhost.attacker.example", "127.0.0.1.nip.io",
+                                  "localhost:x", "[::1"])
+def test_other_host_names_are_refused_on_loopback(served, host):
+    """A server bound to 127.0.0.1 answered any Host, so a page of another site, its
+    name rebound to 127.0.0.1 (DNS rebinding), could drive it from the user's browser:
+    such a request is now a 403 naming the Host and the fix, with one log line."""
+    url, lines = served
+    status, text = _put_host(url, host)
+    assert status == 403 and f"Host {host!r} is not this server's" in text, (status, text)
+    assert "--host 0.0.0.0" in text and "http://127.0.0.1:" in text
+    assert "PUT /api from 127.0.0.1: 403 Host" in lines[-1]
+
+
+def test_host_names_a_server_answers():
+    from tools.http_guards import host_refusal, is_loopback
+
+    assert host_refusal(["myname:5000"], "myname", 5000) is None  # --host myname
+    assert "2 Host headers" in host_refusal(["localhost", "evil"], "127.0.0.1", 1)
+    assert is_loopback("127.0.0.1") and not is_loopback("0.0.0.0")
+    assert not is_loopback("10.1.2.3") and not is_loopback("localhost")
+
+
 def test_a_client_that_leaves_is_one_log_line(served, capsys):
     """A client that closes its connection before the answer (a timeout, Ctrl-C in the
     CLI) gets a line in the server's log, not a BrokenPipeError traceback; the server
@@ -552,7 +602,7 @@ def test_a_client_that_leaves_is_one_log_line(served, capsys):
     for _ in range(3):  # the reset reaches the server before its answer (not guaranteed)
         n = len(lines)
         with socket.create_connection((where.hostname, where.port)) as sock:
-            sock.sendall(b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            sock.sendall(b"PUT /api HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
                          b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         deadline = time.time() + 30  # closed with a reset; wait for the server's line

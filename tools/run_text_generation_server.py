@@ -76,7 +76,10 @@ over 60 s (tools/http_guards.py). At most 64 connections are served at once; ano
 answered 503 at once (one log line per 10 s of them).
 
 --host defaults to 127.0.0.1, not Megatron's 0.0.0.0: the API has no authentication, so
-reaching it from other machines is opt-in (--host 0.0.0.0).
+reaching it from other machines is opt-in (--host 0.0.0.0). Bound to a loopback address, it answers
+only requests whose Host is localhost, a loopback IP or the --host given (any port; a
+request without Host passes); another is answered 403, as a browser page that rebinds its
+own name to 127.0.0.1 (DNS rebinding) would otherwise drive it.
 """
 from __future__ import annotations
 
@@ -301,7 +304,24 @@ class _Handler(BaseHTTPRequestHandler):
     def parse_request(self) -> bool:
         ok = super().parse_request()  # TimeoutError while the headers come
         self._head_read = True
-        return ok
+        return ok and self._host_allowed()
+
+    def _host_allowed(self) -> bool:
+        """False (answered 403) for a Host a server bound to loopback does not answer:
+        a browser page reaches such a server by DNS rebinding, and only that way."""
+        bound, port = self.server.bound_host, self.server.server_address[1]
+        if not http_guards.is_loopback(self.server.server_address[0]):
+            return True  # --host 0.0.0.0 or an interface: any name may reach it
+        why = http_guards.host_refusal(self.headers.get_all("Host") or [], bound, port)
+        if why is None:
+            return True
+        self.log(f"{self.command} {log_safe(self.path)} from {self.client_address[0]}: 403 "
+                 f"{log_safe(why)}")
+        with contextlib.suppress(ValueError):
+            self._discard(int(self.headers.get("Content-Length", "0")))
+        self.close_connection = True
+        self._reply(403, why)
+        return False
 
     def handle_one_request(self) -> None:
         self._head_read = False
@@ -429,6 +449,7 @@ class _Server(ThreadingHTTPServer):
     thread still generating ('terminate called without an active exception')."""
 
     max_connections = http_guards.MAX_CONNECTIONS  # more at once are answered 503
+    bound_host = LOCAL_ONLY  # the --host given (a name allowed as Host)
     log: Callable[[str], None] = staticmethod(print)
 
     def __init__(self, *args, **kwargs) -> None:
@@ -506,7 +527,7 @@ def build_server(engine: Engine, host: str, port: int, log: Callable[[str], None
     handler = type("Handler", (_Handler,), {"engine": engine, "log": staticmethod(log_line),
                                             "run": staticmethod(run or run_locked)})
     server = _Server((host, port), handler)
-    server.max_connections, server.log = max_connections, log_line
+    server.max_connections, server.log, server.bound_host = max_connections, log_line, host
     return server
 
 
