@@ -526,3 +526,50 @@ def test_temporary_files_of_a_killed_build_are_removed_by_a_later_build(tmp_path
     left = _cache_files(cache)
     assert not set(killed) & set(left)
     assert live in left and other in left
+
+
+_FILE_SIZE_LIMITED = """
+import resource, signal, sys
+import numpy as np
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+from megatron.core.datasets.gpt_dataset import build_train_valid_test_datasets
+from megatron.core.datasets.index_cache import save_npy
+try:
+    save_npy(sys.argv[1] + "/small.npy", np.arange(500, dtype=np.int64))
+except OSError as exc:
+    print("save_npy failed:", exc)
+try:
+    build_train_valid_test_datasets([sys.argv[1] + "/c"], "969, 30, 1", [2000, 2, 1], 8, 1)
+except ValueError as exc:
+    print("build failed:", exc)
+"""
+
+
+def test_a_full_disk_leaves_no_truncated_cache_file_and_says_so(tmp_path):
+    """A full disk, quota or file-size limit (here RLIMIT_FSIZE) while writing the index:
+    numpy's write of a real file buffers in C and drops the error of the last flush, so a
+    truncated .npy was renamed into place as complete (the next run stopped on it: 'delete
+    it'), and a larger write failed with '4060 requested and 992 written' and the fix
+    'pass a writable --data-cache-path'. Now the write fails, no file is left under the
+    name, and the error names the reason, the directory and the room the index takes."""
+    import subprocess
+    import sys
+
+    make_corpus(tmp_path / "c", [20] * 30)
+    proc = subprocess.run([sys.executable, "-c", _FILE_SIZE_LIMITED, str(tmp_path)],
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "save_npy failed: [Errno 27] File too large" in proc.stdout, proc.stdout
+    assert not (tmp_path / "small.npy").exists()
+    assert (f"build failed: cannot write the dataset index cache to {tmp_path}/index-cache "
+            "(File too large; the disk, your quota or a file-size limit is full); free "
+            "space there, or pass --data-cache-path with a directory on a disk with room "
+            "(this index takes") in proc.stdout, proc.stdout
+    for name in _cache_files(tmp_path / "index-cache"):
+        assert ".tmp" not in name, name
+        if not name.endswith(".npy"):
+            continue
+        arr = np.load(tmp_path / "index-cache" / name)  # whatever is there is complete
+        assert arr.size > 0

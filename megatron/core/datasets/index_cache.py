@@ -41,6 +41,7 @@ either tool still reads the other's.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -136,9 +137,23 @@ def _place_new(tmp: str, path: str) -> None:
             os.replace(tmp, path)
 
 
+class _PythonWrites:
+    """A file seen by numpy as a plain object with `write`, so np.save writes through
+    Python's file object: numpy's own write to a real file (`ndarray.tofile`) buffers in C
+    and drops the error of its final flush, so a full disk, quota or file-size limit left
+    a truncated .npy, renamed into place as if complete (or raised without the reason)."""
+
+    def __init__(self, f) -> None:
+        self.write = f.write
+
+
+def _write_npy(f, array: np.ndarray) -> None:
+    np.save(_PythonWrites(f), array, allow_pickle=False)
+
+
 def save_npy(path: str, array: np.ndarray) -> None:
     """np.save `array` to `path` through a temporary file renamed into place."""
-    _save(path, lambda f: np.save(f, array, allow_pickle=False))
+    _save(path, lambda f: _write_npy(f, array))
 
 
 def save_text(path: str, text: str) -> None:
@@ -152,7 +167,7 @@ def save_cache(paths: Dict[str, str], desc: str, arrays: Arrays) -> None:
     loads and checks the set it finds after this."""
     os.makedirs(os.path.dirname(paths["desc"]) or ".", exist_ok=True)
     for key, array in zip(ARRAY_KEYS, arrays):
-        _save(paths[key], lambda f, a=array: np.save(f, a, allow_pickle=False), replace=False)
+        _save(paths[key], lambda f, a=array: _write_npy(f, a), replace=False)
     _save(paths["desc"], lambda f: f.write(desc.encode("utf-8")), replace=False)
 
 
@@ -332,8 +347,7 @@ def find_or_build_cache(desc: str, data_prefix: str, cache_dir: Optional[str],
     try:
         save_cache(target, desc, arrays)
     except OSError as e:
-        raise ValueError(f"cannot write the dataset index cache to {directories[-1]} ({e}); "
-                         "pass a writable --data-cache-path") from e
+        raise ValueError(cache_write_error(directories[-1], e, arrays)) from e
     logger.info("built index %s in %.2f s", desc_hash, time.time() - start)
     arrays = load_arrays(target)
     reason = check(arrays)  # another run may have written this name while this one built
@@ -341,6 +355,23 @@ def find_or_build_cache(desc: str, data_prefix: str, cache_dir: Optional[str],
         raise StaleIndexCacheError([(target, f"{reason}; written by another run using this "
                                      "cache name while this one built its index")], what)
     return target, arrays
+
+
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def cache_write_error(directory: str, e: OSError, arrays: Arrays) -> str:
+    """The error text of a failed index cache write into `directory`: the system's reason,
+    and for a full disk or quota the room the index needs."""
+    reason = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+    if e.errno in _NO_ROOM:
+        need = sum(a.nbytes for a in arrays) / 2**20
+        return (f"cannot write the dataset index cache to {directory} ({reason}; the disk, "
+                f"your quota or a file-size limit is full); free space there, or pass "
+                f"--data-cache-path with a directory on a disk with room (this index takes "
+                f"{need:.1f} MiB). No partial file was left under a cache name")
+    return (f"cannot write the dataset index cache to {directory} ({reason}); pass a "
+            "writable --data-cache-path")
 
 
 def _warn_skipped(stale: List[Tuple[Dict[str, str], str]], what: str,
