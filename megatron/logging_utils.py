@@ -11,8 +11,10 @@ parsers and dashboards keep working:
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -363,11 +365,31 @@ def _make_summary_writer(config: LoggingConfig):
     return SummaryWriter(log_dir=config.tensorboard_dir, max_queue=config.tensorboard_queue_size)
 
 
+def _quiet_writer_thread_errors() -> None:
+    """tensorboard's writer thread re-raises a failed write (a full disk) into
+    threading.excepthook, a traceback on stderr, and again into the next call of the
+    main thread, which `TensorboardLogger` reports in one line: the first is not printed.
+    Installed once; any other thread's error goes to the hook that was there."""
+    previous = threading.excepthook
+    if getattr(previous, "tensorboard_quiet", False):
+        return
+
+    def hook(args) -> None:
+        if not (type(args.thread).__name__ == "_AsyncWriterThread"
+                and isinstance(args.exc_value, OSError)):
+            previous(args)
+
+    hook.tensorboard_quiet = True
+    threading.excepthook = hook
+
+
 class TensorboardLogger:
     """Megatron's TensorBoard scalars, written only by the writer rank (the last rank).
 
     On other ranks, without `tensorboard_dir`, or without the tensorboard package every
-    method is a no-op, so callers never need to check.
+    method is a no-op, so callers never need to check. A write that fails during the run
+    (a full disk or quota) is reported in one line and TensorBoard logging stops there;
+    training goes on (`_writing`).
     """
 
     def __init__(self, config: LoggingConfig, is_writer_rank: bool) -> None:
@@ -375,10 +397,26 @@ class TensorboardLogger:
         self.writer = None
         if is_writer_rank and config.tensorboard_dir is not None:
             self.writer = _make_summary_writer(config)
+            _quiet_writer_thread_errors()
 
     @property
     def enabled(self) -> bool:
         return self.writer is not None
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """Around every use of the writer: an OSError (no space, quota, file-size limit,
+        a vanished directory) warns once, naming the directory, and drops the writer."""
+        try:
+            yield
+        except OSError as exc:
+            writer, self.writer = self.writer, None
+            with contextlib.suppress(Exception):  # it raises the same error again
+                writer.close()
+            print(f"warning: cannot write TensorBoard events to --tensorboard-dir "
+                  f"{self.config.tensorboard_dir} ({exc.strerror or exc}): TensorBoard "
+                  "logging stopped here, training continues; free space there (or raise "
+                  "your quota), or pass another --tensorboard-dir", flush=True)
 
     def _both(self, name: str, value: float, iteration: int, consumed_samples: int) -> None:
         self.writer.add_scalar(name, value, iteration)
@@ -388,12 +426,14 @@ class TensorboardLogger:
         """Extra scalars (throughput, MFU, memory), each with its "vs samples" twin."""
         if self.writer is None:
             return
-        for name, value in values.items():
-            self._both(name, value, iteration, consumed_samples)
+        with self._writing():
+            for name, value in values.items():
+                self._both(name, value, iteration, consumed_samples)
 
     def log_text(self, tag: str, text: str, iteration: int = 0) -> None:
         if self.writer is not None:
-            self.writer.add_text(tag, text, global_step=iteration)
+            with self._writing():
+                self.writer.add_text(tag, text, global_step=iteration)
 
     def log_args(self, args_dict: Dict[str, object], iteration: int,
                  live: Optional[Dict[str, object]] = None) -> None:
@@ -403,8 +443,9 @@ class TensorboardLogger:
         if self.writer is None:
             return
         live = live or {}
-        for name, value in args_dict.items():
-            self.writer.add_text(name, str(live.get(name, value)), global_step=iteration)
+        with self._writing():
+            for name, value in args_dict.items():
+                self.writer.add_text(name, str(live.get(name, value)), global_step=iteration)
 
     def log_training(
         self, iteration: int, consumed_samples: int, lr: float, batch_size: int,
@@ -437,19 +478,23 @@ class TensorboardLogger:
             scalars.append(("num-zeros", num_zeros))
         if params_norm is not None and cfg.log_params_norm:
             scalars.append(("params-norm", params_norm))
-        for name, value in scalars:
-            self._both(name, float(value), iteration, consumed_samples)
+        scalars = [(name, float(value), consumed_samples) for name, value in scalars]
         if mem_stats is not None and cfg.log_memory_to_tensorboard:
-            for name, key in _MEMORY_SCALARS:
-                self.writer.add_scalar(name, mem_stats.get(key, 0), iteration)
+            scalars += [(name, mem_stats.get(key, 0), None) for name, key in _MEMORY_SCALARS]
         if timers_dict and cfg.log_timers_to_tensorboard:
-            for name, seconds in timers_dict.items():
-                self.writer.add_scalar(f"{name}-time", seconds, iteration)
+            scalars += [(f"{name}-time", sec, None) for name, sec in timers_dict.items()]
+        with self._writing():
+            for name, value, samples in scalars:
+                if samples is None:
+                    self.writer.add_scalar(name, value, iteration)
+                else:
+                    self._both(name, value, iteration, samples)
 
     def log_iteration_time(self, iteration: int, seconds: float) -> None:
         """`iteration-time` (seconds per iteration), at log_interval with timer logging on."""
         if self.writer is not None and self.config.log_timers_to_tensorboard:
-            self.writer.add_scalar("iteration-time", seconds, iteration)
+            with self._writing():
+                self.writer.add_scalar("iteration-time", seconds, iteration)
 
     def log_validation(self, iteration: int, consumed_samples: int,
                        losses: Dict[str, float]) -> None:
@@ -457,19 +502,22 @@ class TensorboardLogger:
         its `vs samples` twin."""
         if self.writer is None:
             return
-        for key, value in losses.items():
-            self._both(f"{key} validation", float(value), iteration, consumed_samples)
-            if self.config.log_validation_ppl_to_tensorboard:
-                ppl = math.exp(min(20.0, float(value)))
-                self._both(f"{key} validation ppl", ppl, iteration, consumed_samples)
+        with self._writing():
+            for key, value in losses.items():
+                self._both(f"{key} validation", float(value), iteration, consumed_samples)
+                if self.config.log_validation_ppl_to_tensorboard:
+                    ppl = math.exp(min(20.0, float(value)))
+                    self._both(f"{key} validation ppl", ppl, iteration, consumed_samples)
 
     def flush(self) -> None:
         if self.writer is not None:
-            self.writer.flush()
+            with self._writing():
+                self.writer.flush()
 
     def close(self) -> None:
         if self.writer is not None:
-            self.writer.close()
+            with self._writing():
+                self.writer.close()
             self.writer = None
 
 

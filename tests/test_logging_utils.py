@@ -219,6 +219,35 @@ def _log_two_iterations(cfg, writer_rank=True):
     return tb
 
 
+def test_a_full_disk_under_tensorboard_warns_once_and_training_goes_on(tmp_path, monkeypatch,
+                                                                       capfd):
+    """A full disk or quota under --tensorboard-dir mid-run: the writer thread printed a
+    traceback, the next scalar raised the OSError into the training loop (the run ended
+    in a traceback) and so did the writer's close at teardown. Now one warning naming the
+    directory, the reason and the fix; the rest of the run logs nothing to TensorBoard."""
+    import errno
+
+    from tensorboard.summary.writer import record_writer
+
+    real, calls = record_writer.RecordWriter.write, []
+
+    def write(self, data):
+        calls.append(1)
+        if len(calls) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, data)
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", write)
+    tb = _log_two_iterations(LoggingConfig(tensorboard_dir=str(tmp_path)))
+    tb.log_validation(3, 24, {"lm loss": 3.0})  # after the failure: nothing, no error
+    out, err = capfd.readouterr()
+    assert out.splitlines() == [
+        f"warning: cannot write TensorBoard events to --tensorboard-dir {tmp_path} (No space "
+        "left on device): TensorBoard logging stopped here, training continues; free space "
+        "there (or raise your quota), or pass another --tensorboard-dir"]
+    assert "Traceback" not in err and not tb.enabled
+
+
 def test_tensorboard_scalars_round_trip(tmp_path):
     cfg = LoggingConfig(tensorboard_dir=str(tmp_path))
     _log_two_iterations(cfg)
