@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megatron.core.config import ModelConfig
-from megatron.hf_files import load_hf_checkpoint, save_hf_checkpoint
+from megatron.hf_files import load_hf_checkpoint, save_hf_checkpoint, write_in_place
 from megatron.hf_interop import (
     FAMILIES,
     detect_family,
@@ -161,8 +161,20 @@ def _copy_tokenizer(args: dict, output: str) -> List[str]:
     """Copy `tokenizer_files(args)` into `output`; the names written."""
     files = tokenizer_files(args)
     for name, path in files.items():
-        shutil.copyfile(path, os.path.join(output, name))
+        write_in_place(os.path.join(output, name), lambda tmp, src=path: shutil.copyfile(src, tmp))
     return sorted(files)
+
+
+def _remove_new_entries(output: str, before: Optional[set]) -> None:
+    """After a failed write: remove what this export added to `output` (the directory
+    too when it made it), so that no model without its config or tokenizer is left."""
+    if before is None:
+        shutil.rmtree(output, ignore_errors=True)
+        return
+    for name in set(os.listdir(output)) - before if os.path.isdir(output) else ():
+        path = os.path.join(output, name)
+        if os.path.isfile(path):
+            os.remove(path)
 
 
 def _eod_of(tok) -> Optional[int]:
@@ -246,12 +258,14 @@ def _to_hf(a) -> int:
     gen = None if eod is None else {"eos_token_id": eod, "_from_model_config": True,
                                     **({"bos_token_id": bos} if bos is not None else {})}
     print(f"writing {len(hf_state)} tensors to {a.output} ...", flush=True)
+    before = set(os.listdir(a.output)) if os.path.isdir(a.output) else None
     try:
         names = save_hf_checkpoint(a.output, hf_state, config, gen,
                                    int(a.max_shard_size_gb * 2**30))
         copied = _copy_tokenizer(args, a.output)
-    except OSError as exc:  # a full disk: one line (the new weight files are removed)
+    except OSError as exc:  # a full disk: one line (the new files are removed)
         from megatron.checkpoint_dirs import free_space_text
+        _remove_new_entries(a.output, before)
         where = a.output if os.path.isdir(a.output) else os.path.dirname(
             os.path.abspath(a.output))
         raise SystemExit(f"error: writing to --output {a.output} failed ({type(exc).__name__}: "

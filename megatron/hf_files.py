@@ -94,10 +94,27 @@ def _new_file_mode() -> int:
     return 0o666 & ~umask
 
 
+def write_in_place(path: str, write) -> None:
+    """`write(tmp)` writes the file's content to `<path>.tmp`, renamed to `path` when
+    complete: a full disk leaves no truncated file under the name (a truncated merges.txt
+    loads as a tokenizer with fewer merges), the temporary file removed."""
+    tmp = path + ".tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
 def _write_json(path: str, data: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+
+    write_in_place(path, write)
 
 
 _EXPECTED = ("a Hugging Face model directory as save_pretrained writes it (config.json "

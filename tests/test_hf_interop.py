@@ -436,7 +436,7 @@ def test_a_full_disk_during_to_hf_or_from_hf_is_one_message(tmp_path, monkeypatc
         f"{tmp_path / 'out' / 'model.safetensors.tmp'}: Error while serializing: I/O error: "
         "No space left on device (os error 28)); ")
     assert str(err.value.code).endswith(". Free space or pass another --output")
-    assert os.listdir(tmp_path / "out") == []
+    assert not (tmp_path / "out").exists()  # made by the export: removed again
 
     def full(obj, f, *args, **kwargs):
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 10")
@@ -455,6 +455,33 @@ def test_a_full_disk_during_to_hf_or_from_hf_is_one_message(tmp_path, monkeypatc
     assert "unexpected pos 64 vs 10); it was removed; " in str(err.value.code)
     assert not (tmp_path / "imported").exists()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".from-hf-")]
+
+
+def test_a_disk_full_after_the_weights_leaves_no_truncated_tokenizer_or_config(
+        tmp_path, monkeypatch):
+    """The disk fills up after model.safetensors: the tokenizer copy left a truncated
+    merges.txt (a tokenizer with fewer merges loads from it without a word) beside the
+    complete weights, and a failed config.json write a truncated config.json. Now each
+    file is written under a temporary name and renamed when complete, and a failed export
+    removes what it added (the directory too when it made it)."""
+    import errno
+
+    from megatron import hf_files
+
+    _train(tmp_path / "ck", "", steps=1)
+
+    def half_then_full(data, f, **kwargs):
+        f.write('{"model_type": ')
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(hf_files.json, "dump", half_then_full)
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "new", tmp_path / "empty"):
+        with pytest.raises(SystemExit, match=rf"^error: writing to --output {out} failed "
+                                             r"\(OSError: \[Errno 28\] No space left"):
+            _cli("to-hf", "--load", tmp_path / "ck", "--output", out)
+    assert not (tmp_path / "new").exists()
+    assert os.listdir(tmp_path / "empty") == []
 
 
 def test_pretrain_gpt_cli_trains_from_an_imported_model(tmp_path):
