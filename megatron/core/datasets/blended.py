@@ -3,15 +3,15 @@
 Sample s of the blend comes from the dataset d that maximises
 `w_d * max(s, 1) - count_d` (ties: lowest d), evaluated in float64 as Megatron's helper
 does; `count_d` (before the increment) is the sample taken from dataset d. This module
-computes the same two arrays without a compiled helper. From 3 datasets to below
-`NUMPY_STEP_MIN` it guesses a block of picks (each dataset's next picks where its deficit would reach the
-current maximum), computes in numpy the greedy's true pick at every step given the guess's
-counts, and repairs each wrong step i by moving its true pick forward from its next place p
-in the guess (the counts after p are unchanged, so only steps i..p are computed again) until
-the guess and the true picks agree everywhere: then, by induction from the block's first
-step, the guess is the greedy (0.1-0.4 microsecond per sample for 3-12 datasets, a plain
-per-sample loop where the guesses keep failing); two use the same scheme with a simpler
-repair. From `NUMPY_STEP_MIN` datasets on, one numpy
+computes the same two arrays without a compiled helper. From 3 to NUMPY_STEP_MIN - 1
+datasets it guesses a block of picks (each dataset's next picks where its deficit would
+reach the current maximum), computes in numpy the greedy's true pick at every step given the
+guess's counts, and repairs each wrong step i by moving its true pick forward from its next
+place p in the guess (the counts after p are unchanged, so only steps i+1..p are computed
+again) until the guess and the true picks agree everywhere: then, by induction from the
+block's first step, the guess is the greedy (0.1-1 microsecond per sample; a plain
+per-sample loop takes over where the guesses keep failing). Two datasets keep a simpler
+variant (the verified part of each guess). From `NUMPY_STEP_MIN` datasets on, one numpy
 subtract and argmax per sample (0.6-1.6 microsecond whatever their number: 50 datasets over
 100 million samples take one to three minutes, hundreds no longer). The build is sequential
 by nature (each pick depends on all earlier ones), which is why a blend's indices are cached
@@ -91,7 +91,7 @@ def _blending_loop(weights: np.ndarray, size: int, counts: np.ndarray, start: in
             progress(min(size, begin + _LOOP_CHUNK))
 
 
-NUMPY_STEP_MIN = 24  # datasets from which one numpy argmax per sample beats a Python loop
+NUMPY_STEP_MIN = 32  # datasets from which one numpy argmax per sample beats guessed blocks
 _FLUSH = 1 << 20  # samples picked between writes into the output arrays
 _STEP_BLOCK = 4096  # samples whose products are computed at once by `_blending_numpy_steps`
 
@@ -177,8 +177,8 @@ def _blending_vectorised(weights: np.ndarray, size: int, dataset_index: np.ndarr
 
 _ROTATE_CAP = 1 << 20  # steps x datasets of one block of `_blending_rotations`
 _ROTATE_ROUNDS = 64  # repair rounds of one block before its verified part is kept
-_ROTATE_SLOW = 128  # a block that keeps fewer samples: the plain loop does `_ROTATE_LOOP`
-_ROTATE_LOOP = 4096
+_ROTATE_SLOW = 128  # a block that keeps fewer samples: the plain loop takes a stretch
+_ROTATE_LOOP = 4096  # samples of the plain loop's first stretch
 
 
 def _guess_picks(weights: np.ndarray, counts: np.ndarray, length: int,
@@ -271,19 +271,30 @@ def _rotation_block(weights: np.ndarray, counts: np.ndarray, start: int,
 
 
 def _blending_rotations(weights: np.ndarray, size: int, dataset_index: np.ndarray,
-                        sample_index: np.ndarray, progress: Progress = None) -> None:
-    """The greedy in guessed and repaired blocks (module docstring); where a block keeps
-    fewer than `_ROTATE_SLOW` samples, `_blending_loop` does the next `_ROTATE_LOOP`."""
+                        sample_index: np.ndarray, progress: Progress = None,
+                        clock: Callable[[], float] = time.perf_counter) -> None:
+    """The greedy in guessed and repaired blocks (module docstring), and stretches of
+    `_blending_loop` (the first `_ROTATE_LOOP` samples, timing it) wherever a block comes
+    out slower per sample than the loop or keeps under `_ROTATE_SLOW` samples: guesses some
+    weights keep failing (a dominant one, powers of two) cost more than the loop does. Each
+    stretch in a row is twice the last, so such blends lose little to the blocks tried."""
     num = len(weights)
     counts = np.zeros(num, dtype=np.int64)
-    if not np.any(weights > 0):  # nothing to guess from
-        _blending_loop(weights, size, counts, 0, dataset_index, sample_index, progress)
-        return
     first = min(1024, _LOOP_CHUNK)
     cap = min(max(first, _ROTATE_CAP // num), _LOOP_CHUNK)  # samples between progress calls
-    s, block = 0, first
+    s, block, stretch, loop_rate = 0, first, _ROTATE_LOOP, math.inf
+    slow = True
     while s < size:
-        asked = min(block, size - s)
+        if slow or not np.any(weights > 0):  # nothing to guess from without a weight
+            stop = min(size, s + stretch)
+            start = clock()
+            _blending_loop(weights, stop, counts, s, dataset_index, sample_index, progress)
+            loop_rate = (clock() - start) / (stop - s)
+            counts += np.bincount(dataset_index[s:stop], minlength=num)
+            s, stretch = stop, min(stretch * 2, 1 << 20)
+            slow = False
+            continue
+        asked, start = min(block, size - s), clock()
         picks, before = _rotation_block(weights, counts, s, asked)
         good = len(picks)
         dataset_index[s:s + good] = picks
@@ -291,14 +302,11 @@ def _blending_rotations(weights: np.ndarray, size: int, dataset_index: np.ndarra
         counts += np.bincount(picks, minlength=num)
         s += good
         block = min(block * 2, cap) if good == asked else max(1, block // 2)
-        if good < min(asked, _ROTATE_SLOW) and s < size:
-            stop = min(size, s + _ROTATE_LOOP)
-            _blending_loop(weights, stop, counts, s, dataset_index, sample_index, progress)
-            counts += np.bincount(dataset_index[s:stop], minlength=num)
-            s, block = stop, first
-        elif progress is not None:
+        slow = good < min(asked, _ROTATE_SLOW) or (clock() - start) / good > loop_rate
+        if not slow:
+            stretch = _ROTATE_LOOP
+        if progress is not None:
             progress(s)
-
 
 def build_blending_indices(weights: Sequence[float], size: int,
                            progress: Progress = None) -> Tuple[np.ndarray, np.ndarray]:
