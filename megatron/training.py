@@ -29,6 +29,7 @@ from megatron.core.models.gpt.stages import (
 )
 from megatron.core.optimizer import OptimizerParamScheduler, build_optimizer
 from megatron.core.pipeline_parallel import ModelChunks
+from megatron.custom_script_api import refuse_megatron_call
 from megatron.data_loading import (
     build_datasets,
     build_tokenizer_for,
@@ -527,6 +528,7 @@ def _train_and_evaluate(tr: Trainer, train_data, valid_data, test_data) -> None:
         final_evaluation(tr, valid_data, test_data)
 
 
+@refuse_megatron_call
 def pretrain(config: Config, rt: Runtime, process_start_time: Optional[float] = None,
              progress: Optional[RunProgress] = None, tokenizer=None,
              signals: Optional[SignalHandler] = None) -> Trainer:

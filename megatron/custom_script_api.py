@@ -1,0 +1,55 @@
+"""Megatron-LM's custom-script API, which this project does not offer: one clear error.
+
+This project runs Megatron-LM 23.05's command lines with its own `pretrain_gpt.py`. A
+script written against Megatron's library -- a modified copy of its `pretrain_gpt.py`
+calling `megatron.training.pretrain(providers...)`, reading the `megatron.get_args()`
+globals, building `megatron.model.GPTModel` -- gets one error naming the missing piece
+and MIGRATING.md, "Known gaps", instead of a bare "cannot import name" or a TypeError
+about arguments. Used by megatron/__init__.py (the package-level names), the
+`megatron.model`, `megatron.utils` and `megatron.data.gpt_dataset` stand-ins, and
+`megatron.training.pretrain`.
+"""
+from __future__ import annotations
+
+import functools
+
+# Megatron-LM 23.05's package-level names: its global state and rank-printing helpers
+MEGATRON_GLOBALS = frozenset((
+    "get_args", "get_retro_args", "get_current_global_batch_size", "get_num_microbatches",
+    "get_signal_handler", "update_num_microbatches", "get_tokenizer",
+    "get_tensorboard_writer", "get_adlr_autoresume", "get_timers", "initialize_megatron",
+    "print_rank_0", "print_rank_last", "is_last_rank",
+))
+
+# keyword arguments only Megatron-LM's pretrain(providers...) takes
+MEGATRON_PRETRAIN_KWARGS = frozenset((
+    "train_valid_test_dataset_provider", "model_provider", "model_type", "forward_step_func",
+    "process_non_loss_data_func", "extra_args_provider", "args_defaults",
+))
+
+
+def custom_script_api_error(name: str) -> ImportError:
+    """The error for `name`, a piece of Megatron-LM's custom-script API."""
+    return ImportError(
+        f"{name} is part of Megatron-LM's custom-script API, which this project does not offer: it "
+        "runs Megatron-LM 23.05's command lines (same flags, data files and checkpoints) "
+        "with its own pretrain_gpt.py, not scripts written against Megatron's library "
+        "(megatron.training.pretrain(providers...), the megatron.get_args() globals, "
+        "megatron.model). Run your command line with this project's pretrain_gpt.py "
+        "instead; see MIGRATING.md, \"Known gaps\".")
+
+
+def refuse_megatron_call(func):
+    """Decorate this project's `pretrain(config, rt, ...)`: called Megatron-LM's way (a
+    provider function first, or one of its keyword arguments) it raises one TypeError
+    that says so."""
+    @functools.wraps(func)
+    def checked(*args, **kwargs):
+        if (args and callable(args[0])) or MEGATRON_PRETRAIN_KWARGS.intersection(kwargs):
+            text = str(custom_script_api_error(
+                "megatron.training.pretrain(train_valid_test_dataset_provider, "
+                "model_provider, model_type, forward_step_func, ...)"))
+            raise TypeError(f"{text} This project's {func.__name__}() takes (config, rt, "
+                            "...), built by its pretrain_gpt.py.")
+        return func(*args, **kwargs)
+    return checked

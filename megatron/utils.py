@@ -1,0 +1,5 @@
+"""Megatron-LM's `megatron.utils` (helpers for custom scripts) is not offered: importing it
+raises one ImportError that says so (megatron/custom_script_api.py)."""
+from megatron.custom_script_api import custom_script_api_error
+
+raise custom_script_api_error("megatron.utils")
