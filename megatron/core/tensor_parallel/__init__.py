@@ -1,6 +1,9 @@
 """Tensor parallelism: communication pairs, parallel layers, vocab-parallel loss, RNG.
 
 Every function and layer takes its process group explicitly; `None` means one process.
+Megatron-LM's names left without one (the parallel layers, `vocab_parallel_cross_entropy`,
+`linear_with_grad_accumulation_and_async_allreduce`) use the tensor-parallel group of
+`parallel_state.initialize_model_parallel`, as ported code expects.
 See README.md in this folder for the layout conventions.
 """
 from .cross_entropy import (

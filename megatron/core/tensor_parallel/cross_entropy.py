@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .mappings import group_rank, group_size
+from .mappings import TP_GROUP_OF_STATE, group_rank, group_size, resolve_tp_group
 from .utils import vocab_range_from_per_partition_vocab_size
 
 
@@ -85,7 +85,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(
-    vocab_parallel_logits: torch.Tensor, target: torch.Tensor, group=None,
+    vocab_parallel_logits: torch.Tensor, target: torch.Tensor, group=TP_GROUP_OF_STATE,
     label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """Per-token cross entropy of logits split along the vocabulary over `group`.
@@ -96,7 +96,9 @@ def vocab_parallel_cross_entropy(
     torch.nn.functional.cross_entropy(full_logits, target, reduction="none",
     label_smoothing=label_smoothing). The logits grad comes back in the logits' dtype.
     Collectives: forward 3 all-reduces (4 with label smoothing); backward none.
-    The full vocabulary is never gathered.
+    The full vocabulary is never gathered. Without `group`: the tensor-parallel group of
+    `initialize_model_parallel`, as in Megatron-LM (`mappings.resolve_tp_group`); None is
+    one process.
     """
     if isinstance(group, (int, float)):  # Megatron's third positional is label_smoothing
         raise TypeError(
@@ -111,6 +113,7 @@ def vocab_parallel_cross_entropy(
             f"logits shape {tuple(vocab_parallel_logits.shape)} does not match target shape "
             f"{tuple(target.shape)}; logits must be [..., V/tp] for target [...]"
         )
+    group = resolve_tp_group(group, "vocab_parallel_cross_entropy(group=...)")
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group,
                                             label_smoothing)
 

@@ -29,6 +29,7 @@ from torch import nn
 from . import gemm_algos
 from .grad_accumulation import accumulate_weight_grad, grad_into_main_grad
 from .mappings import (
+    TP_GROUP_OF_STATE,
     all_gather_dim0,
     all_gather_dim0_after,
     copy_to_tp,
@@ -39,6 +40,7 @@ from .mappings import (
     reduce_from_tp,
     reduce_scatter_dim0,
     reduce_scatter_to_sp,
+    resolve_tp_group,
     scatter_to_tp,
     start_all_reduce,
 )
@@ -309,9 +311,12 @@ class LinearAfterGelu(torch.autograd.Function):
 def linear_with_grad_accumulation_and_async_allreduce(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     gradient_accumulation_fusion: bool, async_grad_allreduce: bool, sequence_parallel: bool,
-    group=None,
+    group=TP_GROUP_OF_STATE,
 ) -> torch.Tensor:
-    """Functional form of `LinearWithGradAccumulationAndAsyncCommunication` (see there)."""
+    """Functional form of `LinearWithGradAccumulationAndAsyncCommunication` (see there).
+    Without `group`: the tensor-parallel group of `initialize_model_parallel`, as in
+    Megatron-LM (`mappings.resolve_tp_group`); None is one process."""
+    group = resolve_tp_group(group, "linear_with_grad_accumulation_and_async_allreduce(group=...)")
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
         x, weight, bias, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel,
         group,
@@ -351,12 +356,13 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(
-        self, num_embeddings: int, embedding_dim: int, *, tp_group=None,
+        self, num_embeddings: int, embedding_dim: int, *, tp_group=TP_GROUP_OF_STATE,
         init_method: InitMethod, params_dtype: torch.dtype = torch.float32,
         use_cpu_initialization: bool = False, reduce_scatter_embeddings: bool = False,
         device=None, rng_tracker: Optional[RNGStatesTracker] = None,
     ) -> None:
         super().__init__()
+        tp_group = resolve_tp_group(tp_group, "VocabParallelEmbedding(tp_group=...)")
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.tp_group = tp_group
@@ -404,7 +410,7 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(
-        self, input_size: int, output_size: int, *, tp_group=None, bias: bool = True,
+        self, input_size: int, output_size: int, *, tp_group=TP_GROUP_OF_STATE, bias: bool = True,
         gather_output: bool = False, init_method: InitMethod, stride: int = 1,
         skip_bias_add: bool = False, sequence_parallel: bool = False,
         async_tensor_model_parallel_allreduce: bool = True,
@@ -417,6 +423,7 @@ class ColumnParallelLinear(nn.Module):
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be used with "
                              "sequence_parallel=True; gather in the caller instead")
+        tp_group = resolve_tp_group(tp_group, "ColumnParallelLinear(tp_group=...)")
         world = group_size(tp_group)
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = _per_partition(
@@ -504,7 +511,7 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(
-        self, input_size: int, output_size: int, *, tp_group=None, bias: bool = True,
+        self, input_size: int, output_size: int, *, tp_group=TP_GROUP_OF_STATE, bias: bool = True,
         input_is_parallel: bool = False, init_method: InitMethod, stride: int = 1,
         skip_bias_add: bool = False, sequence_parallel: bool = False,
         params_dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = False,
@@ -512,6 +519,7 @@ class RowParallelLinear(nn.Module):
         rng_tracker: Optional[RNGStatesTracker] = None,
     ) -> None:
         super().__init__()
+        tp_group = resolve_tp_group(tp_group, "RowParallelLinear(tp_group=...)")
         world = group_size(tp_group)
         if sequence_parallel and world > 1 and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True requires "

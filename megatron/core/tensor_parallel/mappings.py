@@ -40,6 +40,45 @@ def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+class _GroupOfInitializeModelParallel:
+    def __repr__(self) -> str:
+        return "<tensor-parallel group of initialize_model_parallel>"
+
+
+# The default group of Megatron-LM 23.05's names that take one here (ColumnParallelLinear,
+# RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy,
+# linear_with_grad_accumulation_and_async_allreduce): ported code that leaves it out gets
+# Megatron's group, the one `parallel_state.initialize_model_parallel` remembered. An
+# explicit None stays one process (this project's model code always passes its group).
+TP_GROUP_OF_STATE = _GroupOfInitializeModelParallel()
+
+
+def resolve_tp_group(group, where: str):
+    """`group` itself; for TP_GROUP_OF_STATE the tensor-parallel group remembered by
+    `initialize_model_parallel` (before it: None in a one-process run, an error in a
+    larger one). `where` names the call and its group argument, e.g. "f(group=...)"."""
+    if group is not TP_GROUP_OF_STATE:
+        return group
+    if parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_tensor_model_parallel_group()
+    elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"{where} was not given and parallel_state.initialize_model_parallel() has not "
+            f"been called in this {dist.get_world_size()}-process run, so the tensor-parallel "
+            "group is unknown: call initialize_model_parallel(tensor_model_parallel_size) "
+            "first (as in Megatron-LM), or pass the group (None: this process alone)")
+    else:
+        group = None
+    forced = parallel_state._OVERRIDES.get("tp_size")
+    if forced is not None and forced != group_size(group):
+        raise ValueError(
+            f"{where} was not given: set_tensor_model_parallel_world_size({forced}) is in "
+            f"effect but the tensor-parallel group has {group_size(group)} process(es), and "
+            "the layers here shard and communicate by their group: pass a group of "
+            f"{forced} ranks, or set_tensor_model_parallel_world_size(None)")
+    return group
+
+
 # --- raw collectives (no autograd) ------------------------------------------------------
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Sum `x` over the group into a new contiguous tensor (`x` is left untouched).
