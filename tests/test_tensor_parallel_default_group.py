@@ -63,6 +63,12 @@ def _ported_linear(x, w):
     return y.detach(), x.grad
 
 
+def fc1_weight_like():
+    w = torch.nn.Parameter(torch.zeros(2))
+    tp.set_tensor_model_parallel_attributes(w, True, 0, 1)
+    return w
+
+
 def _worker(rank, world_size):
     x, ids, logits, target = _inputs()
     out = {}
@@ -80,6 +86,9 @@ def _worker(rank, world_size):
     out["ce"] = (loss.detach(), shard.grad)
     out["linear"] = _ported_linear(x, torch.eye(FFN, H).chunk(TP, 0)[r])
     # an explicit None is still one process (this project's own calling convention)
+    plain = torch.nn.Parameter(torch.zeros(2))  # replicated: counted on tp rank 0 only
+    out["counted"] = (tp.param_is_not_tensor_parallel_duplicate(plain),
+                      tp.param_is_not_tensor_parallel_duplicate(fc1_weight_like()))
     out["none"] = tuple(tp.ColumnParallelLinear(H, FFN, tp_group=None, init_method=INIT,
                                                 use_cpu_initialization=True).weight.shape)
     dist.barrier()
@@ -128,6 +137,11 @@ def test_ported_functional_linear_reduces_the_input_grad(results):
         y, grad = res["linear"]
         torch.testing.assert_close(y, x.detach() @ torch.eye(FFN, H).chunk(TP, 0)[r].t())
         torch.testing.assert_close(grad, x.grad, **TOL, msg=f"input grad, rank {r}")
+
+
+def test_ported_duplicate_check_reads_the_tp_rank(results):
+    # Megatron-LM's param_is_not_tensor_parallel_duplicate(param), without a tp rank
+    assert [res["counted"] for res in results] == [(True, True), (False, True)]
 
 
 def test_explicit_none_is_one_process(results):

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import parallel_state
 from . import gemm_algos
 from .grad_accumulation import accumulate_weight_grad, grad_into_main_grad
 from .mappings import (
@@ -75,11 +76,16 @@ def copy_tensor_model_parallel_attributes(destination: torch.Tensor, source: tor
         setattr(destination, name, getattr(source, name, value))
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor,
+                                           tp_rank: Optional[int] = None) -> bool:
     """True when `param` should be counted on this rank: a shard, or TP rank 0's copy.
 
     Used to count each parameter once in grad-norm and parameter-count reductions.
+    Without `tp_rank` (Megatron-LM's one-argument form): the tensor-parallel rank of
+    `parallel_state.initialize_model_parallel`.
     """
+    if tp_rank is None:
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
