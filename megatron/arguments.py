@@ -225,9 +225,10 @@ def _read_yaml(path: str) -> Any:
 
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-            f.seek(0)
             node = yaml.compose(f, yaml.SafeLoader)
+            _check_yaml_size(path, node)
+            f.seek(0)
+            data = yaml.safe_load(f)
     except UnicodeDecodeError as exc:
         raise ArgumentsError(f"--config {path}: not a UTF-8 text file (it holds byte "
                              f"{exc.object[exc.start]:#04x}); a config is a YAML text file "
@@ -244,6 +245,38 @@ def _read_yaml(path: str) -> Any:
                                  f"{key.start_mark.line + 1} names the flag of line {line} "
                                  "again; keep one of them")
     return data
+
+
+# The most values a config may hold once its YAML aliases (*name) are expanded: a real
+# config has a few hundred; nested aliases ("billion laughs") multiply into billions.
+YAML_MAX_VALUES = 100_000
+
+
+def _check_yaml_size(path: str, node) -> None:
+    """ArgumentsError naming the file when the document `node` would hold more than
+    YAML_MAX_VALUES values with its aliases expanded, or refers to itself (the flags
+    read each value, so the expansion would be built in memory)."""
+    sizes: Dict[int, float] = {}
+
+    def size(n) -> float:
+        if id(n) in sizes:  # a node met again through an alias; inf while it is open
+            return sizes[id(n)]
+        sizes[id(n)] = float("inf")
+        items = n.value if isinstance(n.value, list) else ()
+        total = 1.0
+        for item in items:
+            for child in (item if isinstance(item, tuple) else (item,)):
+                total = min(total + size(child), float("inf"))
+                if total > YAML_MAX_VALUES:
+                    return total
+        sizes[id(n)] = total
+        return total
+
+    if node is not None and size(node) > YAML_MAX_VALUES:
+        raise ArgumentsError(f"--config {path}: its YAML aliases (*name) expand to more than "
+                             f"{YAML_MAX_VALUES} values (nested or self-referring anchors, "
+                             "a 'billion laughs' file?); write the values out, or use "
+                             "aliases only for a few shared values")
 
 
 def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, Any]:

@@ -149,6 +149,35 @@ def test_yaml_config_tags_are_not_constructed(tmp_path, marker):
         parse_args(["--config", str(path)])
 
 
+def _alias_bomb(levels: int) -> str:
+    """A 'billion laughs' config: each anchor a list of nine aliases of the one before."""
+    nodes = ["&l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    nodes += [f"&l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "data-path: [" + ", ".join(nodes) + "]\n"
+
+
+@pytest.mark.parametrize("text", [_alias_bomb(7), "data-path: &a [x, *a]\n"],
+                         ids=["nested", "self-referring"])
+def test_yaml_config_alias_bombs_are_refused_naming_the_file(tmp_path, text):
+    from megatron.arguments import ArgumentsError, parse_args
+
+    path = tmp_path / "laughs.yaml"
+    path.write_text(text)
+    with pytest.raises(ArgumentsError) as err:
+        parse_args(["--config", str(path)])
+    assert f"--config {path}: its YAML aliases" in err.value.message
+    assert "100000 values" in err.value.message
+
+
+def test_yaml_config_a_few_aliases_still_work(tmp_path):
+    from megatron.arguments import parse_args
+
+    path = tmp_path / "shared.yaml"
+    path.write_text("lr: &lr 0.0003\nmin-lr: *lr\n")
+    args = parse_args(["--config", str(path)])[0]
+    assert args.lr == args.min_lr == 0.0003
+
+
 def _replace_with_pickle(path: str, payload) -> None:
     with open(path, "wb") as f:
         pickle.dump(payload, f)
