@@ -29,7 +29,6 @@ import difflib
 import os
 import shlex
 import sys
-import time
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Set, Tuple
 
 from megatron.arguments_common import (
@@ -593,7 +592,11 @@ def wait_for_printing_rank(world_size: int, env: Mapping[str, str]) -> None:
     `SILENT_EXIT_DELAY_S` when a launcher started it (`LAUNCHER_ENV` in `env`) and the run
     has several processes. Also for the load errors ranks agree on (megatron/agreed_exit.py)."""
     if world_size > 1 and any(env.get(name) for name in LAUNCHER_ENV):
-        time.sleep(SILENT_EXIT_DELAY_S)
+        # with --exit-signal-handler a SIGTERM (the launcher ending the job, or
+        # launcher_watch's once torchrun died) is only noted: it ends the wait instead
+        from megatron.signals import sleep_unless_signalled  # (imports no torch)
+
+        sleep_unless_signalled(SILENT_EXIT_DELAY_S)
 
 
 def exit_before_group(exc: SystemExit, rank: int, world_size: int, env: Mapping[str, str],

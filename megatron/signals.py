@@ -7,9 +7,12 @@ training loop checks it once per iteration, agrees across ranks, saves and exits
 from __future__ import annotations
 
 import signal
+import threading
+import time
 from typing import Iterable, Optional
 
-import torch.distributed as dist
+# The last SIGTERM/SIGUSR1 any SignalHandler of this process noted (0: none yet).
+_last_noted = 0
 
 
 class SignalHandler:
@@ -22,12 +25,15 @@ class SignalHandler:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        self.received = signum
+        global _last_noted
+        self.received = _last_noted = signum
 
     def any_rank_received(self, group=None) -> Optional[str]:
         """Name of a signal received by any rank (collective over `group`), else None.
 
         `group` should be a CPU (gloo) group so the check never waits on the GPU."""
+        import torch.distributed as dist
+
         code = self.received or 0
         if dist.is_initialized():
             from megatron.agreed_exit import max_over_ranks
@@ -40,6 +46,39 @@ class SignalHandler:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+class _Cut(Exception):
+    """Raised by the handler `sleep_unless_signalled` installs, to end its sleep."""
+
+
+def sleep_unless_signalled(seconds: float) -> bool:
+    """`time.sleep(seconds)`, cut short by a SIGTERM/SIGUSR1 that a SignalHandler would
+    only note, and skipped when one was noted already: a process that is exiting anyway
+    and waits to be ended by its launcher would otherwise wait for the launcher's SIGKILL.
+    Signals without a SignalHandler keep their handling (SIGTERM's default ends the
+    process). Returns whether a signal cut the wait."""
+    noting = {}
+
+    def cut(signum, frame):
+        noting[signum](signum, frame)  # the SignalHandler notes it, as it would have
+        raise _Cut()
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            handler = signal.getsignal(sig)
+            if isinstance(getattr(handler, "__self__", None), SignalHandler):
+                noting[sig] = handler
+                signal.signal(sig, cut)
+    try:
+        if not _last_noted:
+            time.sleep(seconds)
+    except _Cut:
+        pass
+    finally:
+        for sig, handler in noting.items():
+            signal.signal(sig, handler)
+    return bool(_last_noted)
 
 
 def signal_name(code: float) -> Optional[str]:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -184,7 +186,7 @@ def test_report_groups_ranks_by_message():
 
 def test_silent_rank_waits_only_under_a_launcher(monkeypatch):
     waits = []
-    monkeypatch.setattr(arguments.time, "sleep", waits.append)
+    monkeypatch.setattr(time, "sleep", waits.append)
     launched = {"TORCHELASTIC_RUN_ID": "x"}
     for rank, env, expected in [(1, launched, [arguments.SILENT_EXIT_DELAY_S]),
                                 (0, launched, []), (1, {}, [])]:
@@ -193,3 +195,42 @@ def test_silent_rank_waits_only_under_a_launcher(monkeypatch):
             with silent_ranks_wait(env):
                 raise AgreedExit("error: x", rank, 2)
         assert waits == expected, (rank, env)
+
+
+# A rank 1 that leaves its error to rank 0 and waits for the launcher to end it, with
+# --exit-signal-handler's SignalHandler installed; {when}: the SIGTERM comes during the
+# wait ("during") or came before it ("before", as launcher_watch's once torchrun died).
+SILENT_WAIT_SCRIPT = """
+import os, signal, sys, threading, time
+sys.path.insert(0, {root!r})
+from megatron.agreed_exit import AgreedExit, silent_ranks_wait
+from megatron.signals import SignalHandler
+
+handler = SignalHandler()
+if {when!r} == "before":
+    os.kill(os.getpid(), signal.SIGTERM)
+else:
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+start = time.monotonic()
+try:
+    with silent_ranks_wait({{"TORCHELASTIC_RUN_ID": "x"}}):
+        raise AgreedExit("error: x", 1, 2)
+except AgreedExit:
+    print(f"waited {{time.monotonic() - start:.1f}} s, noted {{handler.received}}")
+"""
+
+
+@pytest.mark.parametrize("when", ["during", "before"])
+def test_a_noted_sigterm_ends_the_silent_ranks_wait(tmp_path, when):
+    """torchrun ends every worker with SIGTERM once rank 0 has failed, and a silent rank
+    waits (30 s) for it; with --exit-signal-handler the SIGTERM was only noted, so the rank
+    waited on until torchrun's SIGKILL 30 s later (after a load error on rank 0, or a
+    signal to the job while it resharded a checkpoint)."""
+    script = tmp_path / "silent_wait.py"
+    script.write_text(SILENT_WAIT_SCRIPT.format(root=str(ROOT), when=when))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=20)
+    assert done.returncode == 0, done.stderr
+    waited = float(re.search(r"waited ([0-9.]+) s", done.stdout).group(1))
+    assert waited < 5, done.stdout
+    assert f"noted {int(signal.SIGTERM)}" in done.stdout

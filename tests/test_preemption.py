@@ -618,3 +618,18 @@ def test_a_dry_run_leaves_sigterm_to_stop_it(monkeypatch):
     assert pretrain_gpt.main(MODEL + ["--train-iters", "10", "--exit-signal-handler",
                                       "--dry-run"]) == 0
     assert seen == [before]
+
+
+@pytest.mark.slow
+def test_a_load_error_with_the_exit_signal_handler_ends_every_rank_promptly(tmp_path):
+    """Rank 0 prints a load error every rank agreed on and exits; rank 1 waits for torchrun
+    to end it. torchrun's SIGTERM used to be only noted by --exit-signal-handler's handler,
+    so rank 1 waited on until torchrun's SIGKILL 30 s later ('Unable to shutdown process')."""
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("7\n")
+    run = _run(_torchrun_cmd(2, str(ROOT / "pretrain_gpt.py"), MODEL + [
+        "--train-iters", "10", "--load", str(ckpt), "--exit-signal-handler"]))
+    log = run.stdout + run.stderr
+    assert run.returncode != 0 and "iter_0000007 does not exist" in log, log[-3000:]
+    assert "Unable to shutdown process" not in log, log[-3000:]  # (SIGKILL after 30 s)

@@ -103,7 +103,7 @@ def test_single_process_prints_without_rank_tag(capsys):
 def test_rank_one_is_silent_for_a_flag_error_and_waits_for_rank_zero(capsys, monkeypatch):
     """A silent rank that exits first would have torchrun end rank 0 before it prints."""
     waits = []
-    monkeypatch.setattr(arguments.time, "sleep", waits.append)
+    monkeypatch.setattr(time, "sleep", waits.append)
     with pytest.raises(ArgumentsError) as exc:
         parse_and_validate(BASE + ["--fp16", "--bf16"], 2, env={"RANK": "1", **LAUNCHED},
                            cuda_available=False)
@@ -159,7 +159,7 @@ def test_exit_before_group(rank, local_rank, machine, world, prints, tagged, cap
     file): printed by rank 0 and each node's first process with rank and host; the others
     wait under a launcher; the SystemExit to raise has status 1."""
     waits = []
-    monkeypatch.setattr(arguments.time, "sleep", waits.append)
+    monkeypatch.setattr(time, "sleep", waits.append)
     env = {"LOCAL_RANK": str(local_rank), **LAUNCHED}
     exc = arguments.exit_before_group(SystemExit("error: --load /x does not exist"), rank,
                                       world, env, machine=machine)
