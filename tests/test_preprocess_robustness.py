@@ -9,6 +9,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -343,3 +344,62 @@ def test_a_worker_killed_mid_run_ends_the_run_naming_it(tmp_path, bpe):
            "killer: see dmesg) while encoding the input" in err, err
     assert "Rerun with fewer --workers (now 2;" in err and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def _dead_pid() -> int:
+    """The process id of a process that has ended."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    return int(done.stdout)
+
+
+def _leave_temporaries(prefix: str) -> tuple:
+    """What runs writing `prefix` (a dataset there) leave beside it when SIGKILLed: a
+    finished partition's .bin/.idx pair and a lone .bin (dead owner: stale), and the .bin
+    of a run writing now (this process: live). Returns (stale paths, live path)."""
+    dead = _dead_pid()
+    stale = []
+    for tmp in (f"{prefix}.tmp{dead}-0123abcd_0", f"{prefix}.tmp{dead}-89abcdef"):
+        for ext in (".bin", ".idx"):
+            if tmp.endswith("_0") or ext == ".bin":
+                shutil.copy(prefix + ext, tmp + ext)
+                stale.append(tmp + ext)
+    live = f"{prefix}.tmp{os.getpid()}-feedf00d.bin"
+    shutil.copy(prefix + ".bin", live)
+    return sorted(stale), live
+
+
+def test_merging_a_directory_skips_the_temporaries_of_killed_or_running_runs(tmp_path, bpe,
+                                                                            capsys):
+    """A preprocess_data.py run killed with SIGKILL leaves its `.tmp<pid>-<random>` files:
+    a lone .bin stopped merge_datasets.py over the directory ('has no .idx beside it;
+    restore ...'), and a finished partition's pair was merged as a dataset (its documents
+    twice). They are skipped; the stale ones are named with the command that removes them,
+    and nothing is deleted (a running run's files are left alone, and not named)."""
+    from tools import merge_datasets
+
+    out = tmp_path / "out"
+    run_tool(bpe, write_jsonl(tmp_path / "in.jsonl", DOCS), out / "c")
+    stale, live = _leave_temporaries(str(out / "c_text_document"))
+    merged = str(tmp_path / "merged")
+    merge_datasets.main(["--input", str(out), "--output-prefix", merged])
+    expected = [list(d) for name in ("c_text_document", "c_title_document")
+                for d in MMapIndexedDataset(str(out / name))]
+    assert [list(d) for d in MMapIndexedDataset(merged)] == expected
+    err = capsys.readouterr().err
+    assert "3 unfinished temporary file(s) of an interrupted" in err, err
+    assert "Remove them with: rm -f " + " ".join(stale) in err, err
+    assert "skipped 1 temporary file(s) that a running" in err and live in err, err
+    assert all(os.path.exists(p) for p in stale + [live])
+
+
+def test_a_later_run_names_the_stale_temporaries_of_its_prefix(tmp_path, bpe, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS)
+    run_tool(bpe, src, tmp_path / "c")
+    stale, live = _leave_temporaries(str(tmp_path / "c_text_document"))
+    capsys.readouterr()
+    run_tool(bpe, src, tmp_path / "c")
+    err = capsys.readouterr().err
+    assert "Remove them with: rm -f " + " ".join(stale) in err, err
+    assert live not in err
+    check_outputs(bpe, tmp_path / "c", DOCS, append_eod=False)

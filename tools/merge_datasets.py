@@ -3,7 +3,9 @@
     python tools/merge_datasets.py --input DIR_OR_PREFIX [PREFIX ...] --output-prefix OUT
 
 A directory contributes every `<name>.bin/.idx` pair in it, sorted by name. All inputs
-must share one dtype; the `.bin` files are copied and the doc_idx entries shifted.
+must share one dtype; the `.bin` files are copied and the doc_idx entries shifted. The
+temporaries of a preprocess_data.py or merge_datasets.py run in a directory are skipped
+(those of a killed run named, with the command that removes them).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     index_file_path,
     missing_dataset_hint,
 )
+from tools.leftover_temporaries import stale_temporaries_warning, temporary_files  # noqa: E402
 from tools.preprocess_data import (  # noqa: E402
     make_output_dir,
     output_error,
@@ -32,6 +35,15 @@ def directory_prefixes(directory: str) -> list:
     """Prefixes of the `.bin/.idx` pairs in `directory`, sorted; a `.bin` or `.idx` without
     its partner is an error (Megatron's tool asserts the same), naming the file."""
     files = {n for n in os.listdir(directory) if os.path.isfile(os.path.join(directory, n))}
+    stale, live = temporary_files(directory, files)
+    warning = stale_temporaries_warning(stale, f"in --input {directory} are skipped")
+    if warning:
+        print(warning, file=sys.stderr)
+    if live:
+        print(f"warning: --input {directory}: skipped {len(live)} temporary file(s) that a "
+              f"running preprocess_data.py or merge_datasets.py is writing ({live[0]}, ...)",
+              file=sys.stderr)
+    files -= {os.path.basename(p) for p in stale + live}
     for name in sorted(files):
         stem, ext = os.path.splitext(name)
         partner = {".idx": ".bin", ".bin": ".idx"}.get(ext)

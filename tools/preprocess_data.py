@@ -17,7 +17,9 @@ line number, or is skipped and counted with `--skip-bad-lines`. Blank lines are 
 A run that reads no document is an error, and so is a truncated or corrupt compressed
 file. Output goes to temporary files beside the targets, renamed into place when
 complete, so a failed or interrupted (Ctrl-C, SIGTERM) run leaves an existing dataset
-intact; a missing output directory is created. Megatron-LM 23.04's `--chunk-size` is
+intact; a missing output directory is created. A run killed with SIGKILL cannot remove
+its temporaries: the next run at that prefix names them, with the command that removes
+them (merge_datasets.py skips them). Megatron-LM 23.04's `--chunk-size` is
 accepted and ignored, with a warning.
 
 `--split-sentences` splits each text with NLTK punkt (`pip install nltk` and
@@ -58,6 +60,10 @@ from megatron.tokenizer.document_encoder import (  # noqa: E402
     options_from_args,
 )
 from tools.case_names import case_clashes, ignores_case  # noqa: E402
+from tools.leftover_temporaries import (  # noqa: E402
+    stale_temporaries_warning,
+    temporary_files,
+)
 from tools.preprocess_input import (  # noqa: E402
     InputError,
     Reader,
@@ -553,6 +559,7 @@ def run(args: argparse.Namespace) -> dict:
     print(f"Input: {len(files)} file(s), {size}; tokenizer {tokenizer.name} (vocab "
           f"{tokenizer.vocab_size}), dtype {np.dtype(dtype).name}", file=sys.stderr)
     make_output_dir(args.output_prefix)
+    _warn_stale_temporaries(args.output_prefix)
     writers = Writers(args, dtype)
     progress = Progress(reader, args.log_interval)
     try:
@@ -575,6 +582,17 @@ def run(args: argparse.Namespace) -> dict:
                   file=sys.stderr)
     return {"documents": progress.docs, "bytes": progress.bytes, "skipped": progress.skipped,
             "tokens": dict(writers.num_tokens), "seconds": time.time() - progress.start}
+
+
+def _warn_stale_temporaries(output_prefix: str) -> None:
+    """Warn of the temporaries an earlier run at `output_prefix` left when it was killed
+    (SIGKILL): they are never removed here, another host's run may own them."""
+    directory = os.path.dirname(os.path.abspath(output_prefix))
+    base = os.path.basename(output_prefix)
+    names = [n for n in os.listdir(directory) if n.startswith((base + "_", ".tmp"))]
+    warning = stale_temporaries_warning(temporary_files(directory, names)[0])
+    if warning:
+        print(warning, file=sys.stderr)
 
 
 class Terminated(KeyboardInterrupt):
