@@ -209,3 +209,13 @@ def test_manual_seed_single_process_matches_model_parallel_seed(fresh_state, mon
         with ref.fork():
             theirs = torch.rand(4)
         assert torch.equal(ours, theirs) and torch.equal(mine, torch.rand(4))
+
+
+def test_mpu_is_the_legacy_name_of_parallel_state():
+    """`from megatron.core import mpu` (Megatron-LM's ported code) is parallel_state; other
+    missing names stay AttributeError, so hasattr() probes work."""
+    import megatron.core
+    from megatron.core import mpu
+
+    assert mpu is ps
+    assert not hasattr(megatron.core, "no_such_name")
