@@ -793,3 +793,116 @@ def test_length_penalty_keeps_beam_scores_finite(penalty, tokens, ok):
     hyps = Hypotheses(2, req.length_penalty)
     for length in {1, min(2, tokens), tokens}:  # lengths reach tokens_to_generate
         assert math.isfinite(hyps.score(-50.0 * length, length))
+
+
+def _raw(url, data: bytes, wait: float = 30) -> bytes:
+    """Everything the server answers to the request bytes `data`, until it closes."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    got = b""
+    with socket.create_connection((where.hostname, where.port)) as sock:
+        sock.sendall(data)
+        sock.settimeout(wait)
+        while more := sock.recv(65536):
+            got += more
+    return got
+
+
+_HEAD = b"PUT /api HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+
+
+def test_a_chunked_body_is_read(served):
+    """`curl -T -` and `requests.put(url, data=generator)` send the body chunked, without
+    a Content-Length; werkzeug (Megatron-LM's server) reads it, this server answered 400
+    'the request needs a Content-Length header'."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    url = served[0]
+    want = _ok(url, {"prompts": ["5 6"], "tokens_to_generate": 2, "random_seed": 3})
+    where = urlsplit(url)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
+    conn.request("PUT", "/api", body=iter([b'{"prompts": ["5 6"], ', b'"tokens_to_generate"',
+                                           b': 2, "random_seed": 3}']),
+                 headers={"Content-Type": "application/json"}, encode_chunked=True)
+    answer = conn.getresponse()
+    assert answer.status == 200 and json.loads(answer.read()) == want
+    conn.close()
+    body = json.dumps({"prompts": ["5 6"], "tokens_to_generate": 2, "random_seed": 3})
+    framed = (b"Transfer-Encoding: Chunked\r\n\r\n5;ext=1\r\n" + body[:5].encode() +
+              b"\r\n" + f"{len(body) - 5:X}\r\n".encode() + body[5:].encode() +
+              b"\r\n0\r\nX-Trailer: 1\r\n\r\n")
+    got = _raw(url, _HEAD + framed)
+    assert got.startswith(b"HTTP/1.0 200") and json.loads(got.split(b"\r\n\r\n", 1)[1]) == want
+
+
+@pytest.mark.parametrize("framed, message", [
+    (b"zz\r\n{}\r\n0\r\n\r\n", "the chunk size b'zz' of the chunked body is not a hexadecimal"),
+    (b"2\r\n{}", "the chunked body ended before its last (zero-size) chunk"),
+    (b"9\r\n{}", "the chunked body ended inside a chunk"),
+    (b"1\r\n{}\r\n0\r\n\r\n", "a chunk of the chunked body is longer than its size says"),
+], ids=["size", "no-last-chunk", "short-chunk", "long-chunk"])
+def test_bad_chunked_bodies_are_400(served, framed, message):
+    import socket
+
+    data = _HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + framed
+    if framed.endswith(b"{}"):  # the client stops sending: end its half of the connection
+        from urllib.parse import urlsplit
+
+        where = urlsplit(served[0])
+        with socket.create_connection((where.hostname, where.port)) as sock:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+            sock.settimeout(30)
+            got = b""
+            while more := sock.recv(65536):
+                got += more
+    else:
+        got = _raw(served[0], data)
+    assert got.startswith(b"HTTP/1.0 400") and message.encode() in got, got
+
+
+def test_a_chunked_body_over_the_limit_is_a_400(served):
+    """A chunked body past 16 MiB is read to its end and refused naming its size; the
+    client, which sends all of it first, reads the 400."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    where = urlsplit(served[0])
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
+    piece = b" " * (1 << 20)
+    conn.request("PUT", "/api", body=iter([b'{"prompts": ["5"]', *[piece] * 17, b"}"]),
+                 encode_chunked=True)
+    answer = conn.getresponse()
+    size = 18 + 17 * len(piece)
+    assert answer.status == 400
+    assert f"at most {16 * 1024 * 1024} bytes (got {size}, chunked)" in answer.read().decode()
+    conn.close()
+
+
+def test_expect_100_continue_is_answered(served):
+    """curl sends `Expect: 100-continue` with a body over 1 MiB and waits up to 1 s for
+    the interim answer before sending it; werkzeug sends it at once, this server never
+    did (every such request took a second more). A body too large is refused at once,
+    before the client sends it."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(served[0])
+    body = json.dumps({"prompts": ["5"], "tokens_to_generate": 1}).encode()
+    with socket.create_connection((where.hostname, where.port)) as sock:
+        sock.sendall(_HEAD + f"Content-Length: {len(body)}\r\n".encode() +
+                     b"Expect: 100-continue\r\n\r\n")
+        sock.settimeout(0.9)  # curl's own wait is 1 s
+        assert sock.recv(100) == b"HTTP/1.0 100 Continue\r\n\r\n"
+        sock.sendall(body)
+        sock.settimeout(30)
+        assert sock.recv(100).startswith(b"HTTP/1.0 200")
+    start = time.monotonic()
+    got = _raw(served[0], _HEAD + b"Content-Length: 20000000\r\nExpect: 100-continue\r\n\r\n",
+               wait=5)
+    assert got.startswith(b"HTTP/1.0 400") and b"(got 20000000)" in got
+    assert time.monotonic() - start < 3, "the 10 s wait for a body the client holds back"
+

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import ipaddress
+import re
 import select
 import socket
 import time
@@ -14,6 +15,8 @@ from typing import List, Optional
 HEADER_TIMEOUT_S = 20.0  # request line and headers, from the connection's start
 BODY_TIMEOUT_S = 60.0  # the whole body, from the end of the headers
 MAX_CONNECTIONS = 64  # connections served at once; more are answered 503
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_MAX_LINE = 4096  # bytes of a chunk-size or trailer line
 _LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
@@ -117,3 +120,46 @@ def host_refusal(values: List[str], bound: str, port: int) -> Optional[str]:
             f"only) and answers requests to localhost or 127.0.0.1 (http://127.0.0.1:{port}"
             "/api); a page of another site reaches it by that name (DNS rebinding). To "
             "serve other machines under other names, start it with --host 0.0.0.0")
+
+
+class BadBody(ValueError):
+    """A request body that is not framed as its headers say (the message says how)."""
+
+
+def _line(rfile) -> bytes:
+    line = rfile.readline(_MAX_LINE + 1)
+    if not line.endswith(b"\n"):
+        raise BadBody("the chunked body ended before its last (zero-size) chunk"
+                      if len(line) <= _MAX_LINE else
+                      f"a line of the chunked body is over {_MAX_LINE} bytes")
+    return line.rstrip(b"\r\n")
+
+
+def read_chunked(rfile, limit: int) -> tuple:
+    """(the body, its whole size) of a `Transfer-Encoding: chunked` request body (what
+    `curl -T -` and `requests.put(url, data=generator)` send; werkzeug, Megatron-LM's
+    server, reads it), read to its end: past `limit` bytes the rest is read and dropped,
+    so the client reads the answer instead of a reset. BadBody when it is not chunked
+    framing; the reader's deadlines bound the time (TimeoutError)."""
+    parts, total = [], 0
+    while True:
+        head = _line(rfile).split(b";", 1)[0].strip()  # a chunk extension is ignored
+        if not _CHUNK_SIZE.fullmatch(head):
+            raise BadBody(f"the chunk size {head[:40]!r} of the chunked body is not a "
+                          "hexadecimal number")
+        size = int(head, 16)
+        if size == 0:
+            while _line(rfile):  # trailer fields, then the empty line
+                pass
+            return b"".join(parts), total
+        while size > 0:  # in pieces: one read of a huge announced size would allocate it
+            piece = rfile.read(min(size, 1 << 20))
+            if not piece:
+                raise BadBody("the chunked body ended inside a chunk")
+            size -= len(piece)
+            total += len(piece)
+            if total <= limit:
+                parts.append(piece)
+        if _line(rfile):
+            raise BadBody("a chunk of the chunked body is longer than its size says")
+

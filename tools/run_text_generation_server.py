@@ -72,8 +72,10 @@ answers most bad requests with HTTP 200 and the message as the body; a client th
 success from failure by the status works with both.) A body is at most 16 MiB; a
 connection that sends nothing, or takes nothing of its answer, for 120 s is closed, and so
 is one whose request line and headers take over 20 s (answered 408) or whose body takes
-over 60 s (tools/http_guards.py). At most 64 connections are served at once; another is
-answered 503 at once (one log line per 10 s of them).
+over 60 s (tools/http_guards.py). The body comes with a Content-Length or chunked (`curl -T
+-`), and curl's `Expect: 100-continue` is answered at once, as werkzeug does. At most 64
+connections are served at once; another is answered 503 at once (one log line per 10 s of
+them).
 
 --host defaults to 127.0.0.1, not Megatron's 0.0.0.0: the API has no authentication, so
 reaching it from other machines is opt-in (--host 0.0.0.0). Bound to a loopback address, it answers
@@ -381,24 +383,28 @@ class _Handler(BaseHTTPRequestHandler):
             length -= len(chunk)
 
     def _body(self):
-        try:
-            length = int(self.headers.get("Content-Length", ""))
-        except ValueError:
-            raise RequestError("the request needs a Content-Length header and a JSON "
-                               "body") from None
-        if not 0 <= length <= _MAX_BODY:
-            self._discard(length)
-            raise RequestError(f"the body must be at most {_MAX_BODY} bytes (got {length})")
-        self._reader.deadline = time.monotonic() + self.body_timeout
-        try:
-            data = self.rfile.read(length)
-        except TimeoutError:  # `timeout` seconds without a byte, or past the deadline
-            raise _Stalled(f"not all of the body within {self.body_timeout:g} s"
-                           if self._reader.expired else
-                           f"no byte of the body for {self.timeout:g} s") from None
-        if len(data) < length:
-            raise RequestError(f"the body ended after {len(data)} of the {length} bytes its "
-                               "Content-Length announced")
+        coding = self.headers.get("Transfer-Encoding", "").strip().lower()
+        if coding and coding != "chunked":
+            raise RequestError(f"Transfer-Encoding {coding!r} is not one this server reads: "
+                               "send the body with a Content-Length, or chunked")
+        if coding:
+            data = self._read(self._chunked)
+        else:
+            try:
+                length = int(self.headers.get("Content-Length", ""))
+            except ValueError:
+                raise RequestError("the request needs a Content-Length header (or "
+                                   "Transfer-Encoding: chunked) and a JSON body") from None
+            if not 0 <= length <= _MAX_BODY:
+                if not self._expects_continue():  # else the client waits, sending nothing
+                    self._discard(length)
+                self.close_connection = True
+                raise RequestError(f"the body must be at most {_MAX_BODY} bytes (got "
+                                   f"{length})")
+            data = self._read(lambda: self.rfile.read(length))
+            if len(data) < length:
+                raise RequestError(f"the body ended after {len(data)} of the {length} bytes "
+                                   "its Content-Length announced")
         try:
             return json.loads(data.decode("utf-8"))
         except RecursionError:  # json's parser recurses once per nesting level
@@ -406,6 +412,38 @@ class _Handler(BaseHTTPRequestHandler):
                                "deeply") from None
         except ValueError as exc:  # not UTF-8, not JSON, an integer of > 4300 digits
             raise RequestError(f"the body is not JSON: {exc}") from None
+
+    def _expects_continue(self) -> bool:
+        return (self.headers.get("Expect", "").strip().lower() == "100-continue"
+                and self.request_version >= "HTTP/1.1")
+
+    def _read(self, read: Callable[[], bytes]) -> bytes:
+        """`read()` of the body under the body deadline, after the interim 100 Continue
+        the client waits for (curl sends `Expect: 100-continue` with a large body, and
+        waited 1 s for it); _Stalled when the client stalls."""
+        self._reader.deadline = time.monotonic() + self.body_timeout
+        if self._expects_continue():
+            with contextlib.suppress(OSError):
+                self.send_response_only(100)
+                self.end_headers()
+        try:
+            return read()
+        except TimeoutError:  # `timeout` seconds without a byte, or past the deadline
+            raise _Stalled(f"not all of the body within {self.body_timeout:g} s"
+                           if self._reader.expired else
+                           f"no byte of the body for {self.timeout:g} s") from None
+
+    def _chunked(self) -> bytes:
+        """A chunked body (`curl -T -`, `requests.put(url, data=generator)`), at most
+        _MAX_BODY bytes (a larger one is read to its end and refused)."""
+        try:
+            data, size = http_guards.read_chunked(self.rfile, _MAX_BODY)
+        except http_guards.BadBody as exc:
+            raise RequestError(str(exc)) from None
+        if size > _MAX_BODY:
+            raise RequestError(f"the body must be at most {_MAX_BODY} bytes (got {size}, "
+                               "chunked)")
+        return data
 
     def do_PUT(self) -> None:
         with self.server.answering():
