@@ -906,3 +906,32 @@ def test_expect_100_continue_is_answered(served):
     assert got.startswith(b"HTTP/1.0 400") and b"(got 20000000)" in got
     assert time.monotonic() - start < 3, "the 10 s wait for a body the client holds back"
 
+
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-16-le", "utf-32"])
+def test_a_json_body_with_a_bom_or_in_utf16_is_read(served, encoding):
+    """Flask's get_json (Megatron-LM's server) reads a JSON body encoded in UTF-8 with a
+    byte order mark (what Windows tools write) or in UTF-16/32; this server answered 400
+    'Unexpected UTF-8 BOM'."""
+    body = {"prompts": ["5 6"], "tokens_to_generate": 2, "random_seed": 3}
+    status, text = _put_bytes(served[0], json.dumps(body).encode(encoding))
+    assert status == 200 and json.loads(text) == _ok(served[0], body), text
+
+
+def test_a_form_or_compressed_body_names_the_fix(served):
+    """requests.put(url, data=dict) sends a form, not JSON: the 400 says so and how to send
+    JSON; a gzip body names its Content-Encoding (neither server decodes it)."""
+    import gzip
+    import urllib.request
+
+    url = served[0]
+    req = urllib.request.Request(url, data=b"prompts=5&tokens_to_generate=1", method="PUT",
+                                 headers={"Content-Type": "application/x-www-form-urlencoded"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=60)
+    assert err.value.code == 400
+    assert "Content-Type is application/x-www-form-urlencoded" in err.value.read().decode()
+    req = urllib.request.Request(url, data=gzip.compress(b'{"prompts": ["5"]}'), method="PUT",
+                                 headers={"Content-Encoding": "gzip"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=60)
+    assert err.value.code == 400 and "Content-Encoding is 'gzip'" in err.value.read().decode()

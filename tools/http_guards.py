@@ -163,3 +163,16 @@ def read_chunked(rfile, limit: int) -> tuple:
         if _line(rfile):
             raise BadBody("a chunk of the chunked body is longer than its size says")
 
+
+def json_hint(content_type: str, content_encoding: str) -> str:
+    """What to change when a body with these headers is not JSON ("" when they look
+    right): a form (`requests.put(url, data=dict)`) or a compressed body."""
+    kind = content_type.split(";", 1)[0].strip().lower()
+    if content_encoding.strip().lower() not in ("", "identity"):
+        return (f" (its Content-Encoding is {content_encoding.strip()!r}, which this server "
+                "does not decode, nor does Megatron-LM's: send the JSON uncompressed)")
+    if kind in ("application/x-www-form-urlencoded", "multipart/form-data"):
+        return (f" (its Content-Type is {kind}: send the fields as JSON, e.g. "
+                "requests.put(url, json={...}) instead of data={...}, or curl -H "
+                "'Content-Type: application/json' -d '{...}')")
+    return ""

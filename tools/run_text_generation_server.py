@@ -405,13 +405,15 @@ class _Handler(BaseHTTPRequestHandler):
             if len(data) < length:
                 raise RequestError(f"the body ended after {len(data)} of the {length} bytes "
                                    "its Content-Length announced")
-        try:
-            return json.loads(data.decode("utf-8"))
+        try:  # bytes: UTF-8 with or without a BOM, UTF-16 or UTF-32, as Flask's get_json
+            return json.loads(data)
         except RecursionError:  # json's parser recurses once per nesting level
             raise RequestError("the body is not JSON this server reads: nested too "
                                "deeply") from None
         except ValueError as exc:  # not UTF-8, not JSON, an integer of > 4300 digits
-            raise RequestError(f"the body is not JSON: {exc}") from None
+            raise RequestError(f"the body is not JSON: {exc}" + http_guards.json_hint(
+                self.headers.get("Content-Type", ""),
+                self.headers.get("Content-Encoding", ""))) from None
 
     def _expects_continue(self) -> bool:
         return (self.headers.get("Expect", "").strip().lower() == "100-continue"
