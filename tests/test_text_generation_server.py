@@ -935,3 +935,19 @@ def test_a_form_or_compressed_body_names_the_fix(served):
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=60)
     assert err.value.code == 400 and "Content-Encoding is 'gzip'" in err.value.read().decode()
+
+
+@pytest.mark.parametrize("data", [b'{"prompts": ["5", "5 \\ud800 6"]}',
+                                  b'{"prompts": ["5", "5 \xed\xa0\x80 6"]}'],
+                         ids=["escaped", "utf-8-encoded"])
+def test_a_lone_surrogate_in_a_prompt_is_a_400(served, data):
+    """A lone UTF-16 surrogate (JSON '\\ud800' without its pair) is no text: a
+    SentencePiece tokenizer failed on it with a RuntimeError (a 500 and a traceback), GPT-2
+    BPE with a codec message. It is now refused before any tokenizer sees it; a whole
+    surrogate pair is one character, and passes."""
+    from tools.text_generation_api import parse_request
+
+    status, text = _put_bytes(served[0], data)
+    assert status == 400, text
+    assert "prompts[1] has a lone UTF-16 surrogate '\\ud800' at character 2" in text, text
+    assert parse_request(json.loads(b'{"prompts": ["\\ud83d\\ude00"]}')).prompts == ["\U0001F600"]

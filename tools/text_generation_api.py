@@ -231,6 +231,15 @@ def _prompts(body: dict) -> List[str]:
         shown = repr(prompts) if len(repr(prompts)) <= 60 else repr(prompts)[:57] + "..."
         raise RequestError(f"prompts must be a list of 1 to {MAX_PROMPTS} strings "
                            f"(got {shown})")
+    for i, prompt in enumerate(prompts):
+        try:  # a JSON "\ud800" without its pair is no text: no tokenizer takes it
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise RequestError(
+                f"prompts[{i}] has a lone UTF-16 surrogate {prompt[exc.start]!r} at "
+                f"character {exc.start} (a JSON \\u escape without its pair), which is not "
+                "text: send the prompt as UTF-8, or a character beyond U+FFFF as both "
+                "halves of its surrogate pair") from None
     return prompts
 
 
