@@ -104,15 +104,21 @@ class IntervalStats:
         self.start = self.clock()
         self.excluded = 0.0
         self.rolled_back_nans = 0  # NaN iterations undone by a rollback (no record left)
+        self.undone_steps = self.undone_samples = 0  # run, then undone by a rollback
         self.written = False  # the records are in TensorBoard (the line may still fail)
 
-    def roll_back(self, iteration: int) -> None:
-        """--nan-loss-policy rollback reloaded the checkpoint of `iteration` after a NaN:
-        the records of the iterations it undid are dropped (they are trained again: the
-        line would average both attempts and TensorBoard get their steps twice), and the
-        NaN is counted on the next line as a skipped and a NaN iteration."""
+    def roll_back(self, iteration: int, nan_batch: int) -> None:
+        """--nan-loss-policy rollback reloaded the checkpoint of `iteration` after a NaN
+        (a step of `nan_batch` samples): the records of the iterations it undid are dropped
+        (they are trained again: the line would average both attempts and TensorBoard get
+        their steps twice), and the NaN is counted on the next line as a skipped and a NaN
+        iteration. The undone steps (the NaN's too) stay in the line's time per iteration
+        and throughput as steps run, as their time stays in the interval."""
+        undone = [r for r in self.records if r.iteration > iteration]
         self.records = [r for r in self.records if r.iteration <= iteration]
         self.rolled_back_nans += 1
+        self.undone_steps += len(undone) + 1
+        self.undone_samples += sum(r.batch_size for r in undone) + nan_batch
 
     def elapsed(self) -> float:
         return self.clock() - self.start - self.excluded
@@ -273,14 +279,14 @@ def log_interval(tr, stats: IntervalStats, print_line: bool = True) -> None:
     cfg = tr.config
     _settle(tr, stats)
     elapsed = stats.elapsed()
-    n = max(len(stats.records), 1)
+    n = max(len(stats.records) + stats.undone_steps, 1)  # the steps the interval ran
     extras = interval_extras(tr, n)
     good_losses, skipped, nans = _write_records(tr, stats, extras)
     stats.written = True
     if print_line:
         r = stats.records[-1]
         # The interval's samples (under --rampup-batch-size its steps differ in size).
-        samples = sum(rec.batch_size for rec in stats.records)
+        samples = sum(rec.batch_size for rec in stats.records) + stats.undone_samples
         tokens_per_gpu = samples * cfg.data.seq_length / elapsed / tr.rt.ps.world_size
         m = cfg.model
         tflops = tokens_per_gpu * model_flops_per_token(m, cfg.data.seq_length) / 1e12

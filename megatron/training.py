@@ -279,8 +279,10 @@ def _after_step(tr: Trainer, stats: IntervalStats, loss, ok: bool, grad_norm) ->
         msg = report_nan(tr, st.iteration, tr.last_local_loss)
         print_rank_0(f" > {msg}: optimizer step skipped (--nan-loss-policy {policy})")
         if policy == "rollback":
-            rollback(tr, st.iteration)
-            stats.roll_back(tr.state.iteration)
+            batch = cfg.data.global_batch_size  # the NaN step's (the reload may change it)
+            with stats.paused(tr.rt.device):  # the reload, like a save, is not training
+                rollback(tr, st.iteration)
+            stats.roll_back(tr.state.iteration, batch)
             return False
         loss = torch.zeros(()) * float("nan")  # recorded, not averaged, not counted twice
         stats.add(tr, loss, ok, grad_norm, counted=True)

@@ -152,6 +152,42 @@ def test_rollback_leaves_one_point_per_step_and_counts_the_nan(tmp_path, capsys)
     assert "number of skipped iterations:   1 | number of nan iterations:   1 |" in line[0]
 
 
+def test_a_rollbacks_interval_times_the_steps_it_ran_without_the_reload(tmp_path, capsys,
+                                                                        monkeypatch):
+    """The line after a rollback (iteration 7 back to the checkpoint of 4, --log-interval
+    4) divided the interval's whole time -- the undone steps 5-7 and the checkpoint's
+    reload included -- by the 4 steps left: 7 one-second steps and a 100 s reload read
+    26750 ms per iteration. The reload is left out, as a save is, and the undone steps
+    count as run: 1000 ms, and tokens/s = batch x sequence / 1 s."""
+    from megatron import interval_log, trainer_checkpoint
+    from megatron import training as training_mod
+
+    now = [0.0]
+    monkeypatch.setattr(interval_log.IntervalStats, "clock", staticmethod(lambda: now[0]))
+    step, load = training_mod.train_step, trainer_checkpoint.load_trainer_checkpoint
+
+    def timed_step(*args, **kwargs):
+        now[0] += 1.0
+        return step(*args, **kwargs)
+
+    def slow_load(*args, **kwargs):
+        now[0] += 100.0
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(training_mod, "train_step", timed_step)
+    monkeypatch.setattr(trainer_checkpoint, "load_trainer_checkpoint", slow_load)
+    tr = _trainer(tmp_path, "rollback", iters=8, save_interval=4)
+    tr.config.logging = dataclasses.replace(tr.config.logging, log_interval=4)
+    _poison_at(tr, {7})
+    train(tr, data_iterator(tr.config, tr.rt, "train", 0), None)
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith(" iteration ")]
+    assert len(lines) == 2 and lines[1].startswith(" iteration        8/")
+    d = tr.config.data
+    for line in lines:
+        assert "elapsed time per iteration (ms): 1000.0 |" in line, line
+        assert f"tokens/s/GPU: {d.global_batch_size * d.seq_length} |" in line, line
+
+
 def test_rollback_gives_up_when_rollbacks_do_not_get_further(tmp_path, capsys):
     """A divergence (every step after iteration 2 NaN) used to roll back forever, with the
     iteration stuck and the data consumed. Three rollbacks that do not get past the
