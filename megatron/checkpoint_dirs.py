@@ -307,7 +307,8 @@ def untracked_save_message(root: str, iteration: int, release: bool, exc: OSErro
 
 
 def free_space_text(path: str) -> str:
-    """'1.5 GiB free on the file system of <path>' (or why that is unknown)."""
+    """'1.5 GiB free on the file system of <path> (...)' (or why that is unknown): what the
+    file system has, which a disk quota or a file-size limit may not let the run use."""
     try:
         free = shutil.disk_usage(path).free
     except OSError as exc:
@@ -317,7 +318,8 @@ def free_space_text(path: str) -> str:
     while size >= 1024 and unit < len(units) - 1:
         size, unit = size / 1024, unit + 1
     amount = f"{free} bytes" if unit < 0 else f"{size:.1f} {units[unit]}"
-    return f"{amount} free on the file system of {path}"
+    return (f"{amount} free on the file system of {path} (a disk quota or file-size limit "
+            "may allow less)")
 
 
 def model_file(rank_dir: str) -> str:

@@ -81,6 +81,7 @@ from megatron.core.parallel_state import ParallelState
 from megatron.logging_utils import print_rank_0
 from megatron.oom_report import out_of_memory_kind
 from megatron.watchdog import watching
+from megatron.write_errors import room_fix, write_error_text
 
 CHECKPOINT_VERSION = 3.0
 
@@ -263,8 +264,8 @@ def _write_rank_files(root: str, iteration: int, tmp_dir: str, ps: ParallelState
                 "or the process count per node") from exc
         raise CheckpointWriteError(
             f"the checkpoint at iteration {iteration} could not be written to {path} "
-            f"({type(exc).__name__}: {exc}); {free_space_text(root)}; "
-            f"{previous_checkpoint_text(root)}. Free space or pass another --save") from exc
+            f"({write_error_text(exc)}); {free_space_text(root)}; "
+            f"{previous_checkpoint_text(root)}. {room_fix(exc, 'another --save')}") from exc
     return name
 
 

@@ -1,7 +1,10 @@
 import enum
+import errno
 import os
 import random
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -487,13 +490,58 @@ def test_full_disk_names_iteration_path_free_space_and_intact_checkpoint(tmp_pat
     assert msg.startswith(f"error: the checkpoint at iteration 10 could not be written to "
                           f"{path} (RuntimeError: [enforce fail")
     assert re.search(rf"; (\d+ bytes|\d+\.\d (KiB|MiB|GiB|TiB)) free on the file system of "
-                     rf"{root}; ", msg)
+                     rf"{root} \(a disk quota or file-size limit may allow less\); ", msg)
     assert f"the previous checkpoint {os.path.join(root, 'iter_0000005')} is intact" in msg
     assert isinstance(err.value.__cause__, CheckpointWriteError), "the error is chained"
     assert isinstance(err.value.__cause__.__cause__, RuntimeError), "... and the original one"
     assert sorted(os.listdir(root)) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
     monkeypatch.undo()
     assert load_checkpoint(root, _ps1())[0] == 5
+
+
+def test_quota_behind_torchs_zip_error_is_named_with_its_fix(tmp_path, monkeypatch):
+    """torch.save into a file over quota fails with RuntimeError "unexpected pos ... vs ...",
+    the OSError in its context; the message showed torch's text and the file system's free
+    space (tens of GiB) as if there were room: it names the quota and its fix now."""
+    root = str(tmp_path)
+
+    def over_quota(obj, f, *args, **kwargs):
+        try:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos "
+                               "64 vs 10") from None
+
+    monkeypatch.setattr(torch, "save", over_quota)
+    with pytest.raises(SystemExit) as err:
+        save_checkpoint(root, 10, _full_state(10, 0, 0), _ps1())
+    msg = str(err.value.code)
+    assert "(OSError: [Errno 122] Disk quota exceeded); " in msg, msg
+    assert "unexpected pos" not in msg
+    assert "(a disk quota or file-size limit may allow less)" in msg
+    assert msg.endswith("Free space within your disk quota (or have it raised), or pass "
+                        "another --save on a file system with room in your quota")
+
+
+def test_file_size_limit_is_named_with_the_limit(tmp_path):
+    """A real `ulimit -f` (torch.save's own RuntimeError, EFBIG in its context): the
+    message names the limit and how to raise it, not 'unexpected pos'."""
+    code = (f"import resource, sys; sys.path.insert(0, {os.getcwd()!r}); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (512 * 1024, resource.RLIM_INFINITY)); "
+            "from tests.test_checkpointing import _full_state, _ps1; import torch; "
+            "from megatron.checkpointing import save_checkpoint; "
+            "state = _full_state(3, 0, 0); state['big'] = torch.zeros(2**18); "
+            f"save_checkpoint({str(tmp_path)!r}, 3, state, _ps1())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert "(OSError: [Errno 27] File too large; this process may write files of at most " \
+           "0.5 MiB (ulimit -f 512)); " in last, last
+    assert "unexpected pos" not in last
+    assert last.endswith("Raise the file-size limit (ulimit -f unlimited) before the run, or "
+                         "pass another --save on a file system without one")
+    assert os.listdir(tmp_path) == []
 
 
 def test_out_of_memory_while_writing_is_not_called_a_full_disk(tmp_path, monkeypatch):

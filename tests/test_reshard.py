@@ -404,7 +404,8 @@ def test_a_full_disk_during_a_conversion_is_one_message(tmp_path, monkeypatch):
     assert str(err.value.code).startswith(
         f"error: writing {dst / 'iter_0000001.tmp'} failed (OSError: [Errno 28] No space left "
         f"on device); its partial output was removed; ")
-    assert f"free on the file system of {tmp_path}. Free space or pass another --save" in \
+    assert f"free on the file system of {tmp_path} (a disk quota or file-size limit may " \
+           "allow less). Free space or pass another --save" in \
         str(err.value.code)
     assert not dst.exists()
 
