@@ -32,7 +32,9 @@ def file_size_limit_text() -> str:
         return "files up to its file-size limit (ulimit -f)"
     if limit == resource.RLIM_INFINITY:
         return "files of any size (ulimit -f unlimited here; the limit was on the writer)"
-    return f"files of at most {limit / 2**20:.1f} MiB (ulimit -f {limit // 1024})"
+    size = (f"{limit / 2**20:.1f} MiB" if limit >= 2**20 else
+            f"{limit / 1024:.1f} KiB" if limit >= 1024 else f"{limit} bytes")
+    return f"files of at most {size} (ulimit -f {limit // 1024})"
 
 
 def write_error_text(exc: BaseException) -> str:

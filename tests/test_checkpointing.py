@@ -537,7 +537,7 @@ def test_file_size_limit_is_named_with_the_limit(tmp_path):
     assert out.returncode == 1, out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert "(OSError: [Errno 27] File too large; this process may write files of at most " \
-           "0.5 MiB (ulimit -f 512)); " in last, last
+           "512.0 KiB (ulimit -f 512)); " in last, last
     assert "unexpected pos" not in last
     assert last.endswith("Raise the file-size limit (ulimit -f unlimited) before the run, or "
                          "pass another --save on a file system without one")

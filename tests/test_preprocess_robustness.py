@@ -172,6 +172,24 @@ def test_a_failed_write_names_the_output_and_the_fix(tmp_path, bpe, monkeypatch)
     assert not list(tmp_path.glob("ro*"))
 
 
+def test_a_file_size_limit_is_a_no_room_error_naming_the_limit(tmp_path, bpe):
+    """A write past `ulimit -f` (EFBIG) got the generic 'check that directory' advice."""
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS * 200)
+    code = (f"import resource, sys; sys.path.insert(0, {str(REPO)!r}); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY)); "
+            "from tools import preprocess_data; preprocess_data.main(sys.argv[1:])")
+    out = subprocess.run([sys.executable, "-c", code, "--input", str(src), "--output-prefix",
+                          str(tmp_path / "out"), "--tokenizer-type", "GPT2BPETokenizer",
+                          "--vocab-file", bpe[0], "--merge-file", bpe[1], "--workers", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert re.search(r"error: cannot write the dataset at --output-prefix .*: File too large"
+                     r"[^;]*; this process may write files of at most 4.0 KiB \(ulimit -f "
+                     r"4\): raise the file-size limit \(ulimit -f unlimited\)", out.stderr), \
+        out.stderr
+    assert not list(tmp_path.glob("out*"))
+
+
 @pytest.mark.parametrize("signum,to_group,status,how", [
     (signal.SIGINT, True, 130, "(Ctrl-C)"), (signal.SIGTERM, False, 143, "by SIGTERM")])
 def test_ctrl_c_or_sigterm_mid_run_removes_the_partial_files(tmp_path, bpe, signum, to_group,

@@ -59,6 +59,7 @@ from megatron.tokenizer.document_encoder import (  # noqa: E402
     init_worker,
     options_from_args,
 )
+from megatron.write_errors import file_size_limit_text  # noqa: E402
 from tools.case_names import case_clashes, ignores_case  # noqa: E402
 from tools.leftover_temporaries import (  # noqa: E402
     stale_temporaries_warning,
@@ -171,6 +172,10 @@ def output_error(output_prefix: str, error: OSError) -> SystemExit:
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
         fix = ("free space there, or pass an --output-prefix on a disk with room (the .bin "
                "takes 2 bytes a token with a vocabulary under 65500 ids, else 4)")
+    elif error.errno == errno.EFBIG:
+        fix = (f"this process may write {file_size_limit_text()}: raise the file-size limit "
+               "(ulimit -f unlimited) before the run, or pass an --output-prefix on a file "
+               "system without one")
     elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         fix = "pass an --output-prefix in a directory you can write to"
     elif error.errno == errno.ENAMETOOLONG:
