@@ -3,6 +3,7 @@ back byte for byte, keyed by exactly what determines them, built by one rank, an
 build reports its progress."""
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
@@ -10,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from megatron.core.datasets import blended
+from megatron.core.datasets import blend_cache, blended
 from megatron.core.datasets.blend_cache import blend_key
 from megatron.core.datasets.blended import (
     BLENDING_INDEX_VERSION,
@@ -228,6 +229,28 @@ def test_a_blend_built_in_memory_is_unchanged(tmp_path):
     assert blend.cache_paths is None and blend.build_s is not None
     assert blend.dataset_index.tobytes() == \
         build_blending_indices(normalised_weights([1, 3]), 1000)[0].tobytes()
+
+
+@pytest.mark.parametrize("error, fix", [
+    (OSError(errno.EDQUOT, "Disk quota exceeded"), "the disk, your quota or a file-size limit "
+     "is full: free space there, or pass --data-cache-path with a directory on a disk with "
+     "room to keep them"),
+    (PermissionError(errno.EACCES, "Permission denied"), "pass a writable --data-cache-path "
+     "to keep them")])
+def test_a_full_disk_while_writing_a_blend_says_to_free_space(tmp_path, monkeypatch, error,
+                                                              fix):
+    """The warning said 'pass a writable --data-cache-path' for a full disk or quota too."""
+    a, b, _ = _corpora(tmp_path)
+
+    def fail(path, array):
+        raise error
+
+    monkeypatch.setattr(blend_cache, "save_npy", fail)
+    with pytest.warns(UserWarning, match="cannot write the blending index cache") as record:
+        build_train_valid_test_datasets(["0.2", a, "0.5", b], SPLIT, [2000, 0, 0], 16, 7,
+                                        str(tmp_path / "cache"), log=lambda line: None)
+    texts = [str(w.message) for w in record if "blending index cache" in str(w.message)]
+    assert len(texts) == 1 and texts[0].endswith(f"built again at every start; {fix}"), texts
 
 
 def test_the_driver_gives_the_builder_the_barrier_timeout(tmp_path, monkeypatch):

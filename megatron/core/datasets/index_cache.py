@@ -357,14 +357,14 @@ def find_or_build_cache(desc: str, data_prefix: str, cache_dir: Optional[str],
     return target, arrays
 
 
-_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def cache_write_error(directory: str, e: OSError, arrays: Arrays) -> str:
     """The error text of a failed index cache write into `directory`: the system's reason,
     and for a full disk or quota the room the index needs."""
     reason = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
-    if e.errno in _NO_ROOM:
+    if e.errno in NO_ROOM:
         need = sum(a.nbytes for a in arrays) / 2**20
         return (f"cannot write the dataset index cache to {directory} ({reason}; the disk, "
                 f"your quota or a file-size limit is full); free space there, or pass "
