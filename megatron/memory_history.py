@@ -79,11 +79,21 @@ class MemoryHistory:
         return path
 
     def after_iteration(self, iteration: int) -> None:
-        """The last rank's snapshot after every --log-interval iterations."""
+        """The last rank's snapshot after every --log-interval iterations. A write that
+        fails (a full disk, a quota) warns once and ends these snapshots; training goes on
+        (an out-of-memory snapshot is still tried)."""
         if not (self.recording and self.writes_intervals
                 and iteration % self.log_interval == 0):
             return
-        self.write(self.path)
+        try:
+            self.write(self.path)
+        except OSError as exc:
+            self.writes_intervals = False
+            print(f"warning: cannot write the memory snapshot to --memory-snapshot-path "
+                  f"{self.path} ({exc.strerror or exc}): these snapshots stopped here, "
+                  "training continues; free space there (or raise your quota), or pass "
+                  "another --memory-snapshot-path", flush=True)
+            return
         if not self.announced:
             print(f" > memory snapshot of rank {self.rank} written to {self.path} (replaced "
                   f"every {self.log_interval} iterations; open it at {VIEWER})", flush=True)

@@ -6,6 +6,7 @@ iterations (atomically: no temporary file left); a rank that runs out of memory 
 its own snapshot and the out-of-memory report names it."""
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -135,6 +136,29 @@ def test_a_failed_snapshot_does_not_hide_the_out_of_memory_report(monkeypatch, t
                     "RuntimeError('disk full')")
     assert os.listdir(tmp_path) == []
     assert oom_snapshot_path("snapshot", 3) == "snapshot_oom_rank3.pickle"
+
+
+def test_a_full_disk_ends_the_interval_snapshots_not_the_run(recorder, tmp_path, capsys,
+                                                              monkeypatch):
+    """A periodic snapshot that could not be written (no space, quota) ended the training
+    run with an OSError traceback; it warns once and the run goes on."""
+    events, path = recorder
+
+    def full(path):
+        events.append(("dump", path))
+        with open(path, "wb"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", full)
+    assert _main(["--train-iters", "6", "--log-interval", "2", "--eval-iters", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(f"warning: cannot write the memory snapshot to --memory-snapshot-path "
+                     f"{path} (No space left on device): these snapshots stopped here, "
+                     "training continues; free space there (or raise your quota), or pass "
+                     "another --memory-snapshot-path") == 1
+    assert sum(e[0] == "dump" for e in events) == 1  # not tried again at every interval
+    assert "iteration        6/       6" in out
+    assert os.listdir(tmp_path) == []  # its temporary file removed
 
 
 @pytest.mark.cuda
