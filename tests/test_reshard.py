@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from functools import lru_cache
@@ -410,6 +411,35 @@ def test_a_full_disk_during_a_conversion_is_one_message(tmp_path, monkeypatch):
     assert not dst.exists()
 
 
+def test_a_quota_during_a_conversion_is_named_not_torchs_zip_error(tmp_path, monkeypatch):
+    """torch.save over quota raises RuntimeError 'unexpected pos ... vs ...' (the OSError
+    in its context): the line showed that text and 'Free space' only; it names the quota
+    and its fix now."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    cfg, rt, tr = _trainer(0, 1, "", save=str(src))
+    _steps(tr, data_iterator(cfg, rt, "train", 0), 1)
+    save_trainer_checkpoint(tr)
+
+    def over_quota(obj, f, *args, **kwargs):
+        try:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos "
+                               "64 vs 10") from None
+
+    monkeypatch.setattr(checkpoint_convert.torch, "save", over_quota)
+    with pytest.raises(SystemExit) as err:
+        checkpoint_convert.main(["reshard", "--load", str(src), "--save", str(dst),
+                                 "--target-tensor-model-parallel-size", "2"])
+    msg = str(err.value.code)
+    assert msg.startswith(f"error: writing {dst / 'iter_0000001.tmp'} failed (OSError: "
+                          f"[Errno 122] Disk quota exceeded: '{dst / 'iter_0000001.tmp'}"), msg
+    assert "unexpected pos" not in msg
+    assert msg.endswith("Free space within your disk quota (or have it raised), or pass "
+                        "another --save on a file system with room in your quota")
+    assert not dst.exists()
+
+
 @pytest.mark.parametrize("command", ["reshard", "to-megatron"])
 def test_torch_saves_own_full_disk_error_is_one_message(tmp_path, monkeypatch, command):
     """On a real full disk torch.save raises a RuntimeError ("unexpected pos ..."), not an
@@ -465,8 +495,9 @@ def test_a_failed_write_leaves_no_file_open(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _FILE_SIZE_LIMIT, str(path)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert f"failed: could not write {path}: " in proc.stdout
-    assert str(path) not in proc.stdout.replace(f"could not write {path}", ""), proc.stdout
+    shown = f"failed: [Errno 27] File too large: '{path}'"  # the reason, not torch's text
+    assert shown in proc.stdout, proc.stdout
+    assert str(path) not in proc.stdout.replace(shown, ""), proc.stdout
 
 
 def test_a_read_only_save_is_one_message(tmp_path, monkeypatch):

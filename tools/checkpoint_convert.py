@@ -80,6 +80,7 @@ from megatron.checkpointing import (  # noqa: E402
     write_tracker,
 )
 from megatron.save_lock import SaveDirLock  # noqa: E402
+from megatron.write_errors import no_room_error, room_fix, write_error_text  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- reshard
@@ -354,6 +355,9 @@ def save_file(obj, path: str) -> None:
         interrupt = interrupt_behind(exc)
         if interrupt is not None:  # Ctrl-C midway: reported as the interrupt it is
             raise interrupt from None
+        inner = no_room_error(exc)  # a full disk, quota or file-size limit: say which
+        if inner is not None:
+            raise OSError(inner.errno, inner.strerror, path) from exc
         raise OSError(f"could not write {path}: {exc}") from exc
 
 
@@ -378,9 +382,9 @@ def partial_output(save: str, tmp_dir: str):
         if isinstance(exc, OSError) and writing:  # a full disk, a quota: no traceback
             where = (save if os.path.isdir(save) and not created
                      else os.path.dirname(os.path.abspath(save)))
-            raise SystemExit(f"error: writing {tmp_dir} failed ({type(exc).__name__}: {exc}); "
-                             f"its partial output was removed; {free_space_text(where)}. Free "
-                             "space or pass another --save") from exc
+            raise SystemExit(f"error: writing {tmp_dir} failed ({write_error_text(exc)}); "
+                             f"its partial output was removed; {free_space_text(where)}. "
+                             f"{room_fix(exc, 'another --save')}") from exc
         raise
 
 
