@@ -40,6 +40,7 @@ from megatron.async_save import (
     agreed_wait,
     mark_done,
     mark_failed,
+    marker_path,
     remove_markers,
     wait_for_markers,
     writers_stopped,
@@ -327,7 +328,17 @@ def _write_own_files(root: str, iteration: int, tmp_dir: str, ps: ParallelState,
     except CheckpointWriteError as exc:
         mark_failed(tmp_dir, name, str(exc))
         return exc
-    mark_done(tmp_dir, name)
+    try:
+        mark_done(tmp_dir, name)
+    except OSError as exc:  # an empty file, but a full quota or directory refuses it too
+        error = CheckpointWriteError(
+            f"the checkpoint at iteration {iteration} could not be written: its marker "
+            f"{marker_path(tmp_dir, name)} could not be created ({write_error_text(exc)}); "
+            f"{free_space_text(root)}; {previous_checkpoint_text(root)}. "
+            f"{room_fix(exc, 'another --save')}")
+        error.__cause__ = exc
+        mark_failed(tmp_dir, name, str(error))
+        return error
     return None
 
 

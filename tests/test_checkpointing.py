@@ -925,6 +925,42 @@ def test_distributed_full_disk_on_one_rank_fails_every_rank(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
 
 
+def _dist_marker_refused_on_one_rank(rank, world_size, root):
+    from megatron import checkpointing
+    from megatron.agreed_exit import AgreedExit
+
+    ps = ParallelState.build(world_size, rank, tp_size=2)
+    save_checkpoint(root, 2, _full_state(2, ps.tp_rank, 0), ps)
+    real_mark = checkpointing.mark_done
+    if rank == 1:
+        def over_quota(tmp_dir, name):
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+        checkpointing.mark_done = over_quota
+    try:
+        save_checkpoint(root, 4, _full_state(4, ps.tp_rank, 0), ps)
+    except AgreedExit as exc:
+        return exc.report, exc.prints
+    finally:
+        checkpointing.mark_done = real_mark
+    return None
+
+
+def test_a_marker_refused_on_one_rank_fails_every_rank_with_one_report(tmp_path):
+    """A rank whose files were written but whose (empty) done-marker was refused (a full
+    quota) raised its OSError alone: rank 0 died in the agreement with gloo's
+    'Connection closed by peer'. Every rank exits with the same report now."""
+    (report0, prints0), (report1, prints1) = run_distributed(
+        _dist_marker_refused_on_one_rank, 2, str(tmp_path))
+    assert report0 == report1 and (prints0, prints1) == (True, False)
+    marker = os.path.join(str(tmp_path), "iter_0000004.tmp", ".done.mp_rank_01")
+    assert report0.startswith("rank 1 (of 2): error: the checkpoint at iteration 4 could not "
+                              f"be written: its marker {marker} could not be created (OSError: "
+                              "[Errno 122] Disk quota exceeded)"), report0
+    assert read_tracker(str(tmp_path)) == (2, False)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
 # ---------------------------------------------------------------------- a save stopped midway
 def _interrupt_writes_of(monkeypatch, iteration, before=None):
     """Ctrl-C (KeyboardInterrupt) in the file writes of `iteration`'s save; `before(path)`
