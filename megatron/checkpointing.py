@@ -228,6 +228,22 @@ def _prepare_tmp_dir(root: str, tmp_dir: str, ps: ParallelState, barrier: bool =
         _barrier()
 
 
+def _try_prepare(root: str, tmp_dir: str, iteration: int,
+                 ps: ParallelState) -> Optional[CheckpointWriteError]:
+    """`_prepare_tmp_dir` without its barrier; rank 0's failure (a full disk or quota
+    refusing the directory) is returned, for the agreement that stands for the barrier."""
+    try:
+        _prepare_tmp_dir(root, tmp_dir, ps, barrier=False)
+    except OSError as exc:
+        error = CheckpointWriteError(
+            f"the checkpoint at iteration {iteration} could not be written: {tmp_dir} could "
+            f"not be made ({write_error_text(exc)}); {free_space_text(root)}; "
+            f"{previous_checkpoint_text(root)}. {room_fix(exc, 'another --save')}")
+        error.__cause__ = exc
+        return error
+    return None
+
+
 def _rank_files(ps: ParallelState, state: Optional[Dict],
                 extra_files: Optional[Dict[str, object]]) -> Optional[Dict[str, object]]:
     """file name -> object this rank writes (data-parallel rank 0 only), else None."""
@@ -302,9 +318,9 @@ def _try_publish(root: str, tmp_dir: str, final_dir: str, iteration: int,
 
 
 def _agree_published(error: Optional[CheckpointWriteError], group=None) -> None:
-    """The barrier after rank 0 published, as an agreement on its failure (`agree` over
-    `group`): every rank exits with rank 0's message (rank 0 alone raised, the others
-    waited in the barrier)."""
+    """The barrier after rank 0 published (or made the temporary directory), as an
+    agreement on its failure (`agree` over `group`): every rank exits with rank 0's
+    message (rank 0 alone raised, the others waited in the barrier)."""
     try:
         agree(None if error is None else f"error: {error}", group)
     except SystemExit as exc:
@@ -392,9 +408,9 @@ def save_checkpoint(root: str, iteration: int, state: Optional[Dict], ps: Parall
     tmp_dir = final_dir + ".tmp"
     writing, pending = ps.dp_rank == 0, _writer_dirs(ps)  # who may write into tmp_dir
     publish_error = None
-    _prepare_tmp_dir(root, tmp_dir, ps, barrier=False)
+    prepare_error = _try_prepare(root, tmp_dir, iteration, ps)
     try:
-        _barrier()  # tmp_dir exists before anyone writes into it
+        _agree_published(prepare_error, group)  # tmp_dir exists before anyone writes into it
         files = _rank_files(ps, state, extra_files)
         error = _write_own_files(root, iteration, tmp_dir, ps, files)
         writing = False

@@ -961,6 +961,63 @@ def test_a_marker_refused_on_one_rank_fails_every_rank_with_one_report(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
 
 
+def _dist_tmp_dir_refused(rank, world_size, root):
+    from megatron.agreed_exit import AgreedExit
+
+    ps = ParallelState.build(world_size, rank, tp_size=2)
+    save_checkpoint(root, 2, _full_state(2, ps.tp_rank, 0), ps)
+    real = os.makedirs
+    if rank == 0:
+        def full(path, *args, **kwargs):
+            if str(path).endswith(".tmp"):
+                raise OSError(errno.ENOSPC, "No space left on device", path)
+            return real(path, *args, **kwargs)
+
+        os.makedirs = full
+    try:
+        save_checkpoint(root, 4, _full_state(4, ps.tp_rank, 0), ps)
+    except AgreedExit as exc:
+        return exc.report, exc.prints
+    finally:
+        os.makedirs = real
+    return None
+
+
+def test_a_temporary_directory_refused_fails_every_rank_with_one_report(tmp_path):
+    """Rank 0 unable to make iter_XXXXXXX.tmp (a full disk or inode quota) raised its
+    OSError alone while the others waited in the barrier (under gloo: 'Connection closed
+    by peer'). Every rank exits with the same report now; the tracker is unchanged."""
+    (report0, prints0), (report1, prints1) = run_distributed(
+        _dist_tmp_dir_refused, 2, str(tmp_path))
+    assert report0 == report1 and (prints0, prints1) == (True, False)
+    tmp_dir = os.path.join(str(tmp_path), "iter_0000004.tmp")
+    assert report0.startswith(f"rank 0 (of 2): error: the checkpoint at iteration 4 could not "
+                              f"be written: "
+                              f"{tmp_dir} could not be made (OSError: [Errno 28] No space "
+                              f"left on device: '{tmp_dir}'); "), report0
+    assert read_tracker(str(tmp_path)) == (2, False)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
+def test_a_temporary_directory_refused_is_one_message(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    save_checkpoint(root, 2, _full_state(2, 0, 0), _ps1())
+    real = os.makedirs
+
+    def over_quota(path, *args, **kwargs):
+        if str(path).endswith(".tmp"):
+            raise OSError(errno.EDQUOT, "Disk quota exceeded", path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", over_quota)
+    with pytest.raises(SystemExit) as err:
+        save_checkpoint(root, 4, _full_state(4, 0, 0), _ps1())
+    assert str(err.value.code).startswith("error: the checkpoint at iteration 4 could not be "
+                                          "written: ")
+    assert "Disk quota exceeded" in str(err.value.code)
+    assert sorted(os.listdir(root)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
 # ---------------------------------------------------------------------- a save stopped midway
 def _interrupt_writes_of(monkeypatch, iteration, before=None):
     """Ctrl-C (KeyboardInterrupt) in the file writes of `iteration`'s save; `before(path)`
