@@ -921,3 +921,35 @@ def test_a_bf16_checkpoint_loaded_at_fp32_without_its_optimizer_says_the_weights
     cfg, rt, tr = _trainer(0, 1, "--bf16 " + flag, load=root)  # no rounding: no note
     load_trainer_checkpoint(tr)
     assert "main weights are optimizer state" not in capsys.readouterr().out
+
+
+def _weights_after_load(rank, world, extra, root):
+    """{name: this rank's full model weight} right after loading `root` (before any step)."""
+    cfg, rt, tr = _trainer(rank, world, extra, load=root)
+    load_trainer_checkpoint(tr)
+    return {n: p.detach().clone() for n, p in tr.model.unwrapped()[0].named_parameters()}
+
+
+@pytest.mark.parametrize("extra", ["", "--bf16", "--no-load-optim"],
+                         ids=["fp32", "bf16", "fp32-no-load-optim"])
+def test_a_bf16_distributed_checkpoint_resumed_at_its_layout_loads_the_same_weights_on_every_dp_rank(
+        tmp_path_factory, extra):
+    """Dropping --bf16 on resume with --use-distributed-optimizer at the saved layout (no
+    resharding): every data-parallel rank's model holds the saved fp32 main weights before
+    the first step. Each rank wrote them into its own shard only, the rest of its model kept
+    the bf16-rounded weights until the first step's all-gather: the first forward ran other
+    weights on each rank. With --bf16 every rank holds the saved bf16 weights, as before;
+    with --no-load-optim every rank holds them in fp32 (the main weights are left out)."""
+    dist_opt = "--use-distributed-optimizer"
+    root = str(tmp_path_factory.getbasetemp() / "src-bf16-distributed-dp2")
+    _saved(f"--bf16 {dist_opt}", 2, root)
+    ranks = run_distributed(_weights_after_load, 2, f"{dist_opt} {extra}", root)
+    src = reshard.SourceCheckpoint(os.path.join(root, "iter_0000002"))
+    for name in ranks[0]:
+        want = (src.optimizer_state(name, None)["param"] if not extra
+                else src.model(name, None))
+        if extra == "--no-load-optim":
+            want = want.float()
+        for rank, weights in enumerate(ranks):
+            assert weights[name].dtype == want.dtype, (rank, name)
+            assert torch.equal(weights[name], want), (rank, name)

@@ -412,7 +412,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     @torch.no_grad()
     def load_parameter_state(self, state: Dict) -> None:
         """Take this rank's shard of main parameters and optimizer state from a
-        `get_parameter_state()` dict (saved with any dp_size). No communication."""
+        `get_parameter_state()` dict (saved with any dp_size). No communication.
+
+        An fp32 model's buffers take every shard's main parameters, not only this rank's:
+        its model weights are those main parameters, and a model loaded from a bf16/fp16
+        checkpoint held their rounded copy elsewhere -- other weights on each DP rank
+        until the first step's all-gather."""
         self._finish_param_sync()
         step = self._current_step() if self._loaded_step is None else self._loaded_step
         index = {}
@@ -434,6 +439,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                             if "exp_avg" in entry:
                                 entry["step"] = torch.tensor(float(step))
                             inner_state[index[e.main]] = entry
+                    if shard.aliased:
+                        _canonical_to_bucket(shard, flats["param"], shard.bucket.param_data)
         groups = self.optimizer.state_dict()["param_groups"]
         load_inner_state(self.optimizer, {"state": inner_state, "param_groups": groups})
 
@@ -460,6 +467,16 @@ def _bucket_to_canonical(shard: _BucketShard, whole: torch.Tensor, out: torch.Te
     for p in shard.bucket.params:
         start, end = shard.bucket.param_ranges[p]
         out[canonical:canonical + end - start] = whole[start:end]
+        canonical += end - start
+
+
+def _canonical_to_bucket(shard: _BucketShard, flat: torch.Tensor, out: torch.Tensor) -> None:
+    """Copy each parameter's elements of the checkpoint layout into its place in the
+    bucket's (padded) `out` (the inverse of `_bucket_to_canonical`)."""
+    canonical = shard.canonical_start
+    for p in shard.bucket.params:
+        start, end = shard.bucket.param_ranges[p]
+        out[start:end].copy_(flat[canonical:canonical + end - start])
         canonical += end - start
 
 
