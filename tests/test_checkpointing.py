@@ -29,6 +29,7 @@ from megatron.checkpointing import (
 )
 from megatron.core.parallel_state import ParallelState
 from tests.dist_utils import run_distributed
+from tests.write_faults import torch_save_over_quota
 
 
 class _FakeTracker:
@@ -505,14 +506,7 @@ def test_quota_behind_torchs_zip_error_is_named_with_its_fix(tmp_path, monkeypat
     space (tens of GiB) as if there were room: it names the quota and its fix now."""
     root = str(tmp_path)
 
-    def over_quota(obj, f, *args, **kwargs):
-        try:
-            raise OSError(errno.EDQUOT, "Disk quota exceeded")
-        except OSError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos "
-                               "64 vs 10") from None
-
-    monkeypatch.setattr(torch, "save", over_quota)
+    monkeypatch.setattr(torch, "save", torch_save_over_quota)
     with pytest.raises(SystemExit) as err:
         save_checkpoint(root, 10, _full_state(10, 0, 0), _ps1())
     msg = str(err.value.code)

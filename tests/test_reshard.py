@@ -31,6 +31,7 @@ from megatron.initialize import initialize_distributed, set_random_seed
 from megatron.trainer_checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
 from megatron.training import build_trainer, data_iterator, train_step
 from tests.dist_utils import run_distributed
+from tests.write_faults import torch_save_over_quota
 from tools import checkpoint_convert
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -420,14 +421,7 @@ def test_a_quota_during_a_conversion_is_named_not_torchs_zip_error(tmp_path, mon
     _steps(tr, data_iterator(cfg, rt, "train", 0), 1)
     save_trainer_checkpoint(tr)
 
-    def over_quota(obj, f, *args, **kwargs):
-        try:
-            raise OSError(errno.EDQUOT, "Disk quota exceeded")
-        except OSError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos "
-                               "64 vs 10") from None
-
-    monkeypatch.setattr(checkpoint_convert.torch, "save", over_quota)
+    monkeypatch.setattr(checkpoint_convert.torch, "save", torch_save_over_quota)
     with pytest.raises(SystemExit) as err:
         checkpoint_convert.main(["reshard", "--load", str(src), "--save", str(dst),
                                  "--target-tensor-model-parallel-size", "2"])
@@ -505,8 +499,6 @@ def test_a_read_only_save_is_one_message(tmp_path, monkeypatch):
     directory that cannot be made, or an existing one where the lock file cannot be
     written, ended reshard / checkpoint_util.py / from-hf / to-megatron in an OSError
     traceback. Now one line naming --save and the error (as a training run's check)."""
-    import errno
-
     from megatron import save_lock
 
     src, dst = tmp_path / "src", tmp_path / "ro" / "out"
