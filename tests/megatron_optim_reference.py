@@ -57,7 +57,8 @@ def state_values(names: List[str], full: Dict[str, torch.Tensor]
     out = {}
     for i, name in enumerate(names):
         w = full[name].float()
-        ramp = torch.arange(w.numel(), dtype=torch.float32).reshape(w.shape) / w.numel()
+        ramp = torch.arange(w.numel(), dtype=torch.float32, device=w.device)
+        ramp = ramp.reshape(w.shape) / w.numel()
         out[name] = {"param": w + 1e-3 * (i + 1) * (1 + ramp),
                      "exp_avg": 1e-3 * (i + 1) * (1 - ramp),
                      "exp_avg_sq": 1e-6 * (i + 1) * (1 + ramp)}
