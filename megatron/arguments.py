@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
 import shlex
 import sys
@@ -462,6 +463,10 @@ def apply_deprecated(ns: argparse.Namespace, explicit: Set[str]) -> Dict[str, st
         _move(ns, explicit, "batch_size", "micro_batch_size")
         origins["micro_batch_size"] = "--batch-size"
     if ns.warmup is not None:
+        if not math.isfinite(ns.warmup):  # int(nan) / int(inf) would be a traceback
+            raise ArgumentsError(f"--warmup {ns.warmup} is not a finite number; pass a "
+                                 "fraction below 1 (--lr-warmup-fraction) or a number of "
+                                 "iterations (--lr-warmup-iters)")
         if ns.warmup < 1:
             _move(ns, explicit, "warmup", "lr_warmup_fraction", float(ns.warmup))
             origins["lr_warmup_fraction"] = "--warmup"

@@ -11,6 +11,7 @@ choices leave unread (--hysteresis with bf16, --adam-beta2 with --optimizer sgd)
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Set, Tuple
 
 from megatron.arguments_common import (
@@ -63,6 +64,7 @@ _AT_LEAST: Tuple[_Rule, ...] = (
     ("attention_dropout", 0, "a probability", None),
     ("kv_channels", 1, "width of one attention head", None),
     ("rotary_percent", 0, "share of each head's channels that rotary embeddings rotate", None),
+    ("layernorm_epsilon", 0, "added to the variance in every norm", None),
     ("ffn_hidden_size", 1, "width of the MLP", None),
     ("num_experts", 1, "experts per switch MLP; leave it unset for the dense MLP", None),
     ("vocab_size", 1, "NullTokenizer's token ids", lambda ns: ns.tokenizer_type == "NullTokenizer"),
@@ -78,6 +80,9 @@ _AT_LEAST: Tuple[_Rule, ...] = (
 _POSITIVE = (
     ("initial_loss_scale", "the first dynamic loss scale", _uses_dynamic_loss_scale),
     ("min_loss_scale", "the smallest dynamic loss scale", _uses_dynamic_loss_scale),
+    ("rotary_base", "the rotary embeddings' frequency base", None),
+    ("gpu_memory_gb", "GiB of memory per GPU for --dry-run's check; leave it unset to skip "
+     "the check", None),
 )
 
 # (dest, value it must stay below or at, inclusive?, meaning, applies when)
@@ -100,10 +105,29 @@ def _applies(ns, dest: str, when: Optional[Callable]) -> bool:
     return getattr(ns, dest, None) is not None and (when is None or bool(when(ns)))
 
 
+# Float flags whose infinite value means something: no clipping, every channel rotated.
+_INF_MEANINGFUL = ("clip_grad", "rotary_percent")
+
+
+def _check_finite(ns) -> None:
+    """A float flag given as nan passes every comparison below (each is False with NaN), and
+    an infinite one most of them; both fail later, after the model is built: a traceback
+    (--rotary-percent nan, --gpu-memory-gb inf) or a NaN loss (--lr inf)."""
+    for spec in FLAG_SPECS.values():
+        value = getattr(ns, spec.dest, None)
+        if spec.kind not in ("float", "num") or not isinstance(value, float):
+            continue
+        if math.isnan(value) or (math.isinf(value) and spec.dest not in _INF_MEANINGFUL):
+            default = "unset" if spec.default is None else f"{spec.default:g}"
+            raise ArgumentsError(f"{spec.flag} {value} is not a finite number; pass a "
+                                 f"number (default: {default})")
+
+
 def check_value_ranges(ns) -> None:
     """Raise `ArgumentsError` for the first flag outside its range, naming the value, the
     range and what the flag means; take --clip-grad below 0 as 0 (no clipping) with a
     warning, as Megatron-LM clips only when --clip-grad > 0."""
+    _check_finite(ns)
     for dest, low, meaning, when in _AT_LEAST:
         if _applies(ns, dest, when) and getattr(ns, dest) < low:
             raise ArgumentsError(f"{flag_for_dest(dest)} {getattr(ns, dest)} must be "

@@ -1,0 +1,48 @@
+"""Values a command-line fuzzer found accepted by validation and failing later: nan / inf
+floats (each comparison with NaN is False), a zero or negative --rotary-base, --gpu-memory-gb
+or --layernorm-epsilon. Each is now an error naming the flag and the value."""
+from __future__ import annotations
+
+import pytest
+
+from tests.args_helpers import error_of, run
+
+
+@pytest.mark.parametrize("extra, expected", [
+    # a traceback at model build before: int(kv_channels * nan)
+    ("--use-rotary-position-embeddings --rotary-percent nan",
+     "--rotary-percent nan is not a finite number"),
+    # NaN loss at the second iteration before
+    ("--lr inf", "--lr inf is not a finite number"),
+    ("--lr nan", "--lr nan is not a finite number"),
+    ("--init-method-std inf", "--init-method-std inf is not a finite number"),
+    ("--hidden-dropout nan", "--hidden-dropout nan is not a finite number"),
+    # OverflowError in --dry-run's memory report / the whole-number check before
+    ("--gpu-memory-gb inf", "--gpu-memory-gb inf is not a finite number"),
+    ("--fp16 --loss-scale-window inf", "--loss-scale-window inf is not a finite number"),
+    # ValueError / OverflowError mapping the deprecated flag before
+    ("--warmup nan", "--warmup nan is not a finite number"),
+    ("--warmup inf", "--warmup inf is not a finite number"),
+])
+def test_non_finite_float_is_an_error(extra, expected):
+    assert expected in error_of(extra)
+
+
+@pytest.mark.parametrize("extra, expected", [
+    # NaN loss at the first iteration before (inverse frequencies 1 / 0 ** x)
+    ("--use-rotary-position-embeddings --rotary-base 0", "--rotary-base 0.0 must be > 0"),
+    ("--use-rotary-position-embeddings --rotary-base -1", "--rotary-base -1.0 must be > 0"),
+    # "estimated peak memory ... exceeds -1.0 GiB" before
+    ("--gpu-memory-gb -1", "--gpu-memory-gb -1.0 must be > 0"),
+    ("--gpu-memory-gb 0", "--gpu-memory-gb 0.0 must be > 0"),
+    ("--layernorm-epsilon -1", "--layernorm-epsilon -1.0 must be >= 0"),
+])
+def test_out_of_range_value_is_an_error(extra, expected):
+    assert expected in error_of(extra)
+
+
+@pytest.mark.parametrize("extra", ["--clip-grad inf",
+                                   "--use-rotary-position-embeddings --rotary-percent inf",
+                                   "--layernorm-epsilon 0", "--gpu-memory-gb 0.5"])
+def test_meaningful_values_still_pass(extra):
+    run(extra)
