@@ -51,6 +51,7 @@ def resolve_parallel(ns, world_size: int, origins: Optional[Mapping[str, str]] =
         raise ArgumentsError(f"--num-attention-heads {heads} is not divisible by "
                              f"--tensor-model-parallel-size {tp}; use a tp size that divides {heads}")
     _check_layer_split(ns, origins)
+    _check_seed_range(ns, pp)
     if ns.sequence_parallel and tp == 1:
         warn("--sequence-parallel needs --tensor-model-parallel-size > 1; disabled")
         ns.sequence_parallel = False
@@ -63,6 +64,22 @@ def resolve_parallel(ns, world_size: int, origins: Optional[Mapping[str, str]] =
             f"the tensor-parallel ranks; use a {typed_flag('seq_length', origins)} that is a "
             f"multiple of {tp} "
             f"({nearby_multiples(ns.seq_length, tp)}) or drop --sequence-parallel")
+
+
+_MAX_SEED = 2**32 - 1  # numpy's seeds (np.random.seed, the datasets' RandomState)
+
+
+def _check_seed_range(ns, pp: int) -> None:
+    """Megatron-LM seeds each rank with seed + 100 * pp_rank (+ 10 * dp_rank with
+    --data-parallel-random-init) for python, numpy and torch; numpy takes at most 2**32 - 1,
+    else every rank stops with a ValueError traceback after the model is configured."""
+    dp_part = 10 * (ns.data_parallel_size - 1) if ns.data_parallel_random_init else 0
+    largest = ns.seed + 100 * (pp - 1) + dp_part
+    if largest > _MAX_SEED:
+        raise ArgumentsError(
+            f"--seed {ns.seed} is too large: the last rank seeds numpy with {largest} (seed + "
+            f"100 x pipeline rank{' + 10 x data-parallel rank' if dp_part else ''}), and numpy "
+            f"takes at most {_MAX_SEED}; pass a --seed of at most {_MAX_SEED - largest + ns.seed}")
 
 
 def nearby_multiples(value: int, step: int) -> str:

@@ -1,6 +1,7 @@
 """Values a command-line fuzzer found accepted by validation and failing later: nan / inf
 floats (each comparison with NaN is False), a zero or negative --rotary-base, --gpu-memory-gb
-or --layernorm-epsilon. Each is now an error naming the flag and the value."""
+or --layernorm-epsilon, a --seed beyond numpy's 2**32 - 1. Each is now an error naming the flag
+and the value."""
 from __future__ import annotations
 
 import pytest
@@ -46,3 +47,20 @@ def test_out_of_range_value_is_an_error(extra, expected):
                                    "--layernorm-epsilon 0", "--gpu-memory-gb 0.5"])
 def test_meaningful_values_still_pass(extra):
     run(extra)
+
+
+@pytest.mark.parametrize("extra, world_size, largest", [
+    ("--seed 4294967296", 1, 4294967296),
+    ("--seed 4294967295 --pipeline-model-parallel-size 2", 2, 4294967395),
+    ("--seed 4294967200 --pipeline-model-parallel-size 2 --data-parallel-random-init", 4,
+     4294967310),
+])
+def test_seed_beyond_numpy_range_is_an_error(extra, world_size, largest):
+    # a ValueError traceback from np.random.seed on every rank before
+    message = error_of(extra, world_size=world_size)
+    assert f"the last rank seeds numpy with {largest}" in message
+    assert "pass a --seed of at most" in message
+
+
+def test_largest_seed_numpy_takes_passes():
+    run("--seed 4294967195 --pipeline-model-parallel-size 2", world_size=2)
