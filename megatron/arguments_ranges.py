@@ -68,6 +68,8 @@ _AT_LEAST: Tuple[_Rule, ...] = (
     ("ffn_hidden_size", 1, "width of the MLP", None),
     ("num_experts", 1, "experts per switch MLP; leave it unset for the dense MLP", None),
     ("vocab_size", 1, "NullTokenizer's token ids", lambda ns: ns.tokenizer_type == "NullTokenizer"),
+    ("vocab_size", 2, "--mock-data's token ids are drawn below it",  # ValueError at the data
+     lambda ns: ns.mock_data),
     ("ddp_bucket_size", 1, "elements per gradient all-reduce bucket", None),
     ("loss_scale", 0, "a fixed loss scale; 0 or unset: dynamic scaling with --fp16", None),
     ("loss_scale_window", 1, "clean iterations before the loss scale grows",

@@ -64,3 +64,10 @@ def test_seed_beyond_numpy_range_is_an_error(extra, world_size, largest):
 
 def test_largest_seed_numpy_takes_passes():
     run("--seed 4294967195 --pipeline-model-parallel-size 2", world_size=2)
+
+
+def test_mock_data_needs_two_token_ids():
+    # MockGPTDataset's ValueError traceback when the datasets were built, before
+    message = error_of("--vocab-size 1")
+    assert "--vocab-size 1 must be >= 2 (--mock-data's token ids are drawn below it)" in message
+    run("--vocab-size 2")
