@@ -4,6 +4,10 @@ request's head and body, a canned answer for a connection refused before any han
 and the Host check of a server bound to a loopback address (DNS rebinding)."""
 from __future__ import annotations
 
+if __name__ == "__main__":
+    raise SystemExit("tools/http_guards.py is a library module (the text generation server's "
+                     "HTTP guards); run python tools/run_text_generation_server.py --help")
+
 import io
 import ipaddress
 import re
