@@ -56,3 +56,14 @@ def module_environment_restored():
     saved = dict(os.environ)
     yield
     _restore_environment(saved)
+
+
+@pytest.fixture(autouse=True)
+def signals_noted_forgotten():
+    """megatron.signals remembers the last SIGTERM/SIGUSR1 a SignalHandler noted for the
+    process's lifetime (a run's silent ranks then skip their wait for the launcher): a
+    test that sent one must not make a later test in the same worker skip it."""
+    yield
+    module = sys.modules.get("megatron.signals")
+    if module is not None:
+        module._last_noted = 0
