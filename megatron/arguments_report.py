@@ -3,6 +3,7 @@ split, analytic parameter counts, missing input files) and Megatron's arguments 
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from megatron.config import Config, ModelConfig
@@ -224,22 +225,39 @@ def _dry_run(config: Config, world_size: int) -> tuple:
     return "\n".join(lines + load_lines), bool(missing or bad_data or bad_dirs) or load_fails
 
 
+def _cannot_write_in(directory: str) -> bool:
+    """True when no file can be created in the existing `directory`: probed by creating
+    (and removing) an exclusive temporary file, since os.access says yes to root and on
+    some network or overlay file systems (`/proc`, a read-only mount)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write_test.", dir=directory)
+    except OSError:
+        return True
+    os.close(fd)
+    try:
+        os.remove(probe)
+    except OSError:
+        pass
+    return False
+
+
 def unusable_dir(path: str) -> Optional[str]:
     """Why the directory `path` could not be created or written into by this user (an
     existing file, a file on the way to it, a parent without write permission, a
-    read-only file system), or None. Creates nothing: the run's start-up probe
+    read-only file system), or None. Leaves nothing behind: a temporary file is created
+    and removed in `path` or its nearest existing parent; the run's start-up probe
     (`check_output_dir`) creates the directory and writes a file there."""
     top = os.path.abspath(path)
     if os.path.exists(top):
         if not os.path.isdir(top):
             return "it is an existing file, not a directory"
-        return None if os.access(top, os.W_OK | os.X_OK) else "this user cannot write into it"
+        return "this user cannot write into it" if _cannot_write_in(top) else None
     parent = os.path.dirname(top)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         return f"{parent} is a file, not a directory, so it cannot be created"
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if _cannot_write_in(parent):
         return f"this user cannot create it in {parent} (no write permission or read-only)"
     return None
 

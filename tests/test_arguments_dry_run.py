@@ -180,9 +180,11 @@ def test_dry_run_reports_output_directories_the_run_would_refuse(tmp_path, monke
     ok = run(f"--dry-run --save {tmp_path}/a/b --save-interval 5 --tensorboard-dir {tmp_path}/tb")
     assert "refuse" not in dry_run_report(ok, 1) and run_dry_run(ok, 1) == 0
     assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "tb")
-    real_access = os.access  # a read-only parent (the tests may run as root)
-    monkeypatch.setattr(os, "access", lambda p, m: str(p) != str(tmp_path / "ro")
-                        and real_access(p, m))
+    from megatron import arguments_report  # a read-only parent (the tests may run as root)
+
+    real_probe = arguments_report._cannot_write_in
+    monkeypatch.setattr(arguments_report, "_cannot_write_in",
+                        lambda d: d == str(tmp_path / "ro") or real_probe(d))
     (tmp_path / "ro").mkdir()
     cfg = run(f"--dry-run --save {tmp_path}/ro/ck --save-interval 5")
     assert f"this user cannot create it in {tmp_path}/ro" in dry_run_report(cfg, 1)
@@ -198,6 +200,23 @@ def test_dry_run_reports_output_directories_the_run_would_refuse(tmp_path, monke
     assert run_dry_run(cfg, 1) == 0
     mock = run(f"--dry-run --data-cache-path {afile}/cache")  # mock data: never used
     assert "data-cache-path" not in dry_run_report(mock, 1)
+
+
+def test_dry_run_probes_output_directories_by_writing(tmp_path):
+    """os.access says yes to root and on some file systems: `--save /proc/x` passed the
+    dry run and the run then stopped at start-up. The check now creates (and removes) a
+    temporary file, so it refuses such a directory and leaves nothing in a usable one."""
+    import os
+
+    cfg = run("--dry-run --save /proc/ck --save-interval 5 --tensorboard-dir /proc")
+    text = dry_run_report(cfg, 1)
+    assert ("--save /proc/ck cannot be used: this user cannot create it in /proc (no write "
+            "permission or read-only); pass a directory") in text
+    assert "--tensorboard-dir /proc cannot be used: this user cannot write into it" in text
+    assert run_dry_run(cfg, 1) == 1
+    ok = run(f"--dry-run --save {tmp_path} --save-interval 5")
+    assert "refuse" not in dry_run_report(ok, 1)
+    assert os.listdir(tmp_path) == []
 
 
 def test_dry_run_report_and_missing_inputs(tmp_path, capsys):
