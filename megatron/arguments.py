@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import io
 import math
 import os
 import shlex
@@ -225,10 +226,12 @@ def _read_yaml(path: str) -> Any:
 
     try:
         with open(path, encoding="utf-8") as f:
-            node = yaml.compose(f, yaml.SafeLoader)
-            _check_yaml_size(path, node)
-            f.seek(0)
-            data = yaml.safe_load(f)
+            text = io.StringIO(f.read())  # once: a pipe (`--config <(...)`) cannot seek
+        text.name = f.name  # the file YAML's messages name
+        node = yaml.compose(text, yaml.SafeLoader)
+        _check_yaml_size(path, node)
+        text.seek(0)
+        data = yaml.safe_load(text)
     except UnicodeDecodeError as exc:
         raise ArgumentsError(f"--config {path}: not a UTF-8 text file (it holds byte "
                              f"{exc.object[exc.start]:#04x}); a config is a YAML text file "
@@ -279,6 +282,13 @@ def _check_yaml_size(path: str, node) -> None:
                              "aliases only for a few shared values")
 
 
+def _yaml_kind(data: Any) -> str:
+    """What a YAML document that is not a mapping holds, for messages."""
+    if isinstance(data, list):
+        return f"a list of {len(data)} items"
+    return f"a single {type(data).__name__} value ({str(data)[:40]!r})"
+
+
 def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, Any]:
     """Read `--config FILE.yaml` into {dest: value}.
 
@@ -287,15 +297,21 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
     one line (`data-path: 0.3 a 0.7 b`); a null value (`load: ~`, `load:`) leaves the flag
     at its default. Unknown keys are an error naming the closest flag.
     """
-    if not os.path.isfile(path):
+    if os.path.isdir(path):
+        raise ArgumentsError(f"--config {path}: is a directory, not a file; pass the path "
+                             "of the YAML file of flag: value lines")
+    if not os.path.exists(path):  # a pipe or /dev/stdin is read like a file
         # a relative path, resolved: the launch scripts run from the repository root
         where = "" if os.path.isabs(path) else f" (looked for {os.path.abspath(path)})"
         raise ArgumentsError(f"--config {path}: file not found{where}")
     data = _read_yaml(path)
     if data is None:
+        warn(f"--config {path}: the file holds no flags (it is empty or only comments); "
+             "nothing is read from it")
         return {}
     if not isinstance(data, dict):
-        raise ArgumentsError(f"--config {path}: expected a mapping of flag: value pairs")
+        raise ArgumentsError(f"--config {path}: expected a mapping of flag: value pairs, "
+                             f"not {_yaml_kind(data)}; write one 'flag: value' per line")
     index = _option_index(parser)
     # dests that a store_false switch sets False and that default to None: --compile's
     opposite = {a.dest for a in parser._actions if a.nargs == 0 and a.const is False}

@@ -435,6 +435,29 @@ def test_missing_relative_config_names_where_it_was_looked_for(tmp_path, monkeyp
     assert error_of(f"--config {tmp_path}/a.yaml") == f"--config {tmp_path}/a.yaml: file not found"
 
 
+def test_config_that_is_a_directory_pipe_or_empty_says_what_it_is(tmp_path, caplog):
+    """`--config /tmp` and `--config /dev/null` both said "file not found", and so did a
+    pipe (`--config <(...)`, /dev/fd/N) that holds a valid config; a list or a scalar
+    document did not say what it held."""
+    assert error_of(f"--config {tmp_path}") == (
+        f"--config {tmp_path}: is a directory, not a file; pass the path of the YAML file "
+        "of flag: value lines")
+    cfg = run("--config /dev/null")
+    assert cfg.model.num_layers == 2
+    assert "--config /dev/null: the file holds no flags (it is empty" in caplog.text
+    read, write = os.pipe()
+    os.write(write, b"seed: 7\n")
+    os.close(write)
+    try:
+        assert run(f"--config /dev/fd/{read}").args["seed"] == 7
+    finally:
+        os.close(read)
+    listed = _yaml(tmp_path, "- num-layers\n- 2\n")
+    assert error_of(f"--config {listed}") == (
+        f"--config {listed}: expected a mapping of flag: value pairs, not a list of 2 items; "
+        "write one 'flag: value' per line")
+
+
 def test_yaml_damaged_or_mistyped_config_names_the_fix(tmp_path):
     """A config saved as UTF-16 (or any binary file) ended in a UnicodeDecodeError
     traceback; a tab was reported without saying what to do; a flag named twice (or as
