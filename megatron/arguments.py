@@ -483,6 +483,11 @@ def apply_deprecated(ns: argparse.Namespace, explicit: Set[str]) -> Dict[str, st
             raise ArgumentsError(f"--warmup {ns.warmup} is not a finite number; pass a "
                                  "fraction below 1 (--lr-warmup-fraction) or a number of "
                                  "iterations (--lr-warmup-iters)")
+        if ns.warmup >= 1 and ns.warmup != int(ns.warmup):  # int(1.5) would be 1 silently
+            raise ArgumentsError(f"--warmup {ns.warmup}: 1 or more counts iterations, so it "
+                                 "must be a whole number; pass --lr-warmup-iters "
+                                 f"{math.ceil(ns.warmup)} (or a fraction below 1, read as "
+                                 "--lr-warmup-fraction)")
         if ns.warmup < 1:
             _move(ns, explicit, "warmup", "lr_warmup_fraction", float(ns.warmup))
             origins["lr_warmup_fraction"] = "--warmup"

@@ -161,6 +161,14 @@ def test_deprecated_warmup_sets_schedule_in_samples():
     assert run("--warmup 0.2 --global-batch-size 4").optimizer.lr_warmup_steps == 8
 
 
+def test_deprecated_warmup_of_a_fractional_iteration_count_is_an_error():
+    """--warmup 1.5 (1 or more: --lr-warmup-iters) silently became 1 iteration."""
+    assert error_of("--warmup 1.5") == (
+        "--warmup 1.5: 1 or more counts iterations, so it must be a whole number; pass "
+        "--lr-warmup-iters 2 (or a fraction below 1, read as --lr-warmup-fraction)")
+    assert run("--warmup 4.0").args["lr_warmup_iters"] == 4
+
+
 def test_deprecated_conflicting_with_new_flag_is_an_error():
     msg = error_of("--model-parallel-size 2 --tensor-model-parallel-size 4", world_size=4)
     assert "--model-parallel-size 2" in msg and "--tensor-model-parallel-size 4" in msg
