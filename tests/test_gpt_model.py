@@ -56,6 +56,27 @@ def test_reset_masks_make_documents_independent():
     torch.testing.assert_close(logits_packed[0, 6:], logits_alone[0], rtol=1e-5, atol=1e-5)
 
 
+def test_reset_attention_mask_keeps_one_s_by_s_copy_for_all_layers():
+    """--reset-attention-mask: the backward keeps the [b, 1, s, s] mask (as SDPA's additive
+    bias) once, not once per layer (at s = 32768 each copy is 4 GiB in fp32)."""
+    s = 64
+    model = _model(num_layers=4, seq_length=s, max_position_embeddings=s)
+    tokens = torch.randint(0, 63, (1, s))
+    tokens[0, 20] = 63
+    mask, _, pos = get_ltor_masks_and_position_ids(tokens, 63, True, True, False)
+    storages = set()
+
+    def pack(t):
+        if t.dim() == 4 and t.shape[-2:] == (s, s):
+            storages.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens, position_ids=pos, labels=tokens, attention_mask=mask)
+    loss.sum().backward()
+    assert len(storages) == 1, f"{len(storages)} s x s mask copies saved for 4 layers"
+
+
 @pytest.mark.parametrize("granularity,method", [("full", "uniform"), ("full", "block"),
                                                 ("selective", None)])
 def test_recompute_gives_identical_grads_with_dropout(granularity, method):

@@ -382,10 +382,11 @@ class ParallelAttention(nn.Module):
         dropout_p = self.config.attention_dropout if self.training else 0.0
         with sdpa_backend(self.config.attention_backend):
             k_bgsd, v_bgsd, gqa = self.grouped_kv(q_bnsd, k_bgsd, v_bgsd, attention_mask)
-            # attention_mask: [b, 1, s, s] bool, True = masked (Megatron's convention);
-            # SDPA's boolean mask means the opposite. None = plain causal (fast kernels).
+            # attention_mask: [b, 1, s, s] bool, True = masked (Megatron's convention;
+            # SDPA's boolean mask means the opposite), or the additive bias that
+            # `attention_bias` made of it once for all layers. None = plain causal.
             out = F.scaled_dot_product_attention(
-                q_bnsd, k_bgsd, v_bgsd, attn_mask=None if attention_mask is None else ~attention_mask,
+                q_bnsd, k_bgsd, v_bgsd, attn_mask=_sdpa_mask(attention_mask, q_bnsd.dtype),
                 is_causal=attention_mask is None, dropout_p=dropout_p,
                 scale=1.0 / math.sqrt(self.d), **gqa,
             )
@@ -523,6 +524,25 @@ def compile_layers(fn, mode: str = "default", tp_collectives: bool = False):
     return torch.compile(fn, dynamic=False, options=options)
 
 
+def attention_bias(attention_mask: Optional[torch.Tensor], dtype: torch.dtype):
+    """The [b, 1, s, s] bool mask (True = masked) as an additive bias (0 / -inf) in `dtype`,
+    made once per forward and shared by every layer: SDPA turns a bool mask into such a
+    bias itself and the backward keeps it, so passing the bool mask would keep one s x s
+    copy per layer (4 GiB each in fp32 at s = 32768)."""
+    if attention_mask is None or attention_mask.dtype != torch.bool:
+        return attention_mask
+    bias = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device)
+    return bias.masked_fill_(attention_mask, float("-inf"))
+
+
+def _sdpa_mask(attention_mask: Optional[torch.Tensor], dtype: torch.dtype):
+    if attention_mask is None:
+        return None
+    if attention_mask.dtype == torch.bool:
+        return ~attention_mask
+    return attention_mask if attention_mask.dtype == dtype else attention_mask.to(dtype)
+
+
 class TransformerBlock(nn.Module):
     """A stack of layers (this pipeline stage's share) plus the final norm on the last stage.
 
@@ -590,9 +610,16 @@ class TransformerBlock(nn.Module):
             x_sbh, ln = self._compiled_unit(layer, x_sbh, ln, nxt, rotary_table, attention_mask)
         return x_sbh if self.final_layernorm is None else ln
 
+    def _attention_dtype(self) -> torch.dtype:
+        """The dtype q has in the attention kernel: the layers' weights' (bf16/fp16/fp32)."""
+        for param in self.layers.parameters():
+            return param.dtype
+        return torch.float32
+
     def forward(self, x_sbh: torch.Tensor, rotary_table: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None):
         c = self.config
+        attention_mask = attention_bias(attention_mask, self._attention_dtype())
         if c.compile_layers and c.compile_scope == "block" and c.recompute_granularity != "full":
             if self._compiled_block is None:
                 self._compiled_block = self._compile(self._run_layers)
