@@ -62,7 +62,9 @@ Outside the layers: the embedding dropout mask (sbh), the final norm's input and
 (2*e*sbh), with rotary embeddings the cos/sin table all layers share (fp32 [2, s, rotary
 dim], small), and `logits`: the fp32 logits and their shifted copy inside the vocab-parallel
 cross entropy at the forward peak, 2 * 4*s*b*V/t (the saved softmax later becomes the
-logits' grad in place).
+logits' grad in place). With --reset-attention-mask, per micro-batch in flight: the bool
+[b, 1, s, s] mask and the additive bias the layers share and keep for backward,
+(1 + e)*b*s*s (not split by TP: every rank holds the whole mask).
 Pipeline parallelism (1F1B): stage i keeps min(pp - i, num_micro_batches) micro-batches in
 flight, so stage 0 holds about all layers' worth of activations; the interleaved schedule
 (v virtual stages) multiplies that by 1 + (pp - 1) / (pp * v) (Korthikanti et al.).
@@ -227,6 +229,15 @@ def _head_bytes(config: Config, first: bool, last: bool) -> Dict[str, float]:
     return out
 
 
+def _mask_bytes(config: Config) -> float:
+    """--reset-attention-mask: the bool [b, 1, s, s] mask and the additive bias made of it
+    in the activation dtype, which every layer's attention keeps for backward."""
+    d = config.data
+    if not d.reset_attention_mask:
+        return 0.0
+    return (1 + _act_bytes(config)) * d.micro_batch_size * d.seq_length ** 2
+
+
 def _optimizer_bytes_per_param(config: Config) -> Dict[str, float]:
     o, p = config.optimizer, config.parallel
     mixed = o.bf16 or o.fp16
@@ -271,8 +282,8 @@ def estimate_stage_memory(config: Config, stage: int = 0, *,
     head = _head_bytes(config, stage == 0, stage == p.pp_size - 1)
     saved, rebuilt = _saved_and_rebuilt(config, layers, flash_attention,
                                         chunks=p.virtual_pp_size or 1)
-    acts = (in_flight * (saved + head["embedding"] + head["final_norm"]) + rebuilt
-            + head["rotary_table"])
+    acts = (in_flight * (saved + head["embedding"] + head["final_norm"] + _mask_bytes(config))
+            + rebuilt + head["rotary_table"])
     est = {
         "weights": n_params * per["weights"],
         "gradients": n_params * per["gradients"],

@@ -296,3 +296,14 @@ def test_block_recompute_counts_its_layers_in_every_virtual_pipeline_stage():
     for stage in (0, 1):
         assert (estimate_stage_memory(block, stage)["activations"]
                 == estimate_stage_memory(uniform, stage)["activations"])
+
+
+def test_reset_attention_mask_counts_the_s_by_s_mask():
+    """--reset-attention-mask materialises a [b, 1, s, s] bool mask per micro-batch and the
+    attention keeps an additive bias of it (activation dtype) for backward: (1 + e)*b*s*s
+    per micro-batch in flight, which at seq 32768 dwarfs a small model's activations."""
+    extra = "--bf16 --tensor-model-parallel-size 2 --seq-length 8192 --max-position-embeddings 8192"
+    plain = estimate_memory(cli(extra))
+    masked = estimate_memory(cli(extra + " --reset-attention-mask"))
+    in_flight = 1  # no pipeline parallelism: one micro-batch's activations at a time
+    assert masked["activations"] - plain["activations"] == in_flight * 3 * 4 * 8192 ** 2
