@@ -919,24 +919,34 @@ def test_distributed_full_disk_on_one_rank_fails_every_rank(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
 
 
-def _dist_marker_refused_on_one_rank(rank, world_size, root):
+def _dist_save_refused(rank, world_size, root, where):
+    """Save at 2, then at 4 with one write refused on one rank: rank 1's done-marker (a
+    full quota, `where` "marker") or rank 0's iter_XXXXXXX.tmp directory ("tmp_dir", a full
+    disk). Returns the AgreedExit's (report, prints), None when the save went through."""
     from megatron import checkpointing
     from megatron.agreed_exit import AgreedExit
 
     ps = ParallelState.build(world_size, rank, tp_size=2)
     save_checkpoint(root, 2, _full_state(2, ps.tp_rank, 0), ps)
-    real_mark = checkpointing.mark_done
-    if rank == 1:
+    real_mark, real_makedirs = checkpointing.mark_done, os.makedirs
+    if where == "marker" and rank == 1:
         def over_quota(tmp_dir, name):
             raise OSError(errno.EDQUOT, "Disk quota exceeded")
 
         checkpointing.mark_done = over_quota
+    if where == "tmp_dir" and rank == 0:
+        def full(path, *args, **kwargs):
+            if str(path).endswith(".tmp"):
+                raise OSError(errno.ENOSPC, "No space left on device", path)
+            return real_makedirs(path, *args, **kwargs)
+
+        os.makedirs = full
     try:
         save_checkpoint(root, 4, _full_state(4, ps.tp_rank, 0), ps)
     except AgreedExit as exc:
         return exc.report, exc.prints
     finally:
-        checkpointing.mark_done = real_mark
+        checkpointing.mark_done, os.makedirs = real_mark, real_makedirs
     return None
 
 
@@ -945,7 +955,7 @@ def test_a_marker_refused_on_one_rank_fails_every_rank_with_one_report(tmp_path)
     quota) raised its OSError alone: rank 0 died in the agreement with gloo's
     'Connection closed by peer'. Every rank exits with the same report now."""
     (report0, prints0), (report1, prints1) = run_distributed(
-        _dist_marker_refused_on_one_rank, 2, str(tmp_path))
+        _dist_save_refused, 2, str(tmp_path), "marker")
     assert report0 == report1 and (prints0, prints1) == (True, False)
     marker = os.path.join(str(tmp_path), "iter_0000004.tmp", ".done.mp_rank_01")
     assert report0.startswith("rank 1 (of 2): error: the checkpoint at iteration 4 could not "
@@ -955,34 +965,12 @@ def test_a_marker_refused_on_one_rank_fails_every_rank_with_one_report(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
 
 
-def _dist_tmp_dir_refused(rank, world_size, root):
-    from megatron.agreed_exit import AgreedExit
-
-    ps = ParallelState.build(world_size, rank, tp_size=2)
-    save_checkpoint(root, 2, _full_state(2, ps.tp_rank, 0), ps)
-    real = os.makedirs
-    if rank == 0:
-        def full(path, *args, **kwargs):
-            if str(path).endswith(".tmp"):
-                raise OSError(errno.ENOSPC, "No space left on device", path)
-            return real(path, *args, **kwargs)
-
-        os.makedirs = full
-    try:
-        save_checkpoint(root, 4, _full_state(4, ps.tp_rank, 0), ps)
-    except AgreedExit as exc:
-        return exc.report, exc.prints
-    finally:
-        os.makedirs = real
-    return None
-
-
 def test_a_temporary_directory_refused_fails_every_rank_with_one_report(tmp_path):
     """Rank 0 unable to make iter_XXXXXXX.tmp (a full disk or inode quota) raised its
     OSError alone while the others waited in the barrier (under gloo: 'Connection closed
     by peer'). Every rank exits with the same report now; the tracker is unchanged."""
     (report0, prints0), (report1, prints1) = run_distributed(
-        _dist_tmp_dir_refused, 2, str(tmp_path))
+        _dist_save_refused, 2, str(tmp_path), "tmp_dir")
     assert report0 == report1 and (prints0, prints1) == (True, False)
     tmp_dir = os.path.join(str(tmp_path), "iter_0000004.tmp")
     assert report0.startswith(f"rank 0 (of 2): error: the checkpoint at iteration 4 could not "
