@@ -3,10 +3,10 @@ split, analytic parameter counts, missing input files) and Megatron's arguments 
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from megatron.config import Config, ModelConfig
+from megatron.write_errors import write_probe_error
 
 
 class ParamCount(NamedTuple):
@@ -225,22 +225,6 @@ def _dry_run(config: Config, world_size: int) -> tuple:
     return "\n".join(lines + load_lines), bool(missing or bad_data or bad_dirs) or load_fails
 
 
-def _cannot_write_in(directory: str) -> bool:
-    """True when no file can be created in the existing `directory`: probed by creating
-    (and removing) an exclusive temporary file, since os.access says yes to root and on
-    some network or overlay file systems (`/proc`, a read-only mount)."""
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".write_test.", dir=directory)
-    except OSError:
-        return True
-    os.close(fd)
-    try:
-        os.remove(probe)
-    except OSError:
-        pass
-    return False
-
-
 def unusable_dir(path: str) -> Optional[str]:
     """Why the directory `path` could not be created or written into by this user (an
     existing file, a file on the way to it, a parent without write permission, a
@@ -251,13 +235,13 @@ def unusable_dir(path: str) -> Optional[str]:
     if os.path.exists(top):
         if not os.path.isdir(top):
             return "it is an existing file, not a directory"
-        return "this user cannot write into it" if _cannot_write_in(top) else None
+        return "this user cannot write into it" if write_probe_error(top) is not None else None
     parent = os.path.dirname(top)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         return f"{parent} is a file, not a directory, so it cannot be created"
-    if _cannot_write_in(parent):
+    if write_probe_error(parent) is not None:
         return f"this user cannot create it in {parent} (no write permission or read-only)"
     return None
 

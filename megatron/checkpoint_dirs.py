@@ -17,7 +17,6 @@ import os
 import re
 import shlex
 import shutil
-import tempfile
 import time
 from typing import List, Optional, Tuple
 
@@ -28,6 +27,7 @@ from megatron.checkpoint_foreign import (
     dist_checkpoint_message,
     foreign_format_message,
 )
+from megatron.write_errors import write_probe_error
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
@@ -118,9 +118,9 @@ def check_output_dir(root: str, flag: str, ps, group=None,
     if ps.rank == writer_rank:
         try:
             os.makedirs(root, exist_ok=True)
-            fd, probe = tempfile.mkstemp(prefix=".write_test.", dir=root)
-            os.close(fd)
-            os.remove(probe)
+            refused = write_probe_error(root)
+            if refused is not None:
+                raise refused
         except OSError as exc:
             error = (f"error: {flag} {root} cannot be used: could not create it "
                      f"or write into it ({type(exc).__name__}: {exc}); pass a directory that "

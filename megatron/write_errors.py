@@ -6,7 +6,9 @@ limit the limit, which the free space of the file system does not show."""
 from __future__ import annotations
 
 import errno
+import os
 import resource
+import tempfile
 from typing import Optional
 
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -59,3 +61,19 @@ def room_fix(exc: BaseException, other: str) -> str:
         return f"Free space within your disk quota (or have it raised), or pass {other} on " \
                "a file system with room in your quota"
     return f"Free space or pass {other}"
+
+
+def write_probe_error(directory: str) -> Optional[OSError]:
+    """Why no file can be created in the existing `directory` (the OSError), or None: an
+    exclusive temporary file is created there and removed. os.access says yes to root and
+    on some network or overlay file systems (`/proc`, a read-only mount); this does not."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write_test.", dir=directory)
+    except OSError as exc:
+        return exc
+    os.close(fd)
+    try:
+        os.remove(probe)
+    except OSError:
+        pass
+    return None

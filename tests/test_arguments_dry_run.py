@@ -182,9 +182,10 @@ def test_dry_run_reports_output_directories_the_run_would_refuse(tmp_path, monke
     assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "tb")
     from megatron import arguments_report  # a read-only parent (the tests may run as root)
 
-    real_probe = arguments_report._cannot_write_in
-    monkeypatch.setattr(arguments_report, "_cannot_write_in",
-                        lambda d: d == str(tmp_path / "ro") or real_probe(d))
+    real_probe = arguments_report.write_probe_error
+    monkeypatch.setattr(arguments_report, "write_probe_error",
+                        lambda d: OSError(13, "read-only") if d == str(tmp_path / "ro")
+                        else real_probe(d))
     (tmp_path / "ro").mkdir()
     cfg = run(f"--dry-run --save {tmp_path}/ro/ck --save-interval 5")
     assert f"this user cannot create it in {tmp_path}/ro" in dry_run_report(cfg, 1)
