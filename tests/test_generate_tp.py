@@ -387,6 +387,55 @@ def test_server_on_two_ranks(ckpt_tp1, tmp_path):
             assert got.get("scores", []) == pytest.approx(want.get("scores", []), abs=1e-5)
 
 
+def _rank0_fails_alone_worker(rank, world_size, ckpt, port, pid_dir):
+    """_serve_worker whose rank 0 alone fails a request of prompt "66 66 ..." before
+    its forward (as an out-of-memory error on one GPU), leaving rank 1 in its collectives."""
+    from tools import text_generation_api as api_mod
+
+    real = api_mod.generate_batch
+
+    def generate_batch(model, all_ids, *args, **kwargs):
+        if rank == 0 and all_ids[0][:2] == [66, 66]:
+            raise RuntimeError("injected: out of memory on rank 0 alone")
+        return real(model, all_ids, *args, **kwargs)
+
+    api_mod.generate_batch = generate_batch
+    ranks_mod.FINISHED_WAIT_S = 5.0
+    return _serve_worker(rank, world_size, ckpt, port, pid_dir)
+
+
+def test_a_request_failing_on_rank0_alone_stops_the_server(ckpt_tp1, tmp_path):
+    """Rank 0 answers 500 and, the other rank being stuck in the request's collectives,
+    stops serving within FINISHED_WAIT_S, and every rank ends (the next request and
+    Ctrl-C waited for the process group's timeout: rank 0 in its next broadcast)."""
+    from tools.text_generation_cli import put
+
+    port, errors = free_port(), []
+
+    def run():
+        try:
+            run_distributed(_rank0_fails_alone_worker, 2, ckpt_tp1, port, str(tmp_path))
+        except Exception as exc:  # the ranks fail: expected
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        assert _wait_for_server(url, time.monotonic() + 120, thread, str(tmp_path))[0] == 200
+        status, text = put(url, {"prompts": ["66 66 5"], "tokens_to_generate": 3}, timeout=60)
+        assert status == 500 and "out of memory on rank 0 alone" in text
+        thread.join(90)
+    finally:
+        if thread.is_alive():
+            for rank in range(2):
+                with contextlib.suppress(OSError):
+                    os.kill(_pid(tmp_path, rank), signal.SIGKILL)
+            thread.join(30)
+            pytest.fail("the ranks did not end after rank 0 failed a request alone")
+    assert errors and "timed out" in str(errors[0]).lower(), errors
+
+
 # ------------------------------------------------------------------------ refusals
 def test_layouts_generation_does_not_run(ckpt_tp1):
     """The tp-only layouts (pp > 1: tests/test_generate_pp.py)."""

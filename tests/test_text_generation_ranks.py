@@ -396,7 +396,7 @@ def test_a_replica_leader_passes_requests_on_and_answers(monkeypatch):
     monkeypatch.setattr(ranks_mod, "_broadcast", broadcast)
     monkeypatch.setattr(ranks_mod, "run_request", run)
     engine = SimpleNamespace(runtime=SimpleNamespace(ps=SimpleNamespace(dp_rank=1)))
-    groups = SimpleNamespace(links={1: "link"}, leader=4, replica="replica")
+    groups = SimpleNamespace(links={1: "link"}, leader=4, replica="replica", done=None)
     with pytest.raises(RuntimeError, match="Connection closed"):
         server_mod.lead_replica(engine, groups)
     passed_on = [m for m, g, src in sent if g == "replica" and src == 4]

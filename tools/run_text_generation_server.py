@@ -34,7 +34,11 @@ own second Ctrl-C: rank 0 exits at once with one line, status 130); a rank 0 kil
 outright breaks the other ranks' broadcast, and they exit with one line naming it. A
 request whose collective another rank broke (gone, or stuck past the process group's
 timeout) is answered 500 and stops rank 0 with one line (megatron/rank_failure.py); a
-rank stuck meanwhile ends when the job's store has gone (megatron/watchdog.py).
+rank stuck meanwhile ends when the job's store has gone (megatron/watchdog.py). After each
+request the ranks meet once more, for at most 60 s: a request that failed on rank 0 alone
+(out of memory on one GPU), leaving the others in its collectives, is answered 500 and
+stops the server so within a minute (the next request waited for the process group's
+timeout, and Ctrl-C with it).
 
 A world size of D x tp x pp (`torchrun --nproc-per-node 8 ... --tensor-model-parallel-size
 2`: D = 4) holds D data-parallel replicas of the model, which answer up to D requests side
@@ -604,9 +608,10 @@ def _serve(a, ns, explicit: Set[str], environ, argv) -> int:
         if rt.ps.rank == groups.leader:
             lead_replica(engine, groups)
         else:
-            follow_requests(engine, groups.replica, groups.leader)
+            follow_requests(engine, groups.replica, groups.leader, groups.done)
         return 0
-    lockstep = None if rt is None else Lockstep(engine, group=groups.replica)
+    lockstep = None if rt is None else Lockstep(engine, group=groups.replica,
+                                                done=groups.done)
     run = None if lockstep is None else lockstep.submit
     if rt is not None and rt.ps.dp_size > 1:
         run = Dispatcher(lockstep, groups).submit

@@ -14,6 +14,7 @@ if __name__ == "__main__":
                      "server's ranks under torchrun); run python "
                      "tools/run_text_generation_server.py --help")
 
+import datetime
 import os
 import queue
 import signal
@@ -31,6 +32,11 @@ from tools.text_generation_api import Engine, RequestError, fixed_seed, run_requ
 
 _PROG = "run_text_generation_server.py"
 HEARTBEAT_S = 30.0  # rank 0's idle broadcast under torchrun
+# After each request the ranks of a replica meet once more (`finished`), on a group of
+# their own with this timeout: a rank that failed alone (out of memory on one GPU) has left
+# the others waiting in a collective of the model, and its leader, told so within this
+# time, stops serving (the next request would have waited there, and Ctrl-C with it).
+FINISHED_WAIT_S = 60.0
 
 
 # ------------------------------------------------------- tensor / pipeline parallelism
@@ -42,6 +48,14 @@ def _broadcast(message, group, src: int = 0):
     box = [message]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def finished(group) -> None:
+    """Every rank of a replica, after each request (served or failed): wait for the other
+    ranks to be done with it too (`group`: ServingGroups.done; None: no wait). RuntimeError
+    (timed out) on the ranks still there when one is stuck in the request's collectives."""
+    if group is not None:
+        dist.barrier(group=group)
 
 
 def control_group(engine: Engine):
@@ -67,7 +81,7 @@ class _FollowerSigint(SigintHandler):
         self.received = True
 
 
-def follow_requests(engine: Engine, group=None, src: int = 0) -> int:
+def follow_requests(engine: Engine, group=None, src: int = 0, done=None) -> int:
     """A rank other than its replica's leader (global rank `src`; 0 at dp 1): generate each
     request the leader broadcasts over `group` (default: control_group), in lockstep with
     it, until the leader broadcasts stop; returns the number of requests. A request that
@@ -97,6 +111,12 @@ def follow_requests(engine: Engine, group=None, src: int = 0) -> int:
             except Exception as exc:  # rank 0 prints the traceback and answers 500
                 print(f"rank {engine.runtime.ps.rank}: the request failed too ("
                       f"{type(exc).__name__}: {exc}); following the next one", flush=True)
+            try:
+                finished(done)
+            except RuntimeError:  # the leader left: after Ctrl-C that is the stop
+                if sigint.received:
+                    return served
+                raise
 
 
 class _StopSignals(SigintHandler):
@@ -164,8 +184,8 @@ class Lockstep:
     broadcasts stop when it ends (then stops the other replicas)."""
 
     def __init__(self, engine: Engine, heartbeat_s: Optional[float] = None,
-                 group=None) -> None:
-        self.engine = engine
+                 group=None, done=None) -> None:
+        self.engine, self.done = engine, done  # done: ServingGroups.done (`finished`)
         self.heartbeat_s = HEARTBEAT_S if heartbeat_s is None else heartbeat_s
         self.group = control_group(engine) if group is None else group  # rank 0's replica
         self.pending: "queue.Queue" = queue.Queue()
@@ -234,6 +254,7 @@ class Lockstep:
             done.set_exception(exc)
             if peer_failure(exc) is not None:  # out of step: each request would
                 raise  # wait for the collective timeout again; stop serving
+        finished(self.done)  # a failure here alone: the others wait in it; stop serving
 
     def _stop(self, server) -> None:
         if self.current is not None and not self.current.done():  # interrupted in it (off
@@ -260,7 +281,8 @@ class ServingGroups:
     """Where this rank's request messages travel (tools/generate_tp.py's rank order): its
     replica's tp x pp ranks (`replica`, from the replica's `leader`, its tp 0 / pp 0 rank)
     and, on rank 0 and the other replicas' leaders, the pair group [0, leader] of each
-    replica d > 0 (`links[d]`: requests there, answers back). At dp 1 the replica group is
+    replica d > 0 (`links[d]`: requests there, answers back), and `done`, the replica's
+    ranks with FINISHED_WAIT_S's timeout (`finished`). At dp 1 the replica group is
     control_group and there are no links. The groups are gloo with ANSWERS_WAIT's timeout:
     a replica waits for its next request, and rank 0 for a replica's answer, as long as it
     takes (a rank that is gone breaks them at once). Collective: every rank builds them."""
@@ -272,14 +294,18 @@ class ServingGroups:
         self.leaders = [ps.grid.rank_of(0, d, 0) for d in range(ps.dp_size)]
         self.leader, self.links = self.leaders[ps.dp_rank], {}
         self.replica = control_group(engine)
-        if ps.dp_size == 1:
-            return
         for d in range(ps.dp_size):  # every rank makes every group, in the same order
             ranks = sorted(ps.grid.rank_of(t, d, p) for t in range(ps.tp_size)
                            for p in range(ps.pp_size))
-            group = dist.new_group(ranks, backend="gloo", timeout=ANSWERS_WAIT)
+            done = dist.new_group(ranks, backend="gloo",
+                                  timeout=datetime.timedelta(seconds=FINISHED_WAIT_S))
+            group = None if ps.dp_size == 1 else dist.new_group(ranks, backend="gloo",
+                                                                timeout=ANSWERS_WAIT)
             if d == ps.dp_rank:
-                self.replica = group
+                self.done = done
+                self.replica = self.replica if group is None else group
+        if ps.dp_size == 1:
+            return
         for d in range(1, ps.dp_size):
             group = dist.new_group([0, self.leaders[d]], backend="gloo", timeout=ANSWERS_WAIT)
             if ps.rank in (0, self.leaders[d]):
@@ -305,6 +331,18 @@ def _answer_of(run: Callable[[], dict]) -> Tuple[tuple, Optional[BaseException]]
         return ("error", isinstance(exc, RequestError), text, broke), exc if broke else None
 
 
+def _run_finished(engine: Engine, req, done) -> dict:
+    """run_request on a replica's leader, then `finished` (its failure raised first)."""
+    try:
+        out = run_request(engine, req)
+    except Exception as exc:
+        if peer_failure(exc) is None:  # else out of step already: the replica stops
+            finished(done)
+        raise
+    finished(done)
+    return out
+
+
 def lead_replica(engine: Engine, groups: ServingGroups) -> int:
     """The leader of replica d > 0: take each request rank 0 sends over links[d],
     broadcast it to the replica's other ranks (follow_requests), generate it with them and
@@ -327,7 +365,7 @@ def lead_replica(engine: Engine, groups: ServingGroups) -> int:
             if kind != _REQUEST:
                 continue
             served += 1
-            answer, broke = _answer_of(lambda: run_request(engine, req))
+            answer, broke = _answer_of(lambda: _run_finished(engine, req, groups.done))
             _broadcast(answer, link, me)
             if broke is not None:
                 raise broke
