@@ -5,6 +5,9 @@ from typing import Optional, Tuple
 
 import torch
 
+# Elements of one band of rows of the --reset-attention-mask mask written at a time.
+MASK_BAND_ELEMENTS = 1 << 24
+
 
 def get_ltor_masks_and_position_ids(tokens: torch.Tensor, eod_token: int,
                                     reset_position_ids: bool, reset_attention_mask: bool,
@@ -25,22 +28,33 @@ def get_ltor_masks_and_position_ids(tokens: torch.Tensor, eod_token: int,
     if eod_mask_loss:
         loss_mask[is_eod] = 0.0
     arange = torch.arange(s, device=tokens.device)
-    position_ids = arange.unsqueeze(0).expand(b, s)
-    # segment[t] = number of EODs strictly before t: tokens of one document share it.
-    before = torch.zeros((b, s), dtype=torch.long, device=tokens.device)
-    before[:, 1:] = torch.cumsum(is_eod[:, :-1].long(), dim=1)
+    # start[t]: index of the first token of t's document = 1 + the last EOD before t (0
+    # when none); an EOD belongs to the document it ends.
+    eod_pos = torch.where(is_eod, arange.unsqueeze(0), torch.full_like(tokens, -1))
+    start = torch.zeros((b, s), dtype=torch.long, device=tokens.device)
+    start[:, 1:] = torch.cummax(eod_pos, dim=1).values[:, :-1] + 1
     if reset_position_ids:
-        # Start of t's document = 1 + index of the last EOD before t (0 when none).
-        eod_pos = torch.where(is_eod, arange.unsqueeze(0), torch.full_like(tokens, -1))
-        last_eod = torch.cummax(eod_pos, dim=1).values
-        start = torch.zeros((b, s), dtype=torch.long, device=tokens.device)
-        start[:, 1:] = last_eod[:, :-1] + 1
         position_ids = arange.unsqueeze(0) - start
     else:
-        position_ids = position_ids.clone()
+        position_ids = arange.unsqueeze(0).expand(b, s).clone()
     attention_mask = None
     if reset_attention_mask:
-        causal = torch.ones((s, s), dtype=torch.bool, device=tokens.device).tril()
-        same_doc = before.unsqueeze(2) == before.unsqueeze(1)  # [b, s, s]
-        attention_mask = ~(causal.unsqueeze(0) & same_doc).unsqueeze(1)
+        attention_mask = _document_causal_mask(start, arange)
     return attention_mask, loss_mask, position_ids
+
+
+def _document_causal_mask(start: torch.Tensor, arange: torch.Tensor) -> torch.Tensor:
+    """bool [b, 1, s, s], True = masked: row i sees keys start[i]..i only.
+
+    Written in place, a band of rows at a time: the mask is the only b x s x s
+    allocation (the temporaries are one band, MASK_BAND_ELEMENTS), which at long sequences
+    (1 GiB per sample at 32768) is what the loader-to-model path can afford."""
+    b, s = start.shape
+    mask = torch.empty((b, 1, s, s), dtype=torch.bool, device=start.device)
+    rows = max(1, MASK_BAND_ELEMENTS // (b * s))
+    for i0 in range(0, s, rows):
+        i1 = min(s, i0 + rows)
+        band = mask[:, 0, i0:i1]  # [b, rows, s]
+        torch.lt(arange, start[:, i0:i1, None], out=band)  # keys before the document
+        band.logical_or_(arange > arange[i0:i1, None])  # future keys
+    return mask
