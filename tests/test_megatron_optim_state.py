@@ -32,6 +32,15 @@ NUM_STEPS = 20  # the scheduler's position in samples (not K x global batch)
 SCALER = {"scale": torch.tensor(4096.0), "growth_tracker": 7, "hysteresis_tracker": 1}
 
 
+@pytest.fixture(autouse=True)
+def _on_the_cpu(monkeypatch):
+    """The checks compare against apex's update in fp64 from CPU reference tensors, and the
+    step recorder sees torch's AdamW: on a machine with a GPU the one-process runs would
+    pick CUDA and its Triton AdamW (tests/test_distrib_optimizer_triton.py checks that one
+    against torch's), so they stay on the CPU as the multi-process runs do."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 def _sched() -> dict:
     return ref.scheduler_state(1e-2, 1e-3, 16, 48, NUM_STEPS, HYPER["weight_decay"])
 
