@@ -151,11 +151,16 @@ def _join_all(ctx, deadline: float, name: str) -> None:
                                "its processes were killed")
 
 
+# torch's own check, kept before any test patches torch.cuda.is_available (a test that
+# keeps its one-process runs on the CPU still runs in a process that may hold CUDA state).
+_CUDA_IS_AVAILABLE = torch.cuda.is_available
+
+
 def _start_method() -> str:
     """fork (fast) on machines without CUDA; spawn where CUDA is visible: a forked child
     can use neither the parent's CUDA context nor, once the parent has run a backward
     pass, autograd (whose engine then holds per-device threads)."""
-    return "spawn" if torch.cuda.is_available() else "fork"
+    return "spawn" if _CUDA_IS_AVAILABLE() else "fork"
 
 
 def _failure_report(ctx, outdir: str, world_size: int) -> str:
