@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import re
 import socket
 import threading
@@ -248,18 +249,30 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def launcher_node(env: Optional[Mapping[str, str]]) -> str:
+    """The node whose first rank prints a peer failure's line: the host, and under torchrun
+    its agent (GROUP_RANK, the node rank). Two agents of one job can share a host (two
+    `torchrun --nnodes 2` on one machine, pods on the host's network): on the host name
+    alone, a rank of the agent whose worker died took the count and was ended by that agent
+    before it printed, and the other agent's ranks left in silence after
+    SILENT_EXIT_DELAY_S."""
+    env = os.environ if env is None else env
+    agent = env.get("GROUP_RANK", "")
+    return socket.gethostname() + (f" agent {agent}" if agent else "")
+
+
 def stopped_by_peer(exc: BaseException, rank: int, where: str,
                     resume: str = "", prints: bool = True,
                     env: Optional[Mapping[str, str]] = None) -> Optional[SystemExit]:
     """For an entry point's `except`: the SystemExit (status 1) carrying
     `peer_failure_message` (ending with `resume`) when `exc` is a collective failing
     because another rank stopped (the process group is broken: do not destroy it) -- the
-    line is the same on every rank, so only the first such rank of each host (a count in
-    the job's store) carries it, the others' exit has no message; when the store does not
-    answer (it was on the host that was lost), the ranks that `prints`. A rank leaving
-    the line to another waits for it under a launcher (`env`: the process environment;
-    `wait_for_printing_rank`): exiting at once, it would have the launcher end the rank
-    that prints first. Else None, after recording `exc` as this rank's own failure for
+    line is the same on every rank, so only the first such rank of each node
+    (`launcher_node`; a count in the job's store) carries it, the others' exit has no
+    message; when the store does not answer (it was on the host that was lost), the
+    ranks that `prints`. A rank leaving the line to another waits for it under a
+    launcher (`env`: the process environment; `wait_for_printing_rank`): exiting at once,
+    it would have the launcher end the rank that prints first. Else None, after recording `exc` as this rank's own failure for
     the others (`record_failure`)."""
     reason = peer_failure(exc)
     if reason is None:
@@ -267,7 +280,7 @@ def stopped_by_peer(exc: BaseException, rank: int, where: str,
         if what is not None:
             record_failure(rank, what, where)
         return None
-    _, count = _report_count(f"stopped by a peer\t{socket.gethostname()}", _default_store())
+    _, count = _report_count(f"stopped by a peer\t{launcher_node(env)}", _default_store())
     if not (prints if count is None else count == 1):
         if env is not None:
             from megatron.arguments import wait_for_printing_rank

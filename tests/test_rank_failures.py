@@ -11,6 +11,7 @@ waits STARTUP_TIMEOUT_S (see there).
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -473,6 +474,29 @@ def test_a_survivor_names_the_first_recorded_failure():
     assert timed_out == ("[rank 2] stopped: a collective timed out (Timed out waiting 66000ms): "
                          "another rank did not take part in time (stuck, or in another "
                          "collective; its own output says where) (no --save)")
+
+
+def test_each_torchrun_agent_of_a_shared_host_prints_its_line(monkeypatch):
+    """Two torchrun agents of one job on one host (`--nnodes 2` on one machine): rank 2,
+    of agent 1, meets the failure first and takes the count, then is ended by its agent
+    before it prints. Rank 0, of agent 0, carried no line (the count was per host name):
+    that agent's ranks left in silence after 30 s. Now each agent's first rank prints."""
+    import megatron.rank_failure as rank_failure
+
+    store = dist.HashStore()
+    monkeypatch.setattr(rank_failure, "_default_store", lambda: store)
+    monkeypatch.setattr(rank_failure, "WAIT_FOR_RECORD_S", 0.0)
+    gloo = RuntimeError("Connection closed by peer [127.0.0.1]:41095")
+    no_launcher = {"LOCAL_RANK": "0"}  # no waiting for a printing rank
+    agent = lambda n: dict(no_launcher, GROUP_RANK=str(n))  # noqa: E731
+    first = rank_failure.stopped_by_peer(gloo, 2, "at iteration 7", env=agent(1))
+    second = rank_failure.stopped_by_peer(gloo, 3, "at iteration 7", env=agent(1))
+    other = rank_failure.stopped_by_peer(gloo, 0, "at iteration 7", env=agent(0))
+    assert str(first.code).startswith("[rank 2] stopped at iteration 7: a collective failed")
+    assert second.code == 1  # the same agent's second rank leaves it to rank 2
+    assert str(other.code).startswith("[rank 0] stopped at iteration 7: a collective failed")
+    assert rank_failure.launcher_node(agent(1)) != rank_failure.launcher_node(agent(0))
+    assert rank_failure.launcher_node(no_launcher) == socket.gethostname()  # srun, by hand
 
 
 def test_what_is_recorded_and_what_is_not():
