@@ -19,6 +19,12 @@ class SignalHandler:
     """Installs handlers for `signals` that record the last one received."""
 
     def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGUSR1)):
+        thread = threading.current_thread()
+        if thread is not threading.main_thread():
+            raise ValueError(
+                f"--exit-signal-handler needs the main thread: Python lets only it install "
+                f"signal handlers, and this run was called from thread {thread.name!r}; "
+                "call it from the main thread, or drop --exit-signal-handler")
         self.received: Optional[int] = None
         self._previous = {}
         for sig in signals:
