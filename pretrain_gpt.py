@@ -93,6 +93,16 @@ def run_tokenizer(args):
 
 
 def main(argv=None) -> int:
+    """Run with `argv` (None: sys.argv[1:]); the exit status. Callable more than once in
+    one process: the environment variables, warnings hooks, signal handlers and process
+    group it changes come back as the caller had them (README's "In-process use")."""
+    from megatron.initialize import entry_point_changes_undone
+
+    with entry_point_changes_undone(os.environ):
+        return _main(argv)
+
+
+def _main(argv) -> int:
     start = time.time()
     from megatron.interrupt import InterruptWatch, RunProgress
 
@@ -164,7 +174,8 @@ def _train(config, ranks: tuple, start: float, progress, watch, tokenizer=None,
     The group is left as it is after an out-of-memory error, an interrupt or another
     rank's failure (megatron/rank_failure.py: one line, from the first such rank of each
     host): its teardown may wait for ranks still in a collective (the launcher ends
-    those). An error another rank has printed already is not printed again. `signals`:
+    those). A process group the caller made before (in-process use) is kept: the caller
+    ends it. An error another rank has printed already is not printed again. `signals`:
     the --exit-signal-handler handler installed at start-up (None without the flag)."""
     import torch.distributed as dist
 
@@ -179,6 +190,7 @@ def _train(config, ranks: tuple, start: float, progress, watch, tokenizer=None,
     from megatron.training import pretrain, print_datetime
 
     rank, world, local_rank = ranks
+    made_here = not dist.is_initialized()  # a group the caller made is the caller's to end
     rt = initialize_entry_point(config.parallel, config.args["cublas_workspace"], rank, world,
                                 local_rank, os.environ, store=store)
     if rank == 0:
@@ -211,7 +223,7 @@ def _train(config, ranks: tuple, start: float, progress, watch, tokenizer=None,
                 raise again from None
             raise
         finally:
-            if dist.is_initialized() and not leave_group:
+            if made_here and dist.is_initialized() and not leave_group:
                 dist.destroy_process_group()
     return 0
 

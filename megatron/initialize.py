@@ -9,6 +9,7 @@ keeps its keys under a namespace of its own (megatron/restart_epoch.py says why 
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import random
@@ -173,6 +174,22 @@ def check_local_rank(local_rank: int, num_gpus: int) -> None:
             "(CUDA_VISIBLE_DEVICES= torchrun ...)")
 
 
+def check_caller_group(rank: int, world_size: int) -> None:
+    """SystemExit when a process group the caller made before (in-process use) is not
+    this run's: its rank or world size differs from the launcher's (RANK, WORLD_SIZE;
+    0 and 1 without a launcher)."""
+    if not dist.is_initialized():
+        return
+    have = (dist.get_rank(), dist.get_world_size())
+    if have != (rank, world_size):
+        raise SystemExit(
+            f"error: the process group made before this run is rank {have[0]} of "
+            f"{have[1]}, but the launcher's environment says rank {rank} of {world_size} "
+            "(RANK, WORLD_SIZE; 0 of 1 when unset): set RANK and WORLD_SIZE to the "
+            "group's, or destroy the group (torch.distributed.destroy_process_group()) "
+            "and let the run make its own")
+
+
 def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
                            local_rank: int, agent_store: AgentStore | None = None,
                            store=None) -> Runtime:
@@ -185,6 +202,7 @@ def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
     torch's env:// init as usual. A process group the caller already made with gloo is
     kept, and the run stays on CPU.
     """
+    check_caller_group(rank, world_size)
     backend = choose_backend()
     if dist.is_initialized() and dist.get_backend() == "gloo":
         backend = "gloo"  # a gloo group made by the caller: stay on the CPU with it
@@ -274,6 +292,37 @@ def warnings_once_per_job(rank: int) -> None:
     warnings.showwarning = showwarning
 
 
+CUBLASLT_WORKSPACE_WARNING = "Requested unified CUBLASLT workspace size"
+# the environment variables initialize_entry_point may set (see entry_point_changes_undone)
+ENTRY_POINT_ENV = ("CUBLAS_WORKSPACE_CONFIG", "TORCH_GLOO_LAZY_INIT")
+
+
+@contextlib.contextmanager
+def entry_point_changes_undone(environ: MutableMapping[str, str]):
+    """`with` block around an entry point's run, for in-process use (a notebook calling
+    `pretrain_gpt.main` more than once): on leaving, the caller's values of ENTRY_POINT_ENV
+    in `environ` (absent ones removed again), `warnings.formatwarning` and
+    `warnings.showwarning` come back, and the warnings filter `initialize_entry_point`
+    added is dropped. (A filter torch adds while loading its modules stays.)"""
+    env = {name: environ.get(name) for name in ENTRY_POINT_ENV}
+    hooks = (warnings.formatwarning, warnings.showwarning)
+    filters = list(warnings.filters)
+    try:
+        yield
+    finally:
+        for name, value in env.items():
+            if value is None:
+                environ.pop(name, None)
+            else:
+                environ[name] = value
+        warnings.formatwarning, warnings.showwarning = hooks
+        added = [f for f in warnings.filters if f not in filters and f[1] is not None
+                 and f[1].pattern == CUBLASLT_WORKSPACE_WARNING]
+        if added:
+            warnings.filters[:] = [f for f in warnings.filters if f not in added]
+            getattr(warnings, "_filters_mutated", lambda: None)()
+
+
 def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank: int,
                            world_size: int, local_rank: int,
                            environ: MutableMapping[str, str], store=None) -> Runtime:
@@ -294,7 +343,7 @@ def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank
     if no_workspace:
         # torch's cuBLASLt calls (addmm with a bias) then run without a workspace too, and
         # say so once per process in a warning that asks for a workspace: that is the choice.
-        warnings.filterwarnings("ignore", message="Requested unified CUBLASLT workspace size")
+        warnings.filterwarnings("ignore", message=CUBLASLT_WORKSPACE_WARNING)
     if torch.cuda.is_available():
         local_rank = local_gpu(rank, local_rank, environ, torch.cuda.device_count())
     try:
