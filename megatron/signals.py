@@ -16,7 +16,8 @@ _last_noted = 0
 
 
 class SignalHandler:
-    """Installs handlers for `signals` that record the last one received."""
+    """Installs handlers for `signals` that record the last one received (in the main
+    thread only: ValueError naming --exit-signal-handler elsewhere)."""
 
     def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGUSR1)):
         thread = threading.current_thread()

@@ -1,0 +1,187 @@
+"""In-process use: pretrain_gpt.main called several times in one Python process (a notebook,
+a REPL), after failed calls, from a thread, with a process group the caller made.
+
+The calls run in one child process (a fresh interpreter, as a notebook's kernel is), which
+reports what it saw as JSON: each call's losses and exit, and the process-wide settings
+before and after (environment, signal handlers, warnings hooks and filters, torch's global
+settings, the process group)."""
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import cpu_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = textwrap.dedent("""
+    import contextlib, io, json, logging, os, re, signal, sys, tempfile, threading, warnings
+    sys.path.insert(0, {root!r})
+
+    def state():
+        import torch, torch.distributed as dist
+        env = dict(os.environ)
+        env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # torch's own, set when it compiles
+        return dict(
+            env=env, threads=sorted(t.name for t in threading.enumerate()),
+            signals=[repr(signal.getsignal(s)) for s in
+                     (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)],
+            excepthook=repr(sys.excepthook), formatwarning=repr(warnings.formatwarning),
+            showwarning=repr(warnings.showwarning),
+            our_filters=[repr(f) for f in warnings.filters
+                         if f[1] is not None and "CUBLAS" in f[1].pattern],
+            root_handlers=len(logging.root.handlers), dtype=str(torch.get_default_dtype()),
+            num_threads=torch.get_num_threads(),
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+            grad=torch.is_grad_enabled(), group=dist.is_initialized())
+
+    before_import = state()
+    import megatron, megatron.training  # noqa: F401
+    after_import = state()
+    import torch, torch.distributed as dist
+    import pretrain_gpt
+    ARGS = {args!r}
+    calls = {{}}
+
+    def call(name, extra=(), forward=None):
+        out, orig = io.StringIO(), torch.nn.Module.__call__
+        if forward is not None:
+            torch.nn.Module.__call__ = forward(orig)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                result = pretrain_gpt.main(ARGS + list(extra))
+        except BaseException as e:
+            result = type(e).__name__ + ": " + str(e if not isinstance(e, SystemExit)
+                                                    else e.code)
+        finally:
+            torch.nn.Module.__call__ = orig
+        calls[name] = dict(result=result, losses=re.findall(r"lm loss: (\\S+) ", out.getvalue()),
+                           state=state())
+
+    def failing_at_second_forward(error):
+        def patch(orig):
+            count = [0]
+            def forward(self, *a, **k):
+                if type(self).__name__ == "GPTModel":
+                    count[0] += 1
+                    if count[0] == 2:
+                        raise error
+                return orig(self, *a, **k)
+            return forward
+        return patch
+
+    before = state()
+    call("first")
+    call("second")
+    call("bad_flag", ["--no-such-flag"])
+    call("raises", forward=failing_at_second_forward(RuntimeError("forward failed")))
+    call("keyboard", forward=failing_at_second_forward(KeyboardInterrupt()))
+    call("after_failures")
+    thread = threading.Thread(target=call, args=("thread", ["--exit-signal-handler"]))
+    thread.start()
+    thread.join()
+    store = tempfile.mktemp(prefix="inproc_store_")
+    dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=0, world_size=1)
+    call("caller_group")
+    group_alive = dist.is_initialized()
+    if group_alive:
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        dist.destroy_process_group()
+    print(json.dumps(dict(before_import=before_import, after_import=after_import,
+                          before=before, calls=calls, group_alive=group_alive)))
+""")
+
+ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "10",
+        "--log-interval", "1", "--eval-iters", "0", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "512"]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    script = tmp_path_factory.mktemp("inproc") / "calls.py"
+    script.write_text(CHILD.format(root=str(ROOT), args=ARGS))
+    env = cpu_env()
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCH_GLOO_LAZY_INIT", "CUBLAS_WORKSPACE_CONFIG"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_import_changes_nothing(report):
+    """`import megatron, megatron.training` sets no environment variable, installs no
+    signal handler or warnings hook and starts no thread."""
+    before, after = report["before_import"], report["after_import"]
+    for key in ("env", "threads", "signals", "excepthook", "formatwarning", "showwarning",
+                "our_filters", "root_handlers", "dtype", "num_threads", "deterministic"):
+        assert after[key] == before[key], key
+
+
+def test_second_call_repeats_the_first_bitwise(report):
+    first, second = report["calls"]["first"], report["calls"]["second"]
+    assert first["result"] == 0 and second["result"] == 0
+    assert len(first["losses"]) == 10
+    assert second["losses"] == first["losses"]  # printed to 7 significant digits
+
+
+def test_each_call_leaves_the_process_as_it_found_it(report):
+    """Environment variables (TORCH_GLOO_LAZY_INIT and the cuBLAS workspace setting used
+    to stay), threads, signal handlers, warnings hooks and filters, torch's settings, no
+    process group."""
+    before = report["before"]
+    for name, call in report["calls"].items():
+        if name == "caller_group":  # the caller's group (and torch's excepthook) stay
+            continue
+        for key, value in before.items():
+            if not (key == "threads" and name == "thread"):  # (seen from that thread)
+                assert call["state"][key] == value, (name, key)
+
+
+def test_failed_calls_leave_a_good_call_unchanged(report):
+    calls = report["calls"]
+    assert calls["bad_flag"]["result"] == "ArgumentsError: 2"
+    assert calls["raises"]["result"] == "RuntimeError: forward failed"
+    assert calls["keyboard"]["result"].startswith("KeyboardInterrupt")
+    assert calls["after_failures"]["losses"] == calls["first"]["losses"]
+
+
+def test_exit_signal_handler_outside_the_main_thread_is_refused_clearly(report):
+    result = report["calls"]["thread"]["result"]
+    assert result.startswith("ValueError: --exit-signal-handler needs the main thread"), result
+    assert "drop --exit-signal-handler" in result
+
+
+def test_a_group_the_caller_made_is_used_and_left_alive(report):
+    call = report["calls"]["caller_group"]
+    assert call["result"] == 0
+    assert call["losses"] == report["calls"]["first"]["losses"]
+    assert report["group_alive"]
+
+
+@pytest.fixture
+def caller_group(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_caller_group_of_another_size_is_refused(caller_group):
+    from megatron.initialize import check_caller_group
+
+    check_caller_group(0, 1)
+    with pytest.raises(SystemExit, match=r"rank 0 of 1, but the launcher's environment "
+                                         r"says rank 0 of 2 .*destroy_process_group"):
+        check_caller_group(0, 2)
+    assert torch.ones(1).sum() == 1 and dist.is_initialized()
