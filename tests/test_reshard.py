@@ -538,7 +538,7 @@ def test_ctrl_c_inside_torch_save_is_the_interrupt_not_a_full_disk(tmp_path, mon
     """torch.save stopped by Ctrl-C midway raises a RuntimeError over the
     KeyboardInterrupt: a conversion reports the interrupt (status 130), not a write
     failure with free-space advice."""
-    from tests.test_checkpointing import _ctrl_c_inside_torch_save
+    from tests.test_checkpointing_ranks import _ctrl_c_inside_torch_save
 
     src, dst = tmp_path / "src", tmp_path / "dst"
     _one_step_checkpoint(src)
