@@ -483,6 +483,10 @@ def apply_deprecated(ns: argparse.Namespace, explicit: Set[str]) -> Dict[str, st
             raise ArgumentsError(f"--warmup {ns.warmup} is not a finite number; pass a "
                                  "fraction below 1 (--lr-warmup-fraction) or a number of "
                                  "iterations (--lr-warmup-iters)")
+        if ns.warmup < 0:  # read as --lr-warmup-fraction, whose error names another flag
+            raise ArgumentsError(f"--warmup {ns.warmup} is negative; pass a fraction from 0 "
+                                 "to below 1 (read as --lr-warmup-fraction) or a number of "
+                                 "iterations, 1 or more (--lr-warmup-iters); 0: no warmup")
         if ns.warmup >= 1 and ns.warmup != int(ns.warmup):  # int(1.5) would be 1 silently
             raise ArgumentsError(f"--warmup {ns.warmup}: 1 or more counts iterations, so it "
                                  "must be a whole number; pass --lr-warmup-iters "

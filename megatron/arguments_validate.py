@@ -521,6 +521,7 @@ def validate_args(
     _check_required(ns, origins)
     check_value_ranges(ns)
     resolve_parallel(ns, world_size, origins)
+    _check_profile_ranks(ns, world_size)
     _check_experts(ns)
     _resolve_batch(ns)
     check_run_length(ns, origins)
@@ -551,6 +552,20 @@ def validate_args(
     ns.consumed_train_samples = ns.consumed_valid_samples = 0
     ns.variable_seq_lengths = False
     return ns
+
+
+def _check_profile_ranks(ns: argparse.Namespace, world_size: int) -> None:
+    """--profile-ranks outside 0 .. world size - 1: no rank would write those traces
+    (a run with none of its ranks listed would profile nothing, without a word)."""
+    if not ns.profile:
+        return
+    outside = [r for r in ns.profile_ranks if not 0 <= r < world_size]
+    if outside:
+        raise ArgumentsError(
+            f"--profile-ranks {' '.join(map(str, ns.profile_ranks))}: rank(s) "
+            f"{', '.join(map(str, outside))} not in this run of world size {world_size} "
+            f"(global ranks 0 to {world_size - 1}), so no trace would be written for them; "
+            f"pass ranks from 0 to {world_size - 1}, e.g. --profile-ranks 0")
 
 
 # ------------------------------------------------------------------------ building

@@ -140,6 +140,21 @@ def test_values_no_run_can_use_fail_in_validation(extra, expected):
     assert expected in error_of(extra, base=base)
 
 
+def test_profile_ranks_outside_the_world_are_refused_naming_its_size():
+    msg = error_of("--profile --profile-ranks 0 5", world_size=2)
+    assert "--profile-ranks 0 5: rank(s) 5 not in this run of world size 2" in msg
+    assert "pass ranks from 0 to 1" in msg
+    assert "rank(s) -1 not in" in error_of("--profile --profile-ranks -1", world_size=2)
+    assert run("--profile --profile-ranks 0 1", world_size=2).args["profile_ranks"] == [0, 1]
+    assert run("--profile-ranks 5", world_size=2)  # no --profile: the ranks are not read
+
+
+@pytest.mark.parametrize("value", ["-0.5", "-3"])
+def test_a_negative_warmup_is_refused_under_its_own_name(value):
+    msg = error_of(f"--warmup {value}")
+    assert f"--warmup {value} is negative" in msg and "--lr-warmup-iters" in msg
+
+
 def test_values_megatron_reads_as_off_stay_valid():
     cfg = run("--eval-iters 0 --eval-interval 0 --exit-interval 0 --num-workers 0 "
               "--save x --save-interval 0 --tensorboard-log-interval 0 --hidden-dropout 1.0 "
