@@ -232,9 +232,9 @@ def test_a_blend_built_in_memory_is_unchanged(tmp_path):
 
 
 @pytest.mark.parametrize("error, fix", [
-    (OSError(errno.EDQUOT, "Disk quota exceeded"), "the disk, your quota or a file-size limit "
-     "is full: free space there, or pass --data-cache-path with a directory on a disk with "
-     "room to keep them"),
+    (OSError(errno.EDQUOT, "Disk quota exceeded"), "your disk quota there is full: free space "
+     "within it (it needs 17.7 KiB), or pass --data-cache-path with a directory on a disk with "
+     "room in your quota to keep them"),
     (PermissionError(errno.EACCES, "Permission denied"), "pass a writable --data-cache-path "
      "to keep them")])
 def test_a_full_disk_while_writing_a_blend_says_to_free_space(tmp_path, monkeypatch, error,

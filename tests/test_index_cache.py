@@ -28,6 +28,39 @@ def test_megatron_built_indexes_are_accepted(sizes, num_samples, seq_length, see
     assert gd.index_mismatch(arrays, documents, sizes * 2, num_samples, seq_length)
 
 
+@pytest.mark.parametrize("errno_, why", [
+    ("ENOSPC", "the disk is full: free space there (it needs 1.8 KiB)"),
+    ("EDQUOT", "your disk quota there is full: free space within it (it needs 1.8 KiB)"),
+    ("EFBIG", "the process's file-size limit (ulimit -f) is smaller than the cache")])
+def test_a_full_disk_found_by_the_blend_write_probe_is_named(tmp_path, monkeypatch, errno_,
+                                                             why):
+    """The trial write before a blend's build said 'pass a writable --data-cache-path' for
+    a full disk or quota too; now it names which and the room the blend's cache needs."""
+    import errno
+
+    from megatron.core.datasets import index_cache
+
+    (tmp_path / "data").mkdir()
+    a, _ = make_corpus(tmp_path / "data" / "a", [30] * 40, seed=1)
+    b, _ = make_corpus(tmp_path / "data" / "b", [17] * 60, seed=2)
+    path, split, counts = ["0.3", a, "0.7", b], "100,0,0", [200, 0, 0]
+    build_train_valid_test_datasets(path, split, counts, 16, 7)  # members' indexes
+    real = index_cache.create_new_beside
+
+    def full(target, *args, **kwargs):
+        if os.path.basename(target) == "write-test":
+            raise OSError(getattr(errno, errno_), os.strerror(getattr(errno, errno_)))
+        return real(target, *args, **kwargs)
+
+    monkeypatch.setattr(index_cache, "create_new_beside", full)
+    cache = str(tmp_path / "cache")
+    with pytest.warns(UserWarning) as got:
+        build_train_valid_test_datasets(path, split, counts, 16, 7, cache)
+    texts = [str(w.message) for w in got]
+    assert len(texts) == 1 and why in texts[0], texts
+    assert "writable" not in texts[0] and texts[0].endswith("to keep them")
+
+
 @pytest.mark.parametrize("chunk", [3, 1 << 22])
 def test_the_check_reads_in_blocks_and_counts_every_document(monkeypatch, chunk):
     """The check walks the arrays in blocks (memory bounded for any index): blocks of 3

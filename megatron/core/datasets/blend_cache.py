@@ -103,9 +103,13 @@ class BlendIndexCache:
                           f" ({why}); building the blend again", stacklevel=2)
         return None
 
-    def unwritable(self) -> Optional[str]:
+    def unwritable(self) -> Optional[OSError]:
         """Why the set cannot be written (None: it can), from a trial write."""
         return _unwritable(self.directory)
+
+    def nbytes(self) -> int:
+        """Bytes of the set's two arrays on disk (uint8 and int64 per sample), about."""
+        return 9 * self.size
 
     def save(self, arrays: BlendArrays) -> Dict[str, str]:
         """Write `arrays` as this key's set into the last directory (OSError if it cannot

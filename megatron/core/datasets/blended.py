@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron.core.datasets.blend_cache import BlendIndexCache
-from megatron.core.datasets.index_cache import NO_ROOM, cache_directories, load_npy
+from megatron.core.datasets.index_cache import cache_directories, cache_write_fix, load_npy
 
 # Bump when build_blending_indices' output changes: it is part of the cache key, so caches
 # written by an earlier builder are not read.
@@ -424,8 +424,8 @@ class BlendPlan:
         if why is None:
             return cache
         warnings.warn(f"cannot write the blending index cache to {cache.directory} ({why}): "
-                      "the blends are built again at every start, on every rank; pass a "
-                      "writable --data-cache-path to keep them", stacklevel=2)
+                      "the blends are built again at every start, on every rank; "
+                      f"{cache_write_fix(why, cache.nbytes())} to keep them", stacklevel=2)
         self._unwritable.add(cache.directory)
         return None
 
@@ -503,12 +503,9 @@ class BlendedDataset:
             try:
                 paths = cache.save(arrays)
             except OSError as e:
-                fix = ("the disk, your quota or a file-size limit is full: free space there, "
-                       "or pass --data-cache-path with a directory on a disk with room"
-                       if e.errno in NO_ROOM else "pass a writable --data-cache-path")
                 warnings.warn(f"cannot write the blending index cache to {cache.directory} "
                               f"({e}): its {self.size} samples are built again at every start; "
-                              f"{fix} to keep them", stacklevel=3)
+                              f"{cache_write_fix(e, cache.nbytes())} to keep them", stacklevel=3)
                 return arrays
             loaded = cache.load(paths)  # memory-mapped: the built copy is freed
             if loaded is None:

@@ -232,17 +232,37 @@ def cache_directories(data_prefix: str, cache_dir: Optional[str]) -> List[str]:
     return directories
 
 
-def unwritable(directory: str) -> Optional[str]:
+def unwritable(directory: str) -> Optional[OSError]:
     """Why no cache file can be written into `directory` (created if missing), or None:
-    a file is created there (exclusively, under a fresh name) and removed again."""
+    a file is created there (exclusively, under a fresh name) and removed again. The
+    OSError itself, so that a full disk or quota is told apart (`cache_write_fix`)."""
     try:
         os.makedirs(directory, exist_ok=True)
         fd, tmp = create_new_beside(os.path.join(directory, "write-test"))
         os.close(fd)
         os.remove(tmp)
     except OSError as e:
-        return str(e)
+        return e
     return None
+
+
+def cache_write_fix(e: OSError, need_bytes: Optional[int] = None) -> str:
+    """What to do about a cache write that failed with `e`: for a full disk, a disk quota
+    or a file-size limit which one it is and the room the cache needs (`need_bytes`, when
+    known), else 'pass a writable --data-cache-path'."""
+    if e.errno not in NO_ROOM:
+        return "pass a writable --data-cache-path"
+    size = None if need_bytes is None else (f"{need_bytes / 2**20:.1f} MiB" if need_bytes >= 2**20
+                                            else f"{need_bytes / 1024:.1f} KiB")
+    need = "" if size is None else f" (it needs {size})"
+    if e.errno == errno.EFBIG:
+        return (f"the process's file-size limit (ulimit -f) is smaller than the cache{need}: "
+                "raise it (ulimit -f unlimited) before the run")
+    if e.errno == errno.EDQUOT:
+        return (f"your disk quota there is full: free space within it{need}, or pass "
+                "--data-cache-path with a directory on a disk with room in your quota")
+    return (f"the disk is full: free space there{need}, or pass --data-cache-path with a "
+            "directory on a disk with room")
 
 
 def npy_problem(path: str, dtype: np.dtype, length: int) -> Optional[str]:
