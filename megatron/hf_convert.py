@@ -14,7 +14,14 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megatron.core.config import ModelConfig
-from megatron.hf_files import load_hf_checkpoint, save_hf_checkpoint, write_in_place
+from megatron.hf_files import (
+    install_export,
+    load_hf_checkpoint,
+    make_staging,
+    other_entries,
+    save_hf_checkpoint,
+    write_in_place,
+)
 from megatron.hf_interop import (
     FAMILIES,
     detect_family,
@@ -76,24 +83,34 @@ def add_to_hf_arguments(parser) -> None:
     parser.add_argument("--verify-tolerance", type=float, default=1e-3,
                         help="largest accepted max |logit difference| (fp32, CPU)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="allow an --output directory that is not empty: config.json, "
-                             "generation_config.json, the weight files and the tokenizer "
-                             "files written are replaced (an earlier export's weight files "
-                             "removed), other files kept")
+                        help="allow an --output directory that is not empty: the earlier "
+                             "export there is replaced as a whole once the new one is "
+                             "written; files that are not an export's (README.md, .git) are "
+                             "kept; other weight files (pytorch_model*.bin, ...) are refused")
+
+
+def _shown(names: List[str]) -> str:
+    return ", ".join(names[:5]) + (f", ... ({len(names)} entries)" if len(names) > 5 else "")
 
 
 def check_output(output: str, overwrite: bool = False) -> None:
     """Before any work: SystemExit when `output` is a file, or a directory that is not
     empty and not `overwrite` (an earlier export, or another model's files, would be
-    replaced without a word)."""
+    replaced without a word), or that holds weight or tokenizer files that are not an
+    export's (`other_entries`: kept, a loader would read them with the new export)."""
     if os.path.exists(output) and not os.path.isdir(output):
         raise SystemExit(f"error: --output {output} is a file; pass a directory")
     found = sorted(os.listdir(output)) if os.path.isdir(output) else []
     if found and not overwrite:
-        shown = ", ".join(found[:5]) + (f", ... ({len(found)} entries)" if len(found) > 5 else "")
-        raise SystemExit(f"error: --output {output} is not empty ({shown}); writing there would "
-                         "replace its config.json and weight files. Pass an empty or new "
-                         "directory, or add --overwrite to replace them")
+        raise SystemExit(f"error: --output {output} is not empty ({_shown(found)}); writing "
+                         "there would replace its config.json and weight files. Pass an "
+                         "empty or new directory, or add --overwrite to replace them")
+    refused = other_entries(output)[1] if found else []
+    if refused:
+        raise SystemExit(f"error: --output {output} holds {_shown(refused)}, not files of an "
+                         "export: --overwrite replaces an export's files and keeps other "
+                         "files, and a Hugging Face loader would read these with the new "
+                         "export. Move them out of the directory, or pass an empty or new one")
 
 
 _TOKENIZER_DESTS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
@@ -165,16 +182,33 @@ def _copy_tokenizer(args: dict, output: str) -> List[str]:
     return sorted(files)
 
 
-def _remove_new_entries(output: str, before: Optional[set]) -> None:
-    """After a failed write: remove what this export added to `output` (the directory
-    too when it made it), so that no model without its config or tokenizer is left."""
-    if before is None:
-        shutil.rmtree(output, ignore_errors=True)
-        return
-    for name in set(os.listdir(output)) - before if os.path.isdir(output) else ():
-        path = os.path.join(output, name)
-        if os.path.isfile(path):
-            os.remove(path)
+def _write_export(a, args: dict, hf_state: dict, config: dict,
+                  gen: Optional[dict]) -> tuple:
+    """Write the export into a staging directory beside --output and move it in whole
+    (`install_export`): (weight file names, tokenizer files copied, files kept from the
+    earlier --output). A failed write (a full disk) removes the staging directory and
+    leaves --output as it was: SystemExit saying so, with the free space."""
+    existed = os.path.isdir(a.output)
+    staging = None
+    try:
+        staging = make_staging(a.output)
+        names = save_hf_checkpoint(staging, hf_state, config, gen,
+                                   int(a.max_shard_size_gb * 2**30))
+        copied = _copy_tokenizer(args, staging)
+        kept = install_export(staging, a.output)
+    except BaseException as exc:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if not isinstance(exc, OSError):
+            raise
+        from megatron.checkpoint_dirs import free_space_text
+        where = os.path.dirname(os.path.realpath(a.output))
+        left = (f"--output {a.output} is as it was (the export is written beside it and moved "
+                "in once complete)" if existed else "nothing was left")
+        raise SystemExit(f"error: writing to --output {a.output} failed ({type(exc).__name__}: "
+                         f"{exc}); {left}; {free_space_text(where)}. Free space or pass "
+                         "another --output") from exc
+    return names, copied, kept
 
 
 def _eod_of(tok) -> Optional[int]:
@@ -258,22 +292,11 @@ def _to_hf(a) -> int:
     gen = None if eod is None else {"eos_token_id": eod, "_from_model_config": True,
                                     **({"bos_token_id": bos} if bos is not None else {})}
     print(f"writing {len(hf_state)} tensors to {a.output} ...", flush=True)
-    before = set(os.listdir(a.output)) if os.path.isdir(a.output) else None
-    try:
-        names = save_hf_checkpoint(a.output, hf_state, config, gen,
-                                   int(a.max_shard_size_gb * 2**30))
-        copied = _copy_tokenizer(args, a.output)
-    except OSError as exc:  # a full disk: one line (the new files are removed)
-        from megatron.checkpoint_dirs import free_space_text
-        _remove_new_entries(a.output, before)
-        where = a.output if os.path.isdir(a.output) else os.path.dirname(
-            os.path.abspath(a.output))
-        raise SystemExit(f"error: writing to --output {a.output} failed ({type(exc).__name__}: "
-                         f"{exc}); {free_space_text(where)}. Free space or pass another "
-                         "--output") from exc
+    names, copied, kept = _write_export(a, args, hf_state, config, gen)
     written = names + copied + ["config.json"] + (["generation_config.json"] if gen else [])
     print(f"wrote {family} model ({len(hf_state)} tensors, vocab {vocab}, {dtype}) from "
-          f"{a.load} iteration {iteration} to {a.output}: {', '.join(written)}")
+          f"{a.load} iteration {iteration} to {a.output}: {', '.join(written)}"
+          + (f"; kept from the earlier directory: {_shown(kept)}" if kept else ""))
     if not copied:
         print(f"note: no tokenizer files written (the checkpoint's {args.get('tokenizer_type')} "
               "has none a Hugging Face tokenizer reads, or they are not readable here); add "

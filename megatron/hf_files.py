@@ -1,6 +1,7 @@
 """Hugging Face model directories on disk: writing an export (safetensors, sharded above a
 size, with its index, config.json and generation_config.json; an earlier export's weight
-files replaced only once every new one is written) and reading one for import (config.json
+files replaced only once every new one is written; `make_staging` / `install_export` put
+a whole export in place of an earlier one) and reading one for import (config.json
 checked before any weight is read, then safetensors or weights-only `pytorch_model*.bin`).
 The state-dict mappings themselves are in megatron/hf_interop.py."""
 from __future__ import annotations
@@ -10,6 +11,9 @@ import os
 import pickle
 import re
 import shlex
+import shutil
+import stat
+import tempfile
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -84,6 +88,80 @@ def _write_weight_files(out_dir: str, files: Dict[str, Dict[str, torch.Tensor]])
             os.remove(os.path.join(out_dir, old))
     for path in written:
         os.replace(path, path[:-len(".tmp")])
+
+
+_TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "vocab.json", "merges.txt", "tokenizer.model")
+_EXPORT_NAMES = frozenset(("config.json", "generation_config.json", SAFETENSORS_INDEX)
+                          + _TOKENIZER_NAMES)
+# Files a Hugging Face loader would read as the model's weights or tokenizer beside (or in
+# place of) an export's own: another format's weights, their index, added tokens.
+_LOADER_READS = re.compile(r".+\.safetensors|pytorch_model.*\.bin|.+\.index\.json|"
+                           r"added_tokens\.json|tf_model\.h5|flax_model\.msgpack")
+
+
+def export_file(name: str) -> bool:
+    """Whether `name` is one of the files an export writes (or its `.tmp` name)."""
+    base = name[:-len(".tmp")] if name.endswith(".tmp") else name
+    return base in _EXPORT_NAMES or bool(_WEIGHT_FILE.fullmatch(base))
+
+
+def other_entries(directory: str) -> Tuple[List[str], List[str]]:
+    """(kept, refused): the entries of `directory` that are not an export's files, split in
+    those an --overwrite carries over into the new export (a README.md, .git, notes) and
+    those it refuses (`_LOADER_READS`: a loader would read them with the new export)."""
+    names = sorted(n for n in os.listdir(directory) if not export_file(n))
+    refused = [n for n in names if _LOADER_READS.fullmatch(n)]
+    return [n for n in names if n not in refused], refused
+
+
+def make_staging(output: str) -> str:
+    """A new empty directory beside `output` (in its parent, created if missing) that the
+    export is written into before `install_export` moves it to `output`."""
+    target = os.path.realpath(output)
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.staging-", dir=parent)
+
+
+def install_export(staging: str, output: str) -> List[str]:
+    """Make the complete export in `staging` the directory `output`, as a whole: the entries
+    of an earlier `output` that `other_entries` keeps are moved into it, the earlier
+    directory is renamed aside, `staging` renamed to `output` and the earlier one removed.
+    A failure (OSError) moves everything back: `output` as it was. Returns the kept names."""
+    target = os.path.realpath(output)
+    umask = os.umask(0)
+    os.umask(umask)
+    if not os.path.isdir(target):
+        os.chmod(staging, 0o777 & ~umask)  # as os.makedirs makes it (mkdtemp's is 0700)
+        os.rename(staging, target)
+        return []
+    os.chmod(staging, stat.S_IMODE(os.stat(target).st_mode))
+    kept, moved, old = other_entries(target)[0], [], None
+    try:
+        for name in kept:
+            os.rename(os.path.join(target, name), os.path.join(staging, name))
+            moved.append(name)
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-",
+                               dir=os.path.dirname(target))
+        os.rename(target, old)  # onto the empty directory `old`
+        try:
+            os.rename(staging, target)
+        except BaseException:
+            os.rename(old, target)
+            raise
+    except BaseException:
+        for name in moved:
+            os.rename(os.path.join(staging, name), os.path.join(target, name))
+        if old is not None and os.path.isdir(old) and not os.listdir(old):
+            os.rmdir(old)
+        raise
+    try:
+        shutil.rmtree(old)
+    except OSError as exc:
+        print(f"WARNING: the earlier export, moved aside to {old}, could not be removed "
+              f"({exc}); remove it by hand")
+    return kept
 
 
 def _new_file_mode() -> int:
@@ -253,4 +331,5 @@ def _load_bin(path: str) -> Dict[str, torch.Tensor]:
             "pytorch_model.bin that holds tensors only") from None
 
 
-__all__ = ["SAFETENSORS_INDEX", "load_hf_checkpoint", "read_hf_config", "save_hf_checkpoint"]
+__all__ = ["SAFETENSORS_INDEX", "export_file", "install_export", "load_hf_checkpoint",
+           "make_staging", "other_entries", "read_hf_config", "save_hf_checkpoint"]

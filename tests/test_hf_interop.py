@@ -431,12 +431,14 @@ def test_a_full_disk_during_to_hf_or_from_hf_is_one_message(tmp_path, monkeypatc
         m.setattr(safetensors_torch, "save_file", no_space)
         with pytest.raises(SystemExit) as err:
             _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "out")
-    assert str(err.value.code).startswith(
-        f"error: writing to --output {tmp_path / 'out'} failed (OSError: could not write "
-        f"{tmp_path / 'out' / 'model.safetensors.tmp'}: Error while serializing: I/O error: "
-        "No space left on device (os error 28)); ")
+    assert re.match(re.escape(f"error: writing to --output {tmp_path / 'out'} failed (OSError: "
+                              f"could not write {tmp_path}/.out.staging-") + r"\w+" +
+                    re.escape("/model.safetensors.tmp: Error while serializing: I/O error: "
+                              "No space left on device (os error 28)); nothing was left; "),
+                    str(err.value.code)), err.value.code
     assert str(err.value.code).endswith(". Free space or pass another --output")
     assert not (tmp_path / "out").exists()  # made by the export: removed again
+    assert not [p for p in os.listdir(tmp_path) if ".staging-" in p]
 
     def full(obj, f, *args, **kwargs):
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 10")
@@ -501,6 +503,75 @@ def test_pretrain_gpt_cli_trains_from_an_imported_model(tmp_path):
     assert "successfully loaded checkpoint" in out and "at iteration 0" in out
     assert len(re.findall(r"iteration\s+\d+/\s*2 \|.*lm loss", out)) == 2, out[-3000:]
     assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
+def _tree(root) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.parametrize("fail_at", ["tokenizer", "swap"])
+def test_a_failed_overwrite_leaves_the_earlier_export_whole(tmp_path, monkeypatch, fail_at):
+    """to-hf --overwrite over an earlier export wrote file by file: a full disk at the
+    tokenizer copy left the new weights and config.json beside the earlier export's
+    tokenizer files, a mixed export. Now it is written beside --output and swapped in
+    whole: a failure leaves the earlier export byte for byte, no staging directory, and
+    says so."""
+    import errno
+
+    _train(tmp_path / "ck", "", steps=1)
+    out = tmp_path / "hf"
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", out) == 0
+    (out / "vocab.json").write_text('{"old": 0}')  # the earlier export's tokenizer
+    (out / "README.md").write_text("notes")
+    before = _tree(out)
+    _train(tmp_path / "ck2", "--seed 5", steps=1)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if fail_at == "tokenizer":
+        monkeypatch.setattr(hf_convert, "tokenizer_files", lambda args: {"merges.txt": "x"})
+        monkeypatch.setattr(hf_convert.shutil, "copyfile", full)
+    else:
+        real = os.rename
+
+        def rename(src, dst):  # the new export cannot be renamed in: moved back
+            if ".staging-" in str(src) and str(dst) == str(out):
+                full()
+            return real(src, dst)
+
+        monkeypatch.setattr(hf_files.os, "rename", rename)
+    with pytest.raises(SystemExit) as err:
+        _cli("to-hf", "--load", tmp_path / "ck2", "--output", out, "--overwrite")
+    assert _tree(out) == before
+    assert f"failed (OSError: [Errno 28] No space left on device); --output {out} is as it " \
+           "was" in str(err.value.code)
+    assert sorted(os.listdir(tmp_path)) == ["ck", "ck2", "hf"]
+
+
+def test_overwrite_replaces_the_export_whole_and_keeps_other_files(tmp_path):
+    """--overwrite over an earlier export: its files not written again (a tokenizer the
+    new checkpoint has not) are gone, a README.md and .git are carried over; weight
+    files of another format beside it are refused, named, before anything is read."""
+    _train(tmp_path / "ck", "", steps=1)
+    out = tmp_path / "hf"
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", out) == 0
+    (out / "tokenizer.json").write_text("{}")  # the earlier export's tokenizer
+    (out / "README.md").write_text("notes")
+    (out / ".git").mkdir()
+    (out / ".git" / "HEAD").write_text("ref")
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", out, "--overwrite") == 0
+    assert sorted(os.listdir(out)) == [".git", "README.md", "config.json",
+                                       "generation_config.json", "model.safetensors"]
+    assert (out / ".git" / "HEAD").read_text() == "ref"
+    assert sorted(os.listdir(tmp_path)) == ["ck", "hf"]
+    (out / "pytorch_model.bin").write_bytes(b"x")
+    before = _tree(out)
+    with pytest.raises(SystemExit, match=f"--output {out} holds pytorch_model.bin, not files "
+                       "of an export: .* Move them out of the directory"):
+        _cli("to-hf", "--load", tmp_path / "ck", "--output", out, "--overwrite")
+    assert _tree(out) == before
 
 
 def test_export_without_generation_config_removes_an_earlier_one(tmp_path):
