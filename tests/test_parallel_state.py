@@ -270,6 +270,18 @@ def test_initialize_takes_megatron_positional_order(fresh_state):
     assert not ps.model_parallel_is_initialized()
 
 
+def test_second_initialize_without_destroy_is_refused(fresh_state):
+    # Megatron-LM asserts; silently building a second set of groups would leave code that
+    # kept the first ones talking over other groups than the accessors return
+    state = ps.initialize_model_parallel()
+    with pytest.raises(RuntimeError, match=r"already called \(tensor_model_parallel_size=1, "
+                       r"pipeline_model_parallel_size=1\).*destroy_model_parallel\(\) first"):
+        ps.initialize_model_parallel()
+    assert ps.get_parallel_state() is state  # the first state is kept
+    ps.destroy_model_parallel()
+    assert ps.initialize_model_parallel() is not state
+
+
 # --------------------------------------------------------------- 4 gloo processes
 _DIST_LAYOUTS = [(2, 2, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]
 _SUM_KINDS = ("tp", "dp", "pp", "mp", "embedding", "ep", "dp_modulo_ep")

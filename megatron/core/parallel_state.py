@@ -318,8 +318,14 @@ def initialize_model_parallel(
 
     The first four parameters are Megatron's, in its order (its own initialize passes them
     positionally); `pipeline_model_parallel_split_rank` splits an encoder-decoder pipeline,
-    so only None is accepted here."""
+    so only None is accepted here. A second call without `destroy_model_parallel()` in
+    between is an error (Megatron-LM asserts), not a second set of groups."""
     global _STATE
+    if _STATE is not None:
+        raise RuntimeError(
+            f"initialize_model_parallel() was already called (tensor_model_parallel_size="
+            f"{_STATE.tp_size}, pipeline_model_parallel_size={_STATE.pp_size}); call "
+            "destroy_model_parallel() first to initialise again")
     _check_split_rank(pipeline_model_parallel_split_rank)
     if sequence_parallel_enabled and tensor_model_parallel_size == 1:
         raise ValueError("Sequence parallelism requires tensor parallelism")
