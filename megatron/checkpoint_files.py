@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import enum
 import functools
 import pickle
 import re
@@ -31,20 +30,11 @@ import torch
 
 from megatron.checkpoint_foreign import later_megatron_fix, later_megatron_names_message
 from megatron.checkpoint_plain import args_to_plain
+from megatron.core.enums import ModelType  # the class 23.05 pickles, under its name
 
 # Checkpoint versions whose QKV rows are per-head [q|k|v] blocks (Megatron-LM reorders
 # the rows of versions 0 and 1 on load; this framework does not).
 MIN_CHECKPOINT_VERSION = 2.0
-
-
-class ModelType(enum.Enum):
-    """Stand-in for Megatron-LM's `ModelType` (values as in 23.05), so that the
-    `args.model_type` of its checkpoints can be read without Megatron installed."""
-
-    encoder_or_decoder = 1
-    encoder_and_decoder = 2
-    retro_encoder = 3
-    retro_decoder = 4
 
 
 def _numpy_globals() -> List[tuple]:

@@ -7,17 +7,8 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel_state
+from ..utils import divide  # Megatron-LM keeps it under both modules
 from .mappings import all_gather_dim0, group_rank, group_size
-
-
-def divide(numerator: int, denominator: int) -> int:
-    """`numerator // denominator`, raising ValueError when it does not divide exactly."""
-    if denominator <= 0 or numerator % denominator != 0:
-        raise ValueError(
-            f"{numerator} is not divisible by {denominator}; choose sizes so that "
-            f"{numerator} is a multiple of {denominator}"
-        )
-    return numerator // denominator
 
 
 def split_tensor_along_last_dim(
