@@ -253,7 +253,7 @@ def _tp_linear_backward_code_worker(rank, world):
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     torch._dynamo.reset()
-    layer = ColumnParallelLinear(32, 64, tp_group=dist.group.WORLD, bias=False,
+    layer = ColumnParallelLinear(32, 64, gather_output=False, tp_group=dist.group.WORLD, bias=False,
                                  init_method=torch.nn.init.ones_, use_cpu_initialization=True,
                                  gradient_accumulation_fusion=True)
     layer.weight.main_grad = torch.zeros_like(layer.weight)
@@ -290,7 +290,7 @@ def _sp_linear_backward_code_worker(rank, world):
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     torch._dynamo.reset()
-    layer = ColumnParallelLinear(32, 48, tp_group=dist.group.WORLD, bias=False,
+    layer = ColumnParallelLinear(32, 48, gather_output=False, tp_group=dist.group.WORLD, bias=False,
                                  init_method=torch.nn.init.ones_, use_cpu_initialization=True,
                                  gradient_accumulation_fusion=True, sequence_parallel=True)
     layer.weight.main_grad = torch.zeros_like(layer.weight)

@@ -56,7 +56,7 @@ def _mlp_worker(rank, world, sp=False, fusion=False, bias=False):
     kw = dict(tp_group=group, init_method=lambda w: None, device="cpu",
               use_cpu_initialization=True, sequence_parallel=sp,
               gradient_accumulation_fusion=fusion)
-    col = tp.ColumnParallelLinear(h, f, bias=bias, **kw)
+    col = tp.ColumnParallelLinear(h, f, gather_output=False, bias=bias, **kw)
     row = tp.RowParallelLinear(f, h, input_is_parallel=True, bias=False, **kw)
     with torch.no_grad():
         col.weight.copy_(W1.chunk(world, 0)[rank])

@@ -271,7 +271,8 @@ def _fused_pair(fill: float):
 
     torch.manual_seed(0)
     init = torch.nn.init.normal_
-    pair = torch.nn.ModuleList([ColumnParallelLinear(8, 6, bias=False, init_method=init,
+    pair = torch.nn.ModuleList([ColumnParallelLinear(8, 6, gather_output=False,
+                                                     bias=False, init_method=init,
                                                      gradient_accumulation_fusion=True,
                                                      device="cpu")
                                 for _ in range(2)])

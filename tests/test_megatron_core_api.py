@@ -97,3 +97,129 @@ def test_get_attr_wrapped_model_and_get_model_type():
         core_utils.get_attr_wrapped_model(wrapped, "nope")
     with pytest.raises(ValueError, match=r"list of model chunks.*model\[0\]"):
         core_utils.get_attr_wrapped_model([wrapped], "model_type")
+
+
+# ------------------------------------------- the layers under 23.05's keyword names
+# On 2 gloo ranks (tensor-parallel 2, `initialize_model_parallel(2)`), layers built with
+# Megatron-LM 23.05's keywords are compared with the one-process computation, fp32,
+# within atol=rtol=1e-5.
+TP, S, B, H, FFN, SEED = 2, 4, 2, 6, 8, 7
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _init(w):
+    return torch.nn.init.normal_(w, std=0.5)
+
+
+def _x():
+    return torch.randn(S, B, H, generator=torch.Generator().manual_seed(1))
+
+
+def _reference():
+    """Full weights drawn in construction order (fc1, fc2) and the MLP's result and
+    input grad, on one process."""
+    torch.manual_seed(SEED)
+    w1, w2 = _init(torch.empty(FFN, H)), _init(torch.empty(H, FFN))
+    x = _x().requires_grad_()
+    y = torch.nn.functional.linear(torch.nn.functional.linear(x, w1), w2)
+    y.sum().backward()
+    return w1, w2, y.detach(), x.grad
+
+
+def _ported_mlp(sp: bool, rank: int):
+    from megatron.core import tensor_parallel as tp
+    torch.manual_seed(SEED)
+    common = dict(init_method=_init, use_cpu_initialization=True, params_dtype=torch.float32,
+                  perform_initialization=True, keep_master_weight_for_test=True,
+                  gradient_accumulation_fusion=False, sequence_parallel_enabled=sp)
+    fc1 = tp.ColumnParallelLinear(H, FFN, gather_output=False, skip_bias_add=False,
+                                  async_tensor_model_parallel_allreduce=not sp, **common)
+    fc2 = tp.RowParallelLinear(FFN, H, input_is_parallel=True, skip_bias_add=True, **common)
+    x = _x()
+    x = (x.chunk(TP, 0)[rank] if sp else x).clone().requires_grad_()
+    y, bias = fc2(fc1(x)[0])
+    (y + bias).sum().backward()
+    return dict(y=y.detach(), grad=x.grad, masters=(fc1.master_weight, fc2.master_weight),
+                shards=(fc1.weight.detach(), fc2.weight.detach()),
+                sp=(fc1.sequence_parallel, fc2.sequence_parallel, fc2.bias.sequence_parallel))
+
+
+def _layers_worker(rank, world_size):
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel as tp
+    ps.initialize_model_parallel(TP)
+    try:
+        out = {"plain": _ported_mlp(False, rank), "sp": _ported_mlp(True, rank)}
+        torch.manual_seed(SEED)  # gather_output left out: 23.05's default gathers
+        fc1 = tp.ColumnParallelLinear(H, FFN, init_method=_init, use_cpu_initialization=True)
+        out["gathered"] = fc1(_x())[0].detach()
+        state = torch.get_rng_state()  # perform_initialization=False draws nothing
+        tp.RowParallelLinear(FFN, H, init_method=_init, use_cpu_initialization=True,
+                             perform_initialization=False)
+        out["rng_untouched"] = torch.equal(state, torch.get_rng_state())
+        x = _x().requires_grad_()
+        w = torch.eye(FFN, H).chunk(TP, 0)[rank]
+        y = tp.linear_with_grad_accumulation_and_async_allreduce(
+            input=x, weight=w, bias=None, gradient_accumulation_fusion=False,
+            async_grad_allreduce=True, sequence_parallel_enabled=False)
+        y.sum().backward()
+        out["functional"] = (y.detach(), x.grad)
+    finally:
+        ps.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def layer_results():
+    from tests.dist_utils import run_distributed
+    return run_distributed(_layers_worker, TP)
+
+
+@pytest.mark.parametrize("variant", ["plain", "sp"])
+def test_23_05_keywords_match_one_process(layer_results, variant):
+    w1, w2, want_y, want_grad = _reference()
+    for r, res in enumerate(layer_results):
+        got = res[variant]
+        assert got["sp"] == ((True, True, True) if variant == "sp" else (False,) * 3)
+        # keep_master_weight_for_test: the full weight drawn, this rank's shard sliced off it
+        assert torch.equal(got["masters"][0], w1) and torch.equal(got["masters"][1], w2)
+        assert torch.equal(got["shards"][0], w1.chunk(TP, 0)[r])
+        assert torch.equal(got["shards"][1], w2.chunk(TP, 1)[r])
+        y, grad = want_y, want_grad
+        if variant == "sp":
+            y, grad = y.chunk(TP, 0)[r], grad.chunk(TP, 0)[r]
+        torch.testing.assert_close(got["y"], y, **TOL, msg=f"{variant} output, rank {r}")
+        torch.testing.assert_close(got["grad"], grad, **TOL, msg=f"{variant} grad, rank {r}")
+
+
+def test_column_gathers_by_default_and_perform_initialization(layer_results):
+    w1 = _reference()[0]
+    for r, res in enumerate(layer_results):
+        torch.testing.assert_close(res["gathered"], torch.nn.functional.linear(_x(), w1),
+                                   **TOL, msg=f"rank {r}")
+        assert res["rng_untouched"]
+
+
+def test_functional_linear_takes_23_05_keywords(layer_results):
+    x = _x().requires_grad_()
+    torch.nn.functional.linear(x, torch.eye(FFN, H)).sum().backward()
+    for r, res in enumerate(layer_results):
+        y, grad = res["functional"]
+        torch.testing.assert_close(y, _x() @ torch.eye(FFN, H).chunk(TP, 0)[r].t())
+        torch.testing.assert_close(grad, x.grad, **TOL, msg=f"input grad, rank {r}")
+
+
+def test_23_05_keywords_refused_with_the_fix():
+    from megatron.core import tensor_parallel as tp
+    with pytest.raises(ValueError, match=r"sequence_parallel=True and "
+                       r"sequence_parallel_enabled=False disagree"):
+        tp.RowParallelLinear(4, 4, init_method=_init, input_is_parallel=True,
+                             sequence_parallel=True, sequence_parallel_enabled=False)
+    with pytest.raises(ValueError, match="keep_master_weight_for_test=True .* "
+                       "use_cpu_initialization=True"):
+        tp.ColumnParallelLinear(4, 4, init_method=_init, keep_master_weight_for_test=True)
+    with pytest.raises(ValueError, match=r"pass gather_output=False"):
+        tp.ColumnParallelLinear(4, 4, init_method=_init, sequence_parallel_enabled=True)
+    # Megatron-LM 23.05 takes every argument after the two sizes by keyword
+    with pytest.raises(TypeError, match="positional"):
+        tp.ColumnParallelLinear(4, 4, True)

@@ -232,7 +232,7 @@ def _check_sp_matches_no_sp(rank, world, group):
         torch.manual_seed(SEED)
         kw = dict(tp_group=group, init_method=INIT, sequence_parallel=sp,
                   use_cpu_initialization=True, device="cpu")
-        col = tp.ColumnParallelLinear(h, 2 * h, **kw)
+        col = tp.ColumnParallelLinear(h, 2 * h, gather_output=False, **kw)
         row = tp.RowParallelLinear(2 * h, h, input_is_parallel=True, **kw)
         with torch.no_grad():
             row.bias.fill_(0.25)
@@ -253,7 +253,8 @@ def _check_fusion_and_attributes(rank, world, group):
     X = torch.randn(3, 2, h_in, generator=_gen(50))
     for fusion in (True, False):
         torch.manual_seed(SEED)
-        layer = tp.ColumnParallelLinear(h_in, h_out, tp_group=group, init_method=INIT,
+        layer = tp.ColumnParallelLinear(h_in, h_out, gather_output=False,
+                                        tp_group=group, init_method=INIT,
                                         gradient_accumulation_fusion=fusion,
                                         use_cpu_initialization=True, device="cpu")
         layer.weight.main_grad = torch.ones(layer.weight.shape, dtype=torch.float32)
@@ -274,7 +275,8 @@ def _check_fusion_and_attributes(rank, world, group):
     tp.set_defaults_if_not_set_tensor_model_parallel_attributes(plain)
     assert tp.param_is_not_tensor_parallel_duplicate(plain, rank) == (rank == 0)
     # skip_bias_add hands the bias back; a tied weight can be passed to forward.
-    col = tp.ColumnParallelLinear(h_in, h_out, tp_group=group, init_method=INIT, device="cpu",
+    col = tp.ColumnParallelLinear(h_in, h_out, gather_output=False,
+                                  tp_group=group, init_method=INIT, device="cpu",
                                   skip_bias_add=True, skip_weight_param_allocation=True,
                                   use_cpu_initialization=True)
     y, bias = col(X, weight=layer.weight)
@@ -292,10 +294,12 @@ def _check_fusion_and_attributes(rank, world, group):
 
 def _check_tracker_init(rank, world, group):
     with pytest.raises(ValueError, match="model_parallel_seed"):
-        tp.ColumnParallelLinear(4, 2 * world, tp_group=group, init_method=INIT, device="cpu",
+        tp.ColumnParallelLinear(4, 2 * world, gather_output=False,
+                                tp_group=group, init_method=INIT, device="cpu",
                                 rng_tracker=tp.RNGStatesTracker("cpu"))
     tracker = tp.model_parallel_seed(7, rank, tp.RNGStatesTracker("cpu"))
-    layer = tp.ColumnParallelLinear(4, 2 * world, tp_group=group, init_method=INIT,
+    layer = tp.ColumnParallelLinear(4, 2 * world, gather_output=False,
+                                    tp_group=group, init_method=INIT,
                                     device="cpu", rng_tracker=tracker)
     return layer.weight.detach()
 
@@ -410,7 +414,7 @@ def _rng_worker(rank, world):
 
     torch.manual_seed(SEED)
     kw = dict(tp_group=group, init_method=INIT, use_cpu_initialization=True, device="cpu")
-    col = tp.ColumnParallelLinear(6, 4 * world, **kw)
+    col = tp.ColumnParallelLinear(6, 4 * world, gather_output=False, **kw)
     row = tp.RowParallelLinear(4 * world, 6, input_is_parallel=True, **kw)
     x = torch.randn(4, 2, 6, generator=_gen(60))
     start = (torch.get_rng_state(), tracker.get_states())
@@ -441,7 +445,7 @@ def test_rng_tracker_and_checkpoint():
 def test_checkpoint_single_process_matches_plain():
     tracker = tp.model_parallel_seed(5, 0, tp.RNGStatesTracker("cpu"))
     torch.manual_seed(SEED)
-    col = tp.ColumnParallelLinear(6, 8, init_method=INIT, device="cpu")
+    col = tp.ColumnParallelLinear(6, 8, gather_output=False, init_method=INIT, device="cpu")
     row = tp.RowParallelLinear(8, 6, init_method=INIT, input_is_parallel=True, device="cpu")
     x = torch.randn(4, 2, 6)
     start = (torch.get_rng_state(), tracker.get_states())

@@ -16,6 +16,13 @@ Initialisation: with `use_cpu_initialization=True` the FULL fp32 weight is drawn
 from the global torch generator and this rank keeps its slice, so any TP size starts from
 the TP=1 model's weights (same seed, same construction order). Otherwise the local shard
 is drawn directly on its device under the tracker's model-parallel fork.
+
+Megatron-LM 23.05's constructor keywords are accepted with its meaning and defaults
+(`gather_output=True`, `init_method=torch.nn.init.xavier_normal_`, keyword-only after the
+two sizes): `sequence_parallel_enabled` (this module's `sequence_parallel`),
+`perform_initialization=False` (allocate, set the TP attributes, draw nothing) and
+`keep_master_weight_for_test=True` (with CPU initialisation: the full weight drawn is kept
+as `layer.master_weight`).
 """
 from __future__ import annotations
 
@@ -144,20 +151,25 @@ def shard_of_full_weight(
 def _init_weight(
     weight: torch.Tensor, full_shape: Tuple[int, int], partition_dim: int, stride: int,
     init_method: InitMethod, use_cpu_initialization: bool, group,
-    rng_tracker: Optional[RNGStatesTracker],
-) -> None:
-    """Fill `weight` (this rank's shard) and set its TP attributes."""
+    rng_tracker: Optional[RNGStatesTracker], perform: bool = True,
+) -> Optional[torch.Tensor]:
+    """Fill `weight` (this rank's shard) and set its TP attributes; with
+    `use_cpu_initialization` return the full weight drawn (in the weight's dtype), else None.
+    `perform=False` (Megatron's perform_initialization) sets the attributes only."""
     world, rank = group_size(group), group_rank(group)
     set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+    if not perform:
+        return None
     with torch.no_grad():
         if use_cpu_initialization:
             full = torch.empty(full_shape, dtype=torch.float32)
             init_method(full)
+            full = full.to(weight.dtype)
             weight.copy_(shard_of_full_weight(full, partition_dim, stride, rank, world))
-            return
+            return full
         if world == 1:
             init_method(weight)
-            return
+            return None
         tracker = get_rng_tracker() if rng_tracker is None else rng_tracker
         if not tracker.has(MODEL_PARALLEL_RNG):
             raise ValueError(
@@ -175,6 +187,7 @@ def _init_weight(
                 init_method(weight, full_shape)
             else:
                 init_method(weight)
+    return None
 
 
 # --- the linear with overlapped backward communication -----------------------------------
@@ -315,18 +328,49 @@ class LinearAfterGelu(torch.autograd.Function):
 
 
 def linear_with_grad_accumulation_and_async_allreduce(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-    gradient_accumulation_fusion: bool, async_grad_allreduce: bool, sequence_parallel: bool,
-    group=TP_GROUP_OF_STATE,
+    x: Optional[torch.Tensor] = None, weight: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None, gradient_accumulation_fusion: bool = False,
+    async_grad_allreduce: bool = False, sequence_parallel: Optional[bool] = None,
+    group=TP_GROUP_OF_STATE, *, input: Optional[torch.Tensor] = None,  # noqa: A002
+    sequence_parallel_enabled: Optional[bool] = None,
 ) -> torch.Tensor:
     """Functional form of `LinearWithGradAccumulationAndAsyncCommunication` (see there).
     Without `group`: the tensor-parallel group of `initialize_model_parallel`, as in
-    Megatron-LM (`mappings.resolve_tp_group`); None is one process."""
+    Megatron-LM (`mappings.resolve_tp_group`); None is one process. Megatron-LM 23.05's
+    keyword names `input=` and `sequence_parallel_enabled=` are accepted too."""
+    where = "linear_with_grad_accumulation_and_async_allreduce"
+    x = _one_of(where, "x", x, "input", input, None)
+    sequence_parallel = _one_of(where, "sequence_parallel", sequence_parallel,
+                                "sequence_parallel_enabled", sequence_parallel_enabled, False)
+    if x is None or weight is None:
+        raise TypeError(f"{where}() needs the input (x, or input=) and weight")
     group = resolve_tp_group(group, "linear_with_grad_accumulation_and_async_allreduce(group=...)")
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
         x, weight, bias, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel,
         group,
     )
+
+
+def _one_of(where: str, name: str, value, megatron_name: str, megatron_value, default):
+    """The value of an argument that also has a Megatron-LM 23.05 name; both given and
+    different is a ValueError naming both."""
+    if megatron_value is None:
+        return default if value is None else value
+    same = value is megatron_value or (
+        not isinstance(value, torch.Tensor) and value == megatron_value)
+    if value is not None and not same:
+        raise ValueError(f"{where}: {name}={value!r} and {megatron_name}={megatron_value!r} "
+                         f"disagree; pass one of them ({megatron_name} is Megatron-LM's name)")
+    return megatron_value
+
+
+def _check_keep_master(layer: str, keep: bool, use_cpu_initialization: bool,
+                       perform_initialization: bool) -> None:
+    if keep and not (use_cpu_initialization and perform_initialization):
+        raise ValueError(
+            f"{layer}: keep_master_weight_for_test=True keeps the full weight drawn on CPU, "
+            "which exists only with use_cpu_initialization=True and perform_initialization="
+            "True; pass those, or drop keep_master_weight_for_test")
 
 
 def _per_partition(size: int, world: int, layer: str, name: str) -> int:
@@ -363,9 +407,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(
         self, num_embeddings: int, embedding_dim: int, *, tp_group=TP_GROUP_OF_STATE,
-        init_method: InitMethod, params_dtype: torch.dtype = torch.float32,
+        init_method: InitMethod = nn.init.xavier_normal_,
+        params_dtype: torch.dtype = torch.float32,
         use_cpu_initialization: bool = False, reduce_scatter_embeddings: bool = False,
         device=None, rng_tracker: Optional[RNGStatesTracker] = None,
+        perform_initialization: bool = True,
     ) -> None:
         super().__init__()
         tp_group = resolve_tp_group(tp_group, "VocabParallelEmbedding(tp_group=...)")
@@ -383,7 +429,7 @@ class VocabParallelEmbedding(nn.Module):
             (self.num_embeddings_per_partition, embedding_dim), params_dtype, device
         )
         _init_weight(self.weight, (num_embeddings, embedding_dim), 0, 1, init_method,
-                     use_cpu_initialization, tp_group, rng_tracker)
+                     use_cpu_initialization, tp_group, rng_tracker, perform_initialization)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if group_size(self.tp_group) > 1:
@@ -417,18 +463,25 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(
         self, input_size: int, output_size: int, *, tp_group=TP_GROUP_OF_STATE, bias: bool = True,
-        gather_output: bool = False, init_method: InitMethod, stride: int = 1,
-        skip_bias_add: bool = False, sequence_parallel: bool = False,
+        gather_output: bool = True, init_method: InitMethod = nn.init.xavier_normal_,
+        stride: int = 1, skip_bias_add: bool = False, sequence_parallel: Optional[bool] = None,
         async_tensor_model_parallel_allreduce: bool = True,
         params_dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = False,
         skip_weight_param_allocation: bool = False, device=None,
         gradient_accumulation_fusion: bool = False,
         rng_tracker: Optional[RNGStatesTracker] = None,
+        sequence_parallel_enabled: Optional[bool] = None, perform_initialization: bool = True,
+        keep_master_weight_for_test: bool = False,
     ) -> None:
         super().__init__()
+        sequence_parallel = _one_of("ColumnParallelLinear", "sequence_parallel", sequence_parallel,
+                                    "sequence_parallel_enabled", sequence_parallel_enabled, False)
         if sequence_parallel and gather_output:
-            raise ValueError("ColumnParallelLinear: gather_output=True cannot be used with "
-                             "sequence_parallel=True; gather in the caller instead")
+            raise ValueError("ColumnParallelLinear: gather_output=True (the default, as in "
+                             "Megatron-LM) cannot be used with sequence_parallel=True; pass "
+                             "gather_output=False and gather in the caller")
+        _check_keep_master("ColumnParallelLinear", keep_master_weight_for_test,
+                           use_cpu_initialization, perform_initialization)
         tp_group = resolve_tp_group(tp_group, "ColumnParallelLinear(tp_group=...)")
         world = group_size(tp_group)
         self.input_size, self.output_size = input_size, output_size
@@ -450,8 +503,11 @@ class ColumnParallelLinear(nn.Module):
             self.weight = _new_param(shape, params_dtype, device)
             # with fusion every grad of the weight comes from accumulate_weight_grad
             self.weight.grad_overwrites_stale = gradient_accumulation_fusion
-            _init_weight(self.weight, (output_size, input_size), 0, stride, init_method,
-                         use_cpu_initialization, tp_group, rng_tracker)
+            full = _init_weight(self.weight, (output_size, input_size), 0, stride, init_method,
+                                use_cpu_initialization, tp_group, rng_tracker,
+                                perform_initialization)
+            if keep_master_weight_for_test:
+                self.master_weight = full
         if bias:
             self.bias = _zero_bias(self.output_size_per_partition, params_dtype, device)
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
@@ -518,13 +574,19 @@ class RowParallelLinear(nn.Module):
 
     def __init__(
         self, input_size: int, output_size: int, *, tp_group=TP_GROUP_OF_STATE, bias: bool = True,
-        input_is_parallel: bool = False, init_method: InitMethod, stride: int = 1,
-        skip_bias_add: bool = False, sequence_parallel: bool = False,
+        input_is_parallel: bool = False, init_method: InitMethod = nn.init.xavier_normal_,
+        stride: int = 1, skip_bias_add: bool = False, sequence_parallel: Optional[bool] = None,
         params_dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = False,
         device=None, gradient_accumulation_fusion: bool = False,
         rng_tracker: Optional[RNGStatesTracker] = None,
+        sequence_parallel_enabled: Optional[bool] = None, perform_initialization: bool = True,
+        keep_master_weight_for_test: bool = False,
     ) -> None:
         super().__init__()
+        sequence_parallel = _one_of("RowParallelLinear", "sequence_parallel", sequence_parallel,
+                                    "sequence_parallel_enabled", sequence_parallel_enabled, False)
+        _check_keep_master("RowParallelLinear", keep_master_weight_for_test,
+                           use_cpu_initialization, perform_initialization)
         tp_group = resolve_tp_group(tp_group, "RowParallelLinear(tp_group=...)")
         world = group_size(tp_group)
         if sequence_parallel and world > 1 and not input_is_parallel:
@@ -543,8 +605,10 @@ class RowParallelLinear(nn.Module):
                                  device)
         # as in ColumnParallelLinear: with fusion the weight-grad product writes every grad
         self.weight.grad_overwrites_stale = gradient_accumulation_fusion
-        _init_weight(self.weight, (output_size, input_size), 1, stride, init_method,
-                     use_cpu_initialization, tp_group, rng_tracker)
+        full = _init_weight(self.weight, (output_size, input_size), 1, stride, init_method,
+                            use_cpu_initialization, tp_group, rng_tracker, perform_initialization)
+        if keep_master_weight_for_test:
+            self.master_weight = full
         if bias:
             self.bias = _zero_bias(output_size, params_dtype, device)
             set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
