@@ -427,3 +427,27 @@ def test_vocab_extra_ids_only_extend_sentencepiece_tokenizer(tmp_path, caplog):
         warned = f"--vocab-extra-ids 30 has no effect with {kind}" in caplog.text
         assert warned == (kind == "GPTSentencePieceTokenizer"), kind
     assert rows == {"SentencePieceTokenizer": 120 + 5 + 30, "GPTSentencePieceTokenizer": 120}
+
+
+def test_gpt2_tokenize_array_without_encode_to_numpy(tmp_path, monkeypatch):
+    """tiktoken before 0.9 (requirements.txt allows 0.7) has no Encoding.encode_to_numpy:
+    tokenize_array (preprocess_data's path) gives the same ids and dtype without it."""
+    for shuffle_ids in (False, True):
+        vocab, merges = train_tiny_bpe(TRAIN_TEXT, 300, shuffle_ids)
+        tok = build_tokenizer("GPT2BPETokenizer", *write_bpe_files(tmp_path, vocab, merges))
+        text = TRAIN_TEXT + " <|endoftext|> tail"
+        expected = tok.tokenize_array(text)
+
+        class OldEncoding:  # the Encoding of tiktoken 0.7/0.8: no encode_to_numpy
+            def __init__(self, encoding):
+                self._encoding = encoding
+
+            def encode_ordinary(self, text):
+                return self._encoding.encode_ordinary(text)
+
+        monkeypatch.setattr(tok, "_encoding", OldEncoding(tok._encoding))
+        got = tok.tokenize_array(text)
+        assert got.dtype == expected.dtype and got.tolist() == expected.tolist()
+        assert tok.tokenize(text) == expected.tolist()
+        with pytest.raises(UnicodeEncodeError):  # a bad line for preprocess_data
+            tok.tokenize_array("bad \ud800 surrogate")

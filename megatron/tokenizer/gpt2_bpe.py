@@ -161,7 +161,12 @@ class GPT2BPETokenizer:
 
     def tokenize_array(self, text: str) -> np.ndarray:
         """Token ids of `text` as a numpy array (uint32 or int64); fastest path."""
-        arr = self._encoding.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+        if hasattr(self._encoding, "encode_to_numpy"):
+            arr = self._encoding.encode_to_numpy(text, allowed_special=set(),
+                                                 disallowed_special=())
+        else:  # tiktoken < 0.9 has no encode_to_numpy (requirements.txt allows 0.7)
+            text.encode("utf-8")  # a lone surrogate raises, as encode_to_numpy does
+            arr = np.asarray(self._encoding.encode_ordinary(text), dtype=np.uint32)
         if self._rank_to_id is not None:
             arr = self._rank_to_id[arr]
         return arr
