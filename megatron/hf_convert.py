@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shlex
 import shutil
 import tempfile
@@ -33,6 +34,16 @@ from megatron.hf_interop import (
 
 
 # ---------------------------------------------------------------------------- verify
+def dtype_kwarg(dtype: torch.dtype) -> dict:
+    """`from_pretrained`'s keyword for the weights' dtype in the installed transformers:
+    `dtype` from 4.56 (`torch_dtype` warns there), `torch_dtype` before (where `dtype`
+    went into the model's config and saving it failed: dtype is not JSON serializable)."""
+    import transformers
+
+    version = tuple(int(n) for n in re.findall(r"\d+", transformers.__version__)[:2])
+    return {"dtype" if version >= (4, 56) else "torch_dtype": dtype}
+
+
 @torch.no_grad()
 def compare_logits(model: torch.nn.Module, hf_dir: str, vocab_size: int, batch: int = 2,
                    seq_length: int = 32, seed: int = 0) -> float:
@@ -41,7 +52,7 @@ def compare_logits(model: torch.nn.Module, hf_dir: str, vocab_size: int, batch: 
     transformers (ImportError otherwise)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, **dtype_kwarg(torch.float32)).eval()
     seq_length = min(seq_length, model.config.max_position_embeddings)
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab_size, (batch, seq_length), generator=g)

@@ -19,6 +19,7 @@ import json
 import pytest
 import torch
 
+from megatron.hf_convert import dtype_kwarg
 from tests.dist_utils import run_distributed
 from tests.gpt_helpers import cli_trainer, train_steps
 from tools import checkpoint_convert, generate
@@ -73,7 +74,8 @@ def _ours_greedy(ck, prompt) -> list:
 def _hf_greedy(hf_dir, prompts) -> list:
     """New ids from transformers' greedy `generate` (KV cache) of the exported model; the
     end-of-sequence id is unset, as --no-stop-at-eod does on our side."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(hf_dir), **dtype_kwarg(torch.float32))
     model.eval()
     model.generation_config.eos_token_id = None
     new = []

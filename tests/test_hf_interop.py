@@ -51,7 +51,8 @@ def _cli(*argv) -> int:
 def _hf_logits(hf_dir, tokens=TOKENS) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(hf_dir), **hf_convert.dtype_kwarg(torch.float32)).eval()
     with torch.no_grad():
         return model(input_ids=tokens).logits
 
@@ -986,3 +987,14 @@ def test_from_hf_leaves_bpe_files_that_are_not_the_models_tokenizer(tmp_path, ca
     args = SourceCheckpoint(locate_iteration(str(tmp_path / "ck"), None)[0]).args
     assert args["tokenizer_type"] == "NullTokenizer" and args["vocab_size"] == VOCAB
     assert not (tmp_path / "ck" / "tokenizer").exists()
+
+
+@pytest.mark.parametrize("version, keyword", [("4.46.3", "torch_dtype"), ("4.55.4", "torch_dtype"),
+                                              ("4.56.0", "dtype"), ("5.0.0.dev0", "dtype")])
+def test_from_pretrained_dtype_keyword_follows_the_installed_transformers(monkeypatch, version,
+                                                                          keyword):
+    """to-hf --verify loads the export with transformers: before 4.56 its keyword is
+    torch_dtype (a `dtype=` went into the model config, and saving failed)."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr(transformers, "__version__", version)
+    assert hf_convert.dtype_kwarg(torch.float32) == {keyword: torch.float32}
