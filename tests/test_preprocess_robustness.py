@@ -421,3 +421,24 @@ def test_a_later_run_names_the_stale_temporaries_of_its_prefix(tmp_path, bpe, ca
     assert "Remove them with: rm -f " + " ".join(stale) in err, err
     assert live not in err
     check_outputs(bpe, tmp_path / "c", DOCS, append_eod=False)
+
+
+def test_an_nltk_that_fails_to_import_names_the_fixed_release(monkeypatch):
+    """NLTK 3.9.0 raises LookupError on `import nltk` when its wordnet data is not
+    downloaded: --split-sentences said nothing useful (a traceback from inside NLTK)."""
+    import builtins
+
+    from megatron.tokenizer.document_encoder import check_split_sentences
+
+    real_import = builtins.__import__
+
+    def importing(name, *args, **kwargs):
+        if name == "nltk" or name.startswith("nltk."):
+            raise LookupError("\n  Resource wordnet not found.\n  Please use the NLTK Downloader")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "nltk", raising=False)
+    monkeypatch.setattr(builtins, "__import__", importing)
+    with pytest.raises(SystemExit, match=r"NLTK fails to import here \(Resource wordnet not "
+                                         r"found.*pip install 'nltk>=3\.9\.1'"):
+        check_split_sentences("english")

@@ -121,6 +121,11 @@ def check_split_sentences(lang: str) -> None:
         raise SystemExit("--split-sentences needs NLTK, which is not installed: pip install "
                          "nltk, then python -m nltk.downloader punkt_tab (or drop the flag)"
                          ) from None
+    except LookupError as e:  # nltk 3.9.0 loads wordnet data on import
+        why = " ".join(str(e).split())[:200]
+        raise SystemExit(f"--split-sentences: NLTK fails to import here ({why}...); NLTK "
+                         "3.9.0 does without its data: pip install 'nltk>=3.9.1' (or drop "
+                         "the flag)") from None
     try:
         _load_punkt(lang)
     except (LookupError, ValueError, OSError) as e:
