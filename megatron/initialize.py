@@ -303,13 +303,18 @@ def entry_point_changes_undone(environ: MutableMapping[str, str]):
     `pretrain_gpt.main` more than once): on leaving, the caller's values of ENTRY_POINT_ENV
     in `environ` (absent ones removed again), `warnings.formatwarning` and
     `warnings.showwarning` come back, and the warnings filter `initialize_entry_point`
-    added is dropped. (A filter torch adds while loading its modules stays.)"""
+    added is dropped. (A filter torch adds while loading its modules stays.) A
+    SIGTERM/SIGUSR1 noted (megatron.signals) is forgotten as the run starts and ends."""
+    from megatron.signals import forget_noted
+
     env = {name: environ.get(name) for name in ENTRY_POINT_ENV}
     hooks = (warnings.formatwarning, warnings.showwarning)
     filters = list(warnings.filters)
+    forget_noted()
     try:
         yield
     finally:
+        forget_noted()
         for name, value in env.items():
             if value is None:
                 environ.pop(name, None)

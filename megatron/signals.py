@@ -11,8 +11,17 @@ import threading
 import time
 from typing import Iterable, Optional
 
-# The last SIGTERM/SIGUSR1 any SignalHandler of this process noted (0: none yet).
+# The last SIGTERM/SIGUSR1 any SignalHandler noted during the current run (0: none yet;
+# `forget_noted` at each run's start and end).
 _last_noted = 0
+
+
+def forget_noted() -> None:
+    """Forget a SIGTERM/SIGUSR1 noted so far: called as an entry point's run starts and
+    ends (megatron.initialize.entry_point_changes_undone), so that a signal one in-process
+    call noted does not make a later call skip its wait for the launcher."""
+    global _last_noted
+    _last_noted = 0
 
 
 class SignalHandler:

@@ -60,9 +60,9 @@ def module_environment_restored():
 
 @pytest.fixture(autouse=True)
 def signals_noted_forgotten():
-    """megatron.signals remembers the last SIGTERM/SIGUSR1 a SignalHandler noted for the
-    process's lifetime (a run's silent ranks then skip their wait for the launcher): a
-    test that sent one must not make a later test in the same worker skip it."""
+    """megatron.signals remembers the last SIGTERM/SIGUSR1 a SignalHandler noted until an
+    entry point's run ends (a run's silent ranks then skip their wait for the launcher): a
+    test that sent one to a handler of its own must not make a later test skip it."""
     yield
     module = sys.modules.get("megatron.signals")
     if module is not None:

@@ -23,22 +23,7 @@ CHILD = textwrap.dedent("""
     import contextlib, io, json, logging, os, re, signal, sys, tempfile, threading, warnings
     sys.path.insert(0, {root!r})
 
-    def state():
-        import torch, torch.distributed as dist
-        env = dict(os.environ)
-        env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # torch's own, set when it compiles
-        return dict(
-            env=env, threads=sorted(t.name for t in threading.enumerate()),
-            signals=[repr(signal.getsignal(s)) for s in
-                     (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)],
-            excepthook=repr(sys.excepthook), formatwarning=repr(warnings.formatwarning),
-            showwarning=repr(warnings.showwarning),
-            our_filters=[repr(f) for f in warnings.filters
-                         if f[1] is not None and "CUBLAS" in f[1].pattern],
-            root_handlers=len(logging.root.handlers), dtype=str(torch.get_default_dtype()),
-            num_threads=torch.get_num_threads(),
-            deterministic=torch.are_deterministic_algorithms_enabled(),
-            grad=torch.is_grad_enabled(), group=dist.is_initialized())
+    from tests.process_state import state
 
     before_import = state()
     import megatron, megatron.training  # noqa: F401
@@ -46,7 +31,7 @@ CHILD = textwrap.dedent("""
     import torch, torch.distributed as dist
     import pretrain_gpt
     ARGS = {args!r}
-    calls = {{}}
+    calls, OUT = {{}}, [""]
 
     def call(name, extra=(), forward=None):
         out, orig = io.StringIO(), torch.nn.Module.__call__
@@ -60,7 +45,8 @@ CHILD = textwrap.dedent("""
                                                     else e.code)
         finally:
             torch.nn.Module.__call__ = orig
-        calls[name] = dict(result=result, losses=re.findall(r"lm loss: (\\S+) ", out.getvalue()),
+        OUT[0] = out.getvalue()
+        calls[name] = dict(result=result, losses=re.findall(r"lm loss: (\\S+) ", OUT[0]),
                            state=state())
 
     def failing_at_second_forward(error):
@@ -75,6 +61,16 @@ CHILD = textwrap.dedent("""
             return forward
         return patch
 
+    def signalled_at_second_forward(orig):
+        count = [0]
+        def forward(self, *a, **k):
+            if type(self).__name__ == "GPTModel":
+                count[0] += 1
+                if count[0] == 2:  # noted by --exit-signal-handler's handler
+                    os.kill(os.getpid(), signal.SIGTERM)
+            return orig(self, *a, **k)
+        return forward
+
     before = state()
     call("first")
     call("second")
@@ -82,6 +78,8 @@ CHILD = textwrap.dedent("""
     call("raises", forward=failing_at_second_forward(RuntimeError("forward failed")))
     call("keyboard", forward=failing_at_second_forward(KeyboardInterrupt()))
     call("after_failures")
+    call("sigterm", ["--exit-signal-handler"], forward=signalled_at_second_forward)
+    calls["sigterm"]["stopped"] = "exiting program after receiving SIGTERM" in OUT[0]
     thread = threading.Thread(target=call, args=("thread", ["--exit-signal-handler"]))
     thread.start()
     thread.join()
@@ -153,6 +151,17 @@ def test_failed_calls_leave_a_good_call_unchanged(report):
     assert calls["raises"]["result"] == "RuntimeError: forward failed"
     assert calls["keyboard"]["result"].startswith("KeyboardInterrupt")
     assert calls["after_failures"]["losses"] == calls["first"]["losses"]
+
+
+def test_a_signal_noted_in_one_call_is_forgotten_for_the_next(report):
+    """A SIGTERM that --exit-signal-handler noted stops that call's training; the process
+    then forgets it (megatron.signals noted it for the process's lifetime, and a later
+    call under a launcher skipped its wait for the rank that prints an error)."""
+    call = report["calls"]["sigterm"]
+    assert call["result"] == 0 and call["stopped"]
+    assert len(call["losses"]) < 10
+    assert call["state"]["noted_signal"] == 0
+    assert report["calls"]["thread"]["state"]["noted_signal"] == 0
 
 
 def test_exit_signal_handler_outside_the_main_thread_is_refused_clearly(report):

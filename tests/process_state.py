@@ -1,0 +1,35 @@
+"""What an in-process call of an entry point must leave as it found it, as a JSON-ready
+dict (tests/test_in_process*.py compare it before and after each call in a child process).
+Importing this module imports neither torch nor megatron."""
+import logging
+import os
+import signal
+import sys
+import threading
+import warnings
+
+
+def state() -> dict:
+    """The process environment (less torch's own compile cache variable), the threads,
+    the SIGINT/SIGTERM/SIGUSR1 handlers, the excepthook, the warnings hooks and the
+    cuBLAS warnings filter, the root logger's handlers, torch's global settings, whether
+    a process group exists, and the SIGTERM/SIGUSR1 megatron.signals noted (when loaded)."""
+    import torch
+    import torch.distributed as dist
+
+    env = dict(os.environ)
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # torch's own, set when it compiles
+    signals = sys.modules.get("megatron.signals")
+    return dict(
+        env=env, threads=sorted(t.name for t in threading.enumerate()),
+        signals=[repr(signal.getsignal(s)) for s in
+                 (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)],
+        excepthook=repr(sys.excepthook), formatwarning=repr(warnings.formatwarning),
+        showwarning=repr(warnings.showwarning),
+        our_filters=[repr(f) for f in warnings.filters
+                     if f[1] is not None and "CUBLAS" in f[1].pattern],
+        root_handlers=len(logging.root.handlers), dtype=str(torch.get_default_dtype()),
+        num_threads=torch.get_num_threads(),
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+        grad=torch.is_grad_enabled(), group=dist.is_initialized(),
+        noted_signal=0 if signals is None else signals._last_noted)
