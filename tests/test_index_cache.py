@@ -3,6 +3,7 @@ range under the same name, data preprocessed again) and unreadable files are rep
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -26,6 +27,27 @@ def test_megatron_built_indexes_are_accepted(sizes, num_samples, seq_length, see
     assert gd.index_mismatch(arrays, documents[:-1], sizes, num_samples, seq_length)
     # Same documents, twice the tokens: the data at the prefix was preprocessed again.
     assert gd.index_mismatch(arrays, documents, sizes * 2, num_samples, seq_length)
+
+
+@pytest.mark.parametrize("errno_, fix", [
+    ("ENOSPC", "the disk is full: free space there (it needs 1.5 KiB), or pass "
+               "--data-cache-path with a directory on a disk with room. No partial file was "
+               "left under a cache name"),
+    ("EDQUOT", "your disk quota there is full: free space within it (it needs 1.5 KiB), or "
+               "pass --data-cache-path with a directory on a disk with room in your quota. "
+               "No partial file was left under a cache name"),
+    ("EACCES", "pass a writable --data-cache-path")])
+def test_the_index_cache_write_error_words_its_fix_as_the_blend_cache_does(errno_, fix):
+    """The index cache's write error said 'the disk, your quota or a file-size limit is
+    full' for all three; it now names which, as the blend cache's does (one helper)."""
+    import errno
+
+    from megatron.core.datasets.index_cache import cache_write_error
+
+    e = OSError(getattr(errno, errno_), os.strerror(getattr(errno, errno_)), "/c/x.npy")
+    arrays = (np.zeros(256, np.int32), np.zeros(128, np.int32))  # 1.5 KiB
+    assert cache_write_error("/c", e, arrays) == (
+        f"cannot write the dataset index cache to /c ({e.strerror}: /c/x.npy); {fix}")
 
 
 @pytest.mark.parametrize("errno_, why", [
@@ -585,7 +607,8 @@ def test_a_full_disk_leaves_no_truncated_cache_file_and_says_so(tmp_path):
     truncated .npy was renamed into place as complete (the next run stopped on it: 'delete
     it'), and a larger write failed with '4060 requested and 992 written' and the fix
     'pass a writable --data-cache-path'. Now the write fails, no file is left under the
-    name, and the error names the reason, the directory and the room the index takes."""
+    name, and the error names the reason, the directory, which limit it met and the room
+    the index takes, worded as the blend cache's (`cache_write_fix`)."""
     import subprocess
     import sys
 
@@ -596,10 +619,11 @@ def test_a_full_disk_leaves_no_truncated_cache_file_and_says_so(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "save_npy failed: [Errno 27] File too large" in proc.stdout, proc.stdout
     assert not (tmp_path / "small.npy").exists()
-    assert (f"build failed: cannot write the dataset index cache to {tmp_path}/index-cache "
-            "(File too large; the disk, your quota or a file-size limit is full); free "
-            "space there, or pass --data-cache-path with a directory on a disk with room "
-            "(this index takes") in proc.stdout, proc.stdout
+    assert re.search(rf"build failed: cannot write the dataset index cache to {tmp_path}/"
+                     r"index-cache \(File too large\); the process's file-size limit "
+                     r"\(ulimit -f\) is smaller than the cache \(it needs [0-9.]+ KiB\): "
+                     r"raise it \(ulimit -f unlimited\) before the run\. No partial file "
+                     "was left under a cache name", proc.stdout), proc.stdout
     for name in _cache_files(tmp_path / "index-cache"):
         assert ".tmp" not in name, name
         if not name.endswith(".npy"):

@@ -381,17 +381,13 @@ NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def cache_write_error(directory: str, e: OSError, arrays: Arrays) -> str:
-    """The error text of a failed index cache write into `directory`: the system's reason,
-    and for a full disk or quota the room the index needs."""
+    """The error text of a failed index cache write into `directory`: the system's reason
+    and what to do (`cache_write_fix`: for a full disk, quota or file-size limit, which
+    one and the room the index needs)."""
     reason = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
-    if e.errno in NO_ROOM:
-        need = sum(a.nbytes for a in arrays) / 2**20
-        return (f"cannot write the dataset index cache to {directory} ({reason}; the disk, "
-                f"your quota or a file-size limit is full); free space there, or pass "
-                f"--data-cache-path with a directory on a disk with room (this index takes "
-                f"{need:.1f} MiB). No partial file was left under a cache name")
-    return (f"cannot write the dataset index cache to {directory} ({reason}); pass a "
-            "writable --data-cache-path")
+    fix = cache_write_fix(e, sum(a.nbytes for a in arrays))
+    kept = ". No partial file was left under a cache name" if e.errno in NO_ROOM else ""
+    return f"cannot write the dataset index cache to {directory} ({reason}); {fix}{kept}"
 
 
 def _warn_skipped(stale: List[Tuple[Dict[str, str], str]], what: str,
