@@ -17,6 +17,11 @@ def state() -> dict:
     import torch
     import torch.distributed as dist
 
+    for t in threading.enumerate():
+        # a closed DataLoader's worker queues end their feeder threads a moment after the
+        # loader's shutdown (torch does not join them); a queue left open keeps its thread
+        if t.name == "QueueFeederThread":
+            t.join(timeout=5.0)
     env = dict(os.environ)
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # torch's own, set when it compiles
     signals = sys.modules.get("megatron.signals")

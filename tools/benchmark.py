@@ -368,6 +368,22 @@ def timed_warmup(warmup: int, device: str, extra: list, world_size: int = 1) -> 
     return needed
 
 
+@contextlib.contextmanager
+def loaders_closed(tr, *loaders):
+    """Around a tool's steps on a Trainer it built itself (build_trainer, data_iterator):
+    on leaving, the loaders' reader threads or worker processes and the TensorBoard
+    writer stop, as pretrain's teardown stops them (an in-process call left them running
+    until the interpreter's exit)."""
+    from megatron.data_loading import close_iterators
+
+    try:
+        yield
+    finally:
+        close_iterators(loaders)
+        if tr.tb is not None:
+            tr.tb.close()
+
+
 def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, device: str,
         profile_steps: int = 0, layout: Optional[dict] = None, sync_steps: int = 0,
         profile_sort: str = "device", profile_rows: int = 40,
@@ -394,66 +410,71 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     set_random_seed(config.training.seed, rt)
     tr = build_trainer(config, rt)
     data = data_iterator(config, rt, "train", 0)
-    t_built = time.time() - T_LAUNCH  # imports, model, optimizer, data: all but the step
-    sync = torch.cuda.synchronize if use_cuda else (lambda: None)
-    t_first = None
-    for i in range(warmup):
-        loss, *_ = train_step(tr, data)
-        if i == 0:
-            sync()
-            t_first = time.time() - T_LAUNCH
-    # Peak memory since the start: a captured step's buffers live in the graph's pool,
-    # allocated during the capture (a warm-up step), not during the timed replays.
-    sync()
-    monitor = (ChipMonitor(chip_id(torch, rt.device), chip_sample_ms)
-               if use_cuda and chip_sample_ms > 0 else contextlib.nullcontext())
-    marks, host, oks = [], [], []  # CUDA events around each timed step's GPU work; host seconds
-    with monitor:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            start = recorded_event(torch) if use_cuda else None
-            h0 = time.perf_counter()
-            loss, ok, *_ = train_step(tr, data)
-            oks.append(ok)  # fp16: False (or a device tensor) when an overflow skipped it
-            host.append(time.perf_counter() - h0)
-            if use_cuda:
-                marks.append((start, recorded_event(torch)))
+    with loaders_closed(tr, data):  # each in-process call stops its reader
+        t_built = time.time() - T_LAUNCH  # imports, model, optimizer, data: all but the step
+        sync = torch.cuda.synchronize if use_cuda else (lambda: None)
+        t_first = None
+        for i in range(warmup):
+            loss, *_ = train_step(tr, data)
+            if i == 0:
+                sync()
+                t_first = time.time() - T_LAUNCH
+        # Peak memory since the start: a captured step's buffers live in the graph's pool,
+        # allocated during the capture (a warm-up step), not during the timed replays.
         sync()
-        elapsed = time.perf_counter() - t0
-    skipped = sum(not bool(ok) for ok in oks)  # after the sync: reading them waits for nothing
-    if marks:
-        print("benchmark: GPU ms per timed step: "
-              + " ".join(f"{a.elapsed_time(b):.1f}" for a, b in marks), file=sys.stderr)
-        print("benchmark: host ms per timed step: "
-              + " ".join(f"{1000 * t:.1f}" for t in host), file=sys.stderr)
-    if profile_steps:
-        print_profile(tr, data, profile_steps, use_cuda, profile_sort, profile_rows,
-                      profile_launches)
-    syncs = count_syncs(tr, data, sync_steps) if (sync_steps and use_cuda) else None
-    m, d = config.model, config.data
-    tokens_per_s = d.global_batch_size * d.seq_length * steps / elapsed / world  # per GPU
-    fpt = flops_per_token(m.num_layers, m.hidden_size, d.seq_length, m.padded_vocab_size,
-                          m.num_experts)
-    return {
-        "preset": preset, "device": torch.cuda.get_device_name() if use_cuda else "cpu",
-        "layout": layout_name(config), "world_size": world,
-        "micro_batch": micro_batch, "global_batch": d.global_batch_size,
-        "seq_length": d.seq_length, "steps": steps,
-        "step_ms": round(elapsed / steps * 1000, 2), "tokens_per_s": round(tokens_per_s),
-        "tflops": round(tokens_per_s * fpt / 1e12, 1), "mfu": round(tokens_per_s * fpt / 989e12, 4),
-        "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if use_cuda else None,
-        "time_to_first_step_s": None if t_first is None else round(t_first, 1),  # --warmup 0
-        "time_to_build_s": round(t_built, 1),
-        "loss": round(float(loss), 4),
-        "precision": "fp16" if config.args["fp16"] else "bf16" if config.args["bf16"] else "fp32",
-        "skipped_steps": skipped,
-        "est_mem_gb": round(estimate_memory(config)["allocated"] / 2**30, 2),
-        "compile": m.compile_layers, "extra": " ".join(extra),
-        "gemm_table_entries": len(gemm_algos._ACTIVE),  # active --gemm-algorithms entries
-        **({"host_syncs": syncs, "sync_steps": sync_steps} if syncs is not None else {}),
-        **(monitor.summary() if isinstance(monitor, ChipMonitor) else {}),
-        **step_gaps(marks),
-    }
+        monitor = (ChipMonitor(chip_id(torch, rt.device), chip_sample_ms)
+                   if use_cuda and chip_sample_ms > 0 else contextlib.nullcontext())
+        marks, host, oks = [], [], []  # CUDA events around each timed step's GPU work; host seconds
+        with monitor:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                start = recorded_event(torch) if use_cuda else None
+                h0 = time.perf_counter()
+                loss, ok, *_ = train_step(tr, data)
+                oks.append(ok)  # fp16: False (or a device tensor) when an overflow skipped it
+                host.append(time.perf_counter() - h0)
+                if use_cuda:
+                    marks.append((start, recorded_event(torch)))
+            sync()
+            elapsed = time.perf_counter() - t0
+        skipped = sum(not bool(ok) for ok in oks)  # after the sync: reading them waits for nothing
+        if marks:
+            print("benchmark: GPU ms per timed step: "
+                  + " ".join(f"{a.elapsed_time(b):.1f}" for a, b in marks), file=sys.stderr)
+            print("benchmark: host ms per timed step: "
+                  + " ".join(f"{1000 * t:.1f}" for t in host), file=sys.stderr)
+        if profile_steps:
+            print_profile(tr, data, profile_steps, use_cuda, profile_sort, profile_rows,
+                          profile_launches)
+        syncs = count_syncs(tr, data, sync_steps) if (sync_steps and use_cuda) else None
+        m, d = config.model, config.data
+        tokens_per_s = d.global_batch_size * d.seq_length * steps / elapsed / world  # per GPU
+        fpt = flops_per_token(m.num_layers, m.hidden_size, d.seq_length, m.padded_vocab_size,
+                              m.num_experts)
+        return {
+            "preset": preset, "device": torch.cuda.get_device_name() if use_cuda else "cpu",
+            "layout": layout_name(config), "world_size": world,
+            "micro_batch": micro_batch, "global_batch": d.global_batch_size,
+            "seq_length": d.seq_length, "steps": steps,
+            "step_ms": round(elapsed / steps * 1000, 2), "tokens_per_s": round(tokens_per_s),
+            "tflops": round(tokens_per_s * fpt / 1e12, 1),
+            "mfu": round(tokens_per_s * fpt / 989e12, 4),
+            "peak_mem_gb": (round(torch.cuda.max_memory_allocated() / 2**30, 2) if use_cuda
+                            else None),
+            # None with --warmup 0
+            "time_to_first_step_s": None if t_first is None else round(t_first, 1),
+            "time_to_build_s": round(t_built, 1),
+            "loss": round(float(loss), 4),
+            "precision": ("fp16" if config.args["fp16"] else "bf16" if config.args["bf16"]
+                          else "fp32"),
+            "skipped_steps": skipped,
+            "est_mem_gb": round(estimate_memory(config)["allocated"] / 2**30, 2),
+            "compile": m.compile_layers, "extra": " ".join(extra),
+            "gemm_table_entries": len(gemm_algos._ACTIVE),  # active --gemm-algorithms entries
+            **({"host_syncs": syncs, "sync_steps": sync_steps} if syncs is not None else {}),
+            **(monitor.summary() if isinstance(monitor, ChipMonitor) else {}),
+            **step_gaps(marks),
+        }
 
 
 def layout_name(config) -> str:
@@ -504,6 +525,26 @@ def _check_counts(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
 
 def main(argv=None) -> int:
+    """The command line (None: sys.argv[1:]); the exit status. Callable more than once in
+    one process: the environment variables it sets (CUDA_VISIBLE_DEVICES for --device cpu,
+    those of megatron.initialize.ENTRY_POINT_ENV) and the warnings hooks come back as they
+    were, and the process group the run made is ended (one the caller made is kept)."""
+    from megatron.initialize import entry_point_changes_undone
+    from megatron.rank_failure import process_group_closed
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        with entry_point_changes_undone(os.environ), \
+                process_group_closed("during the benchmark", os.environ):
+            return _main(argv)
+    finally:
+        if visible is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
+def _main(argv) -> int:
     from megatron.cli_suggest import SuggestingParser
 
     ap = SuggestingParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

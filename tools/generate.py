@@ -524,13 +524,17 @@ def _early_prompts(a, environ) -> Optional[List[str]]:
 def main(argv=None, environ=None) -> int:
     """The command line; under torchrun (RANK / WORLD_SIZE in `environ`, default
     os.environ) the ranks of each replica generate in lockstep, the replicas their share
-    of the prompts, and rank 0 prints."""
+    of the prompts, and rank 0 prints. Callable more than once in one process: the
+    variables the start-up sets in `environ` and the warnings hooks come back as they were
+    (megatron.initialize.entry_point_changes_undone), and the process group the run made
+    is ended (one the caller made is kept)."""
+    from megatron.initialize import entry_point_changes_undone
     from megatron.rank_failure import process_group_closed
 
     a = parse_args(argv)
     environ = os.environ if environ is None else environ
     texts = _early_prompts(a, environ)
-    with process_group_closed(env=environ):
+    with entry_point_changes_undone(environ), process_group_closed(env=environ):
         return _run(a, environ, texts)
 
 

@@ -589,11 +589,16 @@ def _interrupt(signum, frame):
 def main(argv=None, environ=None) -> int:
     """The command line; under torchrun (RANK / WORLD_SIZE in `environ`, default
     os.environ) rank 0 serves, each other replica's leader takes its requests, and the
-    other ranks follow their replica's leader (see the module docstring)."""
+    other ranks follow their replica's leader (see the module docstring). Callable more
+    than once in one process: the variables the start-up sets in `environ` and the
+    warnings hooks come back as they were, and the process group the run made is ended
+    (one the caller made is kept)."""
+    from megatron.initialize import entry_point_changes_undone
     from megatron.rank_failure import process_group_closed
 
     a, ns, explicit = parse_args(argv)
-    with process_group_closed("while serving", os.environ if environ is None else environ):
+    env = os.environ if environ is None else environ
+    with entry_point_changes_undone(env), process_group_closed("while serving", env):
         return _serve(a, ns, explicit, environ, argv)
 
 

@@ -46,6 +46,7 @@ def record_shapes(argv: list, device: str, rank: int = 0, world: int = 1, local_
     from megatron.initialize import initialize_entry_point, set_random_seed
     from megatron.startup_store import JobStore
     from megatron.training import build_trainer, data_iterator, train_step
+    from tools.benchmark import loaders_closed
 
     argv = argv + ["--no-compile", "--cuda-graph-step", "off"]
     job = JobStore(os.environ, rank, world)
@@ -57,7 +58,7 @@ def record_shapes(argv: list, device: str, rank: int = 0, world: int = 1, local_
     set_random_seed(config.training.seed, rt)
     tr = build_trainer(config, rt)
     data = data_iterator(config, rt, "train", 0)
-    with gemm_algos.recording() as counts:
+    with loaders_closed(tr, data), gemm_algos.recording() as counts:
         train_step(tr, data)
     return counts
 
@@ -169,6 +170,19 @@ def _as_algo(algo: bytes):
 
 
 def main(argv=None) -> int:
+    """The command line (None: sys.argv[1:]); the exit status. Callable more than once in
+    one process: the environment variables it sets (megatron.initialize.ENTRY_POINT_ENV)
+    and the warnings hooks come back as they were, and the process group the run made is
+    ended (one the caller made is kept)."""
+    from megatron.initialize import entry_point_changes_undone
+    from megatron.rank_failure import process_group_closed
+
+    with entry_point_changes_undone(os.environ), \
+            process_group_closed("while recording the products", os.environ):
+        return _main(argv)
+
+
+def _main(argv) -> int:
     from megatron.cli_suggest import SuggestingParser
 
     ap = SuggestingParser(description=__doc__.split("\n\n")[0],  # first paragraph

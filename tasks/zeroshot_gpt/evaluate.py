@@ -341,7 +341,19 @@ def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: in
     """tasks/main.py: parse -> check the tasks flags -> read the data -> initialise ->
     evaluate. Returns the numbers (every rank); None for --help / --dry-run (SystemExit 1
     when the dry run finds a problem). A process group made by the caller is used (and
-    left for the caller to destroy)."""
+    left for the caller to destroy). Callable more than once in one process: the
+    variables it sets in `environ` and the warnings hooks come back as they were
+    (megatron.initialize.entry_point_changes_undone)."""
+    from megatron.initialize import entry_point_changes_undone
+
+    environ = {} if environ is None else environ
+    with entry_point_changes_undone(environ):
+        return _main(argv, rank, world_size, local_rank, environ)
+
+
+def _main(argv: Sequence[str], rank: int, world_size: int, local_rank: int,
+          environ) -> Optional[Dict[str, float]]:
+    """main, inside entry_point_changes_undone."""
     from megatron.arguments import (
         exit_before_group,
         format_args_dump,
@@ -356,7 +368,6 @@ def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: in
     if "-h" in argv or "--help" in argv:
         _print_help()
         return None
-    environ = {} if environ is None else environ
     say = lambda m: rank == 0 and print(m, flush=True)  # rank 0 prints: no group yet
     try:
         task_ns, rest = split_args(argv)
