@@ -96,13 +96,19 @@ def main(argv=None) -> int:
     """Run with `argv` (None: sys.argv[1:]); the exit status. Callable more than once in
     one process: the environment variables, warnings hooks, signal handlers and process
     group it changes come back as the caller had them (README's "In-process use")."""
+    return _run_main(argv, command_line=False)
+
+
+def _run_main(argv, command_line: bool) -> int:
+    """main; `command_line` (pretrain_gpt.py run as a script): after a Ctrl-C with a
+    background checkpoint writer still running, the process ends at once (`_interrupted`)."""
     from megatron.initialize import entry_point_changes_undone
 
     with entry_point_changes_undone(os.environ):
-        return _main(argv)
+        return _main(argv, command_line)
 
 
-def _main(argv) -> int:
+def _main(argv, command_line: bool = False) -> int:
     start = time.time()
     from megatron.interrupt import InterruptWatch, RunProgress
 
@@ -134,7 +140,7 @@ def _main(argv) -> int:
             if signals is not None:  # an in-process caller gets its own handlers back
                 signals.restore()
     rank, _, local_rank = _launcher_env()
-    return _interrupted(config, rank == 0 or local_rank == 0, progress)
+    return _interrupted(config, rank == 0 or local_rank == 0, progress, command_line)
 
 
 def _exit_signal_handler(config):
@@ -228,12 +234,16 @@ def _train(config, ranks: tuple, start: float, progress, watch, tokenizer=None,
     return 0
 
 
-def _interrupted(config, prints: bool, progress) -> int:
+def _interrupted(config, prints: bool, progress, command_line: bool = False) -> int:
     """After Ctrl-C (`config`: None when it came before the command line was read):
     abandon a background save in flight (never published from now on), print where the
     run stopped and the checkpoint to resume from (rank 0, and the first process of each
-    node), and return 130 -- or exit at once with it when a background
-    writer still runs: its save is abandoned, waiting for it would only delay the exit."""
+    node), and return 130. When a background writer (a non-daemon thread) still runs:
+    from the command line the process exits at once with 130 (its save is abandoned, and
+    the interpreter's exit would wait for the thread); called in-process (a notebook,
+    whose kernel that exit would end) the call waits for the writer to stop instead, so
+    that the next call never meets it still writing under --save; a second Ctrl-C stops
+    that wait (KeyboardInterrupt to the caller; the writer then ends on its own)."""
     from megatron.interrupt import INTERRUPTED_STATUS, interrupt_message
 
     abandoned = progress.abandon_save()
@@ -241,14 +251,20 @@ def _interrupted(config, prints: bool, progress) -> int:
         print("interrupted during start-up (SIGINT, e.g. Ctrl-C)", flush=True)
     elif prints:
         print(interrupt_message(progress, config.checkpoint.save, abandoned), flush=True)
-    if progress.writer_running():
+    if progress.writer_running() and command_line:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(INTERRUPTED_STATUS)
+    if progress.writer_running():
+        if prints:
+            print("waiting for the background checkpoint writer to stop (its save is "
+                  "abandoned; Ctrl-C again stops waiting)", flush=True)
+        progress.wait_for_writer()
     return INTERRUPTED_STATUS
 
 
 if __name__ == "__main__":
     from megatron.process_exit import run
 
-    run(main)  # sys.exit(main()) without the interpreter's teardown (about a second)
+    # sys.exit(main()) without the interpreter's teardown (about a second)
+    run(lambda: _run_main(None, command_line=True))

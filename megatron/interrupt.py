@@ -127,6 +127,17 @@ class RunProgress:
         saver = getattr(self.trainer, "async_saver", None)
         return saver is not None and not saver.done()
 
+    def wait_for_writer(self) -> None:
+        """Wait for this process's background checkpoint writer to end (after
+        `abandon_save`: its save is never published, and a failure of it is moot)."""
+        saver = getattr(self.trainer, "async_saver", None)
+        if saver is None:
+            return
+        try:
+            saver.wait()
+        except RuntimeError:  # the abandoned save's own failure
+            pass
+
 
 def _where(progress: Optional[RunProgress]) -> str:
     if progress is None:

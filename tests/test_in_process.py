@@ -20,7 +20,7 @@ from tests.dist_utils import cpu_env
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = textwrap.dedent("""
-    import contextlib, io, json, logging, os, re, signal, sys, tempfile, threading, warnings
+    import contextlib, io, json, logging, os, re, signal, sys, tempfile, threading, time
     sys.path.insert(0, {root!r})
 
     from tests.process_state import state
@@ -80,6 +80,22 @@ CHILD = textwrap.dedent("""
     call("after_failures")
     call("sigterm", ["--exit-signal-handler"], forward=signalled_at_second_forward)
     calls["sigterm"]["stopped"] = "exiting program after receiving SIGTERM" in OUT[0]
+    import megatron.checkpointing as checkpointing
+    real_save, sent = checkpointing._torch_save_synced, []
+
+    def save_interrupted(*a, **k):  # Ctrl-C while the background writer writes
+        if threading.current_thread().name == "checkpoint-writer" and not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)  # still writing when the main thread stops
+        return real_save(*a, **k)
+
+    checkpointing._torch_save_synced = save_interrupted
+    save_dir = tempfile.mkdtemp(prefix="inproc_save_")
+    call("ctrl_c_writing", ["--save", save_dir, "--save-interval", "4", "--async-save"])
+    checkpointing._torch_save_synced = real_save
+    calls["ctrl_c_writing"]["said"] = re.findall(r"^(interrupted .*|waiting .*)$", OUT[0], re.M)
+    calls["ctrl_c_writing"]["saved"] = sorted(os.listdir(save_dir))
     thread = threading.Thread(target=call, args=("thread", ["--exit-signal-handler"]))
     thread.start()
     thread.join()
@@ -162,6 +178,22 @@ def test_a_signal_noted_in_one_call_is_forgotten_for_the_next(report):
     assert len(call["losses"]) < 10
     assert call["state"]["noted_signal"] == 0
     assert report["calls"]["thread"]["state"]["noted_signal"] == 0
+
+
+def test_ctrl_c_while_the_background_writer_writes_returns_130_to_the_caller(report):
+    """The command line exits at once (os._exit(130)) when Ctrl-C comes while an
+    --async-save writer still writes, which ended the caller's process (a notebook's
+    kernel): in-process the call waits for the writer, returns 130 and leaves no thread;
+    the abandoned save is never published."""
+    call = report["calls"]["ctrl_c_writing"]
+    assert call["result"] == 130, call
+    assert len(call["said"]) == 2 and call["said"][0].startswith(
+        "interrupted ") and "the background save of the checkpoint at iteration 4" in \
+        call["said"][0], call["said"]
+    assert call["said"][1].startswith("waiting for the background checkpoint writer to stop")
+    assert "latest_checkpointed_iteration.txt" not in call["saved"], call["saved"]
+    assert not any(name.startswith("iter_0000004") and not name.endswith(".tmp")
+                   for name in call["saved"]), call["saved"]
 
 
 def test_exit_signal_handler_outside_the_main_thread_is_refused_clearly(report):
