@@ -459,17 +459,6 @@ def _record_tokenizer_copies(a, cfg, flags: List[str]) -> Dict[str, str]:
     return {path: os.path.join(target, name) for name, path in files.items()}
 
 
-def _copy_imported_tokenizer(copies: Dict[str, str]) -> None:
-    try:
-        for source, dest in copies.items():
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            shutil.copyfile(source, dest)
-    except OSError as exc:
-        raise SystemExit(f"error: copying the tokenizer files into {os.path.dirname(dest)} "
-                         f"failed ({type(exc).__name__}: {exc}); free space or pass another "
-                         "--save") from exc
-
-
 def config_from_hf(hf_cfg: dict, a, in_dir: str):
     """(family, our validated `Config`, the model and tokenizer flags a run training from
     the import passes) for the HF model at the requested tp/pp: the padded vocabulary is
@@ -519,8 +508,7 @@ def _from_hf(a) -> int:
     state = from_hf_state_dict(hf_state, cfg.model, family, int(hf_cfg["vocab_size"]))
     hf_state = None  # `state` holds what the checkpoint needs
     print(f"writing {len(state)} tensors to {a.save} ...", flush=True)
-    _copy_imported_tokenizer(copies)  # before the checkpoint that records them
-    save_release_checkpoint(a.save, state, cfg, a.overwrite)
+    save_release_checkpoint(a.save, state, cfg, a.overwrite, copies)
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
     _note_lost_special_ids(hf_cfg, flags, a.input)
     # --use-checkpoint-args takes the tokenizer type, not its files: those go with it
@@ -576,53 +564,89 @@ def load_full_checkpoint(load: str, iteration: Optional[int] = None,
 
 
 def save_release_checkpoint(save: str, state: Dict[str, torch.Tensor], cfg,
-                            overwrite: bool = False) -> None:
+                            overwrite: bool = False,
+                            tokenizer: Optional[Dict[str, str]] = None) -> None:
     """Write the full `state` as `<save>/release/mp_rank_*` for cfg's tp/pp, the tracker
-    saying "release" (a run loads it at iteration 0 with a fresh optimizer). It is written
-    at tp = pp = 1 into a temporary directory beside `save`, then moved into place (tp = pp
-    = 1) or split by `tools/checkpoint_convert.py reshard`. A checkpoint already in `save`
-    is refused unless `overwrite` (SystemExit naming it). `save`'s lock is held meanwhile
+    saying "release" (a run loads it at iteration 0 with a fresh optimizer), and the
+    `tokenizer` copies {source: <save>/tokenizer/NAME} it records. All is written into a
+    temporary directory beside `save` (at tp = pp = 1, then split there by
+    `tools/checkpoint_convert.py reshard`) and moved into place once complete, the tracker
+    last: a failure leaves `save` as it was. A checkpoint already in `save` is refused
+    unless `overwrite` (SystemExit naming it). `save`'s lock is held meanwhile
     (tools/checkpoint_convert.py `save_locked`: a run or another conversion writing there
     is refused)."""
     from tools.checkpoint_convert import check_save, save_locked
 
     with save_locked(save, "from-hf"):
         check_save(save, overwrite)
-        _write_release_checkpoint(save, state, cfg, overwrite)
+        _write_release_checkpoint(save, state, cfg, tokenizer or {})
 
 
 def _write_release_checkpoint(save: str, state: Dict[str, torch.Tensor], cfg,
-                              overwrite: bool) -> None:
+                              tokenizer: Dict[str, str]) -> None:
     """`save_release_checkpoint` once `save` is locked and checked."""
-    from megatron.checkpoint_dirs import free_space_text
-    from megatron.checkpointing import CHECKPOINT_VERSION, args_to_plain, checkpoint_name
-    from tools.checkpoint_convert import publish_checkpoint, reshard, save_file
+    from tools.checkpoint_convert import reshard
 
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
     parent = os.path.dirname(os.path.abspath(save))
     os.makedirs(parent, exist_ok=True)
     root = tempfile.mkdtemp(prefix=".from-hf-", dir=parent)
     try:
-        path = checkpoint_name(root, 0, 0, 0, 1, release=True)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        args = args_to_plain(cfg.args)  # sizes of this directory (reshard writes tp, pp)
-        args.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-        try:  # a full disk: one line (the temporary directory goes in `finally`)
-            save_file({"args": args, "checkpoint_version": CHECKPOINT_VERSION,
-                       "iteration": 0, "model": state}, path)
-            with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
-                f.write("release")
-        except OSError as exc:
-            shutil.rmtree(root, ignore_errors=True)  # before the free space is measured
-            raise SystemExit(f"error: writing the imported model to {root} (a temporary "
-                             f"directory beside --save) failed ({type(exc).__name__}: {exc}); "
-                             f"it was removed; {free_space_text(parent)}. Free space or pass "
-                             "another --save") from exc
-        if tp == pp == 1:
-            os.makedirs(save, exist_ok=True)
-            publish_checkpoint(save, os.path.join(root, "release"),
-                               os.path.join(save, "release"), 0, True)
-        else:
-            reshard(root, save, tp, pp, overwrite=overwrite)
+        _write_unsplit(root, state, cfg, tokenizer, parent)
+        release = os.path.join(root, "release")
+        if (tp, pp) != (1, 1):
+            reshard(root, os.path.join(root, "split"), tp, pp)
+            release = os.path.join(root, "split", "release")
+        _install_import(save, release, os.path.join(root, TOKENIZER_DIR) if tokenizer else None)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _write_unsplit(root: str, state: Dict[str, torch.Tensor], cfg,
+                   tokenizer: Dict[str, str], parent: str) -> None:
+    """`root`/release at tp = pp = 1 with its tracker, and `root`/tokenizer/ holding the
+    `tokenizer` copies; a write error (a full disk) removes `root`: SystemExit saying so."""
+    from megatron.checkpoint_dirs import free_space_text
+    from megatron.checkpointing import CHECKPOINT_VERSION, args_to_plain, checkpoint_name
+    from tools.checkpoint_convert import save_file
+
+    path = checkpoint_name(root, 0, 0, 0, 1, release=True)
+    args = args_to_plain(cfg.args)  # sizes of this directory (reshard writes tp, pp)
+    args.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    try:  # a full disk: one line
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_file({"args": args, "checkpoint_version": CHECKPOINT_VERSION,
+                   "iteration": 0, "model": state}, path)
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("release")
+        for source, dest in tokenizer.items():
+            os.makedirs(os.path.join(root, TOKENIZER_DIR), exist_ok=True)
+            shutil.copyfile(source, os.path.join(root, TOKENIZER_DIR, os.path.basename(dest)))
+    except OSError as exc:
+        shutil.rmtree(root, ignore_errors=True)  # before the free space is measured
+        raise SystemExit(f"error: writing the imported model to {root} (a temporary "
+                         f"directory beside --save) failed ({type(exc).__name__}: {exc}); "
+                         f"it was removed; {free_space_text(parent)}. Free space or pass "
+                         "another --save") from exc
+
+
+def _install_import(save: str, release: str, tokenizer: Optional[str]) -> None:
+    """Move the complete `release` directory (and `tokenizer`, for <save>/tokenizer/) into
+    `save`, the tracker last. A tracker that names an earlier checkpoint is removed before
+    the earlier tokenizer/ is replaced (that checkpoint may record its files): stopped in
+    between, `save` is untracked, never a tracker naming one model beside another's
+    tokenizer."""
+    from megatron.checkpointing import move_into_place, tracker_path
+    from tools.checkpoint_convert import publish_checkpoint
+
+    os.makedirs(save, exist_ok=True)
+    if tokenizer is not None:
+        tracker, target = tracker_path(save), os.path.join(save, TOKENIZER_DIR)
+        if os.path.isfile(tracker) and os.path.lexists(target):
+            with open(tracker) as f:
+                before = f.read().strip()
+            print(f"overwrite: {tracker} said {before!r}, now 'release' (removed while "
+                  f"{target} and the release directory are replaced)")
+            os.remove(tracker)
+        move_into_place(save, tokenizer, target)
+    publish_checkpoint(save, release, os.path.join(save, "release"), 0, True)

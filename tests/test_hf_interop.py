@@ -998,3 +998,43 @@ def test_from_pretrained_dtype_keyword_follows_the_installed_transformers(monkey
     transformers = pytest.importorskip("transformers")
     monkeypatch.setattr(transformers, "__version__", version)
     assert hf_convert.dtype_kwarg(torch.float32) == {keyword: torch.float32}
+
+
+def _hf_model_with_tokenizer(path, words):
+    """A one-layer GPT-2 saved with save_pretrained, and a WordLevel tokenizer.json of
+    `words` (id = position) beside it."""
+    tf = _transformers()
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(words), n_positions=16, n_embd=32,
+                                     n_layer=1, n_head=4, eos_token_id=0,
+                                     bos_token_id=0)).save_pretrained(str(path))
+    tok.save(str(path / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_failed_from_hf_overwrite_leaves_the_earlier_import_whole(tmp_path, monkeypatch, tp):
+    """from-hf --overwrite copied the new model's tokenizer files over <save>/tokenizer/
+    before writing the checkpoint: a full disk then left the tracker naming the earlier
+    import, whose recorded tokenizer was now the other model's. The tokenizer is written
+    with the checkpoint and moved in with it: a failure leaves --save byte for byte."""
+    from tests.write_faults import torch_save_over_quota
+
+    _hf_model_with_tokenizer(tmp_path / "a", ["<|endoftext|>", "[UNK]", "a", "b", "c"])
+    _hf_model_with_tokenizer(tmp_path / "b", ["<|endoftext|>", "[UNK]", "x", "y", "z", "w"])
+    ck = tmp_path / "ck"
+    assert _cli("from-hf", "--input", tmp_path / "a", "--save", ck) == 0
+    before = _tree(ck)
+    monkeypatch.setattr(torch, "save", torch_save_over_quota)
+    with pytest.raises(SystemExit, match="Disk quota exceeded"):
+        _cli("from-hf", "--input", tmp_path / "b", "--save", ck, "--overwrite",
+             "--tensor-model-parallel-size", tp)
+    assert _tree(ck) == before
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "ck"]
+    monkeypatch.undo()
+    assert _cli("from-hf", "--input", tmp_path / "b", "--save", ck, "--overwrite",
+                "--tensor-model-parallel-size", tp) == 0
+    assert (ck / "tokenizer" / "tokenizer.json").read_bytes() == \
+        (tmp_path / "b" / "tokenizer.json").read_bytes()
+    assert (ck / "latest_checkpointed_iteration.txt").read_text() == "release"
