@@ -16,7 +16,9 @@ import torch
 
 from megatron.core.config import ModelConfig
 from megatron.hf_files import (
+    hold_directory,
     install_export,
+    leftover_exports,
     load_hf_checkpoint,
     make_staging,
     other_entries,
@@ -200,9 +202,10 @@ def _write_export(a, args: dict, hf_state: dict, config: dict,
     earlier --output). A failed write (a full disk) removes the staging directory and
     leaves --output as it was: SystemExit saying so, with the free space."""
     existed = os.path.isdir(a.output)
-    staging = None
+    staging = held = None
     try:
         staging = make_staging(a.output)
+        held = hold_directory(staging)  # until moved in: `leftover_exports` sees it in use
         names = save_hf_checkpoint(staging, hf_state, config, gen,
                                    int(a.max_shard_size_gb * 2**30))
         copied = _copy_tokenizer(args, staging)
@@ -219,6 +222,9 @@ def _write_export(a, args: dict, hf_state: dict, config: dict,
         raise SystemExit(f"error: writing to --output {a.output} failed ({type(exc).__name__}: "
                          f"{exc}); {left}; {free_space_text(where)}. Free space or pass "
                          "another --output") from exc
+    finally:
+        if held is not None:
+            held.close()
     return names, copied, kept
 
 
@@ -274,6 +280,8 @@ def refuse_switch_mlp(args: dict) -> None:
 
 
 def _to_hf(a) -> int:
+    for line in leftover_exports(a.output):  # of a to-hf stopped by kill -9, a power loss
+        print(line, flush=True)
     check_output(a.output, a.overwrite)
     print(f"reading the checkpoint under {a.load} (its shards merged into one model) ...",
           flush=True)

@@ -6,14 +6,18 @@ checked before any weight is read, then safetensors or weights-only `pytorch_mod
 The state-dict mappings themselves are in megatron/hf_interop.py."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import pickle
 import re
 import shlex
 import shutil
+import socket
 import stat
 import tempfile
+import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -117,11 +121,113 @@ def other_entries(directory: str) -> Tuple[List[str], List[str]]:
 
 def make_staging(output: str) -> str:
     """A new empty directory beside `output` (in its parent, created if missing) that the
-    export is written into before `install_export` moves it to `output`."""
+    export is written into before `install_export` moves it to `output`; its name carries
+    this host (`.NAME.staging-HOST-PID-XXXXXXXX`). The writer holds it (`hold_directory`)
+    until it is moved in, which tells `leftover_exports` a live one from one left by a
+    stopped to-hf."""
     target = os.path.realpath(output)
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.staging-", dir=parent)
+    return tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.staging-{_owner()}",
+                            dir=parent)
+
+
+def _owner() -> str:
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+    return f"{host}-{os.getpid()}-"
+
+
+class hold_directory:
+    """An exclusive flock on the directory `path` (it goes with the directory when renamed),
+    held until `close()` or the process ends (kill -9 included); nothing where the file
+    system does not lock (`leftover_exports` then removes nothing)."""
+
+    def __init__(self, path: str):
+        self.fd: Optional[int] = None
+        with contextlib.suppress(OSError):
+            self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        self.close()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+_QUIET_S = 60  # a directory changed since is never taken for a stopped writer's
+
+
+def _stopped_writer(path: str) -> bool:
+    """Whether `path` was made on this host by a writer that no longer runs: its name has
+    this host, it is unchanged for a minute and no process holds it (`hold_directory`).
+    False where unsure (another host, an older name, a file system without locks)."""
+    host = _owner().split("-")[0]
+    if not re.search(rf"\.(staging|old)-{re.escape(host)}-\d+-[^-]+$", path):
+        return False
+    try:
+        quiet = time.time() - os.stat(path).st_mtime >= _QUIET_S
+    except OSError:
+        return False
+    return quiet and _held(path) is False
+
+
+def leftover_exports(output: str) -> List[str]:
+    """Deal with what a stopped to-hf (kill -9, a power loss) left beside `output`: its
+    `.NAME.staging-*` directories and the `.NAME.old-*` earlier export moved aside while
+    swapping. Those of a writer that provably no longer runs (`_stopped_writer`) are
+    removed; the others are named with the command that removes them. Returns the lines
+    to print. SystemExit when `output` is missing and an `.old-*` holds the export that
+    was there (stopped between the two renames): how to restore it."""
+    target = os.path.realpath(output)
+    parent, base = os.path.dirname(target), os.path.basename(target)
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:
+        return []
+    lines = []
+    for name in names:
+        kind = next((k for k in ("staging", "old") if name.startswith(f".{base}.{k}-")), None)
+        path = os.path.join(parent, name)
+        if kind is None or not os.path.isdir(path):
+            continue
+        if kind == "old" and not os.path.lexists(target) and not _held(path):
+            raise SystemExit(
+                f"error: --output {output} is missing, and {path} holds the export that was "
+                "there: a to-hf replacing it was stopped between moving it aside and moving "
+                f"the new one in. Restore it: mv {shlex.quote(path)} {shlex.quote(output)} "
+                f"(then run again with --overwrite), or drop it: rm -rf {shlex.quote(path)}")
+        what = ("the staging directory of a to-hf into --output" if kind == "staging" else
+                "an earlier export moved aside by a to-hf that replaced --output")
+        if _stopped_writer(path):
+            shutil.rmtree(path, ignore_errors=True)
+            lines.append(f"note: removed {path}, {what} {output}, left by a to-hf that was "
+                         "stopped (kill -9, a power loss)")
+            continue
+        lines.append(f"note: {path} is {what} {output}, left by a to-hf that was stopped "
+                     "(kill -9, a power loss) or that still runs; it is not removed, as one "
+                     "running may be writing it. Once none runs, remove it: "
+                     f"rm -rf {shlex.quote(path)}")
+    return lines
+
+
+def _held(path: str) -> Optional[bool]:
+    """Whether a process holds `path` (`hold_directory`): a to-hf writing or swapping it
+    now; None when that cannot be told (not readable, a file system without locks)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def install_export(staging: str, output: str) -> List[str]:
@@ -137,12 +243,21 @@ def install_export(staging: str, output: str) -> List[str]:
         os.rename(staging, target)
         return []
     os.chmod(staging, stat.S_IMODE(os.stat(target).st_mode))
+    held = hold_directory(target)  # goes aside with it: `leftover_exports` sees it in use
+    try:
+        return _swap_in(staging, target)
+    finally:
+        held.close()
+
+
+def _swap_in(staging: str, target: str) -> List[str]:
+    """`install_export` over an existing `target` (held by the caller)."""
     kept, moved, old = other_entries(target)[0], [], None
     try:
         for name in kept:
             os.rename(os.path.join(target, name), os.path.join(staging, name))
             moved.append(name)
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-",
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-{_owner()}",
                                dir=os.path.dirname(target))
         os.rename(target, old)  # onto the empty directory `old`
         try:
@@ -331,5 +446,5 @@ def _load_bin(path: str) -> Dict[str, torch.Tensor]:
             "pytorch_model.bin that holds tensors only") from None
 
 
-__all__ = ["SAFETENSORS_INDEX", "export_file", "install_export", "load_hf_checkpoint",
-           "make_staging", "other_entries", "read_hf_config", "save_hf_checkpoint"]
+__all__ = ["SAFETENSORS_INDEX", "export_file", "hold_directory", "install_export",
+           "leftover_exports", "load_hf_checkpoint", "make_staging", "other_entries", "read_hf_config", "save_hf_checkpoint"]

@@ -1038,3 +1038,78 @@ def test_a_failed_from_hf_overwrite_leaves_the_earlier_import_whole(tmp_path, mo
     assert (ck / "tokenizer" / "tokenizer.json").read_bytes() == \
         (tmp_path / "b" / "tokenizer.json").read_bytes()
     assert (ck / "latest_checkpointed_iteration.txt").read_text() == "release"
+
+
+def _stopped_to_hf_staging(output):
+    """(the process, its staging directory): a process that made and holds a staging
+    directory for `output` as to-hf does, then sleeps; the caller kills it (or not)."""
+    code = ("import sys, time; from megatron import hf_files; "
+            "p = hf_files.make_staging(sys.argv[1]); h = hf_files.hold_directory(p); "
+            "open(p + '/model.safetensors.tmp', 'wb').write(b'0' * 64); "
+            "print(p, flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(output)], stdout=subprocess.PIPE,
+                            text=True, cwd=Path(__file__).resolve().parents[1])
+    path = proc.stdout.readline().strip()
+    assert os.path.isdir(path), path
+    os.utime(path, (os.stat(path).st_atime - 600, os.stat(path).st_mtime - 600))
+    return proc, path
+
+
+def test_to_hf_removes_a_stopped_exports_staging_and_names_the_others(tmp_path, capsys):
+    """A to-hf stopped by kill -9 (or a power loss) left its `.NAME.staging-*` directory
+    beside --output for good, unmentioned. The next to-hf into it removes one whose
+    writer provably stopped (this host, no process holds it, unchanged for a minute) and
+    names the others, in use or not provably stopped, with the rm -rf that removes them."""
+    _train(tmp_path / "ck", "", steps=1)
+    out = tmp_path / "hf"
+    dead, dead_path = _stopped_to_hf_staging(out)
+    live, live_path = _stopped_to_hf_staging(out)
+    try:
+        dead.kill()
+        dead.wait()
+        older = tmp_path / ".hf.staging-x1y2z3w4"  # an older to-hf's name: no host in it
+        older.mkdir()
+        assert _cli("to-hf", "--load", tmp_path / "ck", "--output", out) == 0
+        printed = capsys.readouterr().out
+        assert f"note: removed {dead_path}, the staging directory of a to-hf into --output " \
+               f"{out}, left by a to-hf that was stopped" in printed
+        for kept in (live_path, str(older)):
+            assert f"note: {kept} is the staging directory of a to-hf into --output {out}, " \
+                   "left by a to-hf that was stopped (kill -9, a power loss) or that still " \
+                   f"runs; it is not removed, as one running may be writing it. Once none " \
+                   f"runs, remove it: rm -rf {kept}" in printed
+        assert sorted(os.listdir(tmp_path)) == sorted(
+            [".hf.staging-x1y2z3w4", os.path.basename(live_path), "ck", "hf"])
+    finally:
+        live.kill()
+        live.wait()
+        live.stdout.close()
+        dead.stdout.close()
+
+
+def test_to_hf_says_how_to_restore_an_export_left_aside(tmp_path):
+    """Killed between its two renames, to-hf --overwrite left --output missing and the
+    earlier export only in `.NAME.old-*`; the next to-hf wrote a new export in its place,
+    saying nothing. Now it stops first and says how to restore it; with --output in place
+    a stopped writer's `.old-*` is removed."""
+    _train(tmp_path / "ck", "", steps=1)
+    out = tmp_path / "hf"
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", out) == 0
+    before = _tree(out)
+    staging = hf_files.make_staging(out)  # the name install_export gives it, but .old-
+    os.rmdir(staging)
+    aside = Path(staging.replace(".staging-", ".old-"))
+    os.rename(out, aside)
+    with pytest.raises(SystemExit) as err:
+        _cli("to-hf", "--load", tmp_path / "ck", "--output", out)
+    message = str(err.value.code)
+    assert message.startswith(f"error: --output {out} is missing, and {aside} holds the "
+                              "export that was there: a to-hf replacing it was stopped")
+    mv = shlex.split(message.split("Restore it: ")[1].split(" (then")[0])
+    assert mv == ["mv", str(aside), str(out)] and not out.exists()
+    os.rename(mv[1], mv[2])  # what the command does
+    assert _tree(out) == before
+    aside.mkdir()  # a stopped swap's earlier export, --output in place: removed
+    os.utime(aside, (0, 0))
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", out, "--overwrite") == 0
+    assert sorted(os.listdir(tmp_path)) == ["ck", "hf"]
