@@ -447,4 +447,5 @@ def _load_bin(path: str) -> Dict[str, torch.Tensor]:
 
 
 __all__ = ["SAFETENSORS_INDEX", "export_file", "hold_directory", "install_export",
-           "leftover_exports", "load_hf_checkpoint", "make_staging", "other_entries", "read_hf_config", "save_hf_checkpoint"]
+           "leftover_exports", "load_hf_checkpoint", "make_staging", "other_entries",
+           "read_hf_config", "save_hf_checkpoint"]
