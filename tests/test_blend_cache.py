@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from megatron.core.datasets import blend_cache, blended
+from megatron.core.datasets import blend_cache, blend_lanes, blended
 from megatron.core.datasets.blend_cache import blend_key
 from megatron.core.datasets.blended import (
     BLENDING_INDEX_VERSION,
@@ -169,7 +169,9 @@ def test_progress_comes_in_blocks_for_every_builder(monkeypatch):
     blocks, increasing, up to all of them; the result is the same as without."""
     monkeypatch.setattr(blended, "_FLUSH", 1000)
     monkeypatch.setattr(blended, "_LOOP_CHUNK", 1000)
-    for num in (2, 5, blended.NUMPY_STEP_MIN + 1):
+    monkeypatch.setattr(blend_lanes, "LANES", 1)  # one stretch of 1000 or so a batch
+    monkeypatch.setattr(blend_lanes, "_STRETCH_MAX", 1000)
+    for num in (2, 5, blended.LANES_MIN + 1):
         w = normalised_weights(np.arange(1, num + 1))
         seen = []
         got = build_blending_indices(w, 5500, seen.append)

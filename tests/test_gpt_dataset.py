@@ -448,14 +448,14 @@ def test_blending_two_datasets_large_random():
 
 @pytest.mark.parametrize("num", [32, 40, 61, 254])
 def test_blending_many_datasets_matches_reference(monkeypatch, num):
-    """From NUMPY_STEP_MIN datasets one numpy argmax per sample: exact, ties included
-    (integer weights repeat; a weight 0), across the blocks of products and the flushes
-    into the output arrays (where the sample indices are numbered)."""
-    from megatron.core.datasets import blended
+    """From LANES_MIN datasets the lanes builder: exact, ties included (integer weights
+    repeat; a weight 0), across many lanes (short stretches: their seams are where the
+    sample indices are numbered)."""
+    from megatron.core.datasets import blend_lanes, blended
 
-    assert blended.NUMPY_STEP_MIN <= 32
-    monkeypatch.setattr(blended, "_FLUSH", 997)
-    monkeypatch.setattr(blended, "_STEP_BLOCK", 101)
+    assert blended.LANES_MIN <= 32
+    monkeypatch.setattr(blend_lanes, "_STRETCH_MAX", 101)
+    monkeypatch.setattr(blend_lanes, "_BURN_PER_DATASET", 1)
     w = np.random.default_rng(num).integers(0, 6, num).astype(np.float64)
     w[0] = 0.0
     w /= w.sum()

@@ -3,7 +3,7 @@
 Sample s of the blend comes from the dataset d that maximises
 `w_d * max(s, 1) - count_d` (ties: lowest d), evaluated in float64 as Megatron's helper
 does; `count_d` (before the increment) is the sample taken from dataset d. This module
-computes the same two arrays without a compiled helper. From 3 to NUMPY_STEP_MIN - 1
+computes the same two arrays without a compiled helper. From 3 to LANES_MIN - 1
 datasets it guesses a block of picks (each dataset's next picks where its deficit would
 reach the current maximum), computes in numpy the greedy's true pick at every step given the
 guess's counts, and repairs each wrong step i by moving its true pick forward from its next
@@ -11,10 +11,10 @@ place p in the guess (the counts after p are unchanged, so only steps i+1..p are
 again) until the guess and the true picks agree everywhere: then, by induction from the
 block's first step, the guess is the greedy (0.1-1 microsecond per sample; a plain
 per-sample loop takes over where the guesses keep failing). Two datasets keep a simpler
-variant (the verified part of each guess). From `NUMPY_STEP_MIN` datasets on, one numpy
-subtract and argmax per sample (0.6-1.6 microsecond whatever their number: 50 datasets over
-100 million samples take one to three minutes, hundreds no longer). The build is sequential
-by nature (each pick depends on all earlier ones), which is why a blend's indices are cached
+variant (the verified part of each guess). From `LANES_MIN` datasets on (the guesses'
+cost grows with the datasets: each step's check takes them all), blend_lanes.py runs many
+stretches of the blend side by side, each looking at a few candidate datasets at a time
+(0.3-0.8 microsecond per sample up to 254 datasets). The build is sequential by nature (each pick depends on all earlier ones), which is why a blend's indices are cached
 where the members' GPT indexes are (blend_cache.py), and why a long build reports its
 progress.
 """
@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron.core.datasets.blend_cache import BlendIndexCache
+from megatron.core.datasets.blend_lanes import HEAD_PER_DATASET, blending_lanes
 from megatron.core.datasets.index_cache import cache_directories, cache_write_fix, load_npy
 
 # Bump when build_blending_indices' output changes: it is part of the cache key, so caches
@@ -91,50 +92,8 @@ def _blending_loop(weights: np.ndarray, size: int, counts: np.ndarray, start: in
             progress(min(size, begin + _LOOP_CHUNK))
 
 
-NUMPY_STEP_MIN = 32  # datasets from which one numpy argmax per sample beats guessed blocks
-_FLUSH = 1 << 20  # samples picked between writes into the output arrays
-_STEP_BLOCK = 4096  # samples whose products are computed at once by `_blending_numpy_steps`
-
-
-def _occurrence_numbers(picks: np.ndarray, before: np.ndarray) -> np.ndarray:
-    """int64 [len(picks)]: for each pick of dataset d, how many picks of d came before
-    it (`before[d]` of them before this block)."""
-    order = np.argsort(picks, kind="stable")  # radix sort of uint8: each dataset's in order
-    ranked = picks[order]
-    first = np.searchsorted(ranked, ranked, side="left")  # where each dataset's run starts
-    numbers = np.empty(len(picks), dtype=np.int64)
-    numbers[order] = np.arange(len(picks)) - first + before[ranked]
-    return numbers
-
-
-def _blending_numpy_steps(weights: np.ndarray, size: int, dataset_index: np.ndarray,
-                          sample_index: np.ndarray, progress: Progress = None) -> None:
-    """The greedy with one numpy subtract and argmax per sample: the float64 products
-    w_d * max(s, 1) come from one outer product per block of samples, the differences with
-    the counts (exact integers in float64) are the same as `_blending_loop`'s, and argmax
-    returns the first maximum, so ties go to the lowest dataset as there. Each pick's
-    sample index (the count before it) is numbered afterwards, per block."""
-    w = np.asarray(weights, dtype=np.float64)
-    counts = np.zeros(len(w), dtype=np.float64)
-    add_one = memoryview(counts)  # item access without making numpy scalars (faster)
-    err = np.empty(len(w), dtype=np.float64)
-    subtract = np.subtract
-    for start in range(0, size, _FLUSH):
-        stop = min(size, start + _FLUSH)
-        before = counts.astype(np.int64)
-        picks: List[int] = []
-        append = picks.append
-        for block in range(start, stop, _STEP_BLOCK):
-            steps = np.arange(block, min(stop, block + _STEP_BLOCK), dtype=np.float64)
-            for row in np.multiply.outer(np.maximum(steps, 1.0), w):  # [block, datasets]
-                d = subtract(row, counts, out=err).argmax()
-                append(d)
-                add_one[d] += 1.0
-        chunk = np.array(picks, dtype=np.uint8)
-        dataset_index[start:stop] = chunk
-        sample_index[start:stop] = _occurrence_numbers(chunk, before)
-        if progress is not None:
-            progress(stop)
+LANES_MIN = 32  # datasets from which the lanes of blend_lanes.py beat guessed blocks
+_FLUSH = 1 << 20  # samples of one block of `samples_needed`
 
 
 def _predict(weights: np.ndarray, counts: np.ndarray, length: int) -> np.ndarray:
@@ -322,8 +281,11 @@ def build_blending_indices(weights: Sequence[float], size: int,
         sample_index[:] = np.arange(size)
     elif len(weights) == 2:
         _blending_vectorised(weights, size, dataset_index, sample_index, progress)
-    elif len(weights) >= NUMPY_STEP_MIN:
-        _blending_numpy_steps(weights, size, dataset_index, sample_index, progress)
+    elif len(weights) >= LANES_MIN:
+        head = size if np.sum(weights) <= 0 else min(size, HEAD_PER_DATASET * len(weights))
+        _blending_loop(weights, head, np.zeros(len(weights), dtype=np.int64), 0,
+                       dataset_index, sample_index, progress)
+        blending_lanes(weights, size, dataset_index, sample_index, head, progress)
     else:
         _blending_rotations(weights, size, dataset_index, sample_index, progress)
     return dataset_index, sample_index
