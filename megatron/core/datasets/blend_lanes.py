@@ -40,6 +40,7 @@ _BURN_PER_DATASET = 8  # samples a lane runs from guessed counts, per dataset, a
 _BURN_MAX_PER_DATASET = 256  # ... at most (doubled after each mismatch)
 _MEET_EVERY = 64  # samples of the plain greedy between comparisons with a lane
 _REPAIRED_MAX = 100  # a batch whose plain greedy took more than 1/this: burns double
+_WINDOW_PER_ROOT = 3.75  # samples between choices of candidates, per root of the groups
 _NOBODY = 1 << 20  # the next member of the dummy group (above every dataset)
 
 
@@ -179,7 +180,7 @@ def blending_lanes(weights: np.ndarray, size: int, dataset_index: np.ndarray,
     there (HEAD_PER_DATASET per dataset): until each dataset was picked about once, their
     values are too close for few candidates."""
     num, groups = len(weights), _Groups(weights)
-    window = min(groups.count, max(4, int(round(0.8 * math.sqrt(groups.count)))))
+    window = min(groups.count, max(4, int(round(_WINDOW_PER_ROOT * math.sqrt(groups.count)))))
     burn = _BURN_PER_DATASET * num
     stretch = max(min(_STRETCH_MAX, -(-size // LANES)), 4 * burn)
     true = np.bincount(dataset_index[:done], minlength=num).astype(np.int64)
