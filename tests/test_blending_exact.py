@@ -78,6 +78,7 @@ def test_lanes_match_the_greedy(monkeypatch, num, kind):
     monkeypatch.setattr(blend_lanes, "_STRETCH_MAX", 97)
     monkeypatch.setattr(blend_lanes, "_BURN_PER_DATASET", 1)
     monkeypatch.setattr(blend_lanes, "_MEET_EVERY", 7)
+    monkeypatch.setattr(blend_lanes, "_NUMBERED", 1000)  # sample indices numbered in pieces
     rng = np.random.default_rng(num * 11 + len(kind))
     w = _weights(kind, num, rng)
     size = 30011 if num <= 24 else 8009

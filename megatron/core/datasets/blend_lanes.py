@@ -1,4 +1,4 @@
-"""The blending greedy for many datasets (from 32), in lanes run side by side.
+"""The blending greedy for many datasets (from 16), in lanes run side by side.
 
 The greedy (blended.py) picks at sample s the dataset d maximising
 `fl(fl(w_d * max(s, 1)) - count_d)`, ties to the lowest d. Each pick depends on all earlier
@@ -22,7 +22,8 @@ at once, one lane each, so that every numpy call advances all lanes by one sampl
   so argmax's first maximum is the lowest dataset as in the greedy (among groups of several
   datasets, ties go to the lowest next member explicitly).
 
-About 0.3-0.8 microsecond per sample from 32 to 254 datasets (benchmarks/RESULTS.md).
+About 0.25-0.65 microsecond per sample from 16 to 254 datasets on a busy 2-core machine
+(benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ _BURN_MAX_PER_DATASET = 256  # ... at most (doubled after each mismatch)
 _MEET_EVERY = 64  # samples of the plain greedy between comparisons with a lane
 _REPAIRED_MAX = 100  # a batch whose plain greedy took more than 1/this: burns double
 _WINDOW_PER_ROOT = 3.75  # samples between choices of candidates, per root of the groups
+_NUMBERED = 1 << 20  # samples whose sample indices are numbered at once
 _NOBODY = 1 << 20  # the next member of the dummy group (above every dataset)
 
 
@@ -193,11 +195,13 @@ def blending_lanes(weights: np.ndarray, size: int, dataset_index: np.ndarray,
         picks = _run_lanes(groups, totals, starts, stretch + burn, window)
         kept, repaired = _joined(weights, picks, groups.member_counts(totals), true, starts,
                                  burn)
-        chunk = kept[:size - done]
-        dataset_index[done:done + len(chunk)] = chunk
-        sample_index[done:done + len(chunk)] = occurrence_numbers(chunk, true)
-        true += np.bincount(chunk, minlength=num)
-        done += len(chunk)
+        take = min(len(kept), size - done)
+        for begin in range(0, take, _NUMBERED):  # numbered in pieces: bounded memory
+            chunk = kept[begin:min(begin + _NUMBERED, take)]
+            dataset_index[done:done + len(chunk)] = chunk
+            sample_index[done:done + len(chunk)] = occurrence_numbers(chunk, true)
+            true += np.bincount(chunk, minlength=num)
+            done += len(chunk)
         if repaired * _REPAIRED_MAX > len(kept):  # guesses too far off: longer burns
             burn = min(2 * burn, _BURN_MAX_PER_DATASET * num)
             stretch = max(stretch, 4 * burn)

@@ -14,8 +14,8 @@ per-sample loop takes over where the guesses keep failing). Two datasets keep a 
 variant (the verified part of each guess). From `LANES_MIN` datasets on (the guesses'
 cost grows with the datasets: each step's check takes them all), blend_lanes.py runs many
 stretches of the blend side by side, each looking at a few candidate datasets at a time
-(0.3-0.8 microsecond per sample up to 254 datasets). The build is sequential by nature (each pick depends on all earlier ones), which is why a blend's indices are cached
-where the members' GPT indexes are (blend_cache.py), and why a long build reports its
+(0.25-0.65 microsecond per sample up to 254 datasets). The build is sequential by nature
+(each pick depends on all earlier ones), which is why a blend's indices are cached where the members' GPT indexes are (blend_cache.py), and why a long build reports its
 progress.
 """
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _blending_loop(weights: np.ndarray, size: int, counts: np.ndarray, start: in
             progress(min(size, begin + _LOOP_CHUNK))
 
 
-LANES_MIN = 32  # datasets from which the lanes of blend_lanes.py beat guessed blocks
+LANES_MIN = 16  # datasets from which the lanes of blend_lanes.py beat guessed blocks
 _FLUSH = 1 << 20  # samples of one block of `samples_needed`
 
 
