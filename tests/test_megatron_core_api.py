@@ -153,6 +153,10 @@ def _layers_worker(rank, world_size):
         torch.manual_seed(SEED)  # gather_output left out: 23.05's default gathers
         fc1 = tp.ColumnParallelLinear(H, FFN, init_method=_init, use_cpu_initialization=True)
         out["gathered"] = fc1(_x())[0].detach()
+        try:  # at TP size 2 sequence parallelism is on, and a gathered output refused
+            tp.ColumnParallelLinear(H, FFN, init_method=_init, sequence_parallel_enabled=True)
+        except ValueError as e:
+            out["sp_gather"] = str(e)
         state = torch.get_rng_state()  # perform_initialization=False draws nothing
         tp.RowParallelLinear(FFN, H, init_method=_init, use_cpu_initialization=True,
                              perform_initialization=False)
@@ -198,6 +202,9 @@ def test_column_gathers_by_default_and_perform_initialization(layer_results):
         torch.testing.assert_close(res["gathered"], torch.nn.functional.linear(_x(), w1),
                                    **TOL, msg=f"rank {r}")
         assert res["rng_untouched"]
+        assert "gather_output=True (the default, as in Megatron-LM) cannot be used with " \
+            "sequence_parallel=True at tensor-parallel size 2; pass gather_output=False" \
+            in res.get("sp_gather", "")
 
 
 def test_functional_linear_takes_23_05_keywords(layer_results):
@@ -218,8 +225,6 @@ def test_23_05_keywords_refused_with_the_fix():
     with pytest.raises(ValueError, match="keep_master_weight_for_test=True .* "
                        "use_cpu_initialization=True"):
         tp.ColumnParallelLinear(4, 4, init_method=_init, keep_master_weight_for_test=True)
-    with pytest.raises(ValueError, match=r"pass gather_output=False"):
-        tp.ColumnParallelLinear(4, 4, init_method=_init, sequence_parallel_enabled=True)
     # Megatron-LM 23.05 takes every argument after the two sizes by keyword
     with pytest.raises(TypeError, match="positional"):
         tp.ColumnParallelLinear(4, 4, True)

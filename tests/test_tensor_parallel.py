@@ -340,9 +340,11 @@ def test_layers_single_process_equal_plain_torch():
     _close(emb(ids), emb.weight[ids], "embedding TP=1")
     with pytest.raises(ValueError, match=r"has shape \(5, 4\), expected \(6, 4\)"):
         tp.ColumnParallelLinear(4, 6, init_method=INIT, device="cpu").forward(X, torch.ones(5, 4))
-    with pytest.raises(ValueError, match="gather_output"):
-        tp.ColumnParallelLinear(4, 6, init_method=INIT, gather_output=True,
-                                sequence_parallel=True, device="cpu")
+    # at TP=1 sequence parallelism is off (Megatron-LM 23.05), so the output may be gathered
+    sp = tp.ColumnParallelLinear(4, 6, init_method=INIT, gather_output=True,
+                                 sequence_parallel=True, device="cpu")
+    assert not sp.sequence_parallel
+    _close(sp(X)[0], F.linear(X, sp.weight, sp.bias), "column TP=1, sequence_parallel asked")
 
 
 def test_init_helpers():

@@ -476,14 +476,17 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         sequence_parallel = _one_of("ColumnParallelLinear", "sequence_parallel", sequence_parallel,
                                     "sequence_parallel_enabled", sequence_parallel_enabled, False)
-        if sequence_parallel and gather_output:
-            raise ValueError("ColumnParallelLinear: gather_output=True (the default, as in "
-                             "Megatron-LM) cannot be used with sequence_parallel=True; pass "
-                             "gather_output=False and gather in the caller")
         _check_keep_master("ColumnParallelLinear", keep_master_weight_for_test,
                            use_cpu_initialization, perform_initialization)
         tp_group = resolve_tp_group(tp_group, "ColumnParallelLinear(tp_group=...)")
         world = group_size(tp_group)
+        # at TP size 1 sequence parallelism is off (as in Megatron-LM 23.05), so gathering
+        # the output is the identity and both may be asked for
+        if sequence_parallel and gather_output and world > 1:
+            raise ValueError(
+                f"ColumnParallelLinear: gather_output=True (the default, as in Megatron-LM) "
+                f"cannot be used with sequence_parallel=True at tensor-parallel size {world}; "
+                "pass gather_output=False and gather in the caller")
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = _per_partition(
             output_size, world, "ColumnParallelLinear", "output_size")

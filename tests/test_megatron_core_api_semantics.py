@@ -1,0 +1,52 @@
+"""Megatron-LM 23.05 semantics of `megatron.core` that ported code relies on, one process:
+sequence parallelism requested at tensor-parallel size 1 is off (so `gather_output=True`
+is accepted), the tensor-parallel marks are set once, `initialize_model_parallel` takes
+23.05's five positional parameters. Sequence parallelism at size 2 is checked on two
+ranks in test_megatron_core_api.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel as tp
+
+S, B, H, FFN, SEED = 4, 2, 6, 8, 3
+
+
+@pytest.fixture
+def fresh_state():
+    ps.destroy_model_parallel()
+    yield
+    ps.destroy_model_parallel()
+
+
+def _init(w):
+    return torch.nn.init.normal_(w, std=0.5)
+
+
+def _column(**kw):
+    torch.manual_seed(SEED)
+    return tp.ColumnParallelLinear(H, FFN, init_method=_init, use_cpu_initialization=True,
+                                   keep_master_weight_for_test=True, **kw)
+
+
+@pytest.mark.parametrize("initialized", [False, True])
+def test_sequence_parallel_with_gather_output_at_tp1_is_the_one_process_layer(
+        fresh_state, initialized):
+    if initialized:
+        ps.initialize_model_parallel(1)
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1))
+    layer = _column(sequence_parallel_enabled=True)  # gather_output=True: 23.05's default
+    assert layer.gather_output and not layer.sequence_parallel
+    plain = _column()
+    assert torch.equal(layer.master_weight, plain.master_weight)
+    xs = x.clone().requires_grad_()
+    y, _ = layer(xs)
+    y.sum().backward()
+    ref_x = x.clone().requires_grad_()
+    ref = torch.nn.functional.linear(ref_x, layer.master_weight, torch.zeros(FFN))
+    ref.sum().backward()
+    torch.testing.assert_close(y, ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(xs.grad, ref_x.grad, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(y, plain(x)[0], atol=0, rtol=0)
