@@ -50,3 +50,29 @@ def test_sequence_parallel_with_gather_output_at_tp1_is_the_one_process_layer(
     torch.testing.assert_close(y, ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(xs.grad, ref_x.grad, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(y, plain(x)[0], atol=0, rtol=0)
+
+
+def test_tensor_parallel_marks_are_set_once():
+    w = torch.nn.Parameter(torch.zeros(4, 2))
+    tp.set_tensor_model_parallel_attributes(w, True, 0, 2)
+    assert (w.tensor_model_parallel, w.partition_dim, w.partition_stride) == (True, 0, 2)
+    with pytest.raises(ValueError, match=r"already has \{'tensor_model_parallel': True, "
+                       r"'partition_dim': 0, 'partition_stride': 2\}.*"
+                       r"copy_tensor_model_parallel_attributes"):
+        tp.set_tensor_model_parallel_attributes(w, False, -1, 1)
+    assert (w.tensor_model_parallel, w.partition_dim) == (True, 0)  # left as it was
+    half = torch.nn.Parameter(torch.zeros(2))
+    half.partition_dim = 1  # any one of the three counts
+    with pytest.raises(ValueError, match=r"already has \{'partition_dim': 1\}"):
+        tp.set_tensor_model_parallel_attributes(half, True, 0, 1)
+
+
+def test_layers_mark_their_weights_even_without_initialization():
+    # Megatron-LM 23.05 leaves the weight unmarked with perform_initialization=False; this
+    # project marks it, so that grad clipping and checkpoint resharding still see a shard
+    col = tp.ColumnParallelLinear(H, FFN, init_method=_init, perform_initialization=False)
+    row = tp.RowParallelLinear(FFN, H, init_method=_init, perform_initialization=False)
+    emb = tp.VocabParallelEmbedding(16, H, init_method=_init, perform_initialization=False)
+    marks = [(p.tensor_model_parallel, p.partition_dim, p.partition_stride)
+             for p in (col.weight, col.bias, row.weight, row.bias, emb.weight)]
+    assert marks == [(True, 0, 1), (True, 0, 1), (True, 1, 1), (False, -1, 1), (True, 0, 1)]

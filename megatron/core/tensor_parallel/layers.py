@@ -64,7 +64,17 @@ _TP_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1,
 def set_tensor_model_parallel_attributes(
     param: torch.Tensor, is_parallel: bool, dim: int, stride: int
 ) -> None:
-    """Mark `param` as a TP shard (or not) split along `dim` in `stride` blocks."""
+    """Mark `param` as a TP shard (or not) split along `dim` in `stride` blocks.
+
+    As in Megatron-LM, a parameter that already carries one of these attributes is refused
+    (marking it again would silently change how it is sharded, clipped and saved)."""
+    already = {name: getattr(param, name) for name in _TP_ATTRIBUTE_DEFAULTS
+               if hasattr(param, name)}
+    if already:
+        raise ValueError(
+            f"set_tensor_model_parallel_attributes: the tensor already has {already}; it is "
+            "marked once, when it is created (use copy_tensor_model_parallel_attributes to "
+            "copy another tensor's marks, or delete these attributes first to re-mark it)")
     param.tensor_model_parallel = is_parallel
     param.partition_dim = dim
     param.partition_stride = stride
