@@ -5,6 +5,8 @@ is accepted), the tensor-parallel marks are set once, `initialize_model_parallel
 ranks in test_megatron_core_api.py."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -76,3 +78,22 @@ def test_layers_mark_their_weights_even_without_initialization():
     marks = [(p.tensor_model_parallel, p.partition_dim, p.partition_stride)
              for p in (col.weight, col.bias, row.weight, row.bias, emb.weight)]
     assert marks == [(True, 0, 1), (True, 0, 1), (True, 1, 1), (False, -1, 1), (True, 0, 1)]
+
+
+def test_initialize_model_parallel_has_23_05s_positional_parameters(fresh_state):
+    params = inspect.signature(ps.initialize_model_parallel).parameters
+    positional = [n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert positional == ["tensor_model_parallel_size", "pipeline_model_parallel_size",
+                          "virtual_pipeline_model_parallel_size",
+                          "pipeline_model_parallel_split_rank", "use_fp8"]
+    # a ported call giving all five positionally (the fifth 23.05's use_fp8)
+    state = ps.initialize_model_parallel(1, 1, None, None, False)
+    assert (state.tp_size, state.pp_size, state.ep_size) == (1, 1, 1)
+    ps.destroy_model_parallel()
+    with pytest.raises(ValueError, match=r"use_fp8=True.*not supported.*pass use_fp8=False"):
+        ps.initialize_model_parallel(1, 1, None, None, True)
+    assert not ps.model_parallel_is_initialized()
+    with pytest.raises(TypeError, match="positional"):
+        ps.initialize_model_parallel(1, 1, None, None, False, 1)
+    state = ps.initialize_model_parallel(1, expert_model_parallel_size=1)
+    assert state.ep_size == 1

@@ -310,17 +310,26 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
     pipeline_model_parallel_split_rank: Optional[int] = None,
+    use_fp8: bool = False,
+    *,
     expert_model_parallel_size: int = 1,
     sequence_parallel_enabled: bool = False,
 ) -> ParallelState:
     """Build the ParallelState for this process (torch.distributed must be initialised
     when the world has more than one process) and remember it for the accessors.
 
-    The first four parameters are Megatron's, in its order (its own initialize passes them
-    positionally); `pipeline_model_parallel_split_rank` splits an encoder-decoder pipeline,
-    so only None is accepted here. A second call without `destroy_model_parallel()` in
-    between is an error (Megatron-LM asserts), not a second set of groups."""
+    The first five parameters are Megatron-LM 23.05's, in its order (its own initialize
+    passes them positionally); `pipeline_model_parallel_split_rank` splits an
+    encoder-decoder pipeline and `use_fp8` builds the FP8 amax-reduction groups, so only
+    None and False are accepted here. The others are keyword-only. A second call without
+    `destroy_model_parallel()` in between is an error (Megatron-LM asserts), not a second
+    set of groups."""
     global _STATE
+    if use_fp8:
+        raise ValueError(
+            "initialize_model_parallel(use_fp8=True): FP8 (Transformer Engine) training is "
+            "not supported by this framework, so it has no amax-reduction groups; pass "
+            "use_fp8=False (and drop --fp8-e4m3 / --fp8-hybrid)")
     if _STATE is not None:
         raise RuntimeError(
             f"initialize_model_parallel() was already called (tensor_model_parallel_size="
