@@ -20,7 +20,8 @@ is drawn directly on its device under the tracker's model-parallel fork.
 Megatron-LM 23.05's constructor keywords are accepted with its meaning and defaults
 (`gather_output=True`, `init_method=torch.nn.init.xavier_normal_`, keyword-only after the
 two sizes): `sequence_parallel_enabled` (this module's `sequence_parallel`),
-`perform_initialization=False` (allocate, set the TP attributes, draw nothing) and
+`perform_initialization=False` (allocate, set the TP attributes -- Megatron-LM leaves
+them unset -- and draw nothing) and
 `keep_master_weight_for_test=True` (with CPU initialisation: the full weight drawn is kept
 as `layer.master_weight`).
 """
