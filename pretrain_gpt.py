@@ -188,7 +188,7 @@ def _train(config, ranks: tuple, start: float, progress, watch, tokenizer=None,
     from megatron.agreed_exit import silent_ranks_wait
     from megatron.arguments import format_args_dump, wait_for_printing_rank
     from megatron.data_loading import check_data_files
-    from megatron.initialize import initialize_entry_point, set_random_seed
+    from megatron.initialize import initialize_entry_point, left_by_earlier_run, set_random_seed
     from megatron.interrupt import last_checkpoint_text
     from megatron.logging_utils import print_rank_0
     from megatron.oom_report import OutOfMemoryExit
@@ -196,7 +196,8 @@ def _train(config, ranks: tuple, start: float, progress, watch, tokenizer=None,
     from megatron.training import pretrain, print_datetime
 
     rank, world, local_rank = ranks
-    made_here = not dist.is_initialized()  # a group the caller made is the caller's to end
+    # a group the caller made is the caller's to end; one an earlier run left is not
+    made_here = not dist.is_initialized() or left_by_earlier_run()
     rt = initialize_entry_point(config.parallel, config.args["cublas_workspace"], rank, world,
                                 local_rank, os.environ, store=store)
     if rank == 0:

@@ -14,6 +14,7 @@ import datetime
 import os
 import random
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Mapping, MutableMapping
 
@@ -174,10 +175,52 @@ def check_local_rank(local_rank: int, num_gpus: int) -> None:
             "(CUDA_VISIBLE_DEVICES= torchrun ...)")
 
 
+# The default process group an entry point's run made (`initialize_distributed`), weakly:
+# a run that ends after an interrupt, another rank's failure or an out-of-memory error
+# leaves it alive on purpose, and the next run in the process must not take it for one its
+# caller made.
+_RUN_GROUP = [lambda: None]
+
+
+def _note_run_group() -> None:
+    _RUN_GROUP[0] = weakref.ref(dist.distributed_c10d._get_default_group())
+
+
+def left_by_earlier_run() -> bool:
+    """Whether the default process group is one an earlier run of an entry point in this
+    process made and left alive (after an interrupt, another rank's failure or an
+    out-of-memory error), rather than one the caller made."""
+    return (dist.is_initialized()
+            and _RUN_GROUP[0]() is dist.distributed_c10d._get_default_group())
+
+
+def end_leftover_group(rank: int, world_size: int) -> None:
+    """Before a run: a process group an earlier run in this process left alive is destroyed
+    when this run is one process alone (world size 1: no other process shares the
+    decision); with several processes it is refused (SystemExit): its peers may be gone
+    or may have ended theirs, so only a fresh start agrees on a group."""
+    if not left_by_earlier_run():
+        return
+    have = (dist.get_rank(), dist.get_world_size())
+    if world_size == 1:
+        print(f"destroying the process group (rank {have[0]} of {have[1]}) that an earlier "
+              "run in this process left after it stopped", flush=True)
+        dist.destroy_process_group()
+        return
+    raise SystemExit(
+        f"error: the process group (rank {have[0]} of {have[1]}) is one that an earlier run "
+        "in this process left alive after it stopped (an interrupt, another rank's failure "
+        f"or out of memory), and rank {rank} of {world_size} cannot reuse it: its peers may "
+        "be gone. Start the job's processes afresh (relaunch torchrun), or destroy it "
+        "(torch.distributed.destroy_process_group()) on every rank before the next call")
+
+
 def check_caller_group(rank: int, world_size: int) -> None:
     """SystemExit when a process group the caller made before (in-process use) is not
     this run's: its rank or world size differs from the launcher's (RANK, WORLD_SIZE;
-    0 and 1 without a launcher)."""
+    0 and 1 without a launcher). One an earlier run left is never the caller's
+    (`end_leftover_group`)."""
+    end_leftover_group(rank, world_size)
     if not dist.is_initialized():
         return
     have = (dist.get_rank(), dist.get_world_size())
@@ -222,6 +265,7 @@ def initialize_distributed(parallel: ParallelConfig, rank: int, world_size: int,
         elif agent_store is not None:
             kwargs["store"] = attempt_store(agent_store, rank, world_size, timeout)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+        _note_run_group()
     ps = ParallelState.build(
         world_size=world_size, rank=rank, tp_size=parallel.tp_size, pp_size=parallel.pp_size,
         ep_size=parallel.ep_size, virtual_pp_size=parallel.virtual_pp_size,

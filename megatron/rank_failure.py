@@ -306,9 +306,10 @@ def process_group_closed(where: str = "during generation",
     this rank's own failure is recorded for the others' lines. The watchdog the run started (`build_watchdog`), if
     any, is closed."""
     from megatron.agreed_exit import AgreedExit
+    from megatron.initialize import left_by_earlier_run
     from megatron.watchdog import close_current
 
-    made_here, closes = not dist.is_initialized(), False
+    made_here, closes = not dist.is_initialized() or left_by_earlier_run(), False
     try:
         yield
         closes = True

@@ -1,0 +1,101 @@
+"""In-process use after a run that left its process group alive on purpose (another rank's
+failure, an interrupt, out of memory: its teardown could wait for ranks still in a
+collective). The next call in that process must not take that group for one its caller
+made: at world size 1 it is destroyed first and the call trains as a fresh process does;
+with several ranks it is refused with a line naming it and the fix.
+
+Two child processes (rank 0 and rank 1 of a gloo group, no launcher): rank 1 dies at its
+second forward, so rank 0's call stops with the peer's failure and leaves the group."""
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from tests.dist_utils import cpu_env, free_port
+from tests.test_in_process import ARGS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = textwrap.dedent("""
+    import contextlib, io, json, os, re, sys
+    sys.path.insert(0, {root!r})
+    import torch, torch.distributed as dist
+    import pretrain_gpt
+    RANK, ARGS, WORLD = int(sys.argv[1]), {args!r}, {world!r}
+    calls = {{}}
+
+    def call(name, forward=None):
+        out, orig = io.StringIO(), torch.nn.Module.__call__
+        if forward is not None:
+            torch.nn.Module.__call__ = forward(orig)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                result = pretrain_gpt.main(ARGS)
+        except BaseException as e:
+            result = type(e).__name__ + ": " + str(e.code if isinstance(e, SystemExit) else e)
+        finally:
+            torch.nn.Module.__call__ = orig
+        calls[name] = dict(result=result, out=out.getvalue()[-3000:],
+                           losses=re.findall(r"lm loss: (\\S+) ", out.getvalue()),
+                           group=dist.is_initialized(),
+                           said=re.findall(r"^destroying .*$", out.getvalue(), re.M))
+
+    def dies_at_second_forward(orig):
+        count = [0]
+        def forward(self, *a, **k):
+            if type(self).__name__ == "GPTModel":
+                count[0] += 1
+                if count[0] == 2:
+                    os._exit(1)  # a rank lost mid-step
+            return orig(self, *a, **k)
+        return forward
+
+    if RANK == 0:
+        call("alone_before")
+    os.environ.update(WORLD, RANK=str(RANK))
+    call("world_2", forward=dies_at_second_forward if RANK == 1 else None)
+    call("world_2_again")
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name)
+    call("alone_after")
+    print(json.dumps(calls))
+""")
+
+
+def test_a_group_left_by_an_earlier_call_is_not_taken_for_the_callers(tmp_path):
+    world = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    script = tmp_path / "calls.py"
+    script.write_text(CHILD.format(root=str(ROOT), args=ARGS, world=world))
+    env = cpu_env()
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RUN_ID", "TORCH_GLOO_LAZY_INIT", "CUBLAS_WORKSPACE_CONFIG"):
+        env.pop(name, None)
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    try:
+        out, err = procs[0].communicate(timeout=240)
+        procs[1].wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[0].returncode == 0, err[-3000:]
+    assert procs[1].returncode == 1  # died at its second forward
+    calls = json.loads(out.strip().splitlines()[-1])
+    stopped = calls["world_2"]
+    assert stopped["result"].startswith("SystemExit: [rank 0] stopped at iteration 1: a "
+                                        "collective failed"), stopped["result"]
+    assert stopped["group"]  # left alive on purpose
+    again = calls["world_2_again"]["result"]
+    assert again.startswith("SystemExit: error: the process group (rank 0 of 2) is one that "
+                            "an earlier run in this process left alive"), again
+    assert "destroy_process_group()" in again and "relaunch torchrun" in again
+    after, before = calls["alone_after"], calls["alone_before"]
+    assert after["result"] == 0, after["out"]
+    assert after["said"] == ["destroying the process group (rank 0 of 2) that an earlier run "
+                             "in this process left after it stopped"], after["said"]
+    assert len(before["losses"]) == 10 and after["losses"] == before["losses"]
+    assert not after["group"]
