@@ -19,17 +19,12 @@ def main(argv=None) -> int:
     """The command line. Errors the ranks agree on: rank 0 prints them. A rank whose
     collective failed because another rank stopped prints one line naming that rank
     (megatron/rank_failure.py) instead of the backend's traceback; the process group is
-    destroyed unless a rank may be gone."""
-    from megatron.agreed_exit import silent_ranks_wait
-    from megatron.rank_failure import process_group_closed
+    destroyed unless a rank may be gone (all in tasks/zeroshot_gpt/evaluate.py's main)."""
     from pretrain_gpt import _launcher_env
     from tasks.zeroshot_gpt.evaluate import main as evaluate_main
 
     rank, world, local_rank = _launcher_env()
-    with process_group_closed("during the zero-shot evaluation", os.environ), \
-            silent_ranks_wait(os.environ):
-        evaluate_main(sys.argv[1:] if argv is None else argv, rank, world, local_rank,
-                      os.environ)
+    evaluate_main(sys.argv[1:] if argv is None else argv, rank, world, local_rank, os.environ)
     return 0
 
 

@@ -99,3 +99,52 @@ def test_a_group_left_by_an_earlier_call_is_not_taken_for_the_callers(tmp_path):
                              "in this process left after it stopped"], after["said"]
     assert len(before["losses"]) == 10 and after["losses"] == before["losses"]
     assert not after["group"]
+
+
+ZEROSHOT_CHILD = textwrap.dedent("""
+    import contextlib, io, json, os, sys
+    sys.path.insert(0, {root!r})
+    import torch.distributed as dist
+    from tasks.zeroshot_gpt import evaluate
+    RANK, ARGV = int(sys.argv[1]), {argv!r}
+    seen = {{}}
+    with contextlib.redirect_stdout(io.StringIO()):
+        if RANK == 0:
+            seen["alone"] = evaluate.main(ARGV)
+        os.environ.update(RANK=str(RANK))
+        seen["world_2"] = evaluate.main(ARGV, RANK, 2, RANK, os.environ)
+    seen["group_after"] = dist.is_initialized()
+    print(json.dumps(seen))
+""")
+
+
+def test_zero_shot_evaluate_main_ends_the_group_it_made(tmp_path):
+    """tasks/zeroshot_gpt/evaluate.main called as a library function at world size 2
+    (no group made before) ends the group it made, as tasks/main.py's main does; its
+    numbers are a one-process call's."""
+    from tests.test_zeroshot import NULL
+
+    (tmp_path / "l.jsonl").write_text('{"text": "1 2 3 4 5"}\n{"text": "6 7 8 9"}\n')
+    argv = ["--task", "LAMBADA", "--valid-data", str(tmp_path / "l.jsonl")] + NULL + [
+        "--global-batch-size", "4", "--use-cpu-initialization"]
+    script = tmp_path / "zeroshot.py"
+    script.write_text(ZEROSHOT_CHILD.format(root=str(ROOT), argv=argv))
+    env = cpu_env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    for name in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    seen = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert seen[0]["world_2"] == seen[1]["world_2"] == seen[0]["alone"], seen
+    assert seen[0]["alone"]["num_examples"] == 2
+    assert not seen[0]["group_after"] and not seen[1]["group_after"]

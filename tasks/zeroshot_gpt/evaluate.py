@@ -341,13 +341,19 @@ def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: in
     """tasks/main.py: parse -> check the tasks flags -> read the data -> initialise ->
     evaluate. Returns the numbers (every rank); None for --help / --dry-run (SystemExit 1
     when the dry run finds a problem). A process group made by the caller is used (and
-    left for the caller to destroy). Callable more than once in one process: the
-    variables it sets in `environ` and the warnings hooks come back as they were
+    left for the caller to destroy); the one the call made is destroyed when it returns
+    or every rank exits together, and left alive after another failure, where a rank may
+    be gone (megatron.rank_failure.process_group_closed: a collective another rank broke
+    is one line naming that rank). Callable more than once in one process: the variables
+    it sets in `environ` and the warnings hooks come back as they were
     (megatron.initialize.entry_point_changes_undone)."""
+    from megatron.agreed_exit import silent_ranks_wait
     from megatron.initialize import entry_point_changes_undone
+    from megatron.rank_failure import process_group_closed
 
     environ = {} if environ is None else environ
-    with entry_point_changes_undone(environ):
+    with process_group_closed("during the zero-shot evaluation", environ), \
+            silent_ranks_wait(environ), entry_point_changes_undone(environ):
         return _main(argv, rank, world_size, local_rank, environ)
 
 
