@@ -9,7 +9,6 @@ import os
 import re
 import shlex
 import shutil
-import tempfile
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -19,6 +18,7 @@ from megatron.hf_files import (
     hold_directory,
     install_export,
     leftover_exports,
+    leftover_imports,
     load_hf_checkpoint,
     make_staging,
     other_entries,
@@ -508,6 +508,8 @@ def run_from_hf(a) -> int:
 def _from_hf(a) -> int:
     from tools.checkpoint_convert import check_save
 
+    for line in leftover_imports(a.save):  # of a from-hf stopped by kill -9, a power loss
+        print(line, flush=True)
     check_save(a.save, a.overwrite)
     print(f"reading the Hugging Face model in {a.input} ...", flush=True)
     hf_cfg, hf_state = load_hf_checkpoint(a.input)
@@ -596,11 +598,10 @@ def _write_release_checkpoint(save: str, state: Dict[str, torch.Tensor], cfg,
     from tools.checkpoint_convert import reshard
 
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
-    parent = os.path.dirname(os.path.abspath(save))
-    os.makedirs(parent, exist_ok=True)
-    root = tempfile.mkdtemp(prefix=".from-hf-", dir=parent)
+    root = make_staging(save, "from-hf")  # .NAME.from-hf-HOST-PID-*, created with its parent
+    held = hold_directory(root)  # while written: `leftover_imports` sees it in use
     try:
-        _write_unsplit(root, state, cfg, tokenizer, parent)
+        _write_unsplit(root, state, cfg, tokenizer, os.path.dirname(root))
         release = os.path.join(root, "release")
         if (tp, pp) != (1, 1):
             reshard(root, os.path.join(root, "split"), tp, pp)
@@ -608,6 +609,7 @@ def _write_release_checkpoint(save: str, state: Dict[str, torch.Tensor], cfg,
         _install_import(save, release, os.path.join(root, TOKENIZER_DIR) if tokenizer else None)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        held.close()
 
 
 def _write_unsplit(root: str, state: Dict[str, torch.Tensor], cfg,

@@ -119,16 +119,17 @@ def other_entries(directory: str) -> Tuple[List[str], List[str]]:
     return [n for n in names if n not in refused], refused
 
 
-def make_staging(output: str) -> str:
+def make_staging(output: str, kind: str = "staging") -> str:
     """A new empty directory beside `output` (in its parent, created if missing) that the
     export is written into before `install_export` moves it to `output`; its name carries
-    this host (`.NAME.staging-HOST-PID-XXXXXXXX`). The writer holds it (`hold_directory`)
-    until it is moved in, which tells `leftover_exports` a live one from one left by a
-    stopped to-hf."""
+    this host and process (`.NAME.staging-HOST-PID-XXXXXXXX`; `kind` "from-hf": from-hf's
+    temporary directory beside its --save, `.NAME.from-hf-HOST-PID-XXXXXXXX`). The writer
+    holds it (`hold_directory`) until it is moved in, which tells `leftover_exports` /
+    `leftover_imports` a live one from one left by a stopped conversion."""
     target = os.path.realpath(output)
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.staging-{_owner()}",
+    return tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.{kind}-{_owner()}",
                             dir=parent)
 
 
@@ -157,6 +158,7 @@ class hold_directory:
 
 
 _QUIET_S = 60  # a directory changed since is never taken for a stopped writer's
+_KINDS = ("staging", "old", "from-hf")  # the directories a conversion leaves beside its output
 
 
 def _stopped_writer(path: str) -> bool:
@@ -164,7 +166,8 @@ def _stopped_writer(path: str) -> bool:
     this host, it is unchanged for a minute and no process holds it (`hold_directory`).
     False where unsure (another host, an older name, a file system without locks)."""
     host = _owner().split("-")[0]
-    if not re.search(rf"\.(staging|old)-{re.escape(host)}-\d+-[^-]+$", path):
+    kinds = "|".join(map(re.escape, _KINDS))
+    if not re.search(rf"\.({kinds})-{re.escape(host)}-\d+-[^-]+$", path):
         return False
     try:
         quiet = time.time() - os.stat(path).st_mtime >= _QUIET_S
@@ -181,17 +184,8 @@ def leftover_exports(output: str) -> List[str]:
     to print. SystemExit when `output` is missing and an `.old-*` holds the export that
     was there (stopped between the two renames): how to restore it."""
     target = os.path.realpath(output)
-    parent, base = os.path.dirname(target), os.path.basename(target)
-    try:
-        names = sorted(os.listdir(parent))
-    except OSError:
-        return []
     lines = []
-    for name in names:
-        kind = next((k for k in ("staging", "old") if name.startswith(f".{base}.{k}-")), None)
-        path = os.path.join(parent, name)
-        if kind is None or not os.path.isdir(path):
-            continue
+    for kind, path in _left_beside(output, ("staging", "old")):
         if kind == "old" and not os.path.lexists(target) and not _held(path):
             raise SystemExit(
                 f"error: --output {output} is missing, and {path} holds the export that was "
@@ -200,16 +194,46 @@ def leftover_exports(output: str) -> List[str]:
                 f"(then run again with --overwrite), or drop it: rm -rf {shlex.quote(path)}")
         what = ("the staging directory of a to-hf into --output" if kind == "staging" else
                 "an earlier export moved aside by a to-hf that replaced --output")
-        if _stopped_writer(path):
-            shutil.rmtree(path, ignore_errors=True)
-            lines.append(f"note: removed {path}, {what} {output}, left by a to-hf that was "
-                         "stopped (kill -9, a power loss)")
-            continue
-        lines.append(f"note: {path} is {what} {output}, left by a to-hf that was stopped "
-                     "(kill -9, a power loss) or that still runs; it is not removed, as one "
-                     "running may be writing it. Once none runs, remove it: "
-                     f"rm -rf {shlex.quote(path)}")
+        lines.append(_remove_or_name(path, f"{what} {output}", "to-hf"))
     return lines
+
+
+def leftover_imports(save: str) -> List[str]:
+    """Deal with what a stopped from-hf (kill -9, a power loss) left beside `save`: its
+    `.NAME.from-hf-*` temporary directories, each a full copy of a model. As
+    `leftover_exports`: those of a writer that provably no longer runs are removed, the
+    others named with the command that removes them. Returns the lines to print."""
+    return [_remove_or_name(path, f"the temporary directory of a from-hf into --save {save}",
+                            "from-hf") for _, path in _left_beside(save, ("from-hf",))]
+
+
+def _left_beside(output: str, kinds: Tuple[str, ...]) -> List[Tuple[str, str]]:
+    """(kind, path) of the directories `.NAME.KIND-*` beside `output` (NAME its own)."""
+    target = os.path.realpath(output)
+    parent, base = os.path.dirname(target), os.path.basename(target)
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        kind = next((k for k in kinds if name.startswith(f".{base}.{k}-")), None)
+        path = os.path.join(parent, name)
+        if kind is not None and os.path.isdir(path):
+            found.append((kind, path))
+    return found
+
+
+def _remove_or_name(path: str, what: str, tool: str) -> str:
+    """Remove `path` when its writer provably stopped (`_stopped_writer`); the line saying
+    what was done, or naming it with the command that removes it."""
+    if _stopped_writer(path):
+        shutil.rmtree(path, ignore_errors=True)
+        return (f"note: removed {path}, {what}, left by a {tool} that was stopped (kill -9, "
+                "a power loss)")
+    return (f"note: {path} is {what}, left by a {tool} that was stopped (kill -9, a power "
+            "loss) or that still runs; it is not removed, as one running may be writing it. "
+            f"Once none runs, remove it: rm -rf {shlex.quote(path)}")
 
 
 def _held(path: str) -> Optional[bool]:

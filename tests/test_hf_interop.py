@@ -326,7 +326,7 @@ def test_from_hf_refuses_a_save_holding_a_checkpoint(tmp_path, capsys):
     assert f"tensors to {tmp_path / 'ck'} ..." in out
     assert sorted(os.listdir(tmp_path / "ck")) == ["iter_0000001",
                                                    "latest_checkpointed_iteration.txt", "release"]
-    assert not [p for p in os.listdir(tmp_path) if p.startswith(".from-hf-")]
+    assert not [p for p in os.listdir(tmp_path) if ".from-hf-" in p]
 
 
 def test_from_hf_into_a_directory_a_run_saves_into_is_refused(tmp_path):

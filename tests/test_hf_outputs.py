@@ -1,6 +1,7 @@
 """What the Hugging Face conversions leave on disk: `to-hf --output` / `from-hf --save`
 already holding files (--overwrite), a full disk or an interrupt midway (the earlier export
-or import stays whole), file modes, and the staging directories a stopped to-hf left.
+or import stays whole), file modes, and the staging directories a stopped to-hf or
+from-hf left.
 The mappings and logits: tests/test_hf_interop.py."""
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def test_a_full_disk_during_to_hf_or_from_hf_is_one_message(tmp_path, monkeypatc
     measured = []  # the free space is measured once the partial output is gone
     real_free = checkpoint_dirs.free_space_text
     monkeypatch.setattr(checkpoint_dirs, "free_space_text", lambda path: measured.append(
-        [p for p in os.listdir(path) if p.startswith(".from-hf-")]) or real_free(path))
+        [p for p in os.listdir(path) if ".from-hf-" in p]) or real_free(path))
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(SystemExit) as err:
         _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "imported")
@@ -91,7 +92,7 @@ def test_a_full_disk_during_to_hf_or_from_hf_is_one_message(tmp_path, monkeypatc
     assert str(err.value.code).startswith("error: writing the imported model to ")
     assert "unexpected pos 64 vs 10); it was removed; " in str(err.value.code)
     assert not (tmp_path / "imported").exists()
-    assert not [p for p in os.listdir(tmp_path) if p.startswith(".from-hf-")]
+    assert not [p for p in os.listdir(tmp_path) if ".from-hf-" in p]
 
 
 def test_a_disk_full_after_the_weights_leaves_no_truncated_tokenizer_or_config(
@@ -316,15 +317,18 @@ def test_a_failed_from_hf_overwrite_leaves_the_earlier_import_whole(tmp_path, mo
     assert (ck / "latest_checkpointed_iteration.txt").read_text() == "release"
 
 
-def _stopped_to_hf_staging(output):
+def _stopped_to_hf_staging(output, kind="staging"):
     """(the process, its staging directory): a process that made and holds a staging
-    directory for `output` as to-hf does, then sleeps; the caller kills it (or not)."""
+    directory for `output` as to-hf does (`kind` "from-hf": from-hf's temporary directory
+    beside its --save), then sleeps; the caller kills it (or not)."""
     code = ("import sys, time; from megatron import hf_files; "
-            "p = hf_files.make_staging(sys.argv[1]); h = hf_files.hold_directory(p); "
+            "p = hf_files.make_staging(sys.argv[1], sys.argv[2]); "
+            "h = hf_files.hold_directory(p); "
             "open(p + '/model.safetensors.tmp', 'wb').write(b'0' * 64); "
             "print(p, flush=True); time.sleep(120)")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(output)], stdout=subprocess.PIPE,
-                            text=True, cwd=Path(__file__).resolve().parents[1])
+    proc = subprocess.Popen([sys.executable, "-c", code, str(output), kind],
+                            stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
     path = proc.stdout.readline().strip()
     assert os.path.isdir(path), path
     os.utime(path, (os.stat(path).st_atime - 600, os.stat(path).st_mtime - 600))
@@ -361,6 +365,59 @@ def test_to_hf_removes_a_stopped_exports_staging_and_names_the_others(tmp_path, 
         live.wait()
         live.stdout.close()
         dead.stdout.close()
+
+
+def test_from_hf_removes_a_stopped_imports_directory_and_names_the_others(tmp_path, capsys):
+    """from-hf killed with kill -9 left its `.from-hf-*` directory (a full copy of the
+    model) beside --save for good, unmentioned and not tied to any --save. It is now
+    `.NAME.from-hf-HOST-PID-*`, held while written; the next from-hf into that --save
+    removes one whose writer provably stopped and names the others with their rm -rf."""
+    _save_hf_model(tmp_path / "hf", "gpt2")
+    save = tmp_path / "ck"
+    dead, dead_path = _stopped_to_hf_staging(save, "from-hf")
+    live, live_path = _stopped_to_hf_staging(save, "from-hf")
+    try:
+        assert os.path.basename(dead_path).startswith(".ck.from-hf-")
+        dead.kill()
+        dead.wait()
+        other = tmp_path / ".other.from-hf-x-1-y"  # another --save's: not this one's business
+        other.mkdir()
+        assert _cli("from-hf", "--input", tmp_path / "hf", "--save", save) == 0
+        printed = capsys.readouterr().out
+        what = f"the temporary directory of a from-hf into --save {save}"
+        assert f"note: removed {dead_path}, {what}, left by a from-hf that was stopped " \
+               "(kill -9, a power loss)" in printed
+        assert f"note: {live_path} is {what}, left by a from-hf that was stopped (kill -9, " \
+               "a power loss) or that still runs; it is not removed, as one running may be " \
+               f"writing it. Once none runs, remove it: rm -rf {live_path}" in printed
+        assert str(other) not in printed
+        assert sorted(os.listdir(tmp_path)) == sorted(
+            [".other.from-hf-x-1-y", os.path.basename(live_path), "ck", "hf"])
+        assert (save / "latest_checkpointed_iteration.txt").read_text() == "release"
+    finally:
+        live.kill()
+        live.wait()
+        live.stdout.close()
+        dead.stdout.close()
+
+
+def test_from_hf_holds_its_directory_while_writing(tmp_path, monkeypatch):
+    """While from-hf writes, its directory beside --save is named for that --save, this
+    host and process, and held: another from-hf would not take it for a stopped one's."""
+    _save_hf_model(tmp_path / "hf", "gpt2")
+    seen = []
+    real = hf_convert._write_unsplit
+
+    def look(root, *args):
+        seen.append((os.path.basename(root), hf_files._held(root)))
+        return real(root, *args)
+
+    monkeypatch.setattr(hf_convert, "_write_unsplit", look)
+    assert _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "ck") == 0
+    [(name, held)] = seen
+    assert re.fullmatch(rf"\.ck\.from-hf-[\w.]+-{os.getpid()}-\w+", name), name
+    assert held is True
+    assert sorted(os.listdir(tmp_path)) == ["ck", "hf"]
 
 
 def test_to_hf_says_how_to_restore_an_export_left_aside(tmp_path):
