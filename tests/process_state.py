@@ -38,3 +38,22 @@ def state() -> dict:
         deterministic=torch.are_deterministic_algorithms_enabled(),
         grad=torch.is_grad_enabled(), group=dist.is_initialized(),
         noted_signal=0 if signals is None else signals._last_noted)
+
+
+def run_calls(script, timeout: float, **env) -> dict:
+    """Run the child `script` (the entry-point calls) on the CPU without a launcher's
+    variables or the ones an entry point sets, with `env` added; the JSON object its last
+    line prints."""
+    import json
+    import subprocess
+
+    from tests.dist_utils import ROOT, cpu_env
+
+    child_env = cpu_env(**env)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCH_GLOO_LAZY_INIT", "CUBLAS_WORKSPACE_CONFIG"):
+        child_env.pop(name, None)
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=child_env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

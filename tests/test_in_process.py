@@ -5,9 +5,6 @@ The calls run in one child process (a fresh interpreter, as a notebook's kernel 
 reports what it saw as JSON: each call's losses and exit, and the process-wide settings
 before and after (environment, signal handlers, warnings hooks and filters, torch's global
 settings, the process group)."""
-import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -15,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import cpu_env
+from tests.process_state import run_calls
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,14 +119,7 @@ ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 def report(tmp_path_factory):
     script = tmp_path_factory.mktemp("inproc") / "calls.py"
     script.write_text(CHILD.format(root=str(ROOT), args=ARGS))
-    env = cpu_env()
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCH_GLOO_LAZY_INIT", "CUBLAS_WORKSPACE_CONFIG"):
-        env.pop(name, None)
-    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_calls(script, 300)
 
 
 def test_import_changes_nothing(report):

@@ -4,15 +4,12 @@ fresh interpreter, as a notebook's kernel is). Each call must give the same numb
 the call before and leave the process as it found it: the environment (the start-up's
 TORCH_GLOO_LAZY_INIT and cuBLAS workspace setting, the benchmark's CUDA_VISIBLE_DEVICES),
 the warnings hooks and filters, the signal handlers, no process group."""
-import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import cpu_env
+from tests.process_state import run_calls
 from tests.test_tokenizer import TRAIN_TEXT, train_tiny_bpe, write_bpe_files
 from tests.test_zeroshot import MODEL, WIKI
 
@@ -73,14 +70,8 @@ def report(tmp_path_factory):
     script = d / "calls.py"
     script.write_text(CHILD.format(root=str(ROOT), d=str(d), model=MODEL, tok=[
         "--vocab-file", str(vocab_file), "--merge-file", str(merge_file)]))
-    env = cpu_env(CUDA_VISIBLE_DEVICES="-1")  # no GPU either, but not the benchmark's ""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCH_GLOO_LAZY_INIT", "CUBLAS_WORKSPACE_CONFIG"):
-        env.pop(name, None)
-    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # no GPU either, but not the benchmark's CUDA_VISIBLE_DEVICES=""
+    return run_calls(script, 600, CUDA_VISIBLE_DEVICES="-1")
 
 
 @pytest.mark.parametrize("name", ["zeroshot", "tune_gemms", "benchmark"])
