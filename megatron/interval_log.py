@@ -28,6 +28,7 @@ from megatron.logging_utils import (
     print_line,
     print_rank_last,
 )
+from megatron.microbatches import samples_of_steps
 from megatron.train_step import (
     IntervalExtras,
     interval_extras,
@@ -297,11 +298,9 @@ def log_interval(tr, stats: IntervalStats, print_line: bool = True) -> None:
             to_float(r.scale), to_float(r.grad_norm),
             to_float(extras.num_zeros.get(r.iteration)), to_float(r.params_norm),
             skipped, nans, tokens_per_gpu, tflops))
-        ramp = cfg.data.rampup_batch_size and cfg.training.train_samples
-        print_rank_last(progress_line(
-            r.iteration, cfg.training.train_iters, time.time() - tr.start_time,
-            tr.start_iteration,
-            (tr.start_consumed, r.consumed, cfg.training.train_samples) if ramp else None))
+        done, total, start, unit = run_progress(cfg, r.iteration, r.consumed,
+                                                tr.start_iteration, tr.start_consumed)
+        print_rank_last(progress_line(done, total, start, time.time() - tr.start_time, unit))
         report_memory_once(tr, stats, r.iteration, r.lr)
         _warn_at_loss_scale_floor(tr, stats, to_float(r.scale), skipped)
         log_timers(tr, n)
@@ -350,20 +349,35 @@ def _hours_minutes_seconds(seconds: float) -> str:
     return f"{hours:02d}:{minutes:02d}:{sec:02d}"
 
 
-def progress_line(iteration: int, train_iters: int, elapsed_s: float, start_iteration: int,
-                  samples: Optional[Tuple[int, int, int]] = None) -> str:
-    """' progress: 40.0% (120/300) | elapsed 00:01:02 | ETA 00:01:30 |' from this run's pace.
-    The hours are not taken modulo a day: a pretraining run's ETA is often days. `samples`
-    (consumed when the loop started, consumed now, --train-samples) paces the ETA by samples
-    instead of iterations: under --rampup-batch-size the early steps are smaller and
-    quicker, and an iteration pace read the time left too short."""
-    done = iteration - start_iteration
-    left = max(train_iters - iteration, 0)
-    if samples is not None:
-        done, left = samples[1] - samples[0], max(samples[2] - samples[1], 0)
-    eta = elapsed_s / done * left if done > 0 else float("nan")
+def run_progress(cfg, iteration: int, consumed: int, start_iteration: int,
+                 start_consumed: int) -> Tuple[int, int, int, str]:
+    """(done, total, done when this run's loop started, unit): the measure the run is
+    defined by. A sample-based run (--train-samples, with or without --rampup-batch-size)
+    counts samples: the total is what it will have consumed at --train-iters, each step
+    left at its ramp size (Megatron drops --train-samples' partial last batch, so that is
+    up to a batch short of --train-samples), counted from the consumed samples now (a
+    resumed run's from its checkpoint; a NaN rollback keeps them and repeats iterations).
+    An iteration-based run counts iterations (its steps are all one size)."""
+    train_iters = cfg.training.train_iters or 0
+    if not cfg.training.train_samples:
+        return iteration, train_iters, start_iteration, "iterations"
+    d = cfg.data
+    rampup = tuple(d.rampup_batch_size) if d.rampup_batch_size else None
+    left = samples_of_steps(consumed, train_iters - iteration, rampup,
+                            d.target_global_batch_size or d.global_batch_size)
+    return consumed, consumed + left, start_consumed, "samples"
+
+
+def progress_line(done: int, total: int, start: int, elapsed_s: float,
+                  unit: str = "iterations") -> str:
+    """' progress: 40.0% (120/300 iterations) | elapsed 00:01:02 | ETA 00:01:30 |': the
+    share and the time left in one measure (`run_progress`), the time left at this run's
+    pace (done - start units in elapsed_s). The hours are not taken modulo a day: a
+    pretraining run's ETA is often days."""
+    run = done - start
+    eta = elapsed_s / run * max(total - done, 0) if run > 0 else float("nan")
     fmt = _hours_minutes_seconds
-    return (f" progress: {100.0 * iteration / max(train_iters, 1):.1f}% ({iteration}/{train_iters}) "
+    return (f" progress: {100.0 * done / max(total, 1):.1f}% ({done}/{total} {unit}) "
             f"| elapsed {fmt(elapsed_s)} | ETA {fmt(eta)} |")
 
 

@@ -91,3 +91,17 @@ def update_micro_batches(data, consumed_samples: int, dp_size: int) -> None:
                                     data.target_global_batch_size)
     data.global_batch_size = gbs
     data.num_micro_batches = gbs // (data.micro_batch_size * dp_size)
+
+
+def samples_of_steps(consumed_samples: int, steps: int,
+                     rampup: Optional[Tuple[int, int, int]], global_batch_size: int) -> int:
+    """Samples the next `steps` steps take after `consumed_samples` (each step the ramp's
+    size at its own consumed count; `global_batch_size` each without ramp-up). Steps one at
+    a time only while the batch is still ramping, the rest in one product."""
+    taken = 0
+    while steps > 0 and rampup is not None:
+        step = current_global_batch_size(consumed_samples + taken, rampup, global_batch_size)
+        if step == global_batch_size:  # the final size from here on
+            break
+        taken, steps = taken + step, steps - 1
+    return taken + max(steps, 0) * global_batch_size

@@ -1,4 +1,4 @@
-"""--profile writes a trace for its iteration window; the progress line's ETA arithmetic."""
+"""--profile writes a trace for its iteration window."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +8,7 @@ import os
 import pytest
 
 from megatron.profiling import StepProfiler
-from megatron.training import data_iterator, progress_line, train
+from megatron.training import data_iterator, train
 from tests.test_training_policies import _trainer
 
 
@@ -78,29 +78,3 @@ def test_a_window_the_run_never_reaches_is_warned():
 def test_profile_window_must_be_ordered():
     with pytest.raises(ValueError, match="--profile-step-end"):
         StepProfiler(True, 5, 5, "x")
-
-
-def test_progress_line_eta():
-    line = progress_line(120, 300, 60.0, 0)
-    assert "40.0% (120/300)" in line and "elapsed 00:01:00" in line and "ETA 00:01:30" in line
-    resumed = progress_line(120, 300, 10.0, 100)  # 20 iterations in 10 s since the resume
-    assert "ETA 00:01:30" in resumed
-
-
-def test_progress_line_paces_a_batch_size_ramp_by_samples():
-    """Under --rampup-batch-size: 100 of 400 iterations, the first 100 with a quarter of
-    the final batch, took 60 s: 3 more minutes at that iteration pace, 12 at the sample
-    pace (each later step is four times the samples)."""
-    ramp = progress_line(100, 400, 60.0, 0, samples=(0, 800, 800 + 300 * 32))
-    assert "25.0% (100/400)" in ramp and "ETA 00:12:00" in ramp
-    assert "ETA 00:03:00" in progress_line(100, 400, 60.0, 0)
-    resumed = progress_line(110, 400, 15.0, 100, samples=(800, 1120, 800 + 300 * 32))
-    assert "ETA 00:07:15" in resumed  # 320 samples in 15 s, 9,280 left
-
-
-def test_progress_line_counts_hours_past_a_day():
-    """A multi-day run's elapsed time and ETA keep their days as hours: they were taken
-    modulo 24 hours (an ETA of 52 hours read 04:00:00)."""
-    line = progress_line(10, 1000, 3 * 3600.0 + 7, 0)  # 3 h for 10 of 1000 iterations
-    assert "elapsed 03:00:07" in line and "ETA 297:11:33" in line
-    assert "ETA ?" in progress_line(5, 10, 1.0, 5)

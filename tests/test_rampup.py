@@ -102,8 +102,8 @@ def test_rampup_run_from_the_cli(capsys, monkeypatch):
     import pretrain_gpt
     from megatron import interval_log
 
-    paced = []  # the progress line's ETA is paced by samples under a ramp
-    monkeypatch.setattr(interval_log, "progress_line", lambda *a: paced.append(a[4]) or "")
+    paced = []  # the progress line counts samples under a ramp, to the 76 the run takes
+    monkeypatch.setattr(interval_log, "progress_line", lambda *a: paced.append(a) or "")
     argv = BASE + ["--global-batch-size", "8", "--train-samples", "80", "--rampup-batch-size",
                    "2", "2", "24", "--log-interval", "1", "--min-lr", "1e-4"]
     assert pretrain_gpt.main(argv) == 0
@@ -117,7 +117,7 @@ def test_rampup_run_from_the_cli(capsys, monkeypatch):
     consumed = [int(field(x, "consumed samples")) for x in lines]
     assert sizes == [2, 2, 2, 2, 4, 4, 6, 6] + [8] * 6
     assert consumed == [sum(sizes[:i + 1]) for i in range(14)] and consumed[-1] == 76
-    assert paced == [(0, n, 80) for n in consumed]
+    assert [(a[:3], a[4]) for a in paced] == [((n, 76, 0), "samples") for n in consumed]
     # linear decay over 80 samples, stepped by the current batch: lr after n samples
     for line, n in zip(lines, consumed):
         assert field(line, "learning rate") == pytest.approx(1e-4 + 9e-4 * (1 - n / 80),
@@ -211,8 +211,9 @@ def test_final_evaluation_under_rampup_is_megatrons(skip_train):
     --skip-train and nothing loaded, the ramp's START (its batch calculator starts at 0
     consumed samples). The label said the current size (12 samples after a run ending in
     the ramp) and --skip-train evaluated at the final size (16 samples)."""
-    tr, out = _ramped_pretrain(["--skip-train"] if skip_train else [])
+    tr, out = _ramped_pretrain(["--log-interval", "1"] + (["--skip-train"] if skip_train else []))
     iteration = 0 if skip_train else 7
+    assert (" progress: " in out) != skip_train  # none without training steps
     for name in ("validation", "test"):
         assert f" validation loss at iteration {iteration} on 16-sample draw from {name} set" \
             in out, out
