@@ -14,6 +14,7 @@ Megatron's `get_current_global_batch_size()` / `get_num_microbatches()` do), and
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Tuple
 
 
@@ -96,12 +97,35 @@ def update_micro_batches(data, consumed_samples: int, dp_size: int) -> None:
 def samples_of_steps(consumed_samples: int, steps: int,
                      rampup: Optional[Tuple[int, int, int]], global_batch_size: int) -> int:
     """Samples the next `steps` steps take after `consumed_samples` (each step the ramp's
-    size at its own consumed count; `global_batch_size` each without ramp-up). Steps one at
-    a time only while the batch is still ramping, the rest in one product."""
+    size at its own consumed count; `global_batch_size` each without ramp-up). A run of
+    steps of one size at a time (a GPT-3 ramp is ~10^6 steps in ~50 sizes), the steps
+    after the ramp in one product."""
     taken = 0
     while steps > 0 and rampup is not None:
-        step = current_global_batch_size(consumed_samples + taken, rampup, global_batch_size)
-        if step == global_batch_size:  # the final size from here on
+        size = current_global_batch_size(consumed_samples + taken, rampup, global_batch_size)
+        if size == global_batch_size:  # the final size from here on
             break
-        taken, steps = taken + step, steps - 1
+        run = min(_steps_of_size(consumed_samples + taken, size, rampup, global_batch_size),
+                  steps)
+        taken, steps = taken + run * size, steps - run
     return taken + max(steps, 0) * global_batch_size
+
+
+def _steps_of_size(consumed: int, size: int, rampup: Tuple[int, int, int],
+                   global_batch_size: int) -> int:
+    """How many steps in a row from `consumed` (whose step is `size`) take `size` samples:
+    estimated from where the next increment falls, then settled on the exact rule (the
+    size only grows with the consumed count)."""
+    start, incr, samples = rampup
+    per_increment = samples / ((global_batch_size - start) // incr)
+    change_at = min((int(consumed / per_increment) + 1) * per_increment, samples + 1)
+    n = max(math.ceil((change_at - consumed) / size), 1)
+
+    def same(k: int) -> bool:
+        return current_global_batch_size(consumed + k * size, rampup, global_batch_size) == size
+
+    while n > 1 and not same(n - 1):
+        n -= 1
+    while same(n):
+        n += 1
+    return n

@@ -10,7 +10,7 @@ import re
 
 from megatron.arguments import parse_and_validate
 from megatron.interval_log import progress_line, run_progress
-from megatron.microbatches import samples_of_steps
+from megatron.microbatches import current_global_batch_size, samples_of_steps
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
@@ -99,6 +99,15 @@ def test_samples_of_steps():
     assert samples_of_steps(6, 5, (2, 2, 24), 8) == 2 + 4 + 4 + 6 + 6
     assert samples_of_steps(30, 3, (2, 2, 24), 8) == 24
     assert samples_of_steps(5, 3, None, 8) == 24 and samples_of_steps(5, -2, None, 8) == 0
+    # against a step-by-step walk, from scratch and off-schedule (a resumed run's count),
+    # with whole and fractional samples per increment
+    for ramp, gbs in (((2, 2, 24), 8), ((4, 4, 50), 16), ((3, 6, 101), 33), ((8, 8, 7), 64)):
+        for consumed in (0, 1, 5, 13, 49, 50, 51, 100):
+            walked = consumed
+            for steps in range(40):
+                assert samples_of_steps(consumed, steps, ramp, gbs) == walked - consumed, \
+                    (ramp, gbs, consumed, steps)
+                walked += current_global_batch_size(walked, ramp, gbs)
 
 
 def test_progress_line_eta_in_one_measure():
