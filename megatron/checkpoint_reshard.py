@@ -5,9 +5,10 @@ model chunks per pipeline rank, and one of three optimizer payloads -- is opened
 shard (memory-mapped, nothing is read until asked for), and any parameter comes back as
 its full (tp = pp = 1) tensor: the model weight, the fp32 main weight and the optimizer
 state (Adam's exp_avg / exp_avg_sq, the step). Full tensors are then cut for any other
-layout:
+layout; for one target rank only the shard files holding parts of its slices are read
+(`needed_tp_ranks`, the stage map), the rest of a full tensor is left zero:
 
-    src = SourceCheckpoint(iter_dir)               every shard of one saved iteration
+    src = SourceCheckpoint(iter_dir)               the shards of one saved iteration
     plan = plan_rank(chunks, offsets, tp, rank)    what one target rank holds (its modules)
     payload = build_rank_payload(src, plan, kind)  that rank's model_optim_rng.pt contents
                                                    (+ distrib_optim.pt for the distributed
@@ -16,7 +17,8 @@ layout:
 Names: a parameter's *global name* is its key in the one-process model
 (`language_model.encoder.layers.<global index>...`); the last pipeline stage's tied copy
 `word_embeddings_for_head.weight` is the same parameter as the input word embedding
-(both copies take identical optimizer steps, so the copy gets the embedding's state).
+(both copies take identical optimizer steps, so either copy gives the other's state: a
+target's tied copy is read from the saved last stage's copy, when there is one).
 
 Optimizer payloads (megatron/core/optimizer):
   fp32         the torch state_dict {"state": {idx: {step, exp_avg, ...}}, "param_groups"}
@@ -76,6 +78,7 @@ from megatron.checkpointing import (
     read_tracker,
     tracker_path,
 )
+from megatron.core.models.gpt.stages import stage_layout
 from megatron.core.optimizer.param_groups import default_no_weight_decay, get_param_groups
 from megatron.core.tensor_parallel.layers import shard_of_full_weight
 
@@ -86,6 +89,7 @@ _HALF = (torch.float16, torch.bfloat16)
 _LAYER_RE = re.compile(r"^(language_model\.encoder\.layers\.)(\d+)(\..*)$")
 
 Partition = Optional[Tuple[int, int]]  # (partition_dim, partition_stride); None: replicated
+Target = Tuple[int, int, Tuple[int, ...]]  # (tp rank, tp size, full shape at tp 1)
 ParamKey = Tuple[int, str]  # (chunk index, local name)
 
 
@@ -107,6 +111,44 @@ def merge_tp(shards: Sequence[torch.Tensor], dim: int, stride: int) -> torch.Ten
         return shards[0]
     pieces = [s.chunk(stride, dim=dim) for s in shards]
     return torch.cat([pieces[r][b] for b in range(stride) for r in range(len(shards))], dim=dim)
+
+
+def needed_tp_ranks(held: int, src_tp: int, full: int, rank: int, tp: int,
+                    stride: int = 1) -> List[int]:
+    """The source tp ranks (each holding `held` along the split dimension, `stride`
+    blocks) with a part of target rank `rank`'s slice of a tensor `full` long there (tp
+    `tp`). The split is the same within each of the `stride` blocks (a fused [gate; up]
+    or interleaved layout), so the ranks are those of one block. Rows past the source's
+    length (a vocabulary padded for more rows) repeat its last row: the last rank then.
+    Sizes that do not divide: every rank (the cut reports them)."""
+    if held % stride or full % (stride * tp):
+        return list(range(src_tp))
+    piece, want = held // stride, full // stride // tp
+    lo, hi = rank * want, (rank + 1) * want
+    end = min(hi, piece * src_tp)
+    ranks = {s for s in range(src_tp) if s * piece < end and (s + 1) * piece > lo}
+    if hi > piece * src_tp:
+        ranks.add(src_tp - 1)
+    return sorted(ranks)
+
+
+def _merge(parts: Dict[int, torch.Tensor], tp: int, partition: Partition) -> torch.Tensor:
+    """The full tensor from the tp shards in `parts` (rank -> shard), zeros (not stored:
+    an expanded scalar) in place of those left out; a replicated tensor: its one copy."""
+    if partition is None:
+        return next(iter(parts.values()))
+    ref = next(iter(parts.values()))
+    zeros = ref.new_zeros(()).expand(ref.shape)
+    return merge_tp([parts.get(t, zeros) for t in range(tp)], *partition)
+
+
+def _layer_count(chunks: List[Dict[str, torch.Tensor]], c: int, iter_dir: str, p: int,
+                 vpp: int) -> int:
+    """The number of transformer layers in chunk `c` of a source file's chunks."""
+    if c >= len(chunks):
+        raise SystemExit(f"error: {iter_dir}: pipeline rank {p} holds {len(chunks)} model "
+                         f"chunks, rank 0 holds {vpp}")
+    return len({int(m.group(2)) for m in map(_LAYER_RE.match, chunks[c]) if m})
 
 
 def global_name(local: str, layer_offset: int) -> str:
@@ -136,44 +178,54 @@ def param_group_order(chunks: Sequence[Dict[str, torch.Tensor]]) -> List[List[Pa
 
 # -------------------------------------------------------------------------- the source
 class SourceCheckpoint:
-    """Every shard of one saved iteration, memory-mapped; full tensors on demand.
+    """The shards of one saved iteration, memory-mapped when first needed; full tensors on
+    demand.
 
     `model(name, partition)` and `optimizer_state(name, partition)` merge the tensor-
-    parallel shards of one global parameter. Attributes: `layout`, `args` (the saved
-    arguments, {} when absent), `names` (global names in one-process module order),
-    `files[(tp_rank, pp_rank)]` (the raw payloads), `step`, `grad_scaler`. The optimizer
-    state is read when first asked for (`optimizer_state`, `step`, ...), so a checkpoint
-    whose optimizer state cannot be mapped (its files missing, another group split) still
-    gives its model (--no-load-optim, --finetune, the tools).
+    parallel shards of one global parameter; given `target` (tp rank, tp size, full shape
+    of the rank that wants it) they read only the shard files that hold part of that rank's
+    slice (`needed_tp_ranks`) and leave zeros elsewhere, so a rank of another layout opens
+    the files of its own layers and slices, not all tp x pp of them (at scale every rank
+    opening every file was a start-up storm on the shared file system). Which pipeline
+    stage holds a layer is computed from the saved arguments (`stage_layout`), checked
+    against each file as it is opened.
+
+    Attributes: `layout`, `args` (the saved arguments, {} when absent), `files[(tp_rank,
+    pp_rank)]` (the raw payloads of the files opened so far), `num_layers`, `names` (global
+    names in one-process module order: reads the first tp rank of every stage), `step`,
+    `grad_scaler`. The optimizer state is read when first asked for (`optimizer_state`,
+    `step`, ...), so a checkpoint whose optimizer state cannot be mapped (its files
+    missing, another group split) still gives its model (--no-load-optim, --finetune, the
+    tools). `layout` and `args`, when the caller has them (a training run's rank 0 read
+    them), spare the first rank's file.
     """
 
-    def __init__(self, iter_dir: str) -> None:
+    def __init__(self, iter_dir: str, layout: Optional[Layout] = None,
+                 args: Optional[dict] = None) -> None:
         self.iter_dir = iter_dir
-        tp, pp = scan_layout(iter_dir)
-        self.files, self.param_files = {}, {}
-        for p in range(pp):
-            for t in range(tp):
-                rank_dir = os.path.join(iter_dir, rank_dir_name(t, p, pp))
-                path = model_file(rank_dir)
-                if not os.path.isfile(path):
-                    raise SystemExit(incomplete_checkpoint_message(
-                        iter_dir, [os.path.relpath(path, iter_dir)],
-                        f"the directories say tp {tp} x pp {pp}"))
-                self.files[t, p] = load_shard(path)
-                extra = os.path.join(rank_dir, DISTRIB_FILENAME)
-                if os.path.isfile(extra):
-                    self.param_files[t, p] = load_shard(extra)
-        first = self.files[0, 0]
-        self.args = first.get("args") if isinstance(first.get("args"), dict) else {}
-        scan_layout(iter_dir, self.args)  # none missing of the sizes it was saved with
-        self.chunks = {k: [flatten_state(s[m]) for m in model_keys(s)]
-                       for k, s in self.files.items()}
-        kind = optimizer_kind(first.get("optimizer"), bool(self.param_files))
-        self.layout = Layout(tp, pp, max(len(self.chunks[0, 0]), 1), kind)
-        self._index()
+        self.files: Dict[Tuple[int, int], dict] = {}
+        self.param_files: Dict[Tuple[int, int], dict] = {}
+        self._flat: Dict[Tuple[int, int], List[Dict[str, torch.Tensor]]] = {}
+        if layout is None:
+            tp, pp = scan_layout(iter_dir)
+            self._tp, self._pp = tp, pp
+            first = self.rank_file(0, 0)
+            self.args = first.get("args") if isinstance(first.get("args"), dict) else {}
+            scan_layout(iter_dir, self.args)  # none missing of the sizes it was saved with
+            kind = optimizer_kind(first.get("optimizer"), (0, 0) in self.param_files)
+            layout = Layout(tp, pp, max(len(self._chunks(0, 0)), 1), kind)
+        else:
+            self.args = args if isinstance(args, dict) else {}
+            self._tp, self._pp = layout.tp, layout.pp
+        self.layout = layout
+        self._stages = self._stage_map()
+        for (t, p), chunks in self._flat.items():
+            self._check_stage(t, p, chunks)
+        self.num_layers = sum(count for _, count in self._stages)
         self._rank_optim: Dict[Tuple[int, int], Dict[ParamKey, Dict[str, torch.Tensor]]] = {}
         self._common: Optional[Tuple[Optional[int], object, Dict[Tuple[float, float], dict]]] \
             = None
+        self._names: Optional[List[str]] = None
 
     @property
     def step(self) -> Optional[int]:
@@ -190,60 +242,161 @@ class SourceCheckpoint:
         """Saved group hyper-parameters by (wd_mult, lr_mult)."""
         return self._optimizer_common()[2]
 
-    def _index(self) -> None:
-        """Global names, in module order, and where each one lives: (pp rank, chunk, local)."""
-        pp, vpp = self.layout.pp, self.layout.vpp
-        self.where: Dict[str, Tuple[int, int, str]] = {}
-        self.names: List[str] = []
-        self.num_layers = 0
-        for s in range(pp * vpp):  # virtual stage s = chunk * pp + pp rank
+    # --- files, opened when first needed ---------------------------------------------------
+    def rank_file(self, t: int, p: int) -> dict:
+        """The payload of source rank (t, p) (and its distrib_optim.pt, when there is one)."""
+        if (t, p) not in self.files:
+            rank_dir = os.path.join(self.iter_dir, rank_dir_name(t, p, self._pp))
+            path = model_file(rank_dir)
+            if not os.path.isfile(path):
+                raise SystemExit(incomplete_checkpoint_message(
+                    self.iter_dir, [os.path.relpath(path, self.iter_dir)],
+                    f"the directories say tp {self._tp} x pp {self._pp}"))
+            self.files[t, p] = load_shard(path)
+            extra = os.path.join(rank_dir, DISTRIB_FILENAME)
+            if os.path.isfile(extra):
+                self.param_files[t, p] = load_shard(extra)
+        return self.files[t, p]
+
+    def _chunks(self, t: int, p: int) -> List[Dict[str, torch.Tensor]]:
+        """The flat model state dicts of source rank (t, p), one per chunk (checked against
+        the stage map once it is known)."""
+        if (t, p) not in self._flat:
+            state = self.rank_file(t, p)
+            chunks = [flatten_state(state[m]) for m in model_keys(state)]
+            if hasattr(self, "_stages"):
+                self._check_stage(t, p, chunks)
+            self._flat[t, p] = chunks
+        return self._flat[t, p]
+
+    @property
+    def first(self) -> dict:
+        """The payload of the first source rank opened so far (its non-model entries --
+        iteration, counters, scheduler, loss scaler -- are those of every rank), with the
+        arguments given to the constructor (the first rank's)."""
+        if not self.files:
+            self.rank_file(0, 0)
+        state = self.files[min(self.files, key=lambda k: (k[1], k[0]))]
+        if "args" in state and self.args:
+            state = dict(state, args=self.args)
+        return state
+
+    def _stage_map(self) -> List[Tuple[int, int]]:
+        """(first global layer, layer count) of each virtual stage s = chunk * pp + pp rank:
+        from the saved arguments (Megatron splits the layers evenly), else read off the
+        first tp rank of every stage."""
+        pp, vpp, a = self.layout.pp, self.layout.vpp, self.args
+        if isinstance(a.get("num_layers"), int):
+            try:
+                specs = [spec for p in range(pp) for spec in stage_layout(
+                    a["num_layers"], pp, p, vpp if vpp > 1 else None,
+                    bool(a.get("standalone_embedding_stage")))]
+            except ValueError:
+                specs = []
+            if len(specs) == pp * vpp:
+                specs.sort(key=lambda spec: spec.virtual_stage)
+                return [(spec.layer_offset, spec.num_layers) for spec in specs]
+        stages, offset = [], 0
+        for s in range(pp * vpp):
             c, p = divmod(s, pp)
-            chunks = self.chunks[0, p]
-            if c >= len(chunks):
-                raise SystemExit(f"error: {self.iter_dir}: pipeline rank {p} holds "
-                                 f"{len(chunks)} model chunks, rank 0 holds {vpp}")
-            layers = {int(m.group(2)) for m in map(_LAYER_RE.match, chunks[c]) if m}
-            for local in chunks[c]:
-                if local != TIED_COPY:
-                    name = global_name(local, self.num_layers)
-                    self.where[name] = (p, c, local)
-                    self.names.append(name)
-            self.num_layers += len(layers)
+            count = _layer_count(self._chunks(0, p), c, self.iter_dir, p, vpp)
+            stages.append((offset, count))
+            offset += count
+        return stages
 
-    def model(self, name: str, partition: Partition) -> torch.Tensor:
-        """The full model tensor of global parameter `name` (the checkpoint's dtype)."""
-        p, c, local = self._locate(name)
-        parts = [self.chunks[t, p][c][local] for t in range(self.layout.tp)]
-        return merge_tp(parts, *partition) if partition else parts[0]
+    def _check_stage(self, t: int, p: int, chunks: List[Dict[str, torch.Tensor]]) -> None:
+        """SystemExit when a file's chunks do not hold the layers the stage map gives them."""
+        for c, (_, count) in enumerate(self._stages[p::self.layout.pp]):
+            held = _layer_count(chunks, c, self.iter_dir, p, self.layout.vpp)
+            if held != count:
+                raise SystemExit(f"error: {self.iter_dir}: rank (tp {t}, pp {p}) chunk {c} "
+                                 f"holds {held} layers, its arguments give the stage {count}")
 
-    def model_dtype(self, name: str) -> torch.dtype:
-        """The dtype the checkpoint holds model parameter `name` in."""
-        p, c, local = self._locate(name)
-        return self.chunks[0, p][c][local].dtype
+    @property
+    def names(self) -> List[str]:
+        """Global names in one-process module order (opens the first tp rank of every
+        pipeline stage)."""
+        if self._names is None:
+            names, pp = [], self.layout.pp
+            for s, (offset, _) in enumerate(self._stages):
+                c, p = divmod(s, pp)
+                names += [global_name(local, offset) for local in self._chunks(0, p)[c]
+                          if local != TIED_COPY]
+            self._names = names
+        return self._names
 
-    def optimizer_state(self, name: str, partition: Partition) -> Dict[str, torch.Tensor]:
+    def _locate(self, name: str, local_name: Optional[str] = None, t: int = 0
+                ) -> Tuple[int, int, str]:
+        """(pp rank, chunk, local name) of global parameter `name` in the source, checked in
+        the file of source tp rank `t`. A target's tied output copy (`local_name`
+        TIED_COPY) is read from the source's own copy on its last stage when it has one
+        (both copies take the same steps), sparing the last stage the first one's files."""
+        pp, last = self.layout.pp, len(self._stages) - 1
+        m = _LAYER_RE.match(name)
+        if m:
+            g = int(m.group(2))
+            s = next((s for s, (o, n) in enumerate(self._stages) if o <= g < o + n), None)
+            found = None if s is None else \
+                (s % pp, s // pp, f"{m.group(1)}{g - self._stages[s][0]}{m.group(3)}")
+        elif local_name == TIED_COPY and last > 0 and \
+                TIED_COPY in self._chunks(t, last % pp)[last // pp]:
+            return last % pp, last // pp, TIED_COPY
+        else:
+            s = 0 if name.startswith("language_model.embedding.") else last
+            found = (s % pp, s // pp, name)
+        if found is not None and found[2] in self._chunks(t, found[0])[found[1]]:
+            return found
+        raise ValueError(f"the checkpoint in {self.iter_dir} has no parameter {name}; the "
+                         "model flags differ from the saved run's (--use-checkpoint-args "
+                         "copies them)")
+
+    def _sources(self, name: str, partition: Partition, target: Optional[Target],
+                 local_name: Optional[str]) -> Tuple[int, int, str, List[int]]:
+        """(pp rank, chunk, local name, the source tp ranks to read) of `name` for `target`
+        (None: every rank; a replicated parameter: the target's home rank alone, tp rank 0
+        without a target -- Megatron keeps the copies equal over tp)."""
+        tp = self.layout.tp
+        home = 0 if target is None else target[0] * tp // target[1]
+        p, c, local = self._locate(name, local_name, home)
+        if partition is None:
+            return p, c, local, [home]
+        if target is None:
+            return p, c, local, list(range(tp))
+        dim, stride = partition
+        held = self._chunks(home, p)[c][local].shape[dim]
+        return p, c, local, needed_tp_ranks(held, tp, target[2][dim], target[0], target[1],
+                                            stride)
+
+    def model(self, name: str, partition: Partition, target: Optional[Target] = None,
+              local_name: Optional[str] = None) -> torch.Tensor:
+        """The full model tensor of global parameter `name` (the checkpoint's dtype); with
+        `target` (tp rank, tp size, full shape), only the parts of that rank's slice are
+        read, the rest is zeros. `local_name`: the target's name of it (see `_locate`)."""
+        p, c, local, ranks = self._sources(name, partition, target, local_name)
+        parts = {t: self._chunks(t, p)[c][local] for t in ranks}
+        return _merge(parts, self.layout.tp, partition)
+
+    def model_dtype(self, name: str, target: Optional[Target] = None,
+                    local_name: Optional[str] = None) -> torch.dtype:
+        """The dtype the checkpoint holds model parameter `name` in (`target`,
+        `local_name`: as for `model`)."""
+        p, c, local, ranks = self._sources(name, None, target, local_name)
+        return self._chunks(ranks[0], p)[c][local].dtype
+
+    def optimizer_state(self, name: str, partition: Partition, target: Optional[Target] = None,
+                        local_name: Optional[str] = None) -> Dict[str, torch.Tensor]:
         """{"param": full fp32 main weight, <state key>: full fp32 tensor} of `name`; the
-        state keys are those the optimizer had created (none before the first step)."""
-        p, c, local = self._locate(name)
-        per_rank = [self._optimizer_of(t, p)[c, local] for t in range(self.layout.tp)]
-        out = {}
-        for key in per_rank[0]:
-            if key == "step":
-                continue
-            parts = [entry[key].float() for entry in per_rank]
-            out[key] = merge_tp(parts, *partition) if partition else parts[0]
-        return out
-
-    def _locate(self, name: str) -> Tuple[int, int, str]:
-        if name not in self.where:
-            raise ValueError(f"the checkpoint in {self.iter_dir} has no parameter {name}; the "
-                             "model flags differ from the saved run's (--use-checkpoint-args "
-                             "copies them)")
-        return self.where[name]
+        state keys are those the optimizer had created (none before the first step).
+        `target`, `local_name`: as for `model`."""
+        p, c, local, ranks = self._sources(name, partition, target, local_name)
+        per_rank = {t: self._optimizer_of(t, p)[c, local] for t in ranks}
+        return {key: _merge({t: e[key].float() for t, e in per_rank.items()}, self.layout.tp,
+                            partition)
+                for key in per_rank[ranks[0]] if key != "step"}
 
     # --- optimizer payloads --------------------------------------------------------------
     def _groups_of(self, t: int, p: int) -> List[dict]:
-        opt = self.files[t, p]["optimizer"]
+        opt = self.rank_file(t, p)["optimizer"]
         if self.layout.optimizer == "fp32":
             return opt["param_groups"]
         return opt.get("optimizer", opt.get("optimizer_state_dict"))["param_groups"]
@@ -255,7 +408,7 @@ class SourceCheckpoint:
             return self._common
         steps, hypers, scaler = [], {}, None
         if self.layout.optimizer is not None:
-            for (t, p) in self.files:
+            for (t, p) in list(self.files):  # those opened: a target rank's own
                 for group in self._groups_of(t, p):
                     hyper = {k: v for k, v in group.items() if k not in ("params", "step")}
                     hypers.setdefault(_group_key(group), hyper)
@@ -265,7 +418,7 @@ class SourceCheckpoint:
                     if "step" in entry:
                         steps.append(int(entry["step"]))
             if self.layout.optimizer != "fp32":
-                scaler = self.files[0, 0]["optimizer"].get("grad_scaler")
+                scaler = self.first["optimizer"].get("grad_scaler")
         self._common = (max(steps) if steps else None, scaler, hypers)
         return self._common
 
@@ -280,7 +433,7 @@ class SourceCheckpoint:
         return self._rank_optim[t, p]
 
     def _indexed_entries(self, t: int, p: int, mixed: bool) -> Dict[ParamKey, dict]:
-        chunks, opt = self.chunks[t, p], self.files[t, p]["optimizer"]
+        chunks, opt = self._chunks(t, p), self.rank_file(t, p)["optimizer"]
         inner = opt.get("optimizer", opt.get("optimizer_state_dict")) if mixed else opt
         order, saved = param_group_order(chunks), inner["param_groups"]
         if [len(g) for g in order] != [len(g["params"]) for g in saved]:
@@ -310,11 +463,13 @@ class SourceCheckpoint:
         return out
 
     def _distributed_entries(self, t: int, p: int) -> Dict[ParamKey, dict]:
+        self.rank_file(t, p)
         if (t, p) not in self.param_files:
             raise SystemExit(f"error: {self.iter_dir}: {DISTRIB_FILENAME} of rank (tp {t}, "
                              f"pp {p}) is missing; load with --no-load-optim")
+        chunks = self._chunks(t, p)
         saved, out = self.param_files[t, p], {}
-        for c, sd in enumerate(self.chunks[t, p]):
+        for c, sd in enumerate(chunks):
             flats_by_dtype = saved[c]
             offsets = dict.fromkeys(flats_by_dtype, 0)
             for local, weight in reversed(list(sd.items())):
@@ -426,6 +581,11 @@ def _cut(plan: RankPlan, name: str, full: torch.Tensor, notes: Set[str],
     return shard_of_full_weight(full, split[0], split[1], plan.tp_rank, plan.tp_size)
 
 
+def _target(plan: RankPlan, name: str) -> Target:
+    """What `SourceCheckpoint.model` needs to read only this rank's parts of `name`."""
+    return plan.tp_rank, plan.tp_size, plan.full_shapes[name]
+
+
 def _shard_shape(plan: RankPlan, name: str) -> Tuple[int, ...]:
     """The shape of this rank's slice of parameter `name` (what `_cut` returns)."""
     shape = list(plan.full_shapes[name])
@@ -458,15 +618,16 @@ def build_rank_payload(src: SourceCheckpoint, plan: RankPlan, optimizer: Optiona
     notes = set() if notes is None else notes
     models = []
     for c, names in enumerate(plan.chunks):
-        models.append({local: _cut(plan, name, src.model(name, plan.partition[name]), notes)
+        models.append({local: _cut(plan, name, src.model(name, plan.partition[name],
+                                                          _target(plan, name), local), notes)
                        .to(plan.dtypes[c, local]) for local, name in names})
-    first = src.files[0, 0]
+    first = src.first
     skip = set(model_keys(first)) | {"optimizer", "rng_state"}
     payload = {k: v for k, v in first.items() if k not in skip}
     payload.update({"model": models[0]} if len(models) == 1 else
                    {f"model{i}": m for i, m in enumerate(models)})
     if (src.layout.tp, src.layout.pp) == (plan.tp_size, plan.pp_size):
-        rng = src.files[plan.tp_rank, plan.pp_rank].get("rng_state")
+        rng = src.rank_file(plan.tp_rank, plan.pp_rank).get("rng_state")
         if rng is not None:
             payload["rng_state"] = rng
     distrib = None
@@ -484,9 +645,9 @@ def _optimizer_payload(src: SourceCheckpoint, plan: RankPlan, kind: str, notes: 
     shapes: Dict[ParamKey, Tuple[int, ...]] = {}
     for c, names in enumerate(plan.chunks):
         for local, name in names:
-            full = src.optimizer_state(name, plan.partition[name])
+            full = src.optimizer_state(name, plan.partition[name], _target(plan, name), local)
             if "param" in full and plan.dtypes[c, local] == torch.float32 and \
-                    src.model_dtype(name) in _HALF:
+                    src.model_dtype(name, _target(plan, name), local) in _HALF:
                 models[c][local] = _cut(plan, name, full["param"], notes)
             if kind == "fp32":  # the model weights are the main weights: no copy of them
                 full.pop("param", None)
@@ -598,7 +759,8 @@ def full_model_state(src: SourceCheckpoint, model: torch.nn.Module) -> Dict[str,
     SystemExit when the checkpoint does not hold exactly the model's parameters."""
     plan = plan_rank([model], [0], 1, 0)
     names = {name for _, name in plan.chunks[0]}
-    missing = [n for n in names if n not in src.where]
+    saved = set(src.names)
+    missing = [n for n in names if n not in saved]
     unexpected = [n for n in src.names if n not in names]
     if missing or unexpected:
         raise SystemExit(f"error: checkpoint does not match the model its args describe; "

@@ -299,25 +299,30 @@ def plan_trainer_rank(tr) -> RankPlan:
                      ps.tp_rank, (ps.pp_size, ps.pp_rank), grad_dtype_of=grad_dtype)
 
 
-def reshard_for_trainer(tr, iter_dir: str, with_optimizer: bool
+def reshard_for_trainer(tr, iter_dir: str, with_optimizer: bool,
+                        saved: Optional[Layout] = None, saved_args: Optional[dict] = None
                         ) -> Tuple[dict, Optional[dict], str]:
     """This rank's payloads for a live Trainer from a checkpoint saved with another layout.
 
-    No communication: every rank memory-maps all shards and builds only the full tensors
-    of the parameters it holds. Returns (model_optim_rng payload, distrib_optim payload or
-    None, a one-line description of the conversion)."""
+    No communication: each rank memory-maps the shard files that hold parts of its own
+    parameters (the saved stages of its layers, the saved tp ranks of its slices) and
+    builds only those. `saved`, `saved_args`: the checkpoint's layout and arguments when
+    known (read by rank 0), sparing every rank the first rank's file. Returns
+    (model_optim_rng payload, distrib_optim payload or None, a one-line description of
+    the conversion)."""
     plan = plan_trainer_rank(tr)
     notes: Set[str] = set()
     kind = live_optimizer_kind(tr.optimizer) if with_optimizer else None
     try:
-        src = SourceCheckpoint(iter_dir)
+        src = SourceCheckpoint(iter_dir, saved, saved_args)
         payload, distrib = build_rank_payload(src, plan, kind, notes)
     except ValueError as exc:  # shapes or parameters the checkpoint's args did not tell
         raise SystemExit(f"error: cannot reshard {iter_dir} for this run: {exc}") from None
     what = "model and optimizer" if "optimizer" in payload else "model"
     text = (f"resharded {iter_dir} on load: saved with {src.layout.describe()}, this run has "
-            f"{trainer_layout(tr).describe()}; {what} state of {len(src.files)} shard file(s) "
-            f"converted ({plan.num_params} parameters on this rank)")
+            f"{trainer_layout(tr).describe()}; {what} state converted from {len(src.files)} of "
+            f"{src.layout.tp * src.layout.pp} shard file(s) ({plan.num_params} parameters on "
+            "this rank)")
     if "rng_state" not in payload:
         text += "; RNG states start fresh (they are per rank)"
     if notes:
@@ -394,8 +399,8 @@ def _load_trainer_payload(tr) -> Optional[_Loaded]:
     The first rank's file (memory-mapped) is checked first, on global rank 0, which tells
     the others (`_first_file_checked_once`). When the checkpoint's tp,
     pp or chunks per rank differ from the run's -- or, with the optimizer state to load, its
-    optimizer kind (distributed or not, fp32 or mixed) -- every rank reads all shards and
-    takes its slice (megatron.checkpoint_reshard); a failure there is left in
+    optimizer kind (distributed or not, fp32 or mixed) -- each rank reads the shard files
+    holding parts of its own parameters and takes its slice (megatron.checkpoint_reshard); a failure there is left in
     `_Loaded.error` for `load_trainer_checkpoint`'s agreement. Collective: the tracker
     agreement and barrier, rank 0's check of the first file sent to all; the missing- and
     unreadable-file checks otherwise. A failure exits every rank, printed once."""
@@ -425,9 +430,10 @@ def _load_trainer_payload(tr) -> Optional[_Loaded]:
     if not needs_resharding(saved, trainer_layout(tr), states.with_optimizer):
         return loaded._replace(state=load_rank_file(ck.load, iteration, release, ps, group))
     print_rank_0(f" loading checkpoint from {ck.load} at iteration {iteration} "
-                 f"(resharding: every rank reads all shards)")
+                 f"(resharding: each rank reads the shards of its own parameters)")
     try:
-        payload, distrib, text = reshard_for_trainer(tr, iter_dir, states.with_optimizer)
+        payload, distrib, text = reshard_for_trainer(tr, iter_dir, states.with_optimizer,
+                                                     saved, first_args)
     except SystemExit as exc:
         return loaded._replace(error=exit_message(exc))
     print_rank_0(f" > {text}")
