@@ -213,7 +213,7 @@ class SourceCheckpoint:
             self.args = first.get("args") if isinstance(first.get("args"), dict) else {}
             scan_layout(iter_dir, self.args)  # none missing of the sizes it was saved with
             kind = optimizer_kind(first.get("optimizer"), (0, 0) in self.param_files)
-            layout = Layout(tp, pp, max(len(self._chunks(0, 0)), 1), kind)
+            layout = Layout(tp, pp, max(len(self.chunks(0, 0)), 1), kind)
         else:
             self.args = args if isinstance(args, dict) else {}
             self._tp, self._pp = layout.tp, layout.pp
@@ -258,7 +258,7 @@ class SourceCheckpoint:
                 self.param_files[t, p] = load_shard(extra)
         return self.files[t, p]
 
-    def _chunks(self, t: int, p: int) -> List[Dict[str, torch.Tensor]]:
+    def chunks(self, t: int, p: int) -> List[Dict[str, torch.Tensor]]:
         """The flat model state dicts of source rank (t, p), one per chunk (checked against
         the stage map once it is known)."""
         if (t, p) not in self._flat:
@@ -299,7 +299,7 @@ class SourceCheckpoint:
         stages, offset = [], 0
         for s in range(pp * vpp):
             c, p = divmod(s, pp)
-            count = _layer_count(self._chunks(0, p), c, self.iter_dir, p, vpp)
+            count = _layer_count(self.chunks(0, p), c, self.iter_dir, p, vpp)
             stages.append((offset, count))
             offset += count
         return stages
@@ -320,7 +320,7 @@ class SourceCheckpoint:
             names, pp = [], self.layout.pp
             for s, (offset, _) in enumerate(self._stages):
                 c, p = divmod(s, pp)
-                names += [global_name(local, offset) for local in self._chunks(0, p)[c]
+                names += [global_name(local, offset) for local in self.chunks(0, p)[c]
                           if local != TIED_COPY]
             self._names = names
         return self._names
@@ -339,12 +339,12 @@ class SourceCheckpoint:
             found = None if s is None else \
                 (s % pp, s // pp, f"{m.group(1)}{g - self._stages[s][0]}{m.group(3)}")
         elif local_name == TIED_COPY and last > 0 and \
-                TIED_COPY in self._chunks(t, last % pp)[last // pp]:
+                TIED_COPY in self.chunks(t, last % pp)[last // pp]:
             return last % pp, last // pp, TIED_COPY
         else:
             s = 0 if name.startswith("language_model.embedding.") else last
             found = (s % pp, s // pp, name)
-        if found is not None and found[2] in self._chunks(t, found[0])[found[1]]:
+        if found is not None and found[2] in self.chunks(t, found[0])[found[1]]:
             return found
         raise ValueError(f"the checkpoint in {self.iter_dir} has no parameter {name}; the "
                          "model flags differ from the saved run's (--use-checkpoint-args "
@@ -363,7 +363,7 @@ class SourceCheckpoint:
         if target is None:
             return p, c, local, list(range(tp))
         dim, stride = partition
-        held = self._chunks(home, p)[c][local].shape[dim]
+        held = self.chunks(home, p)[c][local].shape[dim]
         return p, c, local, needed_tp_ranks(held, tp, target[2][dim], target[0], target[1],
                                             stride)
 
@@ -373,7 +373,7 @@ class SourceCheckpoint:
         `target` (tp rank, tp size, full shape), only the parts of that rank's slice are
         read, the rest is zeros. `local_name`: the target's name of it (see `_locate`)."""
         p, c, local, ranks = self._sources(name, partition, target, local_name)
-        parts = {t: self._chunks(t, p)[c][local] for t in ranks}
+        parts = {t: self.chunks(t, p)[c][local] for t in ranks}
         return _merge(parts, self.layout.tp, partition)
 
     def model_dtype(self, name: str, target: Optional[Target] = None,
@@ -381,7 +381,7 @@ class SourceCheckpoint:
         """The dtype the checkpoint holds model parameter `name` in (`target`,
         `local_name`: as for `model`)."""
         p, c, local, ranks = self._sources(name, None, target, local_name)
-        return self._chunks(ranks[0], p)[c][local].dtype
+        return self.chunks(ranks[0], p)[c][local].dtype
 
     def optimizer_state(self, name: str, partition: Partition, target: Optional[Target] = None,
                         local_name: Optional[str] = None) -> Dict[str, torch.Tensor]:
@@ -433,7 +433,7 @@ class SourceCheckpoint:
         return self._rank_optim[t, p]
 
     def _indexed_entries(self, t: int, p: int, mixed: bool) -> Dict[ParamKey, dict]:
-        chunks, opt = self._chunks(t, p), self.rank_file(t, p)["optimizer"]
+        chunks, opt = self.chunks(t, p), self.rank_file(t, p)["optimizer"]
         inner = opt.get("optimizer", opt.get("optimizer_state_dict")) if mixed else opt
         order, saved = param_group_order(chunks), inner["param_groups"]
         if [len(g) for g in order] != [len(g["params"]) for g in saved]:
@@ -467,7 +467,7 @@ class SourceCheckpoint:
         if (t, p) not in self.param_files:
             raise SystemExit(f"error: {self.iter_dir}: {DISTRIB_FILENAME} of rank (tp {t}, "
                              f"pp {p}) is missing; load with --no-load-optim")
-        chunks = self._chunks(t, p)
+        chunks = self.chunks(t, p)
         saved, out = self.param_files[t, p], {}
         for c, sd in enumerate(chunks):
             flats_by_dtype = saved[c]

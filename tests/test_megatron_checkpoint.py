@@ -112,7 +112,7 @@ def test_checkpoint_tools_read_it(megatron_checkpoint, tmp_path):
     root, _, original = megatron_checkpoint
     assert read_checkpoint_args(root)["hidden_size"] == original["args"]["hidden_size"]
     src = SourceCheckpoint(os.path.dirname(os.path.dirname(checkpoint_name(root, K, 0, 0, 1))))
-    assert src.chunks[0, 0][0].keys() == original["model"].keys()
+    assert src.chunks(0, 0)[0].keys() == original["model"].keys()
     out = str(tmp_path / "tp2")
     done = subprocess.run(
         [sys.executable, os.path.join(REPO, "tools", "checkpoint_convert.py"), "reshard",
@@ -354,7 +354,7 @@ def test_23_04_layout_model_is_read_by_the_tools(legacy_checkpoint, tmp_path, ca
     original = torch.load(checkpoint_name(root, K, 0, 0, 1), weights_only=True)
     src = SourceCheckpoint(iter_dir)
     assert src.layout == Layout(1, 1, 1, None)  # the optim.pt directories are not pp ranks
-    assert all(torch.equal(src.chunks[0, 0][0][k], v) for k, v in original["model"].items())
+    assert all(torch.equal(src.chunks(0, 0)[0][k], v) for k, v in original["model"].items())
     assert read_checkpoint_args(legacy)["hidden_size"] == original["args"]["hidden_size"]
     assert describe_layout(iter_dir).endswith("(found mp_rank_00)")
     capsys.readouterr()
