@@ -102,7 +102,7 @@ def main(argv=None) -> int:
 def _run_main(argv, command_line: bool) -> int:
     """main; `command_line` (pretrain_gpt.py run as a script): after a Ctrl-C with a
     background checkpoint writer still running, the process ends at once (`_interrupted`)."""
-    from megatron.initialize import entry_point_changes_undone
+    from megatron.entry_state import entry_point_changes_undone
 
     with entry_point_changes_undone(os.environ):
         return _main(argv, command_line)

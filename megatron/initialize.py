@@ -9,7 +9,6 @@ keeps its keys under a namespace of its own (megatron/restart_epoch.py says why 
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import random
@@ -25,6 +24,11 @@ import torch.distributed as dist
 from megatron.core.config import ParallelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_seed
+from megatron.entry_state import (  # noqa: F401 (also used from here)
+    CUBLASLT_WORKSPACE_WARNING,
+    ENTRY_POINT_ENV,
+    entry_point_changes_undone,
+)
 from megatron.launcher_watch import watch_launcher
 from megatron.restart_epoch import agree_on_epoch, epoch_prefix
 from megatron.srun_tasks import srun_tasks_without_launcher  # noqa: F401 (its old home)
@@ -334,42 +338,6 @@ def warnings_once_per_job(rank: int) -> None:
 
     showwarning.process_default = show
     warnings.showwarning = showwarning
-
-
-CUBLASLT_WORKSPACE_WARNING = "Requested unified CUBLASLT workspace size"
-# the environment variables initialize_entry_point may set (see entry_point_changes_undone)
-ENTRY_POINT_ENV = ("CUBLAS_WORKSPACE_CONFIG", "TORCH_GLOO_LAZY_INIT")
-
-
-@contextlib.contextmanager
-def entry_point_changes_undone(environ: MutableMapping[str, str]):
-    """`with` block around an entry point's run, for in-process use (a notebook calling
-    `pretrain_gpt.main` more than once): on leaving, the caller's values of ENTRY_POINT_ENV
-    in `environ` (absent ones removed again), `warnings.formatwarning` and
-    `warnings.showwarning` come back, and the warnings filter `initialize_entry_point`
-    added is dropped. (A filter torch adds while loading its modules stays.) A
-    SIGTERM/SIGUSR1 noted (megatron.signals) is forgotten as the run starts and ends."""
-    from megatron.signals import forget_noted
-
-    env = {name: environ.get(name) for name in ENTRY_POINT_ENV}
-    hooks = (warnings.formatwarning, warnings.showwarning)
-    filters = list(warnings.filters)
-    forget_noted()
-    try:
-        yield
-    finally:
-        forget_noted()
-        for name, value in env.items():
-            if value is None:
-                environ.pop(name, None)
-            else:
-                environ[name] = value
-        warnings.formatwarning, warnings.showwarning = hooks
-        added = [f for f in warnings.filters if f not in filters and f[1] is not None
-                 and f[1].pattern == CUBLASLT_WORKSPACE_WARNING]
-        if added:
-            warnings.filters[:] = [f for f in warnings.filters if f not in added]
-            getattr(warnings, "_filters_mutated", lambda: None)()
 
 
 def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank: int,

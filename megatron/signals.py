@@ -18,7 +18,7 @@ _last_noted = 0
 
 def forget_noted() -> None:
     """Forget a SIGTERM/SIGUSR1 noted so far: called as an entry point's run starts and
-    ends (megatron.initialize.entry_point_changes_undone), so that a signal one in-process
+    ends (megatron.entry_state.entry_point_changes_undone), so that a signal one in-process
     call noted does not make a later call skip its wait for the launcher."""
     global _last_noted
     _last_noted = 0

@@ -527,9 +527,9 @@ def _check_counts(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 def main(argv=None) -> int:
     """The command line (None: sys.argv[1:]); the exit status. Callable more than once in
     one process: the environment variables it sets (CUDA_VISIBLE_DEVICES for --device cpu,
-    those of megatron.initialize.ENTRY_POINT_ENV) and the warnings hooks come back as they
+    those of megatron.entry_state.ENTRY_POINT_ENV) and the warnings hooks come back as they
     were, and the process group the run made is ended (one the caller made is kept)."""
-    from megatron.initialize import entry_point_changes_undone
+    from megatron.entry_state import entry_point_changes_undone
     from megatron.rank_failure import process_group_closed
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -526,9 +526,9 @@ def main(argv=None, environ=None) -> int:
     os.environ) the ranks of each replica generate in lockstep, the replicas their share
     of the prompts, and rank 0 prints. Callable more than once in one process: the
     variables the start-up sets in `environ` and the warnings hooks come back as they were
-    (megatron.initialize.entry_point_changes_undone), and the process group the run made
+    (megatron.entry_state.entry_point_changes_undone), and the process group the run made
     is ended (one the caller made is kept)."""
-    from megatron.initialize import entry_point_changes_undone
+    from megatron.entry_state import entry_point_changes_undone
     from megatron.rank_failure import process_group_closed
 
     a = parse_args(argv)

@@ -593,7 +593,7 @@ def main(argv=None, environ=None) -> int:
     than once in one process: the variables the start-up sets in `environ` and the
     warnings hooks come back as they were, and the process group the run made is ended
     (one the caller made is kept)."""
-    from megatron.initialize import entry_point_changes_undone
+    from megatron.entry_state import entry_point_changes_undone
     from megatron.rank_failure import process_group_closed
 
     a, ns, explicit = parse_args(argv)

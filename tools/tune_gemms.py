@@ -171,10 +171,10 @@ def _as_algo(algo: bytes):
 
 def main(argv=None) -> int:
     """The command line (None: sys.argv[1:]); the exit status. Callable more than once in
-    one process: the environment variables it sets (megatron.initialize.ENTRY_POINT_ENV)
+    one process: the environment variables it sets (megatron.entry_state.ENTRY_POINT_ENV)
     and the warnings hooks come back as they were, and the process group the run made is
     ended (one the caller made is kept)."""
-    from megatron.initialize import entry_point_changes_undone
+    from megatron.entry_state import entry_point_changes_undone
     from megatron.rank_failure import process_group_closed
 
     with entry_point_changes_undone(os.environ), \

@@ -346,9 +346,9 @@ def main(argv: Sequence[str], rank: int = 0, world_size: int = 1, local_rank: in
     be gone (megatron.rank_failure.process_group_closed: a collective another rank broke
     is one line naming that rank). Callable more than once in one process: the variables
     it sets in `environ` and the warnings hooks come back as they were
-    (megatron.initialize.entry_point_changes_undone)."""
+    (megatron.entry_state.entry_point_changes_undone)."""
     from megatron.agreed_exit import silent_ranks_wait
-    from megatron.initialize import entry_point_changes_undone
+    from megatron.entry_state import entry_point_changes_undone
     from megatron.rank_failure import process_group_closed
 
     environ = {} if environ is None else environ
