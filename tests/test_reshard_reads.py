@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from megatron import checkpoint_reshard as reshard
 from tests.dist_utils import run_distributed
+from tests.test_checkpoint_util import _assert_same
 from tests.test_reshard import _load_and_continue, _save_and_continue
 from tools.checkpoint_convert import _stage_modules
 
@@ -60,22 +60,6 @@ def _payloads(iter_dir, tp, pp, padded_vocab):
     return out
 
 
-def _assert_identical(a, b, where="payload"):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
-        assert a.shape == b.shape and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _assert_identical(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_identical(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
 def _dirs(*ranks):
     return {f"mp_rank_{t:02d}_{p:03d}" for t, p in ranks}
 
@@ -99,7 +83,7 @@ def test_each_rank_reads_only_the_files_of_its_parameters(saved, tp, pp, vocab, 
         reference = _payloads(iter_dir, tp, pp, vocab)
     for (rank, payloads, opened), (_, expect, every) in zip(built, reference):
         assert every >= opened  # the reference read every tp rank of the stages
-        _assert_identical(payloads, expect, f"rank {rank}")
+        _assert_same(payloads, expect, f"rank {rank}")
 
 
 def _load_recording(rank, world, extra, root):
