@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = textwrap.dedent("""
     import contextlib, io, json, logging, os, re, signal, sys, tempfile, threading, time
     sys.path.insert(0, {root!r})
+    HERE = os.path.dirname(os.path.abspath(__file__))  # the test's tmp directory, not /tmp
 
     from tests.process_state import state
 
@@ -88,7 +89,7 @@ CHILD = textwrap.dedent("""
         return real_save(*a, **k)
 
     checkpointing._torch_save_synced = save_interrupted
-    save_dir = tempfile.mkdtemp(prefix="inproc_save_")
+    save_dir = tempfile.mkdtemp(prefix="inproc_save_", dir=HERE)
     call("ctrl_c_writing", ["--save", save_dir, "--save-interval", "4", "--async-save"])
     checkpointing._torch_save_synced = real_save
     calls["ctrl_c_writing"]["said"] = re.findall(r"^(interrupted .*|waiting .*)$", OUT[0], re.M)
@@ -96,7 +97,7 @@ CHILD = textwrap.dedent("""
     thread = threading.Thread(target=call, args=("thread", ["--exit-signal-handler"]))
     thread.start()
     thread.join()
-    store = tempfile.mktemp(prefix="inproc_store_")
+    store = tempfile.mktemp(prefix="inproc_store_", dir=HERE)
     dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=0, world_size=1)
     call("caller_group")
     group_alive = dist.is_initialized()
