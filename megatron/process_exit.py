@@ -13,7 +13,11 @@ interpreter does, in its order, then ends the process with `os._exit`.
 gc.freeze() before the exit skipped most of that time (the collections) but left Triton's
 objects alive at the end, which its bindings (nanobind) then report on stderr as leaks.
 
-An exception other than SystemExit leaves the usual exit to print its traceback.
+An exception that `main` lets out is printed by `sys.excepthook`, as the interpreter
+prints it (torch's rank prefix included), and the process then ends the same way with
+status 1: a rank that failed would otherwise spend 1-5 s tearing down torch and its
+process group before the launcher saw it go. KeyboardInterrupt keeps the usual exit
+(the interpreter re-raises SIGINT so that a shell sees the signal).
 """
 from __future__ import annotations
 
@@ -28,11 +32,17 @@ ExitCode = Union[int, str, None]
 
 def run(main: Callable[[], ExitCode]) -> NoReturn:
     """`sys.exit(main())` (also for a SystemExit that `main` raises), then
-    `exit_without_teardown`."""
+    `exit_without_teardown`; any other exception but KeyboardInterrupt is printed by
+    `sys.excepthook` and gives status 1."""
     try:
         code = main()
     except SystemExit as e:
         code = e.code
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: B902 - printed as the interpreter prints it, status 1
+        sys.excepthook(*sys.exc_info())
+        code = 1
     exit_without_teardown(code)
 
 

@@ -58,10 +58,23 @@ def test_run_exits_as_sys_exit_does(tmp_path, result, status, stderr):
     assert (tmp_path / "marker").read_text() == "written"  # the thread was waited for
 
 
-def test_an_exception_keeps_the_usual_exit_and_its_traceback(tmp_path):
+def test_an_exception_is_printed_as_usual_and_skips_the_teardown(tmp_path):
+    """A failing rank printed its traceback and then spent 1-5 s tearing down torch and
+    its process group before the launcher saw it exit; the exit is now the same as for
+    a status, with the traceback printed by sys.excepthook first."""
     proc = _run(tmp_path, "1 / 0")
     assert proc.returncode == 1
-    assert "Traceback" in proc.stderr and "ZeroDivisionError" in proc.stderr
-    assert proc.stderr.endswith("torn down\n")  # the modules were torn down
+    assert "Traceback" in proc.stderr and proc.stderr.endswith("ZeroDivisionError: division "
+                                                               "by zero\n"), proc.stderr
+    assert "torn down" not in proc.stderr  # the modules were not torn down
     assert proc.stdout == "buffered line\natexit ran\n"
+    assert (tmp_path / "marker").read_text() == "written"  # the thread was waited for
+
+
+def test_ctrl_c_keeps_the_usual_exit(tmp_path):
+    """KeyboardInterrupt still leaves through the interpreter, which ends the process by
+    SIGINT so that a calling shell sees the interrupt."""
+    proc = _run(tmp_path, "(_ for _ in ()).throw(KeyboardInterrupt)")
+    assert proc.returncode == -2, proc
+    assert "KeyboardInterrupt" in proc.stderr and proc.stderr.endswith("torn down\n")
     assert (tmp_path / "marker").read_text() == "written"
