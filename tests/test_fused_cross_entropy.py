@@ -136,9 +136,11 @@ def test_fp16_head_matches_separate_layers():
         assert (got.double() - want).norm() / want.norm() < 2e-3
 
 
+# Few rows (the interpreter runs one program per row, ~40 ms of CPU each): 8 tokens a
+# micro-batch, two micro-batches a step (the weight grad accumulates over them).
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
-        "--global-batch-size", "4", "--train-iters", "8", "--lr", "3e-3", "--mock-data",
+        "--seq-length", "8", "--max-position-embeddings", "8", "--micro-batch-size", "1",
+        "--global-batch-size", "2", "--train-iters", "8", "--lr", "3e-3", "--mock-data",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--seed", "5",
         "--hidden-dropout", "0", "--attention-dropout", "0"]
 
