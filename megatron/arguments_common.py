@@ -126,12 +126,16 @@ def _build_index() -> Dict[str, FlagSpec]:
 FLAG_SPECS: Dict[str, FlagSpec] = _build_index()
 
 
+# dest -> the first flag writing it, in table order (a dict lookup: validation asks often,
+# and tools/plan_layout.py validates thousands of candidate layouts).
+_FIRST_FLAG: Dict[str, str] = {}
+for _spec in FLAG_SPECS.values():
+    _FIRST_FLAG.setdefault(_spec.dest, _spec.flag)
+
+
 def flag_for_dest(dest: str) -> str:
     """The first flag writing `dest` (for messages): 'micro_batch_size' -> '--micro-batch-size'."""
-    for spec in FLAG_SPECS.values():
-        if spec.dest == dest:
-            return spec.flag
-    return "--" + dest.replace("_", "-")
+    return _FIRST_FLAG.get(dest) or "--" + dest.replace("_", "-")
 
 
 # flags Megatron-LM 23.05 reads as another one's other name (no deprecation): a message

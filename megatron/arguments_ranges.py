@@ -111,13 +111,16 @@ def _applies(ns, dest: str, when: Optional[Callable]) -> bool:
 _INF_MEANINGFUL = ("clip_grad", "rotary_percent")
 
 
+_FLOAT_SPECS = tuple(spec for spec in FLAG_SPECS.values() if spec.kind in ("float", "num"))
+
+
 def _check_finite(ns) -> None:
     """A float flag given as nan passes every comparison below (each is False with NaN), and
     an infinite one most of them; both fail later, after the model is built: a traceback
     (--rotary-percent nan, --gpu-memory-gb inf) or a NaN loss (--lr inf)."""
-    for spec in FLAG_SPECS.values():
+    for spec in _FLOAT_SPECS:
         value = getattr(ns, spec.dest, None)
-        if spec.kind not in ("float", "num") or not isinstance(value, float):
+        if not isinstance(value, float):
             continue
         if math.isnan(value) or (math.isinf(value) and spec.dest not in _INF_MEANINGFUL):
             default = "unset" if spec.default is None else f"{spec.default:g}"

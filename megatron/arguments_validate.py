@@ -595,13 +595,12 @@ def _fill(cls, values: Dict[str, Any]):
     return cls(**kwargs)
 
 
-def _plain(value: Any) -> Any:
-    import torch
-
-    if isinstance(value, torch.dtype):
+def _plain(value: Any, dtype: type) -> Any:
+    """`value` as JSON-able data: a `dtype` (torch.dtype) as its name, a tuple as a list."""
+    if isinstance(value, dtype):
         return str(value)
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [_plain(v, dtype) for v in value]
     return value
 
 
@@ -616,7 +615,9 @@ def build_config(ns: argparse.Namespace) -> Config:
         values["target_global_batch_size"] = ns.global_batch_size
     for name in _DELETED:
         values.pop(name, None)
-    args = {k: _plain(v) for k, v in vars(ns).items() if k not in _DELETED}
+    import torch
+
+    args = {k: _plain(v, torch.dtype) for k, v in vars(ns).items() if k not in _DELETED}
     return Config(
         model=_fill(ModelConfig, values),
         parallel=_fill(ParallelConfig, values),
