@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import enum
 import os
-import subprocess
 import sys
 import types
 
@@ -37,8 +36,6 @@ from megatron.checkpointing import checkpoint_name, describe_layout
 from tests.test_exact_resume import K, N, _assert_exact, resume_scenario, run_pretrain
 from tools import checkpoint_convert
 from tools.checkpoint_convert import to_megatron
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _megatron_enum_module():
@@ -114,12 +111,9 @@ def test_checkpoint_tools_read_it(megatron_checkpoint, tmp_path):
     src = SourceCheckpoint(os.path.dirname(os.path.dirname(checkpoint_name(root, K, 0, 0, 1))))
     assert src.chunks(0, 0)[0].keys() == original["model"].keys()
     out = str(tmp_path / "tp2")
-    done = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tools", "checkpoint_convert.py"), "reshard",
-         "--load", root, "--save", out, "--target-tensor-model-parallel-size", "2",
-         "--target-pipeline-model-parallel-size", "1"],
-        capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert checkpoint_convert.main(["reshard", "--load", root, "--save", out,
+                                    "--target-tensor-model-parallel-size", "2",
+                                    "--target-pipeline-model-parallel-size", "1"]) == 0
     shards = [torch.load(checkpoint_name(out, K, t, 0, 1), weights_only=True) for t in (0, 1)]
     qkv = "language_model.encoder.layers.0.self_attention.query_key_value.weight"
     merged = torch.cat([s["model"][qkv] for s in shards], dim=0)
@@ -219,19 +213,17 @@ def test_an_old_qkv_ordering_is_refused(tmp_path):
         load_checkpoint_file(path)
 
 
-def test_the_export_has_megatron_lms_shape(tmp_path):
+def test_the_export_has_megatron_lms_shape(tmp_path, capsys):
     """`to-megatron` writes what reference section d.2 describes, pickling nothing that
     needs this framework (a plain torch.load with only argparse and numpy allowed reads
     it), and this framework reads the export back to the same payload."""
     root, out = str(tmp_path / "ck"), str(tmp_path / "mlm")
     run_pretrain(["--bf16", "--save", root, "--save-interval", str(K), "--exit-interval", str(K)])
-    done = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tools", "checkpoint_convert.py"), "to-megatron",
-         "--load", root, "--save", out], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    capsys.readouterr()
+    assert checkpoint_convert.main(["to-megatron", "--load", root, "--save", out]) == 0
     assert ("warning: the checkpoint's RNG states were saved by a CPU run; Megatron-LM "
             "restores CUDA generator states and stops on these: load the export with "
-            "--no-load-rng" in done.stderr)
+            "--no-load-rng" in capsys.readouterr().err)
     path = checkpoint_name(out, K, 0, 0, 1)
     with open(os.path.join(out, "latest_checkpointed_iteration.txt")) as f:
         assert f.read() == str(K)
