@@ -15,7 +15,8 @@
 3. Tied embeddings: the last stage's copy is broadcast from the first stage when built and
    stays equal to it through training.
 4. Checkpoint payload keys with virtual stages (model0, model1).
-5. Through torchrun: save and resume with pp 2 and tp 2 x pp 2 x virtual stages.
+5. Through torchrun: save and resume with pp 2 and tp 2 x pp 2 x virtual stages, against
+   an uninterrupted pretrain() on forked ranks.
 6. pretrain_gpt.py's evaluation (--skip-train --load) of one checkpoint with dp 2, pp 2 and
    tp 2 prints the single process's validation and test losses.
 """
@@ -422,6 +423,18 @@ def _e2e_args(layout):
     return layout + args
 
 
+def _pretrain_e2e(rank, world_size, argv) -> str:
+    """pretrain() with tests/test_end_to_end.py's model and `argv` on this rank (a forked
+    rank: no interpreter start, no imports); its stdout."""
+    return _pretrain_gpt(rank, world_size, argv, base=[])
+
+
+def _tensorboard_steps(tb_dir) -> list:
+    from megatron.logging_utils import read_scalars
+
+    return [step for step, _ in read_scalars(str(tb_dir))["lm loss"]]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,layout,ranks,stop", [
     (2, ["--pipeline-model-parallel-size", "2"], ["mp_rank_00_000", "mp_rank_00_001"], "exit"),
@@ -432,36 +445,44 @@ def _e2e_args(layout):
 def test_torchrun_pipeline_save_resume(tmp_path, nproc, layout, ranks, stop):
     """Through torchrun: the last stage prints the iteration lines and writes tensorboard;
     a run stopped at a checkpoint (by --exit-interval, or rewound to it) and resumed gives
-    the same losses (printed values, bit-identical on CPU fp32) as an uninterrupted run."""
-    from megatron.logging_utils import read_scalars
+    the same losses (printed values, bit-identical on CPU fp32) as an uninterrupted run.
+    The uninterrupted run is pretrain() on forked ranks (the code pretrain_gpt.py runs,
+    without a launch: each torchrun launch costs every rank the interpreter's start and
+    the imports); the stopped (pp2) and the resumed runs go through torchrun."""
     from tests.test_end_to_end import losses_by_iteration, rewind_to, torchrun
 
     ckpt = tmp_path / "ckpt"
     save = ["--save", str(ckpt), "--save-interval", "4"]
-    full = torchrun(nproc, _e2e_args(layout) + ["--train-iters", "8",
-                                            "--tensorboard-dir", str(tmp_path / "tb")]
-                    + (save if stop == "rewind" else []))
+    full = run_distributed(_pretrain_e2e, nproc, _e2e_args(layout) + [
+        "--train-iters", "8", "--tensorboard-dir", str(tmp_path / "tb-full")]
+        + (save if stop == "rewind" else []))[-1]  # the last stage prints
     ref = losses_by_iteration(full)
     assert sorted(ref) == list(range(1, 9)), full[-3000:]
     assert "validation loss at iteration 4" in full
-    assert [step for step, _ in read_scalars(str(tmp_path / "tb"))["lm loss"]] == list(range(1, 9))
+    assert _tensorboard_steps(tmp_path / "tb-full") == list(range(1, 9))
 
     if stop == "exit":
-        first = torchrun(nproc, _e2e_args(layout) + ["--train-iters", "8", "--exit-interval", "4"]
+        first = torchrun(nproc, _e2e_args(layout) + ["--train-iters", "8", "--exit-interval", "4",
+                                                     "--tensorboard-dir", str(tmp_path / "tb")]
                          + save)
         assert losses_by_iteration(first) == {i: ref[i] for i in range(1, 5)}
+        assert "validation loss at iteration 4" in first
+        assert _tensorboard_steps(tmp_path / "tb") == list(range(1, 5))
         assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     else:
         rewind_to(ckpt, 4)  # one launch less than stopping a second run there
-    for name in ranks:
-        state = torch.load(ckpt / "iter_0000004" / name / "model_optim_rng.pt",
-                           weights_only=True)
-        keys = ["model0", "model1"] if "--num-layers-per-virtual-pipeline-stage" in layout \
-            else ["model"]
-        assert all(k in state for k in keys), (name, sorted(state))
     resumed = torchrun(nproc, _e2e_args(layout) + ["--train-iters", "8", "--load", str(ckpt),
-                                               "--save", str(ckpt), "--save-interval", "4"])
+                                               "--save", str(ckpt), "--save-interval", "4",
+                                               "--tensorboard-dir", str(tmp_path / "tb-resumed")])
     assert losses_by_iteration(resumed) == {i: ref[i] for i in range(5, 9)}, resumed[-3000:]
+    assert "validation loss at iteration 8" in resumed
+    assert _tensorboard_steps(tmp_path / "tb-resumed") == list(range(5, 9))
+    keys = ["model0", "model1"] if "--num-layers-per-virtual-pipeline-stage" in layout \
+        else ["model"]
+    for iteration, name in ((it, name) for it in (4, 8) for name in ranks):  # 8: by torchrun
+        state = torch.load(ckpt / f"iter_{iteration:07d}" / name / "model_optim_rng.pt",
+                           weights_only=True)
+        assert all(k in state for k in keys), (iteration, name, sorted(state))
 
 
 # --------------------------------------------------------------------------- 6. evaluation
@@ -473,9 +494,10 @@ EVAL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--eval-iters", "3", "--log-interval", "1"]
 
 
-def _pretrain_gpt(rank, world_size, argv) -> str:
-    """pretrain() as pretrain_gpt.py runs it with `argv` on this rank; its stdout."""
-    cfg = parse_and_validate(EVAL + argv, world_size=world_size, env={"RANK": str(rank)},
+def _pretrain_gpt(rank, world_size, argv, base=None) -> str:
+    """pretrain() as pretrain_gpt.py runs it with `base` (default EVAL) + `argv` on this
+    rank; its stdout."""
+    cfg = parse_and_validate((EVAL if base is None else base) + argv, world_size=world_size, env={"RANK": str(rank)},
                              cuda_available=False)
     rt = initialize_distributed(cfg.parallel, rank, world_size, 0)
     set_random_seed(cfg.training.seed, rt)
