@@ -2,8 +2,11 @@
 against runs on the CPU, prints the benchmark's fields and learns its fixed batch."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -14,11 +17,26 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _script(*argv: str) -> tuple:
+    """benchmarks/baseline_gpt.py run as __main__ with `argv` in this process (no
+    interpreter start and torch import per run): (exit status, stdout, stderr)."""
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    saved = sys.argv
+    sys.argv = [str(ROOT / "benchmarks" / "baseline_gpt.py"), *argv]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+    finally:
+        sys.argv = saved
+    return code, out.getvalue(), err.getvalue()
+
+
 def _tiny(*flags: str) -> dict:
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "baseline_gpt.py"),
-                          "--device", "cpu", "--preset", "tiny", "--warmup", "1",
-                          "--no-compile", "--lr-warmup", "1", *flags],
-                         capture_output=True, text=True, check=True, timeout=300).stdout
+    code, out, err = _script("--device", "cpu", "--preset", "tiny", "--warmup", "1",
+                             "--no-compile", "--lr-warmup", "1", *flags)
+    assert code == 0, err[-2000:]
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -32,9 +50,8 @@ def test_tiny_baseline_runs_on_cpu_and_memorises_its_batch():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_cuda_without_a_gpu_names_the_cpu_fix():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "baseline_gpt.py")],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "--device cpu --preset tiny" in proc.stderr
+    code, _, err = _script()
+    assert code == 2 and "--device cpu --preset tiny" in err
 
 
 def test_accumulating_the_same_batch_three_times_trains_like_one_micro_batch():
@@ -48,15 +65,14 @@ def test_accumulating_the_same_batch_three_times_trains_like_one_micro_batch():
 
 
 def test_profile_steps_prints_the_operator_table_and_rejects_negative_counts():
-    base = [sys.executable, str(ROOT / "benchmarks" / "baseline_gpt.py"), "--device", "cpu",
-            "--preset", "tiny", "--warmup", "1", "--steps", "1", "--no-compile"]
-    proc = subprocess.run(base + ["--profile-steps", "2"], capture_output=True, text=True,
-                          check=True, timeout=300)
-    assert "aten::" in proc.stderr and "Self CPU time total" in proc.stderr  # the op table
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 1
-    bad = subprocess.run(base + ["--profile-steps", "-1"], capture_output=True, text=True,
-                         timeout=300)
-    assert bad.returncode == 2 and "--profile-steps -1" in bad.stderr
+    base = ["--device", "cpu", "--preset", "tiny", "--warmup", "1", "--steps", "1",
+            "--no-compile"]
+    code, out, err = _script(*base, "--profile-steps", "2")
+    assert code == 0, err[-2000:]
+    assert "aten::" in err and "Self CPU time total" in err  # the op table
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == 1
+    code, _, err = _script(*base, "--profile-steps", "-1")
+    assert code == 2 and "--profile-steps -1" in err
 
 
 def test_gelu_tanh_reaches_the_model():
