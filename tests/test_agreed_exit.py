@@ -23,7 +23,9 @@ from megatron.agreed_exit import (
     rank_ranges,
     silent_ranks_wait,
 )
+from tests import forked_script
 from tests.dist_utils import cpu_env, free_port, run_distributed
+from tests.forked_script import PRETRAIN
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -40,22 +42,17 @@ def _env(**extra) -> dict:
     return cpu_env(env, **extra)
 
 
-def launch_two(args):
+def launch_two(args, tmp: Path):
     """pretrain_gpt.py as ranks 0 and 1 of 2 (env:// rendezvous, no launcher: nothing
-    ends the other rank). Returns ([rank 0's status, rank 1's], combined output)."""
+    ends the other rank), forked from this process (tests/forked_script.py), their output
+    to files under `tmp`. Returns ([rank 0's status, rank 1's], combined output)."""
     port = str(free_port())
-    procs = [subprocess.Popen(
-        [sys.executable, str(ROOT / "pretrain_gpt.py"), *args], cwd=ROOT,
-        env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=port),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return [p.returncode for p in procs], "".join(outs)
+    logs = [tmp / f"launch_{port}_rank{r}.log" for r in range(2)]
+    pids = [forked_script.start(PRETRAIN, args, _env(
+        RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=port), logs[r]) for r in range(2)]
+    codes = forked_script.wait(pids, TIMEOUT_S)
+    return codes, "".join(log.read_text() for log in logs)
 
 
 def torchrun_two(args):
@@ -82,13 +79,13 @@ def torchrun_failures(out: str):
 def checkpoint(tmp_path_factory):
     """A tensor-parallel-2 checkpoint at iteration 4 (two ranks), distributed optimizer."""
     root = tmp_path_factory.mktemp("agreed") / "ck"
-    codes, out = launch_two(BASE + ["--save", str(root), "--save-interval", "4"])
+    codes, out = launch_two(BASE + ["--save", str(root), "--save-interval", "4"], root.parent)
     assert codes == [0, 0], out
     return root
 
 
-def test_schedule_mismatch_printed_once_every_rank_exits(checkpoint):
-    codes, out = launch_two(BASE + ["--load", str(checkpoint), "--lr", "5e-4"])
+def test_schedule_mismatch_printed_once_every_rank_exits(checkpoint, tmp_path):
+    codes, out = launch_two(BASE + ["--load", str(checkpoint), "--lr", "5e-4"], tmp_path)
     assert codes == [1, 1], (codes, out)
     assert out.count("optimizer-parameter-scheduler value 'max_lr' (--lr) from the "
                      "checkpoint (0.001) differs from the command line (0.0005)") == 1, out
@@ -128,7 +125,7 @@ def test_one_rank_missing_optimizer_shard_fails_after_weights_every_rank_exits(
     shutil.copytree(checkpoint, damaged)
     missing = damaged / "iter_0000004" / "mp_rank_01" / "distrib_optim.pt"
     missing.unlink()
-    codes, out = launch_two(BASE + ["--load", str(damaged)])
+    codes, out = launch_two(BASE + ["--load", str(damaged)], tmp_path)
     assert codes == [1, 1], (codes, out)
     assert out.count(f"rank 1 (of 2): error: checkpoint {damaged / 'iter_0000004'} is "
                      "incomplete: mp_rank_01/distrib_optim.pt is missing (distrib_optim.pt "
@@ -136,15 +133,16 @@ def test_one_rank_missing_optimizer_shard_fails_after_weights_every_rank_exits(
                      "it, with a fresh optimizer). It was copied in part") == 1, out
 
 
-def test_single_process_prints_the_message_as_before(checkpoint):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_gpt.py"), *BASE[:-4], "--eval-iters", "0",
-         "--load", str(checkpoint), "--lr", "5e-4"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.stderr.count(f"error: loading {checkpoint / 'iter_0000004'}: optimizer-"
-                             "parameter-scheduler value 'max_lr'") == 1, proc.stderr
-    assert "Traceback" not in proc.stderr and "(of " not in proc.stderr, proc.stderr
+def test_single_process_prints_the_message_as_before(checkpoint, tmp_path):
+    stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
+    pid = forked_script.start(PRETRAIN, [*BASE[:-4], "--eval-iters", "0", "--load",
+                                         str(checkpoint), "--lr", "5e-4"], _env(),
+                              stdout, stderr)
+    err = stderr.read_text() if forked_script.wait([pid], TIMEOUT_S) == [1] else None
+    assert err is not None, stdout.read_text() + stderr.read_text()
+    assert err.count(f"error: loading {checkpoint / 'iter_0000004'}: optimizer-"
+                     "parameter-scheduler value 'max_lr'") == 1, err
+    assert "Traceback" not in err and "(of " not in err, err
 
 
 # ------------------------------------------------------------------- the utility itself
@@ -228,9 +226,9 @@ def test_a_noted_sigterm_ends_the_silent_ranks_wait(tmp_path, when):
     signal to the job while it resharded a checkpoint)."""
     script = tmp_path / "silent_wait.py"
     script.write_text(SILENT_WAIT_SCRIPT.format(root=str(ROOT), when=when))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=20)
-    assert done.returncode == 0, done.stderr
-    waited = float(re.search(r"waited ([0-9.]+) s", done.stdout).group(1))
-    assert waited < 5, done.stdout
-    assert f"noted {int(signal.SIGTERM)}" in done.stdout
+    log = tmp_path / "log"  # forked: the script's imports are this process's
+    code = forked_script.wait([forked_script.start(str(script), [], _env(), log, log)], 20)
+    assert code == [0], log.read_text()
+    waited = float(re.search(r"waited ([0-9.]+) s", log.read_text()).group(1))
+    assert waited < 5, log.read_text()
+    assert f"noted {int(signal.SIGTERM)}" in log.read_text()

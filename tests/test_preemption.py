@@ -12,6 +12,7 @@ with --load = --save resumes by itself with nothing lost beyond the last checkpo
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import multiprocessing
@@ -30,6 +31,7 @@ from megatron import checkpointing
 from megatron.checkpointing import checkpoint_name, load_checkpoint, read_tracker
 from megatron.core.parallel_state import ParallelState
 from megatron.initialize import AgentStore, agent_store_from_env, attempt_store
+from tests import forked_script
 from tests.dist_utils import cpu_env, free_port
 from tests.test_exact_resume import run_pretrain
 
@@ -170,9 +172,29 @@ def _env() -> dict:
     return cpu_env(PYTHONUNBUFFERED="1")
 
 
-def _run(cmd: list, timeout: int = 90, env_extra=None) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, env=dict(_env(), **(env_extra or {})),
-                          capture_output=True, text=True, timeout=timeout)
+def _start(cmd: list, log: Path, env_extra=None, new_session: bool = False) -> int:
+    """Start `cmd` (`python -m torch.distributed.run ...` or `python script ...`) forked
+    from this process (tests/forked_script.py: the launcher's imports come free; torchrun
+    starts its workers as fresh processes), its output to the file `log`; its pid."""
+    return forked_script.start(*_start_args(cmd), dict(_env(), **(env_extra or {})), log,
+                               module=cmd[1] == "-m", new_session=new_session)
+
+
+def _run(cmd: list, log_dir: Path, timeout: int = 90,
+         env_extra=None) -> subprocess.CompletedProcess:
+    """Run `cmd` (see `_start`) to its end; its stdout and stderr (files under `log_dir`)."""
+    log_dir.mkdir(exist_ok=True)
+    out, err = (log_dir / f"run{len(os.listdir(log_dir))}.{n}" for n in ("out", "err"))
+    pid = forked_script.start(*_start_args(cmd), dict(_env(), **(env_extra or {})), out, err,
+                              module=cmd[1] == "-m")  # as _start, stderr apart
+    [code] = forked_script.wait([pid], timeout)
+    return subprocess.CompletedProcess(cmd, code, out.read_text(), err.read_text())
+
+
+def _start_args(cmd: list) -> tuple:
+    """(script or module, its arguments) of `python [-m module | script] args`."""
+    assert cmd[0] == sys.executable
+    return (cmd[2], cmd[3:]) if cmd[1] == "-m" else (cmd[1], cmd[2:])
 
 
 def _losses(log: str) -> list:
@@ -193,34 +215,35 @@ def _check_checkpoint(root: Path, iteration: int, tp_size: int = 1) -> None:
         assert state["train_state"]["consumed_train_samples"] == iteration * 8
 
 
-def _signal_when(args: list, when, sig: int, group: bool = False, script=None,
+def _signal_when(log_dir: Path, args: list, when, sig: int, group: bool = False, script=None,
                  delay: float = 0.0) -> str:
     """`script` (default pretrain_gpt.py) with `args` under torchrun with 2 ranks; `sig`
     goes to torchrun (or, with `group`, to its whole process group, as a terminal's
     Ctrl-C does) `delay` seconds after the first output line matching the regex `when`
-    (or once `when(output so far)` is true). Returns all the output once the launcher
-    has ended."""
+    (or once `when(output so far)` is true). Returns all the output (in a file under
+    `log_dir`) once the launcher has ended."""
     ready = when if callable(when) else (lambda text: re.search(when, text.splitlines()[-1]))
     script = str(script or ROOT / "pretrain_gpt.py")
-    proc = subprocess.Popen(_torchrun_cmd(2, script, args), cwd=ROOT, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1, start_new_session=group)
-    lines = []
+    log_path = log_dir / "torchrun.log"
+    pid = _start(_torchrun_cmd(2, script, args), log_path, new_session=group)
     try:
         deadline = time.monotonic() + 90
-        for line in proc.stdout:
-            lines.append(line)
-            if ready("".join(lines)):
-                time.sleep(delay)
-                (os.killpg(proc.pid, sig) if group else proc.send_signal(sig))
-                break
-            assert time.monotonic() < deadline, "".join(lines[-50:])
-        lines.extend(proc.stdout)
-        proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            (os.killpg(proc.pid, signal.SIGKILL) if group else proc.kill())
-    return "".join(lines)
+        with open(log_path) as log:
+            text = ""
+            while not (text.endswith("\n") and ready(text)):
+                line = log.readline()
+                text += line
+                assert time.monotonic() < deadline, text[-5000:]
+                time.sleep(0 if line else 0.02)
+        time.sleep(delay)
+        os.killpg(pid, sig) if group else os.kill(pid, sig)
+        forked_script.wait([pid], 60)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.killpg(pid, signal.SIGKILL) if group else os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        raise
+    return log_path.read_text()
 
 
 @pytest.mark.slow
@@ -229,7 +252,7 @@ def test_sigterm_to_torchrun_saves_at_the_iteration_reached(tmp_path, mode):
     ckpt = tmp_path / "ck"
     args = MODEL + ["--train-iters", "100000", "--save", str(ckpt), "--save-interval", "5",
                     "--exit-signal-handler"] + (["--async-save"] if mode == "async" else [])
-    log = _signal_when(args, r"iteration\s+7/", signal.SIGTERM)  # as slurm does to the job
+    log = _signal_when(tmp_path, args, r"iteration\s+7/", signal.SIGTERM)  # as slurm does to the job
     assert "[exiting program after receiving SIGTERM.]" in log, log[-4000:]
     reached = max(i for i, _ in _losses(log))
     assert 7 <= reached < 100000
@@ -276,7 +299,7 @@ def test_a_signal_during_start_up_is_noted_and_the_first_iteration_saves(tmp_pat
         root=str(ROOT), module=module, name=name, sig=sig, script=str(ROOT / "pretrain_gpt.py")))
     done = _run([sys.executable, str(wrapper)] + MODEL + [
         "--train-iters", "100000", "--save", str(ckpt), "--save-interval", "1000",
-        "--exit-signal-handler"])
+        "--exit-signal-handler"], tmp_path / "logs")
     log = done.stdout + done.stderr
     assert f"test: {sig} during {name}" in log, log[-4000:]
     assert done.returncode == 0, log[-4000:]
@@ -285,11 +308,12 @@ def test_a_signal_during_start_up_is_noted_and_the_first_iteration_saves(tmp_pat
     _check_checkpoint(ckpt, 1)
 
 
-@functools.lru_cache(maxsize=None)
-def _uninterrupted_losses(train_iters: int) -> dict:
-    """{iteration: printed lm loss} of a torchrun run that nothing interrupts."""
-    ref = _run(_torchrun_cmd(2, str(ROOT / "pretrain_gpt.py"),
-                             MODEL + ["--train-iters", str(train_iters)]))
+@pytest.fixture(scope="module")
+def uninterrupted_losses(tmp_path_factory) -> dict:
+    """{iteration: printed lm loss} of a torchrun run of 10 iterations that nothing
+    interrupts."""
+    ref = _run(_torchrun_cmd(2, str(ROOT / "pretrain_gpt.py"), MODEL + ["--train-iters", "10"]),
+               tmp_path_factory.mktemp("uninterrupted"))
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
     return dict(_losses(ref.stdout))
 
@@ -312,22 +336,16 @@ RENDEZVOUS = {
 def _run_nodes(cmds: list, env_extra: dict, log_path: Path, timeout: int = 90) -> tuple:
     """Run the launch commands of one job's nodes side by side, their processes writing to
     one file in the order they print: (worst exit status, the output)."""
-    with open(log_path, "a") as log:
-        procs = [subprocess.Popen(c, cwd=ROOT, env=dict(_env(), **env_extra), text=True,
-                                  stdout=log, stderr=subprocess.STDOUT) for c in cmds]
-        try:
-            for p in procs:
-                p.wait(timeout=timeout)
-        finally:
-            for p in procs:
-                p.kill() if p.poll() is None else None
-    return max(abs(p.returncode) for p in procs), log_path.read_text()
+    pids = [_start(c, log_path, env_extra) for c in cmds]
+    statuses = forked_script.wait(pids, timeout)
+    return max(abs(code) for code in statuses), log_path.read_text()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("rendezvous", list(RENDEZVOUS))
-def test_sigkill_one_rank_then_torchrun_restart_resumes_without_loss(tmp_path, rendezvous):
-    expected = _uninterrupted_losses(10)
+def test_sigkill_one_rank_then_torchrun_restart_resumes_without_loss(tmp_path, rendezvous,
+                                                                     uninterrupted_losses):
+    expected = uninterrupted_losses
     assert sorted(expected) == list(range(1, 11))
 
     ckpt = tmp_path / "ck"
@@ -385,7 +403,7 @@ def test_exit_duration_saves_and_exits(tmp_path):
                                                      script=str(ROOT / "pretrain_gpt.py")))
     run = _run(_torchrun_cmd(2, str(wrapper), MODEL + [
         "--train-iters", "100000", "--save", str(ckpt), "--save-interval", "100000",
-        "--exit-duration-in-mins", "1"]))
+        "--exit-duration-in-mins", "1"]), tmp_path / "logs")
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]
     # counted from the process start (as Megatron does), so past 0.02 at the first check
@@ -405,7 +423,7 @@ def test_ctrl_c_prints_one_line_instead_of_every_ranks_traceback(tmp_path):
     workers exit with status 130, and their frames appear in no traceback."""
     ckpt = tmp_path / "ck"
     args = MODEL + ["--train-iters", "100000", "--save", str(ckpt), "--save-interval", "5"]
-    log = _signal_when(args, r"iteration\s+7/", signal.SIGINT, group=True)  # Ctrl-C
+    log = _signal_when(tmp_path, args, r"iteration\s+7/", signal.SIGINT, group=True)  # Ctrl-C
     # the signal may come while the checkpoint of iteration 10 is being written (the
     # log is read ~15 ms steps behind under load): the line then says so
     found = re.findall(r"interrupted (?:at|while saving the checkpoint of) iteration (\d+) "
@@ -558,7 +576,7 @@ def _interrupt_in(tmp_path, phase: str) -> tuple:
         script=str(ROOT / "pretrain_gpt.py")))
     args = MODEL + ["--train-iters", "100000", "--save", str(ckpt), "--save-interval", "3",
                     *extra]
-    log = _signal_when(args, lambda text: text.count("test: slowing") == slowed, signal.SIGINT,
+    log = _signal_when(tmp_path, args, lambda text: text.count("test: slowing") == slowed, signal.SIGINT,
                        group=True, script=wrapper, delay=0.5)  # the terminal's Ctrl-C
     statuses = read_statuses(status_dir)
     return log, statuses, ckpt
@@ -599,7 +617,7 @@ def test_ctrl_c_in_each_phase_prints_one_accurate_line_and_keeps_the_checkpoint(
     # the abandoned background save leaves its iter_0000006.tmp/: the next start copes
     resumed = _run(_torchrun_cmd(2, str(ROOT / "pretrain_gpt.py"), MODEL + [
         "--train-iters", "4", "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "4",
-        "--override-opt_param-scheduler"]))
+        "--override-opt_param-scheduler"]), tmp_path / "logs")
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
     assert re.search(r"loading checkpoint from \S+ at iteration 3", resumed.stdout)
     assert [i for i, _ in _losses(resumed.stdout)] == [4]
@@ -629,7 +647,8 @@ def test_a_load_error_with_the_exit_signal_handler_ends_every_rank_promptly(tmp_
     ckpt.mkdir()
     (ckpt / "latest_checkpointed_iteration.txt").write_text("7\n")
     run = _run(_torchrun_cmd(2, str(ROOT / "pretrain_gpt.py"), MODEL + [
-        "--train-iters", "10", "--load", str(ckpt), "--exit-signal-handler"]))
+        "--train-iters", "10", "--load", str(ckpt), "--exit-signal-handler"]),
+               tmp_path / "logs")
     log = run.stdout + run.stderr
     assert run.returncode != 0 and "iter_0000007 does not exist" in log, log[-3000:]
     assert "Unable to shutdown process" not in log, log[-3000:]  # (SIGKILL after 30 s)

@@ -1,0 +1,127 @@
+"""Run a script (pretrain_gpt.py) as a process forked from the test process: what
+`python script args` does after its imports, less their cost.
+
+Each fresh rank process pays some 5-6 s of CPU importing torch, megatron and torch._dynamo
+(which torch's optimizer constructor imports) on a 2-core machine: most of a short run.
+A forked child has them already. It starts as a fresh interpreter would: `env` as its whole
+environment, `sys.argv = [script, *args]`, stdout and stderr to a file, the default
+signal dispositions, warnings filters and root logger, none of the test process's exit
+functions; the script then runs as `__main__` (pretrain_gpt.py ends its own process,
+megatron/process_exit.py). A SystemExit or an exception that escapes it ends the child as
+the interpreter would: the message or traceback on stderr, status 1 (or the code).
+
+For tests of what a process prints and how it exits, not of the imports; a test of a
+launcher (torchrun) starts real processes.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+import warnings
+import weakref
+from pathlib import Path
+from typing import List, Mapping, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+PRETRAIN = str(ROOT / "pretrain_gpt.py")
+
+
+def warm_imports() -> None:
+    """Import here what a rank and torchrun import, so that each forked child inherits
+    it (`start` does, once)."""
+    if "pretrain_gpt" in sys.modules:
+        return
+    import torch
+    import torch.distributed.run  # noqa: F401
+
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # imports torch._dynamo
+    import megatron.training  # noqa: F401
+    import pretrain_gpt  # noqa: F401
+
+
+def _as_fresh_interpreter(env: Mapping[str, str], outputs: Sequence[str], argv: list) -> None:
+    """In the child: the state a new `python script args` would start with."""
+    for target, path in zip((1, 2), outputs):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, target)
+        os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    signal.setitimer(signal.ITIMER_REAL, 0)  # pytest-timeout's alarm
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    atexit._clear()  # the test process's exit functions and finalizers are not the child's
+    for info in weakref.finalize._registry.values():
+        info.atexit = False
+    weakref.finalize._registered_with_atexit = False
+    warnings.resetwarnings()
+    for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning,
+                     ResourceWarning):  # Python's default filters
+        warnings.simplefilter("ignore", category)
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+    logging.root.handlers.clear()
+    logging.root.setLevel(logging.WARNING)
+    os.environ.clear()
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))  # the parent's pool is gone
+    sys.argv = list(argv)
+
+
+def start(script: str, args: Sequence[str], env: Mapping[str, str], stdout_path,
+          stderr_path=None, module: bool = False, new_session: bool = False) -> int:
+    """Fork a child that runs `script` (with `module`: the module of that name, as
+    `python -m`) with `args` as `__main__`, its stdout to the file `stdout_path` and its
+    stderr to `stderr_path` (default: the same file); with `new_session` it leads a
+    process group of its own (as Popen's start_new_session). Returns its pid."""
+    warm_imports()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        if new_session:
+            os.setsid()
+        outputs = [str(stdout_path), str(stderr_path or stdout_path)]
+        _as_fresh_interpreter(env, outputs, [script, *args])
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        from megatron.process_exit import exit_status
+
+        code = exit_status(exc.code)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
+
+
+def wait(pids: List[int], timeout: float) -> List[int]:
+    """Each child's exit status (-N: killed by signal N), in the order of `pids`; children
+    still running after `timeout` seconds are killed (SIGKILL) and the wait fails."""
+    deadline, statuses = time.monotonic() + timeout, {}
+    while len(statuses) < len(pids):
+        for pid in pids:
+            done, status = (0, 0) if pid in statuses else os.waitpid(pid, os.WNOHANG)
+            if done:
+                statuses[pid] = os.waitstatus_to_exitcode(status)
+        if len(statuses) < len(pids) and time.monotonic() > deadline:
+            for pid in set(pids) - set(statuses):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            raise AssertionError(f"a forked process still ran after {timeout} s")
+        time.sleep(0.05)
+    return [statuses[pid] for pid in pids]
