@@ -109,6 +109,16 @@ def start(script: str, args: Sequence[str], env: Mapping[str, str], stdout_path,
         os._exit(code)
 
 
+def start_command(cmd: Sequence[str], env: Mapping[str, str], stdout_path, stderr_path=None,
+                  new_session: bool = False) -> int:
+    """`start` for a command line `[sys.executable, script, *args]` or
+    `[sys.executable, "-m", module, *args]` (torchrun: its workers are fresh processes)."""
+    assert cmd[0] == sys.executable, cmd
+    module = cmd[1] == "-m"
+    target, args = (cmd[2], cmd[3:]) if module else (cmd[1], cmd[2:])
+    return start(target, args, env, stdout_path, stderr_path, module, new_session)
+
+
 def wait(pids: List[int], timeout: float) -> List[int]:
     """Each child's exit status (-N: killed by signal N), in the order of `pids`; children
     still running after `timeout` seconds are killed (SIGKILL) and the wait fails."""

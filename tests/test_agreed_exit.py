@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,14 +54,16 @@ def launch_two(args, tmp: Path):
     return codes, "".join(log.read_text() for log in logs)
 
 
-def torchrun_two(args):
-    """torchrun --nproc-per-node 2 pretrain_gpt.py: (its status, its output)."""
+def torchrun_two(args, tmp: Path):
+    """torchrun --nproc-per-node 2 pretrain_gpt.py, the launcher forked from this process
+    (its workers are fresh processes), its output to files under `tmp`: (its status, its
+    output)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(ROOT / "pretrain_gpt.py"), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
-    return proc.returncode, proc.stdout + proc.stderr
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), PRETRAIN, *args]
+    out, err = tmp / "torchrun.out", tmp / "torchrun.err"
+    [code] = forked_script.wait([forked_script.start_command(cmd, _env(), out, err)],
+                                TIMEOUT_S)
+    return code, out.read_text() + err.read_text()
 
 
 def torchrun_failures(out: str):
@@ -93,9 +94,9 @@ def test_schedule_mismatch_printed_once_every_rank_exits(checkpoint, tmp_path):
     assert "(of 2)" not in out, out  # both ranks met it: no rank list
 
 
-def test_argument_mismatch_under_torchrun_printed_once_by_rank_zero(checkpoint):
+def test_argument_mismatch_under_torchrun_printed_once_by_rank_zero(checkpoint, tmp_path):
     code, out = torchrun_two([a if a != "64" else "128" for a in BASE]
-                             + ["--load", str(checkpoint)])
+                             + ["--load", str(checkpoint)], tmp_path)
     assert code != 0, out
     assert out.count("was saved with other model arguments than this run's") == 1, out
     assert out.count("--hidden-size: checkpoint 64, this run 128") == 1, out
@@ -109,7 +110,7 @@ def test_one_rank_unreadable_shard_named_once_no_rank_hangs(checkpoint, tmp_path
     shutil.copytree(checkpoint, damaged)
     shard = damaged / "iter_0000004" / "mp_rank_01" / "model_optim_rng.pt"
     shard.write_bytes(shard.read_bytes()[:100])
-    code, out = torchrun_two(BASE + ["--load", str(damaged)])  # within TIMEOUT_S
+    code, out = torchrun_two(BASE + ["--load", str(damaged)], tmp_path)  # within TIMEOUT_S
     assert code != 0, out
     assert out.count(f"rank 1 (of 2): error: cannot read checkpoint file {shard}") == 1, out
     assert out.count("error:") == 1, out
