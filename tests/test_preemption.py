@@ -176,25 +176,19 @@ def _start(cmd: list, log: Path, env_extra=None, new_session: bool = False) -> i
     """Start `cmd` (`python -m torch.distributed.run ...` or `python script ...`) forked
     from this process (tests/forked_script.py: the launcher's imports come free; torchrun
     starts its workers as fresh processes), its output to the file `log`; its pid."""
-    return forked_script.start(*_start_args(cmd), dict(_env(), **(env_extra or {})), log,
-                               module=cmd[1] == "-m", new_session=new_session)
+    return forked_script.start_command(cmd, dict(_env(), **(env_extra or {})), log,
+                                       new_session=new_session)
 
 
 def _run(cmd: list, log_dir: Path, timeout: int = 90,
          env_extra=None) -> subprocess.CompletedProcess:
-    """Run `cmd` (see `_start`) to its end; its stdout and stderr (files under `log_dir`)."""
+    """Run `cmd` (forked, as `_start`) to its end; its stdout and stderr (files under
+    `log_dir`)."""
     log_dir.mkdir(exist_ok=True)
     out, err = (log_dir / f"run{len(os.listdir(log_dir))}.{n}" for n in ("out", "err"))
-    pid = forked_script.start(*_start_args(cmd), dict(_env(), **(env_extra or {})), out, err,
-                              module=cmd[1] == "-m")  # as _start, stderr apart
+    pid = forked_script.start_command(cmd, dict(_env(), **(env_extra or {})), out, err)
     [code] = forked_script.wait([pid], timeout)
     return subprocess.CompletedProcess(cmd, code, out.read_text(), err.read_text())
-
-
-def _start_args(cmd: list) -> tuple:
-    """(script or module, its arguments) of `python [-m module | script] args`."""
-    assert cmd[0] == sys.executable
-    return (cmd[2], cmd[3:]) if cmd[1] == "-m" else (cmd[1], cmd[2:])
 
 
 def _losses(log: str) -> list:
@@ -225,6 +219,7 @@ def _signal_when(log_dir: Path, args: list, when, sig: int, group: bool = False,
     ready = when if callable(when) else (lambda text: re.search(when, text.splitlines()[-1]))
     script = str(script or ROOT / "pretrain_gpt.py")
     log_path = log_dir / "torchrun.log"
+    log_path.touch()
     pid = _start(_torchrun_cmd(2, script, args), log_path, new_session=group)
     try:
         deadline = time.monotonic() + 90
@@ -239,8 +234,10 @@ def _signal_when(log_dir: Path, args: list, when, sig: int, group: bool = False,
         os.killpg(pid, sig) if group else os.kill(pid, sig)
         forked_script.wait([pid], 60)
     except BaseException:
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            os.killpg(pid, signal.SIGKILL) if group else os.kill(pid, signal.SIGKILL)
+        for end in (os.killpg, os.kill) if group else (os.kill,):
+            with contextlib.suppress(ProcessLookupError):
+                end(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
         raise
     return log_path.read_text()
