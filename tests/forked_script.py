@@ -20,6 +20,7 @@ import logging
 import os
 import runpy
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -77,11 +78,13 @@ def _as_fresh_interpreter(env: Mapping[str, str], outputs: Sequence[str], argv: 
 
 
 def start(script: str, args: Sequence[str], env: Mapping[str, str], stdout_path,
-          stderr_path=None, module: bool = False, new_session: bool = False) -> int:
+          stderr_path=None, module: bool = False, new_session: bool = False,
+          cwd=None) -> int:
     """Fork a child that runs `script` (with `module`: the module of that name, as
     `python -m`) with `args` as `__main__`, its stdout to the file `stdout_path` and its
     stderr to `stderr_path` (default: the same file); with `new_session` it leads a
-    process group of its own (as Popen's start_new_session). Returns its pid."""
+    process group of its own (as Popen's start_new_session); with `cwd` it starts in that
+    directory. Returns its pid."""
     warm_imports()
     pid = os.fork()
     if pid:
@@ -90,6 +93,8 @@ def start(script: str, args: Sequence[str], env: Mapping[str, str], stdout_path,
     try:
         if new_session:
             os.setsid()
+        if cwd is not None:
+            os.chdir(cwd)
         outputs = [str(stdout_path), str(stderr_path or stdout_path)]
         _as_fresh_interpreter(env, outputs, [script, *args])
         if module:
@@ -110,13 +115,68 @@ def start(script: str, args: Sequence[str], env: Mapping[str, str], stdout_path,
 
 
 def start_command(cmd: Sequence[str], env: Mapping[str, str], stdout_path, stderr_path=None,
-                  new_session: bool = False) -> int:
+                  new_session: bool = False, cwd=None) -> int:
     """`start` for a command line `[sys.executable, script, *args]` or
     `[sys.executable, "-m", module, *args]` (torchrun: its workers are fresh processes)."""
     assert cmd[0] == sys.executable, cmd
     module = cmd[1] == "-m"
     target, args = (cmd[2], cmd[3:]) if module else (cmd[1], cmd[2:])
-    return start(target, args, env, stdout_path, stderr_path, module, new_session)
+    return start(target, args, env, stdout_path, stderr_path, module, new_session, cwd)
+
+
+class Forked:
+    """A Popen-like handle on a command line forked by `start_command`: `pid`, `poll()`,
+    `send_signal()`, `terminate()`, `wait(timeout)` and `returncode` as Popen's; its stdout
+    and stderr (with `merge_stderr`: both in `stdout`) are captured in memory files (no file
+    is left anywhere) and read as text into `stdout` and `stderr` once it has ended."""
+
+    def __init__(self, cmd: Sequence[str], env: Mapping[str, str], cwd=None,
+                 merge_stderr: bool = False, new_session: bool = False):
+        self.args, self.returncode, self.stdout, self.stderr = list(cmd), None, None, None
+        self._fds = [os.memfd_create(name) for name in ("stdout", "stderr")[:2 - merge_stderr]]
+        paths = [f"/proc/{os.getpid()}/fd/{fd}" for fd in self._fds]
+        self.pid = start_command(cmd, env, *paths, new_session=new_session, cwd=cwd)
+
+    def poll(self):
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+                self._read_output()
+        return self.returncode
+
+    def _read_output(self) -> None:
+        texts = []
+        for fd in self._fds:
+            os.lseek(fd, 0, os.SEEK_SET)
+            with open(fd, "rb", closefd=True) as stream:
+                texts.append(stream.read().decode(errors="replace"))
+        self.stdout, self.stderr = (texts + [None])[:2]
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> int:
+        """Its exit status; one still running after `timeout` seconds is killed (SIGKILL)
+        and the wait fails (see `wait`)."""
+        if self.poll() is None:
+            try:
+                [self.returncode] = wait([self.pid], timeout)
+            finally:
+                self._read_output()
+        return self.returncode
+
+
+def run(cmd: Sequence[str], env: Mapping[str, str], timeout: float, cwd=None
+        ) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True,
+    timeout=timeout)` with the command forked (`Forked`)."""
+    proc = Forked(cmd, env, cwd=cwd)
+    return subprocess.CompletedProcess(proc.args, proc.wait(timeout), proc.stdout, proc.stderr)
 
 
 def wait(pids: List[int], timeout: float) -> List[int]:

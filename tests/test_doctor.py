@@ -5,7 +5,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -15,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests import forked_script
 from tests.dist_utils import cpu_env, free_port
 from tools import doctor
 
@@ -155,8 +155,7 @@ def test_under_torchrun(hang):
            str(ROOT / "tools" / "doctor.py"), "--timeout", "3", "--size-mb", "1"]
     if hang:
         cmd += ["--simulate-hang-rank", "1"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True,
-                          timeout=120)
+    proc = forked_script.run(cmd, cwd=ROOT, env=cpu_env(), timeout=120)
     if hang:
         assert proc.returncode != 0
         assert "rank(s) [1] did not answer within 3 s" in proc.stdout

@@ -3,6 +3,7 @@ tensorboard events back, stop at a checkpoint, resume, and get the same losses a
 uninterrupted run (bit-identical printed values: fp32 on CPU is deterministic)."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import forked_script
 from tests.dist_utils import cpu_env, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,10 +28,12 @@ MODEL = [
 
 
 def torchrun(nproc: int, args: list, env_extra=None) -> str:
+    """Train under torchrun; its launcher is forked from this process (tests/forked_script.py:
+    its imports come free), its ranks are fresh processes. Returns the output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(ROOT / "pretrain_gpt.py"), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env(**(env_extra or {})), capture_output=True, text=True, timeout=600)
+    proc = forked_script.run(cmd, cpu_env(**(env_extra or {})), timeout=600, cwd=ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     return out
@@ -82,11 +86,13 @@ def test_preprocess_then_train_on_real_text(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "tools" / "make_corpus.py"), "--output",
                     str(data / "corpus.jsonl"), "--max-mb", "0.6", "--tokenizer-prefix",
                     str(data / "spm"), "--vocab-size", "512"], check=True, cwd=ROOT)
-    subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input",
-                    str(data / "corpus.jsonl"), "--output-prefix", str(data / "py"),
-                    "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
-                    str(data / "spm.model"), "--append-eod", "--workers", "1"],
-                   check=True, cwd=ROOT, capture_output=True)
+    proc = forked_script.run(  # forked: its imports (torch, megatron) come free
+        [sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input",
+         str(data / "corpus.jsonl"), "--output-prefix", str(data / "py"),
+         "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+         str(data / "spm.model"), "--append-eod", "--workers", "1"],
+        dict(os.environ), timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     flags = [a for a in MODEL if a not in ("--mock-data",)]
     i = flags.index("--tokenizer-type")
     del flags[i:i + 4]  # NullTokenizer and its --vocab-size

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -25,6 +24,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.parallel_state import ParallelState
 from megatron.initialize import initialize_distributed, set_random_seed
 from megatron.oom_report import EXIT_CODE, OomReport, OutOfMemoryExit
+from tests import forked_script
 from tests.dist_utils import cpu_env, free_port
 from tests.test_train_loop import MOCK
 
@@ -278,7 +278,7 @@ def test_torchrun_dp2_one_rank_out_of_memory_ends_the_job():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(Path(__file__).resolve()), "--oom-rank", "1", "--oom-iteration", "2", *flags]
-    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300)
+    proc = forked_script.run(cmd, cwd=ROOT, env=cpu_env(), timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert "[rank 1] out of GPU memory in iteration 2 (forward)" in out, out[-3000:]

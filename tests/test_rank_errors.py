@@ -3,7 +3,6 @@ rank exits with status 2), while an error that depends on the machine (a missing
 CUDA) is printed by the first process of each node that meets it."""
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 from megatron import arguments
 from megatron.arguments import parse_and_validate
 from megatron.arguments_common import ArgumentsError, prints_error
+from tests import forked_script
 from tests.dist_utils import cpu_env, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,9 +29,9 @@ def launch(args, ranks, world_size=None, end_others=True):
     procs = {}
     for env_extra in ranks:
         env = cpu_env(WORLD_SIZE=str(world_size or len(ranks)), **env_extra)
-        procs[env_extra["RANK"]] = subprocess.Popen(
-            [sys.executable, str(ROOT / "pretrain_gpt.py"), *args], cwd=ROOT, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs[env_extra["RANK"]] = forked_script.Forked(  # forked: the imports come free
+            [sys.executable, str(ROOT / "pretrain_gpt.py"), *args], env, cwd=ROOT,
+            merge_stderr=True)
     deadline, codes = time.monotonic() + 120, {}
     while not codes and end_others and time.monotonic() < deadline:
         codes = {r: p.returncode for r, p in procs.items() if p.poll() is not None}
@@ -39,7 +39,9 @@ def launch(args, ranks, world_size=None, end_others=True):
     for p in procs.values():
         if end_others and p.poll() is None:
             p.terminate()
-    outs = [p.communicate(timeout=60)[0] for p in procs.values()]
+    for p in procs.values():
+        p.wait(60)
+    outs = [p.stdout for p in procs.values()]
     codes.update({r: p.returncode for r, p in procs.items() if r not in codes})
     return codes, "".join(outs)
 
@@ -133,7 +135,7 @@ def test_under_torchrun_the_error_is_printed_once():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(ROOT / "pretrain_gpt.py"), *BASE, "--seq-lenght", "64"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=120)
+    proc = forked_script.run(cmd, cwd=ROOT, env=cpu_env(), timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     assert out.count("unrecognized arguments: --seq-lenght") == 1, out

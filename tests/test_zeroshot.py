@@ -13,7 +13,6 @@ import json
 import math
 import random
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 
 from megatron.tokenizer import build_tokenizer
 from tasks.zeroshot_gpt import datasets, detokenizer, evaluate
+from tests import forked_script
 from tests.dist_utils import cpu_env, free_port, run_distributed
 from tests.test_tokenizer import TRAIN_TEXT, train_tiny_bpe, write_bpe_files
 
@@ -342,8 +342,8 @@ def test_cli_prints_megatrons_report(single, trained):
     """tasks/main.py as Megatron's script runs it (--batch-size, --no-load-*): the report
     block and the progress lines, with the in-process numbers."""
     argv = [a if a != "--micro-batch-size" else "--batch-size" for a in single["runs"]["wiki"]]
-    proc = subprocess.run([sys.executable, str(ROOT / "tasks" / "main.py"), *argv],
-                          cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300)
+    proc = forked_script.run([sys.executable, str(ROOT / "tasks" / "main.py"), *argv],
+                             cwd=ROOT, env=cpu_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     wiki = single["got"]["wiki"]
@@ -450,10 +450,10 @@ def test_file_warnings_printed_once_under_a_launcher(trained, tmp_path):
     argv = ["--task", "WIKITEXT103", "--valid-data", str(path), "--overlapping-eval", "40",
             "--tensor-model-parallel-size", "2", "--micro-batch-size", "2", *MODEL,
             *trained["tok_flags"]]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                           "2", "--master-port", str(free_port()),
-                           str(ROOT / "tasks" / "main.py"), *argv],
-                          cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300)
+    proc = forked_script.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                              "2", "--master-port", str(free_port()),
+                              str(ROOT / "tasks" / "main.py"), *argv],
+                             cwd=ROOT, env=cpu_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert out.count("WARNING: --overlapping-eval 40 is larger than --seq-length 16") == 1, out
@@ -492,9 +492,9 @@ def test_a_rank_that_fails_is_named_in_one_line_by_the_others(trained, tmp_path)
     argv = ["--task", "WIKITEXT103", "--valid-data", str(trained["dir"] / "wikitext_sample.tokens"),
             "--tensor-model-parallel-size", "2", "--micro-batch-size", "2", "--load",
             trained["ckpt"], *MODEL, *trained["tok_flags"]]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                           "2", "--master-port", str(free_port()), str(wrapper), *argv],
-                          cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300)
+    proc = forked_script.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                              "2", "--master-port", str(free_port()), str(wrapper), *argv],
+                             cwd=ROOT, env=cpu_env(), timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert "RuntimeError: injected failure mid-evaluation" in out  # rank 1's own traceback
@@ -545,9 +545,9 @@ def test_a_stuck_rank_is_named_and_every_rank_ends(trained, tmp_path):
     argv = ["--task", "WIKITEXT103", "--valid-data", str(trained["dir"] / "wikitext_sample.tokens"),
             "--micro-batch-size", "2", "--load", trained["ckpt"], *MODEL, *trained["tok_flags"]]
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                           "2", "--master-port", str(free_port()), str(wrapper), *argv],
-                          cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=120)
+    proc = forked_script.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                              "2", "--master-port", str(free_port()), str(wrapper), *argv],
+                             cwd=ROOT, env=cpu_env(), timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert re.search(r"\[watchdog rank 0\] collective evaluation sum all-reduce \(data-parallel "
