@@ -195,3 +195,31 @@ def wait(pids: List[int], timeout: float) -> List[int]:
             raise AssertionError(f"a forked process still ran after {timeout} s")
         time.sleep(0.05)
     return [statuses[pid] for pid in pids]
+
+
+class Child:
+    """A Popen-like handle on a forked child (`start`'s or `start_command`'s pid), for a
+    test that polls or signals it: poll, send_signal, kill, wait. Unlike Popen's, `wait`
+    past its timeout kills the child and fails (as `wait` above)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self):
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # never a reaped (perhaps reused) pid
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float = 3600.0) -> int:
+        if self.poll() is None:
+            [self.returncode] = wait([self.pid], timeout)
+        return self.returncode

@@ -21,6 +21,7 @@ import pytest
 
 from megatron.checkpointing import read_tracker
 from megatron.launcher_watch import started_by_torchrun, watch_launcher
+from tests import forked_script
 from tests.dist_utils import ROOT, cpu_env, free_port
 
 WATCHED = """
@@ -136,9 +137,11 @@ def test_kill_9_of_torchrun_stops_the_ranks_and_they_save(tmp_path):
            str(ROOT / "pretrain_gpt.py"), *MODEL, "--save", str(ckpt), "--save-interval",
            "1000", "--exit-signal-handler"]
     log = tmp_path / "log"
-    with open(log, "w") as out:
-        torchrun = subprocess.Popen(cmd, cwd=ROOT, env=cpu_env(PYTHONUNBUFFERED="1"),
-                                    stdout=out, stderr=subprocess.STDOUT)
+    log.touch()  # read below before the child may have opened it
+    # forked from this process (tests/forked_script.py): torchrun's imports come free; its
+    # ranks are fresh processes of their own sessions, as under a torchrun started anew
+    torchrun = forked_script.Child(forked_script.start_command(
+        cmd, cpu_env(PYTHONUNBUFFERED="1"), log))
     ranks = []
     try:
         deadline = time.monotonic() + 120

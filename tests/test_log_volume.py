@@ -17,7 +17,6 @@ torchrun's own summary (some lines per failed rank) is the launcher's and is not
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +29,7 @@ from megatron import oom_report
 from megatron.agreed_exit import AgreedExit
 from megatron.rank_failure import first_to_report, repeated_failure, stopped_by_peer
 from megatron.watchdog import CollectiveWatchdog
+from tests import forked_script
 from tests.dist_utils import cpu_env, free_port
 from tests.test_preemption import MODEL
 
@@ -236,13 +236,16 @@ def rank_outputs(tmp_path: Path, world_size: int, args: list, script=None) -> tu
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "--log-dir", str(logs), "--redirects", "3",
            str(script or ROOT / "pretrain_gpt.py"), *MODEL, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env(PYTHONUNBUFFERED="1"),
-                          capture_output=True, text=True, timeout=300)
+    # torchrun forked from this process (tests/forked_script.py: its imports come free;
+    # its ranks stay fresh processes); its own lines go to a file nobody counts
+    pid = forked_script.start_command(cmd, cpu_env(PYTHONUNBUFFERED="1"),
+                                      tmp_path / f"torchrun_{world_size}.log")
+    [status] = forked_script.wait([pid], 300)
     outs = []
     for rank in range(world_size):
         files = sorted(logs.glob(f"*/attempt_0/{rank}/std*.log"))
         outs.append("".join(f.read_text() for f in files))
-    return proc.returncode, outs
+    return status, outs
 
 
 PEER_LINE = re.compile(r"^\[rank \d+\] stopped .*: a collective", re.M)

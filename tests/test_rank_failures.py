@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from megatron.rank_failure import (
     record_failure,
 )
 from megatron.watchdog import EXIT_CODE
+from tests import forked_script
 from tests.dist_utils import cpu_env, free_port
 from tests.test_preemption import MODEL, RUN_RECORDING_STATUS, read_statuses
 
@@ -102,6 +102,19 @@ setattr(owner, attr, faulty)
 """ + RUN_RECORDING_STATUS
 
 
+def run_agents(tmp_path, cmds: list, timeout: float) -> tuple:
+    """Each torchrun command line in `cmds` forked from this process (tests/forked_script.py:
+    the launcher's imports come free; its ranks stay fresh processes), its output and its
+    ranks' (stderr with stdout) in a file. ([the output of each], seconds until the last
+    ended); a torchrun still running after `timeout` seconds is killed, and the test fails."""
+    env = cpu_env(PYTHONUNBUFFERED="1")
+    logs = [tmp_path / f"torchrun{i}.log" for i in range(len(cmds))]
+    started = time.monotonic()
+    pids = [forked_script.start_command(cmd, env, log) for cmd, log in zip(cmds, logs)]
+    forked_script.wait(pids, timeout)
+    return [log.read_text() for log in logs], time.monotonic() - started
+
+
 def run_with_fault(tmp_path, module: str, name: str, action: str, args: list, call: int = 1,
                    rank: int = 1, minutes: float = 0.05, timeout: float = 60,
                    nodes: int = 1, world: int = 2) -> tuple:
@@ -121,17 +134,7 @@ def run_with_fault(tmp_path, module: str, name: str, action: str, args: list, ca
              "--node-rank", str(node), "--nproc-per-node", str(world // nodes), "--master-addr",
              "127.0.0.1", "--master-port", str(port), str(wrapper), *MODEL, *args]
             for node in range(nodes)]
-    env = cpu_env(PYTHONUNBUFFERED="1")
-    started = time.monotonic()
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for cmd in cmds]
-    try:
-        outs = [p.communicate(timeout=max(1.0, started + timeout - time.monotonic()))[0]
-                for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    seconds = time.monotonic() - started
+    outs, seconds = run_agents(tmp_path, cmds, timeout)
     statuses = read_statuses(status_dir)
     return (outs[0] if nodes == 1 else outs), statuses, seconds
 
@@ -575,22 +578,13 @@ def test_generate_on_two_nodes_when_rank_1_fails_or_hangs(tmp_path, small_ckpt, 
     wrapper.write_text(GENERATE_FAULT.format(root=str(ROOT), call=30, action=action,
                                              poll_s=LINGER_POLL_S, startup_s=STARTUP_TIMEOUT_S))
     port = free_port()
-    env = cpu_env(PYTHONUNBUFFERED="1")
     cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
              str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
              "--master-port", str(port), str(wrapper), "--load", small_ckpt,
              "--tensor-model-parallel-size", "2", "--prompt", "5 6 7", "--max-new-tokens",
              "10", "--greedy", "--no-stop-at-eod"] for node in (0, 1)]
-    started = time.monotonic()
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for cmd in cmds]
-    try:
-        node0, node1 = (p.communicate(timeout=max(1.0, started + 60 - time.monotonic()))[0]
-                        for p in procs)
-    finally:
-        for p in procs:
-            p.kill()
-    assert time.monotonic() - started < 45
+    (node0, node1), seconds = run_agents(tmp_path, cmds, 60)
+    assert seconds < 45
     assert "test: " + action in node1, node1[-3000:]
     lines = [line for line in node0.splitlines() if line.startswith("[rank 0]")]
     assert len(lines) == 1, node0[-4000:]
