@@ -125,24 +125,26 @@ def start_command(cmd: Sequence[str], env: Mapping[str, str], stdout_path, stder
 
 
 class Forked:
-    """A Popen-like handle on a command line forked by `start_command`: `pid`, `poll()`,
-    `send_signal()`, `terminate()`, `wait(timeout)` and `returncode` as Popen's; its stdout
-    and stderr (with `merge_stderr`: both in `stdout`) are captured in memory files (no file
-    is left anywhere) and read as text into `stdout` and `stderr` once it has ended."""
+    """A Popen-like handle on a command line forked by `start_command` (a `Child`) whose
+    stdout and stderr (with `merge_stderr`: both in `stdout`) are captured in memory files
+    (no file is left anywhere) and read as text into `stdout` and `stderr` once it has
+    ended."""
 
     def __init__(self, cmd: Sequence[str], env: Mapping[str, str], cwd=None,
                  merge_stderr: bool = False, new_session: bool = False):
-        self.args, self.returncode, self.stdout, self.stderr = list(cmd), None, None, None
+        self.args, self.stdout, self.stderr = list(cmd), None, None
         self._fds = [os.memfd_create(name) for name in ("stdout", "stderr")[:2 - merge_stderr]]
         paths = [f"/proc/{os.getpid()}/fd/{fd}" for fd in self._fds]
-        self.pid = start_command(cmd, env, *paths, new_session=new_session, cwd=cwd)
+        self._child = Child(start_command(cmd, env, *paths, new_session=new_session, cwd=cwd))
+        self.pid = self._child.pid
+
+    @property
+    def returncode(self):
+        return self._child.returncode
 
     def poll(self):
-        if self.returncode is None:
-            done, status = os.waitpid(self.pid, os.WNOHANG)
-            if done:
-                self.returncode = os.waitstatus_to_exitcode(status)
-                self._read_output()
+        if self._fds and self._child.poll() is not None:
+            self._read_output()
         return self.returncode
 
     def _read_output(self) -> None:
@@ -151,11 +153,11 @@ class Forked:
             os.lseek(fd, 0, os.SEEK_SET)
             with open(fd, "rb", closefd=True) as stream:
                 texts.append(stream.read().decode(errors="replace"))
+        self._fds = []
         self.stdout, self.stderr = (texts + [None])[:2]
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            os.kill(self.pid, sig)
+        self._child.send_signal(sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -163,12 +165,11 @@ class Forked:
     def wait(self, timeout: float) -> int:
         """Its exit status; one still running after `timeout` seconds is killed (SIGKILL)
         and the wait fails (see `wait`)."""
-        if self.poll() is None:
-            try:
-                [self.returncode] = wait([self.pid], timeout)
-            finally:
+        try:
+            return self._child.wait(timeout)
+        finally:
+            if self._fds:
                 self._read_output()
-        return self.returncode
 
 
 def run(cmd: Sequence[str], env: Mapping[str, str], timeout: float, cwd=None
