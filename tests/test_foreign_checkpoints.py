@@ -266,7 +266,7 @@ def test_two_ranks_print_it_once(tmp_path, kind):
 
     path = (fc.dist_checkpoint(tmp_path / "ck") if kind == "dist"
             else fc.nemo_dir(tmp_path / "nemo"))
-    codes, out = launch_two(BASE + ["--load", str(path)])
+    codes, out = launch_two(BASE + ["--load", str(path)], tmp_path)
     assert codes == [1, 1], (codes, out)
     what = "is a Megatron-Core distributed checkpoint" if kind == "dist" else "is a NeMo model"
     assert out.count(what) == 1 and out.count("error:") == 1, out
