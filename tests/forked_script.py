@@ -38,10 +38,8 @@ def warm_imports() -> None:
     it (`start` does, once)."""
     if "pretrain_gpt" in sys.modules:
         return
-    import torch
     import torch.distributed.run  # noqa: F401
 
-    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # imports torch._dynamo
     import megatron.training  # noqa: F401
     import pretrain_gpt  # noqa: F401
 

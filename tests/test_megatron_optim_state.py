@@ -22,6 +22,7 @@ import torch
 
 from megatron.checkpoint_files import megatron_payload
 from megatron.checkpointing import checkpoint_name
+from megatron.core.optimizer.adamw import AdamW
 from tests import megatron_optim_reference as ref
 from tests.dist_utils import run_distributed
 from tests.test_exact_resume import K, run_pretrain
@@ -146,12 +147,12 @@ def _numel(values: dict) -> int:
 
 # ----------------------------------------------------------------- capturing one step
 class StepRecorder:
-    """Records every torch AdamW step: per stepped tensor, its value, gradient, state and
+    """Records every AdamW step (the build's class, megatron.core.optimizer.adamw): per stepped tensor, its value, gradient, state and
     group hyper-parameters before, and its value after."""
 
     def __init__(self, monkeypatch) -> None:
         self.steps = []
-        original = torch.optim.AdamW.step
+        original = AdamW.step
 
         def step(opt, *args, **kwargs):
             before = []
@@ -165,7 +166,7 @@ class StepRecorder:
             self.steps.append([(*b, b[0].detach().clone()) for b in before])
             return out
 
-        monkeypatch.setattr(torch.optim.AdamW, "step", step)
+        monkeypatch.setattr(AdamW, "step", step)
 
 
 def stepped_names(tr) -> dict:

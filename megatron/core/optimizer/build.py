@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.ddp import DistributedDataParallel
+from megatron.core.optimizer.adamw import AdamW
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import (
     ConstantGradScaler,
@@ -47,7 +48,8 @@ def build_grad_scaler(config) -> Optional[MegatronGradScaler]:
 
 
 def build_base_optimizer(config, param_groups: List[Dict]) -> torch.optim.Optimizer:
-    """torch AdamW (decoupled weight decay, as apex FusedAdam with adam_w_mode) or SGD.
+    """torch AdamW (decoupled weight decay, as apex FusedAdam with adam_w_mode; our
+    subclass, which leaves torch._dynamo unimported where nothing is compiled) or SGD.
 
     Adam is fused when `config.use_fused` is True, or when it is None and every
     parameter is on CUDA.
@@ -57,7 +59,7 @@ def build_base_optimizer(config, param_groups: List[Dict]) -> torch.optim.Optimi
         fused = config.use_fused
         if fused is None:
             fused = all(p.is_cuda for p in params)
-        return torch.optim.AdamW(
+        return AdamW(
             param_groups, lr=config.lr, weight_decay=config.weight_decay,
             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
             fused=True if fused else None,
