@@ -11,7 +11,8 @@ megatron/process_exit.py). A SystemExit or an exception that escapes it ends the
 the interpreter would: the message or traceback on stderr, status 1 (or the code).
 
 For tests of what a process prints and how it exits, not of the imports; a test of a
-launcher (torchrun) starts real processes.
+launcher (torchrun) starts real processes. Its workers are fresh processes too, unless
+the test has them forked from the launcher (`fork_torchrun_workers`, `ForkedPopen`).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import traceback
 import warnings
 import weakref
 from pathlib import Path
-from typing import List, Mapping, Sequence
+from typing import List, Mapping, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAIN = str(ROOT / "pretrain_gpt.py")
@@ -44,16 +45,19 @@ def warm_imports() -> None:
     import pretrain_gpt  # noqa: F401
 
 
-def _as_fresh_interpreter(env: Mapping[str, str], outputs: Sequence[str], argv: list) -> None:
-    """In the child: the state a new `python script args` would start with."""
-    for target, path in zip((1, 2), outputs):
+def _as_fresh_interpreter(env: Mapping[str, str], outputs: Optional[Sequence[str]],
+                          argv: list) -> None:
+    """In the child: the state a new `python script args` would start with (`outputs`
+    None: stdout and stderr stay where they are)."""
+    for target, path in zip((1, 2), outputs or ()):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(fd, target)
         os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     signal.setitimer(signal.ITIMER_REAL, 0)  # pytest-timeout's alarm
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM, signal.SIGHUP):
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM, signal.SIGHUP,
+                signal.SIGQUIT):  # pytest-timeout's, torchrun's handlers
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     atexit._clear()  # the test process's exit functions and finalizers are not the child's
@@ -87,13 +91,20 @@ def start(script: str, args: Sequence[str], env: Mapping[str, str], stdout_path,
     pid = os.fork()
     if pid:
         return pid
+    outputs = [str(stdout_path), str(stderr_path or stdout_path)]
+    _run_child(script, args, env, outputs, module, new_session, cwd)
+
+
+def _run_child(script: str, args: Sequence[str], env: Mapping[str, str],
+               outputs: Optional[Sequence[str]], module: bool, new_session: bool, cwd) -> None:
+    """In a forked child: run `script` as `__main__` (see `start`; `outputs` None: keep
+    the stdout and stderr it inherited) and end the process with its exit status."""
     code = 1
     try:
         if new_session:
             os.setsid()
         if cwd is not None:
             os.chdir(cwd)
-        outputs = [str(stdout_path), str(stderr_path or stdout_path)]
         _as_fresh_interpreter(env, outputs, [script, *args])
         if module:
             runpy.run_module(script, run_name="__main__", alter_sys=True)
@@ -222,3 +233,51 @@ class Child:
         if self.poll() is None:
             [self.returncode] = wait([self.pid], timeout)
         return self.returncode
+
+
+class ForkedPopen(subprocess.Popen):
+    """`subprocess.Popen` for a Python command line (`[sys.executable, "-u", script, *args]`
+    or `[..., "-m", module, ...]`, torchrun's worker) that forks this process in place of
+    fork + exec: the child runs it as `start`'s do, in a session of its own (as torchrun
+    asks: it ends its workers with killpg), stdout and stderr inherited. Every other file
+    descriptor it inherited is pointed at /dev/null (as close_fds would close it, while no
+    stale object of this process can close a reused number): a forked rank holds no socket
+    of its launcher's store open. Poll, wait and signals are Popen's own."""
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
+                       *rest) -> None:
+        args = list(args)
+        assert args[0] == sys.executable and preexec_fn is None, args
+        assert all(fd == -1 for fd in rest[3:9]), "redirected output is not forked"
+        flags = [a for a in args[1:] if a in ("-u", "-m")]
+        target, script_args = args[1 + len(flags)], args[2 + len(flags):]
+        warm_imports()
+        pid = os.fork()
+        if pid:
+            self.pid, self._child_created = pid, True
+            return
+        _release_inherited_fds()
+        _run_child(target, script_args, env, None, "-m" in flags, True, cwd)
+
+
+def _release_inherited_fds() -> None:
+    """Point every file descriptor above 2 at /dev/null (see ForkedPopen)."""
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+        if fd > 2 and fd != devnull:
+            try:
+                os.dup2(devnull, fd)
+            except OSError:  # the listing's own descriptor, closed since
+                pass
+
+
+def fork_torchrun_workers(monkeypatch) -> None:
+    """Torchrun agents started from now on (in this process, or forked from it by
+    `start_command`) fork their workers from themselves (ForkedPopen) until `monkeypatch`
+    is undone: each rank has the imports of torch and megatron already. For tests of
+    what ranks print and how they and their launcher end, not of a worker's start-up."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+        subprocess_handler,
+    )
+
+    monkeypatch.setattr(subprocess_handler, "Popen", ForkedPopen)

@@ -102,9 +102,17 @@ setattr(owner, attr, faulty)
 """ + RUN_RECORDING_STATUS
 
 
+@pytest.fixture(autouse=True)
+def forked_ranks(monkeypatch):
+    """Torchrun's ranks forked from their launcher (tests/forked_script.py: ForkedPopen),
+    which has torch and megatron imported: what they print and how they end is the
+    subject here, not their imports (some 3 s of CPU per rank)."""
+    forked_script.fork_torchrun_workers(monkeypatch)
+
+
 def run_agents(tmp_path, cmds: list, timeout: float) -> tuple:
     """Each torchrun command line in `cmds` forked from this process (tests/forked_script.py:
-    the launcher's imports come free; its ranks stay fresh processes), its output and its
+    the launcher's imports come free; its ranks fork from it, see `forked_ranks`), its output and its
     ranks' (stderr with stdout) in a file. ([the output of each], seconds until the last
     ended); a torchrun still running after `timeout` seconds is killed, and the test fails."""
     env = cpu_env(PYTHONUNBUFFERED="1")
