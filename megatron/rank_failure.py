@@ -126,12 +126,13 @@ def record_failure(rank: int, what: str, where: str = "", store=None) -> None:
     _with_deadline(record)
 
 
-def first_failure(store=None, wait_s: float = WAIT_FOR_RECORD_S) -> Optional[str]:
+def first_failure(store=None, wait_s: Optional[float] = None) -> Optional[str]:
     """The first failure another rank recorded ("rank R stopped first, <where>: <error>"),
-    waiting up to `wait_s` for one to come; else the line of a watchdog that fired; None
-    when neither."""
+    waiting up to `wait_s` (default WAIT_FOR_RECORD_S, as it is when called) for one to
+    come; else the line of a watchdog that fired; None when neither."""
     from megatron.watchdog import ABORT_KEY
 
+    wait_s = WAIT_FOR_RECORD_S if wait_s is None else wait_s
     store = store if store is not None else _default_store()
     if store is None:
         return None

@@ -487,6 +487,23 @@ def test_a_survivor_names_the_first_recorded_failure():
                          "collective; its own output says where) (no --save)")
 
 
+def test_a_survivor_waits_for_a_record_as_long_as_WAIT_FOR_RECORD_S(monkeypatch):
+    """The wait is read when a survivor looks, not when the module was loaded: set to 0,
+    one look at the store (its failure record, then a watchdog's report) and no wait."""
+    import megatron.rank_failure as rank_failure
+
+    looked = []
+
+    class CountingStore(dist.HashStore):
+        def check(self, keys):
+            looked.append(keys)
+            return super().check(keys)
+
+    monkeypatch.setattr(rank_failure, "WAIT_FOR_RECORD_S", 0.0)
+    assert first_failure(CountingStore()) is None
+    assert len(looked) == 2, looked
+
+
 def test_each_torchrun_agent_of_a_shared_host_prints_its_line(monkeypatch):
     """Two torchrun agents of one job on one host (`--nnodes 2` on one machine): rank 2,
     of agent 1, meets the failure first and takes the count, then is ended by its agent
