@@ -8,10 +8,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from megatron.logging_utils import format_iteration_line
+from tests import forked_script
 from tests.dist_utils import cpu_env
 from tools import layout_parity as lp
 
@@ -234,15 +237,56 @@ def test_sigterm_stops_the_ranks_too(tmp_path):
         for pid in _processes_naming(str(out)):
             os.kill(pid, signal.SIGKILL)
 
+class _ForkedRank:
+    """subprocess.Popen for the ranks tools/layout_parity.py starts, forked from the test
+    process by tests/forked_script.py: each still runs pretrain_gpt.py as `__main__` in a
+    process of its own with the environment, output file and directory the tool gives it,
+    less the interpreter's start and the imports (some 3 s of CPU a rank; this test starts
+    11). test_sigterm_stops_the_ranks_too starts the tool and its rank as fresh processes."""
+
+    def __init__(self, cmd, stdout, stderr, env, cwd):
+        assert stderr == subprocess.STDOUT, stderr
+        self.args = cmd
+        self._child = forked_script.Child(forked_script.start_command(cmd, env, stdout.name,
+                                                                      cwd=cwd))
+        self.pid = self._child.pid
+
+    @property
+    def returncode(self):
+        return self._child.returncode
+
+    def poll(self):
+        return self._child.poll()
+
+    def terminate(self):
+        self._child.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self._child.kill()
+
+    def wait(self, timeout=None):
+        """Popen's: its status, or TimeoutExpired (the child left running)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+
 @pytest.mark.slow
-def test_layouts_match_one_process_on_cpu_and_a_bad_layout_fails(tmp_path):
-    cmd = [sys.executable, str(ROOT / "tools" / "layout_parity.py"), "--layouts",
-           "tp1,tp2,pp2vp2,dp2+distopt+overlap,tp3", "--iters", "3", "--one-gpu",
-           "--out-dir", str(tmp_path), "--"] + TINY
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=cpu_env())
-    out = proc.stdout
-    assert proc.returncode == 1, out + proc.stderr[-3000:]  # tp3 cannot split 4 heads
+def test_layouts_match_one_process_on_cpu_and_a_bad_layout_fails(tmp_path, monkeypatch, capsys):
+    """The tool's main() in this process, its ranks forked (`_ForkedRank`) where this
+    process has no CUDA (a forked child cannot use its parent's CUDA context)."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(lp, "subprocess", SimpleNamespace(
+            Popen=_ForkedRank, STDOUT=subprocess.STDOUT, TimeoutExpired=subprocess.TimeoutExpired))
+    for name, value in cpu_env({}).items():  # the environment the tool passes on to its ranks
+        monkeypatch.setenv(name, value)
+    status = lp.main(["--layouts", "tp1,tp2,pp2vp2,dp2+distopt+overlap,tp3", "--iters", "3",
+                      "--one-gpu", "--out-dir", str(tmp_path), "--"] + TINY)
+    out, err = capsys.readouterr()
+    assert status == 1, out + err[-3000:]  # tp3 cannot split 4 heads
     rows = {line.split()[0]: line for line in out.splitlines()[1:-1]}
     assert rows["tp1"].endswith("reference")
     for name in ("tp2", "pp2vp2", "dp2+distopt+overlap"):
@@ -250,8 +294,7 @@ def test_layouts_match_one_process_on_cpu_and_a_bad_layout_fails(tmp_path):
         loss_max = float(rows[name].split()[2])
         assert loss_max <= 1e-4  # fp32 on the CPU: the same curve up to summation order
     assert "FAIL: exit 2" in rows["tp3"]
-    assert "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3" in \
-        proc.stderr
+    assert "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3" in err
     assert (tmp_path / "01-tp2" / "rank1.log").exists()
 
 
