@@ -164,3 +164,24 @@ def test_a_rank_never_collects_what_it_inherited(monkeypatch):
     finally:
         gc.enable()
         gc.collect()
+
+
+def _inductor_state(rank, world_size):
+    import sys
+
+    dynamo = "torch._dynamo" in sys.modules
+    import torch._inductor.config as inductor_config
+
+    return dynamo, inductor_config.compile_threads
+
+
+def test_a_rank_compiles_in_its_own_thread_without_importing_inductor_first():
+    """A forked rank compiles with one thread (the parent's compile pool is not inherited
+    with its threads), and imports neither inductor nor torch._dynamo (~2 s of CPU per
+    rank) for it where the test process has not."""
+    import sys
+
+    parent_had_dynamo = "torch._dynamo" in sys.modules
+    [(dynamo, threads)] = run_distributed(_inductor_state, 1)
+    assert threads == 1
+    assert dynamo == parent_had_dynamo
