@@ -61,6 +61,18 @@ from tests.gpt_helpers import full_named_grads, tiny_config
 SHAPE = (4, 2, 8)  # [s, b, h] of the toy pipeline
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """One intra-op thread in this process, as each rank has (tests/dist_utils.py): the
+    single-process references run here, and with more threads than the cores left free
+    by the ranks and the other test worker the tiny matmuls spin (some 15x the CPU time
+    of one thread on 2 busy cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # --------------------------------------------------------------------------- 1. executor
 def _toy_stage(stage: int) -> torch.nn.Linear:
     torch.manual_seed(100 + stage)
@@ -385,7 +397,9 @@ def test_reset_attention_mask_reaches_the_middle_stages(world, pp, vpp):
     """Megatron-LM gives every pipeline stage the batch's per-document attention mask;
     a middle stage (no embedding, no loss) attending across documents trains on other
     losses than the single process."""
-    ref = run_distributed(_train_documents, 1, 1, None)[0]
+    if "documents" not in REFERENCE:  # one single-process run for both layouts
+        REFERENCE["documents"] = run_distributed(_train_documents, 1, 1, None)[0]
+    ref = REFERENCE["documents"]
     for rank, got in enumerate(run_distributed(_train_documents, world, pp, vpp)):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0,
                                    msg=f"pp={pp} vpp={vpp} rank={rank}: losses differ")
