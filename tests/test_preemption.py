@@ -433,7 +433,7 @@ def test_exit_duration_saves_and_exits(tmp_path):
         "--exit-duration-in-mins", "1"], tmp_path / "logs")
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]
-    # counted from the process start (as Megatron does), so past 0.02 at the first check
+    # counted from the process start (as Megatron does): past 0.02 at the check that exits
     minutes = re.search(r"\[exiting program after (\d+\.\d+) minutes\]", log)
     assert minutes and float(minutes.group(1)) > 0.02, log[-3000:]
     assert "[after training is done]" not in log and "sample draw" not in log
