@@ -1,15 +1,17 @@
-"""tools/benchmark.py: one run prints a JSON line; scaling mode runs layouts via torchrun."""
+"""tools/benchmark.py: one run prints a JSON line; scaling mode runs layouts via torchrun.
+The tool is forked from the test process (tests/forked_script.py: its imports come free);
+torchrun's ranks are fresh processes."""
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests import forked_script
 from tests.dist_utils import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,9 +27,9 @@ def _benchmark_module():
 
 
 def test_single_run_reports_throughput_and_mfu():
-    out = subprocess.run([sys.executable, TOOL, "--preset", "tiny", "--device", "cpu",
-                          "--steps", "2", "--warmup", "1", "--", "--num-workers", "0"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = forked_script.run([sys.executable, TOOL, "--preset", "tiny", "--device", "cpu",
+                             "--steps", "2", "--warmup", "1", "--", "--num-workers", "0"],
+                            dict(os.environ), timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     row = json.loads([x for x in out.stdout.splitlines() if x.startswith("{")][-1])
     assert row["preset"] == "tiny" and row["layout"] == "tp1pp1dp1" and row["tokens_per_s"] > 0
@@ -59,9 +61,9 @@ def test_a_run_without_warmup_steps():
 
     for steps, warmup in ((1, 0), (2, 0), (1, 1)):
         parse_and_validate(bm.build_argv("tiny", steps, warmup, 4, []), cuda_available=False)
-    out = subprocess.run([sys.executable, TOOL, "--preset", "tiny", "--device", "cpu",
-                          "--steps", "1", "--warmup", "0", "--", "--num-workers", "0"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = forked_script.run([sys.executable, TOOL, "--preset", "tiny", "--device", "cpu",
+                             "--steps", "1", "--warmup", "0", "--", "--num-workers", "0"],
+                            dict(os.environ), timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     row = json.loads([x for x in out.stdout.splitlines() if x.startswith("{")][-1])
     assert row["steps"] == 1 and row["time_to_first_step_s"] is None and row["step_ms"] > 0
@@ -82,14 +84,12 @@ def test_fp16_replaces_the_presets_bf16():
 def test_scaling_mode_prints_efficiency_table():
     argv = [sys.executable, TOOL, "--preset", "tiny", "--device", "cpu", "--steps", "2",
             "--warmup", "1", "--scaling", "tp1,tp2pp2", "--", "--num-workers", "0"]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                         env=cpu_env())
+    out = forked_script.run(argv, cpu_env(), timeout=600, cwd=ROOT)
     if out.returncode != 0 and "terminate called without an active exception" in out.stderr:
         # Once in ~15 CI runs one of the 4 gloo ranks aborted inside the C++ runtime at
         # start-up (SIGABRT, no Python error) on the 2-core machine; what this test checks
         # is the table, so a run killed that way is repeated once. Any Python error fails.
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                             env=cpu_env())
+        out = forked_script.run(argv, cpu_env(), timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     table = out.stdout.splitlines()[-3:]
     assert table[0].split() == ["layout", "GPUs", "tokens/s/GPU", "MFU", "efficiency"]

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from megatron import checkpoint_reshard as reshard
+from tests import forked_script
 from tests.test_reshard import RTOL, _check_weights_only, _load_and_continue, _run, _saved
 from tests.test_tokenizer import _train_sentencepiece
 from tools import checkpoint_convert, checkpoint_util
@@ -229,8 +229,8 @@ def test_unknown_tokenizer_size_at_another_tp_is_warned(capsys):
 
 
 def test_script_help_says_what_is_ignored_and_kept():
-    done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "checkpoint_util.py"),
-                           "--help"], capture_output=True, text=True, timeout=120)
+    done = forked_script.run([sys.executable, os.path.join(REPO, "tools", "checkpoint_util.py"),
+                              "--help"], dict(os.environ), timeout=120)  # imports come free
     assert done.returncode == 0, done.stderr[-2000:]
     text = " ".join(done.stdout.split())
     assert "--megatron-path, --max-queue-size and --no-checking are accepted and ignored" in text

@@ -16,6 +16,7 @@ from megatron.core.datasets.indexed_dataset import (
     check_token_ids,
 )
 from megatron.data_loading import build_datasets
+from tests import forked_script
 from tests.dist_utils import cpu_env
 from tests.gpt_helpers import tiny_config
 from tests.test_gpt_dataset import make_corpus
@@ -262,7 +263,6 @@ def test_missing_data_files_stop_the_run_before_the_model_is_built(tmp_path):
     that exists; the dataset builder met the first one only after the model, optimizer and
     checkpoint load."""
     import os
-    import subprocess
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -271,9 +271,8 @@ def test_missing_data_files_stop_the_run_before_the_model_is_built(tmp_path):
             "--max-position-embeddings 16 --micro-batch-size 2 --lr 1e-3 --train-iters 2 "
             "--tokenizer-type NullTokenizer --vocab-size 100 --no-compile --data-path "
             f"1 c 1 {tmp_path}/absent 1 {prefix}").split()
-    proc = subprocess.run([sys.executable, os.path.join(repo, "pretrain_gpt.py"), *argv],
-                          cwd=tmp_path, env=cpu_env(), capture_output=True, text=True,
-                          timeout=120)
+    proc = forked_script.run([sys.executable, os.path.join(repo, "pretrain_gpt.py"), *argv],
+                             cpu_env(), timeout=120, cwd=tmp_path)  # its imports come free
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "number of parameters" not in proc.stdout  # no model was built
     assert ("error: data files not found: c.bin and c.idx (--data-path: preprocess_data.py "

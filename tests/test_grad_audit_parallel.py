@@ -9,12 +9,12 @@ ranks and prints the table.
 The whole matrix, on a GPU with NCCL: benchmarks/grad_audit.py --layouts."""
 from __future__ import annotations
 
-import subprocess
 import sys
 from unittest import mock
 
 import torch
 
+from tests import forked_script
 from tests.dist_utils import ROOT, cpu_env, run_distributed
 from tests.grad_audit import TOLERANCE
 from tests.grad_audit_parallel import audit_layout, audit_layouts, layout
@@ -44,10 +44,9 @@ def test_layouts_pass_and_the_audit_fails_a_missing_gradient_reduction():
 
 
 def test_benchmark_layouts_starts_its_ranks():
-    proc = subprocess.run(
+    proc = forked_script.run(  # forked from this process: its imports come free
         [sys.executable, str(ROOT / "benchmarks" / "grad_audit.py"), "--layouts", "--device",
-         "cpu", "--cases", "dp2-distopt/overlap"], cwd=ROOT, env=cpu_env(),
-        capture_output=True, text=True, timeout=300)
+         "cpu", "--cases", "dp2-distopt/overlap"], cpu_env(), timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     row = next(line for line in proc.stdout.splitlines()
                if line.startswith("dp2-distopt/overlap "))

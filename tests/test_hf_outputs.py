@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron import hf_convert, hf_files, hf_interop
+from tests import forked_script
 from tests.dist_utils import cpu_env
 from tests.test_hf_interop import (
     TINY,
@@ -133,7 +134,7 @@ def test_pretrain_gpt_cli_trains_from_an_imported_model(tmp_path):
     cmd = [sys.executable, str(root / "pretrain_gpt.py"), *flags, *TINY.split(),
            "--load", str(tmp_path / "ck"), "--save", str(tmp_path / "out"), "--save-interval", "2",
            "--train-iters", "2", "--log-interval", "1", "--eval-iters", "0"]
-    proc = subprocess.run(cmd, cwd=root, env=cpu_env(), capture_output=True, text=True, timeout=120)
+    proc = forked_script.run(cmd, cpu_env(), timeout=120, cwd=root)  # its imports come free
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "successfully loaded checkpoint" in out and "at iteration 0" in out

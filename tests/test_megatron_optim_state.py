@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 import pytest
@@ -23,6 +22,7 @@ import torch
 from megatron.checkpoint_files import megatron_payload
 from megatron.checkpointing import checkpoint_name
 from megatron.core.optimizer.adamw import AdamW
+from tests import forked_script
 from tests import megatron_optim_reference as ref
 from tests.dist_utils import run_distributed
 from tests.test_exact_resume import K, run_pretrain
@@ -390,9 +390,9 @@ def test_the_offline_reshard_of_such_a_checkpoint_names_the_flag_that_leaves_it_
         m.setattr(ref, "no_weight_decay", _swapped)
         write_megatron(src, out, tp=2)
     tool = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools", "checkpoint_convert.py")
-    proc = subprocess.run([sys.executable, tool, "reshard", "--load", out, "--save", resharded,
-                           "--target-tensor-model-parallel-size", "1"],
-                          capture_output=True, text=True, timeout=300)
+    proc = forked_script.run(  # forked from this process: its imports come free
+        [sys.executable, tool, "reshard", "--load", out, "--save", resharded,
+         "--target-tensor-model-parallel-size", "1"], dict(os.environ), timeout=300)
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(
         f"error: cannot reshard the optimizer state: {out}/iter_{K:07d} rank (tp 0, pp 0): "

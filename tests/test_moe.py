@@ -33,7 +33,9 @@ from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.random import RNGStatesTracker
 from megatron.initialize import Runtime, set_random_seed
 from megatron.training import build_trainer, data_iterator, train_step
+from tests import forked_script
 from tests.dist_utils import cpu_env, run_distributed
+from tests.forked_script import PRETRAIN
 from tests.gpt_helpers import full_named_grads, full_tensor
 from tests.test_pipeline_parallel import (
     LAYERS,
@@ -414,9 +416,10 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 
 
 def _pretrain(*args) -> dict:
-    """pretrain_gpt.py as one process; {iteration: printed lm loss}."""
-    proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *MODEL, *map(str, args)],
-                          cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=600)
+    """pretrain_gpt.py as one process, forked from this one (tests/forked_script.py: its
+    imports come free); {iteration: printed lm loss}."""
+    proc = forked_script.run([sys.executable, PRETRAIN, *MODEL, *map(str, args)], cpu_env(),
+                             timeout=600, cwd=ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     found = re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", out)

@@ -7,7 +7,6 @@ import functools
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 
 from megatron.arguments import parse_and_validate, run_dry_run
 from megatron.memory_estimate import estimate_memory
+from tests import forked_script
 from tools import layout_cost
 from tools.layout_report import check_command, format_table, inputs_to_remove
 from tools.plan_layout import (
@@ -104,10 +104,11 @@ def test_every_preset_gets_a_layout_that_passes_dry_run(name, gpus, capsys):
 
 def test_script_prints_a_plan_whose_check_command_runs():
     """End to end: the printed check command (WORLD_SIZE=N python pretrain_gpt.py ...
-    --dry-run) runs as printed."""
+    --dry-run) runs as printed. Both commands are forked from this process
+    (tests/forked_script.py: their imports come free)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "tools/plan_layout.py", *_preset("gpt3-125m", 8),
-                           "--top", "3"], cwd=ROOT, capture_output=True, text=True, env=env)
+    proc = forked_script.run([sys.executable, "tools/plan_layout.py", *_preset("gpt3-125m", 8),
+                              "--top", "3"], env, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "rank  tp  pp  vp  dp  mbs" in out and "rel. time" in out
@@ -117,8 +118,7 @@ def test_script_prints_a_plan_whose_check_command_runs():
     assert world == "WORLD_SIZE=8"
     argv = shlex.split(command)
     argv[0] = sys.executable
-    check = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
-                           env=dict(env, WORLD_SIZE="8"))
+    check = forked_script.run(argv, dict(env, WORLD_SIZE="8"), timeout=600, cwd=ROOT)
     assert check.returncode == 0, check.stdout + check.stderr
     assert "world size 8 = tensor 1 x pipeline 1 x data 8" in check.stdout
 
