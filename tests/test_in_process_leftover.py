@@ -5,13 +5,16 @@ made: at world size 1 it is destroyed first and the call trains as a fresh proce
 with several ranks it is refused with a line naming it and the fix.
 
 Two child processes (rank 0 and rank 1 of a gloo group, no launcher): rank 1 dies at its
-second forward, so rank 0's call stops with the peer's failure and leaves the group."""
+second forward, so rank 0's call stops with the peer's failure and leaves the group. They
+are forked from the test process (tests/forked_script.py), which has their imports."""
+import contextlib
 import json
-import subprocess
+import signal
 import sys
 import textwrap
 from pathlib import Path
 
+from tests import forked_script
 from tests.dist_utils import cpu_env, free_port
 from tests.test_in_process import ARGS
 
@@ -63,6 +66,21 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def _fork_ranks(script: Path, env: dict) -> list:
+    """`python script 0` and `python script 1`, forked from this process
+    (tests/forked_script.py: their imports come free), their output captured."""
+    return [forked_script.Forked([sys.executable, str(script), str(rank)], env, cwd=ROOT)
+            for rank in (0, 1)]
+
+
+def _kill_running(procs: list) -> None:
+    for p in procs:
+        with contextlib.suppress(ChildProcessError):  # one a timed-out wait killed and reaped
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait(60)
+
+
 def test_a_group_left_by_an_earlier_call_is_not_taken_for_the_callers(tmp_path):
     world = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     script = tmp_path / "calls.py"
@@ -71,17 +89,13 @@ def test_a_group_left_by_an_earlier_call_is_not_taken_for_the_callers(tmp_path):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                  "TORCHELASTIC_RUN_ID", "TORCH_GLOO_LAZY_INIT", "CUBLAS_WORKSPACE_CONFIG"):
         env.pop(name, None)
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in (0, 1)]
+    procs = _fork_ranks(script, env)
     try:
-        out, err = procs[0].communicate(timeout=240)
-        procs[1].wait(timeout=60)
+        procs[0].wait(240)
+        procs[1].wait(60)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        _kill_running(procs)
+    out, err = procs[0].stdout, procs[0].stderr
     assert procs[0].returncode == 0, err[-3000:]
     assert procs[1].returncode == 1  # died at its second forward
     calls = json.loads(out.strip().splitlines()[-1])
@@ -132,16 +146,13 @@ def test_zero_shot_evaluate_main_ends_the_group_it_made(tmp_path):
     env = cpu_env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     for name in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(name, None)
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in (0, 1)]
+    procs = _fork_ranks(script, env)
     try:
-        outs = [p.communicate(timeout=180) for p in procs]
-    finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            p.wait(180)
+    finally:
+        _kill_running(procs)
+    outs = [(p.stdout, p.stderr) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     seen = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
