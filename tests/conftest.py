@@ -14,6 +14,13 @@ import torch
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One intra-op thread in each test process, and by default in the processes tests start
+# (ranks get it from tests/dist_utils.cpu_env anyway): the suite runs 2 workers on 2
+# cores, and with torch's default of a thread per core the workers' small products spin
+# against each other (tests/test_train_loop.py: 134 s of CPU with 2 threads, 19 s with 1).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
 
 import pytest  # noqa: E402
 

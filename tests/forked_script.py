@@ -239,7 +239,8 @@ class ForkedPopen(subprocess.Popen):
     """`subprocess.Popen` for a Python command line (`[sys.executable, "-u", script, *args]`
     or `[..., "-m", module, ...]`, torchrun's worker) that forks this process in place of
     fork + exec: the child runs it as `start`'s do, in a session of its own (as torchrun
-    asks: it ends its workers with killpg), stdout and stderr inherited. Every other file
+    asks: it ends its workers with killpg), stdout and stderr inherited or, where torchrun
+    redirects them (--redirects), the files it opened. Every other file
     descriptor it inherited is pointed at /dev/null (as close_fds would close it, while no
     stale object of this process can close a reused number): a forked rank holds no socket
     of its launcher's store open. Poll, wait and signals are Popen's own."""
@@ -248,7 +249,8 @@ class ForkedPopen(subprocess.Popen):
                        *rest) -> None:
         args = list(args)
         assert args[0] == sys.executable and preexec_fn is None, args
-        assert all(fd == -1 for fd in rest[3:9]), "redirected output is not forked"
+        p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite = rest[3:9]
+        assert p2cread == p2cwrite == c2pread == errread == -1, "pipes are not forked"
         flags = [a for a in args[1:] if a in ("-u", "-m")]
         target, script_args = args[1 + len(flags)], args[2 + len(flags):]
         warm_imports()
@@ -256,6 +258,9 @@ class ForkedPopen(subprocess.Popen):
         if pid:
             self.pid, self._child_created = pid, True
             return
+        for source, target_fd in ((c2pwrite, 1), (errwrite, 2)):  # torchrun's --redirects
+            if source != -1:
+                os.dup2(source, target_fd)
         _release_inherited_fds()
         _run_child(target, script_args, env, None, "-m" in flags, True, cwd)
 

@@ -31,18 +31,6 @@ LLAMA = dict(normalization="RMSNorm", activation="swiglu", ffn_hidden_size=48,
              untie_embeddings_and_output_weights=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """One intra-op thread in this process, as each rank has (tests/dist_utils.py): the
-    single-process references run here, and with more threads than the cores left free
-    by the ranks and the other test worker the tiny matmuls spin (some 15x the CPU time
-    of one thread on 2 busy cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _train(rank, world_size, tp, sp, model_kw, iters=3, lr=1e-3):
     torch.manual_seed(0)
     cfg = tiny_config(world_size=world_size, tp=tp, sp=sp, iters=iters, lr=lr, **model_kw)

@@ -61,18 +61,6 @@ from tests.gpt_helpers import full_named_grads, tiny_config
 SHAPE = (4, 2, 8)  # [s, b, h] of the toy pipeline
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """One intra-op thread in this process, as each rank has (tests/dist_utils.py): the
-    single-process references run here, and with more threads than the cores left free
-    by the ranks and the other test worker the tiny matmuls spin (some 15x the CPU time
-    of one thread on 2 busy cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # --------------------------------------------------------------------------- 1. executor
 def _toy_stage(stage: int) -> torch.nn.Linear:
     torch.manual_seed(100 + stage)

@@ -76,22 +76,10 @@ def _uninterrupted_in_process() -> dict:
     return run_pretrain([])[0]
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread in this process while it trains, as each rank has (cpu_env,
-    and the forked child above): on 2 busy cores the default second thread's waits made
-    these tiny runs take ~10 times the CPU (3.8 s instead of 0.35 s for 6 iterations)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("crash_point", ["mid_file", "before_tracker"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_killed_mid_save_keeps_previous_checkpoint_and_restart_resumes(tmp_path, mode,
-                                                                      crash_point,
-                                                                      one_thread):
+                                                                      crash_point):
     extra = ["--async-save"] if mode == "async" else []
     ref = _uninterrupted_in_process()
     root = str(tmp_path / "ck")
