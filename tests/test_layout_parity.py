@@ -237,50 +237,18 @@ def test_sigterm_stops_the_ranks_too(tmp_path):
         for pid in _processes_naming(str(out)):
             os.kill(pid, signal.SIGKILL)
 
-class _ForkedRank:
-    """subprocess.Popen for the ranks tools/layout_parity.py starts, forked from the test
-    process by tests/forked_script.py: each still runs pretrain_gpt.py as `__main__` in a
-    process of its own with the environment, output file and directory the tool gives it,
-    less the interpreter's start and the imports (some 3 s of CPU a rank; this test starts
-    11). test_sigterm_stops_the_ranks_too starts the tool and its rank as fresh processes."""
-
-    def __init__(self, cmd, stdout, stderr, env, cwd):
-        assert stderr == subprocess.STDOUT, stderr
-        self.args = cmd
-        self._child = forked_script.Child(forked_script.start_command(cmd, env, stdout.name,
-                                                                      cwd=cwd))
-        self.pid = self._child.pid
-
-    @property
-    def returncode(self):
-        return self._child.returncode
-
-    def poll(self):
-        return self._child.poll()
-
-    def terminate(self):
-        self._child.send_signal(signal.SIGTERM)
-
-    def kill(self):
-        self._child.kill()
-
-    def wait(self, timeout=None):
-        """Popen's: its status, or TimeoutExpired (the child left running)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.05)
-        return self.returncode
-
-
 @pytest.mark.slow
 def test_layouts_match_one_process_on_cpu_and_a_bad_layout_fails(tmp_path, monkeypatch, capsys):
-    """The tool's main() in this process, its ranks forked (`_ForkedRank`) where this
-    process has no CUDA (a forked child cannot use its parent's CUDA context)."""
+    """The tool's main() in this process, its ranks forked from it where it has no CUDA (a
+    forked child cannot use its parent's CUDA context): tests/forked_script.ForkedPopen
+    runs pretrain_gpt.py as `__main__` in a process of its own with the environment,
+    output file and directory the tool gives it, less the interpreter's start and the
+    imports (some 3 s of CPU a rank; 11 ranks here). test_sigterm_stops_the_ranks_too
+    starts the tool and its rank as fresh processes."""
     if not torch.cuda.is_available():
         monkeypatch.setattr(lp, "subprocess", SimpleNamespace(
-            Popen=_ForkedRank, STDOUT=subprocess.STDOUT, TimeoutExpired=subprocess.TimeoutExpired))
+            Popen=forked_script.ForkedPopen, STDOUT=subprocess.STDOUT,
+            TimeoutExpired=subprocess.TimeoutExpired))
     for name, value in cpu_env({}).items():  # the environment the tool passes on to its ranks
         monkeypatch.setenv(name, value)
     status = lp.main(["--layouts", "tp1,tp2,pp2vp2,dp2+distopt+overlap,tp3", "--iters", "3",
