@@ -27,6 +27,7 @@ from megatron.core.tensor_parallel.random import RNGStatesTracker, model_paralle
 from megatron.entry_state import (  # noqa: F401 (also used from here)
     CUBLASLT_WORKSPACE_WARNING,
     ENTRY_POINT_ENV,
+    cublas_workspaces_resized,
     entry_point_changes_undone,
 )
 from megatron.launcher_watch import watch_launcher
@@ -356,7 +357,10 @@ def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank
     watch_launcher(environ, rank)
     environ.update(gloo_lazy_init_env(environ))
     no_workspace = cublas_workspace_env(cublas_workspace, environ)
-    environ.update(no_workspace)
+    if no_workspace and environ.get("CUBLAS_WORKSPACE_CONFIG") != no_workspace[
+            "CUBLAS_WORKSPACE_CONFIG"]:
+        environ.update(no_workspace)
+        cublas_workspaces_resized()  # CUDA may have run in this process already
     if no_workspace:
         # torch's cuBLASLt calls (addmm with a bias) then run without a workspace too, and
         # say so once per process in a warning that asks for a workspace: that is the choice.

@@ -36,6 +36,20 @@ def triton_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def cublas_workspaces_follow_the_variable():
+    """A test that changed CUBLAS_WORKSPACE_CONFIG while CUDA ran (an entry point run in
+    this process, a monkeypatch undone at its end) would leave torch's cuBLAS workspaces
+    sized by a value other than the next test's (megatron.entry_state
+    .cublas_workspaces_resized: cuBLAS then writes past them): after each test where CUDA
+    has started, they are freed and made anew at the size the variable names."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        from megatron.entry_state import cublas_workspaces_resized
+
+        cublas_workspaces_resized()
+
+
 def _restore_environment(saved: dict) -> None:
     for name in set(os.environ) - set(saved):
         del os.environ[name]

@@ -7,6 +7,7 @@ a value the user exported is never overwritten.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -132,3 +133,60 @@ def test_without_a_workspace_torchs_request_for_one_is_not_shown(monkeypatch):
             init.initialize_entry_point(None, choice, 0, 1, 0, {})
             warnings.warn(message, UserWarning)
         assert len([w for w in caught if "CUBLASLT workspace" in str(w.message)]) == shown
+
+
+def test_a_changed_variable_frees_cublas_workspaces_where_cuda_ran(monkeypatch):
+    """torch sizes each cuBLAS workspace once but passes cuBLAS the variable's size at
+    every product: when an in-process run ends and the variable comes back (":0:0" ->
+    absent: a bigger size), the workspaces are freed after the GPU is done, so torch
+    makes new ones at the restored size; nothing while CUDA never started, or when the
+    variable did not change."""
+    from megatron.entry_state import entry_point_changes_undone
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("sync"))
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces",
+                        lambda: calls.append("clear"), raising=False)
+    env = {}
+    with entry_point_changes_undone(env):
+        env.update(CUBLAS_NO_WORKSPACE)  # the entry point's export
+    assert env == {} and calls == ["sync", "clear"]
+    calls.clear()
+    env = dict(CUBLAS_NO_WORKSPACE)  # a user's own value, kept by the run
+    with entry_point_changes_undone(env):
+        pass
+    assert calls == []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    with entry_point_changes_undone(env := {}):
+        env.update(CUBLAS_NO_WORKSPACE)
+    assert calls == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_products_after_an_in_process_run_without_a_workspace_survive(tmp_path):
+    """A fresh process whose first cuBLAS products ran without a workspace (the entry
+    point's ":0:0", inside entry_point_changes_undone), then products with the variable
+    restored: they used to write past the 0-byte workspace (illegal memory access,
+    CUBLAS_STATUS_INTERNAL_ERROR in the next test of the same process)."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import os, torch\n"
+        "from megatron.entry_state import entry_point_changes_undone\n"
+        "os.environ.pop('CUBLAS_WORKSPACE_CONFIG', None)\n"
+        "with entry_point_changes_undone(os.environ):\n"
+        "    os.environ['CUBLAS_WORKSPACE_CONFIG'] = ':0:0'\n"
+        "    a = torch.randn(256, 256, device='cuda')\n"
+        "    (a @ a).sum().item()\n"
+        "for n in (256, 1000, 4096):\n"
+        "    for dtype in (torch.float32, torch.bfloat16):\n"
+        "        b = torch.randn(n, n, device='cuda', dtype=dtype)\n"
+        "        (b @ b.t()).float().sum().item()\n"
+        "torch.cuda.synchronize()\n"
+        "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
