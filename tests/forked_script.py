@@ -133,6 +133,19 @@ def start_command(cmd: Sequence[str], env: Mapping[str, str], stdout_path, stder
     return start(target, args, env, stdout_path, stderr_path, module, new_session, cwd)
 
 
+def start_ranks(script: str, args: Sequence[str], env: Mapping[str, str], port: int,
+                outputs: Sequence[Sequence]) -> List[int]:
+    """`script` with `args` as ranks 0..n-1 of n = len(outputs), each forked (`start`) with
+    `env` plus the env:// rendezvous torchrun's workers see (MASTER_* on `port`, RANK,
+    LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE), but no launcher; rank r's stdout and stderr
+    to outputs[r] ((stdout path,) or (stdout path, stderr path)). Returns their pids."""
+    world = str(len(outputs))
+    return [start(script, args, dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=world,
+                                     LOCAL_WORLD_SIZE=world, MASTER_ADDR="127.0.0.1",
+                                     MASTER_PORT=str(port)), *paths)
+            for r, paths in enumerate(outputs)]
+
+
 class Forked:
     """A Popen-like handle on a command line forked by `start_command` (a `Child`) whose
     stdout and stderr (with `merge_stderr`: both in `stdout`) are captured in memory files

@@ -45,11 +45,9 @@ def launch_two(args, tmp: Path):
     """pretrain_gpt.py as ranks 0 and 1 of 2 (env:// rendezvous, no launcher: nothing
     ends the other rank), forked from this process (tests/forked_script.py), their output
     to files under `tmp`. Returns ([rank 0's status, rank 1's], combined output)."""
-    port = str(free_port())
+    port = free_port()
     logs = [tmp / f"launch_{port}_rank{r}.log" for r in range(2)]
-    pids = [forked_script.start(PRETRAIN, args, _env(
-        RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=port), logs[r]) for r in range(2)]
+    pids = forked_script.start_ranks(PRETRAIN, args, _env(), port, [[log] for log in logs])
     codes = forked_script.wait(pids, TIMEOUT_S)
     return codes, "".join(log.read_text() for log in logs)
 

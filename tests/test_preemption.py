@@ -198,11 +198,9 @@ def _run_two_ranks(script: str, args: list, log_dir: Path, timeout: int = 90
     fresh worker's imports cost ~3 s of CPU); for runs whose subject is not the launcher.
     The status is the worst of the two; stdout and stderr hold both ranks' output."""
     log_dir.mkdir(exist_ok=True)
-    port, n = str(free_port()), len(os.listdir(log_dir))
+    n = len(os.listdir(log_dir))
     logs = [(log_dir / f"run{n}.rank{r}.out", log_dir / f"run{n}.rank{r}.err") for r in (0, 1)]
-    pids = [forked_script.start(script, args, dict(
-        _env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=port), *logs[r]) for r in (0, 1)]
+    pids = forked_script.start_ranks(script, args, _env(), free_port(), logs)
     codes = forked_script.wait(pids, timeout)
     return subprocess.CompletedProcess(
         [script, *args], max(codes, key=abs), *("".join(log[i].read_text() for log in logs)
