@@ -485,22 +485,29 @@ runpy.run_path({script!r}, run_name="__main__")
 def test_a_rank_that_fails_is_named_in_one_line_by_the_others(trained, tmp_path):
     """Rank 1 fails mid-evaluation: rank 0's collective then failed with gloo's
     'Connection closed by peer' traceback; now it prints one line naming rank 1 and its
-    error (megatron/rank_failure.py, as pretrain_gpt.py and tools/generate.py do)."""
+    error (megatron/rank_failure.py, as pretrain_gpt.py and tools/generate.py do). Rank 1
+    runs under a second torchrun (two nodes on this host), where the line matters: on one
+    node, torchrun ends rank 0 (SIGTERM) as soon as it sees rank 1 fail, before rank 0
+    may have printed (seen under load), and its own summary names rank 1."""
     wrapper = tmp_path / "fault.py"
     wrapper.write_text(FAULT_WRAPPER.format(root=str(ROOT),
                                             script=str(ROOT / "tasks" / "main.py")))
     argv = ["--task", "WIKITEXT103", "--valid-data", str(trained["dir"] / "wikitext_sample.tokens"),
             "--tensor-model-parallel-size", "2", "--micro-batch-size", "2", "--load",
             trained["ckpt"], *MODEL, *trained["tok_flags"]]
-    proc = forked_script.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                              "2", "--master-port", str(free_port()), str(wrapper), *argv],
-                             cwd=ROOT, env=cpu_env(), timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
-    assert "RuntimeError: injected failure mid-evaluation" in out  # rank 1's own traceback
-    assert "[rank0]:" not in out, out[-3000:]  # no traceback of rank 0
-    lines = [line for line in out.splitlines() if line.startswith("[rank 0]")]
-    assert len(lines) == 1, out[-3000:]
+    port, logs = free_port(), [tmp_path / "node0.log", tmp_path / "node1.log"]
+    pids = [forked_script.start_command(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+         "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+         str(wrapper), *argv], cpu_env(PYTHONUNBUFFERED="1"), log, cwd=ROOT)
+        for node, log in enumerate(logs)]
+    statuses = forked_script.wait(pids, 300)
+    node0, node1 = (log.read_text() for log in logs)
+    assert statuses[0] != 0 and statuses[1] != 0, (statuses, node0[-3000:])
+    assert "RuntimeError: injected failure mid-evaluation" in node1  # rank 1's own traceback
+    assert "[rank0]:" not in node0, node0[-3000:]  # no traceback of rank 0
+    lines = [line for line in node0.splitlines() if line.startswith("[rank 0]")]
+    assert len(lines) == 1, node0[-3000:]
     assert lines[0].startswith("[rank 0] stopped during the zero-shot evaluation: a collective "
                                "failed ("), lines
     assert lines[0].endswith("because rank 1 stopped first, during the zero-shot evaluation, "
