@@ -294,6 +294,20 @@ def test_data_path_and_split_syntax_fail_in_validation(extra, expected):
     assert expected in error_of(extra, base=DATA)
 
 
+def test_a_blend_of_more_datasets_than_a_byte_can_index_fails_in_validation():
+    """255 shards in --data-path stopped the run only after every member's index was built
+    (510 here, hours for a large corpus), with 'at most 254 blended datasets are supported'
+    naming neither the flag nor the fix; 254 are fine."""
+    pairs = " ".join(f"1 shard{i}" for i in range(255))
+    msg = error_of(f"--data-path {pairs}", base=DATA)
+    assert msg.startswith("--data-path: data path of 255 'weight prefix' pairs: at most 254 "
+                          "datasets can be blended")
+    assert "tools/merge_datasets.py" in msg
+    msg = error_of(f"--train-data-path {pairs}", base=DATA)
+    assert msg.startswith("--train-data-path: data path of 255")
+    run("--data-path " + " ".join(f"1 shard{i}" for i in range(254)), base=DATA)
+
+
 def test_a_blend_in_one_argument_names_the_fix(tmp_path):
     """--data-path "$DATA_PATH" with DATA_PATH="0.3 a 0.7 b": one prefix '0.3 a 0.7 b'
     that was reported missing at the data check, as a file."""

@@ -38,6 +38,8 @@ BLENDING_INDEX_VERSION = 1
 # all are): a smaller one builds in about a second, not worth files in the data directory.
 BLEND_CACHE_MIN_SAMPLES = 1_000_000
 PROGRESS_INTERVAL_S = 10.0  # at most one progress line this often while a blend is built
+# A blend records each sample's dataset in one byte (uint8, as Megatron-LM's helper does).
+MAX_BLENDED_DATASETS = 254
 Progress = Optional[Callable[[int], None]]  # called with the samples built so far
 
 
@@ -54,6 +56,14 @@ def parse_weighted_prefixes(data_prefix: Sequence[str]) -> Tuple[List[str], List
         raise ValueError(f"data path {list(data_prefix)}: weights must be numbers ({e}); give "
                          "one prefix or pairs 'weight prefix weight prefix ...'") from e
     prefixes = [p.strip() for p in data_prefix[1::2]]
+    if len(prefixes) > MAX_BLENDED_DATASETS:  # said before any index is built
+        raise ValueError(
+            f"data path of {len(prefixes)} 'weight prefix' pairs: at most "
+            f"{MAX_BLENDED_DATASETS} datasets can be blended (a blend stores each sample's "
+            "dataset in one byte, as Megatron-LM does, which stops on an assertion after "
+            "building every index); merge shards of one source into one dataset with "
+            "python tools/merge_datasets.py --input SHARD_PREFIXES_OR_DIR --output-prefix OUT, "
+            "and give it the sum of their weights")
     total = 0.0
     for w in weights:
         total += w
@@ -273,8 +283,9 @@ def build_blending_indices(weights: Sequence[float], size: int,
     `progress(done)` is called every block of samples built (at most about a second
     apart at a microsecond per sample)."""
     weights = np.asarray(weights, dtype=np.float64)
-    if len(weights) >= 255:
-        raise ValueError(f"at most 254 blended datasets are supported, got {len(weights)}")
+    if len(weights) > MAX_BLENDED_DATASETS:
+        raise ValueError(f"at most {MAX_BLENDED_DATASETS} blended datasets are supported, got "
+                         f"{len(weights)}")
     dataset_index = np.zeros(size, dtype=np.uint8)
     sample_index = np.zeros(size, dtype=np.int64)
     if len(weights) == 1:
