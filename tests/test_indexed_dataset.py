@@ -210,6 +210,33 @@ def test_missing_file_and_megatron_eod_bug(tmp_path):
     assert ds[1].tolist() == [99, 20]  # read exactly as Megatron reads it
 
 
+def test_merging_megatron_eod_bug_data_with_exact_data_is_refused(tmp_path):
+    """A Megatron-LM --append-eod .bin (one uncounted EOD per document) merged with an exact
+    one was reported merged, and the output could not be read ('oversized data file',
+    blamed on a copy cut short); sequences after the buggy input were misplaced too.
+    Merging only buggy inputs stays allowed: read as Megatron reads the concatenation."""
+    buggy_bin = np.array([10, 11, 12, 99, 20, 21, 99], dtype=np.uint16).tobytes()
+    _corrupt(tmp_path, "bug", None, buggy_bin)
+    write(tmp_path / "ok", [[[30, 31, 99]], [[40, 99]]])
+    tool = [sys.executable, str(REPO / "tools" / "merge_datasets.py"), "--input"]
+    for order in (["bug", "ok"], ["ok", "bug"]):
+        r = subprocess.run(tool + [str(tmp_path / n) for n in order]
+                           + ["--output-prefix", str(tmp_path / "m")], capture_output=True,
+                           text=True)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert (f"error: cannot merge {tmp_path / 'bug'} (written by Megatron-LM's "
+                "preprocess_data.py --append-eod") in r.stderr
+        assert f"with {tmp_path / 'ok'} (exact .bin/.idx)" in r.stderr
+        assert not (tmp_path / "m.bin").exists() and not (tmp_path / "m.idx").exists()
+    r = subprocess.run(tool + [str(tmp_path / "bug")] * 2 + ["--output-prefix",
+                                                            str(tmp_path / "bb")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    with pytest.warns(UserWarning, match="off-by-one"):
+        merged = MMapIndexedDataset(str(tmp_path / "bb"))
+    assert [s.tolist() for s in merged] == [[10, 11, 12], [99, 20], [21, 99, 10], [11, 12]]
+
+
 def test_best_dtype():
     assert best_dtype(50257) == np.uint16 and best_dtype(65499) == np.uint16
     assert best_dtype(65500) == np.int32 and best_dtype(128000) == np.int32

@@ -74,14 +74,40 @@ def input_prefixes(inputs) -> list:
 
 
 def open_inputs(prefixes) -> dict:
-    """prefix -> dtype of each input; a truncated or corrupt one ends the run naming it."""
-    dtypes = {}
+    """prefix -> dtype of each input; a truncated or corrupt one ends the run naming it,
+    and so do inputs that mix Megatron's --append-eod layout with exact ones
+    (`check_eod_layouts`)."""
+    dtypes, uncounted, sequences = {}, {}, {}
     for prefix in prefixes:
         try:
-            dtypes[prefix] = MMapIndexedDataset(prefix).dtype
+            dataset = MMapIndexedDataset(prefix)
         except ValueError as exc:
             raise SystemExit(f"error: --input {prefix}: {exc}") from None
+        dtypes[prefix], uncounted[prefix] = dataset.dtype, dataset.uncounted_eods
+        sequences[prefix] = len(dataset)
+        del dataset
+    check_eod_layouts(uncounted, sequences)
     return dtypes
+
+
+def check_eod_layouts(uncounted: dict, sequences: dict) -> None:
+    """A `.bin` written by Megatron-LM 23.06's preprocess_data.py --append-eod holds one EOD
+    per document that its index does not count; readers take that surplus as the bug's
+    mark (and read it as Megatron does). Merged with exact inputs, the surplus no longer
+    matches the documents, so the output could not be read at all (its .bin 'oversized'),
+    and the sequences after the first such input would start at the wrong byte: refused,
+    naming the inputs of each kind and the fix."""
+    buggy = [p for p, n in uncounted.items() if n]
+    exact = [p for p, n in uncounted.items() if not n and sequences[p]]
+    if not buggy or not exact:
+        return
+    raise SystemExit(
+        f"error: cannot merge {', '.join(buggy)} (written by Megatron-LM's preprocess_data.py "
+        f"--append-eod: one end-of-document token per document that its .idx does not "
+        f"count) with {', '.join(exact)} (exact .bin/.idx): the merged .bin would not match "
+        "its index, and every sequence after the first of those would be read from the wrong "
+        "place. Preprocess the Megatron-LM input(s) again with tools/preprocess_data.py "
+        "(which counts the EOD), or merge only datasets of one kind")
 
 
 def merge(prefixes, output_prefix: str) -> None:

@@ -276,6 +276,8 @@ class MMapIndexedDataset:
             self._doc_idx = np.frombuffer(buf, dtype="<i8", count=k,
                                           offset=HEADER_SIZE + 12 * n)
         self._check_index(idx_path, n, k)
+        # EOD tokens in the .bin that its index does not count (Megatron's --append-eod bug)
+        self.uncounted_eods = 0
         bin_size = os.path.getsize(bin_path)
         self._check_bin(bin_path, bin_size)
         self._bin_map = (np.memmap(bin_path, mode="r", dtype=np.uint8) if bin_size
@@ -318,6 +320,7 @@ class MMapIndexedDataset:
             # Megatron 23.06 `--append-eod` wrote one uncounted EOD per non-empty document.
             docs = int(np.count_nonzero(np.diff(self._doc_idx)))
             if bin_size == expected + docs * self._dtype.itemsize:
+                self.uncounted_eods = docs
                 warnings.warn(f"{bin_path} holds one token per document more than its index "
                               "counts: written by Megatron's preprocess_data.py --append-eod "
                               "(off-by-one bug); it is read exactly as Megatron reads it")
