@@ -130,6 +130,25 @@ def test_bad_lines(tmp_path, bpe):
         run_tool(bpe, src, tmp_path / "out")
 
 
+@pytest.mark.parametrize("fast_json", [True, False])
+def test_a_utf16_file_is_named_at_its_first_line(tmp_path, bpe, monkeypatch, fast_json):
+    """A UTF-16 file (Windows PowerShell's `>`): json decoded its first line from the byte
+    order mark and took it as a document, then failed on line 2 as 'not valid utf-16-be',
+    suggesting a Latin-1 conversion; with --skip-bad-lines one document was written."""
+    from megatron.tokenizer import document_encoder
+
+    if not fast_json:
+        monkeypatch.setattr(document_encoder, "orjson", None)
+    src = tmp_path / "wide.jsonl"
+    src.write_bytes("".join(json.dumps(d) + "\r\n" for d in DOCS[:3]).encode("utf-16"))
+    with pytest.raises(SystemExit, match=r"wide\.jsonl:1: not UTF-8 text: the line holds NUL "
+                                         r"bytes .* iconv -f utf-16 -t utf-8"):
+        run_tool(bpe, src, tmp_path / "out")
+    # 4 byte lines: the last newline's zero byte ends the file after the third
+    with pytest.raises(SystemExit, match=r"no documents written: all 4 lines were bad"):
+        run_tool(bpe, src, tmp_path / "out", "--skip-bad-lines")
+
+
 def test_a_line_that_is_not_utf8_names_the_encoding_not_the_json(tmp_path, bpe):
     src = tmp_path / "latin.jsonl"
     src.write_bytes(json.dumps(DOCS[0]).encode() + b'\n{"text": "caf\xe9", "title": "t"}\n')

@@ -185,6 +185,16 @@ def _not_utf8_message(e: UnicodeDecodeError) -> str:
             "Latin-1 text: iconv -f latin1 -t utf-8 IN.jsonl > OUT.jsonl")
 
 
+def _wide_text_message(line: bytes) -> str:
+    """The error for a line holding NUL bytes: UTF-16 or UTF-32 text (what Windows
+    PowerShell's `>` and Out-File write), which json would decode line by line from a
+    byte order mark or its zeros -- the first line read, the rest misaligned -- and no
+    UTF-8 JSON line holds (JSON text has no raw control characters)."""
+    return ("not UTF-8 text: the line holds NUL bytes (0x00), as UTF-16 text does (what "
+            "Windows PowerShell's > and Out-File write; or UTF-32); JSON lines must be UTF-8 "
+            "encoded: convert the file, e.g. iconv -f utf-16 -t utf-8 IN.jsonl > OUT.jsonl")
+
+
 def _json_type(value) -> str:
     """`value`'s JSON type as a user reads it in the file ('null', 'a number', ...)."""
     if value is None or isinstance(value, bool):
@@ -247,6 +257,8 @@ class ChunkEncoder:
             except orjson.JSONDecodeError:
                 doc = None
         if doc is None:
+            if b"\x00" in line:
+                raise NotUTF8(_wide_text_message(line))
             try:
                 doc = json.loads(line)
             except UnicodeDecodeError as e:
