@@ -67,11 +67,32 @@ def rampup_train_iters(train_samples: int, rampup: Tuple[int, int, int],
     ends inside the ramp-up, Megatron's floor division of the negative remainder takes
     steps back off in final-size batches: 2 1 8 with GBS 4 and 8 train samples ramps
     2 + 2 + 3 + 3 = 10 samples in 4 steps, then (8 - 10) // 4 = -1: 3 iterations."""
+    iterations, consumed = rampup_span(rampup, global_batch_size)
+    return max(iterations + (train_samples - consumed) // global_batch_size, 0)
+
+
+def rampup_span(rampup: Optional[Tuple[int, int, int]],
+                global_batch_size: int) -> Tuple[int, int]:
+    """(steps, samples) of the ramp in Megatron's count of a sample-based run: the steps
+    taken until more than the ramp-up samples are consumed; (0, 0) without ramp-up."""
     consumed = iterations = 0
-    while consumed <= rampup[2]:
+    while rampup is not None and consumed <= rampup[2]:
         consumed += current_global_batch_size(consumed, rampup, global_batch_size)
         iterations += 1
-    return max(iterations + (train_samples - consumed) // global_batch_size, 0)
+    return iterations, consumed
+
+
+def whole_steps_within(consumed_samples: int, budget: int,
+                       rampup: Optional[Tuple[int, int, int]], global_batch_size: int) -> int:
+    """How many steps after `consumed_samples` take at most `budget` samples in all (each
+    step the ramp's size at its own consumed count, `global_batch_size` after the ramp)."""
+    steps = 0
+    while rampup is not None and budget > 0:
+        size = current_global_batch_size(consumed_samples, rampup, global_batch_size)
+        if size == global_batch_size or size > budget:
+            break
+        consumed_samples, budget, steps = consumed_samples + size, budget - size, steps + 1
+    return steps + max(budget, 0) // global_batch_size
 
 
 def rampup_consumed_samples(iterations: int, rampup: Tuple[int, int, int],

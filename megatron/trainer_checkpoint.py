@@ -56,7 +56,12 @@ from megatron.checkpointing import (
 from megatron.core.models.gpt.stages import stage_layout
 from megatron.core.optimizer.lr_scheduler import mismatch_message
 from megatron.logging_utils import print_rank_0
-from megatron.microbatches import update_micro_batches
+from megatron.microbatches import (
+    rampup_span,
+    samples_of_steps,
+    update_micro_batches,
+    whole_steps_within,
+)
 from megatron.oom_report import out_of_memory_kind
 from megatron.step_graph import settle
 from megatron.watchdog import watching
@@ -222,36 +227,50 @@ def sample_budget_warning(tr) -> Optional[str]:
 
 def sample_budget_message(config, iteration: int, consumed: int,
                           goal: Optional[int] = None) -> Optional[str]:
-    """A WARNING when a sample-based run resumed at another global batch size will not end
-    at --train-samples (nor at `goal`, the checkpoint's run length in samples under
-    --use-checkpoint-opt_param-scheduler). Its iterations are Megatron-LM's count,
-    train_samples // global batch, as if every batch had had this size; the checkpoint's
-    `consumed` samples came in `iteration` batches of another size, so the run stops short
-    (or has nothing to train) or goes past it. None for iteration-based runs, a ramp-up, a
-    start from iteration 0, a checkpoint whose batches had this size (consumed = iteration
-    x global batch: the count is exact), or a difference below one batch (the partial last
-    batch Megatron drops)."""
+    """A WARNING when a sample-based run resumed at another global batch size (or with a
+    --rampup-batch-size the checkpoint's batches did not follow) will not end at
+    --train-samples (nor at `goal`, the checkpoint's run length in samples under
+    --use-checkpoint-opt_param-scheduler). Its iterations are Megatron-LM's count:
+    train_samples // global batch, as if every batch had had this size (with ramp-up: the
+    ramp's steps from sample 0, then whole final-size batches); the checkpoint's `consumed`
+    samples came in `iteration` batches of other sizes, so the run stops short (or has
+    nothing to train) or goes past it. None for iteration-based runs, a start from
+    iteration 0, a checkpoint whose batches had these sizes (the count is exact), or a
+    difference below one batch (the partial last batch Megatron drops)."""
     t, d = config.training, config.data
-    if not t.train_samples or d.rampup_batch_size or iteration == 0:
+    if not t.train_samples or iteration == 0:
         return None
-    gbs = d.global_batch_size
-    if consumed == iteration * gbs:
+    rampup = tuple(d.rampup_batch_size) if d.rampup_batch_size else None
+    gbs = (d.target_global_batch_size or d.global_batch_size) if rampup else d.global_batch_size
+    if consumed == samples_of_steps(0, iteration, rampup, gbs):
         return None
     more = max(0, t.train_iters - iteration)
-    ends_at = consumed + more * gbs
+    ends_at = consumed + samples_of_steps(consumed, more, rampup, gbs)
     if any(g and abs(ends_at - g) < gbs for g in (t.train_samples, goal)):
         return None
     goal = t.train_samples
     remaining = max(0, goal - consumed)
-    fix = (iteration + remaining // gbs) * gbs
-    return (f"WARNING: --train-samples {t.train_samples} at global batch size {gbs} makes "
-            f"{t.train_iters} iterations (Megatron-LM's count: as if every batch had {gbs} "
-            f"samples), but the checkpoint consumed {consumed} samples in "
-            f"{iteration} iterations of another batch size: this run trains {more} more "
-            f"and ends at {ends_at} samples, not {goal}. To train the "
-            f"{remaining} left (in whole batches), pass --train-samples {fix} with "
-            "--use-checkpoint-opt_param-scheduler (the learning-rate schedule keeps the "
-            "checkpoint's lengths)")
+    # the --train-samples whose count is this run's iteration plus the whole steps that fit
+    ramp_steps, ramp_samples = rampup_span(rampup, gbs)
+    iters = iteration + whole_steps_within(consumed, remaining, rampup, gbs)
+    fix = ramp_samples + (iters - ramp_steps) * gbs
+    if rampup:
+        count = (f"with --rampup-batch-size {' '.join(str(v) for v in rampup)} makes "
+                 f"{t.train_iters} iterations (Megatron-LM's count: the ramp from sample 0, "
+                 f"then batches of {gbs}), but the checkpoint consumed {consumed} samples in "
+                 f"{iteration} iterations, not the {samples_of_steps(0, iteration, rampup, gbs)}"
+                 " this ramp takes")
+    else:
+        count = (f"at global batch size {gbs} makes {t.train_iters} iterations (Megatron-LM's "
+                 f"count: as if every batch had {gbs} samples), but the checkpoint consumed "
+                 f"{consumed} samples in {iteration} iterations of another batch size")
+    text = (f"WARNING: --train-samples {t.train_samples} {count}: this run trains {more} "
+            f"more and ends at {ends_at} samples, not {goal}.")
+    if fix <= 0:
+        return text
+    return (f"{text} To train the {remaining} left (in whole batches), pass --train-samples "
+            f"{fix} with --use-checkpoint-opt_param-scheduler (the learning-rate schedule "
+            "keeps the checkpoint's lengths)")
 
 
 def nothing_to_train(tr) -> bool:

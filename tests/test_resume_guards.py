@@ -377,6 +377,49 @@ def test_sample_based_resume_at_another_global_batch_warns_and_names_the_fix(tmp
     assert "WARNING: --train-samples" not in capsys.readouterr().out
 
 
+def test_sample_based_resume_under_another_rampup_warns_and_names_the_fix(tmp_path, capsys):
+    """--train-samples 28 at global batch 4 without ramp-up, stopped at iteration 3 (12
+    samples), resumed with --rampup-batch-size 2 2 8: Megatron-LM's count is the ramp from
+    sample 0 (5 steps, 12 samples) then 16 // 4 = 4 batches, 9 iterations; from iteration 3
+    the run takes 6 more batches of 4 and ends at 36 samples, 8 past --train-samples,
+    silently (the warning left every ramped run out). The --train-samples it names (20)
+    makes 7 iterations and ends at 28."""
+    root = str(tmp_path / "ck")
+    samples = ["--seq-length", "16", "--train-samples", "28"]
+    ramp = ["--rampup-batch-size", "2", "2", "8"]
+    run_pretrain(samples + ["--save", root, "--save-interval", "3", "--exit-interval", "3"])
+    capsys.readouterr()
+    tr = run_pretrain(samples + ramp + ["--load", root])
+    out = capsys.readouterr().out
+    assert (tr.state.iteration, tr.state.consumed_train_samples) == (9, 36)
+    expected = ("WARNING: --train-samples 28 with --rampup-batch-size 2 2 8 makes 9 iterations "
+                "(Megatron-LM's count: the ramp from sample 0, then batches of 4), but the "
+                "checkpoint consumed 12 samples in 3 iterations, not the 6 this ramp takes: "
+                "this run trains 6 more and ends at 36 samples, not 28. To train the 16 left "
+                "(in whole batches), pass --train-samples 20 with "
+                "--use-checkpoint-opt_param-scheduler")
+    assert expected in out, out
+    assert run_dry_run(config(samples + ramp + ["--load", root]), 1) == 0
+    assert expected in capsys.readouterr().out
+    tr = run_pretrain(["--seq-length", "16", "--train-samples", "20", "--load", root,
+                       "--use-checkpoint-opt_param-scheduler"] + ramp)
+    assert (tr.state.iteration, tr.state.consumed_train_samples) == (7, 28)
+    assert "WARNING: --train-samples" not in capsys.readouterr().out
+
+
+def test_rampup_resume_on_the_same_ramp_is_not_warned(tmp_path, capsys):
+    """A ramped run stopped inside its ramp (iteration 3, 6 samples) and resumed with the
+    same flags: the count is exact (5 ramp steps to 12 samples, then 4 batches of 4), it
+    ends at --train-samples 28 with nothing to warn about."""
+    root = str(tmp_path / "ck")
+    flags = ["--seq-length", "16", "--train-samples", "28", "--rampup-batch-size", "2", "2", "8"]
+    run_pretrain(flags + ["--save", root, "--save-interval", "3", "--exit-interval", "3"])
+    capsys.readouterr()
+    tr = run_pretrain(flags + ["--load", root])
+    assert "WARNING: --train-samples" not in capsys.readouterr().out
+    assert (tr.state.iteration, tr.state.consumed_train_samples) == (9, 28)
+
+
 def test_longer_train_samples_at_the_same_batch_keeping_the_schedule_is_not_warned(
         tmp_path, capsys):
     """--train-samples 28 -> 40 at the same global batch with
