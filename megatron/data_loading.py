@@ -127,13 +127,33 @@ def train_shortfall(config: Config, iteration: int, consumed: int,
         end, it = end + step, it + 1
     else:
         return None
-    return (f"the train set has {num_samples} samples and {consumed} are already "
-            f"consumed (consumed_train_samples at iteration {iteration}, "
-            f"{consumed / max(iteration, 1):g} a step); the {t.train_iters - iteration} "
-            f"iteration(s) left to --train-iters {t.train_iters} at global batch size "
-            f"{gbs} would run out of data at iteration {it + 1}. The set is sized "
-            "from --train-iters x --global-batch-size (or --train-samples) as given "
-            "now, and the checkpoint read more a step: resume with the "
+    return _shortfall_message(config, iteration, consumed, num_samples, it + 1, gbs)
+
+
+def _shortfall_message(config: Config, iteration: int, consumed: int, num_samples: int,
+                       runs_out_at: int, gbs: int) -> str:
+    """`train_shortfall`'s text. Consumed samples at iteration 0 come from a release
+    checkpoint (Megatron-LM keeps its count, unless --finetune): the set is sized for the
+    steps alone, so the fix is --finetune (read from sample 0) or the cyclic loader, not
+    another batch size."""
+    t = config.training
+    release = iteration == 0 and consumed > 0
+    if release:
+        why = ("the consumed_train_samples of a checkpoint loaded at iteration 0, a release "
+               "checkpoint: Megatron-LM keeps them")
+    else:
+        why = (f"consumed_train_samples at iteration {iteration}, "
+               f"{consumed / max(iteration, 1):g} a step")
+    text = (f"the train set has {num_samples} samples and {consumed} are already consumed "
+            f"({why}); the {t.train_iters - iteration} iteration(s) left to --train-iters "
+            f"{t.train_iters} at global batch size {gbs} would run out of data at iteration "
+            f"{runs_out_at}. The set is sized from --train-iters x --global-batch-size (or "
+            "--train-samples) as given now")
+    if release:
+        return (f"{text}, without the samples consumed before: pass --finetune to read the "
+                "train data from sample 0, or --dataloader-type cyclic to start another "
+                "epoch where it runs out")
+    return (f"{text}, and the checkpoint read more a step: resume with the "
             "--global-batch-size the checkpoint was trained with, or, where a "
             "--nan-loss-policy rollback skipped batches (counted as read), with a larger "
             "--train-iters (or --train-samples)")

@@ -309,6 +309,22 @@ def test_train_shortfall_counts_the_steps_left():
     assert train_shortfall(skip, 60, 960, 805) is None
 
 
+def test_train_shortfall_of_a_release_checkpoint_names_finetune():
+    """A release checkpoint loads at iteration 0 but keeps the consumed samples of the run
+    it was saved from (Megatron-LM's rule): a blend sized for 100 x 8 samples then runs out
+    at the same batch size. The message said '80 a step' and told to resume at the
+    checkpoint's --global-batch-size (this one) or to lengthen the run (no length fits: the
+    set grows with it); --finetune reads the data from sample 0."""
+    out = train_shortfall(_eval_config(100, 10, 2), 0, 80, 804)
+    assert out.startswith("the train set has 804 samples and 80 are already consumed "
+                          "(the consumed_train_samples of a checkpoint loaded at iteration 0, "
+                          "a release checkpoint: Megatron-LM keeps them)"), out
+    assert "would run out of data at iteration 91" in out
+    assert "a step" not in out and "--global-batch-size the checkpoint" not in out
+    assert out.endswith("pass --finetune to read the train data from sample 0, or "
+                        "--dataloader-type cyclic to start another epoch where it runs out")
+
+
 def test_train_shortfall_follows_the_rampup():
     """Under --rampup-batch-size 2 2 20 (final 8) the steps take 2, 2, ..., 8 samples:
     the count a fresh run reads is exactly what it needs."""
