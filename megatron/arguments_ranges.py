@@ -212,7 +212,16 @@ def _given(ns, explicit: Set[str], dests) -> list:
 def warn_unread_tensorboard_flags(ns, explicit: Set[str]) -> None:
     """The TensorBoard flags of a run without --tensorboard-dir (Megatron-LM ignores them
     silently): a script that lost its --tensorboard-dir would train without the scalars it
-    asks for, and say nothing."""
+    asks for, and say nothing. With --skip-train the writer gets the arguments only (Megatron
+    writes no scalar then, not even the validation loss): that is said too."""
+    if ns.tensorboard_dir is not None and ns.skip_train:
+        given = _given(ns, explicit, _TENSORBOARD_DESTS)
+        unread = (f"; {', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect"
+                  if given else "")
+        warn(f"--skip-train writes no scalars to --tensorboard-dir {ns.tensorboard_dir}, not "
+             "even the validation and test losses (as in Megatron-LM): only the arguments go "
+             f"there, the losses are printed{unread}")
+        return
     if ns.tensorboard_dir is not None:
         return
     given = _given(ns, explicit, _TENSORBOARD_DESTS)

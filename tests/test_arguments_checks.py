@@ -229,6 +229,13 @@ def test_a_loss_scale_without_fp16_or_bf16_is_warned(caplog):
      "--log-timers-to-tensorboard, --no-log-learnig-rate-to-tensorboard have no effect "
      "without --tensorboard-dir (nothing is written to TensorBoard; Megatron-LM ignores them "
      "too); add --tensorboard-dir DIR"),
+    # an evaluation-only run writes no TensorBoard scalar (Megatron-LM: not even the
+    # validation loss), whatever the --log-*-to-tensorboard flags ask for
+    ("--skip-train --tensorboard-dir tb", "--skip-train writes no scalars to "
+     "--tensorboard-dir tb, not even the validation and test losses (as in Megatron-LM): "
+     "only the arguments go there, the losses are printed"),
+    ("--skip-train --tensorboard-dir tb --log-validation-ppl-to-tensorboard",
+     "the losses are printed; --log-validation-ppl-to-tensorboard has no effect"),
     # a script that lost its --save writes no checkpoint; one that lost its --load starts
     # from scratch, --exit-on-missing-checkpoint or not
     ("--save-interval 5 --no-save-optim --async-save", "--save-interval 5, --no-save-optim, "
