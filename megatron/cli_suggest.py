@@ -25,6 +25,10 @@ def option_strings(parser: argparse.ArgumentParser) -> List[str]:
     return list(dict.fromkeys(options))
 
 
+def _folded(flag: str) -> str:
+    return flag.lower().replace("_", "-")
+
+
 def close_flag(token: str, options: Iterable[str]) -> Optional[str]:
     """The known flag closest to `token` (`--flag` or `--flag=value`), or None."""
     name = token.split("=", 1)[0]
@@ -34,6 +38,12 @@ def close_flag(token: str, options: Iterable[str]) -> Optional[str]:
     # (`--hf` is nearer to `-h` than to `--input` by letters alone).
     options = [o for o in options if o not in ("-h", "--help")
                and (o.startswith("--") or not name.startswith("--"))]
+    # Megatron's odd spellings (`--DDP-impl`, `--local_rank`, `--override-opt_param-scheduler`)
+    # typed in another case or with `-` for `_`: `--ddp-impl` is `--DDP-impl`, though
+    # `--data-impl` is nearer by letters.
+    same = [o for o in options if _folded(o) == _folded(name)]
+    if same:
+        return same[0]
     close = difflib.get_close_matches(name, options, n=1)
     if close and difflib.SequenceMatcher(None, name, close[0]).ratio() >= 0.9:
         return close[0]  # a letter off: `--num-layer`, `--gpu` (not `--gpu-memory-gb`)

@@ -24,6 +24,24 @@ def test_unknown_flag_names_the_close_one(capsys):
                    "--append-eod?) --zzz")
 
 
+def test_a_flag_typed_in_another_case_or_with_hyphens_names_megatrons_spelling():
+    """`--ddp-impl local` was answered with 'did you mean --data-impl?' (nearer by letters
+    than Megatron's `--DDP-impl`), a flag that then refuses the value `local`."""
+    from megatron.arguments import parse_args
+    from megatron.arguments_common import ArgumentsError
+
+    with pytest.raises(ArgumentsError) as exc:
+        parse_args(["--ddp-impl", "local"])
+    assert str(exc.value).endswith(
+        "unrecognized arguments: --ddp-impl (did you mean --DDP-impl?) local")
+    with pytest.raises(ArgumentsError) as exc:
+        parse_args(["--use-checkpoint-opt-param-scheduler", "--No-Barrier-With-Level-1-Timing"])
+    assert str(exc.value).endswith(
+        "unrecognized arguments: --use-checkpoint-opt-param-scheduler (did you mean "
+        "--use-checkpoint-opt_param-scheduler?) --No-Barrier-With-Level-1-Timing (did you "
+        "mean --no-barrier-with-level-1-timing?)")
+
+
 def test_missing_required_flag_names_its_misspelling(capsys):
     p = SuggestingParser(prog="tool.py")
     p.add_argument("--load", required=True)
