@@ -214,7 +214,8 @@ def warn_unread_tensorboard_flags(ns, explicit: Set[str]) -> None:
     silently): a script that lost its --tensorboard-dir would train without the scalars it
     asks for, and say nothing. With --skip-train the writer gets the arguments only (Megatron
     writes no scalar then, not even the validation loss): that is said too."""
-    if ns.tensorboard_dir is not None and ns.skip_train:
+    # (only a --skip-train the user gave: tools/plan_layout.py sets one as a placeholder)
+    if ns.tensorboard_dir is not None and ns.skip_train and "skip_train" in explicit:
         given = _given(ns, explicit, _TENSORBOARD_DESTS)
         unread = (f"; {', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect"
                   if given else "")
