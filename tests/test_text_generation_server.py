@@ -649,6 +649,32 @@ def test_cli_takes_the_servers_url(served, monkeypatch, capsys):
         assert "server error" not in out and re.search(r"5 6 7( \d+){1,2}$", out, re.M), out
 
 
+def test_cli_prints_a_plain_text_200_as_an_error(monkeypatch, capsys):
+    """Megatron-LM's server refuses most requests with HTTP 200 and a plain-text body (here
+    its answer to tokens_to_generate 0): the client prints it (it raised JSONDecodeError)."""
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Megatron(BaseHTTPRequestHandler):
+        def do_PUT(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = b"tokens_to_generate=0 implies logprobs should be True"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    with HTTPServer(("127.0.0.1", 0), Megatron) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        monkeypatch.setattr("sys.stdin", io.StringIO("hi\n0\nhi\n0\n"))
+        assert text_generation_cli.main([f"127.0.0.1:{server.server_address[1]}"]) == 0
+        server.shutdown()
+    out = capsys.readouterr().out
+    assert out.count("server error 200: tokens_to_generate=0 implies logprobs") == 2, out
+
+
 def test_cli_unreachable_server(monkeypatch, capsys):
     import socket
 

@@ -6,7 +6,8 @@
 Asks for a prompt and a number of tokens (empty: 64), PUTs them to http://HOST:PORT/api
 and prints the text the server returns (the prompt and its continuation), in a loop. End
 of input (Ctrl-D) or Ctrl-C ends it. An unreachable server is an error (exit 1); a request
-the server refuses prints its message and the loop goes on.
+the server refuses prints its message and the loop goes on (also the HTTP 200 plain-text
+refusals of Megatron-LM's own server).
 """
 from __future__ import annotations
 
@@ -53,6 +54,18 @@ def _ask_tokens() -> int:
         print(f"  {text!r} is not a whole number >= 0")
 
 
+def _answer(status: int, text: str) -> str:
+    """What to print for a response: the first text of a JSON answer, else the server's
+    message. Megatron-LM's own server answers most bad requests with HTTP 200 and the
+    message as a plain-text body, which is printed as an error too (not a traceback)."""
+    if status == 200:
+        try:
+            return json.loads(text)["text"][0]
+        except (ValueError, TypeError, KeyError, IndexError):
+            pass
+    return f"server error {status}: {text}"
+
+
 def _unreachable(url: str, exc: Exception) -> int:
     reason = getattr(exc, "reason", exc)
     print(f"error: cannot reach the text generation server at {url} ({reason}); is "
@@ -76,10 +89,7 @@ def main(argv=None) -> int:
                 status, text = put(url, body)
             except (urllib.error.URLError, OSError) as exc:
                 return _unreachable(url, exc)
-            if status == 200:
-                print(json.loads(text)["text"][0])
-            else:
-                print(f"server error {status}: {text}")
+            print(_answer(status, text))
     except (EOFError, KeyboardInterrupt):
         print()
         return 0
