@@ -5,7 +5,13 @@ into the image."""
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,3 +60,31 @@ def test_dockerignore_keeps_run_outputs_and_git_out_of_the_image():
     .git into the image."""
     ignored = set(_requirement_lines(".dockerignore"))
     assert {".git", "runs/", "checkpoints/"} <= ignored
+
+
+def test_pip_install_builds_a_wheel_of_megatron_with_its_data_and_requirements(tmp_path):
+    """`pip install .` (as in a Megatron-LM checkout) failed in setuptools' discovery:
+    'Multiple top-level packages discovered in a flat-layout: ['configs', 'megatron']'.
+    The wheel holds megatron (its namespace sub-packages and GEMM tables included) and
+    pretrain_gpt (`pretrain_gpt.main(argv)`), not the repository's other folders, and
+    requires what requirements.txt lists."""
+    pytest.importorskip("setuptools", reason="building the wheel needs setuptools")
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", "runs", "checkpoints", "build", "*.egg-info", "__pycache__", ".*_cache"))
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "--no-index", "-q", "-w", str(tmp_path / "dist"), str(src)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        requires = {ln.split(":", 1)[1].strip() for ln in zf.read(metadata).decode().splitlines()
+                    if ln.startswith("Requires-Dist:")}
+    assert {"pretrain_gpt.py", "megatron/__init__.py", "megatron/core/models/gpt/gpt_model.py",
+            "megatron/gemm_tables/h200-gpt2-124m.json"} <= names
+    assert {n.split("/")[0] for n in names if not n.endswith(".py") or "/" in n} == {
+        "megatron", metadata.split("/")[0]}, sorted(names)[:20]
+    assert requires == set(_requirement_lines("requirements.txt"))
