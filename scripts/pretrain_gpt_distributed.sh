@@ -52,8 +52,15 @@ TRAINING_ARGS=(
     --bf16
 )
 read -ra DATA_PATH_WORDS <<<"$DATA_PATH"   # a blend: its words, as Megatron's $DATA_PATH
-DATA_ARGS=(
-    --data-path "${DATA_PATH_WORDS[@]}"
+DATA_ARGS=(--data-path "${DATA_PATH_WORDS[@]}")
+# data named after the script name replaces DATA_PATH (--mock-data and --data-path are
+# exclusive; --data-path would win over --train-data-path)
+for arg in "$@"; do
+    case "$arg" in --mock-data|--data-path|--data-path=*|--train-data-path|--train-data-path=*)
+        DATA_ARGS=() ;;
+    esac
+done
+DATA_ARGS+=(
     --vocab-file "$VOCAB_FILE"
     --merge-file "$MERGE_FILE"
     --split 949,50,1

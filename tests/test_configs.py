@@ -134,9 +134,9 @@ def test_script_is_valid_bash(script):
     assert proc.returncode == 0, proc.stderr
 
 
-def _launch_argv(script: str, tmp_path: Path, env_extra: dict):
-    """Run the script with `python` and `torchrun` replaced by a recorder; return
-    (launcher, CUDA_DEVICE_MAX_CONNECTIONS, argv)."""
+def _launch_argv(script: str, tmp_path: Path, env_extra: dict, flags=()):
+    """Run the script (with `flags` after its name) with `python` and `torchrun` replaced
+    by a recorder; return (launcher, CUDA_DEVICE_MAX_CONNECTIONS, argv)."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
     for name in ("python", "torchrun"):
@@ -144,7 +144,7 @@ def _launch_argv(script: str, tmp_path: Path, env_extra: dict):
         (bindir / name).chmod(0o755)
     out = tmp_path / "argv.txt"
     env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", SHIM_OUT=str(out), **env_extra)
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / script), "--dry-run"], env=env,
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / script), "--dry-run", *flags], env=env,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     lines = out.read_text().splitlines()
@@ -189,6 +189,21 @@ def test_script_takes_a_blend_in_data_path(script, tmp_path):
     _, _, argv = _launch_argv(script, tmp_path, {"DATA_PATH": blend})
     start = argv.index("--data-path") + 1
     assert argv[start:start + 5] == blend.split() + ["--vocab-file"]
+
+
+@pytest.mark.parametrize("flags", [CLI_DATA, ["--train-data-path", "t_text_document"]],
+                         ids=["mock-data", "train-data-path"])
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_data_flags_after_the_script_replace_its_data_path(script, flags, tmp_path):
+    """`bash scripts/pretrain_gpt.sh --mock-data ...` (to try a script without data) was
+    refused: '--mock-data and --data-path/--train-data-path are exclusive', the
+    --data-path being the script's own. Data flags after the script name replace it."""
+    launcher, _, argv = _launch_argv(script, tmp_path, {}, flags)
+    entry = argv.index("pretrain_gpt.py")
+    assert "--data-path" not in argv
+    cfg = parse_and_validate(argv[entry + 1:], world_size=_world_size(launcher, argv[:entry]),
+                             env={}, cuda_available=False)
+    assert cfg.args["mock_data"] == ("--mock-data" in flags)
 
 
 @pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
