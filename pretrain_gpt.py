@@ -19,12 +19,11 @@ import time
 
 
 def _launcher_env() -> tuple:
-    """(rank, world_size, local_rank) as torchrun sets them."""
-    env = os.environ
-    world = int(env.get("WORLD_SIZE", "1"))
-    rank = int(env.get("RANK", "0"))
-    local_rank = int(env.get("LOCAL_RANK", "0"))
-    return rank, world, local_rank
+    """(rank, world_size, local_rank) as torchrun sets them; a value that is no whole
+    number stops the process naming it (megatron.srun_tasks.launcher_ranks)."""
+    from megatron.srun_tasks import launcher_ranks
+
+    return launcher_ranks(os.environ)
 
 
 def _check_srun_tasks(env) -> None:

@@ -63,6 +63,31 @@ def test_pretrain_gpt_under_srun_without_torchrun_stops_with_the_fix():
     assert (proc.returncode, proc.stderr) == (1, "")
 
 
+@pytest.mark.parametrize("script", ["pretrain_gpt.py", "tasks/main.py"])
+def test_a_launcher_variable_that_is_no_number_stops_with_its_value(script):
+    """A wrapper's `WORLD_SIZE=two` (or `RANK=-1`) was a ValueError traceback from int()
+    on every process; now one line names the variable, its value and the fix, as
+    tools/doctor.py does. An empty one counts as unset there too (and here)."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env.update(WORLD_SIZE="two", RANK="-1")
+    proc = subprocess.run([sys.executable, script, "--help"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "RANK='-1' is not a whole number >= 0" in proc.stderr
+    assert "WORLD_SIZE='two' is not a whole number >= 1" in proc.stderr
+    env.update(WORLD_SIZE="", RANK="")
+    proc = subprocess.run([sys.executable, script, "--help"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, "Traceback" in proc.stderr) == (0, False), proc.stderr
+
+
 def test_gpu_without_local_rank_is_rank_modulo_the_gpus_as_in_megatron(monkeypatch):
     """A launch that exports RANK / WORLD_SIZE itself (an srun wrapper: RANK=$SLURM_PROCID,
     no LOCAL_RANK) gets Megatron-LM 23.05's GPU, rank % the visible GPUs; every rank of a

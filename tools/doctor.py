@@ -125,20 +125,6 @@ def env_warnings(env: Dict[str, str], num_gpus: int) -> List[str]:
     return out
 
 
-def launcher_variable_problems(env: Dict[str, str]) -> List[str]:
-    """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE that are set but not whole numbers
-    (sizes: at least 1), each named with its value."""
-    out = []
-    for var, least in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1),
-                       ("LOCAL_WORLD_SIZE", 1)):
-        value = env.get(var, "").strip()
-        if value and not (value.isascii() and value.isdigit() and int(value) >= least):
-            out.append(f"{var}={env[var]!r} is not a whole number >= {least}: the launcher "
-                       f"(torchrun, srun, a script) sets it; unset it or fix the script "
-                       "that sets it")
-    return out
-
-
 def check_port(addr: str, port: int, timeout: float = 1.0) -> Tuple[str, str]:
     """(state, explanation) for addr:port: 'listening', 'free', 'closed', 'no answer' or
     'unresolvable'. 'free' is only tested for this machine's addresses."""
@@ -439,6 +425,8 @@ def main(argv=None) -> int:
     env = dict(os.environ)
     if args.size_mb is None:
         args.size_mb = 256.0 if torch.cuda.is_available() else 16.0
+    from megatron.srun_tasks import launcher_variable_problems
+
     bad = launcher_variable_problems(env)
     if bad:  # every check below reads them
         print("\n".join(f"FAIL: {p}" for p in bad) + "\nresult: some checks FAILED",
