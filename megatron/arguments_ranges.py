@@ -24,6 +24,7 @@ from megatron.arguments_common import (
 
 _Rule = Tuple[str, float, str, Optional[Callable]]
 FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 2.0 ** -126  # the smallest normal float32; its reciprocal is finite
 
 
 def _uses_dynamic_loss_scale(ns) -> bool:
@@ -87,6 +88,18 @@ _POSITIVE = (
      "the check", None),
 )
 
+# Loss scales (float32 tensors) that are > 0 must not be below FLOAT32_TINY: a smaller one
+# rounds to 0 or has an infinite reciprocal, so the gradients unscale to NaN after the
+# overflow check has passed them and the step writes NaN weights. (dest, meaning, when)
+_FLOAT32_NORMAL = (
+    ("initial_loss_scale", "the first dynamic loss scale, a float32 whose reciprocal "
+     "unscales the gradients", _uses_dynamic_loss_scale),
+    ("min_loss_scale", "the smallest dynamic loss scale, a float32 whose reciprocal "
+     "unscales the gradients", _uses_dynamic_loss_scale),
+    ("loss_scale", "a fixed loss scale, a float32 whose reciprocal unscales the gradients",
+     lambda ns: ns.loss_scale > 0),
+)
+
 # (dest, value it must stay below or at, inclusive?, meaning, applies when)
 _AT_MOST = (
     ("hidden_dropout", 1, True, "a probability", None),
@@ -141,6 +154,10 @@ def check_value_ranges(ns) -> None:
         if _applies(ns, dest, when) and getattr(ns, dest) <= 0:
             raise ArgumentsError(f"{flag_for_dest(dest)} {getattr(ns, dest)} must be > 0 "
                                  f"({meaning})")
+    for dest, meaning, when in _FLOAT32_NORMAL:
+        if _applies(ns, dest, when) and getattr(ns, dest) < FLOAT32_TINY:
+            raise ArgumentsError(f"{flag_for_dest(dest)} {getattr(ns, dest):g} must be >= "
+                                 f"{FLOAT32_TINY:g} ({meaning})")
     for dest, high, inclusive, meaning, when in _AT_MOST:
         value = getattr(ns, dest, None)
         if _applies(ns, dest, when) and (value > high if inclusive else value >= high):

@@ -126,6 +126,13 @@ def test_rampup_longer_than_the_run_is_allowed_with_a_warning(caplog):
     # a float32 loss scale above its largest value is inf, which never backs off
     ("--fp16 --initial-loss-scale 1e40", "--initial-loss-scale 1e+40 must be <= 3.40282e+38"),
     ("--fp16 --loss-scale 1e39", "--loss-scale 1e+39 must be <= 3.40282e+38"),
+    # below the smallest normal float32 the scale rounds to 0 (or 1/scale to inf): the
+    # grads unscale to NaN after the overflow check and the step wrote NaN weights
+    ("--fp16 --initial-loss-scale 1e-50 --min-loss-scale 1e-60",
+     "--initial-loss-scale 1e-50 must be >= 1.17549e-38"),
+    ("--fp16 --min-loss-scale 1e-50", "--min-loss-scale 1e-50 must be >= 1.17549e-38"),
+    ("--fp16 --loss-scale 1e-40", "--loss-scale 1e-40 must be >= 1.17549e-38"),
+    ("--bf16 --loss-scale 1e-50", "--loss-scale 1e-50 must be >= 1.17549e-38"),
     ("--fp16 --loss-scale-window 2.5", "--loss-scale-window 2.5 must be a whole number of "
                                        "iterations"),
     ("--override-opt_param-scheduler --use-checkpoint-opt_param-scheduler",

@@ -99,6 +99,19 @@ def test_scaler_validation(kw):
         DynamicGradScaler(**kw)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: ConstantGradScaler(1e-50),  # float32: 0
+    lambda: ConstantGradScaler(1e-39),  # a subnormal float32: 1 / scale is inf
+    lambda: DynamicGradScaler(1e-50, min_scale=1e-60),
+    lambda: DynamicGradScaler(1.0, min_scale=1e-50),  # backing off would reach 0
+])
+def test_scaler_refuses_a_scale_without_a_finite_float32_reciprocal(make):
+    """Gradients of a loss scaled by such a scale unscale (times 1/scale) to NaN after the
+    overflow check has found them finite: the step wrote NaN weights."""
+    with pytest.raises(ValueError, match="smallest normal float32"):
+        make()
+
+
 # --- clip_grads on gloo groups -----------------------------------------------------------
 def _full_grads():
     g = torch.Generator().manual_seed(7)

@@ -14,6 +14,17 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
+# The smallest normal float32. A smaller scale rounds to 0 or has an infinite reciprocal:
+# gradients then unscale to NaN after the overflow check has found them finite.
+FLOAT32_TINY = 2.0 ** -126
+
+
+def _check_float32_scale(what: str, value: float) -> None:
+    if value < FLOAT32_TINY:
+        raise ValueError(f"{what} {value:g} is below the smallest normal float32 "
+                         f"({FLOAT32_TINY:g}): its float32 reciprocal, which unscales the "
+                         "gradients, is not finite")
+
 
 class MegatronGradScaler:
     """Base: holds the current scale; `update(found_inf)` is called once per step."""
@@ -21,6 +32,7 @@ class MegatronGradScaler:
     def __init__(self, initial_scale: float, device: Optional[torch.device] = None) -> None:
         if not initial_scale > 0.0:
             raise ValueError(f"initial loss scale must be > 0, got {initial_scale}")
+        _check_float32_scale("loss scale", float(initial_scale))
         self._scale = torch.tensor(float(initial_scale), dtype=torch.float32, device=device)
 
     @property
@@ -90,6 +102,7 @@ class DynamicGradScaler(MegatronGradScaler):
                 f"min loss scale must satisfy 0 < min ({min_scale}) <= initial "
                 f"({initial_scale}); fix --min-loss-scale / --initial-loss-scale"
             )
+        _check_float32_scale("min loss scale", float(min_scale))
         if not growth_factor > 1.0:
             raise ValueError(f"growth factor must be > 1, got {growth_factor}")
         if not 0.0 < backoff_factor < 1.0:
