@@ -5,6 +5,7 @@ logit comparison `to-hf --verify` runs."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shlex
@@ -187,12 +188,56 @@ def tokenizer_files(args: dict) -> Dict[str, str]:
     return readable if needed <= set(readable) else {}  # never half a tokenizer
 
 
-def _copy_tokenizer(args: dict, output: str) -> List[str]:
-    """Copy `tokenizer_files(args)` into `output`; the names written."""
+def _sentencepiece_specials(path: str) -> dict:
+    """tokenizer_config.json's bos/eos/unk pieces of the sentencepiece model at `path` ({}
+    without sentencepiece, or for ids the model lacks)."""
+    try:
+        import sentencepiece
+
+        sp = sentencepiece.SentencePieceProcessor(model_file=path)
+    except (ImportError, OSError, RuntimeError):
+        return {}
+    ids = {"bos_token": sp.bos_id(), "eos_token": sp.eos_id(), "unk_token": sp.unk_id()}
+    return {k: sp.id_to_piece(i) for k, i in ids.items() if 0 <= i < sp.get_piece_size()}
+
+
+def _tokenizer_config(files: Dict[str, str], family: str) -> Optional[dict]:
+    """A tokenizer_config.json naming the class that reads `files` where the one
+    AutoTokenizer picks for `family`'s model_type does not (GPT-2's reads vocab.json +
+    merges.txt, Llama's tokenizer.model): else a gpt2 export's tokenizer.model loads as a
+    GPT2Tokenizer of other ids, a llama export's vocab.json not at all. None when not needed
+    (or when the copied files hold one). For tokenizer.model that is transformers 5's
+    generic class (PreTrainedTokenizerFast): its ids are sentencepiece's own, with no bos/eos
+    added, as GPTSentencePieceTokenizer's; LlamaTokenizer's differ (unknown characters,
+    whitespace)."""
+    if "tokenizer_config.json" in files:
+        return None
+    if family == "llama" and "vocab.json" in files:
+        return {"tokenizer_class": "GPT2Tokenizer"}
+    if family == "gpt2" and "tokenizer.model" in files:
+        return {"tokenizer_class": "PreTrainedTokenizerFast",
+                **_sentencepiece_specials(files["tokenizer.model"])}
+    return None
+
+
+def _copy_tokenizer(args: dict, output: str, family: str) -> List[str]:
+    """Copy `tokenizer_files(args)` into `output` (with the `_tokenizer_config` that a
+    `family` export needs to load them); the names written."""
     files = tokenizer_files(args)
     for name, path in files.items():
         write_in_place(os.path.join(output, name), lambda tmp, src=path: shutil.copyfile(src, tmp))
-    return sorted(files)
+    config = _tokenizer_config(files, family)
+    if config is None:
+        return sorted(files)
+    write_in_place(os.path.join(output, "tokenizer_config.json"),
+                   lambda tmp: _dump_json(tmp, config))
+    return sorted(files) + ["tokenizer_config.json"]
+
+
+def _dump_json(path: str, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
 
 
 def _write_export(a, args: dict, hf_state: dict, config: dict,
@@ -208,7 +253,7 @@ def _write_export(a, args: dict, hf_state: dict, config: dict,
         held = hold_directory(staging)  # until moved in: `leftover_exports` sees it in use
         names = save_hf_checkpoint(staging, hf_state, config, gen,
                                    int(a.max_shard_size_gb * 2**30))
-        copied = _copy_tokenizer(args, staging)
+        copied = _copy_tokenizer(args, staging, config.get("model_type", "gpt2"))
         kept = install_export(staging, a.output)
     except BaseException as exc:
         if staging is not None:

@@ -750,3 +750,39 @@ def test_from_pretrained_dtype_keyword_follows_the_installed_transformers(monkey
     transformers = pytest.importorskip("transformers")
     monkeypatch.setattr(transformers, "__version__", version)
     assert hf_convert.dtype_kwarg(torch.float32) == {keyword: torch.float32}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_exported_tokenizer_loads_whatever_the_family(tmp_path, family):
+    """AutoTokenizer picks the tokenizer class by config.json's model_type: a GPT-2-family
+    export of a GPTSentencePieceTokenizer checkpoint loaded its tokenizer.model as a
+    GPT2Tokenizer of other ids (silently), and a Llama export of a GPT2BPETokenizer one
+    failed to load. The export now names the class that reads its files."""
+    tf = _transformers()
+    from megatron.tokenizer import build_tokenizer
+    from pretrain_gpt import tokenizer_vocab_size
+
+    if family == "gpt2":
+        from tests.test_tokenizer import _train_sentencepiece
+
+        tok_args = {"tokenizer_type": "GPTSentencePieceTokenizer",
+                    "tokenizer_model": _train_sentencepiece(tmp_path)}
+        flags = f"--tokenizer-type GPTSentencePieceTokenizer --tokenizer-model " \
+                f"{tok_args['tokenizer_model']}"
+    else:
+        gpt2 = "/work/shared/data/gpt2"
+        if not os.path.isfile(f"{gpt2}/gpt2-vocab.json"):
+            pytest.skip("the GPT-2 vocabulary files are not here")
+        tok_args = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": f"{gpt2}/gpt2-vocab.json",
+                    "merge_file": f"{gpt2}/gpt2-merges.txt"}
+        flags = (f"--tokenizer-type GPT2BPETokenizer --vocab-file {tok_args['vocab_file']} "
+                 f"--merge-file {tok_args['merge_file']} {LLAMA}")
+    _train(tmp_path / "ck", flags, steps=1, vocab_size_fn=tokenizer_vocab_size)
+    out = tmp_path / "hf"
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", out) == 0
+    assert json.loads((out / "config.json").read_text())["model_type"] == family
+    ours = build_tokenizer(tok_args.pop("tokenizer_type"), **tok_args)
+    theirs = tf.AutoTokenizer.from_pretrained(str(out))
+    text = "First Citizen: we know it,\n  before we proceed any further. Zq@\u00fc"
+    assert theirs(text)["input_ids"] == ours.tokenize(text)
+    assert theirs.eos_token_id == ours.eod
