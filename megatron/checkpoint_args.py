@@ -172,6 +172,21 @@ def _uses_rotary(args: dict) -> bool:
     return kind is _ABSENT or "rope" in kind
 
 
+def _tokenizer_item(item: Optional[Mismatch], saved: dict, run: dict) -> Optional[Mismatch]:
+    """A --vocab-size mismatch (`item`) between two tokenizer types is the type's: one that
+    reads no --vocab-size (None) against NullTokenizer's. Named as --tokenizer-type, with
+    the checkpoint's tokenizer flags as the fix ('no --vocab-size' would not build
+    NullTokenizer)."""
+    a, b = _plain(saved, "tokenizer_type"), _plain(run, "tokenizer_type")
+    if item is None or _ABSENT in (a, b) or a == b:
+        return item
+    words = [f"--tokenizer-type {a}"]
+    for dest in ("vocab_file", "merge_file", "tokenizer_model", "vocab_size"):
+        if saved.get(dest) is not None:
+            words.append(f"{flag_for_dest(dest)} {saved[dest]}")
+    return Mismatch(flag_for_dest("tokenizer_type"), a, b, " ".join(words))
+
+
 _SHAPE_ITEMS: List[Callable[[dict, dict], Optional[Mismatch]]] = [
     _groups_item, _position_item, _max_positions_item, _vocab_rows_item]
 
@@ -184,6 +199,8 @@ def checkpoint_arg_mismatches(saved: Dict, run: Dict, finetune: bool = False) ->
     if not finetune:
         found += [_compare(saved, run, dest) for dest in OTHER_ARGS
                   if dest not in _ROTARY_ARGS or (_uses_rotary(saved) and _uses_rotary(run))]
+        found = [_tokenizer_item(m, saved, run) if m is not None and m.name == "--vocab-size"
+                 else m for m in found]
         found.append(_activation_item(saved, run))
         if run.get("vocab_file"):
             found += [_compare(saved, run, dest) for dest in VOCAB_FILE_ARGS

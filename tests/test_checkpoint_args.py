@@ -283,3 +283,24 @@ def test_max_positions_fix_names_the_sequence_length_it_needs():
     # at the checkpoint's length or shorter the checkpoint's value is the whole fix
     [item] = checkpoint_arg_mismatches(SAVED, {**SAVED, "max_position_embeddings": 128}, True)
     assert item.fix == "--max-position-embeddings 64"
+
+
+def test_a_resume_with_another_tokenizer_names_the_checkpoints_tokenizer():
+    """A GPT2BPETokenizer checkpoint resumed with NullTokenizer --vocab-size 50257 (same
+    padded rows) was refused as '--vocab-size: checkpoint None' with the fix 'no
+    --vocab-size', which NullTokenizer refuses: the tokenizer type, the real difference,
+    went unnamed. The item now names it and the checkpoint's tokenizer flags."""
+    bpe = {"tokenizer_type": "GPT2BPETokenizer", "vocab_size": None, "padded_vocab_size": 50304,
+           "vocab_file": "/d/gpt2-vocab.json", "merge_file": "/d/gpt2-merges.txt"}
+    null = {"tokenizer_type": "NullTokenizer", "vocab_size": 50257, "padded_vocab_size": 50304,
+            "vocab_file": None, "merge_file": None}
+    items = checkpoint_arg_mismatches({**SAVED, **bpe}, {**SAVED, **null})
+    assert [(m.name, m.saved, m.run) for m in items] == [
+        ("--tokenizer-type", "GPT2BPETokenizer", "NullTokenizer")]
+    assert items[0].fix == ("--tokenizer-type GPT2BPETokenizer --vocab-file /d/gpt2-vocab.json "
+                            "--merge-file /d/gpt2-merges.txt")
+    back = checkpoint_arg_mismatches({**SAVED, **null}, {**SAVED, **bpe})
+    assert [(m.name, m.fix) for m in back] == [
+        ("--tokenizer-type", "--tokenizer-type NullTokenizer --vocab-size 50257")]
+    # one tokenizer type: a --vocab-size difference is still that
+    assert _names({"vocab_size": 300}) == ["--vocab-size"]
