@@ -324,14 +324,29 @@ def refuse_switch_mlp(args: dict) -> None:
             "and tools/generate.py samples from it as it is")
 
 
+def _refuse_true_vocab_size(given: Optional[int], args: dict) -> None:
+    """ValueError for a --true-vocab-size outside [1, the checkpoint's padded rows] (its
+    saved `args`), before any weight is read: 0 is not 'not given'."""
+    rows = args.get("padded_vocab_size")
+    if given is None or (given >= 1 and (rows is None or given <= rows)):
+        return
+    raise ValueError(f"--true-vocab-size {given} is outside [1, {rows}] (the checkpoint's "
+                     "padded vocabulary rows); pass the tokenizer's vocabulary size, or leave "
+                     "it out to take the checkpoint's tokenizer's")
+
+
 def _to_hf(a) -> int:
     for line in leftover_exports(a.output):  # of a to-hf stopped by kill -9, a power loss
         print(line, flush=True)
     check_output(a.output, a.overwrite)
     print(f"reading the checkpoint under {a.load} (its shards merged into one model) ...",
           flush=True)
+    def check_args(saved: dict) -> None:
+        refuse_switch_mlp(saved)
+        _refuse_true_vocab_size(a.true_vocab_size, saved)
+
     args, model_cfg, state, iteration = load_full_checkpoint(a.load, a.iteration,
-                                                             check_args=refuse_switch_mlp)
+                                                             check_args=check_args)
     family = detect_family(model_cfg) if a.family == "auto" else a.family
     from megatron.tokenizer.tokenizer import checkpoint_tokenizer_overrides
 
@@ -340,7 +355,8 @@ def _to_hf(a) -> int:
                                                       for k in _TOKENIZER_DESTS}):
         print(f"WARNING: {note}")  # the export would cut the rows to another vocabulary
     args = _tokenizer_args(args, a)
-    vocab = a.true_vocab_size or (tok.vocab_size if tok is not None else model_cfg.padded_vocab_size)
+    vocab = a.true_vocab_size if a.true_vocab_size is not None else (
+        tok.vocab_size if tok is not None else model_cfg.padded_vocab_size)
     if tok is None and a.true_vocab_size is None:
         print(f"note: the checkpoint's tokenizer ({args.get('tokenizer_type')}) cannot be built "
               f"here ({why}); keeping all {vocab} padded vocabulary rows: give its files "

@@ -786,3 +786,16 @@ def test_exported_tokenizer_loads_whatever_the_family(tmp_path, family):
     text = "First Citizen: we know it,\n  before we proceed any further. Zq@\u00fc"
     assert theirs(text)["input_ids"] == ours.tokenize(text)
     assert theirs.eos_token_id == ours.eod
+
+
+@pytest.mark.parametrize("given", ["0", "-1", "129"])
+def test_to_hf_refuses_a_true_vocab_size_outside_the_rows_naming_it(tmp_path, given):
+    """--true-vocab-size 0 was taken as not given (the export kept the tokenizer's 101 ids),
+    -1 was reported as leaving out the end-of-document id, 129 as 'vocab size 129' without
+    the flag. Each is refused before the weights are read, naming the flag and the rows."""
+    _train(tmp_path / "ck", "", steps=1)
+    with pytest.raises(SystemExit) as exc:
+        _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "hf",
+             f"--true-vocab-size={given}")
+    assert f"--true-vocab-size {given} is outside [1, 128]" in str(exc.value)
+    assert not (tmp_path / "hf").exists()
