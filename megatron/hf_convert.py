@@ -335,6 +335,16 @@ def _refuse_true_vocab_size(given: Optional[int], args: dict) -> None:
                      "it out to take the checkpoint's tokenizer's")
 
 
+def _refuse_missing_tokenizer_files(a) -> None:
+    """ValueError for a --vocab-file/--merge-file/--tokenizer-model given to to-hf that is
+    not there (a typo), before any weight is read."""
+    for dest in _TOKENIZER_DESTS[1:]:
+        path = getattr(a, dest, None)
+        if path is not None and not os.path.exists(path):
+            raise ValueError(f"the tokenizer given cannot be built: --{dest.replace('_', '-')} "
+                             f"{path} does not exist; check the path")
+
+
 def _to_hf(a) -> int:
     for line in leftover_exports(a.output):  # of a to-hf stopped by kill -9, a power loss
         print(line, flush=True)
@@ -344,6 +354,7 @@ def _to_hf(a) -> int:
     def check_args(saved: dict) -> None:
         refuse_switch_mlp(saved)
         _refuse_true_vocab_size(a.true_vocab_size, saved)
+        _refuse_missing_tokenizer_files(a)
 
     args, model_cfg, state, iteration = load_full_checkpoint(a.load, a.iteration,
                                                              check_args=check_args)
@@ -351,6 +362,10 @@ def _to_hf(a) -> int:
     from megatron.tokenizer.tokenizer import checkpoint_tokenizer_overrides
 
     tok, why = _tokenizer_of(_tokenizer_args(args, a), args)
+    given = [f"--{k.replace('_', '-')} {getattr(a, k)}" for k in _TOKENIZER_DESTS
+             if getattr(a, k, None) is not None]
+    if tok is None and given:  # a note would export every padded row and no tokenizer
+        raise ValueError(f"the tokenizer given ({' '.join(given)}) cannot be built: {why}")
     for note in checkpoint_tokenizer_overrides(args, {k: getattr(a, k, None)
                                                       for k in _TOKENIZER_DESTS}):
         print(f"WARNING: {note}")  # the export would cut the rows to another vocabulary

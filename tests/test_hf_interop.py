@@ -799,3 +799,23 @@ def test_to_hf_refuses_a_true_vocab_size_outside_the_rows_naming_it(tmp_path, gi
              f"--true-vocab-size={given}")
     assert f"--true-vocab-size {given} is outside [1, 128]" in str(exc.value)
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("flags", [["--vocab-file", "{tmp}/nowhere.json"],
+                                   ["--tokenizer-type", "GPTSentencePieceTokenizer",
+                                    "--tokenizer-model", "{tmp}/nowhere.model"],
+                                   ["--tokenizer-type", "GPTSentencePieceTokenizer",
+                                    "--tokenizer-model", "{tmp}/not_a_model.txt"]])
+def test_to_hf_refuses_tokenizer_flags_it_cannot_build(tmp_path, flags):
+    """A mistyped --vocab-file (or a file that is no tokenizer) given to to-hf was a note:
+    the export kept every padded row, no tokenizer file and eos_token_id null, exit 0. A
+    tokenizer given on the command line that cannot be built is now refused, naming why,
+    and nothing is written."""
+    pytest.importorskip("sentencepiece")
+    _train(tmp_path / "ck", "", steps=1)
+    (tmp_path / "not_a_model.txt").write_text("hello\n")
+    argv = [f.format(tmp=tmp_path) for f in flags]
+    with pytest.raises(SystemExit) as exc:
+        _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "hf", *argv)
+    assert "cannot be built" in str(exc.value) and argv[-1] in str(exc.value)
+    assert not (tmp_path / "hf").exists()
