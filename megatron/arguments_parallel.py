@@ -140,10 +140,7 @@ def resolve_virtual_pipeline(ns) -> None:
                              "--standalone-embedding-stage cannot be combined; drop one")
     per_stage = ns.num_layers // pp
     if per_stage % per_vstage:
-        raise ArgumentsError(
-            f"--num-layers-per-virtual-pipeline-stage {per_vstage} must divide the "
-            f"{per_stage} layers of each pipeline stage (--num-layers {ns.num_layers} / "
-            f"--pipeline-model-parallel-size {pp})")
+        raise ArgumentsError(_virtual_stage_misfit(ns.num_layers, pp, per_vstage))
     if ns.num_micro_batches % pp:
         raise ArgumentsError(
             f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage) needs the "
@@ -160,6 +157,23 @@ def resolve_virtual_pipeline(ns) -> None:
         return
     ns.virtual_pipeline_model_parallel_size = vpp
     note(f"interleaved pipeline schedule: {vpp} virtual stages per pipeline rank")
+
+
+def _virtual_stage_misfit(layers: int, pp: int, per_vstage: int) -> str:
+    """The refusal of a virtual stage size that does not divide the layers of a pipeline
+    stage, with the sizes that do (a divisor below the stage's layer count: the count
+    itself is one virtual stage, no interleaving) and the --num-layers that fits the given
+    size with two virtual stages per rank."""
+    per_stage = layers // pp
+    fits = [d for d in range(1, per_stage) if per_stage % d == 0]
+    use = (f"use --num-layers-per-virtual-pipeline-stage {' or '.join(map(str, fits))}"
+           if fits else f"a stage of {per_stage} layer{'s' if per_stage > 1 else ''} cannot be "
+           "interleaved: drop --num-layers-per-virtual-pipeline-stage")
+    return (f"--num-layers-per-virtual-pipeline-stage {per_vstage} must divide the "
+            f"{per_stage} layer{'s' if per_stage > 1 else ''} of each pipeline stage "
+            f"(--num-layers {layers} / --pipeline-model-parallel-size {pp}); {use}, or "
+            f"use --num-layers {2 * per_vstage * pp} (two virtual stages of {per_vstage} "
+            "per pipeline rank)")
 
 
 def _check_recompute_num_layers(ns) -> None:

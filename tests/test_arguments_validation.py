@@ -144,6 +144,30 @@ def test_layers_per_virtual_stage_below_one_is_named_as_such(value):
                    "layers in each virtual pipeline stage)")
 
 
+@pytest.mark.parametrize("layers, pp, per_vstage, fix", [
+    (8, 2, 3, "; use --num-layers-per-virtual-pipeline-stage 1 or 2, or use --num-layers 12 "
+              "(two virtual stages of 3 per pipeline rank)"),
+    (4, 4, 2, "; a stage of 1 layer cannot be interleaved: drop "
+              "--num-layers-per-virtual-pipeline-stage, or use --num-layers 16 (two virtual "
+              "stages of 2 per pipeline rank)"),
+])
+def test_virtual_stage_that_misses_the_stage_names_sizes_that_fit(layers, pp, per_vstage, fix):
+    """The refusal lists the virtual stage sizes that divide a stage's layers (a stage of
+    one layer has none) and the --num-layers that the given size fits; it gave no fix."""
+    msg = error_of(f"--pipeline-model-parallel-size {pp} --num-layers {layers} "
+                   f"--num-layers-per-virtual-pipeline-stage {per_vstage} --global-batch-size 8",
+                   world_size=pp, base=without("--num-layers"))
+    per_stage = layers // pp
+    assert msg == (f"--num-layers-per-virtual-pipeline-stage {per_vstage} must divide the "
+                   f"{per_stage} layer{'s' if per_stage > 1 else ''} of each pipeline stage "
+                   f"(--num-layers {layers} / --pipeline-model-parallel-size {pp}){fix}")
+    fixed = fix.split("use --num-layers ")[1].split()[0]
+    cfg = run(f"--pipeline-model-parallel-size {pp} --num-layers {fixed} "
+              f"--num-layers-per-virtual-pipeline-stage {per_vstage} --global-batch-size 8",
+              world_size=pp, base=without("--num-layers"))
+    assert cfg.parallel.virtual_pp_size == 2
+
+
 def test_interleaved_schedule_needs_micro_batches_a_multiple_of_pp():
     """Megatron's interleaved schedule raises a RuntimeError mid-run when the micro-batch
     count is not a multiple of the pipeline size: refused at startup with the count, how it
