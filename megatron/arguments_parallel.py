@@ -46,10 +46,7 @@ def resolve_parallel(ns, world_size: int, origins: Optional[Mapping[str, str]] =
     ns.virtual_pipeline_model_parallel_size = None
     note(f"using world size: {world_size}, data-parallel-size: {ns.data_parallel_size}, "
          f"tensor-model-parallel size: {tp}, pipeline-model-parallel size: {pp} ")
-    heads = ns.num_attention_heads
-    if heads % tp:
-        raise ArgumentsError(f"--num-attention-heads {heads} is not divisible by "
-                             f"--tensor-model-parallel-size {tp}; use a tp size that divides {heads}")
+    _check_heads(ns.num_attention_heads, tp, pp, world_size)
     _check_layer_split(ns, origins)
     _check_seed_range(ns, pp)
     if ns.sequence_parallel and tp == 1:
@@ -64,6 +61,22 @@ def resolve_parallel(ns, world_size: int, origins: Optional[Mapping[str, str]] =
             f"the tensor-parallel ranks; use a {typed_flag('seq_length', origins)} that is a "
             f"multiple of {tp} "
             f"({nearby_multiples(ns.seq_length, tp)}) or drop --sequence-parallel")
+
+
+def _check_heads(heads: int, tp: int, pp: int, world_size: int) -> None:
+    """Each tensor-parallel rank holds heads / tp whole attention heads. The fix names the
+    tp sizes that also divide the processes of a pipeline stage (a size that divides the
+    heads only is refused next)."""
+    if heads % tp == 0:
+        return
+    per_stage = world_size // pp
+    fits = [t for t in range(1, per_stage + 1) if per_stage % t == 0 and heads % t == 0]
+    room = (f"the world size {world_size}" if pp == 1 else f"world size {world_size} / "
+            f"--pipeline-model-parallel-size {pp} = {per_stage}")
+    raise ArgumentsError(
+        f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size "
+        f"{tp}; use --tensor-model-parallel-size {' or '.join(map(str, fits))} (dividing both "
+        f"{heads} and {room}), or a --num-attention-heads that is a multiple of {tp}")
 
 
 _MAX_SEED = 2**32 - 1  # numpy's seeds (np.random.seed, the datasets' RandomState)

@@ -144,6 +144,28 @@ def test_layers_per_virtual_stage_below_one_is_named_as_such(value):
                    "layers in each virtual pipeline stage)")
 
 
+@pytest.mark.parametrize("extra, world, fix", [
+    ("--num-attention-heads 12 --hidden-size 48 --tensor-model-parallel-size 8 --num-layers 2", 8,
+     "use --tensor-model-parallel-size 1 or 2 or 4 (dividing both 12 and the world size 8), "
+     "or a --num-attention-heads that is a multiple of 8"),
+    ("--num-attention-heads 6 --hidden-size 48 --tensor-model-parallel-size 4 "
+     "--pipeline-model-parallel-size 2 --num-layers 2", 8,
+     "use --tensor-model-parallel-size 1 or 2 (dividing both 6 and world size 8 / "
+     "--pipeline-model-parallel-size 2 = 4), or a --num-attention-heads that is a multiple of 4"),
+])
+def test_heads_not_divisible_by_tp_names_the_tp_sizes_that_fit(extra, world, fix):
+    """'use a tp size that divides 12' let a user pick 6 or 12, which the world size of 8
+    refuses next: the sizes listed divide the heads and a pipeline stage's processes."""
+    msg = error_of(extra, world_size=world, base=without("--num-layers"))
+    heads, tp = extra.split()[1], extra.split()[5]
+    assert msg == (f"--num-attention-heads {heads} is not divisible by "
+                   f"--tensor-model-parallel-size {tp}; {fix}")
+    first = fix.split()[2]
+    assert run(extra.replace(f"--tensor-model-parallel-size {tp}",
+                             f"--tensor-model-parallel-size {first}"),
+               world_size=world, base=without("--num-layers"))
+
+
 @pytest.mark.parametrize("layers, pp, per_vstage, fix", [
     (8, 2, 3, "; use --num-layers-per-virtual-pipeline-stage 1 or 2, or use --num-layers 12 "
               "(two virtual stages of 3 per pipeline rank)"),
