@@ -315,3 +315,29 @@ def _warn_unread_scheduler_flags(ns) -> None:
     if given and why:
         warn(f"{given[0]} has no effect: {why}, so the schedule comes from the command line "
              "(Megatron-LM ignores it too)")
+
+
+def check_rotary_width(ns, kv_given: bool) -> None:
+    """Rotary embeddings turn channel pairs: an odd rotary width W turns W + 1 channels (as
+    Megatron-LM's RotaryEmbedding(W) does), more than a head has when W is the whole odd
+    head (--rotary-percent 1): Megatron-LM and this code then fail at the first forward
+    pass, refused here. A width of 0 turns nothing: the positions are not encoded, warned."""
+    if not ns.use_rotary_position_embeddings:
+        return
+    from megatron.core.models.gpt.rotary import rotary_dim
+
+    kv, percent = ns.kv_channels, ns.rotary_percent
+    head = (f"--kv-channels {kv}" if kv_given else f"the head size {kv} (--hidden-size "
+            f"{ns.hidden_size} / --num-attention-heads {ns.num_attention_heads})")
+    width = rotary_dim(kv, percent)
+    if width % 2 and width == kv:
+        raise ArgumentsError(
+            f"{head} is odd: rotary embeddings over whole heads (--rotary-percent {percent:g}) "
+            f"turn channel pairs, {kv + 1} channels of a {kv}-channel head (Megatron-LM fails "
+            f"at the first forward pass too); use an even head size (e.g. --kv-channels "
+            f"{kv - 1 if kv > 1 else 2} or {kv + 1}) or a --rotary-percent below 1 (e.g. 0.5)")
+    if width == 0:
+        warn(f"--rotary-percent {percent:g} of {head} is {kv * percent:g} channels, int() "
+             f"makes 0: the rotary embeddings turn no channel and "
+             f"{'the model sees no positions' if not ns.add_position_embedding else 'only the learned positions remain'}"
+             f"; use a --rotary-percent of at least {2 / kv:g}")

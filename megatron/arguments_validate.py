@@ -35,6 +35,7 @@ from megatron.arguments_parallel import (
     resolve_virtual_pipeline,
 )
 from megatron.arguments_ranges import (
+    check_rotary_width,
     check_value_ranges,
     warn_unread_checkpoint_flags,
     warn_unread_tensorboard_flags,
@@ -130,6 +131,7 @@ def _resolve_model_shape(ns, origins: Optional[Mapping[str, str]] = None) -> Non
     """ffn size (SwiGLU rule), kv channels, GQA groups, lengths, activation, positions."""
     h, heads = ns.hidden_size, ns.num_attention_heads
     _resolve_ffn(ns)
+    kv_given = ns.kv_channels is not None
     if ns.kv_channels is None:
         if h % heads:
             raise ArgumentsError(f"--hidden-size {h} is not divisible by --num-attention-heads "
@@ -152,6 +154,7 @@ def _resolve_model_shape(ns, origins: Optional[Mapping[str, str]] = None) -> Non
             f"--gelu-kernel epilogue puts the MLP's GeLU into fc1's product: this run's "
             f"activation is {ns.activation}; drop the flag or use a GeLU activation")
     _resolve_position_embedding(ns)
+    check_rotary_width(ns, kv_given)
 
 
 def _check_activation_switches(ns) -> None:

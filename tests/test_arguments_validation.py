@@ -456,3 +456,34 @@ def test_args_are_plain_json_data():
     assert json.loads(json.dumps(args)) == args
     assert args["dry_run"] is False and args["padded_vocab_size"] == 128
     assert run("--dry-run").args["dry_run"] is True
+
+
+@pytest.mark.parametrize("extra, head, channels", [
+    ("--hidden-size 60 --num-attention-heads 12 --position-embedding-type rope",
+     "the head size 5 (--hidden-size 60 / --num-attention-heads 12)", "6 channels of a 5"),
+    ("--kv-channels 7 --use-rotary-position-embeddings --rotary-percent 1.5",
+     "--kv-channels 7", "8 channels of a 7"),
+])
+def test_rotary_over_an_odd_whole_head_is_refused(extra, head, channels):
+    """An odd head rotated whole turns one channel more than it has: the first forward pass
+    failed with a ValueError traceback on every rank after the model was built."""
+    msg = error_of(extra)
+    assert msg.startswith(f"{head} is odd: rotary embeddings over whole heads"), msg
+    assert channels in msg and "a --rotary-percent below 1 (e.g. 0.5)" in msg, msg
+    assert run(extra.replace("--rotary-percent 1.5", "") + " --rotary-percent 0.5")
+    assert run(extra.replace("--use-rotary-position-embeddings", "")
+               .replace("--position-embedding-type rope", "").replace("--rotary-percent 1.5", ""))
+
+
+def test_rotary_percent_that_turns_no_channel_is_warned(caplog):
+    """int(16 x 0.05) = 0: the rotary embeddings turn nothing, the model sees no position."""
+    with caplog.at_level(logging.WARNING):
+        run("--position-embedding-type rope --rotary-percent 0.05")
+    assert ("--rotary-percent 0.05 of the head size 16 (--hidden-size 64 / "
+            "--num-attention-heads 4) is 0.8 channels, int() makes 0: the rotary embeddings "
+            "turn no channel and the model sees no positions; use a --rotary-percent of at "
+            "least 0.125") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        run("--position-embedding-type rope --rotary-percent 0.125")
+    assert "turn no channel" not in caplog.text
