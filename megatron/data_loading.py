@@ -28,6 +28,7 @@ import torch.distributed as dist
 import megatron.core.datasets
 from megatron.config import Config
 from megatron.core.datasets.gpt_dataset import BadTokenError
+from megatron.core.datasets.indexed_dataset import DataFileChangedError
 from megatron.core.datasets.mock import MockGPTDataset
 from megatron.core.datasets.samplers import PretrainingSampler
 from megatron.core.datasets.utils import get_ltor_masks_and_position_ids
@@ -499,8 +500,8 @@ class PrefetchIterator:
         item = self.q.get()
         if isinstance(item, StopIteration):
             raise StopIteration
-        if isinstance(item, BadTokenError):
-            raise _bad_token_exit(item) from None
+        if isinstance(item, _DATA_ERRORS):
+            raise _data_error_exit(item) from None
         if isinstance(item, BaseException):
             raise item
         return item
@@ -518,12 +519,17 @@ class PrefetchIterator:
                   "file system); leaving it behind", file=sys.stderr, flush=True)
 
 
-def _bad_token_exit(error: BadTokenError) -> SystemExit:
-    """The run's exit for a sample whose token id is outside the vocabulary: its message
-    (file, id, sample, sequences and the fix) on one line, without the reader's traceback.
-    A DataLoader worker's error comes back with the worker's traceback quoted before it."""
+# what a sample read raises that the run reports in one line: a token id outside the
+# vocabulary, a data file cut short while the run reads it
+_DATA_ERRORS = (BadTokenError, DataFileChangedError)
+
+
+def _data_error_exit(error: ValueError) -> SystemExit:
+    """The run's exit for a `_DATA_ERRORS` error: its message (file, what is wrong and the
+    fix) on one line, without the reader's traceback. A DataLoader worker's error comes
+    back with the worker's traceback quoted before it."""
     text = str(error)
-    marker = f"{BadTokenError.__name__}: "
+    marker = f"{type(error).__name__}: "
     if "Original Traceback" in text and marker in text:
         text = text.rsplit(marker, 1)[1]
     return SystemExit(f"error: {text.strip()}")
@@ -602,8 +608,8 @@ class _WorkerIterator:
             self._checked = True
         try:
             batch = next(self._holder[0])
-        except BadTokenError as e:
-            raise _bad_token_exit(e) from None
+        except _DATA_ERRORS as e:
+            raise _data_error_exit(e) from None
         return batch.tensors() if isinstance(batch, _WorkerBatch) else batch  # else pinned
 
     def close(self) -> None:

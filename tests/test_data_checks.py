@@ -3,6 +3,7 @@ for, token ids fit the padded vocabulary, and blends report their achieved ratio
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import warnings
 
@@ -11,6 +12,7 @@ import pytest
 
 from megatron.core.datasets.indexed_dataset import (
     TOKEN_SCAN_BYTES,
+    DataFileChangedError,
     IndexedDatasetBuilder,
     MMapIndexedDataset,
     check_token_ids,
@@ -158,6 +160,50 @@ def test_an_id_outside_the_scanned_windows_ends_the_run_with_one_line(tmp_path, 
     assert re.fullmatch(rf"error: {prefix}\.bin: token id 5000 in sample \d+ of the train "
                         r"dataset \(sequence\(s\) [0-9, ]*17[0-9, ]*\) is outside the padded "
                         r"vocabulary of 128 ids: .* preprocessed with", message), message
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".idx"])
+def test_a_data_file_cut_short_while_the_run_reads_it_is_named(tmp_path, suffix):
+    """A .bin or .idx truncated (or rewritten in place) after the run mapped it used to
+    kill the reader with SIGBUS at the first page past the new end: no message at all with
+    --num-workers 0, torch's 'out of shared memory' guess with workers. The read says which
+    file shrank and what to do, before touching the map."""
+    prefix, docs = make_corpus(tmp_path / "c", [20] * 30, vocab=100)
+    ds = MMapIndexedDataset(prefix)
+    assert list(ds.get(3)) == list(docs[3])
+    os.remove(prefix + ".idx")  # a deleted file still reads: its inode stays mapped
+    assert list(ds.get(29)) == list(docs[29])
+    prefix, docs = make_corpus(tmp_path / "d", [20] * 30, vocab=100)
+    ds = MMapIndexedDataset(prefix)
+    size = os.path.getsize(prefix + suffix)
+    os.truncate(prefix + suffix, 40)
+    with pytest.raises(DataFileChangedError, match=rf"^{prefix}\{suffix} is now 40 bytes, "
+                                                   rf"{size} when this run opened it: it was "
+                                                   r"truncated or rewritten .* resume from "
+                                                   r"the last checkpoint$"):
+        ds.get(0)
+
+
+def test_a_data_file_cut_short_ends_a_loader_with_workers_in_one_line(tmp_path):
+    """The same with --num-workers: the run ends with that one line, not torch's
+    'DataLoader worker ... killed by signal: Bus error ... out of shared memory'."""
+    from megatron.data_loading import make_iterator
+
+    prefix, _ = make_corpus(tmp_path / "c", [20] * 30, vocab=100)
+    cfg = _config(data_path=[prefix], split="100,0,0", num_workers=2)
+    train = _build(cfg)["train"]
+    it = make_iterator(cfg, train, 0, 0, 1, pin=False)
+    try:
+        next(it)
+        os.truncate(prefix + ".bin", 2)
+        with pytest.raises(SystemExit) as stop:
+            for _ in range(len(train)):
+                next(it)
+    finally:
+        it.close()
+    message = str(stop.value.code)
+    assert re.fullmatch(rf"error: {prefix}\.bin is now 2 bytes, \d+ when this run opened "
+                        r"it: .* resume from the last checkpoint", message), message
 
 
 def _positions(ds, i):

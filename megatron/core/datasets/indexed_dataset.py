@@ -25,6 +25,7 @@ arrays above, so the rest of the reader does not know which format it came from.
 from __future__ import annotations
 
 import glob
+import mmap
 import os
 import shutil
 import struct
@@ -248,6 +249,37 @@ def missing_dataset_hint(prefix: str) -> str:
             f"(_sentence with --split-sentences): pass {shown}")
 
 
+class DataFileChangedError(ValueError):
+    """A mapped `.bin`/`.idx` became shorter while the run read it."""
+
+
+class _MappedFile:
+    """A read-only map of a whole file (`view`; empty for an empty file) that can tell
+    whether the file has since been cut short: a read of a mapped page past a file's new
+    end kills the process with SIGBUS, no Python error (a DataLoader worker's death is
+    reported by torch as a shared-memory shortage)."""
+
+    def __init__(self, path: str, size: int):
+        self.path, self.size = path, size
+        self._map: Optional[mmap.mmap] = None
+        self.view = memoryview(b"")
+        if size:
+            with open(path, "rb") as f:  # the map keeps its own descriptor
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self.view = memoryview(self._map)
+
+    def check_unchanged(self) -> None:
+        """DataFileChangedError when the file is now shorter than it was when mapped (one
+        fstat of the mapped file: a file deleted but not rewritten still reads fine)."""
+        now = self._map.size() if self._map is not None else self.size
+        if now < self.size:
+            raise DataFileChangedError(
+                f"{self.path} is now {now} bytes, {self.size} when this run opened it: it "
+                "was truncated or rewritten while the run read it (reading past its new end "
+                "would kill the process). Restore the .bin/.idx pair preprocessing wrote "
+                "(or pass --data-path of an intact copy) and resume from the last checkpoint")
+
+
 class MMapIndexedDataset:
     """Read-only view of `<prefix>.bin/.idx`; `ds[i]` is sequence i as a numpy view."""
 
@@ -261,9 +293,8 @@ class MMapIndexedDataset:
                 raise ValueError(f"{path}: no such file (dataset prefix {prefix!r})"
                                  f"{missing_dataset_hint(prefix)}")
         idx_size = os.path.getsize(idx_path)
-        self._idx_map = (np.memmap(idx_path, mode="r", dtype=np.uint8) if idx_size
-                         else np.zeros(0, dtype=np.uint8))
-        buf = memoryview(self._idx_map)
+        self._idx_map = _MappedFile(idx_path, idx_size)
+        buf = self._idx_map.view
         if bytes(buf[:8]) == LEGACY_MAGIC:
             self._dtype, self._sizes, self._pointers, self._doc_idx = _read_legacy_index(
                 idx_path, buf)
@@ -280,9 +311,8 @@ class MMapIndexedDataset:
         self.uncounted_eods = 0
         bin_size = os.path.getsize(bin_path)
         self._check_bin(bin_path, bin_size)
-        self._bin_map = (np.memmap(bin_path, mode="r", dtype=np.uint8) if bin_size
-                         else np.zeros(0, dtype=np.uint8))
-        self._bin = memoryview(self._bin_map)
+        self._bin_map = _MappedFile(bin_path, bin_size)
+        self._bin = self._bin_map.view
 
     @property
     def prefix(self) -> str:
@@ -392,6 +422,8 @@ class MMapIndexedDataset:
             raise IndexError(f"tokens [{offset}, {offset + length}) outside sequence {idx} "
                              f"of {size} tokens")
         start = int(self._pointers[idx]) + offset * self._dtype.itemsize
+        self._idx_map.check_unchanged()
+        self._bin_map.check_unchanged()
         return np.frombuffer(self._bin, dtype=self._dtype, count=length, offset=start)
 
     def token_id_range(self, max_bytes: int = TOKEN_SCAN_BYTES) -> Tuple[int, int, int]:
