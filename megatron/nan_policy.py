@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 
 from megatron import trainer_checkpoint
 from megatron.agreed_exit import exit_on_every_rank
+from megatron.checkpoint_dirs import iteration_dir_name, read_tracker
 from megatron.interval_log import (
     IntervalStats,
     log_interval,
@@ -46,8 +48,28 @@ def check_pending_nan(tr: Trainer, stats: IntervalStats) -> None:
             msg = report_nan(tr, r.iteration, r.local_loss)
             log_interval(tr, stats)
             raise exit_on_every_rank(  # printed once (rank 0)
-                f"error: {msg}; stopping (--nan-loss-policy stop). Resume from the last "
-                "checkpoint, or use --nan-loss-policy skip|rollback", tr.rt.control_group)
+                f"error: {msg}; stopping (--nan-loss-policy stop). {_resume_hint(tr)}, or "
+                "use --nan-loss-policy skip|rollback", tr.rt.control_group)
+
+
+def _resume_hint(tr: Trainer) -> str:
+    """Which checkpoint a resume after a NaN stop would start from: the one --save's
+    tracker names now, or that there is none (the advice used to be "resume from the last
+    checkpoint" even when the run had written none)."""
+    ck = tr.config.checkpoint
+    if not ck.save:
+        if ck.load and tr.start_iteration:
+            return (f"Resume from --load {ck.load} (iteration {tr.start_iteration}, where "
+                    "this run started: it writes no checkpoint, no --save)")
+        return "There is no checkpoint to resume from (no --save); start again"
+    try:
+        iteration, release = read_tracker(ck.save)
+    except ValueError:  # a damaged tracker: the load names the problem
+        iteration, release = None, False
+    if iteration is None:
+        return f"--save {ck.save} holds no checkpoint yet to resume from; start again"
+    name = os.path.join(ck.save, iteration_dir_name(iteration, release))
+    return f"Resume from the last checkpoint, {name} (--load {ck.save})"
 
 
 # --nan-loss-policy rollback gives up after this many rollbacks in a row that do not get

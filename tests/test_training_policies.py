@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 
 import pytest
@@ -60,6 +61,22 @@ def test_stop_policy_names_the_iteration(tmp_path, capsys):
     assert "non-finite loss (nan) at iteration 3\n" in out
     # detected at the log interval (iteration 4): iterations 3 and 4 both had NaN losses
     assert "number of nan iterations:   2" in out
+
+
+@pytest.mark.parametrize("save_interval, resume", [
+    (None, r"There is no checkpoint to resume from \(no --save\); start again"),
+    (6, r"--save \S+ckpt holds no checkpoint yet to resume from; start again"),
+    (2, r"Resume from the last checkpoint, \S+ckpt/iter_0000002 \(--load \S+ckpt\)")])
+def test_the_stop_policy_names_the_checkpoint_to_resume_from(tmp_path, save_interval, resume):
+    """The stop message said "Resume from the last checkpoint" whether or not the run had
+    written one; it names the checkpoint --save holds, or says there is none."""
+    tr = _trainer(tmp_path, "stop", save_interval=save_interval)
+    _poison_at(tr, {3})
+    with pytest.raises(SystemExit) as stop:
+        train(tr, data_iterator(tr.config, tr.rt, "train", 0), None)
+    assert re.fullmatch(r"error: NaN/Inf loss at iteration 3; stopping \(--nan-loss-policy "
+                        rf"stop\)\. {resume}, or use --nan-loss-policy skip\|rollback",
+                        str(stop.value.code)), stop.value.code
 
 
 def test_nan_origin_comes_from_one_rank_per_data_parallel_replica():
