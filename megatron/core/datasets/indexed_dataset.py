@@ -10,7 +10,10 @@ sequence of document d; it starts with 0 and ends with N.
 
 The reader maps both files and hands out numpy views into them (no copies). It checks
 magic, version, dtype code, the `.idx` size implied by its header and the `.bin` size
-implied by `sizes`; a bad file raises ValueError naming the file and the problem.
+implied by `sizes`; a bad file raises ValueError naming the file and the problem. Each
+read first checks that neither file has been cut short since it was mapped
+(DataFileChangedError, naming it): a read past a file's new end would kill the process
+with SIGBUS.
 
 Older Megatron-LM releases also wrote a legacy index (`--dataset-impl lazy|cached`):
 
