@@ -359,6 +359,37 @@ def _saved_size(args: Optional[dict], key: str) -> int:
     return value if isinstance(value, int) and value >= 1 else 1
 
 
+def _stored_sizes(args: Optional[dict]) -> Optional[Tuple[int, int]]:
+    """(tp, pp) stored in a checkpoint's `args`, None when it does not hold both."""
+    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+    values = [args.get(k) if isinstance(args, dict) else None for k in keys]
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values)
+    return (values[0], values[1]) if ok else None
+
+
+def _has_grid(found: List[Tuple[str, int, int]], tp: int, pp: int) -> bool:
+    """Whether the rank directories `found` include every one of a tp x pp save."""
+    names = {name for name, _, _ in found}
+    return all(rank_dir_name(t, p, pp) in names for p in range(pp) for t in range(tp))
+
+
+def _refuse_mixed_names(iter_dir: str, names: List[str]) -> None:
+    """SystemExit when `iter_dir` holds rank directories of both naming schemes
+    (`mp_rank_XX` of pp 1 and `mp_rank_XX_YYY` of pp > 1): Megatron-LM saves into an
+    existing iteration directory, so a save at another pipeline size leaves the earlier
+    save's directories beside its own, and which files are this save's cannot be told."""
+    plain = [n for n in names if _RANK_DIR_RE.match(n).group(2) is None]
+    staged = [n for n in names if _RANK_DIR_RE.match(n).group(2) is not None]
+    if plain and staged:
+        raise SystemExit(
+            f"error: checkpoint {iter_dir} holds rank directories of two saves: "
+            f"{', '.join(plain)} (pipeline-model-parallel size 1) and {', '.join(staged)} "
+            "(pipeline-model-parallel size > 1): a save at another pipeline size into the "
+            "same iteration directory leaves the earlier one's. Move the directories of the "
+            "save that is not wanted out of it (their model_optim_rng.pt 'args' hold "
+            "pipeline_model_parallel_size), then load again")
+
+
 def complete_layout(iter_dir: str, args: Optional[dict] = None) -> Tuple[int, int]:
     """(tp, pp) of a saved iteration from its `mp_rank_*` directories (`model_rank_dirs`).
     SystemExit when there are none, or when some are missing: a gap in the tp x pp grid
@@ -366,10 +397,17 @@ def complete_layout(iter_dir: str, args: Optional[dict] = None) -> Tuple[int, in
     its `args` (the rank-0 file's) when every directory lies within those. Such a
     checkpoint was copied in part (or each node wrote its own ranks to a disk of its own):
     read as a smaller layout, it was resharded and failed on shapes, blaming the model
-    flags."""
+    flags. When `args` store sizes whose directories are all there, those are the sizes:
+    directories beyond them are strays that Megatron-LM never reads (an earlier save at a
+    larger tp or pp into the same iteration directory, which Megatron-LM writes in place).
+    SystemExit as well for directories of both naming schemes (`_refuse_mixed_names`)."""
     found = model_rank_dirs(iter_dir)
     if not found:
         raise SystemExit(no_rank_dirs_message(iter_dir))
+    _refuse_mixed_names(iter_dir, [name for name, _, _ in found])
+    stored = _stored_sizes(args)
+    if stored is not None and _has_grid(found, *stored):
+        return stored  # directories beyond it are strays (an earlier save at another layout)
     tp, pp = 1 + max(t for _, t, _ in found), 1 + max(p for _, _, p in found)
     if any(_RANK_DIR_RE.match(name).group(2) for name, _, _ in found):
         pp = max(pp, 2)

@@ -211,7 +211,9 @@ class SourceCheckpoint:
             self._tp, self._pp = tp, pp
             first = self.rank_file(0, 0)
             self.args = first.get("args") if isinstance(first.get("args"), dict) else {}
-            scan_layout(iter_dir, self.args)  # none missing of the sizes it was saved with
+            # none missing of the sizes it was saved with, which stray directories leave
+            tp, pp = scan_layout(iter_dir, self.args)
+            self._tp, self._pp = tp, pp
             kind = optimizer_kind(first.get("optimizer"), (0, 0) in self.param_files)
             layout = Layout(tp, pp, max(len(self.chunks(0, 0)), 1), kind)
         else:

@@ -419,3 +419,54 @@ def test_a_gpu_checkpoints_rng_streams_on_a_cpu_run(tmp_path, monkeypatch, capsy
     note = set_rng_state(saved, cuda_run)
     assert "are CPU generator states, which this run's CUDA generator cannot take" in note
     assert torch.equal(cuda_run.states["model-parallel-rng"], cuda_state)
+
+
+def test_rank_directories_of_an_earlier_save_at_a_larger_tp_are_not_read(megatron_checkpoint,
+                                                                          tmp_path):
+    """Megatron-LM saves into an existing iteration directory, so a tp 1 save over an
+    earlier tp 2 save of that iteration leaves the old `mp_rank_01` beside the new
+    `mp_rank_00` (or a user's empty `mp_rank_01`): Megatron-LM reads only the ranks its
+    stored args name. The directories were taken for a tp 2 layout: the load stopped
+    blaming the model flags (a query_key_value weight "holds shape (384, 64) but this
+    model needs (192, 64)" for an empty `mp_rank_01`), the tools with a reshape
+    RuntimeError."""
+    import shutil
+
+    from megatron.checkpoint_dirs import complete_layout
+
+    root = str(tmp_path / "ck")
+    shutil.copytree(megatron_checkpoint[0], root)
+    iter_dir = os.path.dirname(os.path.dirname(checkpoint_name(root, K, 0, 0, 1)))
+    stale = os.path.join(iter_dir, "mp_rank_01")
+    os.makedirs(stale)
+    with open(os.path.join(stale, "model_optim_rng.pt"), "wb") as f:
+        f.write(b"an earlier save's rank 1, never to be read")
+    assert read_layout(iter_dir).tp == 1
+    src = SourceCheckpoint(iter_dir)
+    assert src.layout.tp == 1
+    assert src.chunks(0, 0)[0].keys() == megatron_checkpoint[2]["model"].keys()
+    losses, tr = run_pretrain(["--load", root])
+    assert tr.state.iteration == N and sorted(losses) == list(range(K + 1, N + 1))
+    sizes = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1}
+    shutil.rmtree(stale)
+    os.makedirs(os.path.join(iter_dir, "mp_rank_02"))  # a gap in the stored tp 2: refused
+    with pytest.raises(SystemExit, match="incomplete: mp_rank_01 is missing"):
+        complete_layout(iter_dir, sizes)
+
+
+def test_rank_directories_of_both_naming_schemes_are_refused_naming_them(tmp_path):
+    """A pp 1 save over a pp 2 save of the same iteration (Megatron-LM writes in place)
+    leaves `mp_rank_00` beside `mp_rank_00_000`/`mp_rank_00_001`: the stale stage-0 file
+    was read as the checkpoint's rank 0 and the pp 1 save was resharded from the pp 2 one."""
+    from megatron.checkpoint_dirs import complete_layout
+
+    iter_dir = tmp_path / "iter_0000010"
+    for name in ("mp_rank_00", "mp_rank_00_000", "mp_rank_00_001"):
+        (iter_dir / name).mkdir(parents=True)
+    with pytest.raises(SystemExit) as err:
+        complete_layout(str(iter_dir), {"tensor_model_parallel_size": 1,
+                                        "pipeline_model_parallel_size": 1})
+    message = str(err.value)
+    assert f"checkpoint {iter_dir} holds rank directories of two saves: mp_rank_00 " \
+           "(pipeline-model-parallel size 1) and mp_rank_00_000, mp_rank_00_001" in message
+    assert "Move the directories of the save that is not wanted out of it" in message

@@ -731,6 +731,8 @@ def _write_layout(src, out, tp, pp, vpp, kind, dtype):
         for t in range(tp):
             plan = reshard.plan_rank(modules, offsets, tp, t, (pp, p), module_tp_size=1)
             payload, distrib = reshard.build_rank_payload(src, plan, kind)
+            payload["args"] = dict(payload["args"], tensor_model_parallel_size=tp,
+                                   pipeline_model_parallel_size=pp)  # as `reshard` writes them
             rank_dir = iter_dir / rank_dir_name(t, p, pp)
             rank_dir.mkdir(parents=True)
             torch.save(payload, rank_dir / MODEL_FILENAME)
