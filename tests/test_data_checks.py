@@ -149,14 +149,7 @@ def test_an_id_outside_the_scanned_windows_ends_the_run_with_one_line(tmp_path, 
     monkeypatch.setattr(gpt_dataset, "check_token_ids", lambda *a, **k: None)  # not sampled
     cfg = _config(data_path=[prefix], split="100,0,0", num_workers=workers)
     train = _build(cfg)["train"]
-    it = make_iterator(cfg, train, 0, 0, 1, pin=False)
-    try:
-        with pytest.raises(SystemExit) as stop:
-            for _ in range(len(train)):
-                next(it)
-    finally:
-        it.close()
-    message = str(stop.value.code)
+    message = _exit_message(make_iterator(cfg, train, 0, 0, 1, pin=False), len(train))
     assert re.fullmatch(rf"error: {prefix}\.bin: token id 5000 in sample \d+ of the train "
                         r"dataset \(sequence\(s\) [0-9, ]*17[0-9, ]*\) is outside the padded "
                         r"vocabulary of 128 ids: .* preprocessed with", message), message
@@ -192,18 +185,25 @@ def test_a_data_file_cut_short_ends_a_loader_with_workers_in_one_line(tmp_path):
     prefix, _ = make_corpus(tmp_path / "c", [20] * 30, vocab=100)
     cfg = _config(data_path=[prefix], split="100,0,0", num_workers=2)
     train = _build(cfg)["train"]
-    it = make_iterator(cfg, train, 0, 0, 1, pin=False)
+    message = _exit_message(make_iterator(cfg, train, 0, 0, 1, pin=False), len(train),
+                            lambda: os.truncate(prefix + ".bin", 2))
+    assert re.fullmatch(rf"error: {prefix}\.bin is now 2 bytes, \d+ when this run opened "
+                        r"it: .* resume from the last checkpoint", message), message
+
+
+def _exit_message(it, batches: int, after_first=None) -> str:
+    """The SystemExit message with which iterator `it` stops within `batches` batches
+    (`after_first()` called after the first one); the iterator is closed either way."""
     try:
-        next(it)
-        os.truncate(prefix + ".bin", 2)
+        if after_first is not None:
+            next(it)
+            after_first()
         with pytest.raises(SystemExit) as stop:
-            for _ in range(len(train)):
+            for _ in range(batches):
                 next(it)
     finally:
         it.close()
-    message = str(stop.value.code)
-    assert re.fullmatch(rf"error: {prefix}\.bin is now 2 bytes, \d+ when this run opened "
-                        r"it: .* resume from the last checkpoint", message), message
+    return str(stop.value.code)
 
 
 def _positions(ds, i):
