@@ -143,6 +143,18 @@ def test_a_layout_for_another_world_size_is_refused(monkeypatch, capsys):
         bench.check_layout_world("tp2pp1", bench.parse_layout("tp2pp1"), 4)
 
 
+def test_a_rank_that_is_no_number_is_one_line_naming_it(monkeypatch):
+    """RANK=x (a broken launch script) was a ValueError traceback from a bare int()."""
+    bench = _benchmark_module()
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(SystemExit, match=r"RANK='x' is not a whole number >= 0"):
+        bench.main(["--preset", "tiny", "--device", "cpu", "--steps", "1"])
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(SystemExit, match=r"WORLD_SIZE='two' is not a whole number >= 1"):
+        bench.run("tiny", 1, 0, 1, [], "cpu")
+
+
 def test_bias_presets_are_the_gpt_shapes_with_megatron_default_biases():
     from megatron.arguments import parse_and_validate
 

@@ -97,6 +97,13 @@ def test_record_only_prints_the_shapes(capsys, entry_env):
         tune_gemms.main(["--device", "cpu", "--preset", "tiny"])
 
 
+def test_a_launcher_variable_that_is_no_number_is_one_line_naming_it(monkeypatch, entry_env):
+    """WORLD_SIZE=x (a broken launch script) was a ValueError traceback from a bare int()."""
+    monkeypatch.setenv("WORLD_SIZE", "x")
+    with pytest.raises(SystemExit, match=r"WORLD_SIZE='x' is not a whole number >= 1"):
+        tune_gemms.main(["--record-only", "--device", "cpu", "--preset", "tiny"])
+
+
 def test_help_describes_the_tool_in_whole_sentences(capsys):
     with pytest.raises(SystemExit):
         tune_gemms.main(["--help"])

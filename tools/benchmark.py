@@ -31,6 +31,7 @@ from typing import Optional  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.srun_tasks import launcher_ranks  # noqa: E402
 from tools import child_processes  # noqa: E402
 
 COMMON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--hidden-dropout", "0",
@@ -399,8 +400,7 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     from megatron.training import build_trainer, data_iterator, train_step
 
     use_cuda = device == "cuda"
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    rank, world, local_rank = launcher_ranks(os.environ)
     job = JobStore(os.environ, rank, world)  # --use-checkpoint-args: rank 0 reads for all
     config = parse_and_validate(build_argv(preset, steps, warmup, micro_batch, extra, layout),
                                 world_size=world, env={"RANK": str(rank)}, cuda_available=use_cuda,
@@ -576,6 +576,7 @@ def _main(argv) -> int:
     ap.add_argument("extra", nargs="*", help="extra pretrain_gpt.py flags (after --)")
     a = ap.parse_args(argv)
     _check_counts(ap, a)
+    rank, world, _ = launcher_ranks(os.environ)  # a RANK that is no number: one line
     if a.device == "cpu":
         # the whole run on the CPU (gloo between ranks, --scaling's included) even where a
         # GPU is visible: the start-up picks NCCL and the GPU whenever CUDA is available
@@ -594,12 +595,12 @@ def _main(argv) -> int:
     mbs = PRESETS[a.preset][1] if a.micro_batch_size is None else a.micro_batch_size
     layout = parse_layout(a.layout) if a.layout else None
     if layout is not None:
-        check_layout_world(a.layout, layout, int(os.environ.get("WORLD_SIZE", 1)))
-    warmup = timed_warmup(a.warmup, device, a.extra, int(os.environ.get("WORLD_SIZE", 1)))
+        check_layout_world(a.layout, layout, world)
+    warmup = timed_warmup(a.warmup, device, a.extra, world)
     result = run(a.preset, a.steps, warmup, mbs, a.extra, device, a.profile_steps, layout,
                  a.sync_debug, a.profile_sort, a.profile_rows, a.profile_launches,
                  a.chip_sample_ms)
-    if int(os.environ.get("RANK", 0)) == int(os.environ.get("WORLD_SIZE", 1)) - 1:
+    if rank == world - 1:
         print(json.dumps(result), flush=True)
     return 0
 

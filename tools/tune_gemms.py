@@ -184,6 +184,7 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     from megatron.cli_suggest import SuggestingParser
+    from megatron.srun_tasks import launcher_ranks
 
     ap = SuggestingParser(description=__doc__.split("\n\n")[0],  # first paragraph
                           epilog="flags after -- are pretrain_gpt.py's")
@@ -220,8 +221,8 @@ def _main(argv) -> int:
         raise SystemExit(f"error: --device cuda, but CUDA is not available here (torch "
                          f"{torch.__version__}); tune on the GPU machine of the run, or list "
                          "the shapes here with --record-only --device cpu")
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    counts = record_shapes(flags, args.device, rank, world, int(os.environ.get("LOCAL_RANK", 0)))
+    rank, world, local_rank = launcher_ranks(os.environ)
+    counts = record_shapes(flags, args.device, rank, world, local_rank)
     args.quiet = rank != 0  # under torchrun rank 0 prints and writes the table
     say = (lambda *a, **k: None) if args.quiet else print
     say("| product | m | n | k | dtype | per step |")
