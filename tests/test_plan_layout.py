@@ -233,6 +233,9 @@ def test_more_memory_suggested_is_enough(capsys):
                        "nodes; use a multiple of 8 (e.g. 8 or 16)"),
     (["--gpus", "8", "--top", "0"], "--top 0 must be >= 1"),
     (["--gpus", "8", "--gpu-memory-gb", "0"], "--gpu-memory-gb 0.0 must be > 0"),
+    # nan and inf were a ValueError / OverflowError traceback from int(gb * GiB)
+    (["--gpus", "8", "--gpu-memory-gb", "nan"], "--gpu-memory-gb nan is not a finite number"),
+    (["--gpus", "8", "--gpu-memory-gb", "inf"], "--gpu-memory-gb inf is not a finite number"),
     (["--gpus", "8", "--hiden-size", "3"], "did you mean --hidden-size?"),
     (["--gpus", "8", "--vocab-file", "/nonexistent/gpt2-vocab.json", "--merge-file",
       "/nonexistent/gpt2-merges.txt"],

@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import copy
 import logging
+import math
 import os
 import sys
 import time
@@ -422,6 +423,9 @@ def gpu_memory_bytes(ns: argparse.Namespace) -> int:
     """--gpu-memory-gb (GiB, as --dry-run reads it), else the local GPU's memory."""
     gb = ns.gpu_memory_gb
     if gb is not None:
+        if not math.isfinite(gb):
+            raise ArgumentsError(f"--gpu-memory-gb {gb} is not a finite number; pass one GPU's "
+                                 "memory in GiB, e.g. 80")
         if gb <= 0:
             raise ArgumentsError(f"--gpu-memory-gb {gb} must be > 0 (one GPU's memory in GiB, "
                                  "e.g. 80)")
