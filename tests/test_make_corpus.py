@@ -43,3 +43,24 @@ def test_vocab_size_without_tokenizer_prefix_is_refused(tmp_path, capsys):
             "--tokenizer-prefix PREFIX trains; add it or drop --vocab-size") \
         in capsys.readouterr().err
     assert not (tmp_path / "c.jsonl").exists()
+
+
+@pytest.mark.parametrize("max_mb", ["nan", "0", "-1"])
+def test_max_mb_that_is_no_positive_number_is_refused(tmp_path, capsys, max_mb):
+    """--max-mb nan was a ValueError traceback; 0 and -1 wrote one document in silence."""
+    with pytest.raises(SystemExit):
+        make_corpus.main(["--output", str(tmp_path / "c.jsonl"), "--max-mb", max_mb])
+    assert f"--max-mb {float(max_mb)} must be a number > 0" in capsys.readouterr().err
+    assert not (tmp_path / "c.jsonl").exists()
+
+
+def test_output_that_is_a_directory_is_refused(tmp_path):
+    """--output naming a directory (or its .txt twin one) was an IsADirectoryError traceback,
+    after the other file of the pair had been created."""
+    (tmp_path / "d.jsonl").mkdir()
+    with pytest.raises(SystemExit, match=r"d\.jsonl is a directory; name a file"):
+        make_corpus.main(["--output", str(tmp_path / "d.jsonl"), "--max-mb", "0.01"])
+    (tmp_path / "e.txt").mkdir()
+    with pytest.raises(SystemExit, match=r"e\.txt is a directory; name a file"):
+        make_corpus.main(["--output", str(tmp_path / "e.jsonl"), "--max-mb", "0.01"])
+    assert not (tmp_path / "e.jsonl").exists()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -48,6 +49,11 @@ def check_output(output: Path) -> None:
         raise SystemExit(f"error: --output {output}: the plain-text copy is written to the "
                          f"output's name with the suffix .txt, which here is the output itself; "
                          f"name the JSONL file {output.with_suffix('.jsonl')}")
+    for path in (output, output.with_suffix(".txt")):
+        if path.is_dir():
+            raise SystemExit(f"error: --output {output}: {path} is a directory; name a file "
+                             "whose name and .txt twin are no directories, e.g. "
+                             f"{path / 'corpus.jsonl'}")
 
 
 def write_corpus(output: Path, max_mb: float) -> tuple:
@@ -100,6 +106,8 @@ def main(argv=None) -> int:
     if a.vocab_size is not None and not a.tokenizer_prefix:
         ap.error(f"--vocab-size {a.vocab_size} is the size of the SentencePiece tokenizer, which "
                  "only --tokenizer-prefix PREFIX trains; add it or drop --vocab-size")
+    if not (math.isfinite(a.max_mb) and a.max_mb > 0):  # nan: a traceback; 0: one document
+        ap.error(f"--max-mb {a.max_mb} must be a number > 0 (megabytes of text, e.g. 6)")
     a.vocab_size = 4096 if a.vocab_size is None else a.vocab_size
     t0 = time.time()
     docs, nbytes = write_corpus(Path(a.output), a.max_mb)
