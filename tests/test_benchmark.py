@@ -80,6 +80,20 @@ def test_fp16_replaces_the_presets_bf16():
     assert config.args["fp16"] and not config.args["bf16"]
 
 
+def test_a_tensor_parallel_layout_with_experts_leaves_sequence_parallelism_out():
+    """--layout tp2 -- --num-experts 2 was refused by the validation for the
+    --sequence-parallel the tool adds itself ('drop --sequence-parallel', a flag the user
+    never gave); dense models keep it."""
+    from megatron.arguments import parse_and_validate
+
+    bm = _benchmark_module()
+    for experts in (["--num-experts", "2"], ["--num-experts=2"]):
+        argv = bm.build_argv("tiny", 2, 1, 4, experts, bm.parse_layout("tp2"))
+        config = parse_and_validate(argv, world_size=2, cuda_available=False)
+        assert config.args["num_experts"] == 2 and not config.args["sequence_parallel"]
+    assert "--sequence-parallel" in bm.build_argv("tiny", 2, 1, 4, [], bm.parse_layout("tp2"))
+
+
 @pytest.mark.slow
 def test_scaling_mode_prints_efficiency_table():
     argv = [sys.executable, TOOL, "--preset", "tiny", "--device", "cpu", "--steps", "2",

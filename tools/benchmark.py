@@ -88,12 +88,15 @@ def check_layout_world(text: str, layout: dict, world: int) -> None:
 def build_argv(preset: str, steps: int, warmup: int, micro_batch: int, extra: list,
                layout: Optional[dict] = None) -> list:
     """Flags for one run. Each GPU keeps the preset's micro batch (weak scaling); with
-    pipeline stages the global batch holds 2*pp micro-batches per data-parallel rank."""
+    pipeline stages the global batch holds 2*pp micro-batches per data-parallel rank.
+    Tensor parallelism comes with --sequence-parallel, except for --num-experts, whose
+    switch MLP cannot run with it (the validation refuses the pair)."""
     flags, _ = PRESETS[preset]
     if "--fp16" in extra:  # the preset's precision gives way to the one asked for
         flags = [f for f in flags if f != "--bf16"]
     lay = layout or {"tp": 1, "pp": 1, "dp": 1}
     num_micro = 2 * lay["pp"] if lay["pp"] > 1 else 1
+    experts = any(f == "--num-experts" or f.startswith("--num-experts=") for f in extra)
     total = steps + warmup
     # COMMON's 2 warm-up iterations must end before the decay (the run's length) does
     common = [str(min(2, total - 1)) if prev == "--lr-warmup-iters" else f
@@ -104,7 +107,7 @@ def build_argv(preset: str, steps: int, warmup: int, micro_batch: int, extra: li
         "--tensor-model-parallel-size", str(lay["tp"]),
         "--pipeline-model-parallel-size", str(lay["pp"]),
         "--train-iters", str(total), "--log-interval", str(total),  # unused by the timing loop
-    ] + (["--sequence-parallel"] if lay["tp"] > 1 else []) + extra
+    ] + (["--sequence-parallel"] if lay["tp"] > 1 and not experts else []) + extra
 
 
 KERNEL_CLASSES = (  # (category, regex over the kernel name), first match wins
