@@ -372,8 +372,12 @@ def test_tool_dot_counts_for_a_deeper_pipeline(tmp_path, capsys):
     assert parallel_groups.main(
         ["--world-size", "16", "--tp", "2", "--pp", "4", "--ep", "2", "--dot", str(dot)]
     ) == 0
-    out = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    out = captured.out.splitlines()
     assert out[0].split("|")[-1].strip() == "ep group" and len(out) == 2 + 16 + 1
+    # the table alone read as a layout a run could use: pretrain_gpt.py refuses ep > 1
+    assert ("note: --expert-model-parallel-size 2: the ep groups are the rank arithmetic "
+            "only; pretrain_gpt.py refuses expert model parallelism") in captured.err
     rank4 = [c.strip() for c in out[2 + 4].split("|")]
     assert rank4[-2:] == ["-", "[4,6]"]  # stage 1 holds no embedding; ep group = dp group
     text = dot.read_text()

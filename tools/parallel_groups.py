@@ -161,6 +161,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(exc))  # exits with status 2
     with_ep = args.ep_size > 1
     print(format_table(info, with_ep))
+    if with_ep:  # the grid computes them; no run builds them (Megatron-LM 23.05 has none)
+        print(f"note: --expert-model-parallel-size {args.ep_size}: the ep groups are the rank "
+              "arithmetic only; pretrain_gpt.py refuses expert model parallelism (with "
+              "--num-experts every expert is split over the tp group like the dense MLP and "
+              "replicated over the dp group, as in Megatron-LM 23.05)", file=sys.stderr)
     if args.dot or args.png:
         return write_graph(build_dot(info, with_ep), args.dot, args.png)
     return 0
