@@ -104,6 +104,23 @@ def test_a_launcher_variable_that_is_no_number_is_one_line_naming_it(monkeypatch
         tune_gemms.main(["--record-only", "--device", "cpu", "--preset", "tiny"])
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--rounds", "0"], "--rounds 0 must be >= 1"),
+    (["--seconds", "0"], "--seconds 0.0 must be a number > 0"),
+    (["--seconds", "nan"], "--seconds nan must be a number > 0"),
+    (["--candidates", "-1"], "--candidates -1 must be >= 1"),
+    (["--min-gain", "nan"], "--min-gain nan must be a finite number"),
+])
+def test_timing_settings_no_tuning_can_use_are_refused_first(flags, message, capsys,
+                                                             entry_env):
+    """--rounds 0 and --seconds 0 divided by zero on the GPU, after the step was recorded;
+    --min-gain nan kept no candidate in silence. Refused before the recording (status 2)."""
+    with pytest.raises(SystemExit) as exc:
+        tune_gemms.main(["--record-only", "--device", "cpu", "--preset", "tiny", *flags])
+    captured = capsys.readouterr()
+    assert exc.value.code == 2 and message in captured.err and "| product |" not in captured.out
+
+
 def test_help_describes_the_tool_in_whole_sentences(capsys):
     with pytest.raises(SystemExit):
         tune_gemms.main(["--help"])

@@ -182,6 +182,21 @@ def main(argv=None) -> int:
         return _main(argv)
 
 
+def _check_counts(ap, args) -> None:
+    """Refuse timing settings no tuning can use before the step is recorded: --rounds 0
+    and --seconds 0 (or nan) divided by zero on the GPU after the recording."""
+    import math
+
+    if not (math.isfinite(args.seconds) and args.seconds > 0):
+        ap.error(f"--seconds {args.seconds} must be a number > 0 (seconds per timing, "
+                 "default 1.2)")
+    for flag, value in (("--rounds", args.rounds), ("--candidates", args.candidates)):
+        if value < 1:
+            ap.error(f"{flag} {value} must be >= 1")
+    if not math.isfinite(args.min_gain):
+        ap.error(f"--min-gain {args.min_gain} must be a finite number (default 0.01)")
+
+
 def _main(argv) -> int:
     from megatron.cli_suggest import SuggestingParser
     from megatron.srun_tasks import launcher_ranks
@@ -201,6 +216,7 @@ def _main(argv) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    _check_counts(ap, args)
     if args.preset:
         from tools.benchmark import PRESETS, build_argv
 
