@@ -248,6 +248,12 @@ def test_offline_reshard_keeps_a_target_size_left_out(tmp_path_factory, tmp_path
                                          "--target-pipeline-model-parallel-size"):
         checkpoint_convert.main(["reshard", "--load", root, "--save", str(tmp_path / "z")])
     assert not os.path.exists(tmp_path / "z")
+    # only the optimizer's form (or only the virtual stages) was refused as 'no target'
+    out = str(tmp_path / "distopt")
+    assert checkpoint_convert.main(["reshard", "--load", root, "--save", out,
+                                    "--target-use-distributed-optimizer"]) == 0
+    assert reshard.read_layout(os.path.join(out, "iter_0000002")) == \
+        reshard.Layout(2, 1, 1, "distributed")
     # Megatron-LM's checkpoint_util.py spelling, without -model-, is taken too
     out = str(tmp_path / "tp1")
     assert checkpoint_convert.main(["reshard", "--load", root, "--save", out,

@@ -504,11 +504,16 @@ def _write_rank(src, plan, kind: Optional[str], notes: set, args: dict, rank_dir
 
 
 def _default_targets(a: argparse.Namespace) -> None:
-    """A target size left out keeps the saved one (one of the two must be given)."""
-    if a.target_tensor_model_parallel_size is None and a.target_pipeline_model_parallel_size is None:
+    """A target size left out keeps the saved one (some target must be given: a size, the
+    virtual stages or the optimizer's form)."""
+    targets = (a.target_tensor_model_parallel_size, a.target_pipeline_model_parallel_size,
+               a.target_num_layers_per_virtual_pipeline_stage, a.target_distributed)
+    if all(t is None for t in targets):
         raise SystemExit("error: give --target-tensor-model-parallel-size and/or "
                          "--target-pipeline-model-parallel-size (one left out keeps the "
-                         "saved size)")
+                         "saved size), --target-num-layers-per-virtual-pipeline-stage, or "
+                         "--target-use-distributed-optimizer / "
+                         "--target-no-distributed-optimizer")
     # reshard() looks it up again and prints the note about an `.old` copy: once
     iter_dir, _, _ = reshard_lib.locate_iteration(a.load, a.iteration, note=lambda _: None)
     saved = reshard_lib.SourceCheckpoint(iter_dir).layout
