@@ -227,7 +227,8 @@ def test_synthetic_layouts_merge_back_exactly(tmp_path, tp, pp, vpp):
             "--group-query-attention --num-query-groups 4 --untie-embeddings-and-output-weights"
             ).split()
     cfg = parse_and_validate(argv, world_size=1, env={}, cuda_available=False)
-    args = dict(cfg.args, virtual_pipeline_model_parallel_size=vpp)
+    args = dict(cfg.args, virtual_pipeline_model_parallel_size=vpp,  # as a tp x pp save
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     torch.manual_seed(0)
     full = GPTModel(cfg.model)
     _write_synthetic(tmp_path, full, args, tp, pp, vpp)
