@@ -630,12 +630,8 @@ def load_full_checkpoint(load: str, iteration: Optional[int] = None,
     """(args, one-process ModelConfig, full state dict, iteration) of our checkpoint under
     `load` (any tp/pp/virtual layout; shards merged by megatron.checkpoint_reshard).
     `check_args(saved args)` runs before any weight is read (it raises to refuse)."""
-    from megatron.checkpoint_reshard import (
-        SourceCheckpoint,
-        config_from_args,
-        full_model_state,
-        locate_iteration,
-    )
+    from megatron.checkpoint_reshard import config_from_args, full_model_state, locate_iteration
+    from megatron.checkpoint_source import SourceCheckpoint
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     iter_dir, iteration, release = locate_iteration(load, iteration)

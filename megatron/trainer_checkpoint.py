@@ -34,13 +34,13 @@ from megatron.checkpoint_preflight import (
 from megatron.checkpoint_reshard import (
     Layout,
     RankPlan,
-    SourceCheckpoint,
     build_rank_payload,
     inspect_checkpoint,
     live_optimizer_kind,
     needs_resharding,
     plan_rank,
 )
+from megatron.checkpoint_source import SourceCheckpoint
 from megatron.checkpointing import (
     args_to_plain,
     get_rng_state,

@@ -683,7 +683,8 @@ def test_round_trip_keeps_the_tokenizer_after_the_hf_directory_is_gone(tmp_path,
     the advice's flags trained without it. Now the import records the same tokenizer type,
     its files copied into the checkpoint's tokenizer/ (the HF directory may be deleted),
     and generates the same text as the original checkpoint."""
-    from megatron.checkpoint_reshard import SourceCheckpoint, locate_iteration
+    from megatron.checkpoint_reshard import locate_iteration
+    from megatron.checkpoint_source import SourceCheckpoint
 
     if family == "gpt2":
         gpt2 = "/work/shared/data/gpt2"
@@ -726,7 +727,8 @@ def test_from_hf_leaves_bpe_files_that_are_not_the_models_tokenizer(tmp_path, ca
     """vocab.json + merges.txt of another BPE (no <|endoftext|>: GPT2BPETokenizer could not
     be built for training) or with more ids than the model has are not recorded as its
     GPT2BPETokenizer: NullTokenizer, and a note saying why."""
-    from megatron.checkpoint_reshard import SourceCheckpoint, locate_iteration
+    from megatron.checkpoint_reshard import locate_iteration
+    from megatron.checkpoint_source import SourceCheckpoint
     from tests.test_tokenizer import TRAIN_TEXT, train_tiny_bpe, write_bpe_files
 
     _save_hf_model(tmp_path / "hf", "gpt2")

@@ -31,7 +31,8 @@ from megatron.checkpoint_files import (
     megatron_payload,
     normalize_payload,
 )
-from megatron.checkpoint_reshard import Layout, SourceCheckpoint, read_layout
+from megatron.checkpoint_reshard import Layout, read_layout
+from megatron.checkpoint_source import SourceCheckpoint
 from megatron.checkpointing import checkpoint_name, describe_layout
 from tests.test_exact_resume import K, N, _assert_exact, resume_scenario, run_pretrain
 from tools import checkpoint_convert

@@ -14,6 +14,7 @@ import os
 import pytest
 
 from megatron import checkpoint_reshard as reshard
+from megatron import checkpoint_source
 from tests.dist_utils import run_distributed
 from tests.test_checkpoint_util import _assert_same
 from tests.test_reshard import _load_and_continue, _save_and_continue
@@ -32,13 +33,13 @@ def saved(tmp_path_factory):
 
 def _recording(monkeypatch) -> list:
     """The rank directories of the files SourceCheckpoint opens, in order."""
-    opened, real = [], reshard.load_shard
+    opened, real = [], checkpoint_source.load_shard
 
     def load(path):
         opened.append(os.path.basename(os.path.dirname(path)))
         return real(path)
 
-    monkeypatch.setattr(reshard, "load_shard", load)
+    monkeypatch.setattr(checkpoint_source, "load_shard", load)
     return opened
 
 

@@ -80,11 +80,11 @@ import torch  # noqa: E402
 
 from megatron.agreed_exit import exit_on_every_rank, silent_ranks_wait  # noqa: E402
 from megatron.checkpoint_reshard import (  # noqa: E402
-    SourceCheckpoint,
     config_from_args,
     full_model_state,
     locate_iteration,
 )
+from megatron.checkpoint_source import SourceCheckpoint  # noqa: E402
 from megatron.core.models.gpt.kv_cache import (  # noqa: E402
     KVCache,
     check_incremental,
