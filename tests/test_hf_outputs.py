@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron import hf_convert, hf_files, hf_interop
+from megatron import hf_convert, hf_files, hf_import, hf_interop
 from tests import forked_script
 from tests.dist_utils import cpu_env
 from tests.test_hf_interop import (
@@ -407,13 +407,13 @@ def test_from_hf_holds_its_directory_while_writing(tmp_path, monkeypatch):
     host and process, and held: another from-hf would not take it for a stopped one's."""
     _save_hf_model(tmp_path / "hf", "gpt2")
     seen = []
-    real = hf_convert._write_unsplit
+    real = hf_import._write_unsplit
 
     def look(root, *args):
         seen.append((os.path.basename(root), hf_files._held(root)))
         return real(root, *args)
 
-    monkeypatch.setattr(hf_convert, "_write_unsplit", look)
+    monkeypatch.setattr(hf_import, "_write_unsplit", look)
     assert _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "ck") == 0
     [(name, held)] = seen
     assert re.fullmatch(rf"\.ck\.from-hf-[\w.]+-{os.getpid()}-\w+", name), name

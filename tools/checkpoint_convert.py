@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron import checkpoint_reshard as reshard_lib  # noqa: E402
-from megatron import hf_convert  # noqa: E402
+from megatron import hf_convert, hf_import  # noqa: E402
 from megatron.arguments_inputs import home_not_expanded  # noqa: E402
 from megatron.checkpoint_dirs import (  # noqa: E402
     free_space_text,
@@ -663,7 +663,7 @@ def _rank_files(n: int) -> str:
 SUBCOMMANDS: Dict[str, Subcommand] = {
     "reshard": (add_reshard_arguments, run_reshard),
     "to-hf": (hf_convert.add_to_hf_arguments, hf_convert.run_to_hf),
-    "from-hf": (hf_convert.add_from_hf_arguments, hf_convert.run_from_hf),
+    "from-hf": (hf_import.add_from_hf_arguments, hf_import.run_from_hf),
     "to-megatron": (add_to_megatron_arguments, run_to_megatron),
 }
 
