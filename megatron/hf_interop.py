@@ -3,7 +3,8 @@
 Both directions work on FULL state dicts (tensor-parallel size 1, one pipeline stage, keys
 as `GPTModel(config).state_dict()` names them); merging and splitting shards is the job of
 the checkpoint resharding code, the convert commands that use both live in
-megatron/hf_convert.py (to-hf) and megatron/hf_import.py (from-hf), and reading and writing model directories in megatron/hf_files.py.
+megatron/hf_convert.py (to-hf) and megatron/hf_import.py (from-hf), and reading and
+writing model directories in megatron/hf_files.py.
 Shapes: n = attention heads, g = query groups (key/value heads), d = kv_channels,
 h = hidden, f = ffn hidden, V = vocabulary.
 
