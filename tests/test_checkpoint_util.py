@@ -125,7 +125,9 @@ def _vocab_json(path, entries):
     (["--target-tensor-parallel-size", "3"], "--target-tensor-parallel-size 3 does not divide "
                                              "the saved model's --num-attention-heads 4"),
     (["--target-pipeline-parallel-size", "3"], "--target-pipeline-parallel-size 3 does not "
-                                               "divide the saved model's 4 layers"),
+                                               "divide the saved model's 4 layers over 3 "
+                                               r"stage\(s\); every stage needs the same number "
+                                               "of layers. Use a size that fits: 1, 2, 4$"),
     (["--target-tensor-parallel-size", "0"], "--target-tensor-parallel-size must be >= 1, got 0"),
     (["--true-vocab-size", "100"], r"--true-vocab-size 100 disagrees with the checkpoint's "
                                    r"tokenizer \(NullTokenizer, 128 tokens\).* pass 128"),

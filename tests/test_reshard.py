@@ -718,8 +718,11 @@ def test_target_layout_check_names_the_sizes_that_fit():
     with pytest.raises(SystemExit, match="--num-query-groups 2; .* divides them: 1, 2$"):
         checkpoint_convert.check_target_layout(args, 4, 1)
     checkpoint_convert.check_target_layout(args, 2, 4)  # 6 layers over 3 stages + embedding
-    with pytest.raises(SystemExit, match="6 layers over 4 stage"):
+    with pytest.raises(SystemExit, match="6 layers over 4 stage.* fits: 1, 2, 3, 6$"):
         checkpoint_convert.check_target_layout(args, 2, 4, virtual=True)
+    # the embedding stage adds one to each layer split: 6 layers over 1, 2, 3 or 6 stages
+    with pytest.raises(SystemExit, match="6 layers over 4 stage.* fits: 1, 2, 3, 4, 7$"):
+        checkpoint_convert.check_target_layout(args, 2, 5)
 
 
 # ------------------------------------------------------------------------------- 3. units

@@ -140,9 +140,12 @@ def check_target_layout(args: dict, tp: int, pp: int, virtual: bool = False,
     standalone = args.get("standalone_embedding_stage") and pp > 1 and not virtual
     stages = pp - 1 if standalone else pp
     if layers % stages:
+        first = 1 if args.get("standalone_embedding_stage") and not virtual else 0
+        fits = [1] + [d + first for d in range(1, layers + 1) if layers % d == 0 and d + first > 1]
         raise SystemExit(f"error: {flags[1]} {pp} does not divide "
                          f"the saved model's {layers} layers over {stages} stage(s); every "
-                         f"stage needs the same number of layers")
+                         f"stage needs the same number of layers. Use a size that fits: "
+                         f"{', '.join(map(str, fits))}")
 
 
 def _virtual_stages(num_layers: int, pp: int, layers_per_stage: Optional[int]) -> int:
