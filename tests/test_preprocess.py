@@ -244,6 +244,26 @@ def test_json_keys_differing_only_by_case_on_a_case_insensitive_file_system(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("kind", ["BertWordPieceLowerCase", "BertWordPieceCase"])
+def test_megatron_bert_tokenizer_types_are_refused_in_one_line_naming_the_choices(tmp_path,
+                                                                                  kind):
+    """Megatron 23.05 offers them; here argparse answered 'invalid choice' under the whole
+    usage block, with no reason and no word of what to use instead."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "a b"}])
+    (tmp_path / "vocab.txt").write_text("[PAD]\n[CLS]\n[SEP]\n[MASK]\na\nb\n")
+    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "n"), "--tokenizer-type",
+            kind, "--vocab-file", str(tmp_path / "vocab.txt"), "--workers", "1"]
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "preprocess_data.py")] + argv,
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        f"preprocess_data.py: error: --tokenizer-type {kind} is not supported: it has no "
+        "end-of-document token, which GPT pretraining needs; use GPT2BPETokenizer, "
+        "SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer or "
+        "NullTokenizer"]
+    assert not list(tmp_path.glob("n_*"))
+
+
 def test_megatron_23_04_chunk_size_is_accepted_and_ignored(tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2 3"}, {"text": "4"}])
     argv = ["--input", str(src), "--output-prefix", str(tmp_path / "n"), "--tokenizer-type",

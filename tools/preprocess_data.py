@@ -71,6 +71,9 @@ from tools.preprocess_input import (  # noqa: E402
     input_files,
 )
 
+# Megatron 23.05's choices that a GPT framework cannot train with: one line, not argparse's
+# 'invalid choice', tells a Megatron user what to pass instead
+_NO_EOD_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase")
 _VOCAB_SIZE_DEFAULT = 786  # Megatron-LM's default for --vocab-size (read by NullTokenizer only)
 
 
@@ -93,7 +96,7 @@ def get_args(argv=None) -> argparse.Namespace:
                    "lines instead of stopping at the first one")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", type=str, required=True,
-                   choices=["GPT2BPETokenizer", "SentencePieceTokenizer",
+                   choices=[*_NO_EOD_TYPES, "GPT2BPETokenizer", "SentencePieceTokenizer",
                             "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
                             "NullTokenizer"])
     g.add_argument("--tokenizer-model", type=str, default=None)
@@ -121,6 +124,11 @@ def get_args(argv=None) -> argparse.Namespace:
 
 
 def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.tokenizer_type in _NO_EOD_TYPES:
+        parser.exit(2, f"{parser.prog}: error: --tokenizer-type {args.tokenizer_type} is not "
+                    "supported: it has no end-of-document token, which GPT pretraining needs; "
+                    "use GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, "
+                    "HuggingFaceTokenizer or NullTokenizer\n")
     if args.dataset_impl != "mmap":
         parser.error(f"--dataset-impl {args.dataset_impl} is not supported: only the mmap "
                      "format is written (Megatron 23.06 crashes on the legacy ones too)")
