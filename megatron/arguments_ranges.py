@@ -259,7 +259,14 @@ def warn_unread_checkpoint_flags(ns, explicit: Set[str]) -> None:
     """The save flags of a run without --save and the load flags of a run without --load
     (Megatron-LM ignores them silently): a script that lost its --save would train for days
     and write no checkpoint; one that lost its --load (with --exit-on-missing-checkpoint,
-    meant to stop a resume that finds nothing) would start from scratch, and say nothing."""
+    meant to stop a resume that finds nothing) would start from scratch, and say nothing.
+    A --save with --skip-train is said to write nothing as well (Megatron-LM saves only
+    after training, so it writes nothing either, silently)."""
+    # (only a --skip-train the user gave: tools/plan_layout.py sets one as a placeholder)
+    if ns.save is not None and ns.skip_train and "skip_train" in explicit:
+        warn(f"--save {ns.save}: --skip-train only evaluates and writes no checkpoint (as in "
+             "Megatron-LM, which saves only after training); drop --skip-train to train and "
+             "save")
     for dests, flag, what in ((_SAVE_DESTS, "--save", "no checkpoint is written"),
                               (_LOAD_DESTS, "--load", "the run starts from freshly "
                                                       "initialised weights, loading nothing")):

@@ -387,6 +387,10 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
     warn_unread_checkpoint_flags(ns, explicit)
     if ns.log_memory_to_tensorboard and ns.tensorboard_dir is not None and not cuda_available:
         warn("--log-memory-to-tensorboard has no effect without CUDA (no allocator statistics)")
+    # (not for a --dry-run without CUDA: a GPU job planned on a login node)
+    if ns.empty_unused_memory_level and not cuda_available and not ns.dry_run:
+        warn(f"--empty-unused-memory-level {ns.empty_unused_memory_level} has no effect without "
+             "CUDA (it returns the CUDA caching allocator's unused memory to the driver)")
     backend = "nccl" if cuda_available else "gloo"
     if "distributed_backend" in explicit and ns.distributed_backend != backend:
         warn(f"--distributed-backend {ns.distributed_backend} ignored: using {backend} "

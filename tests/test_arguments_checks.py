@@ -251,6 +251,10 @@ def test_a_loss_scale_without_fp16_or_bf16_is_warned(caplog):
      "have no effect without --load (the run starts from freshly initialised weights, "
      "loading nothing); add --load DIR"),
     ("--no-load-rng", "--no-load-rng has no effect without --load"),
+    # an evaluation-only run saves nothing (Megatron-LM: silently), whatever --save says
+    ("--skip-train --save s --save-interval 5", "--save s: --skip-train only evaluates and "
+     "writes no checkpoint (as in Megatron-LM, which saves only after training); drop "
+     "--skip-train to train and save"),
     ("--save s --save-interval 5 --no-save-rng --load s --no-load-optim "
      "--exit-on-missing-checkpoint", None),
     # what the run reads, and defaults spelled out, are not warned
@@ -274,6 +278,18 @@ def test_tuning_flags_the_run_never_reads_are_warned(caplog, extra, expected):
         assert "has no effect" not in caplog.text
     else:
         assert expected in caplog.text
+
+
+def test_empty_unused_memory_level_without_cuda_is_warned(caplog):
+    """It empties the CUDA caching allocator: on a CPU run it did nothing, silently."""
+    run("--empty-unused-memory-level 2")
+    assert ("--empty-unused-memory-level 2 has no effect without CUDA (it returns the CUDA "
+            "caching allocator's unused memory to the driver)") in caplog.text
+    caplog.clear()
+    run("--empty-unused-memory-level 2", cuda_available=True)
+    run("--empty-unused-memory-level 1 --dry-run")  # a GPU job planned on a login node
+    run("--empty-unused-memory-level 0")
+    assert "--empty-unused-memory-level" not in caplog.text
 
 
 def test_a_log_interval_longer_than_the_run_is_warned(caplog):
