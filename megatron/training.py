@@ -555,14 +555,15 @@ def pretrain(config: Config, rt: Runtime, process_start_time: Optional[float] = 
 def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
               oom: OomReport, progress: RunProgress, tokenizer=None,
               signals: Optional[SignalHandler] = None) -> Trainer:
-    if config.checkpoint.save:
-        checkpointing.check_save_dir(config.checkpoint.save, rt.ps, rt.control_group)  # not after training
+    # --skip-train saves nothing: its --save is neither created nor probed nor locked, so it
+    # evaluates a --save that a training run is writing now (the same command line)
+    saves = None if config.training.skip_train else config.checkpoint.save
+    if saves:
+        checkpointing.check_save_dir(saves, rt.ps, rt.control_group)  # not after training
     if config.logging.tensorboard_dir:  # the last rank writes it: a message, not a traceback
         checkpointing.check_output_dir(config.logging.tensorboard_dir, "--tensorboard-dir",
                                        rt.ps, rt.control_group, rt.ps.world_size - 1)
-    # one run per --save: the lock is held by global rank 0. --skip-train saves nothing, so
-    # it evaluates a --save that a training run is writing now (the same command line).
-    saves = None if config.training.skip_train else config.checkpoint.save
+    # one run per --save: the lock is held by global rank 0
     with lock_save_dir(saves, rt.ps, rt.control_group) as save_lock:
         tr = _setup(config, rt, process_start_time, progress, save_lock.held, signals)
         oom.trainer = progress.trainer = tr  # the reports name the iteration from here on

@@ -341,6 +341,18 @@ def test_skip_train_evaluates_a_checkpoint_without_its_training_schedule(tmp_pat
     assert tr.state.iteration == 2 and "validation loss at iteration 2" in capsys.readouterr().out
 
 
+def test_skip_train_does_not_create_its_save_dir(tmp_path):
+    """--skip-train writes no checkpoint (Megatron: it saves only after training); the
+    start-up probe of --save still created the directory, left empty."""
+    root = tmp_path / "ck"
+    save_run(root)
+    out = tmp_path / "never"
+    tr = run_pretrain(["--seq-length", "16", "--load", str(root), "--skip-train",
+                       "--eval-iters", "1", "--save", str(out), "--save-interval", "1"])
+    assert tr.state.iteration == 2
+    assert not out.exists()
+
+
 # ------------------------------------------------- --train-samples at another batch size
 
 
