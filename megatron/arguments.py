@@ -596,9 +596,9 @@ def parse_and_validate(
 
                 copied = take_checkpoint_args(ns, explicit, warn, job_store)
                 fit_checkpoint_layout(ns, copied, world_size, warn)
+            # (local_rank stays as given, None under torchrun, as Megatron-LM's arguments
+            # dump shows it: the device comes from $LOCAL_RANK, see pretrain_gpt.py)
             ns.rank, ns.world_size = rank, world_size
-            if ns.local_rank is None and env.get("LOCAL_RANK"):
-                ns.local_rank = int(env["LOCAL_RANK"])
             validate_args(ns, world_size, explicit=explicit, cuda_available=cuda_available,
                           vocab_size_fn=vocab_size_fn, origins=origins)
             return build_config(ns)

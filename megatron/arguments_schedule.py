@@ -55,7 +55,8 @@ def check_run_length(ns, origins: Optional[Mapping[str, str]] = None) -> None:
 
 
 def resolve_iterations(ns) -> None:
-    """--rampup-batch-size: Megatron's checks, ints in the namespace (see microbatches.py);
+    """--rampup-batch-size: Megatron's checks (the namespace keeps the strings, as
+    Megatron-LM's arguments dump shows them; the config gets ints: build_config);
     then train_iters of a sample-based run (train_samples // global batch, or Megatron's
     count through the ramp-up), or --lr-decay-iters' default of an iteration-based one;
     a --log-interval longer than the run is warned."""
@@ -67,7 +68,6 @@ def resolve_iterations(ns) -> None:
     except ValueError as e:
         raise ArgumentsError(str(e)) from None
     if rampup is not None:
-        ns.rampup_batch_size = list(rampup)
         note(f"will use batch size rampup starting from global batch size {rampup[0]} to "
              f"global batch size {ns.global_batch_size} with batch size increments {rampup[1]} "
              f"over {rampup[2]} samples.")

@@ -618,7 +618,8 @@ def build_config(ns: argparse.Namespace) -> Config:
     values.update(schedule_steps(ns))
     values["train_iters"] = ns.train_iters
     values["num_query_groups"] = ns.num_query_groups if ns.group_query_attention else None
-    if ns.rampup_batch_size:
+    if ns.rampup_batch_size:  # (checked by resolve_iterations; the args keep the strings)
+        values["rampup_batch_size"] = [int(v) for v in ns.rampup_batch_size]
         values["target_global_batch_size"] = ns.global_batch_size
     for name in _DELETED:
         values.pop(name, None)

@@ -429,7 +429,8 @@ def test_yaml_list_flag_given_as_one_line_is_split_into_words(tmp_path):
                            "train-samples: 64\n")
     cfg = run(f"--config {path} --global-batch-size 8",
               base=without("--train-iters", without("--mock-data")))
-    assert cfg.args["rampup_batch_size"] == [4, 4, 16]
+    assert cfg.args["rampup_batch_size"] == ["4", "4", "16"]  # the words, as Megatron keeps
+    assert cfg.data.rampup_batch_size == [4, 4, 16]
     assert cfg.data.data_path == ["0.3", "a", "0.7", "b c"]
     unbalanced = _yaml(tmp_path, "data-path: a 'b\n")
     assert "key 'data-path': cannot split \"a 'b\"" in error_of(f"--config {unbalanced}")
@@ -521,3 +522,21 @@ def test_format_args_dump():
         "  lr " + "." * 46 + " 0.1",
         "-------------------- end of arguments ---------------------",
     ]
+
+
+def test_dump_prints_local_rank_and_rampup_as_megatron_does():
+    """Users diff the dumps of the two frameworks. Under torchrun (LOCAL_RANK in the
+    environment, no --local_rank) Megatron-LM prints local_rank None, where this printed 0;
+    --rampup-batch-size (nargs='*', no type) stays strings there, where this printed ints.
+    The run itself uses the integers."""
+    from megatron.arguments import parse_and_validate
+
+    argv = without("--train-iters") + "--train-samples 64 --rampup-batch-size 4 4 16 " \
+        "--global-batch-size 8".split()
+    cfg = parse_and_validate(argv, world_size=2, env={"RANK": "0", "LOCAL_RANK": "0"},
+                             cuda_available=False)
+    dump = format_args_dump(cfg.args).splitlines()
+    assert "  local_rank " + "." * 38 + " None" in dump
+    assert "  rampup_batch_size " + "." * 31 + " ['4', '4', '16']" in dump
+    assert cfg.data.rampup_batch_size == [4, 4, 16]
+    assert run("--local_rank 1").args["local_rank"] == 1  # as given, as Megatron-LM keeps it

@@ -161,7 +161,7 @@ IMPLEMENTED_BY = {
     # refused where Megatron asserts (fp32 accumulation, distributed optimizer), else warned
     # as without effect: the local DDP always keeps contiguous gradient buffers
     "--no-contiguous-buffers-in-local-ddp": (VALIDATE, "use_contiguous_buffers_in_local_ddp"),
-    # Kept in args, filled from $LOCAL_RANK when absent; the device comes from
+    # Kept in args as given (None under torchrun, as Megatron-LM); the device comes from
     # $LOCAL_RANK, which torchrun and torch.distributed.launch always set.
     "--local_rank": ("megatron/arguments.py", "local_rank"),
     "--use-cpu-initialization": ("megatron/core/tensor_parallel/layers.py",
