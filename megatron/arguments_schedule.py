@@ -7,7 +7,7 @@ schedule lengths are in SAMPLES, as Megatron's scheduler counts them; the warmup
 
 Called by `arguments_validate.validate_args` in this order: `check_run_length` (once the
 global batch is known), `resolve_iterations` (ramp-up; train_iters of sample-based runs),
-and `schedule_steps` (also used by `build_config`).
+`schedule_steps` (also used by `build_config`) and `warn_unfinished_warmup`.
 """
 from __future__ import annotations
 
@@ -135,3 +135,27 @@ def schedule_steps(ns) -> Dict[str, Any]:
     if isinstance(warmup, float) and warmup.is_integer():
         warmup = int(warmup)
     return {"lr_warmup_steps": warmup, "lr_decay_steps": decay, "wd_incr_steps": max(wd_incr, 1)}
+
+
+def warn_unfinished_warmup(ns, warmup: float) -> None:
+    """A run that ends inside the learning-rate warmup never trains at --lr: its lr climbs
+    to lr x (samples trained / warmup samples) and stops there (e.g. a --config preset's
+    --lr-warmup-samples kept under a short --train-samples try-out). Megatron-LM runs it
+    in silence; warned with the lr reached and the fix."""
+    if ns.skip_train or not ns.train_iters or not warmup:
+        return
+    gbs = ns.global_batch_size
+    trained = (rampup_consumed_samples(ns.train_iters, tuple(ns.rampup_batch_size), gbs)
+               if ns.rampup_batch_size else ns.train_iters * gbs)
+    if trained >= warmup:
+        return
+    if ns.lr_warmup_fraction is not None:
+        flag = f"--lr-warmup-fraction {ns.lr_warmup_fraction:g}"
+    elif ns.train_samples:
+        flag = f"--lr-warmup-samples {ns.lr_warmup_samples}"
+    else:
+        flag = f"--lr-warmup-iters {ns.lr_warmup_iters}"
+    warn(f"{flag} makes a learning-rate warmup of {warmup:g} samples, but the run trains "
+         f"only {trained} ({ns.train_iters} iterations): the learning rate ends at "
+         f"{ns.lr * trained / warmup:.3E}, {100.0 * trained / warmup:.2g}% of --lr {ns.lr:g}, "
+         "and never decays; shorten the warmup or lengthen the run")

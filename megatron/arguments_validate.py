@@ -41,7 +41,12 @@ from megatron.arguments_ranges import (
     warn_unread_tensorboard_flags,
     warn_unread_tuning_flags,
 )
-from megatron.arguments_schedule import check_run_length, resolve_iterations, schedule_steps
+from megatron.arguments_schedule import (
+    check_run_length,
+    resolve_iterations,
+    schedule_steps,
+    warn_unfinished_warmup,
+)
 from megatron.config import (
     CheckpointConfig,
     Config,
@@ -553,7 +558,7 @@ def validate_args(
                                           ns.tensor_model_parallel_size)
     note(f" > padded vocab (size: {orig}{', assumed: tokenizer files missing' if assumed else ''})"
          f" with {ns.padded_vocab_size - orig} dummy tokens (new size: {ns.padded_vocab_size})")
-    schedule_steps(ns)  # checks warmup < decay before anything is built
+    warn_unfinished_warmup(ns, schedule_steps(ns)["lr_warmup_steps"])  # checks warmup < decay
     # Megatron's counters, 0 at the start (a checkpoint stores the live values), and its
     # fixed-sequence-length switch: in the namespace, so the arguments dump shows them.
     ns.consumed_train_samples = ns.consumed_valid_samples = 0

@@ -307,6 +307,29 @@ def test_a_log_interval_longer_than_the_run_is_warned(caplog):
     assert "--log-interval" not in caplog.text
 
 
+def test_a_run_that_ends_inside_the_lr_warmup_is_warned(caplog):
+    """A run shorter than its warmup never trains at --lr (a --config preset's warmup kept
+    under a short --train-samples try-out): Megatron's warmup is lr * n / W after n samples,
+    so the last step's lr is lr * trained / W. Said, with the lr the run ends at."""
+    lr, gbs = 1e-3, 4  # B: --lr 1e-3, micro batch 2 x 2 micro-batches, --train-iters 4
+    run("--lr-warmup-iters 8 --lr-decay-iters 100")
+    trained, warmup = 4 * gbs, 8 * gbs
+    assert (f"--lr-warmup-iters 8 makes a learning-rate warmup of {warmup} samples, but the "
+            f"run trains only {trained} (4 iterations): the learning rate ends at "
+            f"{lr * trained / warmup:.3E}, 50% of --lr 0.001, and never decays; shorten the "
+            "warmup or lengthen the run") in caplog.text
+    caplog.clear()  # sample-based, and a fraction of a decay longer than the run
+    run(["--train-samples", "40", "--lr-decay-samples", "1000", "--lr-warmup-fraction",
+         "0.1"], base=without("--train-iters"))
+    assert ("--lr-warmup-fraction 0.1 makes a learning-rate warmup of 100 samples, but the "
+            f"run trains only 40 (10 iterations): the learning rate ends at {lr * 40 / 100:.3E}"
+            ) in caplog.text
+    caplog.clear()  # a warmup the run completes (at its last step), or --skip-train
+    run("--lr-warmup-iters 4 --lr-decay-iters 100")
+    run("--lr-warmup-iters 8 --lr-decay-iters 100 --skip-train")
+    assert "warmup" not in caplog.text
+
+
 # ------------------------------------------------------------------- data inputs
 
 DATA = without("--mock-data", base=B)
