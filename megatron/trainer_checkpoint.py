@@ -478,9 +478,11 @@ def assumed_counters(config, iteration: int, consumed_train: int,
         rampup = d.rampup_batch_size
         consumed_train = (rampup_consumed_samples(iteration, tuple(rampup), gbs) if rampup
                           else iteration * gbs)
+        how = (f"the --rampup-batch-size {' '.join(map(str, rampup))} batches of its "
+               f"{iteration} iterations" if rampup else f"its iterations x global batch {gbs}")
         note = (f" > the checkpoint at iteration {iteration} counts no consumed samples (an "
                 f"old or converted checkpoint): taking {consumed_train} training samples "
-                f"(its iterations x global batch {gbs}) as consumed, as Megatron-LM does")
+                f"({how}) as consumed, as Megatron-LM does")
     if consumed_valid == 0 and t.eval_interval and not t.train_samples:
         consumed_valid = (iteration // t.eval_interval) * t.eval_iters * gbs
     return consumed_train, consumed_valid, note

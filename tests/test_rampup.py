@@ -219,3 +219,26 @@ def test_final_evaluation_under_rampup_is_megatrons(skip_train):
             in out, out
     # the validation draw: 2 iterations of the last step's 6 samples, or of START's 2
     assert tr.state.consumed_valid_samples == (4 if skip_train else 12)
+
+
+def test_assumed_consumed_samples_under_rampup_are_described_as_the_ramps():
+    """A checkpoint without sample counts resumed under --rampup-batch-size: the samples
+    taken as consumed are the ramp's (2 + 2 + 2 + 4 + 4 = 14 after 5 steps of 2 2 16 to 8,
+    per increment 16 / 3 samples), and the note says so, not "iterations x global batch 8"
+    (40)."""
+    from megatron.trainer_checkpoint import assumed_counters
+
+    cfg = parse_and_validate(BASE + ["--global-batch-size", "8", "--train-samples", "80",
+                                     "--rampup-batch-size", "2", "2", "16"],
+                             world_size=1, env={}, cuda_available=False)
+    per_increment = 16 / 3
+    sizes, consumed = [], 0
+    for _ in range(5):
+        sizes.append(2 + int(consumed / per_increment) * 2)
+        consumed += sizes[-1]
+    assert sizes == [2, 2, 2, 4, 4]
+    train, _, note = assumed_counters(cfg, 5, 0, 0)
+    assert train == consumed == 14
+    assert ("taking 14 training samples (the --rampup-batch-size 2 2 16 batches of its 5 "
+            "iterations) as consumed") in note
+    assert "x global batch" not in note
