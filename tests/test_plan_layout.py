@@ -131,6 +131,39 @@ def test_a_model_with_room_gets_pure_data_parallelism(gpus):
     assert result.smallest.memory["total"] < 0.5 * req.limit_bytes
 
 
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "64", "--max-position-embeddings", "64", "--global-batch-size", "16"]
+
+
+@pytest.mark.parametrize("argv,gpus", [(TINY, 4), (SMALL, 8)])
+def test_a_tiny_model_gets_pure_data_parallelism(argv, gpus):
+    """A model that fits on one GPU many times over trains data parallel: tensor and
+    pipeline parallelism only add communication (and a bubble) to it."""
+    _, result = _plan(("--gpus", str(gpus), "--gpu-memory-gb", "80", *argv))
+    best = result.fitting[0]
+    assert (best.layout.tp, best.layout.pp, best.config.parallel.dp_size) == (1, 1, gpus)
+
+
+def test_a_model_too_big_for_one_gpu_gets_the_smallest_tp_that_fits():
+    """3 layers (no pipeline of 2 or 4) too big for one 24 GiB GPU: tp 2 x dp 2, not tp 4."""
+    _, result = _plan(("--gpus", "4", "--gpu-memory-gb", "24", "--num-layers", "3",
+                       "--hidden-size", "8192", "--num-attention-heads", "64",
+                       "--seq-length", "2048", "--max-position-embeddings", "2048",
+                       "--global-batch-size", "64", "--bf16"))
+    assert min(p.layout.tp for p in result.fitting) == 2
+    best = result.fitting[0]
+    assert (best.layout.tp, best.layout.pp, best.config.parallel.dp_size) == (2, 1, 2)
+
+
+def test_175b_on_64_gpus_uses_tensor_and_pipeline_parallelism():
+    req = build_request(list(_preset("gpt3-175b", 64)))
+    layouts = [Layout(tp, pp, 1, 1, tp > 1, 64 // (tp * pp) > 1, rc)
+               for tp in tensor_sizes(64, 8) for pp in (1, 2, 4, 8, 16, 32, 64)
+               if 64 % (tp * pp) == 0 for rc in (None, "full")]
+    best = plan_layouts(req, layouts=layouts, progress=None).fitting[0]
+    assert best.layout.tp > 1 and best.layout.pp > 1
+
+
 def test_tensor_parallel_stays_within_a_node():
     assert tensor_sizes(24, 8) == [1, 2, 4, 8]  # 3 and 6 would straddle two nodes
     assert tensor_sizes(6, 8) == [1, 2, 3, 6]  # one node: any divisor
@@ -182,6 +215,25 @@ def test_cost_model_moves_the_obvious_ways():
     overlapped = _small_cost(Layout(1, 1, 1, 1, False, False, None), 8, 8,
                              "--overlap-grad-reduce")[1]
     assert overlapped.dp_exposed == pytest.approx(inside.dp_exposed * (1 - layout_cost.DP_OVERLAP))
+
+
+def test_the_last_pipeline_stage_does_all_the_logits():
+    """A pipeline splits the layers, not the logits layer: the busiest stage's compute."""
+    flat = _small_cost(Layout(1, 1, 1, 2, False, False, None), 8)[1]
+    piped = _small_cost(Layout(1, 2, 1, 2, False, False, None), 8)[1]
+    h, v, tokens = 256, 50304, 64 * 128
+    logits = 3 * 2 * h * v * tokens / layout_cost.GPU_FLOPS
+    layers = flat.compute * 8 - logits  # dp 8: a rank's tokens are an eighth
+    assert piped.compute == pytest.approx((layers / 2 + logits) / 4)
+    assert piped.compute > flat.compute * 1.5  # the logits are most of this small model
+
+
+def test_each_collective_and_send_costs_a_latency():
+    tp2 = _small_cost(Layout(2, 1, 1, 2, True, False, None), 8)[1]
+    n_mb, layers = 64 // (2 * 4), 8
+    assert tp2.tp_comm > n_mb * layers * 4 * layout_cost.COMM_LATENCY_S
+    pp2 = _small_cost(Layout(1, 2, 1, 2, False, False, None), 8)[1]
+    assert pp2.p2p > (64 // (2 * 4)) * 2 * layout_cost.COMM_LATENCY_S
 
 
 def test_help_says_the_ranking_is_an_estimate():

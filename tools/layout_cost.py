@@ -12,24 +12,30 @@ pipeline rank (l / (p - 1) with --standalone-embedding-stage).
 
     step = (compute + tp_comm + p2p + overhead) * (1 + bubble) + dp_exposed
 
-compute     FLOPs per token (megatron.logging_utils.model_flops_per_token, product by
-            product: 72 l h^2 (1 + s/6h + V/12lh) for a GPT with a 4h MLP, more or less
-            with SwiGLU, query groups or another --ffn-hidden-size) x B s tokens / N /
-            GPU_FLOPS. Full recompute adds one more forward of the layers (24 l h^2
-            (1 + s/6h) per token for that GPT); selective recompute adds the attention
-            core's forward, 4 l s h per token.
+compute     the busiest pipeline stage's FLOPs: the last stage, with its L layers AND the
+            logits layer (a pipeline splits the layers, never the logits), over the B s / d
+            tokens of its data-parallel rank, / t (tensor parallelism splits both) /
+            GPU_FLOPS. With p = 1 that is the whole model's FLOPs per token
+            (megatron.logging_utils.model_flops_per_token: 72 l h^2 (1 + s/6h + V/12lh) for
+            a GPT with a 4h MLP, more or less with SwiGLU, query groups or another
+            --ffn-hidden-size) x B s tokens / N / GPU_FLOPS. Full recompute adds one more
+            forward of the layers (24 L h^2 (1 + s/6h) per token for that GPT); selective
+            recompute adds the attention core's forward, 4 L s h per token.
 tp_comm     per layer and micro-batch 4 collectives of the activation (b s h e bytes): two
             all-reduces in forward, two in backward (6 with full recompute, whose second
-            forward repeats them), each moving 2 (t-1)/t of it at NVLINK_BW. With sequence
-            parallelism they become all-gathers and reduce-scatters of the same total
-            volume (Korthikanti et al. 2022), so its cost is the same; its gain is memory.
-            Tensor parallelism stays inside a node.
+            forward repeats them), each moving 2 (t-1)/t of it at NVLINK_BW and costing
+            COMM_LATENCY_S whatever its size. With sequence parallelism they become
+            all-gathers and reduce-scatters of the same total volume (Korthikanti et al.
+            2022), so its cost is the same; its gain is memory. Tensor parallelism stays
+            inside a node.
 p2p         per micro-batch and virtual stage: one activation forward and one gradient
             backward between pipeline neighbours (/ t with sequence parallelism), at
-            NETWORK_BW when the job spans nodes, else NVLINK_BW.
+            NETWORK_BW when the job spans nodes, else NVLINK_BW, each exchange also costing
+            COMM_LATENCY_S.
 overhead    MICRO_BATCH_OVERHEAD_S per layer and micro-batch (kernel launches and GEMMs too
             small to run at full rate): the simple reason a larger micro batch is faster.
-bubble      (p - 1) / (m v), the idle fraction of 1F1B (interleaved with v > 1).
+bubble      (p - 1) / (m v), the idle time of 1F1B (interleaved with v > 1) over the busy
+            time: (p - 1) / (m v + p - 1) of the step.
 dp_exposed  gradient reduction across data-parallel ranks of the largest pipeline stage's
             parameters: an all-reduce of the gradient buffer, 2 (d-1)/d x params x grad
             bytes, or with the distributed optimizer a reduce-scatter of the gradients and
@@ -38,8 +44,7 @@ dp_exposed  gradient reduction across data-parallel ranks of the largest pipelin
             NVLINK_BW. With --overlap-grad-reduce a fraction DP_OVERLAP of it hides behind
             backward; without (the default) none does.
 
-Not modelled: the optimizer step, the last stage's extra logits work, stragglers, NCCL
-latency, compute speed-ups of sequence parallelism, GEMM shapes, topology beyond one
+Not modelled: the optimizer step, the first stage's embedding work, stragglers, compute speed-ups of sequence parallelism, GEMM shapes, topology beyond one
 intra-node and one inter-node bandwidth.
 """
 from __future__ import annotations
@@ -49,11 +54,11 @@ if __name__ == "__main__":
     raise SystemExit("tools/layout_cost.py is a library module (the cost model of the layout "
                      "planner); run python tools/plan_layout.py --help")
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from megatron.arguments_report import count_parameters
 from megatron.config import Config
-from megatron.logging_utils import layer_forward_flops, model_flops_per_token
+from megatron.logging_utils import layer_forward_flops
 
 # An H100-class cluster. Sustained matmul rate of one GPU, FLOP/s (bf16; about 40% of an
 # H100's dense peak).
@@ -66,6 +71,10 @@ NETWORK_BW = 40e9
 DP_OVERLAP = 0.5
 # Fixed cost per transformer layer and micro-batch (forward + backward), seconds.
 MICRO_BATCH_OVERHEAD_S = 40e-6
+# Fixed cost of one NCCL operation on the critical path (a tensor-parallel collective, a
+# pipeline send/recv), whatever its size: launch and synchronisation, seconds. What makes
+# tensor and pipeline parallelism a loss for a model that needs neither.
+COMM_LATENCY_S = 20e-6
 
 # The constants as the planner's --help and report name them.
 CONSTANTS = {
@@ -74,6 +83,8 @@ CONSTANTS = {
     "NETWORK_BW": f"{NETWORK_BW / 1e9:.0f} GB/s per GPU between nodes",
     "DP_OVERLAP": f"{DP_OVERLAP:.0%} of the gradient reduction hidden with --overlap-grad-reduce",
     "MICRO_BATCH_OVERHEAD_S": f"{MICRO_BATCH_OVERHEAD_S * 1e6:.0f} us per layer and micro-batch",
+    "COMM_LATENCY_S": f"{COMM_LATENCY_S * 1e6:.0f} us per tensor-parallel collective or "
+                      "pipeline send/recv",
 }
 
 
@@ -94,14 +105,16 @@ def bubble_fraction(pp_size: int, num_micro_batches: int, virtual_pp_size: int =
     return (pp_size - 1) / (num_micro_batches * virtual_pp_size)
 
 
-def training_flops_per_token(config: Config) -> float:
-    """FLOPs per token of one step with the configuration's activation recompute."""
+def training_flops_per_token(config: Config, num_layers: Optional[float] = None) -> float:
+    """FLOPs per token of one step with the configuration's activation recompute, for
+    `num_layers` layers (default: the model's) and the logits layer."""
     m, s = config.model, config.data.seq_length
-    flops = model_flops_per_token(m, s)
+    layers = m.num_layers if num_layers is None else num_layers
+    flops = 3.0 * (layers * layer_forward_flops(m, s) + 2.0 * m.hidden_size * m.padded_vocab_size)
     if m.recompute_granularity == "full":  # the layers' forward once more
-        flops += m.num_layers * layer_forward_flops(m, s)
+        flops += layers * layer_forward_flops(m, s)
     elif m.recompute_granularity == "selective":  # the attention scores and values
-        flops += 4.0 * m.num_layers * s * m.num_attention_heads * m.kv_channels
+        flops += 4.0 * layers * s * m.num_attention_heads * m.kv_channels
     return flops
 
 
@@ -137,13 +150,17 @@ def step_cost(config: Config, gpus_per_node: int) -> StepCost:
     n_mb = d.num_micro_batches
     act = d.micro_batch_size * d.seq_length * m.hidden_size * _act_bytes(config)
     layers = m.num_layers / (pp - 1 if p.standalone_embedding_stage else pp)
-    compute = training_flops_per_token(config) * d.global_batch_size * d.seq_length / gpus / GPU_FLOPS
-    collectives = 6 if m.recompute_granularity == "full" else 4
-    tp_comm = n_mb * layers * collectives * 2 * (tp - 1) / tp * act / NVLINK_BW
+    # The last stage paces the pipeline: its layers and the whole logits layer.
+    tokens = d.global_batch_size * d.seq_length / dp
+    compute = training_flops_per_token(config, layers) * tokens / tp / GPU_FLOPS
+    tp_comm = 0.0
+    if tp > 1:
+        collectives = n_mb * layers * (6 if m.recompute_granularity == "full" else 4)
+        tp_comm = collectives * (2 * (tp - 1) / tp * act / NVLINK_BW + COMM_LATENCY_S)
     p2p = 0.0
     if pp > 1:
         bw = NETWORK_BW if gpus > gpus_per_node else NVLINK_BW
-        p2p = n_mb * vp * 2 * act / (tp if p.sequence_parallel else 1) / bw
+        p2p = n_mb * vp * 2 * (act / (tp if p.sequence_parallel else 1) / bw + COMM_LATENCY_S)
     overhead = n_mb * layers * MICRO_BATCH_OVERHEAD_S
     bubble = bubble_fraction(pp, n_mb, vp)
     hidden = DP_OVERLAP if p.overlap_grad_reduce else 0.0
