@@ -169,6 +169,31 @@ def test_dropout_left_on_is_warned_about():
                                                                  "--attention-dropout", "0.0"])
 
 
+def test_the_cpu_default_model_is_cheap_and_takes_every_layout():
+    """Without CUDA the README's 50-iteration command must end well inside --timeout on 2
+    cores: a small fraction of the GPU model's FLOPs per iteration, with the same layers,
+    heads and batch (tp8, pp4vp2, dp8 all still possible)."""
+    from megatron.arguments import parse_and_validate
+    from megatron.logging_utils import model_flops_per_token
+
+    gpu, cpu = lp.default_model(True), lp.default_model(False)
+    assert "--bf16" in gpu and "--bf16" not in cpu
+
+    def flops(model, layout="tp1"):
+        argv = model + lp.layout_flags(lp.parse_layout(layout), model) + ["--train-iters", "2"]
+        lay = lp.parse_layout(layout)
+        cfg = parse_and_validate(argv, world_size=lay.ranks, env={}, cuda_available=False)
+        assert (cfg.parallel.tp_size, cfg.parallel.pp_size) == (lay.tp, lay.pp)
+        return model_flops_per_token(cfg.model, cfg.data.seq_length) * (
+            cfg.data.global_batch_size * cfg.data.seq_length)
+
+    assert flops(cpu) < flops(gpu) / 10
+    for layout in ("tp8", "pp4vp2", "dp8", "tp2pp2vp2dp2"):
+        flops(cpu, layout)
+    for flag in ("--num-layers", "--num-attention-heads", "--global-batch-size"):
+        assert lp.flag_value(cpu, flag) == lp.flag_value(gpu, flag)
+
+
 def test_default_tolerances_by_precision():
     assert lp.default_tolerance(["--bf16"]) == (0.01, 0.05)
     assert lp.default_tolerance([]) == (1e-4, 0.01)

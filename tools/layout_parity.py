@@ -42,7 +42,7 @@ sizes) / tp, since Megatron pads to that flag times tp and the padded rows enter
 softmax. A layout whose log reports another padded size fails.
 
 Flags after `--` replace the default model and data (a small GPT with biases on mock
-data, bf16 on CUDA); the tool adds the layout, --train-iters, --log-interval 1 and the
+data, bf16 on CUDA; without CUDA fp32 and narrower, CPU_SIZES); the tool adds the layout, --train-iters, --log-interval 1 and the
 checkpoint flags. Give them --hidden-dropout 0 --attention-dropout 0 (a warning says so
 otherwise): with dropout on, each layout draws other masks and no layout matches. Each rank's output goes to --out-dir/<run>/rank<r>.log (by default a
 temporary directory, removed when every layout passed).
@@ -80,6 +80,22 @@ DEFAULT_MODEL = [
     "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.1",
     "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", "1234", "--eval-iters", "0",
 ]
+# Without CUDA the same layers and heads at hidden 64 and sequence 64 (a twentieth of the
+# FLOPs): the GPU model trains at about a minute per iteration on 2 CPU cores, past the
+# --timeout of a 50-iteration run. fp32 on the CPU keeps layouts within 1e-4 of each other
+# at either size, so the check is as tight.
+CPU_SIZES = {"--hidden-size": "64", "--seq-length": "64", "--max-position-embeddings": "64"}
+
+
+def default_model(cuda: bool) -> List[str]:
+    """The model and data flags when none follow `--`: DEFAULT_MODEL in bf16 on CUDA, in
+    fp32 at CPU_SIZES without it."""
+    if cuda:
+        return DEFAULT_MODEL + ["--bf16"]
+    return [CPU_SIZES.get(prev, flag) if prev in CPU_SIZES else flag
+            for prev, flag in zip([None] + DEFAULT_MODEL[:-1], DEFAULT_MODEL)]
+
+
 OPTIONS = {"nosp": [], "overlap": ["--overlap-grad-reduce"],
            "distopt": ["--use-distributed-optimizer"], "eager": ["--no-compile"]}
 LINE = re.compile(r"^ iteration\s+(\d+)/\s*\d+ \|(.*)$", re.M)
@@ -463,7 +479,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error(f"--iters {a.iters} and --start-iters {a.start_iters} must be at least 1")
     import torch
 
-    model = extra or DEFAULT_MODEL + (["--bf16"] if torch.cuda.is_available() else [])
+    model = extra or default_model(torch.cuda.is_available())
     loss_tol, gnorm_tol = default_tolerance(model)
     warning = dropout_warning(model)
     if warning:
