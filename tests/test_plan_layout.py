@@ -16,7 +16,7 @@ from megatron.arguments import parse_and_validate, run_dry_run
 from megatron.memory_estimate import estimate_memory
 from tests import forked_script
 from tools import layout_cost
-from tools.layout_report import check_command, format_table, inputs_to_remove
+from tools.layout_report import check_command, format_plan, format_table, inputs_to_remove
 from tools.plan_layout import (
     Layout,
     build_parser,
@@ -191,9 +191,11 @@ def test_bubble_is_p_minus_1_over_m_v():
     _, plain = _small_cost(Layout(1, 4, 1, 2, False, False, None), 16)
     assert plain.bubble == pytest.approx(3 / 8)
     req = build_request(["--gpus", "16", "--gpu-memory-gb", "80", *SMALL])
-    plans = plan_layouts(req, layouts=[Layout(1, 4, 2, 2, False, False, None)],
-                         progress=None).fitting
-    assert format_table(plans).splitlines()[1].split()[10] == "18.8"
+    result = plan_layouts(req, layouts=[Layout(1, 4, 2, 2, False, False, None)], progress=None)
+    assert format_table(result.fitting).splitlines()[1].split()[10] == "18.8"
+    # the column is idle over busy time (the paper's), which a reader could take for a share
+    text = " ".join(format_plan(req, result).split())
+    assert "bubble %: the pipeline's idle time over its busy time, (p - 1) / (m v)" in text
 
 
 def test_cost_model_moves_the_obvious_ways():

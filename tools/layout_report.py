@@ -155,7 +155,8 @@ def format_plan(req: Request, result: PlanResult) -> str:
     lines += [
         "",
         "peak GiB: --dry-run's memory estimate for the worst pipeline stage (compiled layers, as "
-        "on a GPU). rel. time: an ESTIMATE from the cost model in tools/layout_cost.py, not a "
+        "on a GPU). bubble %: the pipeline's idle time over its busy time, (p - 1) / (m v) for "
+        "m micro-batches (100 = half the step idle). rel. time: an ESTIMATE from the cost model in tools/layout_cost.py, not a "
         "measurement -- a few percent is below what it can tell apart. It adds compute, "
         "tensor-parallel traffic, pipeline p2p and bubble, the data-parallel reduction and a "
         "per-micro-batch overhead, with " + "; ".join(f"{k} = {v}" for k, v in CONSTANTS.items())
