@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import socket
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -79,11 +80,12 @@ def agent_store_from_env(env: Mapping[str, str]) -> AgentStore | None:
 
 
 def env_rendezvous_error(exc: BaseException, env: Mapping[str, str], rank: int,
-                         world_size: int) -> str | None:
+                         world_size: int, waited_s: float | None = None) -> str | None:
     """The error to print instead of `exc`'s traceback when torch's env:// rendezvous (a
     launch that sets RANK and WORLD_SIZE itself, as an srun wrapper does) failed for want
-    of MASTER_ADDR / MASTER_PORT, or because rank 0 could not host its store on a port
-    in use; None for any other failure."""
+    of MASTER_ADDR / MASTER_PORT, because rank 0 could not host its store on a port in
+    use, or because a rank could not reach the store in time (`waited_s`: how long it
+    tried); None for any other failure."""
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
     if isinstance(exc, ValueError) and missing:
         return (f"error: RANK={rank} and WORLD_SIZE={world_size} are set but "
@@ -98,6 +100,21 @@ def env_rendezvous_error(exc: BaseException, env: Mapping[str, str], rank: int,
                 f"(MASTER_ADDR={addr}): the port is in use on this host (another job, or "
                 "an earlier run still ending); set MASTER_PORT to a free port, the same on "
                 "every rank, and start every rank again")
+    if isinstance(exc, dist.DistNetworkError) and "timed out" in str(exc):
+        port, addr = env.get("MASTER_PORT", "?"), env.get("MASTER_ADDR", "?")
+        waited = f" in {waited_s:.0f} s" if waited_s is not None else ""
+        if rank == 0:  # it listens on every interface of its host, and cannot reach it
+            return (f"error: rank 0 hosts the rendezvous store on this host "
+                    f"({socket.gethostname()}) but cannot reach it at MASTER_ADDR={addr} "
+                    f"MASTER_PORT={port}{waited}: set MASTER_ADDR to rank 0's host (under "
+                    "Slurm: the first of $(scontrol show hostnames $SLURM_JOB_NODELIST)), "
+                    "the same on every rank")
+        return (f"error: rank {rank} of {world_size} could not connect to rank 0's "
+                f"rendezvous store at MASTER_ADDR={addr} MASTER_PORT={port}{waited}: rank "
+                "0's process is not running there (its node was not launched or is still "
+                "starting, or it failed: its output says why), MASTER_ADDR / MASTER_PORT do "
+                "not name rank 0's host and port, or a firewall blocks the port. The wait "
+                "is --distributed-timeout-minutes (default 10) plus one minute")
     return None
 
 

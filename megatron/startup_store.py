@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import io
 import socket
+import time
 from typing import Callable, Mapping, Optional, TypeVar
 
 T = TypeVar("T")
@@ -52,7 +53,7 @@ class JobStore:
             return self.store
         import torch.distributed as dist  # here, not on import: `--help` needs no torch
 
-        from megatron.initialize import agent_store_from_env, attempt_store, env_rendezvous_error
+        from megatron.initialize import agent_store_from_env, attempt_store
 
         if dist.is_initialized():
             return dist.distributed_c10d._get_default_store()
@@ -61,18 +62,76 @@ class JobStore:
             self.store = attempt_store(agent, self.rank, self.world_size, timeout)
         elif self._env.get("MASTER_ADDR") and self._env.get("MASTER_PORT") and \
                 self._env.get("RANK", "") != "":
-            # multi_tenant: env:// (had it run too) would share this server, not start another
-            try:
-                self.store = dist.TCPStore(
-                    self._env["MASTER_ADDR"], int(self._env["MASTER_PORT"]), self.world_size,
-                    is_master=self.rank == 0, timeout=timeout, multi_tenant=True)
-            except dist.DistNetworkError as e:  # rank 0: a port in use
-                message = env_rendezvous_error(e, self._env, self.rank, self.world_size)
-                if message is None:
-                    raise
-                raise SystemExit(message) from None
+            self.store = self._env_store(timeout)
             self.hosts = self.rank == 0
         return self.store
+
+    def _env_store(self, timeout: datetime.timedelta):
+        """The TCPStore rank 0 hosts on MASTER_ADDR:MASTER_PORT, as env:// would make it
+        (multi_tenant: env://, had it run too, would share this server), once every rank
+        has joined (`wait_for_ranks`). A failure is one line naming the address, the ranks
+        and the fix (SystemExit), not the store's traceback."""
+        import torch.distributed as dist
+
+        from megatron.initialize import env_rendezvous_error
+
+        addr, port = self._env["MASTER_ADDR"], self._env["MASTER_PORT"]
+        where = f"MASTER_ADDR:MASTER_PORT ({addr}:{port})"
+        try:
+            socket.getaddrinfo(addr, None)
+        except OSError as e:  # else the store retries the name for the whole timeout
+            raise SystemExit(f"error: rank {self.rank} cannot resolve MASTER_ADDR={addr!r} "
+                             f"({e.strerror or e}): set MASTER_ADDR to rank 0's host name or "
+                             "address as the other nodes resolve it (under Slurm: $(scontrol "
+                             "show hostnames $SLURM_JOB_NODELIST | head -n 1))") from None
+        started = time.monotonic()
+        try:
+            store = dist.TCPStore(addr, int(port), self.world_size, is_master=self.rank == 0,
+                                  timeout=timeout, wait_for_workers=False, multi_tenant=True)
+        except dist.DistError as e:  # a port in use, rank 0 not reached
+            message = env_rendezvous_error(e, self._env, self.rank, self.world_size,
+                                           time.monotonic() - started)
+            if message is None:
+                raise
+            raise SystemExit(message) from None
+        wait_for_ranks(store, self.rank, self.world_size, timeout, where)
+        return store
+
+
+def ranges_text(ranks) -> str:
+    """Sorted whole numbers as ranges: [1, 2, 3, 5] -> "1-3, 5"."""
+    out, ranks = [], sorted(ranks)
+    for i, rank in enumerate(ranks):
+        if i and rank == ranks[i - 1] + 1:
+            out[-1] = (out[-1][0], rank)
+        else:
+            out.append((rank, rank))
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
+
+
+def wait_for_ranks(store, rank: int, world_size: int, timeout: datetime.timedelta,
+                   where: str) -> None:
+    """Every rank marks itself joined in `store`; rank 0 (which hosts it) waits up to
+    `timeout` for all of them and otherwise stops (SystemExit) naming the ranks that never
+    joined, and `where` they were to connect: the store's own wait only said `1/2
+    clients joined` in a traceback."""
+    store.set(f"{KEY_PREFIX}joined/{rank}", b"")
+    if store.add(KEY_PREFIX + "joined", 1) >= world_size:
+        store.set(KEY_PREFIX + "all_joined", b"")
+    if rank != 0:
+        return
+    try:
+        store.wait([KEY_PREFIX + "all_joined"], timeout)
+    except (RuntimeError, OSError):  # DistStoreError: timed out
+        missing = [r for r in range(world_size) if not store.check([f"{KEY_PREFIX}joined/{r}"])]
+        raise SystemExit(
+            f"error: rank 0 hosts the rendezvous store on {where} and waited "
+            f"{timeout.total_seconds():.0f} s for the other ranks: {len(missing)} of "
+            f"{world_size} never connected (rank(s) {ranges_text(missing)}). Their node was "
+            "not launched (or is still starting), their processes failed before connecting "
+            "(their output says why), or they were given another MASTER_ADDR, MASTER_PORT "
+            "or WORLD_SIZE: start every rank with the same ones. The wait is "
+            "--distributed-timeout-minutes (default 10) plus one minute") from None
 
 
 PER_RANK_ARGS = ("rank", "local_rank")  # the settings that differ between ranks of one run

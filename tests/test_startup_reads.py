@@ -518,3 +518,58 @@ def test_a_node_started_with_another_command_line_stops_every_rank_with_the_sett
     assert out[2].startswith("error: rank 2 was started with settings other than rank 0's: "
                              "--train-iters: 8 here, 6 on rank 0; every node")
     assert out[3].startswith("error: rank 3 ")
+
+
+def _connect_alone(env: dict, rank: int, world_size: int, seconds: float):
+    """JobStore(env, rank, world_size).connect with no other rank started: (the
+    SystemExit's message, seconds it took)."""
+    import datetime
+    import time
+
+    from megatron.startup_store import JobStore
+
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as info:
+        JobStore(env, rank, world_size).connect(datetime.timedelta(seconds=seconds))
+    return str(info.value.code), time.monotonic() - started
+
+
+def test_rank_0_whose_other_ranks_never_connect_names_them(monkeypatch):
+    """An env:// launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: an srun wrapper) whose
+    other node never comes up: rank 0 stopped after the wait with the store's traceback
+    `Timed out after 121 seconds waiting for clients. 1/2 clients joined`, naming no rank,
+    no address and no fix. It names the ranks that never joined and the flag of the wait."""
+    env = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    message, took = _connect_alone(env, 0, 4, 2)
+    assert message.startswith("error: rank 0 hosts the rendezvous store on MASTER_ADDR:")
+    assert f"(127.0.0.1:{env['MASTER_PORT']})" in message
+    assert "3 of 4 never connected (rank(s) 1-3)" in message
+    assert "--distributed-timeout-minutes" in message
+    assert took < 30
+
+
+def test_a_rank_whose_rank_0_never_comes_up_says_where_it_looked():
+    """Rank 1 of an env:// launch whose rank 0 is not running: a DistNetworkError
+    traceback (`The client socket has timed out ...`) before; one line naming the rank,
+    MASTER_ADDR / MASTER_PORT, the likely causes and the flag of the wait."""
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    message, took = _connect_alone(env, 1, 2, 2)
+    assert message.startswith("error: rank 1 of 2 could not connect to rank 0's rendezvous "
+                              f"store at MASTER_ADDR=127.0.0.1 MASTER_PORT={env['MASTER_PORT']}")
+    assert "--distributed-timeout-minutes" in message
+    assert took < 30
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_unresolvable_master_addr_stops_at_once(rank):
+    """MASTER_ADDR that names no host (a typo, a node list not expanded: `node[01-02]`):
+    the store retried the name for the whole timeout (twice, on a client: 22 min at the
+    default) and then said it timed out connecting. Now at once, naming the value."""
+    env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "node[01-02]",
+           "MASTER_PORT": str(free_port())}
+    message, took = _connect_alone(env, rank, 2, 20)
+    assert message.startswith(f"error: rank {rank} cannot resolve MASTER_ADDR='node[01-02]'")
+    assert "scontrol show hostnames" in message
+    assert took < 10
