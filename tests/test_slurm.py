@@ -243,24 +243,31 @@ def test_submitted_from_outside_the_checkout_says_where_to_submit(script, tmp_pa
     assert not (tmp_path / "runs").exists()
 
 
-def _fake_slurm_command_line(tmp_path, extra, **env_vars) -> list:
-    """The pretrain_gpt.py command line pretrain_gpt.sbatch builds, with stand-ins for
-    srun (records its arguments) and scontrol on PATH, under a faked job environment."""
+def _fake_slurm_job(tmp_path, extra, hostnames: str = "localhost", **env_vars):
+    """pretrain_gpt.sbatch run with stand-ins for srun (records its arguments) and
+    scontrol (`show hostnames` prints `hostnames`) on PATH, under a faked job
+    environment; the finished process."""
     import os
     import subprocess
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$SRUN_ARGS"\n')
-    (bin_dir / "scontrol").write_text("#!/bin/bash\necho localhost\n")
+    (bin_dir / "scontrol").write_text(f"#!/bin/bash\nprintf '{hostnames}'\n")
     for name in ("srun", "scontrol"):
         (bin_dir / name).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(PATH=f"{bin_dir}:{env['PATH']}", SRUN_ARGS=str(tmp_path / "srun_args"),
                SLURM_JOB_ID="7", SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1",
-               REPO=str(ROOT), DEVICE="cpu", RUN_DIR=str(tmp_path / "run"), **env_vars)
-    proc = subprocess.run(["bash", str(SLURM_DIR / "pretrain_gpt.sbatch"), *extra], cwd=tmp_path,
+               REPO=str(ROOT), DEVICE="cpu", RUN_DIR=str(tmp_path / "run"))
+    env.update(env_vars)
+    return subprocess.run(["bash", str(SLURM_DIR / "pretrain_gpt.sbatch"), *extra], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=30)
+
+
+def _fake_slurm_command_line(tmp_path, extra, **env_vars) -> list:
+    """The pretrain_gpt.py command line pretrain_gpt.sbatch builds (`_fake_slurm_job`)."""
+    proc = _fake_slurm_job(tmp_path, extra, **env_vars)
     assert proc.returncode == 0, proc.stderr
     args = (tmp_path / "srun_args").read_text().splitlines()
     return args[args.index("pretrain_gpt.py") + 1:]
@@ -305,3 +312,24 @@ def test_save_interval_and_split_of_the_config_are_not_overridden_by_the_script(
     for env, expected in (({}, "1000"), ({"SAVE_INTERVAL": "50", "CONFIG": str(config)}, "50")):
         args = _fake_slurm_command_line(tmp_path, [], **env)
         assert args[args.index("--save-interval") + 1] == expected
+
+
+@pytest.mark.parametrize("hostnames, env", [
+    ("node01\\nnode02\\n", {"SLURM_JOB_NODELIST": "node[01-02]"}),  # no DNS name
+    ("node]\\n", {"SLURM_JOB_NODELIST": "node[01-"}),  # what scontrol makes of it
+    ("", {"SLURM_JOB_NODELIST": "node[02-01]"}),  # scontrol: Invalid hostlist, status 0
+    ("localhost\\n", {"MASTER_ADDR": "no-such-host.invalid"}),
+])
+def test_a_rendezvous_host_that_does_not_resolve_stops_the_job_at_once(tmp_path, hostnames,
+                                                                       env):
+    """The first node's name (or MASTER_ADDR) that does not resolve: every node's torchrun
+    retried it for minutes with only c10d's `cannot be retrieved` warnings (an empty one:
+    torchrun's ValueError traceback on each node). The script stops before srun
+    (status 2), naming the name, the node list and the fix."""
+    proc = _fake_slurm_job(tmp_path, [], hostnames=hostnames, SLURM_NNODES="2", **env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    name = env.get("MASTER_ADDR", hostnames.split("\\n")[0])
+    assert f"error: the rendezvous host MASTER_ADDR='{name}'" in proc.stderr
+    assert "does not resolve" in proc.stderr and "set MASTER_ADDR" in proc.stderr
+    assert env.get("SLURM_JOB_NODELIST", "localhost") in proc.stderr
+    assert not (tmp_path / "srun_args").exists()  # srun never ran
