@@ -6,7 +6,7 @@
 #   3. train with tensor parallelism over 2 processes (CPU/gloo or GPUs/NCCL; one GPU:
 #      one process), with validation perplexity, tensorboard logs and checkpoints.
 # Outputs go under ${OUT_DIR:-runs/quickstart}; NPROC (2) and TRAIN_ITERS (300) may be set
-# too, and extra flags go to pretrain_gpt.py. A few minutes on 2 CPU cores. Every run
+# too, and extra flags go to pretrain_gpt.py. About 4 minutes on 2 idle CPU cores. Every run
 # starts afresh: it deletes the checkpoints/ and tensorboard/ of the previous run under
 # OUT_DIR (saying so; the corpus and tokenizer in data/ are kept and reused), except a
 # `--dry-run`, which deletes nothing and trains nothing: it builds data/ when missing (the
