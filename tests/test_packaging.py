@@ -4,6 +4,7 @@ that ships such a torch, no required apex / Transformer Engine, and no run outpu
 into the image."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -53,6 +54,19 @@ def test_dockerfile_base_image_ships_the_torch_floor():
     assert (int(found.group(1)), int(found.group(2))) >= FIRST_NGC_WITH_TORCH_2_6
     # the image's torch is kept: requirements.txt is installed without its torch line
     assert "grep -v '^torch' requirements.txt" in text
+
+
+def test_readme_docker_section_matches_the_dockerfile():
+    """The README's `docker run` lines mount runs/ under the image's WORKDIR (checkpoints
+    written elsewhere are lost with the container) and name its base image and entry point."""
+    docker = (ROOT / "Dockerfile").read_text()
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    workdir = re.search(r"^WORKDIR (\S+)$", docker, re.M).group(1)
+    base = re.search(r"^FROM (\S+)$", docker, re.M).group(1)
+    entry = " ".join(json.loads(re.search(r"^ENTRYPOINT (.+)$", docker, re.M).group(1)))
+    assert f'-v "$PWD/runs:{workdir}/runs" megatron-gpt' in readme
+    assert f"`{workdir}`" in readme and f"(`{base}`:" in readme
+    assert f"`{entry}`" in readme
 
 
 def test_dockerignore_keeps_run_outputs_and_git_out_of_the_image():
