@@ -253,6 +253,8 @@ def warn_unread_tensorboard_flags(ns, explicit: Set[str]) -> None:
 # What only saving reads (with --save), and what only loading reads (with --load).
 _SAVE_DESTS = ("save_interval", "no_save_optim", "no_save_rng", "async_save")
 _LOAD_DESTS = ("finetune", "no_load_optim", "no_load_rng", "exit_on_missing_checkpoint")
+# Read only by a run that saves or loads (tools/plan_layout.py, which does neither, drops them).
+CHECKPOINT_ONLY_DESTS = frozenset(_SAVE_DESTS + _LOAD_DESTS)
 
 
 def warn_unread_checkpoint_flags(ns, explicit: Set[str]) -> None:

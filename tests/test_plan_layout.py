@@ -4,6 +4,7 @@ ones; what it says when nothing fits or the input is wrong."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 import shlex
@@ -276,6 +277,17 @@ def test_more_memory_suggested_is_enough(capsys):
     need = float(re.search(r"needs ([\d.]+) GiB per GPU", err)[1])
     more = int(re.search(r"GPUs with more memory: --gpu-memory-gb (\d+) or more", err)[1])
     assert more * 0.9 >= need and more == 3
+
+
+def test_preset_save_interval_is_not_a_warning_to_the_planner(capsys, caplog):
+    """README's command (gpt3-13b, 64 GPUs) began with 'WARNING: --save-interval 1000 has
+    no effect without --save ...; add --save DIR': the preset's save-interval, advice for a
+    training run, not for a planner that saves nothing."""
+    caplog.set_level(logging.INFO, logger="megatron.arguments")
+    code, out, _ = _run(_preset("gpt3-13b", 64), capsys)
+    assert code == 0 and "best: " in out
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [w for w in warned if "--save" in w], warned
 
 
 @pytest.mark.parametrize("extra,message", [

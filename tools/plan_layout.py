@@ -60,6 +60,7 @@ from megatron.arguments import (  # noqa: E402
     validate_args,
 )
 from megatron.arguments_common import messages_for_rank, warn  # noqa: E402
+from megatron.arguments_ranges import CHECKPOINT_ONLY_DESTS  # noqa: E402
 from megatron.config import Config  # noqa: E402
 from megatron.memory_estimate import GiB, estimate_memory  # noqa: E402
 from tools.layout_cost import CONSTANTS, StepCost, step_cost  # noqa: E402
@@ -440,10 +441,13 @@ def gpu_memory_bytes(ns: argparse.Namespace) -> int:
 
 def _probe_model(ns: argparse.Namespace, explicit: set) -> None:
     """Validate the model once with the simplest layout: the validation's warnings show
-    once, and its errors for everything but the layout stop the planner (exit 2)."""
+    once, and its errors for everything but the layout stop the planner (exit 2). The
+    save/load flags (a preset's save-interval) are left out: the planner neither saves nor
+    loads, so "add --save DIR" would be advice for another command."""
     pp = 2 if ns.standalone_embedding_stage else 1
+    shown = explicit - CHECKPOINT_ONLY_DESTS
     with _messages(logging.WARNING):
-        config = validate_layout(ns, explicit, Layout(1, pp, 1, 1, False, False, None), pp)
+        config = validate_layout(ns, shown, Layout(1, pp, 1, 1, False, False, None), pp)
     if ns.num_layers is None:  # given as --encoder-num-layers
         ns.num_layers, ns.encoder_num_layers = config.model.num_layers, None
 
