@@ -74,7 +74,7 @@ def test_megatron_command_line_reshards_like_checkpoint_convert(source, tmp_path
     for words in ("--megatron-path /opt/Megatron-LM ignored", "--max-queue-size 50 ignored",
                   "--no-checking ignored", f"resharded iteration 2 of {root} (tp 1, pp 1, "
                   f"fp32 optimizer) -> {util_out / 'iter_0000002'} (tp 2, pp 1, fp32 "
-                  "optimizer): 2 files"):
+                  "optimizer): 2 rank files"):
         assert words in out
     assert checkpoint_convert.main([
         "reshard", "--load", root, "--save", str(convert_out),

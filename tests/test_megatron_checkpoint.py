@@ -222,9 +222,11 @@ def test_the_export_has_megatron_lms_shape(tmp_path, capsys):
     run_pretrain(["--bf16", "--save", root, "--save-interval", str(K), "--exit-interval", str(K)])
     capsys.readouterr()
     assert checkpoint_convert.main(["to-megatron", "--load", root, "--save", out]) == 0
+    printed = capsys.readouterr()
     assert ("warning: the checkpoint's RNG states were saved by a CPU run; Megatron-LM "
             "restores CUDA generator states and stops on these: load the export with "
-            "--no-load-rng" in capsys.readouterr().err)
+            "--no-load-rng" in printed.err)
+    assert printed.out.rstrip().endswith(": 1 rank file"), printed.out
     path = checkpoint_name(out, K, 0, 0, 1)
     with open(os.path.join(out, "latest_checkpointed_iteration.txt")) as f:
         assert f.read() == str(K)

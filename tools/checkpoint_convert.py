@@ -544,7 +544,7 @@ def run_reshard(a: argparse.Namespace) -> int:
 def print_reshard_summary(load: str, out: dict) -> None:
     """The lines a reshard prints when done: source and target layouts, files, notes."""
     print(f"resharded iteration {out['iteration']} of {load} ({out['source'].describe()}) "
-          f"-> {out['directory']} ({out['target'].describe()}): {out['files']} files")
+          f"-> {out['directory']} ({out['target'].describe()}): {_rank_files(out['files'])}")
     for note in out["notes"]:
         print(f"  note: {note}")
 
@@ -653,7 +653,7 @@ def run_to_megatron(a: argparse.Namespace) -> int:
               "--no-load-rng (or --finetune)", file=sys.stderr)
     out = to_megatron(a.load, a.save, a.iteration, a.overwrite)
     print(f"wrote iteration {out['iteration']} of {a.load} in Megatron-LM's form -> "
-          f"{out['directory']}: {out['files']} files")
+          f"{out['directory']}: {_rank_files(out['files'])}")
     return 0
 
 
