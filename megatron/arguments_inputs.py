@@ -251,6 +251,22 @@ def assumed_vocab_size(args: Mapping[str, Any]) -> int:
     return _ASSUMED_VOCAB.get(args.get("tokenizer_type"), _ASSUMED_VOCAB_OTHERS)
 
 
+# Megatron 23.05's --tokenizer-type choices that have no end-of-document token
+NO_EOD_TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase")
+
+
+def check_tokenizer_type(ns) -> None:
+    """Refuse Megatron's BERT WordPiece types (no end-of-document id, which GPT pretraining
+    needs) while checking the arguments, before anything is printed or built, in the words
+    of tools/preprocess_data.py's refusal."""
+    if ns.tokenizer_type in NO_EOD_TOKENIZER_TYPES:
+        raise ArgumentsError(
+            f"--tokenizer-type {ns.tokenizer_type} is not supported: it has no "
+            "end-of-document token, which GPT pretraining needs; use GPT2BPETokenizer, "
+            "SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer or "
+            "NullTokenizer")
+
+
 def check_tokenizer_files(ns, files: bool = True) -> None:
     """The files of `--tokenizer-type` are named and exist: GPT2BPETokenizer --vocab-file
     and --merge-file, the SentencePiece types --tokenizer-model, HuggingFaceTokenizer
@@ -361,7 +377,5 @@ def default_vocab_size(args: argparse.Namespace) -> int:
             except ValueError as e:
                 raise ArgumentsError(f"--vocab-file {args.vocab_file}: not a JSON vocabulary "
                                      f"({e})") from None
-    if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
-        raise ArgumentsError(f"--tokenizer-type {kind} has no end-of-document token, which GPT "
-                             "pretraining needs; use GPT2BPETokenizer or a SentencePiece tokenizer")
+    check_tokenizer_type(args)
     raise ArgumentsError(f"--tokenizer-type {kind} is not supported by this framework yet")

@@ -25,6 +25,7 @@ from megatron.arguments_inputs import (
     check_data_inputs,
     check_output_paths,
     check_tokenizer_files,
+    check_tokenizer_type,
     default_vocab_size,
     warn_unread_tokenizer_flags,
 )
@@ -530,6 +531,7 @@ def validate_args(
     Raises `ArgumentsError` naming the values and the fix."""
     explicit = explicit or set()
     origins = dict(origins or {})
+    check_tokenizer_type(ns)  # before the layout lines print: one line, nothing built
     _check_required(ns, origins)
     check_value_ranges(ns)
     resolve_parallel(ns, world_size, origins)

@@ -536,6 +536,23 @@ def test_missing_tokenizer_files_fail_in_validation(tmp_path):
     assert msg == "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model"
 
 
+@pytest.mark.parametrize("kind", ["BertWordPieceLowerCase", "BertWordPieceCase"])
+def test_bert_tokenizer_types_are_refused_before_anything_prints(tmp_path, capsys, kind):
+    """Megatron 23.05's BERT WordPiece types were refused only when pretrain_gpt.py built
+    the tokenizer (after the layout lines), in other words than tools/preprocess_data.py's;
+    now the argument checks refuse them first, in preprocess_data.py's words."""
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("[PAD]\n[CLS]\n[SEP]\n[MASK]\na\n")
+    built = []
+    msg = error_of(f"--tokenizer-type {kind} --vocab-file {vocab}", base=TOKENIZER,
+                   vocab_size_fn=lambda a: built.append(a) or 1)
+    assert msg == (f"--tokenizer-type {kind} is not supported: it has no end-of-document "
+                   "token, which GPT pretraining needs; use GPT2BPETokenizer, "
+                   "SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer "
+                   "or NullTokenizer")
+    assert built == [] and capsys.readouterr().out == ""
+
+
 def test_a_missing_tokenizer_type_is_named_when_another_tokenizers_flag_is_given():
     """--tokenizer-model or --vocab-size without --tokenizer-type: the default GPT-2 BPE
     asked for its two files, not saying which type reads the flag that was given."""
