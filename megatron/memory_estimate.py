@@ -199,7 +199,7 @@ def _saved_and_rebuilt(config: Config, num_layers: int, flash_attention: bool, c
     if m.recompute_granularity == "full":
         n_recomputed = num_layers
         if m.recompute_method == "block":
-            n_recomputed = chunks * min(m.recompute_num_layers, num_layers // chunks)
+            n_recomputed = chunks * recomputed_per_chunk(m, num_layers // chunks)
         # the layer input is kept per recomputed layer: split over TP with sequence
         # parallelism or --distribute-saved-activations, whole otherwise
         split = sp or m.distribute_saved_activations
@@ -207,6 +207,41 @@ def _saved_and_rebuilt(config: Config, num_layers: int, flash_attention: bool, c
         rebuilt = full if n_recomputed else 0
         return n_recomputed * layer_input + (num_layers - n_recomputed) * full, rebuilt
     return num_layers * full, 0.0
+
+
+def recomputed_per_chunk(m: ModelConfig, chunk_layers: int) -> int:
+    """Layers full recompute rebuilds in a chunk (a pipeline stage, or a virtual one) of
+    `chunk_layers`: all with uniform; with block the first --recompute-num-layers, none
+    for a count <= 0, all for a count above the chunk's layers."""
+    if m.recompute_method == "block":
+        return max(0, min(m.recompute_num_layers, chunk_layers))
+    return chunk_layers
+
+
+def recompute_summary(config: Config, stage: int = 0) -> str:
+    """What the run recomputes in backward, in words, for pipeline stage `stage`."""
+    from megatron.core.models.gpt.stages import stage_layout
+
+    m, p = config.model, config.parallel
+    if m.recompute_granularity == "selective":
+        return ("selective recompute (the attention core; none in compiled layers with "
+                "attention dropout)" if m.compile_layers and m.attention_dropout > 0 else
+                "selective recompute (the attention core)")
+    if m.recompute_granularity != "full":
+        return "no recompute"
+    chunks = stage_layout(m.num_layers, p.pp_size, stage, p.virtual_pp_size,
+                          standalone_embedding_stage=p.standalone_embedding_stage)
+    per = chunks[0].num_layers
+    n = recomputed_per_chunk(m, per)
+    where = (" of each virtual stage" if len(chunks) > 1 else " of each stage"
+             if p.pp_size > 1 else "")
+    if n == 0:
+        return (f"no recompute (--recompute-method block --recompute-num-layers "
+                f"{m.recompute_num_layers})")
+    if n == per:
+        return f"full recompute of every layer ({per}{where})"
+    return (f"full recompute of the first {n} of the {per} layers{where} "
+            f"(--recompute-method block --recompute-num-layers {m.recompute_num_layers})")
 
 
 def _head_bytes(config: Config, first: bool, last: bool) -> Dict[str, float]:
@@ -336,14 +371,12 @@ def format_memory_report(config: Config, gpu_memory_bytes: Optional[int],
     dist_opt = config.parallel.use_distributed_optimizer
     other = estimate_memory(config, use_distributed_optimizer=not dist_opt)
     stage = f" (pipeline stage {est['stage']})" if config.parallel.pp_size > 1 else ""
-    m = config.model
-    recompute = m.recompute_granularity or "no"
     lines = [
         f"  memory per GPU{stage}, estimate: {_gb(est['total'])} = weights {_gb(est['weights'])}"
         f" + grads {_gb(est['gradients'])} + optimizer {_gb(est['optimizer'])}"
         f" + activations {_gb(est['activations'])} + logits {_gb(est['logits'])}"
         f" + workspace {_gb(est['workspace'])}",
-        f"    ({recompute} recompute, sequence parallel "
+        f"    ({recompute_summary(config, est['stage'])}, sequence parallel "
         f"{'on' if config.parallel.sequence_parallel else 'off'}, "
         f"{'distributed' if dist_opt else 'replicated'} optimizer; with the "
         f"{'replicated' if dist_opt else 'distributed'} optimizer: {_gb(other['total'])})",

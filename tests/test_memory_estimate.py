@@ -307,3 +307,36 @@ def test_reset_attention_mask_counts_the_s_by_s_mask():
     masked = estimate_memory(cli(extra + " --reset-attention-mask"))
     in_flight = 1  # no pipeline parallelism: one micro-batch's activations at a time
     assert masked["activations"] - plain["activations"] == in_flight * 3 * 4 * 8192 ** 2
+
+
+def test_block_recompute_of_no_layer_is_estimated_as_no_recompute():
+    """--recompute-method block --recompute-num-layers -2 recomputes no layer (warned):
+    the estimate counted -2 layers as recomputed, i.e. more memory than no recompute."""
+    none = estimate_stage_memory(cli("--bf16"), 0)["activations"]
+    for n in ("0", "-2"):
+        cfg = cli(f"--bf16 --recompute-granularity full --recompute-method block "
+                  f"--recompute-num-layers {n}")
+        assert estimate_stage_memory(cfg, 0)["activations"] == none, n
+
+
+@pytest.mark.parametrize("extra, says", [
+    ("", "(no recompute, "),
+    ("--recompute-activations", "(selective recompute (the attention core), "),
+    ("--recompute-granularity full --recompute-method uniform",
+     "(full recompute of every layer (24), "),
+    ("--recompute-granularity full --recompute-method block --recompute-num-layers 5",
+     "(full recompute of the first 5 of the 24 layers (--recompute-method block "
+     "--recompute-num-layers 5), "),
+    ("--recompute-granularity full --recompute-method block --recompute-num-layers 30 "
+     "--pipeline-model-parallel-size 2", "(full recompute of every layer (12 of each stage), "),
+    ("--recompute-granularity full --recompute-method block --recompute-num-layers 1 "
+     "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 4",
+     "(full recompute of the first 1 of the 4 layers of each virtual stage "
+     "(--recompute-method block --recompute-num-layers 1), "),
+    ("--recompute-granularity full --recompute-method block --recompute-num-layers 0",
+     "(no recompute (--recompute-method block --recompute-num-layers 0), "),
+])
+def test_dry_run_says_which_layers_are_recomputed(extra, says):
+    """The dry run's estimate said "full recompute" for block recompute of some layers
+    (or of none): not what the figure assumes."""
+    assert says in dry_run_report(cli("--bf16 " + extra), 8)
