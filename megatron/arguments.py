@@ -315,7 +315,7 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
     index = _option_index(parser)
     # dests that a store_false switch sets False and that default to None: --compile's
     opposite = {a.dest for a in parser._actions if a.nargs == 0 and a.const is False}
-    removed = {_norm_key(k): v for k, v in REMOVED.items()}
+    removed = {_norm_key(k): k for k in REMOVED}
     values: Dict[str, Any] = {}
     for key, value in data.items():
         norm = _norm_key(key)
@@ -323,7 +323,7 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
             raise ArgumentsError(f"--config {path}: a config file cannot name another --config")
         if norm in removed:
             raise ArgumentsError(f"--config {path}: key '{key}' was removed from Megatron-LM; "
-                                 f"use {removed[norm]}")
+                                 f"use {_modern_spelling(removed[norm], _removed_value(value))}")
         if norm not in index:
             close = difflib.get_close_matches(norm, list(index), n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
@@ -414,12 +414,41 @@ def _shown(value: Any) -> str:
 # ------------------------------------------------------------------------- parsing
 
 
+def _modern_spelling(flag: str, value: str) -> str:
+    """REMOVED's replacement for `flag` with the value the user gave it (`<value>` filled
+    in, or after the replacement's last flag); the table's own text without a value."""
+    modern = REMOVED[flag]
+    if not value:
+        return modern
+    if "<value>" in modern:
+        return modern.replace("<value>", value)
+    last = FLAG_SPECS.get(modern.split()[-1])
+    return f"{modern} {value}" if last is not None and last.kind != "true" else modern
+
+
+def _removed_value(value: Any) -> str:
+    """A --config value of a removed flag as it reads on a command line ('' for a switch)."""
+    return "" if value is None or isinstance(value, bool) else _shown(value)
+
+
 def _check_removed(argv: Sequence[str]) -> None:
-    for token in argv:
-        name = token.split("=", 1)[0]
-        if name in REMOVED:
-            raise ArgumentsError(f"{name} was removed from Megatron-LM before 23.05; "
-                                 f"use {REMOVED[name]}")
+    """Flags of older Megatron-LM releases: one error naming all of them, and their modern
+    spelling with the values given (an old script's `--activations-checkpoint-method
+    uniform --activations-checkpoint-num-layers 2` is one fix, not two runs and a
+    `<value>` to fill in)."""
+    found = []
+    for i, token in enumerate(argv):
+        name, eq, value = token.partition("=")
+        if name not in REMOVED:
+            continue
+        if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            value = argv[i + 1]
+        found.append((name, value))
+    if found:
+        names = " and ".join(name for name, _ in found)
+        modern = " ".join(_modern_spelling(name, value) for name, value in found)
+        raise ArgumentsError(f"{names} {'was' if len(found) == 1 else 'were'} removed from "
+                             f"Megatron-LM before 23.05; use {modern}")
 
 
 def parse_args(argv: Sequence[str], extra_options: Sequence[str] = ()

@@ -247,7 +247,25 @@ def test_compile_default_follows_cuda_and_flags_override():
 @pytest.mark.parametrize("flag", sorted(REMOVED))
 def test_removed_old_flags_name_the_modern_equivalent(flag):
     msg = error_of([f"{flag}=1"])
-    assert flag in msg and REMOVED[flag] in msg
+    assert flag in msg and REMOVED[flag].replace(" <value>", "") in msg
+
+
+def test_removed_recompute_flags_are_named_together_with_their_values(tmp_path):
+    """Old scripts (Megatron-LM's sc21 examples) pass --activations-checkpoint-method
+    uniform with --activations-checkpoint-num-layers: the error named only the first, with
+    `--recompute-method <value>` to fill in, and the next run refused the second."""
+    msg = error_of("--activations-checkpoint-method uniform --activations-checkpoint-num-layers 2")
+    assert msg == ("--activations-checkpoint-method and --activations-checkpoint-num-layers "
+                   "were removed from Megatron-LM before 23.05; use --recompute-granularity "
+                   "full --recompute-method uniform --recompute-num-layers 2")
+    assert error_of("--checkpoint-num-layers=3").endswith("; use --recompute-num-layers 3")
+    assert error_of("--model-parallel-memory-opt").endswith("; use --sequence-parallel")
+    cfg = tmp_path / "old.yaml"
+    cfg.write_text("activations-checkpoint-method: block\n")
+    assert error_of(f"--config {cfg}").endswith(
+        "use --recompute-granularity full --recompute-method block")
+    cfg.write_text("model-parallel-memory-opt: true\n")
+    assert error_of(f"--config {cfg}").endswith("; use --sequence-parallel")
 
 
 # ------------------------------------------------------------------- not-supported flags
