@@ -218,8 +218,9 @@ def recomputed_per_chunk(m: ModelConfig, chunk_layers: int) -> int:
     return chunk_layers
 
 
-def recompute_summary(config: Config, stage: int = 0) -> str:
-    """What the run recomputes in backward, in words, for pipeline stage `stage`."""
+def recompute_summary(config: Config) -> str:
+    """What the run recomputes in backward, in words (every stage with layers has as many:
+    the last one is asked, which --standalone-embedding-stage does not leave empty)."""
     from megatron.core.models.gpt.stages import stage_layout
 
     m, p = config.model, config.parallel
@@ -229,7 +230,7 @@ def recompute_summary(config: Config, stage: int = 0) -> str:
                 "selective recompute (the attention core)")
     if m.recompute_granularity != "full":
         return "no recompute"
-    chunks = stage_layout(m.num_layers, p.pp_size, stage, p.virtual_pp_size,
+    chunks = stage_layout(m.num_layers, p.pp_size, p.pp_size - 1, p.virtual_pp_size,
                           standalone_embedding_stage=p.standalone_embedding_stage)
     per = chunks[0].num_layers
     n = recomputed_per_chunk(m, per)
@@ -376,7 +377,7 @@ def format_memory_report(config: Config, gpu_memory_bytes: Optional[int],
         f" + grads {_gb(est['gradients'])} + optimizer {_gb(est['optimizer'])}"
         f" + activations {_gb(est['activations'])} + logits {_gb(est['logits'])}"
         f" + workspace {_gb(est['workspace'])}",
-        f"    ({recompute_summary(config, est['stage'])}, sequence parallel "
+        f"    ({recompute_summary(config)}, sequence parallel "
         f"{'on' if config.parallel.sequence_parallel else 'off'}, "
         f"{'distributed' if dist_opt else 'replicated'} optimizer; with the "
         f"{'replicated' if dist_opt else 'distributed'} optimizer: {_gb(other['total'])})",

@@ -333,6 +333,8 @@ def test_block_recompute_of_no_layer_is_estimated_as_no_recompute():
      "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 4",
      "(full recompute of the first 1 of the 4 layers of each virtual stage "
      "(--recompute-method block --recompute-num-layers 1), "),
+    ("--recompute-granularity full --recompute-method uniform --pipeline-model-parallel-size 4 "
+     "--standalone-embedding-stage", "(full recompute of every layer (8 of each stage), "),
     ("--recompute-granularity full --recompute-method block --recompute-num-layers 0",
      "(no recompute (--recompute-method block --recompute-num-layers 0), "),
 ])
