@@ -5,7 +5,7 @@ The bounds follow what Megatron-LM 23.05 can run. A value it crashes on later is
 here (--log-interval 0: ZeroDivisionError; --hidden-dropout 1.5: torch's Dropout;
 --num-workers -1: the DataLoader); a value it reads as "off" stays valid (--eval-iters 0,
 --save-interval 0: only the final checkpoint, --exit-interval 0; here also
---eval-interval 0: no evaluation during training); a value it reads as another setting is
+--eval-interval 0: no evaluation during or after training); a value it reads as another setting is
 taken with a warning (--clip-grad -1: no clipping, like 0). A tuning flag the run's other
 choices leave unread (--hysteresis with bf16, --adam-beta2 with --optimizer sgd) is warned.
 """
@@ -37,7 +37,8 @@ _AT_LEAST: Tuple[_Rule, ...] = (
     ("log_interval", 1, "iterations between log lines", None),
     ("tensorboard_log_interval", 1, "iterations between tensorboard scalars",
      lambda ns: ns.tensorboard_dir),
-    ("eval_interval", 0, "iterations between evaluations; 0: none during training", None),
+    ("eval_interval", 0, "iterations between evaluations; 0: no evaluation, during or after "
+     "training", None),
     ("eval_iters", 0, "iterations per evaluation; 0: no evaluation", None),
     ("save_interval", 0, "iterations between checkpoints; 0: only the final one", None),
     ("exit_interval", 0, "exit when the iteration is a multiple of it; 0: never", None),

@@ -102,7 +102,8 @@ def test_rampup_longer_than_the_run_is_allowed_with_a_warning(caplog):
     ("--hidden-dropout 1.5", "--hidden-dropout 1.5 must be <= 1 (a probability)"),
     ("--attention-dropout -0.1", "--attention-dropout -0.1 must be >= 0 (a probability)"),
     ("--num-workers -1", "--num-workers -1 must be >= 0"),
-    ("--eval-interval -5", "--eval-interval -5 must be >= 0"),
+    ("--eval-interval -5", "--eval-interval -5 must be >= 0 (iterations between evaluations; "
+                            "0: no evaluation, during or after training)"),
     ("--eval-iters -1", "--eval-iters -1 must be >= 0"),
     ("--save x --save-interval -2", "--save-interval -2 must be >= 0"),
     ("--exit-interval -1", "--exit-interval -1 must be >= 0"),
