@@ -310,6 +310,18 @@ def warn_unread_tuning_flags(ns, explicit: Set[str]) -> None:
                 "goes from --start-weight-decay to --end-weight-decay")
 
 
+def warn_unread_evaluation_flags(ns, explicit: Set[str]) -> None:
+    """--eval-iters N (N > 0) given with --eval-interval 0 on a training run: 0 turns every
+    evaluation off, the final validation and test losses too (Megatron-LM divides by the
+    interval and stops), so the N given would silently score nothing."""
+    if ns.eval_interval == 0 and not ns.skip_train and ns.eval_iters > 0 and (
+            "eval_iters" in explicit):
+        warn(f"--eval-iters {ns.eval_iters} has no effect: --eval-interval 0 turns evaluation "
+             "off, during and after training (no validation or test loss is printed); pass "
+             f"--eval-interval N to evaluate every N iterations, or one above --train-iters "
+             "to evaluate only at the end")
+
+
 def _warn_unread_scheduler_flags(ns) -> None:
     """--override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler settle the
     schedule a checkpoint brings: a run that loads none (no --load, --finetune,

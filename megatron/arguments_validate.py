@@ -39,6 +39,7 @@ from megatron.arguments_ranges import (
     check_rotary_width,
     check_value_ranges,
     warn_unread_checkpoint_flags,
+    warn_unread_evaluation_flags,
     warn_unread_tensorboard_flags,
     warn_unread_tuning_flags,
 )
@@ -391,6 +392,7 @@ def _resolve_runtime(ns, explicit: Set[str], cuda_available: bool) -> None:
         warn("--no-initialization without --load: the weights start as uninitialised memory")
     warn_unread_tensorboard_flags(ns, explicit)
     warn_unread_checkpoint_flags(ns, explicit)
+    warn_unread_evaluation_flags(ns, explicit)
     if ns.log_memory_to_tensorboard and ns.tensorboard_dir is not None and not cuda_available:
         warn("--log-memory-to-tensorboard has no effect without CUDA (no allocator statistics)")
     # (not for a --dry-run without CUDA: a GPU job planned on a login node)

@@ -258,6 +258,15 @@ def test_a_loss_scale_without_fp16_or_bf16_is_warned(caplog):
      "--skip-train to train and save"),
     ("--save s --save-interval 5 --no-save-rng --load s --no-load-optim "
      "--exit-on-missing-checkpoint", None),
+    # --eval-interval 0 turns the final evaluation off too: the --eval-iters asked for
+    # would score nothing, silently
+    ("--eval-interval 0 --eval-iters 10", "--eval-iters 10 has no effect: --eval-interval 0 "
+     "turns evaluation off, during and after training (no validation or test loss is "
+     "printed); pass --eval-interval N to evaluate every N iterations, or one above "
+     "--train-iters to evaluate only at the end"),
+    ("--eval-interval 0", None),  # the default --eval-iters: evaluation is just off
+    ("--eval-interval 0 --eval-iters 0", None),
+    ("--eval-interval 0 --eval-iters 10 --skip-train", None),  # evaluates at the end
     # what the run reads, and defaults spelled out, are not warned
     ("--tensorboard-dir tb --log-timers-to-tensorboard --log-validation-ppl-to-tensorboard",
      None),
