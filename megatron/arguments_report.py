@@ -169,12 +169,12 @@ def data_file_problems(config: Config) -> Tuple[List[str], List[str]]:
         from megatron.core.datasets.gpt_dataset import get_train_valid_test_split
 
         sizes = [len(MMapIndexedDataset(p).sizes) for p in _data_prefixes(d.data_path)]
-        if all(b[2] == b[1] for b in (get_train_valid_test_split(d.split, n) for n in sizes)):
-            from megatron.data_loading import validation_split_fix
+        bounds = [get_train_valid_test_split(d.split, n) for n in sizes]
+        if all(b[2] == b[1] for b in bounds):
+            from megatron.data_loading import no_validation_reason
 
-            warned.append(f"WARNING: --split {d.split!r} leaves the validation split no "
-                          "documents of --data-path, so this run never evaluates; "
-                          f"{validation_split_fix(d.data_path)}")
+            has_test = any(b[3] > b[2] for b in bounds)
+            warned.append(f"WARNING: {no_validation_reason(config, has_test)}")
     return problems, warned
 
 

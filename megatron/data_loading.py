@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import math
 import multiprocessing.util
 import os
 import queue
@@ -268,16 +269,22 @@ def agreed_data_error(error: Optional[tuple], group=None) -> None:
     raise exit_on_every_rank(report, group)
 
 
-def no_validation_reason(config: Config) -> str:
+def no_validation_reason(config: Config, has_test: bool = False) -> str:
     """Why a run asked to evaluate (--eval-iters > 0) has no validation set, and the fix:
-    Megatron skips every evaluation then without a word."""
+    Megatron skips every evaluation then without a word. `has_test`: there is a test set,
+    still evaluated at the end."""
     d = config.data
+    if has_test:
+        never = ("so this run computes no validation loss (only the test set is evaluated, "
+                 "at the end)")
+        off = "--eval-iters 0 to train without evaluation"
+    else:
+        never, off = "so this run never evaluates", "--eval-iters 0 to train without validation"
     if d.data_path:
         return (f"--split {d.split!r} leaves the validation split no documents of "
-                f"--data-path, so this run never evaluates; {validation_split_fix(d.data_path)}"
-                ", or pass --eval-iters 0 to train without validation")
-    return ("no --valid-data-path, so this run never evaluates; pass --valid-data-path, or "
-            "--eval-iters 0 to train without validation")
+                f"--data-path, {never}; {validation_split_fix(d.data_path, d.split)}"
+                f", or pass {off}")
+    return f"no --valid-data-path, {never}; pass --valid-data-path, or {off}"
 
 
 EOD_SAMPLE_DOCS = 64  # documents whose last token `missing_eod_warning` reads, per prefix
@@ -333,10 +340,12 @@ def missing_eod_warning(config: Config, eod: Optional[int]) -> Optional[str]:
             f"with tools/preprocess_data.py --append-eod, or drop {'it' if one else 'them'}")
 
 
-def validation_split_fix(data_path) -> str:
+def validation_split_fix(data_path, split: Optional[str] = None) -> str:
     """The fix for a --data-path whose --split gives validation no document, from the
     document count of its smallest dataset n: `--split n-1,1,0` gives each dataset at least
-    one; a dataset of one document cannot be split, so validation needs its own files."""
+    one; a `split` with a test share keeps its train and test numbers and gets the smallest
+    validation number that gives each dataset a document (`--split n-1,1,0` would drop the
+    test set); a dataset of one document cannot be split, so validation needs its own files."""
     from megatron.core.datasets.blended import parse_weighted_prefixes
     from megatron.core.datasets.indexed_dataset import MMapIndexedDataset
 
@@ -350,10 +359,38 @@ def validation_split_fix(data_path) -> str:
     prefix, fewest = min(counts.items(), key=lambda item: item[1])
     if fewest >= 2:
         return (f"give the second --split number a share of at least one document: with "
-                f"{fewest} documents in {prefix}, e.g. --split {fewest - 1},1,0")
+                f"{fewest} documents in {prefix}, e.g. --split "
+                f"{_split_with_validation(split, fewest)}")
     return (f"{prefix} holds one document, which --split cannot share between training and "
             "validation: preprocess more documents, or give validation its own files with "
             "--train-data-path and --valid-data-path instead of --data-path")
+
+
+def _split_with_validation(split: Optional[str], size: int) -> str:
+    """A --split giving validation at least one of `size` documents: `split`'s train and
+    test numbers with the smallest validation number (of 1, 2, 5 x a power of ten, in the
+    scale of `split`'s numbers) that does so while train and test keep a document each;
+    `size-1,1,0` when `split` gives test nothing (or no such number fits)."""
+    from megatron.core.datasets.gpt_dataset import get_train_valid_test_split
+
+    fallback = f"{size - 1},1,0"
+    try:
+        bounds = get_train_valid_test_split(split, size) if split else None
+        numbers = [float(x) for x in split.replace("/", ",").split(",")][:3] if split else []
+    except ValueError:
+        return fallback
+    if bounds is None or len(numbers) < 3 or bounds[3] == bounds[2]:
+        return fallback
+    train, test = numbers[0], numbers[2]
+    scale = 10.0 ** math.floor(math.log10(train + test))
+    for exponent in range(-3, 2):
+        for step in (1, 2, 5):
+            valid = step * scale * 10.0 ** exponent
+            candidate = f"{train:g},{valid:g},{test:g}"
+            b = get_train_valid_test_split(candidate, size)
+            if b[1] > 0 and b[2] > b[1] and b[3] > b[2]:
+                return candidate
+    return fallback
 
 
 def _report_warnings(caught: List[warnings.WarningMessage]) -> None:

@@ -438,7 +438,7 @@ def _build_data(tr: Trainer):
         print_rank_0(eod_warning)
     if datasets["valid"] is None and config.training.eval_iters > 0 and rt.ps.rank == 0 and (
             config.training.eval_interval or config.training.skip_train):  # it opens the data
-        print_rank_0(f"WARNING: {no_validation_reason(config)}")
+        print_rank_0(f"WARNING: {no_validation_reason(config, datasets['test'] is not None)}")
     if datasets["valid"] is not None:
         shortfall = validation_shortfall(config, tr.state.iteration, valid_start,
                                          len(datasets["valid"]))

@@ -464,6 +464,35 @@ def test_the_validation_split_fix_names_a_split_that_gives_each_dataset_a_docume
     assert "--train-data-path and --valid-data-path" in validation_split_fix([one])
 
 
+def test_the_validation_split_fix_keeps_the_test_split(tmp_path):
+    """A --split with a test share but none for validation (90,0,10): the fix keeps the
+    train and test numbers (it suggested --split 8,1,0, which drops the test set), and the
+    warning does not say the run never evaluates (the test set is evaluated at the end)."""
+    from megatron.core.datasets.gpt_dataset import get_train_valid_test_split
+    from megatron.data_loading import no_validation_reason, validation_split_fix
+    from tests.test_gpt_dataset import make_corpus
+
+    big, _ = make_corpus(tmp_path / "big", [20] * 9)
+    fix = validation_split_fix([big], "90,0,10")
+    assert fix.endswith(f"with 9 documents in {big}, e.g. --split 90,10,10"), fix
+    b = get_train_valid_test_split("90,10,10", 9)
+    assert 0 < b[1] < b[2] < b[3] == 9, b
+    assert validation_split_fix([big], "100,0,0").endswith("e.g. --split 8,1,0")
+    small, _ = make_corpus(tmp_path / "small", [20] * 4)  # 90,0,10 gives test nothing there
+    assert validation_split_fix([small], "90,0,10").endswith("e.g. --split 3,1,0")
+    cfg = tiny_config()
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data_path=[big],
+                                                            split="90,0,10"))
+    reason = no_validation_reason(cfg, has_test=True)
+    assert "never evaluates" not in reason
+    assert ("so this run computes no validation loss (only the test set is evaluated, at the "
+            "end)") in reason and reason.endswith("--eval-iters 0 to train without evaluation")
+    assert "so this run never evaluates" in no_validation_reason(cfg)
+    no_path = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data_path=None))
+    assert no_validation_reason(no_path, has_test=True).startswith(
+        "no --valid-data-path, so this run computes no validation loss (only the test set")
+
+
 # ---------------------------------------------------------------- Megatron's order, end to end
 
 from tests import megatron_data_reference as mref  # noqa: E402
