@@ -423,3 +423,57 @@ def test_prefix_with_a_trailing_dot_or_slash_suggests_dropping_it(tmp_path):
                                              rf"pass {tmp_path / 'w'}$"):
             MMapIndexedDataset(f"{tmp_path}/{typo}")
     assert missing_dataset_hint(str(tmp_path / "nothing.")) == ""
+
+
+_MERGE_STOPPED_MIDWAY = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from tools import merge_datasets
+real = IndexedDatasetBuilder.merge_file_
+def merge_then_stop(self, prefix):
+    real(self, prefix)  # the first input is in the partial .bin, then the signal comes
+    os.kill(os.getpid(), signal.{signal})
+IndexedDatasetBuilder.merge_file_ = merge_then_stop
+sys.exit(merge_datasets.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("signal_name,status,how", [("SIGTERM", 143, "by SIGTERM"),
+                                                    ("SIGINT", 130, "(Ctrl-C)")])
+def test_a_merge_stopped_by_sigterm_or_ctrl_c_removes_its_partial_files(tmp_path, signal_name,
+                                                                        status, how):
+    """SIGTERM (a scheduler's time limit, `timeout`) killed a merge on the spot: its partial
+    `<out>.tmp<pid>-<random>.bin` (as large as the inputs merged so far) stayed, and a later
+    merge said nothing of it; Ctrl-C printed a KeyboardInterrupt traceback."""
+    write(tmp_path / "a", [[[1, 2]]])
+    write(tmp_path / "b", [[[3]]])
+    out = tmp_path / "out" / "merged"
+    script = _MERGE_STOPPED_MIDWAY.format(repo=str(REPO), signal=signal_name)
+    r = subprocess.run([sys.executable, "-c", script, "--input", str(tmp_path / "a"),
+                        str(tmp_path / "b"), "--output-prefix", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == status, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert (f"merge_datasets.py: interrupted {how}; no dataset was written and the partial "
+            f"files were removed (an earlier dataset at --output-prefix {out} is unchanged): "
+            "run the same command again") in r.stderr, r.stderr
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_merge_names_the_temporaries_a_killed_merge_left_at_its_output(tmp_path, capsys):
+    """A merge killed with SIGKILL leaves `<out>.tmp<pid>-<random>.bin`; the next merge into
+    the same --output-prefix said nothing of it (preprocess_data.py names its own)."""
+    from tools import merge_datasets
+
+    write(tmp_path / "a", [[[1, 2]]])
+    out = tmp_path / "merged"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = tmp_path / f"merged.tmp{dead}-0123abcd.bin"
+    stale.write_bytes(b"\0" * 64)
+    merge_datasets.main(["--input", str(tmp_path / "a"), "--output-prefix", str(out)])
+    err = capsys.readouterr().err
+    assert f"Remove them with: rm -f {stale}" in err, err
+    assert stale.exists()  # named, never deleted: another host's merge may own it
+    assert [s.tolist() for s in MMapIndexedDataset(str(out))] == [[1, 2]]

@@ -5,11 +5,13 @@
 A directory contributes every `<name>.bin/.idx` pair in it, sorted by name. All inputs
 must share one dtype; the `.bin` files are copied and the doc_idx entries shifted. The
 temporaries of a preprocess_data.py or merge_datasets.py run in a directory are skipped
-(those of a killed run named, with the command that removes them).
+(those of a killed run named, with the command that removes them). Ctrl-C or SIGTERM ends a
+merge with status 130 or 143 and one line; its partial files are removed.
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,6 +25,9 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
 )
 from tools.leftover_temporaries import stale_temporaries_warning, temporary_files  # noqa: E402
 from tools.preprocess_data import (  # noqa: E402
+    Terminated,
+    _terminate,
+    _warn_stale_temporaries,
     make_output_dir,
     output_error,
     output_prefix_problem,
@@ -156,7 +161,7 @@ def _names_an_input(error: OSError, prefixes) -> bool:
     return bool(error.filename) and os.path.abspath(error.filename) in inputs
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     from megatron.cli_suggest import SuggestingParser
 
     parser = SuggestingParser(description=__doc__.splitlines()[0], allow_abbrev=False)
@@ -168,9 +173,22 @@ def main(argv=None) -> None:
     if problem:
         parser.error(problem)
     prefixes = input_prefixes(args.input)
-    merge(prefixes, args.output_prefix)
+    if os.path.isdir(os.path.dirname(os.path.abspath(args.output_prefix))):
+        _warn_stale_temporaries(args.output_prefix)  # a SIGKILLed merge's, of 100s of GB
+    previous = signal.signal(signal.SIGTERM, _terminate)  # removes the partial .bin as Ctrl-C
+    try:
+        merge(prefixes, args.output_prefix)
+    except KeyboardInterrupt as e:
+        how = "by SIGTERM" if isinstance(e, Terminated) else "(Ctrl-C)"
+        print(f"merge_datasets.py: interrupted {how}; no dataset was written and the partial "
+              f"files were removed (an earlier dataset at --output-prefix {args.output_prefix} "
+              "is unchanged): run the same command again", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"Merged {len(prefixes)} datasets into {args.output_prefix}.bin/.idx", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -598,11 +598,12 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _warn_stale_temporaries(output_prefix: str) -> None:
-    """Warn of the temporaries an earlier run at `output_prefix` left when it was killed
-    (SIGKILL): they are never removed here, another host's run may own them."""
+    """Warn of the temporaries an earlier run at `output_prefix` (preprocess_data.py's, or
+    merge_datasets.py's) left when it was killed (SIGKILL): they are never removed here, another host's run may own them."""
     directory = os.path.dirname(os.path.abspath(output_prefix))
     base = os.path.basename(output_prefix)
-    names = [n for n in os.listdir(directory) if n.startswith((base + "_", ".tmp"))]
+    names = [n for n in os.listdir(directory)
+             if n.startswith((base + "_", base + ".tmp", ".tmp"))]  # .tmp: a merge's
     warning = stale_temporaries_warning(temporary_files(directory, names)[0])
     if warning:
         print(warning, file=sys.stderr)
