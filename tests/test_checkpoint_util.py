@@ -260,3 +260,43 @@ def test_load_dir_without_tracker_gets_a_fix_in_this_command_lines_flags(source,
                        r"was not expanded to a home directory .*: write \S*/ckpt, or ./~/ckpt"):
         _util("~/ckpt", tmp_path / "out")  # a quoted ~
     assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("tool", ["checkpoint_util.py", "checkpoint_convert.py reshard"])
+def test_sigterm_mid_conversion_removes_the_partial_output(source, tmp_path, capsys,
+                                                           monkeypatch, tool):
+    """SIGTERM (a scheduler's time limit, `timeout`, `kill`) after the first rank file ended
+    a conversion on the spot: the new --save kept its partial iter_N.tmp (of the model's
+    size) and .save.lock, and nothing said so. Handled as Ctrl-C is now: removed, one line,
+    status 143; the process's own SIGTERM handler is back afterwards."""
+    import signal
+
+    class Killed(Exception):
+        pass
+
+    def on_the_spot(signum, frame):  # stands for SIGTERM's default action
+        raise Killed
+
+    real = checkpoint_convert.torch.save
+
+    def save_then_sigterm(*args, **kwargs):
+        real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(checkpoint_convert.torch, "save", save_then_sigterm)
+    save = tmp_path / "out"
+    previous = signal.signal(signal.SIGTERM, on_the_spot)
+    try:
+        if tool == "checkpoint_util.py":
+            status = _util(source[0], save, "--target-tensor-parallel-size", "2")
+        else:
+            status = checkpoint_convert.main(["reshard", "--load", source[0], "--save",
+                                              str(save), "--target-tensor-model-parallel-size",
+                                              "2"])
+        assert signal.getsignal(signal.SIGTERM) is on_the_spot
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert status == 143
+    assert (f"{tool}: interrupted by SIGTERM; the partial output was removed (the source "
+            "checkpoint is untouched): run the same command again") in capsys.readouterr().err
+    assert not save.exists()

@@ -257,11 +257,7 @@ def run(a: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    try:
-        return run(a)
-    except KeyboardInterrupt:
-        print(checkpoint_convert.interrupted_message("checkpoint_util.py"), file=sys.stderr)
-        return checkpoint_convert.INTERRUPTED
+    return checkpoint_convert.run_interruptible("checkpoint_util.py", lambda: run(a))
 
 
 if __name__ == "__main__":
