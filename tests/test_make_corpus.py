@@ -64,3 +64,75 @@ def test_output_that_is_a_directory_is_refused(tmp_path):
     with pytest.raises(SystemExit, match=r"e\.txt is a directory; name a file"):
         make_corpus.main(["--output", str(tmp_path / "e.jsonl"), "--max-mb", "0.01"])
     assert not (tmp_path / "e.jsonl").exists()
+
+
+def test_a_txt_file_without_its_jsonl_is_not_replaced(tmp_path):
+    """--output notes.jsonl replaced the user's notes.txt (the plain-text twin's name) with
+    the corpus text in silence; a pair an earlier run wrote is still replaced."""
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    with pytest.raises(SystemExit, match=r"notes\.jsonl: its plain-text copy would replace "
+                                         r".*notes\.txt, which exists without .*notes\.jsonl "
+                                         r"beside it .*move it away, or name another --output"):
+        make_corpus.main(["--output", str(tmp_path / "notes.jsonl"), "--max-mb", "0.01"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "my notes\n"
+    out = str(tmp_path / "c.jsonl")
+    assert make_corpus.main(["--output", out, "--max-mb", "0.01"]) == 0
+    assert make_corpus.main(["--output", out, "--max-mb", "0.02"]) == 0  # its own pair
+
+
+def _stopping_after_one_document(stop):
+    def files(max_bytes):
+        yield "a.py", "x = 1\n"
+        stop()
+        yield "b.py", "y = 2\n"
+    return files
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "full disk"])
+def test_an_interrupted_or_failed_write_keeps_the_earlier_corpus(tmp_path, capsys,
+                                                                 monkeypatch, how):
+    """SIGTERM ended the tool on the spot with a truncated JSONL under the output's name;
+    Ctrl-C left a shorter corpus that looked complete (and a traceback); a full disk an
+    OSError traceback and a partial file. Now the earlier pair is kept, nothing else left,
+    one line and status 143 / 130 / 1."""
+    import errno
+    import os
+    import signal
+
+    out = tmp_path / "c.jsonl"
+    make_corpus.main(["--output", str(out), "--max-mb", "0.01"])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    stops = {"SIGTERM": lambda: os.kill(os.getpid(), signal.SIGTERM),
+             "Ctrl-C": lambda: (_ for _ in ()).throw(KeyboardInterrupt),
+             "full disk": lambda: (_ for _ in ()).throw(
+                 OSError(errno.ENOSPC, "No space left on device"))}
+    monkeypatch.setattr(make_corpus, "stdlib_files", _stopping_after_one_document(stops[how]))
+
+    class Killed(Exception):
+        pass
+
+    def on_the_spot(signum, frame):  # stands for SIGTERM's default action
+        raise Killed
+
+    previous = signal.signal(signal.SIGTERM, on_the_spot)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            try:
+                make_corpus.main(["--output", str(out), "--max-mb", "0.01"])
+            except KeyboardInterrupt:  # would end the test session, not fail the test
+                pytest.fail("a KeyboardInterrupt escaped make_corpus.main")
+        assert signal.getsignal(signal.SIGTERM) is on_the_spot
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if how == "full disk":
+        assert str(stopped.value.code) == (
+            f"error: cannot write --output {out} (No space left on device); the partial files "
+            "were removed and earlier ones are unchanged: free space there (or raise the "
+            "file-size limit, ulimit -f), or name an --output on a disk with room")
+    else:
+        assert stopped.value.code == {"SIGTERM": 143, "Ctrl-C": 130}[how]
+        assert (f"make_corpus.py: interrupted {'by SIGTERM' if how == 'SIGTERM' else '(Ctrl-C)'}; "
+                "no corpus was written and the partial files were removed") \
+            in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

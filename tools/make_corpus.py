@@ -8,7 +8,10 @@ optionally train a SentencePiece tokenizer on it.
 Documents are the standard library's source files (code, comments and docstrings), one
 JSON object {"text": ...} per file, in a fixed order, so the corpus is the same on every
 machine with the same Python version. The same text is written as plain text (for the
-tokenizer) beside the output, with the suffix .txt: the output must not end in .txt.
+tokenizer) beside the output, with the suffix .txt: the output must not end in .txt, and a
+.txt file of that name is only replaced together with its JSONL (an earlier run's pair).
+Both are written to temporary names and renamed into place when complete: Ctrl-C, SIGTERM
+or a full disk leaves the earlier files as they were (status 130, 143, or 1 and one line).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import sysconfig
 import time
@@ -54,20 +58,65 @@ def check_output(output: Path) -> None:
             raise SystemExit(f"error: --output {output}: {path} is a directory; name a file "
                              "whose name and .txt twin are no directories, e.g. "
                              f"{path / 'corpus.jsonl'}")
+    twin = output.with_suffix(".txt")
+    if twin.exists() and not output.exists():  # not an earlier run's pair: the user's file
+        raise SystemExit(f"error: --output {output}: its plain-text copy would replace "
+                         f"{twin}, which exists without {output} beside it (so no earlier "
+                         "run of this tool wrote it); move it away, or name another --output")
 
 
 def write_corpus(output: Path, max_mb: float) -> tuple:
+    """Write `output` and its .txt twin through temporary names renamed into place once
+    both are complete (an interrupted or failed run removes them): (documents, bytes)."""
     check_output(output)
     output.parent.mkdir(parents=True, exist_ok=True)
+    targets = (output, output.with_suffix(".txt"))
+    tmps = [p.with_name(f"{p.name}.tmp{os.getpid()}") for p in targets]
     docs = nbytes = 0
-    with output.open("w", encoding="utf-8") as f, \
-            output.with_suffix(".txt").open("w", encoding="utf-8") as plain:
-        for name, text in stdlib_files(int(max_mb * 1e6)):
-            f.write(json.dumps({"text": text, "source": name}) + "\n")
-            plain.write(text + "\n")
-            docs += 1
-            nbytes += len(text.encode("utf-8"))
+    try:
+        with tmps[0].open("w", encoding="utf-8") as f, tmps[1].open("w", encoding="utf-8") as plain:
+            for name, text in stdlib_files(int(max_mb * 1e6)):
+                f.write(json.dumps({"text": text, "source": name}) + "\n")
+                plain.write(text + "\n")
+                docs += 1
+                nbytes += len(text.encode("utf-8"))
+        for tmp, path in zip(tmps, targets):
+            os.replace(tmp, path)
+    except BaseException as exc:
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):  # a full disk, a quota: one line, no traceback
+            raise SystemExit(f"error: cannot write --output {output} ({exc.strerror or exc}); "
+                             "the partial files were removed and earlier ones are unchanged: "
+                             "free space there (or raise the file-size limit, ulimit -f), or "
+                             "name an --output on a disk with room"
+                             ) from None
+        raise
     return docs, nbytes
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's time limit, `kill`), handled as Ctrl-C is."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
+def write_corpus_interruptible(output: Path, max_mb: float) -> tuple:
+    """`write_corpus`; Ctrl-C or SIGTERM is SystemExit 130 or 143 with one line (the partial
+    files removed; a SIGTERM left a truncated JSONL, Ctrl-C a shorter valid-looking one)."""
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return write_corpus(output, max_mb)
+    except KeyboardInterrupt as e:
+        how = "by SIGTERM" if isinstance(e, Terminated) else "(Ctrl-C)"
+        print(f"make_corpus.py: interrupted {how}; no corpus was written and the partial files "
+              f"were removed (an earlier {output} is unchanged): run the same command again",
+              file=sys.stderr)
+        raise SystemExit(143 if isinstance(e, Terminated) else 130) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def train_sentencepiece(text_file: Path, prefix: str, vocab_size: int) -> None:
@@ -110,7 +159,7 @@ def main(argv=None) -> int:
         ap.error(f"--max-mb {a.max_mb} must be a number > 0 (megabytes of text, e.g. 6)")
     a.vocab_size = 4096 if a.vocab_size is None else a.vocab_size
     t0 = time.time()
-    docs, nbytes = write_corpus(Path(a.output), a.max_mb)
+    docs, nbytes = write_corpus_interruptible(Path(a.output), a.max_mb)
     if docs == 0:
         raise SystemExit("error: found no standard-library source files to build a corpus from")
     print(f"corpus: {docs} documents, {nbytes / 1e6:.1f} MB -> {a.output} ({time.time() - t0:.1f} s)")
