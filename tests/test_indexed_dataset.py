@@ -290,6 +290,30 @@ def test_merging_again_into_the_input_directory_names_the_fix(tmp_path):
     assert (tmp_path / "shards" / "merged.bin").read_bytes() == before
 
 
+def test_an_input_reached_through_a_symlink_is_not_the_output(tmp_path):
+    """The output-is-an-input check compared the paths as given: an input directory named
+    through a symlink (`data/current -> v3`), or an input that is a symlink to the output's
+    file, was merged and then replaced by the merge (its documents twice over)."""
+    from tools import merge_datasets
+
+    (tmp_path / "v3").mkdir()
+    write(tmp_path / "v3" / "a", [[[1, 2]]])
+    write(tmp_path / "v3" / "merged", [[[3]]])  # an earlier merge's output
+    (tmp_path / "current").symlink_to("v3")
+    for ext in (".bin", ".idx"):
+        (tmp_path / ("link" + ext)).symlink_to(tmp_path / "v3" / ("a" + ext))
+    before = {p.name: p.read_bytes() for p in (tmp_path / "v3").iterdir()}
+    for inputs, out in (([tmp_path / "current"], tmp_path / "v3" / "merged"),
+                        ([tmp_path / "link"], tmp_path / "v3" / "a"),
+                        ([tmp_path / "v3" / "a"], tmp_path / "current" / "a")):
+        with pytest.raises(SystemExit, match=f"^error: --output-prefix {out} is also an input"):
+            merge_datasets.main(["--input", *map(str, inputs), "--output-prefix", str(out)])
+    assert {p.name: p.read_bytes() for p in (tmp_path / "v3").iterdir()} == before
+    merge_datasets.main(["--input", str(tmp_path / "link"), "--output-prefix",
+                         str(tmp_path / "other")])  # a symlinked input, another output
+    assert [s.tolist() for s in MMapIndexedDataset(str(tmp_path / "other"))] == [[1, 2]]
+
+
 def test_a_failed_merge_keeps_the_earlier_output(tmp_path, monkeypatch):
     """A full disk ended the merge with an OSError traceback; now one line names the output
     and the fix (the earlier output is kept either way)."""

@@ -127,9 +127,8 @@ def merge(prefixes, output_prefix: str) -> None:
         listing = ", ".join(f"{p}: {d.name}" for p, d in dtypes.items())
         raise SystemExit(f"cannot merge datasets of different dtypes ({listing}); "
                          "re-tokenize them with one tokenizer")
-    out = os.path.abspath(output_prefix)
-    if any(os.path.abspath(p) == out for p in prefixes):  # e.g. a merge run again into
-        # its input directory: the earlier output is listed as an input
+    if _output_is_an_input(output_prefix, prefixes):  # e.g. a merge run again into its
+        # input directory: the earlier output is listed as an input
         raise SystemExit(f"error: --output-prefix {output_prefix} is also an input: "
                          f"{output_prefix}.bin/.idx is one of the datasets to merge (an "
                          "earlier merge's output in the --input directory?); pass an "
@@ -152,6 +151,24 @@ def merge(prefixes, output_prefix: str) -> None:
         if isinstance(e, OSError) and not _names_an_input(e, prefixes):
             raise output_error(output_prefix, e) from None
         raise
+
+
+def _output_is_an_input(output_prefix: str, prefixes) -> bool:
+    """Whether writing `output_prefix`'s .bin/.idx would replace an input's file: the same
+    name under another spelling too (a symlinked directory, an input's symlink to it, a
+    bind mount), which comparing the paths as given missed."""
+    def entry(path: str) -> str:  # the directory entry a rename replaces
+        return os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))),
+                            os.path.basename(path))
+
+    for path in (data_file_path, index_file_path):
+        out = path(output_prefix)
+        for p in prefixes:
+            if entry(out) in (entry(path(p)), os.path.realpath(path(p))):
+                return True
+            if os.path.exists(out) and os.path.samefile(out, path(p)):
+                return True
+    return False
 
 
 def _names_an_input(error: OSError, prefixes) -> bool:
