@@ -154,6 +154,20 @@ def test_table_round_trips_and_is_refused_elsewhere(tmp_path):
         gemm_algos.load_table(str(tmp_path / "short.json"), "GPU X", 130400)
 
 
+def test_a_failed_save_keeps_the_earlier_table_whole(tmp_path):
+    """tune_gemms re-tuning into its own table: a write that fails part-way (here a value
+    json cannot write, as a full disk or SIGTERM would stop it) leaves the earlier table
+    readable and no temporary file beside it."""
+    path = str(tmp_path / "gemms.json")
+    a = Shape("forward", 16384, 8192, 2048, "bf16")
+    gemm_algos.save_table(path, "GPU X", 130400, [{"shape": a, "algo": _algo(1)}])
+    with pytest.raises(TypeError):
+        gemm_algos.save_table(path, "GPU X", 130400,
+                              [{"shape": a, "algo": _algo(2), "ms": object()}])
+    assert gemm_algos.load_table(path, "GPU X", 130400) == {a: _algo(1)}
+    assert os.listdir(tmp_path) == ["gemms.json"]
+
+
 def test_shipped_tables_merge_the_matching_ones_and_pass_over_the_rest(tmp_path):
     """auto's tables: only those of this GPU model and cuBLASLt version count; a shape two
     of them list takes the faster measured algorithm; a broken file is named."""

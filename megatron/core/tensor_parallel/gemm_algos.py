@@ -313,10 +313,19 @@ def save_table(path: str, device_name: str, cublaslt_version: int, rows: List[di
         if s.epilogue:
             entry["epilogue"] = s.epilogue
         entries.append({**entry, "algo": row["algo"].hex(), **extra})
-    with open(path, "w") as f:
-        json.dump({"format": FORMAT, "device": device_name,
-                   "cublaslt_version": cublaslt_version, "entries": entries}, f, indent=1)
-        f.write("\n")
+    # A temporary file renamed into place: a failed or interrupted write (a full disk,
+    # SIGTERM while re-tuning into the same file) keeps the earlier table whole.
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"format": FORMAT, "device": device_name,
+                       "cublaslt_version": cublaslt_version, "entries": entries}, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 # --------------------------------------------------------------- what the layers call
