@@ -378,9 +378,14 @@ def _run_length_from_command_line(yaml_values: Dict[str, Any], command_line: Dic
 
 # Exclusive choices a command-line flag makes in place of a --config file's (what, dests):
 # the warmup, the precision (a bf16 preset plus --fp16 on a GPU without bf16), the data (a
-# config naming data-path plus --mock-data to try it out, or the other way round).
+# config naming data-path plus --mock-data to try it out, or the other way round), and a
+# deprecated flag and its replacement, either of them in the file (apply_deprecated).
 _EXCLUSIVE = (("the warmup", _WARMUP), ("the precision", ("fp16", "bf16")),
-              ("the data", ("mock_data", "data_path", "train_data_path")))
+              ("the data", ("mock_data", "data_path", "train_data_path")),
+              ("the micro batch size", ("batch_size", "micro_batch_size")),
+              ("the tensor-parallel size", ("model_parallel_size", "tensor_model_parallel_size")),
+              ("the recompute", ("checkpoint_activations", "recompute_granularity",
+                                 "recompute_activations")))
 
 
 def _choices_from_command_line(yaml_values: Dict[str, Any], command_line: Dict[str, Any],

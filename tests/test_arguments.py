@@ -418,6 +418,32 @@ def test_command_line_precision_and_data_replace_the_configs(tmp_path, caplog):
     assert "replaces" not in caplog.text
 
 
+def test_command_line_wins_over_a_configs_deprecated_spelling(tmp_path, caplog):
+    """An old config's deprecated key (batch-size, model-parallel-size,
+    checkpoint-activations) plus the modern flag on the command line, or the other way
+    round: the command line wins, with a warning. It was an error ('--batch-size 4
+    conflicts with --micro-batch-size 8; drop the deprecated --batch-size') about a value
+    the command line had just overridden."""
+    old = _yaml(tmp_path, "batch-size: 4\nmodel-parallel-size: 2\ncheckpoint-activations: true\n")
+    base = without("--micro-batch-size")
+    cfg = run(f"--config {old} --micro-batch-size 8 --tensor-model-parallel-size 1 "
+              "--recompute-granularity selective", world_size=2, base=base)
+    assert cfg.data.micro_batch_size == 8 and cfg.parallel.tp_size == 1
+    assert cfg.args["recompute_granularity"] == "selective"
+    assert (f"--micro-batch-size 8 on the command line replaces the micro batch size of "
+            f"--config {old}: its --batch-size 4 ignored") in caplog.text
+    assert "its --model-parallel-size 2 ignored" in caplog.text
+    assert "its --checkpoint-activations ignored" in caplog.text
+    new = _yaml(tmp_path, "micro-batch-size: 4\ntensor-model-parallel-size: 2\n"
+                          "recompute-activations: true\n")
+    cfg = run(f"--config {new} --batch-size 8 --model-parallel-size 1 --checkpoint-activations",
+              world_size=2, base=base)
+    assert cfg.data.micro_batch_size == 8 and cfg.parallel.tp_size == 1
+    assert cfg.args["recompute_granularity"] == "full"
+    assert "its --micro-batch-size 4 ignored" in caplog.text
+    assert "its --recompute-activations ignored" in caplog.text
+
+
 def test_yaml_null_value_leaves_the_flag_at_its_default(tmp_path):
     """`load: ~` or an empty value is YAML's null: the flag keeps its default. It was the
     string 'None' (a --load and a --tensorboard-dir named ./None) or an error ('expects
