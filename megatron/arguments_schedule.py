@@ -128,13 +128,36 @@ def schedule_steps(ns) -> Dict[str, Any]:
     if ns.skip_train and not decay:
         decay, warmup, wd_incr = 1, 0, 1
     if decay <= 0 or not 0 <= warmup < decay:
-        raise ArgumentsError(
-            f"learning-rate warmup ({warmup:g} samples) must be >= 0 and shorter than the decay "
-            f"({decay:g} samples); lower --lr-warmup-iters/--lr-warmup-samples/"
-            "--lr-warmup-fraction or raise --lr-decay-iters/--lr-decay-samples")
+        raise _schedule_error(ns, warmup, decay)
     if isinstance(warmup, float) and warmup.is_integer():
         warmup = int(warmup)
     return {"lr_warmup_steps": warmup, "lr_decay_steps": decay, "wd_incr_steps": max(wd_incr, 1)}
+
+
+def _schedule_error(ns, warmup: float, decay: float) -> ArgumentsError:
+    """A warmup count not shorter than the decay: the two flags that set them, with the
+    values as typed (a --config preset's lr-warmup-iters under a short --train-iters
+    try-out), and a warmup that fits."""
+    if ns.lr_warmup_fraction is None and decay > 0 <= warmup:
+        if ns.train_samples:
+            unit, warm, count, length = ("samples", "--lr-warmup-samples",
+                                         ns.lr_warmup_samples, decay)
+            given = ("lr_decay_samples" if ns.lr_decay_samples is not None
+                     else "train_samples")
+        else:
+            unit, warm, count, length = ("iterations", "--lr-warmup-iters", ns.lr_warmup_iters,
+                                         decay // ns.global_batch_size)
+            given = ("lr_decay_iters" if ns.lr_decay_iters not in (None, ns.train_iters)
+                     else "train_iters")
+        decay_flag = "--" + given.replace("_", "-")
+        return ArgumentsError(
+            f"{warm} {count} is not shorter than the {length:g} {unit} the learning rate "
+            f"decays over ({decay_flag} {getattr(ns, given)}): pass a smaller {warm} (e.g. "
+            f"{int(length) // 10}), or a longer {decay_flag}")
+    return ArgumentsError(
+        f"learning-rate warmup ({warmup:g} samples) must be >= 0 and shorter than the decay "
+        f"({decay:g} samples); lower --lr-warmup-iters/--lr-warmup-samples/"
+        "--lr-warmup-fraction or raise --lr-decay-iters/--lr-decay-samples")
 
 
 def warn_unfinished_warmup(ns, warmup: float) -> None:

@@ -68,6 +68,28 @@ def test_wrong_mode_flags_name_the_mode_and_what_to_use():
                                                 base=without("--train-iters"))
 
 
+def test_a_warmup_not_shorter_than_the_decay_names_the_flags_in_their_units(tmp_path):
+    """llama-7b.yaml's lr-warmup-iters 2000 under a `--train-iters 4` try-out, a warmup
+    past --lr-decay-iters or --lr-decay-samples: the message names the flags that set the
+    two lengths with the values typed, and a warmup that fits. It named only samples the
+    user never typed ('warmup (16000 samples) ... decay (32 samples)') and every flag."""
+    preset = os.path.join(os.path.dirname(__file__), "..", "configs", "llama-7b.yaml")
+    msg = error_of(f"--config {preset} --train-iters 4 --global-batch-size 8", world_size=4,
+                   base=without("--train-iters", "--global-batch-size"))
+    assert msg == ("--lr-warmup-iters 2000 is not shorter than the 4 iterations the learning "
+                   "rate decays over (--train-iters 4): pass a smaller --lr-warmup-iters "
+                   "(e.g. 0), or a longer --train-iters")
+    msg = error_of("--lr-warmup-iters 20 --lr-decay-iters 5")
+    assert msg.startswith("--lr-warmup-iters 20 is not shorter than the 5 iterations the "
+                          "learning rate decays over (--lr-decay-iters 5)")
+    assert msg.endswith("or a longer --lr-decay-iters")
+    msg = error_of("--train-samples 400 --lr-decay-samples 50 --lr-warmup-samples 60",
+                   base=without("--train-iters"))
+    assert msg == ("--lr-warmup-samples 60 is not shorter than the 50 samples the learning "
+                   "rate decays over (--lr-decay-samples 50): pass a smaller "
+                   "--lr-warmup-samples (e.g. 5), or a longer --lr-decay-samples")
+
+
 def test_deprecated_warmup_is_named_as_typed():
     msg = error_of("--train-samples 400 --warmup 3", base=without("--train-iters"))
     assert msg.startswith("--warmup 3 (deprecated; read as --lr-warmup-iters 3) cannot be used "
