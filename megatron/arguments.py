@@ -187,7 +187,11 @@ def _yaml_value(key: str, action: argparse.Action, value: Any, path: str,
         if tri_state and action.const is True:  # 'compile: false' is --no-compile, not auto
             return False
         return None if action.default is None else (not action.const)
-    if action.nargs in ("*", "+") and isinstance(value, str):
+    listed = action.nargs in ("*", "+")
+    if isinstance(value, dict) or (listed and isinstance(value, list) and any(
+            isinstance(item, (dict, list)) for item in value)):
+        raise ArgumentsError(_nested_value_message(where, key, listed, value))
+    if listed and isinstance(value, str):
         # 'data-path: 0.3 a 0.7 b', 'rampup-batch-size: 32 32 1000': the words, as on the
         # command line (shell quoting keeps a path with spaces whole)
         try:
@@ -216,6 +220,21 @@ def _yaml_value(key: str, action: argparse.Action, value: Any, path: str,
             raise ArgumentsError(f"{where}: {conv!r} is not one of {choices}")
         out.append(conv)
     return out if action.nargs in ("*", "+") else out[0]
+
+
+def _nested_value_message(where: str, key: str, listed: bool, value: Any) -> str:
+    """A YAML mapping or nested list given as a flag's value (its Python text was the
+    value: a --save directory named "{'dir': 'ckpt'}"), and for a list flag the flat list
+    to write (a blend as weight: path pairs -> [w1, p1, w2, p2])."""
+    if isinstance(value, dict):
+        what = f"{'a list' if listed else 'one value'}, not the mapping {value!r}"
+        flat = [x for pair in value.items() for x in pair]
+    else:
+        what = f"a list of single values, not the nested {value!r}"
+        flat = [x for item in value for x in (item if isinstance(item, list) else [item])]
+    scalar = all(not isinstance(x, (dict, list)) for x in flat)
+    hint = f"; write {key}: [{', '.join(map(str, flat))}]" if listed and scalar else ""
+    return f"{where} takes {what}{hint}"
 
 
 def _read_yaml(path: str) -> Any:

@@ -544,6 +544,14 @@ def test_yaml_unknown_key_suggests_closest_flag(tmp_path):
     ('bf16: "false"', "key 'bf16' is a switch and 'false' is a quoted string; write bf16: "
                       "false (no quotes)"),
     ("split: [969, 30, 1]", "got the list [969, 30, 1]; write split: 969,30,1"),
+    # a mapping or a nested list was read as its Python text: a --save directory named
+    # "{'dir': 'ckpt'}", a blend of weights to paths as one path "{0.3: 'a', 0.7: 'b'}"
+    ("save: {dir: ckpt}", "key 'save' takes one value, not the mapping {'dir': 'ckpt'}"),
+    ("data-path: {0.3: a, 0.7: b}", "key 'data-path' takes a list, not the mapping "
+                                    "{0.3: 'a', 0.7: 'b'}; write data-path: [0.3, a, 0.7, b]"),
+    ("data-path: [[0.3, a], [0.7, b]]", "key 'data-path' takes a list of single values, not "
+                                        "the nested [[0.3, 'a'], [0.7, 'b']]; write "
+                                        "data-path: [0.3, a, 0.7, b]"),
 ])
 def test_yaml_bad_values(tmp_path, text, expected):
     assert expected in error_of(f"--config {_yaml(tmp_path, text)}")
