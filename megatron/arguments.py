@@ -475,6 +475,17 @@ def _check_removed(argv: Sequence[str]) -> None:
                              f"Megatron-LM before 23.05; use {modern}")
 
 
+def _check_one_config(argv: Sequence[str]) -> None:
+    """Two --config files: argparse keeps the last, so the other's flags were lost in
+    silence. An error naming both."""
+    paths = [argv[i + 1] for i, token in enumerate(argv[:-1]) if token == "--config"]
+    paths += [token.split("=", 1)[1] for token in argv if token.startswith("--config=")]
+    if len(set(paths)) > 1:
+        raise ArgumentsError(f"--config is given twice ({', '.join(paths)}) and only one file "
+                             "is read; merge them into one file, or pass the other file's "
+                             "flags on the command line")
+
+
 def parse_args(argv: Sequence[str], extra_options: Sequence[str] = ()
                ) -> Tuple[argparse.Namespace, Set[str]]:
     """argv (+ the `--config` YAML underneath it) -> (namespace, dests set explicitly).
@@ -492,6 +503,7 @@ def parse_args(argv: Sequence[str], extra_options: Sequence[str] = ()
         raise ArgumentsError(unknown_arguments_message(unknown, options))
     parser = build_parser()
     yaml_values: Dict[str, Any] = {}
+    _check_one_config(argv)
     if getattr(given, "config", None):
         with machine_checks():  # the file may be missing on some node
             yaml_values = load_yaml_config(given.config, parser)

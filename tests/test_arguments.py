@@ -488,6 +488,19 @@ def test_missing_relative_config_names_where_it_was_looked_for(tmp_path, monkeyp
     assert error_of(f"--config {tmp_path}/a.yaml") == f"--config {tmp_path}/a.yaml: file not found"
 
 
+def test_config_given_twice_is_an_error_naming_both_files(tmp_path):
+    """`--config preset.yaml --config mine.yaml` read only the last file: the preset's
+    flags were lost in silence (then 'missing required flags' for one it held)."""
+    preset = _yaml(tmp_path, "train-iters: 5\n")
+    mine = str(tmp_path / "mine.yaml")
+    (tmp_path / "mine.yaml").write_text("lr: 0.5\n")
+    base = without("--train-iters")
+    assert error_of(f"--config {preset} --config={mine}", base=base) == (
+        f"--config is given twice ({preset}, {mine}) and only one file is read; merge them "
+        "into one file, or pass the other file's flags on the command line")
+    assert run(f"--config {mine} --config {mine}", base=without("--lr")).optimizer.lr == 0.5
+
+
 def test_config_that_is_a_directory_pipe_or_empty_says_what_it_is(tmp_path, caplog):
     """`--config /tmp` and `--config /dev/null` both said "file not found", and so did a
     pipe (`--config <(...)`, /dev/fd/N) that holds a valid config; a list or a scalar
