@@ -31,7 +31,7 @@ import math
 import os
 import shlex
 import sys
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from megatron.arguments_common import (
     FLAG_SPECS,
@@ -496,6 +496,7 @@ def parse_args(argv: Sequence[str], extra_options: Sequence[str] = ()
     """
     argv = list(argv)
     _check_removed(argv)
+    argv, switched_off = _switches_set_off(argv, build_parser())
     probe = build_parser(suppress_defaults=True)
     given, unknown = probe.parse_known_args(argv)
     if unknown:
@@ -510,8 +511,33 @@ def parse_args(argv: Sequence[str], extra_options: Sequence[str] = ()
         yaml_values = _run_length_from_command_line(yaml_values, vars(given), given.config)
         yaml_values = _choices_from_command_line(yaml_values, vars(given), given.config)
         parser.set_defaults(**yaml_values)
+    parser.set_defaults(**switched_off)
     ns = parser.parse_args(argv)
-    return ns, set(vars(given)) | set(yaml_values)
+    return ns, set(vars(given)) | set(yaml_values) | set(switched_off)
+
+
+def _switches_set_off(argv: List[str], parser: argparse.ArgumentParser
+                      ) -> Tuple[List[str], Dict[str, Any]]:
+    """`--SWITCH=false` on the command line turns off a switch that a --config file turns
+    on (a preset's `bf16: true`, for an fp32 try-out): Megatron's switches have no
+    --no-SWITCH. Returns argv without those tokens (`--SWITCH=true` becomes the bare
+    switch) and {dest: value} for them, read as the same `SWITCH: false` in a file."""
+    actions = {opt: a for a in parser._actions if a.nargs == 0 and a.dest != "help"
+               for opt in a.option_strings}
+    opposite = {a.dest for a in actions.values() if a.const is False}
+    out: List[str] = []
+    off: Dict[str, Any] = {}
+    for token in argv:
+        name, _, value = token.partition("=")
+        action = actions.get(name)
+        if action is None or value.lower() not in ("true", "false"):
+            out.append(token)
+        elif value.lower() == "true":
+            out.append(name)
+        else:
+            tri_state = action.default is None and action.dest in opposite
+            off[action.dest] = _yaml_value(name, action, False, "", tri_state)
+    return out, off
 
 
 # --------------------------------------------------------------------- deprecated

@@ -444,6 +444,21 @@ def test_command_line_wins_over_a_configs_deprecated_spelling(tmp_path, caplog):
     assert "its --recompute-activations ignored" in caplog.text
 
 
+def test_command_line_switch_false_turns_off_a_configs_switch(tmp_path):
+    """A preset's `bf16: true`, `sequence-parallel: true` or `swiglu: true` could not be
+    turned off from the command line (Megatron's switches have no --no-SWITCH): an fp32
+    try-out of gpt3-125m.yaml meant editing the file. `--SWITCH=false` does it now, and
+    `--SWITCH=true` is the bare switch."""
+    preset = _yaml(tmp_path, "bf16: true\nsequence-parallel: true\nswiglu: true\n"
+                             "tensor-model-parallel-size: 2\n")
+    cfg = run(f"--config {preset} --bf16=false --sequence-parallel=False --swiglu=false",
+              world_size=2)
+    assert not cfg.optimizer.bf16 and not cfg.parallel.sequence_parallel
+    assert cfg.model.activation != "swiglu"
+    assert run("--fp16=true").optimizer.fp16
+    assert "argument --lr: invalid float value: 'false'" in error_of("--lr=false")
+
+
 def test_yaml_null_value_leaves_the_flag_at_its_default(tmp_path):
     """`load: ~` or an empty value is YAML's null: the flag keeps its default. It was the
     string 'None' (a --load and a --tensorboard-dir named ./None) or an error ('expects
