@@ -384,6 +384,8 @@ def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank
         warnings.filterwarnings("ignore", message=CUBLASLT_WORKSPACE_WARNING)
     if torch.cuda.is_available():
         local_rank = local_gpu(rank, local_rank, environ, torch.cuda.device_count())
+    if store is None and world_size > 1 and not dist.is_initialized():
+        store = _job_store(parallel, rank, world_size, environ)
     try:
         rt = initialize_distributed(parallel, rank, world_size, local_rank,
                                     agent_store=agent_store_from_env(environ), store=store)
@@ -397,6 +399,20 @@ def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank
     if no_workspace and rt.device.type == "cuda":
         check_gemm_without_workspace(rt.device)
     return rt
+
+
+def _job_store(parallel: ParallelConfig, rank: int, world_size: int,
+               environ: Mapping[str, str]):
+    """The job's rendezvous store for an entry point that did not connect it before (a tool
+    that read nothing for the other ranks): connected as pretrain_gpt.py's is, so that an
+    env:// launch whose MASTER_ADDR does not resolve, or whose ranks never all connect,
+    stops with one line naming the cause and the fix (megatron/startup_store.py), not
+    after the whole timeout or with the store's traceback; None where there is none to
+    connect to (env:// then reports what is missing)."""
+    from megatron.startup_store import JobStore
+
+    timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes, seconds=60)
+    return JobStore(environ, rank, world_size).connect(timeout)
 
 
 def set_random_seed(seed: int, rt: Runtime, data_parallel_random_init: bool = False) -> None:

@@ -201,3 +201,51 @@ def test_rank_0_on_a_port_in_use_stops_with_the_fix(busy_port, monkeypatch):
 
     with pytest.raises(SystemExit, match=expected):
         JobStore(env, 0, 2).connect(datetime.timedelta(seconds=5))
+
+
+# A few seconds' wait: --distributed-timeout-minutes less one minute, plus the minute that
+# the start-up adds to it (the flag itself is at least 1: 2 minutes in all).
+SHORT_WAIT_MINUTES = -0.95  # 3 s
+
+
+def _env_launch(monkeypatch, rank: int, addr: str) -> dict:
+    from tests.dist_utils import free_port
+
+    env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": addr,
+           "MASTER_PORT": str(free_port())}
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    for name, value in env.items():  # torch's env:// reads the process environment
+        monkeypatch.setenv(name, value)
+    return env
+
+
+def test_an_env_launch_to_a_master_addr_that_does_not_resolve_stops_at_once(monkeypatch):
+    """A tool without the start-up reads of pretrain_gpt.py (tasks/main.py, benchmark.py)
+    went to torch's env:// with an unresolvable MASTER_ADDR: the store retried the name for
+    the whole timeout (11 minutes by default), then blamed rank 0's process. Now one line
+    at once, naming the address and the fix."""
+    import time
+
+    env = _env_launch(monkeypatch, 1, "no-such-host.invalid")
+    started = time.monotonic()
+    with pytest.raises(SystemExit, match=r"^error: rank 1 cannot resolve "
+                       r"MASTER_ADDR='no-such-host.invalid' .*scontrol"):
+        init.initialize_entry_point(
+            ParallelConfig(distributed_timeout_minutes=SHORT_WAIT_MINUTES), "torch", 1, 2, 0,
+            env)
+    assert time.monotonic() - started < 2.5
+
+
+def test_rank_0_of_an_env_launch_names_the_ranks_that_never_connected(monkeypatch):
+    """Rank 0 of an env:// launch whose other rank never comes: torch's `DistStoreError:
+    Timed out after 3 seconds waiting for clients. 1/2 clients joined.` traceback (with
+    the C++ frames) from the tools; now pretrain_gpt.py's line naming the missing rank."""
+    env = _env_launch(monkeypatch, 0, "127.0.0.1")
+    with pytest.raises(SystemExit) as stop:
+        init.initialize_entry_point(
+            ParallelConfig(distributed_timeout_minutes=SHORT_WAIT_MINUTES), "torch", 0, 2, 0,
+            env)
+    message = str(stop.value.code)
+    assert message.startswith(f"error: rank 0 hosts the rendezvous store on MASTER_ADDR:"
+                              f"MASTER_PORT (127.0.0.1:{env['MASTER_PORT']}) and waited 3 s")
+    assert "1 of 2 never connected (rank(s) 1)" in message
