@@ -29,7 +29,7 @@ from megatron.core.tensor_parallel import shard_of_full_weight
 from tests.dist_utils import free_port, run_distributed
 from tests.test_generate import _run_cli, _train
 from tests.test_kv_cache import MAX_POS, _model, _tokens
-from tests.test_text_generation_server import _put_bytes
+from tests.test_text_generation_http import _put_bytes
 from tools import generate
 from tools import run_text_generation_server as server_mod
 from tools import text_generation_ranks as ranks_mod
