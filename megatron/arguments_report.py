@@ -311,11 +311,11 @@ def checkpoint_lines(config: Config, evaluation: bool = False) -> Tuple[List[str
     is one), read from the tracker and the checkpoint's stored arguments and states, not
     its weights (megatron/checkpoint_preflight.py). `evaluation`: for an evaluation,
     which reads the weights alone (its caller refuses a --load without a checkpoint)."""
+    load = config.checkpoint.load
+    if not load:  # (before the import: it brings the optimizer and the GPU kernels' triton)
+        return [], False
     from megatron.checkpoint_preflight import preflight_load
 
-    load = config.checkpoint.load
-    if not load:
-        return [], False
     if not os.path.isdir(load) and config.checkpoint.exit_on_missing_checkpoint:
         return [], False  # a missing input (above)
     if not os.path.exists(load):  # (a file is refused by the preflight, as by the run)

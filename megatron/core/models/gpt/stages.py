@@ -21,7 +21,7 @@ take identical optimizer steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,8 @@ from megatron.core.config import ModelConfig
 from megatron.core.distributed import allreduce_embedding_grads
 from megatron.core.parallel_state import ParallelState
 
-from .gpt_model import GPTModel
+if TYPE_CHECKING:
+    from .gpt_model import GPTModel
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,10 @@ def build_stage_models(config: ModelConfig, ps: ParallelState, rng_tracker=None,
     """This rank's GPT chunks, in virtual-stage order (one GPTModel each).
 
     No communication: call `sync_tied_embeddings` once all ranks have built theirs."""
+    # imported here: the model (and the GPU kernels' triton it imports) is not needed by
+    # `stage_layout`'s callers that build no model (--dry-run, the argument report)
+    from .gpt_model import GPTModel
+
     specs = stage_layout(config.num_layers, ps.pp_size, ps.pp_rank, vpp_size,
                          standalone_embedding_stage)
     return [
