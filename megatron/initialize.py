@@ -367,7 +367,7 @@ def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank
     `gloo_lazy_init_env` (read when each gloo group is made), watch the launcher (a rank
     whose torchrun is killed stops, megatron/launcher_watch.py), initialise
     (under torchrun, each start of the job keeps out of the keys of earlier ones; `store`: the job's store when the entry point connected it already, see
-    `initialize_distributed`), then check one GEMM on the GPU when cuBLAS was left without
+    `initialize_distributed`; else connected here, `_job_store`), then check one GEMM on the GPU when cuBLAS was left without
     a workspace. With several processes, a warning every rank gives alike shows once from
     then on (`warnings_once_per_job`)."""
     one_line_project_warnings()
