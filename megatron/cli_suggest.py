@@ -55,13 +55,48 @@ def close_flag(token: str, options: Iterable[str]) -> Optional[str]:
     return close[0] if close else None
 
 
+_NEGATIONS = ("no-", "disable-")
+
+
+def _opposite_switch(token: str, close: str) -> Optional[str]:
+    """Whether `close` is the switch that does the opposite of what `token` asks: 'on'
+    (`close` is Megatron's `--no-X` / `--disable-X` for a feature on by default, `token` a
+    positive spelling of it: `--X`, `--apply-X`, `--add-X`) or 'off' (`token` is `--no-X`
+    for a switch `--X` that turns something on). None otherwise."""
+    name = token.split("=", 1)[0].lstrip("-")
+    flag = close.lstrip("-")
+    for negation in _NEGATIONS:
+        if flag.startswith(negation) and not name.startswith(_NEGATIONS):
+            core = flag[len(negation):]
+            return "on" if name == core or name.endswith("-" + core) else None
+        if name.startswith(negation) and not flag.startswith(_NEGATIONS):
+            core = name[len(negation):]
+            return "off" if flag == core or flag.endswith("-" + core) else None
+    return None
+
+
+def flag_hint(token: str, options: Iterable[str]) -> Optional[str]:
+    """What to tell the user of an unknown flag `token`: 'did you mean --flag?', or, when
+    the closest flag is the opposite switch (`--bias-gelu-fusion` and Megatron's
+    `--no-bias-gelu-fusion`), that the token asks for the default: following a 'did you
+    mean' there would have turned the feature the other way. None: no close flag."""
+    close = close_flag(token, options)
+    if close is None:
+        return None
+    default = _opposite_switch(token, close)
+    if default is None:
+        return f"did you mean {close}?"
+    other = "off" if default == "on" else "on"
+    return f"not a flag: {default} by default, so drop it; {close} turns it {other}"
+
+
 def unknown_arguments_message(unknown: Sequence[str], options: Iterable[str]) -> str:
     """'unrecognized arguments: --num-layer (did you mean --num-layers?) 2'."""
     options = list(options)
     parts = []
     for token in unknown:
-        close = close_flag(token, options)
-        parts.append(f"{token} (did you mean {close}?)" if close else token)
+        hint = flag_hint(token, options)
+        parts.append(f"{token} ({hint})" if hint else token)
     return "unrecognized arguments: " + " ".join(parts)
 
 
@@ -103,7 +138,7 @@ class SuggestingParser(argparse.ArgumentParser):
         if "required" in message:
             options = option_strings(self)
             for token in _unknown_flags(self._argv, self):
-                close = close_flag(token, options)
-                hint = f": did you mean {close}?" if close else ""
+                hint = flag_hint(token, options)
+                hint = "" if hint is None else ": " + hint.removeprefix("not a flag: ")
                 message += f"; {token.split('=', 1)[0]} is not a flag{hint}"
         super().error(message)

@@ -110,3 +110,33 @@ def test_a_flag_that_begins_with_the_typed_words_is_suggested(capsys):
     assert "--exit-signal (did you mean --exit-signal-handler?)" in err
     err = _error(capsys, p.parse_args, ["--gpu", "8"])
     assert "--gpu (did you mean --gpus?)" in err
+
+
+def test_the_opposite_switch_is_not_offered_as_the_fix(capsys):
+    """`--apply-query-key-layer-scaling` (a later Megatron flag asking for 23.05's default)
+    was answered with 'did you mean --no-query-key-layer-scaling?', `--bias-gelu-fusion`
+    with `--no-bias-gelu-fusion` and `--no-sequence-parallel` with `--sequence-parallel`:
+    following the hint turned the feature the other way. The message says the token asks
+    for the default and names the opposite switch as such; other negations still get a
+    'did you mean'."""
+    from megatron.arguments import parse_args
+    from megatron.arguments_common import ArgumentsError
+
+    with pytest.raises(ArgumentsError) as exc:
+        parse_args(["--apply-query-key-layer-scaling", "--bias-gelu-fusion",
+                     "--no-sequence-parallel", "--add-bias-linear", "--no-position-embeddings"])
+    assert str(exc.value).endswith(
+        "unrecognized arguments: --apply-query-key-layer-scaling (not a flag: on by default, "
+        "so drop it; --no-query-key-layer-scaling turns it off) --bias-gelu-fusion (not a "
+        "flag: on by default, so drop it; --no-bias-gelu-fusion turns it off) "
+        "--no-sequence-parallel (not a flag: off by default, so drop it; --sequence-parallel "
+        "turns it on) --add-bias-linear (not a flag: on by default, so drop it; "
+        "--disable-bias-linear turns it off) --no-position-embeddings (did you mean "
+        "--no-position-embedding?)")
+    p = SuggestingParser(prog="tool.py")
+    p.add_argument("--input", required=True)
+    p.add_argument("--no-append-eod", action="store_true")
+    err = _error(capsys, p.parse_args, ["--append-eod"])
+    assert err == ("tool.py: error: the following arguments are required: --input; "
+                   "--append-eod is not a flag: on by default, so drop it; --no-append-eod "
+                   "turns it off")
