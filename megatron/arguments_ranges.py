@@ -281,8 +281,8 @@ def warn_unread_checkpoint_flags(ns, explicit: Set[str]) -> None:
 
 
 def warn_unread_tuning_flags(ns, explicit: Set[str]) -> None:
-    """The loss-scaler, optimizer, weight-decay and rotary flags the run's other choices leave
-    unread, so that a tuned value that changes nothing is not taken for one that does."""
+    """The loss-scaler, optimizer, weight-decay, rotary and init flags the run's other choices
+    leave unread, so that a tuned value that changes nothing is not taken for one that does."""
     if not ns.fp16 or ns.loss_scale:
         run = (f"the loss scale is the constant --loss-scale {ns.loss_scale:g}"
                if ns.loss_scale and (ns.fp16 or ns.bf16)
@@ -304,6 +304,10 @@ def warn_unread_tuning_flags(ns, explicit: Set[str]) -> None:
                     f"the positions are {ns.position_embedding_type}, without rotary "
                     "embeddings; add --use-rotary-position-embeddings (or "
                     "--position-embedding-type rope) to rotate")
+    if ns.init_method_xavier_uniform:  # every weight, output projections too
+        warn_unread(ns, explicit, ("init_method_std",),
+                    "--init-method-xavier-uniform draws every weight matrix from U(-a, a), "
+                    "a = sqrt(6 / (fan_in + fan_out)); drop one of the two")
     if ns.weight_decay_incr_style != "constant":
         warn_unread(ns, explicit, ("weight_decay",),
                 f"with --weight-decay-incr-style {ns.weight_decay_incr_style} the weight decay "

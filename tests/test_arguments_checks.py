@@ -246,6 +246,12 @@ def test_a_loss_scale_without_fp16_or_bf16_is_warned(caplog):
      "the positions are none"),
     ("--use-rotary-position-embeddings --rotary-percent 0.5 --rotary-base 500000", None),
     ("--position-embedding-type rope --rotary-percent 0.5", None),
+    # Xavier draws every weight: the std tuned beside it changes nothing
+    ("--init-method-xavier-uniform --init-method-std 0.006", "--init-method-std 0.006 has no "
+     "effect: --init-method-xavier-uniform draws every weight matrix from U(-a, a), a = "
+     "sqrt(6 / (fan_in + fan_out)); drop one of the two (Megatron-LM ignores it too)"),
+    ("--init-method-xavier-uniform --init-method-std 0.02", None),
+    ("--init-method-std 0.006", None),
     # a script that forgot --recompute-granularity full recomputes nothing
     ("--recompute-method uniform", "--recompute-method uniform has no effect: nothing is "
      "recomputed without --recompute-granularity; add --recompute-granularity full"),
