@@ -267,7 +267,7 @@ _DISTRIBUTED = {
                        "turns it on)",
     "--use-cpu-initialization": "draw each full weight in fp32 on the CPU and keep this "
                                 "rank's slice: the same initial model for every "
-                                "tensor-parallel size",
+                                "tensor-parallel size that pads the vocabulary alike",
     "--empty-unused-memory-level": "return cached, unused CUDA memory to the driver: 1 "
                                    "after each forward-backward pass, 2 also after the "
                                    "optimizer step (slower; nothing on the CPU)",
