@@ -424,12 +424,14 @@ def _empty_cache(device: torch.device, wanted: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def _sync_replicas(tr) -> None:
+def sync_replicas(tr) -> None:
     """`--data-parallel-random-init`: every DP rank drew its own initial weights (its
     seed includes 10 * dp_rank); copy DP rank 0's into the others before the first step
     and refresh the optimizer's main copies. Collective: one broadcast per parameter
     over the data-parallel group. Only for a fresh start (iteration 0): loaded weights
-    are the same on every replica already."""
+    are the same on every replica already. Once per run: before the first step, or
+    before the evaluation of a --skip-train run (Megatron broadcasts when it builds the
+    model, so an evaluation-only run scores DP rank 0's model, not a mean over replicas)."""
     log = step_log(tr)
     log.replicas_synced = True
     if tr.state.iteration != 0 or tr.rt.ps.dp_group is None:
@@ -512,7 +514,7 @@ def train_step(tr, data: Iterator[dict], skip_nonfinite: bool = False):
     cfg, log = tr.config, step_log(tr)
     update_micro_batches(cfg.data, tr.state.consumed_train_samples, tr.rt.ps.dp_size)
     if cfg.training.data_parallel_random_init and not log.replicas_synced:
-        _sync_replicas(tr)
+        sync_replicas(tr)
     runner = None if skip_nonfinite else runner_for(tr)
     if runner is not None:
         loss, ok, grad_norm, num_zeros = runner.step(tr, data, _step_body)

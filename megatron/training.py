@@ -70,6 +70,7 @@ from megatron.train_step import (  # noqa: F401 (forward_backward re-exported)
     StepLog,
     forward_backward,
     step_log,
+    sync_replicas,
     train_step,
     watch_param_sync,
 )
@@ -522,6 +523,8 @@ def _train_and_evaluate(tr: Trainer, train_data, valid_data, test_data) -> None:
         tr.exit_reason = train(tr, train_data, valid_data)
     else:
         print_rank_0("skipping training (--skip-train is on) ...")
+        if config.training.data_parallel_random_init:
+            sync_replicas(tr)  # no step took DP rank 0's weights: evaluate one model
         if config.training.eval_iters <= 0:
             print_rank_0("WARNING: --skip-train with --eval-iters 0: nothing is evaluated "
                          "either, the run ends here; pass --eval-iters N to score N global "

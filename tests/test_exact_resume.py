@@ -116,6 +116,23 @@ def test_two_rank_resume_is_bit_exact(tmp_path, name, extra):
                                                  rng[1]["torch_rng_state"])
 
 
+def _skip_train_weights(rank, world_size):
+    _, tr = run_pretrain(["--data-parallel-random-init", "--skip-train", "--eval-iters", "1"],
+                         world_size, rank)
+    return [p.detach().clone() for p in tr.model.module.parameters()]
+
+
+def test_data_parallel_random_init_evaluates_one_model_with_skip_train():
+    """--skip-train runs no step, and the replicas took DP rank 0's weights only at the
+    first step: each evaluated the model of its own seed (seed + 10 * dp_rank), and the
+    loss printed was a mean over two models. Megatron broadcasts when it builds the model:
+    every replica scores DP rank 0's."""
+    ranks = run_distributed(_skip_train_weights, 2)
+    assert len(ranks[0]) == len(ranks[1]) > 0
+    for a, b in zip(*ranks):
+        assert torch.equal(a, b)
+
+
 # --------------------------------------------------------------------------- load flags
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory):
