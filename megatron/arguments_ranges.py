@@ -108,6 +108,9 @@ _AT_MOST = (
     ("lr_warmup_fraction", 1, False, "fraction of the decay spent warming up", None),
     ("adam_beta1", 1, False, "Adam's first-moment decay", lambda ns: ns.optimizer == "adam"),
     ("adam_beta2", 1, False, "Adam's second-moment decay", lambda ns: ns.optimizer == "adam"),
+    # Megatron-LM takes a larger one, and its momentum buffer then grows geometrically.
+    ("sgd_momentum", 1, True, "SGD's momentum: the share of the last update kept",
+     lambda ns: ns.optimizer == "sgd"),
     # The loss scale is a float32: a larger value is inf, and inf never backs off.
     ("initial_loss_scale", FLOAT32_MAX, True, "the first dynamic loss scale, a float32",
      _uses_dynamic_loss_scale),
@@ -164,6 +167,7 @@ def check_value_ranges(ns) -> None:
         if _applies(ns, dest, when) and (value > high if inclusive else value >= high):
             bound = f"<= {high:g}" if inclusive else f"< {high:g}"
             raise ArgumentsError(f"{flag_for_dest(dest)} {value} must be {bound} ({meaning})")
+    _warn_zero_adam_eps(ns)
     if ns.clip_grad < 0:
         warn(f"--clip-grad {ns.clip_grad}: gradients are not clipped (Megatron-LM clips only "
              "when --clip-grad > 0); pass --clip-grad 0 to say so")
@@ -188,6 +192,17 @@ def check_value_ranges(ns) -> None:
                              f"--profile-step-start {ns.profile_step_start} (the profiler "
                              "records iterations start + 1 to end); pass e.g. --profile-step-end "
                              f"{ns.profile_step_start + 2}")
+
+
+def _warn_zero_adam_eps(ns) -> None:
+    """--adam-eps 0 can run (where no gradient element is ever exactly 0), so it is taken,
+    as Megatron-LM takes it; but a zero element at its first step, common in the attention
+    key biases, gives 0/0 = NaN in that weight, then a NaN loss at the next step."""
+    if ns.optimizer == "adam" and ns.adam_eps == 0:
+        warn("--adam-eps 0: Adam divides by the root of the second moment alone, so a "
+             "gradient element that is exactly 0 at its first step (the attention key "
+             "biases' often are) makes its weight NaN (0/0) and the loss NaN at the next "
+             "step; pass e.g. --adam-eps 1e-8 (the default)")
 
 
 _DYNAMIC_SCALER_FLAGS = ("initial_loss_scale", "min_loss_scale", "loss_scale_window",

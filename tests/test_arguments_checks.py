@@ -136,6 +136,9 @@ def test_rampup_longer_than_the_run_is_allowed_with_a_warning(caplog):
     ("--lr -1", "--lr -1.0 must be >= 0"),
     ("--weight-decay -0.1", "--weight-decay -0.1 must be >= 0"),
     ("--adam-beta2 1.0", "--adam-beta2 1.0 must be < 1"),
+    # Megatron-LM accepts it: the momentum buffer then grows geometrically and the loss
+    # diverges within a few steps
+    ("--optimizer sgd --sgd-momentum 1.5", "--sgd-momentum 1.5 must be <= 1 (SGD's momentum"),
     ("--loss-scale -8", "--loss-scale -8.0 must be >= 0"),
     ("--vocab-size 0", "--vocab-size 0 must be >= 1 (NullTokenizer's token ids)"),
     # the rotary table's torch.arange raised a traceback at model build
@@ -198,6 +201,20 @@ def test_values_megatron_reads_as_off_stay_valid():
 def test_negative_clip_grad_means_no_clipping_as_in_megatron(caplog):
     assert run("--clip-grad -1").optimizer.clip_grad == 0.0
     assert "--clip-grad -1.0: gradients are not clipped" in caplog.text
+
+
+def test_adam_eps_zero_is_taken_with_a_warning_naming_the_nan_it_risks(caplog):
+    """--adam-eps 0 (accepted by Megatron-LM) divides by sqrt(v) alone: a gradient element
+    that is exactly 0 at its first step (the attention key biases' often are) makes its
+    weight 0/0 = NaN and the run stops at the next step's NaN loss, with no word on why.
+    It can run (a model without biases may have no zero gradient), so it stays valid."""
+    assert run("--adam-eps 0").optimizer.adam_eps == 0.0
+    assert ("--adam-eps 0: Adam divides by the root of the second moment alone" in caplog.text
+            and "pass e.g. --adam-eps 1e-8" in caplog.text)
+    caplog.clear()
+    run("--adam-eps 1e-30")
+    run("--optimizer sgd --sgd-momentum 1.0")
+    assert "--adam-eps" not in caplog.text
 
 
 def test_a_loss_scale_without_fp16_or_bf16_is_warned(caplog):
