@@ -158,6 +158,16 @@ def test_one_process_broadcast_and_split(one_process):
     assert tp_data.MAX_DATA_DIM >= 5  # Megatron's limit (fewer than 5 dims) still fits
 
 
+def test_one_process_broadcast_moves_the_batch_to_the_groups_device(one_process, monkeypatch):
+    """Megatron's broadcast_data returns the batch on the GPU at tensor-parallel size 1 too
+    (a get_batch that feeds the model its result); here the device of the group's backend,
+    stood for by the meta device."""
+    monkeypatch.setattr(tp_data.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(tp_data, "_device", lambda group: torch.device("meta"))
+    out = tp.broadcast_data(["text"], {"text": torch.arange(6).reshape(2, 3)}, torch.int64)
+    assert out["text"].device.type == "meta" and out["text"].shape == (2, 3)
+
+
 def test_uneven_1d_split_names_the_sizes(monkeypatch):
     monkeypatch.setattr(utils, "group_size", lambda group: 2)
     monkeypatch.setattr(ps, "_STATE", ps.ParallelState.build(1))

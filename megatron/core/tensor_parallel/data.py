@@ -75,7 +75,8 @@ def broadcast_data(keys: Sequence[str], data: Optional[Mapping[str, torch.Tensor
     """Megatron's name and arguments: `{key: tensor}` for every key, the source rank's
     tensors (all of `datatype`) on every rank of the tensor-parallel group. Only the source
     rank (`get_tensor_model_parallel_src_rank()`) reads `data`; the others may pass None.
-    Results live on the current CUDA device under NCCL, else on the CPU."""
+    Results live on the current CUDA device under NCCL (at tensor-parallel size 1 too, as in
+    Megatron), else on the CPU."""
     if not keys:
         return {}
     group = parallel_state.get_tensor_model_parallel_group()
@@ -84,7 +85,9 @@ def broadcast_data(keys: Sequence[str], data: Optional[Mapping[str, torch.Tensor
         status, _, message = _problem(keys, data, datatype)
         if status != _OK:
             raise ValueError(message)
-        return {key: data[key].contiguous() for key in keys}
+        # as in Megatron, the batch moves to the GPU at tensor-parallel size 1 too
+        device = _device(group) if dist.is_initialized() else torch.device("cpu")
+        return {key: data[key].contiguous().to(device) for key in keys}
     device = _device(group)
     is_src = dist.get_rank() == src_rank
     header = torch.tensor(_header(keys, data, datatype, is_src), dtype=torch.int64, device=device)
