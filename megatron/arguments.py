@@ -71,6 +71,10 @@ from megatron.arguments_validate import (
 )
 from megatron.cli_suggest import option_strings, unknown_arguments_message
 from megatron.config import Config
+from megatron.custom_script_api import module_getattr
+
+# Megatron-LM's core_transformer_config_from_args: one clear ImportError
+__getattr__ = module_getattr("megatron.arguments")
 
 __all__ = [
     "ArgumentsError",

@@ -6,8 +6,10 @@ calling `megatron.training.pretrain(providers...)`, reading the `megatron.get_ar
 globals, building `megatron.model.GPTModel` -- gets one error naming the missing piece
 and MIGRATING.md, "Known gaps", instead of a bare "cannot import name" or a TypeError
 about arguments. Used by megatron/__init__.py (the package-level names), the
-`megatron.model`, `megatron.utils` and `megatron.data.gpt_dataset` stand-ins, and
-`megatron.training.pretrain`.
+`megatron.model`, `megatron.utils`, `megatron.global_vars`, `megatron.timers`,
+`megatron.optimizer`, `megatron.text_generation` and `megatron.data.gpt_dataset` stand-ins,
+`megatron.training.pretrain`, and the Megatron names of `megatron.initialize`,
+`megatron.arguments` and `megatron.training` (MEGATRON_MODULE_NAMES).
 """
 from __future__ import annotations
 
@@ -21,6 +23,20 @@ MEGATRON_GLOBALS = frozenset((
     "print_rank_0", "print_rank_last", "is_last_rank",
 ))
 
+# Megatron-LM 23.05's custom-script names inside modules this project has too (with its
+# own contents): `from megatron.training import get_model` gets the error, not a bare
+# "cannot import name"
+MEGATRON_MODULE_NAMES = {
+    "megatron.initialize": frozenset(("initialize_megatron", "set_jit_fusion_options")),
+    "megatron.arguments": frozenset(("core_transformer_config_from_args",)),
+    "megatron.training": frozenset((
+        "get_model", "setup_model_and_optimizer", "get_optimizer_param_scheduler",
+        "build_train_valid_test_datasets", "build_train_valid_test_data_loaders",
+        "build_train_valid_test_data_iterators", "evaluate_and_print_results",
+        "training_log", "save_checkpoint_and_time", "update_train_iters",
+    )),
+}
+
 # keyword arguments only Megatron-LM's pretrain(providers...) takes
 MEGATRON_PRETRAIN_KWARGS = frozenset((
     "train_valid_test_dataset_provider", "model_provider", "model_type", "forward_step_func",
@@ -28,15 +44,28 @@ MEGATRON_PRETRAIN_KWARGS = frozenset((
 ))
 
 
-def custom_script_api_error(name: str) -> ImportError:
-    """The error for `name`, a piece of Megatron-LM's custom-script API."""
+def custom_script_api_error(name: str, instead: str = "") -> ImportError:
+    """The error for `name`, a piece of Megatron-LM's custom-script API; `instead` names
+    this project's nearest equivalent, where it has one."""
     return ImportError(
         f"{name} is part of Megatron-LM's custom-script API, which this project does not offer: it "
         "runs Megatron-LM 23.05's command lines (same flags, data files and checkpoints) "
         "with its own pretrain_gpt.py, not scripts written against Megatron's library "
         "(megatron.training.pretrain(providers...), the megatron.get_args() globals, "
         "megatron.model). Run your command line with this project's pretrain_gpt.py "
-        "instead; see MIGRATING.md, \"Known gaps\".")
+        f"instead{'; ' + instead if instead else ''}; see MIGRATING.md, \"Known gaps\".")
+
+
+def module_getattr(module: str):
+    """A module-level `__getattr__` for `module`: its Megatron-LM names in
+    MEGATRON_MODULE_NAMES raise the error; any other missing name stays an AttributeError."""
+    names = MEGATRON_MODULE_NAMES[module]
+
+    def __getattr__(name: str):
+        if name in names:
+            raise custom_script_api_error(f"{module}.{name}")
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    return __getattr__
 
 
 def refuse_megatron_call(func):

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from megatron.core.config import ParallelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_seed
+from megatron.custom_script_api import module_getattr
 from megatron.entry_state import (  # noqa: F401 (also used from here)
     CUBLASLT_WORKSPACE_WARNING,
     ENTRY_POINT_ENV,
@@ -34,6 +35,9 @@ from megatron.entry_state import (  # noqa: F401 (also used from here)
 from megatron.launcher_watch import watch_launcher
 from megatron.restart_epoch import agree_on_epoch, epoch_prefix
 from megatron.srun_tasks import srun_tasks_without_launcher  # noqa: F401 (its old home)
+
+# Megatron-LM's initialize_megatron: one clear ImportError
+__getattr__ = module_getattr("megatron.initialize")
 
 
 @dataclass

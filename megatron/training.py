@@ -29,7 +29,7 @@ from megatron.core.models.gpt.stages import (
 )
 from megatron.core.optimizer import OptimizerParamScheduler, build_optimizer
 from megatron.core.pipeline_parallel import ModelChunks
-from megatron.custom_script_api import refuse_megatron_call
+from megatron.custom_script_api import module_getattr, refuse_megatron_call
 from megatron.data_loading import (
     build_datasets,
     build_tokenizer_for,
@@ -75,6 +75,9 @@ from megatron.train_step import (  # noqa: F401 (forward_backward re-exported)
     watch_param_sync,
 )
 from megatron.watchdog import build_watchdog, watching
+
+# Megatron-LM's get_model, setup_model_and_optimizer, ...: one clear ImportError
+__getattr__ = module_getattr("megatron.training")
 
 
 @dataclass

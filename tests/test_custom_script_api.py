@@ -16,7 +16,7 @@ import pytest
 
 import megatron
 from megatron import training
-from megatron.custom_script_api import MEGATRON_GLOBALS
+from megatron.custom_script_api import MEGATRON_GLOBALS, MEGATRON_MODULE_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 DOC_SECTION = '"Known gaps"'
@@ -41,12 +41,39 @@ def test_megatron_global_accessors_raise_one_clear_import_error(name):
 
 
 @pytest.mark.parametrize("module", ["megatron.model", "megatron.model.enums",
-                                    "megatron.utils", "megatron.data.gpt_dataset"])
+                                    "megatron.utils", "megatron.data.gpt_dataset",
+                                    "megatron.global_vars", "megatron.timers",
+                                    "megatron.optimizer", "megatron.optimizer_param_scheduler",
+                                    "megatron.text_generation", "megatron.data.data_samplers"])
 def test_megatron_script_modules_raise_one_clear_import_error(module):
     with pytest.raises(ImportError) as info:
         importlib.import_module(module)
     _assert_clear(str(info.value), module.replace(".enums", ""))
     assert module not in sys.modules  # a failed import leaves nothing half-built
+
+
+@pytest.mark.parametrize("module,name", sorted(
+    (module, name) for module, names in MEGATRON_MODULE_NAMES.items() for name in names))
+def test_megatron_names_in_this_projects_modules_raise_one_clear_import_error(module, name):
+    """`from megatron.initialize import initialize_megatron` and the like: the module is
+    this project's, the name Megatron-LM's; the error says so instead of "cannot import"."""
+    with pytest.raises(ImportError) as info:
+        exec(f"from {module} import {name}", {})
+    _assert_clear(str(info.value), f"{module}.{name}")
+    mod = importlib.import_module(module)
+    assert not hasattr(mod, "no_such_name")  # other names stay AttributeErrors
+
+
+def test_stand_ins_name_this_projects_equivalent():
+    for module, instead in (("megatron.optimizer", "megatron.core.optimizer"),
+                            ("megatron.optimizer_param_scheduler", "megatron.core.optimizer"),
+                            ("megatron.data.data_samplers", "megatron.core.datasets.samplers")):
+        with pytest.raises(ImportError, match=f"instead; .*{instead}"):
+            importlib.import_module(module)
+        importlib.import_module(instead)  # the equivalent named is real
+    from megatron.core.optimizer import OptimizerParamScheduler, build_optimizer  # noqa: F401
+    with pytest.raises(ImportError, match="instead; .*--timing-log-level"):
+        importlib.import_module("megatron.timers")
 
 
 def test_probes_still_see_attribute_errors():
@@ -77,7 +104,8 @@ def test_pretrain_keeps_its_own_signature():
 def test_known_gaps_names_the_custom_script_api():
     gaps = _known_gaps_text()
     for name in ("custom-script API", "megatron.get_args()", "megatron.model",
-                 "megatron.training.pretrain", "megatron/custom_script_api.py"):
+                 "megatron.training.pretrain", "megatron/custom_script_api.py",
+                 "megatron.initialize.initialize_megatron", "megatron.timers"):
         assert name in gaps
 
 
