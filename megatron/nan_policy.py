@@ -55,8 +55,11 @@ def check_pending_nan(tr: Trainer, stats: IntervalStats) -> None:
 def _resume_hint(tr: Trainer) -> str:
     """Which checkpoint a resume after a NaN stop would start from: the one --save's
     tracker names now, or that there is none (the advice used to be "resume from the last
-    checkpoint" even when the run had written none)."""
+    checkpoint" even when the run had written none). A background save in flight
+    (--async-save) is waited for first: the process's exit waits for it anyway, and once
+    published it is the checkpoint to resume from (this rank's own wait: no collective)."""
     ck = tr.config.checkpoint
+    failed = _finish_async_save(tr)
     if not ck.save:
         if ck.load and tr.start_iteration:
             return (f"Resume from --load {ck.load} (iteration {tr.start_iteration}, where "
@@ -67,9 +70,22 @@ def _resume_hint(tr: Trainer) -> str:
     except ValueError:  # a damaged tracker: the load names the problem
         iteration, release = None, False
     if iteration is None:
-        return f"--save {ck.save} holds no checkpoint yet to resume from; start again"
+        return f"--save {ck.save} holds no checkpoint yet to resume from{failed}; start again"
     name = os.path.join(ck.save, iteration_dir_name(iteration, release))
-    return f"Resume from the last checkpoint, {name} (--load {ck.save})"
+    return f"Resume from the last checkpoint, {name} (--load {ck.save}){failed}"
+
+
+def _finish_async_save(tr: Trainer) -> str:
+    """Wait for this rank's background save, if any; '' when there was none or it was
+    published, else ' (<why it failed>)' for the message (the tracker kept its checkpoint)."""
+    saver = getattr(tr, "async_saver", None)
+    if saver is None:
+        return ""
+    try:
+        saver.wait()
+    except RuntimeError as exc:
+        return f" ({exc})"
+    return ""
 
 
 # --nan-loss-policy rollback gives up after this many rollbacks in a row that do not get

@@ -5,6 +5,7 @@ import dataclasses
 import os
 import re
 import signal
+import threading
 
 import pytest
 import torch
@@ -353,3 +354,35 @@ def test_rollback_stops_with_a_checkpoint_where_the_train_set_runs_out(tmp_path,
     assert "(consumed_train_samples 56 at iteration 4): it serves iterations up to 5; the run " \
            "will save a checkpoint and stop there" in out
     assert "[exiting program at iteration 5: the train set is used up]" in out
+
+
+def test_the_stop_policy_names_the_checkpoint_an_async_save_in_flight_publishes(
+        tmp_path, monkeypatch):
+    """With --async-save the checkpoint of iteration 2 was still being written when the NaN
+    of iteration 3 stopped the run (at the log line of iteration 4): the message read the
+    tracker then ("holds no checkpoint yet ... start again"), and the process's exit then
+    waited for the writer, which published iteration 2. The message names that checkpoint."""
+    release = threading.Event()
+    original = checkpointing._torch_save_synced
+
+    def slow_write(obj, path):
+        release.wait(30)  # a slow file system: the write outlasts the next two steps
+        original(obj, path)
+
+    monkeypatch.setattr(checkpointing, "_torch_save_synced", slow_write)
+    tr = _trainer(tmp_path, "stop", save_interval=2)
+    tr.config.checkpoint = dataclasses.replace(tr.config.checkpoint, async_save=True)
+    _poison_at(tr, {3})
+    timer = threading.Timer(1.0, release.set)  # the stop must wait for the write
+    timer.start()
+    try:
+        with pytest.raises(SystemExit) as stop:
+            train(tr, data_iterator(tr.config, tr.rt, "train", 0), None)
+    finally:
+        release.set()
+        timer.cancel()
+        if tr.async_saver is not None:
+            tr.async_saver.wait()
+    assert checkpointing.read_tracker(str(tmp_path / "ckpt")) == (2, False)
+    assert re.search(r"Resume from the last checkpoint, \S+ckpt/iter_0000002 \(--load ",
+                     str(stop.value.code)), stop.value.code
