@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -386,3 +387,22 @@ def test_the_stop_policy_names_the_checkpoint_an_async_save_in_flight_publishes(
     assert checkpointing.read_tracker(str(tmp_path / "ckpt")) == (2, False)
     assert re.search(r"Resume from the last checkpoint, \S+ckpt/iter_0000002 \(--load ",
                      str(stop.value.code)), stop.value.code
+
+
+def test_the_stop_policy_says_the_async_save_in_flight_failed(tmp_path, monkeypatch):
+    """The background save the NaN stop waited for failed: the message keeps the tracker's
+    answer (no checkpoint yet) and says why the save it waited for is not there."""
+    def failing_write(obj, path):
+        time.sleep(0.5)  # still in flight at the NaN stop
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpointing, "_torch_save_synced", failing_write)
+    tr = _trainer(tmp_path, "stop", save_interval=2)
+    tr.config.checkpoint = dataclasses.replace(tr.config.checkpoint, async_save=True)
+    _poison_at(tr, {3})
+    with pytest.raises(SystemExit) as stop:
+        train(tr, data_iterator(tr.config, tr.rt, "train", 0), None)
+    assert not tr.async_saver.pending
+    assert re.search(r"holds no checkpoint yet to resume from \(the background save of the "
+                     r"checkpoint at iteration 2 to \S+ failed: .*No space left on device.*\); "
+                     "start again", str(stop.value.code)), stop.value.code
