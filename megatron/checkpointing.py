@@ -429,6 +429,19 @@ def save_checkpoint(root: str, iteration: int, state: Optional[Dict], ps: Parall
     return seconds
 
 
+# A wait for the previous background save longer than this is named in the save-time line.
+PREVIOUS_SAVE_WAIT_NOTE_S = 0.05
+
+
+def _waited_text(waited: float) -> str:
+    """', of which N s waiting for the previous save to finish writing' when an async save
+    blocked on that (saves come faster than the writer finishes them: the blocking time is
+    then mostly not the CPU copy), else ''."""
+    if waited < PREVIOUS_SAVE_WAIT_NOTE_S:
+        return ""
+    return f", of which {waited:.2f} s waiting for the previous save to finish writing"
+
+
 def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: ParallelState,
                           saver: AsyncSaver, release: bool = False,
                           extra_files: Optional[Dict[str, object]] = None,
@@ -451,7 +464,9 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
     started = time.perf_counter() if started is None else started
     _check_save_iteration(iteration, release)
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root}")  # as a sync save
+    waited = time.perf_counter()
     agreed_wait(saver, ps.rank == 0, group)  # on rank 0 that includes publishing it
+    waited = time.perf_counter() - waited
     final_dir = os.path.join(root, iteration_dir_name(iteration, release))
     tmp_dir = final_dir + ".tmp"
     _prepare_tmp_dir(root, tmp_dir, ps)
@@ -475,8 +490,8 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
             if not saver.publish(lambda: _publish(root, tmp_dir, final_dir, iteration, release)):
                 return
             print(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}\n"
-                  f"  checkpoint save time (blocking {blocking:.2f} s, writing "
-                  f"{time.perf_counter() - t0:.2f} s in the background)", flush=True)
+                  f"  checkpoint save time (blocking {blocking:.2f} s{_waited_text(waited)}, "
+                  f"writing {time.perf_counter() - t0:.2f} s in the background)", flush=True)
 
     saver.submit(write_and_publish, f"the checkpoint at iteration {iteration} to {root}",
                  report=ps.rank == 0, tmp_dir=tmp_dir)

@@ -423,3 +423,30 @@ def test_async_checkpoints_resume_bit_exactly_with_distributed_optimizer(tmp_pat
     assert read_tracker(root) == (4, False)
     assert sorted(os.listdir(os.path.join(root, "iter_0000004", "mp_rank_00"))) == [
         "distrib_optim.pt", "model_optim_rng.pt"]
+
+
+def test_the_save_time_line_names_the_wait_for_the_previous_save(tmp_path, monkeypatch, capsys):
+    """Two saves closer together than the writer takes: the second one blocked training
+    for the rest of the first write, and its line said only 'blocking 0.4 s', as if
+    copying to CPU memory took that long. It names the wait; a save that did not wait
+    says nothing of it."""
+    original = checkpointing._torch_save_synced
+
+    def slow_write(obj, path):
+        time.sleep(0.4)
+        original(obj, path)
+
+    monkeypatch.setattr(checkpointing, "_torch_save_synced", slow_write)
+    root, saver = str(tmp_path), AsyncSaver()
+    save_checkpoint_async(root, 1, _state(1), _ps1(), saver)
+    blocking = save_checkpoint_async(root, 2, _state(2), _ps1(), saver)  # at once
+    saver.wait()
+    assert blocking > 0.2
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "checkpoint save time" in ln]
+    assert len(lines) == 2 and "waiting" not in lines[0], lines
+    waited = re.search(r"\(blocking (\d+\.\d\d) s, of which (\d+\.\d\d) s waiting for the "
+                       r"previous save to finish writing, writing \d+\.\d\d s in the "
+                       r"background\)", lines[1])
+    assert waited, lines[1]
+    assert 0.2 < float(waited.group(2)) <= float(waited.group(1))
+    assert read_tracker(root) == (2, False)
