@@ -46,7 +46,10 @@ _EMB = "language_model.embedding."
 _ACT_TO_HF = {"gelu": "gelu", "openai_gelu": "gelu_new", "squared_relu": "relu2"}
 _ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "openai_gelu", "gelu_pytorch_tanh": "openai_gelu",
                 "gelu_fast": "openai_gelu", "relu2": "squared_relu"}
-_ACT_FLAG = {"gelu": [], "openai_gelu": ["--openai-gelu"], "squared_relu": ["--squared-relu"]}
+# the erf GeLU needs --no-bias-gelu-fusion: with biases (GPT-2 has them) Megatron-LM's fused
+# bias-GeLU, on by default, computes the tanh form (arguments_validate.activation_of)
+_ACT_FLAG = {"gelu": ["--no-bias-gelu-fusion"], "openai_gelu": ["--openai-gelu"],
+             "squared_relu": ["--squared-relu"]}
 
 
 # ------------------------------------------------------------------------ families

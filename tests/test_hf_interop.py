@@ -278,6 +278,40 @@ def test_hf_to_ours_tp2_to_hf_is_exact(tmp_path, family, pp):
     assert _hf_logits(tmp_path / "out").equal(_hf_logits(tmp_path / "hf"))
 
 
+def _imported_logits(ck, tokens=TOKENS) -> torch.Tensor:
+    """Logits of the one-process model of the checkpoint `ck` (fp32, eval mode)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    _, model_cfg, state, _ = hf_convert.load_full_checkpoint(str(ck))
+    model = GPTModel(model_cfg, device="meta")
+    model.load_state_dict(state, strict=True, assign=True)
+    return _ours_logits(model.float())
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_new", "gelu_pytorch_tanh", "relu2"])
+def test_gpt2_import_keeps_its_activation(tmp_path, act):
+    """GPT-2's activation_function 'gelu' is the erf GeLU. Imported as our default
+    activation it became the tanh form (Megatron-LM's fused bias-GeLU, on with biases):
+    the logits moved by ~3e-4 on this tiny model and a re-export said gelu_new."""
+    tf = _transformers()
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=VOCAB + 1, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                        activation_function=act, bos_token_id=VOCAB, eos_token_id=VOCAB)
+    hf_model = tf.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():  # larger weights: the GeLU forms differ by more
+        for p in hf_model.parameters():
+            p.mul_(4)
+    hf_model.save_pretrained(str(tmp_path / "hf"))
+    assert _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "ck") == 0
+    with torch.no_grad():
+        theirs = hf_model(input_ids=TOKENS).logits
+    diff = (_imported_logits(tmp_path / "ck")[..., :VOCAB + 1] - theirs).abs().max().item()
+    assert diff < TOL, f"{act}: max |logit diff| = {diff:.2e}"
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "out") == 0
+    out_act = json.loads((tmp_path / "out" / "config.json").read_text())["activation_function"]
+    assert out_act == {"gelu_pytorch_tanh": "gelu_new"}.get(act, act)
+
+
 def _from_hf_tp2_worker(rank, world_size, ck, flags, save):
     tr, losses, loaded = _train(save, f"{flags} --tensor-model-parallel-size 2", world_size,
                                 rank, steps=2, load=ck)
