@@ -148,6 +148,7 @@ def config_from_hf(hf_cfg: dict, a, in_dir: str):
     max_pos = int(flags[flags.index("--max-position-embeddings") + 1])
     hf_vocab = int(hf_cfg["vocab_size"])
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    check_import_layout(family, flags, a)
     flags += _tokenizer_flags(a, in_dir, hf_vocab) + [
         "--make-vocab-size-divisible-by", str(a.make_vocab_size_divisible_by),
         "--seq-length", str(a.seq_length or min(max_pos, 2048))]
@@ -161,6 +162,49 @@ def config_from_hf(hf_cfg: dict, a, in_dir: str):
     cfg = parse_and_validate(argv, world_size=tp * pp, env={}, cuda_available=False,
                              vocab_size_fn=lambda ns: hf_vocab)
     return family, cfg, flags
+
+
+# config.json's name of each model flag the layout rules read {family: {flag: field}}
+_HF_FIELDS = {
+    "gpt2": {"--num-attention-heads": "n_head", "--ffn-hidden-size": "n_inner (or 4 x n_embd)",
+             "--num-layers": "n_layer", "--max-position-embeddings": "n_positions"},
+    "llama": {"--num-attention-heads": "num_attention_heads",
+              "--num-query-groups": "num_key_value_heads",
+              "--ffn-hidden-size": "intermediate_size", "--num-layers": "num_hidden_layers",
+              "--max-position-embeddings": "max_position_embeddings"}}
+
+
+# (flag, its dest, the model flags its size divides, why)
+_LAYOUT_RULES = (
+    ("--tensor-model-parallel-size", "tensor_model_parallel_size",
+     ("--num-attention-heads", "--num-query-groups", "--ffn-hidden-size"),
+     "each rank holds whole heads and key/value heads, and as many MLP columns"),
+    ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", ("--num-layers",),
+     "each stage holds as many layers"))
+
+
+def check_import_layout(family: str, flags: List[str], a) -> None:
+    """ValueError for a --tensor/--pipeline-model-parallel-size or --seq-length that the
+    Hugging Face model's shape (its model `flags`) does not allow, naming the config.json
+    field and the sizes that fit: the shape is the model's, so the general messages' advice
+    (another --num-query-groups, --num-layers, --max-position-embeddings) does not apply."""
+    fields = _HF_FIELDS[family]
+    given = {f: int(flags[flags.index(f) + 1]) for f in fields if f in flags}
+    for flag, dest, rules, why in _LAYOUT_RULES:
+        size = getattr(a, dest)
+        counts = {f: given[f] for f in rules if f in given}
+        wrong = [f"{fields[f]} {n}" for f, n in counts.items() if size < 1 or n % size]
+        if wrong:
+            fits = [d for d in range(1, min(counts.values()) + 1)
+                    if all(n % d == 0 for n in counts.values())]
+            raise ValueError(f"{flag} {size} does not divide the model's {' and '.join(wrong)} "
+                             f"(config.json): {why}; pass {flag} "
+                             f"{' or '.join(map(str, fits[-6:]))}")
+    max_pos = given["--max-position-embeddings"]
+    if a.seq_length is not None and a.seq_length > max_pos:
+        raise ValueError(f"--seq-length {a.seq_length} is larger than the model's "
+                         f"{fields['--max-position-embeddings']} {max_pos} (config.json); pass "
+                         f"--seq-length {max_pos} or less")
 
 
 _TOKENIZER_FILE_FLAGS = ("--vocab-file", "--merge-file", "--tokenizer-model")

@@ -524,6 +524,27 @@ def test_from_hf_on_a_directory_that_is_not_a_model_says_what_is_missing(tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("family, given, words", [
+    ("llama", ["--tensor-model-parallel-size", 4], "--tensor-model-parallel-size 4 does not "
+     r"divide the model's num_key_value_heads 2 \(config.json\)"
+     ".*pass --tensor-model-parallel-size 1 or 2$"),
+    ("gpt2", ["--tensor-model-parallel-size", 3], "--tensor-model-parallel-size 3 does not "
+     r"divide the model's n_head 4 and n_inner \(or 4 x n_embd\) 128 .*pass --tensor-model-parallel-size 1 or 2 or 4$"),
+    ("llama", ["--pipeline-model-parallel-size", 3], "--pipeline-model-parallel-size 3 does not "
+     "divide the model's num_hidden_layers 2 .*pass --pipeline-model-parallel-size 1 or 2$"),
+    ("gpt2", ["--seq-length", 32], "--seq-length 32 is larger than the model's n_positions 16 "
+     r"\(config.json\); pass --seq-length 16 or less$")])
+def test_from_hf_layout_the_model_cannot_take_names_its_config_field(tmp_path, family, given,
+                                                                     words):
+    """The general checks advised changing the model (--num-query-groups 2, --num-layers 3,
+    --max-position-embeddings 32): from-hf takes the shape from config.json, so its message
+    names the field and the sizes that fit."""
+    _save_hf_model(tmp_path / "hf", family)
+    with pytest.raises(SystemExit, match=f"^error: {words}"):
+        _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "ck", *given)
+    assert not (tmp_path / "ck").exists()
+
+
 def test_llama_export_takes_a_rotary_percent_of_one_or_more():
     """--rotary-percent 1 or above rotates whole heads (as in Megatron-LM), which is Llama's
     rotary; below 1 is refused."""
