@@ -256,10 +256,19 @@ def hf_config(model: ModelConfig, family: str, vocab_size: int, dtype: torch.dty
 
 # ------------------------------------------------------------------------ HF -> ours
 def hf_family(cfg: dict) -> str:
+    """config.json's family ("gpt2" | "llama"), checked before any weight is read:
+    ValueError for another model_type and for quantized weights."""
     kind = cfg.get("model_type")
     if kind not in FAMILIES:
         raise ValueError(f"config.json model_type {kind!r} is not supported; from-hf reads "
                          f"{' and '.join(FAMILIES)} models (GPT2LMHeadModel, LlamaForCausalLM)")
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(f"config.json has quantization_config (quant_method {method!r}): the "
+                         "weights are stored quantized, with scales beside them, and from-hf "
+                         "reads full-precision ones (float32, bfloat16, float16); import an "
+                         "unquantized copy of the model")
     return kind
 
 

@@ -483,6 +483,11 @@ EXPECTED = ("from-hf reads a Hugging Face model directory as save_pretrained wri
     # the model_type is checked before any weight file is read (this one is no safetensors)
     ({"config.json": '{"model_type": "bert"}', "model.safetensors": ""},
      "config.json model_type 'bert' is not supported; from-hf reads gpt2 and llama models"),
+    # quantized weights (with scales beside them) were refused as "parts we do not
+    # implement", or, without scales, their integers taken as weights
+    ({"config.json": '{"model_type": "llama", "quantization_config": {"quant_method": '
+      '"fp8"}}', "model.safetensors": ""}, "config.json has quantization_config (quant_method "
+     "'fp8'): the weights are stored quantized"),
     ({"config.json": GPT2_CONFIG}, "config.json but no weights (no *.safetensors or "
      "pytorch_model*.bin); " + EXPECTED),
     ({"config.json": GPT2_CONFIG, "model.safetensors": ""},
@@ -529,7 +534,8 @@ def test_from_hf_on_a_directory_that_is_not_a_model_says_what_is_missing(tmp_pat
      r"divide the model's num_key_value_heads 2 \(config.json\)"
      ".*pass --tensor-model-parallel-size 1 or 2$"),
     ("gpt2", ["--tensor-model-parallel-size", 3], "--tensor-model-parallel-size 3 does not "
-     r"divide the model's n_head 4 and n_inner \(or 4 x n_embd\) 128 .*pass --tensor-model-parallel-size 1 or 2 or 4$"),
+     r"divide the model's n_head 4 and n_inner \(or 4 x n_embd\) 128 "
+     ".*pass --tensor-model-parallel-size 1 or 2 or 4$"),
     ("llama", ["--pipeline-model-parallel-size", 3], "--pipeline-model-parallel-size 3 does not "
      "divide the model's num_hidden_layers 2 .*pass --pipeline-model-parallel-size 1 or 2$"),
     ("gpt2", ["--seq-length", 32], "--seq-length 32 is larger than the model's n_positions 16 "
