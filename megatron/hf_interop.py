@@ -310,7 +310,7 @@ def _llama_theta(cfg: dict) -> float:
 
 
 def _llama_flags(cfg: dict) -> List[str]:
-    if cfg.get("hidden_act", "silu") != "silu":
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers: both nn.SiLU
         raise ValueError(f"Llama hidden_act {cfg['hidden_act']!r} is not supported (needs silu)")
     heads = cfg.get("num_attention_heads", 32)
     groups = cfg.get("num_key_value_heads") or heads

@@ -312,6 +312,21 @@ def test_gpt2_import_keeps_its_activation(tmp_path, act):
     assert out_act == {"gelu_pytorch_tanh": "gelu_new"}.get(act, act)
 
 
+def test_llama_import_takes_swish_as_silu(tmp_path):
+    """transformers' hidden_act 'swish' is nn.SiLU, as 'silu': it was refused."""
+    tf = _transformers()
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=16,
+                         hidden_act="swish", bos_token_id=VOCAB, eos_token_id=VOCAB)
+    hf_model = tf.LlamaForCausalLM(cfg).eval()
+    hf_model.save_pretrained(str(tmp_path / "hf"))
+    assert _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "ck") == 0
+    with torch.no_grad():
+        theirs = hf_model(input_ids=TOKENS).logits
+    assert (_imported_logits(tmp_path / "ck")[..., :VOCAB + 1] - theirs).abs().max() < TOL
+
+
 def _from_hf_tp2_worker(rank, world_size, ck, flags, save):
     tr, losses, loaded = _train(save, f"{flags} --tensor-model-parallel-size 2", world_size,
                                 rank, steps=2, load=ck)
