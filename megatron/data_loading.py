@@ -14,6 +14,7 @@ import math
 import multiprocessing.util
 import os
 import queue
+import re
 import signal
 import sys
 import threading
@@ -570,6 +571,41 @@ def _data_error_exit(error: ValueError) -> SystemExit:
     if "Original Traceback" in text and marker in text:
         text = text.rsplit(marker, 1)[1]
     return SystemExit(f"error: {text.strip()}")
+
+
+# torch's RuntimeError for a loader worker that died: from its SIGCHLD handler (raised
+# wherever the training process is at that moment) or from the wait for a batch
+_WORKER_DIED = re.compile(r"DataLoader worker \(pid\(?s?\)? ([\d, ]+)\) (?:is killed by signal: "
+                          r"([^.]+)|exited unexpectedly(?: with exit code (-?\d+))?)")
+
+
+def loader_worker_exit(error: BaseException, num_workers: int, iteration: int,
+                       resume: str) -> Optional[SystemExit]:
+    """The run's exit when `error` is torch's report of a DataLoader worker process that
+    died (None for any other error): one line naming the worker, how it ended, the likely
+    cause and what to do, instead of a RuntimeError whose traceback runs through whatever
+    code the training process was in when the worker went (a gradient hook, a collective).
+    `resume`: where to resume from (`megatron.interrupt.last_checkpoint_text`)."""
+    found = _WORKER_DIED.search(str(error)) if isinstance(error, RuntimeError) else None
+    if found is None:
+        return None
+    pids, signal_text, code = found.groups()
+    if signal_text:
+        how = f"was killed by signal {signal_text.strip()!r}"
+    else:
+        how = "exited unexpectedly" + (f" with exit code {code}" if code else "")
+    if signal_text and signal_text.strip() == "Killed":
+        cause = ("A SIGKILL most often comes from the kernel's out-of-memory killer (dmesg "
+                 "says): fewer --num-workers (0 reads the data in the training process) take "
+                 "less host memory")
+    elif signal_text and signal_text.strip() == "Bus error":
+        cause = ("A bus error in a worker is most often a full shared-memory file system "
+                 "(/dev/shm; in a container raise its --shm-size)")
+    else:
+        cause = "--num-workers 0 reads the data in the training process, with its traceback"
+    return SystemExit(f"error: data loader worker process {pids.strip()} (--num-workers "
+                      f"{num_workers}) {how} at iteration {iteration}, so the run stops"
+                      f"{resume}. {cause}")
 
 
 def _shutdown_workers(holder: list) -> None:

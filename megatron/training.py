@@ -34,6 +34,7 @@ from megatron.data_loading import (
     build_datasets,
     build_tokenizer_for,
     close_iterators,
+    loader_worker_exit,
     make_iterator,
     missing_eod_warning,
     no_validation_reason,
@@ -43,7 +44,7 @@ from megatron.data_loading import (
 )
 from megatron.gemm_choice import activate_gemm_algorithms
 from megatron.initialize import Runtime
-from megatron.interrupt import RunProgress
+from megatron.interrupt import RunProgress, last_checkpoint_text
 from megatron.interval_log import (  # noqa: F401 (progress_line re-exported)
     IntervalStats,
     log_interval,
@@ -580,6 +581,12 @@ def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
             loaders = _start(tr)
             progress.phase = "training"
             _train_and_evaluate(tr, *loaders)
+        except RuntimeError as e:  # a loader worker that died: one line, not a traceback
+            stop = loader_worker_exit(e, config.data.num_workers, tr.state.iteration,
+                                      last_checkpoint_text(config.checkpoint.save))
+            if stop is None:
+                raise
+            raise stop from None
         finally:  # also on an error or a stop (SystemExit): nothing outlives this call
             _teardown(tr, loaders, restore_signals=signals is None)
     sys.stdout.flush()

@@ -5,6 +5,7 @@ import dataclasses
 import gc
 import multiprocessing
 import os
+import re
 import threading
 import time
 
@@ -766,3 +767,65 @@ def test_mock_data_draws_the_tokenizers_ids_not_the_padding_rows():
     assert int(samples[0].max()) > 900  # drawn over the whole vocabulary
     null = build_datasets(cfg, 0, 1000, tokenizer_vocab_size=1001)["train"]  # --vocab-size
     assert null.vocab_size == 1000
+
+
+# ---------------------------------------------------------------- a loader worker that dies
+
+def _killing_mock(kill_at: int):
+    """A MockGPTDataset whose loader worker kills itself with SIGKILL (as the kernel's
+    out-of-memory killer does) when it reads sample `kill_at`."""
+    import signal
+
+    from megatron.core.datasets.mock import MockGPTDataset
+
+    class Killing(MockGPTDataset):
+        def __getitem__(self, idx):
+            if idx == kill_at and torch.utils.data.get_worker_info() is not None:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().__getitem__(idx)
+
+    return Killing
+
+
+def test_a_killed_loader_worker_ends_the_run_in_one_line(tmp_path, monkeypatch):
+    """A loader worker killed mid-run (SIGKILL: the out-of-memory killer) ended the run with
+    torch's RuntimeError raised from its SIGCHLD handler wherever the training process was
+    (a traceback through a gradient hook), naming no cause and no fix. Now one line: the
+    worker, the signal, the iteration, the checkpoint to resume from and what to change."""
+    import megatron.data_loading as data_loading
+    import megatron.training as training
+    from megatron.arguments import parse_and_validate
+    from megatron.initialize import initialize_distributed, set_random_seed
+
+    argv = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+            "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 "
+            "--lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 100 "
+            "--use-cpu-initialization --num-workers 2 --eval-iters 0 --train-iters 200 "
+            "--save-interval 3").split() + ["--save", str(tmp_path / "ckpt")]
+    cfg = parse_and_validate(argv, world_size=1, env={}, cuda_available=False)
+    monkeypatch.setattr(data_loading, "MockGPTDataset", _killing_mock(40))
+    rt = initialize_distributed(cfg.parallel, 0, 1, 0)
+    set_random_seed(cfg.training.seed, rt)
+    with pytest.raises(SystemExit) as stop:
+        training.pretrain(cfg, rt)
+    message = str(stop.value.code)
+    assert re.fullmatch(
+        r"error: data loader worker process \d+ \(--num-workers 2\) was killed by signal "
+        r"'Killed' at iteration \d+, so the run stops; the last checkpoint is "
+        rf"{re.escape(str(tmp_path / 'ckpt'))}/iter_\d{{7}}: relaunch with --load .* "
+        r"fewer --num-workers \(0 reads the data in the training process\) take less host "
+        r"memory", message), message
+
+
+def test_loader_worker_exit_reads_torchs_other_reports():
+    from megatron.data_loading import loader_worker_exit
+
+    gone = RuntimeError("DataLoader worker (pid(s) 12, 13) exited unexpectedly")
+    assert str(loader_worker_exit(gone, 4, 7, " (no --save)").code).startswith(
+        "error: data loader worker process 12, 13 (--num-workers 4) exited unexpectedly at "
+        "iteration 7, so the run stops (no --save). --num-workers 0 reads the data")
+    bus = RuntimeError("DataLoader worker (pid 9) is killed by signal: Bus error. It is "
+                       "possible that dataloader's workers are out of shared memory.")
+    assert "signal 'Bus error'" in str(loader_worker_exit(bus, 1, 0, "").code)
+    assert loader_worker_exit(RuntimeError("DataLoader worker is tired"), 1, 0, "") is None
+    assert loader_worker_exit(ValueError(str(gone)), 1, 0, "") is None
