@@ -614,6 +614,23 @@ def _shutdown_workers(holder: list) -> None:
         holder.pop()._shutdown_workers()
 
 
+def _shutdown_unfinished_loader(tb) -> None:
+    """Shut down the workers of a DataLoader iterator whose construction raised (found in
+    the frames of traceback `tb`). It starts its workers, then asks the sampler for the
+    first indices: an error there (the cyclic sampler of a set too large to permute) left
+    workers that nothing shut down while the error was kept (a report holds its
+    traceback), and that ignore SIGTERM: multiprocessing's exit handler then waited for
+    them for ever, and the run hung after printing its error."""
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    while tb is not None:
+        unfinished = tb.tb_frame.f_locals.get("self")
+        if isinstance(unfinished, _MultiProcessingDataLoaderIter):
+            unfinished._shutdown_workers()
+            return
+        tb = tb.tb_next
+
+
 class _WorkerIterator:
     """A DataLoader iterator whose workers are shut down in order at close(), when the
     iterator is collected, or at exit.
@@ -642,8 +659,13 @@ class _WorkerIterator:
     def _start(self):
         """A new DataLoader iterator whose workers each mark `_started` once they run."""
         self._started = multiprocessing.RawArray("b", self._workers)
-        with frozen_for_fork():
-            return iter(self._make_loader(functools.partial(_worker_started, self._started)))
+        try:
+            with frozen_for_fork():
+                return iter(self._make_loader(functools.partial(_worker_started,
+                                                                self._started)))
+        except BaseException as e:
+            _shutdown_unfinished_loader(e.__traceback__)
+            raise
 
     def _check_started(self, attempts: int = 3) -> None:
         """A worker forked while another thread of this process held the interpreter's

@@ -829,3 +829,26 @@ def test_loader_worker_exit_reads_torchs_other_reports():
     assert "signal 'Bus error'" in str(loader_worker_exit(bus, 1, 0, "").code)
     assert loader_worker_exit(RuntimeError("DataLoader worker is tired"), 1, 0, "") is None
     assert loader_worker_exit(ValueError(str(gone)), 1, 0, "") is None
+
+
+def test_a_sampler_error_at_the_loader_start_leaves_no_workers(monkeypatch):
+    """The DataLoader starts its workers before it asks the sampler for indices: an error
+    there (the cyclic sampler of a set too large to permute) left the workers, which
+    ignore SIGTERM, running with nothing to shut them down, and the process hung at exit
+    after printing its error (multiprocessing's exit handler joins its children)."""
+    children = set(multiprocessing.active_children())
+    cfg = tiny_config(mbs=2, gbs=4)
+    cfg.data = dataclasses.replace(cfg.data, num_workers=2, seq_length=8,
+                                   dataloader_type="cyclic")
+
+    def fails(self, epoch, done):
+        raise MemoryError("cannot permute")
+
+    monkeypatch.setattr(CyclicSampler, "_epoch_order", fails)
+    kept = None
+    try:
+        make_iterator(cfg, _Seq(), consumed=0, dp_rank=0, dp_size=1, pin=False)
+    except MemoryError as e:
+        kept = e  # held, as the out-of-memory report holds it
+    assert str(kept) == "cannot permute"
+    assert set(multiprocessing.active_children()) <= children
