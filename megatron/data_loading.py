@@ -190,8 +190,8 @@ def build_datasets(config: Config, rank: int, vocab_size: int,
     d = config.data
     if d.mock_data:  # the tokenizer's ids (not the padding rows, which depend on the layout)
         size = tokenizer_vocab_size if tokenizer_vocab_size and not d.vocab_size else vocab_size
-        return {s: MockGPTDataset(size, d.seq_length, d.seed, split_index=i)
-                for i, s in enumerate(SPLITS)}
+        return {s: MockGPTDataset(size, d.seq_length, d.seed, split_index=i, **sized)
+                for i, (s, sized) in enumerate(zip(SPLITS, _mock_sizes(config)))}
     from megatron.agreed_exit import from_rank_0
     from megatron.core.datasets.gpt_dataset import build_train_valid_test_datasets
     from megatron.core.datasets.index_cache import MissingIndexCacheError
@@ -228,6 +228,18 @@ def build_datasets(config: Config, rank: int, vocab_size: int,
     _report_warnings(caught)
     print_rank_0("> finished creating GPT datasets ...")
     return dict(zip(SPLITS, datasets))
+
+
+def _mock_sizes(config: Config) -> List[dict]:
+    """MockGPTDataset's size argument of each split: its default (2**40 samples) for the
+    `single` loader; for `cyclic`, which permutes each epoch of the set, the samples the
+    run asks of the split (at least one micro-batch per data-parallel rank), as a real
+    set's index holds them: a permutation of 2**40 samples (8 TiB) ended the run in an
+    out-of-memory report that advised more tensor or pipeline parallelism."""
+    if config.data.dataloader_type != "cyclic":
+        return [{} for _ in SPLITS]
+    least = config.data.micro_batch_size * config.parallel.dp_size
+    return [{"num_samples": max(n, least)} for n in split_sample_counts(config)]
 
 
 def _index_build_wait(config: Config, rank: int):

@@ -852,3 +852,24 @@ def test_a_sampler_error_at_the_loader_start_leaves_no_workers(monkeypatch):
         kept = e  # held, as the out-of-memory report holds it
     assert str(kept) == "cannot permute"
     assert set(multiprocessing.active_children()) <= children
+
+
+def test_mock_data_with_the_cyclic_loader_has_epochs_of_the_runs_samples():
+    """--mock-data --dataloader-type cyclic: each epoch is the samples the run asks for
+    (train_iters x global batch), not the mock set's 2**40 samples, whose permutation
+    (8 TiB) ended the run in an out-of-memory report. `single` keeps the endless set."""
+    from megatron.data_loading import build_datasets
+
+    cfg = tiny_config(world_size=2, mbs=2, gbs=8, iters=3)
+    cfg.data = dataclasses.replace(cfg.data, dataloader_type="cyclic", seq_length=8)
+    cfg.training = dataclasses.replace(cfg.training, eval_interval=2, eval_iters=1)
+    datasets = build_datasets(cfg, 0, 128)
+    assert [len(datasets[s]) for s in ("train", "valid", "test")] == [24, 16, 8]
+    it = make_iterator(cfg, datasets["train"], consumed=0, dp_rank=1, dp_size=2, pin=False)
+    try:
+        batches = [next(it)["text"] for _ in range(7)]  # one epoch is 6 per rank: wraps
+    finally:
+        it.close()
+    assert all(b.shape == (2, 9) for b in batches)
+    single = dataclasses.replace(cfg.data, dataloader_type="single")
+    assert len(build_datasets(dataclasses.replace(cfg, data=single), 0, 128)["train"]) == 2**40
