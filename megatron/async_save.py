@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import threading
 import time
 from typing import Callable, Iterable, List, Optional
@@ -44,6 +45,12 @@ from megatron.agreed_exit import agree, agreed_report, exit_on_every_rank
 
 MARKER_PREFIX = ".done."
 FAILED_PREFIX = ".failed."
+
+# How long a rank told to stop (SIGTERM, an error ending the process) waits for its save in
+# flight to finish (`AsyncSaver.finish`): torchrun (torch 2.x) sends SIGKILL 30 s after its
+# SIGTERM (its --shutdown-timeout, default 30; after a worker's failure the agent always
+# waits 30 s), and the process still has to exit after the save.
+STOP_FINISH_S = 20.0
 
 
 # --------------------------------------------------------------------------- CPU snapshot
@@ -170,7 +177,8 @@ def wait_for_markers(tmp_dir: str, rank_dirs: Iterable[str], timeout_s: float,
     Raises RuntimeError with the writer's message as soon as one of them left a failure
     marker, and TimeoutError naming the missing ones after `timeout_s` seconds (a writer
     died or its file system is not the one this rank sees); RuntimeError as soon as
-    `stop()` is true (the save was abandoned)."""
+    `stop()` is true (the save was abandoned) -- when it is a text, that text says why and
+    the message names the missing ones (`AsyncSaver.stop_reason`)."""
     pending = set(rank_dirs)
     deadline = time.monotonic() + timeout_s
     unpublished = "the checkpoint was not published (the tracker still names the previous one)"
@@ -182,7 +190,11 @@ def wait_for_markers(tmp_dir: str, rank_dirs: Iterable[str], timeout_s: float,
             message = _failure(tmp_dir, d)
             if message is not None:
                 raise RuntimeError(f"the writer of {d} failed: {message}; {unpublished}")
-        if stop is not None and stop():
+        reason = stop() if stop is not None else None
+        if isinstance(reason, str):  # the run is stopping: no longer waiting for them
+            raise RuntimeError(f"{reason}, no finished files from {', '.join(sorted(pending))} "
+                               f"in {tmp_dir}; {unpublished}")
+        if reason:
             raise RuntimeError(f"abandoned; {unpublished}")
         if time.monotonic() > deadline:
             raise TimeoutError(
@@ -226,7 +238,13 @@ class AsyncSaver:
     `snapshot(obj)` is `snapshot_to_cpu` with pinned buffers reused from the previous save
     (call it only after `wait()`). `publish(fn)` runs the
     step that makes a save visible unless `abandon()` (Ctrl-C) came first: both hold one
-    lock, so once `abandon()` returns the tracker no longer changes."""
+    lock, so once `abandon()` returns the tracker no longer changes.
+
+    A run told to stop while its save is in flight finishes that save first, within
+    STOP_FINISH_S (`finish`, called on the way out of an error, and from SIGTERM's handler:
+    while a save is in flight, SIGTERM under its default handling first finishes the save,
+    then ends the process by SIGTERM as before -- as a synchronous save, done before the
+    next step, would have kept that checkpoint). Ctrl-C abandons it instead (`abandon`)."""
 
     def __init__(self) -> None:
         self._thread: Optional[threading.Thread] = None
@@ -241,6 +259,10 @@ class AsyncSaver:
         # set by the thread itself when it ends: Thread.is_alive() is not to be trusted
         # after a join() that Ctrl-C interrupted (CPython 3.11 marks the thread stopped)
         self._finished = threading.Event()
+        self._who = ""  # '[rank N]' for the line `finish` prints
+        self._stop_at: Optional[float] = None  # time.monotonic() deadline set by `finish`
+        self._stop_budget = 0.0
+        self._guarding = False  # SIGTERM's handler is `_on_sigterm` (see `_guard_sigterm`)
 
     @property
     def pending(self) -> bool:
@@ -260,12 +282,14 @@ class AsyncSaver:
         return snapshot_to_cpu(obj, self._pinned)
 
     def submit(self, work: Callable[[], None], what: str, report: bool = True,
-               tmp_dir: Optional[str] = None) -> None:
+               tmp_dir: Optional[str] = None, who: str = "") -> None:
         """Run `work()` in the background; `what` names the save in error messages;
         `report`: `report_failure` prints a failure on this rank (one rank reports for
-        all); `tmp_dir`: the directory it writes into (removed after an agreed failure)."""
+        all); `tmp_dir`: the directory it writes into (removed after an agreed failure);
+        `who`: what names this rank in `finish`'s line ('[rank 3]')."""
         assert self._thread is None, "wait() for the previous save first"
         self._error, self._what, self._published, self.tmp_dir = None, what, False, tmp_dir
+        self._who, self._stop_at = who, None
         self._report, self._reported = report, False
         self._finished.clear()
 
@@ -279,11 +303,15 @@ class AsyncSaver:
 
         self._thread = threading.Thread(target=run, name="checkpoint-writer", daemon=False)
         self._thread.start()
+        self._guard_sigterm()
 
     def report_failure(self) -> None:
         """Print the failure of the last save once it has failed, on the reporting rank,
         at most once. Call it only where the run goes on (the training loop, before a
-        step): the wait that ends the run reports a failure itself, with every rank."""
+        step): the wait that ends the run reports a failure itself, with every rank.
+        Once the save is done, SIGTERM gets its default handling back."""
+        if self._finished.is_set():
+            self._unguard_sigterm()
         if self._report and not self._reported and self._finished.is_set() \
                 and self._error is not None:  # _error is set before _finished
             self._reported = True
@@ -307,11 +335,69 @@ class AsyncSaver:
             self._abandoned = True
             return None if self.done() or self._published else self._what
 
+    def stop_reason(self):
+        """For `wait_for_markers`' `stop`: True once abandoned; a text once the run is
+        stopping and `finish`'s time is up; else False."""
+        if self._abandoned:
+            return True
+        if self._stop_at is not None and time.monotonic() > self._stop_at:
+            return (f"the run is stopping and waited {self._stop_budget:.0f} s for every "
+                    "rank's part of it")
+        return False
+
+    def finish(self, budget_s: float = STOP_FINISH_S) -> Optional[bool]:
+        """The run stops (SIGTERM, an error) with this save in flight: let it finish --
+        written and, on global rank 0, published once every writer's part is complete;
+        never a part-written one -- within `budget_s` seconds, saying so in one line.
+        None when no save was in flight (or it was abandoned), else whether it ended in
+        time (a failure of it, e.g. a rank whose part never came, is printed)."""
+        if self.done() or self._abandoned:
+            self._unguard_sigterm()
+            return None
+        self._stop_budget = budget_s
+        self._stop_at = time.monotonic() + budget_s
+        print(f"{self._who + ' ' if self._who else ''}stopping: finishing the background "
+              f"save of {self._what} first (at most {budget_s:.0f} s)", flush=True)
+        ended = self._finished.wait(budget_s + 1.0)  # its marker wait stops at _stop_at
+        self._unguard_sigterm()
+        if ended and self._error is not None:
+            print(f"{self._who + ' ' if self._who else ''}ERROR: background save of "
+                  f"{self._what} failed: {self._error}", flush=True)
+        return ended
+
+    def _guard_sigterm(self) -> None:
+        """While the save is in flight, SIGTERM under its default handling (which would
+        end the process at once, the writer mid-file) runs `_on_sigterm`. Only from the
+        main thread, and never over another handler (--exit-signal-handler notes SIGTERM
+        and the run finishes the save on its way out)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._guarding = True
+
+    def _unguard_sigterm(self) -> None:
+        if not self._guarding or threading.current_thread() is not threading.main_thread():
+            return
+        self._guarding = False
+        if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """SIGTERM while a save is in flight: finish it (`finish`), then end the process
+        by SIGTERM, as the default handling would have."""
+        if self._stop_at is not None:  # a second SIGTERM during the wait, or the run's
+            return  # own `finish` running: that wait goes on
+        self.finish()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     def wait(self) -> None:
         """Wait for the save in flight, if any; RuntimeError when it failed."""
         if self._thread is None:
             return
         self._thread.join()
+        self._unguard_sigterm()
         self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
@@ -342,6 +428,6 @@ def agreed_wait(saver: Optional[AsyncSaver], is_rank_0: bool, group=None) -> Non
     raise exit_on_every_rank(report, group)
 
 
-__all__ = ["AsyncSaver", "agreed_wait", "snapshot_to_cpu", "marker_path", "mark_done", "mark_failed",
+__all__ = ["AsyncSaver", "agreed_wait", "STOP_FINISH_S", "snapshot_to_cpu", "marker_path", "mark_done", "mark_failed",
            "failed_marker_path", "wait_for_markers", "writers_stopped", "remove_markers",
            "MARKER_PREFIX", "FAILED_PREFIX"]

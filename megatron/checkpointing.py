@@ -485,7 +485,7 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
                             f"{exc} (rank {ps.rank})")
                 raise
         if writers:
-            wait_for_markers(tmp_dir, writers, timeout_s, stop=lambda: saver.abandoned)
+            wait_for_markers(tmp_dir, writers, timeout_s, stop=saver.stop_reason)
             remove_markers(tmp_dir, writers)
             if not saver.publish(lambda: _publish(root, tmp_dir, final_dir, iteration, release)):
                 return
@@ -494,7 +494,7 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
                   f"writing {time.perf_counter() - t0:.2f} s in the background)", flush=True)
 
     saver.submit(write_and_publish, f"the checkpoint at iteration {iteration} to {root}",
-                 report=ps.rank == 0, tmp_dir=tmp_dir)
+                 report=ps.rank == 0, tmp_dir=tmp_dir, who=f"[rank {ps.rank}]")
     return blocking
 
 

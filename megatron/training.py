@@ -580,7 +580,7 @@ def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
         try:
             loaders = _start(tr)
             progress.phase = "training"
-            _train_and_evaluate(tr, *loaders)
+            _train_finishing_save(tr, loaders)
         except RuntimeError as e:  # a loader worker that died: one line, not a traceback
             stop = loader_worker_exit(e, config.data.num_workers, tr.state.iteration,
                                       last_checkpoint_text(config.checkpoint.save))
@@ -591,6 +591,18 @@ def _pretrain(config: Config, rt: Runtime, process_start_time: Optional[float],
             _teardown(tr, loaders, restore_signals=signals is None)
     sys.stdout.flush()
     return tr
+
+
+def _train_finishing_save(tr: Trainer, loaders) -> None:
+    """`_train_and_evaluate`; an error leaving it first lets the background save in
+    flight (--async-save) finish, as a synchronous save would have kept that checkpoint
+    (`AsyncSaver.finish`, bounded) -- not Ctrl-C, which abandons it (pretrain_gpt.py)."""
+    try:
+        _train_and_evaluate(tr, *loaders)
+    except BaseException as exc:
+        if tr.async_saver is not None and not isinstance(exc, KeyboardInterrupt):
+            tr.async_saver.finish()
+        raise
 
 
 def _start(tr: Trainer) -> tuple:

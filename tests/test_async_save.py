@@ -450,3 +450,120 @@ def test_the_save_time_line_names_the_wait_for_the_previous_save(tmp_path, monke
     assert waited, lines[1]
     assert 0.2 < float(waited.group(2)) <= float(waited.group(1))
     assert read_tracker(root) == (2, False)
+
+
+# --------------------------------------------------------------------------- told to stop
+def test_finish_bounds_rank_0s_wait_for_a_part_that_never_comes(tmp_path, capsys):
+    """A run stopping with rank 0's publisher waiting for another writer's marker: that
+    wait ends after `finish`'s budget (it took the collective timeout, minutes, past
+    torchrun's SIGKILL), nothing is published, and the failure names the missing part."""
+    saver = AsyncSaver()
+    root, tmp = tmp_path, str(tmp_path / "iter_0000005.tmp")
+    os.makedirs(tmp)
+    published = []
+
+    def publish_when_complete():
+        wait_for_markers(tmp, ["mp_rank_00", "mp_rank_01"], 600.0, stop=saver.stop_reason)
+        saver.publish(lambda: published.append(5))
+
+    open(marker_path(tmp, "mp_rank_00"), "w").close()  # rank 0's own part is complete
+    saver.submit(publish_when_complete, "the checkpoint at iteration 5", who="[rank 0]")
+    started = time.monotonic()
+    assert saver.finish(0.3) is True
+    assert time.monotonic() - started < 2.0 and not published
+    out = capsys.readouterr().out
+    assert "[rank 0] stopping: finishing the background save of the checkpoint at " \
+           "iteration 5 first (at most 0 s)" in out
+    assert "no finished files from mp_rank_01" in out and "not published" in out
+    assert os.listdir(root) == ["iter_0000005.tmp"]
+    assert saver.finish() is None, "nothing in flight any more"
+
+
+_SIGTERM_CHILD = """
+import os, signal, sys, time
+from megatron.async_save import AsyncSaver
+saver = AsyncSaver()
+def write():
+    time.sleep(1.5)
+    open(sys.argv[1], "w").close()
+saver.submit(write, "the checkpoint at iteration 5")
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(30)
+print("not ended by SIGTERM")
+"""
+
+
+def test_sigterm_finishes_the_save_in_flight_then_ends_the_process(tmp_path):
+    """SIGTERM (torchrun's, after another rank failed) under its default handling killed
+    the process at once, the writer mid-file: the save a synchronous save would have kept
+    was lost. Now the save finishes first, then the process ends by SIGTERM as before."""
+    import subprocess
+    import sys
+
+    from tests.dist_utils import cpu_env
+
+    done = tmp_path / "written"
+    proc = subprocess.run([sys.executable, "-c", _SIGTERM_CHILD, str(done)],
+                          env=cpu_env(PYTHONPATH=os.getcwd()), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == -15, proc.stderr
+    assert done.exists(), "the write in flight finished before the process ended"
+    assert "stopping: finishing the background save of the checkpoint at iteration 5 " \
+           "first" in proc.stdout
+
+
+_ASYNC_TERM_WRAPPER = """
+import os, runpy, sys, time
+sys.path.insert(0, {root!r})
+from megatron import checkpointing, training
+if os.environ["RANK"] == "0":  # rank 0's disk is slow for iteration 5's file
+    original = checkpointing._torch_save_synced
+    def slow(obj, path):
+        if isinstance(obj, dict) and obj.get("iteration") == 5:
+            time.sleep(3.0)
+        return original(obj, path)
+    checkpointing._torch_save_synced = slow
+else:  # rank 1 fails at iteration 6, while rank 0 still writes iteration 5
+    original_step = training.train_step
+    def step(tr, data, **kwargs):
+        if tr.state.iteration + 1 == 6:
+            raise ValueError("simulated data error at iteration 6")
+        return original_step(tr, data, **kwargs)
+    training.train_step = step
+sys.argv = [{script!r}] + sys.argv[1:]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("flags", [[], ["--exit-signal-handler"]], ids=["default", "esh"])
+def test_a_save_in_flight_is_kept_when_another_rank_fails(tmp_path, monkeypatch, flags):
+    """The reviewer's case: torchrun, tp=2, rank 1 fails at iteration 6 while rank 0's
+    background write of iteration 5 is slow. Torchrun's SIGTERM killed rank 0's writer:
+    only iter_0000005.tmp was left and the tracker never moved. Now iteration 5 is
+    published, as a synchronous save would have kept it."""
+    import sys
+
+    from tests import forked_script
+    from tests.dist_utils import cpu_env, free_port
+    from tests.test_preemption import MODEL
+
+    forked_script.fork_torchrun_workers(monkeypatch)
+    root = tmp_path / "ck"
+    wrapper = tmp_path / "wrap.py"
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    wrapper.write_text(_ASYNC_TERM_WRAPPER.format(
+        root=here, script=os.path.join(here, "pretrain_gpt.py")))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(wrapper),
+           *MODEL, "--tensor-model-parallel-size", "2", "--train-iters", "10", "--save",
+           str(root), "--save-interval", "5", "--async-save", *flags]
+    log = tmp_path / "torchrun.log"
+    pid = forked_script.start_command(cmd, cpu_env(PYTHONUNBUFFERED="1"), log)
+    forked_script.wait([pid], 60)
+    out = log.read_text()
+    assert "simulated data error at iteration 6" in out
+    assert read_tracker(str(root)) == (5, False), out[-3000:]
+    assert sorted(os.listdir(root)) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
+    assert "stopping: finishing the background save of the checkpoint at iteration 5" in out
+    if "[rank 0] stopped at" in out:  # rank 0's line names the checkpoint it finished
+        assert "holds no checkpoint yet" not in out and "iter_0000005: relaunch" in out
