@@ -554,7 +554,7 @@ def test_a_save_in_flight_is_kept_when_another_rank_fails(tmp_path, monkeypatch,
     wrapper.write_text(_ASYNC_TERM_WRAPPER.format(
         root=here, script=os.path.join(here, "pretrain_gpt.py")))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(wrapper),
+           "--log-dir", str(tmp_path / "torchrun"), "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(wrapper),
            *MODEL, "--tensor-model-parallel-size", "2", "--train-iters", "10", "--save",
            str(root), "--save-interval", "5", "--async-save", *flags]
     log = tmp_path / "torchrun.log"
