@@ -154,6 +154,12 @@ def resolve_virtual_pipeline(ns) -> None:
     per_stage = ns.num_layers // pp
     if per_stage % per_vstage:
         raise ArgumentsError(_virtual_stage_misfit(ns.num_layers, pp, per_vstage))
+    vpp = per_stage // per_vstage
+    if vpp == 1:  # (1F1B takes any micro-batch count: the rule below is not for it)
+        warn(f"--num-layers-per-virtual-pipeline-stage {per_vstage} equals the layers per "
+             "pipeline stage: one virtual stage per rank, using the non-interleaved 1F1B "
+             "schedule")
+        return
     if ns.num_micro_batches % pp:
         raise ArgumentsError(
             f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage) needs the "
@@ -162,12 +168,6 @@ def resolve_virtual_pipeline(ns) -> None:
             f"data-parallel size {ns.data_parallel_size})) to be a multiple of "
             f"--pipeline-model-parallel-size {pp}; use a global batch size that is a "
             f"multiple of {ns.micro_batch_size * ns.data_parallel_size * pp}")
-    vpp = per_stage // per_vstage
-    if vpp == 1:
-        warn(f"--num-layers-per-virtual-pipeline-stage {per_vstage} equals the layers per "
-             "pipeline stage: one virtual stage per rank, using the non-interleaved 1F1B "
-             "schedule")
-        return
     ns.virtual_pipeline_model_parallel_size = vpp
     note(f"interleaved pipeline schedule: {vpp} virtual stages per pipeline rank")
 

@@ -206,6 +206,18 @@ def test_interleaved_schedule_needs_micro_batches_a_multiple_of_pp():
     assert (cfg.parallel.virtual_pp_size, cfg.data.num_micro_batches) == (2, 8)
 
 
+def test_one_virtual_stage_per_rank_needs_no_multiple_of_pp_micro_batches(caplog):
+    """--num-layers-per-virtual-pipeline-stage equal to the layers of a stage runs the plain
+    1F1B schedule (warned), which takes any micro-batch count: it was refused with the
+    interleaved schedule's multiple-of-pp rule, and once the batch was changed to satisfy
+    that, the run said it would not interleave after all."""
+    cfg = run("--pipeline-model-parallel-size 4 --num-layers 4 "
+              "--num-layers-per-virtual-pipeline-stage 1 --global-batch-size 4",
+              world_size=4, base=without("--num-layers"))
+    assert (cfg.parallel.virtual_pp_size, cfg.data.num_micro_batches) == (None, 2)
+    assert "one virtual stage per rank, using the non-interleaved 1F1B" in caplog.text
+
+
 def test_recompute_num_layers_megatron_cannot_run_with(caplog):
     """Megatron-LM's uniform recompute loops over groups of --recompute-num-layers layers and
     never ends below 1: refused. Block with N <= 0 recomputes no layer there (and here),
