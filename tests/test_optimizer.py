@@ -385,8 +385,8 @@ def test_bf16_nonfinite_grad_reported_in_norm():
     assert float(opt.get_loss_scale()) == 1.0
 
 
-def _skip_worker(rank, world_size):
-    ps = ParallelState.build(world_size, rank, tp_size=world_size)
+def _skip_worker(rank, world_size, sizes):
+    ps = ParallelState.build(world_size, rank, **sizes)
     model = _Net(torch.float16)
     opt = build_optimizer(_mixed_config(torch.float16), [model], ps)
     _set_model_grads(model, 0, torch.float16, float(opt.get_loss_scale()))
@@ -396,8 +396,11 @@ def _skip_worker(rank, world_size):
     return ok
 
 
-def test_overflow_on_one_rank_skips_everywhere():
-    assert run_distributed(_skip_worker, 2) == [False, False]
+@pytest.mark.parametrize("sizes", [dict(tp_size=2), dict(pp_size=2)], ids=["tp2", "pp2"])
+def test_overflow_on_one_rank_skips_everywhere(sizes):
+    """An overflow in one tensor-parallel shard or one pipeline stage skips the step on
+    every rank of the model (Megatron's MAX over the model-parallel group)."""
+    assert run_distributed(_skip_worker, 2, sizes) == [False, False]
 
 
 def _train(model, opt, dtype, steps, start):
