@@ -3,10 +3,12 @@ algorithm (bytes_to_unicode, pre-tokenisation regex, greedy lowest-rank merges) 
 text; SentencePiece special-token handling matches Megatron's loop; Null and HF basics."""
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import os
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -451,3 +453,27 @@ def test_gpt2_tokenize_array_without_encode_to_numpy(tmp_path, monkeypatch):
         assert tok.tokenize(text) == expected.tolist()
         with pytest.raises(UnicodeEncodeError):  # a bad line for preprocess_data
             tok.tokenize_array("bad \ud800 surrogate")
+
+
+@pytest.mark.parametrize("kind,package", [("GPT2BPETokenizer", "tiktoken"),
+                                          ("SentencePieceTokenizer", "sentencepiece"),
+                                          ("GPTSentencePieceTokenizer", "sentencepiece"),
+                                          ("HuggingFaceTokenizer", "tokenizers")])
+def test_a_missing_tokenizer_package_is_named_with_its_install(kind, package, monkeypatch,
+                                                              tmp_path):
+    """Without the package (a bare environment) the run said `ModuleNotFoundError` in a
+    traceback on every rank; now one configuration error that names it and `pip install`."""
+    import pretrain_gpt
+    from megatron.arguments_common import ArgumentsError
+
+    files = {}
+    for flag, name in (("vocab_file", "v.json"), ("merge_file", "m.txt"),
+                       ("tokenizer_model", "t.model")):
+        files[flag] = str(tmp_path / name)
+        Path(files[flag]).write_text("")  # never read: the import comes first
+    monkeypatch.setitem(sys.modules, package, None)  # `import package` now fails
+    with pytest.raises(ValueError, match=f"needs the {package} package.*pip install {package}"):
+        build_tokenizer(kind, **files)
+    args = argparse.Namespace(tokenizer_type=kind, vocab_size=None, vocab_extra_ids=0, **files)
+    with pytest.raises(ArgumentsError, match=f"cannot build the {kind}: .*pip install {package}"):
+        pretrain_gpt.run_tokenizer(args)

@@ -2,10 +2,21 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import List, Mapping, Optional, Tuple
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
                    "HuggingFaceTokenizer", "NullTokenizer")
+# the package each tokenizer type imports (requirements.txt installs them all)
+TOKENIZER_PACKAGES = {"GPT2BPETokenizer": "tiktoken", "SentencePieceTokenizer": "sentencepiece",
+                      "GPTSentencePieceTokenizer": "sentencepiece",
+                      "HuggingFaceTokenizer": "tokenizers"}
+
+
+class TokenizerPackageMissing(ImportError, ValueError):
+    """The package a tokenizer type needs is not installed. A ValueError too, so every
+    caller that reports a tokenizer it cannot build (ValueError, OSError) reports this one
+    in one line instead of a traceback."""
 
 
 class NullTokenizer:
@@ -67,7 +78,26 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None,
 
     The object has `.name`, `.vocab_size` (unpadded), `.eod`, `.tokenize(text) -> list[int]`
     and `.detokenize(ids) -> str`. Nothing is downloaded: all files are local.
+    TokenizerPackageMissing (an ImportError and a ValueError) when the package the type
+    needs is not installed.
     """
+    try:
+        return _build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_model,
+                                vocab_size, vocab_extra_ids)
+    except ModuleNotFoundError as e:
+        package = TOKENIZER_PACKAGES.get(tokenizer_type)
+        if package is None or (e.name or "").split(".")[0] != package:
+            raise
+        raise TokenizerPackageMissing(
+            f"--tokenizer-type {tokenizer_type} needs the {package} package, which this "
+            f"Python ({sys.executable}) cannot import ({e}); install it with `pip install "
+            f"{package}` (or `pip install -r requirements.txt`)", name=package) from None
+
+
+def _build_tokenizer(tokenizer_type: str, vocab_file: Optional[str], merge_file: Optional[str],
+                     tokenizer_model: Optional[str], vocab_size: Optional[int],
+                     vocab_extra_ids: int):
+    """build_tokenizer without the report of a missing package."""
     if tokenizer_type == "GPT2BPETokenizer":
         from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
         return GPT2BPETokenizer(
