@@ -203,3 +203,69 @@ def test_a_launcher_variable_that_is_no_number_fails_with_its_value(var, value, 
     out = capsys.readouterr().out
     assert f"FAIL: {var}='{value}' is not a whole number" in out
     assert out.endswith("result: some checks FAILED\n")
+
+
+def test_debugging_switches_that_slow_training_are_warned():
+    """CUDA_LAUNCH_BLOCKING was not even listed; blocking waits and DETAIL debug were listed
+    without a word: each copied from a debugging recipe slows every step."""
+    env = {"CUDA_LAUNCH_BLOCKING": "1", "TORCH_NCCL_BLOCKING_WAIT": "1",
+           "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    text = "\n".join(doctor.debug_var_warnings(env))
+    for var in env:
+        assert f"{var}={env[var]}" in text
+    assert text.count("unset it") == 3
+    assert ("CUDA_LAUNCH_BLOCKING", "1") in doctor.environment(env)
+    off = {"CUDA_LAUNCH_BLOCKING": "0", "TORCH_NCCL_BLOCKING_WAIT": "0",
+           "TORCH_DISTRIBUTED_DEBUG": "INFO"}
+    assert doctor.debug_var_warnings(off) == []
+    text, _ = doctor.machine_report(dict(env, MASTER_PORT=str(free_port())))
+    assert "WARNING: CUDA_LAUNCH_BLOCKING=1" in text
+
+
+def test_cpu_oversubscription_and_hidden_gpus_are_warned():
+    env = {"LOCAL_WORLD_SIZE": "4", "OMP_NUM_THREADS": "8"}
+    (line,) = doctor.cpu_warnings(env, num_cpus=16)
+    assert "32 threads for 16 CPU cores" in line and "OMP_NUM_THREADS=4" in line
+    assert doctor.cpu_warnings(dict(env, OMP_NUM_THREADS="4"), num_cpus=16) == []
+    assert doctor.cpu_warnings({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "8"}, 2)[0].endswith(
+        "OMP_NUM_THREADS=1")
+    (line,) = doctor.cuda_warnings({"CUDA_VISIBLE_DEVICES": ""}, cuda_build=True, num_gpus=0)
+    assert "CUDA_VISIBLE_DEVICES=''" in line and "unset it" in line
+    assert doctor.cuda_warnings({"CUDA_VISIBLE_DEVICES": ""}, cuda_build=False, num_gpus=0) == []
+    assert doctor.cuda_warnings({"CUDA_VISIBLE_DEVICES": "0"}, cuda_build=True, num_gpus=1) == []
+
+
+def test_small_shared_memory_and_open_files_limit_are_warned():
+    text = "\n".join(doctor.host_limit_warnings(shm_free=64 * 2**20, open_files=64))
+    assert "/dev/shm has 64 MiB free" in text and "--shm-size" in text
+    assert "open-files limit is 64" in text and "ulimit -n 65536" in text
+    assert doctor.host_limit_warnings(shm_free=None, open_files=1 << 20) == []
+    assert doctor.host_limit_warnings(shm_free=16 * 2**30, open_files=4096) == []
+    shm_free, open_files = doctor._host_limits()  # this machine's, read for real
+    assert open_files > 0 and (shm_free is None or shm_free >= 0)
+
+
+def test_missing_or_old_requirements_are_named_with_their_install():
+    lines = ["# comment", "-r other.txt", "torch>=2.6", "numpy>=1.24", "sentencepiece>=0.1.99",
+             "tensorboard>=2.12", "pyyaml>=6.0"]
+    versions = {"torch": "2.5.1+cu121", "numpy": "2.1.0", "tensorboard": "2.11.0",
+                "pyyaml": "?"}
+    problems, warnings = doctor.requirement_problems(lines, versions.get)
+    assert problems == ["torch 2.5.1+cu121 is older than requirements.txt's torch>=2.6: "
+                        "pip install -U 'torch>=2.6'"]
+    text = "\n".join(warnings)
+    assert ("sentencepiece is not installed (needed for SentencePiece tokenizers): "
+            "pip install 'sentencepiece>=0.1.99'") in text
+    assert "tensorboard 2.11.0 is older than requirements.txt's tensorboard>=2.12" in text
+    assert len(warnings) == 2  # pyyaml's version unknown: not judged
+    ok = {"torch": "2.13.0+cpu", "numpy": "1.26.4", "sentencepiece": "0.2.0",
+          "tensorboard": "2.18.0", "pyyaml": "6.0.2"}
+    assert doctor.requirement_problems(lines, ok.get) == ([], [])
+
+
+def test_a_package_this_python_cannot_import_is_reported(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)  # `import sentencepiece` fails
+    assert doctor._installed("sentencepiece") is None
+    assert doctor._installed("numpy") not in (None, "?")
+    _, warnings = doctor.package_checks()
+    assert any(w.startswith("sentencepiece is not installed") for w in warnings)

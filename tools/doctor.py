@@ -28,6 +28,7 @@ import argparse
 import importlib.util
 import os
 import platform
+import re
 import socket
 import sys
 import time
@@ -37,8 +38,27 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ENV_VARS = ("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT",
             "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-            "OMP_NUM_THREADS", "TORCH_DISTRIBUTED_DEBUG", "GLOO_SOCKET_IFNAME")
+            "OMP_NUM_THREADS", "TORCH_DISTRIBUTED_DEBUG", "GLOO_SOCKET_IFNAME",
+            "CUDA_LAUNCH_BLOCKING", "PYTORCH_CUDA_ALLOC_CONF")
 ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "CUBLAS", "TORCH_BLAS_")
+# debugging switches copied into launch scripts that slow every step of a training run
+SLOW_DEBUG_VARS = (
+    ("CUDA_LAUNCH_BLOCKING", "every CUDA kernel launch waits for the kernel to finish, so "
+     "nothing overlaps and training runs several times slower"),
+    ("TORCH_NCCL_BLOCKING_WAIT", "the host blocks in each collective's wait until it "
+     "completes, so communication no longer overlaps compute"),
+    ("NCCL_BLOCKING_WAIT", "(the old name of TORCH_NCCL_BLOCKING_WAIT) the host blocks in "
+     "each collective's wait until it completes, so communication no longer overlaps compute"))
+# what each package of requirements.txt is needed for (the rest: every run)
+PACKAGE_USES = {"sentencepiece": "SentencePiece tokenizers", "tensorboard": "--tensorboard-dir",
+                "tiktoken": "GPT2BPETokenizer", "tokenizers": "HuggingFaceTokenizer",
+                "zstandard": ".zst input to tools/preprocess_data.py",
+                "safetensors": "Hugging Face conversion", "pyyaml": "--config files"}
+PACKAGE_MODULES = {"pyyaml": "yaml"}  # distribution name -> import name where they differ
+REQUIREMENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "requirements.txt")
+MIN_SHM_BYTES = 1 << 30  # below this DataLoader workers die of bus errors at modest batches
+MIN_OPEN_FILES = 1024
 DEFAULT_PORT = 29500
 
 
@@ -125,6 +145,127 @@ def env_warnings(env: Dict[str, str], num_gpus: int) -> List[str]:
     return out
 
 
+def debug_var_warnings(env: Dict[str, str]) -> List[str]:
+    """Debugging switches left set: each slows every training step."""
+    out = [f"{var}={env[var]}: {why}; a debugging switch: unset it for training"
+           for var, why in SLOW_DEBUG_VARS if env.get(var, "0").strip() not in ("0", "")]
+    if env.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
+        out.append("TORCH_DISTRIBUTED_DEBUG=DETAIL: every collective is first checked for "
+                   "consistency across the ranks (extra communication each call); a debugging "
+                   "switch: unset it (or OFF) for training")
+    return out
+
+
+def cpu_warnings(env: Dict[str, str], num_cpus: int) -> List[str]:
+    """CPU oversubscription: the node's processes times their OpenMP threads against its
+    cores (LOCAL_WORLD_SIZE: torchrun's processes on this node)."""
+    local = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
+    threads = env.get("OMP_NUM_THREADS", "").strip()
+    if not threads.isdigit() or local * int(threads) <= num_cpus:
+        return []
+    return [f"{local} process(es) on this node x OMP_NUM_THREADS={threads} = "
+            f"{local * int(threads)} threads for {num_cpus} CPU cores: they compete for the "
+            f"cores and every step slows; set OMP_NUM_THREADS={max(1, num_cpus // local)}"]
+
+
+def cuda_warnings(env: Dict[str, str], cuda_build: bool, num_gpus: int) -> List[str]:
+    """A CUDA build of torch that sees no GPU because CUDA_VISIBLE_DEVICES hides them all."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if not cuda_build or num_gpus or visible is None:
+        return []
+    return [f"CUDA_VISIBLE_DEVICES={visible!r} leaves this CUDA build of torch no GPU: "
+            "training would run on the CPU with gloo; unset it or list GPU indices (e.g. "
+            "0,1,2,3)"]
+
+
+def host_limit_warnings(shm_free: Optional[int], open_files: int) -> List[str]:
+    """/dev/shm's free bytes (None: no /dev/shm) and the soft open-files limit, both of
+    which DataLoader workers (--num-workers > 0) use up."""
+    out = []
+    if shm_free is not None and shm_free < MIN_SHM_BYTES:
+        out.append(f"/dev/shm has {shm_free / 2**20:.0f} MiB free: DataLoader workers "
+                   "(--num-workers > 0) pass batches through it and die of a bus error when "
+                   "it fills; in a container raise --shm-size (e.g. 16g), or train with "
+                   "--num-workers 0")
+    if open_files < MIN_OPEN_FILES:
+        out.append(f"the open-files limit is {open_files} (ulimit -n): DataLoader workers "
+                   "and the ranks' connections fail with 'Too many open files'; raise it "
+                   "before the launch, e.g. ulimit -n 65536")
+    return out
+
+
+def _host_limits() -> Tuple[Optional[int], int]:
+    """(free bytes of /dev/shm or None, soft RLIMIT_NOFILE) of this machine."""
+    try:
+        st = os.statvfs("/dev/shm")
+        shm_free: Optional[int] = st.f_bavail * st.f_frsize
+    except OSError:
+        shm_free = None
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError):
+        soft = -1
+    return shm_free, soft if soft >= 0 else MIN_OPEN_FILES  # RLIM_INFINITY is -1
+
+
+def _version_tuple(text: str) -> Tuple[int, ...]:
+    found = re.match(r"\d+(?:\.\d+)*", text.strip())
+    return tuple(int(x) for x in found.group(0).split(".")) if found else ()
+
+
+def requirement_problems(lines: List[str], installed) -> Tuple[List[str], List[str]]:
+    """(problems, warnings) for requirements.txt's `lines`: a package that is missing or
+    older than its `>=` bound. `installed(name)`: its version, or None when this Python
+    cannot import it. torch and numpy are problems (every run needs them), the others
+    warnings (each is needed by one feature: PACKAGE_USES)."""
+    problems: List[str] = []
+    warnings: List[str] = []
+    for line in lines:
+        found = re.match(r"\s*([A-Za-z0-9_.-]+)\s*(?:>=\s*([0-9][\w.]*))?", line.split("#")[0])
+        if not found or line.lstrip().startswith("-"):
+            continue
+        name, minimum = found.group(1), found.group(2)
+        have = installed(name)
+        use = PACKAGE_USES.get(name)
+        to = problems if use is None and name in ("torch", "numpy") else warnings
+        needed = f" (needed for {use})" if use else ""
+        if have is None:
+            to.append(f"{name} is not installed{needed}: pip install '{name}"
+                      f"{'>=' + minimum if minimum else ''}' (or pip install -r requirements.txt)")
+        elif minimum and have != "?" and _version_tuple(have) < _version_tuple(minimum):
+            to.append(f"{name} {have} is older than requirements.txt's {name}>={minimum}"
+                      f"{needed}: pip install -U '{name}>={minimum}'")
+    return problems, warnings
+
+
+def _installed(name: str) -> Optional[str]:
+    """The installed version of distribution `name` ('?' when unknown), None when its
+    module cannot be imported from this Python."""
+    try:
+        if importlib.util.find_spec(PACKAGE_MODULES.get(name, name)) is None:
+            return None
+    except (ImportError, ValueError):  # a broken or blocked installation
+        return None
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:
+        return "?"
+
+
+def package_checks() -> Tuple[List[str], List[str]]:
+    """requirement_problems for this checkout's requirements.txt (none without one)."""
+    try:
+        with open(REQUIREMENTS) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return [], []
+    return requirement_problems(lines, _installed)
+
+
 def check_port(addr: str, port: int, timeout: float = 1.0) -> Tuple[str, str]:
     """(state, explanation) for addr:port: 'listening', 'free', 'closed', 'no answer' or
     'unresolvable'. 'free' is only tested for this machine's addresses."""
@@ -199,9 +340,16 @@ def machine_report(env: Dict[str, str], wait_s: float = 0.0) -> Tuple[str, List[
     out += [f"  {k:<20} {v}" for k, v in versions()]
     out += ["GPUs"] + [f"  {line}" for line in gpus()]
     out += ["environment"] + [f"  {k:<32} {v}" for k, v in environment(env)]
-    warnings = env_warnings(env, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    package_problems, warnings = package_checks()
+    warnings += env_warnings(env, num_gpus) + debug_var_warnings(env)
+    warnings += cpu_warnings(env, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                             else os.cpu_count() or 1)
+    warnings += cuda_warnings(env, bool(torch.version.cuda), num_gpus)
+    warnings += host_limit_warnings(*_host_limits())
     out += [f"WARNING: {w}" for w in warnings]
     lines, problems = rendezvous_lines(env, wait_s)
+    problems = package_problems + problems
     out += ["rendezvous"] + [f"  {line}" for line in lines]
     return "\n".join(out), problems
 
