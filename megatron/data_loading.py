@@ -8,6 +8,7 @@ batch (one draw, at the end).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import gc
 import math
@@ -620,6 +621,23 @@ def loader_worker_exit(error: BaseException, num_workers: int, iteration: int,
                       f"{resume}. {cause}")
 
 
+def open_files_exit(num_workers: int) -> SystemExit:
+    """The run's exit when starting the DataLoader workers ran out of file descriptors
+    (each worker takes pipes and queues; EMFILE), instead of an OSError traceback from
+    multiprocessing: the limit, and the two ways out."""
+    try:
+        import resource
+
+        limit = f" (this process may open {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})"
+    except (ImportError, OSError):  # pragma: no cover - not POSIX
+        limit = ""
+    return SystemExit(f"error: starting {num_workers} data loader worker process(es) "
+                      f"(--num-workers {num_workers}) failed: too many open files{limit}. "
+                      "Raise the open-files limit before the launch (ulimit -n 65536; in a "
+                      "container --ulimit nofile=65536:65536), or pass fewer --num-workers "
+                      "(0 reads the data in the training process)")
+
+
 def _shutdown_workers(holder: list) -> None:
     """Shut down the DataLoader iterator in `holder` (once; later calls do nothing)."""
     if holder:
@@ -638,7 +656,16 @@ def _shutdown_unfinished_loader(tb) -> None:
     while tb is not None:
         unfinished = tb.tb_frame.f_locals.get("self")
         if isinstance(unfinished, _MultiProcessingDataLoaderIter):
-            unfinished._shutdown_workers()
+            if hasattr(unfinished, "_workers_status"):
+                unfinished._shutdown_workers()
+                return
+            # it failed while starting its workers (out of file descriptors): torch's
+            # shutdown needs state set after that; stop the ones already started (they
+            # ignore SIGTERM) and mark it shut down for its __del__
+            unfinished._shutdown = True
+            for worker in getattr(unfinished, "_workers", []):
+                worker.kill()
+                worker.join(5)
             return
         tb = tb.tb_next
 
@@ -670,13 +697,15 @@ class _WorkerIterator:
 
     def _start(self):
         """A new DataLoader iterator whose workers each mark `_started` once they run."""
-        self._started = multiprocessing.RawArray("b", self._workers)
         try:
+            self._started = multiprocessing.RawArray("b", self._workers)
             with frozen_for_fork():
                 return iter(self._make_loader(functools.partial(_worker_started,
                                                                 self._started)))
         except BaseException as e:
             _shutdown_unfinished_loader(e.__traceback__)
+            if isinstance(e, OSError) and e.errno == errno.EMFILE:
+                raise open_files_exit(self._workers) from None
             raise
 
     def _check_started(self, attempts: int = 3) -> None:

@@ -873,3 +873,34 @@ def test_mock_data_with_the_cyclic_loader_has_epochs_of_the_runs_samples():
     assert all(b.shape == (2, 9) for b in batches)
     single = dataclasses.replace(cfg.data, dataloader_type="single")
     assert len(build_datasets(dataclasses.replace(cfg, data=single), 0, 128)["train"]) == 2**40
+
+
+def test_starting_workers_past_the_open_files_limit_names_it():
+    """With `ulimit -n` too low for the workers' pipes, the run stopped with an OSError
+    traceback from multiprocessing on each rank (or an AttributeError from shutting down a
+    loader that had started nothing); now one line with the limit and the fix, wherever
+    in the start the descriptors run out."""
+    import resource
+
+    cfg = tiny_config(mbs=2, gbs=4)
+    cfg.data = dataclasses.replace(cfg.data, num_workers=2, seq_length=8)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    reports = []
+    for free in range(1, 12):  # descriptors left free: each start fails at a later point
+        gc.collect()  # earlier loaders: their descriptors closed now, not during the call
+        limit = len(os.listdir("/proc/self/fd")) + free  # the listing's own one is free too
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+        try:
+            it = make_iterator(cfg, _Seq(), consumed=0, dp_rank=0, dp_size=1, pin=False)
+        except SystemExit as e:
+            reports.append((limit, str(e.code)))
+            continue
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        it.close()
+        break
+    assert len(reports) >= 3, reports
+    for limit, text in reports:
+        assert text.startswith("error: starting 2 data loader worker process(es) (--num-workers "
+                               f"2) failed: too many open files (this process may open {limit})")
+        assert "ulimit -n 65536" in text and "fewer --num-workers" in text
