@@ -203,7 +203,7 @@ def _train(config, ranks: tuple, start: float, progress, watch, tokenizer=None,
         print(format_args_dump(config.args), flush=True)
     set_random_seed(config.training.seed, rt, config.training.data_parallel_random_init)
     print_rank_0(f"time to initialize megatron (seconds): {time.time() - start:.3f}")
-    print_datetime("after megatron is initialized")
+    print_datetime("after megatron is initialized", rt.control_group)
     leave_group = False
     with silent_ranks_wait(os.environ):  # rank 0 prints errors
         try:

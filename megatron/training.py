@@ -406,7 +406,8 @@ def train(tr: Trainer, train_data, valid_data) -> Optional[str]:
     profiler.finish()
     _close_interval(tr, stats)
     step_graph.settle(tr)
-    print_datetime("after training is done")  # before the final save, as in Megatron
+    # before the final save, as in Megatron
+    print_datetime("after training is done", tr.rt.control_group)
     if cfg.checkpoint.save and st.iteration > 0 and saved_at != st.iteration:
         _save(tr, stats, timed=False)
     trainer_checkpoint.wait_for_async_save(tr)
@@ -418,8 +419,15 @@ def _datetime_line(label: str) -> None:
     print_rank_0(f"{label} datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ")
 
 
-def print_datetime(event: str) -> None:
-    """Megatron's `[<event>] datetime: ...` line on rank 0."""
+def print_datetime(event: str, group=None) -> None:
+    """Megatron's `[<event>] datetime: ...` line on rank 0, once every rank has come here
+    (Megatron's barrier): the lines other ranks printed before it (the last rank's final
+    iteration line, the parameter counts) come before it in the job's output, not after.
+    Collective over the world when distributed: `group` is the run's CPU control group
+    (None: the default group)."""
+    if dist.is_initialized():
+        with watching(f"barrier before the [{event}] line", group):
+            dist.barrier(group=group)
     _datetime_line(f"[{event}]")
 
 
@@ -513,7 +521,8 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float],
             if warning:
                 print(warning, flush=True)
     log.timers("model-and-optimizer-setup").stop()
-    print_datetime("after model, optimizer, and learning rate scheduler are built")
+    print_datetime("after model, optimizer, and learning rate scheduler are built",
+                   rt.control_group)
     return tr
 
 
@@ -523,7 +532,7 @@ def _train_and_evaluate(tr: Trainer, train_data, valid_data, test_data) -> None:
     config = tr.config
     if not config.training.skip_train:
         print_rank_0("training ...")
-        print_datetime("before the start of training step")
+        print_datetime("before the start of training step", tr.rt.control_group)
         tr.exit_reason = train(tr, train_data, valid_data)
     else:
         print_rank_0("skipping training (--skip-train is on) ...")
@@ -617,7 +626,7 @@ def _start(tr: Trainer) -> tuple:
     timers("train/valid/test-data-iterators-setup", 0).start(barrier=True)
     loaders = _build_data(tr)
     timers("train/valid/test-data-iterators-setup").stop()
-    print_datetime("after dataloaders are built")
+    print_datetime("after dataloaders are built", rt.control_group)
     print_rank_0("done with setup ...")
     timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"])
     return loaders

@@ -207,6 +207,37 @@ def test_megatron_event_lines_in_order(capsys):
     assert out.index("time to initialize megatron (seconds): ") < out.index("[after megatron")
 
 
+def _event_line_after_a_slow_rank(rank: int, world: int, marker: str) -> tuple:
+    """Rank 1 prints a line (as the last rank prints the final iteration line) 1.5 s
+    late; rank 0 prints an event line at once. (rank 0's output, whether rank 1's line
+    was out when rank 0 printed)."""
+    import contextlib
+    import io
+
+    if rank == 1:
+        time.sleep(1.5)
+        with open(marker, "w") as f:
+            f.write("iteration 3/3\n")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        training.print_datetime("after training is done")
+    return buf.getvalue(), os.path.exists(marker)
+
+
+def test_an_event_line_waits_for_every_rank(tmp_path):
+    """Megatron's print_datetime is a barrier, then rank 0's line: "[after training is
+    done]" never comes before the last rank's final iteration line in the job's output.
+    Without the barrier rank 0 printed it while the last rank was still logging (seen at
+    tp2pp2 and dp4 under torchrun: the line came before the final iteration line)."""
+    from tests.dist_utils import run_distributed
+
+    marker = str(tmp_path / "rank1_line")
+    (out0, seen0), (out1, _) = run_distributed(_event_line_after_a_slow_rank, 2, marker)
+    assert re.fullmatch(r"\[after training is done\] datetime: \S+ \S+ \n", out0), out0
+    assert out1 == ""  # rank 0 only
+    assert seen0, "rank 0 printed the event line before rank 1's earlier line was out"
+
+
 def test_training_is_done_before_the_final_save(tmp_path, capsys):
     """Megatron prints `[after training is done]` when the loop ends, then saves the
     final checkpoint, then evaluates: the datetime line marks the end of the training
