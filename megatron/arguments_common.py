@@ -73,14 +73,28 @@ class _Formatter(logging.Formatter):
         return f"WARNING: {text}" if record.levelno >= logging.WARNING else text
 
 
+class _StreamsHandler(logging.Handler):
+    """Notes on stdout, where Megatron prints them (`using world size: ...`, `setting
+    global batch size ...`, ` > padded vocab ...`: log parsers and `| tee run.log` read
+    them there), warnings on stderr. Each stream is looked up at each message."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+        try:
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:
+            self.handleError(record)
+
+
 @contextlib.contextmanager
 def messages_for_rank(rank: int) -> Iterator[None]:
-    """Show warnings/notes on rank 0 only. When nothing configured logging, print them to
-    stderr ourselves (bare lines, warnings prefixed `WARNING:`)."""
+    """Show warnings/notes on rank 0 only. When nothing configured logging, print them
+    ourselves: notes on stdout as bare lines, warnings on stderr prefixed `WARNING:`."""
     handler: Optional[logging.Handler] = None
     old_level = _log.level
     if not _log.hasHandlers():
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StreamsHandler()
         handler.setFormatter(_Formatter())
         _log.addHandler(handler)
         _log.setLevel(logging.INFO)

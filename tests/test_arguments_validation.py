@@ -379,6 +379,32 @@ def test_bf16_forces_fp32_grad_accumulation():
     assert cfg.args["params_dtype"] == "torch.bfloat16"
 
 
+def test_megatron_notes_go_to_stdout_and_warnings_to_stderr():
+    """Megatron prints its start-up lines on stdout (rank 0): the layout, the derived
+    global batch, the micro-batches, the parameter dtype, the padded vocabulary. They
+    went to stderr with the warnings, so `torchrun ... | tee run.log` (or a log parser
+    reading stdout) lost the layout line. Run in a fresh interpreter: under pytest its
+    logging handlers take the messages."""
+    import subprocess
+    import sys
+
+    code = ("from megatron.arguments import parse_and_validate\n"
+            f"parse_and_validate({BASE + ['--sequence-parallel']!r}, world_size=4, "
+            "env={'RANK': '0'}, cuda_available=False)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(__file__)), timeout=120)
+    assert done.returncode == 0, done.stderr
+    notes = ["using world size: 4, data-parallel-size: 4, tensor-model-parallel size: 1, "
+             "pipeline-model-parallel size: 1 ", "setting global batch size to 8",
+             "setting number of micro-batches to constant 1",
+             "using torch.float32 for parameters ...",
+             " > padded vocab (size: 101) with 27 dummy tokens (new size: 128)"]
+    for note in notes:
+        assert note in done.stdout and note not in done.stderr, (note, done.stdout)
+    assert "WARNING: --sequence-parallel needs" in done.stderr, done.stderr
+    assert "WARNING" not in done.stdout, done.stdout
+
+
 def test_warnings_only_on_rank_zero(capsys):
     parse_and_validate(BASE + ["--sequence-parallel"], 1, env={"RANK": "1"}, cuda_available=False)
     assert "sequence-parallel" not in capsys.readouterr().err
