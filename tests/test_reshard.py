@@ -33,6 +33,7 @@ from megatron.training import build_trainer, data_iterator, train_step
 from tests.dist_utils import run_distributed
 from tests.write_faults import torch_save_over_quota
 from tools import checkpoint_convert
+from tools.interruptible import INTERRUPTED
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -370,10 +371,10 @@ def test_interrupted_conversion_leaves_no_partial_output(tmp_path, capsys, monke
             "--target-tensor-model-parallel-size", "2"]
     with monkeypatch.context() as m:
         _interrupt_on(checkpoint_convert.torch, "save", 2, m)
-        assert checkpoint_convert.main(argv) == checkpoint_convert.INTERRUPTED
+        assert checkpoint_convert.main(argv) == INTERRUPTED
     out = capsys.readouterr()
     assert "[1/2] mp_rank_00 (" in out.out and "[2/2]" not in out.out
-    assert "reshard: interrupted; the partial output was removed" in out.err
+    assert "reshard: interrupted (Ctrl-C); the partial output was removed" in out.err
     assert not dst.exists()
     assert checkpoint_convert.main(argv) == 0
     assert "[2/2] mp_rank_01 (" in capsys.readouterr().out
@@ -551,7 +552,7 @@ def test_ctrl_c_inside_torch_save_is_the_interrupt_not_a_full_disk(tmp_path, mon
     monkeypatch.setattr(checkpoint_convert.torch, "save", _ctrl_c_inside_torch_save)
     assert checkpoint_convert.main(["reshard", "--load", str(src), "--save", str(dst),
                                     "--target-tensor-model-parallel-size", "2"]) == 130
-    assert "reshard: interrupted; the partial output was removed" in capsys.readouterr().err
+    assert "reshard: interrupted (Ctrl-C); the partial output was removed" in capsys.readouterr().err
     assert not dst.exists()
 
 
@@ -661,7 +662,7 @@ def test_an_overwrite_interrupted_mid_replace_leaves_a_readable_checkpoint(tmp_p
     assert checkpoint_convert.main(argv) == 0
     with monkeypatch.context() as m:
         _interrupt_on(os, "rename", 2, m)  # the 1st moves iter_1 aside, the 2nd the new one
-        assert checkpoint_convert.main(argv + ["--overwrite"]) == checkpoint_convert.INTERRUPTED
+        assert checkpoint_convert.main(argv + ["--overwrite"]) == INTERRUPTED
     assert sorted(os.listdir(dst)) == ["iter_0000001.old", "latest_checkpointed_iteration.txt"]
     capsys.readouterr()
     again = str(tmp_path / "again")
@@ -679,7 +680,7 @@ def test_an_overwrite_interrupted_mid_replace_leaves_a_readable_checkpoint(tmp_p
         _remove_first_file_then_interrupt(m)
         assert checkpoint_convert.main(argv + ["--overwrite", "--target-pipeline-model-parallel"
                                                "-size", "2", "--target-tensor-model-parallel-"
-                                               "size", "1"]) == checkpoint_convert.INTERRUPTED
+                                               "size", "1"]) == INTERRUPTED
     layout = reshard.read_layout(reshard.locate_iteration(str(dst))[0])
     assert (layout.tp, layout.pp) == (1, 2), "the new copy is in place"
 

@@ -45,9 +45,7 @@ import contextlib
 import math
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -83,6 +81,7 @@ from megatron.checkpointing import (  # noqa: E402
 )
 from megatron.save_lock import SaveDirLock  # noqa: E402
 from megatron.write_errors import no_room_error, room_fix, write_error_text  # noqa: E402
+from tools.interruptible import run_interruptible  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- reshard
@@ -685,43 +684,17 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
-TERMINATED = 143  # ... by SIGTERM
-
-
-def interrupted_message(tool: str, how: str = "") -> str:
-    return (f"{tool}: interrupted{how}; the partial output was removed (the source checkpoint "
-            "is untouched): run the same command again")
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's time limit, `kill`, `timeout`), handled as Ctrl-C is: the
+def run_conversion(tool: str, run: Callable[[], int]) -> int:
+    """`run()`; Ctrl-C or SIGTERM ends it with one line and status 130 or 143 once the
     partial output (an iter_N.tmp of the model's size, a staging directory) is removed."""
-
-
-def _terminate(signum, frame) -> None:
-    raise Terminated()
-
-
-def run_interruptible(tool: str, run: Callable[[], int]) -> int:
-    """`run()`; Ctrl-C or SIGTERM ends it with one line and status 130 or 143 (SIGTERM
-    killed a conversion on the spot: its partial output stayed, and nothing said so)."""
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
-    try:
-        return run()
-    except KeyboardInterrupt as e:
-        terminated = isinstance(e, Terminated)
-        print(interrupted_message(tool, " by SIGTERM" if terminated else ""), file=sys.stderr)
-        return TERMINATED if terminated else INTERRUPTED
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+    return run_interruptible(run, lambda how: (
+        f"{tool}: interrupted {how}; the partial output was removed (the source checkpoint "
+        "is untouched): run the same command again"))
 
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    return run_interruptible(f"checkpoint_convert.py {a.command}",
+    return run_conversion(f"checkpoint_convert.py {a.command}",
                              lambda: SUBCOMMANDS[a.command][1](a))
 
 

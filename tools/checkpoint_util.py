@@ -257,7 +257,7 @@ def run(a: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    return checkpoint_convert.run_interruptible("checkpoint_util.py", lambda: run(a))
+    return checkpoint_convert.run_conversion("checkpoint_util.py", lambda: run(a))
 
 
 if __name__ == "__main__":

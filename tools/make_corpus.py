@@ -20,11 +20,13 @@ import json
 import math
 import os
 import re
-import signal
 import sys
 import sysconfig
 import time
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.interruptible import run_interruptible  # noqa: E402
 
 
 def stdlib_files(max_bytes: int):
@@ -95,28 +97,18 @@ def write_corpus(output: Path, max_mb: float) -> tuple:
     return docs, nbytes
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's time limit, `kill`), handled as Ctrl-C is."""
-
-
-def _terminate(signum, frame) -> None:
-    raise Terminated()
-
-
 def write_corpus_interruptible(output: Path, max_mb: float) -> tuple:
     """`write_corpus`; Ctrl-C or SIGTERM is SystemExit 130 or 143 with one line (the partial
     files removed; a SIGTERM left a truncated JSONL, Ctrl-C a shorter valid-looking one)."""
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    try:
-        return write_corpus(output, max_mb)
-    except KeyboardInterrupt as e:
-        how = "by SIGTERM" if isinstance(e, Terminated) else "(Ctrl-C)"
-        print(f"make_corpus.py: interrupted {how}; no corpus was written and the partial files "
-              f"were removed (an earlier {output} is unchanged): run the same command again",
-              file=sys.stderr)
-        raise SystemExit(143 if isinstance(e, Terminated) else 130) from None
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    written = []
+    status = run_interruptible(
+        lambda: written.append(write_corpus(output, max_mb)),
+        lambda how: (f"make_corpus.py: interrupted {how}; no corpus was written and the "
+                     f"partial files were removed (an earlier {output} is unchanged): run "
+                     "the same command again"))
+    if status:
+        raise SystemExit(status)
+    return written[0]
 
 
 def train_sentencepiece(text_file: Path, prefix: str, vocab_size: int) -> None:

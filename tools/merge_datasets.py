@@ -11,7 +11,6 @@ merge with status 130 or 143 and one line; its partial files are removed.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,11 +22,11 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     index_file_path,
     missing_dataset_hint,
 )
+from tools.interruptible import run_interruptible  # noqa: E402
 from tools.leftover_temporaries import stale_temporaries_warning, temporary_files  # noqa: E402
 from tools.preprocess_data import (  # noqa: E402
-    Terminated,
-    _terminate,
     _warn_stale_temporaries,
+    interrupted_dataset_message,
     make_output_dir,
     output_error,
     output_prefix_problem,
@@ -192,17 +191,11 @@ def main(argv=None) -> int:
     prefixes = input_prefixes(args.input)
     if os.path.isdir(os.path.dirname(os.path.abspath(args.output_prefix))):
         _warn_stale_temporaries(args.output_prefix)  # a SIGKILLed merge's, of 100s of GB
-    previous = signal.signal(signal.SIGTERM, _terminate)  # removes the partial .bin as Ctrl-C
-    try:
-        merge(prefixes, args.output_prefix)
-    except KeyboardInterrupt as e:
-        how = "by SIGTERM" if isinstance(e, Terminated) else "(Ctrl-C)"
-        print(f"merge_datasets.py: interrupted {how}; no dataset was written and the partial "
-              f"files were removed (an earlier dataset at --output-prefix {args.output_prefix} "
-              "is unchanged): run the same command again", file=sys.stderr)
-        return 143 if isinstance(e, Terminated) else 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    status = run_interruptible(  # SIGTERM removes the partial .bin as Ctrl-C does
+        lambda: merge(prefixes, args.output_prefix),
+        interrupted_dataset_message("merge_datasets.py", args.output_prefix))
+    if status:
+        return status
     print(f"Merged {len(prefixes)} datasets into {args.output_prefix}.bin/.idx", file=sys.stderr)
     return 0
 

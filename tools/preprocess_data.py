@@ -39,7 +39,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -61,6 +61,7 @@ from megatron.tokenizer.document_encoder import (  # noqa: E402
 )
 from megatron.write_errors import file_size_limit_text  # noqa: E402
 from tools.case_names import case_clashes, ignores_case  # noqa: E402
+from tools.interruptible import run_interruptible  # noqa: E402
 from tools.leftover_temporaries import (  # noqa: E402
     stale_temporaries_warning,
     temporary_files,
@@ -609,30 +610,19 @@ def _warn_stale_temporaries(output_prefix: str) -> None:
         print(warning, file=sys.stderr)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's time limit, `kill`), handled like Ctrl-C."""
-
-
-def _terminate(signum, frame) -> None:
-    raise Terminated()
+def interrupted_dataset_message(tool: str, output_prefix: str) -> Callable[[str], str]:
+    """`run_interruptible`'s line for a tool writing a .bin/.idx dataset at `output_prefix`."""
+    return lambda how: (f"{tool}: interrupted {how}; no dataset was written and the partial "
+                        f"files were removed (an earlier dataset at --output-prefix "
+                        f"{output_prefix} is unchanged): run the same command again")
 
 
 def main(argv=None) -> int:
     """Run the tool; Ctrl-C or SIGTERM ends it with status 130 or 143 and one line (the
     partial files are removed, an earlier dataset at the prefix is left as it was)."""
     args = get_args(argv)
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    try:
-        run(args)
-    except KeyboardInterrupt as e:
-        how = "by SIGTERM" if isinstance(e, Terminated) else "(Ctrl-C)"
-        print(f"preprocess_data.py: interrupted {how}; no dataset was written and the partial "
-              f"files were removed (an earlier dataset at --output-prefix {args.output_prefix} "
-              "is unchanged): run the same command again", file=sys.stderr)
-        return 143 if isinstance(e, Terminated) else 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    return 0
+    return run_interruptible(lambda: run(args), interrupted_dataset_message(
+        "preprocess_data.py", args.output_prefix))
 
 
 if __name__ == "__main__":
