@@ -58,6 +58,15 @@ def close_flag(token: str, options: Iterable[str]) -> Optional[str]:
 _NEGATIONS = ("no-", "disable-")
 
 
+def _same_switch(name: str, core: str) -> bool:
+    """Whether `name` spells the switch `core`: the same words, or a letter off (Megatron's
+    `--no-log-learnig-rate-to-tensorboard` turns off what `--log-learning-rate-to-...`
+    asks for), or `core` with a leading verb (`--apply-X`, `--add-X`)."""
+    if name == core or name.endswith("-" + core):
+        return True
+    return difflib.SequenceMatcher(None, name, core).ratio() >= 0.9
+
+
 def _opposite_switch(token: str, close: str) -> Optional[str]:
     """Whether `close` is the switch that does the opposite of what `token` asks: 'on'
     (`close` is Megatron's `--no-X` / `--disable-X` for a feature on by default, `token` a
@@ -68,10 +77,10 @@ def _opposite_switch(token: str, close: str) -> Optional[str]:
     for negation in _NEGATIONS:
         if flag.startswith(negation) and not name.startswith(_NEGATIONS):
             core = flag[len(negation):]
-            return "on" if name == core or name.endswith("-" + core) else None
+            return "on" if _same_switch(name, core) else None
         if name.startswith(negation) and not flag.startswith(_NEGATIONS):
             core = name[len(negation):]
-            return "off" if flag == core or flag.endswith("-" + core) else None
+            return "off" if _same_switch(flag, core) else None
     return None
 
 

@@ -140,3 +140,22 @@ def test_the_opposite_switch_is_not_offered_as_the_fix(capsys):
     assert err == ("tool.py: error: the following arguments are required: --input; "
                    "--append-eod is not a flag: on by default, so drop it; --no-append-eod "
                    "turns it off")
+
+
+def test_megatrons_misspelt_learning_rate_switch_is_not_offered_as_the_fix():
+    """Megatron spells the switch `--no-log-learnig-rate-to-tensorboard`. A user asking for
+    the learning rate in TensorBoard with `--log-learning-rate-to-tensorboard` was told
+    'did you mean --no-log-learnig-rate-to-tensorboard?', the flag that turns it off (the
+    typo hid the opposite switch); `--log-loss-scale-to-tensorboard` got the right answer.
+    The correctly spelt `--no-...` still gets a 'did you mean' to Megatron's spelling."""
+    from megatron.arguments import parse_args
+    from megatron.arguments_common import ArgumentsError
+
+    with pytest.raises(ArgumentsError) as exc:
+        parse_args(["--log-learning-rate-to-tensorboard",
+                    "--no-log-learning-rate-to-tensorboard"])
+    assert str(exc.value).endswith(
+        "unrecognized arguments: --log-learning-rate-to-tensorboard (not a flag: on by "
+        "default, so drop it; --no-log-learnig-rate-to-tensorboard turns it off) "
+        "--no-log-learning-rate-to-tensorboard (did you mean "
+        "--no-log-learnig-rate-to-tensorboard?)")
