@@ -239,6 +239,34 @@ def test_verify_catches_a_wrong_mapping(tmp_path, monkeypatch, capsys):
         _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "x", "--family", "gpt2")
 
 
+def test_verify_default_tolerance_is_relative_and_catches_small_mismatches(tmp_path, monkeypatch,
+                                                                          capsys):
+    """The default tolerance is 1e-5 of the largest logit (fp32 on both sides): the
+    absolute 1e-3 it replaced passed a GeLU of the wrong form (7.8e-4 here) and a weight
+    off by 1e-3 of itself."""
+    _transformers()
+    _train(tmp_path / "ck", "--no-bias-gelu-fusion --init-method-std 0.2", steps=1)
+    export = lambda name: _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / name,
+                               "--verify")
+    assert export("ok") == 0
+    assert re.search(r"tolerance \S+: 1e-05 x max \|logits\| [\d.]+, fp32 on both sides\): OK",
+                     capsys.readouterr().out)
+    monkeypatch.setitem(hf_interop._ACT_TO_HF, "gelu", "gelu_new")  # tanh GeLU for erf
+    assert export("gelu") == 1
+    assert "FAILED" in capsys.readouterr().out
+    monkeypatch.undo()
+    to_hf = hf_interop.to_hf_state_dict
+
+    def perturbed(*args, **kwargs):
+        out = to_hf(*args, **kwargs)
+        out["transformer.h.1.mlp.c_fc.weight"] *= 1 + 1e-3
+        return out
+
+    monkeypatch.setattr(hf_convert, "to_hf_state_dict", perturbed)
+    assert export("weight") == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------ import
 def _save_hf_model(path, family):
     """A tiny random Hugging Face model saved with save_pretrained (safetensors)."""
