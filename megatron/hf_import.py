@@ -13,7 +13,7 @@ import torch
 
 from megatron.hf_convert import _HF_TOKENIZER_FILES
 from megatron.hf_files import hold_directory, leftover_imports, load_hf_checkpoint, make_staging
-from megatron.hf_interop import from_hf_state_dict, megatron_flags_from_hf
+from megatron.hf_interop import from_hf_state_dict, megatron_flags_from_hf, sliding_window_note
 
 
 # ----------------------------------------------------------------------- from-hf CLI
@@ -149,9 +149,17 @@ def config_from_hf(hf_cfg: dict, a, in_dir: str):
     hf_vocab = int(hf_cfg["vocab_size"])
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
     check_import_layout(family, flags, a)
+    seq_length = a.seq_length or min(max_pos, 2048)
+    window = sliding_window_note(hf_cfg, seq_length)
+    if window is not None:
+        print(f"note: {window}")
+    if hf_cfg.get("model_type") == "qwen2":
+        print("note: Qwen2 has biases on q/k/v only; imported with a bias on every linear "
+              "layer (--disable-bias-linear off), o_proj's and the MLP's zeros: the same "
+              "logits, and those biases train with the rest (to-hf writes a Llama with them)")
     flags += _tokenizer_flags(a, in_dir, hf_vocab) + [
         "--make-vocab-size-divisible-by", str(a.make_vocab_size_divisible_by),
-        "--seq-length", str(a.seq_length or min(max_pos, 2048))]
+        "--seq-length", str(seq_length)]
     if hf_cfg.get("dtype", hf_cfg.get("torch_dtype")) in ("bfloat16", "float16"):
         flags.append("--bf16" if hf_cfg.get("dtype", hf_cfg.get("torch_dtype")) == "bfloat16"
                      else "--fp16")

@@ -255,13 +255,20 @@ def hf_config(model: ModelConfig, family: str, vocab_size: int, dtype: torch.dty
 
 
 # ------------------------------------------------------------------------ HF -> ours
+# model_types whose config.json fields and weight names are Llama's: Mistral is a Llama
+# with GQA and a sliding attention window (`sliding_window_note`), Qwen2 one with biases on
+# q/k/v (and its window only with use_sliding_window)
+_LLAMA_LIKE = ("mistral", "qwen2")
+
+
 def hf_family(cfg: dict) -> str:
-    """config.json's family ("gpt2" | "llama"), checked before any weight is read:
-    ValueError for another model_type and for quantized weights."""
+    """config.json's family ("gpt2" | "llama"; mistral and qwen2 read as llama), checked
+    before any weight is read: ValueError for another model_type and for quantized weights."""
     kind = cfg.get("model_type")
-    if kind not in FAMILIES:
+    if kind not in FAMILIES + _LLAMA_LIKE:
         raise ValueError(f"config.json model_type {kind!r} is not supported; from-hf reads "
-                         f"{' and '.join(FAMILIES)} models (GPT2LMHeadModel, LlamaForCausalLM)")
+                         f"{', '.join(FAMILIES + _LLAMA_LIKE)} models (GPT2LMHeadModel, "
+                         "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)")
     quant = cfg.get("quantization_config")
     if quant:
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
@@ -269,7 +276,30 @@ def hf_family(cfg: dict) -> str:
                          "weights are stored quantized, with scales beside them, and from-hf "
                          "reads full-precision ones (float32, bfloat16, float16); import an "
                          "unquantized copy of the model")
-    return kind
+    return "llama" if kind in _LLAMA_LIKE else kind
+
+
+def sliding_window_note(cfg: dict, seq_length: int) -> Optional[str]:
+    """None when config.json's attention window cannot matter here (none, or as long as
+    max_position_embeddings); a note when it covers `seq_length` (--seq-length) but not
+    every position; ValueError naming sliding_window when it is shorter than `seq_length`:
+    our attention is full causal, so tokens further apart than the window would see each
+    other, which the model never allowed."""
+    window = cfg.get("sliding_window")
+    if cfg.get("model_type") == "qwen2" and not cfg.get("use_sliding_window", False):
+        return None  # Qwen2 records a window that only use_sliding_window switches on
+    max_pos = cfg.get("max_position_embeddings", 2048)
+    if window is None or window >= max_pos:
+        return None
+    if window < seq_length:
+        raise ValueError(f"config.json sliding_window {window} is shorter than --seq-length "
+                         f"{seq_length}: attention here is full causal (no sliding window), "
+                         f"so tokens {window} or more positions apart would attend to "
+                         f"each other, which this {cfg['model_type']} model never learned; pass "
+                         f"--seq-length {window} or less")
+    return (f"config.json sliding_window {window} is shorter than max_position_embeddings "
+            f"{max_pos}: the import (full causal attention) has the model's logits for "
+            f"sequences of up to {window} tokens; keep --seq-length at {window} or less")
 
 
 def _gpt2_flags(cfg: dict) -> List[str]:
@@ -326,7 +356,9 @@ def _llama_flags(cfg: dict) -> List[str]:
         flags += ["--kv-channels", cfg["head_dim"]]
     if groups != heads:
         flags += ["--group-query-attention", "--num-query-groups", groups]
-    if not (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+    # (Qwen2 has q/k/v biases and no switch: its o_proj and MLP biases are imported as
+    # zeros, as the MLP's of a Llama with attention_bias alone)
+    if not (cfg.get("attention_bias") or cfg.get("mlp_bias") or cfg.get("model_type") == "qwen2"):
         flags.append("--disable-bias-linear")
     return flags + ([] if cfg.get("tie_word_embeddings", False)
                     else ["--untie-embeddings-and-output-weights"])

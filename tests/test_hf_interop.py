@@ -104,6 +104,10 @@ def test_qkv_layout_family_detection_and_errors(tmp_path):
         hf_interop.to_hf_state_dict({}, gpt, "gpt2", 500)
     with pytest.raises(ValueError, match="model_type 'bert' is not supported"):
         hf_interop.megatron_flags_from_hf({"model_type": "bert"})
+    qwen2 = {"model_type": "qwen2", "max_position_embeddings": 64, "sliding_window": 8}
+    assert hf_interop.sliding_window_note(qwen2, 64) is None  # use_sliding_window off
+    with pytest.raises(ValueError, match="sliding_window 8 is shorter than --seq-length 64"):
+        hf_interop.sliding_window_note({**qwen2, "use_sliding_window": True}, 64)
     with pytest.raises(ValueError, match="rope_type 'llama3'"):
         hf_interop.megatron_flags_from_hf({"model_type": "llama",
                                            "rope_parameters": {"rope_type": "llama3"}})
@@ -355,6 +359,41 @@ def test_llama_import_takes_swish_as_silu(tmp_path):
     assert (_imported_logits(tmp_path / "ck")[..., :VOCAB + 1] - theirs).abs().max() < TOL
 
 
+@pytest.mark.parametrize("kind,window", [("mistral", None), ("mistral", 12), ("qwen2", 8)])
+def test_mistral_and_qwen2_import_as_llama(tmp_path, capsys, kind, window):
+    """Mistral (Llama with GQA and a sliding window) and Qwen2 (q/k/v biases alone) were
+    refused as unknown model_types. A window shorter than --seq-length is refused naming
+    sliding_window; one that covers it imports with a note; Qwen2's o_proj and MLP biases
+    are zeros (Qwen2's window is off without use_sliding_window)."""
+    tf = _transformers()
+    torch.manual_seed(0)
+    shape = dict(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                 rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=window)
+    hf_model = (tf.MistralForCausalLM(tf.MistralConfig(**shape)) if kind == "mistral"
+                else tf.Qwen2ForCausalLM(tf.Qwen2Config(**shape))).eval()
+    with torch.no_grad():  # norms and q/k/v biases away from their 1 / 0 init
+        for p in hf_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hf_model.save_pretrained(str(tmp_path / "hf"))
+    argv = ("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "ck")
+    if kind == "mistral" and window:
+        with pytest.raises(SystemExit, match="sliding_window 12 is shorter than --seq-length 16"
+                                             ".* pass --seq-length 12 or less"):
+            _cli(*argv)
+        argv += ("--seq-length", window)
+    assert _cli(*argv) == 0
+    out = capsys.readouterr().out
+    assert ("note: config.json sliding_window 12" in out) == (window == 12)
+    assert ("note: Qwen2 has biases on q/k/v only" in out) == (kind == "qwen2")
+    with torch.no_grad():
+        theirs = hf_model(input_ids=TOKENS).logits  # 12 tokens: within the window
+    diff = (_imported_logits(tmp_path / "ck")[..., :VOCAB + 1] - theirs).abs().max().item()
+    assert diff < TOL, f"{kind}: max |logit diff| = {diff:.2e}"
+    assert _cli("to-hf", "--load", tmp_path / "ck", "--output", tmp_path / "out",
+                "--verify") == 0
+
+
 def _from_hf_tp2_worker(rank, world_size, ck, flags, save):
     tr, losses, loaded = _train(save, f"{flags} --tensor-model-parallel-size 2", world_size,
                                 rank, steps=2, load=ck)
@@ -525,7 +564,7 @@ EXPECTED = ("from-hf reads a Hugging Face model directory as save_pretrained wri
      "model's config; " + EXPECTED),
     # the model_type is checked before any weight file is read (this one is no safetensors)
     ({"config.json": '{"model_type": "bert"}', "model.safetensors": ""},
-     "config.json model_type 'bert' is not supported; from-hf reads gpt2 and llama models"),
+     "config.json model_type 'bert' is not supported; from-hf reads gpt2, llama, mistral, qwen2 models"),
     # quantized weights (with scales beside them) were refused as "parts we do not
     # implement", or, without scales, their integers taken as weights
     ({"config.json": '{"model_type": "llama", "quantization_config": {"quant_method": '
