@@ -215,6 +215,9 @@ def _resolve_query_groups(ns) -> None:
                              f"multiple of {tp} that divides --num-attention-heads {heads})")
 
 
+SWIGLU_WIDTH_KEPT = "--swiglu with --ffn-hidden-size"  # the warning's start (from-hf drops it)
+
+
 def _resolve_ffn(ns) -> None:
     """The MLP width: --ffn-hidden-size, else --swiglu's rule or 4 x hidden. Its (each
     expert's) fc1 columns and fc2 rows are split over the tensor-parallel ranks, so it must
@@ -227,8 +230,11 @@ def _resolve_ffn(ns) -> None:
             ns.ffn_hidden_size = rule
             derived = f"--swiglu's int(4 x --hidden-size {h} x 2/3 / 64) x 64"
         elif ns.ffn_hidden_size != rule:
-            warn(f"--ffn-hidden-size {ns.ffn_hidden_size} kept; Megatron-LM 23.05 replaces it "
-                 f"with {rule} under --swiglu (int(4*hidden*2/3/64)*64)")
+            warn(f"{SWIGLU_WIDTH_KEPT} {ns.ffn_hidden_size}: the MLP width is this value; "
+                 f"Megatron-LM 23.05 ignores the flag under --swiglu and uses {rule} (int(4 x "
+                 f"--hidden-size {h} x 2/3 / 64) x 64), so its runs and checkpoints differ "
+                 "from this model. Nothing to do unless you mean to match a 23.05 run: then "
+                 "leave --ffn-hidden-size out")
     elif ns.ffn_hidden_size is None:
         ns.ffn_hidden_size = 4 * h
         derived = f"4 x --hidden-size {h}"

@@ -4,6 +4,7 @@ checkpoint split for any tp/pp (by megatron.checkpoint_reshard), with the tokeni
 it records. `to-hf` is megatron/hf_convert.py."""
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import shutil
@@ -143,6 +144,7 @@ def config_from_hf(hf_cfg: dict, a, in_dir: str):
     the import passes) for the HF model at the requested tp/pp: the padded vocabulary is
     HF's vocab_size rounded up as a run with that layout pads it."""
     from megatron.arguments import parse_and_validate
+    from megatron.arguments_validate import SWIGLU_WIDTH_KEPT
 
     family, flags = megatron_flags_from_hf(hf_cfg)
     max_pos = int(flags[flags.index("--max-position-embeddings") + 1])
@@ -167,8 +169,18 @@ def config_from_hf(hf_cfg: dict, a, in_dir: str):
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
         "--micro-batch-size", "1", "--lr", "0", "--train-iters", "1", "--log-interval", "1",
         "--use-cpu-initialization"]
-    cfg = parse_and_validate(argv, world_size=tp * pp, env={}, cuda_available=False,
-                             vocab_size_fn=lambda ns: hf_vocab)
+    # the Hugging Face model's MLP width (intermediate_size, n_inner) is its weights': the
+    # warning that Megatron-LM 23.05 would replace it under --swiglu asks nothing of the user
+    def drop(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(SWIGLU_WIDTH_KEPT)
+
+    log = logging.getLogger("megatron.arguments")
+    log.addFilter(drop)
+    try:
+        cfg = parse_and_validate(argv, world_size=tp * pp, env={}, cuda_available=False,
+                                 vocab_size_fn=lambda ns: hf_vocab)
+    finally:
+        log.removeFilter(drop)
     return family, cfg, flags
 
 

@@ -355,7 +355,9 @@ def test_swiglu_ffn_rule_and_user_value_kept(caplog):
     assert run("--swiglu --hidden-size 4096 --num-attention-heads 32").model.ffn_hidden_size == 10880
     cfg = run("--swiglu --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11008")
     assert cfg.model.ffn_hidden_size == 11008 and cfg.model.activation == "swiglu"
-    assert "--ffn-hidden-size 11008 kept; Megatron-LM 23.05 replaces it with 10880" in caplog.text
+    assert ("--swiglu with --ffn-hidden-size 11008: the MLP width is this value; Megatron-LM "
+            "23.05 ignores the flag under --swiglu and uses 10880" in caplog.text)
+    assert "then leave --ffn-hidden-size out" in caplog.text
 
 
 def test_several_activation_switches_follow_megatrons_mlp_order(caplog):

@@ -394,6 +394,25 @@ def test_mistral_and_qwen2_import_as_llama(tmp_path, capsys, kind, window):
                 "--verify") == 0
 
 
+def test_from_hf_of_a_llama_says_nothing_of_megatrons_swiglu_width(tmp_path, caplog):
+    """A Llama's intermediate_size (96) is not --swiglu's rule (64 for hidden 32): from-hf
+    warned "--ffn-hidden-size 96 kept; Megatron-LM 23.05 replaces it", a flag the user never
+    gave and a width the weights fix. A run given that width is still told (test_arguments_
+    validation), and the filter is gone after the import."""
+    tf = _transformers()
+    cfg = tf.LlamaConfig(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=96,
+                         num_hidden_layers=1, num_attention_heads=4, max_position_embeddings=16)
+    tf.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "hf"))
+    with caplog.at_level("INFO", logger="megatron.arguments"):
+        assert _cli("from-hf", "--input", tmp_path / "hf", "--save", tmp_path / "ck") == 0
+        assert "ffn-hidden-size" not in caplog.text and "setting global batch size" in caplog.text
+        parse_and_validate(f"{TINY} {LLAMA} --ffn-hidden-size 96".split(), world_size=1, env={},
+                           cuda_available=False)
+    assert "--swiglu with --ffn-hidden-size 96: the MLP width is this value" in caplog.text
+    _, model_cfg, _, _ = hf_convert.load_full_checkpoint(str(tmp_path / "ck"))
+    assert model_cfg.ffn_hidden_size == 96
+
+
 def _from_hf_tp2_worker(rank, world_size, ck, flags, save):
     tr, losses, loaded = _train(save, f"{flags} --tensor-model-parallel-size 2", world_size,
                                 rank, steps=2, load=ck)
