@@ -285,9 +285,13 @@ def sliding_window_note(cfg: dict, seq_length: int) -> Optional[str]:
     every position; ValueError naming sliding_window when it is shorter than `seq_length`:
     our attention is full causal, so tokens further apart than the window would see each
     other, which the model never allowed."""
-    window = cfg.get("sliding_window")
-    if cfg.get("model_type") == "qwen2" and not cfg.get("use_sliding_window", False):
-        return None  # Qwen2 records a window that only use_sliding_window switches on
+    window, layer_types = cfg.get("sliding_window"), cfg.get("layer_types")
+    if isinstance(layer_types, list) and "sliding_attention" not in layer_types:
+        return None  # transformers' per-layer kinds: no layer uses the window
+    if cfg.get("model_type") == "qwen2" and not (
+            cfg.get("use_sliding_window", False)
+            and cfg.get("num_hidden_layers", 32) > cfg.get("max_window_layers", 28)):
+        return None  # Qwen2's window: only with use_sliding_window, from max_window_layers on
     max_pos = cfg.get("max_position_embeddings", 2048)
     if window is None or window >= max_pos:
         return None

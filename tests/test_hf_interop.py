@@ -104,10 +104,17 @@ def test_qkv_layout_family_detection_and_errors(tmp_path):
         hf_interop.to_hf_state_dict({}, gpt, "gpt2", 500)
     with pytest.raises(ValueError, match="model_type 'bert' is not supported"):
         hf_interop.megatron_flags_from_hf({"model_type": "bert"})
-    qwen2 = {"model_type": "qwen2", "max_position_embeddings": 64, "sliding_window": 8}
+    qwen2 = {"model_type": "qwen2", "max_position_embeddings": 64, "sliding_window": 8,
+             "num_hidden_layers": 2, "max_window_layers": 1}
     assert hf_interop.sliding_window_note(qwen2, 64) is None  # use_sliding_window off
+    slides = {**qwen2, "use_sliding_window": True}
     with pytest.raises(ValueError, match="sliding_window 8 is shorter than --seq-length 64"):
-        hf_interop.sliding_window_note({**qwen2, "use_sliding_window": True}, 64)
+        hf_interop.sliding_window_note(slides, 64)
+    # layers from max_window_layers on slide: none of 2 when it is 2; nor without a layer_type
+    assert hf_interop.sliding_window_note({**slides, "max_window_layers": 2}, 64) is None
+    assert hf_interop.sliding_window_note({**slides, "layer_types": ["full_attention"]}, 64) is None
+    assert "up to 16 tokens" in hf_interop.sliding_window_note(
+        {"model_type": "mistral", "max_position_embeddings": 64, "sliding_window": 16}, 16)
     with pytest.raises(ValueError, match="rope_type 'llama3'"):
         hf_interop.megatron_flags_from_hf({"model_type": "llama",
                                            "rope_parameters": {"rope_type": "llama3"}})
