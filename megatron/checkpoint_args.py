@@ -27,9 +27,11 @@ from megatron.core.config import position_embedding_type_for
 _ABSENT = object()
 
 # the shape of a weight, or how its rows are read: checked even with --finetune
+# (post-layernorm residuals: the same weights, other sums -- a silently other model)
 SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
               "kv_channels", "swiglu", "untie_embeddings_and_output_weights", "normalization",
-              "add_bias_linear", "apply_layernorm_1p", "num_experts")
+              "add_bias_linear", "apply_layernorm_1p", "num_experts",
+              "apply_residual_connection_post_layernorm")
 # how the weights are used: skipped with --finetune (fine-tuning may change them on purpose)
 OTHER_ARGS = ("vocab_size", "vocab_extra_ids", "rotary_percent", "rotary_base")
 # Megatron's items that it checks only when the run has --vocab-file (not with --finetune)

@@ -12,6 +12,7 @@ SAVED = {
     "kv_channels": 16, "group_query_attention": False, "num_query_groups": None,
     "swiglu": False, "untie_embeddings_and_output_weights": False, "normalization": "LayerNorm",
     "add_bias_linear": True, "apply_layernorm_1p": False, "num_experts": None,
+    "apply_residual_connection_post_layernorm": False,
     "position_embedding_type": "learned_absolute", "add_position_embedding": True,
     "use_rotary_position_embeddings": False, "rotary_percent": 1.0, "rotary_base": 10000.0,
     "max_position_embeddings": 64, "tensor_model_parallel_size": 1, "padded_vocab_size": 384,
@@ -39,6 +40,9 @@ def test_same_arguments_and_free_ones_pass():
     ({"add_bias_linear": False}, "--disable-bias-linear"),
     ({"untie_embeddings_and_output_weights": True}, "--untie-embeddings-and-output-weights"),
     ({"apply_layernorm_1p": True}, "--apply-layernorm-1p"),
+    # same shapes, another model: every residual sum starts from the norm's output
+    ({"apply_residual_connection_post_layernorm": True},
+     "--apply-residual-connection-post-layernorm"),
     ({"max_position_embeddings": 128}, "--max-position-embeddings"),  # learned table rows
     ({"padded_vocab_size": 512}, "padded vocabulary size (rows of the word embedding)"),
     ({"position_embedding_type": "rope"}, "--position-embedding-type"),
