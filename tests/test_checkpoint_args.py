@@ -173,6 +173,7 @@ def test_use_checkpoint_args_takes_every_checked_argument(monkeypatch, tmp_path)
 
     saved = {**SAVED, "num_layers": 3, "swiglu": True, "num_experts": 4, "vocab_extra_ids": 2,
              "group_query_attention": True, "num_query_groups": 2, "rotary_base": 500.0,
+             "apply_residual_connection_post_layernorm": True,
              "tokenizer_type": "GPT2BPETokenizer", "vocab_file": "vocab.json"}
     monkeypatch.setattr(arguments_checkpoint, "read_checkpoint_args", lambda load: saved)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")  # a checkpoint is there
@@ -181,6 +182,7 @@ def test_use_checkpoint_args_takes_every_checked_argument(monkeypatch, tmp_path)
     arguments_checkpoint.apply_checkpoint_args(ns, explicit, warn=print)
     assert [m.name for m in checkpoint_arg_mismatches(saved, vars(ns))] == []
     assert ns.num_experts == 4 and ns.vocab_extra_ids == 2
+    assert ns.apply_residual_connection_post_layernorm
 
 
 @pytest.mark.parametrize("kind, saved_files, given, message", [
