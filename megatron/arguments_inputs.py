@@ -329,7 +329,7 @@ def warn_unread_tokenizer_flags(ns, explicit=frozenset()) -> None:
          f"--tokenizer-type that reads {it}, or drop {it} (Megatron-LM ignores {it} too)")
 
 
-EOD_FLAGS = (  # the flags that act at the end-of-document id (also megatron/data_loading.py)
+EOD_FLAGS = (  # the flags that act at the end-of-document id (also megatron/data_iterators.py)
     "reset_position_ids", "reset_attention_mask", "eod_mask_loss")
 
 

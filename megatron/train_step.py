@@ -40,7 +40,7 @@ from megatron.core.pipeline_parallel import (
 )
 from megatron.core.pipeline_parallel.schedules import COMM, WAIT
 from megatron.core.timing import timed
-from megatron.data_loading import get_batch
+from megatron.data_iterators import get_batch
 from megatron.logging_utils import Timer, Timers
 from megatron.microbatches import update_micro_batches
 from megatron.step_graph import runner_for

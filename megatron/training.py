@@ -30,12 +30,10 @@ from megatron.core.models.gpt.stages import (
 from megatron.core.optimizer import OptimizerParamScheduler, build_optimizer
 from megatron.core.pipeline_parallel import ModelChunks
 from megatron.custom_script_api import module_getattr, refuse_megatron_call
+from megatron.data_iterators import close_iterators, loader_worker_exit, make_iterator
 from megatron.data_loading import (
     build_datasets,
     build_tokenizer_for,
-    close_iterators,
-    loader_worker_exit,
-    make_iterator,
     missing_eod_warning,
     no_validation_reason,
     split_sample_counts,

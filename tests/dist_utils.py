@@ -203,7 +203,7 @@ START_RETRIES = 1
 
 
 def _run_once(fn, world_size: int, args, outdir: str):
-    from megatron.data_loading import frozen_for_fork
+    from megatron.data_iterators import frozen_for_fork
 
     port = free_port()
     with frozen_for_fork():  # a rank must not collect this process's garbage (a TCPStore)

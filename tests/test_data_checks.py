@@ -140,7 +140,7 @@ def test_an_id_outside_the_scanned_windows_ends_the_run_with_one_line(tmp_path, 
     processes) ends it with the one-line error, not the reader's and the loop's tracebacks
     (twice over, with the worker's traceback quoted in the message, with --num-workers)."""
     import megatron.core.datasets.gpt_dataset as gpt_dataset
-    from megatron.data_loading import make_iterator
+    from megatron.data_iterators import make_iterator
 
     prefix, _ = make_corpus(tmp_path / "c", [20] * 30, vocab=100)
     with open(prefix + ".bin", "r+b") as f:  # sequence 17, token 5 -> id 5000
@@ -180,7 +180,7 @@ def test_a_data_file_cut_short_while_the_run_reads_it_is_named(tmp_path, suffix)
 def test_a_data_file_cut_short_ends_a_loader_with_workers_in_one_line(tmp_path):
     """The same with --num-workers: the run ends with that one line, not torch's
     'DataLoader worker ... killed by signal: Bus error ... out of shared memory'."""
-    from megatron.data_loading import make_iterator
+    from megatron.data_iterators import make_iterator
 
     prefix, _ = make_corpus(tmp_path / "c", [20] * 30, vocab=100)
     cfg = _config(data_path=[prefix], split="100,0,0", num_workers=2)

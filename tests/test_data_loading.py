@@ -14,14 +14,8 @@ import pytest
 import torch
 
 from megatron.core.datasets.samplers import PretrainingSampler
-from megatron.data_loading import (
-    CyclicSampler,
-    PrefetchIterator,
-    get_batch,
-    make_iterator,
-    train_shortfall,
-    validation_shortfall,
-)
+from megatron.data_iterators import PrefetchIterator, get_batch, make_iterator
+from megatron.data_loading import CyclicSampler, train_shortfall, validation_shortfall
 from tests.dist_utils import run_distributed
 from tests.gpt_helpers import tiny_config
 
@@ -180,12 +174,12 @@ def test_dropped_iterator_stops_its_reader(workers):
 
 def _hang_first_worker_once(flag, started, worker_id):
     """A worker init that hangs for ever the first time worker 0 starts (`flag` absent)."""
-    from megatron import data_loading
+    from megatron import data_iterators
 
     if worker_id == 0 and not os.path.exists(flag):
         open(flag, "w").close()
         time.sleep(3600)
-    data_loading._ignore_preemption_signals(worker_id)
+    data_iterators._ignore_preemption_signals(worker_id)
     started[worker_id] = 1
 
 
@@ -195,15 +189,15 @@ def test_a_worker_that_never_starts_is_started_again(tmp_path, monkeypatch, caps
     and the batches are those of a loader that started at once."""
     import functools
 
-    from megatron import data_loading
+    from megatron import data_iterators
 
     cfg = tiny_config(mbs=2, gbs=4)
     cfg.data = dataclasses.replace(cfg.data, num_workers=2, seq_length=8)
     plain = make_iterator(cfg, _Seq(), consumed=4, dp_rank=1, dp_size=2, pin=False)
     expected = [next(plain)["text"].tolist() for _ in range(6)]
     plain.close()
-    monkeypatch.setattr(data_loading._WorkerIterator, "START_S", 1.0)
-    monkeypatch.setattr(data_loading, "_worker_started", functools.partial(
+    monkeypatch.setattr(data_iterators._WorkerIterator, "START_S", 1.0)
+    monkeypatch.setattr(data_iterators, "_worker_started", functools.partial(
         _hang_first_worker_once, str(tmp_path / "hung")))
     it = make_iterator(cfg, _Seq(), consumed=4, dp_rank=1, dp_size=2, pin=False)
     start = time.monotonic()
@@ -252,7 +246,7 @@ def test_process_with_loader_workers_exits_without_closing(tmp_path):
         "import dataclasses\n"
         "from tests.gpt_helpers import tiny_config\n"
         "from megatron.core.datasets.mock import MockGPTDataset\n"
-        "import megatron.data_loading as dl\n"
+        "import megatron.data_iterators as dl\n"
         "cfg = tiny_config()\n"
         "cfg.data = dataclasses.replace(cfg.data, num_workers=2)\n"
         "it = dl.make_iterator(cfg, MockGPTDataset(255, 16, 1), 0, 0, 1, False)\n"
@@ -818,7 +812,7 @@ def test_a_killed_loader_worker_ends_the_run_in_one_line(tmp_path, monkeypatch):
 
 
 def test_loader_worker_exit_reads_torchs_other_reports():
-    from megatron.data_loading import loader_worker_exit
+    from megatron.data_iterators import loader_worker_exit
 
     gone = RuntimeError("DataLoader worker (pid(s) 12, 13) exited unexpectedly")
     assert str(loader_worker_exit(gone, 4, 7, " (no --save)").code).startswith(

@@ -37,6 +37,7 @@ OPTIM = "megatron/core/optimizer/build.py"
 SCHED = "megatron/core/optimizer/lr_scheduler.py"
 DDP = "megatron/core/distributed/ddp.py"
 DATA = "megatron/data_loading.py"
+LOADER = "megatron/data_iterators.py"
 LOGS = "megatron/logging_utils.py"
 STEP = "megatron/train_step.py"
 TRAIN = "megatron/training.py"
@@ -83,7 +84,7 @@ IMPLEMENTED_BY = {
     "--adam-eps": (OPTIM, "adam_eps"),
     "--sgd-momentum": (OPTIM, "sgd_momentum"),
     # training
-    "--micro-batch-size": (DATA, "micro_batch_size"),
+    "--micro-batch-size": (LOADER, "micro_batch_size"),
     "--batch-size": ("megatron/arguments.py", "batch_size"),  # deprecated -> micro batch
     "--global-batch-size": (STEP, "global_batch_size"),
     "--rampup-batch-size": ("megatron/microbatches.py", "rampup_batch_size"),
@@ -102,8 +103,8 @@ IMPLEMENTED_BY = {
     "--tensorboard-dir": (LOGS, "tensorboard_dir"),
     "--disable-bias-linear": (LAYERS, "add_bias_linear"),
     "--optimizer": (OPTIM, "config.optimizer"),
-    "--dataloader-type": (DATA, "dataloader_type"),
-    "--no-data-sharding": (DATA, "data_sharding"),  # Megatron's vision group; cyclic GPT loader
+    "--dataloader-type": (LOADER, "dataloader_type"),
+    "--no-data-sharding": (LOADER, "data_sharding"),  # Megatron's vision group; cyclic GPT loader
     "--no-async-tensor-model-parallel-allreduce":
         (LAYERS, "async_tensor_model_parallel_allreduce"),
     "--sequence-parallel": (LAYERS, "sequence_parallel"),
@@ -187,12 +188,12 @@ IMPLEMENTED_BY = {
     "--vocab-extra-ids": (DATA, "vocab_extra_ids"),
     "--seq-length": (DATA, "seq_length"),
     "--encoder-seq-length": (VALIDATE, "encoder_seq_length"),  # mirror of --seq-length
-    "--num-workers": (DATA, "num_workers"),
+    "--num-workers": (LOADER, "num_workers"),
     "--tokenizer-type": (DATA, "tokenizer_type"),
     "--tokenizer-model": (DATA, "tokenizer_model"),
-    "--reset-position-ids": (DATA, "reset_position_ids"),
-    "--reset-attention-mask": (DATA, "reset_attention_mask"),
-    "--eod-mask-loss": (DATA, "eod_mask_loss"),
+    "--reset-position-ids": (LOADER, "reset_position_ids"),
+    "--reset-attention-mask": (LOADER, "reset_attention_mask"),
+    "--eod-mask-loss": (LOADER, "eod_mask_loss"),
     # logging
     "--log-params-norm": (INTERVAL_LOG, "log_params_norm"),
     "--log-num-zeros-in-grad": (OPTIM, "log_num_zeros_in_grad"),

@@ -378,7 +378,7 @@ def loaders_closed(tr, *loaders):
     on leaving, the loaders' reader threads or worker processes and the TensorBoard
     writer stop, as pretrain's teardown stops them (an in-process call left them running
     until the interpreter's exit)."""
-    from megatron.data_loading import close_iterators
+    from megatron.data_iterators import close_iterators
 
     try:
         yield
