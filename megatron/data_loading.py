@@ -9,7 +9,8 @@ worker failures) and `get_batch` are in `megatron.data_iterators`.
 
 Sample counts follow Megatron: train = train_iters * global batch; valid =
 (train_iters // eval_interval + 1) * eval_iters * global batch; test = eval_iters * global
-batch (one draw, at the end).
+batch (one draw, at the end). With --eval-interval 0 (this project's: no evaluation) a
+training run asks nothing of valid and test, and builds neither (`unread_splits`).
 """
 from __future__ import annotations
 
@@ -50,8 +51,19 @@ def split_sample_counts(config: Config) -> List[int]:
     t, d = config.training, config.data
     gbs = d.target_global_batch_size or d.global_batch_size
     train = (t.train_samples or t.train_iters * gbs) if not t.skip_train else 0
+    if unread_splits(config):
+        return [train, 0, 0]
     evals = ((t.train_iters or 0) // t.eval_interval + 1) * t.eval_iters * gbs if t.eval_interval else t.eval_iters * gbs
     return [train, evals, t.eval_iters * gbs]
+
+
+def unread_splits(config: Config) -> tuple:
+    """The splits this run never reads, so never builds: valid and test when
+    --eval-interval 0 turns every evaluation off, the final one too (a --skip-train run
+    evaluates whatever the interval). Their index files would cost time and disk (mock
+    sets, which have none, are still made)."""
+    t = config.training
+    return ("valid", "test") if t.eval_interval == 0 and not t.skip_train else ()
 
 
 def validation_shortfall(config: Config, iteration: int, consumed: int,
@@ -209,7 +221,7 @@ def build_datasets(config: Config, rank: int, vocab_size: int,
                 vocab_size=config.model.padded_vocab_size, log=print_rank_0,
                 tokenizer_vocab_size=tokenizer_vocab_size,
                 barrier_timeout_s=60.0 * config.parallel.distributed_timeout_minutes,
-                share=share)
+                share=share, skip_splits=unread_splits(config))
     except (ValueError, FileNotFoundError) as e:
         error = (isinstance(e, MissingIndexCacheError), str(e))
     finally:

@@ -552,3 +552,39 @@ def test_mock_data_with_the_cyclic_loader_has_epochs_of_the_runs_samples():
     assert all(b.shape == (2, 9) for b in batches)
     single = dataclasses.replace(cfg.data, dataloader_type="single")
     assert len(build_datasets(dataclasses.replace(cfg, data=single), 0, 128)["train"]) == 2**40
+
+
+@pytest.mark.parametrize("layout", ["data-path", "blend", "split-paths"])
+def test_eval_interval_0_builds_no_validation_or_test_index(tmp_path, layout):
+    """--eval-interval 0 (no evaluation, not even the final one) on a training run reads
+    no validation or test sample: their index files were built anyway (time and disk on
+    real data). A --skip-train run evaluates whatever the interval, and a run with an
+    interval evaluates: both still build them."""
+    from megatron.arguments import parse_and_validate
+    from megatron.data_loading import build_datasets, split_sample_counts
+    from tests.test_gpt_dataset import make_corpus
+
+    a, _ = make_corpus(tmp_path / "a", [40] * 30, vocab=250)
+    b, _ = make_corpus(tmp_path / "b", [30] * 20, seed=1, vocab=250)
+    data = {"data-path": ["--data-path", a], "blend": ["--data-path", "1", a, "2", b],
+            "split-paths": ["--train-data-path", a, "--valid-data-path", b,
+                            "--test-data-path", b]}[layout]
+    base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+            "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 "
+            "--train-iters 4 --eval-iters 2 --tokenizer-type NullTokenizer --vocab-size 250 "
+            "--split 80,10,10").split() + data
+
+    def built(extra, cache):
+        cfg = parse_and_validate(base + extra + ["--data-cache-path", str(tmp_path / cache)],
+                                 world_size=1, env={}, cuda_available=False)
+        datasets = build_datasets(cfg, 0, cfg.model.padded_vocab_size)
+        names = {line.split()[-1] for f in (tmp_path / cache).rglob("*.dsc")
+                 for line in f.read_text().splitlines() if line.startswith("Dataset name")}
+        return cfg, {s for s, d in datasets.items() if d is not None}, names
+
+    cfg, splits, names = built(["--eval-interval", "0"], "off")
+    assert split_sample_counts(cfg) == [16, 0, 0]
+    assert splits == names == {"train"}
+    for extra in (["--eval-interval", "2"], ["--eval-interval", "0", "--skip-train"]):
+        _, splits, names = built(extra, "on" + str(len(extra)))
+        assert splits == names == {"train", "valid", "test"}, extra

@@ -538,6 +538,7 @@ class _Builder:
         self.vocab_size, self.log = vocab_size, log
         self.others_wait, self._announced = others_wait, False
         self.defer_blends = False
+        self.skip_splits: frozenset = frozenset()  # split names not built (None)
         self.blend_plan = BlendPlan(cache_dir, may_build, log)
         self._datasets: Dict[tuple, GPTDataset] = {}
         self._blends: Dict[tuple, object] = {}
@@ -616,7 +617,7 @@ class _Builder:
                          f"of {bounds[i + 1] - bounds[i]} documents")
         out = []
         for i, name in enumerate(("train", "valid", "test")):
-            if bounds[i + 1] > bounds[i]:
+            if bounds[i + 1] > bounds[i] and name not in self.skip_splits:
                 documents = np.arange(bounds[i], bounds[i + 1], dtype=np.int32)
                 out.append(self.dataset(name, prefix, documents, num_samples[i]))
             else:
@@ -776,11 +777,13 @@ def _build_datasets(builder: _Builder, data_prefix, num_samples, paths) -> tuple
         for k, name in enumerate(("train", "valid", "test")):
             parts = [m[k] for m in members]
             # a split the run never reads (no evaluation: 0 samples) need not blend
-            unread = num_samples[k] == 0 and any(p is None for p in parts)
+            unread = name in builder.skip_splits or (
+                num_samples[k] == 0 and any(p is None for p in parts))
             out.append(None if unread or all(p is None for p in parts) else
                        builder.blend(parts, weights, sum(per[k]), f"--data-path ({name})"))
         return tuple(out)
-    return tuple(None if path is None else builder.whole(name, path, num_samples[k])
+    return tuple(None if path is None or name in builder.skip_splits
+                 else builder.whole(name, path, num_samples[k])
                  for k, (name, path) in enumerate(zip(("train", "valid", "test"), paths)))
 
 
@@ -796,7 +799,8 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
                                     log: Optional[Callable[[str], None]] = None,
                                     tokenizer_vocab_size: Optional[int] = None,
                                     barrier_timeout_s: Optional[float] = None,
-                                    share: Optional[Callable[[Any], Any]] = None) -> tuple:
+                                    share: Optional[Callable[[Any], Any]] = None,
+                                    skip_splits: Sequence[str] = ()) -> tuple:
     """(train, valid, test) datasets, each GPTDataset, BlendedDataset or None.
 
     `data_prefix` is `--data-path`: one prefix (split by `split`) or `w1 p1 w2 p2 ...`
@@ -822,7 +826,9 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
     each `.bin` is scanned once per run, not once per rank, and every rank reaches the
     same verdict. `log` (e.g. a rank-0 print) receives,
     on the builder rank, each blend's requested and achieved ratios. With `train` samples
-    asked for (n_train > 0) a train split without documents is an error.
+    asked for (n_train > 0) a train split without documents is an error. `skip_splits`
+    (names of "train", "valid", "test"): splits the run never reads, left None with no
+    index built (their --split document ranges are still checked and printed).
     """
     if not data_prefix and not any((train_data_path, valid_data_path, test_data_path)):
         raise ValueError("no data: pass --data-path, or --train-data-path/--valid-data-path/"
@@ -834,6 +840,7 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
         builder = _Builder(split, seq_length, seed, cache_dir, True, vocab_size, log,
                            tokenizer_vocab_size, others_wait=barrier is not None)
         builder.defer_blends = barrier is not None  # in-memory blends: built by all at once
+        builder.skip_splits = frozenset(skip_splits)
         if barrier_timeout_s is not None:
             builder.blend_plan.budget_s = barrier_timeout_s / 2
         try:
@@ -852,6 +859,7 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[str]], split:
         result = _build_all(builder, data_prefix, num_samples, paths)
     if result is None:
         builder = _Builder(split, seq_length, seed, cache_dir, False, vocab_size)
+        builder.skip_splits = frozenset(skip_splits)
         builder.token_ranges.update(token_ranges or {})
         result = _build_all(builder, data_prefix, num_samples, paths)
     return result
