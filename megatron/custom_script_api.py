@@ -9,11 +9,14 @@ about arguments. Used by megatron/__init__.py (the package-level names), the
 `megatron.model`, `megatron.utils`, `megatron.global_vars`, `megatron.timers`,
 `megatron.optimizer`, `megatron.text_generation` and `megatron.data.gpt_dataset` stand-ins,
 `megatron.training.pretrain`, and the Megatron names of `megatron.initialize`,
-`megatron.arguments` and `megatron.training` (MEGATRON_MODULE_NAMES).
+`megatron.arguments` and `megatron.training` (MEGATRON_MODULE_NAMES). The error itself
+is megatron/core/megatron_names.py's, which also covers Megatron's `megatron.core` names.
 """
 from __future__ import annotations
 
 import functools
+
+from megatron.core.megatron_names import custom_script_api_error, names_getattr
 
 # Megatron-LM 23.05's package-level names: its global state and rank-printing helpers
 MEGATRON_GLOBALS = frozenset((
@@ -44,28 +47,10 @@ MEGATRON_PRETRAIN_KWARGS = frozenset((
 ))
 
 
-def custom_script_api_error(name: str, instead: str = "") -> ImportError:
-    """The error for `name`, a piece of Megatron-LM's custom-script API; `instead` names
-    this project's nearest equivalent, where it has one."""
-    return ImportError(
-        f"{name} is part of Megatron-LM's custom-script API, which this project does not offer: it "
-        "runs Megatron-LM 23.05's command lines (same flags, data files and checkpoints) "
-        "with its own pretrain_gpt.py, not scripts written against Megatron's library "
-        "(megatron.training.pretrain(providers...), the megatron.get_args() globals, "
-        "megatron.model). Run your command line with this project's pretrain_gpt.py "
-        f"instead{'; ' + instead if instead else ''}; see MIGRATING.md, \"Known gaps\".")
-
-
 def module_getattr(module: str):
     """A module-level `__getattr__` for `module`: its Megatron-LM names in
     MEGATRON_MODULE_NAMES raise the error; any other missing name stays an AttributeError."""
-    names = MEGATRON_MODULE_NAMES[module]
-
-    def __getattr__(name: str):
-        if name in names:
-            raise custom_script_api_error(f"{module}.{name}")
-        raise AttributeError(f"module {module!r} has no attribute {name!r}")
-    return __getattr__
+    return names_getattr(module, MEGATRON_MODULE_NAMES[module])
 
 
 def refuse_megatron_call(func):

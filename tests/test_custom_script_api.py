@@ -16,6 +16,7 @@ import pytest
 
 import megatron
 from megatron import training
+from megatron.core.megatron_names import MEGATRON_CORE_NAMES
 from megatron.custom_script_api import MEGATRON_GLOBALS, MEGATRON_MODULE_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,6 +63,29 @@ def test_megatron_names_in_this_projects_modules_raise_one_clear_import_error(mo
     _assert_clear(str(info.value), f"{module}.{name}")
     mod = importlib.import_module(module)
     assert not hasattr(mod, "no_such_name")  # other names stay AttributeErrors
+
+
+@pytest.mark.parametrize("module,name", sorted(
+    (module, name) for module, names in MEGATRON_CORE_NAMES.items() for name in names))
+def test_megatron_core_names_this_project_lacks_raise_one_clear_import_error(module, name):
+    """`from megatron.core.pipeline_parallel import get_forward_backward_func` (a 23.05
+    custom script's import): the error names the piece and this project's equivalent."""
+    mod = importlib.import_module(module)
+    assert name not in vars(mod)  # never shadows a name this project has
+    with pytest.raises(ImportError) as info:
+        exec(f"from {module} import {name}", {})
+    _assert_clear(str(info.value), f"{module}.{name}")
+    assert "instead; this project's" in str(info.value)
+    assert not hasattr(mod, "no_such_name")  # other names stay AttributeErrors
+
+
+def test_core_names_point_at_real_equivalents():
+    from megatron.core.pipeline_parallel import ScheduleExecutor, build_schedule, p2p
+    assert callable(build_schedule) and ScheduleExecutor and p2p.P2PCommunicator
+    with pytest.raises(ImportError, match="build_schedule.*ScheduleExecutor"):
+        from megatron.core.pipeline_parallel.schedules import (  # noqa: F401
+            forward_backward_pipelining_with_interleaving,
+        )
 
 
 def test_stand_ins_name_this_projects_equivalent():

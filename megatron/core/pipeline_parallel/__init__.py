@@ -1,6 +1,7 @@
 """Pipeline parallelism: schedules as data (`schedules.py`), point-to-point transfers
 (`p2p.py`), the executor that runs one rank's plan (`executor.py`) and the container of a
 rank's model chunks (`model_chunks.py`). See README.md."""
+from megatron.core.megatron_names import core_getattr
 from megatron.core.pipeline_parallel.executor import (
     ScheduleExecutor,
     ScheduleResult,
@@ -41,3 +42,6 @@ __all__ = [
     "transfer_name",
     "unwrap",
 ]
+
+# Megatron-LM 23.05's get_forward_backward_func, p2p_communication: one clear ImportError
+__getattr__ = core_getattr("megatron.core.pipeline_parallel")

@@ -27,6 +27,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron.core.megatron_names import core_getattr
+
 FORWARD, BACKWARD, COMM, WAIT = "forward", "backward", "comm", "wait"
 SEND_FORWARD, RECV_FORWARD = "send_forward", "recv_forward"
 SEND_BACKWARD, RECV_BACKWARD = "send_backward", "recv_backward"
@@ -369,3 +371,7 @@ def _check_complete(ranks, channels, vpp_size, num_microbatches, forward_only) -
             want |= {(BACKWARD, m, c) for m, c in ((m, c) for _, m, c in want)}
         if want - st.done_compute:
             raise ScheduleError(f"rank {r} never runs {sorted(want - st.done_compute)}")
+
+
+# Megatron-LM 23.05's get_forward_backward_func and forward_backward_*: one clear ImportError
+__getattr__ = core_getattr("megatron.core.pipeline_parallel.schedules")
