@@ -55,6 +55,7 @@ from megatron.arguments_table import (
     ALIASES,
     ALLOWED_IN_REJECTED_GROUPS,
     EXTRA_GROUP,
+    LATER_FLAGS,
     MEGATRON_DESCRIPTION,
     MEGATRON_GROUPS,
     NO_EFFECT,
@@ -350,6 +351,7 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
         if norm not in index:
             close = difflib.get_close_matches(norm, list(index), n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
+            hint = f": {LATER_FLAGS['--' + norm]}" if "--" + norm in LATER_FLAGS else hint
             raise ArgumentsError(f"--config {path}: unknown key '{key}'{hint}")
         action = index[norm]
         if value is None:  # `load: ~`, `tensorboard-dir:`: YAML's null is no value, not 'None'
@@ -505,7 +507,7 @@ def parse_args(argv: Sequence[str], extra_options: Sequence[str] = ()
     given, unknown = probe.parse_known_args(argv)
     if unknown:
         options = option_strings(probe) + list(extra_options)
-        raise ArgumentsError(unknown_arguments_message(unknown, options))
+        raise ArgumentsError(unknown_arguments_message(unknown, options, LATER_FLAGS))
     parser = build_parser()
     yaml_values: Dict[str, Any] = {}
     _check_one_config(argv)

@@ -516,6 +516,51 @@ REMOVED = {
     "--checkpoint-attention": "--recompute-granularity selective",
 }
 
+# Flags of later Megatron-LM releases (which scripts copied from them carry) that this
+# project does not know: the unknown-flag error says what each one is and what to do,
+# instead of a look-alike flag ('--use-mcore-models (did you mean --compile-mode?)').
+LATER_FLAGS = {
+    "--norm-epsilon": "later Megatron-LM's name of --layernorm-epsilon: pass that instead",
+    "--use-mcore-models": "later Megatron-LM's switch to its megatron.core model: drop it; "
+                          "this project has one GPT model, saved in Megatron-LM 23.05's "
+                          "checkpoint layout",
+    "--use-legacy-models": "later Megatron-LM's switch to its 23.05-style model: drop it; "
+                           "this project's one GPT model is saved in that layout",
+    "--ckpt-format": "later Megatron-LM's checkpoint format: drop it; checkpoints here are "
+                     "Megatron-LM 23.05's per-rank torch files (its --ckpt-format torch), "
+                     "torch_dist and zarr are not written",
+    "--use-dist-ckpt": "later Megatron-LM's distributed checkpoint: drop it; checkpoints here "
+                       "are Megatron-LM 23.05's per-rank torch files",
+    "--spec": "later Megatron-LM's layer-spec module: drop it; the layer is set by flags "
+              "(--normalization, --swiglu, --position-embedding-type, ...)",
+    "--qk-layernorm": "later Megatron-LM's norm of queries and keys: not offered (Megatron-LM "
+                      "23.05 has none)",
+    "--rotary-seq-len-interpolation-factor": "later Megatron-LM's rotary position "
+                                             "interpolation: not offered; --rotary-base and "
+                                             "--rotary-percent are",
+    "--apply-rope-fusion": "later Megatron-LM's fused rotary embedding: drop it; the rotary "
+                           "embedding here is one fused kernel on CUDA already",
+    "--no-rope-fusion": "later Megatron-LM's switch off its fused rotary embedding: drop it; "
+                        "no flag here picks the rotary embedding's kernel",
+    "--bias-swiglu-fusion": "later Megatron-LM's fused SwiGLU: drop it; --swiglu here is one "
+                            "fused kernel on CUDA already",
+    "--no-bias-swiglu-fusion": "later Megatron-LM's switch off its fused SwiGLU: drop it; no "
+                               "flag here picks the SwiGLU kernel",
+    "--cross-entropy-loss-fusion": "later Megatron-LM's fused cross entropy: use "
+                                   "--cross-entropy-kernel (auto fuses it on CUDA)",
+    "--moe-router-topk": "later Megatron-LM's MoE: not offered; --num-experts routes as "
+                         "Megatron-LM 23.05 does (top-1)",
+    "--moe-aux-loss-coeff": "later Megatron-LM's MoE: not offered; --num-experts routes as "
+                            "Megatron-LM 23.05 does (top-1, no auxiliary loss)",
+    "--moe-grouped-gemm": "later Megatron-LM's MoE: drop it; the experts of --num-experts run "
+                          "as grouped GEMMs by themselves where torch supports it",
+    "--no-create-attention-mask-in-dataloader": "later Megatron-LM's switch: drop it; no "
+                                                "mask is built unless --reset-attention-mask "
+                                                "asks for one (plain causal attention)",
+    "--no-mmap-bin-files": "later Megatron-LM's switch: drop it; .bin files are "
+                           "memory-mapped, as in Megatron-LM 23.05",
+}
+
 # Second spellings of a flag. torch >= 2.0's `python -m torch.distributed.launch` (which
 # Megatron-LM's example scripts, e.g. evaluate_zeroshot_gpt.sh, use) passes --local-rank=N
 # where older versions passed --local_rank=N; later Megatron-LM versions accept both.

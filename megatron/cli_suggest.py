@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, List, Mapping, Optional, Sequence
 
 
 def option_strings(parser: argparse.ArgumentParser) -> List[str]:
@@ -99,12 +99,15 @@ def flag_hint(token: str, options: Iterable[str]) -> Optional[str]:
     return f"not a flag: {default} by default, so drop it; {close} turns it {other}"
 
 
-def unknown_arguments_message(unknown: Sequence[str], options: Iterable[str]) -> str:
-    """'unrecognized arguments: --num-layer (did you mean --num-layers?) 2'."""
+def unknown_arguments_message(unknown: Sequence[str], options: Iterable[str],
+                              known: Optional[Mapping[str, str]] = None) -> str:
+    """'unrecognized arguments: --num-layer (did you mean --num-layers?) 2'. `known`: what
+    to say of particular unknown flags (another release's), instead of the closest flag."""
     options = list(options)
+    known = known or {}
     parts = []
     for token in unknown:
-        hint = flag_hint(token, options)
+        hint = known.get(token.split("=", 1)[0]) or flag_hint(token, options)
         parts.append(f"{token} ({hint})" if hint else token)
     return "unrecognized arguments: " + " ".join(parts)
 

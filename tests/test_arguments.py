@@ -20,11 +20,13 @@ from megatron.arguments import (
 from megatron.arguments_common import FLAG_SPECS
 from megatron.arguments_table import (
     ALLOWED_IN_REJECTED_GROUPS,
+    LATER_FLAGS,
     MEGATRON_GROUPS,
     NOT_SUPPORTED,
     NOT_SUPPORTED_GROUPS,
     REMOVED,
 )
+from megatron.cli_suggest import option_strings
 from tests.args_helpers import BASE, error_of, run, without
 
 ARGS_JSON = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference",
@@ -248,6 +250,26 @@ def test_compile_default_follows_cuda_and_flags_override():
 def test_removed_old_flags_name_the_modern_equivalent(flag):
     msg = error_of([f"{flag}=1"])
     assert flag in msg and REMOVED[flag].replace(" <value>", "") in msg
+
+
+@pytest.mark.parametrize("flag", sorted(LATER_FLAGS))
+def test_later_megatron_flags_say_what_they_are_not_a_look_alike(flag):
+    """Flags copied from a later Megatron-LM script: `--use-mcore-models` was answered
+    'did you mean --compile-mode?', `--norm-epsilon 1e-6` with the hint before its value,
+    `--moe-router-topk` with nothing at all."""
+    assert flag not in option_strings(build_parser())  # a flag this project lacks
+    msg = error_of(f"{flag} 1")
+    assert f"{flag} ({LATER_FLAGS[flag]})" in msg and "did you mean" not in msg
+
+
+def test_norm_epsilon_names_the_23_05_spelling(tmp_path):
+    msg = error_of("--normalization RMSNorm --norm-epsilon=1e-6")
+    assert "--norm-epsilon=1e-6 (later Megatron-LM's name of --layernorm-epsilon" in msg
+    path = _yaml(tmp_path, "norm-epsilon: 1.0e-6")
+    assert error_of(f"--config {path}").endswith(
+        "unknown key 'norm-epsilon': later Megatron-LM's name of --layernorm-epsilon: pass "
+        "that instead")
+    assert run("--normalization RMSNorm --layernorm-epsilon 1e-6").model.layernorm_epsilon == 1e-6
 
 
 def test_removed_recompute_flags_are_named_together_with_their_values(tmp_path):
