@@ -14,8 +14,8 @@ prints `peer_failure_message` instead of a traceback, e.g.
     [rank 0] stopped while saving the checkpoint of iteration 6: a collective failed
     (Connection reset by peer [10.0.0.2]:3490) because rank 1 stopped first, while saving
     the checkpoint of iteration 6, with RuntimeError: disk quota exceeded -- its traceback
-    is in its output; the last checkpoint is /ckpt/iter_0000003: relaunch with --load
-    /ckpt to resume from it
+    is in /logs/run/attempt_0/1/stderr.log on node7; the last checkpoint is
+    /ckpt/iter_0000003: relaunch with --load /ckpt to resume from it
 
 and exits with status 1. A rank killed outright records nothing: the line then says that
 none reported an error and where the launcher names it. pretrain_gpt.py calls
@@ -111,13 +111,34 @@ def describe_failure(exc: BaseException) -> Optional[str]:
     return f"{type(exc).__name__}: {first_line(exc)}"
 
 
+def output_place(fd: int = 2, host: Optional[str] = None) -> str:
+    """Where this process's stderr (`fd`), and so its traceback, goes, as the other ranks'
+    line says it: a file (torchrun --redirect / --tee / --log-dir, srun --error, a shell's
+    `2>`) by its path; /dev/null (torchrun --local-ranks-filter drops the other ranks'
+    console output) as lost, with the flags that keep it; else (a terminal, a pipe to the
+    launcher) its host. The file is named as this process sees it."""
+    host = host or socket.gethostname()
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # no /proc (not Linux)
+        return "its traceback is in its output"
+    if target == os.devnull:
+        return ("its traceback was not kept: its stderr is /dev/null (torchrun's "
+                "--local-ranks-filter drops the other ranks' output; add --log-dir DIR "
+                "--redirect 3 to keep each rank's in a file)")
+    if os.path.isfile(target):
+        return f"its traceback is in {target} on {host}"
+    return f"its traceback is in its output (stderr on {host})"
+
+
 def record_failure(rank: int, what: str, where: str = "", store=None) -> None:
     """Leave this rank's failure in the job's store (default: the default group's), for
-    the other ranks' `peer_failure_message`. Best effort, within STORE_DEADLINE_S."""
+    the other ranks' `peer_failure_message`, with where its traceback is
+    (`output_place`). Best effort, within STORE_DEADLINE_S."""
     store = store if store is not None else _default_store()
     if store is None:
         return
-    line = f"{rank}\t{where}\t{what}"
+    line = f"{rank}\t{output_place()}\t{where}\t{what}"
 
     def record() -> None:
         index = int(store.add(f"{FAILURES_KEY}/count", 1))
@@ -127,7 +148,8 @@ def record_failure(rank: int, what: str, where: str = "", store=None) -> None:
 
 
 def first_failure(store=None, wait_s: Optional[float] = None) -> Optional[str]:
-    """The first failure another rank recorded ("rank R stopped first, <where>: <error>"),
+    """The first failure another rank recorded ("rank R stopped first, <where>, with
+    <error> -- its traceback is in <file> on <host>": `output_place`),
     waiting up to `wait_s` (default WAIT_FOR_RECORD_S, as it is when called) for one to
     come; else the line of a watchdog that fired; None when neither."""
     from megatron.watchdog import ABORT_KEY
@@ -143,9 +165,10 @@ def first_failure(store=None, wait_s: Optional[float] = None) -> Optional[str]:
         until = time.monotonic() + wait_s
         while True:
             if store.check([f"{FAILURES_KEY}/1"]):
-                rank, where, what = store.get(f"{FAILURES_KEY}/1").decode(
-                    errors="replace").split("\t", 2)
-                return f"rank {rank} stopped first{', ' + where if where else ''}, with {what}"
+                rank, place, where, what = store.get(f"{FAILURES_KEY}/1").decode(
+                    errors="replace").split("\t", 3)
+                return (f"rank {rank} stopped first{', ' + where if where else ''}, with "
+                        f"{what} -- {place}")
             if store.check([ABORT_KEY]):
                 return store.get(ABORT_KEY).decode(errors="replace")
             if time.monotonic() >= until:
@@ -234,7 +257,7 @@ def peer_failure_message(rank: int, reason: str, where: str, first: Optional[str
     if first is not None and first.startswith("[watchdog rank"):
         text += f" after another rank's watchdog fired: {first}"
     elif first is not None:
-        text += f" because {first} -- its traceback is in its output"
+        text += f" because {first}"
     elif timed_out:
         text += (": another rank did not take part in time (stuck, or in another collective; "
                  "its own output says where)")

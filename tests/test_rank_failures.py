@@ -10,6 +10,7 @@ waits STARTUP_TIMEOUT_S (see there).
 """
 from __future__ import annotations
 
+import os
 import re
 import socket
 import sys
@@ -23,6 +24,7 @@ from megatron.checkpointing import read_tracker
 from megatron.rank_failure import (
     describe_failure,
     first_failure,
+    output_place,
     peer_failure,
     peer_failure_message,
     record_failure,
@@ -436,8 +438,8 @@ def test_the_other_node_names_the_rank_that_stopped_in_one_line(tmp_path, action
     assert lines[0].startswith(head), lines
     if action == "raise":
         assert ("because rank 1 stopped first, during the evaluation at iteration 4, with "
-                "RuntimeError: injected failure in evaluate -- its traceback is in its "
-                "output") in lines[0]
+                f"RuntimeError: injected failure in evaluate -- its traceback is in "
+                f"{tmp_path / 'torchrun1.log'} on {socket.gethostname()}") in lines[0]
         assert "RuntimeError: injected failure in evaluate" in node1  # rank 1's traceback
         assert statuses == {0: 1, 1: 1}
     else:
@@ -474,17 +476,37 @@ def test_a_survivor_names_the_first_recorded_failure():
     record_failure(3, "RuntimeError: later", "at iteration 7", store=store)
     first = first_failure(store)
     assert first == ("rank 1 stopped first, at iteration 7, with RuntimeError: CUDA error: an "
-                     "illegal memory access")
+                     f"illegal memory access -- {output_place()}")
     line = peer_failure_message(0, "Connection reset by peer", "at iteration 7", first,
                                 "; the last checkpoint is /ck/iter_0000006: ...")
     assert line == ("[rank 0] stopped at iteration 7: a collective failed (Connection reset by "
                     "peer) because rank 1 stopped first, at iteration 7, with RuntimeError: "
-                    "CUDA error: an illegal memory access -- its traceback is in its output; "
+                    f"CUDA error: an illegal memory access -- {output_place()}; "
                     "the last checkpoint is /ck/iter_0000006: ...")
     timed_out = peer_failure_message(2, "Timed out waiting 66000ms", "", None, " (no --save)")
     assert timed_out == ("[rank 2] stopped: a collective timed out (Timed out waiting 66000ms): "
                          "another rank did not take part in time (stuck, or in another "
                          "collective; its own output says where) (no --save)")
+
+
+def test_the_line_says_where_the_failing_ranks_traceback_is(tmp_path):
+    """'-- its traceback is in its output' was said of every launch, also where that output
+    is a file the user must find (torchrun --redirect/--tee/--log-dir: stderr.log under a
+    temporary directory) or was dropped (torchrun --local-ranks-filter: /dev/null)."""
+    log = tmp_path / "attempt_0" / "1" / "stderr.log"
+    log.parent.mkdir(parents=True)
+    with open(log, "w") as f:
+        assert output_place(f.fileno(), "node7") == f"its traceback is in {log} on node7"
+    with open("/dev/null", "w") as f:
+        place = output_place(f.fileno(), "node7")
+    assert place.startswith("its traceback was not kept: its stderr is /dev/null")
+    assert "--local-ranks-filter" in place and "--log-dir DIR --redirect 3" in place
+    read_end, write_end = os.pipe()
+    try:
+        assert output_place(write_end, "node7") == "its traceback is in its output (stderr on node7)"
+    finally:
+        os.close(read_end)
+        os.close(write_end)
 
 
 def test_a_survivor_waits_for_a_record_as_long_as_WAIT_FOR_RECORD_S(monkeypatch):
@@ -618,7 +640,8 @@ def test_generate_on_two_nodes_when_rank_1_fails_or_hangs(tmp_path, small_ckpt, 
         assert lines[0].startswith("[rank 0] stopped during generation: a collective failed (")
         assert lines[0].endswith("because rank 1 stopped first, during generation, with "
                                  "RuntimeError: injected failure mid-decoding -- its "
-                                 "traceback is in its output"), lines
+                                 f"traceback is in {tmp_path / 'torchrun1.log'} on "
+                                 f"{socket.gethostname()}"), lines
         return
     assert lines[0].startswith("[rank 0] stopped during generation: a collective timed out (")
     assert ("[watchdog rank 1] stopping, in no watched collective, because the job has ended "

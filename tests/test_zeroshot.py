@@ -13,6 +13,7 @@ import json
 import math
 import random
 import re
+import socket
 import sys
 import time
 from pathlib import Path
@@ -512,7 +513,7 @@ def test_a_rank_that_fails_is_named_in_one_line_by_the_others(trained, tmp_path)
                                "failed ("), lines
     assert lines[0].endswith("because rank 1 stopped first, during the zero-shot evaluation, "
                              "with RuntimeError: injected failure mid-evaluation -- its "
-                             "traceback is in its output"), lines
+                             f"traceback is in {logs[1]} on {socket.gethostname()}"), lines
 
 
 # tasks/main.py at dp 2 with rank 1 stuck in its first evaluation batch and the collective
