@@ -13,10 +13,11 @@ import datetime
 import os
 import random
 import socket
+import sys
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Mapping, MutableMapping
+from typing import Mapping, MutableMapping, Optional
 
 import numpy as np
 import torch
@@ -338,6 +339,28 @@ def one_line_project_warnings() -> None:
 
     formatwarning.project_default = default
     warnings.formatwarning = formatwarning
+
+
+def hide_broken_triton() -> Optional[str]:
+    """Import Triton before the model and optimizer modules do. Its kernels are optional
+    (each module keeps torch's where `import triton` is an ImportError), but an install
+    that fails otherwise (a driver or version mismatch raising RuntimeError) ended every
+    run there, CPU runs included. Such an install is made to look absent
+    (sys.modules["triton"] = None: every later `import triton` is an ImportError) and the
+    warning to print is returned; None when Triton imports or is not installed."""
+    if "triton" in sys.modules:
+        return None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None
+    except Exception as exc:  # a broken install, not a missing one
+        sys.modules["triton"] = None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return (f"WARNING: Triton is installed but fails to import ({type(exc).__name__}: "
+                f"{first}); running without its kernels (torch's instead): fix or "
+                "reinstall Triton to use them")
+    return None
 
 
 def warnings_once_per_job(rank: int) -> None:

@@ -77,3 +77,28 @@ def test_megatron_initialize_still_exports_the_srun_check():
     from megatron.srun_tasks import srun_tasks_without_launcher as moved
 
     assert srun_tasks_without_launcher is moved
+
+
+def test_a_broken_triton_install_does_not_end_a_cpu_run(tmp_path):
+    """Triton's kernels are optional, but an install failing with other than ImportError
+    (a driver or version mismatch) ended every run at the optimizer's `import triton`,
+    CPU runs included. Now the run warns once and keeps torch's kernels."""
+    import os
+
+    broken = tmp_path / "site" / "triton"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text('raise RuntimeError("libcuda mismatch")\n')
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TRITON_INTERPRET")}
+    env.update(PYTHONPATH=str(tmp_path / "site"), OMP_NUM_THREADS="1")
+    argv = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size",
+            "1", "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+            "--mock-data", "--vocab-size", "64", "--tokenizer-type", "NullTokenizer",
+            "--log-interval", "1", "--eval-iters", "0"]
+    out = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *argv],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert ("WARNING: Triton is installed but fails to import (RuntimeError: libcuda "
+            "mismatch); running without its kernels") in out.stderr
+    assert "iteration        1/       1" in out.stdout, out.stdout[-2000:]
