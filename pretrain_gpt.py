@@ -217,7 +217,7 @@ def _train(config, ranks: tuple, start: float, progress, watch, tokenizer=None,
                      tokenizer=tokenizer, signals=signals)
         except OutOfMemoryExit as e:  # reported already
             leave_group = True
-            record_failure(rank, "out of memory (its report is in its output)", progress.where())
+            record_failure(rank, "out of memory (a memory report with it)", progress.where())
             if e.first is not None:  # the whole report is another rank's: let it print
                 wait_for_printing_rank(world, os.environ)
             return e.code
