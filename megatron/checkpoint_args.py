@@ -182,11 +182,40 @@ def _tokenizer_item(item: Optional[Mismatch], saved: dict, run: dict) -> Optiona
     a, b = _plain(saved, "tokenizer_type"), _plain(run, "tokenizer_type")
     if item is None or _ABSENT in (a, b) or a == b:
         return item
-    words = [f"--tokenizer-type {a}"]
+    return Mismatch(flag_for_dest("tokenizer_type"), a, b, _tokenizer_flags(saved))
+
+
+def _tokenizer_flags(saved: dict) -> str:
+    """The checkpoint's tokenizer flags: '--tokenizer-type T --tokenizer-model M'."""
+    words = [f"--tokenizer-type {saved.get('tokenizer_type')}"]
     for dest in ("vocab_file", "merge_file", "tokenizer_model", "vocab_size"):
         if saved.get(dest) is not None:
             words.append(f"{flag_for_dest(dest)} {saved[dest]}")
-    return Mismatch(flag_for_dest("tokenizer_type"), a, b, " ".join(words))
+    return " ".join(words)
+
+
+def _vocab_range(args: dict):
+    """(low, high, rows, tp): the tokenizer vocabularies that pad to `args`' embedding rows
+    are low+1..high tokens; _ABSENT where `args` does not say."""
+    keys = ("padded_vocab_size", "make_vocab_size_divisible_by", "tensor_model_parallel_size")
+    rows, divisor, tp = (_plain(args, k) for k in keys)
+    if not all(isinstance(v, int) and v > 0 for v in (rows, divisor, tp)):
+        return _ABSENT
+    return max(rows - divisor * tp, 0), rows, rows, tp
+
+
+def _vocab_size_item(saved: dict, run: dict) -> Optional[Mismatch]:
+    """At another tp size the embedding is re-padded on load (_vocab_rows_item compares the
+    rows at the same size), so a tokenizer of another vocabulary loaded silently: its ids
+    past the checkpoint's rows read padding rows, or trained rows were cut off. Caught
+    where no vocabulary size pads to both the checkpoint's rows and this run's."""
+    a, b = _vocab_range(saved), _vocab_range(run)
+    if a is _ABSENT or b is _ABSENT or a[3] == b[3] or (a[0] < b[1] and b[0] < a[1]):
+        return None
+    saved_text, run_text = (f"{lo + 1}..{hi} tokens (padded to {rows} rows at tensor-parallel "
+                            f"size {tp})" for lo, hi, rows, tp in (a, b))
+    return Mismatch("tokenizer vocabulary size", saved_text, run_text,
+                    _tokenizer_flags(saved) + " (the checkpoint's tokenizer)")
 
 
 _SHAPE_ITEMS: List[Callable[[dict, dict], Optional[Mismatch]]] = [
@@ -204,6 +233,7 @@ def checkpoint_arg_mismatches(saved: Dict, run: Dict, finetune: bool = False) ->
         found = [_tokenizer_item(m, saved, run) if m is not None and m.name == "--vocab-size"
                  else m for m in found]
         found.append(_activation_item(saved, run))
+        found.append(_vocab_size_item(saved, run))
         if run.get("vocab_file"):
             found += [_compare(saved, run, dest) for dest in VOCAB_FILE_ARGS
                       if dest != "make_vocab_size_divisible_by" or not _same_rows(saved, run)]

@@ -310,3 +310,22 @@ def test_a_resume_with_another_tokenizer_names_the_checkpoints_tokenizer():
         ("--tokenizer-type", "--tokenizer-type NullTokenizer --vocab-size 50257")]
     # one tokenizer type: a --vocab-size difference is still that
     assert _names({"vocab_size": 300}) == ["--vocab-size"]
+
+
+def test_a_tokenizer_of_another_vocabulary_is_refused_at_another_tp_size():
+    """A checkpoint of a 1000-token tokenizer (1024 rows at tp 2) evaluated at tp 1 with a
+    1200-token one (1280 rows) loaded silently: the embedding was re-padded, ids 1024..1199
+    read copies of a padding row. The same tokenizer at another tp size still loads."""
+    saved = {**SAVED, "tokenizer_type": "GPTSentencePieceTokenizer", "vocab_size": None,
+             "tokenizer_model": "old.model", "tensor_model_parallel_size": 2,
+             "padded_vocab_size": 1024}
+    run = {**saved, "tokenizer_model": "new.model", "tensor_model_parallel_size": 1}
+    assert checkpoint_arg_mismatches(saved, {**run, "padded_vocab_size": 1024}) == []
+    for rows in (1280, 768):  # 1153..1280 tokens, or 641..768: none pads to 1024 at tp 2
+        (item,) = checkpoint_arg_mismatches(saved, {**run, "padded_vocab_size": rows})
+        assert item.name == "tokenizer vocabulary size"
+        assert item.saved.startswith("769..1024 tokens (padded to 1024 rows at tensor-parallel")
+        assert item.run.startswith(f"{rows - 127}..{rows} tokens")
+        assert "--tokenizer-model old.model" in item.fix
+    # --finetune may change the tokenizer on purpose
+    assert checkpoint_arg_mismatches(saved, {**run, "padded_vocab_size": 1280}, True) == []
