@@ -339,12 +339,14 @@ def _blend(data_path) -> object:
     return [(os.path.normpath(p), round(w, 9)) for p, w in zip(prefixes, weights)]
 
 
-def tokenizer_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional[str]:
+def tokenizer_warning(saved: Optional[Dict], run: Dict, where: str,
+                      evaluation: bool = False) -> Optional[str]:
     """One WARNING line when this run's tokenizer is likely not the one the checkpoint in
     `where` was trained with although its vocabulary pads to the same rows (Megatron-LM
     compares the tokenizer only with a --vocab-file, and never its files): another
     --tokenizer-type, or a tokenizer file whose contents differ from the file at the path
-    the checkpoint records, where that still exists. Else None."""
+    the checkpoint records, where that still exists. Else None. `evaluation`: the run
+    only evaluates or generates (the line says what that means for its numbers)."""
     from megatron.tokenizer.tokenizer import checkpoint_tokenizer_overrides
 
     if not isinstance(saved, dict) or run.get("finetune"):
@@ -352,10 +354,15 @@ def tokenizer_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional[
     notes = checkpoint_tokenizer_overrides(saved, run, advice=False)
     if not notes:
         return None
+    if evaluation:
+        effect, fix = ("the model reads other token ids than it learned, so its scores and "
+                       "text mean little (Megatron-LM does not check): evaluate", "")
+    else:
+        effect, fix = ("training goes on with other token ids than the model learned "
+                       "(Megatron-LM does not check): resume", " unless the change is deliberate")
     return (f"WARNING: this run's tokenizer is likely not the one the checkpoint in {where} "
-            f"was trained with: {'; '.join(notes)}; training goes on with other token ids "
-            "than the model learned (Megatron-LM does not check): resume with the "
-            "checkpoint's tokenizer flags unless the change is deliberate")
+            f"was trained with: {'; '.join(notes)}; {effect} with the checkpoint's tokenizer "
+            f"flags{fix}")
 
 
 def data_order_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional[str]:

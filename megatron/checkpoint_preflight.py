@@ -285,6 +285,9 @@ def preflight_load(config: Config, evaluation: bool = False) -> Preflight:
                         data_order_warning(first.get("args"), config.args, iter_dir),
                         tokenizer_warning(first.get("args"), config.args, iter_dir)):
             lines += [warning] if warning else []
+    else:  # the scores read the run's token ids
+        warning = tokenizer_warning(first.get("args"), config.args, iter_dir, evaluation=True)
+        lines += [warning] if warning else []
     # the saved distributed optimizer's state is in each rank's distrib_optim.pt: read by
     # the rank itself, or by every rank when resharding (the saved kind is the first rank's)
     distrib = states.with_optimizer and saved.optimizer == "distributed"

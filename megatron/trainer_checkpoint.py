@@ -434,10 +434,13 @@ def _load_trainer_payload(tr) -> Optional[_Loaded]:
         raise exit_on_every_rank(problem, group)  # every rank has rank 0's problem
     saved, first_args, states = checked
     tr.checkpoint_args = first_args  # for the resume's train-order check
-    for warning in (seq_length_warning(first_args, tr.config.args, iter_dir),
-                    data_order_warning(first_args, tr.config.args, iter_dir),
-                    tokenizer_warning(first_args, tr.config.args, iter_dir)):
-        if warning is not None and tr.optimizer is not None:  # not for evaluation-only
+    training = tr.optimizer is not None  # evaluation-only: the tokenizer warning alone
+    warnings = [tokenizer_warning(first_args, tr.config.args, iter_dir, not training)]
+    if training:
+        warnings = [seq_length_warning(first_args, tr.config.args, iter_dir),
+                    data_order_warning(first_args, tr.config.args, iter_dir)] + warnings
+    for warning in warnings:
+        if warning is not None:
             print_rank_0(warning)
     if not isinstance(first_args, dict):  # Megatron-LM says so too
         print_rank_0(f" > the checkpoint in {iter_dir} stores no arguments: this run's model "

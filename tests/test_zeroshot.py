@@ -357,6 +357,26 @@ def test_cli_prints_megatrons_report(single, trained):
     assert "> working on iteration: 1" not in lines
 
 
+def test_another_tokenizer_file_than_the_checkpoints_warns(single, trained, tmp_path, capsys):
+    """A merge file other than the one the checkpoint was trained with (same vocabulary
+    size) was evaluated in silence: the warning a resume prints was left out for an
+    evaluation-only load, and the dry run too. Now one line, in both; none for the
+    checkpoint's own files."""
+    merges = tmp_path / "merges.txt"
+    lines = Path(trained["tok_flags"][3]).read_text().splitlines()
+    merges.write_text("\n".join(lines[:-1]) + "\n")  # one merge fewer: other token ids
+    argv = [str(merges) if a == trained["tok_flags"][3] else a for a in single["runs"]["plain"]]
+    warning = (f"WARNING: this run's tokenizer is likely not the one the checkpoint in "
+               f"{trained['ckpt']}/iter_0000004 was trained with: --merge-file {merges} differs "
+               f"from the file the checkpoint was trained with, {trained['tok_flags'][3]}; the "
+               "model reads other token ids than it learned")
+    evaluate.main(argv)
+    assert capsys.readouterr().out.count(warning) == 1
+    assert warning in _dry(argv, capsys)[1]
+    evaluate.main(single["runs"]["plain"])
+    assert "WARNING: this run's tokenizer" not in capsys.readouterr().out
+
+
 def _error_of(argv, capsys) -> str:
     with pytest.raises(SystemExit) as e:
         evaluate.main(argv)
