@@ -124,6 +124,18 @@ def test_lambada_file_errors(bpe, tmp_path):
     assert "is empty" in error([""])
     with pytest.raises(SystemExit, match="file not found"):
         datasets.build_lambada_data(str(tmp_path / "nope.jsonl"), bpe, 40, strict=True)
+    # a Latin-1 file was a UnicodeDecodeError traceback; a directory "file not found"
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"text": "a b"}\n{"text": "caf\xe9 au lait"}\n')
+    with pytest.raises(SystemExit) as e:
+        datasets.build_lambada_data(str(latin1), bpe, 40, strict=True)
+    assert str(e.value.code) == (f"error: --valid-data {latin1} line 2: not UTF-8 text (byte "
+                                 "0xe9 at offset 29); the LAMBADA JSON-lines file must be "
+                                 "UTF-8 (convert it, e.g. with iconv)")
+    with pytest.raises(SystemExit, match="not UTF-8 text"):
+        datasets.build_wikitext_data(str(latin1), bpe, 40, 8)
+    with pytest.raises(SystemExit, match=f"--valid-data {tmp_path} is a directory; pass the"):
+        datasets.build_lambada_data(str(tmp_path), bpe, 40, strict=True)
 
 
 # ------------------------------------------------------------------ argmax and accuracy

@@ -81,13 +81,23 @@ class LanguageModelingData:
 
 
 def read_text_file(path: str, what: str) -> str:
-    """The whole file as UTF-8 text; SystemExit naming the file when it is missing or
-    holds nothing but whitespace."""
+    """The whole file as UTF-8 text; SystemExit naming the file when it is missing, a
+    directory, not UTF-8 (the line and byte) or holds nothing but whitespace."""
+    if os.path.isdir(path):
+        raise SystemExit(f"error: --valid-data {path} is a directory; pass the {what} file "
+                         "to evaluate on")
     if not os.path.isfile(path):
         raise SystemExit(f"error: --valid-data {path}: file not found (the {what} file to "
                          "evaluate on)")
     with open(path, "rb") as f:
-        text = f.read().decode("utf-8")
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise SystemExit(f"error: --valid-data {path} line {line}: not UTF-8 text (byte "
+                         f"0x{data[e.start]:02x} at offset {e.start}); the {what} file must be "
+                         "UTF-8 (convert it, e.g. with iconv)") from None
     if not text.strip():
         raise SystemExit(f"error: --valid-data {path} is empty: the {what} file has no text")
     return text
