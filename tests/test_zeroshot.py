@@ -119,8 +119,9 @@ def test_lambada_file_errors(bpe, tmp_path):
     good = json.dumps({"text": "the quick brown fox"})
     assert "line 2: no \"text\" field" in error([good, json.dumps({"txt": "a b"})])
     assert "line 1: not JSON" in error(["{oops"])
-    assert "line 2:" in error([good, json.dumps({"text": "the quick brown fox " * 20})], 40)
-    assert "more than --seq-length 40 + 1" in error([json.dumps({"text": "fox " * 80})])
+    assert "line 2 (" in error([good, json.dumps({"text": "the quick brown fox " * 20})], 40)
+    assert "longer than the 41 tokens (context and target) that --seq-length 40 holds" in \
+        error([json.dumps({"text": "fox " * 80})])
     assert "is empty" in error([""])
     with pytest.raises(SystemExit, match="file not found"):
         datasets.build_lambada_data(str(tmp_path / "nope.jsonl"), bpe, 40, strict=True)
@@ -136,6 +137,35 @@ def test_lambada_file_errors(bpe, tmp_path):
         datasets.build_wikitext_data(str(latin1), bpe, 40, 8)
     with pytest.raises(SystemExit, match=f"--valid-data {tmp_path} is a directory; pass the"):
         datasets.build_lambada_data(str(tmp_path), bpe, 40, strict=True)
+
+
+def test_lambada_passages_too_long_are_named_together_with_a_fix_that_fits(bpe, tmp_path):
+    """The first over-long passage stopped the run, its advice "a larger --seq-length (up to
+    --max-position-embeddings)" even where --seq-length was already the model's limit. Now
+    every one is named (the first five), and the advice is one the model can take."""
+    path = tmp_path / "lambada.jsonl"
+    short, long = "the quick brown fox", "the quick brown fox " * 5 + "jumps"
+    n = len(bpe.tokenize(long))
+    path.write_text("".join(json.dumps({"text": t}) + "\n"
+                            for t in [short, long] + [short] * 3 + [long] * 6))
+
+    def error(seq, max_positions):
+        with pytest.raises(SystemExit) as e:
+            datasets.build_lambada_data(str(path), bpe, seq, False, max_positions)
+        return str(e.value.code)
+
+    head = (f"error: --valid-data {path}: 7 of 11 passage(s) are longer than the 11 tokens "
+            f"(context and target) that --seq-length 10 holds: line 2 ({n} tokens), line 6 "
+            f"({n} tokens), line 7 ({n} tokens), line 8 ({n} tokens), line 9 ({n} tokens) and "
+            "2 more; ")
+    assert error(10, 64) == head + (f"evaluate with --seq-length {n - 1} (the model's "
+                                    "--max-position-embeddings is 64) or shorten these passages")
+    assert error(10, None) == head + f"evaluate with --seq-length {n - 1} or shorten these passages"
+    assert error(10, 12).endswith(f"the longest needs --seq-length {n - 1}, beyond the model's "
+                                  "--max-position-embeddings 12: remove or shorten the passages "
+                                  "longer than 13 tokens, and evaluate at --seq-length 12")
+    assert error(10, 10).endswith("longer than 11 tokens")
+    assert len(datasets.build_lambada_data(str(path), bpe, n - 1, False, n - 1)) == 11
 
 
 # ------------------------------------------------------------------ argmax and accuracy
@@ -423,6 +453,10 @@ def test_errors(tmp_path, capsys):
     (tmp_path / "l.jsonl").write_text('{"text": "1 2 3"}\n{"txt": "1 2"}\n')
     assert 'line 2: no "text" field' in _error_of(
         ["--task", "LAMBADA", "--valid-data", str(tmp_path / "l.jsonl")] + NULL, capsys)
+    (tmp_path / "long.jsonl").write_text(json.dumps({"text": " ".join(["7"] * 30)}) + "\n")
+    assert ("line 1 (30 tokens); the longest needs --seq-length 29, beyond the model's "
+            "--max-position-embeddings 16: remove or shorten") in _error_of(
+        ["--task", "LAMBADA", "--valid-data", str(tmp_path / "long.jsonl")] + NULL, capsys)
     # a flag Megatron-LM removed before 23.05 is refused as pretrain_gpt.py refuses it
     assert "--activations-checkpoint-method was removed" in _error_of(
         ["--task", "LAMBADA", "--valid-data", str(tmp_path / "l.jsonl"),

@@ -186,13 +186,15 @@ def _lambada_text(line: str, path: str, number: int) -> str:
     return text
 
 
-def build_lambada_data(path: str, tokenizer, seq_length: int, strict: bool) -> List[Sample]:
+def build_lambada_data(path: str, tokenizer, seq_length: int, strict: bool,
+                       max_positions: Optional[int] = None) -> List[Sample]:
     """One sample per non-blank line of the JSON-lines file. SystemExit naming the line for
-    a line that is not a JSON object with a non-empty "text", a passage with no context
-    token, or one longer than --seq-length + 1 tokens (refused, not truncated: a cut
-    context would change what is measured)."""
+    a line that is not a JSON object with a non-empty "text" or a passage with no context
+    token; and, after reading every line, naming the passages longer than --seq-length + 1
+    tokens (refused, not truncated: a cut context would change what is measured) with
+    the fix `max_positions` (the model's --max-position-embeddings) allows."""
     text = read_text_file(path, "LAMBADA JSON-lines")
-    samples = []
+    samples, too_long = [], []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -202,9 +204,30 @@ def build_lambada_data(path: str, tokenizer, seq_length: int, strict: bool) -> L
                              "context before its last word")
         sample = lambada_sample(context, target, seq_length, tokenizer.eod)
         if sample is None:
-            raise SystemExit(
-                f"error: --valid-data {path} line {number}: {len(context) + len(target)} "
-                f"tokens, more than --seq-length {seq_length} + 1; evaluate with a larger "
-                "--seq-length (up to --max-position-embeddings) or shorten the passage")
-        samples.append(sample)
+            too_long.append((number, len(context) + len(target)))
+        else:
+            samples.append(sample)
+    if too_long:
+        raise SystemExit(_too_long_message(path, too_long, len(samples), seq_length,
+                                           max_positions))
     return samples
+
+
+def _too_long_message(path: str, too_long: List[Tuple[int, int]], num_fitting: int,
+                      seq_length: int, max_positions: Optional[int]) -> str:
+    """The error for LAMBADA passages (line, tokens) longer than seq_length + 1 tokens."""
+    longest = max(n for _, n in too_long)
+    lines = ", ".join(f"line {number} ({n} tokens)" for number, n in too_long[:5])
+    more = f" and {len(too_long) - 5} more" if len(too_long) > 5 else ""
+    text = (f"error: --valid-data {path}: {len(too_long)} of {len(too_long) + num_fitting} "
+            f"passage(s) are longer than the {seq_length + 1} tokens (context and target) "
+            f"that --seq-length {seq_length} holds: {lines}{more}; ")
+    if max_positions is not None and longest - 1 > max_positions:
+        return text + (f"the longest needs --seq-length {longest - 1}, beyond the model's "
+                       f"--max-position-embeddings {max_positions}: remove or shorten the "
+                       f"passages longer than {max_positions + 1} tokens"
+                       + (f", and evaluate at --seq-length {max_positions}"
+                          if seq_length < max_positions else ""))
+    return text + (f"evaluate with --seq-length {longest - 1}"
+                   + (f" (the model's --max-position-embeddings is {max_positions})"
+                      if max_positions is not None else "") + " or shorten these passages")

@@ -264,7 +264,8 @@ def build_data(task_ns, config, tokenizer, say=print) -> dict:
     path, seq = task_ns.valid_data[0], config.data.seq_length
     if task_ns.task == "LAMBADA":
         say(f"> building lambada dataset from {path} ...")
-        samples = build_lambada_data(path, tokenizer, seq, task_ns.strict_lambada)
+        samples = build_lambada_data(path, tokenizer, seq, task_ns.strict_lambada,
+                                     _position_limit(config))
         say(f" > found {len(samples)} samples.")
         return {"samples": samples}
     stride = max(1, task_ns.overlapping_eval)
@@ -278,6 +279,13 @@ def build_data(task_ns, config, tokenizer, say=print) -> dict:
         f"tokens: {data.num_tokenized_tokens}")
     return {"samples": data.samples, "num_original": data.num_original_tokens,
             "num_tokenized": data.num_tokenized_tokens}
+
+
+def _position_limit(config) -> Optional[int]:
+    """--max-position-embeddings where it limits the sequence length (a learned position
+    table), else None (rotary or no positions)."""
+    model = config.model
+    return model.max_position_embeddings if model.add_position_embedding else None
 
 
 def check_load_dir(load: Optional[str]) -> None:
