@@ -711,7 +711,8 @@ def test_dry_run_reads_the_valid_data_as_the_evaluation_does(trained, capsys, tm
                     + json.dumps({"text": " ".join(["fox"] * 40)}) + "\n")
     status, out = _dry(argv + ["--valid-data", str(long)], capsys)
     assert status == 1, out
-    assert f"--valid-data {long} line 2:" in out and "more than --seq-length 16 + 1" in out
+    assert f"--valid-data {long}: 1 of 2 passage(s) are longer than the 17 tokens" in out
+    assert "that --seq-length 16 holds: line 2 (" in out
 
     bad = tmp_path / "lambada_bad.jsonl"
     bad.write_text("not json\n")
