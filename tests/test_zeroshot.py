@@ -137,6 +137,16 @@ def test_lambada_file_errors(bpe, tmp_path):
         datasets.build_wikitext_data(str(latin1), bpe, 40, 8)
     with pytest.raises(SystemExit, match=f"--valid-data {tmp_path} is a directory; pass the"):
         datasets.build_lambada_data(str(tmp_path), bpe, 40, strict=True)
+    # NullTokenizer reads ids, not words: one line naming the file and line, no traceback
+    from megatron.tokenizer.tokenizer import NullTokenizer
+    null = NullTokenizer(50)
+    words = tmp_path / "words.jsonl"
+    words.write_text(json.dumps({"text": "1 2 3"}) + "\n" + good + "\n")
+    with pytest.raises(SystemExit, match=f"--valid-data {words} line 2: the tokenizer cannot "
+                                         "read it .*NullTokenizer expects"):
+        datasets.build_lambada_data(str(words), null, 40, strict=False)
+    with pytest.raises(SystemExit, match=f"--valid-data {words}: the tokenizer cannot read"):
+        datasets.build_wikitext_data(str(words), null, 40, 8)
 
 
 def test_lambada_passages_too_long_are_named_together_with_a_fix_that_fits(bpe, tmp_path):

@@ -138,7 +138,7 @@ def build_wikitext_data(path: str, tokenizer, seq_length: int, stride: int,
     for line in wikitext_warnings(path, text):
         warn(line)
     num_original = len(text.strip().split(" "))
-    tokens = tokenizer.tokenize(get_detokenizer(path)(text))
+    tokens = _tokenize(tokenizer.tokenize, get_detokenizer(path)(text), f"--valid-data {path}")
     if len(tokens) < 2 or num_original < 2:
         raise SystemExit(f"error: --valid-data {path}: {num_original} word(s), {len(tokens)} "
                          "token(s); the perplexity needs at least 2 of each")
@@ -156,6 +156,17 @@ def lambada_split(text: str, tokenizer, strict: bool) -> Tuple[List[int], List[i
     word = text.split()[-1]
     context = tokenizer.tokenize(text[:text.rfind(word)].strip())
     return context, tokenizer.tokenize(" " + word)
+
+
+def _tokenize(tokenize, text: str, where: str):
+    """`tokenize(text)`, a tokenizer's ValueError (NullTokenizer given words, not ids) as
+    one line naming `where`."""
+    try:
+        return tokenize(text)
+    except ValueError as e:
+        raise SystemExit(f"error: {where}: the tokenizer cannot read it ({e}); evaluate with "
+                         "the checkpoint's tokenizer flags (--tokenizer-type, --vocab-file, "
+                         "--merge-file / --tokenizer-model)") from None
 
 
 def lambada_sample(context: Sequence[int], target: Sequence[int], seq_length: int,
@@ -198,7 +209,9 @@ def build_lambada_data(path: str, tokenizer, seq_length: int, strict: bool,
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        context, target = lambada_split(_lambada_text(line, path, number), tokenizer, strict)
+        text_ = _lambada_text(line, path, number)
+        context, target = _tokenize(lambda t: lambada_split(t, tokenizer, strict), text_,
+                                    f"--valid-data {path} line {number}")
         if not context or not target:
             raise SystemExit(f"error: --valid-data {path} line {number}: the passage has no "
                              "context before its last word")
