@@ -222,6 +222,23 @@ def test_gpt2_bad_files(tmp_path):
         build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=str(binary))
 
 
+def test_gpt2_files_saved_with_a_byte_order_mark(tmp_path):
+    """vocab.json / merges.txt saved by a Windows editor start with a UTF-8 byte order mark:
+    the mark is not part of the '#version' header (Megatron drops the header line, mark and
+    all) nor of the JSON; the ids equal those of the files without it."""
+    vocab, merges = train_tiny_bpe(TRAIN_TEXT, 40)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    want = build_tokenizer("GPT2BPETokenizer", *write_bpe_files(plain, vocab, merges))
+    vocab_file, merge_file = write_bpe_files(tmp_path, vocab, merges)
+    for path in (vocab_file, merge_file):
+        Path(path).write_bytes(b"\xef\xbb\xbf" + Path(path).read_bytes())
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+    for text in TRICKY + [TRAIN_TEXT]:
+        assert tok.tokenize(text) == want.tokenize(text)
+    assert tok.vocab_size == want.vocab_size and tok.eod == want.eod
+
+
 def test_null_tokenizer_and_padding():
     tok = build_tokenizer("NullTokenizer", vocab_size=100)
     assert tok.vocab_size == 101 and tok.eod == 100

@@ -48,7 +48,8 @@ def read_merges(merge_file: str) -> List[Tuple[str, str]]:
     """Merge pairs in rank order; the `#version` header line and blank lines are skipped."""
     merges = []
     try:
-        with open(merge_file, encoding="utf-8") as f:
+        # utf-8-sig: a byte order mark (a Windows editor's) is not part of the header line
+        with open(merge_file, encoding="utf-8-sig") as f:
             lines = f.read().split("\n")
     except UnicodeDecodeError as e:  # a binary file: a SentencePiece model, a .gz, ...
         raise ValueError(f"--merge-file {merge_file}: not a text merges file ({e}); "
@@ -66,7 +67,7 @@ def read_merges(merge_file: str) -> List[Tuple[str, str]]:
 
 def _load_vocab(vocab_file: str) -> Dict[str, int]:
     try:
-        with open(vocab_file, encoding="utf-8") as f:
+        with open(vocab_file, encoding="utf-8-sig") as f:  # json.load refuses a BOM
             vocab = json.load(f)
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise ValueError(f"--vocab-file {vocab_file}: not a JSON vocabulary ({e}); "
