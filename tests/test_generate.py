@@ -20,6 +20,7 @@ from megatron.core.tensor_parallel import shard_of_full_weight
 from tests.dist_utils import run_distributed
 from tests.gpt_helpers import cli_trainer, train_steps
 from tools import generate
+from tools.generate_prompts import file_prompts
 
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 --lr 1e-2 "
@@ -413,3 +414,11 @@ def test_text_prompt_with_gpt2_bpe(tmp_path):
                    "--max-new-tokens", "5", "--no-stop-at-eod")
     assert out["prompt_ids"] == [15496, 995]  # GPT-2's ids for "Hello", " world"
     assert len(out["generated_ids"]) == 5 and isinstance(out["generated_text"], str)
+
+
+def test_prompt_file_byte_order_mark_is_not_prompt_text(tmp_path):
+    """A --prompt-file saved as 'UTF-8 with BOM' (Windows Notepad): the mark is no part of
+    the first prompt (it was tokenized as three junk bytes before it)."""
+    path = tmp_path / "p.txt"
+    path.write_bytes(b"\xef\xbb\xbfHello there\r\nSecond\r\n")
+    assert file_prompts(str(path)) == ["Hello there", "Second"]

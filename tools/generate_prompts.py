@@ -18,9 +18,10 @@ from typing import List, Optional, Sequence
 
 
 def file_prompts(path: str) -> List[str]:
-    """The non-empty lines of --prompt-file (newline and trailing spaces dropped)."""
+    """The non-empty lines of --prompt-file (newline and trailing spaces dropped; a UTF-8
+    byte order mark, which Windows editors write, is no part of the first prompt)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             lines = [line.rstrip() for line in f]
     except (OSError, UnicodeDecodeError) as exc:
         raise SystemExit(f"error: --prompt-file {path}: {exc}") from None
