@@ -52,39 +52,59 @@ def _generator_kind(num_bytes: int) -> str:
     return {16: "CUDA", 5056: "CPU"}.get(num_bytes, f"{num_bytes}-byte")
 
 
+def _runs_on_cuda(tracker) -> bool:
+    """Whether this run draws its dropout masks on a CUDA generator: the tracker's device
+    when it has one (a CPU run on a GPU host has a CPU tracker), else CUDA's presence."""
+    device = getattr(tracker, "device", None)
+    return device == "cuda" if device is not None else torch.cuda.is_available()
+
+
 def set_rng_state(state: Dict[str, object], tracker=None) -> Optional[str]:
     """Restore states saved by `get_rng_state` (numpy arrays are accepted as well).
 
     The tracker (anything with `get_states()` / `set_states()`) is restored when the saved
     states are not empty and are states of its generator's kind: a checkpoint saved on
     GPUs (Megatron-LM's) holds CUDA generator states, which a CPU run's generator cannot
-    take (nor a GPU run a CPU run's); those streams then keep their seeded states, and the
-    returned note says so (None otherwise). A CUDA state is restored only when CUDA is
-    available.
+    take (nor a GPU run a CPU run's); those streams then keep their seeded states. A CUDA
+    state is restored only when CUDA is available; a CUDA run given a checkpoint without
+    one (a CPU run's) keeps its CUDA generator's seeded state. Returns a note naming the
+    states not restored, None when all were.
     """
     rs = state["random_rng_state"]
     random.setstate((rs[0], tuple(rs[1]), rs[2]))
     np.random.set_state(_numpy_state_from_plain(state["np_rng_state"]))
     torch.set_rng_state(state["torch_rng_state"])
+    notes = []
     cuda_state = state.get("cuda_rng_state")
     if cuda_state is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(cuda_state)
+    elif cuda_state is None and _runs_on_cuda(tracker):
+        notes.append("the checkpoint holds no CUDA generator state (saved by a CPU run): "
+                     "this run's CUDA generator, which draws the dropout masks outside "
+                     "tensor-parallel regions, is not restored and goes on from --seed")
     tracker_states = state.get("rng_tracker_states")
-    if tracker is None or not tracker_states:
+    if tracker is not None and tracker_states:
+        notes.extend(_set_tracker_states(tracker, tracker_states))
+    if not notes:
         return None
+    return "; ".join(notes) + "; the other RNG states are restored"
+
+
+def _set_tracker_states(tracker, tracker_states: Dict[str, torch.Tensor]) -> list:
+    """Give the tracker the saved streams when they are its generator's kind; else leave
+    it and return the note that says so ([] when restored)."""
     current = {name: s.numel() for name, s in tracker.get_states().items()}
     other = {name: s.numel() for name, s in tracker_states.items()
              if name in current and s.numel() != current[name]}
-    if other:
-        saved, run = _generator_kind(next(iter(other.values()))), _generator_kind(
-            current[next(iter(other))])
-        return (f"the checkpoint's tensor-parallel RNG streams ({', '.join(sorted(other))}) "
-                f"are {saved} generator states, which this run's {run} generator cannot "
-                "take: they start from --seed (dropout inside tensor-parallel regions draws "
-                "other masks than the saving run would have); the other RNG states are "
-                "restored")
-    tracker.set_states(tracker_states)
-    return None
+    if not other:
+        tracker.set_states(tracker_states)
+        return []
+    saved, run = _generator_kind(next(iter(other.values()))), _generator_kind(
+        current[next(iter(other))])
+    return [f"the checkpoint's tensor-parallel RNG streams ({', '.join(sorted(other))}) "
+            f"are {saved} generator states, which this run's {run} generator cannot "
+            "take: they start from --seed (dropout inside tensor-parallel regions draws "
+            "other masks than the saving run would have)"]
 
 
 # ---------------------------------------------------------------------------------------

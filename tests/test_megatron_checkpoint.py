@@ -473,3 +473,34 @@ def test_rank_directories_of_both_naming_schemes_are_refused_naming_them(tmp_pat
     assert f"checkpoint {iter_dir} holds rank directories of two saves: mp_rank_00 " \
            "(pipeline-model-parallel size 1) and mp_rank_00_000, mp_rank_00_001" in message
     assert "Move the directories of the save that is not wanted out of it" in message
+
+
+def test_a_cpu_checkpoints_rng_state_on_a_cuda_run_says_the_cuda_generator_stays_seeded():
+    """A CPU run saves no CUDA generator state (`cuda_rng_state` None). A GPU run resumed
+    from it kept its CUDA generator -- the one hidden dropout draws from -- at its seeded
+    state without a word; the only note named the tracker's streams and said that the
+    other RNG states were restored. Now the note names the CUDA generator too; a CPU run
+    given the same checkpoint restores everything and gets no note."""
+    from megatron.checkpoint_plain import get_rng_state, set_rng_state
+    from megatron.core.tensor_parallel.random import RNGStatesTracker
+
+    cpu_run = RNGStatesTracker("cpu")
+    cpu_run.add("model-parallel-rng", 1234 + 2718)
+    saved = get_rng_state(cpu_run)
+    saved["cuda_rng_state"] = None  # what a CPU run saves
+    assert set_rng_state(saved, cpu_run) is None
+
+    cuda_run = RNGStatesTracker("cuda")  # a GPU run's tracker (no CUDA call is made here)
+    cuda_state = torch.arange(16, dtype=torch.uint8)
+    cuda_run.states = {"model-parallel-rng": cuda_state}
+    no_cuda = ("the checkpoint holds no CUDA generator state (saved by a CPU run): this "
+               "run's CUDA generator, which draws the dropout masks outside tensor-parallel "
+               "regions, is not restored and goes on from --seed")
+    note = set_rng_state(dict(saved, rng_tracker_states={}), cuda_run)
+    assert note == no_cuda + "; the other RNG states are restored"
+    note = set_rng_state(saved, cuda_run)
+    assert note.startswith(no_cuda + "; the checkpoint's tensor-parallel RNG streams "
+                           "(model-parallel-rng) are CPU generator states")
+    assert note.endswith("; the other RNG states are restored")
+    assert note.count("the other RNG states are restored") == 1
+    assert torch.equal(cuda_run.states["model-parallel-rng"], cuda_state)
