@@ -65,7 +65,8 @@ def set_rng_state(state: Dict[str, object], tracker=None) -> Optional[str]:
     The tracker (anything with `get_states()` / `set_states()`) is restored when the saved
     states are not empty and are states of its generator's kind: a checkpoint saved on
     GPUs (Megatron-LM's) holds CUDA generator states, which a CPU run's generator cannot
-    take (nor a GPU run a CPU run's); those streams then keep their seeded states. A CUDA
+    take (nor a GPU run a CPU run's); those streams then keep their seeded states, as they
+    do when the saved streams are empty (which Megatron-LM counts as missing). A CUDA
     state is restored only when CUDA is available; a CUDA run given a checkpoint without
     one (a CPU run's) keeps its CUDA generator's seeded state. Returns a note naming the
     states not restored, None when all were.
@@ -85,6 +86,10 @@ def set_rng_state(state: Dict[str, object], tracker=None) -> Optional[str]:
     tracker_states = state.get("rng_tracker_states")
     if tracker is not None and tracker_states:
         notes.extend(_set_tracker_states(tracker, tracker_states))
+    elif tracker is not None and tracker.get_states():  # Megatron-LM refuses these
+        notes.append("the checkpoint holds no tensor-parallel RNG streams (empty "
+                     "rng_tracker_states): this run's streams start from --seed (dropout inside "
+                     "tensor-parallel regions draws other masks than the saving run's)")
     if not notes:
         return None
     return "; ".join(notes) + "; the other RNG states are restored"
