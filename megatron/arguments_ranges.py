@@ -293,6 +293,9 @@ def warn_unread_checkpoint_flags(ns, explicit: Set[str]) -> None:
             one = len(given) == 1
             warn(f"{', '.join(given)} {'has' if one else 'have'} no effect without {flag} "
                  f"({what}); add {flag} DIR")
+    if ns.exit_signal_handler and ns.save is None:  # here, so that --dry-run says it too
+        warn("--exit-signal-handler without --save: on SIGTERM/SIGUSR1 the run will exit "
+             "without saving a checkpoint; add --save DIR --save-interval N to save first")
 
 
 def warn_unread_tuning_flags(ns, explicit: Set[str]) -> None:

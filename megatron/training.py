@@ -497,9 +497,6 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float],
     watch_param_sync(tr)
     if config.training.exit_signal_handler:
         tr.signals = signals if signals is not None else SignalHandler()
-        if not config.checkpoint.save:
-            print_rank_0("WARNING: --exit-signal-handler without --save: on SIGTERM/SIGUSR1 "
-                         "the run will exit without saving a checkpoint")
     if config.checkpoint.load:
         with progress.stage("loading"):
             log.timers("load-checkpoint", 0).start(barrier=True)

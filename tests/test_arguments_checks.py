@@ -297,6 +297,9 @@ def test_a_loss_scale_without_fp16_or_bf16_is_warned(caplog):
      "have no effect without --load (the run starts from freshly initialised weights, "
      "loading nothing); add --load DIR"),
     ("--no-load-rng", "--no-load-rng has no effect without --load"),
+    # said by the flag checks, so that --dry-run says it too (it was the run alone)
+    ("--exit-signal-handler", "--exit-signal-handler without --save: on SIGTERM/SIGUSR1 "
+     "the run will exit without saving a checkpoint"),
     # an evaluation-only run saves nothing (Megatron-LM: silently), whatever --save says
     ("--skip-train --save s --save-interval 5", "--save s: --skip-train only evaluates and "
      "writes no checkpoint (as in Megatron-LM, which saves only after training); drop "

@@ -286,11 +286,12 @@ def test_exit_duration_counts_from_the_process_start(capsys):
     assert _logged_iterations(out) == []  # iteration 1 is off --log-interval 3
 
 
-def test_signal_handler_without_save_warns_at_startup(capsys):
+def test_signal_handler_without_save_warns_at_startup(capsys, caplog):
+    """Warned by the flag checks (so by --dry-run too), once, before training starts."""
     out, _ = _pretrain(["--train-iters", "1", "--exit-signal-handler", "--eval-iters", "0"],
                        capsys)
-    warning = out.index("WARNING: --exit-signal-handler without --save")
-    assert warning < out.index("[before the start of training step]")
+    assert caplog.text.count("--exit-signal-handler without --save") == 1
+    assert "--exit-signal-handler without --save" not in out
 
 
 def test_a_stop_inside_the_run_still_tears_it_down(tmp_path, capsys, monkeypatch):
