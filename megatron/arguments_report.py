@@ -294,9 +294,31 @@ def setup_lines(config: Config, world_size: int) -> Tuple[str, List[str]]:
         f"  model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads"
         f"{groups}, ffn {m.ffn_hidden_size} ({m.activation}), {m.normalization}, positions "
         f"{m.position_embedding_type}, vocab {m.padded_vocab_size} ({padded}), {dtype}"
-        + (f", switch MLP of {m.num_experts} experts (top-1)" if m.num_experts else ""),
+        + (f", switch MLP of {m.num_experts} experts (top-1)" if m.num_experts else "")
+        + "".join(f", {variant}" for variant in _model_variants(m)),
         f"  parameters: {_fmt(counts.total)} total; per rank ({per_rank})",
     ]
+
+
+def _model_variants(m) -> List[str]:
+    """The settings of `m` (a ModelConfig) that make it another model than the default GPT
+    and that the model line names nowhere else: a ported configuration is checked there."""
+    found = []
+    if m.kv_channels != m.hidden_size // m.num_attention_heads:
+        found.append(f"kv channels {m.kv_channels}")
+    if m.use_rotary_position_embeddings and m.rotary_percent != 1.0:
+        found.append(f"rotary percent {m.rotary_percent:g}")
+    if m.use_rotary_position_embeddings and m.rotary_base != 10000.0:
+        found.append(f"rotary base {m.rotary_base:g}")
+    if m.layernorm_epsilon != 1e-5:
+        found.append(f"norm epsilon {m.layernorm_epsilon:g}")
+    flags = (
+        (m.apply_layernorm_1p, "layernorm 1p"),
+        (m.apply_residual_connection_post_layernorm, "residual after the layernorm"),
+        (m.untie_embeddings_and_output_weights, "untied output weights"),
+        (not m.add_bias_linear, "no linear biases"),
+    )
+    return found + [name for on, name in flags if on]
 
 
 def missing_input_lines(missing: List[str]) -> List[str]:

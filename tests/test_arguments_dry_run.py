@@ -239,6 +239,28 @@ def test_dry_run_report_and_missing_inputs(tmp_path, capsys):
             f"prefix without .bin/.idx: pass {prefix})") in dry_run_report(cfg, 1)
 
 
+def test_dry_run_model_line_names_every_setting_that_changes_the_model():
+    """A ported configuration is checked on the model line: each non-default setting that
+    makes another model is named there, and the default GPT's line names none of them."""
+    def model_line(extra):
+        text = dry_run_report(run("--dry-run " + extra), 1)
+        return next(line for line in text.splitlines() if line.startswith("  model:"))
+
+    plain = model_line("")
+    line = model_line("--kv-channels 32 --use-rotary-position-embeddings --rotary-percent 0.5 "
+                      "--rotary-base 500000 --layernorm-epsilon 1e-6 --apply-layernorm-1p "
+                      "--apply-residual-connection-post-layernorm --disable-bias-linear "
+                      "--untie-embeddings-and-output-weights --swiglu "
+                      "--group-query-attention --num-query-groups 2")
+    named = ("kv channels 32", "rotary percent 0.5", "rotary base 500000",
+             "norm epsilon 1e-06", "layernorm 1p", "residual after the layernorm",
+             "no linear biases", "untied output weights", "(swiglu)", "2 query groups")
+    for part in named:
+        assert part in line and part not in plain, part
+    assert "rotary" not in model_line("--rotary-percent 0.5")  # no rotary: not used
+    assert "kv channels" not in model_line("--kv-channels 16")  # = hidden / heads
+
+
 def test_dry_run_lists_missing_tokenizer_files_with_the_other_inputs(tmp_path, capsys):
     """A tokenizer file that does not exist stopped the dry run at validation (status 2)
     before its report: now the report lists every one beside the missing data files, goes
