@@ -60,8 +60,8 @@ def split_sample_counts(config: Config) -> List[int]:
 def unread_splits(config: Config) -> tuple:
     """The splits this run never reads, so never builds: valid and test when
     --eval-interval 0 turns every evaluation off, the final one too (a --skip-train run
-    evaluates whatever the interval). Their index files would cost time and disk (mock
-    sets, which have none, are still made)."""
+    evaluates whatever the interval). Their index files would cost time and disk, and an
+    iterator of a set (mock data's too) its loader's thread or worker processes."""
     t = config.training
     return ("valid", "test") if t.eval_interval == 0 and not t.skip_train else ()
 
@@ -193,7 +193,9 @@ def build_datasets(config: Config, rank: int, vocab_size: int,
     d = config.data
     if d.mock_data:  # the tokenizer's ids (not the padding rows, which depend on the layout)
         size = tokenizer_vocab_size if tokenizer_vocab_size and not d.vocab_size else vocab_size
-        return {s: MockGPTDataset(size, d.seq_length, d.seed, split_index=i, **sized)
+        unread = unread_splits(config)
+        return {s: None if s in unread else
+                MockGPTDataset(size, d.seq_length, d.seed, split_index=i, **sized)
                 for i, (s, sized) in enumerate(zip(SPLITS, _mock_sizes(config)))}
     from megatron.agreed_exit import from_rank_0
     from megatron.core.datasets.gpt_dataset import build_train_valid_test_datasets

@@ -588,3 +588,26 @@ def test_eval_interval_0_builds_no_validation_or_test_index(tmp_path, layout):
     for extra in (["--eval-interval", "2"], ["--eval-interval", "0", "--skip-train"]):
         _, splits, names = built(extra, "on" + str(len(extra)))
         assert splits == names == {"train", "valid", "test"}, extra
+
+
+def test_mock_data_builds_no_set_and_no_iterator_the_run_never_reads():
+    """--mock-data --eval-interval 0 (no evaluation at all) builds no validation or test
+    set, as real data does: the run's test iterator started a loader thread (or --num-workers
+    processes) for a set never read. With an interval, or --skip-train, both are built."""
+    from megatron.arguments import parse_and_validate
+    from megatron.data_loading import build_datasets
+
+    base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+            "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 "
+            "--train-iters 4 --eval-iters 2 --tokenizer-type NullTokenizer --vocab-size 250 "
+            "--mock-data").split()
+    for extra, read in ((["--eval-interval", "0"], {"train"}),
+                        (["--eval-interval", "2"], {"train", "valid", "test"}),
+                        (["--eval-interval", "0", "--skip-train"], {"train", "valid", "test"})):
+        cfg = parse_and_validate(base + extra, world_size=1, env={}, cuda_available=False)
+        datasets = build_datasets(cfg, 0, cfg.model.padded_vocab_size)
+        assert {s for s, d in datasets.items() if d is not None} == read, extra
+        test = make_iterator(cfg, datasets["test"], consumed=0, dp_rank=0, dp_size=1, pin=False)
+        assert (test is None) == ("test" not in read), extra
+        if test is not None:
+            test.close()

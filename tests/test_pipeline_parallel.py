@@ -192,6 +192,7 @@ def _cfg(world, tp, pp, sp, vpp=None, model_kw=None, gbs=8, **parallel):
     for k, v in parallel.items():
         setattr(cfg.parallel, k, v)
     cfg.training.eval_iters = 1
+    cfg.training.eval_interval = 2  # it evaluates: an interval of 0 builds no validation set
     return cfg
 
 
