@@ -17,7 +17,7 @@ import sys
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Mapping, MutableMapping, Optional
+from typing import List, Mapping, MutableMapping, Optional
 
 import numpy as np
 import torch
@@ -341,15 +341,21 @@ def one_line_project_warnings() -> None:
     warnings.formatwarning = formatwarning
 
 
+# The warning of the Triton install hide_broken_triton hid in this process (a later call,
+# an entry point's main after its module's imports, gives it again).
+_hidden_triton: List[str] = []
+
+
 def hide_broken_triton() -> Optional[str]:
     """Import Triton before the model and optimizer modules do. Its kernels are optional
     (each module keeps torch's where `import triton` is an ImportError), but an install
     that fails otherwise (a driver or version mismatch raising RuntimeError) ended every
     run there, CPU runs included. Such an install is made to look absent
     (sys.modules["triton"] = None: every later `import triton` is an ImportError) and the
-    warning to print is returned; None when Triton imports or is not installed."""
+    warning to print is returned (by every later call too); None when Triton imports or
+    is not installed."""
     if "triton" in sys.modules:
-        return None
+        return _hidden_triton[0] if _hidden_triton and sys.modules["triton"] is None else None
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -357,10 +363,21 @@ def hide_broken_triton() -> Optional[str]:
     except Exception as exc:  # a broken install, not a missing one
         sys.modules["triton"] = None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return (f"WARNING: Triton is installed but fails to import ({type(exc).__name__}: "
-                f"{first}); running without its kernels (torch's instead): fix or "
-                "reinstall Triton to use them")
+        _hidden_triton[:] = [
+            f"WARNING: Triton is installed but fails to import ({type(exc).__name__}: "
+            f"{first}); running without its kernels (torch's instead): fix or reinstall "
+            "Triton to use them"]
+        return _hidden_triton[0]
     return None
+
+
+def announce_broken_triton(rank: int) -> None:
+    """`hide_broken_triton` for an entry point (pretrain_gpt.py, tools/generate.py, the
+    text generation server, tasks/main.py), called before the modules that import Triton
+    load; global rank `rank` 0 prints its warning to stderr."""
+    warning = hide_broken_triton()
+    if warning and rank == 0:
+        print(warning, file=sys.stderr, flush=True)
 
 
 def warnings_once_per_job(rank: int) -> None:

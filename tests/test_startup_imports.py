@@ -79,26 +79,65 @@ def test_megatron_initialize_still_exports_the_srun_check():
     assert srun_tasks_without_launcher is moved
 
 
-def test_a_broken_triton_install_does_not_end_a_cpu_run(tmp_path):
-    """Triton's kernels are optional, but an install failing with other than ImportError
-    (a driver or version mismatch) ended every run at the optimizer's `import triton`,
-    CPU runs included. Now the run warns once and keeps torch's kernels."""
+TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+        "--vocab-size", "64", "--tokenizer-type", "NullTokenizer"]
+BROKEN_TRITON = ("WARNING: Triton is installed but fails to import (RuntimeError: libcuda "
+                 "mismatch); running without its kernels")
+
+
+@pytest.fixture(scope="module")
+def broken_triton(tmp_path_factory):
+    """(the environment of a Triton install whose import raises RuntimeError, a directory
+    holding a checkpoint pretrain_gpt.py saved there, that run's process result)."""
     import os
 
-    broken = tmp_path / "site" / "triton"
+    root = tmp_path_factory.mktemp("broken_triton")
+    broken = root / "site" / "triton"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text('raise RuntimeError("libcuda mismatch")\n')
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TRITON_INTERPRET")}
-    env.update(PYTHONPATH=str(tmp_path / "site"), OMP_NUM_THREADS="1")
-    argv = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
-            "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size",
-            "1", "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
-            "--mock-data", "--vocab-size", "64", "--tokenizer-type", "NullTokenizer",
-            "--log-interval", "1", "--eval-iters", "0"]
+    env.update(PYTHONPATH=str(root / "site"), OMP_NUM_THREADS="1")
+    argv = TINY + ["--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+                   "--mock-data", "--log-interval", "1", "--eval-iters", "0",
+                   "--save", str(root / "ckpt"), "--save-interval", "1"]
     out = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *argv],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+                         capture_output=True, text=True, timeout=120, cwd=root, env=env)
+    return env, root, out
+
+
+def test_a_broken_triton_install_does_not_end_a_cpu_run(broken_triton):
+    """Triton's kernels are optional, but an install failing with other than ImportError
+    (a driver or version mismatch) ended every run at the optimizer's `import triton`,
+    CPU runs included. Now the run warns once and keeps torch's kernels."""
+    _, _, out = broken_triton
     assert out.returncode == 0, out.stderr[-3000:]
-    assert ("WARNING: Triton is installed but fails to import (RuntimeError: libcuda "
-            "mismatch); running without its kernels") in out.stderr
+    assert out.stderr.count(BROKEN_TRITON) == 1, out.stderr[-3000:]
     assert "iteration        1/       1" in out.stdout, out.stdout[-2000:]
+
+
+@pytest.mark.parametrize("tool", ["generate", "server", "zeroshot"])
+def test_a_broken_triton_install_does_not_end_the_other_entry_points(broken_triton, tool):
+    """tools/generate.py, the text generation server and tasks/main.py load the same model
+    modules as pretrain_gpt.py: they ended at `import triton` too (a RuntimeError
+    traceback). Each now warns once and runs on torch's kernels (the server up to its
+    load of a --load without a checkpoint: it would serve forever)."""
+    env, root, trained = broken_triton
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    ckpt = str(root / "ckpt")
+    (root / "wiki.tokens").write_text("1 2 3 4 5 6 7 8 9 10 11 12\n")
+    argv, status, done = {
+        "generate": (["tools/generate.py", "--load", ckpt, "--prompt-ids", "1,2,3",
+                      "--greedy", "--max-new-tokens", "2", "--json"], 0, '"generated_ids"'),
+        "server": (["tools/run_text_generation_server.py", "--load", str(root / "none")], 1,
+                   "error: no checkpoint under --load"),
+        "zeroshot": (["tasks/main.py", "--task", "WIKITEXT103", "--valid-data",
+                      str(root / "wiki.tokens"), "--load", ckpt, "--no-load-optim",
+                      "--no-load-rng", *TINY], 0, "validation results on WIKITEXT103"),
+    }[tool]
+    out = subprocess.run([sys.executable, str(REPO / argv[0]), *argv[1:]], capture_output=True,
+                         text=True, timeout=120, cwd=root, env=env)
+    both = out.stdout + out.stderr
+    assert out.returncode == status and done in both, both[-3000:]
+    assert out.stderr.count(BROKEN_TRITON) == 1 and "Traceback" not in both, both[-3000:]

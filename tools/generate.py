@@ -78,6 +78,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron.initialize import announce_broken_triton, hide_broken_triton  # noqa: E402
+
+hide_broken_triton()  # before the model modules below import Triton (main prints why)
+
 from megatron.agreed_exit import exit_on_every_rank, silent_ranks_wait  # noqa: E402
 from megatron.checkpoint_reshard import (  # noqa: E402
     config_from_args,
@@ -530,9 +534,11 @@ def main(argv=None, environ=None) -> int:
     is ended (one the caller made is kept)."""
     from megatron.entry_state import entry_point_changes_undone
     from megatron.rank_failure import process_group_closed
+    from megatron.srun_tasks import launcher_ranks
 
     a = parse_args(argv)
     environ = os.environ if environ is None else environ
+    announce_broken_triton(launcher_ranks(environ)[0])
     texts = _early_prompts(a, environ)
     with entry_point_changes_undone(environ), process_group_closed(env=environ):
         return _run(a, environ, texts)

@@ -107,6 +107,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron.initialize import announce_broken_triton, hide_broken_triton  # noqa: E402
+
+hide_broken_triton()  # before the model modules below import Triton (main prints why)
+
 from megatron.agreed_exit import silent_ranks_wait  # noqa: E402
 from megatron.core.models.gpt.static_decode import MODES  # noqa: E402
 from tools import http_guards  # noqa: E402
@@ -595,9 +599,11 @@ def main(argv=None, environ=None) -> int:
     (one the caller made is kept)."""
     from megatron.entry_state import entry_point_changes_undone
     from megatron.rank_failure import process_group_closed
+    from megatron.srun_tasks import launcher_ranks
 
     a, ns, explicit = parse_args(argv)
     env = os.environ if environ is None else environ
+    announce_broken_triton(launcher_ranks(env)[0])
     with entry_point_changes_undone(env), process_group_closed("while serving", env):
         return _serve(a, ns, explicit, environ, argv)
 
