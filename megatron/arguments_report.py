@@ -292,12 +292,19 @@ def setup_lines(config: Config, world_size: int) -> Tuple[str, List[str]]:
                    "files are missing")
     return world, [
         f"  model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads"
-        f"{groups}, ffn {m.ffn_hidden_size} ({m.activation}), {m.normalization}, positions "
+        f"{groups}, ffn {m.ffn_hidden_size} ({_ACTIVATION_NAMES.get(m.activation, m.activation)}), "
+        f"{m.normalization}, positions "
         f"{m.position_embedding_type}, vocab {m.padded_vocab_size} ({padded}), {dtype}"
         + (f", switch MLP of {m.num_experts} experts (top-1)" if m.num_experts else "")
         + "".join(f", {variant}" for variant in _model_variants(m)),
         f"  parameters: {_fmt(counts.total)} total; per rank ({per_rank})",
     ]
+
+
+# the activation as the model line names it: "openai_gelu" is the config's name for the
+# tanh form, which the default (the fused bias-GeLU, as Megatron's) computes too
+_ACTIVATION_NAMES = {"openai_gelu": "GeLU, tanh form", "gelu": "GeLU, erf form",
+                     "squared_relu": "squared ReLU", "swiglu": "SwiGLU"}
 
 
 def _model_variants(m) -> List[str]:

@@ -254,11 +254,14 @@ def test_dry_run_model_line_names_every_setting_that_changes_the_model():
                       "--group-query-attention --num-query-groups 2")
     named = ("kv channels 32", "rotary percent 0.5", "rotary base 500000",
              "norm epsilon 1e-06", "layernorm 1p", "residual after the layernorm",
-             "no linear biases", "untied output weights", "(swiglu)", "2 query groups")
+             "no linear biases", "untied output weights", "(SwiGLU)", "2 query groups")
     for part in named:
         assert part in line and part not in plain, part
     assert "rotary" not in model_line("--rotary-percent 0.5")  # no rotary: not used
     assert "kv channels" not in model_line("--kv-channels 16")  # = hidden / heads
+    # the default's fused bias-GeLU computes the tanh form; without the fusion, erf
+    assert "(GeLU, tanh form)" in plain
+    assert "(GeLU, erf form)" in model_line("--no-bias-gelu-fusion")
 
 
 def test_dry_run_lists_missing_tokenizer_files_with_the_other_inputs(tmp_path, capsys):
