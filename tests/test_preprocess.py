@@ -538,3 +538,36 @@ def test_progress_eta_counts_hours_past_a_day(monkeypatch):
     progress = preprocess_data.Progress(reader, 1000)
     monkeypatch.setattr(preprocess_data.time, "time", lambda: progress.start + 3600.0)
     assert "ETA 99:00:00." in progress.line()  # 1% read in an hour
+
+
+def test_a_tokenizer_json_whose_ids_have_gaps_preprocesses_and_trains(tmp_path, capsys):
+    """HuggingFaceTokenizer's vocab_size was the number of tokens: a tokenizer.json whose
+    ids have gaps (here 'c' is id 70000 among 5 tokens) stopped preprocess_data.py with
+    'token id 70000 outside the vocabulary [0, 5)', and would have picked uint16 for ids
+    past 65535 and an embedding without their rows. It is the largest id + 1."""
+    tokenizers = pytest.importorskip("tokenizers")
+    import pretrain_gpt
+
+    vocab = {"</s>": 0, "[UNK]": 1, "a": 2, "b": 3, "c": 70000}
+    hf = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    hf.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                 str(tmp_path / "tokenizer.json")]
+    assert build_tokenizer("HuggingFaceTokenizer", tokenizer_model=tokenizer[-1]).vocab_size \
+        == 70001
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "a b c " * 10}] * 4)
+    preprocess_data.run(preprocess_data.get_args(
+        _argv(src, tmp_path / "hf", *tokenizer, "--append-eod")))
+    ds = MMapIndexedDataset(str(tmp_path / "hf_text_document"))
+    assert ds[0].dtype == np.int32 and list(ds[0][:4]) == [2, 3, 70000, 2]
+    capsys.readouterr()
+    assert pretrain_gpt.main(tokenizer + [
+        "--data-path", str(tmp_path / "hf_text_document"), "--split", "100,0,0",
+        "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "1", "--eval-iters", "0",
+        "--log-interval", "1", "--num-workers", "0", "--no-compile",
+        "--data-cache-path", str(tmp_path / "cache")]) == 0
+    out = "".join(capsys.readouterr())
+    assert re.search(r"\n  padded_vocab_size \.+ 70016\n", out)

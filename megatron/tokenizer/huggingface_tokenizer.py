@@ -3,6 +3,11 @@
 EOD is the tokenizer config's `eos_token` when a `tokenizer_config.json` sits beside the
 file, else the first of `<|endoftext|>`, `</s>`, `<|end_of_text|>`, `<eos>`, `<|eos|>` found
 in the vocabulary. Text is encoded without adding special tokens.
+
+`vocab_size` is the largest id + 1, not the number of tokens (`len(tokenizer)` in
+Hugging Face, Megatron's later wrapper): a tokenizer.json whose ids have gaps, or whose
+added tokens sit past the base vocabulary, still gets an embedding row and a dataset
+dtype for every id it emits.
 """
 from __future__ import annotations
 
@@ -34,7 +39,8 @@ def _config_eos(directory: str) -> Optional[str]:
 
 
 class HuggingFaceTokenizer:
-    """`tokenizers.Tokenizer` from a local file; `vocab_size` includes added tokens."""
+    """`tokenizers.Tokenizer` from a local file; `vocab_size` is the largest id + 1
+    (added tokens included)."""
 
     name = "HuggingFaceTokenizer"
 
@@ -61,10 +67,13 @@ class HuggingFaceTokenizer:
                 self._eod = self._tok.token_to_id(token)
                 break
         self._file = file
+        # ids may have gaps: a count of tokens would leave the largest ids outside
+        self._vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(),
+                               default=-1) + 1
 
     @property
     def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
+        return self._vocab_size
 
     @property
     def eod(self) -> int:
