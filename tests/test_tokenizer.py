@@ -338,6 +338,35 @@ def test_huggingface_tokenizer(tmp_path):
     assert os.path.isfile(tmp_path / "tokenizer.json")
 
 
+def test_huggingface_tokenizer_reads_special_tokens_in_text_as_text(tmp_path):
+    """A literal '<|endoftext|>' in a document became the EOD id (and any special token
+    its id): web text forged document ends. It is ordinary text, as GPT-2's encoder reads
+    it: a byte-level BPE tokenizer.json gives GPT2BPETokenizer's ids for the same
+    vocabulary and merges. Added tokens not marked special still encode to their ids."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, pre_tokenizers, trainers
+
+    hf = tokenizers.Tokenizer(tokenizers.models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator([TRAIN_TEXT] * 3, trainer=trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    vocab_file, merge_file = hf.model.save(str(tmp_path))
+    gpt2 = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+    hf.add_tokens(["<tab4>"])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    assert tok.eod == gpt2.eod == hf.token_to_id("<|endoftext|>")
+    for text in TRICKY + ["a<|im_start|>b <|endoftext|>", TRAIN_TEXT]:
+        ids = tok.tokenize(text)
+        assert ids == gpt2.tokenize(text), text
+        assert tok.eod not in ids and hf.token_to_id("<|im_start|>") not in ids
+        assert tok.detokenize(ids) == text
+    assert tok.tokenize("x<tab4>") == [hf.token_to_id("x"), hf.token_to_id("<tab4>")]
+    assert tok.detokenize([tok.eod]) == "<|endoftext|>"
+
+
 @pytest.mark.parametrize("text, words", [
     ('["</s>"]', "holds a list, not a JSON object"),
     ('{"eos_token": ', "does not parse as JSON (Expecting value"),

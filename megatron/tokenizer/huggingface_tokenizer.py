@@ -2,7 +2,11 @@
 
 EOD is the tokenizer config's `eos_token` when a `tokenizer_config.json` sits beside the
 file, else the first of `<|endoftext|>`, `</s>`, `<|end_of_text|>`, `<eos>`, `<|eos|>` found
-in the vocabulary. Text is encoded without adding special tokens.
+in the vocabulary. Text is encoded without adding special tokens, and a special token
+written in the text (a literal `<|endoftext|>` in a web page) is ordinary text, as GPT-2's
+encoder and GPT2BPETokenizer read it: a document never forges an end-of-document or other
+control id; only --append-eod puts the EOD id in the data. Added tokens not marked
+special (`"special": false`) are vocabulary and still encode to their ids.
 
 `vocab_size` is the largest id + 1, not the number of tokens (`len(tokenizer)` in
 Hugging Face, Megatron's later wrapper): a tokenizer.json whose ids have gaps, or whose
@@ -38,6 +42,22 @@ def _config_eos(directory: str) -> Optional[str]:
     return eos if isinstance(eos, str) else None
 
 
+def _plain_text_encoder(tok):
+    """A copy of `tok` without its special added tokens, to encode text in which they are
+    ordinary text: the pieces, and ids, of a tokenizer that never had them. (The
+    `encode_special_tokens` switch splits the text around them first, so the ids at
+    their edges differ from GPT-2's.)"""
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tok.to_str())
+    added = spec.get("added_tokens") or []
+    kept = [t for t in added if not t.get("special")]
+    if len(kept) == len(added):
+        return tok
+    spec["added_tokens"] = kept
+    return Tokenizer.from_str(json.dumps(spec))
+
+
 class HuggingFaceTokenizer:
     """`tokenizers.Tokenizer` from a local file; `vocab_size` is the largest id + 1
     (added tokens included)."""
@@ -67,6 +87,7 @@ class HuggingFaceTokenizer:
                 self._eod = self._tok.token_to_id(token)
                 break
         self._file = file
+        self._encoder = _plain_text_encoder(self._tok)
         # ids may have gaps: a count of tokens would leave the largest ids outside
         self._vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(),
                                default=-1) + 1
@@ -83,7 +104,7 @@ class HuggingFaceTokenizer:
         return self._eod
 
     def tokenize(self, text: str) -> List[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._encoder.encode(text, add_special_tokens=False).ids
 
     def detokenize(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
