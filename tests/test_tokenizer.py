@@ -9,6 +9,7 @@ import json
 import os
 import random
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -237,6 +238,45 @@ def test_gpt2_files_saved_with_a_byte_order_mark(tmp_path):
     for text in TRICKY + [TRAIN_TEXT]:
         assert tok.tokenize(text) == want.tokenize(text)
     assert tok.vocab_size == want.vocab_size and tok.eod == want.eod
+
+
+@pytest.mark.parametrize("gpt2", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not HAVE_GPT2, reason="../shared/data/gpt2 not present"))])
+def test_merges_without_header_or_final_newline_give_megatrons_ids(tmp_path, gpt2):
+    """Megatron 23.05 reads merges.txt as `split('\\n')[1:-1]`: without the '#version'
+    header its first merge is dropped, without a final newline its last. All merges were
+    kept here, so such files gave other ids than the user's Megatron-made data (GPT-2's
+    files without the header: ' the' was one token, Megatron gives ' t' 'he'...). The ids
+    are now Megatron's, tokens built on the dropped merge included, and the loss is
+    warned, naming the lines."""
+    if gpt2:
+        with open(GPT2_DIR / "gpt2-vocab.json", encoding="utf-8") as f:
+            vocab = json.load(f)
+        lines = (GPT2_DIR / "gpt2-merges.txt").read_text(encoding="utf-8").split("\n")[1:-1]
+    else:
+        vocab, merges = train_tiny_bpe(TRAIN_TEXT, 300)
+        lines = [f"{a} {b}" for a, b in merges]
+    vocab_file, merge_file = write_bpe_files(tmp_path, vocab, [])
+    Path(merge_file).write_text("\n".join(lines), encoding="utf-8")  # no header, no "\n"
+    with pytest.warns(UserWarning) as record:
+        tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+    message = str(record[0].message)
+    assert len(record) == 1 and message.startswith(f"--merge-file {merge_file}: its first line "
+                                                   f"{lines[0]!r} (Megatron takes line 1 for")
+    assert f"its last line {lines[-1]!r} (the file does not end with a newline)" in message
+    ref = ReferenceBPE(vocab, [tuple(line.split()) for line in lines[1:-1]])
+    first = lines[0].replace(" ", "").replace("Ġ", " ")
+    texts = [first * 3, f"{first}{TRAIN_TEXT}"] + TRICKY + random_texts(3, 200)
+    assert tok.tokenize(first) != [vocab[lines[0].replace(" ", "")]]
+    for text in texts:
+        ids = tok.tokenize(text)
+        assert ids == ref.encode(text), repr(text)
+        assert tok.tokenize_array(text).tolist() == ids and tok.detokenize(ids) == text
+    Path(merge_file).write_text("#version: 0.2\n" + "\n".join(lines) + "\n", encoding="utf-8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the whole file is read: nothing to warn
+        full = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+    assert full.tokenize(first) == [vocab[lines[0].replace(" ", "")]]
 
 
 def test_null_tokenizer_and_padding():

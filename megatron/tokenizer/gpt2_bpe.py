@@ -16,6 +16,7 @@ encoder and Megatron's tokenizer split it into `<|`, `endoftext`, `|>`).
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -45,7 +46,11 @@ def bytes_to_unicode() -> Dict[int, str]:
 
 
 def read_merges(merge_file: str) -> List[Tuple[str, str]]:
-    """Merge pairs in rank order; the `#version` header line and blank lines are skipped."""
+    """Merge pairs in rank order, read as Megatron 23.05 (and GPT-2's own encoder, Hugging
+    Face's GPT2Tokenizer) read them, `split('\\n')[1:-1]`: the first line is taken for the
+    `#version` header and the text after the last newline for nothing, so a file without
+    the header loses its first merge and one without a final newline its last, giving
+    Megatron's ids for the same files; each such loss is warned. Blank lines are skipped."""
     merges = []
     try:
         # utf-8-sig: a byte order mark (a Windows editor's) is not part of the header line
@@ -55,14 +60,51 @@ def read_merges(merge_file: str) -> List[Tuple[str, str]]:
         raise ValueError(f"--merge-file {merge_file}: not a text merges file ({e}); "
                          f"{SWAPPED_HINT}") from None
     for lineno, line in enumerate(lines, 1):
-        if not line or (lineno == 1 and line.startswith("#version")):
-            continue
         parts = line.split()
-        if len(parts) != 2:
+        if not parts or (lineno == 1 and line.startswith("#version")):
+            continue
+        if len(parts) != 2:  # the unread lines too: a vocab.json given here is one line
             raise ValueError(f"--merge-file {merge_file}:{lineno}: expected two symbols per "
                              f"merge line, got {line[:60]!r}; {SWAPPED_HINT}")
-        merges.append((parts[0], parts[1]))
+        if 1 < lineno < len(lines):
+            merges.append((parts[0], parts[1]))
+    _warn_unread_merge_lines(merge_file, lines)
     return merges
+
+
+def _warn_unread_merge_lines(merge_file: str, lines: List[str]) -> None:
+    """Warn of the merges that Megatron's `[1:-1]` leaves unread: a first line that is no
+    `#version` header, a last line without a newline after it."""
+    unread = []
+    if lines[0].strip() and not lines[0].startswith("#version"):
+        unread.append(f"its first line {lines[0][:60]!r} (Megatron takes line 1 for the "
+                      "'#version: 0.2' header, which this file lacks)")
+    if len(lines) > 1 and lines[-1].strip():
+        unread.append(f"its last line {lines[-1][:60]!r} (the file does not end with a "
+                      "newline)")
+    if unread:
+        warnings.warn(f"--merge-file {merge_file}: {' and '.join(unread)} is not read as a "
+                      "merge, as in Megatron-LM 23.05 and GPT-2's encoder, so the token ids "
+                      "are the ones their data has; if the merge belongs to the tokenizer, "
+                      "fix the file (add the header line or the final newline) and "
+                      "re-tokenize the data")
+
+
+def _reachable_merges(merges: List[Tuple[str, str]]) -> List[bool]:
+    """Whether each merge can ever fire in GPT-2's loop: both its symbols are bytes or
+    results of merges that can fire. A merges file missing a merge (see read_merges)
+    leaves the merges built on its result unreachable; tiktoken, which joins any two
+    adjacent pieces whose concatenation has a rank, would still emit their tokens."""
+    symbols = set(bytes_to_unicode().values())
+    fires = [False] * len(merges)
+    grown = True
+    while grown:  # merges are nearly always in dependency order: one or two passes
+        grown = False
+        for rank, (a, b) in enumerate(merges):
+            if not fires[rank] and a in symbols and b in symbols:
+                fires[rank] = grown = True
+                symbols.add(a + b)
+    return fires
 
 
 def _load_vocab(vocab_file: str) -> Dict[str, int]:
@@ -90,6 +132,7 @@ def _mergeable_ranks(vocab: Dict[str, int], merges: List[Tuple[str, str]], vocab
                              "not a GPT-2 style byte-level BPE vocabulary")
         ranks[bytes([b])] = b
         ids[bytes([b])] = vocab[c]
+    fires = _reachable_merges(merges)
     for rank, (a, b) in enumerate(merges):
         merged = a + b
         if merged not in vocab:
@@ -99,7 +142,7 @@ def _mergeable_ranks(vocab: Dict[str, int], merges: List[Tuple[str, str]], vocab
             token = bytes(byte_decoder[ch] for ch in merged)
         except KeyError as e:
             raise ValueError(f"merge {merged!r} holds a character outside the byte map") from e
-        if token not in ranks:  # a repeated merge never fires again in GPT-2's loop either
+        if fires[rank] and token not in ranks:  # a repeated merge never fires again either
             ranks[token] = 256 + rank
             ids[token] = vocab[merged]
     return ranks, ids
