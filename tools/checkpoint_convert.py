@@ -53,6 +53,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron.initialize import announce_broken_triton, hide_broken_triton  # noqa: E402
+
+hide_broken_triton()  # before the modules below import Triton (main prints why)
+
 from megatron import checkpoint_reshard as reshard_lib  # noqa: E402
 from megatron import hf_convert, hf_import  # noqa: E402
 from megatron.arguments_inputs import home_not_expanded  # noqa: E402
@@ -694,6 +698,7 @@ def run_conversion(tool: str, run: Callable[[], int]) -> int:
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    announce_broken_triton(0)  # one process: it prints
     return run_conversion(f"checkpoint_convert.py {a.command}",
                              lambda: SUBCOMMANDS[a.command][1](a))
 

@@ -43,6 +43,10 @@ from typing import List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.initialize import announce_broken_triton, hide_broken_triton  # noqa: E402
+
+hide_broken_triton()  # before the modules below import Triton (main prints why)
+
 from megatron import checkpoint_reshard as reshard_lib  # noqa: E402
 from megatron.checkpoint_dirs import (  # noqa: E402
     TRACKER_FILENAME,
@@ -257,6 +261,7 @@ def run(a: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    announce_broken_triton(0)  # one process: it prints
     return checkpoint_convert.run_conversion("checkpoint_util.py", lambda: run(a))
 
 
