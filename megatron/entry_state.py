@@ -5,6 +5,7 @@ answer without them (tests/test_startup_imports.py)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import warnings
 from typing import MutableMapping
@@ -65,3 +66,36 @@ def entry_point_changes_undone(environ: MutableMapping[str, str]):
             warnings.filters[:] = [f for f in warnings.filters if f not in added]
             getattr(warnings, "_filters_mutated", lambda: None)()
 
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def one_line_project_warnings() -> None:
+    """The library's own warnings (`warnings.warn` in megatron/, e.g. a checkpoint's loss
+    scaler that is not the run's) print as one `WARNING: <message>` line, as the flag
+    warnings do, instead of Python's `<file>:<line>: UserWarning: <message>` followed by
+    the source line of the call; other packages' warnings keep Python's format."""
+    default = getattr(warnings.formatwarning, "project_default", warnings.formatwarning)
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        if (issubclass(category, UserWarning)
+                and os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep)):
+            return f"WARNING: {message}\n"
+        return default(message, category, filename, lineno, line)
+
+    formatwarning.project_default = default
+    warnings.formatwarning = formatwarning
+
+
+@contextlib.contextmanager
+def project_warnings_in_one_line():
+    """`one_line_project_warnings` for a `with` block: a file tool's run
+    (tools/preprocess_data.py, merge_datasets.py, the checkpoint converters), called in
+    a process more than once or from a notebook, gives the caller's format back."""
+    saved = warnings.formatwarning
+    one_line_project_warnings()
+    try:
+        yield
+    finally:
+        warnings.formatwarning = saved

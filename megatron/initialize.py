@@ -32,6 +32,7 @@ from megatron.entry_state import (  # noqa: F401 (also used from here)
     ENTRY_POINT_ENV,
     cublas_workspaces_resized,
     entry_point_changes_undone,
+    one_line_project_warnings,
 )
 from megatron.launcher_watch import watch_launcher
 from megatron.restart_epoch import agree_on_epoch, epoch_prefix
@@ -319,26 +320,6 @@ def local_gpu(rank: int, local_rank: int, env: Mapping[str, str], num_gpus: int)
     if env.get("LOCAL_RANK", "") != "" or num_gpus < 1:
         return local_rank
     return rank % num_gpus
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def one_line_project_warnings() -> None:
-    """The library's own warnings (`warnings.warn` in megatron/, e.g. a checkpoint's loss
-    scaler that is not the run's) print as one `WARNING: <message>` line, as the flag
-    warnings do, instead of Python's `<file>:<line>: UserWarning: <message>` followed by
-    the source line of the call; other packages' warnings keep Python's format."""
-    default = getattr(warnings.formatwarning, "project_default", warnings.formatwarning)
-
-    def formatwarning(message, category, filename, lineno, line=None):
-        if (issubclass(category, UserWarning)
-                and os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep)):
-            return f"WARNING: {message}\n"
-        return default(message, category, filename, lineno, line)
-
-    formatwarning.project_default = default
-    warnings.formatwarning = formatwarning
 
 
 # The warning of the Triton install hide_broken_triton hid in this process (a later call,

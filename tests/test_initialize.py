@@ -158,6 +158,51 @@ def test_project_warnings_print_as_one_line_and_others_keep_pythons_format(monke
     assert other.startswith("/elsewhere/pkg/mod.py:3: UserWarning: x")
 
 
+@pytest.mark.parametrize("tool", ["preprocess_data", "merge_datasets", "checkpoint_util",
+                                  "checkpoint_convert", "generate"])
+def test_the_file_tools_print_library_warnings_in_one_line(tool, tmp_path, monkeypatch):
+    """The file tools print the library's warnings (a merges.txt line the GPT-2 tokenizer
+    does not read, a dataset whose index does not match its .bin) as pretrain_gpt.py does:
+    `WARNING: <message>`, not Python's `<file>:<line>: UserWarning:` and the source line.
+    Each tool's run (here replaced by a probe) sees the one-line format; the caller's
+    comes back after it."""
+    import importlib
+    import warnings
+
+    mod = importlib.import_module(f"tools.{tool}")
+    caller_format = warnings.formatwarning
+    seen = []
+
+    def probe(*args, **kwargs):
+        seen.append(warnings.formatwarning("a merge is not read", UserWarning,
+                                           init.__file__, 86))
+        return 0
+
+    (tmp_path / "in.jsonl").write_text('{"text": "1 2"}\n')
+    (tmp_path / "d.bin").write_bytes(b"")
+    (tmp_path / "d.idx").write_bytes(b"")
+    argv = {
+        "preprocess_data": ["--input", str(tmp_path / "in.jsonl"), "--output-prefix",
+                            str(tmp_path / "out"), "--tokenizer-type", "NullTokenizer",
+                            "--vocab-size", "10", "--workers", "1"],
+        "merge_datasets": ["--input", str(tmp_path / "d"), "--output-prefix",
+                           str(tmp_path / "merged")],
+        "checkpoint_util": ["--model-type", "GPT", "--load-dir", str(tmp_path / "a"),
+                            "--save-dir", str(tmp_path / "b")],
+        "checkpoint_convert": ["reshard", "--load", str(tmp_path / "a"), "--save",
+                               str(tmp_path / "b")],
+        "generate": ["--load", str(tmp_path / "a"), "--prompt-ids", "1"],
+    }[tool]
+    if tool == "checkpoint_convert":
+        monkeypatch.setitem(mod.SUBCOMMANDS, "reshard", (mod.SUBCOMMANDS["reshard"][0], probe))
+    else:
+        monkeypatch.setattr(mod, {"preprocess_data": "run", "merge_datasets": "merge",
+                                  "checkpoint_util": "run", "generate": "_run"}[tool], probe)
+    mod.main(argv)
+    assert seen == ["WARNING: a merge is not read\n"]
+    assert warnings.formatwarning is caller_format
+
+
 # ------------------------------------------- env:// launch (RANK / WORLD_SIZE, no torchrun)
 
 

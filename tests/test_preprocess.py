@@ -571,3 +571,24 @@ def test_a_tokenizer_json_whose_ids_have_gaps_preprocesses_and_trains(tmp_path, 
         "--data-cache-path", str(tmp_path / "cache")]) == 0
     out = "".join(capsys.readouterr())
     assert re.search(r"\n  padded_vocab_size \.+ 70016\n", out)
+
+
+def test_a_merges_file_warning_prints_in_one_line(tmp_path, bpe):
+    """The tokenizer's warning of a merges.txt line it does not read (no final newline)
+    printed as Python's `.../gpt2_bpe.py:86: UserWarning: ...` plus the source line; now
+    one `WARNING:` line, as pretrain_gpt.py prints the library's warnings."""
+    vocab_file, merge_file = bpe
+    merges = tmp_path / "merges.txt"
+    merges.write_text(Path(merge_file).read_text(encoding="utf-8").rstrip("\n"),
+                      encoding="utf-8")
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS[:1])
+    out = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(src),
+         "--output-prefix", str(tmp_path / "out"), "--json-keys", "text", "--tokenizer-type",
+         "GPT2BPETokenizer", "--vocab-file", vocab_file, "--merge-file", str(merges),
+         "--workers", "1"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if "is not read as a merge" in ln]
+    assert len(lines) == 1 and lines[0].startswith(f"WARNING: --merge-file {merges}: its "
+                                                   "last line"), out.stderr
+    assert "UserWarning" not in out.stderr and "warnings.warn(" not in out.stderr, out.stderr

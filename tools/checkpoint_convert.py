@@ -83,6 +83,7 @@ from megatron.checkpointing import (  # noqa: E402
     tracker_path,
     write_tracker,
 )
+from megatron.entry_state import project_warnings_in_one_line  # noqa: E402
 from megatron.save_lock import SaveDirLock  # noqa: E402
 from megatron.write_errors import no_room_error, room_fix, write_error_text  # noqa: E402
 from tools.interruptible import run_interruptible  # noqa: E402
@@ -699,8 +700,9 @@ def run_conversion(tool: str, run: Callable[[], int]) -> int:
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     announce_broken_triton(0)  # one process: it prints
-    return run_conversion(f"checkpoint_convert.py {a.command}",
-                             lambda: SUBCOMMANDS[a.command][1](a))
+    with project_warnings_in_one_line():  # a merges file's unread line: one line
+        return run_conversion(f"checkpoint_convert.py {a.command}",
+                              lambda: SUBCOMMANDS[a.command][1](a))
 
 
 if __name__ == "__main__":

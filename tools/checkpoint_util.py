@@ -57,6 +57,7 @@ from megatron.checkpoint_dirs import (  # noqa: E402
     tracker_path,
 )
 from megatron.checkpoint_foreign import dist_backend  # noqa: E402
+from megatron.entry_state import project_warnings_in_one_line  # noqa: E402
 from tools import checkpoint_convert  # noqa: E402
 
 FLAGS = ("--target-tensor-parallel-size", "--target-pipeline-parallel-size")
@@ -262,7 +263,8 @@ def run(a: argparse.Namespace) -> int:
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     announce_broken_triton(0)  # one process: it prints
-    return checkpoint_convert.run_conversion("checkpoint_util.py", lambda: run(a))
+    with project_warnings_in_one_line():  # a merges file's unread line: one line
+        return checkpoint_convert.run_conversion("checkpoint_util.py", lambda: run(a))
 
 
 if __name__ == "__main__":

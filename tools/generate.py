@@ -532,7 +532,7 @@ def main(argv=None, environ=None) -> int:
     variables the start-up sets in `environ` and the warnings hooks come back as they were
     (megatron.entry_state.entry_point_changes_undone), and the process group the run made
     is ended (one the caller made is kept)."""
-    from megatron.entry_state import entry_point_changes_undone
+    from megatron.entry_state import entry_point_changes_undone, one_line_project_warnings
     from megatron.rank_failure import process_group_closed
     from megatron.srun_tasks import launcher_ranks
 
@@ -541,6 +541,7 @@ def main(argv=None, environ=None) -> int:
     announce_broken_triton(launcher_ranks(environ)[0])
     texts = _early_prompts(a, environ)
     with entry_point_changes_undone(environ), process_group_closed(env=environ):
+        one_line_project_warnings()  # a merges file's unread line: one line (undone after)
         return _run(a, environ, texts)
 
 

@@ -178,6 +178,15 @@ def _names_an_input(error: OSError, prefixes) -> bool:
 
 
 def main(argv=None) -> int:
+    """The command line; the library's warnings (a dataset's index that does not match
+    its .bin) print in one line each."""
+    from megatron.entry_state import project_warnings_in_one_line
+
+    with project_warnings_in_one_line():
+        return _main(argv)
+
+
+def _main(argv) -> int:
     from megatron.cli_suggest import SuggestingParser
 
     parser = SuggestingParser(description=__doc__.splitlines()[0], allow_abbrev=False)

@@ -619,10 +619,14 @@ def interrupted_dataset_message(tool: str, output_prefix: str) -> Callable[[str]
 
 def main(argv=None) -> int:
     """Run the tool; Ctrl-C or SIGTERM ends it with status 130 or 143 and one line (the
-    partial files are removed, an earlier dataset at the prefix is left as it was)."""
-    args = get_args(argv)
-    return run_interruptible(lambda: run(args), interrupted_dataset_message(
-        "preprocess_data.py", args.output_prefix))
+    partial files are removed, an earlier dataset at the prefix is left as it was). The
+    library's warnings (a merges file's unread line) print in one line each."""
+    from megatron.entry_state import project_warnings_in_one_line
+
+    with project_warnings_in_one_line():
+        args = get_args(argv)
+        return run_interruptible(lambda: run(args), interrupted_dataset_message(
+            "preprocess_data.py", args.output_prefix))
 
 
 if __name__ == "__main__":
