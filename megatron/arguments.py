@@ -742,6 +742,12 @@ def exit_before_group(exc: SystemExit, rank: int, world_size: int, env: Mapping[
     return SystemExit(1)
 
 
+def program_name() -> str:
+    """The name an error gives the program, as argparse's default `prog`: the script's
+    basename (`main.py` for tasks/main.py, as in Megatron-LM)."""
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "megatron"
+
+
 def _report_error(err: ArgumentsError, rank: int, world_size: int, env) -> None:
     """Print `<prog>: error: ...` to stderr where `prints_error` says so; an error of this
     machine, in a run of several processes, names the rank and host that met it. A rank
@@ -752,7 +758,7 @@ def _report_error(err: ArgumentsError, rank: int, world_size: int, env) -> None:
     if not prints_error(err, rank, local):
         wait_for_printing_rank(world_size, env)
         return
-    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "megatron"
+    prog = program_name()
     where = ""
     if err.machine and world_size > 1:
         import socket

@@ -473,6 +473,24 @@ def test_errors(tmp_path, capsys):
          "--activations-checkpoint-method", "uniform"] + NULL, capsys)
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--task", "SQUAD", "--valid-data", "x"], "error: unknown --task SQUAD"),
+    (["--task", "LAMBADA", "--valid-data", "x", "--activations-checkpoint-method", "uniform"],
+     "error: --activations-checkpoint-method was removed"),
+    (["--task", "LAMBADA", "--valid-data", "x", "--num-layers", "two"], "error: "),
+])
+def test_errors_name_the_program_as_megatrons_tasks_main_does(flags, message, capsys,
+                                                                monkeypatch):
+    """Megatron-LM's tasks/main.py reports a flag error through argparse, which names the
+    program by the script's basename: `main.py: error: ...`. The tasks flags' errors said
+    `tasks/main.py: error:`, pretrain_gpt.py's flags' `main.py: error:`."""
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "tasks" / "main.py"), *flags, *NULL])
+    with pytest.raises(SystemExit):  # the error goes to stderr once
+        evaluate.main(flags + NULL)
+    err = capsys.readouterr().err
+    assert err.startswith(f"main.py: {message}") and err.count("error: ") == 1, err
+
+
 def test_finetuning_flags_warn(tmp_path, capsys):
     (tmp_path / "l.jsonl").write_text('{"text": "1 2 3"}\n')
     res = evaluate.main(["--task", "LAMBADA", "--valid-data", str(tmp_path / "l.jsonl"),

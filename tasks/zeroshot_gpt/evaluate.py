@@ -372,6 +372,7 @@ def _main(argv: Sequence[str], rank: int, world_size: int, local_rank: int,
         exit_before_group,
         format_args_dump,
         parse_and_validate,
+        program_name,
         wait_for_printing_rank,
     )
     from megatron.data_loading import build_tokenizer_for
@@ -387,8 +388,8 @@ def _main(argv: Sequence[str], rank: int, world_size: int, local_rank: int,
         task_ns, rest = split_args(argv)
         check_task_args(task_ns, warn=say)
     except ArgumentsError as err:  # a mistake in the flags: rank 0 prints it
-        if rank == 0:
-            print(f"tasks/main.py: {err}", file=sys.stderr)
+        if rank == 0:  # named as argparse names it, and Megatron-LM's tasks/main.py
+            print(f"{program_name()}: {err}", file=sys.stderr)
         else:
             wait_for_printing_rank(world_size, environ)
         raise
