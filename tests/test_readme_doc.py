@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 from typing import List
 
+import pytest
+
 from megatron.arguments import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,3 +69,18 @@ def test_checks_notice_a_drift():
         == ["lay.py"]
     assert wrong_choices("`--nan-loss-policy stop|skip`, `--DDP-impl local|torch`") == [
         "--nan-loss-policy stop|skip (the CLI: stop|skip|rollback)"]
+
+
+def test_readme_gives_the_removed_recompute_flags_fix_the_error_gives():
+    """README's line on Megatron's zero-shot script said to drop a removed
+    `--activations-checkpoint-method uniform`, while the error names its 23.05 spelling
+    (the facts' modern equivalent): the README now gives the error's replacement."""
+    from megatron.arguments import ArgumentsError, parse_args
+
+    with pytest.raises(ArgumentsError) as err:
+        parse_args(["--activations-checkpoint-method", "uniform"])
+    fix = str(err.value).rsplit("; use ", 1)[1]
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    said = readme[readme.index("`--activations-checkpoint-method uniform`"):][:300]
+    assert fix == "--recompute-granularity full --recompute-method uniform"
+    assert f"`{fix}`" in said, said
