@@ -192,6 +192,9 @@ def test_world_not_divisible_by_tp_times_pp_names_the_values():
 def test_ep_not_dividing_dp_names_the_values():
     with pytest.raises(ValueError, match=r"data-parallel size \(4\).*expert.*\(3\)"):
         RankGrid(8, tp_size=2, pp_size=1, ep_size=3)
+    # the fix: the expert-parallel sizes that divide this data-parallel size
+    with pytest.raises(ValueError, match=r"\(6\).*\(4\).*choose one of 1, 2, 3, 6$"):
+        RankGrid(6, ep_size=4)
 
 
 @pytest.mark.parametrize("field", ["world_size", "tp_size", "pp_size", "ep_size"])

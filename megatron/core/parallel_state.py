@@ -55,7 +55,8 @@ class RankGrid:
         if self.dp_size % self.ep_size != 0:
             raise ValueError(
                 f"data-parallel size ({self.dp_size}) is not divisible by expert-model-parallel "
-                f"size ({self.ep_size})"
+                f"size ({self.ep_size}); choose one of "
+                + ", ".join(str(n) for n in range(1, self.dp_size + 1) if self.dp_size % n == 0)
             )
 
     @property
