@@ -55,7 +55,6 @@ from megatron.arguments_table import (
     ALIASES,
     ALLOWED_IN_REJECTED_GROUPS,
     EXTRA_GROUP,
-    LATER_FLAGS,
     MEGATRON_DESCRIPTION,
     MEGATRON_GROUPS,
     NO_EFFECT,
@@ -63,6 +62,7 @@ from megatron.arguments_table import (
     NOT_SUPPORTED,
     NOT_SUPPORTED_GROUPS,
     REMOVED,
+    later_flag_hint,
 )
 from megatron.arguments_validate import (
     build_config,
@@ -351,7 +351,8 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
         if norm not in index:
             close = difflib.get_close_matches(norm, list(index), n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
-            hint = f": {LATER_FLAGS['--' + norm]}" if "--" + norm in LATER_FLAGS else hint
+            later = later_flag_hint("--" + norm)
+            hint = f": {later}" if later else hint
             raise ArgumentsError(f"--config {path}: unknown key '{key}'{hint}")
         action = index[norm]
         if value is None:  # `load: ~`, `tensorboard-dir:`: YAML's null is no value, not 'None'
@@ -507,7 +508,9 @@ def parse_args(argv: Sequence[str], extra_options: Sequence[str] = ()
     given, unknown = probe.parse_known_args(argv)
     if unknown:
         options = option_strings(probe) + list(extra_options)
-        raise ArgumentsError(unknown_arguments_message(unknown, options, LATER_FLAGS))
+        later = {t.split("=", 1)[0]: later_flag_hint(t.split("=", 1)[0]) for t in unknown}
+        raise ArgumentsError(unknown_arguments_message(
+            unknown, options, {flag: hint for flag, hint in later.items() if hint}))
     parser = build_parser()
     yaml_values: Dict[str, Any] = {}
     _check_one_config(argv)

@@ -18,6 +18,8 @@ delete a row when the feature lands.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 MEGATRON_DESCRIPTION = "Megatron-LM Arguments"
 
 MEGATRON_GROUPS = (
@@ -560,6 +562,21 @@ LATER_FLAGS = {
     "--no-mmap-bin-files": "later Megatron-LM's switch: drop it; .bin files are "
                            "memory-mapped, as in Megatron-LM 23.05",
 }
+
+# Every other --moe-* flag is later Megatron-LM's MoE too: answered as such rather than
+# with a look-alike ('--moe-token-dispatcher-type (did you mean --tokenizer-type?)').
+_LATER_MOE = ("later Megatron-LM's MoE: not offered; drop it. --num-experts is Megatron-LM "
+              "23.05's switch MLP: top-1 routing, no capacity limit or auxiliary loss, "
+              "experts as wide as --ffn-hidden-size and replicated over data-parallel ranks")
+
+
+def later_flag_hint(flag: str) -> Optional[str]:
+    """What to say of `flag` (no value), a flag of a later Megatron-LM release this project
+    does not know: its LATER_FLAGS entry, the MoE answer for any other --moe-* flag, or
+    None for a flag of no later release known here."""
+    if flag in LATER_FLAGS:
+        return LATER_FLAGS[flag]
+    return _LATER_MOE if flag.startswith("--moe-") else None
 
 # Second spellings of a flag. torch >= 2.0's `python -m torch.distributed.launch` (which
 # Megatron-LM's example scripts, e.g. evaluate_zeroshot_gpt.sh, use) passes --local-rank=N

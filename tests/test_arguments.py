@@ -262,6 +262,24 @@ def test_later_megatron_flags_say_what_they_are_not_a_look_alike(flag):
     assert f"{flag} ({LATER_FLAGS[flag]})" in msg and "did you mean" not in msg
 
 
+@pytest.mark.parametrize("flag", ["--moe-token-dispatcher-type alltoall",
+                                  "--moe-z-loss-coeff=0.001", "--moe-per-layer-logging"])
+def test_every_later_moe_flag_is_named_as_later_megatron_moe(flag, tmp_path):
+    """Any --moe-* flag (later Megatron-LM's MoE), not only the three in LATER_FLAGS: they
+    were answered with look-alikes ('--moe-token-dispatcher-type (did you mean
+    --tokenizer-type?)', '--moe-z-loss-coeff (did you mean --min-loss-scale?)'), on the
+    command line and as a --config key."""
+    token = flag.split()[0]
+    name = token.split("=")[0]
+    msg = error_of(flag)
+    assert f"{token} (later Megatron-LM's MoE: not offered" in msg, msg
+    assert "did you mean" not in msg, msg
+    config = tmp_path / "c.yaml"
+    config.write_text(f"{name[2:]}: 1\n")
+    msg = error_of(["--config", str(config)])
+    assert f"unknown key '{name[2:]}': later Megatron-LM's MoE" in msg, msg
+
+
 def test_norm_epsilon_names_the_23_05_spelling(tmp_path):
     msg = error_of("--normalization RMSNorm --norm-epsilon=1e-6")
     assert "--norm-epsilon=1e-6 (later Megatron-LM's name of --layernorm-epsilon" in msg
