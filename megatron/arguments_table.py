@@ -554,6 +554,9 @@ LATER_FLAGS = {
                          "Megatron-LM 23.05 does (top-1)",
     "--moe-aux-loss-coeff": "later Megatron-LM's MoE: not offered; --num-experts routes as "
                             "Megatron-LM 23.05 does (top-1, no auxiliary loss)",
+    "--expert-tensor-parallel-size": "later Megatron-LM's MoE: not offered; drop it. The "
+                                     "experts of --num-experts are split over the "
+                                     "--tensor-model-parallel-size ranks like the dense MLP",
     "--moe-grouped-gemm": "later Megatron-LM's MoE: drop it; the experts of --num-experts run "
                           "as grouped GEMMs by themselves where torch supports it",
     "--no-create-attention-mask-in-dataloader": "later Megatron-LM's switch: drop it; no "

@@ -263,12 +263,14 @@ def test_later_megatron_flags_say_what_they_are_not_a_look_alike(flag):
 
 
 @pytest.mark.parametrize("flag", ["--moe-token-dispatcher-type alltoall",
-                                  "--moe-z-loss-coeff=0.001", "--moe-per-layer-logging"])
+                                  "--moe-z-loss-coeff=0.001", "--moe-per-layer-logging",
+                                  "--expert-tensor-parallel-size 2"])
 def test_every_later_moe_flag_is_named_as_later_megatron_moe(flag, tmp_path):
     """Any --moe-* flag (later Megatron-LM's MoE), not only the three in LATER_FLAGS: they
     were answered with look-alikes ('--moe-token-dispatcher-type (did you mean
-    --tokenizer-type?)', '--moe-z-loss-coeff (did you mean --min-loss-scale?)'), on the
-    command line and as a --config key."""
+    --tokenizer-type?)', '--moe-z-loss-coeff (did you mean --min-loss-scale?)',
+    '--expert-tensor-parallel-size (did you mean --expert-model-parallel-size?)', a flag
+    refused above 1), on the command line and as a --config key."""
     token = flag.split()[0]
     name = token.split("=")[0]
     msg = error_of(flag)
