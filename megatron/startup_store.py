@@ -18,11 +18,14 @@ Entry points read the launcher's environment and pass it in; nothing here reads 
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
+import signal
 import socket
+import threading
 import time
-from typing import Callable, Mapping, Optional, TypeVar
+from typing import Callable, Iterator, Mapping, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -86,8 +89,10 @@ class JobStore:
                              "show hostnames $SLURM_JOB_NODELIST | head -n 1))") from None
         started = time.monotonic()
         try:
-            store = dist.TCPStore(addr, int(port), self.world_size, is_master=self.rank == 0,
-                                  timeout=timeout, wait_for_workers=False, multi_tenant=True)
+            with _sigint_ends_at_once(self.rank != 0):
+                store = dist.TCPStore(addr, int(port), self.world_size,
+                                      is_master=self.rank == 0, timeout=timeout,
+                                      wait_for_workers=False, multi_tenant=True)
         except dist.DistError as e:  # a port in use, rank 0 not reached
             message = env_rendezvous_error(e, self._env, self.rank, self.world_size,
                                            time.monotonic() - started)
@@ -120,9 +125,7 @@ def wait_for_ranks(store, rank: int, world_size: int, timeout: datetime.timedelt
         store.set(KEY_PREFIX + "all_joined", b"")
     if rank != 0:
         return
-    try:
-        store.wait([KEY_PREFIX + "all_joined"], timeout)
-    except (RuntimeError, OSError):  # DistStoreError: timed out
+    if not _wait_interruptibly(store, KEY_PREFIX + "all_joined", timeout):
         missing = [r for r in range(world_size) if not store.check([f"{KEY_PREFIX}joined/{r}"])]
         raise SystemExit(
             f"error: rank 0 hosts the rendezvous store on {where} and waited "
@@ -132,6 +135,45 @@ def wait_for_ranks(store, rank: int, world_size: int, timeout: datetime.timedelt
             "(their output says why), or they were given another MASTER_ADDR, MASTER_PORT "
             "or WORLD_SIZE: start every rank with the same ones. The wait is "
             "--distributed-timeout-minutes (default 10) plus one minute") from None
+
+
+POLL_S = 0.1  # how often rank 0 looks whether every rank has joined
+
+
+def _wait_interruptibly(store, key: str, timeout: datetime.timedelta,
+                        poll_s: float = POLL_S) -> bool:
+    """Whether `key` was set in `store` within `timeout`, looked for every `poll_s`.
+    The store's own wait blocks in C++ and retries through signals: Ctrl-C (SIGINT) on a
+    rank 0 waiting for a late rank was not seen until the wait ended (the
+    --distributed-timeout-minutes wait, 11 min by default); Python's handler runs
+    between the looks (KeyboardInterrupt, the run's interrupt line, status 130). One
+    process looks, rank 0, once a start."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check([key]):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+@contextlib.contextmanager
+def _sigint_ends_at_once(active: bool = True) -> Iterator[None]:
+    """SIGINT's default handling (the process ends, status 130 to a shell) for the block,
+    where the process was handling it in Python (main thread only): a TCPStore client
+    connecting to a rank 0 not up yet retries through the signal in C++ ("Interrupted
+    system call"), so Ctrl-C on a rank started before its rank 0 was not seen for the
+    whole --distributed-timeout-minutes wait. Nothing is written before the store exists:
+    nothing to clean up. SIGINT ignored (nohup) stays ignored."""
+    previous = None
+    if active and threading.current_thread() is threading.main_thread():
+        handler = signal.getsignal(signal.SIGINT)
+        if handler not in (signal.SIG_IGN, signal.SIG_DFL, None):
+            previous = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 PER_RANK_ARGS = ("rank", "local_rank")  # the settings that differ between ranks of one run

@@ -573,3 +573,52 @@ def test_an_unresolvable_master_addr_stops_at_once(rank):
     assert message.startswith(f"error: rank {rank} cannot resolve MASTER_ADDR='node[01-02]'")
     assert "scontrol show hostnames" in message
     assert took < 10
+
+
+_CONNECT_THEN_REPORT = """
+import datetime, sys
+import torch.distributed  # before "connecting": its import takes seconds
+from megatron.startup_store import JobStore
+env = {"RANK": sys.argv[1], "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+       "MASTER_PORT": sys.argv[2]}
+print("connecting", flush=True)
+try:
+    JobStore(env, int(sys.argv[1]), 2).connect(datetime.timedelta(seconds=120))
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ctrl_c_while_waiting_for_a_late_rank_ends_the_wait(tmp_path, rank):
+    """Ctrl-C on a rank of an env:// launch whose peer was not started yet: rank 0 (which
+    hosts the store, waiting for rank 1 to join) and rank 1 (connecting to a rank 0 not
+    up) both sat in the store's C++ wait, which retries through the signal, until the
+    --distributed-timeout-minutes wait ran out (11 min by default). Now rank 0 raises
+    KeyboardInterrupt (the run's interrupt line, status 130) and rank 1 ends by SIGINT
+    (status 130 to a shell), within seconds."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "connect.py"
+    script.write_text(_CONNECT_THEN_REPORT)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, str(script), str(rank), str(free_port())],
+                            cwd=repo, env={**os.environ, "PYTHONPATH": repo},
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout.readline() == "connecting\n"
+        time.sleep(2.0)  # into the store's wait (rank 0) or its connect retries (rank 1)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if rank == 0:
+        assert (proc.returncode, out) == (130, "interrupted\n")
+    else:
+        assert proc.returncode == -signal.SIGINT
