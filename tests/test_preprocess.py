@@ -502,7 +502,6 @@ def test_data_tokenized_with_a_huggingface_tokenizer_trains_with_it(tmp_path, ca
     pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    import pretrain_gpt
 
     hf = Tokenizer(models.BPE(unk_token="<unk>"))
     hf.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -517,18 +516,26 @@ def test_data_tokenized_with_a_huggingface_tokenizer_trains_with_it(tmp_path, ca
     ds = MMapIndexedDataset(str(tmp_path / "hf_text_document"))
     assert list(ds[0][-1:]) == [hf.token_to_id("</s>")]
     capsys.readouterr()
-    assert pretrain_gpt.main(tokenizer + [
-        "--data-path", str(tmp_path / "hf_text_document"), "--split", "100,0,0",
-        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
-        "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "2", "--eval-iters", "0",
-        "--log-interval", "1", "--num-workers", "0", "--no-compile",
-        "--data-cache-path", str(tmp_path / "cache")]) == 0
+    assert _train_tiny(tokenizer, tmp_path, layers=2, hidden=32, heads=4, iters=2) == 0
     captured = capsys.readouterr()
     out = captured.out + captured.err
     assert "iteration        2/       2" in out and "lm loss:" in out
     # the tokenizer.json's 200 ids, padded to a multiple of 128
     assert re.search(r"\n  padded_vocab_size \.+ 256\n", out)
+
+
+def _train_tiny(tokenizer, tmp_path, layers: int, hidden: int, heads: int, iters: int) -> int:
+    """pretrain_gpt.main's status for a tiny model on tmp_path/hf_text_document."""
+    import pretrain_gpt
+
+    return pretrain_gpt.main(tokenizer + [
+        "--data-path", str(tmp_path / "hf_text_document"), "--split", "100,0,0",
+        "--num-layers", str(layers), "--hidden-size", str(hidden),
+        "--num-attention-heads", str(heads), "--seq-length", "16",
+        "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", str(iters),
+        "--eval-iters", "0", "--log-interval", "1", "--num-workers", "0", "--no-compile",
+        "--data-cache-path", str(tmp_path / "cache")])
 
 
 def test_progress_eta_counts_hours_past_a_day(monkeypatch):
@@ -546,7 +553,6 @@ def test_a_tokenizer_json_whose_ids_have_gaps_preprocesses_and_trains(tmp_path, 
     'token id 70000 outside the vocabulary [0, 5)', and would have picked uint16 for ids
     past 65535 and an embedding without their rows. It is the largest id + 1."""
     tokenizers = pytest.importorskip("tokenizers")
-    import pretrain_gpt
 
     vocab = {"</s>": 0, "[UNK]": 1, "a": 2, "b": 3, "c": 70000}
     hf = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
@@ -562,13 +568,7 @@ def test_a_tokenizer_json_whose_ids_have_gaps_preprocesses_and_trains(tmp_path, 
     ds = MMapIndexedDataset(str(tmp_path / "hf_text_document"))
     assert ds[0].dtype == np.int32 and list(ds[0][:4]) == [2, 3, 70000, 2]
     capsys.readouterr()
-    assert pretrain_gpt.main(tokenizer + [
-        "--data-path", str(tmp_path / "hf_text_document"), "--split", "100,0,0",
-        "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
-        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
-        "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "1", "--eval-iters", "0",
-        "--log-interval", "1", "--num-workers", "0", "--no-compile",
-        "--data-cache-path", str(tmp_path / "cache")]) == 0
+    assert _train_tiny(tokenizer, tmp_path, layers=1, hidden=16, heads=2, iters=1) == 0
     out = "".join(capsys.readouterr())
     assert re.search(r"\n  padded_vocab_size \.+ 70016\n", out)
 
