@@ -334,10 +334,13 @@ def test_an_unreadable_checkpoint_ends_every_rank_alike(tmp_path, monkeypatch, c
     assert capsys.readouterr().err.count("error:") == 1
 
 
-def _dry_run_worker(rank, world_size, port, root, load, data_prefix, valid):
+def _dry_run_worker(rank, world_size, ports, root, load, data_prefix, valid):
     """pretrain_gpt.main, then tasks/main.py's evaluation, with --dry-run on this rank of
     one node (LOCAL_RANK = RANK), no process group: per entry point (its exit status, what
-    it printed, its file reads under `root`)."""
+    it printed, its file reads under `root`). Each entry point has its own MASTER_PORT
+    (`ports`, by name), as two launches would: on one port, rank 1 could reach the store
+    of rank 0's first run before rank 0 closed it (a busy machine), mark itself joined
+    there, and rank 0's second store waited its whole timeout for it."""
     import contextlib
     import io
 
@@ -348,8 +351,7 @@ def _dry_run_worker(rank, world_size, port, root, load, data_prefix, valid):
     from tests.test_zeroshot import NULL
 
     dist.destroy_process_group()  # run_distributed's: start as the entry point does
-    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-           "MASTER_PORT": str(port)}
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
     os.environ.update(env)
     runs = {"pretrain": lambda: pretrain_gpt.main(
                 RUN + ["--data-path", data_prefix, "--load", load, "--dry-run"]),
@@ -359,6 +361,7 @@ def _dry_run_worker(rank, world_size, port, root, load, data_prefix, valid):
     results = {}
     for name, run in runs.items():
         counts, out = {}, io.StringIO()
+        os.environ["MASTER_PORT"] = str(ports[name])
         _count_reads_under(root, counts)  # hooks stay: count from here on
         try:
             with contextlib.redirect_stdout(out):
@@ -380,8 +383,8 @@ def test_dry_run_reads_once_per_node(tmp_path):
     prefix = _write(str(root / "corpus"), vocab=100)
     valid = root / "lambada.jsonl"
     valid.write_text('{"text": "1 2 3"}\n')
-    results = run_distributed(_dry_run_worker, 2, free_port(), str(root), load, prefix,
-                              str(valid))
+    ports = {"pretrain": free_port(), "evaluate": free_port()}
+    results = run_distributed(_dry_run_worker, 2, ports, str(root), load, prefix, str(valid))
     for name in ("pretrain", "evaluate"):
         first, other = results[0][name], results[1][name]
         assert (first["status"], other["status"]) == (1, 1), (name, results)
