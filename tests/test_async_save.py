@@ -470,7 +470,7 @@ def test_finish_bounds_rank_0s_wait_for_a_part_that_never_comes(tmp_path, capsys
     saver.submit(publish_when_complete, "the checkpoint at iteration 5", who="[rank 0]")
     started = time.monotonic()
     assert saver.finish(0.3) is True
-    assert time.monotonic() - started < 2.0 and not published
+    assert time.monotonic() - started < 30.0 and not published  # not the 600 s wait
     out = capsys.readouterr().out
     assert "[rank 0] stopping: finishing the background save of the checkpoint at " \
            "iteration 5 first (at most 0 s)" in out
