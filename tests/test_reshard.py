@@ -223,6 +223,15 @@ def test_offline_reshard_loads_without_conversion(tmp_path_factory, tmp_path, ca
                                  "--target-tensor-model-parallel-size", "1",
                                  "--target-pipeline-model-parallel-size", "2",
                                  "--target-num-layers-per-virtual-pipeline-stage", "3"])
+    # no virtual stages at pp 1 (pretrain_gpt.py refuses them; this wrote "pp 1, 2 virtual
+    # stages") nor of 0 layers (it said "0 does not divide the 4 layers"): leave it out
+    for pp, size, words in [("1", "2", r"2 needs a target pipeline-parallel size >= 2 \(it is 1;"),
+                            ("2", "0", "0 must be >= 1 .*leave the flag out")]:
+        with pytest.raises(SystemExit, match=words):
+            checkpoint_convert.main(["reshard", "--load", out, "--save", str(tmp_path / "v"),
+                                     "--target-pipeline-model-parallel-size", pp,
+                                     "--target-num-layers-per-virtual-pipeline-stage", size])
+        assert not os.path.exists(tmp_path / "v")
     # sizes that do not split the model: refused before any file is written
     for tp, pp, words in [(3, 1, "--target-tensor-model-parallel-size 3 does not divide the "
                                  "saved model's --num-attention-heads 4 and --ffn-hidden-size 128"),

@@ -158,9 +158,17 @@ def _virtual_stages(num_layers: int, pp: int, layers_per_stage: Optional[int]) -
     """Model chunks per pipeline rank; SystemExit naming the sizes when they do not fit."""
     if layers_per_stage is None:
         return 1
-    if layers_per_stage < 1 or num_layers % pp or (num_layers // pp) % layers_per_stage:
-        raise SystemExit(f"error: --target-num-layers-per-virtual-pipeline-stage "
-                         f"{layers_per_stage} does not divide the {num_layers} layers over "
+    flag = f"--target-num-layers-per-virtual-pipeline-stage {layers_per_stage}"
+    if layers_per_stage < 1:
+        raise SystemExit(f"error: {flag} must be >= 1 (transformer layers in each virtual "
+                         "pipeline stage); leave the flag out for no virtual stages")
+    if pp < 2:  # pretrain_gpt.py refuses the flag there; Megatron-LM 23.05 needs pp > 2
+        raise SystemExit(f"error: {flag} needs a target pipeline-parallel size >= 2 (it is "
+                         f"{pp}; Megatron-LM 23.05 needs > 2): virtual stages split each "
+                         "pipeline rank's layers. Leave the flag out, or give "
+                         "--target-pipeline-model-parallel-size")
+    if num_layers % pp or (num_layers // pp) % layers_per_stage:
+        raise SystemExit(f"error: {flag} does not divide the {num_layers} layers over "
                          f"{pp} pipeline stages")
     return num_layers // pp // layers_per_stage
 
