@@ -501,16 +501,7 @@ def parse_args(argv: Sequence[str], extra_options: Sequence[str] = ()
     line or the YAML file set it. An unknown flag is an error naming the closest of
     Megatron's flags and `extra_options` (a tool's own flags, parsed before).
     """
-    argv = list(argv)
-    _check_removed(argv)
-    argv, switched_off = _switches_set_off(argv, build_parser())
-    probe = build_parser(suppress_defaults=True)
-    given, unknown = probe.parse_known_args(argv)
-    if unknown:
-        options = option_strings(probe) + list(extra_options)
-        later = {t.split("=", 1)[0]: later_flag_hint(t.split("=", 1)[0]) for t in unknown}
-        raise ArgumentsError(unknown_arguments_message(
-            unknown, options, {flag: hint for flag, hint in later.items() if hint}))
+    argv, switched_off, given = probe_args(argv, extra_options)
     parser = build_parser()
     yaml_values: Dict[str, Any] = {}
     _check_one_config(argv)
@@ -523,6 +514,25 @@ def parse_args(argv: Sequence[str], extra_options: Sequence[str] = ()
     parser.set_defaults(**switched_off)
     ns = parser.parse_args(argv)
     return ns, set(vars(given)) | set(yaml_values) | set(switched_off)
+
+
+def probe_args(argv: Sequence[str], extra_options: Sequence[str] = ()
+               ) -> Tuple[List[str], Dict[str, Any], argparse.Namespace]:
+    """(argv without its `--SWITCH=false` tokens, {dest: value} of those, the flags given
+    as a namespace); ArgumentsError for a removed flag (by name) or an unknown one (the
+    closest of Megatron's flags and `extra_options`). A tool checks its own flags after
+    this, so that a mistyped flag is named before "--FLAG is required"."""
+    argv = list(argv)
+    _check_removed(argv)
+    argv, switched_off = _switches_set_off(argv, build_parser())
+    probe = build_parser(suppress_defaults=True)
+    given, unknown = probe.parse_known_args(argv)
+    if unknown:
+        options = option_strings(probe) + list(extra_options)
+        later = {t.split("=", 1)[0]: later_flag_hint(t.split("=", 1)[0]) for t in unknown}
+        raise ArgumentsError(unknown_arguments_message(
+            unknown, options, {flag: hint for flag, hint in later.items() if hint}))
+    return argv, switched_off, given
 
 
 def _switches_set_off(argv: List[str], parser: argparse.ArgumentParser

@@ -447,6 +447,12 @@ def test_errors(tmp_path, capsys):
     assert "--task RACE is one of Megatron-LM's BERT tasks" in \
         _error_of(["--task", "RACE", "--valid-data", "x"] + NULL, capsys)
     assert "--task is required" in _error_of(NULL, capsys)
+    # a mistyped flag is named first, as pretrain_gpt.py does (it said "--task is required",
+    # "--task WIKITEXT103 needs --valid-data FILE")
+    assert "unrecognized arguments: --tsk (did you mean --task?) WIKITEXT103" in \
+        _error_of(["--tsk", "WIKITEXT103", "--valid-data", "x"] + NULL, capsys)
+    assert "unrecognized arguments: --valid-dta (did you mean --valid-data?) x" in \
+        _error_of(["--task", "WIKITEXT103", "--valid-dta", "x"] + NULL, capsys)
     assert "--task LAMBADA needs --valid-data FILE" in _error_of(["--task", "LAMBADA"] + NULL,
                                                                 capsys)
     # one report per file: a second file is refused (Megatron-LM asserts one), not dropped

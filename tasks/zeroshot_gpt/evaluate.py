@@ -372,9 +372,11 @@ def _main(argv: Sequence[str], rank: int, world_size: int, local_rank: int,
         exit_before_group,
         format_args_dump,
         parse_and_validate,
+        probe_args,
         program_name,
         wait_for_printing_rank,
     )
+    from megatron.cli_suggest import option_strings
     from megatron.data_loading import build_tokenizer_for
     from megatron.initialize import initialize_entry_point, set_random_seed
     from megatron.startup_store import JobStore
@@ -386,6 +388,8 @@ def _main(argv: Sequence[str], rank: int, world_size: int, local_rank: int,
     say = lambda m: rank == 0 and print(m, flush=True)  # rank 0 prints: no group yet
     try:
         task_ns, rest = split_args(argv)
+        # a mistyped flag first: `--tsk` is why "--task is required"
+        probe_args(rest, option_strings(build_task_parser()))
         check_task_args(task_ns, warn=say)
     except ArgumentsError as err:  # a mistake in the flags: rank 0 prints it
         if rank == 0:  # named as argparse names it, and Megatron-LM's tasks/main.py
