@@ -96,9 +96,12 @@ def broken_triton(tmp_path_factory):
     broken = root / "site" / "triton"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text('raise RuntimeError("libcuda mismatch")\n')
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TRITON_INTERPRET")}
-    env.update(PYTHONPATH=str(root / "site"), OMP_NUM_THREADS="1")
+    from tests.dist_utils import cpu_env
+
+    # cpu_env: CUDA hidden, so a GPU machine runs this CPU check on the CPU too
+    env = cpu_env({k: v for k, v in os.environ.items()
+                   if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TRITON_INTERPRET")})
+    env.update(PYTHONPATH=f"{root / 'site'}{os.pathsep}{env['PYTHONPATH']}")
     argv = TINY + ["--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
                    "--mock-data", "--log-interval", "1", "--eval-iters", "0",
                    "--save", str(root / "ckpt"), "--save-interval", "1"]
