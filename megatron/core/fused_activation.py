@@ -18,13 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron.core.triton_jit import jitted, runs_on
+from megatron.core.triton_jit import import_triton, jitted, runs_on
 
-try:  # Triton ships with CUDA builds of torch; CPU builds may lack it.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+triton, tl = import_triton()  # (None, None) without a working Triton: torch's ops
 
 BLOCK = 2048  # elements per program (benchmarks/act_probe.py)
 INTERPRET_ON_CPU = False  # tests: run the kernels on CPU tensors through the interpreter

@@ -45,13 +45,9 @@ from megatron.core.tensor_parallel.mappings import (
     group_size,
     reduce_scatter_dim0,
 )
-from megatron.core.triton_jit import jitted, runs_on
+from megatron.core.triton_jit import import_triton, jitted, runs_on
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+triton, tl = import_triton()  # (None, None) without a working Triton: torch's ops
 
 BLOCK = 2048  # vocabulary entries per loop iteration of one program
 _NUM_WARPS = 8

@@ -21,13 +21,9 @@ from typing import List, Tuple
 
 import torch
 
-from megatron.core.triton_jit import jitted, runs_on
+from megatron.core.triton_jit import import_triton, jitted, runs_on
 
-try:  # Triton ships with CUDA builds of torch; CPU builds may lack it.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+triton, tl = import_triton()  # (None, None) without a working Triton: torch's ops
 
 BLOCK_T = 8  # tokens per program
 INTERPRET_ON_CPU = False  # tests: run the kernels on CPU tensors through the interpreter

@@ -33,13 +33,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from megatron.core.graph_capture import capturing
-from megatron.core.triton_jit import jitted
+from megatron.core.triton_jit import import_triton, jitted
 
-try:  # Triton ships with CUDA builds of torch; CPU builds may lack it.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+triton, tl = import_triton()  # (None, None) without a working Triton: torch's ops
 
 BLOCK = 1024  # elements per Triton program (benchmarks/adam_probe.py: best on the H200)
 # Allow CPU tensors, for Triton's interpreter (tests); the kernel is built per setting.
