@@ -184,9 +184,6 @@ def _train(config, ranks: tuple, start: float, progress, watch, tokenizer=None,
     the --exit-signal-handler handler installed at start-up (None without the flag)."""
     import torch.distributed as dist
 
-    from megatron.initialize import announce_broken_triton
-
-    announce_broken_triton(ranks[0])  # before the modules that import Triton
     from megatron.agreed_exit import silent_ranks_wait
     from megatron.arguments import format_args_dump, wait_for_printing_rank
     from megatron.data_loading import check_data_files

@@ -17,7 +17,7 @@ import sys
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import List, Mapping, MutableMapping, Optional
+from typing import List, Mapping, MutableMapping
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron.core.config import ParallelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_seed
+from megatron.core.triton_jit import broken_triton_warning, import_triton
 from megatron.custom_script_api import module_getattr
 from megatron.entry_state import (  # noqa: F401 (also used from here)
     CUBLASLT_WORKSPACE_WARNING,
@@ -322,42 +323,19 @@ def local_gpu(rank: int, local_rank: int, env: Mapping[str, str], num_gpus: int)
     return rank % num_gpus
 
 
-# The warning of the Triton install hide_broken_triton hid in this process (a later call,
-# an entry point's main after its module's imports, gives it again).
-_hidden_triton: List[str] = []
-
-
-def hide_broken_triton() -> Optional[str]:
-    """Import Triton before the model and optimizer modules do. Its kernels are optional
-    (each module keeps torch's where `import triton` is an ImportError), but an install
-    that fails otherwise (a driver or version mismatch raising RuntimeError) ended every
-    run there, CPU runs included. Such an install is made to look absent
-    (sys.modules["triton"] = None: every later `import triton` is an ImportError) and the
-    warning to print is returned (by every later call too); None when Triton imports or
-    is not installed."""
-    if "triton" in sys.modules:
-        return _hidden_triton[0] if _hidden_triton and sys.modules["triton"] is None else None
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return None
-    except Exception as exc:  # a broken install, not a missing one
-        sys.modules["triton"] = None
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        _hidden_triton[:] = [
-            f"WARNING: Triton is installed but fails to import ({type(exc).__name__}: "
-            f"{first}); running without its kernels (torch's instead): fix or reinstall "
-            "Triton to use them"]
-        return _hidden_triton[0]
-    return None
+_triton_announced: List[bool] = []  # whether this process printed the Triton warning
 
 
 def announce_broken_triton(rank: int) -> None:
-    """`hide_broken_triton` for an entry point (pretrain_gpt.py, tools/generate.py, the
-    text generation server, tasks/main.py), called before the modules that import Triton
-    load; global rank `rank` 0 prints its warning to stderr."""
-    warning = hide_broken_triton()
-    if warning and rank == 0:
+    """Import Triton now (megatron.core.triton_jit.import_triton: a broken install is
+    hidden before torch's lazy imports meet it) and, on global rank `rank` 0, print the
+    warning for a broken install to stderr, once per process. Called by
+    `initialize_entry_point` and by the tools that start without it (tools/generate.py,
+    the text generation server, the checkpoint converters)."""
+    import_triton()
+    warning = broken_triton_warning()
+    if warning and rank == 0 and not _triton_announced:
+        _triton_announced.append(True)
         print(warning, file=sys.stderr, flush=True)
 
 
@@ -394,8 +372,10 @@ def initialize_entry_point(parallel: ParallelConfig, cublas_workspace: str, rank
     (under torchrun, each start of the job keeps out of the keys of earlier ones; `store`: the job's store when the entry point connected it already, see
     `initialize_distributed`; else connected here, `_job_store`), then check one GEMM on the GPU when cuBLAS was left without
     a workspace. With several processes, a warning every rank gives alike shows once from
-    then on (`warnings_once_per_job`)."""
+    then on (`warnings_once_per_job`). Rank 0 prints the warning of a broken Triton
+    install (`announce_broken_triton`)."""
     one_line_project_warnings()
+    announce_broken_triton(rank)
     watch_launcher(environ, rank)
     environ.update(gloo_lazy_init_env(environ))
     no_workspace = cublas_workspace_env(cublas_workspace, environ)

@@ -20,13 +20,10 @@ def main(argv=None) -> int:
     collective failed because another rank stopped prints one line naming that rank
     (megatron/rank_failure.py) instead of the backend's traceback; the process group is
     destroyed unless a rank may be gone (all in tasks/zeroshot_gpt/evaluate.py's main)."""
-    from megatron.initialize import announce_broken_triton
     from pretrain_gpt import _launcher_env
-
-    rank, world, local_rank = _launcher_env()
-    announce_broken_triton(rank)  # before the model modules import Triton
     from tasks.zeroshot_gpt.evaluate import main as evaluate_main
 
+    rank, world, local_rank = _launcher_env()
     evaluate_main(sys.argv[1:] if argv is None else argv, rank, world, local_rank, os.environ)
     return 0
 

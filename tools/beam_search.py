@@ -50,14 +50,10 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.initialize import hide_broken_triton
-
-hide_broken_triton()  # before the model modules below import Triton (the server prints why)
-
-from megatron.core.models.gpt.kv_cache import KVCache, check_incremental, gather_vocab  # noqa: E402
-from megatron.core.models.gpt.static_decode import StaticDecoder  # noqa: E402
-from tools.generate import _batch_step_logits  # noqa: E402
-from tools.sampling_rules import forbid_after  # noqa: E402
+from megatron.core.models.gpt.kv_cache import KVCache, check_incremental, gather_vocab
+from megatron.core.models.gpt.static_decode import StaticDecoder
+from tools.generate import _batch_step_logits
+from tools.sampling_rules import forbid_after
 
 Hypothesis = Tuple[List[int], float]  # (generated ids without the stop token, score)
 

@@ -394,10 +394,6 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
         profile_launches: str = "", chip_sample_ms: int = 250) -> dict:
     import torch
 
-    from megatron.initialize import announce_broken_triton
-
-    rank, world, local_rank = launcher_ranks(os.environ)
-    announce_broken_triton(rank)  # before the modules below import Triton
     from megatron.arguments import parse_and_validate
     from megatron.core.tensor_parallel import gemm_algos
     from megatron.initialize import initialize_entry_point, set_random_seed
@@ -406,6 +402,7 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     from megatron.startup_store import JobStore
     from megatron.training import build_trainer, data_iterator, train_step
 
+    rank, world, local_rank = launcher_ranks(os.environ)
     use_cuda = device == "cuda"
     job = JobStore(os.environ, rank, world)  # --use-checkpoint-args: rank 0 reads for all
     config = parse_and_validate(build_argv(preset, steps, warmup, micro_batch, extra, layout),

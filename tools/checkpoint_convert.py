@@ -51,28 +51,24 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from megatron.initialize import announce_broken_triton, hide_broken_triton  # noqa: E402
-
-hide_broken_triton()  # before the modules below import Triton (main prints why)
-
-from megatron import checkpoint_reshard as reshard_lib  # noqa: E402
-from megatron import hf_convert, hf_import  # noqa: E402
-from megatron.arguments_inputs import home_not_expanded  # noqa: E402
-from megatron.checkpoint_dirs import (  # noqa: E402
+from megatron import checkpoint_reshard as reshard_lib
+from megatron import hf_convert, hf_import
+from megatron.arguments_inputs import home_not_expanded
+from megatron.checkpoint_dirs import (
     free_space_text,
     is_legacy_model_file,
     model_file,
     no_rank_dirs_message,
     same_dir,
 )
-from megatron.checkpoint_files import (  # noqa: E402
+from megatron.checkpoint_files import (
     load_checkpoint_file,
     megatron_distrib_payload,
     megatron_payload,
 )
-from megatron.checkpointing import (  # noqa: E402
+from megatron.checkpointing import (
     MODEL_FILENAME,
     TRACKER_FILENAME,
     interrupt_behind,
@@ -83,10 +79,10 @@ from megatron.checkpointing import (  # noqa: E402
     tracker_path,
     write_tracker,
 )
-from megatron.entry_state import project_warnings_in_one_line  # noqa: E402
-from megatron.save_lock import SaveDirLock  # noqa: E402
-from megatron.write_errors import no_room_error, room_fix, write_error_text  # noqa: E402
-from tools.interruptible import run_interruptible  # noqa: E402
+from megatron.entry_state import project_warnings_in_one_line
+from megatron.save_lock import SaveDirLock
+from megatron.write_errors import no_room_error, room_fix, write_error_text
+from tools.interruptible import run_interruptible
 
 
 # ---------------------------------------------------------------------------- reshard
@@ -706,6 +702,8 @@ def run_conversion(tool: str, run: Callable[[], int]) -> int:
 
 
 def main(argv=None) -> int:
+    from megatron.initialize import announce_broken_triton
+
     a = build_parser().parse_args(argv)
     announce_broken_triton(0)  # one process: it prints
     with project_warnings_in_one_line():  # a merges file's unread line: one line

@@ -43,12 +43,8 @@ from typing import List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.initialize import announce_broken_triton, hide_broken_triton  # noqa: E402
-
-hide_broken_triton()  # before the modules below import Triton (main prints why)
-
-from megatron import checkpoint_reshard as reshard_lib  # noqa: E402
-from megatron.checkpoint_dirs import (  # noqa: E402
+from megatron import checkpoint_reshard as reshard_lib
+from megatron.checkpoint_dirs import (
     TRACKER_FILENAME,
     is_iteration_dir_name,
     list_checkpoints,
@@ -56,9 +52,9 @@ from megatron.checkpoint_dirs import (  # noqa: E402
     same_dir,
     tracker_path,
 )
-from megatron.checkpoint_foreign import dist_backend  # noqa: E402
-from megatron.entry_state import project_warnings_in_one_line  # noqa: E402
-from tools import checkpoint_convert  # noqa: E402
+from megatron.checkpoint_foreign import dist_backend
+from megatron.entry_state import project_warnings_in_one_line
+from tools import checkpoint_convert
 
 FLAGS = ("--target-tensor-parallel-size", "--target-pipeline-parallel-size")
 PLUGIN = "megatron"  # the only --loader / --saver: Megatron's checkpoint layout
@@ -261,6 +257,8 @@ def run(a: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
+    from megatron.initialize import announce_broken_triton
+
     a = build_parser().parse_args(argv)
     announce_broken_triton(0)  # one process: it prints
     with project_warnings_in_one_line():  # a merges file's unread line: one line

@@ -76,35 +76,31 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from megatron.initialize import announce_broken_triton, hide_broken_triton  # noqa: E402
-
-hide_broken_triton()  # before the model modules below import Triton (main prints why)
-
-from megatron.agreed_exit import exit_on_every_rank, silent_ranks_wait  # noqa: E402
-from megatron.checkpoint_reshard import (  # noqa: E402
+from megatron.agreed_exit import exit_on_every_rank, silent_ranks_wait
+from megatron.checkpoint_reshard import (
     config_from_args,
     full_model_state,
     locate_iteration,
 )
-from megatron.checkpoint_source import SourceCheckpoint  # noqa: E402
-from megatron.core.models.gpt.kv_cache import (  # noqa: E402
+from megatron.checkpoint_source import SourceCheckpoint
+from megatron.core.models.gpt.kv_cache import (
     KVCache,
     check_incremental,
     forward_incremental,
     gather_vocab,
 )
-from megatron.core.models.gpt.static_decode import MODES, StaticDecoder  # noqa: E402
-from megatron.tokenizer import eod_or_none  # noqa: E402
-from tools.generate_prompts import (  # noqa: E402
+from megatron.core.models.gpt.static_decode import MODES, StaticDecoder
+from megatron.tokenizer import eod_or_none
+from tools.generate_prompts import (
     all_prompt_ids,
     continuation_text,
     file_prompts,
     window_note,
 )
-from tools.generate_tp import Replicas  # noqa: E402
-from tools.sampling_rules import TopP, forbid_after, top_p_at  # noqa: E402
+from tools.generate_tp import Replicas
+from tools.sampling_rules import TopP, forbid_after, top_p_at
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # sample_next: below this temperature the logits are shifted to a maximum of 0 before the
@@ -533,6 +529,7 @@ def main(argv=None, environ=None) -> int:
     (megatron.entry_state.entry_point_changes_undone), and the process group the run made
     is ended (one the caller made is kept)."""
     from megatron.entry_state import entry_point_changes_undone, one_line_project_warnings
+    from megatron.initialize import announce_broken_triton
     from megatron.rank_failure import process_group_closed
     from megatron.srun_tasks import launcher_ranks
 

@@ -105,28 +105,24 @@ from urllib.parse import urlsplit
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from megatron.initialize import announce_broken_triton, hide_broken_triton  # noqa: E402
-
-hide_broken_triton()  # before the model modules below import Triton (main prints why)
-
-from megatron.agreed_exit import silent_ranks_wait  # noqa: E402
-from megatron.core.models.gpt.static_decode import MODES  # noqa: E402
-from tools import http_guards  # noqa: E402
-from tools.generate import (  # noqa: E402
+from megatron.agreed_exit import silent_ranks_wait
+from megatron.core.models.gpt.static_decode import MODES
+from tools import http_guards
+from tools.generate import (
     _device,
     build_decoder,
     build_tokenizer_from,
     load_model,
 )
-from tools.text_generation_api import (  # noqa: E402
+from tools.text_generation_api import (
     Engine,
     RequestError,
     parse_request,
     run_request,
 )
-from tools.text_generation_ranks import (  # noqa: E402
+from tools.text_generation_ranks import (
     Dispatcher,
     Lockstep,
     ServingGroups,
@@ -598,6 +594,7 @@ def main(argv=None, environ=None) -> int:
     warnings hooks come back as they were, and the process group the run made is ended
     (one the caller made is kept)."""
     from megatron.entry_state import entry_point_changes_undone
+    from megatron.initialize import announce_broken_triton
     from megatron.rank_failure import process_group_closed
     from megatron.srun_tasks import launcher_ranks
 

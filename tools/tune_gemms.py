@@ -41,9 +41,6 @@ def record_shapes(argv: list, device: str, rank: int = 0, world: int = 1, local_
     --use-checkpoint-args rank 0 reads the checkpoint's arguments for every rank through
     the launch's rendezvous store, which then makes the process group (pretrain_gpt.py's
     start)."""
-    from megatron.initialize import announce_broken_triton
-
-    announce_broken_triton(rank)  # before the modules below import Triton
     from megatron.arguments import parse_and_validate
     from megatron.core.tensor_parallel import gemm_algos
     from megatron.initialize import initialize_entry_point, set_random_seed
