@@ -174,3 +174,30 @@ def test_a_broken_triton_install_does_not_end_the_cpu_tools(broken_triton, tool)
     assert out.returncode == 0 and done in both, both[-3000:]
     warned = 0 if tool == "beam_search" else 1
     assert out.stderr.count(BROKEN_TRITON) == warned and "Traceback" not in both, both[-3000:]
+
+
+HIDDEN_PROBE = """
+import sys
+sys.path.insert(0, {repo!r})
+from megatron.core import fused_activation, triton_jit
+from megatron.initialize import announce_broken_triton
+from torch.utils._triton import has_triton_package
+
+print("HIDDEN", fused_activation.triton is None, sys.modules["triton"] is None,
+      has_triton_package(), triton_jit.broken_triton_warning() is not None)
+announce_broken_triton(1)
+announce_broken_triton(0)
+announce_broken_triton(0)
+"""
+
+
+def test_a_broken_triton_install_is_hidden_by_the_first_kernel_module(broken_triton):
+    """The first megatron.core module to import Triton hides a broken install: torch's own
+    lazy `import triton` (torch.compile's) then finds it absent instead of raising, and
+    the warning is kept for the entry point, which prints it on rank 0 once a process."""
+    env, root, _ = broken_triton
+    out = subprocess.run([sys.executable, "-c", HIDDEN_PROBE.format(repo=str(REPO))],
+                         capture_output=True, text=True, timeout=120, cwd=root, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "HIDDEN True True False True" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert out.stderr.count(BROKEN_TRITON) == 1, out.stderr[-3000:]
