@@ -1,9 +1,10 @@
 """GPT sample indexing vs a loop-based reference written from the Megatron 23.05 facts:
-epochs, separate last epoch, split boundaries, caching, blending, masks, builder rank."""
+epochs, separate last epoch, split boundaries, caching, builder rank, the whole builder vs
+the Megatron reference. Blending: tests/test_gpt_dataset_blending.py; masks:
+tests/test_gpt_dataset_masks.py."""
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import re
 
@@ -12,14 +13,13 @@ import pytest
 import torch
 
 from megatron.core.datasets import gpt_dataset as gd
-from megatron.core.datasets.blended import BlendedDataset, build_blending_indices
+from megatron.core.datasets.blended import BlendedDataset
 from megatron.core.datasets.gpt_dataset import (
     GPTDataset,
     build_train_valid_test_datasets,
     get_train_valid_test_split,
 )
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, MMapIndexedDataset
-from megatron.core.datasets.utils import get_ltor_masks_and_position_ids
 from tests.dist_utils import run_distributed
 
 # ---------------------------------------------------------------- reference (loops)
@@ -83,19 +83,6 @@ def ref_indices(documents, sizes, num_samples, seq_length, seed):
         rng.shuffle(last)
         shuffle = np.concatenate((shuffle, last))
     return doc_idx, sample_idx, shuffle, epochs, separate
-
-
-def ref_blending(weights, size):
-    counts = [0] * len(weights)
-    index, sample = [], []
-    for s in range(size):
-        x = float(max(s, 1))
-        errors = [w * x - c for w, c in zip(weights, counts)]
-        d = errors.index(max(errors))
-        index.append(d)
-        sample.append(counts[d])
-        counts[d] += 1
-    return np.array(index), np.array(sample)
 
 
 # ---------------------------------------------------------------- helpers
@@ -417,197 +404,9 @@ def test_cache_names_reuse_and_lookup(tmp_path, monkeypatch):
         build_train_valid_test_datasets([prefix], "969,30,1", [10, 2, 1], 8, 1234, str(cache))
 
 
-def _assert_blend_matches_reference(w, size: int) -> np.ndarray:
-    """build_blending_indices(w, size) equals the reference greedy element for element,
-    with Megatron's dtypes; the dataset index returned."""
-    index, sample = build_blending_indices(w, size)
-    r_index, r_sample = ref_blending(list(w), size)
-    np.testing.assert_array_equal(index, r_index)
-    np.testing.assert_array_equal(sample, r_sample)
-    assert index.dtype == np.uint8 and sample.dtype == np.int64
-    return index
-
-
-@pytest.mark.parametrize("weights", [[0.5, 0.5], [0.3, 0.7], [0.123, 0.877], [1.0, 3.0],
-                                     [0.2, 0.3, 0.5], [5, 1, 1, 2, 3]])
-def test_blending_indices_match_reference(weights):
-    w = np.array(weights, dtype=np.float64)
-    w /= w.sum()
-    size = 3000
-    index = _assert_blend_matches_reference(w, size)
-    np.testing.assert_allclose(np.bincount(index, minlength=len(w)) / size, w, atol=2 / size)
-
-
-def test_blending_two_datasets_large_random():
-    rng = np.random.default_rng(0)
-    for _ in range(5):
-        w = rng.random(2)
-        w /= w.sum()
-        _assert_blend_matches_reference(w, 20000)
-
-
-@pytest.mark.parametrize("num", [32, 40, 61, 254])
-def test_blending_many_datasets_matches_reference(monkeypatch, num):
-    """From LANES_MIN datasets the lanes builder: exact, ties included (integer weights
-    repeat; a weight 0), across many lanes (short stretches: their seams are where the
-    sample indices are numbered)."""
-    from megatron.core.datasets import blend_lanes, blended
-
-    assert blended.LANES_MIN <= 32
-    monkeypatch.setattr(blend_lanes, "_STRETCH_MAX", 101)
-    monkeypatch.setattr(blend_lanes, "_BURN_PER_DATASET", 1)
-    w = np.random.default_rng(num).integers(0, 6, num).astype(np.float64)
-    w[0] = 0.0
-    w /= w.sum()
-    _assert_blend_matches_reference(w, 5000)
-
-
-def test_blending_many_datasets_is_not_a_loop_over_them():
-    """A blend of 200 datasets costs about what one of 50 does (a Python loop over the
-    datasets per sample grew with their number: minutes more for a large corpus of many
-    shards). Measured against that loop on the same input, best of two."""
-    import time
-
-    from megatron.core.datasets import blended
-
-    w = np.random.default_rng(3).random(200)
-    w /= w.sum()
-    size = 60000
-
-    def best(fn):  # CPU time of this process: a busy machine does not stretch it
-        times = []
-        for _ in range(2):
-            start = time.process_time()
-            fn()
-            times.append(time.process_time() - start)
-        return min(times)
-
-    loop = best(lambda: blended._blending_loop(w, size, np.zeros(200, dtype=np.int64), 0,
-                                               np.zeros(size, np.uint8), np.zeros(size, np.int64)))
-    ours = best(lambda: build_blending_indices(w, size))
-    assert ours < 0.5 * loop, (ours, loop)
-
-
-@pytest.mark.parametrize("num", [3, 200])
-def test_samples_needed_per_dataset(monkeypatch, num):
-    """1 + the largest sample taken from each dataset, 0 for one never picked, across
-    blocks; what the blend checks its members against."""
-    from megatron.core.datasets import blended
-
-    monkeypatch.setattr(blended, "_FLUSH", 251)
-    rng = np.random.default_rng(num)
-    index = rng.integers(0, num - 1, 7000).astype(np.uint8)  # the last one never picked
-    sample = rng.integers(0, 10**6, 7000)
-    want = [int(sample[index == d].max()) + 1 if (index == d).any() else 0 for d in range(num)]
-    assert blended.samples_needed(index, sample, num).tolist() == want
-
-
-def test_a_blend_member_too_small_for_its_picks_is_named(tmp_path):
-    a, _ = make_corpus(tmp_path / "a", [30] * 40, seed=1)
-    b, _ = make_corpus(tmp_path / "b", [17] * 60, seed=2)
-    train, _, _ = build_train_valid_test_datasets(["0.3", a, "0.7", b], "1", [100, 0, 0], 16, 7)
-    members = train.datasets
-    size = int(len(members[1]) / 0.7) + 20  # b's 70%: more than it has
-    assert 0.3 * size < len(members[0])
-    with pytest.raises(ValueError, match=rf"blended dataset 1 has {len(members[1])} samples but "
-                                         r"the blend needs \d+"):
-        BlendedDataset(members, [0.3, 0.7], size)
-
-
-def test_checking_a_blend_of_many_datasets_is_one_pass():
-    """The members' sample counts come from one pass over the blend (it made one per
-    dataset: minutes on every rank for a large blend of hundreds of shards). Both are
-    timed in this process's CPU time, not wall time: on a busy machine (CI's `-n 2` on
-    two cores, other jobs) a time slice lost during the short pass made it look slow."""
-    import time
-
-    from megatron.core.datasets import blended
-
-    size, num = 4_000_000, 200
-    rng = np.random.default_rng(0)
-    index = rng.integers(0, num, size).astype(np.uint8)
-    sample = rng.integers(0, 10**6, size)
-    start = time.process_time()
-    blended.samples_needed(index, sample, num)
-    ours = time.process_time() - start
-    start = time.process_time()
-    for d in range(num):
-        int(sample[index == d].max())
-    per_dataset = time.process_time() - start
-    assert ours < 0.5 * per_dataset, (ours, per_dataset)
-
-
-def test_blended_datasets(tmp_path):
-    a, _ = make_corpus(tmp_path / "a", [30] * 40, seed=1)
-    b, _ = make_corpus(tmp_path / "b", [17] * 60, seed=2)
-    cache = str(tmp_path / "cache")
-    train, valid, test = build_train_valid_test_datasets(["0.3", a, "0.7", b], "90,10,0",
-                                                         [200, 20, 0], 16, 7, cache)
-    assert test is None
-    n_a, n_b = math.ceil(200 * 0.3 * 1.005), math.ceil(200 * 0.7 * 1.005)
-    assert len(train) == n_a + n_b
-    assert train.datasets[0].desc.startswith(f"GPT Dataset\n\nData prefix {a}\n")
-    assert "Number of samples %d\n" % n_a in train.datasets[0].desc
-    np.testing.assert_allclose(train.achieved_weights(), [0.3, 0.7], atol=0.01)
-    for i in (0, 1, 2, 57, len(train) - 1):
-        item = train[i]
-        d = item["dataset_idx"]
-        member = train.datasets[d][int(train.dataset_sample_index[i])]
-        np.testing.assert_array_equal(item["text"], member["text"])
-    assert any(name.endswith("_sample_index.npy") for name in os.listdir(cache))
-    with pytest.raises(IndexError):
-        train[len(train)]
-    # separate paths: split ignored, all documents used; a weighted list blends.
-    tr, va, te = build_train_valid_test_datasets(None, "969,30,1", [50, 10, 5], 16, 7, cache,
-                                                 train_data_path=["1", a, "1", b],
-                                                 valid_data_path=[b], test_data_path=None)
-    assert isinstance(tr, BlendedDataset) and te is None
-    assert len(va.doc_idx) % 60 == 0 and va.name == "valid"
-
-
 def test_no_data_error():
     with pytest.raises(ValueError, match="--data-path"):
         build_train_valid_test_datasets(None, "1", [1, 1, 1], 8, 1)
-
-
-# ---------------------------------------------------------------- masks
-
-
-def ref_masks(data, eod, reset_pos, reset_att, eod_mask):
-    """Megatron's loop implementation."""
-    b, s = data.shape
-    att = torch.tril(torch.ones((b if reset_att else 1, s, s))).view(-1, 1, s, s)
-    loss = torch.ones(data.shape)
-    if eod_mask:
-        loss[data == eod] = 0.0
-    pos = torch.arange(s).unsqueeze(0).expand_as(data).clone()
-    for i in range(b):
-        eods = pos[i, data[i] == eod].clone()
-        prev = 0
-        for j in eods.tolist():
-            if reset_att:
-                att[i, 0, j + 1:, :j + 1] = 0
-            if reset_pos:
-                pos[i, j + 1:] -= j + 1 - prev
-                prev = j + 1
-    return att < 0.5, loss, pos
-
-
-@pytest.mark.parametrize("flags", [(False, False, False), (True, False, True),
-                                   (False, True, False), (True, True, True)])
-def test_ltor_masks(flags):
-    g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, 5, (3, 16), generator=g)
-    data[1] = 7
-    data[2, -1] = 0
-    mask, loss, pos = get_ltor_masks_and_position_ids(data, 0, *flags)
-    r_mask, r_loss, r_pos = ref_masks(data, 0, *flags)
-    torch.testing.assert_close(loss, r_loss)
-    assert torch.equal(pos, r_pos)
-    if flags[1]:
-        assert mask.dtype == torch.bool and torch.equal(mask, r_mask)
-    else:
-        assert mask is None
 
 
 # ---------------------------------------------------------------- builder rank + barrier
@@ -826,60 +625,3 @@ def test_same_layout_range_bounds_the_counts_with_one_index_layout():
             assert all(index_layout(tokens, seq, m) == layout for m in range(lo, hi + 1))
             assert index_layout(tokens, seq, hi + 1) != layout
             assert lo == 0 or index_layout(tokens, seq, lo - 1) != layout
-
-
-def _eod_layouts(s, eod):
-    """[n, s] token rows with awkward document boundaries."""
-    g = torch.Generator().manual_seed(1)
-    rows = [torch.full((s,), eod + 1)]  # one document spans the whole sample
-    r = torch.full((s,), eod + 1)
-    r[0] = r[-1] = eod  # EOD at the first and the last position
-    rows.append(r)
-    r = torch.full((s,), eod + 1)
-    r[3:7] = eod  # several EODs in a row
-    rows.append(r)
-    rows.append(torch.full((s,), eod))  # all EODs
-    for p in (0.02, 0.2, 0.6):  # random boundaries
-        rows.append(torch.where(torch.rand(s, generator=g) < p, eod, eod + 1))
-    return torch.stack(rows)
-
-
-@pytest.mark.parametrize("band", [1 << 24, 37, 1])
-def test_ltor_masks_boundaries_match_reference(monkeypatch, band):
-    from megatron.core.datasets import utils
-    monkeypatch.setattr(utils, "MASK_BAND_ELEMENTS", band)  # several bands, ragged last
-    data = _eod_layouts(23, 5)
-    for flags in [(True, True, True), (False, True, False), (True, False, True)]:
-        mask, loss, pos = get_ltor_masks_and_position_ids(data, 5, *flags)
-        r_mask, r_loss, r_pos = ref_masks(data, 5, *flags)
-        assert torch.equal(loss, r_loss) and torch.equal(pos, r_pos)
-        if flags[1]:
-            assert mask.dtype == torch.bool and mask.shape == r_mask.shape
-            assert torch.equal(mask, r_mask)
-        for i in range(len(data)):  # one sample alone gets its own rows of the batch
-            one = get_ltor_masks_and_position_ids(data[i:i + 1], 5, *flags)
-            assert flags[1] is False or torch.equal(one[0][0], mask[i])
-
-
-def test_ltor_mask_makes_one_s_by_s_allocation(monkeypatch):
-    """Building the [b, 1, s, s] mask allocates it once, not ~4 s x s temporaries
-    (4 GiB at seq 32768 in the loader-to-model path); the rest is one band of rows."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from megatron.core.datasets import utils
-    s, b = 512, 2
-    monkeypatch.setattr(utils, "MASK_BAND_ELEMENTS", 16 * b * s)  # as at seq 16 Ki
-    big = set()
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in (out if isinstance(out, (tuple, list)) else [out]):
-                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() >= s * s:
-                    big.add(t.untyped_storage().data_ptr())
-            return out
-
-    data = _eod_layouts(s, 5)[:b]
-    with Count():
-        mask, _, _ = get_ltor_masks_and_position_ids(data, 5, True, True, True)
-    assert len(big) == 1 and mask.untyped_storage().data_ptr() in big
