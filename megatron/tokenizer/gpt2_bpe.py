@@ -117,7 +117,26 @@ def _load_vocab(vocab_file: str) -> Dict[str, int]:
     if not isinstance(vocab, dict):
         raise ValueError(f"--vocab-file {vocab_file}: expected a JSON object mapping token -> "
                          f"id, got {type(vocab).__name__}; {SWAPPED_HINT}")
+    bad = next(((t, i) for t, i in vocab.items()
+                if not isinstance(i, int) or isinstance(i, bool) or i < 0), None)
+    if bad is not None:
+        raise ValueError(f"--vocab-file {vocab_file}: token {bad[0]!r} has id {bad[1]!r}; "
+                         "the ids must be integers >= 0")
     return vocab
+
+
+def _vocab_size(vocab: Dict[str, int], vocab_file: str) -> int:
+    """The largest id + 1. Megatron-LM takes len(vocab.json), the same for GPT-2's file and
+    any vocabulary without gaps in its ids; with gaps that count would leave the largest
+    ids (the data's, the end-of-document id) outside [0, vocab_size), so they are covered
+    here, with a warning that Megatron-LM's padded vocabulary may differ."""
+    size = max(vocab.values(), default=-1) + 1
+    if size > len(vocab):
+        warnings.warn(f"--vocab-file {vocab_file}: its ids have gaps (largest id {size - 1}, "
+                      f"{len(vocab)} entries): the vocabulary size is taken as {size} so every "
+                      f"id is a row of the model (Megatron-LM takes {len(vocab)}, leaving the "
+                      "largest ids outside its vocabulary)")
+    return size
 
 
 def _mergeable_ranks(vocab: Dict[str, int], merges: List[Tuple[str, str]], vocab_file: str
@@ -163,7 +182,8 @@ def _id_to_bytes(vocab: Dict[str, int], ids: Dict[bytes, int]) -> Dict[int, byte
 
 
 class GPT2BPETokenizer:
-    """GPT-2 BPE tokenizer (Megatron's `GPT2BPETokenizer`); `vocab_size` is len(vocab.json)."""
+    """GPT-2 BPE tokenizer (Megatron's `GPT2BPETokenizer`); `vocab_size` is the largest id
+    of vocab.json + 1: its number of entries, as in Megatron, unless the ids have gaps."""
 
     name = "GPT2BPETokenizer"
 
@@ -175,7 +195,7 @@ class GPT2BPETokenizer:
             raise ValueError(f"{vocab_file}: {EOD_TEXT} is missing; GPT2BPETokenizer needs it as "
                              "the end-of-document token")
         ranks, ids = _mergeable_ranks(vocab, read_merges(merge_file), vocab_file)
-        self._vocab_size = len(vocab)
+        self._vocab_size = _vocab_size(vocab, vocab_file)
         self._eod = vocab[EOD_TEXT]
         rank_of = np.fromiter(ranks.values(), dtype=np.int64, count=len(ranks))
         id_of = np.fromiter((ids[t] for t in ranks), dtype=np.int64, count=len(ranks))
