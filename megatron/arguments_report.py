@@ -318,7 +318,7 @@ def _model_variants(m) -> List[str]:
     if m.use_rotary_position_embeddings and m.rotary_base != 10000.0:
         found.append(f"rotary base {m.rotary_base:g}")
     if m.layernorm_epsilon != 1e-5:
-        found.append(f"norm epsilon {m.layernorm_epsilon:g}")
+        found.append(f"layernorm epsilon {m.layernorm_epsilon:g}")
     flags = (
         (m.apply_layernorm_1p, "layernorm 1p"),
         (m.apply_residual_connection_post_layernorm, "residual after the layernorm"),

@@ -18,7 +18,7 @@ both values and the fix.
 from __future__ import annotations
 
 import os
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from megatron.arguments_common import FLAG_SPECS, flag_for_dest
 from megatron.checkpointing import args_to_plain
@@ -311,6 +311,8 @@ def seq_length_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional
         text += ("; the --data-path documents are cut into samples of the new length and "
                  "shuffled anew, so of the text consumed so far some comes again and some "
                  "never (as in Megatron-LM)")
+    elif run.get("mock_data") and not run.get("finetune"):
+        text += "; --mock-data draws other samples at another length"
     return text + (f"; continuing at the new length is allowed, if it was mistyped rerun with "
                    f"--seq-length {before}")
 
@@ -366,48 +368,126 @@ def tokenizer_warning(saved: Optional[Dict], run: Dict, where: str,
 
 
 def data_order_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional[str]:
-    """One WARNING line when a resume reads its --data-path in another order than the run
-    that saved `where`: another --seed reshuffles the samples (the consumed count then
-    points into a different order: some samples come again, others never), another --split
-    moves documents between the train, validation and test ranges (the validation loss may
-    then be measured on trained-on documents). Megatron-LM resumes silently; going on may
-    be meant, so it is not an error. Another --data-path (other files or weights) is read
-    from the consumed count on as well, as in Megatron-LM. None for --finetune, mock data
-    or no change. --skip-train reads no training data (and the validation and test sets
-    from their start): only the --split change, which can put trained-on documents in the
+    """One WARNING line when a resume reads its data in another order than the run that
+    saved `where`: another --seed reshuffles the samples of a --data-path or
+    --train-data-path (the consumed count then points into a different order: some samples
+    come again, others never), another --split moves documents between the train,
+    validation and test ranges (the validation loss may then be measured on trained-on
+    documents). Megatron-LM resumes silently; going on may be meant, so it is not an error.
+    Another --data-path (other files or weights) is read from the consumed count on as
+    well, as in Megatron-LM. --mock-data: see `_mock_data_warning`. None for --finetune or
+    no change. --skip-train reads no training data (and the validation and test sets from
+    their start): only the --split change, which can put trained-on documents in the
     evaluated ranges, is said."""
-    if not isinstance(saved, dict) or run.get("finetune") or not run.get("data_path"):
+    if not isinstance(saved, dict) or run.get("finetune"):
         return None
-    if _plain(saved, "mock_data") is True or not _plain(saved, "data_path"):
+    if run.get("mock_data"):
+        return _mock_data_warning(saved, run, where)
+    if not (run.get("data_path") or run.get("train_data_path")):
         return None
-    changes, effects = [], []
+    if _plain(saved, "mock_data") is True or \
+            not (_plain(saved, "data_path") or _plain(saved, "train_data_path")):
+        return None
     trains = not run.get("skip_train")
+    found = [_seed_change(saved, run)] if trains else []
+    if run.get("data_path"):  # --split and the blend are read only with --data-path
+        found += [_split_change(saved, run), _blend_change(saved, run) if trains else None]
+    found = [item for item in found if item is not None]
+    if not found:
+        return None
+    return (f"WARNING: {' and '.join(c for c, _ in found)} ({where}): "
+            f"{'; '.join(e for _, e in found)}; continuing is allowed, to resume the saved "
+            "order rerun with the checkpoint's values")
+
+
+def _consumed_text(saved: Dict, before: str, after: str, unknown: str) -> str:
     consumed = _plain(saved, "consumed_train_samples")
-    seed_before, seed_now = _plain(saved, "seed"), _plain(run, "seed")
-    if (trains and seed_before is not _ABSENT and seed_now is not _ABSENT
-            and seed_before != seed_now):
-        changes.append(f"--seed {seed_now} differs from the checkpoint's {seed_before}")
-        done = "" if consumed is _ABSENT else f" of the {consumed} consumed so far"
-        effects.append(f"the samples are shuffled in another order, so some{done} will come "
-                       "again and others never")
-    split_before, split_now = _plain(saved, "split"), _plain(run, "split")
-    if (split_before is not _ABSENT and split_now is not _ABSENT
-            and _split_shares(split_before) != _split_shares(split_now)):
-        changes.append(f"--split '{split_now}' differs from the checkpoint's '{split_before}'")
-        effects.append("documents move between the train, validation and test ranges (the "
-                       "validation loss may be measured on documents already trained on)")
-    paths_before, paths_now = _plain(saved, "data_path"), _plain(run, "data_path")
-    if trains and _blend(paths_before) != _blend(paths_now):
-        start = "the count consumed so far" if consumed is _ABSENT else f"sample {consumed}"
-        changes.append(f"--data-path {' '.join(map(str, paths_now))} differs from the "
-                       f"checkpoint's {' '.join(map(str, paths_before))}")
-        effects.append(f"the new data is read from its {start} on, so samples of a dataset "
-                       "added or weighted up are skipped and of one weighted down some come "
-                       "again (if the files only moved, nothing changes)")
+    return unknown if consumed is _ABSENT else f"{before}{consumed}{after}"
+
+
+def _seed_change(saved: Dict, run: Dict) -> Optional[Tuple[str, str]]:
+    """(change, effect) of another --seed, which shuffles a real dataset's samples."""
+    before, now = _plain(saved, "seed"), _plain(run, "seed")
+    if before is _ABSENT or now is _ABSENT or before == now:
+        return None
+    done = _consumed_text(saved, " of the ", " consumed so far", "")
+    return (f"--seed {now} differs from the checkpoint's {before}",
+            f"the samples are shuffled in another order, so some{done} will come again and "
+            "others never")
+
+
+def _split_change(saved: Dict, run: Dict) -> Optional[Tuple[str, str]]:
+    before, now = _plain(saved, "split"), _plain(run, "split")
+    if before is _ABSENT or now is _ABSENT or _split_shares(before) == _split_shares(now):
+        return None
+    return (f"--split '{now}' differs from the checkpoint's '{before}'",
+            "documents move between the train, validation and test ranges (the validation "
+            "loss may be measured on documents already trained on)")
+
+
+def _blend_change(saved: Dict, run: Dict) -> Optional[Tuple[str, str]]:
+    before, now = _plain(saved, "data_path"), _plain(run, "data_path")
+    if _blend(before) == _blend(now):
+        return None
+    start = _consumed_text(saved, "sample ", "", "the count consumed so far")
+    return (f"--data-path {' '.join(map(str, now))} differs from the checkpoint's "
+            f"{' '.join(map(str, before))}",
+            f"the new data is read from its {start} on, so samples of a dataset added or "
+            "weighted up are skipped and of one weighted down some come again (if the files "
+            "only moved, nothing changes)")
+
+
+def _cyclic_epoch(args: Dict):
+    """The samples of a --mock-data train set under the cyclic loader (`_mock_sizes`: the
+    train request, at least one micro-batch per data-parallel rank); None when unknown."""
+    request = _saved_train_request(args)
+    least = [_plain(args, k) for k in ("micro_batch_size", "data_parallel_size")]
+    if request is None or not all(isinstance(v, int) for v in least):
+        return None
+    return max(request, least[0] * least[1])
+
+
+def _mock_data_warning(saved: Dict, run: Dict, where: str) -> Optional[str]:
+    """The WARNING line of a --mock-data resume whose samples from the consumed count on
+    differ from those the saving run would have read: sample i is drawn from (--seed, i),
+    and the cyclic loader permutes epochs of as many samples as the run asks of its train
+    set. (Another --seq-length or tokenizer has its own warning, another --vocab-size is
+    refused.) None when the checkpoint was not a --mock-data run, or with --skip-train."""
+    if _plain(saved, "mock_data") is not True or run.get("skip_train"):
+        return None
+    changes = []
+    before, now = _plain(saved, "seed"), _plain(run, "seed")
+    if _ABSENT not in (before, now) and before != now:
+        changes.append(f"--seed {now} differs from the checkpoint's {before}")
+    if run.get("dataloader_type") == "cyclic" == _plain(saved, "dataloader_type"):
+        then, asked = _cyclic_epoch(saved), _cyclic_epoch(run)
+        if None not in (then, asked) and then != asked:
+            changes.append(f"the cyclic loader's epoch of {asked} train samples differs from "
+                           f"the checkpoint's {then} (--train-iters x --global-batch-size, or "
+                           "--train-samples)")
     if not changes:
         return None
-    return (f"WARNING: {' and '.join(changes)} ({where}): {'; '.join(effects)}; continuing "
-            "is allowed, to resume the saved order rerun with the checkpoint's values")
+    return (f"WARNING: {' and '.join(changes)} ({where}): --mock-data gives other samples "
+            "from here on than the run that saved the checkpoint would have read "
+            "(Megatron-LM does not check); continuing is allowed, to resume them rerun with "
+            "the checkpoint's values")
+
+
+def norm_epsilon_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional[str]:
+    """One WARNING line when this run's --layernorm-epsilon differs from the one the
+    checkpoint in `where` was saved with (its LayerNorm or RMSNorm weights were trained
+    with that value), else None. Megatron-LM does not check; changing it can be meant, so
+    it is no error. Said with --finetune too: a converted checkpoint (1e-6) fine-tuned
+    without the flag gets the default 1e-5 unseen."""
+    if not isinstance(saved, dict):
+        return None
+    before, now = _plain(saved, "layernorm_epsilon"), _plain(run, "layernorm_epsilon")
+    if before is _ABSENT or now is _ABSENT or before is None or now is None or before == now:
+        return None
+    return (f"WARNING: --layernorm-epsilon {now:g} differs from the checkpoint's {before:g} "
+            f"({where}), which its norms were trained with (Megatron-LM does not check); "
+            f"continuing is allowed, to keep the checkpoint's value pass --layernorm-epsilon "
+            f"{before:g}, or leave the flag out and pass --use-checkpoint-args")
 
 
 def _saved_train_request(saved: Dict) -> Optional[int]:
@@ -545,7 +625,8 @@ def valid_order_warning(saved: Optional[Dict], run: Dict, valid, asked: int,
 
 __all__ = ["Mismatch", "SHAPE_ARGS", "OTHER_ARGS", "VOCAB_FILE_ARGS",
            "checkpoint_arg_mismatches", "check_checkpoint_args", "checkpoint_args_message",
-           "data_order_warning", "seq_length_warning", "tokenizer_warning",
+           "data_order_warning", "norm_epsilon_warning", "seq_length_warning",
+           "tokenizer_warning",
            "train_order_warning",
            "valid_order_warning"]
 

@@ -22,6 +22,7 @@ from megatron.arguments_inputs import vocab_assumed
 from megatron.checkpoint_args import (
     checkpoint_args_message,
     data_order_warning,
+    norm_epsilon_warning,
     seq_length_warning,
     tokenizer_warning,
 )
@@ -288,6 +289,8 @@ def preflight_load(config: Config, evaluation: bool = False) -> Preflight:
     else:  # the scores read the run's token ids
         warning = tokenizer_warning(first.get("args"), config.args, iter_dir, evaluation=True)
         lines += [warning] if warning else []
+    warning = norm_epsilon_warning(first.get("args"), config.args, iter_dir)
+    lines += [warning] if warning else []
     # the saved distributed optimizer's state is in each rank's distrib_optim.pt: read by
     # the rank itself, or by every rank when resharding (the saved kind is the first rank's)
     distrib = states.with_optimizer and saved.optimizer == "distributed"

@@ -21,6 +21,7 @@ from megatron.async_save import AsyncSaver, agreed_wait
 from megatron.checkpoint_args import (
     checkpoint_args_message,
     data_order_warning,
+    norm_epsilon_warning,
     seq_length_warning,
     tokenizer_warning,
 )
@@ -435,7 +436,8 @@ def _load_trainer_payload(tr) -> Optional[_Loaded]:
     saved, first_args, states = checked
     tr.checkpoint_args = first_args  # for the resume's train-order check
     training = tr.optimizer is not None  # evaluation-only: the tokenizer warning alone
-    warnings = [tokenizer_warning(first_args, tr.config.args, iter_dir, not training)]
+    warnings = [tokenizer_warning(first_args, tr.config.args, iter_dir, not training),
+                norm_epsilon_warning(first_args, tr.config.args, iter_dir)]
     if training:
         warnings = [seq_length_warning(first_args, tr.config.args, iter_dir),
                     data_order_warning(first_args, tr.config.args, iter_dir)] + warnings

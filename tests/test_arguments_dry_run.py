@@ -253,7 +253,7 @@ def test_dry_run_model_line_names_every_setting_that_changes_the_model():
                       "--untie-embeddings-and-output-weights --swiglu "
                       "--group-query-attention --num-query-groups 2")
     named = ("kv channels 32", "rotary percent 0.5", "rotary base 500000",
-             "norm epsilon 1e-06", "layernorm 1p", "residual after the layernorm",
+             "layernorm epsilon 1e-06", "layernorm 1p", "residual after the layernorm",
              "no linear biases", "untied output weights", "(SwiGLU)", "2 query groups")
     for part in named:
         assert part in line and part not in plain, part
