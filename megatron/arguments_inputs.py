@@ -359,7 +359,8 @@ def check_eod_flags(ns, tokenizer) -> None:
 def default_vocab_size(args: argparse.Namespace) -> int:
     """Tokenizer vocab size before padding, for the tokenizers that need no library:
     NullTokenizer: --vocab-size N -> N + 1 (id N is end-of-document);
-    GPT2BPETokenizer: number of entries of the --vocab-file JSON.
+    GPT2BPETokenizer: the largest id of the --vocab-file JSON + 1 (its number of
+    entries, as in Megatron-LM, unless the ids have gaps).
     Other tokenizer types need a `vocab_size_fn` from the tokenizer package."""
     kind = args.tokenizer_type
     if kind == "NullTokenizer":
@@ -371,11 +372,14 @@ def default_vocab_size(args: argparse.Namespace) -> int:
             raise ArgumentsError(f"GPT2BPETokenizer (the default --tokenizer-type) needs "
                                  f"--vocab-file and --merge-file {_GPT2_HINT}")
         _check_file("vocab_file", args.vocab_file)
-        with open(args.vocab_file, encoding="utf-8") as f:
+        with open(args.vocab_file, encoding="utf-8-sig") as f:  # json refuses a BOM
             try:
-                return len(json.load(f))
+                vocab = json.load(f)
             except ValueError as e:
                 raise ArgumentsError(f"--vocab-file {args.vocab_file}: not a JSON vocabulary "
                                      f"({e})") from None
+        # the tokenizer's size: the largest id + 1 (len(vocab) unless the ids have gaps)
+        ids = [i for i in vocab.values() if isinstance(i, int)] if isinstance(vocab, dict) else []
+        return max(ids) + 1 if ids else len(vocab)
     check_tokenizer_type(args)
     raise ArgumentsError(f"--tokenizer-type {kind} is not supported by this framework yet")

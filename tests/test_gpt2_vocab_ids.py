@@ -71,3 +71,48 @@ def test_an_id_that_is_no_integer_is_named(tmp_path, bad):
     with pytest.raises(ValueError, match=rf"--vocab-file {vocab_file}: token '<\|pad\|>' has id "
                                          rf"{bad!r}; the ids must be integers >= 0"):
         build_tokenizer("GPT2BPETokenizer", vocab_file, merge_file)
+
+
+def test_pretrain_pads_the_vocabulary_past_the_largest_id(tmp_path):
+    """The padded vocabulary (from the --vocab-file, before any tokenizer is built) is the
+    tokenizer's: the model has a row for id 70001. Before it padded len(vocab.json) = 297
+    to 384 rows, and the data's ids past them ended the run."""
+    import pretrain_gpt
+    from megatron.arguments import parse_and_validate
+
+    _, (vocab_file, merge_file) = _gapped(tmp_path)
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": "the quick fox and the dog " * 8}) + "\n"
+                           for _ in range(20)), encoding="utf-8")
+    with pytest.warns(UserWarning, match="its ids have gaps"):
+        preprocess_data.run(preprocess_data.get_args([
+            "--input", str(src), "--output-prefix", str(tmp_path / "out"), "--tokenizer-type",
+            "GPT2BPETokenizer", "--vocab-file", vocab_file, "--merge-file", merge_file,
+            "--workers", "1", "--append-eod"]))
+    argv = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+            "--global-batch-size", "1", "--lr", "1e-3", "--train-iters", "1", "--eval-iters",
+            "0", "--split", "100,0,0", "--vocab-file", vocab_file, "--merge-file", merge_file,
+            "--data-path", str(tmp_path / "out_text_document")]
+    cfg = parse_and_validate(argv, world_size=1, env={"RANK": "0"}, cuda_available=False)
+    assert cfg.model.padded_vocab_size == 70016  # 70002 padded to a multiple of 128
+    with pytest.warns(UserWarning, match="its ids have gaps"):
+        assert pretrain_gpt.main(argv) == 0
+
+
+def test_the_padded_size_reads_a_vocab_file_with_a_byte_order_mark(tmp_path):
+    """The tokenizer reads a vocab.json saved with a UTF-8 byte order mark (a Windows
+    editor's); the argument check, which sizes the vocabulary first, refused it as 'not a
+    JSON vocabulary'."""
+    import argparse
+
+    from megatron.arguments_inputs import default_vocab_size
+
+    vocab, merges = train_tiny_bpe(TRAIN_TEXT, 10)
+    vocab_file, _ = write_bpe_files(tmp_path, vocab, merges)
+    with open(vocab_file, "rb") as f:
+        data = f.read()
+    with open(vocab_file, "wb") as f:
+        f.write(b"\xef\xbb\xbf" + data)
+    ns = argparse.Namespace(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab_file)
+    assert default_vocab_size(ns) == len(vocab)
