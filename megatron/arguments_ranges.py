@@ -185,7 +185,10 @@ def check_value_ranges(ns) -> None:
                              f"pass --loss-scale-window {max(int(window), 1)}")
     if _uses_dynamic_loss_scale(ns) and ns.min_loss_scale > ns.initial_loss_scale:
         raise ArgumentsError(f"--min-loss-scale {ns.min_loss_scale} must be <= "
-                             f"--initial-loss-scale {ns.initial_loss_scale}")
+                             f"--initial-loss-scale {ns.initial_loss_scale} (the dynamic "
+                             "scale starts at the initial one and never drops below the "
+                             f"minimum); pass --min-loss-scale {ns.initial_loss_scale:g} "
+                             f"or --initial-loss-scale {ns.min_loss_scale:g}")
     if ns.profile and ns.profile_step_end <= ns.profile_step_start:
         # Found out at the first training step otherwise, after the model and data are built.
         raise ArgumentsError(f"--profile-step-end {ns.profile_step_end} must be greater than "

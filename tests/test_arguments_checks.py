@@ -148,7 +148,10 @@ def test_rampup_longer_than_the_run_is_allowed_with_a_warning(caplog):
     ("--fp16 --loss-scale-window 0", "--loss-scale-window 0.0 must be >= 1"),
     ("--fp16 --min-loss-scale 0", "--min-loss-scale 0.0 must be > 0"),
     ("--fp16 --min-loss-scale 8 --initial-loss-scale 4", "--min-loss-scale 8.0 must be <= "
-                                                         "--initial-loss-scale 4.0"),
+     "--initial-loss-scale 4.0 (the dynamic scale starts at the initial one and never drops "
+     "below the minimum); pass --min-loss-scale 4 or --initial-loss-scale 8"),
+    # the default --min-loss-scale 1 under a smaller --initial-loss-scale: the fix is named
+    ("--fp16 --initial-loss-scale 0.5", "pass --min-loss-scale 0.5 or --initial-loss-scale 1"),
     # a float32 loss scale above its largest value is inf, which never backs off
     ("--fp16 --initial-loss-scale 1e40", "--initial-loss-scale 1e+40 must be <= 3.40282e+38"),
     ("--fp16 --loss-scale 1e39", "--loss-scale 1e+39 must be <= 3.40282e+38"),
