@@ -3,7 +3,8 @@
 * fp16 from the command line: the dynamic loss scale starts at 2^32, the first iterations
   overflow and are skipped ("number of skipped iterations" counts them per log interval,
   as Megatron's line does; "loss scale" and the tensorboard `loss-scale` scalar fall),
-  then training proceeds.
+  then training proceeds. For a scripted overflow pattern each line's loss scale and
+  learning rate are Megatron's (a reference written from its rules), also across a resume.
 * The precision flags change what they say: --fp16-lm-cross-entropy (loss computed in
   fp16), --fp32-residual-connection (fp32 residual stream, bf16 layers),
   --embedding-weights-in-fp32 (fp32 table, tied output cast to bf16); the two attention
@@ -94,6 +95,86 @@ def test_fp16_cli_skips_overflowing_iterations_and_backs_off(tmp_path, capsys):
     assert len(tb_scales) == 24 and tb_scales[0] == 2.0**32
     assert tb_scales[-1] == scales[-1] and min(tb_scales) >= 1.0
     assert all(b <= a for a, b in zip(tb_scales, tb_scales[1:]))
+
+
+def _megatron_scales_and_lrs(skips, init, window, hysteresis, lr, warmup, iters):
+    """Megatron-LM 23.05's loss scale and learning rate after each iteration, given which
+    iterations skipped (written from its rules, not from our code): an overflow resets
+    the growth count and spends one hysteresis; at <= 0 left the scale halves (floor 1);
+    `window` clean steps in a row double it and restore the hysteresis. Only an
+    updated step advances the linear schedule (warmup then decay to 0 at `iters`)."""
+    scale, growth, hyst, steps, out = init, 0, hysteresis, 0, []
+    for skipped in skips:
+        if skipped:
+            growth, hyst = 0, hyst - 1
+            scale = max(scale * 0.5, 1.0) if hyst <= 0 else scale
+        else:
+            growth, steps = growth + 1, steps + 1
+            if growth == window:
+                growth, hyst, scale = 0, hysteresis, scale * 2.0
+        if steps <= warmup:
+            rate = lr * steps / warmup
+        else:
+            rate = lr * (1.0 - (steps - warmup) / (iters - warmup))
+        out.append((scale, f"{rate:.3E}"))
+    return out
+
+
+OVERFLOWS = [1, 0, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 0, 0, 0]  # the iterations given an inf grad
+
+
+def _script_overflows(monkeypatch, calls):
+    """An inf in one main grad at each iteration `OVERFLOWS` marks: the optimizer's own
+    check must find it (fp16 at a small loss scale overflows nothing by itself)."""
+    from megatron.core.optimizer import MixedPrecisionOptimizer
+
+    copy = MixedPrecisionOptimizer._copy_model_grads_to_main_grads
+
+    def copy_and_poison(self):
+        aliased = copy(self)
+        calls["n"] += 1
+        if OVERFLOWS[calls["n"] - 1]:
+            next(p for p in self.get_parameters() if p.grad is not None).grad.view(-1)[0] = math.inf
+        return aliased
+
+    monkeypatch.setattr(MixedPrecisionOptimizer, "_copy_model_grads_to_main_grads",
+                        copy_and_poison)
+
+
+def test_fp16_cli_loss_scale_and_lr_sequence_follow_megatron(tmp_path, capsys, monkeypatch):
+    """Each iteration's printed loss scale and learning rate equal Megatron's for a
+    scripted overflow pattern (hysteresis 2, window 3: a tolerated overflow, a clean step
+    that does not restore the hysteresis, a back-off, growths). A skipped iteration
+    consumes its samples but leaves the lr and the schedule where they were, and prints
+    no loss and no grad norm. A resume from a checkpoint saved mid-way prints the same."""
+    import pretrain_gpt
+
+    calls = {"n": 0}
+    _script_overflows(monkeypatch, calls)
+    args = TINY + ["--fp16", "--train-iters", "16", "--log-interval", "1",
+                   "--initial-loss-scale", "256", "--loss-scale-window", "3",
+                   "--hysteresis", "2", "--lr-warmup-iters", "2", "--lr-decay-style", "linear"]
+    assert pretrain_gpt.main(args) == 0
+    lines = _lines(capsys.readouterr().out)
+    skips = [int(_field(line, "number of skipped iterations")) for line in lines]
+    assert skips == OVERFLOWS
+    expected = _megatron_scales_and_lrs(skips, 256.0, 3, 2, 1e-3, 2, 16)
+    for i, (line, skipped, (scale, lr)) in enumerate(zip(lines, skips, expected), 1):
+        assert _field(line, "loss scale") == scale, (i, line)
+        assert f"learning rate: {lr} |" in line, (i, lr, line)
+        assert _field(line, "consumed samples") == 4 * i, line
+        assert ("lm loss" in line) == ("grad norm" in line) == (not skipped), line
+    ck, calls["n"] = str(tmp_path / "ck"), 0
+    assert pretrain_gpt.main(args + ["--save", ck, "--save-interval", "7",
+                                     "--exit-interval", "7"]) == 0
+    calls["n"] = 7
+    assert pretrain_gpt.main(args + ["--load", ck]) == 0
+    both = _lines(capsys.readouterr().out)
+
+    def untimed(line):
+        return line.split(" elapsed")[0] + line.split("learning rate")[1].split(" tokens/s")[0]
+
+    assert [untimed(line) for line in both] == [untimed(line) for line in lines]
 
 
 # ------------------------------------------------------------------------- precision flags
