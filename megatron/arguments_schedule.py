@@ -168,7 +168,9 @@ def warn_unfinished_warmup(ns, warmup: float) -> None:
     if ns.skip_train or not ns.train_iters or not warmup:
         return
     gbs = ns.global_batch_size
-    trained = (rampup_consumed_samples(ns.train_iters, tuple(ns.rampup_batch_size), gbs)
+    # the namespace keeps --rampup-batch-size as its strings (resolve_iterations)
+    trained = (rampup_consumed_samples(ns.train_iters,
+                                       tuple(int(v) for v in ns.rampup_batch_size), gbs)
                if ns.rampup_batch_size else ns.train_iters * gbs)
     if trained >= warmup:
         return

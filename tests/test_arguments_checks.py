@@ -391,6 +391,18 @@ def test_a_run_that_ends_inside_the_lr_warmup_is_warned(caplog):
     assert "warmup" not in caplog.text
 
 
+def test_a_ramped_run_with_a_warmup_is_checked_not_crashed(caplog):
+    """--rampup-batch-size with --lr-warmup-samples (GPT-3's recipe) crashed validation with
+    a TypeError: the warmup check counted the ramp's samples on the namespace's strings."""
+    ramped = without("--train-iters") + ["--train-samples", "20", "--rampup-batch-size", "2",
+                                         "2", "8", "--lr-decay-samples", "100"]
+    cfg = run(["--lr-warmup-samples", "10"], base=ramped)  # the ramp trains 20 in 7 steps
+    assert cfg.training.train_iters == 7 and "warmup" not in caplog.text
+    run(["--lr-warmup-samples", "40"], base=ramped)
+    assert ("--lr-warmup-samples 40 makes a learning-rate warmup of 40 samples, but the run "
+            "trains only 20 (7 iterations): the learning rate ends at 5.000E-04") in caplog.text
+
+
 # ------------------------------------------------------------------- data inputs
 
 DATA = without("--mock-data", base=B)
