@@ -375,8 +375,9 @@ def data_order_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional
     validation and test ranges (the validation loss may then be measured on trained-on
     documents). Megatron-LM resumes silently; going on may be meant, so it is not an error.
     Another --data-path (other files or weights) is read from the consumed count on as
-    well, as in Megatron-LM. --mock-data: see `_mock_data_warning`. None for --finetune or
-    no change. --skip-train reads no training data (and the validation and test sets from
+    well, as in Megatron-LM; another --dataloader-type, or the cyclic loader at another
+    data-parallel size, reads another order (`_loader_order_change`). --mock-data: see
+    `_mock_data_warning`. None for --finetune or no change. --skip-train reads no training data (and the validation and test sets from
     their start): only the --split change, which can put trained-on documents in the
     evaluated ranges, is said."""
     if not isinstance(saved, dict) or run.get("finetune"):
@@ -392,6 +393,7 @@ def data_order_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional
     found = [_seed_change(saved, run)] if trains else []
     if run.get("data_path"):  # --split and the blend are read only with --data-path
         found += [_split_change(saved, run), _blend_change(saved, run) if trains else None]
+    found += [_loader_order_change(saved, run)] if trains else []
     found = [item for item in found if item is not None]
     if not found:
         return None
@@ -488,6 +490,33 @@ def norm_epsilon_warning(saved: Optional[Dict], run: Dict, where: str) -> Option
             f"({where}), which its norms were trained with (Megatron-LM does not check); "
             f"continuing is allowed, to keep the checkpoint's value pass --layernorm-epsilon "
             f"{before:g}, or leave the flag out and pass --use-checkpoint-args")
+
+
+def _loader_order_change(saved: Dict, run: Dict) -> Optional[Tuple[str, str]]:
+    """(change, effect) when the training loader's order differs from the saving run's:
+    another --dataloader-type, or the sharded `cyclic` loader at another data-parallel size
+    (each data-parallel rank permutes its own bucket of the set, so the epoch's order
+    depends on that size). The consumed count then points into another order: Megatron-LM
+    resumes silently."""
+    type_before = _plain(saved, "dataloader_type")
+    type_now = _plain(run, "dataloader_type")
+    if type_before is _ABSENT or type_now is _ABSENT:
+        return None
+    type_before, type_now = type_before or "single", type_now or "single"
+    done = _consumed_text(saved, " of the ", " consumed so far", "")
+    effect = f"so some{done} will come again and others never"
+    if type_before != type_now:
+        return (f"--dataloader-type {type_now} differs from the checkpoint's {type_before}",
+                f"the training samples are read in another order, {effect}")
+    dp_before, dp_now = _plain(saved, "data_parallel_size"), _plain(run, "data_parallel_size")
+    if (type_now != "cyclic" or _plain(run, "data_sharding") is False
+            or _plain(saved, "data_sharding") is False
+            or dp_before in (_ABSENT, None) or dp_now in (_ABSENT, None)
+            or dp_before == dp_now):
+        return None
+    return (f"the data-parallel size {dp_now} differs from the checkpoint's {dp_before} "
+            "under --dataloader-type cyclic (each data-parallel rank permutes its own share "
+            "of the set)", f"the epoch in progress is read in another order, {effect}")
 
 
 def _saved_train_request(saved: Dict) -> Optional[int]:

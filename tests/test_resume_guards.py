@@ -193,6 +193,61 @@ def test_data_order_warning_text():
                      "the saved order rerun with the checkpoint's values")
 
 
+def test_data_order_warning_of_the_training_loader():
+    """The sharded cyclic loader permutes each data-parallel rank's bucket, so its epoch
+    order depends on the data-parallel size; another --dataloader-type reads another order
+    too. Megatron-LM resumes either silently; the single loader at another size does not
+    change the order (silent)."""
+    saved = {"seed": 1234, "split": "969, 30, 1", "data_path": ["d"], "mock_data": False,
+             "consumed_train_samples": 40, "dataloader_type": "cyclic",
+             "data_parallel_size": 2, "data_sharding": True}
+    run = {**saved, "finetune": False}
+    assert data_order_warning(saved, run, "w") is None
+    dp = data_order_warning(saved, {**run, "data_parallel_size": 1}, "w/i")
+    assert dp == ("WARNING: the data-parallel size 1 differs from the checkpoint's 2 under "
+                  "--dataloader-type cyclic (each data-parallel rank permutes its own share of "
+                  "the set) (w/i): the epoch in progress is read in another order, so some of "
+                  "the 40 consumed so far will come again and others never; continuing is "
+                  "allowed, to resume the saved order rerun with the checkpoint's values")
+    kind = data_order_warning(saved, {**run, "dataloader_type": "single"}, "w")
+    assert kind.startswith("WARNING: --dataloader-type single differs from the checkpoint's "
+                           "cyclic (w): the training samples are read in another order")
+    for same_order in ({**run, "data_parallel_size": 1, "data_sharding": False},
+                       {**run, "data_parallel_size": 1, "skip_train": True},
+                       {**run, "data_parallel_size": 1, "finetune": True}):
+        assert data_order_warning({**saved, "data_sharding": same_order["data_sharding"]},
+                                  same_order, "w") is None
+    single = {**saved, "dataloader_type": "single"}
+    assert data_order_warning(single, {**single, "data_parallel_size": 4}, "w") is None
+    assert data_order_warning({**single, "dataloader_type": None}, single, "w") is None
+
+
+def test_a_cyclic_resume_at_another_data_parallel_size_warns(tmp_path, capsys):
+    """Through the driver: the checkpoint's saved data-parallel size (2, as a two-rank run
+    writes it) against this single-rank run's."""
+    import torch
+
+    from tests.test_gpt_dataset import make_corpus
+
+    prefix, _ = make_corpus(tmp_path / "corpus", [40] * 50, vocab=100)
+    data = ["--data-path", prefix, "--seq-length", "16", "--train-iters", "3",
+            "--dataloader-type", "cyclic"]
+    root, base = tmp_path / "ck", [a for a in BASE if a != "--mock-data"]
+    run_pretrain(data + ["--save", str(root), "--save-interval", "2", "--exit-interval", "2"],
+                 base)
+    capsys.readouterr()
+    run_pretrain(data + ["--load", str(root)], base)  # the saved layout: silent
+    assert "differs from the checkpoint" not in capsys.readouterr().out
+    path = root / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    state["args"]["data_parallel_size"] = 2
+    torch.save(state, path)
+    run_pretrain(data + ["--load", str(root)], base)
+    out = capsys.readouterr().out
+    assert out.count("WARNING: the data-parallel size 1 differs from the checkpoint's 2 under "
+                     "--dataloader-type cyclic") == 1, out
+
+
 def test_resume_with_another_seed_warns_also_in_dry_run(tmp_path, capsys):
     """Megatron-LM resumes silently in another sample order; said once, and by --dry-run."""
     from tests.test_gpt_dataset import make_corpus
