@@ -215,6 +215,23 @@ def _layout_lines(saved: Layout, run: Layout, states: LoadStates, num_files: int
     return [text]
 
 
+def run_goal(t) -> str:
+    """The run's length as its flag gives it (`t`: the training config)."""
+    return (f"--train-samples {t.train_samples} ({t.train_iters} iterations)" if t.train_samples
+            else f"--train-iters {t.train_iters}")
+
+
+def past_the_run_note(t, iteration, release: bool) -> str:
+    """A note for the schedule-mismatch error when the checkpoint already reaches the run's
+    last iteration: either scheduler flag would then only load it and stop (a lowered
+    --train-iters), so the user learns that before retrying. '' otherwise."""
+    if release or not isinstance(iteration, int) or iteration < t.train_iters:
+        return ""
+    return (f"\nnote: the checkpoint at iteration {iteration} already reaches "
+            f"{run_goal(t)}, so with either flag this run trains nothing; to train on, "
+            f"pass a run longer than {iteration} iterations")
+
+
 def _schedule_check(config: Config, entry: dict, iter_dir: str) -> Preflight:
     """The learning-rate schedule's values against the run's (`check_state_dict` of a
     scheduler built from the run's config, as the Trainer builds it)."""
@@ -309,6 +326,8 @@ def preflight_load(config: Config, evaluation: bool = False) -> Preflight:
         schedule = _schedule_check(config, first["opt_param_scheduler"], iter_dir)
         lines += schedule.lines
         problems += schedule.problems
+        note = past_the_run_note(config.training, iteration, release) if schedule.problems else ""
+        lines += [note.strip()] if note else []
     if not (evaluation or release or ck.finetune):
         lines += _assumed_counts_lines(config, iteration, first)
         budget = _sample_budget(config, iteration, first, states)

@@ -29,7 +29,9 @@ from megatron.checkpoint_dirs import same_dir
 from megatron.checkpoint_preflight import (
     LoadStates,
     no_weights_message,
+    past_the_run_note,
     rounded_weights_note,
+    run_goal,
     states_to_load,
 )
 from megatron.checkpoint_reshard import (
@@ -288,9 +290,7 @@ def nothing_to_train(tr) -> bool:
         print_rank_0(warning)
     if it == 0 or it < t.train_iters:
         return False
-    goal = (f"--train-samples {t.train_samples} ({t.train_iters} iterations)" if t.train_samples
-            else f"--train-iters {t.train_iters}")
-    text = f"checkpoint at iteration {it} already reaches {goal}: nothing to train"
+    text = f"checkpoint at iteration {it} already reaches {run_goal(t)}: nothing to train"
     same = same_dir(ck.load, ck.save)
     if same:
         text += f"; not saving it again (--save {ck.save} holds it)"
@@ -388,7 +388,8 @@ def _check_first_file(tr, iter_dir: str, release: bool
     if problem is None and states.with_optimizer:
         errors = tr.scheduler.check_state_dict(first["opt_param_scheduler"])[1]
         if errors:
-            problem = f"error: loading {iter_dir}: {mismatch_message(errors)}"
+            problem = (f"error: loading {iter_dir}: {mismatch_message(errors)}"
+                       + past_the_run_note(tr.config.training, first.get("iteration"), release))
     return (None, problem) if problem else ((saved, first, states), None)
 
 

@@ -540,6 +540,32 @@ def test_resume_at_train_iters_trains_and_saves_nothing(tmp_path, capsys):
     assert _files(tmp_path) == before
 
 
+def test_a_lowered_train_iters_schedule_error_says_nothing_would_train(tmp_path, capsys):
+    """--train-iters lowered below the checkpoint's iteration: the schedule check stops the
+    run (as Megatron-LM's assert does) naming the two scheduler flags, but either flag
+    then only loads and stops; said in the same error, and by --dry-run. Not said for a
+    longer run."""
+    import pytest
+
+    save_run(tmp_path, iters=3, stop_at=2)
+    note = ("note: the checkpoint at iteration 2 already reaches --train-iters 1, so with "
+            "either flag this run trains nothing; to train on, pass a run longer than 2 "
+            "iterations")
+    lowered = ["--seq-length", "16", "--train-iters", "1", "--load", str(tmp_path)]
+    with pytest.raises(SystemExit) as err:
+        run_pretrain(lowered)
+    message = str(err.value)
+    assert "--override-opt_param-scheduler" in message, message
+    assert message.endswith("\n" + note), message
+    capsys.readouterr()
+    assert run_dry_run(config(lowered), 1) == 1
+    assert f"  {note}\n" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as err:
+        run_pretrain(["--seq-length", "16", "--train-iters", "5", "--load", str(tmp_path)])
+    assert "--override-opt_param-scheduler" in str(err.value)
+    assert "note:" not in str(err.value)
+
+
 def test_resume_at_train_iters_into_another_directory_still_saves(tmp_path, capsys):
     """--save elsewhere does not hold the state: saved there, as Megatron-LM does."""
     save_run(tmp_path / "a", iters=2, stop_at=2)
