@@ -486,7 +486,8 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float],
     say where `progress` is. `save_locked`: this process holds --save's lock, so the
     unfinished saves found there that nothing wrote to lately are no other run's, and
     are removed. `signals`: the caller's --exit-signal-handler handler (None: one is
-    installed here)."""
+    installed here). A stop here (a --load that does not fit) first tears down what was
+    started: the signal handlers installed here, the TensorBoard writer, the watchdog."""
     log = StepLog(config, rt.device)
     log.timers("model-and-optimizer-setup", 0).start(barrier=True)
     tr = build_trainer(config, rt)
@@ -494,11 +495,26 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float],
     tr.watchdog = build_watchdog(config.parallel.distributed_timeout_minutes * 60,
                                  announces=rt.speaks_for_node)
     tr.watchdog.describe = progress.where
-    watch_param_sync(tr)
-    if config.training.exit_signal_handler:
-        tr.signals = signals if signals is not None else SignalHandler()
+    try:
+        watch_param_sync(tr)
+        if config.training.exit_signal_handler:
+            tr.signals = signals if signals is not None else SignalHandler()
+        _load_and_check_save_dir(tr, save_locked)
+    except BaseException:
+        _teardown(tr, (), restore_signals=signals is None)
+        raise
+    log.timers("model-and-optimizer-setup").stop()
+    print_datetime("after model, optimizer, and learning rate scheduler are built",
+                   rt.control_group)
+    return tr
+
+
+def _load_and_check_save_dir(tr: Trainer, save_locked: bool) -> None:
+    """--load (timed), the micro-batch count of the consumed samples, then rank 0's
+    warnings about --save (later checkpoints there, unfinished saves)."""
+    config, rt, log = tr.config, tr.rt, tr.step_log
     if config.checkpoint.load:
-        with progress.stage("loading"):
+        with tr.progress.stage("loading"):
             log.timers("load-checkpoint", 0).start(barrier=True)
             trainer_checkpoint.load_trainer_checkpoint(tr)
             log.timers("load-checkpoint").stop(barrier=True)
@@ -515,10 +531,6 @@ def _setup(config: Config, rt: Runtime, process_start_time: Optional[float],
                             60 * config.parallel.distributed_timeout_minutes))):
             if warning:
                 print(warning, flush=True)
-    log.timers("model-and-optimizer-setup").stop()
-    print_datetime("after model, optimizer, and learning rate scheduler are built",
-                   rt.control_group)
-    return tr
 
 
 def _train_and_evaluate(tr: Trainer, train_data, valid_data, test_data) -> None:

@@ -317,6 +317,25 @@ def test_a_stop_inside_the_run_still_tears_it_down(tmp_path, capsys, monkeypatch
     assert set(threading.enumerate()) <= threads
 
 
+
+def test_a_load_that_stops_the_setup_still_tears_it_down(tmp_path, capsys):
+    """A --load that does not fit the run stops it inside the setup, before the loop's
+    teardown: the SIGTERM handler installed there stayed installed and the TensorBoard
+    writer's thread ran on (a caller of pretrain() that goes on was left with both)."""
+    ck = str(tmp_path / "ck")
+    _pretrain(["--train-iters", "2", "--save", ck, "--save-interval", "2",
+               "--eval-iters", "0"], capsys)
+    before = signal.getsignal(signal.SIGTERM)
+    threads = set(threading.enumerate())
+    with pytest.raises(SystemExit, match="--hidden-size: checkpoint 32, this run 64"):
+        _pretrain(["--train-iters", "4", "--load", ck, "--hidden-size", "64",
+                   "--exit-signal-handler", "--tensorboard-dir", str(tmp_path / "tb")], capsys)
+    assert signal.getsignal(signal.SIGTERM) is before
+    deadline = time.monotonic() + 5
+    while set(threading.enumerate()) - threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(threading.enumerate()) <= threads
+
 # --------------------------------------------------------------------------- log lines
 def test_iteration_lines_only_every_log_interval(tmp_path, capsys):
     tb = str(tmp_path / "tb")
