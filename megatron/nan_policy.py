@@ -117,7 +117,7 @@ def rollback(tr: Trainer, iteration: int) -> None:
                                                no_load_optim=saved.no_save_optim,
                                                no_load_rng=saved.no_save_rng)
     try:
-        trainer_checkpoint.load_trainer_checkpoint(tr)
+        trainer_checkpoint.load_trainer_checkpoint(tr, rollback=True)
     finally:
         tr.config.checkpoint = saved
     tr.state.consumed_train_samples, tr.state.skipped_iters, tr.state.nan_iters = keep

@@ -544,7 +544,7 @@ def _load_optimizer(tr, loaded: _Loaded) -> None:
         print_rank_0(f" > optimizer: {note}")
 
 
-def load_trainer_checkpoint(tr) -> Optional[str]:
+def load_trainer_checkpoint(tr, rollback: bool = False) -> Optional[str]:
     """Restore model, optimizer, scheduler, RNG and counters from --load, if present.
 
     Megatron's rules: --finetune and release checkpoints start at iteration 0 with fresh
@@ -552,7 +552,9 @@ def load_trainer_checkpoint(tr) -> Optional[str]:
     --no-load-rng skip those states. A checkpoint saved with another layout is resharded on
     load (see `_load_trainer_payload`); returns the description of that conversion, else
     None. A checkpoint that does not fit the run exits every rank (collective: the
-    ranks agree on each step's failures, megatron/agreed_exit.py), printed once."""
+    ranks agree on each step's failures, megatron/agreed_exit.py), printed once.
+    `rollback`: --nan-loss-policy rollback reloads a checkpoint of the live trainer (its
+    --no-load-optim stands for the run's --no-save-optim)."""
     ck = tr.config.checkpoint
     loaded = _load_trainer_payload(tr)
     if loaded is None:
@@ -560,10 +562,7 @@ def load_trainer_checkpoint(tr) -> Optional[str]:
     agree(loaded.error or _restore_states(tr, loaded), _control_group(tr))
     if tr.optimizer is not None and not loaded.with_optimizer and ck.no_load_optim \
             and not (ck.finetune or loaded.release):
-        print_rank_0(" > --no-load-optim: the optimizer state and the learning-rate "
-                     "schedule start fresh; the schedule counts samples from 0 again "
-                     f"(warmup first) while the run goes on from iteration "
-                     f"{loaded.iteration}, as in Megatron-LM")
+        print_rank_0(_optimizer_not_loaded_note(loaded.iteration, rollback))
     note = rounded_weights_note(loaded.state.get("args"), tr.config.args, ck,
                                 loaded.with_optimizer)
     if tr.optimizer is not None and note:
@@ -578,6 +577,20 @@ def load_trainer_checkpoint(tr) -> Optional[str]:
     start = 0 if ck.finetune or loaded.release else loaded.iteration  # Megatron's line
     print_rank_0(f"  successfully loaded checkpoint from {ck.load} at iteration {start}")
     return loaded.converted
+
+
+def _optimizer_not_loaded_note(iteration: int, rollback: bool) -> str:
+    """What a load without the optimizer state does to the optimizer and the schedule: a
+    --no-load-optim resume starts both fresh; a rollback to a --no-save-optim checkpoint
+    leaves the live ones as they are (nothing resets them)."""
+    if rollback:
+        return (" > the checkpoint holds no optimizer state (--no-save-optim): the rollback "
+                f"restores the weights of iteration {iteration}; the optimizer state and the "
+                "learning-rate schedule go on as they were before the NaN (neither reset "
+                "nor the checkpoint's)")
+    return (" > --no-load-optim: the optimizer state and the learning-rate schedule start "
+            "fresh; the schedule counts samples from 0 again (warmup first) while the run "
+            f"goes on from iteration {iteration}, as in Megatron-LM")
 
 
 def _restore_states(tr, loaded: _Loaded) -> Optional[str]:

@@ -146,6 +146,25 @@ def test_rollback_policy_restores_the_checkpoint_and_skips_batches(tmp_path):
     assert all(torch.isfinite(p).all() for p in _params(tr).values())
 
 
+
+def test_a_rollback_to_a_checkpoint_without_optimizer_state_says_what_it_keeps(tmp_path,
+                                                                               capsys):
+    """--no-save-optim: the rollback loads the weights alone. It printed the note of a
+    --no-load-optim resume (a flag the run was not given: "the learning-rate schedule
+    starts fresh ... counts samples from 0 again"), while the live schedule goes on."""
+    tr = _trainer(tmp_path, "rollback", iters=8, save_interval=4)
+    tr.config.checkpoint = dataclasses.replace(tr.config.checkpoint, no_save_optim=True)
+    _poison_at(tr, {6})
+    train(tr, data_iterator(tr.config, tr.rt, "train", 0), None)
+    out = capsys.readouterr().out
+    gbs = tr.config.data.global_batch_size
+    # steps 1-5 and, after the rollback to iteration 4, 5-8 again: not reset at the rollback
+    assert tr.scheduler.num_steps == (5 + 4) * gbs
+    assert "--no-load-optim" not in out and "start fresh" not in out
+    assert (" > the checkpoint holds no optimizer state (--no-save-optim): the rollback "
+            "restores the weights of iteration 4; the optimizer state and the learning-rate "
+            "schedule go on as they were before the NaN") in out
+
 def test_rollback_leaves_one_point_per_step_and_counts_the_nan(tmp_path, capsys):
     """After a rollback from iteration 7 to the checkpoint of 4 inside one log interval,
     TensorBoard has each step once (the undone iterations 5 and 6 were written twice, the
