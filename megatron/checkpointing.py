@@ -449,8 +449,9 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
                           group=None) -> float:
     """`save_checkpoint` where only the CPU copy blocks; `saver` writes in the background.
 
-    Blocking part (collective: world barriers): wait for this rank's previous save, make
-    the temporary directory, copy the state to CPU. Background thread: write and fsync the
+    Blocking part (collective: agreements over `group`): wait for this rank's previous
+    save, make the temporary directory (rank 0; when it cannot, every rank exits with its
+    message, printed once), copy the state to CPU. Background thread: write and fsync the
     files, drop a marker; on global rank 0 wait (up to `timeout_s`) for every (tp, pp)
     pair's marker, then rename and write the tracker last -- no collective, see
     megatron/async_save.py. Returns the seconds the caller was blocked, counted from
@@ -469,7 +470,8 @@ def save_checkpoint_async(root: str, iteration: int, state: Optional[Dict], ps: 
     waited = time.perf_counter() - waited
     final_dir = os.path.join(root, iteration_dir_name(iteration, release))
     tmp_dir = final_dir + ".tmp"
-    _prepare_tmp_dir(root, tmp_dir, ps)
+    # the barrier after rank 0 made tmp_dir, as an agreement on its failure (a full disk)
+    _agree_published(_try_prepare(root, tmp_dir, iteration, ps), group)
     files = _rank_files(ps, state, extra_files)
     snapshot = None if files is None else saver.snapshot(files)
     writers = _writer_dirs(ps) if ps.rank == 0 else []

@@ -211,6 +211,47 @@ def test_a_failed_background_writer_stops_rank_0_waiting(tmp_path):
 
 
 
+
+def _dist_async_tmp_dir_refused(rank, world_size, root):
+    """An async save at 4 whose iter_XXXXXXX.tmp rank 0 cannot make (a full disk); the
+    AgreedExit's (report, prints), or None when the save went through."""
+    from megatron.agreed_exit import AgreedExit
+
+    ps = ParallelState.build(world_size, rank, tp_size=2)
+    save_checkpoint(root, 2, _state(2, float(rank)), ps)
+    real = os.makedirs
+
+    def full(path, *args, **kwargs):
+        if str(path).endswith(".tmp"):
+            raise OSError(28, "No space left on device", path)
+        return real(path, *args, **kwargs)
+
+    if rank == 0:
+        os.makedirs = full
+    try:
+        save_checkpoint_async(root, 4, _state(4, float(rank)), ps, AsyncSaver())
+    except AgreedExit as exc:
+        return exc.report, exc.prints
+    finally:
+        os.makedirs = real
+    return None
+
+
+def test_an_async_saves_temporary_directory_refused_fails_every_rank_with_one_report(
+        tmp_path):
+    """Rank 0 unable to make iter_XXXXXXX.tmp for an async save raised its OSError alone
+    (a traceback) while the other ranks waited in the barrier after it (gloo: 'Connection
+    closed by peer'; NCCL: until the timeout), as synchronous saves once did. Every rank
+    exits with rank 0's message, printed once; the tracker keeps its checkpoint."""
+    (report0, prints0), (report1, prints1) = run_distributed(
+        _dist_async_tmp_dir_refused, 2, str(tmp_path))
+    assert report0 == report1 and (prints0, prints1) == (True, False)
+    tmp_dir = os.path.join(str(tmp_path), "iter_0000004.tmp")
+    assert report0.startswith(f"rank 0 (of 2): error: the checkpoint at iteration 4 could "
+                              f"not be written: {tmp_dir} could not be made (OSError: [Errno 28] No space "
+                              "left on device"), report0
+    assert read_tracker(str(tmp_path)) == (2, False)
+
 def _dist_next_save_after_a_failed_writer(rank, world_size, root):
     import contextlib
     import io
