@@ -249,6 +249,13 @@ def test_a_tiny_temperature_is_greedy(served):
      "stop_token must be an integer token id >= 0 (default 50256"),
     ({"prompts": ["5"], "beam_width": 2, "length_penalty": "1"},
      "length_penalty must be a finite number (got '1')"),
+    # a JSON integer past float's range: 400 (was a 500 OverflowError), its digits cut short
+    ({"prompts": ["5"], "beam_width": 2, "length_penalty": 10 ** 400},
+     "length_penalty must be a finite number (got 1000000000000000000000000000000000000000"
+     "... (401 characters))"),
+    ({"prompts": ["5"], "temperature": -10 ** 400},
+     "temperature must be a number > 0 and <= 100 (got -100000000000000000000000000000000"
+     "000000... (402 characters))"),
     ({"prompts": ["5"], "prompt": "x"}, "unknown field(s) prompt; the fields are prompts,"),
     ({"sentences": ["5"], "tokens_to_generate": 2},
      "sentences is no longer a field (renamed by Megatron-LM): send prompts instead"),

@@ -181,25 +181,35 @@ class Engine:
 
 
 # ------------------------------------------------------------------------ validation
+def _shown(value: Any) -> str:
+    """`value` as a message shows it: a JSON integer may have 4300 digits."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
+
+
 def _int(body: dict, name: str, default: int, low: int, allowed: str) -> int:
     value = body.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise RequestError(f"{name} must be {allowed} (got {value!r})")
+        raise RequestError(f"{name} must be {allowed} (got {_shown(value)})")
     return value
 
 
 def _number(body: dict, name: str, default: float, ok: Callable[[float], bool],
             allowed: str) -> float:
     value = body.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-        raise RequestError(f"{name} must be {allowed} (got {value!r})")
-    return float(value)
+    try:  # a JSON integer past float's range (1e308) is no number a sampler can use
+        number = None if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError, OverflowError):
+        number = None
+    if not isinstance(value, (int, float)) or number is None or not ok(number):
+        raise RequestError(f"{name} must be {allowed} (got {_shown(value)})")
+    return number
 
 
 def _seed(body: dict) -> int:
     seed = _int(body, "random_seed", -1, -1, "an integer >= 0, or -1 (unseeded)")
     if seed >= 2 ** 64:  # torch.Generator.manual_seed's range
-        raise RequestError(f"random_seed must be below 2**64 = {2 ** 64} (got {seed})")
+        raise RequestError(f"random_seed must be below 2**64 = {2 ** 64} (got {_shown(seed)})")
     return seed
 
 
