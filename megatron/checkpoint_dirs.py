@@ -255,15 +255,20 @@ def later_checkpoints_warning(root: str, start_iteration: int,
     saves replace the iteration directories they reach and point the tracker back, so the
     later checkpoints drop out of a resume. The fix to resume names dropping --finetune
     when the run has it (a requeued fine-tuning job restarts at iteration 0 otherwise, even
-    from --load `root`). None when there is nothing to lose (no tracker, a release or
-    malformed one, or one at or before `start_iteration`). Local, no collective: call it on
-    one rank."""
+    from --load `root`). Without such a tracker (none, a release or malformed one, or one
+    at or before `start_iteration`), iteration directories past `start_iteration` get
+    `_untracked_later_warning`'s; None when there is nothing to lose. Local, no collective:
+    call it on one rank."""
     try:
         saved, release = read_tracker(root)
     except ValueError:
-        return None
+        saved, release = None, False
+        tracked = "is malformed"
+    else:
+        tracked = ("does not exist" if saved is None else "names 'release'" if release
+                   else f"names iteration {saved}")
     if saved is None or release or saved <= start_iteration:
-        return None
+        return _untracked_later_warning(root, start_iteration, tracked)
     resume = f"pass --load {root}"
     if finetune:
         resume += " without --finetune (which restarts at iteration 0 from any --load)"
@@ -272,6 +277,23 @@ def later_checkpoints_warning(root: str, start_iteration: int,
             f"first save will point the tracker back, and its saves replace the iteration "
             f"directories they reach. To resume instead, {resume}; to keep both, pass "
             "another --save directory")
+
+
+def _untracked_later_warning(root: str, start_iteration: int, tracked: str) -> Optional[str]:
+    """The warning for iteration directories in --save `root` past `start_iteration` that
+    its tracker does not name (no tracker, a malformed one, or one naming an earlier
+    iteration: another run's, a copy, a rolled-back tracker): a save of this run at one of
+    those iterations replaces that directory, which nothing said before."""
+    later = [d for d in list_checkpoints(root)
+             if d != "release" and int(d[len("iter_"):]) > start_iteration]
+    if not later:
+        return None
+    shown = ", ".join(later[:3]) + (f" and {len(later) - 3} more" if len(later) > 3 else "")
+    return (f"WARNING: --save {root} holds {shown}, past this run's start at iteration "
+            f"{start_iteration}, and its {TRACKER_FILENAME} {tracked}: this run's saves "
+            "replace the iteration directories they reach. "
+            f"To keep those checkpoints, move them out of {root} or pass another --save "
+            "directory")
 
 
 def previous_checkpoint_text(root: str) -> str:

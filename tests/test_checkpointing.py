@@ -122,6 +122,27 @@ def test_later_checkpoints_warning_only_when_a_later_iteration_is_tracked(tmp_pa
     assert "up to iteration 40" in later_checkpoints_warning(root, 20)
 
 
+@pytest.mark.parametrize("tracker, said", [
+    (None, "does not exist"), ("abc", "is malformed"), ("release", "names 'release'"),
+    ("20", "names iteration 20")])
+def test_later_checkpoints_warning_names_untracked_later_directories(tmp_path, tracker, said):
+    """Iteration directories past the run's start that the tracker does not name (another
+    run's copied in, a tracker lost or rolled back) were replaced by this run's saves
+    without a word: the warning only read the tracker."""
+    root = str(tmp_path)
+    for it in (20, 30, 40, 50, 60):
+        os.makedirs(os.path.join(root, f"iter_{it:07d}"))
+    if tracker is not None:
+        Path(tracker_path(root)).write_text(tracker)
+    msg = later_checkpoints_warning(root, 20)
+    assert msg is not None, tracker
+    assert msg.startswith(f"WARNING: --save {root} holds iter_0000030, iter_0000040, "
+                          "iter_0000050 and 1 more, past this run's start at iteration 20, "
+                          f"and its latest_checkpointed_iteration.txt {said}"), msg
+    assert "move them out of" in msg
+    assert later_checkpoints_warning(root, 60) is None  # nothing past the start
+
+
 @pytest.mark.parametrize("data, shown", [
     (b"\xff\xfe1", "'\ufffd\ufffd1'"),
     (b"7" * 10**6, "'" + "7" * 200 + "... (over 4096 bytes)'"),
