@@ -250,6 +250,25 @@ def test_a_device_this_machine_lacks_is_an_error_not_a_traceback():
     assert generate._device("cpu") == torch.device("cpu")
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "nan"], "--temperature nan must be a finite number >= 0"),
+    (["--temperature", "inf"], "--temperature inf must be a finite number >= 0"),
+    (["--temperature", "-1", "--top-k", "-2"],
+     "--temperature -1.0 must be a finite number >= 0 (0: greedy, as --greedy); --top-k -2 "
+     "must be an integer >= 0"),
+    (["--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens -3 must be an integer >= 0"),
+])
+def test_bad_sampling_flags_are_named(tmp_path, capsys, flags, message):
+    """A nan --temperature passed the range check (a comparison with nan is false) and
+    ended in torch.multinomial's traceback after loading the model, an inf one sampled
+    uniformly; the one message for all four flags named neither the flag nor its value."""
+    with pytest.raises(SystemExit) as exc:
+        generate.parse_args(["--load", str(tmp_path), "--prompt-ids", "1", *flags])
+    assert exc.value.code == 2
+    assert f"error: {message}" in capsys.readouterr().err
+
+
 def test_user_errors(tmp_path):
     with pytest.raises(SystemExit, match="no checkpoint under --load"):
         generate.load_model(str(tmp_path))

@@ -389,6 +389,17 @@ def build_tokenizer_from(args: dict, a, show: bool = True
     return tok, None
 
 
+def sampling_flag_problems(a: argparse.Namespace) -> List[str]:
+    """Each sampling flag out of its range, with the value given: a nan --temperature
+    ended in torch.multinomial's traceback, an inf one sampled every token uniformly."""
+    rules = [("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 0, "an integer >= 0"),
+             ("--temperature", a.temperature, 0 <= a.temperature < float("inf"),
+              "a finite number >= 0 (0: greedy, as --greedy)"),
+             ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1] (1.0: no nucleus filter)"),
+             ("--top-k", a.top_k, a.top_k >= 0, "an integer >= 0 (0: no top-k filter)")]
+    return [f"{flag} {value} must be {allowed}" for flag, value, ok, allowed in rules if not ok]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     from megatron.cli_suggest import SuggestingParser
 
@@ -433,8 +444,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "split over (each further tensor x pipeline size processes are "
                          "one more data-parallel replica, given its share of the prompts)")
     a = ap.parse_args(argv)
-    if a.max_new_tokens < 0 or a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
-        ap.error("need --max-new-tokens >= 0, --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
+    bad = sampling_flag_problems(a)
+    if bad:
+        ap.error("; ".join(bad))
     if a.no_kv_cache and a.decode_cuda_graph == "on":
         ap.error("--decode-cuda-graph on replays the cached one-token step: it needs the "
                  "key/value cache; drop --no-kv-cache or use --decode-cuda-graph auto/off")
