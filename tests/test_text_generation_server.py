@@ -448,6 +448,26 @@ def test_command_line(ckpt, capsys):
         server_mod.parse_args(["--load", ckpt, "--hiden-size", "3"])
 
 
+def test_a_port_that_cannot_be_bound_is_one_line(ckpt, monkeypatch):
+    """A port in use ended in an AttributeError traceback from server_close (called by
+    the failed bind before the server's state was set), not the 'pick another --port'
+    line; a port out of range was bind's OverflowError, after loading the model."""
+    import socket
+
+    monkeypatch.delenv("RANK", raising=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit, match=rf"error: cannot listen on 127.0.0.1:{port}: "
+                                             r".*; pick another --port"):
+            server_mod.main(["--load", ckpt, "--port", str(port)])
+    for bad in ("70000", "-1"):
+        with pytest.raises(SystemExit, match=rf"--port {bad} is not a TCP port: pass one "
+                                             r"from 1 to 65535 \(0: any free port\)"):
+            server_mod.parse_args(["--load", ckpt, "--port", bad])
+
+
 class _Lines:
     """A tokenizer whose ids are indices into a list of strings."""
 

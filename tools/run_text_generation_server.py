@@ -201,6 +201,9 @@ def parse_args(argv=None) -> Tuple[argparse.Namespace, argparse.Namespace, Set[s
         raise SystemExit(f"{_PROG}: {err}") from None
     if not ns.load:
         raise SystemExit(f"{_PROG}: error: --load DIR is required (the checkpoint to serve)")
+    if not 0 <= a.port <= 65535:  # else bind's OverflowError, after loading the model
+        raise SystemExit(f"{_PROG}: error: --port {a.port} is not a TCP port: pass one from "
+                         "1 to 65535 (0: any free port)")
     return a, ns, explicit
 
 
@@ -497,9 +500,10 @@ class _Server(ThreadingHTTPServer):
     log: Callable[[str], None] = staticmethod(print)
 
     def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+        # before the bind: a failed one (port in use) calls server_close, which reads them
         self._puts, self._done = 0, threading.Condition()
         self._open, self._refused, self._noted = 0, 0, 0.0
+        super().__init__(*args, **kwargs)
 
     def process_request(self, request, client_address) -> None:
         """A thread for the connection, or, with max_connections open (idle or slow
