@@ -228,8 +228,9 @@ def test_merging_megatron_eod_bug_data_with_exact_data_is_refused(tmp_path):
                 "preprocess_data.py --append-eod") in r.stderr
         assert f"with {tmp_path / 'ok'} (exact .bin/.idx)" in r.stderr
         assert not (tmp_path / "m.bin").exists() and not (tmp_path / "m.idx").exists()
-    r = subprocess.run(tool + [str(tmp_path / "bug")] * 2 + ["--output-prefix",
-                                                            str(tmp_path / "bb")],
+    _corrupt(tmp_path, "bug2", None, buggy_bin)  # one dataset given twice is refused
+    r = subprocess.run(tool + [str(tmp_path / "bug"), str(tmp_path / "bug2"),
+                               "--output-prefix", str(tmp_path / "bb")],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     with pytest.warns(UserWarning, match="off-by-one"):
@@ -288,6 +289,26 @@ def test_merging_again_into_the_input_directory_names_the_fix(tmp_path):
     assert f"error: --output-prefix {out} is also an input" in r.stderr, r.stderr
     assert "pass an --output-prefix outside the inputs, or move that .bin/.idx away" in r.stderr
     assert (tmp_path / "shards" / "merged.bin").read_bytes() == before
+
+
+def test_a_dataset_named_twice_is_not_merged_twice(tmp_path):
+    """A prefix given twice, or given beside its directory, or through a symlink, was
+    merged once per naming: every document of it twice in the output, without a word."""
+    from tools import merge_datasets
+
+    (tmp_path / "d").mkdir()
+    write(tmp_path / "d" / "a", [[[1, 2]]])
+    write(tmp_path / "d" / "b", [[[3]]])
+    (tmp_path / "alias").symlink_to("d")
+    a, b = str(tmp_path / "d" / "a"), str(tmp_path / "d" / "b")
+    for inputs, named in (([a, a], a), ([str(tmp_path / "d"), b], b),
+                          ([a, str(tmp_path / "alias" / "a")],
+                           f"{a} and {tmp_path / 'alias' / 'a'}")):
+        with pytest.raises(SystemExit, match=f"^error: --input names the dataset {named} "
+                                             r"twice \(.+\): its documents would be in the "
+                                             "merged dataset twice"):
+            merge_datasets.main(["--input", *inputs, "--output-prefix", str(tmp_path / "m")])
+    assert not list(tmp_path.glob("m*"))
 
 
 def test_an_input_reached_through_a_symlink_is_not_the_output(tmp_path):

@@ -3,10 +3,11 @@
     python tools/merge_datasets.py --input DIR_OR_PREFIX [PREFIX ...] --output-prefix OUT
 
 A directory contributes every `<name>.bin/.idx` pair in it, sorted by name. All inputs
-must share one dtype; the `.bin` files are copied and the doc_idx entries shifted. The
-temporaries of a preprocess_data.py or merge_datasets.py run in a directory are skipped
-(those of a killed run named, with the command that removes them). Ctrl-C or SIGTERM ends a
-merge with status 130 or 143 and one line; its partial files are removed.
+must share one dtype, and name each dataset once; the `.bin` files are copied and the
+doc_idx entries shifted. The temporaries of a preprocess_data.py or merge_datasets.py run
+in a directory are skipped (those of a killed run named, with the command that removes
+them). Ctrl-C or SIGTERM ends a merge with status 130 or 143 and one line; its partial
+files are removed.
 """
 from __future__ import annotations
 
@@ -74,7 +75,23 @@ def input_prefixes(inputs) -> list:
                 raise SystemExit(f"--input {item}: {item}.bin/.idx not found"
                                  f"{missing_dataset_hint(item)}")
             prefixes.append(item)
+    check_each_once(prefixes)
     return prefixes
+
+
+def check_each_once(prefixes) -> None:
+    """SystemExit when two of `prefixes` name one dataset (a prefix given twice, or also
+    in a directory given, or through a symlink): its documents were merged twice over."""
+    seen = {}
+    for prefix in prefixes:
+        key = os.path.realpath(data_file_path(prefix))
+        if key in seen:
+            same = prefix if seen[key] == prefix else f"{seen[key]} and {prefix}"
+            raise SystemExit(f"error: --input names the dataset {same} twice ({key}): its "
+                             "documents would be in the merged dataset twice. Name each "
+                             "dataset once (to sample one more often, give it a larger "
+                             "weight in --data-path instead)")
+        seen[key] = prefix
 
 
 def open_inputs(prefixes) -> dict:
