@@ -171,6 +171,35 @@ def test_sample_idx_random_cases_match_reference(monkeypatch):
             ref_sample_idx(sizes, doc_idx, seq_length, epochs, tokens))
 
 
+def test_sample_idx_positions_past_int32_are_int64(tmp_path, monkeypatch):
+    """doc_idx positions past int32 (over 2**31 entries) are kept as int64, not wrapped
+    negative (which read other documents, and the index just built was refused as another
+    run's). The limit is lowered here so that a small index crosses it."""
+    assert gd.sample_idx_dtype(2**31) is np.int32  # positions 0 .. 2**31 - 1 fit
+    assert gd.sample_idx_dtype(2**31 + 1) is np.int64
+    sizes, num_samples, seq_length, seed = CASES[1]
+    prefix, docs = make_corpus(tmp_path / "c", sizes, seed)
+    documents = np.arange(len(sizes), dtype=np.int32)
+    ds_sizes = np.array(sizes, dtype=np.int32)
+    r_doc, r_sample, r_shuffle, *_ = ref_indices(documents, ds_sizes, num_samples, seq_length,
+                                                 seed)
+    monkeypatch.setattr(gd, "INT32_MAX_POSITION", 4)
+    monkeypatch.setattr(gd, "_SAMPLE_CHUNK", 3)
+    assert r_sample[:, 0].max() > 4
+    ds = GPTDataset("train", prefix, documents, MMapIndexedDataset(prefix), num_samples,
+                    seq_length, seed, "1,0,0", cache_dir=str(tmp_path / "cache"))
+    assert ds.sample_idx.dtype == np.int64
+    np.testing.assert_array_equal(ds.sample_idx, r_sample)
+    again = GPTDataset("train", prefix, documents, MMapIndexedDataset(prefix), num_samples,
+                       seq_length, seed, "1,0,0", cache_dir=str(tmp_path / "cache"))
+    assert again.index_build_s is None  # the int64 cache is read back and accepted
+    stream = np.concatenate([docs[d] for d in r_doc])
+    for i in range(len(again)):
+        j = int(r_shuffle[i])
+        np.testing.assert_array_equal(again[i]["text"],
+                                      stream[j * seq_length: (j + 1) * seq_length + 1])
+
+
 def test_sample_idx_memory_is_the_result_plus_a_chunk(monkeypatch):
     """Building sample_idx holds the result (8 bytes a sample) and the work of one chunk of
     doc_idx: not several int64 arrays as long as the samples and the documents (48 bytes a

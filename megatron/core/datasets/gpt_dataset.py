@@ -8,8 +8,9 @@ and `n` requested samples:
   (`doc_idx`: documents repeated E times; when the last epoch would contribute fewer than
   80% of an epoch's samples it is shuffled separately from the first E-1 epochs) and then
   the sample order (`shuffle_idx`; split the same way);
-* `sample_idx[i] = (position in doc_idx, token offset)` where sample i starts; sample i
-  covers S+1 tokens, sharing its last token with sample i+1.
+* `sample_idx[i] = (position in doc_idx, token offset)` where sample i starts (int32;
+  int64 past 2**31 doc_idx entries); sample i covers S+1 tokens, sharing its last token
+  with sample i+1.
 
 The three arrays are cached as `.npy` files named by the md5 of the dataset description
 (`<H>.dsc`, `<H>_doc_idx.npy`, `<H>_sample_idx.npy`, `<H>_shuffle_idx.npy`), looked up in
@@ -140,11 +141,22 @@ def build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomS
 
 
 _SAMPLE_CHUNK = 1 << 22  # doc_idx entries whose samples build_sample_idx places per pass
+# The largest doc_idx position an int32 sample_idx holds (Megatron 23.05's dtype).
+INT32_MAX_POSITION = int(np.iinfo(np.int32).max)
+
+
+def sample_idx_dtype(num_doc_idx: int) -> type:
+    """int32 (Megatron's) while every position of a doc_idx of `num_doc_idx` entries fits,
+    else int64. Past 2**31 entries (documents x epochs: 300M documents read 8 times) an
+    int32 position wraps negative (as in Megatron 23.05's helper) and the index reads other
+    documents; here the cache check then refused the index just built as another run's."""
+    return np.int32 if num_doc_idx - 1 <= INT32_MAX_POSITION else np.int64
 
 
 def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int,
                      num_epochs: int, tokens_per_epoch: int) -> np.ndarray:
-    """[(E*T-1)//S + 1, 2] int32 (doc_idx position, offset) where each sample starts.
+    """[(E*T-1)//S + 1, 2] (doc_idx position, offset) where each sample starts; int32, or
+    int64 when doc_idx positions exceed it (`sample_idx_dtype`).
 
     Sample i starts at token i*S of the concatenated document stream; that token lies in
     the document that spans it (so a boundary on a document's last token stays in that
@@ -154,7 +166,7 @@ def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int,
     search per sample, and no array besides the result longer than a chunk.
     """
     num_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
-    sample_idx = np.empty((num_samples + 1, 2), dtype=np.int32)
+    sample_idx = np.empty((num_samples + 1, 2), dtype=sample_idx_dtype(len(doc_idx)))
     sizes = np.asarray(sizes)
     carry = 0  # tokens before this chunk's documents
     for k0 in range(0, len(doc_idx), _SAMPLE_CHUNK):
