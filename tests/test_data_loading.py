@@ -32,6 +32,32 @@ def test_single_sampler_resumes_at_the_next_sample_for_any_dp(dp):
     assert resumed == list(range(16, 16 + 2 * dp))
 
 
+def test_micro_batches_collate_gpt_blended_and_mock_samples(tmp_path):
+    """megatron.core's own reader (`samplers.micro_batches`) collates what the datasets
+    give: numpy 'text' (GPTDataset), a blend's int 'dataset_idx', mock tensors; each row
+    the sampler's sample of this DP rank."""
+    from megatron.core.datasets.gpt_dataset import build_train_valid_test_datasets
+    from megatron.core.datasets.mock import MockGPTDataset
+    from megatron.core.datasets.samplers import micro_batches
+    from tests.test_gpt_dataset import make_corpus
+
+    a, _ = make_corpus(tmp_path / "a", [30] * 20, seed=1)
+    b, _ = make_corpus(tmp_path / "b", [17] * 30, seed=2)
+    single = build_train_valid_test_datasets([a], "1,0,0", [40, 0, 0], 16, 7)[0]
+    blend = build_train_valid_test_datasets(["0.3", a, "0.7", b], "1,0,0", [40, 0, 0], 16, 7)[0]
+    mock = MockGPTDataset(100, 16, 7)
+    for dataset in (single, blend, mock):
+        batches = list(micro_batches(dataset, PretrainingSampler(40, 8, 2, 1, 2)))
+        assert len(batches) == 8  # samples 8..39, four per global micro-batch, rank 1's two
+        for k, batch in enumerate(batches):
+            assert batch["text"].shape == (2, 17) and batch["text"].dtype == torch.int64
+            for row, i in enumerate((8 + 4 * k + 2, 8 + 4 * k + 3)):
+                item = dataset[i]
+                np.testing.assert_array_equal(batch["text"][row].numpy(), np.asarray(item["text"]))
+                if "dataset_idx" in item:
+                    assert int(batch["dataset_idx"][row]) == item["dataset_idx"]
+
+
 def test_cyclic_sampler_partitions_each_epoch_and_resumes():
     total, mbs, dp = 40, 2, 2
     steps = total // (mbs * dp)

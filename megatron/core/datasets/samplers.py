@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from typing import Iterator, List
 
+import numpy as np
 import torch
 
 
 class PretrainingSampler:
-    """Yields lists of sample indices (one micro-batch of this DP rank) forever."""
+    """Yields lists of sample indices (one micro-batch of this DP rank) until the
+    `total_samples` run out; an incomplete last global micro-batch is dropped (Megatron's
+    `single` loader)."""
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  dp_rank: int, dp_size: int):
@@ -36,11 +39,22 @@ class PretrainingSampler:
             start += step
 
 
+def _stack(values: list) -> torch.Tensor:
+    if isinstance(values[0], np.ndarray):  # GPTDataset's 'text'
+        return torch.from_numpy(np.stack(values))
+    if torch.is_tensor(values[0]):  # MockGPTDataset's 'text'
+        return torch.stack(values)
+    return torch.tensor(values)  # BlendedDataset's 'dataset_idx' (ints)
+
+
 def collate(samples: List[dict]) -> dict:
-    return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+    """One tensor per key, stacked along a new first dimension: numpy arrays (GPTDataset),
+    tensors (MockGPTDataset) and Python numbers (a blend's 'dataset_idx')."""
+    return {k: _stack([s[k] for s in samples]) for k in samples[0]}
 
 
 def micro_batches(dataset, sampler: PretrainingSampler) -> Iterator[dict]:
-    """Yield collated micro-batches {'text': [mbs, s+1]} in the sampler's order."""
+    """Yield collated micro-batches {'text': [mbs, s+1]} (and a blend's 'dataset_idx':
+    [mbs]) in the sampler's order."""
     for indices in sampler:
         yield collate([dataset[i] for i in indices])
