@@ -124,7 +124,8 @@ class PrefetchIterator:
         if self.stop.is_set():
             raise StopIteration  # closed
         item = self.q.get()
-        if isinstance(item, StopIteration):
+        if isinstance(item, StopIteration):  # the reader is done: the end stays (a later
+            self.stop.set()  # next() would wait on the empty queue for ever)
             raise StopIteration
         if isinstance(item, _DATA_ERRORS):
             raise _data_error_exit(item) from None

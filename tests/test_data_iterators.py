@@ -3,6 +3,7 @@ collated batches, stop when closed or dropped, survive a worker that never start
 the run in one line when a worker dies or cannot start; get_batch's masks."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import multiprocessing
@@ -219,6 +220,34 @@ def test_prefetch_iterator_closes_with_a_full_queue_after_the_last_batch():
     closer.start()
     closer.join(timeout=5)
     assert not closer.is_alive() and not it.thread.is_alive()
+
+
+def test_prefetch_iterator_stays_ended_after_its_data_or_an_error():
+    """Once next() raised StopIteration (the sampler's samples ran out) it raises it again
+    (Python's iterator protocol: a second loop over it, or next(it, default), ends), also
+    after a sample read error: it used to wait for ever on the reader's empty queue."""
+    class Failing:
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            if i == 2:
+                raise KeyError("bad sample")
+            return {"text": np.arange(5)}
+
+    for data, first in (([{"text": np.arange(5)}] * 4, 2), (Failing(), 1)):
+        it = PrefetchIterator(data, PretrainingSampler(4, 0, 2, 0, 1), pin=False)
+        got = []
+        with contextlib.suppress(KeyError):
+            got.extend(it)
+        assert len(got) == first
+        outcome = []
+        reader = threading.Thread(target=lambda: outcome.extend(
+            [next(it, "ended"), list(it), next(it, "ended")]), daemon=True)
+        reader.start()
+        reader.join(timeout=5)
+        assert outcome == ["ended", [], "ended"], "next() after the end must not wait"
+        it.close()
 
 
 def test_prefetch_close_does_not_hang_on_a_stuck_read_and_ends_the_iterator(capsys):
