@@ -17,7 +17,12 @@ from megatron.core.config import ModelConfig
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.layers import shard_of_full_weight
-from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_seed
+from megatron.core.tensor_parallel.random import (
+    RNGStatesTracker,
+    get_rng_tracker,
+    model_parallel_seed,
+    set_rng_tracker,
+)
 from megatron.initialize import Runtime, set_random_seed
 from megatron.train_step import forward_backward
 from megatron.training import build_trainer, data_iterator, train_step
@@ -254,3 +259,44 @@ def test_initial_weights_at_tp2(kw, cpu_init):
     for name, w in ranks[0].items():
         assert torch.equal(w, ranks[1][name]), name
         check_init(name, w, cfg)
+
+
+def _default_tracker_draws(rank, world_size):
+    """Losses of one training-mode forward at tp 2 (attention dropout, and hidden dropout
+    under sequence parallelism) of a model built without `rng_tracker`, and of the same
+    model built with the process-wide default tracker passed explicitly; and the generator
+    state the first attention dropout drew from in the first."""
+    ps = ParallelState.build(2, rank, tp_size=2, sequence_parallel=True)
+    set_rng_tracker(RNGStatesTracker("cpu"))
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                      padded_vocab_size=64, seq_length=8, max_position_embeddings=8,
+                      attention_dropout=0.5, hidden_dropout=0.5, sequence_parallel=True)
+    tokens, labels = (torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(s))
+                      for s in (1, 2))
+    draws, sdpa = [], F.scaled_dot_product_attention
+
+    def recording_sdpa(*args, dropout_p=0.0, **kw):
+        draws.append(torch.get_rng_state())
+        return sdpa(*args, dropout_p=dropout_p, **kw)
+
+    losses = []
+    for tracker in (None, get_rng_tracker()):
+        model_parallel_seed(1234, rank)  # Megatron's way: the default tracker
+        model = GPTModel(cfg, tp_group=ps.tp_group, rng_tracker=tracker, device="cpu")
+        F.scaled_dot_product_attention = recording_sdpa
+        try:
+            losses.append(model(tokens, labels=labels))
+        finally:
+            F.scaled_dot_product_attention = sdpa
+    return losses, draws[0]
+
+
+def test_model_without_a_tracker_draws_tp_dropout_from_the_default_tracker():
+    """rng_tracker=None means the process-wide tracker (random.get_rng_tracker), for the
+    dropout as for the weights: each TP rank draws its own attention (and sequence-parallel
+    hidden) dropout masks, as with the tracker passed; not the default generator's, the
+    same on both ranks (heads of one rank dropped like those of the other)."""
+    (losses0, draw0), (losses1, draw1) = run_distributed(_default_tracker_draws, 2)
+    for rank, (implicit, explicit) in enumerate((losses0, losses1)):
+        assert torch.equal(implicit, explicit), f"rank {rank}: None is not the default tracker"
+    assert not torch.equal(draw0, draw1), "attention dropout drew the same stream on both ranks"

@@ -26,7 +26,7 @@ from megatron.core.tensor_parallel import (
 )
 
 from .rotary import rotary_dim, rotary_table
-from .transformer import TransformerBlock, init_methods
+from .transformer import TransformerBlock, init_methods, resolve_rng_tracker
 
 _COMPILED_CE = None
 
@@ -84,7 +84,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.config = config
         self.tp_group = tp_group
-        self.rng_tracker = rng_tracker
+        self.rng_tracker = rng_tracker = resolve_rng_tracker(rng_tracker, tp_group)
         init, _ = init_methods(config)
         self.word_embeddings = VocabParallelEmbedding(
             config.padded_vocab_size, config.hidden_size, tp_group=tp_group,
@@ -117,7 +117,7 @@ class Embedding(nn.Module):
             emb_sbh = emb_sbh.to(self.config.params_dtype)
         if self.config.sequence_parallel:
             emb_sbh = scatter_to_sp(emb_sbh, self.tp_group)
-            if self.rng_tracker is not None and self.training:
+            if self.rng_tracker is not None and self.training and self.dropout.p > 0:
                 with self.rng_tracker.fork():
                     return self.dropout(emb_sbh)
         return self.dropout(emb_sbh)

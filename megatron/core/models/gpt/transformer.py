@@ -35,7 +35,7 @@ from megatron.core.tensor_parallel import (
 from megatron.core.tensor_parallel.layers import XavierUniform, _resolve_device
 from megatron.core.tensor_parallel.mappings import TRACED_COLLECTIVES
 from megatron.core.tensor_parallel.random import checkpoint as recompute_checkpoint
-from megatron.core.tensor_parallel.random import checkpoint_distributed_input
+from megatron.core.tensor_parallel.random import checkpoint_distributed_input, get_rng_tracker
 from megatron.core.tensor_parallel.utils import divide
 
 from .norms import (  # noqa: F401 (the norm classes re-exported)
@@ -120,6 +120,16 @@ class GradLikeOutput(torch.autograd.Function):
             return grad
         return torch.empty_strided(shape, strides, dtype=grad.dtype,
                                    device=grad.device).copy_(grad)
+
+
+def resolve_rng_tracker(rng_tracker, tp_group):
+    """The tracker whose model-parallel stream a module's dropout draws from: `rng_tracker`;
+    when None, at tensor-parallel size > 1 the process-wide default (`get_rng_tracker`),
+    the one the sharded weights are then initialised from (layers.py), so each rank draws
+    its own masks, as Megatron does; None at size 1 (the default generator is used)."""
+    if rng_tracker is not None or tp_group is None:
+        return rng_tracker
+    return get_rng_tracker() if torch.distributed.get_world_size(tp_group) > 1 else None
 
 
 def _linear_kwargs(config: ModelConfig, tp_group, device, rng_tracker=None) -> dict:
@@ -328,7 +338,7 @@ class ParallelAttention(nn.Module):
         super().__init__()
         tp = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
         self.config = config
-        self.rng_tracker = rng_tracker
+        self.rng_tracker = rng_tracker = resolve_rng_tracker(rng_tracker, tp_group)
         self.d = config.kv_channels
         self.n = divide(config.num_attention_heads, tp)
         self.g = divide(config.num_query_groups, tp)
@@ -447,7 +457,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.config = config
         self.layer_number = layer_number
-        self.rng_tracker = rng_tracker
+        self.rng_tracker = rng_tracker = resolve_rng_tracker(rng_tracker, tp_group)
         self.input_layernorm = build_norm(config)
         self.self_attention = ParallelAttention(config, tp_group, rng_tracker, device)
         self.post_attention_layernorm = build_norm(config)
@@ -554,7 +564,7 @@ class TransformerBlock(nn.Module):
                  post_process: bool = True, tp_group=None, rng_tracker=None, device=None):
         super().__init__()
         self.config = config
-        self.rng_tracker = rng_tracker
+        self.rng_tracker = rng_tracker = resolve_rng_tracker(rng_tracker, tp_group)
         self.tp_collectives = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
         # With sequence parallelism the layer input is already split over the TP ranks.
         self.distribute_group = (tp_group if config.distribute_saved_activations
