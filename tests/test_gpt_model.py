@@ -250,3 +250,13 @@ def test_dropout_placement_matches_megatron(monkeypatch, post_ln):
                                reference_forward(model.state_dict(), cfg, tokens, labels),
                                rtol=0, atol=2e-5)
     assert probs_dropout == [0.0, 0.0] and all(not training for _, training in calls)
+
+
+@pytest.mark.parametrize("groups", [3, 8, 0])
+def test_query_groups_that_do_not_divide_the_heads_are_refused_at_once(groups):
+    """ModelConfig names both values and the choices; the model would otherwise fail in
+    its first forward, in a view of the QKV product ("shape [8, 2, 3, 24] is invalid")."""
+    with pytest.raises(ValueError, match=rf"num_query_groups={groups} must divide "
+                                         r"num_attention_heads=4 .*\[1, 2, 4\]"):
+        ModelConfig(**{**BASE, "num_attention_heads": 4, "num_query_groups": groups})
+    assert ModelConfig(**{**BASE, "num_attention_heads": 4, "num_query_groups": 2})

@@ -103,6 +103,13 @@ class ModelConfig:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        heads, groups = self.num_attention_heads, self.num_query_groups
+        if groups < 1 or heads % groups:
+            # else the first forward fails in a view of the QKV product naming neither
+            raise ValueError(
+                f"num_query_groups={groups} must divide num_attention_heads={heads} (each "
+                f"key/value head serves the same number of query heads); choose one of "
+                f"{[d for d in range(1, heads + 1) if heads % d == 0]}")
 
     @property
     def swiglu(self) -> bool:
