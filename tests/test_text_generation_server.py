@@ -371,6 +371,17 @@ def test_cli_prints_the_text(served, monkeypatch, capsys):
     assert "server error 400: prompts[0] ('hello'): NullTokenizer expects" in out
 
 
+def test_cli_asks_again_for_a_number_past_the_int_string_limit(monkeypatch, capsys):
+    """(int() of more than 4300 digits raised a ValueError traceback.)"""
+    monkeypatch.setattr("sys.stdin", io.StringIO("9" * 5000 + "\n" + "y" * 500 + "\n3\n"))
+    assert text_generation_cli._ask_tokens() == 3
+    lines = capsys.readouterr().out.split("\n")
+    too_large = [line for line in lines if "too large a number of tokens" in line]
+    assert len(too_large) == 1 and "(5000 characters)" in too_large[0], lines
+    assert len(too_large[0]) < 200
+    assert any("(500 characters) is not a whole number" in line for line in lines)
+
+
 def test_cli_keeps_an_https_url():
     """(It made http://https://host/api.)"""
     assert text_generation_cli.api_url("https://gen.example:443/api/") == (

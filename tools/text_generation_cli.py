@@ -50,8 +50,18 @@ def _ask_tokens() -> int:
         if not text:
             return DEFAULT_TOKENS
         if text.isascii() and text.isdigit():  # "²" is a digit, not an int
-            return int(text)
-        print(f"  {text!r} is not a whole number >= 0")
+            try:
+                return int(text)
+            except ValueError:  # over Python's int-string limit (4300 digits)
+                print(f"  {_brief(text)} is too large a number of tokens; give fewer")
+                continue
+        print(f"  {_brief(text)} is not a whole number >= 0")
+
+
+def _brief(text: str) -> str:
+    """`text` as a message shows it: its repr, cut when long (a line may hold 5000 digits)."""
+    shown = repr(text)
+    return shown if len(shown) <= 60 else f"{shown[:40]}... ({len(text)} characters)"
 
 
 def _answer(status: int, text: str) -> str:
