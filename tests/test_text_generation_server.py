@@ -277,6 +277,27 @@ def test_bad_requests_are_400(served, body, message):
     assert status == 400 and message in text, text
 
 
+HUGE = 10 ** 400
+
+
+@pytest.mark.parametrize("body", [
+    {"prompts": ["5"], "stop_token": HUGE},
+    {"prompts": ["5"], "tokens_to_generate": HUGE},
+    {"prompts": ["5"], "beam_width": 2, "tokens_to_generate": HUGE},
+    {"prompts": ["5"], "beam_width": HUGE, "tokens_to_generate": 2},
+    {"prompts": ["5"], "beam_width": 2, "random_seed": HUGE},
+    {"prompts": ["5"], "top_k": HUGE},
+    {"prompts": ["5"], "all_probs": HUGE},
+    {"prompts": ["5"], "logprobs": HUGE},
+])
+def test_huge_integers_are_cut_short_in_messages(served, body):
+    """A 401-digit JSON integer is shown as its first digits and its length, as the other
+    fields' messages show it (these printed all 401 digits, some twice)."""
+    status, text = put(served[0], body, timeout=60)
+    assert status == 400 and "... (401 characters)" in text, text
+    assert "0" * 100 not in text, text
+
+
 def test_megatron_defaults_are_accepted():
     """A client that sends Megatron's defaults of every field (as its own code may, e.g.
     stop_token 50256 and beam_width null) is served; beam_width takes stop_token and

@@ -228,10 +228,10 @@ def _check_fields(body: Any) -> None:
     for name, default in NOT_SUPPORTED.items():
         if body.get(name) not in (None, default):
             raise RequestError(f"{name} is not supported by this server; leave it out "
-                               f"(or {default!r}) (got {body[name]!r})")
+                               f"(or {default!r}) (got {_shown(body[name])})")
     for name in _BOOLS:
         if not isinstance(body.get(name, False), bool):
-            raise RequestError(f"{name} must be true or false (got {body[name]!r})")
+            raise RequestError(f"{name} must be true or false (got {_shown(body[name])})")
 
 
 def _prompts(body: dict) -> List[str]:
@@ -257,7 +257,7 @@ def _top_k_p(body: dict) -> Tuple[int, float]:
     top_k = _int(body, "top_k", 0, 0, "an integer from 0 to 1000 (0: off, 1: greedy)")
     if top_k > 1000:
         raise RequestError(f"top_k must be an integer from 0 to 1000 (0: off, 1: greedy) "
-                           f"(got {top_k})")
+                           f"(got {_shown(top_k)})")
     top_p = _number(body, "top_p", 0.0, lambda v: 0 <= v <= 1, "a number in [0, 1] (0: off)")
     if top_k > 0 and top_p > 0:
         raise RequestError(f"top_k ({top_k}) and top_p ({top_p}) cannot both be set: set "
@@ -290,7 +290,7 @@ def _check_penalty_range(penalty: float, tokens: int) -> None:
     if abs(penalty) > limit:
         raise RequestError(
             f"length_penalty must be in [-{limit:.4g}, {limit:.4g}] with tokens_to_generate "
-            f"{tokens}: a beam's score is divided by (generated length) ** length_penalty, "
+            f"{_shown(tokens)}: a beam's score is divided by (generated length) ** length_penalty, "
             f"which must stay a finite number (got {penalty!r}); the default is 1")
 
 
@@ -306,7 +306,7 @@ def _beam_fields(body: dict, num_prompts: int, tokens: int) -> Dict[str, Any]:
                                      ("length_penalty", penalty, 1.0)):
             if value != default:
                 raise RequestError(f"{name} is read by beam search only: set beam_width "
-                                   f"too, or leave {name} out (got {body[name]!r})")
+                                   f"too, or leave {name} out (got {_shown(body[name])})")
         return out
     width = _int(body, "beam_width", None, 1, "an integer >= 1, or null (no beam search)")
     if num_prompts != 1:
@@ -323,7 +323,7 @@ def _beam_fields(body: dict, num_prompts: int, tokens: int) -> Dict[str, Any]:
         if body.get(name, default) != default:
             raise RequestError(f"{name} is not used by beam search (it follows the most "
                                f"likely tokens; Megatron ignores {name} there): leave it out "
-                               f"or {default!r} with beam_width (got {body[name]!r})")
+                               f"or {default!r} with beam_width (got {_shown(body[name])})")
     return {**out, "beam_width": width}
 
 
@@ -373,7 +373,7 @@ def _prompt_ids(engine: Engine, index: int, prompt: str, req: GenerationRequest)
     if total > engine.max_len:
         default = " (the default: the request has none)" if req.default_tokens else ""
         raise RequestError(f"{where} has {len(ids)} tokens; with tokens_to_generate "
-                           f"{req.tokens_to_generate}{default} that makes {total}, over the "
+                           f"{_shown(req.tokens_to_generate)}{default} that makes {_shown(total)}, over the "
                            f"model's {engine.max_len} positions: shorten the prompt or lower "
                            "tokens_to_generate")
     return ids
@@ -512,11 +512,11 @@ def _check_size(engine: Engine, req: GenerationRequest, all_ids: List[List[int]]
     """RequestError when the request's rows x longest sequence pass --max-tokens-to-oom (a
     beam request has beam_width rows)."""
     longest = max(len(ids) for ids in all_ids) + req.tokens_to_generate
-    rows = (f"beam_width {req.beam_width} x (prompt" if req.beam_width is not None else
+    rows = (f"beam_width {_shown(req.beam_width)} x (prompt" if req.beam_width is not None else
             f"{len(all_ids)} prompts x (longest prompt")
     total = (req.beam_width or len(all_ids)) * longest
     if total > engine.max_tokens:
-        raise RequestError(f"too many tokens: {rows} + tokens_to_generate) = {total}, over "
+        raise RequestError(f"too many tokens: {rows} + tokens_to_generate) = {_shown(total)}, over "
                            f"the server's --max-tokens-to-oom {engine.max_tokens}: send "
                            "fewer prompts or beams, lower tokens_to_generate, or restart the "
                            "server with a larger --max-tokens-to-oom")
