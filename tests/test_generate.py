@@ -3,6 +3,7 @@ model that computes the same loss, greedy generation equals a plain argmax loop,
 options behave, and shards of any tp x pp x virtual-stage layout merge back exactly."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -267,6 +268,21 @@ def test_bad_sampling_flags_are_named(tmp_path, capsys, flags, message):
         generate.parse_args(["--load", str(tmp_path), "--prompt-ids", "1", *flags])
     assert exc.value.code == 2
     assert f"error: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, message", [
+    ("1,,2", "--prompt-ids '1,,2': item 2 is empty"),
+    ("1,2,", "--prompt-ids '1,2,': item 3 is empty"),
+    ("5, ,6", "--prompt-ids '5, ,6': item 2 is empty"),
+    ("1,x", "item 2 'x' is not an integer"),
+])
+def test_prompt_ids_items_are_all_integers(text, message):
+    """(An empty item was dropped: 1,,2 read as 1,2.)"""
+    from tools.generate_prompts import prompt_ids
+
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        prompt_ids(argparse.Namespace(prompt_ids=text), None, None)
+    assert prompt_ids(argparse.Namespace(prompt_ids=" 1, 2 "), None, None) == [1, 2]
 
 
 def test_user_errors(tmp_path):

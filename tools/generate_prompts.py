@@ -31,14 +31,27 @@ def file_prompts(path: str) -> List[str]:
     return prompts
 
 
+def _parsed_ids(text: str) -> List[int]:
+    """The ids of --prompt-ids TEXT (blank: none, which checked_ids refuses). An empty item
+    ("1,,2", "1,2,") is an error naming its position: it is no id to drop silently."""
+    if not text.strip():
+        return []
+    ids = []
+    for number, item in enumerate(text.split(","), 1):
+        try:
+            ids.append(int(item))
+        except ValueError:
+            shown = repr(item) if len(item) <= 40 else f"{item[:30]!r}... ({len(item)} characters)"
+            what = "is empty" if not item.strip() else f"{shown} is not an integer"
+            raise SystemExit(f"error: --prompt-ids {text[:60]!r}: item {number} {what}; "
+                             "expected comma-separated integers like 1,2,3") from None
+    return ids
+
+
 def prompt_ids(a, tokenizer, why_not: Optional[str]) -> List[int]:
     """The ids of --prompt-ids, or of --prompt (a.prompt) through the tokenizer."""
     if a.prompt_ids is not None:
-        try:
-            return [int(x) for x in a.prompt_ids.split(",") if x.strip()]
-        except ValueError:
-            raise SystemExit(f"error: --prompt-ids {a.prompt_ids!r}: expected comma-separated "
-                             "integers like 1,2,3") from None
+        return _parsed_ids(a.prompt_ids)
     if tokenizer is None:
         raise SystemExit(f"error: --prompt needs the checkpoint's tokenizer, which cannot be "
                          f"built: {why_not}; give its files (--vocab-file/--merge-file/"
