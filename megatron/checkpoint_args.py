@@ -452,15 +452,21 @@ def _cyclic_epoch(args: Dict):
 def _mock_data_warning(saved: Dict, run: Dict, where: str) -> Optional[str]:
     """The WARNING line of a --mock-data resume whose samples from the consumed count on
     differ from those the saving run would have read: sample i is drawn from (--seed, i),
-    and the cyclic loader permutes epochs of as many samples as the run asks of its train
-    set. (Another --seq-length or tokenizer has its own warning, another --vocab-size is
-    refused.) None when the checkpoint was not a --mock-data run, or with --skip-train."""
+    the cyclic loader permutes epochs of as many samples as the run asks of its train set,
+    and another loader or data-parallel size reads them in another order, as it reads a
+    real set (`_loader_order_change`). (Another --seq-length or tokenizer has its own
+    warning, another --vocab-size is refused.) None when the checkpoint was not a
+    --mock-data run, or with --skip-train."""
     if _plain(saved, "mock_data") is not True or run.get("skip_train"):
         return None
-    changes = []
+    changes, effects = [], []
     before, now = _plain(saved, "seed"), _plain(run, "seed")
     if _ABSENT not in (before, now) and before != now:
         changes.append(f"--seed {now} differs from the checkpoint's {before}")
+    loader = _loader_order_change(saved, run)  # the samplers treat mock sets as real ones
+    if loader is not None:
+        changes.append(loader[0])
+        effects.append(f"{loader[1]}; ")
     if run.get("dataloader_type") == "cyclic" == _plain(saved, "dataloader_type"):
         then, asked = _cyclic_epoch(saved), _cyclic_epoch(run)
         if None not in (then, asked) and then != asked:
@@ -469,10 +475,10 @@ def _mock_data_warning(saved: Dict, run: Dict, where: str) -> Optional[str]:
                            "--train-samples)")
     if not changes:
         return None
-    return (f"WARNING: {' and '.join(changes)} ({where}): --mock-data gives other samples "
-            "from here on than the run that saved the checkpoint would have read "
-            "(Megatron-LM does not check); continuing is allowed, to resume them rerun with "
-            "the checkpoint's values")
+    return (f"WARNING: {' and '.join(changes)} ({where}): {''.join(effects)}--mock-data "
+            "gives other samples from here on than the run that saved the checkpoint would "
+            "have read (Megatron-LM does not check); continuing is allowed, to resume them "
+            "rerun with the checkpoint's values")
 
 
 def norm_epsilon_warning(saved: Optional[Dict], run: Dict, where: str) -> Optional[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from megatron.arguments import run_dry_run
 from megatron.checkpoint_args import data_order_warning, norm_epsilon_warning
 from megatron.core.datasets.mock import MockGPTDataset
+from megatron.data_loading import CyclicSampler
 from tests.test_resume_guards import config, run_pretrain, save_run
 
 
@@ -68,6 +69,35 @@ def test_mock_data_warning_text():
     assert epoch.startswith("WARNING: the cyclic loader's epoch of 80 train samples differs "
                             "from the checkpoint's 40 (--train-iters x --global-batch-size, "
                             "or --train-samples) (w): --mock-data gives other samples"), epoch
+
+
+def _next_global_batch(total: int, consumed: int, dp: int) -> list:
+    """The samples of the cyclic loader's next global batch (micro-batch 2) at `dp`."""
+    return sum((next(iter(CyclicSampler(total, consumed, 2, r, dp))) for r in range(dp)), [])
+
+
+def test_mock_data_with_the_cyclic_loader_at_another_dp_size_warns():
+    """The cyclic loader permutes each data-parallel rank's bucket of the mock set as of a
+    real one, so the resume reads other samples at another size (was silent for
+    --mock-data, warned for --data-path); the wording is the real data's."""
+    assert _next_global_batch(40, 8, 1) != _next_global_batch(40, 8, 2)  # the premise
+    saved = {**MOCK, "dataloader_type": "cyclic", "data_parallel_size": 2,
+             "data_sharding": True}
+    run = {**saved, "finetune": False, "skip_train": False}
+    assert data_order_warning(saved, run, "w") is None
+    text = data_order_warning(saved, {**run, "data_parallel_size": 1}, "w/i")
+    assert text == ("WARNING: the data-parallel size 1 differs from the checkpoint's 2 under "
+                    "--dataloader-type cyclic (each data-parallel rank permutes its own share "
+                    "of the set) (w/i): the epoch in progress is read in another order, so "
+                    "some of the 8 consumed so far will come again and others never; "
+                    "--mock-data gives other samples from here on than the run that saved "
+                    "the checkpoint would have read (Megatron-LM does not check); continuing "
+                    "is allowed, to resume them rerun with the checkpoint's values")
+    unsharded = {**run, "data_parallel_size": 1, "data_sharding": False}
+    assert data_order_warning({**saved, "data_sharding": False}, unsharded, "w") is None
+    kind = data_order_warning(saved, {**run, "dataloader_type": "single"}, "w")
+    assert kind.startswith("WARNING: --dataloader-type single differs from the checkpoint's "
+                           "cyclic (w): the training samples are read in another order"), kind
 
 
 def test_resume_of_mock_data_with_another_seed_warns_also_in_dry_run(tmp_path, capsys):
