@@ -387,8 +387,10 @@ def validation_split_fix(data_path, split: Optional[str] = None) -> str:
 def _split_with_validation(split: Optional[str], size: int) -> str:
     """A --split giving validation at least one of `size` documents: `split`'s train and
     test numbers with the smallest validation number (of 1, 2, 5 x a power of ten, in the
-    scale of `split`'s numbers) that does so while train and test keep a document each;
-    `size-1,1,0` when `split` gives test nothing (or no such number fits)."""
+    scale of `split`'s numbers) that does so while train keeps a document, and test too
+    where `split` gave it one here (a test share too small for these documents is kept: it
+    gives larger datasets of a blend theirs); `size-1,1,0` when `split` has no test number
+    (or no such number fits)."""
     from megatron.core.datasets.gpt_dataset import get_train_valid_test_split
 
     fallback = f"{size - 1},1,0"
@@ -397,16 +399,17 @@ def _split_with_validation(split: Optional[str], size: int) -> str:
         numbers = [float(x) for x in split.replace("/", ",").split(",")][:3] if split else []
     except ValueError:
         return fallback
-    if bounds is None or len(numbers) < 3 or bounds[3] == bounds[2]:
+    if bounds is None or len(numbers) < 3 or numbers[2] <= 0:
         return fallback
     train, test = numbers[0], numbers[2]
+    least_test = 1 if bounds[3] > bounds[2] else 0
     scale = 10.0 ** math.floor(math.log10(train + test))
     for exponent in range(-3, 2):
         for step in (1, 2, 5):
             valid = step * scale * 10.0 ** exponent
             candidate = f"{train:g},{valid:g},{test:g}"
             b = get_train_valid_test_split(candidate, size)
-            if b[1] > 0 and b[2] > b[1] and b[3] > b[2]:
+            if b[1] > 0 and b[2] > b[1] and b[3] - b[2] >= least_test:
                 return candidate
     return fallback
 

@@ -269,8 +269,16 @@ def test_the_validation_split_fix_keeps_the_test_split(tmp_path):
     b = get_train_valid_test_split("90,10,10", 9)
     assert 0 < b[1] < b[2] < b[3] == 9, b
     assert validation_split_fix([big], "100,0,0").endswith("e.g. --split 8,1,0")
+    # a test share too small for the documents is kept too (it suggested 3,1,0 and 49,1,0,
+    # which drop the test set of every larger dataset of a blend)
     small, _ = make_corpus(tmp_path / "small", [20] * 4)  # 90,0,10 gives test nothing there
-    assert validation_split_fix([small], "90,0,10").endswith("e.g. --split 3,1,0")
+    assert validation_split_fix([small], "90,0,10").endswith("e.g. --split 90,20,10")
+    assert get_train_valid_test_split("90,20,10", 4) == [0, 3, 4, 4]
+    fifty, _ = make_corpus(tmp_path / "fifty", [20] * 50)
+    assert validation_split_fix([fifty], "990,9,1").endswith("e.g. --split 990,20,1")
+    assert get_train_valid_test_split("990,20,1", 50) == [0, 49, 50, 50]
+    b = get_train_valid_test_split("990,20,1", 5000)  # a larger dataset keeps its test share
+    assert b[3] - b[2] == 5 == b[3] - get_train_valid_test_split("990,9,1", 5000)[2], b
     cfg = tiny_config()
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data_path=[big],
                                                             split="90,0,10"))
