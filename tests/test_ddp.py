@@ -222,3 +222,47 @@ def test_torch_ddp_is_quiet_and_leaves_buffers_alone():
     for rank, r in enumerate(run_distributed(_torch_ddp_worker, 2)):
         assert not [w for w in r["warnings"] if "broadcast_buffers" in w], r["warnings"]
         assert r["buffer"] == [float(rank)] * 2
+
+
+def _counting_allreduce_hook(state, bucket):
+    state.append(bucket.index())
+    fut = torch.distributed.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0] / torch.distributed.get_world_size())
+
+
+def _torch_ddp_schedule_worker(rank, world_size, num_micro):
+    from megatron.core.pipeline_parallel.executor import ScheduleExecutor
+    from megatron.core.pipeline_parallel.model_chunks import ModelChunks
+    from megatron.core.pipeline_parallel.schedules import build_schedule
+
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, ParallelState.build(world_size, rank), ParallelConfig(
+        dp_size=world_size, world_size=world_size, ddp_impl="torch"))
+    reductions = []
+    ddp.torch_ddp.register_comm_hook(reductions, _counting_allreduce_hook)
+    chunks = ModelChunks([ddp])
+    x, y = _data(0)
+    local = GLOBAL_BATCH // world_size
+    xs = x[rank * local:(rank + 1) * local].chunk(num_micro)
+    ys = y[rank * local:(rank + 1) * local].chunk(num_micro)
+
+    def forward_step(chunk, mb, _):
+        return torch.nn.functional.mse_loss(chunks[chunk](xs[mb]), ys[mb])
+
+    ScheduleExecutor(chunks, forward_step, None, 0, 1, num_micro).run(
+        build_schedule(1, num_micro)[0])
+    return {"reductions": len(reductions), "grads": [p.grad for p in model.parameters()],
+            "expected": _reference_grads(ref, x, y)}
+
+
+def test_torch_ddp_reduces_once_per_step_under_the_schedule():
+    """--DDP-impl torch with gradient accumulation: torch's DDP decides in the FORWARD
+    whether the next backward all-reduces, so the executor must run the forwards of all
+    but the last micro-batch inside no_sync() too (Megatron-LM's no-pipelining schedule
+    does). With only the backwards inside, every micro-batch was all-reduced (same
+    gradients, num_micro times the data-parallel traffic)."""
+    for r in run_distributed(_torch_ddp_schedule_worker, 2, 4):
+        assert r["reductions"] == 1, r["reductions"]
+        for g, e in zip(r["grads"], r["expected"]):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)

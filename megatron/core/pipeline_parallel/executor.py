@@ -11,7 +11,9 @@ Gradients: on the last virtual stage the backward starts from
 stage. The received input is a leaf with requires_grad, so its `.grad` after the backward
 is what goes back to the previous stage. Every backward but the last of each chunk runs
 inside the chunk's `no_sync()` (when it has one), so data-parallel gradient reduction
-starts only once that chunk's gradients are complete.
+starts only once that chunk's gradients are complete; so does the forward of each of those
+micro-batches, as in Megatron-LM: torch's DistributedDataParallel (`--DDP-impl torch`)
+decides in the forward whether the backward after it all-reduces.
 
 Watching: with a `watch` hook the executor runs every action inside the context manager
 the hook returns for it (a wait is given with the transfers of its batch in `ops`), so a
@@ -190,7 +192,8 @@ class ScheduleExecutor:
                 x.requires_grad_(True)
         timer = self._timer("forward-compute")
         timer.start()
-        out = self.forward_step(chunk, mb, x)
+        with self._no_sync(chunk, mb):
+            out = self.forward_step(chunk, mb, x)
         timer.stop()
         if stage == self.num_stages - 1:
             self._loss_sum += out.detach()
@@ -199,14 +202,19 @@ class ScheduleExecutor:
         if not self.forward_only:
             self._saved[(chunk, mb)] = (x, out)
 
+    def _no_sync(self, chunk: int, mb: int):
+        """The chunk's `no_sync()` unless micro-batch `mb` has the chunk's last backward
+        (or nothing follows: forward only, or the chunk has no `no_sync`)."""
+        no_sync = getattr(self.chunks[chunk], "no_sync", None)
+        last = self._last_backward.get(chunk, mb) == mb
+        return contextlib.nullcontext() if last or no_sync is None else no_sync()
+
     def _backward(self, mb: int, chunk: int) -> None:
         stage = self._stage(chunk)
         x, out = self._saved.pop((chunk, mb))
-        no_sync = getattr(self.chunks[chunk], "no_sync", None)
-        last = self._last_backward[chunk] == mb
         timer = self._timer("backward-compute")
         timer.start()
-        with contextlib.nullcontext() if last or no_sync is None else no_sync():
+        with self._no_sync(chunk, mb):
             if stage == self.num_stages - 1:
                 torch.autograd.backward(self.scale_loss(out / self.num_microbatches))
             else:
