@@ -522,7 +522,8 @@ def _restore_counters(tr, loaded: _Loaded) -> None:
 def _load_optimizer(tr, loaded: _Loaded) -> None:
     """Optimizer (and the distributed optimizer's shards) and scheduler states; SystemExit
     when they do not fit the run (the scheduler's saved values contradict the command line,
-    the optimizer's groups differ, the distributed optimizer's file is missing)."""
+    the optimizer's groups differ, the distributed optimizer's file is missing or holds
+    shards of another model, precision or virtual-pipeline layout)."""
     ck, state = tr.config.checkpoint, loaded.state
     try:
         optimizer_notes = tr.optimizer.load_state_dict(state["optimizer"]) or []
@@ -533,7 +534,10 @@ def _load_optimizer(tr, loaded: _Loaded) -> None:
         if param_state is None:
             param_state = load_extra_file(ck.load, loaded.iteration, tr.rt.ps,
                                           "distrib_optim.pt", release=loaded.release)
-        tr.optimizer.load_parameter_state(param_state)
+        try:  # shards of another model, precision or virtual-pipeline layout
+            tr.optimizer.load_parameter_state(param_state)
+        except ValueError as exc:
+            raise SystemExit(f"error: loading {loaded.iter_dir}: {exc}") from None
     try:
         notes = tr.scheduler.load_state_dict(state["opt_param_scheduler"])
     except ValueError as exc:

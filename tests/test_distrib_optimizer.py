@@ -209,6 +209,27 @@ def test_checkpoint_saved_with_dp2_resumes_with_dp1_and_dp4(tmp_path):
                                msg="resumed with the plain optimizer")
 
 
+def test_shards_of_another_precision_exit_with_the_load_error(tmp_path):
+    """distrib_optim.pt without this run's grad-buffer dtype (saved in another precision):
+    the load ends like every other checkpoint that does not fit, with one "error: loading
+    <dir>: ..." (SystemExit, agreed over the ranks), not a ValueError traceback from each
+    rank (or, where only some stages failed, the other ranks waiting forever)."""
+    root = str(tmp_path / "ckpt")
+    _save_worker(0, 1, root)
+    path = os.path.join(root, "iter_0000002", "mp_rank_00", "distrib_optim.pt")
+    shards = torch.load(path, weights_only=True)
+    shards[0] = {torch.bfloat16: shards[0][torch.float32]}  # as if saved with bf16 buffers
+    torch.save(shards, path)
+    cfg, _, tr = _trainer(0, 1, parallel=DIST, iters=4)
+    cfg.checkpoint.load = root
+    with pytest.raises(SystemExit) as info:
+        trainer_checkpoint.load_trainer_checkpoint(tr)
+    message = str(info.value.code)
+    assert message.startswith(f"error: loading {root}/iter_0000002: distrib_optim.pt has no "
+                              "entry for model chunk 0 with grad dtype torch.float32"), message
+    assert "--no-load-optim" in message
+
+
 def _distributed_mlp_optimizer(**optim):
     ps = ParallelState.build(1, 0)
     ddp = DistributedDataParallel(_mlp(), ps, ParallelConfig(
