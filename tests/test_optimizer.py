@@ -197,6 +197,10 @@ def test_clip_single_process_no_clip_and_nan():
     p.grad = torch.tensor([float("nan"), 1.0, 2.0])
     norm = clip_grad_norm([p], 1.0, None, 0)
     assert math.isnan(float(norm)) and float(p.grad[1]) == 1.0  # reported, not applied
+    p.grad = torch.tensor([3e38, 3e38, 1.0])  # finite, but the sum of squares overflows
+    norm = clip_grad_norm([p], 1.0, None, 0)
+    # Megatron-LM's coefficient max_norm / (inf + 1e-6) = 0 is < 1: the grads are zeroed
+    assert math.isinf(float(norm)) and torch.equal(p.grad, torch.zeros(3))
     dup = torch.nn.Parameter(torch.zeros(2))
     dup.grad = torch.ones(2)
     assert float(get_grad_norm([dup], None, tp_rank=1)) == 0.0  # replicated, not tp rank 0

@@ -154,15 +154,18 @@ def clip_grad_norm(
 
     The norm is `get_grad_norm` (same collective); every gradient (duplicates and shared
     copies included) is multiplied by `max_norm / (norm + 1e-6)` when that is below 1.
-    A non-finite norm leaves the gradients unscaled (as in Megatron) and is returned as is,
-    so the caller can report it. Returns the norm before clipping (0-dim float32 tensor).
+    A NaN norm leaves the gradients unscaled and an infinite one (an inf gradient, or
+    finite ones whose squares overflow fp32) multiplies them by 0, as Megatron-LM's
+    `clip_coeff < 1.0` test does; either norm is returned as is, so the caller can report
+    it. Returns the norm before clipping (0-dim float32 tensor).
     """
     params = _as_list(params)
     total_norm = get_grad_norm(params, mp_group, tp_rank, norm_type)
     grads = [g.detach() for g in (_grad(p) for p in params) if g is not None]
     if grads:
         clip_coeff = float(max_norm) / (total_norm + 1.0e-6)
-        # NaN < 1 is False, so a NaN norm leaves the grads alone; no host sync either way.
+        # NaN < 1 is False, so a NaN norm leaves the grads alone (an inf norm gives 0 < 1);
+        # no host sync either way.
         clip_coeff = torch.where(clip_coeff < 1.0, clip_coeff, torch.ones_like(clip_coeff))
         for device_grads in _split_by_device(grads).values():
             torch._foreach_mul_(device_grads, clip_coeff.to(device_grads[0].device))

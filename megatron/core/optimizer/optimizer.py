@@ -221,7 +221,8 @@ class MegatronOptimizer:
         multiplying them by the clip coefficient min(1, clip_grad / (norm + 1e-6))."""
         total_norm = get_grad_norm(self.get_parameters(), self.mp_group, self.tp_rank)
         coeff = float(self.clip_grad) / (total_norm + 1.0e-6)
-        # A non-finite norm leaves the gradients unscaled, as the unfused path does.
+        # As the unfused path: a NaN norm leaves the gradients unscaled, an inf one zeroes
+        # them (divisor inf).
         coeff = torch.where(coeff < 1.0, coeff, torch.ones_like(coeff))
         device = next(p.device for g in self.optimizer.param_groups for p in g["params"])
         return total_norm, (1.0 / coeff).to(device)
