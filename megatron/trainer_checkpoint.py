@@ -12,6 +12,7 @@ import contextlib
 import os
 import re
 import time
+import traceback
 from typing import Dict, NamedTuple, Optional, Set, Tuple
 
 import torch
@@ -25,7 +26,8 @@ from megatron.checkpoint_args import (
     seq_length_warning,
     tokenizer_warning,
 )
-from megatron.checkpoint_dirs import same_dir
+from megatron.checkpoint_dirs import checkpoint_name, model_file, same_dir
+from megatron.checkpoint_identity import file_identity, rank_file_problem
 from megatron.checkpoint_preflight import (
     LoadStates,
     no_weights_message,
@@ -361,7 +363,14 @@ class _Loaded(NamedTuple):
     with_optimizer: bool  # load the optimizer and scheduler states
     with_rng: bool  # restore the RNG states (when the payload has them)
     iter_dir: str
-    error: Optional[str] = None  # this rank's resharding failed: its message
+    error: Optional[str] = None  # this rank's file or resharding failed: its message
+    path: Optional[str] = None  # this rank's file (None: resharded from several)
+
+
+def _rank_file(root: str, iteration: int, release: bool, ps) -> str:
+    """The path of this rank's model file in the checkpoint (`load_rank_file` reads it)."""
+    return model_file(os.path.dirname(
+        checkpoint_name(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size, release)))
 
 
 def _control_group(tr):
@@ -370,8 +379,9 @@ def _control_group(tr):
 
 
 def _check_first_file(tr, iter_dir: str, release: bool
-                      ) -> Tuple[Optional[Tuple[Layout, Dict, LoadStates]], Optional[str]]:
-    """((saved layout, first rank's payload, states to load), None) when the first rank's
+                      ) -> Tuple[Optional[Tuple[Layout, Dict, LoadStates, Dict]], Optional[str]]:
+    """((saved layout, first rank's payload, states to load, its `file_identity`), None)
+    when the first rank's
     file fits the run, else (None, the first problem): the file cannot be read, its
     arguments differ from the run's (`checkpoint_args_message`), states to load are not
     in it (`states_to_load`: every one named), its learning-rate schedule contradicts the command line.
@@ -390,12 +400,14 @@ def _check_first_file(tr, iter_dir: str, release: bool
         if errors:
             problem = (f"error: loading {iter_dir}: {mismatch_message(errors)}"
                        + past_the_run_note(tr.config.training, first.get("iteration"), release))
-    return (None, problem) if problem else ((saved, first, states), None)
+    if problem:
+        return None, problem
+    return (saved, first, states, file_identity(first, first_path)), None
 
 
 def _first_file_checked_once(tr, iter_dir: str, release: bool
-                             ) -> Tuple[Optional[Tuple[Layout, Optional[dict], LoadStates]],
-                                        Optional[str]]:
+                             ) -> Tuple[Optional[Tuple[Layout, Optional[dict], LoadStates,
+                                                        Dict]], Optional[str]]:
     """`_check_first_file` on global rank 0, its result -- the first file's arguments
     instead of its payload -- sent to every rank (`from_rank_0` over the control group):
     every rank listing the iteration directory and reading that file was thousands of
@@ -408,8 +420,8 @@ def _first_file_checked_once(tr, iter_dir: str, release: bool
             checked, problem = None, (f"error: cannot check the first rank's file of "
                                        f"{iter_dir}: {type(exc).__name__}: {exc}")
         if checked is not None:
-            saved, first, states = checked
-            checked = (saved, first.get("args"), states)
+            saved, first, states, identity = checked
+            checked = (saved, first.get("args"), states, identity)
         result = (checked, problem)
     return from_rank_0(result, _control_group(tr))
 
@@ -434,7 +446,7 @@ def _load_trainer_payload(tr) -> Optional[_Loaded]:
     checked, problem = _first_file_checked_once(tr, iter_dir, release)
     if problem is not None:
         raise exit_on_every_rank(problem, group)  # every rank has rank 0's problem
-    saved, first_args, states = checked
+    saved, first_args, states, identity = checked
     tr.checkpoint_args = first_args  # for the resume's train-order check
     training = tr.optimizer is not None  # evaluation-only: the tokenizer warning alone
     warnings = [tokenizer_warning(first_args, tr.config.args, iter_dir, not training),
@@ -453,7 +465,10 @@ def _load_trainer_payload(tr) -> Optional[_Loaded]:
     loaded = _Loaded(0 if release else iteration, release, {}, None, None,
                      states.with_optimizer, states.with_rng, iter_dir)
     if not needs_resharding(saved, trainer_layout(tr), states.with_optimizer):
-        return loaded._replace(state=load_rank_file(ck.load, iteration, release, ps, group))
+        state = load_rank_file(ck.load, iteration, release, ps, group)
+        path = _rank_file(ck.load, iteration, release, ps)
+        return loaded._replace(state=state, path=path,
+                               error=rank_file_problem(state, path, identity))
     print_rank_0(f" loading checkpoint from {ck.load} at iteration {iteration} "
                  f"(resharding: each rank reads the shards of its own parameters)")
     try:
@@ -599,8 +614,10 @@ def _optimizer_not_loaded_note(iteration: int, rollback: bool) -> str:
 
 def _restore_states(tr, loaded: _Loaded) -> Optional[str]:
     """Weights, counters, optimizer and scheduler, RNG from `loaded` into the trainer; the
-    message of this rank's failure (a checkpoint that does not fit), else None. Local:
-    the caller's agreement decides for every rank."""
+    message of this rank's failure (a checkpoint that does not fit; any other exception
+    but running out of memory: its file holds something its loaders do not expect,
+    `_unexpected_content_message`), else None. Local: the caller's agreement decides for
+    every rank -- raising here left the other ranks waiting in it."""
     try:
         load_model_state_dicts(tr.model, loaded.state, loaded.iter_dir)
         _restore_counters(tr, loaded)
@@ -616,7 +633,25 @@ def _restore_states(tr, loaded: _Loaded) -> Optional[str]:
                     print_rank_0(f" > {text}")
     except SystemExit as exc:
         return exit_message(exc)
+    except Exception as exc:  # noqa: BLE001 -- one rank alone: reported in the agreement
+        if out_of_memory_kind(exc):
+            raise  # the out-of-memory report names it
+        return _unexpected_content_message(loaded, exc)
     return None
+
+
+def _unexpected_content_message(loaded: _Loaded, exc: Exception) -> str:
+    """The message for an exception restoring this rank's states: the file (or the
+    checkpoint directory, when resharded from several), the error and where it was raised
+    (an error of this program's own is told from a damaged file by it), and the fix."""
+    where = traceback.extract_tb(exc.__traceback__)[-1]
+    what = loaded.path or f"the shard files of {loaded.iter_dir}"
+    fix = (f"Copy {loaded.path} again from the checkpoint it belongs to" if loaded.path
+           else f"Check the files of {loaded.iter_dir}")
+    return (f"error: cannot restore the states held in {what}: {type(exc).__name__}: {exc} "
+            f"(raised at {os.path.basename(where.filename)}:{where.lineno} in {where.name}): "
+            f"its contents are not what a checkpoint of this layout holds. {fix}, or point "
+            "--load at another checkpoint")
 
 
 def rollback_iteration(tr, iteration: int) -> Tuple[int, str]:

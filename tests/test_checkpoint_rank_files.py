@@ -1,0 +1,151 @@
+"""A checkpoint whose files do not all belong together, loaded by a Trainer on 2 gloo ranks
+(tp 2: each rank reads its own mp_rank_XX file; rank 0 checks the first one for all).
+
+A file copied from another checkpoint into mp_rank_01 -- another iteration of the run, a
+file without the optimizer state, one whose states the loaders reject -- loaded on rank 1
+alone: the ranks resumed at different iterations (a hang in the first training step), or
+rank 1 stopped with a KeyError traceback while rank 0 waited in the load's agreement (a
+connection error on gloo, the timeout on NCCL). Every rank must exit together with one
+report naming rank 1, its file, what is wrong and the fix (megatron/checkpoint_identity.py).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from megatron.arguments import parse_and_validate
+from megatron.checkpoint_identity import file_identity, rank_file_problem
+from megatron.checkpointing import write_tracker
+from megatron.initialize import initialize_distributed, set_random_seed
+from megatron.trainer_checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
+from megatron.training import build_trainer, data_iterator, train_step
+from tests.dist_utils import run_distributed
+
+BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 --lr 1e-2 "
+        "--train-iters 8 --mock-data --tokenizer-type NullTokenizer --vocab-size 127 "
+        "--make-vocab-size-divisible-by 64 --use-cpu-initialization --num-workers 0 "
+        "--tensor-model-parallel-size 2")
+
+
+def _trainer(rank, world, save=None, load=None):
+    cfg = parse_and_validate(BASE.split(), world_size=world, env={"RANK": str(rank)},
+                             cuda_available=False)
+    cfg.checkpoint.save, cfg.checkpoint.load = save, load
+    rt = initialize_distributed(cfg.parallel, rank, world, 0)
+    set_random_seed(cfg.training.seed, rt)
+    return cfg, rt, build_trainer(cfg, rt)
+
+
+def _save_at_2_and_4(rank, world, root):
+    cfg, rt, tr = _trainer(rank, world, save=root)
+    data = data_iterator(cfg, rt, "train", 0)
+    for _ in range(2):
+        for _ in range(2):
+            assert train_step(tr, data)[1]
+            tr.state.iteration += 1
+            tr.state.consumed_train_samples += cfg.data.global_batch_size
+        save_trainer_checkpoint(tr)
+
+
+def _load(rank, world, root):
+    """(the SystemExit message or None, the iteration loaded)."""
+    _, _, tr = _trainer(rank, world, load=root)
+    try:
+        load_trainer_checkpoint(tr)
+    except SystemExit as exc:
+        return str(exc), tr.state.iteration
+    return None, tr.state.iteration
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("tp2") / "ck")
+    run_distributed(_save_at_2_and_4, 2, root)
+    return root
+
+
+def _rank1_file(root, iteration):
+    return os.path.join(root, f"iter_{iteration:07d}", "mp_rank_01", "model_optim_rng.pt")
+
+
+def _mixed(saved, tmp_path, edit):
+    """A copy of `saved`'s iteration-2 checkpoint whose mp_rank_01 file `edit` changed
+    (`edit(path)`), with the tracker naming iteration 2."""
+    root = str(tmp_path / "mixed")
+    shutil.copytree(saved, root)
+    write_tracker(root, 2, False)
+    edit(root)
+    return root, _rank1_file(root, 2)
+
+
+def _rewrite_rank1(change):
+    def edit(root):
+        path = _rank1_file(root, 2)
+        state = torch.load(path, weights_only=True)
+        change(state)
+        torch.save(state, path)
+    return edit
+
+
+def _assert_one_report_naming_rank_1(results, path, *parts):
+    (m0, _), (m1, _) = results
+    assert m0 is not None and m0 == m1, results
+    assert m0.startswith("rank 1 (of 2): error: "), m0
+    for part in (path, "point --load at another checkpoint") + parts:
+        assert part in m0, (part, m0)
+
+
+def test_a_file_of_another_iteration_exits_every_rank_instead_of_hanging(saved, tmp_path):
+    """iter_0000004's mp_rank_01 copied into iter_0000002: rank 1 resumed at iteration 4,
+    rank 0 at 2 -- both 'successfully loaded', then the run hung in its first step."""
+    root, path = _mixed(saved, tmp_path, lambda r: shutil.copy(_rank1_file(r, 4),
+                                                               _rank1_file(r, 2)))
+    results = run_distributed(_load, 2, root)
+    _assert_one_report_naming_rank_1(results, path, "iteration 4 (the first file: 2)",
+                                     "consumed training samples 16 (the first file: 8)",
+                                     f"Copy {path} again")
+
+
+def test_a_file_without_the_optimizer_state_exits_every_rank(saved, tmp_path):
+    """Rank 0's file has the optimizer state, rank 1's not (saved with --no-save-optim):
+    rank 1 raised KeyError: 'optimizer' alone, rank 0 waited in the agreement."""
+    def drop(state):
+        del state["optimizer"], state["opt_param_scheduler"]
+    root, path = _mixed(saved, tmp_path, _rewrite_rank1(drop))
+    results = run_distributed(_load, 2, root)
+    _assert_one_report_naming_rank_1(results, path,
+                                     "optimizer state absent (the first file: present)")
+
+
+def test_a_file_whose_states_the_loaders_reject_exits_every_rank(saved, tmp_path):
+    """Same iteration, counters and states, but an optimizer state of another shape: the
+    optimizer's load raised on rank 1 alone (not a SystemExit)."""
+    def damage(state):
+        del state["optimizer"]["param_groups"]
+    root, path = _mixed(saved, tmp_path, _rewrite_rank1(damage))
+    results = run_distributed(_load, 2, root)
+    _assert_one_report_naming_rank_1(results, path, "cannot restore the states held in",
+                                     f"Copy {path} again")
+
+
+def test_the_files_of_one_checkpoint_load(saved):
+    results = run_distributed(_load, 2, saved)
+    assert results == [(None, 4), (None, 4)]
+
+
+def test_rank_file_problem_units():
+    first = file_identity({"iteration": 2, "args": {"tensor_model_parallel_size": 2},
+                           "optimizer": {}, "opt_param_scheduler": {}}, "a/mp_rank_00/f.pt")
+    other_tp = {"iteration": 2, "args": {"tensor_model_parallel_size": 1},
+                "optimizer": {}, "opt_param_scheduler": {}}
+    message = rank_file_problem(other_tp, "a/mp_rank_01/f.pt", first)
+    assert "tensor-parallel size 1 (the first file: 2)" in message
+    assert rank_file_problem(torch.zeros(2), "a/mp_rank_01/f.pt", first).startswith(
+        "error: a/mp_rank_01/f.pt holds a Tensor, not a checkpoint's dictionary")
+    same = dict(other_tp, args={"tensor_model_parallel_size": 2})
+    assert rank_file_problem(same, "a/mp_rank_01/f.pt", first) is None
+    assert rank_file_problem(other_tp, "a/mp_rank_01/f.pt", None) is None  # unknown first
