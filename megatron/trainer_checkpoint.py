@@ -340,6 +340,14 @@ def reshard_for_trainer(tr, iter_dir: str, with_optimizer: bool,
         payload, distrib = build_rank_payload(src, plan, kind, notes)
     except ValueError as exc:  # shapes or parameters the checkpoint's args did not tell
         raise SystemExit(f"error: cannot reshard {iter_dir} for this run: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 -- a damaged shard only this rank reads
+        if out_of_memory_kind(exc):
+            raise  # the out-of-memory report names it
+        raise SystemExit(
+            f"error: cannot reshard {iter_dir} for this run: a shard file this rank reads "
+            f"holds unexpected contents: {type(exc).__name__}: {exc} ({_raised_at(exc)}). "
+            "Copy the checkpoint's files again, or point --load at another checkpoint"
+        ) from None
     what = "model and optimizer" if "optimizer" in payload else "model"
     text = (f"resharded {iter_dir} on load: saved with {src.layout.describe()}, this run has "
             f"{trainer_layout(tr).describe()}; {what} state converted from {len(src.files)} of "
@@ -644,14 +652,19 @@ def _unexpected_content_message(loaded: _Loaded, exc: Exception) -> str:
     """The message for an exception restoring this rank's states: the file (or the
     checkpoint directory, when resharded from several), the error and where it was raised
     (an error of this program's own is told from a damaged file by it), and the fix."""
-    where = traceback.extract_tb(exc.__traceback__)[-1]
     what = loaded.path or f"the shard files of {loaded.iter_dir}"
     fix = (f"Copy {loaded.path} again from the checkpoint it belongs to" if loaded.path
            else f"Check the files of {loaded.iter_dir}")
     return (f"error: cannot restore the states held in {what}: {type(exc).__name__}: {exc} "
-            f"(raised at {os.path.basename(where.filename)}:{where.lineno} in {where.name}): "
-            f"its contents are not what a checkpoint of this layout holds. {fix}, or point "
-            "--load at another checkpoint")
+            f"({_raised_at(exc)}): its contents are not what a checkpoint of this layout "
+            f"holds. {fix}, or point --load at another checkpoint")
+
+
+def _raised_at(exc: BaseException) -> str:
+    """'raised at FILE:LINE in FUNCTION' of `exc`'s innermost frame: a damaged file and an
+    error of this program's own are told apart by it."""
+    where = traceback.extract_tb(exc.__traceback__)[-1]
+    return f"raised at {os.path.basename(where.filename)}:{where.lineno} in {where.name}"
 
 
 def rollback_iteration(tr, iteration: int) -> Tuple[int, str]:

@@ -27,12 +27,12 @@ from tests.dist_utils import run_distributed
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 --lr 1e-2 "
         "--train-iters 8 --mock-data --tokenizer-type NullTokenizer --vocab-size 127 "
-        "--make-vocab-size-divisible-by 64 --use-cpu-initialization --num-workers 0 "
-        "--tensor-model-parallel-size 2")
+        "--make-vocab-size-divisible-by 64 --use-cpu-initialization --num-workers 0")
+TP2 = "--tensor-model-parallel-size 2"
 
 
-def _trainer(rank, world, save=None, load=None):
-    cfg = parse_and_validate(BASE.split(), world_size=world, env={"RANK": str(rank)},
+def _trainer(rank, world, extra, save=None, load=None):
+    cfg = parse_and_validate(f"{BASE} {extra}".split(), world_size=world, env={"RANK": str(rank)},
                              cuda_available=False)
     cfg.checkpoint.save, cfg.checkpoint.load = save, load
     rt = initialize_distributed(cfg.parallel, rank, world, 0)
@@ -40,8 +40,8 @@ def _trainer(rank, world, save=None, load=None):
     return cfg, rt, build_trainer(cfg, rt)
 
 
-def _save_at_2_and_4(rank, world, root):
-    cfg, rt, tr = _trainer(rank, world, save=root)
+def _save_at_2_and_4(rank, world, root, extra=TP2):
+    cfg, rt, tr = _trainer(rank, world, extra, save=root)
     data = data_iterator(cfg, rt, "train", 0)
     for _ in range(2):
         for _ in range(2):
@@ -51,9 +51,9 @@ def _save_at_2_and_4(rank, world, root):
         save_trainer_checkpoint(tr)
 
 
-def _load(rank, world, root):
+def _load(rank, world, root, extra=TP2):
     """(the SystemExit message or None, the iteration loaded)."""
-    _, _, tr = _trainer(rank, world, load=root)
+    _, _, tr = _trainer(rank, world, extra, load=root)
     try:
         load_trainer_checkpoint(tr)
     except SystemExit as exc:
@@ -68,8 +68,8 @@ def saved(tmp_path_factory):
     return root
 
 
-def _rank1_file(root, iteration):
-    return os.path.join(root, f"iter_{iteration:07d}", "mp_rank_01", "model_optim_rng.pt")
+def _rank1_file(root, iteration, rank_dir="mp_rank_01"):
+    return os.path.join(root, f"iter_{iteration:07d}", rank_dir, "model_optim_rng.pt")
 
 
 def _mixed(saved, tmp_path, edit):
@@ -82,9 +82,9 @@ def _mixed(saved, tmp_path, edit):
     return root, _rank1_file(root, 2)
 
 
-def _rewrite_rank1(change):
+def _rewrite_rank1(change, rank_dir="mp_rank_01"):
     def edit(root):
-        path = _rank1_file(root, 2)
+        path = _rank1_file(root, 2, rank_dir)
         state = torch.load(path, weights_only=True)
         change(state)
         torch.save(state, path)
@@ -130,6 +130,22 @@ def test_a_file_whose_states_the_loaders_reject_exits_every_rank(saved, tmp_path
     results = run_distributed(_load, 2, root)
     _assert_one_report_naming_rank_1(results, path, "cannot restore the states held in",
                                      f"Copy {path} again")
+
+
+def test_a_damaged_shard_read_by_one_rank_while_resharding_exits_every_rank(tmp_path):
+    """A pp-2 checkpoint of the plain optimizer resumed with the distributed one is
+    resharded on load: each stage reads its own shard only. Stage 1's file with a damaged
+    optimizer state raised on rank 1 alone (not a SystemExit): rank 0 waited."""
+    saved = str(tmp_path / "pp2")
+    pp2 = "--pipeline-model-parallel-size 2"
+    run_distributed(_save_at_2_and_4, 2, saved, pp2)
+
+    def damage(state):
+        del state["optimizer"]["param_groups"]
+    root, _ = _mixed(saved, tmp_path, _rewrite_rank1(damage, "mp_rank_00_001"))
+    results = run_distributed(_load, 2, root, f"{pp2} --use-distributed-optimizer")
+    _assert_one_report_naming_rank_1(results, os.path.join(root, "iter_0000002"),
+                                     "cannot reshard")
 
 
 def test_the_files_of_one_checkpoint_load(saved):
