@@ -156,6 +156,19 @@ def test_sample_next_filters():
                                     generator=g) == 1
 
 
+def test_sample_next_top_p_is_megatrons_nucleus():
+    """An id is kept when the more likely ids hold at most top_p (Megatron's shifted
+    cumulative sum, `> top_p` dropped): at a boundary mass equal to top_p the next id
+    stays (probabilities 1/2, 1/4, 1/8, 1/8 at top_p 0.75: ids 0, 1 and 2, where the
+    filter kept 0 and 1), and top_p 0 keeps the most likely id (no NaN)."""
+    logits = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
+    g = torch.Generator().manual_seed(0)
+    assert {generate.sample_next(logits, top_p=0.75, generator=g) for _ in range(300)} \
+        == {0, 1, 2}
+    assert {generate.sample_next(logits, top_p=0.5, generator=g) for _ in range(200)} == {0, 1}
+    assert {generate.sample_next(logits, top_p=0.0, generator=g) for _ in range(20)} == {0}
+
+
 def _tp_pp_worker(rank, world_size, save_dir, extra):
     _, loss, batches = _train(save_dir, extra, world_size=world_size, rank=rank, steps=2)
     return loss, batches

@@ -88,6 +88,22 @@ def test_top_p_decays_per_position_of_the_batch(monkeypatch):
     assert seen == {11: [0.9] * 5, 10: [0.9] * 5}
 
 
+def test_top_p_decayed_to_zero_draws_the_most_likely_token(monkeypatch):
+    """top_p_decay 1e-300 takes top_p 0.5 to 5e-301 and then to 0.0 (float underflow, as
+    Megatron's recurrence does; decay 0.5 gets there after 1075 tokens): the draws at top_p
+    0 keep the most likely token (the limit of the decay), where the filter dropped every
+    token and the request failed (NaN probabilities: HTTP 500)."""
+    seen = _record_top_p(monkeypatch)
+    body = {"prompts": ["4 9 1"], "tokens_to_generate": 6, "top_p": 0.5,
+            "top_p_decay": 1e-300, "random_seed": 4}
+    out = run_request(_engine(), parse_request(body))["text"][0]
+    assert seen[4] == [0.5, 5e-301, 0.0, 0.0, 0.0, 0.0]
+    head = " ".join(out.split()[:5])  # the prompt and the first two new tokens
+    greedy = run_request(_engine(), parse_request({"prompts": [head], "top_k": 1,
+                                                   "tokens_to_generate": 4}))["text"][0]
+    assert greedy == out  # from the third new token on: the argmax
+
+
 def _pair_it_would_draw(engine, body):
     """(a, b): two tokens the greedy answer of prompts[0] has in a row after its prompt."""
     prompt = _ids(body["prompts"][0])

@@ -142,8 +142,10 @@ def sample_next(logits: torch.Tensor, greedy: bool = False, temperature: float =
                 top_k: int = 0, top_p: float = 1.0,
                 generator: Optional[torch.Generator] = None) -> int:
     """One token id from a [V] logits vector: argmax when greedy (or temperature 0), else a
-    draw from softmax(logits / temperature) restricted to the top_k ids and to the smallest
-    set whose probability reaches top_p. A temperature so small that logits / temperature
+    draw from softmax(logits / temperature) restricted to the top_k ids and to the ids
+    whose more likely ids hold at most top_p of the mass (Megatron's rule: the smallest
+    set whose probability exceeds top_p; the most likely id always stays, so a top_p that
+    a TopPSchedule decayed to 0 draws it). A temperature so small that logits / temperature
     would overflow (a request's 1e-320) divides the logits less their maximum: the same
     distribution (the argmax and its ties), never inf - inf = nan."""
     if greedy or temperature == 0:
@@ -158,7 +160,7 @@ def sample_next(logits: torch.Tensor, greedy: bool = False, temperature: float =
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # mass before this id
+        drop = torch.cat([cum.new_zeros(1), cum[:-1]]) > top_p  # the mass before this id
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))

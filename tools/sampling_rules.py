@@ -33,7 +33,9 @@ class TopPSchedule:
     top_p = max(top_p, top_p_bound). So the token at position p draws with top_p updated
     p - start times, in every row of the batch alike (a longer prompt's first new token
     has a top_p already decayed). The values are that recurrence in Python floats, not
-    top_p * decay ** k, so they are Megatron's to the bit."""
+    top_p * decay ** k, so they are Megatron's to the bit, down to 0.0 where it underflows
+    (no top_p_bound): sample_next then keeps the most likely token alone (Megatron's
+    `top_p > 0` test turns its filter off there instead)."""
 
     def __init__(self, top_p: float, decay: float, bound: float, start: int) -> None:
         self.decay, self.bound, self.start = decay, bound, start
