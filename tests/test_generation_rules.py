@@ -17,7 +17,13 @@ from tests.test_kv_cache import MAX_POS, _model
 from tools import generate as generate_mod
 from tools.beam_search import beam_search
 from tools.sampling_rules import TopPSchedule
-from tools.text_generation_api import Engine, RequestError, parse_request, run_request
+from tools.text_generation_api import (
+    Engine,
+    RequestError,
+    fixed_seed,
+    parse_request,
+    run_request,
+)
 
 
 @dataclasses.dataclass
@@ -160,6 +166,20 @@ def test_stop_on_eol_needs_a_newline_token(field):
                                            "no token holding a newline, so generation would "
                                            "never stop at one; leave it false$"):
         run_request(_engine(), parse_request(dict(body, **{field: True})))
+
+
+def test_a_refused_request_draws_no_seed_on_rank_0():
+    """fixed_seed (rank 0 at dp > 1, before the request goes to a replica) refuses what
+    run_request refuses before its draw: stop_on_eol without a newline token drew the
+    base seed and was then refused by the replica, so every later unseeded answer
+    differed from the one a one-replica server gives."""
+    engine = _engine()
+    before = engine.generator.get_state()
+    body = {"prompts": ["4 9 1"], "tokens_to_generate": 6, "stop_on_eol": True}
+    with pytest.raises(RequestError, match="^stop_on_eol: this tokenizer"):
+        fixed_seed(engine, parse_request(body))
+    assert torch.equal(engine.generator.get_state(), before)
+    assert fixed_seed(engine, parse_request(dict(body, stop_on_eol=False))).random_seed >= 0
 
 
 def test_beam_request_with_and_without_the_cache():

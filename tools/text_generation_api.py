@@ -533,11 +533,15 @@ def token_segments(tokenizer, ids: List[int]) -> List[str]:
 
 def fixed_seed(engine: Engine, req: GenerationRequest) -> GenerationRequest:
     """`req` checked as run_request checks it (RequestError: its prompts do not tokenize or
-    pass --max-tokens-to-oom) and, when it would draw its base seed from the server's
-    generator, with that draw made now as its random_seed: run anywhere afterwards (another
-    data-parallel replica), it answers as run_request would have answered it now."""
+    pass --max-tokens-to-oom, or the tokenizer cannot spell what stop_on_eol /
+    prevent_newline_after_colon need) and, when it would draw its base seed from the
+    server's generator, with that draw made now as its random_seed: run anywhere
+    afterwards (another data-parallel replica), it answers as run_request would have
+    answered it now (a request refused draws nothing, as in run_request)."""
     all_ids = [_prompt_ids(engine, i, p, req) for i, p in enumerate(req.prompts)]
     _check_size(engine, req, all_ids)
+    _stop(engine, req)  # run_request's other checks before its draw
+    _forbid(engine, req)
     if req.beam_width is not None or req.random_seed >= 0:
         return req
     seed = int(torch.randint(0, 2 ** 62, (1,), generator=engine.generator))
