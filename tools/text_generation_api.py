@@ -5,7 +5,7 @@ A request is Megatron-LM's `PUT /api` JSON object:
     prompts              list of 1..128 strings (required)
     tokens_to_generate   int >= 0, default 64
     temperature          number > 0, default 1.0
-    top_k                int >= 0, default 0 (off; 1 is greedy decoding)
+    top_k                int in [0, 1000], default 0 (off; 1 is greedy decoding)
     top_p                number in [0, 1], default 0.0 (off); top_k and top_p are exclusive
     top_p_decay          number in [0, 1], default 0.0 (off); needs top_p > 0
     top_p_bound          number in [0, top_p], default 0.0 (off); needs top_p > 0
