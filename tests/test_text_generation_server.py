@@ -403,6 +403,15 @@ def test_cli_asks_again_for_a_number_past_the_int_string_limit(monkeypatch, caps
     assert any("(500 characters) is not a whole number" in line for line in lines)
 
 
+def test_cli_asks_again_for_zero_tokens(monkeypatch, capsys):
+    """0 tokens was taken and sent, and the server refused it with advice this client
+    cannot follow ("set logprobs true"): it is asked again, as a non-number is."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("0\n00\n3\n"))
+    assert text_generation_cli._ask_tokens() == 3
+    out = capsys.readouterr().out
+    assert "'0' is not a whole number >= 1" in out and "'00' is not a whole number >= 1" in out
+
+
 def test_cli_keeps_an_https_url():
     """(It made http://https://host/api.)"""
     assert text_generation_cli.api_url("https://gen.example:443/api/") == (
@@ -424,7 +433,8 @@ def test_cli_takes_the_servers_url(served, monkeypatch, capsys):
 
 def test_cli_prints_a_plain_text_200_as_an_error(monkeypatch, capsys):
     """Megatron-LM's server refuses most requests with HTTP 200 and a plain-text body (here
-    its answer to tokens_to_generate 0): the client prints it (it raised JSONDecodeError)."""
+    its answer to tokens_to_generate 0, given to every request): the client prints it (it
+    raised JSONDecodeError)."""
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
     class Megatron(BaseHTTPRequestHandler):
@@ -441,7 +451,7 @@ def test_cli_prints_a_plain_text_200_as_an_error(monkeypatch, capsys):
 
     with HTTPServer(("127.0.0.1", 0), Megatron) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        monkeypatch.setattr("sys.stdin", io.StringIO("hi\n0\nhi\n0\n"))
+        monkeypatch.setattr("sys.stdin", io.StringIO("hi\n5\nhi\n5\n"))
         assert text_generation_cli.main([f"127.0.0.1:{server.server_address[1]}"]) == 0
         server.shutdown()
     out = capsys.readouterr().out

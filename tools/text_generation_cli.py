@@ -44,18 +44,21 @@ def api_url(address: str) -> str:
 
 
 def _ask_tokens() -> int:
-    """The number of tokens to generate, asked again until it is an integer >= 0."""
+    """The number of tokens to generate, asked again until it is an integer >= 1 (the
+    server takes 0 only with logprobs, which this client does not ask for)."""
     while True:
         text = input(f"Tokens to generate [{DEFAULT_TOKENS}]: ").strip()
         if not text:
             return DEFAULT_TOKENS
         if text.isascii() and text.isdigit():  # "²" is a digit, not an int
             try:
-                return int(text)
+                number = int(text)
             except ValueError:  # over Python's int-string limit (4300 digits)
                 print(f"  {_brief(text)} is too large a number of tokens; give fewer")
                 continue
-        print(f"  {_brief(text)} is not a whole number >= 0")
+            if number > 0:
+                return number
+        print(f"  {_brief(text)} is not a whole number >= 1")
 
 
 def _brief(text: str) -> str:
