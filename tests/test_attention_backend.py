@@ -102,6 +102,31 @@ def test_native_query_groups_only_where_a_kernel_takes_them():
     assert not attn._native_gqa(q, None)  # the memory-efficient kernel has no GQA mode
 
 
+def test_native_query_groups_follow_a_model_built_on_meta_and_moved(monkeypatch):
+    """tools/generate.py builds on "meta", assigns the checkpoint's weights and moves the
+    model to the GPU: its attention then takes SDPA's grouped k/v (`_sm80`) as one built
+    on that GPU does. The CPU plays the sm80 GPU here (`_sm80_gpu` faked), read from the
+    weights' device each time they move."""
+    from megatron.core.models.gpt import transformer
+
+    monkeypatch.setattr(transformer, "_sm80_gpu", lambda dev: torch.device(dev).type == "cpu")
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2,
+                      padded_vocab_size=128, seq_length=16, max_position_embeddings=16,
+                      use_cpu_initialization=True)
+
+    def flags(model):
+        return [m._sm80 for m in model.modules() if isinstance(m, transformer.ParallelAttention)]
+
+    direct = GPTModel(cfg, device="cpu")
+    moved = GPTModel(cfg, device="meta")
+    assert flags(direct) == [True, True] and flags(moved) == [False, False]
+    moved.load_state_dict(direct.state_dict(), strict=True, assign=True)
+    moved.to(device="cpu")  # what tools/generate.py does next
+    assert flags(moved) == flags(direct)
+    moved.to_empty(device="meta")
+    assert flags(moved) == [False, False]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_native_query_groups_on_cuda_match_repeated_heads():

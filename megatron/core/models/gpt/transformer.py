@@ -98,6 +98,13 @@ def sdpa_backend(name: str):
     return sdpa_kernel([getattr(SDPBackend, _SDPA_BACKENDS[name])])
 
 
+def _sm80_gpu(device: torch.device) -> bool:
+    """Whether `device` is a CUDA GPU of compute capability 8.0 or newer (where cuDNN and
+    flash attention take grouped k/v)."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+
+
 class GradLikeOutput(torch.autograd.Function):
     """Identity whose backward hands on the gradient in the output's own strides (copied
     when it comes in others). For the attention's output: torch's cuDNN attention backward
@@ -356,8 +363,16 @@ class ParallelAttention(nn.Module):
             input_is_parallel=True, skip_bias_add=True, init_method=output_init, **kw,
         )
         self.selective_recompute = config.recompute_granularity == "selective"
-        on_gpu = device is not None and torch.device(device).type == "cuda"
-        self._sm80 = on_gpu and torch.cuda.get_device_capability(device)[0] >= 8
+        self._sm80 = _sm80_gpu(self.query_key_value.weight.device)
+
+    def _apply(self, fn, *args, **kwargs):
+        """Moves (.to, .cuda, .to_empty all come through here) re-read `_sm80` from where
+        the weights now are: a model built on "meta" and moved to the GPU (tools/
+        generate.py) takes SDPA's grouped k/v like one built there. Not in forward, which
+        runs under torch.compile."""
+        module = super()._apply(fn, *args, **kwargs)
+        self._sm80 = _sm80_gpu(self.query_key_value.weight.device)
+        return module
 
     def _split_qkv(self, qkv_sbx: torch.Tensor):
         s, b, _ = qkv_sbx.shape
