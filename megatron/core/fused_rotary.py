@@ -5,9 +5,10 @@ layout of the QKV product's gradient, also in one kernel.
 
 Why: torch.compile fuses the same arithmetic, but its kernels for this ran far below the
 memory bandwidth (benchmarks/rope_probe.py: 0.66 ms forward + backward per llama-1b
-layer for ~0.4 GB moved). On the CPU the operators compute the rotation with torch ops,
-as `rotary.apply_rotary` does; the tests run the Triton kernels on the CPU through
-Triton's interpreter (`INTERPRET_ON_CPU`).
+layer for ~0.4 GB moved). On the CPU the operators compute the rotation with torch ops
+(the fallbacks in `_split_op` and `_split_backward_op`), from the same cos and sin table
+(`rotary.rotary_table`); the tests run the Triton kernels on the CPU through Triton's
+interpreter (`INTERPRET_ON_CPU`).
 
 Layout: qkv is [s, b, g * (p + 2) * d] (Megatron's: per query group, its p query heads,
 then its key head, then its value head); q comes out [s, b, g * p, d], k and v
