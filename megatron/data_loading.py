@@ -224,7 +224,7 @@ def build_datasets(config: Config, rank: int, vocab_size: int,
                 tokenizer_vocab_size=tokenizer_vocab_size,
                 barrier_timeout_s=60.0 * config.parallel.distributed_timeout_minutes,
                 share=share, skip_splits=unread_splits(config))
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # OSError: also an unreadable .bin/.idx
         error = (isinstance(e, MissingIndexCacheError), str(e))
     finally:
         if wait is not None:

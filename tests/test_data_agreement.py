@@ -26,10 +26,13 @@ def _write_corpus(prefix: str) -> None:
     builder.finalize(prefix + ".idx")
 
 
-def _build_worker(rank, world_size, prefix, cache_dirs):
-    """build_datasets with this rank's --data-cache-path; what it raised."""
+def _build_worker(rank, world_size, prefix, cache_dirs, unreadable=None):
+    """build_datasets with this rank's --data-cache-path; what it raised. `unreadable`:
+    "open" or "mmap" of the `.bin` fails as it would without read permission."""
     import torch.distributed as dist
 
+    if unreadable is not None:
+        _make_bin_unreadable(unreadable)
     config = tiny_config(world_size=world_size, mbs=1, gbs=world_size)
     data = dataclasses.replace(config.data, mock_data=False, data_path=[prefix], split="1",
                                data_cache_path=cache_dirs[rank])
@@ -40,6 +43,43 @@ def _build_worker(rank, world_size, prefix, cache_dirs):
     except SystemExit as e:
         return {"code": e.code, "report": getattr(e, "report", None)}
     return {"code": None, "report": None}
+
+
+def _make_bin_unreadable(how: str) -> None:
+    """Opening (the error names the file, as open's does) or mapping (mmap's names none)
+    a `.bin` raises PermissionError: the tests run as root, who may read any file."""
+    import builtins
+
+    from megatron.core.datasets import indexed_dataset
+
+    def fake_open(path, *args, **kwargs):
+        if str(path).endswith(".bin"):
+            raise PermissionError(13, "Permission denied", path)
+        return builtins.open(path, *args, **kwargs)
+
+    def fake_mmap(fileno, *args, **kwargs):
+        if indexed_dataset.os.readlink(f"/proc/self/fd/{fileno}").endswith(".bin"):
+            raise PermissionError(13, "Permission denied")
+        return real_mmap(fileno, *args, **kwargs)
+
+    if how == "open":
+        indexed_dataset.open = fake_open
+    else:
+        real_mmap = indexed_dataset.mmap.mmap
+        indexed_dataset.mmap.mmap = fake_mmap
+
+
+@pytest.mark.parametrize("how", ["open", "mmap"])
+def test_an_unreadable_data_file_stops_every_rank_with_one_report(tmp_path, how):
+    """A .bin the ranks may not read (an OSError, not a missing file) is the same one-line
+    report naming the file and the error, not an uncaught traceback on every rank."""
+    prefix = str(tmp_path / "corpus")
+    _write_corpus(prefix)
+    results = run_distributed(_build_worker, 2, prefix, [str(tmp_path / "cache")] * 2, how)
+    report = results[0]["report"]
+    assert results[0]["code"] == report and results[1] == results[0] | {"code": 1}, results
+    assert report == ("error: could not build the datasets: [Errno 13] Permission denied: "
+                      f"'{prefix}.bin'"), report
 
 
 @pytest.mark.parametrize("case", ["node_local_cache", "builder_fails", "all_fail"])

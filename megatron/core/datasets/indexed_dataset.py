@@ -267,8 +267,12 @@ class _MappedFile:
         self._map: Optional[mmap.mmap] = None
         self.view = memoryview(b"")
         if size:
-            with open(path, "rb") as f:  # the map keeps its own descriptor
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                with open(path, "rb") as f:  # the map keeps its own descriptor
+                    self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except OSError as e:  # mmap's errors name no file
+                e.filename = e.filename or path
+                raise
             self.view = memoryview(self._map)
 
     def check_unchanged(self) -> None:
