@@ -14,7 +14,6 @@ training run asks nothing of valid and test, and builds neither (`unread_splits`
 """
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from typing import Dict, Iterator, List, Optional
@@ -386,12 +385,11 @@ def validation_split_fix(data_path, split: Optional[str] = None) -> str:
 
 def _split_with_validation(split: Optional[str], size: int) -> str:
     """A --split giving validation at least one of `size` documents: `split`'s train and
-    test numbers with the smallest validation number (of 1, 2, 5 x a power of ten, in the
-    scale of `split`'s numbers) that does so while train keeps a document, and test too
-    where `split` gave it one here (a test share too small for these documents is kept: it
-    gives larger datasets of a blend theirs); `size-1,1,0` when `split` has no test number
-    (or no such number fits)."""
-    from megatron.core.datasets.gpt_dataset import get_train_valid_test_split
+    test numbers with the smallest validation number that does so (`split_with_documents`),
+    test keeping a document where `split` gave it one here (a test share too small for
+    these documents is kept: it gives larger datasets of a blend theirs); `size-1,1,0`
+    when `split` has no test number (or no such number fits)."""
+    from megatron.core.datasets.splits import get_train_valid_test_split, split_with_documents
 
     fallback = f"{size - 1},1,0"
     try:
@@ -401,17 +399,8 @@ def _split_with_validation(split: Optional[str], size: int) -> str:
         return fallback
     if bounds is None or len(numbers) < 3 or numbers[2] <= 0:
         return fallback
-    train, test = numbers[0], numbers[2]
-    least_test = 1 if bounds[3] > bounds[2] else 0
-    scale = 10.0 ** math.floor(math.log10(train + test))
-    for exponent in range(-3, 2):
-        for step in (1, 2, 5):
-            valid = step * scale * 10.0 ** exponent
-            candidate = f"{train:g},{valid:g},{test:g}"
-            b = get_train_valid_test_split(candidate, size)
-            if b[1] > 0 and b[2] > b[1] and b[3] - b[2] >= least_test:
-                return candidate
-    return fallback
+    fix = split_with_documents(split, [size], valid=True, test=bounds[3] > bounds[2])
+    return fix or fallback
 
 
 def _report_warnings(caught: List[warnings.WarningMessage]) -> None:

@@ -283,6 +283,28 @@ def test_blend_with_a_member_too_small_for_a_split(tmp_path):
     assert len(datasets["train"]) > 0 and datasets["test"] is None
 
 
+def test_blend_too_small_for_validation_names_a_split_that_builds(tmp_path):
+    """--split 990,9,1 gives a 50-document dataset of a blend neither a validation nor a
+    test document: the error names a --split (train number kept) that gives it both, and
+    the blend builds with it (the error named no --split)."""
+    big, _ = make_corpus(tmp_path / "big", [20] * 200, seed=1, vocab=100)
+    small, _ = make_corpus(tmp_path / "small", [20] * 50, seed=2, vocab=100)
+    data = ["0.5", big, "0.5", small]
+    with pytest.raises(SystemExit) as e:
+        _build(_config(data_path=data, split="990,9,1"))
+    assert (f"--data-path (valid): --split '990,9,1' leaves this split no documents of {small} "
+            "(50 documents)") in str(e.value.code)
+    assert ("until every weighted dataset gets a document (e.g. --split 990,20,20), or leave "
+            "the small dataset out") in str(e.value.code)
+    datasets = _build(_config(data_path=data, split="990,20,20"))
+    assert all(len(datasets[s]) > 0 for s in ("train", "valid", "test")), datasets
+    from megatron.core.datasets.splits import split_with_documents
+
+    assert split_with_documents("990,9,1", [200, 50], test=False) == "990,20,1"
+    assert split_with_documents("990,9,1", [200, 50], valid=False, test=True) == "990,9,20"
+    assert split_with_documents("990,9", [50]) is None  # not three numbers
+
+
 def test_a_blend_member_without_documents_is_named_with_the_fix(tmp_path):
     """One shard of a blend that holds no document (its input was empty): no --split can
     help, so the error says to leave it out (it said to raise that share of --split)."""

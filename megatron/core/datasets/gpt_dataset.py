@@ -23,7 +23,6 @@ seconds).
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -43,49 +42,13 @@ from megatron.core.datasets.indexed_dataset import (
     check_token_ids,
     needs_id_scan,
 )
+from megatron.core.datasets.splits import get_train_valid_test_split, split_with_documents
 
 LAST_EPOCH_FRACTION = 0.80
 
 
 class BadTokenError(ValueError):
     """A sample read holds a token id outside the model's padded vocabulary."""
-
-
-def get_train_valid_test_split(split_string: str, size: int) -> List[int]:
-    """Boundaries [0, b1, b2, size] of the train/valid/test document ranges (Megatron's rule:
-    weights normalised, each range rounded with Python's round, the excess taken back)."""
-    try:
-        if "," in split_string:
-            splits = [float(s) for s in split_string.split(",")]
-        elif "/" in split_string:
-            splits = [float(s) for s in split_string.split("/")]
-        else:
-            splits = [float(split_string)]
-    except ValueError as e:
-        raise ValueError(f"--split {split_string!r}: expected numbers like '969,30,1'") from e
-    splits = (splits + [0.0, 0.0, 0.0])[:3]
-    total = sum(splits)
-    if not math.isfinite(total) or total <= 0.0 or min(splits) < 0:
-        raise ValueError(f"--split {split_string!r}: weights must be finite numbers >= 0 with a "
-                         "positive sum, e.g. '969,30,1'")
-    splits = [s / total for s in splits]
-    index = [0]
-    for i, s in enumerate(splits):
-        index.append(index[i] + int(round(s * float(size))))
-    diff = index[-1] - size
-    if diff > index[1]:  # train rounds to 0, valid and test both round .5 up
-        shares = [index[i + 1] - index[i] for i in range(3)]
-        raise ValueError(
-            f"--split {split_string!r} over {size} documents rounds to "
-            f"{' + '.join(map(str, shares))} = {index[-1]} documents, more than there are, "
-            f"and train has none to give back (Megatron-LM's first boundary would be "
-            f"{index[1] - diff}: it stops on an assertion); give train a share, or valid and "
-            f"test shares that add up to {size} documents, e.g. --split 0,{shares[1]},"
-            f"{size - shares[1]}")
-    for i in range(1, len(index)):
-        index[i] -= diff
-    assert index[-1] == size
-    return index
 
 
 def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
@@ -746,8 +709,20 @@ def _check_blend_splits(builder: _Builder, data_prefix, num_samples) -> None:
             raise ValueError(f"--data-path ({name}): --split {builder.split!r} leaves this split "
                              f"no documents of {listing}, so the blend cannot give it its "
                              "weight (Megatron-LM stops here too); raise that share of --split "
-                             "until every weighted dataset gets a document, or leave the small "
-                             "dataset out of --data-path")
+                             "until every weighted dataset gets a document"
+                             f"{_blend_split_example(builder.split, docs, num_samples, k)}, "
+                             "or leave the small dataset out of --data-path")
+
+
+def _blend_split_example(split: str, docs: Dict[str, int], num_samples, k: int) -> str:
+    """` (e.g. --split ...)`: a --split giving every dataset of the blend a document in each
+    of validation and test the run reads (`split_with_documents`), for an empty validation
+    or test split (k 1 or 2); "" where there is none."""
+    fix = None
+    if k > 0 and min(docs.values()) >= 2:
+        fix = split_with_documents(split, sorted(set(docs.values())),
+                                   valid=num_samples[1] > 0, test=num_samples[2] > 0)
+    return f" (e.g. --split {fix})" if fix else ""
 
 
 def check_splits(data_prefix: Optional[Sequence[str]], split: str,
