@@ -430,6 +430,24 @@ def test_prompt_file_is_read_before_the_model(tmp_path, monkeypatch, capsys):
         assert ("missing.txt" in capsys.readouterr().err) is printed, rank
 
 
+@pytest.mark.parametrize("ids, message", [("1,x", "item 2 'x' is not an integer"),
+                                          ("", "the prompt is empty")])
+def test_prompt_ids_are_checked_before_the_model(tmp_path, monkeypatch, capsys, ids, message):
+    """A --prompt-ids typo stops generate.py before the model loads, as a missing
+    --prompt-file does (it cost the load first): with a --load that does not exist, the
+    error is the prompt's; under torchrun rank 0 prints it."""
+    monkeypatch.setattr(generate, "_load", lambda *a: pytest.fail("the model was loaded"))
+    argv = ["--load", str(tmp_path / "no_such_dir"), "--prompt-ids", ids]
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        generate.main(argv, environ={})
+    for rank, printed in ((0, True), (1, False)):
+        with pytest.raises(SystemExit) as exc:
+            generate.main(argv, environ={"RANK": str(rank), "WORLD_SIZE": "2",
+                                         "LOCAL_RANK": str(rank)})
+        assert exc.value.code == 1
+        assert (message in capsys.readouterr().err) is printed, rank
+
+
 def test_continuation_text_joins_the_prompt(tmp_path):
     """generated_text is what the new tokens add to the prompt's text: with SentencePiece a
     continuation that starts a word keeps its space (decoded alone, '\u2581brown' loses

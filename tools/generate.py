@@ -96,6 +96,7 @@ from megatron.tokenizer import eod_or_none
 from tools.generate_prompts import (
     all_prompt_ids,
     continuation_text,
+    early_prompt_ids,
     file_prompts,
     window_note,
 )
@@ -518,13 +519,17 @@ def _load(a, environ) -> Tuple[torch.nn.Module, object, int, object]:
 
 
 def _early_prompts(a, environ) -> Optional[List[str]]:
-    """--prompt-file's lines, read before the model loads (None without it): a missing or
-    empty file stops the run at once, printed once per node under torchrun."""
-    if a.prompt_file is None:
+    """--prompt-file's lines, read before the model loads (None without it), and
+    --prompt-ids checked then too: a missing or empty file, or ids that are no integers,
+    stop the run at once, printed once per node under torchrun."""
+    if a.prompt_file is None and a.prompt_ids is None:
         return None
     from tools.generate_tp import launch_ranks
 
     try:
+        if a.prompt_file is None:
+            early_prompt_ids(a.prompt_ids)
+            return None
         return file_prompts(a.prompt_file)
     except SystemExit as exc:
         from megatron.arguments import exit_before_group

@@ -3,8 +3,9 @@ checked token ids, the note for a sequence past the model's positions, and the t
 new tokens add to the prompt.
 
 Errors are SystemExit messages naming the flag and the fix. Under torchrun the caller
-reports them once: --prompt-file is read before the model loads (a missing file fails
-before minutes of loading; `megatron.arguments.exit_before_group`), and a prompt the
+reports them once: --prompt-file is read, and --prompt-ids parsed, before the model loads
+(a missing file or a typo fails before minutes of loading;
+`megatron.arguments.exit_before_group`), and a prompt the
 tokenizer refuses fails alike on every rank after it (`megatron.agreed_exit`).
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ if __name__ == "__main__":
                      "tools/generate.py); run python tools/generate.py --help")
 
 from typing import List, Optional, Sequence
+
+_EMPTY = "error: the prompt is empty: give --prompt TEXT or --prompt-ids with at least one token"
 
 
 def file_prompts(path: str) -> List[str]:
@@ -48,6 +51,15 @@ def _parsed_ids(text: str) -> List[int]:
     return ids
 
 
+def early_prompt_ids(text: str) -> List[int]:
+    """--prompt-ids TEXT checked as far as it can be before the model loads: integers, at
+    least one (the vocabulary check follows the load: `checked_ids`)."""
+    ids = _parsed_ids(text)
+    if not ids:
+        raise SystemExit(_EMPTY)
+    return ids
+
+
 def prompt_ids(a, tokenizer, why_not: Optional[str]) -> List[int]:
     """The ids of --prompt-ids, or of --prompt (a.prompt) through the tokenizer."""
     if a.prompt_ids is not None:
@@ -66,8 +78,7 @@ def prompt_ids(a, tokenizer, why_not: Optional[str]) -> List[int]:
 def checked_ids(ids: List[int], vocab: int) -> List[int]:
     """`ids` when the prompt is not empty and every id is a token of the vocabulary."""
     if not ids:
-        raise SystemExit("error: the prompt is empty: give --prompt TEXT or --prompt-ids "
-                         "with at least one token")
+        raise SystemExit(_EMPTY)
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise SystemExit(f"error: prompt ids {bad[:5]} are outside the vocabulary [0, {vocab})")
