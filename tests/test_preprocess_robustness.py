@@ -442,3 +442,55 @@ def test_an_nltk_that_fails_to_import_names_the_fixed_release(monkeypatch):
     with pytest.raises(SystemExit, match=r"NLTK fails to import here \(Resource wordnet not "
                                          r"found.*pip install 'nltk>=3\.9\.1'"):
         check_split_sentences("english")
+
+
+def test_compressed_data_is_read_by_its_suffix_or_its_first_bytes(tmp_path, bpe):
+    """A .jsonl.bz2 or .jsonl.xz (and gzip data saved as .jsonl) was read as plain text:
+    its NUL bytes were reported as 'UTF-16 text (Windows PowerShell)' with an iconv fix
+    that cannot work, and a directory of such files was 'no input files found'. A
+    Parquet file or a zip archive is named as such, with the fix."""
+    import bz2
+    import lzma
+
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "a.jsonl.bz2").write_bytes(bz2.compress(LINES))
+    (tmp_path / "dir" / "b.jsonl.xz").write_bytes(lzma.compress(LINES))
+    (tmp_path / "gzip_named_plain.jsonl").write_bytes(gzip.compress(LINES))
+    for name, docs in (("dir", DOCS * 80), ("dir/a.jsonl.bz2", DOCS * 40),
+                       ("gzip_named_plain.jsonl", DOCS * 40)):
+        run_tool(bpe, tmp_path / name, tmp_path / "out", workers=2)
+        check_outputs(bpe, tmp_path / "out", docs, append_eod=False)
+    packed = lzma.compress(LINES * 4)
+    (tmp_path / "cut.jsonl.xz").write_bytes(packed[:len(packed) // 2])
+    (tmp_path / "data.parquet").write_bytes(b"PAR1\x15\x04\x00\x00" + LINES[:64])
+    (tmp_path / "data.zip").write_bytes(b"PK\x03\x04\x14\x00\x00\x00" + LINES[:64])
+    cases = [("cut.jsonl.xz", r"cannot read the xz input( after line \d+)? \(EOFError"),
+             ("data.parquet", r"is a Parquet file, not JSON lines .*pandas\.read_parquet"),
+             ("data.zip", r"is a zip archive, not JSON lines .*unzip it")]
+    for name, message in cases:
+        with pytest.raises(SystemExit) as e:
+            run_tool(bpe, tmp_path / name, tmp_path / "bad", "--skip-bad-lines")
+        assert re.search(rf"^error: {tmp_path / name}:? {message}", str(e.value.code)), \
+            e.value.code
+    assert not list(tmp_path.glob("bad*"))
+
+
+def test_a_dangling_link_or_an_unopenable_input_is_named(tmp_path, bpe):
+    """A dangling symbolic link in an input directory ended the run with a
+    FileNotFoundError traceback from the pool; matched by a glob it was skipped without a
+    word (its documents lost); a directory named like a shard was an IsADirectoryError."""
+    from tools.preprocess_input import InputError, Reader, input_files
+
+    (tmp_path / "dir").mkdir()
+    write_jsonl(tmp_path / "dir" / "a.jsonl", DOCS)
+    (tmp_path / "dir" / "sub.jsonl").mkdir()
+    assert input_files(str(tmp_path / "dir")) == [str(tmp_path / "dir" / "a.jsonl")]
+    os.symlink(tmp_path / "gone.jsonl", tmp_path / "dir" / "b.jsonl")
+    for pattern in ("dir", "dir/*.jsonl", "dir/b.jsonl"):
+        with pytest.raises(SystemExit) as e:
+            run_tool(bpe, tmp_path / pattern, tmp_path / "out")
+        assert (f"{tmp_path / 'dir' / 'b.jsonl'} is a symbolic link to "
+                f"{tmp_path / 'gone.jsonl'}, which does not exist") in str(e.value.code)
+    assert not list(tmp_path.glob("out*"))
+    with pytest.raises(InputError, match=r"gone\.jsonl: cannot open it \(No such file"):
+        list(Reader([str(tmp_path / "gone.jsonl")], max_in_flight=2))

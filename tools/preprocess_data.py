@@ -4,11 +4,12 @@
         --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json \\
         --merge-file gpt2-merges.txt --append-eod --workers 2
 
-writes `my-gpt2_text_document.bin/.idx`. `--input` is a JSONL file (plain, `.gz` or
-`.zst`), a directory of such files (read in sorted order), a glob pattern or a pipe
-(`<(zstdcat corpus.zst)`, `/dev/stdin`). The input
-is streamed: chunks of lines go to `--workers` processes (each builds its tokenizer once)
-and at most a few chunks per worker are in flight, so memory stays bounded. The `.bin` is
+writes `my-gpt2_text_document.bin/.idx`. `--input` is a JSONL file (plain, `.gz`, `.zst`,
+`.bz2` or `.xz`; compressed data under another name is recognized by its first bytes), a
+directory of such files (read in sorted order), a glob pattern or a pipe
+(`<(zstdcat corpus.zst)`, `/dev/stdin`). The input is streamed: chunks of lines go to
+`--workers` processes (each builds its tokenizer once) and at most a few chunks per worker
+are in flight, so memory stays bounded. The `.bin` is
 byte-identical to Megatron-LM 23.05's tool for the same input and tokenizer; unlike it,
 with `--append-eod` each document's size counts its EOD token, and every key's `.idx` is
 written. A malformed line (bad JSON, bytes that are not UTF-8, missing key, value neither
@@ -86,7 +87,7 @@ def get_args(argv=None) -> argparse.Namespace:
                          allow_abbrev=False)
     g = p.add_argument_group("input data")
     g.add_argument("--input", type=str, required=True,
-                   help="JSONL file (.gz/.zst ok), directory of them, or glob pattern")
+                   help="JSONL file (.gz/.zst/.bz2/.xz ok), directory of them, or glob pattern")
     g.add_argument("--json-keys", nargs="+", default=["text"],
                    help="space separated keys to extract from each JSON line")
     g.add_argument("--split-sentences", action="store_true", help="split documents into "

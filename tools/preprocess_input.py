@@ -1,16 +1,32 @@
 """tools/preprocess_data.py's input side: the input files (a file, a pipe, a directory or a
-glob), plain / gzip / zstd decompression, and the reader that hands out chunks of whole
-lines with their first line number (errors name the file and the last line read)."""
+glob), plain / gzip / zstd / bzip2 / xz decompression, and the reader that hands out chunks
+of whole lines with their first line number (errors name the file and the last line read).
+
+A file is decompressed by its suffix, or, under any other name, by its first bytes (which
+no JSON line starts with): a `corpus.jsonl` that holds gzip data is read as gzip, not as
+text whose NUL bytes were reported as UTF-16."""
 from __future__ import annotations
 
 import glob
+import lzma
 import os
 import threading
 import zlib
 
 CHUNK_BYTES = 1 << 18
 INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".gz", ".jsonl.zst",
-                  ".json.zst", ".zst")
+                  ".json.zst", ".zst", ".jsonl.bz2", ".json.bz2", ".bz2", ".jsonl.xz",
+                  ".json.xz", ".xz")
+# compression -> (suffix, first bytes of its data)
+COMPRESSIONS = {"gzip": (".gz", b"\x1f\x8b"), "zstd": (".zst", b"\x28\xb5\x2f\xfd"),
+                "bzip2": (".bz2", b"BZh"), "xz": (".xz", b"\xfd7zXZ\x00")}
+# first bytes of files that are no JSON lines at all -> what they are, and the fix
+_NOT_JSON_LINES = {
+    b"PAR1": ("a Parquet file", "convert it to JSON lines, e.g. python -c \"import pandas; "
+              "pandas.read_parquet('IN.parquet').to_json('OUT.jsonl', orient='records', "
+              "lines=True)\""),
+    b"PK\x03\x04": ("a zip archive", "unzip it and pass the .jsonl files it holds"),
+}
 
 
 def input_files(pattern: str) -> list:
@@ -21,10 +37,17 @@ def input_files(pattern: str) -> list:
     elif os.path.exists(pattern):  # a file, or a pipe: --input <(zstdcat a.zst), /dev/stdin
         files = [pattern]
     else:
-        files = sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
+        files = sorted(glob.glob(pattern))
+    files = [f for f in files if not os.path.isdir(f)]  # a directory named like a shard
+    broken = [f for f in files if not os.path.exists(f)]
+    if broken:  # a dangling symbolic link: skipping it would lose its documents unsaid
+        raise SystemExit(f"--input {pattern}: {broken[0]} is a symbolic link to "
+                         f"{os.readlink(broken[0])}, which does not exist"
+                         f"{f' (and {len(broken) - 1} more such links)' if len(broken) > 1 else ''}"
+                         "; restore its target, or remove the link")
     if not files:
-        raise SystemExit(f"--input {pattern}: no input files found (expected a .jsonl/.gz/.zst "
-                         "file, a directory of them or a glob pattern)")
+        raise SystemExit(f"--input {pattern}: no input files found (expected a .jsonl file, "
+                         "plain or .gz/.zst/.bz2/.xz, a directory of them or a glob pattern)")
     return files
 
 
@@ -71,24 +94,49 @@ class _ZstdFrames:
         self._out = bytearray()
 
 
-def _open(path: str):
-    """(decompressed binary stream, raw file) for plain, gzip or zstd files."""
-    raw = open(path, "rb")
-    if path.endswith(".gz"):
+def compression(path: str, raw) -> str:
+    """'gzip', 'zstd', 'bzip2', 'xz' or '' (plain) for the file `path` opened as `raw` (a
+    buffered binary file, pipes included: its first bytes are peeked, not consumed);
+    InputError for a Parquet file or a zip archive, naming the fix."""
+    for kind, (suffix, _) in COMPRESSIONS.items():
+        if path.endswith(suffix):
+            return kind
+    head = raw.peek(8)[:8]
+    for kind, (_, magic) in COMPRESSIONS.items():
+        if head.startswith(magic):
+            return kind
+    for magic, (what, fix) in _NOT_JSON_LINES.items():
+        if head.startswith(magic):
+            raise InputError(f"{path} is {what}, not JSON lines (one object such as "
+                             '{"text": "..."} per line): ' + f"{fix}; nothing was written")
+    return ""
+
+
+def _decompressed(raw, kind: str):
+    """The decompressed binary stream of `raw` holding `kind` data ('' for plain)."""
+    if kind == "gzip":
         import gzip
 
-        return gzip.GzipFile(fileobj=raw, mode="rb"), raw
-    if path.endswith(".zst"):
-        return _ZstdFrames(raw), raw
-    return raw, raw
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if kind == "zstd":
+        return _ZstdFrames(raw)
+    if kind == "bzip2":
+        import bz2
+
+        return bz2.BZ2File(raw, mode="rb")
+    if kind == "xz":
+        return lzma.LZMAFile(raw, mode="rb")
+    return raw
 
 
-def _read_error(path: str, line_no: int, error: BaseException) -> InputError:
-    """The error for a read of `path` that failed after `line_no - 1` complete lines."""
-    kind = "gzip" if path.endswith(".gz") else "zstd" if path.endswith(".zst") else ""
+def _read_error(path: str, line_no: int, error: BaseException, kind: str) -> InputError:
+    """The error for a read of `path` (of `kind` data) that failed after `line_no - 1`
+    complete lines."""
     where = f" after line {line_no - 1}" if line_no > 1 else ""
-    plain = (f", or not {kind} data at all (a plain .jsonl named .{path.rsplit('.', 1)[1]}? "
-             "rename it)" if kind and line_no == 1 and not isinstance(error, EOFError) else "")
+    suffix = COMPRESSIONS[kind][0] if kind else ""
+    plain = (f", or not {kind} data at all (a plain .jsonl named {suffix}? rename it)"
+             if kind and path.endswith(suffix) and line_no == 1
+             and not isinstance(error, EOFError) else "")
     return InputError(
         f"{path}: cannot read the {kind + ' ' if kind else ''}input{where} "
         f"({type(error).__name__}: {error}): the file is truncated or corrupt (an interrupted "
@@ -130,23 +178,30 @@ class Reader:
 
     def __iter__(self):
         for path in self.files:
-            stream, raw = _open(path)
-            self._current = raw
             try:
-                yield from self._chunks(path, stream)
+                raw = open(path, "rb")
+            except OSError as e:  # unreadable, or gone since it was listed
+                raise InputError(f"{path}: cannot open it ({e.strerror or e}); make it "
+                                 "readable, or move it out of --input; nothing was "
+                                 "written") from None
+            self._current, stream = raw, raw
+            try:
+                kind = compression(path, raw)
+                stream = _decompressed(raw, kind)
+                yield from self._chunks(path, stream, kind)
             finally:
                 self._current = None
                 self.done_bytes += os.path.getsize(path) if os.path.isfile(path) else 0
                 stream.close()
                 raw.close()
 
-    def _chunks(self, path: str, stream):
+    def _chunks(self, path: str, stream, kind: str = ""):
         line_no, pending = 1, []  # pending: bytes read after the last newline
         while True:
             try:
                 block = stream.read(CHUNK_BYTES)
-            except (EOFError, OSError, zlib.error) as e:
-                raise _read_error(path, line_no, e) from None
+            except (EOFError, OSError, zlib.error, lzma.LZMAError) as e:
+                raise _read_error(path, line_no, e, kind) from None
             if not block:
                 data = b"".join(pending)
                 if data and self._take_slot():
