@@ -494,3 +494,22 @@ def test_a_dangling_link_or_an_unopenable_input_is_named(tmp_path, bpe):
     assert not list(tmp_path.glob("out*"))
     with pytest.raises(InputError, match=r"gone\.jsonl: cannot open it \(No such file"):
         list(Reader([str(tmp_path / "gone.jsonl")], max_in_flight=2))
+
+
+def test_a_file_both_compressed_and_not_is_not_read_twice(tmp_path, bpe):
+    """`zstd -d a.jsonl.zst` (or gunzip -k, xz -dk) keeps its input beside a.jsonl: a
+    directory (or glob) holding both was read whole twice, every document duplicated in
+    the dataset without a word."""
+    (tmp_path / "dir").mkdir()
+    plain = write_jsonl(tmp_path / "dir" / "a.jsonl", DOCS).read_bytes()
+    (tmp_path / "dir" / "a.jsonl.gz").write_bytes(gzip.compress(plain))
+    write_jsonl(tmp_path / "dir" / "b.jsonl", DOCS)
+    for pattern in ("dir", "dir/*"):
+        with pytest.raises(SystemExit) as e:
+            run_tool(bpe, tmp_path / pattern, tmp_path / "out")
+        assert (f"{tmp_path / 'dir' / 'a.jsonl'} and {tmp_path / 'dir' / 'a.jsonl.gz'} look "
+                "like one file, compressed and not") in str(e.value.code)
+        assert f"--input '{tmp_path / 'dir' / '*.gz'}'" in str(e.value.code)
+    assert not list(tmp_path.glob("out*"))
+    run_tool(bpe, tmp_path / "dir/*.jsonl", tmp_path / "out")  # the glob the fix names
+    check_outputs(bpe, tmp_path / "out", DOCS * 2, append_eod=False)

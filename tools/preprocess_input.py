@@ -39,16 +39,34 @@ def input_files(pattern: str) -> list:
     else:
         files = sorted(glob.glob(pattern))
     files = [f for f in files if not os.path.isdir(f)]  # a directory named like a shard
+    _check_files(pattern, files)
+    return files
+
+
+def _check_files(pattern: str, files: list) -> None:
+    """SystemExit for no files, a dangling symbolic link (skipped, its documents would be
+    lost unsaid) or one file both compressed and not (`zstd -d a.jsonl.zst` keeps the
+    .zst beside the a.jsonl it writes: every document would be read twice)."""
     broken = [f for f in files if not os.path.exists(f)]
-    if broken:  # a dangling symbolic link: skipping it would lose its documents unsaid
-        raise SystemExit(f"--input {pattern}: {broken[0]} is a symbolic link to "
-                         f"{os.readlink(broken[0])}, which does not exist"
-                         f"{f' (and {len(broken) - 1} more such links)' if len(broken) > 1 else ''}"
-                         "; restore its target, or remove the link")
+    if broken:
+        target = f" to {os.readlink(broken[0])}" if os.path.islink(broken[0]) else ""
+        more = f" (and {len(broken) - 1} more such links)" if len(broken) > 1 else ""
+        raise SystemExit(f"--input {pattern}: {broken[0]} is a symbolic link{target}, which "
+                         f"does not exist{more}; restore its target, or remove the link")
     if not files:
         raise SystemExit(f"--input {pattern}: no input files found (expected a .jsonl file, "
                          "plain or .gz/.zst/.bz2/.xz, a directory of them or a glob pattern)")
-    return files
+    stems = {}
+    for f in files:
+        stem = next((f[:-len(s)] for s, _ in COMPRESSIONS.values() if f.endswith(s)), f)
+        stems.setdefault(stem, []).append(f)
+    twins = next((found for found in stems.values() if len(found) > 1), None)
+    if twins:
+        raise SystemExit(f"--input {pattern}: {' and '.join(twins)} look like one file, compressed "
+                         "and not (a decompressor keeps its input beside its output): every "
+                         "document would be read twice. Move one of them out of the "
+                         "directory, or pass a glob that matches one kind, e.g. --input "
+                         f"'{os.path.join(os.path.dirname(twins[0]), '*' + os.path.splitext(twins[-1])[1])}'")
 
 
 class InputError(Exception):
