@@ -311,6 +311,25 @@ def test_a_dataset_named_twice_is_not_merged_twice(tmp_path):
     assert not list(tmp_path.glob("m*"))
 
 
+def test_a_shell_glob_naming_each_bin_and_idx_merges_each_dataset_once(tmp_path):
+    """`merge_datasets.py --input data/*` (the shell gives each dataset's .bin and .idx)
+    was refused as naming every dataset twice; a .bin given twice still is."""
+    from tools import merge_datasets
+
+    (tmp_path / "d").mkdir()
+    write(tmp_path / "d" / "a", [[[1, 2]]])
+    write(tmp_path / "d" / "b", [[[3]], [[4, 5]]])
+    files = sorted(str(f) for f in (tmp_path / "d").iterdir())  # a.bin a.idx b.bin b.idx
+    assert merge_datasets.main(["--input", *files, "--output-prefix", str(tmp_path / "m")]) == 0
+    merged = MMapIndexedDataset(str(tmp_path / "m"))
+    assert [s.tolist() for s in merged] == [[1, 2], [3], [4, 5]]
+    assert merged.doc_idx.tolist() == [0, 1, 2, 3]
+    a_bin = str(tmp_path / "d" / "a.bin")
+    with pytest.raises(SystemExit, match="names the dataset .* twice"):
+        merge_datasets.main(["--input", a_bin, files[1], a_bin, "--output-prefix",
+                             str(tmp_path / "m2")])
+
+
 def test_an_input_reached_through_a_symlink_is_not_the_output(tmp_path):
     """The output-is-an-input check compared the paths as given: an input directory named
     through a symlink (`data/current -> v3`), or an input that is a symlink to the output's

@@ -63,14 +63,20 @@ def directory_prefixes(directory: str) -> list:
 
 
 def input_prefixes(inputs) -> list:
-    """Dataset prefixes named by `inputs` (prefixes, or directories of .bin/.idx pairs)."""
-    prefixes = []
+    """Dataset prefixes named by `inputs` (prefixes, or directories of .bin/.idx pairs). A
+    dataset's .bin and .idx, both given (a shell glob `--input data/*`), name it once."""
+    prefixes, partners = [], set()  # partners: (prefix, suffix) of a file given by name
     for item in inputs:
         if os.path.isdir(item):
             prefixes += directory_prefixes(item)
         else:
             if item.endswith((".bin", ".idx")):
-                item = item[:-4]
+                item, suffix = item[:-4], item[-4:]
+                partner = {".bin": ".idx", ".idx": ".bin"}[suffix]
+                if (item, partner) in partners:  # its pair's other file, given already
+                    partners.remove((item, partner))
+                    continue
+                partners.add((item, suffix))
             if not MMapIndexedDataset.exists(item):
                 raise SystemExit(f"--input {item}: {item}.bin/.idx not found"
                                  f"{missing_dataset_hint(item)}")
