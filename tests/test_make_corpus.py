@@ -136,3 +136,20 @@ def test_an_interrupted_or_failed_write_keeps_the_earlier_corpus(tmp_path, capsy
                 "no corpus was written and the partial files were removed") \
             in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".bz2", ".xz"])
+def test_an_output_named_compressed_is_written_compressed(tmp_path, suffix):
+    """--output corpus.jsonl.gz held plain text under a .gz name (preprocess_data.py then
+    refused it as not gzip data), and its twin was corpus.jsonl.txt."""
+    import bz2
+    import gzip
+    import lzma
+
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}[suffix]
+    assert make_corpus.main(["--output", str(tmp_path / f"c.jsonl{suffix}"),
+                             "--max-mb", "0.01"]) == 0
+    with opener(tmp_path / f"c.jsonl{suffix}", "rt", encoding="utf-8") as f:
+        first = json.loads(f.readline())
+    assert (tmp_path / "c.txt").read_text().startswith(first["text"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl" + suffix, "c.txt"]

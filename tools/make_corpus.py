@@ -10,6 +10,8 @@ JSON object {"text": ...} per file, in a fixed order, so the corpus is the same 
 machine with the same Python version. The same text is written as plain text (for the
 tokenizer) beside the output, with the suffix .txt: the output must not end in .txt, and a
 .txt file of that name is only replaced together with its JSONL (an earlier run's pair).
+An output named .gz, .bz2, .xz or .zst (zstandard needed) is written compressed so (the
+twin of corpus.jsonl.gz is corpus.txt), as preprocess_data.py reads it.
 Both are written to temporary names and renamed into place when complete: Ctrl-C, SIGTERM
 or a full disk leaves the earlier files as they were (status 130, 143, or 1 and one line).
 """
@@ -48,19 +50,43 @@ def stdlib_files(max_bytes: int):
             return
 
 
+# output suffix -> opener of a compressed text file (zstandard is imported when used)
+_COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma", ".zst": "zstandard"}
+
+
+def text_twin(output: Path) -> Path:
+    """The plain-text copy of `output`: its name without a compression suffix, with .txt."""
+    plain = output.with_suffix("") if output.suffix in _COMPRESSED else output
+    return plain.with_suffix(".txt")
+
+
+def open_output(path: Path, name: str):
+    """`path` opened for writing text, compressed as the output `name`'s suffix says (the
+    file was named .gz but held plain text, which preprocess_data.py refused)."""
+    module = _COMPRESSED.get(Path(name).suffix)
+    if module is None:
+        return path.open("w", encoding="utf-8")
+    try:
+        opener = __import__(module)
+    except ImportError:
+        raise SystemExit(f"error: --output {name}: writing .zst needs zstandard (pip install "
+                         "zstandard); or name the output .jsonl, .gz, .bz2 or .xz") from None
+    return opener.open(path, "wt" if module != "zstandard" else "w", encoding="utf-8")
+
+
 def check_output(output: Path) -> None:
     """SystemExit when the plain-text twin of `output` would be `output` itself (the JSONL
     overwritten with plain text, which preprocess_data.py then rejects)."""
-    if output.with_suffix(".txt") == output:
+    if text_twin(output) == output:
         raise SystemExit(f"error: --output {output}: the plain-text copy is written to the "
                          f"output's name with the suffix .txt, which here is the output itself; "
                          f"name the JSONL file {output.with_suffix('.jsonl')}")
-    for path in (output, output.with_suffix(".txt")):
+    for path in (output, text_twin(output)):
         if path.is_dir():
             raise SystemExit(f"error: --output {output}: {path} is a directory; name a file "
                              "whose name and .txt twin are no directories, e.g. "
                              f"{path / 'corpus.jsonl'}")
-    twin = output.with_suffix(".txt")
+    twin = text_twin(output)
     if twin.exists() and not output.exists():  # not an earlier run's pair: the user's file
         raise SystemExit(f"error: --output {output}: its plain-text copy would replace "
                          f"{twin}, which exists without {output} beside it (so no earlier "
@@ -72,11 +98,11 @@ def write_corpus(output: Path, max_mb: float) -> tuple:
     both are complete (an interrupted or failed run removes them): (documents, bytes)."""
     check_output(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    targets = (output, output.with_suffix(".txt"))
+    targets = (output, text_twin(output))
     tmps = [p.with_name(f"{p.name}.tmp{os.getpid()}") for p in targets]
     docs = nbytes = 0
     try:
-        with tmps[0].open("w", encoding="utf-8") as f, tmps[1].open("w", encoding="utf-8") as plain:
+        with open_output(tmps[0], output.name) as f, tmps[1].open("w", encoding="utf-8") as plain:
             for name, text in stdlib_files(int(max_mb * 1e6)):
                 f.write(json.dumps({"text": text, "source": name}) + "\n")
                 plain.write(text + "\n")
@@ -157,7 +183,7 @@ def main(argv=None) -> int:
     print(f"corpus: {docs} documents, {nbytes / 1e6:.1f} MB -> {a.output} ({time.time() - t0:.1f} s)")
     if a.tokenizer_prefix:
         t1 = time.time()
-        train_sentencepiece(Path(a.output).with_suffix(".txt"), a.tokenizer_prefix, a.vocab_size)
+        train_sentencepiece(text_twin(Path(a.output)), a.tokenizer_prefix, a.vocab_size)
         print(f"tokenizer: SentencePiece BPE, vocab {a.vocab_size} -> {a.tokenizer_prefix}.model "
               f"({time.time() - t1:.1f} s)")
     return 0
