@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -84,12 +84,26 @@ def rank_ranges(ranks: Sequence[int]) -> str:
     return f"{'rank' if len(ranks) == 1 else 'ranks'} {text}"
 
 
-def agreed_report(errors: Sequence[Optional[str]]) -> Optional[str]:
+# A rank's error: its message, or (the message when every rank has an error, the message
+# when some ranks passed) -- e.g. "run with other flags" against "this rank's file is bad".
+RankError = Union[str, Tuple[str, str]]
+
+
+def _told(error: Optional[RankError], every: bool) -> Optional[str]:
+    if isinstance(error, tuple):
+        return error[0] if every else error[1]
+    return error
+
+
+def agreed_report(errors: Sequence[Optional[RankError]]) -> Optional[str]:
     """Each distinct message of `errors` (one entry per rank, None: no error) once, in the
     order of the first rank that met it, prefixed with its ranks unless every rank met it.
-    None when no rank has an error."""
+    An entry that is a pair of messages gives its first when every rank has an error, else
+    its second. None when no rank has an error."""
+    every = all(e is not None for e in errors)
     ranks_of: Dict[str, List[int]] = {}
-    for rank, message in enumerate(errors):
+    for rank, error in enumerate(errors):
+        message = _told(error, every)
         if message is not None:
             ranks_of.setdefault(message, []).append(rank)
     lines = [m if len(r) == len(errors) else f"{rank_ranges(r)} (of {len(errors)}): {m}"
@@ -144,11 +158,11 @@ def from_rank_0(value: Any, group=None) -> Any:
     return box[0]
 
 
-def agree(error: Optional[str], group=None, value: Any = None) -> List[Any]:
+def agree(error: Optional[RankError], group=None, value: Any = None) -> List[Any]:
     """Every rank's `value` (a list indexed by rank) when no rank of `group` has an error;
     else every rank raises the same `AgreedExit` (see `agreed_report`), which rank 0
-    prints. `error`: this rank's message, or None. In a single process: [value], or
-    SystemExit(error).
+    prints. `error`: this rank's message (or pair, see `agreed_report`), or None. In a
+    single process: [value], or SystemExit(error) (of a pair: the first).
 
     Collective over `group` (the run's CPU control group, or None for the default group),
     which every rank must call at the same point, whether its own check passed or not:
@@ -159,7 +173,7 @@ def agree(error: Optional[str], group=None, value: Any = None) -> List[Any]:
     where = _world(group)
     if where is None:
         if error is not None:
-            raise SystemExit(error)
+            raise SystemExit(_told(error, True))
         return [value]
     gathered: List[Any] = [None] * where[1]
     caller = sys._getframe(1)

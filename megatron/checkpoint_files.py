@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from megatron.checkpoint_foreign import later_megatron_fix, later_megatron_names_message
+from megatron.checkpoint_identity import split_distrib_identity
 from megatron.checkpoint_plain import args_to_plain
 from megatron.core.enums import ModelType  # the class 23.05 pickles, under its name
 
@@ -325,9 +326,10 @@ def megatron_distrib_payload(state: dict) -> dict:
     padded grad-buffer shard (the buffer rounded up to a multiple of its dp), so a tensor
     padded for another dp (this framework pads to the saving run's; `reshard` not at all)
     can be too short for it ("dp 3 needs 10027 each"); zeros are appended (padding is never
-    read). The input is not modified."""
+    read). The input is not modified; its identity record (checkpoint_identity.py), which
+    Megatron-LM has no use for, is left out."""
     out = {}
-    for chunk, by_dtype in state.items():
+    for chunk, by_dtype in split_distrib_identity(state)[0].items():
         out[chunk] = {dtype: {key: torch.cat([flat, flat.new_zeros(MEGATRON_MAX_DP - 1)])
                               for key, flat in flats.items()}
                       for dtype, flats in by_dtype.items()}

@@ -15,6 +15,12 @@ import torch
 
 from megatron.checkpoint_dirs import incomplete_checkpoint_message, model_file
 from megatron.checkpoint_files import flat_model_state
+from megatron.checkpoint_identity import (
+    distrib_file_problem,
+    file_identity,
+    rank_file_problem,
+    split_distrib_identity,
+)
 from megatron.checkpoint_layout import (
     DISTRIB_FILENAME,
     Layout,
@@ -141,12 +147,16 @@ class SourceCheckpoint:
     `step`, ...), so a checkpoint whose optimizer state cannot be mapped (its files
     missing, another group split) still gives its model (--no-load-optim, --finetune, the
     tools). `layout` and `args`, when the caller has them (a training run's rank 0 read
-    them), spare the first rank's file.
+    them), spare the first rank's file; `identity` is then that file's `file_identity`.
+    Every file opened is checked against it (else against the first file opened), and
+    each distrib_optim.pt against its model file when its optimizer state is read:
+    SystemExit naming a file copied in from another checkpoint.
     """
 
     def __init__(self, iter_dir: str, layout: Optional[Layout] = None,
-                 args: Optional[dict] = None) -> None:
+                 args: Optional[dict] = None, identity: Optional[dict] = None) -> None:
         self.iter_dir = iter_dir
+        self._identity = identity  # what every file must share (checkpoint_identity.py)
         self.files: Dict[Tuple[int, int], dict] = {}
         self.param_files: Dict[Tuple[int, int], dict] = {}
         self._flat: Dict[Tuple[int, int], List[Dict[str, torch.Tensor]]] = {}
@@ -198,9 +208,15 @@ class SourceCheckpoint:
                 raise SystemExit(incomplete_checkpoint_message(
                     self.iter_dir, [os.path.relpath(path, self.iter_dir)],
                     f"the directories say tp {self._tp} x pp {self._pp}"))
-            self.files[t, p] = load_shard(path)
+            state = load_shard(path)
+            problem = rank_file_problem(state, path, self._identity)
+            if problem:  # a file of another checkpoint: a model of mixed steps otherwise
+                raise SystemExit(problem)
+            if self._identity is None:
+                self._identity = file_identity(state, path)
+            self.files[t, p] = state
             extra = os.path.join(rank_dir, DISTRIB_FILENAME)
-            if os.path.isfile(extra):
+            if os.path.isfile(extra):  # checked against its model file when read
                 self.param_files[t, p] = load_shard(extra)
         return self.files[t, p]
 
@@ -414,7 +430,13 @@ class SourceCheckpoint:
             raise SystemExit(f"error: {self.iter_dir}: {DISTRIB_FILENAME} of rank (tp {t}, "
                              f"pp {p}) is missing; load with --no-load-optim")
         chunks = self.chunks(t, p)
-        saved, out = self.param_files[t, p], {}
+        saved, record = split_distrib_identity(self.param_files[t, p])
+        rank_dir = os.path.join(self.iter_dir, rank_dir_name(t, p, self._pp))
+        problem = distrib_file_problem(record, os.path.join(rank_dir, DISTRIB_FILENAME),
+                                       self.files[t, p], model_file(rank_dir))
+        if problem:  # the optimizer state of another step
+            raise SystemExit(problem)
+        out = {}
         for c, sd in enumerate(chunks):
             flats_by_dtype = saved[c]
             offsets = dict.fromkeys(flats_by_dtype, 0)

@@ -13,7 +13,7 @@ import os
 import re
 import time
 import traceback
-from typing import Dict, NamedTuple, Optional, Set, Tuple
+from typing import Dict, NamedTuple, Optional, Set, Tuple, Union
 
 import torch
 
@@ -27,7 +27,13 @@ from megatron.checkpoint_args import (
     tokenizer_warning,
 )
 from megatron.checkpoint_dirs import checkpoint_name, model_file, same_dir
-from megatron.checkpoint_identity import file_identity, rank_file_problem
+from megatron.checkpoint_identity import (
+    distrib_file_problem,
+    file_identity,
+    rank_file_problem,
+    split_distrib_identity,
+    with_distrib_identity,
+)
 from megatron.checkpoint_preflight import (
     LoadStates,
     no_weights_message,
@@ -174,14 +180,15 @@ def save_trainer_checkpoint(tr) -> float:
         torch.cuda.synchronize()
     settle(tr)  # an fp16 replay's unread flag: the step counts saved must be exact
     ck = tr.config.checkpoint
-    extra = None
+    param_state = None
     if not ck.no_save_optim and hasattr(tr.optimizer, "get_parameter_state"):
         gathered = tr.rt.ps.dp_group is not None  # else: no collective
         with watching("gather of the distributed optimizer's state (data-parallel group)",
                       tr.rt.ps.dp_group) if gathered else contextlib.nullcontext():
             param_state = tr.optimizer.get_parameter_state()
-        extra = None if param_state is None else {"distrib_optim.pt": param_state}
     state = trainer_state_dict(tr)  # references to live tensors: cheap; copied if async
+    extra = None if param_state is None else {  # with its model file's step: checked on load
+        "distrib_optim.pt": with_distrib_identity(param_state, state)}
     tr.own_checkpoints[tr.state.iteration] = "saved"
     if not ck.async_save:
         progress = getattr(tr, "progress", None)  # told of a save Ctrl-C stopped midway
@@ -322,21 +329,22 @@ def plan_trainer_rank(tr) -> RankPlan:
 
 
 def reshard_for_trainer(tr, iter_dir: str, with_optimizer: bool,
-                        saved: Optional[Layout] = None, saved_args: Optional[dict] = None
-                        ) -> Tuple[dict, Optional[dict], str]:
+                        saved: Optional[Layout] = None, saved_args: Optional[dict] = None,
+                        identity: Optional[dict] = None) -> Tuple[dict, Optional[dict], str]:
     """This rank's payloads for a live Trainer from a checkpoint saved with another layout.
 
     No communication: each rank memory-maps the shard files that hold parts of its own
     parameters (the saved stages of its layers, the saved tp ranks of its slices) and
     builds only those. `saved`, `saved_args`: the checkpoint's layout and arguments when
-    known (read by rank 0), sparing every rank the first rank's file. Returns
+    known (read by rank 0), sparing every rank the first rank's file; `identity`: that
+    file's `file_identity`, which every shard file read must share. Returns
     (model_optim_rng payload, distrib_optim payload or None, a one-line description of
     the conversion)."""
     plan = plan_trainer_rank(tr)
     notes: Set[str] = set()
     kind = live_optimizer_kind(tr.optimizer) if with_optimizer else None
     try:
-        src = SourceCheckpoint(iter_dir, saved, saved_args)
+        src = SourceCheckpoint(iter_dir, saved, saved_args, identity)
         payload, distrib = build_rank_payload(src, plan, kind, notes)
     except ValueError as exc:  # shapes or parameters the checkpoint's args did not tell
         raise SystemExit(f"error: cannot reshard {iter_dir} for this run: {exc}") from None
@@ -481,7 +489,7 @@ def _load_trainer_payload(tr) -> Optional[_Loaded]:
                  f"(resharding: each rank reads the shards of its own parameters)")
     try:
         payload, distrib, text = reshard_for_trainer(tr, iter_dir, states.with_optimizer,
-                                                     saved, first_args)
+                                                     saved, first_args, identity)
     except SystemExit as exc:
         return loaded._replace(error=exit_message(exc))
     print_rank_0(f" > {text}")
@@ -542,29 +550,58 @@ def _restore_counters(tr, loaded: _Loaded) -> None:
     update_micro_batches(tr.config.data, st.consumed_train_samples, tr.rt.ps.dp_size)
 
 
+class _FileRejected(SystemExit):
+    """A state of this rank's file its loader rejected: `variants` is the pair of messages
+    for the load's agreement (megatron/agreed_exit.py `agreed_report`): when every rank
+    rejects its file the run's flags differ from the checkpoint's (the loader's advice);
+    when the other ranks loaded theirs, this file alone is bad and no flag fixes it."""
+
+    def __init__(self, loaded: _Loaded, path: Optional[str], exc: ValueError):
+        every = f"error: loading {path or loaded.iter_dir}: {exc}"
+        what = path or f"the shard files of {loaded.iter_dir} this rank read"
+        alone = (f"error: {what} does not fit this run, while the other ranks loaded their "
+                 f"files of the same checkpoint: {exc}. This file alone is bad (copied in "
+                 "from another checkpoint or damaged), so no flag fixes it: copy it again "
+                 "from the checkpoint it belongs to, or point --load at another checkpoint")
+        super().__init__(every)
+        self.variants = (every, alone)
+
+
+def _load_distrib_shards(tr, loaded: _Loaded) -> None:
+    """The distributed optimizer's shards: those resharding built, or this rank's
+    distrib_optim.pt, checked against its model file (`distrib_file_problem`)."""
+    param_state, path = loaded.param_state, None
+    if param_state is None:
+        ck, ps = tr.config.checkpoint, tr.rt.ps
+        param_state = load_extra_file(ck.load, loaded.iteration, ps, "distrib_optim.pt",
+                                      release=loaded.release)
+        path = os.path.join(os.path.dirname(loaded.path), "distrib_optim.pt")
+        param_state, record = split_distrib_identity(param_state)
+        problem = distrib_file_problem(record, path, loaded.state, loaded.path)
+        if problem:
+            raise SystemExit(problem)
+    try:  # shards of another model, precision or virtual-pipeline layout
+        tr.optimizer.load_parameter_state(param_state)
+    except ValueError as exc:
+        raise _FileRejected(loaded, path, exc) from None
+
+
 def _load_optimizer(tr, loaded: _Loaded) -> None:
     """Optimizer (and the distributed optimizer's shards) and scheduler states; SystemExit
     when they do not fit the run (the scheduler's saved values contradict the command line,
-    the optimizer's groups differ, the distributed optimizer's file is missing or holds
-    shards of another model, precision or virtual-pipeline layout)."""
-    ck, state = tr.config.checkpoint, loaded.state
+    the optimizer's groups differ, the distributed optimizer's file is missing, from another
+    step, or holds shards of another model, precision or virtual-pipeline layout)."""
+    state = loaded.state
     try:
         optimizer_notes = tr.optimizer.load_state_dict(state["optimizer"]) or []
     except ValueError as exc:
-        raise SystemExit(f"error: loading {loaded.iter_dir}: {exc}") from None
+        raise _FileRejected(loaded, loaded.path, exc) from None
     if hasattr(tr.optimizer, "load_parameter_state"):  # the distributed optimizer's shards
-        param_state = loaded.param_state
-        if param_state is None:
-            param_state = load_extra_file(ck.load, loaded.iteration, tr.rt.ps,
-                                          "distrib_optim.pt", release=loaded.release)
-        try:  # shards of another model, precision or virtual-pipeline layout
-            tr.optimizer.load_parameter_state(param_state)
-        except ValueError as exc:
-            raise SystemExit(f"error: loading {loaded.iter_dir}: {exc}") from None
+        _load_distrib_shards(tr, loaded)
     try:
         notes = tr.scheduler.load_state_dict(state["opt_param_scheduler"])
     except ValueError as exc:
-        raise SystemExit(f"error: loading {loaded.iter_dir}: {exc}") from None
+        raise _FileRejected(loaded, loaded.path, exc) from None
     for note in notes:  # a value one of the two scheduler flags settled
         print_rank_0(f" > learning-rate schedule: {note}")
     for note in optimizer_notes:  # a hyper-parameter changed since the checkpoint
@@ -620,11 +657,12 @@ def _optimizer_not_loaded_note(iteration: int, rollback: bool) -> str:
             f"goes on from iteration {iteration}, as in Megatron-LM")
 
 
-def _restore_states(tr, loaded: _Loaded) -> Optional[str]:
+def _restore_states(tr, loaded: _Loaded) -> Union[None, str, Tuple[str, str]]:
     """Weights, counters, optimizer and scheduler, RNG from `loaded` into the trainer; the
     message of this rank's failure (a checkpoint that does not fit; any other exception
     but running out of memory: its file holds something its loaders do not expect,
-    `_unexpected_content_message`), else None. Local: the caller's agreement decides for
+    `_unexpected_content_message`; a state its loader rejects: the pair of messages of
+    `_FileRejected`), else None. Local: the caller's agreement decides for
     every rank -- raising here left the other ranks waiting in it."""
     try:
         load_model_state_dicts(tr.model, loaded.state, loaded.iter_dir)
@@ -640,7 +678,7 @@ def _restore_states(tr, loaded: _Loaded) -> Optional[str]:
                 if text:
                     print_rank_0(f" > {text}")
     except SystemExit as exc:
-        return exit_message(exc)
+        return getattr(exc, "variants", None) or exit_message(exc)
     except Exception as exc:  # noqa: BLE001 -- one rank alone: reported in the agreement
         if out_of_memory_kind(exc):
             raise  # the out-of-memory report names it

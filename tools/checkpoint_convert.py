@@ -68,6 +68,7 @@ from megatron.checkpoint_files import (
     megatron_distrib_payload,
     megatron_payload,
 )
+from megatron.checkpoint_identity import with_distrib_identity
 from megatron.checkpointing import (
     MODEL_FILENAME,
     TRACKER_FILENAME,
@@ -512,7 +513,8 @@ def _write_rank(src, plan, kind: Optional[str], notes: set, args: dict, rank_dir
     save_file(payload, os.path.join(rank_dir, MODEL_FILENAME))
     if distrib is None:
         return 1
-    save_file(distrib, os.path.join(rank_dir, reshard_lib.DISTRIB_FILENAME))
+    save_file(with_distrib_identity(distrib, payload),  # its step, checked on load
+              os.path.join(rank_dir, reshard_lib.DISTRIB_FILENAME))
     return 2
 
 
