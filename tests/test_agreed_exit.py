@@ -181,6 +181,19 @@ def test_report_groups_ranks_by_message():
     assert rank_ranges([3]) == "rank 3"
 
 
+def test_a_pair_of_messages_tells_every_rank_from_some():
+    """(every, some): a file every rank rejects means other flags; one rank's alone, a bad
+    file -- the report picks by whether any rank passed."""
+    pair = ("error: run with other flags", "error: this file alone is bad")
+    assert agreed_report([pair, pair]) == "error: run with other flags"
+    assert agreed_report([None, pair]) == "rank 1 (of 2): error: this file alone is bad"
+    assert agreed_report([pair, "error: x"]) == (
+        "rank 0 (of 2): error: run with other flags\nrank 1 (of 2): error: x")
+    with pytest.raises(SystemExit) as exc:  # one process: every rank failed
+        agree(pair)
+    assert exc.value.code == "error: run with other flags"
+
+
 def test_silent_rank_waits_only_under_a_launcher(monkeypatch):
     waits = []
     monkeypatch.setattr(time, "sleep", waits.append)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron.arguments import parse_and_validate
-from megatron.checkpoint_identity import file_identity, rank_file_problem
+from megatron.checkpoint_identity import DISTRIB_IDENTITY_KEY, file_identity, rank_file_problem
 from megatron.checkpointing import write_tracker
 from megatron.initialize import initialize_distributed, set_random_seed
 from megatron.trainer_checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
@@ -165,3 +165,100 @@ def test_rank_file_problem_units():
     same = dict(other_tp, args={"tensor_model_parallel_size": 2})
     assert rank_file_problem(same, "a/mp_rank_01/f.pt", first) is None
     assert rank_file_problem(other_tp, "a/mp_rank_01/f.pt", None) is None  # unknown first
+
+
+# ------------------------------------------------- distrib_optim.pt, one rank's file rejected
+DO = f"{TP2} --use-distributed-optimizer"
+
+
+@pytest.fixture(scope="module")
+def saved_do(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("tp2do") / "ck")
+    run_distributed(_save_at_2_and_4, 2, root, DO)
+    return root
+
+
+def _distrib(root, iteration, rank_dir="mp_rank_01"):
+    return os.path.join(root, f"iter_{iteration:07d}", rank_dir, "distrib_optim.pt")
+
+
+def _rewrite_distrib1(change):
+    def edit(root):
+        path = _distrib(root, 2)
+        state = torch.load(path, weights_only=True)
+        change(state)
+        torch.save(state, path)
+    return edit
+
+
+def test_a_distrib_optim_file_of_another_iteration_exits_every_rank(saved_do, tmp_path):
+    """iter_0000004's mp_rank_01/distrib_optim.pt copied into iter_0000002 (same shapes):
+    rank 1 resumed with the Adam moments of iteration 4 (the weights too: fp32), silently."""
+    root, _ = _mixed(saved_do, tmp_path, lambda r: shutil.copy(_distrib(r, 4), _distrib(r, 2)))
+    path = _distrib(root, 2)
+    results = run_distributed(_load, 2, root, DO)
+    _assert_one_report_naming_rank_1(results, path, "iteration 4 (its model file: 2)",
+                                     "consumed training samples 16 (its model file: 8)",
+                                     "distrib_optim.pt does not belong with",
+                                     f"Copy {path} again")
+
+
+def test_a_distrib_optim_file_without_the_identity_record_loads(saved_do, tmp_path):
+    """A distrib_optim.pt of an older save (no record): nothing to check, it loads."""
+    def drop(state):
+        assert state.pop(DISTRIB_IDENTITY_KEY) == {"iteration": 2, "consumed_train_samples": 8}
+    root, _ = _mixed(saved_do, tmp_path, _rewrite_distrib1(drop))
+    assert run_distributed(_load, 2, root, DO) == [(None, 2), (None, 2)]
+
+
+def test_one_rank_distrib_file_rejected_names_the_file_not_flags(saved_do, tmp_path):
+    """Rank 1's distrib_optim.pt holds a shorter buffer (a file of another model copied in):
+    the report named only the iteration directory and said the model differs -- advice to
+    change flags, while rank 0 loaded its file of the same checkpoint fine."""
+    def shorten(state):
+        state[0] = {dtype: {k: v[:10] for k, v in flats.items()}
+                    for dtype, flats in state[0].items()}
+    root, _ = _mixed(saved_do, tmp_path, _rewrite_distrib1(shorten))
+    path = _distrib(root, 2)
+    (m0, _), (m1, _) = run_distributed(_load, 2, root, DO)
+    assert m0 == m1 and m0.startswith(f"rank 1 (of 2): error: {path} does not fit this run, "
+                                      "while the other ranks loaded their files"), m0
+    assert "This file alone is bad" in m0 and "no flag fixes it" in m0, m0
+
+
+def _reshard_tp1(root, out):
+    from tools import checkpoint_convert
+    checkpoint_convert.reshard(root, out, 1, 1)
+
+
+def test_offline_tools_refuse_a_rank_file_of_another_iteration(saved, tmp_path):
+    """generate.py, checkpoint_convert.py reshard (and checkpoint_util.py, which runs it)
+    merged rank 1's iteration-4 shards with rank 0's iteration-2 ones: a model of two steps,
+    written or sampled with no word."""
+    from tools import generate
+    root, path = _mixed(saved, tmp_path, lambda r: shutil.copy(_rank1_file(r, 4),
+                                                               _rank1_file(r, 2)))
+    for run in (lambda: generate.load_model(root),
+                lambda: _reshard_tp1(root, str(tmp_path / "out"))):
+        with pytest.raises(SystemExit) as exc:
+            run()
+        assert str(exc.value).startswith(f"error: {path} does not belong with "), exc.value
+        assert "iteration 4 (the first file: 2)" in str(exc.value)
+    assert not os.path.exists(tmp_path / "out" / "iter_0000002")
+
+
+def test_offline_reshard_refuses_a_distrib_file_of_another_iteration(saved_do, tmp_path):
+    """The optimizer state is read (reshard) only: generate.py, which needs the weights
+    alone, loads."""
+    from tools import generate
+    root, _ = _mixed(saved_do, tmp_path, lambda r: shutil.copy(_distrib(r, 4), _distrib(r, 2)))
+    with pytest.raises(SystemExit) as exc:
+        _reshard_tp1(root, str(tmp_path / "out"))
+    assert str(exc.value).startswith(f"error: {_distrib(root, 2)} does not belong with "), \
+        exc.value
+    assert generate.load_model(root)[2] == 2
+    checkpoint_convert_ok = str(tmp_path / "ok")
+    _reshard_tp1(saved_do, checkpoint_convert_ok)  # the record is written by the tool too
+    written = torch.load(os.path.join(checkpoint_convert_ok, "iter_0000004", "mp_rank_00",
+                                      "distrib_optim.pt"), weights_only=True)
+    assert written[DISTRIB_IDENTITY_KEY] == {"iteration": 4, "consumed_train_samples": 16}
