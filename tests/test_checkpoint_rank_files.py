@@ -234,12 +234,14 @@ def _reshard_tp1(root, out):
 def test_offline_tools_refuse_a_rank_file_of_another_iteration(saved, tmp_path):
     """generate.py, checkpoint_convert.py reshard (and checkpoint_util.py, which runs it)
     merged rank 1's iteration-4 shards with rank 0's iteration-2 ones: a model of two steps,
-    written or sampled with no word."""
+    written or sampled with no word (to-megatron exported the mix as it was)."""
     from tools import generate
     root, path = _mixed(saved, tmp_path, lambda r: shutil.copy(_rank1_file(r, 4),
                                                                _rank1_file(r, 2)))
+    from tools import checkpoint_convert
     for run in (lambda: generate.load_model(root),
-                lambda: _reshard_tp1(root, str(tmp_path / "out"))):
+                lambda: _reshard_tp1(root, str(tmp_path / "out")),
+                lambda: checkpoint_convert.to_megatron(root, str(tmp_path / "out"))):
         with pytest.raises(SystemExit) as exc:
             run()
         assert str(exc.value).startswith(f"error: {path} does not belong with "), exc.value
@@ -250,13 +252,15 @@ def test_offline_tools_refuse_a_rank_file_of_another_iteration(saved, tmp_path):
 def test_offline_reshard_refuses_a_distrib_file_of_another_iteration(saved_do, tmp_path):
     """The optimizer state is read (reshard) only: generate.py, which needs the weights
     alone, loads."""
-    from tools import generate
+    from tools import checkpoint_convert, generate
     root, _ = _mixed(saved_do, tmp_path, lambda r: shutil.copy(_distrib(r, 4), _distrib(r, 2)))
     with pytest.raises(SystemExit) as exc:
         _reshard_tp1(root, str(tmp_path / "out"))
     assert str(exc.value).startswith(f"error: {_distrib(root, 2)} does not belong with "), \
         exc.value
     assert generate.load_model(root)[2] == 2
+    with pytest.raises(SystemExit, match="distrib_optim.pt does not belong with"):
+        checkpoint_convert.to_megatron(root, str(tmp_path / "meg"))
     checkpoint_convert_ok = str(tmp_path / "ok")
     _reshard_tp1(saved_do, checkpoint_convert_ok)  # the record is written by the tool too
     written = torch.load(os.path.join(checkpoint_convert_ok, "iter_0000004", "mp_rank_00",

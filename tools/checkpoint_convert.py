@@ -68,7 +68,13 @@ from megatron.checkpoint_files import (
     megatron_distrib_payload,
     megatron_payload,
 )
-from megatron.checkpoint_identity import with_distrib_identity
+from megatron.checkpoint_identity import (
+    distrib_file_problem,
+    file_identity,
+    rank_file_problem,
+    split_distrib_identity,
+    with_distrib_identity,
+)
 from megatron.checkpointing import (
     MODEL_FILENAME,
     TRACKER_FILENAME,
@@ -587,6 +593,12 @@ def to_megatron(load: str, save: str, iteration: Optional[int] = None,
         return _to_megatron(load, save, iteration)
 
 
+def _refuse(problem: Optional[str]) -> None:
+    """SystemExit with `problem` (a file of another checkpoint), when there is one."""
+    if problem:
+        raise SystemExit(problem)
+
+
 def _to_megatron(load: str, save: str, iteration: Optional[int]) -> dict:
     """`to_megatron` once `save` is locked and checked."""
     iter_dir, iteration, release = reshard_lib.locate_iteration(load, iteration)
@@ -598,14 +610,21 @@ def _to_megatron(load: str, save: str, iteration: Optional[int]) -> dict:
         raise SystemExit(no_rank_dirs_message(iter_dir))
     with partial_output(save, final_dir + ".tmp") as tmp_dir:
         progress = Progress(len(rank_dirs), f"writing {_rank_files(len(rank_dirs))} to {tmp_dir}")
+        first = None  # the first file's identity: every file must share it
         for rank_dir in rank_dirs:
             os.makedirs(os.path.join(tmp_dir, rank_dir))
-            state = load_checkpoint_file(model_file(os.path.join(iter_dir, rank_dir)))
+            path = model_file(os.path.join(iter_dir, rank_dir))
+            state = load_checkpoint_file(path)
+            _refuse(rank_file_problem(state, path, first))
+            first = first or file_identity(state, path)
             save_file(megatron_payload(state), os.path.join(tmp_dir, rank_dir, MODEL_FILENAME))
             files += 1
             extra = os.path.join(iter_dir, rank_dir, reshard_lib.DISTRIB_FILENAME)
             if os.path.isfile(extra):  # tensors keyed by ints and dtypes: the same in both
-                save_file(megatron_distrib_payload(load_checkpoint_file(extra)),
+                distrib = load_checkpoint_file(extra)
+                _refuse(distrib_file_problem(split_distrib_identity(distrib)[1], extra,
+                                             state, path))
+                save_file(megatron_distrib_payload(distrib),
                           os.path.join(tmp_dir, rank_dir, reshard_lib.DISTRIB_FILENAME))
                 files += 1
             progress.done(rank_dir)
