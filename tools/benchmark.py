@@ -9,7 +9,8 @@ The command line goes through the same parser, model, optimizer, mixed precision
 (mock) data path as pretrain_gpt.py. After warm-up steps (compilation happens there), the
 timed steps run between synchronised timers. One JSON line per run: tokens/s, TFLOP/s and
 MFU (FLOPs per token 72*l*h^2*(1 + s/6h + V/12lh), peak 989 TFLOP/s bf16 dense), peak
-memory and time from launch to the end of the first optimizer step; on CUDA with
+memory (of the last rank, which prints the line) beside the memory estimate of that rank's
+pipeline stage, and time from launch to the end of the first optimizer step; on CUDA with
 nvidia-smi, the GPU's median SM clock and power during the timed steps (an H200 trains at
 its power limit, well under its top clock: these tell one machine's rows from another's).
 """
@@ -388,6 +389,16 @@ def loaders_closed(tr, *loaders):
             tr.tb.close()
 
 
+def estimated_memory_gb(config, pp_rank: int) -> float:
+    """The dry-run estimate of the allocated peak (GiB) on a GPU of pipeline stage
+    `pp_rank`: the stage of the rank that prints the JSON line, whose measured peak is
+    `peak_mem_gb` beside it. (The dry run's own figure is the stage that needs the most,
+    stage 0 for most models: another GPU's number than the one measured.)"""
+    from megatron.memory_estimate import estimate_stage_memory
+
+    return round(estimate_stage_memory(config, pp_rank)["allocated"] / 2**30, 2)
+
+
 def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, device: str,
         profile_steps: int = 0, layout: Optional[dict] = None, sync_steps: int = 0,
         profile_sort: str = "device", profile_rows: int = 40,
@@ -398,7 +409,6 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
     from megatron.core.tensor_parallel import gemm_algos
     from megatron.initialize import initialize_entry_point, set_random_seed
     from megatron.logging_utils import flops_per_token
-    from megatron.memory_estimate import estimate_memory
     from megatron.startup_store import JobStore
     from megatron.training import build_trainer, data_iterator, train_step
 
@@ -471,7 +481,7 @@ def run(preset: str, steps: int, warmup: int, micro_batch: int, extra: list, dev
             "precision": ("fp16" if config.args["fp16"] else "bf16" if config.args["bf16"]
                           else "fp32"),
             "skipped_steps": skipped,
-            "est_mem_gb": round(estimate_memory(config)["allocated"] / 2**30, 2),
+            "est_mem_gb": estimated_memory_gb(config, rt.ps.pp_rank),
             "compile": m.compile_layers, "extra": " ".join(extra),
             "gemm_table_entries": len(gemm_algos._ACTIVE),  # active --gemm-algorithms entries
             **({"host_syncs": syncs, "sync_steps": sync_steps} if syncs is not None else {}),
