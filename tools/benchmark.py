@@ -7,7 +7,8 @@
 
 The command line goes through the same parser, model, optimizer, mixed precision and
 (mock) data path as pretrain_gpt.py. After warm-up steps (compilation happens there), the
-timed steps run between synchronised timers. One JSON line per run: tokens/s, TFLOP/s and
+timed steps run between synchronised timers. One JSON line per run: tokens/s and TFLOP/s
+per GPU (`tokens_per_s`, `tflops`: the run's totals divided by its world size) and
 MFU (FLOPs per token 72*l*h^2*(1 + s/6h + V/12lh), peak 989 TFLOP/s bf16 dense), peak
 memory (of the last rank, which prints the line) beside the memory estimate of that rank's
 pipeline stage, and time from launch to the end of the first optimizer step; on CUDA with
