@@ -638,9 +638,11 @@ def valid_order_warning(saved: Optional[Dict], run: Dict, valid, asked: int,
     dataset's index then spans another number of epochs, so its samples are shuffled anew,
     as Megatron-LM does silently, and the checkpoint's `consumed` validation count points
     into the new order. `valid` is the run's validation dataset. None in the cases of
-    `train_order_warning`, and with --skip-train (the set is read from its start). The
-    test set (--eval-iters x global batch, read from its start) does not depend on
-    --train-iters."""
+    `train_order_warning`, with --skip-train (the set is read from its start), and when
+    this run asks for no samples (--eval-iters 0: it evaluates nothing). The test set
+    (--eval-iters x global batch, read from its start) does not depend on --train-iters."""
+    if asked <= 0:
+        return None
     found = _split_members(saved, run, valid, consumed, "valid_data_path")
     then = _saved_valid_request(saved) if found else None
     if not then or then == asked:

@@ -333,6 +333,16 @@ def test_a_longer_run_warns_that_its_validation_set_is_shuffled_anew(tmp_path, c
     assert "some of the 8 evaluated so far again" in out
     run_pretrain(resume + ["--train-iters", "3"], base)
     assert "its validation data" not in capsys.readouterr().out
+    # --eval-iters 0 after a run whose validation set spanned 7 epochs: this run evaluates
+    # nothing, so no evaluation reads another order (it was warned of "0 samples", "now 1
+    # epoch(s)" and "the evaluations from here on")
+    root40 = str(tmp_path / "ck40")
+    run_pretrain(data + ["--train-iters", "40", "--save", root40, "--save-interval", "2",
+                         "--exit-interval", "2"], base)
+    capsys.readouterr()
+    resume40 = data + ["--load", root40, "--exit-interval", "3", "--train-iters", "40"]
+    run_pretrain(resume40 + ["--eval-iters", "0"], base)
+    assert "its validation data" not in capsys.readouterr().out
     sizes, documents = np.full(20, 40, dtype=np.int32), np.arange(10, 20, dtype=np.int32)
     assert not np.array_equal(build_index_arrays(documents, sizes, 16, 16, 1234)[2][:16],
                               build_index_arrays(documents, sizes, 164, 16, 1234)[2][:16])
