@@ -197,9 +197,13 @@ def _dry_run(config: Config, world_size: int) -> tuple:
     the dataset builder refuses, or a checkpoint under --load that the run could not
     load)."""
     d, t, o = config.data, config.training, config.optimizer
-    steps = (f"{t.train_iters} iterations" if t.train_iters is not None else "no training")
+    steps = f"{t.train_iters} iterations"
     if t.train_samples:
         steps += f" ({t.train_samples} samples)"
+    training = (f"  training: {steps}, lr {o.lr} ({o.lr_decay_style}, warmup "
+                f"{_samples(o.lr_warmup_steps)} / decay {_samples(o.lr_decay_steps)} samples)")
+    if t.skip_train or t.train_iters is None:  # no schedule (without --train-iters a placeholder)
+        training = "  training: none (--skip-train: evaluation only)"
     world, model = setup_lines(config, world_size)
     lines = [
         "dry run: configuration resolved, nothing launched",
@@ -207,8 +211,7 @@ def _dry_run(config: Config, world_size: int) -> tuple:
         f"  batch: micro {d.micro_batch_size} x {d.num_micro_batches} micro-batches per step x "
         f"data {config.parallel.dp_size} = global {d.global_batch_size}; sequence length "
         f"{d.seq_length}",
-        f"  training: {steps}, lr {o.lr} ({o.lr_decay_style}, warmup {_samples(o.lr_warmup_steps)} / "
-        f"decay {_samples(o.lr_decay_steps)} samples)",
+        training,
     ] + model
     lines += memory_lines(config)
     missing = find_missing_inputs(config.args)

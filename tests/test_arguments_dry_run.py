@@ -239,6 +239,16 @@ def test_dry_run_report_and_missing_inputs(tmp_path, capsys):
             f"prefix without .bin/.idx: pass {prefix})") in dry_run_report(cfg, 1)
 
 
+def test_dry_run_of_skip_train_reports_no_schedule():
+    """--skip-train trains nothing: the training line said '10 iterations ... decay 20
+    samples' with --train-iters, and without it 'decay 1 samples' (a placeholder)."""
+    for base in (without("--train-iters"), BASE):
+        text = dry_run_report(run("--dry-run --skip-train", base=base), 1)
+        assert "  training: none (--skip-train: evaluation only)\n" in text, text
+        assert "decay" not in text
+    assert "decay" in dry_run_report(run("--dry-run --train-iters 10"), 1)
+
+
 def test_dry_run_model_line_names_every_setting_that_changes_the_model():
     """A ported configuration is checked on the model line: each non-default setting that
     makes another model is named there, and the default GPT's line names none of them."""
