@@ -147,6 +147,43 @@ def test_lambada_file_errors(bpe, tmp_path):
         datasets.build_lambada_data(str(words), null, 40, strict=False)
     with pytest.raises(SystemExit, match=f"--valid-data {words}: the tokenizer cannot read"):
         datasets.build_wikitext_data(str(words), null, 40, 8)
+    # NullTokenizer takes any integer: an id outside its vocabulary [0, 51) was an
+    # IndexError traceback (beyond the padded vocabulary) or, in a padding row, a report of
+    # "avg loss: INF"; now one line naming the file, the line and the id
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text(json.dumps({"text": "1 2 3"}) + "\n" + json.dumps({"text": "1 -2 3"}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        datasets.build_lambada_data(str(ids), null, 40, strict=True)
+    assert str(e.value.code) == (f"error: --valid-data {ids} line 2: token id -2 is outside "
+                                 "NullTokenizer's vocabulary [0, 51): token ids are integers "
+                                 ">= 0")
+    ids.write_text("1 2 60 3 4 50\n")  # 50, the end-of-document id, is in the vocabulary
+    with pytest.raises(SystemExit) as e:
+        datasets.build_wikitext_data(str(ids), null, 40, 8)
+    assert str(e.value.code) == (f"error: --valid-data {ids}: token id 60 is outside "
+                                 "NullTokenizer's vocabulary [0, 51): evaluate with the "
+                                 "--vocab-size the model was trained with (--vocab-size 50 "
+                                 "allows ids up to 50, the end-of-document id)")
+    ids.write_text("1 2 50 3 4\n")
+    assert datasets.build_wikitext_data(str(ids), null, 40, 8).num_tokenized_tokens == 5
+
+
+def test_lambada_lines_are_split_at_newlines_only(tmp_path):
+    """A JSON line may hold U+2028, U+2029 or U+0085 unescaped (json.dumps(...,
+    ensure_ascii=False) writes them so); Megatron-LM reads the file line by line
+    (readlines), so they are inside a passage. str.splitlines also split there: "line 1:
+    not JSON" for a valid file, and later lines misnumbered."""
+    from megatron.tokenizer.tokenizer import NullTokenizer
+
+    path = tmp_path / "lambada.jsonl"
+    lines = [json.dumps({"text": f"1 2{sep} 3 4"}, ensure_ascii=False)
+             for sep in ("\u2028", "\u2029", "\x85")]
+    path.write_text("\r\n".join(lines) + "\r\n", encoding="utf-8", newline="")
+    samples = datasets.build_lambada_data(str(path), NullTokenizer(50), 8, strict=True)
+    assert [s[0][:4] for s in samples] == [[1, 2, 3, 4]] * 3
+    path.write_text("\n".join(lines + ["{oops"]) + "\n", encoding="utf-8")
+    with pytest.raises(SystemExit, match=f"--valid-data {path} line 4: not JSON"):
+        datasets.build_lambada_data(str(path), NullTokenizer(50), 8, strict=True)
 
 
 def test_lambada_passages_too_long_are_named_together_with_a_fix_that_fits(bpe, tmp_path):

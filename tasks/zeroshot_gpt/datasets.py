@@ -133,12 +133,13 @@ def build_wikitext_data(path: str, tokenizer, seq_length: int, stride: int,
                         warn=print) -> LanguageModelingData:
     """Read, detokenize (by path: detokenizer.get_detokenizer), tokenize, cut into windows.
     `warn` gets `wikitext_warnings`'s lines. SystemExit when the text has fewer than 2
-    words or tokens (no target to score)."""
+    words or tokens (no target to score) or an id outside NullTokenizer's vocabulary."""
     text = read_text_file(path, "WIKITEXT103 text")
     for line in wikitext_warnings(path, text):
         warn(line)
     num_original = len(text.strip().split(" "))
     tokens = _tokenize(tokenizer.tokenize, get_detokenizer(path)(text), f"--valid-data {path}")
+    _check_ids(tokens, tokenizer, f"--valid-data {path}")
     if len(tokens) < 2 or num_original < 2:
         raise SystemExit(f"error: --valid-data {path}: {num_original} word(s), {len(tokens)} "
                          "token(s); the perplexity needs at least 2 of each")
@@ -167,6 +168,24 @@ def _tokenize(tokenize, text: str, where: str):
         raise SystemExit(f"error: {where}: the tokenizer cannot read it ({e}); evaluate with "
                          "the checkpoint's tokenizer flags (--tokenizer-type, --vocab-file, "
                          "--merge-file / --tokenizer-model)") from None
+
+
+def _check_ids(ids: Sequence[int], tokenizer, where: str) -> None:
+    """SystemExit naming `where` for an id outside NullTokenizer's vocabulary (it reads
+    any integer; the other tokenizers only make ids of theirs): the model has no row for
+    it (an IndexError) or only a padding row, which the softmax leaves out (an infinite
+    loss)."""
+    if getattr(tokenizer, "name", None) != "NullTokenizer" or not ids:
+        return
+    vocab, low, high = tokenizer.vocab_size, min(ids), max(ids)
+    if low >= 0 and high < vocab:
+        return
+    text = f"error: {where}: token id {{}} is outside NullTokenizer's vocabulary [0, {vocab}): "
+    if low < 0:
+        raise SystemExit(text.format(low) + "token ids are integers >= 0")
+    raise SystemExit(text.format(high) + f"evaluate with the --vocab-size the model was "
+                     f"trained with (--vocab-size {vocab - 1} allows ids up to {vocab - 1}, "
+                     "the end-of-document id)")
 
 
 def lambada_sample(context: Sequence[int], target: Sequence[int], seq_length: int,
@@ -200,13 +219,16 @@ def _lambada_text(line: str, path: str, number: int) -> str:
 def build_lambada_data(path: str, tokenizer, seq_length: int, strict: bool,
                        max_positions: Optional[int] = None) -> List[Sample]:
     """One sample per non-blank line of the JSON-lines file. SystemExit naming the line for
-    a line that is not a JSON object with a non-empty "text" or a passage with no context
-    token; and, after reading every line, naming the passages longer than --seq-length + 1
+    a line that is not a JSON object with a non-empty "text", a passage with no context
+    token or an id outside NullTokenizer's vocabulary; and, after reading every line, naming the passages longer than --seq-length + 1
     tokens (refused, not truncated: a cut context would change what is measured) with
     the fix `max_positions` (the model's --max-position-embeddings) allows."""
     text = read_text_file(path, "LAMBADA JSON-lines")
     samples, too_long = [], []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # lines as Megatron-LM's readlines() (universal newlines) cuts them: str.splitlines
+    # would also cut at U+2028, U+2029 and U+0085, which a JSON string may hold unescaped
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         text_ = _lambada_text(line, path, number)
@@ -215,6 +237,7 @@ def build_lambada_data(path: str, tokenizer, seq_length: int, strict: bool,
         if not context or not target:
             raise SystemExit(f"error: --valid-data {path} line {number}: the passage has no "
                              "context before its last word")
+        _check_ids(context + target, tokenizer, f"--valid-data {path} line {number}")
         sample = lambada_sample(context, target, seq_length, tokenizer.eod)
         if sample is None:
             too_long.append((number, len(context) + len(target)))
