@@ -272,11 +272,16 @@ def test_a_device_this_machine_lacks_is_an_error_not_a_traceback():
      "must be an integer >= 0"),
     (["--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
     (["--max-new-tokens", "-3"], "--max-new-tokens -3 must be an integer >= 0"),
+    (["--seed", str(2**64)], f"--seed {2**64} must be in 1..4294967295 (as pretrain_gpt.py"),
+    (["--seed", "4294967296"], "--seed 4294967296 must be in 1..4294967295"),
+    (["--seed", "0"], "--seed 0 must be in 1..4294967295"),
 ])
 def test_bad_sampling_flags_are_named(tmp_path, capsys, flags, message):
     """A nan --temperature passed the range check (a comparison with nan is false) and
     ended in torch.multinomial's traceback after loading the model, an inf one sampled
-    uniformly; the one message for all four flags named neither the flag nor its value."""
+    uniformly; the one message for all four flags named neither the flag nor its value.
+    A --seed >= 2**64 was torch's RuntimeError after the checkpoint had loaded (the
+    directory here is empty: these errors come before any loading)."""
     with pytest.raises(SystemExit) as exc:
         generate.parse_args(["--load", str(tmp_path), "--prompt-ids", "1", *flags])
     assert exc.value.code == 2

@@ -392,6 +392,9 @@ def build_tokenizer_from(args: dict, a, show: bool = True
     return tok, None
 
 
+_MAX_SEED = 2**32 - 1
+
+
 def sampling_flag_problems(a: argparse.Namespace) -> List[str]:
     """Each sampling flag out of its range, with the value given: a nan --temperature
     ended in torch.multinomial's traceback, an inf one sampled every token uniformly."""
@@ -399,7 +402,11 @@ def sampling_flag_problems(a: argparse.Namespace) -> List[str]:
              ("--temperature", a.temperature, 0 <= a.temperature < float("inf"),
               "a finite number >= 0 (0: greedy, as --greedy)"),
              ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1] (1.0: no nucleus filter)"),
-             ("--top-k", a.top_k, a.top_k >= 0, "an integer >= 0 (0: no top-k filter)")]
+             ("--top-k", a.top_k, a.top_k >= 0, "an integer >= 0 (0: no top-k filter)"),
+             # pretrain_gpt.py's rule (> 0, within numpy's seeds); torch refused >= 2**64
+             # only after the checkpoint had loaded
+             ("--seed", a.seed, 0 < a.seed <= _MAX_SEED,
+              f"in 1..{_MAX_SEED} (as pretrain_gpt.py's --seed)")]
     return [f"{flag} {value} must be {allowed}" for flag, value, ok, allowed in rules if not ok]
 
 
