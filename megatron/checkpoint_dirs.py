@@ -617,9 +617,12 @@ def unreadable_file_message(path: str, exc: BaseException) -> str:
     """The message for a checkpoint file torch.load cannot read: the file, the error, and
     how to fall back to an earlier checkpoint (`path` is <root>/<iter dir>/<rank dir>/file)."""
     iter_dir = os.path.dirname(os.path.dirname(path))
-    return (f"error: cannot read checkpoint file {path} ({type(exc).__name__}: {exc}); it is "
-            f"truncated or damaged (copied incompletely, or written by another program). Load "
-            f"another checkpoint: "
+    # torch's zip reader appends a paragraph of advice ("This is an internal miniz
+    # error. If you are seeing this error, ..."): keep its first sentence only
+    detail = (str(exc).strip().splitlines() or [""])[0].split(". ")[0]
+    return (f"error: cannot read checkpoint file {path} ({type(exc).__name__}: {detail}) "
+            f"(the file is truncated or not a torch checkpoint: copied incompletely, or "
+            f"written by another program). Load another checkpoint: "
             f"{other_checkpoints_hint(os.path.dirname(iter_dir), os.path.basename(iter_dir))}")
 
 
