@@ -198,6 +198,16 @@ class SourceCheckpoint:
         """Saved group hyper-parameters by (wd_mult, lr_mult)."""
         return self._optimizer_common()[2]
 
+    def check_complete(self) -> None:
+        """SystemExit naming every source rank file that is missing (checked before a
+        conversion announces its output; the files themselves are opened when needed)."""
+        paths = [model_file(os.path.join(self.iter_dir, rank_dir_name(t, p, self._pp)))
+                 for p in range(self._pp) for t in range(self._tp)]
+        missing = [os.path.relpath(x, self.iter_dir) for x in paths if not os.path.isfile(x)]
+        if missing:
+            raise SystemExit(incomplete_checkpoint_message(
+                self.iter_dir, missing, f"the directories say tp {self._tp} x pp {self._pp}"))
+
     # --- files, opened when first needed ---------------------------------------------------
     def rank_file(self, t: int, p: int) -> dict:
         """The payload of source rank (t, p) (and its distrib_optim.pt, when there is one)."""

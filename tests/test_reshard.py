@@ -147,7 +147,7 @@ def test_same_layout_loads_without_resharding(tmp_path_factory):
 
 
 def test_a_checkpoint_missing_rank_directories_is_named_incomplete(tmp_path_factory,
-                                                                    tmp_path):
+                                                                    tmp_path, capsys):
     """A tp-2 checkpoint copied without mp_rank_01 read as a tp-1 one: the load resharded
     it and stopped on the first shape, telling the user the model flags differ; the tools
     did the same. Its stored arguments say tp 2: the missing directory is named."""
@@ -175,6 +175,12 @@ def test_a_checkpoint_missing_rank_directories_is_named_incomplete(tmp_path_fact
     assert str(err.value.code).startswith(
         f"error: checkpoint {iter_dir} is incomplete: mp_rank_01/model_optim_rng.pt is missing "
         "(the directories say tp 2 x pp 1). It was copied in part")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as err:  # checked before the output is announced
+        checkpoint_convert.main(["reshard", "--load", str(part), "--save", str(tmp_path / "o"),
+                                 "--target-tensor-model-parallel-size", "1"])
+    assert "mp_rank_01/model_optim_rng.pt is missing" in str(err.value.code)
+    assert "writing" not in capsys.readouterr().out
     # a gap in the grid the directories span: pipeline stage 1 of 2 (none stored arguments)
     gap = tmp_path / "gap" / "iter_0000005"
     for name in ("mp_rank_00_000", "mp_rank_01_000", "mp_rank_01_001"):

@@ -456,6 +456,7 @@ def _reshard(load: str, save: str, tp: int, pp: int, layers_per_stage: Optional[
     if not src.args:
         raise SystemExit(f"error: {iter_dir} has no 'args': the model shape is unknown (was it "
                          "written by pretrain_gpt.py?)")
+    src.check_complete()  # before "writing ... to <save>" is printed
     check_target_layout(src.args, tp, pp, layers_per_stage is not None)
     vpp = _virtual_stages(src.num_layers, pp, layers_per_stage)
     notes = set()
