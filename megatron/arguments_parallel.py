@@ -133,10 +133,11 @@ def _check_layer_split(ns, origins: Optional[Mapping[str, str]] = None) -> None:
         f"{nearby_multiples(layers, stages)}{other}")
 
 
-def resolve_virtual_pipeline(ns) -> None:
+def resolve_virtual_pipeline(ns, gbs_defaulted: bool = False) -> None:
     """Virtual stages for the interleaved schedule (Megatron: v = layers per stage // L),
     after the micro-batch count is known. Megatron asks for pp > 2; our schedule also runs
-    pp == 2. --overlap-p2p-communication only matters with pp > 1."""
+    pp == 2. --overlap-p2p-communication only matters with pp > 1. `gbs_defaulted`: the
+    user gave no --global-batch-size (its default, micro batch x dp, is named as such)."""
     pp, per_vstage = ns.pipeline_model_parallel_size, ns.num_layers_per_virtual_pipeline_stage
     if ns.overlap_p2p_comm and pp == 1:
         warn("--overlap-p2p-communication has no effect without --pipeline-model-parallel-size > 1")
@@ -161,13 +162,16 @@ def resolve_virtual_pipeline(ns) -> None:
              "schedule")
         return
     if ns.num_micro_batches % pp:
+        mbs, dp, gbs = ns.micro_batch_size, ns.data_parallel_size, ns.global_batch_size
+        given = (f"(default: --micro-batch-size {mbs} x data-parallel size {dp} = {gbs})"
+                 if gbs_defaulted else str(gbs))
+        fix = "pass a --global-batch-size" if gbs_defaulted else "use a global batch size"
         raise ArgumentsError(
             f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage) needs the "
-            f"number of micro-batches ({ns.num_micro_batches} = --global-batch-size "
-            f"{ns.global_batch_size} / (--micro-batch-size {ns.micro_batch_size} x "
-            f"data-parallel size {ns.data_parallel_size})) to be a multiple of "
-            f"--pipeline-model-parallel-size {pp}; use a global batch size that is a "
-            f"multiple of {ns.micro_batch_size * ns.data_parallel_size * pp}")
+            f"number of micro-batches ({ns.num_micro_batches} = --global-batch-size {given} "
+            f"/ (--micro-batch-size {mbs} x data-parallel size {dp})) to be a multiple of "
+            f"--pipeline-model-parallel-size {pp}; {fix} that is a multiple of "
+            f"{mbs * dp * pp}")
     ns.virtual_pipeline_model_parallel_size = vpp
     note(f"interleaved pipeline schedule: {vpp} virtual stages per pipeline rank")
 

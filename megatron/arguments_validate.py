@@ -545,9 +545,10 @@ def validate_args(
     resolve_parallel(ns, world_size, origins)
     _check_profile_ranks(ns, world_size)
     _check_experts(ns)
+    gbs_defaulted = ns.global_batch_size is None
     _resolve_batch(ns)
     check_run_length(ns, origins)
-    resolve_virtual_pipeline(ns)
+    resolve_virtual_pipeline(ns, gbs_defaulted)
     resolve_iterations(ns)
     _resolve_model_shape(ns, origins)
     _resolve_precision(ns, explicit)

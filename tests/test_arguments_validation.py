@@ -202,6 +202,15 @@ def test_interleaved_schedule_needs_micro_batches_a_multiple_of_pp():
                    "number of micro-batches (6 = --global-batch-size 12 / (--micro-batch-size 2 "
                    "x data-parallel size 1)) to be a multiple of --pipeline-model-parallel-size "
                    "4; use a global batch size that is a multiple of 8")
+    # no --global-batch-size given: its default is named as one, not as the user's value
+    msg = error_of("--pipeline-model-parallel-size 4 --num-layers 8 "
+                   "--num-layers-per-virtual-pipeline-stage 1", world_size=8,
+                   base=without("--num-layers"))
+    assert msg == ("the interleaved schedule (--num-layers-per-virtual-pipeline-stage) needs the "
+                   "number of micro-batches (1 = --global-batch-size (default: --micro-batch-size "
+                   "2 x data-parallel size 2 = 4) / (--micro-batch-size 2 x data-parallel size "
+                   "2)) to be a multiple of --pipeline-model-parallel-size 4; pass a "
+                   "--global-batch-size that is a multiple of 16")
     cfg = run(flags.format(16), world_size=4, base=without("--num-layers"))
     assert (cfg.parallel.virtual_pp_size, cfg.data.num_micro_batches) == (2, 8)
 
