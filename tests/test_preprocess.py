@@ -224,6 +224,21 @@ def test_the_case_probe_sees_how_the_file_system_compares_names(tmp_path, monkey
     assert list(tmp_path.iterdir()) == []  # the probe file is removed
 
 
+def test_a_json_key_with_a_slash_is_named(tmp_path):
+    """`--json-keys meta/text` failed writing <prefix>_meta/text_document.bin, in an error
+    that blamed --output-prefix; the key is named before anything is read."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"meta/text": "1 2 3"}])
+    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "n"), "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "100", "--workers", "1",
+            "--json-keys", "meta/text"]
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "preprocess_data.py")] + argv,
+                       capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert "error: --json-keys 'meta/text': a key becomes part of the output file names" in \
+        r.stderr
+    assert not list(tmp_path.glob("n*"))
+
+
 def test_json_keys_differing_only_by_case_on_a_case_insensitive_file_system(
         tmp_path, monkeypatch, capsys):
     """On macOS `--json-keys text Text` wrote both datasets to one file: the Text key's

@@ -146,6 +146,7 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     if repeated:  # each key writes <output-prefix>_<key>_<level>.bin/.idx
         parser.error(f"--json-keys {' '.join(args.json_keys)}: {', '.join(repeated)} given "
                      "twice; each key writes its own dataset: name each key once")
+    _check_key_names(parser, args)
     _check_case_clashes(parser, args)
     if args.chunk_size is not None:
         print(f"warning: --chunk-size {args.chunk_size} ignored: Megatron-LM 23.04's flag; "
@@ -485,6 +486,19 @@ def _check_case_clashes(parser: argparse.ArgumentParser, args: argparse.Namespac
                      f"does): {args.output_prefix}_{a}_{level}.bin/.idx and its {b} twin "
                      "would be one file, the second key's dataset replacing the first's. "
                      "Preprocess those keys in separate runs with different --output-prefix")
+
+
+def _check_key_names(parser, args) -> None:
+    """A key with a path separator: the write of <prefix>_meta/text_document.bin failed at
+    the end, in an error that blamed --output-prefix. Keys are read from the top level of
+    each JSON object, as in Megatron (no nested paths)."""
+    seps = {os.sep, os.altsep or os.sep}
+    for key in args.json_keys:
+        if any(sep in key for sep in seps):
+            parser.error(f"--json-keys {key!r}: a key becomes part of the output file names "
+                         f"({args.output_prefix}_<key>_document.bin/.idx), and {os.sep!r} "
+                         "cannot be in a file name; keys are top-level fields of each JSON "
+                         "line (nested ones are not read): rename that field in the input")
 
 
 def output_prefix_problem(output_prefix: str, written: str) -> Optional[str]:
