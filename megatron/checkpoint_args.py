@@ -547,7 +547,7 @@ def _changed_indexes(members: list, path, then: int) -> List[str]:
     from `path`) whose index has another layout at `then`, the saving run's request, than
     at its own num_samples (a blend asks ceil(n * w * 1.005) of each member)."""
     from megatron.core.datasets.blended import parse_weighted_prefixes, per_dataset_num_samples
-    from megatron.core.datasets.gpt_dataset import index_layout
+    from megatron.core.datasets.gpt_index import index_layout
 
     counts = per_dataset_num_samples(then, parse_weighted_prefixes(path)[1]) \
         if len(members) > 1 else [then]
@@ -588,7 +588,7 @@ def train_order_warning(saved: Optional[Dict], run: Dict, train, asked: int,
     `train` is the run's train dataset (a GPTDataset or a blend of them). None when the
     order is kept, for mock data, an evaluation only (--skip-train), or when the seed,
     split, sequence length or data paths changed too (their own warnings say so)."""
-    from megatron.core.datasets.gpt_dataset import same_layout_range
+    from megatron.core.datasets.gpt_index import same_layout_range
 
     found = _split_members(saved, run, train, consumed, "train_data_path")
     then = _saved_train_request(saved) if found else None

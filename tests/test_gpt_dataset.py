@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron.core.datasets import gpt_dataset as gd
+from megatron.core.datasets import gpt_index as gi
 from megatron.core.datasets.blended import BlendedDataset
 from megatron.core.datasets.gpt_dataset import (
     GPTDataset,
@@ -117,7 +118,7 @@ def test_index_matches_reference(tmp_path, sizes, num_samples, seq_length, seed)
     prefix, docs = make_corpus(tmp_path / "c", sizes, seed)
     ds_sizes = np.array(sizes, dtype=np.int32)
     documents = np.arange(len(sizes), dtype=np.int32)
-    doc_idx, sample_idx, shuffle = gd.build_index_arrays(documents, ds_sizes, num_samples,
+    doc_idx, sample_idx, shuffle = gi.build_index_arrays(documents, ds_sizes, num_samples,
                                                          seq_length, seed)
     r_doc, r_sample, r_shuffle, epochs, separate = ref_indices(documents, ds_sizes, num_samples,
                                                                seq_length, seed)
@@ -144,10 +145,10 @@ def test_index_matches_reference(tmp_path, sizes, num_samples, seq_length, seed)
 def test_sample_idx_in_chunks_matches_reference(monkeypatch, sizes, num_samples, seq_length,
                                                 seed):
     """Samples located a few at a time (chunk boundaries everywhere) give Megatron's rows."""
-    monkeypatch.setattr(gd, "_SAMPLE_CHUNK", 3)
+    monkeypatch.setattr(gi, "_SAMPLE_CHUNK", 3)
     ds_sizes = np.array(sizes, dtype=np.int32)
     documents = np.arange(len(sizes), dtype=np.int32)
-    _, sample_idx, _ = gd.build_index_arrays(documents, ds_sizes, num_samples, seq_length, seed)
+    _, sample_idx, _ = gi.build_index_arrays(documents, ds_sizes, num_samples, seq_length, seed)
     r_doc, r_sample, *_ = ref_indices(documents, ds_sizes, num_samples, seq_length, seed)
     np.testing.assert_array_equal(sample_idx, r_sample)
     assert sample_idx.dtype == np.int32
@@ -162,12 +163,12 @@ def test_sample_idx_random_cases_match_reference(monkeypatch):
             continue
         seq_length, num_samples = int(rng.integers(1, 40)), int(rng.integers(1, 80))
         tokens = int(sizes.sum())
-        epochs = gd.num_epochs_needed(tokens, seq_length, num_samples)
+        epochs = gi.num_epochs_needed(tokens, seq_length, num_samples)
         doc_idx = np.tile(np.arange(len(sizes), dtype=np.int32), epochs)
         rng.shuffle(doc_idx)
-        monkeypatch.setattr(gd, "_SAMPLE_CHUNK", int(rng.integers(1, 12)))
+        monkeypatch.setattr(gi, "_SAMPLE_CHUNK", int(rng.integers(1, 12)))
         np.testing.assert_array_equal(
-            gd.build_sample_idx(sizes, doc_idx, seq_length, epochs, tokens),
+            gi.build_sample_idx(sizes, doc_idx, seq_length, epochs, tokens),
             ref_sample_idx(sizes, doc_idx, seq_length, epochs, tokens))
 
 
@@ -175,16 +176,16 @@ def test_sample_idx_positions_past_int32_are_int64(tmp_path, monkeypatch):
     """doc_idx positions past int32 (over 2**31 entries) are kept as int64, not wrapped
     negative (which read other documents, and the index just built was refused as another
     run's). The limit is lowered here so that a small index crosses it."""
-    assert gd.sample_idx_dtype(2**31) is np.int32  # positions 0 .. 2**31 - 1 fit
-    assert gd.sample_idx_dtype(2**31 + 1) is np.int64
+    assert gi.sample_idx_dtype(2**31) is np.int32  # positions 0 .. 2**31 - 1 fit
+    assert gi.sample_idx_dtype(2**31 + 1) is np.int64
     sizes, num_samples, seq_length, seed = CASES[1]
     prefix, docs = make_corpus(tmp_path / "c", sizes, seed)
     documents = np.arange(len(sizes), dtype=np.int32)
     ds_sizes = np.array(sizes, dtype=np.int32)
     r_doc, r_sample, r_shuffle, *_ = ref_indices(documents, ds_sizes, num_samples, seq_length,
                                                  seed)
-    monkeypatch.setattr(gd, "INT32_MAX_POSITION", 4)
-    monkeypatch.setattr(gd, "_SAMPLE_CHUNK", 3)
+    monkeypatch.setattr(gi, "INT32_MAX_POSITION", 4)
+    monkeypatch.setattr(gi, "_SAMPLE_CHUNK", 3)
     assert r_sample[:, 0].max() > 4
     ds = GPTDataset("train", prefix, documents, MMapIndexedDataset(prefix), num_samples,
                     seq_length, seed, "1,0,0", cache_dir=str(tmp_path / "cache"))
@@ -211,16 +212,16 @@ def test_sample_idx_memory_is_the_result_plus_a_chunk(monkeypatch):
     doc_idx = rng.permutation(len(sizes)).astype(np.int32)
     tokens = int(sizes.sum(dtype=np.int64))
     seq_length = 2  # many samples per document: the samples dominate
-    monkeypatch.setattr(gd, "_SAMPLE_CHUNK", 1 << 14)  # (4M in use: more than these docs)
+    monkeypatch.setattr(gi, "_SAMPLE_CHUNK", 1 << 14)  # (4M in use: more than these docs)
     tracemalloc.start()
     try:
-        sample_idx = gd.build_sample_idx(sizes, doc_idx, seq_length, 1, tokens)
+        sample_idx = gi.build_sample_idx(sizes, doc_idx, seq_length, 1, tokens)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     samples = len(sample_idx)
     assert samples == (tokens - 1) // seq_length + 1
-    chunk = gd._SAMPLE_CHUNK
+    chunk = gi._SAMPLE_CHUNK
     chunk_work = 6 * 8 * chunk + 3 * 8 * chunk * 40 // seq_length  # docs, then their samples
     assert peak <= 8 * samples + chunk_work + (1 << 20), peak
     assert peak < 16 * samples, (peak, samples)
@@ -235,10 +236,10 @@ def test_doc_and_shuffle_idx_shuffle_the_last_epoch_apart_in_place():
     rng, ref_rng = np.random.RandomState(5), np.random.RandomState(5)
     tracemalloc.start()
     try:
-        doc_idx = gd.build_doc_idx(documents, 3, rng, True)
+        doc_idx = gi.build_doc_idx(documents, 3, rng, True)
         doc_peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.reset_peak()
-        shuffle_idx = gd.build_shuffle_idx(250_000, 300_000, rng)
+        shuffle_idx = gi.build_shuffle_idx(250_000, 300_000, rng)
         shuffle_peak = tracemalloc.get_traced_memory()[1] - doc_idx.nbytes
     finally:
         tracemalloc.stop()
@@ -260,7 +261,7 @@ def test_index_built_and_checked_over_aligned_sizes(tmp_path, monkeypatch):
     indexed = MMapIndexedDataset(prefix)
     assert not indexed.sizes.flags.aligned
     seen = []
-    build, check = gd.build_index_arrays, gd.index_mismatch
+    build, check = gi.build_index_arrays, gi.index_mismatch
 
     def spy_build(documents, sizes, *args):
         seen.append(sizes.flags.aligned)
@@ -282,13 +283,13 @@ def test_index_built_and_checked_over_aligned_sizes(tmp_path, monkeypatch):
 
 
 def test_epochs_and_last_epoch_rule():
-    assert gd.num_epochs_needed(100, 10, 9) == 1 and gd.num_epochs_needed(100, 10, 10) == 2
+    assert gi.num_epochs_needed(100, 10, 9) == 1 and gi.num_epochs_needed(100, 10, 10) == 2
     for t, s, n in [(100, 10, 10), (100, 10, 17), (997, 7, 5000), (64, 64, 3)]:
-        e = gd.num_epochs_needed(t, s, n)
+        e = gi.num_epochs_needed(t, s, n)
         assert e == ref_num_epochs(t, s, n)
-    assert gd.separate_last_epoch(100, 10, 10, 2) is True
-    assert gd.separate_last_epoch(100, 10, 17, 2) is False
-    assert gd.separate_last_epoch(100, 10, 5, 1) is False
+    assert gi.separate_last_epoch(100, 10, 10, 2) is True
+    assert gi.separate_last_epoch(100, 10, 17, 2) is False
+    assert gi.separate_last_epoch(100, 10, 5, 1) is False
 
 
 @pytest.mark.parametrize("split,size,expected", [
@@ -496,7 +497,7 @@ def test_ten_billion_token_index_is_fast(tmp_path):
     documents = np.arange(len(sizes), dtype=np.int32)
     num_samples = (10_000_000_000 - 1) // 2048
     start = time.process_time()
-    doc_idx, sample_idx, shuffle_idx = gd.build_index_arrays(documents, sizes, num_samples,
+    doc_idx, sample_idx, shuffle_idx = gi.build_index_arrays(documents, sizes, num_samples,
                                                              2048, 1234)
     elapsed = time.process_time() - start
     assert len(shuffle_idx) == num_samples and elapsed < 10, elapsed
@@ -644,7 +645,7 @@ def test_separate_data_paths_match_the_megatron_reference(tmp_path):
 def test_same_layout_range_bounds_the_counts_with_one_index_layout():
     """`same_layout_range` (a resume's 'keeps the saved order' advice) against every count:
     all inside share the layout of the count asked about, the neighbours outside do not."""
-    from megatron.core.datasets.gpt_dataset import index_layout, same_layout_range
+    from megatron.core.datasets.gpt_index import index_layout, same_layout_range
 
     for tokens, seq in [(100, 7), (57, 16), (640, 16), (16, 16), (17, 16), (5, 16)]:
         for n in range(0, 8 * max(tokens // seq, 1) + 40):

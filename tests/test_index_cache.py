@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from megatron.core.datasets import gpt_dataset as gd
+from megatron.core.datasets import gpt_index as gi
 from megatron.core.datasets.blend_cache import blend_cache_paths, blend_key
 from megatron.core.datasets.blended import BLENDING_INDEX_VERSION
 from megatron.core.datasets.gpt_dataset import build_train_valid_test_datasets
@@ -23,10 +24,10 @@ def test_megatron_built_indexes_are_accepted(sizes, num_samples, seq_length, see
     sizes = np.array(sizes, dtype=np.int32)
     documents = np.arange(len(sizes), dtype=np.int32)
     arrays = ref_indices(documents, sizes, num_samples, seq_length, seed)[:3]
-    assert gd.index_mismatch(arrays, documents, sizes, num_samples, seq_length) is None
-    assert gd.index_mismatch(arrays, documents[:-1], sizes, num_samples, seq_length)
+    assert gi.index_mismatch(arrays, documents, sizes, num_samples, seq_length) is None
+    assert gi.index_mismatch(arrays, documents[:-1], sizes, num_samples, seq_length)
     # Same documents, twice the tokens: the data at the prefix was preprocessed again.
-    assert gd.index_mismatch(arrays, documents, sizes * 2, num_samples, seq_length)
+    assert gi.index_mismatch(arrays, documents, sizes * 2, num_samples, seq_length)
 
 
 @pytest.mark.parametrize("errno_, fix", [
@@ -88,19 +89,19 @@ def test_the_check_reads_in_blocks_and_counts_every_document(monkeypatch, chunk)
     """The check walks the arrays in blocks (memory bounded for any index): blocks of 3
     rows give the same verdicts as one block; a doc_idx with one document twice and
     another missing (same length, same range) is refused."""
-    monkeypatch.setattr(gd, "_CHUNK", chunk)
+    monkeypatch.setattr(gi, "_CHUNK", chunk)
     sizes, num_samples, seq_length, seed = CASES[-1]
     sizes = np.array(sizes, dtype=np.int32)
     documents = np.arange(len(sizes), dtype=np.int32)
     doc_idx, sample_idx, shuffle_idx = ref_indices(documents, sizes, num_samples, seq_length,
                                                    seed)[:3]
-    assert gd.index_mismatch((doc_idx, sample_idx, shuffle_idx), documents, sizes,
+    assert gi.index_mismatch((doc_idx, sample_idx, shuffle_idx), documents, sizes,
                              num_samples, seq_length) is None
     swapped = np.array(doc_idx)
     first = int(swapped[0])
     other = int(documents[documents != first][0])
     swapped[swapped == other] = first
-    missing = gd.index_mismatch((swapped, sample_idx, shuffle_idx), documents, sizes,
+    missing = gi.index_mismatch((swapped, sample_idx, shuffle_idx), documents, sizes,
                                 num_samples, seq_length)
     assert missing is not None and "does not hold each of the" in missing
 
@@ -203,17 +204,17 @@ def test_index_of_data_whose_sizes_moved_by_a_token_is_refused(tmp_path):
 def test_the_sample_start_check_in_blocks(monkeypatch, chunk):
     """The start-token check gives the same verdicts whatever the block size (empty
     documents, several epochs): Megatron's arrays pass, a row moved by a token fails."""
-    monkeypatch.setattr(gd, "_CHUNK", chunk)
+    monkeypatch.setattr(gi, "_CHUNK", chunk)
     for sizes, num_samples, seq_length, seed in CASES:
         sizes = np.array(sizes, dtype=np.int32)
         documents = np.arange(len(sizes), dtype=np.int32)
         doc_idx, sample_idx, _ = ref_indices(documents, sizes, num_samples, seq_length,
                                              seed)[:3]
-        assert gd._sample_starts_mismatch(sample_idx, doc_idx, sizes, seq_length) is None
+        assert gi._sample_starts_mismatch(sample_idx, doc_idx, sizes, seq_length) is None
         shifted = np.array(sample_idx)
         row = len(shifted) // 2
         shifted[row, 1] += 1 if shifted[row, 1] == 0 else -1
-        assert gd._sample_starts_mismatch(shifted, doc_idx, sizes, seq_length) == (
+        assert gi._sample_starts_mismatch(shifted, doc_idx, sizes, seq_length) == (
             f"sample_idx row {row} does not start at token {row * seq_length} of the "
             "documents' current sizes")
 
@@ -452,7 +453,7 @@ def test_a_shuffle_idx_that_is_not_megatrons_permutation_is_refused(monkeypatch,
     in any block size. With the last epoch shuffled apart (Megatron permutes the first E-1
     epochs' samples and the last epoch's separately), one whose halves trade a sample is a
     permutation of the whole but not Megatron's: refused too."""
-    monkeypatch.setattr(gd, "_CHUNK", chunk)
+    monkeypatch.setattr(gi, "_CHUNK", chunk)
     sizes, num_samples, seq_length, seed = CASES[case]
     sizes = np.array(sizes, dtype=np.int32)
     documents = np.arange(len(sizes), dtype=np.int32)
@@ -460,7 +461,7 @@ def test_a_shuffle_idx_that_is_not_megatrons_permutation_is_refused(monkeypatch,
                                                                 seq_length, seed)
 
     def mismatch(shuffle):
-        return gd.index_mismatch((doc_idx, sample_idx, shuffle), documents, sizes, num_samples,
+        return gi.index_mismatch((doc_idx, sample_idx, shuffle), documents, sizes, num_samples,
                                  seq_length)
 
     assert mismatch(shuffle_idx) is None
@@ -515,7 +516,7 @@ def test_a_run_building_the_same_cache_name_at_the_same_time_keeps_its_index(tmp
     (tmp_path / "data").mkdir()
     prefix, _ = make_corpus(tmp_path / "data" / "c", [20] * 30)
     cache = str(tmp_path / "cache")
-    build = gd.build_index_arrays
+    build = gi.build_index_arrays
     first = {}
 
     def while_building(*args, **kwargs):  # the split run starts and finishes meanwhile
@@ -541,7 +542,7 @@ def test_runs_building_one_index_at_the_same_time_share_it(tmp_path, monkeypatch
     later one keeps the files the earlier one wrote and uses them (they are equal)."""
     prefix, _ = make_corpus(tmp_path / "c", [20] * 30)
     cache = str(tmp_path / "cache")
-    build = gd.build_index_arrays
+    build = gi.build_index_arrays
     first = {}
 
     def while_building(*args, **kwargs):

@@ -274,7 +274,7 @@ def test_a_longer_run_whose_data_needs_more_epochs_warns_of_the_new_order(tmp_pa
     order. Said once, with the --train-iters that keep the order; nothing when they do."""
     import numpy as np
 
-    from megatron.core.datasets.gpt_dataset import build_index_arrays
+    from megatron.core.datasets.gpt_index import build_index_arrays
     from tests.test_gpt_dataset import make_corpus
 
     prefix, _ = make_corpus(tmp_path / "corpus", [40] * 20, vocab=100)  # train: 19 documents
@@ -311,7 +311,7 @@ def test_a_longer_run_warns_that_its_validation_set_is_shuffled_anew(tmp_path, c
     (--eval-iters x global batch) does not depend on --train-iters."""
     import numpy as np
 
-    from megatron.core.datasets.gpt_dataset import build_index_arrays
+    from megatron.core.datasets.gpt_index import build_index_arrays
     from megatron.data_loading import split_sample_counts
     from tests.test_gpt_dataset import make_corpus
 
