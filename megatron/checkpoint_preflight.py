@@ -337,8 +337,8 @@ def preflight_load(config: Config, evaluation: bool = False) -> Preflight:
 
 def _consumed_train(config: Config, iteration: int, first: dict) -> Tuple[int, Optional[str]]:
     """The training samples the resumed run takes as consumed, and the run's note when
-    the checkpoint counts none (trainer_checkpoint.assumed_counters)."""
-    from megatron.trainer_checkpoint import assumed_counters
+    the checkpoint counts none (resume_samples.assumed_counters)."""
+    from megatron.resume_samples import assumed_counters
 
     counts = first.get("train_state") or first.get("args") or {}
     train, _, note = assumed_counters(config, iteration,
@@ -354,8 +354,8 @@ def _assumed_counts_lines(config: Config, iteration: int, first: dict) -> List[s
 def _sample_budget(config: Config, iteration: int, first: dict,
                    states: LoadStates) -> Optional[str]:
     """The run's warning for a sample-based resume at another global batch size (see
-    trainer_checkpoint.sample_budget_message), from the checkpoint's counts."""
-    from megatron.trainer_checkpoint import sample_budget_message
+    resume_samples.sample_budget_message), from the checkpoint's counts."""
+    from megatron.resume_samples import sample_budget_message
 
     consumed, _ = _consumed_train(config, iteration, first)
     saved = first.get("opt_param_scheduler")

@@ -226,7 +226,7 @@ def test_assumed_consumed_samples_under_rampup_are_described_as_the_ramps():
     taken as consumed are the ramp's (2 + 2 + 2 + 4 + 4 = 14 after 5 steps of 2 2 16 to 8,
     per increment 16 / 3 samples), and the note says so, not "iterations x global batch 8"
     (40)."""
-    from megatron.trainer_checkpoint import assumed_counters
+    from megatron.resume_samples import assumed_counters
 
     cfg = parse_and_validate(BASE + ["--global-batch-size", "8", "--train-samples", "80",
                                      "--rampup-batch-size", "2", "2", "16"],
