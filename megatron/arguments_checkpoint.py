@@ -32,7 +32,7 @@ _ARCHITECTURE = ("add_position_embedding", "use_rotary_position_embeddings", "ro
                  "squared_relu", "openai_gelu", "bias_gelu_fusion", "layernorm_epsilon",
                  "apply_residual_connection_post_layernorm", "vocab_size",
                  "make_vocab_size_divisible_by", "vocab_extra_ids", "num_experts")
-# (every argument megatron/checkpoint_args.py checks is here: its mismatch message offers
+# (every argument megatron/checkpoint_model_args.py checks is here: its mismatch message offers
 # --use-checkpoint-args as the fix)
 
 

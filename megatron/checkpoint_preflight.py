@@ -20,7 +20,6 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from megatron.arguments_inputs import vocab_assumed
 from megatron.checkpoint_args import (
-    checkpoint_args_message,
     data_order_warning,
     norm_epsilon_warning,
     seq_length_warning,
@@ -34,6 +33,7 @@ from megatron.checkpoint_dirs import (
     other_checkpoints_hint,
     refuse_untracked_checkpoints,
 )
+from megatron.checkpoint_model_args import checkpoint_args_message
 from megatron.checkpoint_reshard import (
     DISTRIB_FILENAME,
     Layout,

@@ -20,7 +20,6 @@ import torch
 from megatron.agreed_exit import agree, exit_message, exit_on_every_rank, from_rank_0
 from megatron.async_save import AsyncSaver, agreed_wait
 from megatron.checkpoint_args import (
-    checkpoint_args_message,
     data_order_warning,
     norm_epsilon_warning,
     seq_length_warning,
@@ -34,6 +33,7 @@ from megatron.checkpoint_identity import (
     split_distrib_identity,
     with_distrib_identity,
 )
+from megatron.checkpoint_model_args import checkpoint_args_message
 from megatron.checkpoint_preflight import (
     LoadStates,
     no_weights_message,

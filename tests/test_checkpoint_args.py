@@ -1,11 +1,11 @@
-"""megatron/checkpoint_args.py: the checkpoint's model arguments against the run's (Megatron's
+"""megatron/checkpoint_model_args.py: the checkpoint's model arguments against the run's (Megatron's
 check_checkpoint_args, plus every argument that shapes or lays out a weight). Plain dicts, as
 the checkpoints store them; the end-to-end exits are in tests/test_exact_resume.py."""
 from __future__ import annotations
 
 import pytest
 
-from megatron.checkpoint_args import check_checkpoint_args, checkpoint_arg_mismatches
+from megatron.checkpoint_model_args import check_checkpoint_args, checkpoint_arg_mismatches
 
 SAVED = {
     "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,

@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from megatron.arguments_checkpoint import read_checkpoint_args
-from megatron.checkpoint_args import checkpoint_arg_mismatches
 from megatron.checkpoint_files import (
     ModelType,
     load_checkpoint_file,
@@ -31,6 +30,7 @@ from megatron.checkpoint_files import (
     megatron_payload,
     normalize_payload,
 )
+from megatron.checkpoint_model_args import checkpoint_arg_mismatches
 from megatron.checkpoint_reshard import Layout, read_layout
 from megatron.checkpoint_source import SourceCheckpoint
 from megatron.checkpointing import checkpoint_name, describe_layout

@@ -211,7 +211,7 @@ def check_model_flags(ns, explicit: Set[str], saved: dict, where: str) -> List[s
     """SystemExit when a model-shape flag given on the command line differs from the
     checkpoint's `saved` args; else the given flags that have no effect here."""
     from megatron.arguments_common import flag_for_dest
-    from megatron.checkpoint_args import checkpoint_arg_mismatches
+    from megatron.checkpoint_model_args import checkpoint_arg_mismatches
 
     run = {d: getattr(ns, d) for d in explicit if d in _SHAPE_DESTS}
     run["vocab_file"] = True  # compare the tokenizer items too (Megatron's --vocab-file case)
