@@ -423,7 +423,7 @@ def test_a_validation_split_without_documents_is_warned(tmp_path, capsys):
                         "--data-cache-path", str(tmp_path / "cache")], capsys, base=BASE)
     assert ("WARNING: --split '969, 30, 1' leaves the validation split no documents of "
             "--data-path, so this run never evaluates; give the second --split number a share "
-            f"of at least one document: with 3 documents in {prefix}, e.g. --split 2,1,0") in out
+            f"of at least one document: with 3 documents in {prefix}, e.g. --split 969,200,1") in out
     assert not _final_blocks(out)
     out, _ = _pretrain(["--train-iters", "2", "--log-interval", "1", "--data-path", prefix,
                         "--data-cache-path", str(tmp_path / "cache"), "--eval-iters", "0"],
