@@ -420,6 +420,17 @@ def test_prompt_file_equals_one_prompt_at_a_time(tmp_path):
         generate.main(["--load", str(ckpt), "--prompt-file", str(tmp_path / "empty.txt")])
 
 
+def _only_rank_0_prints(argv, text, capsys):
+    """Under torchrun (2 ranks) generate.py exits with status 1 on each rank and only rank 0
+    prints `text`."""
+    for rank, printed in ((0, True), (1, False)):
+        with pytest.raises(SystemExit) as exc:
+            generate.main(argv, environ={"RANK": str(rank), "WORLD_SIZE": "2",
+                                         "LOCAL_RANK": str(rank)})
+        assert exc.value.code == 1
+        assert (text in capsys.readouterr().err) is printed, rank
+
+
 def test_prompt_file_is_read_before_the_model(tmp_path, monkeypatch, capsys):
     """A missing --prompt-file stops generate.py before the model loads (minutes for a big
     one); under torchrun rank 0 prints it and the other ranks of the node exit in silence."""
@@ -427,12 +438,7 @@ def test_prompt_file_is_read_before_the_model(tmp_path, monkeypatch, capsys):
     argv = ["--load", str(tmp_path), "--prompt-file", str(tmp_path / "missing.txt")]
     with pytest.raises(SystemExit, match="--prompt-file .*missing.txt: .*No such file"):
         generate.main(argv, environ={})
-    for rank, printed in ((0, True), (1, False)):
-        with pytest.raises(SystemExit) as exc:
-            generate.main(argv, environ={"RANK": str(rank), "WORLD_SIZE": "2",
-                                         "LOCAL_RANK": str(rank)})
-        assert exc.value.code == 1
-        assert ("missing.txt" in capsys.readouterr().err) is printed, rank
+    _only_rank_0_prints(argv, "missing.txt", capsys)
 
 
 @pytest.mark.parametrize("ids, message", [("1,x", "item 2 'x' is not an integer"),
@@ -445,12 +451,7 @@ def test_prompt_ids_are_checked_before_the_model(tmp_path, monkeypatch, capsys, 
     argv = ["--load", str(tmp_path / "no_such_dir"), "--prompt-ids", ids]
     with pytest.raises(SystemExit, match=re.escape(message)):
         generate.main(argv, environ={})
-    for rank, printed in ((0, True), (1, False)):
-        with pytest.raises(SystemExit) as exc:
-            generate.main(argv, environ={"RANK": str(rank), "WORLD_SIZE": "2",
-                                         "LOCAL_RANK": str(rank)})
-        assert exc.value.code == 1
-        assert (message in capsys.readouterr().err) is printed, rank
+    _only_rank_0_prints(argv, message, capsys)
 
 
 def test_continuation_text_joins_the_prompt(tmp_path):
