@@ -604,7 +604,10 @@ def test_a_save_in_flight_is_kept_when_another_rank_fails(tmp_path, monkeypatch,
     out = log.read_text()
     assert "simulated data error at iteration 6" in out
     assert read_tracker(str(root)) == (5, False), out[-3000:]
-    assert sorted(os.listdir(root)) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
+    # the lock file may stay when torchrun's SIGTERM ends rank 0 first (its flock goes with
+    # the process: megatron/save_lock.py); nothing else may
+    left = sorted(set(os.listdir(root)) - {".save.lock"})
+    assert left == ["iter_0000005", "latest_checkpointed_iteration.txt"]
     assert "stopping: finishing the background save of the checkpoint at iteration 5" in out
     if "[rank 0] stopped at" in out:  # rank 0's line names the checkpoint it finished
         assert "holds no checkpoint yet" not in out and "iter_0000005: relaunch" in out
